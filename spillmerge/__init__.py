@@ -1,0 +1,55 @@
+"""spillmerge: gather distributed PyTorch predictions through storage instead of gather_object.
+
+Every rank appends its predictions to its own chunked Zarr segment (``SpillWriter``); one process
+merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` reads it back.
+"""
+
+from ._errors import (
+    CommitTimeout,
+    ConfigError,
+    CorruptSpillError,
+    DuplicateFrameError,
+    FormatVersionError,
+    IncompleteOutputError,
+    IncompleteSpillError,
+    LayoutMismatchError,
+    OutputExistsError,
+    RankFailedError,
+    SpillMergeError,
+    SpillStorageError,
+    SpillValueError,
+    UnsafePathError,
+    WriterClosedError,
+)
+from ._format import FORMAT_VERSION
+from ._merge import MergeReport, merge
+from ._reader import LeafArray, MergedStore, open
+from ._writer import SpillWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CommitTimeout",
+    "ConfigError",
+    "CorruptSpillError",
+    "DuplicateFrameError",
+    "FormatVersionError",
+    "IncompleteOutputError",
+    "IncompleteSpillError",
+    "LayoutMismatchError",
+    "LeafArray",
+    "MergeReport",
+    "MergedStore",
+    "OutputExistsError",
+    "RankFailedError",
+    "SpillMergeError",
+    "SpillStorageError",
+    "SpillValueError",
+    "SpillWriter",
+    "UnsafePathError",
+    "WriterClosedError",
+    "__version__",
+    "merge",
+    "open",
+]

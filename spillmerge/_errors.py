@@ -1,0 +1,143 @@
+"""Errors raised on purpose by spillmerge. All derive from :class:`SpillMergeError`."""
+
+from __future__ import annotations
+
+
+class SpillMergeError(Exception):
+    """Base class of every error spillmerge raises on purpose."""
+
+
+class SpillValueError(SpillMergeError, ValueError):
+    """A value, filename or frame index given to the writer cannot be stored.
+
+    ``filename``, ``frame_idx`` and ``leaf`` name the offending item when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        filename: str | None = None,
+        frame_idx: int | None = None,
+        leaf: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.filename = filename
+        self.frame_idx = frame_idx
+        self.leaf = leaf
+
+
+class DuplicateFrameError(SpillValueError):
+    """The same ``(filename, frame_idx)`` was written more than once with different content.
+
+    ``ranks`` lists the ranks that wrote it.
+    """
+
+    def __init__(self, message: str, *, filename: str, frame_idx: int, ranks: list[int]) -> None:
+        super().__init__(message, filename=filename, frame_idx=frame_idx)
+        self.ranks = ranks
+
+
+class LayoutMismatchError(SpillValueError):
+    """A leaf changed dtype or shape between frames of one filename (``ranks`` name the writers)."""
+
+    def __init__(
+        self, message: str, *, filename: str, leaf: str, ranks: list[int] | None = None
+    ) -> None:
+        super().__init__(message, filename=filename, leaf=leaf)
+        self.ranks = ranks or []
+
+
+class WriterClosedError(SpillMergeError, RuntimeError):
+    """``write`` was called on a writer that is closed (or was never entered)."""
+
+
+class SpillStorageError(SpillMergeError, OSError):
+    """Reading or writing storage failed; ``path`` names the object."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CorruptSpillError(SpillMergeError, ValueError):
+    """Something read from a spill root or an output is malformed or fails its checksum.
+
+    ``path`` names the object, ``rank`` the rank it belongs to when known.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.rank = rank
+
+
+class IncompleteSpillError(SpillMergeError):
+    """Some ranks have no commit record. ``missing`` lists them; ``incomplete`` maps rank → path
+    of an uncommitted segment when one exists."""
+
+    def __init__(
+        self, message: str, *, missing: list[int], incomplete: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.incomplete = incomplete or {}
+
+
+class CommitTimeout(IncompleteSpillError, TimeoutError):
+    """Waiting for commit records timed out after ``waited_s`` seconds."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[int],
+        waited_s: float,
+        incomplete: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message, missing=missing, incomplete=incomplete)
+        self.waited_s = waited_s
+
+
+class RankFailedError(SpillMergeError, RuntimeError):
+    """One or more ranks recorded a failure. ``failures`` maps rank → "Type: message"."""
+
+    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class FormatVersionError(CorruptSpillError):
+    """A tree was written with a format version this spillmerge does not read."""
+
+
+class OutputExistsError(SpillMergeError, FileExistsError):
+    """The merge output already exists; pass ``overwrite=True`` (``--overwrite``) to replace it."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class IncompleteOutputError(SpillMergeError):
+    """A merged output has no completion marker: the merge that wrote it did not finish."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsafePathError(SpillMergeError, ValueError):
+    """A path would escape the root it belongs to."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ConfigError(SpillMergeError, ValueError):
+    """A configuration file or option is invalid; ``key`` names it when known."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key

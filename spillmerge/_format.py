@@ -1,0 +1,328 @@
+"""On-disk format version 1: names, dtype table, node-name encoding and record schemas.
+
+docs/FORMAT.md is the normative description; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import CorruptSpillError, FormatVersionError
+
+FORMAT_VERSION = 1
+
+RANK_PREFIX = "rank-"
+SEGMENT_PREFIX = "seg-"
+COMMIT_NAME = "commit.json"
+FAILURE_NAME = "failed.json"
+COMPLETE_NAME = "spillmerge-complete.json"
+DATA_NAME = "data"
+INDEX_NAME = "index"
+CATALOG_NAME = "catalog"
+INDEX_COLUMNS = 6  # file_id, frame_idx, layout_id, offset, nbytes, crc32c
+COL_FILE, COL_FRAME, COL_LAYOUT, COL_OFFSET, COL_NBYTES, COL_CRC = range(INDEX_COLUMNS)
+
+DEFAULT_CHUNK_BYTES = 16 << 20
+#: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;
+#: guards against hostile indexes asking for absurd allocations.
+MAX_LEAF_BYTES = 1 << 40
+MAX_NDIM = 32
+
+_RANK_RE = re.compile(r"^rank-(\d{5,})$")
+_SEGMENT_RE = re.compile(r"^seg-\d{8}T\d{6}Z-[0-9a-f]{8}$")
+
+
+def rank_dirname(rank: int) -> str:
+    return f"{RANK_PREFIX}{rank:05d}"
+
+
+def parse_rank_dirname(name: str) -> int | None:
+    m = _RANK_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def new_segment_name() -> str:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{SEGMENT_PREFIX}{now}-{os.urandom(4).hex()}"
+
+
+def is_segment_name(name: str) -> bool:
+    return bool(_SEGMENT_RE.match(name))
+
+
+def utcnow() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def dumps(obj: Any) -> bytes:
+    """Deterministic JSON (sorted keys) as UTF-8 bytes."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def loads(data: bytes, *, path: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CorruptSpillError(f"{path}: not valid UTF-8 JSON ({exc})", path=path) from None
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """One entry of the dtype table (docs/FORMAT.md section 3)."""
+
+    name: str
+    """Format name (the torch name without ``torch.``)."""
+    itemsize: int
+    """Bytes per element."""
+    storage: str
+    """numpy dtype name used for output arrays (raw bits for torch-only types)."""
+    native: bool
+    """True when numpy has this type itself (``storage == name``)."""
+
+
+_NATIVE = [
+    "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+]  # fmt: skip
+_RAW = {
+    "bfloat16": "uint16",
+    "complex32": "uint32",
+    "float8_e4m3fn": "uint8",
+    "float8_e4m3fnuz": "uint8",
+    "float8_e5m2": "uint8",
+    "float8_e5m2fnuz": "uint8",
+    "float8_e8m0fnu": "uint8",
+}
+
+DTYPES: dict[str, DType] = {}
+for _n in _NATIVE:
+    DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
+for _n, _s in _RAW.items():
+    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+
+
+def get_dtype(name: object, *, path: str = "?") -> DType:
+    if not isinstance(name, str) or name not in DTYPES:
+        raise CorruptSpillError(f"{path}: unknown dtype {name!r}", path=path)
+    return DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# node names (docs/FORMAT.md "Node names")
+
+_SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_SLUG_RE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def hashed_name(name: str) -> str:
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    slug = _SLUG_RE.sub("_", name).lstrip("._")[:60]
+    return f"{slug}~{digest}"
+
+
+def node_names(names: list[str]) -> dict[str, str]:
+    """Map each string to a zarr node name that is safe on every filesystem and unique, also
+    case-insensitively, among ``names``. Deterministic for a given set of names."""
+    folded: dict[str, int] = {}
+    for n in names:
+        if _SAFE_RE.match(n):
+            folded[n.lower()] = folded.get(n.lower(), 0) + 1
+    out: dict[str, str] = {}
+    for n in names:
+        out[n] = n if _SAFE_RE.match(n) and folded[n.lower()] == 1 else hashed_name(n)
+    if len(set(out.values())) != len(out):  # 64-bit hash collision: refuse rather than overwrite
+        raise CorruptSpillError("two names map to the same node name; rename one of them")
+    return out
+
+
+def is_safe_node_name(name: str) -> bool:
+    return bool(_SAFE_RE.match(name)) or bool(re.match(r"^[A-Za-z0-9._-]{0,60}~[0-9a-f]{16}$", name))
+
+
+# --------------------------------------------------------------------------------------------
+# records
+
+
+def _check_header(obj: Any, kind: str, path: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise CorruptSpillError(f"{path}: expected a JSON object", path=path)
+    version = obj.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{path}: format_version {version!r} is not supported by this spillmerge "
+            f"(reads version {FORMAT_VERSION}); upgrade spillmerge or re-spill",
+            path=path,
+        )
+    if obj.get("kind") != kind:
+        raise CorruptSpillError(f"{path}: expected kind {kind!r}, got {obj.get('kind')!r}", path=path)
+    return obj
+
+
+def _int(obj: dict[str, Any], key: str, path: str, *, lo: int = 0, hi: int = 1 << 62) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise CorruptSpillError(f"{path}: field {key!r} must be an integer in [{lo}, {hi}], got {v!r}", path=path)
+    return v
+
+
+def _str_or_none(obj: dict[str, Any], key: str, path: str) -> str | None:
+    v = obj.get(key)
+    if v is not None and not isinstance(v, str):
+        raise CorruptSpillError(f"{path}: field {key!r} must be a string", path=path)
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """Contents of ``commit.json``: written last; its presence means the segment is complete."""
+
+    rank: int
+    """Rank that wrote the segment."""
+    world_size: int
+    """World size the writer ran with."""
+    segment: str
+    """Segment folder name."""
+    run_id: str | None
+    """Identifier shared by the ranks of one job run."""
+    n_rows: int
+    """Rows in ``index``."""
+    n_frames: int
+    """Distinct frames written."""
+    n_files: int
+    """Distinct filenames written."""
+    nbytes: int
+    """Payload bytes in ``data`` (without padding)."""
+    n_chunks: int
+    """Chunk objects of ``data``."""
+    chunk_bytes: int
+    """Chunk size of ``data``."""
+    index_crc32c: int
+    """CRC-32C of the raw index bytes."""
+    catalog_crc32c: int
+    """CRC-32C of the catalog JSON bytes."""
+    finished: str
+    """UTC time the commit was written."""
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str) -> CommitRecord:
+        obj = _check_header(loads(data, path=path), "spill-commit", path)
+        segment = obj.get("segment")
+        if not isinstance(segment, str) or not is_segment_name(segment):
+            raise CorruptSpillError(f"{path}: bad segment name {segment!r}", path=path)
+        finished = obj.get("finished")
+        return cls(
+            rank=_int(obj, "rank", path, hi=1 << 24),
+            world_size=_int(obj, "world_size", path, lo=1, hi=1 << 24),
+            segment=segment,
+            run_id=_str_or_none(obj, "run_id", path),
+            n_rows=_int(obj, "n_rows", path, hi=1 << 40),
+            n_frames=_int(obj, "n_frames", path, hi=1 << 40),
+            n_files=_int(obj, "n_files", path, hi=1 << 40),
+            nbytes=_int(obj, "nbytes", path, hi=1 << 56),
+            n_chunks=_int(obj, "n_chunks", path, hi=1 << 40),
+            chunk_bytes=_int(obj, "chunk_bytes", path, lo=1, hi=1 << 34),
+            index_crc32c=_int(obj, "index_crc32c", path, hi=0xFFFFFFFF),
+            catalog_crc32c=_int(obj, "catalog_crc32c", path, hi=0xFFFFFFFF),
+            finished=str(finished),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRecord:
+    """Contents of ``failed.json``: the writer session ended on an exception."""
+
+    rank: int
+    """Rank whose writer failed."""
+    world_size: int
+    """World size the writer ran with."""
+    segment: str
+    """Segment folder name."""
+    run_id: str | None
+    """Run identifier of the writer."""
+    error_type: str
+    """Exception class name."""
+    message: str
+    """Exception message."""
+    traceback: str
+    """Formatted traceback."""
+    time: str
+    """UTC time of the failure."""
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str) -> FailureRecord:
+        obj = _check_header(loads(data, path=path), "spill-failure", path)
+        return cls(
+            rank=_int(obj, "rank", path, hi=1 << 24),
+            world_size=_int(obj, "world_size", path, lo=1, hi=1 << 24),
+            segment=str(obj.get("segment")),
+            run_id=_str_or_none(obj, "run_id", path),
+            error_type=str(obj.get("error_type"))[:200],
+            message=str(obj.get("message"))[:2000],
+            traceback=str(obj.get("traceback"))[:20000],
+            time=str(obj.get("time")),
+        )
+
+    def summary(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One leaf layout of the catalog: where in the value, which dtype, which frame shape."""
+
+    leaf: tuple[str, ...]
+    """Dict keys from the value's root to the leaf (empty for a plain tensor)."""
+    dtype: str
+    """Dtype name from the dtype table."""
+    shape: tuple[int, ...]
+    """Shape of the leaf in one frame."""
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"leaf": list(self.leaf), "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_obj(cls, obj: Any, *, path: str) -> Layout:
+        if not isinstance(obj, dict):
+            raise CorruptSpillError(f"{path}: layout must be an object", path=path)
+        leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
+        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf) or len(leaf) > 64:
+            raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
+        get_dtype(dtype, path=path)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
+        ):
+            raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
+        lay = cls(tuple(leaf), str(dtype), tuple(shape))
+        if lay.nbytes > MAX_LEAF_BYTES:
+            raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
+        return lay
+
+    def leaf_name(self) -> str:
+        return "/".join(self.leaf) if self.leaf else "<tensor>"

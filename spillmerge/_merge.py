@@ -1,0 +1,409 @@
+"""merge(): barrier → validate → plan → bulk-create output → copy stripes → consolidate → marker."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from . import _format as F
+from ._errors import CorruptSpillError, OutputExistsError, SpillStorageError, SpillValueError
+from ._plan import FilePlan, Plan, build
+from ._spillroot import load_all, wait_for_commits
+from ._storage import Storage
+from ._writer import _array_meta
+
+DEFAULT_MEMORY_BUDGET = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class MergeReport:
+    """What a merge did."""
+
+    out: str
+    """Output path or URL."""
+    n_files: int
+    """Filenames (arrays or groups under ``files/``) written."""
+    n_frames: int
+    """Frames written."""
+    nbytes: int
+    """Payload bytes written (without checksums)."""
+    ranks: list[int]
+    """Ranks whose committed segments were merged."""
+    segments: int
+    """Committed segments merged."""
+    seconds: float
+    """Wall time of the whole call."""
+    wait_seconds: float
+    """Time spent waiting for commit records (the barrier)."""
+    merge_seconds: float
+    """Time spent validating, planning and writing."""
+    duplicates: int
+    """Duplicate (filename, frame) copies dropped (identical content, or by the duplicate policy)."""
+    missing_ranks: list[int] = field(default_factory=list)
+    """Ranks without a commit record (only with ``allow_partial=True``)."""
+    abandoned_segments: list[str] = field(default_factory=list)
+    """Uncommitted segments superseded by a later commit of the same rank (not merged)."""
+
+    @property
+    def filenames(self) -> int:  # the contract's name for the count
+        return self.n_files
+
+    @property
+    def frames(self) -> int:
+        return self.n_frames
+
+    def __str__(self) -> str:
+        gib = self.nbytes / (1 << 30)
+        s = (
+            f"merged {self.n_files} files, {self.n_frames} frames, {gib:.3f} GiB from "
+            f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out} in {self.seconds:.2f} s "
+            f"(wait {self.wait_seconds:.2f} s, merge {self.merge_seconds:.2f} s)"
+        )
+        if self.duplicates:
+            s += f"; {self.duplicates} duplicate frame copies dropped"
+        if self.missing_ranks:
+            s += f"; PARTIAL: ranks {self.missing_ranks} missing"
+        return s
+
+
+def _contains(a: Storage, b: Storage) -> bool:
+    """True when one storage path lies inside (or equals) the other on the same filesystem."""
+    if type(a.fs) is not type(b.fs):
+        return False
+    pa, pb = a.root.rstrip("/") + "/", b.root.rstrip("/") + "/"
+    return pa.startswith(pb) or pb.startswith(pa)
+
+
+def _prepare_output(dst: Storage, overwrite: bool) -> None:
+    if not dst.exists(""):
+        return
+    names = dst.listdir("")
+    if not names:
+        return
+    marker = dst.get_or_none(F.COMPLETE_NAME, max_bytes=1 << 20)
+    raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
+    ours = False
+    if raw is not None:
+        try:
+            obj = F.loads(raw, path=dst.describe("zarr.json"))
+            ours = obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged"
+        except (CorruptSpillError, AttributeError):
+            ours = False
+    if not ours:
+        raise OutputExistsError(
+            f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
+            "(spillmerge never deletes a folder it did not write)",
+            path=dst.describe(),
+        )
+    if marker is not None and not overwrite:
+        raise OutputExistsError(
+            f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to replace it",
+            path=dst.describe(),
+        )
+    # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
+    dst.rm_tree("")
+
+
+def merge(
+    root: str,
+    out: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+    world_size: int | None = None,
+    run_id: str | None = None,
+    timeout: float = 0.0,
+    allow_partial: bool = False,
+    on_duplicate: str = "error",
+    overwrite: bool = False,
+    chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    threads: int = 4,
+    fsync: bool = True,
+    progress: bool | None = None,
+) -> MergeReport:
+    """Merge every committed segment under ``root`` into one Zarr v3 store at ``out``.
+
+    Waits up to ``timeout`` seconds for missing commit records (0: check once), failing at once
+    when a rank recorded a failure. ``allow_partial`` merges what is committed and reports the
+    missing ranks. Memory stays under about ``memory_budget`` bytes whatever the payload (plus one
+    frame when a single frame is larger). Returns a :class:`MergeReport`.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    if not isinstance(threads, int) or threads < 1:
+        raise SpillValueError(f"threads must be a positive int, got {threads!r}")
+    src = Storage(root, storage_options)
+    dst = Storage(out, out_storage_options if out_storage_options is not None else storage_options)
+    if not src.exists(""):
+        raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
+    if _contains(src, dst):
+        raise SpillValueError(f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out")
+    state = wait_for_commits(
+        src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial
+    )
+    t_wait = time.perf_counter() - t0
+    segments = sorted(state.committed, key=lambda s: (s.name, s.rank))
+    loaded = load_all(src, segments)
+    plan = build(loaded, on_duplicate)
+    _prepare_output(dst, overwrite)
+    try:
+        _write_output(src, dst, plan, state.world_size, chunk_bytes, memory_budget, threads, fsync, progress)
+    except BaseException:
+        # The output is unusable without its completion marker anyway; removing it keeps the
+        # next merge (or a reader) from seeing half a store.
+        try:
+            dst.rm_tree("")
+        except Exception:  # noqa: BLE001
+            pass
+        raise
+    finally:
+        src.close()
+    t_end = time.perf_counter()
+    return MergeReport(
+        out=dst.describe(),
+        n_files=len(plan.files),
+        n_frames=plan.n_frames,
+        nbytes=plan.total_bytes,
+        ranks=sorted({s.rank for s in segments}),
+        segments=len(segments),
+        seconds=t_end - t0,
+        wait_seconds=t_wait,
+        merge_seconds=t_end - t0 - t_wait,
+        duplicates=plan.duplicates,
+        missing_ranks=list(state.missing) + sorted(state.failed),
+        abandoned_segments=[src.describe(s.rel) for s in state.abandoned],
+    )
+
+
+def _frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
+    return int(max(1, min(len(fp.frames), chunk_bytes // max(fp.frame_nbytes, 1))))
+
+
+def _write_output(
+    src: Storage,
+    dst: Storage,
+    plan: Plan,
+    world_size: int,
+    chunk_bytes: int,
+    budget: int,
+    threads: int,
+    fsync: bool,
+    progress: bool | None,
+) -> None:
+    import zarr
+    from zarr.core.group import GroupMetadata
+    from zarr.core.metadata import ArrayV3Metadata
+
+    header = {
+        "format_version": F.FORMAT_VERSION,
+        "kind": "merged",
+        "n_files": len(plan.files),
+        "n_frames": plan.n_frames,
+        "nbytes": plan.total_bytes,
+        "ranks": sorted({s.seg.rank for s in plan.segments}),
+        "world_size": world_size,
+        "segments": len(plan.segments),
+        "created": F.utcnow(),
+    }
+    nodes: dict[str, Any] = {
+        "": GroupMetadata(attributes={"spillmerge": header}),
+        "files": GroupMetadata(),
+        "index": GroupMetadata(),
+    }
+    for fp in plan.files:
+        k = _frames_per_chunk(fp, chunk_bytes)
+        if fp.is_dict:
+            nodes[f"files/{fp.key}"] = GroupMetadata(attributes={"spillmerge": {"filename": fp.filename, "file_index": fp.index}})
+        for leaf in fp.leaves:
+            lay = leaf.layout
+            dt = F.DTYPES[lay.dtype]
+            attrs = {"spillmerge": {"filename": fp.filename, "file_index": fp.index, "leaf": list(lay.leaf), "dtype": lay.dtype}}
+            meta = _array_meta(
+                (len(fp.frames), *lay.shape), (k, *(max(d, 1) for d in lay.shape)), dt.storage, crc=True, attributes=attrs
+            )
+            nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
+    n = len(plan.files)
+    total_frames = plan.n_frames
+    str_meta = {
+        "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
+    }  # fmt: skip
+    nodes["index/filenames"] = ArrayV3Metadata.from_dict(str_meta)
+    nodes["index/keys"] = ArrayV3Metadata.from_dict(str_meta)
+    nodes["index/frame_offsets"] = ArrayV3Metadata.from_dict(_array_meta((n + 1,), (n + 1,), "int64", crc=True))
+    nodes["index/frame_idx"] = ArrayV3Metadata.from_dict(
+        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
+    )
+    store = dst.zarr_store()
+    with zarr.config.set({"async.concurrency": 32}):
+        created = dict(zarr.create_hierarchy(store=store, nodes=nodes, overwrite=True))
+
+    _copy(src, dst, plan, chunk_bytes, budget, threads, fsync, progress)
+
+    created["index/filenames"][:] = np.array([f.filename for f in plan.files], dtype=object)
+    created["index/keys"][:] = np.array([f.key for f in plan.files], dtype=object)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
+    created["index/frame_offsets"][:] = offsets
+    if total_frames:
+        created["index/frame_idx"][:] = np.concatenate([f.frames for f in plan.files])
+    with warnings.catch_warnings():
+        # zarr warns that consolidated metadata is not in the v3 spec yet; zarr-python reads it, and
+        # without it opening 1,000 arrays on S3 takes seconds (docs/FORMAT.md).
+        warnings.simplefilter("ignore", UserWarning)
+        zarr.consolidate_metadata(store)
+    marker = {
+        "format_version": F.FORMAT_VERSION,
+        "kind": "merge-complete",
+        "n_files": n,
+        "n_frames": total_frames,
+        "nbytes": plan.total_bytes,
+        "finished": F.utcnow(),
+    }
+    dst.put_atomic(F.COMPLETE_NAME, F.dumps(marker))
+
+
+@dataclass(slots=True)
+class _Stripe:
+    """The frames ``[start, stop)`` of one file: one chunk of each of its arrays."""
+
+    file: FilePlan
+    """The file."""
+    chunk: int
+    """Chunk number along the frame axis."""
+    start: int
+    """First output row."""
+    stop: int
+    """One past the last output row."""
+    k: int
+    """Frames per chunk of this file's arrays."""
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * self.file.frame_nbytes
+
+
+def _stripes(plan: Plan, chunk_bytes: int) -> list[_Stripe]:
+    out = []
+    for fp in plan.files:
+        k = _frames_per_chunk(fp, chunk_bytes)
+        for j, a in enumerate(range(0, len(fp.frames), k)):
+            out.append(_Stripe(fp, j, a, min(a + k, len(fp.frames)), k))
+    return out
+
+
+def _copy(
+    src: Storage,
+    dst: Storage,
+    plan: Plan,
+    chunk_bytes: int,
+    budget: int,
+    threads: int,
+    fsync: bool,
+    progress: bool | None,
+) -> None:
+    stripes = _stripes(plan, chunk_bytes)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr)
+    cond = threading.Condition()
+    in_flight = 0
+    errors: list[BaseException] = []
+
+    def done(fut: Future[None], size: int) -> None:
+        nonlocal in_flight
+        with cond:
+            in_flight -= size
+            exc = fut.exception()
+            if exc is not None:
+                errors.append(exc)
+            cond.notify_all()
+        if bar is not None and exc is None:
+            bar.update(size)
+
+    try:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
+            for stripe in stripes:
+                size = stripe.nbytes
+                with cond:
+                    # Bounded memory: wait until this stripe fits in the budget (one stripe always may run).
+                    while in_flight and in_flight + size > budget and not errors:
+                        cond.wait()
+                    if errors:
+                        break
+                    in_flight += size
+                fut = pool.submit(_copy_stripe, src, dst, plan, stripe, fsync)
+                fut.add_done_callback(lambda f, s=size: done(f, s))
+    finally:
+        if bar is not None:
+            bar.close()
+    if errors:
+        raise errors[0]
+
+
+def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, fsync: bool) -> None:
+    for leaf in stripe.file.leaves:
+        rows = leaf.rows[stripe.start : stripe.stop]
+        item = leaf.layout.nbytes
+        if item == 0:  # zero-size frames: the array has no elements, so no chunk to write
+            continue
+        buf = np.empty(len(rows) * item, dtype=np.uint8)
+        if True:
+            pieces = _pieces(plan, rows)
+            src.read_into(pieces, memoryview(buf))
+            for j, r in enumerate(rows.tolist()):
+                got = google_crc32c.value(buf[j * item : (j + 1) * item])
+                if got != int(plan.crc[r]):
+                    seg = plan.segments[int(plan.seg[r])]
+                    where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
+                    raise CorruptSpillError(
+                        f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
+                        f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
+                        f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
+                        "the spill is corrupt; run `spillmerge verify` on the root",
+                        path=where,
+                        rank=seg.seg.rank,
+                    )
+        ndim = len(leaf.layout.shape)
+        key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * ndim
+        full = stripe.k * item
+        if len(buf) < full:  # the last chunk of an array is padded to the chunk shape
+            buf = np.concatenate([buf, np.zeros(full - len(buf), dtype=np.uint8)])
+        crc = np.uint32(google_crc32c.value(buf)).astype("<u4").tobytes()
+        dst.makedirs(key.rsplit("/", 1)[0])
+        dst.put(key, [memoryview(buf), crc], fsync=fsync)
+
+
+def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:
+    """Byte ranges of ``rows`` in their data chunk objects, adjacent ranges coalesced."""
+    out: list[tuple[str, int, int]] = []
+    for r in rows.tolist():
+        seg = plan.segments[int(plan.seg[r])]
+        cb = seg.seg.commit.chunk_bytes  # type: ignore[union-attr]
+        off, end = int(plan.offset[r]), int(plan.offset[r] + plan.nbytes[r])
+        while off < end:
+            c = off // cb
+            stop = min(end, (c + 1) * cb)
+            rel = f"{seg.seg.rel}/{F.DATA_NAME}/c/{c}"
+            lo, hi = off - c * cb, stop - c * cb
+            if out and out[-1][0] == rel and out[-1][2] == lo:
+                out[-1] = (rel, out[-1][1], hi)
+            else:
+                out.append((rel, lo, hi))
+            off = stop
+    return out

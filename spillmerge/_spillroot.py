@@ -1,0 +1,362 @@
+"""Read a spill root: ranks, segments, commit and failure records, indexes — all validated,
+because a spill root is untrusted input. Also the storage barrier (``wait_for_commits``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from . import _format as F
+from ._errors import (
+    CommitTimeout,
+    CorruptSpillError,
+    IncompleteSpillError,
+    RankFailedError,
+)
+from ._storage import Storage
+
+_MAX_JSON = 1 << 20
+_MAX_CATALOG = 1 << 31
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One writer session of one rank, as found on storage."""
+
+    rank: int
+    """Rank folder it lives in."""
+    name: str
+    """Segment folder name."""
+    rel: str
+    """Path relative to the spill root."""
+    header: dict[str, Any] | None
+    """Segment header from ``zarr.json`` (None when unreadable)."""
+    commit: F.CommitRecord | None
+    """Commit record, when the segment is complete."""
+    failure: F.FailureRecord | None
+    """Failure record, when the writer failed."""
+
+    @property
+    def run_id(self) -> str | None:
+        if self.commit is not None:
+            return self.commit.run_id
+        if self.failure is not None:
+            return self.failure.run_id
+        rid = (self.header or {}).get("run_id")
+        return rid if isinstance(rid, str) else None
+
+    @property
+    def world_size(self) -> int | None:
+        for src in (self.commit, self.failure):
+            if src is not None:
+                return src.world_size
+        ws = (self.header or {}).get("world_size")
+        return ws if isinstance(ws, int) and not isinstance(ws, bool) else None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedSegment:
+    """A committed segment with its validated catalog and index."""
+
+    seg: Segment
+    """Where it lives."""
+    filenames: list[str]
+    """Catalog filenames (position = file_id)."""
+    layouts: list[F.Layout]
+    """Catalog layouts (position = layout_id)."""
+    index: np.ndarray
+    """int64 (n_rows, 6) index, validated against the commit record."""
+
+
+def list_ranks(storage: Storage) -> list[int]:
+    ranks = [F.parse_rank_dirname(n) for n in storage.listdir("")]
+    return sorted(r for r in ranks if r is not None)
+
+
+def read_segment(storage: Storage, rank: int, name: str) -> Segment:
+    rel = f"{F.rank_dirname(rank)}/{name}"
+    header = None
+    raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=_MAX_JSON)
+    if raw is not None:
+        try:
+            obj = F.loads(raw, path=storage.describe(f"{rel}/zarr.json"))
+            h = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
+            header = h if isinstance(h, dict) else None
+        except (CorruptSpillError, AttributeError):
+            header = None
+    commit = failure = None
+    raw = storage.get_or_none(f"{rel}/{F.COMMIT_NAME}", max_bytes=_MAX_JSON)
+    if raw is not None:
+        path = storage.describe(f"{rel}/{F.COMMIT_NAME}")
+        commit = F.CommitRecord.from_json(raw, path=path)
+        if commit.rank != rank or commit.segment != name:
+            raise CorruptSpillError(
+                f"{path}: commit record names rank {commit.rank} / {commit.segment}, "
+                f"but it lies in {F.rank_dirname(rank)}/{name}",
+                path=path,
+                rank=rank,
+            )
+    raw = storage.get_or_none(f"{rel}/{F.FAILURE_NAME}", max_bytes=_MAX_JSON)
+    if raw is not None:
+        failure = F.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{F.FAILURE_NAME}"))
+    return Segment(rank, name, rel, header, commit, failure)
+
+
+def list_segments(storage: Storage, rank: int) -> list[Segment]:
+    names = [n for n in storage.listdir(F.rank_dirname(rank)) if F.is_segment_name(n)]
+    return [read_segment(storage, rank, n) for n in sorted(names)]
+
+
+def scan(storage: Storage) -> dict[int, list[Segment]]:
+    """Every rank folder and its segments, in natural order."""
+    return {r: list_segments(storage, r) for r in list_ranks(storage)}
+
+
+@dataclass(frozen=True, slots=True)
+class SpillState:
+    """What a spill root holds for ranks ``0..world_size-1``."""
+
+    world_size: int
+    """World size the ranks ran with."""
+    committed: list[Segment]
+    """Segments to merge (committed, of the run when a run id was given)."""
+    failed: dict[int, F.FailureRecord]
+    """Ranks whose newest relevant segment failed."""
+    missing: list[int]
+    """Ranks with no usable commit."""
+    incomplete: dict[int, str]
+    """Rank → path of its newest segment that has neither commit nor failure record."""
+    abandoned: list[Segment]
+    """Uncommitted segments superseded by a later commit of the same rank (ignored)."""
+
+
+def assess(
+    storage: Storage, segments: dict[int, list[Segment]], world_size: int | None, run_id: str | None
+) -> SpillState:
+    if world_size is None:
+        sizes = {s.world_size for segs in segments.values() for s in segs if s.world_size is not None}
+        if not sizes:
+            raise IncompleteSpillError(
+                f"{storage.describe()}: no spill segments found (is this a spill root?)", missing=[]
+            )
+        if len(sizes) > 1:
+            raise CorruptSpillError(
+                f"{storage.describe()}: segments disagree on world_size ({sorted(sizes)}); "
+                "pass world_size explicitly or merge each job's root separately",
+                path=storage.describe(),
+            )
+        world_size = sizes.pop()
+    committed: list[Segment] = []
+    failed: dict[int, F.FailureRecord] = {}
+    missing: list[int] = []
+    incomplete: dict[int, str] = {}
+    abandoned: list[Segment] = []
+    extra = sorted(r for r in segments if r >= world_size)
+    if extra:
+        raise CorruptSpillError(
+            f"{storage.describe()}: rank folders {extra[:10]} are outside world_size {world_size}",
+            path=storage.describe(),
+            rank=extra[0],
+        )
+    for rank in range(world_size):
+        segs = segments.get(rank, [])
+        for s in segs:
+            if s.commit is not None and s.commit.world_size != world_size:
+                raise CorruptSpillError(
+                    f"{storage.describe(s.rel)} was written with world_size {s.commit.world_size}, "
+                    f"expected {world_size}",
+                    path=storage.describe(s.rel),
+                    rank=rank,
+                )
+        if run_id is not None:
+            mine = [s for s in segs if s.run_id == run_id]
+            done = [s for s in mine if s.commit is not None]
+            if done:
+                committed.extend(s for s in segs if s.commit is not None)
+            elif any(s.failure is not None for s in mine):
+                failed[rank] = next(s.failure for s in reversed(mine) if s.failure is not None)  # type: ignore[misc]
+            else:
+                missing.append(rank)
+                if mine:
+                    incomplete[rank] = storage.describe(mine[-1].rel)
+            continue
+        if not segs:
+            missing.append(rank)
+            continue
+        newest = segs[-1]
+        if newest.commit is None:
+            if newest.failure is not None:
+                failed[rank] = newest.failure
+            else:
+                missing.append(rank)
+                incomplete[rank] = storage.describe(newest.rel)
+        committed.extend(s for s in segs if s.commit is not None)
+        last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
+        abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
+    return SpillState(world_size, committed, failed, missing, incomplete, abandoned)
+
+
+def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | None = None) -> None:
+    if state.failed:
+        failures = {r: rec.summary() for r, rec in sorted(state.failed.items())}
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures.items())
+        raise RankFailedError(
+            f"{len(failures)} rank(s) failed while spilling to {storage.describe()}: {detail}",
+            failures=failures,
+        )
+    if state.missing:
+        parts = []
+        for r in state.missing:
+            where = state.incomplete.get(r)
+            parts.append(f"rank {r} ({'uncommitted segment ' + where if where else 'no segment'})")
+        msg = (
+            f"{storage.describe()}: {len(state.missing)} of {state.world_size} rank(s) have no commit "
+            f"record: {', '.join(parts[:20])}{' ...' if len(parts) > 20 else ''}"
+        )
+        if waited_s is not None:
+            raise CommitTimeout(
+                f"{msg} after waiting {waited_s:.1f} s; check those ranks' logs, or merge what is "
+                "committed with allow_partial=True (--allow-partial)",
+                missing=state.missing,
+                incomplete=state.incomplete,
+                waited_s=waited_s,
+            )
+        raise IncompleteSpillError(
+            f"{msg}; wait for them (timeout=...) or merge what is committed with allow_partial=True "
+            "(--allow-partial)",
+            missing=state.missing,
+            incomplete=state.incomplete,
+        )
+
+
+def wait_for_commits(
+    storage: Storage,
+    *,
+    world_size: int | None,
+    run_id: str | None,
+    timeout: float,
+    allow_partial: bool = False,
+    poll: float = 0.05,
+    max_poll: float = 2.0,
+) -> SpillState:
+    """The barrier: poll storage (with backoff, re-reading only unfinished ranks) until every rank
+    has committed; fail fast on a failure record; time out naming the missing ranks."""
+    start = time.monotonic()
+    segments = scan(storage)
+    delay = poll
+    while True:
+        state = assess(storage, segments, world_size, run_id)
+        if state.failed or not state.missing:
+            break
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            if allow_partial:
+                return state
+            raise_for_state(storage, state, waited_s=waited if timeout > 0 else None)
+        time.sleep(min(delay, max(0.0, timeout - waited)))
+        delay = min(delay * 1.5, max_poll)
+        for rank in state.missing:  # only the ranks still outstanding are listed again
+            segments[rank] = list_segments(storage, rank)
+    if state.failed and not allow_partial:
+        raise_for_state(storage, state)
+    return state
+
+
+def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
+    """Read and validate a committed segment's catalog and index against its commit record."""
+    commit = seg.commit
+    assert commit is not None
+    where = storage.describe(seg.rel)
+
+    def bad(msg: str, rel: str = "") -> CorruptSpillError:
+        path = storage.describe(f"{seg.rel}/{rel}") if rel else where
+        return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
+
+    cat_rel = f"{seg.rel}/{F.CATALOG_NAME}"
+    raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=_MAX_CATALOG, expect_shape=None)
+    if google_crc32c.value(raw_cat) != commit.catalog_crc32c:
+        raise bad("catalog checksum does not match the commit record", F.CATALOG_NAME)
+    cat = F.loads(raw_cat, path=storage.describe(cat_rel))
+    if not isinstance(cat, dict) or not isinstance(cat.get("filenames"), list) or not isinstance(cat.get("layouts"), list):
+        raise bad("catalog must hold 'filenames' and 'layouts' lists", F.CATALOG_NAME)
+    filenames = cat["filenames"]
+    if not all(isinstance(f, str) for f in filenames) or len(set(filenames)) != len(filenames):
+        raise bad("catalog filenames must be distinct strings", F.CATALOG_NAME)
+    layouts = [F.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
+
+    idx_rel = f"{seg.rel}/{F.INDEX_NAME}"
+    expect = commit.n_rows * F.INDEX_COLUMNS * 8
+    raw_idx = _read_small_array(
+        storage, idx_rel, seg.rank, max_bytes=expect + 4, expect_shape=[commit.n_rows, F.INDEX_COLUMNS]
+    )
+    if len(raw_idx) != expect:
+        raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", F.INDEX_NAME)
+    if google_crc32c.value(raw_idx) != commit.index_crc32c:
+        raise bad("index checksum does not match the commit record", F.INDEX_NAME)
+    index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, F.INDEX_COLUMNS).astype(np.int64)
+
+    if len(index):
+        fid, frame, lid = index[:, F.COL_FILE], index[:, F.COL_FRAME], index[:, F.COL_LAYOUT]
+        off, nb, crc = index[:, F.COL_OFFSET], index[:, F.COL_NBYTES], index[:, F.COL_CRC]
+        if fid.min() < 0 or fid.max() >= len(filenames):
+            raise bad("index refers to a filename the catalog does not have", F.INDEX_NAME)
+        if lid.min() < 0 or lid.max() >= len(layouts):
+            raise bad("index refers to a layout the catalog does not have", F.INDEX_NAME)
+        if frame.min() < 0:
+            raise bad("index has a negative frame index", F.INDEX_NAME)
+        if crc.min() < 0 or crc.max() > 0xFFFFFFFF:
+            raise bad("index has an impossible checksum", F.INDEX_NAME)
+        sizes = np.array([lay.nbytes for lay in layouts], dtype=np.int64)
+        if np.any(nb != sizes[lid]):
+            raise bad("index row sizes do not match their layouts", F.INDEX_NAME)
+        if off.min() < 0 or np.any(off > commit.nbytes - nb):
+            raise bad(f"index has offsets outside the {commit.nbytes} bytes of data", F.INDEX_NAME)
+        # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice.
+        order = np.lexsort((lid, frame, fid))
+        dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(lid[order]) == 0)
+        if np.any(dup):
+            i = order[int(np.argmax(dup))]
+            raise bad(
+                f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME
+            )
+    if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
+        raise bad("commit record's chunks cannot hold its bytes")
+    return LoadedSegment(seg, filenames, layouts, index)
+
+
+def _read_small_array(
+    storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
+) -> bytes:
+    """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
+    hostile ``zarr.json`` cannot make us allocate or read without bound."""
+    path = storage.describe(rel)
+    try:
+        meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=_MAX_JSON), path=f"{path}/zarr.json")
+    except FileNotFoundError:
+        raise CorruptSpillError(f"{path}: missing (the segment is committed but has no {rel.rsplit('/', 1)[-1]})", path=path, rank=rank) from None
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CorruptSpillError(f"{path}/zarr.json: bad shape {shape!r}", path=path, rank=rank)
+    if expect_shape is not None and shape != expect_shape:
+        raise CorruptSpillError(f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank)
+    if any(d == 0 for d in shape):
+        return b""
+    key = f"{rel}/c/" + "/".join("0" * len(shape))
+    try:
+        blob = storage.get(key, max_bytes=max_bytes + 4)
+    except FileNotFoundError:
+        raise CorruptSpillError(f"{storage.describe(key)}: missing chunk", path=storage.describe(key), rank=rank) from None
+    if len(blob) < 4:
+        raise CorruptSpillError(f"{storage.describe(key)}: truncated chunk", path=storage.describe(key), rank=rank)
+    raw, stored = blob[:-4], int.from_bytes(blob[-4:], "little")
+    if google_crc32c.value(raw) != stored:
+        raise CorruptSpillError(f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)", path=storage.describe(key), rank=rank)
+    return raw
+
+
+def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
+    return [load_segment(storage, seg) for seg in segments]

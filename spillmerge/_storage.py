@@ -1,0 +1,267 @@
+"""The few storage primitives spillmerge needs, on top of fsspec.
+
+Every path handed to a method is relative to the storage root and is checked to stay inside it,
+so a name read from an untrusted spill root can never reach outside.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from ._errors import SpillStorageError, UnsafePathError
+
+_INSTALL_HINTS = {
+    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
+    "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
+}  # fmt: skip
+_EXTRA = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
+
+
+def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        pkg = _INSTALL_HINTS.get(protocol)
+        hint = f": pip install 'spillmerge[{_EXTRA[pkg]}]'" if pkg else ""
+        raise SpillStorageError(
+            f"Install {pkg or 'the fsspec backend'} to use {protocol}:// paths{hint} ({exc})", path=url
+        ) from None
+    except ValueError as exc:
+        raise SpillStorageError(f"cannot open {url!r}: {exc}", path=url) from None
+
+
+class Storage:
+    """A root directory (local path or fsspec URL) and relative-path operations below it."""
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+        self.url = os.fspath(url)
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = _url_to_fs(self.url, self.storage_options)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fd_lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------------- paths
+    def path(self, rel: str = "") -> str:
+        """Absolute (backend) path of ``rel``, refusing anything that leaves the root."""
+        if rel in ("", "."):
+            return self.root
+        if rel.startswith("/") or "\\" in rel or "\x00" in rel:
+            raise UnsafePathError(f"path {rel!r} is not a relative path below {self.url}", path=rel)
+        norm = posixpath.normpath(rel)
+        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):
+            raise UnsafePathError(f"path {rel!r} escapes or is not normalised below {self.url}", path=rel)
+        return f"{self.root}/{norm}" if self.root not in ("", "/") else f"{self.root}{norm}"
+
+    def describe(self, rel: str = "") -> str:
+        """A user-facing name of ``rel`` (the URL the user gave, joined)."""
+        return self.url.rstrip("/") + ("/" + rel if rel else "")
+
+    # ---------------------------------------------------------------------------------- reads
+    def exists(self, rel: str) -> bool:
+        try:
+            return bool(self.fs.exists(self.path(rel)))
+        except OSError as exc:
+            raise SpillStorageError(f"cannot check {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+
+    def get(self, rel: str, *, max_bytes: int | None = None) -> bytes:
+        """Whole object ``rel``; ``FileNotFoundError`` when absent."""
+        p = self.path(rel)
+        try:
+            if max_bytes is not None:
+                size = self.fs.size(p)
+                if size is not None and size > max_bytes:
+                    raise SpillStorageError(
+                        f"{self.describe(rel)} is {size} bytes, more than the {max_bytes} allowed",
+                        path=self.describe(rel),
+                    )
+            data = self.fs.cat_file(p)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise SpillStorageError(f"cannot read {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+        return bytes(data)
+
+    def get_or_none(self, rel: str, *, max_bytes: int | None = None) -> bytes | None:
+        try:
+            return self.get(rel, max_bytes=max_bytes)
+        except FileNotFoundError:
+            return None
+
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names directly below ``rel`` (files and folders); empty when ``rel`` does not exist."""
+        p = self.path(rel)
+        try:
+            entries = self.fs.ls(p, detail=False)
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+        except OSError as exc:
+            raise SpillStorageError(f"cannot list {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+        names = []
+        for e in entries:
+            name = posixpath.basename(str(e).rstrip("/"))
+            if name and name not in (".", ".."):
+                names.append(name)
+        return sorted(set(names))
+
+    def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
+        """Read byte ranges ``(rel, start, stop)`` back to back into ``out``."""
+        if self.local:
+            pos = 0
+            for rel, start, stop in pieces:
+                n = stop - start
+                fd = self._fd(rel)
+                got = os.preadv(fd, [out[pos : pos + n]], start)
+                if got != n:
+                    raise SpillStorageError(
+                        f"{self.describe(rel)}: short read at byte {start} ({got} of {n} bytes): "
+                        "the object is truncated",
+                        path=self.describe(rel),
+                    )
+                pos += n
+            return
+        paths = [self.path(rel) for rel, _, _ in pieces]
+        try:
+            blobs = self.fs.cat_ranges(paths, [s for _, s, _ in pieces], [e for _, _, e in pieces], on_error="raise")
+        except OSError as exc:
+            raise SpillStorageError(f"cannot read from {self.describe()}: {exc}", path=self.describe()) from exc
+        pos = 0
+        for (rel, start, stop), blob in zip(pieces, blobs, strict=True):
+            n = stop - start
+            if isinstance(blob, BaseException):
+                raise SpillStorageError(f"cannot read {self.describe(rel)}: {blob}", path=self.describe(rel))
+            if len(blob) != n:
+                raise SpillStorageError(
+                    f"{self.describe(rel)}: short read at byte {start} ({len(blob)} of {n} bytes): "
+                    "the object is truncated",
+                    path=self.describe(rel),
+                )
+            out[pos : pos + n] = blob
+            pos += n
+
+    def _fd(self, rel: str) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(rel)
+            if fd is not None:
+                self._fds.move_to_end(rel)
+                return fd
+            try:
+                fd = os.open(self.path(rel), os.O_RDONLY)
+            except OSError as exc:
+                raise SpillStorageError(
+                    f"cannot open {self.describe(rel)}: {exc.strerror}", path=self.describe(rel)
+                ) from exc
+            self._fds[rel] = fd
+            while len(self._fds) > 128:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+            return fd
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    # --------------------------------------------------------------------------------- writes
+    def makedirs(self, rel: str) -> None:
+        if self.local:
+            try:
+                os.makedirs(self.path(rel), exist_ok=True)
+            except OSError as exc:
+                raise SpillStorageError(
+                    f"cannot create {self.describe(rel)}: {exc.strerror or exc}", path=self.describe(rel)
+                ) from exc
+
+    def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
+        """Write one whole object. A sequence of buffers is written back to back (no join copy
+        on local disks)."""
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        p = self.path(rel)
+        try:
+            if self.local:
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    for part in parts:
+                        view = memoryview(part).cast("B")
+                        while view:
+                            n = os.write(fd, view)
+                            view = view[n:]
+                    if fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:
+                blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
+                self.fs.pipe_file(p, bytes(blob))
+        except OSError as exc:
+            raise SpillStorageError(
+                f"cannot write {self.describe(rel)}: {exc.strerror or exc}", path=self.describe(rel)
+            ) from exc
+
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        """Write ``rel`` so that readers see either nothing or the whole object: a temporary name,
+        fsync and rename on local disks; a single PUT (objects are immutable) elsewhere."""
+        if not self.local:
+            self.put(rel, data)
+            return
+        p = self.path(rel)
+        tmp = f"{p}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, p)
+            dfd = os.open(os.path.dirname(p), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise SpillStorageError(
+                f"cannot write {self.describe(rel)}: {exc.strerror or exc}", path=self.describe(rel)
+            ) from exc
+
+    def rm_tree(self, rel: str = "") -> None:
+        p = self.path(rel)
+        try:
+            if self.fs.exists(p):
+                self.fs.rm(p, recursive=True)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise SpillStorageError(f"cannot remove {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+
+    # ----------------------------------------------------------------------------------- zarr
+    def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
+        """A zarr store rooted at ``rel``."""
+        from zarr.storage import FsspecStore, LocalStore
+
+        p = self.path(rel)
+        if self.local:
+            return LocalStore(p, read_only=read_only)
+        fs = self.fs
+        if not getattr(fs, "async_impl", False):
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs = AsyncFileSystemWrapper(fs)
+        return FsspecStore(fs, path=p, read_only=read_only)

@@ -1,0 +1,540 @@
+"""SpillWriter: each rank appends frames to its own segment under the spill root.
+
+Protocol (see docs/ARCHITECTURE.md):
+  (every rank)   __enter__ → write/update ... → __exit__ (commit record last) → merge(out)
+  (merging rank) merge waits on storage for every rank's commit record, then merges.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import google_crc32c
+import numpy as np
+import torch
+
+from . import _format as F
+from ._dist import resolve_rank, resolve_run_id
+from ._errors import (
+    DuplicateFrameError,
+    LayoutMismatchError,
+    SpillMergeError,
+    SpillStorageError,
+    SpillValueError,
+    WriterClosedError,
+)
+from ._storage import Storage
+from ._values import Leaf, check_filename, check_frame_idx, flatten
+
+DuplicatePolicy = Literal["error", "first", "last"]
+_POLICIES = ("error", "first", "last")
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """A staging buffer on its way to storage."""
+
+    number: int
+    """Chunk number in ``data``."""
+    host: torch.Tensor
+    """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
+    fill: int = 0
+    """Bytes used."""
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums."""
+    event: Any = None
+    """CUDA event recorded after the last device-to-host copy into this buffer."""
+
+
+class _Flusher(threading.Thread):
+    """Background thread: waits for a chunk's copies, checksums its rows, writes it whole."""
+
+    def __init__(self, writer: SpillWriter) -> None:
+        super().__init__(name=f"spillmerge-flush-r{writer.rank}", daemon=True)
+        self.w = writer
+        self.q: queue.Queue[_Chunk | None] = queue.Queue()
+        self.crc: dict[int, int] = {}
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+
+    def run(self) -> None:
+        while True:
+            chunk = self.q.get()
+            if chunk is None:
+                return
+            try:
+                if self.error is None:
+                    self._flush(chunk)
+            except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
+                self.error = exc
+            finally:
+                self.w._release(chunk.host)
+
+    def _flush(self, chunk: _Chunk) -> None:
+        if chunk.event is not None:
+            chunk.event.synchronize()
+        buf = chunk.host.numpy()
+        for row, start, stop in chunk.pieces:
+            self.crc[row] = google_crc32c.extend(self.crc.get(row, 0), buf[start:stop])
+        size = self.w._chunk_object_size(chunk)
+        if chunk.fill < size:
+            buf[chunk.fill : size] = 0
+        self.w.storage.put(self.w._rel(f"{F.DATA_NAME}/c/{chunk.number}"), buf[:size].data, fsync=self.w.fsync)
+        self.bytes_written += size
+
+
+class SpillWriter:
+    """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
+
+    ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
+    only below ``root/rank-RRRRR/``. Use it as a context manager; leaving the ``with`` block writes
+    the commit record (or a failure record when the block raised). Then every rank calls
+    :meth:`merge`.
+
+    Args:
+        root: spill root (local path or fsspec URL).
+        rank, world_size: default to torch.distributed when initialised, else env ``RANK`` /
+            ``WORLD_SIZE``, else 0 / 1.
+        storage_options: passed to fsspec for ``root``.
+        chunk_bytes: size of each data chunk object (default 16 MiB).
+        staging_bytes: host memory for staging chunks (default 4 chunks); ``write`` blocks while
+            all of it waits for storage.
+        on_duplicate: ``"error"`` (default), ``"first"`` (ignore later writes of a key) or
+            ``"last"`` (a later write replaces the earlier one).
+        run_id: id shared by all ranks of a job run; defaults to the launcher's id.
+        fsync: fsync each chunk on local disks (default True).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
+        staging_bytes: int | None = None,
+        on_duplicate: DuplicatePolicy = "error",
+        run_id: str | None = None,
+        fsync: bool = True,
+    ) -> None:
+        if on_duplicate not in _POLICIES:
+            raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
+        if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= (1 << 32):
+            raise SpillValueError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.storage = Storage(root, storage_options)
+        self.root = self.storage.url
+        self.chunk_bytes = chunk_bytes
+        staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
+        self.n_buffers = max(2, -(-staging // chunk_bytes))
+        self.on_duplicate: DuplicatePolicy = on_duplicate
+        self.fsync = fsync
+        self._run_id_arg = run_id
+        self.run_id: str | None = None
+        self.segment: str | None = None
+        self._state = "new"  # new -> open -> committed | failed
+        self._lock = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._pinned = False
+        self._cuda_stream: Any = None
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> SpillWriter:
+        self.open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def open(self) -> None:
+        """Start a new segment (called by ``__enter__``)."""
+        if self._state != "new":
+            raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
+        self.run_id = resolve_run_id(self._run_id_arg)
+        self.segment = F.new_segment_name()
+        self._prefix = f"{F.rank_dirname(self.rank)}/{self.segment}"
+        self._filenames: list[str] = []
+        self._file_ids: dict[str, int] = {}
+        self._layouts: list[F.Layout] = []
+        self._layout_ids: dict[F.Layout, int] = {}
+        self._file_schema: dict[int, tuple[int, ...]] = {}
+        self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
+        self._dead_rows: list[tuple[int, int]] = []
+        self._rows = np.zeros((1024, F.INDEX_COLUMNS), dtype=np.int64)
+        self._n_rows = 0
+        self._offset = 0
+        self._n_chunks = 0
+        self._current: _Chunk | None = None
+        self._started = time.time()
+        header = {
+            "format_version": F.FORMAT_VERSION,
+            "kind": "spill-segment",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "segment": self.segment,
+            "run_id": self.run_id,
+            "chunk_bytes": self.chunk_bytes,
+            "started": F.utcnow(),
+        }
+        group = {"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": header}}
+        self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
+        self.storage.put_atomic(self._rel("zarr.json"), F.dumps(group))
+        self._flusher = _Flusher(self)
+        self._flusher.start()
+        self._state = "open"
+
+    def _rel(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    @property
+    def segment_path(self) -> str:
+        """Where this writer's segment lives (URL or path)."""
+        return self.storage.describe(self._prefix) if self.segment else ""
+
+    # ---------------------------------------------------------------------------------- write
+    def write(self, filename: str, frame_idx: int, value: Any) -> None:
+        """Append one frame. Copies the value into a staging buffer and returns; blocks only while
+        every staging buffer waits for storage."""
+        self._check_open()
+        filename = check_filename(filename)
+        frame = check_frame_idx(frame_idx, filename)
+        leaves = flatten(value, filename, frame)
+        file_id = self._file_ids.get(filename)
+        if file_id is None:
+            file_id = len(self._filenames)
+        layout_ids = tuple(self._layout_id(leaf) for leaf in leaves)
+        schema = self._file_schema.get(file_id)
+        if schema is not None and schema != layout_ids:
+            self._raise_mismatch(filename, frame, schema, layout_ids)
+        key = (file_id, frame)
+        prev = self._keys.get(key)
+        if prev is not None:
+            if self.on_duplicate == "first":
+                return
+            if self.on_duplicate == "error":
+                raise DuplicateFrameError(
+                    f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
+                    "(pass on_duplicate='first' or 'last' to allow rewrites)",
+                    filename=filename,
+                    frame_idx=frame,
+                    ranks=[self.rank],
+                )
+            self._dead_rows.append(prev)
+        if file_id == len(self._filenames):
+            self._filenames.append(filename)
+            self._file_ids[filename] = file_id
+            self._file_schema[file_id] = layout_ids
+        first_row = self._n_rows
+        for leaf, lid in zip(leaves, layout_ids, strict=True):
+            self._append(file_id, frame, lid, leaf)
+        self._keys[key] = (first_row, len(leaves))
+
+    def update(self, mapping: Mapping[str, Any]) -> None:
+        """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
+        if not isinstance(mapping, Mapping):
+            raise SpillValueError(f"update() takes a mapping, got {type(mapping).__name__}")
+        for filename, item in mapping.items():
+            if isinstance(item, tuple) and len(item) == 2:
+                self.write(filename, item[0], item[1])
+            elif isinstance(item, Mapping):
+                for frame_idx, value in item.items():
+                    self.write(filename, frame_idx, value)
+            else:
+                raise SpillValueError(
+                    f"update(): the value for {filename!r:.200} must be a (frame_idx, value) tuple or a "
+                    f"{{frame_idx: value}} dict, got {type(item).__name__}",
+                    filename=filename if isinstance(filename, str) else None,
+                )
+
+    def _layout_id(self, leaf: Leaf) -> int:
+        lay = F.Layout(leaf.path, leaf.dtype, leaf.shape)
+        lid = self._layout_ids.get(lay)
+        if lid is None:
+            lid = len(self._layouts)
+            self._layouts.append(lay)
+            self._layout_ids[lay] = lid
+        return lid
+
+    def _raise_mismatch(self, filename: str, frame: int, old: tuple[int, ...], new: tuple[int, ...]) -> None:
+        before = {self._layouts[i].leaf: self._layouts[i] for i in old}
+        after = {self._layouts[i].leaf: self._layouts[i] for i in new}
+        for leaf in sorted(set(before) | set(after)):
+            a, b = before.get(leaf), after.get(leaf)
+            if a != b:
+                name = "/".join(leaf) or "<tensor>"
+                desc_a = f"{a.dtype}{list(a.shape)}" if a else "absent"
+                desc_b = f"{b.dtype}{list(b.shape)}" if b else "absent"
+                raise LayoutMismatchError(
+                    f"{filename!r:.200} frame {frame}: leaf {name!r} is {desc_b} but earlier frames "
+                    f"of this file had {desc_a} (dtype and shape must be the same for every frame)",
+                    filename=filename,
+                    leaf=name,
+                    ranks=[self.rank],
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _append(self, file_id: int, frame: int, layout_id: int, leaf: Leaf) -> None:
+        row = self._n_rows
+        if row == len(self._rows):
+            self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
+        self._rows[row, : F.COL_CRC] = (file_id, frame, layout_id, self._offset, leaf.nbytes)
+        self._n_rows += 1
+        done = 0
+        data = leaf.data
+        is_cuda = isinstance(data, torch.Tensor) and data.device.type == "cuda"
+        if is_cuda:
+            self._prepare_cuda(data)
+        while done < leaf.nbytes:
+            chunk = self._current_chunk()
+            n = min(leaf.nbytes - done, self.chunk_bytes - chunk.fill)
+            dst = chunk.host[chunk.fill : chunk.fill + n]
+            if is_cuda:
+                with torch.cuda.stream(self._cuda_stream):
+                    dst.copy_(data[done : done + n], non_blocking=True)
+                    if chunk.event is None:
+                        chunk.event = torch.cuda.Event()
+                    chunk.event.record(self._cuda_stream)
+            else:
+                dst.numpy()[:] = data[done : done + n]
+            chunk.pieces.append((row, chunk.fill, chunk.fill + n))
+            chunk.fill += n
+            done += n
+            self._offset += n
+            if chunk.fill == self.chunk_bytes:
+                self._hand_off()
+
+    def _prepare_cuda(self, data: torch.Tensor) -> None:
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device=data.device)
+            self._pinned = True
+        # Copies run on our own stream after the producer's work; the allocator must not
+        # reuse the tensor's memory before our copy has read it.
+        self._cuda_stream.wait_stream(torch.cuda.current_stream(data.device))
+        data.record_stream(self._cuda_stream)
+
+    def _current_chunk(self) -> _Chunk:
+        if self._current is None:
+            self._current = _Chunk(self._n_chunks, self._acquire())
+            self._n_chunks += 1
+        return self._current
+
+    def _hand_off(self) -> None:
+        chunk, self._current = self._current, None
+        if chunk is not None:
+            self._flusher.q.put(chunk)
+
+    # ------------------------------------------------------------------------- buffer pool
+    def _acquire(self) -> torch.Tensor:
+        with self._lock:
+            while True:
+                self._raise_flush_error()
+                if self._free:
+                    return self._free.pop()
+                if self._allocated < self.n_buffers:
+                    self._allocated += 1
+                    break
+                self._lock.wait(timeout=0.5)  # backpressure: wait for the flush thread
+        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._lock.notify()
+
+    def _raise_flush_error(self) -> None:
+        err = self._flusher.error
+        if err is not None:
+            if isinstance(err, SpillMergeError):
+                raise err
+            raise SpillStorageError(
+                f"spilling to {self.segment_path} failed in the background: {type(err).__name__}: {err}",
+                path=self.segment_path,
+            ) from err
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} is {self._state}; write inside `with SpillWriter(...)`"
+            )
+        self._raise_flush_error()
+
+    def _chunk_object_size(self, chunk: _Chunk) -> int:
+        # A spill smaller than one chunk is stored as one exactly-sized chunk; otherwise the last
+        # chunk is padded to the chunk size, as zarr's regular chunk grid requires.
+        if self._state in ("closing", "aborting") and chunk.number == 0 and self._n_chunks == 1:
+            return max(chunk.fill, 1)
+        return self.chunk_bytes
+
+    # --------------------------------------------------------------------------------- commit
+    def _drain(self) -> None:
+        self._hand_off()
+        self._flusher.q.put(None)
+        self._flusher.join()
+        self._raise_flush_error()
+
+    def _write_index(self) -> tuple[F.CommitRecord, np.ndarray]:
+        rows = self._rows[: self._n_rows].copy()
+        for row, crc in self._flusher.crc.items():
+            rows[row, F.COL_CRC] = crc
+        if self._dead_rows:
+            keep = np.ones(len(rows), dtype=bool)
+            for first, n in self._dead_rows:
+                keep[first : first + n] = False
+            rows = rows[keep]
+        rows = np.ascontiguousarray(rows)
+        single = self._n_chunks == 1 and self._offset <= self.chunk_bytes
+        chunk = max(self._offset, 1) if single else self.chunk_bytes
+        data_meta = _array_meta((self._offset,), (chunk,), "uint8", crc=False)
+        self.storage.put(self._rel(f"{F.DATA_NAME}/zarr.json"), F.dumps(data_meta))
+        index_bytes = rows.astype("<i8").tobytes()
+        _put_array(self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64", self.fsync)
+        catalog = F.dumps(
+            {"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._layouts]}
+        )
+        _put_array(self.storage, self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8", self.fsync)
+        record = F.CommitRecord(
+            rank=self.rank,
+            world_size=self.world_size,
+            segment=str(self.segment),
+            run_id=self.run_id,
+            n_rows=len(rows),
+            n_frames=len(self._keys),
+            n_files=len(self._filenames),
+            nbytes=self._offset,
+            n_chunks=self._n_chunks,
+            chunk_bytes=chunk,
+            index_crc32c=google_crc32c.value(index_bytes),
+            catalog_crc32c=google_crc32c.value(catalog),
+            finished=F.utcnow(),
+        )
+        return record, rows
+
+    def close(self) -> None:
+        """Flush everything and write the commit record. Idempotent."""
+        if self._state in ("committed",):
+            return
+        if self._state != "open":
+            raise WriterClosedError(f"SpillWriter for rank {self.rank} is {self._state}; cannot commit")
+        self._state = "closing"
+        try:
+            self._drain()
+            record, _ = self._write_index()
+            self.storage.put_atomic(self._rel(F.COMMIT_NAME), record.to_json())
+        except BaseException as exc:
+            self._state = "open"
+            self.abort(exc)
+            raise
+        self.commit_record = record
+        self._state = "committed"
+
+    def abort(self, exc: BaseException) -> None:
+        """Record a failure (best effort) after flushing what was staged, so the data written so far
+        stays readable; the commit record is never written."""
+        if self._state not in ("open", "closing"):
+            return
+        self._state = "aborting"
+        try:
+            if self._flusher.is_alive():
+                self._hand_off()
+                self._flusher.q.put(None)
+                self._flusher.join()
+            if self._flusher.error is None:
+                self._write_index()
+        except BaseException:  # noqa: BLE001 - the original exception matters more
+            pass
+        record = F.FailureRecord(
+            rank=self.rank,
+            world_size=self.world_size,
+            segment=str(self.segment),
+            run_id=self.run_id,
+            error_type=type(exc).__name__,
+            message=str(exc)[:2000],
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
+            time=F.utcnow(),
+        )
+        try:
+            self.storage.put_atomic(self._rel(F.FAILURE_NAME), record.to_json())
+        except BaseException:  # noqa: BLE001 - storage may be what failed
+            pass
+        self._state = "failed"
+
+    # ---------------------------------------------------------------------------------- merge
+    def merge(self, out: str, dst: int = 0, **kwargs: Any) -> Any:
+        """Collective: every rank calls it after the ``with`` block. Rank ``dst`` waits on storage
+        for every rank's commit record of this run, merges, and returns a
+        :class:`~spillmerge.MergeReport`; other ranks return ``None`` at once. No torch.distributed
+        collective is used. ``kwargs`` go to :func:`spillmerge.merge` (``timeout`` defaults to
+        1800 s here)."""
+        if self._state == "open":
+            raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
+        if not 0 <= dst < self.world_size:
+            raise SpillValueError(f"dst={dst} is not a rank of world_size {self.world_size}")
+        if self.rank != dst:
+            return None
+        from ._merge import merge
+
+        kwargs.setdefault("timeout", 1800.0)
+        kwargs.setdefault("storage_options", self.storage.storage_options)
+        return merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated."""
+        return {
+            "frames": len(getattr(self, "_keys", {})),
+            "rows": getattr(self, "_n_rows", 0),
+            "bytes": getattr(self, "_offset", 0),
+            "chunks": getattr(self, "_n_chunks", 0),
+            "staging_buffers": self._allocated,
+        }
+
+
+def _array_meta(
+    shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, attributes: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A Zarr v3 array ``zarr.json`` document (docs/FORMAT.md)."""
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if np.dtype(dtype).itemsize == 1:
+        codecs = [{"name": "bytes"}]
+    if crc:
+        codecs.append({"name": "crc32c"})
+    kind = np.dtype(dtype).kind
+    fill: Any = False if kind == "b" else [0.0, 0.0] if kind == "c" else 0.0 if kind == "f" else 0
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attributes or {},
+    }
+
+
+def _put_array(storage: Storage, rel: str, raw: bytes, shape: tuple[int, ...], dtype: str, fsync: bool) -> None:
+    """Write a small array as one chunk with a crc32c checksum (zarr's crc32c codec layout)."""
+    chunks = tuple(max(d, 1) for d in shape)
+    storage.makedirs(rel)
+    storage.put(f"{rel}/zarr.json", F.dumps(_array_meta(shape, chunks, dtype, crc=True)))
+    if all(d > 0 for d in shape):
+        storage.makedirs(f"{rel}/c" + "/0" * (len(shape) - 1))
+        crc = np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()
+        storage.put(f"{rel}/c/" + "/".join("0" * len(shape)), [raw, crc], fsync=fsync)
