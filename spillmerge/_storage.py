@@ -263,5 +263,8 @@ class Storage:
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
-            fs = AsyncFileSystemWrapper(fs)
+            fs = AsyncFileSystemWrapper(fs, asynchronous=True)
+        elif not getattr(fs, "asynchronous", False):
+            # zarr drives the filesystem from its own event loop: it needs an asynchronous instance.
+            fs = type(fs)(**{**fs.storage_options, "asynchronous": True})
         return FsspecStore(fs, path=p, read_only=read_only)

@@ -1,0 +1,299 @@
+"""Summaries and integrity checks of a spill root or a merged output (``inspect`` / ``verify``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from . import _format as F
+from ._errors import SpillMergeError
+from ._spillroot import list_segments, load_segment, scan
+from ._storage import Storage
+
+
+def detect(storage: Storage) -> str:
+    """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
+    if not storage.exists(""):
+        raise SpillMergeError(f"{storage.describe()} does not exist")
+    raw = storage.get_or_none("zarr.json", max_bytes=256 << 20)
+    if raw is not None:
+        obj = F.loads(raw, path=storage.describe("zarr.json"))
+        if isinstance(obj, dict) and obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged":
+            return "merged"
+    if any(F.parse_rank_dirname(n) is not None for n in storage.listdir("")):
+        return "spill"
+    raise SpillMergeError(
+        f"{storage.describe()} is neither a spill root (no rank-NNNNN folders) nor a merged output"
+    )
+
+
+def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:
+    storage = Storage(path, storage_options)
+    kind = detect(storage)
+    return _summarize_merged(storage, max_files) if kind == "merged" else _summarize_spill(storage, max_files)
+
+
+def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
+    segments = scan(storage)
+    ranks = []
+    files: Counter[str] = Counter()
+    dtypes: Counter[str] = Counter()
+    total = {"frames": 0, "bytes": 0, "segments": 0}
+    world_sizes = set()
+    for rank, segs in segments.items():
+        entries = []
+        for s in segs:
+            status = "committed" if s.commit else "failed" if s.failure else "incomplete"
+            entry: dict[str, Any] = {"segment": s.name, "status": status}
+            if s.world_size is not None:
+                world_sizes.add(s.world_size)
+            if s.commit is not None:
+                c = s.commit
+                entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
+                total["frames"] += c.n_frames
+                total["bytes"] += c.nbytes
+                try:
+                    loaded = load_segment(storage, s)
+                    for fid, n in Counter(loaded.index[:, F.COL_FILE].tolist()).items():
+                        files[loaded.filenames[fid]] += n
+                    for lay in loaded.layouts:
+                        dtypes[lay.dtype] += 1
+                except SpillMergeError as exc:
+                    entry["error"] = str(exc)
+            if s.failure is not None:
+                entry["error"] = s.failure.summary()
+            entries.append(entry)
+            total["segments"] += 1
+        ranks.append({"rank": rank, "segments": entries})
+    top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
+    return {
+        "kind": "spill",
+        "path": storage.describe(),
+        "world_size": sorted(world_sizes),
+        "ranks": ranks,
+        "n_files": len(files),
+        "files": [{"filename": f, "rows": n} for f, n in top[:max_files]],
+        "dtypes": sorted(dtypes),
+        **total,
+    }
+
+
+def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
+    from ._reader import MergedStore
+
+    complete = storage.exists(F.COMPLETE_NAME)
+    if not complete:
+        raw = F.loads(storage.get("zarr.json"), path=storage.describe("zarr.json"))
+        return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
+    res = MergedStore(storage.url, storage.storage_options)
+    files = []
+    dtypes = set()
+    for name in res.filenames:
+        value = res[name]
+        leaves = _leaves(value)
+        for _, arr in leaves:
+            dtypes.add(arr.dtype_name)
+        if len(files) < max_files:
+            frames = res.frames(name)
+            files.append(
+                {
+                    "filename": name,
+                    "frames": int(len(frames)),
+                    "first_frame": int(frames[0]) if len(frames) else None,
+                    "last_frame": int(frames[-1]) if len(frames) else None,
+                    "leaves": [
+                        {"leaf": leaf or "<tensor>", "dtype": arr.dtype_name, "shape": list(arr.shape[1:])}
+                        for leaf, arr in leaves
+                    ],
+                }
+            )
+    h = res.header
+    return {
+        "kind": "merged",
+        "path": storage.describe(),
+        "complete": True,
+        "n_files": h["n_files"],
+        "frames": h["n_frames"],
+        "bytes": h["nbytes"],
+        "ranks": h.get("ranks"),
+        "segments": h.get("segments"),
+        "dtypes": sorted(dtypes),
+        "files": files,
+    }
+
+
+def _leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        out = []
+        for k, v in value.items():
+            out.extend(_leaves(v, f"{prefix}/{k}" if prefix else k))
+        return out
+    return [(prefix, value)]
+
+
+def _human(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{x:.1f} {unit}" if unit != "B" else f"{int(x)} B"
+        x /= 1024
+    return str(n)
+
+
+def format_text(s: dict[str, Any]) -> str:
+    lines = []
+    if s["kind"] == "spill":
+        lines.append(f"spill root {s['path']}")
+        lines.append(
+            f"  world size {', '.join(map(str, s['world_size'])) or '?'}; {len(s['ranks'])} rank folders, "
+            f"{s['segments']} segments; committed: {s['frames']} frames, {s['n_files']} files, {_human(s['bytes'])}"
+        )
+        lines.append(f"  dtypes: {', '.join(s['dtypes']) or '-'}")
+        for r in s["ranks"]:
+            for e in r["segments"]:
+                extra = f"{e.get('frames', 0)} frames, {e.get('files', 0)} files, {_human(e.get('bytes', 0))}" if e["status"] == "committed" else ""
+                err = f"  ERROR: {e['error']}" if "error" in e else ""
+                lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
+        if s["files"]:
+            lines.append("  files (most rows first):")
+            for f in s["files"]:
+                lines.append(f"    {f['filename']!r}: {f['rows']} rows")
+            if s["n_files"] > len(s["files"]):
+                lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
+    else:
+        lines.append(f"merged output {s['path']}" + ("" if s["complete"] else "  INCOMPLETE (merge did not finish)"))
+        if s["complete"]:
+            lines.append(
+                f"  {s['n_files']} files, {s['frames']} frames, {_human(s['bytes'])} from ranks {s['ranks']} "
+                f"({s['segments']} segments); dtypes: {', '.join(s['dtypes'])}"
+            )
+            for f in s["files"]:
+                leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape']}" for x in f["leaves"])
+                lines.append(f"    {f['filename']!r}: {f['frames']} frames [{f['first_frame']}..{f['last_frame']}]  {leaves}")
+            if s["n_files"] > len(s["files"]):
+                lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
+    return "\n".join(lines)
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`."""
+
+    path: str
+    """What was checked."""
+    kind: str
+    """``"spill"`` or ``"merged"``."""
+    checked_objects: int = 0
+    """Objects (chunks, indexes) whose checksums were verified."""
+    checked_bytes: int = 0
+    """Payload bytes verified."""
+    problems: list[str] = field(default_factory=list)
+    """One line per corrupt or missing object, naming its path."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+    """Check every checksum of a spill root (index, catalog, every frame) or a merged output
+    (every chunk), collecting every problem rather than stopping at the first."""
+    storage = Storage(path, storage_options)
+    kind = detect(storage)
+    rep = VerifyReport(storage.describe(), kind)
+    if kind == "spill":
+        _verify_spill(storage, rep)
+    else:
+        _verify_merged(storage, rep)
+    storage.close()
+    return rep
+
+
+def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
+    for rank in sorted(scan(storage)):
+        for seg in list_segments(storage, rank):
+            if seg.commit is None:
+                what = "failed" if seg.failure else "incomplete"
+                rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
+                continue
+            try:
+                loaded = load_segment(storage, seg)
+            except SpillMergeError as exc:
+                rep.problems.append(str(exc))
+                continue
+            rep.checked_objects += 2
+            cb = seg.commit.chunk_bytes
+            idx = loaded.index
+            bad_chunks: set[int] = set()
+            for row in idx[np.argsort(idx[:, F.COL_OFFSET], kind="stable")]:
+                off, nb, crc = int(row[F.COL_OFFSET]), int(row[F.COL_NBYTES]), int(row[F.COL_CRC])
+                if nb == 0:
+                    continue
+                first, last = off // cb, (off + nb - 1) // cb
+                if bad_chunks & set(range(first, last + 1)):
+                    continue
+                buf = np.empty(nb, dtype=np.uint8)
+                pieces = []
+                o = off
+                while o < off + nb:
+                    c = o // cb
+                    stop = min(off + nb, (c + 1) * cb)
+                    pieces.append((f"{seg.rel}/{F.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
+                    o = stop
+                try:
+                    storage.read_into(pieces, memoryview(buf))
+                except SpillMergeError as exc:
+                    rep.problems.append(str(exc))
+                    bad_chunks.update(range(first, last + 1))
+                    continue
+                if google_crc32c.value(buf) != crc:
+                    chunks = ", ".join(storage.describe(p[0]) for p in pieces)
+                    rep.problems.append(
+                        f"{chunks}: checksum mismatch in {loaded.filenames[int(row[F.COL_FILE])]!r:.200} "
+                        f"frame {int(row[F.COL_FRAME])} (bytes {off}..{off + nb} of rank {rank}'s data)"
+                    )
+                    bad_chunks.update(range(first, last + 1))
+                else:
+                    rep.checked_bytes += nb
+            rep.checked_objects += seg.commit.n_chunks
+
+
+def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
+    import zarr
+
+    if not storage.exists(F.COMPLETE_NAME):
+        rep.problems.append(f"{storage.describe()}: no {F.COMPLETE_NAME}; the merge did not finish")
+    try:
+        group = zarr.open_group(storage.zarr_store(read_only=True), mode="r")
+    except Exception as exc:  # noqa: BLE001
+        rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")
+        return
+    for name, arr in _all_arrays(group):
+        if arr.size == 0:
+            continue
+        n_chunks = arr.cdata_shape[0]
+        step = arr.chunks[0]
+        for c in range(n_chunks):
+            key = f"{name}/c/{c}" + "/0" * (arr.ndim - 1)
+            if not storage.exists(key):  # zarr would silently read a missing chunk as fill values
+                rep.problems.append(f"{storage.describe(key)}: chunk {c} of {name} is missing")
+                continue
+            try:
+                block = arr[c * step : (c + 1) * step]
+                rep.checked_bytes += int(np.asarray(block).nbytes)
+                rep.checked_objects += 1
+            except Exception as exc:  # noqa: BLE001 - zarr reports codec errors as ValueError etc.
+                rep.problems.append(f"{storage.describe(name)}: chunk {c} is corrupt or missing ({exc})")
+
+
+def _all_arrays(group: Any) -> list[tuple[str, Any]]:
+    import zarr
+
+    return sorted(
+        ((path, node) for path, node in group.members(max_depth=None) if isinstance(node, zarr.Array)),
+        key=lambda kv: kv[0],
+    )

@@ -1,0 +1,241 @@
+"""Command line: ``spillmerge merge | inspect | verify | demo``. A thin shell over the library:
+library errors become one-line messages and a non-zero exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError, SpillMergeError
+
+_MERGE_KEYS = {
+    "root": str, "out": str, "timeout": float, "allow_partial": bool, "on_duplicate": str,
+    "overwrite": bool, "chunk_bytes": int, "memory_budget": int, "threads": int,
+    "world_size": int, "storage_options": dict,
+}  # fmt: skip
+_DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
+
+
+def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist", key=None) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    table = data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [{section}] must be a table", key=section)
+    out = {}
+    for key, value in table.items():
+        if key not in schema:
+            raise ConfigError(
+                f"{path}: unknown key {section}.{key} (known: {', '.join(sorted(schema))})", key=f"{section}.{key}"
+            )
+        want = schema[key]
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok, value = True, float(value)
+        if not ok:
+            raise ConfigError(f"{path}: {section}.{key} must be a {want.__name__}, got {value!r}", key=f"{section}.{key}")
+        out[key] = value
+    return out
+
+
+def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ConfigError(f"--storage-option expects KEY=VALUE, got {pair!r}", key="storage_option")
+        k, v = pair.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16MiB, 256M, 1048576)") from None
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spillmerge",
+        description="Gather distributed inference predictions through storage: spill per rank, merge once.",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge demo\n  spillmerge merge ./spill --out ./merged.zarr\n  spillmerge inspect ./merged.zarr",
+    )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"spillmerge {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    m = sub.add_parser(
+        "merge",
+        help="merge a spill root into one Zarr store",
+        description="Merge every committed segment of a spill root into one consolidated Zarr v3 store "
+        "(one array per filename, rows in frame order).",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr\n"
+        "  spillmerge merge --config configs/demo.toml --timeout 600",
+    )
+    m.add_argument("root", nargs="?", help="spill root (path or fsspec URL)")
+    m.add_argument("--out", help="output store (path or fsspec URL)")
+    m.add_argument("--config", help="TOML file with a [merge] table; flags override it")
+    m.add_argument("--timeout", type=float, help="seconds to wait for missing commit records (default 0: check once)")
+    m.add_argument("--allow-partial", action="store_true", default=None, help="merge what is committed; report missing ranks")
+    m.add_argument("--on-duplicate", choices=["error", "first", "last"], help="what to do with a key written twice with different content (default error)")
+    m.add_argument("--overwrite", action="store_true", default=None, help="replace an existing complete output")
+    m.add_argument("--world-size", type=int, help="expected number of ranks (default: from the commit records)")
+    m.add_argument("--chunk-bytes", type=_size, help="target output chunk size (default 16MiB)")
+    m.add_argument("--memory-budget", type=_size, help="bytes of frames in flight (default 256MiB)")
+    m.add_argument("--threads", type=int, help="copy threads (default 4)")
+    m.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    i = sub.add_parser(
+        "inspect",
+        help="summarise a spill root or a merged store",
+        description="Summarise a spill root (ranks, segments, files, frames, bytes, dtypes) or a merged store.",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge inspect ./spill\n  spillmerge inspect ./merged.zarr --json",
+    )
+    i.add_argument("path", help="spill root or merged output")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    i.add_argument("--max-files", type=int, default=20, help="files listed (default 20)")
+    i.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+
+    v = sub.add_parser(
+        "verify",
+        help="check every checksum of a spill root or merged store",
+        description="Verify the CRC-32C of every index, catalog and frame of a spill root, or of every "
+        "chunk of a merged store. Lists each corrupt or missing object; exits 1 if there is any.",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge verify ./spill\n  spillmerge verify ./merged.zarr",
+    )
+    v.add_argument("path", help="spill root or merged output")
+    v.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+
+    d = sub.add_parser(
+        "demo",
+        help="run a small multi-rank spill + merge on CPU",
+        description="Spawn N CPU ranks on gloo that run a fake inference loop with uneven, shuffled frames, "
+        "spill them, merge into OUT/merged.zarr, check the result bit-exactly and print a summary.",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge demo\n  spillmerge demo --ranks 2 --out /tmp/demo\n  spillmerge demo --config configs/demo.toml --files 4",
+    )
+    d.add_argument("--config", help="TOML file with a [demo] table; flags override it")
+    d.add_argument("--ranks", type=int, help="number of ranks (default 4)")
+    d.add_argument("--files", type=int, help="number of fake videos (default 8)")
+    d.add_argument("--frames-per-file", type=int, help="mean frames per video (default 40)")
+    d.add_argument("--frame-shape", type=lambda s: tuple(int(x) for x in s.split("x")), help="e.g. 3x64x64")
+    d.add_argument("--out", help="output directory (default ./spillmerge-demo)")
+    d.add_argument("--seed", type=int, help="workload seed (default 0)")
+    return p
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from ._merge import merge
+
+    cfg = _load_config(args.config, "merge", _MERGE_KEYS)
+    flags = {
+        "root": args.root, "out": args.out, "timeout": args.timeout, "allow_partial": args.allow_partial,
+        "on_duplicate": args.on_duplicate, "overwrite": args.overwrite, "world_size": args.world_size,
+        "chunk_bytes": args.chunk_bytes, "memory_budget": args.memory_budget, "threads": args.threads,
+    }  # fmt: skip
+    opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
+    so = {**opts.pop("storage_options", {}), **_storage_options(args.storage_option)}
+    root, out = opts.pop("root", None), opts.pop("out", None)
+    if not root:
+        raise ConfigError("merge needs a spill root: spillmerge merge ROOT --out OUT", key="root")
+    if not out:
+        raise ConfigError("merge needs an output: --out OUT (or out = ... in the config)", key="out")
+    report = merge(root, out, storage_options=so or None, progress=False if args.no_progress else None, **opts)
+    print(report)
+    for seg in report.abandoned_segments:
+        print(f"note: ignored uncommitted segment {seg} (superseded by a later commit of the same rank)")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ._inspect import format_text, summarize
+
+    s = summarize(args.path, _storage_options(args.storage_option) or None, max_files=args.max_files)
+    print(json.dumps(s, indent=2, sort_keys=True, ensure_ascii=False) if args.json else format_text(s))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ._inspect import verify
+
+    rep = verify(args.path, _storage_options(args.storage_option) or None)
+    for problem in rep.problems:
+        print(f"CORRUPT {problem}")
+    status = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
+    print(f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {rep.checked_bytes} payload bytes verified")
+    return 0 if rep.ok else 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ._demo import DemoConfig, run
+    from ._inspect import format_text, summarize
+
+    cfg = _load_config(args.config, "demo", _DEMO_KEYS)
+    flags = {
+        "ranks": args.ranks, "files": args.files, "frames_per_file": args.frames_per_file,
+        "frame_shape": args.frame_shape, "out": args.out, "seed": args.seed,
+    }  # fmt: skip
+    opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
+    if "frame_shape" in opts:
+        opts["frame_shape"] = tuple(int(x) for x in opts["frame_shape"])
+    for key in ("ranks", "files", "frames_per_file"):
+        if key in opts and opts[key] < 1:
+            raise ConfigError(f"{key} must be at least 1, got {opts[key]}", key=key)
+    dc = DemoConfig(**opts)
+    print(f"spillmerge demo: {dc.ranks} ranks on gloo, {dc.files} videos, writing to {Path(dc.out).resolve()}")
+    print(run(dc), end="")
+    merged = str(Path(dc.out) / "merged.zarr")
+    print(format_text(summarize(merged, max_files=5)))
+    print(f"output: {Path(merged).resolve()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"merge": _merge, "inspect": _inspect, "verify": _verify, "demo": _demo}[args.command]
+    try:
+        return handler(args)
+    except SpillMergeError as exc:
+        msg = " ".join(str(exc).split("\n"))
+        print(f"spillmerge {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("spillmerge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Single-process behaviour of SpillWriter, merge and open on local and memory:// roots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+import zarr
+from fsspec.implementations.memory import MemoryFileSystem
+
+import spillmerge
+from spillmerge import _format as F
+
+TORCH_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
+    torch.float64, torch.complex64, torch.complex128, torch.complex32,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+]  # fmt: skip
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes, so comparisons are bit-exact (NaNs, -0.0, bfloat16 included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).reshape(shape)
+    return t.clone() if dtype != torch.bool else (raw[: t.numel()] % 2).bool().reshape(shape)
+
+
+def test_every_torch_dtype_round_trips_bit_exactly(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    expected = {}
+    with spillmerge.SpillWriter(tmp_path / "spill", rank=0, world_size=1) as w:
+        for dt in TORCH_DTYPES:
+            name = f"{dt}.bin"
+            for frame in (5, 1, 3):
+                t = _random(dt, (2, 3), g)
+                w.write(name, frame, t)
+                expected[(name, frame)] = t
+    report = spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out"))
+    assert report.n_files == len(TORCH_DTYPES) and report.n_frames == 3 * len(TORCH_DTYPES)
+    res = spillmerge.open(str(tmp_path / "out"))
+    for dt in TORCH_DTYPES:
+        name = f"{dt}.bin"
+        assert res.frames(name).tolist() == [1, 3, 5]
+        got = res[name].to_torch()
+        assert got.dtype == dt and got.shape == (3, 2, 3)
+        for row, frame in enumerate([1, 3, 5]):
+            assert torch.equal(_bits(got[row]), _bits(expected[(name, frame)])), (dt, frame)
+
+
+def test_numpy_scalars_nested_dicts_and_odd_tensors(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    big_endian = np.arange(6, dtype=">i4").reshape(2, 3)
+    value = {
+        "transposed": base.t(),  # non-contiguous
+        "grad": base.clone().requires_grad_(),
+        "conj": torch.complex(base, -base).conj(),
+        "np": big_endian,
+        "scalars": {"i": 7, "f": 2.5, "b": True, "c": 1 + 2j, "np": np.float32(3.0), "t0": torch.tensor(9)},
+        "empty": torch.zeros(0, 3),
+    }
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        w.update({"clip": {0: value, 1: value}})
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    v = res["clip"]
+    assert torch.equal(v["transposed"].to_torch()[1], base.t())
+    assert torch.equal(v["grad"].to_torch()[0], base)
+    assert torch.equal(v["conj"].to_torch()[0], torch.complex(base, base))
+    assert v["np"][0].tolist() == big_endian.tolist() and v["np"].dtype == np.int32
+    s = v["scalars"]
+    assert s["i"].shape == (2,) and s["i"][1] == 7 and s["i"].dtype == np.int64
+    assert s["f"][0] == 2.5 and s["b"][0] and s["c"][0] == 1 + 2j and s["np"][0] == 3.0 and s["t0"][0] == 9
+    assert v["empty"].shape == (2, 0, 3)
+
+
+def test_update_shapes_and_frame_order_across_sessions(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root, rank=0, world_size=2) as w:
+        w.update({"a": (3, torch.tensor([3.0]))})
+        w.update({"a": {1: torch.tensor([1.0]), 2: torch.tensor([2.0])}})
+    with spillmerge.SpillWriter(root, rank=1, world_size=2) as w:
+        w.write("a", np.int64(0), torch.tensor([0.0]))
+        w.write("a", torch.tensor(4), torch.tensor([4.0]))
+    # A second session of rank 1 (a resumed job) adds frames and repeats one identically.
+    with spillmerge.SpillWriter(root, rank=1, world_size=2) as w:
+        w.write("a", 5, torch.tensor([5.0]))
+        w.write("a", 4, torch.tensor([4.0]))
+    rep = spillmerge.merge(root, str(tmp_path / "o"))
+    assert rep.segments == 3 and rep.duplicates == 1 and rep.ranks == [0, 1]
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert res.frames("a").dtype == np.int64
+    assert res.frames("a").tolist() == [0, 1, 2, 3, 4, 5]
+    assert res["a"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    "frame_idx",
+    [-1, 1.5, True, "3", None, torch.tensor(1.0), torch.tensor([1, 2]), np.float64(2), 2**63],
+)
+def test_bad_frame_index_is_a_clear_error(tmp_path, frame_idx):
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        with pytest.raises(spillmerge.SpillValueError, match="frame_idx") as info:
+            w.write("clip.mp4", frame_idx, torch.zeros(1))
+        assert info.value.filename == "clip.mp4"
+        w.write("clip.mp4", 0, torch.zeros(1))  # the writer is still usable
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ([1, 2], "list"),
+        ("text", "str"),
+        (None, "NoneType"),
+        (np.array(["a"], dtype=object), "pickle"),
+        ({}, "no leaves"),
+        ({1: torch.zeros(1)}, "dict keys must be str"),
+        (2**70, "int64"),
+        (torch.zeros(2).to_sparse(), "dense"),
+    ],
+)
+def test_unstorable_values_name_the_problem(tmp_path, value, match):
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        with pytest.raises(spillmerge.SpillValueError, match=match):
+            w.write("f", 0, value)
+        with pytest.raises(spillmerge.SpillValueError, match="filename must be a str"):
+            w.write(b"bytes-name", 0, torch.zeros(1))
+
+
+def test_layout_change_on_one_rank_fails_at_write_time(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        w.write("v", 0, {"mask": torch.zeros(2, 2), "score": 1.0})
+        with pytest.raises(spillmerge.LayoutMismatchError, match="'mask' is float16") as info:
+            w.write("v", 1, {"mask": torch.zeros(2, 2, dtype=torch.float16), "score": 1.0})
+        assert info.value.filename == "v" and info.value.leaf == "mask"
+        with pytest.raises(spillmerge.LayoutMismatchError, match="absent"):
+            w.write("v", 2, {"mask": torch.zeros(2, 2)})
+        w.write("v", 3, {"mask": torch.ones(2, 2), "score": 2.0})
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"))
+    assert spillmerge.open(str(tmp_path / "o")).frames("v").tolist() == [0, 3]
+
+
+def test_duplicate_policies_on_one_rank(tmp_path):
+    for policy, want in (("first", 1.0), ("last", 2.0)):
+        root = str(tmp_path / policy)
+        with spillmerge.SpillWriter(root, on_duplicate=policy) as w:
+            w.write("f", 0, torch.tensor(1.0))
+            w.write("f", 0, torch.tensor(2.0))
+        spillmerge.merge(root, root + ".out")
+        assert spillmerge.open(root + ".out")["f"][0] == want
+    with spillmerge.SpillWriter(str(tmp_path / "err")) as w:
+        w.write("f", 0, torch.tensor(1.0))
+        with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'f' was already written by rank 0"):
+            w.write("f", 0, torch.tensor(1.0))
+
+
+def test_writer_lifecycle_errors(tmp_path):
+    w = spillmerge.SpillWriter(str(tmp_path / "s"))
+    with pytest.raises(spillmerge.WriterClosedError):
+        w.write("f", 0, 1.0)
+    with w:
+        w.write("f", 0, 1.0)
+        with pytest.raises(spillmerge.WriterClosedError, match="after leaving"):
+            w.merge(str(tmp_path / "o"))
+    with pytest.raises(spillmerge.WriterClosedError):
+        w.write("f", 1, 1.0)
+    with pytest.raises(spillmerge.WriterClosedError):
+        w.__enter__()
+    assert w.merge(str(tmp_path / "o")).n_frames == 1
+    with pytest.raises(spillmerge.SpillValueError, match="rank 3 is not in"):
+        spillmerge.SpillWriter(str(tmp_path / "s"), rank=3, world_size=2)
+    with pytest.raises(spillmerge.SpillValueError, match="on_duplicate"):
+        spillmerge.SpillWriter(str(tmp_path / "s"), on_duplicate="newest")
+
+
+def test_rank_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    w = spillmerge.SpillWriter(str(tmp_path / "s"))
+    assert (w.rank, w.world_size) == (2, 3)
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(spillmerge.SpillValueError, match="RANK='two'"):
+        spillmerge.SpillWriter(str(tmp_path / "s"))
+
+
+def test_background_write_failure_reaches_the_loop(tmp_path):
+    root = tmp_path / "s"
+    w = spillmerge.SpillWriter(str(root), chunk_bytes=4096, staging_bytes=8192)
+    with pytest.raises(spillmerge.SpillStorageError) as info:
+        with w:
+            w.write("f", 0, torch.zeros(1024))  # exactly one chunk: handed to the flush thread
+            shutil.rmtree(root)  # the storage vanishes under the writer
+            for i in range(1, 50):
+                w.write("f", i, torch.zeros(1024))
+    assert "cannot write" in str(info.value) and str(root) in str(info.value)
+
+
+class SlowMemoryFS(MemoryFileSystem):
+    """An in-memory filesystem whose writes take 20 ms: a slow object store."""
+
+    protocol = "slowmem"
+    store: dict = {}
+    pseudo_dirs = [""]
+    puts = 0
+
+    def pipe_file(self, path, value, **kwargs):
+        type(self).puts += 1
+        time.sleep(0.02)
+        return super().pipe_file(path, value, **kwargs)
+
+
+def test_backpressure_bounds_staging_memory_on_a_slow_store(tmp_path):
+    fsspec.register_implementation("slowmem", SlowMemoryFS, clobber=True)
+    SlowMemoryFS.store.clear()
+    frame = torch.arange(1024, dtype=torch.float32)  # 4 KiB = one chunk
+    t0 = time.perf_counter()
+    with spillmerge.SpillWriter("slowmem://bp/spill", chunk_bytes=4096, staging_bytes=2 * 4096) as w:
+        for i in range(40):
+            w.write("f", i, frame + i)
+        assert w.stats()["staging_buffers"] <= 2
+    assert time.perf_counter() - t0 >= 40 * 0.02  # write() waited for storage instead of buffering
+    spillmerge.merge("slowmem://bp/spill", str(tmp_path / "out"))
+    res = spillmerge.open(str(tmp_path / "out"))
+    assert torch.equal(res["f"].to_torch(), torch.stack([frame + i for i in range(40)]))
+
+
+def test_memory_filesystem_end_to_end():
+    fs = fsspec.filesystem("memory")
+    fs.rm("/mm", recursive=True) if fs.exists("/mm") else None
+    with spillmerge.SpillWriter("memory://mm/spill", chunk_bytes=4096) as w:
+        for i in range(10):
+            w.write("x/../y", i, torch.full((700,), float(i)))
+    spillmerge.merge("memory://mm/spill", "memory://mm/out")
+    res = spillmerge.open("memory://mm/out")
+    assert res.filenames == ["x/../y"] and res["x/../y"][9, 0] == 9.0
+    g = zarr.open_group("memory://mm/out", mode="r")
+    assert list(g["index/filenames"][:]) == ["x/../y"]
+
+
+def test_plain_zarr_reads_the_output(tmp_path):
+    names = ["video_001.mp4", "Video_001.MP4", "a/b/c.mp4", "../escape", ".hidden", "__x", "ü ñ %20 ☃", "x" * 300]
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        for i, n in enumerate(names):
+            w.write(n, 0, torch.full((2,), float(i)))
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"))
+    g = zarr.open_group(str(tmp_path / "o"), mode="r")
+    assert g.attrs["spillmerge"]["format_version"] == F.FORMAT_VERSION
+    stored = list(g["index/filenames"][:])
+    keys = list(g["index/keys"][:])
+    assert sorted(stored) == sorted(names)
+    for name, key in zip(stored, keys, strict=True):
+        arr = g[f"files/{key}"]
+        assert arr.attrs["spillmerge"]["filename"] == name
+        assert arr[0, 0] == float(names.index(name))
+    # Nothing was created outside the output and the spill root.
+    assert sorted(os.listdir(tmp_path)) == ["o", "s"]
+    assert len({k.lower() for k in keys}) == len(keys)
+
+
+def test_output_protection_and_interrupted_merge(tmp_path):
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root) as w:
+        w.write("f", 0, 1.0)
+    spillmerge.merge(root, out)
+    with pytest.raises(spillmerge.OutputExistsError, match="overwrite"):
+        spillmerge.merge(root, out)
+    spillmerge.merge(root, out, overwrite=True)
+    # An interrupted merge: the completion marker is missing.
+    os.remove(os.path.join(out, F.COMPLETE_NAME))
+    with pytest.raises(spillmerge.IncompleteOutputError, match="did not finish"):
+        spillmerge.open(out)
+    spillmerge.merge(root, out)  # rebuilt without --overwrite
+    assert spillmerge.open(out)["f"][0] == 1.0
+    # Never delete what is not ours, never overlap the spill root.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("precious")
+    with pytest.raises(spillmerge.OutputExistsError, match="not a spillmerge output"):
+        spillmerge.merge(root, str(tmp_path / "mine"), overwrite=True)
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
+    with pytest.raises(spillmerge.SpillValueError, match="overlap"):
+        spillmerge.merge(root, root + "/merged")
+
+
+def test_missing_and_failed_ranks(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root, rank=0, world_size=3) as w:
+        w.write("f", 0, 1.0)
+    with pytest.raises(RuntimeError):
+        with spillmerge.SpillWriter(root, rank=2, world_size=3) as w:
+            w.write("f", 2, 1.0)
+            raise RuntimeError("CUDA error: device-side assert triggered")
+    t0 = time.perf_counter()
+    with pytest.raises(spillmerge.RankFailedError, match="rank 2: RuntimeError: CUDA error") as info:
+        spillmerge.merge(root, str(tmp_path / "o"), timeout=30)
+    assert time.perf_counter() - t0 < 5  # fails fast, not at the timeout
+    assert info.value.failures == {2: "RuntimeError: CUDA error: device-side assert triggered"}
+    # Rank 2 reruns and commits; rank 1 never shows up.
+    with spillmerge.SpillWriter(root, rank=2, world_size=3) as w:
+        w.write("f", 2, 1.0)
+    with pytest.raises(spillmerge.CommitTimeout, match=r"rank 1 \(no segment\)") as info2:
+        spillmerge.merge(root, str(tmp_path / "o"), timeout=0.3)
+    assert info2.value.missing == [1] and info2.value.waited_s >= 0.3
+    with pytest.raises(spillmerge.IncompleteSpillError, match="1 of 3 rank"):
+        spillmerge.merge(root, str(tmp_path / "o"))
+    rep = spillmerge.merge(root, str(tmp_path / "o"), allow_partial=True)
+    assert rep.missing_ranks == [1] and rep.n_frames == 2
+    assert rep.abandoned_segments and "rank-00002" in rep.abandoned_segments[0]
+
+
+def test_corrupt_data_is_detected_by_merge(tmp_path):
+    root = tmp_path / "s"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
+        for i in range(4):
+            w.write("f", i, torch.full((1024,), float(i)))
+    chunk = next(root.glob("rank-00000/seg-*/data/c/2"))
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match="checksum mismatch for 'f' frame 2") as info:
+        spillmerge.merge(str(root), str(tmp_path / "o"))
+    assert info.value.rank == 0
+    assert not (tmp_path / "o").exists()  # no half-written output left behind
