@@ -124,11 +124,22 @@ def get_dtype(name: object, *, path: str = "?") -> DType:
 
 _SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _SLUG_RE = re.compile(r"[^A-Za-z0-9._-]")
+# Names zarr uses itself ("zarr.json", "zarr.*.partial" temporaries) and names Windows reserves.
+_RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
+
+
+def _plain_ok(name: str) -> bool:
+    if not _SAFE_RE.match(name):
+        return False
+    low = name.lower()
+    return not low.startswith("zarr.") and low.split(".", 1)[0] not in _RESERVED
 
 
 def hashed_name(name: str) -> str:
     digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     slug = _SLUG_RE.sub("_", name).lstrip("._")[:60]
+    if slug.lower().startswith("zarr.") or slug.lower().split(".", 1)[0] in _RESERVED:
+        slug = "_" + slug[:59]
     return f"{slug}~{digest}"
 
 
@@ -137,11 +148,11 @@ def node_names(names: list[str]) -> dict[str, str]:
     case-insensitively, among ``names``. Deterministic for a given set of names."""
     folded: dict[str, int] = {}
     for n in names:
-        if _SAFE_RE.match(n):
+        if _plain_ok(n):
             folded[n.lower()] = folded.get(n.lower(), 0) + 1
     out: dict[str, str] = {}
     for n in names:
-        out[n] = n if _SAFE_RE.match(n) and folded[n.lower()] == 1 else hashed_name(n)
+        out[n] = n if _plain_ok(n) and folded[n.lower()] == 1 else hashed_name(n)
     if len(set(out.values())) != len(out):  # 64-bit hash collision: refuse rather than overwrite
         raise CorruptSpillError("two names map to the same node name; rename one of them")
     return out

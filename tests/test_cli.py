@@ -1,0 +1,150 @@
+"""The CLI through its real entry point (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import spillmerge
+
+EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
+
+
+def run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def _spill(root: Path, world_size: int = 2, ranks=None) -> None:
+    for r in ranks if ranks is not None else range(world_size):
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=world_size) as w:
+            for f in range(r, 6, world_size):
+                w.write("clip a.mp4", f, {"mask": torch.full((4, 4), float(f)), "score": f / 10})
+
+
+def test_every_command_has_help_with_an_example():
+    for cmd in ([], ["merge"], ["inspect"], ["verify"], ["demo"]):
+        p = run(*cmd, "--help")
+        assert p.returncode == 0 and "Example:" in p.stdout, cmd
+
+
+def test_merge_inspect_verify(tmp_path):
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    _spill(root)
+    p = run("merge", str(root), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "merged 1 files, 6 frames" in p.stdout
+    assert spillmerge.open(str(out)).frames("clip a.mp4").tolist() == list(range(6))
+    p = run("inspect", str(root))
+    assert p.returncode == 0 and "world size 2" in p.stdout and "committed" in p.stdout and "float32" in p.stdout
+    p = run("inspect", str(out), "--json")
+    info = json.loads(p.stdout)
+    assert info["kind"] == "merged" and info["frames"] == 6 and info["files"][0]["filename"] == "clip a.mp4"
+    for path in (root, out):
+        p = run("verify", str(path))
+        assert p.returncode == 0 and "OK" in p.stdout, p.stdout
+    p = run("merge", str(root), "--out", str(out))
+    assert_one_line_error(p, "already holds a complete merge", "--overwrite")
+
+
+def test_user_errors_are_one_line(tmp_path):
+    assert_one_line_error(run("merge", str(tmp_path / "nope"), "--out", str(tmp_path / "o")), "does not exist", "nope")
+    assert_one_line_error(run("inspect", str(tmp_path / "nope")), "does not exist")
+    assert_one_line_error(run("merge", "--out", str(tmp_path / "o")), "spill root")
+    assert_one_line_error(run("merge", "--config", str(tmp_path / "missing.toml")), "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[merge]\ntimeot = 3\n")
+    assert_one_line_error(run("merge", "--config", str(bad)), "merge.timeot")
+
+
+def test_incomplete_spill_names_the_rank(tmp_path):
+    root = tmp_path / "spill"
+    _spill(root, world_size=3, ranks=[0, 2])
+    p = run("merge", str(root), "--out", str(tmp_path / "o"))
+    assert_one_line_error(p, "rank 1 (no segment)", "1 of 3")
+    # A rank that crashed mid-spill leaves an uncommitted segment: name it.
+    code = textwrap.dedent(
+        f"""
+        import os, torch, spillmerge
+        w = spillmerge.SpillWriter({str(root)!r}, rank=1, world_size=3)
+        w.open()
+        w.write("clip a.mp4", 1, {{"mask": torch.zeros(4, 4), "score": 0.0}})
+        os._exit(0)  # killed: no commit record, no failure record
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    p = run("merge", str(root), "--out", str(tmp_path / "o"), "--timeout", "0.5")
+    assert_one_line_error(p, "rank 1 (uncommitted segment", "after waiting")
+    p = run("merge", str(root), "--out", str(tmp_path / "o"), "--allow-partial")
+    assert p.returncode == 0 and "PARTIAL: ranks [1] missing" in p.stdout
+
+
+def test_verify_names_corrupt_and_truncated_chunks(tmp_path):
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
+        for i in range(6):
+            w.write("f", i, torch.full((1024,), float(i)))
+    flipped = next(root.glob("rank-00000/seg-*/data/c/1"))
+    raw = bytearray(flipped.read_bytes())
+    raw[7] ^= 0x80
+    flipped.write_bytes(bytes(raw))
+    truncated = next(root.glob("rank-00000/seg-*/data/c/4"))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    p = run("verify", str(root))
+    assert p.returncode == 1
+    assert f"CORRUPT {flipped}: checksum mismatch" in p.stdout
+    assert f"CORRUPT {truncated}: short read" in p.stdout
+    assert "2 problem(s)" in p.stdout
+
+
+def test_config_file_and_flag_override(tmp_path):
+    root = tmp_path / "spill"
+    _spill(root)
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f'[merge]\nroot = "{root}"\nout = "{tmp_path / "from-config"}"\nchunk_bytes = 4096\n')
+    p = run("merge", "--config", str(cfg), "--out", str(tmp_path / "from-flag"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "from-flag" / "spillmerge-complete.json").exists()
+    assert not (tmp_path / "from-config").exists()
+
+
+def test_demo_runs_end_to_end_with_config(tmp_path):
+    cfg = Path(__file__).parent.parent / "configs" / "demo.toml"
+    p = run("demo", "--config", str(cfg), "--ranks", "2", "--files", "3", "--frames-per-file", "6",
+            "--out", str(tmp_path / "d"), timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "verified" in p.stdout and "bit-exact" in p.stdout
+    assert f"output: {tmp_path / 'd' / 'merged.zarr'}" in p.stdout
+    assert len(spillmerge.open(str(tmp_path / "d" / "merged.zarr")).filenames) == 3
+
+
+def test_config_is_valid_for_both_commands():
+    import tomllib
+
+    from spillmerge.cli import _DEMO_KEYS, _MERGE_KEYS
+
+    data = tomllib.loads((Path(__file__).parent.parent / "configs" / "demo.toml").read_text())
+    assert set(data["demo"]) <= set(_DEMO_KEYS) and set(data["merge"]) <= set(_MERGE_KEYS)
+
+
+@pytest.mark.parametrize("size, want", [("16MiB", 16 << 20), ("256M", 256 << 20), ("4096", 4096), ("1g", 1 << 30)])
+def test_size_parser(size, want):
+    from spillmerge.cli import _size
+
+    assert _size(size) == want
