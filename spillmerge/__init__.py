@@ -23,7 +23,7 @@ from ._errors import (
 )
 from ._format import FORMAT_VERSION
 from ._merge import MergeReport, merge
-from ._reader import LeafArray, MergedStore, open
+from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._writer import SpillWriter
 
 __version__ = "0.1.0"

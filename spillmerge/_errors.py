@@ -41,9 +41,7 @@ class DuplicateFrameError(SpillValueError):
 class LayoutMismatchError(SpillValueError):
     """A leaf changed dtype or shape between frames of one filename (``ranks`` name the writers)."""
 
-    def __init__(
-        self, message: str, *, filename: str, leaf: str, ranks: list[int] | None = None
-    ) -> None:
+    def __init__(self, message: str, *, filename: str, leaf: str, ranks: list[int] | None = None) -> None:
         super().__init__(message, filename=filename, leaf=leaf)
         self.ranks = ranks or []
 
@@ -76,9 +74,7 @@ class IncompleteSpillError(SpillMergeError):
     """Some ranks have no commit record. ``missing`` lists them; ``incomplete`` maps rank → path
     of an uncommitted segment when one exists."""
 
-    def __init__(
-        self, message: str, *, missing: list[int], incomplete: dict[int, str] | None = None
-    ) -> None:
+    def __init__(self, message: str, *, missing: list[int], incomplete: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.missing = missing
         self.incomplete = incomplete or {}

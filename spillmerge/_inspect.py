@@ -26,9 +26,7 @@ def detect(storage: Storage) -> str:
             return "merged"
     if any(F.parse_rank_dirname(n) is not None for n in storage.listdir("")):
         return "spill"
-    raise SpillMergeError(
-        f"{storage.describe()} is neither a spill root (no rank-NNNNN folders) nor a merged output"
-    )
+    raise SpillMergeError(f"{storage.describe()} is neither a spill root (no rank-NNNNN folders) nor a merged output")
 
 
 def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:
@@ -155,7 +153,11 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append(f"  dtypes: {', '.join(s['dtypes']) or '-'}")
         for r in s["ranks"]:
             for e in r["segments"]:
-                extra = f"{e.get('frames', 0)} frames, {e.get('files', 0)} files, {_human(e.get('bytes', 0))}" if e["status"] == "committed" else ""
+                extra = (
+                    f"{e.get('frames', 0)} frames, {e.get('files', 0)} files, {_human(e.get('bytes', 0))}"
+                    if e["status"] == "committed"
+                    else ""
+                )
                 err = f"  ERROR: {e['error']}" if "error" in e else ""
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
@@ -173,7 +175,9 @@ def format_text(s: dict[str, Any]) -> str:
             )
             for f in s["files"]:
                 leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape']}" for x in f["leaves"])
-                lines.append(f"    {f['filename']!r}: {f['frames']} frames [{f['first_frame']}..{f['last_frame']}]  {leaves}")
+                lines.append(
+                    f"    {f['filename']!r}: {f['frames']} frames [{f['first_frame']}..{f['last_frame']}]  {leaves}"
+                )
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
     return "\n".join(lines)

@@ -148,9 +148,7 @@ def merge(
         raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
     if _contains(src, dst):
         raise SpillValueError(f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out")
-    state = wait_for_commits(
-        src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial
-    )
+    state = wait_for_commits(src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial)
     t_wait = time.perf_counter() - t0
     segments = sorted(state.committed, key=lambda s: (s.name, s.rank))
     loaded = load_all(src, segments)
@@ -223,13 +221,26 @@ def _write_output(
     for fp in plan.files:
         k = _frames_per_chunk(fp, chunk_bytes)
         if fp.is_dict:
-            nodes[f"files/{fp.key}"] = GroupMetadata(attributes={"spillmerge": {"filename": fp.filename, "file_index": fp.index}})
+            nodes[f"files/{fp.key}"] = GroupMetadata(
+                attributes={"spillmerge": {"filename": fp.filename, "file_index": fp.index}}
+            )
         for leaf in fp.leaves:
             lay = leaf.layout
             dt = F.DTYPES[lay.dtype]
-            attrs = {"spillmerge": {"filename": fp.filename, "file_index": fp.index, "leaf": list(lay.leaf), "dtype": lay.dtype}}
+            attrs = {
+                "spillmerge": {
+                    "filename": fp.filename,
+                    "file_index": fp.index,
+                    "leaf": list(lay.leaf),
+                    "dtype": lay.dtype,
+                }
+            }
             meta = _array_meta(
-                (len(fp.frames), *lay.shape), (k, *(max(d, 1) for d in lay.shape)), dt.storage, crc=True, attributes=attrs
+                (len(fp.frames), *lay.shape),
+                (k, *(max(d, 1) for d in lay.shape)),
+                dt.storage,
+                crc=True,
+                attributes=attrs,
             )
             nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
     n = len(plan.files)

@@ -127,11 +127,12 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         variants = []
         for g in np.unique(c["gl"][sel]):
             lay = layouts[int(g)]
-            variants.append(f"{lay.dtype}{list(lay.shape)} on rank(s) {_ranks(segments, c['seg'][sel & (c['gl'] == g)])}")
+            variants.append(
+                f"{lay.dtype}{list(lay.shape)} on rank(s) {_ranks(segments, c['seg'][sel & (c['gl'] == g)])}"
+            )
         leaf = "/".join(leaf_paths[lpidx]) or "<tensor>"
         raise LayoutMismatchError(
-            f"{names[fidx]!r:.200}: leaf {leaf!r} has different dtype/shape across frames: "
-            + "; ".join(variants),
+            f"{names[fidx]!r:.200}: leaf {leaf!r} has different dtype/shape across frames: " + "; ".join(variants),
             filename=names[fidx],
             leaf=leaf,
             ranks=_ranks(segments, c["seg"][sel]),
@@ -194,7 +195,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         have = set(c["lp"][a : a + int(leaves_per_key[k])].tolist())
         missing = ["/".join(leaf_paths[p]) or "<tensor>" for p in sorted(lp_sets[fidx] - have)]
         raise LayoutMismatchError(
-            f"{names[fidx]!r:.200} frame {frame} (rank {_ranks(segments, c['seg'][a:a+1])[0]}) lacks leaves "
+            f"{names[fidx]!r:.200} frame {frame} (rank {_ranks(segments, c['seg'][a : a + 1])[0]}) lacks leaves "
             f"{missing} that other frames of this file have (every frame needs the same leaves)",
             filename=names[fidx],
             leaf=missing[0] if missing else "",
@@ -220,7 +221,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         is_dict = leaf_tuples != [()]
         nodes = _leaf_nodes(leaf_tuples) if is_dict else {(): ""}
         leaves = []
-        for (lp, rows), leaf in zip(parts, leaf_tuples, strict=True):
+        for (_lp, rows), leaf in zip(parts, leaf_tuples, strict=True):
             gl = int(c["gl"][rows[0]])
             leaves.append(LeafPlan(layouts[gl], f"files/{key}" + (f"/{nodes[leaf]}" if is_dict else ""), rows))
         frames = c["frame"][parts[0][1]]

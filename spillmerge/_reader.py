@@ -89,7 +89,9 @@ class MergedStore(Mapping[str, Any]):
         try:
             self.group = zarr.open_group(self.storage.zarr_store(read_only=True), mode="r", use_consolidated=True)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
-            raise CorruptSpillError(f"{self.storage.describe()}: cannot open as zarr: {exc}", path=self.storage.describe()) from exc
+            raise CorruptSpillError(
+                f"{self.storage.describe()}: cannot open as zarr: {exc}", path=self.storage.describe()
+            ) from exc
         header = self.group.attrs.get("spillmerge")
         if not isinstance(header, dict) or header.get("kind") != "merged":
             raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())

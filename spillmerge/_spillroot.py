@@ -226,8 +226,7 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
                 waited_s=waited_s,
             )
         raise IncompleteSpillError(
-            f"{msg}; wait for them (timeout=...) or merge what is committed with allow_partial=True "
-            "(--allow-partial)",
+            f"{msg}; wait for them (timeout=...) or merge what is committed with allow_partial=True (--allow-partial)",
             missing=state.missing,
             incomplete=state.incomplete,
         )
@@ -281,7 +280,11 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     if google_crc32c.value(raw_cat) != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", F.CATALOG_NAME)
     cat = F.loads(raw_cat, path=storage.describe(cat_rel))
-    if not isinstance(cat, dict) or not isinstance(cat.get("filenames"), list) or not isinstance(cat.get("layouts"), list):
+    if (
+        not isinstance(cat, dict)
+        or not isinstance(cat.get("filenames"), list)
+        or not isinstance(cat.get("layouts"), list)
+    ):
         raise bad("catalog must hold 'filenames' and 'layouts' lists", F.CATALOG_NAME)
     filenames = cat["filenames"]
     if not all(isinstance(f, str) for f in filenames) or len(set(filenames)) != len(filenames):
@@ -320,9 +323,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(lid[order]) == 0)
         if np.any(dup):
             i = order[int(np.argmax(dup))]
-            raise bad(
-                f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME
-            )
+            raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME)
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
     return LoadedSegment(seg, filenames, layouts, index)
@@ -337,24 +338,34 @@ def _read_small_array(
     try:
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=_MAX_JSON), path=f"{path}/zarr.json")
     except FileNotFoundError:
-        raise CorruptSpillError(f"{path}: missing (the segment is committed but has no {rel.rsplit('/', 1)[-1]})", path=path, rank=rank) from None
+        raise CorruptSpillError(
+            f"{path}: missing (the segment is committed but has no {rel.rsplit('/', 1)[-1]})", path=path, rank=rank
+        ) from None
     shape = meta.get("shape") if isinstance(meta, dict) else None
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise CorruptSpillError(f"{path}/zarr.json: bad shape {shape!r}", path=path, rank=rank)
     if expect_shape is not None and shape != expect_shape:
-        raise CorruptSpillError(f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank)
+        raise CorruptSpillError(
+            f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank
+        )
     if any(d == 0 for d in shape):
         return b""
     key = f"{rel}/c/" + "/".join("0" * len(shape))
     try:
         blob = storage.get(key, max_bytes=max_bytes + 4)
     except FileNotFoundError:
-        raise CorruptSpillError(f"{storage.describe(key)}: missing chunk", path=storage.describe(key), rank=rank) from None
+        raise CorruptSpillError(
+            f"{storage.describe(key)}: missing chunk", path=storage.describe(key), rank=rank
+        ) from None
     if len(blob) < 4:
         raise CorruptSpillError(f"{storage.describe(key)}: truncated chunk", path=storage.describe(key), rank=rank)
     raw, stored = blob[:-4], int.from_bytes(blob[-4:], "little")
     if google_crc32c.value(raw) != stored:
-        raise CorruptSpillError(f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)", path=storage.describe(key), rank=rank)
+        raise CorruptSpillError(
+            f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)",
+            path=storage.describe(key),
+            rank=rank,
+        )
     return raw
 
 

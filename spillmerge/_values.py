@@ -39,9 +39,7 @@ def _torch_dtype_name(dt: torch.dtype) -> str | None:
 
 def check_filename(filename: object) -> str:
     if not isinstance(filename, str):
-        raise SpillValueError(
-            f"filename must be a str, got {type(filename).__name__} {filename!r:.80}", filename=None
-        )
+        raise SpillValueError(f"filename must be a str, got {type(filename).__name__} {filename!r:.80}", filename=None)
     try:
         filename.encode("utf-8")
     except UnicodeEncodeError:
@@ -56,10 +54,15 @@ def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
     """Accept non-negative Python/numpy ints and 0-d integer tensors; refuse anything else."""
     value: object = frame_idx
     if isinstance(frame_idx, torch.Tensor):
-        if frame_idx.ndim != 0 or frame_idx.dtype.is_floating_point or frame_idx.dtype in (
-            torch.bool,
-            torch.complex64,
-            torch.complex128,
+        if (
+            frame_idx.ndim != 0
+            or frame_idx.dtype.is_floating_point
+            or frame_idx.dtype
+            in (
+                torch.bool,
+                torch.complex64,
+                torch.complex128,
+            )
         ):
             raise SpillValueError(
                 f"frame_idx must be a non-negative integer; got a tensor of shape "
@@ -111,11 +114,15 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
             leaf=lname,
         )
     if t.device.type == "meta":
-        raise SpillValueError(f"leaf {lname!r} of {filename!r:.200}: meta tensors have no data", filename=filename, leaf=lname)
+        raise SpillValueError(
+            f"leaf {lname!r} of {filename!r:.200}: meta tensors have no data", filename=filename, leaf=lname
+        )
     name = _torch_dtype_name(t.dtype)
     if name is None:
         raise SpillValueError(
-            f"leaf {lname!r} of {filename!r:.200}: torch dtype {t.dtype} is not supported", filename=filename, leaf=lname
+            f"leaf {lname!r} of {filename!r:.200}: torch dtype {t.dtype} is not supported",
+            filename=filename,
+            leaf=lname,
         )
     t = t.detach()
     if t.is_conj():

@@ -404,10 +404,10 @@ class SpillWriter:
         data_meta = _array_meta((self._offset,), (chunk,), "uint8", crc=False)
         self.storage.put(self._rel(f"{F.DATA_NAME}/zarr.json"), F.dumps(data_meta))
         index_bytes = rows.astype("<i8").tobytes()
-        _put_array(self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64", self.fsync)
-        catalog = F.dumps(
-            {"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._layouts]}
+        _put_array(
+            self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64", self.fsync
         )
+        catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._layouts]})
         _put_array(self.storage, self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8", self.fsync)
         record = F.CommitRecord(
             rank=self.rank,

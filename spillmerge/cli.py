@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from ._errors import ConfigError, SpillMergeError
 
@@ -44,7 +45,9 @@ def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dic
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             ok, value = True, float(value)
         if not ok:
-            raise ConfigError(f"{path}: {section}.{key} must be a {want.__name__}, got {value!r}", key=f"{section}.{key}")
+            raise ConfigError(
+                f"{path}: {section}.{key} must be a {want.__name__}, got {value!r}", key=f"{section}.{key}"
+            )
         out[key] = value
     return out
 
@@ -102,8 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", help="output store (path or fsspec URL)")
     m.add_argument("--config", help="TOML file with a [merge] table; flags override it")
     m.add_argument("--timeout", type=float, help="seconds to wait for missing commit records (default 0: check once)")
-    m.add_argument("--allow-partial", action="store_true", default=None, help="merge what is committed; report missing ranks")
-    m.add_argument("--on-duplicate", choices=["error", "first", "last"], help="what to do with a key written twice with different content (default error)")
+    m.add_argument(
+        "--allow-partial", action="store_true", default=None, help="merge what is committed; report missing ranks"
+    )
+    m.add_argument(
+        "--on-duplicate",
+        choices=["error", "first", "last"],
+        help="what to do with a key written twice with different content (default error)",
+    )
     m.add_argument("--overwrite", action="store_true", default=None, help="replace an existing complete output")
     m.add_argument("--world-size", type=int, help="expected number of ranks (default: from the commit records)")
     m.add_argument("--chunk-bytes", type=_size, help="target output chunk size (default 16MiB)")

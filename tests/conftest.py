@@ -25,9 +25,7 @@ def _thread_police():
     before = {t.ident for t in threading.enumerate()}
     yield
     leaked = [
-        t
-        for t in threading.enumerate()
-        if t.ident not in before and t.is_alive() and t.name.startswith("spillmerge")
+        t for t in threading.enumerate() if t.ident not in before and t.is_alive() and t.name.startswith("spillmerge")
     ]
     for t in leaked:
         t.join(timeout=5)

@@ -15,7 +15,26 @@ from spillmerge import _format as F
 from spillmerge._storage import Storage
 
 names = st.text(min_size=0, max_size=120)
-hostile = st.sampled_from(["..", ".", "../..", "/etc/passwd", "a/../../b", "__zarr", ".zattrs", "zarr.json", "c", "~", "%2F", "A", "a", "x" * 300, "\x00", "con"])
+hostile = st.sampled_from(
+    [
+        "..",
+        ".",
+        "../..",
+        "/etc/passwd",
+        "a/../../b",
+        "__zarr",
+        ".zattrs",
+        "zarr.json",
+        "c",
+        "~",
+        "%2F",
+        "A",
+        "a",
+        "x" * 300,
+        "\x00",
+        "con",
+    ]
+)
 
 
 @given(st.lists(st.one_of(names, hostile), min_size=1, max_size=30, unique=True))

@@ -30,7 +30,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0, 256, (int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=g
+    )
     t = raw.view(dtype).reshape(shape)
     return t.clone() if dtype != torch.bool else (raw[: t.numel()] % 2).bool().reshape(shape)
 
