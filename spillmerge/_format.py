@@ -37,7 +37,7 @@ MAX_LEAF_BYTES = 1 << 40
 MAX_NDIM = 32
 
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
-_SEGMENT_RE = re.compile(r"^seg-\d{8}T\d{6}Z-[0-9a-f]{8}$")
+_SEGMENT_RE = re.compile(r"^seg-(\d{6,})-(\d{8}T\d{12}Z)-[0-9a-f]{8}$")
 
 
 def rank_dirname(rank: int) -> str:
@@ -49,9 +49,21 @@ def parse_rank_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def new_segment_name() -> str:
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{SEGMENT_PREFIX}{now}-{os.urandom(4).hex()}"
+def new_segment_name(existing: list[str]) -> str:
+    """``seg-SEQ-TIME-RAND``: SEQ is one more than the rank's highest existing segment, so a rank's
+    segments order by SEQ whatever the clocks say; TIME (UTC, microseconds) orders segments of
+    different ranks; RAND keeps two writers that wrongly share a rank apart."""
+    seqs = [segment_sort_key(n)[0] for n in existing if is_segment_name(n)]
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return f"{SEGMENT_PREFIX}{max(seqs, default=-1) + 1:06d}-{now}-{os.urandom(4).hex()}"
+
+
+def segment_sort_key(name: str) -> tuple[int, str]:
+    """(sequence number, UTC time) of a segment name."""
+    m = _SEGMENT_RE.match(name)
+    if not m:
+        raise ValueError(name)
+    return int(m.group(1)), m.group(2)
 
 
 def is_segment_name(name: str) -> bool:

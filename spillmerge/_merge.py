@@ -150,7 +150,8 @@ def merge(
         raise SpillValueError(f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out")
     state = wait_for_commits(src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial)
     t_wait = time.perf_counter() - t0
-    segments = sorted(state.committed, key=lambda s: (s.name, s.rank))
+    # Write order for the duplicate policy: segment start time, rank breaking ties.
+    segments = sorted(state.committed, key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name))
     loaded = load_all(src, segments)
     plan = build(loaded, on_duplicate)
     _prepare_output(dst, overwrite)

@@ -108,7 +108,7 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
 
 def list_segments(storage: Storage, rank: int) -> list[Segment]:
     names = [n for n in storage.listdir(F.rank_dirname(rank)) if F.is_segment_name(n)]
-    return [read_segment(storage, rank, n) for n in sorted(names)]
+    return [read_segment(storage, rank, n) for n in sorted(names, key=F.segment_sort_key)]
 
 
 def scan(storage: Storage) -> dict[int, list[Segment]]:

@@ -168,7 +168,7 @@ class SpillWriter:
         if self._state != "new":
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
         self.run_id = resolve_run_id(self._run_id_arg)
-        self.segment = F.new_segment_name()
+        self.segment = F.new_segment_name(self.storage.listdir(F.rank_dirname(self.rank)))
         self._prefix = f"{F.rank_dirname(self.rank)}/{self.segment}"
         self._filenames: list[str] = []
         self._file_ids: dict[str, int] = {}
