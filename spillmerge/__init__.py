@@ -22,7 +22,7 @@ from ._errors import (
     WriterClosedError,
 )
 from ._format import FORMAT_VERSION
-from ._merge import MergeReport, merge
+from ._merge import MergeReport, committed_keys, merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._writer import SpillWriter
 
@@ -50,6 +50,7 @@ __all__ = [
     "UnsafePathError",
     "WriterClosedError",
     "__version__",
+    "committed_keys",
     "merge",
     "open",
 ]

@@ -27,6 +27,8 @@ COMPLETE_NAME = "spillmerge-complete.json"
 DATA_NAME = "data"
 INDEX_NAME = "index"
 CATALOG_NAME = "catalog"
+JOURNAL_NAME = "journal"
+JOURNAL_MAGIC = b"SMJ1"
 INDEX_COLUMNS = 6  # file_id, frame_idx, layout_id, offset, nbytes, crc32c
 COL_FILE, COL_FRAME, COL_LAYOUT, COL_OFFSET, COL_NBYTES, COL_CRC = range(INDEX_COLUMNS)
 
@@ -349,3 +351,78 @@ class Layout:
 
     def leaf_name(self) -> str:
         return "/".join(self.leaf) if self.leaf else "<tensor>"
+
+
+# --------------------------------------------------------------------------------------------
+# journal entries (docs/FORMAT.md "journal")
+
+
+def journal_name(chunk: int) -> str:
+    return f"{JOURNAL_NAME}/{chunk:06d}"
+
+
+def encode_journal(
+    chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray
+) -> bytes:
+    import google_crc32c
+
+    header = dumps(
+        {
+            "chunk": chunk,
+            "file_base": file_base,
+            "filenames": files,
+            "layout_base": layout_base,
+            "layouts": [lay.to_obj() for lay in layouts],
+            "n_rows": len(rows),
+        }
+    )
+    body = JOURNAL_MAGIC + len(header).to_bytes(4, "little") + header + rows.astype("<i8").tobytes()
+    return body + google_crc32c.value(body).to_bytes(4, "little")
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """One decoded journal entry: what became durable with one data chunk."""
+
+    chunk: int
+    """Data chunk number it belongs to."""
+    file_base: int
+    """Catalog id of the first new filename."""
+    filenames: list[str]
+    """Filenames first used since the previous entry."""
+    layout_base: int
+    """Catalog id of the first new layout."""
+    layouts: list[Layout]
+    """Layouts first used since the previous entry."""
+    rows: np.ndarray
+    """int64 (n, 6) index rows completed in this chunk."""
+
+
+def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
+    import google_crc32c
+
+    if len(blob) < 12 or blob[:4] != JOURNAL_MAGIC:
+        raise CorruptSpillError(f"{path}: not a journal entry", path=path)
+    if google_crc32c.value(blob[:-4]) != int.from_bytes(blob[-4:], "little"):
+        raise CorruptSpillError(f"{path}: journal checksum mismatch (torn or corrupt)", path=path)
+    hlen = int.from_bytes(blob[4:8], "little")
+    if 8 + hlen > len(blob) - 4:
+        raise CorruptSpillError(f"{path}: journal header length out of range", path=path)
+    h = loads(blob[8 : 8 + hlen], path=path)
+    raw = blob[8 + hlen : -4]
+    if not isinstance(h, dict):
+        raise CorruptSpillError(f"{path}: journal header must be an object", path=path)
+    n = _int(h, "n_rows", path, hi=1 << 40)
+    if len(raw) != n * INDEX_COLUMNS * 8:
+        raise CorruptSpillError(f"{path}: journal rows do not match n_rows", path=path)
+    files, lays = h.get("filenames"), h.get("layouts")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files) or not isinstance(lays, list):
+        raise CorruptSpillError(f"{path}: journal catalog entries malformed", path=path)
+    return JournalEntry(
+        chunk=_int(h, "chunk", path, hi=1 << 40),
+        file_base=_int(h, "file_base", path, hi=1 << 40),
+        filenames=files,
+        layout_base=_int(h, "layout_base", path, hi=1 << 40),
+        layouts=[Layout.from_obj(o, path=path) for o in lays],
+        rows=np.frombuffer(raw, dtype="<i8").reshape(n, INDEX_COLUMNS).astype(np.int64),
+    )

@@ -16,7 +16,7 @@ import numpy as np
 from . import _format as F
 from ._errors import CorruptSpillError, OutputExistsError, SpillStorageError, SpillValueError
 from ._plan import FilePlan, Plan, build
-from ._spillroot import load_all, wait_for_commits
+from ._spillroot import load_all, load_flushed, wait_for_commits
 from ._storage import Storage
 from ._writer import _array_meta
 
@@ -51,6 +51,12 @@ class MergeReport:
     """Ranks without a commit record (only with ``allow_partial=True``)."""
     abandoned_segments: list[str] = field(default_factory=list)
     """Uncommitted segments superseded by a later commit of the same rank (not merged)."""
+    salvaged_frames: dict[int, int] = field(default_factory=dict)
+    """Rank → frames merged from its uncommitted segment's journal (``allow_partial``)."""
+    frame_gaps: dict[str, list[int]] = field(default_factory=dict)
+    """Filename → frame indices missing between 0 and its highest merged frame (``allow_partial``)."""
+    notes: list[str] = field(default_factory=list)
+    """Problems that stopped salvaging a journal (torn or corrupt entries)."""
 
     @property
     def filenames(self) -> int:  # the contract's name for the count
@@ -71,6 +77,11 @@ class MergeReport:
             s += f"; {self.duplicates} duplicate frame copies dropped"
         if self.missing_ranks:
             s += f"; PARTIAL: ranks {self.missing_ranks} missing"
+            if self.salvaged_frames:
+                s += f" (salvaged from their flushed chunks: {self.salvaged_frames} frames by rank)"
+            if self.frame_gaps:
+                n = sum(len(v) for v in self.frame_gaps.values())
+                s += f"; {n} frame(s) missing in {len(self.frame_gaps)} file(s)"
         return s
 
 
@@ -153,6 +164,16 @@ def merge(
     # Write order for the duplicate policy: segment start time, rank breaking ties.
     segments = sorted(state.committed, key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name))
     loaded = load_all(src, segments)
+    salvaged: dict[int, int] = {}
+    notes: list[str] = []
+    if allow_partial:
+        # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
+        for rank, seg in sorted(state.partial.items()):
+            part, problems = load_flushed(src, seg)
+            notes.extend(problems)
+            if len(part.index):
+                loaded.append(part)
+                salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
     plan = build(loaded, on_duplicate)
     _prepare_output(dst, overwrite)
     try:
@@ -179,9 +200,23 @@ def merge(
         wait_seconds=t_wait,
         merge_seconds=t_end - t0 - t_wait,
         duplicates=plan.duplicates,
-        missing_ranks=list(state.missing) + sorted(state.failed),
+        missing_ranks=sorted([*state.missing, *state.failed]),
         abandoned_segments=[src.describe(s.rel) for s in state.abandoned],
+        salvaged_frames=salvaged,
+        frame_gaps=_gaps(plan) if allow_partial else {},
+        notes=notes,
     )
+
+
+def _gaps(plan: Plan, limit: int = 10000) -> dict[str, list[int]]:
+    """Per filename, the frame indices absent between 0 and the highest frame merged."""
+    out: dict[str, list[int]] = {}
+    for fp in plan.files:
+        top = int(fp.frames[-1])
+        if len(fp.frames) != top + 1:
+            missing = np.setdiff1d(np.arange(min(top + 1, 1 << 24)), fp.frames)[:limit]
+            out[fp.filename] = missing.tolist()
+    return out
 
 
 def _frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
@@ -406,7 +441,7 @@ def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:
     out: list[tuple[str, int, int]] = []
     for r in rows.tolist():
         seg = plan.segments[int(plan.seg[r])]
-        cb = seg.seg.commit.chunk_bytes  # type: ignore[union-attr]
+        cb = seg.chunk_bytes
         off, end = int(plan.offset[r]), int(plan.offset[r] + plan.nbytes[r])
         while off < end:
             c = off // cb
@@ -419,3 +454,15 @@ def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:
                 out.append((rel, lo, hi))
             off = stop
     return out
+
+
+def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> dict[str, set[int]]:
+    """Filename → frame indices already committed under a spill root, by any rank and session.
+
+    A rerun after a crash can skip these keys; the merge unions all sessions."""
+    from ._spillroot import committed_keys as _keys
+
+    storage = Storage(root, storage_options)
+    if not storage.exists(""):
+        return {}
+    return _keys(storage)

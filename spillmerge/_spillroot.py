@@ -70,6 +70,10 @@ class LoadedSegment:
     """Catalog layouts (position = layout_id)."""
     index: np.ndarray
     """int64 (n_rows, 6) index, validated against the commit record."""
+    chunk_bytes: int
+    """Chunk size of the segment's ``data``."""
+    salvaged: bool = False
+    """True when rebuilt from the journal of an uncommitted segment (``allow_partial``)."""
 
 
 def list_ranks(storage: Storage) -> list[int]:
@@ -132,6 +136,8 @@ class SpillState:
     """Rank → path of its newest segment that has neither commit nor failure record."""
     abandoned: list[Segment]
     """Uncommitted segments superseded by a later commit of the same rank (ignored)."""
+    partial: dict[int, Segment]
+    """Missing or failed rank → its newest uncommitted segment (what ``allow_partial`` salvages)."""
 
 
 def assess(
@@ -155,6 +161,7 @@ def assess(
     missing: list[int] = []
     incomplete: dict[int, str] = {}
     abandoned: list[Segment] = []
+    partial: dict[int, Segment] = {}
     extra = sorted(r for r in segments if r >= world_size)
     if extra:
         raise CorruptSpillError(
@@ -177,18 +184,23 @@ def assess(
             done = [s for s in mine if s.commit is not None]
             if done:
                 committed.extend(s for s in segs if s.commit is not None)
-            elif any(s.failure is not None for s in mine):
+                continue
+            committed.extend(s for s in segs if s.commit is not None)  # earlier runs' commits
+            if any(s.failure is not None for s in mine):
                 failed[rank] = next(s.failure for s in reversed(mine) if s.failure is not None)  # type: ignore[misc]
             else:
                 missing.append(rank)
                 if mine:
                     incomplete[rank] = storage.describe(mine[-1].rel)
+            if mine:
+                partial[rank] = mine[-1]
             continue
         if not segs:
             missing.append(rank)
             continue
         newest = segs[-1]
         if newest.commit is None:
+            partial[rank] = newest
             if newest.failure is not None:
                 failed[rank] = newest.failure
             else:
@@ -197,7 +209,7 @@ def assess(
         committed.extend(s for s in segs if s.commit is not None)
         last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
         abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
-    return SpillState(world_size, committed, failed, missing, incomplete, abandoned)
+    return SpillState(world_size, committed, failed, missing, incomplete, abandoned, partial)
 
 
 def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | None = None) -> None:
@@ -212,7 +224,11 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
         parts = []
         for r in state.missing:
             where = state.incomplete.get(r)
-            parts.append(f"rank {r} ({'uncommitted segment ' + where if where else 'no segment'})")
+            if where and r in state.partial:
+                n = flushed_chunks(storage, state.partial[r])
+                parts.append(f"rank {r} (uncommitted segment {where}, {n} chunk(s) flushed)")
+            else:
+                parts.append(f"rank {r} ({'uncommitted segment ' + where if where else 'no segment'})")
         msg = (
             f"{storage.describe()}: {len(state.missing)} of {state.world_size} rank(s) have no commit "
             f"record: {', '.join(parts[:20])}{' ...' if len(parts) > 20 else ''}"
@@ -302,31 +318,39 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         raise bad("index checksum does not match the commit record", F.INDEX_NAME)
     index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, F.INDEX_COLUMNS).astype(np.int64)
 
-    if len(index):
-        fid, frame, lid = index[:, F.COL_FILE], index[:, F.COL_FRAME], index[:, F.COL_LAYOUT]
-        off, nb, crc = index[:, F.COL_OFFSET], index[:, F.COL_NBYTES], index[:, F.COL_CRC]
-        if fid.min() < 0 or fid.max() >= len(filenames):
-            raise bad("index refers to a filename the catalog does not have", F.INDEX_NAME)
-        if lid.min() < 0 or lid.max() >= len(layouts):
-            raise bad("index refers to a layout the catalog does not have", F.INDEX_NAME)
-        if frame.min() < 0:
-            raise bad("index has a negative frame index", F.INDEX_NAME)
-        if crc.min() < 0 or crc.max() > 0xFFFFFFFF:
-            raise bad("index has an impossible checksum", F.INDEX_NAME)
-        sizes = np.array([lay.nbytes for lay in layouts], dtype=np.int64)
-        if np.any(nb != sizes[lid]):
-            raise bad("index row sizes do not match their layouts", F.INDEX_NAME)
-        if off.min() < 0 or np.any(off > commit.nbytes - nb):
-            raise bad(f"index has offsets outside the {commit.nbytes} bytes of data", F.INDEX_NAME)
-        # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice.
-        order = np.lexsort((lid, frame, fid))
-        dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(lid[order]) == 0)
-        if np.any(dup):
-            i = order[int(np.argmax(dup))]
-            raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME)
+    _validate_rows(bad, filenames, layouts, index, commit.nbytes)
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
-    return LoadedSegment(seg, filenames, layouts, index)
+    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes)
+
+
+def _validate_rows(
+    bad: Any, filenames: list[str], layouts: list[F.Layout], index: np.ndarray, data_nbytes: int
+) -> None:
+    """Check every index row against the catalog and the data size (untrusted input)."""
+    if not len(index):
+        return
+    fid, frame, lid = index[:, F.COL_FILE], index[:, F.COL_FRAME], index[:, F.COL_LAYOUT]
+    off, nb, crc = index[:, F.COL_OFFSET], index[:, F.COL_NBYTES], index[:, F.COL_CRC]
+    if fid.min() < 0 or fid.max() >= len(filenames):
+        raise bad("index refers to a filename the catalog does not have", F.INDEX_NAME)
+    if lid.min() < 0 or lid.max() >= len(layouts):
+        raise bad("index refers to a layout the catalog does not have", F.INDEX_NAME)
+    if frame.min() < 0:
+        raise bad("index has a negative frame index", F.INDEX_NAME)
+    if crc.min() < 0 or crc.max() > 0xFFFFFFFF:
+        raise bad("index has an impossible checksum", F.INDEX_NAME)
+    sizes = np.array([lay.nbytes for lay in layouts], dtype=np.int64)
+    if np.any(nb != sizes[lid]):
+        raise bad("index row sizes do not match their layouts", F.INDEX_NAME)
+    if off.min() < 0 or np.any(off > data_nbytes - nb):
+        raise bad(f"index has offsets outside the {data_nbytes} bytes of data", F.INDEX_NAME)
+    # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice.
+    order = np.lexsort((lid, frame, fid))
+    dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(lid[order]) == 0)
+    if np.any(dup):
+        i = order[int(np.argmax(dup))]
+        raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME)
 
 
 def _read_small_array(
@@ -371,3 +395,69 @@ def _read_small_array(
 
 def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
     return [load_segment(storage, seg) for seg in segments]
+
+
+def flushed_chunks(storage: Storage, seg: Segment) -> int:
+    """How many journal entries (= data chunks made durable) an uncommitted segment has."""
+    return len([n for n in storage.listdir(f"{seg.rel}/{F.JOURNAL_NAME}") if n.isdigit()])
+
+
+def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[str]]:
+    """Rebuild an uncommitted segment's index from its journal: every entry in chunk order up to
+    the first missing or corrupt one. Returns the segment and the problems that stopped it."""
+    problems: list[str] = []
+    header = seg.header or {}
+    chunk_bytes = header.get("chunk_bytes")
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
+        raise CorruptSpillError(f"{storage.describe(seg.rel)}: segment header has no valid chunk_bytes", rank=seg.rank)
+    filenames: list[str] = []
+    layouts: list[F.Layout] = []
+    parts: list[np.ndarray] = []
+    n = 0
+    while True:
+        rel = f"{seg.rel}/{F.journal_name(n)}"
+        blob = storage.get_or_none(rel, max_bytes=1 << 31)
+        if blob is None:
+            break
+        try:
+            entry = F.decode_journal(blob, path=storage.describe(rel))
+            if entry.chunk != n or entry.file_base != len(filenames) or entry.layout_base != len(layouts):
+                raise CorruptSpillError(
+                    f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)
+                )
+        except CorruptSpillError as exc:
+            problems.append(str(exc))
+            break
+        filenames.extend(entry.filenames)
+        layouts.extend(entry.layouts)
+        parts.append(entry.rows)
+        n += 1
+    index = np.concatenate(parts) if parts else np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+    # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
+    # occurrence of each (file, frame, leaf), which is the last write's rows.
+    if len(index):
+        keys = index[:, [F.COL_FILE, F.COL_FRAME, F.COL_LAYOUT]]
+        _, last = np.unique(keys[::-1], axis=0, return_index=True)
+        index = index[np.sort(len(index) - 1 - last)]
+
+    def bad(msg: str, rel: str = "") -> CorruptSpillError:
+        where = storage.describe(f"{seg.rel}/{F.JOURNAL_NAME}")
+        return CorruptSpillError(f"{where}: {msg}", path=where, rank=seg.rank)
+
+    if len(set(filenames)) != len(filenames):
+        raise bad("journal lists a filename twice")
+    _validate_rows(bad, filenames, layouts, index, n * chunk_bytes)
+    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True), problems
+
+
+def committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
+    """Filename → frame indices already committed under the root (every rank, every segment)."""
+    out: dict[str, set[int]] = {}
+    for segs in scan(storage).values():
+        for seg in segs:
+            if seg.commit is None or seg.name == exclude:
+                continue
+            loaded = load_segment(storage, seg)
+            for fid, frame in set(map(tuple, loaded.index[:, :2].tolist())):
+                out.setdefault(loaded.filenames[fid], set()).add(frame)
+    return out

@@ -51,6 +51,16 @@ class _Chunk:
     """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums."""
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
+    completed: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    """(row, file_id, frame, layout_id, offset, nbytes) of rows whose last byte is in this chunk."""
+    file_base: int = 0
+    """Catalog id of ``new_files[0]``."""
+    new_files: list[str] = field(default_factory=list)
+    """Filenames registered since the previous chunk was handed off."""
+    layout_base: int = 0
+    """Catalog id of ``new_layouts[0]``."""
+    new_layouts: list[F.Layout] = field(default_factory=list)
+    """Layouts registered since the previous chunk was handed off."""
 
 
 class _Flusher(threading.Thread):
@@ -88,6 +98,15 @@ class _Flusher(threading.Thread):
             buf[chunk.fill : size] = 0
         self.w.storage.put(self.w._rel(f"{F.DATA_NAME}/c/{chunk.number}"), buf[:size].data, fsync=self.w.fsync)
         self.bytes_written += size
+        # The journal entry goes after its chunk: every row it lists is already durable.
+        rows = np.array(
+            [(f, fr, lay, off, nb, self.crc.get(row, 0)) for row, f, fr, lay, off, nb in chunk.completed],
+            dtype="<i8",
+        ).reshape(-1, F.INDEX_COLUMNS)
+        entry = F.encode_journal(
+            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
+        )
+        self.w.storage.put(self.w._rel(F.journal_name(chunk.number)), entry, fsync=self.w.fsync)
 
 
 class SpillWriter:
@@ -182,6 +201,9 @@ class SpillWriter:
         self._offset = 0
         self._n_chunks = 0
         self._current: _Chunk | None = None
+        self._journaled_files = 0
+        self._journaled_layouts = 0
+        self._committed_keys: dict[str, set[int]] | None = None
         self._started = time.time()
         header = {
             "format_version": F.FORMAT_VERSION,
@@ -195,6 +217,7 @@ class SpillWriter:
         }
         group = {"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": header}}
         self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
+        self.storage.makedirs(self._rel(F.JOURNAL_NAME))
         self.storage.put_atomic(self._rel("zarr.json"), F.dumps(group))
         self._flusher = _Flusher(self)
         self._flusher.start()
@@ -317,8 +340,12 @@ class SpillWriter:
             chunk.fill += n
             done += n
             self._offset += n
+            if done == leaf.nbytes:
+                chunk.completed.append((row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes))
             if chunk.fill == self.chunk_bytes:
                 self._hand_off()
+        if leaf.nbytes == 0:
+            self._current_chunk().completed.append((row, file_id, frame, layout_id, self._offset, 0))
 
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:
@@ -338,6 +365,9 @@ class SpillWriter:
     def _hand_off(self) -> None:
         chunk, self._current = self._current, None
         if chunk is not None:
+            chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
+            chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
+            self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
             self._flusher.q.put(chunk)
 
     # ------------------------------------------------------------------------- buffer pool
@@ -474,6 +504,21 @@ class SpillWriter:
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
         self._state = "failed"
+
+    # --------------------------------------------------------------------------------- resume
+    def committed_keys(self) -> dict[str, set[int]]:
+        """Filename → frame indices committed under this root by earlier sessions of any rank
+        (read once, when first asked). Use it to skip work after a crash."""
+        if self._committed_keys is None:
+            from ._spillroot import committed_keys
+
+            self._committed_keys = committed_keys(self.storage, exclude=self.segment)
+        return self._committed_keys
+
+    def is_committed(self, filename: str, frame_idx: int) -> bool:
+        """True when ``(filename, frame_idx)`` was committed by an earlier session (any rank)."""
+        frames = self.committed_keys().get(check_filename(filename))
+        return frames is not None and check_frame_idx(frame_idx, filename) in frames
 
     # ---------------------------------------------------------------------------------- merge
     def merge(self, out: str, dst: int = 0, **kwargs: Any) -> Any:

@@ -331,3 +331,37 @@ def test_corrupt_data_is_detected_by_merge(tmp_path):
         spillmerge.merge(str(root), str(tmp_path / "o"))
     assert info.value.rank == 0
     assert not (tmp_path / "o").exists()  # no half-written output left behind
+
+
+def test_rerun_skips_committed_keys_and_salvages_flushed_frames(tmp_path):
+    root = str(tmp_path / "s")
+    # A first run: rank 0 commits frames 0-3; rank 1 flushes frames 10-13 then dies (no commit).
+    with spillmerge.SpillWriter(root, rank=0, world_size=2, chunk_bytes=4096) as w:
+        for i in range(4):
+            w.write("f", i, torch.full((1024,), float(i)))
+    dead = spillmerge.SpillWriter(root, rank=1, world_size=2, chunk_bytes=4096)
+    dead.open()
+    for i in range(10, 15):
+        dead.write("f", i, torch.full((1024,), float(i)))  # one whole chunk each: handed to the flusher
+    dead._flusher.q.put(None)
+    dead._flusher.join()  # "killed": the flush thread stops, nothing else is written
+    rep = spillmerge.merge(root, str(tmp_path / "partial"), allow_partial=True)
+    assert rep.missing_ranks == [1]
+    assert rep.salvaged_frames[1] >= 3  # everything whose chunk and journal entry were durable
+    res = spillmerge.open(str(tmp_path / "partial"))
+    frames = res.frames("f").tolist()
+    assert frames[:4] == [0, 1, 2, 3] and set(frames[4:]) <= {10, 11, 12, 13, 14}
+    assert rep.frame_gaps["f"][:6] == [4, 5, 6, 7, 8, 9]
+    for row, frame in enumerate(frames):
+        assert res["f"][row, 0] == frame
+    # The rerun asks what is done and skips it.
+    assert spillmerge.committed_keys(root) == {"f": {0, 1, 2, 3}}
+    for rank in (0, 1):
+        with spillmerge.SpillWriter(root, rank=rank, world_size=2, chunk_bytes=4096) as w:
+            todo = [i for i in range(rank * 10, rank * 10 + 5) if not w.is_committed("f", i)]
+            for i in todo:
+                w.write("f", i, torch.full((1024,), float(i)))
+        assert todo == ([4] if rank == 0 else [10, 11, 12, 13, 14])
+    rep = spillmerge.merge(root, str(tmp_path / "full"))
+    assert rep.n_frames == 10 and rep.missing_ranks == [] and rep.abandoned_segments
+    assert spillmerge.open(str(tmp_path / "full")).frames("f").tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
