@@ -7,6 +7,7 @@ merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` re
 from ._errors import (
     CommitTimeout,
     ConfigError,
+    CoordinationError,
     CorruptSpillError,
     DuplicateFrameError,
     FormatVersionError,
@@ -32,6 +33,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CommitTimeout",
     "ConfigError",
+    "CoordinationError",
     "CorruptSpillError",
     "DuplicateFrameError",
     "FormatVersionError",

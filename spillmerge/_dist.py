@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import uuid
 
-from ._errors import SpillValueError
+from ._errors import CoordinationError, SpillValueError
 
 
 def _dist_initialized() -> bool:
@@ -47,7 +48,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def resolve_run_id(run_id: str | None) -> str | None:
+def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
     """The id shared by all ranks of one job run.
 
     Explicit argument, else the launcher's (torchrun's TORCHELASTIC_RUN_ID, SLURM's job id),
@@ -65,23 +66,29 @@ def resolve_run_id(run_id: str | None) -> str | None:
     if _dist_initialized():
         import torch.distributed as dist
 
-        group = gloo_group()
-        obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(obj, src=0, group=group)
+        try:
+            group = gloo_group(timeout)
+            obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(obj, src=0, group=group)
+        except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            raise CoordinationError(
+                f"rank {dist.get_rank()}: agreeing on a run id with the other ranks failed within "
+                f"{timeout:.0f} s ({exc}); every rank must create its SpillWriter, or pass run_id=...",
+                rank=dist.get_rank(),
+            ) from exc
         return str(obj[0])
     return None
 
 
-_GLOO_GROUP = None
+_GLOO_GROUPS: dict[int, object] = {}
 
 
-def gloo_group():  # type: ignore[no-untyped-def]
-    """A CPU-only process group over all ranks (the default group when it is gloo)."""
-    global _GLOO_GROUP
+def gloo_group(timeout: float):  # type: ignore[no-untyped-def]
+    """A CPU-only process group over all ranks with a bounded timeout (never NCCL), created once
+    per default process group."""
     import torch.distributed as dist
 
-    if dist.get_backend() == "gloo":
-        return None
-    if _GLOO_GROUP is None:
-        _GLOO_GROUP = dist.new_group(backend="gloo")
-    return _GLOO_GROUP
+    key = id(dist.group.WORLD)
+    if key not in _GLOO_GROUPS:
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    return _GLOO_GROUPS[key]

@@ -137,3 +137,11 @@ class ConfigError(SpillMergeError, ValueError):
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+class CoordinationError(SpillMergeError, RuntimeError):
+    """CPU-side coordination between ranks (gloo) failed or timed out; ``rank`` is the caller."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank

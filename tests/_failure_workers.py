@@ -1,0 +1,91 @@
+"""Worker functions for tests/test_failures.py (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+import torch
+
+
+def frame(filename: str, i: int) -> torch.Tensor:
+    return torch.full((1024,), float(i), dtype=torch.float32) + len(filename)
+
+
+def raising_rank(rank: int, world: int, port: int, root: str, out: str, result: str) -> None:
+    """4 gloo ranks; rank 2 raises inside its writer. Rank 0's merge must name it quickly."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    info: dict = {"rank": rank}
+    try:
+        with spillmerge.SpillWriter(root, chunk_bytes=4096) as w:
+            for i in range(rank, 40, world):
+                if rank == 2 and i >= 20:
+                    info["raised_at"] = time.time()
+                    raise ValueError(f"model blew up on frame {i}")
+                w.write("clip.mp4", i, frame("clip.mp4", i))
+        if rank == 0:
+            time.sleep(0.5)
+            t0 = time.time()
+            try:
+                w.merge(out, timeout=120)
+                info["error"] = None
+            except spillmerge.SpillMergeError as exc:
+                info.update(
+                    error=type(exc).__name__,
+                    message=str(exc),
+                    failures=getattr(exc, "failures", None),
+                    waited=time.time() - t0,
+                    detected_at=time.time(),
+                )
+        else:
+            assert w.merge(out) is None
+    except ValueError as exc:
+        info["raised"] = str(exc)
+    except BaseException:
+        info["crash"] = traceback.format_exc()
+    finally:
+        with open(f"{result}.{rank}", "w") as f:
+            json.dump(info, f)
+        # No barrier here: a failed rank must not hang the others, so nobody waits for anybody.
+
+
+def slow_spiller(root: str, rank: int, world: int, n_frames: int, ready: str) -> None:
+    """A SLURM-style task (no torch.distributed): spill, flag progress, then hang until killed."""
+    import spillmerge
+
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    w = spillmerge.SpillWriter(root, chunk_bytes=4096)
+    with w:
+        for i in range(n_frames):
+            w.write(f"task{rank}.mp4", i, frame(f"task{rank}.mp4", i))
+        if rank == 1:
+            deadline = time.time() + 30
+            while w._flusher.q.qsize() and time.time() < deadline:  # let the flush thread catch up
+                time.sleep(0.01)
+            time.sleep(0.2)
+            open(ready, "w").close()
+            time.sleep(600)  # SIGKILLed here by the test
+
+
+def enospc_spill(root: str, result: str) -> None:
+    """Spill into a 1 MiB tmpfs: the error must reach the loop with the path and the cause."""
+    import spillmerge
+
+    info: dict = {}
+    try:
+        with spillmerge.SpillWriter(root, rank=1, world_size=2, chunk_bytes=64 << 10) as w:
+            for i in range(100):  # 100 x 64 KiB = 6.4 MiB > 1 MiB
+                w.write("big.mp4", i, torch.zeros(16 << 10))
+        info["error"] = None
+    except spillmerge.SpillMergeError as exc:
+        info.update(error=type(exc).__name__, message=str(exc), path=getattr(exc, "path", None))
+    with open(result, "w") as f:
+        json.dump(info, f)

@@ -1,0 +1,171 @@
+"""Failure modes with real processes: raising ranks, SIGKILLed ranks, killed merges, full disks."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import spillmerge
+from spillmerge import _format as F
+
+from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
+
+CTX = mp.get_context("spawn")
+EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _join(procs, timeout: float) -> None:
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.time()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+
+
+def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path):
+    root, out, result = str(tmp_path / "spill"), str(tmp_path / "out"), str(tmp_path / "res")
+    port = _free_port()
+    procs = [CTX.Process(target=raising_rank, args=(r, 4, port, root, out, result)) for r in range(4)]
+    for p in procs:
+        p.start()
+    _join(procs, timeout=120)
+    infos = {r: json.loads(Path(f"{result}.{r}").read_text()) for r in range(4)}
+    assert not any("crash" in i for i in infos.values()), infos
+    assert infos[2]["raised"] == "model blew up on frame 22"
+    r0 = infos[0]
+    assert r0["error"] == "RankFailedError", r0
+    assert r0["failures"] == {"2": "ValueError: model blew up on frame 22"}
+    assert "rank 2: ValueError: model blew up on frame 22" in r0["message"]
+    assert r0["detected_at"] - infos[2]["raised_at"] < 10
+    # The failure record holds the traceback; the CLI names the rank at once.
+    record = next(Path(root).glob("rank-00002/seg-*/failed.json"))
+    assert "model blew up" in json.loads(record.read_text())["traceback"]
+    t0 = time.time()
+    p = subprocess.run(
+        [EXE, "merge", root, "--out", out, "--timeout", "60"], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 1 and "rank 2: ValueError: model blew up on frame 22" in p.stderr
+    assert time.time() - t0 < 30
+
+
+def test_sigkilled_rank_times_out_by_name_and_partial_merge_salvages(tmp_path):
+    root, ready = str(tmp_path / "spill"), str(tmp_path / "ready")
+    procs = {r: CTX.Process(target=slow_spiller, args=(root, r, 3, 12 if r != 1 else 9, ready)) for r in range(3)}
+    for p in procs.values():
+        p.start()
+    deadline = time.time() + 120
+    while not os.path.exists(ready) and time.time() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(ready), "rank 1 never reached its kill point"
+    os.kill(procs[1].pid, signal.SIGKILL)
+    _join(list(procs.values()), timeout=120)
+    assert procs[1].exitcode == -signal.SIGKILL and procs[0].exitcode == 0 and procs[2].exitcode == 0
+    t0 = time.time()
+    with pytest.raises(spillmerge.CommitTimeout) as info:
+        spillmerge.merge(root, str(tmp_path / "out"), timeout=2)
+    assert 2 <= time.time() - t0 < 10
+    assert info.value.missing == [1]
+    assert "rank 1 (uncommitted segment" in str(info.value) and "9 chunk(s) flushed" in str(info.value)
+    rep = spillmerge.merge(root, str(tmp_path / "out"), allow_partial=True)
+    assert rep.missing_ranks == [1] and rep.salvaged_frames == {1: 9}
+    res = spillmerge.open(str(tmp_path / "out"))
+    assert res.frames("task1.mp4").tolist() == list(range(9))
+    assert torch.equal(res["task1.mp4"].to_torch()[8], frame("task1.mp4", 8))
+    assert res.frames("task0.mp4").tolist() == list(range(12))
+
+
+def _spill_many(root: str, n_files: int) -> None:
+    with spillmerge.SpillWriter(root, chunk_bytes=1 << 20) as w:
+        for i in range(n_files):
+            for f in range(4):
+                w.write(f"file{i:04d}.mp4", f, torch.full((64,), float(i * 10 + f)))
+
+
+def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path):
+    root, out = str(tmp_path / "spill"), tmp_path / "out"
+    _spill_many(root, 3000)
+    # Output chunks of 4 KiB and 1 thread make the merge slow enough to kill in the middle.
+    proc = subprocess.Popen(
+        [EXE, "merge", root, "--out", str(out), "--chunk-bytes", "256", "--threads", "1", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (out / "files").exists() and any((out / "files").glob("file1*/c")):
+            break
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the merge finished before it could be killed"
+    assert not (out / F.COMPLETE_NAME).exists()
+    with pytest.raises(spillmerge.IncompleteOutputError, match="did not finish"):
+        spillmerge.open(str(out))
+    p = subprocess.run([EXE, "verify", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "merge did not finish" in p.stdout
+    p = subprocess.run([EXE, "merge", root, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = spillmerge.open(str(out))
+    assert len(res.filenames) == 3000
+    assert res["file2999.mp4"][3, 0] == 29993.0
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_reaches_the_loop_and_keeps_committed_data(tmp_path, tiny_tmpfs):
+    root = str(tiny_tmpfs / "spill")
+    with spillmerge.SpillWriter(root, rank=0, world_size=2, chunk_bytes=64 << 10) as w:
+        w.write("small.mp4", 0, torch.ones(100))
+    result = str(tmp_path / "enospc.json")
+    p = CTX.Process(target=enospc_spill, args=(root, result))
+    p.start()
+    _join([p], timeout=120)
+    info = json.loads(Path(result).read_text())
+    assert info["error"] == "SpillStorageError"
+    assert "No space left on device" in info["message"] and root in info["message"]
+    # Rank 0's committed segment is intact and merges; rank 1 is named as failed or missing.
+    with pytest.raises((spillmerge.RankFailedError, spillmerge.IncompleteSpillError), match="rank"):
+        spillmerge.merge(root, str(tmp_path / "out"))
+    rep = spillmerge.merge(root, str(tmp_path / "out"), allow_partial=True)
+    assert rep.missing_ranks == [1]
+    assert spillmerge.open(str(tmp_path / "out"))["small.mp4"][0, 0] == 1.0
+
+
+def test_read_only_root_is_a_clear_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)]).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        with pytest.raises(spillmerge.SpillStorageError, match="Read-only file system") as info:
+            spillmerge.SpillWriter(str(ro / "spill")).__enter__()
+        assert str(ro) in str(info.value)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
