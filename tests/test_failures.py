@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
 
 import spillmerge
 from spillmerge import _format as F
-
-from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
 
 CTX = mp.get_context("spawn")
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
