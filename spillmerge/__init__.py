@@ -23,6 +23,7 @@ from ._errors import (
     WriterClosedError,
 )
 from ._format import FORMAT_VERSION
+from ._inspect import VerifyReport, verify
 from ._merge import MergeReport, committed_keys, merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._writer import SpillWriter
@@ -50,9 +51,11 @@ __all__ = [
     "SpillValueError",
     "SpillWriter",
     "UnsafePathError",
+    "VerifyReport",
     "WriterClosedError",
     "__version__",
     "committed_keys",
     "merge",
     "open",
+    "verify",
 ]

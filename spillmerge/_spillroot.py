@@ -321,6 +321,12 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     _validate_rows(bad, filenames, layouts, index, commit.nbytes)
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
+    # Every chunk the commit record promises must exist: this also bounds what a hostile record
+    # can make the merge allocate by what is really on storage.
+    present = set(storage.listdir(f"{seg.rel}/{F.DATA_NAME}/c"))
+    for c in range(commit.n_chunks):
+        if str(c) not in present:
+            raise bad(f"data chunk {c} is missing", f"{F.DATA_NAME}/c/{c}")
     return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes)
 
 

@@ -1,0 +1,189 @@
+"""A spill root is untrusted input: corrupted or malicious indexes, catalogs and records must give
+a SpillMergeError, never a crash, a huge allocation or a write outside the output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import spillmerge
+from spillmerge import _format as F
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pristine") / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
+        for i in range(6):
+            w.write(f"f{i % 2}.mp4", i, {"x": torch.full((300,), float(i)), "s": i})
+    return root
+
+
+def _segment(root: Path) -> Path:
+    return next(root.glob("rank-00000/seg-*"))
+
+
+def _rewrite_array(seg: Path, name: str, raw: bytes, shape: list[int]) -> None:
+    meta = json.loads((seg / name / "zarr.json").read_text())
+    meta["shape"] = shape
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [max(d, 1) for d in shape]
+    (seg / name / "zarr.json").write_text(json.dumps(meta))
+    key = seg / name / "c" / "/".join("0" * len(shape))
+    key.parent.mkdir(parents=True, exist_ok=True)
+    key.write_bytes(raw + google_crc32c.value(raw).to_bytes(4, "little"))
+
+
+def _recommit(seg: Path, **changes) -> None:
+    commit = json.loads((seg / "commit.json").read_text())
+    commit.update(changes)
+    (seg / "commit.json").write_text(json.dumps(commit))
+
+
+def _merge_must_fail_cleanly_or_succeed(tmp: Path, root: Path) -> None:
+    out = tmp / "out"
+    try:
+        spillmerge.merge(str(root), str(out))
+    except spillmerge.SpillMergeError:
+        pass
+    else:  # a harmless mutation: the output must still be readable
+        spillmerge.open(str(out))
+    try:
+        rep = spillmerge.verify(str(root))
+        assert isinstance(rep.ok, bool)
+    except spillmerge.SpillMergeError:
+        pass
+    assert sorted(os.listdir(tmp)) in (["spill"], ["out", "spill"])
+
+
+interesting = st.one_of(
+    st.sampled_from([-1, 0, 1, 2, 5, 299, 300, 1200, 4096, 2**31, 2**32, 2**40, 2**62, 2**63 - 1, -(2**63)]),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cells=st.lists(
+        st.tuples(st.integers(0, 1000), st.integers(0, F.INDEX_COLUMNS - 1), interesting), min_size=1, max_size=4
+    )
+)
+def test_corrupted_index_rows(tmp_path_factory, pristine, cells):
+    tmp = tmp_path_factory.mktemp("idx")
+    root = tmp / "spill"
+    shutil.copytree(pristine, root)
+    seg = _segment(root)
+    commit = json.loads((seg / "commit.json").read_text())
+    index = np.frombuffer((seg / "index/c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, 6).copy()
+    for row, col, value in cells:
+        index[row % len(index), col] = value
+    raw = index.tobytes()
+    _rewrite_array(seg, "index", raw, [len(index), 6])
+    _recommit(seg, index_crc32c=google_crc32c.value(raw))
+    assert commit["n_rows"] == len(index)
+    _merge_must_fail_cleanly_or_succeed(tmp, root)
+
+
+catalogs = st.one_of(
+    st.just(b"not json"),
+    st.just(b"[" * 100000),
+    st.just(b'{"filenames": "x", "layouts": []}'),
+    st.builds(
+        lambda files, layouts: json.dumps({"filenames": files, "layouts": layouts}).encode(),
+        st.lists(st.one_of(st.text(max_size=5), st.sampled_from(["../../etc/passwd", "f0.mp4", "f1.mp4"])), max_size=4),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "leaf": st.one_of(st.lists(st.text(max_size=3), max_size=2), st.just("x")),
+                    "dtype": st.sampled_from(["float32", "int64", "bfloat16", "object", "<f4", "uint8"]),
+                    "shape": st.one_of(
+                        st.lists(st.integers(-2, 2**41), max_size=3), st.just([300]), st.just([]), st.just("big")
+                    ),
+                }
+            ),
+            max_size=4,
+        ),
+    ),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(catalog=catalogs)
+def test_corrupted_catalogs(tmp_path_factory, pristine, catalog):
+    tmp = tmp_path_factory.mktemp("cat")
+    root = tmp / "spill"
+    shutil.copytree(pristine, root)
+    seg = _segment(root)
+    _rewrite_array(seg, "catalog", catalog, [len(catalog)])
+    _recommit(seg, catalog_crc32c=google_crc32c.value(catalog))
+    _merge_must_fail_cleanly_or_succeed(tmp, root)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    field=st.sampled_from(
+        [
+            "format_version",
+            "kind",
+            "rank",
+            "world_size",
+            "segment",
+            "n_rows",
+            "nbytes",
+            "n_chunks",
+            "chunk_bytes",
+            "run_id",
+        ]
+    ),
+    value=st.one_of(interesting, st.text(max_size=8), st.none(), st.just(2), st.just("../../x"), st.just([1])),
+)
+def test_corrupted_commit_records(tmp_path_factory, pristine, field, value):
+    tmp = tmp_path_factory.mktemp("commit")
+    root = tmp / "spill"
+    shutil.copytree(pristine, root)
+    _recommit(_segment(root), **{field: value})
+    _merge_must_fail_cleanly_or_succeed(tmp, root)
+
+
+def test_hostile_index_shape_is_refused_before_reading(tmp_path, pristine):
+    root = tmp_path / "spill"
+    shutil.copytree(pristine, root)
+    seg = _segment(root)
+    meta = json.loads((seg / "index/zarr.json").read_text())
+    meta["shape"] = [2**40, 6]
+    (seg / "index/zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(spillmerge.CorruptSpillError, match="does not match the commit record"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+
+
+def test_missing_data_chunk_and_future_format_are_named(tmp_path, pristine):
+    root = tmp_path / "spill"
+    shutil.copytree(pristine, root)
+    seg = _segment(root)
+    (seg / "data/c/1").unlink()
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"data chunk 1 is missing"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    _recommit(seg, format_version=99)
+    with pytest.raises(spillmerge.FormatVersionError, match="format_version 99 is not supported"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+
+
+def test_foreign_folders_in_the_root_are_ignored_and_rank_names_validated(tmp_path, pristine):
+    root = tmp_path / "spill"
+    shutil.copytree(pristine, root)
+    (root / "notes").mkdir()
+    (root / "rank-0000x").mkdir()
+    (root / "rank-00000" / "seg-bogus").mkdir()
+    rep = spillmerge.merge(str(root), str(tmp_path / "out"))
+    assert rep.n_frames == 6
+    (root / "rank-00007").mkdir()
+    with pytest.raises(spillmerge.CorruptSpillError, match="outside world_size 1"):
+        spillmerge.merge(str(root), str(tmp_path / "out2"))
