@@ -294,18 +294,22 @@ def _write_output(
         _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
     )
     store = dst.zarr_store()
-    with zarr.config.set({"async.concurrency": 32}):
+    # write_empty_chunks: an index chunk that happens to be all zeros must still exist on disk
+    # (verify treats a missing chunk as damage).
+    with zarr.config.set({"async.concurrency": 32, "array.write_empty_chunks": True}):
         created = dict(zarr.create_hierarchy(store=store, nodes=nodes, overwrite=True))
 
     _copy(src, dst, plan, chunk_bytes, budget, threads, fsync, progress)
 
-    created["index/filenames"][:] = np.array([f.filename for f in plan.files], dtype=object)
-    created["index/keys"][:] = np.array([f.key for f in plan.files], dtype=object)
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
-    created["index/frame_offsets"][:] = offsets
-    if total_frames:
-        created["index/frame_idx"][:] = np.concatenate([f.frames for f in plan.files])
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        if n:
+            created["index/filenames"][:] = np.array([f.filename for f in plan.files], dtype=object)
+            created["index/keys"][:] = np.array([f.key for f in plan.files], dtype=object)
+        created["index/frame_offsets"][:] = offsets
+        if total_frames:
+            created["index/frame_idx"][:] = np.concatenate([f.frames for f in plan.files])
     with warnings.catch_warnings():
         # zarr warns that consolidated metadata is not in the v3 spec yet; zarr-python reads it, and
         # without it opening 1,000 arrays on S3 takes seconds (docs/FORMAT.md).

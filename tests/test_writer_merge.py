@@ -365,3 +365,16 @@ def test_rerun_skips_committed_keys_and_salvages_flushed_frames(tmp_path):
     rep = spillmerge.merge(root, str(tmp_path / "full"))
     assert rep.n_frames == 10 and rep.missing_ranks == [] and rep.abandoned_segments
     assert spillmerge.open(str(tmp_path / "full")).frames("f").tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14]
+
+
+def test_empty_spill_and_all_zero_data_merge_and_verify(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "empty")):
+        pass
+    rep = spillmerge.merge(str(tmp_path / "empty"), str(tmp_path / "o1"))
+    assert rep.n_files == 0 and spillmerge.open(str(tmp_path / "o1")).filenames == []
+    with spillmerge.SpillWriter(str(tmp_path / "zeros")) as w:
+        w.write("z", 0, torch.zeros(10))  # every index array of the output is all zeros too
+    spillmerge.merge(str(tmp_path / "zeros"), str(tmp_path / "o2"))
+    for path in ("empty", "o1", "zeros", "o2"):
+        rep = spillmerge.verify(str(tmp_path / path))
+        assert rep.ok, rep.problems
