@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec
 import google_crc32c
 import numpy as np
 
@@ -154,7 +155,10 @@ def merge(
     if not isinstance(threads, int) or threads < 1:
         raise SpillValueError(f"threads must be a positive int, got {threads!r}")
     src = Storage(root, storage_options)
-    dst = Storage(out, out_storage_options if out_storage_options is not None else storage_options)
+    if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
+        same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
+        out_storage_options = storage_options if same else None
+    dst = Storage(out, out_storage_options)
     if not src.exists(""):
         raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
     if _contains(src, dst):

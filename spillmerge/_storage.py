@@ -25,9 +25,25 @@ _INSTALL_HINTS = {
 _EXTRA = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
 
 
+# Transient S3 failures (5xx, throttling, resets, timeouts) are retried by botocore itself with
+# adaptive backoff; spillmerge adds no retry loop of its own. Users override via storage_options.
+_S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"retries": {"max_attempts": 8, "mode": "adaptive"}, "connect_timeout": 10, "read_timeout": 60}
+}
+
+
+def _with_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    opts = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        config = dict(_S3_DEFAULTS["config_kwargs"])
+        config.update(opts.get("config_kwargs", {}))
+        opts["config_kwargs"] = config
+    return opts
+
+
 def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fsspec.core.url_to_fs(url, **_with_defaults(url, storage_options))
     except ImportError as exc:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         pkg = _INSTALL_HINTS.get(protocol)
@@ -101,6 +117,10 @@ class Storage:
     def listdir(self, rel: str = "") -> list[str]:
         """Names directly below ``rel`` (files and folders); empty when ``rel`` does not exist."""
         p = self.path(rel)
+        if not self.local:
+            # Object-store filesystems cache listings; a barrier polling for commit records must
+            # see new objects.
+            self.fs.invalidate_cache(p)
         try:
             entries = self.fs.ls(p, detail=False)
         except FileNotFoundError:

@@ -7,11 +7,13 @@ Protocol (see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -63,42 +65,82 @@ class _Chunk:
     """Layouts registered since the previous chunk was handed off."""
 
 
+_WAKE = object()
+
+
 class _Flusher(threading.Thread):
-    """Background thread: waits for a chunk's copies, checksums its rows, writes it whole."""
+    """Background thread: waits for a chunk's device copies, checksums its rows, uploads it whole
+    (``flush_threads`` uploads at a time), and writes each chunk's journal entry once that chunk
+    and every earlier one are durable."""
 
     def __init__(self, writer: SpillWriter) -> None:
         super().__init__(name=f"spillmerge-flush-r{writer.rank}", daemon=True)
         self.w = writer
-        self.q: queue.Queue[_Chunk | None] = queue.Queue()
+        self.q: queue.Queue[Any] = queue.Queue()
         self.crc: dict[int, int] = {}
         self.error: BaseException | None = None
         self.bytes_written = 0
+        self._pending: collections.deque[tuple[_Chunk, Future[None]]] = collections.deque()
+        self._pool = ThreadPoolExecutor(writer.flush_threads, thread_name_prefix=f"spillmerge-put-r{writer.rank}")
 
     def run(self) -> None:
-        while True:
-            chunk = self.q.get()
-            if chunk is None:
-                return
-            try:
-                if self.error is None:
-                    self._flush(chunk)
-            except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
-                self.error = exc
-            finally:
-                self.w._release(chunk.host)
+        try:
+            while True:
+                chunk = self.q.get()
+                if chunk is None:
+                    break
+                if chunk is _WAKE:  # an upload finished: journal it and free its buffer
+                    self._retire(block=False)
+                    continue
+                if self.error is not None:
+                    self.w._release(chunk.host)
+                    continue
+                try:
+                    self._checksum(chunk)
+                    fut = self._pool.submit(self._upload, chunk)
+                    fut.add_done_callback(lambda _: self.q.put(_WAKE))
+                    self._pending.append((chunk, fut))
+                    self._retire(block=len(self._pending) > self.w.flush_threads)
+                except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
+                    self.error = self.error or exc
+            while self._pending:
+                self._retire(block=True)
+        finally:
+            self._pool.shutdown(wait=True)
 
-    def _flush(self, chunk: _Chunk) -> None:
+    def _checksum(self, chunk: _Chunk) -> None:
+        # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
         if chunk.event is not None:
             chunk.event.synchronize()
         buf = chunk.host.numpy()
         for row, start, stop in chunk.pieces:
             self.crc[row] = google_crc32c.extend(self.crc.get(row, 0), buf[start:stop])
+
+    def _upload(self, chunk: _Chunk) -> None:
+        buf = chunk.host.numpy()
         size = self.w._chunk_object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
         self.w.storage.put(self.w._rel(f"{F.DATA_NAME}/c/{chunk.number}"), buf[:size].data, fsync=self.w.fsync)
-        self.bytes_written += size
-        # The journal entry goes after its chunk: every row it lists is already durable.
+
+    def _retire(self, *, block: bool) -> None:
+        """Journal finished uploads in chunk order; release their buffers."""
+        while self._pending and (block or self._pending[0][1].done()):
+            chunk, fut = self._pending.popleft()
+            block = False
+            try:
+                fut.result()
+                if self.error is None:
+                    self.bytes_written += chunk.fill
+                    self._journal(chunk)
+            except BaseException as exc:  # noqa: BLE001
+                self.error = self.error or exc
+            finally:
+                self.w._release(chunk.host)
+
+    def _journal(self, chunk: _Chunk) -> None:
+        # Written only after this chunk and every earlier one are durable, so every row it lists
+        # (including rows that started in earlier chunks) can be read back.
         rows = np.array(
             [(f, fr, lay, off, nb, self.crc.get(row, 0)) for row, f, fr, lay, off, nb in chunk.completed],
             dtype="<i8",
@@ -129,6 +171,7 @@ class SpillWriter:
             ``"last"`` (a later write replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
         fsync: fsync each chunk on local disks (default True).
+        flush_threads: chunk uploads in flight (default 1 on local disks, 4 on object stores).
     """
 
     def __init__(
@@ -143,6 +186,7 @@ class SpillWriter:
         on_duplicate: DuplicatePolicy = "error",
         run_id: str | None = None,
         fsync: bool = True,
+        flush_threads: int | None = None,
     ) -> None:
         if on_duplicate not in _POLICIES:
             raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
@@ -152,6 +196,9 @@ class SpillWriter:
         self.storage = Storage(root, storage_options)
         self.root = self.storage.url
         self.chunk_bytes = chunk_bytes
+        self.flush_threads = flush_threads or (1 if self.storage.local else 4)
+        if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
+            raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
         staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
         self.n_buffers = max(2, -(-staging // chunk_bytes))
         self.on_duplicate: DuplicatePolicy = on_duplicate

@@ -16,7 +16,7 @@ from ._errors import ConfigError, SpillMergeError
 _MERGE_KEYS = {
     "root": str, "out": str, "timeout": float, "allow_partial": bool, "on_duplicate": str,
     "overwrite": bool, "chunk_bytes": int, "memory_budget": int, "threads": int,
-    "world_size": int, "storage_options": dict,
+    "world_size": int, "storage_options": dict, "out_storage_options": dict,
 }  # fmt: skip
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
@@ -118,7 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--chunk-bytes", type=_size, help="target output chunk size (default 16MiB)")
     m.add_argument("--memory-budget", type=_size, help="bytes of frames in flight (default 256MiB)")
     m.add_argument("--threads", type=int, help="copy threads (default 4)")
-    m.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+    m.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for ROOT (repeatable; also used for OUT when both share a protocol)",
+    )
+    m.add_argument(
+        "--out-storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for OUT (repeatable)"
+    )
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     i = sub.add_parser(
@@ -173,12 +181,20 @@ def _merge(args: argparse.Namespace) -> int:
     }  # fmt: skip
     opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
     so = {**opts.pop("storage_options", {}), **_storage_options(args.storage_option)}
+    out_so = {**opts.pop("out_storage_options", {}), **_storage_options(args.out_storage_option)}
     root, out = opts.pop("root", None), opts.pop("out", None)
     if not root:
         raise ConfigError("merge needs a spill root: spillmerge merge ROOT --out OUT", key="root")
     if not out:
         raise ConfigError("merge needs an output: --out OUT (or out = ... in the config)", key="out")
-    report = merge(root, out, storage_options=so or None, progress=False if args.no_progress else None, **opts)
+    report = merge(
+        root,
+        out,
+        storage_options=so or None,
+        out_storage_options=out_so or None,
+        progress=False if args.no_progress else None,
+        **opts,
+    )
     print(report)
     for seg in report.abandoned_segments:
         print(f"note: ignored uncommitted segment {seg} (superseded by a later commit of the same rank)")
