@@ -2,12 +2,72 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """One moto S3 server for the session, on 127.0.0.1 and a free port."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from _s3 import S3Server
+
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server: Any) -> Iterator[Any]:
+    """The session's S3 server, reset, with an empty bucket ``test``."""
+    s3_server.reset()
+    s3_server.create_bucket("test")
+    yield s3_server
+    s3_server.reset()
+
+
+@dataclass
+class Backend:
+    """Where a test puts its spill roots and outputs."""
+
+    name: str
+    """local, memory or s3."""
+    base: str
+    """A URL prefix unique to the test."""
+    options: dict[str, Any]
+    """fsspec storage options for ``base``."""
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
+    """Every storage-facing test runs against a local directory, memory:// and a real S3 server."""
+    if request.param == "local":
+        yield Backend("local", str(tmp_path), {})
+    elif request.param == "memory":
+        import fsspec
+
+        base = f"memory://t{next(_counter)}"
+        yield Backend("memory", base, {})
+        fsspec.filesystem("memory").rm(base.removeprefix("memory://"), recursive=True)
+    else:
+        server = request.getfixturevalue("s3")
+        from _s3 import storage_options
+
+        yield Backend("s3", f"s3://test/t{next(_counter)}", storage_options(server.endpoint))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

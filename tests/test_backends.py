@@ -1,0 +1,116 @@
+"""The storage-facing behaviour, written once and run against every back-end (local directory,
+memory://, a real S3 protocol server): see the ``backend`` fixture in conftest.py."""
+
+from __future__ import annotations
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import spillmerge
+
+
+def _value(name: str, frame: int) -> dict:
+    g = torch.Generator().manual_seed(frame * 1000 + len(name))
+    return {"mask": torch.randn(2, 8, 8, generator=g).to(torch.bfloat16), "score": float(frame), "n": frame}
+
+
+def _spill(backend, root: str, world: int = 2, frames: int = 12) -> None:
+    for r in range(world):
+        with spillmerge.SpillWriter(
+            root, rank=r, world_size=world, storage_options=backend.options, chunk_bytes=4096
+        ) as w:
+            for f in range(r, frames, world):
+                w.write("clip/a b.mp4", f, _value("clip/a b.mp4", f))
+                w.write("other.mp4", f, torch.full((3,), float(f)))
+
+
+def test_round_trip_and_plain_zarr(backend):
+    root, out = backend.url("spill"), backend.url("out.zarr")
+    _spill(backend, root)
+    rep = spillmerge.merge(root, out, storage_options=backend.options)
+    assert (rep.n_files, rep.n_frames, rep.ranks) == (2, 24, [0, 1])
+    res = spillmerge.open(out, storage_options=backend.options)
+    assert res.filenames == ["clip/a b.mp4", "other.mp4"]
+    assert res.frames("clip/a b.mp4").tolist() == list(range(12))
+    mask = res["clip/a b.mp4"]["mask"].to_torch()
+    for f in range(12):
+        want = _value("clip/a b.mp4", f)["mask"]
+        assert torch.equal(mask[f].view(torch.int16), want.view(torch.int16))
+    g = zarr.open_group(out, mode="r", storage_options=backend.options or None)
+    names, keys = list(g["index/filenames"][:]), list(g["index/keys"][:])
+    arr = g[f"files/{keys[names.index('other.mp4')]}"]
+    assert arr.attrs["spillmerge"]["filename"] == "other.mp4"
+    np.testing.assert_array_equal(arr[:, 0], np.arange(12, dtype=np.float32))
+    assert spillmerge.verify(out, backend.options).ok and spillmerge.verify(root, backend.options).ok
+
+
+def test_barrier_failure_records_and_partial_merge(backend):
+    root = backend.url("spill")
+    _spill(backend, root, world=3, frames=6)
+    fs, path = fsspec.core.url_to_fs(root, **backend.options)
+    # Rank 2 reruns and is killed (no record at all): named at the timeout with what it flushed.
+    dead = spillmerge.SpillWriter(root, rank=2, world_size=3, storage_options=backend.options, chunk_bytes=4096)
+    dead.open()
+    for f in range(200, 205):
+        dead.write("dead.mp4", f, torch.full((1024,), float(f)))  # 4 KiB: one chunk each, flushed
+    dead._flusher.q.put(None)
+    dead._flusher.join()
+    with pytest.raises(spillmerge.CommitTimeout, match=r"rank 2 \(uncommitted segment .*5 chunk\(s\) flushed") as tinfo:
+        spillmerge.merge(root, backend.url("o1"), storage_options=backend.options, timeout=0.5)
+    assert tinfo.value.missing == [2]
+    # Rank 1 crashes in a rerun: its failure record ends the wait at once.
+    with pytest.raises(KeyError):
+        with spillmerge.SpillWriter(root, rank=1, world_size=3, storage_options=backend.options) as w:
+            w.write("other.mp4", 100, torch.zeros(3))
+            raise KeyError("missing input")
+    with pytest.raises(spillmerge.RankFailedError, match="rank 1: KeyError") as info:
+        spillmerge.merge(root, backend.url("o1"), storage_options=backend.options, timeout=30)
+    assert list(info.value.failures) == [1]
+    rep = spillmerge.merge(root, backend.url("o1"), storage_options=backend.options, allow_partial=True)
+    assert rep.missing_ranks == [1, 2]
+    frames = spillmerge.open(backend.url("o1"), storage_options=backend.options).frames("other.mp4").tolist()
+    assert frames == [*range(6), 100]
+    assert spillmerge.open(backend.url("o1"), storage_options=backend.options).frames("dead.mp4").tolist() == list(
+        range(200, 205)
+    )
+    assert fs.exists(f"{path}/rank-00001")
+
+
+def test_corruption_is_found_by_verify_and_merge(backend):
+    root = backend.url("spill")
+    _spill(backend, root, world=1)
+    fs, path = fsspec.core.url_to_fs(root, **backend.options)
+    chunk = sorted(p for p in fs.find(path) if "/data/c/" in p)[0]
+    raw = bytearray(fs.cat_file(chunk))
+    raw[10] ^= 0xFF
+    fs.pipe_file(chunk, bytes(raw))
+    rep = spillmerge.verify(root, backend.options)
+    assert not rep.ok and any("checksum mismatch" in p and chunk.split("/", 1)[-1] in p for p in rep.problems)
+    with pytest.raises(spillmerge.CorruptSpillError, match="checksum mismatch"):
+        spillmerge.merge(root, backend.url("out"), storage_options=backend.options)
+    assert not fs.exists(backend.url("out").split("://")[-1] + "/spillmerge-complete.json")
+
+
+def test_output_is_protected_and_interrupted_merges_rebuild(backend):
+    root, out = backend.url("spill"), backend.url("out")
+    _spill(backend, root, world=1, frames=3)
+    spillmerge.merge(root, out, storage_options=backend.options)
+    with pytest.raises(spillmerge.OutputExistsError):
+        spillmerge.merge(root, out, storage_options=backend.options)
+    fs, path = fsspec.core.url_to_fs(out, **backend.options)
+    fs.rm(f"{path}/spillmerge-complete.json")
+    with pytest.raises(spillmerge.IncompleteOutputError):
+        spillmerge.open(out, storage_options=backend.options)
+    spillmerge.merge(root, out, storage_options=backend.options)
+    assert spillmerge.open(out, storage_options=backend.options).frames("other.mp4").tolist() == [0, 1, 2]
+
+
+def test_resume_sees_committed_keys(backend):
+    root = backend.url("spill")
+    _spill(backend, root, world=2, frames=4)
+    assert spillmerge.committed_keys(root, backend.options) == {"clip/a b.mp4": {0, 1, 2, 3}, "other.mp4": {0, 1, 2, 3}}
+    with spillmerge.SpillWriter(root, rank=0, world_size=2, storage_options=backend.options) as w:
+        assert w.is_committed("other.mp4", 3) and not w.is_committed("other.mp4", 4)
