@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ._errors import SpillStorageError, UnsafePathError
+from ._errors import SpillMergeError, SpillStorageError, UnsafePathError
 
 _INSTALL_HINTS = {
     "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
@@ -26,9 +26,9 @@ _EXTRA = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
 
 
 # Transient S3 failures (5xx, throttling, resets, timeouts) are retried by botocore itself with
-# adaptive backoff; spillmerge adds no retry loop of its own. Users override via storage_options.
+# exponential backoff; spillmerge adds no retry loop of its own. Users override via storage_options.
 _S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"retries": {"max_attempts": 8, "mode": "adaptive"}, "connect_timeout": 10, "read_timeout": 60}
+    "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}, "connect_timeout": 10, "read_timeout": 60}
 }
 
 
@@ -39,6 +39,13 @@ def _with_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str
         config.update(opts.get("config_kwargs", {}))
         opts["config_kwargs"] = config
     return opts
+
+
+def _why(exc: BaseException) -> str:
+    """The cause of a storage error in a few words (``No space left on device`` ...)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return str(exc.strerror)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
@@ -87,8 +94,10 @@ class Storage:
     def exists(self, rel: str) -> bool:
         try:
             return bool(self.fs.exists(self.path(rel)))
-        except OSError as exc:
-            raise SpillStorageError(f"cannot check {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(f"cannot check {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def get(self, rel: str, *, max_bytes: int | None = None) -> bytes:
         """Whole object ``rel``; ``FileNotFoundError`` when absent."""
@@ -104,8 +113,10 @@ class Storage:
             data = self.fs.cat_file(p)
         except FileNotFoundError:
             raise
-        except OSError as exc:
-            raise SpillStorageError(f"cannot read {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(f"cannot read {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
         return bytes(data)
 
     def get_or_none(self, rel: str, *, max_bytes: int | None = None) -> bytes | None:
@@ -127,8 +138,10 @@ class Storage:
             return []
         except NotADirectoryError:
             return []
-        except OSError as exc:
-            raise SpillStorageError(f"cannot list {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(f"cannot list {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
         names = []
         for e in entries:
             name = posixpath.basename(str(e).rstrip("/"))
@@ -155,8 +168,10 @@ class Storage:
         paths = [self.path(rel) for rel, _, _ in pieces]
         try:
             blobs = self.fs.cat_ranges(paths, [s for _, s, _ in pieces], [e for _, _, e in pieces], on_error="raise")
-        except OSError as exc:
-            raise SpillStorageError(f"cannot read from {self.describe()}: {exc}", path=self.describe()) from exc
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(f"cannot read from {self.describe()}: {_why(exc)}", path=self.describe()) from exc
         pos = 0
         for (rel, start, stop), blob in zip(pieces, blobs, strict=True):
             n = stop - start
@@ -179,9 +194,11 @@ class Storage:
                 return fd
             try:
                 fd = os.open(self.path(rel), os.O_RDONLY)
-            except OSError as exc:
+            except SpillMergeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
                 raise SpillStorageError(
-                    f"cannot open {self.describe(rel)}: {exc.strerror}", path=self.describe(rel)
+                    f"cannot open {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
                 ) from exc
             self._fds[rel] = fd
             while len(self._fds) > 128:
@@ -200,9 +217,11 @@ class Storage:
         if self.local:
             try:
                 os.makedirs(self.path(rel), exist_ok=True)
-            except OSError as exc:
+            except SpillMergeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
                 raise SpillStorageError(
-                    f"cannot create {self.describe(rel)}: {exc.strerror or exc}", path=self.describe(rel)
+                    f"cannot create {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
                 ) from exc
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
@@ -226,10 +245,10 @@ class Storage:
             else:
                 blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
                 self.fs.pipe_file(p, bytes(blob))
-        except OSError as exc:
-            raise SpillStorageError(
-                f"cannot write {self.describe(rel)}: {exc.strerror or exc}", path=self.describe(rel)
-            ) from exc
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write ``rel`` so that readers see either nothing or the whole object: a temporary name,
@@ -252,14 +271,14 @@ class Storage:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        except OSError as exc:
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise SpillStorageError(
-                f"cannot write {self.describe(rel)}: {exc.strerror or exc}", path=self.describe(rel)
-            ) from exc
+            raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
@@ -268,8 +287,12 @@ class Storage:
                 self.fs.rm(p, recursive=True)
         except FileNotFoundError:
             pass
-        except OSError as exc:
-            raise SpillStorageError(f"cannot remove {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(
+                f"cannot remove {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
+            ) from exc
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:

@@ -116,7 +116,13 @@ class FaultyProxy:
                     self.wfile.write(data)
                 conn.close()
 
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+            def _safe(self) -> None:
+                try:
+                    self._handle()
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up: fine
+                    self.close_connection = True
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _safe
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
