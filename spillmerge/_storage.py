@@ -250,6 +250,26 @@ class Storage:
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
+    def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
+        """Write many small objects; concurrently on object stores."""
+        if self.local:
+            for rel, data in objects.items():
+                self.makedirs(posixpath.dirname(rel))
+                self.put(rel, data)
+            return
+        paths = {self.path(rel): data for rel, data in objects.items()}
+        try:
+            if getattr(self.fs, "async_impl", False):
+                self.fs.pipe(paths, batch_size=batch)
+            else:
+                self.fs.pipe(paths)
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(
+                f"cannot write metadata under {self.describe()}: {_why(exc)}", path=self.describe()
+            ) from exc
+
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write ``rel`` so that readers see either nothing or the whole object: a temporary name,
         fsync and rename on local disks; a single PUT (objects are immutable) elsewhere."""

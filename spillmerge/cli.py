@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--world-size", type=int, help="expected number of ranks (default: from the commit records)")
     m.add_argument("--chunk-bytes", type=_size, help="target output chunk size (default 16MiB)")
     m.add_argument("--memory-budget", type=_size, help="bytes of frames in flight (default 256MiB)")
-    m.add_argument("--threads", type=int, help="copy threads (default 4)")
+    m.add_argument("--threads", type=int, help="copy threads (default 4 on local disks, 16 with an object store)")
     m.add_argument(
         "--storage-option",
         action="append",

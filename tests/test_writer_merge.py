@@ -378,3 +378,24 @@ def test_empty_spill_and_all_zero_data_merge_and_verify(tmp_path):
     for path in ("empty", "o1", "zeros", "o2"):
         rep = spillmerge.verify(str(tmp_path / path))
         assert rep.ok, rep.problems
+
+
+def test_consolidated_metadata_matches_zarrs_own(tmp_path):
+    import json
+    import warnings
+
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        for f in range(3):
+            w.write("a.mp4", f, {"x": torch.zeros(2), "deep": {"er": {"y": f}}})
+            w.write("b/c.mp4", f, torch.ones(2, dtype=torch.bfloat16))
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"))
+    ours = json.loads((tmp_path / "o" / "zarr.json").read_text())
+    shutil.copytree(tmp_path / "o", tmp_path / "z")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(tmp_path / "z"))
+    theirs = json.loads((tmp_path / "z" / "zarr.json").read_text())
+    assert ours == theirs
+    g = zarr.open_group(str(tmp_path / "o"), mode="r", use_consolidated=True)
+    assert g.metadata.consolidated_metadata is not None
+    assert {p for p, _ in g.members(max_depth=None)} == set(ours["consolidated_metadata"]["metadata"])
