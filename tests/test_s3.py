@@ -23,10 +23,18 @@ def expected(rank: int, frame: int) -> torch.Tensor:
 
 
 def s3_rank(root: str, opts: dict, rank: int, world: int) -> None:
+    with spillmerge.SpillWriter(root, rank, world, storage_options=opts, chunk_bytes=64 << 10) as w:
+        for f in range(rank, 30, world):
+            w.write(f"vid{f % 3}.mp4", f, {"x": expected(rank, f), "rank": rank})
+
+
+def env_rank(root: str, opts: dict, rank: int, world: int) -> None:
+    """A separate process that learns its rank from the environment, as under SLURM."""
     import os
 
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)  # SLURM-style: no torch.distributed
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     with spillmerge.SpillWriter(root, storage_options=opts, chunk_bytes=64 << 10) as w:
+        assert (w.rank, w.world_size) == (rank, world)
         for f in range(rank, 30, world):
             w.write(f"vid{f % 3}.mp4", f, {"x": expected(rank, f), "rank": rank})
 
@@ -43,7 +51,7 @@ def _check(res) -> None:
 
 def test_rank_processes_spill_to_s3_and_merge_every_direction(s3, tmp_path):
     opts = storage_options(s3.endpoint)
-    procs = [CTX.Process(target=s3_rank, args=("s3://test/spill", opts, r, 3)) for r in range(3)]
+    procs = [CTX.Process(target=env_rank, args=("s3://test/spill", opts, r, 3)) for r in range(3)]
     for p in procs:
         p.start()
     for p in procs:
