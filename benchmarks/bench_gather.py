@@ -1,43 +1,31 @@
-#!/usr/bin/env python
-"""spillmerge vs ``torch.distributed.gather_object``: wall time and peak extra memory per rank.
+"""Gather predictions of W gloo ranks to rank 0: spillmerge against the usual peers, one run.
 
-One invocation generates one workload (fp16 frames, uneven frame counts per filename, frames
-spread unevenly and shuffled over W gloo ranks on 127.0.0.1) and runs every method on it, each
-repeat of each method in a fresh set of ``torch.multiprocessing.spawn`` processes, so that peak
-memory is per method. It prints a markdown table (median over repeats).
+Every method gets the same generated workload (fp16 frames, uneven and shuffled over the ranks,
+already in CPU memory when the clock starts), runs in fresh processes, is timed from a barrier
+until rank 0 holds the complete result on disk (fsynced), is verified byte-exactly afterwards
+(a wrong result is reported as FAILED), and is repeated; medians are printed.
 
-What is timed (rank 0's clock, from a gloo barrier that follows the generation of the frames, which
-every rank already holds in CPU memory as a list of tensors):
+Methods:
+  spillmerge          SpillWriter on every rank, then merge on rank 0 (what this project does)
+  gather_object       torch.distributed.gather_object of each rank's dict, rank 0 writes .npy files
+  all_gather_object   the same with all_gather_object (every rank receives everything)
+  chunked_all_gather  all_gather_object in 16 slices (bounded peak, same total)
+  torch_save          torch.save per rank to shared disk + torch.load on rank 0, rank 0 writes .npy
+  raw_spill           hand-written floor: one flat .bin + JSON index per rank, merge via np.memmap
+  disk_limit          one process writes P bytes with fsync (the physical limit; no ranks)
 
-* ``spillmerge``: every rank ``with SpillWriter(root) as w: w.write(...)`` for each of its frames
-  (this includes the run-id agreement over gloo, chunk fsyncs, index and commit record), then
-  ``w.merge(out)``; rank 0 stops when ``merge`` returns (it waited on storage for every rank's
-  commit record, wrote the merged Zarr store and fsync'd it).
-* ``gather_object``: every rank builds ``{(filename, frame_idx): tensor}`` and calls
-  ``dist.gather_object(..., dst=0)``; rank 0 then merges the W dicts, and per filename sorts the
-  frames, stacks them and ``np.save``s the array (plus its frame indices) into a directory,
-  fsyncing each file and the directory; rank 0 stops when that is done.
+Peak extra memory = max over the timed section of (resident - shared) pages, minus the value just
+before it (anonymous memory; page cache is not counted), sampled every 5 ms.
 
-Other ranks stop their clock when their own part returns. Correctness is checked after the timed
-section (untimed) on rank 0 against frames regenerated from their seeds: every frame, bit-exact.
-A method with any wrong output or error is reported as FAILED and not scored.
-
-Memory: a thread samples ``/proc/self/status`` (VmRSS, RssAnon) every ~5 ms; the kernel's VmHWM is
-reset (``/proc/self/clear_refs``) just before the timed section and read after it, which catches
-peaks the sampler misses (pickle holds the GIL). Peak extra = peak RSS in the timed section minus
-RSS just before it.
-
-Smoke test: ``python benchmarks/bench_gather.py --payload-gib 0.05 --repeats 1``.
+Usage: python benchmarks/bench_gather.py [--payload-gib 1] [--world-size 4] [--methods a,b] [--out-md F]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
+import multiprocessing as mp
 import os
-import platform
 import random
 import shutil
 import socket
@@ -46,505 +34,364 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-import zlib
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-METHODS = ("spillmerge", "gather_object")
-MIB = 1 << 20
-GIB = 1 << 30
+ALL = [
+    "spillmerge",
+    "gather_object",
+    "all_gather_object",
+    "chunked_all_gather",
+    "torch_save",
+    "raw_spill",
+    "disk_limit",
+]
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-# --------------------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class Config:
-    world_size: int = 4
-    payload_gib: float = 1.0
-    frame_shape: tuple[int, ...] = (3, 256, 256)
-    files: int = 16
-    seed: int = 0
-    timeout: float = 1800.0
-
-    @property
-    def frame_bytes(self) -> int:
-        return 2 * int(np.prod(self.frame_shape))  # fp16
-
-
-@dataclass(frozen=True)
-class Workload:
-    filenames: list[str]
-    counts: list[int]  # frames per filename (frames 0..count-1)
-    assignment: list[list[tuple[int, int]]]  # per rank, shuffled (file id, frame idx)
-
-    @property
-    def n_frames(self) -> int:
-        return sum(self.counts)
-
-
-def build_workload(cfg: Config) -> Workload:
-    """Deterministic in ``cfg``: uneven frame counts per file, uneven shuffled split over ranks."""
-    rng = random.Random(cfg.seed)
-    n = max(cfg.files, round(cfg.payload_gib * GIB / cfg.frame_bytes))
-    weights = [rng.uniform(0.5, 1.5) for _ in range(cfg.files)]
-    total = sum(weights)
-    counts = [max(1, int(n * w / total)) for w in weights]
-    i = 0
-    while sum(counts) < n:  # hand out the remainder round robin
-        counts[i % cfg.files] += 1
-        i += 1
-    filenames = [f"videos/clip {i:03d}.mp4" if i % 3 else f"video_{i:03d}.mp4" for i in range(cfg.files)]
-    keys = [(f, k) for f, c in enumerate(counts) for k in range(c)]
+# ------------------------------------------------------------------------------------ workload
+def workload(
+    payload: int, shape: tuple[int, ...], files: int, world: int, seed: int
+) -> dict[int, list[tuple[str, int]]]:
+    frame_bytes = int(np.prod(shape)) * 2
+    n = max(world, payload // frame_bytes)
+    rng = random.Random(seed)
+    weights = [rng.uniform(0.5, 1.5) for _ in range(files)]
+    counts = [max(1, int(n * w / sum(weights))) for w in weights]
+    keys = [(f"video_{i:03d}.mp4", f) for i, c in enumerate(counts) for f in range(c)]
     rng.shuffle(keys)
-    rank_weights = [rng.uniform(0.5, 1.5) for _ in range(cfg.world_size)]
-    assignment: list[list[tuple[int, int]]] = [[] for _ in range(cfg.world_size)]
-    for key, r in zip(keys, rng.choices(range(cfg.world_size), rank_weights, k=len(keys)), strict=True):
-        assignment[r].append(key)
-    return Workload(filenames, counts, assignment)
-
-
-def make_frame(cfg: Config, file_id: int, frame: int) -> torch.Tensor:
-    """The fake prediction: deterministic in (seed, file, frame)."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{cfg.seed}/{file_id}/{frame}".encode()))
-    return torch.randn(cfg.frame_shape, generator=g).to(torch.float16)
-
-
-# --------------------------------------------------------------------------------------- memory
-_FIELDS = ("VmRSS", "RssAnon", "VmHWM")
-
-
-def _read_status() -> dict[str, int]:
-    out: dict[str, int] = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key, _, rest = line.partition(":")
-            if key in _FIELDS:
-                out[key] = int(rest.split()[0]) * 1024
+    rank_w = [rng.uniform(0.7, 1.3) for _ in range(world)]
+    out: dict[int, list[tuple[str, int]]] = {r: [] for r in range(world)}
+    for k in keys:
+        out[rng.choices(range(world), rank_w)[0]].append(k)
     return out
 
 
-class MemSampler(threading.Thread):
-    """Peak RSS of this process between start() and stop(), relative to RSS at start()."""
-
-    def __init__(self, interval: float = 0.005) -> None:
-        super().__init__(daemon=True, name="mem-sampler")
-        self.interval = interval
-        self._stop_event = threading.Event()
-        self.samples = 0
-
-    def begin(self) -> None:
-        try:  # reset VmHWM to the current RSS (Linux >= 4.0)
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-            self.hwm_reset = True
-        except OSError:
-            self.hwm_reset = False
-        s = _read_status()
-        self.base_rss, self.base_anon = s["VmRSS"], s.get("RssAnon", 0)
-        self.peak_rss, self.peak_anon = self.base_rss, self.base_anon
-        self.start()
-
-    def _sample(self) -> None:
-        s = _read_status()
-        self.peak_rss = max(self.peak_rss, s["VmRSS"])
-        self.peak_anon = max(self.peak_anon, s.get("RssAnon", 0))
-        self.samples += 1
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self.interval):
-            self._sample()
-
-    def end(self) -> dict[str, Any]:
-        self._stop_event.set()
-        self.join()
-        self._sample()
-        hwm = _read_status().get("VmHWM", 0) if self.hwm_reset else 0
-        peak = max(self.peak_rss, hwm)
-        return {
-            "base_rss": self.base_rss,
-            "peak_extra_rss": peak - self.base_rss,
-            "peak_extra_rss_sampled": self.peak_rss - self.base_rss,
-            "peak_extra_anon_sampled": self.peak_anon - self.base_anon,
-            "hwm_used": self.hwm_reset and hwm > self.peak_rss,
-            "samples": self.samples,
-        }
+def pool(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn((64, *shape), generator=torch.Generator().manual_seed(0)).half()
 
 
-# -------------------------------------------------------------------------------------- methods
-def run_spillmerge(rank: int, cfg: Config, wl: Workload, mine: list, frames: list, run_dir: Path) -> dict:
-    import spillmerge
-
-    t0 = time.perf_counter()
-    with spillmerge.SpillWriter(str(run_dir / "spill"), rank=rank, world_size=cfg.world_size) as w:
-        for (f, k), t in zip(mine, frames, strict=True):
-            w.write(wl.filenames[f], k, t)
-    t1 = time.perf_counter()
-    report = w.merge(str(run_dir / "out.zarr"), progress=False)
-    t2 = time.perf_counter()
-    phases = {"spill": t1 - t0}
-    if report is not None:
-        phases.update(merge_call=t2 - t1, merge_wait=report.wait_seconds, merge_work=report.merge_seconds)
-    return phases
+def make_frame(p: torch.Tensor, name: str, frame: int) -> torch.Tensor:
+    """A unique frame per key, cheap to rebuild for verification: a pool frame stamped with the key."""
+    file_id = int(name[6:9])
+    t = p[(file_id * 7919 + frame) % 64].clone()
+    t.view(-1)[:4].view(torch.int16)[:] = torch.tensor([file_id, frame & 0x7FFF, frame >> 15, 12345], dtype=torch.int16)
+    return t
 
 
-def run_gather_object(rank: int, cfg: Config, wl: Workload, mine: list, frames: list, run_dir: Path) -> dict:
-    import torch.distributed as dist
+# ------------------------------------------------------------------------------------- memory
+class PeakMemory:
+    def __init__(self) -> None:
+        self.base = self._anon()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
 
-    t0 = time.perf_counter()
-    obj = {(wl.filenames[f], k): t for (f, k), t in zip(mine, frames, strict=True)}
-    gathered: list[Any] | None = [None] * cfg.world_size if rank == 0 else None
-    dist.gather_object(obj, gathered, dst=0)
-    t1 = time.perf_counter()
-    phases: dict[str, Any] = {"gather": t1 - t0}
-    if rank == 0:
-        assert gathered is not None
-        merged: dict[tuple[str, int], torch.Tensor] = {}
-        for d in gathered:
-            merged.update(d)
-        by_file: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for (name, k), t in merged.items():
-            by_file.setdefault(name, []).append((k, t))
-        out = run_dir / "out-npy"
-        out.mkdir()
-        index = {}
-        for i, name in enumerate(sorted(by_file)):
-            items = sorted(by_file[name], key=lambda kt: kt[0])
-            arr = torch.stack([t for _, t in items]).numpy()
-            for suffix, data in ((".npy", arr), (".frames.npy", np.array([k for k, _ in items], dtype=np.int64))):
-                with open(out / f"{i:03d}{suffix}", "wb") as fh:
-                    np.save(fh, data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            index[name] = f"{i:03d}"
-            del arr, items
-        with open(out / "index.json", "w") as fh:
-            json.dump(index, fh)
+    @staticmethod
+    def _anon() -> int:
+        with open("/proc/self/statm") as f:
+            _, resident, shared = (int(x) for x in f.read().split()[:3])
+        return (resident - shared) * PAGE
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._anon())
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._anon())
+        return self.peak - self.base
+
+
+# ------------------------------------------------------------------------------------- methods
+def _write_npy(out: Path, frames: dict[tuple[str, int], torch.Tensor]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    by_file: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for (name, f), t in frames.items():
+        by_file.setdefault(name, []).append((f, t))
+    for name, items in by_file.items():
+        items.sort(key=lambda x: x[0])
+        arr = torch.stack([t for _, t in items]).numpy()
+        with open(out / f"{name}.npy", "wb") as fh:
+            np.save(fh, arr)
+            np.save(fh, np.array([f for f, _ in items], dtype=np.int64))
             fh.flush()
             os.fsync(fh.fileno())
-        dfd = os.open(out, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        phases["write"] = time.perf_counter() - t1
-        phases["_result"] = merged  # kept for the (untimed) check; stripped before reporting
-    return phases
 
 
-RUNNERS = {"spillmerge": run_spillmerge, "gather_object": run_gather_object}
-
-
-# --------------------------------------------------------------------------------- verification
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint16), b.view(np.uint16))
-
-
-def _expected(cfg: Config, wl: Workload, file_id: int, frame: int) -> np.ndarray:
-    return make_frame(cfg, file_id, frame).numpy()
-
-
-def verify_spillmerge(cfg: Config, wl: Workload, run_dir: Path, phases: dict) -> str:
+def run_spillmerge(rank, world, mine, frames, work: Path, info) -> None:
     import spillmerge
 
-    res = spillmerge.open(str(run_dir / "out.zarr"))
-    if sorted(res.filenames) != sorted(wl.filenames):
-        return f"filenames differ: got {len(res.filenames)}, want {len(wl.filenames)}"
-    for f, name in enumerate(wl.filenames):
-        frames = res.frames(name)
-        if frames.tolist() != list(range(wl.counts[f])):
-            return f"{name!r}: frame indices differ ({len(frames)} rows, want {wl.counts[f]})"
-        arr = res[name].numpy()
-        if arr.shape != (wl.counts[f], *cfg.frame_shape) or arr.dtype != np.float16:
-            return f"{name!r}: got {arr.shape} {arr.dtype}, want {(wl.counts[f], *cfg.frame_shape)} float16"
-        for k in range(wl.counts[f]):
-            if not _same(arr[k], _expected(cfg, wl, f, k)):
-                return f"{name!r} frame {k}: bytes differ"
-    return ""
+    t0 = time.perf_counter()
+    with spillmerge.SpillWriter(str(work / "spill"), rank=rank, world_size=world) as w:
+        for (name, f), t in zip(mine, frames, strict=True):
+            w.write(name, f, t)
+    info["spill_s"] = time.perf_counter() - t0
+    report = w.merge(str(work / "out"), progress=False)
+    if report is not None:
+        info["wait_s"], info["merge_s"] = report.wait_seconds, report.merge_seconds
 
 
-def verify_gather_object(cfg: Config, wl: Workload, run_dir: Path, phases: dict) -> str:
-    merged = phases.pop("_result")
-    want_keys = {(name, k) for f, name in enumerate(wl.filenames) for k in range(wl.counts[f])}
-    if set(merged) != want_keys:
-        return f"gathered keys differ: {len(merged)} gathered, {len(want_keys)} expected"
-    index = json.loads((run_dir / "out-npy" / "index.json").read_text())
-    if sorted(index) != sorted(wl.filenames):
-        return "written filenames differ"
-    for f, name in enumerate(wl.filenames):
-        on_disk = np.load(run_dir / "out-npy" / f"{index[name]}.npy", mmap_mode="r")
-        frames = np.load(run_dir / "out-npy" / f"{index[name]}.frames.npy")
-        if frames.tolist() != list(range(wl.counts[f])):
-            return f"{name!r}: written frame indices differ"
-        for k in range(wl.counts[f]):
-            want = _expected(cfg, wl, f, k)
-            if not _same(merged[(name, k)].numpy(), want):
-                return f"gathered {name!r} frame {k}: bytes differ"
-            if not _same(np.asarray(on_disk[k]), want):
-                return f"written {name!r} frame {k}: bytes differ"
-    return ""
-
-
-VERIFIERS = {"spillmerge": verify_spillmerge, "gather_object": verify_gather_object}
-
-
-# ------------------------------------------------------------------------------------ processes
-def _rank_main(rank: int, method: str, cfg: Config, port: int, run_dir: str) -> None:
+def run_gather(rank, world, mine, frames, work: Path, info, kind: str) -> None:
     import torch.distributed as dist
 
-    import spillmerge  # noqa: F401 - imported before the baseline so import memory is not counted
+    local = dict(zip(mine, frames, strict=True))
+    if kind == "gather_object":
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(local, parts, dst=0)
+    elif kind == "all_gather_object":
+        parts = [None] * world
+        dist.all_gather_object(parts, local)
+    else:  # chunked_all_gather: 16 slices of each rank's dict
+        parts = [dict() for _ in range(world)]
+        items = list(local.items())
+        for c in range(16):
+            piece = [None] * world
+            dist.all_gather_object(piece, dict(items[c::16]))
+            for r in range(world):
+                parts[r].update(piece[r])
+    if rank == 0:
+        merged = {k: v for part in parts for k, v in part.items()}
+        _write_npy(work / "out", merged)
+
+
+def run_torch_save(rank, world, mine, frames, work: Path, info) -> None:
+    import torch.distributed as dist
+
+    (work / "saves").mkdir(exist_ok=True)
+    path = work / "saves" / f"rank{rank}.pt"
+    with open(path, "wb") as fh:
+        torch.save(dict(zip(mine, frames, strict=True)), fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    dist.barrier()
+    if rank == 0:
+        merged = {}
+        for r in range(world):
+            merged.update(torch.load(work / "saves" / f"rank{r}.pt", weights_only=True))
+        _write_npy(work / "out", merged)
+
+
+def run_raw(rank, world, mine, frames, work: Path, info) -> None:
+    import torch.distributed as dist
+
+    (work / "raw").mkdir(exist_ok=True)
+    index = []
+    with open(work / "raw" / f"rank{rank}.bin", "wb") as fh:
+        off = 0
+        for (name, f), t in zip(mine, frames, strict=True):
+            b = t.numpy().view(np.uint8).reshape(-1)
+            fh.write(b.data)
+            index.append([name, f, off, b.nbytes])
+            off += b.nbytes
+        fh.flush()
+        os.fsync(fh.fileno())
+    (work / "raw" / f"rank{rank}.json").write_text(json.dumps(index))
+    dist.barrier()
+    if rank == 0:
+        entries: dict[str, list] = {}
+        maps = {}
+        for r in range(world):
+            maps[r] = np.memmap(work / "raw" / f"rank{r}.bin", dtype=np.uint8, mode="r")
+            for name, f, o, n in json.loads((work / "raw" / f"rank{r}.json").read_text()):
+                entries.setdefault(name, []).append((f, r, o, n))
+        (work / "out").mkdir()
+        for name, items in entries.items():
+            items.sort()
+            with open(work / "out" / f"{name}.bin", "wb") as fh:
+                for _, r, o, n in items:
+                    fh.write(maps[r][o : o + n].data)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+
+def verify(method: str, work: Path, assignment, p: torch.Tensor) -> bool:
+    keys = sorted(k for ks in assignment.values() for k in ks)
+    by_file: dict[str, list[int]] = {}
+    for name, f in keys:
+        by_file.setdefault(name, []).append(f)
+    for name, fr in by_file.items():
+        if method == "spillmerge":
+            import spillmerge
+
+            res = spillmerge.open(str(work / "out"))
+            if res.frames(name).tolist() != fr:
+                return False
+            got = torch.from_numpy(res[name][...]).view(torch.float16)
+        elif method == "raw_spill":
+            got = torch.from_numpy(np.fromfile(work / "out" / f"{name}.bin", dtype=np.float16)).reshape(
+                len(fr), *p.shape[1:]
+            )
+        else:
+            with open(work / "out" / f"{name}.npy", "rb") as fh:
+                got = torch.from_numpy(np.load(fh))
+                if np.load(fh).tolist() != fr:
+                    return False
+        for row, f in enumerate(fr):
+            if not torch.equal(got[row].view(torch.int16), make_frame(p, name, f).view(torch.int16)):
+                return False
+    return True
+
+
+def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: str) -> None:
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    run = Path(run_dir)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=cfg.world_size,
-        timeout=datetime.timedelta(seconds=cfg.timeout),
-    )
-    try:
-        wl = build_workload(cfg)
-        mine = wl.assignment[rank]
-        tg = time.perf_counter()
-        frames = [make_frame(cfg, f, k) for f, k in mine]
-        gen_seconds = time.perf_counter() - tg
-        gc.collect()
-        sampler = MemSampler()
-        sampler.begin()
-        dist.barrier()
-        t0 = time.perf_counter()
-        phases = RUNNERS[method](rank, cfg, wl, mine, frames, run)
-        seconds = time.perf_counter() - t0
-        mem = sampler.end()
-        result: dict[str, Any] = {
-            "rank": rank,
-            "frames": len(mine),
-            "gen_seconds": gen_seconds,
-            "seconds": seconds,
-            "mem": mem,
-            "error": "",
-        }
-        dist.barrier()
-        if rank == 0:
-            del frames
-            gc.collect()
-            tv = time.perf_counter()
-            try:
-                result["error"] = VERIFIERS[method](cfg, wl, run, phases)
-            except Exception:  # a crash while checking is a wrong output too
-                result["error"] = "verification raised:\n" + traceback.format_exc()
-            result["verify_seconds"] = time.perf_counter() - tv
-        phases.pop("_result", None)
-        result["phases"] = phases
-        (run / f"result-rank{rank}.json").write_text(json.dumps(result))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=1800))  # fmt: skip
+    work = Path(cfg["work"])
+    shape = tuple(cfg["shape"])
+    assignment = workload(cfg["payload"], shape, cfg["files"], world, cfg["seed"])
+    mine = assignment[rank]
+    p = pool(shape)
+    frames = [make_frame(p, name, f) for name, f in mine]  # predictions already in CPU memory
+    dist.barrier()
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    info: dict = {}
+    if method == "spillmerge":
+        run_spillmerge(rank, world, mine, frames, work, info)
+    elif method in ("gather_object", "all_gather_object", "chunked_all_gather"):
+        run_gather(rank, world, mine, frames, work, info, method)
+    elif method == "torch_save":
+        run_torch_save(rank, world, mine, frames, work, info)
+    elif method == "raw_spill":
+        run_raw(rank, world, mine, frames, work, info)
+    info["wall_s"] = time.perf_counter() - t0
+    info["peak_extra"] = mem.stop()
+    if rank == 0:
+        info["ok"] = verify(method, work, assignment, p)
+        info["bytes"] = sum(len(v) for v in assignment.values()) * int(np.prod(shape)) * 2
+    with open(f"{result}.{rank}", "w") as fh:
+        json.dump(info, fh)
+    dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def disk_limit(cfg: dict) -> dict:
+    buf = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8)
+    path = Path(cfg["work"]) / "limit.bin"
+    mem = PeakMemory()
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(cfg["payload"] // buf.nbytes):
+            fh.write(buf.data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with open(path, "rb") as fh:
+        while fh.readinto(buf.data):
+            pass
+    read_s = time.perf_counter() - t0
+    return {"wall_s": write_s, "read_s": read_s, "peak_extra": mem.stop(), "ok": True, "bytes": cfg["payload"]}
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def run_once(method: str, cfg: Config, run_dir: Path) -> dict[str, Any]:
-    """One repeat of one method in fresh processes. Returns per-rank results or an error."""
-    import torch.multiprocessing as mp
-
-    run_dir.mkdir(parents=True)
-    t0 = time.perf_counter()
-    ctx = mp.spawn(_rank_main, args=(method, cfg, _free_port(), str(run_dir)), nprocs=cfg.world_size, join=False)
-    deadline = time.monotonic() + cfg.timeout + 120
+def run_method(method: str, world: int, cfg: dict) -> list[dict]:
+    work = Path(cfg["workdir"]) / f"{method}-{time.time_ns()}"
+    work.mkdir(parents=True)
+    cfg = {**cfg, "work": str(work)}
     try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                return {"error": f"timed out after {cfg.timeout + 120:.0f} s"}
-    except Exception as exc:  # ProcessRaisedException / ProcessExitedException
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    ranks = []
-    for r in range(cfg.world_size):
-        path = run_dir / f"result-rank{r}.json"
-        if not path.exists():
-            return {"error": f"rank {r} wrote no result"}
-        ranks.append(json.loads(path.read_text()))
-    err = ranks[0].get("error", "")
-    return {"ranks": ranks, "error": err, "process_seconds": time.perf_counter() - t0}
+        if method == "disk_limit":
+            return [disk_limit(cfg)]
+        ctx = mp.get_context("spawn")
+        result = str(work / "result")
+        port = free_port()
+        procs = [ctx.Process(target=rank_main, args=(r, world, port, method, cfg, result)) for r in range(world)]
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join(3600)
+        if any(pr.exitcode != 0 for pr in procs):
+            return [{"ok": False, "error": f"exit codes {[pr.exitcode for pr in procs]}"}]
+        return [json.loads(Path(f"{result}.{r}").read_text()) for r in range(world)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-# -------------------------------------------------------------------------------------- report
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def summarize(method: str, runs: list[dict[str, Any]], payload: int) -> dict[str, Any]:
-    errors = [r["error"] for r in runs if r.get("error")]
-    if errors or not runs:
-        return {"method": method, "status": "FAILED", "error": errors[0] if errors else "no runs"}
-    walls = [r["ranks"][0]["seconds"] for r in runs]
-    r0 = [r["ranks"][0]["mem"]["peak_extra_rss"] for r in runs]
-    r0_anon = [r["ranks"][0]["mem"]["peak_extra_anon_sampled"] for r in runs]
-    others = [max((x["mem"]["peak_extra_rss"] for x in r["ranks"][1:]), default=0) for r in runs]
-    phase_names = sorted({k for r in runs for k in r["ranks"][0]["phases"]})
-    phases = {
-        k: _median([r["ranks"][0]["phases"][k] for r in runs if k in r["ranks"][0]["phases"]]) for k in phase_names
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--payload-gib", type=float, default=1.0)
+    ap.add_argument("--frame-shape", default="3x256x256")
+    ap.add_argument("--files", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--methods", default="spillmerge,gather_object", help=f"comma list of {','.join(ALL)} or 'all'")
+    ap.add_argument("--workdir", default=None, help="where spills and outputs go (default: a temp dir)")
+    ap.add_argument("--out-md", help="also write the table here")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    methods = ALL if args.methods == "all" else args.methods.split(",")
+    for m in methods:
+        if m not in ALL:
+            sys.exit(f"unknown method {m!r}; choose from {ALL}")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="spillmerge-bench-")
+    cfg = {
+        "payload": int(args.payload_gib * (1 << 30)),
+        "shape": [int(x) for x in args.frame_shape.split("x")],
+        "files": args.files,
+        "seed": args.seed,
+        "workdir": workdir,
     }
-    return {
-        "method": method,
-        "status": "ok",
-        "wall": _median(walls),
-        "walls": walls,
-        "rank0_extra": _median(r0),
-        "rank0_extra_anon": _median(r0_anon),
-        "others_extra": _median(others),
-        "phases": phases,
-        "payload": payload,
-    }
+    rows = {}
+    for rep in range(args.repeats):
+        for m in methods:  # interleaved, so drift on the machine hits every method alike
+            res = run_method(m, args.world_size, cfg)
+            rows.setdefault(m, []).append(res)
+            print(f"  repeat {rep + 1}/{args.repeats} {m}: {res[0].get('wall_s', float('nan')):.2f} s "
+                  f"{'ok' if res[0].get('ok') else 'FAILED'}", file=sys.stderr, flush=True)  # fmt: skip
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
 
-
-def _mem(b: float, payload: int) -> str:
-    return f"{b / MIB:,.0f} MiB ({b / payload:.2f}× payload)"
-
-
-def render(cfg: Config, wl: Workload, summaries: list[dict[str, Any]], repeats: int, command: str) -> str:
-    payload = wl.n_frames * cfg.frame_bytes
-    per_rank = [len(a) for a in wl.assignment]
+    payload = cfg["payload"]
+    mib = 1 << 20
+    base = None
+    if "spillmerge" in rows and all(r[0].get("ok") for r in rows["spillmerge"]):
+        base = statistics.median(r[0]["wall_s"] for r in rows["spillmerge"])
     lines = [
-        f"Workload: {wl.n_frames} fp16 frames of {'×'.join(map(str, cfg.frame_shape))} "
-        f"({payload / GIB:.3f} GiB payload) in {cfg.files} files "
-        f"({min(wl.counts)}–{max(wl.counts)} frames each), W={cfg.world_size} gloo ranks "
-        f"(frames per rank: {', '.join(map(str, per_rank))}), median of {repeats} run(s), each in fresh processes.",
+        f"W={args.world_size} gloo ranks, payload {payload / (1 << 30):.2f} GiB of fp16 {args.frame_shape} frames, "
+        f"{args.files} files, median of {args.repeats} runs (rank 0 wall time from barrier to result fsynced on disk)",
         "",
-        f"Command: `{command}`",
-        "",
-        "| method | status | wall, median (s) | runs (s) | rank-0 peak extra RSS | other ranks peak extra RSS (max) | gather_object time / this |",
-        "|---|---|---|---|---|---|---|",
+        "| method | wall | vs spillmerge | rank-0 peak extra | others' peak extra (max) | ok |",
+        "|---|---|---|---|---|---|",
     ]
-    by = {s["method"]: s for s in summaries}
-    g = by.get("gather_object")
-    for s in summaries:
-        if s["status"] != "ok":
-            lines.append(f"| {s['method']} | FAILED | – | – | – | – | – |")
+    for m in methods:
+        runs = rows[m]
+        if not all(r[0].get("ok") for r in runs):
+            lines.append(f"| {m} | FAILED | | | | no |")
             continue
-        ratio = f"{g['wall'] / s['wall']:.2f}×" if g and g["status"] == "ok" else "–"
+        wall = statistics.median(r[0]["wall_s"] for r in runs)
+        r0 = statistics.median(r[0]["peak_extra"] for r in runs)
+        others = statistics.median(max((x["peak_extra"] for x in r[1:]), default=0) for r in runs)
+        ratio = f"{wall / base:.2f}x" if base else "-"
         lines.append(
-            f"| {s['method']} | ok | {s['wall']:.2f} | {', '.join(f'{w:.2f}' for w in s['walls'])} | "
-            f"{_mem(s['rank0_extra'], payload)} | {_mem(s['others_extra'], payload)} | {ratio} |"
+            f"| {m} | {wall:.2f} s | {ratio} | {r0 / mib:.0f} MiB ({r0 / payload:.2f}x P) | "
+            f"{others / mib:.0f} MiB ({others / payload:.2f}x P) | yes |"
         )
-    lines += ["", "Rank-0 phase medians (s) and sampled anonymous-memory peak:", ""]
-    for s in summaries:
-        if s["status"] == "ok":
-            ph = ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items())
-            lines.append(f"- {s['method']}: {ph}; rank-0 peak extra RssAnon {_mem(s['rank0_extra_anon'], payload)}")
-        else:
-            err = s["error"].strip().splitlines()
-            lines.append(f"- {s['method']}: FAILED: {err[-1] if err else '?'}")
-    sm = by.get("spillmerge")
-    if sm and g and sm["status"] == "ok" and g["status"] == "ok":
+    if "spillmerge" in rows and base:
+        runs = rows["spillmerge"]
+        sp = statistics.median(r[0]["spill_s"] for r in runs)
+        wt = statistics.median(r[0]["wait_s"] for r in runs)
+        mg = statistics.median(r[0]["merge_s"] for r in runs)
         lines += [
             "",
-            f"gather_object / spillmerge wall time: **{g['wall'] / sm['wall']:.2f}×**; "
-            f"rank-0 peak extra memory: spillmerge {sm['rank0_extra'] / MIB:,.0f} MiB "
-            f"({sm['rank0_extra'] / (256 * MIB):.2f}× the 256 MiB target), "
-            f"gather_object {g['rank0_extra'] / MIB:,.0f} MiB.",
+            f"spillmerge split on rank 0: spill {sp:.2f} s, wait for other ranks {wt:.2f} s, merge {mg:.2f} s",
         ]
-    return "\n".join(lines) + "\n"
-
-
-def _parse_shape(text: str) -> tuple[int, ...]:
-    parts = text.replace("x", ",").replace("×", ",").split(",")
-    shape = tuple(int(p) for p in parts if p.strip())
-    if not shape or any(d < 1 for d in shape):
-        raise argparse.ArgumentTypeError(f"bad frame shape {text!r}")
-    return shape
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog="example: python benchmarks/bench_gather.py --payload-gib 0.05 --repeats 1",
-    )
-    ap.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
-    ap.add_argument("--payload-gib", type=float, default=1.0, help="total payload in GiB (default 1.0)")
-    ap.add_argument(
-        "--frame-shape", type=_parse_shape, default=(3, 256, 256), help="fp16 frame shape (default 3,256,256)"
-    )
-    ap.add_argument("--files", type=int, default=16, help="number of filenames (default 16)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per method, median reported (default 3)")
-    ap.add_argument("--workdir", help="directory for spill roots and outputs (default: a new one under /tmp)")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
-    ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per-run timeout in seconds (default 1800)")
-    ap.add_argument("--out-md", help="also write the markdown report here")
-    ap.add_argument("--out-json", help="also write the raw per-run results here")
-    args = ap.parse_args(argv)
-
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        ap.error(f"unknown method(s) {unknown}; choose from {','.join(METHODS)}")
-    if args.world_size < 1 or args.files < 1 or args.repeats < 1 or args.payload_gib <= 0:
-        ap.error("--world-size, --files, --repeats and --payload-gib must be positive")
-    cfg = Config(args.world_size, args.payload_gib, args.frame_shape, args.files, args.seed, args.timeout)
-    wl = build_workload(cfg)
-    payload = wl.n_frames * cfg.frame_bytes
-
-    if Path("/sys/class/net/lo").exists():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # children inherit it: loopback only
-    own_workdir = args.workdir is None
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="spillmerge-bench-", dir="/tmp"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", "benchmarks/bench_gather.py", *(argv if argv is not None else sys.argv[1:])])
-    print(
-        f"# {wl.n_frames} frames, {payload / GIB:.3f} GiB, W={cfg.world_size}, methods {methods}, "
-        f"{args.repeats} repeat(s), workdir {workdir}",
-        file=sys.stderr,
-        flush=True,
-    )
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-    try:
-        for rep in range(args.repeats):
-            order = methods if rep % 2 == 0 else methods[::-1]  # alternate to spread drift
-            for method in order:
-                run_dir = workdir / f"{method}-{rep}"
-                if run_dir.exists():
-                    shutil.rmtree(run_dir)
-                res = run_once(method, cfg, run_dir)
-                shutil.rmtree(run_dir, ignore_errors=True)
-                runs[method].append(res)
-                if res.get("error"):
-                    msg = res["error"]
-                else:
-                    r0 = res["ranks"][0]
-                    msg = (
-                        f"{r0['seconds']:.2f} s, rank-0 extra {r0['mem']['peak_extra_rss'] / MIB:.0f} MiB, "
-                        f"verified in {r0.get('verify_seconds', 0):.1f} s"
-                    )
-                print(f"# repeat {rep} {method}: {msg}", file=sys.stderr, flush=True)
-    finally:
-        if own_workdir:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-    summaries = [summarize(m, runs[m], payload) for m in methods]
-    text = render(cfg, wl, summaries, args.repeats, command)
-    for s in summaries:
-        if s["status"] != "ok":
-            text += f"\n{s['method']} FAILED:\n\n```\n{s['error'].strip()}\n```\n"
+    text = "\n".join(lines)
     print(text)
     if args.out_md:
-        Path(args.out_md).write_text(text)
-    if args.out_json:
-        meta = {"config": asdict(cfg), "n_frames": wl.n_frames, "payload": payload, "host": platform.node()}
-        Path(args.out_json).write_text(json.dumps({"meta": meta, "runs": runs, "summaries": summaries}, indent=1))
-    return 0 if all(s["status"] == "ok" for s in summaries) else 1
+        Path(args.out_md).write_text(text + "\n")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

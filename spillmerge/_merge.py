@@ -13,6 +13,9 @@ from typing import Any
 import fsspec
 import google_crc32c
 import numpy as np
+import zarr
+from zarr.core.group import GroupMetadata
+from zarr.core.metadata import ArrayV3Metadata
 
 from . import _format as F
 from ._errors import CorruptSpillError, OutputExistsError, SpillStorageError, SpillValueError
@@ -240,10 +243,6 @@ def _write_output(
     fsync: bool,
     progress: bool | None,
 ) -> None:
-    import zarr
-    from zarr.core.group import GroupMetadata
-    from zarr.core.metadata import ArrayV3Metadata
-
     header = {
         "format_version": F.FORMAT_VERSION,
         "kind": "merged",

@@ -435,6 +435,12 @@ class SpillWriter:
             self._free.append(buf)
             self._lock.notify()
 
+    def _free_buffers(self) -> None:
+        # The staging memory is only needed while writing; a merge on this rank follows.
+        with self._lock:
+            self._free.clear()
+            self._rows = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+
     def _raise_flush_error(self) -> None:
         err = self._flusher.error
         if err is not None:
@@ -520,6 +526,7 @@ class SpillWriter:
             raise
         self.commit_record = record
         self._state = "committed"
+        self._free_buffers()
 
     def abort(self, exc: BaseException) -> None:
         """Record a failure (best effort) after flushing what was staged, so the data written so far
@@ -551,6 +558,7 @@ class SpillWriter:
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
         self._state = "failed"
+        self._free_buffers()
 
     # --------------------------------------------------------------------------------- resume
     def committed_keys(self) -> dict[str, set[int]]:
