@@ -313,7 +313,7 @@ def _write_output(
     dst.put("zarr.json", _json_doc(docs[""]))
     dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
 
-    _copy(src, dst, plan, chunk_bytes, budget, threads, fsync, progress)
+    _copy(src, dst, plan, chunk_bytes, budget, threads, progress)
 
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
@@ -334,6 +334,8 @@ def _write_output(
         "must_understand": False,
         "metadata": {path: _consolidated_entry(doc) for path, doc in sorted(docs.items()) if path},
     }
+    if fsync:  # every chunk and document is durable before the root and the marker vouch for them
+        dst.fsync_tree("")
     dst.put_atomic("zarr.json", _json_doc(root))
     marker = {
         "format_version": F.FORMAT_VERSION,
@@ -394,7 +396,6 @@ def _copy(
     chunk_bytes: int,
     budget: int,
     threads: int,
-    fsync: bool,
     progress: bool | None,
 ) -> None:
     stripes = _stripes(plan, chunk_bytes)
@@ -430,7 +431,7 @@ def _copy(
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(_copy_stripe, src, dst, plan, stripe, fsync)
+                fut = pool.submit(_copy_stripe, src, dst, plan, stripe)
                 fut.add_done_callback(lambda f, s=size: done(f, s))
     finally:
         if bar is not None:
@@ -439,7 +440,7 @@ def _copy(
         raise errors[0]
 
 
-def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, fsync: bool) -> None:
+def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> None:
     for leaf in stripe.file.leaves:
         rows = leaf.rows[stripe.start : stripe.stop]
         item = leaf.layout.nbytes
@@ -469,7 +470,7 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, fsync:
             buf = np.concatenate([buf, np.zeros(full - len(buf), dtype=np.uint8)])
         crc = np.uint32(google_crc32c.value(buf)).astype("<u4").tobytes()
         dst.makedirs(key.rsplit("/", 1)[0])
-        dst.put(key, [memoryview(buf), crc], fsync=fsync)
+        dst.put(key, [memoryview(buf), crc])
 
 
 def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:

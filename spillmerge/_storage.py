@@ -11,6 +11,7 @@ import posixpath
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -249,6 +250,32 @@ class Storage:
             raise
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+
+    def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
+        """Make every file below ``rel`` (and the folders holding them) durable on a local disk,
+        many fsyncs in flight at once; a no-op on object stores, where a PUT is durable when it
+        returns. Deferring fsync to here, instead of after each object, let the disk batch the
+        writes: per-object fsync cost about a third of the spill and merge time."""
+        if not self.local:
+            return
+        top = self.path(rel)
+        paths: list[str] = []
+        for dirpath, _dirs, files in os.walk(top):
+            paths.append(dirpath)
+            paths.extend(os.path.join(dirpath, f) for f in files)
+
+        def sync(path: str) -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            with ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool:
+                list(pool.map(sync, paths))
+        except OSError as exc:
+            raise SpillStorageError(f"cannot sync {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         """Write many small objects; concurrently on object stores."""

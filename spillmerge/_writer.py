@@ -121,7 +121,7 @@ class _Flusher(threading.Thread):
         size = self.w._chunk_object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
-        self.w.storage.put(self.w._rel(f"{F.DATA_NAME}/c/{chunk.number}"), buf[:size].data, fsync=self.w.fsync)
+        self.w.storage.put(self.w._rel(f"{F.DATA_NAME}/c/{chunk.number}"), buf[:size].data)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -148,7 +148,7 @@ class _Flusher(threading.Thread):
         entry = F.encode_journal(
             chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
         )
-        self.w.storage.put(self.w._rel(F.journal_name(chunk.number)), entry, fsync=self.w.fsync)
+        self.w.storage.put(self.w._rel(F.journal_name(chunk.number)), entry)
 
 
 class SpillWriter:
@@ -170,7 +170,8 @@ class SpillWriter:
         on_duplicate: ``"error"`` (default), ``"first"`` (ignore later writes of a key) or
             ``"last"`` (a later write replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
-        fsync: fsync each chunk on local disks (default True).
+        fsync: on local disks, fsync every object of the segment before the commit record is
+            written (default True).
         flush_threads: chunk uploads in flight (default 1 on local disks, 4 on object stores).
     """
 
@@ -488,10 +489,12 @@ class SpillWriter:
         self.storage.put(self._rel(f"{F.DATA_NAME}/zarr.json"), F.dumps(data_meta))
         index_bytes = rows.astype("<i8").tobytes()
         _put_array(
-            self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64", self.fsync
+            self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64"
         )
         catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._layouts]})
-        _put_array(self.storage, self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8", self.fsync)
+        _put_array(self.storage, self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8")
+        if self.fsync:  # everything the commit record vouches for is durable before it exists
+            self.storage.fsync_tree(self._prefix)
         record = F.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,
@@ -629,7 +632,7 @@ def _array_meta(
     }
 
 
-def _put_array(storage: Storage, rel: str, raw: bytes, shape: tuple[int, ...], dtype: str, fsync: bool) -> None:
+def _put_array(storage: Storage, rel: str, raw: bytes, shape: tuple[int, ...], dtype: str) -> None:
     """Write a small array as one chunk with a crc32c checksum (zarr's crc32c codec layout)."""
     chunks = tuple(max(d, 1) for d in shape)
     storage.makedirs(rel)
@@ -637,4 +640,4 @@ def _put_array(storage: Storage, rel: str, raw: bytes, shape: tuple[int, ...], d
     if all(d > 0 for d in shape):
         storage.makedirs(f"{rel}/c" + "/0" * (len(shape) - 1))
         crc = np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()
-        storage.put(f"{rel}/c/" + "/".join("0" * len(shape)), [raw, crc], fsync=fsync)
+        storage.put(f"{rel}/c/" + "/".join("0" * len(shape)), [raw, crc])
