@@ -440,34 +440,45 @@ def _copy(
         raise errors[0]
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread buffer reused across stripes. Fresh allocations of this size are mmapped and
+    page-faulted anew each time; on the VMs we measured that tripled the merge's CPU time."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> None:
     for leaf in stripe.file.leaves:
         rows = leaf.rows[stripe.start : stripe.stop]
         item = leaf.layout.nbytes
         if item == 0:  # zero-size frames: the array has no elements, so no chunk to write
             continue
-        buf = np.empty(len(rows) * item, dtype=np.uint8)
-        if True:
-            pieces = _pieces(plan, rows)
-            src.read_into(pieces, memoryview(buf))
-            for j, r in enumerate(rows.tolist()):
-                got = google_crc32c.value(buf[j * item : (j + 1) * item])
-                if got != int(plan.crc[r]):
-                    seg = plan.segments[int(plan.seg[r])]
-                    where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
-                    raise CorruptSpillError(
-                        f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
-                        f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
-                        f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
-                        "the spill is corrupt; run `spillmerge verify` on the root",
-                        path=where,
-                        rank=seg.seg.rank,
-                    )
+        full = stripe.k * item  # the last chunk of an array is padded to the chunk shape
+        buf = _scratch(full)
+        used = len(rows) * item
+        src.read_into(_pieces(plan, rows), memoryview(buf[:used]))
+        for j, r in enumerate(rows.tolist()):
+            got = google_crc32c.value(buf[j * item : (j + 1) * item])
+            if got != int(plan.crc[r]):
+                seg = plan.segments[int(plan.seg[r])]
+                where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
+                raise CorruptSpillError(
+                    f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
+                    f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
+                    f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
+                    "the spill is corrupt; run `spillmerge verify` on the root",
+                    path=where,
+                    rank=seg.seg.rank,
+                )
+        if used < full:
+            buf[used:] = 0
         ndim = len(leaf.layout.shape)
         key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * ndim
-        full = stripe.k * item
-        if len(buf) < full:  # the last chunk of an array is padded to the chunk shape
-            buf = np.concatenate([buf, np.zeros(full - len(buf), dtype=np.uint8)])
         crc = np.uint32(google_crc32c.value(buf)).astype("<u4").tobytes()
         dst.makedirs(key.rsplit("/", 1)[0])
         dst.put(key, [memoryview(buf), crc])
