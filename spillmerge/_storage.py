@@ -6,8 +6,10 @@ so a name read from an untrusted spill root can never reach outside.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import posixpath
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,6 +42,25 @@ def _with_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str
         config.update(opts.get("config_kwargs", {}))
         opts["config_kwargs"] = config
     return opts
+
+
+def _syncfs(path: str) -> bool:
+    """Flush the whole filesystem holding ``path`` with one syncfs(2) call (Linux): one journal
+    commit and one device flush, where an fsync per object costs one each (~100 objects per
+    merge, 20-30 ms apiece on the virtual disks we measured). False when unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return bool(libc.syncfs(fd) == 0)
+    except AttributeError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _why(exc: BaseException) -> str:
@@ -252,13 +273,14 @@ class Storage:
             raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
-        """Make every file below ``rel`` (and the folders holding them) durable on a local disk,
-        many fsyncs in flight at once; a no-op on object stores, where a PUT is durable when it
-        returns. Deferring fsync to here, instead of after each object, let the disk batch the
-        writes: per-object fsync cost about a third of the spill and merge time."""
+        """Make every file below ``rel`` (and the folders holding them) durable on a local disk:
+        one syncfs(2) where Linux has it, else an fsync per file with many in flight. A no-op on
+        object stores, where a PUT is durable when it returns."""
         if not self.local:
             return
         top = self.path(rel)
+        if _syncfs(top):
+            return
         paths: list[str] = []
         for dirpath, _dirs, files in os.walk(top):
             paths.append(dirpath)
