@@ -148,3 +148,36 @@ def test_size_parser(size, want):
     from spillmerge.cli import _size
 
     assert _size(size) == want
+
+
+@pytest.mark.s3
+def test_cli_merge_between_s3_and_local_with_storage_options(s3, tmp_path):
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3.endpoint, "region_name": "us-east-1"}}
+    for r in range(2):
+        with spillmerge.SpillWriter("s3://test/spill", rank=r, world_size=2, storage_options=opts) as w:
+            w.write("clip.mp4", r, torch.full((4,), float(r)))
+    flags = ["--storage-option", "key=test", "--storage-option", "secret=test",
+             "--storage-option", json.dumps({"endpoint_url": s3.endpoint, "region_name": "us-east-1"}).join(["client_kwargs=", ""])]  # fmt: skip
+    p = run("merge", "s3://test/spill", "--out", str(tmp_path / "local.zarr"), *flags, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert spillmerge.open(str(tmp_path / "local.zarr"))["clip.mp4"][1, 0] == 1.0
+    cfg = tmp_path / "s3.toml"
+    cfg.write_text(
+        f'[merge]\nroot = "s3://test/spill"\nout = "s3://test/out.zarr"\n'
+        f'[merge.storage_options]\nkey = "test"\nsecret = "test"\n'
+        f'[merge.storage_options.client_kwargs]\nendpoint_url = "{s3.endpoint}"\nregion_name = "us-east-1"\n'
+    )
+    p = run("merge", "--config", str(cfg))
+    assert p.returncode == 0, p.stderr
+    p = run("inspect", "s3://test/out.zarr", *flags, "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["frames"] == 2
+    p = run("verify", "s3://test/spill", *flags)
+    assert p.returncode == 0 and "OK" in p.stdout
+
+
+def test_missing_backend_gives_an_install_hint(tmp_path):
+    pytest.importorskip("torch")
+    if __import__("importlib").util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    p = run("merge", "gs://bucket/spill", "--out", str(tmp_path / "o"))
+    assert_one_line_error(p, "pip install 'spillmerge[gcs]'")
