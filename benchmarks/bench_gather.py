@@ -241,6 +241,8 @@ def verify(method: str, work: Path, assignment, p: torch.Tensor) -> bool:
 def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: str) -> None:
     import torch.distributed as dist
 
+    import spillmerge  # noqa: F401 - imported before the clock starts, like any user script would
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=__import__("datetime").timedelta(seconds=1800))  # fmt: skip

@@ -39,7 +39,7 @@ class DemoConfig:
 def workload(cfg: DemoConfig) -> dict[int, list[tuple[str, int]]]:
     """Uneven, shuffled assignment of (filename, frame) to ranks."""
     rng = random.Random(cfg.seed)
-    keys = []
+    keys: list[tuple[str, int]] = []
     for i in range(cfg.files):
         n = rng.randint(max(1, cfg.frames_per_file // 2), max(1, cfg.frames_per_file * 3 // 2))
         name = f"videos/clip {i:03d}.mp4" if i % 3 else f"video_{i:03d}.mp4"

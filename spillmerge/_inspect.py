@@ -88,8 +88,8 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
         raw = F.loads(storage.get("zarr.json"), path=storage.describe("zarr.json"))
         return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
     res = MergedStore(storage.url, storage.storage_options)
-    files = []
-    dtypes = set()
+    files: list[dict[str, Any]] = []
+    dtypes: set[str] = set()
     for name in res.filenames:
         value = res[name]
         leaves = _leaves(value)
@@ -249,7 +249,7 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
                     pieces.append((f"{seg.rel}/{F.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
                     o = stop
                 try:
-                    storage.read_into(pieces, memoryview(buf))
+                    storage.read_into(pieces, buf.data)
                 except SpillMergeError as exc:
                     rep.problems.append(str(exc))
                     bad_chunks.update(range(first, last + 1))

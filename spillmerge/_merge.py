@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -290,7 +291,7 @@ def _write_output(
                 parent = parent.rsplit("/", 1)[0]
     n = len(plan.files)
     total_frames = plan.n_frames
-    str_meta = {
+    str_meta: dict[str, Any] = {
         "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
@@ -389,6 +390,10 @@ def _stripes(plan: Plan, chunk_bytes: int) -> list[_Stripe]:
     return out
 
 
+def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
+    done(fut, size)
+
+
 def _copy(
     src: Storage,
     dst: Storage,
@@ -432,7 +437,7 @@ def _copy(
                         break
                     in_flight += size
                 fut = pool.submit(_copy_stripe, src, dst, plan, stripe)
-                fut.add_done_callback(lambda f, s=size: done(f, s))
+                fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
         if bar is not None:
             bar.close()
@@ -461,7 +466,7 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> Non
         full = stripe.k * item  # the last chunk of an array is padded to the chunk shape
         buf = _scratch(full)
         used = len(rows) * item
-        src.read_into(_pieces(plan, rows), memoryview(buf[:used]))
+        src.read_into(_pieces(plan, rows), buf[:used].data)
         for j, r in enumerate(rows.tolist()):
             got = google_crc32c.value(buf[j * item : (j + 1) * item])
             if got != int(plan.crc[r]):
@@ -481,7 +486,7 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> Non
         key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * ndim
         crc = np.uint32(google_crc32c.value(buf)).astype("<u4").tobytes()
         dst.makedirs(key.rsplit("/", 1)[0])
-        dst.put(key, [memoryview(buf), crc])
+        dst.put(key, [buf.data, crc])
 
 
 def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:

@@ -113,7 +113,8 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         cols["nb"].append(idx[:, F.COL_NBYTES])
         cols["crc"].append(idx[:, F.COL_CRC])
     if not cols["file"]:
-        return Plan([], segments, *(np.zeros(0, np.int64) for _ in range(4)), duplicates=0)
+        empty = np.zeros(0, np.int64)
+        return Plan([], segments, empty, empty, empty, empty, duplicates=0)
     c = {k: np.concatenate(v) for k, v in cols.items()}
 
     # 1. dtype/shape of a leaf must not change between frames of one file (across ranks).
@@ -140,8 +141,8 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
 
     # 2. duplicates: the same (file, frame) from more than one segment.
     order = np.lexsort((c["lp"], c["seg"], c["frame"], c["file"]))
-    for k in c:
-        c[k] = c[k][order]
+    for col in c:
+        c[col] = c[col][order]
     new_key = np.ones(len(order), dtype=bool)
     new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
     key_start = np.flatnonzero(new_key)
@@ -174,8 +175,8 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
     if not keep.all():
-        for k in c:
-            c[k] = c[k][keep]
+        for col in c:
+            c[col] = c[col][keep]
 
     # 3. every frame of a file has the file's full set of leaves.
     new_key = np.ones(len(c["file"]), dtype=bool)
@@ -189,10 +190,10 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
     want = np.array([len(lp_sets[int(f)]) for f in file_of_key], dtype=np.int64)
     short = np.flatnonzero(leaves_per_key != want)
     if len(short):
-        k = int(short[0])
-        a = int(key_start[k])
+        kk = int(short[0])
+        a = int(key_start[kk])
         fidx, frame = int(c["file"][a]), int(c["frame"][a])
-        have = set(c["lp"][a : a + int(leaves_per_key[k])].tolist())
+        have = set(c["lp"][a : a + int(leaves_per_key[kk])].tolist())
         missing = ["/".join(leaf_paths[p]) or "<tensor>" for p in sorted(lp_sets[fidx] - have)]
         raise LayoutMismatchError(
             f"{names[fidx]!r:.200} frame {frame} (rank {_ranks(segments, c['seg'][a : a + 1])[0]}) lacks leaves "
@@ -219,11 +220,12 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         key = keys[names[fidx]]
         leaf_tuples = [leaf_paths[lp] for lp, _ in parts]
         is_dict = leaf_tuples != [()]
-        nodes = _leaf_nodes(leaf_tuples) if is_dict else {(): ""}
+        nodes: dict[tuple[str, ...], str] = _leaf_nodes(leaf_tuples) if is_dict else {(): ""}
         leaves = []
-        for (_lp, rows), leaf in zip(parts, leaf_tuples, strict=True):
+        for (_lp, rows), leaf_path in zip(parts, leaf_tuples, strict=True):
             gl = int(c["gl"][rows[0]])
-            leaves.append(LeafPlan(layouts[gl], f"files/{key}" + (f"/{nodes[leaf]}" if is_dict else ""), rows))
+            node = f"files/{key}" + (f"/{nodes[leaf_path]}" if is_dict else "")
+            leaves.append(LeafPlan(layouts[gl], node, rows))
         frames = c["frame"][parts[0][1]]
         files.append(FilePlan(names[fidx], len(files), key, frames.copy(), leaves, is_dict))
     return Plan(files, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates)

@@ -104,7 +104,7 @@ class MergedStore(Mapping[str, Any]):
                 path=self.storage.describe(),
             )
         self.header: dict[str, Any] = header
-        idx = self.group["index"]
+        idx: Any = self.group["index"]
         self._filenames = [str(x) for x in idx["filenames"][:]]
         self._keys = [str(x) for x in idx["keys"][:]]
         self._offsets = np.asarray(idx["frame_offsets"][:], dtype=np.int64)
@@ -135,24 +135,27 @@ class MergedStore(Mapping[str, Any]):
         """Ascending int64 frame indices of ``filename``, one per row."""
         i = self._index(filename)
         if self._frame_idx is None:
-            self._frame_idx = np.asarray(self.group["index/frame_idx"][:], dtype=np.int64)
+            frame_idx: Any = self.group["index/frame_idx"]
+            self._frame_idx = np.asarray(frame_idx[:], dtype=np.int64)
         return self._frame_idx[self._offsets[i] : self._offsets[i + 1]].copy()
 
     def __getitem__(self, filename: str) -> Any:
         i = self._index(filename)
-        node = self.group["files"][self._keys[i]]
+        files: Any = self.group["files"]
+        node = files[self._keys[i]]
         return self._wrap(node, filename)
 
     def _wrap(self, node: Any, filename: str) -> Any:
         import zarr
 
         if isinstance(node, zarr.Array):
-            return LeafArray(node, node.attrs["spillmerge"]["dtype"], filename)
+            meta: Any = node.attrs["spillmerge"]
+            return LeafArray(node, meta["dtype"], filename)
         # Dict value: every array below the file's group knows its original leaf path.
         out: dict[str, Any] = {}
         for _, child in sorted(node.members(max_depth=None), key=lambda kv: kv[0]):
             if isinstance(child, zarr.Array):
-                meta = child.attrs["spillmerge"]
+                meta = child.attrs["spillmerge"]  # type: ignore[assignment]
                 _set_nested(out, list(meta["leaf"]), LeafArray(child, meta["dtype"], filename))
         return out
 

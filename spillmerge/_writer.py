@@ -8,6 +8,7 @@ Protocol (see docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -177,7 +178,7 @@ class SpillWriter:
 
     def __init__(
         self,
-        root: str,
+        root: str | os.PathLike[str],
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -488,9 +489,7 @@ class SpillWriter:
         data_meta = _array_meta((self._offset,), (chunk,), "uint8", crc=False)
         self.storage.put(self._rel(f"{F.DATA_NAME}/zarr.json"), F.dumps(data_meta))
         index_bytes = rows.astype("<i8").tobytes()
-        _put_array(
-            self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64"
-        )
+        _put_array(self.storage, self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64")
         catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._layouts]})
         _put_array(self.storage, self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8")
         if self.fsync:  # everything the commit record vouches for is durable before it exists
