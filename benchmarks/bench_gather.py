@@ -132,9 +132,10 @@ def run_spillmerge(rank, world, mine, frames, work: Path, info) -> None:
         for (name, f), t in zip(mine, frames, strict=True):
             w.write(name, f, t)
     info["spill_s"] = time.perf_counter() - t0
-    report = w.merge(str(work / "out"), progress=False)
+    report = w.merge(str(work / "out"), progress=False, threads=int(os.environ.get("BENCH_MERGE_THREADS", "0")) or None)
     if report is not None:
         info["wait_s"], info["merge_s"] = report.wait_seconds, report.merge_seconds
+        info["phases"] = report.phases
 
 
 def run_gather(rank, world, mine, frames, work: Path, info, kind: str) -> None:
@@ -389,6 +390,10 @@ def main() -> None:
             "",
             f"spillmerge split on rank 0: spill {sp:.2f} s, wait for other ranks {wt:.2f} s, merge {mg:.2f} s",
         ]
+        phases = [r[0].get("phases", {}) for r in runs]
+        if phases[0]:
+            parts = ", ".join(f"{k} {statistics.median(p.get(k, 0.0) for p in phases):.2f} s" for k in phases[0])
+            lines.append(f"merge phases (median): {parts}")
     text = "\n".join(lines)
     print(text)
     if args.out_md:

@@ -62,6 +62,8 @@ class MergeReport:
     """Filename → frame indices missing between 0 and its highest merged frame (``allow_partial``)."""
     notes: list[str] = field(default_factory=list)
     """Problems that stopped salvaging a journal (torn or corrupt entries)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: wait, load (indexes), plan, metadata, copy, index, sync, finish."""
 
     @property
     def filenames(self) -> int:  # the contract's name for the count
@@ -171,8 +173,10 @@ def merge(
         raise SpillValueError(f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out")
     state = wait_for_commits(src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial)
     t_wait = time.perf_counter() - t0
+    phases: dict[str, float] = {"wait": t_wait}
     # Write order for the duplicate policy: segment start time, rank breaking ties.
     segments = sorted(state.committed, key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name))
+    t = time.perf_counter()
     loaded = load_all(src, segments)
     salvaged: dict[int, int] = {}
     notes: list[str] = []
@@ -184,10 +188,13 @@ def merge(
             if len(part.index):
                 loaded.append(part)
                 salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
+    phases["load"] = time.perf_counter() - t
+    t = time.perf_counter()
     plan = build(loaded, on_duplicate)
+    phases["plan"] = time.perf_counter() - t
     _prepare_output(dst, overwrite)
     try:
-        _write_output(src, dst, plan, state.world_size, chunk_bytes, memory_budget, threads, fsync, progress)
+        _write_output(src, dst, plan, state.world_size, chunk_bytes, memory_budget, threads, fsync, progress, phases)
     except BaseException:
         # The output is unusable without its completion marker anyway; removing it keeps the
         # next merge (or a reader) from seeing half a store.
@@ -215,6 +222,7 @@ def merge(
         salvaged_frames=salvaged,
         frame_gaps=_gaps(plan) if allow_partial else {},
         notes=notes,
+        phases=phases,
     )
 
 
@@ -243,7 +251,9 @@ def _write_output(
     threads: int,
     fsync: bool,
     progress: bool | None,
+    phases: dict[str, float],
 ) -> None:
+    t = time.perf_counter()
     header = {
         "format_version": F.FORMAT_VERSION,
         "kind": "merged",
@@ -314,7 +324,11 @@ def _write_output(
     dst.put("zarr.json", _json_doc(docs[""]))
     dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
 
+    phases["metadata"] = time.perf_counter() - t
+    t = time.perf_counter()
     _copy(src, dst, plan, chunk_bytes, budget, threads, progress)
+    phases["copy"] = time.perf_counter() - t
+    t = time.perf_counter()
 
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
@@ -335,8 +349,12 @@ def _write_output(
         "must_understand": False,
         "metadata": {path: _consolidated_entry(doc) for path, doc in sorted(docs.items()) if path},
     }
+    phases["index"] = time.perf_counter() - t
+    t = time.perf_counter()
     if fsync:  # every chunk and document is durable before the root and the marker vouch for them
         dst.fsync_tree("")
+    phases["sync"] = time.perf_counter() - t
+    t = time.perf_counter()
     dst.put_atomic("zarr.json", _json_doc(root))
     marker = {
         "format_version": F.FORMAT_VERSION,
@@ -347,6 +365,7 @@ def _write_output(
         "finished": F.utcnow(),
     }
     dst.put_atomic(F.COMPLETE_NAME, F.dumps(marker))
+    phases["finish"] = time.perf_counter() - t
 
 
 def _json_doc(doc: dict[str, Any]) -> bytes:
@@ -464,29 +483,50 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> Non
         if item == 0:  # zero-size frames: the array has no elements, so no chunk to write
             continue
         full = stripe.k * item  # the last chunk of an array is padded to the chunk shape
-        buf = _scratch(full)
         used = len(rows) * item
-        src.read_into(_pieces(plan, rows), buf[:used].data)
-        for j, r in enumerate(rows.tolist()):
-            got = google_crc32c.value(buf[j * item : (j + 1) * item])
-            if got != int(plan.crc[r]):
-                seg = plan.segments[int(plan.seg[r])]
-                where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
-                raise CorruptSpillError(
-                    f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
-                    f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
-                    f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
-                    "the spill is corrupt; run `spillmerge verify` on the root",
-                    path=where,
-                    rank=seg.seg.rank,
-                )
+        key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * len(leaf.layout.shape)
+        if src.local:
+            # Frames are written straight from the page cache (mmap), never copied into our memory.
+            parts: list[Any] = []
+            for j, r in enumerate(rows.tolist()):
+                views = [src.view(rel, lo, hi) for rel, lo, hi in _pieces(plan, rows[j : j + 1])]
+                got = 0
+                for v in views:
+                    got = google_crc32c.extend(got, v)
+                if got != int(plan.crc[r]):
+                    _raise_mismatch(src, plan, stripe, leaf, j, r)
+                parts.extend(views)
+        else:
+            buf = _scratch(used)
+            src.read_into(_pieces(plan, rows), buf.data)
+            for j, r in enumerate(rows.tolist()):
+                if google_crc32c.value(buf[j * item : (j + 1) * item]) != int(plan.crc[r]):
+                    _raise_mismatch(src, plan, stripe, leaf, j, r)
+            parts = [buf]
         if used < full:
-            buf[used:] = 0
-        ndim = len(leaf.layout.shape)
-        key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * ndim
-        crc = np.uint32(google_crc32c.value(buf)).astype("<u4").tobytes()
+            parts.append(_zeros(full - used))
+        out_crc = 0
+        for part in parts:
+            out_crc = google_crc32c.extend(out_crc, part)
         dst.makedirs(key.rsplit("/", 1)[0])
-        dst.put(key, [buf.data, crc])
+        dst.put(key, [*parts, np.uint32(out_crc).astype("<u4").tobytes()])
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.uint8)
+
+
+def _raise_mismatch(src: Storage, plan: Plan, stripe: _Stripe, leaf: Any, j: int, r: int) -> None:
+    seg = plan.segments[int(plan.seg[r])]
+    where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
+    raise CorruptSpillError(
+        f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
+        f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
+        f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
+        "the spill is corrupt; run `spillmerge verify` on the root",
+        path=where,
+        rank=seg.seg.rank,
+    )
 
 
 def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:

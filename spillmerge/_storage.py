@@ -7,6 +7,7 @@ so a name read from an untrusted spill root can never reach outside.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import posixpath
 import sys
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from ._errors import SpillMergeError, SpillStorageError, UnsafePathError
@@ -94,6 +96,7 @@ class Storage:
         self.local = isinstance(self.fs, LocalFileSystem)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._fds: OrderedDict[str, int] = OrderedDict()
+        self._maps: OrderedDict[str, Any] = OrderedDict()
         self._fd_lock = threading.Lock()
 
     # ---------------------------------------------------------------------------------- paths
@@ -208,28 +211,55 @@ class Storage:
             out[pos : pos + n] = blob
             pos += n
 
+    def view(self, rel: str, start: int, stop: int) -> Any:
+        """A read-only view of bytes ``[start, stop)`` of a local file, mapped from the page cache
+        without copying (local storage only)."""
+        with self._fd_lock:
+            mm = self._maps.get(rel)
+            if mm is None:
+                fd = self._fd_unlocked(rel)
+                try:
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if os.fstat(fd).st_size else b""
+                except (OSError, ValueError) as exc:
+                    raise SpillStorageError(f"cannot map {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
+                self._maps[rel] = mm
+                while len(self._maps) > 256:
+                    # Dropping our reference (not closing): views still in use keep the mapping alive.
+                    self._maps.popitem(last=False)
+            else:
+                self._maps.move_to_end(rel)
+        if len(mm) < stop:
+            got = max(0, len(mm) - start)
+            raise SpillStorageError(
+                f"{self.describe(rel)}: short read at byte {start} ({got} of {stop - start} bytes): "
+                "the object is truncated",
+                path=self.describe(rel),
+            )
+        # A numpy view: zero-copy, and accepted by the CRC-32C extension (memoryviews are not).
+        return np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start)
+
     def _fd(self, rel: str) -> int:
         with self._fd_lock:
-            fd = self._fds.get(rel)
-            if fd is not None:
-                self._fds.move_to_end(rel)
-                return fd
-            try:
-                fd = os.open(self.path(rel), os.O_RDONLY)
-            except SpillMergeError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-                raise SpillStorageError(
-                    f"cannot open {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
-                ) from exc
-            self._fds[rel] = fd
-            while len(self._fds) > 128:
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
+            return self._fd_unlocked(rel)
+
+    def _fd_unlocked(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is not None:
+            self._fds.move_to_end(rel)
             return fd
+        try:
+            fd = os.open(self.path(rel), os.O_RDONLY)
+        except OSError as exc:
+            raise SpillStorageError(f"cannot open {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+        self._fds[rel] = fd
+        while len(self._fds) > 128:
+            _, old = self._fds.popitem(last=False)
+            os.close(old)
+        return fd
 
     def close(self) -> None:
         with self._fd_lock:
+            self._maps.clear()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
