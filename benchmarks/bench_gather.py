@@ -15,7 +15,9 @@ Methods:
   disk_limit          one process writes P bytes with fsync (the physical limit; no ranks)
 
 Peak extra memory = max over the timed section of (resident - shared) pages, minus the value just
-before it (anonymous memory; page cache is not counted), sampled every 5 ms.
+before it (anonymous memory; page cache is not counted), sampled every 5 ms. The RSS column also
+counts file pages mapped into the process (spillmerge's merge maps spill chunks: clean page
+cache the kernel can reclaim, bounded by 16 mapped chunks).
 
 Usage: python benchmarks/bench_gather.py [--payload-gib 1] [--world-size 4] [--methods a,b] [--out-md F]
 """
@@ -86,6 +88,8 @@ class PeakMemory:
     def __init__(self) -> None:
         self.base = self._anon()
         self.peak = self.base
+        self.rss_base = self._rss()
+        self.rss_peak = self.rss_base
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -96,9 +100,15 @@ class PeakMemory:
             _, resident, shared = (int(x) for x in f.read().split()[:3])
         return (resident - shared) * PAGE
 
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, self._anon())
+            self.rss_peak = max(self.rss_peak, self._rss())
             time.sleep(0.005)
 
     def stop(self) -> int:
@@ -267,6 +277,7 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: 
         run_raw(rank, world, mine, frames, work, info)
     info["wall_s"] = time.perf_counter() - t0
     info["peak_extra"] = mem.stop()
+    info["rss_extra"] = mem.rss_peak - mem.rss_base
     if rank == 0:
         info["ok"] = verify(method, work, assignment, p)
         info["bytes"] = sum(len(v) for v in assignment.values()) * int(np.prod(shape)) * 2
@@ -291,7 +302,15 @@ def disk_limit(cfg: dict) -> dict:
         while fh.readinto(buf.data):
             pass
     read_s = time.perf_counter() - t0
-    return {"wall_s": write_s, "read_s": read_s, "peak_extra": mem.stop(), "ok": True, "bytes": cfg["payload"]}
+    extra = mem.stop()
+    return {
+        "wall_s": write_s,
+        "read_s": read_s,
+        "peak_extra": extra,
+        "rss_extra": mem.rss_peak - mem.rss_base,
+        "ok": True,
+        "bytes": cfg["payload"],
+    }
 
 
 def free_port() -> int:
@@ -365,21 +384,22 @@ def main() -> None:
         f"W={args.world_size} gloo ranks, payload {payload / (1 << 30):.2f} GiB of fp16 {args.frame_shape} frames, "
         f"{args.files} files, median of {args.repeats} runs (rank 0 wall time from barrier to result fsynced on disk)",
         "",
-        "| method | wall | vs spillmerge | rank-0 peak extra | others' peak extra (max) | ok |",
-        "|---|---|---|---|---|---|",
+        "| method | wall | vs spillmerge | rank-0 peak extra (anon) | rank-0 peak extra RSS | others' peak extra anon (max) | ok |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m in methods:
         runs = rows[m]
         if not all(r[0].get("ok") for r in runs):
-            lines.append(f"| {m} | FAILED | | | | no |")
+            lines.append(f"| {m} | FAILED | | | | | no |")
             continue
         wall = statistics.median(r[0]["wall_s"] for r in runs)
         r0 = statistics.median(r[0]["peak_extra"] for r in runs)
         others = statistics.median(max((x["peak_extra"] for x in r[1:]), default=0) for r in runs)
         ratio = f"{wall / base:.2f}x" if base else "-"
+        rss = statistics.median(r[0].get("rss_extra", 0) for r in runs)
         lines.append(
             f"| {m} | {wall:.2f} s | {ratio} | {r0 / mib:.0f} MiB ({r0 / payload:.2f}x P) | "
-            f"{others / mib:.0f} MiB ({others / payload:.2f}x P) | yes |"
+            f"{rss / mib:.0f} MiB | {others / mib:.0f} MiB ({others / payload:.2f}x P) | yes |"
         )
     if "spillmerge" in rows and base:
         runs = rows["spillmerge"]

@@ -223,7 +223,7 @@ class Storage:
                 except (OSError, ValueError) as exc:
                     raise SpillStorageError(f"cannot map {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
                 self._maps[rel] = mm
-                while len(self._maps) > 256:
+                while len(self._maps) > 16:  # bounds the mapped (resident, reclaimable) spill
                     # Dropping our reference (not closing): views still in use keep the mapping alive.
                     self._maps.popitem(last=False)
             else:

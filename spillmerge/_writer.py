@@ -82,6 +82,7 @@ class _Flusher(threading.Thread):
         self.error: BaseException | None = None
         self.bytes_written = 0
         self._pending: collections.deque[tuple[_Chunk, Future[None]]] = collections.deque()
+        self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(writer.flush_threads, thread_name_prefix=f"spillmerge-put-r{writer.rank}")
 
     def run(self) -> None:
@@ -108,6 +109,9 @@ class _Flusher(threading.Thread):
                 self._retire(block=True)
         finally:
             self._pool.shutdown(wait=True)
+            for fut in self._journals:
+                if fut.exception() is not None and self.error is None:
+                    self.error = fut.exception()
 
     def _checksum(self, chunk: _Chunk) -> None:
         # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
@@ -133,7 +137,9 @@ class _Flusher(threading.Thread):
                 fut.result()
                 if self.error is None:
                     self.bytes_written += chunk.fill
-                    self._journal(chunk)
+                    # Its chunk and every earlier one are durable now; the PUT itself may overlap
+                    # the next uploads (a reader replays entries in order and stops at a gap).
+                    self._journals.append(self._pool.submit(self._journal, chunk))
             except BaseException as exc:  # noqa: BLE001
                 self.error = self.error or exc
             finally:

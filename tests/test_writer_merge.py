@@ -225,7 +225,7 @@ def test_backpressure_bounds_staging_memory_on_a_slow_store(tmp_path):
     SlowMemoryFS.store.clear()
     frame = torch.arange(1024, dtype=torch.float32)  # 4 KiB = one chunk
     t0 = time.perf_counter()
-    with spillmerge.SpillWriter("slowmem://bp/spill", chunk_bytes=4096, staging_bytes=2 * 4096) as w:
+    with spillmerge.SpillWriter("slowmem://bp/spill", chunk_bytes=4096, staging_bytes=2 * 4096, flush_threads=1) as w:
         for i in range(40):
             w.write("f", i, frame + i)
         assert w.stats()["staging_buffers"] <= 2
