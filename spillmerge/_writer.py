@@ -389,6 +389,9 @@ class SpillWriter:
                     if chunk.event is None:
                         chunk.event = torch.cuda.Event()
                     chunk.event.record(self._cuda_stream)
+                # Work the caller queues next (e.g. overwriting this tensor in place) runs after our
+                # copy, without blocking the host: write() keeps its copy semantics on CUDA.
+                torch.cuda.current_stream(data.device).wait_stream(self._cuda_stream)
             else:
                 dst.numpy()[:] = data[done : done + n]
             chunk.pieces.append((row, chunk.fill, chunk.fill + n))
