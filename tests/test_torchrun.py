@@ -1,46 +1,90 @@
-"""The torchrun example through the real launcher."""
+"""examples/torchrun_infer.py through the real launcher (torch.distributed.run, 2 gloo ranks)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 import spillmerge
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_infer.py"
+NPROC = 2
+TIMEOUT = 300  # seconds per launch; a hang fails the test
 
 
-def _example():
+def _example() -> ModuleType:
     spec = importlib.util.spec_from_file_location("torchrun_infer", EXAMPLE)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes, so that bfloat16/float16 compare bit for bit."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _launch(root: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
+           str(EXAMPLE), "--root", str(root), "--out", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=root.parent)
+    assert p.returncode == 0, f"torchrun failed ({p.returncode})\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p
+
+
+def _commits(root: Path) -> list[dict]:
+    return [json.loads(c.read_text()) for c in sorted(root.glob("rank-*/seg-*/commit.json"))]
+
+
 def test_torchrun_example_merges_every_frame(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "preds.zarr"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           str(EXAMPLE), "--root", str(root), "--out", str(out)]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "merged 6 files" in p.stdout and "from 3 ranks" in p.stdout
     ex = _example()
-    model = ex.TinySegmenter().eval()
+    keys = ex.dataset_keys()
+    names = sorted({name for name, _ in keys})
+
+    p = _launch(root, out)
+    assert f"merged {len(names)} files, {len(keys)} frames" in p.stdout, p.stdout
+    assert f"from {NPROC} ranks ({NPROC} segments)" in p.stdout, p.stdout
+    # Both ranks worked, on uneven shares that together cover every frame once.
+    commits = _commits(root)
+    assert sorted(c["rank"] for c in commits) == list(range(NPROC))
+    shares = [c["n_frames"] for c in sorted(commits, key=lambda c: c["rank"])]
+    assert sum(shares) == len(keys) and min(shares) > 0 and len(set(shares)) > 1, shares
+    assert len({c["run_id"] for c in commits}) == 1 and commits[0]["run_id"].startswith("torchelastic-")
+
     res = spillmerge.open(str(out))
-    keys = ex.dataset()
-    assert sorted(res.filenames) == sorted({k[0] for k in keys})
-    for name in res.filenames:
+    assert res.filenames == names
+    assert res.header["n_frames"] == len(keys)
+    for name in names:
         frames = res.frames(name).tolist()
         assert frames == sorted(f for n, f in keys if n == name)
-        mask, score = res[name]["mask"].to_torch(), res[name]["score"].to_torch()
+        stored = {leaf: arr.to_torch() for leaf, arr in res[name].items()}
+        assert sorted(stored) == ["boxes", "label", "mask", "score"]
         for row, f in enumerate(frames):
-            want = ex.predict(model, name, f)
-            assert torch.equal(mask[row], want["mask"]) and torch.equal(score[row], want["score"])
+            want = ex.expected_prediction(name, f)
+            for leaf, t in want.items():
+                got = stored[leaf][row]
+                assert got.dtype == t.dtype and got.shape == t.shape, (name, f, leaf)
+                assert torch.equal(_bits(got), _bits(t)), (name, f, leaf)
+    assert sorted(os.listdir(tmp_path)) == ["preds.zarr", "spill"]
+
     # Running the job again on the same root skips every committed frame and still merges all.
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert spillmerge.open(str(out)).header["n_frames"] == len(keys)
+    p = _launch(root, out)
+    assert len(re.findall(r"rank \d+: wrote 0 frames", p.stdout)) == NPROC, p.stdout
+    assert f"merged {len(names)} files, {len(keys)} frames" in p.stdout, p.stdout
+    assert f"({2 * NPROC} segments)" in p.stdout, p.stdout
+    assert len({c["run_id"] for c in _commits(root)}) == 2
+    again = spillmerge.open(str(out))
+    assert again.header["n_frames"] == len(keys) and again.filenames == names
+    assert sorted(os.listdir(tmp_path)) == ["preds.zarr", "spill"]

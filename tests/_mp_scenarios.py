@@ -1,0 +1,444 @@
+"""Rank bodies for tests/test_multirank.py, run by ``torch.multiprocessing`` with the spawn start
+method (so this module must stay importable on its own: no pytest, no fixtures).
+
+One spawn of ``WORLD`` gloo ranks runs every scenario in the same processes, each on its own spill
+root under ``base``. Expected errors are caught and described in ``base/results/rank-R.json``; the
+parent test asserts on those files. Anything unexpected propagates, so the spawn fails with the
+worker's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+WORLD = 4
+MERGE_TIMEOUT = 90.0  # seconds rank 0 waits on storage for commit records; the parent's limit is larger
+
+HOSTILE = [
+    "video_001.mp4",
+    "Video_001.MP4",  # differs from the one above only by case
+    "ünïcødé 视频 🎥.mp4",
+    "e\u0301.mp4",  # decomposed é ...
+    "\u00e9.mp4",  # ... and the composed one: different names that look the same
+    "with space/and/slashes.mp4",
+    "a/b/../c d.mp4",
+    "/abs/path.mp4",
+    "C:\\Windows\\evil.mp4",
+    "../../etc/passwd",
+    "..",
+    ".",
+    ".hidden",
+    "..leading-dots.mp4",
+    "50%off%2F.mp4",
+    "%2e%2e%2fetc%2fpasswd",
+    "x" * 300,
+    "é" * 150,  # 300 bytes of UTF-8
+    "zarr.json",
+    "CON.mp4",
+    "tab\there\nnewline",
+    "nul\x00byte.mp4",
+    "",
+]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool]
+SHAPES = [(2, 3, 5), (7,), (), (16, 8), (3, 1, 4)]
+
+# Bit patterns forced into the first elements of float frames: a signalling NaN with a payload,
+# negative zero and +inf, which value-based comparisons would not check.
+_SPECIAL_BITS = {
+    torch.bfloat16: (torch.int16, [0x7F81, -0x8000, 0x7F80]),
+    torch.float16: (torch.int16, [0x7C01, -0x8000, 0x7C00]),
+    torch.float32: (torch.int32, [0x7F800001, -0x80000000, 0x7F800000]),
+}
+
+
+# ------------------------------------------------------------------------------ shared data
+def _random(dt: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random bits of dtype ``dt``: every pattern is possible, NaN payloads included."""
+    if dt == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dt == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    if dt == torch.int64:
+        return torch.randint(-(2**63), 2**63 - 1, shape, generator=g, dtype=torch.int64)
+    bits_dt, special = _SPECIAL_BITS[dt]
+    info = torch.iinfo(bits_dt)
+    bits = torch.randint(info.min, info.max, shape, generator=g, dtype=bits_dt)
+    flat = bits.view(-1)
+    n = min(len(special), flat.numel())
+    flat[:n] = torch.tensor(special[:n], dtype=bits_dt)
+    return bits.view(dt)
+
+
+def value_for(name: str, frame: int) -> Any:
+    """Deterministic per (filename, frame); the leaf layout depends only on the filename."""
+    i = HOSTILE.index(name)
+    g = torch.Generator().manual_seed(i * 1_000_003 + frame % 1_000_000_007)
+    dt = DTYPES[i % len(DTYPES)]
+    shape = SHAPES[i % len(SHAPES)]
+    if len(shape) == 2:  # a non-contiguous view, as model outputs often are
+        t = _random(dt, shape[::-1], g).t()
+    else:
+        t = _random(dt, shape, g)
+    kind = (i + i // len(DTYPES)) % 3
+    if kind == 0:
+        return t
+    if kind == 1:
+        return {
+            "pred": t,
+            "meta": {
+                "score": frame / 3.0,  # Python float -> float64
+                "label": frame % 7 - 3,  # Python int -> int64
+                "ok": frame % 2 == 0,  # Python bool -> bool
+                "box": np.arange(4, dtype=np.float32) * 0.5 + frame,
+                "empty": np.zeros((0, 2), dtype=np.int32),
+            },
+        }
+    return {  # hostile leaf names
+        "../up": t,
+        "x/y": {"..": np.float16(frame % 1000), "ü 视": torch.tensor(frame % 100_000, dtype=torch.int32)},
+        "zarr.json": torch.full((2,), frame % 3 == 0),
+    }
+
+
+def all_keys(seed: int = 0) -> list[tuple[str, int]]:
+    """Every (filename, frame) of the main scenario: uneven lengths, sparse and huge frame indices."""
+    rng = random.Random(seed)
+    keys: list[tuple[str, int]] = []
+    for i, name in enumerate(HOSTILE):
+        n = rng.choice([1, 2, 5, 9, 14, 40])
+        frames = rng.sample(range(200), n)
+        if i % 5 == 0:
+            frames.append(2**40 + i)
+        keys.extend((name, f) for f in frames)
+    return keys
+
+
+def assignment(world: int = WORLD, seed: int = 0) -> dict[int, list[tuple[str, int]]]:
+    """Shuffled keys, dealt unevenly (rank weights 1, 2, 3, 6): frames of one file on every rank."""
+    rng = random.Random(seed + 1)
+    keys = all_keys(seed)
+    rng.shuffle(keys)
+    weights = [1, 2, 3, 6][:world] if world <= 4 else [r + 1 for r in range(world)]
+    out: dict[int, list[tuple[str, int]]] = {r: [] for r in range(world)}
+    for k in keys:
+        out[rng.choices(range(world), weights=weights)[0]].append(k)
+    return out
+
+
+def leaves(value: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """(leaf path, leaf) pairs of a value, sorted by path."""
+    if isinstance(value, dict):
+        out = []
+        for k in sorted(value):
+            out.extend(leaves(value[k], (*prefix, k)))
+        return out
+    return [(prefix, value)]
+
+
+def as_torch(x: Any) -> torch.Tensor:
+    """The tensor (of the stored dtype) a leaf should read back as."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, bool):
+        return torch.tensor(x, dtype=torch.bool)
+    if isinstance(x, int):
+        return torch.tensor(x, dtype=torch.int64)
+    if isinstance(x, float):
+        return torch.tensor(x, dtype=torch.float64)
+    return torch.from_numpy(np.array(x))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, as a flat uint8 tensor (NaN payloads and -0.0 compare exactly)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def raw_bytes(x: Any) -> bytes:
+    return bytes(bits(as_torch(x)).numpy().tobytes())
+
+
+def get_leaf(node: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        node = node[k]
+    return node
+
+
+def compare_merged(res: Any, expected: dict[tuple[str, int], Any], limit: int = 20) -> tuple[int, int, list[str]]:
+    """Check a ``spillmerge.open`` result against ``{(filename, frame): value}``. Returns
+    (frames checked, leaves checked, problems)."""
+    problems: list[str] = []
+    want_names = sorted({name for name, _ in expected})
+    if res.filenames != want_names:
+        problems.append(f"filenames {res.filenames!r:.1000} != {want_names!r:.1000}")
+    n_frames = n_leaves = 0
+    for name in want_names:
+        if name not in res:
+            continue
+        frames = res.frames(name)
+        want_frames = sorted(f for n, f in expected if n == name)
+        if frames.dtype != np.int64 or frames.tolist() != want_frames:
+            problems.append(f"{name!r}: frames {frames.tolist()} ({frames.dtype}) != {want_frames}")
+            continue
+        node = res[name]
+        schema = leaves(expected[(name, want_frames[0])])
+        got_paths = sorted(p for p, _ in leaves(node)) if isinstance(node, dict) else [()]
+        if got_paths != [p for p, _ in schema]:
+            problems.append(f"{name!r}: leaves {got_paths} != {[p for p, _ in schema]}")
+            continue
+        stored = {path: get_leaf(node, path).to_torch() for path, _ in schema}
+        for row, f in enumerate(want_frames):
+            for path, leaf in leaves(expected[(name, f)]):
+                want, got = as_torch(leaf), stored[path]
+                ok = (
+                    got.shape == (len(want_frames), *want.shape)
+                    and got.dtype == want.dtype
+                    and torch.equal(bits(got[row]), bits(want))
+                )
+                if not ok:
+                    problems.append(
+                        f"{name!r} frame {f} leaf {path}: got {got.dtype}{tuple(got.shape)} row {row}, "
+                        f"want {want.dtype}{tuple(want.shape)} {want!r:.200}"
+                    )
+                n_leaves += 1
+            n_frames += 1
+        if len(problems) >= limit:
+            break
+    return n_frames, n_leaves, problems[:limit]
+
+
+def _report(rep: Any) -> dict[str, Any] | None:
+    if rep is None:
+        return None
+    return {
+        "n_files": rep.n_files,
+        "n_frames": rep.n_frames,
+        "nbytes": rep.nbytes,
+        "ranks": rep.ranks,
+        "segments": rep.segments,
+        "duplicates": rep.duplicates,
+        "wait_seconds": rep.wait_seconds,
+        "missing_ranks": rep.missing_ranks,
+    }
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    import spillmerge
+
+    return {
+        "type": type(exc).__name__,
+        "msg": str(exc),
+        "filename": getattr(exc, "filename", None),
+        "frame_idx": getattr(exc, "frame_idx", None),
+        "leaf": getattr(exc, "leaf", None),
+        "ranks": getattr(exc, "ranks", None),
+        "is_spillmerge_error": isinstance(exc, spillmerge.SpillMergeError),
+        "is_value_error": isinstance(exc, ValueError),
+    }
+
+
+# --------------------------------------------------------------------------------- scenarios
+def scenario_main(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Uneven shuffled frames, many dtypes, nested dicts, hostile names; compared with gather_object."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    mine = assignment(world)[rank]
+    inputs = {k: value_for(*k) for k in mine}
+    spill, out = f"{base}/main/spill", f"{base}/main/out"
+    # Small chunks and staging: frames cross chunk boundaries and write() hits backpressure.
+    with spillmerge.SpillWriter(spill, chunk_bytes=4096, staging_bytes=2 * 4096) as w:
+        # All three input shapes of the contract: write, update((frame, value)), update({frame: value}).
+        for j in range(0, len(mine), 3):
+            batch = mine[j : j + 3]
+            name, f = batch[0]
+            w.write(name, f, inputs[(name, f)])
+            if len(batch) == 2:
+                name, f = batch[1]
+                w.update({name: (f, inputs[(name, f)])})
+            elif len(batch) == 3:
+                grouped: dict[str, dict[int, Any]] = {}
+                for name, f in batch[1:]:
+                    grouped.setdefault(name, {})[f] = inputs[(name, f)]
+                w.update(grouped)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(inputs, gathered, dst=0)
+        if rank == world - 1:
+            time.sleep(1.5)  # commit late: rank 0's merge must wait for it on storage
+    rep = w.merge(out, timeout=MERGE_TIMEOUT, chunk_bytes=4096, progress=False)
+    result: dict[str, Any] = {"report": _report(rep), "n_mine": len(mine), "segment": w.segment}
+    if rank == 0:
+        assert gathered is not None
+        everything: dict[tuple[str, int], Any] = {}
+        overlap = 0
+        for part in gathered:
+            overlap += len(everything.keys() & part.keys())
+            everything.update(part)
+        n_frames, n_leaves, problems = compare_merged(spillmerge.open(out), everything)
+        result.update(
+            gathered_frames=len(everything),
+            gathered_overlap=overlap,
+            gathered_nbytes=sum(len(raw_bytes(leaf)) for v in everything.values() for _, leaf in leaves(v)),
+            frames_checked=n_frames,
+            leaves_checked=n_leaves,
+            problems=problems,
+        )
+    return result
+
+
+def scenario_duplicates(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Ranks 1 and 2 write the same key with different content; rank 2's segment starts first."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    root = f"{base}/dup"
+    # An explicit run id: opening the writer then needs no collective, so the barrier below
+    # orders the segments' start times (the order the first/last policies use).
+    if rank == 1:
+        dist.barrier()
+    with spillmerge.SpillWriter(f"{root}/spill", run_id="dup-run") as w:
+        if rank != 1:
+            dist.barrier()
+        if rank in (1, 2):
+            w.write("clip.mp4", 5, torch.full((3,), float(rank), dtype=torch.bfloat16))
+        if rank in (0, 3):  # identical content (a NaN with a payload included) from two ranks is fine
+            w.write("same.mp4", 0, torch.tensor([0x7F81, 3], dtype=torch.int16).view(torch.bfloat16))
+        w.write("clip.mp4", 10 + rank, torch.zeros(3, dtype=torch.bfloat16))
+    result: dict[str, Any] = {}
+    if rank != 0:
+        result["merge_returned"] = repr(w.merge(f"{root}/err", timeout=MERGE_TIMEOUT))
+        return result
+    try:
+        rep = w.merge(f"{root}/err", timeout=MERGE_TIMEOUT, progress=False)
+        result["error"] = {"type": None, "report": _report(rep)}
+    except spillmerge.SpillMergeError as exc:
+        result["error"] = _error(exc)
+    for policy in ("first", "last"):
+        out = f"{root}/{policy}"
+        rep = w.merge(out, on_duplicate=policy, timeout=MERGE_TIMEOUT, progress=False)
+        res = spillmerge.open(out)
+        clip = res["clip.mp4"].to_torch()
+        frames = res.frames("clip.mp4").tolist()
+        result[policy] = {
+            "report": _report(rep),
+            "clip_frames": frames,
+            "clip_5": clip[frames.index(5)].float().tolist(),
+            "same_bits": res["same.mp4"].to_torch().view(torch.int16).tolist(),
+        }
+    return result
+
+
+def scenario_identical(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Identical duplicates from several ranks merge under the default policy; rank 2 writes nothing."""
+    import spillmerge
+
+    root = f"{base}/identical"
+    with spillmerge.SpillWriter(f"{root}/spill") as w:
+        if rank in (0, 3):
+            w.write("same.mp4", 0, torch.tensor([0x7F81, 3], dtype=torch.int16).view(torch.bfloat16))
+        if rank in (1, 3):
+            w.update({"same_dict.mp4": {3: {"a": np.arange(3, dtype=np.uint8), "b": {"c": 2.5}}}})
+        if rank != 2:
+            w.write("all.mp4", 0, torch.arange(4, dtype=torch.int64))
+            w.write("all.mp4", 1 + rank, torch.arange(4, dtype=torch.int64) * rank)
+    rep = w.merge(f"{root}/out", timeout=MERGE_TIMEOUT, progress=False)
+    result: dict[str, Any] = {"report": _report(rep)}
+    if rank == 0:
+        res = spillmerge.open(f"{root}/out")
+        result["frames"] = {name: res.frames(name).tolist() for name in res.filenames}
+        result["same_bits"] = res["same.mp4"].to_torch().view(torch.int16).tolist()
+        result["same_dict"] = {
+            "a": res["same_dict.mp4"]["a"][...].tolist(),
+            "c": res["same_dict.mp4"]["b"]["c"][...].tolist(),
+        }
+        result["all"] = res["all.mp4"][...].tolist()
+    return result
+
+
+def scenario_dict_leaf_duplicate(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A dict value written by two ranks that agrees on one leaf and differs on another is an error."""
+    import spillmerge
+
+    root = f"{base}/dup_leaf"
+    with spillmerge.SpillWriter(f"{root}/spill") as w:
+        if rank in (0, 3):
+            w.write("d.mp4", 7, {"a": torch.ones(2), "b": torch.tensor([rank], dtype=torch.int64)})
+        w.write("d.mp4", 100 + rank, {"a": torch.ones(2), "b": torch.tensor([0], dtype=torch.int64)})
+    if rank != 0:
+        w.merge(f"{root}/out", timeout=MERGE_TIMEOUT)
+        return {}
+    try:
+        rep = w.merge(f"{root}/out", timeout=MERGE_TIMEOUT, progress=False)
+        return {"error": {"type": None, "report": _report(rep)}}
+    except spillmerge.SpillMergeError as exc:
+        return {"error": _error(exc)}
+
+
+def scenario_mismatch(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The same filename with float32 (4,) on rank 0 and float16 (4,) on rank 3; and a nested dict
+    leaf whose shape differs between ranks 1 and 2."""
+    import spillmerge
+
+    result: dict[str, Any] = {}
+    with spillmerge.SpillWriter(f"{base}/mismatch/spill") as w:
+        if rank == 0:
+            w.write("m.mp4", 0, torch.zeros(4, dtype=torch.float32))
+        elif rank == 3:
+            w.write("m.mp4", 1, torch.zeros(4, dtype=torch.float16))
+        else:
+            w.write("other.mp4", rank, torch.zeros(4, dtype=torch.float16))
+    with spillmerge.SpillWriter(f"{base}/mismatch_shape/spill") as w2:
+        n = 5 if rank == 2 else 4
+        w2.write("s.mp4", rank, {"pred": torch.zeros(2), "meta": {"box": np.zeros(n, dtype=np.float32)}})
+    for tag, writer in (("dtype", w), ("shape", w2)):
+        out = f"{base}/mismatch{'_shape' if tag == 'shape' else ''}/out"
+        if rank != 0:
+            result[tag] = repr(writer.merge(out, timeout=MERGE_TIMEOUT))
+            continue
+        try:
+            rep = writer.merge(out, timeout=MERGE_TIMEOUT, progress=False)
+            result[tag] = {"type": None, "report": _report(rep)}
+        except spillmerge.SpillMergeError as exc:
+            result[tag] = _error(exc)
+    return result
+
+
+SCENARIOS = {
+    "main": scenario_main,
+    "duplicates": scenario_duplicates,
+    "identical": scenario_identical,
+    "dict_leaf_duplicate": scenario_dict_leaf_duplicate,
+    "mismatch": scenario_mismatch,
+}
+
+
+def worker(rank: int, world: int, port: int, base: str) -> None:
+    """Entry point for ``torch.multiprocessing.start_processes`` (the rank comes first)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)  # rank, world size and run id must come from the process group
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results: dict[str, Any] = {}
+        for name, fn in SCENARIOS.items():
+            t0 = time.perf_counter()
+            results[name] = fn(rank, world, base)
+            results[name]["seconds"] = time.perf_counter() - t0
+        os.makedirs(f"{base}/results", exist_ok=True)
+        tmp = f"{base}/results/.rank-{rank}.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+        os.replace(tmp, f"{base}/results/rank-{rank}.json")
+        dist.barrier()  # nobody tears the group down while another rank still needs it
+    finally:
+        dist.destroy_process_group()

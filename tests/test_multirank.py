@@ -1,0 +1,234 @@
+"""Four real gloo ranks (torch.multiprocessing, spawn) writing through SpillWriter and merging with
+``w.merge``, checked against ``torch.distributed.gather_object`` of the same inputs.
+
+Process start is slow, so one spawn runs every scenario of ``_mp_scenarios`` in the same four
+processes; the ranks report in ``tmp_path/results/rank-R.json`` and this test asserts on those.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch.multiprocessing as tmp_mp
+import zarr
+from _mp_scenarios import HOSTILE, WORLD, all_keys, leaves, raw_bytes, value_for, worker
+
+import spillmerge
+
+SPAWN_TIMEOUT = 240.0  # seconds for the whole spawn; a hang fails the test instead of blocking it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """Run every scenario once in WORLD spawned gloo ranks; returns (base dir, results by rank)."""
+    base = tmp_path_factory.mktemp("multirank")
+    ctx = tmp_mp.start_processes(
+        worker, args=(WORLD, _free_port(), str(base)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT
+    try:
+        # join() raises ProcessRaisedException / ProcessExitedException, with the worker's
+        # traceback, as soon as one rank fails, and terminates the others.
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_TIMEOUT:.0f} s (hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    results = {}
+    for r in range(WORLD):
+        path = base / "results" / f"rank-{r}.json"
+        assert path.exists(), f"rank {r} exited without writing its results"
+        results[r] = json.loads(path.read_text(encoding="utf-8"))
+    return base, results
+
+
+# ---------------------------------------------------------------------------------- main scenario
+def test_main_matches_gather_object_bit_exactly(ranks):
+    _, results = ranks
+    r0 = results[0]["main"]
+    assert r0["problems"] == [], "\n".join(r0["problems"])
+    keys = all_keys()
+    n_keys = len(keys)
+    assert len(set(keys)) == n_keys > 100
+    # Every rank wrote something, unevenly, and gather_object saw exactly the same keys.
+    mine = [results[r]["main"]["n_mine"] for r in range(WORLD)]
+    assert sum(mine) == n_keys and min(mine) > 0 and len(set(mine)) > 1, mine
+    assert r0["gathered_frames"] == n_keys and r0["gathered_overlap"] == 0
+    assert r0["frames_checked"] == n_keys and r0["leaves_checked"] > n_keys
+    rep = r0["report"]
+    assert rep["n_frames"] == n_keys and rep["n_files"] == len(HOSTILE)
+    assert rep["ranks"] == list(range(WORLD)) and rep["segments"] == WORLD and rep["duplicates"] == 0
+    assert rep["nbytes"] == r0["gathered_nbytes"]
+    assert rep["wait_seconds"] > 0.5, "rank 3 committed 1.5 s late; the merge should have waited for it"
+    for r in range(1, WORLD):
+        assert results[r]["main"]["report"] is None  # merge returns None off the dst rank
+
+
+def test_main_reads_back_with_plain_zarr(ranks):
+    """Without spillmerge's reader: original filenames, node attributes, frame index, raw bits."""
+    base, _ = ranks
+    g = zarr.open_group(str(base / "main" / "out"), mode="r")
+    header = g.attrs["spillmerge"]
+    assert header["format_version"] == spillmerge.FORMAT_VERSION and header["kind"] == "merged"
+    names = [str(x) for x in g["index/filenames"][:]]
+    node_keys = [str(x) for x in g["index/keys"][:]]
+    offsets = np.asarray(g["index/frame_offsets"][:])
+    frame_idx = np.asarray(g["index/frame_idx"][:])
+    assert names == sorted(HOSTILE)
+    assert len(set(node_keys)) == len(node_keys) == len(names)
+    assert offsets[0] == 0 and offsets[-1] == len(frame_idx) == len(all_keys())
+    expected_frames: dict[str, list[int]] = {}
+    for name, f in all_keys():
+        expected_frames.setdefault(name, []).append(f)
+    for i, (name, key) in enumerate(zip(names, node_keys, strict=True)):
+        frames = frame_idx[offsets[i] : offsets[i + 1]].tolist()
+        assert frames == sorted(expected_frames[name]), name
+        node = g[f"files/{key}"]
+        if isinstance(node, zarr.Array):
+            arrays = [((), node)]
+        else:
+            arrays = [(tuple(a.attrs["spillmerge"]["leaf"]), a) for _, a in node.members(max_depth=None)
+                      if isinstance(a, zarr.Array)]  # fmt: skip
+        schema = leaves(value_for(name, frames[0]))
+        assert sorted(p for p, _ in arrays) == [p for p, _ in schema], name
+        for path, arr in arrays:
+            meta = arr.attrs["spillmerge"]
+            assert meta["filename"] == name and meta["file_index"] == i and tuple(meta["leaf"]) == path
+            data = np.asarray(arr[...])
+            assert data.shape[0] == len(frames)
+            for row, f in enumerate(frames):
+                want = dict(leaves(value_for(name, f)))[path]
+                got = np.ascontiguousarray(data[row]).tobytes()
+                assert got == raw_bytes(want), (name, f, path, meta["dtype"])
+
+
+def _allowed_node_name(name: str) -> bool:
+    return (
+        name.isascii()
+        and 0 < len(name) <= 100
+        and "/" not in name
+        and "\\" not in name
+        and name not in (".", "..")
+        and not name.startswith((".", "__"))
+    )
+
+
+def test_nothing_is_written_outside_the_trees(ranks):
+    base, _ = ranks
+    assert sorted(os.listdir(base)) == sorted(
+        ["results", "main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape"]
+    )
+    assert sorted(os.listdir(base / "results")) == [f"rank-{r}.json" for r in range(WORLD)]
+    assert sorted(os.listdir(base / "main")) == ["out", "spill"]
+    # Failed merges leave no output behind.
+    assert sorted(os.listdir(base / "dup")) == ["first", "last", "spill"]
+    assert sorted(os.listdir(base / "dup_leaf")) == ["spill"]
+    assert sorted(os.listdir(base / "mismatch")) == ["spill"]
+    assert sorted(os.listdir(base / "mismatch_shape")) == ["spill"]
+    assert sorted(os.listdir(base / "identical")) == ["out", "spill"]
+    for scenario in ("main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape"):
+        spill = base / scenario / "spill"
+        assert sorted(os.listdir(spill)) == [f"rank-{r:05d}" for r in range(WORLD)]
+        for r in range(WORLD):
+            segs = os.listdir(spill / f"rank-{r:05d}")
+            assert len(segs) == 1 and segs[0].startswith("seg-"), segs
+            assert (spill / f"rank-{r:05d}" / segs[0] / "commit.json").is_file()
+            assert not (spill / f"rank-{r:05d}" / segs[0] / "failed.json").exists()
+    out = (base / "main" / "out").resolve()
+    assert sorted(os.listdir(out)) == ["files", "index", "spillmerge-complete.json", "zarr.json"]
+    chunk_name = re.compile(r"^[0-9]+$")
+    for dirpath, dirnames, filenames in os.walk(out):
+        here = Path(dirpath).resolve()
+        assert here == out or out in here.parents
+        for d in dirnames:
+            assert _allowed_node_name(d), f"unsafe node name {d!r} in {dirpath}"
+            assert not (here / d).is_symlink()
+        for f in filenames:
+            assert f in ("zarr.json", "spillmerge-complete.json") or chunk_name.match(f), f"{dirpath}/{f}"
+    # Nothing from '../../etc/passwd' or '..' escaped anywhere near the output.
+    for _dirpath, _, filenames in os.walk(base):
+        assert "passwd" not in filenames
+    assert not (base.parent / "etc").exists() and not (base / "etc").exists()
+
+
+# ------------------------------------------------------------------------------- duplicate frames
+def test_cross_rank_duplicate_is_an_error_naming_the_ranks(ranks):
+    _, results = ranks
+    err = results[0]["duplicates"]["error"]
+    assert err["type"] == "DuplicateFrameError", err
+    assert err["is_spillmerge_error"] and err["is_value_error"]
+    assert err["filename"] == "clip.mp4" and err["frame_idx"] == 5 and err["ranks"] == [1, 2], err
+    assert "clip.mp4" in err["msg"] and "5" in err["msg"] and "[1, 2]" in err["msg"]
+    for r in range(1, WORLD):
+        assert results[r]["duplicates"]["merge_returned"] == "None"
+
+
+def test_cross_rank_duplicate_first_and_last_policies(ranks):
+    _, results = ranks
+    d = results[0]["duplicates"]
+    # Rank 2's segment started before rank 1's (the ranks were ordered by a barrier).
+    assert d["first"]["clip_5"] == [2.0, 2.0, 2.0]
+    assert d["last"]["clip_5"] == [1.0, 1.0, 1.0]
+    for policy in ("first", "last"):
+        rep = d[policy]["report"]
+        assert d[policy]["clip_frames"] == [5, 10, 11, 12, 13]
+        assert d[policy]["same_bits"] == [[0x7F81, 3]]
+        assert rep["n_frames"] == 6 and rep["ranks"] == [0, 1, 2, 3]
+        assert rep["duplicates"] == 2  # one copy dropped by the policy, one identical copy
+
+
+def test_identical_duplicates_across_ranks_are_not_an_error(ranks):
+    _, results = ranks
+    ident = results[0]["identical"]
+    rep = ident["report"]
+    # same.mp4 twice, same_dict.mp4 twice, all.mp4 frame 0 three times; rank 2 wrote nothing.
+    assert rep["duplicates"] == 1 + 1 + 2
+    assert rep["ranks"] == [0, 1, 2, 3] and rep["n_files"] == 3
+    assert ident["frames"] == {"all.mp4": [0, 1, 2, 4], "same.mp4": [0], "same_dict.mp4": [3]}
+    assert ident["same_bits"] == [[0x7F81, 3]]
+    assert ident["same_dict"] == {"a": [[0, 1, 2]], "c": [2.5]}
+    assert ident["all"] == [[0, 1, 2, 3], [0, 0, 0, 0], [0, 1, 2, 3], [0, 3, 6, 9]]
+
+
+def test_dict_value_differing_in_one_leaf_is_a_duplicate(ranks):
+    _, results = ranks
+    err = results[0]["dict_leaf_duplicate"]["error"]
+    assert err["type"] == "DuplicateFrameError", err
+    assert err["filename"] == "d.mp4" and err["frame_idx"] == 7 and err["ranks"] == [0, 3], err
+
+
+# -------------------------------------------------------------------------------- layout mismatch
+def test_cross_rank_dtype_mismatch(ranks):
+    _, results = ranks
+    err = results[0]["mismatch"]["dtype"]
+    assert err["type"] == "LayoutMismatchError", err
+    assert err["is_spillmerge_error"] and err["is_value_error"]
+    assert err["filename"] == "m.mp4" and err["leaf"] == "<tensor>" and err["ranks"] == [0, 3], err
+    assert "float32[4] on rank(s) [0]" in err["msg"] and "float16[4] on rank(s) [3]" in err["msg"]
+    for r in range(1, WORLD):
+        assert results[r]["mismatch"]["dtype"] == "None"
+
+
+def test_cross_rank_nested_leaf_shape_mismatch(ranks):
+    _, results = ranks
+    err = results[0]["mismatch"]["shape"]
+    assert err["type"] == "LayoutMismatchError", err
+    assert err["filename"] == "s.mp4" and err["leaf"] == "meta/box" and err["ranks"] == [0, 1, 2, 3], err
+    assert "float32[5] on rank(s) [2]" in err["msg"] and "float32[4] on rank(s) [0, 1, 3]" in err["msg"]
