@@ -11,7 +11,6 @@ import collections
 import os
 import queue
 import threading
-import time
 import traceback
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,7 +79,6 @@ class _Flusher(threading.Thread):
         self.q: queue.Queue[Any] = queue.Queue()
         self.crc: dict[int, int] = {}
         self.error: BaseException | None = None
-        self.bytes_written = 0
         self._pending: collections.deque[tuple[_Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(writer.flush_threads, thread_name_prefix=f"spillmerge-put-r{writer.rank}")
@@ -136,7 +134,6 @@ class _Flusher(threading.Thread):
             try:
                 fut.result()
                 if self.error is None:
-                    self.bytes_written += chunk.fill
                     # Its chunk and every earlier one are durable now; the PUT itself may overlap
                     # the next uploads (a reader replays entries in order and stops at a gap).
                     self._journals.append(self._pool.submit(self._journal, chunk))
@@ -259,7 +256,6 @@ class SpillWriter:
         self._journaled_files = 0
         self._journaled_layouts = 0
         self._committed_keys: dict[str, set[int]] | None = None
-        self._started = time.time()
         header = {
             "format_version": F.FORMAT_VERSION,
             "kind": "spill-segment",
