@@ -63,7 +63,12 @@ class MergeReport:
     notes: list[str] = field(default_factory=list)
     """Problems that stopped salvaging a journal (torn or corrupt entries)."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: wait, load (indexes), plan, metadata, copy, index, sync, finish."""
+    """Seconds per phase: wait, load (indexes), plan, metadata, copy, index, sync, finish (and
+    transfer, when shards were moved over torch.distributed first)."""
+    transferred: dict[int, int] = field(default_factory=dict)
+    """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
+    transfer_senders: dict[int, list[int]] = field(default_factory=dict)
+    """Sending rank → the ranks whose shards it moved (one sender per group sharing a disk)."""
 
     @property
     def filenames(self) -> int:  # the contract's name for the count
@@ -80,6 +85,9 @@ class MergeReport:
             f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out} in {self.seconds:.2f} s "
             f"(wait {self.wait_seconds:.2f} s, merge {self.merge_seconds:.2f} s)"
         )
+        if self.transferred:
+            moved = sum(self.transferred.values()) / (1 << 30)
+            s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
         if self.duplicates:
             s += f"; {self.duplicates} duplicate frame copies dropped"
         if self.missing_ranks:

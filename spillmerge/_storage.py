@@ -174,6 +174,36 @@ class Storage:
                 names.append(name)
         return sorted(set(names))
 
+    def find(self, rel: str) -> list[tuple[str, int]]:
+        """Every file below ``rel`` as ``(relative path, size)``, sorted; empty when absent."""
+        top = self.path(rel)
+        if not self.local:
+            self.fs.invalidate_cache(top)
+        try:
+            found = self.fs.find(top, detail=True)
+        except FileNotFoundError:
+            return []
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(f"cannot list {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+        base = self.root.rstrip("/") + "/" if self.root not in ("", "/") else self.root
+        out = []
+        for path, info in found.items():
+            path = str(path)
+            if not path.startswith(base):
+                continue
+            child = path[len(base) :]
+            self.path(child)  # a name that would escape the root is refused here
+            out.append((child, int(info.get("size") or 0)))
+        return sorted(out)
+
+    def open_write(self, rel: str) -> _Sink:
+        """A file-like sink that streams one object into ``rel`` (multipart on object stores), so
+        a large object never sits whole in memory. Use it as a context manager: the object exists
+        under its name only once the block exits without an exception."""
+        return _Sink(self, rel)
+
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
         """Read byte ranges ``(rel, start, stop)`` back to back into ``out``."""
         if self.local:
@@ -410,3 +440,59 @@ class Storage:
             # zarr drives the filesystem from its own event loop: it needs an asynchronous instance.
             fs = type(fs)(**{**fs.storage_options, "asynchronous": True})
         return FsspecStore(fs, path=p, read_only=read_only)
+
+
+class _Sink:
+    """See :meth:`Storage.open_write`."""
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage, self.rel = storage, rel
+        self.path = storage.path(rel)
+        self._fd: int | None = None
+        self._fh: Any = None
+        self._tmp = f"{self.path}.part-{os.getpid()}-{threading.get_ident()}"
+
+    def _fail(self, exc: BaseException) -> SpillStorageError:
+        where = self.storage.describe(self.rel)
+        return SpillStorageError(f"cannot write {where}: {_why(exc)}", path=where)
+
+    def __enter__(self) -> _Sink:
+        try:
+            if self.storage.local:
+                self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            else:
+                self._fh = self.storage.fs.open(self.path, "wb")
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise self._fail(exc) from exc
+        return self
+
+    def write(self, data: bytes | memoryview) -> None:
+        try:
+            if self._fd is not None:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(self._fd, view) :]
+            else:
+                self._fh.write(data)
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise self._fail(exc) from exc
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        ok = exc_type is None
+        try:
+            if self._fd is not None:
+                os.close(self._fd)
+                if ok:
+                    os.replace(self._tmp, self.path)
+                else:
+                    os.unlink(self._tmp)
+            elif self._fh is not None:
+                if ok:
+                    self._fh.close()
+                else:
+                    discard = getattr(self._fh, "discard", None)
+                    if discard is not None:
+                        discard()
+        except Exception as err:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            if ok:
+                raise self._fail(err) from err

@@ -2,12 +2,14 @@
 
 Protocol (see docs/ARCHITECTURE.md):
   (every rank)   __enter__ → write/update ... → __exit__ (commit record last) → merge(out)
-  (merging rank) merge waits on storage for every rank's commit record, then merges.
+  (merging rank) merge waits for every rank's commit record, moves the shards of ranks whose
+                 storage it cannot see over torch.distributed (_transfer.py), then merges.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import queue
 import threading
@@ -23,8 +25,9 @@ import numpy as np
 import torch
 
 from . import _format as F
-from ._dist import resolve_rank, resolve_run_id
+from ._dist import _dist_initialized, resolve_rank, resolve_run_id
 from ._errors import (
+    ConfigError,
     DuplicateFrameError,
     LayoutMismatchError,
     SpillMergeError,
@@ -33,6 +36,14 @@ from ._errors import (
     WriterClosedError,
 )
 from ._storage import Storage
+from ._transfer import (
+    DEFAULT_TRANSFER_CHUNK_BYTES,
+    DEFAULT_TRANSFER_TIMEOUT,
+    TransferInfo,
+    check_options,
+    collective_merge,
+    publish_failure,
+)
 from ._values import Leaf, check_filename, check_frame_idx, flatten
 
 DuplicatePolicy = Literal["error", "first", "last"]
@@ -217,6 +228,7 @@ class SpillWriter:
         self._allocated = 0
         self._pinned = False
         self._cuda_stream: Any = None
+        self._shards_here = False  # set by a completed collective merge (see merge())
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> SpillWriter:
@@ -564,6 +576,7 @@ class SpillWriter:
             self.storage.put_atomic(self._rel(F.FAILURE_NAME), record.to_json())
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
+        publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}")
         self._state = "failed"
         self._free_buffers()
 
@@ -583,23 +596,85 @@ class SpillWriter:
         return frames is not None and check_frame_idx(frame_idx, filename) in frames
 
     # ---------------------------------------------------------------------------------- merge
-    def merge(self, out: str, dst: int = 0, **kwargs: Any) -> Any:
-        """Collective: every rank calls it after the ``with`` block. Rank ``dst`` waits on storage
-        for every rank's commit record of this run, merges, and returns a
-        :class:`~spillmerge.MergeReport`; other ranks return ``None`` at once. No torch.distributed
-        collective is used. ``kwargs`` go to :func:`spillmerge.merge` (``timeout`` defaults to
-        1800 s here)."""
+    def merge(
+        self,
+        out: str,
+        dst: int = 0,
+        *,
+        transport: str = "auto",
+        transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
+        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        **kwargs: Any,
+    ) -> Any:
+        """Collective: every rank calls it after the ``with`` block. Rank ``dst`` merges and
+        returns a :class:`~spillmerge.MergeReport`; other ranks return ``None``. ``kwargs`` go to
+        :func:`spillmerge.merge` (``timeout`` defaults to 1800 s here).
+
+        ``transport`` says how ``dst`` gets the other ranks' shards:
+
+        - ``"auto"`` (default): from storage when ``dst`` can see every rank's commit record;
+          when some ranks spilled to node-local disks ``dst`` cannot see, their committed shards
+          are moved to ``dst`` over torch.distributed first (NCCL when the default group has it,
+          else gloo), one sender per group of ranks sharing a disk, in pieces of
+          ``transfer_chunk_bytes`` through one reused staging buffer, each send and receive
+          bounded by ``transfer_timeout`` seconds.
+        - ``"storage"``: never move bytes over the network; ``dst`` waits on storage only (the
+          only mode without torch.distributed, e.g. SLURM arrays).
+        - ``"nccl"`` / ``"gloo"``: like ``"auto"`` with that backend for the shards ``dst``
+          cannot see.
+
+        Coordination uses the process group's key-value store (CPU, TCP), never a GPU
+        collective; a rank whose writer failed or never arrives ends the merge on every rank with
+        an error naming it.
+        """
         if self._state == "open":
             raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
         if not 0 <= dst < self.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {self.world_size}")
-        if self.rank != dst:
-            return None
+        check_options(transport, transfer_chunk_bytes, transfer_timeout)
         from ._merge import merge
 
         kwargs.setdefault("timeout", 1800.0)
         kwargs.setdefault("storage_options", self.storage.storage_options)
-        return merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
+
+        def run(info: TransferInfo | None = None) -> Any:
+            report = merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
+            if info is None:
+                return report
+            phases = dict(report.phases)
+            phases["wait"] = phases.get("wait", 0.0) + info.wait_seconds
+            if info.received:
+                phases = {"transfer": info.transfer_seconds, **phases}
+            return dataclasses.replace(
+                report,
+                wait_seconds=report.wait_seconds + info.wait_seconds,
+                seconds=report.seconds + info.wait_seconds + info.transfer_seconds,
+                transferred=info.received,
+                transfer_senders=info.senders,
+                phases=phases,
+            )
+
+        if transport != "storage" and self._coordinated() and not self._shards_here:
+            # The first merge of a job gathers every shard where dst can read it; a later merge
+            # of the same writer (another output or duplicate policy) needs no coordination.
+            return collective_merge(
+                self, dst, transport, transfer_chunk_bytes, transfer_timeout, run, float(kwargs["timeout"])
+            )
+        if transport in ("nccl", "gloo"):
+            raise ConfigError(
+                f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
+                f"{self.rank} and world_size {self.world_size}",
+                key="transport",
+            )
+        return run() if self.rank == dst else None
+
+    def _coordinated(self) -> bool:
+        """True when torch.distributed is initialised with this writer's rank and world size."""
+        if self.world_size < 2 or not _dist_initialized() or self.run_id is None:
+            return False
+        import torch.distributed as dist
+
+        return bool(dist.get_rank() == self.rank and dist.get_world_size() == self.world_size)
 
     def stats(self) -> dict[str, int]:
         """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated."""

@@ -55,6 +55,9 @@ def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path):
     assert r0["failures"] == {"2": "ValueError: model blew up on frame 22"}
     assert "rank 2: ValueError: model blew up on frame 22" in r0["message"]
     assert r0["detected_at"] - infos[2]["raised_at"] < 10
+    for r in (1, 3):  # every rank's merge() ends with the same news, none hangs
+        assert infos[r]["error"] == "RankFailedError" and infos[r]["failures"] == {"2": "ValueError: model blew up on frame 22"}
+        assert "rank 2: ValueError: model blew up on frame 22" in infos[r]["message"], infos[r]
     # The failure record holds the traceback; the CLI names the rank at once.
     record = next(Path(root).glob("rank-00002/seg-*/failed.json"))
     assert "model blew up" in json.loads(record.read_text())["traceback"]

@@ -1,0 +1,513 @@
+"""Node-local spill roots: move committed shards to the merging rank over torch.distributed.
+
+Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`collective_merge`):
+
+1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
+   key-value store (the TCPStore every process group already has; no collective, no GPU).
+2. ``dst`` waits for all metas, checks which ranks' commit records it cannot see under its own
+   root, and publishes ``plan`` = those ranks and the backend. Nothing invisible: every other rank
+   returns and ``dst`` merges from storage as usual.
+3. Every rank reports which of those ranks' commit records *it* can see (``sees/R``); ``dst``
+   picks one sender per group of ranks that share storage (the lowest rank that sees them: one
+   sender per node) and publishes ``senders``.
+4. Senders take turns (``dst`` says ``go/S``). Per turn: a manifest (object names and sizes),
+   then every object in fixed-size pieces through one staging buffer, a CRC-32C trailer and an
+   acknowledgement from ``dst``; commit records go last. ``dst`` writes the pieces straight into
+   its own root under the sender's prefix, so both sides hold one staging buffer whatever the
+   payload. Every send and receive waits at most ``transfer_timeout`` seconds.
+5. ``dst`` runs the normal merge.
+
+Any failure on ``dst`` sets ``abort`` so every waiting rank raises instead of hanging; a rank
+whose writer failed sets ``failed/R`` (see :func:`publish_failure`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import posixpath
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from . import _format as F
+from ._errors import (
+    CommitTimeout,
+    ConfigError,
+    CoordinationError,
+    CorruptSpillError,
+    RankFailedError,
+    SpillMergeError,
+    SpillValueError,
+)
+from ._spillroot import list_segments
+from ._storage import Storage
+
+TRANSPORTS = ("auto", "storage", "nccl", "gloo")
+DEFAULT_TRANSFER_CHUNK_BYTES = 64 << 20
+DEFAULT_TRANSFER_TIMEOUT = 300.0
+VISIBILITY_GRACE = 5.0
+"""Seconds ``dst`` keeps re-checking a commit record it cannot see before moving it over the
+network (a shared filesystem's directory cache can hide a new file for a moment)."""
+_MAX_MANIFEST = 64 << 20
+_MAX_RECORD = 1 << 20
+
+_SEQ: dict[str, itertools.count[int]] = {}
+
+
+def _store_prefix(run_id: str) -> str:
+    return f"spillmerge/{run_id}/"
+
+
+def _default_store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def publish_failure(run_id: str | None, rank: int, message: str) -> None:
+    """Tell a waiting ``dst`` at once that this rank's writer failed (best effort)."""
+    if run_id is None:
+        return
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        store = dist.PrefixStore(_store_prefix(run_id), _default_store())
+        store.set(f"failed/{rank}", message[:4000])
+        store.add("failed", 1)
+    except Exception:  # noqa: BLE001 - the writer's own error matters more
+        pass
+
+
+# ------------------------------------------------------------------------------ coordination
+class _Coord:
+    """JSON messages through the process group's store (a TCP key-value store on CPU). Waits poll
+    with backoff (at most 4 times a second) and look for failures each time, so a failed rank or
+    an aborted merge ends every wait promptly and every wait ends by ``timeout``."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self.base = dist.PrefixStore(_store_prefix(run_id), _default_store())
+        seq = next(_SEQ.setdefault(run_id, itertools.count()))
+        self.store = dist.PrefixStore(f"merge-{seq}/", self.base)
+        self.rank, self.world_size, self.dst, self.timeout = rank, world_size, dst, timeout
+
+    def put(self, key: str, obj: Any) -> None:
+        self.store.set(key, json.dumps(obj))
+
+    def abort(self, exc: BaseException) -> None:
+        """Publish why the merge stopped; every waiting rank raises it."""
+        doc = {
+            "rank": self.rank,
+            "type": type(exc).__name__,
+            "message": str(exc)[:4000],
+            "failures": {str(k): v for k, v in getattr(exc, "failures", {}).items()},
+        }
+        try:
+            self.store.set("abort", json.dumps(doc))
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
+
+    def _check_failures(self, pending: list[int]) -> None:
+        if int(self.base.add("failed", 0)) > 0:
+            failed = {
+                r: self.base.get(f"failed/{r}").decode(errors="replace")
+                for r in pending
+                if self.base.check([f"failed/{r}"])
+            }
+            if failed:
+                names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+                raise RankFailedError(f"rank(s) {sorted(failed)} failed before the merge ({names})", failures=failed)
+        if self.store.check(["abort"]):
+            doc = json.loads(self.store.get("abort"))
+            msg = f"rank {self.rank}: the merge stopped on rank {doc['rank']}: {doc['type']}: {doc['message']}"
+            if doc["failures"]:
+                raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
+            raise CoordinationError(msg, rank=self.rank)
+
+    def gather(self, prefix: str, ranks: list[int], what: str) -> dict[int, Any]:
+        """Wait for ``prefix/R`` from every rank in ``ranks``."""
+        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what)
+
+    def wait_one(self, key: str, what: str) -> Any:
+        return self._wait({self.dst: key}, what)[self.dst]
+
+    def _wait(self, keys: dict[int, str], what: str) -> dict[int, Any]:
+        start = time.monotonic()
+        pending = dict(keys)
+        got: dict[int, Any] = {}
+        delay = 0.005
+        while True:
+            try:
+                for r, key in list(pending.items()):
+                    if self.store.check([key]):
+                        got[r] = json.loads(self.store.get(key))
+                        del pending[r]
+                if not pending:
+                    return got
+                self._check_failures(sorted(pending))
+            except SpillMergeError:
+                raise
+            except RuntimeError as exc:  # the store itself is gone (its host process died)
+                raise CoordinationError(
+                    f"rank {self.rank}: lost the process group's store while {what}: {exc}", rank=self.rank
+                ) from exc
+            waited = time.monotonic() - start
+            if waited >= self.timeout:
+                missing = sorted(pending)
+                raise CommitTimeout(
+                    f"rank {self.rank}: rank(s) {missing} did not arrive within {self.timeout:.0f} s "
+                    f"({what}); did they crash, or not call SpillWriter.merge()?",
+                    missing=missing,
+                    waited_s=waited,
+                )
+            time.sleep(min(delay, max(0.0, self.timeout - waited)))
+            delay = min(delay * 1.5, 0.25)
+
+
+# -------------------------------------------------------------------------------- transport
+@dataclass
+class _Link:
+    """A process group, the device its tensors live on, and the staging buffers."""
+
+    group: Any
+    device: torch.device
+    chunk: int
+    timeout: float
+    host: torch.Tensor = field(init=False)
+    dev: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        cuda = self.device.type == "cuda"
+        self.host = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.empty(self.chunk, dtype=torch.uint8, device=self.device) if cuda else self.host
+
+    def _wait(self, work: Any, what: str, peer: int, me: int) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise RankFailedError(
+                f"rank {me}: {what} rank {peer} failed or timed out after {self.timeout:.0f} s: {exc}",
+                failures={peer: str(exc)},
+            ) from exc
+
+    def send(self, t: torch.Tensor, peer: int, me: int, what: str) -> None:
+        import torch.distributed as dist
+
+        self._wait(
+            dist.isend(t.to(self.device, non_blocking=False), peer, group=self.group), f"sending {what} to", peer, me
+        )
+
+    def recv(self, t: torch.Tensor, peer: int, me: int, what: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        buf = t if t.device == self.device else torch.empty_like(t, device=self.device)
+        self._wait(dist.irecv(buf, peer, group=self.group), f"receiving {what} from", peer, me)
+        return buf if buf is t else buf.to("cpu")
+
+    def send_ints(self, values: list[int], peer: int, me: int, what: str) -> None:
+        self.send(torch.tensor(values, dtype=torch.int64), peer, me, what)
+
+    def recv_ints(self, n: int, peer: int, me: int, what: str) -> list[int]:
+        return [int(v) for v in self.recv(torch.zeros(n, dtype=torch.int64), peer, me, what).tolist()]
+
+    def send_bytes_piece(self, n: int, peer: int, me: int, what: str) -> None:
+        """Send the first ``n`` bytes of the host staging buffer."""
+        if self.dev is not self.host:
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self.send(self.dev[:n], peer, me, what)
+
+    def recv_bytes_piece(self, n: int, peer: int, me: int, what: str) -> np.ndarray:
+        """Receive ``n`` bytes into the staging buffer; a view of them in host memory."""
+        self.recv(self.dev[:n], peer, me, what)
+        if self.dev is not self.host:
+            self.host[:n].copy_(self.dev[:n])
+        return self.host.numpy()[:n]
+
+
+def _backend_of_default_group() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend()).lower()
+
+
+def choose_backend(transport: str) -> str:
+    """``nccl`` or ``gloo`` for ``transport``, checked against the default process group."""
+    default = _backend_of_default_group()
+    has_nccl = "nccl" in default and torch.cuda.is_available()
+    if transport == "auto":
+        return "nccl" if has_nccl else "gloo"
+    if transport == "nccl" and not has_nccl:
+        raise ConfigError(
+            f"transport='nccl' needs a default process group with the NCCL backend and a CUDA device "
+            f"(this one is {default!r}); use transport='gloo'",
+            key="transport",
+        )
+    return transport
+
+
+def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
+    """The process group and device for ``backend``. Every rank calls this (creating the gloo
+    group is collective), participants or not."""
+    import torch.distributed as dist
+
+    from ._dist import gloo_group
+
+    if backend == "nccl":
+        return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
+    return gloo_group(group_timeout), torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------ visibility
+def _commit_rel(segment_rel: str) -> str:
+    return f"{segment_rel}/{F.COMMIT_NAME}"
+
+
+def _invisible(storage: Storage, metas: dict[int, Any], grace: float) -> dict[int, str]:
+    """Ranks whose current commit record ``storage`` cannot see, after ``grace`` seconds of
+    re-checking."""
+    pending = {r: m["segment"] for r, m in metas.items()}
+    deadline = time.monotonic() + grace
+    delay = 0.05
+    while True:
+        pending = {r: s for r, s in pending.items() if not storage.exists(_commit_rel(s))}
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+def _assign_senders(invisible: dict[int, str], sees: dict[int, list[int]], dst: int) -> dict[int, list[int]]:
+    """One sender per group of ranks that share storage: for each invisible rank, the lowest rank
+    that sees its commit record. ``dst`` never sends."""
+    senders: dict[int, list[int]] = {}
+    for q in sorted(invisible):
+        candidates = sorted(r for r, seen in sees.items() if q in seen and r != dst)
+        if not candidates:
+            raise CoordinationError(
+                f"rank {dst}: no rank can see rank {q}'s commit record {_commit_rel(invisible[q])} under its "
+                "spill root (not even rank {q} itself); its shards cannot be moved",
+                rank=dst,
+            )
+        senders.setdefault(candidates[0], []).append(q)
+    return senders
+
+
+# ---------------------------------------------------------------------------------- the merge
+def collective_merge(
+    writer: Any,
+    dst: int,
+    transport: str,
+    transfer_chunk_bytes: int,
+    transfer_timeout: float,
+    run_merge: Callable[[TransferInfo], Any],
+    timeout: float,
+) -> Any:
+    """Every rank: coordinate, move the shards ``dst`` cannot see to it, and on ``dst`` return
+    ``run_merge(info)``; ``None`` elsewhere."""
+    coord = _Coord(writer.run_id, writer.rank, writer.world_size, dst, timeout)
+    me = writer.rank
+    coord.put(f"meta/{me}", {"segment": writer._prefix, "state": writer._state})
+    if me != dst:
+        plan = coord.wait_one("plan", "waiting for the merging rank's plan")
+        if not plan["invisible"]:
+            writer._shards_here = True
+            return None
+        invisible = {int(q): s for q, s in plan["invisible"].items()}
+        coord.put(f"sees/{me}", [q for q, s in invisible.items() if writer.storage.exists(_commit_rel(s))])
+        group, device = _group(plan["backend"], timeout)
+        senders = {int(s): qs for s, qs in coord.wait_one("senders", "waiting for the sender assignment").items()}
+        if me in senders:
+            link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
+            coord.wait_one(f"go/{me}", "waiting for the merging rank to receive")
+            _send(writer.storage, link, me, dst, senders[me], set(plan["have"]))
+        writer._shards_here = True
+        return None
+    info = TransferInfo()
+    t0 = time.perf_counter()
+    try:
+        metas = coord.gather("meta", list(range(writer.world_size)), "waiting for every rank to reach merge()")
+        not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
+        if not_committed:
+            raise RankFailedError(
+                f"rank(s) {sorted(not_committed)} called merge() without a committed SpillWriter "
+                f"(writer states: {not_committed})",
+                failures={r: f"writer state {st}" for r, st in not_committed.items()},
+            )
+        info.wait_seconds = time.perf_counter() - t0
+        invisible = {} if transport == "storage" else _invisible(writer.storage, metas, VISIBILITY_GRACE)
+        backend = choose_backend(transport) if invisible else ""
+        have = sorted(_committed_here(writer.storage, invisible))
+        coord.put("plan", {"invisible": {str(q): s for q, s in invisible.items()}, "backend": backend, "have": have})
+        if invisible:
+            t1 = time.perf_counter()
+            coord.put(f"sees/{me}", [])
+            group, device = _group(backend, timeout)
+            link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
+            sees = coord.gather("sees", list(range(writer.world_size)), "waiting for what each rank can see")
+            info.senders = _assign_senders(invisible, {r: list(v) for r, v in sees.items()}, dst)
+            coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
+            for s in sorted(info.senders):
+                coord.put(f"go/{s}", True)
+                for q, n in _receive(writer.storage, link, me, s, info.senders[s]).items():
+                    info.received[q] = info.received.get(q, 0) + n
+            info.transfer_seconds = time.perf_counter() - t1
+            info.backend = backend
+    except BaseException as exc:
+        coord.abort(exc)
+        raise
+    writer._shards_here = True
+    return run_merge(info)
+
+
+@dataclass
+class TransferInfo:
+    """What :func:`collective_merge` did before the merge proper."""
+
+    wait_seconds: float = 0.0
+    """Waiting for every rank to reach ``merge()``."""
+    transfer_seconds: float = 0.0
+    received: dict[int, int] = field(default_factory=dict)
+    """Rank → shard bytes received."""
+    senders: dict[int, list[int]] = field(default_factory=dict)
+    """Sending rank → ranks whose shards it sent."""
+    backend: str = ""
+
+
+def _committed_here(storage: Storage, ranks: dict[int, str]) -> set[str]:
+    """Segments (``rank-R/seg-...``) of ``ranks`` already committed under ``storage``."""
+    out: set[str] = set()
+    for q in ranks:
+        out.update(s.rel for s in list_segments(storage, q) if s.commit is not None)
+    return out
+
+
+# ------------------------------------------------------------------------------------- sender
+def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[str, int]]:
+    """Every object of every committed segment of ``ranks`` that ``dst`` lacks, each segment's
+    commit record last."""
+    objects: list[tuple[str, int]] = []
+    for q in ranks:
+        for seg in list_segments(storage, q):
+            if seg.commit is None or seg.rel in have:
+                continue
+            files = storage.find(seg.rel)
+            commit = [(rel, n) for rel, n in files if rel == _commit_rel(seg.rel)]
+            objects += [
+                (rel, n) for rel, n in files if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != F.FAILURE_NAME
+            ]
+            objects += commit
+    return objects
+
+
+def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], have: set[str]) -> None:
+    objects = _manifest(storage, ranks, have)
+    blob = json.dumps({"ranks": ranks, "objects": objects}).encode()
+    link.send_ints([len(blob)], dst, me, "the manifest size")
+    link.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, me, "the manifest")
+    host = link.host.numpy()
+    for rel, size in objects:
+        crc = 0
+        for start in range(0, size, link.chunk):
+            n = min(link.chunk, size - start)
+            storage.read_into([(rel, start, start + n)], host.data[:n])
+            crc = google_crc32c.extend(crc, host[:n])
+            link.send_bytes_piece(n, dst, me, f"{storage.describe(rel)}")
+        link.send_ints([crc], dst, me, f"the checksum of {rel}")
+        status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
+        if status != 0:
+            raise CorruptSpillError(
+                f"rank {dst} received {storage.describe(rel)} from rank {me} with a bad checksum; transfer stopped",
+                path=storage.describe(rel),
+                rank=me,
+            )
+    storage.close()
+
+
+# ----------------------------------------------------------------------------------- receiver
+def _check_rel(rel: Any, ranks: list[int], sender: int) -> str:
+    ok_prefixes = tuple(f"{F.rank_dirname(q)}/" for q in ranks)
+    if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:
+        raise CorruptSpillError(
+            f"rank {sender} sent object {rel!r}, which is not below the prefixes of ranks {ranks}",
+            rank=sender,
+        )
+    return rel
+
+
+def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[int]) -> dict[int, int]:
+    (size,) = link.recv_ints(1, sender, me, "the manifest size")
+    if not 0 < size <= _MAX_MANIFEST:
+        raise CorruptSpillError(f"rank {sender} announced a manifest of {size} bytes", rank=sender)
+    raw = link.recv(torch.empty(size, dtype=torch.uint8), sender, me, "the manifest")
+    try:
+        manifest = json.loads(bytes(raw.numpy()))
+        objects = [(_check_rel(rel, ranks, sender), int(n)) for rel, n in manifest["objects"]]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptSpillError(f"rank {sender} sent a malformed manifest: {exc}", rank=sender) from exc
+    received: dict[int, int] = {}
+    for rel, n in objects:
+        if n < 0 or (rel.endswith("/" + F.COMMIT_NAME) and n > _MAX_RECORD):
+            raise CorruptSpillError(f"rank {sender} announced {rel} with {n} bytes", rank=sender)
+        crc = _receive_object(storage, link, me, sender, rel, n)
+        (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
+        ok = crc == want
+        link.send_ints([0 if ok else 1], sender, me, f"the acknowledgement of {rel}")
+        if not ok:
+            raise CorruptSpillError(
+                f"{storage.describe(rel)}: received from rank {sender} with CRC-32C {crc:08x}, "
+                f"sent as {want:08x}; transfer stopped",
+                path=storage.describe(rel),
+                rank=sender,
+            )
+        if rel.endswith("/" + F.COMMIT_NAME):
+            _commit(storage, rel)
+        q = F.parse_rank_dirname(rel.split("/", 1)[0])
+        received[int(q or 0)] = received.get(int(q or 0), 0) + n
+    return received
+
+
+def _pending_name(rel: str) -> str:
+    return f"{rel}.transfer-{os.getpid()}"
+
+
+def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: str, size: int) -> int:
+    """Stream one object into ``storage``; its CRC-32C. Commit records land under a temporary
+    name and are renamed (or re-put) only once verified, so a half-received rank never looks
+    committed."""
+    target = _pending_name(rel) if rel.endswith("/" + F.COMMIT_NAME) else rel
+    storage.makedirs(posixpath.dirname(target))
+    crc = 0
+    with storage.open_write(target) as sink:
+        for start in range(0, size, link.chunk):
+            n = min(link.chunk, size - start)
+            piece = link.recv_bytes_piece(n, sender, me, f"{rel} (bytes {start}-{start + n})")
+            crc = google_crc32c.extend(crc, piece)
+            sink.write(piece)
+    return crc
+
+
+def _commit(storage: Storage, rel: str) -> None:
+    tmp = _pending_name(rel)
+    data = storage.get(tmp, max_bytes=_MAX_RECORD)
+    storage.put_atomic(rel, data)
+    storage.rm_tree(tmp)
+
+
+def check_options(transport: str, transfer_chunk_bytes: int, transfer_timeout: float) -> None:
+    if transport not in TRANSPORTS:
+        raise SpillValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not isinstance(transfer_chunk_bytes, int) or transfer_chunk_bytes < 4096:
+        raise SpillValueError(f"transfer_chunk_bytes must be an int >= 4096, got {transfer_chunk_bytes!r}")
+    if not isinstance(transfer_timeout, (int, float)) or transfer_timeout <= 0:
+        raise SpillValueError(f"transfer_timeout must be a positive number of seconds, got {transfer_timeout!r}")

@@ -1,0 +1,230 @@
+"""Rank bodies for tests/test_nodelocal.py: spill roots that only some ranks can see (simulated
+node-local disks: one directory per simulated host), merged with ``SpillWriter.merge``, which
+moves the shards the merging rank cannot see over gloo.
+
+Spawned processes import this module on its own (no pytest). Every scenario of ``SCENARIOS`` runs
+in the same four processes; results land in ``base/results/rank-R.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from _mp_scenarios import _error, assignment, compare_merged, leaves, value_for
+
+WORLD = 4
+TIMEOUT = 90.0
+WRITER_CHUNK = 16384  # objects span several transfer pieces ...
+PIECE = 4096  # ... of this size (the smallest allowed)
+
+
+def simple(name: str, i: int) -> torch.Tensor:
+    return torch.arange(1000, dtype=torch.float32) * (i + 1) + len(name)
+
+
+def _spill(root: str, keys: list[tuple[str, int]], value: Any = value_for) -> Any:
+    import spillmerge
+
+    with spillmerge.SpillWriter(root, chunk_bytes=WRITER_CHUNK) as w:
+        for name, f in keys:
+            w.write(name, f, value(name, f))
+    return w
+
+
+def _report(rep: Any) -> dict[str, Any] | None:
+    if rep is None:
+        return None
+    return {
+        "n_frames": rep.n_frames,
+        "ranks": rep.ranks,
+        "segments": rep.segments,
+        "transferred": {str(k): v for k, v in rep.transferred.items()},
+        "senders": {str(k): v for k, v in rep.transfer_senders.items()},
+        "phases": rep.phases,
+    }
+
+
+def same_output(a: str, b: str) -> list[str]:
+    """Differences between two merged outputs: filenames, frame indices, every leaf's raw bytes."""
+    import spillmerge
+
+    ra, rb = spillmerge.open(a), spillmerge.open(b)
+    if ra.filenames != rb.filenames:
+        return [f"filenames differ: {len(ra.filenames)} vs {len(rb.filenames)}"]
+    problems = []
+    for name in ra.filenames:
+        if not np.array_equal(ra.frames(name), rb.frames(name)):
+            problems.append(f"{name!r}: frames differ")
+            continue
+        la = dict(leaves(ra[name])) if isinstance(ra[name], dict) else {(): ra[name]}
+        lb = dict(leaves(rb[name])) if isinstance(rb[name], dict) else {(): rb[name]}
+        if la.keys() != lb.keys():
+            problems.append(f"{name!r}: leaves differ")
+            continue
+        for path in la:
+            x, y = la[path].to_torch(), lb[path].to_torch()
+            if x.dtype != y.dtype or x.shape != y.shape or _raw(x) != _raw(y):
+                problems.append(f"{name!r} leaf {path}: bytes differ")
+    return problems
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _expected() -> dict[tuple[str, int], Any]:
+    return {k: value_for(*k) for keys in assignment(WORLD).values() for k in keys}
+
+
+# --------------------------------------------------------------------------------- scenarios
+def scenario_two_hosts(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Ranks 0-1 share disk A, ranks 2-3 disk B: rank 2 alone sends both of B's shards; the
+    output is bit-exact against the shared-root run of the same inputs."""
+    mine = assignment(world)[rank]
+    host = "A" if rank < 2 else "B"
+    w = _spill(f"{base}/two/host{host}", mine)
+    rep = w.merge(f"{base}/two/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, progress=False)
+    shared = _spill(f"{base}/two/shared", mine)
+    rep_shared = shared.merge(f"{base}/two/out_shared", timeout=TIMEOUT, transport="storage", progress=False)
+    result: dict[str, Any] = {"report": _report(rep), "shared_report": _report(rep_shared)}
+    if rank == 0:
+        import spillmerge
+
+        result["vs_shared"] = same_output(f"{base}/two/out", f"{base}/two/out_shared")
+        result["vs_expected"] = compare_merged(spillmerge.open(f"{base}/two/out"), _expected())[2]
+    return result
+
+
+def scenario_private_disks_and_resume(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Every rank has its own disk, and rank 1's disk also holds a committed segment of an earlier
+    session: every committed segment the merging rank lacks is moved, older ones included."""
+    root = f"{base}/private/rank{rank}"
+    keys = [(f"r{rank}.mp4", i) for i in range(3 + rank)]
+    if rank == 1:
+        import spillmerge
+
+        with spillmerge.SpillWriter(root, run_id="earlier-session", chunk_bytes=WRITER_CHUNK) as old:
+            for i in range(100, 104):
+                old.write("r1.mp4", i, simple("r1.mp4", i))
+    w = _spill(root, keys, simple)
+    rep = w.merge(f"{base}/private/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, progress=False)
+    result: dict[str, Any] = {"report": _report(rep)}
+    if rank == 0:
+        import spillmerge
+
+        res = spillmerge.open(f"{base}/private/out")
+        result["frames"] = {name: res.frames(name).tolist() for name in res.filenames}
+    return result
+
+
+def scenario_forced_gloo_on_shared_root(rank: int, world: int, base: str) -> dict[str, Any]:
+    """transport='gloo' with a root everybody sees: nothing needs to move."""
+    w = _spill(f"{base}/forced/shared", [(f"s{rank}.mp4", 0)], simple)
+    rep = w.merge(f"{base}/forced/out", timeout=TIMEOUT, transport="gloo", progress=False)
+    return {"report": _report(rep)}
+
+
+def scenario_corrupted_piece(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A piece flipped in flight on rank 2: the merging rank refuses it, names rank 2 and the
+    object, and rank 2's segment never looks committed on the merging rank's disk."""
+    from spillmerge import _transfer
+
+    host = "A" if rank < 2 else "B"
+    w = _spill(f"{base}/corrupt/host{host}", [(f"c{rank}.mp4", i) for i in range(8)], simple)
+    original = _transfer._Link.send_bytes_piece
+    if rank == 2:
+
+        def flip(self: Any, n: int, peer: int, me: int, what: str) -> None:
+            flip.calls += 1  # type: ignore[attr-defined]
+            if flip.calls == 2:  # type: ignore[attr-defined]
+                self.host[0] ^= 0xFF
+            original(self, n, peer, me, what)
+
+        flip.calls = 0  # type: ignore[attr-defined]
+        _transfer._Link.send_bytes_piece = flip  # type: ignore[method-assign]
+    try:
+        w.merge(f"{base}/corrupt/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, progress=False)
+        return {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        return {"error": _error(exc), "path": getattr(exc, "path", None), "rank": getattr(exc, "rank", None)}
+    finally:
+        _transfer._Link.send_bytes_piece = original  # type: ignore[method-assign]
+
+
+SCENARIOS = {
+    "two_hosts": scenario_two_hosts,
+    "private": scenario_private_disks_and_resume,
+    "forced": scenario_forced_gloo_on_shared_root,
+    "corrupt": scenario_corrupted_piece,
+}
+
+
+def worker(rank: int, world: int, port: int, base: str) -> None:
+    """Entry point for ``torch.multiprocessing.start_processes``."""
+    import torch.distributed as dist
+
+    from spillmerge import _transfer
+
+    torch.set_num_threads(1)
+    _transfer.VISIBILITY_GRACE = 0.2
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results: dict[str, Any] = {}
+        for name, fn in SCENARIOS.items():
+            t0 = time.perf_counter()
+            results[name] = fn(rank, world, base)
+            results[name]["seconds"] = time.perf_counter() - t0
+            dist.barrier()
+        os.makedirs(f"{base}/results", exist_ok=True)
+        with open(f"{base}/results/rank-{rank}.json", "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def killed_sender(rank: int, world: int, port: int, base: str, result: str) -> None:
+    """Two ranks on two disks; rank 1 SIGKILLs itself after sending two pieces. Rank 0 must name
+    it within the transfer timeout."""
+    import torch.distributed as dist
+
+    import spillmerge
+    from spillmerge import _transfer
+
+    torch.set_num_threads(1)
+    _transfer.VISIBILITY_GRACE = 0.2
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    info: dict[str, Any] = {"rank": rank}
+    try:
+        w = _spill(f"{base}/disk{rank}", [(f"k{rank}.mp4", i) for i in range(40)], simple)
+        if rank == 1:
+            original = _transfer._Link.send_bytes_piece
+
+            def die(self: Any, n: int, peer: int, me: int, what: str) -> None:
+                die.calls += 1  # type: ignore[attr-defined]
+                if die.calls == 3:  # type: ignore[attr-defined]
+                    with open(f"{result}.killed", "w") as fh:
+                        fh.write(str(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                original(self, n, peer, me, what)
+
+            die.calls = 0  # type: ignore[attr-defined]
+            _transfer._Link.send_bytes_piece = die  # type: ignore[method-assign]
+        t0 = time.time()
+        try:
+            w.merge(f"{base}/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, transfer_timeout=20.0, progress=False)
+            info["error"] = None
+        except spillmerge.SpillMergeError as exc:
+            info.update(_error(exc), failures=getattr(exc, "failures", None), at=time.time(), waited=time.time() - t0)
+    finally:
+        with open(f"{result}.{rank}", "w") as fh:
+            json.dump(info, fh)

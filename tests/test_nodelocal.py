@@ -1,0 +1,126 @@
+"""Node-local spill roots: real gloo ranks whose roots only some ranks can see. The merging rank
+gets the other shards over torch.distributed, one sender per simulated host, and the output is
+bit-exact against the shared-root run of the same inputs."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as tmp_mp
+from _nodelocal_workers import WORLD, killed_sender, worker
+
+import spillmerge
+
+SPAWN_TIMEOUT = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("nodelocal")
+    ctx = tmp_mp.start_processes(
+        worker, args=(WORLD, _free_port(), str(base)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_TIMEOUT:.0f} s (hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    results = {r: json.loads((base / "results" / f"rank-{r}.json").read_text()) for r in range(WORLD)}
+    return base, results
+
+
+def test_two_hosts_one_sender_each_bit_exact_against_shared_root(ranks):
+    base, results = ranks
+    r0 = results[0]["two_hosts"]
+    assert r0["vs_shared"] == [] and r0["vs_expected"] == []
+    rep = r0["report"]
+    # Host A (ranks 0, 1) is the merging rank's own disk; host B's shards came from rank 2 alone.
+    assert rep["senders"] == {"2": [2, 3]}
+    assert sorted(rep["transferred"]) == ["2", "3"] and all(n > 0 for n in rep["transferred"].values())
+    assert rep["ranks"] == [0, 1, 2, 3] and rep["phases"]["transfer"] > 0
+    assert r0["shared_report"]["transferred"] == {}  # transport="storage": nothing moved
+    for r in range(1, WORLD):
+        assert results[r]["two_hosts"]["report"] is None
+    # Rank 2 and 3's shards now also live on disk A, byte for byte, with their commit records.
+    for r in (2, 3):
+        on_b = sorted(
+            p.relative_to(base / "two" / "hostB")
+            for p in (base / "two" / "hostB" / f"rank-0000{r}").rglob("*")
+            if p.is_file()
+        )
+        for rel in on_b:
+            assert (base / "two" / "hostA" / rel).read_bytes() == (base / "two" / "hostB" / rel).read_bytes(), rel
+    assert not list((base / "two" / "hostA").rglob("*.transfer-*")) and not list(
+        (base / "two" / "hostA").rglob("*.part-*")
+    )
+    assert spillmerge.verify(str(base / "two" / "out")).ok
+
+
+def test_private_disks_move_every_committed_segment(ranks):
+    _, results = ranks
+    r0 = results[0]["private"]
+    assert r0["report"]["senders"] == {"1": [1], "2": [2], "3": [3]}
+    assert r0["report"]["segments"] == WORLD + 1  # rank 1's earlier session came along
+    assert r0["frames"] == {
+        "r0.mp4": [0, 1, 2],
+        "r1.mp4": [0, 1, 2, 3, 100, 101, 102, 103],
+        "r2.mp4": [0, 1, 2, 3, 4],
+        "r3.mp4": [0, 1, 2, 3, 4, 5],
+    }
+
+
+def test_forced_network_transport_moves_nothing_when_everything_is_visible(ranks):
+    _, results = ranks
+    rep = results[0]["forced"]["report"]
+    assert rep["n_frames"] == WORLD and rep["transferred"] == {} and rep["senders"] == {}
+
+
+def test_a_piece_corrupted_in_flight_is_refused_by_name(ranks):
+    base, results = ranks
+    err = results[0]["corrupt"]["error"]
+    assert err["type"] == "CorruptSpillError" and err["is_spillmerge_error"], err
+    assert "received from rank 2" in err["msg"] and "rank-00002/" in err["msg"]
+    assert results[0]["corrupt"]["rank"] == 2
+    # The sender hears it too; the other ranks were not part of the transfer.
+    assert results[2]["corrupt"]["error"]["type"] == "CorruptSpillError"
+    assert results[1]["corrupt"]["error"] is None and results[3]["corrupt"]["error"] is None
+    # Nothing of rank 2 looks committed on the merging rank's disk, and no output was written.
+    assert not list((base / "corrupt" / "hostA").glob("rank-00002/*/commit.json"))
+    assert not (base / "corrupt" / "out" / "spillmerge-complete.json").exists()
+
+
+def test_a_sender_killed_mid_transfer_is_named_within_the_timeout(tmp_path):
+    ctx = mp.get_context("spawn")
+    port, result = _free_port(), str(tmp_path / "res")
+    procs = [ctx.Process(target=killed_sender, args=(r, 2, port, str(tmp_path), result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 150
+    for p in procs:
+        p.join(max(0.1, deadline - time.time()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    killed_at = float(Path(f"{result}.killed").read_text())
+    r0 = json.loads(Path(f"{result}.0").read_text())
+    assert r0["type"] == "RankFailedError" and r0["failures"] and list(r0["failures"]) == ["1"], r0
+    assert "rank 1" in r0["msg"]
+    assert r0["at"] - killed_at < 30  # the transfer timeout is 20 s; a dead peer is usually seen at once
