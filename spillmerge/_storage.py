@@ -466,7 +466,7 @@ class _Sink:
             raise self._fail(exc) from exc
         return self
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview | np.ndarray) -> None:
         try:
             if self._fd is not None:
                 view = memoryview(data).cast("B")
