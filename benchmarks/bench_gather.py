@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 from common import (
     PeakMemory,
+    context,
     drop_file_cache,
     expected_by_file,
     free_port,
@@ -200,7 +200,10 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: 
     assignment = workload(cfg["payload"], shape, cfg["files"], world, cfg["seed"])
     mine = assignment[rank]
     p = pool(shape)
-    frames = [make_frame(p, name, f) for name, f in mine]  # predictions already in CPU memory
+    if cfg.get("lazy"):  # spillmerge only: frames made as they are written, so P can exceed RAM
+        frames = (make_frame(p, name, f) for name, f in mine)
+    else:
+        frames = [make_frame(p, name, f) for name, f in mine]  # predictions already in CPU memory
     dist.barrier()
     mem = PeakMemory()
     t0 = time.perf_counter()
@@ -262,7 +265,7 @@ def run_method(method: str, world: int, cfg: dict) -> list[dict]:
             res = [disk_limit(cfg)]
             res[0]["written"] = tree_bytes(work)
             return res
-        ctx = mp.get_context("spawn")
+        ctx = context()
         result = str(work) + ".result"
         port = free_port()
         procs = [ctx.Process(target=rank_main, args=(r, world, port, method, cfg, result)) for r in range(world)]
@@ -283,6 +286,21 @@ def run_method(method: str, world: int, cfg: dict) -> list[dict]:
         shutil.rmtree(work, ignore_errors=True)
         for r in range(world):
             Path(f"{work}.result.{r}").unlink(missing_ok=True)
+
+
+def run_all(methods: list[str], world: int, cfg: dict, repeats: int) -> dict[str, list[list[dict]]]:
+    """Every method ``repeats`` times, interleaved so drift on the machine hits every method alike.
+    Returns method -> one list per repeat of per-rank result dicts (rank 0 first)."""
+    rows: dict[str, list[list[dict]]] = {}
+    for rep in range(repeats):
+        for m in methods:
+            t0 = time.perf_counter()
+            res = run_method(m, world, cfg)
+            rows.setdefault(m, []).append(res)
+            status = "ok" if res[0].get("ok") else f"FAILED {res[0].get('error', 'wrong result')}"
+            print(f"  repeat {rep + 1}/{repeats} {m}: {res[0].get('wall_s', float('nan')):.2f} s {status} "
+                  f"({time.perf_counter() - t0:.0f} s with process start and verification)", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -309,13 +327,7 @@ def main() -> None:
         "seed": args.seed,
         "workdir": workdir,
     }
-    rows = {}
-    for rep in range(args.repeats):
-        for m in methods:  # interleaved, so drift on the machine hits every method alike
-            res = run_method(m, args.world_size, cfg)
-            rows.setdefault(m, []).append(res)
-            print(f"  repeat {rep + 1}/{args.repeats} {m}: {res[0].get('wall_s', float('nan')):.2f} s "
-                  f"{'ok' if res[0].get('ok') else 'FAILED'}", file=sys.stderr, flush=True)  # fmt: skip
+    rows = run_all(methods, args.world_size, cfg, args.repeats)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
 
