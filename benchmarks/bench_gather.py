@@ -113,6 +113,7 @@ def run_gather(rank, world, mine, frames, work: Path, info, kind: str) -> None:
             for r in range(world):
                 parts[r].update(piece[r])
     if rank == 0:
+        info["collective_s"] = time.perf_counter() - info["t0"]  # the rest is writing the result
         merged = {k: v for part in parts for k, v in part.items()}
         _write_npy(work / "out", merged)
 
@@ -207,7 +208,7 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: 
     dist.barrier()
     mem = PeakMemory()
     t0 = time.perf_counter()
-    info: dict = {}
+    info: dict = {"t0": t0}
     if method == "spillmerge":
         run_spillmerge(rank, world, mine, frames, work, info)
     elif method in ("gather_object", "all_gather_object", "chunked_all_gather"):

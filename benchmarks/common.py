@@ -182,11 +182,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def context() -> mp.context.BaseContext:
+def context() -> Any:
     """Fresh processes for every measurement, started from a fork server that has already imported
     torch and spillmerge (0.1 s per process instead of 2-10 s for spawn + import on 2 cores). The
     fork server itself never runs torch ops, so its children start with clean memory and no
     threads; every process measures memory against its own baseline anyway."""
+    if os.environ.get("BENCH_START") == "spawn":  # the slow way, to check the fork server changes nothing
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "numpy", "zarr", "spillmerge", "common", "bench_gather", "bench_parts"])
     return ctx

@@ -45,8 +45,8 @@ TARGETS = {"raw": 1.25, "gather_object": 3.0, "all_gather_object": 8.0, "merge_a
 # Seconds per GiB of payload and per repeat (medians seen on the 2-core CI VM kind when quiet),
 # used only for the runtime estimate printed at the start.
 EST_GATHER_PER_GIB = 85.0  # the 7 methods' work plus frame generation and verification, at W=4
-EST_GATHER_START = 7 * 5.0  # 7 x starting W processes that import torch
-EST_PER_PROCESS = 2.5  # one fresh process (spawn + import torch/spillmerge)
+EST_GATHER_START = 5.0  # 7 x starting W processes from the fork server, cleaning up
+EST_PER_PROCESS = 1.0  # one fresh process from the fork server
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -117,7 +117,7 @@ def estimate(parts: list[str], a: argparse.Namespace) -> float:
         t += runs * (EST_PER_PROCESS + a.repeats * (2 * overlap_steps(a) * a.step_ms / 1000 + 1.5))
     tp = a.table_payload / GiB
     if "chunks" in parts:
-        t += len(CHUNK_SIZES) * a.repeats * (EST_PER_PROCESS + 7.0 * tp)
+        t += len(CHUNK_SIZES) * a.repeats * (EST_PER_PROCESS + 5.0 * tp)
     if "codecs" in parts:
         t += 2 * (EST_PER_PROCESS + 3 * tp) + 2 * 3 * a.repeats * (EST_PER_PROCESS + 8.0 * tp)
     if "procs" in parts:
@@ -334,17 +334,28 @@ def render_targets(res: dict) -> list[str]:
         )
     ov = res.get("overlap", {}).get("sleep", {})
     if ov:
-        n, o = max(ov.items(), key=lambda kv: int(kv[0]))  # the highest spill rate measured
-        if o.get("ok"):
+        # Every spill rate measured, each with its own verdict: the target names no rate, only one
+        # "the disk sustains" (all of these are far below the disk's rate in the gather table).
+        got, bad, lim = [], [], TARGETS["overlap"]
+        for n, o in sorted(ov.items(), key=lambda kv: int(kv[0])):
+            if not o.get("ok"):
+                bad.append(f"{n} frames/step FAILED")
+                continue
             b, w = med(o["base_s"]), med(o["write_s"])
-            slow = (w / b - 1) * 100
-            lines.append(
-                f"| compute/write loop <= {TARGETS['overlap']:.0f} % slower than without writing "
-                f"({o['step_s'] * 1000:g} ms sleep + {n} frames per step = {o['bytes'] / MiB / b:.0f} MiB/s) | "
-                f"{b:.2f} s -> {w:.2f} s | **{slow:+.1f} %** | {verdict(slow <= TARGETS['overlap'])} |"
-            )
+            slow, mbs = (w / b - 1) * 100, o["bytes"] / MiB / b
+            got.append(f"{mbs:.0f} MiB/s: **{slow:+.1f} %**")
+            (bad if slow > lim else []).append(f"{mbs:.0f} MiB/s")
+        step = next(iter(ov.values())).get("step_s", 0) * 1000
+        if not bad:
+            result = verdict(True)
+        elif len(bad) == len(ov):
+            result = verdict(False)
         else:
-            lines.append(f"| overlap | FAILED: {str(o.get('error', ''))[:200]} | - | **MISS** |")
+            result = f"**MISS** at {', '.join(bad)}; PASS below"
+        lines.append(
+            f"| compute/write loop <= {lim:.0f} % slower than without writing ({step:g} ms sleep per step, "
+            f"spill rate as listed) | loop time with / without `write()` | {'; '.join(got)} | {result} |"
+        )
     lines.append("")
     return lines
 
@@ -619,7 +630,7 @@ def chart(res: dict, path: Path) -> None:
     ax2.barh(y - h, a0, h, label="rank 0 anon", color="tab:blue")
     ax2.barh(y, ao, h, label="other ranks anon (max)", color="tab:orange")
     ax2.barh(y + h, f0, h, label="rank 0 file-mapped (reclaimable)", color="tab:blue", alpha=0.3)
-    ax2.axvline(TARGETS["merge_anon"] / MiB, color="k", ls="--", lw=0.8, label="256 MiB")
+    ax2.axvline(TARGETS["merge_anon"] / MiB, color="k", ls="--", lw=0.8, label="256 MiB (target for rank 0's merge)")
     ax2.set_yticks(y, methods)
     ax2.invert_yaxis()
     ax2.set_xlabel("peak extra memory, MiB (median)")
