@@ -537,7 +537,7 @@ def render_procs(p: dict) -> list[str]:
         w = med([r["wall_s"] for r in runs])
         one = one or (w if n == "1" else None)
         lines.append(f"| {n} | {w:.2f} s | {med([r['parts_s'] for r in runs]):.2f} s | "
-                     f"{med([r['finalize_s'] for r in runs]):.2f} s | {rate(P, w)} | "
+                     f"{'-' if n == '1' else format(med([r['finalize_s'] for r in runs]), '.2f') + ' s'} | {rate(P, w)} | "
                      f"{(one / w if one else float('nan')):.2f}x | yes |")  # fmt: skip
     if not p["available"]:
         for n in MERGE_PROCS[1:]:
