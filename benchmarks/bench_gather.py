@@ -218,6 +218,7 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: 
     elif method == "raw_spill":
         run_raw(rank, world, mine, frames, work, info)
     info["wall_s"] = time.perf_counter() - t0
+    del info["t0"]
     peak = mem.stop()
     info["peak_extra"], info["file_extra"] = peak["anon"], peak["file"]
     if rank == 0:

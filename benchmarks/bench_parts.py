@@ -119,12 +119,13 @@ def spill(root: str, payload: int, shape: list[int], world: int, kind: str, chun
     p = pool(tuple(shape), kind, size=128)
     assignment = workload(payload, tuple(shape), 16, world, seed)
     kw = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    frames = {r: [make_frame(p, name, f) for name, f in keys] for r, keys in assignment.items()}  # before the clock
     mem = PeakMemory()
     t0 = time.perf_counter()
     for rank in range(world):
         with spillmerge.SpillWriter(root, rank=rank, world_size=world, **kw) as w:
-            for name, f in assignment[rank]:
-                w.write(name, f, make_frame(p, name, f))
+            for (name, f), t in zip(assignment[rank], frames[rank], strict=True):
+                w.write(name, f, t)
     wall = time.perf_counter() - t0
     nbytes = sum(len(v) for v in assignment.values()) * int(np.prod(shape)) * 2
     return {"ok": True, "spill_s": wall, "bytes": nbytes, "spill_anon": mem.stop()["anon"], "spilled": tree_bytes(root)}

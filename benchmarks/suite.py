@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"unknown part {p!r}; choose from {', '.join(PARTS)}")
     est = estimate(parts, a)
     log(f"suite: parts {', '.join(parts)}; W={a.world}, P={fmt_size(a.payload)}, {a.repeats} repeats; "
-        f"estimated runtime {est / 60:.0f} min on a quiet 2-core VM (more when the machine is busy)")  # fmt: skip
+        f"estimated runtime {est / 60:.1f} min on a quiet 2-core VM (more when the machine is busy)")  # fmt: skip
     if a.estimate:
         return
     out = (
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> None:
     if "gather" in res:
         chart(res, out / "chart.png")
     (out / "results.md").write_text(render(res))
-    log(f"suite: finished in {(time.perf_counter() - t_all) / 60:.1f} min (estimated {est / 60:.0f}); results in {out}")
+    log(f"suite: finished in {(time.perf_counter() - t_all) / 60:.1f} min (estimated {est / 60:.1f}); results in {out}")
     print((out / "results.md").read_text())
 
 
