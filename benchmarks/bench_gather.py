@@ -12,12 +12,13 @@ Methods:
   chunked_all_gather  all_gather_object in 16 slices (bounded peak, same total)
   torch_save          torch.save per rank to shared disk + torch.load on rank 0, rank 0 writes .npy
   raw_spill           hand-written floor: one flat .bin + JSON index per rank, merge via np.memmap
-  disk_limit          one process writes P bytes with fsync (the physical limit; no ranks)
+  disk_limit          one process writes P bytes with fsync, then reads them back cold (the physical limit)
 
-Peak extra memory = max over the timed section of (resident - shared) pages, minus the value just
-before it (anonymous memory; page cache is not counted), sampled every 5 ms. The RSS column also
-counts file pages mapped into the process (spillmerge's merge maps spill chunks: clean page
-cache the kernel can reclaim, bounded by 16 mapped chunks).
+Peak extra memory = max over the timed section of RssAnon + RssShmem from /proc/self/status,
+minus the value just before it (anonymous memory; page cache is not counted), sampled every 5 ms
+by a thread. The file-mapped column is RssFile the same way: file pages mapped into the process
+(spillmerge's merge maps spill chunks: clean page cache the kernel can reclaim). For spillmerge,
+rank 0's merge is also measured on its own (peak minus the value just before the merge call).
 
 Usage: python benchmarks/bench_gather.py [--payload-gib 1] [--world-size 4] [--methods a,b] [--out-md F]
 """
@@ -26,20 +27,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import (
+    PeakMemory,
+    context,
+    drop_file_cache,
+    expected_by_file,
+    free_port,
+    make_frame,
+    pool,
+    tree_bytes,
+    verify_spillmerge,
+    workload,
+)
 
 ALL = [
     "spillmerge",
@@ -50,72 +59,6 @@ ALL = [
     "raw_spill",
     "disk_limit",
 ]
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-# ------------------------------------------------------------------------------------ workload
-def workload(
-    payload: int, shape: tuple[int, ...], files: int, world: int, seed: int
-) -> dict[int, list[tuple[str, int]]]:
-    frame_bytes = int(np.prod(shape)) * 2
-    n = max(world, payload // frame_bytes)
-    rng = random.Random(seed)
-    weights = [rng.uniform(0.5, 1.5) for _ in range(files)]
-    counts = [max(1, int(n * w / sum(weights))) for w in weights]
-    keys = [(f"video_{i:03d}.mp4", f) for i, c in enumerate(counts) for f in range(c)]
-    rng.shuffle(keys)
-    rank_w = [rng.uniform(0.7, 1.3) for _ in range(world)]
-    out: dict[int, list[tuple[str, int]]] = {r: [] for r in range(world)}
-    for k in keys:
-        out[rng.choices(range(world), rank_w)[0]].append(k)
-    return out
-
-
-def pool(shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.randn((64, *shape), generator=torch.Generator().manual_seed(0)).half()
-
-
-def make_frame(p: torch.Tensor, name: str, frame: int) -> torch.Tensor:
-    """A unique frame per key, cheap to rebuild for verification: a pool frame stamped with the key."""
-    file_id = int(name[6:9])
-    t = p[(file_id * 7919 + frame) % 64].clone()
-    t.view(-1)[:4].view(torch.int16)[:] = torch.tensor([file_id, frame & 0x7FFF, frame >> 15, 12345], dtype=torch.int16)
-    return t
-
-
-# ------------------------------------------------------------------------------------- memory
-class PeakMemory:
-    def __init__(self) -> None:
-        self.base = self._anon()
-        self.peak = self.base
-        self.rss_base = self._rss()
-        self.rss_peak = self.rss_base
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    @staticmethod
-    def _anon() -> int:
-        with open("/proc/self/statm") as f:
-            _, resident, shared = (int(x) for x in f.read().split()[:3])
-        return (resident - shared) * PAGE
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._anon())
-            self.rss_peak = max(self.rss_peak, self._rss())
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self._anon())
-        return self.peak - self.base
 
 
 # ------------------------------------------------------------------------------------- methods
@@ -142,10 +85,13 @@ def run_spillmerge(rank, world, mine, frames, work: Path, info) -> None:
         for (name, f), t in zip(mine, frames, strict=True):
             w.write(name, f, t)
     info["spill_s"] = time.perf_counter() - t0
+    merge_mem = PeakMemory()  # rank 0's merge alone: the flat-memory target is about this part
     report = w.merge(str(work / "out"), progress=False, threads=int(os.environ.get("BENCH_MERGE_THREADS", "0")) or None)
+    peak = merge_mem.stop()
     if report is not None:
         info["wait_s"], info["merge_s"] = report.wait_seconds, report.merge_seconds
         info["phases"] = report.phases
+        info["merge_anon"], info["merge_file"] = peak["anon"], peak["file"]
 
 
 def run_gather(rank, world, mine, frames, work: Path, info, kind: str) -> None:
@@ -167,6 +113,7 @@ def run_gather(rank, world, mine, frames, work: Path, info, kind: str) -> None:
             for r in range(world):
                 parts[r].update(piece[r])
     if rank == 0:
+        info["collective_s"] = time.perf_counter() - info["t0"]  # the rest is writing the result
         merged = {k: v for part in parts for k, v in part.items()}
         _write_npy(work / "out", merged)
 
@@ -222,19 +169,11 @@ def run_raw(rank, world, mine, frames, work: Path, info) -> None:
 
 
 def verify(method: str, work: Path, assignment, p: torch.Tensor) -> bool:
-    keys = sorted(k for ks in assignment.values() for k in ks)
-    by_file: dict[str, list[int]] = {}
-    for name, f in keys:
-        by_file.setdefault(name, []).append(f)
+    by_file = expected_by_file(assignment)
+    if method == "spillmerge":
+        return verify_spillmerge(str(work / "out"), by_file, p)
     for name, fr in by_file.items():
-        if method == "spillmerge":
-            import spillmerge
-
-            res = spillmerge.open(str(work / "out"))
-            if res.frames(name).tolist() != fr:
-                return False
-            got = torch.from_numpy(res[name][...]).view(torch.float16)
-        elif method == "raw_spill":
+        if method == "raw_spill":
             got = torch.from_numpy(np.fromfile(work / "out" / f"{name}.bin", dtype=np.float16)).reshape(
                 len(fr), *p.shape[1:]
             )
@@ -262,11 +201,14 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: 
     assignment = workload(cfg["payload"], shape, cfg["files"], world, cfg["seed"])
     mine = assignment[rank]
     p = pool(shape)
-    frames = [make_frame(p, name, f) for name, f in mine]  # predictions already in CPU memory
+    if cfg.get("lazy"):  # spillmerge only: frames made as they are written, so P can exceed RAM
+        frames = (make_frame(p, name, f) for name, f in mine)
+    else:
+        frames = [make_frame(p, name, f) for name, f in mine]  # predictions already in CPU memory
     dist.barrier()
     mem = PeakMemory()
     t0 = time.perf_counter()
-    info: dict = {}
+    info: dict = {"t0": t0}
     if method == "spillmerge":
         run_spillmerge(rank, world, mine, frames, work, info)
     elif method in ("gather_object", "all_gather_object", "chunked_all_gather"):
@@ -276,8 +218,9 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict, result: 
     elif method == "raw_spill":
         run_raw(rank, world, mine, frames, work, info)
     info["wall_s"] = time.perf_counter() - t0
-    info["peak_extra"] = mem.stop()
-    info["rss_extra"] = mem.rss_peak - mem.rss_base
+    del info["t0"]
+    peak = mem.stop()
+    info["peak_extra"], info["file_extra"] = peak["anon"], peak["file"]
     if rank == 0:
         info["ok"] = verify(method, work, assignment, p)
         info["bytes"] = sum(len(v) for v in assignment.values()) * int(np.prod(shape)) * 2
@@ -297,26 +240,22 @@ def disk_limit(cfg: dict) -> dict:
         fh.flush()
         os.fsync(fh.fileno())
     write_s = time.perf_counter() - t0
+    drop_file_cache(path)  # read back from the disk, not from the page cache
     t0 = time.perf_counter()
-    with open(path, "rb") as fh:
-        while fh.readinto(buf.data):
-            pass
+    n = 0
+    with open(path, "rb", buffering=0) as fh:
+        while got := fh.readinto(buf.data):
+            n += got
     read_s = time.perf_counter() - t0
-    extra = mem.stop()
+    peak = mem.stop()
     return {
         "wall_s": write_s,
         "read_s": read_s,
-        "peak_extra": extra,
-        "rss_extra": mem.rss_peak - mem.rss_base,
-        "ok": True,
+        "peak_extra": peak["anon"],
+        "file_extra": peak["file"],
+        "ok": n == cfg["payload"] // buf.nbytes * buf.nbytes,
         "bytes": cfg["payload"],
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_method(method: str, world: int, cfg: dict) -> list[dict]:
@@ -325,20 +264,45 @@ def run_method(method: str, world: int, cfg: dict) -> list[dict]:
     cfg = {**cfg, "work": str(work)}
     try:
         if method == "disk_limit":
-            return [disk_limit(cfg)]
-        ctx = mp.get_context("spawn")
-        result = str(work / "result")
+            res = [disk_limit(cfg)]
+            res[0]["written"] = tree_bytes(work)
+            return res
+        ctx = context()
+        result = str(work) + ".result"
         port = free_port()
         procs = [ctx.Process(target=rank_main, args=(r, world, port, method, cfg, result)) for r in range(world)]
         for pr in procs:
             pr.start()
         for pr in procs:
             pr.join(3600)
+        for pr in procs:
+            if pr.is_alive():  # a hung collective: do not leave it behind
+                pr.kill()
+                pr.join()
         if any(pr.exitcode != 0 for pr in procs):
             return [{"ok": False, "error": f"exit codes {[pr.exitcode for pr in procs]}"}]
-        return [json.loads(Path(f"{result}.{r}").read_text()) for r in range(world)]
+        res = [json.loads(Path(f"{result}.{r}").read_text()) for r in range(world)]
+        res[0]["written"] = tree_bytes(work)  # everything the method put on storage: spills and result
+        return res
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for r in range(world):
+            Path(f"{work}.result.{r}").unlink(missing_ok=True)
+
+
+def run_all(methods: list[str], world: int, cfg: dict, repeats: int) -> dict[str, list[list[dict]]]:
+    """Every method ``repeats`` times, interleaved so drift on the machine hits every method alike.
+    Returns method -> one list per repeat of per-rank result dicts (rank 0 first)."""
+    rows: dict[str, list[list[dict]]] = {}
+    for rep in range(repeats):
+        for m in methods:
+            t0 = time.perf_counter()
+            res = run_method(m, world, cfg)
+            rows.setdefault(m, []).append(res)
+            status = "ok" if res[0].get("ok") else f"FAILED {res[0].get('error', 'wrong result')}"
+            print(f"  repeat {rep + 1}/{repeats} {m}: {res[0].get('wall_s', float('nan')):.2f} s {status} "
+                  f"({time.perf_counter() - t0:.0f} s with process start and verification)", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -365,13 +329,7 @@ def main() -> None:
         "seed": args.seed,
         "workdir": workdir,
     }
-    rows = {}
-    for rep in range(args.repeats):
-        for m in methods:  # interleaved, so drift on the machine hits every method alike
-            res = run_method(m, args.world_size, cfg)
-            rows.setdefault(m, []).append(res)
-            print(f"  repeat {rep + 1}/{args.repeats} {m}: {res[0].get('wall_s', float('nan')):.2f} s "
-                  f"{'ok' if res[0].get('ok') else 'FAILED'}", file=sys.stderr, flush=True)  # fmt: skip
+    rows = run_all(methods, args.world_size, cfg, args.repeats)
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -384,7 +342,7 @@ def main() -> None:
         f"W={args.world_size} gloo ranks, payload {payload / (1 << 30):.2f} GiB of fp16 {args.frame_shape} frames, "
         f"{args.files} files, median of {args.repeats} runs (rank 0 wall time from barrier to result fsynced on disk)",
         "",
-        "| method | wall | vs spillmerge | rank-0 peak extra (anon) | rank-0 peak extra RSS | others' peak extra anon (max) | ok |",
+        "| method | wall | vs spillmerge | rank-0 peak extra (anon) | rank-0 peak extra file-mapped | others' peak extra anon (max) | ok |",
         "|---|---|---|---|---|---|---|",
     ]
     for m in methods:
@@ -396,7 +354,7 @@ def main() -> None:
         r0 = statistics.median(r[0]["peak_extra"] for r in runs)
         others = statistics.median(max((x["peak_extra"] for x in r[1:]), default=0) for r in runs)
         ratio = f"{wall / base:.2f}x" if base else "-"
-        rss = statistics.median(r[0].get("rss_extra", 0) for r in runs)
+        rss = statistics.median(r[0].get("file_extra", 0) for r in runs)
         lines.append(
             f"| {m} | {wall:.2f} s | {ratio} | {r0 / mib:.0f} MiB ({r0 / payload:.2f}x P) | "
             f"{rss / mib:.0f} MiB | {others / mib:.0f} MiB ({others / payload:.2f}x P) | yes |"
