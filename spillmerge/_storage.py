@@ -469,7 +469,7 @@ class _Sink:
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
         try:
             if self._fd is not None:
-                view = memoryview(data).cast("B")
+                view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
                 while view:
                     view = view[os.write(self._fd, view) :]
             else:
