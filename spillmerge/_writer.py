@@ -583,22 +583,32 @@ class SpillWriter:
         return frames is not None and check_frame_idx(frame_idx, filename) in frames
 
     # ---------------------------------------------------------------------------------- merge
-    def merge(self, out: str, dst: int = 0, **kwargs: Any) -> Any:
+    def merge(self, out: str, dst: int = 0, *, parallel: bool = False, **kwargs: Any) -> Any:
         """Collective: every rank calls it after the ``with`` block. Rank ``dst`` waits on storage
         for every rank's commit record of this run, merges, and returns a
         :class:`~spillmerge.MergeReport`; other ranks return ``None`` at once. No torch.distributed
         collective is used. ``kwargs`` go to :func:`spillmerge.merge` (``timeout`` defaults to
-        1800 s here)."""
+        1800 s here).
+
+        ``parallel=True`` spreads the merge over every rank: each writes the arrays of its share
+        of the files (split by bytes, the same on every rank), records its part under the output,
+        and returns ``None``; ``dst`` then waits on storage (up to ``timeout``) for every part and
+        writes the index, consolidated metadata and completion marker. A rank whose part fails
+        raises there, and ``dst`` raises :class:`~spillmerge.PartFailedError` naming it."""
         if self._state == "open":
             raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
         if not 0 <= dst < self.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {self.world_size}")
-        if self.rank != dst:
+        if self.rank != dst and not parallel:
             return None
-        from ._merge import merge
+        from ._merge import merge, merge_collective
 
         kwargs.setdefault("timeout", 1800.0)
         kwargs.setdefault("storage_options", self.storage.storage_options)
+        if parallel:
+            return merge_collective(
+                self.root, out, rank=self.rank, world_size=self.world_size, dst=dst, run_id=self.run_id, **kwargs
+            )
         return merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
 
     def stats(self) -> dict[str, int]:
