@@ -185,7 +185,9 @@ def merge(
     split by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
     ``finalize=True`` checks that every part is present and was planned identically (waiting up
     to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
-    and the completion marker. Every call needs the same spill root and options.
+    and the completion marker. Every call needs the same spill root and planning options
+    (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
+    ``codec`` and ``chunk_bytes``, which finalize takes from their records.
     """
     if part is not None and finalize:
         raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
@@ -478,7 +480,14 @@ def _finalize(
             path=dst.describe(),
         )
     t = time.perf_counter()
-    n = parts if parts is not None else _parts.infer_parts(dst, _parts.scan(dst))
+    records = _parts.scan(dst)
+    n = parts if parts is not None else _parts.infer_parts(dst, records)
+    done = [r for r in records if not r.failed and r.parts == n]
+    if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
+        # The parts decided the array documents: finalize with their codec and chunk size rather
+        # than make every caller repeat them (the fingerprint still catches parts that disagree).
+        job.codec, job.chunk_bytes = done[0].codec, done[0].chunk_bytes
+        job.fingerprint = fingerprint(job.plan, chunk_bytes=job.chunk_bytes, codec=job.codec)
     _parts.wait(dst, n, job.fingerprint, timeout=timeout, collective=collective)
     job.phases["parts"] = time.perf_counter() - t
     t = time.perf_counter()

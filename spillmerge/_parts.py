@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _format as F
+from ._codecs import CODECS
 from ._errors import (
     CorruptSpillError,
     MissingPartsError,
@@ -64,6 +65,10 @@ class PartRecord:
     """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
     path: str
     """Where the record lives (for messages)."""
+    codec: str | None
+    """Completion records: the output codec the part wrote with."""
+    chunk_bytes: int | None
+    """Completion records: the target chunk size the part wrote with."""
 
 
 def _host() -> dict[str, Any]:
@@ -123,11 +128,15 @@ def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
 
         raise FormatVersionError(f"{where}: unknown format_version {obj.get('format_version')!r}", path=where)
     rank = obj.get("rank") if isinstance(obj.get("rank"), int) else None
+    codec, chunk_bytes = obj.get("codec"), obj.get("chunk_bytes")
     if failed:
         message = f"{obj.get('error_type', 'Error')}: {obj.get('message', '')}"
+        codec = chunk_bytes = None
     else:
         message = f"{obj.get('n_files')} files, {obj.get('n_frames')} frames"
-    return PartRecord(part, parts, obj["plan"], failed, message, rank, where)
+        if codec not in CODECS or not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+            raise CorruptSpillError(f"{where}: bad codec {codec!r} or chunk_bytes {chunk_bytes!r}", path=where)
+    return PartRecord(part, parts, obj["plan"], failed, message, rank, where, codec, chunk_bytes)
 
 
 def scan(dst: Storage) -> list[PartRecord]:
