@@ -269,6 +269,8 @@ class _Job:
     """Output codec name."""
     allow_partial: bool
     """Merging without every rank's commit."""
+    run_id: str | None
+    """Run id the barrier waited for (None: newest segments)."""
     salvaged: dict[int, int]
     """Rank → frames salvaged from journals."""
     notes: list[str]
@@ -343,7 +345,7 @@ class _Job:
         phases["plan"] = time.perf_counter() - t
         return cls(
             src, dst, state, segments, plan, fp, chunk_bytes, memory_budget, threads, fsync, progress, codec,
-            allow_partial, salvaged, notes, phases, t0,
+            allow_partial, run_id, salvaged, notes, phases, t0,
         )  # fmt: skip
 
     def report(self, *, files: list[FilePlan] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
@@ -432,7 +434,7 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
         if not dst.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
             dst.put_atomic("zarr.json", _json_doc(_shared_docs(job.plan, job.state.world_size)[""]))
         docs = _file_docs(job, mine)
-        present = set(dst.listdir("files")) if dst.exists("files") else set()
+        present = set(dst.listdir("files"))
         for fp_ in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
             if fp_.key in present:
                 dst.rm_tree(f"files/{fp_.key}")
@@ -445,13 +447,13 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
         if job.fsync:  # the part record vouches for every chunk of the part
             dst.fsync_tree("")
         _parts.write_done(
-            dst, i, n, fp, rank, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
+            dst, i, n, fp, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
             nbytes=sum(len(f.frames) * f.frame_nbytes for f in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
-        _parts.write_failure(dst, i, n, fp, rank, exc)
+        _parts.write_failure(dst, i, n, fp, rank, job.run_id, exc)
         raise
     return job.report(files=mine, parts=n, part=i)
 
@@ -488,16 +490,17 @@ def _finalize(
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
         job.codec, job.chunk_bytes = done[0].codec, done[0].chunk_bytes
         job.fingerprint = fingerprint(job.plan, chunk_bytes=job.chunk_bytes, codec=job.codec)
-    _parts.wait(dst, n, job.fingerprint, timeout=timeout, collective=collective)
+    _parts.wait(
+        dst, n, job.fingerprint, timeout=timeout, collective=collective, run_id=job.run_id if collective else None
+    )
     job.phases["parts"] = time.perf_counter() - t
     t = time.perf_counter()
     if complete:
         dst.rm_tree(F.COMPLETE_NAME)
     keys = {f.key for f in job.plan.files}
-    if dst.exists("files"):
-        for name in dst.listdir("files"):
-            if name not in keys and name != "zarr.json":  # left by an older merge into this output
-                dst.rm_tree(f"files/{name}")
+    for name in dst.listdir("files"):
+        if name not in keys and name != "zarr.json":  # left by an older merge into this output
+            dst.rm_tree(f"files/{name}")
     shared = _shared_docs(job.plan, job.state.world_size)
     dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in shared.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t

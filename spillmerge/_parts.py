@@ -63,6 +63,8 @@ class PartRecord:
     """Failure records: "Type: message"; completion records: a summary of what was written."""
     rank: int | None
     """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
+    run_id: str | None
+    """Run id of a collective merge (tells a failure of this attempt from an earlier one's)."""
     path: str
     """Where the record lives (for messages)."""
     codec: str | None
@@ -76,23 +78,25 @@ def _host() -> dict[str, Any]:
 
 
 def write_done(
-    dst: Storage, part: int, parts: int, plan: str, rank: int | None, *, n_files: int, n_frames: int, nbytes: int,
-    codec: str, chunk_bytes: int,
+    dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
+    n_frames: int, nbytes: int, codec: str, chunk_bytes: int,
 ) -> None:  # fmt: skip
     rec = {
         "format_version": F.FORMAT_VERSION, "kind": "merge-part", "part": part, "parts": parts, "plan": plan,
-        "rank": rank, "n_files": n_files, "n_frames": n_frames, "nbytes": nbytes, "codec": codec,
+        "rank": rank, "run_id": run_id, "n_files": n_files, "n_frames": n_frames, "nbytes": nbytes, "codec": codec,
         "chunk_bytes": chunk_bytes, "finished": F.utcnow(), **_host(),
     }  # fmt: skip
     dst.makedirs(PARTS_DIR)
     dst.put_atomic(record_name(part, parts), F.dumps(rec))
 
 
-def write_failure(dst: Storage, part: int, parts: int, plan: str, rank: int | None, exc: BaseException) -> None:
+def write_failure(
+    dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
+) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
     rec = {
         "format_version": F.FORMAT_VERSION, "kind": "merge-part-failure", "part": part, "parts": parts,
-        "plan": plan, "rank": rank, "error_type": type(exc).__name__, "message": str(exc)[:4000],
+        "plan": plan, "rank": rank, "run_id": run_id, "error_type": type(exc).__name__, "message": str(exc)[:4000],
         "traceback": "".join(traceback.format_exception(exc))[-20000:], "time": F.utcnow(), **_host(),
     }  # fmt: skip
     try:
@@ -128,6 +132,7 @@ def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
 
         raise FormatVersionError(f"{where}: unknown format_version {obj.get('format_version')!r}", path=where)
     rank = obj.get("rank") if isinstance(obj.get("rank"), int) else None
+    run_id = obj.get("run_id") if isinstance(obj.get("run_id"), str) else None
     codec, chunk_bytes = obj.get("codec"), obj.get("chunk_bytes")
     if failed:
         message = f"{obj.get('error_type', 'Error')}: {obj.get('message', '')}"
@@ -136,20 +141,25 @@ def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
         message = f"{obj.get('n_files')} files, {obj.get('n_frames')} frames"
         if codec not in CODECS or not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
             raise CorruptSpillError(f"{where}: bad codec {codec!r} or chunk_bytes {chunk_bytes!r}", path=where)
-    return PartRecord(part, parts, obj["plan"], failed, message, rank, where, codec, chunk_bytes)
+    return PartRecord(part, parts, obj["plan"], failed, message, rank, run_id, where, codec, chunk_bytes)
 
 
-def scan(dst: Storage) -> list[PartRecord]:
-    """Every part record of the output, in name order (unreadable ones raise, naming the path)."""
-    if not dst.exists(PARTS_DIR):
-        return []
+def scan(dst: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
+    """Every part record of the output, in name order (unreadable ones raise, naming the path).
+
+    Records are immutable once written, so a ``cache`` kept across polls saves reading each
+    again; the listing stays the truth (a record that disappeared is dropped)."""
+    cache = {} if cache is None else cache
     out = []
-    for name in sorted(dst.listdir(PARTS_DIR)):
+    for name in dst.listdir(PARTS_DIR):
         if not _NAME_RE.match(name):
             continue  # temporaries of an atomic write in progress
-        raw = dst.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=_MAX_RECORD)
-        if raw is not None:
-            out.append(_parse(dst, name, raw))
+        if name not in cache:
+            raw = dst.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=_MAX_RECORD)
+            if raw is None:
+                continue
+            cache[name] = _parse(dst, name, raw)
+        out.append(cache[name])
     return out
 
 
@@ -196,21 +206,30 @@ def wait(
     *,
     timeout: float,
     collective: bool = False,
+    run_id: str | None = None,
     poll: float = 0.05,
     max_poll: float = 2.0,
 ) -> list[PartRecord]:
     """The finalizer's barrier: every part's completion record with this plan, else a clear error
     naming the parts (failed at once, missing after ``timeout`` seconds, other plans at once).
-    ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say so."""
+    ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say
+    so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
+    stays on storage until its part runs again, and must not fail this one."""
     start = time.monotonic()
     delay = poll
+    cache: dict[str, PartRecord] = {}
     while True:
-        records = scan(dst)
+        records = scan(dst, cache)
         bad = foreign(records, parts, plan)
         if bad:
             raise mismatch_error(dst, bad, parts, plan, hint="rerun those parts (with --overwrite)")
         done = {r.part: r for r in records if not r.failed}
-        failed = {r.part: r for r in records if r.failed and r.parts == parts and r.part not in done}
+        failed = {
+            r.part: r
+            for r in records
+            if r.failed and r.parts == parts and r.plan == plan and r.part not in done
+            and (run_id is None or r.run_id == run_id)
+        }  # fmt: skip
         if failed:
             failures = {p: r.message for p, r in sorted(failed.items())}
             detail = "; ".join(
