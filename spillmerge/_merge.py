@@ -122,27 +122,11 @@ def _contains(a: Storage, b: Storage) -> bool:
 
 
 def _prepare_output(dst: Storage, overwrite: bool) -> None:
-    if not dst.exists(""):
+    if not dst.exists("") or not dst.listdir(""):
         return
-    names = dst.listdir("")
-    if not names:
-        return
-    marker = dst.get_or_none(F.COMPLETE_NAME, max_bytes=1 << 20)
-    raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
-    ours = False
-    if raw is not None:
-        try:
-            obj = F.loads(raw, path=dst.describe("zarr.json"))
-            ours = obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged"
-        except (CorruptSpillError, AttributeError):
-            ours = False
-    if not ours:
-        raise OutputExistsError(
-            f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
-            "(spillmerge never deletes a folder it did not write)",
-            path=dst.describe(),
-        )
-    if marker is not None and not overwrite:
+    if not _is_ours(dst):
+        raise _not_ours(dst)
+    if dst.exists(F.COMPLETE_NAME) and not overwrite:
         raise OutputExistsError(
             f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to replace it",
             path=dst.describe(),
@@ -466,9 +450,7 @@ def _finalize(
     dst = job.dst
     if not _is_ours(dst):
         if dst.exists("") and dst.listdir(""):
-            raise OutputExistsError(
-                f"{dst.describe()} exists and is not a spillmerge output; nothing to finalize", path=dst.describe()
-            )
+            raise _not_ours(dst)
         raise MissingPartsError(
             f"{dst.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
             path=dst.describe(),
@@ -509,6 +491,14 @@ def _finalize(
     return job.report(parts=n)
 
 
+def _not_ours(dst: Storage) -> OutputExistsError:
+    return OutputExistsError(
+        f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
+        "(spillmerge never deletes a folder it did not write)",
+        path=dst.describe(),
+    )
+
+
 def _is_ours(dst: Storage) -> bool:
     raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
     if raw is None:
@@ -526,11 +516,7 @@ def _claim(dst: Storage, overwrite: bool) -> None:
     if dst.exists(""):
         names = [x for x in dst.listdir("") if not x.startswith("zarr.json.tmp-")]  # a part claiming it now
         if names and not _is_ours(dst):
-            raise OutputExistsError(
-                f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
-                "(spillmerge never deletes a folder it did not write)",
-                path=dst.describe(),
-            )
+            raise _not_ours(dst)
         if dst.exists(F.COMPLETE_NAME):
             if not overwrite:
                 raise OutputExistsError(
