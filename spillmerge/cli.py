@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--overwrite", action="store_true", default=None, help="replace an existing complete output")
     m.add_argument(
-        "--codec", choices=["none", "blosc-lz4", "zstd"], help="compress the output arrays (default none)"
+        "--codec",
+        choices=["none", "blosc-lz4", "zstd"],
+        help="compress the output arrays (default none; --finalize takes it from the parts)",
     )
     how = m.add_mutually_exclusive_group()
     how.add_argument(
