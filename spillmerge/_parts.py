@@ -27,6 +27,7 @@ from . import _format as F
 from ._codecs import CODECS
 from ._errors import (
     CorruptSpillError,
+    FormatVersionError,
     MissingPartsError,
     PartFailedError,
     PartsTimeout,
@@ -128,8 +129,6 @@ def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
     if not ok:
         raise CorruptSpillError(f"{where}: not a spillmerge {kind} record for part {part} of {parts}", path=where)
     if obj.get("format_version") != F.FORMAT_VERSION:
-        from ._errors import FormatVersionError
-
         raise FormatVersionError(f"{where}: unknown format_version {obj.get('format_version')!r}", path=where)
     rank = obj.get("rank") if isinstance(obj.get("rank"), int) else None
     run_id = obj.get("run_id") if isinstance(obj.get("run_id"), str) else None
