@@ -4,6 +4,7 @@ Every rank appends its predictions to its own chunked Zarr segment (``SpillWrite
 merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` reads it back.
 """
 
+from ._codecs import CODECS
 from ._errors import (
     CommitTimeout,
     ConfigError,
@@ -14,7 +15,11 @@ from ._errors import (
     IncompleteOutputError,
     IncompleteSpillError,
     LayoutMismatchError,
+    MissingPartsError,
     OutputExistsError,
+    PartFailedError,
+    PartsTimeout,
+    PlanMismatchError,
     RankFailedError,
     SpillMergeError,
     SpillStorageError,
@@ -31,6 +36,7 @@ from ._writer import SpillWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "CODECS",
     "FORMAT_VERSION",
     "CommitTimeout",
     "ConfigError",
@@ -44,7 +50,11 @@ __all__ = [
     "LeafArray",
     "MergeReport",
     "MergedStore",
+    "MissingPartsError",
     "OutputExistsError",
+    "PartFailedError",
+    "PartsTimeout",
+    "PlanMismatchError",
     "RankFailedError",
     "SpillMergeError",
     "SpillStorageError",

@@ -145,3 +145,40 @@ class CoordinationError(SpillMergeError, RuntimeError):
     def __init__(self, message: str, *, rank: int) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class PartFailedError(RankFailedError):
+    """Parts of a parallel merge recorded a failure. ``failures`` maps part → "Type: message";
+    ``path`` is the output. In ``SpillWriter.merge(parallel=True)`` part ``i`` is rank ``i``."""
+
+    def __init__(self, message: str, *, failures: dict[int, str], path: str) -> None:
+        super().__init__(message, failures=failures)
+        self.path = path
+
+
+class MissingPartsError(IncompleteOutputError):
+    """Parts of a parallel merge have no completion record (``missing``, out of ``parts``)."""
+
+    def __init__(self, message: str, *, path: str, missing: list[int], parts: int) -> None:
+        super().__init__(message, path=path)
+        self.missing = missing
+        self.parts = parts
+
+
+class PartsTimeout(MissingPartsError, TimeoutError):
+    """Waiting for the parts of a parallel merge timed out after ``waited_s`` seconds."""
+
+    def __init__(self, message: str, *, path: str, missing: list[int], parts: int, waited_s: float) -> None:
+        super().__init__(message, path=path, missing=missing, parts=parts)
+        self.waited_s = waited_s
+
+
+class PlanMismatchError(SpillMergeError, ValueError):
+    """Parts of one output were (or would be) written from different merge plans: the spill root,
+    the part count or the merge options changed between them. ``parts`` names the disagreeing
+    parts (their record paths in the message), ``path`` is the output."""
+
+    def __init__(self, message: str, *, path: str, parts: list[int]) -> None:
+        super().__init__(message)
+        self.path = path
+        self.parts = parts

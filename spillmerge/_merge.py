@@ -18,9 +18,16 @@ import zarr
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
 
+from . import _codecs, _parts
 from . import _format as F
-from ._errors import CorruptSpillError, OutputExistsError, SpillStorageError, SpillValueError
-from ._plan import FilePlan, Plan, build
+from ._errors import (
+    CorruptSpillError,
+    MissingPartsError,
+    OutputExistsError,
+    SpillStorageError,
+    SpillValueError,
+)
+from ._plan import FilePlan, Plan, build, fingerprint, split
 from ._spillroot import load_all, load_flushed, wait_for_commits
 from ._storage import Storage
 from ._writer import _array_meta
@@ -61,10 +68,19 @@ class MergeReport:
     frame_gaps: dict[str, list[int]] = field(default_factory=dict)
     """Filename → frame indices missing between 0 and its highest merged frame (``allow_partial``)."""
     notes: list[str] = field(default_factory=list)
-    """Problems that stopped salvaging a journal (torn or corrupt entries)."""
+    """Problems that stopped salvaging a journal (torn or corrupt entries); a part that was
+    already complete and was not rewritten."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: wait, load (indexes), plan, metadata, copy, index, sync, finish (and
-    transfer, when shards were moved over torch.distributed first)."""
+    """Seconds per phase: wait, load (indexes), plan, metadata, copy, parts (waiting for part
+    records), index, sync, finish (and transfer, when shards were moved over torch.distributed
+    first)."""
+    parts: int = 1
+    """Parts (processes) the output is written in: 1 for a one-process merge."""
+    part: int | None = None
+    """The part this call wrote (``part=(i, n)``, or a rank of ``parallel=True`` that is not
+    ``dst``); its counts are the part's. None for a whole merge or a finalize."""
+    codec: str = "none"
+    """Output codec of the arrays under ``files/``."""
     transferred: dict[int, int] = field(default_factory=dict)
     """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
     transfer_senders: dict[int, list[int]] = field(default_factory=dict)
@@ -81,13 +97,18 @@ class MergeReport:
     def __str__(self) -> str:
         gib = self.nbytes / (1 << 30)
         s = (
-            f"merged {self.n_files} files, {self.n_frames} frames, {gib:.3f} GiB from "
-            f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out} in {self.seconds:.2f} s "
+            (f"part {self.part}/{self.parts}: " if self.part is not None else "")
+            + f"merged {self.n_files} files, {self.n_frames} frames, {gib:.3f} GiB from "
+            f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out}"
+            + (f" in {self.parts} parts" if self.part is None and self.parts > 1 else "")
+            + (f" with {self.codec}" if self.codec != "none" else "")
+            + f" in {self.seconds:.2f} s "
             f"(wait {self.wait_seconds:.2f} s, merge {self.merge_seconds:.2f} s)"
         )
         if self.transferred:
             moved = sum(self.transferred.values()) / (1 << 30)
             s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
+        s += "".join(f"; {n}" for n in self.notes if n.startswith("part "))
         if self.duplicates:
             s += f"; {self.duplicates} duplicate frame copies dropped"
         if self.missing_ranks:
@@ -109,27 +130,11 @@ def _contains(a: Storage, b: Storage) -> bool:
 
 
 def _prepare_output(dst: Storage, overwrite: bool) -> None:
-    if not dst.exists(""):
+    if not dst.exists("") or not dst.listdir(""):
         return
-    names = dst.listdir("")
-    if not names:
-        return
-    marker = dst.get_or_none(F.COMPLETE_NAME, max_bytes=1 << 20)
-    raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
-    ours = False
-    if raw is not None:
-        try:
-            obj = F.loads(raw, path=dst.describe("zarr.json"))
-            ours = obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged"
-        except (CorruptSpillError, AttributeError):
-            ours = False
-    if not ours:
-        raise OutputExistsError(
-            f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
-            "(spillmerge never deletes a folder it did not write)",
-            path=dst.describe(),
-        )
-    if marker is not None and not overwrite:
+    if not _is_ours(dst):
+        raise _not_ours(dst)
+    if dst.exists(F.COMPLETE_NAME) and not overwrite:
         raise OutputExistsError(
             f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to replace it",
             path=dst.describe(),
@@ -155,83 +160,380 @@ def merge(
     threads: int | None = None,
     fsync: bool = True,
     progress: bool | None = None,
+    codec: str = "none",
+    part: tuple[int, int] | None = None,
+    finalize: bool = False,
 ) -> MergeReport:
     """Merge every committed segment under ``root`` into one Zarr v3 store at ``out``.
 
     Waits up to ``timeout`` seconds for missing commit records (0: check once), failing at once
     when a rank recorded a failure. ``allow_partial`` merges what is committed and reports the
     missing ranks. Memory stays under about ``memory_budget`` bytes whatever the payload (plus one
-    frame when a single frame is larger). Returns a :class:`MergeReport`.
+    frame when a single frame is larger). ``codec`` compresses the output arrays: ``"none"``
+    (default: raw bytes), ``"blosc-lz4"`` or ``"zstd"``. Returns a :class:`MergeReport`.
+
+    Scale-out over independent processes (SLURM array tasks; no torch.distributed needed):
+    ``part=(i, n)`` writes only part ``i`` of ``n`` — the arrays of the files a deterministic
+    split by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
+    ``finalize=True`` checks that every part is present and was planned identically (waiting up
+    to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
+    and the completion marker. Every call needs the same spill root and planning options
+    (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
+    ``codec`` and ``chunk_bytes``, which finalize takes from their records.
     """
-    t0 = time.perf_counter()
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    src = Storage(root, storage_options)
-    if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
-        same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
-        out_storage_options = storage_options if same else None
-    dst = Storage(out, out_storage_options)
-    if threads is None:  # object stores need many requests in flight; local disks do not
-        threads = 4 if src.local and dst.local else 16
-    if not isinstance(threads, int) or threads < 1:
-        raise SpillValueError(f"threads must be a positive int, got {threads!r}")
-    if not src.exists(""):
-        raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
-    if _contains(src, dst):
-        raise SpillValueError(f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out")
-    state = wait_for_commits(src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial)
-    t_wait = time.perf_counter() - t0
-    phases: dict[str, float] = {"wait": t_wait}
-    # Write order for the duplicate policy: segment start time, rank breaking ties.
-    segments = sorted(state.committed, key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name))
-    t = time.perf_counter()
-    loaded = load_all(src, segments)
-    salvaged: dict[int, int] = {}
-    notes: list[str] = []
-    if allow_partial:
-        # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
-        for rank, seg in sorted(state.partial.items()):
-            part, problems = load_flushed(src, seg)
-            notes.extend(problems)
-            if len(part.index):
-                loaded.append(part)
-                salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
-    phases["load"] = time.perf_counter() - t
-    t = time.perf_counter()
-    plan = build(loaded, on_duplicate)
-    phases["plan"] = time.perf_counter() - t
-    _prepare_output(dst, overwrite)
+    if part is not None and finalize:
+        raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
+    if part is not None:
+        part = _check_part(part)
+    job = _Job.open(
+        root, out, storage_options=storage_options, out_storage_options=out_storage_options,
+        world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial,
+        on_duplicate=on_duplicate, chunk_bytes=chunk_bytes, memory_budget=memory_budget, threads=threads,
+        fsync=fsync, progress=progress, codec=codec,
+    )  # fmt: skip
     try:
-        _write_output(src, dst, plan, state.world_size, chunk_bytes, memory_budget, threads, fsync, progress, phases)
+        if finalize:
+            return _finalize(job, None, timeout, overwrite)
+        if part is not None:
+            return _merge_part(job, part, overwrite, rank=None)
+        return _merge_whole(job, overwrite)
+    finally:
+        job.src.close()
+
+
+def merge_collective(
+    root: str, out: str, *, rank: int, world_size: int, dst: int, run_id: str | None, timeout: float,
+    overwrite: bool = False, **kwargs: Any,
+) -> MergeReport | None:  # fmt: skip
+    """``SpillWriter.merge(parallel=True)``: every rank writes part ``rank`` of ``world_size``;
+    rank ``dst`` then waits on storage (not on a collective) for every part record, up to
+    ``timeout`` seconds, and finalizes. Returns the report on ``dst``, None elsewhere."""
+    for key in ("part", "finalize"):
+        if key in kwargs:
+            raise SpillValueError(f"{key}= cannot be combined with parallel=True (every rank is one part)")
+    if rank != dst:
+        kwargs.setdefault("progress", False)  # one progress bar per job, not one per rank
+    job = _Job.open(root, out, world_size=world_size, run_id=run_id, timeout=timeout, **kwargs)
+    try:
+        _merge_part(job, (rank, world_size), overwrite, rank=rank)
+        if rank != dst:
+            return None
+        return _finalize(job, world_size, timeout, overwrite, collective=True)
+    finally:
+        job.src.close()
+
+
+def _check_part(part: Any) -> tuple[int, int]:
+    ok = isinstance(part, (tuple, list)) and len(part) == 2
+    ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in part)
+    if not ok or not (part[1] >= 1 and 0 <= part[0] < part[1]):
+        raise SpillValueError(f"part must be (i, n) with 0 <= i < n, got {part!r}")
+    return int(part[0]), int(part[1])
+
+
+@dataclass(slots=True)
+class _Job:
+    """One merge call: its storage, the plan every path works from, settings and timings."""
+
+    src: Storage
+    """The spill root."""
+    dst: Storage
+    """The output."""
+    state: Any
+    """``SpillState`` of the spill root after the barrier."""
+    segments: list[Any]
+    """Committed segments, in write order."""
+    plan: Plan
+    """The merge plan."""
+    fingerprint: str
+    """``_plan.fingerprint`` of the plan and the output settings."""
+    chunk_bytes: int
+    """Target output chunk size."""
+    memory_budget: int
+    """Bytes of stripes in flight."""
+    threads: int
+    """Copy threads."""
+    fsync: bool
+    """Flush to the device before records and markers vouch for the data."""
+    progress: bool | None
+    """Progress bar (None: on a terminal)."""
+    codec: str
+    """Output codec name."""
+    allow_partial: bool
+    """Merging without every rank's commit."""
+    run_id: str | None
+    """Run id the barrier waited for (None: newest segments)."""
+    salvaged: dict[int, int]
+    """Rank → frames salvaged from journals."""
+    notes: list[str]
+    """Report notes."""
+    phases: dict[str, float]
+    """Seconds per phase."""
+    t0: float
+    """perf_counter at the start of the call."""
+
+    @classmethod
+    def open(
+        cls,
+        root: str,
+        out: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        out_storage_options: dict[str, Any] | None = None,
+        world_size: int | None = None,
+        run_id: str | None = None,
+        timeout: float = 0.0,
+        allow_partial: bool = False,
+        on_duplicate: str = "error",
+        chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        threads: int | None = None,
+        fsync: bool = True,
+        progress: bool | None = None,
+        codec: str = "none",
+    ) -> _Job:
+        """Barrier → load → plan: everything before the first byte of output."""
+        t0 = time.perf_counter()
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        codec = _codecs.check(codec)
+        src = Storage(root, storage_options)
+        if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
+            same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
+            out_storage_options = storage_options if same else None
+        dst = Storage(out, out_storage_options)
+        if threads is None:  # object stores need many requests in flight; local disks do not
+            threads = 4 if src.local and dst.local else 16
+        if not isinstance(threads, int) or threads < 1:
+            raise SpillValueError(f"threads must be a positive int, got {threads!r}")
+        if not src.exists(""):
+            raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
+        if _contains(src, dst):
+            raise SpillValueError(
+                f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out"
+            )
+        state = wait_for_commits(
+            src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial
+        )
+        phases: dict[str, float] = {"wait": time.perf_counter() - t0}
+        # Write order for the duplicate policy: segment start time, rank breaking ties.
+        segments = sorted(state.committed, key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name))
+        t = time.perf_counter()
+        loaded = load_all(src, segments)
+        salvaged: dict[int, int] = {}
+        notes: list[str] = []
+        if allow_partial:
+            # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
+            for rank, seg in sorted(state.partial.items()):
+                part, problems = load_flushed(src, seg)
+                notes.extend(problems)
+                if len(part.index):
+                    loaded.append(part)
+                    salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
+        phases["load"] = time.perf_counter() - t
+        t = time.perf_counter()
+        plan = build(loaded, on_duplicate)
+        fp = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
+        phases["plan"] = time.perf_counter() - t
+        return cls(
+            src, dst, state, segments, plan, fp, chunk_bytes, memory_budget, threads, fsync, progress, codec,
+            allow_partial, run_id, salvaged, notes, phases, t0,
+        )  # fmt: skip
+
+    def report(self, *, files: list[FilePlan] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
+        chosen = self.plan.files if files is None else files
+        t_end = time.perf_counter()
+        t_wait = self.phases["wait"]
+        return MergeReport(
+            out=self.dst.describe(),
+            n_files=len(chosen),
+            n_frames=sum(len(f.frames) for f in chosen),
+            nbytes=sum(len(f.frames) * f.frame_nbytes for f in chosen),
+            ranks=sorted({s.rank for s in self.segments}),
+            segments=len(self.segments),
+            seconds=t_end - self.t0,
+            wait_seconds=t_wait,
+            merge_seconds=t_end - self.t0 - t_wait,
+            duplicates=self.plan.duplicates,
+            missing_ranks=sorted([*self.state.missing, *self.state.failed]),
+            abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
+            salvaged_frames=self.salvaged,
+            frame_gaps=_gaps(self.plan) if self.allow_partial else {},
+            notes=self.notes,
+            phases=self.phases,
+            parts=parts,
+            part=part,
+            codec=self.codec,
+        )
+
+
+def _merge_whole(job: _Job, overwrite: bool) -> MergeReport:
+    """One process writes everything."""
+    _prepare_output(job.dst, overwrite)
+    try:
+        t = time.perf_counter()
+        docs = {**_shared_docs(job.plan, job.state.world_size), **_file_docs(job, job.plan.files)}
+        # The root document goes first, alone: it marks the folder as a spillmerge output, so an
+        # interrupted merge can be recognised and rebuilt.
+        job.dst.makedirs("")
+        job.dst.put("zarr.json", _json_doc(docs[""]))
+        job.dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
+        job.phases["metadata"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _copy(job, job.plan.files)
+        job.phases["copy"] = time.perf_counter() - t
+        _write_index(job)
+        _finish(job, docs)
     except BaseException:
         # The output is unusable without its completion marker anyway; removing it keeps the
         # next merge (or a reader) from seeing half a store.
         try:
-            dst.rm_tree("")
+            job.dst.rm_tree("")
         except Exception:  # noqa: BLE001
             pass
         raise
-    finally:
-        src.close()
-    t_end = time.perf_counter()
-    return MergeReport(
-        out=dst.describe(),
-        n_files=len(plan.files),
-        n_frames=plan.n_frames,
-        nbytes=plan.total_bytes,
-        ranks=sorted({s.rank for s in segments}),
-        segments=len(segments),
-        seconds=t_end - t0,
-        wait_seconds=t_wait,
-        merge_seconds=t_end - t0 - t_wait,
-        duplicates=plan.duplicates,
-        missing_ranks=sorted([*state.missing, *state.failed]),
-        abandoned_segments=[src.describe(s.rel) for s in state.abandoned],
-        salvaged_frames=salvaged,
-        frame_gaps=_gaps(plan) if allow_partial else {},
-        notes=notes,
-        phases=phases,
+    return job.report()
+
+
+def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int | None) -> MergeReport:
+    """Part ``i`` of ``n``: the arrays of the files ``split`` gives it, then its part record.
+
+    Touches nothing another part of the same plan owns: the shared nodes (index, groups,
+    consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
+    its own records, a completion marker (``overwrite``) and records of another plan
+    (``overwrite``)."""
+    i, n = part
+    dst, fp = job.dst, job.fingerprint
+    mine = [job.plan.files[k] for k in split(job.plan, n)[i]]
+    name = _parts.describe(i, n, rank)
+    _claim(dst, overwrite)
+    records = _parts.scan(dst)
+    if not overwrite and any(r.part == i and r.parts == n and r.plan == fp and not r.failed for r in records):
+        # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
+        job.notes.append(f"{name} was already complete ({dst.describe(_parts.record_name(i, n))}); nothing rewritten")
+        return job.report(files=mine, parts=n, part=i)
+    foreign = _parts.foreign(records, n, fp)
+    if foreign and not overwrite:
+        raise _parts.mismatch_error(
+            dst, foreign, n, fp, hint="rerun every part with overwrite=True (--overwrite), or choose another --out"
+        )
+    for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
+        _parts.remove(dst, r.part, r.parts, failed=False)
+    _parts.remove(dst, i, n, failed=False)
+    _parts.remove(dst, i, n, failed=True)  # a failure record of an earlier attempt of this part
+    try:
+        t = time.perf_counter()
+        if not dst.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
+            dst.put_atomic("zarr.json", _json_doc(_shared_docs(job.plan, job.state.world_size)[""]))
+        docs = _file_docs(job, mine)
+        present = set(dst.listdir("files"))
+        for fp_ in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
+            if fp_.key in present:
+                dst.rm_tree(f"files/{fp_.key}")
+        dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items()})
+        job.phases["metadata"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _copy(job, mine)
+        job.phases["copy"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if job.fsync:  # the part record vouches for every chunk of the part
+            dst.fsync_tree("")
+        _parts.write_done(
+            dst, i, n, fp, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
+            nbytes=sum(len(f.frames) * f.frame_nbytes for f in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
+        )  # fmt: skip
+        job.phases["sync"] = time.perf_counter() - t
+    except BaseException as exc:
+        # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
+        _parts.write_failure(dst, i, n, fp, rank, job.run_id, exc)
+        raise
+    return job.report(files=mine, parts=n, part=i)
+
+
+def _finalize(
+    job: _Job, parts: int | None, timeout: float, overwrite: bool, *, collective: bool = False
+) -> MergeReport:
+    """After every part: check the part records (present, same plan), then index, consolidated
+    metadata and completion marker — the same documents a one-process merge writes."""
+    dst = job.dst
+    if not _is_ours(dst):
+        if dst.exists("") and dst.listdir(""):
+            raise _not_ours(dst)
+        raise MissingPartsError(
+            f"{dst.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
+            path=dst.describe(),
+            missing=[],
+            parts=parts or 0,
+        )
+    complete = dst.exists(F.COMPLETE_NAME)
+    if complete and not overwrite:
+        raise OutputExistsError(
+            f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to finalize it again",
+            path=dst.describe(),
+        )
+    t = time.perf_counter()
+    records = _parts.scan(dst)
+    n = parts if parts is not None else _parts.infer_parts(dst, records)
+    done = [r for r in records if not r.failed and r.parts == n]
+    if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
+        # The parts decided the array documents: finalize with their codec and chunk size rather
+        # than make every caller repeat them (the fingerprint still catches parts that disagree).
+        job.codec, job.chunk_bytes = done[0].codec, done[0].chunk_bytes
+        job.fingerprint = fingerprint(job.plan, chunk_bytes=job.chunk_bytes, codec=job.codec)
+    _parts.wait(
+        dst, n, job.fingerprint, timeout=timeout, collective=collective, run_id=job.run_id if collective else None
     )
+    job.phases["parts"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if complete:
+        dst.rm_tree(F.COMPLETE_NAME)
+    keys = {f.key for f in job.plan.files}
+    for name in dst.listdir("files"):
+        if name not in keys and name != "zarr.json":  # left by an older merge into this output
+            dst.rm_tree(f"files/{name}")
+    shared = _shared_docs(job.plan, job.state.world_size)
+    dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in shared.items() if path})
+    job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
+    _write_index(job)
+    _finish(job, {**shared, **_file_docs(job, job.plan.files)})
+    return job.report(parts=n)
+
+
+def _not_ours(dst: Storage) -> OutputExistsError:
+    return OutputExistsError(
+        f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
+        "(spillmerge never deletes a folder it did not write)",
+        path=dst.describe(),
+    )
+
+
+def _is_ours(dst: Storage) -> bool:
+    raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
+    if raw is None:
+        return dst.exists(_parts.PARTS_DIR)
+    try:
+        obj = F.loads(raw, path=dst.describe("zarr.json"))
+        return bool(obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged")
+    except (CorruptSpillError, AttributeError):
+        return False
+
+
+def _claim(dst: Storage, overwrite: bool) -> None:
+    """A part's ``_prepare_output``: the output must be empty or ours; never delete anything but
+    the completion marker (``overwrite``), because other parts may be writing next to us."""
+    if dst.exists(""):
+        names = [x for x in dst.listdir("") if not x.startswith("zarr.json.tmp-")]  # a part claiming it now
+        if names and not _is_ours(dst):
+            raise _not_ours(dst)
+        if dst.exists(F.COMPLETE_NAME):
+            if not overwrite:
+                raise OutputExistsError(
+                    f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to "
+                    "rebuild it (every part, then finalize)",
+                    path=dst.describe(),
+                )
+            dst.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized
+    dst.makedirs("")
 
 
 def _gaps(plan: Plan, limit: int = 10000) -> dict[str, list[int]]:
@@ -249,19 +551,9 @@ def _frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
     return int(max(1, min(len(fp.frames), chunk_bytes // max(fp.frame_nbytes, 1))))
 
 
-def _write_output(
-    src: Storage,
-    dst: Storage,
-    plan: Plan,
-    world_size: int,
-    chunk_bytes: int,
-    budget: int,
-    threads: int,
-    fsync: bool,
-    progress: bool | None,
-    phases: dict[str, float],
-) -> None:
-    t = time.perf_counter()
+def _shared_docs(plan: Plan, world_size: int) -> dict[str, dict[str, Any]]:
+    """``zarr.json`` documents of the nodes every file shares: root (with the output header),
+    ``files``, ``index`` and the index arrays — the finalizer's in a parallel merge."""
     header = {
         "format_version": F.FORMAT_VERSION,
         "kind": "merged",
@@ -278,8 +570,29 @@ def _write_output(
         "files": GroupMetadata(),
         "index": GroupMetadata(),
     }
-    for fp in plan.files:
-        k = _frames_per_chunk(fp, chunk_bytes)
+    n = len(plan.files)
+    total_frames = plan.n_frames
+    str_meta: dict[str, Any] = {
+        "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
+    }  # fmt: skip
+    nodes["index/filenames"] = ArrayV3Metadata.from_dict(str_meta)
+    nodes["index/keys"] = ArrayV3Metadata.from_dict(str_meta)
+    nodes["index/frame_offsets"] = ArrayV3Metadata.from_dict(_array_meta((n + 1,), (n + 1,), "int64", crc=True))
+    nodes["index/frame_idx"] = ArrayV3Metadata.from_dict(
+        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
+    )
+    return {path: node.to_dict() for path, node in nodes.items()}
+
+
+def _file_docs(job: _Job, files: list[FilePlan]) -> dict[str, dict[str, Any]]:
+    """``zarr.json`` documents of the nodes of ``files`` (arrays, and groups of dict values),
+    normalised by zarr's own metadata classes so the consolidated root matches zarr's."""
+    nodes: dict[str, Any] = {}
+    for fp in files:
+        k = _frames_per_chunk(fp, job.chunk_bytes)
         if fp.is_dict:
             nodes[f"files/{fp.key}"] = GroupMetadata(
                 attributes={"spillmerge": {"filename": fp.filename, "file_index": fp.index}}
@@ -302,45 +615,26 @@ def _write_output(
                 crc=True,
                 attributes=attrs,
             )
+            meta = _codecs.with_codec(meta, job.codec, np.dtype(dt.storage).itemsize)
             nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
             parent = leaf.node.rsplit("/", 1)[0]
-            while parent not in nodes:  # groups of nested dict levels
+            while parent != "files" and parent not in nodes:  # groups of nested dict levels
                 nodes[parent] = GroupMetadata()
                 parent = parent.rsplit("/", 1)[0]
-    n = len(plan.files)
-    total_frames = plan.n_frames
-    str_meta: dict[str, Any] = {
-        "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
-    }  # fmt: skip
-    nodes["index/filenames"] = ArrayV3Metadata.from_dict(str_meta)
-    nodes["index/keys"] = ArrayV3Metadata.from_dict(str_meta)
-    nodes["index/frame_offsets"] = ArrayV3Metadata.from_dict(_array_meta((n + 1,), (n + 1,), "int64", crc=True))
-    nodes["index/frame_idx"] = ArrayV3Metadata.from_dict(
-        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
-    )
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
     # create_hierarchy / consolidate_metadata cost one or more requests per node: 16 s + 6 s for
     # 1,000 files on a local S3 server).
-    docs = {path: node.to_dict() for path, node in nodes.items()}
-    # The root document goes first, alone: it marks the folder as a spillmerge output, so an
-    # interrupted merge can be recognised and rebuilt.
-    dst.makedirs("")
-    dst.put("zarr.json", _json_doc(docs[""]))
-    dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
+    return {path: node.to_dict() for path, node in nodes.items()}
 
-    phases["metadata"] = time.perf_counter() - t
-    t = time.perf_counter()
-    _copy(src, dst, plan, chunk_bytes, budget, threads, progress)
-    phases["copy"] = time.perf_counter() - t
-    t = time.perf_counter()
 
+def _write_index(job: _Job) -> None:
+    t = time.perf_counter()
+    plan = job.plan
+    n = len(plan.files)
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
-    store = dst.zarr_store()
+    store = job.dst.zarr_store()
     # write_empty_chunks: an index chunk that happens to be all zeros must still exist on disk
     # (verify treats a missing chunk as damage).
     with zarr.config.set({"array.write_empty_chunks": True}):
@@ -349,31 +643,36 @@ def _write_output(
             index["filenames"][:] = np.array([f.filename for f in plan.files], dtype=object)  # type: ignore[index]
             index["keys"][:] = np.array([f.key for f in plan.files], dtype=object)  # type: ignore[index]
         index["frame_offsets"][:] = offsets  # type: ignore[index]
-        if total_frames:
+        if plan.n_frames:
             index["frame_idx"][:] = np.concatenate([f.frames for f in plan.files])  # type: ignore[index]
+    job.phases["index"] = time.perf_counter() - t
+
+
+def _finish(job: _Job, docs: dict[str, dict[str, Any]]) -> None:
+    """Flush, then the consolidated root, then the completion marker: last, once."""
+    dst, plan = job.dst, job.plan
     root = dict(docs[""])
     root["consolidated_metadata"] = {
         "kind": "inline",
         "must_understand": False,
         "metadata": {path: _consolidated_entry(doc) for path, doc in sorted(docs.items()) if path},
     }
-    phases["index"] = time.perf_counter() - t
     t = time.perf_counter()
-    if fsync:  # every chunk and document is durable before the root and the marker vouch for them
+    if job.fsync:  # every chunk and document is durable before the root and the marker vouch for them
         dst.fsync_tree("")
-    phases["sync"] = time.perf_counter() - t
+    job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
     dst.put_atomic("zarr.json", _json_doc(root))
     marker = {
         "format_version": F.FORMAT_VERSION,
         "kind": "merge-complete",
-        "n_files": n,
-        "n_frames": total_frames,
+        "n_files": len(plan.files),
+        "n_frames": plan.n_frames,
         "nbytes": plan.total_bytes,
         "finished": F.utcnow(),
     }
     dst.put_atomic(F.COMPLETE_NAME, F.dumps(marker))
-    phases["finish"] = time.perf_counter() - t
+    job.phases["finish"] = time.perf_counter() - t
 
 
 def _json_doc(doc: dict[str, Any]) -> bytes:
@@ -408,9 +707,9 @@ class _Stripe:
         return (self.stop - self.start) * self.file.frame_nbytes
 
 
-def _stripes(plan: Plan, chunk_bytes: int) -> list[_Stripe]:
+def _stripes(files: list[FilePlan], chunk_bytes: int) -> list[_Stripe]:
     out = []
-    for fp in plan.files:
+    for fp in files:
         k = _frames_per_chunk(fp, chunk_bytes)
         for j, a in enumerate(range(0, len(fp.frames), k)):
             out.append(_Stripe(fp, j, a, min(a + k, len(fp.frames)), k))
@@ -421,22 +720,16 @@ def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
     done(fut, size)
 
 
-def _copy(
-    src: Storage,
-    dst: Storage,
-    plan: Plan,
-    chunk_bytes: int,
-    budget: int,
-    threads: int,
-    progress: bool | None,
-) -> None:
-    stripes = _stripes(plan, chunk_bytes)
-    show = sys.stderr.isatty() if progress is None else progress
+def _copy(job: _Job, files: list[FilePlan]) -> None:
+    """Copy the frames of ``files`` into their output chunks, ``job.memory_budget`` bytes in flight."""
+    src, dst, plan, budget = job.src, job.dst, job.plan, job.memory_budget
+    stripes = _stripes(files, job.chunk_bytes)
+    show = sys.stderr.isatty() if job.progress is None else job.progress
     bar = None
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr)
+        bar = tqdm(total=sum(s.nbytes for s in stripes), unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr)
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []
@@ -453,7 +746,7 @@ def _copy(
             bar.update(size)
 
     try:
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
+        with ThreadPoolExecutor(max_workers=job.threads, thread_name_prefix="spillmerge-merge") as pool:
             for stripe in stripes:
                 size = stripe.nbytes
                 with cond:
@@ -463,7 +756,7 @@ def _copy(
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(_copy_stripe, src, dst, plan, stripe)
+                fut = pool.submit(_copy_stripe, src, dst, plan, stripe, job.codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
         if bar is not None:
@@ -484,7 +777,7 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> None:
+def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec: str) -> None:
     for leaf in stripe.file.leaves:
         rows = leaf.rows[stripe.start : stripe.stop]
         item = leaf.layout.nbytes
@@ -493,7 +786,8 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> Non
         full = stripe.k * item  # the last chunk of an array is padded to the chunk shape
         used = len(rows) * item
         key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * len(leaf.layout.shape)
-        if src.local:
+        enc = _codecs.encoder(codec, np.dtype(F.DTYPES[leaf.layout.dtype].storage).itemsize)
+        if src.local and enc is None:
             # Frames are written straight from the page cache (mmap), never copied into our memory.
             parts: list[Any] = []
             for j, r in enumerate(rows.tolist()):
@@ -504,15 +798,32 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe) -> Non
                 if got != int(plan.crc[r]):
                     _raise_mismatch(src, plan, stripe, leaf, j, r)
                 parts.extend(views)
+            if used < full:
+                parts.append(_zeros(full - used))
         else:
-            buf = _scratch(used)
-            src.read_into(_pieces(plan, rows), buf.data)
-            for j, r in enumerate(rows.tolist()):
-                if google_crc32c.value(buf[j * item : (j + 1) * item]) != int(plan.crc[r]):
-                    _raise_mismatch(src, plan, stripe, leaf, j, r)
-            parts = [buf]
-        if used < full:
-            parts.append(_zeros(full - used))
+            # A compressor needs the whole chunk in one buffer: one copy into a reused one.
+            buf = _scratch(full if enc is not None else used)
+            if src.local:
+                pos = 0
+                for j, r in enumerate(rows.tolist()):
+                    got = 0
+                    for rel, lo, hi in _pieces(plan, rows[j : j + 1]):
+                        v = src.view(rel, lo, hi)
+                        got = google_crc32c.extend(got, v)
+                        buf[pos : pos + hi - lo] = np.frombuffer(v, dtype=np.uint8)
+                        pos += hi - lo
+                    if got != int(plan.crc[r]):
+                        _raise_mismatch(src, plan, stripe, leaf, j, r)
+            else:
+                src.read_into(_pieces(plan, rows), buf[:used].data)
+                for j, r in enumerate(rows.tolist()):
+                    if google_crc32c.value(buf[j * item : (j + 1) * item]) != int(plan.crc[r]):
+                        _raise_mismatch(src, plan, stripe, leaf, j, r)
+            if enc is not None:
+                buf[used:full] = 0
+                parts = [np.frombuffer(enc.encode(buf[:full]), dtype=np.uint8)]
+            else:
+                parts = [buf[:used]] + ([_zeros(full - used)] if used < full else [])
         out_crc = 0
         for part in parts:
             out_crc = google_crc32c.extend(out_crc, part)

@@ -6,7 +6,11 @@ and shape; duplicate keys resolved by the policy (identical content is never an 
 
 from __future__ import annotations
 
+import hashlib
+import heapq
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -253,3 +257,45 @@ def _leaf_nodes(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
                 leaf="/".join(parent),
             )
     return out
+
+
+def fingerprint(plan: Plan, **settings: Any) -> str:
+    """A digest of everything that decides the output's bytes: the source segments, every file's
+    key, leaves and frames, the source rows chosen for them (segment, offset, size, checksum) and
+    the output ``settings`` (chunk size, codec). Two processes that compute the same fingerprint
+    write the same output; parts of a parallel merge record it and refuse to mix."""
+    h = hashlib.blake2b(digest_size=16)
+    head = {
+        "format_version": F.FORMAT_VERSION,
+        "settings": settings,
+        "segments": [s.seg.rel for s in plan.segments],
+        "files": [
+            [f.filename, f.key, f.is_dict, [[leaf.node, leaf.layout.to_obj()] for leaf in f.leaves]]
+            for f in plan.files
+        ],
+    }
+    # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode.
+    h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
+    if plan.files:
+        rows = np.concatenate([leaf.rows for f in plan.files for leaf in f.leaves])
+        frames = np.concatenate([f.frames for f in plan.files])
+        for col in (frames, plan.seg[rows], plan.offset[rows], plan.nbytes[rows], plan.crc[rows]):
+            h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
+def split(plan: Plan, parts: int) -> list[list[int]]:
+    """Positions in ``plan.files`` of the files each of ``parts`` parts writes: greedy
+    largest-first by payload bytes (ties: fewest files, then lowest part), so every process
+    computes the same split from the same plan and no file is split between parts (whole arrays
+    per process: zarr-python#3682 loses rows when processes share a chunk)."""
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise SpillValueError(f"parts must be a positive int, got {parts!r}")
+    sizes = [len(f.frames) * f.frame_nbytes for f in plan.files]
+    heap = [(0, 0, p) for p in range(parts)]
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, count, p = heapq.heappop(heap)
+        out[p].append(i)
+        heapq.heappush(heap, (load + sizes[i], count + 1, p))
+    return [sorted(files) for files in out]

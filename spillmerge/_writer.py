@@ -601,6 +601,7 @@ class SpillWriter:
         out: str,
         dst: int = 0,
         *,
+        parallel: bool = False,
         transport: str = "auto",
         transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
@@ -626,16 +627,33 @@ class SpillWriter:
         Coordination uses the process group's key-value store (CPU, TCP), never a GPU
         collective; a rank whose writer failed or never arrives ends the merge on every rank with
         an error naming it.
+
+        ``parallel=True`` spreads the merge over every rank: each writes the arrays of its share
+        of the files (split by bytes, the same on every rank), records its part under the output,
+        and returns ``None``; ``dst`` then waits on storage (up to ``timeout``) for every part and
+        writes the index, consolidated metadata and completion marker. A rank whose part fails
+        raises there, and ``dst`` raises :class:`~spillmerge.PartFailedError` naming it. Every rank
+        must see the spill root and the output (shared storage; no network transport).
         """
         if self._state == "open":
             raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
         if not 0 <= dst < self.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {self.world_size}")
         check_options(transport, transfer_chunk_bytes, transfer_timeout)
-        from ._merge import merge
+        from ._merge import merge, merge_collective
 
         kwargs.setdefault("timeout", 1800.0)
         kwargs.setdefault("storage_options", self.storage.storage_options)
+        if parallel:
+            if transport in ("nccl", "gloo"):
+                raise ConfigError(
+                    "parallel=True needs every rank to see the spill root; it cannot be combined with "
+                    f"transport={transport!r}",
+                    key="transport",
+                )
+            return merge_collective(
+                self.root, out, rank=self.rank, world_size=self.world_size, dst=dst, run_id=self.run_id, **kwargs
+            )
 
         def run(info: TransferInfo | None = None) -> Any:
             report = merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)

@@ -16,7 +16,7 @@ from ._errors import ConfigError, SpillMergeError
 _MERGE_KEYS = {
     "root": str, "out": str, "timeout": float, "allow_partial": bool, "on_duplicate": str,
     "overwrite": bool, "chunk_bytes": int, "memory_budget": int, "threads": int,
-    "world_size": int, "storage_options": dict, "out_storage_options": dict,
+    "world_size": int, "storage_options": dict, "out_storage_options": dict, "codec": str,
 }  # fmt: skip
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
@@ -65,6 +65,16 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a part: {text!r} (I/N, e.g. 0/4 for the first of 4)") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"part {text!r} is not in 0/N .. (N-1)/N")
+    return i, n
+
+
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -99,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(one array per filename, rows in frame order).",
         formatter_class=_Formatter,
         epilog="Example:\n  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr\n"
-        "  spillmerge merge --config configs/demo.toml --timeout 600",
+        "  spillmerge merge --config configs/demo.toml --timeout 600 --codec zstd\n"
+        "Scale out over N independent processes (e.g. a SLURM array of N tasks), then finalize once:\n"
+        "  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr --part $SLURM_ARRAY_TASK_ID/N\n"
+        "  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr --finalize",
     )
     m.add_argument("root", nargs="?", help="spill root (path or fsspec URL)")
     m.add_argument("--out", help="output store (path or fsspec URL)")
@@ -114,6 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to do with a key written twice with different content (default error)",
     )
     m.add_argument("--overwrite", action="store_true", default=None, help="replace an existing complete output")
+    m.add_argument(
+        "--codec",
+        choices=["none", "blosc-lz4", "zstd"],
+        help="compress the output arrays (default none; --finalize takes it from the parts)",
+    )
+    how = m.add_mutually_exclusive_group()
+    how.add_argument(
+        "--part",
+        type=_part,
+        metavar="I/N",
+        help="write only part I of N (its share of the files) and its part record; run all N, then --finalize",
+    )
+    how.add_argument(
+        "--finalize",
+        action="store_true",
+        help="after every --part ran: check all parts are present and of the same plan, write the index, "
+        "consolidated metadata and completion marker (--timeout waits for missing parts)",
+    )
     m.add_argument("--world-size", type=int, help="expected number of ranks (default: from the commit records)")
     m.add_argument("--chunk-bytes", type=_size, help="target output chunk size (default 16MiB)")
     m.add_argument("--memory-budget", type=_size, help="bytes of frames in flight (default 256MiB)")
@@ -178,6 +209,7 @@ def _merge(args: argparse.Namespace) -> int:
         "root": args.root, "out": args.out, "timeout": args.timeout, "allow_partial": args.allow_partial,
         "on_duplicate": args.on_duplicate, "overwrite": args.overwrite, "world_size": args.world_size,
         "chunk_bytes": args.chunk_bytes, "memory_budget": args.memory_budget, "threads": args.threads,
+        "codec": args.codec,
     }  # fmt: skip
     opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
     so = {**opts.pop("storage_options", {}), **_storage_options(args.storage_option)}
@@ -193,6 +225,8 @@ def _merge(args: argparse.Namespace) -> int:
         storage_options=so or None,
         out_storage_options=out_so or None,
         progress=False if args.no_progress else None,
+        part=args.part,
+        finalize=args.finalize,
         **opts,
     )
     print(report)

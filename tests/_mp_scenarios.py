@@ -213,6 +213,39 @@ def compare_merged(res: Any, expected: dict[tuple[str, int], Any], limit: int = 
     return n_frames, n_leaves, problems[:limit]
 
 
+def output_tree(out: str) -> dict[str, Any]:
+    """Every object of a merged output that two merges of the same plan must write identically:
+    chunk bytes and zarr.json documents (parsed; the root header's creation time left out). The
+    completion marker (a timestamp) and the part records of a parallel merge are not compared."""
+    tree: dict[str, Any] = {}
+    for dirpath, _dirs, files in os.walk(out):
+        rel_dir = os.path.relpath(dirpath, out)
+        if rel_dir.split(os.sep)[0] == "spillmerge-parts":
+            continue
+        for f in files:
+            rel = os.path.normpath(os.path.join(rel_dir, f))
+            if rel == "spillmerge-complete.json":
+                continue
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                raw = fh.read()
+            if f == "zarr.json":
+                doc = json.loads(raw)
+                for d in (doc, *doc.get("consolidated_metadata", {}).get("metadata", {}).values()):
+                    d.get("attributes", {}).get("spillmerge", {}).pop("created", None)
+                tree[rel] = doc
+            else:
+                tree[rel] = raw
+    return tree
+
+
+def tree_diff(a: dict[str, Any], b: dict[str, Any], limit: int = 10) -> list[str]:
+    """Human-readable differences between two ``output_tree`` results."""
+    out = [f"only in first: {k}" for k in sorted(a.keys() - b.keys())]
+    out += [f"only in second: {k}" for k in sorted(b.keys() - a.keys())]
+    out += [f"differs: {k}" for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
+    return out[:limit]
+
+
 def _report(rep: Any) -> dict[str, Any] | None:
     if rep is None:
         return None
@@ -225,6 +258,9 @@ def _report(rep: Any) -> dict[str, Any] | None:
         "duplicates": rep.duplicates,
         "wait_seconds": rep.wait_seconds,
         "missing_ranks": rep.missing_ranks,
+        "parts": rep.parts,
+        "part": rep.part,
+        "codec": rep.codec,
     }
 
 
@@ -240,6 +276,8 @@ def _error(exc: BaseException) -> dict[str, Any]:
         "ranks": getattr(exc, "ranks", None),
         "is_spillmerge_error": isinstance(exc, spillmerge.SpillMergeError),
         "is_value_error": isinstance(exc, ValueError),
+        "missing": getattr(exc, "missing", None),
+        "failures": {str(k): v for k, v in (getattr(exc, "failures", None) or {}).items()},
     }
 
 
@@ -411,12 +449,43 @@ def scenario_mismatch(rank: int, world: int, base: str) -> dict[str, Any]:
     return result
 
 
+def scenario_parallel(rank: int, world: int, base: str) -> dict[str, Any]:
+    """``merge(parallel=True)``: every rank writes its part of the output (blosc-lz4), rank 0
+    finalizes; compared with a one-process merge of the same root, object by object. Then a rank
+    that never takes part: rank 0 names it at the timeout instead of hanging."""
+    import spillmerge
+
+    root = f"{base}/parallel"
+    mine = assignment(world)[rank]
+    with spillmerge.SpillWriter(f"{root}/spill", chunk_bytes=4096) as w:
+        for name, f in mine:
+            w.write(name, f, value_for(name, f))
+    opts: dict[str, Any] = {"timeout": MERGE_TIMEOUT, "chunk_bytes": 4096, "codec": "blosc-lz4", "progress": False}
+    rep = w.merge(f"{root}/par", parallel=True, **opts)
+    one = w.merge(f"{root}/one", **opts)
+    result: dict[str, Any] = {"report": _report(rep), "one": _report(one)}
+    if rank == 0:
+        result["tree_diff"] = tree_diff(output_tree(f"{root}/one"), output_tree(f"{root}/par"))
+        result["n_objects"] = len(output_tree(f"{root}/par"))
+        expected = {k: value_for(*k) for k in all_keys()}
+        result["frames_checked"], _, result["problems"] = compare_merged(spillmerge.open(f"{root}/par"), expected)
+        result["part_records"] = sorted(os.listdir(f"{root}/par/spillmerge-parts"))
+    if rank != 2:  # rank 2 "died" before its part
+        try:
+            got = w.merge(f"{root}/missing", parallel=True, **{**opts, "timeout": 2.0})
+            result["missing"] = {"type": None, "report": _report(got)}
+        except spillmerge.SpillMergeError as exc:
+            result["missing"] = _error(exc)
+    return result
+
+
 SCENARIOS = {
     "main": scenario_main,
     "duplicates": scenario_duplicates,
     "identical": scenario_identical,
     "dict_leaf_duplicate": scenario_dict_leaf_duplicate,
     "mismatch": scenario_mismatch,
+    "parallel": scenario_parallel,
 }
 
 

@@ -133,7 +133,7 @@ def _allowed_node_name(name: str) -> bool:
 def test_nothing_is_written_outside_the_trees(ranks):
     base, _ = ranks
     assert sorted(os.listdir(base)) == sorted(
-        ["results", "main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape"]
+        ["results", "main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape", "parallel"]
     )
     assert sorted(os.listdir(base / "results")) == [f"rank-{r}.json" for r in range(WORLD)]
     assert sorted(os.listdir(base / "main")) == ["out", "spill"]
@@ -143,7 +143,7 @@ def test_nothing_is_written_outside_the_trees(ranks):
     assert sorted(os.listdir(base / "mismatch")) == ["spill"]
     assert sorted(os.listdir(base / "mismatch_shape")) == ["spill"]
     assert sorted(os.listdir(base / "identical")) == ["out", "spill"]
-    for scenario in ("main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape"):
+    for scenario in ("main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape", "parallel"):
         spill = base / scenario / "spill"
         assert sorted(os.listdir(spill)) == [f"rank-{r:05d}" for r in range(WORLD)]
         for r in range(WORLD):
@@ -232,3 +232,28 @@ def test_cross_rank_nested_leaf_shape_mismatch(ranks):
     assert err["type"] == "LayoutMismatchError", err
     assert err["filename"] == "s.mp4" and err["leaf"] == "meta/box" and err["ranks"] == [0, 1, 2, 3], err
     assert "float32[5] on rank(s) [2]" in err["msg"] and "float32[4] on rank(s) [0, 1, 3]" in err["msg"]
+
+
+# ------------------------------------------------------------------------- parallel (scale-out) merge
+def test_parallel_merge_is_bit_exact_with_a_one_process_merge(ranks):
+    _, results = ranks
+    p = results[0]["parallel"]
+    assert p["tree_diff"] == [] and p["n_objects"] > 50, p["tree_diff"]
+    assert p["problems"] == [] and p["frames_checked"] == len(all_keys()), p["problems"]
+    rep = p["report"]
+    assert rep["parts"] == WORLD and rep["part"] is None and rep["codec"] == "blosc-lz4"
+    assert rep["n_frames"] == len(all_keys()) and rep["n_files"] == len(HOSTILE)
+    assert p["one"]["parts"] == 1 and p["one"]["n_frames"] == rep["n_frames"]
+    assert p["part_records"] == [f"part-{r:05d}-of-{WORLD:05d}.json" for r in range(WORLD)]
+    for r in range(1, WORLD):
+        assert results[r]["parallel"]["report"] is None  # like the one-process merge: None off dst
+
+
+def test_parallel_merge_names_a_rank_that_never_takes_part(ranks):
+    _, results = ranks
+    err = results[0]["parallel"]["missing"]
+    assert err["type"] == "PartsTimeout" and err["is_spillmerge_error"], err
+    assert err["missing"] == [2] and "part 2/4 (rank 2)" in err["msg"], err
+    for r in (1, 3):  # the others wrote their parts and returned
+        assert results[r]["parallel"]["missing"]["type"] is None
+        assert results[r]["parallel"]["missing"]["report"] is None

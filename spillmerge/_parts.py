@@ -1,0 +1,270 @@
+"""Parallel merge coordination through storage: part records under ``OUT/spillmerge-parts/``.
+
+Protocol (docs/FORMAT.md section 2, docs/GUARANTEES.md):
+
+1. (every part ``i`` of ``n``, any process) plan, claim the output, write its files' arrays,
+   flush them to the device, then ``write_done`` — its part record, last. On an exception after
+   claiming: ``write_failure`` (best effort), then re-raise.
+2. (the finalizing process) ``wait`` polls for all ``n`` records with the plan fingerprint it
+   computed itself; fails at once on a failure record or a record of another plan; times out
+   naming the missing parts. Then it writes the index, the consolidated metadata and the marker.
+
+Like the spill root's commit records, a record is written once, whole (temporary name + rename
+locally, one PUT on object stores), and its presence is the only meaning of "this part is done".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from . import _format as F
+from ._codecs import CODECS
+from ._errors import (
+    CorruptSpillError,
+    FormatVersionError,
+    MissingPartsError,
+    PartFailedError,
+    PartsTimeout,
+    PlanMismatchError,
+)
+from ._storage import Storage
+
+PARTS_DIR = "spillmerge-parts"
+_NAME_RE = re.compile(r"^part-(\d{5,})-of-(\d{5,})(\.failed)?\.json$")
+_MAX_RECORD = 1 << 20
+
+
+def record_name(part: int, parts: int, *, failed: bool = False) -> str:
+    return f"{PARTS_DIR}/part-{part:05d}-of-{parts:05d}{'.failed' if failed else ''}.json"
+
+
+def describe(part: int, parts: int, rank: int | None = None) -> str:
+    return f"part {part}/{parts}" + (f" (rank {rank})" if rank is not None else "")
+
+
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    """A part's completion record (``kind: merge-part``) or failure record (``merge-part-failure``)."""
+
+    part: int
+    """Which part, 0-based."""
+    parts: int
+    """Number of parts of the merge."""
+    plan: str
+    """Plan fingerprint (``_plan.fingerprint``); every part of one output has the same."""
+    failed: bool
+    """True for a failure record."""
+    message: str
+    """Failure records: "Type: message"; completion records: a summary of what was written."""
+    rank: int | None
+    """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
+    run_id: str | None
+    """Run id of a collective merge (tells a failure of this attempt from an earlier one's)."""
+    path: str
+    """Where the record lives (for messages)."""
+    codec: str | None
+    """Completion records: the output codec the part wrote with."""
+    chunk_bytes: int | None
+    """Completion records: the target chunk size the part wrote with."""
+
+
+def _host() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def write_done(
+    dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
+    n_frames: int, nbytes: int, codec: str, chunk_bytes: int,
+) -> None:  # fmt: skip
+    rec = {
+        "format_version": F.FORMAT_VERSION, "kind": "merge-part", "part": part, "parts": parts, "plan": plan,
+        "rank": rank, "run_id": run_id, "n_files": n_files, "n_frames": n_frames, "nbytes": nbytes, "codec": codec,
+        "chunk_bytes": chunk_bytes, "finished": F.utcnow(), **_host(),
+    }  # fmt: skip
+    dst.makedirs(PARTS_DIR)
+    dst.put_atomic(record_name(part, parts), F.dumps(rec))
+
+
+def write_failure(
+    dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
+) -> None:
+    """Best effort: a part that cannot write its failure record is found missing at the timeout."""
+    rec = {
+        "format_version": F.FORMAT_VERSION, "kind": "merge-part-failure", "part": part, "parts": parts,
+        "plan": plan, "rank": rank, "run_id": run_id, "error_type": type(exc).__name__, "message": str(exc)[:4000],
+        "traceback": "".join(traceback.format_exception(exc))[-20000:], "time": F.utcnow(), **_host(),
+    }  # fmt: skip
+    try:
+        dst.makedirs(PARTS_DIR)
+        dst.put_atomic(record_name(part, parts, failed=True), F.dumps(rec))
+    except Exception:  # noqa: BLE001 - the original error matters more than this one
+        pass
+
+
+def remove(dst: Storage, part: int, parts: int, *, failed: bool) -> None:
+    dst.rm_tree(record_name(part, parts, failed=failed))
+
+
+def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
+    rel = f"{PARTS_DIR}/{name}"
+    where = dst.describe(rel)
+    obj = F.loads(raw, path=where)
+    m = _NAME_RE.match(name)
+    assert m is not None
+    part, parts, failed = int(m.group(1)), int(m.group(2)), m.group(3) is not None
+    kind = "merge-part-failure" if failed else "merge-part"
+    ok = (
+        isinstance(obj, dict)
+        and obj.get("kind") == kind
+        and obj.get("part") == part
+        and obj.get("parts") == parts
+        and isinstance(obj.get("plan"), str)
+    )
+    if not ok:
+        raise CorruptSpillError(f"{where}: not a spillmerge {kind} record for part {part} of {parts}", path=where)
+    if obj.get("format_version") != F.FORMAT_VERSION:
+        raise FormatVersionError(f"{where}: unknown format_version {obj.get('format_version')!r}", path=where)
+    rank = obj.get("rank") if isinstance(obj.get("rank"), int) else None
+    run_id = obj.get("run_id") if isinstance(obj.get("run_id"), str) else None
+    codec, chunk_bytes = obj.get("codec"), obj.get("chunk_bytes")
+    if failed:
+        message = f"{obj.get('error_type', 'Error')}: {obj.get('message', '')}"
+        codec = chunk_bytes = None
+    else:
+        message = f"{obj.get('n_files')} files, {obj.get('n_frames')} frames"
+        if codec not in CODECS or not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+            raise CorruptSpillError(f"{where}: bad codec {codec!r} or chunk_bytes {chunk_bytes!r}", path=where)
+    return PartRecord(part, parts, obj["plan"], failed, message, rank, run_id, where, codec, chunk_bytes)
+
+
+def scan(dst: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
+    """Every part record of the output, in name order (unreadable ones raise, naming the path).
+
+    Records are immutable once written, so a ``cache`` kept across polls saves reading each
+    again; the listing stays the truth (a record that disappeared is dropped)."""
+    cache = {} if cache is None else cache
+    out = []
+    for name in dst.listdir(PARTS_DIR):
+        if not _NAME_RE.match(name):
+            continue  # temporaries of an atomic write in progress
+        if name not in cache:
+            raw = dst.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=_MAX_RECORD)
+            if raw is None:
+                continue
+            cache[name] = _parse(dst, name, raw)
+        out.append(cache[name])
+    return out
+
+
+def foreign(records: list[PartRecord], parts: int, plan: str) -> list[PartRecord]:
+    """Completion records that belong to another plan or another part count."""
+    return [r for r in records if not r.failed and (r.parts != parts or r.plan != plan)]
+
+
+def mismatch_error(dst: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str) -> PlanMismatchError:
+    shown = "; ".join(f"{describe(r.part, r.parts, r.rank)} at {r.path} (plan {r.plan[:12]})" for r in bad[:8])
+    return PlanMismatchError(
+        f"{dst.describe()} holds parts written from a different merge plan than this one "
+        f"({parts} part(s), plan {plan[:12]}): {shown}{' ...' if len(bad) > 8 else ''}; the spill root, "
+        f"the part count or the merge options (codec, chunk size, duplicate policy) changed between parts; {hint}",
+        path=dst.describe(),
+        parts=sorted({r.part for r in bad}),
+    )
+
+
+def infer_parts(dst: Storage, records: list[PartRecord]) -> int:
+    counts = sorted({r.parts for r in records})
+    if not counts:
+        raise MissingPartsError(
+            f"{dst.describe()}: no part records under {PARTS_DIR}/; run every part first "
+            "(spillmerge merge ROOT --out OUT --part I/N), then --finalize",
+            path=dst.describe(),
+            missing=[],
+            parts=0,
+        )
+    if len(counts) > 1:
+        raise PlanMismatchError(
+            f"{dst.describe()} holds parts of merges with different part counts ({counts}); rerun every part "
+            "of one of them with --overwrite, or pass the part count explicitly",
+            path=dst.describe(),
+            parts=sorted({r.part for r in records}),
+        )
+    return counts[0]
+
+
+def wait(
+    dst: Storage,
+    parts: int,
+    plan: str,
+    *,
+    timeout: float,
+    collective: bool = False,
+    run_id: str | None = None,
+    poll: float = 0.05,
+    max_poll: float = 2.0,
+) -> list[PartRecord]:
+    """The finalizer's barrier: every part's completion record with this plan, else a clear error
+    naming the parts (failed at once, missing after ``timeout`` seconds, other plans at once).
+    ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say
+    so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
+    stays on storage until its part runs again, and must not fail this one."""
+    start = time.monotonic()
+    delay = poll
+    cache: dict[str, PartRecord] = {}
+    while True:
+        records = scan(dst, cache)
+        bad = foreign(records, parts, plan)
+        if bad:
+            raise mismatch_error(dst, bad, parts, plan, hint="rerun those parts (with --overwrite)")
+        done = {r.part: r for r in records if not r.failed}
+        failed = {
+            r.part: r
+            for r in records
+            if r.failed and r.parts == parts and r.plan == plan and r.part not in done
+            and (run_id is None or r.run_id == run_id)
+        }  # fmt: skip
+        if failed:
+            failures = {p: r.message for p, r in sorted(failed.items())}
+            detail = "; ".join(
+                f"{describe(p, parts, p if collective else r.rank)}: {r.message}" for p, r in sorted(failed.items())
+            )
+            raise PartFailedError(
+                f"{len(failed)} of {parts} part(s) of the merge into {dst.describe()} failed: {detail}; "
+                f"rerun them (records under {dst.describe(PARTS_DIR)})",
+                failures=failures,
+                path=dst.describe(),
+            )
+        missing = [p for p in range(parts) if p not in done]
+        if not missing:
+            return [done[p] for p in range(parts)]
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            names = ", ".join(describe(p, parts, p if collective else None) for p in missing[:20])
+            names += " ..." if len(missing) > 20 else ""
+            msg = (
+                f"{dst.describe()}: {len(missing)} of {parts} part(s) have no completion record: {names} "
+                f"(expected {dst.describe(record_name(missing[0], parts))})"
+            )
+            if timeout > 0:
+                raise PartsTimeout(
+                    f"{msg} after waiting {waited:.1f} s; check those processes' logs and rerun the parts",
+                    path=dst.describe(),
+                    missing=missing,
+                    parts=parts,
+                    waited_s=waited,
+                )
+            raise MissingPartsError(
+                f"{msg}; run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)",
+                path=dst.describe(),
+                missing=missing,
+                parts=parts,
+            )
+        time.sleep(min(delay, max(0.0, timeout - waited)))
+        delay = min(delay * 1.5, max_poll)
+
