@@ -313,6 +313,14 @@ def _write_output(
     nodes["index/frame_idx"] = ArrayV3Metadata.from_dict(
         _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
     )
+    # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
+    # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
+    nodes["index/frame_rank"] = ArrayV3Metadata.from_dict(
+        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int32", crc=True)
+    )
+    nodes["index/frame_copies"] = ArrayV3Metadata.from_dict(
+        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int32", crc=True)
+    )
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
     # create_hierarchy / consolidate_metadata cost one or more requests per node: 16 s + 6 s for
@@ -343,6 +351,10 @@ def _write_output(
         index["frame_offsets"][:] = offsets  # type: ignore[index]
         if total_frames:
             index["frame_idx"][:] = np.concatenate([f.frames for f in plan.files])  # type: ignore[index]
+            seg_rank = np.array([s.seg.rank for s in plan.segments], dtype=np.int32)
+            rows = np.concatenate([f.leaves[0].rows for f in plan.files])
+            index["frame_rank"][:] = seg_rank[plan.seg[rows]]  # type: ignore[index]
+            index["frame_copies"][:] = plan.copies[rows].astype(np.int32)  # type: ignore[index]
     root = dict(docs[""])
     root["consolidated_metadata"] = {
         "kind": "inline",
