@@ -294,6 +294,13 @@ def _write_output(
                 crc=True,
                 attributes=attrs,
             )
+            # dimension_names (xarray needs them): unique per array within its group, "frame"
+            # shared by the leaves of one dict value (same length); docs/FORMAT.md.
+            rel = leaf.node.removeprefix(f"files/{fp.key}").strip("/").replace("/", ".")
+            name = rel if fp.is_dict else fp.key
+            meta["dimension_names"] = ["frame" if fp.is_dict else f"{name}.frame"] + [
+                f"{name}.dim_{d}" for d in range(1, len(lay.shape) + 1)
+            ]
             nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
             parent = leaf.node.rsplit("/", 1)[0]
             while parent not in nodes:  # groups of nested dict levels
@@ -307,20 +314,19 @@ def _write_output(
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
     }  # fmt: skip
-    nodes["index/filenames"] = ArrayV3Metadata.from_dict(str_meta)
-    nodes["index/keys"] = ArrayV3Metadata.from_dict(str_meta)
-    nodes["index/frame_offsets"] = ArrayV3Metadata.from_dict(_array_meta((n + 1,), (n + 1,), "int64", crc=True))
-    nodes["index/frame_idx"] = ArrayV3Metadata.from_dict(
-        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
-    )
-    # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
-    # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
-    nodes["index/frame_rank"] = ArrayV3Metadata.from_dict(
-        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int32", crc=True)
-    )
-    nodes["index/frame_copies"] = ArrayV3Metadata.from_dict(
-        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int32", crc=True)
-    )
+    row_chunks = (max(1, min(total_frames, 1 << 21)),)
+    index_meta = {
+        "filenames": {**str_meta, "dimension_names": ["file"]},
+        "keys": {**str_meta, "dimension_names": ["file"]},
+        "frame_offsets": {**_array_meta((n + 1,), (n + 1,), "int64", crc=True), "dimension_names": ["file_edge"]},
+        "frame_idx": {**_array_meta((total_frames,), row_chunks, "int64", crc=True), "dimension_names": ["row"]},
+        # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
+        # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
+        "frame_rank": {**_array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
+        "frame_copies": {**_array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
+    }
+    for name, meta in index_meta.items():
+        nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
     # create_hierarchy / consolidate_metadata cost one or more requests per node: 16 s + 6 s for

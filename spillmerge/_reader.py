@@ -55,11 +55,18 @@ class LeafArray:
         return self[...]
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        # The array zarr decodes into is returned as is: no copy beyond reading it (a dtype other
+        # than the storage dtype converts, which numpy's copy=False forbids).
         arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        if dtype is None or np.dtype(dtype) == arr.dtype:
+            return arr
+        if copy is False:
+            raise ValueError(f"{self!r}: converting {arr.dtype} to {np.dtype(dtype)} needs a copy")
+        return arr.astype(dtype)
 
     def to_torch(self, sel: Any = ...) -> torch.Tensor:
-        """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact), sharing the numpy buffer."""
+        """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
+        zarr decoded into (``torch.from_numpy`` plus a dtype view): no copy beyond reading it."""
         arr = np.ascontiguousarray(self[sel])
         t = torch.from_numpy(arr)
         return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
