@@ -172,6 +172,15 @@ def test_default_key_mapping_errors_say_what_to_do():
         list(key_fn(batch, 0, 0, "text"))
     rows = list(key_fn(batch, 0, 0, {"x": torch.tensor([[1, 2], [3, 4]]), "y": [5, 6]}))
     assert [(n, f, v["x"].tolist(), v["y"]) for n, f, v in rows] == [("a", 0, [1, 2], 5), ("b", 1, [3, 4], 6)]
+    with pytest.raises(spillmerge.SpillValueError, match="has 0 rows for 2 samples"):
+        list(key_fn(batch, 0, 0, torch.tensor(1.0)))
+    td_mod = pytest.importorskip("tensordict")
+    td = td_mod.TensorDict({"x": torch.tensor([[1, 2], [3, 4]]), "n": {"z": torch.tensor([7, 8])}}, batch_size=[2])
+    rows = list(key_fn(batch, 0, 0, td))
+    assert [(n, f, v["x"].tolist(), v["n"]["z"].item()) for n, f, v in rows] == [
+        ("a", 0, [1, 2], 7),
+        ("b", 1, [3, 4], 8),
+    ]
 
 
 def test_pytorch_lightning_callback_with_key_fn_and_a_failing_batch(tmp_path):

@@ -44,9 +44,10 @@ def batch_keys(filename_key: str = "filename", frame_key: str = "frame_idx") -> 
 def _row(pred: Any, j: int, n: int, batch_idx: int) -> Any:
     """Sample ``j`` of a batched prediction."""
     if isinstance(pred, (torch.Tensor, np.ndarray, Sequence)) and not isinstance(pred, (str, bytes)):
-        if len(pred) != n:
+        if getattr(pred, "ndim", 1) == 0 or len(pred) != n:
             raise SpillValueError(
-                f"SpillPredictionWriter: the prediction of batch {batch_idx} has {len(pred)} rows for {n} "
+                f"SpillPredictionWriter: the prediction of batch {batch_idx} has "
+                f"{len(pred) if getattr(pred, 'ndim', 1) else 0} rows for {n} "
                 "samples; return one row per sample, or pass key_fn=... to split it yourself"
             )
         return pred[j]
