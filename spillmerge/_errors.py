@@ -182,3 +182,23 @@ class PlanMismatchError(SpillMergeError, ValueError):
         super().__init__(message)
         self.path = path
         self.parts = parts
+
+
+class MissingDependencyError(SpillMergeError, ImportError):
+    """An optional dependency is not installed; ``package`` names it and ``extra`` the
+    ``spillmerge[extra]`` that installs it."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(f"{feature} needs {package}, which is not installed: pip install 'spillmerge[{extra}]'")
+        self.package = package
+        self.extra = extra
+
+
+def require(module: str, *, package: str, extra: str, feature: str):  # type: ignore[no-untyped-def]
+    """Import an optional dependency, or raise :class:`MissingDependencyError` with the install hint."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingDependencyError(package, extra, feature) from None

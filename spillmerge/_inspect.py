@@ -183,6 +183,46 @@ def format_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ranges(runs: list[list[int]], limit: int = 8) -> str:
+    parts = [f"{r[0]}" if r[0] == r[1] else f"{r[0]}..{r[1]}" for r in runs[:limit]]
+    return ", ".join(parts) + (f", ... ({len(runs) - limit} more runs)" if len(runs) > limit else "")
+
+
+def format_coverage(cov: Any, max_files: int = 20) -> str:
+    """Text coverage report: totals, then each file with missing, duplicated or unexpected frames."""
+    j = cov.to_json()
+    present = sum(f["frames"] for f in j["files"])
+    against = f" against {j['manifest']}" if j["manifest"] else " (gaps below each file's highest frame)"
+    lines = [
+        f"  coverage{against}: {present} frames present, {j['missing_frames']} missing"
+        f"{' (' + str(len(j['missing_files'])) + ' files entirely)' if j['missing_files'] else ''}, "
+        f"{j['duplicated_frames']} written more than once"
+        + (f", {len(j['unlisted_files'])} files not in the manifest" if j["unlisted_files"] else "")
+    ]
+    shown = 0
+    for f in j["files"]:
+        problems = []
+        if f["missing"]:
+            problems.append(f"missing {_ranges(f['missing'])}")
+        if f["duplicated"]:
+            problems.append(f"duplicated {_ranges(f['duplicated'])}")
+        if f["filename"] in j["unlisted_files"]:
+            problems.append("not in the manifest")
+        if f.get("unexpected"):
+            problems.append(f"beyond the manifest's {f['expected']} frames: {_ranges(f['unexpected'])}")
+        if problems and shown < max_files:
+            lines.append(f"    {f['filename']!r}: " + "; ".join(problems))
+            shown += 1
+        elif problems:
+            shown += 1
+    if shown > max_files:
+        lines.append(f"    ... and {shown - max_files} more files with problems (see --json)")
+    if not j["ranks_known"]:
+        lines.append("  (this output predates per-frame rank records: ranks are unknown)")
+    lines.extend(f"  note: {n}" for n in j["notes"])
+    return "\n".join(lines)
+
+
 @dataclass
 class VerifyReport:
     """Result of :func:`verify`."""

@@ -578,12 +578,19 @@ def _shared_docs(plan: Plan, world_size: int) -> dict[str, dict[str, Any]]:
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
     }  # fmt: skip
-    nodes["index/filenames"] = ArrayV3Metadata.from_dict(str_meta)
-    nodes["index/keys"] = ArrayV3Metadata.from_dict(str_meta)
-    nodes["index/frame_offsets"] = ArrayV3Metadata.from_dict(_array_meta((n + 1,), (n + 1,), "int64", crc=True))
-    nodes["index/frame_idx"] = ArrayV3Metadata.from_dict(
-        _array_meta((total_frames,), (max(1, min(total_frames, 1 << 21)),), "int64", crc=True)
-    )
+    row_chunks = (max(1, min(total_frames, 1 << 21)),)
+    index_meta = {
+        "filenames": {**str_meta, "dimension_names": ["file"]},
+        "keys": {**str_meta, "dimension_names": ["file"]},
+        "frame_offsets": {**_array_meta((n + 1,), (n + 1,), "int64", crc=True), "dimension_names": ["file_edge"]},
+        "frame_idx": {**_array_meta((total_frames,), row_chunks, "int64", crc=True), "dimension_names": ["row"]},
+        # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
+        # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
+        "frame_rank": {**_array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
+        "frame_copies": {**_array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
+    }
+    for name, meta in index_meta.items():
+        nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
     return {path: node.to_dict() for path, node in nodes.items()}
 
 
@@ -616,6 +623,13 @@ def _file_docs(job: _Job, files: list[FilePlan]) -> dict[str, dict[str, Any]]:
                 attributes=attrs,
             )
             meta = _codecs.with_codec(meta, job.codec, np.dtype(dt.storage).itemsize)
+            # dimension_names (xarray needs them): unique per array within its group, "frame"
+            # shared by the leaves of one dict value (same length); docs/FORMAT.md.
+            rel = leaf.node.removeprefix(f"files/{fp.key}").strip("/").replace("/", ".")
+            name = rel if fp.is_dict else fp.key
+            meta["dimension_names"] = ["frame" if fp.is_dict else f"{name}.frame"] + [
+                f"{name}.dim_{d}" for d in range(1, len(lay.shape) + 1)
+            ]
             nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
             parent = leaf.node.rsplit("/", 1)[0]
             while parent != "files" and parent not in nodes:  # groups of nested dict levels
@@ -645,6 +659,10 @@ def _write_index(job: _Job) -> None:
         index["frame_offsets"][:] = offsets  # type: ignore[index]
         if plan.n_frames:
             index["frame_idx"][:] = np.concatenate([f.frames for f in plan.files])  # type: ignore[index]
+            seg_rank = np.array([s.seg.rank for s in plan.segments], dtype=np.int32)
+            rows = np.concatenate([f.leaves[0].rows for f in plan.files])
+            index["frame_rank"][:] = seg_rank[plan.seg[rows]]  # type: ignore[index]
+            index["frame_copies"][:] = plan.copies[rows].astype(np.int32)  # type: ignore[index]
     job.phases["index"] = time.perf_counter() - t
 
 

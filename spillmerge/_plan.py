@@ -71,6 +71,8 @@ class Plan:
     """Row table: CRC-32C."""
     duplicates: int
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
+    copies: np.ndarray
+    """Row table: how many segments held this row's (filename, frame) (1 unless duplicated)."""
 
     @property
     def n_frames(self) -> int:
@@ -118,7 +120,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         cols["crc"].append(idx[:, F.COL_CRC])
     if not cols["file"]:
         empty = np.zeros(0, np.int64)
-        return Plan([], segments, empty, empty, empty, empty, duplicates=0)
+        return Plan([], segments, empty, empty, empty, empty, duplicates=0, copies=empty)
     c = {k: np.concatenate(v) for k, v in cols.items()}
 
     # 1. dtype/shape of a leaf must not change between frames of one file (across ranks).
@@ -156,6 +158,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
     keep = np.ones(len(order), dtype=bool)
     duplicates = 0
     key_end = np.append(key_start[1:], len(order))
+    c["copies"] = np.repeat(segs_per_key, key_end - key_start)
     for k in np.flatnonzero(segs_per_key > 1):
         a, b = int(key_start[k]), int(key_end[k])
         groups: dict[int, tuple[tuple[int, int, int], ...]] = {}
@@ -232,7 +235,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
             leaves.append(LeafPlan(layouts[gl], node, rows))
         frames = c["frame"][parts[0][1]]
         files.append(FilePlan(names[fidx], len(files), key, frames.copy(), leaves, is_dict))
-    return Plan(files, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates)
+    return Plan(files, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, c["copies"])
 
 
 def _leaf_nodes(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:

@@ -55,11 +55,18 @@ class LeafArray:
         return self[...]
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        # The array zarr decodes into is returned as is: no copy beyond reading it (a dtype other
+        # than the storage dtype converts, which numpy's copy=False forbids).
         arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        if dtype is None or np.dtype(dtype) == arr.dtype:
+            return arr
+        if copy is False:
+            raise ValueError(f"{self!r}: converting {arr.dtype} to {np.dtype(dtype)} needs a copy")
+        return arr.astype(dtype)
 
     def to_torch(self, sel: Any = ...) -> torch.Tensor:
-        """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact), sharing the numpy buffer."""
+        """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
+        zarr decoded into (``torch.from_numpy`` plus a dtype view): no copy beyond reading it."""
         arr = np.ascontiguousarray(self[sel])
         t = torch.from_numpy(arr)
         return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
@@ -109,6 +116,7 @@ class MergedStore(Mapping[str, Any]):
         self._keys = [str(x) for x in idx["keys"][:]]
         self._offsets = np.asarray(idx["frame_offsets"][:], dtype=np.int64)
         self._frame_idx: np.ndarray | None = None
+        self._prov: dict[str, np.ndarray | None] = {}
         self._pos = {f: i for i, f in enumerate(self._filenames)}
 
     @property
@@ -138,6 +146,25 @@ class MergedStore(Mapping[str, Any]):
             frame_idx: Any = self.group["index/frame_idx"]
             self._frame_idx = np.asarray(frame_idx[:], dtype=np.int64)
         return self._frame_idx[self._offsets[i] : self._offsets[i + 1]].copy()
+
+    def _provenance(self, filename: str, name: str) -> np.ndarray | None:
+        i = self._index(filename)
+        if name not in self._prov:
+            idx: Any = self.group["index"]
+            # Absent from outputs written before provenance was recorded (docs/FORMAT.md).
+            self._prov[name] = np.asarray(idx[name][:], dtype=np.int64) if name in idx else None
+        arr = self._prov[name]
+        return None if arr is None else arr[self._offsets[i] : self._offsets[i + 1]].copy()
+
+    def frame_ranks(self, filename: str) -> np.ndarray | None:
+        """The rank each row of ``filename`` came from (int64, one per row), or ``None`` when the
+        output predates provenance (``index/frame_rank``)."""
+        return self._provenance(filename, "frame_rank")
+
+    def frame_copies(self, filename: str) -> np.ndarray | None:
+        """How many spill segments held each row's frame (1, or more when duplicates were
+        dropped), or ``None`` when the output predates provenance (``index/frame_copies``)."""
+        return self._provenance(filename, "frame_copies")
 
     def __getitem__(self, filename: str) -> Any:
         i = self._index(filename)

@@ -1,7 +1,12 @@
-"""Turn user values into leaves (dtype, shape, bytes) without pickle; validate keys."""
+"""Turn user values into leaves (dtype, shape, bytes) without pickle; validate keys.
+
+A value is a tensor, a numpy array, a Python scalar, or a nested mapping (dict, TensorDict) or
+dataclass (tensorclass) of those; mappings and dataclasses become leaf paths of their keys/fields.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -197,10 +202,16 @@ def _walk(value: object, path: tuple[str, ...], filename: str, out: list[Leaf], 
                 )
         for k in sorted(keys):
             _walk(value[k], (*path, k), filename, out, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
+        # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
+        # never imported here.
+        for f in sorted(dataclasses.fields(value), key=lambda f: f.name):
+            _walk(getattr(value, f.name), (*path, f.name), filename, out, depth + 1)
     else:
         raise SpillValueError(
             f"leaf {_leaf_name(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
-            "without pickle (use a tensor, numpy array, Python scalar or a dict of those)",
+            "without pickle (use a tensor, numpy array, Python scalar, or a dict, TensorDict or dataclass of those)",
             filename=filename,
             leaf=_leaf_name(path),
         )

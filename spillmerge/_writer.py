@@ -286,6 +286,11 @@ class SpillWriter:
         self._flusher.start()
         self._state = "open"
 
+    @property
+    def state(self) -> str:
+        """``"new"``, ``"open"``, ``"committed"`` or ``"failed"``."""
+        return self._state
+
     def _rel(self, name: str) -> str:
         return f"{self._prefix}/{name}"
 

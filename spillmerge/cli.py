@@ -165,10 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="summarise a spill root or a merged store",
         description="Summarise a spill root (ranks, segments, files, frames, bytes, dtypes) or a merged store.",
         formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge inspect ./spill\n  spillmerge inspect ./merged.zarr --json",
+        epilog="Example:\n  spillmerge inspect ./spill\n  spillmerge inspect ./merged.zarr --json\n"
+        "  spillmerge inspect ./merged.zarr --expected manifest.csv --plot coverage.png\n\n"
+        "manifest.csv has a header and one row per file:\n  filename,n_frames\n  video_001.mp4,240\n\n"
+        "Exit status: 0, or 1 when --expected finds missing frames (or on an error).",
     )
     i.add_argument("path", help="spill root or merged output")
-    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text (with a 'coverage' section)")
+    i.add_argument(
+        "--expected",
+        metavar="CSV",
+        help="manifest (columns filename,n_frames): report frames missing against it; exit 1 if any",
+    )
+    i.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw which frames of which file came from which rank, and the missing / duplicated ones "
+        "(needs matplotlib: pip install 'spillmerge[plot]')",
+    )
     i.add_argument("--max-files", type=int, default=20, help="files listed (default 20)")
     i.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
 
@@ -236,11 +250,30 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._inspect import format_text, summarize
+    from ._coverage import coverage, plot, read_manifest
+    from ._inspect import format_coverage, format_text, summarize
 
-    s = summarize(args.path, _storage_options(args.storage_option) or None, max_files=args.max_files)
-    print(json.dumps(s, indent=2, sort_keys=True, ensure_ascii=False) if args.json else format_text(s))
-    return 0
+    so = _storage_options(args.storage_option) or None
+    expected = read_manifest(args.expected) if args.expected else None
+    s = summarize(args.path, so, max_files=args.max_files)
+    cov = None
+    if s["kind"] == "spill" or s.get("complete"):  # an interrupted merge has no index to cover
+        cov = coverage(args.path, so, expected=expected)
+        cov.manifest = args.expected
+        s["coverage"] = cov.to_json()
+    elif expected is not None:
+        raise ConfigError(f"{args.path} is an interrupted merge; --expected needs a complete output", key="expected")
+    if args.plot and cov is not None:
+        plot(cov, args.plot)
+    if args.json:
+        print(json.dumps(s, indent=2, sort_keys=True, ensure_ascii=False))
+    else:
+        print(format_text(s))
+        if cov is not None:
+            print(format_coverage(cov, max_files=args.max_files))
+    if args.plot and cov is not None:
+        print(f"coverage plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 1 if expected is not None and cov is not None and cov.n_missing else 0
 
 
 def _verify(args: argparse.Namespace) -> int:

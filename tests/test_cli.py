@@ -42,6 +42,8 @@ def test_every_command_has_help_with_an_example():
     for cmd in ([], ["merge"], ["inspect"], ["verify"], ["demo"]):
         p = run(*cmd, "--help")
         assert p.returncode == 0 and "Example:" in p.stdout, cmd
+        if cmd == ["inspect"]:  # the coverage flags: an example, and the manifest's format
+            assert "--expected manifest.csv --plot coverage.png" in p.stdout and "filename,n_frames" in p.stdout
 
 
 def test_merge_inspect_verify(tmp_path):

@@ -2,35 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
-import torch
+from _example_check import EXAMPLES, assert_every_prediction, example
 
 import spillmerge
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_infer.py"
+EXAMPLE = EXAMPLES / "torchrun_infer.py"
 NPROC = 2
 TIMEOUT = 300  # seconds per launch; a hang fails the test
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("torchrun_infer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes, so that bfloat16/float16 compare bit for bit."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _launch(root: Path, out: Path) -> subprocess.CompletedProcess[str]:
@@ -49,7 +34,7 @@ def _commits(root: Path) -> list[dict]:
 
 def test_torchrun_example_merges_every_frame(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "preds.zarr"
-    ex = _example()
+    ex = example()
     keys = ex.dataset_keys()
     names = sorted({name for name, _ in keys})
 
@@ -63,20 +48,7 @@ def test_torchrun_example_merges_every_frame(tmp_path):
     assert sum(shares) == len(keys) and min(shares) > 0 and len(set(shares)) > 1, shares
     assert len({c["run_id"] for c in commits}) == 1 and commits[0]["run_id"].startswith("torchelastic-")
 
-    res = spillmerge.open(str(out))
-    assert res.filenames == names
-    assert res.header["n_frames"] == len(keys)
-    for name in names:
-        frames = res.frames(name).tolist()
-        assert frames == sorted(f for n, f in keys if n == name)
-        stored = {leaf: arr.to_torch() for leaf, arr in res[name].items()}
-        assert sorted(stored) == ["boxes", "label", "mask", "score"]
-        for row, f in enumerate(frames):
-            want = ex.expected_prediction(name, f)
-            for leaf, t in want.items():
-                got = stored[leaf][row]
-                assert got.dtype == t.dtype and got.shape == t.shape, (name, f, leaf)
-                assert torch.equal(_bits(got), _bits(t)), (name, f, leaf)
+    assert_every_prediction(spillmerge.open(str(out)))
     assert sorted(os.listdir(tmp_path)) == ["preds.zarr", "spill"]
 
     # Running the job again on the same root skips every committed frame and still merges all.

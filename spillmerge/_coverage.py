@@ -1,0 +1,304 @@
+"""Coverage of a spill root or a merged output: which frames of which file came from which rank,
+which are missing (gaps, or against a manifest of expected frame counts) and which were written
+more than once. Used by ``spillmerge inspect --json / --expected / --plot``."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _format as F
+from ._errors import ConfigError, SpillMergeError, require
+from ._spillroot import load_segment, scan
+from ._storage import Storage
+
+UNKNOWN_RANK = -1
+"""Rank recorded for rows of outputs written before provenance existed."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileCoverage:
+    """The frames of one filename."""
+
+    filename: str
+    """Original filename."""
+    frames: np.ndarray
+    """Frame indices present, ascending, unique (int64)."""
+    ranks: np.ndarray
+    """Rank each frame came from (the first segment in write order for a spill root), or -1."""
+    copies: np.ndarray
+    """Number of segments that held each frame (1, or more when it was written twice)."""
+    expected: int | None
+    """Frames the manifest expects (frame indices ``0 .. expected-1``), or None without one."""
+
+    @property
+    def span(self) -> int:
+        """Frames ``0 .. span-1`` are expected: the manifest's count, else up to the highest frame."""
+        if self.expected is not None:
+            return self.expected
+        return int(self.frames[-1]) + 1 if len(self.frames) else 0
+
+    def missing(self) -> np.ndarray:
+        """Frame indices below :attr:`span` that are absent."""
+        return np.setdiff1d(np.arange(self.span, dtype=np.int64), self.frames, assume_unique=True)
+
+    def unexpected(self) -> np.ndarray:
+        """Frames at or beyond the manifest's count (none without a manifest)."""
+        return self.frames[self.frames >= self.expected] if self.expected is not None else self.frames[:0]
+
+    def duplicated(self) -> np.ndarray:
+        return self.frames[self.copies > 1]
+
+
+@dataclass
+class Coverage:
+    """Coverage of every file of a spill root or merged output (plus files only the manifest names)."""
+
+    path: str
+    """What was read."""
+    kind: str
+    """``"spill"`` or ``"merged"``."""
+    files: list[FileCoverage]
+    """Sorted by filename."""
+    ranks_known: bool = True
+    """False for merged outputs written before ``index/frame_rank`` existed."""
+    manifest: str | None = None
+    """The manifest path, when one was given."""
+    notes: list[str] = field(default_factory=list)
+    """Segments that could not be read (spill roots)."""
+    unlisted: list[str] = field(default_factory=list)
+    """Files present that the manifest does not list."""
+
+    @property
+    def n_missing(self) -> int:
+        return sum(len(f.missing()) for f in self.files)
+
+    @property
+    def n_duplicated(self) -> int:
+        return sum(int(np.count_nonzero(f.copies > 1)) for f in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        """Frame sets as inclusive ``[first, last]`` runs, so a million frames stay a few lines."""
+        files = []
+        for f in self.files:
+            entry: dict[str, Any] = {
+                "filename": f.filename,
+                "frames": len(f.frames),
+                "expected": f.expected,
+                "by_rank": [[a, b, r] for a, b, r in _runs(f.frames, f.ranks)],
+                "missing": [[a, b] for a, b, _ in _runs(f.missing())],
+                "duplicated": [[a, b] for a, b, _ in _runs(f.duplicated())],
+            }
+            if f.expected is not None:
+                entry["unexpected"] = [[a, b] for a, b, _ in _runs(f.unexpected())]
+            files.append(entry)
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "manifest": self.manifest,
+            "ranks_known": self.ranks_known,
+            "missing_frames": self.n_missing,
+            "missing_files": [f.filename for f in self.files if not len(f.frames) and f.span],
+            "duplicated_frames": self.n_duplicated,
+            "unlisted_files": self.unlisted,
+            "files": files,
+            "notes": self.notes,
+        }
+
+
+def _runs(frames: np.ndarray, labels: np.ndarray | None = None) -> Iterator[tuple[int, int, int]]:
+    """Maximal runs of consecutive frames with the same label: (first, last, label)."""
+    if not len(frames):
+        return
+    lab = labels if labels is not None else np.zeros(len(frames), dtype=np.int64)
+    brk = np.flatnonzero((np.diff(frames) != 1) | (np.diff(lab) != 0)) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [len(frames)])) - 1
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        yield int(frames[a]), int(frames[b]), int(lab[a])
+
+
+def read_manifest(path: str) -> dict[str, int]:
+    """``filename,n_frames`` CSV (header required; other columns ignored) → filename → count."""
+    try:
+        f = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise ConfigError(f"manifest {path}: cannot read it ({exc.strerror or exc})", key="expected") from None
+    out: dict[str, int] = {}
+    with f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader, None)
+            if header is None or not {"filename", "n_frames"} <= {h.strip() for h in header}:
+                raise ConfigError(
+                    f"manifest {path} line 1: expected a header with columns filename,n_frames, got {header!r}",
+                    key="expected",
+                )
+            cols = [h.strip() for h in header]
+            fi, ni = cols.index("filename"), cols.index("n_frames")
+            for row in reader:
+                line = reader.line_num
+                if not row or all(not c.strip() for c in row):
+                    continue
+                if len(row) <= max(fi, ni):
+                    raise ConfigError(f"manifest {path} line {line}: expected filename,n_frames, got {row!r}")
+                name, raw = row[fi], row[ni].strip()
+                try:
+                    n = int(raw)
+                except ValueError:
+                    n = -1
+                if n < 0:
+                    raise ConfigError(
+                        f"manifest {path} line {line}: n_frames {raw!r} of {name!r} is not a non-negative integer",
+                        key="expected",
+                    )
+                if name in out:
+                    raise ConfigError(f"manifest {path} line {line}: {name!r} is listed twice", key="expected")
+                out[name] = n
+        except (csv.Error, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"manifest {path} line {reader.line_num}: not valid CSV ({exc})", key="expected"
+            ) from None
+    return out
+
+
+def coverage(
+    path: str, storage_options: dict[str, Any] | None = None, *, expected: dict[str, int] | None = None
+) -> Coverage:
+    """Coverage of a spill root (committed segments, as the merge would see them) or a merged output."""
+    from ._inspect import detect
+
+    storage = Storage(path, storage_options)
+    kind = detect(storage)
+    per_file, ranks_known, notes = _merged(storage) if kind == "merged" else _spill(storage)
+    names = sorted(set(per_file) | set(expected or {}))
+    empty = np.zeros(0, dtype=np.int64)
+    files = []
+    for name in names:
+        frames, ranks, copies = per_file.get(name, (empty, empty, empty))
+        files.append(FileCoverage(name, frames, ranks, copies, None if expected is None else expected.get(name)))
+    unlisted = [] if expected is None else [n for n in names if n not in expected]
+    return Coverage(storage.describe(), kind, files, ranks_known, notes=notes, unlisted=unlisted)
+
+
+_PerFile = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _merged(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
+    from ._reader import MergedStore
+
+    res = MergedStore(storage.url, storage.storage_options)
+    out: _PerFile = {}
+    known = True
+    for name in res.filenames:
+        frames = res.frames(name)
+        ranks, copies = res.frame_ranks(name), res.frame_copies(name)
+        if ranks is None or copies is None:
+            known = False
+            ranks, copies = np.full(len(frames), UNKNOWN_RANK, np.int64), np.ones(len(frames), np.int64)
+        out[name] = (frames, ranks, copies)
+    return out, known, []
+
+
+def _spill(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
+    # Write order, as the merge's duplicate policy sees it: segment start time, then rank.
+    segs = sorted(
+        (s for ss in scan(storage).values() for s in ss if s.commit is not None),
+        key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name),
+    )
+    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": [], "order": []}
+    gid: dict[str, int] = {}
+    notes = []
+    for order, seg in enumerate(segs):
+        try:
+            loaded = load_segment(storage, seg)
+        except SpillMergeError as exc:
+            notes.append(str(exc))
+            continue
+        fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
+        keys = np.unique(loaded.index[:, [F.COL_FILE, F.COL_FRAME]], axis=0)
+        cols["file"].append(fmap[keys[:, 0]] if len(keys) else np.zeros(0, np.int64))
+        cols["frame"].append(keys[:, 1])
+        cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
+        cols["order"].append(np.full(len(keys), order, np.int64))
+    by_id = {i: f for f, i in gid.items()}
+    out: _PerFile = {}
+    if not cols["file"]:
+        return out, True, notes
+    c = {k: np.concatenate(v) for k, v in cols.items()}
+    srt = np.lexsort((c["order"], c["frame"], c["file"]))
+    file_s, frame_s, rank_s = c["file"][srt], c["frame"][srt], c["rank"][srt]
+    first = np.ones(len(srt), dtype=bool)
+    first[1:] = (np.diff(file_s) != 0) | (np.diff(frame_s) != 0)
+    starts = np.flatnonzero(first)
+    copies = np.diff(np.append(starts, len(srt)))
+    kf, kframe, krank = file_s[starts], frame_s[starts], rank_s[starts]
+    bounds = np.flatnonzero(np.diff(kf)) + 1
+    for part in np.split(np.arange(len(kf)), bounds):
+        if len(part):
+            out[by_id[int(kf[part[0]])]] = (kframe[part], krank[part], copies[part])
+    return out, True, notes
+
+
+def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
+    """Draw one row per file: frames coloured by source rank, missing frames in red, duplicated
+    frames marked with a black tick. Needs matplotlib (``pip install 'spillmerge[plot]'``)."""
+    mpl = require("matplotlib", package="matplotlib", extra="plot", feature="spillmerge inspect --plot")
+    mpl.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    files = cov.files[:max_files]
+    n = max(len(files), 1)
+    fig, ax = plt.subplots(figsize=(10, min(2.0 + 0.3 * n, 60.0)), dpi=100)
+    ranks = sorted({int(r) for f in files for r in np.unique(f.ranks)})
+    # tab10 without its red (index 3), which is reserved for missing frames; viridis past 9 ranks.
+    tab = [plt.get_cmap("tab10")(i) for i in range(10) if i != 3]
+    many = plt.get_cmap("viridis")
+    known = [r for r in ranks if r != UNKNOWN_RANK]
+    color: dict[int, Any] = {UNKNOWN_RANK: "0.6"}
+    for i, r in enumerate(known):
+        color[r] = tab[i] if len(known) <= len(tab) else many(i / max(len(known) - 1, 1))
+    for y, f in enumerate(files):
+        for a, b, r in _runs(f.frames, f.ranks):
+            ax.broken_barh([(a - 0.5, b - a + 1)], (y - 0.4, 0.8), facecolors=color[r], linewidth=0)
+        for a, b, _ in _runs(f.missing()):
+            ax.broken_barh([(a - 0.5, b - a + 1)], (y - 0.4, 0.8), facecolors="red", linewidth=0)
+        dup = f.duplicated()
+        if len(dup):
+            ax.plot(
+                dup,
+                np.full(len(dup), y + 0.3),
+                linestyle="none",
+                marker="|",
+                color="black",
+                markersize=12,
+                markeredgewidth=2,
+            )
+    ax.set_yticks(range(len(files)))
+    ax.set_yticklabels([_short(f.filename) for f in files], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("frame index")
+    width = max((f.span for f in files), default=1)
+    ax.set_xlim(-0.5, max(width, 1) - 0.5)
+    handles = [Patch(color=color[r], label="rank ?" if r == UNKNOWN_RANK else f"rank {r}") for r in ranks]
+    handles.append(Patch(color="red", label=f"missing ({cov.n_missing})"))
+    handles.append(Patch(color="black", label=f"duplicated ({cov.n_duplicated})"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    more = f" (first {len(files)} of {len(cov.files)} files)" if len(cov.files) > len(files) else ""
+    ax.set_title(f"{cov.kind} {cov.path}{more}", fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(png, format="png")
+    except OSError as exc:
+        raise SpillMergeError(f"cannot write the plot to {png}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def _short(name: str, n: int = 40) -> str:
+    return name if len(name) <= n else "…" + name[-(n - 1) :]

@@ -1,0 +1,130 @@
+"""The framework-independent part of the Lightning prediction writers."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import SpillValueError
+from .._writer import SpillWriter
+
+KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
+"""``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
+
+
+def batch_keys(filename_key: str = "filename", frame_key: str = "frame_idx") -> KeyFn:
+    """The default mapping: ``batch[filename_key]`` and ``batch[frame_key]`` hold one filename and
+    one frame index per sample, and row ``j`` of the prediction (a tensor, array, list, or a
+    dict / TensorDict / dataclass of those, batch dimension first) is the value of sample ``j``."""
+
+    def key_fn(batch: Any, batch_idx: int, dataloader_idx: int, prediction: Any) -> Iterator[tuple[str, int, Any]]:
+        if not isinstance(batch, Mapping) or filename_key not in batch or frame_key not in batch:
+            raise SpillValueError(
+                f"SpillPredictionWriter: batch {batch_idx} is not a dict with keys {filename_key!r} and "
+                f"{frame_key!r} (got {type(batch).__name__}); return them from your Dataset, or pass "
+                "key_fn=lambda batch, batch_idx, dataloader_idx, prediction: [(filename, frame_idx, value), ...]"
+            )
+        names, frames = batch[filename_key], batch[frame_key]
+        if isinstance(frames, torch.Tensor):
+            frames = frames.tolist()
+        if len(names) != len(frames):
+            raise SpillValueError(
+                f"SpillPredictionWriter: batch {batch_idx} has {len(names)} filenames but {len(frames)} frame indices"
+            )
+        for j, (name, frame) in enumerate(zip(names, frames, strict=True)):
+            yield name, frame, _row(prediction, j, len(names), batch_idx)
+
+    return key_fn
+
+
+def _row(pred: Any, j: int, n: int, batch_idx: int) -> Any:
+    """Sample ``j`` of a batched prediction."""
+    if isinstance(pred, (torch.Tensor, np.ndarray, Sequence)) and not isinstance(pred, (str, bytes)):
+        if getattr(pred, "ndim", 1) == 0 or len(pred) != n:
+            raise SpillValueError(
+                f"SpillPredictionWriter: the prediction of batch {batch_idx} has "
+                f"{len(pred) if getattr(pred, 'ndim', 1) else 0} rows for {n} "
+                "samples; return one row per sample, or pass key_fn=... to split it yourself"
+            )
+        return pred[j]
+    if isinstance(pred, Mapping):  # dict or TensorDict (nested ones included)
+        return {k: _row(v, j, n, batch_idx) for k, v in pred.items()}
+    if dataclasses.is_dataclass(pred) and not isinstance(pred, type):
+        return {f.name: _row(getattr(pred, f.name), j, n, batch_idx) for f in dataclasses.fields(pred)}
+    raise SpillValueError(
+        f"SpillPredictionWriter: cannot split a {type(pred).__name__} prediction of batch {batch_idx} into "
+        "samples; pass key_fn=... returning (filename, frame_idx, value) per sample"
+    )
+
+
+class SpillPredictionWriterMixin:
+    """Everything but the Lightning base class (see ``spillmerge.integrations.lightning``).
+
+    Who calls what, on every rank: ``on_predict_start`` opens a :class:`~spillmerge.SpillWriter`
+    for (``trainer.global_rank``, ``trainer.world_size``); ``on_predict_batch_end`` writes each
+    sample of the batch; ``on_predict_epoch_end`` commits, then calls the barrier-free
+    ``SpillWriter.merge`` (the merging rank waits on storage for every commit record and merges;
+    the others return at once); ``on_exception`` records the failure so the merge names the rank.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        out: str | None = None,
+        *,
+        key_fn: KeyFn | None = None,
+        filename_key: str = "filename",
+        frame_key: str = "frame_idx",
+        storage_options: dict[str, Any] | None = None,
+        writer_options: dict[str, Any] | None = None,
+        merge_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__("batch")  # type: ignore[call-arg]
+        self.root = root
+        self.out = out
+        self.key_fn: KeyFn = key_fn or batch_keys(filename_key, frame_key)
+        self.storage_options = storage_options
+        self.writer_options = dict(writer_options or {})
+        self.merge_options = dict(merge_options or {})
+        self.writer: SpillWriter | None = None
+        self.report: Any = None
+        """The :class:`~spillmerge.MergeReport` on the merging rank after ``predict`` (None elsewhere)."""
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self.report = None
+        self.writer = SpillWriter(
+            self.root, trainer.global_rank, trainer.world_size, self.storage_options, **self.writer_options
+        )
+        self.writer.open()
+
+    def write_on_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        if self.writer is None:
+            raise SpillValueError("SpillPredictionWriter only works with Trainer.predict")
+        for filename, frame_idx, value in self.key_fn(batch, batch_idx, dataloader_idx, prediction):
+            self.writer.write(filename, frame_idx, value)
+
+    def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        w = self.writer
+        if w is None:
+            return
+        w.close()  # the commit record: this rank is done
+        if self.out is not None:
+            self.report = w.merge(self.out, **self.merge_options)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        w = self.writer
+        if w is not None and w.state == "open":
+            w.abort(exception)  # failed.json: the merging rank fails at once, naming this rank

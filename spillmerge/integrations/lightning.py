@@ -1,0 +1,53 @@
+"""``SpillPredictionWriter``: ``Trainer.predict`` on many processes → one merged Zarr store.
+
+::
+
+    from spillmerge.integrations.lightning import SpillPredictionWriter
+
+    writer = SpillPredictionWriter("/shared/run1/spill", "/shared/run1/preds.zarr")
+    trainer = Trainer(accelerator="gpu", devices=8, strategy="ddp", callbacks=[writer])
+    trainer.predict(model, dataloaders=loader, return_predictions=False)
+
+Needs ``lightning`` (``pip install 'spillmerge[lightning]'``); for the older ``pytorch_lightning``
+package use :mod:`spillmerge.integrations.pytorch_lightning`.
+"""
+
+from __future__ import annotations
+
+from .._errors import require
+from ._prediction_writer import KeyFn, SpillPredictionWriterMixin, batch_keys
+
+_callbacks = require(
+    "lightning.pytorch.callbacks",
+    package="lightning",
+    extra="lightning",
+    feature="spillmerge.integrations.lightning",
+)
+
+__all__ = ["KeyFn", "SpillPredictionWriter", "batch_keys"]
+
+
+class SpillPredictionWriter(SpillPredictionWriterMixin, _callbacks.BasePredictionWriter):  # type: ignore[misc,name-defined]
+    """A ``BasePredictionWriter`` that spills every prediction to ``root`` and merges into ``out``.
+
+    Each rank writes the samples of each predicted batch to its own spill segment as the batch
+    ends (nothing is kept in memory or gathered); when the predict epoch ends every rank commits
+    and calls the barrier-free :meth:`spillmerge.SpillWriter.merge`: global rank 0 (``dst``) waits
+    on storage for every rank's commit record and merges, the others return at once. After
+    ``predict``, ``writer.report`` is the :class:`~spillmerge.MergeReport` on that rank.
+
+    Args:
+        root: spill root every rank and the merging rank can reach (path or fsspec URL).
+        out: merged output; ``None`` only spills (merge later with ``spillmerge merge``).
+        key_fn: ``key_fn(batch, batch_idx, dataloader_idx, prediction)`` → iterable of
+            ``(filename, frame_idx, value)``. Default: :func:`batch_keys` — the batch is a dict
+            with ``filename_key`` and ``frame_key`` entries (one per sample) and row ``j`` of the
+            prediction (tensor, or dict / TensorDict / dataclass of tensors) belongs to sample ``j``.
+        storage_options: fsspec options for ``root`` (and ``out`` on the same protocol).
+        writer_options: more :class:`~spillmerge.SpillWriter` arguments (``chunk_bytes``,
+            ``on_duplicate`` ...).
+        merge_options: more :func:`spillmerge.merge` arguments (``overwrite``, ``on_duplicate``,
+            ``timeout`` (default 1800 s), ``dst`` ...).
+
+    Pass ``return_predictions=False`` to ``predict`` so Lightning does not keep them all as well.
+    """

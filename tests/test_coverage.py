@@ -1,0 +1,187 @@
+"""Coverage reports: `spillmerge inspect --json / --expected / --plot` on real spill roots and
+merged stores (per-frame ranks and copies recorded by the merge)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from spillmerge._coverage import coverage, read_manifest
+from spillmerge.cli import main
+
+EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _spill(root, frames_by_rank: dict[int, dict[str, list[int]]]) -> None:
+    world = len(frames_by_rank)
+    for r, files in frames_by_rank.items():
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=world) as w:
+            for name, frames in files.items():
+                for f in frames:
+                    w.write(name, f, torch.full((2,), float(f)))
+
+
+# clip.mp4: frames 0..9 dealt round-robin, frame 5 lost, frame 0 written by both ranks.
+LAYOUT = {0: {"clip.mp4": [0, 2, 4, 6, 8], "only0.mp4": [0, 1]}, 1: {"clip.mp4": [0, 1, 3, 7, 9]}}
+
+
+@pytest.fixture
+def merged(tmp_path):
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    _spill(root, LAYOUT)
+    spillmerge.merge(str(root), str(out))
+    return root, out
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_merged_store_records_source_rank_and_copies(merged):
+    _, out = merged
+    res = spillmerge.open(str(out))
+    assert res.frames("clip.mp4").tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    assert res.frame_ranks("clip.mp4").tolist() == [0, 1, 0, 1, 0, 0, 1, 0, 1]  # frame 0: rank 0 wrote first
+    assert res.frame_copies("clip.mp4").tolist() == [2, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert res.frame_ranks("only0.mp4").tolist() == [0, 0]
+    assert spillmerge.verify(str(out)).ok  # the new index arrays carry checksums too
+
+
+def test_json_coverage_of_spill_root_and_merged_store_agree(merged, capsys):
+    root, out = merged
+    covs = {}
+    for path in (root, out):
+        rc, stdout, _ = _cli(capsys, "inspect", str(path), "--json")
+        assert rc == 0
+        covs[path] = json.loads(stdout)["coverage"]
+    for c in covs.values():
+        clip = next(f for f in c["files"] if f["filename"] == "clip.mp4")
+        assert clip["frames"] == 9 and clip["missing"] == [[5, 5]] and clip["duplicated"] == [[0, 0]]
+        assert clip["by_rank"] == [[0, 0, 0], [1, 1, 1], [2, 2, 0], [3, 3, 1], [4, 4, 0], [6, 6, 0], [7, 7, 1],
+                                   [8, 8, 0], [9, 9, 1]]  # fmt: skip
+        assert c["missing_frames"] == 1 and c["duplicated_frames"] == 1 and c["ranks_known"]
+    assert covs[root]["kind"] == "spill" and covs[out]["kind"] == "merged"
+    assert [f["by_rank"] for f in covs[root]["files"]] == [f["by_rank"] for f in covs[out]["files"]]
+
+
+def test_expected_manifest_reports_missing_frames_and_exits_1(merged, tmp_path, capsys):
+    _, out = merged
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text("filename,n_frames\nclip.mp4,12\nonly0.mp4,2\nnever.mp4,3\n")
+    rc, stdout, _ = _cli(capsys, "inspect", str(out), "--expected", str(manifest))
+    assert rc == 1
+    assert "'clip.mp4': missing 5, 10..11; duplicated 0" in stdout
+    assert "'never.mp4': missing 0..2" in stdout and "6 missing (1 files entirely)" in stdout
+    assert "'only0.mp4': missing" not in stdout  # complete: no problem listed
+    rc, stdout, _ = _cli(capsys, "inspect", str(out), "--expected", str(manifest), "--json")
+    cov = json.loads(stdout)["coverage"]
+    assert rc == 1 and cov["missing_frames"] == 6 and cov["missing_files"] == ["never.mp4"]
+    assert cov["manifest"] == str(manifest)
+    manifest.write_text("filename,n_frames\nclip.mp4,10\nonly0.mp4,2\n")
+    manifest_ok = tmp_path / "ok.csv"
+    manifest_ok.write_text("filename,n_frames\nclip.mp4,5\nonly0.mp4,2\n")
+    assert _cli(capsys, "inspect", str(out), "--expected", str(manifest))[0] == 1  # frame 5 still missing
+    rc, stdout, _ = _cli(capsys, "inspect", str(out), "--expected", str(manifest_ok))
+    assert rc == 0 and "beyond the manifest's 5 frames: 6..9" in stdout
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("name,count\nclip.mp4,3\n", "line 1: expected a header with columns filename,n_frames"),
+        ("filename,n_frames\nclip.mp4,3\nb.mp4,three\n", "line 3: n_frames 'three' of 'b.mp4'"),
+        ("filename,n_frames\nclip.mp4,-1\n", "line 2: n_frames '-1'"),
+        ("filename,n_frames\nclip.mp4,3\n\nclip.mp4,4\n", "line 4: 'clip.mp4' is listed twice"),
+        ("filename,n_frames\nclip.mp4\n", "line 2: expected filename,n_frames"),
+    ],
+)
+def test_bad_manifest_rows_name_the_line(tmp_path, text, needle):
+    p = tmp_path / "m.csv"
+    p.write_text(text)
+    with pytest.raises(spillmerge.ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        read_manifest(str(p))
+
+
+def test_manifest_with_quoted_names_and_extra_columns(tmp_path):
+    p = tmp_path / "m.csv"
+    p.write_text('n_frames,filename,note\n3,"a, b.mp4",x\n0,"é\u00a0c.mp4",\n')
+    assert read_manifest(str(p)) == {"a, b.mp4": 3, "é\u00a0c.mp4": 0}
+
+
+def _png(path) -> np.ndarray:
+    from PIL import Image
+
+    raw = path.read_bytes()
+    assert raw[:8] == PNG_MAGIC and len(raw) > 1000
+    with Image.open(io.BytesIO(raw)) as im:
+        im.verify()
+    with Image.open(io.BytesIO(raw)) as im:
+        assert im.format == "PNG" and im.width > 100 and im.height > 100
+        return np.asarray(im.convert("RGB"))
+
+
+def test_plot_is_a_png_that_depends_on_the_coverage(merged, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("PIL")
+    root, out = merged
+    other_root, other_out = tmp_path / "spill2", tmp_path / "out2.zarr"
+    _spill(other_root, {0: {"clip.mp4": [0, 1, 2, 3, 4]}, 1: {"clip.mp4": [5, 6, 7, 8, 9], "only0.mp4": [0, 1]}})
+    spillmerge.merge(str(other_root), str(other_out))
+    images = {}
+    for name, path in (("a", out), ("b", other_out), ("spill", root)):
+        png = tmp_path / f"{name}.png"
+        if name == "a":  # once through the real entry point, as a user runs it
+            p = subprocess.run([EXE, "inspect", str(path), "--plot", str(png)], capture_output=True, text=True,
+                               timeout=120)  # fmt: skip
+            rc, stdout = p.returncode, p.stdout + p.stderr
+        else:
+            rc, stdout, _ = _cli(capsys, "inspect", str(path), "--plot", str(png))
+        assert rc == 0 and f"coverage plot: {png}" in stdout, stdout
+        images[name] = _png(png)
+    a, b = images["a"], images["b"]
+    assert a.shape == b.shape and not np.array_equal(a, b)
+    # Red marks missing frames: only the legend's swatch in b (nothing missing), a bar in a.
+    red_a, red_b = (int(np.count_nonzero(np.all(x.reshape(-1, 3) == (255, 0, 0), axis=1))) for x in (a, b))
+    assert red_a > red_b + 500, (red_a, red_b)
+
+
+def test_plot_without_matplotlib_gives_the_install_hint(merged, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    from spillmerge._coverage import plot
+
+    cov = coverage(str(merged[1]))
+    with pytest.raises(spillmerge.MissingDependencyError, match=r"pip install 'spillmerge\[plot\]'") as ei:
+        plot(cov, str(tmp_path / "x.png"))
+    assert isinstance(ei.value, ImportError) and ei.value.extra == "plot"
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_output_without_provenance_still_covers(merged, capsys):
+    """Outputs written before index/frame_rank existed: frames and gaps are reported, ranks unknown."""
+    import zarr
+
+    _, out = merged
+    for name in ("frame_rank", "frame_copies"):
+        shutil.rmtree(out / "index" / name)
+    root_doc = json.loads((out / "zarr.json").read_text())
+    for name in ("index/frame_rank", "index/frame_copies"):
+        del root_doc["consolidated_metadata"]["metadata"][name]
+    (out / "zarr.json").write_text(json.dumps(root_doc))
+    assert "frame_rank" not in zarr.open_group(str(out), mode="r")["index"]
+    assert spillmerge.open(str(out)).frame_ranks("clip.mp4") is None
+    rc, stdout, _ = _cli(capsys, "inspect", str(out))
+    assert rc == 0 and "'clip.mp4': missing 5" in stdout and "ranks are unknown" in stdout
+    cov = coverage(str(out)).to_json()
+    assert not cov["ranks_known"] and cov["files"][0]["by_rank"][0] == [0, 4, -1]

@@ -1,0 +1,136 @@
+"""The examples of examples/ run as a user runs them, each on 2 CPU processes, with the merged
+store checked bit for bit: Lightning's own ddp launcher, `accelerate launch`, a SLURM array (the
+sbatch script with SLURM's environment, then `spillmerge merge`), and S3 (a moto server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _example_check import EXAMPLES, assert_every_prediction, example
+
+import spillmerge
+
+TIMEOUT = 300  # seconds per launch; a hang fails the test
+BIN = Path(sys.executable).parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The test's environment without any launcher's variables, so each example sees only its own."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    repo = str(EXAMPLES.parent)
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd, env=_env(**env))
+    assert p.returncode == 0, f"{shlex.join(cmd)} failed ({p.returncode})\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _n_frames() -> int:
+    return len(example().dataset_keys())
+
+
+def _committed_ranks(root: Path) -> list[int]:
+    return sorted(json.loads(c.read_text())["rank"] for c in root.glob("rank-*/seg-*/commit.json"))
+
+
+def test_lightning_ddp_predict_merges_every_frame(tmp_path):
+    pytest.importorskip("lightning")
+    root, out = tmp_path / "spill", tmp_path / "preds.zarr"
+    p = _run([sys.executable, str(EXAMPLES / "lightning_predict.py"), "--root", str(root), "--out", str(out),
+              "--devices", "2"], tmp_path, MASTER_PORT=str(_free_port()))  # fmt: skip
+    assert f"merged 7 files, {_n_frames()} frames" in p.stdout and "from 2 ranks" in p.stdout, p.stdout
+    assert "rank 0: wrote" in p.stdout and "rank 1: wrote" in p.stdout, p.stdout
+    assert _committed_ranks(root) == [0, 1]
+    res = spillmerge.open(str(out))
+    assert_every_prediction(res)
+    ranks = {int(r) for name in res.filenames for r in res.frame_ranks(name)}
+    assert ranks == {0, 1}  # both Lightning processes predicted, nothing was gathered
+
+
+def test_accelerate_launch_replaces_gather_object(tmp_path):
+    pytest.importorskip("accelerate")
+    root, out = tmp_path / "spill", tmp_path / "preds.zarr"
+    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(EXAMPLES / "accelerate_infer.py"), "--cpu", "--root", str(root), "--out", str(out)]  # fmt: skip
+    p = _run(cmd, tmp_path)
+    assert "process 0/2: wrote" in p.stdout and "process 1/2: wrote" in p.stdout, p.stdout
+    assert f"merged 7 files, {_n_frames()} frames" in p.stdout and "duplicate" not in p.stdout, p.stdout
+    assert _committed_ranks(root) == [0, 1]
+    assert_every_prediction(spillmerge.open(str(out)))
+
+
+def test_slurm_array_then_cli_merge(tmp_path):
+    """The sbatch script itself, run as SLURM runs each array task (its environment), with an
+    `sbatch` on PATH that records the merge job the first task submits; then that merge command."""
+    root, out = tmp_path / "spill", tmp_path / "preds.zarr"
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    submitted = tmp_path / "submitted.txt"
+    sbatch = fake_bin / "sbatch"
+    sbatch.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {shlex.quote(str(submitted))}\n')
+    sbatch.chmod(0o755)
+    slurm = {"SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0",
+             "SLURM_SUBMIT_DIR": str(EXAMPLES.parent), "ROOT": str(root), "OUT": str(out), "PYTHON": sys.executable,
+             "PATH": os.pathsep.join([str(fake_bin), str(BIN), os.environ.get("PATH", "")])}  # fmt: skip
+    for task in (1, 0):  # any order: the tasks never talk to each other
+        p = _run(["bash", str(EXAMPLES / "slurm_array.sbatch")], tmp_path, SLURM_ARRAY_TASK_ID=str(task), **slurm)
+        assert f"task rank {task}/2: wrote" in p.stdout, p.stdout
+        assert submitted.exists() == (task == 0)  # only the first task submits the merge
+    args = submitted.read_text().splitlines()
+    assert "--dependency=afterany:4242" in args
+    merge_cmd = args[args.index("--wrap") + 1]
+    assert merge_cmd.startswith("spillmerge merge ")
+    p = _run(["bash", "-c", merge_cmd], tmp_path)
+    assert f"merged 7 files, {_n_frames()} frames" in p.stdout and "from 2 ranks" in p.stdout, p.stdout
+    commits = [json.loads(c.read_text()) for c in root.glob("rank-*/seg-*/commit.json")]
+    assert sorted(c["rank"] for c in commits) == [0, 1] and {c["run_id"] for c in commits} == {"slurm-4242"}
+    assert_every_prediction(spillmerge.open(str(out)))
+
+
+@pytest.mark.s3
+def test_s3_example_spills_and_merges_on_the_object_store(s3, tmp_path):
+    from _s3 import storage_options
+
+    opts = json.dumps(storage_options(s3.endpoint))
+    cmd = [sys.executable, str(EXAMPLES / "s3_spill.py"), "--root", "s3://test/run1/spill",
+           "--out", "s3://test/run1/preds.zarr", "--storage-options", opts, "--run-id", "run1", "--timeout", "120"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=_env(RANK=str(r), WORLD_SIZE="2"),
+        )  # fmt: skip
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert f"merged 7 files, {_n_frames()} frames" in outs[0][0] and "from 2 ranks" in outs[0][0], outs[0][0]
+    assert f"s3://test/run1/preds.zarr: 7 files, {_n_frames()} frames" in outs[0][0]
+    assert "merged" not in outs[1][0]  # rank 1 returned at once
+    res = spillmerge.open("s3://test/run1/preds.zarr", storage_options=storage_options(s3.endpoint))
+    assert_every_prediction(res)

@@ -1,0 +1,229 @@
+"""In-process integrations: TensorDict / dataclass values, the Lightning callback on one process
+(pytorch_lightning flavour, custom key_fn, failure record), missing-dependency hints, and reading
+merged stores with numpy / torch (no extra copy), xarray and tensorstore."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _merge(tmp_path, frames: dict[str, dict[int, object]]) -> spillmerge.MergedStore:
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for name, values in frames.items():
+            for f, v in values.items():
+                w.write(name, f, v)
+    spillmerge.merge(str(root), str(out))
+    return spillmerge.open(str(out))
+
+
+@dataclasses.dataclass
+class Detection:
+    boxes: torch.Tensor
+    scores: np.ndarray
+    meta: dict[str, object]
+
+
+def test_tensordict_and_dataclass_values_are_stored_as_nested_leaves(tmp_path):
+    td_mod = pytest.importorskip("tensordict")
+    g = torch.Generator().manual_seed(0)
+
+    def frame(i: int) -> dict[str, torch.Tensor]:
+        return {"mask": torch.randn(4, 4, generator=g).to(torch.bfloat16), "emb": torch.randn(3, generator=g)}
+
+    @td_mod.tensorclass
+    class Pred:
+        logits: torch.Tensor
+        label: torch.Tensor
+
+    plain = {i: frame(i) for i in range(3)}
+    td = {i: td_mod.TensorDict({"a": v, "nested": {"b": v["emb"] * 2}}, batch_size=[]) for i, v in plain.items()}
+    tc = {i: Pred(logits=v["emb"], label=torch.tensor(i), batch_size=[]) for i, v in plain.items()}
+    dc = {i: Detection(v["mask"][:2].float(), np.arange(i, i + 2.0), {"n": i}) for i, v in plain.items()}
+    res = _merge(tmp_path, {"td.mp4": td, "tc.mp4": tc, "dc.mp4": dc})
+    got = res["td.mp4"]
+    assert sorted(got) == ["a", "nested"] and sorted(got["a"]) == ["emb", "mask"] and sorted(got["nested"]) == ["b"]
+    for i, v in plain.items():
+        assert _bits(got["a"]["mask"].to_torch()[i]) == _bits(v["mask"]) and got["a"]["mask"].dtype_name == "bfloat16"
+        assert _bits(got["nested"]["b"].to_torch()[i]) == _bits(v["emb"] * 2)
+    got = res["tc.mp4"]
+    assert sorted(got) == ["label", "logits"]
+    assert got["label"][:].tolist() == [0, 1, 2] and torch.equal(got["logits"].to_torch()[2], plain[2]["emb"])
+    got = res["dc.mp4"]
+    assert sorted(got) == ["boxes", "meta", "scores"] and got["meta"]["n"][:].tolist() == [0, 1, 2]
+    assert got["scores"][:].tolist() == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]]
+    # A TensorDict leaf that is not a tensor (NonTensorData) is refused like any other object.
+    with spillmerge.SpillWriter(str(tmp_path / "bad"), rank=0, world_size=1) as w:
+        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'note' .* cannot store a str"):
+            w.write("x", 0, td_mod.TensorDict({"x": torch.ones(1), "note": "hello"}, batch_size=[]))
+
+
+def test_dataclass_class_object_is_not_a_value(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "s"), rank=0, world_size=1) as w:
+        with pytest.raises(spillmerge.SpillValueError, match="cannot store a type"):
+            w.write("x", 0, Detection)
+
+
+def test_numpy_and_torch_views_add_no_copy(tmp_path):
+    n = 8 << 20  # bytes per leaf
+    res = _merge(tmp_path, {"f": {0: {"raw": torch.arange(n // 2, dtype=torch.int16).view(torch.bfloat16),
+                                      "x": torch.arange(n // 4, dtype=torch.float32)}}})  # fmt: skip
+    bf, x = res["f"]["raw"], res["f"]["x"]
+
+    def peak(fn) -> int:
+        tracemalloc.start()
+        try:
+            fn()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    baseline = peak(lambda: np.asarray(x.zarr[...]))  # what reading from zarr costs by itself
+    assert baseline >= n
+    for fn in (lambda: np.asarray(x), lambda: x.to_torch(), lambda: bf.to_torch(), lambda: np.asarray(x, x.dtype)):
+        assert peak(fn) < baseline + n // 4, "a copy beyond zarr's read"
+    t = bf.to_torch()
+    # from_numpy storage (not resizable) viewed as bfloat16: the decoded array itself, no torch copy.
+    assert t.dtype == torch.bfloat16 and not t.untyped_storage().resizable()
+    assert t.untyped_storage().nbytes() == t.numel() * 2
+    assert torch.equal(t.view(torch.int16)[0], torch.arange(n // 2, dtype=torch.int16))
+    with pytest.raises(ValueError, match="needs a copy"):
+        x.__array__(np.float64, copy=False)
+    assert np.asarray(x, dtype=np.float64).dtype == np.float64
+
+
+def test_xarray_reads_the_merged_store(tmp_path):
+    xr = pytest.importorskip("xarray")
+    res = _merge(tmp_path, {
+        "a.mp4": {f: torch.full((2, 3), float(f)) for f in (3, 1, 2)},
+        "dets/b.mp4": {f: {"boxes": torch.full((5, 4), f, dtype=torch.int32), "m": {"s": torch.tensor(f * 0.5)},
+                           "bf": torch.tensor([f, -f], dtype=torch.bfloat16)} for f in range(4)},
+    })  # fmt: skip
+    out = str(tmp_path / "out.zarr")
+    index = xr.open_zarr(out, group="index", consolidated=True)
+    assert list(index["filenames"].values) == ["a.mp4", "dets/b.mp4"] and index.sizes["row"] == 7
+    files = xr.open_zarr(out, group="files", consolidated=True)
+    a = files["a.mp4"]
+    assert a.dims == ("a.mp4.frame", "a.mp4.dim_1", "a.mp4.dim_2") and a.attrs["spillmerge"]["filename"] == "a.mp4"
+    assert np.array_equal(a.values, res["a.mp4"][:]) and a.values[:, 0, 0].tolist() == [1.0, 2.0, 3.0]
+    tree = xr.open_datatree(out, engine="zarr", consolidated=True)
+    key = next(k for k in tree["files"].children if tree["files"][k].attrs["spillmerge"]["filename"] == "dets/b.mp4")
+    b = tree["files"][key]
+    assert b["boxes"].dims == ("frame", "boxes.dim_1", "boxes.dim_2") and b["boxes"].values[:, 0, 0].tolist() == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert b["m"]["s"].values.tolist() == [0.0, 0.5, 1.0, 1.5]
+    # bfloat16: raw uint16 bits in xarray too; the real dtype is in the attributes.
+    assert b["bf"].dtype == np.uint16 and b["bf"].attrs["spillmerge"]["dtype"] == "bfloat16"
+    assert torch.equal(torch.from_numpy(b["bf"].values).view(torch.bfloat16), res["dets/b.mp4"]["bf"].to_torch())
+    # With the frame indices as a coordinate:
+    ds = b.to_dataset().assign_coords(frame=res.frames("dets/b.mp4"))
+    assert ds.sel(frame=2)["boxes"].values[0, 0] == 2
+
+
+def test_tensorstore_reads_the_merged_store(tmp_path):
+    ts = pytest.importorskip("tensorstore")
+    res = _merge(tmp_path, {"a.mp4": {f: torch.full((3,), f, dtype=torch.int64) for f in range(5)}})
+    path = str(tmp_path / "out.zarr" / "files" / res["a.mp4"].zarr.path.split("/", 1)[1])
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, read=True).result()
+    assert arr.read().result().tolist() == res["a.mp4"][:].tolist()
+    meta = json.loads((tmp_path / "out.zarr" / "files" / "a.mp4" / "zarr.json").read_text())
+    assert meta["attributes"]["spillmerge"]["filename"] == "a.mp4"
+
+
+# ------------------------------------------------------------------------------------- Lightning
+def test_missing_lightning_gives_the_install_hint(monkeypatch):
+    for mod in [m for m in sys.modules if m.startswith(("lightning", "spillmerge.integrations."))]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "lightning", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    with pytest.raises(spillmerge.MissingDependencyError, match=r"pip install 'spillmerge\[lightning\]'") as ei:
+        importlib.import_module("spillmerge.integrations.lightning")
+    assert isinstance(ei.value, ImportError) and ei.value.package == "lightning"
+
+
+def test_default_key_mapping_errors_say_what_to_do():
+    from spillmerge.integrations._prediction_writer import batch_keys
+
+    key_fn = batch_keys()
+    with pytest.raises(spillmerge.SpillValueError, match=r"not a dict with keys 'filename' and 'frame_idx'.*key_fn"):
+        list(key_fn((["a"], torch.tensor([0])), 3, 0, torch.zeros(1, 2)))
+    batch = {"filename": ["a", "b"], "frame_idx": torch.tensor([0, 1])}
+    with pytest.raises(spillmerge.SpillValueError, match="has 3 rows for 2 samples"):
+        list(key_fn(batch, 0, 0, torch.zeros(3)))
+    with pytest.raises(spillmerge.SpillValueError, match="cannot split a str"):
+        list(key_fn(batch, 0, 0, "text"))
+    rows = list(key_fn(batch, 0, 0, {"x": torch.tensor([[1, 2], [3, 4]]), "y": [5, 6]}))
+    assert [(n, f, v["x"].tolist(), v["y"]) for n, f, v in rows] == [("a", 0, [1, 2], 5), ("b", 1, [3, 4], 6)]
+    with pytest.raises(spillmerge.SpillValueError, match="has 0 rows for 2 samples"):
+        list(key_fn(batch, 0, 0, torch.tensor(1.0)))
+    td_mod = pytest.importorskip("tensordict")
+    td = td_mod.TensorDict({"x": torch.tensor([[1, 2], [3, 4]]), "n": {"z": torch.tensor([7, 8])}}, batch_size=[2])
+    rows = list(key_fn(batch, 0, 0, td))
+    assert [(n, f, v["x"].tolist(), v["n"]["z"].item()) for n, f, v in rows] == [
+        ("a", 0, [1, 2], 7),
+        ("b", 1, [3, 4], 8),
+    ]
+
+
+def test_pytorch_lightning_callback_with_key_fn_and_a_failing_batch(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    td_mod = pytest.importorskip("tensordict")
+    from spillmerge.integrations.pytorch_lightning import SpillPredictionWriter
+
+    class Model(pl.LightningModule):
+        fail_at: int | None = None
+
+        def predict_step(self, batch, batch_idx):
+            if batch_idx == self.fail_at:
+                raise RuntimeError("bad batch")
+            clip, start, x = batch
+            return td_mod.TensorDict({"y": x * 2, "first": x[:, :1]}, batch_size=[len(x)])
+
+    # Tuple batches: (clip ids, first frame of each window, inputs); key_fn names each sample.
+    def key_fn(batch, batch_idx, dataloader_idx, prediction):
+        clip, start, _ = batch
+        for j in range(len(clip)):
+            yield f"clip{int(clip[j])}.mp4", int(start[j]), prediction[j]
+
+    data = [(i % 2, i // 2, torch.arange(3, dtype=torch.float32) + i) for i in range(10)]
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+
+    def trainer(writer):
+        return pl.Trainer(accelerator="cpu", devices=1, callbacks=[writer], logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
+
+    writer = SpillPredictionWriter(str(tmp_path / "spill"), str(tmp_path / "out.zarr"), key_fn=key_fn)
+    assert trainer(writer).predict(Model(), dataloaders=loader, return_predictions=False) is None
+    assert writer.report is not None and writer.report.n_frames == 10
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    assert res.filenames == ["clip0.mp4", "clip1.mp4"] and res.frames("clip1.mp4").tolist() == [0, 1, 2, 3, 4]
+    assert res["clip1.mp4"]["y"][:, 0].tolist() == [2.0 * i for i in (1, 3, 5, 7, 9)]
+    assert res["clip0.mp4"]["first"][:, 0].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+    # A predict_step that raises leaves a failure record, so a merge names the rank at once.
+    failing = Model()
+    failing.fail_at = 1
+    writer = SpillPredictionWriter(str(tmp_path / "spill2"), None, key_fn=key_fn)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer(writer).predict(failing, dataloaders=loader, return_predictions=False)
+    with pytest.raises(spillmerge.RankFailedError, match="bad batch") as ei:
+        spillmerge.merge(str(tmp_path / "spill2"), str(tmp_path / "out2.zarr"))
+    assert list(ei.value.failures) == [0]
