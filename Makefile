@@ -26,7 +26,7 @@ lint: setup
 	$(VENV)/bin/mypy spillmerge
 
 bench: setup
-	$(PY) benchmarks/bench_gather.py
+	$(PY) benchmarks/suite.py --flat
 
 clean:
 	rm -rf spillmerge-demo .pytest_cache
