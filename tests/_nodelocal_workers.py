@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from _mp_scenarios import _error, assignment, compare_merged, leaves, value_for
+from _mp_scenarios import _report as _mp_report
 
 WORLD = 4
 TIMEOUT = 90.0
@@ -38,16 +39,12 @@ def _spill(root: str, keys: list[tuple[str, int]], value: Any = value_for) -> An
 
 
 def _report(rep: Any) -> dict[str, Any] | None:
-    if rep is None:
-        return None
-    return {
-        "n_frames": rep.n_frames,
-        "ranks": rep.ranks,
-        "segments": rep.segments,
-        "transferred": {str(k): v for k, v in rep.transferred.items()},
-        "senders": {str(k): v for k, v in rep.transfer_senders.items()},
-        "phases": rep.phases,
-    }
+    out = _mp_report(rep)
+    if out is not None:
+        out["transferred"] = {str(k): v for k, v in rep.transferred.items()}
+        out["senders"] = {str(k): v for k, v in rep.transfer_senders.items()}
+        out["phases"] = rep.phases
+    return out
 
 
 def same_output(a: str, b: str) -> list[str]:

@@ -7,7 +7,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
+from _procs import free_port, join_all
 
 import spillmerge
 from spillmerge import _format as F
@@ -24,29 +24,13 @@ CTX = mp.get_context("spawn")
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _join(procs, timeout: float) -> None:
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.time()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
-
-
 def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path):
     root, out, result = str(tmp_path / "spill"), str(tmp_path / "out"), str(tmp_path / "res")
-    port = _free_port()
+    port = free_port()
     procs = [CTX.Process(target=raising_rank, args=(r, 4, port, root, out, result)) for r in range(4)]
     for p in procs:
         p.start()
-    _join(procs, timeout=120)
+    join_all(procs, timeout=120)
     infos = {r: json.loads(Path(f"{result}.{r}").read_text()) for r in range(4)}
     assert not any("crash" in i for i in infos.values()), infos
     assert infos[2]["raised"] == "model blew up on frame 22"
@@ -79,7 +63,7 @@ def test_sigkilled_rank_times_out_by_name_and_partial_merge_salvages(tmp_path):
         time.sleep(0.05)
     assert os.path.exists(ready), "rank 1 never reached its kill point"
     os.kill(procs[1].pid, signal.SIGKILL)
-    _join(list(procs.values()), timeout=120)
+    join_all(list(procs.values()), timeout=120)
     assert procs[1].exitcode == -signal.SIGKILL and procs[0].exitcode == 0 and procs[2].exitcode == 0
     t0 = time.time()
     with pytest.raises(spillmerge.CommitTimeout) as info:
@@ -148,7 +132,7 @@ def test_disk_full_reaches_the_loop_and_keeps_committed_data(tmp_path, tiny_tmpf
     result = str(tmp_path / "enospc.json")
     p = CTX.Process(target=enospc_spill, args=(root, result))
     p.start()
-    _join([p], timeout=120)
+    join_all([p], timeout=120)
     info = json.loads(Path(result).read_text())
     assert info["error"] == "SpillStorageError"
     assert "No space left on device" in info["message"] and root in info["message"]

@@ -7,55 +7,27 @@ processes; the ranks report in ``tmp_path/results/rank-R.json`` and this test as
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch.multiprocessing as tmp_mp
 import zarr
 from _mp_scenarios import HOSTILE, WORLD, all_keys, leaves, raw_bytes, value_for, worker
+from _procs import spawn_ranks
 
 import spillmerge
 
 SPAWN_TIMEOUT = 240.0  # seconds for the whole spawn; a hang fails the test instead of blocking it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
     """Run every scenario once in WORLD spawned gloo ranks; returns (base dir, results by rank)."""
     base = tmp_path_factory.mktemp("multirank")
-    ctx = tmp_mp.start_processes(
-        worker, args=(WORLD, _free_port(), str(base)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    try:
-        # join() raises ProcessRaisedException / ProcessExitedException, with the worker's
-        # traceback, as soon as one rank fails, and terminates the others.
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_TIMEOUT:.0f} s (hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    results = {}
-    for r in range(WORLD):
-        path = base / "results" / f"rank-{r}.json"
-        assert path.exists(), f"rank {r} exited without writing its results"
-        results[r] = json.loads(path.read_text(encoding="utf-8"))
+    results = spawn_ranks(worker, WORLD, base, SPAWN_TIMEOUT)
     return base, results
 
 

@@ -6,43 +6,22 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as tmp_mp
 from _nodelocal_workers import WORLD, killed_sender, worker
+from _procs import free_port, join_all, spawn_ranks
 
 import spillmerge
 
 SPAWN_TIMEOUT = 240.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
     base = tmp_path_factory.mktemp("nodelocal")
-    ctx = tmp_mp.start_processes(
-        worker, args=(WORLD, _free_port(), str(base)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_TIMEOUT:.0f} s (hang)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    results = {r: json.loads((base / "results" / f"rank-{r}.json").read_text()) for r in range(WORLD)}
+    results = spawn_ranks(worker, WORLD, base, SPAWN_TIMEOUT)
     return base, results
 
 
@@ -108,17 +87,11 @@ def test_a_piece_corrupted_in_flight_is_refused_by_name(ranks):
 
 def test_a_sender_killed_mid_transfer_is_named_within_the_timeout(tmp_path):
     ctx = mp.get_context("spawn")
-    port, result = _free_port(), str(tmp_path / "res")
+    port, result = free_port(), str(tmp_path / "res")
     procs = [ctx.Process(target=killed_sender, args=(r, 2, port, str(tmp_path), result)) for r in range(2)]
     for p in procs:
         p.start()
-    deadline = time.time() + 150
-    for p in procs:
-        p.join(max(0.1, deadline - time.time()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
+    join_all(procs, timeout=150)
     killed_at = float(Path(f"{result}.killed").read_text())
     r0 = json.loads(Path(f"{result}.0").read_text())
     assert r0["type"] == "RankFailedError" and r0["failures"] and list(r0["failures"]) == ["1"], r0
