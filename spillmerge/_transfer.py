@@ -30,6 +30,7 @@ import os
 import posixpath
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,7 +179,9 @@ class _Coord:
 # -------------------------------------------------------------------------------- transport
 @dataclass
 class _Link:
-    """A process group, the device its tensors live on, and the staging buffers."""
+    """A process group, the device its tensors live on, and the staging buffer: ``chunk`` bytes
+    (on the device for NCCL, plus pinned host memory of the same size), used as two slots of
+    ``piece = chunk // 2`` bytes so the receiver writes one piece while the next arrives."""
 
     group: Any
     device: torch.device
@@ -191,6 +194,7 @@ class _Link:
         cuda = self.device.type == "cuda"
         self.host = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=cuda)
         self.dev = torch.empty(self.chunk, dtype=torch.uint8, device=self.device) if cuda else self.host
+        self.piece = self.chunk // 2
 
     def _wait(self, work: Any, what: str, peer: int, me: int) -> None:
         try:
@@ -227,12 +231,13 @@ class _Link:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
         self.send(self.dev[:n], peer, me, what)
 
-    def recv_bytes_piece(self, n: int, peer: int, me: int, what: str) -> np.ndarray:
-        """Receive ``n`` bytes into the staging buffer; a view of them in host memory."""
-        self.recv(self.dev[:n], peer, me, what)
+    def recv_bytes_piece(self, n: int, peer: int, me: int, what: str, slot: int = 0) -> np.ndarray:
+        """Receive ``n`` bytes into staging slot ``slot``; a view of them in host memory."""
+        lo = slot * self.piece
+        self.recv(self.dev[lo : lo + n], peer, me, what)
         if self.dev is not self.host:
-            self.host[:n].copy_(self.dev[:n])
-        return self.host.numpy()[:n]
+            self.host[lo : lo + n].copy_(self.dev[lo : lo + n])
+        return self.host.numpy()[lo : lo + n]
 
 
 def _backend_of_default_group() -> str:
@@ -328,7 +333,7 @@ def collective_merge(
         group, device = _group(plan["backend"], timeout)
         senders = {int(s): qs for s, qs in coord.wait_one("senders", "waiting for the sender assignment").items()}
         if me in senders:
-            link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
+            link = _Link(group, device, int(plan["chunk"]), transfer_timeout)
             coord.wait_one(f"go/{me}", "waiting for the merging rank to receive")
             _send(writer.storage, link, me, dst, senders[me], set(plan["have"]))
         writer._shards_here = True
@@ -345,10 +350,18 @@ def collective_merge(
                 failures={r: f"writer state {st}" for r, st in not_committed.items()},
             )
         info.wait_seconds = time.perf_counter() - t0
+        t_vis = time.perf_counter()
         invisible = {} if transport == "storage" else _invisible(writer.storage, metas, VISIBILITY_GRACE)
+        info.visibility_seconds = time.perf_counter() - t_vis
         backend = choose_backend(transport) if invisible else ""
         have = sorted(_committed_here(writer.storage, invisible))
-        coord.put("plan", {"invisible": {str(q): s for q, s in invisible.items()}, "backend": backend, "have": have})
+        plan = {
+            "invisible": {str(q): s for q, s in invisible.items()},
+            "backend": backend,
+            "have": have,
+            "chunk": transfer_chunk_bytes,  # the merging rank's staging size applies to every sender
+        }
+        coord.put("plan", plan)
         if invisible:
             t1 = time.perf_counter()
             coord.put(f"sees/{me}", [])
@@ -376,6 +389,8 @@ class TransferInfo:
 
     wait_seconds: float = 0.0
     """Waiting for every rank to reach ``merge()``."""
+    visibility_seconds: float = 0.0
+    """Checking which commit records the merging rank can see (with ``VISIBILITY_GRACE``)."""
     transfer_seconds: float = 0.0
     received: dict[int, int] = field(default_factory=dict)
     """Rank → shard bytes received."""
@@ -418,8 +433,8 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
     host = link.host.numpy()
     for rel, size in objects:
         crc = 0
-        for start in range(0, size, link.chunk):
-            n = min(link.chunk, size - start)
+        for start in range(0, size, link.piece):
+            n = min(link.piece, size - start)
             storage.read_into([(rel, start, start + n)], host.data[:n])
             crc = google_crc32c.extend(crc, host[:n])
             link.send_bytes_piece(n, dst, me, f"{storage.describe(rel)}")
@@ -482,18 +497,28 @@ def _pending_name(rel: str) -> str:
 
 
 def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: str, size: int) -> int:
-    """Stream one object into ``storage``; its CRC-32C. Commit records land under a temporary
-    name and are renamed (or re-put) only once verified, so a half-received rank never looks
-    committed."""
+    """Stream one object into ``storage``; its CRC-32C. Pieces alternate between the two staging
+    slots: one is written to storage by a helper thread while the next arrives in the other.
+    Commit records land under a temporary name and are renamed (or re-put) only once verified,
+    so a half-received rank never looks committed."""
     target = _pending_name(rel) if rel.endswith("/" + F.COMMIT_NAME) else rel
     storage.makedirs(posixpath.dirname(target))
     crc = 0
-    with storage.open_write(target) as sink:
-        for start in range(0, size, link.chunk):
-            n = min(link.chunk, size - start)
-            piece = link.recv_bytes_piece(n, sender, me, f"{rel} (bytes {start}-{start + n})")
-            crc = google_crc32c.extend(crc, piece)
-            sink.write(piece)
+    writes: list[Future[None] | None] = [None, None]
+    with ThreadPoolExecutor(1, thread_name_prefix="spillmerge-recv") as pool, storage.open_write(target) as sink:
+        try:
+            for k, start in enumerate(range(0, size, link.piece)):
+                slot = k % 2
+                if writes[slot] is not None:
+                    writes[slot].result()  # type: ignore[union-attr] # the slot is free again
+                n = min(link.piece, size - start)
+                piece = link.recv_bytes_piece(n, sender, me, f"{rel} (bytes {start}-{start + n})", slot)
+                crc = google_crc32c.extend(crc, piece)
+                writes[slot] = pool.submit(sink.write, piece)
+        finally:
+            for fut in writes:  # surface a write error; never leave a write running on a slot
+                if fut is not None:
+                    fut.result()
     return crc
 
 

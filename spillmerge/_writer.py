@@ -667,11 +667,11 @@ class SpillWriter:
             phases = dict(report.phases)
             phases["wait"] = phases.get("wait", 0.0) + info.wait_seconds
             if info.received:
-                phases = {"transfer": info.transfer_seconds, **phases}
+                phases = {"visibility": info.visibility_seconds, "transfer": info.transfer_seconds, **phases}
             return dataclasses.replace(
                 report,
                 wait_seconds=report.wait_seconds + info.wait_seconds,
-                seconds=report.seconds + info.wait_seconds + info.transfer_seconds,
+                seconds=report.seconds + info.wait_seconds + info.visibility_seconds + info.transfer_seconds,
                 transferred=info.received,
                 transfer_senders=info.senders,
                 phases=phases,
