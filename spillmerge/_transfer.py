@@ -48,7 +48,7 @@ from ._errors import (
     SpillMergeError,
     SpillValueError,
 )
-from ._spillroot import list_segments
+from ._spillroot import assess, list_segments, raise_for_state, scan
 from ._storage import Storage
 
 TRANSPORTS = ("auto", "storage", "nccl", "gloo")
@@ -136,18 +136,22 @@ class _Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
-    def gather(self, prefix: str, ranks: list[int], what: str) -> dict[int, Any]:
-        """Wait for ``prefix/R`` from every rank in ``ranks``."""
-        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what)
+    def gather(
+        self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
+    ) -> dict[int, Any]:
+        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked about
+        once a second) says waiting is no longer needed; then the replies so far."""
+        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what, done)
 
     def wait_one(self, key: str, what: str) -> Any:
         return self._wait({self.dst: key}, what)[self.dst]
 
-    def _wait(self, keys: dict[int, str], what: str) -> dict[int, Any]:
+    def _wait(self, keys: dict[int, str], what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
         start = time.monotonic()
         pending = dict(keys)
         got: dict[int, Any] = {}
         delay = 0.005
+        next_done = start + 1.0
         while True:
             try:
                 for r, key in list(pending.items()):
@@ -157,6 +161,10 @@ class _Coord:
                 if not pending:
                     return got
                 self._check_failures(sorted(pending))
+                if done is not None and time.monotonic() >= next_done:
+                    if done():
+                        return got
+                    next_done = time.monotonic() + 1.0
             except SpillMergeError:
                 raise
             except RuntimeError as exc:  # the store itself is gone (its host process died)
@@ -341,7 +349,14 @@ def collective_merge(
     info = TransferInfo()
     t0 = time.perf_counter()
     try:
-        metas = coord.gather("meta", list(range(writer.world_size)), "waiting for every rank to reach merge()")
+        # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
+        # commit record is on storage dst can read: then dst stops waiting for it.
+        metas = coord.gather(
+            "meta",
+            list(range(writer.world_size)),
+            "waiting for every rank to reach merge()",
+            done=lambda: _all_committed_on_storage(writer),
+        )
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
             raise RankFailedError(
@@ -351,7 +366,10 @@ def collective_merge(
             )
         info.wait_seconds = time.perf_counter() - t0
         t_vis = time.perf_counter()
-        invisible = {} if transport == "storage" else _invisible(writer.storage, metas, VISIBILITY_GRACE)
+        everyone = len(metas) == writer.world_size
+        invisible = (
+            {} if transport == "storage" or not everyone else _invisible(writer.storage, metas, VISIBILITY_GRACE)
+        )
         info.visibility_seconds = time.perf_counter() - t_vis
         backend = choose_backend(transport) if invisible else ""
         have = sorted(_committed_here(writer.storage, invisible))
@@ -397,6 +415,15 @@ class TransferInfo:
     senders: dict[int, list[int]] = field(default_factory=dict)
     """Sending rank → ranks whose shards it sent."""
     backend: str = ""
+
+
+def _all_committed_on_storage(writer: Any) -> bool:
+    """True when every rank's commit record of this run is on the writer's storage (fails fast
+    on a failure record there)."""
+    state = assess(writer.storage, scan(writer.storage), writer.world_size, writer.run_id)
+    if state.failed:
+        raise_for_state(writer.storage, state)
+    return not state.missing
 
 
 def _committed_here(storage: Storage, ranks: dict[int, str]) -> set[str]:

@@ -127,6 +127,16 @@ def scenario_forced_gloo_on_shared_root(rank: int, world: int, base: str) -> dic
     return {"report": _report(rep)}
 
 
+def scenario_only_dst_calls_merge(rank: int, world: int, base: str) -> dict[str, Any]:
+    """`if rank == 0: w.merge(out)` on shared storage: rank 0 need not wait for the others."""
+    w = _spill(f"{base}/dstonly/shared", [(f"d{rank}.mp4", 0)], simple)
+    if rank != 0:
+        return {"report": None}
+    t0 = time.perf_counter()
+    rep = w.merge(f"{base}/dstonly/out", timeout=TIMEOUT, progress=False)
+    return {"report": _report(rep), "merge_seconds": time.perf_counter() - t0}
+
+
 def scenario_corrupted_piece(rank: int, world: int, base: str) -> dict[str, Any]:
     """A piece flipped in flight on rank 2: the merging rank refuses it, names rank 2 and the
     object, and rank 2's segment never looks committed on the merging rank's disk."""
@@ -158,6 +168,7 @@ SCENARIOS = {
     "two_hosts": scenario_two_hosts,
     "private": scenario_private_disks_and_resume,
     "forced": scenario_forced_gloo_on_shared_root,
+    "dst_only": scenario_only_dst_calls_merge,
     "corrupt": scenario_corrupted_piece,
 }
 

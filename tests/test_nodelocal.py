@@ -71,6 +71,13 @@ def test_forced_network_transport_moves_nothing_when_everything_is_visible(ranks
     assert rep["n_frames"] == WORLD and rep["transferred"] == {} and rep["senders"] == {}
 
 
+def test_a_merge_called_on_dst_only_does_not_wait_for_the_others(ranks):
+    _, results = ranks
+    r0 = results[0]["dst_only"]
+    assert r0["report"]["n_frames"] == WORLD and r0["report"]["ranks"] == [0, 1, 2, 3]
+    assert r0["merge_seconds"] < 20  # their commit records are on storage: no 90 s timeout
+
+
 def test_a_piece_corrupted_in_flight_is_refused_by_name(ranks):
     base, results = ranks
     err = results[0]["corrupt"]["error"]
