@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--frames-per-file", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--out-md")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -80,22 +80,35 @@ def main() -> None:
         n_frames = payload // (frame.numel() * 2)
         blob = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
 
-        raw_t, spill_t = [], []
-        for rep in range(args.repeats):
+        def raw_puts(rep: int) -> float:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(fs.pipe_file, [f"bench/raw{rep}/obj{i}" for i in range(n_chunks)], [blob] * n_chunks))
-            raw_t.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            fs.rm(f"bench/raw{rep}", recursive=True)  # keep the server's memory flat: moto slows as it fills
+            return took
+
+        def spill(rep: int) -> float:
             t0 = time.perf_counter()
             with spillmerge.SpillWriter(
                 f"s3://bench/spill{rep}", rank=0, world_size=1, storage_options=opts, chunk_bytes=chunk
             ) as w:
                 for i in range(n_frames):
                     w.write(f"video{i % 16:02d}.mp4", i // 16, frame)
-            spill_t.append(time.perf_counter() - t0)
-            # Keep the server's memory flat between repeats: moto slows down as it fills.
-            fs.rm(f"bench/raw{rep}", recursive=True)
+            took = time.perf_counter() - t0
             fs.rm(f"bench/spill{rep}", recursive=True)
+            return took
+
+        # Interleaved, first one then the other first: whichever runs second on the same server
+        # was measured up to 1.5x slower, so a fixed order would bias the ratio.
+        raw_t, spill_t = [], []
+        for rep in range(args.repeats):
+            if rep % 2 == 0:
+                raw_t.append(raw_puts(rep))
+                spill_t.append(spill(rep))
+            else:
+                spill_t.append(spill(rep))
+                raw_t.append(raw_puts(rep))
         raw, spill = float(np.median(raw_t)), float(np.median(spill_t))
 
         # Many filenames: merge s3 -> s3, then open.
@@ -131,6 +144,10 @@ def main() -> None:
             f"{report.nbytes / (1 << 20) / merge_t:.1f} MiB/s | - |",
             f"| spillmerge.open + read one array ({args.files} filenames) | {np.median(open_t):.3f} s | - | target <= 1 s |",
             f"| plain zarr.open_group + read one array | {np.median(zopen_t):.3f} s | - | - |",
+            "",
+            "per repeat (order alternating): raw " + ", ".join(f"{t:.2f}" for t in raw_t)
+            + " s; spill " + ", ".join(f"{t:.2f}" for t in spill_t)
+            + " s; ratio " + ", ".join(f"{r / t:.2f}" for r, t in zip(raw_t, spill_t, strict=True)),
         ]
         text = "\n".join(lines)
         print(text)
