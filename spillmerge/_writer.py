@@ -96,6 +96,7 @@ class _Flusher(threading.Thread):
 
     def run(self) -> None:
         try:
+            self.w._prefault_spare()  # the first chunk's buffer, while the caller is still computing
             while True:
                 chunk = self.q.get()
                 if chunk is None:
@@ -107,6 +108,7 @@ class _Flusher(threading.Thread):
                     self.w._release(chunk.host)
                     continue
                 try:
+                    self.w._prefault_spare()  # off the caller's thread: write() finds warm memory
                     self._checksum(chunk)
                     fut = self._pool.submit(self._upload, chunk)
                     fut.add_done_callback(lambda _: self.q.put(_WAKE))
@@ -453,6 +455,18 @@ class SpillWriter:
                     break
                 self._lock.wait(timeout=0.5)  # backpressure: wait for the flush thread
         return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def _prefault_spare(self) -> None:
+        """Allocate one more staging buffer (within ``n_buffers``) and touch its pages, so the
+        page faults of fresh memory are paid by the flush thread, not inside ``write()``."""
+        with self._lock:
+            if self._free or self._allocated >= self.n_buffers:
+                return
+            self._allocated += 1
+        buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
+        if not self._pinned:  # pinned memory is resident already
+            buf.numpy()[::4096] = 0
+        self._release(buf)
 
     def _release(self, buf: torch.Tensor) -> None:
         with self._lock:
