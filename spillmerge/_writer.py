@@ -449,7 +449,10 @@ class SpillWriter:
             while True:
                 self._raise_flush_error()
                 if self._free:
-                    return self._free.pop()
+                    buf = self._free.pop()
+                    if self._pinned and not buf.is_pinned():
+                        break  # allocated before the first CUDA write: replace it with pinned memory
+                    return buf
                 if self._allocated < self.n_buffers:
                     self._allocated += 1
                     break
