@@ -489,8 +489,11 @@ SCENARIOS = {
 }
 
 
-def worker(rank: int, world: int, port: int, base: str) -> None:
-    """Entry point for ``torch.multiprocessing.start_processes`` (the rank comes first)."""
+def run_scenarios(
+    rank: int, world: int, port: int, base: str, scenarios: dict[str, Any], *, barrier_between: bool = False
+) -> None:
+    """Join a gloo group on 127.0.0.1, run every scenario in order, write
+    ``base/results/rank-R.json``. ``barrier_between`` keeps scenarios from overlapping."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -499,10 +502,12 @@ def worker(rank: int, world: int, port: int, base: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results: dict[str, Any] = {}
-        for name, fn in SCENARIOS.items():
+        for name, fn in scenarios.items():
             t0 = time.perf_counter()
             results[name] = fn(rank, world, base)
             results[name]["seconds"] = time.perf_counter() - t0
+            if barrier_between:
+                dist.barrier()
         os.makedirs(f"{base}/results", exist_ok=True)
         tmp = f"{base}/results/.rank-{rank}.json.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
@@ -511,3 +516,8 @@ def worker(rank: int, world: int, port: int, base: str) -> None:
         dist.barrier()  # nobody tears the group down while another rank still needs it
     finally:
         dist.destroy_process_group()
+
+
+def worker(rank: int, world: int, port: int, base: str) -> None:
+    """Entry point for ``torch.multiprocessing.start_processes`` (the rank comes first)."""
+    run_scenarios(rank, world, port, base, SCENARIOS)

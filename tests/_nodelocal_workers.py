@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _mp_scenarios import _error, assignment, compare_merged, leaves, value_for
+from _mp_scenarios import _error, assignment, compare_merged, leaves, run_scenarios, value_for
 from _mp_scenarios import _report as _mp_report
 
 WORLD = 4
@@ -175,28 +175,10 @@ SCENARIOS = {
 
 def worker(rank: int, world: int, port: int, base: str) -> None:
     """Entry point for ``torch.multiprocessing.start_processes``."""
-    import torch.distributed as dist
-
     from spillmerge import _transfer
 
-    torch.set_num_threads(1)
     _transfer.VISIBILITY_GRACE = 0.2
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
-        os.environ.pop(var, None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results: dict[str, Any] = {}
-        for name, fn in SCENARIOS.items():
-            t0 = time.perf_counter()
-            results[name] = fn(rank, world, base)
-            results[name]["seconds"] = time.perf_counter() - t0
-            dist.barrier()
-        os.makedirs(f"{base}/results", exist_ok=True)
-        with open(f"{base}/results/rank-{rank}.json", "w", encoding="utf-8") as fh:
-            json.dump(results, fh)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
 
 
 def killed_sender(rank: int, world: int, port: int, base: str, result: str) -> None:
