@@ -309,7 +309,7 @@ def _assign_senders(invisible: dict[int, str], sees: dict[int, list[int]], dst: 
         if not candidates:
             raise CoordinationError(
                 f"rank {dst}: no rank can see rank {q}'s commit record {_commit_rel(invisible[q])} under its "
-                "spill root (not even rank {q} itself); its shards cannot be moved",
+                f"spill root (not even rank {q} itself); its shards cannot be moved",
                 rank=dst,
             )
         senders.setdefault(candidates[0], []).append(q)
@@ -386,14 +386,13 @@ def collective_merge(
             group, device = _group(backend, timeout)
             link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
             sees = coord.gather("sees", list(range(writer.world_size)), "waiting for what each rank can see")
-            info.senders = _assign_senders(invisible, {r: list(v) for r, v in sees.items()}, dst)
+            info.senders = _assign_senders(invisible, sees, dst)
             coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
             for s in sorted(info.senders):
                 coord.put(f"go/{s}", True)
                 for q, n in _receive(writer.storage, link, me, s, info.senders[s]).items():
                     info.received[q] = info.received.get(q, 0) + n
             info.transfer_seconds = time.perf_counter() - t1
-            info.backend = backend
     except BaseException as exc:
         coord.abort(exc)
         raise
@@ -414,7 +413,6 @@ class TransferInfo:
     """Rank → shard bytes received."""
     senders: dict[int, list[int]] = field(default_factory=dict)
     """Sending rank → ranks whose shards it sent."""
-    backend: str = ""
 
 
 def _all_committed_on_storage(writer: Any) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _nodelocal_workers import WORLD, killed_sender, worker
 from _procs import free_port, join_all, spawn_ranks
 
@@ -104,3 +105,18 @@ def test_a_sender_killed_mid_transfer_is_named_within_the_timeout(tmp_path):
     assert r0["type"] == "RankFailedError" and r0["failures"] and list(r0["failures"]) == ["1"], r0
     assert "rank 1" in r0["msg"]
     assert r0["at"] - killed_at < 30  # the transfer timeout is 20 s; a dead peer is usually seen at once
+    # Nothing of rank 1 looks committed on rank 0's disk, and rank 1's own commit is intact.
+    assert not list((tmp_path / "disk0").glob("rank-00001/*/commit.json"))
+    assert len(list((tmp_path / "disk1").glob("rank-00001/*/commit.json"))) == 1
+    assert not (tmp_path / "out" / "spillmerge-complete.json").exists()
+
+
+def test_network_transport_without_a_process_group_is_refused_and_loses_nothing(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "s"), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, torch.ones(4))
+    with pytest.raises(spillmerge.ConfigError, match="transport='gloo' needs torch.distributed") as info:
+        w.merge(str(tmp_path / "out"), transport="gloo")
+    assert info.value.key == "transport"
+    with pytest.raises(spillmerge.SpillValueError, match="transport must be one of"):
+        w.merge(str(tmp_path / "out"), transport="infiniband")
+    assert w.merge(str(tmp_path / "out")).n_frames == 1  # the committed segment is untouched
