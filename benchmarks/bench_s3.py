@@ -145,9 +145,12 @@ def main() -> None:
             f"| spillmerge.open + read one array ({args.files} filenames) | {np.median(open_t):.3f} s | - | target <= 1 s |",
             f"| plain zarr.open_group + read one array | {np.median(zopen_t):.3f} s | - | - |",
             "",
-            "per repeat (order alternating): raw " + ", ".join(f"{t:.2f}" for t in raw_t)
-            + " s; spill " + ", ".join(f"{t:.2f}" for t in spill_t)
-            + " s; ratio " + ", ".join(f"{r / t:.2f}" for r, t in zip(raw_t, spill_t, strict=True)),
+            "per repeat (order alternating): raw "
+            + ", ".join(f"{t:.2f}" for t in raw_t)
+            + " s; spill "
+            + ", ".join(f"{t:.2f}" for t in spill_t)
+            + " s; ratio "
+            + ", ".join(f"{r / t:.2f}" for r, t in zip(raw_t, spill_t, strict=True)),
         ]
         text = "\n".join(lines)
         print(text)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +92,7 @@ def machine_info(argv: list[str], workdir: str) -> dict:
         if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
             best, fs = mnt, f"{typ} on {dev}"
     return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/suite.py", *argv]),
         "cpu": f"{os.cpu_count()} cores, {cpu}",
         "ram": f"{mem / GiB:.1f} GiB",

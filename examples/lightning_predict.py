@@ -12,7 +12,7 @@ GPUs:
 Lightning's ``ddp`` strategy starts the other processes itself (it re-runs this script). Each rank
 predicts its share of the frames; ``SpillPredictionWriter`` appends every sample of every batch
 to the rank's spill segment as the batch ends, and when the predict epoch ends global rank 0
-merges all segments into ``--out`` (the other ranks do not wait for it). Nothing is gathered
+merges all segments into ``--out`` (the other ranks return once every rank has committed, without waiting for the merge). Nothing is gathered
 through torch.distributed and ``return_predictions=False`` keeps Lightning from holding them too.
 
 The Dataset returns dicts with ``filename`` and ``frame_idx`` entries, the keys the callback reads

@@ -13,7 +13,8 @@ Every rank runs the model on its share of the frames (a seeded shuffle dealt rou
 DistributedSampler but without padding, so ranks get uneven shares and every video's frames are
 spread over all ranks) and appends each prediction to its own spill segment under ``--root``.
 After the ``with`` block every rank calls ``w.merge(out)``: rank 0 waits on storage for every
-rank's commit record and merges everything into one Zarr store; the other ranks return at once.
+rank's commit record and merges everything into one Zarr store; the other ranks return once
+every rank has committed (they do not wait for the merge).
 
 What it means on GPUs:
 

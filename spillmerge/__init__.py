@@ -25,6 +25,7 @@ from ._errors import (
     SpillMergeError,
     SpillStorageError,
     SpillValueError,
+    UnknownFileError,
     UnsafePathError,
     WriterClosedError,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "SpillStorageError",
     "SpillValueError",
     "SpillWriter",
+    "UnknownFileError",
     "UnsafePathError",
     "VerifyReport",
     "WriterClosedError",

@@ -71,4 +71,3 @@ def encoder(codec: str, itemsize: int) -> Any:
 
         return Zstd(level=ZSTD_LEVEL, checksum=False)
     return None
-

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import _format as F
+from ._errors import ConfigError, SpillMergeError
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def _rank_main(rank: int, cfg: DemoConfig, port: int, result_path: str) -> None:
                 for row, frame in enumerate(res.frames(name).tolist()):
                     want = predict(cfg, name, frame)
                     if not torch.equal(mask[row].view(torch.int16), want["mask"].view(torch.int16)):
-                        raise AssertionError(f"demo: {name!r} frame {frame} differs after the merge")
+                        raise SpillMergeError(f"demo: {name!r} frame {frame} differs after the merge")
                     checked += 1
             Path(result_path).write_text(f"{report}\nverified {checked} frames bit-exact against the model\n")
     finally:
@@ -110,14 +111,18 @@ def run(cfg: DemoConfig) -> str:
     if spill.exists():
         names = os.listdir(spill)
         if names and not all(F.parse_rank_dirname(n) is not None for n in names):
-            from ._errors import ConfigError
-
             raise ConfigError(f"{spill} exists and is not a spill root; choose another --out", key="out")
         shutil.rmtree(spill)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.txt")
-        mp.spawn(_rank_main, args=(cfg, _free_port(), result), nprocs=cfg.ranks, join=True)
+        try:
+            mp.spawn(_rank_main, args=(cfg, _free_port(), result), nprocs=cfg.ranks, join=True)
+        except mp.ProcessRaisedException as exc:  # one line for the CLI: the rank's own error last
+            last = [ln for ln in str(exc).strip().splitlines() if ln.strip()][-1]
+            raise SpillMergeError(f"demo rank {exc.error_index} failed: {last.strip()}") from exc
+        except mp.ProcessExitedException as exc:
+            raise SpillMergeError(f"demo rank {exc.error_index} died (exit code {exc.exit_code})") from exc
         text = Path(result).read_text()
     return text + f"demo wall time {time.perf_counter() - t0:.1f} s (including process start-up)\n"

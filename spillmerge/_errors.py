@@ -131,6 +131,17 @@ class UnsafePathError(SpillMergeError, ValueError):
         self.path = path
 
 
+class UnknownFileError(SpillMergeError, KeyError):
+    """A merged store has no array for ``filename`` (a ``KeyError``, so ``in`` / ``.get`` idioms work)."""
+
+    def __init__(self, message: str, *, filename: object) -> None:
+        super().__init__(message)
+        self.filename = filename
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
 class ConfigError(SpillMergeError, ValueError):
     """A configuration file or option is invalid; ``key`` names it when known."""
 

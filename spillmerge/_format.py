@@ -56,7 +56,7 @@ def new_segment_name(existing: list[str]) -> str:
     segments order by SEQ whatever the clocks say; TIME (UTC, microseconds) orders segments of
     different ranks; RAND keeps two writers that wrongly share a rank apart."""
     seqs = [segment_sort_key(n)[0] for n in existing if is_segment_name(n)]
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    now = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     return f"{SEGMENT_PREFIX}{max(seqs, default=-1) + 1:06d}-{now}-{os.urandom(4).hex()}"
 
 
@@ -73,7 +73,7 @@ def is_segment_name(name: str) -> bool:
 
 
 def utcnow() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def dumps(obj: Any) -> bytes:
@@ -118,6 +118,12 @@ _RAW = {
     "float8_e5m2": "uint8",
     "float8_e5m2fnuz": "uint8",
     "float8_e8m0fnu": "uint8",
+    "float4_e2m1fn_x2": "uint8",  # two 4-bit floats packed in each byte
+    "bits1x8": "uint8",
+    "bits2x4": "uint8",
+    "bits4x2": "uint8",
+    "bits8": "uint8",
+    "bits16": "uint16",
 }
 
 DTYPES: dict[str, DType] = {}

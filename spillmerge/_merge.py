@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from . import _codecs, _parts
 from . import _format as F
+from ._coverage import _runs, read_manifest
 from ._errors import (
     CorruptSpillError,
     MissingPartsError,
@@ -66,7 +69,12 @@ class MergeReport:
     salvaged_frames: dict[int, int] = field(default_factory=dict)
     """Rank → frames merged from its uncommitted segment's journal (``allow_partial``)."""
     frame_gaps: dict[str, list[int]] = field(default_factory=dict)
-    """Filename → frame indices missing between 0 and its highest merged frame (``allow_partial``)."""
+    """Filename → missing frame indices (at most 10,000 listed per file), with ``allow_partial`` or
+    ``expected``. Without ``expected``: the frames absent between 0 and the file's highest merged
+    frame. With ``expected`` (filename → frame count): every frame ``0 .. count-1`` absent, files
+    the manifest lists that no rank wrote included."""
+    expected_files: int | None = None
+    """Filenames in the ``expected`` manifest (None without one)."""
     notes: list[str] = field(default_factory=list)
     """Problems that stopped salvaging a journal (torn or corrupt entries); a part that was
     already complete and was not rewritten."""
@@ -115,9 +123,28 @@ class MergeReport:
             s += f"; PARTIAL: ranks {self.missing_ranks} missing"
             if self.salvaged_frames:
                 s += f" (salvaged from their flushed chunks: {self.salvaged_frames} frames by rank)"
-            if self.frame_gaps:
-                n = sum(len(v) for v in self.frame_gaps.values())
-                s += f"; {n} frame(s) missing in {len(self.frame_gaps)} file(s)"
+        if self.frame_gaps:
+            s += self._gaps_text()
+        elif self.expected_files is not None:
+            s += f"; every frame of the {self.expected_files} expected files is present"
+        if self.missing_ranks:
+            s += "".join(f"\n  note: {n}" for n in self.notes if not n.startswith("part "))
+            if self.expected_files is None:
+                s += (
+                    "\n  (frames after a file's last merged frame, and files only the missing ranks held, "
+                    "are not listed: pass expected= / --expected MANIFEST.csv to check against the counts)"
+                )
+        return s
+
+    def _gaps_text(self, files: int = 20, chars: int = 160) -> str:
+        n = sum(len(v) for v in self.frame_gaps.values())
+        against = "against the expected counts" if self.expected_files is not None else "below each file's last frame"
+        s = f"; {n} frame(s) missing in {len(self.frame_gaps)} file(s) {against}:"
+        for name in sorted(self.frame_gaps)[:files]:
+            runs = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b, _ in _runs(np.asarray(self.frame_gaps[name])))
+            s += f"\n  {name!r}: frames {runs if len(runs) <= chars else runs[:chars] + ' ...'}"
+        if len(self.frame_gaps) > files:
+            s += f"\n  ... and {len(self.frame_gaps) - files} more file(s) (MergeReport.frame_gaps lists them all)"
         return s
 
 
@@ -163,6 +190,7 @@ def merge(
     codec: str = "none",
     part: tuple[int, int] | None = None,
     finalize: bool = False,
+    expected: Mapping[str, int] | str | None = None,
 ) -> MergeReport:
     """Merge every committed segment under ``root`` into one Zarr v3 store at ``out``.
 
@@ -180,6 +208,11 @@ def merge(
     and the completion marker. Every call needs the same spill root and planning options
     (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
     ``codec`` and ``chunk_bytes``, which finalize takes from their records.
+
+    ``expected`` (a mapping filename → frame count, or the path of a ``filename,n_frames`` CSV
+    manifest) checks the output against the frames the job should have produced: every frame
+    ``0 .. count-1`` that is absent is listed in :attr:`MergeReport.frame_gaps`, files no rank
+    wrote included. It changes what is reported, never what is merged.
     """
     if part is not None and finalize:
         raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
@@ -189,7 +222,7 @@ def merge(
         root, out, storage_options=storage_options, out_storage_options=out_storage_options,
         world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial,
         on_duplicate=on_duplicate, chunk_bytes=chunk_bytes, memory_budget=memory_budget, threads=threads,
-        fsync=fsync, progress=progress, codec=codec,
+        fsync=fsync, progress=progress, codec=codec, expected=expected,
     )  # fmt: skip
     try:
         if finalize:
@@ -267,6 +300,8 @@ class _Job:
     """Rank → frames salvaged from journals."""
     notes: list[str]
     """Report notes."""
+    expected: dict[str, int] | None
+    """Filename → expected frame count, for the report (None: not given)."""
     phases: dict[str, float]
     """Seconds per phase."""
     t0: float
@@ -291,12 +326,14 @@ class _Job:
         fsync: bool = True,
         progress: bool | None = None,
         codec: str = "none",
+        expected: Mapping[str, int] | str | None = None,
     ) -> _Job:
         """Barrier → load → plan: everything before the first byte of output."""
         t0 = time.perf_counter()
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         codec = _codecs.check(codec)
+        manifest = _check_expected(expected)
         src = Storage(root, storage_options)
         if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
             same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
@@ -337,7 +374,7 @@ class _Job:
         phases["plan"] = time.perf_counter() - t
         return cls(
             src, dst, state, segments, plan, fp, chunk_bytes, memory_budget, threads, fsync, progress, codec,
-            allow_partial, run_id, salvaged, notes, phases, t0,
+            allow_partial, run_id, salvaged, notes, manifest, phases, t0,
         )  # fmt: skip
 
     def report(self, *, files: list[FilePlan] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
@@ -358,7 +395,10 @@ class _Job:
             missing_ranks=sorted([*self.state.missing, *self.state.failed]),
             abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
             salvaged_frames=self.salvaged,
-            frame_gaps=_gaps(self.plan) if self.allow_partial else {},
+            frame_gaps=_gaps(chosen, self.expected, whole=part is None)
+            if self.allow_partial or self.expected is not None
+            else {},
+            expected_files=None if self.expected is None else len(self.expected),
             notes=self.notes,
             phases=self.phases,
             parts=parts,
@@ -536,14 +576,57 @@ def _claim(dst: Storage, overwrite: bool) -> None:
     dst.makedirs("")
 
 
-def _gaps(plan: Plan, limit: int = 10000) -> dict[str, list[int]]:
-    """Per filename, the frame indices absent between 0 and the highest frame merged."""
+def _gaps(
+    files: list[FilePlan], expected: dict[str, int] | None, *, whole: bool, limit: int = 10000
+) -> dict[str, list[int]]:
+    """Per filename, the frame indices absent: below the manifest's count when it lists the file,
+    else between 0 and the highest frame merged. ``whole``: also the files only the manifest names
+    (a part leaves those to the finalize). At most ``limit`` per file."""
     out: dict[str, list[int]] = {}
-    for fp in plan.files:
-        top = int(fp.frames[-1])
-        if len(fp.frames) != top + 1:
-            missing = np.setdiff1d(np.arange(min(top + 1, 1 << 24)), fp.frames)[:limit]
-            out[fp.filename] = missing.tolist()
+    for fp in files:
+        span = expected.get(fp.filename) if expected is not None else None
+        if span is None:
+            span = int(fp.frames[-1]) + 1
+        have = fp.frames[fp.frames < span]
+        if len(have) != span:
+            out[fp.filename] = _first_missing(have, span, limit)
+    if expected is not None and whole:
+        seen = {fp.filename for fp in files}
+        for name, count in expected.items():
+            if name not in seen and count > 0:
+                out[name] = list(range(min(count, limit)))
+    return out
+
+
+def _first_missing(have: np.ndarray, span: int, limit: int) -> list[int]:
+    """The first ``limit`` integers of ``0 .. span-1`` not in ``have`` (ascending, unique), without
+    materialising ``span`` integers when it is huge."""
+    out: list[int] = []
+    start = 0
+    for a, b, _ in _runs(have):
+        out.extend(range(start, min(a, start + limit - len(out))))
+        start = b + 1
+        if len(out) >= limit:
+            return out
+    out.extend(range(start, min(span, start + limit - len(out))))
+    return out
+
+
+def _check_expected(expected: Mapping[str, int] | str | None) -> dict[str, int] | None:
+    """``expected=``: a CSV manifest's path, or a mapping filename → non-negative frame count."""
+    if expected is None:
+        return None
+    if isinstance(expected, (str, os.PathLike)):
+        return read_manifest(os.fspath(expected))
+    if not isinstance(expected, Mapping):
+        raise SpillValueError(
+            f"expected must be a mapping filename -> frame count or a CSV path, got {type(expected).__name__}"
+        )
+    out: dict[str, int] = {}
+    for name, count in expected.items():
+        if not isinstance(name, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise SpillValueError(f"expected[{name!r}] must map a filename to a non-negative int, got {count!r}")
+        out[name] = count
     return out
 
 
@@ -747,7 +830,14 @@ def _copy(job: _Job, files: list[FilePlan]) -> None:
     if show:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(s.nbytes for s in stripes), unit="B", unit_scale=True, unit_divisor=1024, desc="merge", file=sys.stderr)
+        bar = tqdm(
+            total=sum(s.nbytes for s in stripes),
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="merge",
+            file=sys.stderr,
+        )
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []

@@ -267,4 +267,3 @@ def wait(
             )
         time.sleep(min(delay, max(0.0, timeout - waited)))
         delay = min(delay * 1.5, max_poll)
-

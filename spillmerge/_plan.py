@@ -273,8 +273,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "settings": settings,
         "segments": [s.seg.rel for s in plan.segments],
         "files": [
-            [f.filename, f.key, f.is_dict, [[leaf.node, leaf.layout.to_obj()] for leaf in f.leaves]]
-            for f in plan.files
+            [f.filename, f.key, f.is_dict, [[leaf.node, leaf.layout.to_obj()] for leaf in f.leaves]] for f in plan.files
         ],
     }
     # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode.

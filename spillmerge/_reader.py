@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 
 from . import _format as F
-from ._errors import CorruptSpillError, IncompleteOutputError, SpillMergeError
+from ._errors import CorruptSpillError, IncompleteOutputError, SpillMergeError, UnknownFileError
 from ._storage import Storage
 
 
@@ -137,7 +138,12 @@ class MergedStore(Mapping[str, Any]):
         try:
             return self._pos[filename]
         except (KeyError, TypeError):
-            raise KeyError(filename) from None
+            near = difflib.get_close_matches(filename, self._filenames, n=3) if isinstance(filename, str) else []
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise UnknownFileError(
+                f"{filename!r} is not a filename of {self.storage.describe()} ({len(self._filenames)} files){hint}",
+                filename=filename,
+            ) from None
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""

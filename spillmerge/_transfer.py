@@ -57,6 +57,8 @@ DEFAULT_TRANSFER_TIMEOUT = 300.0
 VISIBILITY_GRACE = 5.0
 """Seconds ``dst`` keeps re-checking a commit record it cannot see before moving it over the
 network (a shared filesystem's directory cache can hide a new file for a moment)."""
+DONE_CHECK_MAX = 10.0
+"""Longest pause between dst's checks of storage for commit records while ranks have not reached merge()."""
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
 
@@ -139,8 +141,9 @@ class _Coord:
     def gather(
         self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
     ) -> dict[int, Any]:
-        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked about
-        once a second) says waiting is no longer needed; then the replies so far."""
+        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,
+        then less and less often, at most every 10 s: it may list storage) says waiting is no
+        longer needed; then the replies so far."""
         return self._wait({r: f"{prefix}/{r}" for r in ranks}, what, done)
 
     def wait_one(self, key: str, what: str) -> Any:
@@ -151,7 +154,8 @@ class _Coord:
         pending = dict(keys)
         got: dict[int, Any] = {}
         delay = 0.005
-        next_done = start + 1.0
+        done_every = 1.0
+        next_done = start + done_every
         while True:
             try:
                 for r, key in list(pending.items()):
@@ -164,7 +168,8 @@ class _Coord:
                 if done is not None and time.monotonic() >= next_done:
                     if done():
                         return got
-                    next_done = time.monotonic() + 1.0
+                    done_every = min(done_every * 1.5, DONE_CHECK_MAX)
+                    next_done = time.monotonic() + done_every
             except SpillMergeError:
                 raise
             except RuntimeError as exc:  # the store itself is gone (its host process died)
@@ -234,10 +239,27 @@ class _Link:
         return [int(v) for v in self.recv(torch.zeros(n, dtype=torch.int64), peer, me, what).tolist()]
 
     def send_bytes_piece(self, n: int, peer: int, me: int, what: str) -> None:
-        """Send the first ``n`` bytes of the host staging buffer."""
+        """Send the first ``n`` bytes of the host staging buffer. With NCCL the copy to the device
+        is blocking: waiting on a send does not block the CPU, and the caller refills the host
+        buffer right after, so the copy must have read it first."""
         if self.dev is not self.host:
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            self.dev[:n].copy_(self.host[:n], non_blocking=False)
         self.send(self.dev[:n], peer, me, what)
+
+    def send_blob(self, blob: bytes, peer: int, me: int, what: str) -> None:
+        """Send ``blob`` in pieces through the staging buffer (no allocation of its size)."""
+        host = self.host.numpy()
+        for lo in range(0, len(blob), self.piece):
+            n = min(self.piece, len(blob) - lo)
+            host[:n] = np.frombuffer(blob, dtype=np.uint8, count=n, offset=lo)
+            self.send_bytes_piece(n, peer, me, what)
+
+    def recv_blob(self, size: int, peer: int, me: int, what: str) -> bytes:
+        """Receive ``size`` bytes sent by :meth:`send_blob`."""
+        out = bytearray()
+        for lo in range(0, size, self.piece):
+            out += self.recv_bytes_piece(min(self.piece, size - lo), peer, me, what).tobytes()
+        return bytes(out)
 
     def recv_bytes_piece(self, n: int, peer: int, me: int, what: str, slot: int = 0) -> np.ndarray:
         """Receive ``n`` bytes into staging slot ``slot``; a view of them in host memory."""
@@ -355,7 +377,7 @@ def collective_merge(
             "meta",
             list(range(writer.world_size)),
             "waiting for every rank to reach merge()",
-            done=lambda: _all_committed_on_storage(writer),
+            done=_CommitWatch(writer),
         )
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
@@ -415,13 +437,28 @@ class TransferInfo:
     """Sending rank → ranks whose shards it sent."""
 
 
-def _all_committed_on_storage(writer: Any) -> bool:
-    """True when every rank's commit record of this run is on the writer's storage (fails fast
-    on a failure record there)."""
-    state = assess(writer.storage, scan(writer.storage), writer.world_size, writer.run_id)
-    if state.failed:
-        raise_for_state(writer.storage, state)
-    return not state.missing
+class _CommitWatch:
+    """Called by ``dst`` now and then while it waits for ranks to reach merge(): True once every
+    rank's commit record of this run is on ``dst``'s storage (fails fast on a failure record
+    there). The first call lists the whole root, later ones only the ranks still missing."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.segments: dict[int, list[Any]] | None = None
+        self.missing: list[int] = []
+
+    def __call__(self) -> bool:
+        storage = self.writer.storage
+        if self.segments is None:
+            self.segments = scan(storage)
+        else:
+            for rank in self.missing:
+                self.segments[rank] = list_segments(storage, rank)
+        state = assess(storage, self.segments, self.writer.world_size, self.writer.run_id)
+        if state.failed:
+            raise_for_state(storage, state)
+        self.missing = list(state.missing)
+        return not self.missing
 
 
 def _committed_here(storage: Storage, ranks: dict[int, str]) -> set[str]:
@@ -454,7 +491,7 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
     objects = _manifest(storage, ranks, have)
     blob = json.dumps({"ranks": ranks, "objects": objects}).encode()
     link.send_ints([len(blob)], dst, me, "the manifest size")
-    link.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, me, "the manifest")
+    link.send_blob(blob, dst, me, "the manifest")
     host = link.host.numpy()
     for rel, size in objects:
         crc = 0
@@ -489,9 +526,9 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
     (size,) = link.recv_ints(1, sender, me, "the manifest size")
     if not 0 < size <= _MAX_MANIFEST:
         raise CorruptSpillError(f"rank {sender} announced a manifest of {size} bytes", rank=sender)
-    raw = link.recv(torch.empty(size, dtype=torch.uint8), sender, me, "the manifest")
+    raw = link.recv_blob(size, sender, me, "the manifest")
     try:
-        manifest = json.loads(bytes(raw.numpy()))
+        manifest = json.loads(raw)
         objects = [(_check_rel(rel, ranks, sender), int(n)) for rel, n in manifest["objects"]]
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptSpillError(f"rank {sender} sent a malformed manifest: {exc}", rank=sender) from exc

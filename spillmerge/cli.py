@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from ._errors import ConfigError, SpillMergeError
 
@@ -17,6 +16,7 @@ _MERGE_KEYS = {
     "root": str, "out": str, "timeout": float, "allow_partial": bool, "on_duplicate": str,
     "overwrite": bool, "chunk_bytes": int, "memory_budget": int, "threads": int,
     "world_size": int, "storage_options": dict, "out_storage_options": dict, "codec": str,
+    "expected": str,
 }  # fmt: skip
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
@@ -63,6 +63,13 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[k] = v
     return out
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes joined by x, e.g. 3x64x64, got {text!r}") from None
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -112,14 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
         "  spillmerge merge --config configs/demo.toml --timeout 600 --codec zstd\n"
         "Scale out over N independent processes (e.g. a SLURM array of N tasks), then finalize once:\n"
         "  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr --part $SLURM_ARRAY_TASK_ID/N\n"
-        "  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr --finalize",
+        "  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr --finalize\n"
+        "Salvage a run with dead ranks and list exactly what is missing against a manifest:\n"
+        "  spillmerge merge ./spill --out ./preds.zarr --allow-partial --expected manifest.csv\n\n"
+        "manifest.csv has a header and one row per file:\n  filename,n_frames\n  video_001.mp4,240\n\n"
+        "Exit status: 0; 1 on an error, or when --expected finds missing frames (the output is still complete "
+        "and lists what it holds).",
     )
     m.add_argument("root", nargs="?", help="spill root (path or fsspec URL)")
     m.add_argument("--out", help="output store (path or fsspec URL)")
     m.add_argument("--config", help="TOML file with a [merge] table; flags override it")
     m.add_argument("--timeout", type=float, help="seconds to wait for missing commit records (default 0: check once)")
     m.add_argument(
-        "--allow-partial", action="store_true", default=None, help="merge what is committed; report missing ranks"
+        "--allow-partial",
+        action="store_true",
+        default=None,
+        help="merge what is committed plus what dead ranks provably flushed; report missing ranks and frames",
+    )
+    m.add_argument(
+        "--expected",
+        metavar="CSV",
+        help="manifest (columns filename,n_frames): list every frame missing against it; exit 1 if any",
     )
     m.add_argument(
         "--on-duplicate",
@@ -209,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ranks", type=int, help="number of ranks (default 4)")
     d.add_argument("--files", type=int, help="number of fake videos (default 8)")
     d.add_argument("--frames-per-file", type=int, help="mean frames per video (default 40)")
-    d.add_argument("--frame-shape", type=lambda s: tuple(int(x) for x in s.split("x")), help="e.g. 3x64x64")
+    d.add_argument("--frame-shape", type=_shape, metavar="CxHxW", help="e.g. 3x64x64")
     d.add_argument("--out", help="output directory (default ./spillmerge-demo)")
     d.add_argument("--seed", type=int, help="workload seed (default 0)")
     return p
@@ -223,7 +243,7 @@ def _merge(args: argparse.Namespace) -> int:
         "root": args.root, "out": args.out, "timeout": args.timeout, "allow_partial": args.allow_partial,
         "on_duplicate": args.on_duplicate, "overwrite": args.overwrite, "world_size": args.world_size,
         "chunk_bytes": args.chunk_bytes, "memory_budget": args.memory_budget, "threads": args.threads,
-        "codec": args.codec,
+        "codec": args.codec, "expected": args.expected,
     }  # fmt: skip
     opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
     so = {**opts.pop("storage_options", {}), **_storage_options(args.storage_option)}
@@ -246,7 +266,7 @@ def _merge(args: argparse.Namespace) -> int:
     print(report)
     for seg in report.abandoned_segments:
         print(f"note: ignored uncommitted segment {seg} (superseded by a later commit of the same rank)")
-    return 0
+    return 1 if report.expected_files is not None and report.frame_gaps else 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -298,7 +318,12 @@ def _demo(args: argparse.Namespace) -> int:
     }  # fmt: skip
     opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
     if "frame_shape" in opts:
-        opts["frame_shape"] = tuple(int(x) for x in opts["frame_shape"])
+        shape = opts["frame_shape"]
+        if len(shape) < 2 or not all(isinstance(x, int) and x >= 1 for x in shape):
+            raise ConfigError(
+                f"frame_shape must have 2 or more sizes >= 1 (e.g. 3x64x64), got {shape!r}", key="frame_shape"
+            )
+        opts["frame_shape"] = tuple(shape)
     for key in ("ranks", "files", "frames_per_file"):
         if key in opts and opts[key] < 1:
             raise ConfigError(f"{key} must be at least 1, got {opts[key]}", key=key)
@@ -323,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     except SpillMergeError as exc:
         msg = " ".join(str(exc).split("\n"))
         print(f"spillmerge {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the file system refused something the user named (a path, a permission)
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"spillmerge {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("spillmerge: interrupted", file=sys.stderr)

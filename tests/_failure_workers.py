@@ -76,6 +76,7 @@ def slow_spiller(root: str, rank: int, world: int, n_frames: int, ready: str) ->
             while w._flusher.q.qsize() and time.time() < deadline:  # let the flush thread catch up
                 time.sleep(0.01)
             time.sleep(0.2)
+            w.write("only1.mp4", 0, torch.zeros(4))  # stays in the staging buffer: lost with the rank
             open(ready, "w").close()
             time.sleep(600)  # SIGKILLed here by the test
 

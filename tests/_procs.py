@@ -23,7 +23,9 @@ def spawn_ranks(worker: Callable[..., None], world: int, base: Path, timeout: fl
     rank fails the test (with the worker's traceback). Returns ``base/results/rank-R.json``."""
     import torch.multiprocessing as tmp_mp
 
-    ctx = tmp_mp.start_processes(worker, args=(world, free_port(), str(base)), nprocs=world, join=False, start_method="spawn")
+    ctx = tmp_mp.start_processes(
+        worker, args=(world, free_port(), str(base)), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         # join() raises ProcessRaisedException / ProcessExitedException, with the worker's

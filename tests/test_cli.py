@@ -73,6 +73,14 @@ def test_user_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[merge]\ntimeot = 3\n")
     assert_one_line_error(run("merge", "--config", str(bad)), "merge.timeot")
+    root = tmp_path / "spill"
+    _spill(root)
+    p = run("merge", str(root), "--out", str(tmp_path / "o"), "--expected", str(tmp_path / "no.csv"))
+    assert_one_line_error(p, "manifest", "no.csv")
+    assert not (tmp_path / "o").exists()
+    assert_one_line_error(run("demo", "--frame-shape", "0", "--out", str(tmp_path / "d")), "frame_shape", "(0,)")
+    (tmp_path / "a-file").write_text("")
+    assert_one_line_error(run("demo", "--out", str(tmp_path / "a-file" / "d")), "a-file")
 
 
 def test_incomplete_spill_names_the_rank(tmp_path):

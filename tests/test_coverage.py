@@ -59,6 +59,15 @@ def test_merged_store_records_source_rank_and_copies(merged):
     assert spillmerge.verify(str(out)).ok  # the new index arrays carry checksums too
 
 
+def test_unknown_filename_is_a_keyerror_that_names_it_and_suggests(merged):
+    res = spillmerge.open(str(merged[1]))
+    with pytest.raises(spillmerge.UnknownFileError, match=r"'clip.mp5' is not a filename of .*did you mean 'clip.mp4'"):
+        res["clip.mp5"]
+    with pytest.raises(KeyError):  # still a KeyError for `except KeyError` / Mapping idioms
+        res.frames("nope.mp4")
+    assert res.get("nope.mp4") is None and "nope.mp4" not in res
+
+
 def test_json_coverage_of_spill_root_and_merged_store_agree(merged, capsys):
     root, out = merged
     covs = {}
@@ -95,6 +104,38 @@ def test_expected_manifest_reports_missing_frames_and_exits_1(merged, tmp_path, 
     assert _cli(capsys, "inspect", str(out), "--expected", str(manifest))[0] == 1  # frame 5 still missing
     rc, stdout, _ = _cli(capsys, "inspect", str(out), "--expected", str(manifest_ok))
     assert rc == 0 and "beyond the manifest's 5 frames: 6..9" in stdout
+
+
+def test_merge_expected_lists_missing_frames_per_file(tmp_path):
+    root = tmp_path / "spill"
+    _spill(root, LAYOUT)
+    want = {"clip.mp4": 12, "only0.mp4": 2, "never.mp4": 3}
+    rep = spillmerge.merge(str(root), str(tmp_path / "a"), expected=want)
+    assert rep.frame_gaps == {"clip.mp4": [5, 10, 11], "never.mp4": [0, 1, 2]} and rep.expected_files == 3
+    assert "6 frame(s) missing in 2 file(s) against the expected counts" in str(rep)
+    assert "'clip.mp4': frames 5, 10..11" in str(rep) and "'never.mp4': frames 0..2" in str(rep)
+    # The same from a CSV path; in parts, each part lists its own files and the finalize all of them.
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("filename,n_frames\n" + "".join(f"{k},{v}\n" for k, v in want.items()))
+    reps = [spillmerge.merge(str(root), str(tmp_path / "b"), part=(i, 2), expected=str(manifest)) for i in range(2)]
+    assert sorted(g for r in reps for g in r.frame_gaps) == ["clip.mp4"]
+    fin = spillmerge.merge(str(root), str(tmp_path / "b"), finalize=True, expected=str(manifest))
+    assert fin.frame_gaps == rep.frame_gaps
+    ok = spillmerge.merge(str(root), str(tmp_path / "c"), expected={"clip.mp4": 5, "only0.mp4": 2})
+    assert ok.frame_gaps == {} and "every frame of the 2 expected files is present" in str(ok)
+    with pytest.raises(spillmerge.SpillValueError, match=r"expected\['clip.mp4'\] must map"):
+        spillmerge.merge(str(root), str(tmp_path / "d"), expected={"clip.mp4": -1})
+    with pytest.raises(spillmerge.ConfigError, match="no-such.csv"):
+        spillmerge.merge(str(root), str(tmp_path / "d"), expected=str(tmp_path / "no-such.csv"))
+    assert not (tmp_path / "d").exists()  # refused before anything was written
+
+
+def test_huge_expected_count_lists_a_bounded_number_of_frames(tmp_path):
+    root = tmp_path / "spill"
+    _spill(root, {0: {"clip.mp4": [0, 3]}})
+    rep = spillmerge.merge(str(root), str(tmp_path / "o"), expected={"clip.mp4": 10**12, "gone.mp4": 10**12})
+    assert rep.frame_gaps["clip.mp4"][:3] == [1, 2, 4] and len(rep.frame_gaps["clip.mp4"]) == 10000
+    assert rep.frame_gaps["gone.mp4"] == list(range(10000))
 
 
 @pytest.mark.parametrize(

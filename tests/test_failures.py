@@ -40,7 +40,9 @@ def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path):
     assert "rank 2: ValueError: model blew up on frame 22" in r0["message"]
     assert r0["detected_at"] - infos[2]["raised_at"] < 10
     for r in (1, 3):  # every rank's merge() ends with the same news, none hangs
-        assert infos[r]["error"] == "RankFailedError" and infos[r]["failures"] == {"2": "ValueError: model blew up on frame 22"}
+        assert infos[r]["error"] == "RankFailedError" and infos[r]["failures"] == {
+            "2": "ValueError: model blew up on frame 22"
+        }
         assert "rank 2: ValueError: model blew up on frame 22" in infos[r]["message"], infos[r]
     # The failure record holds the traceback; the CLI names the rank at once.
     record = next(Path(root).glob("rank-00002/seg-*/failed.json"))
@@ -77,6 +79,20 @@ def test_sigkilled_rank_times_out_by_name_and_partial_merge_salvages(tmp_path):
     assert res.frames("task1.mp4").tolist() == list(range(9))
     assert torch.equal(res["task1.mp4"].to_torch()[8], frame("task1.mp4", 8))
     assert res.frames("task0.mp4").tolist() == list(range(12))
+    # Without a manifest nothing can say what rank 1 never flushed; the report says so.
+    assert rep.frame_gaps == {} and "--expected" in str(rep)
+    # With one, every missing frame is listed by file, the never-flushed file included.
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text("filename,n_frames\n" + "".join(f"task{r}.mp4,12\n" for r in range(3)) + "only1.mp4,1\n")
+    p = subprocess.run(
+        [EXE, "merge", root, "--out", str(tmp_path / "out2"), "--allow-partial", "--expected", str(manifest)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert "PARTIAL: ranks [1] missing" in p.stdout
+    assert "4 frame(s) missing in 2 file(s) against the expected counts" in p.stdout, p.stdout
+    assert "'task1.mp4': frames 9..11" in p.stdout and "'only1.mp4': frames 0" in p.stdout
+    assert spillmerge.open(str(tmp_path / "out2")).frames("task1.mp4").tolist() == list(range(9))
 
 
 def _spill_many(root: str, n_files: int) -> None:

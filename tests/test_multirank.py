@@ -12,13 +12,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import zarr
-from _mp_scenarios import HOSTILE, WORLD, all_keys, leaves, raw_bytes, value_for, worker
+from _mp_scenarios import HOSTILE, WORLD, all_keys, check_with_plain_zarr, worker
 from _procs import spawn_ranks
-
-import spillmerge
 
 SPAWN_TIMEOUT = 240.0  # seconds for the whole spawn; a hang fails the test instead of blocking it
 
@@ -56,39 +52,7 @@ def test_main_matches_gather_object_bit_exactly(ranks):
 def test_main_reads_back_with_plain_zarr(ranks):
     """Without spillmerge's reader: original filenames, node attributes, frame index, raw bits."""
     base, _ = ranks
-    g = zarr.open_group(str(base / "main" / "out"), mode="r")
-    header = g.attrs["spillmerge"]
-    assert header["format_version"] == spillmerge.FORMAT_VERSION and header["kind"] == "merged"
-    names = [str(x) for x in g["index/filenames"][:]]
-    node_keys = [str(x) for x in g["index/keys"][:]]
-    offsets = np.asarray(g["index/frame_offsets"][:])
-    frame_idx = np.asarray(g["index/frame_idx"][:])
-    assert names == sorted(HOSTILE)
-    assert len(set(node_keys)) == len(node_keys) == len(names)
-    assert offsets[0] == 0 and offsets[-1] == len(frame_idx) == len(all_keys())
-    expected_frames: dict[str, list[int]] = {}
-    for name, f in all_keys():
-        expected_frames.setdefault(name, []).append(f)
-    for i, (name, key) in enumerate(zip(names, node_keys, strict=True)):
-        frames = frame_idx[offsets[i] : offsets[i + 1]].tolist()
-        assert frames == sorted(expected_frames[name]), name
-        node = g[f"files/{key}"]
-        if isinstance(node, zarr.Array):
-            arrays = [((), node)]
-        else:
-            arrays = [(tuple(a.attrs["spillmerge"]["leaf"]), a) for _, a in node.members(max_depth=None)
-                      if isinstance(a, zarr.Array)]  # fmt: skip
-        schema = leaves(value_for(name, frames[0]))
-        assert sorted(p for p, _ in arrays) == [p for p, _ in schema], name
-        for path, arr in arrays:
-            meta = arr.attrs["spillmerge"]
-            assert meta["filename"] == name and meta["file_index"] == i and tuple(meta["leaf"]) == path
-            data = np.asarray(arr[...])
-            assert data.shape[0] == len(frames)
-            for row, f in enumerate(frames):
-                want = dict(leaves(value_for(name, f)))[path]
-                got = np.ascontiguousarray(data[row]).tobytes()
-                assert got == raw_bytes(want), (name, f, path, meta["dtype"])
+    check_with_plain_zarr(str(base / "main" / "out"), all_keys())
 
 
 def _allowed_node_name(name: str) -> bool:

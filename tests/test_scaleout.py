@@ -59,7 +59,11 @@ def _same_values(a: str, b: str) -> None:
     for name in ra.filenames:
         assert ra.frames(name).tolist() == rb.frames(name).tolist()
         xa, xb = ra[name], rb[name]
-        pairs = [(xa, xb)] if not isinstance(xa, dict) else [(xa["pred"], xb["pred"]), (xa["meta"]["box"], xb["meta"]["box"])]
+        pairs = (
+            [(xa, xb)]
+            if not isinstance(xa, dict)
+            else [(xa["pred"], xb["pred"]), (xa["meta"]["box"], xb["meta"]["box"])]
+        )
         for u, v in pairs:
             assert _bits(u.to_torch()) == _bits(v.to_torch()), name
 
@@ -203,7 +207,9 @@ def test_a_failed_part_is_named_and_the_other_parts_are_kept(tmp_path):
     records = sorted(os.listdir(out / "spillmerge-parts"))
     assert f"part-{bad:05d}-of-00003.failed.json" in records and len(records) == 3
     t = time.perf_counter()
-    with pytest.raises(spillmerge.PartFailedError, match=f"part {bad}/3: CorruptSpillError: .*checksum mismatch") as info:
+    with pytest.raises(
+        spillmerge.PartFailedError, match=f"part {bad}/3: CorruptSpillError: .*checksum mismatch"
+    ) as info:
         spillmerge.merge(str(root), str(out), finalize=True, timeout=30)
     assert time.perf_counter() - t < 10  # at once, not at the timeout
     assert list(info.value.failures) == [bad] and isinstance(info.value, spillmerge.RankFailedError)
@@ -273,7 +279,9 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
     with spillmerge.SpillWriter(str(root), chunk_bytes=4096) as w:
         for i, dt in enumerate(DTYPES):
             for f in range(5):
-                raw = torch.randint(0, 256, (3 * 7 * torch.empty(0, dtype=dt).element_size(),), generator=g, dtype=torch.uint8)
+                raw = torch.randint(
+                    0, 256, (3 * 7 * torch.empty(0, dtype=dt).element_size(),), generator=g, dtype=torch.uint8
+                )
                 t = (raw % 2).bool()[:21].reshape(3, 7) if dt == torch.bool else raw.view(dt).reshape(3, 7)
                 if f == 0:
                     t = torch.zeros_like(t)  # compressible
@@ -302,8 +310,16 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
             config={"write_empty_chunks": True},
         )  # fmt: skip
         ref[...] = arr[...]
-        ours = {p.relative_to(out / "files" / keys[name]): p.read_bytes() for p in (out / "files" / keys[name]).rglob("c/**/*") if p.is_file()}
-        theirs = {p.relative_to(tmp_path / "ref" / keys[name]): p.read_bytes() for p in (tmp_path / "ref" / keys[name]).rglob("c/**/*") if p.is_file()}
+        ours = {
+            p.relative_to(out / "files" / keys[name]): p.read_bytes()
+            for p in (out / "files" / keys[name]).rglob("c/**/*")
+            if p.is_file()
+        }
+        theirs = {
+            p.relative_to(tmp_path / "ref" / keys[name]): p.read_bytes()
+            for p in (tmp_path / "ref" / keys[name]).rglob("c/**/*")
+            if p.is_file()
+        }
         assert ours == theirs and len(ours) >= (2 if name == "zeros" else 1), (codec, name)
     chunk = out / "files" / "zeros" / "c" / "0" / "0"
     assert (chunk.stat().st_size < 200) == (codec != "none")  # 1 KiB of zeros

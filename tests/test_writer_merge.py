@@ -21,6 +21,9 @@ TORCH_DTYPES = [
     torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32,
     torch.float64, torch.complex64, torch.complex128, torch.complex32,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    # newer torch releases only: packed / raw-bit types, kept as their bits
+    *(getattr(torch, n) for n in ("float8_e8m0fnu", "float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2", "bits8",
+                                  "bits16") if hasattr(torch, n)),
 ]  # fmt: skip
 
 

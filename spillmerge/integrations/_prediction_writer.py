@@ -68,7 +68,7 @@ class SpillPredictionWriterMixin:
     for (``trainer.global_rank``, ``trainer.world_size``); ``on_predict_batch_end`` writes each
     sample of the batch; ``on_predict_epoch_end`` commits, then calls the barrier-free
     ``SpillWriter.merge`` (the merging rank waits on storage for every commit record and merges;
-    the others return at once); ``on_exception`` records the failure so the merge names the rank.
+    the others return once every rank has committed); ``on_exception`` records the failure so the merge names the rank.
     """
 
     def __init__(

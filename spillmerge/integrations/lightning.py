@@ -33,7 +33,8 @@ class SpillPredictionWriter(SpillPredictionWriterMixin, _callbacks.BasePredictio
     Each rank writes the samples of each predicted batch to its own spill segment as the batch
     ends (nothing is kept in memory or gathered); when the predict epoch ends every rank commits
     and calls the barrier-free :meth:`spillmerge.SpillWriter.merge`: global rank 0 (``dst``) waits
-    on storage for every rank's commit record and merges, the others return at once. After
+    on storage for every rank's commit record and merges; the others return once every rank has
+    committed (not after the merge). After
     ``predict``, ``writer.report`` is the :class:`~spillmerge.MergeReport` on that rank.
 
     Args:
