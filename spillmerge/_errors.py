@@ -70,6 +70,11 @@ class CorruptSpillError(SpillMergeError, ValueError):
         self.rank = rank
 
 
+class TruncatedObjectError(CorruptSpillError, SpillStorageError):
+    """An object is shorter than its metadata promise (a torn write or a truncated copy): both
+    corrupt data and a storage problem, so either ``except`` catches it; ``path`` names it."""
+
+
 class IncompleteSpillError(SpillMergeError):
     """Some ranks have no commit record. ``missing`` lists them; ``incomplete`` maps rank → path
     of an uncommitted segment when one exists."""

@@ -201,13 +201,19 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
         a = int(key_start[kk])
         fidx, frame = int(c["file"][a]), int(c["frame"][a])
         have = set(c["lp"][a : a + int(leaves_per_key[kk])].tolist())
-        missing = ["/".join(leaf_paths[p]) or "<tensor>" for p in sorted(lp_sets[fidx] - have)]
+        lacking = sorted(lp_sets[fidx] - have)
+        missing = ["/".join(leaf_paths[p]) or "<tensor>" for p in lacking]
+        with_it = (c["file"] == fidx) & np.isin(c["lp"], lacking)
+        first = int(np.flatnonzero(with_it)[0])
+        rank = _ranks(segments, c["seg"][a : a + 1])[0]
+        others = _ranks(segments, c["seg"][with_it])
         raise LayoutMismatchError(
-            f"{names[fidx]!r:.200} frame {frame} (rank {_ranks(segments, c['seg'][a : a + 1])[0]}) lacks leaves "
-            f"{missing} that other frames of this file have (every frame needs the same leaves)",
+            f"{names[fidx]!r:.200} frame {frame} (rank {rank}) lacks leaves {missing} that other frames of this "
+            f"file have (written by rank(s) {others}, e.g. frame {int(c['frame'][first])}); every frame needs "
+            "the same leaves",
             filename=names[fidx],
             leaf=missing[0] if missing else "",
-            ranks=_ranks(segments, c["seg"][a : a + 1]),
+            ranks=sorted({rank, *others}),
         )
 
     # 4. per file, per leaf: rows in frame order.

@@ -21,7 +21,7 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from ._errors import SpillMergeError, SpillStorageError, UnsafePathError
+from ._errors import SpillMergeError, SpillStorageError, TruncatedObjectError, UnsafePathError
 
 _INSTALL_HINTS = {
     "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
@@ -213,7 +213,7 @@ class Storage:
                 fd = self._fd(rel)
                 got = os.preadv(fd, [out[pos : pos + n]], start)
                 if got != n:
-                    raise SpillStorageError(
+                    raise TruncatedObjectError(
                         f"{self.describe(rel)}: short read at byte {start} ({got} of {n} bytes): "
                         "the object is truncated",
                         path=self.describe(rel),
@@ -233,7 +233,7 @@ class Storage:
             if isinstance(blob, BaseException):
                 raise SpillStorageError(f"cannot read {self.describe(rel)}: {blob}", path=self.describe(rel))
             if len(blob) != n:
-                raise SpillStorageError(
+                raise TruncatedObjectError(
                     f"{self.describe(rel)}: short read at byte {start} ({len(blob)} of {n} bytes): "
                     "the object is truncated",
                     path=self.describe(rel),
@@ -260,7 +260,7 @@ class Storage:
                 self._maps.move_to_end(rel)
         if len(mm) < stop:
             got = max(0, len(mm) - start)
-            raise SpillStorageError(
+            raise TruncatedObjectError(
                 f"{self.describe(rel)}: short read at byte {start} ({got} of {stop - start} bytes): "
                 "the object is truncated",
                 path=self.describe(rel),

@@ -171,3 +171,54 @@ def test_read_only_root_is_a_clear_error(tmp_path):
         assert str(ro) in str(info.value)
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+_PERMISSION_CHILD = r"""
+import json, os, sys, torch, spillmerge
+denied, own = sys.argv[1], sys.argv[2]
+out = {}
+try:  # A: a rank folder cannot be created under a root we may not write
+    with spillmerge.SpillWriter(denied, rank=1, world_size=2) as w:
+        w.write("b.mp4", 0, torch.ones(4))
+except spillmerge.SpillMergeError as e:
+    out["open"] = [type(e).__name__, str(e)]
+try:  # B: permission taken away while spilling: the flush thread's error reaches the loop
+    with spillmerge.SpillWriter(own, rank=0, world_size=1, chunk_bytes=4096, staging_bytes=8192) as w:
+        w.write("c.mp4", 0, torch.zeros(1024))
+        for d, _, _ in os.walk(own):
+            os.chmod(d, 0o555)
+        for i in range(1, 50):
+            w.write("c.mp4", i, torch.full((1024,), float(i)))
+except spillmerge.SpillMergeError as e:
+    out["spill"] = [type(e).__name__, str(e), i]
+print(json.dumps(out))
+"""
+
+
+def test_permission_denied_reaches_the_loop_with_the_path_and_keeps_committed_data(tmp_path):
+    cmd = [sys.executable, "-c", _PERMISSION_CHILD]
+    if os.geteuid() == 0:  # root ignores permissions: run the writer without that capability
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+        cmd = [setpriv, "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    denied, own = tmp_path / "denied", tmp_path / "own"
+    with spillmerge.SpillWriter(str(denied), rank=0, world_size=2) as w:
+        w.write("a.mp4", 0, torch.ones(4))
+    os.chmod(denied, 0o555)  # no rank folder can be added now
+    try:
+        p = subprocess.run([*cmd, str(denied), str(own)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        info = json.loads(p.stdout.strip().splitlines()[-1])
+        assert info["open"][0] == "SpillStorageError", info
+        assert "Permission denied" in info["open"][1] and str(denied) in info["open"][1], info
+        kind, message, at = info["spill"]
+        assert kind == "SpillStorageError" and "Permission denied" in message and str(own) in message, info
+        assert at < 49  # raised in the loop, not only at exit
+        # What rank 0 committed before is intact and merges; rank 1 is named.
+        rep = spillmerge.merge(str(denied), str(tmp_path / "out"), allow_partial=True)
+        assert rep.missing_ranks == [1]
+        assert spillmerge.open(str(tmp_path / "out"))["a.mp4"][0, 0] == 1.0
+    finally:
+        for d, _, _ in os.walk(tmp_path):
+            os.chmod(d, 0o755)

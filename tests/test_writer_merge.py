@@ -154,6 +154,21 @@ def test_layout_change_on_one_rank_fails_at_write_time(tmp_path):
     assert spillmerge.open(str(tmp_path / "o")).frames("v").tolist() == [0, 3]
 
 
+def test_leaves_missing_on_one_rank_name_both_sides_at_merge(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root, rank=0, world_size=3) as w:
+        w.write("v", 0, {"mask": torch.zeros(2), "score": 1.0})
+    with spillmerge.SpillWriter(root, rank=1, world_size=3) as w:
+        w.write("v", 1, {"mask": torch.zeros(2)})  # this rank's model forgot the score
+    with spillmerge.SpillWriter(root, rank=2, world_size=3) as w:
+        w.write("v", 2, {"mask": torch.zeros(2), "score": 3.0})
+    with pytest.raises(spillmerge.LayoutMismatchError) as info:
+        spillmerge.merge(root, str(tmp_path / "o"))
+    msg = str(info.value)
+    assert "'v' frame 1 (rank 1) lacks leaves ['score']" in msg and "rank(s) [0, 2], e.g. frame 0" in msg, msg
+    assert info.value.ranks == [0, 1, 2] and info.value.leaf == "score"
+
+
 def test_duplicate_policies_on_one_rank(tmp_path):
     for policy, want in (("first", 1.0), ("last", 2.0)):
         root = str(tmp_path / policy)
@@ -325,18 +340,28 @@ def test_missing_and_failed_ranks(tmp_path):
     assert rep.abandoned_segments and "rank-00002" in rep.abandoned_segments[0]
 
 
-def test_corrupt_data_is_detected_by_merge(tmp_path):
+@pytest.mark.parametrize("damage", ["bit flip", "truncated", "deleted"])
+def test_corrupt_data_is_detected_by_merge(tmp_path, damage):
     root = tmp_path / "s"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
         for i in range(4):
             w.write("f", i, torch.full((1024,), float(i)))
     chunk = next(root.glob("rank-00000/seg-*/data/c/2"))
     raw = bytearray(chunk.read_bytes())
-    raw[100] ^= 0x01
-    chunk.write_bytes(bytes(raw))
-    with pytest.raises(spillmerge.CorruptSpillError, match="checksum mismatch for 'f' frame 2") as info:
+    if damage == "bit flip":
+        raw[100] ^= 0x01
+        chunk.write_bytes(bytes(raw))
+        needle = "checksum mismatch for 'f' frame 2"
+    elif damage == "truncated":
+        chunk.write_bytes(bytes(raw[:100]))
+        needle = "short read at byte 0 \\(100 of 4096 bytes\\): the object is truncated"
+    else:
+        chunk.unlink()
+        needle = "data chunk 2 is missing"
+    with pytest.raises(spillmerge.CorruptSpillError, match=needle) as info:
         spillmerge.merge(str(root), str(tmp_path / "o"))
-    assert info.value.rank == 0
+    assert str(chunk) in str(info.value) or damage == "bit flip"
+    assert info.value.rank == 0 or damage == "truncated"  # a short read is found below the index
     assert not (tmp_path / "o").exists()  # no half-written output left behind
 
 
