@@ -631,7 +631,14 @@ def _check_expected(expected: Mapping[str, int] | str | None) -> dict[str, int] 
 
 
 def _frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
-    return int(max(1, min(len(fp.frames), chunk_bytes // max(fp.frame_nbytes, 1))))
+    """Frames per output chunk: at most ``chunk_bytes`` worth, balanced over the chunks the file
+    needs, so the last chunk is nearly full. Zarr stores every chunk at full size (an uncompressed
+    edge chunk is zero-padded): with plain ``chunk_bytes // frame_bytes`` a 100-frame file of
+    384 KiB frames in 16 MiB chunks would store 126 rows; balanced, it stores 102."""
+    n = len(fp.frames)
+    cap = int(max(1, min(n, chunk_bytes // max(fp.frame_nbytes, 1))))
+    n_chunks = -(-n // cap)
+    return -(-n // n_chunks)
 
 
 def _shared_docs(plan: Plan, world_size: int) -> dict[str, dict[str, Any]]:

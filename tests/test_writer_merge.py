@@ -431,3 +431,16 @@ def test_consolidated_metadata_matches_zarrs_own(tmp_path):
     g = zarr.open_group(str(tmp_path / "o"), mode="r", use_consolidated=True)
     assert g.metadata.consolidated_metadata is not None
     assert {p for p, _ in g.members(max_depth=None)} == set(ours["consolidated_metadata"]["metadata"])
+
+
+def test_output_chunks_are_balanced_so_padding_stays_below_one_row_per_chunk(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root) as w:
+        for f in range(100):
+            w.write("clip.mp4", f, torch.full((256,), float(f)))  # 1 KiB frames
+    spillmerge.merge(root, str(tmp_path / "o"), chunk_bytes=42 * 1024)  # at most 42 frames per chunk
+    arr = spillmerge.open(str(tmp_path / "o"))["clip.mp4"]
+    assert arr.zarr.chunks == (34, 256)  # 3 chunks of 34 rows, not 42 + 42 + 16-and-26-padding
+    stored = sum(p.stat().st_size for p in (tmp_path / "o" / "files").rglob("c/*"))
+    assert stored <= (100 + 3) * 1024 + 3 * 4  # (rows + one per chunk) plus each chunk's crc32c
+    assert torch.equal(arr.to_torch()[:, 0], torch.arange(100, dtype=torch.float32))
