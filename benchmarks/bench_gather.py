@@ -288,17 +288,21 @@ def run_method(method: str, world: int, cfg: dict) -> list[dict]:
         shutil.rmtree(work, ignore_errors=True)
         for r in range(world):
             Path(f"{work}.result.{r}").unlink(missing_ok=True)
+        os.sync()  # the next method starts with nothing of this one left to write back
 
 
 def run_all(methods: list[str], world: int, cfg: dict, repeats: int) -> dict[str, list[list[dict]]]:
-    """Every method ``repeats`` times, interleaved so drift on the machine hits every method alike.
-    Returns method -> one list per repeat of per-rank result dicts (rank 0 first)."""
-    rows: dict[str, list[list[dict]]] = {}
+    """Every method ``repeats`` times, interleaved so drift on the machine hits every method alike,
+    the order rotated by one each repeat so no method always runs first (the first run after a
+    cleanup, or of the whole suite, is often slower on this VM's disk). Returns method -> one list
+    per repeat of per-rank result dicts (rank 0 first)."""
+    rows: dict[str, list[list[dict]]] = {m: [] for m in methods}
     for rep in range(repeats):
-        for m in methods:
+        k = rep % len(methods)
+        for m in methods[k:] + methods[:k]:
             t0 = time.perf_counter()
             res = run_method(m, world, cfg)
-            rows.setdefault(m, []).append(res)
+            rows[m].append(res)
             status = "ok" if res[0].get("ok") else f"FAILED {res[0].get('error', 'wrong result')}"
             print(f"  repeat {rep + 1}/{repeats} {m}: {res[0].get('wall_s', float('nan')):.2f} s {status} "
                   f"({time.perf_counter() - t0:.0f} s with process start and verification)", file=sys.stderr, flush=True)  # fmt: skip

@@ -576,7 +576,7 @@ def render(res: dict) -> str:
     if "runtime" in res:
         lines.append("- **runtime**: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in res["runtime"].items()))
     lines += ["", "This VM's disk and memory speed drift between minutes: quote the ratios within a run, not the "
-              "seconds. Methods are interleaved repeat by repeat so drift hits them alike.", ""]  # fmt: skip
+              "seconds. Methods are interleaved repeat by repeat so drift hits them alike, in an order rotated by one each repeat.", ""]  # fmt: skip
     lines += render_targets(res)
     renderers = {"gather": render_gather, "flat": render_flat, "overlap": render_overlap, "chunks": render_chunks,
                  "codecs": render_codecs, "procs": render_procs}  # fmt: skip
