@@ -37,9 +37,15 @@ class Leaf:
     """A flat uint8 view: ``np.ndarray`` on the host or a contiguous ``torch.Tensor`` on any device."""
 
 
+_DTYPE_NAMES: dict[torch.dtype, str | None] = {}
+
+
 def _torch_dtype_name(dt: torch.dtype) -> str | None:
-    name = str(dt).removeprefix("torch.")
-    return name if name in DTYPES else None
+    name = _DTYPE_NAMES.get(dt, "")
+    if name == "":  # first time this dtype is seen (write() is per frame: keep it to a dict lookup)
+        name = str(dt).removeprefix("torch.")
+        name = _DTYPE_NAMES[dt] = name if name in DTYPES else None
+    return name
 
 
 def check_filename(filename: object) -> str:
@@ -118,7 +124,8 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
             filename=filename,
             leaf=lname,
         )
-    if t.device.type == "meta":
+    device = t.device.type
+    if device == "meta":
         raise SpillValueError(
             f"leaf {lname!r} of {filename!r:.200}: meta tensors have no data", filename=filename, leaf=lname
         )
@@ -129,21 +136,25 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
             filename=filename,
             leaf=lname,
         )
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    if t.device.type not in ("cpu", "cuda"):
-        t = t.to("cpu")
+    if device not in ("cpu", "cuda"):
+        t, device = t.to("cpu"), "cpu"
     if not t.is_contiguous():
         # On CUDA this is the one temporary device allocation we cannot avoid: a strided
         # device-to-host copy needs a contiguous source.
         t = t.contiguous()
-    shape = tuple(int(d) for d in t.shape)
+    shape = tuple(t.shape)
+    if device == "cpu" and DTYPES[name].native:  # numpy's views are cheaper than torch's per call
+        flat_np = t.numpy().reshape(-1).view(np.uint8)
+        return Leaf(path, name, shape, flat_np.nbytes, flat_np)
     nbytes = t.numel() * t.element_size()
     flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    if flat.device.type == "cpu":
+    if device == "cpu":
         return Leaf(path, name, shape, nbytes, flat.numpy())
     return Leaf(path, name, shape, nbytes, flat)
 

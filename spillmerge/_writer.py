@@ -58,6 +58,8 @@ class _Chunk:
     """Chunk number in ``data``."""
     host: torch.Tensor
     """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
+    host_np: Any = None
+    """``host.numpy()``, made once: host-side copies slice it (cheaper per call than torch)."""
     fill: int = 0
     """Bytes used."""
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
@@ -397,8 +399,8 @@ class SpillWriter:
         while done < leaf.nbytes:
             chunk = self._current_chunk()
             n = min(leaf.nbytes - done, self.chunk_bytes - chunk.fill)
-            dst = chunk.host[chunk.fill : chunk.fill + n]
             if is_cuda:
+                dst = chunk.host[chunk.fill : chunk.fill + n]
                 with torch.cuda.stream(self._cuda_stream):
                     dst.copy_(data[done : done + n], non_blocking=True)
                     if chunk.event is None:
@@ -408,7 +410,9 @@ class SpillWriter:
                 # copy, without blocking the host: write() keeps its copy semantics on CUDA.
                 torch.cuda.current_stream(data.device).wait_stream(self._cuda_stream)
             else:
-                dst.numpy()[:] = data[done : done + n]
+                if chunk.host_np is None:
+                    chunk.host_np = chunk.host.numpy()
+                chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
             chunk.pieces.append((row, chunk.fill, chunk.fill + n))
             chunk.fill += n
             done += n
