@@ -37,15 +37,12 @@ class Leaf:
     """A flat uint8 view: ``np.ndarray`` on the host or a contiguous ``torch.Tensor`` on any device."""
 
 
-_DTYPE_NAMES: dict[torch.dtype, str | None] = {}
+# torch dtype -> format name, for the dtypes this torch has (write() is per frame: one dict lookup).
+_TORCH_NAMES: dict[torch.dtype, str] = {dt: n for n in DTYPES if isinstance(dt := getattr(torch, n, None), torch.dtype)}
 
 
 def _torch_dtype_name(dt: torch.dtype) -> str | None:
-    name = _DTYPE_NAMES.get(dt, "")
-    if name == "":  # first time this dtype is seen (write() is per frame: keep it to a dict lookup)
-        name = str(dt).removeprefix("torch.")
-        name = _DTYPE_NAMES[dt] = name if name in DTYPES else None
-    return name
+    return _TORCH_NAMES.get(dt)
 
 
 def check_filename(filename: object) -> str:
