@@ -120,6 +120,27 @@ class OutputExistsError(SpillMergeError, FileExistsError):
         self.path = path
 
 
+class OutputBusyError(SpillMergeError, BlockingIOError):
+    """Another merge (or part, or finalize) holds the output's lease: one merge per output.
+
+    ``path`` is the output, ``holders`` describes each holder (role, host, pid, since, expiry).
+    """
+
+    def __init__(self, message: str, *, path: str, holders: list[str]) -> None:
+        super().__init__(message)
+        self.path = path
+        self.holders = holders
+
+
+class LeaseLostError(SpillMergeError, RuntimeError):
+    """This merge's lease on its output was taken over (it expired) or removed; it stopped before
+    its next destructive step or its completion marker. ``path`` is the output."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class IncompleteOutputError(SpillMergeError):
     """A merged output has no completion marker: the merge that wrote it did not finish."""
 

@@ -20,7 +20,7 @@ import zarr
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
 
-from . import _codecs, _parts
+from . import _codecs, _lease, _output, _parts
 from . import _format as F
 from ._coverage import _runs, read_manifest
 from ._errors import (
@@ -146,28 +146,6 @@ class MergeReport:
         if len(self.frame_gaps) > files:
             s += f"\n  ... and {len(self.frame_gaps) - files} more file(s) (MergeReport.frame_gaps lists them all)"
         return s
-
-
-def _contains(a: Storage, b: Storage) -> bool:
-    """True when one storage path lies inside (or equals) the other on the same filesystem."""
-    if type(a.fs) is not type(b.fs):
-        return False
-    pa, pb = a.root.rstrip("/") + "/", b.root.rstrip("/") + "/"
-    return pa.startswith(pb) or pb.startswith(pa)
-
-
-def _prepare_output(dst: Storage, overwrite: bool) -> None:
-    if not dst.exists("") or not dst.listdir(""):
-        return
-    if not _is_ours(dst):
-        raise _not_ours(dst)
-    if dst.exists(F.COMPLETE_NAME) and not overwrite:
-        raise OutputExistsError(
-            f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to replace it",
-            path=dst.describe(),
-        )
-    # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
-    dst.rm_tree("")
 
 
 def merge(
@@ -345,7 +323,7 @@ class _Job:
             raise SpillValueError(f"threads must be a positive int, got {threads!r}")
         if not src.exists(""):
             raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
-        if _contains(src, dst):
+        if _output.overlaps(src, dst):
             raise SpillValueError(
                 f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out"
             )
@@ -408,31 +386,47 @@ class _Job:
 
 
 def _merge_whole(job: _Job, overwrite: bool) -> MergeReport:
-    """One process writes everything."""
-    _prepare_output(job.dst, overwrite)
+    """One process writes everything, holding the output's exclusive lease."""
+    dst = job.dst
+    _output.check_claimable(dst)
+    created = not dst.exists("")
+    dst.makedirs("")
+    try:
+        with _lease.whole(dst) as lease:  # before any change: one merge per output
+            _merge_whole_locked(job, overwrite, lease)
+    except BaseException:
+        if created:  # leave no empty folder behind where there was none
+            dst.remove_empty_dir("")
+        raise
+    return job.report()
+
+
+def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None:
+    """Everything of a whole merge that happens under its lease."""
+    dst = job.dst
+    _output.prepare(dst, overwrite, lease)
     try:
         t = time.perf_counter()
         docs = {**_shared_docs(job.plan, job.state.world_size), **_file_docs(job, job.plan.files)}
-        # The root document goes first, alone: it marks the folder as a spillmerge output, so an
-        # interrupted merge can be recognised and rebuilt.
-        job.dst.makedirs("")
-        job.dst.put("zarr.json", _json_doc(docs[""]))
-        job.dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
+        # The root document goes first, alone and whole: it marks the folder as a spillmerge
+        # output, so an interrupted merge can be recognised and rebuilt.
+        dst.put_atomic("zarr.json", _json_doc(docs[""]))
+        dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, job.plan.files)
         job.phases["copy"] = time.perf_counter() - t
         _write_index(job)
-        _finish(job, docs)
+        _finish(job, docs, lease)
     except BaseException:
-        # The output is unusable without its completion marker anyway; removing it keeps the
-        # next merge (or a reader) from seeing half a store.
+        # The output is unusable without its completion marker anyway; removing what we
+        # wrote keeps the next merge (or a reader) from seeing half a store. Only while the
+        # lease is still ours: a merge that took over after it expired owns the output now.
         try:
-            job.dst.rm_tree("")
+            _output.remove_ours(dst, lease)
         except Exception:  # noqa: BLE001
             pass
         raise
-    return job.report()
 
 
 def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int | None) -> MergeReport:
@@ -443,10 +437,21 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
     its own records, a completion marker (``overwrite``) and records of another plan
     (``overwrite``)."""
     i, n = part
-    dst, fp = job.dst, job.fingerprint
+    dst = job.dst
     mine = [job.plan.files[k] for k in split(job.plan, n)[i]]
+    _output.check_claimable(dst)
+    dst.makedirs("")
+    with _lease.part(dst, i, n) as lease:  # two runs of the same part never write at once
+        _output.claim(dst, overwrite, lease)
+        return _write_part(job, part, mine, overwrite, rank, lease)
+
+
+def _write_part(
+    job: _Job, part: tuple[int, int], mine: list[FilePlan], overwrite: bool, rank: int | None, lease: _lease.Lease
+) -> MergeReport:
+    i, n = part
+    dst, fp = job.dst, job.fingerprint
     name = _parts.describe(i, n, rank)
-    _claim(dst, overwrite)
     records = _parts.scan(dst)
     if not overwrite and any(r.part == i and r.parts == n and r.plan == fp and not r.failed for r in records):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
@@ -457,6 +462,7 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
         raise _parts.mismatch_error(
             dst, foreign, n, fp, hint="rerun every part with overwrite=True (--overwrite), or choose another --out"
         )
+    lease.check()
     for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
         _parts.remove(dst, r.part, r.parts, failed=False)
     _parts.remove(dst, i, n, failed=False)
@@ -478,6 +484,7 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
         t = time.perf_counter()
         if job.fsync:  # the part record vouches for every chunk of the part
             dst.fsync_tree("")
+        lease.check()
         _parts.write_done(
             dst, i, n, fp, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
             nbytes=sum(len(f.frames) * f.frame_nbytes for f in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
@@ -496,15 +503,24 @@ def _finalize(
     """After every part: check the part records (present, same plan), then index, consolidated
     metadata and completion marker — the same documents a one-process merge writes."""
     dst = job.dst
-    if not _is_ours(dst):
+    if not _output.is_ours(dst):
         if dst.exists("") and dst.listdir(""):
-            raise _not_ours(dst)
+            raise _output.not_ours(dst)
         raise MissingPartsError(
             f"{dst.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
             path=dst.describe(),
             missing=[],
             parts=parts or 0,
         )
+    with _lease.finalize(dst) as lease:  # shared with parts; exclusive with a whole merge
+        _output.refuse_links(dst, overwrite=False)  # pruning through a linked files/ deletes elsewhere
+        return _finalize_locked(job, parts, timeout, overwrite, collective, lease)
+
+
+def _finalize_locked(
+    job: _Job, parts: int | None, timeout: float, overwrite: bool, collective: bool, lease: _lease.Lease
+) -> MergeReport:
+    dst = job.dst
     complete = dst.exists(F.COMPLETE_NAME)
     if complete and not overwrite:
         raise OutputExistsError(
@@ -525,6 +541,7 @@ def _finalize(
     )
     job.phases["parts"] = time.perf_counter() - t
     t = time.perf_counter()
+    lease.check()
     if complete:
         dst.rm_tree(F.COMPLETE_NAME)
     keys = {f.key for f in job.plan.files}
@@ -535,45 +552,8 @@ def _finalize(
     dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in shared.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     _write_index(job)
-    _finish(job, {**shared, **_file_docs(job, job.plan.files)})
+    _finish(job, {**shared, **_file_docs(job, job.plan.files)}, lease)
     return job.report(parts=n)
-
-
-def _not_ours(dst: Storage) -> OutputExistsError:
-    return OutputExistsError(
-        f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
-        "(spillmerge never deletes a folder it did not write)",
-        path=dst.describe(),
-    )
-
-
-def _is_ours(dst: Storage) -> bool:
-    raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
-    if raw is None:
-        return dst.exists(_parts.PARTS_DIR)
-    try:
-        obj = F.loads(raw, path=dst.describe("zarr.json"))
-        return bool(obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged")
-    except (CorruptSpillError, AttributeError):
-        return False
-
-
-def _claim(dst: Storage, overwrite: bool) -> None:
-    """A part's ``_prepare_output``: the output must be empty or ours; never delete anything but
-    the completion marker (``overwrite``), because other parts may be writing next to us."""
-    if dst.exists(""):
-        names = [x for x in dst.listdir("") if not x.startswith("zarr.json.tmp-")]  # a part claiming it now
-        if names and not _is_ours(dst):
-            raise _not_ours(dst)
-        if dst.exists(F.COMPLETE_NAME):
-            if not overwrite:
-                raise OutputExistsError(
-                    f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to "
-                    "rebuild it (every part, then finalize)",
-                    path=dst.describe(),
-                )
-            dst.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized
-    dst.makedirs("")
 
 
 def _gaps(
@@ -756,7 +736,7 @@ def _write_index(job: _Job) -> None:
     job.phases["index"] = time.perf_counter() - t
 
 
-def _finish(job: _Job, docs: dict[str, dict[str, Any]]) -> None:
+def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> None:
     """Flush, then the consolidated root, then the completion marker: last, once."""
     dst, plan = job.dst, job.plan
     root = dict(docs[""])
@@ -770,6 +750,7 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]]) -> None:
         dst.fsync_tree("")
     job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
+    lease.check()  # a merge that lost its lease must not vouch for an output another one writes
     dst.put_atomic("zarr.json", _json_doc(root))
     marker = {
         "format_version": F.FORMAT_VERSION,
@@ -778,7 +759,13 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]]) -> None:
         "n_frames": plan.n_frames,
         "nbytes": plan.total_bytes,
         "finished": F.utcnow(),
+        # The run that wrote it: a second merge into this output can be told apart.
+        "written_by": lease.record(),
+        "spill_root": job.src.describe(),
+        "plan": job.fingerprint,
+        "run_id": job.run_id,
     }
+    lease.check()
     dst.put_atomic(F.COMPLETE_NAME, F.dumps(marker))
     job.phases["finish"] = time.perf_counter() - t
 

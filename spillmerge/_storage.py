@@ -10,6 +10,8 @@ import ctypes
 import mmap
 import os
 import posixpath
+import shutil
+import stat
 import sys
 import threading
 from collections import OrderedDict
@@ -94,6 +96,14 @@ class Storage:
         self.storage_options = dict(storage_options or {})
         self.fs, root = _url_to_fs(self.url, self.storage_options)
         self.local = isinstance(self.fs, LocalFileSystem)
+        if self.local:
+            # One spelling per folder: `..`, `.`, `//`, relative paths and symlinks resolved, so two
+            # spellings of one folder compare equal (an output "inside" a spill root is refused
+            # however it is written) and `tmp/../x` never creates `tmp` on the way.
+            root = os.path.realpath(root)
+        else:
+            # Object stores have no links; `..`, `.` and `//` are resolved the way fsspec users mean them.
+            root = posixpath.normpath(root) if root not in ("/", "") else root
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._maps: OrderedDict[str, Any] = OrderedDict()
@@ -409,8 +419,50 @@ class Storage:
                 pass
             raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
+    def is_link(self, rel: str) -> bool:
+        """True when ``rel`` is a symbolic link (local disks; object stores have none)."""
+        if not self.local:
+            return False
+        try:
+            return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise SpillStorageError(f"cannot check {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+
+    def _refuse_links_above(self, rel: str) -> None:
+        """Refuse ``rel`` when a folder between the root and it is a symbolic link: an operation
+        through it would act outside the root (a ``files/`` linked to another folder)."""
+        parts = rel.split("/")[:-1]
+        for depth in range(1, len(parts) + 1):
+            above = "/".join(parts[:depth])
+            if self.is_link(above):
+                raise UnsafePathError(
+                    f"{self.describe(above)} is a symbolic link; spillmerge does not write or delete through links "
+                    f"(it would act outside {self.describe()}): remove the link",
+                    path=self.describe(above),
+                )
+
     def rm_tree(self, rel: str = "") -> None:
+        """Delete ``rel`` and everything below it, never following a symbolic link: a link is
+        removed itself (its target is untouched) and a link above ``rel`` is refused."""
         p = self.path(rel)
+        if self.local:
+            if rel not in ("", "."):
+                self._refuse_links_above(rel)
+            try:
+                st = os.lstat(p)
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(p)  # fd-based on Linux: unlinks links inside, never follows them
+                else:
+                    os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise SpillStorageError(
+                    f"cannot remove {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
+                ) from exc
+            return
         try:
             if self.fs.exists(p):
                 self.fs.rm(p, recursive=True)
@@ -421,6 +473,43 @@ class Storage:
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             raise SpillStorageError(
                 f"cannot remove {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
+            ) from exc
+
+    def remove_empty_dir(self, rel: str) -> None:
+        """Remove the folder ``rel`` if it is empty (local disks; object stores have no folders)."""
+        if self.local:
+            try:
+                os.rmdir(self.path(rel))
+            except OSError:
+                pass
+
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write ``rel`` only if it does not exist; False when it does. Locally an ``O_EXCL``
+        create; on object stores a conditional PUT (``If-None-Match: *``, s3fs ``mode="create"``),
+        so of two processes creating one name, exactly one succeeds."""
+        p = self.path(rel)
+        try:
+            if self.local:
+                try:
+                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                except FileExistsError:
+                    return False
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                return True
+            try:
+                self.fs.pipe_file(p, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+            raise SpillStorageError(
+                f"cannot create {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
             ) from exc
 
     # ----------------------------------------------------------------------------------- zarr

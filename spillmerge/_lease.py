@@ -1,0 +1,362 @@
+"""One merge per output: a lease taken before the first byte of output is written.
+
+Protocol (docs/GUARANTEES.md, "One merge per output"):
+
+1. (every merging process: a whole merge, a part, a finalize) ``Lease.acquire`` before it changes
+   anything under the output. A whole merge is *exclusive*; a part ``i/n`` and a finalize are
+   *shared* with each other (they write disjoint objects) but exclusive among themselves by name
+   (two processes running part 2/4 at once conflict) and with any whole merge.
+2. (the holder) ``check()`` before every destructive step and before the completion marker:
+   it raises :class:`LeaseLostError` if the lease was taken over or removed.
+3. (the holder) ``release()`` when done, successful or not (``with`` does it).
+
+Two mechanisms behind one class:
+
+- **Local disks**: ``flock(2)`` on files under ``OUT/spillmerge-lease/``. The kernel drops the
+  lock when the holder dies, so a SIGKILLed merge never blocks the next one, and there is no
+  expiry to wait for. (NFSv4 maps flock to byte-range locks shared across clients.)
+- **Object stores** (and local filesystems without flock): one lease object per holder,
+  created with a conditional PUT (``If-None-Match: *``), naming owner, host, pid and an expiry
+  that a heartbeat thread pushes forward. A lease past its expiry (its holder died) is taken
+  over; a holder that finds its lease gone or replaced stops before its next destructive step.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any
+
+from . import _format as F
+from ._errors import LeaseLostError, OutputBusyError, SpillStorageError
+from ._storage import Storage
+
+LEASE_DIR = "spillmerge-lease"
+DEFAULT_TTL = 120.0
+"""Seconds an object-store lease stays valid without a heartbeat (renewed every quarter of it)."""
+_OUTPUT = "output"
+"""The lock every holder takes: exclusively for a whole merge, shared for parts and finalize."""
+_MAX_RECORD = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds (or held) a lease: written into the lease and into the completion marker."""
+
+    owner: str
+    """A random token of this acquisition."""
+    role: str
+    """``merge``, ``part I/N`` or ``finalize``."""
+    host: str
+    """Host name of the holding process."""
+    pid: int
+    """Process id on that host."""
+    since: str
+    """When the lease was taken (UTC, ISO 8601)."""
+    expires: float
+    """Unix time after which an object-store lease may be taken over (0: held by a lock)."""
+
+    def describe(self) -> str:
+        until = ""
+        if self.expires:
+            left = self.expires - time.time()
+            until = f", expires in {left:.0f} s" if left > 0 else f", expired {-left:.0f} s ago"
+        return f"{self.role} (pid {self.pid} on {self.host}, since {self.since}{until})"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Holder | None:
+        """The holder a lease object names, or None when it is empty or not a lease (torn write)."""
+        try:
+            obj = json.loads(raw)
+            return cls(
+                owner=str(obj["owner"]),
+                role=str(obj["role"]),
+                host=str(obj["host"]),
+                pid=int(obj["pid"]),
+                since=str(obj["since"]),
+                expires=float(obj["expires"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+def _lock_flags(exclusive: bool) -> int:
+    return (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+
+
+class Lease:
+    """A held lease on an output; see the module docstring. Use :meth:`acquire`."""
+
+    def __init__(self, dst: Storage, name: str, role: str, exclusive: bool, ttl: float) -> None:
+        self.dst, self.name, self.exclusive, self.ttl = dst, name, exclusive, ttl
+        self.holder = Holder(
+            owner=uuid.uuid4().hex,
+            role=role,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            since=F.utcnow(),
+            expires=0.0,
+        )
+        self._fds: dict[str, int] = {}  # lock-file rel path -> fd (local flock mode)
+        self._objects: list[str] = []  # lease objects we created (object-store mode)
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------ acquire
+    @classmethod
+    def acquire(cls, dst: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> Lease:
+        """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
+        :class:`OutputBusyError` naming every holder in the way."""
+        lease = cls(dst, name, role, exclusive, ttl)
+        dst.makedirs(LEASE_DIR)
+        if dst.local and lease._acquire_flock():
+            return lease
+        lease._acquire_object()
+        return lease
+
+    def _rel(self, name: str, ext: str) -> str:
+        return f"{LEASE_DIR}/{name}.{ext}"
+
+    def _open_lock(self, rel: str) -> int:
+        p = self.dst.path(rel)
+        try:
+            return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            where = self.dst.describe(rel)
+            raise SpillStorageError(f"cannot open the lease file {where}: {exc.strerror}", path=where) from exc
+
+    def _acquire_flock(self) -> bool:
+        """Local disks: flock the holder's own file, then the output's. False when the filesystem
+        has no working flock (the caller falls back to lease objects)."""
+        for _attempt in range(5):
+            if not self._flock_all():
+                return False
+            if self._still_linked() is None:
+                return True
+            # We locked a file an exclusive holder removed while tidying up (between our open and
+            # our flock): the lock means nothing. Try again on the files that are there now.
+            self.release()
+            self.dst.makedirs(LEASE_DIR)
+        raise self._busy([])
+
+    def _flock_all(self) -> bool:
+        mine, shared = self._rel(self.name, "lock"), self._rel(_OUTPUT, "lock")
+        for rel, exclusive in ((mine, True), (shared, self.exclusive)):
+            fd = self._open_lock(rel)
+            try:
+                fcntl.flock(fd, _lock_flags(exclusive))
+            except BlockingIOError:
+                os.close(fd)
+                self.release()
+                raise self._busy(self._local_holders()) from None
+            except OSError as exc:
+                os.close(fd)
+                self.release()
+                if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    return False
+                where = self.dst.describe(rel)
+                raise SpillStorageError(f"cannot lock {where}: {exc.strerror}", path=where) from exc
+            self._fds[rel] = fd
+            if rel == mine:  # who holds it, for the next process's error message
+                data = self.holder.to_json()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, data, 0)
+        return True
+
+    def _local_holders(self) -> list[Holder]:
+        """The holders of the lock files under the lease folder that are locked right now."""
+        out = []
+        for fname in self.dst.listdir(LEASE_DIR):
+            if not fname.endswith(".lock") or fname == f"{_OUTPUT}.lock":
+                continue
+            rel = f"{LEASE_DIR}/{fname}"
+            if rel in self._fds:
+                continue
+            fd = self._open_lock(rel)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    continue  # nobody holds it: a finished holder's file
+                except BlockingIOError:
+                    pass
+                holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
+                for _ in range(20):  # locked a moment ago, its record not written yet
+                    if holder is not None:
+                        break
+                    time.sleep(0.025)
+                    holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
+            finally:
+                os.close(fd)
+            if holder is not None:
+                out.append(holder)
+        return out
+
+    def _acquire_object(self) -> None:
+        """Object stores: create our lease object conditionally, then look for holders it
+        conflicts with; on a conflict remove ours again (both may back off; neither proceeds)."""
+        rel = self._rel(self.name, "json")
+        self.holder = _with_expiry(self.holder, self.ttl)
+        if not self.dst.create(rel, self.holder.to_json()):
+            old = self._read_object(rel)
+            if old is None:  # being written this instant (a local O_EXCL create) or damaged by hand
+                raise self._busy([])
+            if old.expires > time.time():
+                raise self._busy([old])
+            # Expired: its holder died or hung. Take it over (of two takers, create lets one win).
+            self.dst.rm_tree(rel)
+            if not self.dst.create(rel, self.holder.to_json()):
+                raise self._busy([h for h in [self._read_object(rel)] if h is not None])
+        self._objects.append(rel)
+        blocking = []
+        for fname in self.dst.listdir(LEASE_DIR):
+            other = f"{LEASE_DIR}/{fname}"
+            if not fname.endswith(".json") or other == rel:
+                continue
+            if not self.exclusive and fname != f"{_MERGE}.json":
+                continue  # parts and finalize share the output
+            holder = self._read_object(other)
+            if holder is not None and holder.expires > time.time():
+                blocking.append(holder)
+        if blocking:
+            self.release()
+            raise self._busy(blocking)
+        self._beat = threading.Thread(target=self._heartbeat, name="spillmerge-lease", daemon=True)
+        self._beat.start()
+
+    def _read_object(self, rel: str) -> Holder | None:
+        raw = self.dst.get_or_none(rel, max_bytes=_MAX_RECORD)
+        return None if raw is None else Holder.from_json(raw)
+
+    def _heartbeat(self) -> None:
+        rel = self._objects[0]
+        while not self._stop.wait(self.ttl / 4):
+            try:
+                current = self._read_object(rel)
+                if current is None or current.owner != self.holder.owner:
+                    self._lost = "it was removed" if current is None else f"it was taken over by {current.describe()}"
+                    return
+                self.holder = _with_expiry(self.holder, self.ttl)
+                self.dst.put_atomic(rel, self.holder.to_json())  # never torn for a reader
+            except Exception:  # noqa: BLE001 - a transient failure: the next beat retries
+                continue
+
+    def _busy(self, holders: list[Holder]) -> OutputBusyError:
+        who = "; ".join(h.describe() for h in holders) or (
+            f"another process (its lease record under {self.dst.describe(LEASE_DIR)} is being written, or is "
+            "damaged: remove it if no merge is running)"
+        )
+        return OutputBusyError(
+            f"{self.dst.describe()} is being written by {who}: one merge per output. Wait for it to finish, or "
+            "choose another --out"
+            + (" (a lease of a process that died expires by itself)" if not self.dst.local else ""),
+            path=self.dst.describe(),
+            holders=[h.describe() for h in holders],
+        )
+
+    # -------------------------------------------------------------------------------- hold
+    def _still_linked(self) -> str | None:
+        """None when every file we locked is still the one at its path; else why not."""
+        for rel, fd in self._fds.items():
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.dst.path(rel), follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                return f"{self.dst.describe(rel)} was removed or replaced"
+        return None
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless this process still holds the lease. Called before
+        every destructive step and before the completion marker."""
+        why = self._lost
+        if why is None and self._fds:
+            why = self._still_linked()
+        elif why is None and self._objects:
+            current = self._read_object(self._objects[0])
+            if current is None or current.owner != self.holder.owner:
+                why = "it was removed" if current is None else f"it was taken over by {current.describe()}"
+        if why is not None:
+            raise LeaseLostError(
+                f"{self.holder.role} lost its lease on {self.dst.describe()} ({why}); it stopped before changing "
+                "anything else. Another merge may be writing this output: check, then run the merge again",
+                path=self.dst.describe(),
+            )
+
+    def release(self, *, tidy: bool = False) -> None:
+        """Give the lease up (idempotent); lease objects of ours are removed. ``tidy``: also remove
+        the lease folder when nobody else holds a lease (a finished output carries no lock files;
+        a process that opened one meanwhile finds it unlinked after locking and starts over)."""
+        self._stop.set()
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._beat.join()
+        shared = self._rel(_OUTPUT, "lock")
+        if tidy and shared in self._fds and self._still_linked() is None:
+            try:
+                fcntl.flock(self._fds[shared], fcntl.LOCK_EX | fcntl.LOCK_NB)  # alone? (SH -> EX)
+                alone = True
+            except OSError:
+                alone = False
+            if alone:
+                try:
+                    self.dst.rm_tree(LEASE_DIR)
+                except Exception:  # noqa: BLE001 - best effort: lock files are harmless
+                    pass
+        for fd in self._fds.values():
+            os.close(fd)  # drops the flock
+        self._fds.clear()
+        for rel in self._objects:
+            try:
+                current = self._read_object(rel)
+                if current is not None and current.owner == self.holder.owner:
+                    self.dst.rm_tree(rel)
+            except Exception:  # noqa: BLE001 - best effort: an unremoved lease expires by itself
+                pass
+        self._objects.clear()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release(tidy=True)
+
+    def record(self) -> dict[str, Any]:
+        """What the completion marker says about the run that wrote it."""
+        return {"owner": self.holder.owner, "role": self.holder.role, "host": self.holder.host, "pid": self.holder.pid}
+
+
+_MERGE = "merge"
+"""The lease name of a whole (one-process) merge."""
+
+
+def _with_expiry(holder: Holder, ttl: float) -> Holder:
+    return Holder(holder.owner, holder.role, holder.host, holder.pid, holder.since, time.time() + ttl)
+
+
+def whole(dst: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+    """The lease of a one-process merge: exclusive."""
+    return Lease.acquire(dst, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
+
+
+def part(dst: Storage, i: int, n: int, ttl: float = DEFAULT_TTL) -> Lease:
+    """The lease of part ``i`` of ``n``: shared with other parts and finalize, exclusive by name."""
+    return Lease.acquire(dst, name=f"part-{i:05d}-of-{n:05d}", role=f"part {i}/{n}", exclusive=False, ttl=ttl)
+
+
+def finalize(dst: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+    """The lease of a finalize: shared with parts, exclusive with another finalize."""
+    return Lease.acquire(dst, name="finalize", role="finalize", exclusive=False, ttl=ttl)
