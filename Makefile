@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench release-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,9 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check spillmerge tests benchmarks examples
 	$(VENV)/bin/mypy spillmerge
+
+release-check: setup
+	bash .ci/release-check
 
 bench: setup
 	$(PY) benchmarks/suite.py --flat
