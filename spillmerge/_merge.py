@@ -2,150 +2,31 @@
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import sys
-import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import google_crc32c
 import numpy as np
 import zarr
-from zarr.core.group import GroupMetadata
-from zarr.core.metadata import ArrayV3Metadata
 
 from . import _codecs, _lease, _output, _parts
 from . import _format as F
-from ._coverage import _runs, read_manifest
+from . import _zarrmeta as Z
+from ._copy import copy_files
 from ._errors import (
-    CorruptSpillError,
     MissingPartsError,
     OutputExistsError,
     SpillStorageError,
     SpillValueError,
 )
 from ._plan import FilePlan, Plan, build, fingerprint, split
+from ._report import MergeReport, check_expected, gaps
 from ._spillroot import load_all, load_flushed, wait_for_commits
 from ._storage import Storage
-from ._writer import _array_meta
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class MergeReport:
-    """What a merge did."""
-
-    out: str
-    """Output path or URL."""
-    n_files: int
-    """Filenames (arrays or groups under ``files/``) written."""
-    n_frames: int
-    """Frames written."""
-    nbytes: int
-    """Payload bytes written (without checksums)."""
-    ranks: list[int]
-    """Ranks whose committed segments were merged."""
-    segments: int
-    """Committed segments merged."""
-    seconds: float
-    """Wall time of the whole call."""
-    wait_seconds: float
-    """Time spent waiting for commit records (the barrier)."""
-    merge_seconds: float
-    """Time spent validating, planning and writing."""
-    duplicates: int
-    """Duplicate (filename, frame) copies dropped (identical content, or by the duplicate policy)."""
-    missing_ranks: list[int] = field(default_factory=list)
-    """Ranks without a commit record (only with ``allow_partial=True``)."""
-    abandoned_segments: list[str] = field(default_factory=list)
-    """Uncommitted segments superseded by a later commit of the same rank (not merged)."""
-    salvaged_frames: dict[int, int] = field(default_factory=dict)
-    """Rank → frames merged from its uncommitted segment's journal (``allow_partial``)."""
-    frame_gaps: dict[str, list[int]] = field(default_factory=dict)
-    """Filename → missing frame indices (at most 10,000 listed per file), with ``allow_partial`` or
-    ``expected``. Without ``expected``: the frames absent between 0 and the file's highest merged
-    frame. With ``expected`` (filename → frame count): every frame ``0 .. count-1`` absent, files
-    the manifest lists that no rank wrote included."""
-    expected_files: int | None = None
-    """Filenames in the ``expected`` manifest (None without one)."""
-    notes: list[str] = field(default_factory=list)
-    """Problems that stopped salvaging a journal (torn or corrupt entries); a part that was
-    already complete and was not rewritten."""
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase: wait, load (indexes), plan, metadata, copy, parts (waiting for part
-    records), index, sync, finish (and transfer, when shards were moved over torch.distributed
-    first)."""
-    parts: int = 1
-    """Parts (processes) the output is written in: 1 for a one-process merge."""
-    part: int | None = None
-    """The part this call wrote (``part=(i, n)``, or a rank of ``parallel=True`` that is not
-    ``dst``); its counts are the part's. None for a whole merge or a finalize."""
-    codec: str = "none"
-    """Output codec of the arrays under ``files/``."""
-    transferred: dict[int, int] = field(default_factory=dict)
-    """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
-    transfer_senders: dict[int, list[int]] = field(default_factory=dict)
-    """Sending rank → the ranks whose shards it moved (one sender per group sharing a disk)."""
-
-    @property
-    def filenames(self) -> int:  # the contract's name for the count
-        return self.n_files
-
-    @property
-    def frames(self) -> int:
-        return self.n_frames
-
-    def __str__(self) -> str:
-        gib = self.nbytes / (1 << 30)
-        s = (
-            (f"part {self.part}/{self.parts}: " if self.part is not None else "")
-            + f"merged {self.n_files} files, {self.n_frames} frames, {gib:.3f} GiB from "
-            f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out}"
-            + (f" in {self.parts} parts" if self.part is None and self.parts > 1 else "")
-            + (f" with {self.codec}" if self.codec != "none" else "")
-            + f" in {self.seconds:.2f} s "
-            f"(wait {self.wait_seconds:.2f} s, merge {self.merge_seconds:.2f} s)"
-        )
-        if self.transferred:
-            moved = sum(self.transferred.values()) / (1 << 30)
-            s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
-        s += "".join(f"; {n}" for n in self.notes if n.startswith("part "))
-        if self.duplicates:
-            s += f"; {self.duplicates} duplicate frame copies dropped"
-        if self.missing_ranks:
-            s += f"; PARTIAL: ranks {self.missing_ranks} missing"
-            if self.salvaged_frames:
-                s += f" (salvaged from their flushed chunks: {self.salvaged_frames} frames by rank)"
-        if self.frame_gaps:
-            s += self._gaps_text()
-        elif self.expected_files is not None:
-            s += f"; every frame of the {self.expected_files} expected files is present"
-        if self.missing_ranks:
-            s += "".join(f"\n  note: {n}" for n in self.notes if not n.startswith("part "))
-            if self.expected_files is None:
-                s += (
-                    "\n  (frames after a file's last merged frame, and files only the missing ranks held, "
-                    "are not listed: pass expected= / --expected MANIFEST.csv to check against the counts)"
-                )
-        return s
-
-    def _gaps_text(self, files: int = 20, chars: int = 160) -> str:
-        n = sum(len(v) for v in self.frame_gaps.values())
-        against = "against the expected counts" if self.expected_files is not None else "below each file's last frame"
-        s = f"; {n} frame(s) missing in {len(self.frame_gaps)} file(s) {against}:"
-        for name in sorted(self.frame_gaps)[:files]:
-            runs = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b, _ in _runs(np.asarray(self.frame_gaps[name])))
-            s += f"\n  {name!r}: frames {runs if len(runs) <= chars else runs[:chars] + ' ...'}"
-        if len(self.frame_gaps) > files:
-            s += f"\n  ... and {len(self.frame_gaps) - files} more file(s) (MergeReport.frame_gaps lists them all)"
-        return s
 
 
 def merge(
@@ -311,7 +192,7 @@ class _Job:
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
         codec = _codecs.check(codec)
-        manifest = _check_expected(expected)
+        manifest = check_expected(expected)
         src = Storage(root, storage_options)
         if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
             same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
@@ -373,7 +254,7 @@ class _Job:
             missing_ranks=sorted([*self.state.missing, *self.state.failed]),
             abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
             salvaged_frames=self.salvaged,
-            frame_gaps=_gaps(chosen, self.expected, whole=part is None)
+            frame_gaps=gaps(chosen, self.expected, whole=part is None)
             if self.allow_partial or self.expected is not None
             else {},
             expected_files=None if self.expected is None else len(self.expected),
@@ -407,11 +288,14 @@ def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None
     _output.prepare(dst, overwrite, lease)
     try:
         t = time.perf_counter()
-        docs = {**_shared_docs(job.plan, job.state.world_size), **_file_docs(job, job.plan.files)}
+        docs = {
+            **Z.shared_docs(job.plan, job.state.world_size),
+            **Z.file_docs(job.plan.files, job.chunk_bytes, job.codec),
+        }
         # The root document goes first, alone and whole: it marks the folder as a spillmerge
         # output, so an interrupted merge can be recognised and rebuilt.
-        dst.put_atomic("zarr.json", _json_doc(docs[""]))
-        dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items() if path})
+        dst.put_atomic("zarr.json", Z.json_doc(docs[""]))
+        dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, job.plan.files)
@@ -470,13 +354,13 @@ def _write_part(
     try:
         t = time.perf_counter()
         if not dst.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
-            dst.put_atomic("zarr.json", _json_doc(_shared_docs(job.plan, job.state.world_size)[""]))
-        docs = _file_docs(job, mine)
+            dst.put_atomic("zarr.json", Z.json_doc(Z.shared_docs(job.plan, job.state.world_size)[""]))
+        docs = Z.file_docs(mine, job.chunk_bytes, job.codec)
         present = set(dst.listdir("files"))
         for fp_ in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
             if fp_.key in present:
                 dst.rm_tree(f"files/{fp_.key}")
-        dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in docs.items()})
+        dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items()})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, mine)
@@ -548,168 +432,12 @@ def _finalize_locked(
     for name in dst.listdir("files"):
         if name not in keys and name != "zarr.json":  # left by an older merge into this output
             dst.rm_tree(f"files/{name}")
-    shared = _shared_docs(job.plan, job.state.world_size)
-    dst.put_many({f"{path}/zarr.json": _json_doc(doc) for path, doc in shared.items() if path})
+    shared = Z.shared_docs(job.plan, job.state.world_size)
+    dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in shared.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     _write_index(job)
-    _finish(job, {**shared, **_file_docs(job, job.plan.files)}, lease)
+    _finish(job, {**shared, **Z.file_docs(job.plan.files, job.chunk_bytes, job.codec)}, lease)
     return job.report(parts=n)
-
-
-def _gaps(
-    files: list[FilePlan], expected: dict[str, int] | None, *, whole: bool, limit: int = 10000
-) -> dict[str, list[int]]:
-    """Per filename, the frame indices absent: below the manifest's count when it lists the file,
-    else between 0 and the highest frame merged. ``whole``: also the files only the manifest names
-    (a part leaves those to the finalize). At most ``limit`` per file."""
-    out: dict[str, list[int]] = {}
-    for fp in files:
-        span = expected.get(fp.filename) if expected is not None else None
-        if span is None:
-            span = int(fp.frames[-1]) + 1
-        have = fp.frames[fp.frames < span]
-        if len(have) != span:
-            out[fp.filename] = _first_missing(have, span, limit)
-    if expected is not None and whole:
-        seen = {fp.filename for fp in files}
-        for name, count in expected.items():
-            if name not in seen and count > 0:
-                out[name] = list(range(min(count, limit)))
-    return out
-
-
-def _first_missing(have: np.ndarray, span: int, limit: int) -> list[int]:
-    """The first ``limit`` integers of ``0 .. span-1`` not in ``have`` (ascending, unique), without
-    materialising ``span`` integers when it is huge."""
-    out: list[int] = []
-    start = 0
-    for a, b, _ in _runs(have):
-        out.extend(range(start, min(a, start + limit - len(out))))
-        start = b + 1
-        if len(out) >= limit:
-            return out
-    out.extend(range(start, min(span, start + limit - len(out))))
-    return out
-
-
-def _check_expected(expected: Mapping[str, int] | str | None) -> dict[str, int] | None:
-    """``expected=``: a CSV manifest's path, or a mapping filename → non-negative frame count."""
-    if expected is None:
-        return None
-    if isinstance(expected, (str, os.PathLike)):
-        return read_manifest(os.fspath(expected))
-    if not isinstance(expected, Mapping):
-        raise SpillValueError(
-            f"expected must be a mapping filename -> frame count or a CSV path, got {type(expected).__name__}"
-        )
-    out: dict[str, int] = {}
-    for name, count in expected.items():
-        if not isinstance(name, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise SpillValueError(f"expected[{name!r}] must map a filename to a non-negative int, got {count!r}")
-        out[name] = count
-    return out
-
-
-def _frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
-    """Frames per output chunk: at most ``chunk_bytes`` worth, balanced over the chunks the file
-    needs, so the last chunk is nearly full. Zarr stores every chunk at full size (an uncompressed
-    edge chunk is zero-padded): with plain ``chunk_bytes // frame_bytes`` a 100-frame file of
-    384 KiB frames in 16 MiB chunks would store 126 rows; balanced, it stores 102."""
-    n = len(fp.frames)
-    cap = int(max(1, min(n, chunk_bytes // max(fp.frame_nbytes, 1))))
-    n_chunks = -(-n // cap)
-    return -(-n // n_chunks)
-
-
-def _shared_docs(plan: Plan, world_size: int) -> dict[str, dict[str, Any]]:
-    """``zarr.json`` documents of the nodes every file shares: root (with the output header),
-    ``files``, ``index`` and the index arrays — the finalizer's in a parallel merge."""
-    header = {
-        "format_version": F.FORMAT_VERSION,
-        "kind": "merged",
-        "n_files": len(plan.files),
-        "n_frames": plan.n_frames,
-        "nbytes": plan.total_bytes,
-        "ranks": sorted({s.seg.rank for s in plan.segments}),
-        "world_size": world_size,
-        "segments": len(plan.segments),
-        "created": F.utcnow(),
-    }
-    nodes: dict[str, Any] = {
-        "": GroupMetadata(attributes={"spillmerge": header}),
-        "files": GroupMetadata(),
-        "index": GroupMetadata(),
-    }
-    n = len(plan.files)
-    total_frames = plan.n_frames
-    str_meta: dict[str, Any] = {
-        "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
-    }  # fmt: skip
-    row_chunks = (max(1, min(total_frames, 1 << 21)),)
-    index_meta = {
-        "filenames": {**str_meta, "dimension_names": ["file"]},
-        "keys": {**str_meta, "dimension_names": ["file"]},
-        "frame_offsets": {**_array_meta((n + 1,), (n + 1,), "int64", crc=True), "dimension_names": ["file_edge"]},
-        "frame_idx": {**_array_meta((total_frames,), row_chunks, "int64", crc=True), "dimension_names": ["row"]},
-        # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
-        # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
-        "frame_rank": {**_array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
-        "frame_copies": {**_array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
-    }
-    for name, meta in index_meta.items():
-        nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
-    return {path: node.to_dict() for path, node in nodes.items()}
-
-
-def _file_docs(job: _Job, files: list[FilePlan]) -> dict[str, dict[str, Any]]:
-    """``zarr.json`` documents of the nodes of ``files`` (arrays, and groups of dict values),
-    normalised by zarr's own metadata classes so the consolidated root matches zarr's."""
-    nodes: dict[str, Any] = {}
-    for fp in files:
-        k = _frames_per_chunk(fp, job.chunk_bytes)
-        if fp.is_dict:
-            nodes[f"files/{fp.key}"] = GroupMetadata(
-                attributes={"spillmerge": {"filename": fp.filename, "file_index": fp.index}}
-            )
-        for leaf in fp.leaves:
-            lay = leaf.layout
-            dt = F.DTYPES[lay.dtype]
-            attrs = {
-                "spillmerge": {
-                    "filename": fp.filename,
-                    "file_index": fp.index,
-                    "leaf": list(lay.leaf),
-                    "dtype": lay.dtype,
-                }
-            }
-            meta = _array_meta(
-                (len(fp.frames), *lay.shape),
-                (k, *(max(d, 1) for d in lay.shape)),
-                dt.storage,
-                crc=True,
-                attributes=attrs,
-            )
-            meta = _codecs.with_codec(meta, job.codec, np.dtype(dt.storage).itemsize)
-            # dimension_names (xarray needs them): unique per array within its group, "frame"
-            # shared by the leaves of one dict value (same length); docs/FORMAT.md.
-            rel = leaf.node.removeprefix(f"files/{fp.key}").strip("/").replace("/", ".")
-            name = rel if fp.is_dict else fp.key
-            meta["dimension_names"] = ["frame" if fp.is_dict else f"{name}.frame"] + [
-                f"{name}.dim_{d}" for d in range(1, len(lay.shape) + 1)
-            ]
-            nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
-            parent = leaf.node.rsplit("/", 1)[0]
-            while parent != "files" and parent not in nodes:  # groups of nested dict levels
-                nodes[parent] = GroupMetadata()
-                parent = parent.rsplit("/", 1)[0]
-    # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
-    # metadata is assembled from the same documents, so nothing is read back (zarr's own
-    # create_hierarchy / consolidate_metadata cost one or more requests per node: 16 s + 6 s for
-    # 1,000 files on a local S3 server).
-    return {path: node.to_dict() for path, node in nodes.items()}
 
 
 def _write_index(job: _Job) -> None:
@@ -736,22 +464,24 @@ def _write_index(job: _Job) -> None:
     job.phases["index"] = time.perf_counter() - t
 
 
+def _copy(job: _Job, files: list[FilePlan]) -> None:
+    copy_files(
+        job.src, job.dst, job.plan, files, chunk_bytes=job.chunk_bytes, codec=job.codec,
+        memory_budget=job.memory_budget, threads=job.threads, progress=job.progress,
+    )  # fmt: skip
+
+
 def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> None:
     """Flush, then the consolidated root, then the completion marker: last, once."""
     dst, plan = job.dst, job.plan
-    root = dict(docs[""])
-    root["consolidated_metadata"] = {
-        "kind": "inline",
-        "must_understand": False,
-        "metadata": {path: _consolidated_entry(doc) for path, doc in sorted(docs.items()) if path},
-    }
+    root = Z.consolidated_root(docs)
     t = time.perf_counter()
     if job.fsync:  # every chunk and document is durable before the root and the marker vouch for them
         dst.fsync_tree("")
     job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
     lease.check()  # a merge that lost its lease must not vouch for an output another one writes
-    dst.put_atomic("zarr.json", _json_doc(root))
+    dst.put_atomic("zarr.json", Z.json_doc(root))
     marker = {
         "format_version": F.FORMAT_VERSION,
         "kind": "merge-complete",
@@ -768,206 +498,6 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
     lease.check()
     dst.put_atomic(F.COMPLETE_NAME, F.dumps(marker))
     job.phases["finish"] = time.perf_counter() - t
-
-
-def _json_doc(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, indent=2, sort_keys=False, ensure_ascii=False, allow_nan=False).encode("utf-8")
-
-
-def _consolidated_entry(doc: dict[str, Any]) -> dict[str, Any]:
-    # zarr-python writes child groups into the inline consolidated metadata with an empty
-    # consolidated block of their own; mirror it so reading never falls back to listing.
-    if doc.get("node_type") == "group":
-        return {**doc, "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}
-    return doc
-
-
-@dataclass(slots=True)
-class _Stripe:
-    """The frames ``[start, stop)`` of one file: one chunk of each of its arrays."""
-
-    file: FilePlan
-    """The file."""
-    chunk: int
-    """Chunk number along the frame axis."""
-    start: int
-    """First output row."""
-    stop: int
-    """One past the last output row."""
-    k: int
-    """Frames per chunk of this file's arrays."""
-
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * self.file.frame_nbytes
-
-
-def _stripes(files: list[FilePlan], chunk_bytes: int) -> list[_Stripe]:
-    out = []
-    for fp in files:
-        k = _frames_per_chunk(fp, chunk_bytes)
-        for j, a in enumerate(range(0, len(fp.frames), k)):
-            out.append(_Stripe(fp, j, a, min(a + k, len(fp.frames)), k))
-    return out
-
-
-def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
-    done(fut, size)
-
-
-def _copy(job: _Job, files: list[FilePlan]) -> None:
-    """Copy the frames of ``files`` into their output chunks, ``job.memory_budget`` bytes in flight."""
-    src, dst, plan, budget = job.src, job.dst, job.plan, job.memory_budget
-    stripes = _stripes(files, job.chunk_bytes)
-    show = sys.stderr.isatty() if job.progress is None else job.progress
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=sum(s.nbytes for s in stripes),
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc="merge",
-            file=sys.stderr,
-        )
-    cond = threading.Condition()
-    in_flight = 0
-    errors: list[BaseException] = []
-
-    def done(fut: Future[None], size: int) -> None:
-        nonlocal in_flight
-        with cond:
-            in_flight -= size
-            exc = fut.exception()
-            if exc is not None:
-                errors.append(exc)
-            cond.notify_all()
-        if bar is not None and exc is None:
-            bar.update(size)
-
-    try:
-        with ThreadPoolExecutor(max_workers=job.threads, thread_name_prefix="spillmerge-merge") as pool:
-            for stripe in stripes:
-                size = stripe.nbytes
-                with cond:
-                    # Bounded memory: wait until this stripe fits in the budget (one stripe always may run).
-                    while in_flight and in_flight + size > budget and not errors:
-                        cond.wait()
-                    if errors:
-                        break
-                    in_flight += size
-                fut = pool.submit(_copy_stripe, src, dst, plan, stripe, job.codec)
-                fut.add_done_callback(functools.partial(_done_cb, done, size))
-    finally:
-        if bar is not None:
-            bar.close()
-    if errors:
-        raise errors[0]
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread buffer reused across stripes. Fresh allocations of this size are mmapped and
-    page-faulted anew each time; on the VMs we measured that tripled the merge's CPU time."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-    return buf[:nbytes]
-
-
-def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec: str) -> None:
-    for leaf in stripe.file.leaves:
-        rows = leaf.rows[stripe.start : stripe.stop]
-        item = leaf.layout.nbytes
-        if item == 0:  # zero-size frames: the array has no elements, so no chunk to write
-            continue
-        full = stripe.k * item  # the last chunk of an array is padded to the chunk shape
-        used = len(rows) * item
-        key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * len(leaf.layout.shape)
-        enc = _codecs.encoder(codec, np.dtype(F.DTYPES[leaf.layout.dtype].storage).itemsize)
-        if src.local and enc is None:
-            # Frames are written straight from the page cache (mmap), never copied into our memory.
-            parts: list[Any] = []
-            for j, r in enumerate(rows.tolist()):
-                views = [src.view(rel, lo, hi) for rel, lo, hi in _pieces(plan, rows[j : j + 1])]
-                got = 0
-                for v in views:
-                    got = google_crc32c.extend(got, v)
-                if got != int(plan.crc[r]):
-                    _raise_mismatch(src, plan, stripe, leaf, j, r)
-                parts.extend(views)
-            if used < full:
-                parts.append(_zeros(full - used))
-        else:
-            # A compressor needs the whole chunk in one buffer: one copy into a reused one.
-            buf = _scratch(full if enc is not None else used)
-            if src.local:
-                pos = 0
-                for j, r in enumerate(rows.tolist()):
-                    got = 0
-                    for rel, lo, hi in _pieces(plan, rows[j : j + 1]):
-                        v = src.view(rel, lo, hi)
-                        got = google_crc32c.extend(got, v)
-                        buf[pos : pos + hi - lo] = np.frombuffer(v, dtype=np.uint8)
-                        pos += hi - lo
-                    if got != int(plan.crc[r]):
-                        _raise_mismatch(src, plan, stripe, leaf, j, r)
-            else:
-                src.read_into(_pieces(plan, rows), buf[:used].data)
-                for j, r in enumerate(rows.tolist()):
-                    if google_crc32c.value(buf[j * item : (j + 1) * item]) != int(plan.crc[r]):
-                        _raise_mismatch(src, plan, stripe, leaf, j, r)
-            if enc is not None:
-                buf[used:full] = 0
-                parts = [np.frombuffer(enc.encode(buf[:full]), dtype=np.uint8)]
-            else:
-                parts = [buf[:used]] + ([_zeros(full - used)] if used < full else [])
-        out_crc = 0
-        for part in parts:
-            out_crc = google_crc32c.extend(out_crc, part)
-        dst.makedirs(key.rsplit("/", 1)[0])
-        dst.put(key, [*parts, np.uint32(out_crc).astype("<u4").tobytes()])
-
-
-def _zeros(n: int) -> np.ndarray:
-    return np.zeros(n, dtype=np.uint8)
-
-
-def _raise_mismatch(src: Storage, plan: Plan, stripe: _Stripe, leaf: Any, j: int, r: int) -> None:
-    seg = plan.segments[int(plan.seg[r])]
-    where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
-    raise CorruptSpillError(
-        f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
-        f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
-        f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
-        "the spill is corrupt; run `spillmerge verify` on the root",
-        path=where,
-        rank=seg.seg.rank,
-    )
-
-
-def _pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:
-    """Byte ranges of ``rows`` in their data chunk objects, adjacent ranges coalesced."""
-    out: list[tuple[str, int, int]] = []
-    for r in rows.tolist():
-        seg = plan.segments[int(plan.seg[r])]
-        cb = seg.chunk_bytes
-        off, end = int(plan.offset[r]), int(plan.offset[r] + plan.nbytes[r])
-        while off < end:
-            c = off // cb
-            stop = min(end, (c + 1) * cb)
-            rel = f"{seg.seg.rel}/{F.DATA_NAME}/c/{c}"
-            lo, hi = off - c * cb, stop - c * cb
-            if out and out[-1][0] == rel and out[-1][2] == lo:
-                out[-1] = (rel, out[-1][1], hi)
-            else:
-                out.append((rel, lo, hi))
-            off = stop
-    return out
 
 
 def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> dict[str, set[int]]:

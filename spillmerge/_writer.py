@@ -45,6 +45,7 @@ from ._transfer import (
     publish_failure,
 )
 from ._values import Leaf, check_filename, check_frame_idx, flatten
+from ._zarrmeta import array_meta, array_objects
 
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
@@ -529,13 +530,13 @@ class SpillWriter:
         rows = np.ascontiguousarray(rows)
         single = self._n_chunks == 1 and self._offset <= self.chunk_bytes
         chunk = max(self._offset, 1) if single else self.chunk_bytes
-        data_meta = _array_meta((self._offset,), (chunk,), "uint8", crc=False)
+        data_meta = array_meta((self._offset,), (chunk,), "uint8", crc=False)
         index_bytes = rows.astype("<i8").tobytes()
         catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._layouts]})
         # Five small objects, written concurrently on object stores (one round trip, not five).
         objects = {self._rel(f"{F.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
-        objects.update(_array_objects(self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64"))
-        objects.update(_array_objects(self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
+        objects.update(array_objects(self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64"))
+        objects.update(array_objects(self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
             self.storage.fsync_tree(self._prefix)
@@ -731,38 +732,3 @@ class SpillWriter:
             "chunks": getattr(self, "_n_chunks", 0),
             "staging_buffers": self._allocated,
         }
-
-
-def _array_meta(
-    shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, attributes: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A Zarr v3 array ``zarr.json`` document (docs/FORMAT.md)."""
-    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if np.dtype(dtype).itemsize == 1:
-        codecs = [{"name": "bytes"}]
-    if crc:
-        codecs.append({"name": "crc32c"})
-    kind = np.dtype(dtype).kind
-    fill: Any = False if kind == "b" else [0.0, 0.0] if kind == "c" else 0.0 if kind == "f" else 0
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(shape),
-        "data_type": dtype,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": codecs,
-        "attributes": attributes or {},
-    }
-
-
-def _array_objects(rel: str, raw: bytes, shape: tuple[int, ...], dtype: str) -> dict[str, bytes]:
-    """A small array as one chunk with a crc32c checksum (zarr's crc32c codec layout): its
-    objects by path."""
-    chunks = tuple(max(d, 1) for d in shape)
-    out = {f"{rel}/zarr.json": F.dumps(_array_meta(shape, chunks, dtype, crc=True))}
-    if all(d > 0 for d in shape):
-        crc = np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()
-        out[f"{rel}/c/" + "/".join("0" * len(shape))] = raw + crc
-    return out

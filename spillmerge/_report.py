@@ -1,0 +1,177 @@
+"""What a merge did: :class:`MergeReport`, and the frame arithmetic behind its gaps."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._coverage import _runs, read_manifest
+from ._errors import SpillValueError
+from ._plan import FilePlan
+
+
+@dataclass(frozen=True, slots=True)
+class MergeReport:
+    """What a merge did."""
+
+    out: str
+    """Output path or URL."""
+    n_files: int
+    """Filenames (arrays or groups under ``files/``) written."""
+    n_frames: int
+    """Frames written."""
+    nbytes: int
+    """Payload bytes written (without checksums)."""
+    ranks: list[int]
+    """Ranks whose committed segments were merged."""
+    segments: int
+    """Committed segments merged."""
+    seconds: float
+    """Wall time of the whole call."""
+    wait_seconds: float
+    """Time spent waiting for commit records (the barrier)."""
+    merge_seconds: float
+    """Time spent validating, planning and writing."""
+    duplicates: int
+    """Duplicate (filename, frame) copies dropped (identical content, or by the duplicate policy)."""
+    missing_ranks: list[int] = field(default_factory=list)
+    """Ranks without a commit record (only with ``allow_partial=True``)."""
+    abandoned_segments: list[str] = field(default_factory=list)
+    """Uncommitted segments superseded by a later commit of the same rank (not merged)."""
+    salvaged_frames: dict[int, int] = field(default_factory=dict)
+    """Rank → frames merged from its uncommitted segment's journal (``allow_partial``)."""
+    frame_gaps: dict[str, list[int]] = field(default_factory=dict)
+    """Filename → missing frame indices (at most 10,000 listed per file), with ``allow_partial`` or
+    ``expected``. Without ``expected``: the frames absent between 0 and the file's highest merged
+    frame. With ``expected`` (filename → frame count): every frame ``0 .. count-1`` absent, files
+    the manifest lists that no rank wrote included."""
+    expected_files: int | None = None
+    """Filenames in the ``expected`` manifest (None without one)."""
+    notes: list[str] = field(default_factory=list)
+    """Problems that stopped salvaging a journal (torn or corrupt entries); a part that was
+    already complete and was not rewritten."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: wait, load (indexes), plan, metadata, copy, parts (waiting for part
+    records), index, sync, finish (and transfer, when shards were moved over torch.distributed
+    first)."""
+    parts: int = 1
+    """Parts (processes) the output is written in: 1 for a one-process merge."""
+    part: int | None = None
+    """The part this call wrote (``part=(i, n)``, or a rank of ``parallel=True`` that is not
+    ``dst``); its counts are the part's. None for a whole merge or a finalize."""
+    codec: str = "none"
+    """Output codec of the arrays under ``files/``."""
+    transferred: dict[int, int] = field(default_factory=dict)
+    """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
+    transfer_senders: dict[int, list[int]] = field(default_factory=dict)
+    """Sending rank → the ranks whose shards it moved (one sender per group sharing a disk)."""
+
+    @property
+    def filenames(self) -> int:  # the contract's name for the count
+        return self.n_files
+
+    @property
+    def frames(self) -> int:
+        return self.n_frames
+
+    def __str__(self) -> str:
+        gib = self.nbytes / (1 << 30)
+        s = (
+            (f"part {self.part}/{self.parts}: " if self.part is not None else "")
+            + f"merged {self.n_files} files, {self.n_frames} frames, {gib:.3f} GiB from "
+            f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out}"
+            + (f" in {self.parts} parts" if self.part is None and self.parts > 1 else "")
+            + (f" with {self.codec}" if self.codec != "none" else "")
+            + f" in {self.seconds:.2f} s "
+            f"(wait {self.wait_seconds:.2f} s, merge {self.merge_seconds:.2f} s)"
+        )
+        if self.transferred:
+            moved = sum(self.transferred.values()) / (1 << 30)
+            s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
+        s += "".join(f"; {n}" for n in self.notes if n.startswith("part "))
+        if self.duplicates:
+            s += f"; {self.duplicates} duplicate frame copies dropped"
+        if self.missing_ranks:
+            s += f"; PARTIAL: ranks {self.missing_ranks} missing"
+            if self.salvaged_frames:
+                s += f" (salvaged from their flushed chunks: {self.salvaged_frames} frames by rank)"
+        if self.frame_gaps:
+            s += self._gaps_text()
+        elif self.expected_files is not None:
+            s += f"; every frame of the {self.expected_files} expected files is present"
+        if self.missing_ranks:
+            s += "".join(f"\n  note: {n}" for n in self.notes if not n.startswith("part "))
+            if self.expected_files is None:
+                s += (
+                    "\n  (frames after a file's last merged frame, and files only the missing ranks held, "
+                    "are not listed: pass expected= / --expected MANIFEST.csv to check against the counts)"
+                )
+        return s
+
+    def _gaps_text(self, files: int = 20, chars: int = 160) -> str:
+        n = sum(len(v) for v in self.frame_gaps.values())
+        against = "against the expected counts" if self.expected_files is not None else "below each file's last frame"
+        s = f"; {n} frame(s) missing in {len(self.frame_gaps)} file(s) {against}:"
+        for name in sorted(self.frame_gaps)[:files]:
+            runs = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b, _ in _runs(np.asarray(self.frame_gaps[name])))
+            s += f"\n  {name!r}: frames {runs if len(runs) <= chars else runs[:chars] + ' ...'}"
+        if len(self.frame_gaps) > files:
+            s += f"\n  ... and {len(self.frame_gaps) - files} more file(s) (MergeReport.frame_gaps lists them all)"
+        return s
+
+
+def gaps(
+    files: list[FilePlan], expected: dict[str, int] | None, *, whole: bool, limit: int = 10000
+) -> dict[str, list[int]]:
+    """Per filename, the frame indices absent: below the manifest's count when it lists the file,
+    else between 0 and the highest frame merged. ``whole``: also the files only the manifest names
+    (a part leaves those to the finalize). At most ``limit`` per file."""
+    out: dict[str, list[int]] = {}
+    for fp in files:
+        span = expected.get(fp.filename) if expected is not None else None
+        if span is None:
+            span = int(fp.frames[-1]) + 1
+        have = fp.frames[fp.frames < span]
+        if len(have) != span:
+            out[fp.filename] = _first_missing(have, span, limit)
+    if expected is not None and whole:
+        seen = {fp.filename for fp in files}
+        for name, count in expected.items():
+            if name not in seen and count > 0:
+                out[name] = list(range(min(count, limit)))
+    return out
+
+
+def _first_missing(have: np.ndarray, span: int, limit: int) -> list[int]:
+    """The first ``limit`` integers of ``0 .. span-1`` not in ``have`` (ascending, unique), without
+    materialising ``span`` integers when it is huge."""
+    out: list[int] = []
+    start = 0
+    for a, b, _ in _runs(have):
+        out.extend(range(start, min(a, start + limit - len(out))))
+        start = b + 1
+        if len(out) >= limit:
+            return out
+    out.extend(range(start, min(span, start + limit - len(out))))
+    return out
+
+
+def check_expected(expected: Mapping[str, int] | str | None) -> dict[str, int] | None:
+    """``expected=``: a CSV manifest's path, or a mapping filename → non-negative frame count."""
+    if expected is None:
+        return None
+    if isinstance(expected, (str, os.PathLike)):
+        return read_manifest(os.fspath(expected))
+    if not isinstance(expected, Mapping):
+        raise SpillValueError(
+            f"expected must be a mapping filename -> frame count or a CSV path, got {type(expected).__name__}"
+        )
+    out: dict[str, int] = {}
+    for name, count in expected.items():
+        if not isinstance(name, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise SpillValueError(f"expected[{name!r}] must map a filename to a non-negative int, got {count!r}")
+        out[name] = count
+    return out
