@@ -197,8 +197,7 @@ def read_manifest(path: str) -> dict[str, int]:
                     n = -1
                 if not 0 <= n <= _MAX_FRAME + 1:  # frame indices are int64: 0 .. 2**63 - 1
                     raise ConfigError(
-                        f"manifest {path} line {line}: n_frames {raw!r} of {name!r} is not an integer in "
-                        "[0, 2**63]",
+                        f"manifest {path} line {line}: n_frames {raw!r} of {name!r} is not an integer in [0, 2**63]",
                         key="expected",
                     )
                 if name in out:
