@@ -19,6 +19,9 @@ from ._storage import Storage
 UNKNOWN_RANK = -1
 """Rank recorded for rows of outputs written before provenance existed."""
 
+_MAX_FRAME = (1 << 63) - 1
+"""Highest frame index (int64); a manifest count is at most ``_MAX_FRAME + 1``."""
+
 
 @dataclass(frozen=True, slots=True)
 class FileCoverage:
@@ -42,9 +45,31 @@ class FileCoverage:
             return self.expected
         return int(self.frames[-1]) + 1 if len(self.frames) else 0
 
-    def missing(self) -> np.ndarray:
-        """Frame indices below :attr:`span` that are absent."""
-        return np.setdiff1d(np.arange(self.span, dtype=np.int64), self.frames, assume_unique=True)
+    @property
+    def n_missing(self) -> int:
+        """How many frames below :attr:`span` are absent (arithmetic, whatever the span)."""
+        return self.span - _n_below(self.frames, self.span)
+
+    def missing_runs(self) -> np.ndarray:
+        """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)).
+
+        Built from the gaps between present frames, so it costs O(frames) whatever the span: frames
+        {0, 5e9} are 1 run, not 5e9 integers (``spillmerge inspect`` once built an ``arange`` over
+        the span: 82 s and 10.9 GB for {0, 4e8}, a MemoryError for {0, 5e9})."""
+        return _gap_runs(self.frames, self.span)
+
+    def missing(self, limit: int = 10_000) -> np.ndarray:
+        """The first ``limit`` absent frame indices below :attr:`span` (ascending); an explicit list
+        is capped, as ``MergeReport.frame_gaps`` is: :meth:`missing_runs` has them all."""
+        out: list[np.ndarray] = []
+        left = limit
+        for a, b in self.missing_runs().tolist():
+            if left <= 0:
+                break
+            take = min(b - a + 1, left)
+            out.append(np.arange(a, a + take, dtype=np.int64))
+            left -= take
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def unexpected(self) -> np.ndarray:
         """Frames at or beyond the manifest's count (none without a manifest)."""
@@ -75,7 +100,7 @@ class Coverage:
 
     @property
     def n_missing(self) -> int:
-        return sum(len(f.missing()) for f in self.files)
+        return sum(f.n_missing for f in self.files)
 
     @property
     def n_duplicated(self) -> int:
@@ -90,7 +115,7 @@ class Coverage:
                 "frames": len(f.frames),
                 "expected": f.expected,
                 "by_rank": [[a, b, r] for a, b, r in _runs(f.frames, f.ranks)],
-                "missing": [[a, b] for a, b, _ in _runs(f.missing())],
+                "missing": f.missing_runs().tolist(),
                 "duplicated": [[a, b] for a, b, _ in _runs(f.duplicated())],
             }
             if f.expected is not None:
@@ -122,6 +147,25 @@ def _runs(frames: np.ndarray, labels: np.ndarray | None = None) -> Iterator[tupl
         yield int(frames[a]), int(frames[b]), int(lab[a])
 
 
+def _n_below(frames: np.ndarray, span: int) -> int:
+    """How many of ``frames`` (ascending int64) are below ``span`` (which may be 2**63)."""
+    return len(frames) if span > _MAX_FRAME else int(np.searchsorted(frames, span))
+
+
+def _gap_runs(frames: np.ndarray, span: int) -> np.ndarray:
+    """Inclusive ``[first, last]`` runs of ``0 .. span-1`` absent from ``frames`` (ascending,
+    unique), as an int64 array of shape (k, 2); k is at most ``len(frames) + 1``."""
+    have = frames[: _n_below(frames, span)].astype(np.int64, copy=False)
+    if not len(have):
+        return np.array([[0, span - 1]] if span else np.zeros((0, 2)), dtype=np.int64)
+    inner = np.stack((have[:-1] + 1, have[1:] - 1), axis=1)  # no overflow: have[i] < have[i+1]
+    head = [[0, int(have[0]) - 1]] if have[0] > 0 else []
+    # In Python ints: the last frame may be 2**63 - 1, where have + 1 would wrap.
+    tail = [[int(have[-1]) + 1, span - 1]] if int(have[-1]) + 1 <= span - 1 else []
+    runs = np.concatenate((np.array(head, np.int64).reshape(-1, 2), inner, np.array(tail, np.int64).reshape(-1, 2)))
+    return runs[runs[:, 0] <= runs[:, 1]]
+
+
 def read_manifest(path: str) -> dict[str, int]:
     """``filename,n_frames`` CSV (header required; other columns ignored) → filename → count."""
     try:
@@ -151,9 +195,9 @@ def read_manifest(path: str) -> dict[str, int]:
                     n = int(raw)
                 except ValueError:
                     n = -1
-                if n < 0:
+                if not 0 <= n <= _MAX_FRAME + 1:  # frame indices are int64: 0 .. 2**63 - 1
                     raise ConfigError(
-                        f"manifest {path} line {line}: n_frames {raw!r} of {name!r} is not a non-negative integer",
+                        f"manifest {path} line {line}: n_frames {raw!r} of {name!r} is not an integer in [0, 2**63]",
                         key="expected",
                     )
                 if name in out:
@@ -172,6 +216,9 @@ def coverage(
     """Coverage of a spill root (committed segments, as the merge would see them) or a merged output."""
     from ._inspect import detect
 
+    for name, count in (expected or {}).items():
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= _MAX_FRAME + 1:
+            raise ConfigError(f"expected[{name!r}] must be a frame count in [0, 2**63], got {count!r}", key="expected")
     storage = Storage(path, storage_options)
     kind = detect(storage)
     per_file, ranks_known, notes = _merged(storage) if kind == "merged" else _spill(storage)
@@ -263,11 +310,21 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     color: dict[int, Any] = {UNKNOWN_RANK: "0.6"}
     for i, r in enumerate(known):
         color[r] = tab[i] if len(known) <= len(tab) else many(i / max(len(known) - 1, 1))
+    # Runs, not frames: one bar collection per colour and file, so drawing costs O(frames) whatever
+    # the span of frame indices. Bars are at least ~1 pixel wide, so an isolated frame stays
+    # visible next to a gap of billions; missing runs go below the present ones.
+    width = max((f.span for f in files), default=1)
+    least = max(width, 1) / 500
     for y, f in enumerate(files):
+        gaps = f.missing_runs()
+        if len(gaps):
+            bars = [(a - 0.5, max(b - a + 1, least)) for a, b in gaps.tolist()]
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors="red", linewidth=0)
+        by_rank: dict[int, list[tuple[float, float]]] = {}
         for a, b, r in _runs(f.frames, f.ranks):
-            ax.broken_barh([(a - 0.5, b - a + 1)], (y - 0.4, 0.8), facecolors=color[r], linewidth=0)
-        for a, b, _ in _runs(f.missing()):
-            ax.broken_barh([(a - 0.5, b - a + 1)], (y - 0.4, 0.8), facecolors="red", linewidth=0)
+            by_rank.setdefault(r, []).append((a - 0.5, max(b - a + 1, least)))
+        for r, bars in by_rank.items():
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[r], linewidth=0)
         dup = f.duplicated()
         if len(dup):
             ax.plot(
@@ -283,7 +340,6 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     ax.set_yticklabels([_short(f.filename) for f in files], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("frame index")
-    width = max((f.span for f in files), default=1)
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
     handles = [Patch(color=color[r], label="rank ?" if r == UNKNOWN_RANK else f"rank {r}") for r in ranks]
     handles.append(Patch(color="red", label=f"missing ({cov.n_missing})"))

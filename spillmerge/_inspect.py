@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,29 +310,70 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     import zarr
 
-    if not storage.exists(F.COMPLETE_NAME):
+    from ._reader import NoFillStore
+
+    complete = storage.exists(F.COMPLETE_NAME)
+    if not complete:
         rep.problems.append(f"{storage.describe()}: no {F.COMPLETE_NAME}; the merge did not finish")
     try:
-        group = zarr.open_group(storage.zarr_store(read_only=True), mode="r")
+        store = NoFillStore(storage.zarr_store(read_only=True), storage.describe)
+        group = zarr.open_group(store, mode="r")
     except Exception as exc:  # noqa: BLE001
         rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")
         return
+    damaged: set[str] = set()
     for name, arr in _all_arrays(group):
         if arr.size == 0:
             continue
-        n_chunks = arr.cdata_shape[0]
-        step = arr.chunks[0]
-        for c in range(n_chunks):
-            key = f"{name}/c/{c}" + "/0" * (arr.ndim - 1)
-            if not storage.exists(key):  # zarr would silently read a missing chunk as fill values
-                rep.problems.append(f"{storage.describe(key)}: chunk {c} of {name} is missing")
-                continue
+        # Every chunk of the grid is read on its own; NoFillStore turns an absent one into an
+        # error naming it (zarr alone would read it as zeros), so each missing chunk is listed,
+        # at no request beyond the read verify makes anyway.
+        for coords in itertools.product(*(range(n) for n in arr.cdata_shape)):
+            sel = tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, arr.chunks, strict=True))
             try:
-                block = arr[c * step : (c + 1) * step]
+                block = arr[sel]
                 rep.checked_bytes += int(np.asarray(block).nbytes)
                 rep.checked_objects += 1
+            except SpillMergeError as exc:
+                rep.problems.append(str(exc))
+                damaged.add(name)
             except Exception as exc:  # noqa: BLE001 - zarr reports codec errors as ValueError etc.
-                rep.problems.append(f"{storage.describe(name)}: chunk {c} is corrupt or missing ({exc})")
+                at = ", ".join(map(str, coords))
+                rep.problems.append(f"{storage.describe(name)}: chunk {at} is corrupt or missing ({exc})")
+                damaged.add(name)
+    if complete:  # an interrupted merge may not have written its index yet
+        rep.problems.extend(_index_problems(storage, group, damaged))
+
+
+def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
+    """Every broken invariant of the output's index (docs/FORMAT.md), as the reader checks them,
+    skipping what needs an index array whose chunks were already reported damaged."""
+    from . import _reader as R
+
+    need = {f"index/{n}" for n in ("filenames", "keys", "frame_offsets", "frame_idx")}
+    if need & damaged:
+        return []
+    try:
+        filenames = [str(x) for x in R.read_index(group, "filenames", storage.describe)]
+        keys = [str(x) for x in R.read_index(group, "keys", storage.describe)]
+        offsets = np.asarray(R.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
+        lengths = R.index_lengths(group, storage.describe)
+        frame_idx = np.asarray(R.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
+    except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
+        return [str(exc)]
+    header = group.attrs.get("spillmerge")
+    out = R.index_problems(filenames, keys, offsets, lengths, header if isinstance(header, dict) else {})
+    for name in ("frame_rank", "frame_copies"):
+        if name in lengths and f"index/{name}" not in damaged:
+            out.extend(R.provenance_problems(name, np.asarray(R.read_index(group, name, storage.describe))))
+    # With broken offsets the rows of the files cannot be told apart: the per-file checks would
+    # only echo that problem.
+    if not any(rel == "index/frame_offsets" for rel, _ in out):
+        out.extend(R.frame_problems(frame_idx, offsets, filenames))
+        for i, (filename, key) in enumerate(zip(filenames, keys, strict=False)):
+            if F.is_safe_node_name(key):
+                out.extend(R.file_problems(group, key, filename, int(offsets[i + 1] - offsets[i])))
+    return [f"{storage.describe(rel)}: {what}" for rel, what in out]
 
 
 def _all_arrays(group: Any) -> list[tuple[str, Any]]:
