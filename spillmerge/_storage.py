@@ -6,6 +6,7 @@ so a name read from an untrusted spill root can never reach outside.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -15,7 +16,7 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,13 +24,19 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from ._errors import SpillMergeError, SpillStorageError, TruncatedObjectError, UnsafePathError
+from ._errors import (
+    MissingDependencyError,
+    SpillMergeError,
+    SpillStorageError,
+    TruncatedObjectError,
+    UnsafePathError,
+)
 
-_INSTALL_HINTS = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
-    "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs",
+# protocol -> (package, spillmerge extra that installs it)
+_BACKENDS = {
+    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
+    "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"),
 }  # fmt: skip
-_EXTRA = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
 
 
 # Transient S3 failures (5xx, throttling, resets, timeouts) are retried by botocore itself with
@@ -79,11 +86,10 @@ def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
         return fsspec.core.url_to_fs(url, **_with_defaults(url, storage_options))
     except ImportError as exc:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
-        pkg = _INSTALL_HINTS.get(protocol)
-        hint = f": pip install 'spillmerge[{_EXTRA[pkg]}]'" if pkg else ""
-        raise SpillStorageError(
-            f"Install {pkg or 'the fsspec backend'} to use {protocol}:// paths{hint} ({exc})", path=url
-        ) from None
+        if protocol in _BACKENDS:
+            package, extra = _BACKENDS[protocol]
+            raise MissingDependencyError(package, extra, f"{protocol}:// paths ({url})") from None
+        raise SpillStorageError(f"no fsspec backend for {protocol}:// paths ({exc})", path=url) from None
     except ValueError as exc:
         raise SpillStorageError(f"cannot open {url!r}: {exc}", path=url) from None
 
@@ -125,19 +131,29 @@ class Storage:
         """A user-facing name of ``rel`` (the URL the user gave, joined)."""
         return self.url.rstrip("/") + ("/" + rel if rel else "")
 
-    # ---------------------------------------------------------------------------------- reads
-    def exists(self, rel: str) -> bool:
+    @contextlib.contextmanager
+    def _errors(self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``.
+        Our own errors and the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
         try:
-            return bool(self.fs.exists(self.path(rel)))
+            yield
         except SpillMergeError:
             raise
+        except passthrough:
+            raise
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(f"cannot check {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+            where = self.describe(rel)
+            raise SpillStorageError(f"cannot {verb} {where}: {_why(exc)}", path=where) from exc
+
+    # ---------------------------------------------------------------------------------- reads
+    def exists(self, rel: str) -> bool:
+        with self._errors("check", rel):
+            return bool(self.fs.exists(self.path(rel)))
 
     def get(self, rel: str, *, max_bytes: int | None = None) -> bytes:
         """Whole object ``rel``; ``FileNotFoundError`` when absent."""
         p = self.path(rel)
-        try:
+        with self._errors("read", rel, passthrough=(FileNotFoundError,)):
             if max_bytes is not None:
                 size = self.fs.size(p)
                 if size is not None and size > max_bytes:
@@ -146,12 +162,6 @@ class Storage:
                         path=self.describe(rel),
                     )
             data = self.fs.cat_file(p)
-        except FileNotFoundError:
-            raise
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(f"cannot read {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
         return bytes(data)
 
     def get_or_none(self, rel: str, *, max_bytes: int | None = None) -> bytes | None:
@@ -168,15 +178,10 @@ class Storage:
             # see new objects.
             self.fs.invalidate_cache(p)
         try:
-            entries = self.fs.ls(p, detail=False)
-        except FileNotFoundError:
+            with self._errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+                entries = self.fs.ls(p, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        except NotADirectoryError:
-            return []
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(f"cannot list {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
         names = []
         for e in entries:
             name = posixpath.basename(str(e).rstrip("/"))
@@ -190,13 +195,10 @@ class Storage:
         if not self.local:
             self.fs.invalidate_cache(top)
         try:
-            found = self.fs.find(top, detail=True)
+            with self._errors("list", rel, passthrough=(FileNotFoundError,)):
+                found = self.fs.find(top, detail=True)
         except FileNotFoundError:
             return []
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(f"cannot list {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
         base = self.root.rstrip("/") + "/" if self.root not in ("", "/") else self.root
         out = []
         for path, info in found.items():
@@ -208,11 +210,12 @@ class Storage:
             out.append((child, int(info.get("size") or 0)))
         return sorted(out)
 
-    def open_write(self, rel: str) -> _Sink:
+    def open_write(self, rel: str, *, durable: bool = False) -> _Sink:
         """A file-like sink that streams one object into ``rel`` (multipart on object stores), so
         a large object never sits whole in memory. Use it as a context manager: the object exists
-        under its name only once the block exits without an exception."""
-        return _Sink(self, rel)
+        under its name only once the block exits without an exception (locally: a temporary name,
+        renamed; ``durable``: fsync of the file before and of its folder after the rename)."""
+        return _Sink(self, rel, durable)
 
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
         """Read byte ranges ``(rel, start, stop)`` back to back into ``out``."""
@@ -231,12 +234,8 @@ class Storage:
                 pos += n
             return
         paths = [self.path(rel) for rel, _, _ in pieces]
-        try:
+        with self._errors("read from"):
             blobs = self.fs.cat_ranges(paths, [s for _, s, _ in pieces], [e for _, _, e in pieces], on_error="raise")
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(f"cannot read from {self.describe()}: {_why(exc)}", path=self.describe()) from exc
         pos = 0
         for (rel, start, stop), blob in zip(pieces, blobs, strict=True):
             n = stop - start
@@ -287,10 +286,8 @@ class Storage:
         if fd is not None:
             self._fds.move_to_end(rel)
             return fd
-        try:
+        with self._errors("open", rel):
             fd = os.open(self.path(rel), os.O_RDONLY)
-        except OSError as exc:
-            raise SpillStorageError(f"cannot open {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
         self._fds[rel] = fd
         while len(self._fds) > 128:
             _, old = self._fds.popitem(last=False)
@@ -307,29 +304,20 @@ class Storage:
     # --------------------------------------------------------------------------------- writes
     def makedirs(self, rel: str) -> None:
         if self.local:
-            try:
+            with self._errors("create", rel):
                 os.makedirs(self.path(rel), exist_ok=True)
-            except SpillMergeError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-                raise SpillStorageError(
-                    f"cannot create {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
-                ) from exc
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         """Write one whole object. A sequence of buffers is written back to back (no join copy
         on local disks)."""
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
-        try:
+        with self._errors("write", rel):
             if self.local:
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
                     for part in parts:
-                        view = memoryview(part).cast("B")
-                        while view:
-                            n = os.write(fd, view)
-                            view = view[n:]
+                        _write_all(fd, part)
                     if fsync:
                         os.fsync(fd)
                 finally:
@@ -337,10 +325,6 @@ class Storage:
             else:
                 blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
                 self.fs.pipe_file(p, bytes(blob))
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
         """Make every file below ``rel`` (and the folders holding them) durable on a local disk:
@@ -363,11 +347,8 @@ class Storage:
             finally:
                 os.close(fd)
 
-        try:
-            with ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool:
-                list(pool.map(sync, paths))
-        except OSError as exc:
-            raise SpillStorageError(f"cannot sync {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+        with self._errors("sync", rel), ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool:
+            list(pool.map(sync, paths))
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         """Write many small objects; concurrently on object stores."""
@@ -377,58 +358,31 @@ class Storage:
                 self.put(rel, data)
             return
         paths = {self.path(rel): data for rel, data in objects.items()}
-        try:
+        with self._errors("write metadata under"):
             if getattr(self.fs, "async_impl", False):
                 self.fs.pipe(paths, batch_size=batch)
             else:
                 self.fs.pipe(paths)
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(
-                f"cannot write metadata under {self.describe()}: {_why(exc)}", path=self.describe()
-            ) from exc
 
     def put_atomic(self, rel: str, data: bytes) -> None:
-        """Write ``rel`` so that readers see either nothing or the whole object: a temporary name,
-        fsync and rename on local disks; a single PUT (objects are immutable) elsewhere."""
+        """Write ``rel`` so that readers see either nothing or the whole object, durably: a
+        temporary name, fsync, rename and fsync of the folder on local disks; a single PUT
+        (objects are immutable) elsewhere."""
         if not self.local:
             self.put(rel, data)
             return
-        p = self.path(rel)
-        tmp = f"{p}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, p)
-            dfd = os.open(os.path.dirname(p), os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise SpillStorageError(f"cannot write {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
+        with self.open_write(rel, durable=True) as sink:
+            sink.write(data)
 
     def is_link(self, rel: str) -> bool:
         """True when ``rel`` is a symbolic link (local disks; object stores have none)."""
         if not self.local:
             return False
         try:
-            return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
+            with self._errors("check", rel, passthrough=(FileNotFoundError,)):
+                return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
         except FileNotFoundError:
             return False
-        except OSError as exc:
-            raise SpillStorageError(f"cannot check {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)) from exc
 
     def _refuse_links_above(self, rel: str) -> None:
         """Refuse ``rel`` when a folder between the root and it is a symbolic link: an operation
@@ -447,33 +401,19 @@ class Storage:
         """Delete ``rel`` and everything below it, never following a symbolic link: a link is
         removed itself (its target is untouched) and a link above ``rel`` is refused."""
         p = self.path(rel)
-        if self.local:
-            if rel not in ("", "."):
-                self._refuse_links_above(rel)
-            try:
-                st = os.lstat(p)
-                if stat.S_ISDIR(st.st_mode):
+        if self.local and rel not in ("", "."):
+            self._refuse_links_above(rel)
+        try:
+            with self._errors("remove", rel, passthrough=(FileNotFoundError,)):
+                if not self.local:
+                    if self.fs.exists(p):
+                        self.fs.rm(p, recursive=True)
+                elif stat.S_ISDIR(os.lstat(p).st_mode):
                     shutil.rmtree(p)  # fd-based on Linux: unlinks links inside, never follows them
                 else:
                     os.unlink(p)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise SpillStorageError(
-                    f"cannot remove {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
-                ) from exc
-            return
-        try:
-            if self.fs.exists(p):
-                self.fs.rm(p, recursive=True)
         except FileNotFoundError:
             pass
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(
-                f"cannot remove {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
-            ) from exc
 
     def remove_empty_dir(self, rel: str) -> None:
         """Remove the folder ``rel`` if it is empty (local disks; object stores have no folders)."""
@@ -489,28 +429,19 @@ class Storage:
         so of two processes creating one name, exactly one succeeds."""
         p = self.path(rel)
         try:
-            if self.local:
+            with self._errors("create", rel, passthrough=(FileExistsError,)):
+                if not self.local:
+                    self.fs.pipe_file(p, data, mode="create")
+                    return True
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                 try:
-                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                except FileExistsError:
-                    return False
-                try:
-                    os.write(fd, data)
+                    _write_all(fd, data)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
                 return True
-            try:
-                self.fs.pipe_file(p, data, mode="create")
-            except FileExistsError:
-                return False
-            return True
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise SpillStorageError(
-                f"cannot create {self.describe(rel)}: {_why(exc)}", path=self.describe(rel)
-            ) from exc
+        except FileExistsError:
+            return False
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
@@ -532,56 +463,79 @@ class Storage:
 
 
 class _Sink:
-    """See :meth:`Storage.open_write`."""
+    """See :meth:`Storage.open_write`: the one way an object appears whole under its name."""
 
-    def __init__(self, storage: Storage, rel: str) -> None:
-        self.storage, self.rel = storage, rel
+    def __init__(self, storage: Storage, rel: str, durable: bool) -> None:
+        self.storage, self.rel, self.durable = storage, rel, durable
         self.path = storage.path(rel)
         self._fd: int | None = None
         self._fh: Any = None
-        self._tmp = f"{self.path}.part-{os.getpid()}-{threading.get_ident()}"
-
-    def _fail(self, exc: BaseException) -> SpillStorageError:
-        where = self.storage.describe(self.rel)
-        return SpillStorageError(f"cannot write {where}: {_why(exc)}", path=where)
+        # `.tmp-` for records written whole (put_atomic), `.part-` for streamed objects.
+        self._tmp = f"{self.path}.{'tmp' if durable else 'part'}-{os.getpid()}-{threading.get_ident()}"
 
     def __enter__(self) -> _Sink:
-        try:
+        with self.storage._errors("write", self.rel):
             if self.storage.local:
                 self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             else:
                 self._fh = self.storage.fs.open(self.path, "wb")
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise self._fail(exc) from exc
         return self
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
-        try:
+        with self.storage._errors("write", self.rel):
             if self._fd is not None:
-                view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
-                while view:
-                    view = view[os.write(self._fd, view) :]
+                _write_all(self._fd, data)
             else:
                 self._fh.write(data)
-        except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
-            raise self._fail(exc) from exc
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         ok = exc_type is None
         try:
+            with self.storage._errors("write", self.rel):
+                if self._fd is not None:
+                    try:
+                        if ok and self.durable:
+                            os.fsync(self._fd)
+                    finally:
+                        os.close(self._fd)
+                    if ok:
+                        os.replace(self._tmp, self.path)
+                        if self.durable:
+                            _fsync_dir(os.path.dirname(self.path))
+                elif self._fh is not None:
+                    if ok:
+                        self._fh.close()
+                    else:
+                        discard = getattr(self._fh, "discard", None)
+                        if discard is not None:
+                            discard()
+        except BaseException:
             if self._fd is not None:
-                os.close(self._fd)
-                if ok:
-                    os.replace(self._tmp, self.path)
-                else:
-                    os.unlink(self._tmp)
-            elif self._fh is not None:
-                if ok:
-                    self._fh.close()
-                else:
-                    discard = getattr(self._fh, "discard", None)
-                    if discard is not None:
-                        discard()
-        except Exception as err:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
+                _unlink_quietly(self._tmp)
             if ok:
-                raise self._fail(err) from err
+                raise
+            return
+        if not ok and self._fd is not None:
+            _unlink_quietly(self._tmp)
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> None:
+    """``os.write`` until every byte of ``data`` is written (a write may be short)."""
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
