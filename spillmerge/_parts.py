@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 from . import _format as F
+from . import _poll
 from ._codecs import CODECS
 from ._errors import (
     CorruptSpillError,
@@ -214,10 +214,8 @@ def wait(
     ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say
     so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
     stays on storage until its part runs again, and must not fail this one."""
-    start = time.monotonic()
-    delay = poll
     cache: dict[str, PartRecord] = {}
-    while True:
+    for waited in _poll.poll(timeout, first=poll, cap=max_poll):
         records = scan(dst, cache)
         bad = foreign(records, parts, plan)
         if bad:
@@ -243,7 +241,6 @@ def wait(
         missing = [p for p in range(parts) if p not in done]
         if not missing:
             return [done[p] for p in range(parts)]
-        waited = time.monotonic() - start
         if waited >= timeout:
             names = ", ".join(describe(p, parts, p if collective else None) for p in missing[:20])
             names += " ..." if len(missing) > 20 else ""
@@ -265,5 +262,4 @@ def wait(
                 missing=missing,
                 parts=parts,
             )
-        time.sleep(min(delay, max(0.0, timeout - waited)))
-        delay = min(delay * 1.5, max_poll)
+    raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover

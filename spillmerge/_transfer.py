@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import _format as F
+from . import _poll
 from ._errors import (
     CommitTimeout,
     ConfigError,
@@ -150,13 +151,11 @@ class _Coord:
         return self._wait({self.dst: key}, what)[self.dst]
 
     def _wait(self, keys: dict[int, str], what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
-        start = time.monotonic()
         pending = dict(keys)
         got: dict[int, Any] = {}
-        delay = 0.005
         done_every = 1.0
-        next_done = start + done_every
-        while True:
+        next_done = time.monotonic() + done_every
+        for waited in _poll.poll(self.timeout, first=0.005, cap=0.25):
             try:
                 for r, key in list(pending.items()):
                     if self.store.check([key]):
@@ -176,7 +175,6 @@ class _Coord:
                 raise CoordinationError(
                     f"rank {self.rank}: lost the process group's store while {what}: {exc}", rank=self.rank
                 ) from exc
-            waited = time.monotonic() - start
             if waited >= self.timeout:
                 missing = sorted(pending)
                 raise CommitTimeout(
@@ -185,8 +183,7 @@ class _Coord:
                     missing=missing,
                     waited_s=waited,
                 )
-            time.sleep(min(delay, max(0.0, self.timeout - waited)))
-            delay = min(delay * 1.5, 0.25)
+        raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover
 
 
 # -------------------------------------------------------------------------------- transport
@@ -312,14 +309,11 @@ def _invisible(storage: Storage, metas: dict[int, Any], grace: float) -> dict[in
     """Ranks whose current commit record ``storage`` cannot see, after ``grace`` seconds of
     re-checking."""
     pending = {r: m["segment"] for r, m in metas.items()}
-    deadline = time.monotonic() + grace
-    delay = 0.05
-    while True:
+    for waited in _poll.poll(grace, first=0.05, cap=1.0, factor=2.0):
         pending = {r: s for r, s in pending.items() if not storage.exists(_commit_rel(s))}
-        if not pending or time.monotonic() >= deadline:
-            return pending
-        time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        if not pending or waited >= grace:
+            break
+    return pending
 
 
 def _assign_senders(invisible: dict[int, str], sees: dict[int, list[int]], dst: int) -> dict[int, list[int]]:

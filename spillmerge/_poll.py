@@ -1,0 +1,30 @@
+"""Bounded polling with backoff: the one waiting loop every barrier uses (commit records, part
+records, the process group's store, commit-record visibility)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+
+def poll(timeout: float, *, first: float, cap: float, factor: float = 1.5) -> Iterator[float]:
+    """Yield the seconds waited so far: at once, then after sleeps of ``first`` seconds growing by
+    ``factor`` up to ``cap``, never sleeping past ``timeout``. The last value yielded is
+    ``>= timeout``, so the caller checks once more after the deadline and then decides (raise,
+    or give up). ``timeout <= 0``: one check. Usage::
+
+        for waited in poll(timeout, first=0.05, cap=2.0):
+            if ready():
+                return
+            if waited >= timeout:
+                raise SomeTimeout(waited)
+    """
+    start = time.monotonic()
+    delay = first
+    while True:
+        waited = time.monotonic() - start
+        yield waited
+        if waited >= timeout:
+            return
+        time.sleep(min(delay, max(0.0, timeout - waited)))
+        delay = min(delay * factor, cap)
