@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import re
+import socket
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -313,6 +315,203 @@ class FailureRecord:
 
     def summary(self) -> str:
         return f"{self.error_type}: {self.message}"
+
+
+def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> tuple[str, str, str]:
+    """``(error_type, message, traceback)`` of a failure record, each bounded in size (every
+    failure record is built from these)."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return type(exc).__name__, str(exc)[:message_chars], tb[-20000:]
+
+
+def _host() -> tuple[str, int]:
+    return socket.gethostname(), os.getpid()
+
+
+@dataclass(frozen=True, slots=True)
+class PartDoneRecord:
+    """``OUT/spillmerge-parts/part-I-of-N.json``: part ``I`` of an output written in parts is done."""
+
+    part: int
+    """Which part, 0-based."""
+    parts: int
+    """Number of parts of the merge."""
+    plan: str
+    """Plan fingerprint; every part of one output has the same."""
+    rank: int | None
+    """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
+    run_id: str | None
+    """Run id of a collective merge."""
+    n_files: int
+    """Files the part wrote."""
+    n_frames: int
+    """Frames the part wrote."""
+    nbytes: int
+    """Payload bytes the part wrote."""
+    codec: str
+    """Output codec."""
+    chunk_bytes: int
+    """Target output chunk size."""
+    finished: str
+    """UTC time the record was written."""
+    host: str
+    """Host of the writing process."""
+    pid: int
+    """Its process id."""
+
+    @classmethod
+    def now(cls, **fields: Any) -> PartDoneRecord:
+        host, pid = _host()
+        return cls(finished=utcnow(), host=host, pid=pid, **fields)
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartDoneRecord:
+        obj = _part_header(data, "merge-part", path, part, parts)
+        return cls(
+            part=part,
+            parts=parts,
+            plan=obj["plan"],
+            rank=_int_or_none(obj, "rank"),
+            run_id=_str_or_none(obj, "run_id", path),
+            n_files=_int(obj, "n_files", path, hi=1 << 40),
+            n_frames=_int(obj, "n_frames", path, hi=1 << 40),
+            nbytes=_int(obj, "nbytes", path, hi=1 << 56),
+            codec=str(obj.get("codec")),
+            chunk_bytes=_int(obj, "chunk_bytes", path, lo=1, hi=1 << 40),
+            finished=str(obj.get("finished")),
+            host=str(obj.get("host"))[:256],
+            pid=_int_or_none(obj, "pid") or 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PartFailureRecord:
+    """``OUT/spillmerge-parts/part-I-of-N.failed.json``: part ``I`` raised (removed when it reruns)."""
+
+    part: int
+    """Which part, 0-based."""
+    parts: int
+    """Number of parts of the merge."""
+    plan: str
+    """Plan fingerprint of the failed attempt."""
+    rank: int | None
+    """Rank of a collective merge, else None."""
+    run_id: str | None
+    """Run id of a collective merge (tells this attempt's failure from an earlier one's)."""
+    error_type: str
+    """Exception class name."""
+    message: str
+    """Exception message."""
+    traceback: str
+    """Formatted traceback."""
+    time: str
+    """UTC time of the failure."""
+    host: str
+    """Host of the failed process."""
+    pid: int
+    """Its process id."""
+
+    @classmethod
+    def of(cls, exc: BaseException, **fields: Any) -> PartFailureRecord:
+        error_type, message, tb = exception_fields(exc, message_chars=4000)
+        host, pid = _host()
+        return cls(error_type=error_type, message=message, traceback=tb, time=utcnow(), host=host, pid=pid, **fields)
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part-failure", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartFailureRecord:
+        obj = _part_header(data, "merge-part-failure", path, part, parts)
+        return cls(
+            part=part,
+            parts=parts,
+            plan=obj["plan"],
+            rank=_int_or_none(obj, "rank"),
+            run_id=_str_or_none(obj, "run_id", path),
+            error_type=str(obj.get("error_type", "Error"))[:200],
+            message=str(obj.get("message", ""))[:4000],
+            traceback=str(obj.get("traceback", ""))[-20000:],
+            time=str(obj.get("time")),
+            host=str(obj.get("host"))[:256],
+            pid=_int_or_none(obj, "pid") or 0,
+        )
+
+    def summary(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
+def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> dict[str, Any]:
+    """A part record's object, checked to be the record its name says it is."""
+    obj = loads(data, path=path)
+    ok = (
+        isinstance(obj, dict)
+        and obj.get("kind") == kind
+        and obj.get("part") == part
+        and obj.get("parts") == parts
+        and isinstance(obj.get("plan"), str)
+    )
+    if not ok:
+        raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
+    if obj.get("format_version") != FORMAT_VERSION:
+        raise FormatVersionError(f"{path}: unknown format_version {obj.get('format_version')!r}", path=path)
+    return dict(obj)
+
+
+def _int_or_none(obj: dict[str, Any], key: str) -> int | None:
+    v = obj.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputHeader:
+    """The merged output's root ``zarr.json`` attributes, key ``spillmerge``."""
+
+    n_files: int
+    """Filenames in the output."""
+    n_frames: int
+    """Rows over all files."""
+    nbytes: int
+    """Payload bytes."""
+    ranks: list[int]
+    """Ranks whose segments were merged."""
+    world_size: int
+    """World size of the spill."""
+    segments: int
+    """Segments merged."""
+    created: str
+    """UTC time the merge planned the output."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionMarker:
+    """``OUT/spillmerge-complete.json``: written last; its presence means the output is whole."""
+
+    n_files: int
+    """Filenames in the output."""
+    n_frames: int
+    """Rows over all files."""
+    nbytes: int
+    """Payload bytes."""
+    finished: str
+    """UTC time the marker was written."""
+    written_by: dict[str, Any]
+    """The run that wrote it: its lease's ``owner`` token, ``role``, ``host``, ``pid``."""
+    spill_root: str
+    """The spill root it merged."""
+    plan: str
+    """Plan fingerprint."""
+    run_id: str | None
+    """Run id the merge waited for (None: the newest segments)."""
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})
 
 
 @dataclass(frozen=True, slots=True)

@@ -482,21 +482,18 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
     t = time.perf_counter()
     lease.check()  # a merge that lost its lease must not vouch for an output another one writes
     dst.put_atomic("zarr.json", Z.json_doc(root))
-    marker = {
-        "format_version": F.FORMAT_VERSION,
-        "kind": "merge-complete",
-        "n_files": len(plan.files),
-        "n_frames": plan.n_frames,
-        "nbytes": plan.total_bytes,
-        "finished": F.utcnow(),
-        # The run that wrote it: a second merge into this output can be told apart.
-        "written_by": lease.record(),
-        "spill_root": job.src.describe(),
-        "plan": job.fingerprint,
-        "run_id": job.run_id,
-    }
+    marker = F.CompletionMarker(
+        n_files=len(plan.files),
+        n_frames=plan.n_frames,
+        nbytes=plan.total_bytes,
+        finished=F.utcnow(),
+        written_by=lease.record(),  # a second merge into this output can be told apart
+        spill_root=job.src.describe(),
+        plan=job.fingerprint,
+        run_id=job.run_id,
+    )
     lease.check()
-    dst.put_atomic(F.COMPLETE_NAME, F.dumps(marker))
+    dst.put_atomic(F.COMPLETE_NAME, marker.to_json())
     job.phases["finish"] = time.perf_counter() - t
 
 

@@ -15,19 +15,14 @@ locally, one PUT on object stores), and its presence is the only meaning of "thi
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import traceback
 from dataclasses import dataclass
-from typing import Any
 
 from . import _format as F
 from . import _poll
 from ._codecs import CODECS
 from ._errors import (
     CorruptSpillError,
-    FormatVersionError,
     MissingPartsError,
     PartFailedError,
     PartsTimeout,
@@ -74,35 +69,26 @@ class PartRecord:
     """Completion records: the target chunk size the part wrote with."""
 
 
-def _host() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid()}
-
-
 def write_done(
     dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
     n_frames: int, nbytes: int, codec: str, chunk_bytes: int,
 ) -> None:  # fmt: skip
-    rec = {
-        "format_version": F.FORMAT_VERSION, "kind": "merge-part", "part": part, "parts": parts, "plan": plan,
-        "rank": rank, "run_id": run_id, "n_files": n_files, "n_frames": n_frames, "nbytes": nbytes, "codec": codec,
-        "chunk_bytes": chunk_bytes, "finished": F.utcnow(), **_host(),
-    }  # fmt: skip
+    rec = F.PartDoneRecord.now(
+        part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
+        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes,
+    )  # fmt: skip
     dst.makedirs(PARTS_DIR)
-    dst.put_atomic(record_name(part, parts), F.dumps(rec))
+    dst.put_atomic(record_name(part, parts), rec.to_json())
 
 
 def write_failure(
     dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
-    rec = {
-        "format_version": F.FORMAT_VERSION, "kind": "merge-part-failure", "part": part, "parts": parts,
-        "plan": plan, "rank": rank, "run_id": run_id, "error_type": type(exc).__name__, "message": str(exc)[:4000],
-        "traceback": "".join(traceback.format_exception(exc))[-20000:], "time": F.utcnow(), **_host(),
-    }  # fmt: skip
+    rec = F.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
     try:
         dst.makedirs(PARTS_DIR)
-        dst.put_atomic(record_name(part, parts, failed=True), F.dumps(rec))
+        dst.put_atomic(record_name(part, parts, failed=True), rec.to_json())
     except Exception:  # noqa: BLE001 - the original error matters more than this one
         pass
 
@@ -114,33 +100,19 @@ def remove(dst: Storage, part: int, parts: int, *, failed: bool) -> None:
 def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
     rel = f"{PARTS_DIR}/{name}"
     where = dst.describe(rel)
-    obj = F.loads(raw, path=where)
     m = _NAME_RE.match(name)
     assert m is not None
-    part, parts, failed = int(m.group(1)), int(m.group(2)), m.group(3) is not None
-    kind = "merge-part-failure" if failed else "merge-part"
-    ok = (
-        isinstance(obj, dict)
-        and obj.get("kind") == kind
-        and obj.get("part") == part
-        and obj.get("parts") == parts
-        and isinstance(obj.get("plan"), str)
+    part, parts = int(m.group(1)), int(m.group(2))
+    if m.group(3) is not None:
+        bad = F.PartFailureRecord.from_json(raw, path=where, part=part, parts=parts)
+        return PartRecord(part, parts, bad.plan, True, bad.summary(), bad.rank, bad.run_id, where, None, None)
+    done = F.PartDoneRecord.from_json(raw, path=where, part=part, parts=parts)
+    if done.codec not in CODECS:
+        raise CorruptSpillError(f"{where}: bad codec {done.codec!r} or chunk_bytes {done.chunk_bytes!r}", path=where)
+    message = f"{done.n_files} files, {done.n_frames} frames"
+    return PartRecord(
+        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes
     )
-    if not ok:
-        raise CorruptSpillError(f"{where}: not a spillmerge {kind} record for part {part} of {parts}", path=where)
-    if obj.get("format_version") != F.FORMAT_VERSION:
-        raise FormatVersionError(f"{where}: unknown format_version {obj.get('format_version')!r}", path=where)
-    rank = obj.get("rank") if isinstance(obj.get("rank"), int) else None
-    run_id = obj.get("run_id") if isinstance(obj.get("run_id"), str) else None
-    codec, chunk_bytes = obj.get("codec"), obj.get("chunk_bytes")
-    if failed:
-        message = f"{obj.get('error_type', 'Error')}: {obj.get('message', '')}"
-        codec = chunk_bytes = None
-    else:
-        message = f"{obj.get('n_files')} files, {obj.get('n_frames')} frames"
-        if codec not in CODECS or not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
-            raise CorruptSpillError(f"{where}: bad codec {codec!r} or chunk_bytes {chunk_bytes!r}", path=where)
-    return PartRecord(part, parts, obj["plan"], failed, message, rank, run_id, where, codec, chunk_bytes)
 
 
 def scan(dst: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:

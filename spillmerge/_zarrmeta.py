@@ -36,17 +36,15 @@ def frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
 def shared_docs(plan: Plan, world_size: int) -> dict[str, dict[str, Any]]:
     """``zarr.json`` documents of the nodes every file shares: root (with the output header),
     ``files``, ``index`` and the index arrays — the finalizer's in a parallel merge."""
-    header = {
-        "format_version": F.FORMAT_VERSION,
-        "kind": "merged",
-        "n_files": len(plan.files),
-        "n_frames": plan.n_frames,
-        "nbytes": plan.total_bytes,
-        "ranks": sorted({s.seg.rank for s in plan.segments}),
-        "world_size": world_size,
-        "segments": len(plan.segments),
-        "created": F.utcnow(),
-    }
+    header = F.OutputHeader(
+        n_files=len(plan.files),
+        n_frames=plan.n_frames,
+        nbytes=plan.total_bytes,
+        ranks=sorted({s.seg.rank for s in plan.segments}),
+        world_size=world_size,
+        segments=len(plan.segments),
+        created=F.utcnow(),
+    ).to_obj()
     nodes: dict[str, Any] = {
         "": GroupMetadata(attributes={"spillmerge": header}),
         "files": GroupMetadata(),
