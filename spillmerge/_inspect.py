@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _format as F
 from ._errors import SpillMergeError
+from ._output import header
 from ._spillroot import list_segments, load_segment, scan
 from ._storage import Storage
 
@@ -20,11 +21,8 @@ def detect(storage: Storage) -> str:
     """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
     if not storage.exists(""):
         raise SpillMergeError(f"{storage.describe()} does not exist")
-    raw = storage.get_or_none("zarr.json", max_bytes=256 << 20)
-    if raw is not None:
-        obj = F.loads(raw, path=storage.describe("zarr.json"))
-        if isinstance(obj, dict) and obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged":
-            return "merged"
+    if header(storage) is not None:
+        return "merged"
     if any(F.parse_rank_dirname(n) is not None for n in storage.listdir("")):
         return "spill"
     raise SpillMergeError(f"{storage.describe()} is neither a spill root (no rank-NNNNN folders) nor a merged output")

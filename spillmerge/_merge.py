@@ -17,7 +17,6 @@ from . import _zarrmeta as Z
 from ._copy import copy_files
 from ._errors import (
     MissingPartsError,
-    OutputExistsError,
     SpillStorageError,
     SpillValueError,
 )
@@ -407,10 +406,7 @@ def _finalize_locked(
     dst = job.dst
     complete = dst.exists(F.COMPLETE_NAME)
     if complete and not overwrite:
-        raise OutputExistsError(
-            f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to finalize it again",
-            path=dst.describe(),
-        )
+        raise _output.complete_error(dst, "finalize it again")
     t = time.perf_counter()
     records = _parts.scan(dst)
     n = parts if parts is not None else _parts.infer_parts(dst, records)

@@ -8,6 +8,8 @@ symbolic link, and only while it holds the output's lease (``_lease``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import _format as F
 from . import _lease, _parts
 from ._errors import CorruptSpillError, OutputExistsError, UnsafePathError
@@ -48,10 +50,7 @@ def prepare(dst: Storage, overwrite: bool, lease: _lease.Lease) -> None:
     if not is_ours(dst):
         raise not_ours(dst)
     if dst.exists(F.COMPLETE_NAME) and not overwrite:
-        raise OutputExistsError(
-            f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to replace it",
-            path=dst.describe(),
-        )
+        raise complete_error(dst, "replace it")
     # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
     remove_ours(dst, lease)
 
@@ -63,6 +62,31 @@ def remove_ours(dst: Storage, lease: _lease.Lease) -> None:
     for name in dst.listdir(""):
         if _is_ours_name(name):
             dst.rm_tree(name)
+
+
+def complete_error(dst: Storage, to: str) -> OutputExistsError:
+    """The output holds a complete merge and no ``overwrite`` was given."""
+    return OutputExistsError(
+        f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to {to}",
+        path=dst.describe(),
+    )
+
+
+def header(storage: Storage) -> dict[str, Any] | None:
+    """The output header (root ``zarr.json`` attributes ``spillmerge``) when ``storage`` holds a
+    merged output's root document, else None (absent, torn or not ours). The one reader of
+    "is this a merged output?" for the merge, ``inspect`` and ``open``."""
+    raw = storage.get_or_none("zarr.json", max_bytes=256 << 20)
+    if raw is None:
+        return None
+    try:
+        obj = F.loads(raw, path=storage.describe("zarr.json"))
+    except CorruptSpillError:
+        return None
+    head = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
+    if isinstance(head, dict) and head.get("kind") == "merged":
+        return head
+    return None
 
 
 def not_ours(dst: Storage) -> OutputExistsError:
@@ -82,17 +106,15 @@ def is_ours(dst: Storage) -> bool:
     names = dst.listdir("")
     if _lease.LEASE_DIR in names or _parts.PARTS_DIR in names:
         return True
-    raw = dst.get_or_none("zarr.json", max_bytes=64 << 20)
+    if header(dst) is not None:
+        return True
+    raw = dst.get_or_none("zarr.json", max_bytes=1 << 20)
     if raw is None:
         return False
-    try:
-        obj = F.loads(raw, path=dst.describe("zarr.json"))
-        return bool(obj.get("attributes", {}).get("spillmerge", {}).get("kind") == "merged")
-    except (CorruptSpillError, AttributeError):
-        # A merge killed while writing its first document (releases before the lease folder
-        # existed): nothing but that torn document and our temporary names is there.
-        torn = _ROOT_PREFIX.startswith(raw) or raw.startswith(_ROOT_PREFIX)
-        return torn and all(_is_ours_name(n) for n in names)
+    # A merge killed while writing its first document (releases before the lease folder
+    # existed): nothing but that torn document and our temporary names is there.
+    torn = _ROOT_PREFIX.startswith(raw) or raw.startswith(_ROOT_PREFIX)
+    return torn and all(_is_ours_name(n) for n in names)
 
 
 def refuse_links(dst: Storage, overwrite: bool) -> None:
@@ -121,9 +143,5 @@ def claim(dst: Storage, overwrite: bool, lease: _lease.Lease) -> None:
     refuse_links(dst, overwrite)
     if dst.exists(F.COMPLETE_NAME):
         if not overwrite:
-            raise OutputExistsError(
-                f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to "
-                "rebuild it (every part, then finalize)",
-                path=dst.describe(),
-            )
+            raise complete_error(dst, "rebuild it (every part, then finalize)")
         dst.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized
