@@ -31,7 +31,7 @@ from ._errors import (
     SpillValueError,
 )
 from ._plan import FilePlan, Plan, build, fingerprint, split
-from ._spillroot import load_all, load_flushed, wait_for_commits
+from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
 from ._writer import _array_meta
 
@@ -369,7 +369,7 @@ class _Job:
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
         phases["load"] = time.perf_counter() - t
         t = time.perf_counter()
-        plan = build(loaded, on_duplicate)
+        plan = build(loaded, on_duplicate, same_bytes=functools.partial(same_bytes, src))
         fp = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
         return cls(

@@ -4,6 +4,7 @@ because a spill root is untrusted input. Also the storage barrier (``wait_for_co
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,6 +455,75 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         raise bad("journal lists a filename twice")
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes)
     return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True), problems
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """The bytes of one leaf of one stored frame: what a duplicate is compared by."""
+
+    segment: LoadedSegment
+    """Segment whose ``data`` holds them."""
+    offset: int
+    """Byte offset in that ``data``."""
+    nbytes: int
+    """Byte length."""
+    crc: int
+    """CRC-32C the index gives for them."""
+
+
+_COMPARE_WINDOW = 1 << 20
+
+
+def data_ranges(seg: LoadedSegment, offset: int, nbytes: int) -> list[tuple[str, int, int]]:
+    """Byte ranges ``(rel, start, stop)`` of bytes ``[offset, offset + nbytes)`` of a segment's
+    ``data``, one per chunk object they touch, for :meth:`Storage.read_into`."""
+    out = []
+    cb, end = seg.chunk_bytes, offset + nbytes
+    while offset < end:
+        c = offset // cb
+        stop = min(end, (c + 1) * cb)
+        out.append((f"{seg.seg.rel}/{F.DATA_NAME}/c/{c}", offset - c * cb, stop - c * cb))
+        offset = stop
+    return out
+
+
+def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:
+    """True when two stored copies of a frame (their leaves, in the same order) hold the same
+    bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
+    merge calls this for duplicates whose sizes and checksums agree. Both copies are read
+    ``window`` bytes at a time, so memory stays bounded whatever the frame size; each leaf's
+    CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
+    different content."""
+    if len(a) != len(b) or any(x.nbytes != y.nbytes for x, y in zip(a, b, strict=True)):
+        return False
+    size = min(window, max((x.nbytes for x in a), default=0))
+    buf_a, buf_b = np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+    # A handle cache of its own: the caller's storage may never be closed if the plan raises.
+    reader = Storage(storage.url, storage.storage_options)
+    equal = True
+    try:
+        for x, y in zip(a, b, strict=True):
+            crc_x = crc_y = 0
+            for start in range(0, x.nbytes, window):
+                n = min(window, x.nbytes - start)
+                reader.read_into(data_ranges(x.segment, x.offset + start, n), buf_a[:n].data)
+                reader.read_into(data_ranges(y.segment, y.offset + start, n), buf_b[:n].data)
+                crc_x = google_crc32c.extend(crc_x, buf_a[:n])
+                crc_y = google_crc32c.extend(crc_y, buf_b[:n])
+                equal = equal and bool(np.array_equal(buf_a[:n], buf_b[:n]))
+            for e, got in ((x, crc_x), (y, crc_y)):
+                if got != e.crc:
+                    seg = e.segment.seg
+                    where = storage.describe(f"{seg.rel}/{F.DATA_NAME}")
+                    raise CorruptSpillError(
+                        f"{where}: checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {seg.rank}): "
+                        "the spill is corrupt; run `spillmerge verify` on the root",
+                        path=where,
+                        rank=seg.rank,
+                    )
+    finally:
+        reader.close()
+    return equal
 
 
 def committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
