@@ -413,6 +413,15 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     """Rebuild an uncommitted segment's index from its journal: every entry in chunk order up to
     the first missing or corrupt one. Returns the segment and the problems that stopped it."""
     problems: list[str] = []
+    if seg.header is None and not storage.exists(f"{seg.rel}/zarr.json"):
+        # The header is the first object a writer creates (atomically): without it the rank was
+        # stopped while setting up, before any data chunk, so there is nothing to salvage.
+        note = (
+            f"{storage.describe(seg.rel)}: rank {seg.rank}'s segment has no header (the rank stopped before "
+            "its segment was set up); nothing to salvage from it"
+        )
+        empty = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
     header = seg.header or {}
     chunk_bytes = header.get("chunk_bytes")
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
@@ -454,6 +463,8 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     if len(set(filenames)) != len(filenames):
         raise bad("journal lists a filename twice")
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes)
+    if len(index):  # after validation: file ids are known to be catalog positions
+        index = _whole_frames(storage, seg, index, problems)
     return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True), problems
 
 
@@ -524,6 +535,29 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
     finally:
         reader.close()
     return equal
+
+
+def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: list[str]) -> np.ndarray:
+    """Drop frames that have fewer leaves than other frames of their file in this journal.
+
+    A writer lists a frame's rows in the journal entry of the chunk holding its last byte, so its
+    journal holds whole frames only; journals of older writers listed each leaf when its own bytes
+    were flushed and may end inside a frame (its small leaf durable, its large one not). Every frame
+    of a file has the same leaves on one rank, so the short ones are exactly those."""
+    frames, inverse, counts = np.unique(
+        index[:, [F.COL_FILE, F.COL_FRAME]], axis=0, return_inverse=True, return_counts=True
+    )
+    inverse = inverse.reshape(-1)
+    want = np.zeros(int(frames[:, 0].max()) + 1, dtype=np.int64)  # file ids: validated catalog positions
+    np.maximum.at(want, frames[:, 0], counts)
+    short = counts < want[frames[:, 0]]
+    if not short.any():
+        return index
+    problems.append(
+        f"{storage.describe(f'{seg.rel}/{F.JOURNAL_NAME}')}: {int(short.sum())} frame(s) of rank {seg.rank} "
+        "were only partly flushed (some leaves missing); they are reported missing, not salvaged"
+    )
+    return index[~short[inverse]]
 
 
 def committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:

@@ -67,7 +67,8 @@ class _Chunk:
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
     completed: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
-    """(row, file_id, frame, layout_id, offset, nbytes) of rows whose last byte is in this chunk."""
+    """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
+    is in this chunk: a journal entry lists whole frames only."""
     file_base: int = 0
     """Catalog id of ``new_files[0]``."""
     new_files: list[str] = field(default_factory=list)
@@ -337,8 +338,10 @@ class SpillWriter:
             self._file_ids[filename] = file_id
             self._file_schema[file_id] = layout_ids
         first_row = self._n_rows
-        for leaf, lid in zip(leaves, layout_ids, strict=True):
-            self._append(file_id, frame, lid, leaf)
+        done: list[tuple[int, int, int, int, int, int]] = []  # this frame's rows, journaled together
+        last = len(leaves) - 1
+        for i, (leaf, lid) in enumerate(zip(leaves, layout_ids, strict=True)):
+            self._append(file_id, frame, lid, leaf, done, i == last)
         self._keys[key] = (first_row, len(leaves))
 
     def update(self, mapping: Mapping[str, Any]) -> None:
@@ -385,7 +388,11 @@ class SpillWriter:
                 )
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _append(self, file_id: int, frame: int, layout_id: int, leaf: Leaf) -> None:
+    def _append(self, file_id: int, frame: int, layout_id: int, leaf: Leaf, done_rows: list[Any], last: bool) -> None:
+        """Copy one leaf into staging. Its row joins ``done_rows``; with the frame's ``last`` leaf
+        they all go to the chunk holding the frame's last byte, so the journal entry of that
+        chunk lists the whole frame (a frame whose large leaf never became durable is not
+        salvaged by halves)."""
         row = self._n_rows
         if row == len(self._rows):
             self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
@@ -418,11 +425,15 @@ class SpillWriter:
             done += n
             self._offset += n
             if done == leaf.nbytes:
-                chunk.completed.append((row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes))
+                done_rows.append((row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes))
+                if last:
+                    chunk.completed.extend(done_rows)
             if chunk.fill == self.chunk_bytes:
                 self._hand_off()
         if leaf.nbytes == 0:
-            self._current_chunk().completed.append((row, file_id, frame, layout_id, self._offset, 0))
+            done_rows.append((row, file_id, frame, layout_id, self._offset, 0))
+            if last:
+                self._current_chunk().completed.extend(done_rows)
 
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:

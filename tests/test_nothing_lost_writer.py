@@ -4,12 +4,23 @@ written twice on one rank are not an error."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
 import google_crc32c
 import numpy as np
 import pytest
 import torch
+from _nothing_lost_workers import expected, spill, spill_killed_at
+from _procs import join_all
 
 import spillmerge
+from spillmerge import _format as F
 
 
 def forge_same_crc(data: bytes, pos: int) -> bytes:
@@ -96,3 +107,156 @@ def test_identical_duplicates_across_ranks_are_read_and_still_merge(tmp_path):
     rep = spillmerge.merge(root, str(tmp_path / "out"))
     assert rep.duplicates == 1 and rep.n_frames == 1
     assert spillmerge.open(str(tmp_path / "out"))["v"]["x"][0].tolist() == list(range(3000))
+
+
+# ---------------------------------------------------------------------------------------- row 6
+CTX = mp.get_context("forkserver")
+# torch is imported once, by the forkserver, not by each writer. (Python < 3.12 does not give the
+# forkserver the test's sys.path, so it cannot preload tests/_nothing_lost_workers itself.)
+CTX.set_forkserver_preload(["torch", "numpy", "spillmerge"])
+N_FRAMES = 150  # frames of the killed rank (about 1.5 MB, 370 chunks)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _rank0_root(tmp_path: Path) -> Path:
+    """Rank 0's committed half of the job (even frames), copied into every trial's root."""
+    template = tmp_path / "rank0"
+    spill(str(template), 0, 2, N_FRAMES)
+    return template
+
+
+def _check_partial_merge(root: Path, out: Path, label: str) -> spillmerge.MergeReport:
+    """Merge what is there; every merged frame must be whole and bit-exact, every other frame
+    reported missing."""
+    all_frames = set(range(2 * N_FRAMES))
+    try:
+        rep = spillmerge.merge(
+            str(root), str(out), allow_partial=True, world_size=2, expected={"clip": len(all_frames)}
+        )
+    except spillmerge.SpillMergeError as exc:  # no documented reason applies to these roots
+        pytest.fail(f"{label}: the partial merge raised {type(exc).__name__}: {exc}")
+    res = spillmerge.open(str(out))
+    frames = res.frames("clip").tolist()
+    a, b = res["clip"]["a"][:], res["clip"]["b"][:]
+    for j, frame in enumerate(frames):
+        want = expected(frame)
+        assert np.array_equal(a[j], want["a"]) and np.array_equal(b[j], want["b"]), f"{label}: frame {frame} differs"
+    odd = [f for f in frames if f % 2]
+    assert [f for f in frames if f % 2 == 0] == list(range(0, 2 * N_FRAMES, 2)), label
+    # Journals list frames in write order: what is salvaged is a prefix of what rank 1 wrote.
+    assert odd == list(range(1, 2 * len(odd), 2)), f"{label}: salvaged frames are not a prefix: {odd}"
+    gaps = set(rep.frame_gaps.get("clip", []))
+    assert not gaps & set(frames) and gaps | set(frames) == all_frames, f"{label}: missing frames not all reported"
+    committed = list(root.glob("rank-00001/seg-*/commit.json"))
+    if committed:
+        assert rep.missing_ranks == [] and len(odd) == N_FRAMES, label
+    else:
+        assert rep.missing_ranks == [1], label
+        assert rep.salvaged_frames.get(1, 0) == len(odd), label
+    for seg in root.glob("rank-00001/seg-*"):
+        if not (seg / "zarr.json").exists():  # killed before its header landed
+            assert len(odd) == 0 and rep.salvaged_frames.get(1, 0) == 0, label
+            assert any("has no header" in n and "nothing to salvage" in n for n in rep.notes), (label, rep.notes)
+    return rep
+
+
+def test_a_rank_killed_at_exact_moments_leaves_whole_frames_or_nothing(tmp_path):
+    template = _rank0_root(tmp_path)
+    moments = ["header", "header-tmp", "journal-0", "journal-2", "journal-3", "journal-7"]
+    roots = {m: tmp_path / f"root-{m}" for m in moments}
+    procs = {}
+    for m, root in roots.items():
+        shutil.copytree(template, root)
+        procs[m] = CTX.Process(target=spill_killed_at, args=(str(root), 1, 2, N_FRAMES, m))
+        procs[m].start()
+    join_all(list(procs.values()), timeout=120)
+    for m, root in roots.items():
+        assert procs[m].exitcode == -signal.SIGKILL, f"{m}: the writer was not killed ({procs[m].exitcode})"
+        rep = _check_partial_merge(root, tmp_path / f"out-{m}", m)
+        if m.startswith("header"):
+            assert (root / "rank-00001").exists() and not list(root.glob("rank-00001/seg-*/zarr.json"))
+            assert rep.salvaged_frames.get(1, 0) == 0
+    # Rank 1's frame 1 ends in chunk 2, frame 3 in chunk 4, frame 5 in chunk 7: until a frame's
+    # large leaf is flushed it is not salvaged, although its small leaf is in an earlier chunk.
+    odd = {
+        m: [f for f in spillmerge.open(str(tmp_path / f"out-{m}")).frames("clip").tolist() if f % 2] for m in moments
+    }
+    assert odd == {
+        "header": [],
+        "header-tmp": [],
+        "journal-0": [],
+        "journal-2": [1],
+        "journal-3": [1],
+        "journal-7": [1, 3, 5],
+    }
+
+
+def test_random_sigkills_of_a_dict_writer_salvage_only_whole_frames(tmp_path):
+    seed = int(os.environ.get("SPILLMERGE_KILL_SEED", "1717"))
+    rng = random.Random(seed)
+    sentinel = tmp_path / "sentinel"
+    sentinel.mkdir()
+    (sentinel / "keep.txt").write_text("untouched")
+    before = _snapshot(sentinel)
+    template = _rank0_root(tmp_path)
+    # An uninterrupted run first: it warms the forkserver and times a whole writer session.
+    root = tmp_path / "root-full"
+    shutil.copytree(template, root)
+    p = CTX.Process(target=spill, args=(str(root), 1, 2, N_FRAMES))
+    p.start()
+    join_all([p], timeout=120)
+    t0 = time.monotonic()
+    p = CTX.Process(target=spill, args=(str(tmp_path / "timing"), 1, 2, N_FRAMES))
+    p.start()
+    join_all([p], timeout=120)
+    session = time.monotonic() - t0
+    assert p.exitcode == 0
+    shutil.rmtree(tmp_path / "timing")
+    _check_partial_merge(root, tmp_path / "out-full", "uninterrupted")
+    outcomes = []
+    for i in range(20):
+        # The first kills land around start-up and the segment header, the rest anywhere.
+        delay = rng.uniform(0, 0.004) if i < 5 else rng.uniform(0, 1.2 * session)
+        root = tmp_path / f"root-{i}"
+        shutil.copytree(template, root)
+        p = CTX.Process(target=spill, args=(str(root), 1, 2, N_FRAMES))
+        p.start()
+        time.sleep(delay)
+        p.kill()
+        join_all([p], timeout=60)
+        label = f"kill {i} after {delay * 1000:.1f} ms (seed {seed}, session {session * 1000:.0f} ms)"
+        rep = _check_partial_merge(root, tmp_path / f"out-{i}", label)
+        outcomes.append((p.exitcode, rep.salvaged_frames.get(1, 0)))
+    assert any(code == -signal.SIGKILL for code, _ in outcomes), outcomes
+    # Nothing outside the spill roots and outputs was touched.
+    assert _snapshot(sentinel) == before
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names <= {"sentinel", "rank0", "root-full", "out-full"} | {f"root-{i}" for i in range(20)} | {
+        f"out-{i}" for i in range(20)
+    }, names
+
+
+def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_path):
+    # Writers before this fix listed each leaf in the entry of the chunk holding its own last
+    # byte, so a journal could end between a frame's small and large leaf: such a frame is left
+    # out (and reported), not merged by halves.
+    root = tmp_path / "spill"
+    spill(str(root), 0, 1, 6)
+    seg = next(root.glob("rank-00000/seg-*"))
+    (seg / F.COMMIT_NAME).unlink()
+    # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.
+    last_path = sorted((seg / F.JOURNAL_NAME).iterdir())[-1]
+    last = F.decode_journal(last_path.read_bytes(), path=str(last_path))
+    b_row = (last.rows[:, F.COL_FRAME] == 5) & (last.rows[:, F.COL_NBYTES] == 10_000)
+    assert b_row.sum() == 1
+    last_path.write_bytes(
+        F.encode_journal(last.chunk, last.file_base, last.filenames, last.layout_base, last.layouts, last.rows[~b_row])
+    )
+    rep = spillmerge.merge(str(root), str(tmp_path / "out"), allow_partial=True, world_size=1)
+    res = spillmerge.open(str(tmp_path / "out"))
+    assert res.frames("clip").tolist() == [0, 1, 2, 3, 4]
+    assert rep.frame_gaps == {} and rep.salvaged_frames == {0: 5}
+    assert any("1 frame(s) of rank 0 were only partly flushed" in n for n in rep.notes), rep.notes
