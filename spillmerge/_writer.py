@@ -528,7 +528,33 @@ class SpillWriter:
         self._flusher.join()
         self._raise_flush_error()
 
+    def _vanished(self, what: str) -> SpillStorageError:
+        return SpillStorageError(
+            f"{self.segment_path} vanished while spilling ({what}): was the spill root {self.root} deleted or "
+            f"moved? Rank {self.rank}'s segment is not committed; spill again to a root that stays in place",
+            path=self.segment_path,
+        )
+
+    def _check_segment(self, n_chunks: int | None = None, size: int = 0) -> None:
+        """Fail when the segment is gone from storage, before writing anything that would recreate
+        its folders (local writes create missing parents) or a commit record that would vouch
+        for chunks that no longer exist. With ``n_chunks``, one listing also checks that every
+        data chunk is there with its ``size``."""
+        if n_chunks is None:
+            if not self.storage.exists(self._rel("zarr.json")):
+                raise self._vanished("its header zarr.json is gone")
+            return
+        found = dict(self.storage.find(self._prefix))
+        if self._rel("zarr.json") not in found:
+            raise self._vanished("its header zarr.json is gone")
+        for c in range(n_chunks):
+            got = found.get(self._rel(f"{F.DATA_NAME}/c/{c}"))
+            if got != size:
+                state = "is gone" if got is None else f"has {got} bytes, not {size}"
+                raise self._vanished(f"data chunk {c} {state}")
+
     def _write_index(self) -> tuple[F.CommitRecord, np.ndarray]:
+        self._check_segment()
         rows = self._rows[: self._n_rows].copy()
         for row, crc in self._flusher.crc.items():
             rows[row, F.COL_CRC] = crc
@@ -577,6 +603,8 @@ class SpillWriter:
         try:
             self._drain()
             record, _ = self._write_index()
+            # Last look before the commit record vouches for the chunks: are they all still there?
+            self._check_segment(record.n_chunks, record.chunk_bytes)
             self.storage.put_atomic(self._rel(F.COMMIT_NAME), record.to_json())
         except BaseException as exc:
             self._state = "open"

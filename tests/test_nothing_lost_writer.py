@@ -21,6 +21,7 @@ from _procs import join_all
 
 import spillmerge
 from spillmerge import _format as F
+from spillmerge._storage import Storage
 
 
 def forge_same_crc(data: bytes, pos: int) -> bytes:
@@ -260,3 +261,52 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     assert res.frames("clip").tolist() == [0, 1, 2, 3, 4]
     assert rep.frame_gaps == {} and rep.salvaged_frames == {0: 5}
     assert any("1 frame(s) of rank 0 were only partly flushed" in n for n in rep.notes), rep.notes
+
+
+# ---------------------------------------------------------------------------------------- row 7
+def _wait_flushed(w: spillmerge.SpillWriter, chunks: int) -> None:
+    """Until data chunks ``0 .. chunks-1`` are on storage (their journal entries are written after them)."""
+    entry = w._rel(F.journal_name(chunks - 1))
+    deadline = time.monotonic() + 30
+    while not w.storage.exists(entry) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.storage.exists(entry)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["nothing-staged", "last-chunk-staged"])
+def test_a_spill_root_deleted_while_spilling_is_never_committed(backend, staged):
+    root = backend.url("spill")
+    storage = Storage(root, backend.options)
+    w = spillmerge.SpillWriter(root, rank=0, world_size=1, storage_options=backend.options, chunk_bytes=4096)
+    with pytest.raises(spillmerge.SpillStorageError) as info:
+        with w:
+            for i in range(4):  # whole chunks, flushed by the background thread
+                w.write("clip", i, torch.full((1024,), float(i)))
+            _wait_flushed(w, 4)
+            storage.rm_tree("")  # someone deletes the spill root under the running job
+            if staged:
+                w.write("tail", 0, torch.ones(10))
+    assert w.state == "failed"
+    msg = str(info.value)
+    assert w.segment_path in msg and info.value.path is not None and root in info.value.path, msg
+    if not staged or backend.name != "local":  # locally the staged chunk's write fails first
+        assert "vanished while spilling" in msg, msg
+    # No commit record anywhere, and the deleted folders were not silently recreated.
+    assert not [p for p, _ in storage.find("") if p.endswith(F.COMMIT_NAME)]
+    if backend.name == "local":
+        assert not os.path.exists(root)
+    with pytest.raises(spillmerge.SpillMergeError):
+        spillmerge.merge(root, backend.url("out"), storage_options=backend.options, world_size=1)
+
+
+def test_a_vanished_data_chunk_stops_the_commit(tmp_path):
+    root = tmp_path / "spill"
+    w = spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096)
+    with pytest.raises(spillmerge.SpillStorageError, match="data chunk 1 is gone") as info:
+        with w:
+            for i in range(3):
+                w.write("clip", i, torch.full((1024,), float(i)))
+            _wait_flushed(w, 3)
+            os.unlink(f"{w.segment_path}/{F.DATA_NAME}/c/1")
+    assert info.value.path == w.segment_path
+    assert not list(root.glob("rank-*/seg-*/commit.json")) and list(root.glob("rank-*/seg-*/failed.json"))
