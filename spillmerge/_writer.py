@@ -48,6 +48,8 @@ from ._values import Leaf, check_filename, check_frame_idx, flatten
 
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
+_COMPARE_WINDOW = 1 << 20
+"""Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 
 
 @dataclass(slots=True)
@@ -93,6 +95,9 @@ class _Flusher(threading.Thread):
         self.q: queue.Queue[Any] = queue.Queue()
         self.crc: dict[int, int] = {}
         self.error: BaseException | None = None
+        self.durable = 0
+        """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
+        self.durable_cond = threading.Condition()
         self._pending: collections.deque[tuple[_Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(writer.flush_threads, thread_name_prefix=f"spillmerge-put-r{writer.rank}")
@@ -126,6 +131,8 @@ class _Flusher(threading.Thread):
             for fut in self._journals:
                 if fut.exception() is not None and self.error is None:
                     self.error = fut.exception()
+            with self.durable_cond:  # wake a writer waiting for a chunk that will never land
+                self.durable_cond.notify_all()
 
     def _checksum(self, chunk: _Chunk) -> None:
         # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
@@ -149,6 +156,9 @@ class _Flusher(threading.Thread):
             block = False
             try:
                 fut.result()
+                with self.durable_cond:
+                    self.durable = chunk.number + 1
+                    self.durable_cond.notify_all()
                 if self.error is None:
                     # Its chunk and every earlier one are durable now; the PUT itself may overlap
                     # the next uploads (a reader replays entries in order and stops at a gap).
@@ -187,8 +197,10 @@ class SpillWriter:
         chunk_bytes: size of each data chunk object (default 16 MiB).
         staging_bytes: host memory for staging chunks (default 4 chunks); ``write`` blocks while
             all of it waits for storage.
-        on_duplicate: ``"error"`` (default), ``"first"`` (ignore later writes of a key) or
-            ``"last"`` (a later write replaces the earlier one).
+        on_duplicate: ``"error"`` (default: a key written again with different bytes raises
+            :class:`~spillmerge.DuplicateFrameError`; the same bytes again are kept once, see
+            :meth:`stats`), ``"first"`` (ignore later writes of a key) or ``"last"`` (a later write
+            replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
         fsync: on local disks, fsync every object of the segment before the commit record is
             written (default True).
@@ -265,6 +277,7 @@ class SpillWriter:
         self._file_schema: dict[int, tuple[int, ...]] = {}
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
+        self._identical_rewrites = 0
         self._rows = np.zeros((1024, F.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
         self._offset = 0
@@ -325,6 +338,9 @@ class SpillWriter:
             if self.on_duplicate == "first":
                 return
             if self.on_duplicate == "error":
+                if self._same_as_written(prev, leaves):  # identical content is never an error
+                    self._identical_rewrites += 1
+                    return
                 raise DuplicateFrameError(
                     f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
                     "(pass on_duplicate='first' or 'last' to allow rewrites)",
@@ -360,6 +376,62 @@ class SpillWriter:
                     f"{{frame_idx: value}} dict, got {type(item).__name__}",
                     filename=filename if isinstance(filename, str) else None,
                 )
+
+    def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf]) -> bool:
+        """Do ``leaves`` hold the same bytes as the frame already written at rows ``prev``?
+
+        Only a rewrite of a key gets here (rare), so this may wait for the flush thread and read
+        back from storage; writes of new keys never checksum or compare anything. The earlier
+        bytes are read where they are: in the current staging chunk, else (once the flush thread
+        has uploaded their chunk) from storage, ``_COMPARE_WINDOW`` bytes at a time. CUDA leaves
+        are copied to the host, synchronously, window by window."""
+        first, n = prev
+        if n != len(leaves):
+            return False
+        reader: Storage | None = None
+        try:
+            for i, leaf in enumerate(leaves):
+                off, nbytes = (int(v) for v in self._rows[first + i, [F.COL_OFFSET, F.COL_NBYTES]])
+                if nbytes != leaf.nbytes:
+                    return False
+                pos = 0
+                while pos < nbytes:
+                    c, lo = divmod(off + pos, self.chunk_bytes)
+                    m = min(nbytes - pos, self.chunk_bytes - lo, _COMPARE_WINDOW)
+                    new = leaf.data[pos : pos + m]
+                    if isinstance(new, torch.Tensor):
+                        new = new.cpu().numpy()
+                    cur = self._current
+                    if cur is not None and cur.number == c:
+                        if cur.event is not None:  # its device-to-host copies may still run
+                            cur.event.synchronize()
+                        old = cur.host.numpy()[lo : lo + m]
+                    else:
+                        self._wait_durable(c)
+                        if reader is None:  # its own handle cache, closed below
+                            reader = Storage(self.storage.url, self.storage.storage_options)
+                        old = np.empty(m, dtype=np.uint8)
+                        reader.read_into([(self._rel(f"{F.DATA_NAME}/c/{c}"), lo, lo + m)], old.data)
+                    if not np.array_equal(old, new):
+                        return False
+                    pos += m
+        finally:
+            if reader is not None:
+                reader.close()
+        return True
+
+    def _wait_durable(self, chunk: int) -> None:
+        """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
+        background); raise the flush thread's error if it failed instead."""
+        fl = self._flusher
+        with fl.durable_cond:
+            while fl.durable <= chunk and fl.error is None and fl.is_alive():
+                fl.durable_cond.wait(0.5)
+        self._raise_flush_error()
+        if fl.durable <= chunk:  # pragma: no cover - the flush thread ended without an error
+            raise SpillStorageError(
+                f"data chunk {chunk} of {self.segment_path} was never written", path=self.segment_path
+            )
 
     def _layout_id(self, leaf: Leaf) -> int:
         lay = F.Layout(leaf.path, leaf.dtype, leaf.shape)
@@ -762,13 +834,16 @@ class SpillWriter:
         return bool(dist.get_rank() == self.rank and dist.get_world_size() == self.world_size)
 
     def stats(self) -> dict[str, int]:
-        """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated."""
+        """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated, and
+        ``identical_rewrites``: writes of a key already written with the same bytes (kept once,
+        under ``on_duplicate="error"``)."""
         return {
             "frames": len(getattr(self, "_keys", {})),
             "rows": getattr(self, "_n_rows", 0),
             "bytes": getattr(self, "_offset", 0),
             "chunks": getattr(self, "_n_chunks", 0),
             "staging_buffers": self._allocated,
+            "identical_rewrites": getattr(self, "_identical_rewrites", 0),
         }
 
 

@@ -310,3 +310,88 @@ def test_a_vanished_data_chunk_stops_the_commit(tmp_path):
             os.unlink(f"{w.segment_path}/{F.DATA_NAME}/c/1")
     assert info.value.path == w.segment_path
     assert not list(root.glob("rank-*/seg-*/commit.json")) and list(root.glob("rank-*/seg-*/failed.json"))
+
+
+# --------------------------------------------------------------------------------------- row 10
+def test_identical_rewrite_on_one_rank_is_kept_once_wherever_the_first_copy_is(backend):
+    root = backend.url("spill")
+    rng = np.random.default_rng(10)
+    big = rng.integers(0, 256, 5 << 19, dtype=np.uint8)  # 2.5 MiB: several chunks and compare windows
+    with spillmerge.SpillWriter(root, storage_options=backend.options, chunk_bytes=1 << 20) as w:
+        w.write("dets", 0, {"mask": torch.from_numpy(big.copy()), "score": 0.5})
+        for i in range(1, 6):  # pushes frame 0's chunks out to storage
+            w.write("dets", i, {"mask": torch.from_numpy(np.roll(big, i)), "score": float(i)})
+        _wait_flushed(w, 3)
+        w.write("dets", 0, {"mask": torch.from_numpy(big.copy()), "score": 0.5})  # read back from storage
+        w.write("dets", 5, {"mask": torch.from_numpy(np.roll(big, 5)), "score": 5.0})  # partly staged
+        w.write("small", 0, np.arange(4))
+        w.write("small", 0, np.arange(4))  # in the current staging chunk
+        assert w.stats()["identical_rewrites"] == 3
+        with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'small' was already written by rank 0"):
+            w.write("small", 0, np.arange(1, 5))
+        changed = big.copy()
+        changed[-1] ^= 1
+        with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'dets'"):
+            w.write("dets", 0, {"mask": torch.from_numpy(changed), "score": 0.5})
+        with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'dets'"):
+            w.write("dets", 0, {"mask": torch.from_numpy(big.copy()), "score": 0.25})
+        assert w.stats()["frames"] == 7
+    out = backend.url("out")
+    rep = spillmerge.merge(root, out, storage_options=backend.options, out_storage_options=backend.options)
+    assert rep.n_frames == 7 and rep.duplicates == 0
+    res = spillmerge.open(out, storage_options=backend.options)
+    assert np.array_equal(res["dets"]["mask"][0], big) and res["small"][0].tolist() == [0, 1, 2, 3]
+
+
+def test_rewrite_with_the_same_crc_but_other_bytes_is_refused_at_write(tmp_path):
+    raw = np.random.default_rng(3).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), chunk_bytes=4096) as w:
+        w.write("clip", 0, u8(raw))
+        with pytest.raises(spillmerge.DuplicateFrameError):
+            w.write("clip", 0, u8(forge_same_crc(raw, 1)))
+        w.write("clip", 0, u8(raw))
+        assert w.stats()["identical_rewrites"] == 1
+
+
+def test_identical_rewrite_waits_for_a_chunk_in_flight(tmp_path):
+    w = spillmerge.SpillWriter(str(tmp_path / "spill"), chunk_bytes=4096)
+    with w:
+        real_put = w.storage.put
+        puts = []
+
+        def slow_put(rel, data, **kwargs):  # uploads take a while: chunks stay in flight
+            time.sleep(0.2)
+            real_put(rel, data, **kwargs)
+            puts.append(rel)
+
+        w.storage.put = slow_put  # type: ignore[method-assign]
+        w.write("clip", 0, torch.arange(1024, dtype=torch.int32))  # fills chunk 0: handed off
+        assert not puts  # chunk 0 is still being uploaded
+        w.write("clip", 0, torch.arange(1024, dtype=torch.int32))
+        assert any(p.endswith(f"{F.DATA_NAME}/c/0") for p in puts)
+        del w.storage.put  # commit at full speed
+        with pytest.raises(spillmerge.DuplicateFrameError):
+            w.write("clip", 0, torch.arange(1024, dtype=torch.int32) + 1)
+        assert w.stats()["identical_rewrites"] == 1
+
+
+def test_first_and_last_policies_are_unchanged_by_identical_rewrites(tmp_path):
+    for policy in ("first", "last"):
+        with spillmerge.SpillWriter(str(tmp_path / policy), on_duplicate=policy) as w:
+            w.write("f", 0, torch.tensor(1.0))
+            w.write("f", 0, torch.tensor(1.0))
+            assert w.stats()["identical_rewrites"] == 0
+
+
+@pytest.mark.gpu
+def test_identical_rewrite_of_a_cuda_tensor(tmp_path):
+    x = torch.arange(5000, dtype=torch.float32, device="cuda")
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), chunk_bytes=4096) as w:
+        w.write("clip", 0, x)
+        w.write("clip", 0, x.clone())
+        with pytest.raises(spillmerge.DuplicateFrameError):
+            w.write("clip", 0, x + 1)
+        assert w.stats()["identical_rewrites"] == 1
+    rep = spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out"))
+    assert rep.n_frames == 1
+    assert torch.equal(spillmerge.open(str(tmp_path / "out"))["clip"].to_torch()[0], x.cpu())
