@@ -354,10 +354,13 @@ class SpillWriter:
             self._file_ids[filename] = file_id
             self._file_schema[file_id] = layout_ids
         first_row = self._n_rows
-        done: list[tuple[int, int, int, int, int, int]] = []  # this frame's rows, journaled together
-        last = len(leaves) - 1
-        for i, (leaf, lid) in enumerate(zip(leaves, layout_ids, strict=True)):
-            self._append(file_id, frame, lid, leaf, done, i == last)
+        if len(leaves) == 1:
+            self._append(file_id, frame, layout_ids[0], leaves[0])
+        else:
+            held: list[tuple[int, int, int, int, int, int]] = []  # journaled with the frame's last leaf
+            for leaf, lid in zip(leaves[:-1], layout_ids[:-1], strict=True):
+                self._append(file_id, frame, lid, leaf, held, last=False)
+            self._append(file_id, frame, layout_ids[-1], leaves[-1], held)
         self._keys[key] = (first_row, len(leaves))
 
     def update(self, mapping: Mapping[str, Any]) -> None:
@@ -460,11 +463,13 @@ class SpillWriter:
                 )
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _append(self, file_id: int, frame: int, layout_id: int, leaf: Leaf, done_rows: list[Any], last: bool) -> None:
-        """Copy one leaf into staging. Its row joins ``done_rows``; with the frame's ``last`` leaf
-        they all go to the chunk holding the frame's last byte, so the journal entry of that
-        chunk lists the whole frame (a frame whose large leaf never became durable is not
-        salvaged by halves)."""
+    def _append(
+        self, file_id: int, frame: int, layout_id: int, leaf: Leaf, held: list[Any] | None = None, last: bool = True
+    ) -> None:
+        """Copy one leaf into staging. The rows of a frame's earlier leaves wait in ``held``
+        (``last=False``); with its ``last`` leaf they all go to the chunk holding the frame's last
+        byte, so the journal entry of that chunk lists the whole frame and a frame whose large
+        leaf never became durable is never salvaged by halves."""
         row = self._n_rows
         if row == len(self._rows):
             self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
@@ -497,15 +502,24 @@ class SpillWriter:
             done += n
             self._offset += n
             if done == leaf.nbytes:
-                done_rows.append((row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes))
-                if last:
-                    chunk.completed.extend(done_rows)
+                entry = (row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes)
+                if not last:
+                    held.append(entry)  # type: ignore[union-attr]
+                else:
+                    if held:
+                        chunk.completed.extend(held)
+                    chunk.completed.append(entry)
             if chunk.fill == self.chunk_bytes:
                 self._hand_off()
         if leaf.nbytes == 0:
-            done_rows.append((row, file_id, frame, layout_id, self._offset, 0))
-            if last:
-                self._current_chunk().completed.extend(done_rows)
+            entry = (row, file_id, frame, layout_id, self._offset, 0)
+            if not last:
+                held.append(entry)  # type: ignore[union-attr]
+            else:
+                completed = self._current_chunk().completed
+                if held:
+                    completed.extend(held)
+                completed.append(entry)
 
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:
