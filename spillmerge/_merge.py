@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from ._errors import (
 )
 from ._plan import FilePlan, Plan, build, fingerprint, split
 from ._report import MergeReport, check_expected, gaps
-from ._spillroot import load_all, load_flushed, wait_for_commits
+from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
 
 DEFAULT_MEMORY_BUDGET = 256 << 20
@@ -227,7 +228,7 @@ class _Job:
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
         phases["load"] = time.perf_counter() - t
         t = time.perf_counter()
-        plan = build(loaded, on_duplicate)
+        plan = build(loaded, on_duplicate, same_bytes=functools.partial(same_bytes, src))
         fp = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
         return cls(

@@ -1,7 +1,9 @@
 """Merge planning: which stored rows become which output rows, checked before anything is written.
 
 Per filename: frames ascending and unique; every frame has the same leaves with the same dtype
-and shape; duplicate keys resolved by the policy (identical content is never an error).
+and shape; duplicate keys resolved by the policy (identical content is never an error). Content is
+identical only when the bytes are: the plan reads nothing itself, it asks a ``same_bytes`` callback
+(``_spillroot.same_bytes`` over the merge's storage) about duplicates whose checksums agree.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +19,10 @@ import numpy as np
 
 from . import _format as F
 from ._errors import DuplicateFrameError, LayoutMismatchError, SpillValueError
-from ._spillroot import LoadedSegment
+from ._spillroot import Extent, LoadedSegment
+
+SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
+"""``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +93,10 @@ def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
     return sorted({segments[int(s)].seg.rank for s in seg_ids})
 
 
-def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
+def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes) -> Plan:
+    """The plan for ``segments`` (in write order). ``same_bytes`` is asked, only for duplicate keys
+    whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
+    that differ go to the ``on_duplicate`` policy, whatever their checksums say."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     names = sorted({f for s in segments for f in s.filenames})
@@ -161,18 +170,26 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error") -> Plan:
     c["copies"] = np.repeat(segs_per_key, key_end - key_start)
     for k in np.flatnonzero(segs_per_key > 1):
         a, b = int(key_start[k]), int(key_end[k])
-        groups: dict[int, tuple[tuple[int, int, int], ...]] = {}
-        for r in range(a, b):
-            groups.setdefault(int(c["seg"][r]), ())
-            groups[int(c["seg"][r])] += ((int(c["lp"][r]), int(c["nb"][r]), int(c["crc"][r])),)
+        groups: dict[int, list[int]] = {}
+        for r in range(a, b):  # rows of one key: by segment, then leaf
+            groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
-        identical = len(set(groups.values())) == 1
+        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in rows) for rows in groups.values()}
+        identical = len(sigs) == 1
+        if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
+            ext = {
+                s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
+                for s in seg_ids
+            }
+            identical = all(same_bytes(ext[seg_ids[0]], ext[s]) for s in seg_ids[1:])
         if not identical and on_duplicate == "error":
             fname, frame = names[int(c["file"][a])], int(c["frame"][a])
             ranks = _ranks(segments, np.array(seg_ids))
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
-                f"({', '.join(segments[s].seg.rel for s in seg_ids)}); merge with on_duplicate='first' "
+                f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
+                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 else "")
+                + "; merge with on_duplicate='first' "
                 "or 'last' (--on-duplicate) to pick one",
                 filename=fname,
                 frame_idx=frame,

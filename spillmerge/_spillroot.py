@@ -4,6 +4,7 @@ because a spill root is untrusted input. Also the storage barrier (``wait_for_co
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -412,6 +413,15 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     """Rebuild an uncommitted segment's index from its journal: every entry in chunk order up to
     the first missing or corrupt one. Returns the segment and the problems that stopped it."""
     problems: list[str] = []
+    if seg.header is None and not storage.exists(f"{seg.rel}/zarr.json"):
+        # The header is the first object a writer creates (atomically): without it the rank was
+        # stopped while setting up, before any data chunk, so there is nothing to salvage.
+        note = (
+            f"{storage.describe(seg.rel)}: rank {seg.rank}'s segment has no header (the rank stopped before "
+            "its segment was set up); nothing to salvage from it"
+        )
+        empty = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
     header = seg.header or {}
     chunk_bytes = header.get("chunk_bytes")
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
@@ -453,7 +463,101 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     if len(set(filenames)) != len(filenames):
         raise bad("journal lists a filename twice")
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes)
+    if len(index):  # after validation: file ids are known to be catalog positions
+        index = _whole_frames(storage, seg, index, problems)
     return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True), problems
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """The bytes of one leaf of one stored frame: what a duplicate is compared by."""
+
+    segment: LoadedSegment
+    """Segment whose ``data`` holds them."""
+    offset: int
+    """Byte offset in that ``data``."""
+    nbytes: int
+    """Byte length."""
+    crc: int
+    """CRC-32C the index gives for them."""
+
+
+_COMPARE_WINDOW = 1 << 20
+
+
+def data_ranges(seg: LoadedSegment, offset: int, nbytes: int) -> list[tuple[str, int, int]]:
+    """Byte ranges ``(rel, start, stop)`` of bytes ``[offset, offset + nbytes)`` of a segment's
+    ``data``, one per chunk object they touch, for :meth:`Storage.read_into`."""
+    out = []
+    cb, end = seg.chunk_bytes, offset + nbytes
+    while offset < end:
+        c = offset // cb
+        stop = min(end, (c + 1) * cb)
+        out.append((f"{seg.seg.rel}/{F.DATA_NAME}/c/{c}", offset - c * cb, stop - c * cb))
+        offset = stop
+    return out
+
+
+def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:
+    """True when two stored copies of a frame (their leaves, in the same order) hold the same
+    bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
+    merge calls this for duplicates whose sizes and checksums agree. Both copies are read
+    ``window`` bytes at a time, so memory stays bounded whatever the frame size; each leaf's
+    CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
+    different content."""
+    if len(a) != len(b) or any(x.nbytes != y.nbytes for x, y in zip(a, b, strict=True)):
+        return False
+    size = min(window, max((x.nbytes for x in a), default=0))
+    buf_a, buf_b = np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+    # A handle cache of its own: the caller's storage may never be closed if the plan raises.
+    reader = Storage(storage.url, storage.storage_options)
+    equal = True
+    try:
+        for x, y in zip(a, b, strict=True):
+            crc_x = crc_y = 0
+            for start in range(0, x.nbytes, window):
+                n = min(window, x.nbytes - start)
+                reader.read_into(data_ranges(x.segment, x.offset + start, n), buf_a[:n].data)
+                reader.read_into(data_ranges(y.segment, y.offset + start, n), buf_b[:n].data)
+                crc_x = google_crc32c.extend(crc_x, buf_a[:n])
+                crc_y = google_crc32c.extend(crc_y, buf_b[:n])
+                equal = equal and bool(np.array_equal(buf_a[:n], buf_b[:n]))
+            for e, got in ((x, crc_x), (y, crc_y)):
+                if got != e.crc:
+                    seg = e.segment.seg
+                    where = storage.describe(f"{seg.rel}/{F.DATA_NAME}")
+                    raise CorruptSpillError(
+                        f"{where}: checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {seg.rank}): "
+                        "the spill is corrupt; run `spillmerge verify` on the root",
+                        path=where,
+                        rank=seg.rank,
+                    )
+    finally:
+        reader.close()
+    return equal
+
+
+def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: list[str]) -> np.ndarray:
+    """Drop frames that have fewer leaves than other frames of their file in this journal.
+
+    A writer lists a frame's rows in the journal entry of the chunk holding its last byte, so its
+    journal holds whole frames only; journals of older writers listed each leaf when its own bytes
+    were flushed and may end inside a frame (its small leaf durable, its large one not). Every frame
+    of a file has the same leaves on one rank, so the short ones are exactly those."""
+    frames, inverse, counts = np.unique(
+        index[:, [F.COL_FILE, F.COL_FRAME]], axis=0, return_inverse=True, return_counts=True
+    )
+    inverse = inverse.reshape(-1)
+    want = np.zeros(int(frames[:, 0].max()) + 1, dtype=np.int64)  # file ids: validated catalog positions
+    np.maximum.at(want, frames[:, 0], counts)
+    short = counts < want[frames[:, 0]]
+    if not short.any():
+        return index
+    problems.append(
+        f"{storage.describe(f'{seg.rel}/{F.JOURNAL_NAME}')}: {int(short.sum())} frame(s) of rank {seg.rank} "
+        "were only partly flushed (some leaves missing); they are reported missing, not salvaged"
+    )
+    return index[~short[inverse]]
 
 
 def committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:

@@ -49,6 +49,8 @@ from ._zarrmeta import array_meta, array_objects
 
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
+_COMPARE_WINDOW = 1 << 20
+"""Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 
 
 @dataclass(slots=True)
@@ -68,7 +70,8 @@ class _Chunk:
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
     completed: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
-    """(row, file_id, frame, layout_id, offset, nbytes) of rows whose last byte is in this chunk."""
+    """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
+    is in this chunk: a journal entry lists whole frames only."""
     file_base: int = 0
     """Catalog id of ``new_files[0]``."""
     new_files: list[str] = field(default_factory=list)
@@ -93,6 +96,9 @@ class _Flusher(threading.Thread):
         self.q: queue.Queue[Any] = queue.Queue()
         self.crc: dict[int, int] = {}
         self.error: BaseException | None = None
+        self.durable = 0
+        """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
+        self.durable_cond = threading.Condition()
         self._pending: collections.deque[tuple[_Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(writer.flush_threads, thread_name_prefix=f"spillmerge-put-r{writer.rank}")
@@ -126,6 +132,8 @@ class _Flusher(threading.Thread):
             for fut in self._journals:
                 if fut.exception() is not None and self.error is None:
                     self.error = fut.exception()
+            with self.durable_cond:  # wake a writer waiting for a chunk that will never land
+                self.durable_cond.notify_all()
 
     def _checksum(self, chunk: _Chunk) -> None:
         # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
@@ -149,6 +157,9 @@ class _Flusher(threading.Thread):
             block = False
             try:
                 fut.result()
+                with self.durable_cond:
+                    self.durable = chunk.number + 1
+                    self.durable_cond.notify_all()
                 if self.error is None:
                     # Its chunk and every earlier one are durable now; the PUT itself may overlap
                     # the next uploads (a reader replays entries in order and stops at a gap).
@@ -187,8 +198,10 @@ class SpillWriter:
         chunk_bytes: size of each data chunk object (default 16 MiB).
         staging_bytes: host memory for staging chunks (default 4 chunks); ``write`` blocks while
             all of it waits for storage.
-        on_duplicate: ``"error"`` (default), ``"first"`` (ignore later writes of a key) or
-            ``"last"`` (a later write replaces the earlier one).
+        on_duplicate: ``"error"`` (default: a key written again with different bytes raises
+            :class:`~spillmerge.DuplicateFrameError`; the same bytes again are kept once, see
+            :meth:`stats`), ``"first"`` (ignore later writes of a key) or ``"last"`` (a later write
+            replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
         fsync: on local disks, fsync every object of the segment before the commit record is
             written (default True).
@@ -265,6 +278,7 @@ class SpillWriter:
         self._file_schema: dict[int, tuple[int, ...]] = {}
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
+        self._identical_rewrites = 0
         self._rows = np.zeros((1024, F.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
         self._offset = 0
@@ -325,6 +339,9 @@ class SpillWriter:
             if self.on_duplicate == "first":
                 return
             if self.on_duplicate == "error":
+                if self._same_as_written(prev, leaves):  # identical content is never an error
+                    self._identical_rewrites += 1
+                    return
                 raise DuplicateFrameError(
                     f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
                     "(pass on_duplicate='first' or 'last' to allow rewrites)",
@@ -338,8 +355,13 @@ class SpillWriter:
             self._file_ids[filename] = file_id
             self._file_schema[file_id] = layout_ids
         first_row = self._n_rows
-        for leaf, lid in zip(leaves, layout_ids, strict=True):
-            self._append(file_id, frame, lid, leaf)
+        if len(leaves) == 1:
+            self._append(file_id, frame, layout_ids[0], leaves[0])
+        else:
+            held: list[tuple[int, int, int, int, int, int]] = []  # journaled with the frame's last leaf
+            for leaf, lid in zip(leaves[:-1], layout_ids[:-1], strict=True):
+                self._append(file_id, frame, lid, leaf, held, last=False)
+            self._append(file_id, frame, layout_ids[-1], leaves[-1], held)
         self._keys[key] = (first_row, len(leaves))
 
     def update(self, mapping: Mapping[str, Any]) -> None:
@@ -358,6 +380,62 @@ class SpillWriter:
                     f"{{frame_idx: value}} dict, got {type(item).__name__}",
                     filename=filename if isinstance(filename, str) else None,
                 )
+
+    def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf]) -> bool:
+        """Do ``leaves`` hold the same bytes as the frame already written at rows ``prev``?
+
+        Only a rewrite of a key gets here (rare), so this may wait for the flush thread and read
+        back from storage; writes of new keys never checksum or compare anything. The earlier
+        bytes are read where they are: in the current staging chunk, else (once the flush thread
+        has uploaded their chunk) from storage, ``_COMPARE_WINDOW`` bytes at a time. CUDA leaves
+        are copied to the host, synchronously, window by window."""
+        first, n = prev
+        if n != len(leaves):
+            return False
+        reader: Storage | None = None
+        try:
+            for i, leaf in enumerate(leaves):
+                off, nbytes = (int(v) for v in self._rows[first + i, [F.COL_OFFSET, F.COL_NBYTES]])
+                if nbytes != leaf.nbytes:
+                    return False
+                pos = 0
+                while pos < nbytes:
+                    c, lo = divmod(off + pos, self.chunk_bytes)
+                    m = min(nbytes - pos, self.chunk_bytes - lo, _COMPARE_WINDOW)
+                    new = leaf.data[pos : pos + m]
+                    if isinstance(new, torch.Tensor):
+                        new = new.cpu().numpy()
+                    cur = self._current
+                    if cur is not None and cur.number == c:
+                        if cur.event is not None:  # its device-to-host copies may still run
+                            cur.event.synchronize()
+                        old = cur.host.numpy()[lo : lo + m]
+                    else:
+                        self._wait_durable(c)
+                        if reader is None:  # its own handle cache, closed below
+                            reader = Storage(self.storage.url, self.storage.storage_options)
+                        old = np.empty(m, dtype=np.uint8)
+                        reader.read_into([(self._rel(f"{F.DATA_NAME}/c/{c}"), lo, lo + m)], old.data)
+                    if not np.array_equal(old, new):
+                        return False
+                    pos += m
+        finally:
+            if reader is not None:
+                reader.close()
+        return True
+
+    def _wait_durable(self, chunk: int) -> None:
+        """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
+        background); raise the flush thread's error if it failed instead."""
+        fl = self._flusher
+        with fl.durable_cond:
+            while fl.durable <= chunk and fl.error is None and fl.is_alive():
+                fl.durable_cond.wait(0.5)
+        self._raise_flush_error()
+        if fl.durable <= chunk:  # pragma: no cover - the flush thread ended without an error
+            raise SpillStorageError(
+                f"data chunk {chunk} of {self.segment_path} was never written", path=self.segment_path
+            )
 
     def _layout_id(self, leaf: Leaf) -> int:
         lay = F.Layout(leaf.path, leaf.dtype, leaf.shape)
@@ -386,7 +464,13 @@ class SpillWriter:
                 )
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _append(self, file_id: int, frame: int, layout_id: int, leaf: Leaf) -> None:
+    def _append(
+        self, file_id: int, frame: int, layout_id: int, leaf: Leaf, held: list[Any] | None = None, last: bool = True
+    ) -> None:
+        """Copy one leaf into staging. The rows of a frame's earlier leaves wait in ``held``
+        (``last=False``); with its ``last`` leaf they all go to the chunk holding the frame's last
+        byte, so the journal entry of that chunk lists the whole frame and a frame whose large
+        leaf never became durable is never salvaged by halves."""
         row = self._n_rows
         if row == len(self._rows):
             self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
@@ -419,11 +503,24 @@ class SpillWriter:
             done += n
             self._offset += n
             if done == leaf.nbytes:
-                chunk.completed.append((row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes))
+                entry = (row, file_id, frame, layout_id, self._offset - leaf.nbytes, leaf.nbytes)
+                if not last:
+                    held.append(entry)  # type: ignore[union-attr]
+                else:
+                    if held:
+                        chunk.completed.extend(held)
+                    chunk.completed.append(entry)
             if chunk.fill == self.chunk_bytes:
                 self._hand_off()
         if leaf.nbytes == 0:
-            self._current_chunk().completed.append((row, file_id, frame, layout_id, self._offset, 0))
+            entry = (row, file_id, frame, layout_id, self._offset, 0)
+            if not last:
+                held.append(entry)  # type: ignore[union-attr]
+            else:
+                completed = self._current_chunk().completed
+                if held:
+                    completed.extend(held)
+                completed.append(entry)
 
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:
@@ -518,7 +615,33 @@ class SpillWriter:
         self._flusher.join()
         self._raise_flush_error()
 
+    def _vanished(self, what: str) -> SpillStorageError:
+        return SpillStorageError(
+            f"{self.segment_path} vanished while spilling ({what}): was the spill root {self.root} deleted or "
+            f"moved? Rank {self.rank}'s segment is not committed; spill again to a root that stays in place",
+            path=self.segment_path,
+        )
+
+    def _check_segment(self, n_chunks: int | None = None, size: int = 0) -> None:
+        """Fail when the segment is gone from storage, before writing anything that would recreate
+        its folders (local writes create missing parents) or a commit record that would vouch
+        for chunks that no longer exist. With ``n_chunks``, one listing also checks that every
+        data chunk is there with its ``size``."""
+        if n_chunks is None:
+            if not self.storage.exists(self._rel("zarr.json")):
+                raise self._vanished("its header zarr.json is gone")
+            return
+        found = dict(self.storage.find(self._prefix))
+        if self._rel("zarr.json") not in found:
+            raise self._vanished("its header zarr.json is gone")
+        for c in range(n_chunks):
+            got = found.get(self._rel(f"{F.DATA_NAME}/c/{c}"))
+            if got != size:
+                state = "is gone" if got is None else f"has {got} bytes, not {size}"
+                raise self._vanished(f"data chunk {c} {state}")
+
     def _write_index(self) -> tuple[F.CommitRecord, np.ndarray]:
+        self._check_segment()
         rows = self._rows[: self._n_rows].copy()
         for row, crc in self._flusher.crc.items():
             rows[row, F.COL_CRC] = crc
@@ -567,6 +690,8 @@ class SpillWriter:
         try:
             self._drain()
             record, _ = self._write_index()
+            # Last look before the commit record vouches for the chunks: are they all still there?
+            self._check_segment(record.n_chunks, record.chunk_bytes)
             self.storage.put_atomic(self._rel(F.COMMIT_NAME), record.to_json())
         except BaseException as exc:
             self._state = "open"
@@ -724,11 +849,14 @@ class SpillWriter:
         return bool(dist.get_rank() == self.rank and dist.get_world_size() == self.world_size)
 
     def stats(self) -> dict[str, int]:
-        """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated."""
+        """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated, and
+        ``identical_rewrites``: writes of a key already written with the same bytes (kept once,
+        under ``on_duplicate="error"``)."""
         return {
             "frames": len(getattr(self, "_keys", {})),
             "rows": getattr(self, "_n_rows", 0),
             "bytes": getattr(self, "_offset", 0),
             "chunks": getattr(self, "_n_chunks", 0),
             "staging_buffers": self._allocated,
+            "identical_rewrites": getattr(self, "_identical_rewrites", 0),
         }

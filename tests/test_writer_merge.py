@@ -179,8 +179,9 @@ def test_duplicate_policies_on_one_rank(tmp_path):
         assert spillmerge.open(root + ".out")["f"][0] == want
     with spillmerge.SpillWriter(str(tmp_path / "err")) as w:
         w.write("f", 0, torch.tensor(1.0))
+        w.write("f", 0, torch.tensor(1.0))  # the same bytes again: never an error
         with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'f' was already written by rank 0"):
-            w.write("f", 0, torch.tensor(1.0))
+            w.write("f", 0, torch.tensor(2.0))
 
 
 def test_writer_lifecycle_errors(tmp_path):

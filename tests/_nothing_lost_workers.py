@@ -1,0 +1,69 @@
+"""Writer processes for tests/test_nothing_lost_writer.py, started from a forkserver that has
+imported torch and spillmerge once, so each of the many killed writers starts in milliseconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import torch
+
+import spillmerge
+from spillmerge import _format as F
+from spillmerge._storage import Storage
+
+CHUNK = 4096
+A_LEN, B_LEN = 8, 2500  # int32: "a" is 32 bytes, "b" 10,000 bytes (it crosses 2 or 3 chunks)
+
+
+def value(frame: int) -> dict[str, torch.Tensor]:
+    """The dict value of a frame: a small leaf, then a large one (leaves go in sorted key order)."""
+    return {
+        "a": torch.arange(A_LEN, dtype=torch.int32) + frame * 1000,
+        "b": torch.arange(B_LEN, dtype=torch.int32) * 7 - frame,
+    }
+
+
+def expected(frame: int) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in value(frame).items()}
+
+
+def spill(root: str, rank: int, world: int, n_frames: int) -> None:
+    """Rank ``rank`` writes frames ``rank, rank + world, ...`` of ``clip`` and commits (unless killed)."""
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    with spillmerge.SpillWriter(root, rank=rank, world_size=world, chunk_bytes=CHUNK, fsync=False) as w:
+        for i in range(n_frames):
+            w.write("clip", rank + i * world, value(rank + i * world))
+
+
+def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) -> None:
+    """Like :func:`spill`, but the process SIGKILLs itself at one exact moment:
+
+    - ``"header"``: as the segment header is about to be written (its folders exist, it does not);
+    - ``"header-tmp"``: after the header's temporary file is written, before its rename;
+    - ``"journal-N"``: right after journal entry ``N`` landed (the writer is mid-stream).
+    """
+    real_put, real_put_atomic = Storage.put, Storage.put_atomic
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def put_atomic(self: Storage, rel: str, data: bytes) -> None:
+        if rel.endswith("/zarr.json") and F.is_segment_name(rel.split("/")[1]) and rel.count("/") == 2:
+            if when == "header":
+                die()
+            if when == "header-tmp":
+                with open(f"{self.path(rel)}.tmp-{os.getpid()}-1", "wb") as f:
+                    f.write(data)
+                die()
+        real_put_atomic(self, rel, data)
+
+    def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
+        if when.startswith("journal-") and rel.endswith(f"/{F.journal_name(int(when.split('-')[1]))}"):
+            die()
+
+    Storage.put, Storage.put_atomic = put, put_atomic  # type: ignore[method-assign]
+    spill(root, rank, world, n_frames)
