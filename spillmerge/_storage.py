@@ -81,6 +81,17 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _normalize_key(root: str) -> str:
+    """``a/./b//c/../d`` -> ``a/b/d`` for an object-store root, leaving a protocol prefix that a
+    backend keeps in its paths (``proto://``) as it is."""
+    if root in ("/", ""):
+        return root
+    proto, sep, rest = root.partition("://")
+    if not sep:
+        return posixpath.normpath(root)
+    return f"{proto}://{posixpath.normpath(rest)}" if rest else root
+
+
 def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
     try:
         return fsspec.core.url_to_fs(url, **_with_defaults(url, storage_options))
@@ -109,7 +120,7 @@ class Storage:
             root = os.path.realpath(root)
         else:
             # Object stores have no links; `..`, `.` and `//` are resolved the way fsspec users mean them.
-            root = posixpath.normpath(root) if root not in ("/", "") else root
+            root = _normalize_key(root)
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._maps: OrderedDict[str, Any] = OrderedDict()
