@@ -93,7 +93,7 @@ def merge(
         job.src.close()
 
 
-def merge_collective(
+def merge_parallel(
     root: str, out: str, *, rank: int, world_size: int, dst: int, run_id: str | None, timeout: float,
     overwrite: bool = False, **kwargs: Any,
 ) -> MergeReport | None:  # fmt: skip

@@ -1,6 +1,6 @@
 """Node-local spill roots: move committed shards to the merging rank over torch.distributed.
 
-Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`collective_merge`):
+Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`gather_shards`, then ``dst`` merges from its own root):
 
 1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
    key-value store (the TCPStore every process group already has; no collective, no GPU).
@@ -23,6 +23,7 @@ whose writer failed sets ``failed/R`` (see :func:`publish_failure`).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
@@ -49,6 +50,7 @@ from ._errors import (
     SpillMergeError,
     SpillValueError,
 )
+from ._report import MergeReport
 from ._spillroot import assess, list_segments, raise_for_state, scan
 from ._storage import Storage
 
@@ -333,34 +335,50 @@ def _assign_senders(invisible: dict[int, str], sees: dict[int, list[int]], dst: 
 
 
 # ---------------------------------------------------------------------------------- the merge
-def collective_merge(
-    writer: Any,
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What the shard transfer needs from one rank's writer session (``SpillWriter.session()``)."""
+
+    rank: int
+    """This rank."""
+    world_size: int
+    """Ranks of the job."""
+    run_id: str
+    """Run id shared by the job's ranks (names the store keys)."""
+    storage: Storage
+    """This rank's spill root (node-local or shared)."""
+    segment: str
+    """This rank's segment, relative to the root (``rank-R/seg-...``)."""
+    state: str
+    """The writer's state: ``committed`` is the only one that may merge."""
+
+
+def gather_shards(
+    session: Session,
     dst: int,
     transport: str,
     transfer_chunk_bytes: int,
     transfer_timeout: float,
-    run_merge: Callable[[TransferInfo], Any],
     timeout: float,
-) -> Any:
-    """Every rank: coordinate, move the shards ``dst`` cannot see to it, and on ``dst`` return
-    ``run_merge(info)``; ``None`` elsewhere."""
-    coord = _Coord(writer.run_id, writer.rank, writer.world_size, dst, timeout)
-    me = writer.rank
-    coord.put(f"meta/{me}", {"segment": writer._prefix, "state": writer._state})
+) -> TransferInfo | None:
+    """Every rank: coordinate through the process group's store and move the committed shards
+    ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
+    from its root), ``None`` on the other ranks once they have sent what they had to."""
+    coord = _Coord(session.run_id, session.rank, session.world_size, dst, timeout)
+    me = session.rank
+    coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})
     if me != dst:
         plan = coord.wait_one("plan", "waiting for the merging rank's plan")
         if not plan["invisible"]:
-            writer._shards_here = True
             return None
         invisible = {int(q): s for q, s in plan["invisible"].items()}
-        coord.put(f"sees/{me}", [q for q, s in invisible.items() if writer.storage.exists(_commit_rel(s))])
+        coord.put(f"sees/{me}", [q for q, s in invisible.items() if session.storage.exists(_commit_rel(s))])
         group, device = _group(plan["backend"], timeout)
         senders = {int(s): qs for s, qs in coord.wait_one("senders", "waiting for the sender assignment").items()}
         if me in senders:
             link = _Link(group, device, int(plan["chunk"]), transfer_timeout)
             coord.wait_one(f"go/{me}", "waiting for the merging rank to receive")
-            _send(writer.storage, link, me, dst, senders[me], set(plan["have"]))
-        writer._shards_here = True
+            _send(session.storage, link, me, dst, senders[me], set(plan["have"]))
         return None
     info = TransferInfo()
     t0 = time.perf_counter()
@@ -369,9 +387,9 @@ def collective_merge(
         # commit record is on storage dst can read: then dst stops waiting for it.
         metas = coord.gather(
             "meta",
-            list(range(writer.world_size)),
+            list(range(session.world_size)),
             "waiting for every rank to reach merge()",
-            done=_CommitWatch(writer),
+            done=_CommitWatch(session),
         )
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
@@ -382,13 +400,13 @@ def collective_merge(
             )
         info.wait_seconds = time.perf_counter() - t0
         t_vis = time.perf_counter()
-        everyone = len(metas) == writer.world_size
+        everyone = len(metas) == session.world_size
         invisible = (
-            {} if transport == "storage" or not everyone else _invisible(writer.storage, metas, VISIBILITY_GRACE)
+            {} if transport == "storage" or not everyone else _invisible(session.storage, metas, VISIBILITY_GRACE)
         )
         info.visibility_seconds = time.perf_counter() - t_vis
         backend = choose_backend(transport) if invisible else ""
-        have = sorted(_committed_here(writer.storage, invisible))
+        have = sorted(_committed_here(session.storage, invisible))
         plan = {
             "invisible": {str(q): s for q, s in invisible.items()},
             "backend": backend,
@@ -401,24 +419,23 @@ def collective_merge(
             coord.put(f"sees/{me}", [])
             group, device = _group(backend, timeout)
             link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
-            sees = coord.gather("sees", list(range(writer.world_size)), "waiting for what each rank can see")
+            sees = coord.gather("sees", list(range(session.world_size)), "waiting for what each rank can see")
             info.senders = _assign_senders(invisible, sees, dst)
             coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
             for s in sorted(info.senders):
                 coord.put(f"go/{s}", True)
-                for q, n in _receive(writer.storage, link, me, s, info.senders[s]).items():
+                for q, n in _receive(session.storage, link, me, s, info.senders[s]).items():
                     info.received[q] = info.received.get(q, 0) + n
             info.transfer_seconds = time.perf_counter() - t1
     except BaseException as exc:
         coord.abort(exc)
         raise
-    writer._shards_here = True
-    return run_merge(info)
+    return info
 
 
 @dataclass
 class TransferInfo:
-    """What :func:`collective_merge` did before the merge proper."""
+    """What :func:`gather_shards` did before the merge proper."""
 
     wait_seconds: float = 0.0
     """Waiting for every rank to reach ``merge()``."""
@@ -430,25 +447,40 @@ class TransferInfo:
     senders: dict[int, list[int]] = field(default_factory=dict)
     """Sending rank → ranks whose shards it sent."""
 
+    def add_to(self, report: MergeReport) -> MergeReport:
+        """``report`` of the merge that followed, with this step's time and what moved."""
+        phases = dict(report.phases)
+        phases["wait"] = phases.get("wait", 0.0) + self.wait_seconds
+        if self.received:
+            phases = {"visibility": self.visibility_seconds, "transfer": self.transfer_seconds, **phases}
+        return dataclasses.replace(
+            report,
+            wait_seconds=report.wait_seconds + self.wait_seconds,
+            seconds=report.seconds + self.wait_seconds + self.visibility_seconds + self.transfer_seconds,
+            transferred=self.received,
+            transfer_senders=self.senders,
+            phases=phases,
+        )
+
 
 class _CommitWatch:
     """Called by ``dst`` now and then while it waits for ranks to reach merge(): True once every
     rank's commit record of this run is on ``dst``'s storage (fails fast on a failure record
     there). The first call lists the whole root, later ones only the ranks still missing."""
 
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
+    def __init__(self, session: Session) -> None:
+        self.session = session
         self.segments: dict[int, list[Any]] | None = None
         self.missing: list[int] = []
 
     def __call__(self) -> bool:
-        storage = self.writer.storage
+        storage = self.session.storage
         if self.segments is None:
             self.segments = scan(storage)
         else:
             for rank in self.missing:
                 self.segments[rank] = list_segments(storage, rank)
-        state = assess(storage, self.segments, self.writer.world_size, self.writer.run_id)
+        state = assess(storage, self.segments, self.session.world_size, self.session.run_id)
         if state.failed:
             raise_for_state(storage, state)
         self.missing = list(state.missing)

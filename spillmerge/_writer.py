@@ -8,15 +8,9 @@ Protocol (see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
-import collections
-import dataclasses
+import enum
 import os
-import queue
-import threading
-import traceback
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -35,151 +29,40 @@ from ._errors import (
     SpillValueError,
     WriterClosedError,
 )
+from ._merge import merge, merge_parallel
+from ._report import MergeReport
+from ._staging import BufferPool, Chunk, Flusher
 from ._storage import Storage
 from ._transfer import (
     DEFAULT_TRANSFER_CHUNK_BYTES,
     DEFAULT_TRANSFER_TIMEOUT,
+    Session,
     TransferInfo,
     check_options,
-    collective_merge,
+    gather_shards,
     publish_failure,
 )
 from ._values import Leaf, check_filename, check_frame_idx, flatten
 from ._zarrmeta import array_meta, array_objects
 
+
+class WriterState(enum.StrEnum):
+    """A writer's lifecycle: ``NEW`` → ``open()`` → ``OPEN`` (writes) → ``close()`` → ``CLOSING``
+    → ``COMMITTED``; an exception in the ``with`` block (or a failed commit, which passes back
+    through ``OPEN``) → ``abort()`` → ``ABORTING`` → ``FAILED``. ``merge()`` needs ``COMMITTED``."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    ABORTING = "aborting"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 _COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
-
-
-@dataclass(slots=True)
-class _Chunk:
-    """A staging buffer on its way to storage."""
-
-    number: int
-    """Chunk number in ``data``."""
-    host: torch.Tensor
-    """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
-    host_np: Any = None
-    """``host.numpy()``, made once: host-side copies slice it (cheaper per call than torch)."""
-    fill: int = 0
-    """Bytes used."""
-    pieces: list[tuple[int, int, int]] = field(default_factory=list)
-    """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums."""
-    event: Any = None
-    """CUDA event recorded after the last device-to-host copy into this buffer."""
-    completed: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
-    """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
-    is in this chunk: a journal entry lists whole frames only."""
-    file_base: int = 0
-    """Catalog id of ``new_files[0]``."""
-    new_files: list[str] = field(default_factory=list)
-    """Filenames registered since the previous chunk was handed off."""
-    layout_base: int = 0
-    """Catalog id of ``new_layouts[0]``."""
-    new_layouts: list[F.Layout] = field(default_factory=list)
-    """Layouts registered since the previous chunk was handed off."""
-
-
-_WAKE = object()
-
-
-class _Flusher(threading.Thread):
-    """Background thread: waits for a chunk's device copies, checksums its rows, uploads it whole
-    (``flush_threads`` uploads at a time), and writes each chunk's journal entry once that chunk
-    and every earlier one are durable."""
-
-    def __init__(self, writer: SpillWriter) -> None:
-        super().__init__(name=f"spillmerge-flush-r{writer.rank}", daemon=True)
-        self.w = writer
-        self.q: queue.Queue[Any] = queue.Queue()
-        self.crc: dict[int, int] = {}
-        self.error: BaseException | None = None
-        self.durable = 0
-        """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
-        self.durable_cond = threading.Condition()
-        self._pending: collections.deque[tuple[_Chunk, Future[None]]] = collections.deque()
-        self._journals: list[Future[None]] = []
-        self._pool = ThreadPoolExecutor(writer.flush_threads, thread_name_prefix=f"spillmerge-put-r{writer.rank}")
-
-    def run(self) -> None:
-        try:
-            self.w._prefault_spare()  # the first chunk's buffer, while the caller is still computing
-            while True:
-                chunk = self.q.get()
-                if chunk is None:
-                    break
-                if chunk is _WAKE:  # an upload finished: journal it and free its buffer
-                    self._retire(block=False)
-                    continue
-                if self.error is not None:
-                    self.w._release(chunk.host)
-                    continue
-                try:
-                    self.w._prefault_spare()  # off the caller's thread: write() finds warm memory
-                    self._checksum(chunk)
-                    fut = self._pool.submit(self._upload, chunk)
-                    fut.add_done_callback(lambda _: self.q.put(_WAKE))
-                    self._pending.append((chunk, fut))
-                    self._retire(block=len(self._pending) > self.w.flush_threads)
-                except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
-                    self.error = self.error or exc
-            while self._pending:
-                self._retire(block=True)
-        finally:
-            self._pool.shutdown(wait=True)
-            for fut in self._journals:
-                if fut.exception() is not None and self.error is None:
-                    self.error = fut.exception()
-            with self.durable_cond:  # wake a writer waiting for a chunk that will never land
-                self.durable_cond.notify_all()
-
-    def _checksum(self, chunk: _Chunk) -> None:
-        # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
-        if chunk.event is not None:
-            chunk.event.synchronize()
-        buf = chunk.host.numpy()
-        for row, start, stop in chunk.pieces:
-            self.crc[row] = google_crc32c.extend(self.crc.get(row, 0), buf[start:stop])
-
-    def _upload(self, chunk: _Chunk) -> None:
-        buf = chunk.host.numpy()
-        size = self.w._chunk_object_size(chunk)
-        if chunk.fill < size:
-            buf[chunk.fill : size] = 0
-        self.w.storage.put(self.w._rel(f"{F.DATA_NAME}/c/{chunk.number}"), buf[:size].data)
-
-    def _retire(self, *, block: bool) -> None:
-        """Journal finished uploads in chunk order; release their buffers."""
-        while self._pending and (block or self._pending[0][1].done()):
-            chunk, fut = self._pending.popleft()
-            block = False
-            try:
-                fut.result()
-                with self.durable_cond:
-                    self.durable = chunk.number + 1
-                    self.durable_cond.notify_all()
-                if self.error is None:
-                    # Its chunk and every earlier one are durable now; the PUT itself may overlap
-                    # the next uploads (a reader replays entries in order and stops at a gap).
-                    self._journals.append(self._pool.submit(self._journal, chunk))
-            except BaseException as exc:  # noqa: BLE001
-                self.error = self.error or exc
-            finally:
-                self.w._release(chunk.host)
-
-    def _journal(self, chunk: _Chunk) -> None:
-        # Written only after this chunk and every earlier one are durable, so every row it lists
-        # (including rows that started in earlier chunks) can be read back.
-        rows = np.array(
-            [(f, fr, lay, off, nb, self.crc.get(row, 0)) for row, f, fr, lay, off, nb in chunk.completed],
-            dtype="<i8",
-        ).reshape(-1, F.INDEX_COLUMNS)
-        entry = F.encode_journal(
-            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
-        )
-        self.w.storage.put(self.w._rel(F.journal_name(chunk.number)), entry)
 
 
 class SpillWriter:
@@ -240,11 +123,8 @@ class SpillWriter:
         self._run_id_arg = run_id
         self.run_id: str | None = None
         self.segment: str | None = None
-        self._state = "new"  # new -> open -> committed | failed
-        self._lock = threading.Condition()
-        self._free: list[torch.Tensor] = []
-        self._allocated = 0
-        self._pinned = False
+        self._state = WriterState.NEW
+        self._buffers = BufferPool(chunk_bytes, self.n_buffers)
         self._cuda_stream: Any = None
         self._shards_here = False  # set by a completed collective merge (see merge())
 
@@ -266,7 +146,7 @@ class SpillWriter:
 
     def open(self) -> None:
         """Start a new segment (called by ``__enter__``)."""
-        if self._state != "new":
+        if self._state is not WriterState.NEW:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
         self.run_id = resolve_run_id(self._run_id_arg)
         self.segment = F.new_segment_name(self.storage.listdir(F.rank_dirname(self.rank)))
@@ -283,7 +163,7 @@ class SpillWriter:
         self._n_rows = 0
         self._offset = 0
         self._n_chunks = 0
-        self._current: _Chunk | None = None
+        self._current: Chunk | None = None
         self._journaled_files = 0
         self._journaled_layouts = 0
         self._committed_keys: dict[str, set[int]] | None = None
@@ -301,14 +181,18 @@ class SpillWriter:
         self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
         self.storage.makedirs(self._rel(F.JOURNAL_NAME))
         self.storage.put_atomic(self._rel("zarr.json"), F.dumps(group))
-        self._flusher = _Flusher(self)
+        self._flusher = Flusher(
+            self._buffers, self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
+            object_size=self._chunk_object_size,
+        )  # fmt: skip
         self._flusher.start()
-        self._state = "open"
+        self._state = WriterState.OPEN
 
     @property
     def state(self) -> str:
-        """``"new"``, ``"open"``, ``"committed"`` or ``"failed"``."""
-        return self._state
+        """The lifecycle state (:class:`WriterState`), as its string: ``"new"``, ``"open"``,
+        ``"closing"``, ``"aborting"``, ``"committed"`` or ``"failed"``."""
+        return str(self._state.value)
 
     def _rel(self, name: str) -> str:
         return f"{self._prefix}/{name}"
@@ -525,15 +409,15 @@ class SpillWriter:
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream(device=data.device)
-            self._pinned = True
+            self._buffers.pin()
         # Copies run on our own stream after the producer's work; the allocator must not
         # reuse the tensor's memory before our copy has read it.
         self._cuda_stream.wait_stream(torch.cuda.current_stream(data.device))
         data.record_stream(self._cuda_stream)
 
-    def _current_chunk(self) -> _Chunk:
+    def _current_chunk(self) -> Chunk:
         if self._current is None:
-            self._current = _Chunk(self._n_chunks, self._acquire())
+            self._current = Chunk(self._n_chunks, self._buffers.acquire(self._raise_flush_error))
             self._n_chunks += 1
         return self._current
 
@@ -546,43 +430,10 @@ class SpillWriter:
             self._flusher.q.put(chunk)
 
     # ------------------------------------------------------------------------- buffer pool
-    def _acquire(self) -> torch.Tensor:
-        with self._lock:
-            while True:
-                self._raise_flush_error()
-                if self._free:
-                    buf = self._free.pop()
-                    if self._pinned and not buf.is_pinned():
-                        break  # allocated before the first CUDA write: replace it with pinned memory
-                    return buf
-                if self._allocated < self.n_buffers:
-                    self._allocated += 1
-                    break
-                self._lock.wait(timeout=0.5)  # backpressure: wait for the flush thread
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-
-    def _prefault_spare(self) -> None:
-        """Allocate one more staging buffer (within ``n_buffers``) and touch its pages, so the
-        page faults of fresh memory are paid by the flush thread, not inside ``write()``."""
-        with self._lock:
-            if self._free or self._allocated >= self.n_buffers:
-                return
-            self._allocated += 1
-        buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self._pinned)
-        if not self._pinned:  # pinned memory is resident already
-            buf.numpy()[::4096] = 0
-        self._release(buf)
-
-    def _release(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._lock.notify()
-
     def _free_buffers(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.
-        with self._lock:
-            self._free.clear()
-            self._rows = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        self._buffers.clear()
+        self._rows = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
 
     def _raise_flush_error(self) -> None:
         err = self._flusher.error
@@ -595,16 +446,16 @@ class SpillWriter:
             ) from err
 
     def _check_open(self) -> None:
-        if self._state != "open":
+        if self._state is not WriterState.OPEN:
             raise WriterClosedError(
                 f"SpillWriter for rank {self.rank} is {self._state}; write inside `with SpillWriter(...)`"
             )
         self._raise_flush_error()
 
-    def _chunk_object_size(self, chunk: _Chunk) -> int:
+    def _chunk_object_size(self, chunk: Chunk) -> int:
         # A spill smaller than one chunk is stored as one exactly-sized chunk; otherwise the last
         # chunk is padded to the chunk size, as zarr's regular chunk grid requires.
-        if self._state in ("closing", "aborting") and chunk.number == 0 and self._n_chunks == 1:
+        if self._state in (WriterState.CLOSING, WriterState.ABORTING) and chunk.number == 0 and self._n_chunks == 1:
             return max(chunk.fill, 1)
         return self.chunk_bytes
 
@@ -682,11 +533,11 @@ class SpillWriter:
 
     def close(self) -> None:
         """Flush everything and write the commit record. Idempotent."""
-        if self._state in ("committed",):
+        if self._state is WriterState.COMMITTED:
             return
-        if self._state != "open":
+        if self._state is not WriterState.OPEN:
             raise WriterClosedError(f"SpillWriter for rank {self.rank} is {self._state}; cannot commit")
-        self._state = "closing"
+        self._state = WriterState.CLOSING
         try:
             self._drain()
             record, _ = self._write_index()
@@ -694,19 +545,19 @@ class SpillWriter:
             self._check_segment(record.n_chunks, record.chunk_bytes)
             self.storage.put_atomic(self._rel(F.COMMIT_NAME), record.to_json())
         except BaseException as exc:
-            self._state = "open"
+            self._state = WriterState.OPEN
             self.abort(exc)
             raise
         self.commit_record = record
-        self._state = "committed"
+        self._state = WriterState.COMMITTED
         self._free_buffers()
 
     def abort(self, exc: BaseException) -> None:
         """Record a failure (best effort) after flushing what was staged, so the data written so far
         stays readable; the commit record is never written."""
-        if self._state not in ("open", "closing"):
+        if self._state not in (WriterState.OPEN, WriterState.CLOSING):
             return
-        self._state = "aborting"
+        self._state = WriterState.ABORTING
         try:
             if self._flusher.is_alive():
                 self._hand_off()
@@ -716,14 +567,15 @@ class SpillWriter:
                 self._write_index()
         except BaseException:  # noqa: BLE001 - the original exception matters more
             pass
+        error_type, message, tb = F.exception_fields(exc)
         record = F.FailureRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
             run_id=self.run_id,
-            error_type=type(exc).__name__,
-            message=str(exc)[:2000],
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-20000:],
+            error_type=error_type,
+            message=message,
+            traceback=tb,
             time=F.utcnow(),
         )
         try:
@@ -731,7 +583,7 @@ class SpillWriter:
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
         publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}")
-        self._state = "failed"
+        self._state = WriterState.FAILED
         self._free_buffers()
 
     # --------------------------------------------------------------------------------- resume
@@ -760,7 +612,7 @@ class SpillWriter:
         transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
         transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
         **kwargs: Any,
-    ) -> Any:
+    ) -> MergeReport | None:
         """Collective: every rank calls it after the ``with`` block. Rank ``dst`` merges and
         returns a :class:`~spillmerge.MergeReport`; other ranks return ``None``. ``kwargs`` go to
         :func:`spillmerge.merge` (``timeout`` defaults to 1800 s here).
@@ -789,56 +641,50 @@ class SpillWriter:
         raises there, and ``dst`` raises :class:`~spillmerge.PartFailedError` naming it. Every rank
         must see the spill root and the output (shared storage; no network transport).
         """
-        if self._state == "open":
+        if self._state is WriterState.OPEN:
             raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
         if not 0 <= dst < self.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {self.world_size}")
         check_options(transport, transfer_chunk_bytes, transfer_timeout)
-        from ._merge import merge, merge_collective
-
         kwargs.setdefault("timeout", 1800.0)
         kwargs.setdefault("storage_options", self.storage.storage_options)
-        if parallel:
-            if transport in ("nccl", "gloo"):
+        network = transport in ("nccl", "gloo")
+        if parallel:  # every rank writes a part; dst finalizes
+            if network:
                 raise ConfigError(
                     "parallel=True needs every rank to see the spill root; it cannot be combined with "
                     f"transport={transport!r}",
                     key="transport",
                 )
-            return merge_collective(
+            return merge_parallel(
                 self.root, out, rank=self.rank, world_size=self.world_size, dst=dst, run_id=self.run_id, **kwargs
             )
-
-        def run(info: TransferInfo | None = None) -> Any:
-            report = merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
-            if info is None:
-                return report
-            phases = dict(report.phases)
-            phases["wait"] = phases.get("wait", 0.0) + info.wait_seconds
-            if info.received:
-                phases = {"visibility": info.visibility_seconds, "transfer": info.transfer_seconds, **phases}
-            return dataclasses.replace(
-                report,
-                wait_seconds=report.wait_seconds + info.wait_seconds,
-                seconds=report.seconds + info.wait_seconds + info.visibility_seconds + info.transfer_seconds,
-                transferred=info.received,
-                transfer_senders=info.senders,
-                phases=phases,
-            )
-
+        info: TransferInfo | None = None
         if transport != "storage" and self._coordinated() and not self._shards_here:
             # The first merge of a job gathers every shard where dst can read it; a later merge
             # of the same writer (another output or duplicate policy) needs no coordination.
-            return collective_merge(
-                self, dst, transport, transfer_chunk_bytes, transfer_timeout, run, float(kwargs["timeout"])
+            info = gather_shards(
+                self.session(), dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"])
             )
-        if transport in ("nccl", "gloo"):
+            self._shards_here = True
+            if self.rank != dst:
+                return None
+        elif network:
             raise ConfigError(
                 f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
                 f"{self.rank} and world_size {self.world_size}",
                 key="transport",
             )
-        return run() if self.rank == dst else None
+        elif self.rank != dst:
+            return None
+        report = merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
+        return report if info is None else info.add_to(report)
+
+    def session(self) -> Session:
+        """This writer's session as the shard transfer sees it (rank, root, segment, state)."""
+        if self.segment is None or self.run_id is None:
+            raise WriterClosedError(f"SpillWriter for rank {self.rank} was never opened; there is nothing to merge")
+        return Session(self.rank, self.world_size, self.run_id, self.storage, self._prefix, self.state)
 
     def _coordinated(self) -> bool:
         """True when torch.distributed is initialised with this writer's rank and world size."""
@@ -857,6 +703,6 @@ class SpillWriter:
             "rows": getattr(self, "_n_rows", 0),
             "bytes": getattr(self, "_offset", 0),
             "chunks": getattr(self, "_n_chunks", 0),
-            "staging_buffers": self._allocated,
+            "staging_buffers": self._buffers.allocated,
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
         }
