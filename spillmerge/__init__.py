@@ -34,8 +34,10 @@ from ._errors import (
 )
 from ._format import FORMAT_VERSION
 from ._inspect import VerifyReport, verify
-from ._merge import MergeReport, committed_keys, merge
+from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
+from ._report import MergeReport
+from ._spillroot import committed_keys
 from ._writer import SpillWriter
 
 __version__ = "0.1.0"

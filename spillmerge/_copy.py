@@ -135,7 +135,7 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec:
         enc = _codecs.encoder(codec, np.dtype(F.DTYPES[leaf.layout.dtype].storage).itemsize)
         if src.local and enc is None:
             # Frames are written straight from the page cache (mmap), never copied into our memory.
-            parts: list[Any] = []
+            buffers: list[Any] = []
             for j, r in enumerate(rows.tolist()):
                 views = [src.view(rel, lo, hi) for rel, lo, hi in pieces(plan, rows[j : j + 1])]
                 got = 0
@@ -143,9 +143,9 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec:
                     got = google_crc32c.extend(got, v)
                 if got != int(plan.crc[r]):
                     _raise_mismatch(src, plan, stripe, leaf, j, r)
-                parts.extend(views)
+                buffers.extend(views)
             if used < full:
-                parts.append(_zeros(full - used))
+                buffers.append(_zeros(full - used))
         else:
             # A compressor needs the whole chunk in one buffer: one copy into a reused one.
             buf = _scratch(full if enc is not None else used)
@@ -167,14 +167,14 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec:
                         _raise_mismatch(src, plan, stripe, leaf, j, r)
             if enc is not None:
                 buf[used:full] = 0
-                parts = [np.frombuffer(enc.encode(buf[:full]), dtype=np.uint8)]
+                buffers = [np.frombuffer(enc.encode(buf[:full]), dtype=np.uint8)]
             else:
-                parts = [buf[:used]] + ([_zeros(full - used)] if used < full else [])
+                buffers = [buf[:used]] + ([_zeros(full - used)] if used < full else [])
         out_crc = 0
-        for part in parts:
+        for part in buffers:
             out_crc = google_crc32c.extend(out_crc, part)
         dst.makedirs(key.rsplit("/", 1)[0])
-        dst.put(key, [*parts, np.uint32(out_crc).astype("<u4").tobytes()])
+        dst.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])
 
 
 def _zeros(n: int) -> np.ndarray:

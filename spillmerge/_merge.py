@@ -229,10 +229,10 @@ class _Job:
         phases["load"] = time.perf_counter() - t
         t = time.perf_counter()
         plan = build(loaded, on_duplicate, same_bytes=functools.partial(same_bytes, src))
-        fp = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
+        plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
         return cls(
-            src, dst, state, segments, plan, fp, chunk_bytes, memory_budget, threads, fsync, progress, codec,
+            src, dst, state, segments, plan, plan_id, chunk_bytes, memory_budget, threads, fsync, progress, codec,
             allow_partial, run_id, salvaged, notes, manifest, phases, t0,
         )  # fmt: skip
 
@@ -334,17 +334,17 @@ def _write_part(
     job: _Job, part: tuple[int, int], mine: list[FilePlan], overwrite: bool, rank: int | None, lease: _lease.Lease
 ) -> MergeReport:
     i, n = part
-    dst, fp = job.dst, job.fingerprint
+    dst, plan_id = job.dst, job.fingerprint
     name = _parts.describe(i, n, rank)
     records = _parts.scan(dst)
-    if not overwrite and any(r.part == i and r.parts == n and r.plan == fp and not r.failed for r in records):
+    if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
         job.notes.append(f"{name} was already complete ({dst.describe(_parts.record_name(i, n))}); nothing rewritten")
         return job.report(files=mine, parts=n, part=i)
-    foreign = _parts.foreign(records, n, fp)
+    foreign = _parts.foreign(records, n, plan_id)
     if foreign and not overwrite:
         raise _parts.mismatch_error(
-            dst, foreign, n, fp, hint="rerun every part with overwrite=True (--overwrite), or choose another --out"
+            dst, foreign, n, plan_id, hint="rerun every part with overwrite=True (--overwrite), or choose another --out"
         )
     lease.check()
     for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
@@ -357,9 +357,9 @@ def _write_part(
             dst.put_atomic("zarr.json", Z.json_doc(Z.shared_docs(job.plan, job.state.world_size)[""]))
         docs = Z.file_docs(mine, job.chunk_bytes, job.codec)
         present = set(dst.listdir("files"))
-        for fp_ in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
-            if fp_.key in present:
-                dst.rm_tree(f"files/{fp_.key}")
+        for f in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
+            if f.key in present:
+                dst.rm_tree(f"files/{f.key}")
         dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items()})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -370,13 +370,13 @@ def _write_part(
             dst.fsync_tree("")
         lease.check()
         _parts.write_done(
-            dst, i, n, fp, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
+            dst, i, n, plan_id, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
             nbytes=sum(len(f.frames) * f.frame_nbytes for f in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
-        _parts.write_failure(dst, i, n, fp, rank, job.run_id, exc)
+        _parts.write_failure(dst, i, n, plan_id, rank, job.run_id, exc)
         raise
     return job.report(files=mine, parts=n, part=i)
 
@@ -492,15 +492,3 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
     lease.check()
     dst.put_atomic(F.COMPLETE_NAME, marker.to_json())
     job.phases["finish"] = time.perf_counter() - t
-
-
-def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> dict[str, set[int]]:
-    """Filename → frame indices already committed under a spill root, by any rank and session.
-
-    A rerun after a crash can skip these keys; the merge unions all sessions."""
-    from ._spillroot import committed_keys as _keys
-
-    storage = Storage(root, storage_options)
-    if not storage.exists(""):
-        return {}
-    return _keys(storage)

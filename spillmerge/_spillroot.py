@@ -3,7 +3,6 @@ because a spill root is untrusted input. Also the storage barrier (``wait_for_co
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ import google_crc32c
 import numpy as np
 
 from . import _format as F
+from . import _poll
 from ._errors import (
     CommitTimeout,
     CorruptSpillError,
@@ -261,22 +261,19 @@ def wait_for_commits(
 ) -> SpillState:
     """The barrier: poll storage (with backoff, re-reading only unfinished ranks) until every rank
     has committed; fail fast on a failure record; time out naming the missing ranks."""
-    start = time.monotonic()
     segments = scan(storage)
-    delay = poll
-    while True:
+    missing: list[int] = []
+    for waited in _poll.poll(timeout, first=poll, cap=max_poll):
+        for rank in missing:  # after the first look, only the ranks still outstanding are listed again
+            segments[rank] = list_segments(storage, rank)
         state = assess(storage, segments, world_size, run_id)
+        missing = list(state.missing)
         if state.failed or not state.missing:
             break
-        waited = time.monotonic() - start
         if waited >= timeout:
             if allow_partial:
                 return state
             raise_for_state(storage, state, waited_s=waited if timeout > 0 else None)
-        time.sleep(min(delay, max(0.0, timeout - waited)))
-        delay = min(delay * 1.5, max_poll)
-        for rank in state.missing:  # only the ranks still outstanding are listed again
-            segments[rank] = list_segments(storage, rank)
     if state.failed and not allow_partial:
         raise_for_state(storage, state)
     return state
@@ -560,8 +557,19 @@ def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: l
     return index[~short[inverse]]
 
 
-def committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
-    """Filename → frame indices already committed under the root (every rank, every segment)."""
+def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> dict[str, set[int]]:
+    """Filename → frame indices already committed under a spill root, by any rank and session.
+
+    A rerun after a crash can skip these keys; the merge unions all sessions."""
+    storage = Storage(root, storage_options)
+    if not storage.exists(""):
+        return {}
+    return committed_keys_in(storage)
+
+
+def committed_keys_in(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
+    """Filename → frame indices already committed under the root (every rank, every segment but
+    ``exclude``)."""
     out: dict[str, set[int]] = {}
     for segs in scan(storage).values():
         for seg in segs:

@@ -31,6 +31,7 @@ from ._errors import (
 )
 from ._merge import merge, merge_parallel
 from ._report import MergeReport
+from ._spillroot import committed_keys_in
 from ._staging import BufferPool, Chunk, Flusher
 from ._storage import Storage
 from ._transfer import (
@@ -591,9 +592,7 @@ class SpillWriter:
         """Filename → frame indices committed under this root by earlier sessions of any rank
         (read once, when first asked). Use it to skip work after a crash."""
         if self._committed_keys is None:
-            from ._spillroot import committed_keys
-
-            self._committed_keys = committed_keys(self.storage, exclude=self.segment)
+            self._committed_keys = committed_keys_in(self.storage, exclude=self.segment)
         return self._committed_keys
 
     def is_committed(self, filename: str, frame_idx: int) -> bool:
