@@ -9,6 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from _helpers import bits
 
 import spillmerge
 
@@ -22,11 +23,6 @@ def example() -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes, so that bfloat16/float16 compare bit for bit."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_every_prediction(res: spillmerge.MergedStore) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _helpers import bits
 
 WORLD = 4
 MERGE_TIMEOUT = 90.0  # seconds rank 0 waits on storage for commit records; the parent's limit is larger
@@ -59,7 +60,7 @@ _SPECIAL_BITS = {
 
 
 # ------------------------------------------------------------------------------ shared data
-def _random(dt: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+def _random_with_specials(dt: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Random bits of dtype ``dt``: every pattern is possible, NaN payloads included."""
     if dt == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
@@ -83,9 +84,9 @@ def value_for(name: str, frame: int) -> Any:
     dt = DTYPES[i % len(DTYPES)]
     shape = SHAPES[i % len(SHAPES)]
     if len(shape) == 2:  # a non-contiguous view, as model outputs often are
-        t = _random(dt, shape[::-1], g).t()
+        t = _random_with_specials(dt, shape[::-1], g).t()
     else:
-        t = _random(dt, shape, g)
+        t = _random_with_specials(dt, shape, g)
     kind = (i + i // len(DTYPES)) % 3
     if kind == 0:
         return t
@@ -153,11 +154,6 @@ def as_torch(x: Any) -> torch.Tensor:
     if isinstance(x, float):
         return torch.tensor(x, dtype=torch.float64)
     return torch.from_numpy(np.array(x))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor, as a flat uint8 tensor (NaN payloads and -0.0 compare exactly)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def raw_bytes(x: Any) -> bytes:

@@ -55,3 +55,16 @@ def join_all(procs: list[Any], timeout: float) -> None:
     for p in alive:
         p.kill()
     assert not alive, "a rank hung"
+
+
+def ranks_fixture(worker: Callable[..., None], world: int, name: str, timeout: float = 240.0) -> Any:
+    """A module-scoped fixture that runs every scenario of ``worker`` once in ``world`` spawned
+    gloo ranks (a hang fails the test after ``timeout`` seconds) and returns ``(base dir,
+    results by rank)``. Use as ``ranks = ranks_fixture(worker, WORLD, "multirank")``."""
+
+    @pytest.fixture(scope="module")
+    def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
+        base = tmp_path_factory.mktemp(name)
+        return base, spawn_ranks(worker, world, base, timeout)
+
+    return ranks

@@ -13,12 +13,9 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from _helpers import raw_bytes
 
 import spillmerge
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _merge(tmp_path, frames: dict[str, dict[int, object]]) -> spillmerge.MergedStore:
@@ -58,8 +55,11 @@ def test_tensordict_and_dataclass_values_are_stored_as_nested_leaves(tmp_path):
     got = res["td.mp4"]
     assert sorted(got) == ["a", "nested"] and sorted(got["a"]) == ["emb", "mask"] and sorted(got["nested"]) == ["b"]
     for i, v in plain.items():
-        assert _bits(got["a"]["mask"].to_torch()[i]) == _bits(v["mask"]) and got["a"]["mask"].dtype_name == "bfloat16"
-        assert _bits(got["nested"]["b"].to_torch()[i]) == _bits(v["emb"] * 2)
+        assert (
+            raw_bytes(got["a"]["mask"].to_torch()[i]) == raw_bytes(v["mask"])
+            and got["a"]["mask"].dtype_name == "bfloat16"
+        )
+        assert raw_bytes(got["nested"]["b"].to_torch()[i]) == raw_bytes(v["emb"] * 2)
     got = res["tc.mp4"]
     assert sorted(got) == ["label", "logits"]
     assert got["label"][:].tolist() == [0, 1, 2] and torch.equal(got["logits"].to_torch()[2], plain[2]["emb"])

@@ -10,21 +10,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
 
-import pytest
 from _mp_scenarios import HOSTILE, WORLD, all_keys, check_with_plain_zarr, worker
-from _procs import spawn_ranks
+from _procs import ranks_fixture
 
 SPAWN_TIMEOUT = 240.0  # seconds for the whole spawn; a hang fails the test instead of blocking it
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
-    """Run every scenario once in WORLD spawned gloo ranks; returns (base dir, results by rank)."""
-    base = tmp_path_factory.mktemp("multirank")
-    results = spawn_ranks(worker, WORLD, base, SPAWN_TIMEOUT)
-    return base, results
+ranks = ranks_fixture(worker, WORLD, "multirank", SPAWN_TIMEOUT)
 
 
 # ---------------------------------------------------------------------------------- main scenario

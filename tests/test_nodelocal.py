@@ -7,23 +7,18 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from _nodelocal_workers import WORLD, killed_sender, worker
-from _procs import free_port, join_all, spawn_ranks
+from _procs import free_port, join_all, ranks_fixture
 
 import spillmerge
 
 SPAWN_TIMEOUT = 240.0
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict[str, Any]]]:
-    base = tmp_path_factory.mktemp("nodelocal")
-    results = spawn_ranks(worker, WORLD, base, SPAWN_TIMEOUT)
-    return base, results
+ranks = ranks_fixture(worker, WORLD, "nodelocal", SPAWN_TIMEOUT)
 
 
 def test_two_hosts_one_sender_each_bit_exact_against_shared_root(ranks):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from _helpers import raw_bytes
 from _mp_scenarios import output_tree, tree_diff
 from test_cli import assert_one_line_error, run
 
@@ -26,10 +27,6 @@ DTYPES = [
     torch.float8_e4m3fn, torch.float8_e5m2,
 ]  # fmt: skip
 OPTS = {"chunk_bytes": 8192, "codec": "zstd"}
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _value(i: int, frame: int) -> object:
@@ -65,7 +62,7 @@ def _same_values(a: str, b: str) -> None:
             else [(xa["pred"], xb["pred"]), (xa["meta"]["box"], xb["meta"]["box"])]
         )
         for u, v in pairs:
-            assert _bits(u.to_torch()) == _bits(v.to_torch()), name
+            assert raw_bytes(u.to_torch()) == raw_bytes(v.to_torch()), name
 
 
 def test_cli_parts_then_finalize_equal_one_process_merge(tmp_path):
@@ -295,9 +292,9 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
     keys = dict(zip([str(x) for x in grp["index/filenames"][:]], [str(x) for x in grp["index/keys"][:]], strict=True))
     for (name, f), want in expected.items():
         got = res[name].to_torch()[f]
-        assert got.dtype == want.dtype and _bits(got) == _bits(want), (codec, name, f)
+        assert got.dtype == want.dtype and raw_bytes(got) == raw_bytes(want), (codec, name, f)
         plain = np.asarray(grp[f"files/{keys[name]}"][f])  # raw bits for dtypes numpy lacks
-        assert plain.tobytes() == _bits(want), (codec, name, f)
+        assert plain.tobytes() == raw_bytes(want), (codec, name, f)
     names = [c["name"] for c in json.loads((out / "files" / "zeros" / "zarr.json").read_text())["codecs"]]
     assert names == {"none": ["bytes", "crc32c"], "blosc-lz4": ["bytes", "blosc", "crc32c"],
                      "zstd": ["bytes", "zstd", "crc32c"]}[codec]  # fmt: skip

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from _helpers import bits, random_bits
 from fsspec.implementations.memory import MemoryFileSystem
 
 import spillmerge
@@ -27,19 +28,6 @@ TORCH_DTYPES = [
 ]  # fmt: skip
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's raw bytes, so comparisons are bit-exact (NaNs, -0.0, bfloat16 included)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _random(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    raw = torch.randint(
-        0, 256, (int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=g
-    )
-    t = raw.view(dtype).reshape(shape)
-    return t.clone() if dtype != torch.bool else (raw[: t.numel()] % 2).bool().reshape(shape)
-
-
 def test_every_torch_dtype_round_trips_bit_exactly(tmp_path):
     g = torch.Generator().manual_seed(0)
     expected = {}
@@ -47,7 +35,7 @@ def test_every_torch_dtype_round_trips_bit_exactly(tmp_path):
         for dt in TORCH_DTYPES:
             name = f"{dt}.bin"
             for frame in (5, 1, 3):
-                t = _random(dt, (2, 3), g)
+                t = random_bits(dt, (2, 3), g)
                 w.write(name, frame, t)
                 expected[(name, frame)] = t
     report = spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out"))
@@ -59,7 +47,7 @@ def test_every_torch_dtype_round_trips_bit_exactly(tmp_path):
         got = res[name].to_torch()
         assert got.dtype == dt and got.shape == (3, 2, 3)
         for row, frame in enumerate([1, 3, 5]):
-            assert torch.equal(_bits(got[row]), _bits(expected[(name, frame)])), (dt, frame)
+            assert torch.equal(bits(got[row]), bits(expected[(name, frame)])), (dt, frame)
 
 
 def test_numpy_scalars_nested_dicts_and_odd_tensors(tmp_path):
