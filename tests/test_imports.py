@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import spillmerge
@@ -91,3 +92,11 @@ def test_cycle_finder_finds_a_circle():
 def test_every_module_imports_on_its_own():
     for name in _modules():
         importlib.import_module(name)
+
+
+def test_architecture_module_table_names_every_module_once():
+    doc = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = doc[doc.index("## Modules") : doc.index("## Framework integrations")]
+    named = [re.sub(r"^spillmerge/", "", n) for n in re.findall(r"^\| `([^`]+)`", table, re.M)]
+    files = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py"))
+    assert sorted(named) == files
