@@ -55,7 +55,7 @@ def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
 
 
 def copy_files(
-    src: Storage, dst: Storage, plan: Plan, files: list[FilePlan], *, chunk_bytes: int, codec: str,
+    src: Storage, output: Storage, plan: Plan, files: list[FilePlan], *, chunk_bytes: int, codec: str,
     memory_budget: int, threads: int, progress: bool | None,
 ) -> None:  # fmt: skip
     """Copy the frames of ``files`` into their output chunks (``chunk_bytes`` target, ``codec``),
@@ -102,7 +102,7 @@ def copy_files(
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(_copy_stripe, src, dst, plan, stripe, codec)
+                fut = pool.submit(_copy_stripe, src, output, plan, stripe, codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
         if bar is not None:
@@ -123,7 +123,7 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec: str) -> None:
+def _copy_stripe(src: Storage, output: Storage, plan: Plan, stripe: _Stripe, codec: str) -> None:
     for leaf in stripe.file.leaves:
         rows = leaf.rows[stripe.start : stripe.stop]
         item = leaf.layout.nbytes
@@ -173,8 +173,8 @@ def _copy_stripe(src: Storage, dst: Storage, plan: Plan, stripe: _Stripe, codec:
         out_crc = 0
         for part in buffers:
             out_crc = google_crc32c.extend(out_crc, part)
-        dst.makedirs(key.rsplit("/", 1)[0])
-        dst.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])
+        output.makedirs(key.rsplit("/", 1)[0])
+        output.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])
 
 
 def _zeros(n: int) -> np.ndarray:

@@ -467,6 +467,31 @@ def _int_or_none(obj: dict[str, Any], key: str) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    """A segment's ``zarr.json`` (a zarr group) attributes, key ``spillmerge``: the first object a
+    writer creates. Readers read it leniently (``_spillroot.Segment.header``): only
+    ``chunk_bytes`` is required, to salvage a segment that never committed."""
+
+    rank: int
+    """Rank that writes the segment."""
+    world_size: int
+    """World size the writer runs with."""
+    segment: str
+    """Segment folder name."""
+    run_id: str | None
+    """Identifier shared by the ranks of one job run."""
+    chunk_bytes: int
+    """Size of each data chunk object."""
+    started: str
+    """UTC time the writer opened the segment."""
+
+    def to_json(self) -> bytes:
+        """The whole ``zarr.json`` document of the segment group."""
+        attrs = {"format_version": FORMAT_VERSION, "kind": "spill-segment", **asdict(self)}
+        return dumps({"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": attrs}})
+
+
+@dataclass(frozen=True, slots=True)
 class OutputHeader:
     """The merged output's root ``zarr.json`` attributes, key ``spillmerge``."""
 

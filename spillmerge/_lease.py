@@ -98,8 +98,8 @@ def _lock_flags(exclusive: bool) -> int:
 class Lease:
     """A held lease on an output; see the module docstring. Use :meth:`acquire`."""
 
-    def __init__(self, dst: Storage, name: str, role: str, exclusive: bool, ttl: float) -> None:
-        self.dst, self.name, self.exclusive, self.ttl = dst, name, exclusive, ttl
+    def __init__(self, output: Storage, name: str, role: str, exclusive: bool, ttl: float) -> None:
+        self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, ttl
         self.holder = Holder(
             owner=uuid.uuid4().hex,
             role=role,
@@ -116,12 +116,12 @@ class Lease:
 
     # ------------------------------------------------------------------------------ acquire
     @classmethod
-    def acquire(cls, dst: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> Lease:
+    def acquire(cls, output: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> Lease:
         """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
         :class:`OutputBusyError` naming every holder in the way."""
-        lease = cls(dst, name, role, exclusive, ttl)
-        dst.makedirs(LEASE_DIR)
-        if dst.local and lease._acquire_flock():
+        lease = cls(output, name, role, exclusive, ttl)
+        output.makedirs(LEASE_DIR)
+        if output.local and lease._acquire_flock():
             return lease
         lease._acquire_object()
         return lease
@@ -130,11 +130,11 @@ class Lease:
         return f"{LEASE_DIR}/{name}.{ext}"
 
     def _open_lock(self, rel: str) -> int:
-        p = self.dst.path(rel)
+        p = self.output.path(rel)
         try:
             return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
-            where = self.dst.describe(rel)
+            where = self.output.describe(rel)
             raise SpillStorageError(f"cannot open the lease file {where}: {exc.strerror}", path=where) from exc
 
     def _acquire_flock(self) -> bool:
@@ -148,7 +148,7 @@ class Lease:
             # We locked a file an exclusive holder removed while tidying up (between our open and
             # our flock): the lock means nothing. Try again on the files that are there now.
             self.release()
-            self.dst.makedirs(LEASE_DIR)
+            self.output.makedirs(LEASE_DIR)
         raise self._busy([])
 
     def _flock_all(self) -> bool:
@@ -166,7 +166,7 @@ class Lease:
                 self.release()
                 if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                     return False
-                where = self.dst.describe(rel)
+                where = self.output.describe(rel)
                 raise SpillStorageError(f"cannot lock {where}: {exc.strerror}", path=where) from exc
             self._fds[rel] = fd
             if rel == mine:  # who holds it, for the next process's error message
@@ -178,7 +178,7 @@ class Lease:
     def _local_holders(self) -> list[Holder]:
         """The holders of the lock files under the lease folder that are locked right now."""
         out = []
-        for fname in self.dst.listdir(LEASE_DIR):
+        for fname in self.output.listdir(LEASE_DIR):
             if not fname.endswith(".lock") or fname == f"{_OUTPUT}.lock":
                 continue
             rel = f"{LEASE_DIR}/{fname}"
@@ -209,19 +209,19 @@ class Lease:
         conflicts with; on a conflict remove ours again (both may back off; neither proceeds)."""
         rel = self._rel(self.name, "json")
         self.holder = _with_expiry(self.holder, self.ttl)
-        if not self.dst.create(rel, self.holder.to_json()):
+        if not self.output.create(rel, self.holder.to_json()):
             old = self._read_object(rel)
             if old is None:  # being written this instant (a local O_EXCL create) or damaged by hand
                 raise self._busy([])
             if old.expires > time.time():
                 raise self._busy([old])
             # Expired: its holder died or hung. Take it over (of two takers, create lets one win).
-            self.dst.rm_tree(rel)
-            if not self.dst.create(rel, self.holder.to_json()):
+            self.output.rm_tree(rel)
+            if not self.output.create(rel, self.holder.to_json()):
                 raise self._busy([h for h in [self._read_object(rel)] if h is not None])
         self._objects.append(rel)
         blocking = []
-        for fname in self.dst.listdir(LEASE_DIR):
+        for fname in self.output.listdir(LEASE_DIR):
             other = f"{LEASE_DIR}/{fname}"
             if not fname.endswith(".json") or other == rel:
                 continue
@@ -237,7 +237,7 @@ class Lease:
         self._beat.start()
 
     def _read_object(self, rel: str) -> Holder | None:
-        raw = self.dst.get_or_none(rel, max_bytes=_MAX_RECORD)
+        raw = self.output.get_or_none(rel, max_bytes=_MAX_RECORD)
         return None if raw is None else Holder.from_json(raw)
 
     def _heartbeat(self) -> None:
@@ -249,20 +249,20 @@ class Lease:
                     self._lost = "it was removed" if current is None else f"it was taken over by {current.describe()}"
                     return
                 self.holder = _with_expiry(self.holder, self.ttl)
-                self.dst.put_atomic(rel, self.holder.to_json())  # never torn for a reader
+                self.output.put_atomic(rel, self.holder.to_json())  # never torn for a reader
             except Exception:  # noqa: BLE001 - a transient failure: the next beat retries
                 continue
 
     def _busy(self, holders: list[Holder]) -> OutputBusyError:
         who = "; ".join(h.describe() for h in holders) or (
-            f"another process (its lease record under {self.dst.describe(LEASE_DIR)} is being written, or is "
+            f"another process (its lease record under {self.output.describe(LEASE_DIR)} is being written, or is "
             "damaged: remove it if no merge is running)"
         )
         return OutputBusyError(
-            f"{self.dst.describe()} is being written by {who}: one merge per output. Wait for it to finish, or "
+            f"{self.output.describe()} is being written by {who}: one merge per output. Wait for it to finish, or "
             "choose another --out"
-            + (" (a lease of a process that died expires by itself)" if not self.dst.local else ""),
-            path=self.dst.describe(),
+            + (" (a lease of a process that died expires by itself)" if not self.output.local else ""),
+            path=self.output.describe(),
             holders=[h.describe() for h in holders],
         )
 
@@ -271,11 +271,11 @@ class Lease:
         """None when every file we locked is still the one at its path; else why not."""
         for rel, fd in self._fds.items():
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.dst.path(rel), follow_symlinks=False).st_ino
+                same = os.fstat(fd).st_ino == os.stat(self.output.path(rel), follow_symlinks=False).st_ino
             except FileNotFoundError:
                 same = False
             if not same:
-                return f"{self.dst.describe(rel)} was removed or replaced"
+                return f"{self.output.describe(rel)} was removed or replaced"
         return None
 
     def check(self) -> None:
@@ -290,9 +290,9 @@ class Lease:
                 why = "it was removed" if current is None else f"it was taken over by {current.describe()}"
         if why is not None:
             raise LeaseLostError(
-                f"{self.holder.role} lost its lease on {self.dst.describe()} ({why}); it stopped before changing "
+                f"{self.holder.role} lost its lease on {self.output.describe()} ({why}); it stopped before changing "
                 "anything else. Another merge may be writing this output: check, then run the merge again",
-                path=self.dst.describe(),
+                path=self.output.describe(),
             )
 
     def release(self, *, tidy: bool = False) -> None:
@@ -311,7 +311,7 @@ class Lease:
                 alone = False
             if alone:
                 try:
-                    self.dst.rm_tree(LEASE_DIR)
+                    self.output.rm_tree(LEASE_DIR)
                 except Exception:  # noqa: BLE001 - best effort: lock files are harmless
                     pass
         for fd in self._fds.values():
@@ -321,7 +321,7 @@ class Lease:
             try:
                 current = self._read_object(rel)
                 if current is not None and current.owner == self.holder.owner:
-                    self.dst.rm_tree(rel)
+                    self.output.rm_tree(rel)
             except Exception:  # noqa: BLE001 - best effort: an unremoved lease expires by itself
                 pass
         self._objects.clear()
@@ -347,16 +347,16 @@ def _with_expiry(holder: Holder, ttl: float) -> Holder:
     return Holder(holder.owner, holder.role, holder.host, holder.pid, holder.since, time.time() + ttl)
 
 
-def whole(dst: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+def whole(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of a one-process merge: exclusive."""
-    return Lease.acquire(dst, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
+    return Lease.acquire(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
 
 
-def part(dst: Storage, i: int, n: int, ttl: float = DEFAULT_TTL) -> Lease:
+def part(output: Storage, i: int, n: int, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of part ``i`` of ``n``: shared with other parts and finalize, exclusive by name."""
-    return Lease.acquire(dst, name=f"part-{i:05d}-of-{n:05d}", role=f"part {i}/{n}", exclusive=False, ttl=ttl)
+    return Lease.acquire(output, name=f"part-{i:05d}-of-{n:05d}", role=f"part {i}/{n}", exclusive=False, ttl=ttl)
 
 
-def finalize(dst: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+def finalize(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of a finalize: shared with parts, exclusive with another finalize."""
-    return Lease.acquire(dst, name="finalize", role="finalize", exclusive=False, ttl=ttl)
+    return Lease.acquire(output, name="finalize", role="finalize", exclusive=False, ttl=ttl)

@@ -129,8 +129,8 @@ class _Job:
 
     src: Storage
     """The spill root."""
-    dst: Storage
-    """The output."""
+    output: Storage
+    """The output folder."""
     state: Any
     """``SpillState`` of the spill root after the barrier."""
     segments: list[Any]
@@ -197,16 +197,16 @@ class _Job:
         if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
             same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
             out_storage_options = storage_options if same else None
-        dst = Storage(out, out_storage_options)
+        output = Storage(out, out_storage_options)
         if threads is None:  # object stores need many requests in flight; local disks do not
-            threads = 4 if src.local and dst.local else 16
+            threads = 4 if src.local and output.local else 16
         if not isinstance(threads, int) or threads < 1:
             raise SpillValueError(f"threads must be a positive int, got {threads!r}")
         if not src.exists(""):
             raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
-        if _output.overlaps(src, dst):
+        if _output.overlaps(src, output):
             raise SpillValueError(
-                f"output {dst.describe()} and spill root {src.describe()} overlap; choose another --out"
+                f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
             )
         state = wait_for_commits(
             src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial
@@ -232,7 +232,7 @@ class _Job:
         plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
         return cls(
-            src, dst, state, segments, plan, plan_id, chunk_bytes, memory_budget, threads, fsync, progress, codec,
+            src, output, state, segments, plan, plan_id, chunk_bytes, memory_budget, threads, fsync, progress, codec,
             allow_partial, run_id, salvaged, notes, manifest, phases, t0,
         )  # fmt: skip
 
@@ -241,7 +241,7 @@ class _Job:
         t_end = time.perf_counter()
         t_wait = self.phases["wait"]
         return MergeReport(
-            out=self.dst.describe(),
+            out=self.output.describe(),
             n_files=len(chosen),
             n_frames=sum(len(f.frames) for f in chosen),
             nbytes=sum(len(f.frames) * f.frame_nbytes for f in chosen),
@@ -268,24 +268,24 @@ class _Job:
 
 def _merge_whole(job: _Job, overwrite: bool) -> MergeReport:
     """One process writes everything, holding the output's exclusive lease."""
-    dst = job.dst
-    _output.check_claimable(dst)
-    created = not dst.exists("")
-    dst.makedirs("")
+    output = job.output
+    _output.check_claimable(output)
+    created = not output.exists("")
+    output.makedirs("")
     try:
-        with _lease.whole(dst) as lease:  # before any change: one merge per output
+        with _lease.whole(output) as lease:  # before any change: one merge per output
             _merge_whole_locked(job, overwrite, lease)
     except BaseException:
         if created:  # leave no empty folder behind where there was none
-            dst.remove_empty_dir("")
+            output.remove_empty_dir("")
         raise
     return job.report()
 
 
 def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None:
     """Everything of a whole merge that happens under its lease."""
-    dst = job.dst
-    _output.prepare(dst, overwrite, lease)
+    output = job.output
+    _output.prepare(output, overwrite, lease)
     try:
         t = time.perf_counter()
         docs = {
@@ -294,8 +294,8 @@ def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None
         }
         # The root document goes first, alone and whole: it marks the folder as a spillmerge
         # output, so an interrupted merge can be recognised and rebuilt.
-        dst.put_atomic("zarr.json", Z.json_doc(docs[""]))
-        dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
+        output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+        output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, job.plan.files)
@@ -307,7 +307,7 @@ def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None
         # wrote keeps the next merge (or a reader) from seeing half a store. Only while the
         # lease is still ours: a merge that took over after it expired owns the output now.
         try:
-            _output.remove_ours(dst, lease)
+            _output.remove_ours(output, lease)
         except Exception:  # noqa: BLE001
             pass
         raise
@@ -321,12 +321,12 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
     its own records, a completion marker (``overwrite``) and records of another plan
     (``overwrite``)."""
     i, n = part
-    dst = job.dst
+    output = job.output
     mine = [job.plan.files[k] for k in split(job.plan, n)[i]]
-    _output.check_claimable(dst)
-    dst.makedirs("")
-    with _lease.part(dst, i, n) as lease:  # two runs of the same part never write at once
-        _output.claim(dst, overwrite, lease)
+    _output.check_claimable(output)
+    output.makedirs("")
+    with _lease.part(output, i, n) as lease:  # two runs of the same part never write at once
+        _output.claim(output, overwrite, lease)
         return _write_part(job, part, mine, overwrite, rank, lease)
 
 
@@ -334,49 +334,55 @@ def _write_part(
     job: _Job, part: tuple[int, int], mine: list[FilePlan], overwrite: bool, rank: int | None, lease: _lease.Lease
 ) -> MergeReport:
     i, n = part
-    dst, plan_id = job.dst, job.fingerprint
+    output, plan_id = job.output, job.fingerprint
     name = _parts.describe(i, n, rank)
-    records = _parts.scan(dst)
+    records = _parts.scan(output)
     if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
-        job.notes.append(f"{name} was already complete ({dst.describe(_parts.record_name(i, n))}); nothing rewritten")
+        job.notes.append(
+            f"{name} was already complete ({output.describe(_parts.record_name(i, n))}); nothing rewritten"
+        )
         return job.report(files=mine, parts=n, part=i)
     foreign = _parts.foreign(records, n, plan_id)
     if foreign and not overwrite:
         raise _parts.mismatch_error(
-            dst, foreign, n, plan_id, hint="rerun every part with overwrite=True (--overwrite), or choose another --out"
+            output,
+            foreign,
+            n,
+            plan_id,
+            hint="rerun every part with overwrite=True (--overwrite), or choose another --out",
         )
     lease.check()
     for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
-        _parts.remove(dst, r.part, r.parts, failed=False)
-    _parts.remove(dst, i, n, failed=False)
-    _parts.remove(dst, i, n, failed=True)  # a failure record of an earlier attempt of this part
+        _parts.remove(output, r.part, r.parts, failed=False)
+    _parts.remove(output, i, n, failed=False)
+    _parts.remove(output, i, n, failed=True)  # a failure record of an earlier attempt of this part
     try:
         t = time.perf_counter()
-        if not dst.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
-            dst.put_atomic("zarr.json", Z.json_doc(Z.shared_docs(job.plan, job.state.world_size)[""]))
+        if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
+            output.put_atomic("zarr.json", Z.json_doc(Z.shared_docs(job.plan, job.state.world_size)[""]))
         docs = Z.file_docs(mine, job.chunk_bytes, job.codec)
-        present = set(dst.listdir("files"))
+        present = set(output.listdir("files"))
         for f in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
             if f.key in present:
-                dst.rm_tree(f"files/{f.key}")
-        dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items()})
+                output.rm_tree(f"files/{f.key}")
+        output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items()})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, mine)
         job.phases["copy"] = time.perf_counter() - t
         t = time.perf_counter()
         if job.fsync:  # the part record vouches for every chunk of the part
-            dst.fsync_tree("")
+            output.fsync_tree("")
         lease.check()
         _parts.write_done(
-            dst, i, n, plan_id, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
+            output, i, n, plan_id, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
             nbytes=sum(len(f.frames) * f.frame_nbytes for f in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
-        _parts.write_failure(dst, i, n, plan_id, rank, job.run_id, exc)
+        _parts.write_failure(output, i, n, plan_id, rank, job.run_id, exc)
         raise
     return job.report(files=mine, parts=n, part=i)
 
@@ -386,31 +392,31 @@ def _finalize(
 ) -> MergeReport:
     """After every part: check the part records (present, same plan), then index, consolidated
     metadata and completion marker — the same documents a one-process merge writes."""
-    dst = job.dst
-    if not _output.is_ours(dst):
-        if dst.exists("") and dst.listdir(""):
-            raise _output.not_ours(dst)
+    output = job.output
+    if not _output.is_ours(output):
+        if output.exists("") and output.listdir(""):
+            raise _output.not_ours(output)
         raise MissingPartsError(
-            f"{dst.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
-            path=dst.describe(),
+            f"{output.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
+            path=output.describe(),
             missing=[],
             parts=parts or 0,
         )
-    with _lease.finalize(dst) as lease:  # shared with parts; exclusive with a whole merge
-        _output.refuse_links(dst, overwrite=False)  # pruning through a linked files/ deletes elsewhere
+    with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
+        _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
         return _finalize_locked(job, parts, timeout, overwrite, collective, lease)
 
 
 def _finalize_locked(
     job: _Job, parts: int | None, timeout: float, overwrite: bool, collective: bool, lease: _lease.Lease
 ) -> MergeReport:
-    dst = job.dst
-    complete = dst.exists(F.COMPLETE_NAME)
+    output = job.output
+    complete = output.exists(F.COMPLETE_NAME)
     if complete and not overwrite:
-        raise _output.complete_error(dst, "finalize it again")
+        raise _output.complete_error(output, "finalize it again")
     t = time.perf_counter()
-    records = _parts.scan(dst)
-    n = parts if parts is not None else _parts.infer_parts(dst, records)
+    records = _parts.scan(output)
+    n = parts if parts is not None else _parts.infer_parts(output, records)
     done = [r for r in records if not r.failed and r.parts == n]
     if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
         # The parts decided the array documents: finalize with their codec and chunk size rather
@@ -418,19 +424,19 @@ def _finalize_locked(
         job.codec, job.chunk_bytes = done[0].codec, done[0].chunk_bytes
         job.fingerprint = fingerprint(job.plan, chunk_bytes=job.chunk_bytes, codec=job.codec)
     _parts.wait(
-        dst, n, job.fingerprint, timeout=timeout, collective=collective, run_id=job.run_id if collective else None
+        output, n, job.fingerprint, timeout=timeout, collective=collective, run_id=job.run_id if collective else None
     )
     job.phases["parts"] = time.perf_counter() - t
     t = time.perf_counter()
     lease.check()
     if complete:
-        dst.rm_tree(F.COMPLETE_NAME)
+        output.rm_tree(F.COMPLETE_NAME)
     keys = {f.key for f in job.plan.files}
-    for name in dst.listdir("files"):
+    for name in output.listdir("files"):
         if name not in keys and name != "zarr.json":  # left by an older merge into this output
-            dst.rm_tree(f"files/{name}")
+            output.rm_tree(f"files/{name}")
     shared = Z.shared_docs(job.plan, job.state.world_size)
-    dst.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in shared.items() if path})
+    output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in shared.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     _write_index(job)
     _finish(job, {**shared, **Z.file_docs(job.plan.files, job.chunk_bytes, job.codec)}, lease)
@@ -443,7 +449,7 @@ def _write_index(job: _Job) -> None:
     n = len(plan.files)
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
-    store = job.dst.zarr_store()
+    store = job.output.zarr_store()
     # write_empty_chunks: an index chunk that happens to be all zeros must still exist on disk
     # (verify treats a missing chunk as damage).
     with zarr.config.set({"array.write_empty_chunks": True}):
@@ -463,22 +469,22 @@ def _write_index(job: _Job) -> None:
 
 def _copy(job: _Job, files: list[FilePlan]) -> None:
     copy_files(
-        job.src, job.dst, job.plan, files, chunk_bytes=job.chunk_bytes, codec=job.codec,
+        job.src, job.output, job.plan, files, chunk_bytes=job.chunk_bytes, codec=job.codec,
         memory_budget=job.memory_budget, threads=job.threads, progress=job.progress,
     )  # fmt: skip
 
 
 def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> None:
     """Flush, then the consolidated root, then the completion marker: last, once."""
-    dst, plan = job.dst, job.plan
+    output, plan = job.output, job.plan
     root = Z.consolidated_root(docs)
     t = time.perf_counter()
     if job.fsync:  # every chunk and document is durable before the root and the marker vouch for them
-        dst.fsync_tree("")
+        output.fsync_tree("")
     job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
     lease.check()  # a merge that lost its lease must not vouch for an output another one writes
-    dst.put_atomic("zarr.json", Z.json_doc(root))
+    output.put_atomic("zarr.json", Z.json_doc(root))
     marker = F.CompletionMarker(
         n_files=len(plan.files),
         n_frames=plan.n_frames,
@@ -490,5 +496,5 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
         run_id=job.run_id,
     )
     lease.check()
-    dst.put_atomic(F.COMPLETE_NAME, marker.to_json())
+    output.put_atomic(F.COMPLETE_NAME, marker.to_json())
     job.phases["finish"] = time.perf_counter() - t

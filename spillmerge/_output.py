@@ -35,40 +35,40 @@ def _is_ours_name(name: str) -> bool:
     return name in OURS or name.startswith(_TEMP)
 
 
-def check_claimable(dst: Storage) -> None:
+def check_claimable(output: Storage) -> None:
     """Refuse, before creating anything, an output folder that holds something spillmerge did
     not write (``OutputExistsError``)."""
-    if dst.exists("") and dst.listdir("") and not is_ours(dst):
-        raise not_ours(dst)
+    if output.exists("") and output.listdir("") and not is_ours(output):
+        raise not_ours(output)
 
 
-def prepare(dst: Storage, overwrite: bool, lease: _lease.Lease) -> None:
+def prepare(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
     """A whole merge's start, under its lease: an empty or interrupted output is cleared of what
     an earlier merge wrote; a complete one only with ``overwrite``."""
-    if not dst.listdir(""):
+    if not output.listdir(""):
         return
-    if not is_ours(dst):
-        raise not_ours(dst)
-    if dst.exists(F.COMPLETE_NAME) and not overwrite:
-        raise complete_error(dst, "replace it")
+    if not is_ours(output):
+        raise not_ours(output)
+    if output.exists(F.COMPLETE_NAME) and not overwrite:
+        raise complete_error(output, "replace it")
     # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
-    remove_ours(dst, lease)
+    remove_ours(output, lease)
 
 
-def remove_ours(dst: Storage, lease: _lease.Lease) -> None:
-    """Delete what a merge wrote into ``dst``, nothing else: not the lease folder, not a file the
+def remove_ours(output: Storage, lease: _lease.Lease) -> None:
+    """Delete what a merge wrote into ``output``, nothing else: not the lease folder, not a file the
     user put there, never through a symbolic link (a linked ``files/`` loses the link only)."""
     lease.check()
-    for name in dst.listdir(""):
+    for name in output.listdir(""):
         if _is_ours_name(name):
-            dst.rm_tree(name)
+            output.rm_tree(name)
 
 
-def complete_error(dst: Storage, to: str) -> OutputExistsError:
+def complete_error(output: Storage, to: str) -> OutputExistsError:
     """The output holds a complete merge and no ``overwrite`` was given."""
     return OutputExistsError(
-        f"{dst.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to {to}",
-        path=dst.describe(),
+        f"{output.describe()} already holds a complete merge; pass overwrite=True (--overwrite) to {to}",
+        path=output.describe(),
     )
 
 
@@ -89,11 +89,11 @@ def header(storage: Storage) -> dict[str, Any] | None:
     return None
 
 
-def not_ours(dst: Storage) -> OutputExistsError:
+def not_ours(output: Storage) -> OutputExistsError:
     return OutputExistsError(
-        f"{dst.describe()} exists and is not a spillmerge output; choose another --out "
+        f"{output.describe()} exists and is not a spillmerge output; choose another --out "
         "(spillmerge never deletes a folder it did not write)",
-        path=dst.describe(),
+        path=output.describe(),
     )
 
 
@@ -102,13 +102,13 @@ def not_ours(dst: Storage) -> OutputExistsError:
 _ROOT_PREFIX = b'{\n  "attributes": {\n    "spillmerge": {\n      "format_version": '
 
 
-def is_ours(dst: Storage) -> bool:
-    names = dst.listdir("")
+def is_ours(output: Storage) -> bool:
+    names = output.listdir("")
     if _lease.LEASE_DIR in names or _parts.PARTS_DIR in names:
         return True
-    if header(dst) is not None:
+    if header(output) is not None:
         return True
-    raw = dst.get_or_none("zarr.json", max_bytes=1 << 20)
+    raw = output.get_or_none("zarr.json", max_bytes=1 << 20)
     if raw is None:
         return False
     # A merge killed while writing its first document (releases before the lease folder
@@ -117,31 +117,31 @@ def is_ours(dst: Storage) -> bool:
     return torn and all(_is_ours_name(n) for n in names)
 
 
-def refuse_links(dst: Storage, overwrite: bool) -> None:
+def refuse_links(output: Storage, overwrite: bool) -> None:
     """Writing or deleting through a linked ``files/``, ``index/`` or ``spillmerge-parts/`` would
     act on another folder: refuse it, or with ``overwrite`` remove the link (never its target)."""
     for name in ("files", "index", _parts.PARTS_DIR):
-        if dst.is_link(name):
+        if output.is_link(name):
             if not overwrite:
                 raise UnsafePathError(
-                    f"{dst.describe(name)} is a symbolic link; spillmerge does not write or delete through links "
+                    f"{output.describe(name)} is a symbolic link; spillmerge does not write or delete through links "
                     "(it would act outside the output): remove the link, or pass overwrite=True (--overwrite) to "
                     "have the link (not its target) removed",
-                    path=dst.describe(name),
+                    path=output.describe(name),
                 )
-            dst.rm_tree(name)
+            output.rm_tree(name)
 
 
-def claim(dst: Storage, overwrite: bool, lease: _lease.Lease) -> None:
+def claim(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
     """A part's ``prepare``, under its lease: the output must be empty or ours; never delete
     anything but the completion marker (``overwrite``), because other parts may be writing next
     to us."""
-    names = dst.listdir("")
-    if names and not is_ours(dst):
-        raise not_ours(dst)
+    names = output.listdir("")
+    if names and not is_ours(output):
+        raise not_ours(output)
     lease.check()
-    refuse_links(dst, overwrite)
-    if dst.exists(F.COMPLETE_NAME):
+    refuse_links(output, overwrite)
+    if output.exists(F.COMPLETE_NAME):
         if not overwrite:
-            raise complete_error(dst, "rebuild it (every part, then finalize)")
-        dst.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized
+            raise complete_error(output, "rebuild it (every part, then finalize)")
+        output.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized

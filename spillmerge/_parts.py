@@ -70,36 +70,36 @@ class PartRecord:
 
 
 def write_done(
-    dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
+    output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
     n_frames: int, nbytes: int, codec: str, chunk_bytes: int,
 ) -> None:  # fmt: skip
     rec = F.PartDoneRecord.now(
         part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
         nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes,
     )  # fmt: skip
-    dst.makedirs(PARTS_DIR)
-    dst.put_atomic(record_name(part, parts), rec.to_json())
+    output.makedirs(PARTS_DIR)
+    output.put_atomic(record_name(part, parts), rec.to_json())
 
 
 def write_failure(
-    dst: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
+    output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
     rec = F.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
     try:
-        dst.makedirs(PARTS_DIR)
-        dst.put_atomic(record_name(part, parts, failed=True), rec.to_json())
+        output.makedirs(PARTS_DIR)
+        output.put_atomic(record_name(part, parts, failed=True), rec.to_json())
     except Exception:  # noqa: BLE001 - the original error matters more than this one
         pass
 
 
-def remove(dst: Storage, part: int, parts: int, *, failed: bool) -> None:
-    dst.rm_tree(record_name(part, parts, failed=failed))
+def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:
+    output.rm_tree(record_name(part, parts, failed=failed))
 
 
-def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
+def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
     rel = f"{PARTS_DIR}/{name}"
-    where = dst.describe(rel)
+    where = output.describe(rel)
     m = _NAME_RE.match(name)
     assert m is not None
     part, parts = int(m.group(1)), int(m.group(2))
@@ -115,21 +115,21 @@ def _parse(dst: Storage, name: str, raw: bytes) -> PartRecord:
     )
 
 
-def scan(dst: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
+def scan(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
     """Every part record of the output, in name order (unreadable ones raise, naming the path).
 
     Records are immutable once written, so a ``cache`` kept across polls saves reading each
     again; the listing stays the truth (a record that disappeared is dropped)."""
     cache = {} if cache is None else cache
     out = []
-    for name in dst.listdir(PARTS_DIR):
+    for name in output.listdir(PARTS_DIR):
         if not _NAME_RE.match(name):
             continue  # temporaries of an atomic write in progress
         if name not in cache:
-            raw = dst.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=_MAX_RECORD)
+            raw = output.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=_MAX_RECORD)
             if raw is None:
                 continue
-            cache[name] = _parse(dst, name, raw)
+            cache[name] = _parse(output, name, raw)
         out.append(cache[name])
     return out
 
@@ -139,39 +139,39 @@ def foreign(records: list[PartRecord], parts: int, plan: str) -> list[PartRecord
     return [r for r in records if not r.failed and (r.parts != parts or r.plan != plan)]
 
 
-def mismatch_error(dst: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str) -> PlanMismatchError:
+def mismatch_error(output: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str) -> PlanMismatchError:
     shown = "; ".join(f"{describe(r.part, r.parts, r.rank)} at {r.path} (plan {r.plan[:12]})" for r in bad[:8])
     return PlanMismatchError(
-        f"{dst.describe()} holds parts written from a different merge plan than this one "
+        f"{output.describe()} holds parts written from a different merge plan than this one "
         f"({parts} part(s), plan {plan[:12]}): {shown}{' ...' if len(bad) > 8 else ''}; the spill root, "
         f"the part count or the merge options (codec, chunk size, duplicate policy) changed between parts; {hint}",
-        path=dst.describe(),
+        path=output.describe(),
         parts=sorted({r.part for r in bad}),
     )
 
 
-def infer_parts(dst: Storage, records: list[PartRecord]) -> int:
+def infer_parts(output: Storage, records: list[PartRecord]) -> int:
     counts = sorted({r.parts for r in records})
     if not counts:
         raise MissingPartsError(
-            f"{dst.describe()}: no part records under {PARTS_DIR}/; run every part first "
+            f"{output.describe()}: no part records under {PARTS_DIR}/; run every part first "
             "(spillmerge merge ROOT --out OUT --part I/N), then --finalize",
-            path=dst.describe(),
+            path=output.describe(),
             missing=[],
             parts=0,
         )
     if len(counts) > 1:
         raise PlanMismatchError(
-            f"{dst.describe()} holds parts of merges with different part counts ({counts}); rerun every part "
+            f"{output.describe()} holds parts of merges with different part counts ({counts}); rerun every part "
             "of one of them with --overwrite, or pass the part count explicitly",
-            path=dst.describe(),
+            path=output.describe(),
             parts=sorted({r.part for r in records}),
         )
     return counts[0]
 
 
 def wait(
-    dst: Storage,
+    output: Storage,
     parts: int,
     plan: str,
     *,
@@ -188,10 +188,10 @@ def wait(
     stays on storage until its part runs again, and must not fail this one."""
     cache: dict[str, PartRecord] = {}
     for waited in _poll.poll(timeout, first=poll, cap=max_poll):
-        records = scan(dst, cache)
+        records = scan(output, cache)
         bad = foreign(records, parts, plan)
         if bad:
-            raise mismatch_error(dst, bad, parts, plan, hint="rerun those parts (with --overwrite)")
+            raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)")
         done = {r.part: r for r in records if not r.failed}
         failed = {
             r.part: r
@@ -205,10 +205,10 @@ def wait(
                 f"{describe(p, parts, p if collective else r.rank)}: {r.message}" for p, r in sorted(failed.items())
             )
             raise PartFailedError(
-                f"{len(failed)} of {parts} part(s) of the merge into {dst.describe()} failed: {detail}; "
-                f"rerun them (records under {dst.describe(PARTS_DIR)})",
+                f"{len(failed)} of {parts} part(s) of the merge into {output.describe()} failed: {detail}; "
+                f"rerun them (records under {output.describe(PARTS_DIR)})",
                 failures=failures,
-                path=dst.describe(),
+                path=output.describe(),
             )
         missing = [p for p in range(parts) if p not in done]
         if not missing:
@@ -217,20 +217,20 @@ def wait(
             names = ", ".join(describe(p, parts, p if collective else None) for p in missing[:20])
             names += " ..." if len(missing) > 20 else ""
             msg = (
-                f"{dst.describe()}: {len(missing)} of {parts} part(s) have no completion record: {names} "
-                f"(expected {dst.describe(record_name(missing[0], parts))})"
+                f"{output.describe()}: {len(missing)} of {parts} part(s) have no completion record: {names} "
+                f"(expected {output.describe(record_name(missing[0], parts))})"
             )
             if timeout > 0:
                 raise PartsTimeout(
                     f"{msg} after waiting {waited:.1f} s; check those processes' logs and rerun the parts",
-                    path=dst.describe(),
+                    path=output.describe(),
                     missing=missing,
                     parts=parts,
                     waited_s=waited,
                 )
             raise MissingPartsError(
                 f"{msg}; run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)",
-                path=dst.describe(),
+                path=output.describe(),
                 missing=missing,
                 parts=parts,
             )

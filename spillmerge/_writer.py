@@ -168,20 +168,17 @@ class SpillWriter:
         self._journaled_files = 0
         self._journaled_layouts = 0
         self._committed_keys: dict[str, set[int]] | None = None
-        header = {
-            "format_version": F.FORMAT_VERSION,
-            "kind": "spill-segment",
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "segment": self.segment,
-            "run_id": self.run_id,
-            "chunk_bytes": self.chunk_bytes,
-            "started": F.utcnow(),
-        }
-        group = {"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": header}}
+        header = F.SegmentHeader(
+            rank=self.rank,
+            world_size=self.world_size,
+            segment=self.segment,
+            run_id=self.run_id,
+            chunk_bytes=self.chunk_bytes,
+            started=F.utcnow(),
+        )
         self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
         self.storage.makedirs(self._rel(F.JOURNAL_NAME))
-        self.storage.put_atomic(self._rel("zarr.json"), F.dumps(group))
+        self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
         self._flusher = Flusher(
             self._buffers, self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
             object_size=self._chunk_object_size,
