@@ -114,12 +114,12 @@ class Coverage:
                 "filename": f.filename,
                 "frames": len(f.frames),
                 "expected": f.expected,
-                "by_rank": [[a, b, r] for a, b, r in _runs(f.frames, f.ranks)],
+                "by_rank": [[a, b, r] for a, b, r in runs(f.frames, f.ranks)],
                 "missing": f.missing_runs().tolist(),
-                "duplicated": [[a, b] for a, b, _ in _runs(f.duplicated())],
+                "duplicated": [[a, b] for a, b, _ in runs(f.duplicated())],
             }
             if f.expected is not None:
-                entry["unexpected"] = [[a, b] for a, b, _ in _runs(f.unexpected())]
+                entry["unexpected"] = [[a, b] for a, b, _ in runs(f.unexpected())]
             files.append(entry)
         return {
             "kind": self.kind,
@@ -135,7 +135,7 @@ class Coverage:
         }
 
 
-def _runs(frames: np.ndarray, labels: np.ndarray | None = None) -> Iterator[tuple[int, int, int]]:
+def runs(frames: np.ndarray, labels: np.ndarray | None = None) -> Iterator[tuple[int, int, int]]:
     """Maximal runs of consecutive frames with the same label: (first, last, label)."""
     if not len(frames):
         return
@@ -321,7 +321,7 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
             bars = [(a - 0.5, max(b - a + 1, least)) for a, b in gaps.tolist()]
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors="red", linewidth=0)
         by_rank: dict[int, list[tuple[float, float]]] = {}
-        for a, b, r in _runs(f.frames, f.ranks):
+        for a, b, r in runs(f.frames, f.ranks):
             by_rank.setdefault(r, []).append((a - 0.5, max(b - a + 1, least)))
         for r, bars in by_rank.items():
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[r], linewidth=0)

@@ -9,7 +9,7 @@ import uuid
 from ._errors import CoordinationError, SpillValueError
 
 
-def _dist_initialized() -> bool:
+def dist_initialized() -> bool:
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch without distributed
@@ -31,7 +31,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit arguments, else torch.distributed when initialised, else env RANK/WORLD_SIZE,
     else 0 and 1."""
     if rank is None or world_size is None:
-        if _dist_initialized():
+        if dist_initialized():
             import torch.distributed as dist
 
             rank = dist.get_rank() if rank is None else rank
@@ -63,7 +63,7 @@ def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
     slurm = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
     if slurm:
         return f"slurm-{slurm}"
-    if _dist_initialized():
+    if dist_initialized():
         import torch.distributed as dist
 
         try:

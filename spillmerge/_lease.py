@@ -132,7 +132,13 @@ class Lease:
     def _open_lock(self, rel: str) -> int:
         p = self.output.path(rel)
         try:
-            return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except FileNotFoundError:
+                # A finishing holder tidied the lease folder away just now: make it again. Locking
+                # a file of the old folder is caught by the inode check after locking.
+                self.output.makedirs(LEASE_DIR)
+                return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             where = self.output.describe(rel)
             raise SpillStorageError(f"cannot open the lease file {where}: {exc.strerror}", path=where) from exc

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._coverage import _runs, read_manifest
+from ._coverage import read_manifest, runs
 from ._errors import SpillValueError
 from ._plan import FilePlan
 
@@ -116,8 +116,8 @@ class MergeReport:
         against = "against the expected counts" if self.expected_files is not None else "below each file's last frame"
         s = f"; {n} frame(s) missing in {len(self.frame_gaps)} file(s) {against}:"
         for name in sorted(self.frame_gaps)[:files]:
-            runs = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b, _ in _runs(np.asarray(self.frame_gaps[name])))
-            s += f"\n  {name!r}: frames {runs if len(runs) <= chars else runs[:chars] + ' ...'}"
+            text = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b, _ in runs(np.asarray(self.frame_gaps[name])))
+            s += f"\n  {name!r}: frames {text if len(text) <= chars else text[:chars] + ' ...'}"
         if len(self.frame_gaps) > files:
             s += f"\n  ... and {len(self.frame_gaps) - files} more file(s) (MergeReport.frame_gaps lists them all)"
         return s
@@ -150,7 +150,7 @@ def _first_missing(have: np.ndarray, span: int, limit: int) -> list[int]:
     materialising ``span`` integers when it is huge."""
     out: list[int] = []
     start = 0
-    for a, b, _ in _runs(have):
+    for a, b, _ in runs(have):
         out.extend(range(start, min(a, start + limit - len(out))))
         start = b + 1
         if len(out) >= limit:

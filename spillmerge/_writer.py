@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import _format as F
-from ._dist import _dist_initialized, resolve_rank, resolve_run_id
+from ._dist import dist_initialized, resolve_rank, resolve_run_id
 from ._errors import (
     ConfigError,
     DuplicateFrameError,
@@ -684,7 +684,7 @@ class SpillWriter:
 
     def _coordinated(self) -> bool:
         """True when torch.distributed is initialised with this writer's rank and world size."""
-        if self.world_size < 2 or not _dist_initialized() or self.run_id is None:
+        if self.world_size < 2 or not dist_initialized() or self.run_id is None:
             return False
         import torch.distributed as dist
 
