@@ -351,15 +351,8 @@ class Storage:
             paths.append(dirpath)
             paths.extend(os.path.join(dirpath, f) for f in files)
 
-        def sync(path: str) -> None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
         with self._errors("sync", rel), ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool:
-            list(pool.map(sync, paths))
+            list(pool.map(_fsync_path, paths))
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         """Write many small objects; concurrently on object stores."""
@@ -512,7 +505,7 @@ class _Sink:
                     if ok:
                         os.replace(self._tmp, self.path)
                         if self.durable:
-                            _fsync_dir(os.path.dirname(self.path))
+                            _fsync_path(os.path.dirname(self.path))
                 elif self._fh is not None:
                     if ok:
                         self._fh.close()
@@ -537,7 +530,8 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> No
         view = view[os.write(fd, view) :]
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_path(path: str) -> None:
+    """fsync a file or a folder by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
