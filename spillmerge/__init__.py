@@ -33,6 +33,7 @@ from ._errors import (
     WriterClosedError,
 )
 from ._format import FORMAT_VERSION
+from ._gather import all_gather, gather
 from ._inspect import VerifyReport, verify
 from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
@@ -60,6 +61,8 @@ __all__ = [
     "MissingPartsError",
     "MissingDependencyError",
     "LeaseLostError",
+    "MergeFailedError",
+    "MergeTimeout",
     "OutputBusyError",
     "OutputExistsError",
     "PartFailedError",
@@ -76,7 +79,9 @@ __all__ = [
     "VerifyReport",
     "WriterClosedError",
     "__version__",
+    "all_gather",
     "committed_keys",
+    "gather",
     "merge",
     "open",
     "verify",

@@ -108,6 +108,26 @@ class RankFailedError(SpillMergeError, RuntimeError):
         self.failures = failures
 
 
+class MergeFailedError(RankFailedError):
+    """The merging rank's merge failed; raised on every rank that waits for the output
+    (``SpillWriter.merge(wait=True)``, ``all_gather``). ``rank`` is the merging rank and
+    ``failures`` maps it to "Type: message"."""
+
+    def __init__(self, message: str, *, rank: int, failures: dict[int, str]) -> None:
+        super().__init__(message, failures=failures)
+        self.rank = rank
+
+
+class MergeTimeout(SpillMergeError, TimeoutError):
+    """A rank waited ``waited_s`` seconds for the merged output at ``path`` without seeing it
+    complete or fail."""
+
+    def __init__(self, message: str, *, path: str, waited_s: float) -> None:
+        super().__init__(message)
+        self.path = path
+        self.waited_s = waited_s
+
+
 class FormatVersionError(CorruptSpillError):
     """A tree was written with a format version this spillmerge does not read."""
 

@@ -26,6 +26,7 @@ SEGMENT_PREFIX = "seg-"
 COMMIT_NAME = "commit.json"
 FAILURE_NAME = "failed.json"
 COMPLETE_NAME = "spillmerge-complete.json"
+MERGE_FAILED_NAME = "spillmerge-failed.json"
 DATA_NAME = "data"
 INDEX_NAME = "index"
 CATALOG_NAME = "catalog"
@@ -515,6 +516,60 @@ class OutputHeader:
 
 
 @dataclass(frozen=True, slots=True)
+class MergeFailureRecord:
+    """``ROOT/spillmerge-failed.json`` (in the spill root): the merge of ``SpillWriter.merge``
+    failed on the merging rank, so ranks waiting for the output (``wait=True``) raise at once
+    instead of at the timeout. Only its ``run_id``'s waiting ranks read it; a later failure
+    replaces it."""
+
+    rank: int
+    """The merging rank."""
+    run_id: str | None
+    """Run id of the job whose merge failed (waiting ranks of other runs ignore it)."""
+    session: int
+    """Which writer session of the run (a rerun in the same job ignores an earlier round's)."""
+    error_type: str
+    """Exception class name."""
+    message: str
+    """Exception message."""
+    traceback: str
+    """Formatted traceback."""
+    time: str
+    """UTC time of the failure."""
+    host: str
+    """Host of the merging process."""
+    pid: int
+    """Its process id."""
+
+    @classmethod
+    def of(cls, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> MergeFailureRecord:
+        error_type, message, tb = exception_fields(exc)
+        host, pid = _host()
+        return cls(rank, run_id, session, error_type, message, tb, utcnow(), host, pid)
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-failure", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str) -> MergeFailureRecord:
+        obj = _check_header(loads(data, path=path), "merge-failure", path)
+        return cls(
+            rank=_int(obj, "rank", path, hi=1 << 24),
+            run_id=_str_or_none(obj, "run_id", path),
+            session=_int(obj, "session", path, hi=1 << 40),
+            error_type=str(obj.get("error_type"))[:200],
+            message=str(obj.get("message"))[:2000],
+            traceback=str(obj.get("traceback"))[-20000:],
+            time=str(obj.get("time")),
+            host=str(obj.get("host"))[:256],
+            pid=_int_or_none(obj, "pid") or 0,
+        )
+
+    def summary(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
 class CompletionMarker:
     """``OUT/spillmerge-complete.json``: written last; its presence means the output is whole."""
 
@@ -534,6 +589,9 @@ class CompletionMarker:
     """Plan fingerprint."""
     run_id: str | None
     """Run id the merge waited for (None: the newest segments)."""
+    session: int | None = None
+    """The writer session of the run it serves (``SpillWriter.merge``; None from the CLI): ranks
+    waiting for this merge (``wait=True``) tell its marker from an earlier round's by it."""
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})

@@ -50,6 +50,7 @@ def merge(
     part: tuple[int, int] | None = None,
     finalize: bool = False,
     expected: Mapping[str, int] | str | None = None,
+    session: int | None = None,
 ) -> MergeReport:
     """Merge every committed segment under ``root`` into one Zarr v3 store at ``out``.
 
@@ -81,7 +82,7 @@ def merge(
         root, out, storage_options=storage_options, out_storage_options=out_storage_options,
         world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial,
         on_duplicate=on_duplicate, chunk_bytes=chunk_bytes, memory_budget=memory_budget, threads=threads,
-        fsync=fsync, progress=progress, codec=codec, expected=expected,
+        fsync=fsync, progress=progress, codec=codec, expected=expected, session=session,
     )  # fmt: skip
     try:
         if finalize:
@@ -165,6 +166,8 @@ class _Job:
     """Seconds per phase."""
     t0: float
     """perf_counter at the start of the call."""
+    session: int | None = None
+    """The writer session this merge serves (``SpillWriter.merge`` passes it), for the marker."""
 
     @classmethod
     def open(
@@ -186,6 +189,7 @@ class _Job:
         progress: bool | None = None,
         codec: str = "none",
         expected: Mapping[str, int] | str | None = None,
+        session: int | None = None,
     ) -> _Job:
         """Barrier → load → plan: everything before the first byte of output."""
         t0 = time.perf_counter()
@@ -233,7 +237,7 @@ class _Job:
         phases["plan"] = time.perf_counter() - t
         return cls(
             src, output, state, segments, plan, plan_id, chunk_bytes, memory_budget, threads, fsync, progress, codec,
-            allow_partial, run_id, salvaged, notes, manifest, phases, t0,
+            allow_partial, run_id, salvaged, notes, manifest, phases, t0, session,
         )  # fmt: skip
 
     def report(self, *, files: list[FilePlan] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
@@ -494,6 +498,7 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
         spill_root=job.src.describe(),
         plan=job.fingerprint,
         run_id=job.run_id,
+        session=job.session,
     )
     lease.check()
     output.put_atomic(F.COMPLETE_NAME, marker.to_json())

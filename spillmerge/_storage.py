@@ -413,7 +413,9 @@ class Storage:
                     if self.fs.exists(p):
                         self.fs.rm(p, recursive=True)
                 elif stat.S_ISDIR(os.lstat(p).st_mode):
-                    shutil.rmtree(p)  # fd-based on Linux: unlinks links inside, never follows them
+                    # fd-based on Linux: unlinks links inside, never follows them; what another
+                    # process removes meanwhile is fine, the rest of the tree still goes.
+                    shutil.rmtree(p, **_RMTREE_HANDLER)
                 else:
                     os.unlink(p)
         except FileNotFoundError:
@@ -537,6 +539,16 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _gone_is_fine(func: Any, path: str, exc: Any) -> None:
+    """``shutil.rmtree`` error handler: an entry already removed is not an error."""
+    err = exc[1] if isinstance(exc, tuple) else exc  # onerror passes exc_info, onexc the exception
+    if not isinstance(err, FileNotFoundError):
+        raise err
+
+
+_RMTREE_HANDLER: dict[str, Any] = {"onexc" if sys.version_info >= (3, 12) else "onerror": _gone_is_fine}
 
 
 def _unlink_quietly(path: str) -> None:

@@ -18,7 +18,7 @@ Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`gather_
 5. ``dst`` runs the normal merge.
 
 Any failure on ``dst`` sets ``abort`` so every waiting rank raises instead of hanging; a rank
-whose writer failed sets ``failed/R`` (see :func:`publish_failure`).
+whose writer failed sets ``failed/A/R`` for its A-th writer session of the run (see :func:`publish_failure`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ DONE_CHECK_MAX = 10.0
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
 
-_SEQ: dict[str, itertools.count[int]] = {}
-
 
 def _store_prefix(run_id: str) -> str:
     return f"spillmerge/{run_id}/"
@@ -78,8 +76,19 @@ def _default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
-def publish_failure(run_id: str | None, rank: int, message: str) -> None:
-    """Tell a waiting ``dst`` at once that this rank's writer failed (best effort)."""
+_SESSIONS: dict[str, itertools.count[int]] = {}
+
+
+def next_session(run_id: str | None) -> int:
+    """The number of this process's writer session within run ``run_id`` (0, 1, ...). Ranks that
+    call the same code open the same number of writers, so "the A-th session" names the same
+    round on every rank: a failure of round 0 (a crash) does not fail round 1 (the rerun) in the
+    same process group."""
+    return next(_SESSIONS.setdefault(run_id or "", itertools.count()))
+
+
+def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
+    """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed (best effort)."""
     if run_id is None:
         return
     try:
@@ -88,10 +97,58 @@ def publish_failure(run_id: str | None, rank: int, message: str) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
         store = dist.PrefixStore(_store_prefix(run_id), _default_store())
-        store.set(f"failed/{rank}", message[:4000])
-        store.add("failed", 1)
+        store.set(f"failed/{session}/{rank}", message[:4000])
+        store.add(f"failed/{session}", 1)
     except Exception:  # noqa: BLE001 - the writer's own error matters more
         pass
+
+
+def publish_merge_outcome(run_id: str | None, session: int, outcome: dict[str, Any]) -> None:
+    """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
+    merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
+    waiting ranks also watch storage)."""
+    if run_id is None:
+        return
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        store = dist.PrefixStore(_store_prefix(run_id), _default_store())
+        store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
+    except Exception:  # noqa: BLE001 - storage still carries the outcome
+        pass
+
+
+class OutcomeWatch:
+    """A waiting rank's view of ``merge-outcome`` in the process group's store: ``poll()`` returns
+    the outcome once published, else None; once the store is gone (its host process, usually
+    rank 0, exited) it stays None and the caller relies on storage."""
+
+    def __init__(self, run_id: str | None, session: int) -> None:
+        self.key = f"merge-outcome/{session}"
+        self.store: Any = None
+        if run_id is None:
+            return
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self.store = dist.PrefixStore(_store_prefix(run_id), _default_store())
+        except Exception:  # noqa: BLE001 - no store: storage only
+            self.store = None
+
+    def poll(self) -> dict[str, Any] | None:
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([self.key]):
+                return None
+            got = json.loads(self.store.get(self.key))
+            return got if isinstance(got, dict) else None
+        except Exception:  # noqa: BLE001 - the store's host went away: storage only from now on
+            self.store = None
+            return None
 
 
 # ------------------------------------------------------------------------------ coordination
@@ -100,12 +157,15 @@ class _Coord:
     with backoff (at most 4 times a second) and look for failures each time, so a failed rank or
     an aborted merge ends every wait promptly and every wait ends by ``timeout``."""
 
-    def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float) -> None:
+    def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float, session: int = 0) -> None:
         import torch.distributed as dist
 
         self.base = dist.PrefixStore(_store_prefix(run_id), _default_store())
-        seq = next(_SEQ.setdefault(run_id, itertools.count()))
-        self.store = dist.PrefixStore(f"merge-{seq}/", self.base)
+        self.session = session
+        # One coordinated merge per writer session (later merges of a writer need none), so the
+        # session number names this merge's keys alike on every rank, even where an earlier
+        # round failed before merging on some ranks.
+        self.store = dist.PrefixStore(f"merge-{session}/", self.base)
         self.rank, self.world_size, self.dst, self.timeout = rank, world_size, dst, timeout
 
     def put(self, key: str, obj: Any) -> None:
@@ -125,11 +185,11 @@ class _Coord:
             pass
 
     def _check_failures(self, pending: list[int]) -> None:
-        if int(self.base.add("failed", 0)) > 0:
+        if int(self.base.add(f"failed/{self.session}", 0)) > 0:
             failed = {
-                r: self.base.get(f"failed/{r}").decode(errors="replace")
+                r: self.base.get(f"failed/{self.session}/{r}").decode(errors="replace")
                 for r in pending
-                if self.base.check([f"failed/{r}"])
+                if self.base.check([f"failed/{self.session}/{r}"])
             }
             if failed:
                 names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
@@ -351,6 +411,8 @@ class Session:
     """This rank's segment, relative to the root (``rank-R/seg-...``)."""
     state: str
     """The writer's state: ``committed`` is the only one that may merge."""
+    number: int = 0
+    """Which writer session of the run this is on this rank (:func:`next_session`)."""
 
 
 def gather_shards(
@@ -364,7 +426,7 @@ def gather_shards(
     """Every rank: coordinate through the process group's store and move the committed shards
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
     from its root), ``None`` on the other ranks once they have sent what they had to."""
-    coord = _Coord(session.run_id, session.rank, session.world_size, dst, timeout)
+    coord = _Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
     me = session.rank
     coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})
     if me != dst:

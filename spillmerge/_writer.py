@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import _format as F
+from . import _output
 from ._dist import dist_initialized, resolve_rank, resolve_run_id
 from ._errors import (
     ConfigError,
@@ -37,11 +38,14 @@ from ._storage import Storage
 from ._transfer import (
     DEFAULT_TRANSFER_CHUNK_BYTES,
     DEFAULT_TRANSFER_TIMEOUT,
+    OutcomeWatch,
     Session,
     TransferInfo,
     check_options,
     gather_shards,
+    next_session,
     publish_failure,
+    publish_merge_outcome,
 )
 from ._values import Leaf, check_filename, check_frame_idx, flatten
 from ._zarrmeta import array_meta, array_objects
@@ -150,6 +154,7 @@ class SpillWriter:
         if self._state is not WriterState.NEW:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
         self.run_id = resolve_run_id(self._run_id_arg)
+        self._session_number = next_session(self.run_id)
         self.segment = F.new_segment_name(self.storage.listdir(F.rank_dirname(self.rank)))
         self._prefix = f"{F.rank_dirname(self.rank)}/{self.segment}"
         self._filenames: list[str] = []
@@ -580,7 +585,7 @@ class SpillWriter:
             self.storage.put_atomic(self._rel(F.FAILURE_NAME), record.to_json())
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
-        publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}")
+        publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
         self._state = WriterState.FAILED
         self._free_buffers()
 
@@ -597,12 +602,32 @@ class SpillWriter:
         frames = self.committed_keys().get(check_filename(filename))
         return frames is not None and check_frame_idx(frame_idx, filename) in frames
 
+    def remove_spill(self, *, everything: bool = False) -> None:
+        """Delete this rank's spill data once it is merged: its rank folder (every session of this
+        rank), or with ``everything`` every rank folder and the merge failure record (the merging
+        rank of :func:`spillmerge.gather`, whose root holds every shard after a node-local
+        transfer); then the root itself if nothing else is in it. Only after the writer commits."""
+        if self._state is not WriterState.COMMITTED:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed"
+            )
+        names = self.storage.listdir("")
+        doomed = (
+            [n for n in names if F.parse_rank_dirname(n) is not None] if everything else [F.rank_dirname(self.rank)]
+        )
+        if everything:
+            doomed.append(F.MERGE_FAILED_NAME)
+        for name in doomed:
+            self.storage.rm_tree(name)
+        self.storage.remove_empty_dir("")
+
     # ---------------------------------------------------------------------------------- merge
     def merge(
         self,
         out: str,
         dst: int = 0,
         *,
+        wait: bool = False,
         parallel: bool = False,
         transport: str = "auto",
         transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
@@ -612,6 +637,13 @@ class SpillWriter:
         """Collective: every rank calls it after the ``with`` block. Rank ``dst`` merges and
         returns a :class:`~spillmerge.MergeReport`; other ranks return ``None``. ``kwargs`` go to
         :func:`spillmerge.merge` (``timeout`` defaults to 1800 s here).
+
+        ``wait=True``: every rank returns only once the output is complete, so every rank can
+        ``spillmerge.open(out)`` right after (the output must be on storage every rank sees). If
+        the merge fails on ``dst``, every waiting rank raises :class:`~spillmerge.MergeFailedError`
+        naming ``dst`` and its error within seconds; none waits past ``timeout``
+        (:class:`~spillmerge.MergeTimeout`). Without ``wait`` the other ranks return once their
+        shards are where ``dst`` can read them.
 
         ``transport`` says how ``dst`` gets the other ranks' shards:
 
@@ -644,6 +676,7 @@ class SpillWriter:
         check_options(transport, transfer_chunk_bytes, transfer_timeout)
         kwargs.setdefault("timeout", 1800.0)
         kwargs.setdefault("storage_options", self.storage.storage_options)
+        kwargs.setdefault("session", self._session_number)  # names this round in the completion marker
         network = transport in ("nccl", "gloo")
         if parallel:  # every rank writes a part; dst finalizes
             if network:
@@ -652,8 +685,15 @@ class SpillWriter:
                     f"transport={transport!r}",
                     key="transport",
                 )
-            return merge_parallel(
-                self.root, out, rank=self.rank, world_size=self.world_size, dst=dst, run_id=self.run_id, **kwargs
+            return self._merge_on_dst(
+                out,
+                dst,
+                wait,
+                kwargs,
+                lambda: merge_parallel(
+                    self.root, out, rank=self.rank, world_size=self.world_size, dst=dst, run_id=self.run_id, **kwargs
+                ),
+                every_rank_runs=True,
             )
         info: TransferInfo | None = None
         if transport != "storage" and self._coordinated() and not self._shards_here:
@@ -663,24 +703,65 @@ class SpillWriter:
                 self.session(), dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"])
             )
             self._shards_here = True
-            if self.rank != dst:
-                return None
         elif network:
             raise ConfigError(
                 f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
                 f"{self.rank} and world_size {self.world_size}",
                 key="transport",
             )
-        elif self.rank != dst:
+
+        def run() -> MergeReport | None:
+            report = merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
+            return report if info is None else info.add_to(report)
+
+        return self._merge_on_dst(out, dst, wait, kwargs, run)
+
+    def _merge_on_dst(
+        self,
+        out: str,
+        dst: int,
+        wait: bool,
+        kwargs: dict[str, Any],
+        run: Callable[[], MergeReport | None],
+        *,
+        every_rank_runs: bool = False,
+    ) -> MergeReport | None:
+        """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root);
+        the others (after ``run()`` too when ``every_rank_runs``: a parallel merge's parts) wait
+        for the output when ``wait``, else return None."""
+        if self.rank != dst:
+            if every_rank_runs:
+                run()
+            if wait:
+                output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
+                _output.wait_complete(
+                    output,
+                    self.storage,
+                    run_id=self.run_id,
+                    session=self._session_number,
+                    dst=dst,
+                    timeout=float(kwargs["timeout"]),
+                    outcome=OutcomeWatch(self.run_id, self._session_number).poll,
+                )
             return None
-        report = merge(self.root, out, world_size=self.world_size, run_id=self.run_id, **kwargs)
-        return report if info is None else info.add_to(report)
+        try:
+            report = run()
+        except BaseException as exc:
+            n = self._session_number
+            if wait:  # the other ranks (called with the same wait=True) are waiting: tell them on storage too
+                _output.record_failure(self.storage, exc, rank=self.rank, run_id=self.run_id, session=n)
+            publish_merge_outcome(self.run_id, n, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+            raise
+        publish_merge_outcome(self.run_id, self._session_number, {"ok": True})
+        return report
 
     def session(self) -> Session:
         """This writer's session as the shard transfer sees it (rank, root, segment, state)."""
         if self.segment is None or self.run_id is None:
             raise WriterClosedError(f"SpillWriter for rank {self.rank} was never opened; there is nothing to merge")
-        return Session(self.rank, self.world_size, self.run_id, self.storage, self._prefix, self.state)
+        return Session(
+            self.rank, self.world_size, self.run_id, self.storage, self._prefix, self.state, self._session_number
+        )
 
     def _coordinated(self) -> bool:
         """True when torch.distributed is initialised with this writer's rank and world size."""

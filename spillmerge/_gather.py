@@ -1,0 +1,119 @@
+"""One-call replacements of ``torch.distributed.gather_object`` / ``all_gather_object``.
+
+Protocol (every rank calls the same function, like the torch collectives):
+  (every rank)  SpillWriter(root) → update(preds) → commit → SpillWriter.merge(out, dst, wait=True)
+  (dst)         merges; (every rank) returns once the output is complete (or raises naming dst)
+  (every rank)  removes its own spill segment (dst: the whole spill root), unless keep_spill
+  gather: dst returns the opened :class:`MergedStore`, the others None; all_gather: every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ._reader import MergedStore
+from ._reader import open as open_store
+from ._writer import SpillWriter
+
+
+def default_root(out: str | os.PathLike[str]) -> str:
+    """The spill root ``gather`` / ``all_gather`` use when none is given: ``OUT.spill`` next to
+    the output (never inside it)."""
+    return os.fspath(out).rstrip("/") + ".spill"
+
+
+def gather(
+    preds: Mapping[str, Any],
+    out: str | os.PathLike[str],
+    *,
+    dst: int = 0,
+    root: str | os.PathLike[str] | None = None,
+    keep_spill: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float = 1800.0,
+    overwrite: bool = True,
+    writer_options: dict[str, Any] | None = None,
+    **merge_options: Any,
+) -> MergedStore | None:
+    """Replace ``dist.gather_object``: every rank passes its predictions (anything
+    :meth:`SpillWriter.update` accepts: ``{filename: (frame_idx, value)}`` or
+    ``{filename: {frame_idx: value}}``); rank ``dst`` gets the merged :class:`MergedStore` of
+    every rank's predictions, the other ranks ``None``.
+
+    Nothing is pickled and nothing is staged on a GPU: each rank spills to ``root`` (default
+    ``OUT.spill``, next to the output), ``dst`` merges into ``out`` (replacing an earlier output
+    there: ``overwrite`` defaults to True), and every rank returns once the output is complete.
+    The spill root is then removed (``keep_spill=True`` keeps it). Rank and world size come from
+    torch.distributed when it is initialised, else env ``RANK`` / ``WORLD_SIZE``, else 0 / 1.
+
+    A crash leaves the spill root behind with what each rank committed: calling again with the
+    same ``out`` merges those segments together with the new ones (identical duplicates are
+    dropped); delete the spill root to start afresh. ``merge_options`` go to
+    :meth:`SpillWriter.merge` (``codec``, ``transport`` ...); ``writer_options`` to
+    :class:`SpillWriter` (``chunk_bytes`` ...).
+    """
+    return _gather(
+        preds, out, dst=dst, root=root, keep_spill=keep_spill, rank=rank, world_size=world_size,
+        storage_options=storage_options, timeout=timeout, overwrite=overwrite, writer_options=writer_options,
+        every_rank=False, merge_options=merge_options,
+    )  # fmt: skip
+
+
+def all_gather(
+    preds: Mapping[str, Any],
+    out: str | os.PathLike[str],
+    *,
+    dst: int = 0,
+    root: str | os.PathLike[str] | None = None,
+    keep_spill: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float = 1800.0,
+    overwrite: bool = True,
+    writer_options: dict[str, Any] | None = None,
+    **merge_options: Any,
+) -> MergedStore:
+    """Replace ``dist.all_gather_object``: like :func:`gather`, but every rank gets the merged
+    :class:`MergedStore` (lazy: a rank reads only what it indexes, from storage every rank sees;
+    nothing is copied to every rank's memory). Rank ``dst`` does the merge; a failure there is
+    raised on every rank as :class:`~spillmerge.MergeFailedError` naming ``dst``."""
+    store = _gather(
+        preds, out, dst=dst, root=root, keep_spill=keep_spill, rank=rank, world_size=world_size,
+        storage_options=storage_options, timeout=timeout, overwrite=overwrite, writer_options=writer_options,
+        every_rank=True, merge_options=merge_options,
+    )  # fmt: skip
+    assert store is not None
+    return store
+
+
+def _gather(
+    preds: Mapping[str, Any],
+    out: str | os.PathLike[str],
+    *,
+    dst: int,
+    root: str | os.PathLike[str] | None,
+    keep_spill: bool,
+    rank: int | None,
+    world_size: int | None,
+    storage_options: dict[str, Any] | None,
+    timeout: float,
+    overwrite: bool,
+    writer_options: dict[str, Any] | None,
+    every_rank: bool,
+    merge_options: dict[str, Any],
+) -> MergedStore | None:
+    out = os.fspath(out)
+    spill = os.fspath(root) if root is not None else default_root(out)
+    with SpillWriter(spill, rank, world_size, storage_options, **(writer_options or {})) as w:
+        w.update(preds)
+    w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
+    if not keep_spill:
+        w.remove_spill(everything=w.rank == dst)
+    if every_rank or w.rank == dst:
+        return open_store(out, storage_options=merge_options.get("out_storage_options", storage_options))
+    return None

@@ -1,0 +1,162 @@
+"""Rank bodies for tests/test_gather.py: ``SpillWriter.merge(wait=True)``, ``spillmerge.gather`` and
+``spillmerge.all_gather`` in 4 gloo ranks. Spawned processes import this module on its own (no
+pytest); every scenario runs in the same processes, results in ``base/results/rank-R.json``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from _helpers import raw_bytes
+from _mp_scenarios import _error, run_scenarios
+
+WORLD = 4
+TIMEOUT = 120.0
+
+
+def preds_of(rank: int, tag: str) -> dict[str, dict[int, Any]]:
+    """Rank ``rank``'s predictions: its own frames of three shared files, uneven, with dict values."""
+    out: dict[str, dict[int, Any]] = {}
+    for f in range(3):
+        frames = [i for i in range(20 + 3 * f) if i % WORLD == rank]
+        out[f"{tag} clip {f}.mp4"] = {
+            i: {"logits": torch.full((7,), float(i + 100 * f), dtype=torch.bfloat16), "score": float(i) / 3}
+            for i in frames
+        }
+    return out
+
+
+def _digest(store: Any) -> dict[str, Any]:
+    """Every file's frames and the raw bytes of every leaf (hex), for comparison across ranks."""
+    out = {}
+    for name in store.filenames:
+        v = store[name]
+        out[name] = {
+            "frames": store.frames(name).tolist(),
+            "logits": raw_bytes(v["logits"].to_torch()).hex(),
+            "score": np.asarray(v["score"][:]).tobytes().hex(),
+        }
+    return out
+
+
+def _expected(tag: str) -> dict[str, Any]:
+    """What every rank's all_gather_object of the same predictions says, in the same digest form."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, preds_of(dist.get_rank(), tag))
+    merged: dict[str, dict[int, Any]] = {}
+    for p in gathered:
+        for name, frames in p.items():
+            merged.setdefault(name, {}).update(frames)
+    out = {}
+    for name in sorted(merged):
+        frames = sorted(merged[name])
+        out[name] = {
+            "frames": frames,
+            "logits": b"".join(raw_bytes(merged[name][i]["logits"]) for i in frames).hex(),
+            "score": np.array([merged[name][i]["score"] for i in frames], dtype=np.float64).tobytes().hex(),
+        }
+    return out
+
+
+def wait_then_read(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Every rank reads the output right after merge(wait=True) returns."""
+    import spillmerge
+
+    with spillmerge.SpillWriter(f"{base}/wait/spill") as w:
+        w.update(preds_of(rank, "wait"))
+    rep = w.merge(f"{base}/wait/out.zarr", wait=True, timeout=TIMEOUT, progress=False)
+    store = spillmerge.open(f"{base}/wait/out.zarr")
+    return {"report": rep is not None, "digest": _digest(store), "expected": _expected("wait")}
+
+
+def dst_fails(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 1 damages one of its own data chunks after committing: rank 0's merge fails on the
+    checksum, and every waiting rank raises naming rank 0, long before the timeout."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    root = f"{base}/fails/spill"
+    with spillmerge.SpillWriter(root, chunk_bytes=4096) as w:
+        w.update(preds_of(rank, "fails"))
+    if rank == 1:
+        chunk = f"{w.segment_path}/data/c/0"
+        with open(chunk, "r+b") as fh:
+            b = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    dist.barrier()
+    try:
+        w.merge(f"{base}/fails/out.zarr", wait=True, timeout=TIMEOUT, progress=False)
+        return {"error": None}
+    except spillmerge.SpillMergeError as exc:
+        return {"error": _error(exc), "rank_attr": getattr(exc, "rank", None)}
+
+
+def gather_one_call(rank: int, world: int, base: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import spillmerge
+
+    out = f"{base}/gather/out.zarr"
+    store = spillmerge.gather(preds_of(rank, "g"), out, progress=False)
+    res: dict[str, Any] = {"got_store": store is not None, "expected": _expected("g")}
+    if store is not None:
+        res["digest"] = _digest(store)
+    dist.barrier()  # every rank removed its own spill data
+    res["spill_left"] = os.path.exists(spillmerge._gather.default_root(out))
+    return res
+
+
+def all_gather_one_call(rank: int, world: int, base: str) -> dict[str, Any]:
+    import spillmerge
+
+    store = spillmerge.all_gather(preds_of(rank, "ag"), f"{base}/allgather/out.zarr", progress=False)
+    return {"digest": _digest(store), "expected": _expected("ag")}
+
+
+def crash_then_rerun(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 2's predictions hold a value spillmerge cannot store: its writer records the failure,
+    the merge on rank 0 fails naming rank 2, and every other rank raises naming rank 0 and the
+    cause. The same call again with good values succeeds and leaves no spill behind."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    out = f"{base}/rerun/out.zarr"
+    preds: dict[str, Any] = preds_of(rank, "r")
+    if rank == 2:
+        preds = {**preds, "bad.mp4": (0, object())}
+    first: dict[str, Any]
+    try:
+        spillmerge.all_gather(preds, out, progress=False, timeout=TIMEOUT)
+        first = {"error": None}
+    except spillmerge.SpillMergeError as exc:
+        first = {"error": _error(exc), "rank_attr": getattr(exc, "rank", None)}
+    dist.barrier()
+    store = spillmerge.all_gather(preds_of(rank, "r"), out, progress=False, timeout=TIMEOUT)
+    dist.barrier()
+    return {
+        "first": first,
+        "digest": _digest(store),
+        "expected": _expected("r"),
+        "spill_left": os.path.exists(spillmerge._gather.default_root(out)),
+    }
+
+
+SCENARIOS = {
+    "wait": wait_then_read,
+    "fails": dst_fails,
+    "gather": gather_one_call,
+    "all_gather": all_gather_one_call,
+    "rerun": crash_then_rerun,
+}
+
+
+def worker(rank: int, world: int, port: int, base: str) -> None:
+    """Entry point for ``torch.multiprocessing.start_processes``."""
+    run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)

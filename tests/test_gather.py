@@ -1,0 +1,107 @@
+"""Every rank can read the result: ``SpillWriter.merge(wait=True)``, ``spillmerge.gather`` and
+``spillmerge.all_gather`` in 4 real gloo ranks (checked against ``all_gather_object`` of the same
+predictions in the same run), and without torch.distributed in independent processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _gather_workers import WORLD, preds_of, worker
+from _procs import ranks_fixture
+
+import spillmerge
+
+ranks = ranks_fixture(worker, WORLD, "gather")
+
+
+def test_wait_true_every_rank_reads_the_output_right_after_merge(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r]["wait"]
+        assert res["report"] is (r == 0)
+        assert res["digest"] == res["expected"]  # bit-exact against all_gather_object
+
+
+def test_a_failing_merge_on_dst_raises_on_every_waiting_rank_naming_dst(ranks):
+    _, results = ranks
+    assert results[0]["fails"]["error"]["type"] == "CorruptSpillError"
+    for r in range(1, WORLD):
+        err = results[r]["fails"]["error"]
+        # MergeFailedError (not MergeTimeout): told by dst, long before the 120 s timeout.
+        assert err["type"] == "MergeFailedError" and err["is_spillmerge_error"], err
+        assert results[r]["fails"]["rank_attr"] == 0
+        assert "failed on rank 0" in err["msg"] and "checksum mismatch" in err["msg"]
+
+
+def test_gather_returns_the_store_on_dst_only_and_leaves_no_spill(ranks):
+    _, results = ranks
+    assert results[0]["gather"]["got_store"] and results[0]["gather"]["digest"] == results[0]["gather"]["expected"]
+    for r in range(1, WORLD):
+        assert not results[r]["gather"]["got_store"]
+    assert not any(results[r]["gather"]["spill_left"] for r in range(WORLD))
+
+
+def test_all_gather_gives_every_rank_the_same_bits_as_all_gather_object(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        assert results[r]["all_gather"]["digest"] == results[r]["all_gather"]["expected"]
+
+
+def test_a_crashed_round_names_the_cause_on_every_rank_and_the_rerun_succeeds(ranks):
+    _, results = ranks
+    first = {r: results[r]["rerun"]["first"]["error"] for r in range(WORLD)}
+    assert first[2]["type"] == "SpillValueError"  # the rank whose value could not be stored
+    for r in (0, 1, 3):
+        assert first[r] is not None and first[r]["is_spillmerge_error"], first[r]
+        assert "rank(s) [2]" in first[r]["msg"] or "rank 2" in first[r]["msg"], first[r]["msg"]
+    for r in range(WORLD):
+        res = results[r]["rerun"]
+        assert res["digest"] == res["expected"] and not res["spill_left"]
+
+
+# ------------------------------------------------------------------- without torch.distributed
+def _no_dist(fn: str, rank: int, world: int, out: str, q: Any) -> None:
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID"):
+        os.environ.pop(var, None)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    try:
+        call = spillmerge.gather if fn == "gather" else spillmerge.all_gather
+        store = call(preds_of(rank, "nd"), out, progress=False, timeout=60)
+        got = None if store is None else {n: store.frames(n).tolist() for n in store.filenames}
+        q.put((rank, got, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        q.put((rank, None, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.parametrize("fn", ["gather", "all_gather"])
+def test_without_torch_distributed_rank_and_world_size_come_from_the_environment(tmp_path: Path, fn: str):
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    out = str(tmp_path / "out.zarr")
+    procs = [ctx.Process(target=_no_dist, args=(fn, r, 2, out, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (store, err)) for r, store, err in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    assert got[0][1] is None and got[1][1] is None, got
+    frames = {name: sorted(fr for r in range(2) for fr in preds_of(r, "nd")[name]) for name in preds_of(0, "nd")}
+    assert got[0][0] == frames
+    assert got[1][0] == (frames if fn == "all_gather" else None)
+    assert not os.path.exists(spillmerge._gather.default_root(out))  # nothing left behind
+
+
+def test_gather_in_one_process_and_the_spill_root_option(tmp_path: Path):
+    root = tmp_path / "keep.spill"
+    store = spillmerge.gather({"a.mp4": {0: torch.ones(3), 1: torch.zeros(3)}}, tmp_path / "o.zarr", root=root,
+                              keep_spill=True, rank=0, world_size=1, progress=False)  # fmt: skip
+    assert store is not None and store.frames("a.mp4").tolist() == [0, 1]
+    assert root.is_dir() and any(root.iterdir())  # kept on request
+    again = spillmerge.all_gather({"b.mp4": (5, torch.ones(2))}, tmp_path / "o.zarr", rank=0, world_size=1)
+    assert again.filenames == ["b.mp4"]  # the output is replaced, like the call it stands for
+    assert not (tmp_path / "o.zarr.spill").exists()
