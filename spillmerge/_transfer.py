@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -162,6 +163,8 @@ class _Coord:
 
         self.base = dist.PrefixStore(_store_prefix(run_id), _default_store())
         self.session = session
+        self.diagnose: Callable[[], dict[int, str]] | None = None
+        """Failure records of this run on storage (rank -> "Type: message"), for a lost store."""
         # One coordinated merge per writer session (later merges of a writer need none), so the
         # session number names this merge's keys alike on every rank, even where an earlier
         # round failed before merging on some ranks.
@@ -169,7 +172,27 @@ class _Coord:
         self.rank, self.world_size, self.dst, self.timeout = rank, world_size, dst, timeout
 
     def put(self, key: str, obj: Any) -> None:
-        self.store.set(key, json.dumps(obj))
+        try:
+            self.store.set(key, json.dumps(obj))
+        except RuntimeError as exc:  # the store's host went away before we could publish
+            raise self._store_lost(f"publishing {key}", exc) from exc
+
+    def _store_lost(self, what: str, exc: BaseException) -> SpillMergeError:
+        """The store's host went away (rank 0 exited, usually because some rank failed): name the
+        root cause from the failure records on storage when this rank can see them."""
+        failures = self.diagnose() if self.diagnose is not None else {}
+        lost = f"rank {self.rank}: lost the process group's store (hosted by rank 0) while {what} ({exc})"
+        if failures:
+            names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            return RankFailedError(
+                f"{lost}; the spill root records the cause: rank(s) {sorted(failures)} failed ({names})",
+                failures=failures,
+            )
+        return CoordinationError(
+            f"{lost}; no failure record is visible on this rank's storage: look at rank 0's log first, then at "
+            "each rank's ROOT/rank-RRRRR/seg-*/failed.json where the spill roots live",
+            rank=self.rank,
+        )
 
     def abort(self, exc: BaseException) -> None:
         """Publish why the merge stopped; every waiting rank raises it."""
@@ -234,9 +257,7 @@ class _Coord:
             except SpillMergeError:
                 raise
             except RuntimeError as exc:  # the store itself is gone (its host process died)
-                raise CoordinationError(
-                    f"rank {self.rank}: lost the process group's store while {what}: {exc}", rank=self.rank
-                ) from exc
+                raise self._store_lost(what, exc) from exc
             if waited >= self.timeout:
                 missing = sorted(pending)
                 raise CommitTimeout(
@@ -427,6 +448,7 @@ def gather_shards(
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
     from its root), ``None`` on the other ranks once they have sent what they had to."""
     coord = _Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
+    coord.diagnose = functools.partial(_failures_on_storage, session)
     me = session.rank
     coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})
     if me != dst:
@@ -523,6 +545,15 @@ class TransferInfo:
             transfer_senders=self.senders,
             phases=phases,
         )
+
+
+def _failures_on_storage(session: Session) -> dict[int, str]:
+    """Ranks whose writer of this run left a failure record under this rank's spill root."""
+    try:
+        state = assess(session.storage, scan(session.storage), session.world_size, session.run_id)
+    except SpillMergeError:
+        return {}
+    return {r: rec.summary() for r, rec in state.failed.items()}
 
 
 class _CommitWatch:

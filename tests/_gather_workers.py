@@ -160,3 +160,40 @@ SCENARIOS = {
 def worker(rank: int, world: int, port: int, base: str) -> None:
     """Entry point for ``torch.multiprocessing.start_processes``."""
     run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
+
+
+def store_host_exits(rank: int, world: int, port: int, base: str) -> None:
+    """Rank 2 raises inside its ``with`` block and exits; rank 0 (which hosts the process group's
+    store) raises naming it and exits too, taking the store with it; ranks 1 and 3 call merge()
+    only after rank 0 is gone. Each rank writes what it raised to ``base/res-R.json``."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import spillmerge
+
+    torch.set_num_threads(1)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        with spillmerge.SpillWriter(f"{base}/spill") as w:
+            w.update(preds_of(rank, "host"))
+            if rank == 2:
+                raise ValueError("rank 2's model blew up")
+        if rank in (1, 3):  # synchronise on rank 0's exit (a file), not on a sleep
+            deadline = time.monotonic() + 60
+            while not os.path.exists(f"{base}/res-0.json") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # rank 0 writes its result, then exits: let the process end
+        w.merge(f"{base}/out.zarr", timeout=60, progress=False)
+        result["error"] = None
+    except BaseException as exc:  # noqa: BLE001 - recorded for the test
+        result["error"] = {"type": type(exc).__name__, "msg": str(exc), "failures": getattr(exc, "failures", None)}
+        result["failures"] = {str(k): v for k, v in (getattr(exc, "failures", None) or {}).items()}
+    with open(f"{base}/res-{rank}.json.tmp", "w", encoding="utf-8") as fh:
+        json.dump(result, fh, default=str)
+    os.replace(f"{base}/res-{rank}.json.tmp", f"{base}/res-{rank}.json")
+    os._exit(0)  # no teardown: rank 0's exit takes the store down, as a crashing job's would

@@ -105,3 +105,26 @@ def test_gather_in_one_process_and_the_spill_root_option(tmp_path: Path):
     again = spillmerge.all_gather({"b.mp4": (5, torch.ones(2))}, tmp_path / "o.zarr", rank=0, world_size=1)
     assert again.filenames == ["b.mp4"]  # the output is replaced, like the call it stands for
     assert not (tmp_path / "o.zarr.spill").exists()
+
+
+def test_every_rank_names_the_root_cause_when_the_store_host_exits(tmp_path: Path):
+    """Measured on an older release: ranks 1 and 3 raised 'lost the process group's store ...
+    Connection reset by peer', which did not mention rank 2, whose failure record was on storage."""
+    import json
+
+    from _gather_workers import store_host_exits
+    from _procs import free_port, join_all
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=store_host_exits, args=(r, WORLD, port, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    join_all(procs, timeout=150)
+    res = {r: json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(WORLD)}
+    assert res[2]["error"]["type"] == "ValueError"
+    for r in (0, 1, 3):
+        err = res[r]["error"]
+        assert err is not None and err["type"] == "RankFailedError", (r, err)
+        assert "rank 2" in err["msg"] and "blew up" in err["msg"], (r, err["msg"])
+        assert list(res[r]["failures"]) == ["2"]
