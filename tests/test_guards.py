@@ -489,3 +489,21 @@ def test_a_rank_sigkilled_mid_spill_leaves_a_salvageable_prefix(tmp_path):
     assert torch.equal(got, torch.arange(n, dtype=torch.float32)[:, None].expand(n, 1024))
     assert res["other.mp4"][0].tolist() == [1.0, 1.0, 1.0]
     assert spillmerge.verify(str(tmp_path / "out")).ok
+
+
+def test_a_flipped_data_byte_on_an_object_store_fails_the_merge(tmp_path):
+    """The range-GET path of the copy (a spill root on an object store) checks each frame too."""
+    root = "memory://guards-crc/spill"
+    fs = fsspec.filesystem("memory")
+    try:
+        with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
+            for i in range(4):
+                w.write("f0.mp4", i, _frame(i))
+        (key,) = [p for p in fs.find("/guards-crc/spill") if p.endswith("/data/c/2")]
+        raw = bytearray(fs.cat_file(key))
+        raw[7] ^= 0x04
+        fs.pipe_file(key, bytes(raw))
+        with pytest.raises(spillmerge.CorruptSpillError, match=r"checksum mismatch for 'f0.mp4' frame 2"):
+            spillmerge.merge(root, str(tmp_path / "out"), chunk_bytes=4096, progress=False)
+    finally:
+        fs.rm("/guards-crc", recursive=True)
