@@ -325,12 +325,15 @@ class GatedMemoryFS(MemoryFileSystem):
     lock = threading.Condition()
     reads_in_flight = 0
     max_reads_in_flight = 0
+    hold = 0.3
+    """Seconds a data read waits for a second one to join it."""
 
     @classmethod
     def reset(cls) -> None:
         cls.store.clear()
         cls.gate = threading.Event()
         cls.reads_in_flight = cls.max_reads_in_flight = 0
+        cls.hold = 0.3
 
     def pipe_file(self, path, value, **kwargs):
         if "/data/c/" in path:
@@ -346,8 +349,8 @@ class GatedMemoryFS(MemoryFileSystem):
             cls.max_reads_in_flight = max(cls.max_reads_in_flight, cls.reads_in_flight)
             cls.lock.notify_all()
             # Hold this read until another one joins it (or a moment passes): a copy that keeps
-            # more than the budget in flight shows up as two reads at once.
-            cls.lock.wait_for(lambda: cls.reads_in_flight > 1, timeout=0.3)
+            # more than the budget in flight shows up as two reads at once. Once seen, no more holds.
+            cls.lock.wait_for(lambda: cls.max_reads_in_flight > 1, timeout=cls.hold)
         try:
             return super().cat_ranges(paths, starts, ends, **kwargs)
         finally:
@@ -375,8 +378,9 @@ def test_merge_keeps_at_most_its_memory_budget_of_stripes_in_flight(tmp_path, ga
     rep = spillmerge.merge(root, str(tmp_path / "out"), chunk_bytes=4096, memory_budget=4096, threads=4, progress=False)
     assert rep.n_frames == 6
     assert gated.max_reads_in_flight == 1
-    # The same merge with room for all of them does keep several in flight (the probe works).
-    gated.max_reads_in_flight = 0
+    # The same merge with room for all of them does keep several in flight (the probe works;
+    # a long hold, which ends as soon as a second read joins the first).
+    gated.max_reads_in_flight, gated.hold = 0, 30.0
     spillmerge.merge(root, str(tmp_path / "out2"), chunk_bytes=4096, memory_budget=1 << 20, threads=4, progress=False)
     assert gated.max_reads_in_flight > 1
     res = spillmerge.open(str(tmp_path / "out"))
@@ -384,11 +388,17 @@ def test_merge_keeps_at_most_its_memory_budget_of_stripes_in_flight(tmp_path, ga
 
 
 def _blocked_in_acquire(thread: threading.Thread) -> bool:
+    """True while ``thread`` waits inside ``BufferPool.acquire`` (for a buffer to come back)."""
     frame = sys._current_frames().get(thread.ident or -1)
-    while frame is not None:
-        if frame.f_code.co_name == "acquire" and frame.f_code.co_filename.endswith("_staging.py"):
+    while frame is not None and frame.f_back is not None:
+        caller = frame.f_back
+        if (
+            frame.f_code.co_name == "wait"
+            and caller.f_code.co_name == "acquire"
+            and caller.f_code.co_filename.endswith("_staging.py")
+        ):
             return True
-        frame = frame.f_back
+        frame = caller
     return False
 
 
@@ -414,7 +424,7 @@ def test_write_blocks_while_every_staging_buffer_waits_for_storage(gated):
     t.start()
     try:
         deadline = time.monotonic() + 60  # a hang guard only: the pass path does not depend on it
-        while t.is_alive() and not _blocked_in_acquire(t) and time.monotonic() < deadline:
+        while t.is_alive() and len(written) <= 3 and not _blocked_in_acquire(t) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert t.is_alive() and _blocked_in_acquire(t), f"write() did not block: {len(written)} frames written"
         # Two buffers (one uploading, one queued) and the frame being copied: no more.
