@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench release-check clean
+.PHONY: setup demo test mutation-check lint bench release-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +20,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+mutation-check: setup
+	$(PY) tests/mutation_check.py
 
 lint: setup
 	$(VENV)/bin/ruff check spillmerge tests benchmarks examples

@@ -72,10 +72,17 @@ def slow_spiller(root: str, rank: int, world: int, n_frames: int, ready: str) ->
         for i in range(n_frames):
             w.write(f"task{rank}.mp4", i, frame(f"task{rank}.mp4", i))
         if rank == 1:
-            deadline = time.time() + 30
-            while w._flusher.q.qsize() and time.time() < deadline:  # let the flush thread catch up
+            # Wait for the flush thread's own record of what is durable, not for a while: all
+            # n_frames chunks uploaded and their journal entries written (the test counts them).
+            flusher = w._flusher
+            deadline = time.time() + 60  # a hang guard only
+            while time.time() < deadline and not (
+                flusher.durable == n_frames
+                and len(flusher._journals) == n_frames
+                and all(f.done() for f in flusher._journals)
+            ):
                 time.sleep(0.01)
-            time.sleep(0.2)
+            assert flusher.error is None and all(f.exception() is None for f in flusher._journals)
             w.write("only1.mp4", 0, torch.zeros(4))  # stays in the staging buffer: lost with the rank
             open(ready, "w").close()
             time.sleep(600)  # SIGKILLed here by the test

@@ -9,6 +9,8 @@ worker's traceback.
 
 from __future__ import annotations
 
+import datetime
+import glob
 import json
 import os
 import random
@@ -347,9 +349,18 @@ def scenario_main(rank: int, world: int, base: str) -> dict[str, Any]:
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(inputs, gathered, dst=0)
         if rank == world - 1:
-            time.sleep(1.5)  # commit late: rank 0's merge must wait for it on storage
+            # Commit late, ordered by an event rather than a sleep: only once rank 0 has called
+            # merge(), which must then wait for this commit record on storage.
+            store = dist.distributed_c10d._get_default_store()
+            store.wait(["main/rank0-merging"], datetime.timedelta(seconds=MERGE_TIMEOUT))
+    last_committed_before_merge = None
+    if rank == 0:
+        last_committed_before_merge = any(glob.glob(f"{spill}/rank-{world - 1:05d}/seg-*/commit.json"))
+        dist.distributed_c10d._get_default_store().set("main/rank0-merging", "1")
     rep = w.merge(out, timeout=MERGE_TIMEOUT, chunk_bytes=4096, progress=False)
     result: dict[str, Any] = {"report": _report(rep), "n_mine": len(mine), "segment": w.segment}
+    if rank == 0:
+        result["last_committed_before_merge"] = last_committed_before_merge
     if rank == 0:
         assert gathered is not None
         everything: dict[tuple[str, int], Any] = {}

@@ -1,0 +1,333 @@
+"""Mutation check: do the tests guard the guarantees? (issue 16; not collected by pytest)
+
+Each entry of ``MUTATIONS`` deletes or weakens one check of the library: one exact snippet of
+one file, replaced. The script applies them one at a time to a temporary copy of the repository
+(``spillmerge/``, ``tests/``, ``pyproject.toml``), runs ``python -m pytest -x -q`` on the tests
+named for that mutation there (``PYTHONPATH`` = the copy, so spawned ranks import the mutated
+code too), and reports KILLED (a test failed: the guard works) or SURVIVED (every test passed:
+the check could go unnoticed). It first runs the selected tests on the unmutated copy, so a
+KILLED is not a broken test. Exit status: 0 when every mutation is killed, 1 otherwise, 2 when a
+snippet is not found exactly once (the code moved: update the entry).
+
+Run from the repository root (about 4 minutes on 2 cores)::
+
+    python tests/mutation_check.py              # all mutations
+    python tests/mutation_check.py -k crc       # those whose name contains "crc"
+    python tests/mutation_check.py --list       # names and where they apply
+
+When a check moves or is rewritten, update its snippet here; when a new guarantee gets a check,
+add its mutation and a test that kills it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT = 400  # seconds per pytest run; a mutation that hangs the tests counts as killed
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One weakened check."""
+
+    name: str
+    """Short id (``-k`` selects by substring)."""
+    file: str
+    """File below the repository root."""
+    original: str
+    """Exact snippet, present exactly once in ``file``."""
+    replacement: str
+    """What the snippet becomes."""
+    tests: tuple[str, ...]
+    """pytest node ids or files (relative to the repository root) expected to catch it."""
+    why: str
+    """The guarantee the check protects."""
+
+
+G = "tests/test_guards.py"
+MUTATIONS: list[Mutation] = [
+    # ------------------------------------------------------------------ the 8 of issue 16
+    Mutation(
+        "copy-crc-local-codec",
+        "spillmerge/_copy.py",
+        "                        pos += hi - lo\n                    if got != int(plan.crc[r]):",
+        "                        pos += hi - lo\n                    if False:",
+        (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
+        "a corrupt frame never reaches a compressed output",
+    ),
+    Mutation(
+        "runid-failure-record-ignored",
+        "spillmerge/_spillroot.py",
+        "            if any(s.failure is not None for s in mine):",
+        "            if False:",
+        (f"{G}::test_a_failure_record_of_the_run_fails_the_barrier_at_once",),
+        "a failed rank of the run is named at once, not waited for",
+    ),
+    Mutation(
+        "publish-failure-disabled",
+        "spillmerge/_transfer.py",
+        '        store.set(f"failed/{rank}", message[:4000])',
+        "        return",
+        ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
+        "dst hears of a failed rank through the store when it cannot see its failure record",
+    ),
+    Mutation(
+        "storage-path-accepts-dotdot",
+        "spillmerge/_storage.py",
+        '        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):',
+        '        if norm != rel.rstrip("/"):',
+        (f"{G}::test_storage_paths_with_dot_dot_are_refused",),
+        "no path leaves its root",
+    ),
+    Mutation(
+        "manifest-prefix-and-normpath-unchecked",
+        "spillmerge/_transfer.py",
+        "    if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:",
+        "    if not isinstance(rel, str):",
+        (f"{G}::test_receiver_refuses_objects_outside_the_senders_ranks",),
+        "a sender writes only into the folders of the ranks it sends",
+    ),
+    Mutation(
+        "catalog-crc-vs-commit-record",
+        "spillmerge/_spillroot.py",
+        "    if google_crc32c.value(raw_cat) != commit.catalog_crc32c:",
+        "    if False:",
+        (f"{G}::test_a_catalog_that_does_not_match_the_commit_record_is_refused",),
+        "the catalog merged is the one the rank committed",
+    ),
+    Mutation(
+        "verify-ignores-missing-chunks",
+        "spillmerge/_inspect.py",
+        "            except SpillMergeError as exc:\n                rep.problems.append(str(exc))\n                damaged.add(name)",
+        "            except SpillMergeError:\n                pass",
+        ("tests/test_nothing_lost_reader.py::test_verify_lists_every_missing_chunk",),
+        "verify of a merged store lists every missing chunk",
+    ),
+    Mutation(
+        "journal-sequence-unchecked",
+        "spillmerge/_spillroot.py",
+        "            if entry.chunk != n or entry.file_base != len(filenames) or entry.layout_base != len(layouts):",
+        "            if False:",
+        (f"{G}::test_salvage_stops_at_a_journal_entry_of_another_chunk",),
+        "salvage replays journal entries in order and stops at the first that is out of place",
+    ),
+    # ---------------------------------------------------------------------------- others
+    Mutation(
+        "copy-crc-local-page-cache",
+        "spillmerge/_copy.py",
+        "                    got = google_crc32c.extend(got, v)\n                if got != int(plan.crc[r]):",
+        "                    got = google_crc32c.extend(got, v)\n                if False:",
+        (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
+        "a corrupt frame never reaches an uncompressed output",
+    ),
+    Mutation(
+        "copy-crc-object-store",
+        "spillmerge/_copy.py",
+        "                    if google_crc32c.value(buf[j * item : (j + 1) * item]) != int(plan.crc[r]):",
+        "                    if False:",
+        (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
+        "a corrupt frame read by range GETs never reaches the output",
+    ),
+    Mutation(
+        "index-crc-vs-commit-record",
+        "spillmerge/_spillroot.py",
+        "    if google_crc32c.value(raw_idx) != commit.index_crc32c:",
+        "    if False:",
+        (f"{G}::test_an_index_that_does_not_match_the_commit_record_is_refused",),
+        "the index merged is the one the rank committed",
+    ),
+    Mutation(
+        "small-array-chunk-crc",
+        "spillmerge/_spillroot.py",
+        "    if google_crc32c.value(raw) != stored:",
+        "    if False:",
+        (f"{G}::test_a_torn_index_or_catalog_chunk_is_named_as_such",),
+        "a torn index or catalog chunk is named as such",
+    ),
+    Mutation(
+        "failure-record-ignored-without-run-id",
+        "spillmerge/_spillroot.py",
+        "            if newest.failure is not None:",
+        "            if False:",
+        (f"{G}::test_a_failure_record_of_the_run_fails_the_barrier_at_once",),
+        "a failed rank is named at once by a merge without a run id",
+    ),
+    Mutation(
+        "failure-keys-never-read",
+        "spillmerge/_transfer.py",
+        '        if int(self.base.add("failed", 0)) > 0:',
+        "        if False:",
+        ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
+        "dst reads the failure keys other ranks publish",
+    ),
+    Mutation(
+        "manifest-normpath-unchecked",
+        "spillmerge/_transfer.py",
+        "    if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:",
+        "    if not isinstance(rel, str) or not rel.startswith(ok_prefixes):",
+        (f"{G}::test_receiver_refuses_objects_outside_the_senders_ranks",),
+        "rank-00002/../rank-00000 is not below rank 2's folder",
+    ),
+    Mutation(
+        "manifest-size-unchecked",
+        "spillmerge/_transfer.py",
+        "    if not 0 < size <= _MAX_MANIFEST:",
+        "    if False:",
+        (f"{G}::test_receiver_refuses_malformed_manifests",),
+        "a sender cannot make dst allocate an unbounded manifest",
+    ),
+    Mutation(
+        "manifest-object-size-unchecked",
+        "spillmerge/_transfer.py",
+        '        if n < 0 or (rel.endswith("/" + F.COMMIT_NAME) and n > _MAX_RECORD):',
+        "        if False:",
+        (f"{G}::test_receiver_refuses_negative_sizes_and_huge_commit_records",),
+        "object sizes in a manifest are checked before receiving",
+    ),
+    Mutation(
+        "received-crc-unchecked",
+        "spillmerge/_transfer.py",
+        "        ok = crc == want",
+        "        ok = True",
+        (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
+        "a shard damaged in transit is refused",
+    ),
+    Mutation(
+        "received-commit-record-not-held-back",
+        "spillmerge/_transfer.py",
+        '    target = _pending_name(rel) if rel.endswith("/" + F.COMMIT_NAME) else rel',
+        "    target = rel",
+        (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
+        "a half-received rank never looks committed",
+    ),
+    Mutation(
+        "get-max-bytes-ignored",
+        "spillmerge/_storage.py",
+        "                if size is not None and size > max_bytes:",
+        "                if False:",
+        (f"{G}::test_get_refuses_an_object_larger_than_max_bytes",),
+        "an oversized record is refused before it is read",
+    ),
+    Mutation(
+        "merge-memory-budget-ignored",
+        "spillmerge/_copy.py",
+        "                    while in_flight and in_flight + size > budget and not errors:",
+        "                    while False:",
+        (f"{G}::test_merge_keeps_at_most_its_memory_budget_of_stripes_in_flight",),
+        "the merge keeps at most memory_budget bytes of stripes in flight",
+    ),
+    Mutation(
+        "writer-backpressure-removed",
+        "spillmerge/_staging.py",
+        "                if self.allocated < self.n_buffers:",
+        "                if True:",
+        (f"{G}::test_write_blocks_while_every_staging_buffer_waits_for_storage",),
+        "write() blocks while every staging buffer waits for storage",
+    ),
+    Mutation(
+        "missing-data-chunk-unchecked",
+        "spillmerge/_spillroot.py",
+        "        if str(c) not in present:",
+        "        if False:",
+        ("tests/test_hostile.py::test_missing_data_chunk_and_future_format_are_named",),
+        "every data chunk a commit record promises exists",
+    ),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
+    for name in ("spillmerge", "tests"):
+        shutil.copytree(REPO / name, dst / name, ignore=ignore)
+    shutil.copy2(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def _pytest(tree: Path, tests: tuple[str, ...]) -> tuple[str, str, float]:
+    """``(PASSED | FAILED | TIMEOUT, what failed, seconds)`` of the tests run in ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return "TIMEOUT", f"no result within {TIMEOUT} s", time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    if p.returncode == 0:
+        return "PASSED", "", seconds
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", p.stdout, flags=re.M)
+    return "FAILED", ", ".join(failed) or (p.stdout + p.stderr).strip().splitlines()[-1], seconds
+
+
+def _apply(tree: Path, m: Mutation) -> None:
+    """Mutate the copy; a mutant that does not compile would be "killed" by any test: refuse it."""
+    path = tree / m.file
+    text = path.read_text(encoding="utf-8").replace(m.original, m.replacement)
+    compile(text, str(path), "exec")
+    path.write_text(text, encoding="utf-8")
+
+
+def _stale(ms: list[Mutation]) -> list[str]:
+    out = []
+    for m in ms:
+        n = (REPO / m.file).read_text(encoding="utf-8").count(m.original)
+        if n != 1:
+            out.append(f"{m.name}: snippet found {n} times in {m.file} (expected once)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-k", default="", help="only mutations whose name contains this")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the run of the tests without mutation")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:40} {m.file:28} {m.why}")
+        return 0
+    stale = _stale(chosen)
+    if stale:
+        print("\n".join(stale), file=sys.stderr)
+        return 2
+    t_all = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="spillmerge-mutation-") as tmp:
+        clean = Path(tmp) / "clean"
+        _copy_tree(clean)
+        if not args.no_baseline:
+            every = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            status, what, seconds = _pytest(clean, every)
+            print(f"baseline (no mutation): {status} in {seconds:.0f} s {what}", flush=True)
+            if status != "PASSED":
+                print("the selected tests fail without any mutation: fix them first", file=sys.stderr)
+                return 1
+        rows = []
+        for m in chosen:
+            tree = Path(tmp) / m.name
+            _copy_tree(tree)
+            _apply(tree, m)
+            status, what, seconds = _pytest(tree, m.tests)
+            verdict = "SURVIVED" if status == "PASSED" else "KILLED"
+            rows.append((m.name, verdict, what, seconds))
+            print(f"{verdict:8} {m.name:40} {seconds:5.0f} s  {what}", flush=True)
+            shutil.rmtree(tree)
+    survived = [r for r in rows if r[1] == "SURVIVED"]
+    print("\n| mutation | result | caught by | s |\n|---|---|---|---|")
+    for name, verdict, what, seconds in rows:
+        print(f"| {name} | {verdict} | {what or '—'} | {seconds:.0f} |")
+    print(f"\n{len(rows) - len(survived)} of {len(rows)} killed in {time.monotonic() - t_all:.0f} s")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
