@@ -44,7 +44,7 @@ def scenario_storage_only(rank: int, world: int, base: str) -> dict[str, Any]:
 
     publish = _writer.publish_failure
     if rank == 1:
-        _writer.publish_failure = lambda *args: None  # type: ignore[assignment]
+        _writer.publish_failure = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
         return _fail_or_merge(rank, f"{base}/storage_only/spill", f"{base}/storage_only/out", "storage-only")
     finally:

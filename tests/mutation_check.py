@@ -76,7 +76,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "publish-failure-disabled",
         "spillmerge/_transfer.py",
-        '        store.set(f"failed/{rank}", message[:4000])',
+        '        store.set(f"failed/{session}/{rank}", message[:4000])',
         "        return",
         ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
         "dst hears of a failed rank through the store when it cannot see its failure record",
@@ -165,7 +165,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "failure-keys-never-read",
         "spillmerge/_transfer.py",
-        '        if int(self.base.add("failed", 0)) > 0:',
+        '        if int(self.base.add(f"failed/{self.session}", 0)) > 0:',
         "        if False:",
         ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
         "dst reads the failure keys other ranks publish",
