@@ -159,7 +159,15 @@ class LeafArray:
         return self.shape[0]
 
     def __getitem__(self, sel: Any) -> np.ndarray:
-        return np.asarray(self.zarr[sel])
+        try:
+            return np.asarray(self.zarr[sel])
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - zarr reports a damaged chunk as ValueError, codec errors ...
+            raise CorruptSpillError(
+                f"{self.zarr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})",
+                path=str(self.zarr.store_path),
+            ) from exc
 
     def numpy(self) -> np.ndarray:
         return self[...]

@@ -33,6 +33,7 @@ from ._errors import (
     TruncatedObjectError,
     UnsafePathError,
 )
+from ._format import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
 
 # protocol -> (package, spillmerge extra that installs it)
 _BACKENDS = {
@@ -247,6 +248,18 @@ class Storage:
                 )
             if stat.S_ISDIR(mode):
                 self._real_dirs.add(above)
+
+    def _check_regular(self, rel: str) -> int | None:
+        """Refuse ``rel`` unless it is absent (None) or a regular file reached without a link
+        (local disks); its size."""
+        self._refuse_links_in(rel, itself=False)
+        try:
+            with self._errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+                st = os.lstat(self.path(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        self._refuse_mode(rel, st.st_mode)
+        return st.st_size
 
     def _open_regular(self, rel: str) -> int:
         """A read-only descriptor of the regular file ``rel`` (local disks). What ``rel`` is gets
@@ -589,7 +602,27 @@ class Storage:
 
         p = self.path(rel)
         if self.local:
-            return LocalStore(p, read_only=read_only)
+            storage = self
+
+            class RegularFilesOnly(LocalStore):
+                """zarr's LocalStore, refusing (by name) to read a link, FIFO, device or folder,
+                and any object below a linked folder: zarr would follow or block on them."""
+
+                async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+                    where = f"{rel}/{key}" if rel else key
+                    size = storage._check_regular(where)
+                    if size is not None and key.endswith("zarr.json"):  # read whole by zarr
+                        limit = ROOT_DOC_MAX_BYTES if where == "zarr.json" else ARRAY_DOC_MAX_BYTES
+                        storage._refuse_size(where, size, limit)
+                    return await super().get(key, prototype, byte_range)
+
+                async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+                    key_ranges = list(key_ranges)
+                    for key, _ in key_ranges:
+                        storage._check_regular(f"{rel}/{key}" if rel else key)
+                    return await super().get_partial_values(prototype, key_ranges)
+
+            return RegularFilesOnly(p, read_only=read_only)
         fs = self.fs
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
