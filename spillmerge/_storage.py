@@ -33,7 +33,7 @@ from ._errors import (
     TruncatedObjectError,
     UnsafePathError,
 )
-from ._format import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
+from ._format import ARRAY_DOC_MAX_BYTES, RECORD_MAX_BYTES, ROOT_DOC_MAX_BYTES
 
 # protocol -> (package, spillmerge extra that installs it)
 _BACKENDS = {
@@ -167,8 +167,9 @@ class Storage:
         with self._errors("check", rel):
             return bool(self.fs.exists(self.path(rel)))
 
-    def get(self, rel: str, *, max_bytes: int) -> bytes:
-        """Whole object ``rel``, at most ``max_bytes`` long; ``FileNotFoundError`` when absent.
+    def get(self, rel: str, *, max_bytes: int = RECORD_MAX_BYTES) -> bytes:
+        """Whole object ``rel``, at most ``max_bytes`` long (a small record unless the caller says
+        otherwise); ``FileNotFoundError`` when absent.
 
         Storage is untrusted: the object must be a regular file (never a link, FIFO, device,
         socket or folder), its size is checked before it is read, and no more than
@@ -202,7 +203,7 @@ class Storage:
         self._refuse_size(rel, len(data), max_bytes)
         return data
 
-    def get_or_none(self, rel: str, *, max_bytes: int) -> bytes | None:
+    def get_or_none(self, rel: str, *, max_bytes: int = RECORD_MAX_BYTES) -> bytes | None:
         try:
             return self.get(rel, max_bytes=max_bytes)
         except FileNotFoundError:
