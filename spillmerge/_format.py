@@ -41,6 +41,50 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 MAX_LEAF_BYTES = 1 << 40
 MAX_NDIM = 32
 
+# Size limits of the objects a reader reads whole (docs/FORMAT.md, *Size limits*). Storage is
+# untrusted: each is checked before a byte is read, so no object can make a reader allocate more.
+RECORD_MAX_BYTES = 64 << 10
+"""Segment header, commit record, the ``zarr.json`` of index and catalog, part record, marker."""
+FAILURE_MAX_BYTES = 1 << 20
+"""Failure records (spill and part): bounded message and traceback (``exception_fields``)."""
+ARRAY_DOC_MAX_BYTES = 1 << 20
+"""An output array's or group's ``zarr.json`` (its attributes hold one filename)."""
+ROOT_DOC_MAX_BYTES = 256 << 20
+"""An output's root ``zarr.json``: the consolidated metadata of every node."""
+_HARD_MAX_BYTES = 1 << 31
+
+
+def catalog_max_bytes(n_files: int, n_rows: int) -> int:
+    """Largest catalog a commit record of ``n_files`` files and ``n_rows`` rows admits: 1 MiB,
+    plus 64 KiB per filename, plus 4 KiB per row (at most one layout per row), and never above 2 GiB."""
+    return min(_HARD_MAX_BYTES, (1 << 20) + (64 << 10) * n_files + (4 << 10) * n_rows)
+
+
+def chunk_max_bytes(meta: Any, *, path: str) -> int:
+    """Largest chunk object an output array's ``zarr.json`` admits: its chunk's elements at their
+    item size (64 KiB per string, the catalog's bound per filename), plus an eighth and 64 KiB
+    for what a compressor adds to incompressible data, and the 4 CRC-32C bytes."""
+    try:
+        shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        n = 1
+        for d in shape:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+                raise ValueError(f"chunk shape {shape!r}")
+            n *= d
+        dt = meta["data_type"]
+        item = (64 << 10) + 4 if dt == "string" else np.dtype(dt).itemsize
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptSpillError(f"{path}: malformed array metadata ({exc!r:.200})", path=path) from None
+    raw = n * item
+    return raw + raw // 8 + (64 << 10) + 4
+
+
+def journal_max_bytes(chunk_bytes: int) -> int:
+    """Largest journal entry of a segment of ``chunk_bytes`` chunks: 64 MiB of header (the catalog
+    entries first used), plus one 48-byte row per byte of the chunk, and never above 1 GiB."""
+    return min(_HARD_MAX_BYTES // 2, (64 << 20) + INDEX_COLUMNS * 8 * chunk_bytes + 12)
+
+
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
 _SEGMENT_RE = re.compile(r"^seg-(\d{6,})-(\d{8}T\d{12}Z)-[0-9a-f]{8}$")
 
@@ -84,11 +128,28 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
+# A JSON escape of a UTF-16 surrogate: valid in pairs, a lone one decodes to a str no UTF-8
+# encoder (filesystem, hash, zarr) accepts.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def loads(data: bytes, *, path: str) -> Any:
+    """Parse a JSON record read from storage; every problem is a :class:`CorruptSpillError`,
+    lone surrogates (``"\\ud800"``) in any string included, so no name from storage can fail later
+    as a ``UnicodeEncodeError``."""
     try:
-        return json.loads(data.decode("utf-8"))
+        obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptSpillError(f"{path}: not valid UTF-8 JSON ({exc})", path=path) from None
+    if _SURROGATE_ESCAPE.search(data):  # rare: only then pay for a second pass
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start : exc.end]
+            raise CorruptSpillError(
+                f"{path}: holds a lone surrogate {bad!r} in a string: not valid Unicode text", path=path
+            ) from None
+    return obj
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
 
     complete = storage.exists(F.COMPLETE_NAME)
     if not complete:
-        raw = F.loads(storage.get("zarr.json"), path=storage.describe("zarr.json"))
+        raw = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))
         return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
@@ -314,7 +314,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     if not complete:
         rep.problems.append(f"{storage.describe()}: no {F.COMPLETE_NAME}; the merge did not finish")
     try:
-        store = NoFillStore(storage.zarr_store(read_only=True), storage.describe)
+        store = NoFillStore(storage.zarr_store(read_only=True), storage.describe, storage)
         group = zarr.open_group(store, mode="r")
     except Exception as exc:  # noqa: BLE001
         rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")

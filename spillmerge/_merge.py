@@ -456,7 +456,9 @@ def _write_index(job: _Job) -> None:
     store = job.output.zarr_store()
     # write_empty_chunks: an index chunk that happens to be all zeros must still exist on disk
     # (verify treats a missing chunk as damage).
-    with zarr.config.set({"array.write_empty_chunks": True}):
+    # The output may have been changed under us (a hostile writer of the storage): whatever zarr
+    # raises about it becomes one SpillStorageError naming the output.
+    with zarr.config.set({"array.write_empty_chunks": True}), job.output._errors("write the index of", "index"):
         index = zarr.open_group(store, mode="r+", use_consolidated=False)["index"]
         if n:
             index["filenames"][:] = np.array([f.filename for f in plan.files], dtype=object)  # type: ignore[index]

@@ -77,7 +77,7 @@ def header(storage: Storage) -> dict[str, Any] | None:
     """The output header (root ``zarr.json`` attributes ``spillmerge``) when ``storage`` holds a
     merged output's root document, else None (absent, torn or not ours). The one reader of
     "is this a merged output?" for the merge, ``inspect`` and ``open``."""
-    raw = storage.get_or_none("zarr.json", max_bytes=256 << 20)
+    raw = storage.get_or_none("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES)
     if raw is None:
         return None
     try:

@@ -32,7 +32,6 @@ from ._storage import Storage
 
 PARTS_DIR = "spillmerge-parts"
 _NAME_RE = re.compile(r"^part-(\d{5,})-of-(\d{5,})(\.failed)?\.json$")
-_MAX_RECORD = 1 << 20
 
 
 def record_name(part: int, parts: int, *, failed: bool = False) -> str:
@@ -126,7 +125,8 @@ def scan(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[Pa
         if not _NAME_RE.match(name):
             continue  # temporaries of an atomic write in progress
         if name not in cache:
-            raw = output.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=_MAX_RECORD)
+            limit = F.FAILURE_MAX_BYTES if name.endswith(".failed.json") else F.RECORD_MAX_BYTES
+            raw = output.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=limit)
             if raw is None:
                 continue
             cache[name] = _parse(output, name, raw)

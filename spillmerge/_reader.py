@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from zarr.abc.store import ByteRequest, Store
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
@@ -24,7 +25,8 @@ _Problem = tuple[str, str]
 
 
 class NoFillStore(WrapperStore[Store]):
-    """A zarr store that raises :class:`CorruptSpillError` where the wrapped store has no chunk.
+    """A zarr store that raises :class:`CorruptSpillError` where the wrapped store has no chunk,
+    and that reads a local output as untrusted storage.
 
     zarr reads an absent chunk as ``fill_value`` (zeros), so a deleted or lost chunk of an output
     would read back as plausible data. zarr asks the store for every chunk it reads anyway, so
@@ -32,14 +34,23 @@ class NoFillStore(WrapperStore[Store]):
     a chunk that vanishes after ``open`` (a listing at open would cost one listing per array on
     object stores and would not). A merge writes every chunk of every array (``write_empty_chunks``
     for the index), so an absent chunk is always damage.
+
+    Given the output's ``storage`` on a local disk, every object is read through
+    :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
+    or symbolic link is refused by name, never opened or followed), and never more bytes than the
+    format allows the object — a ``zarr.json`` its document limit, a chunk what its array's chunk
+    shape and data type can encode to (docs/FORMAT.md, *Size limits*). The check rides on the
+    read zarr makes anyway: one lstat per object, plus one small read of each array's metadata.
     """
 
-    def __init__(self, store: Store, describe: Callable[[str], str]) -> None:
+    def __init__(self, store: Store, describe: Callable[[str], str], storage: Storage | None = None) -> None:
         super().__init__(store)
         self._describe = describe
+        self._storage = storage if storage is not None and storage.local else None
+        self._chunk_limits: dict[str, int] = {}
 
     def _with_store(self, store: Store) -> NoFillStore:
-        return type(self)(store, self._describe)
+        return type(self)(store, self._describe, self._storage)
 
     def _missing(self, key: str) -> CorruptSpillError:
         path = self._describe(key)
@@ -53,8 +64,47 @@ class NoFillStore(WrapperStore[Store]):
     def _is_chunk(self, key: str) -> bool:
         return key.rsplit("/", 1)[-1] not in _METADATA_NAMES
 
+    def _limit(self, key: str) -> int:
+        """The most bytes the object ``key`` may have (docs/FORMAT.md, *Size limits*)."""
+        if not self._is_chunk(key):
+            return F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
+        array = key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
+        limit = self._chunk_limits.get(array)
+        if limit is None:
+            assert self._storage is not None
+            doc = f"{array}/zarr.json" if array else "zarr.json"
+            try:
+                raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
+            except FileNotFoundError:
+                raise self._missing(key) from None
+            limit = F.chunk_max_bytes(F.loads(raw, path=self._describe(doc)), path=self._describe(doc))
+            self._chunk_limits[array] = limit
+        return limit
+
+    def _read_local(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+        assert self._storage is not None
+        try:
+            data = self._storage.get(key, max_bytes=self._limit(key))
+        except FileNotFoundError:
+            return None
+        if byte_range is None:
+            return data
+        if isinstance(byte_range, RangeByteRequest):
+            return data[byte_range.start : byte_range.end]
+        if isinstance(byte_range, OffsetByteRequest):
+            return data[byte_range.offset :]
+        if isinstance(byte_range, SuffixByteRequest):
+            return data[-byte_range.suffix :] if byte_range.suffix else b""
+        raise TypeError(f"unexpected byte range {byte_range!r}")
+
+    async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
+        if self._storage is None:
+            return await self._store.get(key, prototype, byte_range)
+        data = await asyncio.to_thread(self._read_local, key, byte_range)
+        return None if data is None else prototype.buffer.from_bytes(data)
+
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        buf = await self._store.get(key, prototype, byte_range)
+        buf = await self._get(key, prototype, byte_range)
         if buf is None and self._is_chunk(key):
             raise self._missing(key)
         return buf
@@ -63,7 +113,10 @@ class NoFillStore(WrapperStore[Store]):
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
         key_ranges = list(key_ranges)
-        out = await self._store.get_partial_values(prototype, key_ranges)
+        if self._storage is None:
+            out = await self._store.get_partial_values(prototype, key_ranges)
+        else:
+            out = [await self._get(key, prototype, byte_range) for key, byte_range in key_ranges]
         for (key, _), buf in zip(key_ranges, out, strict=True):
             if buf is None and self._is_chunk(key):
                 raise self._missing(key)
@@ -106,7 +159,15 @@ class LeafArray:
         return self.shape[0]
 
     def __getitem__(self, sel: Any) -> np.ndarray:
-        return np.asarray(self.zarr[sel])
+        try:
+            return np.asarray(self.zarr[sel])
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - zarr reports a damaged chunk as ValueError, codec errors ...
+            raise CorruptSpillError(
+                f"{self.zarr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})",
+                path=str(self.zarr.store_path),
+            ) from exc
 
     def numpy(self) -> np.ndarray:
         return self[...]
@@ -152,7 +213,7 @@ class MergedStore(Mapping[str, Any]):
         import zarr
 
         self.storage = Storage(out, storage_options)
-        marker = self.storage.get_or_none(F.COMPLETE_NAME, max_bytes=1 << 20)
+        marker = self.storage.get_or_none(F.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
         if marker is None:
             if not self.storage.exists("zarr.json"):
                 raise SpillMergeError(f"{self.storage.describe()} is not a spillmerge output (no zarr.json)")
@@ -163,7 +224,7 @@ class MergedStore(Mapping[str, Any]):
             )
         F.loads(marker, path=self.storage.describe(F.COMPLETE_NAME))
         try:
-            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe)
+            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
             self.group = zarr.open_group(store, mode="r", use_consolidated=True)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
             raise CorruptSpillError(

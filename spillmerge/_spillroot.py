@@ -20,9 +20,6 @@ from ._errors import (
 )
 from ._storage import Storage
 
-_MAX_JSON = 1 << 20
-_MAX_CATALOG = 1 << 31
-
 
 @dataclass(frozen=True, slots=True)
 class Segment:
@@ -85,7 +82,7 @@ def list_ranks(storage: Storage) -> list[int]:
 def read_segment(storage: Storage, rank: int, name: str) -> Segment:
     rel = f"{F.rank_dirname(rank)}/{name}"
     header = None
-    raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=_MAX_JSON)
+    raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
         try:
             obj = F.loads(raw, path=storage.describe(f"{rel}/zarr.json"))
@@ -94,7 +91,7 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
         except (CorruptSpillError, AttributeError):
             header = None
     commit = failure = None
-    raw = storage.get_or_none(f"{rel}/{F.COMMIT_NAME}", max_bytes=_MAX_JSON)
+    raw = storage.get_or_none(f"{rel}/{F.COMMIT_NAME}", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
         path = storage.describe(f"{rel}/{F.COMMIT_NAME}")
         commit = F.CommitRecord.from_json(raw, path=path)
@@ -105,7 +102,7 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
                 path=path,
                 rank=rank,
             )
-    raw = storage.get_or_none(f"{rel}/{F.FAILURE_NAME}", max_bytes=_MAX_JSON)
+    raw = storage.get_or_none(f"{rel}/{F.FAILURE_NAME}", max_bytes=F.FAILURE_MAX_BYTES)
     if raw is not None:
         failure = F.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{F.FAILURE_NAME}"))
     return Segment(rank, name, rel, header, commit, failure)
@@ -290,7 +287,8 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
 
     cat_rel = f"{seg.rel}/{F.CATALOG_NAME}"
-    raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=_MAX_CATALOG, expect_shape=None)
+    limit = F.catalog_max_bytes(commit.n_files, commit.n_rows)
+    raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
     if google_crc32c.value(raw_cat) != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", F.CATALOG_NAME)
     cat = F.loads(raw_cat, path=storage.describe(cat_rel))
@@ -308,7 +306,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     idx_rel = f"{seg.rel}/{F.INDEX_NAME}"
     expect = commit.n_rows * F.INDEX_COLUMNS * 8
     raw_idx = _read_small_array(
-        storage, idx_rel, seg.rank, max_bytes=expect + 4, expect_shape=[commit.n_rows, F.INDEX_COLUMNS]
+        storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, F.INDEX_COLUMNS]
     )
     if len(raw_idx) != expect:
         raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", F.INDEX_NAME)
@@ -361,10 +359,11 @@ def _read_small_array(
     storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
 ) -> bytes:
     """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
-    hostile ``zarr.json`` cannot make us allocate or read without bound."""
+    hostile ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
+    ``max_bytes`` bytes plus the 4 CRC bytes."""
     path = storage.describe(rel)
     try:
-        meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=_MAX_JSON), path=f"{path}/zarr.json")
+        meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=f"{path}/zarr.json")
     except FileNotFoundError:
         raise CorruptSpillError(
             f"{path}: missing (the segment is committed but has no {rel.rsplit('/', 1)[-1]})", path=path, rank=rank
@@ -429,7 +428,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     n = 0
     while True:
         rel = f"{seg.rel}/{F.journal_name(n)}"
-        blob = storage.get_or_none(rel, max_bytes=1 << 31)
+        blob = storage.get_or_none(rel, max_bytes=F.journal_max_bytes(chunk_bytes))
         if blob is None:
             break
         try:

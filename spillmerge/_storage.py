@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import posixpath
@@ -25,12 +26,14 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from ._errors import (
+    CorruptSpillError,
     MissingDependencyError,
     SpillMergeError,
     SpillStorageError,
     TruncatedObjectError,
     UnsafePathError,
 )
+from ._format import ARRAY_DOC_MAX_BYTES, RECORD_MAX_BYTES, ROOT_DOC_MAX_BYTES
 
 # protocol -> (package, spillmerge extra that installs it)
 _BACKENDS = {
@@ -125,6 +128,9 @@ class Storage:
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._maps: OrderedDict[str, Any] = OrderedDict()
         self._fd_lock = threading.Lock()
+        # Folders below the root already seen to be real folders (not links): a path below them
+        # costs no lstat of its ancestors again (see _refuse_links_in).
+        self._real_dirs: set[str] = set()
 
     # ---------------------------------------------------------------------------------- paths
     def path(self, rel: str = "") -> str:
@@ -161,29 +167,145 @@ class Storage:
         with self._errors("check", rel):
             return bool(self.fs.exists(self.path(rel)))
 
-    def get(self, rel: str, *, max_bytes: int | None = None) -> bytes:
-        """Whole object ``rel``; ``FileNotFoundError`` when absent."""
-        p = self.path(rel)
-        with self._errors("read", rel, passthrough=(FileNotFoundError,)):
-            if max_bytes is not None:
-                size = self.fs.size(p)
-                if size is not None and size > max_bytes:
-                    raise SpillStorageError(
-                        f"{self.describe(rel)} is {size} bytes, more than the {max_bytes} allowed",
-                        path=self.describe(rel),
-                    )
-            data = self.fs.cat_file(p)
-        return bytes(data)
+    def get(self, rel: str, *, max_bytes: int = RECORD_MAX_BYTES) -> bytes:
+        """Whole object ``rel``, at most ``max_bytes`` long (a small record unless the caller says
+        otherwise); ``FileNotFoundError`` when absent.
 
-    def get_or_none(self, rel: str, *, max_bytes: int | None = None) -> bytes | None:
+        Storage is untrusted: the object must be a regular file (never a link, FIFO, device,
+        socket or folder), its size is checked before it is read, and no more than
+        ``max_bytes + 1`` bytes are ever read, so an object that lies about its size (a growing
+        file, ``/dev/zero``) still cannot make us allocate more (docs/GUARANTEES.md, *Threat model*).
+        """
+        p = self.path(rel)
+        if self.local:
+            fd = self._open_regular(rel)
+            try:
+                with self._errors("read", rel):
+                    self._refuse_size(rel, os.fstat(fd).st_size, max_bytes)
+                    chunks, got = [], 0
+                    while got <= max_bytes:
+                        piece = os.read(fd, min(max_bytes + 1 - got, 16 << 20))
+                        if not piece:
+                            break
+                        chunks.append(piece)
+                        got += len(piece)
+            finally:
+                os.close(fd)
+            data = b"".join(chunks)
+        else:
+            with self._errors("read", rel, passthrough=(FileNotFoundError,)):
+                info = self.fs.info(p)
+                self._refuse_kind(rel, info.get("type"))
+                size = info.get("size")
+                if size is not None:
+                    self._refuse_size(rel, int(size), max_bytes)
+                data = bytes(self.fs.cat_file(p, start=0, end=max_bytes + 1))
+        self._refuse_size(rel, len(data), max_bytes)
+        return data
+
+    def get_or_none(self, rel: str, *, max_bytes: int = RECORD_MAX_BYTES) -> bytes | None:
         try:
             return self.get(rel, max_bytes=max_bytes)
         except FileNotFoundError:
             return None
 
+    def _refuse_size(self, rel: str, size: int, max_bytes: int) -> None:
+        if size > max_bytes:
+            raise CorruptSpillError(
+                f"{self.describe(rel)} is {'at least ' if size == max_bytes + 1 else ''}{size} bytes, more than "
+                f"the {max_bytes} its format allows: not an object spillmerge wrote (docs/FORMAT.md, size limits)",
+                path=self.describe(rel),
+            )
+
+    def _refuse_kind(self, rel: str, kind: object) -> None:
+        if kind != "file":
+            raise CorruptSpillError(
+                f"{self.describe(rel)} is a {kind}, not a regular file: spillmerge reads regular files only",
+                path=self.describe(rel),
+            )
+
+    def _refuse_links_in(self, rel: str, *, itself: bool) -> None:
+        """Refuse ``rel`` (local disks) when a folder between the root and it — or, with
+        ``itself``, ``rel`` itself — is a symbolic link. Reads never follow a link inside a root:
+        it could lead outside it (docs/GUARANTEES.md, *Threat model*). Folders found real are
+        remembered, so reading thousands of chunks of one folder costs one lstat of it."""
+        if not self.local or rel in ("", "."):
+            return
+        parts = rel.split("/")
+        for depth in range(1, len(parts) + (1 if itself else 0)):
+            above = "/".join(parts[:depth])
+            if above in self._real_dirs:
+                continue
+            try:
+                with self._errors("check", above, passthrough=(FileNotFoundError, NotADirectoryError)):
+                    mode = os.lstat(self.path(above)).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return  # nothing below exists: the caller's open or listing says so
+            if stat.S_ISLNK(mode):
+                raise UnsafePathError(
+                    f"{self.describe(above)} is a symbolic link; spillmerge never follows links inside "
+                    f"{self.describe()} (it could read outside it): replace the link by the object itself",
+                    path=self.describe(above),
+                )
+            if stat.S_ISDIR(mode):
+                self._real_dirs.add(above)
+
+    def _check_regular(self, rel: str) -> int | None:
+        """Refuse ``rel`` unless it is absent (None) or a regular file reached without a link
+        (local disks); its size."""
+        self._refuse_links_in(rel, itself=False)
+        try:
+            with self._errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+                st = os.lstat(self.path(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        self._refuse_mode(rel, st.st_mode)
+        return st.st_size
+
+    def _open_regular(self, rel: str) -> int:
+        """A read-only descriptor of the regular file ``rel`` (local disks). What ``rel`` is gets
+        checked without following a link (lstat) before it is opened, so a FIFO, device or socket
+        is never opened at all; the open itself neither follows a link (``O_NOFOLLOW``) nor blocks
+        (``O_NONBLOCK``), and ``fstat`` checks again what was opened, so an object swapped after
+        the lstat is refused too. ``FileNotFoundError`` when absent."""
+        self._refuse_links_in(rel, itself=False)
+        p = self.path(rel)
+        with self._errors("open", rel, passthrough=(FileNotFoundError,)):
+            self._refuse_mode(rel, os.lstat(p).st_mode)
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    self._refuse_mode(rel, stat.S_IFLNK)
+                if exc.errno == errno.ENXIO:
+                    self._refuse_mode(rel, stat.S_IFSOCK)
+                raise
+            try:
+                self._refuse_mode(rel, os.fstat(fd).st_mode)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def _refuse_mode(self, rel: str, mode: int) -> None:
+        if stat.S_ISREG(mode):
+            return
+        if stat.S_ISLNK(mode):
+            raise UnsafePathError(
+                f"{self.describe(rel)} is a symbolic link; spillmerge never follows links inside "
+                f"{self.describe()} (it could read outside it): replace the link by the object itself",
+                path=self.describe(rel),
+            )
+        kind = (
+            "FIFO" if stat.S_ISFIFO(mode) else "folder" if stat.S_ISDIR(mode) else "socket" if stat.S_ISSOCK(mode)
+            else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file"
+        )  # fmt: skip
+        self._refuse_kind(rel, kind)
+
     def listdir(self, rel: str = "") -> list[str]:
         """Names directly below ``rel`` (files and folders); empty when ``rel`` does not exist."""
         p = self.path(rel)
+        self._refuse_links_in(rel, itself=True)
         if not self.local:
             # Object-store filesystems cache listings; a barrier polling for commit records must
             # see new objects.
@@ -203,8 +325,9 @@ class Storage:
     def find(self, rel: str) -> list[tuple[str, int]]:
         """Every file below ``rel`` as ``(relative path, size)``, sorted; empty when absent."""
         top = self.path(rel)
-        if not self.local:
-            self.fs.invalidate_cache(top)
+        if self.local:
+            return self._find_local(rel)
+        self.fs.invalidate_cache(top)
         try:
             with self._errors("list", rel, passthrough=(FileNotFoundError,)):
                 found = self.fs.find(top, detail=True)
@@ -219,6 +342,29 @@ class Storage:
             child = path[len(base) :]
             self.path(child)  # a name that would escape the root is refused here
             out.append((child, int(info.get("size") or 0)))
+        return sorted(out)
+
+    def _find_local(self, rel: str) -> list[tuple[str, int]]:
+        """:meth:`find` on a local disk, never following a link: a link, FIFO, device or socket
+        below ``rel`` is refused by name (a sender would otherwise read through it)."""
+        self._refuse_links_in(rel, itself=True)
+        top = self.path(rel)
+        base = self.root.rstrip("/") + "/" if self.root not in ("", "/") else self.root
+        out: list[tuple[str, int]] = []
+
+        def fail(exc: OSError) -> None:
+            if not isinstance(exc, FileNotFoundError):
+                raise exc
+
+        with self._errors("list", rel):
+            for dirpath, dirs, files in os.walk(top, onerror=fail):  # followlinks=False
+                for name in [*dirs, *files]:
+                    child = os.path.join(dirpath, name)[len(base) :]
+                    st = os.lstat(self.path(child))
+                    if stat.S_ISDIR(st.st_mode):
+                        continue
+                    self._refuse_mode(child, st.st_mode)
+                    out.append((child, st.st_size))
         return sorted(out)
 
     def open_write(self, rel: str, *, durable: bool = False) -> _Sink:
@@ -297,8 +443,11 @@ class Storage:
         if fd is not None:
             self._fds.move_to_end(rel)
             return fd
-        with self._errors("open", rel):
-            fd = os.open(self.path(rel), os.O_RDONLY)
+        try:
+            fd = self._open_regular(rel)
+        except FileNotFoundError as exc:
+            where = self.describe(rel)
+            raise SpillStorageError(f"cannot open {where}: {_why(exc)}", path=where) from exc
         self._fds[rel] = fd
         while len(self._fds) > 128:
             _, old = self._fds.popitem(last=False)
@@ -456,7 +605,27 @@ class Storage:
 
         p = self.path(rel)
         if self.local:
-            return LocalStore(p, read_only=read_only)
+            storage = self
+
+            class RegularFilesOnly(LocalStore):
+                """zarr's LocalStore, refusing (by name) to read a link, FIFO, device or folder,
+                and any object below a linked folder: zarr would follow or block on them."""
+
+                async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+                    where = f"{rel}/{key}" if rel else key
+                    size = storage._check_regular(where)
+                    if size is not None and key.endswith("zarr.json"):  # read whole by zarr
+                        limit = ROOT_DOC_MAX_BYTES if where == "zarr.json" else ARRAY_DOC_MAX_BYTES
+                        storage._refuse_size(where, size, limit)
+                    return await super().get(key, prototype, byte_range)
+
+                async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+                    key_ranges = list(key_ranges)
+                    for key, _ in key_ranges:
+                        storage._check_regular(f"{rel}/{key}" if rel else key)
+                    return await super().get_partial_values(prototype, key_ranges)
+
+            return RegularFilesOnly(p, read_only=read_only)
         fs = self.fs
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -482,6 +651,8 @@ class _Sink:
     def __enter__(self) -> _Sink:
         with self.storage._errors("write", self.rel):
             if self.storage.local:
+                # A received object must land below the root, never through a linked folder.
+                self.storage._refuse_links_above(self.rel)
                 self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             else:
                 self._fh = self.storage.fs.open(self.path, "wb")

@@ -1,0 +1,148 @@
+"""Child process of tests/test_untrusted_storage.py: runs every reader on attacked copies of a
+spill root or a merged output and reports, per case, what each reader did (as JSON).
+
+A child, so that a hang or a runaway allocation cannot take the test session with it: each case
+runs under ``SIGALRM`` (a blocked ``open()`` is interrupted), the address space is capped
+(``RLIMIT_AS``) so an unbounded read ends in ``MemoryError`` within the cap, and an audit hook
+records every ``open`` that would follow a symbolic link or block on a FIFO.
+
+    python _untrusted_workers.py CASES.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import stat
+import sys
+import time
+import traceback
+from typing import Any
+
+CASE_SECONDS = int(os.environ.get("UNTRUSTED_CASE_SECONDS", "20"))
+MEMORY_HEADROOM = 3 << 30
+"""Address space a case may add (the reference data is a few KiB; a bounded read is < 64 MiB)."""
+
+_followed: list[str] = []
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    path = os.fsdecode(args[0])
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISLNK(mode) and not flags & os.O_NOFOLLOW:
+        _followed.append(f"followed the link {path}")
+    elif stat.S_ISFIFO(mode) and not flags & os.O_NONBLOCK:
+        _followed.append(f"opened the FIFO {path} blocking")
+
+
+class _Hang(BaseException):
+    """Raised by SIGALRM: not an Exception, so no reader's ``except Exception`` swallows it."""
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Hang(f"still running after {CASE_SECONDS} s")
+
+
+def _data(store: Any) -> dict[str, Any]:
+    """Every leaf of every file, as lists (comparable to the reference)."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    for name in store.filenames:
+        value = store[name]
+        leaves = value.items() if isinstance(value, dict) else [("", value)]
+        for leaf, arr in leaves:
+            out[f"{name}/{leaf}"] = np.asarray(arr).tolist()
+        out[f"{name}/frames"] = np.asarray(store.frames(name)).tolist()
+    return out
+
+
+def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
+    """name -> a callable returning what the reader produced (compared with the reference)."""
+    import spillmerge
+    from spillmerge import _coverage, _inspect
+
+    def merge_and_read() -> Any:
+        spillmerge.merge(root, scratch, allow_partial=True, overwrite=True)
+        return _data(spillmerge.open(scratch))
+
+    def open_and_read() -> Any:
+        return _data(spillmerge.open(out))
+
+    def finalize() -> Any:  # the parts barrier reads every part record again
+        spillmerge.merge(root, out, allow_partial=True, finalize=True, overwrite=True)
+        return _data(spillmerge.open(out))
+
+    def verify(path: str) -> Any:
+        return spillmerge.verify(path).ok
+
+    if kind == "spill":
+        return {
+            "merge": merge_and_read,
+            "verify": lambda: verify(root),
+            "inspect": lambda: (_inspect.summarize(root)["kind"], _coverage.coverage(root).kind),
+            "committed_keys": lambda: {k: sorted(v) for k, v in spillmerge.committed_keys(root).items()},
+        }
+    return {
+        "open": open_and_read,
+        "verify": lambda: verify(out),
+        "inspect": lambda: (_inspect.summarize(out)["kind"], _coverage.coverage(out).kind),
+        "finalize": finalize,
+    }
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    import spillmerge
+
+    results: dict[str, Any] = {}
+    for name, fn in readers(case["target"], case["root"], case["out"], case["scratch"]).items():
+        del _followed[:]
+        t = time.perf_counter()
+        signal.alarm(CASE_SECONDS)
+        try:
+            value = fn()
+            outcome: dict[str, Any] = {"ok": True, "value": value}
+        except spillmerge.SpillMergeError as exc:
+            outcome = {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
+        except _Hang as exc:
+            outcome = {"ok": False, "error": "HANG", "message": str(exc)}
+        except BaseException as exc:  # noqa: BLE001 - exactly what the test is looking for
+            outcome = {"ok": False, "error": f"ESCAPED {type(exc).__name__}", "message": traceback.format_exc()[-1500:]}
+        finally:
+            signal.alarm(0)
+        outcome["seconds"] = round(time.perf_counter() - t, 3)
+        outcome["followed"] = list(_followed)
+        results[name] = outcome
+    return results
+
+
+def main(cases_path: str, result_path: str) -> None:
+    import torch
+
+    import spillmerge  # noqa: F401 - imported before the address space is capped
+
+    torch.set_num_threads(1)
+    with open(cases_path) as f:
+        cases = json.load(f)
+    signal.signal(signal.SIGALRM, _alarm)
+    sys.addaudithook(_audit)
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + MEMORY_HEADROOM, resource.RLIM_INFINITY))
+    report = {case["id"]: run_case(case) for case in cases}
+    with open(result_path, "w") as f:
+        json.dump(report, f)
+    sys.stdout.flush()
+    os._exit(0)  # a reader thread blocked in open() must not keep the process alive
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,264 @@
+"""Conformance suite for untrusted storage (docs/GUARANTEES.md, *Threat model*).
+
+Every object kind of a spill root and of a merged output × every attack a hostile writer of the
+storage can make: each reader (merge, verify, inspect + coverage, committed_keys; open + read,
+the parts barrier of finalize) must end within seconds with a ``SpillMergeError`` or the correct
+result, within a memory cap, without following a link or blocking on a FIFO. The readers run in
+child processes (tests/_untrusted_workers.py), so a hang or a runaway read fails a case instead
+of the session.
+
+A new format object joins by adding one line to ``KINDS``; a new attack by one function in
+``ATTACKS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import pytest
+import torch
+
+import spillmerge
+
+# object kind -> (tree it lives in, glob of its path in a freshly built spill root / output)
+KINDS: dict[str, tuple[str, str]] = {
+    "segment header": ("spill", "rank-00000/seg-*/zarr.json"),
+    "data chunk": ("spill", "rank-00000/seg-*/data/c/0"),
+    "journal entry": ("spill", "rank-00001/seg-*/journal/000000"),
+    "index chunk": ("spill", "rank-00000/seg-*/index/c/0/0"),
+    "catalog chunk": ("spill", "rank-00000/seg-*/catalog/c/0"),
+    "commit record": ("spill", "rank-00000/seg-*/commit.json"),
+    "failure record": ("spill", "rank-00001/seg-*/failed.json"),
+    "root document": ("out", "zarr.json"),
+    "part record": ("out", "spillmerge-parts/part-*-of-*.json"),
+    "completion marker": ("out", "spillmerge-complete.json"),
+    "index frame_idx": ("out", "index/frame_idx/c/0"),
+    "index frame_offsets": ("out", "index/frame_offsets/c/0"),
+    "index filenames": ("out", "index/filenames/c/0"),
+    "output data chunk": ("out", "files/*/x/c/0/0"),
+}
+
+
+def _replace(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def _fifo(p: Path, outside: Path) -> None:
+    _replace(p)
+    os.mkfifo(p)
+
+
+def _directory(p: Path, outside: Path) -> None:
+    _replace(p)
+    p.mkdir()
+
+
+def _link_out(p: Path, outside: Path) -> None:
+    # A FIFO outside the root: a reader following the link blocks in open() (the case times out),
+    # and the workers' audit hook names any open of a link without O_NOFOLLOW.
+    target = outside / f"fifo-{p.name}-{random.getrandbits(32):08x}"
+    os.mkfifo(target)
+    _replace(p)
+    p.symlink_to(target)
+
+
+def _dev_zero(p: Path, outside: Path) -> None:
+    _replace(p)
+    p.symlink_to("/dev/zero")
+
+
+def _truncated(p: Path, outside: Path) -> None:
+    raw = p.read_bytes()
+    p.write_bytes(raw[: len(raw) // 2])
+
+
+def _oversized(p: Path, outside: Path) -> None:
+    # Sparse: 4 GiB more than the real object costs nothing to make, and more than the workers'
+    # memory cap to read whole.
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size + (4 << 30))
+
+
+def _junk(p: Path, outside: Path) -> None:
+    n = max(p.stat().st_size, 64)
+    p.write_bytes(random.Random(n).randbytes(n))
+
+
+ATTACKS: dict[str, Callable[[Path, Path], None]] = {
+    "fifo": _fifo,
+    "directory": _directory,
+    "link out of the root": _link_out,
+    "link to /dev/zero": _dev_zero,
+    "truncated": _truncated,
+    "oversized": _oversized,
+    "junk": _junk,
+}
+
+CHECKED = {"merge", "open", "finalize", "committed_keys"}
+"""Readers whose result, when they succeed, must equal the result on the pristine tree."""
+
+
+def _rows(data: dict[str, Any]) -> dict[tuple[str, str, int], Any]:
+    """(filename, leaf, frame) -> row, from :func:`_untrusted_workers._data`'s lists."""
+    out = {}
+    for key, rows in data.items():
+        name, leaf = key.rsplit("/", 1)
+        if leaf != "frames":
+            for frame, row in zip(data[f"{name}/frames"], rows, strict=True):
+                out[(name, leaf, frame)] = row
+    return out
+
+
+def _withholds_at_most(got: dict[str, Any], want: dict[str, Any], *, salvaged: bool) -> bool:
+    """``got`` is the pristine result, or — where the attack hits what ``allow_partial`` salvages
+    from a failed rank's journal, which a reader stops replaying at the first bad entry — the
+    pristine result less some salvaged frames. Never a row that differs."""
+    g, w = _rows(got), _rows(json.loads(json.dumps(want)))
+    if not salvaged:
+        return g == w
+    return all(k in w and w[k] == v for k, v in g.items())
+
+
+def _data(store: Any) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _untrusted_workers import _data as data
+
+    return data(store)
+
+
+def _build(base: Path) -> tuple[Path, Path]:
+    """A spill root of 2 ranks (rank 0 committed, rank 1 failed after flushing chunks, so it has
+    journal entries and a failure record) and its output, merged in one part (part record)."""
+    root, out = base / "spill", base / "out"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=2, chunk_bytes=4096) as w:
+        for i in range(8):
+            w.write(f"f{i % 2}.mp4", i, {"x": torch.full((300,), float(i)), "s": i})
+    with pytest.raises(RuntimeError), spillmerge.SpillWriter(str(root), rank=1, world_size=2, chunk_bytes=4096) as w:
+        for i in range(8, 16):
+            w.write(f"f{i % 2}.mp4", i, {"x": torch.full((300,), float(i)), "s": i})
+        raise RuntimeError("rank 1 fails after flushing")
+    spillmerge.merge(str(root), str(out), allow_partial=True, part=(0, 1))
+    spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Build once, attack a copy per case, run every case's readers in two children (spill
+    cases, output cases) side by side; the result of each reader per case."""
+    base = tmp_path_factory.mktemp("untrusted")
+    root, out = _build(base)
+    reference = {
+        "data": _data(spillmerge.open(str(out))),
+        "keys": {k: sorted(v) for k, v in spillmerge.committed_keys(str(root)).items()},
+    }
+    outside = base / "outside"
+    outside.mkdir()
+    cases: dict[str, list[dict[str, Any]]] = {"spill": [], "out": []}
+    for i, (kind, (tree, pattern)) in enumerate(KINDS.items()):
+        for j, (attack, fn) in enumerate(ATTACKS.items()):
+            case = base / "cases" / f"{i}-{j}"
+            copy = case / tree
+            shutil.copytree(root if tree == "spill" else out, copy, symlinks=True)
+            found = sorted(copy.glob(pattern))
+            assert found, f"{kind}: nothing matches {pattern}"
+            fn(found[0], outside)
+            cases[tree].append(
+                {
+                    "id": f"{kind}|{attack}",
+                    "target": tree,
+                    "root": str(copy if tree == "spill" else root),
+                    "out": str(copy if tree == "out" else case / "unused"),
+                    "scratch": str(case / "merged"),
+                }
+            )
+    worker = Path(__file__).parent / "_untrusted_workers.py"
+    procs = []
+    for tree, batch in cases.items():
+        spec = base / f"{tree}.json"
+        spec.write_text(json.dumps(batch))
+        res = base / f"{tree}.result.json"
+        procs.append((res, subprocess.Popen([sys.executable, str(worker), str(spec), str(res)])))
+    report: dict[str, Any] = {}
+    for res, proc in procs:
+        assert proc.wait(timeout=600) == 0
+        report.update(json.loads(res.read_text()))
+    return {"report": report, "reference": reference}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_readers_refuse_or_read_correctly(outcomes: dict[str, Any], kind: str, attack: str) -> None:
+    results = outcomes["report"][f"{kind}|{attack}"]
+    ref = outcomes["reference"]
+    bad = []
+    for reader, r in results.items():
+        if r["followed"]:
+            bad.append(f"{reader}: {r['followed']}")
+        if not r["ok"]:
+            if r["error"] == "HANG" or r["error"].startswith("ESCAPED"):
+                bad.append(f"{reader}: {r['error']}: {r['message']}")
+            continue
+        if reader == "committed_keys":
+            if r["value"] != ref["keys"]:
+                bad.append(f"{reader}: succeeded with a wrong result")
+        elif reader in CHECKED and not _withholds_at_most(r["value"], ref["data"], salvaged=kind == "journal entry"):
+            bad.append(f"{reader}: succeeded with a wrong result")
+        if r["seconds"] > 10:
+            bad.append(f"{reader}: took {r['seconds']} s")
+    assert not bad, "\n".join(bad)
+
+
+def test_refusals_name_the_object(outcomes: dict[str, Any]) -> None:
+    """A FIFO, a folder or a link in place of a record is refused by name, saying what it is."""
+    for kind in ("commit record", "catalog chunk", "completion marker"):
+        for attack, words in (("fifo", "FIFO"), ("directory", "folder"), ("link to /dev/zero", "symbolic link")):
+            results = outcomes["report"][f"{kind}|{attack}"]
+            reader = "open" if kind == "completion marker" else "merge"
+            r = results[reader]
+            assert not r["ok"] and words in r["message"], (kind, attack, r)
+
+
+def _rewrite_catalog(seg: Path, text: bytes) -> None:
+    """Replace a committed segment's catalog by ``text``, with every checksum made to match (a
+    hand edit by someone who knows the format)."""
+    meta = json.loads((seg / "catalog" / "zarr.json").read_text())
+    meta["shape"] = [len(text)]
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [len(text)]
+    (seg / "catalog" / "zarr.json").write_text(json.dumps(meta))
+    (seg / "catalog" / "c" / "0").write_bytes(text + google_crc32c.value(text).to_bytes(4, "little"))
+    commit = json.loads((seg / "commit.json").read_text())
+    commit["catalog_crc32c"] = google_crc32c.value(text)
+    (seg / "commit.json").write_text(json.dumps(commit))
+
+
+@pytest.mark.parametrize("where", ["filename", "leaf"])
+def test_lone_surrogate_in_catalog_is_corrupt(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(3):
+            w.write("a.mp4", i, {"x": torch.full((4,), float(i))})
+    seg = next(root.glob("rank-00000/seg-*"))
+    text = (seg / "catalog" / "c" / "0").read_bytes()[:-4]
+    old = b'"a.mp4"' if where == "filename" else b'["x"]'
+    new = b'"a\\ud800.mp4"' if where == "filename" else b'["x\\udc00"]'
+    assert old in text
+    _rewrite_catalog(seg, text.replace(old, new))
+    with pytest.raises(spillmerge.CorruptSpillError, match="surrogate"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    with pytest.raises(spillmerge.CorruptSpillError, match="surrogate"):
+        spillmerge.committed_keys(str(root))
+    rep = spillmerge.verify(str(root))
+    assert not rep.ok and any("surrogate" in p for p in rep.problems)
