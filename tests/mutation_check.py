@@ -213,8 +213,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "get-max-bytes-ignored",
         "spillmerge/_storage.py",
-        "                if size is not None and size > max_bytes:",
-        "                if False:",
+        "        if size > max_bytes:",
+        "        if False:",
         (f"{G}::test_get_refuses_an_object_larger_than_max_bytes",),
         "an oversized record is refused before it is read",
     ),

@@ -171,12 +171,14 @@ def test_get_refuses_an_object_larger_than_max_bytes(tmp_path, spill):
     storage = Storage(str(tmp_path))
     storage.put("blob", b"x" * 1000)
     assert storage.get("blob", max_bytes=1000) == b"x" * 1000
-    with pytest.raises(spillmerge.SpillStorageError, match="is 1000 bytes, more than the 999 allowed"):
+    # Larger than its format allows: hostile or not ours (a CorruptSpillError, since the untrusted-
+    # storage hardening), refused before more than max_bytes + 1 bytes are read.
+    with pytest.raises(spillmerge.CorruptSpillError, match="is at least 1000 bytes, more than the 999 its format"):
         storage.get("blob", max_bytes=999)
-    # A commit record of 2 MiB is refused before it is read (records are at most 1 MiB).
+    # A commit record of 2 MiB is refused before it is read (records are at most 64 KiB).
     record = _segment(spill) / F.COMMIT_NAME
     record.write_bytes(record.read_bytes() + b" " * (2 << 20))
-    with pytest.raises(spillmerge.SpillStorageError, match="more than the 1048576 allowed"):
+    with pytest.raises(spillmerge.CorruptSpillError, match=f"more than the {F.RECORD_MAX_BYTES} its format allows"):
         spillmerge.merge(str(spill), str(tmp_path / "out"), progress=False)
 
 
