@@ -28,6 +28,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -36,7 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from . import _format as F
-from ._errors import LeaseLostError, OutputBusyError, SpillStorageError
+from ._errors import CorruptSpillError, LeaseLostError, OutputBusyError, SpillStorageError
 from ._storage import Storage
 
 LEASE_DIR = "spillmerge-lease"
@@ -131,17 +132,26 @@ class Lease:
 
     def _open_lock(self, rel: str) -> int:
         p = self.output.path(rel)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # a link is refused, a FIFO never waited on
         try:
             try:
-                return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+                fd = os.open(p, flags, 0o644)
             except FileNotFoundError:
                 # A finishing holder tidied the lease folder away just now: make it again. Locking
                 # a file of the old folder is caught by the inode check after locking.
                 self.output.makedirs(LEASE_DIR)
-                return os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+                fd = os.open(p, flags, 0o644)
         except OSError as exc:
             where = self.output.describe(rel)
             raise SpillStorageError(f"cannot open the lease file {where}: {exc.strerror}", path=where) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # storage is untrusted (docs/GUARANTEES.md, threat model)
+            os.close(fd)
+            where = self.output.describe(rel)
+            raise CorruptSpillError(
+                f"{where} is not a regular file: not a lease file spillmerge wrote; remove it if no merge is running",
+                path=where,
+            )
+        return fd
 
     def _acquire_flock(self) -> bool:
         """Local disks: flock the holder's own file, then the output's. False when the filesystem

@@ -84,8 +84,17 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
     def verify(path: str) -> Any:
         return spillmerge.verify(path).ok
 
+    def wait_for_dst() -> Any:  # a rank waiting for dst's output reads dst's merge failure record
+        from spillmerge import _output
+        from spillmerge._storage import Storage
+
+        _output.wait_complete(
+            Storage(out), Storage(root), run_id="run-x", session=0, dst=0, timeout=1.0, outcome=lambda: None
+        )
+
     if kind == "spill":
         return {
+            "wait": wait_for_dst,
             "merge": merge_and_read,
             "verify": lambda: verify(root),
             "inspect": lambda: (_inspect.summarize(root)["kind"], _coverage.coverage(root).kind),

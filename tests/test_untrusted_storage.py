@@ -45,6 +45,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "index frame_offsets": ("out", "index/frame_offsets/c/0"),
     "index filenames": ("out", "index/filenames/c/0"),
     "output data chunk": ("out", "files/*/x/c/0/0"),
+    "merge failure record": ("spill", "spillmerge-failed.json"),
+    "lease lock file": ("out", "spillmerge-lease/output.lock"),
 }
 
 
@@ -107,6 +109,8 @@ ATTACKS: dict[str, Callable[[Path, Path], None]] = {
 }
 
 CHECKED = {"merge", "open", "finalize", "committed_keys"}
+# ``wait`` (a rank waiting for dst's output) succeeds with None only when it reads the pristine
+# failure record as "not this run's"; the reference run, of the record's own run, raises.
 """Readers whose result, when they succeed, must equal the result on the pristine tree."""
 
 
@@ -151,6 +155,12 @@ def _build(base: Path) -> tuple[Path, Path]:
         raise RuntimeError("rank 1 fails after flushing")
     spillmerge.merge(str(root), str(out), allow_partial=True, part=(0, 1))
     spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
+    # What a merge(wait=True) that failed on dst leaves in the spill root, and what a merge killed
+    # while holding the output's lease leaves in the output (the lock files; flock died with it).
+    failure = spillmerge._format.MergeFailureRecord.of(RuntimeError("dst failed"), rank=0, run_id="run-x", session=0)
+    (root / spillmerge._format.MERGE_FAILED_NAME).write_bytes(failure.to_json())
+    (out / "spillmerge-lease").mkdir()
+    (out / "spillmerge-lease" / "output.lock").write_bytes(b"")
     return root, out
 
 
