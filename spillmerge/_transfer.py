@@ -88,18 +88,25 @@ def next_session(run_id: str | None) -> int:
     return next(_SESSIONS.setdefault(run_id or "", itertools.count()))
 
 
+def _run_store(run_id: str | None) -> Any:
+    """This run's keys in the process group's store, or None without torch.distributed (or a run
+    id). Raises whatever the store raises."""
+    if run_id is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.PrefixStore(_store_prefix(run_id), _default_store())
+
+
 def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
     """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed (best effort)."""
-    if run_id is None:
-        return
     try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        store = dist.PrefixStore(_store_prefix(run_id), _default_store())
-        store.set(f"failed/{session}/{rank}", message[:4000])
-        store.add(f"failed/{session}", 1)
+        store = _run_store(run_id)
+        if store is not None:
+            store.set(f"failed/{session}/{rank}", message[:4000])
+            store.add(f"failed/{session}", 1)
     except Exception:  # noqa: BLE001 - the writer's own error matters more
         pass
 
@@ -108,15 +115,10 @@ def publish_merge_outcome(run_id: str | None, session: int, outcome: dict[str, A
     """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
     merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
     waiting ranks also watch storage)."""
-    if run_id is None:
-        return
     try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        store = dist.PrefixStore(_store_prefix(run_id), _default_store())
-        store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
+        store = _run_store(run_id)
+        if store is not None:
+            store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
     except Exception:  # noqa: BLE001 - storage still carries the outcome
         pass
 
@@ -128,14 +130,8 @@ class OutcomeWatch:
 
     def __init__(self, run_id: str | None, session: int) -> None:
         self.key = f"merge-outcome/{session}"
-        self.store: Any = None
-        if run_id is None:
-            return
         try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                self.store = dist.PrefixStore(_store_prefix(run_id), _default_store())
+            self.store: Any = _run_store(run_id)
         except Exception:  # noqa: BLE001 - no store: storage only
             self.store = None
 
