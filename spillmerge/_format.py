@@ -390,6 +390,26 @@ def _host() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
 
+def _failure_now(exc: BaseException, *, message_chars: int) -> dict[str, Any]:
+    """The fields a process failure record (part or merge) takes from ``exc`` and this process."""
+    error_type, message, tb = exception_fields(exc, message_chars=message_chars)
+    host, pid = _host()
+    return {"error_type": error_type, "message": message, "traceback": tb, "time": utcnow(), "host": host, "pid": pid}
+
+
+def _failure_read(obj: dict[str, Any], *, message_chars: int, missing: Any, missing_type: Any) -> dict[str, Any]:
+    """The same fields read back from a record's JSON object, bounded (``missing_type`` stands in
+    for an absent error type, ``missing`` for an absent message or traceback)."""
+    return {
+        "error_type": str(obj.get("error_type", missing_type))[:200],
+        "message": str(obj.get("message", missing))[:message_chars],
+        "traceback": str(obj.get("traceback", missing))[-20000:],
+        "time": str(obj.get("time")),
+        "host": str(obj.get("host"))[:256],
+        "pid": _int_or_none(obj, "pid") or 0,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class PartDoneRecord:
     """``OUT/spillmerge-parts/part-I-of-N.json``: part ``I`` of an output written in parts is done."""
@@ -478,9 +498,7 @@ class PartFailureRecord:
 
     @classmethod
     def of(cls, exc: BaseException, **fields: Any) -> PartFailureRecord:
-        error_type, message, tb = exception_fields(exc, message_chars=4000)
-        host, pid = _host()
-        return cls(error_type=error_type, message=message, traceback=tb, time=utcnow(), host=host, pid=pid, **fields)
+        return cls(**_failure_now(exc, message_chars=4000), **fields)
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part-failure", **asdict(self)})
@@ -494,12 +512,7 @@ class PartFailureRecord:
             plan=obj["plan"],
             rank=_int_or_none(obj, "rank"),
             run_id=_str_or_none(obj, "run_id", path),
-            error_type=str(obj.get("error_type", "Error"))[:200],
-            message=str(obj.get("message", ""))[:4000],
-            traceback=str(obj.get("traceback", ""))[-20000:],
-            time=str(obj.get("time")),
-            host=str(obj.get("host"))[:256],
-            pid=_int_or_none(obj, "pid") or 0,
+            **_failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
         )
 
     def summary(self) -> str:
@@ -604,9 +617,7 @@ class MergeFailureRecord:
 
     @classmethod
     def of(cls, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> MergeFailureRecord:
-        error_type, message, tb = exception_fields(exc)
-        host, pid = _host()
-        return cls(rank, run_id, session, error_type, message, tb, utcnow(), host, pid)
+        return cls(rank=rank, run_id=run_id, session=session, **_failure_now(exc, message_chars=2000))
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-failure", **asdict(self)})
@@ -618,12 +629,7 @@ class MergeFailureRecord:
             rank=_int(obj, "rank", path, hi=1 << 24),
             run_id=_str_or_none(obj, "run_id", path),
             session=_int(obj, "session", path, hi=1 << 40),
-            error_type=str(obj.get("error_type"))[:200],
-            message=str(obj.get("message"))[:2000],
-            traceback=str(obj.get("traceback"))[-20000:],
-            time=str(obj.get("time")),
-            host=str(obj.get("host"))[:256],
-            pid=_int_or_none(obj, "pid") or 0,
+            **_failure_read(obj, message_chars=2000, missing=None, missing_type=None),
         )
 
     def summary(self) -> str:
