@@ -1,5 +1,10 @@
-"""The byte-copy engine: frames from spill chunks into whole output chunks, checksum-verified,
-at most a memory budget of stripes in flight (docs/ARCHITECTURE.md, Memory)."""
+"""The byte-copy engine: leaf rows from spill chunks into whole output chunks of the columns'
+``values``, checksum-verified, at most a memory budget of chunks in flight
+(docs/ARCHITECTURE.md, Memory).
+
+The work is a list of :class:`Unit` s, one per output chunk; a merge in parts gives each part a
+share of the units (``_plan.split``), so no two processes ever write the same object.
+"""
 
 from __future__ import annotations
 
@@ -14,39 +19,52 @@ import google_crc32c
 import numpy as np
 
 from . import _codecs
-from . import _format as F
 from ._errors import CorruptSpillError
-from ._plan import FilePlan, Plan
+from ._plan import Column, Plan
+from ._spillroot import data_ranges
 from ._storage import Storage
-from ._zarrmeta import frames_per_chunk
+from ._zarrmeta import string_bytes, values_chunk
 
 
-@dataclass(slots=True)
-class _Stripe:
-    """The frames ``[start, stop)`` of one file: one chunk of each of its arrays."""
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One output chunk: units ``[lo, hi)`` of one column's ``values``."""
 
-    file: FilePlan
-    """The file."""
+    column: int
+    """Position in ``plan.columns``."""
     chunk: int
-    """Chunk number along the frame axis."""
-    start: int
-    """First output row."""
-    stop: int
-    """One past the last output row."""
+    """Chunk number along the first dimension."""
+    lo: int
+    """First unit (row, element or byte) of the chunk."""
+    hi: int
+    """One past the last unit."""
     k: int
-    """Frames per chunk of this file's arrays."""
-
-    @property
-    def nbytes(self) -> int:
-        return (self.stop - self.start) * self.file.frame_nbytes
+    """Units per chunk of this array (the chunk shape's first dimension)."""
+    nbytes: int
+    """Payload bytes: the memory budget and the split between parts count these."""
 
 
-def _stripes(files: list[FilePlan], chunk_bytes: int) -> list[_Stripe]:
-    out = []
-    for fp in files:
-        k = frames_per_chunk(fp, chunk_bytes)
-        for j, a in enumerate(range(0, len(fp.frames), k)):
-            out.append(_Stripe(fp, j, a, min(a + k, len(fp.frames)), k))
+def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
+    """Every output chunk of every column, in column order (deterministic: parts split this list)."""
+    out: list[Unit] = []
+    for ci, col in enumerate(plan.columns):
+        n = col.n_units
+        if n == 0 or (col.storage != "string" and col.unit_bytes == 0):
+            continue  # no elements: the array has no chunk to write
+        k = values_chunk(plan, col, chunk_bytes)
+        if col.storage == "string":
+            cum = np.zeros(n + 1, dtype=np.int64)
+            if col.counts is None:
+                np.cumsum(string_bytes(plan, col), out=cum[1:])
+        for j, lo in enumerate(range(0, n, k)):
+            hi = min(lo + k, n)
+            if col.storage != "string":
+                size = (hi - lo) * col.unit_bytes
+            elif col.counts is None:
+                size = int(cum[hi] - cum[lo]) + 4 * (hi - lo)
+            else:
+                size = 8 * (hi - lo)  # an estimate: string lengths per element are in the rows
+            out.append(Unit(ci, j, lo, hi, k, max(size, 1)))
     return out
 
 
@@ -54,31 +72,29 @@ def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
     done(fut, size)
 
 
-def copy_files(
-    src: Storage, output: Storage, plan: Plan, files: list[FilePlan], *, chunk_bytes: int, codec: str,
-    memory_budget: int, threads: int, progress: bool | None,
+def copy_units(
+    src: Storage, output: Storage, plan: Plan, todo: list[Unit], *, codec: str, memory_budget: int, threads: int,
+    progress: bool | None,
 ) -> None:  # fmt: skip
-    """Copy the frames of ``files`` into their output chunks (``chunk_bytes`` target, ``codec``),
-    at most ``memory_budget`` bytes of stripes in flight over ``threads`` threads; a progress bar
-    when ``progress`` (None: on a terminal)."""
-    budget = memory_budget
-    stripes = _stripes(files, chunk_bytes)
+    """Write the output chunks ``todo`` (``codec``), at most ``memory_budget`` bytes of chunks in
+    flight over ``threads`` threads; a progress bar when ``progress`` (None: on a terminal)."""
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
         from tqdm.auto import tqdm
 
         bar = tqdm(
-            total=sum(s.nbytes for s in stripes),
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc="merge",
+            total=sum(u.nbytes for u in todo), unit="B", unit_scale=True, unit_divisor=1024, desc="merge",
             file=sys.stderr,
-        )
+        )  # fmt: skip
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []
+    offsets: dict[int, np.ndarray] = {}
+    for u in todo:  # once per column, before the threads share them
+        col = plan.columns[u.column]
+        if col.counts is not None and u.column not in offsets:
+            offsets[u.column] = col.offsets()
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -93,16 +109,17 @@ def copy_files(
 
     try:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
-            for stripe in stripes:
-                size = stripe.nbytes
+            for u in todo:
+                size = u.nbytes
                 with cond:
-                    # Bounded memory: wait until this stripe fits in the budget (one stripe always may run).
-                    while in_flight and in_flight + size > budget and not errors:
+                    # Bounded memory: wait until this chunk fits in the budget (one chunk always may run).
+                    while in_flight and in_flight + size > memory_budget and not errors:
                         cond.wait()
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(_copy_stripe, src, output, plan, stripe, codec)
+                job = _Chunk(src, plan, plan.columns[u.column], u, offsets.get(u.column))
+                fut = pool.submit(job.write, output, codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
         if bar is not None:
@@ -114,101 +131,198 @@ def copy_files(
 _SCRATCH = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread buffer reused across stripes. Fresh allocations of this size are mmapped and
+def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
+    """A per-thread buffer reused across chunks. Fresh allocations of this size are mmapped and
     page-faulted anew each time; on the VMs we measured that tripled the merge's CPU time."""
-    buf = getattr(_SCRATCH, "buf", None)
+    buf = getattr(_SCRATCH, slot, None)
     if buf is None or len(buf) < nbytes:
-        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        setattr(_SCRATCH, slot, buf)
     return buf[:nbytes]
-
-
-def _copy_stripe(src: Storage, output: Storage, plan: Plan, stripe: _Stripe, codec: str) -> None:
-    for leaf in stripe.file.leaves:
-        rows = leaf.rows[stripe.start : stripe.stop]
-        item = leaf.layout.nbytes
-        if item == 0:  # zero-size frames: the array has no elements, so no chunk to write
-            continue
-        full = stripe.k * item  # the last chunk of an array is padded to the chunk shape
-        used = len(rows) * item
-        key = f"{leaf.node}/c/{stripe.chunk}" + "/0" * len(leaf.layout.shape)
-        enc = _codecs.encoder(codec, np.dtype(F.DTYPES[leaf.layout.dtype].storage).itemsize)
-        if src.local and enc is None:
-            # Frames are written straight from the page cache (mmap), never copied into our memory.
-            buffers: list[Any] = []
-            for j, r in enumerate(rows.tolist()):
-                views = [src.view(rel, lo, hi) for rel, lo, hi in pieces(plan, rows[j : j + 1])]
-                got = 0
-                for v in views:
-                    got = google_crc32c.extend(got, v)
-                if got != int(plan.crc[r]):
-                    _raise_mismatch(src, plan, stripe, leaf, j, r)
-                buffers.extend(views)
-            if used < full:
-                buffers.append(_zeros(full - used))
-        else:
-            # A compressor needs the whole chunk in one buffer: one copy into a reused one.
-            buf = _scratch(full if enc is not None else used)
-            if src.local:
-                pos = 0
-                for j, r in enumerate(rows.tolist()):
-                    got = 0
-                    for rel, lo, hi in pieces(plan, rows[j : j + 1]):
-                        v = src.view(rel, lo, hi)
-                        got = google_crc32c.extend(got, v)
-                        buf[pos : pos + hi - lo] = np.frombuffer(v, dtype=np.uint8)
-                        pos += hi - lo
-                    if got != int(plan.crc[r]):
-                        _raise_mismatch(src, plan, stripe, leaf, j, r)
-            else:
-                src.read_into(pieces(plan, rows), buf[:used].data)
-                for j, r in enumerate(rows.tolist()):
-                    if google_crc32c.value(buf[j * item : (j + 1) * item]) != int(plan.crc[r]):
-                        _raise_mismatch(src, plan, stripe, leaf, j, r)
-            if enc is not None:
-                buf[used:full] = 0
-                buffers = [np.frombuffer(enc.encode(buf[:full]), dtype=np.uint8)]
-            else:
-                buffers = [buf[:used]] + ([_zeros(full - used)] if used < full else [])
-        out_crc = 0
-        for part in buffers:
-            out_crc = google_crc32c.extend(out_crc, part)
-        output.makedirs(key.rsplit("/", 1)[0])
-        output.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])
 
 
 def _zeros(n: int) -> np.ndarray:
     return np.zeros(n, dtype=np.uint8)
 
 
-def _raise_mismatch(src: Storage, plan: Plan, stripe: _Stripe, leaf: Any, j: int, r: int) -> None:
-    seg = plan.segments[int(plan.seg[r])]
-    where = src.describe(f"{seg.seg.rel}/{F.DATA_NAME}")
-    raise CorruptSpillError(
-        f"{where}: checksum mismatch for {stripe.file.filename!r:.200} frame "
-        f"{int(stripe.file.frames[stripe.start + j])} leaf {leaf.layout.leaf_name()!r} at bytes "
-        f"{int(plan.offset[r])}..{int(plan.offset[r] + plan.nbytes[r])} (rank {seg.seg.rank}): "
-        "the spill is corrupt; run `spillmerge verify` on the root",
-        path=where,
-        rank=seg.seg.rank,
-    )
+class _Chunk:
+    """Builds and writes one output chunk."""
 
+    def __init__(self, src: Storage, plan: Plan, col: Column, unit: Unit, offsets: np.ndarray | None) -> None:
+        self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
 
-def pieces(plan: Plan, rows: np.ndarray) -> list[tuple[str, int, int]]:
-    """Byte ranges of ``rows`` in their data chunk objects, adjacent ranges coalesced."""
-    out: list[tuple[str, int, int]] = []
-    for r in rows.tolist():
-        seg = plan.segments[int(plan.seg[r])]
-        cb = seg.chunk_bytes
-        off, end = int(plan.offset[r]), int(plan.offset[r] + plan.nbytes[r])
-        while off < end:
-            c = off // cb
-            stop = min(end, (c + 1) * cb)
-            rel = f"{seg.seg.rel}/{F.DATA_NAME}/c/{c}"
-            lo, hi = off - c * cb, stop - c * cb
-            if out and out[-1][0] == rel and out[-1][2] == lo:
-                out[-1] = (rel, out[-1][1], hi)
-            else:
-                out.append((rel, lo, hi))
-            off = stop
-    return out
+    @property
+    def key(self) -> str:
+        return f"columns/{self.col.name}/values/c/{self.u.chunk}" + "/0" * len(self.col.unit_shape)
+
+    def write(self, output: Storage, codec: str) -> None:
+        col = self.col
+        if col.storage == "string":
+            buffers = [self._strings()]
+            itemsize = 1
+        else:
+            buffers = self._numeric(raw=codec == "none")
+            itemsize = np.dtype(col.storage).itemsize
+        enc = _codecs.encoder(codec, itemsize)
+        if enc is not None:
+            whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
+            buffers = [np.frombuffer(enc.encode(whole), dtype=np.uint8)]
+        out_crc = 0
+        for part in buffers:
+            out_crc = google_crc32c.extend(out_crc, part)
+        output.makedirs(self.key.rsplit("/", 1)[0])
+        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])
+
+    # -- reading source rows -----------------------------------------------------------------
+
+    def _touched(self) -> list[tuple[int, int, int]]:
+        """``(row, first unit, one past the last unit)`` in row units of every row with bytes in
+        this chunk, in order; rows cut by the chunk's edges included (only kinds with offsets)."""
+        lo, hi, src = self.u.lo, self.u.hi, self.col.src
+        if self.off is None:
+            rows = np.arange(lo, hi)
+            rows = rows[src[lo:hi] >= 0]
+            return [(r, 0, 1) for r in rows.tolist()]
+        off = self.off
+        r0 = int(np.searchsorted(off, lo, side="right")) - 1
+        r1 = int(np.searchsorted(off, hi, side="left"))
+        out = []
+        for r in range(r0, r1):
+            a, b = int(off[r]), int(off[r + 1])
+            if b > a and src[r] >= 0:
+                out.append((r, max(lo, a) - a, min(hi, b) - a))
+        return out
+
+    def _rows(self, rows: list[int]) -> list[np.ndarray]:
+        """The whole stored bytes of each of ``rows`` as uint8 arrays (views of the page cache on
+        local disks, else one batched read into a scratch buffer), each checked against its
+        CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers."""
+        plan, src = self.plan, self.col.src
+        ents = [int(src[r]) for r in rows]
+        if self.src.local:
+            out = []
+            for r, e in zip(rows, ents, strict=True):
+                seg = plan.segments[int(plan.seg[e])]
+                views = [self.src.view(rel, a, b) for rel, a, b in data_ranges(seg, int(plan.offset[e]), int(plan.nbytes[e]))]
+                got = 0
+                for v in views:
+                    got = google_crc32c.extend(got, v)
+                if got != int(plan.crc[e]):
+                    self._mismatch(r, e)
+                out.append(views[0] if len(views) == 1 else np.concatenate(views))
+            return out
+        sizes = [int(plan.nbytes[e]) for e in ents]
+        buf = _scratch(sum(sizes), "rows")
+        pieces = []
+        for e in ents:
+            pieces.extend(data_ranges(plan.segments[int(plan.seg[e])], int(plan.offset[e]), int(plan.nbytes[e])))
+        self.src.read_into(pieces, buf.data)
+        out, pos = [], 0
+        for r, e, n in zip(rows, ents, sizes, strict=True):
+            v = buf[pos : pos + n]
+            if google_crc32c.value(v) != int(plan.crc[e]):
+                self._mismatch(r, e)
+            out.append(v)
+            pos += n
+        return out
+
+    def _mismatch(self, r: int, e: int) -> None:
+        plan = self.plan
+        seg = plan.segments[int(plan.seg[e])]
+        where = self.src.describe(f"{seg.seg.rel}/data")
+        f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        raise CorruptSpillError(
+            f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
+            f"{'/'.join(self.col.leaf) or '<value>'!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])} "
+            f"(rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+            path=where,
+            rank=seg.seg.rank,
+        )
+
+    # -- numeric and byte columns -------------------------------------------------------------
+
+    def _numeric(self, *, raw: bool) -> list[Any]:
+        """The chunk's bytes (padded to the chunk shape) as buffers written back to back."""
+        col, u = self.col, self.u
+        ub = col.unit_bytes
+        full = u.k * ub
+        touched = self._touched()
+        data = self._rows([r for r, _, _ in touched])
+        buffers: list[Any] = []
+        pos = 0  # bytes of the chunk produced so far
+        for (r, a, b), row in zip(touched, data, strict=True):
+            start = (r - u.lo) * ub if self.off is None else (int(self.off[r]) + a - u.lo) * ub
+            if start > pos:  # rows without a value read as zeros
+                buffers.append(_zeros(start - pos))
+            piece = row if self.off is None else row[a * ub : b * ub]
+            buffers.append(piece)
+            pos = start + len(piece)
+        if pos < full:
+            buffers.append(_zeros(full - pos))
+        if raw and self.src.local:
+            return buffers  # written straight from the page cache, never copied into our memory
+        out = _scratch(full)
+        p = 0
+        for x in buffers:
+            n = x.nbytes
+            out[p : p + n] = np.frombuffer(x, dtype=np.uint8)
+            p += n
+        return [out]
+
+    # -- string columns -----------------------------------------------------------------------
+
+    def _strings(self) -> bytes:
+        """A vlen-utf8 chunk: uint32 count, then per string a uint32 length and its UTF-8 bytes;
+        rows without a value and the padding of the last chunk are empty strings."""
+        col, u = self.col, self.u
+        touched = self._touched()
+        data = self._rows([r for r, _, _ in touched])
+        lengths = np.zeros(u.k, dtype="<u4")
+        parts: dict[int, Any] = {}
+        for (r, a, b), row in zip(touched, data, strict=True):
+            if col.kind == "str":
+                self._utf8(r, row)
+                lengths[r - u.lo] = len(row)
+                parts[r - u.lo] = row
+                continue
+            n = int(self.plan.nbytes[int(col.src[r])])
+            count = int(self.off[r + 1] - self.off[r]) if self.off is not None else 0
+            lens = np.frombuffer(row, dtype="<u4", count=count)
+            ends = 4 * count + np.cumsum(lens, dtype=np.int64)
+            if count and int(ends[-1]) != n:
+                self._bad_strlist(r)
+            first = int(self.off[r]) if self.off is not None else 0
+            for j in range(a, b):
+                s, e = int(ends[j] - lens[j]), int(ends[j])
+                piece = row[s:e]
+                self._utf8(r, piece)
+                lengths[first + j - u.lo] = e - s
+                parts[first + j - u.lo] = piece
+        out = bytearray(np.uint32(u.k).astype("<u4").tobytes())
+        for i in range(u.k):
+            out += lengths[i : i + 1].tobytes()
+            p = parts.get(i)
+            if p is not None:
+                out += p
+        return bytes(out)
+
+    def _utf8(self, r: int, b: Any) -> None:
+        try:
+            bytes(b).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self._corrupt(r, f"a string is not valid UTF-8 ({exc.reason})")
+
+    def _bad_strlist(self, r: int) -> None:
+        self._corrupt(r, "a list of strings whose lengths do not add up to its size")
+
+    def _corrupt(self, r: int, what: str) -> None:
+        plan, e = self.plan, int(self.col.src[r])
+        seg = plan.segments[int(plan.seg[e])]
+        where = self.src.describe(f"{seg.seg.rel}/data")
+        f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        raise CorruptSpillError(
+            f"{where}: {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
+            f"{'/'.join(self.col.leaf) or '<value>'!r} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
+            path=where,
+            rank=seg.seg.rank,
+        )

@@ -1,4 +1,4 @@
-"""On-disk format version 1: names, dtype table, node-name encoding and record schemas.
+"""On-disk format version 2: names, dtype table, node-name encoding and record schemas.
 
 docs/FORMAT.md is the normative description; keep the two in step.
 """
@@ -19,7 +19,10 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Versions this spillmerge reads: version 1 spill roots are a subset of version 2; version 1
+outputs are read by the reader's version-1 path (docs/FORMAT.md section 5)."""
 
 RANK_PREFIX = "rank-"
 SEGMENT_PREFIX = "seg-"
@@ -168,6 +171,13 @@ class DType:
     """numpy dtype name used for output arrays (raw bits for torch-only types)."""
     native: bool
     """True when numpy has this type itself (``storage == name``)."""
+    kind: str = "num"
+    """``num`` (a numeric array), or one of the non-numeric kinds ``str``, ``bytes``, ``pickle``,
+    ``strlist``, ``none`` (docs/FORMAT.md section 1, *catalog*)."""
+
+    @property
+    def numeric(self) -> bool:
+        return self.kind == "num"
 
 
 _NATIVE = [
@@ -195,6 +205,13 @@ for _n in _NATIVE:
     DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
 for _n, _s in _RAW.items():
     DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+#: Non-numeric kinds (version 2): bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
+#: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
+#: ``[]`` for ``none``).
+NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
+for _n in NON_NUMERIC:
+    DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
+_LAYOUT_NDIM = {"str": 1, "bytes": 1, "pickle": 1, "strlist": 2, "none": 0}
 
 
 def get_dtype(name: object, *, path: str = "?") -> DType:
@@ -254,10 +271,10 @@ def _check_header(obj: Any, kind: str, path: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise CorruptSpillError(f"{path}: expected a JSON object", path=path)
     version = obj.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise FormatVersionError(
             f"{path}: format_version {version!r} is not supported by this spillmerge "
-            f"(reads version {FORMAT_VERSION}); upgrade spillmerge or re-spill",
+            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade spillmerge or re-spill",
             path=path,
         )
     if obj.get("kind") != kind:
@@ -531,7 +548,7 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> di
     )
     if not ok:
         raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
-    if obj.get("format_version") != FORMAT_VERSION:
+    if obj.get("format_version") not in READABLE_VERSIONS or isinstance(obj.get("format_version"), bool):
         raise FormatVersionError(f"{path}: unknown format_version {obj.get('format_version')!r}", path=path)
     return dict(obj)
 
@@ -584,6 +601,8 @@ class OutputHeader:
     """Segments merged."""
     created: str
     """UTC time the merge planned the output."""
+    file_layouts: list[list[str]]
+    """The distinct column sets of the files (``index/file_layout`` points into it)."""
 
     def to_obj(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
@@ -677,10 +696,20 @@ class Layout:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
+        """Bytes of one row of this layout in ``data`` (docs/FORMAT.md section 1)."""
+        dt = DTYPES[self.dtype]
+        if dt.kind == "strlist":
+            return self.shape[1]
+        if not dt.numeric:
+            return self.shape[0] if self.shape else 0
+        n = dt.itemsize
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def kind(self) -> str:
+        return DTYPES[self.dtype].kind
 
     def to_obj(self) -> dict[str, Any]:
         return {"leaf": list(self.leaf), "dtype": self.dtype, "shape": list(self.shape)}
@@ -699,6 +728,9 @@ class Layout:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
         ):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
+        want = _LAYOUT_NDIM.get(str(dtype))
+        if want is not None and len(shape) != want:
+            raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
         lay = cls(tuple(leaf), str(dtype), tuple(shape))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)

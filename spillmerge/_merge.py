@@ -15,13 +15,13 @@ import zarr
 from . import _codecs, _lease, _output, _parts
 from . import _format as F
 from . import _zarrmeta as Z
-from ._copy import copy_files
+from ._copy import Unit, copy_units, units
 from ._errors import (
     MissingPartsError,
     SpillStorageError,
     SpillValueError,
 )
-from ._plan import FilePlan, Plan, build, fingerprint, split
+from ._plan import Plan, build, fingerprint, split
 from ._report import MergeReport, check_expected, gaps
 from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
@@ -240,25 +240,25 @@ class _Job:
             allow_partial, run_id, salvaged, notes, manifest, phases, t0, session,
         )  # fmt: skip
 
-    def report(self, *, files: list[FilePlan] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
-        chosen = self.plan.files if files is None else files
+    def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
+        plan = self.plan
         t_end = time.perf_counter()
         t_wait = self.phases["wait"]
         return MergeReport(
             out=self.output.describe(),
-            n_files=len(chosen),
-            n_frames=sum(len(f.frames) for f in chosen),
-            nbytes=sum(len(f.frames) * f.frame_nbytes for f in chosen),
+            n_files=plan.n_files,
+            n_frames=plan.n_frames,
+            nbytes=plan.total_bytes if todo is None else sum(u.nbytes for u in todo),
             ranks=sorted({s.rank for s in self.segments}),
             segments=len(self.segments),
             seconds=t_end - self.t0,
             wait_seconds=t_wait,
             merge_seconds=t_end - self.t0 - t_wait,
-            duplicates=self.plan.duplicates,
+            duplicates=plan.duplicates,
             missing_ranks=sorted([*self.state.missing, *self.state.failed]),
             abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
             salvaged_frames=self.salvaged,
-            frame_gaps=gaps(chosen, self.expected, whole=part is None)
+            frame_gaps=gaps(plan, self.expected, whole=part is None)
             if self.allow_partial or self.expected is not None
             else {},
             expected_files=None if self.expected is None else len(self.expected),
@@ -292,17 +292,14 @@ def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None
     _output.prepare(output, overwrite, lease)
     try:
         t = time.perf_counter()
-        docs = {
-            **Z.shared_docs(job.plan, job.state.world_size),
-            **Z.file_docs(job.plan.files, job.chunk_bytes, job.codec),
-        }
+        docs = Z.output_docs(job.plan, job.state.world_size, job.chunk_bytes, job.codec)
         # The root document goes first, alone and whole: it marks the folder as a spillmerge
         # output, so an interrupted merge can be recognised and rebuilt.
         output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
-        _copy(job, job.plan.files)
+        _copy(job, units(job.plan, job.chunk_bytes))
         job.phases["copy"] = time.perf_counter() - t
         _write_index(job)
         _finish(job, docs, lease)
@@ -318,7 +315,7 @@ def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None
 
 
 def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int | None) -> MergeReport:
-    """Part ``i`` of ``n``: the arrays of the files ``split`` gives it, then its part record.
+    """Part ``i`` of ``n``: the output chunks ``split`` gives it, then its part record.
 
     Touches nothing another part of the same plan owns: the shared nodes (index, groups,
     consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
@@ -326,7 +323,8 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
     (``overwrite``)."""
     i, n = part
     output = job.output
-    mine = [job.plan.files[k] for k in split(job.plan, n)[i]]
+    every = units(job.plan, job.chunk_bytes)
+    mine = [every[k] for k in split([u.nbytes for u in every], n)[i]]
     _output.check_claimable(output)
     output.makedirs("")
     with _lease.part(output, i, n) as lease:  # two runs of the same part never write at once
@@ -335,7 +333,7 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
 
 
 def _write_part(
-    job: _Job, part: tuple[int, int], mine: list[FilePlan], overwrite: bool, rank: int | None, lease: _lease.Lease
+    job: _Job, part: tuple[int, int], mine: list[Unit], overwrite: bool, rank: int | None, lease: _lease.Lease
 ) -> MergeReport:
     i, n = part
     output, plan_id = job.output, job.fingerprint
@@ -346,7 +344,7 @@ def _write_part(
         job.notes.append(
             f"{name} was already complete ({output.describe(_parts.record_name(i, n))}); nothing rewritten"
         )
-        return job.report(files=mine, parts=n, part=i)
+        return job.report(todo=mine, parts=n, part=i)
     foreign = _parts.foreign(records, n, plan_id)
     if foreign and not overwrite:
         raise _parts.mismatch_error(
@@ -364,13 +362,10 @@ def _write_part(
     try:
         t = time.perf_counter()
         if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
-            output.put_atomic("zarr.json", Z.json_doc(Z.shared_docs(job.plan, job.state.world_size)[""]))
-        docs = Z.file_docs(mine, job.chunk_bytes, job.codec)
-        present = set(output.listdir("files"))
-        for f in mine:  # an earlier attempt of this part (or an older merge) may have left chunks
-            if f.key in present:
-                output.rm_tree(f"files/{f.key}")
-        output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items()})
+            docs = Z.output_docs(job.plan, job.state.world_size, job.chunk_bytes, job.codec)
+            output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+        # Chunks an earlier attempt of this part left are rewritten whole below; every other
+        # node (documents, index) is the finalizer's.
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, mine)
@@ -380,15 +375,15 @@ def _write_part(
             output.fsync_tree("")
         lease.check()
         _parts.write_done(
-            output, i, n, plan_id, rank, job.run_id, n_files=len(mine), n_frames=sum(len(f.frames) for f in mine),
-            nbytes=sum(len(f.frames) * f.frame_nbytes for f in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
+            output, i, n, plan_id, rank, job.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
+            nbytes=sum(u.nbytes for u in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
         _parts.write_failure(output, i, n, plan_id, rank, job.run_id, exc)
         raise
-    return job.report(files=mine, parts=n, part=i)
+    return job.report(todo=mine, parts=n, part=i)
 
 
 def _finalize(
@@ -435,48 +430,56 @@ def _finalize_locked(
     lease.check()
     if complete:
         output.rm_tree(F.COMPLETE_NAME)
-    keys = {f.key for f in job.plan.files}
-    for name in output.listdir("files"):
-        if name not in keys and name != "zarr.json":  # left by an older merge into this output
-            output.rm_tree(f"files/{name}")
-    shared = Z.shared_docs(job.plan, job.state.world_size)
-    output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in shared.items() if path})
+    keep = {c.name for c in job.plan.columns}
+    for name in output.listdir("columns"):
+        if name not in keep and name != "zarr.json":  # left by an older merge into this output
+            output.rm_tree(f"columns/{name}")
+    if output.exists("files"):  # an older (format 1) merge into this output
+        output.rm_tree("files")
+    docs = Z.output_docs(job.plan, job.state.world_size, job.chunk_bytes, job.codec)
+    output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     _write_index(job)
-    _finish(job, {**shared, **Z.file_docs(job.plan.files, job.chunk_bytes, job.codec)}, lease)
+    _finish(job, docs, lease)
     return job.report(parts=n)
 
 
 def _write_index(job: _Job) -> None:
+    """The index arrays and every column's ``offsets``, ``shapes`` and ``valid``: computed from
+    the plan, written through zarr (whole arrays, one process)."""
     t = time.perf_counter()
     plan = job.plan
-    n = len(plan.files)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(f.frames) for f in plan.files])
     store = job.output.zarr_store()
     # write_empty_chunks: an index chunk that happens to be all zeros must still exist on disk
     # (verify treats a missing chunk as damage).
     # The output may have been changed under us (a hostile writer of the storage): whatever zarr
     # raises about it becomes one SpillStorageError naming the output.
     with zarr.config.set({"array.write_empty_chunks": True}), job.output._errors("write the index of", "index"):
-        index = zarr.open_group(store, mode="r+", use_consolidated=False)["index"]
-        if n:
-            index["filenames"][:] = np.array([f.filename for f in plan.files], dtype=object)  # type: ignore[index]
-            index["keys"][:] = np.array([f.key for f in plan.files], dtype=object)  # type: ignore[index]
-        index["frame_offsets"][:] = offsets  # type: ignore[index]
+        group = zarr.open_group(store, mode="r+", use_consolidated=False)
+        index: Any = group["index"]
+        if plan.n_files:
+            index["filenames"][:] = np.array(plan.filenames, dtype=object)
+            index["file_layout"][:] = plan.file_layout
+        index["frame_offsets"][:] = plan.file_offsets
         if plan.n_frames:
-            index["frame_idx"][:] = np.concatenate([f.frames for f in plan.files])  # type: ignore[index]
-            seg_rank = np.array([s.seg.rank for s in plan.segments], dtype=np.int32)
-            rows = np.concatenate([f.leaves[0].rows for f in plan.files])
-            index["frame_rank"][:] = seg_rank[plan.seg[rows]]  # type: ignore[index]
-            index["frame_copies"][:] = plan.copies[rows].astype(np.int32)  # type: ignore[index]
+            index["frame_idx"][:] = plan.frame_idx
+            index["frame_rank"][:] = plan.rank
+            index["frame_copies"][:] = plan.copies
+        for col in plan.columns:
+            node: Any = group[f"columns/{col.name}"]
+            if col.has_offsets:
+                node["offsets"][:] = col.offsets()
+            if col.shapes is not None and plan.n_frames:
+                node["shapes"][:] = col.shapes
+            if col.has_valid and plan.n_frames:
+                node["valid"][:] = col.src >= 0
     job.phases["index"] = time.perf_counter() - t
 
 
-def _copy(job: _Job, files: list[FilePlan]) -> None:
-    copy_files(
-        job.src, job.output, job.plan, files, chunk_bytes=job.chunk_bytes, codec=job.codec,
-        memory_budget=job.memory_budget, threads=job.threads, progress=job.progress,
+def _copy(job: _Job, todo: list[Unit]) -> None:
+    copy_units(
+        job.src, job.output, job.plan, todo, codec=job.codec, memory_budget=job.memory_budget, threads=job.threads,
+        progress=job.progress,
     )  # fmt: skip
 
 
@@ -492,7 +495,7 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
     lease.check()  # a merge that lost its lease must not vouch for an output another one writes
     output.put_atomic("zarr.json", Z.json_doc(root))
     marker = F.CompletionMarker(
-        n_files=len(plan.files),
+        n_files=plan.n_files,
         n_frames=plan.n_frames,
         nbytes=plan.total_bytes,
         finished=F.utcnow(),

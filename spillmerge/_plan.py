@@ -1,9 +1,13 @@
-"""Merge planning: which stored rows become which output rows, checked before anything is written.
+"""Merge planning: which stored rows become which output rows and columns, checked before anything
+is written (format version 2: one array per leaf column across all rows, docs/FORMAT.md section 2).
 
-Per filename: frames ascending and unique; every frame has the same leaves with the same dtype
-and shape; duplicate keys resolved by the policy (identical content is never an error). Content is
-identical only when the bytes are: the plan reads nothing itself, it asks a ``same_bytes`` callback
-(``_spillroot.same_bytes`` over the merge's storage) about duplicates whose checksums agree.
+Rows are the distinct ``(filename, frame)`` keys, files sorted, frames ascending within a file.
+Every leaf path of the merge is one column; a leaf keeps one kind, dtype and ``ndim`` across the
+merge (its shape may vary: the column is then ragged). Duplicate keys are resolved by the policy
+(identical content is never an error). Content is identical only when the bytes are: the plan
+reads nothing itself, it asks a ``same_bytes`` callback (``_spillroot.same_bytes`` over the
+merge's storage) about duplicates whose checksums agree. Everything is vectorised over rows: a
+million one-frame files plan in seconds, with no Python object per file.
 """
 
 from __future__ import annotations
@@ -24,51 +28,123 @@ from ._spillroot import Extent, LoadedSegment
 SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 """``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
 
+VALUE_COLUMN = "__value__"
+"""Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...)."""
 
-@dataclass(frozen=True, slots=True)
-class LeafPlan:
-    """One output array."""
-
-    layout: F.Layout
-    """Leaf path, dtype and frame shape."""
-    node: str
-    """Array path inside the output, e.g. ``files/video_001.mp4/boxes``."""
-    rows: np.ndarray
-    """Positions in the plan's row table, one per output row, in frame order."""
+#: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
+_KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
 
 
 @dataclass(frozen=True, slots=True)
-class FilePlan:
-    """Everything written for one filename."""
+class Column:
+    """One leaf column of the output: ``columns/<name>/``."""
 
-    filename: str
-    """Original filename."""
-    index: int
-    """Position in the sorted filename list."""
-    key: str
-    """Node name under ``files/``."""
-    frames: np.ndarray
-    """Ascending int64 frame indices."""
-    leaves: list[LeafPlan]
-    """Output arrays (one for tensor values, one per leaf for dict values)."""
-    is_dict: bool
-    """True when the value was a dict."""
+    name: str
+    """Node name under ``columns/``."""
+    leaf: tuple[str, ...]
+    """Dict keys from the frame value to the leaf."""
+    kind: str
+    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
+    dtype: str
+    """Dtype name (numeric kinds) or the kind."""
+    ndim: int
+    """Dimensions of one row's value (0 for str, bytes, pickle; 1 for strlist)."""
+    shape: tuple[int, ...] | None
+    """``fixed``: the shape of every row's value."""
+    inner: tuple[int, ...] | None
+    """``ragged``: the dimensions after the first when only the first varies, else None."""
+    src: np.ndarray
+    """int64 (n_rows,): position in the plan's row table of each output row's bytes, -1 when absent."""
+    counts: np.ndarray | None
+    """int64 (n_rows,): units of ``values`` per row (offsets' steps), for kinds with offsets."""
+    shapes: np.ndarray | None
+    """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``."""
+    has_valid: bool
+    """Some row lacks the leaf (a ``valid`` array is written)."""
 
     @property
-    def frame_nbytes(self) -> int:
-        return sum(leaf.layout.nbytes for leaf in self.leaves)
+    def storage(self) -> str:
+        """numpy dtype of ``values`` (``"string"`` for str and strlist)."""
+        if self.kind in ("str", "strlist"):
+            return "string"
+        if self.kind in ("bytes", "pickle"):
+            return "uint8"
+        return F.DTYPES[self.dtype].storage
+
+    @property
+    def has_offsets(self) -> bool:
+        """Ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
+        ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
+        return self.counts is not None
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """Shape of one unit (one first-dimension entry) of ``values``."""
+        if self.kind == "fixed":
+            assert self.shape is not None
+            return self.shape
+        if self.kind == "ragged" and self.inner is not None:
+            return self.inner
+        return ()
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one unit of ``values`` (numeric kinds and bytes/pickle)."""
+        n = np.dtype(self.storage).itemsize if self.storage != "string" else 1
+        for d in self.unit_shape:
+            n *= d
+        return n
+
+    def offsets(self) -> np.ndarray:
+        assert self.counts is not None
+        out = np.zeros(len(self.counts) + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=out[1:])
+        return out
+
+    @property
+    def n_units(self) -> int:
+        """Length of ``values``' first dimension."""
+        if self.counts is None:
+            return len(self.src)
+        return int(self.counts.sum())
+
+    def header(self, chunk_max_bytes: int | None = None) -> dict[str, Any]:
+        """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
+        return {
+            "leaf": list(self.leaf),
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "ndim": self.ndim,
+            "inner_shape": None if self.inner is None else list(self.inner),
+            "has_valid": self.has_valid,
+            "chunk_max_bytes": chunk_max_bytes,
+        }
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The merge plan and the row table it refers to."""
 
-    files: list[FilePlan]
-    """Sorted by filename."""
+    filenames: list[str]
+    """Sorted, distinct."""
+    file_offsets: np.ndarray
+    """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
+    frame_idx: np.ndarray
+    """int64 (n_rows,): frame index of each output row."""
+    rank: np.ndarray
+    """int32 (n_rows,): rank whose segment each output row came from."""
+    copies: np.ndarray
+    """int32 (n_rows,): segments that held each row's frame (1 unless duplicated)."""
+    file_layout: np.ndarray
+    """int32 (n_files,): position in ``file_layouts`` of each file's column set."""
+    file_layouts: list[list[str]]
+    """Distinct sorted column-name sets of the files."""
+    columns: list[Column]
+    """Sorted by name."""
     segments: list[LoadedSegment]
-    """Source segments; ``seg`` column values index this list."""
+    """Source segments; ``seg`` values index this list."""
     seg: np.ndarray
-    """Row table: source segment of each row."""
+    """Row table: source segment of each stored leaf row."""
     offset: np.ndarray
     """Row table: byte offset in the segment's data."""
     nbytes: np.ndarray
@@ -77,20 +153,50 @@ class Plan:
     """Row table: CRC-32C."""
     duplicates: int
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
-    copies: np.ndarray
-    """Row table: how many segments held this row's (filename, frame) (1 unless duplicated)."""
+
+    @property
+    def n_files(self) -> int:
+        return len(self.filenames)
 
     @property
     def n_frames(self) -> int:
-        return sum(len(f.frames) for f in self.files)
+        return len(self.frame_idx)
 
     @property
     def total_bytes(self) -> int:
-        return sum(len(f.frames) * f.frame_nbytes for f in self.files)
+        return int(sum(int(self.nbytes[c.src[c.src >= 0]].sum()) for c in self.columns))
+
+    def file_rows(self, i: int) -> tuple[int, int]:
+        return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
 
 
 def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
-    return sorted({segments[int(s)].seg.rank for s in seg_ids})
+    return sorted({segments[int(s)].seg.rank for s in np.unique(seg_ids)})
+
+
+def _leaf_name(leaf: tuple[str, ...]) -> str:
+    return "/".join(leaf) or "<value>"
+
+
+def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+    """Node name under ``columns/`` of each leaf path (docs/FORMAT.md section 2, *Columns*)."""
+    text: dict[tuple[str, ...], str] = {}
+    for leaf in leaves:
+        if leaf:
+            plain = all(k and "/" not in k for k in leaf)
+            text[leaf] = "/".join(leaf) if plain else json.dumps(list(leaf), ensure_ascii=True)
+    if len(set(text.values())) != len(text):
+        a, b = [p for p in text if list(text.values()).count(text[p]) > 1][:2]
+        raise LayoutMismatchError(
+            f"leaf paths {list(a)} and {list(b)} have the same name; rename a dict key",
+            filename="",
+            leaf=_leaf_name(a),
+        )
+    enc = F.node_names(sorted(text.values()))
+    out = {leaf: enc[s] for leaf, s in text.items()}
+    if () in leaves:
+        out[()] = VALUE_COLUMN
+    return out
 
 
 def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes) -> Plan:
@@ -128,33 +234,103 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
         cols["nb"].append(idx[:, F.COL_NBYTES])
         cols["crc"].append(idx[:, F.COL_CRC])
     if not cols["file"]:
-        empty = np.zeros(0, np.int64)
-        return Plan([], segments, empty, empty, empty, empty, duplicates=0, copies=empty)
+        e = np.zeros(0, np.int64)
+        return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
+                    [], segments, e, e, e, e, duplicates=0)  # fmt: skip
     c = {k: np.concatenate(v) for k, v in cols.items()}
+    _check_leaf_types(c, layouts, leaf_paths, names, segments)
+    c, copies, duplicates = _resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
 
-    # 1. dtype/shape of a leaf must not change between frames of one file (across ranks).
-    order = np.lexsort((c["gl"], c["lp"], c["file"]))
-    f_s, lp_s, gl_s = c["file"][order], c["lp"][order], c["gl"][order]
-    bad = (np.diff(f_s) == 0) & (np.diff(lp_s) == 0) & (np.diff(gl_s) != 0)
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        fidx, lpidx = int(f_s[i]), int(lp_s[i])
-        sel = (c["file"] == fidx) & (c["lp"] == lpidx)
+    # Rows: distinct (file, frame), in order; every entry's row number.
+    order = np.lexsort((c["lp"], c["frame"], c["file"]))
+    for col in c:
+        c[col] = c[col][order]
+    copies = copies[order]
+    new_key = np.ones(len(order), dtype=bool)
+    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
+    row_of = np.cumsum(new_key) - 1
+    key_start = np.flatnonzero(new_key)
+    n_rows = len(key_start)
+    file_of_row = c["file"][key_start]
+    frame_idx = c["frame"][key_start].copy()
+    seg_rank = np.array([s.seg.rank for s in segments], dtype=np.int32)
+    rank = seg_rank[c["seg"][key_start]]
+    file_offsets = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
+
+    col_names = column_names(leaf_paths)
+    kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
+    is_none = kinds[c["gl"]] == "none"
+    columns = []
+    for p, leaf in enumerate(leaf_paths):
+        sel = np.flatnonzero(c["lp"] == p)
+        present = sel[~is_none[sel]]
+        src = np.full(n_rows, -1, dtype=np.int64)
+        src[row_of[present]] = present
+        columns.append(_column(col_names[leaf], leaf, src, c, layouts, n_rows))
+    columns.sort(key=lambda col: col.name)
+
+    file_layout, file_layouts = _file_layouts(c["file"], c["lp"], len(names), [col_names[p] for p in leaf_paths])
+    for layout in file_layouts:
+        _check_prefixes(layout, columns, names, file_layout, file_layouts)
+    return Plan(
+        names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
+        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates,
+    )  # fmt: skip
+
+
+def _check_leaf_types(
+    c: dict[str, np.ndarray], layouts: list[F.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
+    segments: list[LoadedSegment],
+) -> None:  # fmt: skip
+    """A leaf has one kind, dtype and ``ndim`` across the merge (``None`` rows aside; rows of zero
+    elements take the column's dtype)."""
+
+    def sig(lay: F.Layout, *, with_dtype: bool) -> tuple[str, str, int]:
+        dt = F.DTYPES[lay.dtype]
+        if not dt.numeric:
+            return (dt.kind, dt.kind, 0 if dt.kind != "strlist" else 1)
+        return ("num", lay.dtype if with_dtype else "", len(lay.shape))
+
+    empty = [F.DTYPES[lay.dtype].numeric and lay.nbytes == 0 and 0 in lay.shape for lay in layouts]
+    by_leaf: dict[int, dict[tuple[str, str, int], int]] = {}
+    lp_of = {p: i for i, p in enumerate(leaf_paths)}
+    for g, lay in enumerate(layouts):
+        if lay.dtype == "none":
+            continue
+        lp = lp_of[lay.leaf]
+        by_leaf.setdefault(lp, {}).setdefault(sig(lay, with_dtype=not empty[g]), g)
+    for lp, sigs in by_leaf.items():
+        full = {s for s in sigs if s[1] != "" or s[0] != "num"}
+        kinds = {(s[0], s[2]) for s in sigs}
+        dtypes = {s[1] for s in full}
+        if len(kinds) == 1 and len(dtypes) <= 1:
+            continue
         variants = []
-        for g in np.unique(c["gl"][sel]):
-            lay = layouts[int(g)]
-            variants.append(
-                f"{lay.dtype}{list(lay.shape)} on rank(s) {_ranks(segments, c['seg'][sel & (c['gl'] == g)])}"
-            )
-        leaf = "/".join(leaf_paths[lpidx]) or "<tensor>"
+        for s, g in sigs.items():
+            if s[1] == "" and len(kinds) == 1:
+                continue
+            sel = c["gl"] == g
+            first = int(np.flatnonzero(sel)[0])
+            desc = f"{s[1] or 'empty numeric'}" + (f" with {s[2]} dims" if s[0] == "num" else "")
+            variants.append((desc, names[int(c["file"][first])], _ranks(segments, c["seg"][sel])))
+        ranks = sorted({r for _, _, rs in variants for r in rs})
+        leaf = _leaf_name(leaf_paths[lp])
         raise LayoutMismatchError(
-            f"{names[fidx]!r:.200}: leaf {leaf!r} has different dtype/shape across frames: " + "; ".join(variants),
-            filename=names[fidx],
+            f"leaf {leaf!r} is stored as different types: "
+            + "; ".join(f"{d} (e.g. {f!r:.200}, rank(s) {r})" for d, f, r in variants)
+            + "; a leaf must keep its kind, dtype and number of dimensions in every frame of every file",
+            filename=variants[0][1],
             leaf=leaf,
-            ranks=_ranks(segments, c["seg"][sel]),
+            ranks=ranks,
         )
 
-    # 2. duplicates: the same (file, frame) from more than one segment.
+
+def _resolve_duplicates(
+    c: dict[str, np.ndarray], names: list[str], segments: list[LoadedSegment], on_duplicate: str, same_bytes: SameBytes
+) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+    """Drop all but one copy of every (file, frame) held by several segments; return the kept
+    entries, how many segments held each entry's key, and the copies dropped."""
     order = np.lexsort((c["lp"], c["seg"], c["frame"], c["file"]))
     for col in c:
         c[col] = c[col][order]
@@ -167,7 +343,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     keep = np.ones(len(order), dtype=bool)
     duplicates = 0
     key_end = np.append(key_start[1:], len(order))
-    c["copies"] = np.repeat(segs_per_key, key_end - key_start)
+    copies = np.repeat(segs_per_key, key_end - key_start)
     for k in np.flatnonzero(segs_per_key > 1):
         a, b = int(key_start[k]), int(key_end[k])
         groups: dict[int, list[int]] = {}
@@ -201,126 +377,131 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     if not keep.all():
         for col in c:
             c[col] = c[col][keep]
-
-    # 3. every frame of a file has the file's full set of leaves.
-    new_key = np.ones(len(c["file"]), dtype=bool)
-    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
-    key_start = np.flatnonzero(new_key)
-    leaves_per_key = np.diff(np.append(key_start, len(c["file"])))
-    file_of_key = c["file"][key_start]
-    lp_sets: dict[int, set[int]] = {}
-    for f, lp in zip(c["file"].tolist(), c["lp"].tolist(), strict=True):
-        lp_sets.setdefault(f, set()).add(lp)
-    want = np.array([len(lp_sets[int(f)]) for f in file_of_key], dtype=np.int64)
-    short = np.flatnonzero(leaves_per_key != want)
-    if len(short):
-        kk = int(short[0])
-        a = int(key_start[kk])
-        fidx, frame = int(c["file"][a]), int(c["frame"][a])
-        have = set(c["lp"][a : a + int(leaves_per_key[kk])].tolist())
-        lacking = sorted(lp_sets[fidx] - have)
-        missing = ["/".join(leaf_paths[p]) or "<tensor>" for p in lacking]
-        with_it = (c["file"] == fidx) & np.isin(c["lp"], lacking)
-        first = int(np.flatnonzero(with_it)[0])
-        rank = _ranks(segments, c["seg"][a : a + 1])[0]
-        others = _ranks(segments, c["seg"][with_it])
-        raise LayoutMismatchError(
-            f"{names[fidx]!r:.200} frame {frame} (rank {rank}) lacks leaves {missing} that other frames of this "
-            f"file have (written by rank(s) {others}, e.g. frame {int(c['frame'][first])}); every frame needs "
-            "the same leaves",
-            filename=names[fidx],
-            leaf=missing[0] if missing else "",
-            ranks=sorted({rank, *others}),
-        )
-
-    # 4. per file, per leaf: rows in frame order.
-    order = np.lexsort((c["frame"], c["lp"], c["file"]))
-    f_s, lp_s = c["file"][order], c["lp"][order]
-    brk = np.ones(len(order), dtype=bool)
-    brk[1:] = (np.diff(f_s) != 0) | (np.diff(lp_s) != 0)
-    starts = np.flatnonzero(brk)
-    ends = np.append(starts[1:], len(order))
-    keys = F.node_names(names)
-    files: list[FilePlan] = []
-    by_file: dict[int, list[tuple[int, np.ndarray]]] = {}
-    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        by_file.setdefault(int(f_s[a]), []).append((int(lp_s[a]), order[a:b]))
-    for fidx in sorted(by_file):
-        parts = by_file[fidx]
-        key = keys[names[fidx]]
-        leaf_tuples = [leaf_paths[lp] for lp, _ in parts]
-        is_dict = leaf_tuples != [()]
-        nodes: dict[tuple[str, ...], str] = _leaf_nodes(leaf_tuples) if is_dict else {(): ""}
-        leaves = []
-        for (_lp, rows), leaf_path in zip(parts, leaf_tuples, strict=True):
-            gl = int(c["gl"][rows[0]])
-            node = f"files/{key}" + (f"/{nodes[leaf_path]}" if is_dict else "")
-            leaves.append(LeafPlan(layouts[gl], node, rows))
-        frames = c["frame"][parts[0][1]]
-        files.append(FilePlan(names[fidx], len(files), key, frames.copy(), leaves, is_dict))
-    return Plan(files, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, c["copies"])
+        copies = copies[keep]
+    return c, copies, duplicates
 
 
-def _leaf_nodes(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
-    """Node path (relative to the file's group) of each leaf, encoding every dict level.
+def _column(
+    name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[F.Layout], n_rows: int
+) -> Column:
+    """The column of one leaf path from the row table positions of its present rows."""
+    present = src >= 0
+    has_valid = not bool(present.all())
+    gl = c["gl"][src[present]]
+    lay_ids = np.unique(gl)
+    lays = [layouts[int(g)] for g in lay_ids]
+    non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
+    dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
+    if lays and not dt.numeric:
+        kind = _KIND[dt.kind]
+        counts = np.zeros(n_rows, dtype=np.int64)
+        if kind == "strlist":
+            n_of = np.zeros(len(layouts), dtype=np.int64)
+            for g in lay_ids:
+                n_of[int(g)] = layouts[int(g)].shape[0]
+            counts[present] = n_of[gl]
+        elif kind != "str":
+            counts[present] = c["nb"][src[present]]
+        return Column(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
+                      None if kind == "str" else counts, None, has_valid)  # fmt: skip
+    ndim = len(lays[0].shape) if lays else 0
+    shapes = {lay.shape for lay in lays}
+    if len(shapes) <= 1:
+        shape = next(iter(shapes)) if shapes else ()
+        counts = present.astype(np.int64) if has_valid else None
+        return Column(name, leaf, "fixed", dt.name, ndim, shape, None, src, counts, None, has_valid)
+    table = np.zeros((len(layouts), ndim), dtype=np.int64)
+    for g in lay_ids:
+        table[int(g)] = layouts[int(g)].shape
+    row_shapes = np.zeros((n_rows, ndim), dtype=np.int64)
+    row_shapes[present] = table[gl]
+    inner_set = {lay.shape[1:] for lay in lays}
+    if len(inner_set) == 1:
+        inner = next(iter(inner_set))
+        return Column(name, leaf, "ragged", dt.name, ndim, None, inner, src, row_shapes[:, 0].copy(), None, has_valid)
+    counts = np.prod(row_shapes, axis=1, dtype=np.int64)
+    return Column(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
 
-    A key that is both a leaf and a parent (impossible for one dict value) is refused."""
-    children: dict[tuple[str, ...], set[str]] = {}
+
+def _file_layouts(
+    file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str]
+) -> tuple[np.ndarray, list[list[str]]]:
+    """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
+    a position in the list of distinct sets."""
+    pairs = np.unique(file_of * len(lp_names) + lp_of)
+    pf, pl = pairs // len(lp_names), pairs % len(lp_names)
+    if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised for millions of files
+        masks = np.zeros(n_files, dtype=np.int64)
+        np.bitwise_or.at(masks, pf, np.left_shift(np.int64(1), pl))
+        uniq, inverse = np.unique(masks, return_inverse=True)
+        sets = [[lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1] for m in uniq]
+    else:
+        per_file: list[list[int]] = [[] for _ in range(n_files)]
+        for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
+            per_file[f].append(p)
+        keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
+        inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
+        sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
+    return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]
+
+
+def _check_prefixes(
+    layout: list[str], columns: list[Column], names: list[str], file_layout: np.ndarray, file_layouts: list[list[str]]
+) -> None:
+    """Within one file a leaf cannot also be a dict holding other leaves: ``res[filename]`` could
+    not be both."""
+    by_name = {c.name: c.leaf for c in columns}
+    leaves = {by_name[n] for n in layout}
     for leaf in leaves:
-        for depth in range(len(leaf)):
-            children.setdefault(leaf[:depth], set()).add(leaf[depth])
-    enc = {parent: F.node_names(sorted(names)) for parent, names in children.items()}
-    out = {}
-    for leaf in leaves:
-        parts = [enc[leaf[:d]][leaf[d]] for d in range(len(leaf))]
-        out[leaf] = "/".join(parts)
-    leaf_set = set(leaves)
-    for parent in children:
-        if parent in leaf_set:
-            raise LayoutMismatchError(
-                f"leaf {'/'.join(parent)!r} is a value in some frames and a dict in others",
-                filename="",
-                leaf="/".join(parent),
-            )
-    return out
+        for d in range(len(leaf)):
+            if leaf[:d] in leaves:
+                i = file_layouts.index(layout)
+                fname = names[int(np.flatnonzero(file_layout == i)[0])]
+                raise LayoutMismatchError(
+                    f"{fname!r:.200}: leaf {_leaf_name(leaf[:d])!r} is a value in some frames and a dict "
+                    f"holding {_leaf_name(leaf)!r} in others",
+                    filename=fname,
+                    leaf=_leaf_name(leaf[:d]),
+                )
 
 
 def fingerprint(plan: Plan, **settings: Any) -> str:
-    """A digest of everything that decides the output's bytes: the source segments, every file's
-    key, leaves and frames, the source rows chosen for them (segment, offset, size, checksum) and
-    the output ``settings`` (chunk size, codec). Two processes that compute the same fingerprint
-    write the same output; parts of a parallel merge record it and refuse to mix."""
+    """A digest of everything that decides the output's bytes: the source segments, the files,
+    rows and columns, the source rows chosen for them (segment, offset, size, checksum) and the
+    output ``settings`` (chunk size, codec). Two processes that compute the same fingerprint write
+    the same output; parts of a parallel merge record it and refuse to mix."""
     h = hashlib.blake2b(digest_size=16)
     head = {
         "format_version": F.FORMAT_VERSION,
         "settings": settings,
         "segments": [s.seg.rel for s in plan.segments],
-        "files": [
-            [f.filename, f.key, f.is_dict, [[leaf.node, leaf.layout.to_obj()] for leaf in f.leaves]] for f in plan.files
-        ],
+        "columns": [c.header() for c in plan.columns],
+        "file_layouts": plan.file_layouts,
     }
-    # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode.
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
-    if plan.files:
-        rows = np.concatenate([leaf.rows for f in plan.files for leaf in f.leaves])
-        frames = np.concatenate([f.frames for f in plan.files])
-        for col in (frames, plan.seg[rows], plan.offset[rows], plan.nbytes[rows], plan.crc[rows]):
-            h.update(np.ascontiguousarray(col, dtype="<i8").tobytes())
+    for name in plan.filenames:  # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode
+        h.update(json.dumps(name, ensure_ascii=True).encode("ascii"))
+    arrays = [plan.file_offsets, plan.frame_idx, plan.file_layout]
+    for col in plan.columns:
+        arrays.append(col.src)
+        ok = col.src[col.src >= 0]
+        arrays += [plan.seg[ok], plan.offset[ok], plan.nbytes[ok], plan.crc[ok]]
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
     return h.hexdigest()
 
 
-def split(plan: Plan, parts: int) -> list[list[int]]:
-    """Positions in ``plan.files`` of the files each of ``parts`` parts writes: greedy
-    largest-first by payload bytes (ties: fewest files, then lowest part), so every process
-    computes the same split from the same plan and no file is split between parts (whole arrays
-    per process: zarr-python#3682 loses rows when processes share a chunk)."""
+def split(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """Positions of the work units (output chunks) each of ``parts`` parts writes: greedy
+    largest-first by bytes (ties: fewest units, then lowest part), so every process computes the
+    same split from the same plan. A unit is one whole chunk, so no two processes ever write the
+    same object (zarr-python#3682 loses rows when processes share a chunk)."""
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
         raise SpillValueError(f"parts must be a positive int, got {parts!r}")
-    sizes = [len(f.frames) * f.frame_nbytes for f in plan.files]
     heap = [(0, 0, p) for p in range(parts)]
     out: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
         load, count, p = heapq.heappop(heap)
         out[p].append(i)
-        heapq.heappush(heap, (load + sizes[i], count + 1, p))
-    return [sorted(files) for files in out]
+        heapq.heappush(heap, (load + weights[i], count + 1, p))
+    return [sorted(units) for units in out]

@@ -10,7 +10,7 @@ import numpy as np
 
 from ._coverage import read_manifest, runs
 from ._errors import SpillValueError
-from ._plan import FilePlan
+from ._plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,22 +123,31 @@ class MergeReport:
         return s
 
 
-def gaps(
-    files: list[FilePlan], expected: dict[str, int] | None, *, whole: bool, limit: int = 10000
-) -> dict[str, list[int]]:
+def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int = 10000) -> dict[str, list[int]]:
     """Per filename, the frame indices absent: below the manifest's count when it lists the file,
     else between 0 and the highest frame merged. ``whole``: also the files only the manifest names
-    (a part leaves those to the finalize). At most ``limit`` per file."""
+    (a part leaves those to the finalize). At most ``limit`` per file. Files whose frames are
+    exactly ``0 .. n-1`` (nearly all) are skipped without a Python step each."""
     out: dict[str, list[int]] = {}
-    for fp in files:
-        span = expected.get(fp.filename) if expected is not None else None
+    off, frames = plan.file_offsets, plan.frame_idx
+    n_rows = np.diff(off)
+    last = np.where(n_rows > 0, frames[np.maximum(off[1:] - 1, 0)], -1)
+    suspect = np.flatnonzero(last + 1 != n_rows)  # a gap below the last frame
+    check = set(suspect.tolist())
+    if expected is not None:
+        pos = {name: i for i, name in enumerate(plan.filenames)} if len(expected) else {}
+        check.update(pos[name] for name in expected if name in pos)
+    for i in sorted(check):
+        name = plan.filenames[i]
+        have = frames[off[i] : off[i + 1]]
+        span = expected.get(name) if expected is not None else None
         if span is None:
-            span = int(fp.frames[-1]) + 1
-        have = fp.frames[fp.frames < span]
+            span = int(have[-1]) + 1 if len(have) else 0
+        have = have[have < span]
         if len(have) != span:
-            out[fp.filename] = _first_missing(have, span, limit)
+            out[name] = _first_missing(have, span, limit)
     if expected is not None and whole:
-        seen = {fp.filename for fp in files}
+        seen = set(plan.filenames) if len(expected) else set()
         for name, count in expected.items():
             if name not in seen and count > 0:
                 out[name] = list(range(min(count, limit)))

@@ -1,8 +1,8 @@
 """Every ``zarr.json`` document spillmerge writes, built from plain values (docs/FORMAT.md).
 
 Segment arrays (``array_meta``, ``array_objects``: the writer's ``data``, ``index``, ``catalog``)
-and the merged output's nodes (``shared_docs``: root, ``files``, ``index`` and its arrays;
-``file_docs``: each file's arrays and groups; ``consolidated_root``). Documents are normalised by
+and the merged output's nodes (``output_docs``: root, ``index`` and its arrays, every column's
+group and arrays; ``consolidated_root``). Documents are normalised by
 zarr's own metadata classes, so the consolidated root matches what zarr would write, and nothing
 is read back.
 """
@@ -19,107 +19,136 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from . import _codecs
 from . import _format as F
-from ._plan import FilePlan, Plan
+from ._plan import Column, Plan
+
+INDEX_ROWS_PER_CHUNK = 1 << 21
+"""Rows per chunk of the per-row index arrays (``frame_idx`` ..., ``offsets``, ``valid``)."""
 
 
-def frames_per_chunk(fp: FilePlan, chunk_bytes: int) -> int:
-    """Frames per output chunk: at most ``chunk_bytes`` worth, balanced over the chunks the file
-    needs, so the last chunk is nearly full. Zarr stores every chunk at full size (an uncompressed
-    edge chunk is zero-padded): with plain ``chunk_bytes // frame_bytes`` a 100-frame file of
-    384 KiB frames in 16 MiB chunks would store 126 rows; balanced, it stores 102."""
-    n = len(fp.frames)
-    cap = int(max(1, min(n, chunk_bytes // max(fp.frame_nbytes, 1))))
-    n_chunks = -(-n // cap)
-    return -(-n // n_chunks)
+def balanced(n: int, cap: int) -> int:
+    """Units per chunk for ``n`` units at most ``cap`` per chunk, balanced over the chunks needed so
+    the last chunk is nearly full. Zarr stores every chunk at full size (an uncompressed edge chunk
+    is zero-padded): with plain ``cap`` a 100-unit array of 79 units per chunk would store 158
+    units; balanced, it stores 100."""
+    if n <= 0:
+        return 1
+    cap = int(max(1, min(n, cap)))
+    m = -(-n // cap)
+    return -(-n // m)
 
 
-def shared_docs(plan: Plan, world_size: int) -> dict[str, dict[str, Any]]:
-    """``zarr.json`` documents of the nodes every file shares: root (with the output header),
-    ``files``, ``index`` and the index arrays — the finalizer's in a parallel merge."""
+def string_bytes(plan: Plan, col: Column) -> np.ndarray:
+    """int64 (n_rows,): the UTF-8 bytes of each row of a string column (plus, for ``strlist``,
+    its 4-byte length prefixes, which vlen-utf8 also stores)."""
+    out = np.zeros(len(col.src), dtype=np.int64)
+    ok = col.src >= 0
+    out[ok] = plan.nbytes[col.src[ok]]
+    return out
+
+
+def values_chunk(plan: Plan, col: Column, chunk_bytes: int) -> int:
+    """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2)."""
+    n = col.n_units
+    if col.storage == "string":
+        per = (int(string_bytes(plan, col).sum()) + 4 * n) / max(n, 1)
+        return balanced(n, int(chunk_bytes // max(per, 1)))
+    return balanced(n, chunk_bytes // max(col.unit_bytes, 1))
+
+
+def string_chunk_max(plan: Plan, col: Column, k: int) -> int:
+    """An upper bound of the largest vlen-utf8 chunk of a string column of ``k`` strings per chunk:
+    the count, a length per string, and the bytes of every row overlapping the chunk."""
+    per_row = string_bytes(plan, col)
+    n = col.n_units
+    if n == 0:
+        return 4
+    edges = np.arange(0, n + k, k)
+    edges[-1] = min(edges[-1], n)
+    if col.counts is None:  # str: one string per row
+        row_lo, row_hi = edges[:-1], np.minimum(edges[1:], n)
+    else:
+        off = col.offsets()
+        row_lo = np.searchsorted(off, edges[:-1], side="right") - 1
+        row_hi = np.searchsorted(off, edges[1:], side="left")
+    cum = np.zeros(len(per_row) + 1, dtype=np.int64)
+    np.cumsum(per_row, out=cum[1:])
+    return int(4 + 4 * k + (cum[row_hi] - cum[row_lo]).max())
+
+
+def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
+    """Every ``zarr.json`` document of a format-2 output (path -> document, ``""`` the root with
+    the output header), normalised by zarr's own metadata classes so the consolidated root matches
+    what zarr would write. Built from the plan alone: nothing is read back."""
     header = F.OutputHeader(
-        n_files=len(plan.files),
+        n_files=plan.n_files,
         n_frames=plan.n_frames,
         nbytes=plan.total_bytes,
         ranks=sorted({s.seg.rank for s in plan.segments}),
         world_size=world_size,
         segments=len(plan.segments),
         created=F.utcnow(),
+        file_layouts=plan.file_layouts,
     ).to_obj()
     nodes: dict[str, Any] = {
         "": GroupMetadata(attributes={"spillmerge": header}),
-        "files": GroupMetadata(),
         "index": GroupMetadata(),
+        "columns": GroupMetadata(),
     }
-    n = len(plan.files)
-    total_frames = plan.n_frames
+    n, rows = plan.n_files, plan.n_frames
     str_meta: dict[str, Any] = {
         "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
+        "dimension_names": ["file"],
     }  # fmt: skip
-    row_chunks = (max(1, min(total_frames, 1 << 21)),)
     index_meta = {
-        "filenames": {**str_meta, "dimension_names": ["file"]},
-        "keys": {**str_meta, "dimension_names": ["file"]},
-        "frame_offsets": {**array_meta((n + 1,), (n + 1,), "int64", crc=True), "dimension_names": ["file_edge"]},
-        "frame_idx": {**array_meta((total_frames,), row_chunks, "int64", crc=True), "dimension_names": ["row"]},
+        "filenames": str_meta,
+        "frame_offsets": _dims(_rows_meta(n + 1, "int64"), ["file_edge"]),
+        "file_layout": _dims(_rows_meta(n, "int32"), ["file"]),
+        "frame_idx": _dims(_rows_meta(rows, "int64"), ["row"]),
         # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
         # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
-        "frame_rank": {**array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
-        "frame_copies": {**array_meta((total_frames,), row_chunks, "int32", crc=True), "dimension_names": ["row"]},
+        "frame_rank": _dims(_rows_meta(rows, "int32"), ["row"]),
+        "frame_copies": _dims(_rows_meta(rows, "int32"), ["row"]),
     }
     for name, meta in index_meta.items():
         nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
-    return {path: node.to_dict() for path, node in nodes.items()}
-
-
-def file_docs(files: list[FilePlan], chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
-    """``zarr.json`` documents of the nodes of ``files`` (arrays, and groups of dict values),
-    normalised by zarr's own metadata classes so the consolidated root matches zarr's."""
-    nodes: dict[str, Any] = {}
-    for fp in files:
-        k = frames_per_chunk(fp, chunk_bytes)
-        if fp.is_dict:
-            nodes[f"files/{fp.key}"] = GroupMetadata(
-                attributes={"spillmerge": {"filename": fp.filename, "file_index": fp.index}}
-            )
-        for leaf in fp.leaves:
-            lay = leaf.layout
-            dt = F.DTYPES[lay.dtype]
-            attrs = {
-                "spillmerge": {
-                    "filename": fp.filename,
-                    "file_index": fp.index,
-                    "leaf": list(lay.leaf),
-                    "dtype": lay.dtype,
-                }
-            }
-            meta = array_meta(
-                (len(fp.frames), *lay.shape),
-                (k, *(max(d, 1) for d in lay.shape)),
-                dt.storage,
-                crc=True,
-                attributes=attrs,
-            )
-            meta = _codecs.with_codec(meta, codec, np.dtype(dt.storage).itemsize)
-            # dimension_names (xarray needs them): unique per array within its group, "frame"
-            # shared by the leaves of one dict value (same length); docs/FORMAT.md.
-            rel = leaf.node.removeprefix(f"files/{fp.key}").strip("/").replace("/", ".")
-            name = rel if fp.is_dict else fp.key
-            meta["dimension_names"] = ["frame" if fp.is_dict else f"{name}.frame"] + [
-                f"{name}.dim_{d}" for d in range(1, len(lay.shape) + 1)
-            ]
-            nodes[leaf.node] = ArrayV3Metadata.from_dict(meta)
-            parent = leaf.node.rsplit("/", 1)[0]
-            while parent != "files" and parent not in nodes:  # groups of nested dict levels
-                nodes[parent] = GroupMetadata()
-                parent = parent.rsplit("/", 1)[0]
+    for col in plan.columns:
+        k = values_chunk(plan, col, chunk_bytes)
+        base = f"columns/{col.name}"
+        unit = col.unit_shape
+        if col.storage == "string":
+            limit = string_chunk_max(plan, col, k)
+            meta = {**str_meta, "shape": [col.n_units], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [k]}}}
+            meta = _codecs.with_codec(meta, codec, 1)
+        else:
+            limit = None
+            meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
+            meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
+        first = "row" if col.counts is None else f"{col.name}.elem"
+        meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
+        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit)})
+        nodes[f"{base}/values"] = ArrayV3Metadata.from_dict(meta)
+        if col.has_offsets:
+            nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))
+        if col.shapes is not None:
+            shp = array_meta((rows, col.ndim), (max(1, min(rows, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True)
+            nodes[f"{base}/shapes"] = ArrayV3Metadata.from_dict(_dims(shp, ["row", f"{col.name}.dims"]))
+        if col.has_valid:
+            nodes[f"{base}/valid"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows, "bool"), ["row"]))
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
-    # create_hierarchy / consolidate_metadata cost one or more requests per node: 16 s + 6 s for
-    # 1,000 files on a local S3 server).
+    # create_hierarchy / consolidate_metadata cost one or more requests per node).
     return {path: node.to_dict() for path, node in nodes.items()}
+
+
+def _rows_meta(n: int, dtype: str) -> dict[str, Any]:
+    return array_meta((n,), (max(1, min(n, INDEX_ROWS_PER_CHUNK)),), dtype, crc=True)
+
+
+def _dims(meta: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    return {**meta, "dimension_names": names}
 
 
 def json_doc(doc: dict[str, Any]) -> bytes:
