@@ -200,17 +200,7 @@ class _Chunk:
         plan, src = self.plan, self.col.src
         ents = [int(src[r]) for r in rows]
         if self.src.local:
-            out = []
-            for r, e in zip(rows, ents, strict=True):
-                seg = plan.segments[int(plan.seg[e])]
-                views = [self.src.view(rel, a, b) for rel, a, b in data_ranges(seg, int(plan.offset[e]), int(plan.nbytes[e]))]
-                got = 0
-                for v in views:
-                    got = google_crc32c.extend(got, v)
-                if got != int(plan.crc[e]):
-                    self._mismatch(r, e)
-                out.append(views[0] if len(views) == 1 else np.concatenate(views))
-            return out
+            return self._local_rows(rows, ents)
         sizes = [int(plan.nbytes[e]) for e in ents]
         buf = _scratch(sum(sizes), "rows")
         pieces = []
@@ -224,6 +214,34 @@ class _Chunk:
                 self._mismatch(r, e)
             out.append(v)
             pos += n
+        return out
+
+    def _local_rows(self, rows: list[int], ents: list[int]) -> list[np.ndarray]:
+        """:meth:`_rows` on a local disk: each data chunk object is mapped once per output chunk
+        and a row within one object is a slice of it (the many-keys case: millions of small
+        rows, where a lookup per row would dominate)."""
+        plan = self.plan
+        maps: dict[tuple[int, int], np.ndarray] = {}
+        out = []
+        for r, e in zip(rows, ents, strict=True):
+            s, off, n = int(plan.seg[e]), int(plan.offset[e]), int(plan.nbytes[e])
+            seg = plan.segments[s]
+            cb = seg.chunk_bytes
+            c = off // cb
+            if n and (off + n - 1) // cb != c:  # the row crosses data chunk objects
+                views = [self.src.view(rel, a, b) for rel, a, b in data_ranges(seg, off, n)]
+                row = np.concatenate(views)
+            else:
+                whole = maps.get((s, c))
+                if whole is None:
+                    whole = maps[(s, c)] = self.src.view(f"{seg.seg.rel}/data/c/{c}", 0, None)
+                lo = off - c * cb
+                row = whole[lo : lo + n]
+                if len(row) != n:  # the object is shorter than the index says
+                    self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
+            if google_crc32c.value(row) != int(plan.crc[e]):
+                self._mismatch(r, e)
+            out.append(row)
         return out
 
     def _mismatch(self, r: int, e: int) -> None:

@@ -407,9 +407,9 @@ class Storage:
             out[pos : pos + n] = blob
             pos += n
 
-    def view(self, rel: str, start: int, stop: int) -> Any:
-        """A read-only view of bytes ``[start, stop)`` of a local file, mapped from the page cache
-        without copying (local storage only)."""
+    def view(self, rel: str, start: int, stop: int | None) -> Any:
+        """A read-only view of bytes ``[start, stop)`` (``stop`` None: to the end) of a local file,
+        mapped from the page cache without copying (local storage only)."""
         with self._fd_lock:
             mm = self._maps.get(rel)
             if mm is None:
@@ -424,6 +424,8 @@ class Storage:
                     self._maps.popitem(last=False)
             else:
                 self._maps.move_to_end(rel)
+        if stop is None:
+            stop = max(len(mm), start)
         if len(mm) < stop:
             got = max(0, len(mm) - start)
             raise TruncatedObjectError(
