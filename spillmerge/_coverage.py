@@ -241,6 +241,13 @@ def _merged(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
     res = MergedStore(storage.url, storage.storage_options)
     out: _PerFile = {}
     known = True
+    arrays = res._index_arrays()
+    if arrays is not None:  # columnar: slice the index arrays, no lookup per file
+        names, off, all_frames, all_ranks, all_copies = arrays
+        for i, name in enumerate(names):
+            a, b = int(off[i]), int(off[i + 1])
+            out[name] = (all_frames[a:b], all_ranks[a:b], all_copies[a:b])
+        return out, known, []
     for name in res.filenames:
         frames = res.frames(name)
         ranks, copies = res.frame_ranks(name), res.frame_copies(name)

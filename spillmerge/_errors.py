@@ -259,3 +259,29 @@ def require(module: str, *, package: str, extra: str, feature: str):  # type: ig
         return importlib.import_module(module)
     except ImportError:
         raise MissingDependencyError(package, extra, feature) from None
+
+
+class UnknownColumnError(SpillMergeError, KeyError):
+    """A merged store has no leaf column ``column``; ``known`` lists the ones it has."""
+
+    def __init__(self, message: str, *, column: str, known: list[str]) -> None:
+        super().__init__(message)
+        self.column = column
+        self.known = known
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class PickleNotAllowedError(SpillMergeError, ValueError):
+    """A leaf holds pickled objects and the store was opened without ``allow_pickle=True``
+    (nothing is ever unpickled by default); ``leaf`` names it."""
+
+    def __init__(self, message: str, *, leaf: str) -> None:
+        super().__init__(message)
+        self.leaf = leaf
+
+
+class RaggedShapeError(SpillMergeError, ValueError):
+    """Rows of a ragged leaf with different shapes were asked for as one stacked array; read them
+    with ``to_list()`` or the flat ``values`` / ``offsets`` / ``shapes``."""

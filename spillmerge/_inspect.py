@@ -11,7 +11,9 @@ import google_crc32c
 import numpy as np
 
 from . import _format as F
+from . import _invariants as V
 from ._errors import SpillMergeError
+from ._invariants import Problem
 from ._output import header
 from ._spillroot import list_segments, load_segment, scan
 from ._storage import Storage
@@ -89,7 +91,10 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     dtypes: set[str] = set()
-    for name in res.filenames:
+    if res.format_version != 1:  # columnar: the dtypes are the columns', no file need be opened
+        dtypes = {res.column(p or None).dtype_name for p in res.columns}
+    names = res.filenames if res.format_version == 1 else res.filenames[:max_files]
+    for name in names:
         value = res[name]
         leaves = _leaves(value)
         for _, arr in leaves:
@@ -103,7 +108,7 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
                     "first_frame": int(frames[0]) if len(frames) else None,
                     "last_frame": int(frames[-1]) if len(frames) else None,
                     "leaves": [
-                        {"leaf": leaf or "<tensor>", "dtype": arr.dtype_name, "shape": list(arr.shape[1:])}
+                        {"leaf": leaf or "<tensor>", "dtype": arr.dtype_name, "shape": _row_shape(arr)}
                         for leaf, arr in leaves
                     ],
                 }
@@ -121,6 +126,21 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
         "dtypes": sorted(dtypes),
         "files": files,
     }
+
+
+def _row_shape(arr: Any) -> list[int | None]:
+    """The shape of one row of a leaf: ``None`` for a dimension that varies (ragged leaves), ``[]``
+    for strings, bytes and lists of strings."""
+    from ._views import RaggedView
+
+    if isinstance(arr, RaggedView):
+        shapes = arr.shapes
+        if not len(shapes):
+            return [None] * arr.ndim
+        same = (shapes == shapes[0]).all(axis=0)
+        return [int(d) if ok else None for d, ok in zip(shapes[0], same, strict=True)]
+    shape = getattr(arr, "shape", None)
+    return list(shape[1:]) if shape is not None else []
 
 
 def _leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -346,32 +366,68 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
 def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
     """Every broken invariant of the output's index (docs/FORMAT.md), as the reader checks them,
     skipping what needs an index array whose chunks were already reported damaged."""
-    from . import _reader as R
+    header = group.attrs.get("spillmerge")
+    header = header if isinstance(header, dict) else {}
+    check = _index_problems_v1 if header.get("format_version") == 1 else _index_problems_v2
+    try:
+        out = check(storage, group, damaged, header)
+    except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
+        return [str(exc)]
+    return [f"{storage.describe(rel)}: {what}" for rel, what in out]
+
+
+def _index_problems_v1(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[Problem]:
+    from . import _reader_v1 as R1
 
     need = {f"index/{n}" for n in ("filenames", "keys", "frame_offsets", "frame_idx")}
     if need & damaged:
         return []
-    try:
-        filenames = [str(x) for x in R.read_index(group, "filenames", storage.describe)]
-        keys = [str(x) for x in R.read_index(group, "keys", storage.describe)]
-        offsets = np.asarray(R.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
-        lengths = R.index_lengths(group, storage.describe)
-        frame_idx = np.asarray(R.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
-    except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
-        return [str(exc)]
-    header = group.attrs.get("spillmerge")
-    out = R.index_problems(filenames, keys, offsets, lengths, header if isinstance(header, dict) else {})
-    for name in ("frame_rank", "frame_copies"):
+    filenames = [str(x) for x in V.read_index(group, "filenames", storage.describe)]
+    keys = [str(x) for x in V.read_index(group, "keys", storage.describe)]
+    offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
+    lengths = R1.index_lengths(group, storage.describe)
+    frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
+    out = R1.index_problems(filenames, keys, offsets, lengths, header)
+    for name in V.PROVENANCE:
         if name in lengths and f"index/{name}" not in damaged:
-            out.extend(R.provenance_problems(name, np.asarray(R.read_index(group, name, storage.describe))))
+            out.extend(V.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
     # With broken offsets the rows of the files cannot be told apart: the per-file checks would
     # only echo that problem.
     if not any(rel == "index/frame_offsets" for rel, _ in out):
-        out.extend(R.frame_problems(frame_idx, offsets, filenames))
+        out.extend(V.frame_problems(frame_idx, offsets, filenames))
         for i, (filename, key) in enumerate(zip(filenames, keys, strict=False)):
             if F.is_safe_node_name(key):
-                out.extend(R.file_problems(group, key, filename, int(offsets[i + 1] - offsets[i])))
-    return [f"{storage.describe(rel)}: {what}" for rel, what in out]
+                out.extend(R1.file_problems(group, key, filename, int(offsets[i + 1] - offsets[i])))
+    return out
+
+
+def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[Problem]:
+    """The same checks as ``spillmerge.open`` (``_reader.V2Files``), all of them listed."""
+    need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
+    if need & damaged:
+        return []
+    filenames = V.read_index(group, "filenames", storage.describe).astype(object)
+    offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
+    file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
+    frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
+    columns, out = V.read_columns(group)
+    lengths = V.v2_lengths(group, storage.describe)
+    out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns))
+    for name in V.PROVENANCE:
+        if name in lengths and f"index/{name}" not in damaged:
+            out.extend(V.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
+    if not any(rel == "index/frame_offsets" for rel, _ in out):
+        out.extend(V.frame_problems(frame_idx, offsets, filenames))
+    for c in columns.values():
+        rel = f"columns/{c.name}"
+        if "offsets" not in c.arrays or {f"{rel}/offsets", f"{rel}/shapes"} & damaged:
+            continue
+        if any(p == f"{rel}/offsets" or p == f"{rel}/shapes" for p, _ in out):
+            continue
+        o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64)
+        sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
+        out.extend(V.offsets_content_problems(c, o, sh))
+    return out
 
 
 def _all_arrays(group: Any) -> list[tuple[str, Any]]:

@@ -1,4 +1,8 @@
-"""Reading a merged output: ``spillmerge.open(out)``."""
+"""Reading a merged output: ``spillmerge.open(out)``.
+
+Version 2 (columnar, docs/FORMAT.md section 2) is read here; version 1 (one array per file,
+section 5) by ``_reader_v1``; leaf views are in ``_views``, the index invariants in ``_invariants``.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,31 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from . import _format as F
-from ._errors import CorruptSpillError, IncompleteOutputError, SpillMergeError, UnknownFileError
+from . import _invariants as V
+from ._errors import (
+    CorruptSpillError,
+    FormatVersionError,
+    IncompleteOutputError,
+    SpillMergeError,
+    UnknownColumnError,
+    UnknownFileError,
+)
+from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
+from ._views import Column, LeafView
+
+_STRING_CHUNK_HARD_MAX = 1 << 31
+"""No string chunk is read past 2 GiB, whatever a column header claims."""
 
 # Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
-_Problem = tuple[str, str]
-"""(path relative to the output, what is wrong): one broken invariant of an output."""
+__all__ = ["LeafArray", "LeafView", "MergedStore", "NoFillStore", "open"]
 
 
 class NoFillStore(WrapperStore[Store]):
@@ -77,9 +92,30 @@ class NoFillStore(WrapperStore[Store]):
                 raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
             except FileNotFoundError:
                 raise self._missing(key) from None
-            limit = F.chunk_max_bytes(F.loads(raw, path=self._describe(doc)), path=self._describe(doc))
+            meta = F.loads(raw, path=self._describe(doc))
+            limit = F.chunk_max_bytes(meta, path=self._describe(doc))
+            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
+                limit = self._string_limit(array.rpartition("/")[0], limit)
             self._chunk_limits[array] = limit
         return limit
+
+    def _string_limit(self, group: str, default: int) -> int:
+        """A version-2 string column's chunk limit: its header's ``chunk_max_bytes`` (the largest
+        vlen-utf8 chunk the merge wrote) plus a compressor's worst case, where the group has one
+        (a 10 MB string is one element): docs/FORMAT.md section 2, *Columns*."""
+        assert self._storage is not None
+        doc = f"{group}/zarr.json"
+        try:
+            raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
+        except FileNotFoundError:
+            return default
+        obj = F.loads(raw, path=self._describe(doc))
+        attrs = obj.get("attributes") if isinstance(obj, dict) else None
+        header = attrs.get("spillmerge") if isinstance(attrs, dict) else None
+        cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
+        if not isinstance(cmb, int) or isinstance(cmb, bool) or cmb < 0:
+            return default
+        return min(_STRING_CHUNK_HARD_MAX, cmb + cmb // 8 + (64 << 10) + 4)
 
     def _read_local(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
         assert self._storage is not None
@@ -123,93 +159,155 @@ class NoFillStore(WrapperStore[Store]):
         return out
 
 
-class LeafArray:
-    """One output array: ``(n_frames, *frame_shape)``, rows in frame order, read lazily.
+class V2Files:
+    """The files of a version-2 (columnar) output, for :class:`MergedStore`.
 
-    Indexing and ``np.asarray`` give numpy arrays of the stored dtype (raw bits for dtypes numpy
-    lacks, e.g. uint16 for bfloat16); :meth:`to_torch` gives a tensor of the real dtype.
-    """
+    Everything the index says is checked at open, vectorised (O(rows) numpy, no per-file Python
+    loop; docs/FORMAT.md, *Invariants of the index (version 2)*): the index arrays, the header's
+    ``file_layouts``, every column's header and array lengths (metadata), and the contents of
+    ``frame_idx``, ``frame_rank``, ``frame_copies`` and of every column's ``offsets`` and
+    ``shapes``, which stay in memory (8 bytes per row and dimension). Column values are read only
+    when asked for; an absent chunk raises then (:class:`NoFillStore`). A filename is found by
+    binary search in the sorted ``index/filenames``: no per-file dict is built."""
 
-    def __init__(self, array: Any, dtype_name: str, filename: str) -> None:
-        self.zarr = array
-        """The underlying ``zarr.Array``."""
-        self.dtype_name = dtype_name
-        """Real dtype name, e.g. ``"bfloat16"``."""
-        self.filename = filename
-        """Original filename."""
+    def __init__(
+        self,
+        group: Any,
+        header: dict[str, Any],
+        describe: Callable[[str], str],
+        raise_: Callable[[list[V.Problem]], None],
+        allow_pickle: bool,
+    ) -> None:
+        self.group = group
+        raw_names = V.read_index(group, "filenames", describe)
+        if raw_names.dtype.kind not in ("T", "U", "O"):
+            raise_([("index/filenames", f"expected strings, got {raw_names.dtype}")])
+        self._names: np.ndarray = raw_names.astype(object)
+        self._offsets = np.asarray(V.read_index(group, "frame_offsets", describe), dtype=np.int64)
+        self._file_layout = np.asarray(V.read_index(group, "file_layout", describe), dtype=np.int64)
+        infos, problems = V.read_columns(group)
+        lengths = V.v2_lengths(group, describe)
+        raise_(problems + V.v2_index_problems(self._names, self._offsets, self._file_layout, lengths, header, infos))
+        self._layouts: list[list[str]] = header["file_layouts"]
+        frame_idx = np.asarray(V.read_index(group, "frame_idx", describe), dtype=np.int64)
+        raise_(V.frame_problems(frame_idx, self._offsets, self._names))
+        self._frame_idx = frame_idx
+        self._prov: dict[str, np.ndarray] = {}
+        for name in V.PROVENANCE:
+            arr = np.asarray(V.read_index(group, name, describe), dtype=np.int64)
+            raise_(V.provenance_problems(name, arr))
+            self._prov[name] = arr
+        self.n_rows = len(frame_idx)
+        self.columns: dict[str, Column] = {}
+        for name, info in infos.items():
+            col = Column(info, self.n_rows, allow_pickle)
+            if "offsets" in info.arrays:
+                col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
+                if "shapes" in info.arrays:
+                    col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
+                raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+            self.columns[name] = col
+        self._by_leaf = {c.info.leaf: c for c in self.columns.values()}
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.zarr.shape)
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        """numpy dtype of what indexing returns (the storage dtype)."""
-        return np.dtype(F.DTYPES[self.dtype_name].storage)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def filenames(self) -> list[str]:
+        return self._names.tolist()  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
-        return self.shape[0]
+        return len(self._names)
 
-    def __getitem__(self, sel: Any) -> np.ndarray:
-        try:
-            return np.asarray(self.zarr[sel])
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - zarr reports a damaged chunk as ValueError, codec errors ...
-            raise CorruptSpillError(
-                f"{self.zarr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})",
-                path=str(self.zarr.store_path),
-            ) from exc
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names.tolist())
 
-    def numpy(self) -> np.ndarray:
-        return self[...]
+    def _find(self, filename: object) -> int | None:
+        if not isinstance(filename, str):
+            return None
+        i = int(np.searchsorted(self._names, filename))
+        return i if i < len(self._names) and self._names[i] == filename else None
 
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        # The array zarr decodes into is returned as is: no copy beyond reading it (a dtype other
-        # than the storage dtype converts, which numpy's copy=False forbids).
-        arr = self.numpy()
-        if dtype is None or np.dtype(dtype) == arr.dtype:
-            return arr
-        if copy is False:
-            raise ValueError(f"{self!r}: converting {arr.dtype} to {np.dtype(dtype)} needs a copy")
-        return arr.astype(dtype)
+    def __contains__(self, filename: object) -> bool:
+        return self._find(filename) is not None
 
-    def to_torch(self, sel: Any = ...) -> torch.Tensor:
-        """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
-        zarr decoded into (``torch.from_numpy`` plus a dtype view): no copy beyond reading it."""
-        arr = np.ascontiguousarray(self[sel])
-        t = torch.from_numpy(arr)
-        return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
+    def index(self, filename: str, where: str) -> int:
+        i = self._find(filename)
+        if i is None:
+            hint = ""
+            if isinstance(filename, str):  # neighbours in sort order: no scan of every name
+                j = int(np.searchsorted(self._names, filename))
+                near_names = self._names[max(0, j - 50) : j + 50].tolist()
+                near = difflib.get_close_matches(filename, near_names, n=3)
+                hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise UnknownFileError(
+                f"{filename!r} is not a filename of {where} ({len(self._names)} files){hint}", filename=filename
+            )
+        return i
 
-    def __repr__(self) -> str:
-        return f"LeafArray({self.filename!r}, shape={self.shape}, dtype={self.dtype_name})"
+    def frames(self, i: int) -> np.ndarray:
+        return self._frame_idx[self._offsets[i] : self._offsets[i + 1]].copy()
+
+    def provenance(self, i: int, name: str) -> np.ndarray | None:
+        return self._prov[name][self._offsets[i] : self._offsets[i + 1]].copy()
+
+    def value(self, i: int) -> Any:
+        names = self._layouts[int(self._file_layout[i])]
+        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
+        filename = str(self._names[i])
+        if names == [V.VALUE_COLUMN]:
+            return self.columns[V.VALUE_COLUMN].view(a, b, filename)
+        out: dict[str, Any] = {}
+        for name in names:
+            col = self.columns[name]
+            set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
+        return out
+
+    def column(self, path: str | tuple[str, ...] | list[str] | None, where: str) -> LeafView:
+        if path is None:
+            leaf: tuple[str, ...] = ()
+        elif isinstance(path, str):
+            leaf = tuple(path.split("/")) if path else ()
+        else:
+            leaf = tuple(path)
+        col = self._by_leaf.get(leaf)
+        if col is None:
+            known = sorted(c.info.path or "<tensor> (None)" for c in self.columns.values())
+            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
+            raise UnknownColumnError(
+                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
+                column="/".join(leaf),
+                known=known,
+            )
+        return col.view(0, self.n_rows)
+
+    def to_arrow(self) -> Any:
+        from ._errors import require
+
+        pa = require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
+        file_of_row = np.repeat(np.arange(len(self._names), dtype=np.int64), np.diff(self._offsets))
+        cols: dict[str, Any] = {
+            "filename": pa.array(self._names, type=pa.string()).take(pa.array(file_of_row)),
+            "frame_idx": pa.array(self._frame_idx, type=pa.int64()),
+            "rank": pa.array(self._prov["frame_rank"].astype(np.int32), type=pa.int32()),
+        }
+        for col in sorted(self.columns.values(), key=lambda c: c.info.path):
+            cols[col.info.path or "value"] = col.view(0, self.n_rows).to_arrow()
+        return pa.table(cols)
 
 
 class MergedStore(Mapping[str, Any]):
-    """A merged output. ``store[filename]`` is a :class:`LeafArray` for tensor values or a (nested)
-    dict of them for dict values; ``store.frames(filename)`` gives the frame indices.
+    """A merged output, of format version 2 or 1.
+
+    ``store[filename]`` is the file's value: for a file whose only leaf is the plain value (leaf
+    ``[]``) a leaf view of its rows (:class:`~spillmerge._views.LeafView`; a :class:`LeafArray`
+    in version-1 outputs), else a nested dict, by leaf path, of such views.
+    ``store.frames(filename)`` gives the frame index of each row; ``store.column(path)`` one leaf
+    over every file; ``store.to_arrow()`` everything as a pyarrow table (version 2).
 
     The index is checked before anything is returned from it (docs/FORMAT.md, "Invariants of the
-    index"): at open, what the small per-file index arrays and the array metadata say (offsets
-    from 0, non-decreasing, ending at the number of rows; as many keys as filenames; provenance
-    as long as ``frame_idx``); ``frame_idx`` itself when it is first read (non-negative, strictly
-    ascending within each file); a file's arrays at the first access to that file (known dtype
-    matching the storage dtype, as many rows as its offsets span). The per-file checks are lazy
-    because they need the file's array metadata: checking every file at open would cost
-    O(files x leaves) even to read one file of a store of thousands. Chunks are never read to
-    check; an absent chunk raises when it is read (:class:`NoFillStore`). Every failure is a
-    :class:`CorruptSpillError` naming the object and what is wrong.
+    index"); every failure is a :class:`CorruptSpillError` naming the object and what is wrong.
+    Chunks are never read to check; an absent chunk raises when it is read (:class:`NoFillStore`).
     """
 
-    def __init__(self, out: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, out: str, storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> None:
         import zarr
 
         self.storage = Storage(out, storage_options)
@@ -233,29 +331,24 @@ class MergedStore(Mapping[str, Any]):
         header = self.group.attrs.get("spillmerge")
         if not isinstance(header, dict) or header.get("kind") != "merged":
             raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())
-        if header.get("format_version") != F.FORMAT_VERSION:
-            from ._errors import FormatVersionError
-
+        version = header.get("format_version")
+        if version not in F.READABLE_VERSIONS or isinstance(version, bool):
             raise FormatVersionError(
-                f"{self.storage.describe()}: format_version {header.get('format_version')!r} is not "
-                f"supported (this spillmerge reads {F.FORMAT_VERSION})",
+                f"{self.storage.describe()}: format_version {version!r} is not supported (this spillmerge "
+                f"reads {', '.join(map(str, F.READABLE_VERSIONS))}); upgrade spillmerge",
                 path=self.storage.describe(),
             )
         self.header: dict[str, Any] = header
-        self._filenames = [str(x) for x in read_index(self.group, "filenames", self.storage.describe)]
-        self._keys = [str(x) for x in read_index(self.group, "keys", self.storage.describe)]
-        self._offsets = np.asarray(read_index(self.group, "frame_offsets", self.storage.describe), dtype=np.int64)
-        self._raise(
-            index_problems(
-                self._filenames, self._keys, self._offsets, index_lengths(self.group, self.storage.describe), header
-            )
-        )
-        self._frame_idx: np.ndarray | None = None
-        self._prov: dict[str, np.ndarray | None] = {}
-        self._pos = {f: i for i, f in enumerate(self._filenames)}
-        self._checked: set[int] = set()
+        self.format_version: int = version
+        """The output's format version (1: one array per file; 2: columnar)."""
+        self.allow_pickle = allow_pickle
+        self._files: V1Files | V2Files
+        if version == 1:
+            self._files = V1Files(self.group, header, self.storage.describe, self._raise)
+        else:
+            self._files = V2Files(self.group, header, self.storage.describe, self._raise, allow_pickle)
 
-    def _raise(self, problems: list[_Problem]) -> None:
+    def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
         if not problems:
             return
@@ -271,270 +364,86 @@ class MergedStore(Mapping[str, Any]):
     @property
     def filenames(self) -> list[str]:
         """Original filenames, sorted."""
-        return list(self._filenames)
+        return self._files.filenames
 
     def __len__(self) -> int:
-        return len(self._filenames)
+        return len(self._files)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._filenames)
+        return iter(self._files)
 
     def __contains__(self, filename: object) -> bool:
-        return filename in self._pos
+        return filename in self._files
 
     def _index(self, filename: str) -> int:
-        try:
-            i = self._pos[filename]
-        except (KeyError, TypeError):
-            near = difflib.get_close_matches(filename, self._filenames, n=3) if isinstance(filename, str) else []
-            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise UnknownFileError(
-                f"{filename!r} is not a filename of {self.storage.describe()} ({len(self._filenames)} files){hint}",
-                filename=filename,
-            ) from None
-        if i not in self._checked:
-            # The file's arrays must hold exactly its rows before any of its rows is handed out.
-            self._raise(self._file_problems(i))
-            self._checked.add(i)
-        return i
-
-    def _file_problems(self, i: int) -> list[_Problem]:
-        rows = int(self._offsets[i + 1] - self._offsets[i])
-        return file_problems(self.group, self._keys[i], self._filenames[i], rows)
+        return self._files.index(filename, self.storage.describe())
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""
-        i = self._index(filename)
-        if self._frame_idx is None:
-            frame_idx = np.asarray(read_index(self.group, "frame_idx", self.storage.describe), dtype=np.int64)
-            self._raise(frame_problems(frame_idx, self._offsets, self._filenames))
-            self._frame_idx = frame_idx
-        return self._frame_idx[self._offsets[i] : self._offsets[i + 1]].copy()
-
-    def _provenance(self, filename: str, name: str) -> np.ndarray | None:
-        i = self._index(filename)
-        if name not in self._prov:
-            idx: Any = self.group["index"]
-            # Absent from outputs written before provenance was recorded (docs/FORMAT.md).
-            arr = None
-            if name in idx:
-                arr = np.asarray(read_index(self.group, name, self.storage.describe), dtype=np.int64)
-                self._raise(provenance_problems(name, arr))
-            self._prov[name] = arr
-        arr = self._prov[name]
-        return None if arr is None else arr[self._offsets[i] : self._offsets[i + 1]].copy()
+        return self._files.frames(self._index(filename))
 
     def frame_ranks(self, filename: str) -> np.ndarray | None:
         """The rank each row of ``filename`` came from (int64, one per row), or ``None`` when the
-        output predates provenance (``index/frame_rank``)."""
-        return self._provenance(filename, "frame_rank")
+        output predates provenance (``index/frame_rank``, version 1 only)."""
+        return self._files.provenance(self._index(filename), "frame_rank")
 
     def frame_copies(self, filename: str) -> np.ndarray | None:
         """How many spill segments held each row's frame (1, or more when duplicates were
         dropped), or ``None`` when the output predates provenance (``index/frame_copies``)."""
-        return self._provenance(filename, "frame_copies")
+        return self._files.provenance(self._index(filename), "frame_copies")
 
     def __getitem__(self, filename: str) -> Any:
-        i = self._index(filename)
-        files: Any = self.group["files"]
-        node = files[self._keys[i]]
-        return self._wrap(node, filename)
+        return self._files.value(self._index(filename))
 
-    def _wrap(self, node: Any, filename: str) -> Any:
-        import zarr
+    def _index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
+        checked at open (for coverage, which needs them whole); None for version 1."""
+        if not isinstance(self._files, V2Files):
+            return None
+        f = self._files
+        return f.filenames, f._offsets, f._frame_idx, f._prov["frame_rank"], f._prov["frame_copies"]
 
-        if isinstance(node, zarr.Array):
-            meta: Any = node.attrs["spillmerge"]
-            return LeafArray(node, meta["dtype"], filename)
-        # Dict value: every array below the file's group knows its original leaf path.
-        out: dict[str, Any] = {}
-        for _, child in sorted(node.members(max_depth=None), key=lambda kv: kv[0]):
-            if isinstance(child, zarr.Array):
-                meta = child.attrs["spillmerge"]  # type: ignore[assignment]
-                _set_nested(out, list(meta["leaf"]), LeafArray(child, meta["dtype"], filename))
-        return out
+    def _v2(self, what: str) -> V2Files:
+        if not isinstance(self._files, V2Files):
+            raise FormatVersionError(
+                f"{self.storage.describe()}: {what} reads columnar outputs (format version 2); this one is "
+                "version 1 (one array per file): read it file by file, or merge its spill root again",
+                path=self.storage.describe(),
+            )
+        return self._files
+
+    def column(self, path: str | tuple[str, ...] | list[str] | None = None) -> LeafView:
+        """One leaf over every row of every file, in (filename, frame) order: ``"logits"``,
+        ``"a/b"`` (or the keys as a tuple), or None for plain tensor values (leaf ``[]``). The
+        same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
+        columns when there is no such leaf."""
+        return self._v2("column()").column(path, self.storage.describe())
+
+    @property
+    def columns(self) -> list[str]:
+        """The leaf paths of the columns (``""`` for plain tensor values), sorted (version 2)."""
+        return sorted(c.info.path for c in self._v2("columns").columns.values())
+
+    def to_arrow(self) -> Any:
+        """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``): columns
+        ``filename`` (string), ``frame_idx`` (int64), ``rank`` (int32), then one per leaf, named
+        by its path (``"a/b"``; ``"value"`` for plain tensor values), null where a row lacks it:
+
+        - fixed numeric leaves: the numeric type for 0-d values, else (nested) ``fixed_size_list``;
+          dtypes numpy lacks (bfloat16, float8, complex32 ...) as their raw-bit unsigned type
+          (``uint16`` for bfloat16: the column's dtype name is in :meth:`column`);
+        - ragged leaves: ``large_list`` per row, of ``fixed_size_list`` (the inner dimensions)
+          when only the first dimension varies, else nested ``large_list`` one level per dimension;
+        - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
+          unpickled); list of ``str``: ``large_list<large_string>``.
+        """
+        return self._v2("to_arrow()").to_arrow()
 
     def __repr__(self) -> str:
         return f"MergedStore({self.storage.describe()!r}, files={len(self)}, frames={self.header.get('n_frames')})"
 
 
-def _set_nested(out: dict[str, Any], path: list[str], value: Any) -> None:
-    for k in path[:-1]:
-        out = out.setdefault(k, {})
-    out[path[-1]] = value
-
-
-def open(out: str, storage_options: dict[str, Any] | None = None) -> MergedStore:  # noqa: A001
-    """Open a merged output for reading."""
-    return MergedStore(out, storage_options)
-
-
-# --------------------------------------------------------------------------------------------
-# Invariants of the index (docs/FORMAT.md), shared by the reader (which raises the first broken
-# one) and `spillmerge verify` (which lists them all). Each returns (path, what is wrong) pairs.
-
-_PROVENANCE = ("frame_rank", "frame_copies")
-
-
-def _index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
-    import zarr
-
-    rel = f"index/{name}"
-    try:
-        node = group[rel]
-    except KeyError:
-        raise CorruptSpillError(f"{describe(rel)}: missing from the output's index", path=describe(rel)) from None
-    if not isinstance(node, zarr.Array) or node.ndim != 1:
-        raise CorruptSpillError(f"{describe(rel)}: expected a 1-d array", path=describe(rel))
-    return node
-
-
-def read_index(group: Any, name: str, describe: Callable[[str], str]) -> np.ndarray:
-    """The whole index array ``index/NAME``; a missing or unreadable one raises
-    :class:`CorruptSpillError` naming it."""
-    rel = f"index/{name}"
-    node = _index_node(group, name, describe)
-    try:
-        return np.asarray(node[:])
-    except SpillMergeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - zarr reports codec and checksum errors as many types
-        raise CorruptSpillError(f"{describe(rel)}: cannot read it ({exc})", path=describe(rel)) from exc
-
-
-def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
-    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
-    out = {"frame_idx": _index_node(group, "frame_idx", describe).shape[0]}
-    idx: Any = group["index"]
-    for name in _PROVENANCE:
-        if name in idx:
-            out[name] = _index_node(group, name, describe).shape[0]
-    return out
-
-
-def index_problems(
-    filenames: list[str], keys: list[str], offsets: np.ndarray, lengths: dict[str, int], header: dict[str, Any]
-) -> list[_Problem]:
-    """What the per-file index arrays and the arrays' lengths break: O(files), no data read."""
-    out: list[_Problem] = []
-    n, rows = len(filenames), lengths["frame_idx"]
-    if len(keys) != n:
-        out.append(("index/keys", f"{len(keys)} keys for {n} filenames in index/filenames"))
-    for rel, names in (("index/filenames", filenames), ("index/keys", keys)):
-        dup = _first_duplicate(names)
-        if dup is not None:
-            out.append((rel, f"{dup!r:.200} is listed more than once"))
-    bad = [k for k in keys if not F.is_safe_node_name(k)]
-    if bad:
-        out.append(("index/keys", f"{bad[0]!r} is not a node name a merge writes (docs/FORMAT.md, Node names)"))
-    if len(offsets) != n + 1:
-        out.append(("index/frame_offsets", f"{len(offsets)} entries for {n} files (must be {n + 1})"))
-    elif offsets[0] != 0:
-        out.append(("index/frame_offsets", f"starts at {int(offsets[0])}, not 0"))
-    elif np.any(np.diff(offsets) < 0):
-        i = int(np.flatnonzero(np.diff(offsets) < 0)[0])
-        out.append(
-            ("index/frame_offsets", f"decreases from {int(offsets[i])} to {int(offsets[i + 1])} at entry {i + 1}")
-        )
-    elif offsets[-1] != rows:
-        out.append(("index/frame_offsets", f"ends at {int(offsets[-1])}, but index/frame_idx has {rows} rows"))
-    for name in _PROVENANCE:
-        if name in lengths and lengths[name] != rows:
-            out.append((f"index/{name}", f"{lengths[name]} rows, but index/frame_idx has {rows}"))
-    for field, want in (("n_files", n), ("n_frames", rows)):
-        if header.get(field) != want:
-            out.append(("zarr.json", f"the header's {field} is {header.get(field)!r}, but the index holds {want}"))
-    return out
-
-
-def _first_duplicate(names: list[str]) -> str | None:
-    seen: set[str] = set()
-    for x in names:
-        if x in seen:
-            return x
-        seen.add(x)
-    return None
-
-
-def frame_problems(frame_idx: np.ndarray, offsets: np.ndarray, filenames: list[str]) -> list[_Problem]:
-    """Frame indices non-negative and strictly ascending within each file (``offsets`` already
-    checked): vectorised, O(rows)."""
-    rel = "index/frame_idx"
-
-    def where(r: int) -> str:
-        i = int(np.searchsorted(offsets, r, side="right")) - 1
-        return f"row {r} (file {i}, {filenames[i]!r:.200})"
-
-    out: list[_Problem] = []
-    neg = np.flatnonzero(frame_idx < 0)
-    if len(neg):
-        r = int(neg[0])
-        out.append((rel, f"{where(r)} holds frame index {int(frame_idx[r])} < 0 ({len(neg)} negative in all)"))
-    step_ok = np.diff(frame_idx) > 0
-    starts = offsets[1:-1]
-    starts = starts[(starts > 0) & (starts < len(frame_idx))]
-    step_ok[starts - 1] = True  # the first row of a file may be below the last of the previous one
-    bad = np.flatnonzero(~step_ok)
-    if len(bad):
-        r = int(bad[0]) + 1
-        out.append(
-            (
-                rel,
-                f"frame indices are not strictly ascending within a file: {where(r)} holds {int(frame_idx[r])} "
-                f"after {int(frame_idx[r - 1])} ({len(bad)} such rows)",
-            )
-        )
-    return out
-
-
-def provenance_problems(name: str, values: np.ndarray) -> list[_Problem]:
-    """``frame_rank`` non-negative, ``frame_copies`` at least 1."""
-    least = 1 if name == "frame_copies" else 0
-    bad = np.flatnonzero(values < least)
-    if not len(bad):
-        return []
-    return [(f"index/{name}", f"row {int(bad[0])} holds {int(values[bad[0]])} < {least} ({len(bad)} such rows)")]
-
-
-def file_problems(group: Any, key: str, filename: str, rows: int) -> list[_Problem]:
-    """The node of one file: present, and every array of it with the spillmerge attributes, a
-    known dtype stored as the dtype table says, and ``rows`` rows (its offsets' span). Metadata
-    only (consolidated): no chunk is read."""
-    import zarr
-
-    rel = f"files/{key}"
-    try:
-        node = group[rel]
-    except KeyError:
-        return [(rel, f"the node of {filename!r:.200} (index/keys) is missing")]
-    if isinstance(node, zarr.Array):
-        return _leaf_problems(node, rel, filename, rows, in_dict=False)
-    out: list[_Problem] = []
-    arrays = [(f"{rel}/{p}", a) for p, a in sorted(node.members(max_depth=None)) if isinstance(a, zarr.Array)]
-    if not arrays:
-        out.append((rel, f"the group of {filename!r:.200} holds no arrays"))
-    for path, arr in arrays:
-        out.extend(_leaf_problems(arr, path, filename, rows, in_dict=True))
-    return out
-
-
-def _leaf_problems(arr: Any, rel: str, filename: str, rows: int, *, in_dict: bool) -> list[_Problem]:
-    meta = arr.attrs.get("spillmerge")
-    if not isinstance(meta, dict):
-        return [(rel, "no spillmerge attributes (filename, leaf, dtype)")]
-    out: list[_Problem] = []
-    name = meta.get("dtype")
-    dt = F.DTYPES.get(name) if isinstance(name, str) else None
-    if dt is None:
-        out.append((rel, f"unknown dtype {name!r} in its attributes (known: docs/FORMAT.md section 3)"))
-    elif arr.dtype != np.dtype(dt.storage):
-        out.append((rel, f"dtype {name!r} is stored as {dt.storage}, but the array holds {arr.dtype}"))
-    if meta.get("filename", filename) != filename:
-        out.append((rel, f"belongs to {meta.get('filename')!r:.200}, but index/keys maps {filename!r:.200} to it"))
-    leaf = meta.get("leaf")
-    if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf) or (in_dict and not leaf):
-        out.append((rel, f"leaf {leaf!r} is not a list of dict keys"))
-    if arr.ndim < 1 or arr.shape[0] != rows:
-        have = arr.shape[0] if arr.ndim else "no"
-        out.append((rel, f"{have} rows, but index/frame_offsets gives {filename!r:.200} {rows}"))
-    return out
+def open(out: str, storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> MergedStore:  # noqa: A001
+    """Open a merged output (format version 1 or 2) for reading. ``allow_pickle=True`` lets
+    leaves stored pickled be unpickled (only for outputs you trust: unpickling runs code)."""
+    return MergedStore(out, storage_options, allow_pickle)

@@ -1,0 +1,398 @@
+"""Invariants of a merged output's index (docs/FORMAT.md, *Invariants of the index*), shared by the
+reader (which raises the first broken one) and ``spillmerge verify`` (which lists them all).
+
+Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:
+O(rows) numpy, no per-file Python loop. Version-2 checks live here; the version-1 per-file checks
+are in ``_reader_v1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _format as F
+from ._errors import CorruptSpillError, SpillMergeError
+
+Problem = tuple[str, str]
+"""(path relative to the output, what is wrong): one broken invariant of an output."""
+
+PROVENANCE = ("frame_rank", "frame_copies")
+VALUE_COLUMN = "__value__"
+"""Column name of the leaf ``[]`` (plain tensor values)."""
+KINDS = ("fixed", "ragged", "str", "bytes", "pickle", "strlist")
+OFFSET_KINDS = frozenset({"ragged", "bytes", "pickle", "strlist"})
+STRING_KINDS = frozenset({"str", "strlist"})
+
+
+def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpillError:
+    path = describe(rel)
+    return CorruptSpillError(f"{path}: {what}", path=path)
+
+
+def read_array(arr: Any, sel: Any = slice(None)) -> np.ndarray:
+    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array (an
+    absent one already is, from ``NoFillStore``)."""
+    try:
+        return np.asarray(arr[sel])
+    except SpillMergeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zarr reports a damaged chunk as ValueError, codec errors ...
+        raise CorruptSpillError(
+            f"{arr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})", path=str(arr.store_path)
+        ) from exc
+
+
+def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
+    import zarr
+
+    rel = f"index/{name}"
+    try:
+        node = group[rel]
+    except KeyError:
+        raise corrupt(describe, rel, "missing from the output's index") from None
+    if not isinstance(node, zarr.Array) or node.ndim != 1:
+        raise corrupt(describe, rel, "expected a 1-d array")
+    return node
+
+
+def read_index(group: Any, name: str, describe: Callable[[str], str]) -> np.ndarray:
+    """The whole index array ``index/NAME``; a missing or unreadable one raises
+    :class:`CorruptSpillError` naming it."""
+    rel = f"index/{name}"
+    node = index_node(group, name, describe)
+    try:
+        return np.asarray(node[:])
+    except SpillMergeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zarr reports codec and checksum errors as many types
+        raise corrupt(describe, rel, f"cannot read it ({exc})") from exc
+
+
+def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
+    """``offsets``: ``n + 1`` entries from 0, never decreasing, ending at ``rows`` (``of`` says
+    what ``rows`` counts, ``what`` what ``n`` counts)."""
+    if len(offsets) != n + 1:
+        return [(rel, f"{len(offsets)} entries for {n} {what} (must be {n + 1})")]
+    if offsets[0] != 0:
+        return [(rel, f"starts at {int(offsets[0])}, not 0")]
+    step = np.diff(offsets)
+    if np.any(step < 0):
+        i = int(np.flatnonzero(step < 0)[0])
+        return [(rel, f"decreases from {int(offsets[i])} to {int(offsets[i + 1])} at entry {i + 1}")]
+    if offsets[-1] != rows:
+        return [(rel, f"ends at {int(offsets[-1])}, but {of} has {rows} rows")]
+    return []
+
+
+def frame_problems(frame_idx: np.ndarray, offsets: np.ndarray, filenames: Any) -> list[Problem]:
+    """Frame indices non-negative and strictly ascending within each file (``offsets`` already
+    checked): vectorised, O(rows)."""
+    rel = "index/frame_idx"
+
+    def where(r: int) -> str:
+        i = int(np.searchsorted(offsets, r, side="right")) - 1
+        return f"row {r} (file {i}, {str(filenames[i])!r:.200})"
+
+    out: list[Problem] = []
+    neg = np.flatnonzero(frame_idx < 0)
+    if len(neg):
+        r = int(neg[0])
+        out.append((rel, f"{where(r)} holds frame index {int(frame_idx[r])} < 0 ({len(neg)} negative in all)"))
+    step_ok = np.diff(frame_idx) > 0
+    starts = offsets[1:-1]
+    starts = starts[(starts > 0) & (starts < len(frame_idx))]
+    step_ok[starts - 1] = True  # the first row of a file may be below the last of the previous one
+    bad = np.flatnonzero(~step_ok)
+    if len(bad):
+        r = int(bad[0]) + 1
+        out.append(
+            (
+                rel,
+                f"frame indices are not strictly ascending within a file: {where(r)} holds {int(frame_idx[r])} "
+                f"after {int(frame_idx[r - 1])} ({len(bad)} such rows)",
+            )
+        )
+    return out
+
+
+def provenance_problems(name: str, values: np.ndarray) -> list[Problem]:
+    """``frame_rank`` non-negative, ``frame_copies`` at least 1."""
+    least = 1 if name == "frame_copies" else 0
+    bad = np.flatnonzero(values < least)
+    if not len(bad):
+        return []
+    return [(f"index/{name}", f"row {int(bad[0])} holds {int(values[bad[0]])} < {least} ({len(bad)} such rows)")]
+
+
+# --------------------------------------------------------------------------------------------
+# version 2
+
+
+def sorted_problems(filenames: np.ndarray) -> list[Problem]:
+    """``index/filenames`` strictly ascending in code point order (so distinct); ``filenames``
+    is an object array of ``str``."""
+    if len(filenames) < 2:
+        return []
+    bad = np.flatnonzero(~(filenames[1:] > filenames[:-1]))
+    if not len(bad):
+        return []
+    i = int(bad[0])
+    a, b = filenames[i], filenames[i + 1]
+    if a == b:
+        return [("index/filenames", f"{a!r:.200} is listed more than once")]
+    return [("index/filenames", f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}")]
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnInfo:
+    """One column group ``columns/<name>`` of a version-2 output, from its metadata alone."""
+
+    name: str
+    """Group name under ``columns/``."""
+    leaf: tuple[str, ...]
+    """Dict keys from the value's root to the leaf (empty for plain tensor values)."""
+    kind: str
+    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
+    dtype: str
+    """Dtype name (section 3) for numeric kinds, else the kind."""
+    ndim: int | None
+    """Dimensions of a value (numeric kinds)."""
+    inner_shape: tuple[int, ...] | None
+    """Dimensions after the first of a ragged column's values (None: flat values + ``shapes``)."""
+    chunk_max_bytes: int | None
+    """Largest string chunk the merge wrote (string columns)."""
+    arrays: dict[str, Any]
+    """``values`` / ``offsets`` / ``shapes`` / ``valid`` -> ``zarr.Array`` (those present)."""
+
+    @property
+    def path(self) -> str:
+        """The column's leaf path as users name it (``"a/b"``; ``""`` for plain tensor values)."""
+        return "/".join(self.leaf)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
+    """Every column group's header and arrays (metadata only: consolidated, no chunk read), and
+    what they break of the invariants that need no data."""
+    import zarr
+
+    out: dict[str, ColumnInfo] = {}
+    problems: list[Problem] = []
+    try:
+        cols = group["columns"]
+    except KeyError:
+        return out, [("columns", "missing from the output")]
+    if not isinstance(cols, zarr.Group):
+        return out, [("columns", "expected a group")]
+    for name, node in sorted(cols.members(max_depth=0), key=lambda kv: kv[0]):
+        rel = f"columns/{name}"
+        if not isinstance(node, zarr.Group):
+            problems.append((rel, "expected a column group"))
+            continue
+        h = node.attrs.get("spillmerge")
+        if not isinstance(h, dict):
+            problems.append((rel, "no spillmerge column header (leaf, kind, dtype)"))
+            continue
+        leaf, kind, dtype = h.get("leaf"), h.get("kind"), h.get("dtype")
+        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
+            problems.append((rel, f"leaf {leaf!r:.200} is not a list of dict keys"))
+            continue
+        if (name == VALUE_COLUMN) != (leaf == []):
+            problems.append((rel, f"column {name!r} holds leaf {leaf!r:.200}"))
+            continue
+        if kind not in KINDS:
+            problems.append((rel, f"unknown kind {kind!r:.50} (known: {', '.join(KINDS)})"))
+            continue
+        numeric = kind in ("fixed", "ragged")
+        dt = F.DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if numeric and (dt is None or not dt.numeric):
+            problems.append((rel, f"unknown dtype {dtype!r:.50} (known: docs/FORMAT.md section 3)"))
+            continue
+        if not numeric and dtype != kind:
+            problems.append((rel, f"dtype {dtype!r:.50} of a {kind} column (must be {kind!r})"))
+            continue
+        inner = h.get("inner_shape")
+        if inner is not None and (not isinstance(inner, list) or not all(_is_int(d) and d >= 0 for d in inner)):
+            problems.append((rel, f"inner_shape {inner!r:.100} is not a list of non-negative ints"))
+            continue
+        ndim = h.get("ndim")
+        cmb = h.get("chunk_max_bytes")
+        arrays = {k: a for k, a in node.members(max_depth=0) if isinstance(a, zarr.Array)}
+        info = ColumnInfo(
+            name=name,
+            leaf=tuple(leaf),
+            kind=kind,
+            dtype=str(dtype),
+            ndim=ndim if _is_int(ndim) else None,
+            inner_shape=tuple(inner) if inner is not None else None,
+            chunk_max_bytes=cmb if isinstance(cmb, int) and not isinstance(cmb, bool) and cmb >= 0 else None,
+            arrays=arrays,
+        )
+        bad = _column_meta_problems(info, bool(h.get("has_valid")))
+        if bad:
+            problems.extend(bad)
+            continue
+        out[name] = info
+    paths: dict[tuple[str, ...], str] = {}
+    for c in out.values():
+        if c.leaf in paths:
+            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[c.leaf]}"))
+        paths[c.leaf] = c.name
+    return out, problems
+
+
+def _column_meta_problems(c: ColumnInfo, has_valid: bool) -> list[Problem]:
+    """Storage types and array presence of one column (lengths are checked against ``n_rows`` by
+    :func:`column_problems`)."""
+    rel = f"columns/{c.name}"
+    a = c.arrays
+    out: list[Problem] = []
+    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS else [])
+    if c.kind == "ragged" and c.inner_shape is None:
+        need.append("shapes")
+    if has_valid:
+        need.append("valid")
+    for k in need:
+        if k not in a:
+            out.append((f"{rel}/{k}", f"missing from the {c.kind} column"))
+    if out:
+        return out
+    if "valid" in a and not has_valid:
+        out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
+    v = a["values"]
+    if c.kind in STRING_KINDS:
+        if v.dtype.kind not in ("T", "O", "U"):
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be strings, not {v.dtype}"))
+    elif c.kind in ("bytes", "pickle"):
+        if v.dtype != np.uint8:
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8, not {v.dtype}"))
+    else:
+        storage = np.dtype(F.DTYPES[c.dtype].storage)
+        if v.dtype != storage:
+            out.append((f"{rel}/values", f"dtype {c.dtype!r} is stored as {storage}, but the array holds {v.dtype}"))
+    if c.kind != "fixed" and v.ndim != 1 and not (c.kind == "ragged" and c.inner_shape is not None):
+        out.append((f"{rel}/values", f"expected a 1-d array, got {v.ndim} dimensions"))
+    if c.kind == "ragged" and c.inner_shape is not None and tuple(v.shape[1:]) != c.inner_shape:
+        out.append((f"{rel}/values", f"shape {tuple(v.shape)} does not end in inner_shape {list(c.inner_shape)}"))
+    if c.kind == "fixed" and v.ndim < 1:
+        out.append((f"{rel}/values", "a fixed column's values need a row dimension"))
+    for k, kinds, ndim in (("offsets", "iu", 1), ("shapes", "iu", 2), ("valid", "b", 1)):
+        if k in a and (a[k].dtype.kind not in kinds or a[k].ndim != ndim):
+            out.append((f"{rel}/{k}", f"expected a {ndim}-d {'bool' if kinds == 'b' else 'int64'} array"))
+    if "shapes" in a and a["shapes"].ndim == 2 and c.ndim is not None and a["shapes"].shape[1] != c.ndim:
+        out.append((f"{rel}/shapes", f"{a['shapes'].shape[1]} dimensions per row, but the header's ndim is {c.ndim}"))
+    return out
+
+
+def column_problems(c: ColumnInfo, n_rows: int) -> list[Problem]:
+    """Lengths of one column's arrays against ``n_rows`` (metadata only)."""
+    rel = f"columns/{c.name}"
+    out: list[Problem] = []
+    a = c.arrays
+    compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
+    if c.kind in ("fixed", "str") and not compact and a["values"].shape[0] != n_rows:
+        out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but index/frame_idx has {n_rows}"))
+    for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
+        if k in a and a[k].shape[0] != want:
+            out.append(
+                (f"{rel}/{k}", f"{a[k].shape[0]} entries, but index/frame_idx has {n_rows} rows (must be {want})")
+            )
+    return out
+
+
+def offsets_content_problems(c: ColumnInfo, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
+    """A column's ``offsets`` from 0, never decreasing, ending at the length of ``values``; its
+    ``shapes`` non-negative, their products (times ``inner_shape``'s) equal to the offsets' steps."""
+    rel = f"columns/{c.name}"
+    n = len(offsets) - 1
+    out = offsets_problems(offsets, n, int(c.arrays["values"].shape[0]), f"{rel}/offsets", "rows", f"{rel}/values")
+    if out:
+        return out
+    if c.kind == "fixed" and np.any(np.diff(offsets) > 1):  # compact fixed column: 0 or 1 row each
+        r = int(np.flatnonzero(np.diff(offsets) > 1)[0])
+        return [(f"{rel}/offsets", f"row {r} spans {int(offsets[r + 1] - offsets[r])} rows of a fixed column")]
+    if shapes is None:
+        return out
+    if np.any(shapes < 0):
+        r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
+        return [(f"{rel}/shapes", f"row {r} has a negative dimension {shapes[r].tolist()}")]
+    inner = int(np.prod(c.inner_shape)) if c.inner_shape else 1
+    with np.errstate(over="ignore"):
+        elems = np.prod(shapes, axis=1, dtype=np.int64)
+    bad = np.flatnonzero(elems != np.diff(offsets) * inner)
+    if len(bad):
+        r = int(bad[0])
+        return [
+            (
+                f"{rel}/shapes",
+                f"row {r} has shape {shapes[r].tolist()}, but its offsets span {int(offsets[r + 1] - offsets[r])} "
+                f"({len(bad)} such rows)",
+            )
+        ]
+    return out
+
+
+def v2_index_problems(
+    filenames: np.ndarray,
+    offsets: np.ndarray,
+    file_layout: np.ndarray,
+    lengths: dict[str, int],
+    header: dict[str, Any],
+    columns: dict[str, ColumnInfo],
+) -> list[Problem]:
+    """What the per-file index arrays, the header and the index arrays' lengths break (the
+    column checks aside): O(files) numpy, reads nothing."""
+    out: list[Problem] = []
+    n, rows = len(filenames), lengths["frame_idx"]
+    out.extend(sorted_problems(filenames))
+    if len(file_layout) != n:
+        out.append(("index/file_layout", f"{len(file_layout)} entries for {n} files in index/filenames"))
+    layouts = header.get("file_layouts")
+    if not isinstance(layouts, list) or not all(
+        isinstance(lay, list) and all(isinstance(c, str) for c in lay) for lay in layouts
+    ):
+        out.append(("zarr.json", f"the header's file_layouts {layouts!r:.200} is not a list of column-name lists"))
+    else:
+        for j, lay in enumerate(layouts):
+            gone = [c for c in lay if c not in columns]
+            if gone:
+                out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
+                break
+        if len(file_layout) and (file_layout.min() < 0 or file_layout.max() >= len(layouts)):
+            i = int(np.flatnonzero((file_layout < 0) | (file_layout >= len(layouts)))[0])
+            out.append(
+                (
+                    "index/file_layout",
+                    f"entry {i} ({str(filenames[i]) if i < n else '?'!r:.200}) is {int(file_layout[i])}, "
+                    f"not a position in the header's {len(layouts)} file_layouts",
+                )
+            )
+    out.extend(offsets_problems(offsets, n, rows, "index/frame_offsets", "files", "index/frame_idx"))
+    for name in PROVENANCE:
+        if name not in lengths:
+            out.append((f"index/{name}", "missing from the output's index"))
+        elif lengths[name] != rows:
+            out.append((f"index/{name}", f"{lengths[name]} rows, but index/frame_idx has {rows}"))
+    for field, want in (("n_files", n), ("n_frames", rows)):
+        if header.get(field) != want:
+            out.append(("zarr.json", f"the header's {field} is {header.get(field)!r}, but the index holds {want}"))
+    for c in columns.values():
+        out.extend(column_problems(c, rows))
+    return out
+
+
+def v2_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
+    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
+    out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
+    idx: Any = group["index"]
+    for name in PROVENANCE:
+        if name in idx:
+            out[name] = index_node(group, name, describe).shape[0]
+    return out

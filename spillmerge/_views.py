@@ -1,0 +1,511 @@
+"""Leaf views of a version-2 output: one leaf column, over the rows of one file or of every file.
+
+``view[i]`` is row ``i``'s value as written (``None`` where the row has no value); slices and the
+flat forms (``values`` / ``offsets`` / ``shapes``) serve vectorised work. One class per kind of
+column (docs/FORMAT.md section 2, *Columns*), all on :class:`LeafView`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _format as F
+from ._errors import PickleNotAllowedError, RaggedShapeError
+from ._invariants import ColumnInfo, read_array
+
+
+def real_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype a reader returns for dtype ``name``: numpy's own, the ``ml_dtypes`` type
+    of the same name (bfloat16, float8 ...) where ml_dtypes has one, else the raw-bit storage type
+    (complex32, float4_e2m1fn_x2, bits*)."""
+    dt = F.DTYPES[name]
+    if dt.native:
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:  # a dependency; without it the raw bits are still exact
+        return np.dtype(dt.storage)
+    ml = getattr(ml_dtypes, name, None)
+    if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
+        return np.dtype(ml)
+    return np.dtype(dt.storage)
+
+
+class Column:
+    """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
+    ``shapes``), read and checked once when the output is opened, kept in memory."""
+
+    def __init__(self, info: ColumnInfo, n_rows: int, allow_pickle: bool) -> None:
+        self.info = info
+        self.n_rows = n_rows
+        self.allow_pickle = allow_pickle
+        self.offsets: np.ndarray | None = None
+        """int64 ``(n_rows + 1,)`` (columns with offsets), set by the reader once checked."""
+        self.shapes: np.ndarray | None = None
+        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``), set once checked."""
+        self._valid: np.ndarray | None = None
+
+    @property
+    def values(self) -> Any:
+        return self.info.arrays["values"]
+
+    def valid(self) -> np.ndarray | None:
+        """bool ``(n_rows,)`` or None when every row has a value."""
+        if "valid" not in self.info.arrays:
+            return None
+        if self._valid is None:
+            self._valid = read_array(self.info.arrays["valid"]).astype(bool, copy=False)
+        return self._valid
+
+    def view(self, start: int, stop: int, filename: str | None = None) -> LeafView:
+        cls = _VIEWS[self.info.kind]
+        return cls(self, start, stop, filename)
+
+
+class LeafView:
+    """Rows ``start .. stop-1`` of one leaf column. ``len(view)`` rows; ``view[i]`` is row ``i``'s
+    value (``None`` where :attr:`valid` is False); ``view[a:b]`` several rows (the kind decides
+    the form); :meth:`to_list` every row as a Python list; :meth:`to_arrow` a pyarrow array."""
+
+    def __init__(self, col: Column, start: int, stop: int, filename: str | None) -> None:
+        self._col = col
+        self._start = start
+        self._stop = stop
+        self.filename = filename
+        """The file whose rows these are (None for a whole column)."""
+
+    @property
+    def leaf(self) -> tuple[str, ...]:
+        """Dict keys from the value's root to this leaf (empty for plain tensor values)."""
+        return self._col.info.leaf
+
+    @property
+    def kind(self) -> str:
+        """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
+        return self._col.info.kind
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype name (``"bfloat16"``), or the kind for non-numeric leaves."""
+        return self._col.info.dtype
+
+    @property
+    def zarr(self) -> Any:
+        """The column's ``values`` array (every row of every file)."""
+        return self._col.values
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @property
+    def valid(self) -> np.ndarray | None:
+        """bool per row: False where the row has no value for this leaf; None when all have one."""
+        v = self._col.valid()
+        return None if v is None else v[self._start : self._stop]
+
+    def _row(self, i: Any) -> int:
+        """Absolute row of index ``i`` (negative counts from the end)."""
+        n = len(self)
+        j = int(i)
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(f"row {int(i)} out of range for {n} rows")
+        return self._start + j
+
+    def _is_valid(self, r: int) -> bool:
+        v = self._col.valid()
+        return v is None or bool(v[r])
+
+    def __getitem__(self, sel: Any) -> Any:
+        if isinstance(sel, (int, np.integer)):
+            r = self._row(sel)
+            return self._one(r) if self._is_valid(r) else None
+        if isinstance(sel, slice):
+            a, b, step = sel.indices(len(self))
+            if step == 1:
+                return self._many(self._start + a, self._start + max(a, b))
+            return [self[i] for i in range(a, b, step)]
+        raise TypeError(f"{type(self).__name__} rows are selected by an int or a slice, not {type(sel).__name__}")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.to_list())
+
+    def _one(self, r: int) -> Any:
+        raise NotImplementedError
+
+    def _many(self, a: int, b: int) -> Any:
+        return self._list(a, b)
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        return [self._one(r) if self._is_valid(r) else None for r in range(a, b)]
+
+    def to_list(self) -> list[Any]:
+        """Every row's value (``None`` where absent)."""
+        return self._list(self._start, self._stop)
+
+    def to_arrow(self) -> Any:
+        """These rows as a pyarrow array (docs/READING.md, *pyarrow*), null where absent."""
+        raise NotImplementedError
+
+    def _null_mask(self) -> np.ndarray | None:
+        v = self.valid
+        return None if v is None else ~v
+
+    def __repr__(self) -> str:
+        where = f"{self.filename!r}" if self.filename is not None else "all files"
+        leaf = "/".join(self.leaf) or "<tensor>"
+        return f"{type(self).__name__}({where}, leaf={leaf!r}, rows={len(self)}, dtype={self.dtype_name})"
+
+
+class FixedView(LeafView):
+    """A numeric leaf of one shape in every row: ``view[a:b]`` and ``np.asarray(view)`` are numpy
+    arrays ``(rows, *shape)`` of the real dtype (ml_dtypes bfloat16, float8 ...; rows without a
+    value hold zeros, see :attr:`valid`); :meth:`to_torch` a tensor of the torch dtype."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self._col.values.shape[1:])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """numpy dtype of what indexing returns: the real dtype where numpy or ml_dtypes has it."""
+        return real_dtype(self.dtype_name)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
+
+    def _raw(self, sel: Any) -> np.ndarray:
+        """The storage-dtype rows ``sel`` (an int, a slice, ``...``, or a tuple starting with one)."""
+        rest: tuple[Any, ...] = ()
+        if isinstance(sel, tuple):
+            sel, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
+        if sel is Ellipsis:
+            sel = slice(None)
+        if self._col.offsets is not None:
+            arr = self._compact(sel)
+        elif isinstance(sel, (int, np.integer)):
+            arr = read_array(self._col.values, self._row(sel))
+        elif isinstance(sel, slice):
+            a, b, step = sel.indices(len(self))
+            if step == 1:
+                arr = read_array(self._col.values, slice(self._start + a, self._start + max(a, b)))
+            else:  # read the file's rows, then step through them
+                arr = read_array(self._col.values, slice(self._start, self._stop))[sel]
+        else:
+            idx = np.asarray(sel)
+            if idx.dtype == bool:
+                idx = np.flatnonzero(idx)
+            rows = np.asarray([self._row(i) for i in idx.ravel()], dtype=np.int64).reshape(idx.shape)
+            if rows.size:
+                lo = int(rows.min())
+                arr = read_array(self._col.values, slice(lo, int(rows.max()) + 1))[rows - lo]
+            else:
+                arr = read_array(self._col.values, slice(0, 0))
+        return arr[(slice(None), *rest)] if rest and arr.ndim > len(self.shape) - 1 else arr[rest] if rest else arr
+
+    def _compact(self, sel: Any) -> np.ndarray:
+        """Rows ``sel`` of a fixed column whose ``values`` hold only the rows with a value (it has
+        ``offsets``, steps 0 or 1): the others read as zeros."""
+        o = self._col.offsets
+        assert o is not None
+        rows = np.arange(self._start, self._stop)[sel]
+        lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
+        vals = read_array(self._col.values, slice(lo, hi))
+        has = o[rows + 1] > o[rows]
+        out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
+        out[has] = vals[o[rows[has]] - lo]
+        return out
+
+    def __getitem__(self, sel: Any) -> Any:
+        if isinstance(sel, (int, np.integer)):
+            r = self._row(sel)
+            if not self._is_valid(r):
+                return None
+        return self._raw(sel).view(self.dtype)
+
+    def numpy(self) -> np.ndarray:
+        return self[...]  # type: ignore[no-any-return]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        arr = self.numpy()
+        if dtype is None or np.dtype(dtype) == arr.dtype:
+            return arr
+        if copy is False:
+            raise ValueError(f"{self!r}: converting {arr.dtype} to {np.dtype(dtype)} needs a copy")
+        return arr.astype(dtype)
+
+    def to_torch(self, sel: Any = ...) -> torch.Tensor:
+        """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
+        zarr decoded into: no copy beyond reading it."""
+        t = torch.from_numpy(np.ascontiguousarray(self._raw(sel)))
+        return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
+
+    def to_list(self) -> list[Any]:
+        arr = self.numpy()
+        v = self.valid
+        return [None if v is not None and not v[i] else arr[i] for i in range(len(arr))]
+
+    def to_arrow(self) -> Any:
+        pa = _pa()
+        raw = self._raw(slice(None))
+        inner = raw.reshape(-1) if raw.ndim > 1 else raw
+        arr = pa.array(inner)
+        for d in reversed(raw.shape[1:]):
+            arr = pa.FixedSizeListArray.from_arrays(arr, d)
+        return _with_nulls(arr, self.valid)
+
+
+class _OffsetView(LeafView):
+    """Base of the kinds stored as values + offsets."""
+
+    def _span(self, a: int, b: int) -> tuple[int, int]:
+        o = self._col.offsets
+        assert o is not None
+        return int(o[a]), int(o[b])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 ``(rows + 1,)``: row ``i``'s values are ``values[offsets[i]:offsets[i + 1]]``."""
+        o = self._col.offsets
+        assert o is not None
+        part = o[self._start : self._stop + 1]
+        return part - part[0]
+
+    def _flat(self, a: int, b: int) -> np.ndarray:
+        lo, hi = self._span(a, b)
+        return read_array(self._col.values, slice(lo, hi))
+
+
+class RaggedView(_OffsetView):
+    """A numeric leaf whose shape varies between rows. ``view[i]`` is row ``i``'s array; the flat
+    form is :attr:`values` (every row's elements, first dimension concatenated), :attr:`offsets`
+    and :attr:`shapes`; ``view[a:b]`` stacks rows of one shape and refuses others."""
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return real_dtype(self.dtype_name)
+
+    @property
+    def ndim(self) -> int:
+        """Dimensions of one row's value."""
+        info = self._col.info
+        if info.inner_shape is not None:
+            return 1 + len(info.inner_shape)
+        assert self._col.shapes is not None
+        return int(self._col.shapes.shape[1])
+
+    def _shapes(self, a: int, b: int) -> np.ndarray:
+        info = self._col.info
+        if self._col.shapes is not None:
+            return self._col.shapes[a:b]
+        o = self._col.offsets
+        assert o is not None and info.inner_shape is not None
+        first = np.diff(o[a : b + 1])[:, None]
+        return np.concatenate([first, np.tile(np.asarray(info.inner_shape, np.int64), (b - a, 1))], axis=1)
+
+    @property
+    def shapes(self) -> np.ndarray:
+        """int64 ``(rows, ndim)``: each row's shape (zero-size rows where absent)."""
+        return self._shapes(self._start, self._stop)
+
+    @property
+    def values(self) -> np.ndarray:
+        """Every row's elements, concatenated: ``(n, *inner_shape)``, or flat ``(n,)`` where more
+        than the first dimension varies; of the real dtype."""
+        return self._flat(self._start, self._stop).view(self.dtype)
+
+    def _one(self, r: int) -> Any:
+        return self._flat(r, r + 1).view(self.dtype).reshape(tuple(self._shapes(r, r + 1)[0]))
+
+    def _many(self, a: int, b: int) -> Any:
+        shapes = self._shapes(a, b)
+        if len(shapes) and np.any(shapes != shapes[0]):
+            i = int(np.flatnonzero((shapes != shapes[0]).any(axis=1))[0])
+            raise RaggedShapeError(
+                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {tuple(shapes[0])} and "
+                f"{tuple(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
+                ".values / .offsets / .shapes (the flat form)"
+            )
+        shape = tuple(shapes[0]) if len(shapes) else (0,) * self.ndim
+        return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        flat = self._flat(a, b).view(self.dtype)
+        o = self._col.offsets
+        assert o is not None
+        base = int(o[a])
+        shapes = self._shapes(a, b)
+        v = self._col.valid()
+        out: list[Any] = []
+        for j, r in enumerate(range(a, b)):
+            if v is not None and not v[r]:
+                out.append(None)
+                continue
+            lo, hi = int(o[r]) - base, int(o[r + 1]) - base
+            if self._col.info.inner_shape is not None:
+                out.append(flat[lo:hi])
+            else:
+                out.append(flat[lo:hi].reshape(tuple(shapes[j])))
+        return out
+
+    def to_torch(self, i: int) -> torch.Tensor:
+        """Row ``i`` as a CPU tensor of the real dtype."""
+        r = self._row(i)
+        raw = self._flat(r, r + 1).reshape(tuple(self._shapes(r, r + 1)[0]))
+        t = torch.from_numpy(np.ascontiguousarray(raw))
+        return t if F.DTYPES[self.dtype_name].native else t.view(getattr(torch, self.dtype_name))
+
+    def to_arrow(self) -> Any:
+        """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the
+        first dimension varies, else nested ``large_list`` one level per dimension."""
+        pa = _pa()
+        raw = self._flat(self._start, self._stop)
+        o = self.offsets
+        info = self._col.info
+        if info.inner_shape is not None:
+            arr = pa.array(raw.reshape(-1))
+            for d in reversed(info.inner_shape):
+                arr = pa.FixedSizeListArray.from_arrays(arr, d)
+            return _with_nulls(pa.LargeListArray.from_arrays(pa.array(o, pa.int64()), arr), self.valid)
+        shapes = self.shapes
+        levels = []
+        for j in range(shapes.shape[1]):
+            reps = np.prod(shapes[:, :j], axis=1, dtype=np.int64) if j else np.ones(len(shapes), np.int64)
+            lengths = np.repeat(shapes[:, j], reps)
+            levels.append(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+        arr = pa.array(raw)
+        for off in reversed(levels):
+            arr = pa.LargeListArray.from_arrays(pa.array(off, pa.int64()), arr)
+        return _with_nulls(arr, self.valid)
+
+
+class StrView(LeafView):
+    """A ``str`` leaf: ``view[i]`` a ``str``, ``view[a:b]`` a list."""
+
+    def _one(self, r: int) -> Any:
+        return str(read_array(self._col.values, r))
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        vals = read_array(self._col.values, slice(a, b))
+        v = self._col.valid()
+        return [None if v is not None and not v[a + j] else str(s) for j, s in enumerate(vals)]
+
+    def to_arrow(self) -> Any:
+        pa = _pa()
+        vals = read_array(self._col.values, slice(self._start, self._stop)).astype(object)
+        return pa.array(vals, type=pa.large_string(), mask=self._null_mask())
+
+
+class BytesView(_OffsetView):
+    """A ``bytes`` leaf: ``view[i]`` ``bytes``, ``view[a:b]`` a list; the flat form is
+    :attr:`values` (uint8) and :attr:`offsets`."""
+
+    @property
+    def values(self) -> np.ndarray:
+        return self._flat(self._start, self._stop)
+
+    def _decode(self, b: bytes) -> Any:
+        return b
+
+    def _one(self, r: int) -> Any:
+        return self._decode(self._flat(r, r + 1).tobytes())
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        flat = self._flat(a, b)
+        o = self._col.offsets
+        assert o is not None
+        base = int(o[a])
+        v = self._col.valid()
+        return [
+            None
+            if v is not None and not v[r]
+            else self._decode(flat[int(o[r]) - base : int(o[r + 1]) - base].tobytes())
+            for r in range(a, b)
+        ]
+
+    def to_arrow(self) -> Any:
+        pa = _pa()
+        raw = self._flat(self._start, self._stop)
+        bufs = [_validity(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
+        return pa.Array.from_buffers(pa.large_binary(), len(self), bufs)
+
+
+class PickleView(BytesView):
+    """A leaf stored pickled (writer and reader opted in): ``view[i]`` the unpickled object, only
+    when the store was opened with ``allow_pickle=True``; :attr:`values` are the pickled bytes."""
+
+    def _decode(self, b: bytes) -> Any:
+        if not self._col.allow_pickle:
+            raise PickleNotAllowedError(
+                f"{self!r}: this leaf holds pickled objects; unpickling runs code from the output, so "
+                "spillmerge never does it by default: open the output with spillmerge.open(out, "
+                "allow_pickle=True) if you trust it (.values / .offsets give the pickled bytes)",
+                leaf="/".join(self.leaf),
+            )
+        return pickle.loads(b)  # noqa: S301 - the reader opted in (allow_pickle=True)
+
+
+class StrListView(_OffsetView):
+    """A list-of-``str`` leaf: ``view[i]`` a list of ``str``."""
+
+    def _one(self, r: int) -> Any:
+        return [str(s) for s in self._flat(r, r + 1)]
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        flat = self._flat(a, b)
+        o = self._col.offsets
+        assert o is not None
+        base = int(o[a])
+        v = self._col.valid()
+        return [
+            None if v is not None and not v[r] else [str(s) for s in flat[int(o[r]) - base : int(o[r + 1]) - base]]
+            for r in range(a, b)
+        ]
+
+    def to_arrow(self) -> Any:
+        pa = _pa()
+        strings = pa.array(self._flat(self._start, self._stop).astype(object), type=pa.large_string())
+        return _with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), strings), self.valid)
+
+
+_VIEWS: dict[str, type[LeafView]] = {
+    "fixed": FixedView,
+    "ragged": RaggedView,
+    "str": StrView,
+    "bytes": BytesView,
+    "pickle": PickleView,
+    "strlist": StrListView,
+}
+
+
+def _pa() -> Any:
+    from ._errors import require
+
+    return require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
+
+
+def _validity(valid: np.ndarray | None) -> Any:
+    if valid is None:
+        return None
+    return _pa().py_buffer(np.packbits(valid.astype(bool), bitorder="little"))
+
+
+def _with_nulls(arr: Any, valid: np.ndarray | None) -> Any:
+    """``arr`` with nulls where ``valid`` is False."""
+    if valid is None or valid.all():
+        return arr
+    import pyarrow.compute as pc
+
+    pa = _pa()
+    return pc.if_else(pa.array(valid), arr, pa.nulls(len(arr), arr.type))
