@@ -158,7 +158,7 @@ class _Chunk:
     def write(self, output: Storage, codec: str) -> None:
         col = self.col
         if col.storage == "string":
-            buffers = [self._strings()]
+            buffers = [np.frombuffer(self._strings(), dtype=np.uint8)]
             itemsize = 1
         else:
             buffers = self._numeric(raw=codec == "none")
@@ -316,13 +316,13 @@ class _Chunk:
                 self._utf8(r, piece)
                 lengths[first + j - u.lo] = e - s
                 parts[first + j - u.lo] = piece
-        out = bytearray(np.uint32(u.k).astype("<u4").tobytes())
+        out = [np.uint32(u.k).astype("<u4").tobytes()]
         for i in range(u.k):
-            out += lengths[i : i + 1].tobytes()
+            out.append(lengths[i : i + 1].tobytes())
             p = parts.get(i)
             if p is not None:
-                out += p
-        return bytes(out)
+                out.append(p.tobytes())
+        return b"".join(out)
 
     def _utf8(self, r: int, b: Any) -> None:
         try:
