@@ -301,6 +301,8 @@ def _check_leaf_types(
         lp = lp_of[lay.leaf]
         by_leaf.setdefault(lp, {}).setdefault(sig(lay, with_dtype=not empty[g]), g)
     for lp, sigs in by_leaf.items():
+        if any(s == ("strlist", "strlist", 1) for s in sigs):  # [] is also an empty list of strings
+            sigs.pop(("num", "", 1), None)
         full = {s for s in sigs if s[1] != "" or s[0] != "num"}
         kinds = {(s[0], s[2]) for s in sigs}
         dtypes = {s[1] for s in full}

@@ -114,11 +114,12 @@ def test_merge_expected_lists_missing_frames_per_file(tmp_path):
     assert rep.frame_gaps == {"clip.mp4": [5, 10, 11], "never.mp4": [0, 1, 2]} and rep.expected_files == 3
     assert "6 frame(s) missing in 2 file(s) against the expected counts" in str(rep)
     assert "'clip.mp4': frames 5, 10..11" in str(rep) and "'never.mp4': frames 0..2" in str(rep)
-    # The same from a CSV path; in parts, each part lists its own files and the finalize all of them.
+    # The same from a CSV path; in parts (each plans every file: parts own output chunks, not
+    # files), each part lists the gaps of the files merged, and the finalize also the files no rank wrote.
     manifest = tmp_path / "m.csv"
     manifest.write_text("filename,n_frames\n" + "".join(f"{k},{v}\n" for k, v in want.items()))
     reps = [spillmerge.merge(str(root), str(tmp_path / "b"), part=(i, 2), expected=str(manifest)) for i in range(2)]
-    assert sorted(g for r in reps for g in r.frame_gaps) == ["clip.mp4"]
+    assert [r.frame_gaps for r in reps] == [{"clip.mp4": [5, 10, 11]}] * 2
     fin = spillmerge.merge(str(root), str(tmp_path / "b"), finalize=True, expected=str(manifest))
     assert fin.frame_gaps == rep.frame_gaps
     ok = spillmerge.merge(str(root), str(tmp_path / "c"), expected={"clip.mp4": 5, "only0.mp4": 2})

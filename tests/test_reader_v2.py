@@ -140,12 +140,6 @@ def test_to_arrow(det):
     assert torch.equal(torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16), frames["b.jpg"][0]["logits"])
 
 
-@pytest.mark.xfail(
-    reason="the format-2 merge (2b954e7) fails on str / strlist columns in _copy._strings "
-    "(bytearray += numpy array; empty strings): the reader side is tested once it writes them",
-    raises=(TypeError, ValueError),
-    strict=False,
-)
 def test_strings_round_trip_and_plain_zarr_reads_them(tmp_path):
     frames = {
         "video_001.mp4": {

@@ -1,0 +1,135 @@
+"""Format version 2 at the storage level: the columnar layout plain zarr reads, objects that do not
+grow with files, parts byte-identical to one process, leaf type conflicts, version-1 spill roots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import spillmerge
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _objects(path: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def _spill_images(root: str, n: int, world: int = 2) -> None:
+    for r in range(world):
+        with spillmerge.SpillWriter(root, rank=r, world_size=world) as w:
+            for i in range(r, n, world):
+                w.write(f"img_{i:06d}.jpg", 0, {"logits": torch.full((10,), float(i)), "emb": torch.ones(4) * i})
+
+
+def test_objects_grow_with_bytes_not_with_files(tmp_path):
+    counts = {}
+    for n in (20, 2000):
+        root, out = str(tmp_path / f"s{n}"), str(tmp_path / f"o{n}")
+        _spill_images(root, n)
+        spillmerge.merge(root, out)
+        counts[n] = _objects(out)
+        g = zarr.open_group(out, mode="r")
+        assert g["columns/logits/values"].shape == (n, 10)
+        assert g["columns/logits/values"][n - 1, 0] == n - 1
+    assert counts[2000] == counts[20], counts  # 100x the files, the same objects
+
+
+def test_ragged_leaves_across_files_read_by_plain_zarr(tmp_path):
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    want = {}
+    with spillmerge.SpillWriter(root) as w:
+        for i in range(12):  # a different number of boxes, and a mask of a different size, per file
+            v = {"boxes": torch.arange(4.0 * (i % 5)).reshape(-1, 4), "mask": torch.ones(i % 3 + 1, i % 4 + 1) * i}
+            w.write(f"im{i:02d}", 0, v)
+            want[f"im{i:02d}"] = v
+    spillmerge.merge(root, out, chunk_bytes=64)  # many chunks: rows cut by chunk edges
+    g = zarr.open_group(out, mode="r")
+    assert dict(g["columns/boxes"].attrs["spillmerge"]) == {
+        "leaf": ["boxes"], "kind": "ragged", "dtype": "float32", "ndim": 2, "inner_shape": [4], "has_valid": False,
+        "chunk_max_bytes": None,
+    }  # fmt: skip
+    names = list(g["index/filenames"][:])
+    bo, mo, ms = g["columns/boxes/offsets"][:], g["columns/mask/offsets"][:], g["columns/mask/shapes"][:]
+    for i, name in enumerate(names):
+        assert int(g["index/frame_offsets"][i]) == i
+        assert np.array_equal(g["columns/boxes/values"][bo[i] : bo[i + 1]], want[name]["boxes"].numpy())
+        mask = g["columns/mask/values"][mo[i] : mo[i + 1]]
+        assert np.array_equal(mask.reshape(ms[i]), want[name]["mask"].numpy())
+
+
+def test_a_leaf_only_some_files_have_stores_no_zeros_for_the_others(tmp_path):
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root) as w:
+        w.write("video.mp4", 0, torch.ones(256, 256))  # 256 KiB
+        for i in range(50):
+            w.write(f"img{i}", 0, {"score": float(i)})
+    spillmerge.merge(root, out)
+    g = zarr.open_group(out, mode="r")
+    values = g["columns/__value__/values"]
+    assert values.shape == (1, 256, 256)  # one row stored, not 51
+    assert g["columns/__value__/valid"][:].tolist() == [False] * 50 + [True]
+    assert g["columns/__value__/offsets"][:].tolist() == [0] * 51 + [1]
+    layouts = g.attrs["spillmerge"]["file_layouts"]
+    assert [layouts[i] for i in g["index/file_layout"][:]][-1] == ["__value__"]
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_parts_write_the_same_bytes_as_one_process(tmp_path, codec):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root) as w:
+        for i in range(30):
+            w.write(f"f{i % 4}", i, {"x": torch.arange(i % 7 + 1.0), "y": torch.full((3,), float(i))})
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    spillmerge.merge(root, str(whole), chunk_bytes=40, codec=codec)
+    for i in range(3):
+        spillmerge.merge(root, str(parted), chunk_bytes=40, codec=codec, part=(i, 3))
+    spillmerge.merge(root, str(parted), finalize=True)
+    for path in whole.rglob("*"):
+        rel = path.relative_to(whole)
+        if path.is_file() and rel.name not in ("spillmerge-complete.json", "zarr.json"):
+            assert (parted / rel).read_bytes() == path.read_bytes(), rel
+
+
+def test_a_leaf_of_two_types_is_refused_naming_leaf_file_and_ranks(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root, rank=0, world_size=2) as w:
+        w.write("a.jpg", 0, {"logits": torch.zeros(3, dtype=torch.float16)})
+    with spillmerge.SpillWriter(root, rank=1, world_size=2) as w:
+        w.write("b.jpg", 0, {"logits": torch.zeros(3, dtype=torch.float32)})
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(spillmerge.LayoutMismatchError) as info:
+        spillmerge.merge(root, str(tmp_path / "o"))
+    msg = str(info.value)
+    assert "'logits'" in msg and "'a.jpg'" in msg and "'b.jpg'" in msg, msg
+    assert info.value.leaf == "logits" and info.value.ranks == [0, 1]
+    # Nothing committed is lost, and no output is left behind.
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_version_1_spill_root_merges_to_the_same_values(tmp_path):
+    root = tmp_path / "v1-spill"
+    shutil.copytree(FIXTURES / "v1-spill", root)
+    out = str(tmp_path / "o")
+    spillmerge.merge(str(root), out)
+    new = zarr.open_group(out, mode="r")
+    old = zarr.open_group(str(FIXTURES / "v1-output.zarr"), mode="r")
+    assert list(new["index/filenames"][:]) == list(old["index/filenames"][:])
+    assert np.array_equal(new["index/frame_idx"][:], old["index/frame_idx"][:])
+    keys, off = list(old["index/keys"][:]), old["index/frame_offsets"][:]
+    for i, name in enumerate(old["index/filenames"][:]):
+        a, b = int(off[i]), int(off[i + 1])
+        node = old[f"files/{keys[i]}"]
+        if name.startswith("video"):
+            assert np.array_equal(new["columns/__value__/values"][int(new["columns/__value__/offsets"][a]) :][: b - a], node[:])
+        else:
+            for leaf in ("boxes", "n"):
+                col = new[f"columns/{leaf}"]
+                first = int(col["offsets"][a])
+                assert np.array_equal(col["values"][first : first + b - a], node[leaf][:]), (name, leaf)
