@@ -1,13 +1,17 @@
 """Turn user values into leaves (dtype, shape, bytes) without pickle; validate keys.
 
-A value is a tensor, a numpy array, a Python scalar, or a nested mapping (dict, TensorDict) or
-dataclass (tensorclass) of those; mappings and dataclasses become leaf paths of their keys/fields.
+A value is a tensor, a numpy array, a Python scalar, ``str``, ``bytes``, a list or tuple of numbers
+or of ``str``, ``None``, or a nested mapping (dict, TensorDict) or dataclass (tensorclass) of
+those; mappings and dataclasses become leaf paths of their keys/fields, and a list of dicts with
+the same keys becomes the dict of its columns. Anything else is pickled only when the writer opted
+in (``allow_pickle``). The bytes each kind puts in ``data`` are docs/FORMAT.md section 1, *catalog*.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +39,10 @@ class Leaf:
     """Number of bytes of the leaf."""
     data: Any
     """A flat uint8 view: ``np.ndarray`` on the host or a contiguous ``torch.Tensor`` on any device."""
+
+
+_EMPTY = np.zeros(0, dtype=np.uint8)
+_UINT32_MAX = (1 << 32) - 1
 
 
 # torch dtype -> format name, for the dtypes this torch has (write() is per frame: one dict lookup).
@@ -96,12 +104,16 @@ def _leaf_name(path: tuple[str, ...]) -> str:
     return "/".join(path) if path else "<value>"
 
 
-def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str) -> Leaf:
+def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pickle: bool = False) -> Leaf:
     name = arr.dtype.name
     if arr.dtype.kind not in "biufc" or name not in DTYPES:
+        if allow_pickle:
+            return _pickled(arr, path, filename)
+        hint = "; for text pass a list of str (arr.tolist())" if arr.dtype.kind in "USO" else ""
         raise SpillValueError(
             f"leaf {_leaf_name(path)!r} of {filename!r:.200}: numpy dtype {arr.dtype} cannot be stored "
-            "without pickle (use bool, int, uint, float or complex)",
+            f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
+            "allow_pickle=True)",
             filename=filename,
             leaf=_leaf_name(path),
         )
@@ -156,10 +168,13 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
     return Leaf(path, name, shape, nbytes, flat)
 
 
-def flatten(value: object, filename: str, frame_idx: int) -> list[Leaf]:
-    """Split a value into leaves in a deterministic (sorted-key) order."""
+def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = False) -> list[Leaf]:
+    """Split a value into leaves in a deterministic (sorted-key) order.
+
+    ``allow_pickle``: store objects of no other kind as ``pickle`` leaves instead of refusing
+    them (the writer's opt-in; a reader must opt in too)."""
     out: list[Leaf] = []
-    _walk(value, (), filename, out, 0)
+    _walk(value, (), filename, out, 0, allow_pickle)
     if not out:
         raise SpillValueError(
             f"value for {filename!r:.200} frame {frame_idx} has no leaves (empty dict)",
@@ -176,15 +191,25 @@ def flatten(value: object, filename: str, frame_idx: int) -> list[Leaf]:
     return out
 
 
-def _walk(value: object, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int) -> None:
+def _walk(
+    value: object, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool = False
+) -> None:
     if depth > _MAX_DEPTH:
         raise SpillValueError(f"value for {filename!r:.200} is nested deeper than {_MAX_DEPTH}", filename=filename)
+    # Tensors first: write() runs once per frame and a tensor is the common value.
     if isinstance(value, torch.Tensor):
         out.append(_from_tensor(value, path, filename))
     elif isinstance(value, np.ndarray):
-        out.append(_from_numpy(value, path, filename))
+        out.append(_from_numpy(value, path, filename, allow_pickle))
+    elif isinstance(value, str):  # before np.generic: np.str_ is a str
+        out.append(Leaf(path, "str", *_utf8(value, path, filename)))
+    elif isinstance(value, (bytes, bytearray, memoryview)):  # np.bytes_ is a bytes
+        data = _bytes_view(value)
+        out.append(Leaf(path, "bytes", (data.size,), data.size, data))
+    elif value is None:
+        out.append(Leaf(path, "none", (), 0, _EMPTY))
     elif isinstance(value, np.generic):
-        out.append(_from_numpy(np.asarray(value), path, filename))
+        out.append(_from_numpy(np.asarray(value), path, filename, allow_pickle))
     elif isinstance(value, bool):
         out.append(_from_numpy(np.asarray(value, dtype=np.bool_), path, filename))
     elif isinstance(value, int):
@@ -209,17 +234,187 @@ def _walk(value: object, path: tuple[str, ...], filename: str, out: list[Leaf], 
                     leaf=_leaf_name(path),
                 )
         for k in sorted(keys):
-            _walk(value[k], (*path, k), filename, out, depth + 1)
+            _walk(value[k], (*path, k), filename, out, depth + 1, allow_pickle)
+    elif isinstance(value, (list, tuple)):
+        _from_list(value, path, filename, out, depth, allow_pickle)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
         # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
         # never imported here.
         for f in sorted(dataclasses.fields(value), key=lambda f: f.name):
-            _walk(getattr(value, f.name), (*path, f.name), filename, out, depth + 1)
+            _walk(getattr(value, f.name), (*path, f.name), filename, out, depth + 1, allow_pickle)
+    elif allow_pickle:
+        out.append(_pickled(value, path, filename))
     else:
         raise SpillValueError(
             f"leaf {_leaf_name(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
-            "without pickle (use a tensor, numpy array, Python scalar, or a dict, TensorDict or dataclass of those)",
+            "without pickle (use a tensor, numpy array, Python scalar, str, bytes, list of numbers or str, "
+            "None, or a dict, TensorDict or dataclass of those; or open the writer with allow_pickle=True)",
             filename=filename,
             leaf=_leaf_name(path),
         )
+
+
+def _utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
+    """Shape, size and bytes of a ``str`` leaf. Lone surrogates (from ``surrogateescape``
+    decoding, or a broken JSON source) are not Unicode text: no reader could decode them."""
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SpillValueError(
+            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: the str is not valid Unicode (lone surrogate "
+            f"at character {exc.start}); it cannot be stored as UTF-8 text (pass bytes instead)",
+            filename=filename,
+            leaf=_leaf_name(path),
+        ) from None
+    data = np.frombuffer(raw, dtype=np.uint8)
+    return (data.size,), data.size, data
+
+
+def _bytes_view(value: bytes | bytearray | memoryview) -> np.ndarray:
+    """A flat uint8 view of a bytes-like value, copied only when it is not contiguous (write()
+    copies it into staging before returning, so a view of the caller's buffer is safe)."""
+    if isinstance(value, memoryview):
+        value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
+    return np.frombuffer(value, dtype=np.uint8)
+
+
+def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
+    try:
+        raw = pickle.dumps(value, protocol=5)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's problem
+        raise SpillValueError(
+            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
+            f"{type(exc).__name__}: {exc}",
+            filename=filename,
+            leaf=_leaf_name(path),
+        ) from exc
+    data = np.frombuffer(raw, dtype=np.uint8)
+    return Leaf(path, "pickle", (data.size,), data.size, data)
+
+
+# Classes of list elements for the numeric rule (docs/FORMAT.md section 2, *Columns*): all bool
+# -> bool, all integral (bool included) -> int64, all real -> float64.
+_BOOL, _INT, _REAL = 0, 1, 2
+_NUM_DTYPES = {_BOOL: np.bool_, _INT: np.int64, _REAL: np.float64}
+
+
+def _num_class(t: type) -> int | None:
+    if t is bool or issubclass(t, np.bool_):
+        return _BOOL
+    if issubclass(t, numbers.Integral):  # numpy integers are registered as Integral
+        return _INT
+    if issubclass(t, numbers.Real) and not issubclass(t, numbers.Integral):
+        return _REAL
+    return None
+
+
+def _list_error(path: tuple[str, ...], filename: str, what: str) -> SpillValueError:
+    return SpillValueError(
+        f"leaf {_leaf_name(path)!r} of {filename!r:.200}: {what} (a list or tuple must hold only numbers, "
+        "only str, only equally long lists of numbers, or only dicts with the same keys)",
+        filename=filename,
+        leaf=_leaf_name(path),
+    )
+
+
+def _from_list(
+    value: list[Any] | tuple[Any, ...],
+    path: tuple[str, ...],
+    filename: str,
+    out: list[Leaf],
+    depth: int,
+    allow_pickle: bool,
+) -> None:
+    """A list or tuple: of ``str`` → a ``strlist`` leaf; of dicts with the same keys → the dict of
+    their columns; of numbers (or of equally long lists of numbers) → a numeric array."""
+    if value and isinstance(value[0], str):
+        out.append(_strlist(value, path, filename))
+    elif value and isinstance(value[0], Mapping):
+        keys = set(value[0].keys())
+        for i, d in enumerate(value):
+            if not isinstance(d, Mapping) or set(d.keys()) != keys:
+                got = sorted(map(str, d.keys())) if isinstance(d, Mapping) else type(d).__name__
+                raise _list_error(
+                    path, filename, f"item {i} is {got!r:.200}, not a dict with keys {sorted(map(str, keys))!r:.200}"
+                )
+        # COCO-style detection lists: one column per key, each stored as the list it makes.
+        columns = {k: [d[k] for d in value] for k in keys}
+        _walk(columns, path, filename, out, depth + 1, allow_pickle)
+    else:
+        arr = _numeric(value, path, filename, depth)
+        out.append(_from_numpy(arr, path, filename))
+
+
+def _strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str) -> Leaf:
+    """``n`` uint32 LE byte lengths, then the UTF-8 bytes of each string (docs/FORMAT.md)."""
+    enc = []
+    for i, s in enumerate(value):
+        if not isinstance(s, str):
+            raise _list_error(path, filename, f"item 0 is a str but item {i} is a {type(s).__name__}")
+        try:
+            enc.append(s.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise SpillValueError(
+                f"leaf {_leaf_name(path)!r} of {filename!r:.200}: string {i} is not valid Unicode (lone "
+                f"surrogate at character {exc.start}); it cannot be stored as UTF-8 text",
+                filename=filename,
+                leaf=_leaf_name(path),
+            ) from None
+    n = len(enc)
+    lens = np.fromiter(map(len, enc), dtype=np.int64, count=n)
+    if n and int(lens.max()) > _UINT32_MAX:
+        raise SpillValueError(
+            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: a string of a list is 4 GiB or longer (store it "
+            "as a str leaf of its own)",
+            filename=filename,
+            leaf=_leaf_name(path),
+        )
+    body = b"".join(enc)
+    data = np.empty(4 * n + len(body), dtype=np.uint8)
+    data[: 4 * n] = lens.astype("<u4").view(np.uint8)
+    data[4 * n :] = np.frombuffer(body, dtype=np.uint8)
+    return Leaf(path, "strlist", (n, data.size), data.size, data)
+
+
+def _numeric(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str, depth: int) -> np.ndarray:
+    """A list of numbers (or of equally long such lists) as a bool, int64 or float64 array.
+
+    The element types decide the dtype, not numpy's inference: ``np.asarray([1, 2**63])`` is a
+    float64 array that silently rounds, and ``np.asarray(["1", 2])`` a string array."""
+    if depth > _MAX_DEPTH:
+        raise SpillValueError(f"value for {filename!r:.200} is nested deeper than {_MAX_DEPTH}", filename=filename)
+    if not value:
+        return np.zeros(0, dtype=np.float64)
+    if isinstance(value[0], (list, tuple)):
+        rows = []
+        for i, item in enumerate(value):
+            if not isinstance(item, (list, tuple)):
+                raise _list_error(path, filename, f"item 0 is a list but item {i} is a {type(item).__name__}")
+            rows.append(_numeric(item, path, filename, depth + 1))
+        shapes = {r.shape for r in rows}
+        if len(shapes) > 1:
+            raise _list_error(
+                path, filename, f"its lists are not rectangular (inner shapes {sorted(shapes)[:4]!r:.200})"
+            )
+        # The rule over every element: rows of zero elements (all rows then) stay float64.
+        kinds = {r.dtype for r in rows if r.size}
+        dt: type = np.float64
+        if kinds and np.dtype(np.float64) not in kinds:
+            dt = np.int64 if np.dtype(np.int64) in kinds else np.bool_
+        return np.stack([r.astype(dt, copy=False) for r in rows])
+    classes = {t: _num_class(t) for t in set(map(type, value))}
+    bad = sorted(t.__name__ for t, c in classes.items() if c is None)
+    if bad:
+        hint = "; stack tensors or arrays with torch.stack / np.stack" if {"Tensor", "ndarray"} & set(bad) else ""
+        held = ", ".join(sorted(t.__name__ for t in classes))
+        raise _list_error(path, filename, f"it holds {held}{hint}")
+    cls = max(c for c in classes.values() if c is not None)
+    try:
+        return np.array(value, dtype=_NUM_DTYPES[cls])
+    except OverflowError:
+        raise SpillValueError(
+            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: an integer of the list does not fit int64",
+            filename=filename,
+            leaf=_leaf_name(path),
+        ) from None
