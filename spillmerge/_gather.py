@@ -37,6 +37,7 @@ def gather(
     timeout: float = 1800.0,
     overwrite: bool = True,
     writer_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
     **merge_options: Any,
 ) -> MergedStore | None:
     """Replace ``dist.gather_object``: every rank passes its predictions (anything
@@ -54,12 +55,14 @@ def gather(
     same ``out`` merges those segments together with the new ones (identical duplicates are
     dropped); delete the spill root to start afresh. ``merge_options`` go to
     :meth:`SpillWriter.merge` (``codec``, ``transport`` ...); ``writer_options`` to
-    :class:`SpillWriter` (``chunk_bytes`` ...).
+    :class:`SpillWriter` (``chunk_bytes`` ...). ``allow_pickle=True`` pickles values of no
+    other kind (``gather_object``'s behaviour) and opens the result with ``allow_pickle=True``;
+    off by default, so nothing is pickled or unpickled unless the caller asks.
     """
     return _gather(
         preds, out, dst=dst, root=root, keep_spill=keep_spill, rank=rank, world_size=world_size,
         storage_options=storage_options, timeout=timeout, overwrite=overwrite, writer_options=writer_options,
-        every_rank=False, merge_options=merge_options,
+        allow_pickle=allow_pickle, every_rank=False, merge_options=merge_options,
     )  # fmt: skip
 
 
@@ -76,6 +79,7 @@ def all_gather(
     timeout: float = 1800.0,
     overwrite: bool = True,
     writer_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
     **merge_options: Any,
 ) -> MergedStore:
     """Replace ``dist.all_gather_object``: like :func:`gather`, but every rank gets the merged
@@ -85,7 +89,7 @@ def all_gather(
     store = _gather(
         preds, out, dst=dst, root=root, keep_spill=keep_spill, rank=rank, world_size=world_size,
         storage_options=storage_options, timeout=timeout, overwrite=overwrite, writer_options=writer_options,
-        every_rank=True, merge_options=merge_options,
+        allow_pickle=allow_pickle, every_rank=True, merge_options=merge_options,
     )  # fmt: skip
     assert store is not None
     return store
@@ -104,16 +108,19 @@ def _gather(
     timeout: float,
     overwrite: bool,
     writer_options: dict[str, Any] | None,
+    allow_pickle: bool,
     every_rank: bool,
     merge_options: dict[str, Any],
 ) -> MergedStore | None:
     out = os.fspath(out)
     spill = os.fspath(root) if root is not None else default_root(out)
-    with SpillWriter(spill, rank, world_size, storage_options, **(writer_options or {})) as w:
+    opts = {"allow_pickle": allow_pickle, **(writer_options or {})}
+    with SpillWriter(spill, rank, world_size, storage_options, **opts) as w:
         w.update(preds)
     w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
     if not keep_spill:
         w.remove_spill(everything=w.rank == dst)
     if every_rank or w.rank == dst:
-        return open_store(out, storage_options=merge_options.get("out_storage_options", storage_options))
+        out_options = merge_options.get("out_storage_options", storage_options)
+        return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
     return None

@@ -69,6 +69,20 @@ _POLICIES = ("error", "first", "last")
 _COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 
+_Sig = tuple[str, str | None, int | None]
+"""What a leaf must keep within a file: (kind, numeric dtype or None when not yet known, ndim)."""
+
+
+def _describe(lay: F.Layout) -> str:
+    return f"{lay.dtype}{list(lay.shape)}" if lay.kind == "num" else f"a {lay.kind}"
+
+
+def _describe_sig(sig: _Sig) -> str:
+    kind, dtype, ndim = sig
+    if kind != "num":
+        return f"a {kind}"
+    return f"{dtype or 'empty numeric'} with {ndim} dim{'s' if ndim != 1 else ''}"
+
 
 class SpillWriter:
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
@@ -94,6 +108,10 @@ class SpillWriter:
         fsync: on local disks, fsync every object of the segment before the commit record is
             written (default True).
         flush_threads: chunk uploads in flight (default 1 on local disks, 4 on object stores).
+        allow_pickle: store values of no other kind (docs/FORMAT.md section 1) as pickled bytes
+            instead of refusing them with :class:`~spillmerge.SpillValueError`; reading them back
+            needs ``spillmerge.open(out, allow_pickle=True)``. Off by default: nothing is pickled
+            unless both sides opt in.
     """
 
     def __init__(
@@ -109,6 +127,7 @@ class SpillWriter:
         run_id: str | None = None,
         fsync: bool = True,
         flush_threads: int | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         if on_duplicate not in _POLICIES:
             raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
@@ -125,6 +144,7 @@ class SpillWriter:
         self.n_buffers = max(2, -(-staging // chunk_bytes))
         self.on_duplicate: DuplicatePolicy = on_duplicate
         self.fsync = fsync
+        self.allow_pickle = bool(allow_pickle)
         self._run_id_arg = run_id
         self.run_id: str | None = None
         self.segment: str | None = None
@@ -161,7 +181,18 @@ class SpillWriter:
         self._file_ids: dict[str, int] = {}
         self._layouts: list[F.Layout] = []
         self._layout_ids: dict[F.Layout, int] = {}
-        self._file_schema: dict[int, tuple[int, ...]] = {}
+        # Per-file layout rule (format 2): what each file's leaves have been so far, as an id into
+        # _schemas, interned because millions of one-frame files share a handful of schemas; a
+        # frame's move from one schema to the next is cached in _transitions by the frame's leaf
+        # signatures, which ignore shapes, so ragged frames hit the cache too.
+        self._file_schema: list[int] = []  # file_id -> schema id
+        self._schemas: list[dict[tuple[str, ...], _Sig]] = [{}]
+        self._schema_ids: dict[frozenset[tuple[tuple[str, ...], _Sig]], int] = {frozenset(): 0}
+        self._transitions: dict[tuple[int, tuple[int, ...]], int] = {}
+        # layout -> (catalog id, or -1 until a frame using it is accepted; signature id)
+        self._known: dict[F.Layout, tuple[int, int]] = {}
+        self._sigs: list[tuple[tuple[str, ...], _Sig]] = []
+        self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
@@ -212,21 +243,28 @@ class SpillWriter:
         self._check_open()
         filename = check_filename(filename)
         frame = check_frame_idx(frame_idx, filename)
-        leaves = flatten(value, filename, frame)
+        leaves = flatten(value, filename, frame, self.allow_pickle)
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
-        layout_ids = tuple(self._layout_id(leaf) for leaf in leaves)
-        schema = self._file_schema.get(file_id)
-        if schema is not None and schema != layout_ids:
-            self._raise_mismatch(filename, frame, schema, layout_ids)
+            schema = 0
+        else:
+            schema = self._file_schema[file_id]
+        layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        known = self._known  # one lookup per leaf: write() runs once per frame
+        infos = [known.get(lay) or self._new_layout(lay) for lay in layouts]  # new: a new leaf or ragged shape
+        sigs = tuple([info[1] for info in infos])
+        new_schema = self._transitions.get((schema, sigs))
+        if new_schema is None:  # raises before anything of this frame is staged or cataloged
+            new_schema = self._next_schema(filename, frame, schema, sigs, layouts)
+        layout_ids = tuple([info[0] for info in infos])  # -1: not in the catalog yet
         key = (file_id, frame)
         prev = self._keys.get(key)
         if prev is not None:
             if self.on_duplicate == "first":
                 return
             if self.on_duplicate == "error":
-                if self._same_as_written(prev, leaves):  # identical content is never an error
+                if self._same_as_written(prev, leaves, layout_ids):  # identical content is never an error
                     self._identical_rewrites += 1
                     return
                 raise DuplicateFrameError(
@@ -237,10 +275,14 @@ class SpillWriter:
                     ranks=[self.rank],
                 )
             self._dead_rows.append(prev)
+        if -1 in layout_ids:  # the frame is accepted: its new layouts join the catalog
+            layout_ids = tuple([self._layout_id(lay) for lay in layouts])
         if file_id == len(self._filenames):
             self._filenames.append(filename)
             self._file_ids[filename] = file_id
-            self._file_schema[file_id] = layout_ids
+            self._file_schema.append(new_schema)
+        else:
+            self._file_schema[file_id] = new_schema
         first_row = self._n_rows
         if len(leaves) == 1:
             self._append(file_id, frame, layout_ids[0], leaves[0])
@@ -268,7 +310,7 @@ class SpillWriter:
                     filename=filename if isinstance(filename, str) else None,
                 )
 
-    def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf]) -> bool:
+    def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes as the frame already written at rows ``prev``?
 
         Only a rewrite of a key gets here (rare), so this may wait for the flush thread and read
@@ -282,8 +324,8 @@ class SpillWriter:
         reader: Storage | None = None
         try:
             for i, leaf in enumerate(leaves):
-                off, nbytes = (int(v) for v in self._rows[first + i, [F.COL_OFFSET, F.COL_NBYTES]])
-                if nbytes != leaf.nbytes:
+                lid, off, nbytes = (int(v) for v in self._rows[first + i, [F.COL_LAYOUT, F.COL_OFFSET, F.COL_NBYTES]])
+                if nbytes != leaf.nbytes or lid != layout_ids[i]:  # same bytes, other shape/kind: different
                     return False
                 pos = 0
                 while pos < nbytes:
@@ -324,32 +366,93 @@ class SpillWriter:
                 f"data chunk {chunk} of {self.segment_path} was never written", path=self.segment_path
             )
 
-    def _layout_id(self, leaf: Leaf) -> int:
-        lay = F.Layout(leaf.path, leaf.dtype, leaf.shape)
+    def _layout_id(self, lay: F.Layout) -> int:
+        """The catalog id of a layout, added to the catalog on first use (only for frames that
+        passed the layout rule: a refused frame leaves no layout a merge would trip on)."""
         lid = self._layout_ids.get(lay)
         if lid is None:
             lid = len(self._layouts)
             self._layouts.append(lay)
             self._layout_ids[lay] = lid
+            self._known[lay] = (lid, self._known[lay][1])
         return lid
 
-    def _raise_mismatch(self, filename: str, frame: int, old: tuple[int, ...], new: tuple[int, ...]) -> None:
-        before = {self._layouts[i].leaf: self._layouts[i] for i in old}
-        after = {self._layouts[i].leaf: self._layouts[i] for i in new}
-        for leaf in sorted(set(before) | set(after)):
-            a, b = before.get(leaf), after.get(leaf)
-            if a != b:
-                name = "/".join(leaf) or "<tensor>"
-                desc_a = f"{a.dtype}{list(a.shape)}" if a else "absent"
-                desc_b = f"{b.dtype}{list(b.shape)}" if b else "absent"
+    def _new_layout(self, lay: F.Layout) -> tuple[int, int]:
+        info = self._known[lay] = (-1, self._sig_id(lay))
+        return info
+
+    def _sig_id(self, lay: F.Layout) -> int:
+        """The signature of a layout: what must stay the same for its leaf within one file (kind,
+        numeric dtype, ndim), not its shape. A ``none`` row and a numeric row of zero elements
+        say nothing about the dtype (``[]`` is float64 whatever the other rows hold)."""
+        kind = lay.kind
+        if kind == "none":
+            sig: _Sig = ("none", None, None)
+        elif kind == "num":
+            sig = ("num", None if 0 in lay.shape else lay.dtype, len(lay.shape))
+        else:
+            sig = (kind, None, None)
+        full = (lay.leaf, sig)
+        sid = self._sig_ids.get(full)
+        if sid is None:
+            sid = self._sig_ids[full] = len(self._sigs)
+            self._sigs.append(full)
+        return sid
+
+    def _next_schema(
+        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[F.Layout]
+    ) -> int:
+        """The file's schema after this frame, or LayoutMismatchError: within one file on one
+        rank a leaf keeps its kind, numeric dtype and ndim (its shape may change, it may be None
+        or absent in some frames), and no leaf path is both a value and a dict holding values.
+        The same rules hold across ranks and files at merge time; checking here names the frame
+        while the user's code that produced it is still on the stack."""
+        state = dict(self._schemas[schema])
+        for sid, lay in zip(sigs, layouts, strict=True):
+            path, sig = self._sigs[sid]
+            cur = state.get(path)
+            if cur is None:
+                for other in state:
+                    n = min(len(other), len(path))
+                    if other[:n] == path[:n]:  # one is a prefix of the other: value vs dict
+                        self._raise_parent(filename, frame, path, other)
+                state[path] = sig
+            elif sig[0] == "none":
+                continue
+            elif cur[0] == "none":
+                state[path] = sig
+            elif sig[0] != cur[0] or sig[2] != cur[2] or (sig[1] and cur[1] and sig[1] != cur[1]):
+                name = "/".join(path) or "<tensor>"
                 raise LayoutMismatchError(
-                    f"{filename!r:.200} frame {frame}: leaf {name!r} is {desc_b} but earlier frames "
-                    f"of this file had {desc_a} (dtype and shape must be the same for every frame)",
+                    f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {_describe(lay)} but "
+                    f"earlier frames of this file had {_describe_sig(cur)} (a leaf keeps its kind, dtype and "
+                    "number of dimensions across the frames of a file; its shape may change)",
                     filename=filename,
                     leaf=name,
                     ranks=[self.rank],
                 )
-        raise AssertionError("unreachable")  # pragma: no cover
+            elif cur[1] is None and sig[1] is not None:
+                state[path] = sig
+        key = frozenset(state.items())
+        new = self._schema_ids.get(key)
+        if new is None:
+            new = self._schema_ids[key] = len(self._schemas)
+            self._schemas.append(state)
+        self._transitions[(schema, sigs)] = new
+        return new
+
+    def _raise_parent(self, filename: str, frame: int, path: tuple[str, ...], other: tuple[str, ...]) -> None:
+        short, long = (path, other) if len(path) < len(other) else (other, path)
+        here = "a value" if short == path else f"a dict holding {'/'.join(long)!r}"
+        before = f"a dict holding {'/'.join(long)!r}" if short == path else "a value"
+        name = "/".join(short) or "<tensor>"
+        raise LayoutMismatchError(
+            f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {here} but {before} in earlier "
+            "frames of this file (a leaf path cannot be both; write None for an absent value)",
+            filename=filename,
+            leaf=name,
+            ranks=[self.rank],
+        )
 
     def _append(
         self, file_id: int, frame: int, layout_id: int, leaf: Leaf, held: list[Any] | None = None, last: bool = True
