@@ -15,6 +15,7 @@ from . import _poll
 from ._errors import (
     CommitTimeout,
     CorruptSpillError,
+    FormatVersionError,
     IncompleteSpillError,
     RankFailedError,
 )
@@ -46,6 +47,12 @@ class Segment:
             return self.failure.run_id
         rid = (self.header or {}).get("run_id")
         return rid if isinstance(rid, str) else None
+
+    @property
+    def format_version(self) -> int | None:
+        """The segment header's ``format_version`` (None when the header is unreadable)."""
+        v = (self.header or {}).get("format_version")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
 
     @property
     def world_size(self) -> int | None:
@@ -302,6 +309,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     if not all(isinstance(f, str) for f in filenames) or len(set(filenames)) != len(filenames):
         raise bad("catalog filenames must be distinct strings", F.CATALOG_NAME)
     layouts = [F.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
+    _check_kinds(bad, seg, layouts, F.CATALOG_NAME)
 
     idx_rel = f"{seg.rel}/{F.INDEX_NAME}"
     expect = commit.n_rows * F.INDEX_COLUMNS * 8
@@ -347,12 +355,30 @@ def _validate_rows(
         raise bad("index row sizes do not match their layouts", F.INDEX_NAME)
     if off.min() < 0 or np.any(off > data_nbytes - nb):
         raise bad(f"index has offsets outside the {data_nbytes} bytes of data", F.INDEX_NAME)
-    # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice.
-    order = np.lexsort((lid, frame, fid))
-    dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(lid[order]) == 0)
+    # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
+    # even with two shapes (format 2 gives each shape a layout of its own): compare leaf paths.
+    leaf = _leaf_ids(layouts)[lid]
+    order = np.lexsort((leaf, frame, fid))
+    dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)
     if np.any(dup):
         i = order[int(np.argmax(dup))]
         raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME)
+
+
+def _leaf_ids(layouts: list[F.Layout]) -> np.ndarray:
+    """Layout id -> the position of its leaf path in sorted order (a value's leaves are written
+    in that order, so within one write of a frame these strictly increase)."""
+    order = {p: i for i, p in enumerate(sorted({lay.leaf for lay in layouts}))}
+    return np.array([order[lay.leaf] for lay in layouts], dtype=np.int64)
+
+
+def _check_kinds(bad: Any, seg: Segment, layouts: list[F.Layout], rel: str) -> None:
+    """A version-1 writer knew numeric dtypes only: a non-numeric kind in its segment is damage,
+    not data to read by version-2 rules."""
+    if seg.format_version == 1:
+        odd = sorted({lay.dtype for lay in layouts if lay.kind != "num"})
+        if odd:
+            raise bad(f"a format version 1 segment cannot hold dtypes {odd}", rel)
 
 
 def _read_small_array(
@@ -419,6 +445,15 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         empty = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
         return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
     header = seg.header or {}
+    version = seg.format_version
+    if seg.header is not None and version not in F.READABLE_VERSIONS:  # never misread a newer format
+        path = storage.describe(f"{seg.rel}/zarr.json")
+        raise FormatVersionError(
+            f"{path}: format_version {header.get('format_version')!r} is not supported by this spillmerge "
+            f"(reads versions {', '.join(map(str, F.READABLE_VERSIONS))}); it cannot be salvaged",
+            path=path,
+            rank=seg.rank,
+        )
     chunk_bytes = header.get("chunk_bytes")
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
         raise CorruptSpillError(f"{storage.describe(seg.rel)}: segment header has no valid chunk_bytes", rank=seg.rank)
@@ -445,21 +480,30 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         parts.append(entry.rows)
         n += 1
     index = np.concatenate(parts) if parts else np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
-    # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
-    # occurrence of each (file, frame, leaf), which is the last write's rows.
-    if len(index):
-        keys = index[:, [F.COL_FILE, F.COL_FRAME, F.COL_LAYOUT]]
-        _, last = np.unique(keys[::-1], axis=0, return_index=True)
-        index = index[np.sort(len(index) - 1 - last)]
 
     def bad(msg: str, rel: str = "") -> CorruptSpillError:
         where = storage.describe(f"{seg.rel}/{F.JOURNAL_NAME}")
         return CorruptSpillError(f"{where}: {msg}", path=where, rank=seg.rank)
 
+    _check_kinds(bad, seg, layouts, F.JOURNAL_NAME)
+    # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
+    # write's rows.
+    if len(index) and version == 1:
+        # Version 1: every frame of a file had the same layouts, so the last occurrence of each
+        # (file, frame, layout) is the last write's rows.
+        keys = index[:, [F.COL_FILE, F.COL_FRAME, F.COL_LAYOUT]]
+        _, last = np.unique(keys[::-1], axis=0, return_index=True)
+        index = index[np.sort(len(index) - 1 - last)]
+    elif len(index):
+        index = _last_writes(index, layouts)
+
     if len(set(filenames)) != len(filenames):
         raise bad("journal lists a filename twice")
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes)
-    if len(index):  # after validation: file ids are known to be catalog positions
+    if len(index) and version == 1:  # after validation: file ids are known to be catalog positions
+        # Only journals of version-1 writers may end inside a frame (see _whole_frames); a
+        # version-2 frame may lack leaves other frames of its file have, so the rule would drop
+        # good frames there.
         index = _whole_frames(storage, seg, index, problems)
     return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True), problems
 
@@ -531,6 +575,26 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
     finally:
         reader.close()
     return equal
+
+
+def _last_writes(index: np.ndarray, layouts: list[F.Layout]) -> np.ndarray:
+    """Keep only the rows of the last write of each ``(file, frame)`` of a version-2 journal.
+
+    A version-2 frame's rows are contiguous (listed together in one entry) with strictly
+    increasing leaf paths, so a write starts where the key changes or a leaf path does not
+    increase. The layout is no key here: a rewrite may have other shapes or other leaves."""
+    lid = index[:, F.COL_LAYOUT]
+    if lid.min() < 0 or lid.max() >= len(layouts):
+        return index  # _validate_rows names the bad row
+    fid, frame, leaf = index[:, F.COL_FILE], index[:, F.COL_FRAME], _leaf_ids(layouts)[lid]
+    starts = np.ones(len(index), dtype=bool)
+    starts[1:] = (fid[1:] != fid[:-1]) | (frame[1:] != frame[:-1]) | (leaf[1:] <= leaf[:-1])
+    write = np.cumsum(starts) - 1
+    _, inverse = np.unique(index[:, [F.COL_FILE, F.COL_FRAME]], axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    last = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(last, inverse, write)
+    return index[write == last[inverse]]
 
 
 def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: list[str]) -> np.ndarray:
