@@ -1,0 +1,545 @@
+"""Values a model produces (format version 2, issue 14): what ``flatten`` makes of each kind (the
+exact bytes of docs/FORMAT.md section 1, *catalog*), its errors, and the writer's per-file layout
+rule. Round trips read the committed spill back with ``_spillroot`` (the index, the catalog and
+the data bytes by offset), so they do not depend on the merge."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import struct
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from spillmerge import _format as F
+from spillmerge import _spillroot as R
+from spillmerge._storage import Storage
+from spillmerge._values import Leaf, flatten
+
+
+def leaves(value: Any, **kw: Any) -> dict[tuple[str, ...], Leaf]:
+    return {leaf.path: leaf for leaf in flatten(value, "f.mp4", 0, **kw)}
+
+
+def one(value: Any, **kw: Any) -> Leaf:
+    (leaf,) = flatten(value, "f.mp4", 0, **kw)
+    return leaf
+
+
+def raw(leaf: Leaf) -> bytes:
+    assert isinstance(leaf.data, np.ndarray) and leaf.data.dtype == np.uint8 and leaf.data.ndim == 1
+    assert leaf.data.size == leaf.nbytes == F.Layout(leaf.path, leaf.dtype, leaf.shape).nbytes
+    return leaf.data.tobytes()
+
+
+def strlist_bytes(items: list[str]) -> bytes:
+    enc = [s.encode("utf-8") for s in items]
+    return b"".join(struct.pack("<I", len(e)) for e in enc) + b"".join(enc)
+
+
+def decode(lay: F.Layout, data: bytes) -> Any:
+    """A stored row back to a Python value, by docs/FORMAT.md section 1 (the reader's job; kept
+    here so these tests read the spill without the merge)."""
+    if lay.kind == "num":
+        return np.frombuffer(data, dtype=np.dtype(lay.dtype).newbyteorder("<")).reshape(lay.shape)
+    if lay.kind == "str":
+        return data.decode("utf-8")
+    if lay.kind == "bytes":
+        return data
+    if lay.kind == "pickle":
+        return pickle.loads(data)
+    if lay.kind == "none":
+        assert data == b""
+        return None
+    n = lay.shape[0]
+    lens = np.frombuffer(data[: 4 * n], dtype="<u4")
+    ends = 4 * n + np.cumsum(lens)
+    return [data[int(e - ln) : int(e)].decode("utf-8") for e, ln in zip(ends, lens, strict=True)]
+
+
+def read_spill(root: str) -> dict[tuple[str, int], dict[tuple[str, ...], tuple[F.Layout, Any]]]:
+    """(filename, frame) → {leaf path: (layout, value)} of every committed segment of ``root``,
+    each row's bytes read by offset and checked against its CRC-32C."""
+    st = Storage(root)
+    out: dict[tuple[str, int], dict[tuple[str, ...], tuple[F.Layout, Any]]] = {}
+    try:
+        for segs in R.scan(st).values():
+            for seg in segs:
+                if seg.commit is None:
+                    continue
+                assert seg.format_version == F.FORMAT_VERSION == 2
+                loaded = R.load_segment(st, seg)
+                for fid, frame, lid, off, nb, crc in loaded.index.tolist():
+                    buf = np.empty(nb, dtype=np.uint8)
+                    if nb:
+                        st.read_into(R.data_ranges(loaded, off, nb), memoryview(buf))
+                    assert google_crc32c.value(buf.tobytes()) == crc
+                    lay = loaded.layouts[lid]
+                    frame_rows = out.setdefault((loaded.filenames[fid], frame), {})
+                    assert lay.leaf not in frame_rows
+                    frame_rows[lay.leaf] = (lay, decode(lay, buf.tobytes()))
+    finally:
+        st.close()
+    return out
+
+
+# ------------------------------------------------------------------------------ flatten, per kind
+def test_str_is_its_utf8_bytes():
+    for text in ["caption", "", "a\x00b\x00", "héllo wörld ✓ 𝄞", "x" * 3]:
+        leaf = one(text)
+        assert (leaf.path, leaf.dtype, leaf.shape) == ((), "str", (len(text.encode()),))
+        assert raw(leaf) == text.encode("utf-8")
+    big = "ab\x00c" * (10 * 2**20 // 4)  # 10 MB
+    assert raw(one(big)) == big.encode() and one(big).shape == (10 * 2**20,)
+    assert one(np.str_("np")).dtype == "str"  # numpy's str scalar is a str
+
+
+def test_bytes_bytearray_memoryview():
+    assert raw(one(b"\x00\xff\x00")) == b"\x00\xff\x00" and one(b"ab").shape == (2,)
+    assert one(b"").shape == (0,) and raw(one(b"")) == b""
+    assert raw(one(bytearray(b"xyz"))) == b"xyz"
+    arr = np.arange(6, dtype="<f4")
+    assert raw(one(memoryview(arr))) == arr.tobytes()
+    strided = memoryview(b"abcdef")[::2]  # not contiguous: copied
+    assert raw(one(strided)) == b"ace" and one(strided).dtype == "bytes"
+    assert raw(one(memoryview(arr.reshape(2, 3)))) == arr.tobytes()
+
+
+def test_none_is_a_zero_byte_leaf():
+    leaf = one(None)
+    assert (leaf.path, leaf.dtype, leaf.shape, leaf.nbytes) == ((), "none", (), 0) and raw(leaf) == b""
+    got = leaves({"boxes": None, "score": 1.0})
+    assert got[("boxes",)].dtype == "none" and got[("score",)].dtype == "float64"
+
+
+@pytest.mark.parametrize(
+    "value, dtype, shape",
+    [
+        ([True, False, True], "bool", (3,)),
+        ([1, -2, 3], "int64", (3,)),
+        ((1, 2), "int64", (2,)),
+        ([True, 2], "int64", (2,)),  # bool is an int
+        ([1, 2.5], "float64", (2,)),
+        ([True, 0.5], "float64", (2,)),
+        ([np.int8(1), np.uint16(2)], "int64", (2,)),
+        ([np.float32(0.5), 1], "float64", (2,)),
+        ([np.bool_(True), False], "bool", (2,)),
+        ([], "float64", (0,)),
+        ((), "float64", (0,)),
+        ([[1, 2, 3], [4, 5, 6]], "int64", (2, 3)),
+        ([[1, 2], [3.5, 4]], "float64", (2, 2)),
+        ([[True], [False]], "bool", (2, 1)),
+        ([[], []], "float64", (2, 0)),
+        ([(1, 2), [3, 4]], "int64", (2, 2)),
+        ([[[1], [2]], [[3], [4]]], "int64", (2, 2, 1)),
+    ],
+)
+def test_lists_of_numbers_become_arrays(value, dtype, shape):
+    leaf = one(value)
+    assert (leaf.dtype, leaf.shape) == (dtype, shape)
+    want = np.asarray(value, dtype=dtype).reshape(shape)
+    assert raw(leaf) == want.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def test_int_lists_never_round_silently():
+    assert raw(one([2**63 - 1, -(2**63)])) == np.array([2**63 - 1, -(2**63)], dtype="<i8").tobytes()
+    for bad in ([1, 2**63], [-(2**63) - 1], [np.uint64(2**63)], [[1], [2**64]]):
+        with pytest.raises(spillmerge.SpillValueError, match="does not fit int64") as info:
+            flatten({"ids": bad}, "f.mp4", 0)
+        assert info.value.leaf == "ids" and info.value.filename == "f.mp4"
+
+
+def test_a_million_element_list():
+    ints = list(range(1_000_000))
+    leaf = one(ints)
+    assert (leaf.dtype, leaf.shape) == ("int64", (1_000_000,))
+    assert raw(leaf) == np.arange(1_000_000, dtype="<i8").tobytes()
+    floats = [i / 3 for i in range(1_000_000)]
+    assert raw(one(floats)) == np.array(floats, dtype="<f8").tobytes()
+    words = [str(i) for i in range(1_000_000)]
+    assert raw(one(words)) == strlist_bytes(words)
+
+
+def test_list_of_str_is_a_strlist():
+    items = ["cat", "", "a\x00b", "ü𝄞", "dog"]
+    leaf = one(items)
+    assert leaf.dtype == "strlist"
+    body = sum(len(s.encode()) for s in items)
+    assert leaf.shape == (5, 4 * 5 + body)  # n_bytes counts the 4-byte lengths
+    assert raw(leaf) == strlist_bytes(items)
+    assert raw(one(("a", "b"))) == strlist_bytes(["a", "b"])
+    assert one([""]).shape == (1, 4) and raw(one([""])) == b"\x00\x00\x00\x00"
+
+
+def test_list_of_dicts_is_a_dict_of_columns():
+    dets = [
+        {"bbox": [1.0, 2.0, 3.0, 4.0], "category_id": 3, "label": "cat"},
+        {"bbox": [5.0, 6.0, 7.0, 8.0], "category_id": 1, "label": "dog"},
+    ]
+    got = leaves({"dets": dets})
+    assert sorted(got) == [("dets", "bbox"), ("dets", "category_id"), ("dets", "label")]
+    assert got[("dets", "bbox")].shape == (2, 4) and got[("dets", "bbox")].dtype == "float64"
+    assert raw(got[("dets", "category_id")]) == np.array([3, 1], dtype="<i8").tobytes()
+    assert raw(got[("dets", "label")]) == strlist_bytes(["cat", "dog"])
+    # nested: a dict inside each dict of the list
+    got = leaves([{"a": {"b": 1, "c": "x"}}, {"a": {"b": 2, "c": "y"}}])
+    assert sorted(got) == [("a", "b"), ("a", "c")] and raw(got[("a", "b")]) == np.array([1, 2], "<i8").tobytes()
+    # a list of lists of dicts is not transposed twice: refused, naming the leaf
+    with pytest.raises(spillmerge.SpillValueError, match="it holds dict") as info:
+        flatten([{"a": [{"b": 1}]}, {"a": [{"b": 3}]}], "f.mp4", 0)
+    assert info.value.leaf == "a"
+    with pytest.raises(spillmerge.SpillValueError, match="not a dict with keys") as info:
+        flatten({"dets": [{"a": 1}, {"a": 2, "b": 3}]}, "f.mp4", 0)
+    assert info.value.leaf == "dets"
+    with pytest.raises(spillmerge.SpillValueError, match="not a dict with keys"):
+        flatten([{"a": 1}, 5], "f.mp4", 0)
+
+
+def test_nested_containers_and_dataclasses():
+    @dataclasses.dataclass
+    class Out:
+        text: str
+        ids: list[int]
+        extra: Any = None
+
+    got = leaves({"o": Out("hi", [1, 2]), "t": torch.ones(2, dtype=torch.bfloat16)})
+    assert {p: lf.dtype for p, lf in got.items()} == {
+        ("o", "extra"): "none",
+        ("o", "ids"): "int64",
+        ("o", "text"): "str",
+        ("t",): "bfloat16",
+    }
+
+
+def test_tensors_keep_their_fast_path():
+    t = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    leaf = one(t)
+    assert (leaf.dtype, leaf.shape) == ("float16", (2, 3)) and raw(leaf) == t.numpy().tobytes()
+    assert one(np.zeros((0, 4), dtype=np.float32)).shape == (0, 4)
+
+
+# ------------------------------------------------------------------------------ flatten, errors
+def test_lone_surrogates_are_refused_naming_filename_and_leaf():
+    for value, leaf in (("\udc80abc", "<value>"), ({"cap": "ok\ud800"}, "cap"), ({"w": ["a", "\udfff"]}, "w")):
+        with pytest.raises(spillmerge.SpillValueError, match="not valid Unicode") as info:
+            flatten(value, "clip.mp4", 0)
+        assert info.value.filename == "clip.mp4" and info.value.leaf == leaf
+        assert "clip.mp4" in str(info.value) and repr(leaf) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ([1, "a"], r"it holds int, str"),
+        (["a", 1], r"item 0 is a str but item 1 is a int"),
+        ([None, 1], r"it holds NoneType, int"),
+        ([[1], [1, 2]], "not rectangular"),
+        ([[1], 2], "item 0 is a list but item 1 is a int"),
+        ([torch.ones(2), torch.ones(2)], "torch.stack"),
+        ([1 + 2j], "it holds complex"),
+        ([b"a", b"b"], "it holds bytes"),
+    ],
+)
+def test_mixed_lists_name_the_leaf(value, match):
+    with pytest.raises(spillmerge.SpillValueError, match=match) as info:
+        flatten({"x": {"y": value}}, "f.mp4", 0)
+    assert info.value.leaf == "x/y" and info.value.filename == "f.mp4"
+
+
+class Custom:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Custom) and other.n == self.n
+
+
+@pytest.mark.parametrize("value", [Custom(1), {1, 2}, np.array(["a", "b"]), np.array([Custom(1)], dtype=object)])
+def test_other_objects_need_pickle_opt_in(value):
+    with pytest.raises(spillmerge.SpillValueError, match="without pickle") as info:
+        flatten({"obj": value}, "f.mp4", 0)
+    assert info.value.leaf == "obj" and "allow_pickle=True" in str(info.value)
+    if not isinstance(value, np.ndarray):
+        assert type(value).__name__ in str(info.value)
+    leaf = one(value, allow_pickle=True)
+    assert leaf.dtype == "pickle" and leaf.shape == (leaf.nbytes,)
+    assert raw(leaf) == pickle.dumps(value, protocol=5)
+
+
+def test_numpy_text_arrays_say_how_to_store_text():
+    with pytest.raises(spillmerge.SpillValueError, match=r"tolist\(\)"):
+        flatten(np.array(["a", "b"]), "f.mp4", 0)
+
+
+def test_unpicklable_object_names_leaf():
+    with pytest.raises(spillmerge.SpillValueError, match="cannot pickle a function") as info:
+        flatten({"fn": lambda: 1}, "f.mp4", 0, allow_pickle=True)
+    assert info.value.leaf == "fn"
+
+
+# ------------------------------------------------------------------------------ writer
+def test_ragged_none_str_and_missing_leaves_share_a_file(tmp_path):
+    root = str(tmp_path / "s")
+    frames = [
+        {"boxes": torch.rand(3, 4), "scores": torch.rand(3), "label": "cat", "tokens": [1, 2, 3]},
+        {"boxes": torch.zeros(0, 4), "scores": torch.zeros(0), "label": "", "tokens": []},
+        {"boxes": torch.rand(7, 4), "scores": None, "label": "a\x00b", "tokens": [5]},
+        {"boxes": torch.rand(1, 4), "tokens": list(range(100))},  # leaves missing
+        {"boxes": torch.rand(2, 4), "scores": torch.rand(2), "label": None, "tokens": [9, 9], "new": b"\x00"},
+    ]
+    masks = [torch.rand(h, w) for h, w in ((4, 5), (1, 1), (0, 3), (30, 2))]
+    with spillmerge.SpillWriter(root) as w:
+        for i, v in enumerate(frames):
+            w.write("det.mp4", i, v)
+        for i, m in enumerate(masks):
+            w.write("mask.mp4", i, m)
+        w.write("cap.mp4", 0, "first caption")
+        w.write("cap.mp4", 1, "")
+        w.write("cap.mp4", 2, "x" * (10 << 20))
+        w.write("none.mp4", 0, None)
+        w.write("none.mp4", 1, torch.ones(2))  # None in one frame, a value in the next
+        w.write("words.mp4", 0, ["a", "", "b\x00c"])
+        w.write("words.mp4", 1, ["one"])
+        # An empty list is float64 (0,) (docs/FORMAT.md), a numeric leaf: not a strlist's kind.
+        with pytest.raises(spillmerge.LayoutMismatchError, match="had a strlist"):
+            w.write("words.mp4", 2, [])
+        w.write("empty.mp4", 0, [])
+    got = read_spill(root)
+    for i, v in enumerate(frames):
+        row = got[("det.mp4", i)]
+        assert sorted(row) == sorted((k,) for k in v)
+        for k, want in v.items():
+            lay, value = row[(k,)]
+            if isinstance(want, torch.Tensor):
+                assert lay.shape == tuple(want.shape) and np.array_equal(value, want.numpy())
+            elif isinstance(want, list):
+                assert lay.dtype in ("int64", "float64") and value.tolist() == want
+            else:
+                assert value == want
+    for i, m in enumerate(masks):
+        lay, value = got[("mask.mp4", i)][()]
+        assert lay.shape == tuple(m.shape) and np.array_equal(value, m.numpy())
+    assert [got[("cap.mp4", i)][()][1] for i in range(2)] == ["first caption", ""]
+    assert got[("cap.mp4", 2)][()][1] == "x" * (10 << 20)
+    assert got[("none.mp4", 0)][()] == (F.Layout((), "none", ()), None)
+    assert got[("words.mp4", 0)][()][1] == ["a", "", "b\x00c"]
+    assert got[("words.mp4", 1)][()][1] == ["one"] and ("words.mp4", 2) not in got
+    assert got[("empty.mp4", 0)][()][0] == F.Layout((), "float64", (0,))
+
+
+def test_a_kind_change_within_a_file_is_refused_and_nothing_is_lost(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root, rank=2, world_size=4) as w:
+        w.write("v.mp4", 0, {"pred": torch.ones(3), "label": "cat"})
+        w.write("v.mp4", 1, {"pred": torch.ones(5), "label": None})
+        with pytest.raises(spillmerge.LayoutMismatchError) as info:
+            w.write("v.mp4", 2, {"pred": torch.ones(3), "label": torch.ones(1)})  # str, then a tensor
+        err = info.value
+        assert err.filename == "v.mp4" and err.leaf == "label" and err.ranks == [2]
+        msg = str(err)
+        assert "'v.mp4' frame 2 (rank 2)" in msg and "'label' is float32[1]" in msg and "had a str" in msg, msg
+        assert isinstance(err, spillmerge.SpillMergeError) and isinstance(err, ValueError)
+        with pytest.raises(spillmerge.LayoutMismatchError, match=r"'pred' is a str but earlier frames .* float32"):
+            w.write("v.mp4", 3, {"pred": "oops"})
+        w.write("v.mp4", 4, {"pred": torch.ones(2), "label": "dog"})  # the writer stays usable
+        w.write("other.mp4", 0, {"pred": "a str here is fine", "label": torch.ones(1)})  # another file
+    got = read_spill(root)
+    assert sorted(got) == [("other.mp4", 0), ("v.mp4", 0), ("v.mp4", 1), ("v.mp4", 4)]
+    assert got[("v.mp4", 0)][("label",)][1] == "cat" and got[("v.mp4", 4)][("label",)][1] == "dog"
+    assert got[("v.mp4", 1)][("pred",)][1].shape == (5,)
+    # The refused frames left nothing behind, not even a catalog layout a merge could trip on.
+    st = Storage(root)
+    (seg,) = R.scan(st)[2]
+    loaded = R.load_segment(st, seg)
+    assert F.Layout(("pred",), "str", (4,)) not in loaded.layouts
+    assert F.Layout(("label",), "float32", (1,)) in loaded.layouts  # from other.mp4
+    assert seg.commit is not None and seg.commit.n_frames == 4
+    st.close()
+
+
+@pytest.mark.parametrize(
+    "first, then, match",
+    [
+        (torch.ones(2, dtype=torch.float32), torch.ones(2, dtype=torch.float16), "is float16.* float32 with 1 dim"),
+        (torch.ones(2), torch.ones(2, 1), r"is float32\[2, 1\] .* float32 with 1 dim"),
+        ("text", b"text", "is a bytes .* had a str"),
+        (["a"], "a", "is a str .* had a strlist"),
+        ([1, 2], [1.5], r"is float64\[1\] .* int64"),
+        (torch.ones(1), {"x": torch.ones(1)}, "'<tensor>' is a dict holding 'x' but a value"),
+        ({"a": torch.ones(1)}, {"a": {"b": torch.ones(1)}}, "'a' is a dict holding 'a/b' but a value"),
+        ({"a": {"b": torch.ones(1)}}, {"a": torch.ones(1)}, "'a' is a value but a dict holding 'a/b'"),
+        ({"a": {"b": torch.ones(1)}}, {"a": None}, "'a' is a value but a dict holding 'a/b'"),
+    ],
+)
+def test_what_must_stay_the_same_within_a_file(tmp_path, first, then, match):
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        w.write("f", 0, first)
+        with pytest.raises(spillmerge.LayoutMismatchError, match=match) as info:
+            w.write("f", 1, then)
+        assert info.value.filename == "f" and info.value.ranks == [0]
+
+
+def test_empty_rows_and_none_rows_take_any_dtype(tmp_path):
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root) as w:
+        w.write("t", 0, [])  # float64 (0,)
+        w.write("t", 1, [1, 2])  # int64: the empty row said nothing about the dtype
+        w.write("t", 2, np.zeros(0, dtype=np.float32))
+        w.write("t", 3, None)
+        w.write("t", 4, [3])
+        with pytest.raises(spillmerge.LayoutMismatchError, match="int64"):
+            w.write("t", 5, [0.5])
+        w.write("u", 0, None)
+        w.write("u", 1, "now a str")
+        with pytest.raises(spillmerge.LayoutMismatchError):
+            w.write("u", 2, torch.ones(1))
+    got = read_spill(root)
+    assert [got[("t", i)][()][1] is None or got[("t", i)][()][1].tolist() for i in range(5)] == [
+        [],
+        [1, 2],
+        [],
+        True,
+        [3],
+    ]
+
+
+def test_a_rewrite_with_another_shape_is_not_identical(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        w.write("f", 0, torch.zeros(2, 3))
+        w.write("f", 0, torch.zeros(2, 3))  # same bytes, same shape: kept once
+        with pytest.raises(spillmerge.DuplicateFrameError):
+            w.write("f", 0, torch.zeros(3, 2))  # same bytes, another shape
+        assert w.stats()["identical_rewrites"] == 1
+
+
+def test_pickle_needs_the_writers_opt_in(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "no")) as w:
+        with pytest.raises(spillmerge.SpillValueError, match="allow_pickle=True") as info:
+            w.write("f", 0, {"obj": Custom(3)})
+        assert info.value.leaf == "obj" and "Custom" in str(info.value)
+    root = str(tmp_path / "yes")
+    with spillmerge.SpillWriter(root, allow_pickle=True) as w:
+        w.write("f", 0, {"obj": Custom(3), "t": torch.ones(1)})
+        w.write("f", 1, {"obj": {4, 5}, "t": torch.ones(1)})
+    got = read_spill(root)
+    assert got[("f", 0)][("obj",)][1] == Custom(3) and got[("f", 1)][("obj",)][1] == {4, 5}
+
+
+def test_gather_passes_allow_pickle_to_the_writer_and_the_reader(monkeypatch, tmp_path):
+    from spillmerge import _gather
+
+    seen: dict[str, Any] = {}
+
+    class FakeWriter:
+        rank = 0
+
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            seen["writer"] = kw
+
+        def __enter__(self) -> FakeWriter:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+        def update(self, preds: Any) -> None:
+            pass
+
+        def merge(self, *args: Any, **kw: Any) -> None:
+            pass
+
+    monkeypatch.setattr(_gather, "SpillWriter", FakeWriter)
+    monkeypatch.setattr(_gather, "open_store", lambda out, **kw: seen.setdefault("reader", kw))
+    _gather.gather({}, str(tmp_path / "o"), keep_spill=True, allow_pickle=True)
+    assert seen["writer"]["allow_pickle"] is True and seen["reader"]["allow_pickle"] is True
+    seen.clear()
+    _gather.all_gather({}, str(tmp_path / "o"), keep_spill=True)
+    assert seen["writer"]["allow_pickle"] is False and seen["reader"]["allow_pickle"] is False
+
+
+@pytest.mark.parametrize("kind", ["tensor", "str", "list"])
+def test_a_value_larger_than_all_staging_streams_through_it(tmp_path, kind):
+    """A single value many times the staging memory (the issue's 200 MB frame with 64 MiB of
+    staging, scaled down): write() streams it through the same few buffers, chunk by chunk,
+    waiting for the flush thread (backpressure); nothing grows with the value's size."""
+    chunk = 64 << 10
+    n = 40 * chunk  # 20x the two staging buffers
+    g = torch.Generator().manual_seed(0)
+    if kind == "tensor":
+        value: Any = torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+    elif kind == "str":
+        value = "".join(chr(97 + i % 26) for i in range(n // 32)) * 32
+    else:
+        value = torch.randint(0, 1000, (n // 8,), generator=g).tolist()
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root, chunk_bytes=chunk, staging_bytes=2 * chunk) as w:
+        w.write("small", 0, torch.ones(3))
+        w.write("big", 0, {"v": value, "tail": "after"})
+        w.write("small", 1, torch.ones(3))
+        assert w.stats()["staging_buffers"] <= 2
+        assert w.stats()["chunks"] >= 40
+    got = read_spill(root)
+    stored = got[("big", 0)][("v",)][1]
+    if kind == "tensor":
+        assert np.array_equal(stored, value.numpy())
+    elif kind == "str":
+        assert stored == value
+    else:
+        assert stored.tolist() == value
+    assert got[("big", 0)][("tail",)][1] == "after" and ("small", 1) in got
+
+
+def test_salvage_of_a_v2_journal_keeps_frames_with_fewer_leaves(tmp_path):
+    """The journal rule "drop frames with fewer leaves than other frames of their file" is for
+    version-1 writers only: version-2 frames may lack leaves, and a rewrite (on_duplicate='last')
+    may have other leaves and shapes than the write it replaces."""
+    root = str(tmp_path / "s")
+    chunk = 4096
+    with pytest.raises(RuntimeError, match="boom"):
+        with spillmerge.SpillWriter(root, chunk_bytes=chunk, on_duplicate="last") as w:
+            w.write("f", 0, {"a": torch.ones(10), "b": "x"})
+            w.write("f", 1, {"a": torch.ones(20)})  # no "b"
+            w.write("f", 2, {"a": torch.ones(5), "b": "y"})
+            w.write("f", 2, {"a": torch.ones(7)})  # replaces frame 2: fewer leaves, other shape
+            w.write("f", 3, {"b": None, "a": torch.ones(1)})
+            w.write("f", 3, {"b": "z", "a": torch.ones(1)})  # same leaves again
+            w.write("pad", 0, torch.zeros(4 * chunk, dtype=torch.uint8))  # flush everything above
+            raise RuntimeError("boom")
+    st = Storage(root)
+    (seg,) = R.scan(st)[0]
+    assert seg.commit is None and seg.failure is not None and seg.format_version == 2
+    loaded, problems = R.load_flushed(st, seg)
+    assert problems == []
+    rows: dict[tuple[int, int], list[F.Layout]] = {}
+    for fid, frame, lid, *_ in loaded.index.tolist():
+        rows.setdefault((fid, frame), []).append(loaded.layouts[lid])
+    f = loaded.filenames.index("f")
+    assert [lay.shape for lay in rows[(f, 0)]] == [(10,), (1,)]
+    assert [lay.shape for lay in rows[(f, 1)]] == [(20,)]  # kept, though it lacks "b"
+    assert rows[(f, 2)] == [F.Layout(("a",), "float32", (7,))]  # only the last write
+    assert rows[(f, 3)] == [F.Layout(("a",), "float32", (1,)), F.Layout(("b",), "str", (1,))]
+    st.close()
+
+
+def test_index_naming_a_leaf_twice_in_a_frame_is_corrupt():
+    lays = [F.Layout(("a",), "float32", (2,)), F.Layout(("a",), "float32", (3,))]
+    index = np.array([[0, 0, 0, 0, 8, 0], [0, 0, 1, 8, 12, 0]], dtype=np.int64)
+
+    def bad(msg: str, rel: str = "") -> Exception:
+        return spillmerge.CorruptSpillError(msg)
+
+    with pytest.raises(spillmerge.CorruptSpillError, match="twice"):
+        R._validate_rows(bad, ["f"], lays, index, 100)
+    R._validate_rows(bad, ["f"], lays, index[[0]], 100)
+    # kind-aware sizes: a str row of 5 bytes, a none row of 0, a strlist of [2, 9]
+    lays = [F.Layout(("s",), "str", (5,)), F.Layout(("n",), "none", ()), F.Layout(("l",), "strlist", (2, 9))]
+    index = np.array([[0, 0, 0, 0, 5, 0], [0, 0, 1, 5, 0, 0], [0, 0, 2, 5, 9, 0]], dtype=np.int64)
+    R._validate_rows(bad, ["f"], lays, index, 14)
+    index[2, F.COL_NBYTES] = 8
+    with pytest.raises(spillmerge.CorruptSpillError, match="sizes"):
+        R._validate_rows(bad, ["f"], lays, index, 14)
