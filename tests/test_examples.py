@@ -1,9 +1,12 @@
 """The examples of examples/ run as a user runs them, each on 2 CPU processes, with the merged
 store checked bit for bit: Lightning's own ddp launcher, `accelerate launch`, a SLURM array (the
-sbatch script with SLURM's environment, then `spillmerge merge`), and S3 (a moto server)."""
+sbatch script with SLURM's environment, then `spillmerge merge`), and S3 (a moto server); and the
+format-2 examples under a plain launcher (RANK / WORLD_SIZE / MASTER_PORT, gloo): detection boxes
+and LLM generations (ragged values and strings), and the dataset all-gather of issue 15 at 4 ranks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -11,8 +14,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from _example_check import EXAMPLES, assert_every_prediction, example
 
 import spillmerge
@@ -134,3 +141,125 @@ def test_s3_example_spills_and_merges_on_the_object_store(s3, tmp_path):
     assert "merged" not in outs[1][0]  # rank 1 returned at once
     res = spillmerge.open("s3://test/run1/preds.zarr", storage_options=storage_options(s3.endpoint))
     assert_every_prediction(res)
+
+
+# ------------------------------------------------ format 2 examples: ragged values and strings
+def _module(name: str) -> ModuleType:
+    """An example script imported as a module (its helpers recompute the expected values)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _launch(script: str, args: list[str], world: int, cwd: Path) -> list[subprocess.Popen[str]]:
+    """A plain launcher: ``world`` processes with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    (what torchrun sets, without its agent, to keep these tests fast)."""
+    port = str(_free_port())
+    cmd = [sys.executable, str(EXAMPLES / script), *args]
+    return [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        )  # fmt: skip
+        for r in range(world)
+    ]
+
+
+def _wait(procs: list[subprocess.Popen[str]]) -> list[str]:
+    """Every process's stdout, once all exited 0 (a hang fails after TIMEOUT)."""
+    outs = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=TIMEOUT)
+            assert p.returncode == 0, (
+                f"{shlex.join(p.args)} failed ({p.returncode})\nstdout:\n{stdout}\nstderr:\n{stderr}"
+            )
+            outs.append(stdout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return outs
+
+
+def _same(got: Any, want: torch.Tensor) -> bool:
+    got = np.asarray(got)
+    return (
+        got.dtype == want.numpy().dtype and got.shape == tuple(want.shape) and got.tobytes() == want.numpy().tobytes()
+    )
+
+
+def test_detection_and_llm_examples_store_ragged_values_and_text(tmp_path):
+    """Both examples at once (2 ranks each): boxes of 0..5 per image and token ids of 1..48 per
+    generation come back bit for bit, per file and through res.column, with their strings."""
+    det, llm = _module("detection_infer"), _module("llm_generate")
+    d_out, l_out = tmp_path / "dets.zarr", tmp_path / "gen.zarr"
+    procs = _launch("detection_infer.py", ["--root", str(tmp_path / "dspill"), "--out", str(d_out)], 2, tmp_path)
+    procs += _launch("llm_generate.py", ["--root", str(tmp_path / "lspill"), "--out", str(l_out)], 2, tmp_path)
+    outs = _wait(procs)
+
+    names = det.image_names()
+    assert "rank 0: wrote 20 images" in outs[0] and "rank 1: wrote 20 images" in outs[1], outs
+    assert f"merged {len(names)} files, {len(names)} frames" in outs[0], outs[0]
+    res = spillmerge.open(str(d_out))
+    assert res.filenames == sorted(names)
+    want = {name: det.expected_prediction(name) for name in res.filenames}
+    counts = [len(w["scores"]) for w in want.values()]
+    assert min(counts) == 0 and max(counts) == det.MAX_BOXES  # ragged, empty rows included
+    for name, w in want.items():
+        value = res[name]
+        for leaf in ("boxes", "scores", "labels"):
+            assert _same(value[leaf][0], w[leaf]), (name, leaf)
+        assert value["top_class"][0] == w["top_class"]
+    boxes = res.column("boxes")
+    assert len(boxes) == len(names)
+    for row, w in enumerate(want.values()):
+        assert _same(boxes[row], w["boxes"]), row
+    assert f"{len(names)} images, {sum(counts)} boxes in all" in outs[0], outs[0]
+
+    ids = llm.prompts()
+    assert "rank 0: wrote 24 generations" in outs[2] and "rank 1: wrote 24 generations" in outs[3], outs
+    assert f"merged {len(ids)} files, {2 * len(ids)} frames" in outs[2], outs[2]
+    res = spillmerge.open(str(l_out))
+    assert res.filenames == sorted(ids)
+    rows = []
+    for pid in res.filenames:
+        assert res.frames(pid).tolist() == [0, 1]
+        for sample in (0, 1):
+            w = llm.expected_generation(pid, sample)
+            rows.append(w)
+            value = res[pid]
+            assert _same(value["token_ids"][sample], w["token_ids"]), (pid, sample)
+            assert value["text"][sample] == w["text"] and value["prompt"][sample] == w["prompt"]
+    assert any("日本語" in w["text"] for w in rows) and len({len(w["token_ids"]) for w in rows}) > 10
+    col = res.column("token_ids")
+    for row, w in enumerate(rows):
+        assert _same(col[row], w["token_ids"]), row
+    assert list(res.column("text")[:]) == [w["text"] for w in rows]
+
+
+def test_dataset_all_gather_example_matches_all_gather_object(tmp_path):
+    """issue 15: 4 gloo ranks tokenise, filter and all_gather; every rank reads the union and
+    checks it bit for bit against all_gather_object of the same samples in the same run."""
+    ex = _module("dataset_all_gather")
+    out = tmp_path / "tokens.zarr"
+    outs = _wait(_launch("dataset_all_gather.py", ["--out", str(out), "--compare"], 4, tmp_path))
+    union = {k: v for r in range(4) for k, v in ex.my_samples(r, 4).items()}
+    assert 0 < len(union) < len(ex.documents())  # some samples were dropped by the filter
+    for r, stdout in enumerate(outs):
+        assert f"rank {r}: kept {len(ex.my_samples(r, 4))} samples" in stdout, stdout
+        assert f"rank {r}: read {len(union)} samples" in stdout, stdout
+        assert f"rank {r}: identical to all_gather_object ({len(union)} samples)" in stdout, stdout
+    assert sorted(os.listdir(tmp_path)) == ["tokens.zarr"]  # the spill root was removed
+    res = spillmerge.open(str(out))
+    assert res.filenames == sorted(union)
+    for doc_id, s in union.items():
+        for leaf, t in s.items():
+            assert _same(res[doc_id][leaf][0], t), (doc_id, leaf)
