@@ -70,6 +70,8 @@ _COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 
 _Sig = tuple[str, str | None, int | None]
+_EMPTY_LIST: _Sig = ("num", None, 1)
+"""The signature of ``[]`` (a float64 array of shape (0,)): also an empty list of strings."""
 """What a leaf must keep within a file: (kind, numeric dtype or None when not yet known, ndim)."""
 
 
@@ -417,9 +419,9 @@ class SpillWriter:
                     if other[:n] == path[:n]:  # one is a prefix of the other: value vs dict
                         self._raise_parent(filename, frame, path, other)
                 state[path] = sig
-            elif sig[0] == "none":
-                continue
-            elif cur[0] == "none":
+            elif sig[0] == "none" or (sig == _EMPTY_LIST and cur[0] == "strlist"):
+                continue  # None says nothing; [] is also an empty list of strings
+            elif cur[0] == "none" or (cur == _EMPTY_LIST and sig[0] == "strlist"):
                 state[path] = sig
             elif sig[0] != cur[0] or sig[2] != cur[2] or (sig[1] and cur[1] and sig[1] != cur[1]):
                 name = "/".join(path) or "<tensor>"

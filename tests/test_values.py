@@ -305,9 +305,10 @@ def test_ragged_none_str_and_missing_leaves_share_a_file(tmp_path):
         w.write("none.mp4", 1, torch.ones(2))  # None in one frame, a value in the next
         w.write("words.mp4", 0, ["a", "", "b\x00c"])
         w.write("words.mp4", 1, ["one"])
-        # An empty list is float64 (0,) (docs/FORMAT.md), a numeric leaf: not a strlist's kind.
+        # An empty list is float64 (0,) (docs/FORMAT.md), and also an empty list of strings.
+        w.write("words.mp4", 2, [])
         with pytest.raises(spillmerge.LayoutMismatchError, match="had a strlist"):
-            w.write("words.mp4", 2, [])
+            w.write("words.mp4", 3, [1.5])
         w.write("empty.mp4", 0, [])
     got = read_spill(root)
     for i, v in enumerate(frames):
@@ -328,7 +329,8 @@ def test_ragged_none_str_and_missing_leaves_share_a_file(tmp_path):
     assert got[("cap.mp4", 2)][()][1] == "x" * (10 << 20)
     assert got[("none.mp4", 0)][()] == (F.Layout((), "none", ()), None)
     assert got[("words.mp4", 0)][()][1] == ["a", "", "b\x00c"]
-    assert got[("words.mp4", 1)][()][1] == ["one"] and ("words.mp4", 2) not in got
+    assert got[("words.mp4", 1)][()][1] == ["one"] and ("words.mp4", 3) not in got
+    assert got[("words.mp4", 2)][()][0] == F.Layout((), "float64", (0,))  # [] kept; the merge reads it as []
     assert got[("empty.mp4", 0)][()][0] == F.Layout((), "float64", (0,))
 
 
