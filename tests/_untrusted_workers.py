@@ -51,16 +51,35 @@ def _alarm(signum: int, frame: Any) -> None:
     raise _Hang(f"still running after {CASE_SECONDS} s")
 
 
+def _plain(x: Any) -> Any:
+    """A row as JSON: arrays as nested lists, bytes as lists of ints; str and None as they are."""
+    import numpy as np
+
+    if isinstance(x, (np.ndarray, np.generic)):
+        return x.tolist()
+    if isinstance(x, (bytes, bytearray)):
+        return list(x)
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(leaf path joined by ".", leaf view) of a file's value (``""`` for plain tensor values)."""
+    if not isinstance(value, dict):
+        return [(path, value)]
+    return [leaf for k, v in value.items() for leaf in _leaves(v, f"{path}.{k}" if path else k)]
+
+
 def _data(store: Any) -> dict[str, Any]:
-    """Every leaf of every file, as lists (comparable to the reference)."""
+    """Every leaf of every file, row by row as lists (comparable to the reference): read through
+    each leaf view's ``to_list()`` (every kind of column: fixed, ragged, str, absent rows)."""
     import numpy as np
 
     out: dict[str, Any] = {}
     for name in store.filenames:
-        value = store[name]
-        leaves = value.items() if isinstance(value, dict) else [("", value)]
-        for leaf, arr in leaves:
-            out[f"{name}/{leaf}"] = np.asarray(arr).tolist()
+        for leaf, view in _leaves(store[name]):
+            out[f"{name}/{leaf}"] = [_plain(row) for row in view.to_list()]
         out[f"{name}/frames"] = np.asarray(store.frames(name)).tolist()
     return out
 

@@ -44,7 +44,13 @@ KINDS: dict[str, tuple[str, str]] = {
     "index frame_idx": ("out", "index/frame_idx/c/0"),
     "index frame_offsets": ("out", "index/frame_offsets/c/0"),
     "index filenames": ("out", "index/filenames/c/0"),
-    "output data chunk": ("out", "files/*/x/c/0/0"),
+    "index file_layout": ("out", "index/file_layout/c/0"),
+    "output data chunk": ("out", "columns/x/values/c/0/0"),
+    "ragged column offsets": ("out", "columns/m/offsets/c/0"),
+    "ragged column shapes": ("out", "columns/m/shapes/c/0/0"),
+    "column valid": ("out", "columns/o/valid/c/0"),
+    "fixed column offsets": ("out", "columns/o/offsets/c/0"),
+    "string column values": ("out", "columns/t/values/c/0"),
     "merge failure record": ("spill", "spillmerge-failed.json"),
     "lease lock file": ("out", "spillmerge-lease/output.lock"),
 }
@@ -115,7 +121,8 @@ CHECKED = {"merge", "open", "finalize", "committed_keys"}
 
 
 def _rows(data: dict[str, Any]) -> dict[tuple[str, str, int], Any]:
-    """(filename, leaf, frame) -> row, from :func:`_untrusted_workers._data`'s lists."""
+    """(filename, leaf, frame) -> row, from :func:`_untrusted_workers._data`'s lists (``None``
+    where the frame has no value for the leaf)."""
     out = {}
     for key, rows in data.items():
         name, leaf = key.rsplit("/", 1)
@@ -142,16 +149,30 @@ def _data(store: Any) -> dict[str, Any]:
     return data(store)
 
 
+def _frame(i: int) -> dict[str, Any]:
+    """Frame ``i``: every kind of column object of format 2 (docs/FORMAT.md section 2) — ``x`` and
+    ``s`` fixed (``values`` only), ``m`` ragged in both dimensions (``values``, ``offsets``,
+    ``shapes``), ``o`` fixed with absent rows (``values`` of the present rows, ``offsets``,
+    ``valid``), ``t`` a string column (vlen-utf8 ``values``)."""
+    return {
+        "x": torch.full((300,), float(i)),
+        "s": i,
+        "m": torch.full((i % 3 + 1, i % 2 + 1), float(i)),
+        "o": None if i % 3 == 0 else torch.full((2,), float(i)),
+        "t": f"frame {i} é",
+    }
+
+
 def _build(base: Path) -> tuple[Path, Path]:
     """A spill root of 2 ranks (rank 0 committed, rank 1 failed after flushing chunks, so it has
     journal entries and a failure record) and its output, merged in one part (part record)."""
     root, out = base / "spill", base / "out"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=2, chunk_bytes=4096) as w:
         for i in range(8):
-            w.write(f"f{i % 2}.mp4", i, {"x": torch.full((300,), float(i)), "s": i})
+            w.write(f"f{i % 2}.mp4", i, _frame(i))
     with pytest.raises(RuntimeError), spillmerge.SpillWriter(str(root), rank=1, world_size=2, chunk_bytes=4096) as w:
         for i in range(8, 16):
-            w.write(f"f{i % 2}.mp4", i, {"x": torch.full((300,), float(i)), "s": i})
+            w.write(f"f{i % 2}.mp4", i, _frame(i))
         raise RuntimeError("rank 1 fails after flushing")
     spillmerge.merge(str(root), str(out), allow_partial=True, part=(0, 1))
     spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
@@ -239,6 +260,42 @@ def test_refusals_name_the_object(outcomes: dict[str, Any]) -> None:
             reader = "open" if kind == "completion marker" else "merge"
             r = results[reader]
             assert not r["ok"] and words in r["message"], (kind, attack, r)
+
+
+OUTPUT_ARRAYS = [kind for kind, (tree, pattern) in KINDS.items() if tree == "out" and "/c/" in pattern]
+"""The chunk kinds of a merged output: its index arrays and its columns' values, offsets, shapes, valid."""
+
+
+def test_output_chunks_are_refused_naming_the_object(outcomes: dict[str, Any]) -> None:
+    """Every chunk kind of a version-2 output, every attack: ``open`` + reading every row refuses
+    it with a ``SpillMergeError`` naming the object, saying what it is — the chunk itself where
+    it is no regular file or larger than its array allows, its array where only decoding finds
+    the damage (truncated or junk: a checksum mismatch) — and ``verify`` reports it."""
+    says = {
+        "fifo": "is a FIFO",
+        "directory": "is a folder",
+        "link out of the root": "is a symbolic link",
+        "link to /dev/zero": "is a symbolic link",
+        "truncated": "checksum do not match",
+        "oversized": "its format allows",
+        "junk": "checksum do not match",
+    }
+    assert set(says) == set(ATTACKS)
+    assert {"index file_layout", "ragged column offsets", "ragged column shapes", "column valid",
+            "fixed column offsets", "string column values"} <= set(OUTPUT_ARRAYS)  # fmt: skip
+    bad = []
+    for kind in OUTPUT_ARRAYS:
+        pattern = KINDS[kind][1]
+        for attack, words in says.items():
+            results = outcomes["report"][f"{kind}|{attack}"]
+            r = results["open"]
+            named = pattern.rsplit("/c/", 1)[0] if words.startswith("checksum") else pattern
+            if r["ok"] or words not in r["message"] or f"/out/{named}" not in r["message"]:
+                bad.append(f"{kind}|{attack}: open: {r}")
+            v = results["verify"]
+            if v["ok"] and v["value"] is not False:
+                bad.append(f"{kind}|{attack}: verify found nothing")
+    assert not bad, "\n".join(bad)
 
 
 def _rewrite_catalog(seg: Path, text: bytes) -> None:
