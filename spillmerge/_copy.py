@@ -171,7 +171,7 @@ class _Chunk:
         for part in buffers:
             out_crc = google_crc32c.extend(out_crc, part)
         output.makedirs(self.key.rsplit("/", 1)[0])
-        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])
+        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])  # type: ignore[list-item]
 
     # -- reading source rows -----------------------------------------------------------------
 

@@ -204,7 +204,7 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
         if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
             problems.append((rel, f"leaf {leaf!r:.200} is not a list of dict keys"))
             continue
-        if (name == VALUE_COLUMN) != (leaf == []):
+        if (name == VALUE_COLUMN or name.startswith(VALUE_COLUMN + ".")) != (leaf == []):
             problems.append((rel, f"column {name!r} holds leaf {leaf!r:.200}"))
             continue
         if kind not in KINDS:
@@ -240,11 +240,16 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
             problems.extend(bad)
             continue
         out[name] = info
-    paths: dict[tuple[str, ...], str] = {}
+    # A leaf may have one column per numeric dtype (files that disagree on it), never two of one kind.
+    paths: dict[tuple[tuple[str, ...], str], str] = {}
+    by_leaf: dict[tuple[str, ...], set[str]] = {}
     for c in out.values():
-        if c.leaf in paths:
-            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[c.leaf]}"))
-        paths[c.leaf] = c.name
+        key = (c.leaf, c.dtype if c.kind in ("fixed", "ragged") else c.kind)
+        if key in paths or (by_leaf.get(c.leaf) and (c.kind not in ("fixed", "ragged") or not by_leaf[c.leaf] <= {"num"})):
+            other = paths.get(key) or next(p for (lf, _), p in paths.items() if lf == c.leaf)
+            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{other}"))
+        paths[key] = c.name
+        by_leaf.setdefault(c.leaf, set()).add("num" if c.kind in ("fixed", "ragged") else c.kind)
     return out, problems
 
 

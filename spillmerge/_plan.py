@@ -258,19 +258,20 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     file_offsets = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
 
-    col_names = column_names(leaf_paths)
+    group, groups = _dtype_groups(c, layouts, leaf_paths, names, segments)
+    names_of = _group_names(groups, leaf_paths)
     kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
     is_none = kinds[c["gl"]] == "none"
     columns = []
-    for p, leaf in enumerate(leaf_paths):
-        sel = np.flatnonzero(c["lp"] == p)
+    for g, (p, _dtype) in enumerate(groups):
+        sel = np.flatnonzero(group == g)
         present = sel[~is_none[sel]]
         src = np.full(n_rows, -1, dtype=np.int64)
         src[row_of[present]] = present
-        columns.append(_column(col_names[leaf], leaf, src, c, layouts, n_rows))
+        columns.append(_column(names_of[g], leaf_paths[p], src, c, layouts, n_rows))
     columns.sort(key=lambda col: col.name)
 
-    file_layout, file_layouts = _file_layouts(c["file"], c["lp"], len(names), [col_names[p] for p in leaf_paths])
+    file_layout, file_layouts = _file_layouts(c["file"], group, len(names), names_of)
     for layout in file_layouts:
         _check_prefixes(layout, columns, names, file_layout, file_layouts)
     return Plan(
@@ -283,8 +284,8 @@ def _check_leaf_types(
     c: dict[str, np.ndarray], layouts: list[F.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
     segments: list[LoadedSegment],
 ) -> None:  # fmt: skip
-    """A leaf has one kind, dtype and ``ndim`` across the merge (``None`` rows aside; rows of zero
-    elements take the column's dtype)."""
+    """A leaf has one kind and ``ndim`` across the merge (``None`` rows aside; ``[]`` may also be an
+    empty list of strings). Numeric dtypes are checked per file by ``_dtype_groups``."""
 
     def sig(lay: F.Layout, *, with_dtype: bool) -> tuple[str, str, int]:
         dt = F.DTYPES[lay.dtype]
@@ -303,10 +304,8 @@ def _check_leaf_types(
     for lp, sigs in by_leaf.items():
         if any(s == ("strlist", "strlist", 1) for s in sigs):  # [] is also an empty list of strings
             sigs.pop(("num", "", 1), None)
-        full = {s for s in sigs if s[1] != "" or s[0] != "num"}
         kinds = {(s[0], s[2]) for s in sigs}
-        dtypes = {s[1] for s in full}
-        if len(kinds) == 1 and len(dtypes) <= 1:
+        if len(kinds) == 1:  # numeric dtypes may differ between files: one column each (_dtype_groups)
             continue
         variants = []
         for s, g in sigs.items():
@@ -383,6 +382,75 @@ def _resolve_duplicates(
     return c, copies, duplicates
 
 
+def _dtype_groups(
+    c: dict[str, np.ndarray], layouts: list[F.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
+    segments: list[LoadedSegment],
+) -> tuple[np.ndarray, list[tuple[int, str | None]]]:  # fmt: skip
+    """Which column each stored leaf row goes to: one per leaf path and numeric dtype. A leaf that
+    is ``float16`` in some files and ``float32`` in others makes two columns (nothing is converted);
+    within one file a leaf has one dtype (else :class:`LayoutMismatchError` naming the file, leaf
+    and ranks). Rows that say nothing about the dtype (``None``, zero elements) join their file's
+    column, or the leaf's first one. Returns each entry's group and the groups' (leaf path
+    position, dtype or None)."""
+    n_lp = len(leaf_paths)
+    dnames = sorted({lay.dtype for lay in layouts if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape})
+    code_of = {d: i for i, d in enumerate(dnames)}
+    lcode = np.array(
+        [code_of[lay.dtype] if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape else -1 for lay in layouts],
+        dtype=np.int64,
+    )
+    known = lcode[c["gl"]]
+    pair = c["file"] * n_lp + c["lp"]
+    order = np.argsort(pair, kind="stable")
+    ps, ks = pair[order], known[order]
+    starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+    hi = np.maximum.reduceat(ks, starts)
+    lo = np.minimum.reduceat(np.where(ks < 0, len(dnames), ks), starts)
+    bad = np.flatnonzero((hi >= 0) & (lo != hi))
+    if len(bad):
+        f, p = divmod(int(ps[starts[bad[0]]]), n_lp)
+        sel = (c["file"] == f) & (c["lp"] == p) & (known >= 0)
+        dts = sorted({dnames[int(k)] for k in known[sel]})
+        leaf = _leaf_name(leaf_paths[p])
+        raise LayoutMismatchError(
+            f"{names[f]!r:.200}: leaf {leaf!r} is {' and '.join(dts)} in different frames (rank(s) "
+            f"{_ranks(segments, c['seg'][sel])}); a leaf keeps its dtype in every frame of a file",
+            filename=names[f],
+            leaf=leaf,
+            ranks=_ranks(segments, c["seg"][sel]),
+        )
+    pair_code = hi  # -1: the file's rows of this leaf say nothing about its dtype
+    pair_lp = ps[starts] % n_lp
+    first = np.full(n_lp, -1, dtype=np.int64)  # each leaf's lowest dtype code, for the rows without one
+    has = pair_code >= 0
+    np.maximum.at(first, pair_lp[has], -1)  # keep -1 where a leaf has no code at all
+    for p in np.unique(pair_lp[has]).tolist():
+        first[p] = int(pair_code[has & (pair_lp == p)].min())
+    pair_code = np.where(pair_code >= 0, pair_code, first[pair_lp])
+    code = np.empty(len(pair), dtype=np.int64)
+    code[order] = np.repeat(pair_code, np.diff(np.r_[starts, len(ps)]))
+    key = c["lp"] * (len(dnames) + 1) + (code + 1)
+    uniq, group = np.unique(key, return_inverse=True)
+    groups = [(int(k) // (len(dnames) + 1), None if k % (len(dnames) + 1) == 0 else dnames[int(k % (len(dnames) + 1)) - 1])
+              for k in uniq]  # fmt: skip
+    return group.reshape(-1), groups
+
+
+def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
+    """Column name of each group: the leaf's name (``column_names``), and, for a leaf split by
+    dtype, that name ``.`` the dtype (hashed if it would equal another column's name)."""
+    base = column_names(leaf_paths)
+    per_leaf: dict[int, int] = {}
+    for p, _ in groups:
+        per_leaf[p] = per_leaf.get(p, 0) + 1
+    out = [base[leaf_paths[p]] if per_leaf[p] == 1 else f"{base[leaf_paths[p]]}.{dt}" for p, dt in groups]
+    taken = set(base.values())
+    for g, (p, dt) in enumerate(groups):
+        if per_leaf[p] > 1 and (out[g] in taken or out.count(out[g]) > 1):
+            out[g] = F.hashed_name(f"{base[leaf_paths[p]]}\x00{dt}")
+    return out
+
+
 def _column(
     name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[F.Layout], n_rows: int
 ) -> Column:
@@ -410,8 +478,8 @@ def _column(
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
         shape = next(iter(shapes)) if shapes else ()
-        counts = present.astype(np.int64) if has_valid else None
-        return Column(name, leaf, "fixed", dt.name, ndim, shape, None, src, counts, None, has_valid)
+        present_counts = present.astype(np.int64) if has_valid else None
+        return Column(name, leaf, "fixed", dt.name, ndim, shape, None, src, present_counts, None, has_valid)
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
@@ -428,6 +496,7 @@ def _column(
 def _file_layouts(
     file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str]
 ) -> tuple[np.ndarray, list[list[str]]]:
+    # lp_of / lp_names: each entry's column group and the groups' names.
     """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
     a position in the list of distinct sets."""
     pairs = np.unique(file_of * len(lp_names) + lp_of)

@@ -207,7 +207,9 @@ class V2Files:
                     col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
                 raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
             self.columns[name] = col
-        self._by_leaf = {c.info.leaf: c for c in self.columns.values()}
+        self._by_leaf: dict[tuple[str, ...], list[Any]] = {}
+        for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
+            self._by_leaf.setdefault(c.info.leaf, []).append(c)
 
     @property
     def filenames(self) -> list[str]:
@@ -252,22 +254,34 @@ class V2Files:
         names = self._layouts[int(self._file_layout[i])]
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
         filename = str(self._names[i])
-        if names == [V.VALUE_COLUMN]:
-            return self.columns[V.VALUE_COLUMN].view(a, b, filename)
+        if len(names) == 1 and self.columns[names[0]].info.leaf == ():  # plain tensor values
+            return self.columns[names[0]].view(a, b, filename)
         out: dict[str, Any] = {}
         for name in names:
             col = self.columns[name]
             set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
         return out
 
-    def column(self, path: str | tuple[str, ...] | list[str] | None, where: str) -> LeafView:
+    def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
             leaf: tuple[str, ...] = ()
         elif isinstance(path, str):
             leaf = tuple(path.split("/")) if path else ()
         else:
             leaf = tuple(path)
-        col = self._by_leaf.get(leaf)
+        cols = self._by_leaf.get(leaf, [])
+        if dtype is not None:
+            cols = [c for c in cols if c.info.dtype == dtype]
+        if len(cols) > 1:
+            shown = "/".join(leaf) or "None (the plain tensor values)"
+            dts = [c.info.dtype for c in cols]
+            raise UnknownColumnError(
+                f"{where}: leaf {shown!r} has one column per dtype ({', '.join(dts)}: files disagreed on it); "
+                f"pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
+                column="/".join(leaf),
+                known=dts,
+            )
+        col = cols[0] if cols else None
         if col is None:
             known = sorted(c.info.path or "<tensor> (None)" for c in self.columns.values())
             shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
@@ -288,8 +302,11 @@ class V2Files:
             "frame_idx": pa.array(self._frame_idx, type=pa.int64()),
             "rank": pa.array(self._prov["frame_rank"].astype(np.int32), type=pa.int32()),
         }
-        for col in sorted(self.columns.values(), key=lambda c: c.info.path):
-            cols[col.info.path or "value"] = col.view(0, self.n_rows).to_arrow()
+        for col in sorted(self.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
+            name = col.info.path or "value"
+            if len(self._by_leaf[col.info.leaf]) > 1:  # one column per dtype: "logits:float16"
+                name = f"{name}:{col.info.dtype}"
+            cols[name] = col.view(0, self.n_rows).to_arrow()
         return pa.table(cols)
 
 
@@ -412,17 +429,18 @@ class MergedStore(Mapping[str, Any]):
             )
         return self._files
 
-    def column(self, path: str | tuple[str, ...] | list[str] | None = None) -> LeafView:
+    def column(self, path: str | tuple[str, ...] | list[str] | None = None, dtype: str | None = None) -> LeafView:
         """One leaf over every row of every file, in (filename, frame) order: ``"logits"``,
         ``"a/b"`` (or the keys as a tuple), or None for plain tensor values (leaf ``[]``). The
         same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
-        columns when there is no such leaf."""
-        return self._v2("column()").column(path, self.storage.describe())
+        columns when there is no such leaf. A leaf whose dtype differs between files has one
+        column per dtype (rows of the other files absent): choose one with ``dtype=``."""
+        return self._v2("column()").column(path, self.storage.describe(), dtype)
 
     @property
     def columns(self) -> list[str]:
         """The leaf paths of the columns (``""`` for plain tensor values), sorted (version 2)."""
-        return sorted(c.info.path for c in self._v2("columns").columns.values())
+        return sorted({c.info.path for c in self._v2("columns").columns.values()})
 
     def to_arrow(self) -> Any:
         """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``): columns

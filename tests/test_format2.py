@@ -97,20 +97,47 @@ def test_parts_write_the_same_bytes_as_one_process(tmp_path, codec):
             assert (parted / rel).read_bytes() == path.read_bytes(), rel
 
 
-def test_a_leaf_of_two_types_is_refused_naming_leaf_file_and_ranks(tmp_path):
+def test_a_leaf_of_two_dtypes_in_two_files_makes_two_columns(tmp_path):
     root = str(tmp_path / "s")
     with spillmerge.SpillWriter(root, rank=0, world_size=2) as w:
-        w.write("a.jpg", 0, {"logits": torch.zeros(3, dtype=torch.float16)})
+        w.write("a.jpg", 0, {"logits": torch.full((3,), 0.5, dtype=torch.float16), "n": 1})
     with spillmerge.SpillWriter(root, rank=1, world_size=2) as w:
-        w.write("b.jpg", 0, {"logits": torch.zeros(3, dtype=torch.float32)})
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        w.write("b.jpg", 0, {"logits": torch.full((3,), 1 / 3, dtype=torch.float32), "n": 2})
+    spillmerge.merge(root, str(tmp_path / "o"))
+    g = zarr.open_group(str(tmp_path / "o"), mode="r")
+    assert sorted(g["columns"].group_keys()) == ["logits.float16", "logits.float32", "n"]
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert res["a.jpg"]["logits"][0].dtype == np.float16 and res["b.jpg"]["logits"][0][0] == np.float32(1 / 3)
+    with pytest.raises(spillmerge.UnknownColumnError, match="dtype="):
+        res.column("logits")
+    assert res.column("logits", dtype="float32")[1] is not None and res.column("logits", dtype="float32")[0] is None
+    assert {"logits:float16", "logits:float32"} <= set(res.to_arrow().column_names)
+
+
+def test_a_leaf_of_two_kinds_or_of_two_dtypes_in_one_file_is_refused_naming_leaf_file_and_ranks(tmp_path):
+    kinds, dtypes = str(tmp_path / "kinds"), str(tmp_path / "dtypes")
+    with spillmerge.SpillWriter(kinds, rank=0, world_size=2) as w:
+        w.write("a.jpg", 0, {"logits": torch.zeros(3, dtype=torch.float16)})
+    with spillmerge.SpillWriter(kinds, rank=1, world_size=2) as w:
+        w.write("c.jpg", 0, {"logits": "a string"})
+    with spillmerge.SpillWriter(dtypes, rank=0, world_size=2) as w:
+        w.write("a.jpg", 0, {"logits": torch.zeros(3, dtype=torch.float16)})
+    with spillmerge.SpillWriter(dtypes, rank=1, world_size=2) as w:
+        w.write("a.jpg", 1, {"logits": torch.zeros(3, dtype=torch.float32)})
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(spillmerge.LayoutMismatchError) as info:
-        spillmerge.merge(root, str(tmp_path / "o"))
-    msg = str(info.value)
-    assert "'logits'" in msg and "'a.jpg'" in msg and "'b.jpg'" in msg, msg
+        spillmerge.merge(kinds, str(tmp_path / "o1"))
+    msg = str(info.value)  # a string in one file and a tensor in another: one kind per leaf
+    assert "'logits'" in msg and "'a.jpg'" in msg and "'c.jpg'" in msg and "str" in msg, msg
     assert info.value.leaf == "logits" and info.value.ranks == [0, 1]
+    with pytest.raises(spillmerge.LayoutMismatchError) as info:
+        spillmerge.merge(dtypes, str(tmp_path / "o2"))
+    msg = str(info.value)  # one file, two dtypes from two ranks
+    assert "'a.jpg'" in msg and "float16 and float32" in msg and "[0, 1]" in msg, msg
+    assert info.value.filename == "a.jpg" and info.value.ranks == [0, 1]
     # Nothing committed is lost, and no output is left behind.
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
 def test_a_version_1_spill_root_merges_to_the_same_values(tmp_path):
