@@ -259,6 +259,36 @@ def node_names(names: list[str]) -> dict[str, str]:
     return out
 
 
+VALUE_COLUMN = "__value__"
+"""Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...)."""
+
+
+def leaf_text(leaf: tuple[str, ...]) -> str:
+    """The string a column name is encoded from: the keys joined by ``/`` (JSON when a key holds
+    ``/`` or is empty, so two leaf paths never share it by accident)."""
+    return "/".join(leaf) if all(k and "/" not in k for k in leaf) else json.dumps(list(leaf), ensure_ascii=True)
+
+
+def split_column_name(base: str, dtype: str) -> str:
+    """The hashed name of a leaf's ``dtype`` column when ``base.dtype`` is taken (docs/FORMAT.md)."""
+    return hashed_name(f"{base}\x00{dtype}")
+
+
+def column_name_choices(leaf: tuple[str, ...], dtype: str | None) -> set[str]:
+    """Every name a merge may give the column of ``leaf`` (and, for a leaf split by dtype,
+    ``dtype``): readers refuse a column group whose name is not one of them (docs/FORMAT.md
+    section 2, *Columns*)."""
+    if not leaf:
+        bases = {VALUE_COLUMN}
+    else:
+        text = leaf_text(leaf)
+        bases = {hashed_name(text), *([text] if _plain_ok(text) else [])}
+    out = set(bases)
+    if dtype is not None:
+        out |= {f"{b}.{dtype}" for b in bases} | {split_column_name(b, dtype) for b in bases}
+    return out
+
+
 def is_safe_node_name(name: str) -> bool:
     return bool(_SAFE_RE.match(name)) or bool(re.match(r"^[A-Za-z0-9._-]{0,60}~[0-9a-f]{16}$", name))
 

@@ -427,6 +427,16 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64)
         sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
         out.extend(V.offsets_content_problems(c, o, sh))
+    if out:  # the checks below need a sound index and sound offsets
+        return out
+    in_layout = V.layout_rows(offsets, file_layout, header["file_layouts"])
+    for c in columns.values():
+        rel = f"columns/{c.name}"
+        if {f"{rel}/offsets", f"{rel}/valid"} & damaged:
+            continue
+        o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
+        valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
+        out.extend(V.rows_layout_problems(c, valid, o, in_layout(c.name)))
     return out
 
 

@@ -204,8 +204,9 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
         if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
             problems.append((rel, f"leaf {leaf!r:.200} is not a list of dict keys"))
             continue
-        if (name == VALUE_COLUMN or name.startswith(VALUE_COLUMN + ".")) != (leaf == []):
-            problems.append((rel, f"column {name!r} holds leaf {leaf!r:.200}"))
+        numeric_dt = dtype if kind in ("fixed", "ragged") and isinstance(dtype, str) else None
+        if name not in F.column_name_choices(tuple(leaf), numeric_dt):
+            problems.append((rel, f"column {name!r} holds leaf {leaf!r:.200}, which a merge names otherwise"))
             continue
         if kind not in KINDS:
             problems.append((rel, f"unknown kind {kind!r:.50} (known: {', '.join(KINDS)})"))
@@ -370,6 +371,11 @@ def v2_index_problems(
             if gone:
                 out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
                 break
+            leaves = [columns[c].leaf for c in lay]
+            if len(set(leaves)) != len(leaves):  # a file has one dtype per leaf
+                twice = next(lf for lf in leaves if leaves.count(lf) > 1)
+                out.append(("zarr.json", f"file_layouts[{j}] lists two columns of leaf {list(twice)!r:.200}"))
+                break
         if len(file_layout) and (file_layout.min() < 0 or file_layout.max() >= len(layouts)):
             i = int(np.flatnonzero((file_layout < 0) | (file_layout >= len(layouts)))[0])
             out.append(
@@ -401,3 +407,41 @@ def v2_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
         if name in idx:
             out[name] = index_node(group, name, describe).shape[0]
     return out
+
+
+def rows_layout_problems(
+    c: ColumnInfo, valid: np.ndarray | None, offsets: np.ndarray | None, in_layout: np.ndarray
+) -> list[Problem]:
+    """A row has a value only in a column its file's ``file_layouts`` entry lists, and an absent
+    row stores nothing: so a file boundary moved in ``frame_offsets`` (rows handed to a file
+    whose layout lacks their leaves) or a ``valid`` flipped on is refused. ``in_layout``: per
+    row, whether its file lists this column."""
+    rel = f"columns/{c.name}"
+    has = np.ones(len(in_layout), dtype=bool) if valid is None else valid
+    bad = np.flatnonzero(has & ~in_layout)
+    if len(bad):
+        what = "valid" if valid is not None else "values"
+        return [(f"{rel}/{what}", f"row {int(bad[0])} has a value, but its file's layout does not list "
+                 f"this column ({len(bad)} such rows)")]  # fmt: skip
+    if offsets is not None and valid is not None:
+        steps = np.diff(offsets)
+        bad = np.flatnonzero(~valid & (steps != 0))
+        if len(bad):
+            return [(f"{rel}/offsets", f"row {int(bad[0])} has no value but spans {int(steps[bad[0]])} ({len(bad)} such rows)")]
+        if c.kind == "fixed" and np.any(valid & (steps != 1)):
+            r = int(np.flatnonzero(valid & (steps != 1))[0])
+            return [(f"{rel}/offsets", f"row {r} has a value but spans {int(steps[r])} rows of a compact fixed column")]
+    return []
+
+
+def layout_rows(frame_offsets: np.ndarray, file_layout: np.ndarray, layouts: list[list[str]]) -> Callable[[str], np.ndarray]:
+    """``in_layout(column)``: per row, whether its file's ``file_layouts`` entry lists the column
+    (offsets and file_layout already checked)."""
+    file_of_row = np.repeat(np.arange(len(file_layout), dtype=np.int64), np.diff(frame_offsets))
+    layout_of_row = file_layout[file_of_row]
+
+    def in_layout(name: str) -> np.ndarray:
+        listed = np.array([name in lay for lay in layouts], dtype=bool)
+        return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+
+    return in_layout

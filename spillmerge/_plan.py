@@ -28,8 +28,7 @@ from ._spillroot import Extent, LoadedSegment
 SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 """``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
 
-VALUE_COLUMN = "__value__"
-"""Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...)."""
+VALUE_COLUMN = F.VALUE_COLUMN
 
 #: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
 _KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
@@ -180,11 +179,7 @@ def _leaf_name(leaf: tuple[str, ...]) -> str:
 
 def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
     """Node name under ``columns/`` of each leaf path (docs/FORMAT.md section 2, *Columns*)."""
-    text: dict[tuple[str, ...], str] = {}
-    for leaf in leaves:
-        if leaf:
-            plain = all(k and "/" not in k for k in leaf)
-            text[leaf] = "/".join(leaf) if plain else json.dumps(list(leaf), ensure_ascii=True)
+    text = {leaf: F.leaf_text(leaf) for leaf in leaves if leaf}
     if len(set(text.values())) != len(text):
         a, b = [p for p in text if list(text.values()).count(text[p]) > 1][:2]
         raise LayoutMismatchError(
@@ -447,7 +442,7 @@ def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[st
     taken = set(base.values())
     for g, (p, dt) in enumerate(groups):
         if per_leaf[p] > 1 and (out[g] in taken or out.count(out[g]) > 1):
-            out[g] = F.hashed_name(f"{base[leaf_paths[p]]}\x00{dt}")
+            out[g] = F.split_column_name(base[leaf_paths[p]], str(dt))
     return out
 
 

@@ -207,6 +207,10 @@ class V2Files:
                     col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
                 raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
             self.columns[name] = col
+        # A row has a value only in the columns its file's layout lists (a moved file boundary).
+        in_layout = V.layout_rows(self._offsets, self._file_layout, self._layouts)
+        for name, col in self.columns.items():
+            raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, in_layout(name)))
         self._by_leaf: dict[tuple[str, ...], list[Any]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self._by_leaf.setdefault(c.info.leaf, []).append(c)

@@ -165,12 +165,6 @@ def test_a_columns_rows_must_match_the_index(out, node, values, needle):
     assert not rep.ok and any(node.rpartition("/")[0] in p for p in rep.problems), rep.problems
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="format 2 has no per-file arrays: moving a file boundary in index/frame_offsets is not refused when the "
-    "frame indices still ascend (a row whose valid leaves are not in its file's layout goes unchecked); "
-    "version 1 refused it (the file's array had 3 rows)",
-)
 def test_moved_file_boundary_is_refused(out):
     """frame_offsets [0, 2, 6]: monotone and ends right, but a.mp4 has 3 rows. Read anyway, a.mp4
     would lose frame 2 and b.mp4 gain a row 'frame 2' whose leaves are all None."""
@@ -268,16 +262,7 @@ def test_dtype_attribute_must_be_known_and_match_the_storage(out, leaf, dtype, n
     [
         ("", ["x"], r"columns/__value__: column '__value__' holds leaf \['x'\]"),
         ("x", [], r"columns/x: column 'x' holds leaf \[\]"),
-        pytest.param(
-            "x",
-            ["y", "z"],
-            r"columns/(x|y_z~[0-9a-f]{16})\b",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="since 633c4c9 (one column per dtype) two columns of one leaf pass when their dtypes differ "
-                "(x float32, y_z int64), even both in one file's layout: b.mp4 silently loses its leaf x",
-            ),
-        ),
+        ("x", ["y", "z"], r"columns/(x|y_z~[0-9a-f]{16})\b"),  # another leaf, of another dtype
     ],
 )
 def test_column_of_another_leaf_is_refused(out, leaf, claims, needle):
@@ -298,7 +283,7 @@ def test_missing_chunk_raises_and_never_reads_as_zeros(backend):
     fs, base = fsspec.core.url_to_fs(out, **backend.options)
     yz = next(k for k in fs.ls(f"{base}/columns", detail=False) if k.rsplit("/", 1)[1].startswith("y_z~"))
     yz = "columns/" + yz.rsplit("/", 1)[1]
-    for key in ("columns/__value__/values/c/1/0", f"{yz}/values/c/2/0", "columns/x/valid/c/0"):
+    for key in ("columns/__value__/values/c/1/0", f"{yz}/values/c/2/0"):
         fs.rm(f"{base}/{key}")
     res = spillmerge.open(out, storage_options=backend.options)
     a = res["a.mp4"]
@@ -312,19 +297,10 @@ def test_missing_chunk_raises_and_never_reads_as_zeros(backend):
     with pytest.raises(spillmerge.CorruptSpillError, match=rf"{yz}/values/c/2/0: chunk 2, 0 .* is missing"):
         res["b.mp4"]["y"]["z"].numpy()
     assert res["b.mp4"]["y"]["z"][1].tolist() == [1]
-    # Where valid tells a present row from an absent one, its absent chunk refuses the read: nothing
-    # of x is guessed. The rows of a compact fixed column come from its offsets alone.
-    x = res["b.mp4"]["x"]
-    assert x.numpy()[:, 0].tolist() == [0.0, 1.0, 2.0]
-    for read in (lambda: x[0], lambda: x.valid, lambda: x.to_list(), lambda: res.column("x").valid):
-        with pytest.raises(
-            spillmerge.CorruptSpillError, match=r"columns/x/valid/c/0: chunk 0 of columns/x/valid"
-        ) as ei:
-            read()
-        assert ei.value.path == f"{out}/columns/x/valid/c/0"
     assert res.frames("a.mp4").tolist() == [0, 1, 2] and res.frame_ranks("a.mp4").tolist() == [0, 0, 0]
-    # Offsets and the index are read whole at open: an absent chunk of one refuses the open.
-    for key in ("index/frame_rank/c/0", "columns/x/offsets/c/0", "index/file_layout/c/0"):
+    # Offsets, valid and the index are read whole at open (valid is checked against the files'
+    # layouts): an absent chunk of one refuses the open, so nothing of x is guessed.
+    for key in ("index/frame_rank/c/0", "columns/x/offsets/c/0", "columns/x/valid/c/0", "index/file_layout/c/0"):
         kept = fs.cat_file(f"{base}/{key}")
         fs.rm(f"{base}/{key}")
         with pytest.raises(spillmerge.CorruptSpillError, match=rf"{key}: chunk 0 of {key.rsplit('/c/', 1)[0]}") as ei:
