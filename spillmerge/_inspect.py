@@ -434,9 +434,9 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         rel = f"columns/{c.name}"
         if {f"{rel}/offsets", f"{rel}/valid"} & damaged:
             continue
-        o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
+        col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
-        out.extend(V.rows_layout_problems(c, valid, o, in_layout(c.name)))
+        out.extend(V.rows_layout_problems(c, valid, col_off, in_layout(c.name)))
     return out
 
 
