@@ -385,7 +385,7 @@ def _index_problems_v1(storage: Storage, group: Any, damaged: set[str], header: 
     filenames = [str(x) for x in V.read_index(group, "filenames", storage.describe)]
     keys = [str(x) for x in V.read_index(group, "keys", storage.describe)]
     offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
-    lengths = R1.index_lengths(group, storage.describe)
+    lengths = V.index_lengths(group, storage.describe)
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
     out = R1.index_problems(filenames, keys, offsets, lengths, header)
     for name in V.PROVENANCE:
@@ -411,7 +411,7 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
     columns, out = V.read_columns(group)
-    lengths = V.v2_lengths(group, storage.describe)
+    lengths = V.index_lengths(group, storage.describe)
     out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns))
     for name in V.PROVENANCE:
         if name in lengths and f"index/{name}" not in damaged:

@@ -399,8 +399,9 @@ def v2_index_problems(
     return out
 
 
-def v2_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
-    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
+def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
+    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone
+    (both versions)."""
     out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
     idx: Any = group["index"]
     for name in PROVENANCE:

@@ -186,7 +186,7 @@ class V2Files:
         self._offsets = np.asarray(V.read_index(group, "frame_offsets", describe), dtype=np.int64)
         self._file_layout = np.asarray(V.read_index(group, "file_layout", describe), dtype=np.int64)
         infos, problems = V.read_columns(group)
-        lengths = V.v2_lengths(group, describe)
+        lengths = V.index_lengths(group, describe)
         raise_(problems + V.v2_index_problems(self._names, self._offsets, self._file_layout, lengths, header, infos))
         self._layouts: list[list[str]] = header["file_layouts"]
         frame_idx = np.asarray(V.read_index(group, "frame_idx", describe), dtype=np.int64)

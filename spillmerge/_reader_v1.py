@@ -17,7 +17,7 @@ from ._invariants import (
     PROVENANCE,
     Problem,
     frame_problems,
-    index_node,
+    index_lengths,
     offsets_problems,
     provenance_problems,
     read_index,
@@ -197,16 +197,6 @@ def set_nested(out: dict[str, Any], path: list[str] | tuple[str, ...], value: An
 
 # --------------------------------------------------------------------------------------------
 # Invariants of the index, version 1 (docs/FORMAT.md section 5.1)
-
-
-def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
-    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
-    out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
-    idx: Any = group["index"]
-    for name in PROVENANCE:
-        if name in idx:
-            out[name] = index_node(group, name, describe).shape[0]
-    return out
 
 
 def index_problems(
