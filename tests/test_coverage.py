@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from spillmerge.cli import main
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1-output.zarr"
 
 
 def _spill(root, frames_by_rank: dict[int, dict[str, list[int]]]) -> None:
@@ -210,20 +212,47 @@ def test_plot_without_matplotlib_gives_the_install_hint(merged, tmp_path, monkey
     assert not (tmp_path / "x.png").exists()
 
 
-def test_output_without_provenance_still_covers(merged, capsys):
-    """Outputs written before index/frame_rank existed: frames and gaps are reported, ranks unknown."""
-    import zarr
-
-    _, out = merged
+def _drop_provenance(out) -> None:
+    """Remove index/frame_rank and index/frame_copies (arrays and consolidated metadata)."""
     for name in ("frame_rank", "frame_copies"):
         shutil.rmtree(out / "index" / name)
     root_doc = json.loads((out / "zarr.json").read_text())
     for name in ("index/frame_rank", "index/frame_copies"):
         del root_doc["consolidated_metadata"]["metadata"][name]
     (out / "zarr.json").write_text(json.dumps(root_doc))
+
+
+def test_output_without_provenance_still_covers(merged, tmp_path, capsys):
+    """Outputs written before index/frame_rank existed (they are format version 1: provenance came
+    within it): frames and gaps are reported, ranks unknown. Format version 2 always has both
+    arrays (docs/FORMAT.md section 2, *Invariants*): a version-2 output without them is damaged,
+    and open, inspect and coverage refuse it by name rather than report ranks as unknown."""
+    import zarr
+
+    out = tmp_path / "v1-output.zarr"
+    shutil.copytree(FIXTURE_V1, out)
+    assert coverage(str(out)).ranks_known  # the fixture has provenance: removing it is what is tested
+    _drop_provenance(out)
     assert "frame_rank" not in zarr.open_group(str(out), mode="r")["index"]
-    assert spillmerge.open(str(out)).frame_ranks("clip.mp4") is None
+    res = spillmerge.open(str(out))
+    assert res.format_version == 1 and res.frame_ranks("video_0.mp4") is None and res.frame_copies("dets 0.jpg") is None
     rc, stdout, _ = _cli(capsys, "inspect", str(out))
-    assert rc == 0 and "'clip.mp4': missing 5" in stdout and "ranks are unknown" in stdout
+    assert rc == 0 and "'video_0.mp4': missing 1..2" in stdout and "ranks are unknown" in stdout
     cov = coverage(str(out)).to_json()
-    assert not cov["ranks_known"] and cov["files"][0]["by_rank"][0] == [0, 4, -1]
+    assert not cov["ranks_known"] and cov["files"][0]["filename"] == "dets 0.jpg"
+    dets0 = cov["files"][0]
+    assert dets0["by_rank"] == [[0, 0, -1], [2, 2, -1], [4, 4, -1]] and dets0["missing"] == [[1, 1], [3, 3]]
+    assert spillmerge.verify(str(out)).ok  # optional in version 1
+    # Version 2: the same removal is damage, named, never "ranks unknown".
+    _, out2 = merged
+    _drop_provenance(out2)
+    for fn in (lambda: spillmerge.open(str(out2)), lambda: coverage(str(out2))):
+        with pytest.raises(spillmerge.CorruptSpillError, match=r"index/frame_rank: missing from the output's index"):
+            fn()
+    rc, _, stderr = _cli(capsys, "inspect", str(out2))
+    assert rc != 0 and "index/frame_rank: missing" in stderr
+    rep = spillmerge.verify(str(out2))
+    assert not rep.ok and [p.rsplit("/", 1)[-1] for p in rep.problems] == [
+        "frame_rank: missing from the output's index",
+        "frame_copies: missing from the output's index",
+    ]

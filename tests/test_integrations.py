@@ -66,10 +66,22 @@ def test_tensordict_and_dataclass_values_are_stored_as_nested_leaves(tmp_path):
     got = res["dc.mp4"]
     assert sorted(got) == ["boxes", "meta", "scores"] and got["meta"]["n"][:].tolist() == [0, 1, 2]
     assert got["scores"][:].tolist() == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]]
-    # A TensorDict leaf that is not a tensor (NonTensorData) is refused like any other object.
-    with spillmerge.SpillWriter(str(tmp_path / "bad"), rank=0, world_size=1) as w:
-        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'note' .* cannot store a str"):
-            w.write("x", 0, td_mod.TensorDict({"x": torch.ones(1), "note": "hello"}, batch_size=[]))
+
+    # A TensorDict leaf that is not a tensor (NonTensorData) is a value like any other (format 2):
+    # a str is a str leaf and round-trips; an arbitrary object is still refused by name.
+    class Thing:
+        pass
+
+    root, out = tmp_path / "nt", tmp_path / "nt.zarr"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(2):
+            w.write("x", i, td_mod.TensorDict({"x": torch.full((1,), float(i)), "note": f"hello {i}"}, batch_size=[]))
+        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'obj' of 'x': cannot store a Thing without pickle"):
+            w.write("x", 2, td_mod.TensorDict({"x": torch.ones(1), "obj": Thing()}, batch_size=[]))
+    spillmerge.merge(str(root), str(out))
+    got = spillmerge.open(str(out))["x"]
+    assert sorted(got) == ["note", "x"] and got["note"].kind == "str"
+    assert got["note"].to_list() == ["hello 0", "hello 1"] and got["x"][:, 0].tolist() == [0.0, 1.0]
 
 
 def test_dataclass_class_object_is_not_a_value(tmp_path):
@@ -107,6 +119,8 @@ def test_numpy_and_torch_views_add_no_copy(tmp_path):
 
 
 def test_xarray_reads_the_merged_store(tmp_path):
+    """Format 2 with plain xarray: the index, and each leaf column as a dataset whose rows of file i
+    are ``values[offsets[off[i]]:offsets[off[i + 1]]]`` (docs/FORMAT.md section 2)."""
     xr = pytest.importorskip("xarray")
     res = _merge(tmp_path, {
         "a.mp4": {f: torch.full((2, 3), float(f)) for f in (3, 1, 2)},
@@ -116,36 +130,59 @@ def test_xarray_reads_the_merged_store(tmp_path):
     out = str(tmp_path / "out.zarr")
     index = xr.open_zarr(out, group="index", consolidated=True)
     assert list(index["filenames"].values) == ["a.mp4", "dets/b.mp4"] and index.sizes["row"] == 7
-    files = xr.open_zarr(out, group="files", consolidated=True)
-    a = files["a.mp4"]
-    assert a.dims == ("a.mp4.frame", "a.mp4.dim_1", "a.mp4.dim_2") and a.attrs["spillmerge"]["filename"] == "a.mp4"
-    assert np.array_equal(a.values, res["a.mp4"][:]) and a.values[:, 0, 0].tolist() == [1.0, 2.0, 3.0]
+    assert index["frame_idx"].values.tolist() == [1, 2, 3, 0, 1, 2, 3]
+    off = index["frame_offsets"].values
+    assert off.tolist() == [0, 3, 7]
+    a = xr.open_zarr(out, group="columns/__value__", consolidated=True)
+    assert a.attrs["spillmerge"]["leaf"] == [] and a.attrs["spillmerge"]["dtype"] == "float32"
+    assert a["values"].dims == ("__value__.elem", "__value__.dim_1", "__value__.dim_2") and a.sizes["row"] == 7
+    assert a["valid"].values.tolist() == [True] * 3 + [False] * 4  # dets/b.mp4 has no plain value
+    o = a["offsets"].values
+    got = a["values"].values[o[off[0]] : o[off[1]]]
+    assert np.array_equal(got, res["a.mp4"][:]) and got[:, 0, 0].tolist() == [1.0, 2.0, 3.0]
     tree = xr.open_datatree(out, engine="zarr", consolidated=True)
-    key = next(k for k in tree["files"].children if tree["files"][k].attrs["spillmerge"]["filename"] == "dets/b.mp4")
-    b = tree["files"][key]
-    assert b["boxes"].dims == ("frame", "boxes.dim_1", "boxes.dim_2") and b["boxes"].values[:, 0, 0].tolist() == [
-        0,
-        1,
-        2,
-        3,
-    ]
-    assert b["m"]["s"].values.tolist() == [0.0, 0.5, 1.0, 1.5]
-    # bfloat16: raw uint16 bits in xarray too; the real dtype is in the attributes.
-    assert b["bf"].dtype == np.uint16 and b["bf"].attrs["spillmerge"]["dtype"] == "bfloat16"
-    assert torch.equal(torch.from_numpy(b["bf"].values).view(torch.bfloat16), res["dets/b.mp4"]["bf"].to_torch())
+    by_leaf = {tuple(node.attrs["spillmerge"]["leaf"]): node for node in tree["columns"].children.values()}
+    assert sorted(by_leaf) == [(), ("bf",), ("boxes",), ("m", "s")]
+
+    def rows(node, i: int) -> np.ndarray:
+        o = node["offsets"].values
+        return node["values"].values[o[off[i]] : o[off[i + 1]]]
+
+    b = by_leaf[("boxes",)]
+    assert b["values"].dims == ("boxes.elem", "boxes.dim_1", "boxes.dim_2")
+    assert rows(b, 1)[:, 0, 0].tolist() == [0, 1, 2, 3] and len(rows(b, 0)) == 0
+    assert rows(by_leaf[("m", "s")], 1).tolist() == [0.0, 0.5, 1.0, 1.5]
+    # bfloat16: raw uint16 bits in xarray too; the real dtype is in the column header.
+    bf = by_leaf[("bf",)]
+    assert bf["values"].dtype == np.uint16 and bf.attrs["spillmerge"]["dtype"] == "bfloat16"
+    assert torch.equal(torch.from_numpy(rows(bf, 1)).view(torch.bfloat16), res["dets/b.mp4"]["bf"].to_torch())
     # With the frame indices as a coordinate:
-    ds = b.to_dataset().assign_coords(frame=res.frames("dets/b.mp4"))
-    assert ds.sel(frame=2)["boxes"].values[0, 0] == 2
+    ob = b["offsets"].values
+    ds = (
+        b.to_dataset()
+        .isel({"boxes.elem": slice(int(ob[off[1]]), int(ob[off[2]]))})
+        .rename({"boxes.elem": "frame"})
+        .assign_coords(frame=res.frames("dets/b.mp4"))
+    )
+    assert ds.sel(frame=2)["values"].values[0, 0] == 2
 
 
 def test_tensorstore_reads_the_merged_store(tmp_path):
     ts = pytest.importorskip("tensorstore")
     res = _merge(tmp_path, {"a.mp4": {f: torch.full((3,), f, dtype=torch.int64) for f in range(5)}})
-    path = str(tmp_path / "out.zarr" / "files" / res["a.mp4"].zarr.path.split("/", 1)[1])
-    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, read=True).result()
-    assert arr.read().result().tolist() == res["a.mp4"][:].tolist()
-    meta = json.loads((tmp_path / "out.zarr" / "files" / "a.mp4" / "zarr.json").read_text())
-    assert meta["attributes"]["spillmerge"]["filename"] == "a.mp4"
+    out = tmp_path / "out.zarr"
+    assert res["a.mp4"].zarr.path == "columns/__value__/values"
+
+    def read(rel: str) -> list:
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(out / rel)}}
+        return ts.open(spec, read=True).result().read().result().tolist()
+
+    # One file, every row has the leaf: the column's values are the file's rows, no offsets.
+    assert read(res["a.mp4"].zarr.path) == res["a.mp4"][:].tolist()
+    assert read("index/frame_offsets") == [0, 5] and read("index/frame_idx") == [0, 1, 2, 3, 4]
+    assert not (out / "columns" / "__value__" / "offsets").exists()
+    meta = json.loads((out / "columns" / "__value__" / "zarr.json").read_text())
+    assert meta["attributes"]["spillmerge"]["leaf"] == [] and meta["attributes"]["spillmerge"]["dtype"] == "int64"
 
 
 # ------------------------------------------------------------------------------------- Lightning

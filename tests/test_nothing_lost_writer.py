@@ -4,6 +4,7 @@ written twice on one rank are not an error."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import random
@@ -248,6 +249,13 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     spill(str(root), 0, 1, 6)
     seg = next(root.glob("rank-00000/seg-*"))
     (seg / F.COMMIT_NAME).unlink()
+    # Fake an old writer's segment: the partial-frame rule applies to version-1 journals only (a
+    # version-2 writer lists whole frames, so a partial one there is damage, not an old habit).
+    header_path = seg / "zarr.json"
+    header = json.loads(header_path.read_text())
+    assert header["attributes"]["spillmerge"]["format_version"] == 2
+    header["attributes"]["spillmerge"]["format_version"] = 1
+    header_path.write_text(json.dumps(header))
     # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.
     last_path = sorted((seg / F.JOURNAL_NAME).iterdir())[-1]
     last = F.decode_journal(last_path.read_bytes(), path=str(last_path))
