@@ -90,11 +90,15 @@ def value_for(name: str, frame: int) -> Any:
     else:
         t = _random_with_specials(dt, shape, g)
     kind = (i + i // len(DTYPES)) % 3
-    if kind == 0:
+    # A leaf keeps its ndim across the whole merge (docs/FORMAT.md section 2; its dtype may differ
+    # between files: one column each): plain tensor values are the 2-d ones, and the dict leaves
+    # holding the per-file tensor are named by its ndim.
+    if kind == 0 and t.dim() == 2:
         return t
-    if kind == 1:
+    nd = f"{t.dim()}d"
+    if kind in (0, 1):
         return {
-            "pred": t,
+            f"pred_{nd}": t,
             "meta": {
                 "score": frame / 3.0,  # Python float -> float64
                 "label": frame % 7 - 3,  # Python int -> int64
@@ -104,7 +108,7 @@ def value_for(name: str, frame: int) -> Any:
             },
         }
     return {  # hostile leaf names
-        "../up": t,
+        f"../up.{nd}": t,
         "x/y": {"..": np.float16(frame % 1000), "ü 视": torch.tensor(frame % 100_000, dtype=torch.int32)},
         "zarr.json": torch.full((2,), frame % 3 == 0),
     }
@@ -133,6 +137,43 @@ def assignment(world: int = WORLD, seed: int = 0) -> dict[int, list[tuple[str, i
     for k in keys:
         out[rng.choices(range(world), weights=weights)[0]].append(k)
     return out
+
+
+# Every value kind of format 2 in one spill root: ragged boxes (only the first dimension varies),
+# ragged bfloat16 maps (both dimensions vary, NaN payloads included), token lists (``[]`` too),
+# str, lists of str, bytes, None rows and frames that lack a leaf.
+KIND_FILES = ["det/img 001.jpg", "Det/IMG 001.JPG", "ünï 视频.jpg", "../../etc/passwd", "tokens.txt", ""]
+
+
+def kinds_keys() -> list[tuple[str, int]]:
+    return [(name, f) for j, name in enumerate(KIND_FILES) for f in range(0, 6 * (j + 2), 1 + j % 3)]
+
+
+def kinds_assignment(world: int = WORLD, seed: int = 5) -> dict[int, list[tuple[str, int]]]:
+    """The keys of :func:`kinds_keys` dealt at random: one file's frames come from several ranks."""
+    rng = random.Random(seed)
+    out: dict[int, list[tuple[str, int]]] = {r: [] for r in range(world)}
+    for k in kinds_keys():
+        out[rng.randrange(world)].append(k)
+    return out
+
+
+def kinds_value(name: str, frame: int) -> dict[str, Any]:
+    j = KIND_FILES.index(name)
+    g = torch.Generator().manual_seed(7919 * j + frame)
+    n_boxes = int(torch.randint(0, 6, (), generator=g))  # 0 to 5 boxes, none included
+    value: dict[str, Any] = {
+        "boxes": torch.rand(n_boxes, 4, generator=g),
+        "emb": _random_with_specials(torch.bfloat16, (1 + frame % 3, 1 + (frame * 5 + j) % 4), g),
+        "tokens": [int(x) for x in torch.randint(-(2**40), 2**40, ((frame + j) % 7,), generator=g)],
+        "caption": f"{name} #{frame} ✓ e\u0301 \x00 视" * (frame % 3),  # "" included
+        "labels": [f"cls-{int(x)}" for x in torch.randint(0, 9, ((frame + j) % 4,), generator=g)],
+        "raw": bytes(torch.randint(0, 256, ((frame * 3 + j) % 9,), dtype=torch.uint8, generator=g).tolist()),
+        "score": None if frame % 4 == 0 else frame / 7.0,
+    }
+    if frame % 3 == 1:
+        del value["caption"]  # a frame without the leaf: that row reads as None
+    return value
 
 
 def leaves(value: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -168,9 +209,62 @@ def get_leaf(node: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
+def file_rows(res: Any, name: str) -> dict[tuple[str, ...], list[Any]]:
+    """Every leaf of file ``name`` of a ``spillmerge.open`` result, row by row: a tensor of the
+    real dtype for numeric leaves (fixed or ragged), else what the view gives (``str``, ``bytes``,
+    a list of ``str``); ``None`` where the row has no value for the leaf."""
+    node = res[name]
+    views = dict(leaves(node)) if isinstance(node, dict) else {(): node}
+    out: dict[tuple[str, ...], list[Any]] = {}
+    for path, view in views.items():
+        valid = view.valid
+        if view.kind == "fixed":
+            t = view.to_torch()
+            out[path] = [t[i] if valid is None or valid[i] else None for i in range(len(view))]
+        elif view.kind == "ragged":
+            out[path] = [view.to_torch(i) if valid is None or valid[i] else None for i in range(len(view))]
+        else:
+            out[path] = view.to_list()
+    return out
+
+
+def stacked(view: Any) -> torch.Tensor:
+    """A file's rows of a numeric leaf as one tensor of the real dtype. The column may be ragged
+    because another file's rows of it have another shape; this file's rows must share one."""
+    if view.kind == "fixed":
+        return view.to_torch()  # type: ignore[no-any-return]
+    return torch.stack([view.to_torch(i) for i in range(len(view))])
+
+
+def same_leaf(got: Any, want: Any) -> bool:
+    """``got`` (a row of :func:`file_rows`) is exactly ``want`` (the value written): same kind,
+    same dtype, shape and bits for numbers."""
+    if want is None:
+        return got is None
+    if isinstance(want, (str, bytes)):
+        return type(got) is type(want) and got == want
+    if isinstance(want, list) and want and all(isinstance(x, str) for x in want):
+        return isinstance(got, list) and all(type(x) is str for x in got) and got == want
+    if isinstance(want, list) and not want and isinstance(got, list):
+        return got == []  # [] in a list-of-strings column is an empty list of strings
+    if not isinstance(got, torch.Tensor):
+        return False
+    w = as_torch(want)
+    if isinstance(want, list) and w.numel() == 0:
+        return tuple(got.shape) == tuple(w.shape)  # [] takes the column's dtype (FORMAT.md 2)
+    return got.dtype == w.dtype and tuple(got.shape) == tuple(w.shape) and torch.equal(bits(got), bits(w))
+
+
+def _show(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype}{tuple(x.shape)}"
+    return f"{type(x).__name__} {x!r:.100}"
+
+
 def compare_merged(res: Any, expected: dict[tuple[str, int], Any], limit: int = 20) -> tuple[int, int, list[str]]:
-    """Check a ``spillmerge.open`` result against ``{(filename, frame): value}``. Returns
-    (frames checked, leaves checked, problems)."""
+    """Check a ``spillmerge.open`` result against ``{(filename, frame): value}``: filenames, frame
+    indices, each file's leaves (a frame lacking one reads as None there) and every row bit for bit.
+    Returns (frames checked, leaves checked, problems)."""
     problems: list[str] = []
     want_names = sorted({name for name, _ in expected})
     if res.filenames != want_names:
@@ -184,26 +278,19 @@ def compare_merged(res: Any, expected: dict[tuple[str, int], Any], limit: int = 
         if frames.dtype != np.int64 or frames.tolist() != want_frames:
             problems.append(f"{name!r}: frames {frames.tolist()} ({frames.dtype}) != {want_frames}")
             continue
-        node = res[name]
-        schema = leaves(expected[(name, want_frames[0])])
-        got_paths = sorted(p for p, _ in leaves(node)) if isinstance(node, dict) else [()]
-        if got_paths != [p for p, _ in schema]:
-            problems.append(f"{name!r}: leaves {got_paths} != {[p for p, _ in schema]}")
+        schema = sorted({p for f in want_frames for p, _ in leaves(expected[(name, f)])})
+        stored = file_rows(res, name)
+        if sorted(stored) != schema:
+            problems.append(f"{name!r}: leaves {sorted(stored)} != {schema}")
             continue
-        stored = {path: get_leaf(node, path).to_torch() for path, _ in schema}
         for row, f in enumerate(want_frames):
-            for path, leaf in leaves(expected[(name, f)]):
-                want, got = as_torch(leaf), stored[path]
-                ok = (
-                    got.shape == (len(want_frames), *want.shape)
-                    and got.dtype == want.dtype
-                    and torch.equal(bits(got[row]), bits(want))
-                )
-                if not ok:
-                    problems.append(
-                        f"{name!r} frame {f} leaf {path}: got {got.dtype}{tuple(got.shape)} row {row}, "
-                        f"want {want.dtype}{tuple(want.shape)} {want!r:.200}"
-                    )
+            want_leaves = dict(leaves(expected[(name, f)]))
+            for path in schema:
+                rows = stored[path]
+                want = want_leaves.get(path)  # a leaf this frame lacks reads as None
+                if len(rows) != len(want_frames) or not same_leaf(rows[row], want):
+                    got = rows[row] if row < len(rows) else "<no row>"
+                    problems.append(f"{name!r} frame {f} leaf {path}: got {_show(got)}, want {_show(want)}")
                 n_leaves += 1
             n_frames += 1
         if len(problems) >= limit:
@@ -281,44 +368,55 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------- scenarios
 def check_with_plain_zarr(out: str, keys: list[tuple[str, int]]) -> None:
-    """Read a merged store of the main scenario without spillmerge's reader (original filenames,
-    node attributes, frame index, raw bits) and assert it holds exactly ``keys``."""
+    """Read a merged store of the main scenario without spillmerge's reader (format 2: original
+    filenames, the header's file layouts, column headers, frame index, raw bits) and assert it
+    holds exactly ``keys``."""
     import zarr
 
     import spillmerge
 
     g = zarr.open_group(out, mode="r")
     header = g.attrs["spillmerge"]
-    assert header["format_version"] == spillmerge.FORMAT_VERSION and header["kind"] == "merged"
+    assert header["format_version"] == spillmerge.FORMAT_VERSION == 2 and header["kind"] == "merged"
     names = [str(x) for x in g["index/filenames"][:]]
-    node_keys = [str(x) for x in g["index/keys"][:]]
     offsets = np.asarray(g["index/frame_offsets"][:])
     frame_idx = np.asarray(g["index/frame_idx"][:])
+    file_layout = np.asarray(g["index/file_layout"][:])
     assert names == sorted({name for name, _ in keys})
-    assert len(set(node_keys)) == len(node_keys) == len(names)
+    assert header["n_files"] == len(names) == len(file_layout) and header["n_frames"] == len(keys)
     assert offsets[0] == 0 and offsets[-1] == len(frame_idx) == len(keys)
     expected_frames: dict[str, list[int]] = {}
     for name, f in keys:
         expected_frames.setdefault(name, []).append(f)
-    for i, (name, key) in enumerate(zip(names, node_keys, strict=True)):
-        frames = frame_idx[offsets[i] : offsets[i + 1]].tolist()
+    for i, name in enumerate(names):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        frames = frame_idx[a:b].tolist()
         assert frames == sorted(expected_frames[name]), name
-        node = g[f"files/{key}"]
-        if isinstance(node, zarr.Array):
-            arrays = [((), node)]
-        else:
-            arrays = [(tuple(a.attrs["spillmerge"]["leaf"]), a) for _, a in node.members(max_depth=None)
-                      if isinstance(a, zarr.Array)]  # fmt: skip
+        layout = header["file_layouts"][int(file_layout[i])]
+        groups = {col: g[f"columns/{col}"] for col in layout}
+        by_leaf = {tuple(grp.attrs["spillmerge"]["leaf"]): col for col, grp in groups.items()}
         schema = leaves(value_for(name, frames[0]))
-        assert sorted(p for p, _ in arrays) == [p for p, _ in schema], name
-        for path, arr in arrays:
-            meta = arr.attrs["spillmerge"]
-            assert meta["filename"] == name and meta["file_index"] == i and tuple(meta["leaf"]) == path
-            data = np.asarray(arr[...])
-            assert data.shape[0] == len(frames)
+        assert len(by_leaf) == len(layout) and sorted(by_leaf) == [p for p, _ in schema], name
+        for path, col in by_leaf.items():
+            grp, meta = groups[col], groups[col].attrs["spillmerge"]
+            # Every row of this file has the leaf (other files' rows of the column may not).
+            assert meta["has_valid"] == ("valid" in grp), (name, col)
+            assert "valid" not in grp or bool(np.all(grp["valid"][a:b])), (name, col)
+            if "offsets" in grp:  # ragged, or fixed with absent rows: row a + j is values[o[j]:o[j + 1]]
+                o = np.asarray(grp["offsets"][a : b + 1])
+                data = np.asarray(grp["values"][int(o[0]) : int(o[-1])])
+                rows = [data[o[j] - o[0] : o[j + 1] - o[0]] for j in range(b - a)]
+            else:  # fixed, every row has it: row a + j is values[a + j]
+                data = np.asarray(grp["values"][a:b])
+                rows = [data[j] for j in range(b - a)]
             for row, f in enumerate(frames):
-                want = dict(leaves(value_for(name, f)))[path]
-                got = np.ascontiguousarray(data[row]).tobytes()
+                want = as_torch(dict(leaves(value_for(name, f)))[path])
+                assert meta["dtype"] == str(want.dtype).removeprefix("torch.") and meta["ndim"] == want.dim(), (
+                    name, col, meta,
+                )  # fmt: skip
+                if "shapes" in grp:
+                    assert tuple(grp["shapes"][a + row]) == tuple(want.shape), (name, f, path)
+                got = np.ascontiguousarray(rows[row]).tobytes()
                 assert got == raw_bytes(want), (name, f, path, meta["dtype"])
 
 
@@ -412,13 +510,13 @@ def scenario_duplicates(rank: int, world: int, base: str) -> dict[str, Any]:
         out = f"{root}/{policy}"
         rep = w.merge(out, on_duplicate=policy, timeout=MERGE_TIMEOUT, progress=False)
         res = spillmerge.open(out)
-        clip = res["clip.mp4"].to_torch()
+        clip = stacked(res["clip.mp4"])  # a ragged column: same.mp4's rows are (2,)
         frames = res.frames("clip.mp4").tolist()
         result[policy] = {
             "report": _report(rep),
             "clip_frames": frames,
             "clip_5": clip[frames.index(5)].float().tolist(),
-            "same_bits": res["same.mp4"].to_torch().view(torch.int16).tolist(),
+            "same_bits": stacked(res["same.mp4"]).view(torch.int16).tolist(),
         }
     return result
 
@@ -441,7 +539,7 @@ def scenario_identical(rank: int, world: int, base: str) -> dict[str, Any]:
     if rank == 0:
         res = spillmerge.open(f"{root}/out")
         result["frames"] = {name: res.frames(name).tolist() for name in res.filenames}
-        result["same_bits"] = res["same.mp4"].to_torch().view(torch.int16).tolist()
+        result["same_bits"] = stacked(res["same.mp4"]).view(torch.int16).tolist()
         result["same_dict"] = {
             "a": res["same_dict.mp4"]["a"][...].tolist(),
             "c": res["same_dict.mp4"]["b"]["c"][...].tolist(),
@@ -470,8 +568,10 @@ def scenario_dict_leaf_duplicate(rank: int, world: int, base: str) -> dict[str, 
 
 
 def scenario_mismatch(rank: int, world: int, base: str) -> dict[str, Any]:
-    """The same filename with float32 (4,) on rank 0 and float16 (4,) on rank 3; and a nested dict
-    leaf whose shape differs between ranks 1 and 2."""
+    """Dtypes and shapes that differ between ranks. One file, float32 (4,) on rank 0 and float16
+    (4,) on rank 3: an error naming file, leaf and ranks. Two files, float32 on rank 0 and float16
+    on rank 3: one column per dtype, nothing converted. A nested dict leaf whose shape is (5,) on
+    rank 2 and (4,) elsewhere: a ragged column. Its ndim differing between ranks: an error."""
     import spillmerge
 
     result: dict[str, Any] = {}
@@ -482,11 +582,26 @@ def scenario_mismatch(rank: int, world: int, base: str) -> dict[str, Any]:
             w.write("m.mp4", 1, torch.zeros(4, dtype=torch.float16))
         else:
             w.write("other.mp4", rank, torch.zeros(4, dtype=torch.float16))
+    with spillmerge.SpillWriter(f"{base}/mismatch_files/spill") as wf:
+        if rank == 0:
+            wf.write("a.mp4", 0, torch.tensor([0x7F800001, -0x80000000], dtype=torch.int32).view(torch.float32))
+        elif rank == 3:
+            wf.write("b.mp4", 1, torch.tensor([0x7C01, -0x8000], dtype=torch.int16).view(torch.float16))
+        else:
+            wf.write("b.mp4", 10 + rank, torch.full((2,), float(rank), dtype=torch.float16))
     with spillmerge.SpillWriter(f"{base}/mismatch_shape/spill") as w2:
         n = 5 if rank == 2 else 4
-        w2.write("s.mp4", rank, {"pred": torch.zeros(2), "meta": {"box": np.zeros(n, dtype=np.float32)}})
-    for tag, writer in (("dtype", w), ("shape", w2)):
-        out = f"{base}/mismatch{'_shape' if tag == 'shape' else ''}/out"
+        box = np.arange(n, dtype=np.float32) + 10 * rank
+        w2.write("s.mp4", rank, {"pred": torch.zeros(2), "meta": {"box": box}})
+    with spillmerge.SpillWriter(f"{base}/mismatch_ndim/spill") as w3:
+        box = np.zeros((1, 4) if rank == 2 else (4,), dtype=np.float32)
+        w3.write("s.mp4", rank, {"pred": torch.zeros(2), "meta": {"box": box}})
+    for tag, writer, out in (
+        ("dtype", w, f"{base}/mismatch/out"),
+        ("dtype_files", wf, f"{base}/mismatch_files/out"),
+        ("shape", w2, f"{base}/mismatch_shape/out"),
+        ("ndim", w3, f"{base}/mismatch_ndim/out"),
+    ):
         if rank != 0:
             result[tag] = repr(writer.merge(out, timeout=MERGE_TIMEOUT))
             continue
@@ -495,6 +610,38 @@ def scenario_mismatch(rank: int, world: int, base: str) -> dict[str, Any]:
             result[tag] = {"type": None, "report": _report(rep)}
         except spillmerge.SpillMergeError as exc:
             result[tag] = _error(exc)
+    if rank == 0:
+        res = spillmerge.open(f"{base}/mismatch_files/out")
+        try:
+            res.column(None)
+            result["files_column_error"] = None
+        except spillmerge.SpillMergeError as exc:
+            result["files_column_error"] = {**_error(exc), "known": getattr(exc, "known", None)}
+        result["files"] = {
+            name: {
+                "dtype": res[name].dtype_name,
+                "frames": res.frames(name).tolist(),
+                "bits": res[name].to_torch().view(torch.int16 if name == "b.mp4" else torch.int32).tolist(),
+            }
+            for name in res.filenames
+        }
+        result["files_columns"] = {}
+        for dt, bits_dt in (("float16", torch.int16), ("float32", torch.int32)):
+            col = res.column(None, dtype=dt)
+            valid = col.valid.tolist() if col.valid is not None else None
+            rows = [None if valid is not None and not valid[i] else col.to_torch(i).view(bits_dt).tolist()
+                    for i in range(len(col))]  # fmt: skip
+            result["files_columns"][dt] = {"valid": valid, "rows": rows}
+        result["files_column_dirs"] = sorted(os.listdir(f"{base}/mismatch_files/out/columns"))
+        res2 = spillmerge.open(f"{base}/mismatch_shape/out")
+        box = res2["s.mp4"]["meta"]["box"]
+        result["shape_box"] = {
+            "kind": box.kind,
+            "pred_kind": res2["s.mp4"]["pred"].kind,
+            "rows": [row.tolist() for row in box.to_list()],
+            "dtypes": sorted({str(row.dtype) for row in box.to_list()}),
+            "frames": res2.frames("s.mp4").tolist(),
+        }
     return result
 
 
@@ -528,6 +675,69 @@ def scenario_parallel(rank: int, world: int, base: str) -> dict[str, Any]:
     return result
 
 
+def scenario_kinds(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Every value kind (ragged boxes and maps, token lists, str, lists of str, bytes, None rows,
+    absent leaves) from every rank, one file's frames spread over ranks; rank 0 compares the
+    merged result bit for bit with ``gather_object`` of the same values, for the plain merge
+    and ``merge(parallel=True)``, which must write the same objects."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    root = f"{base}/kinds"
+    mine = kinds_assignment(world)[rank]
+    inputs = {k: kinds_value(*k) for k in mine}
+    # Small chunks: ragged rows, strings and bytes cross chunk edges.
+    with spillmerge.SpillWriter(f"{root}/spill", chunk_bytes=4096) as w:
+        for name, f in mine:
+            w.write(name, f, inputs[(name, f)])
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(inputs, gathered, dst=0)
+    opts: dict[str, Any] = {"timeout": MERGE_TIMEOUT, "chunk_bytes": 4096, "progress": False}
+    rep = w.merge(f"{root}/one", **opts)
+    par = w.merge(f"{root}/par", parallel=True, **opts)
+    result: dict[str, Any] = {"report": _report(rep), "parallel_report": _report(par), "n_mine": len(mine)}
+    if rank != 0:
+        return result
+    assert gathered is not None
+    everything: dict[tuple[str, int], Any] = {}
+    for part in gathered:
+        everything.update(part)
+    result["gathered_frames"] = len(everything)
+    for tag in ("one", "par"):
+        n_frames, n_leaves, problems = compare_merged(spillmerge.open(f"{root}/{tag}"), everything)
+        result[tag] = {"frames_checked": n_frames, "leaves_checked": n_leaves, "problems": problems}
+    result["tree_diff"] = tree_diff(output_tree(f"{root}/one"), output_tree(f"{root}/par"))
+    # Whole columns, rows in output order (files sorted, frames ascending).
+    res = spillmerge.open(f"{root}/one")
+    order = sorted(everything)
+    cols: dict[str, Any] = {p: res.column(p) for p in ("boxes", "emb", "tokens", "caption", "labels", "raw", "score")}
+    result["column_kinds"] = {p: c.kind for p, c in cols.items()}
+    boxes, emb = cols["boxes"], cols["emb"]
+    want_boxes = [everything[k]["boxes"] for k in order]
+    result["boxes_flat"] = bool(
+        np.array_equal(np.diff(boxes.offsets), [len(b) for b in want_boxes])
+        and raw_bytes(torch.from_numpy(boxes.values)) == raw_bytes(torch.cat(want_boxes))
+    )
+    result["emb_shapes"] = emb.shapes.tolist() == [list(everything[k]["emb"].shape) for k in order]
+    result["column_rows"] = {
+        p: all(same_leaf(c.to_torch(i) if c.kind == "ragged" and c[i] is not None else c[i], everything[k].get(p))
+               for i, k in enumerate(order))
+        for p, c in cols.items() if c.kind != "fixed"
+    }  # fmt: skip
+    try:
+        boxes[0 : len(boxes)]
+        result["boxes_slice"] = None
+    except spillmerge.SpillMergeError as exc:
+        result["boxes_slice"] = _error(exc)
+    k = 1  # the first rows that share a shape do stack
+    while k < len(want_boxes) and want_boxes[k].shape == want_boxes[0].shape:
+        k += 1
+    result["boxes_stacked_rows"] = k
+    result["boxes_stacked"] = np.ascontiguousarray(boxes[0:k]).tobytes() == raw_bytes(torch.stack(want_boxes[:k]))
+    return result
+
+
 SCENARIOS = {
     "main": scenario_main,
     "duplicates": scenario_duplicates,
@@ -535,6 +745,7 @@ SCENARIOS = {
     "dict_leaf_duplicate": scenario_dict_leaf_duplicate,
     "mismatch": scenario_mismatch,
     "parallel": scenario_parallel,
+    "kinds": scenario_kinds,
 }
 
 

@@ -16,7 +16,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from _mp_scenarios import _error, assignment, compare_merged, leaves, run_scenarios, value_for
+from _mp_scenarios import (
+    _error,
+    assignment,
+    compare_merged,
+    file_rows,
+    kinds_assignment,
+    kinds_value,
+    run_scenarios,
+    value_for,
+)
 from _mp_scenarios import _report as _mp_report
 
 WORLD = 4
@@ -48,7 +57,8 @@ def _report(rep: Any) -> dict[str, Any] | None:
 
 
 def same_output(a: str, b: str) -> list[str]:
-    """Differences between two merged outputs: filenames, frame indices, every leaf's raw bytes."""
+    """Differences between two merged outputs: filenames, frame indices, every leaf's rows (kind,
+    dtype, shape, raw bytes; None where absent)."""
     import spillmerge
 
     ra, rb = spillmerge.open(a), spillmerge.open(b)
@@ -59,15 +69,19 @@ def same_output(a: str, b: str) -> list[str]:
         if not np.array_equal(ra.frames(name), rb.frames(name)):
             problems.append(f"{name!r}: frames differ")
             continue
-        la = dict(leaves(ra[name])) if isinstance(ra[name], dict) else {(): ra[name]}
-        lb = dict(leaves(rb[name])) if isinstance(rb[name], dict) else {(): rb[name]}
+        la, lb = file_rows(ra, name), file_rows(rb, name)
         if la.keys() != lb.keys():
             problems.append(f"{name!r}: leaves differ")
             continue
         for path in la:
-            x, y = la[path].to_torch(), lb[path].to_torch()
-            if x.dtype != y.dtype or x.shape != y.shape or _raw(x) != _raw(y):
-                problems.append(f"{name!r} leaf {path}: bytes differ")
+            for x, y in zip(la[path], lb[path], strict=True):
+                if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                    same = x.dtype == y.dtype and x.shape == y.shape and _raw(x) == _raw(y)
+                else:
+                    same = type(x) is type(y) and x == y
+                if not same:
+                    problems.append(f"{name!r} leaf {path}: rows differ")
+                    break
     return problems
 
 
@@ -164,12 +178,29 @@ def scenario_corrupted_piece(rank: int, world: int, base: str) -> dict[str, Any]
         _transfer._Link.send_bytes_piece = original  # type: ignore[method-assign]
 
 
+def scenario_kinds_private_disks(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Every value kind (ragged, token lists, str, lists of str, bytes, None, absent leaves), each
+    rank on its own disk: the shards move over gloo and the output holds exactly the values."""
+    import spillmerge
+
+    mine = kinds_assignment(world)[rank]
+    w = _spill(f"{base}/kinds/rank{rank}", mine, kinds_value)
+    rep = w.merge(f"{base}/kinds/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, progress=False)
+    result: dict[str, Any] = {"report": _report(rep), "n_mine": len(mine)}
+    if rank == 0:
+        expected = {k: kinds_value(*k) for keys in kinds_assignment(world).values() for k in keys}
+        n_frames, n_leaves, problems = compare_merged(spillmerge.open(f"{base}/kinds/out"), expected)
+        result.update(frames_checked=n_frames, leaves_checked=n_leaves, problems=problems)
+    return result
+
+
 SCENARIOS = {
     "two_hosts": scenario_two_hosts,
     "private": scenario_private_disks_and_resume,
     "forced": scenario_forced_gloo_on_shared_root,
     "dst_only": scenario_only_dst_calls_merge,
     "corrupt": scenario_corrupted_piece,
+    "kinds": scenario_kinds_private_disks,
 }
 
 

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from _mp_scenarios import HOSTILE, WORLD, all_keys, check_with_plain_zarr, worker
+from _mp_scenarios import HOSTILE, WORLD, all_keys, check_with_plain_zarr, kinds_keys, worker
 from _procs import ranks_fixture
 
 SPAWN_TIMEOUT = 240.0  # seconds for the whole spawn; a hang fails the test instead of blocking it
@@ -46,12 +46,15 @@ def test_main_matches_gather_object_bit_exactly(ranks):
 
 
 def test_main_reads_back_with_plain_zarr(ranks):
-    """Without spillmerge's reader: original filenames, node attributes, frame index, raw bits."""
+    """Without spillmerge's reader: original filenames, file layouts, column headers, frame
+    index, raw bits (format 2: columns/<col>/values, offsets where rows vary)."""
     base, _ = ranks
     check_with_plain_zarr(str(base / "main" / "out"), all_keys())
 
 
-def _allowed_node_name(name: str) -> bool:
+def _allowed_node_name(name: str, parent: Path, out: Path) -> bool:
+    if parent == out / "columns" and re.fullmatch(r"__value__(\.[a-z0-9_]+)?", name):
+        return True  # the plain tensor values' column(s), per dtype (FORMAT.md section 2)
     return (
         name.isascii()
         and 0 < len(name) <= 100
@@ -65,17 +68,25 @@ def _allowed_node_name(name: str) -> bool:
 def test_nothing_is_written_outside_the_trees(ranks):
     base, _ = ranks
     assert sorted(os.listdir(base)) == sorted(
-        ["results", "main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape", "parallel"]
-    )
+        [
+            "results", "main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_files", "mismatch_shape",
+            "mismatch_ndim", "parallel", "kinds",
+        ]
+    )  # fmt: skip
     assert sorted(os.listdir(base / "results")) == [f"rank-{r}.json" for r in range(WORLD)]
     assert sorted(os.listdir(base / "main")) == ["out", "spill"]
     # Failed merges leave no output behind.
     assert sorted(os.listdir(base / "dup")) == ["first", "last", "spill"]
     assert sorted(os.listdir(base / "dup_leaf")) == ["spill"]
     assert sorted(os.listdir(base / "mismatch")) == ["spill"]
-    assert sorted(os.listdir(base / "mismatch_shape")) == ["spill"]
+    assert sorted(os.listdir(base / "mismatch_ndim")) == ["spill"]
+    assert sorted(os.listdir(base / "mismatch_files")) == ["out", "spill"]
+    assert sorted(os.listdir(base / "mismatch_shape")) == ["out", "spill"]
     assert sorted(os.listdir(base / "identical")) == ["out", "spill"]
-    for scenario in ("main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_shape", "parallel"):
+    assert sorted(os.listdir(base / "kinds")) == ["one", "par", "spill"]
+    scenarios = ("main", "dup", "identical", "dup_leaf", "mismatch", "mismatch_files", "mismatch_shape",
+                 "mismatch_ndim", "parallel", "kinds")  # fmt: skip
+    for scenario in scenarios:
         spill = base / scenario / "spill"
         assert sorted(os.listdir(spill)) == [f"rank-{r:05d}" for r in range(WORLD)]
         for r in range(WORLD):
@@ -84,13 +95,13 @@ def test_nothing_is_written_outside_the_trees(ranks):
             assert (spill / f"rank-{r:05d}" / segs[0] / "commit.json").is_file()
             assert not (spill / f"rank-{r:05d}" / segs[0] / "failed.json").exists()
     out = (base / "main" / "out").resolve()
-    assert sorted(os.listdir(out)) == ["files", "index", "spillmerge-complete.json", "zarr.json"]
+    assert sorted(os.listdir(out)) == ["columns", "index", "spillmerge-complete.json", "zarr.json"]
     chunk_name = re.compile(r"^[0-9]+$")
     for dirpath, dirnames, filenames in os.walk(out):
         here = Path(dirpath).resolve()
         assert here == out or out in here.parents
         for d in dirnames:
-            assert _allowed_node_name(d), f"unsafe node name {d!r} in {dirpath}"
+            assert _allowed_node_name(d, here, out), f"unsafe node name {d!r} in {dirpath}"
             assert not (here / d).is_symlink()
         for f in filenames:
             assert f in ("zarr.json", "spillmerge-complete.json") or chunk_name.match(f), f"{dirpath}/{f}"
@@ -147,23 +158,65 @@ def test_dict_value_differing_in_one_leaf_is_a_duplicate(ranks):
 
 
 # -------------------------------------------------------------------------------- layout mismatch
-def test_cross_rank_dtype_mismatch(ranks):
+def test_cross_rank_dtype_mismatch_in_one_file_is_an_error(ranks):
     _, results = ranks
     err = results[0]["mismatch"]["dtype"]
     assert err["type"] == "LayoutMismatchError", err
     assert err["is_spillmerge_error"] and err["is_value_error"]
-    assert err["filename"] == "m.mp4" and err["leaf"] == "<tensor>" and err["ranks"] == [0, 3], err
-    assert "float32[4] on rank(s) [0]" in err["msg"] and "float16[4] on rank(s) [3]" in err["msg"]
+    assert err["filename"] == "m.mp4" and err["leaf"] == "<value>" and err["ranks"] == [0, 3], err
+    assert "'m.mp4'" in err["msg"] and "float16 and float32" in err["msg"] and "[0, 3]" in err["msg"], err
     for r in range(1, WORLD):
         assert results[r]["mismatch"]["dtype"] == "None"
 
 
-def test_cross_rank_nested_leaf_shape_mismatch(ranks):
+def test_cross_rank_dtype_mismatch_between_files_is_one_column_per_dtype(ranks):
+    """Format 2 changed this on purpose: float32 in a.mp4 (rank 0) and float16 in b.mp4 (ranks
+    1-3) merge into columns __value__.float32 and __value__.float16, nothing converted."""
+    base, results = ranks
+    m = results[0]["mismatch"]
+    assert m["dtype_files"]["type"] is None, m["dtype_files"]
+    rep = m["dtype_files"]["report"]
+    assert rep["n_files"] == 2 and rep["n_frames"] == 4 and rep["ranks"] == [0, 1, 2, 3]
+    assert m["files_column_dirs"] == ["__value__.float16", "__value__.float32", "zarr.json"]
+    assert m["files"] == {
+        "a.mp4": {"dtype": "float32", "frames": [0], "bits": [[0x7F800001, -0x80000000]]},
+        "b.mp4": {"dtype": "float16", "frames": [1, 11, 12], "bits": [[0x7C01, -0x8000], [0x3C00] * 2, [0x4000] * 2]},
+    }
+    # A column per dtype over all four rows, the other dtype's file absent there.
+    assert m["files_columns"] == {
+        "float16": {"valid": [False, True, True, True], "rows": [None, [0x7C01, -0x8000], [0x3C00] * 2, [0x4000] * 2]},
+        "float32": {"valid": [True, False, False, False], "rows": [[0x7F800001, -0x80000000], None, None, None]},
+    }
+    err = m["files_column_error"]
+    assert err["type"] == "UnknownColumnError" and err["known"] == ["float16", "float32"], err
+    assert "pass dtype=" in err["msg"]
+    for r in range(1, WORLD):
+        assert results[r]["mismatch"]["dtype_files"] == "None"
+
+
+def test_cross_rank_nested_leaf_shape_change_is_a_ragged_column(ranks):
+    """Format 2 changed this on purpose: meta/box (4,) on ranks 0, 1, 3 and (5,) on rank 2 is one
+    ragged column, each row as written."""
     _, results = ranks
-    err = results[0]["mismatch"]["shape"]
+    m = results[0]["mismatch"]
+    assert m["shape"]["type"] is None and m["shape"]["report"]["n_frames"] == WORLD, m["shape"]
+    box = m["shape_box"]
+    assert box["kind"] == "ragged" and box["pred_kind"] == "fixed" and box["frames"] == [0, 1, 2, 3]
+    assert box["dtypes"] == ["float32"]
+    assert box["rows"] == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0], [20.0, 21.0, 22.0, 23.0, 24.0],
+                           [30.0, 31.0, 32.0, 33.0]]  # fmt: skip
+
+
+def test_cross_rank_nested_leaf_ndim_mismatch_is_still_an_error(ranks):
+    _, results = ranks
+    err = results[0]["mismatch"]["ndim"]
     assert err["type"] == "LayoutMismatchError", err
+    assert err["is_spillmerge_error"] and err["is_value_error"]
     assert err["filename"] == "s.mp4" and err["leaf"] == "meta/box" and err["ranks"] == [0, 1, 2, 3], err
-    assert "float32[5] on rank(s) [2]" in err["msg"] and "float32[4] on rank(s) [0, 1, 3]" in err["msg"]
+    assert "float32 with 2 dims (e.g. 's.mp4', rank(s) [2])" in err["msg"], err["msg"]
+    assert "float32 with 1 dims (e.g. 's.mp4', rank(s) [0, 1, 3])" in err["msg"], err["msg"]
+    for r in range(1, WORLD):
+        assert results[r]["mismatch"]["ndim"] == "None"
 
 
 # ------------------------------------------------------------------------- parallel (scale-out) merge
@@ -189,3 +242,32 @@ def test_parallel_merge_names_a_rank_that_never_takes_part(ranks):
     for r in (1, 3):  # the others wrote their parts and returned
         assert results[r]["parallel"]["missing"]["type"] is None
         assert results[r]["parallel"]["missing"]["report"] is None
+
+
+# ------------------------------------------------------------------------------- every value kind
+def test_every_value_kind_matches_gather_object_bit_exactly(ranks):
+    """Ragged boxes and maps, token lists, str, lists of str, bytes, None rows and absent leaves
+    from four ranks: the plain merge and merge(parallel=True) both hold exactly what
+    gather_object gathered, and write the same objects."""
+    _, results = ranks
+    k = results[0]["kinds"]
+    n_keys = len(kinds_keys())
+    mine = [results[r]["kinds"]["n_mine"] for r in range(WORLD)]
+    assert sum(mine) == n_keys == k["gathered_frames"] and min(mine) > 0, mine
+    for tag in ("one", "par"):
+        assert k[tag]["problems"] == [], "\n".join(k[tag]["problems"])
+        assert k[tag]["frames_checked"] == n_keys and k[tag]["leaves_checked"] == 7 * n_keys
+    assert k["tree_diff"] == [], k["tree_diff"]
+    for rep in (k["report"], k["parallel_report"]):
+        assert rep["n_frames"] == n_keys and rep["ranks"] == list(range(WORLD)) and rep["duplicates"] == 0
+    assert k["parallel_report"]["parts"] == WORLD and k["report"]["parts"] == 1
+    assert k["column_kinds"] == {
+        "boxes": "ragged", "emb": "ragged", "tokens": "ragged", "caption": "str", "labels": "strlist",
+        "raw": "bytes", "score": "fixed",
+    }  # fmt: skip
+    assert k["column_rows"] == {p: True for p in ("boxes", "emb", "tokens", "caption", "labels", "raw")}
+    assert k["boxes_flat"] and k["emb_shapes"]
+    assert k["boxes_slice"]["type"] == "RaggedShapeError" and k["boxes_slice"]["is_value_error"], k["boxes_slice"]
+    assert k["boxes_stacked"] and k["boxes_stacked_rows"] >= 1
+    for r in range(1, WORLD):
+        assert results[r]["kinds"]["report"] is None and results[r]["kinds"]["parallel_report"] is None

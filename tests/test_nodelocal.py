@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _mp_scenarios import kinds_keys
 from _nodelocal_workers import WORLD, killed_sender, worker
 from _procs import free_port, join_all, ranks_fixture
 
@@ -72,6 +73,21 @@ def test_a_merge_called_on_dst_only_does_not_wait_for_the_others(ranks):
     r0 = results[0]["dst_only"]
     assert r0["report"]["n_frames"] == WORLD and r0["report"]["ranks"] == [0, 1, 2, 3]
     assert r0["merge_seconds"] < 20  # their commit records are on storage: no 90 s timeout
+
+
+def test_every_value_kind_moves_between_private_disks_bit_exact(ranks):
+    _, results = ranks
+    r0 = results[0]["kinds"]
+    n_keys = len(kinds_keys())
+    assert r0["problems"] == [], "\n".join(r0["problems"])
+    assert r0["frames_checked"] == n_keys and r0["leaves_checked"] == 7 * n_keys
+    rep = r0["report"]
+    assert rep["n_frames"] == n_keys and rep["ranks"] == [0, 1, 2, 3]
+    assert rep["senders"] == {"1": [1], "2": [2], "3": [3]}
+    assert sorted(rep["transferred"]) == ["1", "2", "3"] and all(n > 0 for n in rep["transferred"].values())
+    assert sum(results[r]["kinds"]["n_mine"] for r in range(WORLD)) == n_keys
+    for r in range(1, WORLD):
+        assert results[r]["kinds"]["report"] is None
 
 
 def test_a_piece_corrupted_in_flight_is_refused_by_name(ranks):
