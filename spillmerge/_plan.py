@@ -405,11 +405,12 @@ def _dtype_groups(
     if len(bad):
         f, p = divmod(int(ps[starts[bad[0]]]), n_lp)
         sel = (c["file"] == f) & (c["lp"] == p) & (known >= 0)
-        dts = sorted({dnames[int(k)] for k in known[sel]})
+        codes = sorted({int(k) for k in known[sel]})
         leaf = _leaf_name(leaf_paths[p])
+        each = [f"{dnames[k]} on rank(s) {_ranks(segments, c['seg'][sel & (known == k)])}" for k in codes]
         raise LayoutMismatchError(
-            f"{names[f]!r:.200}: leaf {leaf!r} is {' and '.join(dts)} in different frames (rank(s) "
-            f"{_ranks(segments, c['seg'][sel])}); a leaf keeps its dtype in every frame of a file",
+            f"{names[f]!r:.200}: leaf {leaf!r} is {' and '.join(dnames[k] for k in codes)} in different frames "
+            f"({'; '.join(each)}); a leaf keeps its dtype in every frame of a file",
             filename=names[f],
             leaf=leaf,
             ranks=_ranks(segments, c["seg"][sel]),

@@ -133,7 +133,7 @@ def test_a_leaf_of_two_kinds_or_of_two_dtypes_in_one_file_is_refused_naming_leaf
     with pytest.raises(spillmerge.LayoutMismatchError) as info:
         spillmerge.merge(dtypes, str(tmp_path / "o2"))
     msg = str(info.value)  # one file, two dtypes from two ranks
-    assert "'a.jpg'" in msg and "float16 and float32" in msg and "[0, 1]" in msg, msg
+    assert "'a.jpg'" in msg and "float16 on rank(s) [0]; float32 on rank(s) [1]" in msg, msg
     assert info.value.filename == "a.jpg" and info.value.ranks == [0, 1]
     # Nothing committed is lost, and no output is left behind.
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
