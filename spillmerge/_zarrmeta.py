@@ -46,13 +46,28 @@ def string_bytes(plan: Plan, col: Column) -> np.ndarray:
     return out
 
 
+SMALL_ROW_BYTES = 64 << 10
+"""Columns whose rows average fewer bytes get chunks of ``chunk_bytes // 4``."""
+
+
 def values_chunk(plan: Plan, col: Column, chunk_bytes: int) -> int:
-    """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2)."""
+    """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2).
+
+    A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
+    many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes`` (100k
+    keys of 3 KiB: one key read in 2.7 ms instead of 10.3 ms, the merge no slower, 93 objects
+    instead of 39). Columns of large rows (video frames) keep whole ``chunk_bytes`` chunks, which
+    write fastest (benchmarks: 829 vs 712 MiB/s at 16 vs 4 MiB)."""
     n = col.n_units
+    rows = max(int((col.src >= 0).sum()), 1)
     if col.storage == "string":
-        per = (int(string_bytes(plan, col).sum()) + 4 * n) / max(n, 1)
-        return balanced(n, int(chunk_bytes // max(per, 1)))
-    return balanced(n, chunk_bytes // max(col.unit_bytes, 1))
+        total = int(string_bytes(plan, col).sum()) + 4 * n
+        per = total / max(n, 1)
+    else:
+        total = n * col.unit_bytes
+        per = col.unit_bytes
+    target = chunk_bytes // 4 if total / rows < SMALL_ROW_BYTES else chunk_bytes
+    return balanced(n, int(max(target, 1) // max(per, 1)))
 
 
 def string_chunk_max(plan: Plan, col: Column, k: int) -> int:

@@ -431,13 +431,16 @@ def test_consolidated_metadata_matches_zarrs_own(tmp_path):
 
 
 def test_output_chunks_are_balanced_so_padding_stays_below_one_row_per_chunk(tmp_path):
-    root = str(tmp_path / "s")
-    with spillmerge.SpillWriter(root) as w:
-        for f in range(100):
-            w.write("clip.mp4", f, torch.full((256,), float(f)))  # 1 KiB frames
-    spillmerge.merge(root, str(tmp_path / "o"), chunk_bytes=42 * 1024)  # at most 42 frames per chunk
-    arr = spillmerge.open(str(tmp_path / "o"))["clip.mp4"]
-    assert arr.zarr.chunks == (34, 256)  # 3 chunks of 34 rows, not 42 + 42 + 16-and-26-padding
-    stored = sum(p.stat().st_size for p in (tmp_path / "o" / "files").rglob("c/*"))
-    assert stored <= (100 + 3) * 1024 + 3 * 4  # (rows + one per chunk) plus each chunk's crc32c
-    assert torch.equal(arr.to_torch()[:, 0], torch.arange(100, dtype=torch.float32))
+    for name, floats, chunk_bytes in (("big", 16384, 42 << 16), ("small", 256, 4 * 42 << 10)):
+        root, out = tmp_path / f"s-{name}", tmp_path / f"o-{name}"
+        with spillmerge.SpillWriter(str(root)) as w:
+            for f in range(100):
+                w.write("clip.mp4", f, torch.full((floats,), float(f)))  # 64 KiB or 1 KiB frames
+        # At most 42 frames per chunk: chunk_bytes for rows of 64 KiB and more, a quarter of it
+        # for smaller rows (docs/FORMAT.md, Chunks).
+        spillmerge.merge(str(root), str(out), chunk_bytes=chunk_bytes)
+        arr = spillmerge.open(str(out))["clip.mp4"]
+        assert arr.zarr.chunks == (34, floats)  # 3 chunks of 34 rows, not 42 + 42 + 16-and-26-padding
+        stored = sum(p.stat().st_size for p in (out / "columns").rglob("c/*"))
+        assert stored <= (100 + 3) * floats * 4 + 3 * 4  # (rows + one per chunk) plus each chunk's crc32c
+        assert torch.equal(arr.to_torch()[:, 0], torch.arange(100, dtype=torch.float32))
