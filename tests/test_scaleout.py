@@ -9,6 +9,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,19 +51,60 @@ def _parts(root: Path, out: Path, n: int, **kw: object) -> list[spillmerge.Merge
     return [spillmerge.merge(str(root), str(out), part=(i, n), **{**OPTS, **kw}) for i in range(n)]  # type: ignore[arg-type]
 
 
+def _snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
+    """Every object of the output but the lease folder: relative path -> (bytes, mtime_ns)."""
+    return {
+        str(p.relative_to(out)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in out.rglob("*")
+        if p.is_file() and p.relative_to(out).parts[0] != "spillmerge-lease"
+    }
+
+
+def _is_chunk(rel: str) -> bool:
+    """A chunk of a column's ``values`` (what parts write; everything else is the finalizer's)."""
+    p = Path(rel).parts
+    return len(p) >= 5 and p[0] == "columns" and p[2] == "values" and p[3] == "c"
+
+
+def _parts_observed(
+    root: Path, out: Path, n: int, **kw: object
+) -> tuple[list[spillmerge.MergeReport | BaseException], list[set[str]]]:
+    """Run the parts one after another and record what each wrote: the objects it created or
+    changed. A part that raises is recorded with its exception."""
+    reps: list[spillmerge.MergeReport | BaseException] = []
+    written: list[set[str]] = []
+    for i in range(n):
+        before = _snapshot(out) if out.exists() else {}
+        try:
+            reps.append(spillmerge.merge(str(root), str(out), part=(i, n), **kw))  # type: ignore[arg-type]
+        except spillmerge.SpillMergeError as exc:
+            reps.append(exc)
+        after = _snapshot(out)
+        written.append({k for k, v in after.items() if before.get(k) != v})
+    return reps, written
+
+
+def _leaves(x: object, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    if isinstance(x, dict):
+        return [leaf for k in sorted(x) for leaf in _leaves(x[k], (*path, k))]
+    return [(path, x)]
+
+
+def _rows(v: Any) -> list[tuple[str, tuple[int, ...], bytes]]:
+    """Every row of a leaf view as (torch dtype, shape, raw bytes)."""
+    ts = [v.to_torch(i) for i in range(len(v))] if v.kind == "ragged" else list(v.to_torch())
+    return [(str(t.dtype), tuple(t.shape), raw_bytes(t)) for t in ts]
+
+
 def _same_values(a: str, b: str) -> None:
     ra, rb = spillmerge.open(a), spillmerge.open(b)
     assert ra.filenames == rb.filenames
     for name in ra.filenames:
         assert ra.frames(name).tolist() == rb.frames(name).tolist()
-        xa, xb = ra[name], rb[name]
-        pairs = (
-            [(xa, xb)]
-            if not isinstance(xa, dict)
-            else [(xa["pred"], xb["pred"]), (xa["meta"]["box"], xb["meta"]["box"])]
-        )
-        for u, v in pairs:
-            assert raw_bytes(u.to_torch()) == raw_bytes(v.to_torch()), name
+        la, lb = _leaves(ra[name]), _leaves(rb[name])
+        assert [p for p, _ in la] == [p for p, _ in lb], name
+        for (path, u), (_, v) in zip(la, lb, strict=True):
+            assert len(u) == len(ra.frames(name)) and _rows(u) == _rows(v), (name, path)
 
 
 def test_cli_parts_then_finalize_equal_one_process_merge(tmp_path):
@@ -90,8 +132,11 @@ def test_cli_parts_then_finalize_equal_one_process_merge(tmp_path):
     g = zarr.open_group(str(out), mode="r")
     names = [str(x) for x in g["index/filenames"][:]]
     assert names == sorted(f"clip {i}.mp4" for i in range(8))
-    arr = g[f"files/{g['index/keys'][1]}"]
-    assert arr.attrs["spillmerge"]["dtype"] == "bfloat16" and arr.metadata.codecs[1].to_dict()["name"] == "zstd"
+    # 'clip 1.mp4' holds plain tensors: its layout is one column, of bfloat16 values, zstd-compressed.
+    (col,) = g.attrs["spillmerge"]["file_layouts"][int(g["index/file_layout"][1])]
+    arr = g[f"columns/{col}/values"]
+    assert g[f"columns/{col}"].attrs["spillmerge"]["dtype"] == "bfloat16"
+    assert arr.metadata.codecs[1].to_dict()["name"] == "zstd"
     ours = json.loads((out / "zarr.json").read_text())
     shutil.copytree(out, tmp_path / "z")
     with warnings.catch_warnings():
@@ -109,28 +154,47 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
     _spill(root)
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     whole = spillmerge.open(str(one)).header
-    reps = _parts(root, out, 3)
-    # The split is by bytes: every part got files, the parts add up to the whole, none dominates.
-    assert all(r.n_files > 0 and r.parts == 3 for r in reps) and [r.part for r in reps] == [0, 1, 2]
-    assert sum(r.nbytes for r in reps) == whole["nbytes"] and sum(r.n_frames for r in reps) == whole["n_frames"]
-    assert sum(r.n_files for r in reps) == 8 and max(r.nbytes for r in reps) < 0.6 * whole["nbytes"]
+    reps, written = _parts_observed(root, out, 3, **OPTS)
+    assert all(isinstance(r, spillmerge.MergeReport) for r in reps), reps
+    reps_ok = [r for r in reps if isinstance(r, spillmerge.MergeReport)]
+    # The split is by bytes over whole output chunks: every part got chunks, the parts add up to
+    # the whole, none dominates.
+    assert all(r.nbytes > 0 and r.parts == 3 for r in reps_ok) and [r.part for r in reps_ok] == [0, 1, 2]
+    assert sum(r.nbytes for r in reps_ok) == whole["nbytes"] and max(r.nbytes for r in reps_ok) < 0.6 * whole["nbytes"]
+    # A part writes its own chunks and its record (the first one also the root document marking
+    # the folder), nothing else; no two parts write one chunk; together they write every chunk
+    # the one-process merge writes.
+    mine = [{p for p in w if _is_chunk(p)} for w in written]
+    for i, w in enumerate(written):
+        assert mine[i], i
+        assert w == mine[i] | {f"spillmerge-parts/part-0000{i}-of-00003.json"} | ({"zarr.json"} if i == 0 else set())
+    assert sum(len(m) for m in mine) == len(set().union(*mine))
+    assert set().union(*mine) == {p for p in _snapshot(one) if _is_chunk(p)}
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     again = spillmerge.merge(str(root), str(out), part=(1, 3), **OPTS)  # type: ignore[arg-type]
     assert any("already complete" in n for n in again.notes) and "already complete" in str(again)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing rewritten
-    # A crash of part 1 after some chunks: no record, a torn chunk, a stray chunk.
+    # A crash of part 1 after some chunks: no record, a torn chunk, a chunk never written.
     (out / "spillmerge-parts" / "part-00001-of-00003.json").unlink()
     key = json.loads((out / "spillmerge-parts" / "part-00000-of-00003.json").read_text())  # sanity: readable
     assert key["kind"] == "merge-part" and key["parts"] == 3
-    key = _files_of_part(root, 1, 3)[0].key
-    torn = next(p for p in sorted((out / "files" / key).rglob("*")) if p.is_file() and p.name.isdigit())
+    assert len(mine[1]) >= 2, mine[1]
+    torn_rel, lost_rel = sorted(mine[1])[:2]
+    torn, lost = out / torn_rel, out / lost_rel
     torn.write_bytes(torn.read_bytes()[:10])
-    (torn.parent / "999").write_bytes(b"stray")
+    lost.unlink()
+    crashed = _snapshot(out)
+    others = {p: crashed[p] for p in mine[0] | mine[2]}
     with pytest.raises(spillmerge.MissingPartsError, match="part 1/3") as info:
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert info.value.missing == [1] and info.value.parts == 3
     spillmerge.merge(str(root), str(out), part=(1, 3), **OPTS)  # type: ignore[arg-type]
-    assert not (torn.parent / "999").exists()
+    now = _snapshot(out)
+    # The rerun rewrote every chunk of its own, whole (the torn and the lost one as the one-process
+    # merge wrote them), and left every other part's chunk alone: same bytes, same mtime.
+    assert now[torn_rel][0] == (one / torn_rel).read_bytes() and now[lost_rel][0] == (one / lost_rel).read_bytes()
+    assert all(now[p][1] != crashed[p][1] for p in mine[1] - {torn_rel, lost_rel})
+    assert {p: now[p] for p in others} == others
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert rep.parts == 3 and rep.part is None and rep.n_files == 8
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
@@ -140,15 +204,6 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
         spillmerge.merge(str(root), str(out), part=(0, 3), **OPTS)  # type: ignore[arg-type]
     with pytest.raises(spillmerge.OutputExistsError, match="complete merge"):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-
-
-def _files_of_part(root: Path, i: int, n: int) -> list:
-    from spillmerge._merge import _Job
-    from spillmerge._plan import split
-
-    job = _Job.open(str(root), str(root.parent / "unused"), **OPTS)  # type: ignore[arg-type]
-    job.src.close()
-    return [job.plan.files[k] for k in split(job.plan, n)[i]]
 
 
 def test_parts_of_different_plans_never_mix(tmp_path):
@@ -163,20 +218,27 @@ def test_parts_of_different_plans_never_mix(tmp_path):
         spillmerge.merge(str(root), str(out), part=(2, 3), **OPTS)  # type: ignore[arg-type]
     # The spill root changes between the parts and the finalize (a rank reran and committed more).
     with spillmerge.SpillWriter(str(root), rank=1, world_size=2) as w:
-        w.write("late.mp4", 0, torch.ones(3))
+        w.write("late.mp4", 0, torch.ones(3, 8))  # float32: a column of its own next to the bfloat16 one
     with pytest.raises(spillmerge.PlanMismatchError, match="part 0/2 .* part 1/2"):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert len(os.listdir(out / "spillmerge-parts")) == 2  # refusing deletes nothing
     with pytest.raises(spillmerge.PlanMismatchError):
         spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
-    # overwrite: the new plan's parts replace the old records; finalize prunes what no part owns.
-    (out / "files" / "leftover").mkdir()
-    (out / "files" / "leftover" / "zarr.json").write_text("{}")
+    # overwrite: the new plan's parts replace the old records; finalize prunes the columns the new
+    # plan does not have (an older merge's, and the old plan's own `__value__`, now split by dtype)
+    # and a format-1 files/ folder.
+    (out / "columns" / "leftover").mkdir()
+    (out / "columns" / "leftover" / "zarr.json").write_text("{}")
+    (out / "files" / "old").mkdir(parents=True)
+    (out / "files" / "old" / "zarr.json").write_text("{}")
+    old_columns = set(os.listdir(out / "columns"))
     _parts(root, out, 3, overwrite=True)
     assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)]
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    assert not (out / "files" / "leftover").exists()
+    assert not (out / "columns" / "leftover").exists() and not (out / "files").exists()
     spillmerge.merge(str(root), str(tmp_path / "one"), **OPTS)  # type: ignore[arg-type]
+    assert set(os.listdir(out / "columns")) == set(os.listdir(tmp_path / "one" / "columns"))
+    assert "__value__" in old_columns and not (out / "columns" / "__value__").exists()
     assert tree_diff(output_tree(str(tmp_path / "one")), output_tree(str(out))) == []
     assert spillmerge.open(str(out)).filenames[-1] == "late.mp4"
 
@@ -193,41 +255,45 @@ def test_a_failed_part_is_named_and_the_other_parts_are_kept(tmp_path):
     raw = bytearray(chunk.read_bytes())
     raw[7] ^= 1
     chunk.write_bytes(bytes(raw))
-    failed = []
-    for i in range(3):
-        try:
-            spillmerge.merge(str(root), str(out), part=(i, 3))
-        except spillmerge.CorruptSpillError:
-            failed.append(i)
-    assert len(failed) == 1, failed
+    # Output chunks of 1024 values (a quarter of chunk_bytes: small rows), one frame of bad.mp4 each:
+    # every part gets chunks, and only the one holding frame 1 reads the damaged bytes.
+    opts = {"chunk_bytes": 16384}
+    reps, written = _parts_observed(root, out, 3, **opts)
+    failed = [i for i, r in enumerate(reps) if isinstance(r, BaseException)]
+    assert len(failed) == 1 and isinstance(reps[failed[0]], spillmerge.CorruptSpillError), reps
     bad = failed[0]
     records = sorted(os.listdir(out / "spillmerge-parts"))
     assert f"part-{bad:05d}-of-00003.failed.json" in records and len(records) == 3
+    # What the good parts wrote: their chunks, each of them still there, untouched, to the end.
+    kept = {p for i, w in enumerate(written) if i != bad for p in w if _is_chunk(p)}
+    assert all(any(_is_chunk(p) for p in w) for i, w in enumerate(written) if i != bad), written
+    good = {p: _snapshot(out)[p] for p in kept}
     t = time.perf_counter()
     with pytest.raises(
         spillmerge.PartFailedError, match=f"part {bad}/3: CorruptSpillError: .*checksum mismatch"
     ) as info:
-        spillmerge.merge(str(root), str(out), finalize=True, timeout=30)
+        spillmerge.merge(str(root), str(out), finalize=True, timeout=30, **opts)  # type: ignore[arg-type]
     assert time.perf_counter() - t < 10  # at once, not at the timeout
     assert list(info.value.failures) == [bad] and isinstance(info.value, spillmerge.RankFailedError)
-    # The good parts' arrays are all still there.
-    assert len([p for p in (out / "files").iterdir() if (p / "c").is_dir()]) >= 6
+    assert {p: v for p, v in _snapshot(out).items() if p in kept} == good
     # A failure record of another plan (an older merge) does not count: the part is just missing.
     failure = out / "spillmerge-parts" / f"part-{bad:05d}-of-00003.failed.json"
     rec = json.loads(failure.read_text())
     assert rec["kind"] == "merge-part-failure" and rec["error_type"] == "CorruptSpillError"
     failure.write_text(json.dumps({**rec, "plan": "0" * 32}))
     with pytest.raises(spillmerge.PartsTimeout, match=f"part {bad}/3") as info2:
-        spillmerge.merge(str(root), str(out), finalize=True, timeout=0.3)
+        spillmerge.merge(str(root), str(out), finalize=True, timeout=0.3, **opts)  # type: ignore[arg-type]
     assert info2.value.missing == [bad] and info2.value.waited_s >= 0.3
     # The spill is repaired; the failed part reruns alone and clears its failure record.
     raw[7] ^= 1
     chunk.write_bytes(bytes(raw))
-    spillmerge.merge(str(root), str(out), part=(bad, 3))
+    spillmerge.merge(str(root), str(out), part=(bad, 3), **opts)  # type: ignore[arg-type]
     assert not failure.exists()
-    rep = spillmerge.merge(str(root), str(out), finalize=True)
+    assert {p: v for p, v in _snapshot(out).items() if p in kept} == good
+    rep = spillmerge.merge(str(root), str(out), finalize=True, **opts)  # type: ignore[arg-type]
     assert rep.n_files == 7 and spillmerge.verify(str(out)).ok
-    assert spillmerge.open(str(out))["bad.mp4"][3, 0] == 3.0
+    assert {p: v for p, v in _snapshot(out).items() if p in kept} == good
+    assert spillmerge.open(str(out))["bad.mp4"][3][0] == 3.0
 
 
 def test_parts_never_touch_a_folder_they_did_not_write(tmp_path):
@@ -264,7 +330,7 @@ def test_parts_on_every_backend(backend):
     spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
     a, b = spillmerge.open(out, backend.options), spillmerge.open(one, backend.options)
     for name in a.filenames:
-        assert np.array_equal(a[name][...], b[name][...]) and a.frames(name).tolist() == [0, 1]
+        assert np.array_equal(a[name][:], b[name][:]) and a.frames(name).tolist() == [0, 1]  # rows of one shape
     assert spillmerge.verify(out, backend.options).ok
 
 
@@ -284,42 +350,59 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
                     t = torch.zeros_like(t)  # compressible
                 expected[(str(dt), f)] = t
                 w.write(str(dt), f, t)
-            w.write("zeros", i, torch.zeros(512))
+            # A leaf of its own (a plain 1-d float32 value would clash with the 2-d ones: one ndim
+            # per leaf), present in one file only.
+            w.write("zeros", i, {"zeros": torch.zeros(512)})
     rep = spillmerge.merge(str(root), str(out), codec=codec, chunk_bytes=1024)
     assert rep.codec == codec
     res = spillmerge.open(str(out))
     grp = zarr.open_group(str(out), mode="r")
-    keys = dict(zip([str(x) for x in grp["index/filenames"][:]], [str(x) for x in grp["index/keys"][:]], strict=True))
+    # Plain zarr: each file's column from its layout; the file's rows from frame_offsets, a row's
+    # values through the column's offsets where it has them (rows of other files are absent).
+    names = [str(x) for x in grp["index/filenames"][:]]
+    off = grp["index/frame_offsets"][:]
+    layouts = grp.attrs["spillmerge"]["file_layouts"]
+    cols = {name: layouts[int(lay)] for name, lay in zip(names, grp["index/file_layout"][:], strict=True)}
+    assert cols["zeros"] == ["zeros"]
     for (name, f), want in expected.items():
         got = res[name].to_torch()[f]
         assert got.dtype == want.dtype and raw_bytes(got) == raw_bytes(want), (codec, name, f)
-        plain = np.asarray(grp[f"files/{keys[name]}"][f])  # raw bits for dtypes numpy lacks
+        (col,) = cols[name]
+        assert grp[f"columns/{col}"].attrs["spillmerge"]["dtype"] == str(want.dtype).removeprefix("torch.")
+        row = int(off[names.index(name)]) + f
+        if f"columns/{col}/offsets" in grp:
+            o = grp[f"columns/{col}/offsets"][row : row + 2]
+            assert o[1] - o[0] == 1
+            row = int(o[0])
+        plain = np.asarray(grp[f"columns/{col}/values"][row])  # raw bits for dtypes numpy lacks
         assert plain.tobytes() == raw_bytes(want), (codec, name, f)
-    names = [c["name"] for c in json.loads((out / "files" / "zeros" / "zarr.json").read_text())["codecs"]]
-    assert names == {"none": ["bytes", "crc32c"], "blosc-lz4": ["bytes", "blosc", "crc32c"],
-                     "zstd": ["bytes", "zstd", "crc32c"]}[codec]  # fmt: skip
+    doc = json.loads((out / "columns" / "zeros" / "values" / "zarr.json").read_text())
+    names_ = [c["name"] for c in doc["codecs"]]
+    assert names_ == {"none": ["bytes", "crc32c"], "blosc-lz4": ["bytes", "blosc", "crc32c"],
+                      "zstd": ["bytes", "zstd", "crc32c"]}[codec]  # fmt: skip
+    # offsets (and every other layout array) are never compressed.
+    doc = json.loads((out / "columns" / "zeros" / "offsets" / "zarr.json").read_text())
+    assert [c["name"] for c in doc["codecs"]] == ["bytes", "crc32c"]
     # Chunk for chunk the bytes zarr itself writes with the same codec chain.
     for name in ("zeros", "torch.bfloat16"):
-        arr = grp[f"files/{keys[name]}"]
+        (col,) = cols[name]
+        arr = grp[f"columns/{col}/values"]
         ref = zarr.create_array(
-            store=str(tmp_path / "ref" / keys[name]), shape=arr.shape, chunks=arr.chunks, dtype=arr.dtype,
+            store=str(tmp_path / "ref" / col), shape=arr.shape, chunks=arr.chunks, dtype=arr.dtype,
             serializer=arr.metadata.codecs[0], compressors=list(arr.metadata.codecs[1:]), fill_value=arr.fill_value,
             config={"write_empty_chunks": True},
         )  # fmt: skip
         ref[...] = arr[...]
-        ours = {
-            p.relative_to(out / "files" / keys[name]): p.read_bytes()
-            for p in (out / "files" / keys[name]).rglob("c/**/*")
-            if p.is_file()
-        }
+        mine = out / "columns" / col / "values"
+        ours = {p.relative_to(mine): p.read_bytes() for p in mine.rglob("c/**/*") if p.is_file()}
         theirs = {
-            p.relative_to(tmp_path / "ref" / keys[name]): p.read_bytes()
-            for p in (tmp_path / "ref" / keys[name]).rglob("c/**/*")
+            p.relative_to(tmp_path / "ref" / col): p.read_bytes()
+            for p in (tmp_path / "ref" / col).rglob("c/**/*")
             if p.is_file()
         }
         assert ours == theirs and len(ours) >= (2 if name == "zeros" else 1), (codec, name)
-    chunk = out / "files" / "zeros" / "c" / "0" / "0"
-    assert (chunk.stat().st_size < 200) == (codec != "none")  # 1 KiB of zeros
+    chunk = out / "columns" / "zeros" / "values" / "c" / "0" / "0"
+    assert (chunk.stat().st_size < 200) == (codec != "none")  # 2 KiB of zeros
     assert spillmerge.verify(str(out)).ok
     chunk.write_bytes(chunk.read_bytes()[:-5] + b"XXXXX")
     rep2 = spillmerge.verify(str(out))
