@@ -105,15 +105,18 @@ def _spill_many(root: str, n_files: int) -> None:
 def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path):
     root, out = str(tmp_path / "spill"), tmp_path / "out"
     _spill_many(root, 3000)
-    # Output chunks of 4 KiB and 1 thread make the merge slow enough to kill in the middle.
+    # Output chunks of one row (256 bytes) and 1 thread make the merge slow enough to kill in the middle.
     proc = subprocess.Popen(
         [EXE, "merge", root, "--out", str(out), "--chunk-bytes", "256", "--threads", "1", "--no-progress"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    # Kill it once a sixth of the 12000 chunks of the one column (one 64-value row each) are written,
+    # long before the index and the marker.
+    chunks = out / "columns" / "__value__" / "values" / "c"
     deadline = time.time() + 120
     while time.time() < deadline:
-        if (out / "files").exists() and any((out / "files").glob("file1*/c")):
+        if chunks.exists() and len(os.listdir(chunks)) >= 2000:
             break
         time.sleep(0.02)
     proc.kill()
@@ -157,7 +160,7 @@ def test_disk_full_reaches_the_loop_and_keeps_committed_data(tmp_path, tiny_tmpf
         spillmerge.merge(root, str(tmp_path / "out"))
     rep = spillmerge.merge(root, str(tmp_path / "out"), allow_partial=True)
     assert rep.missing_ranks == [1]
-    assert spillmerge.open(str(tmp_path / "out"))["small.mp4"][0, 0] == 1.0
+    assert spillmerge.open(str(tmp_path / "out"))["small.mp4"][0][0] == 1.0  # row 0, value 0 (any leaf kind)
 
 
 def test_read_only_root_is_a_clear_error(tmp_path):

@@ -240,21 +240,30 @@ def test_a_linked_files_folder_is_never_written_or_deleted_through(tmp_path, sen
     root, out, victim = tmp_path / "s", tmp_path / "o.zarr", tmp_path / "victim"
     exp = _spill(root, 4)
     spillmerge.merge(str(root), str(out), part=(0, 1))
-    # Someone replaces files/ by a link to another folder holding look-alike arrays.
-    os.rename(out / "files", victim)
+    # Someone replaces columns/ (the part's chunks) by a link to another folder holding look-alikes.
+    os.rename(out / "columns", victim)
     (victim / "important.txt").write_text("precious")
-    (out / "files").symlink_to(victim)
+    (out / "columns").symlink_to(victim)
     before = _tree(victim)
     (out / "spillmerge-parts" / "part-00000-of-00001.json").unlink()  # the part must run again
-    with pytest.raises(spillmerge.UnsafePathError, match="files is a symbolic link"):
+    with pytest.raises(spillmerge.UnsafePathError, match="columns is a symbolic link"):
         spillmerge.merge(str(root), str(out), part=(0, 1))
     p = run("merge", str(root), "--out", str(out), "--finalize")
     assert_one_line_error(p, "is a symbolic link")
     assert _tree(victim) == before
-    # With overwrite the link itself goes (not its target) and the output is rebuilt.
+    # A format-1 files/ linked elsewhere is refused alike (finalize would prune it).
+    (tmp_path / "victim-files").mkdir()
+    (tmp_path / "victim-files" / "zarr.json").write_text("{}")
+    (out / "files").symlink_to(tmp_path / "victim-files")
+    (out / "columns").unlink()
+    with pytest.raises(spillmerge.UnsafePathError, match="files is a symbolic link"):
+        spillmerge.merge(str(root), str(out), part=(0, 1))
+    (out / "columns").symlink_to(victim)
+    # With overwrite the links themselves go (not their targets) and the output is rebuilt.
     spillmerge.merge(str(root), str(out), part=(0, 1), overwrite=True)
     spillmerge.merge(str(root), str(out), finalize=True)
-    assert _tree(victim) == before and not (out / "files").is_symlink()
+    assert _tree(victim) == before and not (out / "columns").is_symlink() and not (out / "files").exists()
+    assert _tree(tmp_path / "victim-files") == {"zarr.json": hashlib.sha256(b"{}").hexdigest()}
     _assert_holds(out, exp)
     # A whole merge's overwrite removes a linked folder as a link too.
     (out / "spillmerge-complete.json").unlink()
