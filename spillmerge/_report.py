@@ -61,7 +61,8 @@ class MergeReport:
     """Parts (processes) the output is written in: 1 for a one-process merge."""
     part: int | None = None
     """The part this call wrote (``part=(i, n)``, or a rank of ``parallel=True`` that is not
-    ``dst``); its counts are the part's. None for a whole merge or a finalize."""
+    ``dst``). A part plans every file, so ``n_files`` / ``n_frames`` are the whole merge's and
+    ``nbytes`` the payload of the part's own output chunks. None for a whole merge or a finalize."""
     codec: str = "none"
     """Output codec of the arrays under ``files/``."""
     transferred: dict[int, int] = field(default_factory=dict)
