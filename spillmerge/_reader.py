@@ -64,6 +64,11 @@ class NoFillStore(WrapperStore[Store]):
         self._storage = storage if storage is not None and storage.local else None
         self._chunk_limits: dict[str, int] = {}
 
+    @property
+    def local(self) -> bool:
+        """Objects are read from a local disk (``_invariants.read_rows`` reads chunk by chunk)."""
+        return self._storage is not None
+
     def _with_store(self, store: Store) -> NoFillStore:
         return type(self)(store, self._describe, self._storage)
 

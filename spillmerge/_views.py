@@ -16,7 +16,7 @@ import torch
 
 from . import _format as F
 from ._errors import PickleNotAllowedError, RaggedShapeError
-from ._invariants import ColumnInfo, read_array
+from ._invariants import ColumnInfo, read_array, read_rows
 
 
 def real_dtype(name: str) -> np.dtype[Any]:
@@ -199,9 +199,9 @@ class FixedView(LeafView):
         elif isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
-                arr = read_array(self._col.values, slice(self._start + a, self._start + max(a, b)))
+                arr = read_rows(self._col.values, self._start + a, self._start + max(a, b))
             else:  # read the file's rows, then step through them
-                arr = read_array(self._col.values, slice(self._start, self._stop))[sel]
+                arr = read_rows(self._col.values, self._start, self._stop)[sel]
         else:
             idx = np.asarray(sel)
             if idx.dtype == bool:
@@ -221,7 +221,7 @@ class FixedView(LeafView):
         assert o is not None
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
-        vals = read_array(self._col.values, slice(lo, hi))
+        vals = read_rows(self._col.values, lo, hi)
         has = o[rows + 1] > o[rows]
         out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
         out[has] = vals[o[rows[has]] - lo]
