@@ -52,18 +52,21 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
         if n == 0 or (col.storage != "string" and col.unit_bytes == 0):
             continue  # no elements: the array has no chunk to write
         k = values_chunk(plan, col, chunk_bytes)
-        if col.storage == "string":
-            cum = np.zeros(n + 1, dtype=np.int64)
-            if col.counts is None:
-                np.cumsum(string_bytes(plan, col), out=cum[1:])
+        if col.storage == "string":  # bytes per row, summed: str rows are units, strlist rows hold many
+            per_row = string_bytes(plan, col)
+            cum = np.zeros(len(per_row) + 1, dtype=np.int64)
+            np.cumsum(per_row, out=cum[1:])
+            off = col.offsets() if col.counts is not None else None
         for j, lo in enumerate(range(0, n, k)):
             hi = min(lo + k, n)
             if col.storage != "string":
                 size = (hi - lo) * col.unit_bytes
-            elif col.counts is None:
+            elif off is None:
                 size = int(cum[hi] - cum[lo]) + 4 * (hi - lo)
-            else:
-                size = 8 * (hi - lo)  # an estimate: string lengths per element are in the rows
+            else:  # the rows a strlist chunk reads whole (those cut by its edges included)
+                r0 = int(np.searchsorted(off, lo, side="right")) - 1
+                r1 = int(np.searchsorted(off, hi, side="left"))
+                size = int(cum[r1] - cum[r0]) + 4 * (hi - lo)
             out.append(Unit(ci, j, lo, hi, k, max(size, 1)))
     return out
 
