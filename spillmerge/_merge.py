@@ -61,8 +61,8 @@ def merge(
     (default: raw bytes), ``"blosc-lz4"`` or ``"zstd"``. Returns a :class:`MergeReport`.
 
     Scale-out over independent processes (SLURM array tasks; no torch.distributed needed):
-    ``part=(i, n)`` writes only part ``i`` of ``n`` — the arrays of the files a deterministic
-    split by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
+    ``part=(i, n)`` writes only part ``i`` of ``n`` — the output chunks a deterministic split
+    by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
     ``finalize=True`` checks that every part is present and was planned identically (waiting up
     to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
     and the completion marker. Every call needs the same spill root and planning options

@@ -2,7 +2,7 @@
 
 Protocol (docs/FORMAT.md section 2, docs/GUARANTEES.md):
 
-1. (every part ``i`` of ``n``, any process) plan, claim the output, write its files' arrays,
+1. (every part ``i`` of ``n``, any process) plan, claim the output, write its output chunks,
    flush them to the device, then ``write_done`` — its part record, last. On an exception after
    claiming: ``write_failure`` (best effort), then re-raise.
 2. (the finalizing process) ``wait`` polls for all ``n`` records with the plan fingerprint it
