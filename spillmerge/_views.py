@@ -8,7 +8,7 @@ column (docs/FORMAT.md section 2, *Columns*), all on :class:`LeafView`.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -282,6 +282,19 @@ class _OffsetView(LeafView):
         part = o[self._start : self._stop + 1]
         return part - part[0]
 
+    def _per_row(self, a: int, b: int, convert: Callable[[np.ndarray], Any]) -> list[Any]:
+        """Rows ``a .. b-1`` (absolute) from one read of their values: ``convert`` of each row's
+        slice, None where the row has no value."""
+        flat = self._flat(a, b)
+        o = self._col.offsets
+        assert o is not None
+        base = int(o[a])
+        v = self._col.valid()
+        return [
+            None if v is not None and not v[r] else convert(flat[int(o[r]) - base : int(o[r + 1]) - base])
+            for r in range(a, b)
+        ]
+
     def _flat(self, a: int, b: int) -> np.ndarray:
         lo, hi = self._span(a, b)
         return read_array(self._col.values, slice(lo, hi))
@@ -422,17 +435,7 @@ class BytesView(_OffsetView):
         return self._decode(self._flat(r, r + 1).tobytes())
 
     def _list(self, a: int, b: int) -> list[Any]:
-        flat = self._flat(a, b)
-        o = self._col.offsets
-        assert o is not None
-        base = int(o[a])
-        v = self._col.valid()
-        return [
-            None
-            if v is not None and not v[r]
-            else self._decode(flat[int(o[r]) - base : int(o[r + 1]) - base].tobytes())
-            for r in range(a, b)
-        ]
+        return self._per_row(a, b, lambda x: self._decode(x.tobytes()))
 
     def to_arrow(self) -> Any:
         pa = _pa()
@@ -463,15 +466,7 @@ class StrListView(_OffsetView):
         return [str(s) for s in self._flat(r, r + 1)]
 
     def _list(self, a: int, b: int) -> list[Any]:
-        flat = self._flat(a, b)
-        o = self._col.offsets
-        assert o is not None
-        base = int(o[a])
-        v = self._col.valid()
-        return [
-            None if v is not None and not v[r] else [str(s) for s in flat[int(o[r]) - base : int(o[r + 1]) - base]]
-            for r in range(a, b)
-        ]
+        return self._per_row(a, b, lambda x: [str(s) for s in x])
 
     def to_arrow(self) -> Any:
         pa = _pa()
