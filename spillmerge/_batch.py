@@ -173,3 +173,53 @@ def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> l
         "dataclass of those",
         leaf=_name(path),
     )
+
+
+def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
+    """The leaves of a batch that is only host tensors / numeric arrays with ``n`` items each
+    (a dict, TensorDict or dataclass of them, or one of them), by leaf path; None for any other
+    batch (lists, CUDA, a wrong length ...: the item-by-item path handles and names it)."""
+    out: dict[tuple[str, ...], Any] = {}
+    return out if n and _dense(batch, (), n, out, 0) else None
+
+
+def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...], Any], depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        ok = (
+            value.device.type == "cpu"
+            and value.layout == torch.strided
+            and not value.is_quantized
+            and not value.is_nested
+            and value.ndim > 0
+            and len(value) == n
+            and value[0].numel() > 0
+        )
+    elif isinstance(value, np.ndarray):
+        ok = value.dtype.kind in "biufc" and value.ndim > 0 and len(value) == n and value[0].size > 0
+    elif isinstance(value, Mapping) and depth < 32:
+        keys = list(value.keys())
+        return bool(keys) and all(isinstance(k, str) and _dense(value[k], (*path, k), n, out, depth + 1) for k in keys)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 32:
+        fields = dataclasses.fields(value)
+        return bool(fields) and all(_dense(getattr(value, f.name), (*path, f.name), n, out, depth + 1) for f in fields)
+    else:
+        return False
+    if ok:
+        out[path] = value
+    return ok
+
+
+def as_rows(value: Any, n: int) -> np.ndarray:
+    """A dense leaf of ``n`` items as host bytes, one row of ``(n, item bytes)`` per item: the
+    bytes ``_values.flatten`` gives item ``i`` (little-endian, C order)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return t.contiguous().reshape(n, -1).view(torch.uint8).numpy()
+    arr = value
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)

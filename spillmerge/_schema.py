@@ -88,6 +88,24 @@ class FileSchemas:
             layout_ids = tuple([self._layout_id(lay) for lay in layouts])
         return layout_ids
 
+    def accept_files(
+        self, schemas: dict[int, int], layouts: list[F.Layout], layout_ids: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """:meth:`accept` for a batch of frames of the same ``layouts``: file ``fid`` now has
+        ``schemas[fid]`` (new files: the next ids, in order). Returns the frames' catalog ids."""
+        for fid in sorted(schemas):
+            if fid == len(self._file_schema):
+                self._file_schema.append(schemas[fid])
+            else:
+                self._file_schema[fid] = schemas[fid]
+        if -1 in layout_ids:
+            layout_ids = tuple([self._layout_id(lay) for lay in layouts])
+        return layout_ids
+
+    def schema_of(self, file_id: int) -> int:
+        """The accepted schema of file ``file_id`` (0, the empty schema, for a new file)."""
+        return self._file_schema[file_id] if file_id < len(self._file_schema) else 0
+
     def _layout_id(self, lay: F.Layout) -> int:
         """The catalog id of a layout, added to the catalog on first use (only for frames that
         passed the layout rule: a refused frame leaves no layout a merge would trip on)."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import _format as F
-from ._batch import at_position, batch_keys, mapping_items, split_batch
+from ._batch import as_rows, at_position, batch_keys, dense_columns, mapping_items, split_batch
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
@@ -220,10 +220,81 @@ class SpillWriter:
         """
         self._check_open()
         names, frames = batch_keys(filenames, frame_idx)
+        dense = dense_columns(batch, len(names))
+        if dense is not None and self._put_dense(names, frames, dense):
+            return
         items = split_batch(batch, names)
         checked = self._check_batch(names, frames, items)
         for name, frame, leaves in checked:
             self._put(name, frame, leaves)
+
+    def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
+        """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
+        same layouts, so item 0 is flattened and checked for all, the layout rule runs once per
+        file schema, and the bytes, index rows and journal entries of the frames are made a block
+        at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
+        (nothing done) when a key of the batch was written before or repeats in it: the
+        item-by-item path applies the duplicate policy."""
+        n = len(names)
+        file_ids: list[int] = []
+        new_names: dict[str, int] = {}
+        next_id = len(self._filenames)
+        for name in names:
+            fid = self._file_ids.get(name)
+            if fid is None:
+                fid = new_names.get(name)
+                if fid is None:
+                    fid = new_names[name] = next_id
+                    next_id += 1
+            file_ids.append(fid)
+        keys = list(zip(file_ids, frames, strict=True))
+        if len(set(keys)) != n or (self._keys and any(k in self._keys for k in keys)):
+            return False
+        item0 = _nest({path: col[0] for path, col in columns.items()})
+        try:
+            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, 0, n, names[0]) from None
+        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
+            return False
+        layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
+        moves: dict[int, tuple[int, tuple[int, ...]]] = {}
+        schemas: dict[int, int] = {}
+        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)):
+            cur = schemas.get(fid)
+            if cur is None:
+                cur = self._schema.schema_of(fid)
+            move = moves.get(cur)
+            if move is None:
+                try:
+                    move = moves[cur] = self._schema.check(name, frames[i], fid, layouts, cur)
+                except SpillValueError as exc:
+                    raise at_position(exc, i, n, name) from None
+            schemas[fid] = move[0]
+        rows = [as_rows(columns[leaf.path], n) for leaf in leaves]
+        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
+        for name, fid in new_names.items():
+            self._filenames.append(name)
+            self._file_ids[name] = fid
+        n_leaves, row0 = len(leaves), self._n_rows
+        need = row0 + n * n_leaves
+        if need > len(self._rows):
+            grown = np.zeros((max(need, 2 * len(self._rows)), F.INDEX_COLUMNS), dtype=np.int64)
+            grown[:row0] = self._rows[:row0]
+            self._rows = grown
+        widths = np.array([r.shape[1] for r in rows], dtype=np.int64)
+        block = self._rows[row0:need, : F.COL_CRC].reshape(n, n_leaves, F.COL_CRC)
+        block[:, :, 0] = np.asarray(file_ids, dtype=np.int64)[:, None]
+        block[:, :, 1] = np.asarray(frames, dtype=np.int64)[:, None]
+        block[:, :, 2] = layout_ids
+        starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
+        block[:, :, 3] = self._staging.offset + np.arange(n, dtype=np.int64)[:, None] * int(widths.sum()) + starts
+        block[:, :, 4] = widths
+        self._n_rows = need
+        self._keys.update(zip(keys, [(row0 + i * n_leaves, n_leaves) for i in range(n)], strict=True))
+        self._staging.add_frames(row0, file_ids, frames, layout_ids, rows)
+        return True
 
     def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
         """Flatten every item and run what ``_put`` would check (the layout rule, the duplicate
@@ -593,3 +664,16 @@ def _same_leaves(a: list[Leaf], b: list[Leaf]) -> bool:
         if not np.array_equal(dx, dy):
             return False
     return True
+
+
+def _nest(by_path: dict[tuple[str, ...], Any]) -> Any:
+    """The nested dict of leaves given by path (``()``: the value itself)."""
+    if () in by_path:
+        return by_path[()]
+    out: dict[str, Any] = {}
+    for path, v in by_path.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out

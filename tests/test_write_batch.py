@@ -51,9 +51,11 @@ def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
     for b, size in enumerate((5, 1, 7)):
         names = [f"img/{b}_{j}.jpg" for j in range(size)]
         frames: Any = None
-        if kind == "dense":  # logits fp16, embedding bf16, an int label, a nested dict
-            logits = torch.randn(size, 10, generator=g).half()
-            emb = torch.randn(size, 6, generator=g).bfloat16()
+        if kind in ("dense", "wide"):  # logits fp16, embedding bf16, an int label, a nested dict
+            # dense: 1,512 bytes a frame, so frames straddle the 4 KiB chunks; wide: frames larger than a chunk
+            width = 700 if kind == "dense" else 3000
+            logits = torch.randn(size, width, generator=g).half()
+            emb = torch.randn(size, 50, generator=g).bfloat16()
             label = torch.randint(0, 9, (size,), generator=g)
             batch = {"logits": logits, "emb": emb, "meta": {"label": label, "score": logits.float().numpy()[:, 0]}}
             rows = [
@@ -90,7 +92,7 @@ def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["dense", "tensor", "detections", "text", "tensordict"])
+@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "tensordict"])
 def test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes(tmp_path, kind):
     batches = _batches(kind)
 
@@ -172,13 +174,14 @@ def test_a_bad_batch_names_the_leaf_in_the_error_fields(tmp_path):
     assert (ei.value.leaf, ei.value.filename, ei.value.batch_index) == ("m/boxes/k", "c", 2)
 
 
-def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path):
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path, as_tensor):
     def run(name: str, policy: str, batched: bool) -> dict[str, Any]:
         def writes(w: spillmerge.SpillWriter) -> None:
             w.write("k", 0, torch.tensor([1.0]))
             names, vals = ["k", "j", "j"], [torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([4.0])]
-            if batched:
-                w.write_batch(names, vals)
+            if batched:  # a list of per-item values, or one tensor with the batch first
+                w.write_batch(names, torch.stack(vals) if as_tensor else vals)
             else:
                 for n, v in zip(names, vals, strict=True):
                     w.write(n, 0, v)
