@@ -21,8 +21,9 @@ from ._errors import (
     SpillStorageError,
     SpillValueError,
 )
+from ._frames import check_expected
 from ._plan import Plan, build, fingerprint, split
-from ._report import MergeReport, check_expected, gaps
+from ._report import MergeReport, gaps
 from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
 

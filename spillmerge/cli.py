@@ -270,7 +270,8 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._coverage import coverage, plot, read_manifest
+    from ._coverage import coverage, plot
+    from ._frames import read_manifest
     from ._inspect import format_coverage, format_text, summarize
 
     so = _storage_options(args.storage_option) or None

@@ -100,3 +100,25 @@ def test_architecture_module_table_names_every_module_once():
     named = [re.sub(r"^spillmerge/", "", n) for n in re.findall(r"^\| `([^`]+)`", table, re.M)]
     files = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py"))
     assert sorted(named) == files
+
+
+def _reach(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in edges[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_merge_path_does_not_import_the_inspection_tools():
+    """The inspection tools read the merge's report and frame arithmetic, not the reverse: a
+    merge (and the writer that calls it) never loads the coverage, inspect or reader modules."""
+    edges = _graph()
+    tools = {f"spillmerge.{m}" for m in ("_coverage", "_inspect", "_reader", "_reader_v1", "_views", "_invariants")}
+    for start in ("spillmerge._merge", "spillmerge._report", "spillmerge._writer"):
+        assert _reach(edges, start) & tools == set(), start
+    assert "spillmerge._frames" in _reach(edges, "spillmerge._coverage")  # the tools use the shared low module
