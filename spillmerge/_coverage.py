@@ -162,7 +162,7 @@ def _merged(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
     res = MergedStore(storage.url, storage.storage_options)
     out: _PerFile = {}
     known = True
-    arrays = res._index_arrays()
+    arrays = res.index_arrays()
     if arrays is not None:  # columnar: slice the index arrays, no lookup per file
         names, off, all_frames, all_ranks, all_copies = arrays
         for i, name in enumerate(names):

@@ -224,6 +224,10 @@ class V2Files:
     def filenames(self) -> list[str]:
         return self._names.tolist()  # type: ignore[no-any-return]
 
+    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open."""
+        return self.filenames, self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
+
     def __len__(self) -> int:
         return len(self._names)
 
@@ -421,13 +425,10 @@ class MergedStore(Mapping[str, Any]):
     def __getitem__(self, filename: str) -> Any:
         return self._files.value(self._index(filename))
 
-    def _index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
         checked at open (for coverage, which needs them whole); None for version 1."""
-        if not isinstance(self._files, V2Files):
-            return None
-        f = self._files
-        return f.filenames, f._offsets, f._frame_idx, f._prov["frame_rank"], f._prov["frame_copies"]
+        return self._files.index_arrays() if isinstance(self._files, V2Files) else None
 
     def _v2(self, what: str) -> V2Files:
         if not isinstance(self._files, V2Files):
