@@ -271,7 +271,7 @@ def _merge_whole_locked(job: _Job, lease: _lease.Lease) -> None:
         t = time.perf_counter()
         _copy(job, units(job.plan, job.options.chunk_bytes))
         job.phases["copy"] = time.perf_counter() - t
-        _write_index(job)
+        _write_output_index(job)
         _finish(job, docs, lease)
     except BaseException:
         # The output is unusable without its completion marker anyway; removing what we
@@ -309,7 +309,7 @@ def _write_part(
     overwrite = job.options.overwrite
     output, plan_id = job.output, job.fingerprint
     name = _parts.describe(i, n, rank)
-    records = _parts.scan(output)
+    records = _parts.read_records(output)
     if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
         job.notes.append(
@@ -381,7 +381,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     if complete and not job.options.overwrite:
         raise _output.complete_error(output, "finalize it again")
     t = time.perf_counter()
-    records = _parts.scan(output)
+    records = _parts.read_records(output)
     n = parts if parts is not None else _parts.infer_parts(output, records)
     done = [r for r in records if not r.failed and r.parts == n]
     if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
@@ -411,12 +411,12 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
-    _write_index(job)
+    _write_output_index(job)
     _finish(job, docs, lease)
     return job.report(parts=n)
 
 
-def _write_index(job: _Job) -> None:
+def _write_output_index(job: _Job) -> None:
     """The index arrays and every column's ``offsets``, ``shapes`` and ``valid``: computed from
     the plan, written through zarr (whole arrays, one process)."""
     t = time.perf_counter()

@@ -28,7 +28,7 @@ from ._errors import (
 )
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
-from ._views import Column, LeafView
+from ._views import LeafView, OpenColumn
 
 _STRING_CHUNK_HARD_MAX = 1 << 31
 """No string chunk is read past 2 GiB, whatever a column header claims."""
@@ -203,9 +203,9 @@ class V2Files:
             raise_(V.provenance_problems(name, arr))
             self._prov[name] = arr
         self.n_rows = len(frame_idx)
-        self.columns: dict[str, Column] = {}
+        self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = Column(info, self.n_rows, allow_pickle)
+            col = OpenColumn(info, self.n_rows, allow_pickle)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
