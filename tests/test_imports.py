@@ -198,3 +198,19 @@ def test_no_private_name_crosses_a_module_boundary():
     }
     assert found - CROSSINGS_ALLOWED == set()
     assert CROSSINGS_ALLOWED - found == set()  # an entry no longer needed is removed
+
+
+def test_every_name_in_all_resolves_and_star_import_works():
+    """``from spillmerge import *`` raised once (MergeFailedError and MergeTimeout were listed in
+    ``__all__`` but never imported); every public name is importable, the errors derive from
+    SpillMergeError, and LeafView (format 2) is exported beside LeafArray (format 1)."""
+    namespace: dict[str, object] = {}
+    exec("from spillmerge import *", namespace)  # noqa: S102 - the statement users write
+    missing = [name for name in spillmerge.__all__ if name not in namespace]
+    assert missing == [] and len(set(spillmerge.__all__)) == len(spillmerge.__all__)
+    assert issubclass(spillmerge.MergeFailedError, spillmerge.RankFailedError)
+    assert issubclass(spillmerge.MergeTimeout, (spillmerge.SpillMergeError, TimeoutError))
+    assert {"LeafView", "LeafArray"} <= set(spillmerge.__all__)
+    errors = importlib.import_module("spillmerge._errors")
+    public_errors = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)}
+    assert public_errors <= set(spillmerge.__all__)  # every error class a user may catch is exported
