@@ -1,6 +1,6 @@
 """Node-local spill roots: move committed shards to the merging rank over torch.distributed.
 
-Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`gather_shards`, then ``dst`` merges from its own root):
+Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
 
 1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
    key-value store (the TCPStore every process group already has; no collective, no GPU).
@@ -220,7 +220,7 @@ class _Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
-    def gather(
+    def collect(
         self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
     ) -> dict[int, Any]:
         """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,
@@ -432,7 +432,7 @@ class Session:
     """Which writer session of the run this is on this rank (:func:`next_session`)."""
 
 
-def gather_shards(
+def transfer_shards(
     session: Session,
     dst: int,
     transport: str,
@@ -465,7 +465,7 @@ def gather_shards(
     try:
         # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
         # commit record is on storage dst can read: then dst stops waiting for it.
-        metas = coord.gather(
+        metas = coord.collect(
             "meta",
             list(range(session.world_size)),
             "waiting for every rank to reach merge()",
@@ -499,7 +499,7 @@ def gather_shards(
             coord.put(f"sees/{me}", [])
             group, device = _group(backend, timeout)
             link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
-            sees = coord.gather("sees", list(range(session.world_size)), "waiting for what each rank can see")
+            sees = coord.collect("sees", list(range(session.world_size)), "waiting for what each rank can see")
             info.senders = _assign_senders(invisible, sees, dst)
             coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
             for s in sorted(info.senders):
@@ -515,7 +515,7 @@ def gather_shards(
 
 @dataclass
 class TransferInfo:
-    """What :func:`gather_shards` did before the merge proper."""
+    """What :func:`transfer_shards` did before the merge proper."""
 
     wait_seconds: float = 0.0
     """Waiting for every rank to reach ``merge()``."""

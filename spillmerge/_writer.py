@@ -32,7 +32,7 @@ from ._errors import (
 )
 from ._merge import merge, merge_parallel
 from ._report import MergeReport
-from ._spillroot import committed_keys_in
+from ._spillroot import load_committed_keys
 from ._staging import BufferPool, Chunk, Flusher
 from ._storage import Storage
 from ._transfer import (
@@ -42,10 +42,10 @@ from ._transfer import (
     Session,
     TransferInfo,
     check_options,
-    gather_shards,
     next_session,
     publish_failure,
     publish_merge_outcome,
+    transfer_shards,
 )
 from ._values import Leaf, check_filename, check_frame_idx, flatten
 from ._zarrmeta import array_meta, array_objects
@@ -699,7 +699,7 @@ class SpillWriter:
         """Filename → frame indices committed under this root by earlier sessions of any rank
         (read once, when first asked). Use it to skip work after a crash."""
         if self._committed_keys is None:
-            self._committed_keys = committed_keys_in(self.storage, exclude=self.segment)
+            self._committed_keys = load_committed_keys(self.storage, exclude=self.segment)
         return self._committed_keys
 
     def is_committed(self, filename: str, frame_idx: int) -> bool:
@@ -804,7 +804,7 @@ class SpillWriter:
         if transport != "storage" and self._coordinated() and not self._shards_here:
             # The first merge of a job gathers every shard where dst can read it; a later merge
             # of the same writer (another output or duplicate policy) needs no coordination.
-            info = gather_shards(
+            info = transfer_shards(
                 self.session(), dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"])
             )
             self._shards_here = True
