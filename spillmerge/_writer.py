@@ -34,7 +34,7 @@ from ._report import MergeReport
 from ._round import Rounds
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import committed_keys_in
+from ._spillroot import load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
@@ -547,7 +547,7 @@ class SpillWriter:
         """Filename → frame indices committed under this root by earlier sessions of any rank
         (read once, when first asked). Use it to skip work after a crash."""
         if self._committed_keys is None:
-            self._committed_keys = committed_keys_in(self.storage, exclude=self.segment)
+            self._committed_keys = load_committed_keys(self.storage, exclude=self.segment)
         return self._committed_keys
 
     def is_committed(self, filename: str, frame_idx: int) -> bool:
