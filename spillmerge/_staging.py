@@ -43,12 +43,17 @@ class Chunk:
     fill: int = 0
     """Bytes used."""
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
-    """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums."""
+    """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
+    staged by ``Staging.add``; a row may continue in the next chunk)."""
+    blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    """(rows, starts, stops) arrays of whole rows inside this chunk (``Staging.add_frames``):
+    one entry per block of frames, so a batch costs no Python tuple per row."""
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
-    completed: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    completed: list[Any] = field(default_factory=list)
     """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
-    is in this chunk: a journal entry lists whole frames only."""
+    is in this chunk, in order: a tuple per row from ``Staging.add``, an int64 array of such rows
+    per block from ``Staging.add_frames``. A journal entry lists whole frames only."""
     file_base: int = 0
     """Catalog id of ``new_files[0]``."""
     new_files: list[str] = field(default_factory=list)
@@ -136,7 +141,10 @@ class Flusher(threading.Thread):
         self.pool, self.storage, self.prefix = pool, storage, prefix
         self.flush_threads, self.object_size = flush_threads, object_size
         self.q: queue.Queue[Any] = queue.Queue()
-        self.crc: dict[int, int] = {}
+        self.crc = np.zeros(1024, dtype=np.int64)
+        """Index row -> CRC-32C of its bytes (rows without bytes: 0, the CRC of nothing). Only
+        this thread writes it; it grows by copying, so a reader of the old array still sees
+        every CRC computed before it grew."""
         self.error: BaseException | None = None
         self.durable = 0
         """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
@@ -182,8 +190,17 @@ class Flusher(threading.Thread):
         if chunk.event is not None:
             chunk.event.synchronize()
         buf = chunk.host.numpy()
+        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[0][-1]) for b in chunk.blocks[-1:]], default=-1)
+        if top >= len(self.crc):
+            grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
+            grown[: len(self.crc)] = self.crc
+            self.crc = grown
+        crc = self.crc
         for row, start, stop in chunk.pieces:
-            self.crc[row] = google_crc32c.extend(self.crc.get(row, 0), buf[start:stop])
+            crc[row] = google_crc32c.extend(int(crc[row]), buf[start:stop])
+        value = google_crc32c.value
+        for rows, starts, stops in chunk.blocks:  # whole rows: one call each, no tuple per row
+            crc[rows] = [value(buf[a:b]) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
 
     def _upload(self, chunk: Chunk) -> None:
         buf = chunk.host.numpy()
@@ -214,10 +231,23 @@ class Flusher(threading.Thread):
     def _journal(self, chunk: Chunk) -> None:
         # Written only after this chunk and every earlier one are durable, so every row it lists
         # (including rows that started in earlier chunks) can be read back.
-        rows = np.array(
-            [(f, fr, lay, off, nb, self.crc.get(row, 0)) for row, f, fr, lay, off, nb in chunk.completed],
-            dtype="<i8",
-        ).reshape(-1, F.INDEX_COLUMNS)
+        parts: list[np.ndarray] = []
+        run: list[tuple[int, ...]] = []
+        for entry in chunk.completed:  # tuples (one row each) and arrays (blocks of rows), in order
+            if isinstance(entry, tuple):
+                run.append(entry)
+                continue
+            if run:
+                parts.append(np.array(run, dtype=np.int64))
+                run = []
+            parts.append(entry)
+        if run:
+            parts.append(np.array(run, dtype=np.int64))
+        done = np.concatenate(parts) if parts else np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        crc = self.crc
+        rows = np.empty((len(done), F.INDEX_COLUMNS), dtype="<i8")
+        rows[:, : F.COL_CRC] = done[:, 1:]
+        rows[:, F.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
         entry = F.encode_journal(
             chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
         )
@@ -320,18 +350,21 @@ class Staging:
                 completed.append(entry)
 
     def add_frames(
-        self, row: int, file_ids: list[int], frames: list[int], layout_ids: tuple[int, ...], columns: list[np.ndarray]
+        self, row: int, file_ids: np.ndarray, frames: np.ndarray, layout_ids: tuple[int, ...], columns: list[np.ndarray]
     ) -> None:
         """Stage whole frames of the same layouts at once: frame ``i`` has index rows ``row +
         i * L + j`` for its ``L`` leaves, leaf ``j``'s bytes being ``columns[j][i]`` (host uint8
-        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0). The bytes, index rows,
-        checksum pieces and journal entries are those ``add`` makes frame by frame: the frames
-        that fit whole in the current chunk are copied as one block, a frame straddling two
-        chunks goes through ``add``."""
+        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0); ``file_ids`` and
+        ``frames`` are int64 arrays. The bytes, index rows, checksum pieces and journal entries
+        are those ``add`` makes frame by frame: the frames that fit whole in the current chunk
+        are copied as one block (their pieces and journal rows as arrays), a frame straddling
+        two chunks goes through ``add``."""
         widths = [int(c.shape[1]) for c in columns]
-        starts = np.cumsum([0, *widths[:-1]]).tolist()
+        starts = np.cumsum([0, *widths[:-1]])
         frame_bytes = sum(widths)
         n_leaves, n = len(columns), len(frames)
+        lids = np.asarray(layout_ids, dtype=np.int64)
+        lens = np.asarray(widths, dtype=np.int64)
         i = 0
         while i < n:
             chunk = self._current_chunk()
@@ -339,27 +372,30 @@ class Staging:
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
                 held: list[Any] = []
                 r = row + i * n_leaves
+                fid, fr = int(file_ids[i]), int(frames[i])
                 for j, col in enumerate(columns):
                     last = j == n_leaves - 1
-                    self.add(r + j, file_ids[i], frames[i], layout_ids[j], col[i], widths[j], held, last)
+                    self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, last)
                 i += 1
                 continue
             if chunk.host_np is None:
                 chunk.host_np = chunk.host.numpy()
             fill, base = chunk.fill, self.offset
             block = chunk.host_np[fill : fill + k * frame_bytes].reshape(k, frame_bytes)
-            for col, lo, w in zip(columns, starts, widths, strict=True):
+            for col, lo, w in zip(columns, starts.tolist(), widths, strict=True):
                 block[:, lo : lo + w] = col[i : i + k]
-            # index rows r, their byte ranges in the chunk and in the segment, frame by frame
-            rows = range(row + i * n_leaves, row + (i + k) * n_leaves)
-            rel = [f * frame_bytes + lo for f in range(k) for lo in starts]
-            lens = widths * k
-            chunk.pieces.extend(
-                zip(rows, [fill + x for x in rel], [fill + x + m for x, m in zip(rel, lens, strict=True)], strict=True)
-            )
-            fids = [f for f in file_ids[i : i + k] for _ in range(n_leaves)]
-            frs = [f for f in frames[i : i + k] for _ in range(n_leaves)]
-            chunk.completed.extend(zip(rows, fids, frs, layout_ids * k, [base + x for x in rel], lens, strict=True))
+            # index rows, their byte ranges in the chunk and in the segment, frame by frame
+            entries = np.empty((k, n_leaves, 6), dtype=np.int64)
+            entries[:, :, 0] = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            entries[:, :, 1] = file_ids[i : i + k, None]
+            entries[:, :, 2] = frames[i : i + k, None]
+            entries[:, :, 3] = lids
+            entries[:, :, 4] = base + np.arange(k, dtype=np.int64)[:, None] * frame_bytes + starts
+            entries[:, :, 5] = lens
+            entries = entries.reshape(k * n_leaves, 6)
+            lo_in_chunk = entries[:, 4] - (base - fill)
+            chunk.blocks.append((entries[:, 0], lo_in_chunk, lo_in_chunk + entries[:, 5]))
+            chunk.completed.append(entries)
             chunk.fill += k * frame_bytes
             self.offset += k * frame_bytes
             i += k
@@ -485,9 +521,14 @@ class Staging:
             fl.join()
         return fl.error is None
 
-    def row_crcs(self) -> dict[int, int]:
-        """Index row → CRC-32C of its bytes (complete once :meth:`finish` returned)."""
-        return self._fl.crc
+    def row_crcs(self, n_rows: int) -> np.ndarray:
+        """The CRC-32C of the bytes of index rows ``0 .. n_rows-1`` (complete once :meth:`finish`
+        returned)."""
+        crc = self._fl.crc
+        out = np.zeros(n_rows, dtype=np.int64)
+        m = min(n_rows, len(crc))
+        out[:m] = crc[:m]
+        return out
 
     def free(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.

@@ -285,15 +285,16 @@ class SpillWriter:
             self._rows = grown
         widths = np.array([r.shape[1] for r in rows], dtype=np.int64)
         block = self._rows[row0:need, : F.COL_CRC].reshape(n, n_leaves, F.COL_CRC)
-        block[:, :, 0] = np.asarray(file_ids, dtype=np.int64)[:, None]
-        block[:, :, 1] = np.asarray(frames, dtype=np.int64)[:, None]
+        fid_arr, frame_arr = np.asarray(file_ids, dtype=np.int64), np.asarray(frames, dtype=np.int64)
+        block[:, :, 0] = fid_arr[:, None]
+        block[:, :, 1] = frame_arr[:, None]
         block[:, :, 2] = layout_ids
         starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
         block[:, :, 3] = self._staging.offset + np.arange(n, dtype=np.int64)[:, None] * int(widths.sum()) + starts
         block[:, :, 4] = widths
         self._n_rows = need
         self._keys.update(zip(keys, [(row0 + i * n_leaves, n_leaves) for i in range(n)], strict=True))
-        self._staging.add_frames(row0, file_ids, frames, layout_ids, rows)
+        self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
         return True
 
     def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
@@ -453,8 +454,7 @@ class SpillWriter:
     def _write_index(self) -> tuple[F.CommitRecord, np.ndarray]:
         self._check_segment()
         rows = self._rows[: self._n_rows].copy()
-        for row, crc in self._staging.row_crcs().items():
-            rows[row, F.COL_CRC] = crc
+        rows[:, F.COL_CRC] = self._staging.row_crcs(len(rows))
         if self._dead_rows:
             keep = np.ones(len(rows), dtype=bool)
             for first, n in self._dead_rows:
