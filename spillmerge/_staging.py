@@ -349,6 +349,35 @@ class Staging:
                     completed.extend(held)
                 completed.append(entry)
 
+    def add_frame(self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], leaves: list[Any]) -> None:
+        """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
+        leaf would: when every leaf is on the host and the frame fits in the current chunk, in
+        one step (no held list, no per-leaf call); otherwise through ``add``."""
+        chunk = self._current
+        total = 0
+        for leaf in leaves:
+            if type(leaf.data) is not np.ndarray:
+                chunk = None
+                break
+            total += leaf.nbytes
+        if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes or not total:
+            held: list[Any] = []
+            last = len(leaves) - 1
+            for j, leaf in enumerate(leaves):
+                self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
+            return
+        host, fill, base = chunk.host_np, chunk.fill, self.offset - chunk.fill
+        pieces, completed = chunk.pieces, chunk.completed
+        for j, leaf in enumerate(leaves):
+            n = leaf.nbytes
+            if n:
+                host[fill : fill + n] = leaf.data
+                pieces.append((row + j, fill, fill + n))
+            completed.append((row + j, file_id, frame, layout_ids[j], base + fill, n))
+            fill += n
+        chunk.fill = fill
+        self.offset += total
+
     def add_frames(
         self, row: int, file_ids: np.ndarray, frames: np.ndarray, layout_ids: tuple[int, ...], columns: list[np.ndarray]
     ) -> None:

@@ -168,6 +168,56 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
     return Leaf(path, name, shape, nbytes, flat)
 
 
+# numpy dtype -> format name, for the dtypes numpy holds itself (native byte order only: a
+# big-endian array misses and takes the slow path, which swaps it).
+_NUMPY_NAMES: dict[np.dtype[Any], str] = (
+    {np.dtype(n): n for n, d in DTYPES.items() if d.native and d.numeric} if np.little_endian else {}
+)
+
+
+def _dense_leaf(value: object, path: tuple[str, ...]) -> Leaf | None:
+    """The leaf of a plain contiguous host tensor or array of a native dtype, with one dtype
+    lookup; None for anything else (``flatten`` handles it, and names what it refuses).
+    ``Tensor.numpy()`` itself refuses what needs care (autograd, conj/neg bits, devices, dtypes
+    numpy lacks, sparse or quantized layouts), so the checks of ``_from_tensor`` are not
+    repeated here."""
+    if type(value) is torch.Tensor:
+        try:
+            arr = value.numpy()
+        except (RuntimeError, TypeError):
+            return None
+    elif type(value) is np.ndarray:
+        arr = value
+    else:
+        return None
+    name = _NUMPY_NAMES.get(arr.dtype)
+    if name is None or not arr.flags.c_contiguous or arr.ndim > MAX_NDIM:
+        return None
+    return Leaf(path, name, arr.shape, arr.nbytes, arr.reshape(-1).view(np.uint8))
+
+
+def flatten_dense(value: object) -> list[Leaf] | None:
+    """``flatten`` of the common ``write()`` value, a tensor or a flat dict of str -> tensor (or
+    array), contiguous on the host: the same leaves, without the general walk. None when the
+    value is anything else."""
+    if type(value) is dict:
+        try:
+            keys = sorted(value)
+        except TypeError:
+            return None
+        out = []
+        for k in keys:
+            if type(k) is not str:
+                return None
+            leaf = _dense_leaf(value[k], (k,))
+            if leaf is None:
+                return None
+            out.append(leaf)
+        return out or None
+    leaf = _dense_leaf(value, ())
+    return None if leaf is None else [leaf]
+
+
 def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = False) -> list[Leaf]:
     """Split a value into leaves in a deterministic (sorted-key) order.
 

@@ -38,7 +38,7 @@ from ._spillroot import load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
-from ._values import Leaf, check_filename, check_frame_idx, flatten
+from ._values import Leaf, check_filename, check_frame_idx, flatten, flatten_dense
 from ._zarrmeta import array_meta, array_objects
 
 
@@ -199,7 +199,8 @@ class SpillWriter:
         self._check_open()
         filename = check_filename(filename)
         frame = check_frame_idx(frame_idx, filename)
-        self._put(filename, frame, flatten(value, filename, frame, self.allow_pickle))
+        leaves = flatten_dense(value)  # the common value, without the general walk
+        self._put(filename, frame, leaves if leaves is not None else flatten(value, filename, frame, self.allow_pickle))
 
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
         """Append one frame per item of a batched output: item ``i`` is stored exactly as
@@ -372,15 +373,17 @@ class SpillWriter:
         if file_id == len(self._filenames):
             self._filenames.append(filename)
             self._file_ids[filename] = file_id
-        first_row = self._n_rows
-        if len(leaves) == 1:
-            self._append(file_id, frame, layout_ids[0], leaves[0])
-        else:
-            held: list[tuple[int, int, int, int, int, int]] = []  # journaled with the frame's last leaf
-            for leaf, lid in zip(leaves[:-1], layout_ids[:-1], strict=True):
-                self._append(file_id, frame, lid, leaf, held, last=False)
-            self._append(file_id, frame, layout_ids[-1], leaves[-1], held)
-        self._keys[key] = (first_row, len(leaves))
+        first_row, n_leaves = self._n_rows, len(leaves)
+        if first_row + n_leaves > len(self._rows):
+            self._rows = np.concatenate([self._rows, np.zeros((len(self._rows) + n_leaves, F.INDEX_COLUMNS), np.int64)])
+        off, rows = self._staging.offset, []
+        for leaf, lid in zip(leaves, layout_ids, strict=True):
+            rows.append((file_id, frame, lid, off, leaf.nbytes))
+            off += leaf.nbytes
+        self._rows[first_row : first_row + n_leaves, : F.COL_CRC] = rows  # one assignment per frame
+        self._n_rows += n_leaves
+        self._staging.add_frame(first_row, file_id, frame, layout_ids, leaves)
+        self._keys[key] = (first_row, n_leaves)
 
     def update(self, mapping: Mapping[str, Any]) -> None:
         """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
@@ -400,18 +403,6 @@ class SpillWriter:
                 return False
             staged.append((off, leaf.data, nbytes))
         return self._staging.same_bytes(staged)
-
-    def _append(
-        self, file_id: int, frame: int, layout_id: int, leaf: Leaf, held: list[Any] | None = None, last: bool = True
-    ) -> None:
-        """Add one leaf's index row and copy its bytes into staging (``_staging.Staging.add``
-        says what ``held`` and ``last`` do: a frame is journaled whole)."""
-        row = self._n_rows
-        if row == len(self._rows):
-            self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
-        self._rows[row, : F.COL_CRC] = (file_id, frame, layout_id, self._staging.offset, leaf.nbytes)
-        self._n_rows += 1
-        self._staging.add(row, file_id, frame, layout_id, leaf.data, leaf.nbytes, held, last)
 
     def _check_open(self) -> None:
         if self._state is not WriterState.OPEN:
