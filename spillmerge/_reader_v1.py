@@ -136,14 +136,14 @@ class V1Files:
     def __contains__(self, filename: object) -> bool:
         return filename in self._pos
 
-    def index(self, filename: str, where: str) -> int:
+    def index(self, filename: str, where: Callable[[], str]) -> int:
         try:
             i = self._pos[filename]
         except (KeyError, TypeError):
             near = difflib.get_close_matches(filename, self._filenames, n=3) if isinstance(filename, str) else []
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise UnknownFileError(
-                f"{filename!r} is not a filename of {where} ({len(self._filenames)} files){hint}", filename=filename
+                f"{filename!r} is not a filename of {where()} ({len(self._filenames)} files){hint}", filename=filename
             ) from None
         if i not in self._checked:
             # The file's arrays must hold exactly its rows before any of its rows is handed out.
