@@ -2,7 +2,12 @@
 
 Every rank appends its predictions to its own chunked Zarr segment (``SpillWriter``); one process
 merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` reads it back.
+
+Reading needs no torch: ``SpillWriter``, ``gather`` and ``all_gather`` (which write) are imported
+on first use (PEP 562), so ``import spillmerge`` does not import torch.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ._codecs import CODECS
 from ._errors import (
@@ -36,13 +41,36 @@ from ._errors import (
     WriterClosedError,
 )
 from ._format import FORMAT_VERSION
-from ._gather import all_gather, gather
 from ._inspect import VerifyReport, verify
 from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._report import MergeReport
 from ._spillroot import committed_keys
-from ._writer import SpillWriter
+
+if TYPE_CHECKING:
+    from ._gather import all_gather, gather
+    from ._writer import SpillWriter
+
+# Public names whose modules import torch: (module, name). Loaded on first access.
+_NEEDS_TORCH = {"SpillWriter": ("_writer", "SpillWriter"), "gather": ("_gather", "gather"), "all_gather": ("_gather", "all_gather")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NEEDS_TORCH:
+        raise AttributeError(f"module 'spillmerge' has no attribute {name!r}")
+    import importlib
+
+    from ._errors import require_torch
+
+    require_torch(f"spillmerge.{name}")  # a MissingDependencyError with the install hint, not a bare ImportError
+    module, attr = _NEEDS_TORCH[name]
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NEEDS_TORCH))
 
 __version__ = "0.1.0"
 

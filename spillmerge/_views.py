@@ -10,15 +10,17 @@ from __future__ import annotations
 import pickle
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import _format as F
 from ._cache import ChunkCache
-from ._errors import PickleNotAllowedError, RaggedShapeError
+from ._errors import PickleNotAllowedError, RaggedShapeError, require_torch
 from ._invariants import ColumnInfo, read_array, read_rows
+
+if TYPE_CHECKING:
+    import torch
 
 
 def real_dtype(name: str) -> np.dtype[Any]:
@@ -253,7 +255,7 @@ class FixedView(LeafView):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
+        return getattr(require_torch("LeafView.to_torch()"), self.dtype_name)  # type: ignore[no-any-return]
 
     def _raw(self, sel: Any) -> np.ndarray:
         """The storage-dtype rows ``sel`` (an int, a slice, ``...``, or a tuple starting with one)."""
@@ -321,6 +323,7 @@ class FixedView(LeafView):
     def to_torch(self, sel: Any = ...) -> torch.Tensor:
         """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
         zarr decoded into: no copy beyond reading it."""
+        torch = require_torch("LeafView.to_torch()")
         t = torch.from_numpy(np.ascontiguousarray(self._raw(sel)))
         return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
 
@@ -460,6 +463,7 @@ class RaggedView(_OffsetView):
         """Row ``i`` as a CPU tensor of the real dtype."""
         r = self._row(i)
         raw = self._flat(r, r + 1).reshape(tuple(self._shapes(r, r + 1)[0]))
+        torch = require_torch("LeafView.to_torch()")
         t = torch.from_numpy(np.ascontiguousarray(raw))
         return t if F.DTYPES[self.dtype_name].native else t.view(getattr(torch, self.dtype_name))
 
