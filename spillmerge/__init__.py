@@ -56,10 +56,15 @@ _NEEDS_TORCH = {"SpillWriter": ("_writer", "SpillWriter"), "gather": ("_gather",
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _NEEDS_TORCH:
-        raise AttributeError(f"module 'spillmerge' has no attribute {name!r}")
     import importlib
 
+    if name not in _NEEDS_TORCH:
+        if name.startswith("_") and not name.startswith("__"):  # spillmerge._gather as before: imported on use
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError:
+                pass
+        raise AttributeError(f"module 'spillmerge' has no attribute {name!r}")
     from ._errors import require_torch
 
     require_torch(f"spillmerge.{name}")  # a MissingDependencyError with the install hint, not a bare ImportError
