@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import UnknownColumnError, require
-from ._views import Column
+from ._views import OpenColumn
 
 V2Files = Any
 """``_reader.V2Files`` (which calls this module: named here, not imported, so no import circle)."""
@@ -34,9 +34,9 @@ def _pa(feature: str) -> Any:
     return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
 
 
-def arrow_names(files: V2Files) -> dict[str, Column]:
+def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
     """Leaf column name (as the Arrow forms name it) -> column, in output order."""
-    out: dict[str, Column] = {}
+    out: dict[str, OpenColumn] = {}
     for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
         name = col.info.path or "value"
         if len(files.by_leaf(col.info.leaf)) > 1:  # one column per dtype: "logits:float16"
@@ -45,14 +45,14 @@ def arrow_names(files: V2Files) -> dict[str, Column]:
     return out
 
 
-def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
+def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, OpenColumn]:
     """The leaf columns named in ``columns`` (all when None), in the order given."""
     known = arrow_names(files)
     if columns is None:
         return known
     if isinstance(columns, str):
         columns = [columns]
-    out: dict[str, Column] = {}
+    out: dict[str, OpenColumn] = {}
     for name in columns:
         if name in ("filename", "frame_idx", "rank"):
             continue  # always there
@@ -67,7 +67,7 @@ def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> d
     return out
 
 
-def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
+def default_batch_rows(files: V2Files, cols: dict[str, OpenColumn]) -> int:
     """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
     if files.n_rows == 0:
         return 1
@@ -80,7 +80,7 @@ def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
     return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
 
 
-def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
+def batch(files: V2Files, cols: dict[str, OpenColumn], a: int, b: int) -> Any:
     """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
     pa = _pa("MergedStore.iter_batches()")
     offsets = files.frame_offsets
@@ -98,7 +98,7 @@ def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
     return pa.RecordBatch.from_pydict(arrays)
 
 
-def iter_batches(files: V2Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
+def iter_batches(files: V2Files, cols: dict[str, OpenColumn], batch_size: int | None) -> Iterator[Any]:
     """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
         raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
@@ -107,7 +107,7 @@ def iter_batches(files: V2Files, cols: dict[str, Column], batch_size: int | None
         yield batch(files, cols, a, min(a + step, files.n_rows))
 
 
-def to_arrow(files: V2Files, cols: dict[str, Column]) -> Any:
+def to_arrow(files: V2Files, cols: dict[str, OpenColumn]) -> Any:
     """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
     pa = _pa("MergedStore.to_arrow()")
     return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
@@ -115,7 +115,7 @@ def to_arrow(files: V2Files, cols: dict[str, Column]) -> Any:
 
 def to_parquet(
     files: V2Files,
-    cols: dict[str, Column],
+    cols: dict[str, OpenColumn],
     path: str | os.PathLike[str],
     batch_size: int | None,
     storage_options: dict[str, Any] | None,

@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
-from ._views import Column, LeafView
+from ._views import LeafView, OpenColumn
 
 _STRING_CHUNK_HARD_MAX = 1 << 31
 """No string chunk is read past 2 GiB, whatever a column header claims."""
@@ -207,9 +207,9 @@ class V2Files:
             raise_(V.provenance_problems(name, arr))
             self._prov[name] = arr
         self.n_rows = len(frame_idx)
-        self.columns: dict[str, Column] = {}
+        self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = Column(info, self.n_rows, allow_pickle, cache)
+            col = OpenColumn(info, self.n_rows, allow_pickle, cache)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
@@ -223,7 +223,7 @@ class V2Files:
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
-        self._layout_cols: list[tuple[list[Column], list[tuple[str, Any, Column]] | None]] = []
+        self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
         for names in self._layouts:
             cols = [self.columns[name] for name in names]
             plain = len(cols) == 1 and cols[0].info.leaf == ()
@@ -231,13 +231,17 @@ class V2Files:
             flat = [(c.info.leaf[0], c.view_cls, c) for c in cols] if top else []
             self._layout_cols.append((cols, None if plain else flat))
         self._next = 0
-        self._by_leaf: dict[tuple[str, ...], list[Column]] = {}
+        self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self._by_leaf.setdefault(c.info.leaf, []).append(c)
 
     @property
     def filenames(self) -> list[str]:
         return self._names.tolist()  # type: ignore[no-any-return]
+
+    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open."""
+        return self.filenames, self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
 
     def __len__(self) -> int:
         return len(self._names)
@@ -327,7 +331,7 @@ class V2Files:
             )
         return col.view(0, self.n_rows)
 
-    def by_leaf(self, leaf: tuple[str, ...]) -> list[Column]:
+    def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
         """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
         return self._by_leaf.get(leaf, [])
 
@@ -459,13 +463,10 @@ class MergedStore(Mapping[str, Any]):
     def __getitem__(self, filename: str) -> Any:
         return self._files.value(self._files.index(filename, self.storage.describe))
 
-    def _index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
         checked at open (for coverage, which needs them whole); None for version 1."""
-        if not isinstance(self._files, V2Files):
-            return None
-        f = self._files
-        return f.filenames, f._offsets, f._frame_idx, f._prov["frame_rank"], f._prov["frame_copies"]
+        return self._files.index_arrays() if isinstance(self._files, V2Files) else None
 
     def _v2(self, what: str) -> V2Files:
         if not isinstance(self._files, V2Files):

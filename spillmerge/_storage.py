@@ -149,9 +149,12 @@ class Storage:
         return self.url.rstrip("/") + ("/" + rel if rel else "")
 
     @contextlib.contextmanager
-    def _errors(self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
-        """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``.
-        Our own errors and the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
+    def storage_errors(
+        self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()
+    ) -> Iterator[None]:
+        """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``,
+        also for callers that drive a backend through zarr (the merge's index). Our own errors and
+        the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
         try:
             yield
         except SpillMergeError:
@@ -164,7 +167,7 @@ class Storage:
 
     # ---------------------------------------------------------------------------------- reads
     def exists(self, rel: str) -> bool:
-        with self._errors("check", rel):
+        with self.storage_errors("check", rel):
             return bool(self.fs.exists(self.path(rel)))
 
     def get(self, rel: str, *, max_bytes: int = RECORD_MAX_BYTES) -> bytes:
@@ -180,7 +183,7 @@ class Storage:
         if self.local:
             fd = self._open_regular(rel)
             try:
-                with self._errors("read", rel):
+                with self.storage_errors("read", rel):
                     self._refuse_size(rel, os.fstat(fd).st_size, max_bytes)
                     chunks, got = [], 0
                     while got <= max_bytes:
@@ -193,7 +196,7 @@ class Storage:
                 os.close(fd)
             data = b"".join(chunks)
         else:
-            with self._errors("read", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("read", rel, passthrough=(FileNotFoundError,)):
                 info = self.fs.info(p)
                 self._refuse_kind(rel, info.get("type"))
                 size = info.get("size")
@@ -237,7 +240,7 @@ class Storage:
             if above in self._real_dirs:
                 continue
             try:
-                with self._errors("check", above, passthrough=(FileNotFoundError, NotADirectoryError)):
+                with self.storage_errors("check", above, passthrough=(FileNotFoundError, NotADirectoryError)):
                     mode = os.lstat(self.path(above)).st_mode
             except (FileNotFoundError, NotADirectoryError):
                 return  # nothing below exists: the caller's open or listing says so
@@ -255,7 +258,7 @@ class Storage:
         (local disks); its size."""
         self._refuse_links_in(rel, itself=False)
         try:
-            with self._errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+            with self.storage_errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
                 st = os.lstat(self.path(rel))
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -270,7 +273,7 @@ class Storage:
         the lstat is refused too. ``FileNotFoundError`` when absent."""
         self._refuse_links_in(rel, itself=False)
         p = self.path(rel)
-        with self._errors("open", rel, passthrough=(FileNotFoundError,)):
+        with self.storage_errors("open", rel, passthrough=(FileNotFoundError,)):
             self._refuse_mode(rel, os.lstat(p).st_mode)
             try:
                 fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -311,7 +314,7 @@ class Storage:
             # see new objects.
             self.fs.invalidate_cache(p)
         try:
-            with self._errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+            with self.storage_errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
                 entries = self.fs.ls(p, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
@@ -329,7 +332,7 @@ class Storage:
             return self._find_local(rel)
         self.fs.invalidate_cache(top)
         try:
-            with self._errors("list", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("list", rel, passthrough=(FileNotFoundError,)):
                 found = self.fs.find(top, detail=True)
         except FileNotFoundError:
             return []
@@ -356,7 +359,7 @@ class Storage:
             if not isinstance(exc, FileNotFoundError):
                 raise exc
 
-        with self._errors("list", rel):
+        with self.storage_errors("list", rel):
             for dirpath, dirs, files in os.walk(top, onerror=fail):  # followlinks=False
                 for name in [*dirs, *files]:
                     child = os.path.join(dirpath, name)[len(base) :]
@@ -391,7 +394,7 @@ class Storage:
                 pos += n
             return
         paths = [self.path(rel) for rel, _, _ in pieces]
-        with self._errors("read from"):
+        with self.storage_errors("read from"):
             blobs = self.fs.cat_ranges(paths, [s for _, s, _ in pieces], [e for _, _, e in pieces], on_error="raise")
         pos = 0
         for (rel, start, stop), blob in zip(pieces, blobs, strict=True):
@@ -466,7 +469,7 @@ class Storage:
     # --------------------------------------------------------------------------------- writes
     def makedirs(self, rel: str) -> None:
         if self.local:
-            with self._errors("create", rel):
+            with self.storage_errors("create", rel):
                 os.makedirs(self.path(rel), exist_ok=True)
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
@@ -474,7 +477,7 @@ class Storage:
         on local disks)."""
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
-        with self._errors("write", rel):
+        with self.storage_errors("write", rel):
             if self.local:
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
@@ -502,7 +505,10 @@ class Storage:
             paths.append(dirpath)
             paths.extend(os.path.join(dirpath, f) for f in files)
 
-        with self._errors("sync", rel), ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool:
+        with (
+            self.storage_errors("sync", rel),
+            ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool,
+        ):
             list(pool.map(_fsync_path, paths))
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
@@ -513,7 +519,7 @@ class Storage:
                 self.put(rel, data)
             return
         paths = {self.path(rel): data for rel, data in objects.items()}
-        with self._errors("write metadata under"):
+        with self.storage_errors("write metadata under"):
             if getattr(self.fs, "async_impl", False):
                 self.fs.pipe(paths, batch_size=batch)
             else:
@@ -534,7 +540,7 @@ class Storage:
         if not self.local:
             return False
         try:
-            with self._errors("check", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("check", rel, passthrough=(FileNotFoundError,)):
                 return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
         except FileNotFoundError:
             return False
@@ -559,7 +565,7 @@ class Storage:
         if self.local and rel not in ("", "."):
             self._refuse_links_above(rel)
         try:
-            with self._errors("remove", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
                 if not self.local:
                     if self.fs.exists(p):
                         self.fs.rm(p, recursive=True)
@@ -586,7 +592,7 @@ class Storage:
         so of two processes creating one name, exactly one succeeds."""
         p = self.path(rel)
         try:
-            with self._errors("create", rel, passthrough=(FileExistsError,)):
+            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
                 if not self.local:
                     self.fs.pipe_file(p, data, mode="create")
                     return True
@@ -651,7 +657,7 @@ class _Sink:
         self._tmp = f"{self.path}.{'tmp' if durable else 'part'}-{os.getpid()}-{threading.get_ident()}"
 
     def __enter__(self) -> _Sink:
-        with self.storage._errors("write", self.rel):
+        with self.storage.storage_errors("write", self.rel):
             if self.storage.local:
                 # A received object must land below the root, never through a linked folder.
                 self.storage._refuse_links_above(self.rel)
@@ -661,7 +667,7 @@ class _Sink:
         return self
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
-        with self.storage._errors("write", self.rel):
+        with self.storage.storage_errors("write", self.rel):
             if self._fd is not None:
                 _write_all(self._fd, data)
             else:
@@ -670,7 +676,7 @@ class _Sink:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         ok = exc_type is None
         try:
-            with self.storage._errors("write", self.rel):
+            with self.storage.storage_errors("write", self.rel):
                 if self._fd is not None:
                     try:
                         if ok and self.durable:

@@ -17,7 +17,7 @@ import numpy as np
 from . import _format as F
 from ._cache import ChunkCache
 from ._errors import PickleNotAllowedError, RaggedShapeError, require_torch
-from ._invariants import ColumnInfo, read_array, read_rows
+from ._invariants import StoredColumn, read_array, read_rows
 
 if TYPE_CHECKING:
     import torch
@@ -40,12 +40,12 @@ def real_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(dt.storage)
 
 
-class Column:
+class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
     ``shapes``), read and checked once when the output is opened, kept in memory. Its ``values``
     are read through the output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
 
-    def __init__(self, info: ColumnInfo, n_rows: int, allow_pickle: bool, cache: ChunkCache | None = None) -> None:
+    def __init__(self, info: StoredColumn, n_rows: int, allow_pickle: bool, cache: ChunkCache | None = None) -> None:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
@@ -134,7 +134,7 @@ class LeafView:
 
     __slots__ = ("_col", "_start", "_stop", "filename")
 
-    def __init__(self, col: Column, start: int, stop: int, filename: str | None) -> None:
+    def __init__(self, col: OpenColumn, start: int, stop: int, filename: str | None) -> None:
         self._col = col
         self._start = start
         self._stop = stop
