@@ -58,7 +58,13 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
             f"write_batch: filenames must be a sequence of str (one per item), got {type(filenames).__name__}"
         )
     names = list(filenames)
-    for i, name in enumerate(names):
+    ok = all(type(name) is str for name in names)
+    try:  # every name valid Unicode, checked in one pass; the loop below names a bad one
+        if ok:
+            "\0".join(names).encode("utf-8")
+    except UnicodeEncodeError:
+        ok = False
+    for i, name in enumerate(names) if not ok else ():
         try:
             check_filename(name)
         except SpillValueError as exc:

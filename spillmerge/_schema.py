@@ -102,6 +102,15 @@ class FileSchemas:
             layout_ids = tuple([self._layout_id(lay) for lay in layouts])
         return layout_ids
 
+    def accept_new_files(
+        self, n: int, schema: int, layouts: list[F.Layout], layout_ids: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """:meth:`accept_files` for ``n`` new files (the next ids) that all have ``schema`` now."""
+        self._file_schema.extend([schema] * n)
+        if -1 in layout_ids:
+            layout_ids = tuple([self._layout_id(lay) for lay in layouts])
+        return layout_ids
+
     def schema_of(self, file_id: int) -> int:
         """The accepted schema of file ``file_id`` (0, the empty schema, for a new file)."""
         return self._file_schema[file_id] if file_id < len(self._file_schema) else 0

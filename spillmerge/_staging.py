@@ -414,14 +414,14 @@ class Staging:
             for col, lo, w in zip(columns, starts.tolist(), widths, strict=True):
                 block[:, lo : lo + w] = col[i : i + k]
             # index rows, their byte ranges in the chunk and in the segment, frame by frame
-            entries = np.empty((k, n_leaves, 6), dtype=np.int64)
-            entries[:, :, 0] = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
-            entries[:, :, 1] = file_ids[i : i + k, None]
-            entries[:, :, 2] = frames[i : i + k, None]
-            entries[:, :, 3] = lids
-            entries[:, :, 4] = base + np.arange(k, dtype=np.int64)[:, None] * frame_bytes + starts
-            entries[:, :, 5] = lens
-            entries = entries.reshape(k * n_leaves, 6)
+            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
+            cube[:, :, 0] = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            cube[:, :, 1] = file_ids[i : i + k, None]
+            cube[:, :, 2] = frames[i : i + k, None]
+            cube[:, :, 3] = lids
+            cube[:, :, 4] = base + np.arange(k, dtype=np.int64)[:, None] * frame_bytes + starts
+            cube[:, :, 5] = lens
+            entries = cube.reshape(k * n_leaves, 6)
             lo_in_chunk = entries[:, 4] - (base - fill)
             chunk.blocks.append((entries[:, 0], lo_in_chunk, lo_in_chunk + entries[:, 5]))
             chunk.completed.append(entries)

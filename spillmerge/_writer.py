@@ -237,20 +237,27 @@ class SpillWriter:
         (nothing done) when a key of the batch was written before or repeats in it: the
         item-by-item path applies the duplicate policy."""
         n = len(names)
-        file_ids: list[int] = []
-        new_names: dict[str, int] = {}
-        next_id = len(self._filenames)
-        for name in names:
-            fid = self._file_ids.get(name)
-            if fid is None:
-                fid = new_names.get(name)
+        base = len(self._filenames)
+        # The common batch: n files never written before, each once. Their ids are the next n, no
+        # key can repeat, and every file's schema before the frame is the empty one.
+        fresh = self._file_ids.keys().isdisjoint(names) and len(set(names)) == n
+        if fresh:
+            file_ids: Any = range(base, base + n)
+            new_names = dict(zip(names, file_ids, strict=True))
+        else:
+            file_ids, new_names = [], {}
+            next_id = base
+            for name in names:
+                fid = self._file_ids.get(name)
                 if fid is None:
-                    fid = new_names[name] = next_id
-                    next_id += 1
-            file_ids.append(fid)
-        keys = list(zip(file_ids, frames, strict=True))
-        if len(set(keys)) != n or (self._keys and any(k in self._keys for k in keys)):
-            return False
+                    fid = new_names.get(name)
+                    if fid is None:
+                        fid = new_names[name] = next_id
+                        next_id += 1
+                file_ids.append(fid)
+            keys = list(zip(file_ids, frames, strict=True))
+            if len(set(keys)) != n or (self._keys and any(k in self._keys for k in keys)):
+                return False
         item0 = _nest({path: col[0] for path, col in columns.items()})
         try:
             leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
@@ -262,7 +269,12 @@ class SpillWriter:
         # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
         moves: dict[int, tuple[int, tuple[int, ...]]] = {}
         schemas: dict[int, int] = {}
-        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)):
+        if fresh:
+            try:
+                moves[0] = self._schema.check(names[0], frames[0], base, layouts, 0)
+            except SpillValueError as exc:
+                raise at_position(exc, 0, n, names[0]) from None
+        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)) if not fresh else ():
             cur = schemas.get(fid)
             if cur is None:
                 cur = self._schema.schema_of(fid)
@@ -274,10 +286,13 @@ class SpillWriter:
                     raise at_position(exc, i, n, name) from None
             schemas[fid] = move[0]
         rows = [as_rows(columns[leaf.path], n) for leaf in leaves]
-        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
-        for name, fid in new_names.items():
-            self._filenames.append(name)
-            self._file_ids[name] = fid
+        if fresh:
+            layout_ids = self._schema.accept_new_files(n, moves[0][0], layouts, moves[0][1])
+            self._filenames.extend(names)
+        else:
+            layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
+            self._filenames.extend(new_names)
+        self._file_ids.update(new_names)
         n_leaves, row0 = len(leaves), self._n_rows
         need = row0 + n * n_leaves
         if need > len(self._rows):
@@ -294,7 +309,8 @@ class SpillWriter:
         block[:, :, 3] = self._staging.offset + np.arange(n, dtype=np.int64)[:, None] * int(widths.sum()) + starts
         block[:, :, 4] = widths
         self._n_rows = need
-        self._keys.update(zip(keys, [(row0 + i * n_leaves, n_leaves) for i in range(n)], strict=True))
+        spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
+        self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
         return True
 
