@@ -13,6 +13,8 @@ Protocol (the writer, once per frame, before anything of the frame is staged):
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import _format as F
 from ._errors import LayoutMismatchError
 
@@ -31,6 +33,16 @@ def _describe_sig(sig: _Sig) -> str:
     if kind != "num":
         return f"a {kind}"
     return f"{dtype or 'empty numeric'} with {ndim} dim{'s' if ndim != 1 else ''}"
+
+
+_FRAME_CACHE = 4096
+"""Distinct frame layouts remembered by ``FileSchemas.layouts_of`` before it starts over."""
+
+
+class _Layouts(list[F.Layout]):
+    """A frame's layouts, carrying the key ``FileSchemas.layouts_of`` made them for."""
+
+    key: tuple[Any, ...] | None = None
 
 
 class FileSchemas:
@@ -55,6 +67,8 @@ class FileSchemas:
         self._known: dict[F.Layout, tuple[int, int]] = {}
         self._sigs: list[tuple[tuple[str, ...], _Sig]] = []
         self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
+        self._frame_layouts: dict[tuple[Any, ...], _Layouts] = {}
+        self._frame_infos: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def check(
         self, filename: str, frame: int, file_id: int, layouts: list[F.Layout], schema: int | None = None
@@ -66,13 +80,33 @@ class FileSchemas:
         batch checks its items before accepting any)."""
         if schema is None:
             schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
-        known = self._known  # one lookup per leaf: write() runs once per frame
-        infos = [known.get(lay) or self._new_layout(lay) for lay in layouts]  # new: a new leaf or ragged shape
-        sigs = tuple([info[1] for info in infos])
+        frame_key = getattr(layouts, "key", None)
+        cached = self._frame_infos.get(frame_key) if frame_key is not None else None
+        if cached is None:
+            known = self._known  # one lookup per leaf: write() runs once per frame
+            infos = [known.get(lay) or self._new_layout(lay) for lay in layouts]  # new: a new leaf or ragged shape
+            cached = (tuple([info[1] for info in infos]), tuple([info[0] for info in infos]))
+            if frame_key is not None and -1 not in cached[1]:  # ids in the catalog never change
+                self._frame_infos[frame_key] = cached
+        sigs, ids = cached
         new_schema = self._transitions.get((schema, sigs))
         if new_schema is None:
             new_schema = self._next_schema(filename, frame, schema, sigs, layouts)
-        return new_schema, tuple([info[0] for info in infos])
+        return new_schema, ids
+
+    def layouts_of(self, leaves: list[Any]) -> list[F.Layout]:
+        """The layouts of a frame's leaves, made once per distinct (paths, dtypes, shapes): a
+        repeated frame shape skips building and hashing its ``Layout`` records (``check`` finds
+        its catalog ids and signatures by the same key)."""
+        key = tuple([(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves])
+        layouts = self._frame_layouts.get(key)
+        if layouts is None:
+            if len(self._frame_layouts) >= _FRAME_CACHE:  # ragged frames: bounded memory
+                self._frame_layouts.clear()
+                self._frame_infos.clear()
+            layouts = self._frame_layouts[key] = _Layouts(F.Layout(*k) for k in key)
+            layouts.key = key
+        return layouts
 
     def accept(
         self, file_id: int, schema: int, layouts: list[F.Layout], layout_ids: tuple[int, ...]

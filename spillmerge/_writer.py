@@ -365,7 +365,7 @@ class SpillWriter:
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
-        layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        layouts = self._schema.layouts_of(leaves)
         # raises before anything of this frame is staged or cataloged
         new_schema, layout_ids = self._schema.check(filename, frame, file_id, layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
