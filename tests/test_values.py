@@ -545,3 +545,54 @@ def test_index_naming_a_leaf_twice_in_a_frame_is_corrupt():
     index[2, F.COL_NBYTES] = 8
     with pytest.raises(spillmerge.CorruptSpillError, match="sizes"):
         R._validate_rows(bad, ["f"], lays, index, 14)
+
+
+def _fast_cases() -> list[Any]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((3, 5), generator=g)
+    return [
+        x,
+        x[:, 1],  # not contiguous: the general path
+        x.t(),
+        x.half(),
+        x.bfloat16(),  # numpy lacks it: the general path
+        x > 0,
+        torch.tensor(7),
+        torch.zeros((0, 4)),
+        x.clone().requires_grad_(),
+        torch.ones(2, dtype=torch.complex64).conj(),
+        {"b": x.numpy(), "a": x.to(torch.int32), "c": torch.tensor(3.5)},
+        {"only": np.arange(6, dtype=">i4").reshape(2, 3)},  # big-endian: swapped by the general path
+        {"nested": {"x": x}},
+        {1: x},
+        np.arange(4, dtype=np.uint16),
+        np.array(["a"]),
+    ]
+
+
+_FAST = {0, 3, 5, 6, 7, 10, 14}  # plain contiguous host tensors / arrays of numpy dtypes, flat dicts of them
+
+
+@pytest.mark.parametrize("case", range(len(_fast_cases())))
+def test_the_write_fast_path_gives_the_leaves_of_the_general_walk(case: int) -> None:
+    """What write() stores for a plain tensor / flat dict (the fast path) is what the general
+    walk gives: same paths, dtypes, shapes and bytes; anything else is left to the walk."""
+    from spillmerge._values import flatten, flatten_dense
+
+    value = _fast_cases()[case]
+    fast = flatten_dense(value)
+    try:
+        slow = flatten(value, "f", 0)
+    except spillmerge.SpillValueError:
+        assert fast is None
+        return
+    assert (fast is not None) == (case in _FAST), "the fast path took / left the wrong values"
+    if fast is None:
+        return
+    assert [(lf.path, lf.dtype, lf.shape, lf.nbytes) for lf in fast] == [
+        (lf.path, lf.dtype, lf.shape, lf.nbytes) for lf in slow
+    ]
+    for a, b in zip(fast, slow, strict=True):
+        assert bytes(np.asarray(a.data)) == bytes(
+            np.asarray(b.data.cpu() if isinstance(b.data, torch.Tensor) else b.data)
+        )
