@@ -85,7 +85,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "storage-path-accepts-dotdot",
-        "spillmerge/_storage.py",
+        "spillmerge/_storage/_base.py",
         '        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):',
         '        if norm != rel.rstrip("/"):',
         (f"{G}::test_storage_paths_with_dot_dot_are_refused",),
@@ -206,7 +206,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "get-max-bytes-ignored",
-        "spillmerge/_storage.py",
+        "spillmerge/_storage/_base.py",
         "        if size > max_bytes:",
         "        if False:",
         (f"{G}::test_get_refuses_an_object_larger_than_max_bytes",),
