@@ -638,6 +638,85 @@ class OutputHeader:
         return {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
 
 
+COLUMN_KINDS = ("fixed", "ragged", "str", "bytes", "pickle", "strlist")
+"""The kinds of an output column (docs/FORMAT.md section 2, *Columns*)."""
+NUMERIC_KINDS = ("fixed", "ragged")
+"""The column kinds whose ``dtype`` is a numeric dtype name (the others' is the kind itself)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnHeader:
+    """A column group's ``columns/<name>/zarr.json`` attributes, key ``spillmerge``: which leaf
+    the column holds and how (docs/FORMAT.md section 2, *Columns*)."""
+
+    leaf: tuple[str, ...]
+    """Dict keys from the value's root to the leaf (empty for plain tensor values)."""
+    kind: str
+    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
+    dtype: str
+    """Dtype name (section 3) for numeric kinds, else the kind."""
+    ndim: int | None
+    """Dimensions of a value (numeric kinds); read as None when not an int."""
+    inner_shape: tuple[int, ...] | None
+    """Dimensions after the first of a ragged column's values (None: flat values + ``shapes``)."""
+    has_valid: bool
+    """Some row lacks the leaf: the group has a ``valid`` array."""
+    chunk_max_bytes: int | None
+    """Largest string chunk the merge wrote (string columns); read as None when not an int >= 0."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "leaf": list(self.leaf),
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "ndim": self.ndim,
+            "inner_shape": None if self.inner_shape is None else list(self.inner_shape),
+            "has_valid": self.has_valid,
+            "chunk_max_bytes": self.chunk_max_bytes,
+        }
+
+    @classmethod
+    def from_obj(cls, obj: Any, *, name: str, path: str) -> ColumnHeader:
+        """The header of the column group ``name`` (at ``path``), or ``CorruptSpillError`` with
+        the ``reason`` when a field is missing or contradicts the group's name."""
+
+        def bad(reason: str) -> CorruptSpillError:
+            return CorruptSpillError(f"{path}: {reason}", path=path, reason=reason)
+
+        if not isinstance(obj, dict):
+            raise bad("no spillmerge column header (leaf, kind, dtype)")
+        leaf, kind, dtype = obj.get("leaf"), obj.get("kind"), obj.get("dtype")
+        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
+            raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
+        numeric_dt = dtype if kind in NUMERIC_KINDS and isinstance(dtype, str) else None
+        if name not in column_name_choices(tuple(leaf), numeric_dt):
+            raise bad(f"column {name!r} holds leaf {leaf!r:.200}, which a merge names otherwise")
+        if kind not in COLUMN_KINDS:
+            raise bad(f"unknown kind {kind!r:.50} (known: {', '.join(COLUMN_KINDS)})")
+        numeric = kind in NUMERIC_KINDS
+        dt = DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if numeric and (dt is None or not dt.numeric):
+            raise bad(f"unknown dtype {dtype!r:.50} (known: docs/FORMAT.md section 3)")
+        if not numeric and dtype != kind:
+            raise bad(f"dtype {dtype!r:.50} of a {kind} column (must be {kind!r})")
+        inner = obj.get("inner_shape")
+        if inner is not None and (
+            not isinstance(inner, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in inner)
+        ):
+            raise bad(f"inner_shape {inner!r:.100} is not a list of non-negative ints")
+        cmb = _int_or_none(obj, "chunk_max_bytes")
+        return cls(
+            leaf=tuple(leaf),
+            kind=str(kind),
+            dtype=str(dtype),
+            ndim=_int_or_none(obj, "ndim"),
+            inner_shape=tuple(inner) if inner is not None else None,
+            has_valid=bool(obj.get("has_valid")),
+            chunk_max_bytes=cmb if cmb is not None and cmb >= 0 else None,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class MergeFailureRecord:
     """``ROOT/spillmerge-failed.json`` (in the spill root): the merge of ``SpillWriter.merge``

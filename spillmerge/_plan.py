@@ -107,17 +107,17 @@ class Column:
             return len(self.src)
         return int(self.counts.sum())
 
-    def header(self, chunk_max_bytes: int | None = None) -> dict[str, Any]:
+    def header(self, chunk_max_bytes: int | None = None) -> F.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
-        return {
-            "leaf": list(self.leaf),
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "ndim": self.ndim,
-            "inner_shape": None if self.inner is None else list(self.inner),
-            "has_valid": self.has_valid,
-            "chunk_max_bytes": chunk_max_bytes,
-        }
+        return F.ColumnHeader(
+            leaf=self.leaf,
+            kind=self.kind,
+            dtype=self.dtype,
+            ndim=self.ndim,
+            inner_shape=self.inner,
+            has_valid=self.has_valid,
+            chunk_max_bytes=chunk_max_bytes,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,7 +542,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "format_version": F.FORMAT_VERSION,
         "settings": settings,
         "segments": [s.seg.rel for s in plan.segments],
-        "columns": [c.header() for c in plan.columns],
+        "columns": [c.header().to_obj() for c in plan.columns],
         "file_layouts": plan.file_layouts,
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))

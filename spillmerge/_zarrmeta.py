@@ -143,7 +143,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
             meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
         first = "row" if col.counts is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
-        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit)})
+        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit).to_obj()})
         nodes[f"{base}/values"] = ArrayV3Metadata.from_dict(meta)
         if col.has_offsets:
             nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))
