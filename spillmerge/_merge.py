@@ -454,7 +454,7 @@ def _write_index(job: _Job) -> None:
     # (verify treats a missing chunk as damage).
     # The output may have been changed under us (a hostile writer of the storage): whatever zarr
     # raises about it becomes one SpillStorageError naming the output.
-    with zarr.config.set({"array.write_empty_chunks": True}), job.output._errors("write the index of", "index"):
+    with zarr.config.set({"array.write_empty_chunks": True}), job.output.storage_errors("write the index of", "index"):
         group = zarr.open_group(store, mode="r+", use_consolidated=False)
         index: Any = group["index"]
         if plan.n_files:

@@ -150,9 +150,12 @@ class Storage:
         return self.url.rstrip("/") + ("/" + rel if rel else "")
 
     @contextlib.contextmanager
-    def _errors(self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
-        """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``.
-        Our own errors and the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
+    def storage_errors(
+        self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()
+    ) -> Iterator[None]:
+        """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``,
+        also for callers that drive a backend through zarr (the merge's index). Our own errors and
+        the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
         try:
             yield
         except SpillMergeError:
@@ -165,7 +168,7 @@ class Storage:
 
     # ---------------------------------------------------------------------------------- reads
     def exists(self, rel: str) -> bool:
-        with self._errors("check", rel):
+        with self.storage_errors("check", rel):
             return bool(self.fs.exists(self.path(rel)))
 
     def get(self, rel: str, *, max_bytes: int = RECORD_MAX_BYTES) -> bytes:
@@ -219,7 +222,7 @@ class Storage:
         p = self.path(rel)
         self._before_listing(rel, p)
         try:
-            with self._errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+            with self.storage_errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
                 entries = self.fs.ls(p, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []

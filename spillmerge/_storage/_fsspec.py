@@ -45,7 +45,7 @@ class FsspecStorage(Storage):
     # ---------------------------------------------------------------------------------- reads
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:
         p = self.path(rel)
-        with self._errors("read", rel, passthrough=(FileNotFoundError,)):
+        with self.storage_errors("read", rel, passthrough=(FileNotFoundError,)):
             info = self.fs.info(p)
             self._refuse_kind(rel, info.get("type"))
             size = info.get("size")
@@ -62,7 +62,7 @@ class FsspecStorage(Storage):
         top = self.path(rel)
         self.fs.invalidate_cache(top)
         try:
-            with self._errors("list", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("list", rel, passthrough=(FileNotFoundError,)):
                 found = self.fs.find(top, detail=True)
         except FileNotFoundError:
             return []
@@ -79,7 +79,7 @@ class FsspecStorage(Storage):
 
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
         paths = [self.path(rel) for rel, _, _ in pieces]
-        with self._errors("read from"):
+        with self.storage_errors("read from"):
             blobs = self.fs.cat_ranges(paths, [s for _, s, _ in pieces], [e for _, _, e in pieces], on_error="raise")
         pos = 0
         for (rel, start, stop), blob in zip(pieces, blobs, strict=True):
@@ -98,7 +98,7 @@ class FsspecStorage(Storage):
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
-        with self._errors("write", rel):
+        with self.storage_errors("write", rel):
             blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
             self.fs.pipe_file(p, bytes(blob))
 
@@ -110,7 +110,7 @@ class FsspecStorage(Storage):
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
-        with self._errors("write metadata under"):
+        with self.storage_errors("write metadata under"):
             if getattr(self.fs, "async_impl", False):
                 self.fs.pipe(paths, batch_size=batch)
             else:
@@ -125,7 +125,7 @@ class FsspecStorage(Storage):
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
         try:
-            with self._errors("remove", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
                 if self.fs.exists(p):
                     self.fs.rm(p, recursive=True)
         except FileNotFoundError:
@@ -137,7 +137,7 @@ class FsspecStorage(Storage):
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
         try:
-            with self._errors("create", rel, passthrough=(FileExistsError,)):
+            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
                 self.fs.pipe_file(p, data, mode="create")
                 return True
         except FileExistsError:
@@ -168,12 +168,12 @@ class _FsspecSink:
         self._fh: Any = None
 
     def __enter__(self) -> _FsspecSink:
-        with self.storage._errors("write", self.rel):
+        with self.storage.storage_errors("write", self.rel):
             self._fh = self.storage.fs.open(self.path, "wb")
         return self
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
-        with self.storage._errors("write", self.rel):
+        with self.storage.storage_errors("write", self.rel):
             self._fh.write(data)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -181,7 +181,7 @@ class _FsspecSink:
             return
         ok = exc_type is None
         try:
-            with self.storage._errors("write", self.rel):
+            with self.storage.storage_errors("write", self.rel):
                 if ok:
                     self._fh.close()
                 else:

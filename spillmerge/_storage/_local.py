@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SpillStorageError, UnsafePathError
 from .._format import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
-from ._base import Storage, _why
+from ._base import Storage
 
 
 class LocalStorage(Storage):
@@ -56,7 +56,7 @@ class LocalStorage(Storage):
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:
         fd = self._open_regular(rel)
         try:
-            with self._errors("read", rel):
+            with self.storage_errors("read", rel):
                 self._refuse_size(rel, os.fstat(fd).st_size, max_bytes)
                 chunks, got = [], 0
                 while got <= max_bytes:
@@ -82,7 +82,7 @@ class LocalStorage(Storage):
             if above in self._real_dirs:
                 continue
             try:
-                with self._errors("check", above, passthrough=(FileNotFoundError, NotADirectoryError)):
+                with self.storage_errors("check", above, passthrough=(FileNotFoundError, NotADirectoryError)):
                     mode = os.lstat(self.path(above)).st_mode
             except (FileNotFoundError, NotADirectoryError):
                 return  # nothing below exists: the caller's open or listing says so
@@ -100,7 +100,7 @@ class LocalStorage(Storage):
         its size."""
         self._refuse_links_in(rel, itself=False)
         try:
-            with self._errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
+            with self.storage_errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
                 st = os.lstat(self.path(rel))
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -115,7 +115,7 @@ class LocalStorage(Storage):
         the lstat is refused too. ``FileNotFoundError`` when absent."""
         self._refuse_links_in(rel, itself=False)
         p = self.path(rel)
-        with self._errors("open", rel, passthrough=(FileNotFoundError,)):
+        with self.storage_errors("open", rel, passthrough=(FileNotFoundError,)):
             self._refuse_mode(rel, os.lstat(p).st_mode)
             try:
                 fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -162,7 +162,7 @@ class LocalStorage(Storage):
             if not isinstance(exc, FileNotFoundError):
                 raise exc
 
-        with self._errors("list", rel):
+        with self.storage_errors("list", rel):
             for dirpath, dirs, files in os.walk(top, onerror=fail):  # followlinks=False
                 for name in [*dirs, *files]:
                     child = os.path.join(dirpath, name)[len(base) :]
@@ -214,11 +214,8 @@ class LocalStorage(Storage):
         if fd is not None:
             self._fds.move_to_end(rel)
             return fd
-        try:
+        with self.storage_errors("open", rel):  # absent here is damage: SpillStorageError
             fd = self._open_regular(rel)
-        except FileNotFoundError as exc:
-            where = self.describe(rel)
-            raise SpillStorageError(f"cannot open {where}: {_why(exc)}", path=where) from exc
         self._fds[rel] = fd
         while len(self._fds) > 128:
             _, old = self._fds.popitem(last=False)
@@ -234,13 +231,13 @@ class LocalStorage(Storage):
 
     # --------------------------------------------------------------------------------- writes
     def makedirs(self, rel: str) -> None:
-        with self._errors("create", rel):
+        with self.storage_errors("create", rel):
             os.makedirs(self.path(rel), exist_ok=True)
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
-        with self._errors("write", rel):
+        with self.storage_errors("write", rel):
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 for part in parts:
@@ -262,7 +259,10 @@ class LocalStorage(Storage):
             paths.append(dirpath)
             paths.extend(os.path.join(dirpath, f) for f in files)
 
-        with self._errors("sync", rel), ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool:
+        with (
+            self.storage_errors("sync", rel),
+            ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool,
+        ):
             list(pool.map(_fsync_path, paths))
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
@@ -276,7 +276,7 @@ class LocalStorage(Storage):
 
     def is_link(self, rel: str) -> bool:
         try:
-            with self._errors("check", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("check", rel, passthrough=(FileNotFoundError,)):
                 return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
         except FileNotFoundError:
             return False
@@ -299,7 +299,7 @@ class LocalStorage(Storage):
         if rel not in ("", "."):
             self._refuse_links_above(rel)
         try:
-            with self._errors("remove", rel, passthrough=(FileNotFoundError,)):
+            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
                 if stat.S_ISDIR(os.lstat(p).st_mode):
                     # fd-based on Linux: unlinks links inside, never follows them; what another
                     # process removes meanwhile is fine, the rest of the tree still goes.
@@ -318,7 +318,7 @@ class LocalStorage(Storage):
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
         try:
-            with self._errors("create", rel, passthrough=(FileExistsError,)):
+            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
                 fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                 try:
                     _write_all(fd, data)
@@ -340,11 +340,7 @@ class LocalStorage(Storage):
             and any object below a linked folder: zarr would follow or block on them."""
 
             async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
-                where = f"{rel}/{key}" if rel else key
-                size = storage._check_regular(where)
-                if size is not None and key.endswith("zarr.json"):  # read whole by zarr
-                    limit = ROOT_DOC_MAX_BYTES if where == "zarr.json" else ARRAY_DOC_MAX_BYTES
-                    storage._refuse_size(where, size, limit)
+                storage._check_zarr_get(f"{rel}/{key}" if rel else key)
                 return await super().get(key, prototype, byte_range)
 
             async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
@@ -354,6 +350,14 @@ class LocalStorage(Storage):
                 return await super().get_partial_values(prototype, key_ranges)
 
         return RegularFilesOnly(self.path(rel), read_only=read_only)
+
+    def _check_zarr_get(self, where: str) -> None:
+        """What :meth:`zarr_store` checks before zarr reads ``where`` whole: a regular file reached
+        without a link (or absent), and a ``zarr.json`` no larger than its limit."""
+        size = self._check_regular(where)
+        if size is not None and where.endswith("zarr.json"):  # read whole by zarr
+            limit = ROOT_DOC_MAX_BYTES if where == "zarr.json" else ARRAY_DOC_MAX_BYTES
+            self._refuse_size(where, size, limit)
 
 
 class _LocalSink:
@@ -368,7 +372,7 @@ class _LocalSink:
         self._tmp = f"{self.path}.{'tmp' if durable else 'part'}-{os.getpid()}-{threading.get_ident()}"
 
     def __enter__(self) -> _LocalSink:
-        with self.storage._errors("write", self.rel):
+        with self.storage.storage_errors("write", self.rel):
             # A received object must land below the root, never through a linked folder.
             self.storage._refuse_links_above(self.rel)
             self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -376,7 +380,7 @@ class _LocalSink:
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
         assert self._fd is not None
-        with self.storage._errors("write", self.rel):
+        with self.storage.storage_errors("write", self.rel):
             _write_all(self._fd, data)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -384,7 +388,7 @@ class _LocalSink:
             return
         ok = exc_type is None
         try:
-            with self.storage._errors("write", self.rel):
+            with self.storage.storage_errors("write", self.rel):
                 try:
                     if ok and self.durable:
                         os.fsync(self._fd)
