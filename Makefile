@@ -1,21 +1,29 @@
 # `make demo` and `make test` each set up .venv on a fresh machine first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test mutation-check lint bench release-check clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build first: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# The CPU build of torch first: on PyPI under Linux, torch is a multi-GB CUDA build. PyTorch's CPU
+	# index is asked first; --retries 0 so a machine that cannot reach it falls back at once to PyPI.
+	$(PY) -m pip install -q --retries 0 --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+	# What the demo needs and nothing more: spillmerge and its own dependencies.
+	$(PY) -m pip install -q -e .
+	touch $(BASE)
+
+# The tests' tools (pytest, moto, lightning, ruff, mypy ...) come with `make test` only.
+$(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: setup
+demo: $(BASE)
 	$(VENV)/bin/spillmerge demo
 
 test: setup

@@ -8,12 +8,11 @@ symbolic link, and only while it holds the output's lease (``_lease``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from . import _format as F
-from . import _lease, _parts, _poll
-from ._errors import CorruptSpillError, MergeFailedError, MergeTimeout, OutputExistsError, UnsafePathError
+from . import _lease, _parts
+from ._errors import CorruptSpillError, OutputExistsError, UnsafePathError
 from ._storage import Storage
 
 
@@ -146,76 +145,3 @@ def claim(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
         if not overwrite:
             raise complete_error(output, "rebuild it (every part, then finalize)")
         output.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized
-
-
-def record_failure(spill: Storage, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> None:
-    """The merging rank's merge failed: say so in the spill root every rank knows
-    (``ROOT/spillmerge-failed.json``; never in the output, which may not be ours), so ranks
-    waiting for the output (:func:`wait_complete`) raise at once with the cause. Best effort:
-    storage may be what failed, and the process group's store carries it too."""
-    try:
-        record = F.MergeFailureRecord.of(exc, rank=rank, run_id=run_id, session=session)
-        spill.put_atomic(F.MERGE_FAILED_NAME, record.to_json())
-    except Exception:  # noqa: BLE001 - the merge's own error matters more
-        pass
-
-
-def wait_complete(
-    output: Storage,
-    spill: Storage,
-    *,
-    run_id: str | None,
-    session: int,
-    dst: int,
-    timeout: float,
-    outcome: Callable[[], dict[str, Any] | None],
-) -> None:
-    """A rank other than ``dst``: return once the output holds a completion marker of this run
-    (``run_id``), or the process group's store says the merge succeeded (``outcome()``); raise
-    :class:`MergeFailedError` naming ``dst`` as soon as its merge is known to have failed (the
-    store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
-    ``timeout`` seconds."""
-    for waited in _poll.poll(timeout, first=0.02, cap=1.0):
-        told = outcome()
-        if told is not None:
-            if told.get("ok"):
-                return
-            _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
-        if _complete_for(output, run_id, session):
-            return
-        raw = spill.get_or_none(F.MERGE_FAILED_NAME, max_bytes=1 << 20)
-        if raw is not None:
-            try:
-                rec = F.MergeFailureRecord.from_json(raw, path=spill.describe(F.MERGE_FAILED_NAME))
-            except CorruptSpillError:
-                rec = None
-            if rec is not None and rec.run_id == run_id and rec.session == session:
-                _raise_failed(output, spill, rec.rank, rec.summary())
-        if waited >= timeout:
-            raise MergeTimeout(
-                f"waited {waited:.0f} s for rank {dst} to complete the merge into {output.describe()}; it neither "
-                f"finished nor recorded a failure there. Check rank {dst}'s log (was it killed?), and that every rank "
-                "sees the output (wait=True needs shared storage for the output)",
-                path=output.describe(),
-                waited_s=waited,
-            )
-
-
-def _complete_for(output: Storage, run_id: str | None, session: int) -> bool:
-    raw = output.get_or_none(F.COMPLETE_NAME, max_bytes=1 << 20)
-    if raw is None:
-        return False
-    try:
-        obj = F.loads(raw, path=output.describe(F.COMPLETE_NAME))
-    except CorruptSpillError:
-        return False
-    return isinstance(obj, dict) and obj.get("run_id") == run_id and obj.get("session") == session
-
-
-def _raise_failed(output: Storage, spill: Storage, dst: int, error: str) -> None:
-    raise MergeFailedError(
-        f"the merge into {output.describe()} failed on rank {dst}: {error} (its traceback is in "
-        f"{spill.describe(F.MERGE_FAILED_NAME)} or rank {dst}'s log)",
-        rank=dst,
-        failures={dst: error},
-    )

@@ -1,7 +1,8 @@
 """Staging: host buffers a writer copies frames into, and the thread that uploads them.
 
-Protocol (the writer drives it; docs/ARCHITECTURE.md, Memory):
-  (caller's thread)  ``BufferPool.acquire`` → fill a :class:`Chunk` → ``Flusher.q.put(chunk)``
+Protocol (the writer drives it through :class:`Staging`; docs/ARCHITECTURE.md, Memory):
+  (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` →
+                     ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     wait for the chunk's CUDA copies → CRC-32C of its rows → upload it whole
                      (``flush_threads`` in flight) → ``journal/N`` once chunks ``0..N`` are durable
                      → ``BufferPool.release``; ``None`` on the queue ends it.
@@ -22,7 +23,11 @@ import numpy as np
 import torch
 
 from . import _format as F
+from ._errors import SpillMergeError, SpillStorageError
 from ._storage import Storage
+
+COMPARE_WINDOW = 1 << 20
+"""Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 
 
 @dataclass(slots=True)
@@ -217,3 +222,226 @@ class Flusher(threading.Thread):
             chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
         )
         self.storage.put(f"{self.prefix}/{F.journal_name(chunk.number)}", entry)
+
+
+class Staging:
+    """The writer's side of staging: the only object that touches the staging chunks, the
+    buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
+    :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
+    :meth:`stop` (abort), :meth:`row_crcs` for the index and :meth:`free`. Full chunks go to the
+    :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
+    since the previous one, read from the two append-only lists given to :meth:`start`."""
+
+    def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.pool = BufferPool(chunk_bytes, n_buffers)
+        self.offset = 0
+        """Bytes staged so far: where the next leaf's bytes start in the segment's ``data``."""
+        self.n_chunks = 0
+        """Chunks started so far (the last one may still be filling)."""
+        self.flusher: Flusher | None = None
+        self._current: Chunk | None = None
+        self._cuda_stream: Any = None
+        self._closing = False
+        self._path = ""
+
+    def start(
+        self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
+        layouts: list[F.Layout],
+    ) -> None:  # fmt: skip
+        """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
+        ``layouts`` are the writer's catalog (append-only)."""
+        self._storage, self._prefix, self._path = storage, prefix, storage.describe(prefix)
+        self._filenames, self._layouts = filenames, layouts
+        self._journaled_files = self._journaled_layouts = 0
+        self.flusher = Flusher(
+            self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size
+        )
+        self.flusher.start()
+
+    @property
+    def allocated(self) -> int:
+        """Staging buffers allocated so far."""
+        return self.pool.allocated
+
+    # -------------------------------------------------------------------------------- copies
+    def add(
+        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int,
+        held: list[Any] | None = None, last: bool = True,
+    ) -> None:  # fmt: skip
+        """Copy one leaf (index row ``row``; ``data`` a flat uint8 ndarray or contiguous tensor
+        of ``nbytes``) into staging at :attr:`offset`. The rows of a frame's earlier leaves wait
+        in ``held`` (``last=False``); with its ``last`` leaf they all go to the chunk holding the
+        frame's last byte, so the journal entry of that chunk lists the whole frame and a frame
+        whose large leaf never became durable is never salvaged by halves."""
+        done = 0
+        is_cuda = isinstance(data, torch.Tensor) and data.device.type == "cuda"
+        if is_cuda:
+            self._prepare_cuda(data)
+        while done < nbytes:
+            chunk = self._current_chunk()
+            n = min(nbytes - done, self.chunk_bytes - chunk.fill)
+            if is_cuda:
+                dst = chunk.host[chunk.fill : chunk.fill + n]
+                with torch.cuda.stream(self._cuda_stream):
+                    dst.copy_(data[done : done + n], non_blocking=True)
+                    if chunk.event is None:
+                        chunk.event = torch.cuda.Event()
+                    chunk.event.record(self._cuda_stream)
+                # Work the caller queues next (e.g. overwriting this tensor in place) runs after our
+                # copy, without blocking the host: write() keeps its copy semantics on CUDA.
+                torch.cuda.current_stream(data.device).wait_stream(self._cuda_stream)
+            else:
+                if chunk.host_np is None:
+                    chunk.host_np = chunk.host.numpy()
+                chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
+            chunk.pieces.append((row, chunk.fill, chunk.fill + n))
+            chunk.fill += n
+            done += n
+            self.offset += n
+            if done == nbytes:
+                entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
+                if not last:
+                    held.append(entry)  # type: ignore[union-attr]
+                else:
+                    if held:
+                        chunk.completed.extend(held)
+                    chunk.completed.append(entry)
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+        if nbytes == 0:
+            entry = (row, file_id, frame, layout_id, self.offset, 0)
+            if not last:
+                held.append(entry)  # type: ignore[union-attr]
+            else:
+                completed = self._current_chunk().completed
+                if held:
+                    completed.extend(held)
+                completed.append(entry)
+
+    def _prepare_cuda(self, data: torch.Tensor) -> None:
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device=data.device)
+            self.pool.pin()
+        # Copies run on our own stream after the producer's work; the allocator must not
+        # reuse the tensor's memory before our copy has read it.
+        self._cuda_stream.wait_stream(torch.cuda.current_stream(data.device))
+        data.record_stream(self._cuda_stream)
+
+    def _current_chunk(self) -> Chunk:
+        if self._current is None:
+            self._current = Chunk(self.n_chunks, self.pool.acquire(self.check))
+            self.n_chunks += 1
+        return self._current
+
+    def hand_off(self) -> None:
+        """Queue the current chunk (if any) for upload, with the catalog entries added since the
+        previous one."""
+        chunk, self._current = self._current, None
+        if chunk is not None:
+            chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
+            chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
+            self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
+            self._fl.q.put(chunk)
+
+    def _object_size(self, chunk: Chunk) -> int:
+        # A spill smaller than one chunk is stored as one exactly-sized chunk; otherwise the last
+        # chunk is padded to the chunk size, as zarr's regular chunk grid requires.
+        if self._closing and chunk.number == 0 and self.n_chunks == 1:
+            return max(chunk.fill, 1)
+        return self.chunk_bytes
+
+    # ------------------------------------------------------------------------------ read back
+    def same_bytes(self, leaves: list[tuple[int, Any, int]]) -> bool:
+        """Do the staged bytes at ``(offset, data, nbytes)`` of every leaf equal ``data``?
+
+        Only a rewrite of a key gets here (rare), so this may wait for the flush thread and read
+        back from storage; writes of new keys never checksum or compare anything. The earlier
+        bytes are read where they are: in the current staging chunk, else (once the flush thread
+        has uploaded their chunk) from storage, ``COMPARE_WINDOW`` bytes at a time. CUDA leaves
+        are copied to the host, synchronously, window by window."""
+        reader: Storage | None = None
+        try:
+            for off, data, nbytes in leaves:
+                pos = 0
+                while pos < nbytes:
+                    c, lo = divmod(off + pos, self.chunk_bytes)
+                    m = min(nbytes - pos, self.chunk_bytes - lo, COMPARE_WINDOW)
+                    new = data[pos : pos + m]
+                    if isinstance(new, torch.Tensor):
+                        new = new.cpu().numpy()
+                    cur = self._current
+                    if cur is not None and cur.number == c:
+                        if cur.event is not None:  # its device-to-host copies may still run
+                            cur.event.synchronize()
+                        old = cur.host.numpy()[lo : lo + m]
+                    else:
+                        self._wait_durable(c)
+                        if reader is None:  # its own handle cache, closed below
+                            reader = Storage(self._storage.url, self._storage.storage_options)
+                        old = np.empty(m, dtype=np.uint8)
+                        reader.read_into([(f"{self._prefix}/{F.DATA_NAME}/c/{c}", lo, lo + m)], old.data)
+                    if not np.array_equal(old, new):
+                        return False
+                    pos += m
+        finally:
+            if reader is not None:
+                reader.close()
+        return True
+
+    def _wait_durable(self, chunk: int) -> None:
+        """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
+        background); raise the flush thread's error if it failed instead."""
+        fl = self._fl
+        with fl.durable_cond:
+            while fl.durable <= chunk and fl.error is None and fl.is_alive():
+                fl.durable_cond.wait(0.5)
+        self.check()
+        if fl.durable <= chunk:  # pragma: no cover - the flush thread ended without an error
+            raise SpillStorageError(f"data chunk {chunk} of {self._path} was never written", path=self._path)
+
+    # ------------------------------------------------------------------------------ the end
+    @property
+    def _fl(self) -> Flusher:
+        if self.flusher is None:  # pragma: no cover - the writer starts staging at open()
+            raise RuntimeError("staging was never started")
+        return self.flusher
+
+    def check(self) -> None:
+        """Raise the flush thread's error, if it failed."""
+        err = self.flusher.error if self.flusher is not None else None
+        if err is not None:
+            if isinstance(err, SpillMergeError):
+                raise err
+            raise SpillStorageError(
+                f"spilling to {self._path} failed in the background: {type(err).__name__}: {err}",
+                path=self._path,
+            ) from err
+
+    def finish(self) -> None:
+        """Commit: upload the last chunk (exactly sized when it is the only one), wait for every
+        upload and journal entry, raise the flush thread's error."""
+        self._closing = True
+        self.hand_off()
+        self._fl.q.put(None)
+        self._fl.join()
+        self.check()
+
+    def stop(self) -> bool:
+        """Abort: flush what was staged (so it stays readable) if the flush thread still runs;
+        True when the flush thread never failed (what it wrote can be indexed)."""
+        self._closing = True
+        fl = self._fl
+        if fl.is_alive():
+            self.hand_off()
+            fl.q.put(None)
+            fl.join()
+        return fl.error is None
+
+    def row_crcs(self) -> dict[int, int]:
+        """Index row → CRC-32C of its bytes (complete once :meth:`finish` returned)."""
+        return self._fl.crc
+
+    def free(self) -> None:
+        # The staging memory is only needed while writing; a merge on this rank follows.
+        self.pool.clear()

@@ -1,6 +1,6 @@
 """Node-local spill roots: move committed shards to the merging rank over torch.distributed.
 
-Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`gather_shards`, then ``dst`` merges from its own root):
+Used by the merge round (``_round``) only. Protocol (every rank runs :func:`gather_shards`, then ``dst`` merges from its own root):
 
 1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
    key-value store (the TCPStore every process group already has; no collective, no GPU).
@@ -18,7 +18,9 @@ Used by :meth:`SpillWriter.merge` only. Protocol (every rank runs :func:`gather_
 5. ``dst`` runs the normal merge.
 
 Any failure on ``dst`` sets ``abort`` so every waiting rank raises instead of hanging; a rank
-whose writer failed sets ``failed/A/R`` for its A-th writer session of the run (see :func:`publish_failure`).
+whose writer failed sets ``failed/A/R`` for its A-th writer session of the run
+(``_runstore.publish_failure``). The store's keys and waits are ``_runstore``'s; this module is the
+wire (:class:`_Link`) and the shard protocol (:func:`gather_shards`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import itertools
 import json
 import os
 import posixpath
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,6 @@ import torch
 from . import _format as F
 from . import _poll
 from ._errors import (
-    CommitTimeout,
     ConfigError,
     CoordinationError,
     CorruptSpillError,
@@ -52,6 +51,7 @@ from ._errors import (
     SpillValueError,
 )
 from ._report import MergeReport
+from ._runstore import Coord
 from ._spillroot import assess, list_segments, raise_for_state, scan
 from ._storage import Storage
 
@@ -61,208 +61,8 @@ DEFAULT_TRANSFER_TIMEOUT = 300.0
 VISIBILITY_GRACE = 5.0
 """Seconds ``dst`` keeps re-checking a commit record it cannot see before moving it over the
 network (a shared filesystem's directory cache can hide a new file for a moment)."""
-DONE_CHECK_MAX = 10.0
-"""Longest pause between dst's checks of storage for commit records while ranks have not reached merge()."""
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
-
-
-def _store_prefix(run_id: str) -> str:
-    return f"spillmerge/{run_id}/"
-
-
-def _default_store() -> Any:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
-
-
-_SESSIONS: dict[str, itertools.count[int]] = {}
-
-
-def next_session(run_id: str | None) -> int:
-    """The number of this process's writer session within run ``run_id`` (0, 1, ...). Ranks that
-    call the same code open the same number of writers, so "the A-th session" names the same
-    round on every rank: a failure of round 0 (a crash) does not fail round 1 (the rerun) in the
-    same process group."""
-    return next(_SESSIONS.setdefault(run_id or "", itertools.count()))
-
-
-def _run_store(run_id: str | None) -> Any:
-    """This run's keys in the process group's store, or None without torch.distributed (or a run
-    id). Raises whatever the store raises."""
-    if run_id is None:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.PrefixStore(_store_prefix(run_id), _default_store())
-
-
-def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
-    """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed (best effort)."""
-    try:
-        store = _run_store(run_id)
-        if store is not None:
-            store.set(f"failed/{session}/{rank}", message[:4000])
-            store.add(f"failed/{session}", 1)
-    except Exception:  # noqa: BLE001 - the writer's own error matters more
-        pass
-
-
-def publish_merge_outcome(run_id: str | None, session: int, outcome: dict[str, Any]) -> None:
-    """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
-    merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
-    waiting ranks also watch storage)."""
-    try:
-        store = _run_store(run_id)
-        if store is not None:
-            store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
-    except Exception:  # noqa: BLE001 - storage still carries the outcome
-        pass
-
-
-class OutcomeWatch:
-    """A waiting rank's view of ``merge-outcome`` in the process group's store: ``poll()`` returns
-    the outcome once published, else None; once the store is gone (its host process, usually
-    rank 0, exited) it stays None and the caller relies on storage."""
-
-    def __init__(self, run_id: str | None, session: int) -> None:
-        self.key = f"merge-outcome/{session}"
-        try:
-            self.store: Any = _run_store(run_id)
-        except Exception:  # noqa: BLE001 - no store: storage only
-            self.store = None
-
-    def poll(self) -> dict[str, Any] | None:
-        if self.store is None:
-            return None
-        try:
-            if not self.store.check([self.key]):
-                return None
-            got = json.loads(self.store.get(self.key))
-            return got if isinstance(got, dict) else None
-        except Exception:  # noqa: BLE001 - the store's host went away: storage only from now on
-            self.store = None
-            return None
-
-
-# ------------------------------------------------------------------------------ coordination
-class _Coord:
-    """JSON messages through the process group's store (a TCP key-value store on CPU). Waits poll
-    with backoff (at most 4 times a second) and look for failures each time, so a failed rank or
-    an aborted merge ends every wait promptly and every wait ends by ``timeout``."""
-
-    def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float, session: int = 0) -> None:
-        import torch.distributed as dist
-
-        self.base = dist.PrefixStore(_store_prefix(run_id), _default_store())
-        self.session = session
-        self.diagnose: Callable[[], dict[int, str]] | None = None
-        """Failure records of this run on storage (rank -> "Type: message"), for a lost store."""
-        # One coordinated merge per writer session (later merges of a writer need none), so the
-        # session number names this merge's keys alike on every rank, even where an earlier
-        # round failed before merging on some ranks.
-        self.store = dist.PrefixStore(f"merge-{session}/", self.base)
-        self.rank, self.world_size, self.dst, self.timeout = rank, world_size, dst, timeout
-
-    def put(self, key: str, obj: Any) -> None:
-        try:
-            self.store.set(key, json.dumps(obj))
-        except RuntimeError as exc:  # the store's host went away before we could publish
-            raise self._store_lost(f"publishing {key}", exc) from exc
-
-    def _store_lost(self, what: str, exc: BaseException) -> SpillMergeError:
-        """The store's host went away (rank 0 exited, usually because some rank failed): name the
-        root cause from the failure records on storage when this rank can see them."""
-        failures = self.diagnose() if self.diagnose is not None else {}
-        lost = f"rank {self.rank}: lost the process group's store (hosted by rank 0) while {what} ({exc})"
-        if failures:
-            names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
-            return RankFailedError(
-                f"{lost}; the spill root records the cause: rank(s) {sorted(failures)} failed ({names})",
-                failures=failures,
-            )
-        return CoordinationError(
-            f"{lost}; no failure record is visible on this rank's storage: look at rank 0's log first, then at "
-            "each rank's ROOT/rank-RRRRR/seg-*/failed.json where the spill roots live",
-            rank=self.rank,
-        )
-
-    def abort(self, exc: BaseException) -> None:
-        """Publish why the merge stopped; every waiting rank raises it."""
-        doc = {
-            "rank": self.rank,
-            "type": type(exc).__name__,
-            "message": str(exc)[:4000],
-            "failures": {str(k): v for k, v in getattr(exc, "failures", {}).items()},
-        }
-        try:
-            self.store.set("abort", json.dumps(doc))
-        except Exception:  # noqa: BLE001 - the store may be what failed
-            pass
-
-    def _check_failures(self, pending: list[int]) -> None:
-        if int(self.base.add(f"failed/{self.session}", 0)) > 0:
-            failed = {
-                r: self.base.get(f"failed/{self.session}/{r}").decode(errors="replace")
-                for r in pending
-                if self.base.check([f"failed/{self.session}/{r}"])
-            }
-            if failed:
-                names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
-                raise RankFailedError(f"rank(s) {sorted(failed)} failed before the merge ({names})", failures=failed)
-        if self.store.check(["abort"]):
-            doc = json.loads(self.store.get("abort"))
-            msg = f"rank {self.rank}: the merge stopped on rank {doc['rank']}: {doc['type']}: {doc['message']}"
-            if doc["failures"]:
-                raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
-            raise CoordinationError(msg, rank=self.rank)
-
-    def gather(
-        self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
-    ) -> dict[int, Any]:
-        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,
-        then less and less often, at most every 10 s: it may list storage) says waiting is no
-        longer needed; then the replies so far."""
-        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what, done)
-
-    def wait_one(self, key: str, what: str) -> Any:
-        return self._wait({self.dst: key}, what)[self.dst]
-
-    def _wait(self, keys: dict[int, str], what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
-        pending = dict(keys)
-        got: dict[int, Any] = {}
-        done_every = 1.0
-        next_done = time.monotonic() + done_every
-        for waited in _poll.poll(self.timeout, first=0.005, cap=0.25):
-            try:
-                for r, key in list(pending.items()):
-                    if self.store.check([key]):
-                        got[r] = json.loads(self.store.get(key))
-                        del pending[r]
-                if not pending:
-                    return got
-                self._check_failures(sorted(pending))
-                if done is not None and time.monotonic() >= next_done:
-                    if done():
-                        return got
-                    done_every = min(done_every * 1.5, DONE_CHECK_MAX)
-                    next_done = time.monotonic() + done_every
-            except SpillMergeError:
-                raise
-            except RuntimeError as exc:  # the store itself is gone (its host process died)
-                raise self._store_lost(what, exc) from exc
-            if waited >= self.timeout:
-                missing = sorted(pending)
-                raise CommitTimeout(
-                    f"rank {self.rank}: rank(s) {missing} did not arrive within {self.timeout:.0f} s "
-                    f"({what}); did they crash, or not call SpillWriter.merge()?",
-                    missing=missing,
-                    waited_s=waited,
-                )
-        raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover
 
 
 # -------------------------------------------------------------------------------- transport
@@ -414,14 +214,16 @@ def _assign_senders(invisible: dict[int, str], sees: dict[int, list[int]], dst: 
 # ---------------------------------------------------------------------------------- the merge
 @dataclass(frozen=True, slots=True)
 class Session:
-    """What the shard transfer needs from one rank's writer session (``SpillWriter.session()``)."""
+    """What the merge round and the shard transfer need from one rank's writer session
+    (``SpillWriter.session()``)."""
 
     rank: int
     """This rank."""
     world_size: int
     """Ranks of the job."""
-    run_id: str
-    """Run id shared by the job's ranks (names the store keys)."""
+    run_id: str | None
+    """Run id shared by the job's ranks (names the store keys); None without a launcher's id or
+    torch.distributed (then nothing is coordinated)."""
     storage: Storage
     """This rank's spill root (node-local or shared)."""
     segment: str
@@ -429,7 +231,7 @@ class Session:
     state: str
     """The writer's state: ``committed`` is the only one that may merge."""
     number: int = 0
-    """Which writer session of the run this is on this rank (:func:`next_session`)."""
+    """Which writer session of the run this is on this rank (``_runstore.next_session``)."""
 
 
 def gather_shards(
@@ -443,7 +245,9 @@ def gather_shards(
     """Every rank: coordinate through the process group's store and move the committed shards
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
     from its root), ``None`` on the other ranks once they have sent what they had to."""
-    coord = _Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
+    if session.run_id is None:  # the store's keys are named by the run id (never None under torch.distributed)
+        raise CoordinationError(f"rank {session.rank}: a coordinated merge needs a run id", rank=session.rank)
+    coord = Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
     coord.diagnose = functools.partial(_failures_on_storage, session)
     me = session.rank
     coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})

@@ -74,7 +74,7 @@ def slow_spiller(root: str, rank: int, world: int, n_frames: int, ready: str) ->
         if rank == 1:
             # Wait for the flush thread's own record of what is durable, not for a while: all
             # n_frames chunks uploaded and their journal entries written (the test counts them).
-            flusher = w._flusher
+            flusher = w._staging.flusher
             deadline = time.time() + 60  # a hang guard only
             while time.time() < deadline and not (
                 flusher.durable == n_frames

@@ -104,10 +104,10 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         return spillmerge.verify(path).ok
 
     def wait_for_dst() -> Any:  # a rank waiting for dst's output reads dst's merge failure record
-        from spillmerge import _output
+        from spillmerge import _round
         from spillmerge._storage import Storage
 
-        _output.wait_complete(
+        _round.wait_complete(
             Storage(out), Storage(root), run_id="run-x", session=0, dst=0, timeout=1.0, outcome=lambda: None
         )
 

@@ -77,7 +77,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "publish-failure-disabled",
-        "spillmerge/_transfer.py",
+        "spillmerge/_runstore.py",
         '        store.set(f"failed/{session}/{rank}", message[:4000])',
         "        return",
         ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
@@ -158,7 +158,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "failure-keys-never-read",
-        "spillmerge/_transfer.py",
+        "spillmerge/_runstore.py",
         '        if int(self.base.add(f"failed/{self.session}", 0)) > 0:',
         "        if False:",
         ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),

@@ -57,8 +57,8 @@ def test_barrier_failure_records_and_partial_merge(backend):
     dead.open()
     for f in range(200, 205):
         dead.write("dead.mp4", f, torch.full((1024,), float(f)))  # 4 KiB: one chunk each, flushed
-    dead._flusher.q.put(None)
-    dead._flusher.join()
+    dead._staging.flusher.q.put(None)
+    dead._staging.flusher.join()
     with pytest.raises(spillmerge.CommitTimeout, match=r"rank 2 \(uncommitted segment .*5 chunk\(s\) flushed") as tinfo:
         spillmerge.merge(root, backend.url("o1"), storage_options=backend.options, timeout=0.5)
     assert tinfo.value.missing == [2]

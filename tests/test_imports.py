@@ -81,7 +81,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_between_spillmerge_modules():
     edges = _graph()
-    assert len(edges) > 20 and "spillmerge._merge" in edges["spillmerge._writer"]  # the graph is real
+    assert len(edges) > 20 and "spillmerge._merge" in edges["spillmerge._round"]  # the graph is real
     assert _cycles(edges) == []
 
 
@@ -100,3 +100,15 @@ def test_architecture_module_table_names_every_module_once():
     named = [re.sub(r"^spillmerge/", "", n) for n in re.findall(r"^\| `([^`]+)`", table, re.M)]
     files = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py"))
     assert sorted(named) == files
+
+
+def test_the_merge_round_sits_between_the_writer_and_the_merge():
+    """ARCHITECTURE's "writer → storage → merger": the writer reaches the merge and the shard
+    transfer only through the round (``_round``), and the run-store signalling sits below both."""
+    edges = _graph()
+    assert "spillmerge._round" in edges["spillmerge._writer"]
+    assert "spillmerge._merge" not in edges["spillmerge._writer"]
+    assert {"spillmerge._merge", "spillmerge._transfer", "spillmerge._runstore"} <= edges["spillmerge._round"]
+    assert "spillmerge._runstore" in edges["spillmerge._transfer"]
+    assert not {"spillmerge._merge", "spillmerge._round", "spillmerge._writer"} & edges["spillmerge._transfer"]
+    assert edges["spillmerge._runstore"] <= {"spillmerge._errors", "spillmerge._poll"}

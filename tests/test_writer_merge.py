@@ -372,8 +372,8 @@ def test_rerun_skips_committed_keys_and_salvages_flushed_frames(tmp_path):
     dead.open()
     for i in range(10, 15):
         dead.write("f", i, torch.full((1024,), float(i)))  # one whole chunk each: handed to the flusher
-    dead._flusher.q.put(None)
-    dead._flusher.join()  # "killed": the flush thread stops, nothing else is written
+    dead._staging.flusher.q.put(None)
+    dead._staging.flusher.join()  # "killed": the flush thread stops, nothing else is written
     rep = spillmerge.merge(root, str(tmp_path / "partial"), allow_partial=True)
     assert rep.missing_ranks == [1]
     assert rep.salvaged_frames[1] >= 3  # everything whose chunk and journal entry were durable

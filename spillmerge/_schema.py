@@ -1,0 +1,170 @@
+"""The per-file leaf rule of one writer, and its layout catalog.
+
+Within one file on one rank a leaf keeps its kind, numeric dtype and ndim (its shape may change,
+it may be None or absent in some frames), and no leaf path is both a value and a dict holding
+values. The same rules hold across ranks and files at merge time (``_plan``); checking them as
+each frame is written names the frame while the user's code that produced it is still on the
+stack.
+
+Protocol (the writer, once per frame, before anything of the frame is staged):
+  :meth:`FileSchemas.check` (raises ``LayoutMismatchError``) → the writer's duplicate policy →
+  :meth:`FileSchemas.accept` (the file's new schema; the frame's new layouts join the catalog)
+"""
+
+from __future__ import annotations
+
+from . import _format as F
+from ._errors import LayoutMismatchError
+
+_Sig = tuple[str, str | None, int | None]
+"""What a leaf must keep within a file: (kind, numeric dtype or None when not yet known, ndim)."""
+_EMPTY_LIST: _Sig = ("num", None, 1)
+"""The signature of ``[]`` (a float64 array of shape (0,)): also an empty list of strings."""
+
+
+def _describe(lay: F.Layout) -> str:
+    return f"{lay.dtype}{list(lay.shape)}" if lay.kind == "num" else f"a {lay.kind}"
+
+
+def _describe_sig(sig: _Sig) -> str:
+    kind, dtype, ndim = sig
+    if kind != "num":
+        return f"a {kind}"
+    return f"{dtype or 'empty numeric'} with {ndim} dim{'s' if ndim != 1 else ''}"
+
+
+class FileSchemas:
+    """What each file's leaves have been so far on rank ``rank``, and the catalog of layouts of
+    accepted frames (``layouts``, in catalog-id order; the writer journals and commits it).
+
+    A file's schema is an id into ``_schemas``, interned because millions of one-frame files
+    share a handful of schemas; a frame's move from one schema to the next is cached in
+    ``_transitions`` by the frame's leaf signatures, which ignore shapes, so ragged frames hit
+    the cache too."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.layouts: list[F.Layout] = []
+        """The catalog: layouts of accepted frames, in id order (append-only)."""
+        self._layout_ids: dict[F.Layout, int] = {}
+        self._file_schema: list[int] = []  # file_id -> schema id
+        self._schemas: list[dict[tuple[str, ...], _Sig]] = [{}]
+        self._schema_ids: dict[frozenset[tuple[tuple[str, ...], _Sig]], int] = {frozenset(): 0}
+        self._transitions: dict[tuple[int, tuple[int, ...]], int] = {}
+        # layout -> (catalog id, or -1 until a frame using it is accepted; signature id)
+        self._known: dict[F.Layout, tuple[int, int]] = {}
+        self._sigs: list[tuple[tuple[str, ...], _Sig]] = []
+        self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
+
+    def check(self, filename: str, frame: int, file_id: int, layouts: list[F.Layout]) -> tuple[int, tuple[int, ...]]:
+        """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
+        frame's layout ids (-1 where a layout is not in the catalog yet); raises
+        ``LayoutMismatchError`` and changes nothing the catalog shows when the frame breaks the
+        rule."""
+        schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
+        known = self._known  # one lookup per leaf: write() runs once per frame
+        infos = [known.get(lay) or self._new_layout(lay) for lay in layouts]  # new: a new leaf or ragged shape
+        sigs = tuple([info[1] for info in infos])
+        new_schema = self._transitions.get((schema, sigs))
+        if new_schema is None:
+            new_schema = self._next_schema(filename, frame, schema, sigs, layouts)
+        return new_schema, tuple([info[0] for info in infos])
+
+    def accept(
+        self, file_id: int, schema: int, layouts: list[F.Layout], layout_ids: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """The frame checked as ``(schema, layout_ids)`` is written: file ``file_id`` (a new
+        file: the next id) now has ``schema``, and the frame's new layouts join the catalog.
+        Returns the frame's catalog ids."""
+        if file_id == len(self._file_schema):
+            self._file_schema.append(schema)
+        else:
+            self._file_schema[file_id] = schema
+        if -1 in layout_ids:  # the frame is accepted: its new layouts join the catalog
+            layout_ids = tuple([self._layout_id(lay) for lay in layouts])
+        return layout_ids
+
+    def _layout_id(self, lay: F.Layout) -> int:
+        """The catalog id of a layout, added to the catalog on first use (only for frames that
+        passed the layout rule: a refused frame leaves no layout a merge would trip on)."""
+        lid = self._layout_ids.get(lay)
+        if lid is None:
+            lid = len(self.layouts)
+            self.layouts.append(lay)
+            self._layout_ids[lay] = lid
+            self._known[lay] = (lid, self._known[lay][1])
+        return lid
+
+    def _new_layout(self, lay: F.Layout) -> tuple[int, int]:
+        info = self._known[lay] = (-1, self._sig_id(lay))
+        return info
+
+    def _sig_id(self, lay: F.Layout) -> int:
+        """The signature of a layout: what must stay the same for its leaf within one file (kind,
+        numeric dtype, ndim), not its shape. A ``none`` row and a numeric row of zero elements
+        say nothing about the dtype (``[]`` is float64 whatever the other rows hold)."""
+        kind = lay.kind
+        if kind == "none":
+            sig: _Sig = ("none", None, None)
+        elif kind == "num":
+            sig = ("num", None if 0 in lay.shape else lay.dtype, len(lay.shape))
+        else:
+            sig = (kind, None, None)
+        full = (lay.leaf, sig)
+        sid = self._sig_ids.get(full)
+        if sid is None:
+            sid = self._sig_ids[full] = len(self._sigs)
+            self._sigs.append(full)
+        return sid
+
+    def _next_schema(
+        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[F.Layout]
+    ) -> int:
+        """The file's schema after this frame, or LayoutMismatchError (the rule in the module
+        docstring)."""
+        state = dict(self._schemas[schema])
+        for sid, lay in zip(sigs, layouts, strict=True):
+            path, sig = self._sigs[sid]
+            cur = state.get(path)
+            if cur is None:
+                for other in state:
+                    n = min(len(other), len(path))
+                    if other[:n] == path[:n]:  # one is a prefix of the other: value vs dict
+                        self._raise_parent(filename, frame, path, other)
+                state[path] = sig
+            elif sig[0] == "none" or (sig == _EMPTY_LIST and cur[0] == "strlist"):
+                continue  # None says nothing; [] is also an empty list of strings
+            elif cur[0] == "none" or (cur == _EMPTY_LIST and sig[0] == "strlist"):
+                state[path] = sig
+            elif sig[0] != cur[0] or sig[2] != cur[2] or (sig[1] and cur[1] and sig[1] != cur[1]):
+                name = "/".join(path) or "<tensor>"
+                raise LayoutMismatchError(
+                    f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {_describe(lay)} but "
+                    f"earlier frames of this file had {_describe_sig(cur)} (a leaf keeps its kind, dtype and "
+                    "number of dimensions across the frames of a file; its shape may change)",
+                    filename=filename,
+                    leaf=name,
+                    ranks=[self.rank],
+                )
+            elif cur[1] is None and sig[1] is not None:
+                state[path] = sig
+        key = frozenset(state.items())
+        new = self._schema_ids.get(key)
+        if new is None:
+            new = self._schema_ids[key] = len(self._schemas)
+            self._schemas.append(state)
+        self._transitions[(schema, sigs)] = new
+        return new
+
+    def _raise_parent(self, filename: str, frame: int, path: tuple[str, ...], other: tuple[str, ...]) -> None:
+        short, long = (path, other) if len(path) < len(other) else (other, path)
+        here = "a value" if short == path else f"a dict holding {'/'.join(long)!r}"
+        before = f"a dict holding {'/'.join(long)!r}" if short == path else "a value"
+        name = "/".join(short) or "<tensor>"
+        raise LayoutMismatchError(
+            f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {here} but {before} in earlier "
+            "frames of this file (a leaf path cannot be both; write None for an absent value)",
+            filename=filename,
+            leaf=name,
+            ranks=[self.rank],
+        )
