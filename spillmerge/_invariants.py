@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
+from . import _format_output as FO
 from ._errors import CorruptSpillError, SpillMergeError
 
 Problem = tuple[str, str]
@@ -209,7 +210,7 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
             problems.append((rel, "expected a column group"))
             continue
         try:
-            h = F.ColumnHeader.from_obj(node.attrs.get("spillmerge"), name=name, path=rel)
+            h = FO.ColumnHeader.from_obj(node.attrs.get("spillmerge"), name=name, path=rel)
         except CorruptSpillError as exc:
             problems.append((rel, exc.reason or str(exc)))
             continue

@@ -13,7 +13,7 @@ Protocol (the writer, once per frame, before anything of the frame is staged):
 
 from __future__ import annotations
 
-from . import _format as F
+from . import _format_spill as FS
 from ._errors import LayoutMismatchError
 
 _Sig = tuple[str, str | None, int | None]
@@ -22,7 +22,7 @@ _EMPTY_LIST: _Sig = ("num", None, 1)
 """The signature of ``[]`` (a float64 array of shape (0,)): also an empty list of strings."""
 
 
-def _describe(lay: F.Layout) -> str:
+def _describe(lay: FS.Layout) -> str:
     return f"{lay.dtype}{list(lay.shape)}" if lay.kind == "num" else f"a {lay.kind}"
 
 
@@ -44,19 +44,19 @@ class FileSchemas:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.layouts: list[F.Layout] = []
+        self.layouts: list[FS.Layout] = []
         """The catalog: layouts of accepted frames, in id order (append-only)."""
-        self._layout_ids: dict[F.Layout, int] = {}
+        self._layout_ids: dict[FS.Layout, int] = {}
         self._file_schema: list[int] = []  # file_id -> schema id
         self._schemas: list[dict[tuple[str, ...], _Sig]] = [{}]
         self._schema_ids: dict[frozenset[tuple[tuple[str, ...], _Sig]], int] = {frozenset(): 0}
         self._transitions: dict[tuple[int, tuple[int, ...]], int] = {}
         # layout -> (catalog id, or -1 until a frame using it is accepted; signature id)
-        self._known: dict[F.Layout, tuple[int, int]] = {}
+        self._known: dict[FS.Layout, tuple[int, int]] = {}
         self._sigs: list[tuple[tuple[str, ...], _Sig]] = []
         self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
 
-    def check(self, filename: str, frame: int, file_id: int, layouts: list[F.Layout]) -> tuple[int, tuple[int, ...]]:
+    def check(self, filename: str, frame: int, file_id: int, layouts: list[FS.Layout]) -> tuple[int, tuple[int, ...]]:
         """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
         frame's layout ids (-1 where a layout is not in the catalog yet); raises
         ``LayoutMismatchError`` and changes nothing the catalog shows when the frame breaks the
@@ -71,7 +71,7 @@ class FileSchemas:
         return new_schema, tuple([info[0] for info in infos])
 
     def accept(
-        self, file_id: int, schema: int, layouts: list[F.Layout], layout_ids: tuple[int, ...]
+        self, file_id: int, schema: int, layouts: list[FS.Layout], layout_ids: tuple[int, ...]
     ) -> tuple[int, ...]:
         """The frame checked as ``(schema, layout_ids)`` is written: file ``file_id`` (a new
         file: the next id) now has ``schema``, and the frame's new layouts join the catalog.
@@ -84,7 +84,7 @@ class FileSchemas:
             layout_ids = tuple([self._layout_id(lay) for lay in layouts])
         return layout_ids
 
-    def _layout_id(self, lay: F.Layout) -> int:
+    def _layout_id(self, lay: FS.Layout) -> int:
         """The catalog id of a layout, added to the catalog on first use (only for frames that
         passed the layout rule: a refused frame leaves no layout a merge would trip on)."""
         lid = self._layout_ids.get(lay)
@@ -95,11 +95,11 @@ class FileSchemas:
             self._known[lay] = (lid, self._known[lay][1])
         return lid
 
-    def _new_layout(self, lay: F.Layout) -> tuple[int, int]:
+    def _new_layout(self, lay: FS.Layout) -> tuple[int, int]:
         info = self._known[lay] = (-1, self._sig_id(lay))
         return info
 
-    def _sig_id(self, lay: F.Layout) -> int:
+    def _sig_id(self, lay: FS.Layout) -> int:
         """The signature of a layout: what must stay the same for its leaf within one file (kind,
         numeric dtype, ndim), not its shape. A ``none`` row and a numeric row of zero elements
         say nothing about the dtype (``[]`` is float64 whatever the other rows hold)."""
@@ -118,7 +118,7 @@ class FileSchemas:
         return sid
 
     def _next_schema(
-        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[F.Layout]
+        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[FS.Layout]
     ) -> int:
         """The file's schema after this frame, or LayoutMismatchError (the rule in the module
         docstring)."""

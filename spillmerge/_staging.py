@@ -22,7 +22,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from . import _format as F
+from . import _format_spill as FS
 from ._errors import SpillMergeError, SpillStorageError
 from ._storage import Storage
 
@@ -55,7 +55,7 @@ class Chunk:
     """Filenames registered since the previous chunk was handed off."""
     layout_base: int = 0
     """Catalog id of ``new_layouts[0]``."""
-    new_layouts: list[F.Layout] = field(default_factory=list)
+    new_layouts: list[FS.Layout] = field(default_factory=list)
     """Layouts registered since the previous chunk was handed off."""
 
 
@@ -190,7 +190,7 @@ class Flusher(threading.Thread):
         size = self.object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
-        self.storage.put(f"{self.prefix}/{F.DATA_NAME}/c/{chunk.number}", buf[:size].data)
+        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -217,11 +217,11 @@ class Flusher(threading.Thread):
         rows = np.array(
             [(f, fr, lay, off, nb, self.crc.get(row, 0)) for row, f, fr, lay, off, nb in chunk.completed],
             dtype="<i8",
-        ).reshape(-1, F.INDEX_COLUMNS)
-        entry = F.encode_journal(
+        ).reshape(-1, FS.INDEX_COLUMNS)
+        entry = FS.encode_journal(
             chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
         )
-        self.storage.put(f"{self.prefix}/{F.journal_name(chunk.number)}", entry)
+        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
 
 
 class Staging:
@@ -247,7 +247,7 @@ class Staging:
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
-        layouts: list[F.Layout],
+        layouts: list[FS.Layout],
     ) -> None:  # fmt: skip
         """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
         ``layouts`` are the writer's catalog (append-only)."""
@@ -380,7 +380,7 @@ class Staging:
                         if reader is None:  # its own handle cache, closed below
                             reader = Storage(self._storage.url, self._storage.storage_options)
                         old = np.empty(m, dtype=np.uint8)
-                        reader.read_into([(f"{self._prefix}/{F.DATA_NAME}/c/{c}", lo, lo + m)], old.data)
+                        reader.read_into([(f"{self._prefix}/{FS.DATA_NAME}/c/{c}", lo, lo + m)], old.data)
                     if not np.array_equal(old, new):
                         return False
                     pos += m

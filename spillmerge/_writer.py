@@ -21,6 +21,7 @@ import google_crc32c
 import numpy as np
 
 from . import _format as F
+from . import _format_spill as FS
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
@@ -147,18 +148,18 @@ class SpillWriter:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
         self.run_id = resolve_run_id(self._run_id_arg)
         self._session_number = next_session(self.run_id)
-        self.segment = F.new_segment_name(self.storage.listdir(F.rank_dirname(self.rank)))
-        self._prefix = f"{F.rank_dirname(self.rank)}/{self.segment}"
+        self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
+        self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
         self._filenames: list[str] = []
         self._file_ids: dict[str, int] = {}
         self._schema = FileSchemas(self.rank)
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
-        self._rows = np.zeros((1024, F.INDEX_COLUMNS), dtype=np.int64)
+        self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
         self._committed_keys: dict[str, set[int]] | None = None
-        header = F.SegmentHeader(
+        header = FS.SegmentHeader(
             rank=self.rank,
             world_size=self.world_size,
             segment=self.segment,
@@ -166,8 +167,8 @@ class SpillWriter:
             chunk_bytes=self.chunk_bytes,
             started=F.utcnow(),
         )
-        self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
-        self.storage.makedirs(self._rel(F.JOURNAL_NAME))
+        self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
+        self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
         self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
         self._staging.start(
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
@@ -200,7 +201,7 @@ class SpillWriter:
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
-        layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        layouts = [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
         # raises before anything of this frame is staged or cataloged
         new_schema, layout_ids = self._schema.check(filename, frame, file_id, layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
@@ -259,7 +260,7 @@ class SpillWriter:
             return False
         staged: list[tuple[int, Any, int]] = []
         for i, leaf in enumerate(leaves):
-            lid, off, nbytes = (int(v) for v in self._rows[first + i, [F.COL_LAYOUT, F.COL_OFFSET, F.COL_NBYTES]])
+            lid, off, nbytes = (int(v) for v in self._rows[first + i, [FS.COL_LAYOUT, FS.COL_OFFSET, FS.COL_NBYTES]])
             if nbytes != leaf.nbytes or lid != layout_ids[i]:  # same bytes, other shape/kind: different
                 return False
             staged.append((off, leaf.data, nbytes))
@@ -273,7 +274,7 @@ class SpillWriter:
         row = self._n_rows
         if row == len(self._rows):
             self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
-        self._rows[row, : F.COL_CRC] = (file_id, frame, layout_id, self._staging.offset, leaf.nbytes)
+        self._rows[row, : FS.COL_CRC] = (file_id, frame, layout_id, self._staging.offset, leaf.nbytes)
         self._n_rows += 1
         self._staging.add(row, file_id, frame, layout_id, leaf.data, leaf.nbytes, held, last)
 
@@ -287,7 +288,7 @@ class SpillWriter:
     def _free_buffers(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.
         self._staging.free()
-        self._rows = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     # --------------------------------------------------------------------------------- commit
     def _vanished(self, what: str) -> SpillStorageError:
@@ -310,16 +311,16 @@ class SpillWriter:
         if self._rel("zarr.json") not in found:
             raise self._vanished("its header zarr.json is gone")
         for c in range(n_chunks):
-            got = found.get(self._rel(f"{F.DATA_NAME}/c/{c}"))
+            got = found.get(self._rel(f"{FS.DATA_NAME}/c/{c}"))
             if got != size:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
                 raise self._vanished(f"data chunk {c} {state}")
 
-    def _write_index(self) -> tuple[F.CommitRecord, np.ndarray]:
+    def _write_index(self) -> tuple[FS.CommitRecord, np.ndarray]:
         self._check_segment()
         rows = self._rows[: self._n_rows].copy()
         for row, crc in self._staging.row_crcs().items():
-            rows[row, F.COL_CRC] = crc
+            rows[row, FS.COL_CRC] = crc
         if self._dead_rows:
             keep = np.ones(len(rows), dtype=bool)
             for first, n in self._dead_rows:
@@ -333,13 +334,13 @@ class SpillWriter:
         index_bytes = rows.astype("<i8").tobytes()
         catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._schema.layouts]})
         # Five small objects, written concurrently on object stores (one round trip, not five).
-        objects = {self._rel(f"{F.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
-        objects.update(array_objects(self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64"))
-        objects.update(array_objects(self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
+        objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
+        objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
+        objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
             self.storage.fsync_tree(self._prefix)
-        record = F.CommitRecord(
+        record = FS.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
@@ -368,7 +369,7 @@ class SpillWriter:
             record, _ = self._write_index()
             # Last look before the commit record vouches for the chunks: are they all still there?
             self._check_segment(record.n_chunks, record.chunk_bytes)
-            self.storage.put_atomic(self._rel(F.COMMIT_NAME), record.to_json())
+            self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
         except BaseException as exc:
             self._state = WriterState.OPEN
             self.abort(exc)
@@ -389,7 +390,7 @@ class SpillWriter:
         except BaseException:  # noqa: BLE001 - the original exception matters more
             pass
         error_type, message, tb = F.exception_fields(exc)
-        record = F.FailureRecord(
+        record = FS.FailureRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
@@ -400,7 +401,7 @@ class SpillWriter:
             time=F.utcnow(),
         )
         try:
-            self.storage.put_atomic(self._rel(F.FAILURE_NAME), record.to_json())
+            self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
         publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
@@ -431,10 +432,10 @@ class SpillWriter:
             )
         names = self.storage.listdir("")
         doomed = (
-            [n for n in names if F.parse_rank_dirname(n) is not None] if everything else [F.rank_dirname(self.rank)]
+            [n for n in names if FS.parse_rank_dirname(n) is not None] if everything else [FS.rank_dirname(self.rank)]
         )
         if everything:
-            doomed.append(F.MERGE_FAILED_NAME)
+            doomed.append(FS.MERGE_FAILED_NAME)
         for name in doomed:
             self.storage.rm_tree(name)
         self.storage.remove_empty_dir("")

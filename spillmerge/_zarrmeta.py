@@ -19,6 +19,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from . import _codecs
 from . import _format as F
+from . import _format_output as FO
 from ._plan import Column, Plan
 
 INDEX_ROWS_PER_CHUNK = 1 << 21
@@ -94,7 +95,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
     """Every ``zarr.json`` document of a format-2 output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
     what zarr would write. Built from the plan alone: nothing is read back."""
-    header = F.OutputHeader(
+    header = FO.OutputHeader(
         n_files=plan.n_files,
         n_frames=plan.n_frames,
         nbytes=plan.total_bytes,

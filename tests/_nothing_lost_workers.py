@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import spillmerge
-from spillmerge import _format as F
+from spillmerge import _format_spill as FS
 from spillmerge._storage import LocalStorage, Storage
 
 CHUNK = 4096
@@ -51,7 +51,7 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
         os.kill(os.getpid(), signal.SIGKILL)
 
     def put_atomic(self: Storage, rel: str, data: bytes) -> None:
-        if rel.endswith("/zarr.json") and F.is_segment_name(rel.split("/")[1]) and rel.count("/") == 2:
+        if rel.endswith("/zarr.json") and FS.is_segment_name(rel.split("/")[1]) and rel.count("/") == 2:
             if when == "header":
                 die()
             if when == "header-tmp":
@@ -62,7 +62,7 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
-        if when.startswith("journal-") and rel.endswith(f"/{F.journal_name(int(when.split('-')[1]))}"):
+        if when.startswith("journal-") and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
             die()
 
     LocalStorage.put, LocalStorage.put_atomic = put, put_atomic  # type: ignore[method-assign]

@@ -23,6 +23,8 @@ import zarr
 import spillmerge
 from spillmerge import _codecs, _lease
 from spillmerge import _format as F
+from spillmerge import _format_output as FO
+from spillmerge import _format_spill as FS
 from spillmerge._storage import Storage
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
@@ -171,7 +173,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (seg,) = (root / "rank-00000").iterdir()
     journal = (seg / "journal" / "000000").read_bytes()
     (head_len,) = struct.unpack("<I", journal[4:8])
-    catalog = json.loads(zarr.open_array(str(seg / F.CATALOG_NAME), mode="r")[:].tobytes())
+    catalog = json.loads(zarr.open_array(str(seg / FS.CATALOG_NAME), mode="r")[:].tobytes())
 
     failed_root = tmp / "failed"
     with pytest.raises(RuntimeError), spillmerge.SpillWriter(str(failed_root), rank=0, world_size=1) as w:
@@ -186,17 +188,17 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         raise OSError("No space left on device")
     except OSError as exc:  # the record class SpillWriter.merge writes when the merge raises
-        merge_failure = F.MergeFailureRecord.of(exc, rank=0, run_id=None, session=0)
+        merge_failure = FS.MergeFailureRecord.of(exc, rank=0, run_id=None, session=0)
     v1_array = next(p for p in (V1_OUTPUT / "files").iterdir() if p.is_dir())
     return {
         "spill-segment": _attrs(seg / "zarr.json"),
-        "spill-commit": json.loads((seg / F.COMMIT_NAME).read_bytes()),
-        "spill-failure": json.loads((failed_seg / F.FAILURE_NAME).read_bytes()),
+        "spill-commit": json.loads((seg / FS.COMMIT_NAME).read_bytes()),
+        "spill-failure": json.loads((failed_seg / FS.FAILURE_NAME).read_bytes()),
         "merge-failure": json.loads(merge_failure.to_json()),
         "catalog": catalog,
         "journal": json.loads(journal[8 : 8 + head_len]),
         "merged": _attrs(out / "zarr.json"),
-        "merge-complete": json.loads((out / F.COMPLETE_NAME).read_bytes()),
+        "merge-complete": json.loads((out / FO.COMPLETE_NAME).read_bytes()),
         "merge-part": json.loads(next((parts / "spillmerge-parts").glob("part-*.json")).read_bytes()),
         "column": _attrs(boxes / "zarr.json"),
         "lease": holder,
@@ -210,7 +212,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _which(example: Any, v1: bool) -> str:
     """The record an example shows: by its ``kind``, else by the fields only it has."""
     kind = example.get("kind")
-    if isinstance(kind, str) and kind in F.COLUMN_KINDS:
+    if isinstance(kind, str) and kind in FO.COLUMN_KINDS:
         return "column"
     if isinstance(kind, str):
         return f"{kind}-v1" if v1 else kind
@@ -265,11 +267,11 @@ def test_the_segment_header_table_matches_what_spillmerge_writes(written: dict[s
 
 
 def test_the_column_header_reads_back_as_written(written: dict[str, Any]) -> None:
-    header = F.ColumnHeader.from_obj(written["column"], name="boxes", path="columns/boxes")
+    header = FO.ColumnHeader.from_obj(written["column"], name="boxes", path="columns/boxes")
     assert header.to_obj() == written["column"]
     assert (header.kind, header.dtype, header.inner_shape, header.has_valid) == ("ragged", "float32", (4,), False)
     with pytest.raises(spillmerge.CorruptSpillError, match="unknown dtype 'float99'") as info:
-        F.ColumnHeader.from_obj({**written["column"], "dtype": "float99"}, name="boxes", path="columns/boxes")
+        FO.ColumnHeader.from_obj({**written["column"], "dtype": "float99"}, name="boxes", path="columns/boxes")
     assert info.value.path == "columns/boxes" and info.value.reason is not None
 
 
