@@ -2,6 +2,9 @@
 
 Every rank appends its predictions to its own chunked Zarr segment (``SpillWriter``); one process
 merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` reads it back.
+
+A leaf of an output reads as a :class:`LeafView` (format version 2, what ``merge`` writes);
+:class:`LeafArray` is the same for outputs of format version 1, kept for code written against 0.1.
 """
 
 from ._codecs import CODECS
@@ -16,6 +19,8 @@ from ._errors import (
     IncompleteSpillError,
     LayoutMismatchError,
     LeaseLostError,
+    MergeFailedError,
+    MergeTimeout,
     MissingDependencyError,
     MissingPartsError,
     OutputBusyError,
@@ -42,6 +47,7 @@ from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._report import MergeReport
 from ._spillroot import committed_keys
+from ._views import LeafView
 from ._writer import SpillWriter
 
 __version__ = "0.1.0"
@@ -59,6 +65,7 @@ __all__ = [
     "IncompleteSpillError",
     "LayoutMismatchError",
     "LeafArray",
+    "LeafView",
     "MergeReport",
     "MergedStore",
     "MissingPartsError",

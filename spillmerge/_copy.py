@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _codecs
 from ._errors import CorruptSpillError
-from ._plan import Column, Plan
+from ._plan import Plan, PlannedColumn
 from ._spillroot import data_ranges
 from ._storage import Storage
 from ._zarrmeta import string_bytes, values_chunk
@@ -121,7 +121,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                job = _Chunk(src, plan, plan.columns[u.column], u, offsets.get(u.column))
+                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column))
                 fut = pool.submit(job.write, output, codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
@@ -148,10 +148,10 @@ def _zeros(n: int) -> np.ndarray:
     return np.zeros(n, dtype=np.uint8)
 
 
-class _Chunk:
+class _OutputChunk:
     """Builds and writes one output chunk."""
 
-    def __init__(self, src: Storage, plan: Plan, col: Column, unit: Unit, offsets: np.ndarray | None) -> None:
+    def __init__(self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None) -> None:
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
 
     @property

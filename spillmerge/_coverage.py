@@ -4,8 +4,6 @@ more than once. Used by ``spillmerge inspect --json / --expected / --plot``."""
 
 from __future__ import annotations
 
-import csv
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,14 +11,12 @@ import numpy as np
 
 from . import _format_spill as FS
 from ._errors import ConfigError, SpillMergeError, require
+from ._frames import MAX_FRAME, gap_runs, n_below, runs
 from ._spillroot import load_segment, scan
 from ._storage import Storage
 
 UNKNOWN_RANK = -1
 """Rank recorded for rows of outputs written before provenance existed."""
-
-_MAX_FRAME = (1 << 63) - 1
-"""Highest frame index (int64); a manifest count is at most ``_MAX_FRAME + 1``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +44,7 @@ class FileCoverage:
     @property
     def n_missing(self) -> int:
         """How many frames below :attr:`span` are absent (arithmetic, whatever the span)."""
-        return self.span - _n_below(self.frames, self.span)
+        return self.span - n_below(self.frames, self.span)
 
     def missing_runs(self) -> np.ndarray:
         """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)).
@@ -56,7 +52,7 @@ class FileCoverage:
         Built from the gaps between present frames, so it costs O(frames) whatever the span: frames
         {0, 5e9} are 1 run, not 5e9 integers (``spillmerge inspect`` once built an ``arange`` over
         the span: 82 s and 10.9 GB for {0, 4e8}, a MemoryError for {0, 5e9})."""
-        return _gap_runs(self.frames, self.span)
+        return gap_runs(self.frames, self.span)
 
     def missing(self, limit: int = 10_000) -> np.ndarray:
         """The first ``limit`` absent frame indices below :attr:`span` (ascending); an explicit list
@@ -135,81 +131,6 @@ class Coverage:
         }
 
 
-def runs(frames: np.ndarray, labels: np.ndarray | None = None) -> Iterator[tuple[int, int, int]]:
-    """Maximal runs of consecutive frames with the same label: (first, last, label)."""
-    if not len(frames):
-        return
-    lab = labels if labels is not None else np.zeros(len(frames), dtype=np.int64)
-    brk = np.flatnonzero((np.diff(frames) != 1) | (np.diff(lab) != 0)) + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [len(frames)])) - 1
-    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        yield int(frames[a]), int(frames[b]), int(lab[a])
-
-
-def _n_below(frames: np.ndarray, span: int) -> int:
-    """How many of ``frames`` (ascending int64) are below ``span`` (which may be 2**63)."""
-    return len(frames) if span > _MAX_FRAME else int(np.searchsorted(frames, span))
-
-
-def _gap_runs(frames: np.ndarray, span: int) -> np.ndarray:
-    """Inclusive ``[first, last]`` runs of ``0 .. span-1`` absent from ``frames`` (ascending,
-    unique), as an int64 array of shape (k, 2); k is at most ``len(frames) + 1``."""
-    have = frames[: _n_below(frames, span)].astype(np.int64, copy=False)
-    if not len(have):
-        return np.array([[0, span - 1]] if span else np.zeros((0, 2)), dtype=np.int64)
-    inner = np.stack((have[:-1] + 1, have[1:] - 1), axis=1)  # no overflow: have[i] < have[i+1]
-    head = [[0, int(have[0]) - 1]] if have[0] > 0 else []
-    # In Python ints: the last frame may be 2**63 - 1, where have + 1 would wrap.
-    tail = [[int(have[-1]) + 1, span - 1]] if int(have[-1]) + 1 <= span - 1 else []
-    runs = np.concatenate((np.array(head, np.int64).reshape(-1, 2), inner, np.array(tail, np.int64).reshape(-1, 2)))
-    return runs[runs[:, 0] <= runs[:, 1]]
-
-
-def read_manifest(path: str) -> dict[str, int]:
-    """``filename,n_frames`` CSV (header required; other columns ignored) → filename → count."""
-    try:
-        f = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise ConfigError(f"manifest {path}: cannot read it ({exc.strerror or exc})", key="expected") from None
-    out: dict[str, int] = {}
-    with f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader, None)
-            if header is None or not {"filename", "n_frames"} <= {h.strip() for h in header}:
-                raise ConfigError(
-                    f"manifest {path} line 1: expected a header with columns filename,n_frames, got {header!r}",
-                    key="expected",
-                )
-            cols = [h.strip() for h in header]
-            fi, ni = cols.index("filename"), cols.index("n_frames")
-            for row in reader:
-                line = reader.line_num
-                if not row or all(not c.strip() for c in row):
-                    continue
-                if len(row) <= max(fi, ni):
-                    raise ConfigError(f"manifest {path} line {line}: expected filename,n_frames, got {row!r}")
-                name, raw = row[fi], row[ni].strip()
-                try:
-                    n = int(raw)
-                except ValueError:
-                    n = -1
-                if not 0 <= n <= _MAX_FRAME + 1:  # frame indices are int64: 0 .. 2**63 - 1
-                    raise ConfigError(
-                        f"manifest {path} line {line}: n_frames {raw!r} of {name!r} is not an integer in [0, 2**63]",
-                        key="expected",
-                    )
-                if name in out:
-                    raise ConfigError(f"manifest {path} line {line}: {name!r} is listed twice", key="expected")
-                out[name] = n
-        except (csv.Error, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                f"manifest {path} line {reader.line_num}: not valid CSV ({exc})", key="expected"
-            ) from None
-    return out
-
-
 def coverage(
     path: str, storage_options: dict[str, Any] | None = None, *, expected: dict[str, int] | None = None
 ) -> Coverage:
@@ -217,7 +138,7 @@ def coverage(
     from ._inspect import detect
 
     for name, count in (expected or {}).items():
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= _MAX_FRAME + 1:
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_FRAME + 1:
             raise ConfigError(f"expected[{name!r}] must be a frame count in [0, 2**63], got {count!r}", key="expected")
     storage = Storage(path, storage_options)
     kind = detect(storage)
@@ -241,7 +162,7 @@ def _merged(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
     res = MergedStore(storage.url, storage.storage_options)
     out: _PerFile = {}
     known = True
-    arrays = res._index_arrays()
+    arrays = res.index_arrays()
     if arrays is not None:  # columnar: slice the index arrays, no lookup per file
         names, off, all_frames, all_ranks, all_copies = arrays
         for i, name in enumerate(names):

@@ -165,8 +165,9 @@ def sorted_problems(filenames: np.ndarray) -> list[Problem]:
 
 
 @dataclass(frozen=True, slots=True)
-class ColumnInfo:
-    """One column group ``columns/<name>`` of a version-2 output, from its metadata alone."""
+class StoredColumn:
+    """One column group ``columns/<name>`` of a version-2 output as stored, from its metadata alone
+    (the reader wraps it in ``_views.OpenColumn``; the merge plans it as ``_plan.PlannedColumn``)."""
 
     name: str
     """Group name under ``columns/``."""
@@ -191,12 +192,12 @@ class ColumnInfo:
         return "/".join(self.leaf)
 
 
-def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
+def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     """Every column group's header and arrays (metadata only: consolidated, no chunk read), and
     what they break of the invariants that need no data."""
     import zarr
 
-    out: dict[str, ColumnInfo] = {}
+    out: dict[str, StoredColumn] = {}
     problems: list[Problem] = []
     try:
         cols = group["columns"]
@@ -215,7 +216,7 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
             problems.append((rel, exc.reason or str(exc)))
             continue
         arrays = {k: a for k, a in node.members(max_depth=0) if isinstance(a, zarr.Array)}
-        info = ColumnInfo(
+        info = StoredColumn(
             name=name,
             leaf=h.leaf,
             kind=h.kind,
@@ -235,7 +236,9 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
     by_leaf: dict[tuple[str, ...], set[str]] = {}
     for c in out.values():
         key = (c.leaf, c.dtype if c.kind in ("fixed", "ragged") else c.kind)
-        if key in paths or (by_leaf.get(c.leaf) and (c.kind not in ("fixed", "ragged") or not by_leaf[c.leaf] <= {"num"})):
+        if key in paths or (
+            by_leaf.get(c.leaf) and (c.kind not in ("fixed", "ragged") or not by_leaf[c.leaf] <= {"num"})
+        ):
             other = paths.get(key) or next(p for (lf, _), p in paths.items() if lf == c.leaf)
             problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{other}"))
         paths[key] = c.name
@@ -243,7 +246,7 @@ def read_columns(group: Any) -> tuple[dict[str, ColumnInfo], list[Problem]]:
     return out, problems
 
 
-def _column_meta_problems(c: ColumnInfo, has_valid: bool) -> list[Problem]:
+def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     """Storage types and array presence of one column (lengths are checked against ``n_rows`` by
     :func:`column_problems`)."""
     rel = f"columns/{c.name}"
@@ -286,7 +289,7 @@ def _column_meta_problems(c: ColumnInfo, has_valid: bool) -> list[Problem]:
     return out
 
 
-def column_problems(c: ColumnInfo, n_rows: int) -> list[Problem]:
+def column_problems(c: StoredColumn, n_rows: int) -> list[Problem]:
     """Lengths of one column's arrays against ``n_rows`` (metadata only)."""
     rel = f"columns/{c.name}"
     out: list[Problem] = []
@@ -302,7 +305,7 @@ def column_problems(c: ColumnInfo, n_rows: int) -> list[Problem]:
     return out
 
 
-def offsets_content_problems(c: ColumnInfo, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
+def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
     """A column's ``offsets`` from 0, never decreasing, ending at the length of ``values``; its
     ``shapes`` non-negative, their products (times ``inner_shape``'s) equal to the offsets' steps."""
     rel = f"columns/{c.name}"
@@ -340,7 +343,7 @@ def v2_index_problems(
     file_layout: np.ndarray,
     lengths: dict[str, int],
     header: dict[str, Any],
-    columns: dict[str, ColumnInfo],
+    columns: dict[str, StoredColumn],
 ) -> list[Problem]:
     """What the per-file index arrays, the header and the index arrays' lengths break (the
     column checks aside): O(files) numpy, reads nothing."""
@@ -400,7 +403,7 @@ def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
 
 
 def rows_layout_problems(
-    c: ColumnInfo, valid: np.ndarray | None, offsets: np.ndarray | None, in_layout: np.ndarray
+    c: StoredColumn, valid: np.ndarray | None, offsets: np.ndarray | None, in_layout: np.ndarray
 ) -> list[Problem]:
     """A row has a value only in a column its file's ``file_layouts`` entry lists, and an absent
     row stores nothing: so a file boundary moved in ``frame_offsets`` (rows handed to a file
@@ -417,14 +420,21 @@ def rows_layout_problems(
         steps = np.diff(offsets)
         bad = np.flatnonzero(~valid & (steps != 0))
         if len(bad):
-            return [(f"{rel}/offsets", f"row {int(bad[0])} has no value but spans {int(steps[bad[0]])} ({len(bad)} such rows)")]
+            return [
+                (
+                    f"{rel}/offsets",
+                    f"row {int(bad[0])} has no value but spans {int(steps[bad[0]])} ({len(bad)} such rows)",
+                )
+            ]
         if c.kind == "fixed" and np.any(valid & (steps != 1)):
             r = int(np.flatnonzero(valid & (steps != 1))[0])
             return [(f"{rel}/offsets", f"row {r} has a value but spans {int(steps[r])} rows of a compact fixed column")]
     return []
 
 
-def layout_rows(frame_offsets: np.ndarray, file_layout: np.ndarray, layouts: list[list[str]]) -> Callable[[str], np.ndarray]:
+def layout_rows(
+    frame_offsets: np.ndarray, file_layout: np.ndarray, layouts: list[list[str]]
+) -> Callable[[str], np.ndarray]:
     """``in_layout(column)``: per row, whether its file's ``file_layouts`` entry lists the column
     (offsets and file_layout already checked)."""
     file_of_row = np.repeat(np.arange(len(file_layout), dtype=np.int64), np.diff(frame_offsets))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
@@ -23,12 +23,12 @@ from ._errors import (
     SpillStorageError,
     SpillValueError,
 )
+from ._frames import check_expected
+from ._options import DEFAULT_MEMORY_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
-from ._report import MergeReport, check_expected, gaps
+from ._report import MergeReport, gaps
 from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
-
-DEFAULT_MEMORY_BUDGET = 256 << 20
 
 
 def merge(
@@ -76,22 +76,19 @@ def merge(
     ``0 .. count-1`` that is absent is listed in :attr:`MergeReport.frame_gaps`, files no rank
     wrote included. It changes what is reported, never what is merged.
     """
+    # Every keyword parameter, by name: a test keeps them and MergeOptions' fields the same.
+    options = MergeOptions(**{k: v for k, v in locals().items() if k not in ("root", "out")})
     if part is not None and finalize:
         raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
     if part is not None:
-        part = _check_part(part)
-    job = _Job.open(
-        root, out, storage_options=storage_options, out_storage_options=out_storage_options,
-        world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial,
-        on_duplicate=on_duplicate, chunk_bytes=chunk_bytes, memory_budget=memory_budget, threads=threads,
-        fsync=fsync, progress=progress, codec=codec, expected=expected, session=session,
-    )  # fmt: skip
+        options = replace(options, part=_check_part(part))
+    job = _Job.open(root, out, options)
     try:
         if finalize:
-            return _finalize(job, None, timeout, overwrite)
-        if part is not None:
-            return _merge_part(job, part, overwrite, rank=None)
-        return _merge_whole(job, overwrite)
+            return _finalize(job, None)
+        if options.part is not None:
+            return _merge_part(job, options.part, rank=None)
+        return _merge_whole(job)
     finally:
         job.src.close()
 
@@ -108,12 +105,13 @@ def merge_parallel(
             raise SpillValueError(f"{key}= cannot be combined with parallel=True (every rank is one part)")
     if rank != dst:
         kwargs.setdefault("progress", False)  # one progress bar per job, not one per rank
-    job = _Job.open(root, out, world_size=world_size, run_id=run_id, timeout=timeout, **kwargs)
+    options = MergeOptions(world_size=world_size, run_id=run_id, timeout=timeout, overwrite=overwrite, **kwargs)
+    job = _Job.open(root, out, options)
     try:
-        _merge_part(job, (rank, world_size), overwrite, rank=rank)
+        _merge_part(job, (rank, world_size), rank=rank)
         if rank != dst:
             return None
-        return _finalize(job, world_size, timeout, overwrite, collective=True)
+        return _finalize(job, world_size, collective=True)
     finally:
         job.src.close()
 
@@ -128,12 +126,17 @@ def _check_part(part: Any) -> tuple[int, int]:
 
 @dataclass(slots=True)
 class _Job:
-    """One merge call: its storage, the plan every path works from, settings and timings."""
+    """One merge call: its storage, the plan every path works from, options and timings."""
 
     src: Storage
     """The spill root."""
     output: Storage
     """The output folder."""
+    options: MergeOptions
+    """The call's options, ``codec`` checked (finalize takes ``codec`` and ``chunk_bytes`` from
+    the part records)."""
+    threads: int
+    """Copy threads (``options.threads``, or the default for these storages)."""
     state: Any
     """``SpillState`` of the spill root after the barrier."""
     segments: list[Any]
@@ -142,63 +145,27 @@ class _Job:
     """The merge plan."""
     fingerprint: str
     """``_plan.fingerprint`` of the plan and the output settings."""
-    chunk_bytes: int
-    """Target output chunk size."""
-    memory_budget: int
-    """Bytes of stripes in flight."""
-    threads: int
-    """Copy threads."""
-    fsync: bool
-    """Flush to the device before records and markers vouch for the data."""
-    progress: bool | None
-    """Progress bar (None: on a terminal)."""
-    codec: str
-    """Output codec name."""
-    allow_partial: bool
-    """Merging without every rank's commit."""
-    run_id: str | None
-    """Run id the barrier waited for (None: newest segments)."""
     salvaged: dict[int, int]
     """Rank → frames salvaged from journals."""
     notes: list[str]
     """Report notes."""
-    expected: dict[str, int] | None
-    """Filename → expected frame count, for the report (None: not given)."""
+    manifest: dict[str, int] | None
+    """Filename → expected frame count (``options.expected`` read), for the report (None: not given)."""
     phases: dict[str, float]
     """Seconds per phase."""
     t0: float
     """perf_counter at the start of the call."""
-    session: int | None = None
-    """The writer session this merge serves (``SpillWriter.merge`` passes it), for the marker."""
 
     @classmethod
-    def open(
-        cls,
-        root: str,
-        out: str,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        out_storage_options: dict[str, Any] | None = None,
-        world_size: int | None = None,
-        run_id: str | None = None,
-        timeout: float = 0.0,
-        allow_partial: bool = False,
-        on_duplicate: str = "error",
-        chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
-        threads: int | None = None,
-        fsync: bool = True,
-        progress: bool | None = None,
-        codec: str = "none",
-        expected: Mapping[str, int] | str | None = None,
-        session: int | None = None,
-    ) -> _Job:
+    def open(cls, root: str, out: str, options: MergeOptions) -> _Job:
         """Barrier → load → plan: everything before the first byte of output."""
         t0 = time.perf_counter()
+        chunk_bytes, threads = options.chunk_bytes, options.threads
         if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-        codec = _codecs.check(codec)
-        manifest = check_expected(expected)
+        codec = _codecs.check(options.codec)
+        manifest = check_expected(options.expected)
+        storage_options, out_storage_options = options.storage_options, options.out_storage_options
         src = Storage(root, storage_options)
         if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
             same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
@@ -214,8 +181,13 @@ class _Job:
             raise SpillValueError(
                 f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
             )
+        allow_partial = options.allow_partial
         state = wait_for_commits(
-            src, world_size=world_size, run_id=run_id, timeout=timeout, allow_partial=allow_partial
+            src,
+            world_size=options.world_size,
+            run_id=options.run_id,
+            timeout=options.timeout,
+            allow_partial=allow_partial,
         )
         phases: dict[str, float] = {"wait": time.perf_counter() - t0}
         # Write order for the duplicate policy: segment start time, rank breaking ties.
@@ -234,13 +206,11 @@ class _Job:
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
         phases["load"] = time.perf_counter() - t
         t = time.perf_counter()
-        plan = build(loaded, on_duplicate, same_bytes=functools.partial(same_bytes, src))
+        plan = build(loaded, options.on_duplicate, same_bytes=functools.partial(same_bytes, src))
         plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
-        return cls(
-            src, output, state, segments, plan, plan_id, chunk_bytes, memory_budget, threads, fsync, progress, codec,
-            allow_partial, run_id, salvaged, notes, manifest, phases, t0, session,
-        )  # fmt: skip
+        options = replace(options, codec=codec)
+        return cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan
@@ -260,19 +230,19 @@ class _Job:
             missing_ranks=sorted([*self.state.missing, *self.state.failed]),
             abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
             salvaged_frames=self.salvaged,
-            frame_gaps=gaps(plan, self.expected, whole=part is None)
-            if self.allow_partial or self.expected is not None
+            frame_gaps=gaps(plan, self.manifest, whole=part is None)
+            if self.options.allow_partial or self.manifest is not None
             else {},
-            expected_files=None if self.expected is None else len(self.expected),
+            expected_files=None if self.manifest is None else len(self.manifest),
             notes=self.notes,
             phases=self.phases,
             parts=parts,
             part=part,
-            codec=self.codec,
+            codec=self.options.codec,
         )
 
 
-def _merge_whole(job: _Job, overwrite: bool) -> MergeReport:
+def _merge_whole(job: _Job) -> MergeReport:
     """One process writes everything, holding the output's exclusive lease."""
     output = job.output
     _output.check_claimable(output)
@@ -280,7 +250,7 @@ def _merge_whole(job: _Job, overwrite: bool) -> MergeReport:
     output.makedirs("")
     try:
         with _lease.whole(output) as lease:  # before any change: one merge per output
-            _merge_whole_locked(job, overwrite, lease)
+            _merge_whole_locked(job, lease)
     except BaseException:
         if created:  # leave no empty folder behind where there was none
             output.remove_empty_dir("")
@@ -288,22 +258,22 @@ def _merge_whole(job: _Job, overwrite: bool) -> MergeReport:
     return job.report()
 
 
-def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None:
+def _merge_whole_locked(job: _Job, lease: _lease.Lease) -> None:
     """Everything of a whole merge that happens under its lease."""
     output = job.output
-    _output.prepare(output, overwrite, lease)
+    _output.prepare(output, job.options.overwrite, lease)
     try:
         t = time.perf_counter()
-        docs = Z.output_docs(job.plan, job.state.world_size, job.chunk_bytes, job.codec)
+        docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
         # The root document goes first, alone and whole: it marks the folder as a spillmerge
         # output, so an interrupted merge can be recognised and rebuilt.
         output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
-        _copy(job, units(job.plan, job.chunk_bytes))
+        _copy(job, units(job.plan, job.options.chunk_bytes))
         job.phases["copy"] = time.perf_counter() - t
-        _write_index(job)
+        _write_output_index(job)
         _finish(job, docs, lease)
     except BaseException:
         # The output is unusable without its completion marker anyway; removing what we
@@ -316,7 +286,7 @@ def _merge_whole_locked(job: _Job, overwrite: bool, lease: _lease.Lease) -> None
         raise
 
 
-def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int | None) -> MergeReport:
+def _merge_part(job: _Job, part: tuple[int, int], *, rank: int | None) -> MergeReport:
     """Part ``i`` of ``n``: the output chunks ``split`` gives it, then its part record.
 
     Touches nothing another part of the same plan owns: the shared nodes (index, groups,
@@ -325,22 +295,23 @@ def _merge_part(job: _Job, part: tuple[int, int], overwrite: bool, *, rank: int 
     (``overwrite``)."""
     i, n = part
     output = job.output
-    every = units(job.plan, job.chunk_bytes)
+    every = units(job.plan, job.options.chunk_bytes)
     mine = [every[k] for k in split([u.nbytes for u in every], n)[i]]
     _output.check_claimable(output)
     output.makedirs("")
     with _lease.part(output, i, n) as lease:  # two runs of the same part never write at once
-        _output.claim(output, overwrite, lease)
-        return _write_part(job, part, mine, overwrite, rank, lease)
+        _output.claim(output, job.options.overwrite, lease)
+        return _write_part(job, part, mine, rank, lease)
 
 
 def _write_part(
-    job: _Job, part: tuple[int, int], mine: list[Unit], overwrite: bool, rank: int | None, lease: _lease.Lease
+    job: _Job, part: tuple[int, int], mine: list[Unit], rank: int | None, lease: _lease.Lease
 ) -> MergeReport:
     i, n = part
+    overwrite = job.options.overwrite
     output, plan_id = job.output, job.fingerprint
     name = _parts.describe(i, n, rank)
-    records = _parts.scan(output)
+    records = _parts.read_records(output)
     if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
         job.notes.append(
@@ -364,7 +335,7 @@ def _write_part(
     try:
         t = time.perf_counter()
         if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
-            docs = Z.output_docs(job.plan, job.state.world_size, job.chunk_bytes, job.codec)
+            docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
             output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         # Chunks an earlier attempt of this part left are rewritten whole below; every other
         # node (documents, index) is the finalizer's.
@@ -373,24 +344,22 @@ def _write_part(
         _copy(job, mine)
         job.phases["copy"] = time.perf_counter() - t
         t = time.perf_counter()
-        if job.fsync:  # the part record vouches for every chunk of the part
+        if job.options.fsync:  # the part record vouches for every chunk of the part
             output.fsync_tree("")
         lease.check()
         _parts.write_done(
-            output, i, n, plan_id, rank, job.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
-            nbytes=sum(u.nbytes for u in mine), codec=job.codec, chunk_bytes=job.chunk_bytes,
+            output, i, n, plan_id, rank, job.options.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
+            nbytes=sum(u.nbytes for u in mine), codec=job.options.codec, chunk_bytes=job.options.chunk_bytes,
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
-        _parts.write_failure(output, i, n, plan_id, rank, job.run_id, exc)
+        _parts.write_failure(output, i, n, plan_id, rank, job.options.run_id, exc)
         raise
     return job.report(todo=mine, parts=n, part=i)
 
 
-def _finalize(
-    job: _Job, parts: int | None, timeout: float, overwrite: bool, *, collective: bool = False
-) -> MergeReport:
+def _finalize(job: _Job, parts: int | None, *, collective: bool = False) -> MergeReport:
     """After every part: check the part records (present, same plan), then index, consolidated
     metadata and completion marker — the same documents a one-process merge writes."""
     output = job.output
@@ -405,27 +374,30 @@ def _finalize(
         )
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
-        return _finalize_locked(job, parts, timeout, overwrite, collective, lease)
+        return _finalize_locked(job, parts, collective, lease)
 
 
-def _finalize_locked(
-    job: _Job, parts: int | None, timeout: float, overwrite: bool, collective: bool, lease: _lease.Lease
-) -> MergeReport:
+def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lease.Lease) -> MergeReport:
     output = job.output
     complete = output.exists(FO.COMPLETE_NAME)
-    if complete and not overwrite:
+    if complete and not job.options.overwrite:
         raise _output.complete_error(output, "finalize it again")
     t = time.perf_counter()
-    records = _parts.scan(output)
+    records = _parts.read_records(output)
     n = parts if parts is not None else _parts.infer_parts(output, records)
     done = [r for r in records if not r.failed and r.parts == n]
     if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
         # The parts decided the array documents: finalize with their codec and chunk size rather
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
-        job.codec, job.chunk_bytes = done[0].codec, done[0].chunk_bytes
-        job.fingerprint = fingerprint(job.plan, chunk_bytes=job.chunk_bytes, codec=job.codec)
+        job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
+        job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
     _parts.wait(
-        output, n, job.fingerprint, timeout=timeout, collective=collective, run_id=job.run_id if collective else None
+        output,
+        n,
+        job.fingerprint,
+        timeout=job.options.timeout,
+        collective=collective,
+        run_id=job.options.run_id if collective else None,
     )
     job.phases["parts"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -438,15 +410,15 @@ def _finalize_locked(
             output.rm_tree(f"columns/{name}")
     if output.exists("files"):  # an older (format 1) merge into this output
         output.rm_tree("files")
-    docs = Z.output_docs(job.plan, job.state.world_size, job.chunk_bytes, job.codec)
+    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
-    _write_index(job)
+    _write_output_index(job)
     _finish(job, docs, lease)
     return job.report(parts=n)
 
 
-def _write_index(job: _Job) -> None:
+def _write_output_index(job: _Job) -> None:
     """The index arrays and every column's ``offsets``, ``shapes`` and ``valid``: computed from
     the plan, written through zarr (whole arrays, one process)."""
     t = time.perf_counter()
@@ -480,8 +452,8 @@ def _write_index(job: _Job) -> None:
 
 def _copy(job: _Job, todo: list[Unit]) -> None:
     copy_units(
-        job.src, job.output, job.plan, todo, codec=job.codec, memory_budget=job.memory_budget, threads=job.threads,
-        progress=job.progress,
+        job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget, threads=job.threads,
+        progress=job.options.progress,
     )  # fmt: skip
 
 
@@ -490,7 +462,7 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
     output, plan = job.output, job.plan
     root = Z.consolidated_root(docs)
     t = time.perf_counter()
-    if job.fsync:  # every chunk and document is durable before the root and the marker vouch for them
+    if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
         output.fsync_tree("")
     job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
@@ -504,8 +476,8 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
         written_by=lease.record(),  # a second merge into this output can be told apart
         spill_root=job.src.describe(),
         plan=job.fingerprint,
-        run_id=job.run_id,
-        session=job.session,
+        run_id=job.options.run_id,
+        session=job.options.session,
     )
     lease.check()
     output.put_atomic(FO.COMPLETE_NAME, marker.to_json())

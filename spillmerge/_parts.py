@@ -115,7 +115,7 @@ def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
     )
 
 
-def scan(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
+def read_records(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
     """Every part record of the output, in name order (unreadable ones raise, naming the path).
 
     Records are immutable once written, so a ``cache`` kept across polls saves reading each
@@ -189,7 +189,7 @@ def wait(
     stays on storage until its part runs again, and must not fail this one."""
     cache: dict[str, PartRecord] = {}
     for waited in _poll.poll(timeout, first=poll, cap=max_poll):
-        records = scan(output, cache)
+        records = read_records(output, cache)
         bad = foreign(records, parts, plan)
         if bad:
             raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)")

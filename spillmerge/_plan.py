@@ -37,8 +37,9 @@ _KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist
 
 
 @dataclass(frozen=True, slots=True)
-class Column:
-    """One leaf column of the output: ``columns/<name>/``."""
+class PlannedColumn:
+    """The plan of one leaf column of the output, ``columns/<name>/``: where each row's bytes come
+    from (the merge side; the reader's is ``_views.OpenColumn``)."""
 
     name: str
     """Node name under ``columns/``."""
@@ -140,7 +141,7 @@ class Plan:
     """int32 (n_files,): position in ``file_layouts`` of each file's column set."""
     file_layouts: list[list[str]]
     """Distinct sorted column-name sets of the files."""
-    columns: list[Column]
+    columns: list[PlannedColumn]
     """Sorted by name."""
     segments: list[LoadedSegment]
     """Source segments; ``seg`` values index this list."""
@@ -451,7 +452,7 @@ def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[st
 
 def _column(
     name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int
-) -> Column:
+) -> PlannedColumn:
     """The column of one leaf path from the row table positions of its present rows."""
     present = src >= 0
     has_valid = not bool(present.all())
@@ -470,14 +471,14 @@ def _column(
             counts[present] = n_of[gl]
         elif kind != "str":
             counts[present] = c["nb"][src[present]]
-        return Column(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
+        return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
                       None if kind == "str" else counts, None, has_valid)  # fmt: skip
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
         shape = next(iter(shapes)) if shapes else ()
         present_counts = present.astype(np.int64) if has_valid else None
-        return Column(name, leaf, "fixed", dt.name, ndim, shape, None, src, present_counts, None, has_valid)
+        return PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, present_counts, None, has_valid)
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
@@ -486,9 +487,11 @@ def _column(
     inner_set = {lay.shape[1:] for lay in lays}
     if len(inner_set) == 1:
         inner = next(iter(inner_set))
-        return Column(name, leaf, "ragged", dt.name, ndim, None, inner, src, row_shapes[:, 0].copy(), None, has_valid)
+        return PlannedColumn(
+            name, leaf, "ragged", dt.name, ndim, None, inner, src, row_shapes[:, 0].copy(), None, has_valid
+        )
     counts = np.prod(row_shapes, axis=1, dtype=np.int64)
-    return Column(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
+    return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
 
 
 def _file_layouts(
@@ -515,7 +518,11 @@ def _file_layouts(
 
 
 def _check_prefixes(
-    layout: list[str], columns: list[Column], names: list[str], file_layout: np.ndarray, file_layouts: list[list[str]]
+    layout: list[str],
+    columns: list[PlannedColumn],
+    names: list[str],
+    file_layout: np.ndarray,
+    file_layouts: list[list[str]],
 ) -> None:
     """Within one file a leaf cannot also be a dict holding other leaves: ``res[filename]`` could
     not be both."""

@@ -29,7 +29,7 @@ from ._errors import (
 )
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
-from ._views import Column, LeafView
+from ._views import LeafView, OpenColumn
 
 _STRING_CHUNK_HARD_MAX = 1 << 31
 """No string chunk is read past 2 GiB, whatever a column header claims."""
@@ -204,9 +204,9 @@ class V2Files:
             raise_(V.provenance_problems(name, arr))
             self._prov[name] = arr
         self.n_rows = len(frame_idx)
-        self.columns: dict[str, Column] = {}
+        self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = Column(info, self.n_rows, allow_pickle)
+            col = OpenColumn(info, self.n_rows, allow_pickle)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
@@ -224,6 +224,10 @@ class V2Files:
     @property
     def filenames(self) -> list[str]:
         return self._names.tolist()  # type: ignore[no-any-return]
+
+    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open."""
+        return self.filenames, self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
 
     def __len__(self) -> int:
         return len(self._names)
@@ -422,13 +426,10 @@ class MergedStore(Mapping[str, Any]):
     def __getitem__(self, filename: str) -> Any:
         return self._files.value(self._index(filename))
 
-    def _index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
         checked at open (for coverage, which needs them whole); None for version 1."""
-        if not isinstance(self._files, V2Files):
-            return None
-        f = self._files
-        return f.filenames, f._offsets, f._frame_idx, f._prov["frame_rank"], f._prov["frame_copies"]
+        return self._files.index_arrays() if isinstance(self._files, V2Files) else None
 
     def _v2(self, what: str) -> V2Files:
         if not isinstance(self._files, V2Files):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._coverage import read_manifest, runs
-from ._errors import SpillValueError
+from ._frames import first_missing, runs
 from ._plan import Plan
 
 
@@ -146,42 +143,10 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
             span = int(have[-1]) + 1 if len(have) else 0
         have = have[have < span]
         if len(have) != span:
-            out[name] = _first_missing(have, span, limit)
+            out[name] = first_missing(have, span, limit)
     if expected is not None and whole:
         seen = set(plan.filenames) if len(expected) else set()
         for name, count in expected.items():
             if name not in seen and count > 0:
                 out[name] = list(range(min(count, limit)))
-    return out
-
-
-def _first_missing(have: np.ndarray, span: int, limit: int) -> list[int]:
-    """The first ``limit`` integers of ``0 .. span-1`` not in ``have`` (ascending, unique), without
-    materialising ``span`` integers when it is huge."""
-    out: list[int] = []
-    start = 0
-    for a, b, _ in runs(have):
-        out.extend(range(start, min(a, start + limit - len(out))))
-        start = b + 1
-        if len(out) >= limit:
-            return out
-    out.extend(range(start, min(span, start + limit - len(out))))
-    return out
-
-
-def check_expected(expected: Mapping[str, int] | str | None) -> dict[str, int] | None:
-    """``expected=``: a CSV manifest's path, or a mapping filename → non-negative frame count."""
-    if expected is None:
-        return None
-    if isinstance(expected, (str, os.PathLike)):
-        return read_manifest(os.fspath(expected))
-    if not isinstance(expected, Mapping):
-        raise SpillValueError(
-            f"expected must be a mapping filename -> frame count or a CSV path, got {type(expected).__name__}"
-        )
-    out: dict[str, int] = {}
-    for name, count in expected.items():
-        if not isinstance(name, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise SpillValueError(f"expected[{name!r}] must map a filename to a non-negative int, got {count!r}")
-        out[name] = count
     return out

@@ -4,7 +4,7 @@ how the outcome and failures travel. The writer delegates here; nothing below im
 Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``, docs/ARCHITECTURE.md):
   (every rank)    check the options alike; when torch.distributed is initialised with the writer's
                   rank and world size (:func:`coordinated`) and ``transport`` is not ``"storage"``,
-                  the first round of a writer session runs ``_transfer.gather_shards`` so ``dst``
+                  the first round of a writer session runs ``_transfer.transfer_shards`` so ``dst``
                   can read every committed shard under its own root
   (dst)           ``_merge.merge`` (``parallel``: every rank runs ``_merge.merge_parallel`` and
                   ``dst`` finalizes), then ``_runstore.publish_merge_outcome``; a failure is also
@@ -28,7 +28,7 @@ from ._merge import merge, merge_parallel
 from ._report import MergeReport
 from ._runstore import OutcomeWatch, publish_merge_outcome
 from ._storage import Storage
-from ._transfer import Session, TransferInfo, check_options, gather_shards
+from ._transfer import Session, TransferInfo, check_options, transfer_shards
 
 
 class Rounds:
@@ -91,7 +91,7 @@ class Rounds:
         if transport != "storage" and coordinated(session) and not self.shards_here:
             # The first merge of a job gathers every shard where dst can read it; a later merge
             # of the same writer (another output or duplicate policy) needs no coordination.
-            info = gather_shards(
+            info = transfer_shards(
                 session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"])
             )
             self.shards_here = True

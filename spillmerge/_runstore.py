@@ -8,7 +8,7 @@ carries, under ``spillmerge/RUN_ID/``:
 - ``merge-outcome/A``: how ``dst``'s merge of session A ended (:func:`publish_merge_outcome`;
   ranks waiting for the output watch it with :class:`OutcomeWatch`);
 - ``merge-A/...``: the JSON messages of one coordinated merge (:class:`Coord`: ``meta``,
-  ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_transfer.gather_shards``).
+  ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_transfer.transfer_shards``).
 
 No collective and no GPU: every wait polls the store with backoff and ends by its timeout.
 Without torch.distributed (or a run id) nothing is published and the ranks rely on storage.
@@ -182,7 +182,7 @@ class Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
-    def gather(
+    def collect(
         self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
     ) -> dict[int, Any]:
         """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,

@@ -628,10 +628,10 @@ def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> 
     storage = Storage(root, storage_options)
     if not storage.exists(""):
         return {}
-    return committed_keys_in(storage)
+    return load_committed_keys(storage)
 
 
-def committed_keys_in(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
+def load_committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
     """Filename → frame indices already committed under the root (every rank, every segment but
     ``exclude``)."""
     out: dict[str, set[int]] = {}

@@ -1,6 +1,6 @@
 """Node-local spill roots: move committed shards to the merging rank over torch.distributed.
 
-Used by the merge round (``_round``) only. Protocol (every rank runs :func:`gather_shards`, then ``dst`` merges from its own root):
+Used by the merge round (``_round``) only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
 
 1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
    key-value store (the TCPStore every process group already has; no collective, no GPU).
@@ -20,7 +20,7 @@ Used by the merge round (``_round``) only. Protocol (every rank runs :func:`gath
 Any failure on ``dst`` sets ``abort`` so every waiting rank raises instead of hanging; a rank
 whose writer failed sets ``failed/A/R`` for its A-th writer session of the run
 (``_runstore.publish_failure``). The store's keys and waits are ``_runstore``'s; this module is the
-wire (:class:`_Link`) and the shard protocol (:func:`gather_shards`).
+wire (:class:`_Link`) and the shard protocol (:func:`transfer_shards`).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class Session:
     """Which writer session of the run this is on this rank (``_runstore.next_session``)."""
 
 
-def gather_shards(
+def transfer_shards(
     session: Session,
     dst: int,
     transport: str,
@@ -269,7 +269,7 @@ def gather_shards(
     try:
         # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
         # commit record is on storage dst can read: then dst stops waiting for it.
-        metas = coord.gather(
+        metas = coord.collect(
             "meta",
             list(range(session.world_size)),
             "waiting for every rank to reach merge()",
@@ -303,7 +303,7 @@ def gather_shards(
             coord.put(f"sees/{me}", [])
             group, device = _group(backend, timeout)
             link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
-            sees = coord.gather("sees", list(range(session.world_size)), "waiting for what each rank can see")
+            sees = coord.collect("sees", list(range(session.world_size)), "waiting for what each rank can see")
             info.senders = _assign_senders(invisible, sees, dst)
             coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
             for s in sorted(info.senders):
@@ -319,7 +319,7 @@ def gather_shards(
 
 @dataclass
 class TransferInfo:
-    """What :func:`gather_shards` did before the merge proper."""
+    """What :func:`transfer_shards` did before the merge proper."""
 
     wait_seconds: float = 0.0
     """Waiting for every rank to reach ``merge()``."""
@@ -400,7 +400,9 @@ def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[
             files = storage.find(seg.rel)
             commit = [(rel, n) for rel, n in files if rel == _commit_rel(seg.rel)]
             objects += [
-                (rel, n) for rel, n in files if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME
+                (rel, n)
+                for rel, n in files
+                if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME
             ]
             objects += commit
     return objects

@@ -16,7 +16,7 @@ import torch
 
 from . import _format as F
 from ._errors import PickleNotAllowedError, RaggedShapeError
-from ._invariants import ColumnInfo, read_array, read_rows
+from ._invariants import StoredColumn, read_array, read_rows
 
 
 def real_dtype(name: str) -> np.dtype[Any]:
@@ -36,11 +36,11 @@ def real_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(dt.storage)
 
 
-class Column:
+class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
     ``shapes``), read and checked once when the output is opened, kept in memory."""
 
-    def __init__(self, info: ColumnInfo, n_rows: int, allow_pickle: bool) -> None:
+    def __init__(self, info: StoredColumn, n_rows: int, allow_pickle: bool) -> None:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
@@ -72,7 +72,7 @@ class LeafView:
     value (``None`` where :attr:`valid` is False); ``view[a:b]`` several rows (the kind decides
     the form); :meth:`to_list` every row as a Python list; :meth:`to_arrow` a pyarrow array."""
 
-    def __init__(self, col: Column, start: int, stop: int, filename: str | None) -> None:
+    def __init__(self, col: OpenColumn, start: int, stop: int, filename: str | None) -> None:
         self._col = col
         self._start = start
         self._stop = stop

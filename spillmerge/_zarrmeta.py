@@ -20,7 +20,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from . import _codecs
 from . import _format as F
 from . import _format_output as FO
-from ._plan import Column, Plan
+from ._plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 21
 """Rows per chunk of the per-row index arrays (``frame_idx`` ..., ``offsets``, ``valid``)."""
@@ -38,7 +38,7 @@ def balanced(n: int, cap: int) -> int:
     return -(-n // m)
 
 
-def string_bytes(plan: Plan, col: Column) -> np.ndarray:
+def string_bytes(plan: Plan, col: PlannedColumn) -> np.ndarray:
     """int64 (n_rows,): the UTF-8 bytes of each row of a string column (plus, for ``strlist``,
     its 4-byte length prefixes, which vlen-utf8 also stores)."""
     out = np.zeros(len(col.src), dtype=np.int64)
@@ -51,7 +51,7 @@ SMALL_ROW_BYTES = 64 << 10
 """Columns whose rows average fewer bytes get chunks of ``chunk_bytes // 4``."""
 
 
-def values_chunk(plan: Plan, col: Column, chunk_bytes: int) -> int:
+def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2).
 
     A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
@@ -71,7 +71,7 @@ def values_chunk(plan: Plan, col: Column, chunk_bytes: int) -> int:
     return balanced(n, int(max(target, 1) // max(per, 1)))
 
 
-def string_chunk_max(plan: Plan, col: Column, k: int) -> int:
+def string_chunk_max(plan: Plan, col: PlannedColumn, k: int) -> int:
     """An upper bound of the largest vlen-utf8 chunk of a string column of ``k`` strings per chunk:
     the count, a length per string, and the bytes of every row overlapping the chunk."""
     per_row = string_bytes(plan, col)
@@ -136,7 +136,11 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         unit = col.unit_shape
         if col.storage == "string":
             limit = string_chunk_max(plan, col, k)
-            meta = {**str_meta, "shape": [col.n_units], "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [k]}}}
+            meta = {
+                **str_meta,
+                "shape": [col.n_units],
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [k]}},
+            }
             meta = _codecs.with_codec(meta, codec, 1)
         else:
             limit = None
@@ -149,7 +153,9 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         if col.has_offsets:
             nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))
         if col.shapes is not None:
-            shp = array_meta((rows, col.ndim), (max(1, min(rows, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True)
+            shp = array_meta(
+                (rows, col.ndim), (max(1, min(rows, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True
+            )
             nodes[f"{base}/shapes"] = ArrayV3Metadata.from_dict(_dims(shp, ["row", f"{col.name}.dims"]))
         if col.has_valid:
             nodes[f"{base}/valid"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows, "bool"), ["row"]))

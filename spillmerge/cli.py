@@ -10,14 +10,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from . import _options
 from ._errors import ConfigError, SpillMergeError
 
-_MERGE_KEYS = {
-    "root": str, "out": str, "timeout": float, "allow_partial": bool, "on_duplicate": str,
-    "overwrite": bool, "chunk_bytes": int, "memory_budget": int, "threads": int,
-    "world_size": int, "storage_options": dict, "out_storage_options": dict, "codec": str,
-    "expected": str,
-}  # fmt: skip
+_MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
+"""The ``[merge]`` table of a config file: the spill root, the output and every option with a config key."""
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
 
@@ -72,27 +69,6 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected sizes joined by x, e.g. 3x64x64, got {text!r}") from None
 
 
-def _part(text: str) -> tuple[int, int]:
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a part: {text!r} (I/N, e.g. 0/4 for the first of 4)") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise argparse.ArgumentTypeError(f"part {text!r} is not in 0/N .. (N-1)/N")
-    return i, n
-
-
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16MiB, 256M, 1048576)") from None
-
-
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
 
@@ -129,56 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("root", nargs="?", help="spill root (path or fsspec URL)")
     m.add_argument("--out", help="output store (path or fsspec URL)")
     m.add_argument("--config", help="TOML file with a [merge] table; flags override it")
-    m.add_argument("--timeout", type=float, help="seconds to wait for missing commit records (default 0: check once)")
-    m.add_argument(
-        "--allow-partial",
-        action="store_true",
-        default=None,
-        help="merge what is committed plus what dead ranks provably flushed; report missing ranks and frames",
-    )
-    m.add_argument(
-        "--expected",
-        metavar="CSV",
-        help="manifest (columns filename,n_frames): list every frame missing against it; exit 1 if any",
-    )
-    m.add_argument(
-        "--on-duplicate",
-        choices=["error", "first", "last"],
-        help="what to do with a key written twice with different content (default error)",
-    )
-    m.add_argument("--overwrite", action="store_true", default=None, help="replace an existing complete output")
-    m.add_argument(
-        "--codec",
-        choices=["none", "blosc-lz4", "zstd"],
-        help="compress the output arrays (default none; --finalize takes it from the parts)",
-    )
-    how = m.add_mutually_exclusive_group()
-    how.add_argument(
-        "--part",
-        type=_part,
-        metavar="I/N",
-        help="write only part I of N (its share of the files) and its part record; run all N, then --finalize",
-    )
-    how.add_argument(
-        "--finalize",
-        action="store_true",
-        help="after every --part ran: check all parts are present and of the same plan, write the index, "
-        "consolidated metadata and completion marker (--timeout waits for missing parts)",
-    )
-    m.add_argument("--world-size", type=int, help="expected number of ranks (default: from the commit records)")
-    m.add_argument("--chunk-bytes", type=_size, help="target output chunk size (default 16MiB)")
-    m.add_argument("--memory-budget", type=_size, help="bytes of frames in flight (default 256MiB)")
-    m.add_argument("--threads", type=int, help="copy threads (default 4 on local disks, 16 with an object store)")
-    m.add_argument(
-        "--storage-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec option for ROOT (repeatable; also used for OUT when both share a protocol)",
-    )
-    m.add_argument(
-        "--out-storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for OUT (repeatable)"
-    )
-    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    exclusive: dict[str, Any] = {}
+    for name, flag in _options.flags().items():
+        if flag.exclusive is not None and flag.exclusive not in exclusive:
+            exclusive[flag.exclusive] = m.add_mutually_exclusive_group()
+        where = m if flag.exclusive is None else exclusive[flag.exclusive]
+        where.add_argument(flag.name, dest=name, default=None, help=flag.help, **flag.argparse)
 
     i = sub.add_parser(
         "inspect",
@@ -238,31 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _merge(args: argparse.Namespace) -> int:
     from ._merge import merge
 
-    cfg = _load_config(args.config, "merge", _MERGE_KEYS)
-    flags = {
-        "root": args.root, "out": args.out, "timeout": args.timeout, "allow_partial": args.allow_partial,
-        "on_duplicate": args.on_duplicate, "overwrite": args.overwrite, "world_size": args.world_size,
-        "chunk_bytes": args.chunk_bytes, "memory_budget": args.memory_budget, "threads": args.threads,
-        "codec": args.codec, "expected": args.expected,
-    }  # fmt: skip
-    opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
-    so = {**opts.pop("storage_options", {}), **_storage_options(args.storage_option)}
-    out_so = {**opts.pop("out_storage_options", {}), **_storage_options(args.out_storage_option)}
+    opts = _load_config(args.config, "merge", _MERGE_KEYS)
+    for name in ("root", "out", *_options.flags()):  # a flag given overrides the config file
+        given = getattr(args, name)
+        if _MERGE_KEYS.get(name) is dict:  # repeatable KEY=VALUE flags update the config's table
+            given = {**opts.pop(name, {}), **_storage_options(given)} or None
+        if given is not None:
+            opts[name] = given
     root, out = opts.pop("root", None), opts.pop("out", None)
     if not root:
         raise ConfigError("merge needs a spill root: spillmerge merge ROOT --out OUT", key="root")
     if not out:
         raise ConfigError("merge needs an output: --out OUT (or out = ... in the config)", key="out")
-    report = merge(
-        root,
-        out,
-        storage_options=so or None,
-        out_storage_options=out_so or None,
-        progress=False if args.no_progress else None,
-        part=args.part,
-        finalize=args.finalize,
-        **opts,
-    )
+    report = merge(root, out, **opts)
     print(report)
     for seg in report.abandoned_segments:
         print(f"note: ignored uncommitted segment {seg} (superseded by a later commit of the same rank)")
@@ -270,7 +190,8 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._coverage import coverage, plot, read_manifest
+    from ._coverage import coverage, plot
+    from ._frames import read_manifest
     from ._inspect import format_coverage, format_text, summarize
 
     so = _storage_options(args.storage_option) or None

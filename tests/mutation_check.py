@@ -58,7 +58,7 @@ G = "tests/test_guards.py"
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
-        # The columnar copy checks every local row in one place (_Chunk._local_rows), whatever the
+        # The columnar copy checks every local row in one place (_OutputChunk._local_rows), whatever the
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_copy.py",

@@ -155,9 +155,40 @@ def test_config_is_valid_for_both_commands():
 
 @pytest.mark.parametrize("size, want", [("16MiB", 16 << 20), ("256M", 256 << 20), ("4096", 4096), ("1g", 1 << 30)])
 def test_size_parser(size, want):
-    from spillmerge.cli import _size
+    from spillmerge._options import parse_size
 
-    assert _size(size) == want
+    assert parse_size(size) == want
+
+
+def test_merge_options_are_declared_once():
+    """merge()'s keyword parameters (names and defaults), the CLI's merge flags and the config
+    file's [merge] keys all come from MergeOptions: an option added there reaches all three."""
+    import dataclasses
+    import inspect
+
+    from spillmerge._options import MergeOptions, config_keys, flags
+    from spillmerge.cli import _MERGE_KEYS, build_parser
+
+    declared = {f.name: f.default for f in dataclasses.fields(MergeOptions)}
+    params = inspect.signature(spillmerge.merge).parameters
+    keyword = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keyword == declared and list(params)[:2] == ["root", "out"]
+
+    merge_parser = build_parser()._subparsers._group_actions[0].choices["merge"]
+    cli = {a.dest: a.option_strings for a in merge_parser._actions if a.dest not in ("help", "config")}
+    assert cli == {"root": [], "out": ["--out"], **{name: [f.name] for name, f in flags().items()}}
+    assert set(flags()) <= set(declared) and set(config_keys()) <= set(declared)
+    assert _MERGE_KEYS == {"root": str, "out": str, **config_keys()}
+    # The flags and keys users already rely on stay as they were.
+    assert sorted(cli) == sorted([
+        "root", "out", "timeout", "allow_partial", "expected", "on_duplicate", "overwrite", "codec", "part",
+        "finalize", "world_size", "chunk_bytes", "memory_budget", "threads", "storage_options",
+        "out_storage_options", "progress",
+    ])  # fmt: skip
+    assert sorted(_MERGE_KEYS) == sorted([
+        "root", "out", "timeout", "allow_partial", "on_duplicate", "overwrite", "chunk_bytes", "memory_budget",
+        "threads", "world_size", "storage_options", "out_storage_options", "codec", "expected",
+    ])  # fmt: skip
 
 
 @pytest.mark.s3

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge._coverage import coverage, read_manifest
+from spillmerge._coverage import coverage
+from spillmerge._frames import read_manifest
 from spillmerge.cli import main
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"

@@ -25,7 +25,8 @@ import torch
 import zarr
 
 import spillmerge
-from spillmerge._coverage import coverage, read_manifest
+from spillmerge._coverage import coverage
+from spillmerge._frames import read_manifest
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1-output.zarr"
