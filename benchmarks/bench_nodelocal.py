@@ -117,9 +117,9 @@ def run_spillmerge(rank: int, world: int, mine, frames, work: Path, cfg: dict, i
     _time_calls(_transfer._Link, "send_bytes_piece", info, "in_send_s")  # where the transfer's time goes
     _time_calls(_transfer._Link, "recv_bytes_piece", info, "in_recv_s")
     if rank == 0:
-        _time_calls(_storage._Sink, "write", info, "in_sink_s")
+        _time_calls(_storage._local._LocalSink, "write", info, "in_sink_s")
     else:  # on rank 0 read_into is the merge's, not the transfer's
-        _time_calls(_storage.Storage, "read_into", info, "in_read_s")
+        _time_calls(_storage.LocalStorage, "read_into", info, "in_read_s")
     t0 = time.perf_counter()
     report = w.merge(str(work / "out"), transport="gloo", transfer_chunk_bytes=cfg["chunk"], progress=False)
     info["wall_s"] = time.perf_counter() - t0

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _format as F
+from . import _format_spill as FS
 from ._errors import ConfigError, SpillMergeError, require
 from ._frames import MAX_FRAME, gap_runs, n_below, runs
 from ._spillroot import load_segment, scan
@@ -183,7 +183,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
     # Write order, as the merge's duplicate policy sees it: segment start time, then rank.
     segs = sorted(
         (s for ss in scan(storage).values() for s in ss if s.commit is not None),
-        key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name),
+        key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name),
     )
     cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": [], "order": []}
     gid: dict[str, int] = {}
@@ -195,7 +195,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
             notes.append(str(exc))
             continue
         fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
-        keys = np.unique(loaded.index[:, [F.COL_FILE, F.COL_FRAME]], axis=0)
+        keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
         cols["file"].append(fmap[keys[:, 0]] if len(keys) else np.zeros(0, np.int64))
         cols["frame"].append(keys[:, 1])
         cols["rank"].append(np.full(len(keys), seg.rank, np.int64))

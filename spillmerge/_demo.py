@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _format as F
+from . import _format_spill as FS
 from ._errors import ConfigError, SpillMergeError
 
 
@@ -110,7 +110,7 @@ def run(cfg: DemoConfig) -> str:
     # Start from a clean spill root, but only delete what is recognisably ours.
     if spill.exists():
         names = os.listdir(spill)
-        if names and not all(F.parse_rank_dirname(n) is not None for n in names):
+        if names and not all(FS.parse_rank_dirname(n) is not None for n in names):
             raise ConfigError(f"{spill} exists and is not a spill root; choose another --out", key="out")
         shutil.rmtree(spill)
     out.mkdir(parents=True, exist_ok=True)

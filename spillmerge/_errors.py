@@ -61,13 +61,17 @@ class SpillStorageError(SpillMergeError, OSError):
 class CorruptSpillError(SpillMergeError, ValueError):
     """Something read from a spill root or an output is malformed or fails its checksum.
 
-    ``path`` names the object, ``rank`` the rank it belongs to when known.
+    ``path`` names the object, ``rank`` the rank it belongs to when known, ``reason`` what is
+    wrong without the path (``verify`` lists it next to the path) when the raiser gives it.
     """
 
-    def __init__(self, message: str, *, path: str | None = None, rank: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, rank: int | None = None, reason: str | None = None
+    ) -> None:
         super().__init__(message)
         self.path = path
         self.rank = rank
+        self.reason = reason
 
 
 class TruncatedObjectError(CorruptSpillError, SpillStorageError):

@@ -11,6 +11,8 @@ import google_crc32c
 import numpy as np
 
 from . import _format as F
+from . import _format_output as FO
+from . import _format_spill as FS
 from . import _invariants as V
 from ._errors import SpillMergeError
 from ._invariants import Problem
@@ -25,7 +27,7 @@ def detect(storage: Storage) -> str:
         raise SpillMergeError(f"{storage.describe()} does not exist")
     if header(storage) is not None:
         return "merged"
-    if any(F.parse_rank_dirname(n) is not None for n in storage.listdir("")):
+    if any(FS.parse_rank_dirname(n) is not None for n in storage.listdir("")):
         return "spill"
     raise SpillMergeError(f"{storage.describe()} is neither a spill root (no rank-NNNNN folders) nor a merged output")
 
@@ -57,7 +59,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                 total["bytes"] += c.nbytes
                 try:
                     loaded = load_segment(storage, s)
-                    for fid, n in Counter(loaded.index[:, F.COL_FILE].tolist()).items():
+                    for fid, n in Counter(loaded.index[:, FS.COL_FILE].tolist()).items():
                         files[loaded.filenames[fid]] += n
                     for lay in loaded.layouts:
                         dtypes[lay.dtype] += 1
@@ -84,7 +86,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     from ._reader import MergedStore
 
-    complete = storage.exists(F.COMPLETE_NAME)
+    complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
         raw = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))
         return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
@@ -292,8 +294,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
             cb = seg.commit.chunk_bytes
             idx = loaded.index
             bad_chunks: set[int] = set()
-            for row in idx[np.argsort(idx[:, F.COL_OFFSET], kind="stable")]:
-                off, nb, crc = int(row[F.COL_OFFSET]), int(row[F.COL_NBYTES]), int(row[F.COL_CRC])
+            for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
+                off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
                 if nb == 0:
                     continue
                 first, last = off // cb, (off + nb - 1) // cb
@@ -305,7 +307,7 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
                 while o < off + nb:
                     c = o // cb
                     stop = min(off + nb, (c + 1) * cb)
-                    pieces.append((f"{seg.rel}/{F.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
+                    pieces.append((f"{seg.rel}/{FS.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
                     o = stop
                 try:
                     storage.read_into(pieces, buf.data)
@@ -316,8 +318,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
                 if google_crc32c.value(buf) != crc:
                     chunks = ", ".join(storage.describe(p[0]) for p in pieces)
                     rep.problems.append(
-                        f"{chunks}: checksum mismatch in {loaded.filenames[int(row[F.COL_FILE])]!r:.200} "
-                        f"frame {int(row[F.COL_FRAME])} (bytes {off}..{off + nb} of rank {rank}'s data)"
+                        f"{chunks}: checksum mismatch in {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} "
+                        f"frame {int(row[FS.COL_FRAME])} (bytes {off}..{off + nb} of rank {rank}'s data)"
                     )
                     bad_chunks.update(range(first, last + 1))
                 else:
@@ -330,9 +332,9 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
 
     from ._reader import NoFillStore
 
-    complete = storage.exists(F.COMPLETE_NAME)
+    complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
-        rep.problems.append(f"{storage.describe()}: no {F.COMPLETE_NAME}; the merge did not finish")
+        rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
     try:
         store = NoFillStore(storage.zarr_store(read_only=True), storage.describe, storage)
         group = zarr.open_group(store, mode="r")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
+from . import _format_output as FO
 from ._errors import CorruptSpillError, SpillMergeError
 
 Problem = tuple[str, str]
@@ -23,7 +24,6 @@ Problem = tuple[str, str]
 PROVENANCE = ("frame_rank", "frame_copies")
 VALUE_COLUMN = "__value__"
 """Column name of the leaf ``[]`` (plain tensor values)."""
-KINDS = ("fixed", "ragged", "str", "bytes", "pickle", "strlist")
 OFFSET_KINDS = frozenset({"ragged", "bytes", "pickle", "strlist"})
 STRING_KINDS = frozenset({"str", "strlist"})
 
@@ -194,10 +194,6 @@ class StoredColumn:
         return "/".join(self.leaf)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     """Every column group's header and arrays (metadata only: consolidated, no chunk read), and
     what they break of the invariants that need no data."""
@@ -216,47 +212,23 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
         if not isinstance(node, zarr.Group):
             problems.append((rel, "expected a column group"))
             continue
-        h = node.attrs.get("spillmerge")
-        if not isinstance(h, dict):
-            problems.append((rel, "no spillmerge column header (leaf, kind, dtype)"))
+        try:
+            h = FO.ColumnHeader.from_obj(node.attrs.get("spillmerge"), name=name, path=rel)
+        except CorruptSpillError as exc:
+            problems.append((rel, exc.reason or str(exc)))
             continue
-        leaf, kind, dtype = h.get("leaf"), h.get("kind"), h.get("dtype")
-        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
-            problems.append((rel, f"leaf {leaf!r:.200} is not a list of dict keys"))
-            continue
-        numeric_dt = dtype if kind in ("fixed", "ragged") and isinstance(dtype, str) else None
-        if name not in F.column_name_choices(tuple(leaf), numeric_dt):
-            problems.append((rel, f"column {name!r} holds leaf {leaf!r:.200}, which a merge names otherwise"))
-            continue
-        if kind not in KINDS:
-            problems.append((rel, f"unknown kind {kind!r:.50} (known: {', '.join(KINDS)})"))
-            continue
-        numeric = kind in ("fixed", "ragged")
-        dt = F.DTYPES.get(dtype) if isinstance(dtype, str) else None
-        if numeric and (dt is None or not dt.numeric):
-            problems.append((rel, f"unknown dtype {dtype!r:.50} (known: docs/FORMAT.md section 3)"))
-            continue
-        if not numeric and dtype != kind:
-            problems.append((rel, f"dtype {dtype!r:.50} of a {kind} column (must be {kind!r})"))
-            continue
-        inner = h.get("inner_shape")
-        if inner is not None and (not isinstance(inner, list) or not all(_is_int(d) and d >= 0 for d in inner)):
-            problems.append((rel, f"inner_shape {inner!r:.100} is not a list of non-negative ints"))
-            continue
-        ndim = h.get("ndim")
-        cmb = h.get("chunk_max_bytes")
         arrays = {k: a for k, a in node.members(max_depth=0) if isinstance(a, zarr.Array)}
         info = StoredColumn(
             name=name,
-            leaf=tuple(leaf),
-            kind=kind,
-            dtype=str(dtype),
-            ndim=ndim if _is_int(ndim) else None,
-            inner_shape=tuple(inner) if inner is not None else None,
-            chunk_max_bytes=cmb if isinstance(cmb, int) and not isinstance(cmb, bool) and cmb >= 0 else None,
+            leaf=h.leaf,
+            kind=h.kind,
+            dtype=h.dtype,
+            ndim=h.ndim,
+            inner_shape=h.inner_shape,
+            chunk_max_bytes=h.chunk_max_bytes,
             arrays=arrays,
         )
-        bad = _column_meta_problems(info, bool(h.get("has_valid")))
+        bad = _column_meta_problems(info, h.has_valid)
         if bad:
             problems.extend(bad)
             continue

@@ -14,6 +14,8 @@ import zarr
 
 from . import _codecs, _lease, _output, _parts
 from . import _format as F
+from . import _format_output as FO
+from . import _format_spill as FS
 from . import _zarrmeta as Z
 from ._copy import Unit, copy_units, units
 from ._errors import (
@@ -189,7 +191,7 @@ class _Job:
         )
         phases: dict[str, float] = {"wait": time.perf_counter() - t0}
         # Write order for the duplicate policy: segment start time, rank breaking ties.
-        segments = sorted(state.committed, key=lambda s: (F.segment_sort_key(s.name)[1], s.rank, s.name))
+        segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
         t = time.perf_counter()
         loaded = load_all(src, segments)
         salvaged: dict[int, int] = {}
@@ -377,7 +379,7 @@ def _finalize(job: _Job, parts: int | None, *, collective: bool = False) -> Merg
 
 def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lease.Lease) -> MergeReport:
     output = job.output
-    complete = output.exists(F.COMPLETE_NAME)
+    complete = output.exists(FO.COMPLETE_NAME)
     if complete and not job.options.overwrite:
         raise _output.complete_error(output, "finalize it again")
     t = time.perf_counter()
@@ -401,7 +403,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     t = time.perf_counter()
     lease.check()
     if complete:
-        output.rm_tree(F.COMPLETE_NAME)
+        output.rm_tree(FO.COMPLETE_NAME)
     keep = {c.name for c in job.plan.columns}
     for name in output.listdir("columns"):
         if name not in keep and name != "zarr.json":  # left by an older merge into this output
@@ -466,7 +468,7 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
     t = time.perf_counter()
     lease.check()  # a merge that lost its lease must not vouch for an output another one writes
     output.put_atomic("zarr.json", Z.json_doc(root))
-    marker = F.CompletionMarker(
+    marker = FO.CompletionMarker(
         n_files=plan.n_files,
         n_frames=plan.n_frames,
         nbytes=plan.total_bytes,
@@ -478,5 +480,5 @@ def _finish(job: _Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> 
         session=job.options.session,
     )
     lease.check()
-    output.put_atomic(F.COMPLETE_NAME, marker.to_json())
+    output.put_atomic(FO.COMPLETE_NAME, marker.to_json())
     job.phases["finish"] = time.perf_counter() - t

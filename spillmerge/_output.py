@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _format as F
+from . import _format_output as FO
 from . import _lease, _parts
 from ._errors import CorruptSpillError, OutputExistsError, UnsafePathError
 from ._storage import Storage
@@ -26,9 +27,9 @@ def overlaps(a: Storage, b: Storage) -> bool:
     return pa.startswith(pb) or pb.startswith(pa)
 
 
-OURS = ("zarr.json", "columns", "files", "index", _parts.PARTS_DIR, F.COMPLETE_NAME)
+OURS = ("zarr.json", "columns", "files", "index", _parts.PARTS_DIR, FO.COMPLETE_NAME)
 """Top-level names a merge writes, the only ones it ever deletes (plus its temporary names)."""
-_TEMP = tuple(f"{name}.tmp-" for name in ("zarr.json", F.COMPLETE_NAME))
+_TEMP = tuple(f"{name}.tmp-" for name in ("zarr.json", FO.COMPLETE_NAME))
 
 
 def _is_ours_name(name: str) -> bool:
@@ -49,7 +50,7 @@ def prepare(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
         return
     if not is_ours(output):
         raise not_ours(output)
-    if output.exists(F.COMPLETE_NAME) and not overwrite:
+    if output.exists(FO.COMPLETE_NAME) and not overwrite:
         raise complete_error(output, "replace it")
     # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
     remove_ours(output, lease)
@@ -141,7 +142,7 @@ def claim(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
         raise not_ours(output)
     lease.check()
     refuse_links(output, overwrite)
-    if output.exists(F.COMPLETE_NAME):
+    if output.exists(FO.COMPLETE_NAME):
         if not overwrite:
             raise complete_error(output, "rebuild it (every part, then finalize)")
-        output.rm_tree(F.COMPLETE_NAME)  # from here on the output is incomplete until finalized
+        output.rm_tree(FO.COMPLETE_NAME)  # from here on the output is incomplete until finalized

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from . import _format as F
+from . import _format_output as FO
 from . import _poll
 from ._codecs import CODECS
 from ._errors import (
@@ -72,7 +73,7 @@ def write_done(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
     n_frames: int, nbytes: int, codec: str, chunk_bytes: int,
 ) -> None:  # fmt: skip
-    rec = F.PartDoneRecord.now(
+    rec = FO.PartDoneRecord.now(
         part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
         nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes,
     )  # fmt: skip
@@ -84,7 +85,7 @@ def write_failure(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
-    rec = F.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
+    rec = FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
     try:
         output.makedirs(PARTS_DIR)
         output.put_atomic(record_name(part, parts, failed=True), rec.to_json())
@@ -103,9 +104,9 @@ def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
     assert m is not None
     part, parts = int(m.group(1)), int(m.group(2))
     if m.group(3) is not None:
-        bad = F.PartFailureRecord.from_json(raw, path=where, part=part, parts=parts)
+        bad = FO.PartFailureRecord.from_json(raw, path=where, part=part, parts=parts)
         return PartRecord(part, parts, bad.plan, True, bad.summary(), bad.rank, bad.run_id, where, None, None)
-    done = F.PartDoneRecord.from_json(raw, path=where, part=part, parts=parts)
+    done = FO.PartDoneRecord.from_json(raw, path=where, part=part, parts=parts)
     if done.codec not in CODECS:
         raise CorruptSpillError(f"{where}: bad codec {done.codec!r} or chunk_bytes {done.chunk_bytes!r}", path=where)
     message = f"{done.n_files} files, {done.n_frames} frames"

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
+from . import _format_output as FO
+from . import _format_spill as FS
 from ._errors import DuplicateFrameError, LayoutMismatchError, SpillValueError
 from ._spillroot import Extent, LoadedSegment
 
@@ -108,17 +110,17 @@ class PlannedColumn:
             return len(self.src)
         return int(self.counts.sum())
 
-    def header(self, chunk_max_bytes: int | None = None) -> dict[str, Any]:
+    def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
-        return {
-            "leaf": list(self.leaf),
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "ndim": self.ndim,
-            "inner_shape": None if self.inner is None else list(self.inner),
-            "has_valid": self.has_valid,
-            "chunk_max_bytes": chunk_max_bytes,
-        }
+        return FO.ColumnHeader(
+            leaf=self.leaf,
+            kind=self.kind,
+            dtype=self.dtype,
+            ndim=self.ndim,
+            inner_shape=self.inner,
+            has_valid=self.has_valid,
+            chunk_max_bytes=chunk_max_bytes,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +207,8 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     gid = {f: i for i, f in enumerate(names)}
     leaf_paths = sorted({lay.leaf for s in segments for lay in s.layouts})
     lp_id = {p: i for i, p in enumerate(leaf_paths)}
-    layouts: list[F.Layout] = []
-    gl_id: dict[F.Layout, int] = {}
+    layouts: list[FS.Layout] = []
+    gl_id: dict[FS.Layout, int] = {}
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")}
     for si, s in enumerate(segments):
         idx = s.index
@@ -221,14 +223,14 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
             lay_ids.append(gl_id[lay])
         lmap = np.array(lay_ids, dtype=np.int64)
         pmap = np.array([lp_id[lay.leaf] for lay in s.layouts], dtype=np.int64)
-        cols["file"].append(fmap[idx[:, F.COL_FILE]])
-        cols["frame"].append(idx[:, F.COL_FRAME])
-        cols["lp"].append(pmap[idx[:, F.COL_LAYOUT]])
-        cols["gl"].append(lmap[idx[:, F.COL_LAYOUT]])
+        cols["file"].append(fmap[idx[:, FS.COL_FILE]])
+        cols["frame"].append(idx[:, FS.COL_FRAME])
+        cols["lp"].append(pmap[idx[:, FS.COL_LAYOUT]])
+        cols["gl"].append(lmap[idx[:, FS.COL_LAYOUT]])
         cols["seg"].append(np.full(len(idx), si, dtype=np.int64))
-        cols["off"].append(idx[:, F.COL_OFFSET])
-        cols["nb"].append(idx[:, F.COL_NBYTES])
-        cols["crc"].append(idx[:, F.COL_CRC])
+        cols["off"].append(idx[:, FS.COL_OFFSET])
+        cols["nb"].append(idx[:, FS.COL_NBYTES])
+        cols["crc"].append(idx[:, FS.COL_CRC])
     if not cols["file"]:
         e = np.zeros(0, np.int64)
         return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
@@ -277,13 +279,13 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
 
 
 def _check_leaf_types(
-    c: dict[str, np.ndarray], layouts: list[F.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
     segments: list[LoadedSegment],
 ) -> None:  # fmt: skip
     """A leaf has one kind and ``ndim`` across the merge (``None`` rows aside; ``[]`` may also be an
     empty list of strings). Numeric dtypes are checked per file by ``_dtype_groups``."""
 
-    def sig(lay: F.Layout, *, with_dtype: bool) -> tuple[str, str, int]:
+    def sig(lay: FS.Layout, *, with_dtype: bool) -> tuple[str, str, int]:
         dt = F.DTYPES[lay.dtype]
         if not dt.numeric:
             return (dt.kind, dt.kind, 0 if dt.kind != "strlist" else 1)
@@ -379,7 +381,7 @@ def _resolve_duplicates(
 
 
 def _dtype_groups(
-    c: dict[str, np.ndarray], layouts: list[F.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
     segments: list[LoadedSegment],
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:  # fmt: skip
     """Which column each stored leaf row goes to: one per leaf path and numeric dtype. A leaf that
@@ -449,7 +451,7 @@ def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[st
 
 
 def _column(
-    name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[F.Layout], n_rows: int
+    name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int
 ) -> PlannedColumn:
     """The column of one leaf path from the row table positions of its present rows."""
     present = src >= 0
@@ -549,7 +551,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "format_version": F.FORMAT_VERSION,
         "settings": settings,
         "segments": [s.seg.rel for s in plan.segments],
-        "columns": [c.header() for c in plan.columns],
+        "columns": [c.header().to_obj() for c in plan.columns],
         "file_layouts": plan.file_layouts,
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))

@@ -19,6 +19,7 @@ from zarr.storage import WrapperStore
 
 from . import _export
 from . import _format as F
+from . import _format_output as FO
 from . import _invariants as V
 from ._cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from ._errors import (
@@ -379,16 +380,16 @@ class MergedStore(Mapping[str, Any]):
 
         self.cache = ChunkCache(cache_bytes)
         self.storage = Storage(out, storage_options)
-        marker = self.storage.get_or_none(F.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        marker = self.storage.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
         if marker is None:
             if not self.storage.exists("zarr.json"):
                 raise SpillMergeError(f"{self.storage.describe()} is not a spillmerge output (no zarr.json)")
             raise IncompleteOutputError(
-                f"{self.storage.describe()} is incomplete (no {F.COMPLETE_NAME}): the merge that wrote it "
+                f"{self.storage.describe()} is incomplete (no {FO.COMPLETE_NAME}): the merge that wrote it "
                 "did not finish; run the merge again",
                 path=self.storage.describe(),
             )
-        F.loads(marker, path=self.storage.describe(F.COMPLETE_NAME))
+        F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
             store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
             self.group = zarr.open_group(store, mode="r", use_consolidated=True)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _format as F
+from . import _format_output as FO
+from . import _format_spill as FS
 from . import _poll
 from ._dist import dist_initialized
 from ._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTimeout, SpillValueError
@@ -162,8 +164,8 @@ def record_failure(spill: Storage, exc: BaseException, *, rank: int, run_id: str
     waiting for the output (:func:`wait_complete`) raise at once with the cause. Best effort:
     storage may be what failed, and the process group's store carries it too."""
     try:
-        record = F.MergeFailureRecord.of(exc, rank=rank, run_id=run_id, session=session)
-        spill.put_atomic(F.MERGE_FAILED_NAME, record.to_json())
+        record = FS.MergeFailureRecord.of(exc, rank=rank, run_id=run_id, session=session)
+        spill.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
     except Exception:  # noqa: BLE001 - the merge's own error matters more
         pass
 
@@ -191,10 +193,10 @@ def wait_complete(
             _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
         if _complete_for(output, run_id, session):
             return
-        raw = spill.get_or_none(F.MERGE_FAILED_NAME, max_bytes=1 << 20)
+        raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
         if raw is not None:
             try:
-                rec = F.MergeFailureRecord.from_json(raw, path=spill.describe(F.MERGE_FAILED_NAME))
+                rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME))
             except CorruptSpillError:
                 rec = None
             if rec is not None and rec.run_id == run_id and rec.session == session:
@@ -210,11 +212,11 @@ def wait_complete(
 
 
 def _complete_for(output: Storage, run_id: str | None, session: int) -> bool:
-    raw = output.get_or_none(F.COMPLETE_NAME, max_bytes=1 << 20)
+    raw = output.get_or_none(FO.COMPLETE_NAME, max_bytes=1 << 20)
     if raw is None:
         return False
     try:
-        obj = F.loads(raw, path=output.describe(F.COMPLETE_NAME))
+        obj = F.loads(raw, path=output.describe(FO.COMPLETE_NAME))
     except CorruptSpillError:
         return False
     return isinstance(obj, dict) and obj.get("run_id") == run_id and obj.get("session") == session
@@ -223,7 +225,7 @@ def _complete_for(output: Storage, run_id: str | None, session: int) -> bool:
 def _raise_failed(output: Storage, spill: Storage, dst: int, error: str) -> None:
     raise MergeFailedError(
         f"the merge into {output.describe()} failed on rank {dst}: {error} (its traceback is in "
-        f"{spill.describe(F.MERGE_FAILED_NAME)} or rank {dst}'s log)",
+        f"{spill.describe(FS.MERGE_FAILED_NAME)} or rank {dst}'s log)",
         rank=dst,
         failures={dst: error},
     )

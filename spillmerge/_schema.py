@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _format as F
+from . import _format_spill as FS
 from ._errors import LayoutMismatchError
 
 _Sig = tuple[str, str | None, int | None]
@@ -24,7 +24,7 @@ _EMPTY_LIST: _Sig = ("num", None, 1)
 """The signature of ``[]`` (a float64 array of shape (0,)): also an empty list of strings."""
 
 
-def _describe(lay: F.Layout) -> str:
+def _describe(lay: FS.Layout) -> str:
     return f"{lay.dtype}{list(lay.shape)}" if lay.kind == "num" else f"a {lay.kind}"
 
 
@@ -39,7 +39,7 @@ _FRAME_CACHE = 4096
 """Distinct frame layouts remembered by ``FileSchemas.layouts_of`` before it starts over."""
 
 
-class _Layouts(list[F.Layout]):
+class _Layouts(list[FS.Layout]):
     """A frame's layouts, carrying the key ``FileSchemas.layouts_of`` made them for."""
 
     key: tuple[Any, ...] | None = None
@@ -56,22 +56,22 @@ class FileSchemas:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.layouts: list[F.Layout] = []
+        self.layouts: list[FS.Layout] = []
         """The catalog: layouts of accepted frames, in id order (append-only)."""
-        self._layout_ids: dict[F.Layout, int] = {}
+        self._layout_ids: dict[FS.Layout, int] = {}
         self._file_schema: list[int] = []  # file_id -> schema id
         self._schemas: list[dict[tuple[str, ...], _Sig]] = [{}]
         self._schema_ids: dict[frozenset[tuple[tuple[str, ...], _Sig]], int] = {frozenset(): 0}
         self._transitions: dict[tuple[int, tuple[int, ...]], int] = {}
         # layout -> (catalog id, or -1 until a frame using it is accepted; signature id)
-        self._known: dict[F.Layout, tuple[int, int]] = {}
+        self._known: dict[FS.Layout, tuple[int, int]] = {}
         self._sigs: list[tuple[tuple[str, ...], _Sig]] = []
         self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
         self._frame_layouts: dict[tuple[Any, ...], _Layouts] = {}
         self._frame_infos: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def check(
-        self, filename: str, frame: int, file_id: int, layouts: list[F.Layout], schema: int | None = None
+        self, filename: str, frame: int, file_id: int, layouts: list[FS.Layout], schema: int | None = None
     ) -> tuple[int, tuple[int, ...]]:
         """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
         frame's layout ids (-1 where a layout is not in the catalog yet); raises
@@ -94,7 +94,7 @@ class FileSchemas:
             new_schema = self._next_schema(filename, frame, schema, sigs, layouts)
         return new_schema, ids
 
-    def layouts_of(self, leaves: list[Any]) -> list[F.Layout]:
+    def layouts_of(self, leaves: list[Any]) -> list[FS.Layout]:
         """The layouts of a frame's leaves, made once per distinct (paths, dtypes, shapes): a
         repeated frame shape skips building and hashing its ``Layout`` records (``check`` finds
         its catalog ids and signatures by the same key)."""
@@ -104,12 +104,12 @@ class FileSchemas:
             if len(self._frame_layouts) >= _FRAME_CACHE:  # ragged frames: bounded memory
                 self._frame_layouts.clear()
                 self._frame_infos.clear()
-            layouts = self._frame_layouts[key] = _Layouts(F.Layout(*k) for k in key)
+            layouts = self._frame_layouts[key] = _Layouts(FS.Layout(*k) for k in key)
             layouts.key = key
         return layouts
 
     def accept(
-        self, file_id: int, schema: int, layouts: list[F.Layout], layout_ids: tuple[int, ...]
+        self, file_id: int, schema: int, layouts: list[FS.Layout], layout_ids: tuple[int, ...]
     ) -> tuple[int, ...]:
         """The frame checked as ``(schema, layout_ids)`` is written: file ``file_id`` (a new
         file: the next id) now has ``schema``, and the frame's new layouts join the catalog.
@@ -123,7 +123,7 @@ class FileSchemas:
         return layout_ids
 
     def accept_files(
-        self, schemas: dict[int, int], layouts: list[F.Layout], layout_ids: tuple[int, ...]
+        self, schemas: dict[int, int], layouts: list[FS.Layout], layout_ids: tuple[int, ...]
     ) -> tuple[int, ...]:
         """:meth:`accept` for a batch of frames of the same ``layouts``: file ``fid`` now has
         ``schemas[fid]`` (new files: the next ids, in order). Returns the frames' catalog ids."""
@@ -137,7 +137,7 @@ class FileSchemas:
         return layout_ids
 
     def accept_new_files(
-        self, n: int, schema: int, layouts: list[F.Layout], layout_ids: tuple[int, ...]
+        self, n: int, schema: int, layouts: list[FS.Layout], layout_ids: tuple[int, ...]
     ) -> tuple[int, ...]:
         """:meth:`accept_files` for ``n`` new files (the next ids) that all have ``schema`` now."""
         self._file_schema.extend([schema] * n)
@@ -149,7 +149,7 @@ class FileSchemas:
         """The accepted schema of file ``file_id`` (0, the empty schema, for a new file)."""
         return self._file_schema[file_id] if file_id < len(self._file_schema) else 0
 
-    def _layout_id(self, lay: F.Layout) -> int:
+    def _layout_id(self, lay: FS.Layout) -> int:
         """The catalog id of a layout, added to the catalog on first use (only for frames that
         passed the layout rule: a refused frame leaves no layout a merge would trip on)."""
         lid = self._layout_ids.get(lay)
@@ -160,11 +160,11 @@ class FileSchemas:
             self._known[lay] = (lid, self._known[lay][1])
         return lid
 
-    def _new_layout(self, lay: F.Layout) -> tuple[int, int]:
+    def _new_layout(self, lay: FS.Layout) -> tuple[int, int]:
         info = self._known[lay] = (-1, self._sig_id(lay))
         return info
 
-    def _sig_id(self, lay: F.Layout) -> int:
+    def _sig_id(self, lay: FS.Layout) -> int:
         """The signature of a layout: what must stay the same for its leaf within one file (kind,
         numeric dtype, ndim), not its shape. A ``none`` row and a numeric row of zero elements
         say nothing about the dtype (``[]`` is float64 whatever the other rows hold)."""
@@ -183,7 +183,7 @@ class FileSchemas:
         return sid
 
     def _next_schema(
-        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[F.Layout]
+        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[FS.Layout]
     ) -> int:
         """The file's schema after this frame, or LayoutMismatchError (the rule in the module
         docstring)."""

@@ -11,6 +11,7 @@ import google_crc32c
 import numpy as np
 
 from . import _format as F
+from . import _format_spill as FS
 from . import _poll
 from ._errors import (
     CommitTimeout,
@@ -34,9 +35,9 @@ class Segment:
     """Path relative to the spill root."""
     header: dict[str, Any] | None
     """Segment header from ``zarr.json`` (None when unreadable)."""
-    commit: F.CommitRecord | None
+    commit: FS.CommitRecord | None
     """Commit record, when the segment is complete."""
-    failure: F.FailureRecord | None
+    failure: FS.FailureRecord | None
     """Failure record, when the writer failed."""
 
     @property
@@ -71,7 +72,7 @@ class LoadedSegment:
     """Where it lives."""
     filenames: list[str]
     """Catalog filenames (position = file_id)."""
-    layouts: list[F.Layout]
+    layouts: list[FS.Layout]
     """Catalog layouts (position = layout_id)."""
     index: np.ndarray
     """int64 (n_rows, 6) index, validated against the commit record."""
@@ -82,12 +83,12 @@ class LoadedSegment:
 
 
 def list_ranks(storage: Storage) -> list[int]:
-    ranks = [F.parse_rank_dirname(n) for n in storage.listdir("")]
+    ranks = [FS.parse_rank_dirname(n) for n in storage.listdir("")]
     return sorted(r for r in ranks if r is not None)
 
 
 def read_segment(storage: Storage, rank: int, name: str) -> Segment:
-    rel = f"{F.rank_dirname(rank)}/{name}"
+    rel = f"{FS.rank_dirname(rank)}/{name}"
     header = None
     raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
@@ -98,26 +99,26 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
         except (CorruptSpillError, AttributeError):
             header = None
     commit = failure = None
-    raw = storage.get_or_none(f"{rel}/{F.COMMIT_NAME}", max_bytes=F.RECORD_MAX_BYTES)
+    raw = storage.get_or_none(f"{rel}/{FS.COMMIT_NAME}", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
-        path = storage.describe(f"{rel}/{F.COMMIT_NAME}")
-        commit = F.CommitRecord.from_json(raw, path=path)
+        path = storage.describe(f"{rel}/{FS.COMMIT_NAME}")
+        commit = FS.CommitRecord.from_json(raw, path=path)
         if commit.rank != rank or commit.segment != name:
             raise CorruptSpillError(
                 f"{path}: commit record names rank {commit.rank} / {commit.segment}, "
-                f"but it lies in {F.rank_dirname(rank)}/{name}",
+                f"but it lies in {FS.rank_dirname(rank)}/{name}",
                 path=path,
                 rank=rank,
             )
-    raw = storage.get_or_none(f"{rel}/{F.FAILURE_NAME}", max_bytes=F.FAILURE_MAX_BYTES)
+    raw = storage.get_or_none(f"{rel}/{FS.FAILURE_NAME}", max_bytes=F.FAILURE_MAX_BYTES)
     if raw is not None:
-        failure = F.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{F.FAILURE_NAME}"))
+        failure = FS.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{FS.FAILURE_NAME}"))
     return Segment(rank, name, rel, header, commit, failure)
 
 
 def list_segments(storage: Storage, rank: int) -> list[Segment]:
-    names = [n for n in storage.listdir(F.rank_dirname(rank)) if F.is_segment_name(n)]
-    return [read_segment(storage, rank, n) for n in sorted(names, key=F.segment_sort_key)]
+    names = [n for n in storage.listdir(FS.rank_dirname(rank)) if FS.is_segment_name(n)]
+    return [read_segment(storage, rank, n) for n in sorted(names, key=FS.segment_sort_key)]
 
 
 def scan(storage: Storage) -> dict[int, list[Segment]]:
@@ -133,7 +134,7 @@ class SpillState:
     """World size the ranks ran with."""
     committed: list[Segment]
     """Segments to merge (committed, of the run when a run id was given)."""
-    failed: dict[int, F.FailureRecord]
+    failed: dict[int, FS.FailureRecord]
     """Ranks whose newest relevant segment failed."""
     missing: list[int]
     """Ranks with no usable commit."""
@@ -162,7 +163,7 @@ def assess(
             )
         world_size = sizes.pop()
     committed: list[Segment] = []
-    failed: dict[int, F.FailureRecord] = {}
+    failed: dict[int, FS.FailureRecord] = {}
     missing: list[int] = []
     incomplete: dict[int, str] = {}
     abandoned: list[Segment] = []
@@ -293,68 +294,68 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         path = storage.describe(f"{seg.rel}/{rel}") if rel else where
         return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
 
-    cat_rel = f"{seg.rel}/{F.CATALOG_NAME}"
-    limit = F.catalog_max_bytes(commit.n_files, commit.n_rows)
+    cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
+    limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
     raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
     if google_crc32c.value(raw_cat) != commit.catalog_crc32c:
-        raise bad("catalog checksum does not match the commit record", F.CATALOG_NAME)
+        raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
     cat = F.loads(raw_cat, path=storage.describe(cat_rel))
     if (
         not isinstance(cat, dict)
         or not isinstance(cat.get("filenames"), list)
         or not isinstance(cat.get("layouts"), list)
     ):
-        raise bad("catalog must hold 'filenames' and 'layouts' lists", F.CATALOG_NAME)
+        raise bad("catalog must hold 'filenames' and 'layouts' lists", FS.CATALOG_NAME)
     filenames = cat["filenames"]
     if not all(isinstance(f, str) for f in filenames) or len(set(filenames)) != len(filenames):
-        raise bad("catalog filenames must be distinct strings", F.CATALOG_NAME)
-    layouts = [F.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
-    _check_kinds(bad, seg, layouts, F.CATALOG_NAME)
+        raise bad("catalog filenames must be distinct strings", FS.CATALOG_NAME)
+    layouts = [FS.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
+    _check_kinds(bad, seg, layouts, FS.CATALOG_NAME)
 
-    idx_rel = f"{seg.rel}/{F.INDEX_NAME}"
-    expect = commit.n_rows * F.INDEX_COLUMNS * 8
+    idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
+    expect = commit.n_rows * FS.INDEX_COLUMNS * 8
     raw_idx = _read_small_array(
-        storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, F.INDEX_COLUMNS]
+        storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
     )
     if len(raw_idx) != expect:
-        raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", F.INDEX_NAME)
+        raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
     if google_crc32c.value(raw_idx) != commit.index_crc32c:
-        raise bad("index checksum does not match the commit record", F.INDEX_NAME)
-    index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, F.INDEX_COLUMNS).astype(np.int64)
+        raise bad("index checksum does not match the commit record", FS.INDEX_NAME)
+    index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64)
 
     _validate_rows(bad, filenames, layouts, index, commit.nbytes)
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
     # Every chunk the commit record promises must exist: this also bounds what a hostile record
     # can make the merge allocate by what is really on storage.
-    present = set(storage.listdir(f"{seg.rel}/{F.DATA_NAME}/c"))
+    present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
     for c in range(commit.n_chunks):
         if str(c) not in present:
-            raise bad(f"data chunk {c} is missing", f"{F.DATA_NAME}/c/{c}")
+            raise bad(f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
     return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes)
 
 
 def _validate_rows(
-    bad: Any, filenames: list[str], layouts: list[F.Layout], index: np.ndarray, data_nbytes: int
+    bad: Any, filenames: list[str], layouts: list[FS.Layout], index: np.ndarray, data_nbytes: int
 ) -> None:
     """Check every index row against the catalog and the data size (untrusted input)."""
     if not len(index):
         return
-    fid, frame, lid = index[:, F.COL_FILE], index[:, F.COL_FRAME], index[:, F.COL_LAYOUT]
-    off, nb, crc = index[:, F.COL_OFFSET], index[:, F.COL_NBYTES], index[:, F.COL_CRC]
+    fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
+    off, nb, crc = index[:, FS.COL_OFFSET], index[:, FS.COL_NBYTES], index[:, FS.COL_CRC]
     if fid.min() < 0 or fid.max() >= len(filenames):
-        raise bad("index refers to a filename the catalog does not have", F.INDEX_NAME)
+        raise bad("index refers to a filename the catalog does not have", FS.INDEX_NAME)
     if lid.min() < 0 or lid.max() >= len(layouts):
-        raise bad("index refers to a layout the catalog does not have", F.INDEX_NAME)
+        raise bad("index refers to a layout the catalog does not have", FS.INDEX_NAME)
     if frame.min() < 0:
-        raise bad("index has a negative frame index", F.INDEX_NAME)
+        raise bad("index has a negative frame index", FS.INDEX_NAME)
     if crc.min() < 0 or crc.max() > 0xFFFFFFFF:
-        raise bad("index has an impossible checksum", F.INDEX_NAME)
+        raise bad("index has an impossible checksum", FS.INDEX_NAME)
     sizes = np.array([lay.nbytes for lay in layouts], dtype=np.int64)
     if np.any(nb != sizes[lid]):
-        raise bad("index row sizes do not match their layouts", F.INDEX_NAME)
+        raise bad("index row sizes do not match their layouts", FS.INDEX_NAME)
     if off.min() < 0 or np.any(off > data_nbytes - nb):
-        raise bad(f"index has offsets outside the {data_nbytes} bytes of data", F.INDEX_NAME)
+        raise bad(f"index has offsets outside the {data_nbytes} bytes of data", FS.INDEX_NAME)
     # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
     # even with two shapes (format 2 gives each shape a layout of its own): compare leaf paths.
     leaf = _leaf_ids(layouts)[lid]
@@ -362,17 +363,17 @@ def _validate_rows(
     dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)
     if np.any(dup):
         i = order[int(np.argmax(dup))]
-        raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", F.INDEX_NAME)
+        raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", FS.INDEX_NAME)
 
 
-def _leaf_ids(layouts: list[F.Layout]) -> np.ndarray:
+def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
     """Layout id -> the position of its leaf path in sorted order (a value's leaves are written
     in that order, so within one write of a frame these strictly increase)."""
     order = {p: i for i, p in enumerate(sorted({lay.leaf for lay in layouts}))}
     return np.array([order[lay.leaf] for lay in layouts], dtype=np.int64)
 
 
-def _check_kinds(bad: Any, seg: Segment, layouts: list[F.Layout], rel: str) -> None:
+def _check_kinds(bad: Any, seg: Segment, layouts: list[FS.Layout], rel: str) -> None:
     """A version-1 writer knew numeric dtypes only: a non-numeric kind in its segment is damage,
     not data to read by version-2 rules."""
     if seg.format_version == 1:
@@ -428,7 +429,7 @@ def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
 
 def flushed_chunks(storage: Storage, seg: Segment) -> int:
     """How many journal entries (= data chunks made durable) an uncommitted segment has."""
-    return len([n for n in storage.listdir(f"{seg.rel}/{F.JOURNAL_NAME}") if n.isdigit()])
+    return len([n for n in storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}") if n.isdigit()])
 
 
 def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[str]]:
@@ -442,7 +443,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
             f"{storage.describe(seg.rel)}: rank {seg.rank}'s segment has no header (the rank stopped before "
             "its segment was set up); nothing to salvage from it"
         )
-        empty = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        empty = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
         return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
     header = seg.header or {}
     version = seg.format_version
@@ -458,16 +459,16 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
         raise CorruptSpillError(f"{storage.describe(seg.rel)}: segment header has no valid chunk_bytes", rank=seg.rank)
     filenames: list[str] = []
-    layouts: list[F.Layout] = []
+    layouts: list[FS.Layout] = []
     parts: list[np.ndarray] = []
     n = 0
     while True:
-        rel = f"{seg.rel}/{F.journal_name(n)}"
-        blob = storage.get_or_none(rel, max_bytes=F.journal_max_bytes(chunk_bytes))
+        rel = f"{seg.rel}/{FS.journal_name(n)}"
+        blob = storage.get_or_none(rel, max_bytes=FS.journal_max_bytes(chunk_bytes))
         if blob is None:
             break
         try:
-            entry = F.decode_journal(blob, path=storage.describe(rel))
+            entry = FS.decode_journal(blob, path=storage.describe(rel))
             if entry.chunk != n or entry.file_base != len(filenames) or entry.layout_base != len(layouts):
                 raise CorruptSpillError(
                     f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)
@@ -479,19 +480,19 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         layouts.extend(entry.layouts)
         parts.append(entry.rows)
         n += 1
-    index = np.concatenate(parts) if parts else np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+    index = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     def bad(msg: str, rel: str = "") -> CorruptSpillError:
-        where = storage.describe(f"{seg.rel}/{F.JOURNAL_NAME}")
+        where = storage.describe(f"{seg.rel}/{FS.JOURNAL_NAME}")
         return CorruptSpillError(f"{where}: {msg}", path=where, rank=seg.rank)
 
-    _check_kinds(bad, seg, layouts, F.JOURNAL_NAME)
+    _check_kinds(bad, seg, layouts, FS.JOURNAL_NAME)
     # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
     # write's rows.
     if len(index) and version == 1:
         # Version 1: every frame of a file had the same layouts, so the last occurrence of each
         # (file, frame, layout) is the last write's rows.
-        keys = index[:, [F.COL_FILE, F.COL_FRAME, F.COL_LAYOUT]]
+        keys = index[:, [FS.COL_FILE, FS.COL_FRAME, FS.COL_LAYOUT]]
         _, last = np.unique(keys[::-1], axis=0, return_index=True)
         index = index[np.sort(len(index) - 1 - last)]
     elif len(index):
@@ -533,7 +534,7 @@ def data_ranges(seg: LoadedSegment, offset: int, nbytes: int) -> list[tuple[str,
     while offset < end:
         c = offset // cb
         stop = min(end, (c + 1) * cb)
-        out.append((f"{seg.seg.rel}/{F.DATA_NAME}/c/{c}", offset - c * cb, stop - c * cb))
+        out.append((f"{seg.seg.rel}/{FS.DATA_NAME}/c/{c}", offset - c * cb, stop - c * cb))
         offset = stop
     return out
 
@@ -565,7 +566,7 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
             for e, got in ((x, crc_x), (y, crc_y)):
                 if got != e.crc:
                     seg = e.segment.seg
-                    where = storage.describe(f"{seg.rel}/{F.DATA_NAME}")
+                    where = storage.describe(f"{seg.rel}/{FS.DATA_NAME}")
                     raise CorruptSpillError(
                         f"{where}: checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {seg.rank}): "
                         "the spill is corrupt; run `spillmerge verify` on the root",
@@ -577,20 +578,20 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
     return equal
 
 
-def _last_writes(index: np.ndarray, layouts: list[F.Layout]) -> np.ndarray:
+def _last_writes(index: np.ndarray, layouts: list[FS.Layout]) -> np.ndarray:
     """Keep only the rows of the last write of each ``(file, frame)`` of a version-2 journal.
 
     A version-2 frame's rows are contiguous (listed together in one entry) with strictly
     increasing leaf paths, so a write starts where the key changes or a leaf path does not
     increase. The layout is no key here: a rewrite may have other shapes or other leaves."""
-    lid = index[:, F.COL_LAYOUT]
+    lid = index[:, FS.COL_LAYOUT]
     if lid.min() < 0 or lid.max() >= len(layouts):
         return index  # _validate_rows names the bad row
-    fid, frame, leaf = index[:, F.COL_FILE], index[:, F.COL_FRAME], _leaf_ids(layouts)[lid]
+    fid, frame, leaf = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], _leaf_ids(layouts)[lid]
     starts = np.ones(len(index), dtype=bool)
     starts[1:] = (fid[1:] != fid[:-1]) | (frame[1:] != frame[:-1]) | (leaf[1:] <= leaf[:-1])
     write = np.cumsum(starts) - 1
-    _, inverse = np.unique(index[:, [F.COL_FILE, F.COL_FRAME]], axis=0, return_inverse=True)
+    _, inverse = np.unique(index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     last = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
     np.maximum.at(last, inverse, write)
@@ -605,7 +606,7 @@ def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: l
     were flushed and may end inside a frame (its small leaf durable, its large one not). Every frame
     of a file has the same leaves on one rank, so the short ones are exactly those."""
     frames, inverse, counts = np.unique(
-        index[:, [F.COL_FILE, F.COL_FRAME]], axis=0, return_inverse=True, return_counts=True
+        index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0, return_inverse=True, return_counts=True
     )
     inverse = inverse.reshape(-1)
     want = np.zeros(int(frames[:, 0].max()) + 1, dtype=np.int64)  # file ids: validated catalog positions
@@ -614,7 +615,7 @@ def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: l
     if not short.any():
         return index
     problems.append(
-        f"{storage.describe(f'{seg.rel}/{F.JOURNAL_NAME}')}: {int(short.sum())} frame(s) of rank {seg.rank} "
+        f"{storage.describe(f'{seg.rel}/{FS.JOURNAL_NAME}')}: {int(short.sum())} frame(s) of rank {seg.rank} "
         "were only partly flushed (some leaves missing); they are reported missing, not salvaged"
     )
     return index[~short[inverse]]

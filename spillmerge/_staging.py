@@ -22,7 +22,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from . import _format as F
+from . import _format_spill as FS
 from ._errors import SpillMergeError, SpillStorageError
 from ._storage import Storage
 
@@ -60,7 +60,7 @@ class Chunk:
     """Filenames registered since the previous chunk was handed off."""
     layout_base: int = 0
     """Catalog id of ``new_layouts[0]``."""
-    new_layouts: list[F.Layout] = field(default_factory=list)
+    new_layouts: list[FS.Layout] = field(default_factory=list)
     """Layouts registered since the previous chunk was handed off."""
 
 
@@ -207,7 +207,7 @@ class Flusher(threading.Thread):
         size = self.object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
-        self.storage.put(f"{self.prefix}/{F.DATA_NAME}/c/{chunk.number}", buf[:size].data)
+        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -243,15 +243,15 @@ class Flusher(threading.Thread):
             parts.append(entry)
         if run:
             parts.append(np.array(run, dtype=np.int64))
-        done = np.concatenate(parts) if parts else np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        done = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
         crc = self.crc
-        rows = np.empty((len(done), F.INDEX_COLUMNS), dtype="<i8")
-        rows[:, : F.COL_CRC] = done[:, 1:]
-        rows[:, F.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
-        entry = F.encode_journal(
+        rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
+        rows[:, : FS.COL_CRC] = done[:, 1:]
+        rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
+        entry = FS.encode_journal(
             chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
         )
-        self.storage.put(f"{self.prefix}/{F.journal_name(chunk.number)}", entry)
+        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
 
 
 class Staging:
@@ -277,7 +277,7 @@ class Staging:
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
-        layouts: list[F.Layout],
+        layouts: list[FS.Layout],
     ) -> None:  # fmt: skip
         """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
         ``layouts`` are the writer's catalog (append-only)."""
@@ -492,7 +492,7 @@ class Staging:
                         if reader is None:  # its own handle cache, closed below
                             reader = Storage(self._storage.url, self._storage.storage_options)
                         old = np.empty(m, dtype=np.uint8)
-                        reader.read_into([(f"{self._prefix}/{F.DATA_NAME}/c/{c}", lo, lo + m)], old.data)
+                        reader.read_into([(f"{self._prefix}/{FS.DATA_NAME}/c/{c}", lo, lo + m)], old.data)
                     if not np.array_equal(old, new):
                         return False
                     pos += m

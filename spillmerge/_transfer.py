@@ -40,7 +40,7 @@ import google_crc32c
 import numpy as np
 import torch
 
-from . import _format as F
+from . import _format_spill as FS
 from . import _poll
 from ._errors import (
     ConfigError,
@@ -181,7 +181,7 @@ def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
 
 # ------------------------------------------------------------------------------------ visibility
 def _commit_rel(segment_rel: str) -> str:
-    return f"{segment_rel}/{F.COMMIT_NAME}"
+    return f"{segment_rel}/{FS.COMMIT_NAME}"
 
 
 def _invisible(storage: Storage, metas: dict[int, Any], grace: float) -> dict[int, str]:
@@ -400,7 +400,9 @@ def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[
             files = storage.find(seg.rel)
             commit = [(rel, n) for rel, n in files if rel == _commit_rel(seg.rel)]
             objects += [
-                (rel, n) for rel, n in files if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != F.FAILURE_NAME
+                (rel, n)
+                for rel, n in files
+                if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME
             ]
             objects += commit
     return objects
@@ -432,7 +434,7 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
 
 # ----------------------------------------------------------------------------------- receiver
 def _check_rel(rel: Any, ranks: list[int], sender: int) -> str:
-    ok_prefixes = tuple(f"{F.rank_dirname(q)}/" for q in ranks)
+    ok_prefixes = tuple(f"{FS.rank_dirname(q)}/" for q in ranks)
     if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:
         raise CorruptSpillError(
             f"rank {sender} sent object {rel!r}, which is not below the prefixes of ranks {ranks}",
@@ -453,7 +455,7 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
         raise CorruptSpillError(f"rank {sender} sent a malformed manifest: {exc}", rank=sender) from exc
     received: dict[int, int] = {}
     for rel, n in objects:
-        if n < 0 or (rel.endswith("/" + F.COMMIT_NAME) and n > _MAX_RECORD):
+        if n < 0 or (rel.endswith("/" + FS.COMMIT_NAME) and n > _MAX_RECORD):
             raise CorruptSpillError(f"rank {sender} announced {rel} with {n} bytes", rank=sender)
         crc = _receive_object(storage, link, me, sender, rel, n)
         (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
@@ -466,9 +468,9 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
                 path=storage.describe(rel),
                 rank=sender,
             )
-        if rel.endswith("/" + F.COMMIT_NAME):
+        if rel.endswith("/" + FS.COMMIT_NAME):
             _commit(storage, rel)
-        q = F.parse_rank_dirname(rel.split("/", 1)[0])
+        q = FS.parse_rank_dirname(rel.split("/", 1)[0])
         received[int(q or 0)] = received.get(int(q or 0), 0) + n
     return received
 
@@ -482,7 +484,7 @@ def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: st
     slots: one is written to storage by a helper thread while the next arrives in the other.
     Commit records land under a temporary name and are renamed (or re-put) only once verified,
     so a half-received rank never looks committed."""
-    target = _pending_name(rel) if rel.endswith("/" + F.COMMIT_NAME) else rel
+    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel
     storage.makedirs(posixpath.dirname(target))
     crc = 0
     writes: list[Future[None] | None] = [None, None]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import _format as F
+from . import _format_spill as FS
 from ._batch import as_rows, at_position, batch_keys, dense_columns, mapping_items, split_batch
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
@@ -149,18 +150,18 @@ class SpillWriter:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
         self.run_id = resolve_run_id(self._run_id_arg)
         self._session_number = next_session(self.run_id)
-        self.segment = F.new_segment_name(self.storage.listdir(F.rank_dirname(self.rank)))
-        self._prefix = f"{F.rank_dirname(self.rank)}/{self.segment}"
+        self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
+        self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
         self._filenames: list[str] = []
         self._file_ids: dict[str, int] = {}
         self._schema = FileSchemas(self.rank)
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
-        self._rows = np.zeros((1024, F.INDEX_COLUMNS), dtype=np.int64)
+        self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
         self._committed_keys: dict[str, set[int]] | None = None
-        header = F.SegmentHeader(
+        header = FS.SegmentHeader(
             rank=self.rank,
             world_size=self.world_size,
             segment=self.segment,
@@ -168,8 +169,8 @@ class SpillWriter:
             chunk_bytes=self.chunk_bytes,
             started=F.utcnow(),
         )
-        self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
-        self.storage.makedirs(self._rel(F.JOURNAL_NAME))
+        self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
+        self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
         self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
         self._staging.start(
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
@@ -265,7 +266,7 @@ class SpillWriter:
             raise at_position(exc, 0, n, names[0]) from None
         if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
             return False
-        layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        layouts = [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
         # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
         moves: dict[int, tuple[int, tuple[int, ...]]] = {}
         schemas: dict[int, int] = {}
@@ -296,11 +297,11 @@ class SpillWriter:
         n_leaves, row0 = len(leaves), self._n_rows
         need = row0 + n * n_leaves
         if need > len(self._rows):
-            grown = np.zeros((max(need, 2 * len(self._rows)), F.INDEX_COLUMNS), dtype=np.int64)
+            grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
             grown[:row0] = self._rows[:row0]
             self._rows = grown
         widths = np.array([r.shape[1] for r in rows], dtype=np.int64)
-        block = self._rows[row0:need, : F.COL_CRC].reshape(n, n_leaves, F.COL_CRC)
+        block = self._rows[row0:need, : FS.COL_CRC].reshape(n, n_leaves, FS.COL_CRC)
         fid_arr, frame_arr = np.asarray(file_ids, dtype=np.int64), np.asarray(frames, dtype=np.int64)
         block[:, :, 0] = fid_arr[:, None]
         block[:, :, 1] = frame_arr[:, None]
@@ -329,7 +330,7 @@ class SpillWriter:
                 file_id = self._file_ids.get(name)
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
-                layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+                layouts = [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
                 new_schema, layout_ids = self._schema.check(name, frame, file_id, layouts, schemas.get(file_id))
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
@@ -391,12 +392,12 @@ class SpillWriter:
             self._file_ids[filename] = file_id
         first_row, n_leaves = self._n_rows, len(leaves)
         if first_row + n_leaves > len(self._rows):
-            self._rows = np.concatenate([self._rows, np.zeros((len(self._rows) + n_leaves, F.INDEX_COLUMNS), np.int64)])
+            self._rows = np.concatenate([self._rows, np.zeros((len(self._rows) + n_leaves, FS.INDEX_COLUMNS), np.int64)])
         off, rows = self._staging.offset, []
         for leaf, lid in zip(leaves, layout_ids, strict=True):
             rows.append((file_id, frame, lid, off, leaf.nbytes))
             off += leaf.nbytes
-        self._rows[first_row : first_row + n_leaves, : F.COL_CRC] = rows  # one assignment per frame
+        self._rows[first_row : first_row + n_leaves, : FS.COL_CRC] = rows  # one assignment per frame
         self._n_rows += n_leaves
         self._staging.add_frame(first_row, file_id, frame, layout_ids, leaves)
         self._keys[key] = (first_row, n_leaves)
@@ -414,7 +415,7 @@ class SpillWriter:
             return False
         staged: list[tuple[int, Any, int]] = []
         for i, leaf in enumerate(leaves):
-            lid, off, nbytes = (int(v) for v in self._rows[first + i, [F.COL_LAYOUT, F.COL_OFFSET, F.COL_NBYTES]])
+            lid, off, nbytes = (int(v) for v in self._rows[first + i, [FS.COL_LAYOUT, FS.COL_OFFSET, FS.COL_NBYTES]])
             if nbytes != leaf.nbytes or lid != layout_ids[i]:  # same bytes, other shape/kind: different
                 return False
             staged.append((off, leaf.data, nbytes))
@@ -430,7 +431,7 @@ class SpillWriter:
     def _free_buffers(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.
         self._staging.free()
-        self._rows = np.zeros((0, F.INDEX_COLUMNS), dtype=np.int64)
+        self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     # --------------------------------------------------------------------------------- commit
     def _vanished(self, what: str) -> SpillStorageError:
@@ -453,15 +454,15 @@ class SpillWriter:
         if self._rel("zarr.json") not in found:
             raise self._vanished("its header zarr.json is gone")
         for c in range(n_chunks):
-            got = found.get(self._rel(f"{F.DATA_NAME}/c/{c}"))
+            got = found.get(self._rel(f"{FS.DATA_NAME}/c/{c}"))
             if got != size:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
                 raise self._vanished(f"data chunk {c} {state}")
 
-    def _write_index(self) -> tuple[F.CommitRecord, np.ndarray]:
+    def _write_index(self) -> tuple[FS.CommitRecord, np.ndarray]:
         self._check_segment()
         rows = self._rows[: self._n_rows].copy()
-        rows[:, F.COL_CRC] = self._staging.row_crcs(len(rows))
+        rows[:, FS.COL_CRC] = self._staging.row_crcs(len(rows))
         if self._dead_rows:
             keep = np.ones(len(rows), dtype=bool)
             for first, n in self._dead_rows:
@@ -475,13 +476,13 @@ class SpillWriter:
         index_bytes = rows.astype("<i8").tobytes()
         catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._schema.layouts]})
         # Five small objects, written concurrently on object stores (one round trip, not five).
-        objects = {self._rel(f"{F.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
-        objects.update(array_objects(self._rel(F.INDEX_NAME), index_bytes, (len(rows), F.INDEX_COLUMNS), "int64"))
-        objects.update(array_objects(self._rel(F.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
+        objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
+        objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
+        objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
             self.storage.fsync_tree(self._prefix)
-        record = F.CommitRecord(
+        record = FS.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
@@ -510,7 +511,7 @@ class SpillWriter:
             record, _ = self._write_index()
             # Last look before the commit record vouches for the chunks: are they all still there?
             self._check_segment(record.n_chunks, record.chunk_bytes)
-            self.storage.put_atomic(self._rel(F.COMMIT_NAME), record.to_json())
+            self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
         except BaseException as exc:
             self._state = WriterState.OPEN
             self.abort(exc)
@@ -531,7 +532,7 @@ class SpillWriter:
         except BaseException:  # noqa: BLE001 - the original exception matters more
             pass
         error_type, message, tb = F.exception_fields(exc)
-        record = F.FailureRecord(
+        record = FS.FailureRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
@@ -542,7 +543,7 @@ class SpillWriter:
             time=F.utcnow(),
         )
         try:
-            self.storage.put_atomic(self._rel(F.FAILURE_NAME), record.to_json())
+            self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
         except BaseException:  # noqa: BLE001 - storage may be what failed
             pass
         publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
@@ -573,10 +574,10 @@ class SpillWriter:
             )
         names = self.storage.listdir("")
         doomed = (
-            [n for n in names if F.parse_rank_dirname(n) is not None] if everything else [F.rank_dirname(self.rank)]
+            [n for n in names if FS.parse_rank_dirname(n) is not None] if everything else [FS.rank_dirname(self.rank)]
         )
         if everything:
-            doomed.append(F.MERGE_FAILED_NAME)
+            doomed.append(FS.MERGE_FAILED_NAME)
         for name in doomed:
             self.storage.rm_tree(name)
         self.storage.remove_empty_dir("")

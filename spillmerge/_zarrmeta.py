@@ -19,6 +19,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from . import _codecs
 from . import _format as F
+from . import _format_output as FO
 from ._plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 21
@@ -115,7 +116,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
     """Every ``zarr.json`` document of a format-2 output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
     what zarr would write. Built from the plan alone: nothing is read back."""
-    header = F.OutputHeader(
+    header = FO.OutputHeader(
         n_files=plan.n_files,
         n_frames=plan.n_frames,
         nbytes=plan.total_bytes,
@@ -168,7 +169,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
             meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
         first = "row" if col.counts is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
-        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit)})
+        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit).to_obj()})
         nodes[f"{base}/values"] = ArrayV3Metadata.from_dict(meta)
         if col.has_offsets:
             nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))

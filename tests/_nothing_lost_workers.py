@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 import spillmerge
-from spillmerge import _format as F
-from spillmerge._storage import Storage
+from spillmerge import _format_spill as FS
+from spillmerge._storage import LocalStorage, Storage
 
 CHUNK = 4096
 A_LEN, B_LEN = 8, 2500  # int32: "a" is 32 bytes, "b" 10,000 bytes (it crosses 2 or 3 chunks)
@@ -45,13 +45,13 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
     - ``"header-tmp"``: after the header's temporary file is written, before its rename;
     - ``"journal-N"``: right after journal entry ``N`` landed (the writer is mid-stream).
     """
-    real_put, real_put_atomic = Storage.put, Storage.put_atomic
+    real_put, real_put_atomic = LocalStorage.put, LocalStorage.put_atomic  # the root is a local folder
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def put_atomic(self: Storage, rel: str, data: bytes) -> None:
-        if rel.endswith("/zarr.json") and F.is_segment_name(rel.split("/")[1]) and rel.count("/") == 2:
+        if rel.endswith("/zarr.json") and FS.is_segment_name(rel.split("/")[1]) and rel.count("/") == 2:
             if when == "header":
                 die()
             if when == "header-tmp":
@@ -62,8 +62,8 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
-        if when.startswith("journal-") and rel.endswith(f"/{F.journal_name(int(when.split('-')[1]))}"):
+        if when.startswith("journal-") and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
             die()
 
-    Storage.put, Storage.put_atomic = put, put_atomic  # type: ignore[method-assign]
+    LocalStorage.put, LocalStorage.put_atomic = put, put_atomic  # type: ignore[method-assign]
     spill(root, rank, world, n_frames)

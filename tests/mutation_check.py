@@ -85,7 +85,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "storage-path-accepts-dotdot",
-        "spillmerge/_storage.py",
+        "spillmerge/_storage/_base.py",
         '        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):',
         '        if norm != rel.rstrip("/"):',
         (f"{G}::test_storage_paths_with_dot_dot_are_refused",),
@@ -183,7 +183,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "manifest-object-size-unchecked",
         "spillmerge/_transfer.py",
-        '        if n < 0 or (rel.endswith("/" + F.COMMIT_NAME) and n > _MAX_RECORD):',
+        '        if n < 0 or (rel.endswith("/" + FS.COMMIT_NAME) and n > _MAX_RECORD):',
         "        if False:",
         (f"{G}::test_receiver_refuses_negative_sizes_and_huge_commit_records",),
         "object sizes in a manifest are checked before receiving",
@@ -199,14 +199,14 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "received-commit-record-not-held-back",
         "spillmerge/_transfer.py",
-        '    target = _pending_name(rel) if rel.endswith("/" + F.COMMIT_NAME) else rel',
+        '    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel',
         "    target = rel",
         (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
         "a half-received rank never looks committed",
     ),
     Mutation(
         "get-max-bytes-ignored",
-        "spillmerge/_storage.py",
+        "spillmerge/_storage/_base.py",
         "        if size > max_bytes:",
         "        if False:",
         (f"{G}::test_get_refuses_an_object_larger_than_max_bytes",),

@@ -18,7 +18,7 @@ from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
 from _procs import free_port, join_all
 
 import spillmerge
-from spillmerge import _format as F
+from spillmerge import _format_output as FO
 
 CTX = mp.get_context("spawn")
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
@@ -122,7 +122,7 @@ def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path):
     proc.kill()
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the merge finished before it could be killed"
-    assert not (out / F.COMPLETE_NAME).exists()
+    assert not (out / FO.COMPLETE_NAME).exists()
     with pytest.raises(spillmerge.IncompleteOutputError, match="did not finish"):
         spillmerge.open(str(out))
     p = subprocess.run([EXE, "verify", str(out)], capture_output=True, text=True, timeout=120)

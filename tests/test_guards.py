@@ -33,6 +33,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import spillmerge
 from spillmerge import _format as F
+from spillmerge import _format_spill as FS
 from spillmerge import _spillroot, _transfer
 from spillmerge._storage import Storage
 
@@ -99,9 +100,9 @@ def test_a_catalog_that_does_not_match_the_commit_record_is_refused(tmp_path, sp
 
 def test_an_index_that_does_not_match_the_commit_record_is_refused(tmp_path, spill):
     seg = _segment(spill)
-    index = np.frombuffer(_chunk_path(seg / "index").read_bytes()[:-4], dtype="<i8").reshape(-1, F.INDEX_COLUMNS)
+    index = np.frombuffer(_chunk_path(seg / "index").read_bytes()[:-4], dtype="<i8").reshape(-1, FS.INDEX_COLUMNS)
     index = index.copy()
-    index[0, F.COL_FRAME] = 99  # a plausible row: only the commit record's checksum can tell
+    index[0, FS.COL_FRAME] = 99  # a plausible row: only the commit record's checksum can tell
     _rewrite_chunk(seg / "index", index.tobytes())
     with pytest.raises(spillmerge.CorruptSpillError, match="index checksum does not match the commit record"):
         spillmerge.merge(str(spill), str(tmp_path / "out"), progress=False)
@@ -121,12 +122,12 @@ def test_a_torn_index_or_catalog_chunk_is_named_as_such(tmp_path, spill, array):
 # ------------------------------------------------------------------------ journal replay order
 def _uncommit(root: Path) -> Path:
     seg = _segment(root)
-    (seg / F.COMMIT_NAME).unlink()
+    (seg / FS.COMMIT_NAME).unlink()
     return seg
 
 
 def _entry(seg: Path, n: int) -> Path:
-    return seg / F.journal_name(n)
+    return seg / FS.journal_name(n)
 
 
 def test_salvage_stops_at_a_journal_entry_of_another_chunk(tmp_path, spill):
@@ -134,7 +135,7 @@ def test_salvage_stops_at_a_journal_entry_of_another_chunk(tmp_path, spill):
     shutil.copyfile(_entry(seg, 2), _entry(seg, 3))  # intact, checksummed, but chunk 2's entry
     storage = Storage(str(spill))
     loaded, problems = _spillroot.load_flushed(storage, _spillroot.list_segments(storage, 0)[0])
-    assert sorted(set(loaded.index[:, F.COL_FRAME].tolist())) == [0, 1, 2]
+    assert sorted(set(loaded.index[:, FS.COL_FRAME].tolist())) == [0, 1, 2]
     assert len(problems) == 1 and "journal entry out of sequence" in problems[0], problems
     rep = spillmerge.merge(str(spill), str(tmp_path / "out"), allow_partial=True, progress=False)
     assert rep.salvaged_frames == {0: 3} and any("out of sequence" in n for n in rep.notes), rep.notes
@@ -145,12 +146,12 @@ def test_salvage_stops_at_a_journal_entry_of_another_chunk(tmp_path, spill):
 
 def test_salvage_stops_at_a_journal_entry_with_the_wrong_catalog_base(tmp_path, spill):
     seg = _uncommit(spill)
-    e = F.decode_journal(_entry(seg, 4).read_bytes(), path="journal/4")
+    e = FS.decode_journal(_entry(seg, 4).read_bytes(), path="journal/4")
     assert e.file_base == 1  # f0.mp4 was registered by entry 0
-    _entry(seg, 4).write_bytes(F.encode_journal(4, 0, ["f0.mp4"], e.layout_base, e.layouts, e.rows))
+    _entry(seg, 4).write_bytes(FS.encode_journal(4, 0, ["f0.mp4"], e.layout_base, e.layouts, e.rows))
     storage = Storage(str(spill))
     loaded, problems = _spillroot.load_flushed(storage, _spillroot.list_segments(storage, 0)[0])
-    assert sorted(set(loaded.index[:, F.COL_FRAME].tolist())) == [0, 1, 2, 3]
+    assert sorted(set(loaded.index[:, FS.COL_FRAME].tolist())) == [0, 1, 2, 3]
     assert loaded.filenames == ["f0.mp4"]
     assert len(problems) == 1 and "journal entry out of sequence" in problems[0], problems
 
@@ -176,7 +177,7 @@ def test_get_refuses_an_object_larger_than_max_bytes(tmp_path, spill):
     with pytest.raises(spillmerge.CorruptSpillError, match="is at least 1000 bytes, more than the 999 its format"):
         storage.get("blob", max_bytes=999)
     # A commit record of 2 MiB is refused before it is read (records are at most 64 KiB).
-    record = _segment(spill) / F.COMMIT_NAME
+    record = _segment(spill) / FS.COMMIT_NAME
     record.write_bytes(record.read_bytes() + b" " * (2 << 20))
     with pytest.raises(spillmerge.CorruptSpillError, match=f"more than the {F.RECORD_MAX_BYTES} its format allows"):
         spillmerge.merge(str(spill), str(tmp_path / "out"), progress=False)
@@ -456,7 +457,7 @@ def _complete_entries(journal: Path) -> int:
     m = 0
     while (journal / f"{m:06d}").exists():
         try:
-            F.decode_journal((journal / f"{m:06d}").read_bytes(), path=str(journal))
+            FS.decode_journal((journal / f"{m:06d}").read_bytes(), path=str(journal))
         except spillmerge.CorruptSpillError:
             break
         m += 1
@@ -487,7 +488,7 @@ def test_a_rank_sigkilled_mid_spill_leaves_a_salvageable_prefix(tmp_path):
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
     seg = journal.parent
-    assert not (seg / F.COMMIT_NAME).exists() and not (seg / F.FAILURE_NAME).exists()
+    assert not (seg / FS.COMMIT_NAME).exists() and not (seg / FS.FAILURE_NAME).exists()
     with pytest.raises(spillmerge.IncompleteSpillError) as info:
         spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
     assert info.value.missing == [0]

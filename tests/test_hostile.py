@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spillmerge
-from spillmerge import _format as F
+from spillmerge import _format_spill as FS
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ interesting = st.one_of(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     cells=st.lists(
-        st.tuples(st.integers(0, 1000), st.integers(0, F.INDEX_COLUMNS - 1), interesting), min_size=1, max_size=4
+        st.tuples(st.integers(0, 1000), st.integers(0, FS.INDEX_COLUMNS - 1), interesting), min_size=1, max_size=4
     )
 )
 def test_corrupted_index_rows(tmp_path_factory, pristine, cells):

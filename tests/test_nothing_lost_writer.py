@@ -21,7 +21,7 @@ from _nothing_lost_workers import expected, spill, spill_killed_at
 from _procs import join_all
 
 import spillmerge
-from spillmerge import _format as F
+from spillmerge import _format_spill as FS
 from spillmerge._storage import Storage
 
 
@@ -248,7 +248,7 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     root = tmp_path / "spill"
     spill(str(root), 0, 1, 6)
     seg = next(root.glob("rank-00000/seg-*"))
-    (seg / F.COMMIT_NAME).unlink()
+    (seg / FS.COMMIT_NAME).unlink()
     # Fake an old writer's segment: the partial-frame rule applies to version-1 journals only (a
     # version-2 writer lists whole frames, so a partial one there is damage, not an old habit).
     header_path = seg / "zarr.json"
@@ -257,12 +257,12 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     header["attributes"]["spillmerge"]["format_version"] = 1
     header_path.write_text(json.dumps(header))
     # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.
-    last_path = sorted((seg / F.JOURNAL_NAME).iterdir())[-1]
-    last = F.decode_journal(last_path.read_bytes(), path=str(last_path))
-    b_row = (last.rows[:, F.COL_FRAME] == 5) & (last.rows[:, F.COL_NBYTES] == 10_000)
+    last_path = sorted((seg / FS.JOURNAL_NAME).iterdir())[-1]
+    last = FS.decode_journal(last_path.read_bytes(), path=str(last_path))
+    b_row = (last.rows[:, FS.COL_FRAME] == 5) & (last.rows[:, FS.COL_NBYTES] == 10_000)
     assert b_row.sum() == 1
     last_path.write_bytes(
-        F.encode_journal(last.chunk, last.file_base, last.filenames, last.layout_base, last.layouts, last.rows[~b_row])
+        FS.encode_journal(last.chunk, last.file_base, last.filenames, last.layout_base, last.layouts, last.rows[~b_row])
     )
     rep = spillmerge.merge(str(root), str(tmp_path / "out"), allow_partial=True, world_size=1)
     res = spillmerge.open(str(tmp_path / "out"))
@@ -274,7 +274,7 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
 # ---------------------------------------------------------------------------------------- row 7
 def _wait_flushed(w: spillmerge.SpillWriter, chunks: int) -> None:
     """Until data chunks ``0 .. chunks-1`` are on storage (their journal entries are written after them)."""
-    entry = w._rel(F.journal_name(chunks - 1))
+    entry = w._rel(FS.journal_name(chunks - 1))
     deadline = time.monotonic() + 30
     while not w.storage.exists(entry) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -300,7 +300,7 @@ def test_a_spill_root_deleted_while_spilling_is_never_committed(backend, staged)
     if not staged or backend.name != "local":  # locally the staged chunk's write fails first
         assert "vanished while spilling" in msg, msg
     # No commit record anywhere, and the deleted folders were not silently recreated.
-    assert not [p for p, _ in storage.find("") if p.endswith(F.COMMIT_NAME)]
+    assert not [p for p, _ in storage.find("") if p.endswith(FS.COMMIT_NAME)]
     if backend.name == "local":
         assert not os.path.exists(root)
     with pytest.raises(spillmerge.SpillMergeError):
@@ -315,7 +315,7 @@ def test_a_vanished_data_chunk_stops_the_commit(tmp_path):
             for i in range(3):
                 w.write("clip", i, torch.full((1024,), float(i)))
             _wait_flushed(w, 3)
-            os.unlink(f"{w.segment_path}/{F.DATA_NAME}/c/1")
+            os.unlink(f"{w.segment_path}/{FS.DATA_NAME}/c/1")
     assert info.value.path == w.segment_path
     assert not list(root.glob("rank-*/seg-*/commit.json")) and list(root.glob("rank-*/seg-*/failed.json"))
 
@@ -376,7 +376,7 @@ def test_identical_rewrite_waits_for_a_chunk_in_flight(tmp_path):
         w.write("clip", 0, torch.arange(1024, dtype=torch.int32))  # fills chunk 0: handed off
         assert not puts  # chunk 0 is still being uploaded
         w.write("clip", 0, torch.arange(1024, dtype=torch.int32))
-        assert any(p.endswith(f"{F.DATA_NAME}/c/0") for p in puts)
+        assert any(p.endswith(f"{FS.DATA_NAME}/c/0") for p in puts)
         del w.storage.put  # commit at full speed
         with pytest.raises(spillmerge.DuplicateFrameError):
             w.write("clip", 0, torch.arange(1024, dtype=torch.int32) + 1)

@@ -20,7 +20,7 @@ from _mp_scenarios import output_tree, tree_diff
 from test_cli import assert_one_line_error, run
 
 import spillmerge
-from spillmerge import _format as F
+from spillmerge import _format_output as FO
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -406,4 +406,4 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
     assert spillmerge.verify(str(out)).ok
     chunk.write_bytes(chunk.read_bytes()[:-5] + b"XXXXX")
     rep2 = spillmerge.verify(str(out))
-    assert not rep2.ok and "zeros" in rep2.problems[0] and F.COMPLETE_NAME in os.listdir(out)
+    assert not rep2.ok and "zeros" in rep2.problems[0] and FO.COMPLETE_NAME in os.listdir(out)

@@ -178,8 +178,8 @@ def _build(base: Path) -> tuple[Path, Path]:
     spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
     # What a merge(wait=True) that failed on dst leaves in the spill root, and what a merge killed
     # while holding the output's lease leaves in the output (the lock files; flock died with it).
-    failure = spillmerge._format.MergeFailureRecord.of(RuntimeError("dst failed"), rank=0, run_id="run-x", session=0)
-    (root / spillmerge._format.MERGE_FAILED_NAME).write_bytes(failure.to_json())
+    failure = spillmerge._format_spill.MergeFailureRecord.of(RuntimeError("dst failed"), rank=0, run_id="run-x", session=0)
+    (root / spillmerge._format_spill.MERGE_FAILED_NAME).write_bytes(failure.to_json())
     (out / "spillmerge-lease").mkdir()
     (out / "spillmerge-lease" / "output.lock").write_bytes(b"")
     return root, out

@@ -17,6 +17,7 @@ import torch
 
 import spillmerge
 from spillmerge import _format as F
+from spillmerge import _format_spill as FS
 from spillmerge import _spillroot as R
 from spillmerge._storage import Storage
 from spillmerge._values import Leaf, flatten
@@ -33,7 +34,7 @@ def one(value: Any, **kw: Any) -> Leaf:
 
 def raw(leaf: Leaf) -> bytes:
     assert isinstance(leaf.data, np.ndarray) and leaf.data.dtype == np.uint8 and leaf.data.ndim == 1
-    assert leaf.data.size == leaf.nbytes == F.Layout(leaf.path, leaf.dtype, leaf.shape).nbytes
+    assert leaf.data.size == leaf.nbytes == FS.Layout(leaf.path, leaf.dtype, leaf.shape).nbytes
     return leaf.data.tobytes()
 
 
@@ -42,7 +43,7 @@ def strlist_bytes(items: list[str]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) for e in enc) + b"".join(enc)
 
 
-def decode(lay: F.Layout, data: bytes) -> Any:
+def decode(lay: FS.Layout, data: bytes) -> Any:
     """A stored row back to a Python value, by docs/FORMAT.md section 1 (the reader's job; kept
     here so these tests read the spill without the merge)."""
     if lay.kind == "num":
@@ -62,11 +63,11 @@ def decode(lay: F.Layout, data: bytes) -> Any:
     return [data[int(e - ln) : int(e)].decode("utf-8") for e, ln in zip(ends, lens, strict=True)]
 
 
-def read_spill(root: str) -> dict[tuple[str, int], dict[tuple[str, ...], tuple[F.Layout, Any]]]:
+def read_spill(root: str) -> dict[tuple[str, int], dict[tuple[str, ...], tuple[FS.Layout, Any]]]:
     """(filename, frame) → {leaf path: (layout, value)} of every committed segment of ``root``,
     each row's bytes read by offset and checked against its CRC-32C."""
     st = Storage(root)
-    out: dict[tuple[str, int], dict[tuple[str, ...], tuple[F.Layout, Any]]] = {}
+    out: dict[tuple[str, int], dict[tuple[str, ...], tuple[FS.Layout, Any]]] = {}
     try:
         for segs in R.scan(st).values():
             for seg in segs:
@@ -327,11 +328,11 @@ def test_ragged_none_str_and_missing_leaves_share_a_file(tmp_path):
         assert lay.shape == tuple(m.shape) and np.array_equal(value, m.numpy())
     assert [got[("cap.mp4", i)][()][1] for i in range(2)] == ["first caption", ""]
     assert got[("cap.mp4", 2)][()][1] == "x" * (10 << 20)
-    assert got[("none.mp4", 0)][()] == (F.Layout((), "none", ()), None)
+    assert got[("none.mp4", 0)][()] == (FS.Layout((), "none", ()), None)
     assert got[("words.mp4", 0)][()][1] == ["a", "", "b\x00c"]
     assert got[("words.mp4", 1)][()][1] == ["one"] and ("words.mp4", 3) not in got
-    assert got[("words.mp4", 2)][()][0] == F.Layout((), "float64", (0,))  # [] kept; the merge reads it as []
-    assert got[("empty.mp4", 0)][()][0] == F.Layout((), "float64", (0,))
+    assert got[("words.mp4", 2)][()][0] == FS.Layout((), "float64", (0,))  # [] kept; the merge reads it as []
+    assert got[("empty.mp4", 0)][()][0] == FS.Layout((), "float64", (0,))
 
 
 def test_a_kind_change_within_a_file_is_refused_and_nothing_is_lost(tmp_path):
@@ -358,8 +359,8 @@ def test_a_kind_change_within_a_file_is_refused_and_nothing_is_lost(tmp_path):
     st = Storage(root)
     (seg,) = R.scan(st)[2]
     loaded = R.load_segment(st, seg)
-    assert F.Layout(("pred",), "str", (4,)) not in loaded.layouts
-    assert F.Layout(("label",), "float32", (1,)) in loaded.layouts  # from other.mp4
+    assert FS.Layout(("pred",), "str", (4,)) not in loaded.layouts
+    assert FS.Layout(("label",), "float32", (1,)) in loaded.layouts  # from other.mp4
     assert seg.commit is not None and seg.commit.n_frames == 4
     st.close()
 
@@ -517,19 +518,19 @@ def test_salvage_of_a_v2_journal_keeps_frames_with_fewer_leaves(tmp_path):
     assert seg.commit is None and seg.failure is not None and seg.format_version == 2
     loaded, problems = R.load_flushed(st, seg)
     assert problems == []
-    rows: dict[tuple[int, int], list[F.Layout]] = {}
+    rows: dict[tuple[int, int], list[FS.Layout]] = {}
     for fid, frame, lid, *_ in loaded.index.tolist():
         rows.setdefault((fid, frame), []).append(loaded.layouts[lid])
     f = loaded.filenames.index("f")
     assert [lay.shape for lay in rows[(f, 0)]] == [(10,), (1,)]
     assert [lay.shape for lay in rows[(f, 1)]] == [(20,)]  # kept, though it lacks "b"
-    assert rows[(f, 2)] == [F.Layout(("a",), "float32", (7,))]  # only the last write
-    assert rows[(f, 3)] == [F.Layout(("a",), "float32", (1,)), F.Layout(("b",), "str", (1,))]
+    assert rows[(f, 2)] == [FS.Layout(("a",), "float32", (7,))]  # only the last write
+    assert rows[(f, 3)] == [FS.Layout(("a",), "float32", (1,)), FS.Layout(("b",), "str", (1,))]
     st.close()
 
 
 def test_index_naming_a_leaf_twice_in_a_frame_is_corrupt():
-    lays = [F.Layout(("a",), "float32", (2,)), F.Layout(("a",), "float32", (3,))]
+    lays = [FS.Layout(("a",), "float32", (2,)), FS.Layout(("a",), "float32", (3,))]
     index = np.array([[0, 0, 0, 0, 8, 0], [0, 0, 1, 8, 12, 0]], dtype=np.int64)
 
     def bad(msg: str, rel: str = "") -> Exception:
@@ -539,10 +540,10 @@ def test_index_naming_a_leaf_twice_in_a_frame_is_corrupt():
         R._validate_rows(bad, ["f"], lays, index, 100)
     R._validate_rows(bad, ["f"], lays, index[[0]], 100)
     # kind-aware sizes: a str row of 5 bytes, a none row of 0, a strlist of [2, 9]
-    lays = [F.Layout(("s",), "str", (5,)), F.Layout(("n",), "none", ()), F.Layout(("l",), "strlist", (2, 9))]
+    lays = [FS.Layout(("s",), "str", (5,)), FS.Layout(("n",), "none", ()), FS.Layout(("l",), "strlist", (2, 9))]
     index = np.array([[0, 0, 0, 0, 5, 0], [0, 0, 1, 5, 0, 0], [0, 0, 2, 5, 9, 0]], dtype=np.int64)
     R._validate_rows(bad, ["f"], lays, index, 14)
-    index[2, F.COL_NBYTES] = 8
+    index[2, FS.COL_NBYTES] = 8
     with pytest.raises(spillmerge.CorruptSpillError, match="sizes"):
         R._validate_rows(bad, ["f"], lays, index, 14)
 

@@ -16,6 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import spillmerge
 from spillmerge import _format as F
+from spillmerge import _format_output as FO
 
 TORCH_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -296,7 +297,7 @@ def test_output_protection_and_interrupted_merge(tmp_path):
         spillmerge.merge(root, out)
     spillmerge.merge(root, out, overwrite=True)
     # An interrupted merge: the completion marker is missing.
-    os.remove(os.path.join(out, F.COMPLETE_NAME))
+    os.remove(os.path.join(out, FO.COMPLETE_NAME))
     with pytest.raises(spillmerge.IncompleteOutputError, match="did not finish"):
         spillmerge.open(out)
     spillmerge.merge(root, out)  # rebuilt without --overwrite

@@ -1,0 +1,285 @@
+"""On-disk format of a merged output (docs/FORMAT.md section 2): its records — output header,
+column header, completion marker, and the part records of an output written in parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._errors import CorruptSpillError, FormatVersionError
+from ._format import (
+    DTYPES,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    column_name_choices,
+    dumps,
+    failure_now,
+    failure_read,
+    host_and_pid,
+    int_field,
+    int_or_none,
+    loads,
+    str_or_none,
+    utcnow,
+)
+
+COMPLETE_NAME = "spillmerge-complete.json"
+
+
+@dataclass(frozen=True, slots=True)
+class PartDoneRecord:
+    """``OUT/spillmerge-parts/part-I-of-N.json``: part ``I`` of an output written in parts is done."""
+
+    part: int
+    """Which part, 0-based."""
+    parts: int
+    """Number of parts of the merge."""
+    plan: str
+    """Plan fingerprint; every part of one output has the same."""
+    rank: int | None
+    """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
+    run_id: str | None
+    """Run id of a collective merge."""
+    n_files: int
+    """Files the part wrote."""
+    n_frames: int
+    """Frames the part wrote."""
+    nbytes: int
+    """Payload bytes the part wrote."""
+    codec: str
+    """Output codec."""
+    chunk_bytes: int
+    """Target output chunk size."""
+    finished: str
+    """UTC time the record was written."""
+    host: str
+    """Host of the writing process."""
+    pid: int
+    """Its process id."""
+
+    @classmethod
+    def now(cls, **fields: Any) -> PartDoneRecord:
+        host, pid = host_and_pid()
+        return cls(finished=utcnow(), host=host, pid=pid, **fields)
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartDoneRecord:
+        obj = _part_header(data, "merge-part", path, part, parts)
+        return cls(
+            part=part,
+            parts=parts,
+            plan=obj["plan"],
+            rank=int_or_none(obj, "rank"),
+            run_id=str_or_none(obj, "run_id", path),
+            n_files=int_field(obj, "n_files", path, hi=1 << 40),
+            n_frames=int_field(obj, "n_frames", path, hi=1 << 40),
+            nbytes=int_field(obj, "nbytes", path, hi=1 << 56),
+            codec=str(obj.get("codec")),
+            chunk_bytes=int_field(obj, "chunk_bytes", path, lo=1, hi=1 << 40),
+            finished=str(obj.get("finished")),
+            host=str(obj.get("host"))[:256],
+            pid=int_or_none(obj, "pid") or 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PartFailureRecord:
+    """``OUT/spillmerge-parts/part-I-of-N.failed.json``: part ``I`` raised (removed when it reruns)."""
+
+    part: int
+    """Which part, 0-based."""
+    parts: int
+    """Number of parts of the merge."""
+    plan: str
+    """Plan fingerprint of the failed attempt."""
+    rank: int | None
+    """Rank of a collective merge, else None."""
+    run_id: str | None
+    """Run id of a collective merge (tells this attempt's failure from an earlier one's)."""
+    error_type: str
+    """Exception class name."""
+    message: str
+    """Exception message."""
+    traceback: str
+    """Formatted traceback."""
+    time: str
+    """UTC time of the failure."""
+    host: str
+    """Host of the failed process."""
+    pid: int
+    """Its process id."""
+
+    @classmethod
+    def of(cls, exc: BaseException, **fields: Any) -> PartFailureRecord:
+        return cls(**failure_now(exc, message_chars=4000), **fields)
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part-failure", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartFailureRecord:
+        obj = _part_header(data, "merge-part-failure", path, part, parts)
+        return cls(
+            part=part,
+            parts=parts,
+            plan=obj["plan"],
+            rank=int_or_none(obj, "rank"),
+            run_id=str_or_none(obj, "run_id", path),
+            **failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
+        )
+
+    def summary(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
+def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> dict[str, Any]:
+    """A part record's object, checked to be the record its name says it is."""
+    obj = loads(data, path=path)
+    ok = (
+        isinstance(obj, dict)
+        and obj.get("kind") == kind
+        and obj.get("part") == part
+        and obj.get("parts") == parts
+        and isinstance(obj.get("plan"), str)
+    )
+    if not ok:
+        raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
+    if obj.get("format_version") not in READABLE_VERSIONS or isinstance(obj.get("format_version"), bool):
+        raise FormatVersionError(f"{path}: unknown format_version {obj.get('format_version')!r}", path=path)
+    return dict(obj)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputHeader:
+    """The merged output's root ``zarr.json`` attributes, key ``spillmerge``."""
+
+    n_files: int
+    """Filenames in the output."""
+    n_frames: int
+    """Rows over all files."""
+    nbytes: int
+    """Payload bytes."""
+    ranks: list[int]
+    """Ranks whose segments were merged."""
+    world_size: int
+    """World size of the spill."""
+    segments: int
+    """Segments merged."""
+    created: str
+    """UTC time the merge planned the output."""
+    file_layouts: list[list[str]]
+    """The distinct column sets of the files (``index/file_layout`` points into it)."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
+
+
+COLUMN_KINDS = ("fixed", "ragged", "str", "bytes", "pickle", "strlist")
+"""The kinds of an output column (docs/FORMAT.md section 2, *Columns*)."""
+NUMERIC_KINDS = ("fixed", "ragged")
+"""The column kinds whose ``dtype`` is a numeric dtype name (the others' is the kind itself)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnHeader:
+    """A column group's ``columns/<name>/zarr.json`` attributes, key ``spillmerge``: which leaf
+    the column holds and how (docs/FORMAT.md section 2, *Columns*)."""
+
+    leaf: tuple[str, ...]
+    """Dict keys from the value's root to the leaf (empty for plain tensor values)."""
+    kind: str
+    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
+    dtype: str
+    """Dtype name (section 3) for numeric kinds, else the kind."""
+    ndim: int | None
+    """Dimensions of a value (numeric kinds); read as None when not an int."""
+    inner_shape: tuple[int, ...] | None
+    """Dimensions after the first of a ragged column's values (None: flat values + ``shapes``)."""
+    has_valid: bool
+    """Some row lacks the leaf: the group has a ``valid`` array."""
+    chunk_max_bytes: int | None
+    """Largest string chunk the merge wrote (string columns); read as None when not an int >= 0."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "leaf": list(self.leaf),
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "ndim": self.ndim,
+            "inner_shape": None if self.inner_shape is None else list(self.inner_shape),
+            "has_valid": self.has_valid,
+            "chunk_max_bytes": self.chunk_max_bytes,
+        }
+
+    @classmethod
+    def from_obj(cls, obj: Any, *, name: str, path: str) -> ColumnHeader:
+        """The header of the column group ``name`` (at ``path``), or ``CorruptSpillError`` with
+        the ``reason`` when a field is missing or contradicts the group's name."""
+
+        def bad(reason: str) -> CorruptSpillError:
+            return CorruptSpillError(f"{path}: {reason}", path=path, reason=reason)
+
+        if not isinstance(obj, dict):
+            raise bad("no spillmerge column header (leaf, kind, dtype)")
+        leaf, kind, dtype = obj.get("leaf"), obj.get("kind"), obj.get("dtype")
+        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
+            raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
+        numeric_dt = dtype if kind in NUMERIC_KINDS and isinstance(dtype, str) else None
+        if name not in column_name_choices(tuple(leaf), numeric_dt):
+            raise bad(f"column {name!r} holds leaf {leaf!r:.200}, which a merge names otherwise")
+        if kind not in COLUMN_KINDS:
+            raise bad(f"unknown kind {kind!r:.50} (known: {', '.join(COLUMN_KINDS)})")
+        numeric = kind in NUMERIC_KINDS
+        dt = DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if numeric and (dt is None or not dt.numeric):
+            raise bad(f"unknown dtype {dtype!r:.50} (known: docs/FORMAT.md section 3)")
+        if not numeric and dtype != kind:
+            raise bad(f"dtype {dtype!r:.50} of a {kind} column (must be {kind!r})")
+        inner = obj.get("inner_shape")
+        if inner is not None and (
+            not isinstance(inner, list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in inner)
+        ):
+            raise bad(f"inner_shape {inner!r:.100} is not a list of non-negative ints")
+        cmb = int_or_none(obj, "chunk_max_bytes")
+        return cls(
+            leaf=tuple(leaf),
+            kind=str(kind),
+            dtype=str(dtype),
+            ndim=int_or_none(obj, "ndim"),
+            inner_shape=tuple(inner) if inner is not None else None,
+            has_valid=bool(obj.get("has_valid")),
+            chunk_max_bytes=cmb if cmb is not None and cmb >= 0 else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionMarker:
+    """``OUT/spillmerge-complete.json``: written last; its presence means the output is whole."""
+
+    n_files: int
+    """Filenames in the output."""
+    n_frames: int
+    """Rows over all files."""
+    nbytes: int
+    """Payload bytes."""
+    finished: str
+    """UTC time the marker was written."""
+    written_by: dict[str, Any]
+    """The run that wrote it: its lease's ``owner`` token, ``role``, ``host``, ``pid``."""
+    spill_root: str
+    """The spill root it merged."""
+    plan: str
+    """Plan fingerprint."""
+    run_id: str | None
+    """Run id the merge waited for (None: the newest segments)."""
+    session: int | None = None
+    """The writer session of the run it serves (``SpillWriter.merge``; None from the CLI): ranks
+    waiting for this merge (``wait=True``) tell its marker from an earlier round's by it."""
+
+    def to_json(self) -> bytes:
+        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})
