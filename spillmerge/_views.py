@@ -96,23 +96,33 @@ class OpenColumn:
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
         """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
-        array. The chunks at either end go through the cache (reading rows in order, or batches
-        whose edges cut chunks, decodes each chunk once); the chunks between are read straight
-        into the result, so a large read does not flush the cache."""
-        k = self._k
-        c0 = lo // k
-        if lo < hi <= (c0 + 1) * k:  # within one chunk: one row, the common case
-            base = c0 * k
-            return self._chunk(c0)[lo - base : hi - base].copy()
+        array. Chunks the read only partly covers go through the cache (reading rows in order, or
+        batches whose edges cut chunks, decodes each chunk once); chunks it covers whole are read
+        straight into the result, never kept: a large read does not flush the cache, and reading
+        a whole chunk costs one decoded copy, not a cached one plus the result."""
+        k, n = self._k, self._n
         if hi <= lo:
             return np.empty((0, *self._unit), dtype=self._dtype)
-        c1 = (hi - 1) // k
+        c0, c1 = lo // k, (hi - 1) // k
+        head_whole = lo == c0 * k and min((c0 + 1) * k, n) <= hi
+        if c0 == c1 and not head_whole:  # part of one chunk: one row, the common case
+            base = c0 * k
+            return self._chunk(c0)[lo - base : hi - base].copy()
+        tail_whole = hi == min((c1 + 1) * k, n)
+        if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
+            return read_rows(self.values, lo, hi)
         out = np.empty((hi - lo, *self._unit), dtype=self._dtype)
-        head = self._chunk(c0)[lo - c0 * k :]
-        out[: len(head)] = head
-        if c1 > c0 + 1:
-            read_rows(self.values, (c0 + 1) * k, c1 * k, out=out[len(head) : c1 * k - lo])
-        out[c1 * k - lo :] = self._chunk(c1)[: hi - c1 * k]
+        pos = lo
+        if not head_whole:
+            head = self._chunk(c0)[lo - c0 * k :]
+            out[: len(head)] = head
+            pos += len(head)
+        straight_end = hi if tail_whole else c1 * k
+        if straight_end > pos:
+            read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
+            pos = straight_end
+        if pos < hi:
+            out[pos - lo :] = self._chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
 
     def valid(self) -> np.ndarray | None:
