@@ -47,6 +47,7 @@ from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._report import MergeReport
 from ._spillroot import committed_keys
+from ._status import JobStatus, MergeStatus, RankStatus, status
 from ._views import LeafView
 from ._writer import SpillWriter
 
@@ -63,10 +64,12 @@ __all__ = [
     "FormatVersionError",
     "IncompleteOutputError",
     "IncompleteSpillError",
+    "JobStatus",
     "LayoutMismatchError",
     "LeafArray",
     "LeafView",
     "MergeReport",
+    "MergeStatus",
     "MergedStore",
     "MissingPartsError",
     "MissingDependencyError",
@@ -81,6 +84,7 @@ __all__ = [
     "RaggedShapeError",
     "PlanMismatchError",
     "RankFailedError",
+    "RankStatus",
     "SpillMergeError",
     "SpillStorageError",
     "SpillValueError",
@@ -97,5 +101,6 @@ __all__ = [
     "gather",
     "merge",
     "open",
+    "status",
     "verify",
 ]

@@ -85,6 +85,8 @@ class SpillWriter:
             instead of refusing them with :class:`~spillmerge.SpillValueError`; reading them back
             needs ``spillmerge.open(out, allow_pickle=True)``. Off by default: nothing is pickled
             unless both sides opt in.
+        expected: frames the whole job (all ranks) will write, if known; recorded in the segment
+            header so that ``spillmerge status`` can estimate the end.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class SpillWriter:
         fsync: bool = True,
         flush_threads: int | None = None,
         allow_pickle: bool = False,
+        expected: int | None = None,
     ) -> None:
         if on_duplicate not in _POLICIES:
             raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
@@ -118,6 +121,9 @@ class SpillWriter:
         self.on_duplicate: DuplicatePolicy = on_duplicate
         self.fsync = fsync
         self.allow_pickle = bool(allow_pickle)
+        if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
+            raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
+        self.expected = expected
         self._run_id_arg = run_id
         self.run_id: str | None = None
         self.segment: str | None = None
@@ -165,6 +171,7 @@ class SpillWriter:
             run_id=self.run_id,
             chunk_bytes=self.chunk_bytes,
             started=F.utcnow(),
+            expected=self.expected,
         )
         self.storage.makedirs(self._rel(f"{F.DATA_NAME}/c"))
         self.storage.makedirs(self._rel(F.JOURNAL_NAME))

@@ -149,6 +149,31 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", help="spill root or merged output")
     v.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
 
+    st = sub.add_parser(
+        "status",
+        help="show a running job: per rank frames, rate, last write, stalled / failed / missing ranks",
+        description="Show the job writing to a spill root, from storage alone (local disk or object store): "
+        "per rank its state (writing, committed, failed, missing), frames and bytes durable so far, rate and "
+        "time since its last durable write, stalled ranks, an estimate of the end when the expected number "
+        "of frames is known, and the merge's progress when --out names its output. It reads a few small "
+        "records per rank and never writes, so it does not slow or block the writers.",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge status ./spill\n  spillmerge status ./spill --watch --expected 120000\n"
+        "  spillmerge status s3://bucket/run1/spill --out s3://bucket/run1/preds.zarr --json\n\n"
+        "Exit status: 0; 1 when a rank failed or on an error.",
+    )
+    st.add_argument("root", help="spill root (path or fsspec URL)")
+    st.add_argument("--out", help="the merge's output: show its parts and progress too")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    st.add_argument("--watch", action="store_true", help="redraw until every rank has committed or failed")
+    st.add_argument("--interval", type=float, default=3.0, help="seconds between redraws with --watch (default 3)")
+    st.add_argument("--expected", type=int, metavar="N", help="frames the whole job writes (default: what the writers recorded)")
+    st.add_argument(
+        "--stall-after", type=float, default=120.0, metavar="SECONDS",
+        help="flag a writing rank with no durable write for this long as stalled (default 120)",
+    )  # fmt: skip
+    st.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+
     d = sub.add_parser(
         "demo",
         help="run a small multi-rank spill + merge on CPU",
@@ -228,6 +253,27 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    import time
+
+    from ._status import format_status, status
+
+    opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
+            "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
+    tty = sys.stdout.isatty()
+    while True:
+        js = status(args.root, **opts)
+        if args.json:
+            print(json.dumps(js.to_dict(), sort_keys=True), flush=True)
+        else:
+            if args.watch and tty:
+                print("\x1b[H\x1b[2J", end="")  # redraw in place on a terminal
+            print(format_status(js), flush=True)
+        if not args.watch or js.done:
+            return 1 if any(r.state == "failed" for r in js.ranks) else 0
+        time.sleep(args.interval)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import DemoConfig, run
     from ._inspect import format_text, summarize
@@ -263,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"merge": _merge, "inspect": _inspect, "verify": _verify, "demo": _demo}[args.command]
+    handler = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "demo": _demo}[args.command]
     try:
         return handler(args)
     except SpillMergeError as exc:
