@@ -32,7 +32,7 @@ from ._report import MergeReport
 from ._round import Rounds
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import load_committed_keys
+from ._spillroot import load_committed_keys, remove_all
 from ._staging import Staging
 from ._storage import Storage
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
@@ -436,14 +436,10 @@ class SpillWriter:
             raise WriterClosedError(
                 f"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed"
             )
-        names = self.storage.listdir("")
-        doomed = (
-            [n for n in names if F.parse_rank_dirname(n) is not None] if everything else [F.rank_dirname(self.rank)]
-        )
         if everything:
-            doomed.append(F.MERGE_FAILED_NAME)
-        for name in doomed:
-            self.storage.rm_tree(name)
+            remove_all(self.storage)
+            return
+        self.storage.rm_tree(F.rank_dirname(self.rank))
         self.storage.remove_empty_dir("")
 
     # ---------------------------------------------------------------------------------- merge

@@ -183,11 +183,11 @@ def test_merge_options_are_declared_once():
     assert sorted(cli) == sorted([
         "root", "out", "timeout", "allow_partial", "expected", "on_duplicate", "overwrite", "codec", "part",
         "finalize", "world_size", "chunk_bytes", "memory_budget", "threads", "storage_options",
-        "out_storage_options", "progress",
+        "out_storage_options", "progress", "remove_spill",
     ])  # fmt: skip
     assert sorted(_MERGE_KEYS) == sorted([
         "root", "out", "timeout", "allow_partial", "on_duplicate", "overwrite", "chunk_bytes", "memory_budget",
-        "threads", "world_size", "storage_options", "out_storage_options", "codec", "expected",
+        "threads", "world_size", "storage_options", "out_storage_options", "codec", "expected", "remove_spill",
     ])  # fmt: skip
 
 
