@@ -135,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw which frames of which file came from which rank, and the missing / duplicated ones "
         "(needs matplotlib: pip install 'spillmerge[plot]')",
     )
-    i.add_argument("--max-files", type=int, default=20, help="files listed (default 20)")
+    i.add_argument(
+        "--max-files", "--files", type=int, default=20, metavar="N",
+        help="files listed, in the text and in --json (default 20; those with problems first); totals count all",
+    )  # fmt: skip
     i.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
 
     v = sub.add_parser(
@@ -226,7 +229,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if s["kind"] == "spill" or s.get("complete"):  # an interrupted merge has no index to cover
         cov = coverage(args.path, so, expected=expected)
         cov.manifest = args.expected
-        s["coverage"] = cov.to_json()
+        if args.json:  # the text report builds only what it prints
+            s["coverage"] = cov.to_json(max_files=args.max_files)
     elif expected is not None:
         raise ConfigError(f"{args.path} is an interrupted merge; --expected needs a complete output", key="expected")
     if args.plot and cov is not None:
