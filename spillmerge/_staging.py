@@ -178,6 +178,8 @@ class Flusher(threading.Thread):
                 self._retire(block=True)
         finally:
             self._pool.shutdown(wait=True)
+            # Final counts before a commit or failure record lands (a failed rank's stay exact).
+            self.progress.maybe_write(trailing=True)
             for fut in self._journals:
                 if fut.exception() is not None and self.error is None:
                     self.error = fut.exception()

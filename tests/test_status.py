@@ -71,6 +71,7 @@ def test_status_of_a_live_job_with_a_stalled_a_failed_and_a_missing_rank(where, 
         assert (r1.frames, r1.bytes) == (28, 28 * 1024) and r1.stalled
         assert r1.last_write_age_s is not None and r1.last_write_age_s > 3.0
         assert "RuntimeError: boom on rank 2" in (r2.message or "")
+        assert r2.frames == 20  # its last progress record is written before its failure record
         assert (r3.frames, r3.last_write_age_s, r3.segment) == (0, None, None)
 
         # The same through the entry point, as the one JSON object the docs promise.
