@@ -51,6 +51,7 @@ from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._report import MergeReport
 from ._spillroot import committed_keys
+from ._status import JobStatus, MergeStatus, RankStatus, status
 from ._views import LeafView
 
 if TYPE_CHECKING:
@@ -96,10 +97,12 @@ __all__ = [
     "FormatVersionError",
     "IncompleteOutputError",
     "IncompleteSpillError",
+    "JobStatus",
     "LayoutMismatchError",
     "LeafArray",
     "LeafView",
     "MergeReport",
+    "MergeStatus",
     "MergedStore",
     "MissingPartsError",
     "MissingDependencyError",
@@ -114,6 +117,7 @@ __all__ = [
     "RaggedShapeError",
     "PlanMismatchError",
     "RankFailedError",
+    "RankStatus",
     "SpillMergeError",
     "SpillStorageError",
     "SpillValueError",
@@ -130,5 +134,6 @@ __all__ = [
     "gather",
     "merge",
     "open",
+    "status",
     "verify",
 ]

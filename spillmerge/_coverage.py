@@ -102,10 +102,22 @@ class Coverage:
     def n_duplicated(self) -> int:
         return sum(int(np.count_nonzero(f.copies > 1)) for f in self.files)
 
-    def to_json(self) -> dict[str, Any]:
-        """Frame sets as inclusive ``[first, last]`` runs, so a million frames stay a few lines."""
+    def to_json(self, max_files: int | None = None) -> dict[str, Any]:
+        """Frame sets as inclusive ``[first, last]`` runs, so a million frames stay a few lines.
+        ``max_files``: list at most that many files, those with missing, duplicated or unexpected
+        frames (or not in the manifest) first; the totals always count every file."""
+        problem: list[FileCoverage] = []
+        clean: list[FileCoverage] = []
+        n_missing = n_dup = present = 0
+        unlisted = set(self.unlisted)
+        for f in self.files:  # cheap per-file counts; the runs only for the files listed
+            m, d = f.n_missing, int(np.count_nonzero(f.copies > 1))
+            n_missing, n_dup, present = n_missing + m, n_dup + d, present + len(f.frames)
+            bad = m or d or f.filename in unlisted or (f.expected is not None and len(f.unexpected()))
+            (problem if bad else clean).append(f)
+        listed = (problem + clean)[:max_files] if max_files is not None else problem + clean
         files = []
-        for f in self.files:
+        for f in listed:
             entry: dict[str, Any] = {
                 "filename": f.filename,
                 "frames": len(f.frames),
@@ -122,9 +134,12 @@ class Coverage:
             "path": self.path,
             "manifest": self.manifest,
             "ranks_known": self.ranks_known,
-            "missing_frames": self.n_missing,
+            "missing_frames": n_missing,
             "missing_files": [f.filename for f in self.files if not len(f.frames) and f.span],
-            "duplicated_frames": self.n_duplicated,
+            "duplicated_frames": n_dup,
+            "present_frames": present,
+            "n_files": len(self.files),
+            "files_with_problems": len(problem),
             "unlisted_files": self.unlisted,
             "files": files,
             "notes": self.notes,

@@ -211,6 +211,9 @@ class SegmentHeader:
     """Size of each data chunk object."""
     started: str
     """UTC time the writer opened the segment."""
+    expected: int | None = None
+    """Frames the whole job will write (all ranks), when the user said (``SpillWriter(expected=)``);
+    only ``spillmerge status`` reads it, to estimate the end."""
 
     def to_json(self) -> bytes:
         """The whole ``zarr.json`` document of the segment group."""

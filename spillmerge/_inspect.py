@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from . import _invariants as V
 from ._errors import SpillMergeError
 from ._invariants import Problem
 from ._output import header
-from ._spillroot import list_segments, load_segment, scan
+from ._spillroot import load_segment, scan
 from ._storage import Storage
 
 
@@ -38,8 +39,19 @@ def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_f
     return _summarize_merged(storage, max_files) if kind == "merged" else _summarize_spill(storage, max_files)
 
 
+def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
+    """A tqdm bar on stderr when it is a terminal (as the merge's), else None: piped output and
+    logs stay free of carriage returns."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False)
+
+
 def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
     segments = scan(storage)
+    bar = progress_bar(sum(1 for segs in segments.values() for s in segs if s.commit), "inspect", "segment")
     ranks = []
     files: Counter[str] = Counter()
     dtypes: Counter[str] = Counter()
@@ -59,17 +71,25 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                 total["bytes"] += c.nbytes
                 try:
                     loaded = load_segment(storage, s)
-                    for fid, n in Counter(loaded.index[:, FS.COL_FILE].tolist()).items():
-                        files[loaded.filenames[fid]] += n
+                    # Frames, not index rows: a frame whose value is a dict has one row per leaf.
+                    keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
+                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
+                    for fid, n in enumerate(per_file):
+                        if n:
+                            files[loaded.filenames[fid]] += int(n)
                     for lay in loaded.layouts:
                         dtypes[lay.dtype] += 1
                 except SpillMergeError as exc:
                     entry["error"] = str(exc)
+                if bar is not None:
+                    bar.update(1)
             if s.failure is not None:
                 entry["error"] = s.failure.summary()
             entries.append(entry)
             total["segments"] += 1
         ranks.append({"rank": rank, "segments": entries})
+    if bar is not None:
+        bar.close()
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
@@ -77,7 +97,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
         "world_size": sorted(world_sizes),
         "ranks": ranks,
         "n_files": len(files),
-        "files": [{"filename": f, "rows": n} for f, n in top[:max_files]],
+        "files": [{"filename": f, "frames": n} for f, n in top[:max_files]],
         "dtypes": sorted(dtypes),
         **total,
     }
@@ -163,6 +183,10 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _frames(n: int) -> str:
+    return f"{n} frame" if n == 1 else f"{n} frames"
+
+
 def format_text(s: dict[str, Any]) -> str:
     lines = []
     if s["kind"] == "spill":
@@ -182,9 +206,9 @@ def format_text(s: dict[str, Any]) -> str:
                 err = f"  ERROR: {e['error']}" if "error" in e else ""
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
-            lines.append("  files (most rows first):")
+            lines.append("  files (most frames first):")
             for f in s["files"]:
-                lines.append(f"    {f['filename']!r}: {f['rows']} rows")
+                lines.append(f"    {f['filename']!r}: {_frames(f['frames'])}")
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
     else:
@@ -197,7 +221,7 @@ def format_text(s: dict[str, Any]) -> str:
             for f in s["files"]:
                 leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape']}" for x in f["leaves"])
                 lines.append(
-                    f"    {f['filename']!r}: {f['frames']} frames [{f['first_frame']}..{f['last_frame']}]  {leaves}"
+                    f"    {f['filename']!r}: {_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]  {leaves}"
                 )
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
@@ -211,8 +235,8 @@ def _ranges(runs: list[list[int]], limit: int = 8) -> str:
 
 def format_coverage(cov: Any, max_files: int = 20) -> str:
     """Text coverage report: totals, then each file with missing, duplicated or unexpected frames."""
-    j = cov.to_json()
-    present = sum(f["frames"] for f in j["files"])
+    j = cov.to_json(max_files=max_files)  # files with problems come first
+    present = j["present_frames"]
     against = f" against {j['manifest']}" if j["manifest"] else " (gaps below each file's highest frame)"
     lines = [
         f"  coverage{against}: {present} frames present, {j['missing_frames']} missing"
@@ -220,7 +244,6 @@ def format_coverage(cov: Any, max_files: int = 20) -> str:
         f"{j['duplicated_frames']} written more than once"
         + (f", {len(j['unlisted_files'])} files not in the manifest" if j["unlisted_files"] else "")
     ]
-    shown = 0
     for f in j["files"]:
         problems = []
         if f["missing"]:
@@ -231,13 +254,10 @@ def format_coverage(cov: Any, max_files: int = 20) -> str:
             problems.append("not in the manifest")
         if f.get("unexpected"):
             problems.append(f"beyond the manifest's {f['expected']} frames: {_ranges(f['unexpected'])}")
-        if problems and shown < max_files:
+        if problems:
             lines.append(f"    {f['filename']!r}: " + "; ".join(problems))
-            shown += 1
-        elif problems:
-            shown += 1
-    if shown > max_files:
-        lines.append(f"    ... and {shown - max_files} more files with problems (see --json)")
+    if j["files_with_problems"] > max_files:
+        lines.append(f"    ... and {j['files_with_problems'] - max_files} more files with problems (--max-files N)")
     if not j["ranks_known"]:
         lines.append("  (this output predates per-frame rank records: ranks are unknown)")
     lines.extend(f"  note: {n}" for n in j["notes"])
@@ -279,8 +299,18 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
 
 
 def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
-    for rank in sorted(scan(storage)):
-        for seg in list_segments(storage, rank):
+    segments = scan(storage)
+    bar = progress_bar(sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit), "verify")
+    try:
+        _verify_segments(storage, rep, segments, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
+    for rank in sorted(segments):
+        for seg in segments[rank]:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
                 rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
@@ -324,6 +354,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
                     bad_chunks.update(range(first, last + 1))
                 else:
                     rep.checked_bytes += nb
+                if bar is not None:
+                    bar.update(nb)
             rep.checked_objects += seg.commit.n_chunks
 
 
@@ -342,9 +374,9 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
         rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")
         return
     damaged: set[str] = set()
-    for name, arr in _all_arrays(group):
-        if arr.size == 0:
-            continue
+    arrays = [(name, arr) for name, arr in _all_arrays(group) if arr.size]
+    bar = progress_bar(sum(int(np.prod(a.cdata_shape)) for _, a in arrays), "verify", "chunk")
+    for name, arr in arrays:
         # Every chunk of the grid is read on its own; NoFillStore turns an absent one into an
         # error naming it (zarr alone would read it as zeros), so each missing chunk is listed,
         # at no request beyond the read verify makes anyway.
@@ -361,6 +393,10 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
                 at = ", ".join(map(str, coords))
                 rep.problems.append(f"{storage.describe(name)}: chunk {at} is corrupt or missing ({exc})")
                 damaged.add(name)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
     if complete:  # an interrupted merge may not have written its index yet
         rep.problems.extend(_index_problems(storage, group, damaged))
 

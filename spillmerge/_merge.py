@@ -27,7 +27,7 @@ from ._frames import check_expected
 from ._options import DEFAULT_MEMORY_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
 from ._report import MergeReport, gaps
-from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
+from ._spillroot import load_all, load_flushed, remove_all, same_bytes, wait_for_commits
 from ._storage import Storage
 
 
@@ -53,6 +53,7 @@ def merge(
     finalize: bool = False,
     expected: Mapping[str, int] | str | None = None,
     session: int | None = None,
+    remove_spill: bool = False,
 ) -> MergeReport:
     """Merge every committed segment under ``root`` into one Zarr v3 store at ``out``.
 
@@ -75,6 +76,13 @@ def merge(
     manifest) checks the output against the frames the job should have produced: every frame
     ``0 .. count-1`` that is absent is listed in :attr:`MergeReport.frame_gaps`, files no rank
     wrote included. It changes what is reported, never what is merged.
+
+    ``remove_spill=True`` deletes the spill root's rank folders (and the root, when nothing else
+    is left in it) once the output is complete (its completion marker written, every row's
+    checksum checked while copying) and nothing is missing: no missing rank, nothing salvaged
+    from a journal, no frame missing against ``expected`` (or, with ``allow_partial``, at all).
+    Otherwise the root stays and :attr:`MergeReport.notes` says why. A part (``part=(i, n)``)
+    never removes it; the finalize does. A failed or interrupted merge raises before this point.
     """
     # Every keyword parameter, by name: a test keeps them and MergeOptions' fields the same.
     options = MergeOptions(**{k: v for k, v in locals().items() if k not in ("root", "out")})
@@ -85,10 +93,10 @@ def merge(
     job = _Job.open(root, out, options)
     try:
         if finalize:
-            return _finalize(job, None)
+            return _remove_spill(job, _finalize(job, None))
         if options.part is not None:
             return _merge_part(job, options.part, rank=None)
-        return _merge_whole(job)
+        return _remove_spill(job, _merge_whole(job))
     finally:
         job.src.close()
 
@@ -111,9 +119,30 @@ def merge_parallel(
         _merge_part(job, (rank, world_size), rank=rank)
         if rank != dst:
             return None
-        return _finalize(job, world_size, collective=True)
+        return _remove_spill(job, _finalize(job, world_size, collective=True))
     finally:
         job.src.close()
+
+
+def _remove_spill(job: _Job, report: MergeReport) -> MergeReport:
+    """``remove_spill``: delete the spill root after a complete output that misses nothing."""
+    if not job.options.remove_spill:
+        return report
+    why = None
+    if not job.output.exists(FO.COMPLETE_NAME):
+        why = "the output has no completion marker"
+    elif report.missing_ranks:
+        why = f"ranks {report.missing_ranks} are missing"
+    elif report.salvaged_frames:
+        why = "frames were salvaged from uncommitted segments (their rest may be needed)"
+    elif report.frame_gaps and (job.options.allow_partial or report.expected_files is not None):
+        why = f"frames are missing in {len(report.frame_gaps)} file(s)"
+    if why is not None:
+        report.notes.append(f"spill root {job.src.url} kept: {why}")
+        return report
+    remove_all(job.src)
+    report.notes.append(f"spill root {job.src.url} removed")
+    return report
 
 
 def _check_part(part: Any) -> tuple[int, int]:

@@ -182,6 +182,16 @@ class MergeOptions:
         ),
     )
     """fsspec options of the output."""
+    remove_spill: bool = _option(
+        False,
+        config=bool,
+        flag=Flag(
+            "--remove-spill",
+            "delete the spill root once the output is complete and nothing is missing (kept otherwise)",
+            _SWITCH,
+        ),
+    )
+    """Delete the spill root after a complete merge that misses nothing (see ``merge``)."""
     progress: bool | None = _option(
         None, flag=Flag("--no-progress", "no progress bar", {"action": "store_const", "const": False})
     )

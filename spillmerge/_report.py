@@ -9,6 +9,9 @@ import numpy as np
 from ._frames import first_missing, runs
 from ._plan import Plan
 
+_INLINE_NOTES = ("part ", "spill root ")
+"""Notes printed on the report's first line (the rest only under a partial merge)."""
+
 
 @dataclass(frozen=True, slots=True)
 class MergeReport:
@@ -89,7 +92,7 @@ class MergeReport:
         if self.transferred:
             moved = sum(self.transferred.values()) / (1 << 30)
             s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
-        s += "".join(f"; {n}" for n in self.notes if n.startswith("part "))
+        s += "".join(f"; {n}" for n in self.notes if n.startswith(_INLINE_NOTES))
         if self.duplicates:
             s += f"; {self.duplicates} duplicate frame copies dropped"
         if self.missing_ranks:
@@ -101,7 +104,7 @@ class MergeReport:
         elif self.expected_files is not None:
             s += f"; every frame of the {self.expected_files} expected files is present"
         if self.missing_ranks:
-            s += "".join(f"\n  note: {n}" for n in self.notes if not n.startswith("part "))
+            s += "".join(f"\n  note: {n}" for n in self.notes if not n.startswith(_INLINE_NOTES))
             if self.expected_files is None:
                 s += (
                     "\n  (frames after a file's last merged frame, and files only the missing ranks held, "

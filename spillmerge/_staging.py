@@ -24,6 +24,7 @@ import torch
 
 from . import _format_spill as FS
 from ._errors import SpillMergeError, SpillStorageError
+from ._progress import ProgressWriter
 from ._storage import Storage
 
 COMPARE_WINDOW = 1 << 20
@@ -152,12 +153,18 @@ class Flusher(threading.Thread):
         self._pending: collections.deque[tuple[Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
+        self.progress = ProgressWriter(storage, prefix, rank=rank)
 
     def run(self) -> None:
         try:
             self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
             while True:
-                chunk = self.q.get()
+                try:
+                    chunk = self.q.get(timeout=self.progress.interval)
+                except queue.Empty:  # idle: the progress record catches up with the last chunks
+                    if self.progress.behind():
+                        self._journals.append(self._pool.submit(self.progress.maybe_write, trailing=True))
+                    continue
                 if chunk is None:
                     break
                 if chunk is _WAKE:  # an upload finished: journal it and free its buffer
@@ -179,6 +186,8 @@ class Flusher(threading.Thread):
                 self._retire(block=True)
         finally:
             self._pool.shutdown(wait=True)
+            # Final counts before a commit or failure record lands (a failed rank's stay exact).
+            self.progress.maybe_write(trailing=True)
             for fut in self._journals:
                 if fut.exception() is not None and self.error is None:
                     self.error = fut.exception()
@@ -219,6 +228,7 @@ class Flusher(threading.Thread):
                 with self.durable_cond:
                     self.durable = chunk.number + 1
                     self.durable_cond.notify_all()
+                self.progress.durable(chunk.number, chunk.completed)
                 if self.error is None:
                     # Its chunk and every earlier one are durable now; the PUT itself may overlap
                     # the next uploads (a reader replays entries in order and stops at a gap).
@@ -252,6 +262,7 @@ class Flusher(threading.Thread):
             chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
         )
         self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
+        self.progress.maybe_write()
 
 
 class Staging:

@@ -35,7 +35,7 @@ from ._report import MergeReport
 from ._round import Rounds
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import load_committed_keys
+from ._spillroot import load_committed_keys, remove_all
 from ._staging import Staging
 from ._storage import Storage
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
@@ -88,6 +88,8 @@ class SpillWriter:
             instead of refusing them with :class:`~spillmerge.SpillValueError`; reading them back
             needs ``spillmerge.open(out, allow_pickle=True)``. Off by default: nothing is pickled
             unless both sides opt in.
+        expected: frames the whole job (all ranks) will write, if known; recorded in the segment
+            header so that ``spillmerge status`` can estimate the end.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class SpillWriter:
         fsync: bool = True,
         flush_threads: int | None = None,
         allow_pickle: bool = False,
+        expected: int | None = None,
     ) -> None:
         if on_duplicate not in _POLICIES:
             raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
@@ -121,6 +124,9 @@ class SpillWriter:
         self.on_duplicate: DuplicatePolicy = on_duplicate
         self.fsync = fsync
         self.allow_pickle = bool(allow_pickle)
+        if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
+            raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
+        self.expected = expected
         self._run_id_arg = run_id
         self.run_id: str | None = None
         self.segment: str | None = None
@@ -168,6 +174,7 @@ class SpillWriter:
             run_id=self.run_id,
             chunk_bytes=self.chunk_bytes,
             started=F.utcnow(),
+            expected=self.expected,
         )
         self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
         self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
@@ -572,14 +579,10 @@ class SpillWriter:
             raise WriterClosedError(
                 f"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed"
             )
-        names = self.storage.listdir("")
-        doomed = (
-            [n for n in names if FS.parse_rank_dirname(n) is not None] if everything else [FS.rank_dirname(self.rank)]
-        )
         if everything:
-            doomed.append(FS.MERGE_FAILED_NAME)
-        for name in doomed:
-            self.storage.rm_tree(name)
+            remove_all(self.storage)
+            return
+        self.storage.rm_tree(FS.rank_dirname(self.rank))
         self.storage.remove_empty_dir("")
 
     # ---------------------------------------------------------------------------------- merge

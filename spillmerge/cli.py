@@ -135,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw which frames of which file came from which rank, and the missing / duplicated ones "
         "(needs matplotlib: pip install 'spillmerge[plot]')",
     )
-    i.add_argument("--max-files", type=int, default=20, help="files listed (default 20)")
+    i.add_argument(
+        "--max-files", "--files", type=int, default=20, metavar="N",
+        help="files listed, in the text and in --json (default 20; those with problems first); totals count all",
+    )  # fmt: skip
     i.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
 
     v = sub.add_parser(
@@ -148,6 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("path", help="spill root or merged output")
     v.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+
+    st = sub.add_parser(
+        "status",
+        help="show a running job: per rank frames, rate, last write, stalled / failed / missing ranks",
+        description="Show the job writing to a spill root, from storage alone (local disk or object store): "
+        "per rank its state (writing, committed, failed, missing), frames and bytes durable so far, rate and "
+        "time since its last durable write, stalled ranks, an estimate of the end when the expected number "
+        "of frames is known, and the merge's progress when --out names its output. It reads a few small "
+        "records per rank and never writes, so it does not slow or block the writers.",
+        formatter_class=_Formatter,
+        epilog="Example:\n  spillmerge status ./spill\n  spillmerge status ./spill --watch --expected 120000\n"
+        "  spillmerge status s3://bucket/run1/spill --out s3://bucket/run1/preds.zarr --json\n\n"
+        "Exit status: 0; 1 when a rank failed or on an error.",
+    )
+    st.add_argument("root", help="spill root (path or fsspec URL)")
+    st.add_argument("--out", help="the merge's output: show its parts and progress too")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    st.add_argument("--watch", action="store_true", help="redraw until every rank has committed or failed")
+    st.add_argument("--interval", type=float, default=3.0, help="seconds between redraws with --watch (default 3)")
+    st.add_argument("--expected", type=int, metavar="N", help="frames the whole job writes (default: what the writers recorded)")
+    st.add_argument(
+        "--stall-after", type=float, default=120.0, metavar="SECONDS",
+        help="flag a writing rank with no durable write for this long as stalled (default 120)",
+    )  # fmt: skip
+    st.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
 
     e = sub.add_parser(
         "export",
@@ -225,7 +253,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if s["kind"] == "spill" or s.get("complete"):  # an interrupted merge has no index to cover
         cov = coverage(args.path, so, expected=expected)
         cov.manifest = args.expected
-        s["coverage"] = cov.to_json()
+        if args.json:  # the text report builds only what it prints
+            s["coverage"] = cov.to_json(max_files=args.max_files)
     elif expected is not None:
         raise ConfigError(f"{args.path} is an interrupted merge; --expected needs a complete output", key="expected")
     if args.plot and cov is not None:
@@ -250,6 +279,27 @@ def _verify(args: argparse.Namespace) -> int:
     status = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
     print(f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {rep.checked_bytes} payload bytes verified")
     return 0 if rep.ok else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    import time
+
+    from ._status import format_status, status
+
+    opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
+            "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
+    tty = sys.stdout.isatty()
+    while True:
+        js = status(args.root, **opts)
+        if args.json:
+            print(json.dumps(js.to_dict(), sort_keys=True), flush=True)
+        else:
+            if args.watch and tty:
+                print("\x1b[H\x1b[2J", end="")  # redraw in place on a terminal
+            print(format_status(js), flush=True)
+        if not args.watch or js.done:
+            return 1 if any(r.state == "failed" for r in js.ranks) else 0
+        time.sleep(args.interval)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -298,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"merge": _merge, "inspect": _inspect, "verify": _verify, "export": _export, "demo": _demo}[args.command]
+    handlers = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export}
+    handler = {**handlers, "demo": _demo}[args.command]
     try:
         return handler(args)
     except SpillMergeError as exc:

@@ -39,7 +39,7 @@ def _spill(root: Path, world_size: int = 2, ranks=None) -> None:
 
 
 def test_every_command_has_help_with_an_example():
-    for cmd in ([], ["merge"], ["inspect"], ["verify"], ["export"], ["demo"]):
+    for cmd in ([], ["merge"], ["inspect"], ["verify"], ["status"], ["export"], ["demo"]):
         p = run(*cmd, "--help")
         assert p.returncode == 0 and "Example:" in p.stdout, cmd
         if cmd == ["inspect"]:  # the coverage flags: an example, and the manifest's format
@@ -183,11 +183,11 @@ def test_merge_options_are_declared_once():
     assert sorted(cli) == sorted([
         "root", "out", "timeout", "allow_partial", "expected", "on_duplicate", "overwrite", "codec", "part",
         "finalize", "world_size", "chunk_bytes", "memory_budget", "threads", "storage_options",
-        "out_storage_options", "progress",
+        "out_storage_options", "progress", "remove_spill",
     ])  # fmt: skip
     assert sorted(_MERGE_KEYS) == sorted([
         "root", "out", "timeout", "allow_partial", "on_duplicate", "overwrite", "chunk_bytes", "memory_budget",
-        "threads", "world_size", "storage_options", "out_storage_options", "codec", "expected",
+        "threads", "world_size", "storage_options", "out_storage_options", "codec", "expected", "remove_spill",
     ])  # fmt: skip
 
 

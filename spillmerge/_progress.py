@@ -1,0 +1,140 @@
+"""The segment's progress record (``progress.json``): what the flush thread has made durable so
+far, rewritten at most every few seconds so that ``spillmerge status`` reads one small object per
+rank instead of listing and replaying the journal (docs/FORMAT.md, *progress.json*)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from . import _format as F
+from ._storage import Storage
+
+PROGRESS_NAME = "progress.json"
+PROGRESS_INTERVAL = 2.0
+"""Seconds between two rewrites of a segment's progress record (the flush thread waits at most
+this long to write the last one after a pause)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressRecord:
+    """Contents of ``progress.json``: totals of what the segment's journal lists so far."""
+
+    rank: int
+    """Rank that writes the segment."""
+    segment: str
+    """Segment folder name."""
+    frames: int
+    """Frames durable (listed by a journal entry) so far."""
+    rows: int
+    """Index rows (leaves) durable so far."""
+    nbytes: int
+    """Payload bytes of those rows."""
+    chunks: int
+    """Data chunks durable (``c/0 .. c/chunks-1``)."""
+    updated: float
+    """Unix time (writer's clock) the last of those chunks became durable."""
+
+    def to_json(self) -> bytes:
+        return F.dumps({"format_version": 1, "kind": "spill-progress", **asdict(self)})
+
+    @classmethod
+    def from_json(cls, data: bytes, *, path: str) -> ProgressRecord | None:
+        """The record, or None when it is not one (a progress record is advisory: status shows
+        the rank without counts rather than failing)."""
+        try:
+            obj = F.loads(data, path=path)
+            if not isinstance(obj, dict) or obj.get("kind") != "spill-progress":
+                return None
+            ints = {k: obj[k] for k in ("rank", "frames", "rows", "nbytes", "chunks")}
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints.values()):
+                return None
+            updated = obj["updated"]
+            if not isinstance(updated, int | float) or isinstance(updated, bool):
+                return None
+            return cls(segment=str(obj.get("segment")), updated=float(updated), **ints)
+        except (KeyError, F.CorruptSpillError):
+            return None
+
+
+class ProgressWriter:
+    """Counts what becomes durable (called by the flush thread, in chunk order) and rewrites the
+    progress record at most every ``interval`` seconds. Never raises: a progress record that
+    cannot be written must not fail or slow the spill (status then shows older counts)."""
+
+    def __init__(self, storage: Storage, prefix: str, *, rank: int, interval: float = PROGRESS_INTERVAL) -> None:
+        self.storage, self.rel, self.rank = storage, f"{prefix}/{PROGRESS_NAME}", rank
+        self.segment = prefix.rsplit("/", 1)[-1]
+        self.interval = interval
+        self._lock = threading.Lock()  # counters (flush thread) vs. snapshots (upload threads)
+        self._put_lock = threading.Lock()  # one PUT at a time, newest wins
+        self._frames = self._rows = self._bytes = self._chunks = 0
+        self._updated = 0.0
+        self._seq = self._written_seq = 0
+        self._last_put = 0.0
+
+    def durable(self, number: int, completed: list[tuple[int, int, int, int, int, int]]) -> None:
+        """Chunk ``number`` and every earlier one are durable; ``completed`` are the rows its
+        journal entry lists (whole frames, consecutive rows per frame)."""
+        frames, prev, nbytes = 0, None, 0
+        for _row, f, fr, _lay, _off, nb in completed:
+            if (f, fr) != prev:
+                frames, prev = frames + 1, (f, fr)
+            nbytes += nb
+        with self._lock:
+            self._frames += frames
+            self._rows += len(completed)
+            self._bytes += nbytes
+            self._chunks = number + 1
+            self._updated = time.time()
+            self._seq += 1
+
+    def behind(self) -> bool:
+        """Something durable is not in the record yet."""
+        with self._lock:
+            return self._seq != self._written_seq
+
+    def maybe_write(self, *, trailing: bool = False) -> None:
+        """Rewrite the record if something new is durable and ``interval`` has passed since the
+        last rewrite (``trailing``: the flush thread is idle, write what is left now)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._seq == self._written_seq or (not trailing and now - self._last_put < self.interval):
+                return
+            seq, rec = self._seq, self._snapshot()
+            self._last_put = now
+        with self._put_lock:
+            if seq <= self._written_seq:  # a newer snapshot got there first
+                return
+            try:
+                # Whole or nothing for a reader (temporary name + rename on local disks, one PUT
+                # elsewhere); no fsync: the record is advisory, the journal is the durable truth.
+                with self.storage.open_write(self.rel) as sink:
+                    sink.write(rec.to_json())
+                self._written_seq = seq
+            except Exception:  # noqa: BLE001 - advisory record; the spill goes on without it
+                pass
+
+    def _snapshot(self) -> ProgressRecord:
+        return ProgressRecord(
+            self.rank, self.segment, self._frames, self._rows, self._bytes, self._chunks, self._updated
+        )
+
+
+def read(storage: Storage, seg_rel: str) -> ProgressRecord | None:
+    raw = storage.get_or_none(f"{seg_rel}/{PROGRESS_NAME}", max_bytes=F.RECORD_MAX_BYTES)
+    return None if raw is None else ProgressRecord.from_json(raw, path=storage.describe(f"{seg_rel}/{PROGRESS_NAME}"))
+
+
+def iso_to_unix(text: Any) -> float | None:
+    """Seconds since the epoch of a record's UTC ISO-8601 time (None when unreadable)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
