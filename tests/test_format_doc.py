@@ -25,6 +25,7 @@ from spillmerge import _codecs, _lease
 from spillmerge import _format as F
 from spillmerge import _format_output as FO
 from spillmerge import _format_spill as FS
+from spillmerge._progress import PROGRESS_NAME
 from spillmerge._storage import Storage
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
@@ -192,6 +193,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     v1_array = next(p for p in (V1_OUTPUT / "files").iterdir() if p.is_dir())
     return {
         "spill-segment": _attrs(seg / "zarr.json"),
+        "spill-progress": json.loads((seg / PROGRESS_NAME).read_bytes()),
         "spill-commit": json.loads((seg / FS.COMMIT_NAME).read_bytes()),
         "spill-failure": json.loads((failed_seg / FS.FAILURE_NAME).read_bytes()),
         "merge-failure": json.loads(merge_failure.to_json()),
