@@ -22,10 +22,12 @@ from ._errors import (
     CorruptSpillError,
     FormatVersionError,
     IncompleteOutputError,
-    SpillMergeError,
+    SpillStorageError,
     UnknownColumnError,
     UnknownFileError,
 )
+from ._leafdict import LeafDict
+from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
 from ._views import LeafView, OpenColumn
@@ -269,7 +271,7 @@ class V2Files:
         filename = str(self._names[i])
         if len(names) == 1 and self.columns[names[0]].info.leaf == ():  # plain tensor values
             return self.columns[names[0]].view(a, b, filename)
-        out: dict[str, Any] = {}
+        out = LeafDict(filename)
         for name in names:
             col = self.columns[name]
             set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
@@ -341,10 +343,15 @@ class MergedStore(Mapping[str, Any]):
         import zarr
 
         self.storage = Storage(out, storage_options)
-        marker = self.storage.get_or_none(F.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        try:
+            marker = self.storage.get_or_none(F.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        except SpillStorageError:
+            if what_is(self.storage) == "file":  # reading below a file fails with "Not a directory"
+                raise not_an_output(self.storage, "file") from None
+            raise
         if marker is None:
             if not self.storage.exists("zarr.json"):
-                raise SpillMergeError(f"{self.storage.describe()} is not a spillmerge output (no zarr.json)")
+                raise not_an_output(self.storage)
             raise IncompleteOutputError(
                 f"{self.storage.describe()} is incomplete (no {F.COMPLETE_NAME}): the merge that wrote it "
                 "did not finish; run the merge again",

@@ -32,7 +32,7 @@ from ._report import MergeReport
 from ._round import Rounds
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import load_committed_keys
+from ._spillroot import check_not_stale, load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
@@ -145,6 +145,9 @@ class SpillWriter:
         """Start a new segment (called by ``__enter__``)."""
         if self._state is not WriterState.NEW:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
+        # Before any compute: a root left by a run of another world size cannot be merged with
+        # this one (every rank checks, so every rank fails here, not only the merging one).
+        check_not_stale(self.storage, self.rank, self.world_size)
         self.run_id = resolve_run_id(self._run_id_arg)
         self._session_number = next_session(self.run_id)
         self.segment = F.new_segment_name(self.storage.listdir(F.rank_dirname(self.rank)))
@@ -278,9 +281,15 @@ class SpillWriter:
         self._staging.add(row, file_id, frame, layout_id, leaf.data, leaf.nbytes, held, last)
 
     def _check_open(self) -> None:
+        if self._state is WriterState.NEW:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} was never opened: call `open()` first, or use "
+                "`with SpillWriter(...) as w:` (it opens, commits on success and records a failure)"
+            )
         if self._state is not WriterState.OPEN:
             raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} is {self._state}; write inside `with SpillWriter(...)`"
+                f"SpillWriter for rank {self.rank} is {self._state}: it takes no more writes; write inside "
+                "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
             )
         self._staging.check()
 
