@@ -33,7 +33,8 @@ class MergeReport:
     merge_seconds: float
     """Time spent validating, planning and writing."""
     duplicates: int
-    """Duplicate (filename, frame) copies dropped (identical content, or by the duplicate policy)."""
+    """Duplicate (filename, frame) copies dropped across segments (identical content, or by the
+    duplicate policy); copies a rank wrote twice itself are in ``rewrites``."""
     missing_ranks: list[int] = field(default_factory=list)
     """Ranks without a commit record (only with ``allow_partial=True``)."""
     abandoned_segments: list[str] = field(default_factory=list)
@@ -66,6 +67,16 @@ class MergeReport:
     """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
     transfer_senders: dict[int, list[int]] = field(default_factory=dict)
     """Sending rank → the ranks whose shards it moved (one sender per group sharing a disk)."""
+    rewrites: int = 0
+    """Duplicate copies each rank dropped itself (a key written twice by one writer; the sum of
+    its ``stats()["rewrites"]``, from the commit records of the merged segments)."""
+
+    @property
+    def dropped_duplicates(self) -> int:
+        """Every duplicate (filename, frame) copy dropped: across segments (``duplicates``) and
+        within a rank (``rewrites``). With a ``DistributedSampler`` that pads the last batch, this
+        is the padding."""
+        return self.duplicates + self.rewrites
 
     @property
     def filenames(self) -> int:  # the contract's name for the count
@@ -90,8 +101,8 @@ class MergeReport:
             moved = sum(self.transferred.values()) / (1 << 30)
             s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
         s += "".join(f"; {n}" for n in self.notes if n.startswith("part "))
-        if self.duplicates:
-            s += f"; {self.duplicates} duplicate frame copies dropped"
+        if self.dropped_duplicates:
+            s += f"; {self.dropped_duplicates} duplicate frame copies dropped"
         if self.missing_ranks:
             s += f"; PARTIAL: ranks {self.missing_ranks} missing"
             if self.salvaged_frames:

@@ -158,6 +158,7 @@ class SpillWriter:
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
+        self._rewrites = 0  # writes of a key already written, whatever the policy kept
         self._rows = np.zeros((1024, F.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
         self._committed_keys: dict[str, set[int]] | None = None
@@ -209,6 +210,7 @@ class SpillWriter:
         key = (file_id, frame)
         prev = self._keys.get(key)
         if prev is not None:
+            self._rewrites += 1
             if self.on_duplicate == "first":
                 return
             if self.on_duplicate == "error":
@@ -358,6 +360,7 @@ class SpillWriter:
             n_files=len(self._filenames),
             nbytes=nbytes,
             n_chunks=n_chunks,
+            rewrites=self._rewrites,
             chunk_bytes=chunk,
             index_crc32c=google_crc32c.value(index_bytes),
             catalog_crc32c=google_crc32c.value(catalog),
@@ -515,7 +518,9 @@ class SpillWriter:
     def stats(self) -> dict[str, int]:
         """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated, and
         ``identical_rewrites``: writes of a key already written with the same bytes (kept once,
-        under ``on_duplicate="error"``)."""
+        under ``on_duplicate="error"``); ``rewrites``: every write of a key already written (kept
+        once by the policy), recorded in the commit record and summed by the merge into
+        ``MergeReport.rewrites`` / ``dropped_duplicates``."""
         return {
             "frames": len(getattr(self, "_keys", {})),
             "rows": getattr(self, "_n_rows", 0),
@@ -523,4 +528,5 @@ class SpillWriter:
             "chunks": self._staging.n_chunks,
             "staging_buffers": self._staging.allocated,
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
+            "rewrites": getattr(self, "_rewrites", 0),
         }
