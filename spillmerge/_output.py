@@ -109,8 +109,7 @@ def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError
     why = {
         "missing": f"{where} does not exist",
         "file": f"{where} is a file, not a spillmerge output (a folder)",
-        "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` "
-        "and open OUT",
+        "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` and open OUT",
         "other": f"{where} is not a spillmerge output (no zarr.json) nor a spill root (no rank-NNNNN folders)",
     }[kind]
     return NotAnOutputError(why, path=where, kind=kind)

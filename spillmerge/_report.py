@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +79,21 @@ class MergeReport:
         within a rank (``rewrites``). With a ``DistributedSampler`` that pads the last batch, this
         is the padding."""
         return self.duplicates + self.rewrites
+
+    def to_json(self) -> bytes:
+        """The report as JSON (dict keys that are ranks become strings; ``from_json`` restores them)."""
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> MergeReport:
+        """The report ``to_json`` wrote (unknown keys are ignored: a newer spillmerge may add some)."""
+        obj: dict[str, Any] = json.loads(data)
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in obj.items() if k in known}
+        for name in ("salvaged_frames", "transferred", "transfer_senders"):  # JSON keys are strings
+            if isinstance(kw.get(name), dict):
+                kw[name] = {int(k): v for k, v in kw[name].items()}
+        return cls(**kw)
 
     @property
     def filenames(self) -> int:  # the contract's name for the count

@@ -137,7 +137,6 @@ def test_every_help_describes_format_2():
                 assert term in text, (cmd, term)
 
 
-
 @pytest.mark.parametrize(("what", "needle"), [("spill", "is a spill root"), ("file", "is a file")])
 def test_cli_merge_out_says_what_is_there(outputs, tmp_path, what, needle):
     out = outputs["file"]
