@@ -12,8 +12,8 @@ $(BASE): pyproject.toml
 	# The CPU build of torch first: on PyPI under Linux, torch is a multi-GB CUDA build. PyTorch's CPU
 	# index is asked first; --retries 0 so a machine that cannot reach it falls back at once to PyPI.
 	$(PY) -m pip install -q --retries 0 --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-	# What the demo needs and nothing more: spillmerge and its own dependencies.
-	$(PY) -m pip install -q -e .
+	# What the demo needs and nothing more: spillmerge, its own dependencies and its torch extra.
+	$(PY) -m pip install -q -e '.[torch]'
 	touch $(BASE)
 
 # The tests' tools (pytest, moto, lightning, ruff, mypy ...) come with `make test` only.

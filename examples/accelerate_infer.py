@@ -25,8 +25,7 @@ process merges them into one Zarr store; nothing goes through torch.distributed:
     with spillmerge.SpillWriter(root) as w:   # rank / world size from the process group accelerate set up
         with state.split_between_processes(keys) as mine:
             for batch in batches(mine):
-                for name, frame, p in zip(names, frames, model(x)):
-                    w.write(name, frame, p)
+                w.write_batch(names, model(x), frame_idx=frames)   # row j of each output is item j
     report = w.merge(out)                     # main process: a MergeReport; the others: None
 
 ``SpillWriter`` takes ``rank = state.process_index`` and ``world_size = state.num_processes``
@@ -71,9 +70,8 @@ def main() -> None:
         for i in range(0, len(mine), args.batch_size):
             batch = mine[i : i + args.batch_size]
             x = torch.stack([frame_input(name, frame) for name, frame in batch]).to(state.device)
-            out = model(x)
-            for j, (name, frame) in enumerate(batch):
-                w.write(name, frame, {k: v[j] for k, v in out.items()})
+            # one call per batch: row j of every output belongs to (name j, frame j)
+            w.write_batch([name for name, _ in batch], model(x), frame_idx=[frame for _, frame in batch])
     print(f"process {state.process_index}/{state.num_processes}: wrote {len(mine)} frames", flush=True)
     report = w.merge(args.out, overwrite=True, progress=False)
     if report is not None:

@@ -11,7 +11,7 @@ CPU (gloo), with torchrun:
 
 or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (SLURM's srun with a
 wrapper, a plain ``for r in 0 1; do RANK=$r ... python examples/detection_infer.py ...; done``).
-On GPUs pass ``--backend nccl``: predictions may stay CUDA tensors, ``w.write`` copies each one
+On GPUs pass ``--backend nccl``: predictions may stay CUDA tensors, ``w.write_batch`` copies each one
 once to host memory, and the merge uses no NCCL collective.
 
 Each rank runs the detector on its share of the images and writes one frame (frame 0) per image:
@@ -120,9 +120,10 @@ def main() -> None:
     with spillmerge.SpillWriter(args.root) as w:  # rank / world size come from torch.distributed
         with torch.no_grad():
             for batch_names, x in DataLoader(mine, batch_size=args.batch_size):
-                for name, det in zip(batch_names, model(x.to(device)), strict=True):
-                    # k differs per image (0 included): stored ragged, no padding, no pickle
-                    w.write(name, 0, {**det, "top_class": top_class(det)})
+                dets = [{**det, "top_class": top_class(det)} for det in model(x.to(device))]
+                # one per-image dict per image, k boxes each (0 included): stored ragged, no padding,
+                # no pickle; an image needs no frame index (frame 0)
+                w.write_batch(list(batch_names), dets)
         print(f"rank {rank}: wrote {len(mine)} images", flush=True)
     report = w.merge(args.out, overwrite=True, progress=False)  # merges on rank 0; None elsewhere
     if report is not None:

@@ -85,9 +85,10 @@ def main() -> None:
 
     with spillmerge.SpillWriter(args.root) as w:
         for prompt_id, text in todo:
-            for sample in range(args.samples):
-                ids = lm.generate(text, sample)
-                w.write(prompt_id, sample, {"prompt": text, "token_ids": ids, "text": lm.decode(ids)})
+            ids = [lm.generate(text, sample) for sample in range(args.samples)]
+            # one batch per prompt: sample s is frame s; token lists are ragged, strings one per item
+            batch = {"prompt": [text] * len(ids), "token_ids": ids, "text": [lm.decode(t) for t in ids]}
+            w.write_batch([prompt_id] * len(ids), batch, frame_idx=range(len(ids)))
         print(f"rank {rank}: wrote {len(todo) * args.samples} generations", flush=True)
     report = w.merge(args.out, overwrite=True, progress=False)  # merges on rank 0; None elsewhere
     if report is not None:

@@ -5,7 +5,12 @@ merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` re
 
 A leaf of an output reads as a :class:`LeafView` (format version 2, what ``merge`` writes);
 :class:`LeafArray` is the same for outputs of format version 1, kept for code written against 0.1.
+
+Reading needs no torch: ``SpillWriter``, ``gather`` and ``all_gather`` (which write) are imported
+on first use (PEP 562), so ``import spillmerge`` does not import torch.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ._codecs import CODECS
 from ._errors import (
@@ -44,14 +49,42 @@ from ._errors import (
     WriterClosedError,
 )
 from ._format import FORMAT_VERSION
-from ._gather import all_gather, gather
 from ._inspect import VerifyReport, verify
 from ._merge import merge
 from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
 from ._report import MergeReport
 from ._spillroot import committed_keys
 from ._views import LeafView
-from ._writer import SpillWriter
+
+if TYPE_CHECKING:
+    from ._gather import all_gather, gather
+    from ._writer import SpillWriter
+
+# Public names whose modules import torch: (module, name). Loaded on first access.
+_NEEDS_TORCH = {"SpillWriter": ("_writer", "SpillWriter"), "gather": ("_gather", "gather"), "all_gather": ("_gather", "all_gather")}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name not in _NEEDS_TORCH:
+        if name.startswith("_") and not name.startswith("__"):  # spillmerge._gather as before: imported on use
+            try:
+                return importlib.import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError:
+                pass
+        raise AttributeError(f"module 'spillmerge' has no attribute {name!r}")
+    from ._errors import require_torch
+
+    require_torch(f"spillmerge.{name}")  # a MissingDependencyError with the install hint, not a bare ImportError
+    module, attr = _NEEDS_TORCH[name]
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NEEDS_TORCH))
 
 __version__ = "0.1.0"
 

@@ -286,6 +286,12 @@ class UnknownLeafError(SpillMergeError, KeyError):
         return str(self.args[0])
 
 
+def require_torch(feature: str):  # type: ignore[no-untyped-def]
+    """torch, imported where it is needed: reading an output never needs it, writing does
+    (``pip install 'spillmerge[torch]'``, or any torch >= 2.2)."""
+    return require("torch", package="torch", extra="torch", feature=feature)
+
+
 class UnknownColumnError(SpillMergeError, KeyError):
     """A merged store has no leaf column ``column``; ``known`` lists the ones it has."""
 

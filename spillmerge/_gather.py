@@ -1,7 +1,7 @@
 """One-call replacements of ``torch.distributed.gather_object`` / ``all_gather_object``.
 
 Protocol (every rank calls the same function, like the torch collectives):
-  (every rank)  SpillWriter(root) → update(preds) → commit → SpillWriter.merge(out, dst, wait=True)
+  (every rank)  SpillWriter(root) → write_batch(preds, a batch of frames at a time) → commit → SpillWriter.merge(out, dst, wait=True)
   (dst)         merges; (every rank) returns once the output is complete (or raises naming dst)
   (every rank)  removes its own spill segment (dst: the whole spill root), unless keep_spill
   gather: dst returns the opened :class:`MergedStore`, the others None; all_gather: every rank.
@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ._batch import mapping_items
 from ._reader import MergedStore
 from ._reader import open as open_store
 from ._writer import SpillWriter
@@ -116,7 +117,7 @@ def _gather(
     spill = os.fspath(root) if root is not None else default_root(out)
     opts = {"allow_pickle": allow_pickle, **(writer_options or {})}
     with SpillWriter(spill, rank, world_size, storage_options, **opts) as w:
-        w.update(preds)
+        _write_all(w, preds)
     w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
     if not keep_spill:
         w.remove_spill(everything=w.rank == dst)
@@ -124,3 +125,24 @@ def _gather(
         out_options = merge_options.get("out_storage_options", storage_options)
         return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
     return None
+
+
+GATHER_BATCH = 1024
+"""Frames handed to ``write_batch`` at a time: its per-frame cost without holding every
+prediction's flattened leaves at once."""
+
+
+def _write_all(w: SpillWriter, preds: Mapping[str, Any]) -> None:
+    """Write ``preds`` (what ``update`` takes) a batch of frames at a time."""
+    names: list[Any] = []
+    frames: list[Any] = []
+    values: list[Any] = []
+    for name, frame, value in mapping_items(preds):
+        names.append(name)
+        frames.append(frame)
+        values.append(value)
+        if len(names) == GATHER_BATCH:
+            w.write_batch(names, values, frames)
+            names, frames, values = [], [], []
+    if names:
+        w.write_batch(names, values, frames)

@@ -14,7 +14,7 @@ class LeafDict(dict[str, Any]):
 
     def __init__(self, filename: str, prefix: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.filename = filename
+        self.filename = str(filename)  # never a numpy str: its repr would show in messages
         self.prefix = prefix
 
     def child(self, key: str) -> LeafDict:

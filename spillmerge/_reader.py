@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,8 +17,10 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from . import _export
 from . import _format as F
 from . import _invariants as V
+from ._cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from ._errors import (
     CorruptSpillError,
     FormatVersionError,
@@ -184,6 +187,7 @@ class V2Files:
         describe: Callable[[str], str],
         raise_: Callable[[list[V.Problem]], None],
         allow_pickle: bool,
+        cache: ChunkCache,
     ) -> None:
         self.group = group
         raw_names = V.read_index(group, "filenames", describe)
@@ -207,7 +211,7 @@ class V2Files:
         self.n_rows = len(frame_idx)
         self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = OpenColumn(info, self.n_rows, allow_pickle)
+            col = OpenColumn(info, self.n_rows, allow_pickle, cache)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
@@ -218,7 +222,18 @@ class V2Files:
         in_layout = V.layout_rows(self._offsets, self._file_layout, self._layouts)
         for name, col in self.columns.items():
             raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, in_layout(name)))
-        self._by_leaf: dict[tuple[str, ...], list[Any]] = {}
+        # Per file layout, its columns and how a file's value is built from them (a file read is
+        # a few microseconds): None for plain tensor values (one view); (key, view class, column)
+        # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
+        self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
+        for names in self._layouts:
+            cols = [self.columns[name] for name in names]
+            plain = len(cols) == 1 and cols[0].info.leaf == ()
+            top = all(len(c.info.leaf) == 1 for c in cols)
+            flat = [(c.info.leaf[0], c.view_cls, c) for c in cols] if top else []
+            self._layout_cols.append((cols, None if plain else flat))
+        self._next = 0
+        self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self._by_leaf.setdefault(c.info.leaf, []).append(c)
 
@@ -239,13 +254,23 @@ class V2Files:
     def _find(self, filename: object) -> int | None:
         if not isinstance(filename, str):
             return None
-        i = int(np.searchsorted(self._names, filename))
-        return i if i < len(self._names) and self._names[i] == filename else None
+        names = self._names
+        # Files are most often read in order: try the one after the last found before searching.
+        # (A plain hint, not a lock: a racing thread at worst costs another thread the search.)
+        i = self._next
+        if i < len(names) and names[i] == filename:
+            self._next = i + 1
+            return i
+        i = int(np.searchsorted(names, filename))
+        if i < len(names) and names[i] == filename:
+            self._next = i + 1
+            return i
+        return None
 
     def __contains__(self, filename: object) -> bool:
         return self._find(filename) is not None
 
-    def index(self, filename: str, where: str) -> int:
+    def index(self, filename: str, where: Callable[[], str]) -> int:
         i = self._find(filename)
         if i is None:
             hint = ""
@@ -255,7 +280,7 @@ class V2Files:
                 near = difflib.get_close_matches(filename, near_names, n=3)
                 hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise UnknownFileError(
-                f"{filename!r} is not a filename of {where} ({len(self._names)} files){hint}", filename=filename
+                f"{filename!r} is not a filename of {where()} ({len(self._names)} files){hint}", filename=filename
             )
         return i
 
@@ -266,14 +291,17 @@ class V2Files:
         return self._prov[name][self._offsets[i] : self._offsets[i + 1]].copy()
 
     def value(self, i: int) -> Any:
-        names = self._layouts[int(self._file_layout[i])]
-        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
-        filename = str(self._names[i])
-        if len(names) == 1 and self.columns[names[0]].info.leaf == ():  # plain tensor values
-            return self.columns[names[0]].view(a, b, filename)
+        cols, flat = self._layout_cols[self._file_layout.item(i)]
+        a, b = self._offsets.item(i), self._offsets.item(i + 1)
+        filename = self._names[i]
+        if flat is None:  # plain tensor values
+            return cols[0].view_cls(cols[0], a, b, filename)
         out = LeafDict(filename)
-        for name in names:
-            col = self.columns[name]
+        if flat:
+            for key, cls, col in flat:
+                out[key] = cls(col, a, b, filename)
+            return out
+        for col in cols:
             set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
         return out
 
@@ -307,22 +335,27 @@ class V2Files:
             )
         return col.view(0, self.n_rows)
 
-    def to_arrow(self) -> Any:
-        from ._errors import require
+    def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
+        """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
+        return self._by_leaf.get(leaf, [])
 
-        pa = require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
-        file_of_row = np.repeat(np.arange(len(self._names), dtype=np.int64), np.diff(self._offsets))
-        cols: dict[str, Any] = {
-            "filename": pa.array(self._names, type=pa.string()).take(pa.array(file_of_row)),
-            "frame_idx": pa.array(self._frame_idx, type=pa.int64()),
-            "rank": pa.array(self._prov["frame_rank"].astype(np.int32), type=pa.int32()),
-        }
-        for col in sorted(self.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
-            name = col.info.path or "value"
-            if len(self._by_leaf[col.info.leaf]) > 1:  # one column per dtype: "logits:float16"
-                name = f"{name}:{col.info.dtype}"
-            cols[name] = col.view(0, self.n_rows).to_arrow()
-        return pa.table(cols)
+    @property
+    def names(self) -> np.ndarray:
+        """The filenames as an object array (sorted)."""
+        return self._names
+
+    @property
+    def frame_offsets(self) -> np.ndarray:
+        """int64 ``(n_files + 1,)``: file ``i``'s rows are ``frame_offsets[i] .. frame_offsets[i + 1] - 1``."""
+        return self._offsets
+
+    @property
+    def frame_idx(self) -> np.ndarray:
+        return self._frame_idx
+
+    @property
+    def frame_rank(self) -> np.ndarray:
+        return self._prov["frame_rank"]
 
 
 class MergedStore(Mapping[str, Any]):
@@ -339,9 +372,16 @@ class MergedStore(Mapping[str, Any]):
     Chunks are never read to check; an absent chunk raises when it is read (:class:`NoFillStore`).
     """
 
-    def __init__(self, out: str, storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        out: str,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
         import zarr
 
+        self.cache = ChunkCache(cache_bytes)
         self.storage = Storage(out, storage_options)
         try:
             marker = self.storage.get_or_none(F.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
@@ -383,7 +423,7 @@ class MergedStore(Mapping[str, Any]):
         if version == 1:
             self._files = V1Files(self.group, header, self.storage.describe, self._raise)
         else:
-            self._files = V2Files(self.group, header, self.storage.describe, self._raise, allow_pickle)
+            self._files = V2Files(self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache)
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -413,7 +453,7 @@ class MergedStore(Mapping[str, Any]):
         return filename in self._files
 
     def _index(self, filename: str) -> int:
-        return self._files.index(filename, self.storage.describe())
+        return self._files.index(filename, self.storage.describe)
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""
@@ -430,7 +470,7 @@ class MergedStore(Mapping[str, Any]):
         return self._files.provenance(self._index(filename), "frame_copies")
 
     def __getitem__(self, filename: str) -> Any:
-        return self._files.value(self._index(filename))
+        return self._files.value(self._files.index(filename, self.storage.describe))
 
     def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
@@ -459,10 +499,37 @@ class MergedStore(Mapping[str, Any]):
         """The leaf paths of the columns (``""`` for plain tensor values), sorted (version 2)."""
         return sorted({c.info.path for c in self._v2("columns").columns.values()})
 
-    def to_arrow(self) -> Any:
-        """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``): columns
-        ``filename`` (string), ``frame_idx`` (int64), ``rank`` (int32), then one per leaf, named
-        by its path (``"a/b"``; ``"value"`` for plain tensor values), null where a row lacks it:
+    def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
+        """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
+        columns of :meth:`to_arrow`, ``columns`` selecting leaf columns by those names (``filename``,
+        ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
+        MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
+        the output's size; every chunk is decoded once."""
+        files = self._v2("iter_batches()")
+        return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
+
+    def to_parquet(
+        self,
+        path: str | os.PathLike[str],
+        columns: Sequence[str] | str | None = None,
+        batch_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        **parquet_options: Any,
+    ) -> int:
+        """Write the rows of :meth:`iter_batches` to the Parquet file ``path`` (a path or fsspec
+        URL, ``storage_options`` for it), one row group per batch, so memory stays one batch;
+        polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
+        read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
+        ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
+        files = self._v2("to_parquet()")
+        cols = _export.select(files, columns, self.storage.describe())
+        return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
+
+    def to_arrow(self, columns: Sequence[str] | str | None = None) -> Any:
+        """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``), all in
+        memory (:meth:`iter_batches` streams it): columns ``filename`` (string), ``frame_idx``
+        (int64), ``rank`` (int32), then one per leaf, named by its path (``"a/b"``; ``"value"``
+        for plain tensor values), null where a row lacks it; ``columns`` selects leaf columns:
 
         - fixed numeric leaves: the numeric type for 0-d values, else (nested) ``fixed_size_list``;
           dtypes numpy lacks (bfloat16, float8, complex32 ...) as their raw-bit unsigned type
@@ -472,13 +539,26 @@ class MergedStore(Mapping[str, Any]):
         - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
           unpickled); list of ``str``: ``large_list<large_string>``.
         """
-        return self._v2("to_arrow()").to_arrow()
+        files = self._v2("to_arrow()")
+        return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
+
+    def cache_stats(self) -> CacheStats:
+        """What the decoded-chunk cache holds now and its hits and misses (``open(cache_bytes=)``)."""
+        return self.cache.stats()
 
     def __repr__(self) -> str:
         return f"MergedStore({self.storage.describe()!r}, files={len(self)}, frames={self.header.get('n_frames')})"
 
 
-def open(out: str, storage_options: dict[str, Any] | None = None, allow_pickle: bool = False) -> MergedStore:  # noqa: A001
+def open(  # noqa: A001
+    out: str,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+) -> MergedStore:
     """Open a merged output (format version 1 or 2) for reading. ``allow_pickle=True`` lets
-    leaves stored pickled be unpickled (only for outputs you trust: unpickling runs code)."""
-    return MergedStore(out, storage_options, allow_pickle)
+    leaves stored pickled be unpickled (only for outputs you trust: unpickling runs code).
+    ``cache_bytes`` bounds the decoded chunks kept for reading rows (default 64 MiB, shared by
+    every view and ``column()`` of this store and by its threads; 0 keeps none): reading rows
+    in order decodes each chunk once."""
+    return MergedStore(out, storage_options, allow_pickle, cache_bytes)

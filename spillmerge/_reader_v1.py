@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import _format as F
-from ._errors import CorruptSpillError, SpillMergeError, UnknownFileError
+from ._errors import CorruptSpillError, SpillMergeError, UnknownFileError, require_torch
 from ._invariants import (
     PROVENANCE,
     Problem,
@@ -23,6 +22,9 @@ from ._invariants import (
     read_index,
 )
 from ._leafdict import LeafDict
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LeafArray:
@@ -52,7 +54,7 @@ class LeafArray:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
+        return getattr(require_torch("LeafArray.to_torch()"), self.dtype_name)  # type: ignore[no-any-return]
 
     @property
     def ndim(self) -> int:
@@ -89,6 +91,7 @@ class LeafArray:
         """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
         zarr decoded into (``torch.from_numpy`` plus a dtype view): no copy beyond reading it."""
         arr = np.ascontiguousarray(self[sel])
+        torch = require_torch("LeafArray.to_torch()")
         t = torch.from_numpy(arr)
         return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
 
@@ -137,14 +140,14 @@ class V1Files:
     def __contains__(self, filename: object) -> bool:
         return filename in self._pos
 
-    def index(self, filename: str, where: str) -> int:
+    def index(self, filename: str, where: Callable[[], str]) -> int:
         try:
             i = self._pos[filename]
         except (KeyError, TypeError):
             near = difflib.get_close_matches(filename, self._filenames, n=3) if isinstance(filename, str) else []
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise UnknownFileError(
-                f"{filename!r} is not a filename of {where} ({len(self._filenames)} files){hint}", filename=filename
+                f"{filename!r} is not a filename of {where()} ({len(self._filenames)} files){hint}", filename=filename
             ) from None
         if i not in self._checked:
             # The file's arrays must hold exactly its rows before any of its rows is handed out.

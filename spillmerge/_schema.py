@@ -56,12 +56,16 @@ class FileSchemas:
         self._sigs: list[tuple[tuple[str, ...], _Sig]] = []
         self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
 
-    def check(self, filename: str, frame: int, file_id: int, layouts: list[F.Layout]) -> tuple[int, tuple[int, ...]]:
+    def check(
+        self, filename: str, frame: int, file_id: int, layouts: list[F.Layout], schema: int | None = None
+    ) -> tuple[int, tuple[int, ...]]:
         """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
         frame's layout ids (-1 where a layout is not in the catalog yet); raises
         ``LayoutMismatchError`` and changes nothing the catalog shows when the frame breaks the
-        rule."""
-        schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
+        rule. ``schema``: the file's schema before this frame when it is not the accepted one (a
+        batch checks its items before accepting any)."""
+        if schema is None:
+            schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
         known = self._known  # one lookup per leaf: write() runs once per frame
         infos = [known.get(lay) or self._new_layout(lay) for lay in layouts]  # new: a new leaf or ragged shape
         sigs = tuple([info[1] for info in infos])
@@ -83,6 +87,24 @@ class FileSchemas:
         if -1 in layout_ids:  # the frame is accepted: its new layouts join the catalog
             layout_ids = tuple([self._layout_id(lay) for lay in layouts])
         return layout_ids
+
+    def accept_files(
+        self, schemas: dict[int, int], layouts: list[F.Layout], layout_ids: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """:meth:`accept` for a batch of frames of the same ``layouts``: file ``fid`` now has
+        ``schemas[fid]`` (new files: the next ids, in order). Returns the frames' catalog ids."""
+        for fid in sorted(schemas):
+            if fid == len(self._file_schema):
+                self._file_schema.append(schemas[fid])
+            else:
+                self._file_schema[fid] = schemas[fid]
+        if -1 in layout_ids:
+            layout_ids = tuple([self._layout_id(lay) for lay in layouts])
+        return layout_ids
+
+    def schema_of(self, file_id: int) -> int:
+        """The accepted schema of file ``file_id`` (0, the empty schema, for a new file)."""
+        return self._file_schema[file_id] if file_id < len(self._file_schema) else 0
 
     def _layout_id(self, lay: F.Layout) -> int:
         """The catalog id of a layout, added to the catalog on first use (only for frames that

@@ -319,6 +319,53 @@ class Staging:
                     completed.extend(held)
                 completed.append(entry)
 
+    def add_frames(
+        self, row: int, file_ids: list[int], frames: list[int], layout_ids: tuple[int, ...], columns: list[np.ndarray]
+    ) -> None:
+        """Stage whole frames of the same layouts at once: frame ``i`` has index rows ``row +
+        i * L + j`` for its ``L`` leaves, leaf ``j``'s bytes being ``columns[j][i]`` (host uint8
+        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0). The bytes, index rows,
+        checksum pieces and journal entries are those ``add`` makes frame by frame: the frames
+        that fit whole in the current chunk are copied as one block, a frame straddling two
+        chunks goes through ``add``."""
+        widths = [int(c.shape[1]) for c in columns]
+        starts = np.cumsum([0, *widths[:-1]]).tolist()
+        frame_bytes = sum(widths)
+        n_leaves, n = len(columns), len(frames)
+        i = 0
+        while i < n:
+            chunk = self._current_chunk()
+            k = min(n - i, (self.chunk_bytes - chunk.fill) // frame_bytes)
+            if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
+                held: list[Any] = []
+                r = row + i * n_leaves
+                for j, col in enumerate(columns):
+                    last = j == n_leaves - 1
+                    self.add(r + j, file_ids[i], frames[i], layout_ids[j], col[i], widths[j], held, last)
+                i += 1
+                continue
+            if chunk.host_np is None:
+                chunk.host_np = chunk.host.numpy()
+            fill, base = chunk.fill, self.offset
+            block = chunk.host_np[fill : fill + k * frame_bytes].reshape(k, frame_bytes)
+            for col, lo, w in zip(columns, starts, widths, strict=True):
+                block[:, lo : lo + w] = col[i : i + k]
+            # index rows r, their byte ranges in the chunk and in the segment, frame by frame
+            rows = range(row + i * n_leaves, row + (i + k) * n_leaves)
+            rel = [f * frame_bytes + lo for f in range(k) for lo in starts]
+            lens = widths * k
+            chunk.pieces.extend(
+                zip(rows, [fill + x for x in rel], [fill + x + m for x, m in zip(rel, lens, strict=True)], strict=True)
+            )
+            fids = [f for f in file_ids[i : i + k] for _ in range(n_leaves)]
+            frs = [f for f in frames[i : i + k] for _ in range(n_leaves)]
+            chunk.completed.extend(zip(rows, fids, frs, layout_ids * k, [base + x for x in rel], lens, strict=True))
+            chunk.fill += k * frame_bytes
+            self.offset += k * frame_bytes
+            i += k
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream(device=data.device)

@@ -8,15 +8,19 @@ column (docs/FORMAT.md section 2, *Columns*), all on :class:`LeafView`.
 from __future__ import annotations
 
 import pickle
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from . import _format as F
-from ._errors import PickleNotAllowedError, RaggedShapeError
+from ._cache import ChunkCache
+from ._errors import PickleNotAllowedError, RaggedShapeError, require_torch
 from ._invariants import StoredColumn, read_array, read_rows
+
+if TYPE_CHECKING:
+    import torch
 
 
 def real_dtype(name: str) -> np.dtype[Any]:
@@ -43,12 +47,27 @@ def _dims(shape: Any) -> tuple[int, ...]:
 
 class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
-    ``shapes``), read and checked once when the output is opened, kept in memory."""
+    ``shapes``), read and checked once when the output is opened, kept in memory. Its ``values``
+    are read through the output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
 
-    def __init__(self, info: StoredColumn, n_rows: int, allow_pickle: bool) -> None:
+    def __init__(self, info: StoredColumn, n_rows: int, allow_pickle: bool, cache: ChunkCache | None = None) -> None:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
+        self.cache = cache if cache is not None else ChunkCache(0)
+        # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
+        values = info.arrays["values"]
+        self._key = values.path
+        self._k = max(int(values.chunks[0]), 1)
+        self._n = int(values.shape[0])
+        self._unit = tuple(values.shape[1:])
+        self._dtype = values.dtype
+        self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
+        """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
+        self.native = self.real == self._dtype
+        self.has_valid = "valid" in info.arrays
+        self.view_cls = _VIEWS[info.kind]
+        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
         self.offsets: np.ndarray | None = None
         """int64 ``(n_rows + 1,)`` (columns with offsets), set by the reader once checked."""
         self.shapes: np.ndarray | None = None
@@ -59,23 +78,66 @@ class OpenColumn:
     def values(self) -> Any:
         return self.info.arrays["values"]
 
+    def _chunk(self, c: int) -> np.ndarray:
+        """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
+        from the cache."""
+        # The chunk this column read last, while the cache (or a reader) still holds it: rows read
+        # in order skip the cache's lock. A weak reference, so the cache alone bounds the memory.
+        hot = self._hot
+        if hot is not None and hot[0] == c:
+            arr = hot[1]()
+            if arr is not None:
+                return arr
+        k = self._k
+        arr = self.cache.get((self._key, c), lambda: read_array(self.values, slice(c * k, min((c + 1) * k, self._n))))
+        self._hot = (c, weakref.ref(arr))
+        return arr
+
+    def row(self, r: int) -> np.ndarray:
+        """Unit ``r`` of ``values`` (a row of a fixed column without offsets), a new array of the
+        real dtype."""
+        x = self._chunk(r // self._k)[r % self._k].copy()
+        return x if self.native else x.view(self.real)
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
+        array. The chunks at either end go through the cache (reading rows in order, or batches
+        whose edges cut chunks, decodes each chunk once); the chunks between are read straight
+        into the result, so a large read does not flush the cache."""
+        k = self._k
+        c0 = lo // k
+        if lo < hi <= (c0 + 1) * k:  # within one chunk: one row, the common case
+            base = c0 * k
+            return self._chunk(c0)[lo - base : hi - base].copy()
+        if hi <= lo:
+            return np.empty((0, *self._unit), dtype=self._dtype)
+        c1 = (hi - 1) // k
+        out = np.empty((hi - lo, *self._unit), dtype=self._dtype)
+        head = self._chunk(c0)[lo - c0 * k :]
+        out[: len(head)] = head
+        if c1 > c0 + 1:
+            read_rows(self.values, (c0 + 1) * k, c1 * k, out=out[len(head) : c1 * k - lo])
+        out[c1 * k - lo :] = self._chunk(c1)[: hi - c1 * k]
+        return out
+
     def valid(self) -> np.ndarray | None:
         """bool ``(n_rows,)`` or None when every row has a value."""
-        if "valid" not in self.info.arrays:
+        if not self.has_valid:
             return None
         if self._valid is None:
             self._valid = read_array(self.info.arrays["valid"]).astype(bool, copy=False)
         return self._valid
 
     def view(self, start: int, stop: int, filename: str | None = None) -> LeafView:
-        cls = _VIEWS[self.info.kind]
-        return cls(self, start, stop, filename)
+        return self.view_cls(self, start, stop, filename)
 
 
 class LeafView:
     """Rows ``start .. stop-1`` of one leaf column. ``len(view)`` rows; ``view[i]`` is row ``i``'s
     value (``None`` where :attr:`valid` is False); ``view[a:b]`` several rows (the kind decides
     the form); :meth:`to_list` every row as a Python list; :meth:`to_arrow` a pyarrow array."""
+
+    __slots__ = ("_col", "_start", "_stop", "filename")
 
     def __init__(self, col: OpenColumn, start: int, stop: int, filename: str | None) -> None:
         self._col = col
@@ -115,8 +177,8 @@ class LeafView:
 
     def _row(self, i: Any) -> int:
         """Absolute row of index ``i`` (negative counts from the end)."""
-        n = len(self)
-        j = int(i)
+        n = self._stop - self._start
+        j = i if type(i) is int else int(i)
         if j < 0:
             j += n
         if not 0 <= j < n:
@@ -124,11 +186,19 @@ class LeafView:
         return self._start + j
 
     def _is_valid(self, r: int) -> bool:
-        v = self._col.valid()
-        return v is None or bool(v[r])
+        col = self._col
+        return not col.has_valid or bool(col.valid()[r])  # type: ignore[index]
 
     def __getitem__(self, sel: Any) -> Any:
-        if isinstance(sel, (int, np.integer)):
+        if type(sel) is int:  # one row, the hot path of reading rows one by one: inlined
+            n = self._stop - self._start
+            j = sel + n if sel < 0 else sel
+            if not 0 <= j < n:
+                raise IndexError(f"row {sel} out of range for {n} rows")
+            r = self._start + j
+            col = self._col
+            return None if col.has_valid and not col.valid()[r] else self._one(r)  # type: ignore[index]
+        if isinstance(sel, np.integer):
             r = self._row(sel)
             return self._one(r) if self._is_valid(r) else None
         if isinstance(sel, slice):
@@ -173,6 +243,8 @@ class FixedView(LeafView):
     arrays ``(rows, *shape)`` of the real dtype (ml_dtypes bfloat16, float8 ...; rows without a
     value hold zeros, see :attr:`valid`); :meth:`to_torch` a tensor of the torch dtype."""
 
+    __slots__ = ()
+
     @property
     def shape(self) -> tuple[int, ...]:
         return (len(self), *self._col.values.shape[1:])
@@ -188,7 +260,7 @@ class FixedView(LeafView):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
+        return getattr(require_torch("LeafView.to_torch()"), self.dtype_name)  # type: ignore[no-any-return]
 
     def _raw(self, sel: Any) -> np.ndarray:
         """The storage-dtype rows ``sel`` (an int, a slice, ``...``, or a tuple starting with one)."""
@@ -200,13 +272,14 @@ class FixedView(LeafView):
         if self._col.offsets is not None:
             arr = self._compact(sel)
         elif isinstance(sel, (int, np.integer)):
-            arr = read_array(self._col.values, self._row(sel))
+            r = self._row(sel)
+            arr = self._col.rows(r, r + 1)[0]
         elif isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
-                arr = read_rows(self._col.values, self._start + a, self._start + max(a, b))
+                arr = self._col.rows(self._start + a, self._start + max(a, b))
             else:  # read the file's rows, then step through them
-                arr = read_rows(self._col.values, self._start, self._stop)[sel]
+                arr = self._col.rows(self._start, self._stop)[sel]
         else:
             idx = np.asarray(sel)
             if idx.dtype == bool:
@@ -214,9 +287,9 @@ class FixedView(LeafView):
             rows = np.asarray([self._row(i) for i in idx.ravel()], dtype=np.int64).reshape(idx.shape)
             if rows.size:
                 lo = int(rows.min())
-                arr = read_array(self._col.values, slice(lo, int(rows.max()) + 1))[rows - lo]
+                arr = self._col.rows(lo, int(rows.max()) + 1)[rows - lo]
             else:
-                arr = read_array(self._col.values, slice(0, 0))
+                arr = self._col.rows(0, 0)
         return arr[(slice(None), *rest)] if rest and arr.ndim > len(self.shape) - 1 else arr[rest] if rest else arr
 
     def _compact(self, sel: Any) -> np.ndarray:
@@ -226,7 +299,7 @@ class FixedView(LeafView):
         assert o is not None
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
-        vals = read_rows(self._col.values, lo, hi)
+        vals = self._col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
         out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
         out[has] = vals[o[rows[has]] - lo]
@@ -237,6 +310,8 @@ class FixedView(LeafView):
             r = self._row(sel)
             if not self._is_valid(r):
                 return None
+            if self._col.offsets is None:  # one row, the common case: straight from its chunk
+                return self._col.row(r)
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -253,6 +328,7 @@ class FixedView(LeafView):
     def to_torch(self, sel: Any = ...) -> torch.Tensor:
         """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
         zarr decoded into: no copy beyond reading it."""
+        torch = require_torch("LeafView.to_torch()")
         t = torch.from_numpy(np.ascontiguousarray(self._raw(sel)))
         return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
 
@@ -274,10 +350,12 @@ class FixedView(LeafView):
 class _OffsetView(LeafView):
     """Base of the kinds stored as values + offsets."""
 
+    __slots__ = ()
+
     def _span(self, a: int, b: int) -> tuple[int, int]:
         o = self._col.offsets
         assert o is not None
-        return int(o[a]), int(o[b])
+        return o.item(a), o.item(b)
 
     @property
     def offsets(self) -> np.ndarray:
@@ -302,13 +380,15 @@ class _OffsetView(LeafView):
 
     def _flat(self, a: int, b: int) -> np.ndarray:
         lo, hi = self._span(a, b)
-        return read_array(self._col.values, slice(lo, hi))
+        return self._col.rows(lo, hi)
 
 
 class RaggedView(_OffsetView):
     """A numeric leaf whose shape varies between rows. ``view[i]`` is row ``i``'s array; the flat
     form is :attr:`values` (every row's elements, first dimension concatenated), :attr:`offsets`
     and :attr:`shapes`; ``view[a:b]`` stacks rows of one shape and refuses others."""
+
+    __slots__ = ()
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -344,7 +424,14 @@ class RaggedView(_OffsetView):
         return self._flat(self._start, self._stop).view(self.dtype)
 
     def _one(self, r: int) -> Any:
-        return self._flat(r, r + 1).view(self.dtype).reshape(tuple(self._shapes(r, r + 1)[0]))
+        col = self._col
+        o = col.offsets
+        assert o is not None
+        flat = col.rows(o.item(r), o.item(r + 1))  # (n, *inner_shape) already when only the first dimension varies
+        if col.info.inner_shape is None:
+            assert col.shapes is not None
+            flat = flat.reshape(tuple(col.shapes[r].tolist()))
+        return flat if col.native else flat.view(col.real)
 
     def _many(self, a: int, b: int) -> Any:
         shapes = self._shapes(a, b)
@@ -381,6 +468,7 @@ class RaggedView(_OffsetView):
         """Row ``i`` as a CPU tensor of the real dtype."""
         r = self._row(i)
         raw = self._flat(r, r + 1).reshape(tuple(self._shapes(r, r + 1)[0]))
+        torch = require_torch("LeafView.to_torch()")
         t = torch.from_numpy(np.ascontiguousarray(raw))
         return t if F.DTYPES[self.dtype_name].native else t.view(getattr(torch, self.dtype_name))
 
@@ -411,23 +499,28 @@ class RaggedView(_OffsetView):
 class StrView(LeafView):
     """A ``str`` leaf: ``view[i]`` a ``str``, ``view[a:b]`` a list."""
 
+    __slots__ = ()
+
     def _one(self, r: int) -> Any:
-        return str(read_array(self._col.values, r))
+        k = self._col._k
+        return str(self._col._chunk(r // k)[r % k])
 
     def _list(self, a: int, b: int) -> list[Any]:
-        vals = read_array(self._col.values, slice(a, b))
+        vals = self._col.rows(a, b)
         v = self._col.valid()
         return [None if v is not None and not v[a + j] else str(s) for j, s in enumerate(vals)]
 
     def to_arrow(self) -> Any:
         pa = _pa()
-        vals = read_array(self._col.values, slice(self._start, self._stop)).astype(object)
+        vals = self._col.rows(self._start, self._stop).astype(object)
         return pa.array(vals, type=pa.large_string(), mask=self._null_mask())
 
 
 class BytesView(_OffsetView):
     """A ``bytes`` leaf: ``view[i]`` ``bytes``, ``view[a:b]`` a list; the flat form is
     :attr:`values` (uint8) and :attr:`offsets`."""
+
+    __slots__ = ()
 
     @property
     def values(self) -> np.ndarray:
@@ -453,6 +546,8 @@ class PickleView(BytesView):
     """A leaf stored pickled (writer and reader opted in): ``view[i]`` the unpickled object, only
     when the store was opened with ``allow_pickle=True``; :attr:`values` are the pickled bytes."""
 
+    __slots__ = ()
+
     def _decode(self, b: bytes) -> Any:
         if not self._col.allow_pickle:
             raise PickleNotAllowedError(
@@ -466,6 +561,8 @@ class PickleView(BytesView):
 
 class StrListView(_OffsetView):
     """A list-of-``str`` leaf: ``view[i]`` a list of ``str``."""
+
+    __slots__ = ()
 
     def _one(self, r: int) -> Any:
         return [str(s) for s in self._flat(r, r + 1)]

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
 import google_crc32c
 import numpy as np
+import torch
 
 from . import _format as F
+from ._batch import as_rows, at_position, batch_keys, dense_columns, mapping_items, split_batch
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
@@ -196,11 +198,156 @@ class SpillWriter:
     # ---------------------------------------------------------------------------------- write
     def write(self, filename: str, frame_idx: int, value: Any) -> None:
         """Append one frame. Copies the value into a staging buffer and returns; blocks only while
-        every staging buffer waits for storage."""
+        every staging buffer waits for storage. A batch of items goes faster through
+        :meth:`write_batch`."""
         self._check_open()
         filename = check_filename(filename)
         frame = check_frame_idx(frame_idx, filename)
-        leaves = flatten(value, filename, frame, self.allow_pickle)
+        self._put(filename, frame, flatten(value, filename, frame, self.allow_pickle))
+
+    def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
+        """Append one frame per item of a batched output: item ``i`` is stored exactly as
+        ``write(filenames[i], frame_idx[i], item_i)`` would store it.
+
+        ``filenames``: one str per item. ``frame_idx``: None (every item is frame 0: an image or a
+        document needs no frame index), or a sequence / 1-d tensor of ints, one per item.
+        ``batch``: a tensor or array whose first dimension is the batch; a list with one value per
+        item (the per-image dicts torchvision detection returns, strings, ragged tensors); or a
+        dict / TensorDict / dataclass of those, nested to any depth (item ``i`` is then the dict
+        of each leaf's item ``i``).
+
+        The whole batch is checked before any byte of it is staged: a leaf of the wrong length or
+        not batched, a filenames or frame_idx list of the wrong length, a value of a kind the
+        writer refuses, a layout change or a duplicate key raises :class:`~spillmerge.SpillValueError`
+        (or its subclass) naming the leaf, the batch position and the filename, and nothing of
+        that batch is written; everything written before it is kept.
+        """
+        self._check_open()
+        names, frames = batch_keys(filenames, frame_idx)
+        dense = dense_columns(batch, len(names))
+        if dense is not None and self._put_dense(names, frames, dense):
+            return
+        items = split_batch(batch, names)
+        checked = self._check_batch(names, frames, items)
+        for name, frame, leaves in checked:
+            self._put(name, frame, leaves)
+
+    def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
+        """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
+        same layouts, so item 0 is flattened and checked for all, the layout rule runs once per
+        file schema, and the bytes, index rows and journal entries of the frames are made a block
+        at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
+        (nothing done) when a key of the batch was written before or repeats in it: the
+        item-by-item path applies the duplicate policy."""
+        n = len(names)
+        file_ids: list[int] = []
+        new_names: dict[str, int] = {}
+        next_id = len(self._filenames)
+        for name in names:
+            fid = self._file_ids.get(name)
+            if fid is None:
+                fid = new_names.get(name)
+                if fid is None:
+                    fid = new_names[name] = next_id
+                    next_id += 1
+            file_ids.append(fid)
+        keys = list(zip(file_ids, frames, strict=True))
+        if len(set(keys)) != n or (self._keys and any(k in self._keys for k in keys)):
+            return False
+        item0 = _nest({path: col[0] for path, col in columns.items()})
+        try:
+            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, 0, n, names[0]) from None
+        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
+            return False
+        layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
+        moves: dict[int, tuple[int, tuple[int, ...]]] = {}
+        schemas: dict[int, int] = {}
+        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)):
+            cur = schemas.get(fid)
+            if cur is None:
+                cur = self._schema.schema_of(fid)
+            move = moves.get(cur)
+            if move is None:
+                try:
+                    move = moves[cur] = self._schema.check(name, frames[i], fid, layouts, cur)
+                except SpillValueError as exc:
+                    raise at_position(exc, i, n, name) from None
+            schemas[fid] = move[0]
+        rows = [as_rows(columns[leaf.path], n) for leaf in leaves]
+        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
+        for name, fid in new_names.items():
+            self._filenames.append(name)
+            self._file_ids[name] = fid
+        n_leaves, row0 = len(leaves), self._n_rows
+        need = row0 + n * n_leaves
+        if need > len(self._rows):
+            grown = np.zeros((max(need, 2 * len(self._rows)), F.INDEX_COLUMNS), dtype=np.int64)
+            grown[:row0] = self._rows[:row0]
+            self._rows = grown
+        widths = np.array([r.shape[1] for r in rows], dtype=np.int64)
+        block = self._rows[row0:need, : F.COL_CRC].reshape(n, n_leaves, F.COL_CRC)
+        block[:, :, 0] = np.asarray(file_ids, dtype=np.int64)[:, None]
+        block[:, :, 1] = np.asarray(frames, dtype=np.int64)[:, None]
+        block[:, :, 2] = layout_ids
+        starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
+        block[:, :, 3] = self._staging.offset + np.arange(n, dtype=np.int64)[:, None] * int(widths.sum()) + starts
+        block[:, :, 4] = widths
+        self._n_rows = need
+        self._keys.update(zip(keys, [(row0 + i * n_leaves, n_leaves) for i in range(n)], strict=True))
+        self._staging.add_frames(row0, file_ids, frames, layout_ids, rows)
+        return True
+
+    def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
+        """Flatten every item and run what ``_put`` would check (the layout rule, the duplicate
+        policy), in batch order, against the writer's state as the earlier items of the batch
+        leave it, without changing anything: the batch is refused whole or staged whole."""
+        n = len(names)
+        out: list[tuple[str, int, list[Leaf]]] = []
+        schemas: dict[int, int] = {}  # file id -> its schema after the batch's items so far
+        new_ids: dict[str, int] = {}
+        in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
+        for i, (name, frame, item) in enumerate(zip(names, frames, items, strict=True)):
+            try:
+                leaves = flatten(item, name, frame, self.allow_pickle)
+                file_id = self._file_ids.get(name)
+                if file_id is None:
+                    file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
+                layouts = [F.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+                new_schema, layout_ids = self._schema.check(name, frame, file_id, layouts, schemas.get(file_id))
+                key = (file_id, frame)
+                earlier = in_batch.get(key)
+                if earlier is not None or key in self._keys:
+                    if self.on_duplicate == "first":
+                        out.append((name, frame, leaves))
+                        continue
+                    if self.on_duplicate == "error":
+                        same = (
+                            _same_leaves(earlier, leaves)
+                            if earlier is not None
+                            else self._same_as_written(self._keys[key], leaves, layout_ids)
+                        )
+                        if not same:
+                            raise DuplicateFrameError(
+                                f"frame {frame} of {name!r:.200} was already written by rank {self.rank} "
+                                "(pass on_duplicate='first' or 'last' to allow rewrites)",
+                                filename=name,
+                                frame_idx=frame,
+                                ranks=[self.rank],
+                            )
+                        out.append((name, frame, leaves))
+                        continue
+            except SpillValueError as exc:
+                raise at_position(exc, i, n, name) from None
+            schemas[file_id] = new_schema
+            in_batch[key] = leaves
+            out.append((name, frame, leaves))
+        return out
+
+    def _put(self, filename: str, frame: int, leaves: list[Leaf]) -> None:
+        """Stage one checked frame: the layout rule, the duplicate policy, then its rows."""
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
@@ -241,20 +388,8 @@ class SpillWriter:
 
     def update(self, mapping: Mapping[str, Any]) -> None:
         """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
-        if not isinstance(mapping, Mapping):
-            raise SpillValueError(f"update() takes a mapping, got {type(mapping).__name__}")
-        for filename, item in mapping.items():
-            if isinstance(item, tuple) and len(item) == 2:
-                self.write(filename, item[0], item[1])
-            elif isinstance(item, Mapping):
-                for frame_idx, value in item.items():
-                    self.write(filename, frame_idx, value)
-            else:
-                raise SpillValueError(
-                    f"update(): the value for {filename!r:.200} must be a (frame_idx, value) tuple or a "
-                    f"{{frame_idx: value}} dict, got {type(item).__name__}",
-                    filename=filename if isinstance(filename, str) else None,
-                )
+        for filename, frame_idx, value in mapping_items(mapping):
+            self.write(filename, frame_idx, value)
 
     def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes (and layouts) as the frame already written at rows
@@ -530,3 +665,30 @@ class SpillWriter:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
+
+
+def _same_leaves(a: list[Leaf], b: list[Leaf]) -> bool:
+    """Do two frames of one batch hold the same leaves (layouts and bytes)?"""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if (x.path, x.dtype, x.shape, x.nbytes) != (y.path, y.dtype, y.shape, y.nbytes):
+            return False
+        dx = x.data.cpu().numpy() if isinstance(x.data, torch.Tensor) else x.data
+        dy = y.data.cpu().numpy() if isinstance(y.data, torch.Tensor) else y.data
+        if not np.array_equal(dx, dy):
+            return False
+    return True
+
+
+def _nest(by_path: dict[tuple[str, ...], Any]) -> Any:
+    """The nested dict of leaves given by path (``()``: the value itself)."""
+    if () in by_path:
+        return by_path[()]
+    out: dict[str, Any] = {}
+    for path, v in by_path.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out

@@ -49,6 +49,18 @@ def string_bytes(plan: Plan, col: PlannedColumn) -> np.ndarray:
 SMALL_ROW_BYTES = 64 << 10
 """Columns whose rows average fewer bytes get chunks of ``chunk_bytes // 4``."""
 
+STRING_CHUNK_BYTES = 64 << 10
+"""Target encoded bytes of a chunk of a string column (``str``, list of ``str``)."""
+
+STRING_CHUNK_MAX = 2048
+"""The most strings in a chunk of a string column. zarr decodes a string chunk string by string
+(0.4-0.7 us each here), so one ``str`` row of a 4 MiB chunk of 100k short strings cost 11-43 ms,
+of a 64 KiB chunk of 5,900 strings ~4 ms; 2,048 strings decode in about a millisecond."""
+
+BYTES_CHUNK_BYTES = 1 << 20
+"""Target bytes of a chunk of a ``bytes`` / ``pickle`` column of small rows: one row reads its
+whole chunk (and checks its CRC), so a row of a 4 MiB chunk cost ~1.5 ms, of a 1 MiB one ~0.4."""
+
 
 def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2).
@@ -56,8 +68,11 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
     many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes`` (100k
     keys of 3 KiB: one key read in 2.7 ms instead of 10.3 ms, the merge no slower, 93 objects
-    instead of 39). Columns of large rows (video frames) keep whole ``chunk_bytes`` chunks, which
-    write fastest (benchmarks: 829 vs 712 MiB/s at 16 vs 4 MiB)."""
+    instead of 39), ``bytes`` ones at most :data:`BYTES_CHUNK_BYTES`, and string columns at most
+    :data:`STRING_CHUNK_BYTES` and :data:`STRING_CHUNK_MAX` strings whatever their rows (decoding
+    is per string). Columns of large
+    rows (video frames) keep whole ``chunk_bytes`` chunks, which write fastest (benchmarks: 829
+    vs 712 MiB/s at 16 vs 4 MiB)."""
     n = col.n_units
     rows = max(int((col.src >= 0).sum()), 1)
     if col.storage == "string":
@@ -66,7 +81,13 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     else:
         total = n * col.unit_bytes
         per = col.unit_bytes
-    target = chunk_bytes // 4 if total / rows < SMALL_ROW_BYTES else chunk_bytes
+    small = total / rows < SMALL_ROW_BYTES
+    target = chunk_bytes // 4 if small else chunk_bytes
+    if col.storage == "string":
+        cap = min(int(min(target, STRING_CHUNK_BYTES) // max(per, 1)), STRING_CHUNK_MAX)
+        return balanced(n, cap)
+    if small and col.kind in ("bytes", "pickle"):
+        target = min(target, BYTES_CHUNK_BYTES)
     return balanced(n, int(max(target, 1) // max(per, 1)))
 
 

@@ -39,7 +39,7 @@ def _spill(root: Path, world_size: int = 2, ranks=None) -> None:
 
 
 def test_every_command_has_help_with_an_example():
-    for cmd in ([], ["merge"], ["inspect"], ["verify"], ["demo"]):
+    for cmd in ([], ["merge"], ["inspect"], ["verify"], ["export"], ["demo"]):
         p = run(*cmd, "--help")
         assert p.returncode == 0 and "Example:" in p.stdout, cmd
         if cmd == ["inspect"]:  # the coverage flags: an example, and the manifest's format

@@ -203,17 +203,27 @@ def test_default_key_mapping_errors_say_what_to_do():
     from spillmerge.integrations._prediction_writer import batch_keys
 
     key_fn = batch_keys()
-    with pytest.raises(spillmerge.SpillValueError, match=r"not a dict with keys 'filename' and 'frame_idx'.*key_fn"):
+    with pytest.raises(
+        spillmerge.SpillValueError, match=r"batch 3 is a tuple, not a dict with a 'filename' entry.*key_fn"
+    ):
         list(key_fn((["a"], torch.tensor([0])), 3, 0, torch.zeros(1, 2)))
+    with pytest.raises(
+        spillmerge.SpillValueError, match=r"batch 2 has no 'filename' entry \(its keys: 'image', 'path'\)"
+    ):
+        list(key_fn({"image": torch.zeros(1), "path": ["a"]}, 2, 0, torch.zeros(1, 2)))
     batch = {"filename": ["a", "b"], "frame_idx": torch.tensor([0, 1])}
-    with pytest.raises(spillmerge.SpillValueError, match="has 3 rows for 2 samples"):
+    with pytest.raises(
+        spillmerge.SpillValueError, match="batch 0: write_batch: leaf '<batch>' has 3 items but the batch has 2"
+    ):
         list(key_fn(batch, 0, 0, torch.zeros(3)))
-    with pytest.raises(spillmerge.SpillValueError, match="cannot split a str"):
+    with pytest.raises(spillmerge.SpillValueError, match="is a str, not batched"):
         list(key_fn(batch, 0, 0, "text"))
     rows = list(key_fn(batch, 0, 0, {"x": torch.tensor([[1, 2], [3, 4]]), "y": [5, 6]}))
     assert [(n, f, v["x"].tolist(), v["y"]) for n, f, v in rows] == [("a", 0, [1, 2], 5), ("b", 1, [3, 4], 6)]
-    with pytest.raises(spillmerge.SpillValueError, match="has 0 rows for 2 samples"):
+    with pytest.raises(spillmerge.SpillValueError, match="is a 0-d Tensor"):
         list(key_fn(batch, 0, 0, torch.tensor(1.0)))
+    # an image dataset has no frame index: every sample is frame 0
+    assert [(n, f) for n, f, _ in key_fn({"filename": ["a", "b"]}, 0, 0, torch.zeros(2, 1))] == [("a", 0), ("b", 0)]
     td_mod = pytest.importorskip("tensordict")
     td = td_mod.TensorDict({"x": torch.tensor([[1, 2], [3, 4]]), "n": {"z": torch.tensor([7, 8])}}, batch_size=[2])
     rows = list(key_fn(batch, 0, 0, td))
@@ -290,3 +300,50 @@ def test_lightning_ddp_spawn_report_reaches_the_launching_process(tmp_path):
     from spillmerge.integrations.lightning import SpillPredictionWriter
 
     assert SpillPredictionWriter(str(tmp_path / "spill"), str(tmp_path / "out.zarr")).report is None
+
+
+def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):
+    """A dataset of images returns a filename and no frame index: each sample is frame 0; the
+    callback writes each batch with write_batch, and a bad batch writes nothing of itself."""
+    L = pytest.importorskip("lightning.pytorch")
+    from spillmerge.integrations.lightning import SpillPredictionWriter
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"filename": f"img/{i:02d}.jpg", "image": torch.full((3,), float(i))}
+
+    class Model(L.LightningModule):
+        bad_batch: int | None = None
+
+        def predict_step(self, batch, batch_idx):
+            x = batch["image"]
+            n = len(x) + (batch_idx == self.bad_batch)  # one row too many in the bad batch
+            dets = [{"boxes": torch.ones(int(v[0]) % 3, 4), "label": f"c{int(v[0])}"} for v in x]
+            return {"logits": torch.ones(n, 2) * x[:1, :1], "dets": dets}
+
+    def predict(writer, model):
+        trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[writer], logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
+        loader = torch.utils.data.DataLoader(Images(), batch_size=4)
+        return trainer.predict(model, dataloaders=loader, return_predictions=False)
+
+    writer = SpillPredictionWriter(str(tmp_path / "spill"), str(tmp_path / "out.zarr"))
+    predict(writer, Model())
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    assert res.filenames == [f"img/{i:02d}.jpg" for i in range(10)]
+    assert all(res.frames(f).tolist() == [0] for f in res.filenames)
+    dets = res["img/05.jpg"]["dets"]
+    assert dets["label"][0] == "c5" and dets["boxes"][0].shape == (2, 4) and res["img/05.jpg"]["logits"][0][0] == 4.0
+
+    bad = Model()
+    bad.bad_batch = 1
+    writer = SpillPredictionWriter(str(tmp_path / "spill2"), None)
+    with pytest.raises(
+        spillmerge.SpillValueError, match=r"batch 1: write_batch: leaf 'logits' has 5 items but the batch"
+    ):
+        predict(writer, bad)
+    # batch 0's four samples were written; nothing of batch 1 was
+    assert writer.writer is not None and writer.writer.stats()["frames"] == 4 and writer.writer.state == "failed"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import torch
-
+from .. import _batch
 from .._errors import SpillValueError
 from .._report import MergeReport
 from .._storage import Storage
@@ -24,57 +21,58 @@ KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
 """``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
 
 
+def batch_names(
+    batch: Any, batch_idx: int, filename_key: str = "filename", frame_key: str = "frame_idx"
+) -> tuple[Any, Any]:
+    """The filenames (``batch[filename_key]``) and frame indices (``batch[frame_key]``, or None
+    when the batch has none: an image needs no frame index, each sample is frame 0) of a batch."""
+    if not isinstance(batch, Mapping):
+        raise SpillValueError(
+            f"SpillPredictionWriter: batch {batch_idx} is a {type(batch).__name__}, not a dict with a "
+            f"{filename_key!r} entry (and optionally {frame_key!r}); return them from your Dataset, or pass "
+            "key_fn=lambda batch, batch_idx, dataloader_idx, prediction: [(filename, frame_idx, value), ...]"
+        )
+    if filename_key not in batch:
+        keys = ", ".join(repr(k) for k in list(batch)[:8])
+        raise SpillValueError(
+            f"SpillPredictionWriter: batch {batch_idx} has no {filename_key!r} entry (its keys: {keys}); return "
+            f"one filename per sample under {filename_key!r} from your Dataset, pass filename_key=..., or pass "
+            "key_fn=lambda batch, batch_idx, dataloader_idx, prediction: [(filename, frame_idx, value), ...]"
+        )
+    return batch[filename_key], batch.get(frame_key)
+
+
 def batch_keys(filename_key: str = "filename", frame_key: str = "frame_idx") -> KeyFn:
-    """The default mapping: ``batch[filename_key]`` and ``batch[frame_key]`` hold one filename and
-    one frame index per sample, and row ``j`` of the prediction (a tensor, array, list, or a
-    dict / TensorDict / dataclass of those, batch dimension first) is the value of sample ``j``."""
+    """A per-sample key function (for code that wraps it): ``batch[filename_key]`` and
+    ``batch[frame_key]`` (absent: frame 0) hold one filename and one frame index per sample, and
+    item ``j`` of the prediction (a tensor, array, list, or a dict / TensorDict / dataclass of
+    those, batch dimension first) is the value of sample ``j``. The callback's default does the
+    same through ``SpillWriter.write_batch``, a batch at a time."""
 
     def key_fn(batch: Any, batch_idx: int, dataloader_idx: int, prediction: Any) -> Iterator[tuple[str, int, Any]]:
-        if not isinstance(batch, Mapping) or filename_key not in batch or frame_key not in batch:
-            raise SpillValueError(
-                f"SpillPredictionWriter: batch {batch_idx} is not a dict with keys {filename_key!r} and "
-                f"{frame_key!r} (got {type(batch).__name__}); return them from your Dataset, or pass "
-                "key_fn=lambda batch, batch_idx, dataloader_idx, prediction: [(filename, frame_idx, value), ...]"
-            )
-        names, frames = batch[filename_key], batch[frame_key]
-        if isinstance(frames, torch.Tensor):
-            frames = frames.tolist()
-        if len(names) != len(frames):
-            raise SpillValueError(
-                f"SpillPredictionWriter: batch {batch_idx} has {len(names)} filenames but {len(frames)} frame indices"
-            )
-        for j, (name, frame) in enumerate(zip(names, frames, strict=True)):
-            yield name, frame, _row(prediction, j, len(names), batch_idx)
+        names, frames = batch_names(batch, batch_idx, filename_key, frame_key)
+        try:
+            names, frames = _batch.batch_keys(names, frames)
+            items = _batch.split_batch(prediction, names)
+        except SpillValueError as exc:
+            raise _in_batch(exc, batch_idx) from None
+        yield from zip(names, frames, items, strict=True)
 
     return key_fn
 
 
-def _row(pred: Any, j: int, n: int, batch_idx: int) -> Any:
-    """Sample ``j`` of a batched prediction."""
-    if isinstance(pred, (torch.Tensor, np.ndarray, Sequence)) and not isinstance(pred, (str, bytes)):
-        if getattr(pred, "ndim", 1) == 0 or len(pred) != n:
-            raise SpillValueError(
-                f"SpillPredictionWriter: the prediction of batch {batch_idx} has "
-                f"{len(pred) if getattr(pred, 'ndim', 1) else 0} rows for {n} "
-                "samples; return one row per sample, or pass key_fn=... to split it yourself"
-            )
-        return pred[j]
-    if isinstance(pred, Mapping):  # dict or TensorDict (nested ones included)
-        return {k: _row(v, j, n, batch_idx) for k, v in pred.items()}
-    if dataclasses.is_dataclass(pred) and not isinstance(pred, type):
-        return {f.name: _row(getattr(pred, f.name), j, n, batch_idx) for f in dataclasses.fields(pred)}
-    raise SpillValueError(
-        f"SpillPredictionWriter: cannot split a {type(pred).__name__} prediction of batch {batch_idx} into "
-        "samples; pass key_fn=... returning (filename, frame_idx, value) per sample"
-    )
+def _in_batch(exc: SpillValueError, batch_idx: int) -> SpillValueError:
+    """``exc`` with the Lightning batch named in front of its message (same class, same fields)."""
+    exc.args = (f"SpillPredictionWriter: batch {batch_idx}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+    return exc
 
 
 class SpillPredictionWriterMixin:
     """Everything but the Lightning base class (see ``spillmerge.integrations.lightning``).
 
     Who calls what, on every rank: ``on_predict_start`` opens a :class:`~spillmerge.SpillWriter`
-    for (``trainer.global_rank``, ``trainer.world_size``); ``on_predict_batch_end`` writes each
-    sample of the batch; ``on_predict_epoch_end`` commits, then calls the barrier-free
+    for (``trainer.global_rank``, ``trainer.world_size``); ``on_predict_batch_end`` writes the
+    batch (``SpillWriter.write_batch``; with a ``key_fn``, sample by sample); ``on_predict_epoch_end`` commits, then calls the barrier-free
     ``SpillWriter.merge`` (the merging rank waits on storage for every commit record and merges;
     the others return once every rank has committed); ``on_exception`` records the failure so the merge names the rank.
     """
@@ -94,27 +92,14 @@ class SpillPredictionWriterMixin:
         super().__init__("batch")  # type: ignore[call-arg]
         self.root = root
         self.out = out
-        self.key_fn: KeyFn = key_fn or batch_keys(filename_key, frame_key)
-        self._default_keys = None if key_fn is not None else (filename_key, frame_key)
+        self.key_fn: KeyFn | None = key_fn
+        self.filename_key, self.frame_key = filename_key, frame_key
         self.storage_options = storage_options
         self.writer_options = dict(writer_options or {})
         self.merge_options = dict(merge_options or {})
         self.writer: SpillWriter | None = None
         self._report: MergeReport | None = None
         self._created = time.time()  # a report file older than this callback is an earlier run's
-
-    def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the callback into every rank: the default key_fn is a closure, which
-        # does not pickle; it is rebuilt from its key names on the other side.
-        state = dict(self.__dict__)
-        if self._default_keys is not None:
-            state["key_fn"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        if self._default_keys is not None:
-            self.key_fn = batch_keys(*self._default_keys)
 
     @property
     def report(self) -> MergeReport | None:
@@ -161,8 +146,15 @@ class SpillPredictionWriterMixin:
     ) -> None:
         if self.writer is None:
             raise SpillValueError("SpillPredictionWriter only works with Trainer.predict")
-        for filename, frame_idx, value in self.key_fn(batch, batch_idx, dataloader_idx, prediction):
-            self.writer.write(filename, frame_idx, value)
+        if self.key_fn is not None:
+            for filename, frame_idx, value in self.key_fn(batch, batch_idx, dataloader_idx, prediction):
+                self.writer.write(filename, frame_idx, value)
+            return
+        names, frames = batch_names(batch, batch_idx, self.filename_key, self.frame_key)
+        try:
+            self.writer.write_batch(names, prediction, frames)  # checked whole: a bad batch writes nothing
+        except SpillValueError as exc:
+            raise _in_batch(exc, batch_idx) from None
 
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         w = self.writer

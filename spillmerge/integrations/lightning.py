@@ -41,9 +41,12 @@ class SpillPredictionWriter(SpillPredictionWriterMixin, _callbacks.BasePredictio
         root: spill root every rank and the merging rank can reach (path or fsspec URL).
         out: merged output; ``None`` only spills (merge later with ``spillmerge merge``).
         key_fn: ``key_fn(batch, batch_idx, dataloader_idx, prediction)`` → iterable of
-            ``(filename, frame_idx, value)``. Default: :func:`batch_keys` — the batch is a dict
-            with ``filename_key`` and ``frame_key`` entries (one per sample) and row ``j`` of the
-            prediction (tensor, or dict / TensorDict / dataclass of tensors) belongs to sample ``j``.
+            ``(filename, frame_idx, value)``, written sample by sample. Default: the batch is a
+            dict with a ``filename_key`` entry (one filename per sample) and optionally a
+            ``frame_key`` entry (absent: every sample is frame 0, as for an image dataset); the
+            prediction is written whole with :meth:`spillmerge.SpillWriter.write_batch` (item
+            ``j`` of a tensor, list, or dict / TensorDict / dataclass of those belongs to sample
+            ``j``), and a bad batch writes nothing of itself.
         storage_options: fsspec options for ``root`` (and ``out`` on the same protocol).
         writer_options: more :class:`~spillmerge.SpillWriter` arguments (``chunk_bytes``,
             ``on_duplicate`` ...).

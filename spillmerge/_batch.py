@@ -1,0 +1,225 @@
+"""A batched output split into the per-item values ``SpillWriter.write`` would be given.
+
+What ``SpillWriter.write_batch(filenames, batch, frame_idx)`` accepts, and what item ``i`` is:
+
+- a tensor or numpy array whose first dimension is the batch: ``batch[i]``;
+- a list or tuple with one value per item (per-image dicts as torchvision detection returns,
+  strings, ragged tensors ...): ``batch[i]``;
+- a mapping (dict, nested TensorDict) or dataclass (tensorclass) of those, to any depth: the
+  dict of each leaf's item ``i``.
+
+Item ``i`` is stored exactly as ``write(filenames[i], frame_idx[i], item_i)`` would store it. The
+keys and the split are checked here, for the whole batch, before the writer stages any byte.
+
+Protocol (the writer, once per batch): :func:`batch_keys` → :func:`split_batch` (or
+:func:`dense_columns` for the vectorised path) → validate every item → stage every item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._errors import SpillValueError
+from ._values import check_filename, check_frame_idx
+
+
+def mapping_items(mapping: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """``(filename, frame_idx, value)`` of every frame of ``{filename: (frame_idx, value)}`` or
+    ``{filename: {frame_idx: value}}`` (what ``SpillWriter.update`` and ``gather`` take), in order."""
+    if not isinstance(mapping, Mapping):
+        raise SpillValueError(f"update() takes a mapping, got {type(mapping).__name__}")
+    for filename, item in mapping.items():
+        if isinstance(item, tuple) and len(item) == 2:
+            yield filename, item[0], item[1]
+        elif isinstance(item, Mapping):
+            for frame_idx, value in item.items():
+                yield filename, frame_idx, value
+        else:
+            raise SpillValueError(
+                f"update(): the value for {filename!r:.200} must be a (frame_idx, value) tuple or a "
+                f"{{frame_idx: value}} dict, got {type(item).__name__}",
+                filename=filename if isinstance(filename, str) else None,
+            )
+
+
+def _name(path: tuple[str, ...]) -> str:
+    return "/".join(path) if path else "<batch>"
+
+
+def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
+    """The checked filenames and frame indices of a batch (``frame_idx=None``: frame 0 each)."""
+    if isinstance(filenames, (str, bytes)) or not isinstance(filenames, (Sequence, np.ndarray)):
+        raise SpillValueError(
+            f"write_batch: filenames must be a sequence of str (one per item), got {type(filenames).__name__}"
+        )
+    names = list(filenames)
+    for i, name in enumerate(names):
+        try:
+            check_filename(name)
+        except SpillValueError as exc:
+            raise at_position(exc, i, len(names), None) from None
+    n = len(names)
+    if frame_idx is None:
+        return names, [0] * n
+    if isinstance(frame_idx, torch.Tensor):
+        if frame_idx.ndim != 1 or frame_idx.dtype.is_floating_point or frame_idx.dtype == torch.bool:
+            raise SpillValueError(
+                f"write_batch: frame_idx must be a 1-d integer tensor (one per item), got shape "
+                f"{tuple(frame_idx.shape)} and dtype {frame_idx.dtype}"
+            )
+        raw: list[Any] = frame_idx.tolist()
+    elif isinstance(frame_idx, np.ndarray):
+        if frame_idx.ndim != 1 or frame_idx.dtype.kind not in "iu":
+            raise SpillValueError(
+                f"write_batch: frame_idx must be a 1-d integer array (one per item), got shape "
+                f"{frame_idx.shape} and dtype {frame_idx.dtype}"
+            )
+        raw = frame_idx.tolist()
+    elif isinstance(frame_idx, Sequence) and not isinstance(frame_idx, (str, bytes)):
+        raw = list(frame_idx)
+    else:
+        raise SpillValueError(
+            f"write_batch: frame_idx must be None, a sequence or a 1-d tensor of ints (one per item), "
+            f"got {type(frame_idx).__name__}"
+        )
+    if len(raw) != n:
+        raise SpillValueError(
+            f"write_batch: {n} filenames but {len(raw)} frame indices"
+            + (
+                f"; item {n} has no filename"
+                if len(raw) > n
+                else f"; item {len(raw)} ({names[len(raw)]!r:.200}) has no frame index"
+            ),
+            filename=names[len(raw)] if len(raw) < n else None,
+        )
+    frames = []
+    for i, (name, f) in enumerate(zip(names, raw, strict=True)):
+        try:
+            frames.append(check_frame_idx(f, name))
+        except SpillValueError as exc:
+            raise at_position(exc, i, n, name) from None
+    return names, frames
+
+
+def at_position(exc: SpillValueError, i: int, n: int, filename: str | None) -> SpillValueError:
+    """``exc`` (raised for one item) with the item's batch position in front of its message. The
+    same exception object is returned, so its class and attributes (``leaf`` ...) stay as the
+    per-item check set them; ``batch_index`` is added."""
+    where = f"write_batch item {i} of {n}" + (f" ({filename!r:.200})" if filename is not None else "")
+    exc.args = (f"{where}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+    exc.batch_index = i  # type: ignore[attr-defined]
+    if exc.filename is None and filename is not None:
+        exc.filename = filename
+    return exc
+
+
+def _length_error(path: tuple[str, ...], got: int, names: list[str]) -> SpillValueError:
+    n = len(names)
+    if got < n:
+        detail = f"item {got} ({names[got]!r:.200}) has no value there"
+        filename: str | None = names[got]
+    else:
+        detail = f"its item {n} has no filename"
+        filename = None
+    return SpillValueError(
+        f"write_batch: leaf {_name(path)!r} has {got} items but the batch has {n} filenames; {detail} "
+        "(every leaf's first dimension is the batch)",
+        filename=filename,
+        leaf=_name(path),
+    )
+
+
+def split_batch(batch: Any, names: list[str]) -> list[Any]:
+    """Item ``i`` of ``batch`` for every ``i`` (see the module docstring); raises
+    ``SpillValueError`` naming the leaf when a leaf is not batched or has the wrong length."""
+    return _split(batch, (), names, 0)
+
+
+def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> list[Any]:
+    n = len(names)
+    if depth > 32:
+        raise SpillValueError(f"write_batch: the batch is nested deeper than 32 at {_name(path)!r}", leaf=_name(path))
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim == 0:
+            raise SpillValueError(
+                f"write_batch: leaf {_name(path)!r} is a 0-d {type(value).__name__}; a batch leaf's first "
+                "dimension is the batch",
+                leaf=_name(path),
+            )
+        if len(value) != n:
+            raise _length_error(path, len(value), names)
+        return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+    if isinstance(value, Mapping):
+        keys = list(value.keys())
+        for k in keys:
+            if not isinstance(k, str):
+                raise SpillValueError(f"write_batch: dict keys must be str, got {k!r:.80} at {_name(path)!r}")
+        columns = [_split(value[k], (*path, k), names, depth + 1) for k in keys]
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)] if keys else [{}] * n
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _split({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, path, names, depth)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise _length_error(path, len(value), names)
+        return list(value)
+    raise SpillValueError(
+        f"write_batch: leaf {_name(path)!r} is a {type(value).__name__}, not batched: a batch is a tensor or "
+        "array whose first dimension is the batch, a list with one value per item, or a dict / TensorDict / "
+        "dataclass of those",
+        leaf=_name(path),
+    )
+
+
+def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
+    """The leaves of a batch that is only host tensors / numeric arrays with ``n`` items each
+    (a dict, TensorDict or dataclass of them, or one of them), by leaf path; None for any other
+    batch (lists, CUDA, a wrong length ...: the item-by-item path handles and names it)."""
+    out: dict[tuple[str, ...], Any] = {}
+    return out if n and _dense(batch, (), n, out, 0) else None
+
+
+def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...], Any], depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        ok = (
+            value.device.type == "cpu"
+            and value.layout == torch.strided
+            and not value.is_quantized
+            and not value.is_nested
+            and value.ndim > 0
+            and len(value) == n
+            and value[0].numel() > 0
+        )
+    elif isinstance(value, np.ndarray):
+        ok = value.dtype.kind in "biufc" and value.ndim > 0 and len(value) == n and value[0].size > 0
+    elif isinstance(value, Mapping) and depth < 32:
+        keys = list(value.keys())
+        return bool(keys) and all(isinstance(k, str) and _dense(value[k], (*path, k), n, out, depth + 1) for k in keys)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < 32:
+        fields = dataclasses.fields(value)
+        return bool(fields) and all(_dense(getattr(value, f.name), (*path, f.name), n, out, depth + 1) for f in fields)
+    else:
+        return False
+    if ok:
+        out[path] = value
+    return ok
+
+
+def as_rows(value: Any, n: int) -> np.ndarray:
+    """A dense leaf of ``n`` items as host bytes, one row of ``(n, item bytes)`` per item: the
+    bytes ``_values.flatten`` gives item ``i`` (little-endian, C order)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return t.contiguous().reshape(n, -1).view(torch.uint8).numpy()
+    arr = value
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)

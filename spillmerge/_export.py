@@ -1,0 +1,167 @@
+"""A merged output as Arrow: record batches streamed in row order, one table, or a Parquet file.
+
+Every form has the same columns (``MergedStore.to_arrow``'s docstring gives their types):
+``filename`` (string), ``frame_idx`` (int64), ``rank`` (int32), then one per leaf column, named
+by its path (``"a/b"``; ``"value"`` for plain tensor values; ``"logits:float16"`` when a leaf has
+one column per dtype). ``columns=`` selects leaf columns by those names; the three key columns
+are always there. A batch reads its rows' chunks through the output's chunk cache, so chunks cut
+by a batch edge are decoded once, and memory is one batch plus the cache, whatever the output.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._errors import UnknownColumnError, require
+from ._views import OpenColumn
+
+V2Files = Any
+"""``_reader.V2Files`` (which calls this module: named here, not imported, so no import circle)."""
+
+BATCH_BYTES = 64 << 20
+"""The payload a batch aims at when ``batch_size`` is not given."""
+
+MAX_BATCH_ROWS = 1 << 16
+"""The most rows of a batch when ``batch_size`` is not given (small rows)."""
+
+
+def _pa(feature: str) -> Any:
+    return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
+
+
+def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
+    """Leaf column name (as the Arrow forms name it) -> column, in output order."""
+    out: dict[str, OpenColumn] = {}
+    for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
+        name = col.info.path or "value"
+        if len(files.by_leaf(col.info.leaf)) > 1:  # one column per dtype: "logits:float16"
+            name = f"{name}:{col.info.dtype}"
+        out[name] = col
+    return out
+
+
+def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, OpenColumn]:
+    """The leaf columns named in ``columns`` (all when None), in the order given."""
+    known = arrow_names(files)
+    if columns is None:
+        return known
+    if isinstance(columns, str):
+        columns = [columns]
+    out: dict[str, OpenColumn] = {}
+    for name in columns:
+        if name in ("filename", "frame_idx", "rank"):
+            continue  # always there
+        if name not in known:
+            raise UnknownColumnError(
+                f"{where} has no column {name!r}; its leaf columns: {', '.join(map(repr, known)) or 'none'} "
+                "(filename, frame_idx and rank are always exported)",
+                column=name,
+                known=list(known),
+            )
+        out[name] = known[name]
+    return out
+
+
+def default_batch_rows(files: V2Files, cols: dict[str, OpenColumn]) -> int:
+    """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
+    if files.n_rows == 0:
+        return 1
+    total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
+    for col in cols.values():
+        v = col.values
+        item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
+        total += int(np.prod(v.shape, dtype=np.int64)) * item
+    per_row = max(total / files.n_rows, 1)
+    return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
+
+
+def batch(files: V2Files, cols: dict[str, OpenColumn], a: int, b: int) -> Any:
+    """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
+    pa = _pa("MergedStore.iter_batches()")
+    offsets = files.frame_offsets
+    f0 = int(np.searchsorted(offsets, a, side="right")) - 1
+    f1 = int(np.searchsorted(offsets, b, side="left"))
+    rows = np.arange(a, b, dtype=np.int64)
+    file_of_row = np.searchsorted(offsets[f0 : f1 + 1], rows, side="right") - 1
+    arrays: dict[str, Any] = {
+        "filename": pa.array(files.names[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
+        "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),
+        "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
+    }
+    for name, col in cols.items():
+        arrays[name] = col.view(a, b).to_arrow()
+    return pa.RecordBatch.from_pydict(arrays)
+
+
+def iter_batches(files: V2Files, cols: dict[str, OpenColumn], batch_size: int | None) -> Iterator[Any]:
+    """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
+    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
+        raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
+    step = int(batch_size) if batch_size is not None else default_batch_rows(files, cols)
+    for a in range(0, files.n_rows, step):
+        yield batch(files, cols, a, min(a + step, files.n_rows))
+
+
+def to_arrow(files: V2Files, cols: dict[str, OpenColumn]) -> Any:
+    """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
+    pa = _pa("MergedStore.to_arrow()")
+    return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
+
+
+def to_parquet(
+    files: V2Files,
+    cols: dict[str, OpenColumn],
+    path: str | os.PathLike[str],
+    batch_size: int | None,
+    storage_options: dict[str, Any] | None,
+    **parquet: Any,
+) -> int:
+    """Write every row to the Parquet file ``path`` (a path or fsspec URL) batch by batch: one row
+    group per batch, memory one batch. A local file is written under a temporary name and renamed
+    when whole, so a reader never sees half a file. Returns the rows written."""
+    _pa("MergedStore.to_parquet()")
+    import pyarrow.parquet as pq
+
+    target = os.fspath(path)
+    local = "://" not in target or target.startswith("file://")
+    if local:
+        target = target.removeprefix("file://")
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    rows = 0
+    schema = None
+    writer = None
+    try:
+        if local:
+            sink: Any = open(tmp, "wb")  # noqa: SIM115 - closed in finally
+        else:
+            import fsspec
+
+            sink = fsspec.open(target, "wb", **(storage_options or {})).open()
+        try:
+            for rb in iter_batches(files, cols, batch_size):
+                if writer is None:
+                    schema = rb.schema
+                    writer = pq.ParquetWriter(sink, schema, **parquet)
+                writer.write_batch(rb)
+                rows += rb.num_rows
+            if writer is None:  # no rows: still a valid file with the columns
+                schema = batch(files, cols, 0, 0).schema
+                writer = pq.ParquetWriter(sink, schema, **parquet)
+            writer.close()
+            writer = None
+        finally:
+            if writer is not None:
+                writer.close()
+            sink.close()
+        if local:
+            os.replace(tmp, target)
+    except BaseException:
+        if local and os.path.exists(tmp):  # a half-written file must not be taken for an export
+            os.remove(tmp)
+        raise
+    return rows

@@ -1,0 +1,303 @@
+"""Reading rows fast: the decoded-chunk cache (each chunk decoded once, never a chunk that failed
+its checksum, bounded under threads), small string chunks for random access, streamed Arrow
+batches with column selection, Parquet read by polars / DuckDB / Hugging Face datasets, and
+``spillmerge export`` through the console script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import spillmerge
+
+EXE = os.path.join(os.path.dirname(sys.executable), "spillmerge")
+N_FILES = 120
+WORDS = ["person", "car", "dog", "traffic light", "", "zebra crossing"]
+
+
+def _value(i: int, f: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(1000 * i + f)
+    k = (i + f) % 5
+    v: dict[str, object] = {
+        "boxes": torch.rand(k, 4, generator=g),  # ragged, inner shape (4,)
+        "scores": torch.rand(k, generator=g),
+        "cls": WORDS[(i + f) % len(WORDS)] + str(i),
+        "emb": torch.randn(16, generator=g).to(torch.float16),  # fixed
+        "blob": bytes([i % 251]) * (i % 7),
+        "tokens": [WORDS[(i * j) % len(WORDS)] for j in range(k)],
+        "mask": torch.ones(k % 3 + 1, k % 2 + 1, dtype=torch.uint8),  # ragged, every dimension varies
+    }
+    if i % 3 == 0:
+        v["maybe"] = torch.full((2,), float(i))  # absent from two files in three
+    return v
+
+
+def _frames(i: int) -> list[int]:
+    return [0, 2, 5] if i % 10 == 0 else [0]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A detection-like output of every leaf kind, in small chunks (many chunks per column)."""
+    base = tmp_path_factory.mktemp("reading")
+    root, o = base / "spill", base / "out.zarr"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(N_FILES):
+            for f in _frames(i):
+                w.write(f"img_{i:04d}.jpg", f, _value(i, f))
+    spillmerge.merge(str(root), str(o), chunk_bytes=1024, progress=False)
+    return str(o)
+
+
+def _same(got: object, want: object) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, np.ndarray) and got.shape == tuple(want.shape)
+        assert got.tobytes() == want.numpy().tobytes()
+    else:
+        assert got == want
+
+
+def _read_all(store: spillmerge.MergedStore) -> None:
+    """Every row of every leaf through ``store[f][leaf][j]``, checked against what was written."""
+    for i in range(N_FILES):
+        v = store[f"img_{i:04d}.jpg"]
+        for j, f in enumerate(_frames(i)):
+            want = _value(i, f)
+            for leaf in ("boxes", "scores", "cls", "emb", "blob", "tokens", "mask", "maybe"):
+                if leaf in v:
+                    got = v[leaf][j]
+                    if leaf in want:
+                        _same(got, want[leaf])
+                    else:
+                        assert got is None
+
+
+def _chunks(store: spillmerge.MergedStore) -> int:
+    n = 0
+    for c in store.columns:
+        z = store.column(c).zarr
+        n += -(-z.shape[0] // z.chunks[0])
+    return n
+
+
+def test_rows_read_in_order_decode_each_chunk_once(out):
+    store = spillmerge.open(out)
+    assert _chunks(store) > 3 * len(store.columns)  # small chunks: many per column
+    _read_all(store)
+    stats = store.cache_stats()
+    assert stats.misses == _chunks(store), stats  # every chunk decoded exactly once
+    assert stats.nbytes <= stats.max_bytes
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 600])
+def test_no_cache_and_a_tiny_cache_read_the_same(out, cache_bytes):
+    store = spillmerge.open(out, cache_bytes=cache_bytes)
+    _read_all(store)
+    stats = store.cache_stats()
+    assert stats.nbytes <= cache_bytes and stats.max_bytes == cache_bytes
+    assert stats.misses > _chunks(store)  # chunks evicted (or never kept) are decoded again
+    assert store.column("emb").to_arrow().equals(spillmerge.open(out).column("emb").to_arrow())
+
+
+def test_rows_returned_are_the_callers_to_change(out):
+    store = spillmerge.open(out)
+    row = store["img_0001.jpg"]["emb"][0]
+    boxes = store["img_0001.jpg"]["boxes"][0]
+    want = row.copy()
+    row[:] = 0  # writable, and the cached chunk is not this array
+    boxes += 1
+    _same(store["img_0001.jpg"]["emb"][0], torch.from_numpy(want.view(np.float16)))
+    _same(store["img_0001.jpg"]["boxes"][0], _value(1, 0)["boxes"])
+
+
+def test_a_corrupt_chunk_is_never_served_from_the_cache(tmp_path, out):
+    import shutil
+
+    bad = tmp_path / "bad.zarr"
+    shutil.copytree(out, bad)
+    store = spillmerge.open(str(bad))
+    emb = store.column("emb")
+    k = emb.zarr.chunks[0]
+    assert emb[0] is not None and emb[k] is not None  # chunks 0 and 1 read (cached) while intact
+    chunk = bad / "columns" / "emb" / "values" / "c" / "2" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[3] ^= 0x40
+    chunk.write_bytes(bytes(raw))
+    before = store.cache_stats()
+    errors: list[BaseException] = []
+    served: list[object] = []
+
+    def read() -> None:
+        try:
+            served.append(store.column("emb")[2 * k])
+        except BaseException as exc:  # noqa: BLE001 - collected and checked below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    read()  # and once more after every thread failed: still not cached
+    assert not served
+    assert len(errors) == 5 and all(isinstance(e, spillmerge.CorruptSpillError) for e in errors), errors
+    assert "columns/emb/values" in str(errors[0])
+    after = store.cache_stats()
+    assert after.chunks == before.chunks and after.nbytes == before.nbytes  # nothing of it was kept
+    _same(emb[k], _value_for_row(store, k, "emb"))  # verified chunks stay served
+
+
+def _value_for_row(store: spillmerge.MergedStore, row: int, leaf: str) -> object:
+    table = store.to_arrow(columns=[])
+    name, frame = table["filename"][row].as_py(), table["frame_idx"][row].as_py()
+    return _value(int(name[4:8]), frame)[leaf]
+
+
+def test_memory_stays_bounded_under_concurrent_readers(out):
+    cache = 3000
+    store = spillmerge.open(out, cache_bytes=cache)
+    peak = [0]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def watch() -> None:
+        while not stop.wait(0.0005):
+            peak[0] = max(peak[0], store.cache_stats().nbytes)
+
+    def reader(seed: int) -> None:
+        try:
+            order = np.random.default_rng(seed).permutation(N_FILES)
+            for i in order[:60]:
+                v = store[f"img_{i:04d}.jpg"]
+                for j, f in enumerate(_frames(int(i))):
+                    want = _value(int(i), f)
+                    for leaf in ("boxes", "cls", "emb", "tokens"):
+                        _same(v[leaf][j], want[leaf])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    readers = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert not failures, failures[0]
+    assert 0 < peak[0] <= cache
+    assert store.cache_stats().misses > 0
+
+
+def test_a_str_row_decodes_a_small_chunk(tmp_path):
+    root, o = tmp_path / "spill", tmp_path / "out.zarr"
+    n = 6000
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(n):
+            w.write(f"doc_{i:05d}", 0, {"caption": f"a short caption {i}", "tokens": ["a", "b", str(i)]})
+    spillmerge.merge(str(root), str(o), progress=False)
+    store = spillmerge.open(str(o))
+    for leaf, units in (("caption", n), ("tokens", 3 * n)):
+        z = store.column(leaf).zarr
+        assert z.shape[0] == units and z.chunks[0] <= 2048  # not one chunk of every string
+    assert store["doc_04321"]["caption"][0] == "a short caption 4321"
+    assert store["doc_04321"]["tokens"][0] == ["a", "b", "4321"]
+    assert store.cache_stats().misses == 2  # one small chunk of each column
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64, None])
+def test_iter_batches_streams_what_to_arrow_holds(out, batch_size):
+    store = spillmerge.open(out)
+    whole = store.to_arrow()
+    batches = list(store.iter_batches(batch_size=batch_size))
+    assert all(isinstance(b, pa.RecordBatch) for b in batches)
+    if batch_size is not None:
+        assert all(b.num_rows <= batch_size for b in batches) and len(batches) == -(-whole.num_rows // batch_size)
+    assert pa.Table.from_batches(batches).equals(whole)
+    assert whole.column_names[:3] == ["filename", "frame_idx", "rank"]
+    assert whole.num_rows == sum(len(_frames(i)) for i in range(N_FILES))
+
+
+def test_columns_select_leaves_and_unknown_ones_are_named(out):
+    store = spillmerge.open(out)
+    whole = store.to_arrow()
+    some = store.to_arrow(columns=["tokens", "emb"])
+    assert some.column_names == ["filename", "frame_idx", "rank", "tokens", "emb"]
+    for name in some.column_names:
+        assert some[name].equals(whole[name])
+    batch = next(store.iter_batches(columns="cls", batch_size=5))
+    assert batch.schema.names == ["filename", "frame_idx", "rank", "cls"]
+    with pytest.raises(spillmerge.UnknownColumnError, match="no column 'score'") as err:
+        store.to_arrow(columns=["score"])
+    assert "boxes" in err.value.known
+
+
+def test_parquet_reads_the_same_in_polars_duckdb_and_datasets(out, tmp_path):
+    import datasets
+    import duckdb
+    import polars as pl
+
+    store = spillmerge.open(out)
+    path = tmp_path / "preds.parquet"
+    rows = store.to_parquet(path, batch_size=50)
+    table = store.to_arrow()
+    assert rows == table.num_rows
+    assert not [p for p in tmp_path.iterdir() if p.name != "preds.parquet"]  # no temporary left
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == -(-rows // 50)  # written batch by batch
+    assert pq.read_table(path).equals(table)
+
+    lazy = pl.scan_parquet(path).filter(pl.col("frame_idx") > 0).select("filename", "frame_idx", "cls", "emb")
+    got = lazy.collect()
+    want = pl.from_arrow(table).filter(pl.col("frame_idx") > 0).select("filename", "frame_idx", "cls", "emb")
+    assert got.height == sum(len(_frames(i)) - 1 for i in range(N_FILES)) and got.equals(want)
+
+    expect = table.to_pylist()
+    names = ", ".join(f'"{c}"' for c in table.column_names)
+    con = duckdb.connect()
+    duck = con.sql(f"SELECT {names} FROM read_parquet('{path}') ORDER BY filename, frame_idx").fetchall()
+    assert [tuple(r.values()) for r in expect] == duck
+    con.close()
+
+    ds = datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=str(tmp_path / "hf"))
+    assert ds.num_rows == rows and ds.column_names == table.column_names
+    assert ds.to_list() == expect
+
+
+def test_export_through_the_console_script(out, tmp_path):
+    path = tmp_path / "boxes.parquet"
+    p = subprocess.run(
+        [EXE, "export", out, "--parquet", str(path), "--columns", "boxes,cls", "--compression", "zstd"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert f"{rows_of(out)} rows" in p.stdout
+    assert pq.read_table(path).equals(spillmerge.open(out).to_arrow(columns=["boxes", "cls"]))
+    bad = subprocess.run(
+        [EXE, "export", out, "--parquet", str(tmp_path / "x.parquet"), "--columns", "nope"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "no column 'nope'" in bad.stderr
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def rows_of(out: str) -> int:
+    return spillmerge.open(out).to_arrow(columns=[]).num_rows
+
+
+def test_reading_a_path_object_and_an_empty_selection(out, tmp_path):
+    store = spillmerge.open(out)
+    keys = store.to_arrow(columns=[])
+    assert keys.column_names == ["filename", "frame_idx", "rank"]
+    assert store.to_parquet(Path(tmp_path) / "keys.parquet", columns=[]) == keys.num_rows

@@ -1,0 +1,196 @@
+"""SpillWriter.write_batch: a batch is stored exactly as its row-by-row writes, or not at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+
+# Fields of the output's JSON objects that say when, where and by whom it was written, not what:
+# "plan" digests the source segments' names (a new one per writer session), "session" counts
+# writer sessions in this process.
+_VOLATILE = {"created", "finished", "started", "written_by", "spill_root", "run_id", "time", "plan", "session"}
+
+
+def _strip(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in _VOLATILE}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def _tree(out: Path) -> dict[str, Any]:
+    """Every file under a merged output: its bytes, or for JSON its content less timestamps."""
+    files: dict[str, Any] = {}
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            raw = p.read_bytes()
+            files[str(p.relative_to(out))] = _strip(json.loads(raw)) if p.name.endswith(".json") else raw
+    return files
+
+
+def _merge(tmp: Path, name: str, writes: Any, **opts: Any) -> dict[str, Any]:
+    # A small chunk size makes batches straddle data chunks.
+    with spillmerge.SpillWriter(str(tmp / f"{name}.spill"), 0, 1, chunk_bytes=4096, **opts) as w:
+        writes(w)
+    w.merge(str(tmp / f"{name}.zarr"))
+    return _tree(tmp / f"{name}.zarr")
+
+
+def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
+    """(filenames, batch, frame_idx, the items written row by row, built by hand) per batch."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for b, size in enumerate((5, 1, 7)):
+        names = [f"img/{b}_{j}.jpg" for j in range(size)]
+        frames: Any = None
+        if kind in ("dense", "wide"):  # logits fp16, embedding bf16, an int label, a nested dict
+            # dense: 1,512 bytes a frame, so frames straddle the 4 KiB chunks; wide: frames larger than a chunk
+            width = 700 if kind == "dense" else 3000
+            logits = torch.randn(size, width, generator=g).half()
+            emb = torch.randn(size, 50, generator=g).bfloat16()
+            label = torch.randint(0, 9, (size,), generator=g)
+            batch = {"logits": logits, "emb": emb, "meta": {"label": label, "score": logits.float().numpy()[:, 0]}}
+            rows = [
+                {"logits": logits[j], "emb": emb[j], "meta": {"label": label[j], "score": logits.float().numpy()[j, 0]}}
+                for j in range(size)
+            ]
+        elif kind == "tensor":  # a plain bfloat16 tensor, video frames with explicit indices
+            batch = torch.randn(size, 3, 4, generator=g).bfloat16()
+            names = [f"clip{j % 2}.mp4" for j in range(size)]
+            frames = torch.arange(size) + 10 * b
+            rows = [batch[j] for j in range(size)]
+        elif kind == "detections":  # torchvision's list of per-image dicts, ragged
+            batch = []
+            for j in range(size):
+                k = (j * 3 + b) % 4
+                batch.append(
+                    {"boxes": torch.rand(k, 4, generator=g), "labels": torch.arange(k), "scores": torch.rand(k)}
+                )
+            rows = [dict(d) for d in batch]
+        elif kind == "text":  # strings, ragged token lists, a list of str per item; frame_idx a list
+            text = [f"caption {b}-{j} " + "ü" * j for j in range(size)]
+            ids = [list(range(j + 1)) for j in range(size)]
+            tags = [[f"t{j}"] * (j % 3 + 1) for j in range(size)]
+            batch = {"text": text, "ids": ids, "tags": tags}
+            frames = [j % 2 for j in range(size)]
+            names = [f"doc{b}_{j // 2}" for j in range(size)]
+            rows = [{"text": text[j], "ids": ids[j], "tags": tags[j]} for j in range(size)]
+        else:  # a nested TensorDict
+            td = pytest.importorskip("tensordict")
+            x = torch.randn(size, 5, generator=g)
+            batch = td.TensorDict({"x": x, "n": {"y": x[:, :2].double()}}, batch_size=[size])
+            rows = [{"x": x[j], "n": {"y": x[j, :2].double()}} for j in range(size)]
+        out.append((names, batch, frames, rows))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "tensordict"])
+def test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes(tmp_path, kind):
+    batches = _batches(kind)
+
+    def by_row(w: spillmerge.SpillWriter) -> None:
+        for names, _, frames, rows in batches:
+            idx = [0] * len(names) if frames is None else [int(f) for f in frames]
+            for name, f, row in zip(names, idx, rows, strict=True):
+                w.write(name, f, row)
+
+    def by_batch(w: spillmerge.SpillWriter) -> None:
+        for names, batch, frames, _ in batches:
+            w.write_batch(names, batch, frame_idx=frames)
+
+    rows, batched = _merge(tmp_path, "rows", by_row), _merge(tmp_path, "batch", by_batch)
+    assert rows.keys() == batched.keys()
+    for path in rows:
+        assert rows[path] == batched[path], path
+    res = spillmerge.open(str(tmp_path / "batch.zarr"))
+    assert len(res.filenames) > 1 and res.to_arrow().num_rows == sum(len(b[0]) for b in batches)
+
+
+def test_frame_idx_none_writes_frame_0_and_a_tensor_batch_reads_back(tmp_path):
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+        w.write_batch(("a.jpg", "b.jpg", "c.jpg", "d.jpg"), x)
+        w.write_batch(np.array(["e.jpg"]), {"v": np.ones((1, 3), np.float32)}["v"], frame_idx=np.array([0]))
+    w.merge(str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert sorted(res.filenames) == ["a.jpg", "b.jpg", "c.jpg", "d.jpg", "e.jpg"]
+    assert [res.frames(f).tolist() for f in res.filenames] == [[0]] * 5
+    assert res["c.jpg"][0].tolist() == [6.0, 7.0, 8.0]
+
+
+_GOOD = {"logits": torch.ones(2, 3), "name": ["p", "q"]}
+
+
+@pytest.mark.parametrize(
+    ("names", "batch", "frames", "match"),
+    [
+        # leaves disagreeing in length: the first item without a value is named with its filename
+        (["x0", "x1", "x2"], {"logits": torch.ones(3, 3), "name": ["p", "q"]}, None, r"leaf 'name' has 2 items.*item 2 \('x2'\)"),
+        # a leaf longer than the filename list
+        (["x0"], _GOOD, None, r"leaf 'logits' has 2 items but the batch has 1 filenames; its item 1 has no filename"),
+        # frame_idx of the wrong length
+        (["x0", "x1"], _GOOD, [0], r"2 filenames but 1 frame indices; item 1 \('x1'\) has no frame index"),
+        # a value the writer refuses, deep in item 1
+        (["x0", "x1"], [{"v": 1}, {"v": object()}], None, r"write_batch item 1 of 2 \('x1'\): leaf 'v' of 'x1'.*cannot store"),
+        # a leaf that is not batched
+        (["x0", "x1"], {"logits": torch.ones(2, 3), "model": "resnet"}, None, r"leaf 'model' is a str, not batched"),
+        # a bad filename / frame index at position 1
+        (["x0", 7], _GOOD, None, r"write_batch item 1 of 2: filename must be a str"),
+        (["x0", "x1"], _GOOD, [0, -1], r"write_batch item 1 of 2 \('x1'\): frame_idx must be in"),
+        # a layout change within the batch (same file, two frames of different ndim)
+        (["v", "v"], [torch.ones(2), torch.ones(2, 2)], [0, 1], r"write_batch item 1 of 2 \('v'\).*leaf '<tensor>'"),
+        # a duplicate key inside the batch with different bytes
+        (["x0", "x0"], [torch.ones(2), torch.zeros(2)], None, r"write_batch item 1 of 2 \('x0'\): frame 0 of 'x0' was already"),
+        # a duplicate of a key written before the batch
+        (["x1", "before0"], [torch.ones(2), torch.ones(2)], None, r"write_batch item 1 of 2 \('before0'\).*already written"),
+    ],
+)  # fmt: skip
+def test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing(tmp_path, names, batch, frames, match):
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1, chunk_bytes=4096) as w:
+        w.write_batch(["before0", "before1"], torch.zeros(2, 2))
+        with pytest.raises(spillmerge.SpillValueError, match=match) as ei:
+            w.write_batch(names, batch, frame_idx=frames)
+        w.write_batch(["after0"], torch.full((1, 2), 5.0))
+    assert "write_batch" in str(ei.value)
+    w.merge(str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    # the rows before and after the bad batch are kept; no row of the bad batch appears
+    assert sorted(res.filenames) == ["after0", "before0", "before1"] and res.to_arrow().num_rows == 3
+    assert res["before0"][0].tolist() == [0.0, 0.0] and res["after0"][0].tolist() == [5.0, 5.0]
+
+
+def test_a_bad_batch_names_the_leaf_in_the_error_fields(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+        with pytest.raises(spillmerge.SpillValueError) as ei:
+            w.write_batch(["a", "b", "c"], {"m": {"boxes": [torch.ones(1, 4), torch.ones(2, 4), {"k": object()}]}})
+    assert (ei.value.leaf, ei.value.filename, ei.value.batch_index) == ("m/boxes/k", "c", 2)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path, as_tensor):
+    def run(name: str, policy: str, batched: bool) -> dict[str, Any]:
+        def writes(w: spillmerge.SpillWriter) -> None:
+            w.write("k", 0, torch.tensor([1.0]))
+            names, vals = ["k", "j", "j"], [torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([4.0])]
+            if batched:  # a list of per-item values, or one tensor with the batch first
+                w.write_batch(names, torch.stack(vals) if as_tensor else vals)
+            else:
+                for n, v in zip(names, vals, strict=True):
+                    w.write(n, 0, v)
+
+        return _merge(tmp_path, name, writes, on_duplicate=policy)
+
+    for policy in ("first", "last"):
+        assert run(f"r-{policy}", policy, False) == run(f"b-{policy}", policy, True)
+    last = spillmerge.open(str(tmp_path / "b-last.zarr"))
+    first = spillmerge.open(str(tmp_path / "b-first.zarr"))
+    assert (last["k"][0].item(), last["j"][0].item()) == (2.0, 4.0)
+    assert (first["k"][0].item(), first["j"][0].item()) == (1.0, 3.0)
