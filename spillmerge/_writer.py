@@ -357,12 +357,13 @@ class SpillWriter:
         key = (file_id, frame)
         prev = self._keys.get(key)
         if prev is not None:
-            self._rewrites += 1
             if self.on_duplicate == "first":
+                self._rewrites += 1
                 return
             if self.on_duplicate == "error":
                 if self._same_as_written(prev, leaves, layout_ids):  # identical content is never an error
                     self._identical_rewrites += 1
+                    self._rewrites += 1
                     return
                 raise DuplicateFrameError(
                     f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
@@ -372,6 +373,7 @@ class SpillWriter:
                     ranks=[self.rank],
                 )
             self._dead_rows.append(prev)
+            self._rewrites += 1  # "last": the earlier copy is dropped
         layout_ids = self._schema.accept(file_id, new_schema, layouts, layout_ids)
         if file_id == len(self._filenames):
             self._filenames.append(filename)

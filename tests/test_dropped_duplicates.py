@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
@@ -41,3 +42,18 @@ def test_a_commit_record_without_rewrites_still_reads(tmp_path):
     del rec["rewrites"]  # as written before the field existed
     (seg / "commit.json").write_text(json.dumps(rec))
     assert spillmerge.merge(str(root), str(tmp_path / "out")).rewrites == 0
+
+
+def test_a_refused_rewrite_is_not_counted_and_policies_count_what_they_drop(tmp_path):
+    w = spillmerge.SpillWriter(str(tmp_path / "a"))
+    with w:
+        w.write("a.png", 0, torch.ones(1))
+        with pytest.raises(spillmerge.DuplicateFrameError):
+            w.write("a.png", 0, torch.zeros(1))  # different bytes: refused, nothing dropped
+    assert w.stats()["rewrites"] == 0
+    for policy in ("first", "last"):
+        with spillmerge.SpillWriter(str(tmp_path / policy), on_duplicate=policy) as w:
+            w.write("a.png", 0, torch.ones(1))
+            w.write("a.png", 0, torch.zeros(1))
+        rep = spillmerge.merge(str(tmp_path / policy), str(tmp_path / f"{policy}.zarr"))
+        assert (w.stats()["rewrites"], rep.rewrites, rep.dropped_duplicates) == (1, 1, 1), policy
