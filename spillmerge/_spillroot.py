@@ -251,9 +251,11 @@ def check_not_stale(storage: Storage, rank: int, world_size: int) -> None:
     """A writer's check before any compute: its own rank folder and rank 0's (which every run
     writes) hold no commit of another world size, and no rank folder lies outside
     ``world_size``; a few listings and small reads, whatever the size of the root."""
+    segments = {rank: list_segments(storage, rank)}  # first its own folder, which open() lists anyway
     ranks = list_ranks(storage)
-    mine = {r for r in (0, rank) if r in ranks} | set([r for r in ranks if r >= world_size][:5])
-    stale = stale_segments(storage, {r: list_segments(storage, r) for r in sorted(mine)}, world_size)
+    for r in {0} & set(ranks) | set([r for r in ranks if r >= world_size][:5]):
+        segments.setdefault(r, list_segments(storage, r))
+    stale = stale_segments(storage, segments, world_size)
     if stale:
         raise stale_error(storage, stale, world_size)
 
