@@ -265,6 +265,31 @@ def require(module: str, *, package: str, extra: str, feature: str):  # type: ig
         raise MissingDependencyError(package, extra, feature) from None
 
 
+class NotAnOutputError(SpillMergeError, ValueError):
+    """A path opened as a merged output is not one; ``kind`` says what it is: ``"missing"`` (does
+    not exist), ``"file"``, ``"spill"`` (a spill root: merge it first) or ``"other"`` (a folder
+    spillmerge did not write). ``path`` names it."""
+
+    def __init__(self, message: str, *, path: str, kind: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.kind = kind
+
+
+class UnknownLeafError(SpillMergeError, KeyError):
+    """A file's value has no leaf ``leaf`` (a ``KeyError``, so ``in`` / ``.get`` idioms work);
+    ``filename`` names the file and ``known`` lists the leaf paths it has."""
+
+    def __init__(self, message: str, *, filename: str, leaf: str, known: list[str]) -> None:
+        super().__init__(message)
+        self.filename = filename
+        self.leaf = leaf
+        self.known = known
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
 def require_torch(feature: str):  # type: ignore[no-untyped-def]
     """torch, imported where it is needed: reading an output never needs it, writing does
     (``pip install 'spillmerge[torch]'``, or any torch >= 2.2)."""
@@ -295,3 +320,16 @@ class PickleNotAllowedError(SpillMergeError, ValueError):
 class RaggedShapeError(SpillMergeError, ValueError):
     """Rows of a ragged leaf with different shapes were asked for as one stacked array; read them
     with ``to_list()`` or the flat ``values`` / ``offsets`` / ``shapes``."""
+
+
+class StaleSpillError(SpillMergeError, ValueError):
+    """A spill root holds segments of an earlier run with another world size: nothing is corrupt,
+    but they cannot be merged with this run's. ``stale`` maps each such segment's path to the world
+    size it was written with; ``world_size`` is this run's. Remove the root, choose another one, or
+    merge the old run alone with its own ``world_size``."""
+
+    def __init__(self, message: str, *, path: str, world_size: int, stale: dict[str, int]) -> None:
+        super().__init__(message)
+        self.path = path
+        self.world_size = world_size
+        self.stale = stale

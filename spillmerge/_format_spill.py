@@ -123,6 +123,9 @@ class CommitRecord:
     """CRC-32C of the catalog JSON bytes."""
     finished: str
     """UTC time the commit was written."""
+    rewrites: int = 0
+    """Writes of a key this segment already held, dropped by the writer's duplicate policy (0 in
+    records written before the field existed)."""
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
@@ -148,6 +151,7 @@ class CommitRecord:
             index_crc32c=int_field(obj, "index_crc32c", path, hi=0xFFFFFFFF),
             catalog_crc32c=int_field(obj, "catalog_crc32c", path, hi=0xFFFFFFFF),
             finished=str(finished),
+            rewrites=int_field(obj, "rewrites", path, hi=1 << 40) if "rewrites" in obj else 0,
         )
 
 

@@ -17,20 +17,21 @@ from . import _format_spill as FS
 from . import _invariants as V
 from ._errors import SpillMergeError
 from ._invariants import Problem
-from ._output import header
+from ._output import header, not_an_output, what_is
 from ._spillroot import load_segment, scan
 from ._storage import Storage
 
 
 def detect(storage: Storage) -> str:
     """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
-    if not storage.exists(""):
-        raise SpillMergeError(f"{storage.describe()} does not exist")
+    kind = what_is(storage)
+    if kind in ("missing", "file"):
+        raise not_an_output(storage, kind)
     if header(storage) is not None:
         return "merged"
-    if any(FS.parse_rank_dirname(n) is not None for n in storage.listdir("")):
+    if kind == "spill":
         return "spill"
-    raise SpillMergeError(f"{storage.describe()} is neither a spill root (no rank-NNNNN folders) nor a merged output")
+    raise not_an_output(storage, kind)
 
 
 def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:

@@ -256,6 +256,7 @@ class _Job:
             wait_seconds=t_wait,
             merge_seconds=t_end - self.t0 - t_wait,
             duplicates=plan.duplicates,
+            rewrites=sum(s.commit.rewrites for s in self.segments if s.commit is not None),
             missing_ranks=sorted([*self.state.missing, *self.state.failed]),
             abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
             salvaged_frames=self.salvaged,

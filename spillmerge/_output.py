@@ -12,8 +12,9 @@ from typing import Any
 
 from . import _format as F
 from . import _format_output as FO
+from . import _format_spill as FS
 from . import _lease, _parts
-from ._errors import CorruptSpillError, OutputExistsError, UnsafePathError
+from ._errors import CorruptSpillError, NotAnOutputError, OutputExistsError, UnsafePathError
 from ._storage import Storage
 
 
@@ -38,8 +39,8 @@ def _is_ours_name(name: str) -> bool:
 
 def check_claimable(output: Storage) -> None:
     """Refuse, before creating anything, an output folder that holds something spillmerge did
-    not write (``OutputExistsError``)."""
-    if output.exists("") and output.listdir("") and not is_ours(output):
+    not write (``OutputExistsError``), or a file (below which nothing can be read)."""
+    if output.exists("") and (what_is(output) == "file" or output.listdir("") and not is_ours(output)):
         raise not_ours(output)
 
 
@@ -90,9 +91,36 @@ def header(storage: Storage) -> dict[str, Any] | None:
     return None
 
 
+def what_is(storage: Storage) -> str:
+    """What is at a path that is not a (complete or torn) output: ``"missing"``, ``"file"``,
+    ``"spill"`` (it has rank folders) or ``"other"``; so a message can name the next step."""
+    with storage.storage_errors("check", ""):
+        if not storage.fs.exists(storage.path("")):
+            return "missing"
+        if storage.fs.isfile(storage.path("")):
+            return "file"
+    if any(FS.parse_rank_dirname(n) is not None for n in storage.listdir("")):
+        return "spill"
+    return "other"
+
+
+def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError:
+    """The error for opening, inspecting or verifying something that is no output, naming what it is."""
+    kind = kind or what_is(storage)
+    where = storage.describe()
+    why = {
+        "missing": f"{where} does not exist",
+        "file": f"{where} is a file, not a spillmerge output (a folder)",
+        "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` and open OUT",
+        "other": f"{where} is not a spillmerge output (no zarr.json) nor a spill root (no rank-NNNNN folders)",
+    }[kind]
+    return NotAnOutputError(why, path=where, kind=kind)
+
+
 def not_ours(output: Storage) -> OutputExistsError:
+    what = {"file": "a file", "spill": "a spill root"}.get(what_is(output), "a folder")
     return OutputExistsError(
-        f"{output.describe()} exists and is not a spillmerge output; choose another --out "
+        f"{output.describe()} exists and is {what}, not a spillmerge output; choose another --out "
         "(spillmerge never deletes a folder it did not write)",
         path=output.describe(),
     )

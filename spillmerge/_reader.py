@@ -26,10 +26,12 @@ from ._errors import (
     CorruptSpillError,
     FormatVersionError,
     IncompleteOutputError,
-    SpillMergeError,
+    SpillStorageError,
     UnknownColumnError,
     UnknownFileError,
 )
+from ._leafdict import LeafDict
+from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
 from ._views import LeafView, OpenColumn
@@ -295,9 +297,11 @@ class V2Files:
         filename = self._names[i]
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
+        out = LeafDict(filename)
         if flat:
-            return {key: cls(col, a, b, filename) for key, cls, col in flat}
-        out: dict[str, Any] = {}
+            for key, cls, col in flat:
+                out[key] = cls(col, a, b, filename)
+            return out
         for col in cols:
             set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
         return out
@@ -380,10 +384,15 @@ class MergedStore(Mapping[str, Any]):
 
         self.cache = ChunkCache(cache_bytes)
         self.storage = Storage(out, storage_options)
-        marker = self.storage.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        try:
+            marker = self.storage.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        except SpillStorageError:
+            if what_is(self.storage) == "file":  # reading below a file fails with "Not a directory"
+                raise not_an_output(self.storage, "file") from None
+            raise
         if marker is None:
             if not self.storage.exists("zarr.json"):
-                raise SpillMergeError(f"{self.storage.describe()} is not a spillmerge output (no zarr.json)")
+                raise not_an_output(self.storage)
             raise IncompleteOutputError(
                 f"{self.storage.describe()} is incomplete (no {FO.COMPLETE_NAME}): the merge that wrote it "
                 "did not finish; run the merge again",

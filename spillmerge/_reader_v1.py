@@ -21,6 +21,7 @@ from ._invariants import (
     provenance_problems,
     read_index,
 )
+from ._leafdict import LeafDict
 
 if TYPE_CHECKING:
     import torch
@@ -184,7 +185,7 @@ class V1Files:
             meta: Any = node.attrs["spillmerge"]
             return LeafArray(node, meta["dtype"], filename)
         # Dict value: every array below the file's group knows its original leaf path.
-        out: dict[str, Any] = {}
+        out = LeafDict(filename)
         for _, child in sorted(node.members(max_depth=None), key=lambda kv: kv[0]):
             if isinstance(child, zarr.Array):
                 meta = child.attrs["spillmerge"]  # type: ignore[assignment]
@@ -192,9 +193,9 @@ class V1Files:
         return out
 
 
-def set_nested(out: dict[str, Any], path: list[str] | tuple[str, ...], value: Any) -> None:
+def set_nested(out: LeafDict, path: list[str] | tuple[str, ...], value: Any) -> None:
     for k in path[:-1]:
-        out = out.setdefault(k, {})
+        out = out.child(k)
     out[path[-1]] = value
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +38,8 @@ class MergeReport:
     merge_seconds: float
     """Time spent validating, planning and writing."""
     duplicates: int
-    """Duplicate (filename, frame) copies dropped (identical content, or by the duplicate policy)."""
+    """Duplicate (filename, frame) copies dropped across segments (identical content, or by the
+    duplicate policy); copies a rank wrote twice itself are in ``rewrites``."""
     missing_ranks: list[int] = field(default_factory=list)
     """Ranks without a commit record (only with ``allow_partial=True``)."""
     abandoned_segments: list[str] = field(default_factory=list)
@@ -69,6 +72,31 @@ class MergeReport:
     """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
     transfer_senders: dict[int, list[int]] = field(default_factory=dict)
     """Sending rank → the ranks whose shards it moved (one sender per group sharing a disk)."""
+    rewrites: int = 0
+    """Duplicate copies each rank dropped itself (a key written twice by one writer; the sum of
+    its ``stats()["rewrites"]``, from the commit records of the merged segments)."""
+
+    @property
+    def dropped_duplicates(self) -> int:
+        """Every duplicate (filename, frame) copy dropped: across segments (``duplicates``) and
+        within a rank (``rewrites``). With a ``DistributedSampler`` that pads the last batch, this
+        is the padding."""
+        return self.duplicates + self.rewrites
+
+    def to_json(self) -> bytes:
+        """The report as JSON (dict keys that are ranks become strings; ``from_json`` restores them)."""
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> MergeReport:
+        """The report ``to_json`` wrote (unknown keys are ignored: a newer spillmerge may add some)."""
+        obj: dict[str, Any] = json.loads(data)
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in obj.items() if k in known}
+        for name in ("salvaged_frames", "transferred", "transfer_senders"):  # JSON keys are strings
+            if isinstance(kw.get(name), dict):
+                kw[name] = {int(k): v for k, v in kw[name].items()}
+        return cls(**kw)
 
     @property
     def filenames(self) -> int:  # the contract's name for the count
@@ -93,8 +121,8 @@ class MergeReport:
             moved = sum(self.transferred.values()) / (1 << 30)
             s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
         s += "".join(f"; {n}" for n in self.notes if n.startswith(_INLINE_NOTES))
-        if self.duplicates:
-            s += f"; {self.duplicates} duplicate frame copies dropped"
+        if self.dropped_duplicates:
+            s += f"; {self.dropped_duplicates} duplicate frame copies dropped"
         if self.missing_ranks:
             s += f"; PARTIAL: ranks {self.missing_ranks} missing"
             if self.salvaged_frames:

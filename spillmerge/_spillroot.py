@@ -19,6 +19,7 @@ from ._errors import (
     FormatVersionError,
     IncompleteSpillError,
     RankFailedError,
+    StaleSpillError,
 )
 from ._storage import Storage
 
@@ -160,17 +161,21 @@ def assess(
     storage: Storage, segments: dict[int, list[Segment]], world_size: int | None, run_id: str | None
 ) -> SpillState:
     if world_size is None:
-        sizes = {s.world_size for segs in segments.values() for s in segs if s.world_size is not None}
+        sizes = {s.commit.world_size for segs in segments.values() for s in segs if s.commit is not None}
+        sizes = sizes or {s.world_size for segs in segments.values() for s in segs if s.world_size is not None}
         if not sizes:
             raise IncompleteSpillError(
                 f"{storage.describe()}: no spill segments found (is this a spill root?)", missing=[]
             )
         if len(sizes) > 1:
-            raise CorruptSpillError(
-                f"{storage.describe()}: segments disagree on world_size ({sorted(sizes)}); "
-                "pass world_size explicitly or merge each job's root separately",
-                path=storage.describe(),
+            # The newest committed segment's run is taken as the one to merge; the others are stale.
+            newest = max(
+                (s for segs in segments.values() for s in segs if s.commit is not None),
+                key=lambda s: s.name.split("-")[2],  # seg-SEQ-TIME-RAND: TIME in microseconds, UTC
+                default=None,
             )
+            world_size = newest.commit.world_size if newest is not None and newest.commit else max(sizes)
+            raise stale_error(storage, stale_segments(storage, segments, world_size), world_size)
         world_size = sizes.pop()
     committed: list[Segment] = []
     failed: dict[int, FS.FailureRecord] = {}
@@ -178,6 +183,9 @@ def assess(
     incomplete: dict[int, str] = {}
     abandoned: list[Segment] = []
     partial: dict[int, Segment] = {}
+    stale = stale_segments(storage, segments, world_size)
+    if stale:
+        raise stale_error(storage, stale, world_size)
     extra = sorted(r for r in segments if r >= world_size)
     if extra:
         raise CorruptSpillError(
@@ -187,14 +195,6 @@ def assess(
         )
     for rank in range(world_size):
         segs = segments.get(rank, [])
-        for s in segs:
-            if s.commit is not None and s.commit.world_size != world_size:
-                raise CorruptSpillError(
-                    f"{storage.describe(s.rel)} was written with world_size {s.commit.world_size}, "
-                    f"expected {world_size}",
-                    path=storage.describe(s.rel),
-                    rank=rank,
-                )
         if run_id is not None:
             mine = [s for s in segs if s.run_id == run_id]
             done = [s for s in mine if s.commit is not None]
@@ -226,6 +226,49 @@ def assess(
         last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
         abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
     return SpillState(world_size, committed, failed, missing, incomplete, abandoned, partial)
+
+
+def stale_segments(storage: Storage, segments: dict[int, list[Segment]], world_size: int) -> dict[str, int]:
+    """Segments left by an earlier run with another world size: committed ones whose commit
+    record says so, and those in rank folders outside ``world_size`` (by their header), as
+    path → the world size they were written with. An empty rank folder, or one whose segments
+    say nothing, is no run's: ``assess`` reports it as it is."""
+    out: dict[str, int] = {}
+    for rank, segs in sorted(segments.items()):
+        for s in segs:
+            ws = s.commit.world_size if s.commit is not None else s.world_size if rank >= world_size else None
+            if ws is not None and ws != world_size:
+                out[storage.describe(s.rel)] = ws
+    return out
+
+
+def stale_error(storage: Storage, stale: dict[str, int], world_size: int) -> StaleSpillError:
+    """The error naming stale segments (``stale_segments``) and the way out; nothing is corrupt."""
+    sizes = ", ".join(map(str, sorted(set(stale.values()))))
+    shown = ", ".join(f"{p} (world_size {ws})" for p, ws in list(stale.items())[:5])
+    more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
+    root = storage.describe()
+    return StaleSpillError(
+        f"{root} holds {len(stale)} segment(s) of an earlier run with world_size {sizes}, but this run has "
+        f"world_size {world_size}: {shown}{more}. Nothing is corrupt, but runs of different world sizes cannot "
+        f"be merged together: remove the spill root (or those segments), or spill to another root",
+        path=root,
+        world_size=world_size,
+        stale=stale,
+    )
+
+
+def check_not_stale(storage: Storage, rank: int, world_size: int) -> None:
+    """A writer's check before any compute: its own rank folder and rank 0's (which every run
+    writes) hold no commit of another world size, and no rank folder lies outside
+    ``world_size``; a few listings and small reads, whatever the size of the root."""
+    segments = {rank: list_segments(storage, rank)}  # first its own folder, which open() lists anyway
+    ranks = list_ranks(storage)
+    for r in {0} & set(ranks) | set([r for r in ranks if r >= world_size][:5]):
+        segments.setdefault(r, list_segments(storage, r))
+    stale = stale_segments(storage, segments, world_size)
+    if stale:
+        raise stale_error(storage, stale, world_size)
 
 
 def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | None = None) -> None:

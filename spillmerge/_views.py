@@ -40,6 +40,11 @@ def real_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(dt.storage)
 
 
+def _dims(shape: Any) -> tuple[int, ...]:
+    """A shape as plain ints: a tuple of numpy ints would print as ``(np.int64(4),)`` in messages."""
+    return tuple(int(d) for d in shape)
+
+
 class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
     ``shapes``), read and checked once when the output is opened, kept in memory. Its ``values``
@@ -443,11 +448,11 @@ class RaggedView(_OffsetView):
         if len(shapes) and np.any(shapes != shapes[0]):
             i = int(np.flatnonzero((shapes != shapes[0]).any(axis=1))[0])
             raise RaggedShapeError(
-                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {tuple(shapes[0])} and "
-                f"{tuple(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
+                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {_dims(shapes[0])} and "
+                f"{_dims(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
                 ".values / .offsets / .shapes (the flat form)"
             )
-        shape = tuple(shapes[0]) if len(shapes) else (0,) * self.ndim
+        shape = _dims(shapes[0]) if len(shapes) else (0,) * self.ndim
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:

@@ -35,7 +35,7 @@ from ._report import MergeReport
 from ._round import Rounds
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import load_committed_keys, remove_all
+from ._spillroot import check_not_stale, load_committed_keys, remove_all
 from ._staging import Staging
 from ._storage import Storage
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
@@ -154,6 +154,9 @@ class SpillWriter:
         """Start a new segment (called by ``__enter__``)."""
         if self._state is not WriterState.NEW:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
+        # Before any compute: a root left by a run of another world size cannot be merged with
+        # this one (every rank checks, so every rank fails here, not only the merging one).
+        check_not_stale(self.storage, self.rank, self.world_size)
         self.run_id = resolve_run_id(self._run_id_arg)
         self._session_number = next_session(self.run_id)
         self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
@@ -164,6 +167,7 @@ class SpillWriter:
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
+        self._rewrites = 0  # writes of a key already written, whatever the policy kept
         self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
         self._committed_keys: dict[str, set[int]] | None = None
@@ -380,10 +384,12 @@ class SpillWriter:
         prev = self._keys.get(key)
         if prev is not None:
             if self.on_duplicate == "first":
+                self._rewrites += 1
                 return
             if self.on_duplicate == "error":
                 if self._same_as_written(prev, leaves, layout_ids):  # identical content is never an error
                     self._identical_rewrites += 1
+                    self._rewrites += 1
                     return
                 raise DuplicateFrameError(
                     f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
@@ -393,6 +399,7 @@ class SpillWriter:
                     ranks=[self.rank],
                 )
             self._dead_rows.append(prev)
+            self._rewrites += 1  # "last": the earlier copy is dropped
         layout_ids = self._schema.accept(file_id, new_schema, layouts, layout_ids)
         if file_id == len(self._filenames):
             self._filenames.append(filename)
@@ -429,9 +436,15 @@ class SpillWriter:
         return self._staging.same_bytes(staged)
 
     def _check_open(self) -> None:
+        if self._state is WriterState.NEW:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} was never opened: call `open()` first, or use "
+                "`with SpillWriter(...) as w:` (it opens, commits on success and records a failure)"
+            )
         if self._state is not WriterState.OPEN:
             raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} is {self._state}; write inside `with SpillWriter(...)`"
+                f"SpillWriter for rank {self.rank} is {self._state}: it takes no more writes; write inside "
+                "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
             )
         self._staging.check()
 
@@ -499,6 +512,7 @@ class SpillWriter:
             n_files=len(self._filenames),
             nbytes=nbytes,
             n_chunks=n_chunks,
+            rewrites=self._rewrites,
             chunk_bytes=chunk,
             index_crc32c=google_crc32c.value(index_bytes),
             catalog_crc32c=google_crc32c.value(catalog),
@@ -652,7 +666,9 @@ class SpillWriter:
     def stats(self) -> dict[str, int]:
         """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated, and
         ``identical_rewrites``: writes of a key already written with the same bytes (kept once,
-        under ``on_duplicate="error"``)."""
+        under ``on_duplicate="error"``); ``rewrites``: every write of a key already written (kept
+        once by the policy), recorded in the commit record and summed by the merge into
+        ``MergeReport.rewrites`` / ``dropped_duplicates``."""
         return {
             "frames": len(getattr(self, "_keys", {})),
             "rows": getattr(self, "_n_rows", 0),
@@ -660,6 +676,7 @@ class SpillWriter:
             "chunks": self._staging.n_chunks,
             "staging_buffers": self._staging.allocated,
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
+            "rewrites": getattr(self, "_rewrites", 0),
         }
 
 

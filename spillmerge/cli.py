@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "merge",
         help="merge a spill root into one Zarr store",
         description="Merge every committed segment of a spill root into one consolidated Zarr v3 store "
-        "(one array per filename, rows in frame order).",
+        "(format version 2: one array per leaf column across every (filename, frame) row, rows grouped "
+        "by file in frame order; docs/FORMAT.md). Read it with spillmerge.open(OUT).",
         formatter_class=_Formatter,
         epilog="Example:\n  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr\n"
         "  spillmerge merge --config configs/demo.toml --timeout 600 --codec zstd\n"
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser(
         "inspect",
         help="summarise a spill root or a merged store",
-        description="Summarise a spill root (ranks, segments, files, frames, bytes, dtypes) or a merged store.",
+        description="Summarise a spill root (ranks, segments, files, frames, bytes, dtypes) or a merged store "
+        "(files, frames, leaf columns and their dtypes).",
         formatter_class=_Formatter,
         epilog="Example:\n  spillmerge inspect ./spill\n  spillmerge inspect ./merged.zarr --json\n"
         "  spillmerge inspect ./merged.zarr --expected manifest.csv --plot coverage.png\n\n"

@@ -102,3 +102,30 @@ def enospc_spill(root: str, result: str) -> None:
         info.update(error=type(exc).__name__, message=str(exc), path=getattr(exc, "path", None))
     with open(result, "w") as f:
         json.dump(info, f)
+
+
+def stale_root_rank(rank: int, world: int, port: int, base: str) -> None:
+    """2 gloo ranks on a spill root left by a 1-rank run: every rank fails at `with SpillWriter`,
+    before writing anything, with the error naming the stale segment."""
+    import torch.distributed as dist
+
+    import spillmerge
+
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    info: dict = {"rank": rank, "wrote": False}
+    try:
+        with spillmerge.SpillWriter(os.path.join(base, "spill")) as w:
+            info["wrote"] = True
+            w.write("clip.mp4", rank, frame("clip.mp4", rank))
+    except spillmerge.SpillMergeError as exc:
+        info.update(
+            error=type(exc).__name__, message=str(exc), value_error=isinstance(exc, ValueError),
+            stale=getattr(exc, "stale", None), world_size=getattr(exc, "world_size", None),
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+        os.makedirs(os.path.join(base, "results"), exist_ok=True)
+        with open(os.path.join(base, "results", f"rank-{rank}.json"), "w") as f:
+            json.dump(info, f)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
+import subprocess
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,6 +277,29 @@ def test_pytorch_lightning_callback_with_key_fn_and_a_failing_batch(tmp_path):
     with pytest.raises(spillmerge.RankFailedError, match="bad batch") as ei:
         spillmerge.merge(str(tmp_path / "spill2"), str(tmp_path / "out2.zarr"))
     assert list(ei.value.failures) == [0]
+
+
+def test_lightning_ddp_spawn_report_reaches_the_launching_process(tmp_path):
+    """Under ``ddp_spawn`` the ranks are child processes and the launching process runs no hook:
+    ``writer.report`` there reads the report the merging rank left in the spill root (and the
+    callback, default key mapping included, pickles into the ranks)."""
+    pytest.importorskip("lightning")
+
+    script = Path(__file__).with_name("_ddp_spawn_scenario.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    p = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "spill"), str(tmp_path / "out.zarr")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["before"] and got["type"] == "MergeReport", got
+    assert (got["n_frames"], got["ranks"], got["dropped"]) == (7, [0, 1], 0), got
+    assert got["frames"] == list(range(7))
+    # a later callback (another run) does not take this run's report for its own
+    from spillmerge.integrations.lightning import SpillPredictionWriter
+
+    assert SpillPredictionWriter(str(tmp_path / "spill"), str(tmp_path / "out.zarr")).report is None
 
 
 def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):

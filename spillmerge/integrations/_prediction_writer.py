@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import _batch
 from .._errors import SpillValueError
+from .._report import MergeReport
+from .._storage import Storage
 from .._writer import SpillWriter
+
+REPORT_NAME = "spillmerge-report.json"
+"""In the spill root: the merging rank's :class:`MergeReport`, for a launching process that ran
+no hook itself (``ddp_spawn``)."""
 
 KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
 """``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
@@ -90,8 +98,34 @@ class SpillPredictionWriterMixin:
         self.writer_options = dict(writer_options or {})
         self.merge_options = dict(merge_options or {})
         self.writer: SpillWriter | None = None
-        self.report: Any = None
-        """The :class:`~spillmerge.MergeReport` on the merging rank after ``predict`` (None elsewhere)."""
+        self._report: MergeReport | None = None
+        self._created = time.time()  # a report file older than this callback is an earlier run's
+
+    @property
+    def report(self) -> MergeReport | None:
+        """The :class:`~spillmerge.MergeReport` after ``predict`` on the merging rank (global rank
+        0 by default), and in the process that launched the ranks when it ran no prediction itself
+        (``ddp_spawn``): there it is read from ``ROOT/spillmerge-report.json``, which the merging
+        rank writes. None on the other ranks, and before a merge of this callback's run."""
+        if self._report is None and self.writer is None and self.out is not None:
+            self._report = self._report_from_root()
+        return self._report
+
+    @report.setter
+    def report(self, value: MergeReport | None) -> None:
+        self._report = value
+
+    def _report_from_root(self) -> MergeReport | None:
+        raw = Storage(self.root, self.storage_options).get_or_none(REPORT_NAME)
+        if raw is None:
+            return None
+        try:
+            obj = json.loads(raw)
+            if float(obj["written"]) < self._created:
+                return None
+            return MergeReport.from_json(json.dumps(obj["report"]))
+        except (ValueError, KeyError, TypeError):  # a torn or foreign file: no report, not a crash
+            return None
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self.report = None
@@ -129,6 +163,9 @@ class SpillPredictionWriterMixin:
         w.close()  # the commit record: this rank is done
         if self.out is not None:
             self.report = w.merge(self.out, **self.merge_options)
+            if self.report is not None:  # for a launching process that ran no hook (ddp_spawn)
+                doc = {"written": time.time(), "report": json.loads(self.report.to_json())}
+                w.storage.put_atomic(REPORT_NAME, json.dumps(doc).encode())
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         w = self.writer
