@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+
 from . import _format as F
 from ._storage import Storage
 
@@ -76,14 +78,13 @@ class ProgressWriter:
         self._seq = self._written_seq = 0
         self._last_put = 0.0
 
-    def durable(self, number: int, completed: list[tuple[int, int, int, int, int, int]]) -> None:
-        """Chunk ``number`` and every earlier one are durable; ``completed`` are the rows its
-        journal entry lists (whole frames, consecutive rows per frame)."""
-        frames, prev, nbytes = 0, None, 0
-        for _row, f, fr, _lay, _off, nb in completed:
-            if (f, fr) != prev:
-                frames, prev = frames + 1, (f, fr)
-            nbytes += nb
+    def durable(self, number: int, completed: np.ndarray) -> None:
+        """Chunk ``number`` and every earlier one are durable; ``completed`` are the int64 rows
+        (row, file, frame, layout, offset, nbytes) its journal entry lists (whole frames,
+        consecutive rows per frame)."""
+        keys = completed[:, 1:3]
+        frames = int(len(keys) > 0) + int(np.count_nonzero(np.any(keys[1:] != keys[:-1], axis=1)))
+        nbytes = int(completed[:, 5].sum())
         with self._lock:
             self._frames += frames
             self._rows += len(completed)

@@ -126,6 +126,25 @@ class BufferPool:
             self._free.clear()
 
 
+def completed_rows(chunk: Chunk) -> np.ndarray:
+    """The int64 ``(n, 6)`` rows (row, file, frame, layout, offset, nbytes) completed in ``chunk``,
+    in order: ``chunk.completed`` holds tuples (one row each, from ``write``) and arrays (blocks of
+    rows, from ``write_batch``)."""
+    parts: list[np.ndarray] = []
+    run: list[tuple[int, ...]] = []
+    for entry in chunk.completed:
+        if isinstance(entry, tuple):
+            run.append(entry)
+            continue
+        if run:
+            parts.append(np.array(run, dtype=np.int64))
+            run = []
+        parts.append(entry)
+    if run:
+        parts.append(np.array(run, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)
+
+
 class Flusher(threading.Thread):
     """Background thread: waits for a chunk's device copies, checksums its rows, uploads it whole
     (``flush_threads`` uploads at a time), and writes each chunk's journal entry once that chunk
@@ -228,7 +247,7 @@ class Flusher(threading.Thread):
                 with self.durable_cond:
                     self.durable = chunk.number + 1
                     self.durable_cond.notify_all()
-                self.progress.durable(chunk.number, chunk.completed)
+                self.progress.durable(chunk.number, completed_rows(chunk))
                 if self.error is None:
                     # Its chunk and every earlier one are durable now; the PUT itself may overlap
                     # the next uploads (a reader replays entries in order and stops at a gap).
@@ -241,19 +260,7 @@ class Flusher(threading.Thread):
     def _journal(self, chunk: Chunk) -> None:
         # Written only after this chunk and every earlier one are durable, so every row it lists
         # (including rows that started in earlier chunks) can be read back.
-        parts: list[np.ndarray] = []
-        run: list[tuple[int, ...]] = []
-        for entry in chunk.completed:  # tuples (one row each) and arrays (blocks of rows), in order
-            if isinstance(entry, tuple):
-                run.append(entry)
-                continue
-            if run:
-                parts.append(np.array(run, dtype=np.int64))
-                run = []
-            parts.append(entry)
-        if run:
-            parts.append(np.array(run, dtype=np.int64))
-        done = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
+        done = completed_rows(chunk)
         crc = self.crc
         rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
         rows[:, : FS.COL_CRC] = done[:, 1:]
