@@ -247,20 +247,21 @@ class Flusher(threading.Thread):
                 with self.durable_cond:
                     self.durable = chunk.number + 1
                     self.durable_cond.notify_all()
-                self.progress.durable(chunk.number, completed_rows(chunk))
+                done = completed_rows(chunk)  # once, for the progress record and the journal
+                self.progress.durable(chunk.number, done)
                 if self.error is None:
                     # Its chunk and every earlier one are durable now; the PUT itself may overlap
                     # the next uploads (a reader replays entries in order and stops at a gap).
-                    self._journals.append(self._pool.submit(self._journal, chunk))
+                    self._journals.append(self._pool.submit(self._journal, chunk, done))
             except BaseException as exc:  # noqa: BLE001
                 self.error = self.error or exc
             finally:
                 self.pool.release(chunk.host)
 
-    def _journal(self, chunk: Chunk) -> None:
+    def _journal(self, chunk: Chunk, done: np.ndarray) -> None:
         # Written only after this chunk and every earlier one are durable, so every row it lists
-        # (including rows that started in earlier chunks) can be read back.
-        done = completed_rows(chunk)
+        # (including rows that started in earlier chunks) can be read back. ``done``:
+        # completed_rows(chunk).
         crc = self.crc
         rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
         rows[:, : FS.COL_CRC] = done[:, 1:]
