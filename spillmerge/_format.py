@@ -22,8 +22,8 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 """Versions this spillmerge reads: version 1 spill roots are a subset of version 2; version 1
 outputs are read by the reader's version-1 path (docs/FORMAT.md section 5)."""
 
