@@ -21,7 +21,7 @@ import numpy as np
 from . import _codecs
 from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
-from ._spillroot import data_ranges
+from ._spillroot import block_mismatch, check_of, data_ranges, verify_block
 from ._storage import Storage
 from ._zarrmeta import values_chunk
 
@@ -82,6 +82,7 @@ def copy_units(
     in_flight = 0
     errors: list[BaseException] = []
     offsets: dict[int, np.ndarray] = {}
+    checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
     for u in todo:  # once per column, before the threads share them
         col = plan.columns[u.column]
         if col.counts is not None and u.column not in offsets:
@@ -109,7 +110,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column))
+                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked)
                 fut = pool.submit(job.write, output, codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
@@ -139,8 +140,14 @@ def _zeros(n: int) -> np.ndarray:
 class _OutputChunk:
     """Builds and writes one output chunk."""
 
-    def __init__(self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None) -> None:
+    def __init__(
+        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None,
+        checked: set[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
+        (shared by the chunks of one merge; a block checksum covers rows of many chunks)."""
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
+        self.checked = checked
 
     @property
     def key(self) -> str:
@@ -197,7 +204,13 @@ class _OutputChunk:
         out, pos = [], 0
         for r, e, n in zip(rows, ents, sizes, strict=True):
             v = buf[pos : pos + n]
-            if google_crc32c.value(v) != int(plan.crc[e]):
+            crc = int(plan.crc[e])
+            if crc < 0:  # checked by its block: read and verify the block once per merge
+                key = (int(plan.seg[e]), crc)
+                if key not in self.checked:
+                    verify_block(self.src, plan.segments[key[0]], crc)
+                    self.checked.add(key)
+            elif google_crc32c.value(v) != crc:
                 self._mismatch(r, e)
             out.append(v)
             pos += n
@@ -226,7 +239,21 @@ class _OutputChunk:
                 row = whole[lo : lo + n]
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
-            if google_crc32c.value(row) != int(plan.crc[e]):
+            crc = int(plan.crc[e])
+            if crc < 0:  # checked by its block (in one data chunk): verified once per merge
+                if (s, crc) not in self.checked:
+                    b_off, b_nb, value = check_of(seg, crc)
+                    bc, b_lo = divmod(b_off, cb)
+                    whole_b = maps.get((s, bc))
+                    if whole_b is None:
+                        whole_b = maps[(s, bc)] = self.src.view(f"{seg.seg.rel}/data/c/{bc}", 0, None)
+                    block = whole_b[b_lo : b_lo + b_nb]
+                    if len(block) != b_nb:  # the object is shorter than the checks say
+                        self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises TruncatedObjectError
+                    if google_crc32c.value(block) != value:
+                        raise block_mismatch(self.src, seg, crc)
+                    self.checked.add((s, crc))
+            elif google_crc32c.value(row) != crc:
                 self._mismatch(r, e)
             out.append(row)
         return out
