@@ -189,6 +189,7 @@ class V2Files:
         raise_: Callable[[list[V.Problem]], None],
         allow_pickle: bool,
         cache: ChunkCache,
+        storage: Storage | None = None,
     ) -> None:
         self.group = group
         self._names: Names
@@ -198,7 +199,7 @@ class V2Files:
                 raise_([("index/filenames", f"expected strings, got {raw_names.dtype}")])
             self._names = ArrayNames(raw_names.astype(object))
         else:  # bytes + offsets, read block by block when asked for (_names)
-            self._names = ChunkedNames(group, describe, cache, raise_)
+            self._names = ChunkedNames(group, describe, cache, raise_, storage)
         self._offsets = np.asarray(V.read_index(group, "frame_offsets", describe), dtype=np.int64)
         self._file_layout = np.asarray(V.read_index(group, "file_layout", describe), dtype=np.int64)
         infos, problems = V.read_columns(group)
@@ -414,7 +415,9 @@ class MergedStore(Mapping[str, Any]):
         if version == 1:
             self._files = V1Files(self.group, header, self.storage.describe, self._raise)
         else:
-            self._files = V2Files(self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache)
+            self._files = V2Files(
+                self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
+            )
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
