@@ -218,7 +218,7 @@ class V2Files:
         self.n_rows = len(frame_idx)
         self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = OpenColumn(info, self.n_rows, allow_pickle, cache)
+            col = OpenColumn(info, self.n_rows, allow_pickle, cache, storage)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
