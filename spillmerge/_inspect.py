@@ -15,6 +15,7 @@ from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from . import _invariants as V
+from . import _names as N
 from ._errors import SpillMergeError
 from ._invariants import Problem
 from ._output import header, not_an_output, what_is
@@ -74,7 +75,9 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                     loaded = load_segment(storage, s)
                     # Frames, not index rows: a frame whose value is a dict has one row per leaf.
                     keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
+                    per_file = (
+                        np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
+                    )
                     for fid, n in enumerate(per_file):
                         if n:
                             files[loaded.filenames[fid]] += int(n)
@@ -470,7 +473,12 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
     if need & damaged:
         return []
-    filenames = V.read_index(group, "filenames", storage.describe).astype(object)
+    if header.get("format_version") == 2:
+        filenames = V.read_index(group, "filenames", storage.describe).astype(object)
+    else:
+        filenames, name_problems = N.read_all(group, storage.describe)
+        if name_problems:
+            return name_problems
     offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
     file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
@@ -501,6 +509,10 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
         out.extend(V.rows_layout_problems(c, valid, col_off, in_layout(c.name)))
+        byte_text = c.kind in V.STRING_KINDS and c.arrays["values"].dtype == np.uint8  # format 3
+        if byte_text and col_off is not None and f"{rel}/values" not in damaged:
+            sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
+            out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
     return out
 
 
