@@ -207,6 +207,12 @@ def bench_e2e(n: int, world: int, repeats: int, tmp: str, pool: Any) -> list[str
                 took, check = pool.map(_read_task, [(method, root, n)])[0]
             got[method]["read"].append(took)
             got[method]["bytes"].append(written)
+            # as it goes: a run killed later (memory at 1M keys) keeps what it measured
+            print(
+                f"# {n:,} keys, repeat {r}, {method}: write {got[method]['write'][-1]:.2f} s, merge "
+                f"{got[method]['merge'][-1]:.2f} s, read {took:.2f} s, {written / 2**20:.0f} MiB written",
+                flush=True,
+            )
             checks.add(check)
             shutil.rmtree(base)
     assert len(checks) == 1, "the two methods read back different values"
