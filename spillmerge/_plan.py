@@ -348,9 +348,11 @@ def _resolve_duplicates(
         for r in range(a, b):  # rows of one key: by segment, then leaf
             groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
-        # A negative CRC names a block checksum, not the bytes: such copies are compared by bytes.
+        # A negative CRC names a block checksum, not the bytes: a copy with one (in either
+        # segment) is compared by its bytes whenever layouts and sizes agree.
+        blocked = bool((c["crc"][a:b] < 0).any())
         sigs = {
-            tuple((int(c["lp"][r]), int(c["nb"][r]), max(-1, int(c["crc"][r]))) for r in rows)
+            tuple((int(c["lp"][r]), int(c["nb"][r]), -1 if blocked else int(c["crc"][r])) for r in rows)
             for rows in groups.values()
         }
         identical = len(sigs) == 1
@@ -366,7 +368,7 @@ def _resolve_duplicates(
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
                 f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
-                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 else "")
+                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 and not blocked else "")
                 + "; merge with on_duplicate='first' "
                 "or 'last' (--on-duplicate) to pick one",
                 filename=fname,
