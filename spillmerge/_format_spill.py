@@ -20,6 +20,7 @@ from ._format import (
     HARD_MAX_BYTES,
     MAX_LEAF_BYTES,
     MAX_NDIM,
+    STRING_MAX_BYTES,
     check_header,
     dumps,
     failure_now,
@@ -27,6 +28,7 @@ from ._format import (
     get_dtype,
     int_field,
     loads,
+    shape_problem,
     str_or_none,
 )
 
@@ -323,6 +325,13 @@ class Layout:
         lay = cls(tuple(leaf), str(dtype), tuple(shape))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
+        # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
+        # merge of such a leaf would succeed and leave an unreadable output.
+        bad = shape_problem(lay.shape) if lay.kind == "num" and lay.nbytes == 0 else None
+        if lay.kind in ("str", "strlist") and lay.nbytes > STRING_MAX_BYTES:
+            bad = f"a string of {lay.nbytes} bytes, more than {STRING_MAX_BYTES}"
+        if bad is not None:
+            raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay
 
     def leaf_name(self) -> str:

@@ -190,8 +190,9 @@ class _Job:
         """Barrier → load → plan: everything before the first byte of output."""
         t0 = time.perf_counter()
         chunk_bytes, threads = options.chunk_bytes, options.threads
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
+            # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md 2.3)
+            raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)
         storage_options, out_storage_options = options.storage_options, options.out_storage_options
@@ -236,6 +237,11 @@ class _Job:
         phases["load"] = time.perf_counter() - t
         t = time.perf_counter()
         plan = build(loaded, options.on_duplicate, same_bytes=functools.partial(same_bytes, src))
+        if plan.n_files > FO.STRING_CHUNK_STRINGS_MAX:  # index/filenames is one string chunk
+            raise SpillValueError(
+                f"{plan.n_files} files, more than the {FO.STRING_CHUNK_STRINGS_MAX} an output's filename index "
+                "may hold (docs/FORMAT.md 2.3)"
+            )
         plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
         options = replace(options, codec=codec)

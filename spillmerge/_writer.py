@@ -406,7 +406,9 @@ class SpillWriter:
             self._file_ids[filename] = file_id
         first_row, n_leaves = self._n_rows, len(leaves)
         if first_row + n_leaves > len(self._rows):
-            self._rows = np.concatenate([self._rows, np.zeros((len(self._rows) + n_leaves, FS.INDEX_COLUMNS), np.int64)])
+            self._rows = np.concatenate(
+                [self._rows, np.zeros((len(self._rows) + n_leaves, FS.INDEX_COLUMNS), np.int64)]
+            )
         off, rows = self._staging.offset, []
         for leaf, lid in zip(leaves, layout_ids, strict=True):
             rows.append((file_id, frame, lid, off, leaf.nbytes))

@@ -187,3 +187,87 @@ def test_foreign_folders_in_the_root_are_ignored_and_rank_names_validated(tmp_pa
     (root / "rank-00007").mkdir()
     with pytest.raises(spillmerge.CorruptSpillError, match="outside world_size 1"):
         spillmerge.merge(str(root), str(tmp_path / "out2"))
+
+
+# --------------------------------------------------------------------------------------------
+# issue 26: sizes computed from an output's metadata, limits the writer must enforce first
+
+
+def _ragged_output(tmp: Path) -> Path:
+    """An output whose ragged column ``m`` has an empty row (row 0: shape ``[0, 2]``, offsets
+    step 0), so a ``shapes`` row of product 0 is consistent with the offsets."""
+    root, out = tmp / "spill", tmp / "out"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"m": torch.empty(0, 2)})
+        w.write("a.mp4", 1, {"m": torch.ones(2, 3)})
+        w.write("b.mp4", 0, {"m": torch.ones(1, 1)})
+    spillmerge.merge(str(root), str(out))
+    return out
+
+
+@pytest.mark.parametrize("row", [[2**32, 2**32], [2**27, 0], [2**31, 2**33]])
+def test_shapes_row_of_product_zero_is_refused(tmp_path: Path, row: list[int]) -> None:
+    """``[2**32, 2**32]`` wraps to 0 elements in int64, ``[2**27, 0]`` has none but 2**27 list
+    entries: both agree with an offsets step of 0, and both are refused by ``open`` and
+    ``verify`` (``to_arrow`` would allocate gigabytes, reading the row raise a raw ValueError)."""
+    out = _ragged_output(tmp_path)
+    shapes_chunk = out / "columns/m/shapes/c/0/0"
+    shapes = np.frombuffer(shapes_chunk.read_bytes()[:-4], dtype="<i8").reshape(3, 2).copy()
+    assert shapes[0].tolist() == [0, 2]
+    shapes[0] = row
+    raw = shapes.tobytes()
+    shapes_chunk.write_bytes(raw + google_crc32c.value(raw).to_bytes(4, "little"))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"columns/m/shapes: row 0's shape"):
+        spillmerge.open(str(out))
+    rep = spillmerge.verify(str(out))
+    assert any("columns/m/shapes: row 0's shape" in p for p in rep.problems), rep.problems
+
+
+def test_writer_refuses_what_readers_refuse(tmp_path: Path) -> None:
+    """A filename longer than the format allows, or an empty value with 2**27 entries before its
+    zero, is a ``SpillValueError`` naming the filename at ``write()`` and ``write_batch()``: a
+    merge of it would succeed and leave an output ``open`` refuses. Nothing is written."""
+    long = "f" * (1 << 20)
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        with pytest.raises(spillmerge.SpillValueError, match="more than the 65536 a filename") as e:
+            w.write(long, 0, torch.ones(2))
+        assert e.value.filename == long
+        with pytest.raises(spillmerge.SpillValueError, match="more than the 65536 a filename"):
+            w.write_batch([long], torch.ones(1, 2), [0])
+        for value in (torch.empty(2**27, 0), {"x": np.empty((2**20, 0, 3))}):
+            with pytest.raises(spillmerge.SpillValueError, match="entries before a zero dimension") as e:
+                w.write("a.mp4", 0, value)
+            assert e.value.filename == "a.mp4"
+        w.write("a.mp4", 0, torch.empty(65536, 0))  # at the bound: accepted
+        w.write("f" * (1 << 16), 0, torch.ones(1, 1))
+    out = tmp_path / "out"
+    spillmerge.merge(str(tmp_path / "spill"), str(out))
+    res = spillmerge.open(str(out))
+    assert sorted(res) == ["a.mp4", "f" * (1 << 16)]
+    assert res["a.mp4"][0].shape == (65536, 0)
+    assert spillmerge.verify(str(out)).ok
+
+
+def test_merge_refuses_a_catalog_filename_past_the_limit(tmp_path: Path) -> None:
+    """A spill root written by a writer without the limit (checksums fixed up): the merge
+    refuses it by name instead of writing an output no reader opens, and ``verify`` says so."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, torch.ones(2))
+    seg = _segment(root)
+    text = (seg / "catalog/c/0").read_bytes()[:-4].replace(b'"a.mp4"', b'"' + b"a" * (1 << 20) + b'"')
+    meta = json.loads((seg / "catalog/zarr.json").read_text())
+    meta["shape"] = meta["chunk_grid"]["configuration"]["chunk_shape"] = [len(text)]
+    (seg / "catalog/zarr.json").write_text(json.dumps(meta))
+    (seg / "catalog/c/0").write_bytes(text + google_crc32c.value(text).to_bytes(4, "little"))
+    _recommit(seg, catalog_crc32c=google_crc32c.value(text))
+    with pytest.raises(spillmerge.CorruptSpillError, match="more than the 65536 bytes a filename"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    rep = spillmerge.verify(str(root))
+    assert any("65536 bytes a filename" in p for p in rep.problems), rep.problems
+
+
+def test_merge_chunk_bytes_is_bounded(tmp_path: Path, pristine: Path) -> None:
+    with pytest.raises(spillmerge.SpillValueError, match="chunk_bytes must be an int in"):
+        spillmerge.merge(str(pristine), str(tmp_path / "out"), chunk_bytes=(256 << 20) + 1)
