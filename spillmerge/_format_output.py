@@ -37,8 +37,9 @@ STRING_ITEM_MAX = (64 << 10) + 4
 """Bytes one string may take in a string chunk whose column header states no larger chunk
 (a filename: at most 64 KiB, plus its 4-byte length)."""
 STRING_CHUNK_STRINGS_MAX = 1 << 24
-"""The most strings in one chunk of a string array (``index/filenames`` of a version-2 output is
-one chunk of every filename, so also the most files such an output can have)."""
+"""The most strings in one chunk of a Zarr ``string`` array (format 2: ``index/filenames`` is one
+chunk of every filename, so also the most files a version-2 output can have; format 3 stores
+strings as bytes + offsets)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -383,6 +383,14 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
                     bad_chunks.update(range(first, last + 1))
                 else:
                     rep.checked_bytes += nb
+                    lay = loaded.layouts[int(row[FS.COL_LAYOUT])]
+                    # what the merge's copy checks of text (a hand edit with its CRC fixed up)
+                    bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
+                    if bad is not None:
+                        rep.problems.append(
+                            f"{storage.describe(seg.rel)}: {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} frame "
+                            f"{int(row[FS.COL_FRAME])} leaf {lay.leaf_name()!r} holds {bad}: the merge would refuse it"
+                        )
                 if bar is not None:
                     bar.update(nb)
             rep.checked_objects += seg.commit.n_chunks

@@ -236,11 +236,6 @@ class _Job:
         phases["load"] = time.perf_counter() - t
         t = time.perf_counter()
         plan = build(loaded, options.on_duplicate, same_bytes=functools.partial(same_bytes, src))
-        if plan.n_files > FO.STRING_CHUNK_STRINGS_MAX:  # index/filenames is one string chunk
-            raise SpillValueError(
-                f"{plan.n_files} files, more than the {FO.STRING_CHUNK_STRINGS_MAX} an output's filename index "
-                "may hold (docs/FORMAT.md 2.3)"
-            )
         plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
         phases["plan"] = time.perf_counter() - t
         options = replace(options, codec=codec)

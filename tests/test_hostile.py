@@ -271,3 +271,58 @@ def test_merge_refuses_a_catalog_filename_past_the_limit(tmp_path: Path) -> None
 def test_merge_chunk_bytes_is_bounded(tmp_path: Path, pristine: Path) -> None:
     with pytest.raises(spillmerge.SpillValueError, match="chunk_bytes must be an int in"):
         spillmerge.merge(str(pristine), str(tmp_path / "out"), chunk_bytes=(256 << 20) + 1)
+
+
+def _string_root(root: Path) -> Path:
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"t": "héllo", "l": ["ab", "c"]})
+    return _segment(root)
+
+
+def _rewrite_catalog_text(seg: Path, old: bytes, new: bytes) -> None:
+    text = (seg / "catalog/c/0").read_bytes()[:-4]
+    assert old in text
+    text = text.replace(old, new)
+    meta = json.loads((seg / "catalog/zarr.json").read_text())
+    meta["shape"] = meta["chunk_grid"]["configuration"]["chunk_shape"] = [len(text)]
+    (seg / "catalog/zarr.json").write_text(json.dumps(meta))
+    (seg / "catalog/c/0").write_bytes(text + google_crc32c.value(text).to_bytes(4, "little"))
+    _recommit(seg, catalog_crc32c=google_crc32c.value(text))
+
+
+def test_strlist_layout_claiming_more_strings_than_bytes(tmp_path: Path) -> None:
+    """A catalog layout claiming 2**31 strings in 12 bytes (checksums fixed up): the merge
+    raises a CorruptSpillError naming the catalog (it raised a raw ``ValueError: buffer is
+    smaller than requested size`` in the copy) and ``verify ROOT`` reports it."""
+    root = tmp_path / "spill"
+    seg = _string_root(root)
+    _rewrite_catalog_text(seg, b'"shape": [2, 11]', b'"shape": [2147483648, 11]')
+    with pytest.raises(spillmerge.CorruptSpillError, match="2147483648 strings cannot fit in 11 bytes"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    rep = spillmerge.verify(str(root))
+    assert any("2147483648 strings cannot fit" in p for p in rep.problems), rep.problems
+
+
+@pytest.mark.parametrize("leaf", ["t", "l"])
+def test_verify_finds_text_the_merge_refuses(tmp_path: Path, leaf: str) -> None:
+    """A string leaf whose bytes are edited to invalid UTF-8 with its checksum fixed up: the merge's
+    copy refuses it, so ``verify ROOT`` must report it too."""
+    root = tmp_path / "spill"
+    seg = _string_root(root)
+    index = np.frombuffer((seg / "index/c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, 6).copy()
+    chunk = seg / "data/c/0"
+    data = bytearray(chunk.read_bytes())
+    cat = json.loads((seg / "catalog/c/0").read_bytes()[:-4])
+    row = next(r for r in index if cat["layouts"][r[2]]["leaf"] == [leaf])
+    off, nb = int(row[3]), int(row[4])
+    data[off + nb - 1] = 0xFF  # the last byte of the last string: invalid UTF-8
+    chunk.write_bytes(bytes(data))
+    row[5] = google_crc32c.value(bytes(data[off : off + nb]))
+    index[[i for i, r in enumerate(index) if r[3] == off][0]] = row
+    raw = index.tobytes()
+    _rewrite_array(seg, "index", raw, list(index.shape))
+    _recommit(seg, index_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match="not valid UTF-8"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    rep = spillmerge.verify(str(root))
+    assert any("not valid UTF-8" in p and "the merge would refuse it" in p for p in rep.problems), rep.problems
