@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -326,3 +327,55 @@ def test_verify_finds_text_the_merge_refuses(tmp_path: Path, leaf: str) -> None:
         spillmerge.merge(str(root), str(tmp_path / "out"))
     rep = spillmerge.verify(str(root))
     assert any("not valid UTF-8" in p and "the merge would refuse it" in p for p in rep.problems), rep.problems
+
+
+def _x_output(tmp: Path) -> Path:
+    root, out = tmp / "spill", tmp / "out"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(10):
+            w.write("a.mp4", i, {"x": torch.full((300,), float(i))})
+    spillmerge.merge(str(root), str(out), codec="zstd")
+    return out
+
+
+def _set_x_meta(out: Path, **edit: Any) -> None:
+    for doc, get in ((out / "columns/x/values/zarr.json", lambda d: d),
+                     (out / "zarr.json", lambda d: d["consolidated_metadata"]["metadata"]["columns/x/values"])):  # fmt: skip
+        d = json.loads(doc.read_text())
+        m = get(d)
+        if "chunk_rows" in edit:
+            m["chunk_grid"]["configuration"]["chunk_shape"][0] = edit["chunk_rows"]
+        doc.write_text(json.dumps(d))
+
+
+def test_chunk_shape_larger_than_its_array_is_refused(tmp_path: Path) -> None:
+    """A 10-row column re-declared with chunks of 65,536 rows (78 MiB: under the chunk bound, so
+    only the comparison with the array's shape catches it) and a zstd chunk of that size: ``open``
+    and ``verify`` refuse the metadata before decoding anything."""
+    out = _x_output(tmp_path)
+    _set_x_meta(out, chunk_rows=1 << 16)
+    body = numcodecs_zstd().encode(bytes((1 << 16) * 1200))
+    (out / "columns/x/values/c/0/0").write_bytes(body + google_crc32c.value(body).to_bytes(4, "little"))
+    with pytest.raises(spillmerge.CorruptSpillError, match="larger than the array's shape"):
+        spillmerge.open(str(out))
+    rep = spillmerge.verify(str(out))
+    assert any("larger than the array's shape" in p for p in rep.problems), rep.problems
+
+
+def test_zstd_frame_without_content_size_is_refused_unread(tmp_path: Path) -> None:
+    """A zstd frame that does not declare its content size would be decoded by a growing buffer:
+    reading the chunk refuses it by its header, naming it."""
+    from test_untrusted_storage import _zstd_rle_bomb
+
+    out = _x_output(tmp_path)
+    body = _zstd_rle_bomb(1 << 20, declare=False)
+    (out / "columns/x/values/c/0/0").write_bytes(body + google_crc32c.value(body).to_bytes(4, "little"))
+    res = spillmerge.open(str(out))
+    with pytest.raises(spillmerge.CorruptSpillError, match="does not declare its content size"):
+        res["a.mp4"]["x"][0]
+
+
+def numcodecs_zstd() -> Any:
+    from numcodecs import Zstd
+
+    return Zstd(level=3)

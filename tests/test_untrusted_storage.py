@@ -359,7 +359,7 @@ def _zstd_rle_bomb(size: int, *, declare: bool = True) -> bytes:
     32 KiB object decodes to 1 GiB), declaring its content size or not."""
     block = 128 << 10
     n = -(-size // block)
-    head = (0x28B52FFD).to_bytes(4, "big")[::-1]
+    head = (0xFD2FB528).to_bytes(4, "little")
     if declare:  # single segment, 8-byte content size
         head += bytes([0xE0]) + size.to_bytes(8, "little")
     else:  # no content size: a window descriptor (128 KiB window)
