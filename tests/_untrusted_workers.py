@@ -112,8 +112,23 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
             Storage(out), Storage(root), run_id="run-x", session=0, dst=0, timeout=1.0, outcome=lambda: None
         )
 
+    def status() -> Any:  # reads every rank's progress.json (advisory: a bad one is no count)
+        from spillmerge import _status
+
+        return _status.format_status(_status.status(root)) is not None
+
+    def callback_report() -> Any:  # a ddp_spawn launcher reads the merging rank's report file
+        from spillmerge.integrations.pytorch_lightning import SpillPredictionWriter
+
+        cb = SpillPredictionWriter(root, out)
+        cb._created = 0.0  # the file was written before this callback: read it anyway
+        rep = cb.report
+        return None if rep is None else rep.n_frames
+
     if kind == "spill":
         return {
+            "status": status,
+            "report": callback_report,
             "wait": wait_for_dst,
             "merge": merge_and_read,
             "verify": lambda: verify(root),
@@ -171,6 +186,11 @@ def main(cases_path: str, result_path: str) -> None:
     import torch
 
     import spillmerge  # noqa: F401 - imported before the address space is capped
+
+    try:  # the callback's report reader: lightning is heavy to import under the cap
+        import spillmerge.integrations.pytorch_lightning  # noqa: F401
+    except ImportError:
+        pass
 
     torch.set_num_threads(1)
     with open(cases_path) as f:

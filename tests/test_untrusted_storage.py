@@ -52,6 +52,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "fixed column offsets": ("out", "columns/o/offsets/c/0"),
     "string column values": ("out", "columns/t/values/c/0"),
     "merge failure record": ("spill", "spillmerge-failed.json"),
+    "progress record": ("spill", "rank-00000/seg-*/progress.json"),
+    "callback report": ("spill", "spillmerge-report.json"),
     "lease lock file": ("out", "spillmerge-lease/output.lock"),
 }
 
@@ -175,7 +177,10 @@ def _build(base: Path) -> tuple[Path, Path]:
             w.write(f"f{i % 2}.mp4", i, _frame(i))
         raise RuntimeError("rank 1 fails after flushing")
     spillmerge.merge(str(root), str(out), allow_partial=True, part=(0, 1))
-    spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
+    report = spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
+    # What the Lightning callback's merging rank leaves for a ddp_spawn launcher (FORMAT.md 1).
+    doc = {"written": 1.0, "report": json.loads(report.to_json())}
+    (root / "spillmerge-report.json").write_text(json.dumps(doc))
     # What a merge(wait=True) that failed on dst leaves in the spill root, and what a merge killed
     # while holding the output's lease leaves in the output (the lock files; flock died with it).
     failure = spillmerge._format_spill.MergeFailureRecord.of(
