@@ -36,9 +36,6 @@ from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
 from ._views import LeafView, OpenColumn
 
-_STRING_CHUNK_HARD_MAX = 1 << 31
-"""No string chunk is read past 2 GiB, whatever a column header claims."""
-
 # Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
@@ -56,19 +53,25 @@ class NoFillStore(WrapperStore[Store]):
     object stores and would not). A merge writes every chunk of every array (``write_empty_chunks``
     for the index), so an absent chunk is always damage.
 
+    Every chunk is checked before zarr decodes it, on every backend, against its array's
+    metadata checked against the format (``_format_output.chunk_limits``: chunk shape within the
+    array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
+    size its compressor header declares (a zstd or blosc bomb is refused unread), and a string
+    chunk's count (vlen-utf8 allocates one object per declared string). The metadata is one small
+    read per array, once.
+
     Given the output's ``storage`` on a local disk, every object is read through
     :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
     or symbolic link is refused by name, never opened or followed), and never more bytes than the
-    format allows the object — a ``zarr.json`` its document limit, a chunk what its array's chunk
-    shape and data type can encode to (docs/FORMAT.md, *Size limits*). The check rides on the
-    read zarr makes anyway: one lstat per object, plus one small read of each array's metadata.
+    format allows the object — a ``zarr.json`` its document limit, a chunk its limits above
+    (docs/FORMAT.md, *Size limits*): one lstat per object.
     """
 
     def __init__(self, store: Store, describe: Callable[[str], str], storage: Storage | None = None) -> None:
         super().__init__(store)
         self._describe = describe
         self._storage = storage if storage is not None and storage.local else None
-        self._chunk_limits: dict[str, int] = {}
+        self._chunk_limits: dict[str, FO.ChunkLimits] = {}
 
     @property
     def local(self) -> bool:
@@ -90,48 +93,61 @@ class NoFillStore(WrapperStore[Store]):
     def _is_chunk(self, key: str) -> bool:
         return key.rsplit("/", 1)[-1] not in _METADATA_NAMES
 
-    def _limit(self, key: str) -> int:
-        """The most bytes the object ``key`` may have (docs/FORMAT.md, *Size limits*)."""
-        if not self._is_chunk(key):
-            return F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
-        array = key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
-        limit = self._chunk_limits.get(array)
-        if limit is None:
-            assert self._storage is not None
-            doc = f"{array}/zarr.json" if array else "zarr.json"
-            try:
-                raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
-            except FileNotFoundError:
-                raise self._missing(key) from None
-            meta = F.loads(raw, path=self._describe(doc))
-            limit = F.chunk_max_bytes(meta, path=self._describe(doc))
-            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
-                limit = self._string_limit(array.rpartition("/")[0], limit)
-            self._chunk_limits[array] = limit
-        return limit
+    def _array_of(self, key: str) -> str:
+        return key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
 
-    def _string_limit(self, group: str, default: int) -> int:
-        """A version-2 string column's chunk limit: its header's ``chunk_max_bytes`` (the largest
-        vlen-utf8 chunk the merge wrote) plus a compressor's worst case, where the group has one
-        (a 10 MB string is one element): docs/FORMAT.md section 2, *Columns*."""
-        assert self._storage is not None
-        doc = f"{group}/zarr.json"
-        try:
-            raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
-        except FileNotFoundError:
-            return default
-        obj = F.loads(raw, path=self._describe(doc))
+    async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
+        """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
+        if self._storage is not None:
+            try:
+                raw = await asyncio.to_thread(self._storage.get, rel, max_bytes=F.ARRAY_DOC_MAX_BYTES)
+            except FileNotFoundError:
+                return None
+        else:
+            buf = await self._store.get(rel, prototype)
+            if buf is None:
+                return None
+            raw = buf.to_bytes()
+            if len(raw) > F.ARRAY_DOC_MAX_BYTES:
+                path = self._describe(rel)
+                raise CorruptSpillError(
+                    f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
+                )
+        return F.loads(raw, path=self._describe(rel))
+
+    async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:
+        """The bounds of chunk ``key`` (docs/FORMAT.md, *Size limits*), from its array's metadata
+        checked against the format once per array: on every backend, before zarr decodes it."""
+        array = self._array_of(key)
+        limits = self._chunk_limits.get(array)
+        if limits is None:
+            doc = f"{array}/zarr.json" if array else "zarr.json"
+            meta = await self._doc(doc, prototype)
+            if meta is None:
+                raise self._missing(key)
+            cmb = None
+            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
+                cmb = await self._string_chunk_bytes(array.rpartition("/")[0], prototype)
+            limits = FO.chunk_limits(meta, path=self._describe(doc), string_chunk_bytes=cmb)
+            self._chunk_limits[array] = limits
+        return limits
+
+    async def _string_chunk_bytes(self, group: str, prototype: BufferPrototype) -> int | None:
+        """A version-2 string column's header ``chunk_max_bytes`` (the largest vlen-utf8 chunk
+        the merge wrote), where the group has one (a 10 MB string is one element): docs/FORMAT.md
+        section 2, *Columns*; None where it has none (the per-string default applies)."""
+        obj = await self._doc(f"{group}/zarr.json", prototype)
         attrs = obj.get("attributes") if isinstance(obj, dict) else None
         header = attrs.get("spillmerge") if isinstance(attrs, dict) else None
         cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
         if not isinstance(cmb, int) or isinstance(cmb, bool) or cmb < 0:
-            return default
-        return min(_STRING_CHUNK_HARD_MAX, cmb + cmb // 8 + (64 << 10) + 4)
+            return None
+        return cmb
 
-    def _read_local(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+    def _read_local(self, key: str, byte_range: ByteRequest | None, max_bytes: int) -> bytes | None:
         assert self._storage is not None
         try:
-            data = self._storage.get(key, max_bytes=self._limit(key))
+            data = self._storage.get(key, max_bytes=max_bytes)
         except FileNotFoundError:
             return None
         if byte_range is None:
@@ -145,10 +161,24 @@ class NoFillStore(WrapperStore[Store]):
         raise TypeError(f"unexpected byte range {byte_range!r}")
 
     async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
+        if not self._is_chunk(key):
+            if self._storage is None:
+                return await self._store.get(key, prototype, byte_range)
+            limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
+            data = await asyncio.to_thread(self._read_local, key, byte_range, limit)
+            return None if data is None else prototype.buffer.from_bytes(data)
+        limits = await self._limits(key, prototype)
         if self._storage is None:
-            return await self._store.get(key, prototype, byte_range)
-        data = await asyncio.to_thread(self._read_local, key, byte_range)
-        return None if data is None else prototype.buffer.from_bytes(data)
+            buf = await self._store.get(key, prototype, byte_range)
+            if buf is not None and byte_range is None:
+                FO.check_chunk(limits, buf.as_numpy_array().data, path=self._describe(key))
+            return buf
+        data = await asyncio.to_thread(self._read_local, key, byte_range, limits.object_bytes)
+        if data is None:
+            return None
+        if byte_range is None:
+            FO.check_chunk(limits, memoryview(data), path=self._describe(key))
+        return prototype.buffer.from_bytes(data)
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         buf = await self._get(key, prototype, byte_range)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ._errors import SpillValueError
-from ._format import DTYPES, MAX_NDIM
+from ._format import DTYPES, FILENAME_MAX_BYTES, MAX_NDIM, STRING_MAX_BYTES, shape_problem
 
 _MAX_DEPTH = 32
 
@@ -57,13 +57,43 @@ def check_filename(filename: object) -> str:
     if not isinstance(filename, str):
         raise SpillValueError(f"filename must be a str, got {type(filename).__name__} {filename!r:.80}", filename=None)
     try:
-        filename.encode("utf-8")
+        n = len(filename.encode("utf-8"))
     except UnicodeEncodeError:
         raise SpillValueError(
             f"filename {filename!r:.200} is not valid Unicode (lone surrogate); it cannot be stored",
             filename=filename,
         ) from None
+    if n > FILENAME_MAX_BYTES:
+        # The reader refuses an output whose filename index holds more (docs/FORMAT.md 2.3): a
+        # merge of it would succeed and leave an output nobody can open.
+        raise SpillValueError(
+            f"filename {filename!r:.200}... is {n} bytes of UTF-8, more than the {FILENAME_MAX_BYTES} a filename "
+            "may have (docs/FORMAT.md, Size limits)",
+            filename=filename,
+        )
     return filename
+
+
+def check_leaf_limits(leaf: Leaf, filename: str) -> None:
+    """The format's bounds on one leaf, which every reader enforces (docs/FORMAT.md 2.3): a
+    ``str`` / ``strlist`` of at most ``STRING_MAX_BYTES``, a shape within ``shape_problem``'s
+    bounds (``[2**27, 0]`` is refused: an empty value with 2**27 entries before its zero).
+    Cheap: only empty and string leaves need a look."""
+    if leaf.dtype in ("str", "strlist") and leaf.nbytes > STRING_MAX_BYTES:
+        raise SpillValueError(
+            f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200}: a string of {leaf.nbytes} bytes, more than the "
+            f"{STRING_MAX_BYTES} the format allows (store it as bytes)",
+            filename=filename,
+            leaf=_leaf_name(leaf.path),
+        )
+    if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:
+        bad = shape_problem(leaf.shape)
+        if bad is not None:
+            raise SpillValueError(
+                f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200}: {bad}",
+                filename=filename,
+                leaf=_leaf_name(leaf.path),
+            )
 
 
 def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
@@ -193,6 +223,8 @@ def _dense_leaf(value: object, path: tuple[str, ...]) -> Leaf | None:
     name = _NUMPY_NAMES.get(arr.dtype)
     if name is None or not arr.flags.c_contiguous or arr.ndim > MAX_NDIM:
         return None
+    if arr.size == 0 and shape_problem(arr.shape) is not None:
+        return None  # flatten refuses it, naming the filename
     return Leaf(path, name, arr.shape, arr.nbytes, arr.reshape(-1).view(np.uint8))
 
 
@@ -232,6 +264,7 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
             frame_idx=frame_idx,
         )
     for leaf in out:
+        check_leaf_limits(leaf, filename)
         if len(leaf.shape) > MAX_NDIM:
             raise SpillValueError(
                 f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
