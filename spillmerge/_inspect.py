@@ -476,6 +476,8 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
         out.extend(V.rows_layout_problems(c, valid, col_off, in_layout(c.name)))
+    sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
+    out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
     return out
 
 
