@@ -26,7 +26,6 @@ from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from ._errors import DuplicateFrameError, LayoutMismatchError, SpillValueError
-from ._format import is_marker
 from ._spillroot import Extent, LoadedSegment
 
 SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
@@ -279,8 +278,6 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     columns.sort(key=lambda col: col.name)
 
     file_layout, file_layouts = _file_layouts(c["file"], group, len(names), names_of)
-    for layout in file_layouts:
-        _check_prefixes(layout, columns, names, file_layout, file_layouts)
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates,
@@ -511,30 +508,6 @@ def _file_layouts(
         inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
         sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
     return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]
-
-
-def _check_prefixes(
-    layout: list[str],
-    columns: list[PlannedColumn],
-    names: list[str],
-    file_layout: np.ndarray,
-    file_layouts: list[list[str]],
-) -> None:
-    """Within one file a leaf cannot also be a dict holding other leaves: ``res[filename]`` could
-    not be both."""
-    by_name = {c.name: c.leaf for c in columns}
-    leaves = {by_name[n] for n in layout}
-    for leaf in leaves:
-        for d in range(len(leaf)):
-            if leaf[:d] in leaves and not is_marker(leaf[d]):  # a value in some rows, a list in others
-                i = file_layouts.index(layout)
-                fname = names[int(np.flatnonzero(file_layout == i)[0])]
-                raise LayoutMismatchError(
-                    f"{fname!r:.200}: leaf {_leaf_name(leaf[:d])!r} is a value in some frames and a dict "
-                    f"holding {_leaf_name(leaf)!r} in others",
-                    filename=fname,
-                    leaf=_leaf_name(leaf[:d]),
-                )
 
 
 def fingerprint(plan: Plan, **settings: Any) -> str:

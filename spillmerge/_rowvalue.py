@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
+from ._errors import CorruptSpillError
 from ._format import MARK, is_marker
 
 _Node = dict[str, Any]
@@ -43,11 +44,19 @@ def row_value(cols: list[Any], r: int, filename: str, as_torch: bool = False) ->
     """The value of row ``r`` of the output from the columns (``OpenColumn``) of its file."""
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
+    # How many items each list of the file can have: a header is checked against it, so a damaged
+    # (or hostile) length cannot make a reader build a list of a billion Nones.
+    room: dict[tuple[str, ...], int] = {}
+    for col in cols:
+        path: tuple[str, ...] = col.info.leaf
+        for k, seg in enumerate(path):
+            if is_marker(seg) and seg[1:].isdigit():
+                room[path[:k]] = max(room.get(path[:k], 0), int(seg[1:]) + 1)
     for col in cols:
         valid = col.valid()
         leaf: tuple[str, ...] = col.info.leaf
         if valid is not None and not valid[r]:
-            if not leaf or leaf[-1] != MARK:  # an absent header says nothing
+            if leaf and not is_marker(leaf[-1]):  # absent headers and list items say nothing
                 absent.append(leaf)
             continue
         node = root
@@ -59,13 +68,18 @@ def row_value(cols: list[Any], r: int, filename: str, as_torch: bool = False) ->
             parent = root
             for seg in leaf[:-1]:
                 parent = parent["kids"][seg]
-            parent["header"] = (dtype, int(np.asarray(got)))
+            n = int(np.asarray(got))
+            if not 0 <= n <= room.get(leaf[:-1], 0) and dtype in ("pylist", "pytuple"):
+                raise CorruptSpillError(
+                    f"columns/{col.info.name}: row {r} ({filename!r:.200}) says its {dtype[2:]} has {n} items; "
+                    f"the file's columns hold at most {room.get(leaf[:-1], 0)}",
+                    path=f"columns/{col.info.name}",
+                )
+            parent["header"] = (dtype, n)
             del parent["kids"][leaf[-1]]
         else:
             node["value"] = _to_python(dtype, kind, got, as_torch)
     for leaf in absent:  # a leaf of the file no variant of which has a value here: None
-        if not leaf:
-            continue
         # dict keys the file's other frames have: None here, as the leaf views say; inside a list
         # only under a dict this row has (its header made the node)
         node, structural = root, any(is_marker(s) for s in leaf)
@@ -99,6 +113,10 @@ def _build(node: _Node) -> Any:
             items = [_build(kids[f"{MARK}{i}"]) if f"{MARK}{i}" in kids else None for i in range(n)]
             return tuple(items) if kind == "pytuple" else items
         if kind == "pyrecords":
-            columns = {_key(k): _build(v) for k, v in sorted(kids.items()) if not is_marker(k)}
+            built = {_key(k): _build(v) for k, v in sorted(kids.items()) if not is_marker(k)}
+            columns = {k: v for k, v in built.items() if v is not None}
+            bad = [k for k, v in columns.items() if not isinstance(v, (list, tuple)) or len(v) != n]
+            if bad:
+                raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
             return [{k: col[j] for k, col in columns.items()} for j in range(n)]
     return {_key(k): _build(v) for k, v in sorted(kids.items())}

@@ -1,14 +1,12 @@
 """The per-file leaf rule of one writer, and its layout catalog.
 
-Within one file on one rank no leaf path is both a value and a dict holding values (a path may
-hold a value in some frames and a list or tuple, whose headers and items extend the path with
-``MARK`` segments, in others). A leaf's kind, dtype and ndim may change between frames (format
-version 3: the merge stores each variant in a column of its own, docs/FORMAT.md *Value model*).
-The same rule holds across files at merge time (``_plan``); checking it as each frame is written
-names the frame while the user's code that produced it is still on the stack.
+Format version 3 lets a leaf's kind, dtype and ndim change between the frames of a file, and a
+path hold a value in some frames and a dict, list or tuple in others (the merge stores each
+variant in a column of its own, docs/FORMAT.md *Value model*): the schema records what each
+path held first, and the catalog the layouts of accepted frames.
 
 Protocol (the writer, once per frame, before anything of the frame is staged):
-  :meth:`FileSchemas.check` (raises ``LayoutMismatchError``) → the writer's duplicate policy →
+  :meth:`FileSchemas.check` → the writer's duplicate policy →
   :meth:`FileSchemas.accept` (the file's new schema; the frame's new layouts join the catalog)
 """
 
@@ -17,8 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from . import _format_spill as FS
-from ._errors import LayoutMismatchError
-from ._format import is_marker, path_text
 
 _Sig = tuple[str, str | None, int | None]
 """What a leaf must keep within a file: (kind, numeric dtype or None when not yet known, ndim)."""
@@ -63,9 +59,8 @@ class FileSchemas:
         self, filename: str, frame: int, file_id: int, layouts: list[FS.Layout], schema: int | None = None
     ) -> tuple[int, tuple[int, ...]]:
         """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
-        frame's layout ids (-1 where a layout is not in the catalog yet); raises
-        ``LayoutMismatchError`` and changes nothing the catalog shows when the frame breaks the
-        rule. ``schema``: the file's schema before this frame when it is not the accepted one (a
+        frame's layout ids (-1 where a layout is not in the catalog yet); changes nothing the
+        catalog shows (``accept`` does, once the frame passed the duplicate policy). ``schema``: the file's schema before this frame when it is not the accepted one (a
         batch checks its items before accepting any)."""
         if schema is None:
             schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
@@ -174,17 +169,12 @@ class FileSchemas:
     def _next_schema(
         self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[FS.Layout]
     ) -> int:
-        """The file's schema after this frame, or LayoutMismatchError (the rule in the module
-        docstring)."""
+        """The file's schema after this frame (the module docstring)."""
         state = dict(self._schemas[schema])
         for sid in sigs:
             path, sig = self._sigs[sid]
             cur = state.get(path)
             if cur is None:
-                for other in state:
-                    n = min(len(other), len(path))
-                    if other[:n] == path[:n] and not is_marker((other if len(other) > n else path)[n]):
-                        self._raise_parent(filename, frame, path, other)  # one is a prefix of the other: value vs dict
                 state[path] = sig
             elif cur[0] == "none" or (cur[1] is None and sig[1] is not None):
                 state[path] = sig  # the first variant that says something (variants may differ)
@@ -195,16 +185,3 @@ class FileSchemas:
             self._schemas.append(state)
         self._transitions[(schema, sigs)] = new
         return new
-
-    def _raise_parent(self, filename: str, frame: int, path: tuple[str, ...], other: tuple[str, ...]) -> None:
-        short, long = (path, other) if len(path) < len(other) else (other, path)
-        here = "a value" if short == path else f"a dict holding {'/'.join(long)!r}"
-        before = f"a dict holding {'/'.join(long)!r}" if short == path else "a value"
-        name = path_text(short)
-        raise LayoutMismatchError(
-            f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {here} but {before} in earlier "
-            "frames of this file (a leaf path cannot be both; write None for an absent value)",
-            filename=filename,
-            leaf=name,
-            ranks=[self.rank],
-        )

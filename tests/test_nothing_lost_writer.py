@@ -253,7 +253,7 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     # version-2 writer lists whole frames, so a partial one there is damage, not an old habit).
     header_path = seg / "zarr.json"
     header = json.loads(header_path.read_text())
-    assert header["attributes"]["spillmerge"]["format_version"] == 2
+    assert header["attributes"]["spillmerge"]["format_version"] == 3
     header["attributes"]["spillmerge"]["format_version"] = 1
     header_path.write_text(json.dumps(header))
     # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.

@@ -51,6 +51,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "column valid": ("out", "columns/o/valid/c/0"),
     "fixed column offsets": ("out", "columns/o/offsets/c/0"),
     "string column values": ("out", "columns/t/values/c/0"),
+    "union type ids": ("out", "columns/u.str/valid/c/0"),
+    "union variant offsets": ("out", "columns/u.float32.1d/offsets/c/0"),
+    "list header": ("out", "columns/l__~*/values/c/0"),
     "merge failure record": ("spill", "spillmerge-failed.json"),
     "lease lock file": ("out", "spillmerge-lease/output.lock"),
 }
@@ -153,13 +156,17 @@ def _frame(i: int) -> dict[str, Any]:
     """Frame ``i``: every kind of column object of format 2 (docs/FORMAT.md section 2) — ``x`` and
     ``s`` fixed (``values`` only), ``m`` ragged in both dimensions (``values``, ``offsets``,
     ``shapes``), ``o`` fixed with absent rows (``values`` of the present rows, ``offsets``,
-    ``valid``), ``t`` a string column (vlen-utf8 ``values``)."""
+    ``valid``), ``t`` a string column (vlen-utf8 ``values``); format 3: ``u`` a tensor or a str
+    (two variant columns whose ``valid`` are the type ids), ``l`` a mixed list (a ``pylist``
+    header column and one column per item)."""
     return {
         "x": torch.full((300,), float(i)),
         "s": i,
         "m": torch.full((i % 3 + 1, i % 2 + 1), float(i)),
         "o": None if i % 3 == 0 else torch.full((2,), float(i)),
         "t": f"frame {i} é",
+        "u": torch.full((2,), float(i)) if i % 2 else f"corrupt {i}",
+        "l": [i, f"item {i}"],
     }
 
 

@@ -12,25 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import value_diffs
 
 import spillmerge
 
 
 def same(got: Any, want: Any) -> bool:
-    """Equal in type and content; a tensor reads back as a numpy array of its dtype and shape."""
-    if isinstance(want, torch.Tensor):
-        ref = want.numpy() if want.dtype != torch.bfloat16 else want.view(torch.uint16).numpy()
-        arr = got if want.dtype != torch.bfloat16 else np.asarray(got).view(np.uint16)
-        return isinstance(got, np.ndarray) and arr.shape == ref.shape and arr.dtype == ref.dtype and np.array_equal(arr, ref)
-    if isinstance(want, np.ndarray):
-        return isinstance(got, np.ndarray) and got.dtype == want.dtype and np.array_equal(got, want)
-    if type(got) is not type(want):
-        return False
-    if isinstance(want, dict):
-        return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
-    if isinstance(want, (list, tuple)):
-        return len(got) == len(want) and all(same(a, b) for a, b in zip(got, want, strict=True))
-    return bool(got == want)
+    """Equal in type and content (a tensor reads back as a numpy array of its dtype and shape)."""
+    return value_diffs(got, want) == []
 
 
 VALUES: dict[str, Any] = {
@@ -169,3 +158,37 @@ def test_value_names_the_format_a_version_1_output_lacks() -> None:
     res = spillmerge.open(str(Path(__file__).parent / "fixtures" / "v1-output.zarr"))
     with pytest.raises(spillmerge.FormatVersionError, match="version 1"):
         res.value(res.filenames[0])
+
+
+def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Path) -> None:
+    """The variant columns' ``valid`` arrays are the union's type ids: damaged so that a row has
+    a value in two variants of one leaf, the output is refused (docs/FORMAT.md, *Invariants*)."""
+    import subprocess
+    import sys
+
+    import zarr
+
+    res = _write_merge(tmp_path, {("f", 0): {"result": torch.ones(2)}, ("f", 1): {"result": "corrupt header"}})
+    assert res.value("f", 1) == {"result": "corrupt header"}
+    out = tmp_path / "o"
+    valid = zarr.open_array(str(out / "columns" / "result.str" / "valid"), mode="r+")
+    valid[:] = True  # row 0 now has a value in result.float32.1d and in result.str
+    with pytest.raises(spillmerge.CorruptSpillError, match="more than one variant"):
+        spillmerge.open(str(out))
+    cli = Path(sys.executable).with_name("spillmerge")
+    done = subprocess.run([str(cli), "verify", str(out)], capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and "more than one variant" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_a_damaged_list_length_is_refused_not_built(tmp_path: Path) -> None:
+    """A list header's length is checked against the item columns its file has: a hostile
+    length cannot make ``value()`` build a huge list."""
+    import zarr
+
+    res = _write_merge(tmp_path, {("f", 0): {"l": [1, "a"]}})
+    assert res.value("f") == {"l": [1, "a"]}
+    header = next(c for c in res._files.columns.values() if c.info.dtype == "pylist")
+    arr = zarr.open_array(str(tmp_path / "o" / "columns" / header.info.name / "values"), mode="r+")
+    arr[:] = 10**9
+    with pytest.raises(spillmerge.CorruptSpillError, match="has 1000000000 items"):
+        spillmerge.open(str(tmp_path / "o")).value("f")
