@@ -62,7 +62,11 @@ if TYPE_CHECKING:
     from ._writer import SpillWriter
 
 # Public names whose modules import torch: (module, name). Loaded on first access.
-_NEEDS_TORCH = {"SpillWriter": ("_writer", "SpillWriter"), "gather": ("_gather", "gather"), "all_gather": ("_gather", "all_gather")}
+_NEEDS_TORCH = {
+    "SpillWriter": ("_writer", "SpillWriter"),
+    "gather": ("_gather", "gather"),
+    "all_gather": ("_gather", "all_gather"),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -86,6 +90,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_NEEDS_TORCH))
+
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
-import numpy as np
 import zarr
 
 from . import _codecs, _lease, _output, _parts
@@ -461,8 +460,10 @@ def _write_output_index(job: _Job) -> None:
     with zarr.config.set({"array.write_empty_chunks": True}), job.output.storage_errors("write the index of", "index"):
         group = zarr.open_group(store, mode="r+", use_consolidated=False)
         index: Any = group["index"]
+        for name, arr in Z.filename_arrays(plan.filenames).items():
+            if len(arr):
+                index[name][:] = arr
         if plan.n_files:
-            index["filenames"][:] = np.array(plan.filenames, dtype=object)
             index["file_layout"][:] = plan.file_layout
         index["frame_offsets"][:] = plan.file_offsets
         if plan.n_frames:

@@ -38,25 +38,19 @@ def balanced(n: int, cap: int) -> int:
     return -(-n // m)
 
 
-def string_bytes(plan: Plan, col: PlannedColumn) -> np.ndarray:
-    """int64 (n_rows,): the UTF-8 bytes of each row of a string column (plus, for ``strlist``,
-    its 4-byte length prefixes, which vlen-utf8 also stores)."""
-    out = np.zeros(len(col.src), dtype=np.int64)
-    ok = col.src >= 0
-    out[ok] = plan.nbytes[col.src[ok]]
-    return out
-
-
 SMALL_ROW_BYTES = 64 << 10
 """Columns whose rows average fewer bytes get chunks of ``chunk_bytes // 4``."""
 
-STRING_CHUNK_BYTES = 64 << 10
-"""Target encoded bytes of a chunk of a string column (``str``, list of ``str``)."""
+NAME_CHUNK_BYTES = 64 << 10
+"""Bytes per chunk of ``index/filenames`` (format 3): a lookup by filename reads one such chunk."""
 
-STRING_CHUNK_MAX = 2048
-"""The most strings in a chunk of a string column. zarr decodes a string chunk string by string
-(0.4-0.7 us each here), so one ``str`` row of a 4 MiB chunk of 100k short strings cost 11-43 ms,
-of a 64 KiB chunk of 5,900 strings ~4 ms; 2,048 strings decode in about a millisecond."""
+NAME_BLOCK = 1024
+"""Filenames per block: ``index/filename_heads`` holds the first filename of each block (its
+attributes say how many names a block has), so a lookup bisects the heads in memory and decodes
+one block (1,024 names: ~0.2 ms; 4,096 cost a lookup ~1 ms more)."""
+
+NAME_OFFSETS_CHUNK = 8192
+"""Entries per chunk of ``index/filename_offsets`` (64 KiB: fewer objects than one per block)."""
 
 BYTES_CHUNK_BYTES = 1 << 20
 """Target bytes of a chunk of a ``bytes`` / ``pickle`` column of small rows: one row reads its
@@ -69,51 +63,50 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
     many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes`` (100k
     keys of 3 KiB: one key read in 2.7 ms instead of 10.3 ms, the merge no slower, 93 objects
-    instead of 39), ``bytes`` ones at most :data:`BYTES_CHUNK_BYTES`, and string columns at most
-    :data:`STRING_CHUNK_BYTES` and :data:`STRING_CHUNK_MAX` strings whatever their rows (decoding
-    is per string). Columns of large
-    rows (video frames) keep whole ``chunk_bytes`` chunks, which write fastest (benchmarks: 829
-    vs 712 MiB/s at 16 vs 4 MiB)."""
+    instead of 39), and byte-stored ones (``bytes``, ``pickle``, ``str``, list of ``str``) at most
+    :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
+    chunks, which write fastest (benchmarks: 829 vs 712 MiB/s at 16 vs 4 MiB)."""
     n = col.n_units
     rows = max(int((col.src >= 0).sum()), 1)
-    if col.storage == "string":
-        total = int(string_bytes(plan, col).sum()) + 4 * n
-        per = total / max(n, 1)
-    else:
-        total = n * col.unit_bytes
-        per = col.unit_bytes
+    total = n * col.unit_bytes
+    per = col.unit_bytes
     small = total / rows < SMALL_ROW_BYTES
     target = chunk_bytes // 4 if small else chunk_bytes
-    if col.storage == "string":
-        cap = min(int(min(target, STRING_CHUNK_BYTES) // max(per, 1)), STRING_CHUNK_MAX)
-        return balanced(n, cap)
-    if small and col.kind in ("bytes", "pickle"):
+    if small and col.kind in BYTE_KINDS:
         target = min(target, BYTES_CHUNK_BYTES)
     return balanced(n, int(max(target, 1) // max(per, 1)))
 
 
-def string_chunk_max(plan: Plan, col: PlannedColumn, k: int) -> int:
-    """An upper bound of the largest vlen-utf8 chunk of a string column of ``k`` strings per chunk:
-    the count, a length per string, and the bytes of every row overlapping the chunk."""
-    per_row = string_bytes(plan, col)
-    n = col.n_units
-    if n == 0:
-        return 4
-    edges = np.arange(0, n + k, k)
-    edges[-1] = min(edges[-1], n)
-    if col.counts is None:  # str: one string per row
-        row_lo, row_hi = edges[:-1], np.minimum(edges[1:], n)
-    else:
-        off = col.offsets()
-        row_lo = np.searchsorted(off, edges[:-1], side="right") - 1
-        row_hi = np.searchsorted(off, edges[1:], side="left")
-    cum = np.zeros(len(per_row) + 1, dtype=np.int64)
-    np.cumsum(per_row, out=cum[1:])
-    return int(4 + 4 * k + (cum[row_hi] - cum[row_lo]).max())
+BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
+"""Column kinds stored as uint8 bytes + byte offsets (format 3)."""
+
+
+def filename_arrays(filenames: list[str]) -> dict[str, np.ndarray]:
+    """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
+    ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
+    of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3
+    implementation (docs/FORMAT.md section 2)."""
+    enc = [f.encode("utf-8") for f in filenames]
+    off = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in enc], out=off[1:])
+    heads = enc[::NAME_BLOCK]
+    hoff = np.zeros(len(heads) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in heads], out=hoff[1:])
+    return {
+        "filenames": np.frombuffer(b"".join(enc), dtype=np.uint8),
+        "filename_offsets": off,
+        "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
+        "filename_head_offsets": hoff,
+    }
+
+
+def name_sizes(plan: Plan) -> tuple[int, int]:
+    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (one encode each, no per-name loop)."""
+    return len("".join(plan.filenames).encode("utf-8")), len("".join(plan.filenames[::NAME_BLOCK]).encode("utf-8"))
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
-    """Every ``zarr.json`` document of a format-2 output (path -> document, ``""`` the root with
+    """Every ``zarr.json`` document of a format-3 output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
     what zarr would write. Built from the plan alone: nothing is read back."""
     header = FO.OutputHeader(
@@ -132,15 +125,19 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         "columns": GroupMetadata(),
     }
     n, rows = plan.n_files, plan.n_frames
-    str_meta: dict[str, Any] = {
-        "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
-        "dimension_names": ["file"],
-    }  # fmt: skip
+    name_bytes, head_bytes = name_sizes(plan)
+    n_heads = -(-n // NAME_BLOCK)
     index_meta = {
-        "filenames": str_meta,
+        # Filenames as UTF-8 bytes + int64 offsets (Arrow's large_string layout): every Zarr v3
+        # implementation reads uint8 and int64 (tensorstore has no string type). Small chunks and
+        # the first filename of every block (heads) make a lookup one block read.
+        "filenames": _dims(array_meta((name_bytes,), (max(1, min(name_bytes, NAME_CHUNK_BYTES)),), "uint8", crc=True), ["filename_byte"]),
+        "filename_offsets": _dims(array_meta((n + 1,), (min(n + 1, NAME_OFFSETS_CHUNK),), "int64", crc=True), ["file_edge"]),
+        "filename_heads": {
+            **_dims(_rows_meta(head_bytes, "uint8"), ["filename_head_byte"]),
+            "attributes": {"spillmerge": {"names_per_head": NAME_BLOCK}},
+        },
+        "filename_head_offsets": _dims(_rows_meta(n_heads + 1, "int64"), ["filename_head_edge"]),
         "frame_offsets": _dims(_rows_meta(n + 1, "int64"), ["file_edge"]),
         "file_layout": _dims(_rows_meta(n, "int32"), ["file"]),
         "frame_idx": _dims(_rows_meta(rows, "int64"), ["row"]),
@@ -148,28 +145,18 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
         "frame_rank": _dims(_rows_meta(rows, "int32"), ["row"]),
         "frame_copies": _dims(_rows_meta(rows, "int32"), ["row"]),
-    }
+    }  # fmt: skip
     for name, meta in index_meta.items():
         nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
     for col in plan.columns:
         k = values_chunk(plan, col, chunk_bytes)
         base = f"columns/{col.name}"
         unit = col.unit_shape
-        if col.storage == "string":
-            limit = string_chunk_max(plan, col, k)
-            meta = {
-                **str_meta,
-                "shape": [col.n_units],
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [k]}},
-            }
-            meta = _codecs.with_codec(meta, codec, 1)
-        else:
-            limit = None
-            meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
-            meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
+        meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
+        meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
         first = "row" if col.counts is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
-        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit).to_obj()})
+        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = ArrayV3Metadata.from_dict(meta)
         if col.has_offsets:
             nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))
