@@ -13,6 +13,7 @@ on first use (PEP 562), so ``import spillmerge`` does not import torch.
 from typing import TYPE_CHECKING, Any
 
 from ._codecs import CODECS
+from ._dataset import OutputDataset
 from ._errors import (
     CommitTimeout,
     ConfigError,
@@ -114,6 +115,7 @@ __all__ = [
     "MergedStore",
     "MissingPartsError",
     "MissingDependencyError",
+    "OutputDataset",
     "LeaseLostError",
     "MergeFailedError",
     "MergeTimeout",

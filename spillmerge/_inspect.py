@@ -343,7 +343,7 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
                     continue
                 if google_crc32c.value(buf) != crc:
                     rep.problems.append(
-                        f"{storage.describe(rel)}: checksum mismatch in a block of write_batch rows "
+                        f"{storage.describe(rel)}: checksum mismatch in a block of rows "
                         f"(bytes {off}..{off + nb} of rank {rank}'s data)"
                     )
                     bad_chunks.add(c)
