@@ -515,7 +515,7 @@ class MergedStore(Mapping[str, Any]):
         of the file have and this one lacks reads as ``None``. Version 2 and 3 outputs
         (docs/FORMAT.md section 1, *Value model*); version 2 stored Python scalars as 0-d arrays
         and tuples as arrays, and returns them so."""
-        files = self._v2("value()")
+        files = self.require_columnar("value()")
         i = self._index(filename)
         return files.row_value(i, frame_idx, self.storage.describe, as_torch)
 
