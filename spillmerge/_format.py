@@ -166,6 +166,8 @@ _RAW = {
 }
 
 DTYPES: dict[str, DType] = {}
+RAW_BITS = frozenset(_RAW)
+"""Dtypes stored as raw bits of an unsigned type (read back through ``ml_dtypes`` / torch views)."""
 for _n in _NATIVE:
     DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
 for _n, _s in _RAW.items():
@@ -176,12 +178,53 @@ for _n, _s in _RAW.items():
 NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
 for _n in NON_NUMERIC:
     DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
+#: Version 3: Python scalars (and lists of one scalar type) keep their Python type: stored as the
+#: numeric dtype ``storage`` and read back as ``int`` / ``float`` / ``bool`` / ``complex`` (0-d) or
+#: nested lists of them; and the headers of Python containers (docs/FORMAT.md, *Value model*),
+#: int64 0-d values holding a container's length.
+PY_SCALARS = {"pybool": "bool", "pyint": "int64", "pyfloat": "float64", "pycomplex": "complex128"}
+PY_HEADERS = ("pylist", "pytuple", "pydict", "pyrecords")
+for _n, _s in PY_SCALARS.items():
+    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+for _n in PY_HEADERS:
+    DTYPES[_n] = DType(_n, 8, "int64", False)
 
 
 def get_dtype(name: object, *, path: str = "?") -> DType:
     if not isinstance(name, str) or name not in DTYPES:
         raise CorruptSpillError(f"{path}: unknown dtype {name!r}", path=path)
     return DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# leaf path segments of the value model (version 3, docs/FORMAT.md section 1, *Value model*)
+
+MARK = "\x1f"
+"""First character of a header (``MARK``) or list item (``MARK`` + index) path segment."""
+
+
+def user_key(key: str) -> str:
+    """The path segment of a user's dict key: escaped with one more ``MARK`` when it starts with
+    one, so it never reads as a header or item segment."""
+    return MARK + key if key.startswith(MARK) else key
+
+
+def is_marker(seg: str) -> bool:
+    """A header or list item segment (not a user key)."""
+    return seg.startswith(MARK) and not seg.startswith(MARK + MARK)
+
+
+def path_text(path: tuple[str, ...]) -> str:
+    """A leaf path for messages: user keys joined by ``/``, list items as ``[i]``."""
+    if not path:
+        return "<value>"
+    parts = []
+    for seg in path:
+        if is_marker(seg):
+            parts.append(f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
+        else:
+            parts.append(seg[1:] if seg.startswith(MARK) else seg)
+    return "/".join(parts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -363,9 +363,13 @@ class ColumnHeader:
     """Some row lacks the leaf: the group has a ``valid`` array."""
     chunk_max_bytes: int | None
     """Largest string chunk the merge wrote (string columns); read as None when not an int >= 0."""
+    variant: str | None = None
+    """Version 3: the variant tag of one of a leaf's variant columns (``<col>.<variant>``) when the
+    leaf holds values of several kinds or dimensions; absent otherwise (docs/FORMAT.md)."""
 
     def to_obj(self) -> dict[str, Any]:
-        return {
+        extra = {} if self.variant is None else {"variant": self.variant}
+        return extra | {
             "leaf": list(self.leaf),
             "kind": self.kind,
             "dtype": self.dtype,
@@ -389,7 +393,10 @@ class ColumnHeader:
         if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
             raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
         numeric_dt = dtype if kind in NUMERIC_KINDS and isinstance(dtype, str) else None
-        if name not in column_name_choices(tuple(leaf), numeric_dt):
+        variant = obj.get("variant")
+        if variant is not None and not isinstance(variant, str):
+            raise bad(f"variant {variant!r:.100} is not a string")
+        if name not in column_name_choices(tuple(leaf), variant or numeric_dt):
             raise bad(f"column {name!r} holds leaf {leaf!r:.200}, which a merge names otherwise")
         if kind not in COLUMN_KINDS:
             raise bad(f"unknown kind {kind!r:.50} (known: {', '.join(COLUMN_KINDS)})")
@@ -414,6 +421,7 @@ class ColumnHeader:
             inner_shape=tuple(inner) if inner is not None else None,
             has_valid=bool(obj.get("has_valid")),
             chunk_max_bytes=cmb if cmb is not None and cmb >= 0 else None,
+            variant=variant,
         )
 
 

@@ -585,6 +585,8 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         if byte_text and col_off is not None and f"{rel}/values" not in damaged:
             sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
             out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
+    sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
+    out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
     return out
 
 

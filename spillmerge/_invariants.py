@@ -222,6 +222,9 @@ class StoredColumn:
     """Largest string chunk the merge wrote (string columns)."""
     arrays: dict[str, Any]
     """``values`` / ``offsets`` / ``shapes`` / ``valid`` -> ``zarr.Array`` (those present)."""
+    variant: str | None = None
+    """Version 3: the variant tag of one of a leaf's variant columns (None: the leaf's only column,
+    or one split by dtype)."""
 
     @property
     def path(self) -> str:
@@ -262,24 +265,21 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
             inner_shape=h.inner_shape,
             chunk_max_bytes=h.chunk_max_bytes,
             arrays=arrays,
+            variant=h.variant,
         )
         bad = _column_meta_problems(info, h.has_valid)
         if bad:
             problems.extend(bad)
             continue
         out[name] = info
-    # A leaf may have one column per numeric dtype (files that disagree on it), never two of one kind.
+    # A leaf may have one column per variant (version 3; version 2: per numeric dtype), never two
+    # of one variant.
     paths: dict[tuple[tuple[str, ...], str], str] = {}
-    by_leaf: dict[tuple[str, ...], set[str]] = {}
     for c in out.values():
-        key = (c.leaf, c.dtype if c.kind in ("fixed", "ragged") else c.kind)
-        if key in paths or (
-            by_leaf.get(c.leaf) and (c.kind not in ("fixed", "ragged") or not by_leaf[c.leaf] <= {"num"})
-        ):
-            other = paths.get(key) or next(p for (lf, _), p in paths.items() if lf == c.leaf)
-            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{other}"))
+        key = (c.leaf, c.variant or (c.dtype if c.kind in ("fixed", "ragged") else c.kind))
+        if key in paths:
+            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[key]}"))
         paths[key] = c.name
-        by_leaf.setdefault(c.leaf, set()).add("num" if c.kind in ("fixed", "ragged") else c.kind)
     return out, problems
 
 
@@ -443,7 +443,9 @@ def v2_index_problems(
                 out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
                 break
             leaves = [columns[c].leaf for c in lay]
-            if len(set(leaves)) != len(leaves):  # a file has one dtype per leaf
+            # version 2: a file has one dtype per leaf; version 3: one column per variant, and
+            # variant_problems checks that a row has a value in one of them at most
+            if len(set(leaves)) != len(leaves) and header.get("format_version") == 2:
                 twice = next(lf for lf in leaves if leaves.count(lf) > 1)
                 out.append(("zarr.json", f"file_layouts[{j}] lists two columns of leaf {list(twice)!r:.200}"))
                 break
@@ -524,6 +526,32 @@ def layout_rows(
         return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
 
     return in_layout
+
+
+def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColumn], np.ndarray | None]) -> list[Problem]:
+    """Version 3's type ids (docs/FORMAT.md, *Value model*): where a leaf has several variant
+    columns, a row has a value in at most one of them (``valid`` gives a column's mask, None when
+    every row has a value)."""
+    by_leaf: dict[tuple[str, ...], list[StoredColumn]] = {}
+    for c in cols.values():
+        by_leaf.setdefault(c.leaf, []).append(c)
+    out: list[Problem] = []
+    for leaf, group in sorted(by_leaf.items()):
+        if len(group) < 2:
+            continue
+        count: np.ndarray | None = None
+        for c in group:
+            v = valid(c)
+            if v is None:
+                out.append((f"columns/{c.name}/valid", f"missing: leaf {list(leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value"))
+                break
+            count = v.astype(np.int64) if count is None else count + v
+        else:
+            if count is not None and len(count) and int(count.max()) > 1:
+                r = int(np.argmax(count > 1))
+                names = ", ".join(f"columns/{c.name}" for c in group)
+                out.append((f"columns/{group[0].name}/valid", f"row {r} has a value in more than one variant of leaf {list(leaf)!r:.200} ({names})"))
+    return out
 
 
 def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:

@@ -33,6 +33,7 @@ from ._leafdict import LeafDict
 from ._names import ArrayNames, ChunkedNames, Names, close_matches
 from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
+from ._rowvalue import row_value
 from ._storage import Storage
 from ._views import LeafView, OpenColumn
 
@@ -200,6 +201,25 @@ class NoFillStore(WrapperStore[Store]):
         return out
 
 
+def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColumn]]:
+    """Where each column of a file shows in ``store[filename]``'s nested dict: at its leaf path;
+    a leaf with several variant columns (format version 3) as ``<key>.<variant>`` for each; the
+    headers and items of lists that share a path with a value in other frames are left out (a
+    dict cannot hold both: ``store.value()`` reads them)."""
+    count: dict[tuple[str, ...], int] = {}
+    for c in cols:
+        count[c.info.leaf] = count.get(c.info.leaf, 0) + 1
+    out: list[tuple[tuple[str, ...], OpenColumn]] = []
+    for c in cols:
+        leaf = c.info.leaf or ("",)
+        if count[c.info.leaf] > 1:
+            tag = c.info.variant or c.info.dtype
+            leaf = (*leaf[:-1], f"{leaf[-1]}.{tag}")
+        out.append((leaf, c))
+    values = {p for p, _ in out}
+    return [(p, c) for p, c in out if not any(p[:d] in values for d in range(1, len(p)))]
+
+
 class V2Files:
     """The files of a version-2 (columnar) output, for :class:`MergedStore`.
 
@@ -259,16 +279,20 @@ class V2Files:
         in_layout = V.layout_rows(self._offsets, self._file_layout, self._layouts)
         for name, col in self.columns.items():
             raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, in_layout(name)))
+        raise_(V.variant_problems(infos, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
         self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
+        self._layout_paths: list[list[tuple[tuple[str, ...], OpenColumn]]] = []
         for names in self._layouts:
             cols = [self.columns[name] for name in names]
+            paths = _view_paths(cols)
             plain = len(cols) == 1 and cols[0].info.leaf == ()
-            top = all(len(c.info.leaf) == 1 for c in cols)
-            flat = [(c.info.leaf[0], c.view_cls, c) for c in cols] if top else []
+            top = all(len(p) == 1 for p, _ in paths) and len(paths) == len(cols)
+            flat = [(p[0], c.view_cls, c) for p, c in paths] if top else []
             self._layout_cols.append((cols, None if plain else flat))
+            self._layout_paths.append(paths)
         self._next = 0
         self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -323,9 +347,24 @@ class V2Files:
             for key, cls, col in flat:
                 out[key] = cls(col, a, b, filename)
             return out
-        for col in cols:
-            set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
+        for path, col in self._layout_paths[self._file_layout.item(i)]:
+            set_nested(out, path, col.view(a, b, filename))
         return out
+
+    def row_value(self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool) -> Any:
+        """The value of frame ``frame_idx`` of file ``i`` as it was written (``_rowvalue``)."""
+        a, b = self._offsets.item(i), self._offsets.item(i + 1)
+        frames = self._frame_idx[a:b]
+        j = int(np.searchsorted(frames, frame_idx))
+        filename = str(self._names[i])
+        if j >= len(frames) or frames[j] != frame_idx:
+            shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
+            raise UnknownFileError(
+                f"{filename!r} of {where()} has no frame {frame_idx} (its frames: {shown})",
+                filename=filename,
+            )
+        cols, _ = self._layout_cols[self._file_layout.item(i)]
+        return row_value(cols, a + j, filename, as_torch)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -497,6 +536,18 @@ class MergedStore(Mapping[str, Any]):
 
     def __getitem__(self, filename: str) -> Any:
         return self._files.value(self._files.index(filename, self.storage.describe))
+
+    def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
+        """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
+        tuples, Python scalars, ``str``, ``bytes`` and ``None`` as themselves, tensors and arrays
+        as numpy arrays (``as_torch=True``: torch tensors, importing torch only then), pickled
+        objects unpickled (only under ``open(..., allow_pickle=True)``). A dict key some frames
+        of the file have and this one lacks reads as ``None``. Version 2 and 3 outputs
+        (docs/FORMAT.md section 1, *Value model*); version 2 stored Python scalars as 0-d arrays
+        and tuples as arrays, and returns them so."""
+        files = self.require_columnar("value()")
+        i = self._index(filename)
+        return files.row_value(i, frame_idx, self.storage.describe, as_torch)
 
     def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
