@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import FormatVersionError
-
 
 class OutputDataset:
     """Rows of the merged output at ``path`` as dicts (see the module docstring).
@@ -44,12 +42,7 @@ class OutputDataset:
         from ._reader import open as open_store
 
         store = open_store(self.path, storage_options=self.storage_options)
-        if store.index_arrays() is None:  # a version-1 output has no rows across files: say so now
-            raise FormatVersionError(
-                f"{self.path}: OutputDataset reads columnar outputs (format version 2 or later); this one is "
-                "version 1 (one array per file): merge its spill root again",
-                path=self.path,
-            )
+        store.require_columnar("OutputDataset")  # a version-1 output has no rows across files: say so now
         return store
 
     def __len__(self) -> int:

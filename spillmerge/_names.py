@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -201,6 +202,7 @@ class ChunkedNames(Names):
         raise_(V.sorted_problems(heads, "index/filename_heads"))
         self._heads: list[str] = heads.tolist()
         self._next = 0
+        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
         if self._n:  # one block, so a small output is checked whole at open (a large one as read)
             self.block(0)
 
@@ -209,7 +211,16 @@ class ChunkedNames(Names):
 
     def block(self, j: int) -> np.ndarray:
         """The names of block ``j`` (files ``j*K .. (j+1)*K - 1``), checked on first read, cached."""
-        return self._cache.get(("filenames", j), lambda: self._load(j))
+        # The block read last, while the cache still holds it: files read in order skip the
+        # cache's lock (twice per file: the lookup and the view's filename).
+        hot = self._hot
+        if hot is not None and hot[0] == j:
+            names = hot[1]()
+            if names is not None:
+                return names
+        names = self._cache.get(("filenames", j), lambda: self._load(j))
+        self._hot = (j, weakref.ref(names))
+        return names
 
     def _load(self, j: int) -> np.ndarray:
         k, n = self._k, self._n

@@ -45,6 +45,9 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     array), a read-only array; straight from ``storage`` when the array is plain (module
     docstring), else through zarr."""
     k, n = max(int(arr.chunks[0]), 1), int(arr.shape[0])
+    if 0 in tuple(arr.shape):  # no element: zarr stores no chunk, and a read needs none
+        rest = tuple(int(d) for d in arr.shape[1:])
+        return lambda c: np.empty((max(0, min(k, n - c * k)), *rest), dtype=arr.dtype)
     if storage is None or not _plain(arr):
         return lambda c: read_array(arr, slice(c * k, min((c + 1) * k, n)))
     inner = tuple(int(d) for d in arr.chunks[1:])
