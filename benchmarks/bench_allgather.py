@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import MiB, PeakMemory, context, fmt_size, free_port, make_frame, parse_size, pool, workload  # noqa: E402
+from common import MiB, PeakMemory, fmt_size, make_frame, parse_size, pool, run_ranks, workload  # noqa: E402
 
 METHODS = ["all_gather", "all_gather_object", "gather", "writer_loop"]
 
@@ -88,26 +87,7 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict[str, Any]
 
 
 def run_method(method: str, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    work = Path(cfg["workdir"]) / f"{method}-{time.time_ns()}"
-    work.mkdir(parents=True)
-    result = str(work) + ".result"
-    try:
-        ctx = context()
-        port = free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, method, {**cfg, "work": str(work)}, result))
-                 for r in range(world)]  # fmt: skip
-        for pr in procs:
-            pr.start()
-        for pr in procs:
-            pr.join(3600)
-        if any(pr.exitcode != 0 for pr in procs):
-            return [{"error": f"exit codes {[pr.exitcode for pr in procs]}"}]
-        return [json.loads(Path(f"{result}.{r}").read_text()) for r in range(world)]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-        for r in range(world):
-            Path(f"{result}.{r}").unlink(missing_ok=True)
-        os.sync()
+    return run_ranks(rank_main, method, world, cfg)
 
 
 def main() -> None:

@@ -227,3 +227,35 @@ def in_process(fn: Callable[..., dict], timeout: float = 3600, **kwargs: Any) ->
 
 def now() -> float:
     return time.perf_counter()
+
+
+def run_ranks(target: Any, method: str, world: int, cfg: dict[str, Any], timeout: float = 3600) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, port, method, cfg + {"work"}, result)`` in ``world`` fresh
+    processes (a gloo group on loopback), in a scratch folder under ``cfg["workdir"]`` removed
+    afterwards; each rank's JSON result (``{result}.{rank}``), or one ``{"error"}`` row when a rank
+    failed or hung (the others are killed)."""
+    import shutil
+
+    work = Path(cfg["workdir"]) / f"{method}-{time.time_ns()}"
+    work.mkdir(parents=True)
+    result = str(work) + ".result"
+    try:
+        ctx = context()
+        port = free_port()
+        procs = [ctx.Process(target=target, args=(r, world, port, method, {**cfg, "work": str(work)}, result))
+                 for r in range(world)]  # fmt: skip
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join(timeout)
+        if any(pr.exitcode != 0 for pr in procs):
+            for pr in procs:
+                if pr.is_alive():
+                    pr.kill()
+            return [{"error": f"exit codes {[pr.exitcode for pr in procs]}"}]
+        return [json.loads(Path(f"{result}.{r}").read_text()) for r in range(world)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for r in range(world):
+            Path(f"{result}.{r}").unlink(missing_ok=True)
+        os.sync()

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._errors import SpillValueError
+from ._format import FILENAME_MAX_BYTES
 from ._values import check_filename, check_frame_idx
 
 
@@ -59,9 +60,10 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
         )
     names = list(filenames)
     ok = set(map(type, names)) <= {str}  # exactly str, in C (a generator cost ~0.2 us a name)
-    try:  # every name valid Unicode, checked in one pass; the loop below names a bad one
+    try:  # every name valid Unicode and short enough, checked in one pass; the loop below names a bad one
         if ok:
             "\0".join(names).encode("utf-8")
+            ok = max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4  # 4 UTF-8 bytes a character at most
     except UnicodeEncodeError:
         ok = False
     for i, name in enumerate(names) if not ok else ():

@@ -19,6 +19,7 @@ import google_crc32c
 import numpy as np
 
 from . import _codecs
+from . import _format_spill as FS
 from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
 from ._spillroot import check_of, data_ranges, verify_block
@@ -317,34 +318,16 @@ class _OutputChunk:
 
     def _text(self, r: int, row: np.ndarray) -> None:
         """Row ``r`` of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
-        lengths that add up to its size, each string valid UTF-8 (docs/FORMAT.md section 1)."""
-        if self.col.kind == "str":
-            self._utf8(r, row)
-            return
-        n = int(self.plan.nbytes[int(self.col.src[r])])
-        count = self._strlist_count(r)
-        if 4 * count > n:
-            self._bad_strlist(r)
-        lens = np.frombuffer(row, dtype="<u4", count=count)
-        ends = 4 * count + np.cumsum(lens, dtype=np.int64)
-        if (int(ends[-1]) if count else 4 * count) != n:
-            self._bad_strlist(r)
-        for s, e in zip((ends - lens).tolist(), ends.tolist(), strict=True):
-            self._utf8(r, row[s:e])
+        lengths that add up to its size, each string valid UTF-8 (``_format_spill.text_problem``)."""
+        count = self._strlist_count(r) if self.col.kind == "strlist" else 0
+        bad = FS.text_problem(self.col.kind, count, row)
+        if bad is not None:
+            self._corrupt(r, bad)
 
     def _strlist_count(self, r: int) -> int:
         """Strings in row ``r`` of a list-of-``str`` column (its layout's ``shape[0]``)."""
         assert self.col.shapes is not None
         return int(self.col.shapes[r, 0])
-
-    def _utf8(self, r: int, b: Any) -> None:
-        try:
-            bytes(b).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            self._corrupt(r, f"a string is not valid UTF-8 ({exc.reason})")
-
-    def _bad_strlist(self, r: int) -> None:
-        self._corrupt(r, "a list of strings whose lengths do not add up to its size")
 
     def _corrupt(self, r: int, what: str) -> None:
         plan, e = self.plan, int(self.col.src[r])

@@ -42,7 +42,7 @@ class OutputDataset:
         from ._reader import open as open_store
 
         store = open_store(self.path, storage_options=self.storage_options)
-        store._v2("OutputDataset")  # a version-1 output has no rows across files: say so now
+        store.require_columnar("OutputDataset")  # a version-1 output has no rows across files: say so now
         return store
 
     def __len__(self) -> int:

@@ -48,23 +48,43 @@ HARD_MAX_BYTES = 1 << 31
 """The most bytes of any object read whole, whatever a size formula gives (catalog, journal, chunk)."""
 
 
-def chunk_max_bytes(meta: Any, *, path: str) -> int:
-    """Largest chunk object an output array's ``zarr.json`` admits: its chunk's elements at their
-    item size (64 KiB per string, the catalog's bound per filename), plus an eighth and 64 KiB
-    for what a compressor adds to incompressible data, and the 4 CRC-32C bytes."""
-    try:
-        shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
-        n = 1
-        for d in shape:
-            if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-                raise ValueError(f"chunk shape {shape!r}")
-            n *= d
-        dt = meta["data_type"]
-        item = (64 << 10) + 4 if dt == "string" else np.dtype(dt).itemsize
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptSpillError(f"{path}: malformed array metadata ({exc!r:.200})", path=path) from None
-    raw = n * item
-    return raw + raw // 8 + (64 << 10) + 4
+FILENAME_MAX_BYTES = 64 << 10
+"""Longest filename (UTF-8 bytes) a writer accepts and a reader's limits admit (a string chunk of
+the output's ``index/filenames`` allows 64 KiB + 4 per name)."""
+STRING_MAX_BYTES = 1 << 30
+"""Largest ``str`` leaf, or ``strlist`` leaf (its length prefixes included), in UTF-8 bytes: a
+string chunk of an output holding it stays under :data:`HARD_MAX_BYTES` after a compressor's
+worst case."""
+MAX_CHUNK_BYTES = 256 << 20
+"""The most bytes a chunk of an output array may decode to, unless one row alone is larger (a
+chunk of one row): the merge's ``chunk_bytes`` may not exceed it."""
+EMPTY_EXTENT_MAX = 1 << 16
+"""A shape with a zero dimension may have at most this many entries before its first zero
+(``[65536, 0]`` yes, ``[2**27, 0]`` no): readers that build nested lists (Arrow) allocate that
+many list entries for an array of no element, so the count must be bounded by the format, not
+by the metadata."""
+SHAPE_ELEMS_MAX = 1 << 62
+"""Products of dimensions are computed saturating at this bound (no int64 wrap-around to 0)."""
+
+
+def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
+    """What is wrong with a leaf's shape by the format's bounds (None: nothing): its element
+    count past :data:`SHAPE_ELEMS_MAX`, or more than :data:`EMPTY_EXTENT_MAX` entries before a
+    zero dimension. Shared by the writer (which refuses such a value), the spill reader and the
+    output's invariants (``_invariants.shapes_problems``, the vectorised form)."""
+    n = 1
+    for d in shape:
+        if d == 0:
+            if n > EMPTY_EXTENT_MAX:
+                return (
+                    f"shape {list(shape)!r:.200} has {n} entries before a zero dimension "
+                    f"(at most {EMPTY_EXTENT_MAX} in an empty value)"
+                )
+            return None
+        n *= d
+        if n > SHAPE_ELEMS_MAX:
+            return f"shape {list(shape)!r:.200} has more than 2**62 elements"
+    return None
 
 
 def utcnow() -> str:
@@ -146,6 +166,8 @@ _RAW = {
 }
 
 DTYPES: dict[str, DType] = {}
+RAW_BITS = frozenset(_RAW)
+"""Dtypes stored as raw bits of an unsigned type (read back through ``ml_dtypes`` / torch views)."""
 for _n in _NATIVE:
     DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
 for _n, _s in _RAW.items():
@@ -156,12 +178,53 @@ for _n, _s in _RAW.items():
 NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
 for _n in NON_NUMERIC:
     DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
+#: Version 3: Python scalars (and lists of one scalar type) keep their Python type: stored as the
+#: numeric dtype ``storage`` and read back as ``int`` / ``float`` / ``bool`` / ``complex`` (0-d) or
+#: nested lists of them; and the headers of Python containers (docs/FORMAT.md, *Value model*),
+#: int64 0-d values holding a container's length.
+PY_SCALARS = {"pybool": "bool", "pyint": "int64", "pyfloat": "float64", "pycomplex": "complex128"}
+PY_HEADERS = ("pylist", "pytuple", "pydict", "pyrecords")
+for _n, _s in PY_SCALARS.items():
+    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+for _n in PY_HEADERS:
+    DTYPES[_n] = DType(_n, 8, "int64", False)
 
 
 def get_dtype(name: object, *, path: str = "?") -> DType:
     if not isinstance(name, str) or name not in DTYPES:
         raise CorruptSpillError(f"{path}: unknown dtype {name!r}", path=path)
     return DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# leaf path segments of the value model (version 3, docs/FORMAT.md section 1, *Value model*)
+
+MARK = "\x1f"
+"""First character of a header (``MARK``) or list item (``MARK`` + index) path segment."""
+
+
+def user_key(key: str) -> str:
+    """The path segment of a user's dict key: escaped with one more ``MARK`` when it starts with
+    one, so it never reads as a header or item segment."""
+    return MARK + key if key.startswith(MARK) else key
+
+
+def is_marker(seg: str) -> bool:
+    """A header or list item segment (not a user key)."""
+    return seg.startswith(MARK) and not seg.startswith(MARK + MARK)
+
+
+def path_text(path: tuple[str, ...]) -> str:
+    """A leaf path for messages: user keys joined by ``/``, list items as ``[i]``."""
+    if not path:
+        return "<value>"
+    parts = []
+    for seg in path:
+        if is_marker(seg):
+            parts.append(f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
+        else:
+            parts.append(seg[1:] if seg.startswith(MARK) else seg)
+    return "/".join(parts)
 
 
 # --------------------------------------------------------------------------------------------

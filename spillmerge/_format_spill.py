@@ -20,6 +20,7 @@ from ._format import (
     HARD_MAX_BYTES,
     MAX_LEAF_BYTES,
     MAX_NDIM,
+    STRING_MAX_BYTES,
     check_header,
     dumps,
     failure_now,
@@ -27,6 +28,7 @@ from ._format import (
     get_dtype,
     int_field,
     loads,
+    shape_problem,
     str_or_none,
 )
 
@@ -331,10 +333,46 @@ class Layout:
         lay = cls(tuple(leaf), str(dtype), tuple(shape))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
+        # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
+        # merge of such a leaf would succeed and leave an unreadable output.
+        bad = shape_problem(lay.shape) if lay.kind == "num" and lay.nbytes == 0 else None
+        if lay.kind == "strlist" and 4 * lay.shape[0] > lay.shape[1]:
+            # each string has a 4-byte length in its bytes: 2**31 strings in 12 bytes would make
+            # the merge's copy read lengths past the leaf
+            bad = f"{lay.shape[0]} strings cannot fit in {lay.shape[1]} bytes (4 length bytes each)"
+        if lay.kind in ("str", "strlist") and lay.nbytes > STRING_MAX_BYTES:
+            bad = f"a string of {lay.nbytes} bytes, more than {STRING_MAX_BYTES}"
+        if bad is not None:
+            raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay
 
     def leaf_name(self) -> str:
         return "/".join(self.leaf) if self.leaf else "<tensor>"
+
+
+def text_problem(kind: str, count: int, row: Any) -> str | None:
+    """What is wrong with the bytes of a ``str`` leaf (valid UTF-8) or a ``strlist`` leaf of
+    ``count`` strings (``count`` uint32 lengths adding up to its size, each string valid UTF-8):
+    docs/FORMAT.md section 1. None when sound. Shared by the merge's copy and ``verify``, so a
+    root ``verify`` calls sound never fails the merge."""
+    buf = memoryview(row).cast("B") if not isinstance(row, np.ndarray) else row.view(np.uint8).reshape(-1)
+    if kind == "strlist":
+        n = len(buf)
+        if 4 * count > n:
+            return "a list of strings whose lengths do not add up to its size"
+        lens = np.frombuffer(buf, dtype="<u4", count=count)
+        ends = 4 * count + np.cumsum(lens, dtype=np.int64)
+        if (int(ends[-1]) if count else 0) != n:
+            return "a list of strings whose lengths do not add up to its size"
+        pieces = [buf[s:e] for s, e in zip((ends - lens).tolist(), ends.tolist(), strict=True)]
+    else:
+        pieces = [buf]
+    for b in pieces:
+        try:
+            bytes(b).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"a string is not valid UTF-8 ({exc.reason})"
+    return None
 
 
 # --------------------------------------------------------------------------------------------

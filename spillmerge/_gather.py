@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._batch import mapping_items
+from ._dist import resolve_run_id
 from ._reader import MergedStore
 from ._reader import open as open_store
 from ._writer import SpillWriter
@@ -116,6 +117,9 @@ def _gather(
     out = os.fspath(out)
     spill = os.fspath(root) if root is not None else default_root(out)
     opts = {"allow_pickle": allow_pickle, **(writer_options or {})}
+    # The run id is agreed on here, within the call's timeout: the writer's own agreement sets
+    # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
+    opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
     with SpillWriter(spill, rank, world_size, storage_options, **opts) as w:
         _write_all(w, preds)
     w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)

@@ -33,9 +33,12 @@ def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpill
     return CorruptSpillError(f"{path}: {what}", path=path)
 
 
-def read_array(arr: Any, sel: Any = slice(None)) -> np.ndarray:
-    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array (an
-    absent one already is, from ``NoFillStore``)."""
+def read_array(arr: Any, sel: Any = None) -> np.ndarray:
+    """``arr[sel]`` as numpy (``sel`` None: the whole array, see :func:`read_whole`); a damaged
+    chunk is a :class:`CorruptSpillError` naming the array (an absent one already is, from
+    ``NoFillStore``)."""
+    if sel is None:
+        return read_whole(arr, lambda s: read_array(arr, s))
     try:
         return np.asarray(arr[sel])
     except SpillMergeError:
@@ -44,6 +47,19 @@ def read_array(arr: Any, sel: Any = slice(None)) -> np.ndarray:
         raise CorruptSpillError(
             f"{arr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})", path=str(arr.store_path)
         ) from exc
+
+
+def read_whole(arr: Any, read: Callable[[slice], np.ndarray]) -> np.ndarray:
+    """The whole of ``arr``, read chunk row by chunk row (``read`` reads one slice): zarr
+    allocates a selection's result before it fetches a chunk, so reading the whole of an array
+    whose metadata declares ``2**40`` rows at once would allocate from metadata alone; chunk by
+    chunk, memory grows only with chunks that exist and decode (the chunk itself is bounded by
+    ``_format_output.chunk_limits``), and the first absent one ends the read."""
+    n = int(arr.shape[0]) if arr.ndim else 0
+    k = int(arr.chunks[0]) if arr.ndim else 1
+    if n <= k:
+        return read(slice(None))
+    return np.concatenate([read(slice(a, min(n, a + k))) for a in range(0, n, k)])
 
 
 def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -75,7 +91,22 @@ def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
         raise corrupt(describe, rel, "missing from the output's index") from None
     if not isinstance(node, zarr.Array) or node.ndim != 1:
         raise corrupt(describe, rel, "expected a 1-d array")
+    bad = grid_problems(rel, node)
+    if bad:
+        raise corrupt(describe, rel, bad[0][1])
     return node
+
+
+def grid_problems(rel: str, arr: Any, string_chunk_bytes: int | None = None) -> list[Problem]:
+    """What the array ``rel``'s metadata breaks of the format's chunk rules
+    (``_format_output.chunk_limits``: chunk shape within the array's, known codecs, bounded
+    chunk size, shapes without overflow), from its metadata alone; the same limits bound every
+    chunk read (``_reader.NoFillStore``)."""
+    try:
+        FO.chunk_limits(arr.metadata.to_dict(), path=rel, string_chunk_bytes=string_chunk_bytes)
+    except CorruptSpillError as exc:
+        return [(rel, exc.reason or str(exc))]
+    return []
 
 
 def read_index(group: Any, name: str, describe: Callable[[str], str]) -> np.ndarray:
@@ -83,12 +114,16 @@ def read_index(group: Any, name: str, describe: Callable[[str], str]) -> np.ndar
     :class:`CorruptSpillError` naming it."""
     rel = f"index/{name}"
     node = index_node(group, name, describe)
-    try:
-        return np.asarray(node[:])
-    except SpillMergeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - zarr reports codec and checksum errors as many types
-        raise corrupt(describe, rel, f"cannot read it ({exc})") from exc
+
+    def read(sel: slice) -> np.ndarray:
+        try:
+            return np.asarray(node[sel])
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - zarr reports codec and checksum errors as many types
+            raise corrupt(describe, rel, f"cannot read it ({exc})") from exc
+
+    return read_whole(node, read)
 
 
 def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
@@ -187,6 +222,9 @@ class StoredColumn:
     """Largest string chunk the merge wrote (string columns)."""
     arrays: dict[str, Any]
     """``values`` / ``offsets`` / ``shapes`` / ``valid`` -> ``zarr.Array`` (those present)."""
+    variant: str | None = None
+    """Version 3: the variant tag of one of a leaf's variant columns (None: the leaf's only column,
+    or one split by dtype)."""
 
     @property
     def path(self) -> str:
@@ -227,24 +265,21 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
             inner_shape=h.inner_shape,
             chunk_max_bytes=h.chunk_max_bytes,
             arrays=arrays,
+            variant=h.variant,
         )
         bad = _column_meta_problems(info, h.has_valid)
         if bad:
             problems.extend(bad)
             continue
         out[name] = info
-    # A leaf may have one column per numeric dtype (files that disagree on it), never two of one kind.
+    # A leaf may have one column per variant (version 3; version 2: per numeric dtype), never two
+    # of one variant.
     paths: dict[tuple[tuple[str, ...], str], str] = {}
-    by_leaf: dict[tuple[str, ...], set[str]] = {}
     for c in out.values():
-        key = (c.leaf, c.dtype if c.kind in ("fixed", "ragged") else c.kind)
-        if key in paths or (
-            by_leaf.get(c.leaf) and (c.kind not in ("fixed", "ragged") or not by_leaf[c.leaf] <= {"num"})
-        ):
-            other = paths.get(key) or next(p for (lf, _), p in paths.items() if lf == c.leaf)
-            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{other}"))
+        key = (c.leaf, c.variant or (c.dtype if c.kind in ("fixed", "ragged") else c.kind))
+        if key in paths:
+            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[key]}"))
         paths[key] = c.name
-        by_leaf.setdefault(c.leaf, set()).add("num" if c.kind in ("fixed", "ragged") else c.kind)
     return out, problems
 
 
@@ -269,6 +304,10 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
         return out
     if "valid" in a and not has_valid:
         out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
+    for k, arr in sorted(a.items()):
+        out.extend(grid_problems(f"{rel}/{k}", arr, c.chunk_max_bytes if k == "values" else None))
+    if out:
+        return out
     v = a["values"]
     if c.kind in STRING_KINDS:
         if v.dtype.kind not in ("T", "O", "U") and v.dtype != np.uint8:
@@ -334,8 +373,9 @@ def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.nd
         r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
         return [(f"{rel}/shapes", f"row {r} has a negative dimension {shapes[r].tolist()}")]
     inner = int(np.prod(c.inner_shape)) if c.inner_shape else 1
-    with np.errstate(over="ignore"):
-        elems = np.prod(shapes, axis=1, dtype=np.int64)
+    elems, problems = shape_products(shapes, f"{rel}/shapes")
+    if problems:
+        return problems
     bad = np.flatnonzero(elems != np.diff(offsets) * inner)
     if len(bad):
         r = int(bad[0])
@@ -347,6 +387,32 @@ def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.nd
             )
         ]
     return out
+
+
+def shape_products(shapes: np.ndarray, rel: str) -> tuple[np.ndarray, list[Problem]]:
+    """Elements per row of a non-negative ``(rows, ndim)`` shapes array, computed saturating at
+    ``F.SHAPE_ELEMS_MAX`` (never wrapping: ``[2**32, 2**32]`` is not 0 elements), and the rows
+    that break ``F.shape_problem``: more than 2**62 elements, or more than
+    ``F.EMPTY_EXTENT_MAX`` entries before a zero dimension (``[2**27, 0]``). Vectorised."""
+    rows = shapes.shape[0]
+    lead = np.ones(rows, dtype=np.int64)  # product of the dimensions before the first zero
+    zero = np.zeros(rows, dtype=bool)
+    over = np.zeros(rows, dtype=bool)
+    for j in range(shapes.shape[1]):
+        d = shapes[:, j]
+        zero_now = zero | (d == 0)
+        grow = ~zero_now
+        big = grow & (lead > F.SHAPE_ELEMS_MAX // np.maximum(d, 1))
+        over |= big
+        lead = np.where(grow & ~big, lead * np.where(grow, d, 1), lead)
+        zero = zero_now
+    elems = np.where(zero, 0, lead)
+    bad = np.flatnonzero(over | (zero & (lead > F.EMPTY_EXTENT_MAX)))
+    if not len(bad):
+        return elems, []
+    r = int(bad[0])
+    what = F.shape_problem(shapes[r].tolist()) or "is out of bounds"
+    return elems, [(rel, f"row {r}'s {what} ({len(bad)} such rows)")]
 
 
 def v2_index_problems(
@@ -377,7 +443,9 @@ def v2_index_problems(
                 out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
                 break
             leaves = [columns[c].leaf for c in lay]
-            if len(set(leaves)) != len(leaves):  # a file has one dtype per leaf
+            # version 2: a file has one dtype per leaf; version 3: one column per variant, and
+            # variant_problems checks that a row has a value in one of them at most
+            if len(set(leaves)) != len(leaves) and header.get("format_version") == 2:
                 twice = next(lf for lf in leaves if leaves.count(lf) > 1)
                 out.append(("zarr.json", f"file_layouts[{j}] lists two columns of leaf {list(twice)!r:.200}"))
                 break
@@ -458,6 +526,32 @@ def layout_rows(
         return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
 
     return in_layout
+
+
+def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColumn], np.ndarray | None]) -> list[Problem]:
+    """Version 3's type ids (docs/FORMAT.md, *Value model*): where a leaf has several variant
+    columns, a row has a value in at most one of them (``valid`` gives a column's mask, None when
+    every row has a value)."""
+    by_leaf: dict[tuple[str, ...], list[StoredColumn]] = {}
+    for c in cols.values():
+        by_leaf.setdefault(c.leaf, []).append(c)
+    out: list[Problem] = []
+    for leaf, group in sorted(by_leaf.items()):
+        if len(group) < 2:
+            continue
+        count: np.ndarray | None = None
+        for c in group:
+            v = valid(c)
+            if v is None:
+                out.append((f"columns/{c.name}/valid", f"missing: leaf {list(leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value"))
+                break
+            count = v.astype(np.int64) if count is None else count + v
+        else:
+            if count is not None and len(count) and int(count.max()) > 1:
+                r = int(np.argmax(count > 1))
+                names = ", ".join(f"columns/{c.name}" for c in group)
+                out.append((f"columns/{group[0].name}/valid", f"row {r} has a value in more than one variant of leaf {list(leaf)!r:.200} ({names})"))
+    return out
 
 
 def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:

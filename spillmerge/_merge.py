@@ -189,8 +189,9 @@ class _Job:
         """Barrier → load → plan: everything before the first byte of output."""
         t0 = time.perf_counter()
         chunk_bytes, threads = options.chunk_bytes, options.threads
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise SpillValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
+            # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md 2.3)
+            raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)
         storage_options, out_storage_options = options.storage_options, options.out_storage_options

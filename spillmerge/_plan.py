@@ -12,6 +12,7 @@ million one-frame files plan in seconds, with no Python object per file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -64,6 +65,9 @@ class PlannedColumn:
     column, (n_rows, 1): the strings in each row."""
     has_valid: bool
     """Some row lacks the leaf (a ``valid`` array is written)."""
+    variant: str | None = None
+    """The variant tag of a leaf's column when the leaf has several variants that are not only
+    numeric dtypes (``_variant_groups``); None otherwise (the name carries at most the dtype)."""
 
     @property
     def storage(self) -> str:
@@ -119,6 +123,7 @@ class PlannedColumn:
             inner_shape=self.inner,
             has_valid=self.has_valid,
             chunk_max_bytes=chunk_max_bytes,
+            variant=self.variant,
         )
 
 
@@ -235,7 +240,6 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
         return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
                     [], segments, e, e, e, e, duplicates=0)  # fmt: skip
     c = {k: np.concatenate(v) for k, v in cols.items()}
-    _check_leaf_types(c, layouts, leaf_paths, names, segments)
     c, copies, duplicates = _resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
 
     # Rows: distinct (file, frame), in order; every entry's row number.
@@ -255,73 +259,28 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     file_offsets = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
 
-    group, groups = _dtype_groups(c, layouts, leaf_paths, names, segments)
+    group, groups = _variant_groups(c, layouts, leaf_paths)
     names_of = _group_names(groups, leaf_paths)
     kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
     is_none = kinds[c["gl"]] == "none"
     columns = []
-    for g, (p, _dtype) in enumerate(groups):
+    for g, (p, tag) in enumerate(groups):
         sel = np.flatnonzero(group == g)
         present = sel[~is_none[sel]]
         src = np.full(n_rows, -1, dtype=np.int64)
         src[row_of[present]] = present
-        columns.append(_column(names_of[g], leaf_paths[p], src, c, layouts, n_rows))
+        planned = _column(names_of[g], leaf_paths[p], src, c, layouts, n_rows)
+        if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
+            # the header names the variant its name carries (a split by dtype alone: version 2's rule)
+            planned = dataclasses.replace(planned, variant=tag)
+        columns.append(planned)
     columns.sort(key=lambda col: col.name)
 
     file_layout, file_layouts = _file_layouts(c["file"], group, len(names), names_of)
-    for layout in file_layouts:
-        _check_prefixes(layout, columns, names, file_layout, file_layouts)
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates,
     )  # fmt: skip
-
-
-def _check_leaf_types(
-    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
-    segments: list[LoadedSegment],
-) -> None:  # fmt: skip
-    """A leaf has one kind and ``ndim`` across the merge (``None`` rows aside; ``[]`` may also be an
-    empty list of strings). Numeric dtypes are checked per file by ``_dtype_groups``."""
-
-    def sig(lay: FS.Layout, *, with_dtype: bool) -> tuple[str, str, int]:
-        dt = F.DTYPES[lay.dtype]
-        if not dt.numeric:
-            return (dt.kind, dt.kind, 0 if dt.kind != "strlist" else 1)
-        return ("num", lay.dtype if with_dtype else "", len(lay.shape))
-
-    empty = [F.DTYPES[lay.dtype].numeric and lay.nbytes == 0 and 0 in lay.shape for lay in layouts]
-    by_leaf: dict[int, dict[tuple[str, str, int], int]] = {}
-    lp_of = {p: i for i, p in enumerate(leaf_paths)}
-    for g, lay in enumerate(layouts):
-        if lay.dtype == "none":
-            continue
-        lp = lp_of[lay.leaf]
-        by_leaf.setdefault(lp, {}).setdefault(sig(lay, with_dtype=not empty[g]), g)
-    for lp, sigs in by_leaf.items():
-        if any(s == ("strlist", "strlist", 1) for s in sigs):  # [] is also an empty list of strings
-            sigs.pop(("num", "", 1), None)
-        kinds = {(s[0], s[2]) for s in sigs}
-        if len(kinds) == 1:  # numeric dtypes may differ between files: one column each (_dtype_groups)
-            continue
-        variants = []
-        for s, g in sigs.items():
-            if s[1] == "" and len(kinds) == 1:
-                continue
-            sel = c["gl"] == g
-            first = int(np.flatnonzero(sel)[0])
-            desc = f"{s[1] or 'empty numeric'}" + (f" with {s[2]} dims" if s[0] == "num" else "")
-            variants.append((desc, names[int(c["file"][first])], _ranks(segments, c["seg"][sel])))
-        ranks = sorted({r for _, _, rs in variants for r in rs})
-        leaf = _leaf_name(leaf_paths[lp])
-        raise LayoutMismatchError(
-            f"leaf {leaf!r} is stored as different types: "
-            + "; ".join(f"{d} (e.g. {f!r:.200}, rank(s) {r})" for d, f, r in variants)
-            + "; a leaf must keep its kind, dtype and number of dimensions in every frame of every file",
-            filename=variants[0][1],
-            leaf=leaf,
-            ranks=ranks,
-        )
 
 
 def _resolve_duplicates(
@@ -348,9 +307,11 @@ def _resolve_duplicates(
         for r in range(a, b):  # rows of one key: by segment, then leaf
             groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
-        # A negative CRC names a block checksum, not the bytes: such copies are compared by bytes.
+        # A negative CRC names a block checksum, not the bytes: a copy with one (in either
+        # segment) is compared by its bytes whenever layouts and sizes agree.
+        blocked = bool((c["crc"][a:b] < 0).any())
         sigs = {
-            tuple((int(c["lp"][r]), int(c["nb"][r]), max(-1, int(c["crc"][r]))) for r in rows)
+            tuple((int(c["lp"][r]), int(c["nb"][r]), -1 if blocked else int(c["crc"][r])) for r in rows)
             for rows in groups.values()
         }
         identical = len(sigs) == 1
@@ -366,7 +327,7 @@ def _resolve_duplicates(
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
                 f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
-                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 else "")
+                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 and not blocked else "")
                 + "; merge with on_duplicate='first' "
                 "or 'last' (--on-duplicate) to pick one",
                 filename=fname,
@@ -383,59 +344,93 @@ def _resolve_duplicates(
     return c, copies, duplicates
 
 
-def _dtype_groups(
-    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
-    segments: list[LoadedSegment],
-) -> tuple[np.ndarray, list[tuple[int, str | None]]]:  # fmt: skip
-    """Which column each stored leaf row goes to: one per leaf path and numeric dtype. A leaf that
-    is ``float16`` in some files and ``float32`` in others makes two columns (nothing is converted);
-    within one file a leaf has one dtype (else :class:`LayoutMismatchError` naming the file, leaf
-    and ranks). Rows that say nothing about the dtype (``None``, zero elements) join their file's
-    column, or the leaf's first one. Returns each entry's group and the groups' (leaf path
-    position, dtype or None)."""
-    n_lp = len(leaf_paths)
-    dnames = sorted({lay.dtype for lay in layouts if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape})
-    code_of = {d: i for i, d in enumerate(dnames)}
-    lcode = np.array(
-        [code_of[lay.dtype] if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape else -1 for lay in layouts],
-        dtype=np.int64,
-    )
-    known = lcode[c["gl"]]
-    pair = c["file"] * n_lp + c["lp"]
-    order = np.argsort(pair, kind="stable")
-    ps, ks = pair[order], known[order]
-    starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
-    hi = np.maximum.reduceat(ks, starts)
-    lo = np.minimum.reduceat(np.where(ks < 0, len(dnames), ks), starts)
-    bad = np.flatnonzero((hi >= 0) & (lo != hi))
-    if len(bad):
-        f, p = divmod(int(ps[starts[bad[0]]]), n_lp)
-        sel = (c["file"] == f) & (c["lp"] == p) & (known >= 0)
-        codes = sorted({int(k) for k in known[sel]})
-        leaf = _leaf_name(leaf_paths[p])
-        each = [f"{dnames[k]} on rank(s) {_ranks(segments, c['seg'][sel & (known == k)])}" for k in codes]
-        raise LayoutMismatchError(
-            f"{names[f]!r:.200}: leaf {leaf!r} is {' and '.join(dnames[k] for k in codes)} in different frames "
-            f"({'; '.join(each)}); a leaf keeps its dtype in every frame of a file",
-            filename=names[f],
-            leaf=leaf,
-            ranks=_ranks(segments, c["seg"][sel]),
-        )
-    pair_code = hi  # -1: the file's rows of this leaf say nothing about its dtype
-    pair_lp = ps[starts] % n_lp
-    first = np.full(n_lp, -1, dtype=np.int64)  # each leaf's lowest dtype code, for the rows without one
-    has = pair_code >= 0
-    np.maximum.at(first, pair_lp[has], -1)  # keep -1 where a leaf has no code at all
-    for p in np.unique(pair_lp[has]).tolist():
-        first[p] = int(pair_code[has & (pair_lp == p)].min())
-    pair_code = np.where(pair_code >= 0, pair_code, first[pair_lp])
-    code = np.empty(len(pair), dtype=np.int64)
-    code[order] = np.repeat(pair_code, np.diff(np.r_[starts, len(ps)]))
-    key = c["lp"] * (len(dnames) + 1) + (code + 1)
+def _variant_groups(
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]]
+) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
+    """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
+    ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column,
+    as in version 2; one that is ``float16`` in some rows and a ``str`` or a 2-d ``float32`` in
+    others makes one column per variant, each with the rows of its variant (the others absent):
+    nothing is converted, and a row has a value in at most one of them. Rows that say nothing
+    about the variant (``None``, numeric rows of zero elements) join a compatible variant of their
+    file (the lowest), else of their leaf, else one of their own. Returns each entry's group and
+    the groups' (leaf path position, variant tag or None when the leaf has one column)."""
+    sig_code: dict[tuple[str, str, int], int] = {}
+    lcode = np.full(len(layouts), -1, dtype=np.int64)
+    for g, lay in enumerate(layouts):
+        dt = F.DTYPES[lay.dtype]
+        if dt.kind == "none" or (dt.numeric and 0 in lay.shape):
+            continue
+        sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
+        lcode[g] = sig_code.setdefault(sig, len(sig_code))
+    code = lcode[c["gl"]]
+    weak = np.flatnonzero(code < 0)
+    if len(weak):
+        n_lp, n_sig = len(leaf_paths), max(len(sig_code), 1)
+        definite = code >= 0
+        pair = c["file"] * n_lp + c["lp"]
+        pair_codes = np.unique(pair[definite] * n_sig + code[definite])
+        leaf_codes: dict[int, set[int]] = {}
+        for k in np.unique(c["lp"][definite] * n_sig + code[definite]).tolist():
+            leaf_codes.setdefault(k // n_sig, set()).add(k % n_sig)
+        sigs = sorted(sig_code, key=sig_code.__getitem__)
+        weak_gl = c["gl"][weak]
+        # empty numeric rows first: a leaf whose only variant is theirs then takes its None rows too
+        for g in sorted(np.unique(weak_gl).tolist(), key=lambda g: layouts[g].dtype == "none"):
+            lay = layouts[g]
+            rows = weak[weak_gl == g]
+            if lay.dtype == "none":
+                ok = list(range(len(sigs)))
+            else:  # zero elements: the same ndim; ``[]`` is also an empty list of strings
+                nd = len(lay.shape)
+                ok = [i for i, s in enumerate(sigs) if s[0] == "num" and s[2] == nd]
+                ok += [i for i, s in enumerate(sigs) if nd == 1 and s[0] == "strlist"]
+            got = np.full(len(rows), -1, dtype=np.int64)
+            for cand in ok:
+                hit = (got < 0) & np.isin(pair[rows] * n_sig + cand, pair_codes)
+                got[hit] = cand
+            left = got < 0
+            for p in np.unique(c["lp"][rows[left]]).tolist() if left.any() else ():
+                m = left & (c["lp"][rows] == p)
+                have = leaf_codes.setdefault(p, set())
+                found = next((i for i in ok if i in have), None)
+                if found is not None:
+                    cand = found
+                else:
+                    own = ("none", "none", 0) if lay.dtype == "none" else ("num", lay.dtype, len(lay.shape))
+                    cand = sig_code.setdefault(own, len(sig_code))
+                    if cand == len(sigs):
+                        sigs.append(own)
+                    if own[0] != "none":
+                        ok.append(cand)
+                    have.add(cand)
+                got[m] = cand
+            code[rows] = got
+    n_codes = max(len(sig_code), 1)
+    key = c["lp"] * n_codes + code
     uniq, group = np.unique(key, return_inverse=True)
-    groups = [(int(k) // (len(dnames) + 1), None if k % (len(dnames) + 1) == 0 else dnames[int(k % (len(dnames) + 1)) - 1])
-              for k in uniq]  # fmt: skip
+    by_leaf: dict[int, list[tuple[str, str, int]]] = {}
+    sigs_all = sorted(sig_code, key=sig_code.__getitem__)
+    for k in uniq.tolist():
+        by_leaf.setdefault(k // n_codes, []).append(sigs_all[k % n_codes])
+    groups: list[tuple[int, str | None]] = []
+    for k in uniq.tolist():
+        p, sig = k // n_codes, sigs_all[k % n_codes]
+        variants = by_leaf[p]
+        if len(variants) == 1:
+            groups.append((p, None))
+        elif all(v[0] == "num" and v[2] == sig[2] for v in variants):
+            groups.append((p, sig[1]))  # version 2's split by dtype: ``<col>.<dtype>``
+        else:
+            groups.append((p, variant_tag(sig)))
     return group.reshape(-1), groups
+
+
+def variant_tag(sig: tuple[str, str, int]) -> str:
+    """The name suffix of a variant column (``<col>.<tag>``): ``<dtype>.<ndim>d`` for numeric
+    variants, the kind for the others."""
+    kind, dtype, ndim = sig
+    return f"{dtype}.{ndim}d" if kind == "num" else kind
 
 
 def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
@@ -521,30 +516,6 @@ def _file_layouts(
         inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
         sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
     return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]
-
-
-def _check_prefixes(
-    layout: list[str],
-    columns: list[PlannedColumn],
-    names: list[str],
-    file_layout: np.ndarray,
-    file_layouts: list[list[str]],
-) -> None:
-    """Within one file a leaf cannot also be a dict holding other leaves: ``res[filename]`` could
-    not be both."""
-    by_name = {c.name: c.leaf for c in columns}
-    leaves = {by_name[n] for n in layout}
-    for leaf in leaves:
-        for d in range(len(leaf)):
-            if leaf[:d] in leaves:
-                i = file_layouts.index(layout)
-                fname = names[int(np.flatnonzero(file_layout == i)[0])]
-                raise LayoutMismatchError(
-                    f"{fname!r:.200}: leaf {_leaf_name(leaf[:d])!r} is a value in some frames and a dict "
-                    f"holding {_leaf_name(leaf)!r} in others",
-                    filename=fname,
-                    leaf=_leaf_name(leaf[:d]),
-                )
 
 
 def fingerprint(plan: Plan, **settings: Any) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from . import _format as F
+from . import _format_output as FO
 from ._errors import CorruptSpillError
 from ._invariants import read_array
 from ._storage import Storage
@@ -46,6 +46,9 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     array), a read-only array; straight from ``storage`` when the array is plain (module
     docstring), else through zarr."""
     k, n = max(int(arr.chunks[0]), 1), int(arr.shape[0])
+    if 0 in tuple(arr.shape):  # no element: zarr stores no chunk, and a read needs none
+        rest = tuple(int(d) for d in arr.shape[1:])
+        return lambda c: np.empty((max(0, min(k, n - c * k)), *rest), dtype=arr.dtype)
     if storage is None or not _plain(arr):
         return lambda c: read_array(arr, slice(c * k, min((c + 1) * k, n)))
     inner = tuple(int(d) for d in arr.chunks[1:])
@@ -54,7 +57,7 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     size = count * dtype.itemsize + 4
     suffix = "/0" * len(inner)
     path = arr.path
-    limit = F.chunk_max_bytes(arr.metadata.to_dict(), path=describe(f"{path}/zarr.json"))
+    limit = FO.chunk_limits(arr.metadata.to_dict(), path=describe(f"{path}/zarr.json")).object_bytes
 
     def read(c: int) -> np.ndarray:
         rel = f"{path}/c/{c}{suffix}"

@@ -33,11 +33,9 @@ from ._leafdict import LeafDict
 from ._names import ArrayNames, ChunkedNames, Names, close_matches
 from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
+from ._rowvalue import row_value
 from ._storage import Storage
 from ._views import LeafView, OpenColumn
-
-_STRING_CHUNK_HARD_MAX = 1 << 31
-"""No string chunk is read past 2 GiB, whatever a column header claims."""
 
 # Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
@@ -56,19 +54,25 @@ class NoFillStore(WrapperStore[Store]):
     object stores and would not). A merge writes every chunk of every array (``write_empty_chunks``
     for the index), so an absent chunk is always damage.
 
+    Every chunk is checked before zarr decodes it, on every backend, against its array's
+    metadata checked against the format (``_format_output.chunk_limits``: chunk shape within the
+    array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
+    size its compressor header declares (a zstd or blosc bomb is refused unread), and a string
+    chunk's count (vlen-utf8 allocates one object per declared string). The metadata is one small
+    read per array, once.
+
     Given the output's ``storage`` on a local disk, every object is read through
     :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
     or symbolic link is refused by name, never opened or followed), and never more bytes than the
-    format allows the object — a ``zarr.json`` its document limit, a chunk what its array's chunk
-    shape and data type can encode to (docs/FORMAT.md, *Size limits*). The check rides on the
-    read zarr makes anyway: one lstat per object, plus one small read of each array's metadata.
+    format allows the object — a ``zarr.json`` its document limit, a chunk its limits above
+    (docs/FORMAT.md, *Size limits*): one lstat per object.
     """
 
     def __init__(self, store: Store, describe: Callable[[str], str], storage: Storage | None = None) -> None:
         super().__init__(store)
         self._describe = describe
         self._storage = storage if storage is not None and storage.local else None
-        self._chunk_limits: dict[str, int] = {}
+        self._chunk_limits: dict[str, FO.ChunkLimits] = {}
 
     @property
     def local(self) -> bool:
@@ -90,48 +94,61 @@ class NoFillStore(WrapperStore[Store]):
     def _is_chunk(self, key: str) -> bool:
         return key.rsplit("/", 1)[-1] not in _METADATA_NAMES
 
-    def _limit(self, key: str) -> int:
-        """The most bytes the object ``key`` may have (docs/FORMAT.md, *Size limits*)."""
-        if not self._is_chunk(key):
-            return F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
-        array = key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
-        limit = self._chunk_limits.get(array)
-        if limit is None:
-            assert self._storage is not None
-            doc = f"{array}/zarr.json" if array else "zarr.json"
-            try:
-                raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
-            except FileNotFoundError:
-                raise self._missing(key) from None
-            meta = F.loads(raw, path=self._describe(doc))
-            limit = F.chunk_max_bytes(meta, path=self._describe(doc))
-            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
-                limit = self._string_limit(array.rpartition("/")[0], limit)
-            self._chunk_limits[array] = limit
-        return limit
+    def _array_of(self, key: str) -> str:
+        return key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
 
-    def _string_limit(self, group: str, default: int) -> int:
-        """A version-2 string column's chunk limit: its header's ``chunk_max_bytes`` (the largest
-        vlen-utf8 chunk the merge wrote) plus a compressor's worst case, where the group has one
-        (a 10 MB string is one element): docs/FORMAT.md section 2, *Columns*."""
-        assert self._storage is not None
-        doc = f"{group}/zarr.json"
-        try:
-            raw = self._storage.get(doc, max_bytes=F.ARRAY_DOC_MAX_BYTES)
-        except FileNotFoundError:
-            return default
-        obj = F.loads(raw, path=self._describe(doc))
+    async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
+        """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
+        if self._storage is not None:
+            try:
+                raw = await asyncio.to_thread(self._storage.get, rel, max_bytes=F.ARRAY_DOC_MAX_BYTES)
+            except FileNotFoundError:
+                return None
+        else:
+            buf = await self._store.get(rel, prototype)
+            if buf is None:
+                return None
+            raw = buf.to_bytes()
+            if len(raw) > F.ARRAY_DOC_MAX_BYTES:
+                path = self._describe(rel)
+                raise CorruptSpillError(
+                    f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
+                )
+        return F.loads(raw, path=self._describe(rel))
+
+    async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:
+        """The bounds of chunk ``key`` (docs/FORMAT.md, *Size limits*), from its array's metadata
+        checked against the format once per array: on every backend, before zarr decodes it."""
+        array = self._array_of(key)
+        limits = self._chunk_limits.get(array)
+        if limits is None:
+            doc = f"{array}/zarr.json" if array else "zarr.json"
+            meta = await self._doc(doc, prototype)
+            if meta is None:
+                raise self._missing(key)
+            cmb = None
+            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
+                cmb = await self._string_chunk_bytes(array.rpartition("/")[0], prototype)
+            limits = FO.chunk_limits(meta, path=self._describe(doc), string_chunk_bytes=cmb)
+            self._chunk_limits[array] = limits
+        return limits
+
+    async def _string_chunk_bytes(self, group: str, prototype: BufferPrototype) -> int | None:
+        """A version-2 string column's header ``chunk_max_bytes`` (the largest vlen-utf8 chunk
+        the merge wrote), where the group has one (a 10 MB string is one element): docs/FORMAT.md
+        section 2, *Columns*; None where it has none (the per-string default applies)."""
+        obj = await self._doc(f"{group}/zarr.json", prototype)
         attrs = obj.get("attributes") if isinstance(obj, dict) else None
         header = attrs.get("spillmerge") if isinstance(attrs, dict) else None
         cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
         if not isinstance(cmb, int) or isinstance(cmb, bool) or cmb < 0:
-            return default
-        return min(_STRING_CHUNK_HARD_MAX, cmb + cmb // 8 + (64 << 10) + 4)
+            return None
+        return cmb
 
-    def _read_local(self, key: str, byte_range: ByteRequest | None) -> bytes | None:
+    def _read_local(self, key: str, byte_range: ByteRequest | None, max_bytes: int) -> bytes | None:
         assert self._storage is not None
         try:
-            data = self._storage.get(key, max_bytes=self._limit(key))
+            data = self._storage.get(key, max_bytes=max_bytes)
         except FileNotFoundError:
             return None
         if byte_range is None:
@@ -145,10 +162,24 @@ class NoFillStore(WrapperStore[Store]):
         raise TypeError(f"unexpected byte range {byte_range!r}")
 
     async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
+        if not self._is_chunk(key):
+            if self._storage is None:
+                return await self._store.get(key, prototype, byte_range)
+            limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
+            data = await asyncio.to_thread(self._read_local, key, byte_range, limit)
+            return None if data is None else prototype.buffer.from_bytes(data)
+        limits = await self._limits(key, prototype)
         if self._storage is None:
-            return await self._store.get(key, prototype, byte_range)
-        data = await asyncio.to_thread(self._read_local, key, byte_range)
-        return None if data is None else prototype.buffer.from_bytes(data)
+            buf = await self._store.get(key, prototype, byte_range)
+            if buf is not None and byte_range is None:
+                FO.check_chunk(limits, buf.as_numpy_array().data, path=self._describe(key))
+            return buf
+        data = await asyncio.to_thread(self._read_local, key, byte_range, limits.object_bytes)
+        if data is None:
+            return None
+        if byte_range is None:
+            FO.check_chunk(limits, memoryview(data), path=self._describe(key))
+        return prototype.buffer.from_bytes(data)
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         buf = await self._get(key, prototype, byte_range)
@@ -168,6 +199,25 @@ class NoFillStore(WrapperStore[Store]):
             if buf is None and self._is_chunk(key):
                 raise self._missing(key)
         return out
+
+
+def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColumn]]:
+    """Where each column of a file shows in ``store[filename]``'s nested dict: at its leaf path;
+    a leaf with several variant columns (format version 3) as ``<key>.<variant>`` for each; the
+    headers and items of lists that share a path with a value in other frames are left out (a
+    dict cannot hold both: ``store.value()`` reads them)."""
+    count: dict[tuple[str, ...], int] = {}
+    for c in cols:
+        count[c.info.leaf] = count.get(c.info.leaf, 0) + 1
+    out: list[tuple[tuple[str, ...], OpenColumn]] = []
+    for c in cols:
+        leaf = c.info.leaf or ("",)
+        if count[c.info.leaf] > 1:
+            tag = c.info.variant or c.info.dtype
+            leaf = (*leaf[:-1], f"{leaf[-1]}.{tag}")
+        out.append((leaf, c))
+    values = {p for p, _ in out}
+    return [(p, c) for p, c in out if not any(p[:d] in values for d in range(1, len(p)))]
 
 
 class V2Files:
@@ -229,16 +279,20 @@ class V2Files:
         in_layout = V.layout_rows(self._offsets, self._file_layout, self._layouts)
         for name, col in self.columns.items():
             raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, in_layout(name)))
+        raise_(V.variant_problems(infos, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
         self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
+        self._layout_paths: list[list[tuple[tuple[str, ...], OpenColumn]]] = []
         for names in self._layouts:
             cols = [self.columns[name] for name in names]
+            paths = _view_paths(cols)
             plain = len(cols) == 1 and cols[0].info.leaf == ()
-            top = all(len(c.info.leaf) == 1 for c in cols)
-            flat = [(c.info.leaf[0], c.view_cls, c) for c in cols] if top else []
+            top = all(len(p) == 1 for p, _ in paths) and len(paths) == len(cols)
+            flat = [(p[0], c.view_cls, c) for p, c in paths] if top else []
             self._layout_cols.append((cols, None if plain else flat))
+            self._layout_paths.append(paths)
         self._next = 0
         self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -294,9 +348,24 @@ class V2Files:
             for key, cls, col in flat:
                 out[key] = cls(col, a, b, filename)
             return out
-        for col in cols:
-            set_nested(out, col.info.leaf or ("",), col.view(a, b, filename))
+        for path, col in self._layout_paths[self._file_layout.item(i)]:
+            set_nested(out, path, col.view(a, b, filename))
         return out
+
+    def row_value(self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool) -> Any:
+        """The value of frame ``frame_idx`` of file ``i`` as it was written (``_rowvalue``)."""
+        a, b = self._offsets.item(i), self._offsets.item(i + 1)
+        frames = self._frame_idx[a:b]
+        j = int(np.searchsorted(frames, frame_idx))
+        filename = str(self._names[i])
+        if j >= len(frames) or frames[j] != frame_idx:
+            shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
+            raise UnknownFileError(
+                f"{filename!r} of {where()} has no frame {frame_idx} (its frames: {shown})",
+                filename=filename,
+            )
+        cols, _ = self._layout_cols[self._file_layout.item(i)]
+        return row_value(cols, a + j, filename, as_torch)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -469,12 +538,25 @@ class MergedStore(Mapping[str, Any]):
     def __getitem__(self, filename: str) -> Any:
         return self._files.value(self._files.index(filename, self.storage.describe))
 
+    def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
+        """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
+        tuples, Python scalars, ``str``, ``bytes`` and ``None`` as themselves, tensors and arrays
+        as numpy arrays (``as_torch=True``: torch tensors, importing torch only then), pickled
+        objects unpickled (only under ``open(..., allow_pickle=True)``). A dict key some frames
+        of the file have and this one lacks reads as ``None``. Version 2 and 3 outputs
+        (docs/FORMAT.md section 1, *Value model*); version 2 stored Python scalars as 0-d arrays
+        and tuples as arrays, and returns them so."""
+        files = self.require_columnar("value()")
+        i = self._index(filename)
+        return files.row_value(i, frame_idx, self.storage.describe, as_torch)
+
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
         checked at open (for coverage, which needs them whole); None for version 1."""
         return self._files.index_arrays() if isinstance(self._files, V2Files) else None
 
-    def _v2(self, what: str) -> V2Files:
+    def require_columnar(self, what: str) -> V2Files:
+        """The columnar files of this output, or FormatVersionError naming ``what`` for version 1."""
         if not isinstance(self._files, V2Files):
             raise FormatVersionError(
                 f"{self.storage.describe()}: {what} reads columnar outputs (format version 2); this one is "
@@ -489,12 +571,12 @@ class MergedStore(Mapping[str, Any]):
         same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
         columns when there is no such leaf. A leaf whose dtype differs between files has one
         column per dtype (rows of the other files absent): choose one with ``dtype=``."""
-        return self._v2("column()").column(path, self.storage.describe(), dtype)
+        return self.require_columnar("column()").column(path, self.storage.describe(), dtype)
 
     @property
     def columns(self) -> list[str]:
         """The leaf paths of the columns (``""`` for plain tensor values), sorted (version 2)."""
-        return sorted({c.info.path for c in self._v2("columns").columns.values()})
+        return sorted({c.info.path for c in self.require_columnar("columns").columns.values()})
 
     def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
         """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
@@ -502,7 +584,7 @@ class MergedStore(Mapping[str, Any]):
         ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
         MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
         the output's size; every chunk is decoded once."""
-        files = self._v2("iter_batches()")
+        files = self.require_columnar("iter_batches()")
         return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
 
     def to_parquet(
@@ -518,7 +600,7 @@ class MergedStore(Mapping[str, Any]):
         polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
-        files = self._v2("to_parquet()")
+        files = self.require_columnar("to_parquet()")
         cols = _export.select(files, columns, self.storage.describe())
         return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
 
@@ -536,7 +618,7 @@ class MergedStore(Mapping[str, Any]):
         - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
           unpickled); list of ``str``: ``large_list<large_string>``.
         """
-        files = self._v2("to_arrow()")
+        files = self.require_columnar("to_arrow()")
         return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
 
     def cache_stats(self) -> CacheStats:

@@ -172,6 +172,11 @@ class Coord:
                 for r in pending
                 if self.base.check([f"failed/{self.session}/{r}"])
             }
+            if failed and self.diagnose is not None:
+                # Every rank whose failure record exists, not only those that reached the store
+                # first: two ranks failing together are both named.
+                for r, m in self.diagnose().items():
+                    failed.setdefault(r, m)
             if failed:
                 names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
                 raise RankFailedError(f"rank(s) {sorted(failed)} failed before the merge ({names})", failures=failed)

@@ -1,13 +1,12 @@
 """The per-file leaf rule of one writer, and its layout catalog.
 
-Within one file on one rank a leaf keeps its kind, numeric dtype and ndim (its shape may change,
-it may be None or absent in some frames), and no leaf path is both a value and a dict holding
-values. The same rules hold across ranks and files at merge time (``_plan``); checking them as
-each frame is written names the frame while the user's code that produced it is still on the
-stack.
+Format version 3 lets a leaf's kind, dtype and ndim change between the frames of a file, and a
+path hold a value in some frames and a dict, list or tuple in others (the merge stores each
+variant in a column of its own, docs/FORMAT.md *Value model*): the schema records what each
+path held first, and the catalog the layouts of accepted frames.
 
 Protocol (the writer, once per frame, before anything of the frame is staged):
-  :meth:`FileSchemas.check` (raises ``LayoutMismatchError``) → the writer's duplicate policy →
+  :meth:`FileSchemas.check` → the writer's duplicate policy →
   :meth:`FileSchemas.accept` (the file's new schema; the frame's new layouts join the catalog)
 """
 
@@ -16,23 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import _format_spill as FS
-from ._errors import LayoutMismatchError
 
 _Sig = tuple[str, str | None, int | None]
 """What a leaf must keep within a file: (kind, numeric dtype or None when not yet known, ndim)."""
-_EMPTY_LIST: _Sig = ("num", None, 1)
-"""The signature of ``[]`` (a float64 array of shape (0,)): also an empty list of strings."""
-
-
-def _describe(lay: FS.Layout) -> str:
-    return f"{lay.dtype}{list(lay.shape)}" if lay.kind == "num" else f"a {lay.kind}"
-
-
-def _describe_sig(sig: _Sig) -> str:
-    kind, dtype, ndim = sig
-    if kind != "num":
-        return f"a {kind}"
-    return f"{dtype or 'empty numeric'} with {ndim} dim{'s' if ndim != 1 else ''}"
 
 
 _FRAME_CACHE = 4096
@@ -74,9 +59,8 @@ class FileSchemas:
         self, filename: str, frame: int, file_id: int, layouts: list[FS.Layout], schema: int | None = None
     ) -> tuple[int, tuple[int, ...]]:
         """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
-        frame's layout ids (-1 where a layout is not in the catalog yet); raises
-        ``LayoutMismatchError`` and changes nothing the catalog shows when the frame breaks the
-        rule. ``schema``: the file's schema before this frame when it is not the accepted one (a
+        frame's layout ids (-1 where a layout is not in the catalog yet); changes nothing the
+        catalog shows (``accept`` does, once the frame passed the duplicate policy). ``schema``: the file's schema before this frame when it is not the accepted one (a
         batch checks its items before accepting any)."""
         if schema is None:
             schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
@@ -185,34 +169,15 @@ class FileSchemas:
     def _next_schema(
         self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[FS.Layout]
     ) -> int:
-        """The file's schema after this frame, or LayoutMismatchError (the rule in the module
-        docstring)."""
+        """The file's schema after this frame (the module docstring)."""
         state = dict(self._schemas[schema])
-        for sid, lay in zip(sigs, layouts, strict=True):
+        for sid in sigs:
             path, sig = self._sigs[sid]
             cur = state.get(path)
             if cur is None:
-                for other in state:
-                    n = min(len(other), len(path))
-                    if other[:n] == path[:n]:  # one is a prefix of the other: value vs dict
-                        self._raise_parent(filename, frame, path, other)
                 state[path] = sig
-            elif sig[0] == "none" or (sig == _EMPTY_LIST and cur[0] == "strlist"):
-                continue  # None says nothing; [] is also an empty list of strings
-            elif cur[0] == "none" or (cur == _EMPTY_LIST and sig[0] == "strlist"):
-                state[path] = sig
-            elif sig[0] != cur[0] or sig[2] != cur[2] or (sig[1] and cur[1] and sig[1] != cur[1]):
-                name = "/".join(path) or "<tensor>"
-                raise LayoutMismatchError(
-                    f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {_describe(lay)} but "
-                    f"earlier frames of this file had {_describe_sig(cur)} (a leaf keeps its kind, dtype and "
-                    "number of dimensions across the frames of a file; its shape may change)",
-                    filename=filename,
-                    leaf=name,
-                    ranks=[self.rank],
-                )
-            elif cur[1] is None and sig[1] is not None:
-                state[path] = sig
+            elif cur[0] == "none" or (cur[1] is None and sig[1] is not None):
+                state[path] = sig  # the first variant that says something (variants may differ)
         key = frozenset(state.items())
         new = self._schema_ids.get(key)
         if new is None:
@@ -220,16 +185,3 @@ class FileSchemas:
             self._schemas.append(state)
         self._transitions[(schema, sigs)] = new
         return new
-
-    def _raise_parent(self, filename: str, frame: int, path: tuple[str, ...], other: tuple[str, ...]) -> None:
-        short, long = (path, other) if len(path) < len(other) else (other, path)
-        here = "a value" if short == path else f"a dict holding {'/'.join(long)!r}"
-        before = f"a dict holding {'/'.join(long)!r}" if short == path else "a value"
-        name = "/".join(short) or "<tensor>"
-        raise LayoutMismatchError(
-            f"{filename!r:.200} frame {frame} (rank {self.rank}): leaf {name!r} is {here} but {before} in earlier "
-            "frames of this file (a leaf path cannot be both; write None for an absent value)",
-            filename=filename,
-            leaf=name,
-            ranks=[self.rank],
-        )

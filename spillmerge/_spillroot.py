@@ -365,6 +365,14 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     filenames = cat["filenames"]
     if not all(isinstance(f, str) for f in filenames) or len(set(filenames)) != len(filenames):
         raise bad("catalog filenames must be distinct strings", FS.CATALOG_NAME)
+    long = next(
+        (f for f in filenames if len(f) > F.FILENAME_MAX_BYTES // 4 and len(f.encode()) > F.FILENAME_MAX_BYTES), None
+    )
+    if long is not None:  # a merge of it would write an output no reader opens (docs/FORMAT.md 2.3)
+        raise bad(
+            f"catalog filename {long!r:.200}... is more than the {F.FILENAME_MAX_BYTES} bytes a filename may have",
+            FS.CATALOG_NAME,
+        )
     layouts = [FS.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
     _check_kinds(bad, seg, layouts, FS.CATALOG_NAME)
 

@@ -1,10 +1,15 @@
 """Turn user values into leaves (dtype, shape, bytes) without pickle; validate keys.
 
-A value is a tensor, a numpy array, a Python scalar, ``str``, ``bytes``, a list or tuple of numbers
-or of ``str``, ``None``, or a nested mapping (dict, TensorDict) or dataclass (tensorclass) of
-those; mappings and dataclasses become leaf paths of their keys/fields, and a list of dicts with
-the same keys becomes the dict of its columns. Anything else is pickled only when the writer opted
-in (``allow_pickle``). The bytes each kind puts in ``data`` are docs/FORMAT.md section 1, *catalog*.
+A value is built from tensors, numpy arrays, Python scalars, ``str``, ``bytes``, ``None``, lists,
+tuples and mappings (dict, TensorDict) or dataclasses (tensorclass) with str keys, nested to any
+depth; each becomes leaves at leaf paths (format version 3's value model, docs/FORMAT.md section
+1, *Value model*): a mapping's keys are path segments; a Python scalar keeps its type in its dtype
+(``pyint`` ...); a list of one Python number type, or of ``str``, is one leaf; a list of dicts
+with the same keys is the dict of its columns under a ``pyrecords`` header; any other list or
+tuple is a ``pylist`` / ``pytuple`` header leaf (its length) plus one path per item. Header and
+item segments start with ``MARK``, which no user key does once escaped (``user_key``). Anything
+else is pickled only when the writer opted in (``allow_pickle``), at any depth. The bytes each
+kind puts in ``data`` are docs/FORMAT.md section 1, *catalog*.
 """
 
 from __future__ import annotations
@@ -20,9 +25,20 @@ import numpy as np
 import torch
 
 from ._errors import SpillValueError
-from ._format import DTYPES, MAX_NDIM
+from ._format import (
+    DTYPES,
+    FILENAME_MAX_BYTES,
+    MARK,
+    MAX_NDIM,
+    STRING_MAX_BYTES,
+    is_marker,
+    path_text,
+    shape_problem,
+    user_key,
+)
 
 _MAX_DEPTH = 32
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,13 +73,43 @@ def check_filename(filename: object) -> str:
     if not isinstance(filename, str):
         raise SpillValueError(f"filename must be a str, got {type(filename).__name__} {filename!r:.80}", filename=None)
     try:
-        filename.encode("utf-8")
+        n = len(filename.encode("utf-8"))
     except UnicodeEncodeError:
         raise SpillValueError(
             f"filename {filename!r:.200} is not valid Unicode (lone surrogate); it cannot be stored",
             filename=filename,
         ) from None
+    if n > FILENAME_MAX_BYTES:
+        # The reader refuses an output whose filename index holds more (docs/FORMAT.md 2.3): a
+        # merge of it would succeed and leave an output nobody can open.
+        raise SpillValueError(
+            f"filename {filename!r:.200}... is {n} bytes of UTF-8, more than the {FILENAME_MAX_BYTES} a filename "
+            "may have (docs/FORMAT.md, Size limits)",
+            filename=filename,
+        )
     return filename
+
+
+def check_leaf_limits(leaf: Leaf, filename: str) -> None:
+    """The format's bounds on one leaf, which every reader enforces (docs/FORMAT.md 2.3): a
+    ``str`` / ``strlist`` of at most ``STRING_MAX_BYTES``, a shape within ``shape_problem``'s
+    bounds (``[2**27, 0]`` is refused: an empty value with 2**27 entries before its zero).
+    Cheap: only empty and string leaves need a look."""
+    if leaf.dtype in ("str", "strlist") and leaf.nbytes > STRING_MAX_BYTES:
+        raise SpillValueError(
+            f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200}: a string of {leaf.nbytes} bytes, more than the "
+            f"{STRING_MAX_BYTES} the format allows (store it as bytes)",
+            filename=filename,
+            leaf=_leaf_name(leaf.path),
+        )
+    if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:
+        bad = shape_problem(leaf.shape)
+        if bad is not None:
+            raise SpillValueError(
+                f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200}: {bad}",
+                filename=filename,
+                leaf=_leaf_name(leaf.path),
+            )
 
 
 def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
@@ -101,7 +147,19 @@ def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
 
 
 def _leaf_name(path: tuple[str, ...]) -> str:
-    return "/".join(path) if path else "<value>"
+    return path_text(path)
+
+
+def _scalar(path: tuple[str, ...], name: str, value: object) -> Leaf:
+    """A Python scalar as a 0-d leaf of its ``py*`` dtype (read back as the same Python type)."""
+    arr = np.asarray(value, dtype=DTYPES[name].storage).reshape(1)
+    return Leaf(path, name, (), arr.nbytes, arr.view(np.uint8))
+
+
+def _header(path: tuple[str, ...], name: str, n: int) -> Leaf:
+    """The header leaf of a container (``pylist`` ...): its length, int64."""
+    arr = np.array([n], dtype="<i8")
+    return Leaf((*path, MARK), name, (), 8, arr.view(np.uint8))
 
 
 def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pickle: bool = False) -> Leaf:
@@ -193,6 +251,8 @@ def _dense_leaf(value: object, path: tuple[str, ...]) -> Leaf | None:
     name = _NUMPY_NAMES.get(arr.dtype)
     if name is None or not arr.flags.c_contiguous or arr.ndim > MAX_NDIM:
         return None
+    if arr.size == 0 and shape_problem(arr.shape) is not None:
+        return None  # flatten refuses it, naming the filename
     return Leaf(path, name, arr.shape, arr.nbytes, arr.reshape(-1).view(np.uint8))
 
 
@@ -224,14 +284,16 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
     ``allow_pickle``: store objects of no other kind as ``pickle`` leaves instead of refusing
     them (the writer's opt-in; a reader must opt in too)."""
     out: list[Leaf] = []
-    _walk(value, (), filename, out, 0, allow_pickle)
-    if not out:
-        raise SpillValueError(
-            f"value for {filename!r:.200} frame {frame_idx} has no leaves (empty dict)",
-            filename=filename,
-            frame_idx=frame_idx,
-        )
+    try:
+        _walk(value, (), filename, out, 0, allow_pickle, set())
+    except SpillValueError as exc:
+        if exc.frame_idx is not None or type(exc) is not SpillValueError:
+            raise
+        msg, name = str(exc), f"{filename!r:.200}"
+        msg = msg.replace(name, f"{name} frame {frame_idx}", 1) if name in msg else f"{msg} (frame {frame_idx})"
+        raise SpillValueError(msg, filename=exc.filename, frame_idx=frame_idx, leaf=exc.leaf) from None
     for leaf in out:
+        check_leaf_limits(leaf, filename)
         if len(leaf.shape) > MAX_NDIM:
             raise SpillValueError(
                 f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
@@ -242,10 +304,20 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
 
 
 def _walk(
-    value: object, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool = False
+    value: object,
+    path: tuple[str, ...],
+    filename: str,
+    out: list[Leaf],
+    depth: int,
+    allow_pickle: bool,
+    active: set[int],
 ) -> None:
     if depth > _MAX_DEPTH:
-        raise SpillValueError(f"value for {filename!r:.200} is nested deeper than {_MAX_DEPTH}", filename=filename)
+        raise SpillValueError(
+            f"value for {filename!r:.200} is nested deeper than {_MAX_DEPTH} at {_leaf_name(path)!r}",
+            filename=filename,
+            leaf=_leaf_name(path),
+        )
     # Tensors first: write() runs once per frame and a tensor is the common value.
     if isinstance(value, torch.Tensor):
         out.append(_from_tensor(value, path, filename))
@@ -261,38 +333,34 @@ def _walk(
     elif isinstance(value, np.generic):
         out.append(_from_numpy(np.asarray(value), path, filename, allow_pickle))
     elif isinstance(value, bool):
-        out.append(_from_numpy(np.asarray(value, dtype=np.bool_), path, filename))
+        out.append(_scalar(path, "pybool", value))
     elif isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 63):
+            if allow_pickle:  # gather_object's behaviour for what nothing else stores
+                out.append(_pickled(value, path, filename))
+                return
             raise SpillValueError(
                 f"leaf {_leaf_name(path)!r} of {filename!r:.200}: {value} does not fit int64",
                 filename=filename,
                 leaf=_leaf_name(path),
             )
-        out.append(_from_numpy(np.asarray(value, dtype=np.int64), path, filename))
+        out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
-        out.append(_from_numpy(np.asarray(value, dtype=np.float64), path, filename))
+        out.append(_scalar(path, "pyfloat", value))
     elif isinstance(value, complex):
-        out.append(_from_numpy(np.asarray(value, dtype=np.complex128), path, filename))
-    elif isinstance(value, Mapping):
-        keys = list(value.keys())
-        for k in keys:
-            if not isinstance(k, str):
-                raise SpillValueError(
-                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {_leaf_name(path)!r}",
-                    filename=filename,
-                    leaf=_leaf_name(path),
-                )
-        for k in sorted(keys):
-            _walk(value[k], (*path, k), filename, out, depth + 1, allow_pickle)
-    elif isinstance(value, (list, tuple)):
-        _from_list(value, path, filename, out, depth, allow_pickle)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
-        # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
-        # never imported here.
-        for f in sorted(dataclasses.fields(value), key=lambda f: f.name):
-            _walk(getattr(value, f.name), (*path, f.name), filename, out, depth + 1, allow_pickle)
+        out.append(_scalar(path, "pycomplex", value))
+    elif isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        if id(value) in active:
+            raise SpillValueError(
+                f"leaf {_leaf_name(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
+                filename=filename,
+                leaf=_leaf_name(path),
+            )
+        active.add(id(value))
+        try:
+            _container(value, path, filename, out, depth, allow_pickle, active)
+        finally:
+            active.discard(id(value))
     elif allow_pickle:
         out.append(_pickled(value, path, filename))
     else:
@@ -303,6 +371,36 @@ def _walk(
             filename=filename,
             leaf=_leaf_name(path),
         )
+
+
+def _container(
+    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int]
+) -> None:
+    """A mapping, dataclass, list or tuple: its children at their paths (``_walk``)."""
+    if isinstance(value, (list, tuple)):
+        _from_list(value, path, filename, out, depth, allow_pickle, active)
+        return
+    if isinstance(value, Mapping):
+        keys = list(value.keys())
+        for k in keys:
+            if not isinstance(k, str):
+                raise SpillValueError(
+                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {_leaf_name(path)!r}",
+                    filename=filename,
+                    leaf=_leaf_name(path),
+                )
+        items = [(k, value[k]) for k in sorted(keys)]
+    else:
+        # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
+        # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
+        # never imported here.
+        items = [(f.name, getattr(value, f.name)) for f in sorted(dataclasses.fields(value), key=lambda f: f.name)]
+    if not items or any(is_marker(seg) for seg in path):
+        # an empty dict has no leaf of its own, and a dict inside a list may hold only None: its
+        # header (the number of keys) says it is there
+        out.append(_header(path, "pydict", len(items)))
+    for k, v in items:
+        _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active)
 
 
 def _utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
@@ -343,65 +441,91 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
     return Leaf(path, "pickle", (data.size,), data.size, data)
 
 
-# Classes of list elements for the numeric rule (docs/FORMAT.md section 2, *Columns*): all bool
-# -> bool, all integral (bool included) -> int64, all real -> float64.
-_BOOL, _INT, _REAL = 0, 1, 2
-_NUM_DTYPES = {_BOOL: np.bool_, _INT: np.int64, _REAL: np.float64}
-
-
-def _num_class(t: type) -> int | None:
-    if t is bool or issubclass(t, np.bool_):
-        return _BOOL
-    if issubclass(t, numbers.Integral):  # numpy integers are registered as Integral
-        return _INT
-    if issubclass(t, numbers.Real) and not issubclass(t, numbers.Integral):
-        return _REAL
-    return None
-
-
-def _list_error(path: tuple[str, ...], filename: str, what: str) -> SpillValueError:
-    return SpillValueError(
-        f"leaf {_leaf_name(path)!r} of {filename!r:.200}: {what} (a list or tuple must hold only numbers, "
-        "only str, only equally long lists of numbers, or only dicts with the same keys)",
-        filename=filename,
-        leaf=_leaf_name(path),
-    )
-
-
 def _from_list(
-    value: list[Any] | tuple[Any, ...],
-    path: tuple[str, ...],
-    filename: str,
-    out: list[Leaf],
-    depth: int,
-    allow_pickle: bool,
-) -> None:
-    """A list or tuple: of ``str`` → a ``strlist`` leaf; of dicts with the same keys → the dict of
-    their columns; of numbers (or of equally long lists of numbers) → a numeric array."""
-    if value and isinstance(value[0], str):
+    value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int,
+    allow_pickle: bool, active: set[int],
+) -> None:  # fmt: skip
+    """A list or tuple (docs/FORMAT.md, *Value model*): a list of ``str`` → a ``strlist`` leaf; a
+    list of one Python number type (or of equally long such lists) → one ``py*`` array; a list of
+    dicts with the same keys → a ``pyrecords`` header and the dict of their columns; anything
+    else → a ``pylist`` / ``pytuple`` header and one path per item."""
+    if isinstance(value, list):
+        _from_plain_list(value, path, filename, out, depth, allow_pickle, active)
+        return
+    out.append(_header(path, "pytuple", len(value)))
+    for i, item in enumerate(value):
+        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active)
+
+
+def _from_plain_list(
+    value: list[Any], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool,
+    active: set[int],
+) -> None:  # fmt: skip
+    if value and all(type(s) is str for s in value):
         out.append(_strlist(value, path, filename))
-    elif value and isinstance(value[0], Mapping):
-        keys = set(value[0].keys())
-        for i, d in enumerate(value):
-            if not isinstance(d, Mapping) or set(d.keys()) != keys:
-                got = sorted(map(str, d.keys())) if isinstance(d, Mapping) else type(d).__name__
-                raise _list_error(
-                    path, filename, f"item {i} is {got!r:.200}, not a dict with keys {sorted(map(str, keys))!r:.200}"
-                )
-        # COCO-style detection lists: one column per key, each stored as the list it makes.
-        columns = {k: [d[k] for d in value] for k in keys}
-        _walk(columns, path, filename, out, depth + 1, allow_pickle)
-    else:
-        arr = _numeric(value, path, filename, depth)
-        out.append(_from_numpy(arr, path, filename))
+        return
+    arr = _pynumeric(value)
+    if arr is not None:
+        name, a = arr
+        out.append(Leaf(path, name, tuple(int(d) for d in a.shape), a.nbytes, a.reshape(-1).view(np.uint8)))
+        return
+    first = value[0] if value else None
+    if isinstance(first, Mapping):
+        keys = list(first.keys())
+        if keys and all(type(k) is str for k in keys) and all(
+            isinstance(d, Mapping) and list(d.keys()) == keys for d in value
+        ):
+            # COCO-style detection lists: one column per key, each stored as the list it makes.
+            out.append(_header(path, "pyrecords", len(value)))
+            for k in sorted(keys):
+                column = [d[k] for d in value]
+                _walk(column, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active)
+            return
+    out.append(_header(path, "pylist", len(value)))
+    for i, item in enumerate(value):
+        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active)
+
+
+_PY_NUM = {bool: "pybool", int: "pyint", float: "pyfloat"}
+
+
+def _pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None:
+    """A list of Python numbers of one exact type (``bool``, ``int`` or ``float``), or a
+    rectangular list of such lists, as its ``py*`` dtype name and array; None for anything else
+    (mixed types would not come back as they went in: ``[1, 2.5]`` read as floats)."""
+    if not value:
+        return "pyfloat", np.zeros(0, dtype=np.float64)
+    if type(value[0]) is list:
+        if depth >= _MAX_DEPTH:  # too deep (or a cycle): the item walk names it
+            return None
+        rows = []
+        for item in value:
+            if type(item) is not list:
+                return None
+            row = _pynumeric(item, depth + 1)
+            if row is None:
+                return None
+            rows.append(row)
+        names = {n for n, a in rows if a.size}
+        shapes = {a.shape for _, a in rows}
+        if len(names) > 1 or len(shapes) != 1:
+            return None
+        kind = names.pop() if names else "pyfloat"
+        return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
+    t = type(value[0])
+    name = _PY_NUM.get(t)
+    if name is None or any(type(v) is not t for v in value):
+        return None
+    try:
+        return name, np.array(value, dtype=DTYPES[name].storage)
+    except OverflowError:  # an int beyond int64: the items are stored one by one (or refused there)
+        return None
 
 
 def _strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str) -> Leaf:
     """``n`` uint32 LE byte lengths, then the UTF-8 bytes of each string (docs/FORMAT.md)."""
     enc = []
     for i, s in enumerate(value):
-        if not isinstance(s, str):
-            raise _list_error(path, filename, f"item 0 is a str but item {i} is a {type(s).__name__}")
         try:
             enc.append(s.encode("utf-8"))
         except UnicodeEncodeError as exc:
@@ -425,46 +549,3 @@ def _strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename
     data[: 4 * n] = lens.astype("<u4").view(np.uint8)
     data[4 * n :] = np.frombuffer(body, dtype=np.uint8)
     return Leaf(path, "strlist", (n, data.size), data.size, data)
-
-
-def _numeric(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str, depth: int) -> np.ndarray:
-    """A list of numbers (or of equally long such lists) as a bool, int64 or float64 array.
-
-    The element types decide the dtype, not numpy's inference: ``np.asarray([1, 2**63])`` is a
-    float64 array that silently rounds, and ``np.asarray(["1", 2])`` a string array."""
-    if depth > _MAX_DEPTH:
-        raise SpillValueError(f"value for {filename!r:.200} is nested deeper than {_MAX_DEPTH}", filename=filename)
-    if not value:
-        return np.zeros(0, dtype=np.float64)
-    if isinstance(value[0], (list, tuple)):
-        rows = []
-        for i, item in enumerate(value):
-            if not isinstance(item, (list, tuple)):
-                raise _list_error(path, filename, f"item 0 is a list but item {i} is a {type(item).__name__}")
-            rows.append(_numeric(item, path, filename, depth + 1))
-        shapes = {r.shape for r in rows}
-        if len(shapes) > 1:
-            raise _list_error(
-                path, filename, f"its lists are not rectangular (inner shapes {sorted(shapes)[:4]!r:.200})"
-            )
-        # The rule over every element: rows of zero elements (all rows then) stay float64.
-        kinds = {r.dtype for r in rows if r.size}
-        dt: type = np.float64
-        if kinds and np.dtype(np.float64) not in kinds:
-            dt = np.int64 if np.dtype(np.int64) in kinds else np.bool_
-        return np.stack([r.astype(dt, copy=False) for r in rows])
-    classes = {t: _num_class(t) for t in set(map(type, value))}
-    bad = sorted(t.__name__ for t, c in classes.items() if c is None)
-    if bad:
-        hint = "; stack tensors or arrays with torch.stack / np.stack" if {"Tensor", "ndarray"} & set(bad) else ""
-        held = ", ".join(sorted(t.__name__ for t in classes))
-        raise _list_error(path, filename, f"it holds {held}{hint}")
-    cls = max(c for c in classes.values() if c is not None)
-    try:
-        return np.array(value, dtype=_NUM_DTYPES[cls])
-    except OverflowError:
-        raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: an integer of the list does not fit int64",
-            filename=filename,
-            leaf=_leaf_name(path),
-        ) from None

@@ -352,7 +352,7 @@ class FixedView(LeafView):
         zarr decoded into: no copy beyond reading it."""
         torch = require_torch("LeafView.to_torch()")
         t = torch.from_numpy(np.ascontiguousarray(self._raw(sel)))
-        return t if F.DTYPES[self.dtype_name].native else t.view(self.torch_dtype)
+        return t if self.dtype_name not in F.RAW_BITS else t.view(self.torch_dtype)
 
     def to_list(self) -> list[Any]:
         arr = self.numpy()
@@ -492,7 +492,7 @@ class RaggedView(_OffsetView):
         raw = self._flat(r, r + 1).reshape(tuple(self._shapes(r, r + 1)[0]))
         torch = require_torch("LeafView.to_torch()")
         t = torch.from_numpy(np.ascontiguousarray(raw))
-        return t if F.DTYPES[self.dtype_name].native else t.view(getattr(torch, self.dtype_name))
+        return t if self.dtype_name not in F.RAW_BITS else t.view(getattr(torch, self.dtype_name))
 
     def to_arrow(self) -> Any:
         """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the

@@ -197,3 +197,68 @@ def store_host_exits(rank: int, world: int, port: int, base: str) -> None:
         json.dump(result, fh, default=str)
     os.replace(f"{base}/res-{rank}.json.tmp", f"{base}/res-{rank}.json")
     os._exit(0)  # no teardown: rank 0's exit takes the store down, as a crashing job's would
+
+
+def rank_exits_after_init(rank: int, world: int, port: int, base: str) -> None:
+    """Rank 1 exits right after ``init_process_group``; rank 0 calls ``all_gather(timeout=10)``
+    and records what it raised and how long it took (``base/res-0.json``)."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import spillmerge
+
+    torch.set_num_threads(1)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if rank != 0:
+        os._exit(0)
+    t = time.monotonic()
+    result: dict[str, Any] = {"error": None}
+    try:
+        spillmerge.all_gather(preds_of(rank, "exit"), f"{base}/out.zarr", timeout=10, progress=False)
+    except BaseException as exc:  # noqa: BLE001 - recorded for the test
+        result["error"] = {"type": type(exc).__name__, "msg": str(exc)}
+    result["seconds"] = time.monotonic() - t
+    with open(f"{base}/res-0.json", "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    os._exit(0)
+
+
+def two_ranks_fail(rank: int, world: int, port: int, base: str) -> None:
+    """Ranks 1 and 2 raise inside their ``with`` block; ranks 0 and 3 call merge() once both
+    failure records are on storage (synchronised on the files, not on a sleep). Each rank
+    records what it raised (``base/res-R.json``)."""
+    import glob
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import spillmerge
+
+    torch.set_num_threads(1)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result: dict[str, Any] = {"rank": rank, "error": None, "failures": {}}
+    try:
+        with spillmerge.SpillWriter(f"{base}/spill") as w:
+            w.update(preds_of(rank, "two"))
+            if rank in (1, 2):
+                raise ValueError(f"rank {rank}'s model blew up")
+        deadline = time.monotonic() + 60
+        while len(glob.glob(f"{base}/spill/rank-*/seg-*/failed.json")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        w.merge(f"{base}/out.zarr", timeout=60, progress=False)
+    except BaseException as exc:  # noqa: BLE001 - recorded for the test
+        result["error"] = {"type": type(exc).__name__, "msg": str(exc)}
+        result["failures"] = {str(k): v for k, v in (getattr(exc, "failures", None) or {}).items()}
+    with open(f"{base}/res-{rank}.json", "w", encoding="utf-8") as fh:
+        json.dump(result, fh, default=str)
+    if rank == 0:  # rank 0 hosts the store: let the others read it before it goes
+        while len(glob.glob(f"{base}/res-*.json")) < world and time.monotonic() < deadline + 60:
+            time.sleep(0.02)
+    os._exit(0)

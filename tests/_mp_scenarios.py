@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from _helpers import bits, zarr_filenames
 
+from spillmerge import _format as F
+
 WORLD = 4
 MERGE_TIMEOUT = 90.0  # seconds rank 0 waits on storage for commit records; the parent's limit is larger
 
@@ -101,7 +103,7 @@ def value_for(name: str, frame: int) -> Any:
             f"pred_{nd}": t,
             "meta": {
                 "score": frame / 3.0,  # Python float -> float64
-                "label": frame % 7 - 3,  # Python int -> int64
+                "label": frame % 7 - 3,  # Python int -> pyint (stored as int64)
                 "ok": frame % 2 == 0,  # Python bool -> bool
                 "box": np.arange(4, dtype=np.float32) * 0.5 + frame,
                 "empty": np.zeros((0, 2), dtype=np.int32),
@@ -377,7 +379,7 @@ def check_with_plain_zarr(out: str, keys: list[tuple[str, int]]) -> None:
 
     g = zarr.open_group(out, mode="r")
     header = g.attrs["spillmerge"]
-    assert header["format_version"] == spillmerge.FORMAT_VERSION == 2 and header["kind"] == "merged"
+    assert header["format_version"] == spillmerge.FORMAT_VERSION == 3 and header["kind"] == "merged"
     names = zarr_filenames(g)
     offsets = np.asarray(g["index/frame_offsets"][:])
     frame_idx = np.asarray(g["index/frame_idx"][:])
@@ -411,7 +413,8 @@ def check_with_plain_zarr(out: str, keys: list[tuple[str, int]]) -> None:
                 rows = [data[j] for j in range(b - a)]
             for row, f in enumerate(frames):
                 want = as_torch(dict(leaves(value_for(name, f)))[path])
-                assert meta["dtype"] == str(want.dtype).removeprefix("torch.") and meta["ndim"] == want.dim(), (
+                stored = F.DTYPES[meta["dtype"]].storage if meta["dtype"] in F.PY_SCALARS else meta["dtype"]
+                assert stored == str(want.dtype).removeprefix("torch.") and meta["ndim"] == want.dim(), (
                     name, col, meta,
                 )  # fmt: skip
                 if "shapes" in grp:

@@ -22,8 +22,9 @@ import traceback
 from typing import Any
 
 CASE_SECONDS = int(os.environ.get("UNTRUSTED_CASE_SECONDS", "20"))
-MEMORY_HEADROOM = 3 << 30
-"""Address space a case may add (the reference data is a few KiB; a bounded read is < 64 MiB)."""
+MEMORY_HEADROOM = int(os.environ.get("UNTRUSTED_MEMORY_HEADROOM", 3 << 30))
+"""Address space a case may add (the reference data is a few KiB; a bounded read is < 64 MiB).
+The metadata attacks run with less, so that a bomb declaring 1 GiB cannot pass unnoticed."""
 
 _followed: list[str] = []
 
@@ -111,8 +112,23 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
             Storage(out), Storage(root), run_id="run-x", session=0, dst=0, timeout=1.0, outcome=lambda: None
         )
 
+    def status() -> Any:  # reads every rank's progress.json (advisory: a bad one is no count)
+        from spillmerge import _status
+
+        return _status.format_status(_status.status(root)) is not None
+
+    def callback_report() -> Any:  # a ddp_spawn launcher reads the merging rank's report file
+        from spillmerge.integrations.pytorch_lightning import SpillPredictionWriter
+
+        cb = SpillPredictionWriter(root, out)
+        cb._created = 0.0  # the file was written before this callback: read it anyway
+        rep = cb.report
+        return None if rep is None else rep.n_frames
+
     if kind == "spill":
         return {
+            "status": status,
+            "report": callback_report,
             "wait": wait_for_dst,
             "merge": merge_and_read,
             "verify": lambda: verify(root),
@@ -125,6 +141,18 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         "inspect": lambda: (_inspect.summarize(out)["kind"], _coverage.coverage(out).kind),
         "finalize": finalize,
     }
+
+
+def _hit_the_cap(exc: BaseException) -> bool:
+    """Whether a ``MemoryError`` (the address-space cap) is anywhere in ``exc``'s chain."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 50:
+        if isinstance(cur, MemoryError) or "Unable to allocate" in str(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +168,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
             outcome: dict[str, Any] = {"ok": True, "value": value}
         except spillmerge.SpillMergeError as exc:
             outcome = {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
+            if _hit_the_cap(exc):  # a refusal that came from running out of memory is no bound
+                outcome["error"] = f"ESCAPED MemoryError inside {type(exc).__name__}"
         except _Hang as exc:
             outcome = {"ok": False, "error": "HANG", "message": str(exc)}
         except BaseException as exc:  # noqa: BLE001 - exactly what the test is looking for
@@ -156,6 +186,11 @@ def main(cases_path: str, result_path: str) -> None:
     import torch
 
     import spillmerge  # noqa: F401 - imported before the address space is capped
+
+    try:  # the callback's report reader: lightning is heavy to import under the cap
+        import spillmerge.integrations.pytorch_lightning  # noqa: F401
+    except ImportError:
+        pass
 
     torch.set_num_threads(1)
     with open(cases_path) as f:

@@ -55,6 +55,8 @@ class Mutation:
 
 
 G = "tests/test_guards.py"
+H = "tests/test_hostile.py"
+U = "tests/test_untrusted_storage.py"
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
@@ -235,6 +237,111 @@ MUTATIONS: list[Mutation] = [
         "        if False:",
         ("tests/test_hostile.py::test_missing_data_chunk_and_future_format_are_named",),
         "every data chunk a commit record promises exists",
+    ),
+    # ------------------------------------------------------------------ issue 26: metadata on trust
+    Mutation(
+        "chunk-shape-within-array",
+        "spillmerge/_format_output.py",
+        "big = [d for d, (c, s) in enumerate(zip(chunks, shape, strict=True)) if c > max(s, 1)]",
+        "big = []",
+        ("tests/test_hostile.py::test_chunk_shape_larger_than_its_array_is_refused",),
+        "a chunk shape is never larger than its array's (a 32 KB chunk declared (2**26, 4))",
+    ),
+    Mutation(
+        "compressor-declared-size",
+        "spillmerge/_format_output.py",
+        "        if n > limits.decoded_bytes:",
+        "        if False:",
+        (f"{U}::test_array_metadata_attacks",),
+        "a compressed chunk declaring more than its chunk decodes to is refused before decoding",
+    ),
+    Mutation(
+        "zstd-content-size-required",
+        "spillmerge/_codecs.py",
+        "        if fcs_len == 0:",
+        "        if False:",
+        ("tests/test_hostile.py::test_zstd_frame_without_content_size_is_refused_unread",),
+        "a zstd frame without a content size (decoded by a growing buffer) is refused",
+    ),
+    Mutation(
+        "blosc-nbytes",
+        "spillmerge/_codecs.py",
+        "        return nbytes",
+        "        return 0",
+        (f"{U}::test_array_metadata_attacks",),
+        "a blosc chunk's declared nbytes bounds what its decoder allocates",
+    ),
+    Mutation(
+        "shape-products-overflow",
+        "spillmerge/_invariants.py",
+        "        over |= big",
+        "        pass",
+        (f"{H}::test_shapes_row_of_product_zero_is_refused",),
+        "shapes products never wrap around ([2**32, 2**32] is not 0 elements)",
+    ),
+    Mutation(
+        "empty-extent-bound",
+        "spillmerge/_invariants.py",
+        "(zero & (lead > F.EMPTY_EXTENT_MAX))",
+        "(zero & False)",
+        (f"{H}::test_shapes_row_of_product_zero_is_refused",),
+        "an empty shape has at most 65536 entries before its zero ([2**27, 0])",
+    ),
+    Mutation(
+        "read-whole-chunk-by-chunk",
+        "spillmerge/_invariants.py",
+        "    if n <= k:",
+        "    if True:",
+        (f"{U}::test_array_metadata_attacks",),
+        "whole index arrays are read chunk by chunk: a declared 2**40 rows allocates nothing",
+    ),
+    Mutation(
+        "writer-filename-limit",
+        "spillmerge/_values.py",
+        "    if n > FILENAME_MAX_BYTES:",
+        "    if False:",
+        (f"{H}::test_writer_refuses_what_readers_refuse",),
+        "write() refuses a filename readers refuse (1 MiB), naming it",
+    ),
+    Mutation(
+        "writer-empty-shape",
+        "spillmerge/_values.py",
+        "    if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:",
+        "    if False:",
+        (f"{H}::test_writer_refuses_what_readers_refuse",),
+        "write() refuses an empty value past the format's bound ([2**27, 0])",
+    ),
+    Mutation(
+        "catalog-filename-limit",
+        "spillmerge/_spillroot.py",
+        "    if long is not None:",
+        "    if False:",
+        (f"{H}::test_merge_refuses_a_catalog_filename_past_the_limit",),
+        "the merge refuses a catalog filename its output's readers would refuse",
+    ),
+    Mutation(
+        "strlist-layout-bytes",
+        "spillmerge/_format_spill.py",
+        'if lay.kind == "strlist" and 4 * lay.shape[0] > lay.shape[1]:',
+        "if False:",
+        (f"{H}::test_strlist_layout_claiming_more_strings_than_bytes",),
+        "a strlist layout claiming 2**31 strings in 12 bytes is corrupt at load, for merge and verify",
+    ),
+    Mutation(
+        "verify-checks-text",
+        "spillmerge/_inspect.py",
+        'bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None',
+        "bad = None",
+        (f"{H}::test_verify_finds_text_the_merge_refuses",),
+        "verify ROOT finds the invalid text that makes the merge fail",
+    ),
+    Mutation(
+        "gather-timeout-covers-group-setup",
+        "spillmerge/_gather.py",
+        'opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)',
+        "pass",
+        ("tests/test_gather.py::test_timeout_covers_the_process_group_setup",),
+        "all_gather(timeout=) bounds the process-group set-up (new_group waited 300 s)",
     ),
 ]
 

@@ -169,6 +169,10 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
         for f in range(8):  # boxes: a ragged float32 column with inner_shape [4], as in the doc
             w.write("video_001.mp4", f, {"boxes": torch.zeros(f + 1, 4), "caption": f"frame {f}"})
+    with spillmerge.SpillWriter(str(tmp / "spill-variants"), rank=0, world_size=1) as w:
+        w.write("bad.mp4", 0, {"result": torch.zeros(2)})  # result: two variants (version 3)
+        w.write("bad.mp4", 1, {"result": "corrupt header"})
+    spillmerge.merge(str(tmp / "spill-variants"), str(tmp / "variants.zarr"))
     spillmerge.merge(str(root), str(out))
     spillmerge.merge(str(root), str(parts), part=(0, 1))
     (seg,) = (root / "rank-00000").iterdir()
@@ -186,6 +190,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         holder = json.loads((tmp / "leased.zarr" / _lease.LEASE_DIR / "merge.lock").read_bytes())
 
     boxes = next(p for p in (out / "columns").iterdir() if p.is_dir() and _attrs(p / "zarr.json")["leaf"] == ["boxes"])
+    variant = next(p for p in (tmp / "variants.zarr" / "columns").iterdir() if p.is_dir() and _attrs(p / "zarr.json").get("variant"))
     try:
         raise OSError("No space left on device")
     except OSError as exc:  # the record class SpillWriter.merge writes when the merge raises
@@ -203,6 +208,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "merge-complete": json.loads((out / FO.COMPLETE_NAME).read_bytes()),
         "merge-part": json.loads(next((parts / "spillmerge-parts").glob("part-*.json")).read_bytes()),
         "column": _attrs(boxes / "zarr.json"),
+        "column-variant": _attrs(variant / "zarr.json"),
         "lease": holder,
         "codec:blosc": _codecs.compressor_doc("blosc-lz4", 4),
         "codec:zstd": _codecs.compressor_doc("zstd", 4),
@@ -215,7 +221,7 @@ def _which(example: Any, v1: bool) -> str:
     """The record an example shows: by its ``kind``, else by the fields only it has."""
     kind = example.get("kind")
     if isinstance(kind, str) and kind in FO.COLUMN_KINDS:
-        return "column"
+        return "column-variant" if "variant" in example else "column"
     if isinstance(kind, str):
         return f"{kind}-v1" if v1 else kind
     for key, record in (

@@ -128,3 +128,45 @@ def test_every_rank_names_the_root_cause_when_the_store_host_exits(tmp_path: Pat
         assert err is not None and err["type"] == "RankFailedError", (r, err)
         assert "rank 2" in err["msg"] and "blew up" in err["msg"], (r, err["msg"])
         assert list(res[r]["failures"]) == ["2"]
+
+
+def test_timeout_covers_the_process_group_setup(tmp_path: Path):
+    """``all_gather(timeout=10)`` with a rank that exited right after ``init_process_group``: a
+    ``CoordinationError`` after about 10 s, not after ``dist.new_group``'s 300 s (issue 26)."""
+    import json
+
+    from _gather_workers import rank_exits_after_init
+    from _procs import free_port, join_all
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=rank_exits_after_init, args=(r, 2, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    join_all(procs, timeout=150)
+    res = json.loads((tmp_path / "res-0.json").read_text())
+    assert res["error"] is not None and res["error"]["type"] == "CoordinationError", res
+    assert "10 s" in res["error"]["msg"], res
+    assert res["seconds"] < 60, res  # the 10 s timeout plus gloo's and the spawn's slack, not 300 s
+
+
+def test_rank_failed_error_names_every_failed_rank(tmp_path: Path):
+    """Ranks 1 and 2 both fail; once both failure records exist, the merge on ranks 0 and 3
+    raises ``RankFailedError`` naming both (it once named only rank 2: issue 23)."""
+    import json
+
+    from _gather_workers import two_ranks_fail
+    from _procs import free_port, join_all
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=two_ranks_fail, args=(r, WORLD, port, str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    join_all(procs, timeout=150)
+    res = {r: json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(WORLD)}
+    for r in (0, 3):
+        err = res[r]["error"]
+        assert err is not None and err["type"] == "RankFailedError", (r, err)
+        assert sorted(res[r]["failures"]) == ["1", "2"], (r, res[r])
+        assert "rank 1" in err["msg"] and "rank 2" in err["msg"], (r, err["msg"])

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -53,14 +54,25 @@ def _merge_must_fail_cleanly_or_succeed(tmp: Path, root: Path) -> None:
     try:
         spillmerge.merge(str(root), str(out))
     except spillmerge.SpillMergeError:
-        pass
-    else:  # a harmless mutation: the output must still be readable
-        spillmerge.open(str(out))
+        merged = False
+    else:
+        merged = True
     try:
-        rep = spillmerge.verify(str(root))
-        assert isinstance(rep.ok, bool)
+        root_ok: bool | None = spillmerge.verify(str(root)).ok
     except spillmerge.SpillMergeError:
-        pass
+        root_ok = None
+    if merged:
+        # A mutation the merge accepted is consistently checksummed data: the output holds exactly
+        # the keys the root says it committed, every row of every leaf reads back, the output
+        # verifies, and verify ROOT agrees with the merge that the root is sound.
+        res = spillmerge.open(str(out))
+        keys = {f: sorted(res.frames(f).tolist()) for f in res}
+        assert keys == {f: sorted(v) for f, v in spillmerge.committed_keys(str(root)).items()}
+        for f in res:
+            for view in res[f].values():
+                assert len(view.to_list()) == len(keys[f])
+        assert spillmerge.verify(str(out)).ok
+        assert root_ok is True, "verify ROOT reports a problem in a root that merged"
     assert sorted(os.listdir(tmp)) in (["spill"], ["out", "spill"])
 
 
@@ -187,3 +199,194 @@ def test_foreign_folders_in_the_root_are_ignored_and_rank_names_validated(tmp_pa
     (root / "rank-00007").mkdir()
     with pytest.raises(spillmerge.CorruptSpillError, match="outside world_size 1"):
         spillmerge.merge(str(root), str(tmp_path / "out2"))
+
+
+# --------------------------------------------------------------------------------------------
+# issue 26: sizes computed from an output's metadata, limits the writer must enforce first
+
+
+def _ragged_output(tmp: Path) -> Path:
+    """An output whose ragged column ``m`` has an empty row (row 0: shape ``[0, 2]``, offsets
+    step 0), so a ``shapes`` row of product 0 is consistent with the offsets."""
+    root, out = tmp / "spill", tmp / "out"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"m": torch.empty(0, 2)})
+        w.write("a.mp4", 1, {"m": torch.ones(2, 3)})
+        w.write("b.mp4", 0, {"m": torch.ones(1, 1)})
+    spillmerge.merge(str(root), str(out))
+    return out
+
+
+@pytest.mark.parametrize("row", [[2**32, 2**32], [2**27, 0], [2**31, 2**33]])
+def test_shapes_row_of_product_zero_is_refused(tmp_path: Path, row: list[int]) -> None:
+    """``[2**32, 2**32]`` wraps to 0 elements in int64, ``[2**27, 0]`` has none but 2**27 list
+    entries: both agree with an offsets step of 0, and both are refused by ``open`` and
+    ``verify`` (``to_arrow`` would allocate gigabytes, reading the row raise a raw ValueError)."""
+    out = _ragged_output(tmp_path)
+    shapes_chunk = out / "columns/m/shapes/c/0/0"
+    shapes = np.frombuffer(shapes_chunk.read_bytes()[:-4], dtype="<i8").reshape(3, 2).copy()
+    assert shapes[0].tolist() == [0, 2]
+    shapes[0] = row
+    raw = shapes.tobytes()
+    shapes_chunk.write_bytes(raw + google_crc32c.value(raw).to_bytes(4, "little"))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"columns/m/shapes: row 0's shape"):
+        spillmerge.open(str(out))
+    rep = spillmerge.verify(str(out))
+    assert any("columns/m/shapes: row 0's shape" in p for p in rep.problems), rep.problems
+
+
+def test_writer_refuses_what_readers_refuse(tmp_path: Path) -> None:
+    """A filename longer than the format allows, or an empty value with 2**27 entries before its
+    zero, is a ``SpillValueError`` naming the filename at ``write()`` and ``write_batch()``: a
+    merge of it would succeed and leave an output ``open`` refuses. Nothing is written."""
+    long = "f" * (1 << 20)
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        with pytest.raises(spillmerge.SpillValueError, match="more than the 65536 a filename") as e:
+            w.write(long, 0, torch.ones(2))
+        assert e.value.filename == long
+        with pytest.raises(spillmerge.SpillValueError, match="more than the 65536 a filename"):
+            w.write_batch([long], torch.ones(1, 2), [0])
+        for value in (torch.empty(2**27, 0), {"x": np.empty((2**20, 0, 3))}):
+            with pytest.raises(spillmerge.SpillValueError, match="entries before a zero dimension") as e:
+                w.write("a.mp4", 0, value)
+            assert e.value.filename == "a.mp4"
+        w.write("a.mp4", 0, torch.empty(65536, 0))  # at the bound: accepted
+        w.write("f" * (1 << 16), 0, torch.ones(1, 1))
+    out = tmp_path / "out"
+    spillmerge.merge(str(tmp_path / "spill"), str(out))
+    res = spillmerge.open(str(out))
+    assert sorted(res) == ["a.mp4", "f" * (1 << 16)]
+    assert res["a.mp4"][0].shape == (65536, 0)
+    assert spillmerge.verify(str(out)).ok
+
+
+def test_merge_refuses_a_catalog_filename_past_the_limit(tmp_path: Path) -> None:
+    """A spill root written by a writer without the limit (checksums fixed up): the merge
+    refuses it by name instead of writing an output no reader opens, and ``verify`` says so."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, torch.ones(2))
+    seg = _segment(root)
+    text = (seg / "catalog/c/0").read_bytes()[:-4].replace(b'"a.mp4"', b'"' + b"a" * (1 << 20) + b'"')
+    meta = json.loads((seg / "catalog/zarr.json").read_text())
+    meta["shape"] = meta["chunk_grid"]["configuration"]["chunk_shape"] = [len(text)]
+    (seg / "catalog/zarr.json").write_text(json.dumps(meta))
+    (seg / "catalog/c/0").write_bytes(text + google_crc32c.value(text).to_bytes(4, "little"))
+    _recommit(seg, catalog_crc32c=google_crc32c.value(text))
+    with pytest.raises(spillmerge.CorruptSpillError, match="more than the 65536 bytes a filename"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    rep = spillmerge.verify(str(root))
+    assert any("65536 bytes a filename" in p for p in rep.problems), rep.problems
+
+
+def test_merge_chunk_bytes_is_bounded(tmp_path: Path, pristine: Path) -> None:
+    with pytest.raises(spillmerge.SpillValueError, match="chunk_bytes must be an int in"):
+        spillmerge.merge(str(pristine), str(tmp_path / "out"), chunk_bytes=(256 << 20) + 1)
+
+
+def _string_root(root: Path) -> Path:
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"t": "héllo", "l": ["ab", "c"]})
+    return _segment(root)
+
+
+def _rewrite_catalog_text(seg: Path, old: bytes, new: bytes) -> None:
+    text = (seg / "catalog/c/0").read_bytes()[:-4]
+    assert old in text
+    text = text.replace(old, new)
+    meta = json.loads((seg / "catalog/zarr.json").read_text())
+    meta["shape"] = meta["chunk_grid"]["configuration"]["chunk_shape"] = [len(text)]
+    (seg / "catalog/zarr.json").write_text(json.dumps(meta))
+    (seg / "catalog/c/0").write_bytes(text + google_crc32c.value(text).to_bytes(4, "little"))
+    _recommit(seg, catalog_crc32c=google_crc32c.value(text))
+
+
+def test_strlist_layout_claiming_more_strings_than_bytes(tmp_path: Path) -> None:
+    """A catalog layout claiming 2**31 strings in 12 bytes (checksums fixed up): the merge
+    raises a CorruptSpillError naming the catalog (it raised a raw ``ValueError: buffer is
+    smaller than requested size`` in the copy) and ``verify ROOT`` reports it."""
+    root = tmp_path / "spill"
+    seg = _string_root(root)
+    _rewrite_catalog_text(seg, b'"shape": [2, 11]', b'"shape": [2147483648, 11]')
+    with pytest.raises(spillmerge.CorruptSpillError, match="2147483648 strings cannot fit in 11 bytes"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    rep = spillmerge.verify(str(root))
+    assert any("2147483648 strings cannot fit" in p for p in rep.problems), rep.problems
+
+
+@pytest.mark.parametrize("leaf", ["t", "l"])
+def test_verify_finds_text_the_merge_refuses(tmp_path: Path, leaf: str) -> None:
+    """A string leaf whose bytes are edited to invalid UTF-8 with its checksum fixed up: the merge's
+    copy refuses it, so ``verify ROOT`` must report it too."""
+    root = tmp_path / "spill"
+    seg = _string_root(root)
+    index = np.frombuffer((seg / "index/c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, 6).copy()
+    chunk = seg / "data/c/0"
+    data = bytearray(chunk.read_bytes())
+    cat = json.loads((seg / "catalog/c/0").read_bytes()[:-4])
+    row = next(r for r in index if cat["layouts"][r[2]]["leaf"] == [leaf])
+    off, nb = int(row[3]), int(row[4])
+    data[off + nb - 1] = 0xFF  # the last byte of the last string: invalid UTF-8
+    chunk.write_bytes(bytes(data))
+    row[5] = google_crc32c.value(bytes(data[off : off + nb]))
+    index[[i for i, r in enumerate(index) if r[3] == off][0]] = row
+    raw = index.tobytes()
+    _rewrite_array(seg, "index", raw, list(index.shape))
+    _recommit(seg, index_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match="not valid UTF-8"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+    rep = spillmerge.verify(str(root))
+    assert any("not valid UTF-8" in p and "the merge would refuse it" in p for p in rep.problems), rep.problems
+
+
+def _x_output(tmp: Path) -> Path:
+    root, out = tmp / "spill", tmp / "out"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(10):
+            w.write("a.mp4", i, {"x": torch.full((300,), float(i))})
+    spillmerge.merge(str(root), str(out), codec="zstd")
+    return out
+
+
+def _set_x_meta(out: Path, **edit: Any) -> None:
+    for doc, get in ((out / "columns/x/values/zarr.json", lambda d: d),
+                     (out / "zarr.json", lambda d: d["consolidated_metadata"]["metadata"]["columns/x/values"])):  # fmt: skip
+        d = json.loads(doc.read_text())
+        m = get(d)
+        if "chunk_rows" in edit:
+            m["chunk_grid"]["configuration"]["chunk_shape"][0] = edit["chunk_rows"]
+        doc.write_text(json.dumps(d))
+
+
+def test_chunk_shape_larger_than_its_array_is_refused(tmp_path: Path) -> None:
+    """A 10-row column re-declared with chunks of 65,536 rows (78 MiB: under the chunk bound, so
+    only the comparison with the array's shape catches it) and a zstd chunk of that size: ``open``
+    and ``verify`` refuse the metadata before decoding anything."""
+    out = _x_output(tmp_path)
+    _set_x_meta(out, chunk_rows=1 << 16)
+    body = numcodecs_zstd().encode(bytes((1 << 16) * 1200))
+    (out / "columns/x/values/c/0/0").write_bytes(body + google_crc32c.value(body).to_bytes(4, "little"))
+    with pytest.raises(spillmerge.CorruptSpillError, match="larger than the array's shape"):
+        spillmerge.open(str(out))
+    rep = spillmerge.verify(str(out))
+    assert any("larger than the array's shape" in p for p in rep.problems), rep.problems
+
+
+def test_zstd_frame_without_content_size_is_refused_unread(tmp_path: Path) -> None:
+    """A zstd frame that does not declare its content size would be decoded by a growing buffer:
+    reading the chunk refuses it by its header, naming it."""
+    from test_untrusted_storage import _zstd_rle_bomb
+
+    out = _x_output(tmp_path)
+    body = _zstd_rle_bomb(1 << 20, declare=False)
+    (out / "columns/x/values/c/0/0").write_bytes(body + google_crc32c.value(body).to_bytes(4, "little"))
+    res = spillmerge.open(str(out))
+    with pytest.raises(spillmerge.CorruptSpillError, match="does not declare its content size"):
+        res["a.mp4"]["x"][0]
+
+
+def numcodecs_zstd() -> Any:
+    from numcodecs import Zstd
+
+    return Zstd(level=3)

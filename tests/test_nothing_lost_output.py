@@ -369,7 +369,12 @@ def test_a_merge_killed_at_random_points_is_rebuilt_by_the_next(tmp_path, sentin
             except spillmerge.OutputExistsError:
                 assert os.path.exists(os.path.join(out, "spillmerge-complete.json"))  # it had finished
         _assert_holds(Path(out), exp)
-    assert interrupted >= 6, interrupted  # the kills landed mid-merge, so the rebuild was exercised
+    # Every run holds the guarantee above whether its stop landed mid-merge or after the merge
+    # finished (a loaded machine can let it write several objects between two polls): count what
+    # happened instead of requiring a share of it (>= 6 failed once at 5 under load). At least
+    # one run must have been cut before its marker, or the rebuild was not exercised at all; the
+    # cut at a fixed point is test_a_merge_killed_while_writing_its_first_document_is_rebuilt.
+    assert interrupted >= 1, interrupted
 
 
 def test_cli_entry_point_reports_busy_output(tmp_path):

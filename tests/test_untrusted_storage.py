@@ -13,9 +13,11 @@ A new format object joins by adding one line to ``KINDS``; a new attack by one f
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -51,7 +53,12 @@ KINDS: dict[str, tuple[str, str]] = {
     "column valid": ("out", "columns/o/valid/c/0"),
     "fixed column offsets": ("out", "columns/o/offsets/c/0"),
     "string column values": ("out", "columns/t/values/c/0"),
+    "union type ids": ("out", "columns/u.str/valid/c/0"),
+    "union variant offsets": ("out", "columns/u.float32.1d/offsets/c/0"),
+    "list header": ("out", "columns/l__~*/values/c/0"),
     "merge failure record": ("spill", "spillmerge-failed.json"),
+    "progress record": ("spill", "rank-00000/seg-*/progress.json"),
+    "callback report": ("spill", "spillmerge-report.json"),
     "lease lock file": ("out", "spillmerge-lease/output.lock"),
 }
 
@@ -153,13 +160,17 @@ def _frame(i: int) -> dict[str, Any]:
     """Frame ``i``: every kind of column object of format 2 (docs/FORMAT.md section 2) — ``x`` and
     ``s`` fixed (``values`` only), ``m`` ragged in both dimensions (``values``, ``offsets``,
     ``shapes``), ``o`` fixed with absent rows (``values`` of the present rows, ``offsets``,
-    ``valid``), ``t`` a string column (vlen-utf8 ``values``)."""
+    ``valid``), ``t`` a string column (vlen-utf8 ``values``); format 3: ``u`` a tensor or a str
+    (two variant columns whose ``valid`` are the type ids), ``l`` a mixed list (a ``pylist``
+    header column and one column per item)."""
     return {
         "x": torch.full((300,), float(i)),
         "s": i,
         "m": torch.full((i % 3 + 1, i % 2 + 1), float(i)),
         "o": None if i % 3 == 0 else torch.full((2,), float(i)),
         "t": f"frame {i} é",
+        "u": torch.full((2,), float(i)) if i % 2 else f"corrupt {i}",
+        "l": [i, f"item {i}"],
     }
 
 
@@ -175,10 +186,15 @@ def _build(base: Path) -> tuple[Path, Path]:
             w.write(f"f{i % 2}.mp4", i, _frame(i))
         raise RuntimeError("rank 1 fails after flushing")
     spillmerge.merge(str(root), str(out), allow_partial=True, part=(0, 1))
-    spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
+    report = spillmerge.merge(str(root), str(out), allow_partial=True, finalize=True)
+    # What the Lightning callback's merging rank leaves for a ddp_spawn launcher (FORMAT.md 1).
+    doc = {"written": 1.0, "report": json.loads(report.to_json())}
+    (root / "spillmerge-report.json").write_text(json.dumps(doc))
     # What a merge(wait=True) that failed on dst leaves in the spill root, and what a merge killed
     # while holding the output's lease leaves in the output (the lock files; flock died with it).
-    failure = spillmerge._format_spill.MergeFailureRecord.of(RuntimeError("dst failed"), rank=0, run_id="run-x", session=0)
+    failure = spillmerge._format_spill.MergeFailureRecord.of(
+        RuntimeError("dst failed"), rank=0, run_id="run-x", session=0
+    )
     (root / spillmerge._format_spill.MERGE_FAILED_NAME).write_bytes(failure.to_json())
     (out / "spillmerge-lease").mkdir()
     (out / "spillmerge-lease" / "output.lock").write_bytes(b"")
@@ -290,7 +306,8 @@ def test_output_chunks_are_refused_naming_the_object(outcomes: dict[str, Any]) -
             results = outcomes["report"][f"{kind}|{attack}"]
             r = results["open"]
             named = pattern.rsplit("/c/", 1)[0] if words.startswith("checksum") else pattern
-            if r["ok"] or words not in r["message"] or f"/out/{named}" not in r["message"]:
+            where = fnmatch.translate(f"/out/{named}").removesuffix(r"\Z")  # a pattern may hold a glob
+            if r["ok"] or words not in r["message"] or not re.search(where, r["message"]):
                 bad.append(f"{kind}|{attack}: open: {r}")
             v = results["verify"]
             if v["ok"] and v["value"] is not False:
@@ -329,3 +346,168 @@ def test_lone_surrogate_in_catalog_is_corrupt(tmp_path: Path, where: str) -> Non
         spillmerge.committed_keys(str(root))
     rep = spillmerge.verify(str(root))
     assert not rep.ok and any("surrogate" in p for p in rep.problems)
+
+
+# --------------------------------------------------------------------------------------------
+# Metadata attacks (issue 26): every array of a merged output, its zarr.json rewritten (in its
+# own document and in the consolidated root) by someone who knows the format, checksums fixed
+# up. No reader may take an allocation, a loop or a decoded size from such metadata: each ends
+# within seconds, within a tighter memory cap (a bomb declaring 1 GiB would pass the default).
+
+
+def _edit_meta(out: Path, array: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = out / array / "zarr.json"
+    meta = json.loads(doc.read_text())
+    edit(meta)
+    doc.write_text(json.dumps(meta))
+    root = json.loads((out / "zarr.json").read_text())
+    edit(root["consolidated_metadata"]["metadata"][array])
+    (out / "zarr.json").write_text(json.dumps(root))
+
+
+def _with_crc(raw: bytes) -> bytes:
+    return raw + google_crc32c.value(raw).to_bytes(4, "little")
+
+
+def _zstd_rle_bomb(size: int, *, declare: bool = True) -> bytes:
+    """A valid zstd frame of ``size`` zero bytes made of 128 KiB RLE blocks (4 bytes each: a
+    32 KiB object decodes to 1 GiB), declaring its content size or not."""
+    block = 128 << 10
+    n = -(-size // block)
+    head = (0xFD2FB528).to_bytes(4, "little")
+    if declare:  # single segment, 8-byte content size
+        head += bytes([0xE0]) + size.to_bytes(8, "little")
+    else:  # no content size: a window descriptor (128 KiB window)
+        head += bytes([0x00, 0x38])
+    blocks = b"".join(
+        (((min(block, size - i * block)) << 3) | (1 << 1) | (i == n - 1)).to_bytes(3, "little") + b"\0"
+        for i in range(n)
+    )
+    return head + blocks
+
+
+def _array_of(p: Path, out: Path) -> str:
+    return str(p.relative_to(out)).rsplit("/c/", 1)[0]
+
+
+def _compressed(codec: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    def edit(meta: dict[str, Any]) -> None:
+        first, last = meta["codecs"][0], meta["codecs"][-1]
+        meta["codecs"] = [first, codec, last]
+
+    return edit
+
+
+ZSTD = {"name": "zstd", "configuration": {"level": 3, "checksum": False}}
+BLOSC = {"name": "blosc", "configuration": {"typesize": 1, "cname": "lz4", "clevel": 5, "shuffle": "noshuffle",
+                                            "blocksize": 0}}  # fmt: skip
+
+
+def _zstd_bomb(p: Path, out: Path) -> None:
+    _edit_meta(out, _array_of(p, out), _compressed(ZSTD))
+    p.write_bytes(_with_crc(_zstd_rle_bomb(1 << 30)))
+
+
+def _zstd_undeclared(p: Path, out: Path) -> None:
+    _edit_meta(out, _array_of(p, out), _compressed(ZSTD))
+    p.write_bytes(_with_crc(_zstd_rle_bomb(1 << 30, declare=False)))
+
+
+def _blosc_bomb(p: Path, out: Path) -> None:
+    _edit_meta(out, _array_of(p, out), _compressed(BLOSC))
+    body = bytearray(64)
+    body[0:4] = bytes([2, 1, 0x01, 1])  # version, lz version, flags (byte-shuffled), typesize
+    body[4:8] = (1 << 30).to_bytes(4, "little")  # nbytes: what the decoder allocates
+    body[8:12] = (1 << 16).to_bytes(4, "little")
+    body[12:16] = len(body).to_bytes(4, "little")
+    p.write_bytes(_with_crc(bytes(body)))
+
+
+def _chunk_past_array(p: Path, out: Path) -> None:
+    def edit(meta: dict[str, Any]) -> None:
+        meta["chunk_grid"]["configuration"]["chunk_shape"][0] = 1 << 26
+
+    _edit_meta(out, _array_of(p, out), edit)
+
+
+def _chunk_count(p: Path, out: Path) -> None:
+    def edit(meta: dict[str, Any]) -> None:
+        meta["shape"][0] = 3_000_000
+        meta["chunk_grid"]["configuration"]["chunk_shape"][0] = 1
+
+    _edit_meta(out, _array_of(p, out), edit)
+
+
+def _shape_2_40(p: Path, out: Path) -> None:
+    def edit(meta: dict[str, Any]) -> None:
+        meta["shape"][0] = 1 << 40
+
+    _edit_meta(out, _array_of(p, out), edit)
+
+
+def _string_count(p: Path, out: Path) -> None:
+    # vlen-utf8's count header: 2**31 strings in 12 bytes (its decoder allocates one object each)
+    p.write_bytes(_with_crc((1 << 31).to_bytes(4, "little") + bytes(8)))
+
+
+def _foreign_codec(p: Path, out: Path) -> None:
+    _edit_meta(out, _array_of(p, out), _compressed({"name": "gzip", "configuration": {"level": 1}}))
+
+
+META_ATTACKS: dict[str, Callable[[Path, Path], None]] = {
+    "zstd bomb": _zstd_bomb,
+    "zstd frame without content size": _zstd_undeclared,
+    "blosc bomb": _blosc_bomb,
+    "chunk larger than the array": _chunk_past_array,
+    "3,000,000 declared chunks": _chunk_count,
+    "shape 2**40": _shape_2_40,
+    "string count 2**31": _string_count,
+    "codec the format lacks": _foreign_codec,
+}
+
+
+@pytest.fixture(scope="module")
+def meta_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("untrusted-meta")
+    root, out = _build(base)
+    reference = {"data": _data(spillmerge.open(str(out)))}
+    batch = []
+    for i, kind in enumerate(OUTPUT_ARRAYS):
+        pattern = KINDS[kind][1]
+        for j, (attack, fn) in enumerate(META_ATTACKS.items()):
+            copy = base / "cases" / f"{i}-{j}" / "out"
+            shutil.copytree(out, copy, symlinks=True)
+            fn(sorted(copy.glob(pattern))[0], copy)
+            batch.append({"id": f"{kind}|{attack}", "target": "out", "root": str(root), "out": str(copy),
+                          "scratch": str(copy.parent / "merged")})  # fmt: skip
+    spec, res = base / "meta.json", base / "meta.result.json"
+    spec.write_text(json.dumps(batch))
+    env = {**os.environ, "UNTRUSTED_MEMORY_HEADROOM": str(768 << 20)}
+    worker = Path(__file__).parent / "_untrusted_workers.py"
+    assert subprocess.run([sys.executable, str(worker), str(spec), str(res)], env=env, timeout=900).returncode == 0
+    return {"report": json.loads(res.read_text()), "reference": reference}
+
+
+@pytest.mark.parametrize("attack", list(META_ATTACKS))
+@pytest.mark.parametrize("kind", OUTPUT_ARRAYS)
+def test_array_metadata_attacks(meta_outcomes: dict[str, Any], kind: str, attack: str) -> None:
+    """Every array kind of an output × every metadata attack: ``open`` + reading every row,
+    ``verify``, ``inspect`` and ``finalize`` end within seconds with a ``SpillMergeError`` or the
+    pristine result, under a 768 MiB address-space headroom (so no reader decoded a bomb or
+    allocated from a declared shape), and ``open`` / ``verify`` never call the output sound."""
+    results = meta_outcomes["report"][f"{kind}|{attack}"]
+    bad = []
+    for reader, r in results.items():
+        if not r["ok"]:
+            if r["error"] == "HANG" or r["error"].startswith("ESCAPED"):
+                bad.append(f"{reader}: {r['error']}: {r['message']}")
+        elif reader in CHECKED and not _withholds_at_most(r["value"], meta_outcomes["reference"]["data"],
+                                                          salvaged=False):  # fmt: skip
+            bad.append(f"{reader}: succeeded with a wrong result")
+        if r["seconds"] > 10:
+            bad.append(f"{reader}: took {r['seconds']} s")
+    if results["open"]["ok"]:
+        bad.append("open: read the attacked output as sound")
+    if results["verify"]["ok"] and results["verify"]["value"] is not False:
+        bad.append("verify: found nothing")
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,122 @@
+"""One row of an output as the Python object that was written (``MergedStore.value``).
+
+The inverse of ``_values.flatten`` (docs/FORMAT.md section 1, *Value model*): a row's leaves are
+read from the columns of its file that have a value in it (a leaf with several variants has one
+such column per row), then nested again by their paths: user keys make dicts, a ``pylist`` /
+``pytuple`` header and its ``MARK``-numbered items a list / tuple, a ``pyrecords`` header and its
+columns a list of dicts, a ``pydict`` header an empty dict. ``py*`` scalars come back as Python
+scalars (lists of them as lists), tensors as numpy arrays (``as_torch``: torch tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _format as F
+from ._errors import CorruptSpillError
+from ._format import MARK, is_marker
+
+_Node = dict[str, Any]
+"""A node of the row's tree: ``kids`` (segment -> node), ``value`` (when a leaf has one),
+``header`` (a container header: (dtype, length))."""
+
+
+def _to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
+    """A leaf view's row value as what was written."""
+    if kind not in ("fixed", "ragged"):
+        return v  # str, bytes, list of str, unpickled object: already what was written
+    arr = np.asarray(v)
+    if dtype in F.PY_SCALARS:
+        return arr.item() if arr.ndim == 0 else arr.tolist()
+    if not as_torch:
+        return arr
+    import torch
+
+    if dtype not in F.RAW_BITS:
+        return torch.from_numpy(np.array(arr))
+    raw = np.ascontiguousarray(arr).view(F.DTYPES[dtype].storage)
+    return torch.from_numpy(raw).view(getattr(torch, dtype))
+
+
+def row_value(cols: list[Any], r: int, filename: str, as_torch: bool = False) -> Any:
+    """The value of row ``r`` of the output from the columns (``OpenColumn``) of its file."""
+    root: _Node = {"kids": {}}
+    absent: list[tuple[str, ...]] = []
+    # How many items each list of the file can have: a header is checked against it, so a damaged
+    # (or hostile) length cannot make a reader build a list of a billion Nones.
+    room: dict[tuple[str, ...], int] = {}
+    for col in cols:
+        path: tuple[str, ...] = col.info.leaf
+        for k, seg in enumerate(path):
+            if is_marker(seg) and seg[1:].isdigit():
+                room[path[:k]] = max(room.get(path[:k], 0), int(seg[1:]) + 1)
+    for col in cols:
+        valid = col.valid()
+        leaf: tuple[str, ...] = col.info.leaf
+        if valid is not None and not valid[r]:
+            if leaf and not is_marker(leaf[-1]):  # absent headers and list items say nothing
+                absent.append(leaf)
+            continue
+        node = root
+        for seg in leaf:
+            node = node["kids"].setdefault(seg, {"kids": {}})
+        dtype, kind = col.info.dtype, col.info.kind
+        got = col.view(r, r + 1, filename)[0]
+        if dtype in F.PY_HEADERS:
+            parent = root
+            for seg in leaf[:-1]:
+                parent = parent["kids"][seg]
+            n = int(np.asarray(got))
+            if not 0 <= n <= room.get(leaf[:-1], 0) and dtype in ("pylist", "pytuple"):
+                raise CorruptSpillError(
+                    f"columns/{col.info.name}: row {r} ({filename!r:.200}) says its {dtype[2:]} has {n} items; "
+                    f"the file's columns hold at most {room.get(leaf[:-1], 0)}",
+                    path=f"columns/{col.info.name}",
+                )
+            parent["header"] = (dtype, n)
+            del parent["kids"][leaf[-1]]
+        else:
+            node["value"] = _to_python(dtype, kind, got, as_torch)
+    for leaf in absent:  # a leaf of the file no variant of which has a value here: None
+        # dict keys the file's other frames have: None here, as the leaf views say; inside a list
+        # only under a dict this row has (its header made the node)
+        node, structural = root, any(is_marker(s) for s in leaf)
+        for seg in leaf[:-1]:
+            nxt = node["kids"].get(seg)
+            if nxt is None:
+                if structural:
+                    break
+                nxt = node["kids"][seg] = {"kids": {}}
+            node = nxt
+        else:
+            if "value" not in node and leaf[-1] not in node["kids"]:
+                node["kids"][leaf[-1]] = {"kids": {}, "value": None}
+    if not root["kids"] and "value" not in root and "header" not in root:
+        return None  # the value itself was None (its leaf is ``[]``)
+    return _build(root)
+
+
+def _key(seg: str) -> str:
+    return seg[1:] if seg.startswith(MARK) else seg
+
+
+def _build(node: _Node) -> Any:
+    if "value" in node:
+        return node["value"]
+    kids: dict[str, _Node] = node["kids"]
+    header = node.get("header")
+    if header is not None:
+        kind, n = header
+        if kind in ("pylist", "pytuple"):
+            items = [_build(kids[f"{MARK}{i}"]) if f"{MARK}{i}" in kids else None for i in range(n)]
+            return tuple(items) if kind == "pytuple" else items
+        if kind == "pyrecords":
+            built = {_key(k): _build(v) for k, v in sorted(kids.items()) if not is_marker(k)}
+            columns = {k: v for k, v in built.items() if v is not None}
+            bad = [k for k, v in columns.items() if not isinstance(v, (list, tuple)) or len(v) != n]
+            if bad:
+                raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
+            return [{k: col[j] for k, col in columns.items()} for j in range(n)]
+    return {_key(k): _build(v) for k, v in sorted(kids.items())}

@@ -1,0 +1,194 @@
+"""Format version 3's value model (issue 23): anything built from dicts, lists, tuples, scalars,
+str, bytes, None, tensors and arrays is written without pickle and read back by ``res.value()``
+equal in type and content, with kind, dtype, shape and structure free to differ between frames
+and files; bad input names filename, frame and path, and loses nothing committed."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _helpers import value_diffs
+
+import spillmerge
+
+
+def same(got: Any, want: Any) -> bool:
+    """Equal in type and content (a tensor reads back as a numpy array of its dtype and shape)."""
+    return value_diffs(got, want) == []
+
+
+VALUES: dict[str, Any] = {
+    "dict-of-scalars": {"key1": 3, "key2": 4.5, "key3": {"nested": True}, "c": 1 + 2j},
+    "str": "foo",
+    "bytes": b"\x00raw",
+    "none": None,
+    "mixed-list": [1, 2, True, "string", [4, 5, "nested"]],
+    "tuple": (1, 2.5, None, b"x", "s"),
+    "list-of-tensors": [torch.arange(3), torch.zeros(2, 2), torch.tensor(7.0)],
+    "tuple-of-tensors": (torch.rand(1, 5), torch.rand(1, 5)),
+    "zero-d": torch.tensor(3),
+    "bf16": torch.ones(2, 3, dtype=torch.bfloat16),
+    "numpy": np.arange(6, dtype=np.uint16).reshape(2, 3),
+    "per-image": [
+        {"boxes": torch.rand(2, 4), "labels": torch.tensor([1, 2]), "scores": torch.rand(2)},
+        {"boxes": torch.rand(0, 4), "labels": torch.zeros(0, dtype=torch.int64), "scores": torch.rand(0)},
+    ],
+    "coco": [{"bbox": [1.0, 2.0, 3.0, 4.0], "category_id": 3}, {"bbox": [5.0, 6.0, 7.0, 8.0], "category_id": 1}],
+    "nested": {"a": [{"b": (1, [2, {"c": None}])}], "e": {}, "l": [], "ll": [[1, 2], [3, 4]], "t": ((1,),)},
+    "empty-dict": {},
+    "empty-tuple": (),
+    "strs": ["a", "", "b\x00c"],
+    "floats-and-ints": [1, 2.5],
+    "big-int-in-list": [1, 2**62],
+    "marker-key": {"\x1fodd": 1, "\x1f": [2]},
+}
+
+
+def _write_merge(tmp_path: Path, frames: dict[tuple[str, int], Any], **kw: Any) -> Any:
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, **kw) as w:
+        for (name, frame), v in frames.items():
+            w.write(name, frame, v)
+    spillmerge.merge(root, out)
+    return spillmerge.open(out, allow_pickle=kw.get("allow_pickle", False))
+
+
+def test_every_kind_reads_back_equal_in_type_and_content(tmp_path: Path) -> None:
+    res = _write_merge(tmp_path, {(k, 0): v for k, v in VALUES.items()})
+    for name, want in VALUES.items():
+        got = res.value(name)
+        assert same(got, want), (name, got, want)
+    assert type(res.value("dict-of-scalars")["key1"]) is int and type(res.value("mixed-list")[2]) is bool
+    # the leaf views keep working beside value(): a one-type leaf is the column format 2 made
+    assert res["numpy"][0].shape == (2, 3) and res["str"][0] == "foo"
+
+
+def test_kind_dtype_shape_and_structure_differ_between_frames_and_files(tmp_path: Path) -> None:
+    frames = {
+        ("decoded.mp4", 0): {"result": torch.ones(3, 4, 4, dtype=torch.float16)},
+        ("decoded.mp4", 1): {"result": torch.ones(5)},  # float32, 1-d
+        ("decoded.mp4", 2): {"result": "corrupt header"},
+        ("decoded.mp4", 3): {"result": [torch.ones(2), "x"]},  # a list where a value was
+        ("decoded.mp4", 4): {"result": None},
+        ("broken.mp4", 0): {"result": "corrupt header"},
+        ("audio.wav", 0): {"result": np.zeros((2, 100), dtype=np.int16)},
+        ("other", 0): 5,
+        ("other", 1): (5,),
+        ("other", 2): [5],
+    }
+    res = _write_merge(tmp_path, frames)
+    for (name, frame), want in frames.items():
+        assert same(res.value(name, frame), want), (name, frame)
+    with pytest.raises(KeyError, match="no frame 7"):
+        res.value("decoded.mp4", 7)
+
+
+def test_value_as_torch_gives_tensors(tmp_path: Path) -> None:
+    want = {"x": [torch.arange(4), torch.ones(2, dtype=torch.bfloat16)], "n": 2}
+    res = _write_merge(tmp_path, {("f", 0): want})
+    got = res.value("f", as_torch=True)
+    assert got["n"] == 2 and torch.equal(got["x"][0], want["x"][0])
+    assert got["x"][1].dtype == torch.bfloat16 and torch.equal(got["x"][1], want["x"][1])
+
+
+class Opaque:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.n == self.n
+
+
+@dataclasses.dataclass
+class Pred:
+    ids: list[int]
+    note: str
+
+
+def test_allow_pickle_applies_at_any_depth_and_only_to_other_objects(tmp_path: Path) -> None:
+    want = {"items": [1, Opaque(2), {"deep": (Opaque(3), "s")}], "big": 2**70}
+    res = _write_merge(tmp_path, {("f", 0): want, ("g", 0): Pred([1, 2], "n")}, allow_pickle=True)
+    assert same(res.value("f"), want)
+    assert res.value("g") == {"ids": [1, 2], "note": "n"}  # a dataclass reads as the dict of its fields
+    kinds = {c.info.dtype for c in res._files.columns.values()}
+    assert "pickle" in kinds and "pyint" in kinds  # the int 1 and the list [1, 2] are not pickled
+    closed = spillmerge.open(str(tmp_path / "o"))
+    with pytest.raises(spillmerge.PickleNotAllowedError):
+        closed.value("f")
+
+
+def _cycle() -> dict[str, Any]:
+    d: dict[str, Any] = {"a": [1]}
+    d["a"].append(d)
+    return d
+
+
+@pytest.mark.parametrize(
+    "value, where, match",
+    [
+        ({"a": [{1: 2}]}, "a/[0]", "dict keys must be str"),
+        (_cycle(), "a/[1]", "cycle"),
+        ({"g": [(x for x in ())]}, "g/[0]", "generator"),
+        ({"o": (1, Opaque(1))}, "o/[1]", "without pickle"),
+    ],
+)
+def test_bad_input_names_filename_frame_and_path_and_loses_nothing(
+    tmp_path: Path, value: Any, where: str, match: str
+) -> None:
+    root = str(tmp_path / "s")
+    with spillmerge.SpillWriter(root) as w:
+        w.write("f", 0, {"ok": [1, "a"]})
+        with pytest.raises(spillmerge.SpillValueError, match=match) as info:
+            w.write("f", 3, value)
+        err = info.value
+        assert (err.filename, err.frame_idx, err.leaf) == ("f", 3, where), (err.filename, err.frame_idx, err.leaf)
+        assert "'f' frame 3" in str(err) and repr(where) in str(err)
+        w.write("f", 4, {"ok": [2, "b"]})  # the writer stays usable
+    spillmerge.merge(root, str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert res.frames("f").tolist() == [0, 4] and res.value("f", 4) == {"ok": [2, "b"]}
+
+
+def test_value_names_the_format_a_version_1_output_lacks() -> None:
+    res = spillmerge.open(str(Path(__file__).parent / "fixtures" / "v1-output.zarr"))
+    with pytest.raises(spillmerge.FormatVersionError, match="version 1"):
+        res.value(res.filenames[0])
+
+
+def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Path) -> None:
+    """The variant columns' ``valid`` arrays are the union's type ids: damaged so that a row has
+    a value in two variants of one leaf, the output is refused (docs/FORMAT.md, *Invariants*)."""
+    import subprocess
+    import sys
+
+    import zarr
+
+    res = _write_merge(tmp_path, {("f", 0): {"result": torch.ones(2)}, ("f", 1): {"result": "corrupt header"}})
+    assert res.value("f", 1) == {"result": "corrupt header"}
+    out = tmp_path / "o"
+    valid = zarr.open_array(str(out / "columns" / "result.str" / "valid"), mode="r+")
+    valid[:] = True  # row 0 now has a value in result.float32.1d and in result.str
+    with pytest.raises(spillmerge.CorruptSpillError, match="more than one variant"):
+        spillmerge.open(str(out))
+    cli = Path(sys.executable).with_name("spillmerge")
+    done = subprocess.run([str(cli), "verify", str(out)], capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and "more than one variant" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_a_damaged_list_length_is_refused_not_built(tmp_path: Path) -> None:
+    """A list header's length is checked against the item columns its file has: a hostile
+    length cannot make ``value()`` build a huge list."""
+    import zarr
+
+    res = _write_merge(tmp_path, {("f", 0): {"l": [1, "a"]}})
+    assert res.value("f") == {"l": [1, "a"]}
+    header = next(c for c in res._files.columns.values() if c.info.dtype == "pylist")
+    arr = zarr.open_array(str(tmp_path / "o" / "columns" / header.info.name / "values"), mode="r+")
+    arr[:] = 10**9
+    with pytest.raises(spillmerge.CorruptSpillError, match="has 1000000000 items"):
+        spillmerge.open(str(tmp_path / "o")).value("f")
