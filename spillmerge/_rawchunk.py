@@ -18,6 +18,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from . import _format_output as FO
 from ._errors import CorruptSpillError
 from ._invariants import read_array
 from ._storage import Storage
@@ -56,12 +57,13 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     size = count * dtype.itemsize + 4
     suffix = "/0" * len(inner)
     path = arr.path
+    limit = FO.chunk_limits(arr.metadata.to_dict(), path=describe(f"{path}/zarr.json")).object_bytes
 
     def read(c: int) -> np.ndarray:
         rel = f"{path}/c/{c}{suffix}"
         coords = ", ".join([str(c)] + ["0"] * len(inner))
         try:
-            data = storage.get(rel, max_bytes=size)
+            data = storage.get(rel, max_bytes=limit)  # what NoFillStore allows: the format's size limit
         except FileNotFoundError:
             where = describe(rel)
             raise CorruptSpillError(
@@ -71,9 +73,11 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
             ) from None
         if len(data) != size or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little"):
             where = describe(rel)
-            what = f"is {len(data)} bytes, not {size}" if len(data) != size else "fails its CRC-32C"
+            what = f"{len(data)} bytes, its chunk shape needs {size}" if len(data) != size else "CRC-32C mismatch"
             raise CorruptSpillError(
-                f"{where}: chunk {coords} of {path} {what}; the output is damaged: merge it again", path=where
+                f"{where}: chunk {coords} of {path}: its size and checksum do not match ({what}); the output is "
+                "damaged: merge it again",
+                path=where,
             )
         out = np.frombuffer(data, dtype=dtype, count=count).reshape((k, *inner))
         return out[: min(k, n - c * k)]

@@ -302,9 +302,10 @@ class V2Files:
     def filenames(self) -> Names:
         return self._names
 
-    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open."""
-        return list(self._names), self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
+    def index_arrays(self) -> tuple[Names, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open (the
+        filenames as the sequence read block by block)."""
+        return self._names, self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
 
     def __len__(self) -> int:
         return len(self._names)
@@ -549,7 +550,7 @@ class MergedStore(Mapping[str, Any]):
         i = self._index(filename)
         return files.row_value(i, frame_idx, self.storage.describe, as_torch)
 
-    def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
         checked at open (for coverage, which needs them whole); None for version 1."""
         return self._files.index_arrays() if isinstance(self._files, V2Files) else None
