@@ -64,10 +64,18 @@ MUTATIONS: list[Mutation] = [
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_copy.py",
-        "            if google_crc32c.value(row) != int(plan.crc[e]):\n                self._mismatch(r, e)",
-        "            if False:\n                self._mismatch(r, e)",
+        "            elif google_crc32c.value(row) != crc:\n                self._mismatch(r, e)",
+        "            elif False:\n                self._mismatch(r, e)",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
         "a corrupt frame never reaches the output (local spill root, compressed or not)",
+    ),
+    Mutation(
+        "copy-block-crc-local",
+        "spillmerge/_copy.py",
+        "                    if google_crc32c.value(block) != value:",
+        "                    if False:",
+        (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec", "tests/test_write_batch.py"),
+        "a corrupt block of write_batch / write rows never reaches the output (local spill root)",
     ),
     Mutation(
         "runid-failure-record-ignored",
@@ -120,8 +128,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "journal-sequence-unchecked",
         "spillmerge/_spillroot.py",
-        "            if entry.chunk != n or entry.file_base != len(filenames) or entry.layout_base != len(layouts):",
-        "            if False:",
+        "                entry.chunk != n\n",
+        "                False\n",
         (f"{G}::test_salvage_stops_at_a_journal_entry_of_another_chunk",),
         "salvage replays journal entries in order and stops at the first that is out of place",
     ),
@@ -129,8 +137,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-crc-object-store",
         "spillmerge/_copy.py",
-        "            if google_crc32c.value(v) != int(plan.crc[e]):",
-        "            if False:",
+        "            elif google_crc32c.value(v) != crc:",
+        "            elif False:",
         (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
         "a corrupt frame read by range GETs never reaches the output",
     ),

@@ -79,7 +79,7 @@ def test_tensordict_and_dataclass_values_are_stored_as_nested_leaves(tmp_path):
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
         for i in range(2):
             w.write("x", i, td_mod.TensorDict({"x": torch.full((1,), float(i)), "note": f"hello {i}"}, batch_size=[]))
-        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'obj' of 'x': cannot store a Thing without pickle"):
+        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'obj' of 'x' frame 2: cannot store a Thing without pickle"):
             w.write("x", 2, td_mod.TensorDict({"x": torch.ones(1), "obj": Thing()}, batch_size=[]))
     spillmerge.merge(str(root), str(out))
     got = spillmerge.open(str(out))["x"]
