@@ -370,7 +370,7 @@ def _resolve_duplicates(
                 frame_idx=frame,
                 ranks=ranks,
             )
-        chosen = seg_ids[-1] if on_duplicate == "last" and not identical else seg_ids[0]
+        chosen = _keep(segments, seg_ids, on_duplicate, identical=identical)
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
     if not keep.all():
@@ -378,6 +378,20 @@ def _resolve_duplicates(
             c[col] = c[col][keep]
         copies = copies[keep]
     return c, copies, duplicates
+
+
+def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: str, *, identical: bool) -> int:
+    """Which copy of a duplicated (filename, frame) a row comes from (docs/GUARANTEES.md, *Duplicates*).
+
+    Identical copies (by bytes): the lowest rank's, then its earliest segment — a rule of the spill
+    root's contents alone, so ``frame_rank`` names the same rank whatever order the segments were
+    started, listed or loaded in (DistributedSampler's padding always attributes to the lowest
+    rank that wrote the frame). Different content: the policy picks by write order — ``first`` the
+    earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids`` are positions in
+    ``segments``, which are in that order."""
+    if identical:
+        return min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
+    return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
 
 
 def _dtype_groups(
