@@ -23,7 +23,7 @@ from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
 from ._spillroot import data_ranges
 from ._storage import Storage
-from ._zarrmeta import string_bytes, values_chunk
+from ._zarrmeta import chunk_row_bytes, values_chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,20 +53,11 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
             continue  # no elements: the array has no chunk to write
         k = values_chunk(plan, col, chunk_bytes)
         if col.storage == "string":  # bytes per row, summed: str rows are units, strlist rows hold many
-            per_row = string_bytes(plan, col)
-            cum = np.zeros(len(per_row) + 1, dtype=np.int64)
-            np.cumsum(per_row, out=cum[1:])
-            off = col.offsets() if col.counts is not None else None
+            rows, counts = chunk_row_bytes(plan, col, k)
+            sizes = (rows + 4 * counts).tolist()
         for j, lo in enumerate(range(0, n, k)):
             hi = min(lo + k, n)
-            if col.storage != "string":
-                size = (hi - lo) * col.unit_bytes
-            elif off is None:
-                size = int(cum[hi] - cum[lo]) + 4 * (hi - lo)
-            else:  # the rows a strlist chunk reads whole (those cut by its edges included)
-                r0 = int(np.searchsorted(off, lo, side="right")) - 1
-                r1 = int(np.searchsorted(off, hi, side="left"))
-                size = int(cum[r1] - cum[r0]) + 4 * (hi - lo)
+            size = (hi - lo) * col.unit_bytes if col.storage != "string" else sizes[j]
             out.append(Unit(ci, j, lo, hi, k, max(size, 1)))
     return out
 

@@ -32,6 +32,9 @@ SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 
 VALUE_COLUMN = F.VALUE_COLUMN
 
+ROW_BLOCK = 1 << 20
+"""Rows per block of the loops over per-row arrays (bounded temporaries whatever the plan size)."""
+
 #: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
 _KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
 
@@ -63,6 +66,8 @@ class PlannedColumn:
     """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``."""
     has_valid: bool
     """Some row lacks the leaf (a ``valid`` array is written)."""
+    offs: np.ndarray | None = None
+    """``offsets()`` computed once (an out-of-core plan keeps them on disk), else None."""
 
     @property
     def storage(self) -> str:
@@ -99,6 +104,8 @@ class PlannedColumn:
 
     def offsets(self) -> np.ndarray:
         assert self.counts is not None
+        if self.offs is not None:
+            return self.offs
         out = np.zeros(len(self.counts) + 1, dtype=np.int64)
         np.cumsum(self.counts, out=out[1:])
         return out
@@ -108,7 +115,13 @@ class PlannedColumn:
         """Length of ``values``' first dimension."""
         if self.counts is None:
             return len(self.src)
+        if self.offs is not None:
+            return int(self.offs[-1])
         return int(self.counts.sum())
+
+    def present(self) -> int:
+        """Rows that have a value (read a block at a time)."""
+        return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
 
     def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
@@ -127,8 +140,8 @@ class PlannedColumn:
 class Plan:
     """The merge plan and the row table it refers to."""
 
-    filenames: list[str]
-    """Sorted, distinct."""
+    filenames: Sequence[str]
+    """Sorted, distinct (a list, or an out-of-core plan's ``_plan_disk.StringTable``)."""
     file_offsets: np.ndarray
     """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
     frame_idx: np.ndarray
@@ -166,7 +179,12 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return int(sum(int(self.nbytes[c.src[c.src >= 0]].sum()) for c in self.columns))
+        total = 0
+        for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
+            for a in range(0, len(c.src), ROW_BLOCK):
+                s = np.asarray(c.src[a : a + ROW_BLOCK])
+                total += int(self.nbytes[s[s >= 0]].sum())
+        return total
 
     def file_rows(self, i: int) -> tuple[int, int]:
         return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
@@ -279,7 +297,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
 
 
 def _check_leaf_types(
-    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: Sequence[str],
     segments: list[LoadedSegment],
 ) -> None:  # fmt: skip
     """A leaf has one kind and ``ndim`` across the merge (``None`` rows aside; ``[]`` may also be an
@@ -326,7 +344,11 @@ def _check_leaf_types(
 
 
 def _resolve_duplicates(
-    c: dict[str, np.ndarray], names: list[str], segments: list[LoadedSegment], on_duplicate: str, same_bytes: SameBytes
+    c: dict[str, np.ndarray],
+    names: Sequence[str],
+    segments: list[LoadedSegment],
+    on_duplicate: str,
+    same_bytes: SameBytes,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
     """Drop all but one copy of every (file, frame) held by several segments; return the kept
     entries, how many segments held each entry's key, and the copies dropped."""
@@ -395,7 +417,7 @@ def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: s
 
 
 def _dtype_groups(
-    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: list[str],
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: Sequence[str],
     segments: list[LoadedSegment],
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:  # fmt: skip
     """Which column each stored leaf row goes to: one per leaf path and numeric dtype. A leaf that
@@ -404,8 +426,27 @@ def _dtype_groups(
     and ranks). Rows that say nothing about the dtype (``None``, zero elements) join their file's
     column, or the leaf's first one. Returns each entry's group and the groups' (leaf path
     position, dtype or None)."""
+    dnames, code = pair_codes(c, layouts, leaf_paths, names, segments)
+    key = group_keys(c["lp"], code, leaf_first(c["lp"], code, len(leaf_paths)), len(dnames))
+    uniq, group = np.unique(key, return_inverse=True)
+    return group.reshape(-1), decode_groups(uniq, dnames)
+
+
+def dtype_names(layouts: list[FS.Layout]) -> list[str]:
+    """The numeric dtypes that decide a column (zero-element layouts say nothing), sorted: a
+    dtype's code is its position."""
+    return sorted({lay.dtype for lay in layouts if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape})
+
+
+def pair_codes(
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: Sequence[str],
+    segments: list[LoadedSegment],
+) -> tuple[list[str], np.ndarray]:  # fmt: skip
+    """Each entry's dtype code (position in ``dtype_names``) as its file's rows of its leaf agree
+    on it, -1 where none of them says (``None``, zero elements); a leaf of two dtypes in one file
+    raises. File-local: a plan built in blocks of whole files gets the same codes."""
     n_lp = len(leaf_paths)
-    dnames = sorted({lay.dtype for lay in layouts if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape})
+    dnames = dtype_names(layouts)
     code_of = {d: i for i, d in enumerate(dnames)}
     lcode = np.array(
         [code_of[lay.dtype] if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape else -1 for lay in layouts],
@@ -432,21 +473,34 @@ def _dtype_groups(
             leaf=leaf,
             ranks=_ranks(segments, c["seg"][sel]),
         )
-    pair_code = hi  # -1: the file's rows of this leaf say nothing about its dtype
-    pair_lp = ps[starts] % n_lp
-    first = np.full(n_lp, -1, dtype=np.int64)  # each leaf's lowest dtype code, for the rows without one
-    has = pair_code >= 0
-    np.maximum.at(first, pair_lp[has], -1)  # keep -1 where a leaf has no code at all
-    for p in np.unique(pair_lp[has]).tolist():
-        first[p] = int(pair_code[has & (pair_lp == p)].min())
-    pair_code = np.where(pair_code >= 0, pair_code, first[pair_lp])
     code = np.empty(len(pair), dtype=np.int64)
-    code[order] = np.repeat(pair_code, np.diff(np.r_[starts, len(ps)]))
-    key = c["lp"] * (len(dnames) + 1) + (code + 1)
-    uniq, group = np.unique(key, return_inverse=True)
-    groups = [(int(k) // (len(dnames) + 1), None if k % (len(dnames) + 1) == 0 else dnames[int(k % (len(dnames) + 1)) - 1])
-              for k in uniq]  # fmt: skip
-    return group.reshape(-1), groups
+    code[order] = np.repeat(hi, np.diff(np.r_[starts, len(ps)]))
+    return dnames, code
+
+
+def leaf_first(lp: np.ndarray, code: np.ndarray, n_lp: int, first: np.ndarray | None = None) -> np.ndarray:
+    """Each leaf's lowest dtype code (-1: none), where rows without one go; ``first`` from earlier
+    blocks is folded in."""
+    out = np.full(n_lp, np.iinfo(np.int64).max, dtype=np.int64)
+    if first is not None:
+        out[first >= 0] = first[first >= 0]
+    has = code >= 0
+    np.minimum.at(out, lp[has], code[has])
+    out[out == np.iinfo(np.int64).max] = -1
+    return out
+
+
+def group_keys(lp: np.ndarray, code: np.ndarray, first: np.ndarray, n_dtypes: int) -> np.ndarray:
+    """Each entry's column key: its leaf and dtype code (its leaf's first where it has none);
+    ascending keys are the columns' order."""
+    code = np.where(code >= 0, code, first[lp])
+    return lp * (n_dtypes + 1) + (code + 1)
+
+
+def decode_groups(keys: np.ndarray, dnames: list[str]) -> list[tuple[int, str | None]]:
+    """The (leaf path position, dtype or None) of each column key."""
+    m = len(dnames) + 1
+    return [(int(k) // m, None if k % m == 0 else dnames[int(k % m) - 1]) for k in keys]
 
 
 def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
@@ -534,7 +588,7 @@ def _file_layouts(
 def _check_prefixes(
     layout: list[str],
     columns: list[PlannedColumn],
-    names: list[str],
+    names: Sequence[str],
     file_layout: np.ndarray,
     file_layouts: list[list[str]],
 ) -> None:
@@ -571,13 +625,18 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     for name in plan.filenames:  # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode
         h.update(json.dumps(name, ensure_ascii=True).encode("ascii"))
-    arrays = [plan.file_offsets, plan.frame_idx, plan.file_layout]
+    # Hashed a block at a time (the arrays may be maps of an out-of-core plan's files): the
+    # digest is that of the whole arrays back to back.
+    for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
+        for i in range(0, len(a), ROW_BLOCK):
+            h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").tobytes())
     for col in plan.columns:
-        arrays.append(col.src)
-        ok = col.src[col.src >= 0]
-        arrays += [plan.seg[ok], plan.offset[ok], plan.nbytes[ok], plan.crc[ok]]
-    for a in arrays:
-        h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+        for i in range(0, len(col.src), ROW_BLOCK):
+            h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").tobytes())
+        for table in (plan.seg, plan.offset, plan.nbytes, plan.crc):
+            for i in range(0, len(col.src), ROW_BLOCK):
+                s = np.asarray(col.src[i : i + ROW_BLOCK])
+                h.update(np.ascontiguousarray(table[s[s >= 0]], dtype="<i8").tobytes())
     return h.hexdigest()
 
 

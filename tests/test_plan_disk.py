@@ -1,0 +1,117 @@
+"""The out-of-core merge plan (issue 24): forced with a tiny ``plan_budget``, it writes the same
+bytes as the in-memory plan on the same spill root, checks the same things, works in parts, and
+leaves no temporary file behind after success or failure."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from tests._mp_scenarios import output_tree, tree_diff
+
+TINY = 4000  # bytes: blocks of ~10 index rows, so every spill below is planned in many blocks
+
+
+def _spill_mixed(root: str) -> None:
+    """Four ranks: one-frame images (an emb, a label, a caption), padding duplicates, videos of
+    ragged frames, a leaf of two dtypes in two files, lists of strings, None, empty tensors, bytes,
+    a file only some ranks write frames of, and a segment that holds nothing."""
+    for r in range(4):
+        with spillmerge.SpillWriter(root, rank=r, world_size=4) as w:
+            for i in range(r, 203, 4):
+                w.write(f"img/{i:05d}.jpg", 0,
+                        {"emb": torch.full((8,), float(i)).half(), "label": i, "caption": f"image {i} é"})  # fmt: skip
+            w.write("img/00000.jpg", 0, {"emb": torch.zeros(8).half(), "label": 0, "caption": "image 0 é"})  # padding
+            for f in range(3):
+                w.write(f"vid{r}.mp4", f, {"feat": torch.ones(2 + f, 3) * r, "tags": [f"t{r}", "x" * f]})
+            w.write("shared.mp4", r, {"feat": torch.ones(r + 1, 3), "raw": bytes([r]) * r, "opt": None if r % 2 else r})
+            w.write(f"dtype{r % 2}.bin", r, {"x": torch.ones(2, dtype=torch.float16 if r % 2 else torch.float32)})
+            w.write("empty.bin", r, {"e": torch.zeros(0)})
+        if r == 2:
+            with spillmerge.SpillWriter(root, rank=r, world_size=4):
+                pass
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan(tmp_path, codec):
+    root = str(tmp_path / "spill")
+    _spill_mixed(root)
+    mem = spillmerge.merge(root, str(tmp_path / "mem"), codec=codec, chunk_bytes=512)
+    plan_dir = tmp_path / "plan-tmp"
+    disk = spillmerge.merge(root, str(tmp_path / "disk"), codec=codec, chunk_bytes=512, plan_budget=TINY,
+                            plan_dir=str(plan_dir))  # fmt: skip
+    assert not any("out of core" in n for n in mem.notes)
+    assert any("out of core" in n for n in disk.notes), disk.notes
+    assert os.listdir(plan_dir) == []  # the work folder is gone after success
+    assert (disk.n_files, disk.n_frames, disk.duplicates, disk.nbytes) == (mem.n_files, mem.n_frames, 3, mem.nbytes)
+    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(tmp_path / "disk"))
+    assert a == b, tree_diff(a, b)
+    res = spillmerge.open(str(tmp_path / "disk"))
+    assert res["img/00117.jpg"]["caption"][0] == "image 117 é"
+    assert res.frame_ranks("img/00000.jpg").tolist() == [0]
+    assert spillmerge.verify(str(tmp_path / "disk")).ok
+
+
+def test_an_out_of_core_plan_in_parts_writes_the_same_bytes(tmp_path):
+    root = str(tmp_path / "spill")
+    _spill_mixed(root)
+    spillmerge.merge(root, str(tmp_path / "whole"), chunk_bytes=256)
+    for i in range(3):
+        spillmerge.merge(root, str(tmp_path / "parts"), chunk_bytes=256, part=(i, 3), plan_budget=TINY)
+    spillmerge.merge(root, str(tmp_path / "parts"), finalize=True, plan_budget=TINY)
+    a, b = output_tree(str(tmp_path / "whole")), output_tree(str(tmp_path / "parts"))
+    assert a == b, tree_diff(a, b)
+
+
+def test_an_out_of_core_plan_refuses_what_the_in_memory_plan_refuses_and_cleans_up(tmp_path):
+    plan_dir = tmp_path / "plan-tmp"
+    root = str(tmp_path / "dup")
+    for r in range(2):
+        with spillmerge.SpillWriter(root, rank=r, world_size=2) as w:
+            for i in range(50):
+                if i != 25:
+                    w.write(f"f{i:03d}", 0, torch.full((2,), float(i)))
+            w.write("f025", 0, torch.full((2,), float(r + 100)))  # different content on both ranks
+    for budget in (None, TINY):
+        kw = {} if budget is None else {"plan_budget": budget, "plan_dir": str(plan_dir)}
+        with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'f025'") as err:
+            spillmerge.merge(root, str(tmp_path / f"out-dup-{budget}"), **kw)
+        assert err.value.ranks == [0, 1]
+        rep = spillmerge.merge(root, str(tmp_path / f"out-last-{budget}"), on_duplicate="last", **kw)
+        assert rep.duplicates == 50
+    assert os.listdir(plan_dir) == []  # nothing left after the failure either
+    a, b = output_tree(str(tmp_path / "out-last-None")), output_tree(str(tmp_path / f"out-last-{TINY}"))
+    assert a == b, tree_diff(a, b)
+
+    root = str(tmp_path / "kinds")
+    for r in range(2):
+        with spillmerge.SpillWriter(root, rank=r, world_size=2) as w:
+            for i in range(40):
+                w.write(f"g{i:03d}", 0, {"v": "text" if (r and i == 33) else torch.ones(2)})
+    for budget in (None, TINY):
+        kw = {} if budget is None else {"plan_budget": budget, "plan_dir": str(plan_dir)}
+        with pytest.raises(spillmerge.LayoutMismatchError, match="leaf 'v' is stored as different types"):
+            spillmerge.merge(root, str(tmp_path / f"out-kinds-{budget}"), **kw)
+    assert os.listdir(plan_dir) == []
+
+
+def test_expected_frames_and_allow_partial_with_an_out_of_core_plan(tmp_path):
+    root = str(tmp_path / "spill")
+    for r in range(2):
+        with spillmerge.SpillWriter(root, rank=r, world_size=3) as w:
+            for i in range(r, 60, 2):
+                if i != 31:
+                    w.write(f"f{i:03d}", 0, np.full(3, i, dtype=np.int32))
+    expected = {f"f{i:03d}": 1 for i in range(61)}
+    reps = [
+        spillmerge.merge(root, str(tmp_path / f"out{b}"), allow_partial=True, expected=expected, **kw)
+        for b, kw in enumerate([{}, {"plan_budget": TINY}])
+    ]  # fmt: skip
+    assert reps[0].frame_gaps == reps[1].frame_gaps == {"f031": [0], "f060": [0]}
+    assert reps[0].missing_ranks == reps[1].missing_ranks == [2]
+    a, b = output_tree(str(tmp_path / "out0")), output_tree(str(tmp_path / "out1"))
+    assert a == b, tree_diff(a, b)
