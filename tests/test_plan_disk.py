@@ -5,6 +5,11 @@ leaves no temporary file behind after success or failure."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -114,4 +119,32 @@ def test_expected_frames_and_allow_partial_with_an_out_of_core_plan(tmp_path):
     assert reps[0].frame_gaps == reps[1].frame_gaps == {"f031": [0], "f060": [0]}
     assert reps[0].missing_ranks == reps[1].missing_ranks == [2]
     a, b = output_tree(str(tmp_path / "out0")), output_tree(str(tmp_path / "out1"))
+    assert a == b, tree_diff(a, b)
+
+
+def test_a_killed_out_of_core_merge_is_rebuilt_to_the_same_bytes_through_the_cli(tmp_path):
+    exe = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
+    root, out, plan_dir = str(tmp_path / "spill"), tmp_path / "out", tmp_path / "plan-tmp"
+    with spillmerge.SpillWriter(root) as w:
+        for i in range(1500):
+            for f in range(2):
+                w.write(f"file{i:04d}.mp4", f, torch.full((64,), float(i * 10 + f)))
+    spillmerge.merge(root, str(tmp_path / "clean"), chunk_bytes=256)
+    flags = ["--chunk-bytes", "256", "--plan-budget", "40KiB", "--plan-dir", str(plan_dir), "--no-progress"]
+    # One-row output chunks and one thread: slow enough to kill in the middle of the copy.
+    proc = subprocess.Popen([exe, "merge", root, "--out", str(out), "--threads", "1", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    chunks = out / "columns" / "__value__" / "values" / "c"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (chunks.exists() and len(os.listdir(chunks)) >= 500):
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the merge finished before it could be killed"
+    left = os.listdir(plan_dir)  # a killed process cannot clean up: its work folder stays, named
+    assert len(left) == 1 and left[0].startswith(f"spillmerge-plan-{proc.pid}-")
+    p = subprocess.run([exe, "merge", root, "--out", str(out), *flags], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert os.listdir(plan_dir) == left  # the rebuild removed its own
+    a, b = output_tree(str(tmp_path / "clean")), output_tree(str(out))
     assert a == b, tree_diff(a, b)
