@@ -21,9 +21,9 @@ import numpy as np
 from . import _codecs
 from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
-from ._spillroot import data_ranges
+from ._spillroot import block_mismatch, check_of, data_ranges, verify_block
 from ._storage import Storage
-from ._zarrmeta import chunk_row_bytes, values_chunk
+from ._zarrmeta import values_chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,15 +49,12 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
     out: list[Unit] = []
     for ci, col in enumerate(plan.columns):
         n = col.n_units
-        if n == 0 or (col.storage != "string" and col.unit_bytes == 0):
+        if n == 0 or col.unit_bytes == 0:
             continue  # no elements: the array has no chunk to write
         k = values_chunk(plan, col, chunk_bytes)
-        if col.storage == "string":  # bytes per row, summed: str rows are units, strlist rows hold many
-            rows, counts = chunk_row_bytes(plan, col, k)
-            sizes = (rows + 4 * counts).tolist()
         for j, lo in enumerate(range(0, n, k)):
             hi = min(lo + k, n)
-            size = (hi - lo) * col.unit_bytes if col.storage != "string" else sizes[j]
+            size = (hi - lo) * col.unit_bytes
             out.append(Unit(ci, j, lo, hi, k, max(size, 1)))
     return out
 
@@ -85,6 +82,7 @@ def copy_units(
     in_flight = 0
     errors: list[BaseException] = []
     offsets: dict[int, np.ndarray] = {}
+    checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
     for u in todo:  # once per column, before the threads share them
         col = plan.columns[u.column]
         if col.counts is not None and u.column not in offsets:
@@ -112,7 +110,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column))
+                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked)
                 fut = pool.submit(job.write, output, codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
@@ -142,8 +140,14 @@ def _zeros(n: int) -> np.ndarray:
 class _OutputChunk:
     """Builds and writes one output chunk."""
 
-    def __init__(self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None) -> None:
+    def __init__(
+        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None,
+        checked: set[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
+        (shared by the chunks of one merge; a block checksum covers rows of many chunks)."""
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
+        self.checked = checked
 
     @property
     def key(self) -> str:
@@ -151,12 +155,8 @@ class _OutputChunk:
 
     def write(self, output: Storage, codec: str) -> None:
         col = self.col
-        if col.storage == "string":
-            buffers = [np.frombuffer(self._strings(), dtype=np.uint8)]
-            itemsize = 1
-        else:
-            buffers = self._numeric(raw=codec == "none")
-            itemsize = np.dtype(col.storage).itemsize
+        buffers = self._numeric(raw=codec == "none")
+        itemsize = np.dtype(col.storage).itemsize
         enc = _codecs.encoder(codec, itemsize)
         if enc is not None:
             whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
@@ -204,7 +204,13 @@ class _OutputChunk:
         out, pos = [], 0
         for r, e, n in zip(rows, ents, sizes, strict=True):
             v = buf[pos : pos + n]
-            if google_crc32c.value(v) != int(plan.crc[e]):
+            crc = int(plan.crc[e])
+            if crc < 0:  # checked by its block: read and verify the block once per merge
+                key = (int(plan.seg[e]), crc)
+                if key not in self.checked:
+                    verify_block(self.src, plan.segments[key[0]], crc)
+                    self.checked.add(key)
+            elif google_crc32c.value(v) != crc:
                 self._mismatch(r, e)
             out.append(v)
             pos += n
@@ -233,7 +239,21 @@ class _OutputChunk:
                 row = whole[lo : lo + n]
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
-            if google_crc32c.value(row) != int(plan.crc[e]):
+            crc = int(plan.crc[e])
+            if crc < 0:  # checked by its block (in one data chunk): verified once per merge
+                if (s, crc) not in self.checked:
+                    b_off, b_nb, value = check_of(seg, crc)
+                    bc, b_lo = divmod(b_off, cb)
+                    whole_b = maps.get((s, bc))
+                    if whole_b is None:
+                        whole_b = maps[(s, bc)] = self.src.view(f"{seg.seg.rel}/data/c/{bc}", 0, None)
+                    block = whole_b[b_lo : b_lo + b_nb]
+                    if len(block) != b_nb:  # the object is shorter than the checks say
+                        self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises TruncatedObjectError
+                    if google_crc32c.value(block) != value:
+                        raise block_mismatch(self.src, seg, crc)
+                    self.checked.add((s, crc))
+            elif google_crc32c.value(row) != crc:
                 self._mismatch(r, e)
             out.append(row)
         return out
@@ -260,6 +280,9 @@ class _OutputChunk:
         full = u.k * ub
         touched = self._touched()
         data = self._rows([r for r, _, _ in touched])
+        if col.kind in ("str", "strlist"):  # text is checked where it becomes output text
+            for (r, _, _), row in zip(touched, data, strict=True):
+                self._text(r, row)
         buffers: list[Any] = []
         pos = 0  # bytes of the chunk produced so far
         for (r, a, b), row in zip(touched, data, strict=True):
@@ -283,40 +306,27 @@ class _OutputChunk:
 
     # -- string columns -----------------------------------------------------------------------
 
-    def _strings(self) -> bytes:
-        """A vlen-utf8 chunk: uint32 count, then per string a uint32 length and its UTF-8 bytes;
-        rows without a value and the padding of the last chunk are empty strings."""
-        col, u = self.col, self.u
-        touched = self._touched()
-        data = self._rows([r for r, _, _ in touched])
-        lengths = np.zeros(u.k, dtype="<u4")
-        parts: dict[int, Any] = {}
-        for (r, a, b), row in zip(touched, data, strict=True):
-            if col.kind == "str":
-                self._utf8(r, row)
-                lengths[r - u.lo] = len(row)
-                parts[r - u.lo] = row
-                continue
-            n = int(self.plan.nbytes[int(col.src[r])])
-            count = int(self.off[r + 1] - self.off[r]) if self.off is not None else 0
-            lens = np.frombuffer(row, dtype="<u4", count=count)
-            ends = 4 * count + np.cumsum(lens, dtype=np.int64)
-            if count and int(ends[-1]) != n:
-                self._bad_strlist(r)
-            first = int(self.off[r]) if self.off is not None else 0
-            for j in range(a, b):
-                s, e = int(ends[j] - lens[j]), int(ends[j])
-                piece = row[s:e]
-                self._utf8(r, piece)
-                lengths[first + j - u.lo] = e - s
-                parts[first + j - u.lo] = piece
-        out = [np.uint32(u.k).astype("<u4").tobytes()]
-        for i in range(u.k):
-            out.append(lengths[i : i + 1].tobytes())
-            p = parts.get(i)
-            if p is not None:
-                out.append(p.tobytes())
-        return b"".join(out)
+    def _text(self, r: int, row: np.ndarray) -> None:
+        """Row ``r`` of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
+        lengths that add up to its size, each string valid UTF-8 (docs/FORMAT.md section 1)."""
+        if self.col.kind == "str":
+            self._utf8(r, row)
+            return
+        n = int(self.plan.nbytes[int(self.col.src[r])])
+        count = self._strlist_count(r)
+        if 4 * count > n:
+            self._bad_strlist(r)
+        lens = np.frombuffer(row, dtype="<u4", count=count)
+        ends = 4 * count + np.cumsum(lens, dtype=np.int64)
+        if (int(ends[-1]) if count else 4 * count) != n:
+            self._bad_strlist(r)
+        for s, e in zip((ends - lens).tolist(), ends.tolist(), strict=True):
+            self._utf8(r, row[s:e])
+
+    def _strlist_count(self, r: int) -> int:
+        """Strings in row ``r`` of a list-of-``str`` column (its layout's ``shape[0]``)."""
+        assert self.col.shapes is not None
+        return int(self.col.shapes[r, 0])
 
     def _utf8(self, r: int, b: Any) -> None:
         try:

@@ -22,10 +22,11 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Versions this spillmerge reads: version 1 spill roots are a subset of version 2; version 1
-outputs are read by the reader's version-1 path (docs/FORMAT.md section 5)."""
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""Versions this spillmerge reads: version 1 spill roots are a subset of version 2, version 2
+ones a subset of version 3 (which adds block checksums, ``checks``); version 3 outputs store strings as bytes + offsets;
+version 1 outputs are read by the reader's version-1 path (docs/FORMAT.md section 5)."""
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;

@@ -39,8 +39,10 @@ DATA_NAME = "data"
 INDEX_NAME = "index"
 CATALOG_NAME = "catalog"
 JOURNAL_NAME = "journal"
+CHECKS_NAME = "checks"
+CHECK_COLUMNS = 3  # offset, nbytes, crc32c of a range of data (version 3)
 JOURNAL_MAGIC = b"SMJ1"
-INDEX_COLUMNS = 6  # file_id, frame_idx, layout_id, offset, nbytes, crc32c
+INDEX_COLUMNS = 6  # file_id, frame_idx, layout_id, offset, nbytes, crc32c (or -1 - check id)
 COL_FILE, COL_FRAME, COL_LAYOUT, COL_OFFSET, COL_NBYTES, COL_CRC = range(INDEX_COLUMNS)
 
 
@@ -126,6 +128,10 @@ class CommitRecord:
     rewrites: int = 0
     """Writes of a key this segment already held, dropped by the writer's duplicate policy (0 in
     records written before the field existed)."""
+    n_checks: int = 0
+    """Rows of ``checks`` (version 3; 0 and no ``checks`` array in earlier records)."""
+    checks_crc32c: int = 0
+    """CRC-32C of the raw ``checks`` bytes."""
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
@@ -152,6 +158,8 @@ class CommitRecord:
             catalog_crc32c=int_field(obj, "catalog_crc32c", path, hi=0xFFFFFFFF),
             finished=str(finished),
             rewrites=int_field(obj, "rewrites", path, hi=1 << 40) if "rewrites" in obj else 0,
+            n_checks=int_field(obj, "n_checks", path, hi=1 << 40) if "n_checks" in obj else 0,
+            checks_crc32c=int_field(obj, "checks_crc32c", path, hi=0xFFFFFFFF) if "checks_crc32c" in obj else 0,
         )
 
 
@@ -338,20 +346,23 @@ def journal_name(chunk: int) -> str:
 
 
 def encode_journal(
-    chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray
-) -> bytes:
+    chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray,
+    check_base: int = 0, checks: np.ndarray | None = None,
+) -> bytes:  # fmt: skip
     import google_crc32c
 
-    header = dumps(
-        {
-            "chunk": chunk,
-            "file_base": file_base,
-            "filenames": files,
-            "layout_base": layout_base,
-            "layouts": [lay.to_obj() for lay in layouts],
-            "n_rows": len(rows),
-        }
-    )
+    head: dict[str, Any] = {
+        "chunk": chunk,
+        "file_base": file_base,
+        "filenames": files,
+        "layout_base": layout_base,
+        "layouts": [lay.to_obj() for lay in layouts],
+        "n_rows": len(rows),
+    }
+    if checks is not None and len(checks):  # version 3: the block checksums of this chunk's rows
+        head["check_base"] = check_base
+        head["checks"] = checks.tolist()
+    header = dumps(head)
     body = JOURNAL_MAGIC + len(header).to_bytes(4, "little") + header + rows.astype("<i8").tobytes()
     return body + google_crc32c.value(body).to_bytes(4, "little")
 
@@ -372,6 +383,11 @@ class JournalEntry:
     """Layouts first used since the previous entry."""
     rows: np.ndarray
     """int64 (n, 6) index rows completed in this chunk."""
+    check_base: int = 0
+    """Id of the first entry of ``checks`` (version 3)."""
+    checks: np.ndarray | None = None
+    """int64 (m, 3) block checksums (offset, nbytes, crc32c) first listed in this entry; None in
+    entries of writers before version 3."""
 
 
 def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
@@ -394,6 +410,15 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
     files, lays = h.get("filenames"), h.get("layouts")
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files) or not isinstance(lays, list):
         raise CorruptSpillError(f"{path}: journal catalog entries malformed", path=path)
+    checks = None
+    if "checks" in h:
+        raw_checks = h.get("checks")
+        if not isinstance(raw_checks, list) or not all(
+            isinstance(c, list) and len(c) == CHECK_COLUMNS and all(type(v) is int and 0 <= v < (1 << 56) for v in c)
+            for c in raw_checks
+        ):
+            raise CorruptSpillError(f"{path}: journal checks malformed", path=path)
+        checks = np.array(raw_checks, dtype=np.int64).reshape(len(raw_checks), CHECK_COLUMNS)
     return JournalEntry(
         chunk=int_field(h, "chunk", path, hi=1 << 40),
         file_base=int_field(h, "file_base", path, hi=1 << 40),
@@ -401,4 +426,6 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
         layout_base=int_field(h, "layout_base", path, hi=1 << 40),
         layouts=[Layout.from_obj(o, path=path) for o in lays],
         rows=np.frombuffer(raw, dtype="<i8").reshape(n, INDEX_COLUMNS).astype(np.int64),
+        check_base=int_field(h, "check_base", path, hi=1 << 40) if checks is not None else 0,
+        checks=checks,
     )

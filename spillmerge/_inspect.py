@@ -15,6 +15,7 @@ from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from . import _invariants as V
+from . import _names as N
 from ._errors import SpillMergeError
 from ._invariants import Problem
 from ._output import header, not_an_output, what_is
@@ -74,7 +75,9 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                     loaded = load_segment(storage, s)
                     # Frames, not index rows: a frame whose value is a dict has one row per leaf.
                     keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
+                    per_file = (
+                        np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
+                    )
                     for fid, n in enumerate(per_file):
                         if n:
                             files[loaded.filenames[fid]] += int(n)
@@ -325,9 +328,34 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
             cb = seg.commit.chunk_bytes
             idx = loaded.index
             bad_chunks: set[int] = set()
+            # Blocks first (write_batch's rows: one checksum per leaf of a block, in one chunk).
+            for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
+                c = off // cb
+                if c in bad_chunks:
+                    continue
+                buf = np.empty(nb, dtype=np.uint8)
+                rel = f"{seg.rel}/{FS.DATA_NAME}/c/{c}"
+                try:
+                    storage.read_into([(rel, off - c * cb, off - c * cb + nb)], buf.data)
+                except SpillMergeError as exc:
+                    rep.problems.append(str(exc))
+                    bad_chunks.add(c)
+                    continue
+                if google_crc32c.value(buf) != crc:
+                    rep.problems.append(
+                        f"{storage.describe(rel)}: checksum mismatch in a block of write_batch rows "
+                        f"(bytes {off}..{off + nb} of rank {rank}'s data)"
+                    )
+                    bad_chunks.add(c)
             for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
                 off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
                 if nb == 0:
+                    continue
+                if crc < 0:  # checked with its block above
+                    if off // cb not in bad_chunks:
+                        rep.checked_bytes += nb
+                    if bar is not None:
+                        bar.update(nb)
                     continue
                 first, last = off // cb, (off + nb - 1) // cb
                 if bad_chunks & set(range(first, last + 1)):
@@ -445,7 +473,12 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
     if need & damaged:
         return []
-    filenames = V.read_index(group, "filenames", storage.describe).astype(object)
+    if header.get("format_version") == 2:
+        filenames = V.read_index(group, "filenames", storage.describe).astype(object)
+    else:
+        filenames, name_problems = N.read_all(group, storage.describe)
+        if name_problems:
+            return name_problems
     offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
     file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
@@ -476,6 +509,9 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
         out.extend(V.rows_layout_problems(c, valid, col_off, in_layout(c.name)))
+        if c.kind in V.STRING_KINDS and col_off is not None and f"{rel}/values" not in damaged:
+            sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
+            out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
     return out
 
 

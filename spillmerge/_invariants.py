@@ -151,7 +151,7 @@ def provenance_problems(name: str, values: np.ndarray) -> list[Problem]:
 # version 2
 
 
-def sorted_problems(filenames: np.ndarray) -> list[Problem]:
+def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list[Problem]:
     """``index/filenames`` strictly ascending in code point order (so distinct); ``filenames``
     is an object array of ``str``."""
     if len(filenames) < 2:
@@ -162,8 +162,8 @@ def sorted_problems(filenames: np.ndarray) -> list[Problem]:
     i = int(bad[0])
     a, b = filenames[i], filenames[i + 1]
     if a == b:
-        return [("index/filenames", f"{a!r:.200} is listed more than once")]
-    return [("index/filenames", f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}")]
+        return [(rel, f"{a!r:.200} is listed more than once")]
+    return [(rel, f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,8 +254,11 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     rel = f"columns/{c.name}"
     a = c.arrays
     out: list[Problem] = []
-    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS else [])
-    if c.kind == "ragged" and c.inner_shape is None:
+    # Format 3 stores str / strlist as uint8 bytes + byte offsets (strlist: + strings per row in
+    # shapes); format 2 as Zarr strings (strlist: + offsets counting strings).
+    as_bytes = c.kind in STRING_KINDS and "values" in a and a["values"].dtype == np.uint8
+    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS or as_bytes else [])
+    if (c.kind == "ragged" and c.inner_shape is None) or (c.kind == "strlist" and as_bytes):
         need.append("shapes")
     if has_valid:
         need.append("valid")
@@ -268,8 +271,8 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
         out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
     v = a["values"]
     if c.kind in STRING_KINDS:
-        if v.dtype.kind not in ("T", "O", "U"):
-            out.append((f"{rel}/values", f"a {c.kind} column's values must be strings, not {v.dtype}"))
+        if v.dtype.kind not in ("T", "O", "U") and v.dtype != np.uint8:
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8 (UTF-8 bytes), not {v.dtype}"))
     elif c.kind in ("bytes", "pickle"):
         if v.dtype != np.uint8:
             out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8, not {v.dtype}"))
@@ -297,7 +300,7 @@ def column_problems(c: StoredColumn, n_rows: int) -> list[Problem]:
     out: list[Problem] = []
     a = c.arrays
     compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
-    if c.kind in ("fixed", "str") and not compact and a["values"].shape[0] != n_rows:
+    if c.kind in ("fixed", "str") and not compact and "offsets" not in a and a["values"].shape[0] != n_rows:
         out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but index/frame_idx has {n_rows}"))
     for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
         if k in a and a[k].shape[0] != want:
@@ -320,6 +323,13 @@ def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.nd
         return [(f"{rel}/offsets", f"row {r} spans {int(offsets[r + 1] - offsets[r])} rows of a fixed column")]
     if shapes is None:
         return out
+    if c.kind == "strlist":  # shapes (n_rows, 1): strings per row, whose n uint32 lengths open its bytes
+        bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > np.diff(offsets)))
+        if len(bad):
+            r = int(bad[0])
+            return [(f"{rel}/shapes", f"row {r} holds {int(shapes[r, 0])} strings, more than its "
+                     f"{int(offsets[r + 1] - offsets[r])} bytes can ({len(bad)} such rows)")]  # fmt: skip
+        return out
     if np.any(shapes < 0):
         r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
         return [(f"{rel}/shapes", f"row {r} has a negative dimension {shapes[r].tolist()}")]
@@ -340,7 +350,7 @@ def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.nd
 
 
 def v2_index_problems(
-    filenames: np.ndarray,
+    filenames: Any,
     offsets: np.ndarray,
     file_layout: np.ndarray,
     lengths: dict[str, int],
@@ -351,7 +361,8 @@ def v2_index_problems(
     column checks aside): O(files) numpy, reads nothing."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]
-    out.extend(sorted_problems(filenames))
+    if isinstance(filenames, np.ndarray):  # format 2 reads them whole; format 3 checks them block by block
+        out.extend(sorted_problems(filenames))
     if len(file_layout) != n:
         out.append(("index/file_layout", f"{len(file_layout)} entries for {n} files in index/filenames"))
     layouts = header.get("file_layouts")
@@ -447,3 +458,49 @@ def layout_rows(
         return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
 
     return in_layout
+
+
+def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
+    """Every string of a byte-stored ``str`` / list-of-``str`` column (format 3) valid UTF-8, and
+    a list row's ``n`` uint32 lengths adding up to its bytes (offsets already checked)."""
+    rel = f"columns/{c.name}/values"
+    if c.kind == "str":
+        bounds = offsets
+    else:
+        assert shapes is not None
+        pieces = [0]
+        for r, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
+            n = int(shapes[r, 0])
+            lens = np.frombuffer(values[a : a + 4 * n].tobytes(), dtype="<u4").astype(np.int64)
+            if a + 4 * n + int(lens.sum()) != b:
+                return [(rel, f"row {r}'s {n} string lengths do not add up to its {b - a} bytes")]
+            pieces.append(a + 4 * n)  # the length prefix: bytes, but never starts inside a character
+            pieces.extend((a + 4 * n + np.cumsum(lens)).tolist())
+        bounds = np.array(pieces, dtype=np.int64)
+        keep = np.ones(len(values), dtype=bool)
+        # prefixes are not text: check the strings alone, each starting at a boundary
+        for r, a in enumerate(offsets[:-1].tolist()):
+            keep[a : a + 4 * int(shapes[r, 0])] = False
+        starts = bounds[:-1][(np.diff(bounds) > 0)]
+        starts = starts[keep[starts]] if len(starts) else starts
+        text = values[keep]
+        try:
+            text.tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return [(rel, f"a string is not valid UTF-8 ({exc.reason})")]
+        if len(starts) and np.any((values[starts] & 0xC0) == 0x80):
+            return [(rel, "a string is not valid UTF-8 (starts inside a character)")]
+        return []
+    try:
+        values.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return [(rel, f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})")]
+    starts = bounds[:-1][np.diff(bounds) > 0]
+    if len(starts) and np.any((values[starts] & 0xC0) == 0x80):
+        r = int(
+            np.flatnonzero(
+                (np.diff(bounds) > 0) & ((values[np.minimum(bounds[:-1], max(len(values) - 1, 0))] & 0xC0) == 0x80)
+            )[0]
+        )
+        return [(rel, f"row {r} is not valid UTF-8 (starts inside a character)")]
+    return []

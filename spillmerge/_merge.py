@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
-import google_crc32c
 import numpy as np
 import zarr
 
@@ -511,8 +510,8 @@ def _write_output_index(job: _Job) -> None:
     with zarr.config.set({"array.write_empty_chunks": True}), job.output.storage_errors("write the index of", "index"):
         group = zarr.open_group(store, mode="r+", use_consolidated=False)
         index: Any = group["index"]
+        _write_filenames(plan, index)
         if plan.n_files:
-            _write_filenames(job, index)
             _assign(index["file_layout"], plan.file_layout)
         _assign(index["frame_offsets"], plan.file_offsets)
         if plan.n_frames:
@@ -540,21 +539,15 @@ def _assign(array: Any, source: np.ndarray, fn: Any = None) -> None:
         array[a : a + len(block)] = block if fn is None else fn(block)
 
 
-def _write_filenames(job: _Job, index: Any) -> None:
-    """``index/filenames``: through zarr from the plan's list; an out-of-core plan's one chunk is
-    streamed as zarr encodes it (vlen-utf8: a uint32 count, then per string a uint32 length and
-    its UTF-8 bytes; then the crc32c codec's 4 bytes), never holding the names."""
-    names = job.plan.filenames
-    if not isinstance(names, _plan_disk.StringTable):
-        index["filenames"][:] = np.array(names, dtype=object)
-        return
-    crc = 0
-    job.output.makedirs("index/filenames/c")
-    with job.output.open_write("index/filenames/c/0") as sink:
-        for piece in _plan_disk.vlen_utf8(names):
-            crc = google_crc32c.extend(crc, piece)
-            sink.write(piece)
-        sink.write(np.uint32(crc).astype("<u4").tobytes())
+def _write_filenames(plan: Plan, index: Any) -> None:
+    """``index/filenames`` and its offsets and block heads: from the plan's list, or, for an
+    out-of-core plan, straight from its string table's bytes and offsets a block at a time
+    (the same UTF-8 bytes + int64 offsets layout: never the names as Python strings)."""
+    names = plan.filenames
+    arrays = names.index_arrays(Z.NAME_BLOCK) if isinstance(names, _plan_disk.StringTable) else None
+    for name, arr in (arrays or Z.filename_arrays(list(names))).items():
+        if len(arr):
+            _assign(index[name], arr)
 
 
 def _copy(job: _Job, todo: list[Unit]) -> None:

@@ -63,7 +63,8 @@ class PlannedColumn:
     counts: np.ndarray | None
     """int64 (n_rows,): units of ``values`` per row (offsets' steps), for kinds with offsets."""
     shapes: np.ndarray | None
-    """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``."""
+    """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``; of a list-of-str
+    column, (n_rows, 1): the strings in each row."""
     has_valid: bool
     """Some row lacks the leaf (a ``valid`` array is written)."""
     offs: np.ndarray | None = None
@@ -71,10 +72,8 @@ class PlannedColumn:
 
     @property
     def storage(self) -> str:
-        """numpy dtype of ``values`` (``"string"`` for str and strlist)."""
-        if self.kind in ("str", "strlist"):
-            return "string"
-        if self.kind in ("bytes", "pickle"):
+        """numpy dtype of ``values``: ``uint8`` (bytes) for the non-numeric kinds."""
+        if self.kind in ("str", "strlist", "bytes", "pickle"):
             return "uint8"
         return F.DTYPES[self.dtype].storage
 
@@ -371,7 +370,8 @@ def _resolve_duplicates(
         for r in range(a, b):  # rows of one key: by segment, then leaf
             groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
-        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in rows) for rows in groups.values()}
+        # A negative CRC names a block checksum, not the bytes: such copies are compared by bytes.
+        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r]), max(-1, int(c["crc"][r]))) for r in rows) for rows in groups.values()}
         identical = len(sigs) == 1
         if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
             ext = {
@@ -531,16 +531,19 @@ def _column(
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
     if lays and not dt.numeric:
         kind = _KIND[dt.kind]
+        # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
+        # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
         counts = np.zeros(n_rows, dtype=np.int64)
-        if kind == "strlist":
+        counts[present] = c["nb"][src[present]]
+        strings = None
+        if kind == "strlist":  # (n_rows, 1): strings per row (its n uint32 lengths open the row's bytes)
             n_of = np.zeros(len(layouts), dtype=np.int64)
             for g in lay_ids:
                 n_of[int(g)] = layouts[int(g)].shape[0]
-            counts[present] = n_of[gl]
-        elif kind != "str":
-            counts[present] = c["nb"][src[present]]
+            strings = np.zeros((n_rows, 1), dtype=np.int64)
+            strings[present, 0] = n_of[gl]
         return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
-                      None if kind == "str" else counts, None, has_valid)  # fmt: skip
+                      counts, strings, has_valid)  # fmt: skip
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:

@@ -96,6 +96,19 @@ class StringTable(Sequence[str]):
         off = np.asarray(self._off[a : b + 1])
         return np.asarray(self._data[int(off[0]) : int(off[-1])]), np.diff(off)
 
+    def index_arrays(self, block: int) -> dict[str, np.ndarray]:
+        """``_zarrmeta.filename_arrays`` of these (sorted) names without decoding them: the bytes
+        and offsets are the table's own maps; the heads are every ``block``-th name."""
+        heads = [bytes(self._data[int(self._off[i]) : int(self._off[i + 1])]) for i in range(0, len(self), block)]
+        hoff = np.zeros(len(heads) + 1, dtype=np.int64)
+        np.cumsum([len(h) for h in heads], out=hoff[1:])
+        return {
+            "filenames": self._data,
+            "filename_offsets": self._off,
+            "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
+            "filename_head_offsets": hoff,
+        }
+
     def __iter__(self) -> Iterator[str]:
         for a in range(0, len(self), ROW_BLOCK):
             yield from self.block(a, min(a + ROW_BLOCK, len(self)))
@@ -539,25 +552,25 @@ class _Builder:
             return out
 
         if lays and not dt.numeric:
+            # Format 3: every non-numeric kind is bytes + byte offsets; a list of str also has
+            # its strings per row as (n_rows, 1) shapes (``_plan._column``).
             kind = P._KIND[dt.kind]
-            counts = None
+            counts = per_row(lambda g, ok, sl: np.where(ok, np.asarray(nb)[np.maximum(np.asarray(src[sl]), 0)], 0), _I8)
+            strings = None
             if kind == "strlist":
-                n_of = np.zeros(len(layouts), dtype=np.int64)
+                n_of = np.zeros(len(layouts) + 1, dtype=np.int64)  # position -1: absent
                 for g in lay_ids:
                     n_of[g] = layouts[g].shape[0]
-                counts = per_row(lambda g, ok, sl: np.where(ok, n_of[np.maximum(g, 0)], 0), _I8)
-            elif kind != "str":
-                counts = per_row(
-                    lambda g, ok, sl: np.where(ok, np.asarray(nb)[np.maximum(np.asarray(src[sl]), 0)], 0), _I8
-                )
-            return self._with_offsets(P.PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None,
-                                                      None, src, counts, None, has_valid), tag)  # fmt: skip
+                strings = per_row(lambda g, ok, sl: n_of[g][:, None], _I8, (1,))
+            col = P.PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src, counts,
+                                  strings, has_valid)  # fmt: skip
+            return self._with_offsets(col, tag)
         ndim = len(lays[0].shape) if lays else 0
         shapes = {lay.shape for lay in lays}
         if len(shapes) <= 1:
             shape = next(iter(shapes)) if shapes else ()
-            counts = per_row(lambda g, ok, sl: ok.astype(np.int64), _I8) if has_valid else None
-            col = P.PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, counts, None, has_valid)
+            valid = per_row(lambda g, ok, sl: ok.astype(np.int64), _I8) if has_valid else None
+            col = P.PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, valid, None, has_valid)
             return self._with_offsets(col, tag)
         table = np.zeros((len(layouts), ndim), dtype=np.int64)
         for g in lay_ids:
@@ -590,23 +603,3 @@ class TooManyColumns(Exception):
     def __init__(self, n: int) -> None:
         super().__init__(f"{n} columns need more than one int64 mask per file")
         self.n = n
-
-
-def vlen_utf8(names: StringTable) -> Iterator[bytes]:
-    """The vlen-utf8 encoding of ``names`` (zarr's ``string`` chunk), a block at a time."""
-    yield np.uint32(len(names)).astype("<u4").tobytes()
-    for a in range(0, len(names), ROW_BLOCK):
-        raw, lens = names.encoded(a, min(a + ROW_BLOCK, len(names)))
-        ends = np.cumsum(lens)
-        out = np.empty(len(raw) + 4 * len(lens), dtype=np.uint8)
-        # each string's length, then its bytes: length j lands 4*j + (bytes before it)
-        starts = ends - lens
-        pos = starts + 4 * np.arange(len(lens), dtype=np.int64)
-        lv = lens.astype("<u4").view(np.uint8).reshape(-1, 4)
-        for b in range(4):
-            out[pos + b] = lv[:, b]
-        body = np.ones(len(out), dtype=bool)
-        for b in range(4):
-            body[pos + b] = False
-        out[body] = raw
-        yield out.tobytes()

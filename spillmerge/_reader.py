@@ -7,7 +7,6 @@ section 5) by ``_reader_v1``; leaf views are in ``_views``, the index invariants
 from __future__ import annotations
 
 import asyncio
-import difflib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from ._errors import (
     UnknownFileError,
 )
 from ._leafdict import LeafDict
+from ._names import ArrayNames, ChunkedNames, Names, close_matches
 from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._storage import Storage
@@ -191,15 +191,20 @@ class V2Files:
         cache: ChunkCache,
     ) -> None:
         self.group = group
-        raw_names = V.read_index(group, "filenames", describe)
-        if raw_names.dtype.kind not in ("T", "U", "O"):
-            raise_([("index/filenames", f"expected strings, got {raw_names.dtype}")])
-        self._names: np.ndarray = raw_names.astype(object)
+        self._names: Names
+        if header.get("format_version") == 2:  # a Zarr string array, read whole
+            raw_names = V.read_index(group, "filenames", describe)
+            if raw_names.dtype.kind not in ("T", "U", "O"):
+                raise_([("index/filenames", f"expected strings, got {raw_names.dtype}")])
+            self._names = ArrayNames(raw_names.astype(object))
+        else:  # bytes + offsets, read block by block when asked for (_names)
+            self._names = ChunkedNames(group, describe, cache, raise_)
         self._offsets = np.asarray(V.read_index(group, "frame_offsets", describe), dtype=np.int64)
         self._file_layout = np.asarray(V.read_index(group, "file_layout", describe), dtype=np.int64)
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
-        raise_(problems + V.v2_index_problems(self._names, self._offsets, self._file_layout, lengths, header, infos))
+        names = self._names.as_array() if isinstance(self._names, ArrayNames) else self._names
+        raise_(problems + V.v2_index_problems(names, self._offsets, self._file_layout, lengths, header, infos))
         self._layouts: list[list[str]] = header["file_layouts"]
         frame_idx = np.asarray(V.read_index(group, "frame_idx", describe), dtype=np.int64)
         raise_(V.frame_problems(frame_idx, self._offsets, self._names))
@@ -239,34 +244,23 @@ class V2Files:
             self._by_leaf.setdefault(c.info.leaf, []).append(c)
 
     @property
-    def filenames(self) -> list[str]:
-        return self._names.tolist()  # type: ignore[no-any-return]
+    def filenames(self) -> Names:
+        return self._names
 
     def index_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open."""
-        return self.filenames, self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
+        return list(self._names), self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
 
     def __len__(self) -> int:
         return len(self._names)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names.tolist())
+        return iter(self._names)
 
     def _find(self, filename: object) -> int | None:
-        if not isinstance(filename, str):
-            return None
-        names = self._names
-        # Files are most often read in order: try the one after the last found before searching.
-        # (A plain hint, not a lock: a racing thread at worst costs another thread the search.)
-        i = self._next
-        if i < len(names) and names[i] == filename:
-            self._next = i + 1
-            return i
-        i = int(np.searchsorted(names, filename))
-        if i < len(names) and names[i] == filename:
-            self._next = i + 1
-            return i
-        return None
+        # (The in-order hint inside is a plain hint, not a lock: a racing thread at worst costs
+        # another thread the search.)
+        return self._names.find(filename)
 
     def __contains__(self, filename: object) -> bool:
         return self._find(filename) is not None
@@ -274,12 +268,8 @@ class V2Files:
     def index(self, filename: str, where: Callable[[], str]) -> int:
         i = self._find(filename)
         if i is None:
-            hint = ""
-            if isinstance(filename, str):  # neighbours in sort order: no scan of every name
-                j = int(np.searchsorted(self._names, filename))
-                near_names = self._names[max(0, j - 50) : j + 50].tolist()
-                near = difflib.get_close_matches(filename, near_names, n=3)
-                hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            near = close_matches(self._names, filename)  # neighbours in sort order: no scan of every name
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise UnknownFileError(
                 f"{filename!r} is not a filename of {where()} ({len(self._names)} files){hint}", filename=filename
             )
@@ -341,8 +331,8 @@ class V2Files:
         return self._by_leaf.get(leaf, [])
 
     @property
-    def names(self) -> np.ndarray:
-        """The filenames as an object array (sorted)."""
+    def names(self) -> Names:
+        """The filenames (sorted)."""
         return self._names
 
     @property
@@ -440,8 +430,10 @@ class MergedStore(Mapping[str, Any]):
         )
 
     @property
-    def filenames(self) -> list[str]:
-        """Original filenames, sorted."""
+    def filenames(self) -> Sequence[str]:
+        """Original filenames, sorted: a list (format 1), else a sequence read block by block as
+        it is used (``len``, ``names[i]``, slices, iteration, ``in``; format 3 never reads every
+        filename to open or to find one)."""
         return self._files.filenames
 
     def __len__(self) -> int:

@@ -81,6 +81,9 @@ class LoadedSegment:
     """Chunk size of the segment's ``data``."""
     salvaged: bool = False
     """True when rebuilt from the journal of an uncommitted segment (``allow_partial``)."""
+    checks: np.ndarray | None = None
+    """int64 (n, 3) block checksums (offset, nbytes, CRC-32C) that rows with a negative CRC
+    point at (``-1 - id``), validated; None when the segment has none (before version 3)."""
 
 
 def remove_all(storage: Storage) -> None:
@@ -378,7 +381,19 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     # thing a merge loads (a segment at a time, docs/SCALE.md).
     index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
 
-    _validate_rows(bad, filenames, layouts, index, commit.nbytes)
+    checks = None
+    if commit.n_checks:
+        if seg.format_version is not None and seg.format_version < 3:
+            raise bad(f"a format version {seg.format_version} segment cannot have block checksums")
+        chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
+        want = commit.n_checks * FS.CHECK_COLUMNS * 8
+        raw_chk = _read_small_array(
+            storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
+        )
+        if len(raw_chk) != want or google_crc32c.value(raw_chk) != commit.checks_crc32c:
+            raise bad("checks do not match the commit record", FS.CHECKS_NAME)
+        checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+    _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
     # Every chunk the commit record promises must exist: this also bounds what a hostile record
@@ -387,13 +402,26 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     for c in range(commit.n_chunks):
         if str(c) not in present:
             raise bad(f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
-    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes)
+    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
 
 
 def _validate_rows(
-    bad: Any, filenames: list[str], layouts: list[FS.Layout], index: np.ndarray, data_nbytes: int
-) -> None:
-    """Check every index row against the catalog and the data size (untrusted input)."""
+    bad: Any, filenames: list[str], layouts: list[FS.Layout], index: np.ndarray, data_nbytes: int,
+    checks: np.ndarray | None = None, chunk_bytes: int = 1,
+) -> None:  # fmt: skip
+    """Check every index row against the catalog and the data size, and every block checksum
+    against the data and the rows that point at it (untrusted input)."""
+    if checks is not None and len(checks):
+        c_off, c_nb, c_crc = checks[:, 0], checks[:, 1], checks[:, 2]
+        if (
+            c_off.min() < 0
+            or c_nb.min() < 1
+            or np.any(c_off > data_nbytes - c_nb)
+            or np.any(c_off // chunk_bytes != (c_off + c_nb - 1) // chunk_bytes)
+            or c_crc.min() < 0
+            or c_crc.max() > 0xFFFFFFFF
+        ):
+            raise bad("a block checksum covers bytes outside one data chunk, or is impossible", FS.CHECKS_NAME)
     if not len(index):
         return
     fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
@@ -404,8 +432,15 @@ def _validate_rows(
         raise bad("index refers to a layout the catalog does not have", FS.INDEX_NAME)
     if frame.min() < 0:
         raise bad("index has a negative frame index", FS.INDEX_NAME)
-    if crc.min() < 0 or crc.max() > 0xFFFFFFFF:
+    n_checks = 0 if checks is None else len(checks)
+    if crc.min() < -n_checks or crc.max() > 0xFFFFFFFF:
         raise bad("index has an impossible checksum", FS.INDEX_NAME)
+    blocked = np.flatnonzero(crc < 0)
+    if len(blocked):  # a row checked by a block lies inside that block
+        assert checks is not None
+        c = checks[-1 - crc[blocked]]
+        if np.any(off[blocked] < c[:, 0]) or np.any(off[blocked] + nb[blocked] > c[:, 0] + c[:, 1]):
+            raise bad("index row lies outside the block checksum it points at", FS.INDEX_NAME)
     sizes = np.array([lay.nbytes for lay in layouts], dtype=np.int64)
     if np.any(nb != sizes[lid]):
         raise bad("index row sizes do not match their layouts", FS.INDEX_NAME)
@@ -516,6 +551,8 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     filenames: list[str] = []
     layouts: list[FS.Layout] = []
     parts: list[np.ndarray] = []
+    check_parts: list[np.ndarray] = []
+    n_checks = 0
     n = 0
     while True:
         rel = f"{seg.rel}/{FS.journal_name(n)}"
@@ -524,7 +561,12 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
             break
         try:
             entry = FS.decode_journal(blob, path=storage.describe(rel))
-            if entry.chunk != n or entry.file_base != len(filenames) or entry.layout_base != len(layouts):
+            if (
+                entry.chunk != n
+                or entry.file_base != len(filenames)
+                or entry.layout_base != len(layouts)
+                or (entry.checks is not None and (entry.check_base != n_checks or (version is not None and version < 3)))
+            ):
                 raise CorruptSpillError(
                     f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)
                 )
@@ -534,6 +576,9 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         filenames.extend(entry.filenames)
         layouts.extend(entry.layouts)
         parts.append(entry.rows)
+        if entry.checks is not None:
+            check_parts.append(entry.checks)
+            n_checks += len(entry.checks)
         n += 1
     index = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
@@ -555,13 +600,14 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
 
     if len(set(filenames)) != len(filenames):
         raise bad("journal lists a filename twice")
-    _validate_rows(bad, filenames, layouts, index, n * chunk_bytes)
+    checks = np.concatenate(check_parts) if check_parts else None
+    _validate_rows(bad, filenames, layouts, index, n * chunk_bytes, checks, chunk_bytes)
     if len(index) and version == 1:  # after validation: file ids are known to be catalog positions
         # Only journals of version-1 writers may end inside a frame (see _whole_frames); a
         # version-2 frame may lack leaves other frames of its file have, so the rule would drop
         # good frames there.
         index = _whole_frames(storage, seg, index, problems)
-    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True), problems
+    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True, checks=checks), problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,6 +640,36 @@ def data_ranges(seg: LoadedSegment, offset: int, nbytes: int) -> list[tuple[str,
     return out
 
 
+def check_of(seg: LoadedSegment, crc: int) -> tuple[int, int, int]:
+    """``(offset, nbytes, CRC-32C)`` of the block checksum an index row's negative ``crc``
+    points at (validated at load: it exists and holds the row)."""
+    assert seg.checks is not None
+    off, nb, value = seg.checks[-1 - crc].tolist()
+    return off, nb, value
+
+
+def block_mismatch(storage: Storage, seg: LoadedSegment, crc: int) -> CorruptSpillError:
+    """The error for a block whose bytes fail their block checksum."""
+    off, nb, _ = check_of(seg, crc)
+    where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
+    return CorruptSpillError(
+        f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
+        f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+        path=where,
+        rank=seg.seg.rank,
+    )
+
+
+def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
+    """Read the block an index row's negative ``crc`` points at and check its CRC-32C (a block
+    lies in one data chunk: at most ``chunk_bytes`` read)."""
+    off, nb, value = check_of(seg, crc)
+    buf = np.empty(nb, dtype=np.uint8)
+    storage.read_into(data_ranges(seg, off, nb), buf.data)
+    if google_crc32c.value(buf) != value:
+        raise block_mismatch(storage, seg, crc)
+
+
 def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:
     """True when two stored copies of a frame (their leaves, in the same order) hold the same
     bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
@@ -619,7 +695,9 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
                 crc_y = google_crc32c.extend(crc_y, buf_b[:n])
                 equal = equal and bool(np.array_equal(buf_a[:n], buf_b[:n]))
             for e, got in ((x, crc_x), (y, crc_y)):
-                if got != e.crc:
+                if e.crc < 0:  # checked by a block checksum: check the whole block
+                    verify_block(reader, e.segment, e.crc)
+                elif got != e.crc:
                     seg = e.segment.seg
                     where = storage.describe(f"{seg.rel}/{FS.DATA_NAME}")
                     raise CorruptSpillError(

@@ -3,7 +3,8 @@
 Protocol (the writer drives it through :class:`Staging`; docs/ARCHITECTURE.md, Memory):
   (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` →
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
-  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of its rows → upload it whole
+  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of its rows (``add``) and of
+                     its blocks (``add_frames``: one per leaf per block) → upload it whole
                      (``flush_threads`` in flight) → ``journal/N`` once chunks ``0..N`` are durable
                      → ``BufferPool.release``; ``None`` on the queue ends it.
 """
@@ -27,6 +28,8 @@ from ._errors import SpillMergeError, SpillStorageError
 from ._progress import ProgressWriter
 from ._storage import Storage
 
+CHECK_BYTES = 1 << 20
+"""Largest block checksum (docs/FORMAT.md, ``checks``) ``add_frames`` makes, unless one row is larger."""
 COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 
@@ -46,9 +49,12 @@ class Chunk:
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
     """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
     staged by ``Staging.add``; a row may continue in the next chunk)."""
-    blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
-    """(rows, starts, stops) arrays of whole rows inside this chunk (``Staging.add_frames``):
-    one entry per block of frames, so a batch costs no Python tuple per row."""
+    blocks: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)
+    """(check id, start, stop, rows) of every block checksum of this chunk (``Staging.add_frames``):
+    bytes ``start:stop`` hold the rows ``rows`` (int64) of one leaf of a block of frames back to
+    back, checksummed in one call (docs/FORMAT.md, ``checks``), so a batch costs no call per row."""
+    check_base: int = 0
+    """Id of this chunk's first block checksum (the number of blocks of earlier chunks)."""
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
     completed: list[Any] = field(default_factory=list)
@@ -66,6 +72,7 @@ class Chunk:
 
 
 _WAKE = object()
+_SPARE = object()
 
 
 class BufferPool:
@@ -82,6 +89,9 @@ class BufferPool:
         """True once CUDA tensors were written: new buffers are pinned."""
         self._lock = threading.Condition()
         self._free: list[torch.Tensor] = []
+        self.wants_spare: Callable[[], None] | None = None
+        """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
+        thread then prefaults the next one while the caller fills this one."""
 
     def pin(self) -> None:
         self.pinned = True
@@ -96,6 +106,8 @@ class BufferPool:
                     buf = self._free.pop()
                     if self.pinned and not buf.is_pinned():
                         break  # allocated before the first CUDA write: replace it with pinned memory
+                    if not self._free and self.allocated < self.n_buffers and self.wants_spare is not None:
+                        self.wants_spare()
                     return buf
                 if self.allocated < self.n_buffers:
                     self.allocated += 1
@@ -162,9 +174,13 @@ class Flusher(threading.Thread):
         self.flush_threads, self.object_size = flush_threads, object_size
         self.q: queue.Queue[Any] = queue.Queue()
         self.crc = np.zeros(1024, dtype=np.int64)
-        """Index row -> CRC-32C of its bytes (rows without bytes: 0, the CRC of nothing). Only
-        this thread writes it; it grows by copying, so a reader of the old array still sees
-        every CRC computed before it grew."""
+        """Index row -> CRC-32C of its bytes (rows without bytes: 0, the CRC of nothing), or
+        ``-1 - id`` of the block checksum covering it. Only this thread writes it; it grows by
+        copying, so a reader of the old array still sees every CRC computed before it grew."""
+        self.checks = np.zeros((64, FS.CHECK_COLUMNS), dtype=np.int64)
+        """Block checksum id -> (offset in ``data``, nbytes, CRC-32C); grows like ``crc``."""
+        self.n_checks = 0
+        """Block checksums computed so far (ids ``0 .. n_checks-1``, in chunk order)."""
         self.error: BaseException | None = None
         self.durable = 0
         """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
@@ -173,6 +189,7 @@ class Flusher(threading.Thread):
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
         self.progress = ProgressWriter(storage, prefix, rank=rank)
+        pool.wants_spare = lambda: self.q.put(_SPARE)
 
     def run(self) -> None:
         try:
@@ -188,6 +205,9 @@ class Flusher(threading.Thread):
                     break
                 if chunk is _WAKE:  # an upload finished: journal it and free its buffer
                     self._retire(block=False)
+                    continue
+                if chunk is _SPARE:  # the caller took the prefaulted buffer: ready the next one
+                    self.pool.prefault_spare()
                     continue
                 if self.error is not None:
                     self.pool.release(chunk.host)
@@ -218,7 +238,7 @@ class Flusher(threading.Thread):
         if chunk.event is not None:
             chunk.event.synchronize()
         buf = chunk.host.numpy()
-        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[0][-1]) for b in chunk.blocks[-1:]], default=-1)
+        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3].max()) for b in chunk.blocks], default=-1)
         if top >= len(self.crc):
             grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
             grown[: len(self.crc)] = self.crc
@@ -226,9 +246,20 @@ class Flusher(threading.Thread):
         crc = self.crc
         for row, start, stop in chunk.pieces:
             crc[row] = google_crc32c.extend(int(crc[row]), buf[start:stop])
-        value = google_crc32c.value
-        for rows, starts, stops in chunk.blocks:  # whole rows: one call each, no tuple per row
-            crc[rows] = [value(buf[a:b]) for a, b in zip(starts.tolist(), stops.tolist(), strict=True)]
+        if not chunk.blocks:
+            return
+        need = chunk.check_base + len(chunk.blocks)
+        if need > len(self.checks):
+            more = np.zeros((max(need, 2 * len(self.checks)), FS.CHECK_COLUMNS), dtype=np.int64)
+            more[: len(self.checks)] = self.checks
+            self.checks = more
+        # One CRC-32C per leaf of a block of frames (a call per row held the GIL ~0.8 us a row,
+        # as long as write_batch's whole copy): its rows point at it by id.
+        base = chunk.number * len(buf)
+        for check, start, stop, rows in chunk.blocks:
+            self.checks[check] = (base + start, stop - start, google_crc32c.value(buf[start:stop]))
+            crc[rows] = -1 - check
+        self.n_checks = need
 
     def _upload(self, chunk: Chunk) -> None:
         buf = chunk.host.numpy()
@@ -266,9 +297,11 @@ class Flusher(threading.Thread):
         rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
         rows[:, : FS.COL_CRC] = done[:, 1:]
         rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
+        checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
         entry = FS.encode_journal(
-            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows
-        )
+            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
+            chunk.check_base, checks,
+        )  # fmt: skip
         self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
         self.progress.maybe_write()
 
@@ -288,6 +321,8 @@ class Staging:
         """Bytes staged so far: where the next leaf's bytes start in the segment's ``data``."""
         self.n_chunks = 0
         """Chunks started so far (the last one may still be filling)."""
+        self.n_checks = 0
+        """Block checksums assigned so far (``add_frames``)."""
         self.flusher: Flusher | None = None
         self._current: Chunk | None = None
         self._cuda_stream: Any = None
@@ -399,20 +434,22 @@ class Staging:
 
     def add_frames(
         self, row: int, file_ids: np.ndarray, frames: np.ndarray, layout_ids: tuple[int, ...], columns: list[np.ndarray]
-    ) -> None:
+    ) -> np.ndarray:
         """Stage whole frames of the same layouts at once: frame ``i`` has index rows ``row +
         i * L + j`` for its ``L`` leaves, leaf ``j``'s bytes being ``columns[j][i]`` (host uint8
         arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0); ``file_ids`` and
-        ``frames`` are int64 arrays. The bytes, index rows, checksum pieces and journal entries
-        are those ``add`` makes frame by frame: the frames that fit whole in the current chunk
-        are copied as one block (their pieces and journal rows as arrays), a frame straddling
-        two chunks goes through ``add``."""
+        ``frames`` are int64 arrays. Returns the int64 ``(n_frames, L)`` offsets in ``data`` of
+        every row. The frames that fit whole in the current chunk are one block: each leaf's
+        rows of the block are copied back to back in one copy (leaf by leaf, so the block of
+        one leaf is one byte range) and checksummed by one block checksum; their journal rows
+        are arrays. A frame straddling two chunks goes through ``add`` (a CRC per row, as
+        ``write`` does)."""
         widths = [int(c.shape[1]) for c in columns]
-        starts = np.cumsum([0, *widths[:-1]])
         frame_bytes = sum(widths)
         n_leaves, n = len(columns), len(frames)
         lids = np.asarray(layout_ids, dtype=np.int64)
         lens = np.asarray(widths, dtype=np.int64)
+        offsets = np.empty((n, n_leaves), dtype=np.int64)
         i = 0
         while i < n:
             chunk = self._current_chunk()
@@ -422,33 +459,42 @@ class Staging:
                 r = row + i * n_leaves
                 fid, fr = int(file_ids[i]), int(frames[i])
                 for j, col in enumerate(columns):
+                    offsets[i, j] = self.offset
                     last = j == n_leaves - 1
                     self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, last)
                 i += 1
                 continue
             if chunk.host_np is None:
                 chunk.host_np = chunk.host.numpy()
-            fill, base = chunk.fill, self.offset
-            block = chunk.host_np[fill : fill + k * frame_bytes].reshape(k, frame_bytes)
-            for col, lo, w in zip(columns, starts.tolist(), widths, strict=True):
-                block[:, lo : lo + w] = col[i : i + k]
-            # index rows, their byte ranges in the chunk and in the segment, frame by frame
+            host, fill = chunk.host_np, chunk.fill
+            seg_base = self.offset - fill  # where this chunk starts in the segment's data
+            ids = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
+                host[fill : fill + k * w] = col[i : i + k].reshape(-1)
+                offsets[i : i + k, j] = seg_base + fill + w * np.arange(k, dtype=np.int64)
+                # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row
+                # reads its whole block once.
+                g = max(1, CHECK_BYTES // w)
+                for a in range(0, k, g):
+                    b = min(k, a + g)
+                    chunk.blocks.append((self.n_checks, fill + a * w, fill + b * w, ids[a:b, j]))
+                    self.n_checks += 1
+                fill += k * w
+            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)
-            cube[:, :, 0] = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            cube[:, :, 0] = ids
             cube[:, :, 1] = file_ids[i : i + k, None]
             cube[:, :, 2] = frames[i : i + k, None]
             cube[:, :, 3] = lids
-            cube[:, :, 4] = base + np.arange(k, dtype=np.int64)[:, None] * frame_bytes + starts
+            cube[:, :, 4] = offsets[i : i + k]
             cube[:, :, 5] = lens
-            entries = cube.reshape(k * n_leaves, 6)
-            lo_in_chunk = entries[:, 4] - (base - fill)
-            chunk.blocks.append((entries[:, 0], lo_in_chunk, lo_in_chunk + entries[:, 5]))
-            chunk.completed.append(entries)
-            chunk.fill += k * frame_bytes
+            chunk.completed.append(cube.reshape(k * n_leaves, 6))
+            chunk.fill = fill
             self.offset += k * frame_bytes
             i += k
             if chunk.fill == self.chunk_bytes:
                 self.hand_off()
+        return offsets
 
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:
@@ -461,7 +507,7 @@ class Staging:
 
     def _current_chunk(self) -> Chunk:
         if self._current is None:
-            self._current = Chunk(self.n_chunks, self.pool.acquire(self.check))
+            self._current = Chunk(self.n_chunks, self.pool.acquire(self.check), check_base=self.n_checks)
             self.n_chunks += 1
         return self._current
 
@@ -568,6 +614,12 @@ class Staging:
             fl.q.put(None)
             fl.join()
         return fl.error is None
+
+    def checks(self) -> np.ndarray:
+        """The int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) the index's negative
+        CRCs point at (complete once :meth:`finish` returned)."""
+        fl = self._fl
+        return fl.checks[: fl.n_checks].copy()
 
     def row_crcs(self, n_rows: int) -> np.ndarray:
         """The CRC-32C of the bytes of index rows ``0 .. n_rows-1`` (complete once :meth:`finish`

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _format as F
 from ._cache import ChunkCache
-from ._errors import PickleNotAllowedError, RaggedShapeError, require_torch
+from ._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
 from ._invariants import StoredColumn, read_array, read_rows
 
 if TYPE_CHECKING:
@@ -66,7 +66,9 @@ class OpenColumn:
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self._dtype
         self.has_valid = "valid" in info.arrays
-        self.view_cls = _VIEWS[info.kind]
+        self.view_cls = (
+            _BYTE_VIEWS[info.kind] if info.kind in _BYTE_VIEWS and values.dtype == np.uint8 else _VIEWS[info.kind]
+        )
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
         self.offsets: np.ndarray | None = None
         """int64 ``(n_rows + 1,)`` (columns with offsets), set by the reader once checked."""
@@ -375,16 +377,16 @@ class _OffsetView(LeafView):
         part = o[self._start : self._stop + 1]
         return part - part[0]
 
-    def _per_row(self, a: int, b: int, convert: Callable[[np.ndarray], Any]) -> list[Any]:
-        """Rows ``a .. b-1`` (absolute) from one read of their values: ``convert`` of each row's
-        slice, None where the row has no value."""
+    def _per_row(self, a: int, b: int, convert: Callable[[int, np.ndarray], Any]) -> list[Any]:
+        """Rows ``a .. b-1`` (absolute) from one read of their values: ``convert(row, slice)`` of
+        each row, None where the row has no value."""
         flat = self._flat(a, b)
         o = self._col.offsets
         assert o is not None
         base = int(o[a])
         v = self._col.valid()
         return [
-            None if v is not None and not v[r] else convert(flat[int(o[r]) - base : int(o[r + 1]) - base])
+            None if v is not None and not v[r] else convert(r, flat[int(o[r]) - base : int(o[r + 1]) - base])
             for r in range(a, b)
         ]
 
@@ -543,7 +545,7 @@ class BytesView(_OffsetView):
         return self._decode(self._flat(r, r + 1).tobytes())
 
     def _list(self, a: int, b: int) -> list[Any]:
-        return self._per_row(a, b, lambda x: self._decode(x.tobytes()))
+        return self._per_row(a, b, lambda _, x: self._decode(x.tobytes()))
 
     def to_arrow(self) -> Any:
         pa = _pa()
@@ -578,13 +580,96 @@ class StrListView(_OffsetView):
         return [str(s) for s in self._flat(r, r + 1)]
 
     def _list(self, a: int, b: int) -> list[Any]:
-        return self._per_row(a, b, lambda x: [str(s) for s in x])
+        return self._per_row(a, b, lambda _, x: [str(s) for s in x])
 
     def to_arrow(self) -> Any:
         pa = _pa()
         strings = pa.array(self._flat(self._start, self._stop).astype(object), type=pa.large_string())
         return _with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), strings), self.valid)
 
+
+def _text(col: OpenColumn, r: int, raw: bytes) -> str:
+    """UTF-8 ``raw`` of row ``r`` as ``str``; bytes that are not UTF-8 are damage, named."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        path = f"{col.values.store_path}"
+        raise CorruptSpillError(
+            f"{path}: row {r} is not valid UTF-8 ({exc.reason}); the output is damaged: merge it again", path=path
+        ) from None
+
+
+class TextView(BytesView):
+    """A ``str`` leaf of a format-3 output (UTF-8 bytes + byte offsets): ``view[i]`` a ``str``,
+    ``view[a:b]`` a list; :attr:`values` (uint8) and :attr:`offsets` are the flat form."""
+
+    __slots__ = ()
+
+    def _one(self, r: int) -> Any:
+        return _text(self._col, r, self._flat(r, r + 1).tobytes())
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        flat = self._flat(a, b).tobytes()
+        o = self._col.offsets
+        assert o is not None
+        bounds = (o[a : b + 1] - o[a]).tolist()
+        v = self._col.valid()
+        return [
+            None if v is not None and not v[a + j] else _text(self._col, a + j, flat[bounds[j] : bounds[j + 1]])
+            for j in range(b - a)
+        ]
+
+    def to_arrow(self) -> Any:
+        pa = _pa()
+        raw = self._flat(self._start, self._stop)
+        bufs = [_validity(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
+        arr = pa.Array.from_buffers(pa.large_string(), len(self), bufs)
+        try:
+            arr.validate(full=True)  # UTF-8 of every row
+        except pa.ArrowInvalid as exc:
+            path = f"{self._col.values.store_path}"
+            raise CorruptSpillError(f"{path}: {exc}; the output is damaged: merge it again", path=path) from None
+        return arr
+
+
+class TextListView(_OffsetView):
+    """A list-of-``str`` leaf of a format-3 output: ``view[i]`` a list of ``str``. Row ``r``'s
+    bytes are ``n`` uint32 LE lengths then the UTF-8 strings, ``n`` = ``shapes[r, 0]``."""
+
+    __slots__ = ()
+
+    def _split(self, r: int, raw: np.ndarray) -> list[str]:
+        shapes = self._col.shapes
+        assert shapes is not None
+        n = int(shapes[r, 0])
+        lens = np.frombuffer(raw, dtype="<u4", count=n).tolist()
+        data = raw[4 * n :].tobytes()
+        if sum(lens) != len(data):
+            path = f"{self._col.values.store_path}"
+            raise CorruptSpillError(
+                f"{path}: row {r}'s string lengths do not add up to its bytes; the output is damaged: merge it again",
+                path=path,
+            )
+        out, pos = [], 0
+        for ln in lens:
+            out.append(_text(self._col, r, data[pos : pos + ln]))
+            pos += ln
+        return out
+
+    def _one(self, r: int) -> Any:
+        return self._split(r, self._flat(r, r + 1))
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        return self._per_row(a, b, self._split)
+
+    def to_arrow(self) -> Any:
+        pa = _pa()
+        rows = self._list(self._start, self._stop)
+        return pa.array(rows, type=pa.large_list(pa.large_string()))
+
+
+_BYTE_VIEWS: dict[str, type[LeafView]] = {"str": TextView, "strlist": TextListView}
+"""Views of the string kinds stored as bytes (format 3); format 2 stored Zarr strings."""
 
 _VIEWS: dict[str, type[LeafView]] = {
     "fixed": FixedView,

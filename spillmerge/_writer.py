@@ -311,19 +311,16 @@ class SpillWriter:
             grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
             grown[:row0] = self._rows[:row0]
             self._rows = grown
-        widths = np.array([r.shape[1] for r in rows], dtype=np.int64)
         block = self._rows[row0:need, : FS.COL_CRC].reshape(n, n_leaves, FS.COL_CRC)
         fid_arr, frame_arr = np.asarray(file_ids, dtype=np.int64), np.asarray(frames, dtype=np.int64)
         block[:, :, 0] = fid_arr[:, None]
         block[:, :, 1] = frame_arr[:, None]
         block[:, :, 2] = layout_ids
-        starts = np.concatenate([[0], np.cumsum(widths)[:-1]])
-        block[:, :, 3] = self._staging.offset + np.arange(n, dtype=np.int64)[:, None] * int(widths.sum()) + starts
-        block[:, :, 4] = widths
+        block[:, :, 4] = [r.shape[1] for r in rows]
         self._n_rows = need
         spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
         self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
-        self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
+        block[:, :, 3] = self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
         return True
 
     def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
@@ -494,11 +491,16 @@ class SpillWriter:
         chunk = max(nbytes, 1) if single else self.chunk_bytes
         data_meta = array_meta((nbytes,), (chunk,), "uint8", crc=False)
         index_bytes = rows.astype("<i8").tobytes()
+        checks = self._staging.checks()
+        checks_bytes = checks.astype("<i8").tobytes()
         catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._schema.layouts]})
-        # Five small objects, written concurrently on object stores (one round trip, not five).
+        # A few small objects, written concurrently on object stores (one round trip, not one each).
         objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
         objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
         objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
+        if len(checks):  # only write_batch makes block checksums; other segments look like version 2's
+            shape = (len(checks), FS.CHECK_COLUMNS)
+            objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
             self.storage.fsync_tree(self._prefix)
@@ -516,6 +518,8 @@ class SpillWriter:
             chunk_bytes=chunk,
             index_crc32c=google_crc32c.value(index_bytes),
             catalog_crc32c=google_crc32c.value(catalog),
+            n_checks=len(checks),
+            checks_crc32c=google_crc32c.value(checks_bytes),
             finished=F.utcnow(),
         )
         return record, rows

@@ -20,7 +20,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from . import _codecs
 from . import _format as F
 from . import _format_output as FO
-from ._plan import ROW_BLOCK, Plan, PlannedColumn
+from ._plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 21
 """Rows per chunk of the per-row index arrays (``frame_idx`` ..., ``offsets``, ``valid``)."""
@@ -38,57 +38,15 @@ def balanced(n: int, cap: int) -> int:
     return -(-n // m)
 
 
-def string_bytes(plan: Plan, col: PlannedColumn, lo: int = 0, hi: int | None = None) -> np.ndarray:
-    """int64 (hi - lo,): the UTF-8 bytes of rows ``lo .. hi-1`` of a string column (plus, for
-    ``strlist``, its 4-byte length prefixes, which vlen-utf8 also stores)."""
-    src = np.asarray(col.src[lo:hi])
-    out = np.zeros(len(src), dtype=np.int64)
-    ok = src >= 0
-    out[ok] = plan.nbytes[src[ok]]
-    return out
-
-
-def string_total(plan: Plan, col: PlannedColumn) -> int:
-    """Sum of :func:`string_bytes` over the column, a block of rows at a time."""
-    return sum(int(string_bytes(plan, col, a, a + ROW_BLOCK).sum()) for a in range(0, len(col.src), ROW_BLOCK))
-
-
-def chunk_row_bytes(plan: Plan, col: PlannedColumn, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each chunk of ``k`` units of a string column: the bytes of every row overlapping it
-    (a ``strlist`` row cut by a chunk edge counts whole in both) and its units. Computed a block of
-    chunks at a time, so the temporaries stay bounded whatever the number of rows."""
-    n = col.n_units
-    edges = np.arange(0, n + k, k, dtype=np.int64)
-    edges[-1] = min(int(edges[-1]), n)
-    if len(edges) < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    sizes = []
-    off = col.offsets() if col.counts is not None else None
-    step = max(1, ROW_BLOCK // max(k, 1))
-    for j in range(0, len(edges) - 1, step):
-        e = edges[j : j + step + 1]
-        if off is None:  # str: one string per row
-            row_lo, row_hi = e[:-1], np.minimum(e[1:], n)
-        else:
-            row_lo = np.searchsorted(off, e[:-1], side="right") - 1
-            row_hi = np.searchsorted(off, e[1:], side="left")
-        a, b = int(row_lo[0]), int(row_hi[-1])
-        cum = np.zeros(b - a + 1, dtype=np.int64)
-        np.cumsum(string_bytes(plan, col, a, b), out=cum[1:])
-        sizes.append(cum[row_hi - a] - cum[row_lo - a])
-    return np.concatenate(sizes), np.diff(edges)
-
-
 SMALL_ROW_BYTES = 64 << 10
 """Columns whose rows average fewer bytes get chunks of ``chunk_bytes // 4``."""
 
-STRING_CHUNK_BYTES = 64 << 10
-"""Target encoded bytes of a chunk of a string column (``str``, list of ``str``)."""
+NAME_CHUNK_BYTES = 64 << 10
+"""Bytes per chunk of ``index/filenames`` (format 3): a lookup by filename reads one such chunk."""
 
-STRING_CHUNK_MAX = 2048
-"""The most strings in a chunk of a string column. zarr decodes a string chunk string by string
-(0.4-0.7 us each here), so one ``str`` row of a 4 MiB chunk of 100k short strings cost 11-43 ms,
-of a 64 KiB chunk of 5,900 strings ~4 ms; 2,048 strings decode in about a millisecond."""
+NAME_BLOCK = 4096
+"""Entries per chunk of ``index/filename_offsets``; ``index/filename_heads`` holds the first filename
+of each such block, so a lookup bisects the heads in memory and reads one block."""
 
 BYTES_CHUNK_BYTES = 1 << 20
 """Target bytes of a chunk of a ``bytes`` / ``pickle`` column of small rows: one row reads its
@@ -101,40 +59,54 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
     many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes`` (100k
     keys of 3 KiB: one key read in 2.7 ms instead of 10.3 ms, the merge no slower, 93 objects
-    instead of 39), ``bytes`` ones at most :data:`BYTES_CHUNK_BYTES`, and string columns at most
-    :data:`STRING_CHUNK_BYTES` and :data:`STRING_CHUNK_MAX` strings whatever their rows (decoding
-    is per string). Columns of large
-    rows (video frames) keep whole ``chunk_bytes`` chunks, which write fastest (benchmarks: 829
-    vs 712 MiB/s at 16 vs 4 MiB)."""
+    instead of 39), and byte-stored ones (``bytes``, ``pickle``, ``str``, list of ``str``) at most
+    :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
+    chunks, which write fastest (benchmarks: 829 vs 712 MiB/s at 16 vs 4 MiB)."""
     n = col.n_units
     rows = max(col.present(), 1)
-    if col.storage == "string":
-        total = string_total(plan, col) + 4 * n
-        per = total / max(n, 1)
-    else:
-        total = n * col.unit_bytes
-        per = col.unit_bytes
+    total = n * col.unit_bytes
+    per = col.unit_bytes
     small = total / rows < SMALL_ROW_BYTES
     target = chunk_bytes // 4 if small else chunk_bytes
-    if col.storage == "string":
-        cap = min(int(min(target, STRING_CHUNK_BYTES) // max(per, 1)), STRING_CHUNK_MAX)
-        return balanced(n, cap)
-    if small and col.kind in ("bytes", "pickle"):
+    if small and col.kind in BYTE_KINDS:
         target = min(target, BYTES_CHUNK_BYTES)
     return balanced(n, int(max(target, 1) // max(per, 1)))
 
 
-def string_chunk_max(plan: Plan, col: PlannedColumn, k: int) -> int:
-    """An upper bound of the largest vlen-utf8 chunk of a string column of ``k`` strings per chunk:
-    the count, a length per string, and the bytes of every row overlapping the chunk."""
-    if col.n_units == 0:
-        return 4
-    sizes, _ = chunk_row_bytes(plan, col, k)
-    return int(4 + 4 * k + sizes.max())
+BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
+"""Column kinds stored as uint8 bytes + byte offsets (format 3)."""
+
+
+def filename_arrays(filenames: list[str]) -> dict[str, np.ndarray]:
+    """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
+    ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
+    of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3
+    implementation (docs/FORMAT.md section 2)."""
+    enc = [f.encode("utf-8") for f in filenames]
+    off = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in enc], out=off[1:])
+    heads = enc[::NAME_BLOCK]
+    hoff = np.zeros(len(heads) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in heads], out=hoff[1:])
+    return {
+        "filenames": np.frombuffer(b"".join(enc), dtype=np.uint8),
+        "filename_offsets": off,
+        "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
+        "filename_head_offsets": hoff,
+    }
+
+
+def name_sizes(plan: Plan) -> tuple[int, int]:
+    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (one encode each, no per-name loop)."""
+    arrays = getattr(plan.filenames, "index_arrays", None)
+    if arrays is not None:  # an out-of-core plan's string table: its offsets say it
+        a = arrays(NAME_BLOCK)
+        return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
+    return len("".join(plan.filenames).encode("utf-8")), len("".join(plan.filenames[::NAME_BLOCK]).encode("utf-8"))
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
-    """Every ``zarr.json`` document of a format-2 output (path -> document, ``""`` the root with
+    """Every ``zarr.json`` document of a format-3 output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
     what zarr would write. Built from the plan alone: nothing is read back."""
     header = FO.OutputHeader(
@@ -153,15 +125,16 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         "columns": GroupMetadata(),
     }
     n, rows = plan.n_files, plan.n_frames
-    str_meta: dict[str, Any] = {
-        "zarr_format": 3, "node_type": "array", "shape": [n], "data_type": "string",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(n, 1)]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": "", "codecs": [{"name": "vlen-utf8"}, {"name": "crc32c"}], "attributes": {},
-        "dimension_names": ["file"],
-    }  # fmt: skip
+    name_bytes, head_bytes = name_sizes(plan)
+    n_heads = -(-n // NAME_BLOCK)
     index_meta = {
-        "filenames": str_meta,
+        # Filenames as UTF-8 bytes + int64 offsets (Arrow's large_string layout): every Zarr v3
+        # implementation reads uint8 and int64 (tensorstore has no string type). Small chunks and
+        # the first filename of every block (heads) make a lookup one block read.
+        "filenames": _dims(array_meta((name_bytes,), (max(1, min(name_bytes, NAME_CHUNK_BYTES)),), "uint8", crc=True), ["filename_byte"]),
+        "filename_offsets": _dims(array_meta((n + 1,), (min(n + 1, NAME_BLOCK),), "int64", crc=True), ["file_edge"]),
+        "filename_heads": _dims(_rows_meta(head_bytes, "uint8"), ["filename_head_byte"]),
+        "filename_head_offsets": _dims(_rows_meta(n_heads + 1, "int64"), ["filename_head_edge"]),
         "frame_offsets": _dims(_rows_meta(n + 1, "int64"), ["file_edge"]),
         "file_layout": _dims(_rows_meta(n, "int32"), ["file"]),
         "frame_idx": _dims(_rows_meta(rows, "int64"), ["row"]),
@@ -169,28 +142,18 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
         "frame_rank": _dims(_rows_meta(rows, "int32"), ["row"]),
         "frame_copies": _dims(_rows_meta(rows, "int32"), ["row"]),
-    }
+    }  # fmt: skip
     for name, meta in index_meta.items():
         nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
     for col in plan.columns:
         k = values_chunk(plan, col, chunk_bytes)
         base = f"columns/{col.name}"
         unit = col.unit_shape
-        if col.storage == "string":
-            limit = string_chunk_max(plan, col, k)
-            meta = {
-                **str_meta,
-                "shape": [col.n_units],
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [k]}},
-            }
-            meta = _codecs.with_codec(meta, codec, 1)
-        else:
-            limit = None
-            meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
-            meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
+        meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
+        meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
         first = "row" if col.counts is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
-        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header(limit).to_obj()})
+        nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = ArrayV3Metadata.from_dict(meta)
         if col.has_offsets:
             nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))

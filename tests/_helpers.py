@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -24,3 +28,36 @@ def random_bits(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) 
     )
     t = raw.view(dtype).reshape(shape)
     return t.clone() if dtype != torch.bool else (raw[: t.numel()] % 2).bool().reshape(shape)
+
+
+def zarr_strings(values: Any, offsets: Any) -> list[str]:
+    """Strings stored as UTF-8 bytes + int64 offsets (format 3: Arrow's large_string layout), read
+    with plain zarr and numpy as any Zarr v3 user would."""
+    raw, off = np.asarray(values[:]).tobytes(), np.asarray(offsets[:]).tolist()
+    return [raw[a:b].decode("utf-8") for a, b in zip(off[:-1], off[1:], strict=True)]
+
+
+def zarr_filenames(group: Any) -> list[str]:
+    """``index/filenames`` of a format-3 output opened with plain zarr."""
+    return zarr_strings(group["index/filenames"], group["index/filename_offsets"])
+
+
+def write_filenames(path: str | Path, names: list[str]) -> None:
+    """Replace an output's filenames by ``names`` (any order, any count: damage for the tests),
+    stored as a merge stores them, keeping the consolidated root in step."""
+    import zarr
+
+    from spillmerge._zarrmeta import filename_arrays
+
+    g = zarr.open_group(str(path), mode="r+", use_consolidated=False)
+    for name, arr in filename_arrays(names).items():
+        old = g["index"][name]
+        new = g["index"].create_array(
+            name, shape=arr.shape, dtype=old.dtype, chunks=old.chunks, overwrite=True,
+            dimension_names=old.metadata.dimension_names, config={"write_empty_chunks": True},
+        )  # fmt: skip
+        if len(arr):
+            new[:] = arr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(path))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _helpers import bits
+from _helpers import bits, zarr_filenames
 
 WORLD = 4
 MERGE_TIMEOUT = 90.0  # seconds rank 0 waits on storage for commit records; the parent's limit is larger
@@ -378,7 +378,7 @@ def check_with_plain_zarr(out: str, keys: list[tuple[str, int]]) -> None:
     g = zarr.open_group(out, mode="r")
     header = g.attrs["spillmerge"]
     assert header["format_version"] == spillmerge.FORMAT_VERSION == 2 and header["kind"] == "merged"
-    names = [str(x) for x in g["index/filenames"][:]]
+    names = zarr_filenames(g)
     offsets = np.asarray(g["index/frame_offsets"][:])
     frame_idx = np.asarray(g["index/frame_idx"][:])
     file_layout = np.asarray(g["index/file_layout"][:])

@@ -67,3 +67,35 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
 
     LocalStorage.put, LocalStorage.put_atomic = put, put_atomic  # type: ignore[method-assign]
     spill(root, rank, world, n_frames)
+
+
+SMALL_B = 200  # write_batch frames: "a" 32 bytes, "b" 800 bytes: several frames fit in one chunk
+
+
+def small_value(frame: int) -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.arange(A_LEN, dtype=torch.int32) + frame * 1000,
+        "b": torch.arange(SMALL_B, dtype=torch.int32) * 7 - frame,
+    }
+
+
+def spill_batches_killed_at(root: str, rank: int, world: int, n_frames: int, when: str | None) -> None:
+    """Rank ``rank`` ``write_batch``es frames ``rank, rank + world, ...`` of ``clip``, 5 a batch
+    (block checksums; a batch spans chunks), and SIGKILLs itself right after journal entry
+    ``when`` (``"journal-N"``) landed; ``when=None``: commits."""
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    real_put = LocalStorage.put
+
+    def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
+        if when and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    LocalStorage.put = put  # type: ignore[method-assign]
+    frames = [rank + i * world for i in range(n_frames)]
+    with spillmerge.SpillWriter(root, rank=rank, world_size=world, chunk_bytes=CHUNK, fsync=False) as w:
+        for s in range(0, n_frames, 5):
+            fr = frames[s : s + 5]
+            vals = [small_value(f) for f in fr]
+            w.write_batch(["clip"] * len(fr), {k: torch.stack([v[k] for v in vals]) for k in ("a", "b")}, frame_idx=fr)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from _helpers import zarr_filenames
 
 import spillmerge
 
@@ -40,7 +41,7 @@ def test_round_trip_and_plain_zarr(backend):
         want = _value("clip/a b.mp4", f)["mask"]
         assert torch.equal(mask[f].view(torch.int16), want.view(torch.int16))
     g = zarr.open_group(out, mode="r", storage_options=backend.options or None)
-    names, off = list(g["index/filenames"][:]), g["index/frame_offsets"][:]
+    names, off = zarr_filenames(g), g["index/frame_offsets"][:]
     i = names.index("other.mp4")
     arr = g["columns/__value__/values"]  # other.mp4 holds plain tensors; clip/a b.mp4 dicts
     first = int(g["columns/__value__/offsets"][int(off[i])])

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from _helpers import write_filenames
 
 import spillmerge
 from spillmerge._coverage import coverage
@@ -78,6 +79,9 @@ def _set_index(path: Path, name: str, values: list) -> None:
 
 def _replace_index(path: Path, name: str, values: list) -> None:
     """Replace ``index/NAME`` by an array of another length, keeping the consolidated root in step."""
+    if name == "filenames":  # bytes + offsets + heads (format 3)
+        write_filenames(path, values)
+        return
     g = zarr.open_group(str(path), mode="r+", use_consolidated=False)
     old = g["index"][name]
     new = g["index"].create_array(name, shape=(len(values),), dtype=old.dtype, chunks=(max(len(values), 1),),

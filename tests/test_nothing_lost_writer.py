@@ -17,7 +17,7 @@ import google_crc32c
 import numpy as np
 import pytest
 import torch
-from _nothing_lost_workers import expected, spill, spill_killed_at
+from _nothing_lost_workers import expected, small_value, spill, spill_batches_killed_at, spill_killed_at
 from _procs import join_all
 
 import spillmerge
@@ -241,6 +241,36 @@ def test_random_sigkills_of_a_dict_writer_salvage_only_whole_frames(tmp_path):
     }, names
 
 
+def test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their_blocks(tmp_path):
+    # write_batch rows carry one checksum per leaf of a block (docs/FORMAT.md, checks), listed in
+    # the journal entry of their chunk: a killed batch writer's salvage checks them like a commit.
+    n = 40
+    roots = {w: tmp_path / f"root-{w}" for w in ("journal-3", "journal-7", "committed")}
+    procs = [
+        CTX.Process(target=spill_batches_killed_at, args=(str(r), 0, 1, n, None if w == "committed" else w))
+        for w, r in roots.items()
+    ]
+    for p in procs:
+        p.start()
+    join_all(procs, timeout=120)
+    got = {}
+    for (w, root), p in zip(roots.items(), procs, strict=True):
+        assert p.exitcode == (0 if w == "committed" else -signal.SIGKILL), (w, p.exitcode)
+        rep = spillmerge.merge(str(root), str(tmp_path / f"out-{w}"), allow_partial=True, world_size=1)
+        res = spillmerge.open(str(tmp_path / f"out-{w}"))
+        frames = res.frames("clip").tolist()
+        a, b = res["clip"]["a"][:], res["clip"]["b"][:]
+        for j, f in enumerate(frames):
+            want = small_value(f)
+            assert np.array_equal(a[j], want["a"].numpy()) and np.array_equal(b[j], want["b"].numpy()), (w, f)
+        assert frames == list(range(len(frames))), (w, frames)  # a prefix of what was written
+        got[w] = (len(frames), rep.salvaged_frames.get(0, 0))
+    commit = json.loads(next(roots["committed"].glob("rank-00000/seg-*/commit.json")).read_text())
+    assert commit["n_checks"] > 0 and commit["format_version"] == 3
+    assert got["committed"] == (n, 0)
+    assert 0 < got["journal-3"][0] == got["journal-3"][1] < got["journal-7"][0] == got["journal-7"][1] < n, got
+
+
 def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_path):
     # Writers before this fix listed each leaf in the entry of the chunk holding its own last
     # byte, so a journal could end between a frame's small and large leaf: such a frame is left
@@ -253,7 +283,7 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     # version-2 writer lists whole frames, so a partial one there is damage, not an old habit).
     header_path = seg / "zarr.json"
     header = json.loads(header_path.read_text())
-    assert header["attributes"]["spillmerge"]["format_version"] == 2
+    assert header["attributes"]["spillmerge"]["format_version"] == spillmerge.FORMAT_VERSION
     header["attributes"]["spillmerge"]["format_version"] = 1
     header_path.write_text(json.dumps(header))
     # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.

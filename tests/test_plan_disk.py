@@ -36,6 +36,8 @@ def _spill_mixed(root: str) -> None:
             w.write("shared.mp4", r, {"feat": torch.ones(r + 1, 3), "raw": bytes([r]) * r, "opt": None if r % 2 else r})
             w.write(f"dtype{r % 2}.bin", r, {"x": torch.ones(2, dtype=torch.float16 if r % 2 else torch.float32)})
             w.write("empty.bin", r, {"e": torch.zeros(0)})
+            names = [f"batch/{i:04d}.jpg" for i in range(r, 120, 4)]  # block checksums (write_batch)
+            w.write_batch(names, {"vec": torch.arange(len(names) * 4.0).reshape(-1, 4), "n": torch.arange(len(names))})
         if r == 2:
             with spillmerge.SpillWriter(root, rank=r, world_size=4):
                 pass

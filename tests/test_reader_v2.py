@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from _helpers import write_filenames, zarr_filenames
 
 import spillmerge
 
@@ -160,7 +161,9 @@ def test_strings_round_trip_and_plain_zarr_reads_them(tmp_path):
     # Exactly the lines of docs/FORMAT.md, "Reading file i with plain zarr".
     out = str(out)
     g = zarr.open_group(out, mode="r")
-    names = list(g["index/filenames"][:])
+    raw = g["index/filenames"][:].tobytes()  # UTF-8 bytes + int64 offsets (Arrow's large_string)
+    fo = g["index/filename_offsets"][:]
+    names = [raw[fo[i] : fo[i + 1]].decode() for i in range(len(fo) - 1)]
     i = names.index("video_001.mp4")
     off = g["index/frame_offsets"][:]
     a, b = int(off[i]), int(off[i + 1])
@@ -168,9 +171,12 @@ def test_strings_round_trip_and_plain_zarr_reads_them(tmp_path):
     logits = g["columns/logits/values"][a:b]  # a fixed leaf: (b - a, 1000)
     o = g["columns/boxes/offsets"][a : b + 1]  # a ragged leaf: row a + j is
     boxes = [g["columns/boxes/values"][o[j] : o[j + 1]] for j in range(b - a)]
-    captions = g["columns/caption/values"][a:b]  # a str leaf
+    co = g["columns/caption/offsets"][a : b + 1]  # a str leaf: UTF-8 bytes + offsets too
+    cb = g["columns/caption/values"][co[0] : co[-1]].tobytes()
+    captions = [cb[co[j] - co[0] : co[j + 1] - co[0]].decode() for j in range(b - a)]
     assert frames_.tolist() == [0, 1, 2] and logits.shape == (3, 1000) and logits[2, 0] == 2.0
-    assert [x.shape for x in boxes] == [(1, 4), (2, 4), (3, 4)] and list(captions)[1] == "cap 1\x00é"
+    assert [x.shape for x in boxes] == [(1, 4), (2, 4), (3, 4)] and captions[1] == "cap 1\x00é"
+    assert names == zarr_filenames(g)
 
 
 def test_v1_fixture_reads_as_before():
@@ -218,6 +224,9 @@ def _copy(out: Path, tmp_path: Path) -> Path:
 
 def _replace(path: Path, node: str, values: object) -> None:
     """Replace the array ``node`` by ``values`` (any length), keeping the consolidated root in step."""
+    if node == "index/filenames":  # bytes + offsets + heads (format 3)
+        write_filenames(path, values)
+        return
     g = zarr.open_group(str(path), mode="r+", use_consolidated=False)
     parent, _, name = node.rpartition("/")
     old = g[node]

@@ -92,9 +92,10 @@ def _chunks(store: spillmerge.MergedStore) -> int:
 def test_rows_read_in_order_decode_each_chunk_once(out):
     store = spillmerge.open(out)
     assert _chunks(store) > 3 * len(store.columns)  # small chunks: many per column
+    at_open = store.cache_stats().misses  # the first block of filenames, checked at open
     _read_all(store)
     stats = store.cache_stats()
-    assert stats.misses == _chunks(store), stats  # every chunk decoded exactly once
+    assert stats.misses - at_open == _chunks(store), stats  # every chunk decoded exactly once
     assert stats.nbytes <= stats.max_bytes
 
 
@@ -207,12 +208,15 @@ def test_a_str_row_decodes_a_small_chunk(tmp_path):
             w.write(f"doc_{i:05d}", 0, {"caption": f"a short caption {i}", "tokens": ["a", "b", str(i)]})
     spillmerge.merge(str(root), str(o), progress=False)
     store = spillmerge.open(str(o))
-    for leaf, units in (("caption", n), ("tokens", 3 * n)):
+    for leaf in ("caption", "tokens"):
         z = store.column(leaf).zarr
-        assert z.shape[0] == units and z.chunks[0] <= 2048  # not one chunk of every string
+        assert (
+            z.dtype == np.uint8 and z.chunks[0] <= 1 << 20
+        )  # UTF-8 bytes: a chunk read is a copy, no per-string decode
+    at_open = store.cache_stats().misses
     assert store["doc_04321"]["caption"][0] == "a short caption 4321"
     assert store["doc_04321"]["tokens"][0] == ["a", "b", "4321"]
-    assert store.cache_stats().misses == 2  # one small chunk of each column
+    assert store.cache_stats().misses - at_open == 3  # the filename's block of names, one chunk of each column
 
 
 @pytest.mark.parametrize("batch_size", [1, 7, 64, None])

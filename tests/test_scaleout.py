@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from _helpers import raw_bytes
+from _helpers import raw_bytes, zarr_filenames
 from _mp_scenarios import output_tree, tree_diff
 from test_cli import assert_one_line_error, run
 
@@ -130,7 +130,7 @@ def test_cli_parts_then_finalize_equal_one_process_merge(tmp_path):
     _same_values(str(one), str(out))
     # Plain zarr reads it; the consolidated metadata is what zarr's own consolidation writes.
     g = zarr.open_group(str(out), mode="r")
-    names = [str(x) for x in g["index/filenames"][:]]
+    names = zarr_filenames(g)
     assert names == sorted(f"clip {i}.mp4" for i in range(8))
     # 'clip 1.mp4' holds plain tensors: its layout is one column, of bfloat16 values, zstd-compressed.
     (col,) = g.attrs["spillmerge"]["file_layouts"][int(g["index/file_layout"][1])]
@@ -359,7 +359,7 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
     grp = zarr.open_group(str(out), mode="r")
     # Plain zarr: each file's column from its layout; the file's rows from frame_offsets, a row's
     # values through the column's offsets where it has them (rows of other files are absent).
-    names = [str(x) for x in grp["index/filenames"][:]]
+    names = zarr_filenames(grp)
     off = grp["index/frame_offsets"][:]
     layouts = grp.attrs["spillmerge"]["file_layouts"]
     cols = {name: layouts[int(lay)] for name, lay in zip(names, grp["index/file_layout"][:], strict=True)}

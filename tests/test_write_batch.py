@@ -194,3 +194,36 @@ def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path, as_tens
     first = spillmerge.open(str(tmp_path / "b-first.zarr"))
     assert (last["k"][0].item(), last["j"][0].item()) == (2.0, 4.0)
     assert (first["k"][0].item(), first["j"][0].item()) == (1.0, 3.0)
+
+
+def test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it(tmp_path):
+    # write_batch's rows are checked by one CRC-32C per leaf of a block (docs/FORMAT.md, checks):
+    # damage anywhere in a block is caught by the merge, by `spillmerge verify` and by a
+    # duplicate's byte comparison, as a per-row checksum would be.
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path / "spill"
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 300, generator=g).half()
+    with spillmerge.SpillWriter(str(root), 0, 1) as w:
+        w.write_batch([f"img/{i:03d}.jpg" for i in range(64)], {"logits": logits, "label": torch.arange(64)})
+    commit = json.loads(next(root.glob("rank-00000/seg-*/commit.json")).read_text())
+    assert commit["n_checks"] == 2  # one block checksum per leaf of the batch
+    intact = tmp_path / "intact"
+    shutil.copytree(root, intact)
+    chunk = next(root.glob("rank-00000/seg-*/data/c/0"))
+    raw = bytearray(chunk.read_bytes())
+    raw[64 * 8 + 1000] ^= 0x01  # inside row 1 of "logits" (the int64 "label" block comes first)
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match="checksum mismatch for the block at bytes"):
+        spillmerge.merge(str(root), str(tmp_path / "out.zarr"), progress=False)
+    exe = shutil.which("spillmerge", path=str(Path(sys.executable).parent)) or "spillmerge"
+    p = subprocess.run([exe, "verify", str(root)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and f"CORRUPT {chunk}: checksum mismatch in a block" in p.stdout, p.stdout
+    p = subprocess.run([exe, "verify", str(intact)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    spillmerge.merge(str(intact), str(tmp_path / "ok.zarr"), progress=False)
+    res = spillmerge.open(str(tmp_path / "ok.zarr"))
+    assert np.array_equal(res.column("logits")[:], logits.numpy())
