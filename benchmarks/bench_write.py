@@ -235,7 +235,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-write-", dir=os.environ.get("BENCH_TMP"))
     lines = ["| what | spillmerge | baseline (same run) | ratio | target |", "|---|---|---|---|---|"]
     try:
-        lines += bench_rows(args.rows, args.repeats, tmp)
+        if args.rows:  # --rows 0: the end-to-end runs only
+            lines += bench_rows(args.rows, args.repeats, tmp)
         if args.e2e:
             with mp.get_context("spawn").Pool(args.world) as pool:
                 for n in args.e2e:

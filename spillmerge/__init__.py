@@ -13,6 +13,7 @@ on first use (PEP 562), so ``import spillmerge`` does not import torch.
 from typing import TYPE_CHECKING, Any
 
 from ._codecs import CODECS
+from ._dataset import OutputDataset
 from ._errors import (
     CommitTimeout,
     ConfigError,
@@ -62,7 +63,11 @@ if TYPE_CHECKING:
     from ._writer import SpillWriter
 
 # Public names whose modules import torch: (module, name). Loaded on first access.
-_NEEDS_TORCH = {"SpillWriter": ("_writer", "SpillWriter"), "gather": ("_gather", "gather"), "all_gather": ("_gather", "all_gather")}
+_NEEDS_TORCH = {
+    "SpillWriter": ("_writer", "SpillWriter"),
+    "gather": ("_gather", "gather"),
+    "all_gather": ("_gather", "all_gather"),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -87,6 +92,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_NEEDS_TORCH))
 
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -109,6 +115,7 @@ __all__ = [
     "MergedStore",
     "MissingPartsError",
     "MissingDependencyError",
+    "OutputDataset",
     "LeaseLostError",
     "MergeFailedError",
     "MergeTimeout",

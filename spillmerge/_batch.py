@@ -58,7 +58,7 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
             f"write_batch: filenames must be a sequence of str (one per item), got {type(filenames).__name__}"
         )
     names = list(filenames)
-    ok = all(type(name) is str for name in names)
+    ok = set(map(type, names)) <= {str}  # exactly str, in C (a generator cost ~0.2 us a name)
     try:  # every name valid Unicode, checked in one pass; the loop below names a bad one
         if ok:
             "\0".join(names).encode("utf-8")

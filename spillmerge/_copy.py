@@ -21,7 +21,7 @@ import numpy as np
 from . import _codecs
 from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
-from ._spillroot import block_mismatch, check_of, data_ranges, verify_block
+from ._spillroot import check_of, data_ranges, verify_block
 from ._storage import Storage
 from ._zarrmeta import values_chunk
 
@@ -208,7 +208,10 @@ class _OutputChunk:
             if crc < 0:  # checked by its block: read and verify the block once per merge
                 key = (int(plan.seg[e]), crc)
                 if key not in self.checked:
-                    verify_block(self.src, plan.segments[key[0]], crc)
+                    try:
+                        verify_block(self.src, plan.segments[key[0]], crc)
+                    except CorruptSpillError:
+                        self._mismatch(r, e, crc)
                     self.checked.add(key)
             elif google_crc32c.value(v) != crc:
                 self._mismatch(r, e)
@@ -251,22 +254,28 @@ class _OutputChunk:
                     if len(block) != b_nb:  # the object is shorter than the checks say
                         self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises TruncatedObjectError
                     if google_crc32c.value(block) != value:
-                        raise block_mismatch(self.src, seg, crc)
+                        self._mismatch(r, e, crc)
                     self.checked.add((s, crc))
             elif google_crc32c.value(row) != crc:
                 self._mismatch(r, e)
             out.append(row)
         return out
 
-    def _mismatch(self, r: int, e: int) -> None:
+    def _mismatch(self, r: int, e: int, block: int | None = None) -> None:
+        """Raise for output row ``r`` (plan entry ``e``) whose bytes, or whose block's bytes
+        (``block``: the row's negative CRC), fail their checksum."""
         plan = self.plan
         seg = plan.segments[int(plan.seg[e])]
         where = self.src.describe(f"{seg.seg.rel}/data")
         f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        in_block = ""
+        if block is not None:
+            b_off, b_nb, _ = check_of(seg, block)
+            in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
         raise CorruptSpillError(
             f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
-            f"{'/'.join(self.col.leaf) or '<value>'!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])} "
-            f"(rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+            f"{'/'.join(self.col.leaf) or '<value>'!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+            f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
             path=where,
             rank=seg.seg.rank,
         )

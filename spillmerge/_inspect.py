@@ -343,7 +343,7 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
                     continue
                 if google_crc32c.value(buf) != crc:
                     rep.problems.append(
-                        f"{storage.describe(rel)}: checksum mismatch in a block of write_batch rows "
+                        f"{storage.describe(rel)}: checksum mismatch in a block of rows "
                         f"(bytes {off}..{off + nb} of rank {rank}'s data)"
                     )
                     bad_chunks.add(c)
@@ -509,7 +509,8 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
         out.extend(V.rows_layout_problems(c, valid, col_off, in_layout(c.name)))
-        if c.kind in V.STRING_KINDS and col_off is not None and f"{rel}/values" not in damaged:
+        byte_text = c.kind in V.STRING_KINDS and c.arrays["values"].dtype == np.uint8  # format 3
+        if byte_text and col_off is not None and f"{rel}/values" not in damaged:
             sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
             out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
     return out

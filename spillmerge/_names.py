@@ -24,6 +24,8 @@ import numpy as np
 
 from . import _invariants as V
 from ._cache import ChunkCache
+from ._rawchunk import chunk_reader
+from ._storage import Storage
 
 Raise = Callable[[list[V.Problem]], None]
 
@@ -107,12 +109,14 @@ class ArrayNames(Names):
         return self._names
 
 
-def _chunk_reader(arr: Any, cache: ChunkCache) -> Callable[[int], np.ndarray]:
-    """Chunk ``c`` of the 1-d array ``arr``, decoded (and checksummed) by zarr once, then cached."""
-    k, n, key = max(int(arr.chunks[0]), 1), int(arr.shape[0]), arr.path
+def _chunk_reader(
+    arr: Any, cache: ChunkCache, storage: Storage | None, describe: Callable[[str], str]
+) -> Callable[[int], np.ndarray]:
+    """Chunk ``c`` of the 1-d array ``arr``, read and checksummed once, then cached."""
+    read, key = chunk_reader(arr, storage, describe), arr.path
 
     def get(c: int) -> np.ndarray:
-        return cache.get((key, c), lambda: V.read_array(arr, slice(c * k, min((c + 1) * k, n))))
+        return cache.get((key, c), lambda: read(c))
 
     return get
 
@@ -146,7 +150,14 @@ def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.nda
 class ChunkedNames(Names):
     """Format 3: names read block by block on demand (module docstring)."""
 
-    def __init__(self, group: Any, describe: Callable[[str], str], cache: ChunkCache, raise_: Raise) -> None:
+    def __init__(
+        self,
+        group: Any,
+        describe: Callable[[str], str],
+        cache: ChunkCache,
+        raise_: Raise,
+        storage: Storage | None = None,
+    ) -> None:
         self._raise = raise_
         self._bytes = V.index_node(group, "filenames", describe)
         self._off = V.index_node(group, "filename_offsets", describe)
@@ -160,12 +171,18 @@ class ChunkedNames(Names):
         if n_off < 1:
             raise_([("index/filename_offsets", "empty (must have n_files + 1 entries)")])
         self._n = n_off - 1
-        self._k = max(int(self._off.chunks[0]), 1)
+        self._ko = max(int(self._off.chunks[0]), 1)
         self._nbytes = int(self._bytes.shape[0])
         self._kb = max(int(self._bytes.chunks[0]), 1)
-        self._get_off = _chunk_reader(self._off, cache)
-        self._get_bytes = _chunk_reader(self._bytes, cache)
+        self._get_off = _chunk_reader(self._off, cache, storage, describe)
+        self._get_bytes = _chunk_reader(self._bytes, cache, storage, describe)
         self._cache = cache
+        heads_node = V.index_node(group, "filename_heads", describe)
+        attrs = heads_node.attrs.get("spillmerge")
+        k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
+            raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
+        self._k: int = k  # type: ignore[assignment]
         heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
         hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
         n_blocks = -(-self._n // self._k)
@@ -197,9 +214,7 @@ class ChunkedNames(Names):
     def _load(self, j: int) -> np.ndarray:
         k, n = self._k, self._n
         a, b = j * k, min((j + 1) * k, n)
-        offs = self._get_off(j)[: b - a + 1]
-        if b == (j + 1) * k:  # the block's end is the next chunk's first entry
-            offs = np.concatenate([offs[: b - a], self._get_off(j + 1)[:1]])
+        offs = _span(self._get_off, self._ko, a, b + 1)
         rel = "index/filename_offsets"
         if j == 0 and int(offs[0]) != 0:
             self._raise([(rel, f"starts at {int(offs[0])}, not 0")])
@@ -297,7 +312,10 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
     names, out = decode_names(raw, off, "index/filenames")
     if out:
         return empty, out
-    k = max(int(V.index_node(group, "filename_offsets", describe).chunks[0]), 1)
+    attrs = V.index_node(group, "filename_heads", describe).attrs.get("spillmerge")
+    k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
+        return empty, [("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")]
     heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
     hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
     rel = "index/filename_head_offsets"

@@ -371,7 +371,10 @@ def _resolve_duplicates(
             groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
         # A negative CRC names a block checksum, not the bytes: such copies are compared by bytes.
-        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r]), max(-1, int(c["crc"][r]))) for r in rows) for rows in groups.values()}
+        sigs = {
+            tuple((int(c["lp"][r]), int(c["nb"][r]), max(-1, int(c["crc"][r]))) for r in rows)
+            for rows in groups.values()
+        }
         identical = len(sigs) == 1
         if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
             ext = {

@@ -189,6 +189,7 @@ class V2Files:
         raise_: Callable[[list[V.Problem]], None],
         allow_pickle: bool,
         cache: ChunkCache,
+        storage: Storage | None = None,
     ) -> None:
         self.group = group
         self._names: Names
@@ -198,7 +199,7 @@ class V2Files:
                 raise_([("index/filenames", f"expected strings, got {raw_names.dtype}")])
             self._names = ArrayNames(raw_names.astype(object))
         else:  # bytes + offsets, read block by block when asked for (_names)
-            self._names = ChunkedNames(group, describe, cache, raise_)
+            self._names = ChunkedNames(group, describe, cache, raise_, storage)
         self._offsets = np.asarray(V.read_index(group, "frame_offsets", describe), dtype=np.int64)
         self._file_layout = np.asarray(V.read_index(group, "file_layout", describe), dtype=np.int64)
         infos, problems = V.read_columns(group)
@@ -217,7 +218,7 @@ class V2Files:
         self.n_rows = len(frame_idx)
         self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = OpenColumn(info, self.n_rows, allow_pickle, cache)
+            col = OpenColumn(info, self.n_rows, allow_pickle, cache, storage)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
@@ -414,7 +415,9 @@ class MergedStore(Mapping[str, Any]):
         if version == 1:
             self._files = V1Files(self.group, header, self.storage.describe, self._raise)
         else:
-            self._files = V2Files(self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache)
+            self._files = V2Files(
+                self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
+            )
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -470,7 +473,8 @@ class MergedStore(Mapping[str, Any]):
         checked at open (for coverage, which needs them whole); None for version 1."""
         return self._files.index_arrays() if isinstance(self._files, V2Files) else None
 
-    def _v2(self, what: str) -> V2Files:
+    def require_columnar(self, what: str) -> V2Files:
+        """The columnar files of this output, or FormatVersionError naming ``what`` for version 1."""
         if not isinstance(self._files, V2Files):
             raise FormatVersionError(
                 f"{self.storage.describe()}: {what} reads columnar outputs (format version 2); this one is "
@@ -485,12 +489,12 @@ class MergedStore(Mapping[str, Any]):
         same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
         columns when there is no such leaf. A leaf whose dtype differs between files has one
         column per dtype (rows of the other files absent): choose one with ``dtype=``."""
-        return self._v2("column()").column(path, self.storage.describe(), dtype)
+        return self.require_columnar("column()").column(path, self.storage.describe(), dtype)
 
     @property
     def columns(self) -> list[str]:
         """The leaf paths of the columns (``""`` for plain tensor values), sorted (version 2)."""
-        return sorted({c.info.path for c in self._v2("columns").columns.values()})
+        return sorted({c.info.path for c in self.require_columnar("columns").columns.values()})
 
     def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
         """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
@@ -498,7 +502,7 @@ class MergedStore(Mapping[str, Any]):
         ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
         MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
         the output's size; every chunk is decoded once."""
-        files = self._v2("iter_batches()")
+        files = self.require_columnar("iter_batches()")
         return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
 
     def to_parquet(
@@ -514,7 +518,7 @@ class MergedStore(Mapping[str, Any]):
         polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
-        files = self._v2("to_parquet()")
+        files = self.require_columnar("to_parquet()")
         cols = _export.select(files, columns, self.storage.describe())
         return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
 
@@ -532,7 +536,7 @@ class MergedStore(Mapping[str, Any]):
         - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
           unpickled); list of ``str``: ``large_list<large_string>``.
         """
-        files = self._v2("to_arrow()")
+        files = self.require_columnar("to_arrow()")
         return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
 
     def cache_stats(self) -> CacheStats:

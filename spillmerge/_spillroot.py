@@ -565,7 +565,9 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
                 entry.chunk != n
                 or entry.file_base != len(filenames)
                 or entry.layout_base != len(layouts)
-                or (entry.checks is not None and (entry.check_base != n_checks or (version is not None and version < 3)))
+                or (
+                    entry.checks is not None and (entry.check_base != n_checks or (version is not None and version < 3))
+                )
             ):
                 raise CorruptSpillError(
                     f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)

@@ -4,7 +4,8 @@ Protocol (the writer drives it through :class:`Staging`; docs/ARCHITECTURE.md, M
   (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` →
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     wait for the chunk's CUDA copies → CRC-32C of its rows (``add``) and of
-                     its blocks (``add_frames``: one per leaf per block) → upload it whole
+                     its blocks (``add_frames``: one per leaf per block; ``add_frame``: one per
+                     run of whole frames) → upload it whole
                      (``flush_threads`` in flight) → ``journal/N`` once chunks ``0..N`` are durable
                      → ``BufferPool.release``; ``None`` on the queue ends it.
 """
@@ -50,11 +51,17 @@ class Chunk:
     """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
     staged by ``Staging.add``; a row may continue in the next chunk)."""
     blocks: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)
-    """(check id, start, stop, rows) of every block checksum of this chunk (``Staging.add_frames``):
-    bytes ``start:stop`` hold the rows ``rows`` (int64) of one leaf of a block of frames back to
-    back, checksummed in one call (docs/FORMAT.md, ``checks``), so a batch costs no call per row."""
+    """(check id, start, stop, rows) of every block checksum of this chunk: bytes ``start:stop``
+    hold the rows ``rows`` (int64) back to back (one leaf of a block of ``add_frames``, or a run
+    of whole frames of ``add_frame``), checksummed in one call (docs/FORMAT.md, ``checks``)."""
     check_base: int = 0
     """Id of this chunk's first block checksum (the number of blocks of earlier chunks)."""
+    run: list[int] = field(default_factory=list)
+    """Rows of the open block of ``write``'s frames (``Staging.add_frame``): consecutive whole
+    frames from ``run_start`` to ``fill``, closed into ``blocks`` at CHECK_BYTES, before any other
+    copy into this chunk, and at hand-off."""
+    run_start: int = 0
+    """Where the open block starts in this chunk."""
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
     completed: list[Any] = field(default_factory=list)
@@ -364,6 +371,8 @@ class Staging:
             self._prepare_cuda(data)
         while done < nbytes:
             chunk = self._current_chunk()
+            if chunk.run:  # the open block of whole frames ends where these bytes start
+                self._close_run(chunk)
             n = min(nbytes - done, self.chunk_bytes - chunk.fill)
             if is_cuda:
                 dst = chunk.host[chunk.fill : chunk.fill + n]
@@ -421,16 +430,27 @@ class Staging:
                 self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
             return
         host, fill, base = chunk.host_np, chunk.fill, self.offset - chunk.fill
-        pieces, completed = chunk.pieces, chunk.completed
+        run, completed = chunk.run, chunk.completed
+        if not run:
+            chunk.run_start = fill
         for j, leaf in enumerate(leaves):
             n = leaf.nbytes
             if n:
                 host[fill : fill + n] = leaf.data
-                pieces.append((row + j, fill, fill + n))
+                run.append(row + j)  # checked with its block (a CRC call per row held the GIL)
             completed.append((row + j, file_id, frame, layout_ids[j], base + fill, n))
             fill += n
         chunk.fill = fill
         self.offset += total
+        if fill - chunk.run_start >= CHECK_BYTES:
+            self._close_run(chunk)
+
+    def _close_run(self, chunk: Chunk) -> None:
+        """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
+        if chunk.run:
+            chunk.blocks.append((self.n_checks, chunk.run_start, chunk.fill, np.array(chunk.run, dtype=np.int64)))
+            self.n_checks += 1
+            chunk.run = []
 
     def add_frames(
         self, row: int, file_ids: np.ndarray, frames: np.ndarray, layout_ids: tuple[int, ...], columns: list[np.ndarray]
@@ -466,6 +486,8 @@ class Staging:
                 continue
             if chunk.host_np is None:
                 chunk.host_np = chunk.host.numpy()
+            if chunk.run:
+                self._close_run(chunk)
             host, fill = chunk.host_np, chunk.fill
             seg_base = self.offset - fill  # where this chunk starts in the segment's data
             ids = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
@@ -516,6 +538,7 @@ class Staging:
         previous one."""
         chunk, self._current = self._current, None
         if chunk is not None:
+            self._close_run(chunk)
             chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
             chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)

@@ -18,6 +18,8 @@ from . import _format as F
 from ._cache import ChunkCache
 from ._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
 from ._invariants import StoredColumn, read_array, read_rows
+from ._rawchunk import chunk_reader
+from ._storage import Storage
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +52,14 @@ class OpenColumn:
     ``shapes``), read and checked once when the output is opened, kept in memory. Its ``values``
     are read through the output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
 
-    def __init__(self, info: StoredColumn, n_rows: int, allow_pickle: bool, cache: ChunkCache | None = None) -> None:
+    def __init__(
+        self,
+        info: StoredColumn,
+        n_rows: int,
+        allow_pickle: bool,
+        cache: ChunkCache | None = None,
+        storage: Storage | None = None,
+    ) -> None:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
@@ -62,6 +71,8 @@ class OpenColumn:
         self._n = int(values.shape[0])
         self._unit = tuple(values.shape[1:])
         self._dtype = values.dtype
+        # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
+        self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self._dtype
@@ -90,8 +101,7 @@ class OpenColumn:
             arr = hot[1]()
             if arr is not None:
                 return arr
-        k = self._k
-        arr = self.cache.get((self._key, c), lambda: read_array(self.values, slice(c * k, min((c + 1) * k, self._n))))
+        arr = self.cache.get((self._key, c), lambda: self._read(c))
         self._hot = (c, weakref.ref(arr))
         return arr
 

@@ -165,6 +165,11 @@ class SpillWriter:
         self._file_ids: dict[str, int] = {}
         self._schema = FileSchemas(self.rank)
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
+        self._fresh_keys: list[tuple[int, list[int], int, int]] = []
+        """Keys of write_batch's batches of new files not yet in ``_keys`` (first file id, frames,
+        first row, rows per frame): only a write to a file already written looks keys up, so a
+        job of new files never builds the two tuples per key (:meth:`_key_map`)."""
+        self._n_fresh_keys = 0
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
         self._rewrites = 0  # writes of a key already written, whatever the policy kept
@@ -268,7 +273,8 @@ class SpillWriter:
                         next_id += 1
                 file_ids.append(fid)
             keys = list(zip(file_ids, frames, strict=True))
-            if len(set(keys)) != n or (self._keys and any(k in self._keys for k in keys)):
+            known = self._key_map()
+            if len(set(keys)) != n or (known and any(k in known for k in keys)):
                 return False
         item0 = _nest({path: col[0] for path, col in columns.items()})
         try:
@@ -312,16 +318,35 @@ class SpillWriter:
             grown[:row0] = self._rows[:row0]
             self._rows = grown
         block = self._rows[row0:need, : FS.COL_CRC].reshape(n, n_leaves, FS.COL_CRC)
-        fid_arr, frame_arr = np.asarray(file_ids, dtype=np.int64), np.asarray(frames, dtype=np.int64)
+        fid_arr = np.arange(base, base + n, dtype=np.int64) if fresh else np.asarray(file_ids, dtype=np.int64)
+        frame_arr = np.asarray(frames, dtype=np.int64)
         block[:, :, 0] = fid_arr[:, None]
         block[:, :, 1] = frame_arr[:, None]
         block[:, :, 2] = layout_ids
         block[:, :, 4] = [r.shape[1] for r in rows]
         self._n_rows = need
-        spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
-        self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
+        if fresh:
+            self._fresh_keys.append((base, frames, row0, n_leaves))
+            self._n_fresh_keys += n
+        else:
+            spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
+            self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         block[:, :, 3] = self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
         return True
+
+    def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Every key written so far -> (first row, n rows)."""
+        for base, frames, row0, n_leaves in self._fresh_keys:
+            n = len(frames)
+            spans = zip(range(row0, row0 + n * n_leaves, n_leaves), [n_leaves] * n, strict=True)
+            self._keys.update(zip(zip(range(base, base + n), frames, strict=True), spans, strict=True))
+        self._fresh_keys.clear()
+        self._n_fresh_keys = 0
+        return self._keys
+
+    @property
+    def _n_frames(self) -> int:
+        return len(self._keys) + self._n_fresh_keys
 
     def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
         """Flatten every item and run what ``_put`` would check (the layout rule, the duplicate
@@ -342,7 +367,7 @@ class SpillWriter:
                 new_schema, layout_ids = self._schema.check(name, frame, file_id, layouts, schemas.get(file_id))
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
-                if earlier is not None or key in self._keys:
+                if earlier is not None or key in self._key_map():
                     if self.on_duplicate == "first":
                         out.append((name, frame, leaves))
                         continue
@@ -350,7 +375,7 @@ class SpillWriter:
                         same = (
                             _same_leaves(earlier, leaves)
                             if earlier is not None
-                            else self._same_as_written(self._keys[key], leaves, layout_ids)
+                            else self._same_as_written(self._key_map()[key], leaves, layout_ids)
                         )
                         if not same:
                             raise DuplicateFrameError(
@@ -378,7 +403,8 @@ class SpillWriter:
         # raises before anything of this frame is staged or cataloged
         new_schema, layout_ids = self._schema.check(filename, frame, file_id, layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
-        prev = self._keys.get(key)
+        # A file never written has no key yet (its id is the next one).
+        prev = self._key_map().get(key) if file_id < len(self._filenames) else None
         if prev is not None:
             if self.on_duplicate == "first":
                 self._rewrites += 1
@@ -403,7 +429,9 @@ class SpillWriter:
             self._file_ids[filename] = file_id
         first_row, n_leaves = self._n_rows, len(leaves)
         if first_row + n_leaves > len(self._rows):
-            self._rows = np.concatenate([self._rows, np.zeros((len(self._rows) + n_leaves, FS.INDEX_COLUMNS), np.int64)])
+            self._rows = np.concatenate(
+                [self._rows, np.zeros((len(self._rows) + n_leaves, FS.INDEX_COLUMNS), np.int64)]
+            )
         off, rows = self._staging.offset, []
         for leaf, lid in zip(leaves, layout_ids, strict=True):
             rows.append((file_id, frame, lid, off, leaf.nbytes))
@@ -510,7 +538,7 @@ class SpillWriter:
             segment=str(self.segment),
             run_id=self.run_id,
             n_rows=len(rows),
-            n_frames=len(self._keys),
+            n_frames=self._n_frames,
             n_files=len(self._filenames),
             nbytes=nbytes,
             n_chunks=n_chunks,
@@ -674,7 +702,7 @@ class SpillWriter:
         once by the policy), recorded in the commit record and summed by the merge into
         ``MergeReport.rewrites`` / ``dropped_duplicates``."""
         return {
-            "frames": len(getattr(self, "_keys", {})),
+            "frames": self._n_frames if hasattr(self, "_keys") else 0,
             "rows": getattr(self, "_n_rows", 0),
             "bytes": self._staging.offset,
             "chunks": self._staging.n_chunks,

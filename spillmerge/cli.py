@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     st.add_argument("--watch", action="store_true", help="redraw until every rank has committed or failed")
     st.add_argument("--interval", type=float, default=3.0, help="seconds between redraws with --watch (default 3)")
-    st.add_argument("--expected", type=int, metavar="N", help="frames the whole job writes (default: what the writers recorded)")
+    st.add_argument(
+        "--expected", type=int, metavar="N", help="frames the whole job writes (default: what the writers recorded)"
+    )
     st.add_argument(
         "--stall-after", type=float, default=120.0, metavar="SECONDS",
         help="flag a writing rank with no durable write for this long as stalled (default 120)",

@@ -55,6 +55,7 @@ def write_filenames(path: str | Path, names: list[str]) -> None:
         new = g["index"].create_array(
             name, shape=arr.shape, dtype=old.dtype, chunks=old.chunks, overwrite=True,
             dimension_names=old.metadata.dimension_names, config={"write_empty_chunks": True},
+            attributes=dict(old.attrs),
         )  # fmt: skip
         if len(arr):
             new[:] = arr

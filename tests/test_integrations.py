@@ -132,7 +132,10 @@ def test_xarray_reads_the_merged_store(tmp_path):
     })  # fmt: skip
     out = str(tmp_path / "out.zarr")
     index = xr.open_zarr(out, group="index", consolidated=True)
-    assert list(index["filenames"].values) == ["a.mp4", "dets/b.mp4"] and index.sizes["row"] == 7
+    raw, fo = index["filenames"].values.tobytes(), index["filename_offsets"].values  # UTF-8 bytes + offsets
+    assert [raw[a:b].decode() for a, b in zip(fo[:-1], fo[1:], strict=True)] == ["a.mp4", "dets/b.mp4"] and index.sizes[
+        "row"
+    ] == 7
     assert index["frame_idx"].values.tolist() == [1, 2, 3, 0, 1, 2, 3]
     off = index["frame_offsets"].values
     assert off.tolist() == [0, 3, 7]
@@ -186,6 +189,39 @@ def test_tensorstore_reads_the_merged_store(tmp_path):
     assert not (out / "columns" / "__value__" / "offsets").exists()
     meta = json.loads((out / "columns" / "__value__" / "zarr.json").read_text())
     assert meta["attributes"]["spillmerge"]["leaf"] == [] and meta["attributes"]["spillmerge"]["dtype"] == "int64"
+
+
+def test_tensorstore_alone_maps_rows_to_filenames_and_reads_strings(tmp_path):
+    """Format 3 stores every string as UTF-8 bytes + int64 offsets: tensorstore's zarr3 driver,
+    which has no string type, reads the filenames, which rows are whose, and a ``str`` column."""
+    ts = pytest.importorskip("tensorstore")
+    files = {
+        f"img_{i:03d} é.jpg": {0: {"caption": f"a photo number {i} ✓", "score": torch.tensor(i / 2)}} for i in range(40)
+    }
+    files["vid.mp4"] = {f: {"caption": "" if f == 1 else f"frame {f}", "score": torch.tensor(-1.0)} for f in range(3)}
+    res = _merge(tmp_path, files)
+    out = tmp_path / "out.zarr"
+
+    def read(rel: str) -> np.ndarray:
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(out / rel)}}
+        return ts.open(spec, read=True).result().read().result()
+
+    def strings(values: np.ndarray, offsets: np.ndarray) -> list[str]:
+        raw = values.tobytes()
+        return [raw[a:b].decode("utf-8") for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)]
+
+    names = strings(read("index/filenames"), read("index/filename_offsets"))
+    assert names == sorted(files) == list(res.filenames)
+    rows = read("index/frame_offsets")
+    file_of_row = np.repeat(np.array(names, dtype=object), np.diff(rows))  # which file each row is
+    captions = strings(read("columns/caption/values"), read("columns/caption/offsets"))
+    scores = read("columns/score/values")
+    frames = read("index/frame_idx")
+    got = {(f, int(fr)): (c, float(s)) for f, fr, c, s in zip(file_of_row, frames, captions, scores, strict=True)}
+    want = {(f, fr): (v["caption"], float(v["score"])) for f, by in files.items() for fr, v in by.items()}
+    assert got == want
+    # The heads (first name of each block) let a tensorstore reader bisect too.
+    assert strings(read("index/filename_heads"), read("index/filename_head_offsets"))[0] == names[0]
 
 
 # ------------------------------------------------------------------------------------- Lightning

@@ -217,11 +217,11 @@ def test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it(tmp
     raw = bytearray(chunk.read_bytes())
     raw[64 * 8 + 1000] ^= 0x01  # inside row 1 of "logits" (the int64 "label" block comes first)
     chunk.write_bytes(bytes(raw))
-    with pytest.raises(spillmerge.CorruptSpillError, match="checksum mismatch for the block at bytes"):
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"mismatch for 'img/000.jpg' frame 0 leaf 'logits' .*in the block at bytes 512..38912"):
         spillmerge.merge(str(root), str(tmp_path / "out.zarr"), progress=False)
     exe = shutil.which("spillmerge", path=str(Path(sys.executable).parent)) or "spillmerge"
     p = subprocess.run([exe, "verify", str(root)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and f"CORRUPT {chunk}: checksum mismatch in a block" in p.stdout, p.stdout
+    assert p.returncode == 1 and f"CORRUPT {chunk}: checksum mismatch in a block of rows" in p.stdout, p.stdout
     p = subprocess.run([exe, "verify", str(intact)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     spillmerge.merge(str(intact), str(tmp_path / "ok.zarr"), progress=False)

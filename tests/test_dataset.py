@@ -1,0 +1,78 @@
+"""spillmerge.OutputDataset: a map-style torch Dataset over a merged output, read through a real
+DataLoader in the main process and in worker processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import spillmerge
+
+N = 23
+
+
+def _value(i: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(i)
+    return {
+        "logits": torch.randn(10, generator=g).half(),
+        "emb": torch.randn(4, generator=g).bfloat16(),
+        "label": torch.tensor(i % 5),
+        "caption": f"image {i} ü",
+        "boxes": torch.rand(i % 3, 4, generator=g),
+    }
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("dataset")
+    names = [f"img/{i:03d}.jpg" for i in range(N)]
+    with spillmerge.SpillWriter(str(tmp / "spill"), 0, 1) as w:
+        for name, i in zip(names, range(N), strict=True):
+            w.write(name, 0, _value(i))
+    w.merge(str(tmp / "out.zarr"))
+    return str(tmp / "out.zarr")
+
+
+def _rows(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return batch
+
+
+def test_a_row_is_a_dict_of_tensors_of_the_real_dtypes(output: str) -> None:
+    ds = spillmerge.OutputDataset(output)
+    assert len(ds) == N and ds.columns == ["boxes", "caption", "emb", "label", "logits"]
+    for i in (0, 7, N - 1, -1):
+        row, want = ds[i], _value(i % N)
+        assert row["filename"] == f"img/{i % N:03d}.jpg" and row["frame_idx"] == 0
+        for k in ("logits", "emb", "label", "boxes"):
+            assert row[k].dtype == want[k].dtype and torch.equal(row[k], want[k]), (i, k)
+        assert row["caption"] == want["caption"]
+    with pytest.raises(IndexError, match="out of range"):
+        ds[N]
+    with pytest.raises(spillmerge.UnknownColumnError):
+        spillmerge.OutputDataset(output, columns=["nope"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataloader_reads_every_row_once_in_the_main_process_and_in_workers(output: str, workers: int) -> None:
+    ds = spillmerge.OutputDataset(output, columns=["logits", "emb", "label", "caption"])
+    loader = DataLoader(ds, batch_size=4, num_workers=workers)
+    seen = []
+    for batch in loader:  # the default collate: tensors stacked, strings listed
+        assert batch["logits"].dtype == torch.float16 and batch["emb"].dtype == torch.bfloat16
+        for j, name in enumerate(batch["filename"]):
+            i = int(name[4:7])
+            want = _value(i)
+            assert torch.equal(batch["logits"][j], want["logits"]) and torch.equal(batch["emb"][j], want["emb"])
+            assert int(batch["label"][j]) == i % 5 and batch["caption"][j] == want["caption"]
+            seen.append(i)
+    assert sorted(seen) == list(range(N))
+    # ragged leaves: a collate that keeps the rows, with shuffling across two workers
+    loader = DataLoader(spillmerge.OutputDataset(output), batch_size=5, shuffle=True, num_workers=workers, collate_fn=_rows)
+    got = {row["filename"]: row["boxes"] for batch in loader for row in batch}
+    assert len(got) == N
+    for name, boxes in got.items():
+        assert np.array_equal(boxes.numpy(), _value(int(name[4:7]))["boxes"].numpy())
