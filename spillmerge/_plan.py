@@ -370,12 +370,15 @@ def _resolve_duplicates(
         for r in range(a, b):  # rows of one key: by segment, then leaf
             groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
-        # A negative CRC names a block checksum, not the bytes: such copies are compared by bytes.
-        sigs = {
-            tuple((int(c["lp"][r]), int(c["nb"][r]), max(-1, int(c["crc"][r]))) for r in rows)
-            for rows in groups.values()
-        }
+        # A negative CRC names a block checksum, not the bytes: a leaf whose copies mix a row CRC
+        # and a block pointer (write() and write_batch(), or one copy in a block of frames) is
+        # compared by bytes; two row CRCs that differ prove different bytes.
+        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r])) for r in rows) for rows in groups.values()}
         identical = len(sigs) == 1
+        if identical:
+            crcs = np.array([[int(c["crc"][r]) for r in rows] for rows in groups.values()], dtype=np.int64)
+            identical = all(len({int(v) for v in col if v >= 0}) <= 1 for col in crcs.T)
+        agree = identical  # sizes and checksums agree: only their bytes can tell
         if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
             ext = {
                 s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
@@ -388,7 +391,7 @@ def _resolve_duplicates(
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
                 f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
-                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 else "")
+                + (" (their CRC-32C checksums agree, their bytes do not)" if agree else "")
                 + "; merge with on_duplicate='first' "
                 "or 'last' (--on-duplicate) to pick one",
                 filename=fname,
