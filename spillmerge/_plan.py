@@ -36,7 +36,7 @@ ROW_BLOCK = 1 << 20
 """Rows per block of the loops over per-row arrays (bounded temporaries whatever the plan size)."""
 
 #: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
-_KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
+KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,8 +253,8 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
         return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
                     [], segments, e, e, e, e, duplicates=0)  # fmt: skip
     c = {k: np.concatenate(v) for k, v in cols.items()}
-    _check_leaf_types(c, layouts, leaf_paths, names, segments)
-    c, copies, duplicates = _resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
+    check_leaf_types(c, layouts, leaf_paths, names, segments)
+    c, copies, duplicates = resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
 
     # Rows: distinct (file, frame), in order; every entry's row number.
     order = np.lexsort((c["lp"], c["frame"], c["file"]))
@@ -274,7 +274,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
 
     group, groups = _dtype_groups(c, layouts, leaf_paths, names, segments)
-    names_of = _group_names(groups, leaf_paths)
+    names_of = group_names(groups, leaf_paths)
     kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
     is_none = kinds[c["gl"]] == "none"
     columns = []
@@ -288,14 +288,14 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
 
     file_layout, file_layouts = _file_layouts(c["file"], group, len(names), names_of)
     for layout in file_layouts:
-        _check_prefixes(layout, columns, names, file_layout, file_layouts)
+        check_prefixes(layout, columns, names, file_layout, file_layouts)
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates,
     )  # fmt: skip
 
 
-def _check_leaf_types(
+def check_leaf_types(
     c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: Sequence[str],
     segments: list[LoadedSegment],
 ) -> None:  # fmt: skip
@@ -342,7 +342,7 @@ def _check_leaf_types(
         )
 
 
-def _resolve_duplicates(
+def resolve_duplicates(
     c: dict[str, np.ndarray],
     names: Sequence[str],
     segments: list[LoadedSegment],
@@ -509,7 +509,7 @@ def decode_groups(keys: np.ndarray, dnames: list[str]) -> list[tuple[int, str | 
     return [(int(k) // m, None if k % m == 0 else dnames[int(k % m) - 1]) for k in keys]
 
 
-def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
+def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
     """Column name of each group: the leaf's name (``column_names``), and, for a leaf split by
     dtype, that name ``.`` the dtype (hashed if it would equal another column's name)."""
     base = column_names(leaf_paths)
@@ -536,7 +536,7 @@ def _column(
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
     if lays and not dt.numeric:
-        kind = _KIND[dt.kind]
+        kind = KIND[dt.kind]
         # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
         # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
         counts = np.zeros(n_rows, dtype=np.int64)
@@ -594,7 +594,7 @@ def _file_layouts(
     return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]
 
 
-def _check_prefixes(
+def check_prefixes(
     layout: list[str],
     columns: list[PlannedColumn],
     names: Sequence[str],

@@ -411,7 +411,7 @@ class _Builder:
             e = np.zeros(0, np.int64)
             return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
                           [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
-        self._check_leaf_types(names)
+        self.check_leaf_types(names)
 
         # Pass 1: rows and the row table, block by block.
         n_lp = len(self.leaf_paths)
@@ -423,7 +423,7 @@ class _Builder:
         n_ent = n_rows = 0
         for g0, g1, spans in self._blocks(n_files):
             c = self._entries(spans)
-            c, copies, dups = P._resolve_duplicates(c, names, self.segments, self.on_duplicate, self.same_bytes)
+            c, copies, dups = P.resolve_duplicates(c, names, self.segments, self.on_duplicate, self.same_bytes)
             duplicates += dups
             order = np.lexsort((c["lp"], c["frame"], c["file"]))
             for k in c:
@@ -463,7 +463,7 @@ class _Builder:
             keys.update(np.unique(P.group_keys(lp, code, first, len(dnames))).tolist())
         uniq = np.array(sorted(keys), dtype=np.int64)
         groups = P.decode_groups(uniq, dnames)
-        names_of = P._group_names(groups, self.leaf_paths)
+        names_of = P.group_names(groups, self.leaf_paths)
         if len(groups) > 62:
             raise TooManyColumns(len(groups))
         kinds = np.array([F.DTYPES[lay.dtype].kind for lay in self.layouts])
@@ -505,13 +505,13 @@ class _Builder:
         ]  # fmt: skip
         columns.sort(key=lambda col: col.name)
         for layout in file_layouts:
-            P._check_prefixes(layout, columns, names, file_layout, file_layouts)
+            P.check_prefixes(layout, columns, names, file_layout, file_layouts)
         return P.Plan(
             names, file_offsets, frame_idx, rank, copies_all, file_layout, file_layouts, columns, self.segments,
             t["seg"], t["off"], t["nb"], t["crc"], duplicates,
         )  # fmt: skip
 
-    def _check_leaf_types(self, names: StringTable) -> None:
+    def check_leaf_types(self, names: StringTable) -> None:
         """``_plan``'s check of a leaf's kind and ``ndim``, over one representative entry per
         (layout, segment): the layouts decide it; the entries only name an example file and
         the ranks in a refusal."""
@@ -528,7 +528,7 @@ class _Builder:
                     rows["seg"].append(si)
                     rows["lp"].append(int(self.pmap[g]))
         c = {k: np.array(v, dtype=np.int64) for k, v in rows.items()}
-        P._check_leaf_types(c, self.layouts, self.leaf_paths, names, self.segments)  # type: ignore[arg-type]
+        P.check_leaf_types(c, self.layouts, self.leaf_paths, names, self.segments)  # type: ignore[arg-type]
 
     def _column(
         self, name: str, leaf: tuple[str, ...], src: np.ndarray, rowgl: np.ndarray, lay_ids: list[int],
@@ -554,7 +554,7 @@ class _Builder:
         if lays and not dt.numeric:
             # Format 3: every non-numeric kind is bytes + byte offsets; a list of str also has
             # its strings per row as (n_rows, 1) shapes (``_plan._column``).
-            kind = P._KIND[dt.kind]
+            kind = P.KIND[dt.kind]
             counts = per_row(lambda g, ok, sl: np.where(ok, np.asarray(nb)[np.maximum(np.asarray(src[sl]), 0)], 0), _I8)
             strings = None
             if kind == "strlist":
