@@ -303,9 +303,13 @@ class _Builder:
         w = self.work
         live = [(si, r) for si, r in enumerate(self.runs) if r is not None]
 
+        # Read-ahead per run: one block shared by all runs, so memory does not grow with the
+        # number of segments (a whole block per run made the 10^7-key merge's peak 1.9x the 10^6).
+        ahead = max(1024, ROW_BLOCK // max(1, len(live)))
+
         def stream(si: int, r: _Run) -> Iterator[tuple[bytes, int, int]]:
-            for a in range(0, len(r.names), ROW_BLOCK):
-                raw, lens = r.names.encoded(a, min(a + ROW_BLOCK, len(r.names)))
+            for a in range(0, len(r.names), ahead):
+                raw, lens = r.names.encoded(a, min(a + ahead, len(r.names)))
                 raw_b, pos = raw.tobytes(), 0
                 for j, n in enumerate(lens.tolist()):
                     yield raw_b[pos : pos + n], si, a + j
