@@ -9,9 +9,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
+import numpy as np
 import zarr
 
-from . import _codecs, _lease, _output, _parts
+from . import _codecs, _lease, _output, _parts, _plan_disk
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
@@ -23,10 +24,10 @@ from ._errors import (
     SpillValueError,
 )
 from ._frames import check_expected
-from ._options import DEFAULT_MEMORY_BUDGET, MergeOptions
+from ._options import DEFAULT_MEMORY_BUDGET, DEFAULT_PLAN_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
 from ._report import MergeReport, gaps
-from ._spillroot import load_all, load_flushed, remove_all, same_bytes, wait_for_commits
+from ._spillroot import load_all, load_flushed, load_segment, remove_all, same_bytes, wait_for_commits
 from ._storage import Storage
 
 
@@ -44,6 +45,8 @@ def merge(
     overwrite: bool = False,
     chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    plan_budget: int = DEFAULT_PLAN_BUDGET,
+    plan_dir: str | None = None,
     threads: int | None = None,
     fsync: bool = True,
     progress: bool | None = None,
@@ -58,8 +61,11 @@ def merge(
 
     Waits up to ``timeout`` seconds for missing commit records (0: check once), failing at once
     when a rank recorded a failure. ``allow_partial`` merges what is committed and reports the
-    missing ranks. Memory stays under about ``memory_budget`` bytes whatever the payload (plus one
-    frame when a single frame is larger). ``codec`` compresses the output arrays: ``"none"``
+    missing ranks. Memory stays under about ``memory_budget`` bytes of output chunks whatever the
+    payload (plus one frame when a single frame is larger) and ``plan_budget`` bytes of plan
+    whatever the number of rows and files: a larger plan is built out of core, in temporary files
+    under ``plan_dir`` (default: the system's temporary folder) removed when the merge ends
+    (docs/SCALE.md; plus one segment's catalog and index at a time). ``codec`` compresses the output arrays: ``"none"``
     (default: raw bytes), ``"blosc-lz4"`` or ``"zstd"``. Returns a :class:`MergeReport`.
 
     Scale-out over independent processes (SLURM array tasks; no torch.distributed needed):
@@ -97,7 +103,7 @@ def merge(
             return _merge_part(job, options.part, rank=None)
         return _remove_spill(job, _merge_whole(job))
     finally:
-        job.src.close()
+        job.close()
 
 
 def merge_parallel(
@@ -120,7 +126,7 @@ def merge_parallel(
             return None
         return _remove_spill(job, _finalize(job, world_size, collective=True))
     finally:
-        job.src.close()
+        job.close()
 
 
 def _remove_spill(job: _Job, report: MergeReport) -> MergeReport:
@@ -183,6 +189,16 @@ class _Job:
     """Seconds per phase."""
     t0: float
     """perf_counter at the start of the call."""
+    disk: _plan_disk.DiskPlan | None = None
+    """The work folder of an out-of-core plan (removed by :meth:`close`), else None."""
+
+    def close(self) -> None:
+        """After the merge, whatever its outcome: the plan's temporary files, then the storage."""
+        try:
+            if self.disk is not None:
+                self.disk.close()
+        finally:
+            self.src.close()
 
     @classmethod
     def open(cls, root: str, out: str, options: MergeOptions) -> _Job:
@@ -222,24 +238,58 @@ class _Job:
         # Write order for the duplicate policy: segment start time, rank breaking ties.
         segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
         t = time.perf_counter()
-        loaded = load_all(src, segments)
         salvaged: dict[int, int] = {}
         notes: list[str] = []
+        extra = []
         if allow_partial:
             # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
             for rank, seg in sorted(state.partial.items()):
                 part, problems = load_flushed(src, seg)
                 notes.extend(problems)
                 if len(part.index):
-                    loaded.append(part)
+                    extra.append(part)
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
-        phases["load"] = time.perf_counter() - t
-        t = time.perf_counter()
-        plan = build(loaded, options.on_duplicate, same_bytes=functools.partial(same_bytes, src))
-        plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
+        compare = functools.partial(same_bytes, src)
+        need = _plan_disk.estimate_bytes(
+            sum(s.commit.n_rows for s in segments if s.commit is not None) + sum(len(p.index) for p in extra),
+            sum(s.commit.n_files for s in segments if s.commit is not None) + sum(len(p.filenames) for p in extra),
+        )
+        disk = None
+        if need <= options.plan_budget:
+            loaded = load_all(src, segments) + extra
+            phases["load"] = time.perf_counter() - t
+            t = time.perf_counter()
+            plan = build(loaded, options.on_duplicate, same_bytes=compare)
+        else:
+            # Out of core: each segment is loaded when the plan gets to it, one at a time.
+            sources = [_plan_disk.SegmentSource(functools.partial(load_segment, src, s)) for s in segments]
+            sources += [_plan_disk.SegmentSource(functools.partial(lambda p: p, p)) for p in extra]
+            phases["load"] = time.perf_counter() - t
+            t = time.perf_counter()
+            try:
+                disk = _plan_disk.build(
+                    sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
+                    work_dir=options.plan_dir,
+                )  # fmt: skip
+                plan = disk.plan
+                notes.append(
+                    f"the merge plan (about {need >> 20} MiB in memory) exceeds plan_budget ({options.plan_budget >> 20} "
+                    f"MiB): built out of core in {disk.work.dir} (removed after the merge)"
+                )
+            except _plan_disk.InMemoryOnly as exc:  # rare (> 62 columns, leaves of several variants): in memory
+                notes.append(f"the plan was built in memory: {exc}")
+                plan = build(load_all(src, segments) + extra, options.on_duplicate, same_bytes=compare)
+        try:
+            plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
+        except BaseException:
+            if disk is not None:
+                disk.close()
+            raise
         phases["plan"] = time.perf_counter() - t
         options = replace(options, codec=codec)
-        return cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
+        return cls(
+            src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0, disk
+        )
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan
@@ -461,25 +511,44 @@ def _write_output_index(job: _Job) -> None:
     with zarr.config.set({"array.write_empty_chunks": True}), job.output.storage_errors("write the index of", "index"):
         group = zarr.open_group(store, mode="r+", use_consolidated=False)
         index: Any = group["index"]
-        for name, arr in Z.filename_arrays(plan.filenames).items():
-            if len(arr):
-                index[name][:] = arr
+        _write_filenames(plan, index)
         if plan.n_files:
-            index["file_layout"][:] = plan.file_layout
-        index["frame_offsets"][:] = plan.file_offsets
+            _assign(index["file_layout"], plan.file_layout)
+        _assign(index["frame_offsets"], plan.file_offsets)
         if plan.n_frames:
-            index["frame_idx"][:] = plan.frame_idx
-            index["frame_rank"][:] = plan.rank
-            index["frame_copies"][:] = plan.copies
+            _assign(index["frame_idx"], plan.frame_idx)
+            _assign(index["frame_rank"], plan.rank)
+            _assign(index["frame_copies"], plan.copies)
         for col in plan.columns:
             node: Any = group[f"columns/{col.name}"]
             if col.has_offsets:
-                node["offsets"][:] = col.offsets()
+                _assign(node["offsets"], col.offsets())
             if col.shapes is not None and plan.n_frames:
-                node["shapes"][:] = col.shapes
+                _assign(node["shapes"], col.shapes)
             if col.has_valid and plan.n_frames:
-                node["valid"][:] = col.src >= 0
+                _assign(node["valid"], col.src, lambda src: src >= 0)
     job.phases["index"] = time.perf_counter() - t
+
+
+def _assign(array: Any, source: np.ndarray, fn: Any = None) -> None:
+    """``array[:] = fn(source)``, a whole number of chunks at a time: an out-of-core plan's arrays
+    are maps of files, read block by block rather than into memory at once."""
+    n = len(source)
+    step = max(1, Z.INDEX_ROWS_PER_CHUNK // max(1, int(array.chunks[0]))) * int(array.chunks[0])
+    for a in range(0, n, step):
+        block = np.asarray(source[a : a + step])
+        array[a : a + len(block)] = block if fn is None else fn(block)
+
+
+def _write_filenames(plan: Plan, index: Any) -> None:
+    """``index/filenames`` and its offsets and block heads: from the plan's list, or, for an
+    out-of-core plan, straight from its string table's bytes and offsets a block at a time
+    (the same UTF-8 bytes + int64 offsets layout: never the names as Python strings)."""
+    names = plan.filenames
+    arrays = names.index_arrays(Z.NAME_BLOCK) if isinstance(names, _plan_disk.StringTable) else None
+    for name, arr in (arrays or Z.filename_arrays(list(names))).items():
+        if len(arr):
+            _assign(index[name], arr)
 
 
 def _copy(job: _Job, todo: list[Unit]) -> None:

@@ -16,6 +16,11 @@ from ._format import DEFAULT_CHUNK_BYTES
 DEFAULT_MEMORY_BUDGET = 256 << 20
 """Bytes of output chunks a merge keeps in flight by default."""
 
+DEFAULT_PLAN_BUDGET = 512 << 20
+"""Bytes the merge plan may hold in memory by default; a larger plan is built out of core
+(``_plan_disk``). With ``DEFAULT_MEMORY_BUDGET`` a merge process stays within about 1 GiB plus one
+segment's catalog and index (docs/SCALE.md)."""
+
 
 def parse_size(text: str) -> int:
     """``16MiB``, ``256M``, ``1g``, ``4096`` → bytes (the CLI's sizes)."""
@@ -158,6 +163,26 @@ class MergeOptions:
         flag=Flag("--memory-budget", "bytes of frames in flight (default 256MiB)", {"type": parse_size}),
     )
     """Bytes of output chunks in flight."""
+    plan_budget: int = _option(
+        DEFAULT_PLAN_BUDGET,
+        config=int,
+        flag=Flag(
+            "--plan-budget",
+            "bytes the merge plan may hold in memory; a larger plan is built in temporary files (default 512MiB)",
+            {"type": parse_size},
+        ),
+    )
+    """Bytes the merge plan may hold in memory; beyond it the plan is built out of core in ``plan_dir``."""
+    plan_dir: str | None = _option(
+        None,
+        config=str,
+        flag=Flag(
+            "--plan-dir",
+            "local folder for an out-of-core plan's temporary files, removed after the merge (default: system temp)",
+            {"metavar": "DIR"},
+        ),
+    )
+    """Local folder for an out-of-core plan's temporary files (None: the system's temporary folder)."""
     threads: int | None = _option(
         None,
         config=int,

@@ -33,8 +33,11 @@ SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 
 VALUE_COLUMN = F.VALUE_COLUMN
 
+ROW_BLOCK = 1 << 20
+"""Rows per block of the loops over per-row arrays (bounded temporaries whatever the plan size)."""
+
 #: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
-_KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
+KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,8 @@ class PlannedColumn:
     variant: str | None = None
     """The variant tag of a leaf's column when the leaf has several variants that are not only
     numeric dtypes (``_variant_groups``); None otherwise (the name carries at most the dtype)."""
+    offs: np.ndarray | None = None
+    """``offsets()`` computed once (an out-of-core plan keeps them on disk), else None."""
 
     @property
     def storage(self) -> str:
@@ -102,6 +107,8 @@ class PlannedColumn:
 
     def offsets(self) -> np.ndarray:
         assert self.counts is not None
+        if self.offs is not None:
+            return self.offs
         out = np.zeros(len(self.counts) + 1, dtype=np.int64)
         np.cumsum(self.counts, out=out[1:])
         return out
@@ -111,7 +118,13 @@ class PlannedColumn:
         """Length of ``values``' first dimension."""
         if self.counts is None:
             return len(self.src)
+        if self.offs is not None:
+            return int(self.offs[-1])
         return int(self.counts.sum())
+
+    def present(self) -> int:
+        """Rows that have a value (read a block at a time)."""
+        return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
 
     def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
@@ -131,8 +144,8 @@ class PlannedColumn:
 class Plan:
     """The merge plan and the row table it refers to."""
 
-    filenames: list[str]
-    """Sorted, distinct."""
+    filenames: Sequence[str]
+    """Sorted, distinct (a list, or an out-of-core plan's ``_plan_disk.StringTable``)."""
     file_offsets: np.ndarray
     """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
     frame_idx: np.ndarray
@@ -170,7 +183,12 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return int(sum(int(self.nbytes[c.src[c.src >= 0]].sum()) for c in self.columns))
+        total = 0
+        for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
+            for a in range(0, len(c.src), ROW_BLOCK):
+                s = np.asarray(c.src[a : a + ROW_BLOCK])
+                total += int(self.nbytes[s[s >= 0]].sum())
+        return total
 
     def file_rows(self, i: int) -> tuple[int, int]:
         return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
@@ -240,7 +258,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
         return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
                     [], segments, e, e, e, e, duplicates=0)  # fmt: skip
     c = {k: np.concatenate(v) for k, v in cols.items()}
-    c, copies, duplicates = _resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
+    c, copies, duplicates = resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
 
     # Rows: distinct (file, frame), in order; every entry's row number.
     order = np.lexsort((c["lp"], c["frame"], c["file"]))
@@ -260,7 +278,7 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
 
     group, groups = _variant_groups(c, layouts, leaf_paths)
-    names_of = _group_names(groups, leaf_paths)
+    names_of = group_names(groups, leaf_paths)
     kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
     is_none = kinds[c["gl"]] == "none"
     columns = []
@@ -283,8 +301,12 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     )  # fmt: skip
 
 
-def _resolve_duplicates(
-    c: dict[str, np.ndarray], names: list[str], segments: list[LoadedSegment], on_duplicate: str, same_bytes: SameBytes
+def resolve_duplicates(
+    c: dict[str, np.ndarray],
+    names: Sequence[str],
+    segments: list[LoadedSegment],
+    on_duplicate: str,
+    same_bytes: SameBytes,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
     """Drop all but one copy of every (file, frame) held by several segments; return the kept
     entries, how many segments held each entry's key, and the copies dropped."""
@@ -307,14 +329,15 @@ def _resolve_duplicates(
         for r in range(a, b):  # rows of one key: by segment, then leaf
             groups.setdefault(int(c["seg"][r]), []).append(r)
         seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
-        # A negative CRC names a block checksum, not the bytes: a copy with one (in either
-        # segment) is compared by its bytes whenever layouts and sizes agree.
-        blocked = bool((c["crc"][a:b] < 0).any())
-        sigs = {
-            tuple((int(c["lp"][r]), int(c["nb"][r]), -1 if blocked else int(c["crc"][r])) for r in rows)
-            for rows in groups.values()
-        }
+        # A negative CRC names a block checksum, not the bytes: a leaf whose copies mix a row CRC
+        # and a block pointer (write() and write_batch(), or one copy in a block of frames) is
+        # compared by bytes; two row CRCs that differ prove different bytes.
+        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r])) for r in rows) for rows in groups.values()}
         identical = len(sigs) == 1
+        if identical:
+            crcs = np.array([[int(c["crc"][r]) for r in rows] for rows in groups.values()], dtype=np.int64)
+            identical = all(len({int(v) for v in col if v >= 0}) <= 1 for col in crcs.T)
+        agree = identical  # sizes and checksums agree: only their bytes can tell
         if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
             ext = {
                 s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
@@ -327,14 +350,14 @@ def _resolve_duplicates(
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
                 f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
-                + (" (their CRC-32C checksums agree, their bytes do not)" if len(sigs) == 1 and not blocked else "")
+                + (" (their CRC-32C checksums agree, their bytes do not)" if agree else "")
                 + "; merge with on_duplicate='first' "
                 "or 'last' (--on-duplicate) to pick one",
                 filename=fname,
                 frame_idx=frame,
                 ranks=ranks,
             )
-        chosen = seg_ids[-1] if on_duplicate == "last" and not identical else seg_ids[0]
+        chosen = _keep(segments, seg_ids, on_duplicate, identical=identical)
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
     if not keep.all():
@@ -433,7 +456,92 @@ def variant_tag(sig: tuple[str, str, int]) -> str:
     return f"{dtype}.{ndim}d" if kind == "num" else kind
 
 
-def _group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
+def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: str, *, identical: bool) -> int:
+    """Which copy of a duplicated (filename, frame) a row comes from (docs/GUARANTEES.md, *Duplicates*).
+
+    Identical copies (by bytes): the lowest rank's, then its earliest segment — a rule of the spill
+    root's contents alone, so ``frame_rank`` names the same rank whatever order the segments were
+    started, listed or loaded in (DistributedSampler's padding always attributes to the lowest
+    rank that wrote the frame). Different content: the policy picks by write order — ``first`` the
+    earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids`` are positions in
+    ``segments``, which are in that order."""
+    if identical:
+        return min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
+    return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
+
+
+def dtype_names(layouts: list[FS.Layout]) -> list[str]:
+    """The numeric dtypes that decide a column (zero-element layouts say nothing), sorted: a
+    dtype's code is its position."""
+    return sorted({lay.dtype for lay in layouts if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape})
+
+
+def pair_codes(
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], names: Sequence[str],
+    segments: list[LoadedSegment],
+) -> tuple[list[str], np.ndarray]:  # fmt: skip
+    """Each entry's dtype code (position in ``dtype_names``) as its file's rows of its leaf agree
+    on it, -1 where none of them says (``None``, zero elements); a leaf of two dtypes in one file
+    raises. File-local: a plan built in blocks of whole files gets the same codes."""
+    n_lp = len(leaf_paths)
+    dnames = dtype_names(layouts)
+    code_of = {d: i for i, d in enumerate(dnames)}
+    lcode = np.array(
+        [code_of[lay.dtype] if F.DTYPES[lay.dtype].numeric and 0 not in lay.shape else -1 for lay in layouts],
+        dtype=np.int64,
+    )
+    known = lcode[c["gl"]]
+    pair = c["file"] * n_lp + c["lp"]
+    order = np.argsort(pair, kind="stable")
+    ps, ks = pair[order], known[order]
+    starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
+    hi = np.maximum.reduceat(ks, starts)
+    lo = np.minimum.reduceat(np.where(ks < 0, len(dnames), ks), starts)
+    bad = np.flatnonzero((hi >= 0) & (lo != hi))
+    if len(bad):
+        f, p = divmod(int(ps[starts[bad[0]]]), n_lp)
+        sel = (c["file"] == f) & (c["lp"] == p) & (known >= 0)
+        codes = sorted({int(k) for k in known[sel]})
+        leaf = _leaf_name(leaf_paths[p])
+        each = [f"{dnames[k]} on rank(s) {_ranks(segments, c['seg'][sel & (known == k)])}" for k in codes]
+        raise LayoutMismatchError(
+            f"{names[f]!r:.200}: leaf {leaf!r} is {' and '.join(dnames[k] for k in codes)} in different frames "
+            f"({'; '.join(each)}); a leaf keeps its dtype in every frame of a file",
+            filename=names[f],
+            leaf=leaf,
+            ranks=_ranks(segments, c["seg"][sel]),
+        )
+    code = np.empty(len(pair), dtype=np.int64)
+    code[order] = np.repeat(hi, np.diff(np.r_[starts, len(ps)]))
+    return dnames, code
+
+
+def leaf_first(lp: np.ndarray, code: np.ndarray, n_lp: int, first: np.ndarray | None = None) -> np.ndarray:
+    """Each leaf's lowest dtype code (-1: none), where rows without one go; ``first`` from earlier
+    blocks is folded in."""
+    out = np.full(n_lp, np.iinfo(np.int64).max, dtype=np.int64)
+    if first is not None:
+        out[first >= 0] = first[first >= 0]
+    has = code >= 0
+    np.minimum.at(out, lp[has], code[has])
+    out[out == np.iinfo(np.int64).max] = -1
+    return out
+
+
+def group_keys(lp: np.ndarray, code: np.ndarray, first: np.ndarray, n_dtypes: int) -> np.ndarray:
+    """Each entry's column key: its leaf and dtype code (its leaf's first where it has none);
+    ascending keys are the columns' order."""
+    code = np.where(code >= 0, code, first[lp])
+    return lp * (n_dtypes + 1) + (code + 1)
+
+
+def decode_groups(keys: np.ndarray, dnames: list[str]) -> list[tuple[int, str | None]]:
+    """The (leaf path position, dtype or None) of each column key."""
+    m = len(dnames) + 1
+    return [(int(k) // m, None if k % m == 0 else dnames[int(k % m) - 1]) for k in keys]
+
+
+def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
     """Column name of each group: the leaf's name (``column_names``), and, for a leaf split by
     dtype, that name ``.`` the dtype (hashed if it would equal another column's name)."""
     base = column_names(leaf_paths)
@@ -460,7 +568,7 @@ def _column(
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
     if lays and not dt.numeric:
-        kind = _KIND[dt.kind]
+        kind = KIND[dt.kind]
         # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
         # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
         counts = np.zeros(n_rows, dtype=np.int64)
@@ -534,13 +642,18 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     for name in plan.filenames:  # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode
         h.update(json.dumps(name, ensure_ascii=True).encode("ascii"))
-    arrays = [plan.file_offsets, plan.frame_idx, plan.file_layout]
+    # Hashed a block at a time (the arrays may be maps of an out-of-core plan's files): the
+    # digest is that of the whole arrays back to back.
+    for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
+        for i in range(0, len(a), ROW_BLOCK):
+            h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").tobytes())
     for col in plan.columns:
-        arrays.append(col.src)
-        ok = col.src[col.src >= 0]
-        arrays += [plan.seg[ok], plan.offset[ok], plan.nbytes[ok], plan.crc[ok]]
-    for a in arrays:
-        h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+        for i in range(0, len(col.src), ROW_BLOCK):
+            h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").tobytes())
+        for table in (plan.seg, plan.offset, plan.nbytes, plan.crc):
+            for i in range(0, len(col.src), ROW_BLOCK):
+                s = np.asarray(col.src[i : i + ROW_BLOCK])
+                h.update(np.ascontiguousarray(table[s[s >= 0]], dtype="<i8").tobytes())
     return h.hexdigest()
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
 from ._frames import first_missing, runs
-from ._plan import Plan
+from ._plan import ROW_BLOCK, Plan
 
 _INLINE_NOTES = ("part ", "spill root ")
 """Notes printed on the report's first line (the rest only under a partial merge)."""
@@ -152,6 +153,16 @@ class MergeReport:
         return s
 
 
+def _finder(names: Sequence[str]) -> Callable[[str], int]:
+    """Position of a name in the plan's sorted filenames, or -1 (a binary search on disk for an
+    out-of-core plan's table, a dict for a list)."""
+    search = getattr(names, "search", None)
+    if search is not None:
+        return search  # type: ignore[no-any-return]
+    pos = {name: i for i, name in enumerate(names)}
+    return lambda name: pos.get(name, -1)
+
+
 def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int = 10000) -> dict[str, list[int]]:
     """Per filename, the frame indices absent: below the manifest's count when it lists the file,
     else between 0 and the highest frame merged. ``whole``: also the files only the manifest names
@@ -159,13 +170,15 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
     exactly ``0 .. n-1`` (nearly all) are skipped without a Python step each."""
     out: dict[str, list[int]] = {}
     off, frames = plan.file_offsets, plan.frame_idx
-    n_rows = np.diff(off)
-    last = np.where(n_rows > 0, frames[np.maximum(off[1:] - 1, 0)], -1)
-    suspect = np.flatnonzero(last + 1 != n_rows)  # a gap below the last frame
-    check = set(suspect.tolist())
-    if expected is not None:
-        pos = {name: i for i, name in enumerate(plan.filenames)} if len(expected) else {}
-        check.update(pos[name] for name in expected if name in pos)
+    check: set[int] = set()
+    for a in range(0, plan.n_files, ROW_BLOCK):  # a block of files at a time (an out-of-core plan maps them)
+        o = np.asarray(off[a : a + ROW_BLOCK + 1])
+        n_rows = np.diff(o)
+        last = np.where(n_rows > 0, frames[np.maximum(o[1:] - 1, 0)], -1)
+        check.update((a + np.flatnonzero(last + 1 != n_rows)).tolist())  # a gap below the last frame
+    find = _finder(plan.filenames) if expected else None
+    if expected is not None and find is not None:
+        check.update(i for i in map(find, expected) if i >= 0)
     for i in sorted(check):
         name = plan.filenames[i]
         have = frames[off[i] : off[i + 1]]
@@ -175,9 +188,8 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         have = have[have < span]
         if len(have) != span:
             out[name] = first_missing(have, span, limit)
-    if expected is not None and whole:
-        seen = set(plan.filenames) if len(expected) else set()
+    if expected is not None and whole and find is not None:
         for name, count in expected.items():
-            if name not in seen and count > 0:
+            if find(name) < 0 and count > 0:
                 out[name] = list(range(min(count, limit)))
     return out

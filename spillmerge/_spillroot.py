@@ -385,7 +385,9 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
     if google_crc32c.value(raw_idx) != commit.index_crc32c:
         raise bad("index checksum does not match the commit record", FS.INDEX_NAME)
-    index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64)
+    # A read-only view of the bytes read, not a copy: at millions of rows the index is the largest
+    # thing a merge loads (a segment at a time, docs/SCALE.md).
+    index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
 
     checks = None
     if commit.n_checks:

@@ -67,7 +67,7 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
     chunks, which write fastest (benchmarks: 829 vs 712 MiB/s at 16 vs 4 MiB)."""
     n = col.n_units
-    rows = max(int((col.src >= 0).sum()), 1)
+    rows = max(col.present(), 1)
     total = n * col.unit_bytes
     per = col.unit_bytes
     small = total / rows < SMALL_ROW_BYTES
@@ -102,6 +102,10 @@ def filename_arrays(filenames: list[str]) -> dict[str, np.ndarray]:
 
 def name_sizes(plan: Plan) -> tuple[int, int]:
     """Bytes of ``index/filenames`` and of ``index/filename_heads`` (one encode each, no per-name loop)."""
+    arrays = getattr(plan.filenames, "index_arrays", None)
+    if arrays is not None:  # an out-of-core plan's string table: its offsets say it
+        a = arrays(NAME_BLOCK)
+        return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
     return len("".join(plan.filenames).encode("utf-8")), len("".join(plan.filenames[::NAME_BLOCK]).encode("utf-8"))
 
 

@@ -182,12 +182,13 @@ def test_merge_options_are_declared_once():
     # The flags and keys users already rely on stay as they were.
     assert sorted(cli) == sorted([
         "root", "out", "timeout", "allow_partial", "expected", "on_duplicate", "overwrite", "codec", "part",
-        "finalize", "world_size", "chunk_bytes", "memory_budget", "threads", "storage_options",
-        "out_storage_options", "progress", "remove_spill",
+        "finalize", "world_size", "chunk_bytes", "memory_budget", "plan_budget", "plan_dir", "threads",
+        "storage_options", "out_storage_options", "progress", "remove_spill",
     ])  # fmt: skip
     assert sorted(_MERGE_KEYS) == sorted([
         "root", "out", "timeout", "allow_partial", "on_duplicate", "overwrite", "chunk_bytes", "memory_budget",
-        "threads", "world_size", "storage_options", "out_storage_options", "codec", "expected", "remove_spill",
+        "plan_budget", "plan_dir", "threads", "world_size", "storage_options", "out_storage_options", "codec",
+        "expected", "remove_spill",
     ])  # fmt: skip
 
 

@@ -1,0 +1,619 @@
+"""The merge plan out of core: the same :class:`~spillmerge._plan.Plan` as ``_plan.build``, built
+with memory bounded by a budget whatever the number of rows and files (docs/ARCHITECTURE.md,
+*Memory*; docs/SCALE.md).
+
+Everything that grows with rows or files lives in files of a private work folder on local disk
+(``MergeOptions.plan_dir``, default the system's temporary folder), mapped with ``np.memmap``:
+the plan's arrays are those maps, so the copy and the index writer read them a block at a time
+and the operating system pages them in and out. The folder is removed when the merge ends,
+successful or not (:meth:`DiskPlan.close`); it is never inside the output.
+
+Steps (each holds at most one segment's catalog and index, or one block of rows, in memory):
+
+1. *Runs*: each segment in turn is loaded; its filenames are sorted (code point order = UTF-8
+   byte order, lone surrogates included) into a name run, its index rows mapped to global layout
+   ids and ordered by filename into an entry run. Only the segment's record stays in memory.
+2. *Names*: the name runs are merged k-way into the sorted distinct filenames of the merge (a
+   string table on disk); each run gets the map of its names to global file ids, which is
+   increasing, so each entry run stays ordered by global file id.
+3. *Pass 1*, per block of whole files (at most ``block_entries`` index rows unless one file has
+   more): the entries of every run in the block, in segment order — exactly the slice of the
+   in-memory plan's table — have their duplicates resolved and dtypes checked by ``_plan``'s own
+   functions and are written, in row order, as the row table and the per-row index arrays.
+4. *Columns*: the dtype codes of every leaf decide the columns (globally, as ``_plan``); pass 2
+   writes each column's source rows and each file's column set; pass 3 each column's counts,
+   shapes and offsets.
+
+A block is a run of whole files and a key's copies are all in its file's block, so duplicates,
+per-file dtype checks and rows are the in-memory plan's: the output is byte-identical
+(tests/test_plan_disk.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, overload
+
+import numpy as np
+
+from . import _format as F
+from . import _format_spill as FS
+from . import _plan as P
+from ._errors import SpillValueError
+from ._spillroot import LoadedSegment
+
+#: Bytes one index row costs in a pass-1 block (the table's columns and the sorts' temporaries).
+ENTRY_BYTES = 400
+
+#: Rows per block of the passes over per-row arrays (pass 3, the fingerprint, the index writer).
+ROW_BLOCK = P.ROW_BLOCK
+
+_I8 = np.dtype("<i8")
+
+
+class StringTable(Sequence[str]):
+    """Strings in a file of UTF-8 bytes (``surrogatepass``) and an int64 offsets map: a
+    ``Sequence[str]`` that holds none of them in memory."""
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray) -> None:
+        self._data, self._off = data, offsets
+
+    def __len__(self) -> int:
+        return len(self._off) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            a, b, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(a, b, step)]
+            return self.block(a, b)
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return bytes(self._data[int(self._off[i]) : int(self._off[i + 1])]).decode("utf-8", "surrogatepass")
+
+    def block(self, a: int, b: int) -> list[str]:
+        """Strings ``a .. b-1``, decoded in one go."""
+        off = np.asarray(self._off[a : b + 1])
+        raw = bytes(self._data[int(off[0]) : int(off[-1])]) if b > a else b""
+        rel = (off - off[0]).tolist()
+        return [raw[rel[j] : rel[j + 1]].decode("utf-8", "surrogatepass") for j in range(b - a)]
+
+    def encoded(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """The UTF-8 bytes of strings ``a .. b-1`` and their lengths, without decoding."""
+        off = np.asarray(self._off[a : b + 1])
+        return np.asarray(self._data[int(off[0]) : int(off[-1])]), np.diff(off)
+
+    def index_arrays(self, block: int) -> dict[str, np.ndarray]:
+        """``_zarrmeta.filename_arrays`` of these (sorted) names without decoding them: the bytes
+        and offsets are the table's own maps; the heads are every ``block``-th name."""
+        heads = [bytes(self._data[int(self._off[i]) : int(self._off[i + 1])]) for i in range(0, len(self), block)]
+        hoff = np.zeros(len(heads) + 1, dtype=np.int64)
+        np.cumsum([len(h) for h in heads], out=hoff[1:])
+        return {
+            "filenames": self._data,
+            "filename_offsets": self._off,
+            "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
+            "filename_head_offsets": hoff,
+        }
+
+    def __iter__(self) -> Iterator[str]:
+        for a in range(0, len(self), ROW_BLOCK):
+            yield from self.block(a, min(a + ROW_BLOCK, len(self)))
+
+    def search(self, name: str) -> int:
+        """Position of ``name`` in this sorted table, or -1."""
+        key = name.encode("utf-8", "surrogatepass")
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            v = bytes(self._data[int(self._off[mid]) : int(self._off[mid + 1])])
+            if v < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if lo < len(self) and self[lo] == name else -1
+
+
+class _Work:
+    """The private work folder: append-only arrays, then maps of them."""
+
+    def __init__(self, parent: str | None) -> None:
+        if parent is not None:
+            os.makedirs(parent, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix=f"spillmerge-plan-{os.getpid()}-", dir=parent)
+        self._files: dict[str, Any] = {}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def append(self, name: str, a: np.ndarray) -> None:
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(self.path(name), "wb")  # noqa: SIM115 - closed in done()
+        f.write(np.ascontiguousarray(a).tobytes())
+
+    def done(self, name: str, dtype: Any, shape_tail: tuple[int, ...] = ()) -> np.ndarray:
+        """The array appended to ``name``, mapped read-only (an empty array when nothing was)."""
+        f = self._files.pop(name, None)
+        if f is not None:
+            f.close()
+        return self.map(name, dtype, shape_tail)
+
+    def map(self, name: str, dtype: Any, shape_tail: tuple[int, ...] = (), *, mode: str = "r") -> np.ndarray:
+        dt = np.dtype(dtype)
+        p = self.path(name)
+        size = os.path.getsize(p) if os.path.exists(p) else 0
+        per = dt.itemsize * int(np.prod(shape_tail, dtype=np.int64))
+        if size == 0 or per == 0:
+            return np.zeros((0, *shape_tail), dtype=dt)
+        return np.memmap(p, dtype=dt, mode=mode, shape=(size // per, *shape_tail))  # type: ignore[call-overload]
+
+    def zeros(self, name: str, dtype: Any, shape: tuple[int, ...], fill: int = 0) -> np.ndarray:
+        """A new writable map of ``shape`` filled with ``fill``."""
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        if n == 0:
+            return np.full(shape, fill, dtype=dt)
+        with open(self.path(name), "wb") as f:
+            f.truncate(n * dt.itemsize)
+        out = np.memmap(self.path(name), dtype=dt, mode="r+", shape=shape)
+        if fill:
+            for a in range(0, shape[0], ROW_BLOCK):
+                out[a : a + ROW_BLOCK] = fill
+        return out
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSource:
+    """A segment the plan loads when it gets to it (in write order)."""
+
+    load: Callable[[], LoadedSegment]
+    """Reads and validates its catalog and index."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """One segment's entries on disk, ordered by filename."""
+
+    names: StringTable
+    """The segment's filenames, sorted."""
+    file: np.ndarray
+    """Position of each entry's filename in ``names`` (non-decreasing)."""
+    frame: np.ndarray
+    gl: np.ndarray
+    """Global layout id."""
+    off: np.ndarray
+    nb: np.ndarray
+    crc: np.ndarray
+    gmap: np.ndarray
+    """Global file id of each of ``names`` (filled in step 2; increasing)."""
+
+
+@dataclass
+class DiskPlan:
+    """An out-of-core plan and the work folder its arrays live in."""
+
+    plan: P.Plan
+    work: _Work
+
+    def close(self) -> None:
+        """Remove the work folder (after the merge, whatever its outcome)."""
+        self.work.close()
+
+
+def estimate_bytes(n_rows: int, n_files: int) -> int:
+    """Memory ``_plan.build`` needs for ``n_rows`` index rows naming ``n_files`` filenames (summed
+    over segments): measured ~814 B per one-frame key of three leaves (issue 24)."""
+    return 260 * n_rows + 120 * n_files
+
+
+def build(
+    sources: Sequence[SegmentSource], on_duplicate: str, *, same_bytes: P.SameBytes, budget: int,
+    work_dir: str | None = None,
+) -> DiskPlan:  # fmt: skip
+    """The plan of ``sources`` (in write order), equal to ``_plan.build`` of the loaded segments,
+    holding at most about ``budget`` bytes (plus one segment's catalog and index) in memory."""
+    if on_duplicate not in ("error", "first", "last"):
+        raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
+    if not isinstance(budget, int) or budget < 1:
+        raise SpillValueError(f"plan_budget must be a positive int, got {budget!r}")
+    work = _Work(work_dir)
+    try:
+        return DiskPlan(_Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes).run(sources), work)
+    except BaseException:
+        work.close()  # nothing of a failed plan stays on disk
+        raise
+
+
+class _Builder:
+    def __init__(self, work: _Work, block_entries: int, on_duplicate: str, same_bytes: P.SameBytes) -> None:
+        self.work, self.block_entries = work, block_entries
+        self.on_duplicate, self.same_bytes = on_duplicate, same_bytes
+        self.layouts: list[FS.Layout] = []
+        self.gl_id: dict[FS.Layout, int] = {}
+        self.segments: list[LoadedSegment] = []
+        self.runs: list[_Run | None] = []
+        self._seq = itertools.count()
+
+    # -- step 1: runs -------------------------------------------------------------------------
+
+    def _add_segment(self, s: LoadedSegment) -> None:
+        si = len(self.segments)
+        # The plan keeps the segment's record, not its catalog and index (the copy needs its
+        # folder and chunk size only).
+        self.segments.append(replace(s, filenames=[], index=np.zeros((0, FS.INDEX_COLUMNS), np.int64)))
+        idx = s.index
+        lay_ids = []
+        for lay in s.layouts if len(idx) else []:  # ``_plan.build`` skips an empty segment's layouts too
+            if lay not in self.gl_id:
+                self.gl_id[lay] = len(self.layouts)
+                self.layouts.append(lay)
+            lay_ids.append(self.gl_id[lay])
+        lmap = np.array(lay_ids, dtype=np.int64)
+        enc = [f.encode("utf-8", "surrogatepass") for f in s.filenames]
+        order = sorted(range(len(enc)), key=enc.__getitem__)
+        rank_of = np.empty(len(enc), dtype=np.int64)
+        rank_of[np.array(order, dtype=np.int64)] = np.arange(len(enc), dtype=np.int64)
+        w = self.work
+        lens = np.fromiter((len(enc[i]) for i in order), dtype=np.int64, count=len(order))
+        off = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(lens, out=off[1:])
+        w.append(f"s{si}.names", np.frombuffer(b"".join(enc[i] for i in order), dtype=np.uint8))
+        w.append(f"s{si}.noff", off)
+        del enc, order
+        f = rank_of[idx[:, FS.COL_FILE]]
+        eo = np.argsort(f, kind="stable")
+        for name, col in (
+            ("file", f),
+            ("frame", idx[:, FS.COL_FRAME]),
+            ("gl", lmap[idx[:, FS.COL_LAYOUT]]),
+            ("off", idx[:, FS.COL_OFFSET]),
+            ("nb", idx[:, FS.COL_NBYTES]),
+            ("crc", idx[:, FS.COL_CRC]),
+        ):
+            w.append(f"s{si}.{name}", col[eo])
+        names = StringTable(w.done(f"s{si}.names", np.uint8), w.done(f"s{si}.noff", _I8))
+        cols = {k: w.done(f"s{si}.{k}", _I8) for k in ("file", "frame", "gl", "off", "nb", "crc")}
+        gmap = w.zeros(f"s{si}.gmap", _I8, (len(names),))
+        self.runs.append(_Run(names, **cols, gmap=gmap))
+
+    # -- step 2: names ------------------------------------------------------------------------
+
+    def _merge_names(self) -> StringTable:
+        """Sorted distinct filenames of every run; fills each run's ``gmap``."""
+        w = self.work
+        live = [(si, r) for si, r in enumerate(self.runs) if r is not None]
+
+        # Read-ahead per run: one block shared by all runs, so memory does not grow with the
+        # number of segments (a whole block per run made the 10^7-key merge's peak 1.9x the 10^6).
+        ahead = max(1024, ROW_BLOCK // max(1, len(live)))
+
+        def stream(si: int, r: _Run) -> Iterator[tuple[bytes, int, int]]:
+            for a in range(0, len(r.names), ahead):
+                raw, lens = r.names.encoded(a, min(a + ahead, len(r.names)))
+                raw_b, pos = raw.tobytes(), 0
+                for j, n in enumerate(lens.tolist()):
+                    yield raw_b[pos : pos + n], si, a + j
+                    pos += n
+
+        gid = -1
+        last: bytes | None = None
+        buf: list[bytes] = []
+        lens: list[int] = []
+        pending: dict[int, tuple[list[int], list[int]]] = {si: ([], []) for si, _ in live}
+
+        def flush() -> None:
+            if buf:
+                w.append("names", np.frombuffer(b"".join(buf), dtype=np.uint8))
+                w.append("nlen", np.array(lens, dtype=np.int64))
+                buf.clear()
+                lens.clear()
+            for si, (pos, ids) in pending.items():
+                if pos:
+                    run = self.runs[si]
+                    assert run is not None
+                    run.gmap[np.array(pos, dtype=np.int64)] = np.array(ids, dtype=np.int64)
+                    pos.clear()
+                    ids.clear()
+
+        for name, si, j in heapq.merge(*(stream(si, r) for si, r in live)):
+            if name != last:
+                gid += 1
+                last = name
+                buf.append(name)
+                lens.append(len(name))
+            pos, ids = pending[si]
+            pos.append(j)
+            ids.append(gid)
+            if len(lens) >= ROW_BLOCK or len(pos) >= ROW_BLOCK:
+                flush()
+        flush()
+        nlen = w.done("nlen", _I8)
+        off = w.zeros("noff", _I8, (len(nlen) + 1,))
+        if len(nlen):
+            np.cumsum(nlen, out=off[1:])
+        return StringTable(w.done("names", np.uint8), off)
+
+    # -- step 3: pass 1 -----------------------------------------------------------------------
+
+    def _blocks(self, n_files: int) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
+        """``(first file, one past the last, [(run, entry lo, entry hi)])`` of each block of whole
+        files holding at most ``block_entries`` entries (more only when one file alone has more)."""
+        live = [(si, r) for si, r in enumerate(self.runs) if r is not None]
+        cur = {si: 0 for si, _ in live}  # next entry of each run
+        g = 0
+        share = max(1, self.block_entries // max(1, len(live)))
+        while g < n_files:
+            # The block ends below the file at which some run's share ends, so no run gives more.
+            end = n_files
+            for si, r in live:
+                e = cur[si] + share
+                if e < len(r.file):
+                    end = min(end, int(r.gmap[int(r.file[e])]))
+            if end <= g:  # one file holds more than a share of some run: it is a block alone
+                end = g + 1
+            spans = []
+            for si, r in live:
+                a = cur[si]
+                local_end = int(np.searchsorted(r.gmap, end, side="left"))
+                b = int(np.searchsorted(r.file, local_end, side="left"))
+                spans.append((si, a, b))
+                cur[si] = b
+            yield g, end, spans
+            g = end
+
+    def _entries(self, spans: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+        """The block's entries in segment order (the in-memory table's order)."""
+        c: dict[str, list[np.ndarray]] = {k: [] for k in ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")}
+        for si, a, b in spans:
+            if b <= a:
+                continue
+            r = self.runs[si]
+            assert r is not None
+            gl = np.asarray(r.gl[a:b])
+            c["file"].append(np.asarray(r.gmap)[np.asarray(r.file[a:b])])
+            c["frame"].append(np.asarray(r.frame[a:b]))
+            c["lp"].append(self.pmap[gl])
+            c["gl"].append(gl)
+            c["seg"].append(np.full(b - a, si, dtype=np.int64))
+            c["off"].append(np.asarray(r.off[a:b]))
+            c["nb"].append(np.asarray(r.nb[a:b]))
+            c["crc"].append(np.asarray(r.crc[a:b]))
+        if not c["file"]:
+            return {k: np.zeros(0, np.int64) for k in c}
+        return {k: np.concatenate(v) for k, v in c.items()}
+
+    def run(self, sources: Sequence[SegmentSource]) -> P.Plan:
+        w = self.work
+        for source in sources:
+            self._add_segment(source.load())
+        names = self._merge_names()
+        n_files = len(names)
+        self.leaf_paths = sorted({lay.leaf for lay in self.layouts})
+        lp_id = {p: i for i, p in enumerate(self.leaf_paths)}
+        self.pmap = np.array([lp_id[lay.leaf] for lay in self.layouts], dtype=np.int64)
+        if not any(r is not None and len(r.file) for r in self.runs):
+            e = np.zeros(0, np.int64)
+            return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
+                          [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
+        why = self.several_variants()
+        if why is not None:
+            raise InMemoryOnly(why)
+
+        # Pass 1: rows and the row table, block by block.
+        n_lp = len(self.leaf_paths)
+        dnames = P.dtype_names(self.layouts)
+        first = np.full(n_lp, -1, dtype=np.int64)
+        keys: set[int] = set()
+        duplicates = 0
+        blocks: list[tuple[int, int, int, int, int, int]] = []  # files, entries, rows
+        n_ent = n_rows = 0
+        for g0, g1, spans in self._blocks(n_files):
+            c = self._entries(spans)
+            c, copies, dups = P.resolve_duplicates(c, names, self.segments, self.on_duplicate, self.same_bytes)
+            duplicates += dups
+            order = np.lexsort((c["lp"], c["frame"], c["file"]))
+            for k in c:
+                c[k] = c[k][order]
+            copies = copies[order]
+            new_key = np.ones(len(order), dtype=bool)
+            new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
+            key_start = np.flatnonzero(new_key)
+            _, code = P.pair_codes(c, self.layouts, self.leaf_paths, names, self.segments)
+            first = P.leaf_first(c["lp"], code, n_lp, first)
+            has = code >= 0
+            keys.update(np.unique(c["lp"][has] * (len(dnames) + 1) + code[has] + 1).tolist())
+            for k in ("seg", "off", "nb", "crc", "gl", "lp"):
+                w.append(f"t.{k}", c[k])
+            w.append("t.code", code)
+            w.append("t.row", np.cumsum(new_key) - 1 + n_rows)
+            w.append("t.file", c["file"])
+            w.append("frame_idx", c["frame"][key_start])
+            w.append("rank", np.array([s.seg.rank for s in self.segments], dtype=np.int32)[c["seg"][key_start]])
+            w.append("copies", copies[key_start].astype(np.int32))
+            w.append("fcount", np.bincount(c["file"][key_start] - g0, minlength=g1 - g0).astype(np.int64))
+            blocks.append((g0, g1, n_ent, n_ent + len(order), n_rows, n_rows + len(key_start)))
+            n_ent += len(order)
+            n_rows += len(key_start)
+        t = {k: w.done(f"t.{k}", _I8) for k in ("seg", "off", "nb", "crc", "gl", "lp", "code", "row", "file")}
+        frame_idx = w.done("frame_idx", _I8)
+        rank = w.done("rank", np.int32)
+        copies_all = w.done("copies", np.int32)
+        fcount = w.done("fcount", _I8)
+        file_offsets = w.zeros("file_offsets", _I8, (n_files + 1,))
+        np.cumsum(fcount, out=file_offsets[1:])
+
+        # Columns: the groups every entry's leaf and dtype code make (rows without a code join
+        # their leaf's first; ``_plan._variant_groups`` on the whole table gives the same).
+        for a in range(0, n_ent, ROW_BLOCK):
+            lp, code = np.asarray(t["lp"][a : a + ROW_BLOCK]), np.asarray(t["code"][a : a + ROW_BLOCK])
+            keys.update(np.unique(P.group_keys(lp, code, first, len(dnames))).tolist())
+        uniq = np.array(sorted(keys), dtype=np.int64)
+        groups = P.decode_groups(uniq, dnames)
+        names_of = P.group_names(groups, self.leaf_paths)
+        if len(groups) > 62:
+            raise TooManyColumns(len(groups))
+        kinds = np.array([F.DTYPES[lay.dtype].kind for lay in self.layouts])
+        none_gl = kinds == "none"
+
+        # Pass 2: each column's source row per output row, each file's set of columns.
+        src = [w.zeros(f"src{g}", _I8, (n_rows,), fill=-1) for g in range(len(groups))]
+        rowgl = [w.zeros(f"rowgl{g}", np.int32, (n_rows,), fill=-1) for g in range(len(groups))]
+        present = np.zeros(len(groups), dtype=np.int64)
+        used: list[set[int]] = [set() for _ in groups]
+        masks = w.zeros("masks", np.int64, (n_files,))
+        for g0, g1, e0, e1, _r0, _r1 in blocks:
+            lp, code = np.asarray(t["lp"][e0:e1]), np.asarray(t["code"][e0:e1])
+            gl, row = np.asarray(t["gl"][e0:e1]), np.asarray(t["row"][e0:e1])
+            group = np.searchsorted(uniq, P.group_keys(lp, code, first, len(dnames)))
+            m = np.zeros(g1 - g0, dtype=np.int64)
+            np.bitwise_or.at(m, np.asarray(t["file"][e0:e1]) - g0, np.left_shift(np.int64(1), group))
+            masks[g0:g1] = m
+            ok = ~none_gl[gl]
+            for g in np.unique(group[ok]).tolist():
+                sel = np.flatnonzero((group == g) & ok)
+                src[g][row[sel]] = e0 + sel
+                rowgl[g][row[sel]] = gl[sel]
+                present[g] += len(sel)
+                used[g].update(np.unique(gl[sel]).tolist())
+        uniq_masks = np.unique(
+            np.concatenate([np.unique(masks[a : a + ROW_BLOCK]) for a in range(0, n_files, ROW_BLOCK)])
+        )
+        file_layout = w.zeros("file_layout", np.int32, (n_files,))
+        for a in range(0, n_files, ROW_BLOCK):
+            file_layout[a : a + ROW_BLOCK] = np.searchsorted(uniq_masks, masks[a : a + ROW_BLOCK])
+        file_layouts = [sorted(names_of[b] for b in range(len(groups)) if (int(mk) >> b) & 1) for mk in uniq_masks]
+
+        # Pass 3: counts, shapes and offsets of every column.
+        columns = [
+            self._column(names_of[g], self.leaf_paths[groups[g][0]], src[g], rowgl[g], sorted(used[g]),
+                         int(present[g]) < n_rows, t["nb"], f"c{g}")
+            for g in range(len(groups))
+        ]  # fmt: skip
+        columns.sort(key=lambda col: col.name)
+        return P.Plan(
+            names, file_offsets, frame_idx, rank, copies_all, file_layout, file_layouts, columns, self.segments,
+            t["seg"], t["off"], t["nb"], t["crc"], duplicates,
+        )  # fmt: skip
+
+    def several_variants(self) -> str | None:
+        """Why this plan needs ``_plan``'s variant grouping (docs/FORMAT.md, *Value model*), or
+        None. Out of core, a leaf's column is decided per block of files (``_plan.pair_codes``) and
+        its leaf (``leaf_first``), which equals ``_plan._variant_groups`` when each leaf holds one
+        variant: one kind, dtype and ``ndim`` in every file (rows of ``None`` or of zero elements
+        fitting it). The layouts decide it before any row is read."""
+        sigs: dict[tuple[str, ...], set[tuple[str, str, int]]] = {}
+        empty: dict[tuple[str, ...], set[tuple[str, int]]] = {}
+        for lay in self.layouts:
+            dt = F.DTYPES[lay.dtype]
+            if dt.kind == "none":
+                continue
+            if dt.numeric and 0 in lay.shape:
+                empty.setdefault(lay.leaf, set()).add((lay.dtype, len(lay.shape)))
+                continue
+            sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 0)
+            sigs.setdefault(lay.leaf, set()).add(sig)
+        for leaf in sorted(set(sigs) | set(empty)):
+            have, zeros = sigs.get(leaf, set()), empty.get(leaf, set())
+            fits = len(have) == 1 and all(
+                (s[0] == "num" and s[2] == nd) or (nd == 1 and s[0] == "strlist") for s in have for _, nd in zeros
+            )
+            if not (fits or (not have and len(zeros) <= 1)):
+                return f"leaf {'/'.join(leaf)!r} holds several variants (kinds, dtypes or dimensions)"
+        return None
+
+    def _column(
+        self, name: str, leaf: tuple[str, ...], src: np.ndarray, rowgl: np.ndarray, lay_ids: list[int],
+        has_valid: bool, nb: np.ndarray, tag: str,
+    ) -> P.PlannedColumn:  # fmt: skip
+        """``_plan._column`` from the maps of each row's source entry and layout (-1: absent)."""
+        w, layouts = self.work, self.layouts
+        n_rows = len(src)
+        lays = [layouts[g] for g in lay_ids]
+        non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
+        dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
+
+        def per_row(
+            fn: Callable[[np.ndarray, np.ndarray, slice], np.ndarray], dtype: Any, tail: tuple[int, ...] = ()
+        ) -> np.ndarray:
+            out = w.zeros(f"{tag}.{next(self._seq)}", dtype, (n_rows, *tail))
+            for a in range(0, n_rows, ROW_BLOCK):
+                sl = slice(a, min(a + ROW_BLOCK, n_rows))
+                g = np.asarray(rowgl[sl])
+                out[sl] = fn(g, g >= 0, sl)
+            return out
+
+        if lays and not dt.numeric:
+            # Format 3: every non-numeric kind is bytes + byte offsets; a list of str also has
+            # its strings per row as (n_rows, 1) shapes (``_plan._column``).
+            kind = P.KIND[dt.kind]
+            counts = per_row(lambda g, ok, sl: np.where(ok, np.asarray(nb)[np.maximum(np.asarray(src[sl]), 0)], 0), _I8)
+            strings = None
+            if kind == "strlist":
+                n_of = np.zeros(len(layouts) + 1, dtype=np.int64)  # position -1: absent
+                for g in lay_ids:
+                    n_of[g] = layouts[g].shape[0]
+                strings = per_row(lambda g, ok, sl: n_of[g][:, None], _I8, (1,))
+            col = P.PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src, counts,
+                                  strings, has_valid)  # fmt: skip
+            return self._with_offsets(col, tag)
+        ndim = len(lays[0].shape) if lays else 0
+        shapes = {lay.shape for lay in lays}
+        if len(shapes) <= 1:
+            shape = next(iter(shapes)) if shapes else ()
+            valid = per_row(lambda g, ok, sl: ok.astype(np.int64), _I8) if has_valid else None
+            col = P.PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, valid, None, has_valid)
+            return self._with_offsets(col, tag)
+        table = np.zeros((len(layouts), ndim), dtype=np.int64)
+        for g in lay_ids:
+            table[g] = layouts[g].shape
+        table = np.vstack([table, np.zeros((1, ndim), dtype=np.int64)])  # row -1: absent
+        inner_set = {lay.shape[1:] for lay in lays}
+        if len(inner_set) == 1:
+            inner = next(iter(inner_set))
+            counts = per_row(lambda g, ok, sl: table[g, 0], _I8)
+            col = P.PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, inner, src, counts, None, has_valid)
+            return self._with_offsets(col, tag)
+        counts = per_row(lambda g, ok, sl: np.prod(table[g], axis=1, dtype=np.int64), _I8)
+        row_shapes = per_row(lambda g, ok, sl: table[g], _I8, (ndim,))
+        col = P.PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
+        return self._with_offsets(col, tag)
+
+    def _with_offsets(self, col: P.PlannedColumn, tag: str) -> P.PlannedColumn:
+        """The column with its offsets computed once, into the work folder."""
+        if col.counts is None:
+            return col
+        off = self.work.zeros(f"{tag}.offsets", _I8, (len(col.counts) + 1,))
+        np.cumsum(col.counts, out=off[1:])
+        return replace(col, offs=off)
+
+
+class InMemoryOnly(Exception):
+    """A plan the out-of-core builder does not make (the merge plans in memory instead, and its
+    report says why): more than 62 columns (the per-file column sets need more than one int64
+    mask), or a leaf of several variants."""
+
+
+class TooManyColumns(InMemoryOnly):
+    def __init__(self, n: int) -> None:
+        super().__init__(f"{n} columns need more than one int64 mask per file")
+        self.n = n

@@ -1,0 +1,165 @@
+"""The out-of-core merge plan (issue 24): forced with a tiny ``plan_budget``, it writes the same
+bytes as the in-memory plan on the same spill root, checks the same things, works in parts, and
+leaves no temporary file behind after success or failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from tests._mp_scenarios import output_tree, tree_diff
+
+TINY = 4000  # bytes: blocks of ~10 index rows, so every spill below is planned in many blocks
+
+
+def _spill_mixed(root: str, *, variants: bool = False) -> None:
+    """Four ranks: one-frame images (an emb, a label, a caption), padding duplicates, videos of
+    ragged frames, lists of strings, None, empty tensors, bytes, a file only some ranks write
+    frames of, and a segment that holds nothing; with ``variants``, a leaf of two dtypes in two
+    files (which the out-of-core plan leaves to the in-memory one)."""
+    for r in range(4):
+        with spillmerge.SpillWriter(root, rank=r, world_size=4) as w:
+            for i in range(r, 203, 4):
+                w.write(f"img/{i:05d}.jpg", 0,
+                        {"emb": torch.full((8,), float(i)).half(), "label": i, "caption": f"image {i} é"})  # fmt: skip
+            w.write("img/00000.jpg", 0, {"emb": torch.zeros(8).half(), "label": 0, "caption": "image 0 é"})  # padding
+            for f in range(3):
+                w.write(f"vid{r}.mp4", f, {"feat": torch.ones(2 + f, 3) * r, "tags": [f"t{r}", "x" * f]})
+            w.write("shared.mp4", r, {"feat": torch.ones(r + 1, 3), "raw": bytes([r]) * r, "opt": None if r % 2 else r})
+            if variants:
+                w.write(f"dtype{r % 2}.bin", r, {"x": torch.ones(2, dtype=torch.float16 if r % 2 else torch.float32)})
+            w.write("empty.bin", r, {"e": torch.zeros(0)})
+            names = [f"batch/{i:04d}.jpg" for i in range(r, 120, 4)]  # block checksums (write_batch)
+            w.write_batch(names, {"vec": torch.arange(len(names) * 4.0).reshape(-1, 4), "n": torch.arange(len(names))})
+        if r == 2:
+            with spillmerge.SpillWriter(root, rank=r, world_size=4):
+                pass
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan(tmp_path, codec):
+    root = str(tmp_path / "spill")
+    _spill_mixed(root)
+    mem = spillmerge.merge(root, str(tmp_path / "mem"), codec=codec, chunk_bytes=512)
+    plan_dir = tmp_path / "plan-tmp"
+    disk = spillmerge.merge(root, str(tmp_path / "disk"), codec=codec, chunk_bytes=512, plan_budget=TINY,
+                            plan_dir=str(plan_dir))  # fmt: skip
+    assert not any("out of core" in n for n in mem.notes)
+    assert any("out of core" in n for n in disk.notes), disk.notes
+    assert os.listdir(plan_dir) == []  # the work folder is gone after success
+    assert (disk.n_files, disk.n_frames, disk.duplicates, disk.nbytes) == (mem.n_files, mem.n_frames, 3, mem.nbytes)
+    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(tmp_path / "disk"))
+    assert a == b, tree_diff(a, b)
+    res = spillmerge.open(str(tmp_path / "disk"))
+    assert res["img/00117.jpg"]["caption"][0] == "image 117 é"
+    assert res.frame_ranks("img/00000.jpg").tolist() == [0]
+    assert spillmerge.verify(str(tmp_path / "disk")).ok
+
+
+def test_an_out_of_core_plan_in_parts_writes_the_same_bytes(tmp_path):
+    root = str(tmp_path / "spill")
+    _spill_mixed(root)
+    spillmerge.merge(root, str(tmp_path / "whole"), chunk_bytes=256)
+    for i in range(3):
+        spillmerge.merge(root, str(tmp_path / "parts"), chunk_bytes=256, part=(i, 3), plan_budget=TINY)
+    spillmerge.merge(root, str(tmp_path / "parts"), finalize=True, plan_budget=TINY)
+    a, b = output_tree(str(tmp_path / "whole")), output_tree(str(tmp_path / "parts"))
+    assert a == b, tree_diff(a, b)
+
+
+def test_an_out_of_core_plan_refuses_what_the_in_memory_plan_refuses_and_cleans_up(tmp_path):
+    plan_dir = tmp_path / "plan-tmp"
+    root = str(tmp_path / "dup")
+    for r in range(2):
+        with spillmerge.SpillWriter(root, rank=r, world_size=2) as w:
+            for i in range(50):
+                if i != 25:
+                    w.write(f"f{i:03d}", 0, torch.full((2,), float(i)))
+            w.write("f025", 0, torch.full((2,), float(r + 100)))  # different content on both ranks
+    for budget in (None, TINY):
+        kw = {} if budget is None else {"plan_budget": budget, "plan_dir": str(plan_dir)}
+        with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'f025'") as err:
+            spillmerge.merge(root, str(tmp_path / f"out-dup-{budget}"), **kw)
+        assert err.value.ranks == [0, 1]
+        rep = spillmerge.merge(root, str(tmp_path / f"out-last-{budget}"), on_duplicate="last", **kw)
+        assert rep.duplicates == 50
+    assert os.listdir(plan_dir) == []  # nothing left after the failure either
+    a, b = output_tree(str(tmp_path / "out-last-None")), output_tree(str(tmp_path / f"out-last-{TINY}"))
+    assert a == b, tree_diff(a, b)
+
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_leaves_of_several_variants_are_planned_in_memory_whatever_the_budget(tmp_path, mixed):
+    """Format 3 lets a leaf change kind, dtype or dimensions between files; the out-of-core plan
+    does not group variants, so it leaves such a merge to the in-memory plan and says so."""
+    root = str(tmp_path / "spill")
+    if mixed:
+        _spill_mixed(root, variants=True)
+    else:
+        for r in range(2):
+            with spillmerge.SpillWriter(root, rank=r, world_size=2) as w:
+                for i in range(r, 40, 2):
+                    w.write(f"g{i:03d}", 0, {"v": "text" if i == 33 else torch.ones(2)})
+    plan_dir = tmp_path / "plan-tmp"
+    mem = spillmerge.merge(root, str(tmp_path / "mem"))
+    disk = spillmerge.merge(root, str(tmp_path / "disk"), plan_budget=TINY, plan_dir=str(plan_dir))
+    assert any("built in memory" in n and "several variants" in n for n in disk.notes), disk.notes
+    assert not plan_dir.exists() or os.listdir(plan_dir) == []
+    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(tmp_path / "disk"))
+    assert a == b, tree_diff(a, b)
+
+
+def test_expected_frames_and_allow_partial_with_an_out_of_core_plan(tmp_path):
+    root = str(tmp_path / "spill")
+    for r in range(2):
+        with spillmerge.SpillWriter(root, rank=r, world_size=3) as w:
+            for i in range(r, 60, 2):
+                if i != 31:
+                    w.write(f"f{i:03d}", 0, np.full(3, i, dtype=np.int32))
+    expected = {f"f{i:03d}": 1 for i in range(61)}
+    reps = [
+        spillmerge.merge(root, str(tmp_path / f"out{b}"), allow_partial=True, expected=expected, **kw)
+        for b, kw in enumerate([{}, {"plan_budget": TINY}])
+    ]  # fmt: skip
+    assert reps[0].frame_gaps == reps[1].frame_gaps == {"f031": [0], "f060": [0]}
+    assert reps[0].missing_ranks == reps[1].missing_ranks == [2]
+    a, b = output_tree(str(tmp_path / "out0")), output_tree(str(tmp_path / "out1"))
+    assert a == b, tree_diff(a, b)
+
+
+def test_a_killed_out_of_core_merge_is_rebuilt_to_the_same_bytes_through_the_cli(tmp_path):
+    exe = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
+    root, out, plan_dir = str(tmp_path / "spill"), tmp_path / "out", tmp_path / "plan-tmp"
+    with spillmerge.SpillWriter(root) as w:
+        for i in range(1500):
+            for f in range(2):
+                w.write(f"file{i:04d}.mp4", f, torch.full((64,), float(i * 10 + f)))
+    spillmerge.merge(root, str(tmp_path / "clean"), chunk_bytes=256)
+    flags = ["--chunk-bytes", "256", "--plan-budget", "40KiB", "--plan-dir", str(plan_dir), "--no-progress"]
+    # One-row output chunks and one thread: slow enough to kill in the middle of the copy.
+    proc = subprocess.Popen([exe, "merge", root, "--out", str(out), "--threads", "1", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    chunks = out / "columns" / "__value__" / "values" / "c"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (chunks.exists() and len(os.listdir(chunks)) >= 500):
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the merge finished before it could be killed"
+    left = os.listdir(plan_dir)  # a killed process cannot clean up: its work folder stays, named
+    assert len(left) == 1 and left[0].startswith(f"spillmerge-plan-{proc.pid}-")
+    p = subprocess.run([exe, "merge", root, "--out", str(out), *flags], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert os.listdir(plan_dir) == left  # the rebuild removed its own
+    a, b = output_tree(str(tmp_path / "clean")), output_tree(str(out))
+    assert a == b, tree_diff(a, b)
