@@ -111,7 +111,7 @@ def test_leaves_of_several_variants_are_planned_in_memory_whatever_the_budget(tm
                 for i in range(r, 40, 2):
                     w.write(f"g{i:03d}", 0, {"v": "text" if i == 33 else torch.ones(2)})
     plan_dir = tmp_path / "plan-tmp"
-    mem = spillmerge.merge(root, str(tmp_path / "mem"))
+    spillmerge.merge(root, str(tmp_path / "mem"))
     disk = spillmerge.merge(root, str(tmp_path / "disk"), plan_budget=TINY, plan_dir=str(plan_dir))
     assert any("built in memory" in n and "several variants" in n for n in disk.notes), disk.notes
     assert not plan_dir.exists() or os.listdir(plan_dir) == []
