@@ -86,6 +86,20 @@ def test_a_valid_array_the_header_does_not_declare_is_refused(tmp_path: Path) ->
         spillmerge.open(str(out))
 
 
+def test_verify_reports_a_consolidated_listing_out_of_order(tmp_path: Path) -> None:
+    """An array appended at the end of the consolidated listing (not in key order) made zarr's
+    member listing raise a raw KeyError out of ``verify``: it is a problem named in the report."""
+    out = _output(tmp_path)
+    meta = json.loads((out / "zarr.json").read_text())
+    cm = meta["consolidated_metadata"]["metadata"]
+    cm["columns/a/valid"] = cm["columns/s/valid"]
+    (out / "zarr.json").write_text(json.dumps(meta))
+    rep = spillmerge.verify(str(out))
+    assert not rep.ok and any("consolidated metadata is inconsistent" in p for p in rep.problems), rep.problems
+    with pytest.raises(spillmerge.CorruptSpillError):
+        spillmerge.open(str(out))
+
+
 def test_a_negative_dimension_in_shapes_is_refused(tmp_path: Path) -> None:
     """Row 1 of ``m`` is ``[2, 3]``; ``[-2, -3]`` has the same product, so only the sign check
     stands between it and a reshape to a negative shape."""
