@@ -412,7 +412,12 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
         return
     damaged: set[str] = set()
     arrays = []
-    for name, arr in _all_arrays(group):
+    try:
+        listed = _all_arrays(group)
+    except KeyError as exc:  # zarr nests the consolidated listing by key order: an edited one breaks it
+        rep.problems.append(f"{storage.describe('zarr.json')}: the consolidated metadata is inconsistent ({exc})")
+        return
+    for name, arr in listed:
         # The metadata first, against the format: a chunk grid it breaks (a chunk larger than
         # its array, 2**40 rows of chunks) is reported without reading a chunk of it.
         cmb = _string_chunk_bytes(group, name)

@@ -162,6 +162,17 @@ def worker(rank: int, world: int, port: int, base: str) -> None:
     run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
 
 
+def _store_listens(port: int) -> bool:
+    """Whether something still accepts connections on the process group's store port."""
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def store_host_exits(rank: int, world: int, port: int, base: str) -> None:
     """Rank 2 raises inside its ``with`` block and exits; rank 0 (which hosts the process group's
     store) raises naming it and exits too, taking the store with it; ranks 1 and 3 call merge()
@@ -187,7 +198,10 @@ def store_host_exits(rank: int, world: int, port: int, base: str) -> None:
             deadline = time.monotonic() + 60
             while not os.path.exists(f"{base}/res-0.json") and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.5)  # rank 0 writes its result, then exits: let the process end
+            # Rank 0 writes its result, then exits: its store stops listening on `port` when the
+            # process is gone (os._exit closes the socket even before the parent reaps it).
+            while _store_listens(port) and time.monotonic() < deadline:
+                time.sleep(0.05)
         w.merge(f"{base}/out.zarr", timeout=60, progress=False)
         result["error"] = None
     except BaseException as exc:  # noqa: BLE001 - recorded for the test
