@@ -363,10 +363,7 @@ class FixedView(LeafView):
         pa = _pa()
         raw = self._raw(slice(None))
         inner = raw.reshape(-1) if raw.ndim > 1 else raw
-        arr = pa.array(inner)
-        for d in reversed(raw.shape[1:]):
-            arr = pa.FixedSizeListArray.from_arrays(arr, d)
-        return _with_nulls(arr, self.valid)
+        return _with_nulls(_nest(pa.array(inner), raw.shape), self.valid)
 
 
 class _OffsetView(LeafView):
@@ -502,9 +499,7 @@ class RaggedView(_OffsetView):
         o = self.offsets
         info = self._col.info
         if info.inner_shape is not None:
-            arr = pa.array(raw.reshape(-1))
-            for d in reversed(info.inner_shape):
-                arr = pa.FixedSizeListArray.from_arrays(arr, d)
+            arr = _nest(pa.array(raw.reshape(-1)), raw.shape)
             return _with_nulls(pa.LargeListArray.from_arrays(pa.array(o, pa.int64()), arr), self.valid)
         shapes = self.shapes
         levels = []
@@ -711,3 +706,19 @@ def _with_nulls(arr: Any, valid: np.ndarray | None) -> Any:
 
     pa = _pa()
     return pc.if_else(pa.array(valid), arr, pa.nulls(len(arr), arr.type))
+
+
+def _nest(flat: Any, shape: tuple[int, ...]) -> Any:
+    """``flat`` (every element) as ``shape[0]`` rows of ``fixed_size_list`` one level per later
+    dimension; a dimension of size 0 is a ``large_list`` of empty lists (Arrow refuses a
+    ``fixed_size_list`` of size 0)."""
+    pa = _pa()
+    arr = flat
+    for level in range(len(shape) - 1, 0, -1):
+        d = int(shape[level])
+        if d:
+            arr = pa.FixedSizeListArray.from_arrays(arr, d)
+        else:
+            count = int(np.prod(shape[:level], dtype=np.int64))
+            arr = pa.LargeListArray.from_arrays(pa.array(np.zeros(count + 1, np.int64)), arr)
+    return arr
