@@ -107,7 +107,7 @@ class Batch:
     def lengths(self, col: OpenColumn) -> np.ndarray:
         got = self._lengths.get(id(col))
         if got is None:
-            got = self._lengths[id(col)] = np.asarray(col.view(self.a, self.b).numpy(), dtype=np.int64).reshape(-1)
+            got = self._lengths[id(col)] = np.asarray(col.view(self.a, self.b)[:], dtype=np.int64).reshape(-1)
         return got
 
 
@@ -218,9 +218,7 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     return out
 
 
-def _item_parts(
-    node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray
-) -> list[_Part]:
+def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[_Part]:
     """The parts of every item of the lists at ``node`` in ``rows``, positioned in the flat item
     array (item ``i`` of list ``j`` at ``starts[j] + i``)."""
     out: list[_Part] = []
@@ -261,6 +259,21 @@ def _merged_lists(
     return pos, starts, combine(ps, int(starts[-1]))
 
 
+def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:
+    """``arr`` at ``pos`` as parts: one per child when it is a union (no union of unions)."""
+    pa = _pa()
+    if not pa.types.is_union(arr.type):
+        return [(("col", str(arr.type)), name, pos, arr)]
+    codes = arr.type_codes.to_numpy(zero_copy_only=False)
+    offs = arr.offsets.to_numpy(zero_copy_only=False)
+    out: list[_Part] = []
+    for i in range(arr.type.num_fields):
+        mine = codes == arr.type.type_codes[i]
+        child = arr.field(i).take(pa.array(offs[mine].astype(np.int64)))
+        out.append((("col", str(child.type)), arr.type.field(i).name, pos[mine], child))
+    return out
+
+
 def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
     """The dict of ``node``'s keys over ``rows`` as a struct array, and where any key has a value."""
     pa = _pa()
@@ -284,21 +297,26 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     total = int(starts[-1])
     fields, names = [], []
     for seg, kid in sorted(node.keys.items()):
-        col = combine(parts(kid, b, rows, with_keys=True), len(rows))
-        if not (pa.types.is_large_list(col.type) or pa.types.is_list(col.type) or pa.types.is_fixed_size_list(col.type)):
-            raise SpillMergeError(
-                f"the lists of dicts at {F.path_text(node.path)!r}: key {_seg_name(seg)!r} holds values of several "
-                f"kinds ({col.type}), which Arrow's list<struct> cannot hold; export it with columns= naming its "
-                "leaf columns"
-            )
-        have = pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-        flat = pc.list_flatten(col)
-        first = np.concatenate([[0], np.cumsum(have)])[:-1]
-        row_of = np.repeat(np.arange(len(rows)), lengths)
-        j = np.arange(total) - starts[:-1][row_of]
-        ok = j < have[row_of]
-        idx = np.where(ok, first[row_of] + j, 0)
-        fields.append(flat.take(pa.array(idx, mask=~ok)))
+        elems: list[_Part] = []
+        for _, name, pos, arr in parts(kid, b, rows, with_keys=True):
+            if not (
+                pa.types.is_large_list(arr.type) or pa.types.is_list(arr.type) or pa.types.is_fixed_size_list(arr.type)
+            ):
+                raise SpillMergeError(
+                    f"the lists of dicts at {F.path_text(node.path)!r}: key {_seg_name(seg)!r} holds a {name} value where "
+                    f"its list of {int(lengths.max(initial=0))} is expected; the output is damaged: merge it again"
+                )
+            have = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            have = np.minimum(have, lengths[pos])  # a dict has one value per key
+            flat = pc.list_flatten(arr)
+            first = np.concatenate(
+                [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
+            )[:-1]
+            within = np.arange(int(have.sum())) - np.repeat(np.concatenate([[0], np.cumsum(have)])[:-1], have)
+            take = np.repeat(first, have) + within
+            at = np.repeat(starts[pos], have) + within
+            elems += _split(name, at, flat.take(pa.array(take.astype(np.int64))))
+        fields.append(combine(elems, total))
         names.append(_seg_name(seg))
     values = pa.StructArray.from_arrays(fields, names) if fields else pa.array([{}] * total, type=pa.struct([]))
     return pa.LargeListArray.from_arrays(pa.array(starts), values)

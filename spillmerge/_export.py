@@ -45,7 +45,8 @@ def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
     for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
         name = col.info.path or "value"
         if len(files.by_leaf(col.info.leaf)) > 1:  # one column per dtype: "logits:float16"
-            name = f"{name}:{col.info.dtype}"
+            # per variant where they differ in more than the dtype: "result:float32.2d", "result:str"
+            name = f"{name}:{col.info.variant or col.info.dtype}"
         out[name] = col
     return out
 
@@ -122,13 +123,13 @@ def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
         "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
     }
     fields = [pa.field(k, v.type) for k, v in arrays.items()]
-    rows = T.Batch(a, b)
+    stored = T.Batch(a, b)
     for name, col in cols.items():
         if isinstance(col, OpenColumn):
-            arr = rows.arrow(col)
+            arr = stored.arrow(col)
             fields.append(pa.field(name, arr.type))
         else:
-            arr, meta = T.node_array(col, rows)
+            arr, meta = T.node_array(col, stored)
             fields.append(pa.field(name, arr.type, metadata=meta))
         arrays[name] = arr
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
