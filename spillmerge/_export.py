@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _arrowtree as T
 from ._errors import UnknownColumnError, require
-from ._views import OpenColumn
+from ._views import OpenColumn, untensor
 
 Column = OpenColumn | T.Node
 """What makes an exported column: one stored column (flat, as in version 2) or a node of the
@@ -181,6 +181,7 @@ def to_parquet(
             sink = fsspec.open(target, "wb", **(storage_options or {})).open()
         try:
             for rb in iter_batches(files, cols, batch_size):
+                rb = _parquet_form(rb)
                 if writer is None:
                     _refuse_unions(rb.schema, target)
                     schema = rb.schema
@@ -188,7 +189,7 @@ def to_parquet(
                 writer.write_batch(rb)
                 rows += rb.num_rows
             if writer is None:  # no rows: still a valid file with the columns
-                schema = batch(files, cols, 0, 0).schema
+                schema = _parquet_form(batch(files, cols, 0, 0)).schema
                 _refuse_unions(schema, target)
                 writer = pq.ParquetWriter(sink, schema, **parquet)
             writer.close()
@@ -217,3 +218,15 @@ def _refuse_unions(schema: Any, target: str) -> None:
             "iter_batches(), which keep the union",
             columns=bad,
         )
+
+
+def _parquet_form(rb: Any) -> Any:
+    """``rb`` with its tensor columns (``arrow.fixed_shape_tensor``) as nested ``fixed_size_list``:
+    polars and DuckDB read the extension type's flat storage without its shape, the nested lists
+    with it (as before version 3)."""
+    pa = _pa("MergedStore.to_parquet()")
+    if not any(isinstance(f.type, pa.FixedShapeTensorType) for f in rb.schema):
+        return rb
+    arrays = [untensor(c) for c in rb.columns]
+    fields = [pa.field(f.name, a.type, metadata=f.metadata) for f, a in zip(rb.schema, arrays, strict=True)]
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))

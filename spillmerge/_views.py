@@ -363,6 +363,11 @@ class FixedView(LeafView):
         pa = _pa()
         raw = self._raw(slice(None))
         inner = raw.reshape(-1) if raw.ndim > 1 else raw
+        if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
+            cell = int(np.prod(raw.shape[1:], dtype=np.int64))
+            storage = _with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
+            tensor = pa.fixed_shape_tensor(storage.type.value_type, list(raw.shape[1:]))
+            return pa.ExtensionArray.from_storage(tensor, storage)
         return _with_nulls(_nest(pa.array(inner), raw.shape), self.valid)
 
 
@@ -722,3 +727,16 @@ def _nest(flat: Any, shape: tuple[int, ...]) -> Any:
             count = int(np.prod(shape[:level], dtype=np.int64))
             arr = pa.LargeListArray.from_arrays(pa.array(np.zeros(count + 1, np.int64)), arr)
     return arr
+
+
+def untensor(arr: Any) -> Any:
+    """An ``arrow.fixed_shape_tensor`` array as the nested ``fixed_size_list`` it was before
+    (what readers without the extension type, Parquet's among them, see with its shape)."""
+    pa = _pa()
+    if not isinstance(arr.type, pa.FixedShapeTensorType):
+        return arr
+    storage = arr.storage
+    k = storage.type.list_size
+    flat = storage.values.slice(storage.offset * k, len(storage) * k)
+    valid = None if storage.null_count == 0 else storage.is_valid().to_numpy(zero_copy_only=False)
+    return _with_nulls(_nest(flat, (len(storage), *arr.type.shape)), valid)

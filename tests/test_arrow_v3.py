@@ -56,12 +56,29 @@ def write_merge(tmp_path: Path, ranks: list[dict[tuple[str, int], Any]]) -> Any:
     return spillmerge.open(out)
 
 
+def py(s: Any) -> Any:
+    """An Arrow scalar as Python, led by its type: a union's value as its child's, a tensor
+    (``arrow.fixed_shape_tensor``, whose ``as_py`` is flat) as nested lists of its shape."""
+    if not s.is_valid:
+        return None
+    t = s.type
+    if pa.types.is_union(t):
+        return py(s.value)
+    if isinstance(t, pa.FixedShapeTensorType):
+        return s.to_numpy().tolist()
+    if pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t):
+        return [py(x) for x in s.values]
+    if pa.types.is_struct(t):
+        return {k: py(v) for k, v in s.items()}
+    return s.as_py()
+
+
 def check_rows(res: Any, table: Any) -> None:
     """Every row of ``table`` equals ``res.value()`` of that row in Arrow's Python form."""
     names = [n for n in table.column_names if n not in KEYS]
-    for row in table.to_pylist():
+    for i, row in enumerate(table.select(list(KEYS)).to_pylist()):
         want = flat_row(res.value(row["filename"], row["frame_idx"]))
-        got = {n: row[n] for n in names}
+        got = {n: py(table.column(n)[i]) for n in names}
         assert got == {n: want.get(n) for n in names}, row["filename"]
         assert set(want) <= set(names), (row["filename"], set(want) - set(names))
 
@@ -118,6 +135,9 @@ def test_mixed_values_map_onto_unions_lists_and_structs(tmp_path):
     result = schema.field("result").type
     assert pa.types.is_union(result) and result.mode == "dense"
     assert sorted(result.field(i).name for i in range(result.num_fields)) == ["float32.1d", "float32.2d", "str"]
+    # a tensor of one shape in every row of its column: Arrow's canonical tensor extension type
+    tensor = result.field([result.field(i).name for i in range(3)].index("float32.2d")).type
+    assert isinstance(tensor, pa.FixedShapeTensorType) and tensor.shape == [2, 3]
     # a list in some rows, a tuple in others: a union of a list and a tuple, items a union
     items = schema.field("items").type
     assert pa.types.is_union(items) and {items.field(i).name for i in range(items.num_fields)} >= {"list", "tuple"}
@@ -177,6 +197,8 @@ def test_one_type_outputs_read_as_before_in_polars_and_duckdb(tmp_path):
     res = write_merge(tmp_path, [frames])
     table = res.to_arrow()
     assert not any(pa.types.is_union(f.type) for f in table.schema)
+    assert table.schema.field("emb").type == pa.fixed_shape_tensor(pa.float32(), [2, 2])
+    assert table.column("emb").combine_chunks().to_numpy_ndarray()[3].tolist() == [[3.0, 3.0], [3.0, 3.0]]
     assert table.column_names == ["filename", "frame_idx", "rank", "emb", "label", "meta/w", "n", "probs"]
     check_rows(res, table)
     target = tmp_path / "one.parquet"
