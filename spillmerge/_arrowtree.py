@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
-from ._errors import SpillMergeError
+from ._errors import SpillMergeError, require
 from ._format import MARK, is_marker
 from ._views import OpenColumn
 
@@ -59,14 +59,6 @@ class Node:
     def structured(self) -> bool:
         """Exported as one column of its own type, not today's flat column(s)."""
         return bool(self.headers) or any(c.info.variant is not None for c in self.cols)
-
-
-class ArrowUnionInParquetError(SpillMergeError, ValueError):
-    """``to_parquet`` was asked for a column that holds a union (Parquet has no union type)."""
-
-    def __init__(self, message: str, *, columns: list[str]) -> None:
-        super().__init__(message)
-        self.columns = columns
 
 
 def tree(cols: list[OpenColumn]) -> Node:
@@ -112,9 +104,7 @@ class Batch:
 
 
 def _pa() -> Any:
-    from ._views import _pa as pa
-
-    return pa()
+    return require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
 
 
 def combine(parts: list[_Part], n: int) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _arrowtree as T
-from ._errors import UnknownColumnError, require
+from ._errors import ArrowUnionInParquetError, UnknownColumnError, require
 from ._views import OpenColumn, untensor
 
 Column = OpenColumn | T.Node
@@ -211,7 +211,7 @@ def _refuse_unions(schema: Any, target: str) -> None:
     """Parquet has no union type: name the columns that hold one, and the ways out."""
     bad = [f.name for f in schema if T.has_union(f.type)]
     if bad:
-        raise T.ArrowUnionInParquetError(
+        raise ArrowUnionInParquetError(
             f"to_parquet({target!r}): column(s) {', '.join(map(repr, bad))} hold values of several kinds (an Arrow "
             "dense_union), and Parquet has no union type; pass columns= naming the others, or one variant's flat "
             "column (MergedStore.to_arrow(columns=...) names them, e.g. 'result:float32'), or use to_arrow() / "

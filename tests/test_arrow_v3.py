@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge._arrowtree import ArrowUnionInParquetError
 
 KEYS = ("filename", "frame_idx", "rank")
 
@@ -167,7 +166,7 @@ def test_batches_have_one_schema_and_the_rows_of_the_table(tmp_path):
 def test_a_union_refuses_parquet_by_name_and_its_variants_export_flat(tmp_path):
     res = write_merge(tmp_path, MIXED)
     target = tmp_path / "x.parquet"
-    with pytest.raises(ArrowUnionInParquetError, match="'result'") as info:
+    with pytest.raises(spillmerge.ArrowUnionInParquetError, match="'result'") as info:
         res.to_parquet(target)
     assert isinstance(info.value, spillmerge.SpillMergeError) and "columns=" in str(info.value)
     assert "result" in info.value.columns and not target.exists()
