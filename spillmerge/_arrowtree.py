@@ -26,7 +26,7 @@ import numpy as np
 from . import _format as F
 from ._errors import SpillMergeError, require
 from ._format import MARK, is_marker
-from ._views import OpenColumn
+from ._views import OpenColumn, untensor
 
 _Part = tuple[tuple[str, str], str, np.ndarray, Any]
 """One variant's share of a node's rows: (key, union child name, positions among the rows, the
@@ -57,8 +57,11 @@ class Node:
 
     @property
     def structured(self) -> bool:
-        """Exported as one column of its own type, not today's flat column(s)."""
-        return bool(self.headers) or any(c.info.variant is not None for c in self.cols)
+        """Exported as one column of its own type, not today's flat column(s). An empty dict
+        (``pydict``) at a path whose keys other rows have makes no column by itself: its keys'
+        flat columns are null in its rows (in a column made for other reasons it is ``{}``)."""
+        heads = [h for h in self.headers if not (h.info.dtype == "pydict" and self.keys)]
+        return bool(heads) or any(c.info.variant is not None for c in self.cols)
 
 
 def tree(cols: list[OpenColumn]) -> Node:
@@ -197,11 +200,16 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         elif kind == "pyrecords":
             arr = _records(node, b, rows[pos], lengths, starts)
             out.append((("records", str(arr.type)), "records", pos, arr))
+        elif with_keys and node.keys:
+            continue  # a dict whose keys some rows have: the struct of them below, null fields here
         else:  # pydict: an empty dict
             arr = pa.array([{}] * len(pos), type=pa.struct([]))
             out.append((("dict", "struct<>"), "dict", pos, arr))
     if with_keys and node.keys:
         arr, present = _struct(node, b, rows)
+        for head in node.headers:
+            if head.info.dtype == "pydict":
+                present |= b.valid(head, rows)
         pos = np.flatnonzero(present)
         arr = arr.take(pa.array(pos))
         out.append((("dict", str(arr.type)), "dict", pos, arr))
@@ -289,6 +297,9 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     for seg, kid in sorted(node.keys.items()):
         elems: list[_Part] = []
         for _, name, pos, arr in parts(kid, b, rows, with_keys=True):
+            arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
+            if not len(pos) and not _listlike(arr.type):
+                continue  # a key of dicts in other rows, none of these
             if not (
                 pa.types.is_large_list(arr.type) or pa.types.is_list(arr.type) or pa.types.is_fixed_size_list(arr.type)
             ):
@@ -323,13 +334,34 @@ def top_columns(root: Node, name_of: Callable[[OpenColumn], str]) -> dict[str, A
         else:
             for col in node.cols:
                 out[name_of(col)] = col
-        if any(h.info.dtype == "pyrecords" for h in node.headers):
-            return  # its keys are the records' columns, inside its column
+        records = [h for h in node.headers if h.info.dtype == "pyrecords"]
         for _, kid in sorted(node.keys.items()):
-            walk(kid)
+            # the records' columns are inside its column: a key is a flat column too only where
+            # other rows hold a dict with it
+            if not records or _outside(kid, records):
+                walk(kid)
 
     walk(root)
     return out
+
+
+def _outside(node: Node, records: list[OpenColumn]) -> bool:
+    """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
+    inside = np.zeros(0, bool)
+    for head in records:
+        v = head.valid()
+        if v is None:
+            return False  # every row holds one
+        inside = v.copy() if not len(inside) else inside | v
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for col in n.cols + n.headers:
+            v = col.valid()
+            if v is None or bool((v & ~inside).any()):
+                return True
+        stack += [*n.items.values(), *n.keys.values()]
+    return False
 
 
 def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
@@ -338,6 +370,11 @@ def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
     ps = parts(node, b, rows, with_keys=False)
     meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None
     return combine(ps, len(rows)), meta
+
+
+def _listlike(t: Any) -> bool:
+    pa = _pa()
+    return bool(pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t))
 
 
 def has_union(t: Any) -> bool:
