@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ._codecs import CODECS
 from ._dataset import OutputDataset
 from ._errors import (
+    ArrowUnionInParquetError,
     CommitTimeout,
     ConfigError,
     CoordinationError,
@@ -136,6 +137,7 @@ __all__ = [
     "StaleSpillError",
     "TruncatedObjectError",
     "UnknownColumnError",
+    "ArrowUnionInParquetError",
     "UnknownFileError",
     "UnknownLeafError",
     "UnsafePathError",

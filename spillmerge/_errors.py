@@ -333,3 +333,12 @@ class StaleSpillError(SpillMergeError, ValueError):
         self.path = path
         self.world_size = world_size
         self.stale = stale
+
+
+class ArrowUnionInParquetError(SpillMergeError, ValueError):
+    """``to_parquet`` was asked for a column that holds an Arrow union (a leaf of several kinds):
+    Parquet has no union type. ``columns`` names them."""
+
+    def __init__(self, message: str, *, columns: list[str]) -> None:
+        super().__init__(message)
+        self.columns = columns

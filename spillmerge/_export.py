@@ -17,8 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import UnknownColumnError, require
-from ._views import OpenColumn
+from . import _arrowtree as T
+from ._errors import ArrowUnionInParquetError, UnknownColumnError, require
+from ._views import OpenColumn, untensor
+
+Column = OpenColumn | T.Node
+"""What makes an exported column: one stored column (flat, as in version 2) or a node of the
+value tree (``_arrowtree``: unions, lists, records)."""
 
 V2Files = Any
 """``_reader.V2Files`` (which calls this module: named here, not imported, so no import circle)."""
@@ -40,19 +45,29 @@ def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
     for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
         name = col.info.path or "value"
         if len(files.by_leaf(col.info.leaf)) > 1:  # one column per dtype: "logits:float16"
-            name = f"{name}:{col.info.dtype}"
+            # per variant where they differ in more than the dtype: "result:float32.2d", "result:str"
+            name = f"{name}:{col.info.variant or col.info.dtype}"
         out[name] = col
     return out
 
 
-def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, OpenColumn]:
-    """The leaf columns named in ``columns`` (all when None), in the order given."""
-    known = arrow_names(files)
+def default_columns(files: V2Files) -> dict[str, Column]:
+    """The exported columns when none are named (``_arrowtree.top_columns``)."""
+    flat = {id(c): name for name, c in arrow_names(files).items()}
+    return T.top_columns(T.tree(list(files.columns.values())), lambda c: flat[id(c)])
+
+
+def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
+    """The columns named in ``columns`` (all when None), in the order given: the names of the
+    default export, and each stored column's flat name (:func:`arrow_names`: one variant of a
+    union, one item of a list) as in version 2."""
+    default = default_columns(files)
     if columns is None:
-        return known
+        return default
+    known: dict[str, Column] = {**arrow_names(files), **default}
     if isinstance(columns, str):
         columns = [columns]
-    out: dict[str, OpenColumn] = {}
+    out: dict[str, Column] = {}
     for name in columns:
         if name in ("filename", "frame_idx", "rank"):
             continue  # always there
@@ -67,12 +82,26 @@ def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> d
     return out
 
 
-def default_batch_rows(files: V2Files, cols: dict[str, OpenColumn]) -> int:
+def _stored(cols: dict[str, Column]) -> list[OpenColumn]:
+    """The stored columns the exported ones read."""
+    out: list[OpenColumn] = []
+    stack = [c for c in cols.values()]
+    while stack:
+        c = stack.pop()
+        if isinstance(c, OpenColumn):
+            out.append(c)
+        else:
+            out += c.cols + c.headers
+            stack += [*c.items.values(), *c.keys.values()]
+    return out
+
+
+def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
     """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
     if files.n_rows == 0:
         return 1
     total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
-    for col in cols.values():
+    for col in _stored(cols):
         v = col.values
         item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
         total += int(np.prod(v.shape, dtype=np.int64)) * item
@@ -80,7 +109,7 @@ def default_batch_rows(files: V2Files, cols: dict[str, OpenColumn]) -> int:
     return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
 
 
-def batch(files: V2Files, cols: dict[str, OpenColumn], a: int, b: int) -> Any:
+def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
     """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
     pa = _pa("MergedStore.iter_batches()")
     offsets = files.frame_offsets
@@ -93,12 +122,20 @@ def batch(files: V2Files, cols: dict[str, OpenColumn], a: int, b: int) -> Any:
         "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),
         "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
     }
+    fields = [pa.field(k, v.type) for k, v in arrays.items()]
+    stored = T.Batch(a, b)
     for name, col in cols.items():
-        arrays[name] = col.view(a, b).to_arrow()
-    return pa.RecordBatch.from_pydict(arrays)
+        if isinstance(col, OpenColumn):
+            arr = stored.arrow(col)
+            fields.append(pa.field(name, arr.type))
+        else:
+            arr, meta = T.node_array(col, stored)
+            fields.append(pa.field(name, arr.type, metadata=meta))
+        arrays[name] = arr
+    return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
 
 
-def iter_batches(files: V2Files, cols: dict[str, OpenColumn], batch_size: int | None) -> Iterator[Any]:
+def iter_batches(files: V2Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
     """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
         raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
@@ -107,7 +144,7 @@ def iter_batches(files: V2Files, cols: dict[str, OpenColumn], batch_size: int | 
         yield batch(files, cols, a, min(a + step, files.n_rows))
 
 
-def to_arrow(files: V2Files, cols: dict[str, OpenColumn]) -> Any:
+def to_arrow(files: V2Files, cols: dict[str, Column]) -> Any:
     """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
     pa = _pa("MergedStore.to_arrow()")
     return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
@@ -115,7 +152,7 @@ def to_arrow(files: V2Files, cols: dict[str, OpenColumn]) -> Any:
 
 def to_parquet(
     files: V2Files,
-    cols: dict[str, OpenColumn],
+    cols: dict[str, Column],
     path: str | os.PathLike[str],
     batch_size: int | None,
     storage_options: dict[str, Any] | None,
@@ -144,13 +181,16 @@ def to_parquet(
             sink = fsspec.open(target, "wb", **(storage_options or {})).open()
         try:
             for rb in iter_batches(files, cols, batch_size):
+                rb = _parquet_form(rb)
                 if writer is None:
+                    _refuse_unions(rb.schema, target)
                     schema = rb.schema
                     writer = pq.ParquetWriter(sink, schema, **parquet)
                 writer.write_batch(rb)
                 rows += rb.num_rows
             if writer is None:  # no rows: still a valid file with the columns
-                schema = batch(files, cols, 0, 0).schema
+                schema = _parquet_form(batch(files, cols, 0, 0)).schema
+                _refuse_unions(schema, target)
                 writer = pq.ParquetWriter(sink, schema, **parquet)
             writer.close()
             writer = None
@@ -165,3 +205,28 @@ def to_parquet(
             os.remove(tmp)
         raise
     return rows
+
+
+def _refuse_unions(schema: Any, target: str) -> None:
+    """Parquet has no union type: name the columns that hold one, and the ways out."""
+    bad = [f.name for f in schema if T.has_union(f.type)]
+    if bad:
+        raise ArrowUnionInParquetError(
+            f"to_parquet({target!r}): column(s) {', '.join(map(repr, bad))} hold values of several kinds (an Arrow "
+            "dense_union), and Parquet has no union type; pass columns= naming the others, or one variant's flat "
+            "column (MergedStore.to_arrow(columns=...) names them, e.g. 'result:float32'), or use to_arrow() / "
+            "iter_batches(), which keep the union",
+            columns=bad,
+        )
+
+
+def _parquet_form(rb: Any) -> Any:
+    """``rb`` with its tensor columns (``arrow.fixed_shape_tensor``) as nested ``fixed_size_list``:
+    polars and DuckDB read the extension type's flat storage without its shape, the nested lists
+    with it (as before version 3)."""
+    pa = _pa("MergedStore.to_parquet()")
+    if not any(isinstance(f.type, pa.FixedShapeTensorType) for f in rb.schema):
+        return rb
+    arrays = [untensor(c) for c in rb.columns]
+    fields = [pa.field(f.name, a.type, metadata=f.metadata) for f, a in zip(rb.schema, arrays, strict=True)]
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))

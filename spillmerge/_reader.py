@@ -616,7 +616,13 @@ class MergedStore(Mapping[str, Any]):
         - ragged leaves: ``large_list`` per row, of ``fixed_size_list`` (the inner dimensions)
           when only the first dimension varies, else nested ``large_list`` one level per dimension;
         - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
-          unpickled); list of ``str``: ``large_list<large_string>``.
+          unpickled); list of ``str``: ``large_list<large_string>``;
+        - fixed numeric leaves of 2+ dimensions per row: ``arrow.fixed_shape_tensor``;
+        - format 3 (docs/READING.md has the table): ``py*`` scalars as ``int64`` / ``double`` /
+          ``bool``; a leaf of several variants as one ``dense_union`` column; lists and tuples as
+          ``large_list`` (items of several types: a union), lists of dicts as
+          ``large_list<struct>``. Dicts from the root stay flat columns (``"a/b"``); ``columns``
+          also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
         files = self.require_columnar("to_arrow()")
         return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))

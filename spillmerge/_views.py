@@ -363,10 +363,15 @@ class FixedView(LeafView):
         pa = _pa()
         raw = self._raw(slice(None))
         inner = raw.reshape(-1) if raw.ndim > 1 else raw
-        arr = pa.array(inner)
-        for d in reversed(raw.shape[1:]):
-            arr = pa.FixedSizeListArray.from_arrays(arr, d)
-        return _with_nulls(arr, self.valid)
+        if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs
+            raw = raw.view(raw.real.dtype).reshape(*raw.shape, 2)
+            inner = raw.reshape(-1)
+        if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
+            cell = int(np.prod(raw.shape[1:], dtype=np.int64))
+            storage = _with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
+            tensor = pa.fixed_shape_tensor(storage.type.value_type, list(raw.shape[1:]))
+            return pa.ExtensionArray.from_storage(tensor, storage)
+        return _with_nulls(_nest(pa.array(inner), raw.shape), self.valid)
 
 
 class _OffsetView(LeafView):
@@ -502,9 +507,7 @@ class RaggedView(_OffsetView):
         o = self.offsets
         info = self._col.info
         if info.inner_shape is not None:
-            arr = pa.array(raw.reshape(-1))
-            for d in reversed(info.inner_shape):
-                arr = pa.FixedSizeListArray.from_arrays(arr, d)
+            arr = _nest(pa.array(raw.reshape(-1)), raw.shape)
             return _with_nulls(pa.LargeListArray.from_arrays(pa.array(o, pa.int64()), arr), self.valid)
         shapes = self.shapes
         levels = []
@@ -711,3 +714,32 @@ def _with_nulls(arr: Any, valid: np.ndarray | None) -> Any:
 
     pa = _pa()
     return pc.if_else(pa.array(valid), arr, pa.nulls(len(arr), arr.type))
+
+
+def _nest(flat: Any, shape: tuple[int, ...]) -> Any:
+    """``flat`` (every element) as ``shape[0]`` rows of ``fixed_size_list`` one level per later
+    dimension; a dimension of size 0 is a ``large_list`` of empty lists (Arrow refuses a
+    ``fixed_size_list`` of size 0)."""
+    pa = _pa()
+    arr = flat
+    for level in range(len(shape) - 1, 0, -1):
+        d = int(shape[level])
+        if d:
+            arr = pa.FixedSizeListArray.from_arrays(arr, d)
+        else:
+            count = int(np.prod(shape[:level], dtype=np.int64))
+            arr = pa.LargeListArray.from_arrays(pa.array(np.zeros(count + 1, np.int64)), arr)
+    return arr
+
+
+def untensor(arr: Any) -> Any:
+    """An ``arrow.fixed_shape_tensor`` array as the nested ``fixed_size_list`` it was before
+    (what readers without the extension type, Parquet's among them, see with its shape)."""
+    pa = _pa()
+    if not isinstance(arr.type, pa.FixedShapeTensorType):
+        return arr
+    storage = arr.storage
+    k = storage.type.list_size
+    flat = storage.values.slice(storage.offset * k, len(storage) * k)
+    valid = None if storage.null_count == 0 else storage.is_valid().to_numpy(zero_copy_only=False)
+    return _with_nulls(_nest(flat, (len(storage), *arr.type.shape)), valid)
