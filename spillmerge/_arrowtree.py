@@ -352,13 +352,13 @@ def _outside(node: Node, records: list[OpenColumn]) -> bool:
         v = head.valid()
         if v is None:
             return False  # every row holds one
-        inside = v.copy() if not len(inside) else inside | v
+        inside = np.array(v) if not len(inside) else inside | np.asarray(v)
     stack = [node]
     while stack:
         n = stack.pop()
         for col in n.cols + n.headers:
             v = col.valid()
-            if v is None or bool((v & ~inside).any()):
+            if v is None or bool((np.asarray(v) & ~inside).any()):
                 return True
         stack += [*n.items.values(), *n.keys.values()]
     return False
