@@ -33,7 +33,8 @@ GiB = 1 << 30
 
 def _count(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
-    for m in re.findall(r'"(PUT|GET|HEAD|POST|DELETE|LIST) ', text):
+    # werkzeug colours some lines (206, 404 ...) with ANSI escapes inside the quotes
+    for m in re.findall(r'"(?:\x1b\[[0-9;]*m)*(PUT|GET|HEAD|POST|DELETE) ', text):
         out[m] = out.get(m, 0) + 1
     return out
 
