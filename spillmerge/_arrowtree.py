@@ -228,14 +228,18 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         else:  # pydict: an empty dict
             arr = pa.array([{}] * len(pos), type=pa.struct([]))
             out.append((("dict", "struct<>"), "dict", pos, arr))
+    records = [h for h in node.headers if h.info.dtype == "pyrecords"]
     if with_keys and node.keys:
         arr, present = _struct(node, b, rows)
         for head in node.headers:
             if head.info.dtype == "pydict":
                 present |= b.valid(head, rows)
+        for head in records:  # a list of dicts' keys are its columns, not a dict of their own
+            present &= ~b.valid(head, rows)
         pos = np.flatnonzero(present)
-        arr = arr.take(pa.array(pos))
-        out.append((("dict", str(arr.type)), "dict", pos, arr))
+        if len(pos) or not records:
+            arr = arr.take(pa.array(pos))
+            out.append((("dict", str(arr.type)), "dict", pos, arr))
     return out
 
 

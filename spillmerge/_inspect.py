@@ -567,6 +567,8 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
     list_offs, sizes, list_problems = L.domains({p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx))
     out.extend(list_problems)
+    if header.get("format_version", 0) >= 4:  # a header without its items' list (lengths: below)
+        out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
     out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
     for name in V.PROVENANCE:
         if name in lengths and f"index/{name}" not in damaged:
@@ -594,7 +596,7 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
         rows = L.expand(list_offs, F.list_domain(c.leaf), in_layout(c.name))
         out.extend(V.rows_layout_problems(c, valid, col_off, rows))
-        if header.get("format_version", 0) >= 4 and c.dtype in ("pylist", "pytuple") and c.kind == "fixed":
+        if header.get("format_version", 0) >= 4 and _is_list_head(c):
             n = None if f"{rel}/values" in damaged else np.asarray(V.read_array(c.arrays["values"]), dtype=np.int64)
             heads.append((c, valid, n))
         byte_text = c.kind in V.STRING_KINDS and c.arrays["values"].dtype == np.uint8  # format 3
@@ -605,6 +607,10 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
     out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
     return out
+
+
+def _is_list_head(c: V.StoredColumn) -> bool:
+    return c.dtype in ("pylist", "pytuple") and c.kind == "fixed"
 
 
 def _all_arrays(group: Any) -> list[tuple[str, Any]]:

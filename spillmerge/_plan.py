@@ -214,6 +214,16 @@ class Plan:
     def file_rows(self, i: int) -> tuple[int, int]:
         return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
 
+    def top_row(self, col: PlannedColumn, r: int) -> int:
+        """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
+        offsets of its lists, innermost first), for messages naming a file and frame."""
+        offs = {lst.path: lst.offsets for lst in self.lists}
+        domain = F.list_domain(col.leaf)
+        for k in range(len(domain) - 1, -1, -1):
+            if domain[k] == F.ITEM:
+                r = int(np.searchsorted(offs[domain[: k + 1]], r, side="right")) - 1
+        return r
+
 
 def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
     return sorted({segments[int(s)].seg.rank for s in np.unique(seg_ids)})
@@ -714,6 +724,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "segments": [s.seg.rel for s in plan.segments],
         "columns": [c.header().to_obj() for c in plan.columns],
         "file_layouts": plan.file_layouts,
+        "lists": [[lst.name, list(lst.path)] for lst in plan.lists],
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     for name in plan.filenames:  # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode
@@ -723,6 +734,8 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
         for i in range(0, len(a), ROW_BLOCK):
             h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").tobytes())
+    for lst in plan.lists:
+        h.update(np.ascontiguousarray(lst.offsets, dtype="<i8").tobytes())
     for col in plan.columns:
         for i in range(0, len(col.src), ROW_BLOCK):
             h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").tobytes())
