@@ -20,6 +20,7 @@ from . import _export
 from . import _format as F
 from . import _format_output as FO
 from . import _invariants as V
+from . import _lists as L
 from ._cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from ._errors import (
     CorruptSpillError,
@@ -255,7 +256,15 @@ class V2Files:
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
         names = self._names.as_array() if isinstance(self._names, ArrayNames) else self._names
-        raise_(problems + V.v2_index_problems(names, self._offsets, self._file_layout, lengths, header, infos))
+        # Format 4: list offsets (their contents stay in memory, as the columns' offsets do)
+        lists, list_problems = L.read_lists(group)
+        raise_(problems + list_problems)
+        self._list_offs, sizes, list_problems = L.domains(lists, int(lengths["frame_idx"]))
+        raise_(list_problems)
+        heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
+        if header.get("format_version", 0) >= 4:
+            raise_(L.header_problems(lists, self._list_offs, heads))
+        raise_(V.v2_index_problems(names, self._offsets, self._file_layout, lengths, header, infos, (lists, sizes)))
         self._layouts: list[list[str]] = header["file_layouts"]
         frame_idx = np.asarray(V.read_index(group, "frame_idx", describe), dtype=np.int64)
         raise_(V.frame_problems(frame_idx, self._offsets, self._names))
@@ -268,7 +277,7 @@ class V2Files:
         self.n_rows = len(frame_idx)
         self.columns: dict[str, OpenColumn] = {}
         for name, info in infos.items():
-            col = OpenColumn(info, self.n_rows, allow_pickle, cache, storage)
+            col = OpenColumn(info, sizes[F.list_domain(info.leaf)], allow_pickle, cache, storage)
             if "offsets" in info.arrays:
                 col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
                 if "shapes" in info.arrays:
@@ -278,7 +287,8 @@ class V2Files:
         # A row has a value only in the columns its file's layout lists (a moved file boundary).
         in_layout = V.layout_rows(self._offsets, self._file_layout, self._layouts)
         for name, col in self.columns.items():
-            raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, in_layout(name)))
+            rows = L.expand(self._list_offs, F.list_domain(col.info.leaf), in_layout(name))
+            raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, rows))
         raise_(V.variant_problems(infos, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
@@ -349,7 +359,8 @@ class V2Files:
                 out[key] = cls(col, a, b, filename)
             return out
         for path, col in self._layout_paths[self._file_layout.item(i)]:
-            set_nested(out, path, col.view(a, b, filename))
+            # a list's items (format 4): the items of the file's rows, flattened
+            set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
 
     def row_value(self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool) -> Any:
@@ -365,7 +376,7 @@ class V2Files:
                 filename=filename,
             )
         cols, _ = self._layout_cols[self._file_layout.item(i)]
-        return row_value(cols, a + j, filename, as_torch)
+        return row_value(cols, a + j, filename, as_torch, self._list_offs)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -395,7 +406,7 @@ class V2Files:
                 column="/".join(leaf),
                 known=known,
             )
-        return col.view(0, self.n_rows)
+        return col.view(0, col.n_rows)
 
     def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
         """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
@@ -414,6 +425,11 @@ class V2Files:
     @property
     def frame_idx(self) -> np.ndarray:
         return self._frame_idx
+
+    @property
+    def list_offsets(self) -> dict[tuple[str, ...], np.ndarray]:
+        """Format 4: each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
+        return self._list_offs
 
     @property
     def frame_rank(self) -> np.ndarray:
