@@ -333,19 +333,18 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     return out
 
 
-def column_problems(c: StoredColumn, n_rows: int) -> list[Problem]:
-    """Lengths of one column's arrays against ``n_rows`` (metadata only)."""
+def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -> list[Problem]:
+    """Lengths of one column's arrays against ``n_rows``, the rows of its domain (``of``: the
+    output's rows, or (format 4) the items of a list) (metadata only)."""
     rel = f"columns/{c.name}"
     out: list[Problem] = []
     a = c.arrays
     compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
     if c.kind in ("fixed", "str") and not compact and "offsets" not in a and a["values"].shape[0] != n_rows:
-        out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but index/frame_idx has {n_rows}"))
+        out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but {of} has {n_rows}"))
     for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
         if k in a and a[k].shape[0] != want:
-            out.append(
-                (f"{rel}/{k}", f"{a[k].shape[0]} entries, but index/frame_idx has {n_rows} rows (must be {want})")
-            )
+            out.append((f"{rel}/{k}", f"{a[k].shape[0]} entries, but {of} has {n_rows} rows (must be {want})"))
     return out
 
 
@@ -422,10 +421,12 @@ def v2_index_problems(
     lengths: dict[str, int],
     header: dict[str, Any],
     columns: dict[str, StoredColumn],
+    lists: Any = None,
 ) -> list[Problem]:
     """What the per-file index arrays, the header and the index arrays' lengths break (the
-    column checks aside): O(files) numpy, reads nothing."""
-    out = v2_meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns)
+    column checks aside): O(files) numpy, reads nothing. ``lists`` (format 4): (list groups,
+    domain sizes) from ``_lists``, for the lengths of columns whose rows are a list's items."""
+    out = v2_meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns, lists)
     layouts = header.get("file_layouts")
     n, rows = len(filenames), lengths["frame_idx"]
     if isinstance(layouts, list) and len(file_layout) and (file_layout.min() < 0 or file_layout.max() >= len(layouts)):
@@ -449,9 +450,11 @@ def v2_meta_problems(
     lengths: dict[str, int],
     header: dict[str, Any],
     columns: dict[str, StoredColumn],
+    lists: Any = None,
 ) -> list[Problem]:
     """What the header and the index arrays' lengths break, from metadata alone (``open``; the
-    contents are checked block by block as they are read, ``_lazyindex``)."""
+    contents are checked block by block as they are read, ``_lazyindex``). ``lists`` as for
+    :func:`v2_index_problems`."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]
     if isinstance(filenames, np.ndarray):  # format 2 reads them whole; format 3 checks them block by block
@@ -486,8 +489,16 @@ def v2_meta_problems(
     for field, want in (("n_files", n), ("n_frames", rows)):
         if header.get(field) != want:
             out.append(("zarr.json", f"the header's {field} is {header.get(field)!r}, but the index holds {want}"))
+    groups, sizes = lists if lists is not None else ({}, {})
     for c in columns.values():
-        out.extend(column_problems(c, rows))
+        domain = F.list_domain(c.leaf)
+        if not domain:
+            out.extend(column_problems(c, rows))
+        elif domain in sizes:
+            out.extend(column_problems(c, sizes[domain], f"lists/{groups[domain].name}/offsets"))
+        elif domain not in groups:
+            out.append((f"columns/{c.name}", f"its rows are the items of the list {list(domain)!r:.200}, "
+                        "which has no list group (lists/)"))  # fmt: skip
     return out
 
 

@@ -20,7 +20,8 @@ from . import _export
 from . import _format as F
 from . import _format_output as FO
 from . import _invariants as V
-from . import _lazyindex as L
+from . import _lazyindex as LZ
+from . import _lists as L
 from ._cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from ._errors import (
     CorruptSpillError,
@@ -255,9 +256,16 @@ class V2Files:
             self._names = ChunkedNames(group, describe, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
-        raise_(problems)
-        self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_rows = int(lengths["frame_idx"])
+        # Format 4: list offsets (their contents stay in memory, as list columns' offsets do)
+        lists, list_problems = L.read_lists(group)
+        raise_(problems + list_problems)
+        self._list_offs, sizes, list_problems = L.domains(lists, n_rows)
+        raise_(list_problems)
+        heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
+        if header.get("format_version", 0) >= 4:
+            raise_(L.header_problems(lists, self._list_offs, heads))
+        self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
 
         def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
@@ -269,7 +277,7 @@ class V2Files:
         self._offsets = lazy(
             "index/frame_offsets",
             fo_node,
-            check=L.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
+            check=LZ.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
         )
         fl_node = V.index_node(group, "file_layout", describe)
         fl_k = max(int(fl_node.chunks[0]), 1)
@@ -283,15 +291,32 @@ class V2Files:
                          f"not a position in the header's {n_layouts} file_layouts")])  # fmt: skip
 
         self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
-        raise_(V.v2_meta_problems(self._names, len(self._offsets), len(self._file_layout), lengths, header, infos))
+        all_names = self._names.as_array() if isinstance(self._names, ArrayNames) else self._names
+        meta = V.v2_meta_problems(
+            all_names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+        )
+        raise_(meta)
         self._frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
         self._prov: dict[str, LazyArray] = {
             name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in V.PROVENANCE
         }
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
+        nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
         for name, info in infos.items():
-            col = OpenColumn(info, self.n_rows, allow_pickle, cache, storage)
+            domain = F.list_domain(info.leaf)
+            col = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
+            if domain:  # format 4's list items: read and checked whole at open, as their lists are
+                nested[name] = info
+                if "offsets" in info.arrays:
+                    col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
+                    if "shapes" in info.arrays:
+                        col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
+                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+                if "valid" in info.arrays and col.has_valid:
+                    col._valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
+                self.columns[name] = col
+                continue
             if "offsets" in info.arrays:
                 col.offsets = lazy(f"columns/{name}/offsets", info.arrays["offsets"])
                 if "shapes" in info.arrays:
@@ -299,13 +324,14 @@ class V2Files:
             if "valid" in info.arrays and col.has_valid:
                 col._valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
             self.columns[name] = col
-        self.checks = L.IndexChecks(
-            n_rows, self._offsets, self._file_layout, self._frame_idx, self._prov, self.columns, self._layouts,
+        root = {name: col for name, col in self.columns.items() if name not in nested}
+        self.checks = LZ.IndexChecks(
+            n_rows, self._offsets, self._file_layout, self._frame_idx, self._prov, root, self._layouts,
             self._names, raise_,
         )  # fmt: skip
         for arr in (self._frame_idx, *self._prov.values()):
             arr.hook = self.checks.rows
-        for col in self.columns.values():
+        for col in root.values():
             if col.offsets is not None:
                 col.offsets.hook = self.checks.edges
             if col.shapes is not None:
@@ -317,6 +343,13 @@ class V2Files:
         self._offsets.span(0, 1)
         self._file_layout.span(0, 1)
         self.checks.rows(0, 0)
+        if nested:  # a list item has a value only where its row's file lists the column: whole
+            in_layout = V.layout_rows(self._offsets.whole(), self._file_layout.whole(), self._layouts)
+            for name, info in nested.items():
+                col = self.columns[name]
+                rows = L.expand(self._list_offs, F.list_domain(info.leaf), in_layout(name))
+                raise_(V.rows_layout_problems(info, col.valid(), col.offsets, rows))
+            raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
@@ -396,7 +429,8 @@ class V2Files:
                 out[key] = cls(col, a, b, filename)
             return out
         for path, col in self._layout_paths[self._file_layout.item(i)]:
-            set_nested(out, path, col.view(a, b, filename))
+            # a list's items (format 4): the items of the file's rows, flattened
+            set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
 
     def row_value(self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool) -> Any:
@@ -412,7 +446,7 @@ class V2Files:
                 filename=filename,
             )
         cols, _ = self._layout_cols[self._file_layout.item(i)]
-        return row_value(cols, a + j, filename, as_torch)
+        return row_value(cols, a + j, filename, as_torch, self._list_offs)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -442,7 +476,7 @@ class V2Files:
                 column="/".join(leaf),
                 known=known,
             )
-        return col.view(0, self.n_rows)
+        return col.view(0, col.n_rows)
 
     def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
         """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
@@ -462,6 +496,11 @@ class V2Files:
     @property
     def frame_idx(self) -> LazyArray:
         return self._frame_idx
+
+    @property
+    def list_offsets(self) -> dict[tuple[str, ...], np.ndarray]:
+        """Format 4: each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
+        return self._list_offs
 
     @property
     def frame_rank(self) -> LazyArray:
