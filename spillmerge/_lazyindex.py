@@ -401,7 +401,7 @@ class IndexChecks:
                 self._shapes(info, col.shapes.span(r0, r1), step, r0)
         v: np.ndarray | None = None
         if col.has_valid:
-            v = np.asarray(col._valid_arr.span(r0, r1), dtype=bool)
+            v = np.asarray(col.valid_arr.span(r0, r1), dtype=bool)
         listed = self._listed[info.name]
         in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
         has = np.ones(r1 - r0, dtype=bool) if v is None else v

@@ -314,7 +314,7 @@ class V2Files:
                         col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
                     raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
                 if "valid" in info.arrays and col.has_valid:
-                    col._valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
+                    col.valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
                 self.columns[name] = col
                 continue
             if "offsets" in info.arrays:
@@ -322,7 +322,7 @@ class V2Files:
                 if "shapes" in info.arrays:
                     col.shapes = lazy(f"columns/{name}/shapes", info.arrays["shapes"])
             if "valid" in info.arrays and col.has_valid:
-                col._valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
+                col.valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
             self.columns[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
@@ -336,8 +336,8 @@ class V2Files:
                 col.offsets.hook = self.checks.edges
             if col.shapes is not None:
                 col.shapes.hook = self.checks.rows
-            if col._valid_arr is not None:
-                col._valid_arr.hook = self.checks.rows
+            if col.valid_arr is not None:
+                col.valid_arr.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (_lazyindex).
         self._offsets.span(0, 1)

@@ -86,7 +86,7 @@ class OpenColumn:
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
         self.shapes: Any = None
         """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
-        self._valid_arr: Any = None
+        self.valid_arr: Any = None
         """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
 
     @property
@@ -149,7 +149,7 @@ class OpenColumn:
         when every row has a value."""
         if not self.has_valid:
             return None
-        return self._valid_arr
+        return self.valid_arr
 
     def view(self, start: int, stop: int, filename: str | None = None) -> LeafView:
         return self.view_cls(self, start, stop, filename)
