@@ -279,7 +279,7 @@ class FixedView(LeafView):
     @property
     def dtype(self) -> np.dtype[Any]:
         """numpy dtype of what indexing returns: the real dtype where numpy or ml_dtypes has it."""
-        return real_dtype(self.dtype_name)
+        return self._col.real  # real_dtype(self.dtype_name), computed once per column
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -318,13 +318,20 @@ class FixedView(LeafView):
     def _compact(self, sel: Any) -> np.ndarray:
         """Rows ``sel`` of a fixed column whose ``values`` hold only the rows with a value (it has
         ``offsets``, steps 0 or 1): the others read as zeros."""
-        o = self._col.offsets
+        col = self._col
+        o = col.offsets
         assert o is not None
+        if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
+            r = self._row(sel)
+            lo = int(o[r])
+            if int(o[r + 1]) > lo:
+                return col.rows(lo, lo + 1)[0]
+            return np.zeros(col._unit, dtype=col._dtype)
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
-        vals = self._col.rows(lo, hi)
+        vals = col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
-        out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
+        out = np.zeros((*rows.shape, *col._unit), dtype=vals.dtype)
         out[has] = vals[o[rows[has]] - lo]
         return out
 
@@ -420,7 +427,7 @@ class RaggedView(_OffsetView):
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return real_dtype(self.dtype_name)
+        return self._col.real  # real_dtype(self.dtype_name), computed once per column
 
     @property
     def ndim(self) -> int:
