@@ -17,7 +17,7 @@ import numpy as np
 from . import _format as F
 from ._cache import ChunkCache
 from ._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
-from ._invariants import StoredColumn, read_array, read_rows
+from ._invariants import StoredColumn, read_rows
 from ._rawchunk import chunk_reader
 from ._storage import Storage
 
@@ -49,8 +49,9 @@ def _dims(shape: Any) -> tuple[int, ...]:
 
 class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
-    ``shapes``), read and checked once when the output is opened, kept in memory. Its ``values``
-    are read through the output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
+    ``shapes``, ``valid``: :class:`~spillmerge._lazyindex.LazyArray` s, read a chunk at a time and
+    checked block by block before a row of them is served). Its ``values`` are read through the
+    output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
 
     def __init__(
         self,
@@ -81,11 +82,12 @@ class OpenColumn:
             _BYTE_VIEWS[info.kind] if info.kind in _BYTE_VIEWS and values.dtype == np.uint8 else _VIEWS[info.kind]
         )
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
-        self.offsets: np.ndarray | None = None
-        """int64 ``(n_rows + 1,)`` (columns with offsets), set by the reader once checked."""
-        self.shapes: np.ndarray | None = None
-        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``), set once checked."""
-        self._valid: np.ndarray | None = None
+        self.offsets: Any = None
+        """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
+        self.shapes: Any = None
+        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
+        self._valid_arr: Any = None
+        """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
 
     @property
     def values(self) -> Any:
@@ -142,13 +144,12 @@ class OpenColumn:
             out[pos - lo :] = self._chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
 
-    def valid(self) -> np.ndarray | None:
-        """bool ``(n_rows,)`` or None when every row has a value."""
+    def valid(self) -> Any:
+        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``) or None
+        when every row has a value."""
         if not self.has_valid:
             return None
-        if self._valid is None:
-            self._valid = read_array(self.info.arrays["valid"]).astype(bool, copy=False)
-        return self._valid
+        return self._valid_arr
 
     def view(self, start: int, stop: int, filename: str | None = None) -> LeafView:
         return self.view_cls(self, start, stop, filename)
