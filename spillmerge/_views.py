@@ -91,6 +91,11 @@ class OpenColumn:
     def values(self) -> Any:
         return self.info.arrays["values"]
 
+    @property
+    def unit(self) -> tuple[int, ...]:
+        """Shape of one unit of ``values`` (read once at open)."""
+        return self._unit
+
     def _chunk(self, c: int) -> np.ndarray:
         """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
         from the cache."""
@@ -323,7 +328,7 @@ class FixedView(LeafView):
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = self._col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
-        out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
+        out = np.zeros((*rows.shape, *self._col.unit), dtype=vals.dtype)  # zarr's shape property costs a lookup
         out[has] = vals[o[rows[has]] - lo]
         return out
 
