@@ -397,7 +397,7 @@ def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], 
         v = head.valid()
         if v is None:
             return False  # every row holds one
-        inside = v.copy() if not len(inside) else inside | v
+        inside = np.array(v) if not len(inside) else inside | np.asarray(v)
     stack = [node]
     while stack:
         n = stack.pop()
@@ -405,8 +405,8 @@ def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], 
             v = col.valid()
             domain = F.list_domain(col.info.leaf)
             if domain:  # a list's items: the rows that hold one
-                v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else v)
-            if v is None or bool((v & ~inside).any()):
+                v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
+            if v is None or bool((np.asarray(v) & ~inside).any()):
                 return True
         stack += [*n.items.values(), *n.keys.values(), *([n.each] if n.each is not None else [])]
     return False

@@ -114,11 +114,12 @@ def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
 def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
     """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
     pa = _pa("MergedStore.iter_batches()")
+    files.checks.rows(a, b)  # the index over these rows, checked (frame_offsets among it)
     offsets = files.frame_offsets
-    f0 = int(np.searchsorted(offsets, a, side="right")) - 1
-    f1 = int(np.searchsorted(offsets, b, side="left"))
+    f0 = offsets.searchsorted(a, side="right") - 1
+    f1 = offsets.searchsorted(b, side="left")
     rows = np.arange(a, b, dtype=np.int64)
-    file_of_row = np.searchsorted(offsets[f0 : f1 + 1], rows, side="right") - 1
+    file_of_row = np.searchsorted(offsets.span(f0, f1 + 1), rows, side="right") - 1
     arrays: dict[str, Any] = {
         "filename": pa.array(files.names[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
         "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),

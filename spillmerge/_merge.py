@@ -542,7 +542,7 @@ def _assign(array: Any, source: np.ndarray, fn: Any = None) -> None:
     """``array[:] = fn(source)``, a whole number of chunks at a time: an out-of-core plan's arrays
     are maps of files, read block by block rather than into memory at once."""
     n = len(source)
-    step = max(1, Z.INDEX_ROWS_PER_CHUNK // max(1, int(array.chunks[0]))) * int(array.chunks[0])
+    step = max(1, (1 << 21) // max(1, int(array.chunks[0]))) * int(array.chunks[0])
     for a in range(0, n, step):
         block = np.asarray(source[a : a + step])
         array[a : a + len(block)] = block if fn is None else fn(block)

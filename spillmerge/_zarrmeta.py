@@ -22,8 +22,11 @@ from . import _format as F
 from . import _format_output as FO
 from ._plan import Plan, PlannedColumn
 
-INDEX_ROWS_PER_CHUNK = 1 << 21
-"""Rows per chunk of the per-row index arrays (``frame_idx`` ..., ``offsets``, ``valid``)."""
+INDEX_ROWS_PER_CHUNK = 1 << 15
+"""Rows per chunk of the per-file and per-row index arrays (``frame_offsets``, ``frame_idx`` ...,
+``offsets``, ``valid``): a reader reads and checks them a chunk at a time (``_lazyindex``), so a
+lookup costs one such chunk per array (256 KiB of int64), not the 16 MiB of 2**21 rows. Smaller
+chunks make lookups cheaper and objects more numerous (10^9 rows: ~30 k chunks per array)."""
 
 
 def balanced(n: int, cap: int) -> int:
