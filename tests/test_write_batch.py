@@ -292,3 +292,26 @@ def test_a_key_written_again_after_templated_writes_is_a_duplicate(tmp_path):
             w.write("img/001.jpg", 0, {"v": torch.full((8,), 1.0)})  # the same bytes: kept once
             assert w.stats()["identical_rewrites"] == 1
             w.write("img/001.jpg", 0, {"v": torch.full((8,), 9.0)})
+
+
+def test_a_key_starting_with_the_marker_is_stored_alike_by_write_and_write_batch(tmp_path):
+    from collections import OrderedDict
+
+    from spillmerge._format import MARK
+
+    x, y = torch.arange(6.0).reshape(2, 3), torch.ones(2, 1)
+
+    def rows(w: spillmerge.SpillWriter) -> None:
+        for i, name in enumerate(["a", "b"]):
+            w.write(name, 0, {MARK + "k": x[i], "y": y[i]})
+
+    def general(w: spillmerge.SpillWriter) -> None:
+        for i, name in enumerate(["a", "b"]):
+            w.write(name, 0, OrderedDict({MARK + "k": x[i], "y": y[i]}))
+
+    def batch(w: spillmerge.SpillWriter) -> None:
+        w.write_batch(["a", "b"], {MARK + "k": x, "y": y})
+
+    want = _merge(tmp_path, "general", general)
+    assert _merge(tmp_path, "rows", rows) == want
+    assert _merge(tmp_path, "batch", batch) == want
