@@ -322,7 +322,7 @@ class V2Files:
         return self._find(filename) is not None
 
     def index(self, filename: str, where: Callable[[], str]) -> int:
-        i = self._find(filename)
+        i = self._names.find(filename)  # (as _find: one call less per file read)
         if i is None:
             near = close_matches(self._names, filename)  # neighbours in sort order: no scan of every name
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
@@ -337,13 +337,15 @@ class V2Files:
     def provenance(self, i: int, name: str) -> np.ndarray | None:
         return self._prov[name][self._offsets[i] : self._offsets[i + 1]].copy()
 
-    def value(self, i: int) -> Any:
+    def value(self, i: int, filename: str | None = None) -> Any:
+        """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
         cols, flat = self._layout_cols[self._file_layout.item(i)]
         a, b = self._offsets.item(i), self._offsets.item(i + 1)
-        filename = self._names[i]
+        if filename is None or type(filename) is not str:
+            filename = str(self._names[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
-        out = LeafDict(filename)
+        out = LeafDict.top(filename)
         if flat:
             for key, cls, col in flat:
                 out[key] = cls(col, a, b, filename)
@@ -536,7 +538,8 @@ class MergedStore(Mapping[str, Any]):
         return self._files.provenance(self._index(filename), "frame_copies")
 
     def __getitem__(self, filename: str) -> Any:
-        return self._files.value(self._files.index(filename, self.storage.describe))
+        files = self._files
+        return files.value(files.index(filename, self.storage.describe), filename)
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
