@@ -146,21 +146,30 @@ def _check(out: str, n: int) -> bool:
 
 def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, Any]:
     work = Path(args.workdir) / f"n{n}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     root = str(work / "spill")
-    t0 = time.perf_counter()
-    ranks = _parallel(
-        spill_rank, [{"root": root, "n": n, "world": W, "rank": r, "session_keys": args.session_keys} for r in range(W)]
-    )
-    spill_wall = time.perf_counter() - t0
-    if not all(r["ok"] for r in ranks):
-        raise RuntimeError(ranks)
-    spill_objects, spill_bytes = _objects(root)
-    log(f"N={n}: spill {spill_wall:.1f} s ({spill_objects} objects, {spill_bytes / MiB:.0f} MiB)")
-    row: dict[str, Any] = {"n": n, "spill_s": spill_wall, "spill_rank_s": max(r["wall_s"] for r in ranks),
-                           "spill_objects": spill_objects, "spill_bytes": spill_bytes, "merges": {}}  # fmt: skip
+    spilled = work / "spill.json"
+    if args.reuse_spill and spilled.exists():  # a spill root kept by an earlier --keep-spill run
+        row: dict[str, Any] = {**json.loads(spilled.read_text()), "merges": {}}
+        log(f"N={n}: reusing the spill root of {row['spill_s']:.1f} s ({row['spill_objects']} objects)")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        t0 = time.perf_counter()
+        ranks = _parallel(
+            spill_rank,
+            [{"root": root, "n": n, "world": W, "rank": r, "session_keys": args.session_keys} for r in range(W)],
+        )
+        spill_wall = time.perf_counter() - t0
+        if not all(r["ok"] for r in ranks):
+            raise RuntimeError(ranks)
+        spill_objects, spill_bytes = _objects(root)
+        log(f"N={n}: spill {spill_wall:.1f} s ({spill_objects} objects, {spill_bytes / MiB:.0f} MiB)")
+        row = {"n": n, "spill_s": spill_wall, "spill_rank_s": max(r["wall_s"] for r in ranks),
+               "spill_objects": spill_objects, "spill_bytes": spill_bytes, "merges": {}}  # fmt: skip
+        spilled.write_text(json.dumps({k: v for k, v in row.items() if k != "merges"}))
     save(row)
+    if args.spill_only:
+        return row
     variants: list[tuple[str, dict[str, Any]]] = [("merge", dict(args.merge_kwargs))]
     if n in args.before_n:
         variants.insert(0, ("before (in-memory plan)", {**args.merge_kwargs, "plan_budget": TIB}))
@@ -198,7 +207,8 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
             log(f"N={n}: parts {p}: {res['wall_s']:.1f} s (parts {parts_wall:.1f} s), ok={res['checked']}")
             shutil.rmtree(out)
             save(row)
-    shutil.rmtree(work)
+    if not args.keep_spill:
+        shutil.rmtree(work)
     return row
 
 
@@ -290,11 +300,15 @@ def main() -> None:
         help="each writer starts a new session (segment) every this many keys (default: one session)",
     )
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--spill-only", action="store_true", help="spill and keep the roots (implies --keep-spill)")
+    ap.add_argument("--keep-spill", action="store_true", help="keep <workdir>/n<N>/spill for --reuse-spill")
+    ap.add_argument("--reuse-spill", action="store_true", help="merge the spill roots an earlier run kept")
     ap.add_argument("--out", default=None)
     ap.add_argument("--workdir", default="/tmp/bench-billion")
     args = ap.parse_args()
     if args.quick:
         args.n, args.plan_budget = [20_000, 40_000], 1 << 20
+    args.keep_spill = args.keep_spill or args.spill_only
     args.parts_n = [max(args.n)] if args.parts_n is None else args.parts_n
     args.before_n = [min(args.n)] if args.before_n is None else args.before_n
     args.merge_kwargs = {} if args.plan_budget is None else {"plan_budget": args.plan_budget}

@@ -12,13 +12,18 @@ Each measurement runs in a fresh process: open time, peak RSS of the process aft
 growth over the imports), then 200 lookups of random filenames (`res[f]["label"][0]` and
 `res[f]["caption"][0]`), cold blocks (cache on, but random files rarely share a block).
 
+With ``--before DIR`` (a checkout of an earlier spillmerge, e.g. the main branch), each output is
+also measured with that reader, alternated before / after ``--repeats`` times, same outputs.
+
 Usage: python benchmarks/bench_lookup.py [--keys 1000000,10000000] [--workdir /tmp/x] [--out DIR]
+       [--before /work/main --repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -27,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -124,36 +130,48 @@ def main() -> None:
     ap.add_argument("--keys", default="1000000,10000000")
     ap.add_argument("--workdir", default="/tmp/bench_lookup")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--before", default=None, help="a checkout of an earlier spillmerge to alternate with")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.measure:
         print(json.dumps(measure(a.measure[0], int(a.measure[1]))))
         return
     work = Path(a.workdir)
-    results = {}
+    readers = [("before", a.before), ("after", None)] if a.before else [("after", None)]
+    results: dict[str, dict[str, Any]] = {}
     for n in [int(k) for k in a.keys.split(",")]:
         out = work / f"out-{n}.zarr"
         shutil.rmtree(out, ignore_errors=True)
         t = time.perf_counter()
         build(out, n)
         built = time.perf_counter() - t
-        r = subprocess.run([sys.executable, __file__, "--measure", str(out), str(n)], capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(r.stderr)
-        results[n] = {**json.loads(r.stdout.strip().splitlines()[-1]), "build_s": built}
         obj = sum(1 for p in out.rglob("*") if p.is_file())
-        results[n]["objects"] = obj
+        for rep in range(a.repeats):
+            for label, path in readers:
+                env = dict(os.environ)
+                if path:
+                    env["PYTHONPATH"] = path
+                r = subprocess.run(
+                    [sys.executable, __file__, "--measure", str(out), str(n)], capture_output=True, text=True, env=env
+                )
+                if r.returncode:
+                    sys.exit(r.stderr)
+                key = f"{n} {label} {rep}"
+                results[key] = {**json.loads(r.stdout.strip().splitlines()[-1]), "build_s": built, "objects": obj,
+                                "n": n, "reader": label, "load": os.getloadavg()[0]}  # fmt: skip
+                print(key, json.dumps(results[key]), flush=True)
         shutil.rmtree(out, ignore_errors=True)
     lines = [
-        "| keys | open (s) | peak RSS after open (MiB) | of which open (MiB) | lookup res[f] median / p90 (ms) "
-        "| row read (2 leaves) median (ms) | dict of all names: build (s) / lookup (us) | objects |",
-        "|---|---|---|---|---|---|---|---|",
+        "| keys | reader | open (s) | peak RSS after open (MiB) | of which open (MiB) | lookup res[f] median / p90 (ms) "
+        "| row read (2 leaves) median (ms) | dict of all names: build (s) / lookup (us) | objects | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, r in results.items():
+    for r in results.values():
         lines.append(
-            f"| {n:,} | {r['open_s']:.3f} | {r['rss_open_mib']:.0f} | {r['rss_open_growth_mib']:.0f} "
+            f"| {r['n']:,} | {r['reader']} | {r['open_s']:.3f} | {r['rss_open_mib']:.0f} | {r['rss_open_growth_mib']:.0f} "
             f"| {r['lookup_ms_median']:.3f} / {r['lookup_ms_p90']:.3f} | {r['row_read_ms_median']:.3f} "
-            f"| {r['dict_build_s']:.2f} / {r['dict_lookup_us_median']:.2f} | {r['objects']} |"
+            f"| {r['dict_build_s']:.2f} / {r['dict_lookup_us_median']:.2f} | {r['objects']} | {r['load']:.1f} |"
         )
     text = "\n".join(lines)
     print(text)

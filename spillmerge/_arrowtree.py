@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
-from ._errors import SpillMergeError, require
+from . import _lists as L
+from ._errors import CorruptSpillError, SpillMergeError, require
 from ._format import MARK, is_marker
 from ._views import OpenColumn, untensor
 
@@ -41,7 +42,7 @@ class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
     (``headers``), its list items (position -> node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("cols", "headers", "items", "keys", "path")
+    __slots__ = ("cols", "each", "headers", "items", "keys", "path")
 
     def __init__(self, path: tuple[str, ...]) -> None:
         self.path = path
@@ -49,8 +50,14 @@ class Node:
         self.headers: list[OpenColumn] = []
         self.items: dict[int, Node] = {}
         self.keys: dict[str, Node] = {}
+        self.each: Node | None = None
+        """Format 4: the items of the lists here, one node whose rows are all of them."""
 
     def child(self, seg: str) -> Node:
+        if seg == F.ITEM:
+            if self.each is None:
+                self.each = Node((*self.path, seg))
+            return self.each
         if is_marker(seg):
             return self.items.setdefault(int(seg[1:]), Node((*self.path, seg)))
         return self.keys.setdefault(seg, Node((*self.path, seg)))
@@ -82,17 +89,32 @@ def _seg_name(seg: str) -> str:
 
 class Batch:
     """Rows ``a .. b-1``: each column's leaf view as a pyarrow array read once, its ``valid``
-    and (headers) its lengths."""
+    and (headers) its lengths. A column whose rows are a list's items (format 4) is read over
+    the items of rows ``a .. b-1`` (``offs``: the list offsets), and row numbers passed for it
+    are its own."""
 
-    def __init__(self, a: int, b: int) -> None:
+    def __init__(self, a: int, b: int, offs: dict[tuple[str, ...], np.ndarray] | None = None) -> None:
         self.a, self.b = a, b
+        self.offs = offs or {}
         self._arrow: dict[int, Any] = {}
         self._lengths: dict[int, np.ndarray] = {}
+        self._spans: dict[tuple[str, ...], tuple[int, int]] = {(): (a, b)}
+
+    def span(self, domain: tuple[str, ...]) -> tuple[int, int]:
+        """The rows of ``domain`` (a list path, ``()``: the output's rows) the batch holds."""
+        got = self._spans.get(domain)
+        if got is None:
+            got = self._spans[domain] = L.rows_of(self.offs, domain, self.a, self.b)
+        return got
+
+    def base(self, col: OpenColumn) -> int:
+        """The first row of ``col``'s domain in the batch (its arrays start there)."""
+        return self.span(F.list_domain(col.info.leaf))[0]
 
     def arrow(self, col: OpenColumn) -> Any:
         got = self._arrow.get(id(col))
         if got is None:
-            got = self._arrow[id(col)] = col.view(self.a, self.b).to_arrow()
+            got = self._arrow[id(col)] = col.view(*self.span(F.list_domain(col.info.leaf))).to_arrow()
         return got
 
     def valid(self, col: OpenColumn, rows: np.ndarray) -> np.ndarray:
@@ -102,7 +124,8 @@ class Batch:
     def lengths(self, col: OpenColumn) -> np.ndarray:
         got = self._lengths.get(id(col))
         if got is None:
-            got = self._lengths[id(col)] = np.asarray(col.view(self.a, self.b)[:], dtype=np.int64).reshape(-1)
+            view = col.view(*self.span(F.list_domain(col.info.leaf)))
+            got = self._lengths[id(col)] = np.asarray(view[:], dtype=np.int64).reshape(-1)
         return got
 
 
@@ -179,11 +202,11 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
             continue
         full = b.arrow(col)
         pos = np.flatnonzero(b.valid(col, rows))
-        arr = full.take(pa.array(rows[pos] - b.a))
+        arr = full.take(pa.array(rows[pos] - b.base(col)))
         out.append((("col", str(arr.type)), _col_tag(col), pos, arr))
     for head in node.headers:
         pos = np.flatnonzero(b.valid(head, rows))
-        lengths = b.lengths(head)[rows[pos] - b.a]
+        lengths = b.lengths(head)[rows[pos] - b.base(head)]
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         kind = head.info.dtype
         if kind == "pylist" and as_list:
@@ -205,20 +228,40 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         else:  # pydict: an empty dict
             arr = pa.array([{}] * len(pos), type=pa.struct([]))
             out.append((("dict", "struct<>"), "dict", pos, arr))
+    records = [h for h in node.headers if h.info.dtype == "pyrecords"]
     if with_keys and node.keys:
         arr, present = _struct(node, b, rows)
         for head in node.headers:
             if head.info.dtype == "pydict":
                 present |= b.valid(head, rows)
+        for head in records:  # a list of dicts' keys are its columns, not a dict of their own
+            present &= ~b.valid(head, rows)
         pos = np.flatnonzero(present)
-        arr = arr.take(pa.array(pos))
-        out.append((("dict", str(arr.type)), "dict", pos, arr))
+        if len(pos) or not records:
+            arr = arr.take(pa.array(pos))
+            out.append((("dict", str(arr.type)), "dict", pos, arr))
     return out
 
 
 def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[_Part]:
     """The parts of every item of the lists at ``node`` in ``rows``, positioned in the flat item
     array (item ``i`` of list ``j`` at ``starts[j] + i``)."""
+    if node.each is not None:  # format 4: the items are rows of the child path, in list order
+        o = b.offs.get(node.each.path)
+        have = np.diff(o)[rows] if o is not None else np.zeros(len(rows), np.int64)
+        if not np.array_equal(have, lengths):
+            j = int(np.flatnonzero(have != lengths)[0])
+            raise CorruptSpillError(
+                f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
+                f"header, {int(have[j])} by its list offsets; the output is damaged: merge it again"
+            )
+        if o is None:
+            o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
+        first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+        within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+        item_rows = np.repeat(o[rows], lengths) + within
+        at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
+        return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
     out: list[_Part] = []
     for i, item in sorted(node.items.items()):
         sel = np.flatnonzero(lengths > i)
@@ -238,7 +281,7 @@ def _merged_lists(
     got = []
     for col in numeric:
         cpos = np.flatnonzero(b.valid(col, rows))
-        carr = b.arrow(col).take(pa.array(rows[cpos] - b.a))
+        carr = b.arrow(col).take(pa.array(rows[cpos] - b.base(col)))
         clen = pc.list_value_length(carr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         got.append((col, cpos, carr, clen))
     all_pos = np.concatenate([hpos, *(g[1] for g in got)]).astype(np.int64)
@@ -323,9 +366,11 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     return pa.LargeListArray.from_arrays(pa.array(starts), values)
 
 
-def top_columns(root: Node, name_of: Callable[[OpenColumn], str]) -> dict[str, Any]:
+def top_columns(
+    root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray] | None = None
+) -> dict[str, Any]:
     """Column name -> what makes it: a structured node (``Node``) or a flat column (``OpenColumn``),
-    in output order. Dicts from the root stay flat (``"a/b"``)."""
+    in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: format 4's list offsets."""
     out: dict[str, Any] = {}
 
     def walk(node: Node) -> None:
@@ -338,29 +383,32 @@ def top_columns(root: Node, name_of: Callable[[OpenColumn], str]) -> dict[str, A
         for _, kid in sorted(node.keys.items()):
             # the records' columns are inside its column: a key is a flat column too only where
             # other rows hold a dict with it
-            if not records or _outside(kid, records):
+            if not records or _outside(kid, records, offs or {}):
                 walk(kid)
 
     walk(root)
     return out
 
 
-def _outside(node: Node, records: list[OpenColumn]) -> bool:
+def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:
     """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
     inside = np.zeros(0, bool)
     for head in records:
         v = head.valid()
         if v is None:
             return False  # every row holds one
-        inside = v.copy() if not len(inside) else inside | v
+        inside = np.array(v) if not len(inside) else inside | np.asarray(v)
     stack = [node]
     while stack:
         n = stack.pop()
         for col in n.cols + n.headers:
             v = col.valid()
-            if v is None or bool((v & ~inside).any()):
+            domain = F.list_domain(col.info.leaf)
+            if domain:  # a list's items: the rows that hold one
+                v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
+            if v is None or bool((np.asarray(v) & ~inside).any()):
                 return True
-        stack += [*n.items.values(), *n.keys.values()]
+        stack += [*n.items.values(), *n.keys.values(), *([n.each] if n.each is not None else [])]
     return False
 
 

@@ -19,6 +19,7 @@ import google_crc32c
 import numpy as np
 
 from . import _codecs
+from . import _format as F
 from . import _format_spill as FS
 from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
@@ -268,6 +269,7 @@ class _OutputChunk:
         plan = self.plan
         seg = plan.segments[int(plan.seg[e])]
         where = self.src.describe(f"{seg.seg.rel}/data")
+        r = plan.top_row(self.col, r)
         f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
         in_block = ""
         if block is not None:
@@ -275,7 +277,7 @@ class _OutputChunk:
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
         raise CorruptSpillError(
             f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
-            f"{'/'.join(self.col.leaf) or '<value>'!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+            f"{F.path_text(self.col.leaf)!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
             f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
             path=where,
             rank=seg.seg.rank,
@@ -333,10 +335,11 @@ class _OutputChunk:
         plan, e = self.plan, int(self.col.src[r])
         seg = plan.segments[int(plan.seg[e])]
         where = self.src.describe(f"{seg.seg.rel}/data")
+        r = plan.top_row(self.col, r)
         f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
         raise CorruptSpillError(
             f"{where}: {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
-            f"{'/'.join(self.col.leaf) or '<value>'!r} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
+            f"{F.path_text(self.col.leaf)!r} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
             path=where,
             rank=seg.seg.rank,
         )

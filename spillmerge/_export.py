@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from . import _arrowtree as T
+from . import _format as F
+from . import _lists as L
 from ._errors import ArrowUnionInParquetError, UnknownColumnError, require
 from ._views import OpenColumn, untensor
 
@@ -54,7 +56,7 @@ def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
 def default_columns(files: V2Files) -> dict[str, Column]:
     """The exported columns when none are named (``_arrowtree.top_columns``)."""
     flat = {id(c): name for name, c in arrow_names(files).items()}
-    return T.top_columns(T.tree(list(files.columns.values())), lambda c: flat[id(c)])
+    return T.top_columns(T.tree(list(files.columns.values())), lambda c: flat[id(c)], files.list_offsets)
 
 
 def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
@@ -92,7 +94,7 @@ def _stored(cols: dict[str, Column]) -> list[OpenColumn]:
             out.append(c)
         else:
             out += c.cols + c.headers
-            stack += [*c.items.values(), *c.keys.values()]
+            stack += [*c.items.values(), *c.keys.values(), *([c.each] if c.each is not None else [])]
     return out
 
 
@@ -112,21 +114,25 @@ def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
 def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
     """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
     pa = _pa("MergedStore.iter_batches()")
+    files.checks.rows(a, b)  # the index over these rows, checked (frame_offsets among it)
     offsets = files.frame_offsets
-    f0 = int(np.searchsorted(offsets, a, side="right")) - 1
-    f1 = int(np.searchsorted(offsets, b, side="left"))
+    f0 = offsets.searchsorted(a, side="right") - 1
+    f1 = offsets.searchsorted(b, side="left")
     rows = np.arange(a, b, dtype=np.int64)
-    file_of_row = np.searchsorted(offsets[f0 : f1 + 1], rows, side="right") - 1
+    file_of_row = np.searchsorted(offsets.span(f0, f1 + 1), rows, side="right") - 1
     arrays: dict[str, Any] = {
         "filename": pa.array(files.names[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
         "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),
         "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
     }
     fields = [pa.field(k, v.type) for k, v in arrays.items()]
-    stored = T.Batch(a, b)
+    stored = T.Batch(a, b, files.list_offsets)
     for name, col in cols.items():
         if isinstance(col, OpenColumn):
             arr = stored.arrow(col)
+            domain = F.list_domain(col.info.leaf)
+            if domain:  # a list's items (format 4) by their flat name: each row's items as a list
+                arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
             fields.append(pa.field(name, arr.type))
         else:
             arr, meta = T.node_array(col, stored)

@@ -22,11 +22,17 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+"""The version of the outputs a merge writes."""
+SPILL_FORMAT_VERSION = 3
+"""The version a writer's spill records carry: version 4 changed only the merged output (a
+list's items as one child column), so a spill root of this spillmerge merges with version 3's."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 """Versions this spillmerge reads: version 1 spill roots are a subset of version 2, version 2
-ones a subset of version 3 (which adds block checksums, ``checks``); version 3 outputs store strings as bytes + offsets;
-version 1 outputs are read by the reader's version-1 path (docs/FORMAT.md section 5)."""
+ones a subset of version 3 (which adds block checksums, ``checks``), and version 4 spill roots
+are laid out as version 3's; version 3 outputs store strings as bytes + offsets, version 4 ones a
+list's items as one child column with list offsets; version 1 outputs are read by the reader's
+version-1 path (docs/FORMAT.md section 5)."""
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;
@@ -214,6 +220,44 @@ def is_marker(seg: str) -> bool:
     return seg.startswith(MARK) and not seg.startswith(MARK + MARK)
 
 
+ITEM = MARK + "*"
+"""The segment of a list's items in an output's leaf paths (version 4): every item of the lists
+at ``P`` is a row of the child path ``(*P, ITEM)`` (docs/FORMAT.md, *Lists*). The spill keeps
+each item's position (``MARK`` + index), which a merge turns into list offsets."""
+
+
+def item_index(seg: str) -> int | None:
+    """The position of a spill list item segment (``MARK`` + decimal digits), else None."""
+    if len(seg) > 1 and seg[0] == MARK and seg[1:].isdigit() and seg[1:].isascii():
+        return int(seg[1:])
+    return None
+
+
+def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A spill leaf path with every item position replaced by ``ITEM``, and those positions
+    (outermost first): ``("a", "\x1f3", "b")`` is ``(("a", ITEM, "b"), (3,))``."""
+    if not any(s and s[0] == MARK for s in path):
+        return path, ()
+    segs, idx = [], []
+    for seg in path:
+        i = item_index(seg)
+        if i is None:
+            segs.append(seg)
+        else:
+            segs.append(ITEM)
+            idx.append(i)
+    return tuple(segs), tuple(idx)
+
+
+def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The list whose items a version-4 leaf path's rows are (its prefix up to its last ``ITEM``),
+    ``()`` for a path whose rows are the output's rows."""
+    for k in range(len(path) - 1, -1, -1):
+        if path[k] == ITEM:
+            return path[: k + 1]
+    return ()
+
+
 def path_text(path: tuple[str, ...]) -> str:
     """A leaf path for messages: user keys joined by ``/``, list items as ``[i]``."""
     if not path:
@@ -221,7 +265,7 @@ def path_text(path: tuple[str, ...]) -> str:
     parts = []
     for seg in path:
         if is_marker(seg):
-            parts.append(f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
+            parts.append("[*]" if seg == ITEM else f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
         else:
             parts.append(seg[1:] if seg.startswith(MARK) else seg)
     return "/".join(parts)

@@ -16,10 +16,10 @@ import numpy as np
 from ._errors import CorruptSpillError
 from ._format import (
     DTYPES,
-    FORMAT_VERSION,
     HARD_MAX_BYTES,
     MAX_LEAF_BYTES,
     MAX_NDIM,
+    SPILL_FORMAT_VERSION,
     STRING_MAX_BYTES,
     check_header,
     dumps,
@@ -136,7 +136,7 @@ class CommitRecord:
     """CRC-32C of the raw ``checks`` bytes."""
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
+        return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> CommitRecord:
@@ -187,7 +187,7 @@ class FailureRecord:
     """UTC time of the failure."""
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
+        return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> FailureRecord:
@@ -231,7 +231,7 @@ class SegmentHeader:
 
     def to_json(self) -> bytes:
         """The whole ``zarr.json`` document of the segment group."""
-        attrs = {"format_version": FORMAT_VERSION, "kind": "spill-segment", **asdict(self)}
+        attrs = {"format_version": SPILL_FORMAT_VERSION, "kind": "spill-segment", **asdict(self)}
         return dumps({"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": attrs}})
 
 
@@ -266,7 +266,7 @@ class MergeFailureRecord:
         return cls(rank=rank, run_id=run_id, session=session, **failure_now(exc, message_chars=2000))
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-failure", **asdict(self)})
+        return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "merge-failure", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> MergeFailureRecord:

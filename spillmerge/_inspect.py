@@ -15,6 +15,7 @@ from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from . import _invariants as V
+from . import _lists as L
 from . import _names as N
 from ._errors import SpillMergeError
 from ._invariants import Problem
@@ -561,7 +562,14 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
     columns, out = V.read_columns(group)
     lengths = V.index_lengths(group, storage.describe)
-    out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns))
+    lists, list_problems = L.read_lists(group)
+    out.extend(list_problems)
+    damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
+    list_offs, sizes, list_problems = L.domains({p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx))
+    out.extend(list_problems)
+    if header.get("format_version", 0) >= 4:  # a header without its items' list (lengths: below)
+        out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
+    out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
     for name in V.PROVENANCE:
         if name in lengths and f"index/{name}" not in damaged:
             out.extend(V.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
@@ -579,20 +587,30 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     if out:  # the checks below need a sound index and sound offsets
         return out
     in_layout = V.layout_rows(offsets, file_layout, header["file_layouts"])
+    heads = []
     for c in columns.values():
         rel = f"columns/{c.name}"
-        if {f"{rel}/offsets", f"{rel}/valid"} & damaged:
-            continue
+        if {f"{rel}/offsets", f"{rel}/valid"} & damaged or F.list_domain(c.leaf) not in {(), *list_offs}:
+            continue  # damaged arrays (or the list offsets of its rows) are reported already
         col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
-        out.extend(V.rows_layout_problems(c, valid, col_off, in_layout(c.name)))
+        rows = L.expand(list_offs, F.list_domain(c.leaf), in_layout(c.name))
+        out.extend(V.rows_layout_problems(c, valid, col_off, rows))
+        if header.get("format_version", 0) >= 4 and _is_list_head(c):
+            n = None if f"{rel}/values" in damaged else np.asarray(V.read_array(c.arrays["values"]), dtype=np.int64)
+            heads.append((c, valid, n))
         byte_text = c.kind in V.STRING_KINDS and c.arrays["values"].dtype == np.uint8  # format 3
         if byte_text and col_off is not None and f"{rel}/values" not in damaged:
             sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
             out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
+    out.extend(L.header_problems(lists, list_offs, heads))
     sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
     out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
     return out
+
+
+def _is_list_head(c: V.StoredColumn) -> bool:
+    return c.dtype in ("pylist", "pytuple") and c.kind == "fixed"
 
 
 def _all_arrays(group: Any) -> list[tuple[str, Any]]:

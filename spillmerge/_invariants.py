@@ -333,19 +333,18 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     return out
 
 
-def column_problems(c: StoredColumn, n_rows: int) -> list[Problem]:
-    """Lengths of one column's arrays against ``n_rows`` (metadata only)."""
+def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -> list[Problem]:
+    """Lengths of one column's arrays against ``n_rows``, the rows of its domain (``of``: the
+    output's rows, or (format 4) the items of a list) (metadata only)."""
     rel = f"columns/{c.name}"
     out: list[Problem] = []
     a = c.arrays
     compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
     if c.kind in ("fixed", "str") and not compact and "offsets" not in a and a["values"].shape[0] != n_rows:
-        out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but index/frame_idx has {n_rows}"))
+        out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but {of} has {n_rows}"))
     for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
         if k in a and a[k].shape[0] != want:
-            out.append(
-                (f"{rel}/{k}", f"{a[k].shape[0]} entries, but index/frame_idx has {n_rows} rows (must be {want})")
-            )
+            out.append((f"{rel}/{k}", f"{a[k].shape[0]} entries, but {of} has {n_rows} rows (must be {want})"))
     return out
 
 
@@ -389,7 +388,7 @@ def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.nd
     return out
 
 
-def shape_products(shapes: np.ndarray, rel: str) -> tuple[np.ndarray, list[Problem]]:
+def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndarray, list[Problem]]:
     """Elements per row of a non-negative ``(rows, ndim)`` shapes array, computed saturating at
     ``F.SHAPE_ELEMS_MAX`` (never wrapping: ``[2**32, 2**32]`` is not 0 elements), and the rows
     that break ``F.shape_problem``: more than 2**62 elements, or more than
@@ -412,7 +411,7 @@ def shape_products(shapes: np.ndarray, rel: str) -> tuple[np.ndarray, list[Probl
         return elems, []
     r = int(bad[0])
     what = F.shape_problem(shapes[r].tolist()) or "is out of bounds"
-    return elems, [(rel, f"row {r}'s {what} ({len(bad)} such rows)")]
+    return elems, [(rel, f"row {base + r}'s {what} ({len(bad)} such rows)")]
 
 
 def v2_index_problems(
@@ -422,15 +421,46 @@ def v2_index_problems(
     lengths: dict[str, int],
     header: dict[str, Any],
     columns: dict[str, StoredColumn],
+    lists: Any = None,
 ) -> list[Problem]:
     """What the per-file index arrays, the header and the index arrays' lengths break (the
-    column checks aside): O(files) numpy, reads nothing."""
+    column checks aside): O(files) numpy, reads nothing. ``lists`` (format 4): (list groups,
+    domain sizes) from ``_lists``, for the lengths of columns whose rows are a list's items."""
+    out = v2_meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns, lists)
+    layouts = header.get("file_layouts")
+    n, rows = len(filenames), lengths["frame_idx"]
+    if isinstance(layouts, list) and len(file_layout) and (file_layout.min() < 0 or file_layout.max() >= len(layouts)):
+        i = int(np.flatnonzero((file_layout < 0) | (file_layout >= len(layouts)))[0])
+        out.append(
+            (
+                "index/file_layout",
+                f"entry {i} ({str(filenames[i]) if i < n else '?'!r:.200}) is {int(file_layout[i])}, "
+                f"not a position in the header's {len(layouts)} file_layouts",
+            )
+        )
+    if len(offsets) == n + 1:
+        out.extend(offsets_problems(offsets, n, rows, "index/frame_offsets", "files", "index/frame_idx"))
+    return out
+
+
+def v2_meta_problems(
+    filenames: Any,
+    n_offsets: int,
+    n_layout: int,
+    lengths: dict[str, int],
+    header: dict[str, Any],
+    columns: dict[str, StoredColumn],
+    lists: Any = None,
+) -> list[Problem]:
+    """What the header and the index arrays' lengths break, from metadata alone (``open``; the
+    contents are checked block by block as they are read, ``_lazyindex``). ``lists`` as for
+    :func:`v2_index_problems`."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]
     if isinstance(filenames, np.ndarray):  # format 2 reads them whole; format 3 checks them block by block
         out.extend(sorted_problems(filenames))
-    if len(file_layout) != n:
-        out.append(("index/file_layout", f"{len(file_layout)} entries for {n} files in index/filenames"))
+    if n_layout != n:
+        out.append(("index/file_layout", f"{n_layout} entries for {n} files in index/filenames"))
     layouts = header.get("file_layouts")
     if not isinstance(layouts, list) or not all(
         isinstance(lay, list) and all(isinstance(c, str) for c in lay) for lay in layouts
@@ -449,16 +479,8 @@ def v2_index_problems(
                 twice = next(lf for lf in leaves if leaves.count(lf) > 1)
                 out.append(("zarr.json", f"file_layouts[{j}] lists two columns of leaf {list(twice)!r:.200}"))
                 break
-        if len(file_layout) and (file_layout.min() < 0 or file_layout.max() >= len(layouts)):
-            i = int(np.flatnonzero((file_layout < 0) | (file_layout >= len(layouts)))[0])
-            out.append(
-                (
-                    "index/file_layout",
-                    f"entry {i} ({str(filenames[i]) if i < n else '?'!r:.200}) is {int(file_layout[i])}, "
-                    f"not a position in the header's {len(layouts)} file_layouts",
-                )
-            )
-    out.extend(offsets_problems(offsets, n, rows, "index/frame_offsets", "files", "index/frame_idx"))
+    if n_offsets != n + 1:
+        out.append(("index/frame_offsets", f"{n_offsets} entries for {n} files (must be {n + 1})"))
     for name in PROVENANCE:
         if name not in lengths:
             out.append((f"index/{name}", "missing from the output's index"))
@@ -467,8 +489,16 @@ def v2_index_problems(
     for field, want in (("n_files", n), ("n_frames", rows)):
         if header.get(field) != want:
             out.append(("zarr.json", f"the header's {field} is {header.get(field)!r}, but the index holds {want}"))
+    groups, sizes = lists if lists is not None else ({}, {})
     for c in columns.values():
-        out.extend(column_problems(c, rows))
+        domain = F.list_domain(c.leaf)
+        if not domain:
+            out.extend(column_problems(c, rows))
+        elif domain in sizes:
+            out.extend(column_problems(c, sizes[domain], f"lists/{groups[domain].name}/offsets"))
+        elif domain not in groups:
+            out.append((f"columns/{c.name}", f"its rows are the items of the list {list(domain)!r:.200}, "
+                        "which has no list group (lists/)"))  # fmt: skip
     return out
 
 

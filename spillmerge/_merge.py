@@ -488,6 +488,12 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     for name in output.listdir("columns"):
         if name not in keep and name != "zarr.json":  # left by an older merge into this output
             output.rm_tree(f"columns/{name}")
+    lists = {lst.name for lst in job.plan.lists}
+    if output.exists("lists") and not lists:
+        output.rm_tree("lists")
+    for name in output.listdir("lists") if lists and output.exists("lists") else ():
+        if name not in lists and name != "zarr.json":  # left by an older merge into this output
+            output.rm_tree(f"lists/{name}")
     if output.exists("files"):  # an older (format 1) merge into this output
         output.rm_tree("files")
     docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
@@ -519,13 +525,15 @@ def _write_output_index(job: _Job) -> None:
             _assign(index["frame_idx"], plan.frame_idx)
             _assign(index["frame_rank"], plan.rank)
             _assign(index["frame_copies"], plan.copies)
+        for lst in plan.lists:
+            _assign(group[f"lists/{lst.name}/offsets"], lst.offsets)
         for col in plan.columns:
             node: Any = group[f"columns/{col.name}"]
             if col.has_offsets:
                 _assign(node["offsets"], col.offsets())
-            if col.shapes is not None and plan.n_frames:
+            if col.shapes is not None and len(col.src):
                 _assign(node["shapes"], col.shapes)
-            if col.has_valid and plan.n_frames:
+            if col.has_valid and len(col.src):
                 _assign(node["valid"], col.src, lambda src: src >= 0)
     job.phases["index"] = time.perf_counter() - t
 
@@ -534,7 +542,7 @@ def _assign(array: Any, source: np.ndarray, fn: Any = None) -> None:
     """``array[:] = fn(source)``, a whole number of chunks at a time: an out-of-core plan's arrays
     are maps of files, read block by block rather than into memory at once."""
     n = len(source)
-    step = max(1, Z.INDEX_ROWS_PER_CHUNK // max(1, int(array.chunks[0]))) * int(array.chunks[0])
+    step = max(1, (1 << 21) // max(1, int(array.chunks[0]))) * int(array.chunks[0])
     for a in range(0, n, step):
         block = np.asarray(source[a : a + step])
         array[a : a + len(block)] = block if fn is None else fn(block)

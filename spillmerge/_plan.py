@@ -141,6 +141,25 @@ class PlannedColumn:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedList:
+    """The list offsets of one list path of the output (format 4, ``lists/<name>/offsets``): the
+    items of the lists at ``path[:-1]`` in row ``r`` of its parent domain are the rows
+    ``offsets[r] .. offsets[r + 1] - 1`` of the columns under ``path``."""
+
+    name: str
+    """Node name under ``lists/`` (the node name of ``path``, as a column of it would have)."""
+    path: tuple[str, ...]
+    """The child path, ending in ``ITEM``."""
+    offsets: np.ndarray
+    """int64 (n_parent + 1,), from 0 to the number of items."""
+
+    @property
+    def parent(self) -> tuple[str, ...]:
+        """The list whose items hold these lists (``()``: the output's rows)."""
+        return F.list_domain(self.path[:-1])
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """The merge plan and the row table it refers to."""
 
@@ -172,6 +191,8 @@ class Plan:
     """Row table: CRC-32C."""
     duplicates: int
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
+    lists: list[PlannedList] = dataclasses.field(default_factory=list)
+    """Format 4: the list offsets of every list path, parents before children."""
 
     @property
     def n_files(self) -> int:
@@ -192,6 +213,16 @@ class Plan:
 
     def file_rows(self, i: int) -> tuple[int, int]:
         return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
+
+    def top_row(self, col: PlannedColumn, r: int) -> int:
+        """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
+        offsets of its lists, innermost first), for messages naming a file and frame."""
+        offs = {lst.path: lst.offsets for lst in self.lists}
+        domain = F.list_domain(col.leaf)
+        for k in range(len(domain) - 1, -1, -1):
+            if domain[k] == F.ITEM:
+                r = int(np.searchsorted(offs[domain[: k + 1]], r, side="right")) - 1
+        return r
 
 
 def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
@@ -277,17 +308,21 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     file_offsets = np.zeros(len(names) + 1, dtype=np.int64)
     np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
 
-    group, groups = _variant_groups(c, layouts, leaf_paths)
-    names_of = group_names(groups, leaf_paths)
+    heads = {lay.leaf for lay in layouts if lay.dtype in ("pylist", "pytuple")}
+    gpaths, gp, drow, lists, sizes = list_domains(c["lp"], row_of, leaf_paths, n_rows, heads)
+    c["lp"] = gp  # from here on a column's path: every item position of a list is one child path
+    group, groups = _variant_groups(c, layouts, gpaths)
+    names_of = group_names(groups, gpaths)
     kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
     is_none = kinds[c["gl"]] == "none"
     columns = []
     for g, (p, tag) in enumerate(groups):
         sel = np.flatnonzero(group == g)
         present = sel[~is_none[sel]]
-        src = np.full(n_rows, -1, dtype=np.int64)
-        src[row_of[present]] = present
-        planned = _column(names_of[g], leaf_paths[p], src, c, layouts, n_rows)
+        n_dom = sizes[F.list_domain(gpaths[p])]
+        src = np.full(n_dom, -1, dtype=np.int64)
+        src[drow[present]] = present
+        planned = _column(names_of[g], gpaths[p], src, c, layouts, n_dom)
         if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
             # the header names the variant its name carries (a split by dtype alone: version 2's rule)
             planned = dataclasses.replace(planned, variant=tag)
@@ -297,8 +332,59 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     file_layout, file_layouts = _file_layouts(c["file"], group, len(names), names_of)
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
-        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates,
+        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
     )  # fmt: skip
+
+
+def list_domains(
+    lp: np.ndarray, row_of: np.ndarray, leaf_paths: list[tuple[str, ...]], n_rows: int,
+    headers: set[tuple[str, ...]] = frozenset(),  # type: ignore[assignment]
+) -> tuple[list[tuple[str, ...]], np.ndarray, np.ndarray, list[PlannedList], dict[tuple[str, ...], int]]:  # fmt: skip
+    """Arrow's list model over the spill's item positions (docs/FORMAT.md, *Lists*): every spill
+    path ``P/\x1f<i>/...`` becomes the child path ``P/\x1f*/...``, whose rows are the items of
+    all the lists at ``P``, flattened (row ``r``'s items are rows ``offsets[r] ..
+    offsets[r+1]-1``), to any depth. A list's length is one more than its highest item position
+    (every item of a list has a leaf: a value, ``None``, or a header), so the offsets come from
+    the catalog alone. ``headers``: the leaf paths of ``pylist`` / ``pytuple`` headers, whose
+    lists get offsets even where every one of them is empty. Returns the column paths, each
+    entry's path and row in its path's domain, the lists (parents first) and every domain's size
+    (``()``: the output's rows)."""
+    general = [F.general_path(p) for p in leaf_paths]
+    gpaths = sorted({g for g, _ in general})
+    gid = {g: i for i, g in enumerate(gpaths)}
+    gp = np.array([gid[g] for g, _ in general], dtype=np.int64)[lp] if len(leaf_paths) else lp.copy()
+    drow = row_of.astype(np.int64, copy=True)
+    sizes: dict[tuple[str, ...], int] = {(): n_rows}
+    list_paths = {g[: d + 1] for g, _ in general for d, seg in enumerate(g) if seg == F.ITEM}
+    list_paths |= {(*F.general_path(h[:-1])[0], F.ITEM) for h in headers}
+    if not list_paths:
+        return gpaths, gp, drow, [], sizes
+    depth = max(len(ix) for _, ix in general)
+    # per level k: each leaf path's list (its prefix up to its k-th item segment) and position
+    chain = np.full((max(depth, 1), len(leaf_paths)), -1, dtype=np.int64)
+    pos = np.zeros((max(depth, 1), len(leaf_paths)), dtype=np.int64)
+    ordered = sorted(list_paths, key=lambda p: (p.count(F.ITEM), p))
+    list_id = {p: i for i, p in enumerate(ordered)}
+    for j, (g, ix) in enumerate(general):
+        ends = [d for d, seg in enumerate(g) if seg == F.ITEM]
+        for k, d in enumerate(ends):
+            chain[k, j] = list_id[g[: d + 1]]
+            pos[k, j] = ix[k]
+    lists: list[PlannedList] = []
+    names = column_names(ordered)
+    for lid, path in enumerate(ordered):
+        k = path.count(F.ITEM) - 1
+        sel = np.flatnonzero(chain[k][lp] == lid) if k < depth and len(lp) else np.zeros(0, np.int64)
+        idx = pos[k][lp[sel]] if len(sel) else sel
+        n_parent = sizes[F.list_domain(path[:-1])]
+        lengths = np.zeros(n_parent, dtype=np.int64)
+        np.maximum.at(lengths, drow[sel], idx + 1)
+        offsets = np.zeros(n_parent + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        drow[sel] = offsets[drow[sel]] + idx
+        sizes[path] = int(offsets[-1])
+        lists.append(PlannedList(names[path], path, offsets))
+    return gpaths, gp, drow, lists, sizes
 
 
 def resolve_duplicates(
@@ -638,6 +724,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "segments": [s.seg.rel for s in plan.segments],
         "columns": [c.header().to_obj() for c in plan.columns],
         "file_layouts": plan.file_layouts,
+        "lists": [[lst.name, list(lst.path)] for lst in plan.lists],
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     for name in plan.filenames:  # ensure_ascii: filenames may hold lone surrogates, which UTF-8 cannot encode
@@ -647,6 +734,8 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
         for i in range(0, len(a), ROW_BLOCK):
             h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").tobytes())
+    for lst in plan.lists:
+        h.update(np.ascontiguousarray(lst.offsets, dtype="<i8").tobytes())
     for col in plan.columns:
         for i in range(0, len(col.src), ROW_BLOCK):
             h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").tobytes())

@@ -416,6 +416,9 @@ class _Builder:
             return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
                           [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
         why = self.several_variants()
+        if why is None and any(lay.dtype in ("pylist", "pytuple") for lay in self.layouts):
+            # format 4's list offsets number the items of every row: built by the in-memory plan
+            why = "values hold lists or tuples of items (their list offsets are planned in memory)"
         if why is not None:
             raise InMemoryOnly(why)
 

@@ -41,7 +41,7 @@ class ProgressRecord:
     """Unix time (writer's clock) the last of those chunks became durable."""
 
     def to_json(self) -> bytes:
-        return F.dumps({"format_version": F.FORMAT_VERSION, "kind": "spill-progress", **asdict(self)})
+        return F.dumps({"format_version": F.SPILL_FORMAT_VERSION, "kind": "spill-progress", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> ProgressRecord | None:

@@ -20,6 +20,8 @@ from . import _export
 from . import _format as F
 from . import _format_output as FO
 from . import _invariants as V
+from . import _lazyindex as LZ
+from . import _lists as L
 from ._cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from ._errors import (
     CorruptSpillError,
@@ -29,6 +31,7 @@ from ._errors import (
     UnknownColumnError,
     UnknownFileError,
 )
+from ._lazyindex import LazyArray
 from ._leafdict import LeafDict
 from ._names import ArrayNames, ChunkedNames, Names, close_matches
 from ._output import not_an_output, what_is
@@ -223,13 +226,14 @@ def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColum
 class V2Files:
     """The files of a version-2 (columnar) output, for :class:`MergedStore`.
 
-    Everything the index says is checked at open, vectorised (O(rows) numpy, no per-file Python
-    loop; docs/FORMAT.md, *Invariants of the index (version 2)*): the index arrays, the header's
-    ``file_layouts``, every column's header and array lengths (metadata), and the contents of
-    ``frame_idx``, ``frame_rank``, ``frame_copies`` and of every column's ``offsets`` and
-    ``shapes``, which stay in memory (8 bytes per row and dimension). Column values are read only
-    when asked for; an absent chunk raises then (:class:`NoFillStore`). A filename is found by
-    binary search in the sorted ``index/filenames``: no per-file dict is built."""
+    Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants of the index*): the
+    header's ``file_layouts``, every column's header and array lengths are checked there; the
+    index arrays (``frame_offsets``, ``file_layout``, ``frame_idx``, provenance, every column's
+    ``offsets``, ``shapes`` and ``valid``) are read a chunk at a time and checked block by block
+    before anything is served from them (``_lazyindex``), so open costs the same at any size and
+    an output of one block is checked whole there. Column values are read only when asked for;
+    an absent chunk raises then (:class:`NoFillStore`). A filename is found by binary search in
+    the sorted filenames (their heads, then one block): no per-file dict is built."""
 
     def __init__(
         self,
@@ -250,36 +254,102 @@ class V2Files:
             self._names = ArrayNames(raw_names.astype(object))
         else:  # bytes + offsets, read block by block when asked for (_names)
             self._names = ChunkedNames(group, describe, cache, raise_, storage)
-        self._offsets = np.asarray(V.read_index(group, "frame_offsets", describe), dtype=np.int64)
-        self._file_layout = np.asarray(V.read_index(group, "file_layout", describe), dtype=np.int64)
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
-        names = self._names.as_array() if isinstance(self._names, ArrayNames) else self._names
-        raise_(problems + V.v2_index_problems(names, self._offsets, self._file_layout, lengths, header, infos))
-        self._layouts: list[list[str]] = header["file_layouts"]
-        frame_idx = np.asarray(V.read_index(group, "frame_idx", describe), dtype=np.int64)
-        raise_(V.frame_problems(frame_idx, self._offsets, self._names))
-        self._frame_idx = frame_idx
-        self._prov: dict[str, np.ndarray] = {}
-        for name in V.PROVENANCE:
-            arr = np.asarray(V.read_index(group, name, describe), dtype=np.int64)
-            raise_(V.provenance_problems(name, arr))
-            self._prov[name] = arr
-        self.n_rows = len(frame_idx)
+        n_rows = int(lengths["frame_idx"])
+        # Format 4: list offsets (their contents stay in memory, as list columns' offsets do)
+        lists, list_problems = L.read_lists(group)
+        raise_(problems + list_problems)
+        self._list_offs, sizes, list_problems = L.domains(lists, n_rows)
+        raise_(list_problems)
+        heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
+        if header.get("format_version", 0) >= 4:
+            raise_(L.header_problems(lists, self._list_offs, heads))
+        self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
+        n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
+
+        def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
+            return LazyArray(node, rel, cache, storage, describe, dtype, check)
+
+        fo_node = V.index_node(group, "frame_offsets", describe)
+        fo_k = max(int(fo_node.chunks[0]), 1)
+        fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
+        self._offsets = lazy(
+            "index/frame_offsets",
+            fo_node,
+            check=LZ.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
+        )
+        fl_node = V.index_node(group, "file_layout", describe)
+        fl_k = max(int(fl_node.chunks[0]), 1)
+
+        def layout_check(c: int, arr: np.ndarray) -> None:
+            bad = np.flatnonzero((arr < 0) | (arr >= n_layouts))
+            if len(bad):
+                i = c * fl_k + int(bad[0])
+                shown = str(self._names[i]) if i < len(self._names) else "?"
+                raise_([("index/file_layout", f"entry {i} ({shown!r:.200}) is {int(arr[bad[0]])}, "
+                         f"not a position in the header's {n_layouts} file_layouts")])  # fmt: skip
+
+        self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
+        all_names = self._names.as_array() if isinstance(self._names, ArrayNames) else self._names
+        meta = V.v2_meta_problems(
+            all_names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+        )
+        raise_(meta)
+        self._frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
+        self._prov: dict[str, LazyArray] = {
+            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in V.PROVENANCE
+        }
+        self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
+        nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
         for name, info in infos.items():
-            col = OpenColumn(info, self.n_rows, allow_pickle, cache, storage)
+            domain = F.list_domain(info.leaf)
+            col = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
+            if domain:  # format 4's list items: read and checked whole at open, as their lists are
+                nested[name] = info
+                if "offsets" in info.arrays:
+                    col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
+                    if "shapes" in info.arrays:
+                        col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
+                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+                if "valid" in info.arrays and col.has_valid:
+                    col._valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
+                self.columns[name] = col
+                continue
             if "offsets" in info.arrays:
-                col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
+                col.offsets = lazy(f"columns/{name}/offsets", info.arrays["offsets"])
                 if "shapes" in info.arrays:
-                    col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
-                raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+                    col.shapes = lazy(f"columns/{name}/shapes", info.arrays["shapes"])
+            if "valid" in info.arrays and col.has_valid:
+                col._valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
             self.columns[name] = col
-        # A row has a value only in the columns its file's layout lists (a moved file boundary).
-        in_layout = V.layout_rows(self._offsets, self._file_layout, self._layouts)
-        for name, col in self.columns.items():
-            raise_(V.rows_layout_problems(col.info, col.valid(), col.offsets, in_layout(name)))
-        raise_(V.variant_problems(infos, lambda c: self.columns[c.name].valid()))
+        root = {name: col for name, col in self.columns.items() if name not in nested}
+        self.checks = LZ.IndexChecks(
+            n_rows, self._offsets, self._file_layout, self._frame_idx, self._prov, root, self._layouts,
+            self._names, raise_,
+        )  # fmt: skip
+        for arr in (self._frame_idx, *self._prov.values()):
+            arr.hook = self.checks.rows
+        for col in root.values():
+            if col.offsets is not None:
+                col.offsets.hook = self.checks.edges
+            if col.shapes is not None:
+                col.shapes.hook = self.checks.rows
+            if col._valid_arr is not None:
+                col._valid_arr.hook = self.checks.rows
+        # The first chunk of files and block of rows now (an output of one block is checked whole
+        # at open, as the names' first block is); the others as they are read (_lazyindex).
+        self._offsets.span(0, 1)
+        self._file_layout.span(0, 1)
+        self.checks.rows(0, 0)
+        if nested:  # a list item has a value only where its row's file lists the column: whole
+            in_layout = V.layout_rows(self._offsets.whole(), self._file_layout.whole(), self._layouts)
+            for name, info in nested.items():
+                col = self.columns[name]
+                rows = L.expand(self._list_offs, F.list_domain(info.leaf), in_layout(name))
+                raise_(V.rows_layout_problems(info, col.valid(), col.offsets, rows))
+            raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
@@ -303,9 +373,13 @@ class V2Files:
         return self._names
 
     def index_arrays(self) -> tuple[Names, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open (the
-        filenames as the sequence read block by block)."""
-        return self._names, self._offsets, self._frame_idx, self._prov["frame_rank"], self._prov["frame_copies"]
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), whole and checked (the
+        filenames as the sequence read block by block): O(rows) memory, for coverage."""
+        self.checks.rows(0, self.n_rows)
+        return (
+            self._names, self._offsets.whole(), self._frame_idx.whole(), self._prov["frame_rank"].whole(),
+            self._prov["frame_copies"].whole(),
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._names)
@@ -331,16 +405,22 @@ class V2Files:
             )
         return i
 
+    def rows_of(self, i: int) -> tuple[int, int]:
+        """Rows ``a .. b-1`` of file ``i``, checked (``_lazyindex``)."""
+        return self.checks.file_rows(i)
+
     def frames(self, i: int) -> np.ndarray:
-        return self._frame_idx[self._offsets[i] : self._offsets[i + 1]].copy()
+        a, b = self.rows_of(i)
+        return self._frame_idx[a:b].copy()
 
     def provenance(self, i: int, name: str) -> np.ndarray | None:
-        return self._prov[name][self._offsets[i] : self._offsets[i + 1]].copy()
+        a, b = self.rows_of(i)
+        return self._prov[name][a:b].copy()
 
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
+        a, b = self.rows_of(i)
         cols, flat = self._layout_cols[self._file_layout.item(i)]
-        a, b = self._offsets.item(i), self._offsets.item(i + 1)
         if filename is None or type(filename) is not str:
             filename = str(self._names[i])
         if flat is None:  # plain tensor values
@@ -351,12 +431,13 @@ class V2Files:
                 out[key] = cls(col, a, b, filename)
             return out
         for path, col in self._layout_paths[self._file_layout.item(i)]:
-            set_nested(out, path, col.view(a, b, filename))
+            # a list's items (format 4): the items of the file's rows, flattened
+            set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
 
     def row_value(self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` as it was written (``_rowvalue``)."""
-        a, b = self._offsets.item(i), self._offsets.item(i + 1)
+        a, b = self.rows_of(i)
         frames = self._frame_idx[a:b]
         j = int(np.searchsorted(frames, frame_idx))
         filename = str(self._names[i])
@@ -367,7 +448,7 @@ class V2Files:
                 filename=filename,
             )
         cols, _ = self._layout_cols[self._file_layout.item(i)]
-        return row_value(cols, a + j, filename, as_torch)
+        return row_value(cols, a + j, filename, as_torch, self._list_offs)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -397,7 +478,7 @@ class V2Files:
                 column="/".join(leaf),
                 known=known,
             )
-        return col.view(0, self.n_rows)
+        return col.view(0, col.n_rows)
 
     def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
         """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
@@ -409,16 +490,22 @@ class V2Files:
         return self._names
 
     @property
-    def frame_offsets(self) -> np.ndarray:
-        """int64 ``(n_files + 1,)``: file ``i``'s rows are ``frame_offsets[i] .. frame_offsets[i + 1] - 1``."""
+    def frame_offsets(self) -> LazyArray:
+        """int64 ``(n_files + 1,)``: file ``i``'s rows are ``frame_offsets[i] .. frame_offsets[i + 1] - 1``
+        (read a chunk at a time)."""
         return self._offsets
 
     @property
-    def frame_idx(self) -> np.ndarray:
+    def frame_idx(self) -> LazyArray:
         return self._frame_idx
 
     @property
-    def frame_rank(self) -> np.ndarray:
+    def list_offsets(self) -> dict[tuple[str, ...], np.ndarray]:
+        """Format 4: each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
+        return self._list_offs
+
+    @property
+    def frame_rank(self) -> LazyArray:
         return self._prov["frame_rank"]
 
 

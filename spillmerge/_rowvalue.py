@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as F
+from . import _lists as L
 from ._errors import CorruptSpillError
 from ._format import MARK, is_marker
 
@@ -40,39 +41,74 @@ def _to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
     return torch.from_numpy(raw).view(getattr(torch, dtype))
 
 
-def row_value(cols: list[Any], r: int, filename: str, as_torch: bool = False) -> Any:
-    """The value of row ``r`` of the output from the columns (``OpenColumn``) of its file."""
+def _entries(cols: list[Any], r: int, offs: dict[tuple[str, ...], np.ndarray]) -> list[tuple[tuple[str, ...], Any, int, int]]:
+    """(leaf path with item positions, column, row of the column, items of its list or -1) of
+    every value row ``r`` has in ``cols``: format 4's item rows (docs/FORMAT.md, *Lists*) get the
+    positions their lists' offsets say, as format 3 stored them (``MARK`` + position)."""
+    out = []
+    for col in cols:
+        leaf: tuple[str, ...] = col.info.leaf
+        domain = F.list_domain(leaf)
+        head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
+        lpath = (*leaf[:-1], F.ITEM) if head else ()
+        if not domain:
+            out.append((leaf, col, r, _items(offs, lpath, r) if head else -1))
+            continue
+        lo, idx = L.positions(offs, domain, r)
+        at = [k for k, seg in enumerate(leaf) if seg == F.ITEM]
+        for j in range(len(idx)):
+            segs = list(leaf)
+            for k, pos in zip(at, idx[j].tolist(), strict=True):
+                segs[k] = f"{MARK}{pos}"
+            out.append((tuple(segs), col, lo + j, _items(offs, lpath, lo + j) if head else -1))
+    return out
+
+
+def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: int) -> int:
+    o = offs.get(lpath)
+    return 0 if o is None else int(o[d + 1] - o[d])
+
+
+def row_value(
+    cols: list[Any], r: int, filename: str, as_torch: bool = False, offs: dict[tuple[str, ...], np.ndarray] | None = None
+) -> Any:
+    """The value of row ``r`` of the output from the columns (``OpenColumn``) of its file;
+    ``offs``: format 4's list offsets (list path -> offsets)."""
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
-    # How many items each list of the file can have: a header is checked against it, so a damaged
-    # (or hostile) length cannot make a reader build a list of a billion Nones.
+    inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
+    entries = _entries(cols, r, offs or {})
+    # How many items each list of the file can have (format 3: its highest item column; format
+    # 4: its offsets): a header is checked against it, so a damaged (or hostile) length cannot
+    # make a reader build a list of a billion Nones.
     room: dict[tuple[str, ...], int] = {}
-    for col in cols:
-        path: tuple[str, ...] = col.info.leaf
-        for k, seg in enumerate(path):
-            if is_marker(seg) and seg[1:].isdigit():
-                room[path[:k]] = max(room.get(path[:k], 0), int(seg[1:]) + 1)
-    for col in cols:
+    if not offs:
+        for col in cols:
+            path: tuple[str, ...] = col.info.leaf
+            for k, seg in enumerate(path):
+                if is_marker(seg) and seg[1:].isdigit():
+                    room[path[:k]] = max(room.get(path[:k], 0), int(seg[1:]) + 1)
+    for leaf, col, d, items in entries:
         valid = col.valid()
-        leaf: tuple[str, ...] = col.info.leaf
-        if valid is not None and not valid[r]:
+        if valid is not None and not valid[d]:
             if leaf and not is_marker(leaf[-1]):  # absent headers and list items say nothing
-                absent.append(leaf)
+                (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
             continue
         node = root
         for seg in leaf:
             node = node["kids"].setdefault(seg, {"kids": {}})
         dtype, kind = col.info.dtype, col.info.kind
-        got = col.view(r, r + 1, filename)[0]
+        got = col.view(d, d + 1)[0]
         if dtype in F.PY_HEADERS:
             parent = root
             for seg in leaf[:-1]:
                 parent = parent["kids"][seg]
             n = int(np.asarray(got))
-            if not 0 <= n <= room.get(leaf[:-1], 0) and dtype in ("pylist", "pytuple"):
+            limit = items if items >= 0 else room.get(leaf[:-1], 0)
+            if dtype in ("pylist", "pytuple") and not (0 <= n <= limit and (items < 0 or n == items)):
                 raise CorruptSpillError(
-                    f"columns/{col.info.name}: row {r} ({filename!r:.200}) says its {dtype[2:]} has {n} items; "
-                    f"the file's columns hold at most {room.get(leaf[:-1], 0)}",
+                    f"columns/{col.info.name}: row {d} ({filename!r:.200}) says its {dtype[2:]} has {n} items; "
+                    f"{'its list offsets say' if items >= 0 else 'the file columns hold at most'} {limit}",
                     path=f"columns/{col.info.name}",
                 )
             parent["header"] = (dtype, n)
@@ -93,9 +129,30 @@ def row_value(cols: list[Any], r: int, filename: str, as_torch: bool = False) ->
         else:
             if "value" not in node and leaf[-1] not in node["kids"]:
                 node["kids"][leaf[-1]] = {"kids": {}, "value": None}
+    _none_keys(root, inside)
     if not root["kids"] and "value" not in root and "header" not in root:
         return None  # the value itself was None (its leaf is ``[]``)
     return _build(root)
+
+
+def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
+    """Format 4: the keys of a dict inside a list that hold ``None`` (a row no column of the key
+    has a value in, like a key the dict lacks): its ``pydict`` header counts its keys, so the
+    keys it lacks of the ones its list's other dicts have are told from ``None`` ones. (When a
+    dict both lacks keys others have and holds ``None`` ones, which is which is not stored: the
+    first in key order read as ``None``; docs/FORMAT.md, *Lists*.)"""
+    by_dict: dict[tuple[str, ...], set[str]] = {}
+    for leaf in leaves:
+        by_dict.setdefault(leaf[:-1], set()).add(leaf[-1])
+    for path, keys in by_dict.items():
+        node: _Node | None = root
+        for seg in path:
+            node = node["kids"].get(seg) if node is not None else None
+        if node is None or "value" in node or node.get("header", ("", 0))[0] != "pydict":
+            continue
+        missing = node["header"][1] - len(node["kids"])
+        for key in sorted(k for k in keys if k not in node["kids"])[: max(missing, 0)]:
+            node["kids"][key] = {"kids": {}, "value": None}
 
 
 def _key(seg: str) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 from . import _format as F
 from ._cache import ChunkCache
 from ._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
-from ._invariants import StoredColumn, read_array, read_rows
+from ._invariants import StoredColumn, read_rows
 from ._rawchunk import chunk_reader
 from ._storage import Storage
 
@@ -49,8 +49,9 @@ def _dims(shape: Any) -> tuple[int, ...]:
 
 class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
-    ``shapes``), read and checked once when the output is opened, kept in memory. Its ``values``
-    are read through the output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
+    ``shapes``, ``valid``: :class:`~spillmerge._lazyindex.LazyArray` s, read a chunk at a time and
+    checked block by block before a row of them is served). Its ``values`` are read through the
+    output's :class:`~spillmerge._cache.ChunkCache` (:meth:`rows`)."""
 
     def __init__(
         self,
@@ -81,11 +82,12 @@ class OpenColumn:
             _BYTE_VIEWS[info.kind] if info.kind in _BYTE_VIEWS and values.dtype == np.uint8 else _VIEWS[info.kind]
         )
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
-        self.offsets: np.ndarray | None = None
-        """int64 ``(n_rows + 1,)`` (columns with offsets), set by the reader once checked."""
-        self.shapes: np.ndarray | None = None
-        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``), set once checked."""
-        self._valid: np.ndarray | None = None
+        self.offsets: Any = None
+        """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
+        self.shapes: Any = None
+        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
+        self._valid_arr: Any = None
+        """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
 
     @property
     def values(self) -> Any:
@@ -157,13 +159,12 @@ class OpenColumn:
             out[pos - lo :] = self._chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
 
-    def valid(self) -> np.ndarray | None:
-        """bool ``(n_rows,)`` or None when every row has a value."""
+    def valid(self) -> Any:
+        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``) or None
+        when every row has a value."""
         if not self.has_valid:
             return None
-        if self._valid is None:
-            self._valid = read_array(self.info.arrays["valid"]).astype(bool, copy=False)
-        return self._valid
+        return self._valid_arr
 
     def view(self, start: int, stop: int, filename: str | None = None) -> LeafView:
         return self.view_cls(self, start, stop, filename)
@@ -297,7 +298,7 @@ class FixedView(LeafView):
     @property
     def dtype(self) -> np.dtype[Any]:
         """numpy dtype of what indexing returns: the real dtype where numpy or ml_dtypes has it."""
-        return real_dtype(self.dtype_name)
+        return self._col.real  # real_dtype(self.dtype_name), computed once per column
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -336,13 +337,20 @@ class FixedView(LeafView):
     def _compact(self, sel: Any) -> np.ndarray:
         """Rows ``sel`` of a fixed column whose ``values`` hold only the rows with a value (it has
         ``offsets``, steps 0 or 1): the others read as zeros."""
-        o = self._col.offsets
+        col = self._col
+        o = col.offsets
         assert o is not None
+        if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
+            r = self._row(sel)
+            lo = int(o[r])
+            if int(o[r + 1]) > lo:
+                return col.rows(lo, lo + 1)[0]
+            return np.zeros(col._unit, dtype=col._dtype)
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
-        vals = self._col.rows(lo, hi)
+        vals = col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
-        out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
+        out = np.zeros((*rows.shape, *col._unit), dtype=vals.dtype)
         out[has] = vals[o[rows[has]] - lo]
         return out
 
@@ -441,7 +449,7 @@ class RaggedView(_OffsetView):
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return real_dtype(self.dtype_name)
+        return self._col.real  # real_dtype(self.dtype_name), computed once per column
 
     @property
     def ndim(self) -> int:

@@ -22,8 +22,11 @@ from . import _format as F
 from . import _format_output as FO
 from ._plan import Plan, PlannedColumn
 
-INDEX_ROWS_PER_CHUNK = 1 << 21
-"""Rows per chunk of the per-row index arrays (``frame_idx`` ..., ``offsets``, ``valid``)."""
+INDEX_ROWS_PER_CHUNK = 1 << 15
+"""Rows per chunk of the per-file and per-row index arrays (``frame_offsets``, ``frame_idx`` ...,
+``offsets``, ``valid``): a reader reads and checks them a chunk at a time (``_lazyindex``), so a
+lookup costs one such chunk per array (256 KiB of int64), not the 16 MiB of 2**21 rows. Smaller
+chunks make lookups cheaper and objects more numerous (10^9 rows: ~30 k chunks per array)."""
 
 
 def balanced(n: int, cap: int) -> int:
@@ -152,25 +155,36 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
     }  # fmt: skip
     for name, meta in index_meta.items():
         nodes[f"index/{name}"] = ArrayV3Metadata.from_dict(meta)
+    # Format 4: a list path's offsets (its items are the rows of the columns under it), and the
+    # dimension names of each domain: ``row`` for the output's rows, ``<list>.item`` for a list's items.
+    dim: dict[tuple[str, ...], str] = {(): "row"}
+    if plan.lists:
+        nodes["lists"] = GroupMetadata()
+    for lst in plan.lists:
+        dim[lst.path] = f"{lst.name}.item"
+        nodes[f"lists/{lst.name}"] = GroupMetadata(attributes={"spillmerge": {"list": list(lst.path)}})
+        edge = f"{dim[lst.parent]}_edge"
+        nodes[f"lists/{lst.name}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(len(lst.offsets), "int64"), [edge]))
     for col in plan.columns:
         k = values_chunk(plan, col, chunk_bytes)
         base = f"columns/{col.name}"
         unit = col.unit_shape
+        n_dom, row = len(col.src), dim[F.list_domain(col.leaf)]
         meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
         meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
-        first = "row" if col.counts is None else f"{col.name}.elem"
+        first = row if col.counts is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
         nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = ArrayV3Metadata.from_dict(meta)
         if col.has_offsets:
-            nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows + 1, "int64"), ["row_edge"]))
+            nodes[f"{base}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(n_dom + 1, "int64"), [f"{row}_edge"]))
         if col.shapes is not None:
             shp = array_meta(
-                (rows, col.ndim), (max(1, min(rows, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True
+                (n_dom, col.ndim), (max(1, min(n_dom, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True
             )
-            nodes[f"{base}/shapes"] = ArrayV3Metadata.from_dict(_dims(shp, ["row", f"{col.name}.dims"]))
+            nodes[f"{base}/shapes"] = ArrayV3Metadata.from_dict(_dims(shp, [row, f"{col.name}.dims"]))
         if col.has_valid:
-            nodes[f"{base}/valid"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(rows, "bool"), ["row"]))
+            nodes[f"{base}/valid"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(n_dom, "bool"), [row]))
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
     # create_hierarchy / consolidate_metadata cost one or more requests per node).

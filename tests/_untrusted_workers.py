@@ -60,8 +60,10 @@ def _plain(x: Any) -> Any:
         return x.tolist()
     if isinstance(x, (bytes, bytearray)):
         return list(x)
-    if isinstance(x, list):
+    if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
     return x
 
 
@@ -79,9 +81,13 @@ def _data(store: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name in store.filenames:
+        frames = np.asarray(store.frames(name)).tolist()
         for leaf, view in _leaves(store[name]):
+            if "\x1f*" in leaf:  # a list's items (format 4), not one per row: read by value() below
+                continue
             out[f"{name}/{leaf}"] = [_plain(row) for row in view.to_list()]
-        out[f"{name}/frames"] = np.asarray(store.frames(name)).tolist()
+        out[f"{name}/value()"] = [_plain(store.value(name, f)) for f in frames]
+        out[f"{name}/frames"] = frames
     return out
 
 

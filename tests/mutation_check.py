@@ -506,6 +506,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_remove_spill.py::test_frames_missing_against_expected_keep_the_root",),
         "remove_spill keeps the root when frames are missing against expected",
     ),
+    # ------------------------------------------------------------------ format 4's list offsets (issue 23)
+    Mutation(
+        "list-header-vs-offsets",
+        "spillmerge/_lists.py",
+        "        bad = np.flatnonzero(said != steps)",
+        "        bad = np.flatnonzero(said != said)",
+        ("tests/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
+        "verify refuses a list whose header length differs from its offsets step",
+    ),
+    Mutation(
+        "list-group-of-header-missing",
+        "spillmerge/_lists.py",
+        "        if lpath not in lists:",
+        "        if False:",
+        ("tests/test_lists.py::test_a_header_whose_list_group_is_missing_is_refused",),
+        "a pylist / pytuple header whose items' list group is missing is refused, naming the header",
+    ),
     # Not listed: remove_spill's "salvaged_frames" and "no completion marker" conditions. A rank with
     # salvaged frames is always in missing_ranks too (checked first), and both merge paths write the
     # marker before they return: neither condition can decide alone (mutations survive every test).

@@ -270,7 +270,7 @@ def test_the_segment_header_table_matches_what_spillmerge_writes(written: dict[s
     table = _segment_table()
     real = written["spill-segment"]
     assert sorted(table) == sorted(real)
-    assert table["format_version"] == f"`{real['format_version']}`" == f"`{F.FORMAT_VERSION}`"
+    assert table["format_version"] == f"`{real['format_version']}`" == f"`{F.SPILL_FORMAT_VERSION}`"
     assert table["kind"] == f'`"{real["kind"]}"`'
 
 

@@ -21,6 +21,7 @@ from _nothing_lost_workers import expected, small_value, spill, spill_batches_ki
 from _procs import join_all
 
 import spillmerge
+from spillmerge import _format as F
 from spillmerge import _format_spill as FS
 from spillmerge._storage import Storage
 
@@ -283,7 +284,7 @@ def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_p
     # version-2 writer lists whole frames, so a partial one there is damage, not an old habit).
     header_path = seg / "zarr.json"
     header = json.loads(header_path.read_text())
-    assert header["attributes"]["spillmerge"]["format_version"] == spillmerge.FORMAT_VERSION
+    assert header["attributes"]["spillmerge"]["format_version"] == F.SPILL_FORMAT_VERSION
     header["attributes"]["spillmerge"]["format_version"] = 1
     header_path.write_text(json.dumps(header))
     # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.

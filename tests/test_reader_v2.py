@@ -149,6 +149,7 @@ def test_strings_round_trip_and_plain_zarr_reads_them(tmp_path):
                 "boxes": torch.ones(f + 1, 4) * f,
                 "caption": f"cap {f}\x00é",
                 "tags": ["a", "b" * f],
+                "scores": tuple(torch.full((k + 1,), float(f)) for k in range(f)),
             }  # fmt: skip
             for f in range(3)
         }
@@ -174,6 +175,15 @@ def test_strings_round_trip_and_plain_zarr_reads_them(tmp_path):
     co = g["columns/caption/offsets"][a : b + 1]  # a str leaf: UTF-8 bytes + offsets too
     cb = g["columns/caption/values"][co[0] : co[-1]].tobytes()
     captions = [cb[co[j] - co[0] : co[j + 1] - co[0]].decode() for j in range(b - a)]
+    # version 4: a list (or tuple) of tensors, "scores": list offsets, then its items' column
+    lists = {tuple(v.attrs["spillmerge"]["list"]): k for k, v in g["lists"].groups()}  # list path -> group
+    cols = {tuple(v.attrs["spillmerge"]["leaf"]): k for k, v in g["columns"].groups()}  # leaf path -> group
+    item = ("scores", "\x1f*")  # the child path: every item of every list
+    lo = g[f"lists/{lists[item]}/offsets"][a : b + 1]  # row a + j's items are items lo[j] .. lo[j+1]-1
+    so = g[f"columns/{cols[item]}/offsets"][lo[0] : lo[-1] + 1]  # the items: here a ragged column
+    sv = g[f"columns/{cols[item]}/values"][so[0] : so[-1]]
+    scores = [[sv[so[k] - so[0] : so[k + 1] - so[0]] for k in range(lo[j] - lo[0], lo[j + 1] - lo[0])] for j in range(b - a)]
+    assert [[x.tolist() for x in row] for row in scores] == [[], [[1.0]], [[2.0], [2.0, 2.0]]]
     assert frames_.tolist() == [0, 1, 2] and logits.shape == (3, 1000) and logits[2, 0] == 2.0
     assert [x.shape for x in boxes] == [(1, 4), (2, 4), (3, 4)] and captions[1] == "cap 1\x00é"
     assert names == zarr_filenames(g)

@@ -16,7 +16,7 @@ import spillmerge
 
 pytestmark = pytest.mark.s3
 
-ATTEMPTS = 4  # a smaller budget than the default 10 attempts keeps the test short; same mechanism
+ATTEMPTS = 2  # a smaller budget than the default 10 attempts keeps the test short; same mechanism
 
 
 def backoff_budget(attempts: int) -> float:

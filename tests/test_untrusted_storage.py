@@ -60,6 +60,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "union type ids": ("out", "columns/u.str/valid/c/0"),
     "union variant offsets": ("out", "columns/u.float32.1d/offsets/c/0"),
     "list header": ("out", "columns/l__~*/values/c/0"),
+    "list offsets": ("out", "lists/l___~*/offsets/c/0"),
+    "list item variant": ("out", "columns/l___~*.str/valid/c/0"),
     "merge failure record": ("spill", "spillmerge-failed.json"),
     "progress record": ("spill", "rank-00000/seg-*/progress.json"),
     "callback report": ("spill", "spillmerge-report.json"),
@@ -166,7 +168,7 @@ def _frame(i: int) -> dict[str, Any]:
     ``shapes``), ``o`` fixed with absent rows (``values`` of the present rows, ``offsets``,
     ``valid``), ``t`` a string column (vlen-utf8 ``values``); format 3: ``u`` a tensor or a str
     (two variant columns whose ``valid`` are the type ids), ``l`` a mixed list (a ``pylist``
-    header column and one column per item)."""
+    header column; format 4: its list offsets, and its items' path, one column per variant)."""
     return {
         "x": torch.full((300,), float(i)),
         "s": i,

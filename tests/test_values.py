@@ -75,7 +75,7 @@ def read_spill(root: str) -> dict[tuple[str, int], dict[tuple[str, ...], tuple[F
             for seg in segs:
                 if seg.commit is None:
                     continue
-                assert seg.format_version == F.FORMAT_VERSION == 3
+                assert seg.format_version == F.SPILL_FORMAT_VERSION == 3
                 loaded = R.load_segment(st, seg)
                 for fid, frame, lid, off, nb, crc in loaded.index.tolist():
                     buf = np.empty(nb, dtype=np.uint8)

@@ -78,18 +78,27 @@ class FsspecStorage(Storage):
         return sorted(out)
 
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
-        paths = [self.path(rel) for rel, _, _ in pieces]
+        """One ranged GET per run of nearby pieces of one object (:func:`coalesce`), not one per
+        piece: the copy asks for every row of an output chunk, and rows dealt round-robin over
+        ranks are one row per run (measured on moto: 12,677 GETs to merge 20,000 small keys)."""
+        starts, pos = [], 0
+        for _, start, stop in pieces:
+            starts.append(pos)
+            pos += stop - start
+        runs = coalesce(pieces)
+        paths = [self.path(rel) for rel, _, _, _ in runs]
         with self.storage_errors("read from"):
-            blobs = self.fs.cat_ranges(paths, [s for _, s, _ in pieces], [e for _, _, e in pieces], on_error="raise")
-        pos = 0
-        for (rel, start, stop), blob in zip(pieces, blobs, strict=True):
-            n = stop - start
+            blobs = self.fs.cat_ranges(paths, [a for _, a, _, _ in runs], [b for _, _, b, _ in runs], on_error="raise")
+        for (rel, a, _, members), blob in zip(runs, blobs, strict=True):
             if isinstance(blob, BaseException):
                 raise SpillStorageError(f"cannot read {self.describe(rel)}: {blob}", path=self.describe(rel))
-            if len(blob) != n:
-                raise self._truncated(rel, start, len(blob), n)
-            out[pos : pos + n] = blob
-            pos += n
+            for i in members:
+                _, start, stop = pieces[i]
+                n = stop - start
+                got = blob[start - a : stop - a]
+                if len(got) != n:
+                    raise self._truncated(rel, start, len(got), n)
+                out[starts[i] : starts[i] + n] = got
 
     # --------------------------------------------------------------------------------- writes
     def makedirs(self, rel: str) -> None:
@@ -191,3 +200,29 @@ class _FsspecSink:
         except BaseException:
             if ok:
                 raise
+
+
+COALESCE_GAP = 64 << 10
+"""Bytes between two pieces of one object read in one GET rather than two: a request costs about
+what 64 KiB of transfer does on an object store."""
+COALESCE_MAX = 16 << 20
+"""Bytes at most in one coalesced GET (one spill data chunk)."""
+
+
+def coalesce(pieces: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int, list[int]]]:
+    """Runs ``(rel, start, stop, members)`` covering the byte ranges ``pieces`` (indices into it in
+    ``members``): pieces of one object at most :data:`COALESCE_GAP` apart share a run of at most
+    :data:`COALESCE_MAX` bytes (a longer piece is a run of its own)."""
+    order = sorted(range(len(pieces)), key=lambda i: (pieces[i][0], pieces[i][1]))
+    runs: list[tuple[str, int, int, list[int]]] = []
+    for i in order:
+        rel, start, stop = pieces[i]
+        if runs:
+            r_rel, r_start, r_stop, members = runs[-1]
+            end = max(r_stop, stop)
+            if r_rel == rel and start <= r_stop + COALESCE_GAP and end - r_start <= COALESCE_MAX:
+                members.append(i)
+                runs[-1] = (rel, r_start, end, members)
+                continue
+        runs.append((rel, start, stop, [i]))
+    return runs

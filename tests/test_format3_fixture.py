@@ -1,0 +1,61 @@
+"""An output of format version 3 (one column per list item position) still opens and reads as it
+did: tests/fixtures/make_v3.py wrote it, and its ``to_arrow()`` table, with format 3's code."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import spillmerge
+from tests._helpers import value_diffs
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _written() -> list[tuple[str, int, object]]:
+    spec = importlib.util.spec_from_file_location("make_v3", FIXTURES / "make_v3.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # only defines values(): the writing is under __main__
+    return mod.values()
+
+
+@pytest.fixture
+def v3(tmp_path: Path) -> Path:
+    out = tmp_path / "v3.zarr"
+    shutil.copytree(FIXTURES / "v3-output.zarr", out)
+    return out
+
+
+def test_every_value_of_a_format_3_output_reads_back(v3):
+    res = spillmerge.open(str(v3))
+    assert res.format_version == 3
+    written = _written()
+    assert res.filenames == sorted({f for f, _, _ in written})
+    for filename, frame, value in written:
+        assert value_diffs(res.value(filename, frame), value, f"{filename}[{frame}]") == []
+    assert spillmerge.verify(str(v3)).ok
+
+
+def test_leaf_views_of_a_format_3_output_show_one_column_per_item_position(v3):
+    res = spillmerge.open(str(v3))
+    a = res["a.jpg"]
+    assert a["recs"]["a"][0].tolist() == [1, 2] and a["recs"]["b"][1] == ["z"]  # records: a column per key
+    first = "\x1f0"
+    assert [t.shape for t in a["scores"][first].to_list()] == [(3,), (3,)]  # every row's first tensor
+    items = res.column(("ll", first))  # a whole column: rows of a.jpg (2), b.jpg, c.txt (2)
+    assert items.to_list()[:3] == [["a", "b"], None, ["d"]]
+    np.testing.assert_array_equal(res.column(("nested", first)).to_list()[0], [1, 2])
+
+
+def test_to_arrow_of_a_format_3_output_is_what_format_3_exported(v3):
+    pa = pytest.importorskip("pyarrow")
+    with pa.memory_map(str(FIXTURES / "v3-arrow.arrow")) as f:
+        want = pa.ipc.open_file(f).read_all()
+    got = spillmerge.open(str(v3)).to_arrow()
+    assert got.schema == want.schema
+    assert got.to_pylist() == want.to_pylist()

@@ -1,0 +1,114 @@
+"""Opening reads a bounded part of the index; the rest is read a chunk at a time and checked block
+by block before it is served (issue 24, ``_lazyindex``). The outputs here are merged with index
+chunks and check blocks of 8 rows (the format takes any chunking from the metadata), so a few
+hundred rows make many blocks: a damaged later block opens, reads the files before it, and is
+refused, naming the array, when a row of it is read; ``verify`` lists it as before."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import spillmerge
+from spillmerge import _lazyindex, _zarrmeta
+
+SMALL = 8
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_zarrmeta, "INDEX_ROWS_PER_CHUNK", SMALL)
+    monkeypatch.setattr(_lazyindex, "ROW_BLOCK", SMALL)
+
+
+def _name(i: int) -> str:
+    return f"img_{i:04d}.jpg"
+
+
+def _value(i: int, f: int) -> dict[str, object]:
+    return {
+        "emb": torch.full((4,), float(i)),
+        "caption": f"file {i} frame {f}",
+        "boxes": torch.ones(i % 3, 4) * f,  # ragged: offsets
+        "mask": torch.ones(i % 2 + 1, f + 1, dtype=torch.uint8),  # every dimension varies: shapes
+        "maybe": None if (i + f) % 5 == 0 else 1.5,  # rows without a value: valid
+    }
+
+
+def _merge(tmp_path: Path, n_files: int, frames: int = 3) -> Path:
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(n_files):
+            for f in range(frames):
+                w.write(_name(i), f, _value(i, f))
+    spillmerge.merge(str(root), str(out), progress=False)
+    return out
+
+
+def _set(out: Path, node: str, at: int | tuple[int, int], value: int) -> None:
+    """One element of an index array rewritten in place (zarr recomputes the chunk's CRC-32C)."""
+    arr = zarr.open_group(str(out), mode="r+", use_consolidated=False)[node]
+    arr[at] = value
+
+
+LATE = 40  # a file whose rows lie in a late block (3 rows per file, blocks of 8 rows)
+CASES = [
+    ("index/frame_idx", 3 * LATE + 1, -4, r"index/frame_idx: row 121 .* < 0"),
+    ("index/frame_idx", 3 * LATE + 2, 0, r"index/frame_idx: frame indices are not strictly ascending"),
+    ("index/frame_copies", 3 * LATE, 0, r"index/frame_copies: row 120 holds 0 < 1"),
+    ("index/frame_rank", 3 * LATE, -1, r"index/frame_rank: row 120 holds -1 < 0"),
+    ("index/frame_offsets", LATE + 1, 3 * LATE - 1, r"index/frame_offsets: decreases"),
+    ("index/file_layout", LATE, 9, r"index/file_layout: entry 40 .* is 9"),
+    ("columns/caption/offsets", 3 * LATE + 1, 0, r"columns/caption/offsets: decreases"),
+    ("columns/mask/shapes", (3 * LATE, 1), 9, r"columns/mask/shapes: row 120 has shape"),
+    ("columns/maybe/valid", 3 * LATE, 1, r"columns/maybe/(valid|offsets): row 120"),
+]
+
+
+@pytest.mark.parametrize("node, at, value, needle", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_a_damaged_late_block_opens_and_is_refused_when_read(small_blocks, tmp_path, node, at, value, needle):
+    out = _merge(tmp_path, 60)
+    _set(out, node, at, value)
+    res = spillmerge.open(str(out))  # bounded: the damage lies beyond the first block
+    assert len(res) == 60 and res.filenames[59] == _name(59)
+    assert res[_name(1)]["caption"][2] == "file 1 frame 2"  # files in checked blocks still read
+    with pytest.raises(spillmerge.CorruptSpillError, match=needle) as ei:
+        v = res[_name(LATE)]
+        for leaf in ("caption", "boxes", "mask", "maybe"):
+            v[leaf].to_list()
+    assert str(out) in str(ei.value)
+    with pytest.raises(spillmerge.CorruptSpillError, match=needle):  # every row, in order, meets it too
+        spillmerge.open(str(out)).to_arrow()
+    rep = spillmerge.verify(str(out))
+    assert not rep.ok and any(re.search(needle.split(":")[0], p) for p in rep.problems), rep.problems
+
+
+def test_open_reads_the_same_few_chunks_at_any_size(small_blocks, tmp_path):
+    """What open reads does not grow with the output: the same chunks at 20 and 200 files."""
+    read = []
+    for n in (20, 200):
+        res = spillmerge.open(str(_merge(tmp_path / str(n), n)))
+        read.append(res.cache_stats().misses)
+        assert len(res.filenames) == n
+    assert read[0] == read[1], read
+
+
+def test_every_row_reads_back_across_blocks(small_blocks, tmp_path):
+    out = _merge(tmp_path, 30)
+    res = spillmerge.open(str(out))
+    for i in (0, 7, 13, 29):
+        v = res[_name(i)]
+        assert res.frames(_name(i)).tolist() == [0, 1, 2]
+        assert v["caption"].to_list() == [f"file {i} frame {f}" for f in range(3)]
+        assert [x.shape for x in v["boxes"].to_list()] == [(i % 3, 4)] * 3
+        assert [x.shape for x in v["mask"].to_list()] == [(i % 2 + 1, f + 1) for f in range(3)]
+        assert v["maybe"].to_list() == [None if (i + f) % 5 == 0 else 1.5 for f in range(3)]
+    table = res.to_arrow()
+    assert table.num_rows == 90 and table.column("caption")[89].as_py() == "file 29 frame 2"
+    names, offsets, frame_idx, rank, copies = res.index_arrays()
+    assert np.array_equal(offsets, np.arange(0, 91, 3)) and frame_idx.tolist() == [0, 1, 2] * 30
