@@ -293,6 +293,7 @@ def main() -> None:
     )
     ap.add_argument("--before-n", type=int, nargs="*", default=None, help="N at which to also run the in-memory plan")
     ap.add_argument("--plan-budget", type=int, default=None)
+    ap.add_argument("--memory-budget", type=int, default=None, help="merge(memory_budget=): the copy's chunks in flight")
     ap.add_argument(
         "--session-keys",
         type=int,
@@ -312,6 +313,8 @@ def main() -> None:
     args.parts_n = [max(args.n)] if args.parts_n is None else args.parts_n
     args.before_n = [min(args.n)] if args.before_n is None else args.before_n
     args.merge_kwargs = {} if args.plan_budget is None else {"plan_budget": args.plan_budget}
+    if args.memory_budget is not None:
+        args.merge_kwargs["memory_budget"] = args.memory_budget
     log_lines: list[str] = []
 
     def log(msg: str) -> None:
