@@ -19,6 +19,13 @@ $(BASE): pyproject.toml
 # The tests' tools (pytest, moto, lightning, ruff, mypy ...) come with `make test` only.
 $(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[test]'
+	# torchvision for tests/test_model_outputs.py: the release built for the torch above, in a folder
+	# off the venv's path (--target). PyPI's Linux wheel is built against CUDA torch: with the CPU
+	# torch its compiled ops do not load and `import torchvision` fails, which would break every
+	# package that imports it when installed (torchmetrics, lightning). Only the model test puts
+	# the folder on its path, with a workaround for the ops (tests/_torchvision_cpu.py).
+	$(PY) -m pip install -q --no-deps --upgrade --retries 0 --extra-index-url https://download.pytorch.org/whl/cpu \
+		--target $(VENV)/torchvision-cpu torchvision==0.28.0
 	touch $(STAMP)
 
 setup: $(STAMP)

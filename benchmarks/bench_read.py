@@ -18,6 +18,7 @@ Usage: python benchmarks/bench_read.py [--files 100000] [--out benchmarks/result
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -151,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--out", help="folder for results.md")
+    ap.add_argument("--in-order-only", action="store_true", help="only the files-in-order row (an A/B of it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench-read-"))
@@ -159,6 +161,12 @@ def main() -> None:
         out = build(work, args.files)
         built = time.perf_counter() - t
         order = in_order(out)
+        if args.in_order_only:
+            print(
+                f"files in order: {order['cached'] * 1e6:.2f} us/file, numpy slices + dict {order['numpy'] * 1e6:.2f} "
+                f"us/file: **{order['cached'] / order['numpy']:.1f}x** (load {os.getloadavg()[0]:.1f})"
+            )
+            return
         rand = random_rows(out)
         pqt = parquet(out, work)
         imp = import_times()

@@ -62,8 +62,11 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
     ok = set(map(type, names)) <= {str}  # exactly str, in C (a generator cost ~0.2 us a name)
     try:  # every name valid Unicode and short enough, checked in one pass; the loop below names a bad one
         if ok:
-            "\0".join(names).encode("utf-8")
-            ok = max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4  # 4 UTF-8 bytes a character at most
+            # no name is longer than all of them together (the common case: one comparison)
+            ok = (
+                len("\0".join(names).encode("utf-8")) <= FILENAME_MAX_BYTES
+                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4
+            )  # 4 UTF-8 bytes a character at most
     except UnicodeEncodeError:
         ok = False
     for i, name in enumerate(names) if not ok else ():
@@ -187,21 +190,33 @@ def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
     """The leaves of a batch that is only host tensors / numeric arrays with ``n`` items each
     (a dict, TensorDict or dataclass of them, or one of them), by leaf path; None for any other
     batch (lists, CUDA, a wrong length ...: the item-by-item path handles and names it)."""
+    if type(batch) is dict and n:  # the common batch, a flat dict of host tensors: no walk
+        flat: dict[tuple[str, ...], Any] = {}
+        for k, v in batch.items():
+            if type(k) is not str or type(v) is not torch.Tensor or not _dense_tensor(v, n):
+                break
+            flat[(k,)] = v
+        else:
+            return flat or None
     out: dict[tuple[str, ...], Any] = {}
     return out if n and _dense(batch, (), n, out, 0) else None
 
 
+def _dense_tensor(value: torch.Tensor, n: int) -> bool:
+    return (
+        value.device.type == "cpu"
+        and value.layout == torch.strided
+        and not value.is_quantized
+        and not value.is_nested
+        and value.ndim > 0
+        and value.shape[0] == n
+        and value.numel() > 0  # n > 0: every item holds something
+    )
+
+
 def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...], Any], depth: int) -> bool:
     if isinstance(value, torch.Tensor):
-        ok = (
-            value.device.type == "cpu"
-            and value.layout == torch.strided
-            and not value.is_quantized
-            and not value.is_nested
-            and value.ndim > 0
-            and len(value) == n
-            and value[0].numel() > 0
-        )
+        ok = _dense_tensor(value, n)
     elif isinstance(value, np.ndarray):
         ok = value.dtype.kind in "biufc" and value.ndim > 0 and len(value) == n and value[0].size > 0
     elif isinstance(value, Mapping) and depth < 32:
@@ -220,6 +235,14 @@ def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...],
 def as_rows(value: Any, n: int) -> np.ndarray:
     """A dense leaf of ``n`` items as host bytes, one row of ``(n, item bytes)`` per item: the
     bytes ``_values.flatten`` gives item ``i`` (little-endian, C order)."""
+    if type(value) is torch.Tensor:
+        try:  # the common leaf: refuses autograd, conj / neg bits and what numpy lacks (below)
+            arr = value.numpy()
+        except (RuntimeError, TypeError):
+            pass
+        else:
+            if arr.flags.c_contiguous:
+                return arr.reshape(n, -1).view(np.uint8)
     if isinstance(value, torch.Tensor):
         t = value.detach()
         if t.is_conj():

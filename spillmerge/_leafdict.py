@@ -12,10 +12,21 @@ from ._errors import UnknownLeafError
 class LeafDict(dict[str, Any]):
     """One level of a file's value: ``prefix`` is the leaf path down to it (``()`` at the top)."""
 
+    prefix: tuple[str, ...] = ()
+
     def __init__(self, filename: str, prefix: tuple[str, ...] = ()) -> None:
-        super().__init__()
+        # no dict.__init__: a new dict is empty already
         self.filename = str(filename)  # never a numpy str: its repr would show in messages
-        self.prefix = prefix
+        if prefix:
+            self.prefix = prefix
+
+    @classmethod
+    def top(cls, filename: str) -> LeafDict:
+        """The top level of ``filename``'s value (a ``str``), made without a Python ``__init__``:
+        one per file read, so it counts when files are read in order."""
+        out = cls.__new__(cls)
+        out.filename = filename
+        return out
 
     def child(self, key: str) -> LeafDict:
         """The level below ``key``, created when absent."""

@@ -136,18 +136,20 @@ def top_row(offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], d:
     return d
 
 
-def positions(offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], r: int) -> tuple[int, np.ndarray]:
-    """Where the rows of ``domain`` that output row ``r`` holds sit: (their first row, and per
-    row its item position in each enclosing list, ``(n, depth)``)."""
+def positions(
+    offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], r: int
+) -> tuple[int, list[tuple[int, ...]]]:
+    """Where the rows of ``domain`` that output row ``r`` holds sit: their first row, and per
+    row its item position in each enclosing list (outermost first). Python ints: one row's lists
+    are short, and numpy's per-call cost was most of ``value()``'s time."""
     lo, hi = r, r + 1
-    idx = np.zeros((1, 0), dtype=np.int64)
+    items: list[tuple[int, ...]] = [()]
     for lst in chain(domain):
         o = offs[lst]
-        counts = np.diff(o[lo : hi + 1])
-        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(o[lo:hi] - o[lo], counts)
-        idx = np.concatenate([np.repeat(idx, counts, axis=0), within[:, None]], axis=1)
-        lo, hi = int(o[lo]), int(o[hi])
-    return lo, idx
+        bounds = o[lo : hi + 1].tolist()
+        items = [(*p, i) for p, a, b in zip(items, bounds, bounds[1:], strict=False) for i in range(b - a)]
+        lo, hi = bounds[0], bounds[-1]
+    return lo, items
 
 
 def header_problems(

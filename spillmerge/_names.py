@@ -203,6 +203,9 @@ class ChunkedNames(Names):
         self._heads: list[str] = heads.tolist()
         self._next = 0
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
+        self._in_order: tuple[int, list[str]] = (-1, [])
+        """(block, its names as str) of the block files are being read in order from (``find``'s
+        hint hit): comparing and returning a Python str costs less than a numpy element."""
         if self._n:  # one block, so a small output is checked whole at open (a large one as read)
             self.block(0)
 
@@ -274,7 +277,9 @@ class ChunkedNames(Names):
             i += self._n
         if not 0 <= i < self._n:
             raise IndexError(f"filename {i} of {self._n}")
-        return str(self.block(i // self._k)[i % self._k])
+        j, r = divmod(i, self._k)
+        hot = self._in_order
+        return hot[1][r] if hot[0] == j else str(self.block(j)[r])
 
     def __iter__(self) -> Iterator[str]:
         for j in range(len(self._heads)):
@@ -285,9 +290,17 @@ class ChunkedNames(Names):
             return None
         k = self._k
         i = self._next  # files are most often read in order
-        if i < self._n and self.block(i // k)[i % k] == name:
-            self._next = i + 1
-            return i
+        if i < self._n:
+            j, r = divmod(i, k)
+            hot = self._in_order
+            if hot[0] == j:
+                if hot[1][r] == name:
+                    self._next = i + 1
+                    return i
+            elif self.block(j)[r] == name:  # in order into a new block: its names as str, once
+                self._in_order = (j, self.block(j).tolist())
+                self._next = i + 1
+                return i
         j = bisect.bisect_right(self._heads, name) - 1
         if j < 0:
             return None

@@ -396,7 +396,7 @@ class V2Files:
         return self._find(filename) is not None
 
     def index(self, filename: str, where: Callable[[], str]) -> int:
-        i = self._find(filename)
+        i = self._names.find(filename)  # (as _find: one call less per file read)
         if i is None:
             near = close_matches(self._names, filename)  # neighbours in sort order: no scan of every name
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
@@ -417,13 +417,15 @@ class V2Files:
         a, b = self.rows_of(i)
         return self._prov[name][a:b].copy()
 
-    def value(self, i: int) -> Any:
+    def value(self, i: int, filename: str | None = None) -> Any:
+        """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
         a, b = self.rows_of(i)
         cols, flat = self._layout_cols[self._file_layout.item(i)]
-        filename = self._names[i]
+        if filename is None or type(filename) is not str:
+            filename = str(self._names[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
-        out = LeafDict(filename)
+        out = LeafDict.top(filename)
         if flat:
             for key, cls, col in flat:
                 out[key] = cls(col, a, b, filename)
@@ -623,7 +625,8 @@ class MergedStore(Mapping[str, Any]):
         return self._files.provenance(self._index(filename), "frame_copies")
 
     def __getitem__(self, filename: str) -> Any:
-        return self._files.value(self._files.index(filename, self.storage.describe))
+        files = self._files
+        return files.value(files.index(filename, self.storage.describe), filename)
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,

@@ -175,7 +175,7 @@ class V1Files:
         arr = self._prov[name]
         return None if arr is None else arr[self._offsets[i] : self._offsets[i + 1]].copy()
 
-    def value(self, i: int) -> Any:
+    def value(self, i: int, filename: str | None = None) -> Any:  # noqa: ARG002 - V2Files.value's signature
         import zarr
 
         files: Any = self.group["files"]

@@ -10,6 +10,7 @@ scalars (lists of them as lists), tensors as numpy arrays (``as_torch``: torch t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -48,20 +49,25 @@ def _entries(cols: list[Any], r: int, offs: dict[tuple[str, ...], np.ndarray]) -
     out = []
     for col in cols:
         leaf: tuple[str, ...] = col.info.leaf
-        domain = F.list_domain(leaf)
+        domain, at = _shape_of(leaf)
         head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
         lpath = (*leaf[:-1], F.ITEM) if head else ()
         if not domain:
             out.append((leaf, col, r, _items(offs, lpath, r) if head else -1))
             continue
         lo, idx = L.positions(offs, domain, r)
-        at = [k for k, seg in enumerate(leaf) if seg == F.ITEM]
-        for j in range(len(idx)):
+        for j, ix in enumerate(idx):
             segs = list(leaf)
-            for k, pos in zip(at, idx[j].tolist(), strict=True):
+            for k, pos in zip(at, ix, strict=True):
                 segs[k] = f"{MARK}{pos}"
             out.append((tuple(segs), col, lo + j, _items(offs, lpath, lo + j) if head else -1))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_of(leaf: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A leaf path's domain and the places of its item segments (once per path, not per row)."""
+    return F.list_domain(leaf), tuple(k for k, seg in enumerate(leaf) if seg == F.ITEM)
 
 
 def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: int) -> int:

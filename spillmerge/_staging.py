@@ -1,11 +1,12 @@
 """Staging: host buffers a writer copies frames into, and the thread that uploads them.
 
 Protocol (the writer drives it through :class:`Staging`; docs/ARCHITECTURE.md, Memory):
-  (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` →
+  (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` (the
+                     CRC-32C of each block of host rows right after its copy: ``add_frames``
+                     one per leaf per block, ``add_frame`` one per run of whole frames) →
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
-  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of its rows (``add``) and of
-                     its blocks (``add_frames``: one per leaf per block; ``add_frame``: one per
-                     run of whole frames) → upload it whole
+  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
+                     one by one → upload it whole
                      (``flush_threads`` in flight) → ``journal/N`` once chunks ``0..N`` are durable
                      → ``BufferPool.release``; ``None`` on the queue ends it.
 """
@@ -50,10 +51,11 @@ class Chunk:
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
     """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
     staged by ``Staging.add``; a row may continue in the next chunk)."""
-    blocks: list[tuple[int, int, int, np.ndarray]] = field(default_factory=list)
-    """(check id, start, stop, rows) of every block checksum of this chunk: bytes ``start:stop``
-    hold the rows ``rows`` (int64) back to back (one leaf of a block of ``add_frames``, or a run
-    of whole frames of ``add_frame``), checksummed in one call (docs/FORMAT.md, ``checks``)."""
+    blocks: list[tuple[int, int, int, np.ndarray, int]] = field(default_factory=list)
+    """(check id, start, stop, rows, CRC-32C) of every block checksum of this chunk: bytes
+    ``start:stop`` hold the rows ``rows`` (int64) back to back (one leaf of a block of
+    ``add_frames``, or a run of whole frames of ``add_frame``), checksummed in one call
+    (docs/FORMAT.md, ``checks``) by the caller's thread right after its copy (``_block``)."""
     check_base: int = 0
     """Id of this chunk's first block checksum (the number of blocks of earlier chunks)."""
     run: list[int] = field(default_factory=list)
@@ -245,7 +247,7 @@ class Flusher(threading.Thread):
         if chunk.event is not None:
             chunk.event.synchronize()
         buf = chunk.host.numpy()
-        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3].max()) for b in chunk.blocks], default=-1)
+        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3][-1]) for b in chunk.blocks], default=-1)
         if top >= len(self.crc):
             grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
             grown[: len(self.crc)] = self.crc
@@ -260,11 +262,10 @@ class Flusher(threading.Thread):
             more = np.zeros((max(need, 2 * len(self.checks)), FS.CHECK_COLUMNS), dtype=np.int64)
             more[: len(self.checks)] = self.checks
             self.checks = more
-        # One CRC-32C per leaf of a block of frames (a call per row held the GIL ~0.8 us a row,
-        # as long as write_batch's whole copy): its rows point at it by id.
+        # The caller computed each block's CRC-32C (``Staging._block``); its rows point at it by id.
         base = chunk.number * len(buf)
-        for check, start, stop, rows in chunk.blocks:
-            self.checks[check] = (base + start, stop - start, google_crc32c.value(buf[start:stop]))
+        for check, start, stop, rows, value in chunk.blocks:
+            self.checks[check] = (base + start, stop - start, value)
             crc[rows] = -1 - check
         self.n_checks = need
 
@@ -416,27 +417,46 @@ class Staging:
         """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
         leaf would: when every leaf is on the host and the frame fits in the current chunk, in
         one step (no held list, no per-leaf call); otherwise through ``add``."""
-        chunk = self._current
         total = 0
         for leaf in leaves:
             if type(leaf.data) is not np.ndarray:
-                chunk = None
                 break
             total += leaf.nbytes
-        if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes or not total:
+        else:
+            if total:
+                self.add_host_frame(
+                    row, file_id, frame, layout_ids, [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves],
+                    total,
+                )  # fmt: skip
+                return
+        held: list[Any] = []
+        last = len(leaves) - 1
+        for j, leaf in enumerate(leaves):
+            self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
+
+    def add_host_frame(
+        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
+        sizes: Any, total: int,
+    ) -> None:  # fmt: skip
+        """``add_frame`` of a frame whose leaves are host uint8 arrays ``data`` of ``sizes``
+        bytes (``total`` > 0 in all): in one step when the frame fits in the current chunk (no
+        held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
+        otherwise leaf by leaf through ``add``."""
+        chunk = self._current
+        if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
             held: list[Any] = []
-            last = len(leaves) - 1
-            for j, leaf in enumerate(leaves):
-                self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
+            last = len(data) - 1
+            for j, d in enumerate(data):
+                self.add(row + j, file_id, frame, layout_ids[j], d, sizes[j], held, j == last)
             return
         host, fill, base = chunk.host_np, chunk.fill, self.offset - chunk.fill
         run, completed = chunk.run, chunk.completed
         if not run:
             chunk.run_start = fill
-        for j, leaf in enumerate(leaves):
-            n = leaf.nbytes
+        for j, d in enumerate(data):
+            n = sizes[j]
             if n:
-                host[fill : fill + n] = leaf.data
+                host[fill : fill + n] = d
                 run.append(row + j)  # checked with its block (a CRC call per row held the GIL)
             completed.append((row + j, file_id, frame, layout_ids[j], base + fill, n))
             fill += n
@@ -448,9 +468,18 @@ class Staging:
     def _close_run(self, chunk: Chunk) -> None:
         """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
         if chunk.run:
-            chunk.blocks.append((self.n_checks, chunk.run_start, chunk.fill, np.array(chunk.run, dtype=np.int64)))
-            self.n_checks += 1
+            self._block(chunk, chunk.run_start, chunk.fill, np.array(chunk.run, dtype=np.int64))
             chunk.run = []
+
+    def _block(self, chunk: Chunk, start: int, stop: int, rows: np.ndarray) -> None:
+        """A block checksum of host bytes ``start:stop`` of ``chunk`` (rows ``rows``, ascending),
+        computed here, in the caller's thread, while the bytes just copied are in its cache.
+        google_crc32c holds the GIL: in the flush thread every block stalled the caller's next
+        Python line until it finished (write_batch's per-batch Python waited on it), and a
+        flush thread competing for the CPU on a busy machine made it worse."""
+        value = google_crc32c.value(chunk.host_np[start:stop])
+        chunk.blocks.append((self.n_checks, start, stop, rows, value))
+        self.n_checks += 1
 
     def add_frames(
         self, row: int, file_ids: np.ndarray, frames: np.ndarray, layout_ids: tuple[int, ...], columns: list[np.ndarray]
@@ -499,8 +528,7 @@ class Staging:
                 g = max(1, CHECK_BYTES // w)
                 for a in range(0, k, g):
                     b = min(k, a + g)
-                    chunk.blocks.append((self.n_checks, fill + a * w, fill + b * w, ids[a:b, j]))
-                    self.n_checks += 1
+                    self._block(chunk, fill + a * w, fill + b * w, ids[a:b, j])
                 fill += k * w
             # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)

@@ -267,7 +267,7 @@ def flatten_dense(value: object) -> list[Leaf] | None:
             return None
         out = []
         for k in keys:
-            if type(k) is not str:
+            if type(k) is not str or k.startswith(MARK):  # a marked key is escaped by the general walk
                 return None
             leaf = _dense_leaf(value[k], (k,))
             if leaf is None:

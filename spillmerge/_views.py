@@ -110,8 +110,23 @@ class OpenColumn:
     def row(self, r: int) -> np.ndarray:
         """Unit ``r`` of ``values`` (a row of a fixed column without offsets), a new array of the
         real dtype."""
-        x = self._chunk(r // self._k)[r % self._k].copy()
+        c, i = divmod(r, self._k)
+        hot = self._hot  # _chunk's first step, inlined: one row per file read in order
+        arr = hot[1]() if hot is not None and hot[0] == c else None
+        x = (arr if arr is not None else self._chunk(c))[i].copy()
         return x if self.native else x.view(self.real)
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """Units ``lo .. hi-1`` of ``values`` for one row's read: a view of the cached chunk when
+        they lie in one (the caller copies or converts it), else :meth:`rows`."""
+        k = self._k
+        c = lo // k
+        if hi > lo and (hi - 1) // k == c:
+            base = c * k
+            hot = self._hot  # _chunk's first step, inlined
+            arr = hot[1]() if hot is not None and hot[0] == c else None
+            return (arr if arr is not None else self._chunk(c))[lo - base : hi - base]
+        return self.rows(lo, hi)
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
         """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
@@ -221,6 +236,10 @@ class LeafView:
             r = self._start + j
             col = self._col
             return None if col.has_valid and not col.valid()[r] else self._one(r)  # type: ignore[index]
+        return self._select(sel)
+
+    def _select(self, sel: Any) -> Any:
+        """``view[sel]`` for any ``sel`` but a Python int."""
         if isinstance(sel, np.integer):
             r = self._row(sel)
             return self._one(r) if self._is_valid(r) else None
@@ -279,7 +298,7 @@ class FixedView(LeafView):
     @property
     def dtype(self) -> np.dtype[Any]:
         """numpy dtype of what indexing returns: the real dtype where numpy or ml_dtypes has it."""
-        return real_dtype(self.dtype_name)
+        return self._col.real  # real_dtype(self.dtype_name), computed once per column
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -318,23 +337,33 @@ class FixedView(LeafView):
     def _compact(self, sel: Any) -> np.ndarray:
         """Rows ``sel`` of a fixed column whose ``values`` hold only the rows with a value (it has
         ``offsets``, steps 0 or 1): the others read as zeros."""
-        o = self._col.offsets
+        col = self._col
+        o = col.offsets
         assert o is not None
+        if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
+            r = self._row(sel)
+            lo = int(o[r])
+            if int(o[r + 1]) > lo:
+                return col.rows(lo, lo + 1)[0]
+            return np.zeros(col._unit, dtype=col._dtype)
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
-        vals = self._col.rows(lo, hi)
+        vals = col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
-        out = np.zeros((*rows.shape, *self._col.values.shape[1:]), dtype=vals.dtype)
+        out = np.zeros((*rows.shape, *col._unit), dtype=vals.dtype)
         out[has] = vals[o[rows[has]] - lo]
         return out
 
-    def __getitem__(self, sel: Any) -> Any:
-        if isinstance(sel, (int, np.integer)):
+    def _one(self, r: int) -> Any:
+        col = self._col
+        if col.offsets is None:  # one row, the common case: straight from its chunk
+            return col.row(r)
+        return self._raw(r - self._start).view(self.dtype)
+
+    def _select(self, sel: Any) -> Any:
+        if isinstance(sel, np.integer):
             r = self._row(sel)
-            if not self._is_valid(r):
-                return None
-            if self._col.offsets is None:  # one row, the common case: straight from its chunk
-                return self._col.row(r)
+            return self._one(r) if self._is_valid(r) else None
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -420,7 +449,7 @@ class RaggedView(_OffsetView):
 
     @property
     def dtype(self) -> np.dtype[Any]:
-        return real_dtype(self.dtype_name)
+        return self._col.real  # real_dtype(self.dtype_name), computed once per column
 
     @property
     def ndim(self) -> int:
@@ -455,7 +484,8 @@ class RaggedView(_OffsetView):
         col = self._col
         o = col.offsets
         assert o is not None
-        flat = col.rows(o.item(r), o.item(r + 1))  # (n, *inner_shape) already when only the first dimension varies
+        # (n, *inner_shape) already when only the first dimension varies
+        flat = col.span(o.item(r), o.item(r + 1)).copy()
         if col.info.inner_shape is None:
             assert col.shapes is not None
             flat = flat.reshape(tuple(col.shapes[r].tolist()))
@@ -620,7 +650,10 @@ class TextView(BytesView):
     __slots__ = ()
 
     def _one(self, r: int) -> Any:
-        return _text(self._col, r, self._flat(r, r + 1).tobytes())
+        col = self._col
+        o = col.offsets
+        assert o is not None
+        return _text(col, r, col.span(o.item(r), o.item(r + 1)).tobytes())
 
     def _list(self, a: int, b: int) -> list[Any]:
         flat = self._flat(a, b).tobytes()

@@ -31,6 +31,7 @@ from ._errors import (
     SpillValueError,
     WriterClosedError,
 )
+from ._format import user_key
 from ._report import MergeReport
 from ._round import Rounds
 from ._runstore import next_session, publish_failure
@@ -38,6 +39,7 @@ from ._schema import FileSchemas
 from ._spillroot import check_not_stale, load_committed_keys, remove_all
 from ._staging import Staging
 from ._storage import Storage
+from ._templates import DenseTemplate, FrameTemplate
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
 from ._values import Leaf, check_filename, check_frame_idx, flatten, flatten_dense
 from ._zarrmeta import array_meta, array_objects
@@ -170,6 +172,12 @@ class SpillWriter:
         first row, rows per frame): only a write to a file already written looks keys up, so a
         job of new files never builds the two tuples per key (:meth:`_key_map`)."""
         self._n_fresh_keys = 0
+        self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
+        self._frame_template: FrameTemplate | None = None
+        self._row_log: list[tuple[int, int, int, int]] = []
+        """(first row, file id, frame, offset) of frames staged by ``_put_templated`` whose index
+        rows are not in ``_rows`` yet (``_flush_row_log``), all of ``_row_log_template``."""
+        self._row_log_template: FrameTemplate | None = None
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
         self._rewrites = 0  # writes of a key already written, whatever the policy kept
@@ -215,9 +223,64 @@ class SpillWriter:
         :meth:`write_batch`."""
         self._check_open()
         filename = check_filename(filename)
-        frame = check_frame_idx(frame_idx, filename)
-        leaves = flatten_dense(value)  # the common value, without the general walk
+        if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
+            frame = frame_idx
+        else:
+            frame = check_frame_idx(frame_idx, filename)
+        template = self._frame_template
+        if type(value) is dict and filename not in self._file_ids:
+            if template is not None:
+                data = template.match(value)
+                if data is not None:  # a new file of the last new file's structure
+                    self._put_templated(filename, frame, template, data)
+                    return
+            leaves = flatten_dense(value)  # the common value, without the general walk
+            if leaves is not None:
+                layout_ids = self._put(filename, frame, leaves)
+                if layout_ids is not None:  # the next new file of this structure takes the template
+                    schema = self._schema.schema_of(len(self._filenames) - 1)
+                    self._frame_template = FrameTemplate.of(leaves, schema, layout_ids)
+                return
+        else:
+            leaves = flatten_dense(value)
         self._put(filename, frame, leaves if leaves is not None else flatten(value, filename, frame, self.allow_pickle))
+
+    def _put_templated(self, filename: str, frame: int, template: FrameTemplate, data: list[np.ndarray]) -> None:
+        """``_put`` of a frame of a new file whose value matched ``template``: the layout rule's
+        move and the catalog ids are the template's; the index rows wait in ``_row_log``."""
+        file_id = len(self._filenames)
+        self._schema.accept_new_files(1, template.schema, [], template.layout_ids)
+        self._filenames.append(filename)
+        self._file_ids[filename] = file_id
+        first_row = self._n_rows
+        if self._row_log_template is not template or len(self._row_log) >= 4096:
+            self._flush_row_log()
+            self._row_log_template = template
+        self._row_log.append((first_row, file_id, frame, self._staging.offset))
+        self._n_rows = first_row + len(template.sizes)
+        self._staging.add_host_frame(
+            first_row, file_id, frame, template.layout_ids, data, template.sizes, template.total
+        )
+        self._keys[(file_id, frame)] = (first_row, len(template.sizes))
+
+    def _flush_row_log(self) -> None:
+        """Write the index rows of the frames ``_put_templated`` logged into ``_rows`` (every
+        reader of ``_rows`` calls this first), a block at a time."""
+        log, template = self._row_log, self._row_log_template
+        if len(self._rows) < self._n_rows:
+            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
+            grown[: len(self._rows)] = self._rows
+            self._rows = grown
+        if not log or template is None:
+            return
+        frames = np.array(log, dtype=np.int64)
+        log.clear()
+        rows = frames[:, :1] + np.arange(len(template.sizes), dtype=np.int64)  # (frames, leaves)
+        self._rows[rows, FS.COL_FILE] = frames[:, 1:2]
+        self._rows[rows, FS.COL_FRAME] = frames[:, 2:3]
+        self._rows[rows, FS.COL_LAYOUT] = template.layout_ids
+        self._rows[rows, FS.COL_OFFSET] = frames[:, 3:4] + template.starts
+        self._rows[rows, FS.COL_NBYTES] = template.sizes
 
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
         """Append one frame per item of a batched output: item ``i`` is stored exactly as
@@ -253,16 +316,18 @@ class SpillWriter:
         at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
         (nothing done) when a key of the batch was written before or repeats in it: the
         item-by-item path applies the duplicate policy."""
+        self._flush_row_log()
         n = len(names)
         base = len(self._filenames)
         # The common batch: n files never written before, each once. Their ids are the next n, no
         # key can repeat, and every file's schema before the frame is the empty one.
         fresh = self._file_ids.keys().isdisjoint(names) and len(set(names)) == n
+        file_ids: Any
+        new_names: dict[str, int] = {}
         if fresh:
-            file_ids: Any = range(base, base + n)
-            new_names = dict(zip(names, file_ids, strict=True))
+            file_ids = range(base, base + n)
         else:
-            file_ids, new_names = [], {}
+            file_ids = []
             next_id = base
             for name in names:
                 fid = self._file_ids.get(name)
@@ -276,18 +341,16 @@ class SpillWriter:
             known = self._key_map()
             if len(set(keys)) != n or (known and any(k in known for k in keys)):
                 return False
-        item0 = _nest({path: col[0] for path, col in columns.items()})
-        try:
-            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
-        except SpillValueError as exc:
-            raise at_position(exc, 0, n, names[0]) from None
-        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
+        template = self._dense_template(names, frames, columns)
+        if template is None:
             return False
-        layouts = [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+        layouts = template.layouts
         # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
         moves: dict[int, tuple[int, tuple[int, ...]]] = {}
         schemas: dict[int, int] = {}
-        if fresh:
+        if fresh and template.fresh_move is not None:
+            moves[0] = template.fresh_move
+        elif fresh:
             try:
                 moves[0] = self._schema.check(names[0], frames[0], base, layouts, 0)
             except SpillValueError as exc:
@@ -303,15 +366,18 @@ class SpillWriter:
                 except SpillValueError as exc:
                     raise at_position(exc, i, n, name) from None
             schemas[fid] = move[0]
-        rows = [as_rows(columns[leaf.path], n) for leaf in leaves]
+        rows = [as_rows(columns[path], n) for path in template.paths]
         if fresh:
             layout_ids = self._schema.accept_new_files(n, moves[0][0], layouts, moves[0][1])
+            # the move from the empty schema is the same for every later batch of new files
+            template.fresh_move = (moves[0][0], layout_ids)
             self._filenames.extend(names)
+            self._file_ids.update(zip(names, range(base, base + n), strict=True))
         else:
             layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
             self._filenames.extend(new_names)
-        self._file_ids.update(new_names)
-        n_leaves, row0 = len(leaves), self._n_rows
+            self._file_ids.update(new_names)
+        n_leaves, row0 = len(layouts), self._n_rows
         need = row0 + n * n_leaves
         if need > len(self._rows):
             grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
@@ -333,6 +399,37 @@ class SpillWriter:
             self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         block[:, :, 3] = self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
         return True
+
+    def _dense_template(
+        self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]
+    ) -> DenseTemplate | None:
+        """The leaves every item of a dense batch has (item 0 flattened and checked for all),
+        made once per distinct (leaf paths, array kinds, dtypes, item shapes): what ``flatten``
+        checks and yields depends on nothing else, so a batch like the previous one skips it.
+        None when the batch holds leaves the vectorised path does not stage."""
+        sig = tuple([(path, type(col), col.dtype, tuple(col.shape[1:])) for path, col in columns.items()])
+        template = self._dense_templates.get(sig)
+        if template is not None:
+            return template
+        n = len(names)
+        item0 = _nest({path: col[0] for path, col in columns.items()})
+        try:
+            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, 0, n, names[0]) from None
+        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
+            return None
+        by_leaf = {tuple([user_key(k) for k in path]): path for path in columns}  # keys as flatten escapes them
+        paths = [by_leaf.get(leaf.path) for leaf in leaves]
+        if None in paths:
+            return None
+        template = DenseTemplate(
+            tuple(paths),  # type: ignore[arg-type]
+            [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves],
+        )
+        if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
+            self._dense_templates[sig] = template
+        return template
 
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
@@ -394,8 +491,10 @@ class SpillWriter:
             out.append((name, frame, leaves))
         return out
 
-    def _put(self, filename: str, frame: int, leaves: list[Leaf]) -> None:
-        """Stage one checked frame: the layout rule, the duplicate policy, then its rows."""
+    def _put(self, filename: str, frame: int, leaves: list[Leaf]) -> tuple[int, ...] | None:
+        """Stage one checked frame: the layout rule, the duplicate policy, then its rows. Returns
+        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy."""
+        self._flush_row_log()
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
@@ -408,12 +507,12 @@ class SpillWriter:
         if prev is not None:
             if self.on_duplicate == "first":
                 self._rewrites += 1
-                return
+                return None
             if self.on_duplicate == "error":
                 if self._same_as_written(prev, leaves, layout_ids):  # identical content is never an error
                     self._identical_rewrites += 1
                     self._rewrites += 1
-                    return
+                    return None
                 raise DuplicateFrameError(
                     f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
                     "(pass on_duplicate='first' or 'last' to allow rewrites)",
@@ -440,6 +539,7 @@ class SpillWriter:
         self._n_rows += n_leaves
         self._staging.add_frame(first_row, file_id, frame, layout_ids, leaves)
         self._keys[key] = (first_row, n_leaves)
+        return layout_ids
 
     def update(self, mapping: Mapping[str, Any]) -> None:
         """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
@@ -449,6 +549,7 @@ class SpillWriter:
     def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes (and layouts) as the frame already written at rows
         ``prev``? Only a rewrite of a key gets here; staging reads the earlier bytes back."""
+        self._flush_row_log()
         first, n = prev
         if n != len(leaves):
             return False
@@ -506,6 +607,7 @@ class SpillWriter:
 
     def _write_index(self) -> tuple[FS.CommitRecord, np.ndarray]:
         self._check_segment()
+        self._flush_row_log()
         rows = self._rows[: self._n_rows].copy()
         rows[:, FS.COL_CRC] = self._staging.row_crcs(len(rows))
         if self._dead_rows:

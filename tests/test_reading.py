@@ -305,3 +305,22 @@ def test_reading_a_path_object_and_an_empty_selection(out, tmp_path):
     keys = store.to_arrow(columns=[])
     assert keys.column_names == ["filename", "frame_idx", "rank"]
     assert store.to_parquet(Path(tmp_path) / "keys.parquet", columns=[]) == keys.num_rows
+
+
+def test_rows_of_a_compact_column_one_by_one_equal_the_whole_read(out):
+    """A fixed leaf most rows lack keeps only the rows with a value (offsets steps 0 or 1): a row
+    read by itself (an int, a negative int, a numpy int; ``value()`` reads rows so) is that row of
+    the whole read, and a row without a value is None, or zeros through ``to_torch``."""
+    store = spillmerge.open(out)
+    col = store.column("maybe")
+    assert col._col.offsets is not None  # the compact layout under test
+    whole, valid = col[:], col.valid
+    assert valid is not None and 0 < valid.sum() < len(col)
+    for i in range(len(col)):
+        for sel in (i, i - len(col), np.int64(i)):
+            got = col[sel]
+            assert (got is None) if not valid[i] else (got.dtype == whole.dtype and np.array_equal(got, whole[i]))
+        t = col.to_torch(i)
+        assert tuple(t.shape) == (2,) and (t.tolist() == whole[i].tolist() if valid[i] else t.tolist() == [0.0, 0.0])
+    rows = [j for j in range(len(col)) if valid[j]]
+    assert all(float(col[j][0]) % 3 == 0 for j in rows)  # the files i % 3 == 0 wrote full((2,), i)

@@ -228,3 +228,90 @@ def test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it(tmp
     spillmerge.merge(str(intact), str(tmp_path / "ok.zarr"), progress=False)
     res = spillmerge.open(str(tmp_path / "ok.zarr"))
     assert np.array_equal(res.column("logits")[:], logits.numpy())
+
+
+def _structures() -> list[dict[str, Any]]:
+    """Values of new files that repeat one structure, then break it in each way write()'s
+    template of the last structure checks, then repeat the new one."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 700, generator=g).half(), torch.randn(6, 40, generator=g)
+    be = b[0].numpy().astype(">f4")  # the same values big-endian: stored little-endian
+    return [
+        {"logits": a[0], "emb": b[0]},
+        {"logits": a[1], "emb": b[1]},  # the template
+        {"emb": b[2], "logits": a[2]},  # the same keys inserted in another order
+        {"logits": a[3].numpy(), "emb": b[3].numpy()},  # numpy arrays of the same dtypes
+        {"logits": a[4].float(), "emb": b[4]},  # another dtype
+        {"logits": a[5], "emb": b[5]},
+        {"logits": a[0, :350], "emb": b[0]},  # another shape
+        {"logits": a[:2, :4].t(), "emb": b[1]},  # not contiguous
+        {"logits": a[1], "emb": b[2].clone().requires_grad_()},  # autograd: detached by the general walk
+        {"logits": a[2], "emb": be},  # big-endian
+        {"logits": a[3], "emb": b[3], "extra": torch.zeros(0)},  # one more key, an empty leaf
+        {"logits": a[4], "emb": b[4]},
+        {"logits": a[5], "emb": {"x": b[5]}},  # a nested dict
+        {"logits": a[0], "emb": b[0]},
+    ]
+
+
+def test_write_of_a_repeated_structure_is_stored_as_the_general_walk_stores_it(tmp_path):
+    # write() stages a new file whose value repeats the last new file's structure from a template
+    # of it; an OrderedDict never takes that path (nor flatten_dense's): the reference.
+    from collections import OrderedDict
+
+    values = _structures()
+
+    def fast(w: spillmerge.SpillWriter) -> None:
+        for i, v in enumerate(values):
+            w.write(f"img/{i:03d}.jpg", 0, v)
+        w.write("img/000.jpg", 1, {"logits": values[1]["logits"], "emb": values[1]["emb"]})  # a file written before
+        w.write("img/000.jpg", 0, values[0])  # the same key and bytes again: kept once
+
+    def general(w: spillmerge.SpillWriter) -> None:
+        for i, v in enumerate(values):
+            w.write(f"img/{i:03d}.jpg", 0, OrderedDict(v))
+        w.write("img/000.jpg", 1, OrderedDict({"logits": values[1]["logits"], "emb": values[1]["emb"]}))
+        w.write("img/000.jpg", 0, OrderedDict(values[0]))
+
+    got, want = _merge(tmp_path, "fast", fast), _merge(tmp_path, "general", general)
+    assert got.keys() == want.keys()
+    for path in got:
+        assert got[path] == want[path], path
+    res = spillmerge.open(str(tmp_path / "fast.zarr"))
+    assert np.array_equal(res["img/003.jpg"]["logits"][0], values[3]["logits"])
+    assert np.array_equal(res["img/009.jpg"]["emb"][0], values[9]["emb"].astype("<f4"))
+    assert np.array_equal(res["img/000.jpg"]["emb"][1], values[1]["emb"].numpy())
+
+
+def test_a_key_written_again_after_templated_writes_is_a_duplicate(tmp_path):
+    # The index rows of templated frames are written lazily: the duplicate check reads them back.
+    with pytest.raises(spillmerge.DuplicateFrameError, match="img/001.jpg"):
+        with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+            for i in range(5):
+                w.write(f"img/{i:03d}.jpg", 0, {"v": torch.full((8,), float(i))})
+            w.write("img/001.jpg", 0, {"v": torch.full((8,), 1.0)})  # the same bytes: kept once
+            assert w.stats()["identical_rewrites"] == 1
+            w.write("img/001.jpg", 0, {"v": torch.full((8,), 9.0)})
+
+
+def test_a_key_starting_with_the_marker_is_stored_alike_by_write_and_write_batch(tmp_path):
+    from collections import OrderedDict
+
+    from spillmerge._format import MARK
+
+    x, y = torch.arange(6.0).reshape(2, 3), torch.ones(2, 1)
+
+    def rows(w: spillmerge.SpillWriter) -> None:
+        for i, name in enumerate(["a", "b"]):
+            w.write(name, 0, {MARK + "k": x[i], "y": y[i]})
+
+    def general(w: spillmerge.SpillWriter) -> None:
+        for i, name in enumerate(["a", "b"]):
+            w.write(name, 0, OrderedDict({MARK + "k": x[i], "y": y[i]}))
+
+    def batch(w: spillmerge.SpillWriter) -> None:
+        w.write_batch(["a", "b"], {MARK + "k": x, "y": y})
+
+    want = _merge(tmp_path, "general", general)
+    assert _merge(tmp_path, "rows", rows) == want
+    assert _merge(tmp_path, "batch", batch) == want
