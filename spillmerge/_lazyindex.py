@@ -390,10 +390,10 @@ class IndexChecks:
                 self._raise(
                     [(f"{rel}/offsets", f"decreases from {int(o[e - r0])} to {int(o[e - r0 + 1])} at entry {e + 1}")]
                 )
-            if int(o[0]) < 0 or int(o[-1]) > vlen:
-                self._raise([(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")])
             if r1 == self.n_rows and int(o[-1]) != vlen:
                 self._raise([(f"{rel}/offsets", f"ends at {int(o[-1])}, but {rel}/values has {vlen} rows")])
+            if int(o[0]) < 0 or int(o[-1]) > vlen:
+                self._raise([(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")])
             if info.kind == "fixed" and np.any(step > 1):
                 r = int(np.flatnonzero(step > 1)[0])
                 self._raise([(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")])
