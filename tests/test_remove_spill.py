@@ -84,11 +84,19 @@ def test_cli_remove_spill_and_an_interrupted_merge_keeps_it(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
     _spill(root, [0])
     # Interrupted: the merge waits for rank 1's commit record and gets Ctrl-C.
+    # PYTHONFAULTHANDLER: if Ctrl-C does not end it, SIGABRT makes it print every thread's stack
+    # (a CI run once saw it still alive 60 s after SIGINT; not reproduced in 50 runs since).
     p = subprocess.Popen([EXE, "merge", str(root), "--out", str(out), "--timeout", "120", "--remove-spill"],
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                         env={**ENV, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)  # fmt: skip
     time.sleep(3)
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        _, err = p.communicate(timeout=30)
+        pytest.fail(f"the merge was still running 60 s after Ctrl-C; its threads:\n{err}")
     assert p.returncode != 0 and (root / "rank-00000").is_dir(), err
     # Completed: rank 1 commits, the same command removes the root.
     _spill(root, [1])
