@@ -91,6 +91,10 @@ class StringTable(Sequence[str]):
         rel = (off - off[0]).tolist()
         return [raw[rel[j] : rel[j + 1]].decode("utf-8", "surrogatepass") for j in range(b - a)]
 
+    def raw(self) -> tuple[np.ndarray, np.ndarray]:
+        """The UTF-8 bytes of every string back to back and the int64 offsets (n + 1)."""
+        return self._data, self._off
+
     def encoded(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """The UTF-8 bytes of strings ``a .. b-1`` and their lengths, without decoding."""
         off = np.asarray(self._off[a : b + 1])
