@@ -19,6 +19,7 @@ from . import _format_spill as FS
 from . import _zarrmeta as Z
 from ._copy import Unit, copy_units, units
 from ._errors import (
+    CorruptSpillError,
     MissingPartsError,
     SpillStorageError,
     SpillValueError,
@@ -264,10 +265,13 @@ class _Job:
         if (part is not None or finalize) and not allow_partial:
             key = _planshare.source_key(segments, options.on_duplicate)
             shared = None
-            if finalize or (part is not None and part[0] > 0):
-                shared = _find_shared(output, key, segments, options, part)
-            elif part is not None:  # part 0: its own published plan when it runs again
-                shared = _planshare.find(output, key, segments, timeout=0.0, work_dir=options.plan_dir)
+            try:
+                if finalize or (part is not None and part[0] > 0):
+                    shared = _find_shared(output, key, segments, options, part)
+                elif part is not None:  # part 0: its own published plan when it runs again
+                    shared = _planshare.find(output, key, segments, timeout=0.0, work_dir=options.plan_dir)
+            except CorruptSpillError as exc:  # damaged: plan here (part 0 publishes it anew)
+                notes.append(f"planned again: {exc}")
             if shared is not None:
                 plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
                     shared.plan, chunk_bytes=chunk_bytes, codec=codec

@@ -36,7 +36,7 @@ from . import _poll
 from ._errors import CorruptSpillError
 from ._parts import PARTS_DIR
 from ._plan import ROW_BLOCK, Plan, PlannedColumn, PlannedList
-from ._plan_disk import StringTable, _Work
+from ._plan_disk import StringTable, WorkFolder
 from ._spillroot import LoadedSegment, Segment
 from ._storage import Storage
 
@@ -70,7 +70,7 @@ class Published:
     """``_plan.fingerprint`` of the plan with the publisher's ``chunk_bytes`` and ``codec``."""
     chunk_bytes: int
     codec: str
-    work: _Work | None
+    work: WorkFolder | None
     """The local copy of a plan fetched from an object store (removed by :meth:`close`)."""
 
     def fingerprint_for(self, chunk_bytes: int, codec: str) -> str | None:
@@ -183,19 +183,22 @@ def _load(output: Storage, m: dict[str, Any], segments: Sequence[Segment], work_
     where = output.describe(MANIFEST)
 
     def bad(why: str) -> CorruptSpillError:
-        return CorruptSpillError(f"{where}: {why}; remove {output.describe(PLAN_DIR)} and rerun part 0", path=where)
+        return CorruptSpillError(f"{where}: {why}", path=where)
 
     if m.get("kind") != _KIND or m.get("format_version") != F.FORMAT_VERSION:
         raise bad("not a merge plan of this format version")
-    work = None if output.local else _Work(work_dir)
+    work = None if output.local else WorkFolder(work_dir)
     try:
         specs = m["arrays"]
+        sizes = dict(output.find(PLAN_DIR))  # declared sizes are checked before anything is mapped or fetched
 
         def arr(name: str) -> np.ndarray:
             spec = specs[name]
             dt, shape = np.dtype(spec["dtype"]), tuple(int(x) for x in spec["shape"])
             nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             rel = f"{PLAN_DIR}/{name}"
+            if sizes.get(rel) != nbytes:
+                raise bad(f"{name} holds {sizes.get(rel)} bytes, the manifest says {nbytes}")
             if work is None:  # local disk: the object's pages, mapped (a part reads the rows it copies)
                 raw = output.view(rel, 0, None)
                 if len(raw) != nbytes:

@@ -216,6 +216,23 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
 
 
+def test_a_damaged_published_plan_is_planned_again(tmp_path):
+    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    seg = out / "spillmerge-parts" / "plan" / "seg"
+    seg.write_bytes(seg.read_bytes()[:-8])  # a torn array: refused by its size, never mapped
+    rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
+    assert any(n.startswith("planned again:") and "seg holds" in n for n in rep.notes), rep.notes
+    (out / "spillmerge-parts" / "part-00000-of-00002.json").unlink()
+    rep = spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    assert any(n.startswith("planned again:") for n in rep.notes)  # and published anew
+    rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert any("was mapped, not rebuilt" in n for n in rep.notes)
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+
+
 def test_parts_of_different_plans_never_mix(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "out"
     _spill(root, world=2)
