@@ -207,6 +207,7 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
                    "anon": max(r["anon"] for r in [*parts, fin]), "file": max(r["file"] for r in [*parts, fin]),
                    "part_phases": [r["phases"] for r in parts], "finalize_phases": fin["phases"],
                    "mapped": [any("was mapped, not rebuilt" in n for n in r["notes"]) for r in [*parts, fin]],
+                   "anon_each": [r["anon"] for r in [*parts, fin]],
                    "objects": objects, "bytes": size, "checked": _check(out, n)}  # fmt: skip
             row["merges"][f"parts {p}"] = res
             log(f"N={n}: parts {p}: {res['wall_s']:.1f} s (parts {parts_wall:.1f} s), ok={res['checked']}")
@@ -252,6 +253,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
                     + (f"; part 1: {_phases(m['part_phases'][1])}" if len(m["part_phases"]) > 1 else "")
                     + f"; finalize: {_phases(m['finalize_phases'])}"
                     + (f"; plan mapped by {sum(m['mapped'])} of {len(m['mapped'])}" if "mapped" in m else "")
+                    + (
+                        "; peak anon per process (parts, finalize): "
+                        + "/".join(f"{a / MiB:.0f}" for a in m["anon_each"]) + " MiB"
+                        if "anon_each" in m else ""
+                    )
                 )
             else:
                 ph_s = _phases(ph)

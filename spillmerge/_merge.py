@@ -21,6 +21,7 @@ from ._copy import Unit, copy_units, units
 from ._errors import (
     CorruptSpillError,
     MissingPartsError,
+    SpillMergeError,
     SpillStorageError,
     SpillValueError,
 )
@@ -215,6 +216,17 @@ class _Job:
     ) -> _Job:
         """Barrier → load → plan: everything before the first byte of output. A part other than 0
         and a finalize map the plan part 0 published when there is one (``_planshare``)."""
+        try:
+            return cls._open(root, out, options, part=part, finalize=finalize)
+        except SpillMergeError as exc:
+            if part is not None and part[0] == 0 and not options.allow_partial:
+                _plan_failed(root, out, options, part, exc)
+            raise
+
+    @classmethod
+    def _open(
+        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None, finalize: bool
+    ) -> _Job:
         t0 = time.perf_counter()
         chunk_bytes, threads = options.chunk_bytes, options.threads
         if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
@@ -222,12 +234,9 @@ class _Job:
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)
-        storage_options, out_storage_options = options.storage_options, options.out_storage_options
+        storage_options = options.storage_options
         src = Storage(root, storage_options)
-        if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
-            same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
-            out_storage_options = storage_options if same else None
-        output = Storage(out, out_storage_options)
+        output = _output_storage(root, out, options)
         if threads is None:  # object stores need many requests in flight; local disks do not
             threads = 4 if src.local and output.local else 16
         if not isinstance(threads, int) or threads < 1:
@@ -545,6 +554,26 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     _finish(job, docs, lease)
     _planshare.remove(output)  # the parts are done with it (the output is complete)
     return job.report(parts=n)
+
+
+def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
+    out_storage_options = options.out_storage_options
+    if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
+        same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
+        out_storage_options = options.storage_options if same else None
+    return Storage(out, out_storage_options)
+
+
+def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:
+    """Part 0 failed before it could publish its plan: a failure record (of no plan) tells the
+    parts waiting for the plan to stop waiting (they plan themselves, and meet the same error).
+    Only into an output that is absent, empty or ours; best effort."""
+    try:
+        output = _output_storage(root, out, options)
+        if not output.exists("") or not output.listdir("") or _output.is_ours(output):
+            _parts.write_failure(output, 0, part[1], "", None, options.run_id, exc)
+    except Exception:  # noqa: BLE001 - the original error matters more
+        pass
 
 
 def _find_shared(

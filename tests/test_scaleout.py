@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -231,6 +233,36 @@ def test_a_damaged_published_plan_is_planned_again(tmp_path):
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert any("was mapped, not rebuilt" in n for n in rep.notes)
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+
+
+_PART1 = """
+import sys, time
+import spillmerge
+t = time.monotonic()
+try:
+    spillmerge.merge(sys.argv[1], sys.argv[2], part=(1, 2), timeout=120)
+except spillmerge.DuplicateFrameError:
+    print(time.monotonic() - t)
+"""
+
+
+def test_parts_waiting_for_the_plan_stop_when_part_0_fails(tmp_path):
+    """Part 1 waits for part 0's plan; part 0 fails planning (conflicting duplicates) and leaves a
+    failure record; part 1 stops waiting, plans itself and fails the same way, long before its timeout."""
+    root, out = tmp_path / "spill", tmp_path / "out"
+    for r in range(2):
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=2) as w:
+            w.write("same.mp4", 0, torch.full((4,), float(r)))  # different content on both ranks
+    waiting = subprocess.Popen([sys.executable, "-c", _PART1, str(root), str(out)], stdout=subprocess.PIPE, text=True)
+    time.sleep(3)  # part 1 is waiting for the plan by now (or, on a slow machine, about to)
+    with pytest.raises(spillmerge.DuplicateFrameError):
+        spillmerge.merge(str(root), str(out), part=(0, 2))
+    assert os.listdir(out / "spillmerge-parts") == ["part-00000-of-00002.failed.json"]
+    stdout, _ = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0 and float(stdout) < 60, stdout
+    # The failure record names no plan: a finalize counts it as a missing part, not a failed one.
+    with pytest.raises(spillmerge.MissingPartsError, match="part 0/2"):
+        spillmerge.merge(str(root), str(out), finalize=True, on_duplicate="last")
 
 
 def test_parts_of_different_plans_never_mix(tmp_path):
