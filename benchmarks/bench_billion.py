@@ -87,6 +87,7 @@ def merge_one(root: str, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     peak = mem.stop()
     return {
         "ok": True, "wall_s": wall, "anon": peak["anon"], "file": peak["file"], "phases": rep.phases,
+        "anon_at_s": peak["anon_at_s"],
         "n_frames": rep.n_frames, "notes": rep.notes,
     }  # fmt: skip
 
@@ -260,7 +261,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
                     )
                 )
             else:
-                ph_s = _phases(ph)
+                ph_s = _phases(ph) + (f"; anon peak at {m['anon_at_s']:.1f} s" if "anon_at_s" in m else "")
             lines.append(
                 f"| {r['n']:,} | {label} | {m['wall_s']:.1f} | {per_key:.1f} us | {m['anon'] / MiB:.0f} MiB | "
                 f"{m['file'] / MiB:.0f} MiB | {m['objects']:,} | {m['bytes'] / MiB:.0f} MiB | {ph_s} |"
