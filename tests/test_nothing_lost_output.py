@@ -124,7 +124,12 @@ def _merge_after(delay: float, root: str, out: str, go: Any, q: Any) -> None:
 def _race(roots: list[str], out: str, delays: list[float]) -> list[tuple[str, str, str]]:
     """Start one merge per root into ``out`` at once (after ``delays``); their outcomes."""
     go, q = FORK.Event(), FORK.Queue()
-    procs = [FORK.Process(target=_merge_after, args=(d, r, out, go, q)) for r, d in zip(roots, delays, strict=True)]
+    return _start_together([(_merge_after, (d, r, out, go, q)) for r, d in zip(roots, delays, strict=True)], go, q)
+
+
+def _start_together(calls: list[tuple[Any, tuple[Any, ...]]], go: Any, q: Any) -> list[Any]:
+    """Fork one process per call, release them together with ``go``; what each put on ``q``."""
+    procs = [FORK.Process(target=f, args=args) for f, args in calls]
     for p in procs:
         p.start()
     go.set()
@@ -221,14 +226,7 @@ def test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts(tmp_path, ro
     out = tmp_path / "o.zarr"
     out.mkdir()
     go, q, active = FORK.Event(), FORK.Queue(), FORK.Value("i", 0)
-    procs = [FORK.Process(target=_hold_leases, args=(str(out), r, 150, go, active, q)) for r in roles]
-    for p in procs:
-        p.start()
-    go.set()
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = _start_together([(_hold_leases, (str(out), r, 150, go, active, q)) for r in roles], go, q)
     for role, refusals, overlaps in results:
         assert overlaps == 0, role
         if "merge" not in roles:
