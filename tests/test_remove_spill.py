@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +92,9 @@ def test_cli_remove_spill_and_an_interrupted_merge_keeps_it(tmp_path):
     p = subprocess.Popen([EXE, "merge", str(root), "--out", str(out), "--timeout", "120", "--remove-spill"],
                          env={**ENV, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
-    time.sleep(3)
+    assert p.stderr is not None
+    notice = p.stderr.readline()  # after 2 s of waiting the merge says so, naming the rank
+    assert notice.startswith("spillmerge merge: waiting for 1 of 2 rank(s) to commit") and "rank 1 (" in notice, notice
     p.send_signal(signal.SIGINT)
     try:
         _, err = p.communicate(timeout=60)
