@@ -75,7 +75,9 @@ def merge(
     by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
     ``finalize=True`` checks that every part is present and was planned identically (waiting up
     to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
-    and the completion marker. Every call needs the same spill root and planning options
+    and the completion marker. Part 0 publishes its plan in the output; the other parts and the
+    finalize wait up to ``timeout`` seconds for it and map it instead of planning again (no plan
+    by then: they plan themselves). Every call needs the same spill root and planning options
     (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
     ``codec`` and ``chunk_bytes``, which finalize takes from their records.
 
