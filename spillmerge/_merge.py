@@ -581,13 +581,20 @@ def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, in
 def _find_shared(
     output: Storage, key: str, segments: list[Any], options: MergeOptions, part: tuple[int, int] | None
 ) -> _planshare.Published | None:
-    """The plan part 0 published, waiting up to ``timeout`` for it (not past a failure record of
-    part 0: then this process plans itself)."""
-    failed = None if part is None else _parts.record_name(0, part[1], failed=True)
+    """The plan part 0 published, waiting up to ``timeout`` for it, but not once part 0 left a
+    record, done or failed, without it (another spill root or policy, a failed plan: this process
+    then plans itself)."""
+
+    def part0_ended() -> bool:
+        try:
+            records = _parts.read_records(output)
+        except SpillMergeError:
+            return False
+        return any(r.part == 0 and (part is None or r.parts == part[1]) for r in records)
+
     return _planshare.find(
-        output, key, segments, timeout=options.timeout, work_dir=options.plan_dir,
-        give_up=lambda: failed is not None and output.exists(failed),
-    )  # fmt: skip
+        output, key, segments, timeout=options.timeout, work_dir=options.plan_dir, give_up=part0_ended
+    )
 
 
 def _write_output_index(job: _Job) -> None:

@@ -10,7 +10,7 @@ Protocol:
    output, :func:`publish`: every array of the plan as one object, then ``plan.json`` last. Only
    part 0 writes or removes the folder, and it removes only a plan of another key.
 3. (parts 1..n-1, the finalize) :func:`find` waits up to the merge's ``timeout`` for ``plan.json``
-   of their key, giving up early when part 0 recorded a failure; found: the plan's arrays are
+   of their key, giving up early once part 0 left a record (done or failed) without it; found: the plan's arrays are
    mapped (local disks: page-cache maps of the objects, so a part touches only the rows of its
    chunks) or, on object stores, fetched into a private work folder on local disk. Not found: the
    process plans itself, as every process did before (the output is the same: the plan is

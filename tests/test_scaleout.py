@@ -233,6 +233,14 @@ def test_a_damaged_published_plan_is_planned_again(tmp_path):
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert any("was mapped, not rebuilt" in n for n in rep.notes)
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    # Parts that published nothing (written by an older version): part 0's record says no plan is
+    # coming, so a finalize with a long timeout plans at once rather than waiting for it.
+    _parts(root, out, 2, overwrite=True)
+    shutil.rmtree(out / "spillmerge-parts" / "plan")
+    t = time.monotonic()
+    rep = spillmerge.merge(str(root), str(out), finalize=True, timeout=120, **OPTS)  # type: ignore[arg-type]
+    assert time.monotonic() - t < 60 and not any("was mapped" in n for n in rep.notes)
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
 
 
 _PART1 = """
