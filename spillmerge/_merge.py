@@ -463,15 +463,16 @@ def _write_part(
         if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
             docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
             output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+        job.phases["metadata"] = time.perf_counter() - t
         if i == 0 and job.source_key is not None and job.shared is None:
             # The other parts and the finalize map this plan instead of planning it again.
+            t = time.perf_counter()
             _planshare.publish(
                 output, job.plan, job.source_key, plan_id, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec
             )
             job.phases["publish"] = time.perf_counter() - t
         # Chunks an earlier attempt of this part left are rewritten whole below; every other
         # node (documents, index) is the finalizer's.
-        job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, mine)
         job.phases["copy"] = time.perf_counter() - t
