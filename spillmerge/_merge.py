@@ -632,16 +632,11 @@ def _write_output_index(job: _Job) -> None:
     job.phases["index"] = time.perf_counter() - t
 
 
-_ASSIGN_ROWS = 1 << 18
-
-
 def _assign(array: Any, source: np.ndarray, fn: Any = None) -> None:
     """``array[:] = fn(source)``, a whole number of chunks at a time: an out-of-core plan's arrays
     are maps of files, read block by block rather than into memory at once."""
     n = len(source)
-    # 2^18 entries (2 MiB of int64) per call: zarr holds a call's chunks and their encodings at
-    # once, so blocks of 2^21 rows made the index phase the merge's peak at 10^7 keys (issue 24).
-    step = max(1, _ASSIGN_ROWS // max(1, int(array.chunks[0]))) * int(array.chunks[0])
+    step = max(1, (1 << 21) // max(1, int(array.chunks[0]))) * int(array.chunks[0])
     for a in range(0, n, step):
         block = np.asarray(source[a : a + step])
         array[a : a + len(block)] = block if fn is None else fn(block)
