@@ -94,11 +94,15 @@ def _entries(
     every value row ``r`` has in the plan's columns: format 4's item rows (docs/FORMAT.md, *Lists*)
     get the positions their lists' offsets say, as format 3 stored them (``MARK`` + position)."""
     out = []
+    where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath in plan.leaves:
         if not domain:
             out.append((leaf, col, r, -1 if lpath is None else _items(offs, lpath, r)))
             continue
-        lo, idx = L.positions(offs, domain, r)
+        got = where.get(domain)
+        if got is None:
+            got = where[domain] = L.positions(offs, domain, r)
+        lo, idx = got
         for j, ix in enumerate(idx):
             segs = list(leaf)
             for k, pos in zip(at, ix, strict=True):
