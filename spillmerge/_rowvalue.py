@@ -51,8 +51,12 @@ class RowPlan:
     __slots__ = ("leaves", "room", "scalars", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
-        # (column, leaf, domain, item segments, list path of a header's items or None)
-        self.leaves: list[tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...] | None]] = []
+        # (column, leaf, domain, item segments, list path of a header's items or None, its
+        # ``valid`` or None, whether a row without a value there says nothing: a list item or a
+        # header, which row_value skips, so _entries does not make their paths)
+        self.leaves: list[
+            tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...] | None, Any, bool]
+        ] = []
         self.scalars: set[int] = set()
         """ids of the columns read as Python scalars (``OpenColumn.scalar``): 0-d ``py*`` leaves
         and container headers."""
@@ -60,7 +64,8 @@ class RowPlan:
             leaf: tuple[str, ...] = col.info.leaf
             domain, at = _shape_of(leaf)
             head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
-            self.leaves.append((col, leaf, domain, at, (*leaf[:-1], F.ITEM) if head else None))
+            lpath = (*leaf[:-1], F.ITEM) if head else None
+            self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
             if _is_scalar(col):
                 self.scalars.add(id(col))
         # How many items each list of the file can have (format 3: its highest item column; format
@@ -89,25 +94,33 @@ def _one(col: Any, d: int, filename: str) -> Any:
 
 def _entries(
     plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray]
-) -> list[tuple[tuple[str, ...], Any, int, int]]:
-    """(leaf path with item positions, column, row of the column, items of its list or -1) of
-    every value row ``r`` has in the plan's columns: format 4's item rows (docs/FORMAT.md, *Lists*)
-    get the positions their lists' offsets say, as format 3 stored them (``MARK`` + position)."""
+) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
+    """(leaf path with item positions, column, row of the column, items of its list or -1,
+    whether the row has a value there) of every value row ``r`` has in the plan's columns, less
+    the list items and headers it has no value in (they say nothing): format 4's item rows
+    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say, as format 3 stored them
+    (``MARK`` + position)."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
-    for col, leaf, domain, at, lpath in plan.leaves:
+    for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
         if not domain:
-            out.append((leaf, col, r, -1 if lpath is None else _items(offs, lpath, r)))
+            ok = valid is None or bool(valid[r])
+            if ok or not quiet:
+                out.append((leaf, col, r, -1 if lpath is None or not ok else _items(offs, lpath, r), ok))
             continue
         got = where.get(domain)
         if got is None:
             got = where[domain] = L.positions(offs, domain, r)
         lo, idx = got
         for j, ix in enumerate(idx):
+            d = lo + j
+            ok = valid is None or bool(valid[d])
+            if not ok and quiet:
+                continue
             segs = list(leaf)
             for k, pos in zip(at, ix, strict=True):
                 segs[k] = f"{MARK}{pos}"
-            out.append((tuple(segs), col, lo + j, -1 if lpath is None else _items(offs, lpath, lo + j)))
+            out.append((tuple(segs), col, d, -1 if lpath is None or not ok else _items(offs, lpath, d), ok))
     return out
 
 
@@ -140,15 +153,17 @@ def row_value(
     inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
     entries = _entries(plan, r, offs or {})
     room, scalars = plan.room, plan.scalars
-    for leaf, col, d, items in entries:
-        valid = col.valid()
-        if valid is not None and not valid[d]:
-            if leaf and not is_marker(leaf[-1]):  # absent headers and list items say nothing
-                (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
+    for leaf, col, d, items, ok in entries:
+        if not ok:  # (absent headers and list items say nothing: _entries left them out)
+            (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
             continue
         node = root
         for seg in leaf:
-            node = node["kids"].setdefault(seg, {"kids": {}})
+            kids = node["kids"]
+            nxt = kids.get(seg)
+            if nxt is None:
+                nxt = kids[seg] = {"kids": {}}
+            node = nxt
         dtype, kind = col.info.dtype, col.info.kind
         scalar = id(col) in scalars
         got = col.scalar(d) if scalar else _one(col, d, filename)

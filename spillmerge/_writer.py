@@ -311,8 +311,8 @@ class SpillWriter:
             return
         items = split_batch(batch, names)
         checked = self._check_batch(names, frames, items)
-        for name, frame, leaves in checked:
-            self._put(name, frame, leaves)
+        for name, frame, leaves, layouts in checked:
+            self._put(name, frame, leaves, layouts)
 
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
@@ -454,12 +454,14 @@ class SpillWriter:
     def _n_frames(self) -> int:
         return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
 
-    def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
+    def _check_batch(
+        self, names: list[str], frames: list[int], items: list[Any]
+    ) -> list[tuple[str, int, list[Leaf], list[FS.Layout]]]:
         """Flatten every item and run what ``_put`` would check (the layout rule, the duplicate
         policy), in batch order, against the writer's state as the earlier items of the batch
         leave it, without changing anything: the batch is refused whole or staged whole."""
         n = len(names)
-        out: list[tuple[str, int, list[Leaf]]] = []
+        out: list[tuple[str, int, list[Leaf], list[FS.Layout]]] = []
         schemas: dict[int, int] = {}  # file id -> its schema after the batch's items so far
         new_ids: dict[str, int] = {}
         in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
@@ -476,7 +478,7 @@ class SpillWriter:
                 # (a file the writer has not written yet has no key yet: no lookup)
                 if earlier is not None or (file_id < len(self._filenames) and key in self._key_map()):
                     if self.on_duplicate == "first":
-                        out.append((name, frame, leaves))
+                        out.append((name, frame, leaves, layouts))
                         continue
                     if self.on_duplicate == "error":
                         same = (
@@ -492,23 +494,27 @@ class SpillWriter:
                                 frame_idx=frame,
                                 ranks=[self.rank],
                             )
-                        out.append((name, frame, leaves))
+                        out.append((name, frame, leaves, layouts))
                         continue
             except SpillValueError as exc:
                 raise at_position(exc, i, n, name) from None
             schemas[file_id] = new_schema
             in_batch[key] = leaves
-            out.append((name, frame, leaves))
+            out.append((name, frame, leaves, layouts))
         return out
 
-    def _put(self, filename: str, frame: int, leaves: list[Leaf]) -> tuple[int, ...] | None:
+    def _put(
+        self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout] | None = None
+    ) -> tuple[int, ...] | None:
         """Stage one checked frame: the layout rule, the duplicate policy, then its rows. Returns
-        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy."""
+        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
+        ``layouts``: the leaves' ``FileSchemas.layouts_of``, when the caller has them."""
         self._flush_row_log()
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
-        layouts = self._schema.layouts_of(leaves)
+        if layouts is None:
+            layouts = self._schema.layouts_of(leaves)
         # raises before anything of this frame is staged or cataloged
         new_schema, layout_ids = self._schema.check(filename, frame, file_id, layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
