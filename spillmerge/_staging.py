@@ -133,7 +133,9 @@ class BufferPool:
             self.allocated += 1
         buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         if not self.pinned:  # pinned memory is resident already
-            buf.numpy()[::4096] = 0
+            # torch, not numpy: its fill releases the GIL, so the caller's write_batch runs on
+            # while this thread takes a page fault per 4 KiB (milliseconds per buffer)
+            buf[::4096].fill_(0)
         self.release(buf)
 
     def release(self, buf: torch.Tensor) -> None:
@@ -518,11 +520,15 @@ class Staging:
             if chunk.run:
                 self._close_run(chunk)
             host, fill = chunk.host_np, chunk.fill
-            seg_base = self.offset - fill  # where this chunk starts in the segment's data
-            ids = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
+            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
+            ids = cube[:, :, 0]
+            ids[:] = np.arange(row + i * n_leaves, row + (i + k) * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            # leaf j's rows of the block start after the earlier leaves' rows; row r of it w_j later
+            starts = (self.offset + k * (np.cumsum(lens) - lens)).reshape(1, n_leaves)
+            cube[:, :, 4] = starts + np.arange(k, dtype=np.int64).reshape(k, 1) * lens
             for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
                 host[fill : fill + k * w] = col[i : i + k].reshape(-1)
-                offsets[i : i + k, j] = seg_base + fill + w * np.arange(k, dtype=np.int64)
                 # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row
                 # reads its whole block once.
                 g = max(1, CHECK_BYTES // w)
@@ -530,13 +536,10 @@ class Staging:
                     b = min(k, a + g)
                     self._block(chunk, fill + a * w, fill + b * w, ids[a:b, j])
                 fill += k * w
-            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
-            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
-            cube[:, :, 0] = ids
+            offsets[i : i + k] = cube[:, :, 4]
             cube[:, :, 1] = file_ids[i : i + k, None]
             cube[:, :, 2] = frames[i : i + k, None]
             cube[:, :, 3] = lids
-            cube[:, :, 4] = offsets[i : i + k]
             cube[:, :, 5] = lens
             chunk.completed.append(cube.reshape(k * n_leaves, 6))
             chunk.fill = fill
