@@ -386,12 +386,12 @@ class SpillWriter:
             template.fresh_move = (moves[0][0], layout_ids)
             self._filenames.extend(names)
             self._file_ids.update(zip(names, range(base, base + n), strict=True))
-            self._stage_frames(names, frames, None, layout_ids, rows)
+            self._stage_frames(names, frames, None, layout_ids, rows, _frame_array(frames))
             return True
         layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
         self._filenames.extend(new_names)
         self._file_ids.update(new_names)
-        self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows)
+        self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows, _frame_array(frames))
         return True
 
     def _put_fresh(
@@ -405,16 +405,20 @@ class SpillWriter:
         when a filename was written before or repeats: the general way handles the batch."""
         template, order = fast
         n, base = len(names), len(self._filenames)
-        ids = dict(zip(names, range(base, base + n), strict=True))
-        if len(ids) != n or not self._file_ids.keys().isdisjoint(ids) or template.fresh_move is None:
+        file_ids = self._file_ids
+        if template.fresh_move is None or not file_ids.keys().isdisjoint(names):
+            return False
+        file_ids.update(zip(names, range(base, base + n), strict=True))
+        if len(file_ids) != base + n:  # a filename repeats in the batch: none of them was there before
+            for name in names:
+                file_ids.pop(name, None)
             return False
         self._flush_row_log()
         schema, layout_ids = template.fresh_move
         self._schema.accept_new_files(n, schema, template.layouts, layout_ids)
         self._filenames.extend(names)
-        self._file_ids.update(ids)
         rows = [columns[j] for j in order]
-        self._stage_frames(names, frames, None, layout_ids, rows, np.zeros(n, np.int64) if zero else None)
+        self._stage_frames(names, frames, None, layout_ids, rows, None if zero else _frame_array(frames))
         return True
 
     def _learn_flat(self, sig: tuple[Any, ...]) -> None:
@@ -433,31 +437,25 @@ class SpillWriter:
     ) -> None:  # fmt: skip
         """The index rows and staged bytes of a checked dense batch whose files are accepted:
         ``file_ids`` None for a batch of new files (the last ``len(names)`` ids), ``rows`` each
-        leaf's ``(n, item bytes)`` uint8 rows in the layouts' order."""
+        leaf's ``(n, item bytes)`` uint8 rows in the layouts' order; ``frame_arr`` None when
+        every frame index is 0."""
         n, n_leaves, row0 = len(names), len(layout_ids), self._n_rows
         need = row0 + n * n_leaves
         if need > len(self._rows):
             grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
             grown[:row0] = self._rows[:row0]
             self._rows = grown
-        block = self._rows[row0:need, : FS.COL_CRC].reshape(n, n_leaves, FS.COL_CRC)
-        fresh = file_ids is None
-        base = len(self._filenames) - n
-        fid_arr = np.arange(base, base + n, dtype=np.int64) if file_ids is None else file_ids
-        if frame_arr is None:
-            frame_arr = np.array(frames, dtype=np.int64)
-        block[:, :, 0] = fid_arr[:, None]
-        block[:, :, 1] = frame_arr[:, None]
-        block[:, :, 2] = layout_ids
-        block[:, :, 4] = [r.shape[1] for r in rows]
         self._n_rows = need
-        if fresh:
+        index = self._rows[row0:need, : FS.COL_CRC]
+        if file_ids is None:
+            base = len(self._filenames) - n
             self._fresh_keys.append((base, frames, row0, n_leaves))
             self._n_fresh_keys += n
+            self._staging.add_frames(row0, base, frame_arr, layout_ids, rows, index)
         else:
             spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
-            self._keys.update(zip(zip(fid_arr.tolist(), frames, strict=True), spans, strict=True))
-        block[:, :, 3] = self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
+            self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
+            self._staging.add_frames(row0, file_ids, frame_arr, layout_ids, rows, index)
 
     def _dense_template(
         self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]
@@ -871,6 +869,11 @@ class SpillWriter:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
+
+
+def _frame_array(frames: list[int]) -> np.ndarray | None:
+    """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
+    return np.array(frames, dtype=np.int64) if any(frames) else None
 
 
 def _same_leaves(a: list[Leaf], b: list[Leaf]) -> bool:
