@@ -381,3 +381,20 @@ def test_a_flat_batch_repeating_a_written_file_is_refused_whole(tmp_path):
     res = spillmerge.open(str(tmp_path / "o"))
     assert list(res.filenames) == ["a", "b", "c", "d", "e", "f"]
     assert res.column("v")[:].tolist() == x.tolist()
+
+
+def test_a_flat_batch_of_a_known_structure_with_a_short_leaf_names_it_and_writes_nothing(tmp_path):
+    # After a batch of new files taught the writer a flat dict's structure, a batch of the same
+    # keys whose leaf has the wrong length is refused by name, as the general way refuses it.
+    x = torch.arange(20.0).reshape(10, 2)
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+        w.write_batch(["a", "b"], {"v": x[0:2], "w": x[0:2, 0]})
+        w.write_batch(["c", "d"], {"v": x[2:4], "w": x[2:4, 0]})
+        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'w' has 1 items.*item 1 \('f'\) has no value") as ei:
+            w.write_batch(["e", "f"], {"v": x[4:6], "w": x[4:5, 0]})
+        assert (ei.value.leaf, ei.value.filename) == ("w", "f")
+        w.write_batch(["e", "f"], {"v": x[4:6], "w": x[4:6, 0]})
+    w.merge(str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert list(res.filenames) == ["a", "b", "c", "d", "e", "f"]
+    assert res.column("v")[:].tolist() == x[:6].tolist() and res.column("w")[:].tolist() == x[:6, 0].tolist()
