@@ -108,6 +108,9 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
             ),
             filename=names[len(raw)] if len(raw) < n else None,
         )
+    # The common case in C: every index an exact int in range (bool is not an exact int).
+    if set(map(type, raw)) <= {int} and (not raw or (min(raw) >= 0 and max(raw) < (1 << 63))):
+        return names, raw
     frames = []
     for i, (name, f) in enumerate(zip(names, raw, strict=True)):
         try:

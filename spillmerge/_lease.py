@@ -46,6 +46,8 @@ DEFAULT_TTL = 120.0
 _OUTPUT = "output"
 """The lock every holder takes: exclusively for a whole merge, shared for parts and finalize."""
 _MAX_RECORD = 64 << 10
+_ATTEMPTS = 40
+"""Tries of a local lease before a lock held by no one who says so makes the output busy (~1.5 s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,26 +123,24 @@ class Lease:
         """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
         :class:`OutputBusyError` naming every holder in the way."""
         lease = cls(output, name, role, exclusive, ttl)
-        output.makedirs(LEASE_DIR)
         if output.local and lease._acquire_flock():
             return lease
+        output.makedirs(LEASE_DIR)
         lease._acquire_object()
         return lease
 
     def _rel(self, name: str, ext: str) -> str:
         return f"{LEASE_DIR}/{name}.{ext}"
 
-    def _open_lock(self, rel: str) -> int:
+    def _open_lock(self, rel: str) -> int | None:
+        """An fd of the lock file ``rel`` (created if absent), or None when its folder is gone: a
+        finishing holder tidied the lease folder away just now (the caller starts over)."""
         p = self.output.path(rel)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # a link is refused, a FIFO never waited on
         try:
-            try:
-                fd = os.open(p, flags, 0o644)
-            except FileNotFoundError:
-                # A finishing holder tidied the lease folder away just now: make it again. Locking
-                # a file of the old folder is caught by the inode check after locking.
-                self.output.makedirs(LEASE_DIR)
-                fd = os.open(p, flags, 0o644)
+            fd = os.open(p, flags, 0o644)
+        except FileNotFoundError:
+            return None
         except OSError as exc:
             where = self.output.describe(rel)
             raise SpillStorageError(f"cannot open the lease file {where}: {exc.strerror}", path=where) from exc
@@ -153,30 +153,60 @@ class Lease:
             )
         return fd
 
+    def _make_lease_dir(self) -> None:
+        try:
+            os.makedirs(self.output.path(LEASE_DIR), exist_ok=True)
+        except FileExistsError:
+            pass  # made, then tidied away by a finishing holder between two steps of makedirs: retried
+        except OSError as exc:
+            where = self.output.describe(LEASE_DIR)
+            raise SpillStorageError(f"cannot create {where}: {exc.strerror}", path=where) from exc
+
     def _acquire_flock(self) -> bool:
         """Local disks: flock the holder's own file, then the output's. False when the filesystem
-        has no working flock (the caller falls back to lease objects)."""
-        for _attempt in range(5):
-            if not self._flock_all():
+        has no working flock (the caller falls back to lease objects).
+
+        A finishing holder tidies the lease folder away (``release(tidy=True)``): for that moment it
+        holds the output's lock exclusively and then unlinks the files. Neither is a conflict: an
+        attempt that meets one starts over, and only a holder that is still there after
+        ``_ATTEMPTS`` tries, or one whose record names it, makes the output busy."""
+        holders: list[Holder] = []
+        for attempt in range(_ATTEMPTS):
+            if attempt:
+                time.sleep(min(0.005 * attempt, 0.05))
+            self._make_lease_dir()
+            outcome = self._flock_all()
+            if outcome is False:
                 return False
+            if outcome is None:
+                continue  # a lock file vanished under us: a holder tidied the folder away
+            if isinstance(outcome, list):
+                holders = outcome
+                if holders:
+                    raise self._busy(holders)
+                continue  # locked by no one who says so: a holder tidying up, or one starting
             if self._still_linked() is None:
                 return True
             # We locked a file an exclusive holder removed while tidying up (between our open and
             # our flock): the lock means nothing. Try again on the files that are there now.
             self.release()
-            self.output.makedirs(LEASE_DIR)
-        raise self._busy([])
+        raise self._busy(holders)
 
-    def _flock_all(self) -> bool:
+    def _flock_all(self) -> bool | list[Holder] | None:
+        """True: both locks held. False: no working flock here. A list: blocked, by these holders
+        (empty: by none that says so). None: a lock file vanished under us (retry)."""
         mine, shared = self._rel(self.name, "lock"), self._rel(_OUTPUT, "lock")
         for rel, exclusive in ((mine, True), (shared, self.exclusive)):
             fd = self._open_lock(rel)
+            if fd is None:
+                self.release()
+                return None
             try:
                 fcntl.flock(fd, _lock_flags(exclusive))
             except BlockingIOError:
                 os.close(fd)
                 self.release()
-                raise self._busy(self._local_holders()) from None
+                return self._local_holders(self._conflicts(rel == shared))
             except OSError as exc:
                 os.close(fd)
                 self.release()
@@ -191,16 +221,29 @@ class Lease:
                 os.pwrite(fd, data, 0)
         return True
 
-    def _local_holders(self) -> list[Holder]:
-        """The holders of the lock files under the lease folder that are locked right now."""
+    def _conflicts(self, on_output: bool) -> set[str] | None:
+        """The lock files whose holders stand in our way when we were refused our own lock
+        (``on_output`` False: the same name's) or the output's (a whole merge blocks everyone; a
+        part or a finalize blocks only a whole merge). None: every holder."""
+        if not on_output:
+            return {f"{self.name}.lock"}
+        return None if self.exclusive else {f"{_MERGE}.lock"}
+
+    def _local_holders(self, names: set[str] | None = None) -> list[Holder]:
+        """The holders of the lock files under the lease folder (of ``names`` only, if given)
+        that are locked right now."""
         out = []
         for fname in self.output.listdir(LEASE_DIR):
             if not fname.endswith(".lock") or fname == f"{_OUTPUT}.lock":
+                continue
+            if names is not None and fname not in names:
                 continue
             rel = f"{LEASE_DIR}/{fname}"
             if rel in self._fds:
                 continue
             fd = self._open_lock(rel)
+            if fd is None:
+                continue  # tidied away: nobody holds it
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

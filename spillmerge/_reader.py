@@ -36,7 +36,7 @@ from ._leafdict import LeafDict
 from ._names import ArrayNames, ChunkedNames, Names, close_matches
 from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
-from ._rowvalue import row_value
+from ._rowvalue import RowPlan, row_value
 from ._storage import Storage
 from ._views import LeafView, OpenColumn
 
@@ -363,6 +363,7 @@ class V2Files:
             flat = [(p[0], c.view_cls, c) for p, c in paths] if top else []
             self._layout_cols.append((cols, None if plain else flat))
             self._layout_paths.append(paths)
+        self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
         self._next = 0
         self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -435,20 +436,32 @@ class V2Files:
             set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
 
-    def row_value(self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool) -> Any:
-        """The value of frame ``frame_idx`` of file ``i`` as it was written (``_rowvalue``)."""
+    def row_value(
+        self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool, filename: str | None = None
+    ) -> Any:
+        """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
+        has it) as it was written (``_rowvalue``)."""
         a, b = self.rows_of(i)
+        if filename is None or type(filename) is not str:
+            filename = str(self._names[i])
+        if b == a + 1 and self._frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
+            return self._row_value(i, a, filename, as_torch)
         frames = self._frame_idx[a:b]
         j = int(np.searchsorted(frames, frame_idx))
-        filename = str(self._names[i])
         if j >= len(frames) or frames[j] != frame_idx:
             shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
             raise UnknownFileError(
                 f"{filename!r} of {where()} has no frame {frame_idx} (its frames: {shown})",
                 filename=filename,
             )
-        cols, _ = self._layout_cols[self._file_layout.item(i)]
-        return row_value(cols, a + j, filename, as_torch, self._list_offs)
+        return self._row_value(i, a + j, filename, as_torch)
+
+    def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
+        layout = self._file_layout.item(i)
+        plan = self._row_plans.get(layout)
+        if plan is None:
+            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self._list_offs)
+        return row_value(plan, r, filename, as_torch, self._list_offs)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -638,7 +651,7 @@ class MergedStore(Mapping[str, Any]):
         and tuples as arrays, and returns them so."""
         files = self.require_columnar("value()")
         i = self._index(filename)
-        return files.row_value(i, frame_idx, self.storage.describe, as_torch)
+        return files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as

@@ -42,25 +42,85 @@ def _to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
     return torch.from_numpy(raw).view(getattr(torch, dtype))
 
 
-def _entries(cols: list[Any], r: int, offs: dict[tuple[str, ...], np.ndarray]) -> list[tuple[tuple[str, ...], Any, int, int]]:
-    """(leaf path with item positions, column, row of the column, items of its list or -1) of
-    every value row ``r`` has in ``cols``: format 4's item rows (docs/FORMAT.md, *Lists*) get the
-    positions their lists' offsets say, as format 3 stored them (``MARK`` + position)."""
+class RowPlan:
+    """What ``row_value`` needs of one file layout's columns, derived once per layout (the reader
+    keeps one per layout) instead of once per row: each column's leaf, list domain, item
+    segments and header rule, format 3's list room, and the one column of a layout whose values
+    are plain leaves at the root (a str, a tensor, a pickled object), read without a tree."""
+
+    __slots__ = ("leaves", "room", "scalars", "single")
+
+    def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
+        # (column, leaf, domain, item segments, list path of a header's items or None, its
+        # ``valid`` or None, whether a row without a value there says nothing: a list item or a
+        # header, which row_value skips, so _entries does not make their paths)
+        self.leaves: list[
+            tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...] | None, Any, bool]
+        ] = []
+        self.scalars: set[int] = set()
+        """ids of the columns read as Python scalars (``OpenColumn.scalar``): 0-d ``py*`` leaves
+        and container headers."""
+        for col in cols:
+            leaf: tuple[str, ...] = col.info.leaf
+            domain, at = _shape_of(leaf)
+            head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
+            lpath = (*leaf[:-1], F.ITEM) if head else None
+            self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
+            if _is_scalar(col):
+                self.scalars.add(id(col))
+        # How many items each list of the file can have (format 3: its highest item column; format
+        # 4: its offsets): a header is checked against it, so a damaged (or hostile) length cannot
+        # make a reader build a list of a billion Nones.
+        self.room: dict[tuple[str, ...], int] = {}
+        if not offs:
+            for col in cols:
+                path: tuple[str, ...] = col.info.leaf
+                for k, seg in enumerate(path):
+                    if is_marker(seg) and seg[1:].isdigit():
+                        self.room[path[:k]] = max(self.room.get(path[:k], 0), int(seg[1:]) + 1)
+        only = cols[0] if len(cols) == 1 else None
+        self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
+
+
+def _is_scalar(col: Any) -> bool:
+    info = col.info
+    return bool(info.kind == "fixed" and info.ndim == 0 and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS))
+
+
+def _one(col: Any, d: int, filename: str) -> Any:
+    """Row ``d`` of a column, known to have a value (its validity was read by the caller)."""
+    return col.view(d, d + 1, filename)._one(d)
+
+
+def _entries(
+    plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray]
+) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
+    """(leaf path with item positions, column, row of the column, items of its list or -1,
+    whether the row has a value there) of every value row ``r`` has in the plan's columns, less
+    the list items and headers it has no value in (they say nothing): format 4's item rows
+    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say, as format 3 stored them
+    (``MARK`` + position)."""
     out = []
-    for col in cols:
-        leaf: tuple[str, ...] = col.info.leaf
-        domain, at = _shape_of(leaf)
-        head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
-        lpath = (*leaf[:-1], F.ITEM) if head else ()
+    where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
+    for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
         if not domain:
-            out.append((leaf, col, r, _items(offs, lpath, r) if head else -1))
+            ok = valid is None or bool(valid[r])
+            if ok or not quiet:
+                out.append((leaf, col, r, -1 if lpath is None or not ok else _items(offs, lpath, r), ok))
             continue
-        lo, idx = L.positions(offs, domain, r)
+        got = where.get(domain)
+        if got is None:
+            got = where[domain] = L.positions(offs, domain, r)
+        lo, idx = got
         for j, ix in enumerate(idx):
+            d = lo + j
+            ok = valid is None or bool(valid[d])
+            if not ok and quiet:
+                continue
             segs = list(leaf)
             for k, pos in zip(at, ix, strict=True):
                 segs[k] = f"{MARK}{pos}"
-            out.append((tuple(segs), col, lo + j, _items(offs, lpath, lo + j) if head else -1))
+            out.append((tuple(segs), col, d, -1 if lpath is None or not ok else _items(offs, lpath, d), ok))
     return out
 
 
@@ -76,40 +136,42 @@ def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: i
 
 
 def row_value(
-    cols: list[Any], r: int, filename: str, as_torch: bool = False, offs: dict[tuple[str, ...], np.ndarray] | None = None
+    plan: RowPlan, r: int, filename: str, as_torch: bool = False, offs: dict[tuple[str, ...], np.ndarray] | None = None
 ) -> Any:
-    """The value of row ``r`` of the output from the columns (``OpenColumn``) of its file;
+    """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
     ``offs``: format 4's list offsets (list path -> offsets)."""
+    col = plan.single
+    if col is not None:  # the value is one leaf at the root: no tree to build
+        valid = col.valid()
+        if valid is not None and not valid[r]:
+            return None
+        if id(col) in plan.scalars:
+            return col.scalar(r)
+        return _to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
     inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
-    entries = _entries(cols, r, offs or {})
-    # How many items each list of the file can have (format 3: its highest item column; format
-    # 4: its offsets): a header is checked against it, so a damaged (or hostile) length cannot
-    # make a reader build a list of a billion Nones.
-    room: dict[tuple[str, ...], int] = {}
-    if not offs:
-        for col in cols:
-            path: tuple[str, ...] = col.info.leaf
-            for k, seg in enumerate(path):
-                if is_marker(seg) and seg[1:].isdigit():
-                    room[path[:k]] = max(room.get(path[:k], 0), int(seg[1:]) + 1)
-    for leaf, col, d, items in entries:
-        valid = col.valid()
-        if valid is not None and not valid[d]:
-            if leaf and not is_marker(leaf[-1]):  # absent headers and list items say nothing
-                (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
+    entries = _entries(plan, r, offs or {})
+    room, scalars = plan.room, plan.scalars
+    for leaf, col, d, items, ok in entries:
+        if not ok:  # (absent headers and list items say nothing: _entries left them out)
+            (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
             continue
         node = root
         for seg in leaf:
-            node = node["kids"].setdefault(seg, {"kids": {}})
+            kids = node["kids"]
+            nxt = kids.get(seg)
+            if nxt is None:
+                nxt = kids[seg] = {"kids": {}}
+            node = nxt
         dtype, kind = col.info.dtype, col.info.kind
-        got = col.view(d, d + 1)[0]
+        scalar = id(col) in scalars
+        got = col.scalar(d) if scalar else _one(col, d, filename)
         if dtype in F.PY_HEADERS:
             parent = root
             for seg in leaf[:-1]:
                 parent = parent["kids"][seg]
-            n = int(np.asarray(got))
+            n = int(got) if scalar else int(np.asarray(got))
             limit = items if items >= 0 else room.get(leaf[:-1], 0)
             if dtype in ("pylist", "pytuple") and not (0 <= n <= limit and (items < 0 or n == items)):
                 raise CorruptSpillError(
@@ -120,7 +182,7 @@ def row_value(
             parent["header"] = (dtype, n)
             del parent["kids"][leaf[-1]]
         else:
-            node["value"] = _to_python(dtype, kind, got, as_torch)
+            node["value"] = got if scalar else _to_python(dtype, kind, got, as_torch)
     for leaf in absent:  # a leaf of the file no variant of which has a value here: None
         # dict keys the file's other frames have: None here, as the leaf views say; inside a list
         # only under a dict this row has (its header made the node)

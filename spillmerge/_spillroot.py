@@ -3,6 +3,7 @@ because a spill root is untrusted input. Also the storage barrier (``wait_for_co
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,10 @@ from ._errors import (
     StaleSpillError,
 )
 from ._storage import Storage
+
+log = logging.getLogger("spillmerge")
+WAIT_NOTICE_FIRST, WAIT_NOTICE_EVERY = 2.0, 30.0
+"""Seconds a merge waits for ranks to commit before it logs that it does, then between two lines."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +329,7 @@ def wait_for_commits(
     has committed; fail fast on a failure record; time out naming the missing ranks."""
     segments = scan(storage)
     missing: list[int] = []
+    noticed = WAIT_NOTICE_FIRST - WAIT_NOTICE_EVERY
     for waited in _poll.poll(timeout, first=poll, cap=max_poll):
         for rank in missing:  # after the first look, only the ranks still outstanding are listed again
             segments[rank] = list_segments(storage, rank)
@@ -331,6 +337,12 @@ def wait_for_commits(
         missing = list(state.missing)
         if state.failed or not state.missing:
             break
+        if waited - noticed >= WAIT_NOTICE_EVERY and waited < timeout:  # a batch log says why nothing happens
+            noticed = waited
+            log.info(
+                "waiting for %d of %d rank(s) to commit to %s: %s (%.0f s of %.0f s)",
+                len(missing), state.world_size, storage.describe(), _ranks_text(missing), waited, timeout,
+            )  # fmt: skip
         if waited >= timeout:
             if allow_partial:
                 return state
@@ -338,6 +350,11 @@ def wait_for_commits(
     if state.failed and not allow_partial:
         raise_for_state(storage, state)
     return state
+
+
+def _ranks_text(ranks: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(r) for r in ranks[:most])
+    return f"rank {shown}" + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
 
 
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:

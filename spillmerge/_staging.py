@@ -13,6 +13,7 @@ Protocol (the writer drives it through :class:`Staging`; docs/ARCHITECTURE.md, M
 
 from __future__ import annotations
 
+import array
 import collections
 import queue
 import threading
@@ -58,7 +59,7 @@ class Chunk:
     (docs/FORMAT.md, ``checks``) by the caller's thread right after its copy (``_block``)."""
     check_base: int = 0
     """Id of this chunk's first block checksum (the number of blocks of earlier chunks)."""
-    run: list[int] = field(default_factory=list)
+    run: array.array[int] = field(default_factory=lambda: array.array("q"))
     """Rows of the open block of ``write``'s frames (``Staging.add_frame``): consecutive whole
     frames from ``run_start`` to ``fill``, closed into ``blocks`` at CHECK_BYTES, before any other
     copy into this chunk, and at hand-off."""
@@ -66,10 +67,14 @@ class Chunk:
     """Where the open block starts in this chunk."""
     event: Any = None
     """CUDA event recorded after the last device-to-host copy into this buffer."""
-    completed: list[Any] = field(default_factory=list)
+    completed: list[np.ndarray] = field(default_factory=list)
     """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
-    is in this chunk, in order: a tuple per row from ``Staging.add``, an int64 array of such rows
-    per block from ``Staging.add_frames``. A journal entry lists whole frames only."""
+    is in this chunk, in order, as int64 ``(n, 6)`` arrays: a block of ``Staging.add_frames``, or
+    the rows ``tail`` collected before it. A journal entry lists whole frames only."""
+    tail: array.array[int] = field(default_factory=lambda: array.array("q"))
+    """The rows completed one by one (``Staging.add``, ``add_frame``) since the last block of
+    ``completed``, six int64 each: 48 bytes a row, where a tuple per row took ~200 (a chunk of
+    tiny rows holds up to a million of them)."""
     file_base: int = 0
     """Catalog id of ``new_files[0]``."""
     new_files: list[str] = field(default_factory=list)
@@ -78,6 +83,13 @@ class Chunk:
     """Catalog id of ``new_layouts[0]``."""
     new_layouts: list[FS.Layout] = field(default_factory=list)
     """Layouts registered since the previous chunk was handed off."""
+
+    def complete_block(self, block: np.ndarray) -> None:
+        """Append a block of completed rows after the rows completed one by one so far."""
+        if self.tail:
+            self.completed.append(np.frombuffer(self.tail, dtype=np.int64).reshape(-1, 6))
+            self.tail = array.array("q")
+        self.completed.append(block)
 
 
 _WAKE = object()
@@ -151,20 +163,10 @@ class BufferPool:
 
 def completed_rows(chunk: Chunk) -> np.ndarray:
     """The int64 ``(n, 6)`` rows (row, file, frame, layout, offset, nbytes) completed in ``chunk``,
-    in order: ``chunk.completed`` holds tuples (one row each, from ``write``) and arrays (blocks of
-    rows, from ``write_batch``)."""
-    parts: list[np.ndarray] = []
-    run: list[tuple[int, ...]] = []
-    for entry in chunk.completed:
-        if isinstance(entry, tuple):
-            run.append(entry)
-            continue
-        if run:
-            parts.append(np.array(run, dtype=np.int64))
-            run = []
-        parts.append(entry)
-    if run:
-        parts.append(np.array(run, dtype=np.int64))
+    in order: its blocks (``completed``), then the rows completed one by one after them (``tail``)."""
+    parts = list(chunk.completed)
+    if chunk.tail:
+        parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
     return np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)
 
 
@@ -401,9 +403,9 @@ class Staging:
                 if not last:
                     held.append(entry)  # type: ignore[union-attr]
                 else:
-                    if held:
-                        chunk.completed.extend(held)
-                    chunk.completed.append(entry)
+                    for e in held or ():
+                        chunk.tail.extend(e)
+                    chunk.tail.extend(entry)
             if chunk.fill == self.chunk_bytes:
                 self.hand_off()
         if nbytes == 0:
@@ -411,10 +413,10 @@ class Staging:
             if not last:
                 held.append(entry)  # type: ignore[union-attr]
             else:
-                completed = self._current_chunk().completed
-                if held:
-                    completed.extend(held)
-                completed.append(entry)
+                tail = self._current_chunk().tail
+                for e in held or ():
+                    tail.extend(e)
+                tail.extend(entry)
 
     def add_frame(self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], leaves: list[Any]) -> None:
         """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
@@ -453,7 +455,7 @@ class Staging:
                 self.add(row + j, file_id, frame, layout_ids[j], d, sizes[j], held, j == last)
             return
         host, fill, base = chunk.host_np, chunk.fill, self.offset - chunk.fill
-        run, completed = chunk.run, chunk.completed
+        run, tail = chunk.run, chunk.tail
         if not run:
             chunk.run_start = fill
         for j, d in enumerate(data):
@@ -461,7 +463,7 @@ class Staging:
             if n:
                 host[fill : fill + n] = d
                 run.append(row + j)  # checked with its block (a CRC call per row held the GIL)
-            completed.append((row + j, file_id, frame, layout_ids[j], base + fill, n))
+            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
             fill += n
         chunk.fill = fill
         self.offset += total
@@ -471,8 +473,8 @@ class Staging:
     def _close_run(self, chunk: Chunk) -> None:
         """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
         if chunk.run:
-            self._block(chunk, chunk.run_start, chunk.fill, np.array(chunk.run, dtype=np.int64))
-            chunk.run = []
+            self._block(chunk, chunk.run_start, chunk.fill, np.frombuffer(chunk.run, dtype=np.int64))
+            chunk.run = array.array("q")
 
     def _block(self, chunk: Chunk, start: int, stop: int, rows: np.ndarray) -> None:
         """A block checksum of host bytes ``start:stop`` of ``chunk`` (rows ``rows``, ascending),
@@ -540,7 +542,7 @@ class Staging:
                 fill += k * w
             flat = cube.reshape(k * n_leaves, 6)
             index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
-            chunk.completed.append(flat)
+            chunk.complete_block(flat)
             chunk.fill = fill
             self.offset += k * frame_bytes
             i += k

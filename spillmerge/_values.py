@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import pickle
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -150,8 +151,17 @@ def _leaf_name(path: tuple[str, ...]) -> str:
     return path_text(path)
 
 
+_PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
+"""The little-endian bytes of a 0-d ``py*`` leaf: one ``pack`` instead of three numpy calls (a
+value of tiny objects is mostly such leaves)."""
+
+
 def _scalar(path: tuple[str, ...], name: str, value: object) -> Leaf:
     """A Python scalar as a 0-d leaf of its ``py*`` dtype (read back as the same Python type)."""
+    pack = _PACK.get(name)
+    if pack is not None:
+        data = np.frombuffer(pack.pack(value), dtype=np.uint8)
+        return Leaf(path, name, (), pack.size, data)
     arr = np.asarray(value, dtype=DTYPES[name].storage).reshape(1)
     return Leaf(path, name, (), arr.nbytes, arr.view(np.uint8))
 
@@ -318,6 +328,22 @@ def _walk(
             filename=filename,
             leaf=_leaf_name(path),
         )
+    # Plain Python values by their exact type first (one dict lookup, not a chain of isinstance
+    # calls: a value of tiny objects is mostly these); subclasses take the general chain below.
+    kind = _EXACT.get(type(value))
+    if kind is not None:
+        if kind == "str":
+            out.append(Leaf(path, "str", *_utf8(value, path, filename)))  # type: ignore[arg-type]
+            return
+        if kind == "container":
+            _guarded(value, path, filename, out, depth, allow_pickle, active)
+            return
+        if kind == "none":
+            out.append(Leaf(path, "none", (), 0, _EMPTY))
+            return
+        if kind != "pyint" or -(1 << 63) <= value < (1 << 63):  # type: ignore[operator]
+            out.append(_scalar(path, kind, value))
+            return
     # Tensors first: write() runs once per frame and a tensor is the common value.
     if isinstance(value, torch.Tensor):
         out.append(_from_tensor(value, path, filename))
@@ -350,17 +376,7 @@ def _walk(
     elif isinstance(value, complex):
         out.append(_scalar(path, "pycomplex", value))
     elif isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
-        if id(value) in active:
-            raise SpillValueError(
-                f"leaf {_leaf_name(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
-                filename=filename,
-                leaf=_leaf_name(path),
-            )
-        active.add(id(value))
-        try:
-            _container(value, path, filename, out, depth, allow_pickle, active)
-        finally:
-            active.discard(id(value))
+        _guarded(value, path, filename, out, depth, allow_pickle, active)
     elif allow_pickle:
         out.append(_pickled(value, path, filename))
     else:
@@ -371,6 +387,31 @@ def _walk(
             filename=filename,
             leaf=_leaf_name(path),
         )
+
+
+def _guarded(
+    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int]
+) -> None:
+    """``_container`` of a value not already being walked (a value that contains itself is refused)."""
+    if id(value) in active:
+        raise SpillValueError(
+            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
+            filename=filename,
+            leaf=_leaf_name(path),
+        )
+    active.add(id(value))
+    try:
+        _container(value, path, filename, out, depth, allow_pickle, active)
+    finally:
+        active.discard(id(value))
+
+
+_EXACT: dict[type, str] = {
+    str: "str", int: "pyint", bool: "pybool", float: "pyfloat", type(None): "none",
+    dict: "container", list: "container", tuple: "container",
+}  # fmt: skip
+"""``_walk``'s shortcut: the exact built-in types and what they become (an int beyond int64
+takes the general chain, which pickles or refuses it)."""
 
 
 def _container(

@@ -107,6 +107,20 @@ class OpenColumn:
         self._hot = (c, weakref.ref(arr))
         return arr
 
+    def scalar(self, r: int) -> Any:
+        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
+        read of a ``py*`` leaf or a container header: no view, no 0-d array); as ``view[r]``
+        reads it, then ``.item()``."""
+        o = self.offsets
+        if o is not None:  # compact: ``values`` hold only the rows with a value
+            lo = int(o[r])
+            if int(o[r + 1]) <= lo:
+                return np.zeros((), dtype=self.real).item()
+            r = lo
+        c, i = divmod(r, self._k)
+        x = self._chunk(c)[i]
+        return (x if self.native else x.view(self.real)).item()
+
     def row(self, r: int) -> np.ndarray:
         """Unit ``r`` of ``values`` (a row of a fixed column without offsets), a new array of the
         real dtype."""

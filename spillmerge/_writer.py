@@ -11,6 +11,7 @@ The writer keeps rows (the index it commits) and the lifecycle; the per-file lea
 
 from __future__ import annotations
 
+import array
 import enum
 import os
 from collections.abc import Mapping, Sequence
@@ -172,6 +173,10 @@ class SpillWriter:
         first row, rows per frame): only a write to a file already written looks keys up, so a
         job of new files never builds the two tuples per key (:meth:`_key_map`)."""
         self._n_fresh_keys = 0
+        self._new_keys = array.array("q")
+        """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
+        key, 32 bytes, where a dict entry and its two tuples took ~250 (a gather of a million tiny
+        values writes a million new files)."""
         self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
         self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
         """``_batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
@@ -318,8 +323,8 @@ class SpillWriter:
             return
         items = split_batch(batch, names)
         checked = self._check_batch(names, frames, items)
-        for name, frame, leaves in checked:
-            self._put(name, frame, leaves)
+        for name, frame, leaves, layouts in checked:
+            self._put(name, frame, leaves, layouts)
 
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
@@ -496,18 +501,24 @@ class SpillWriter:
             self._keys.update(zip(zip(range(base, base + n), frames, strict=True), spans, strict=True))
         self._fresh_keys.clear()
         self._n_fresh_keys = 0
+        if self._new_keys:
+            log = np.frombuffer(self._new_keys, dtype=np.int64).reshape(-1, 4).tolist()
+            self._keys.update(((f, fr), (r, n)) for f, fr, r, n in log)
+            self._new_keys = array.array("q")
         return self._keys
 
     @property
     def _n_frames(self) -> int:
-        return len(self._keys) + self._n_fresh_keys
+        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
 
-    def _check_batch(self, names: list[str], frames: list[int], items: list[Any]) -> list[tuple[str, int, list[Leaf]]]:
+    def _check_batch(
+        self, names: list[str], frames: list[int], items: list[Any]
+    ) -> list[tuple[str, int, list[Leaf], list[FS.Layout]]]:
         """Flatten every item and run what ``_put`` would check (the layout rule, the duplicate
         policy), in batch order, against the writer's state as the earlier items of the batch
         leave it, without changing anything: the batch is refused whole or staged whole."""
         n = len(names)
-        out: list[tuple[str, int, list[Leaf]]] = []
+        out: list[tuple[str, int, list[Leaf], list[FS.Layout]]] = []
         schemas: dict[int, int] = {}  # file id -> its schema after the batch's items so far
         new_ids: dict[str, int] = {}
         in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
@@ -517,13 +528,14 @@ class SpillWriter:
                 file_id = self._file_ids.get(name)
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
-                layouts = [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+                layouts = self._schema.layouts_of(leaves)  # cached per frame shape, as _put's
                 new_schema, layout_ids = self._schema.check(name, frame, file_id, layouts, schemas.get(file_id))
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
-                if earlier is not None or key in self._key_map():
+                # (a file the writer has not written yet has no key yet: no lookup)
+                if earlier is not None or (file_id < len(self._filenames) and key in self._key_map()):
                     if self.on_duplicate == "first":
-                        out.append((name, frame, leaves))
+                        out.append((name, frame, leaves, layouts))
                         continue
                     if self.on_duplicate == "error":
                         same = (
@@ -539,23 +551,27 @@ class SpillWriter:
                                 frame_idx=frame,
                                 ranks=[self.rank],
                             )
-                        out.append((name, frame, leaves))
+                        out.append((name, frame, leaves, layouts))
                         continue
             except SpillValueError as exc:
                 raise at_position(exc, i, n, name) from None
             schemas[file_id] = new_schema
             in_batch[key] = leaves
-            out.append((name, frame, leaves))
+            out.append((name, frame, leaves, layouts))
         return out
 
-    def _put(self, filename: str, frame: int, leaves: list[Leaf]) -> tuple[int, ...] | None:
+    def _put(
+        self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout] | None = None
+    ) -> tuple[int, ...] | None:
         """Stage one checked frame: the layout rule, the duplicate policy, then its rows. Returns
-        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy."""
+        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
+        ``layouts``: the leaves' ``FileSchemas.layouts_of``, when the caller has them."""
         self._flush_row_log()
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
-        layouts = self._schema.layouts_of(leaves)
+        if layouts is None:
+            layouts = self._schema.layouts_of(leaves)
         # raises before anything of this frame is staged or cataloged
         new_schema, layout_ids = self._schema.check(filename, frame, file_id, layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
@@ -580,7 +596,8 @@ class SpillWriter:
             self._dead_rows.append(prev)
             self._rewrites += 1  # "last": the earlier copy is dropped
         layout_ids = self._schema.accept(file_id, new_schema, layouts, layout_ids)
-        if file_id == len(self._filenames):
+        new_file = file_id == len(self._filenames)
+        if new_file:
             self._filenames.append(filename)
             self._file_ids[filename] = file_id
         first_row, n_leaves = self._n_rows, len(leaves)
@@ -595,7 +612,10 @@ class SpillWriter:
         self._rows[first_row : first_row + n_leaves, : FS.COL_CRC] = rows  # one assignment per frame
         self._n_rows += n_leaves
         self._staging.add_frame(first_row, file_id, frame, layout_ids, leaves)
-        self._keys[key] = (first_row, n_leaves)
+        if new_file:
+            self._new_keys.extend((file_id, frame, first_row, n_leaves))  # looked up only later, if ever
+        else:
+            self._keys[key] = (first_row, n_leaves)
         return layout_ids
 
     def update(self, mapping: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tomllib
 from pathlib import Path
@@ -354,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     handlers = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export}
     handler = {**handlers, "demo": _demo}[args.command]
+    if args.command == "merge":  # what a long merge is doing (waiting for ranks), on stderr
+        log_handler = logging.StreamHandler(sys.stderr)
+        log_handler.setFormatter(logging.Formatter(f"spillmerge {args.command}: %(message)s"))
+        logging.getLogger("spillmerge").addHandler(log_handler)
+        logging.getLogger("spillmerge").setLevel(logging.INFO)
     try:
         return handler(args)
     except SpillMergeError as exc:

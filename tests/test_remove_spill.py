@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -80,20 +79,26 @@ def test_failed_merge_keeps_the_root(tmp_path):
     assert (root / "rank-00000").is_dir() and (root / "rank-00001").is_dir()
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cli_remove_spill_and_an_interrupted_merge_keeps_it(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
     _spill(root, [0])
-    # Interrupted: the merge waits for rank 1's commit record and gets Ctrl-C.
-    # PYTHONFAULTHANDLER: if Ctrl-C does not end it, SIGABRT makes it print every thread's stack
-    # (a CI run once saw it still alive 60 s after SIGINT; not reproduced in 50 runs since).
+    # Interrupted: the merge waits for rank 1's commit record and gets Ctrl-C. The child gets
+    # SIGINT's default action back first: a shell started in the background (as CI runs may be)
+    # ignores SIGINT, children inherit that, and Python then never raises KeyboardInterrupt.
     p = subprocess.Popen([EXE, "merge", str(root), "--out", str(out), "--timeout", "120", "--remove-spill"],
                          env={**ENV, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)  # fmt: skip
-    time.sleep(3)
+                         text=True, preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
+    assert p.stderr is not None
+    notice = p.stderr.readline()  # after 2 s of waiting the merge says so, naming the rank
+    assert notice.startswith("spillmerge merge: waiting for 1 of 2 rank(s) to commit") and "rank 1 (" in notice, notice
     p.send_signal(signal.SIGINT)
     try:
         _, err = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # then SIGABRT makes it print every thread's stack
         p.send_signal(signal.SIGABRT)
         _, err = p.communicate(timeout=30)
         pytest.fail(f"the merge was still running 60 s after Ctrl-C; its threads:\n{err}")
