@@ -474,7 +474,8 @@ def _write_part(
         # Chunks an earlier attempt of this part left are rewritten whole below; every other
         # node (documents, index) is the finalizer's.
         t = time.perf_counter()
-        _copy(job, mine)
+        with _planshare.blamed_for_range_errors(job.shared, output):
+            _copy(job, mine)
         job.phases["copy"] = time.perf_counter() - t
         t = time.perf_counter()
         if job.options.fsync:  # the part record vouches for every chunk of the part
@@ -553,7 +554,8 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
-    _write_output_index(job)
+    with _planshare.blamed_for_range_errors(job.shared, output):
+        _write_output_index(job)
     _finish(job, docs, lease)
     _planshare.remove(output)  # the parts are done with it (the output is complete)
     return job.report(parts=n)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from . import _format as F
 from . import _poll
-from ._errors import CorruptSpillError
+from ._errors import CorruptSpillError, SpillMergeError
 from ._parts import PARTS_DIR
 from ._plan import ROW_BLOCK, Plan, PlannedColumn, PlannedList
 from ._plan_disk import StringTable, WorkFolder
@@ -151,6 +152,24 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
         raise
+
+
+@contextmanager
+def blamed_for_range_errors(published: Published | None, output: Storage) -> Iterator[None]:
+    """Around the work of a part or finalize that mapped a published plan: its rows are not checked
+    again against the spill root (docs/GUARANTEES.md), so an entry out of range there (damaged, or
+    written by someone else) surfaces as an IndexError or the like. Report it as a damaged plan."""
+    try:
+        yield
+    except (IndexError, ValueError, OverflowError, KeyError) as exc:
+        if published is None or isinstance(exc, SpillMergeError):
+            raise
+        where = output.describe(PLAN_DIR)
+        raise CorruptSpillError(
+            f"{where}: the published merge plan holds an entry out of range ({type(exc).__name__}: {exc}); remove "
+            f"{where} and run the parts again",
+            path=where,
+        ) from exc
 
 
 def remove(output: Storage) -> None:

@@ -243,6 +243,21 @@ def test_a_damaged_published_plan_is_planned_again(tmp_path):
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
 
 
+def test_a_published_plan_pointing_out_of_range_is_refused_as_damaged(tmp_path):
+    # The published plan's rows are not checked again against the spill root (docs/GUARANTEES.md):
+    # an entry out of range there must still end in a SpillMergeError naming the plan.
+    root, out = tmp_path / "spill", tmp_path / "out"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    seg = out / "spillmerge-parts" / "plan" / "seg"
+    raw = np.frombuffer(seg.read_bytes(), dtype=np.uint8).copy()
+    raw[:] = 0x7F  # the same size, every segment number far past the segments there are
+    seg.write_bytes(raw.tobytes())
+    with pytest.raises(spillmerge.CorruptSpillError, match="published merge plan holds an entry out of range") as info:
+        spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
+    assert info.value.path.endswith("spillmerge-parts/plan")
+
+
 _PART1 = """
 import sys, time
 import spillmerge
