@@ -87,6 +87,7 @@ def merge_one(root: str, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     peak = mem.stop()
     return {
         "ok": True, "wall_s": wall, "anon": peak["anon"], "file": peak["file"], "phases": rep.phases,
+        "anon_at_s": peak["anon_at_s"],
         "n_frames": rep.n_frames, "notes": rep.notes,
     }  # fmt: skip
 
@@ -190,11 +191,15 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
             t = time.perf_counter()
             parts = _parallel(
                 merge_one,
-                [{"root": root, "out": out, "kwargs": {**args.merge_kwargs, "part": (i, p)}} for i in range(p)],
-            )
+                # timeout: parts other than 0 wait for the plan part 0 publishes (older code: the
+                # commit barrier only, which is met at once)
+                [{"root": root, "out": out, "kwargs": {**args.merge_kwargs, "part": (i, p), "timeout": 3600}}
+                 for i in range(p)],
+            )  # fmt: skip
             parts_wall = time.perf_counter() - t
             (fin,) = _parallel(
-                merge_one, [{"root": root, "out": out, "kwargs": {**args.merge_kwargs, "finalize": True}}]
+                merge_one,
+                [{"root": root, "out": out, "kwargs": {**args.merge_kwargs, "finalize": True, "timeout": 3600}}],
             )
             if not all(r["ok"] for r in [*parts, fin]):
                 raise RuntimeError([*parts, fin])
@@ -202,6 +207,8 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
             res = {"wall_s": time.perf_counter() - t, "parts_s": parts_wall, "finalize_s": fin["wall_s"],
                    "anon": max(r["anon"] for r in [*parts, fin]), "file": max(r["file"] for r in [*parts, fin]),
                    "part_phases": [r["phases"] for r in parts], "finalize_phases": fin["phases"],
+                   "mapped": [any("was mapped, not rebuilt" in n for n in r["notes"]) for r in [*parts, fin]],
+                   "anon_each": [r["anon"] for r in [*parts, fin]],
                    "objects": objects, "bytes": size, "checked": _check(out, n)}  # fmt: skip
             row["merges"][f"parts {p}"] = res
             log(f"N={n}: parts {p}: {res['wall_s']:.1f} s (parts {parts_wall:.1f} s), ok={res['checked']}")
@@ -244,9 +251,17 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
             if "part_phases" in m:
                 ph_s = (
                     f"parts {m['parts_s']:.1f}, finalize {m['finalize_s']:.1f}; part 0: {_phases(m['part_phases'][0])}"
+                    + (f"; part 1: {_phases(m['part_phases'][1])}" if len(m["part_phases"]) > 1 else "")
+                    + f"; finalize: {_phases(m['finalize_phases'])}"
+                    + (f"; plan mapped by {sum(m['mapped'])} of {len(m['mapped'])}" if "mapped" in m else "")
+                    + (
+                        "; peak anon per process (parts, finalize): "
+                        + "/".join(f"{a / MiB:.0f}" for a in m["anon_each"]) + " MiB"
+                        if "anon_each" in m else ""
+                    )
                 )
             else:
-                ph_s = _phases(ph)
+                ph_s = _phases(ph) + (f"; anon peak at {m['anon_at_s']:.1f} s" if "anon_at_s" in m else "")
             lines.append(
                 f"| {r['n']:,} | {label} | {m['wall_s']:.1f} | {per_key:.1f} us | {m['anon'] / MiB:.0f} MiB | "
                 f"{m['file'] / MiB:.0f} MiB | {m['objects']:,} | {m['bytes'] / MiB:.0f} MiB | {ph_s} |"

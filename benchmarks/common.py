@@ -131,6 +131,8 @@ class PeakMemory:
     def __init__(self, interval: float = 0.005) -> None:
         self.base_anon, self.base_file = _status()
         self.peak_anon, self.peak_file = self.base_anon, self.base_file
+        self._t0 = time.perf_counter()
+        self.peak_anon_at = 0.0  # seconds after the start when the anonymous peak was sampled
         self._interval = interval
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True, name="bench-peak-memory")
@@ -138,7 +140,8 @@ class PeakMemory:
 
     def _sample(self) -> None:
         a, f = _status()
-        self.peak_anon = max(self.peak_anon, a)
+        if a > self.peak_anon:
+            self.peak_anon, self.peak_anon_at = a, time.perf_counter() - self._t0
         self.peak_file = max(self.peak_file, f)
 
     def _run(self) -> None:
@@ -149,7 +152,10 @@ class PeakMemory:
         self._stop.set()
         self._t.join()
         self._sample()
-        return {"anon": self.peak_anon - self.base_anon, "file": self.peak_file - self.base_file}
+        return {
+            "anon": self.peak_anon - self.base_anon, "file": self.peak_file - self.base_file,
+            "anon_at_s": self.peak_anon_at,
+        }  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ storage

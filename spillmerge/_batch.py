@@ -205,6 +205,36 @@ def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
     return out if n and _dense(batch, (), n, out, 0) else None
 
 
+def flat_rows(batch: dict[Any, Any], n: int) -> tuple[tuple[Any, ...], list[np.ndarray]] | None:
+    """The signature (key, array type, dtype, item shape per leaf, in the dict's order) and each
+    leaf's ``(n, item bytes)`` uint8 rows of the common batch, a flat dict of ``n`` host tensors /
+    numeric arrays, C-contiguous, each item holding something; None for any other batch (the
+    general way handles and names it). ``Tensor.numpy()`` refuses what needs care (autograd,
+    conj / neg bits, other devices, layouts and dtypes numpy lacks), as ``as_rows`` relies on;
+    one numpy view per leaf is all the batch costs here (torch attributes cost ~1 us each)."""
+    sig: list[Any] = []
+    rows: list[np.ndarray] = []
+    for k, v in batch.items():
+        t = type(v)
+        if t is torch.Tensor:
+            try:
+                a = v.numpy()
+            except (RuntimeError, TypeError):
+                return None
+        elif t is np.ndarray:
+            a = v
+            if a.dtype.kind not in "biufc" or not a.dtype.isnative:
+                return None
+        else:
+            return None
+        shape = a.shape
+        if type(k) is not str or not shape or shape[0] != n or not a.size or not a.flags.c_contiguous:
+            return None
+        sig.append((k, t, a.dtype, shape[1:]))
+        rows.append(a.reshape(n, -1).view(np.uint8))
+    return (tuple(sig), rows) if rows else None
+
+
 def _dense_tensor(value: torch.Tensor, n: int) -> bool:
     return (
         value.device.type == "cpu"

@@ -154,7 +154,22 @@ class LazyArray:
         return self._serve(lo, hi)[idx - lo]
 
     def item(self, i: int) -> Any:
+        """Element ``i`` of a 1-d array as a Python scalar: a row's offset or a file's layout, read
+        once or more per row in order, so the chunk last served answers without ``__getitem__``'s
+        dispatch or a numpy scalar (``ndarray.item``)."""
+        hot = self._hot
+        if hot is not None and hot[0] <= i < hot[1]:
+            return hot[3].item(i - hot[2])
         return self[i].item()
+
+    def pair(self, i: int) -> tuple[Any, Any]:
+        """Elements ``i`` and ``i + 1`` of a 1-d array as Python scalars: a row's bounds in a
+        column's ``offsets`` (one call per row read)."""
+        hot = self._hot
+        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
+            arr, j = hot[3], i - hot[2]
+            return arr.item(j), arr.item(j + 1)
+        return self.item(i), self.item(i + 1)
 
     def whole(self) -> np.ndarray:
         """Every element (checked): for work over the whole output (coverage, ``index_arrays``)."""
@@ -274,13 +289,15 @@ class IndexChecks:
 
     def file_rows(self, i: int) -> tuple[int, int]:
         """Rows ``a, b`` of file ``i``, its blocks checked."""
-        fo = self._fo
-        a, b = int(fo[i]), int(fo[i + 1])  # (file offsets have no row hook: plain chunk reads)
+        fo = self._fo  # no row hook: each chunk is checked when first read
+        a, b = fo.pair(i)
         if not 0 <= a <= b <= self.n_rows:
             self._raise([(fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")])
         self._last_file = i
         if b > a:
-            self.rows(a, b)
+            j = a // ROW_BLOCK
+            if j != (b - 1) // ROW_BLOCK or j not in self._done:  # (the common case: a block checked before)
+                self.rows(a, b)
         return a, b
 
     def _where(self, r: int, f0: int, starts: np.ndarray) -> str:

@@ -12,14 +12,16 @@ import fsspec
 import numpy as np
 import zarr
 
-from . import _codecs, _lease, _output, _parts, _plan_disk
+from . import _codecs, _lease, _output, _parts, _plan_disk, _planshare
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from . import _zarrmeta as Z
 from ._copy import Unit, copy_units, units
 from ._errors import (
+    CorruptSpillError,
     MissingPartsError,
+    SpillMergeError,
     SpillStorageError,
     SpillValueError,
 )
@@ -73,7 +75,9 @@ def merge(
     by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
     ``finalize=True`` checks that every part is present and was planned identically (waiting up
     to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
-    and the completion marker. Every call needs the same spill root and planning options
+    and the completion marker. Part 0 publishes its plan in the output; the other parts and the
+    finalize wait up to ``timeout`` seconds for it and map it instead of planning again (no plan
+    by then: they plan themselves). Every call needs the same spill root and planning options
     (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
     ``codec`` and ``chunk_bytes``, which finalize takes from their records.
 
@@ -95,7 +99,7 @@ def merge(
         raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
     if part is not None:
         options = replace(options, part=_check_part(part))
-    job = _Job.open(root, out, options)
+    job = _Job.open(root, out, options, part=options.part, finalize=finalize)
     try:
         if finalize:
             return _remove_spill(job, _finalize(job, None))
@@ -119,7 +123,7 @@ def merge_parallel(
     if rank != dst:
         kwargs.setdefault("progress", False)  # one progress bar per job, not one per rank
     options = MergeOptions(world_size=world_size, run_id=run_id, timeout=timeout, overwrite=overwrite, **kwargs)
-    job = _Job.open(root, out, options)
+    job = _Job.open(root, out, options, part=(rank, world_size))
     try:
         _merge_part(job, (rank, world_size), rank=rank)
         if rank != dst:
@@ -191,18 +195,40 @@ class _Job:
     """perf_counter at the start of the call."""
     disk: _plan_disk.DiskPlan | None = None
     """The work folder of an out-of-core plan (removed by :meth:`close`), else None."""
+    shared: _planshare.Published | None = None
+    """The plan part 0 published, when this process mapped it rather than planning (a part other
+    than 0, a finalize), else None."""
+    source_key: str | None = None
+    """``_planshare.source_key`` of a part or finalize (None: a whole merge, or ``allow_partial``,
+    whose salvaged journals are planned by every process)."""
 
     def close(self) -> None:
         """After the merge, whatever its outcome: the plan's temporary files, then the storage."""
         try:
             if self.disk is not None:
                 self.disk.close()
+            if self.shared is not None:
+                self.shared.close()
         finally:
             self.src.close()
 
     @classmethod
-    def open(cls, root: str, out: str, options: MergeOptions) -> _Job:
-        """Barrier → load → plan: everything before the first byte of output."""
+    def open(
+        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None = None, finalize: bool = False
+    ) -> _Job:
+        """Barrier → load → plan: everything before the first byte of output. A part other than 0
+        and a finalize map the plan part 0 published when there is one (``_planshare``)."""
+        try:
+            return cls._open(root, out, options, part=part, finalize=finalize)
+        except SpillMergeError as exc:
+            if part is not None and part[0] == 0 and not options.allow_partial:
+                _plan_failed(root, out, options, part, exc)
+            raise
+
+    @classmethod
+    def _open(
+        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None, finalize: bool
+    ) -> _Job:
         t0 = time.perf_counter()
         chunk_bytes, threads = options.chunk_bytes, options.threads
         if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
@@ -210,12 +236,9 @@ class _Job:
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)
-        storage_options, out_storage_options = options.storage_options, options.out_storage_options
+        storage_options = options.storage_options
         src = Storage(root, storage_options)
-        if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
-            same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
-            out_storage_options = storage_options if same else None
-        output = Storage(out, out_storage_options)
+        output = _output_storage(root, out, options)
         if threads is None:  # object stores need many requests in flight; local disks do not
             threads = 4 if src.local and output.local else 16
         if not isinstance(threads, int) or threads < 1:
@@ -244,11 +267,33 @@ class _Job:
         if allow_partial:
             # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
             for rank, seg in sorted(state.partial.items()):
-                part, problems = load_flushed(src, seg)
+                flushed, problems = load_flushed(src, seg)
                 notes.extend(problems)
-                if len(part.index):
-                    extra.append(part)
-                    salvaged[rank] = len({(int(r[0]), int(r[1])) for r in part.index[:, :2]})
+                if len(flushed.index):
+                    extra.append(flushed)
+                    salvaged[rank] = len({(int(r[0]), int(r[1])) for r in flushed.index[:, :2]})
+        key = None
+        if (part is not None or finalize) and not allow_partial:
+            key = _planshare.source_key(segments, options.on_duplicate)
+            shared = None
+            try:
+                if finalize or (part is not None and part[0] > 0):
+                    shared = _find_shared(output, key, segments, options, part)
+                elif part is not None:  # part 0: its own published plan when it runs again
+                    shared = _planshare.find(output, key, segments, timeout=0.0, work_dir=options.plan_dir)
+            except CorruptSpillError as exc:  # damaged: plan here (part 0 publishes it anew)
+                notes.append(f"planned again: {exc}")
+            if shared is not None:
+                plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
+                    shared.plan, chunk_bytes=chunk_bytes, codec=codec
+                )
+                phases["load"] = 0.0
+                phases["plan"] = time.perf_counter() - t
+                notes.append(f"the plan part 0 published in {output.describe(_planshare.PLAN_DIR)} was mapped, not rebuilt")
+                return cls(
+                    src, output, replace(options, codec=codec), threads, state, segments, shared.plan, plan_id,
+                    salvaged, notes, manifest, phases, t0, None, shared, key,
+                )  # fmt: skip
         compare = functools.partial(same_bytes, src)
         need = _plan_disk.estimate_bytes(
             sum(s.commit.n_rows for s in segments if s.commit is not None) + sum(len(p.index) for p in extra),
@@ -288,8 +333,9 @@ class _Job:
         phases["plan"] = time.perf_counter() - t
         options = replace(options, codec=codec)
         return cls(
-            src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0, disk
-        )
+            src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0, disk,
+            None, key,
+        )  # fmt: skip
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan
@@ -417,9 +463,16 @@ def _write_part(
         if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
             docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
             output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+        job.phases["metadata"] = time.perf_counter() - t
+        if i == 0 and job.source_key is not None and job.shared is None:
+            # The other parts and the finalize map this plan instead of planning it again.
+            t = time.perf_counter()
+            _planshare.publish(
+                output, job.plan, job.source_key, plan_id, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec
+            )
+            job.phases["publish"] = time.perf_counter() - t
         # Chunks an earlier attempt of this part left are rewritten whole below; every other
         # node (documents, index) is the finalizer's.
-        job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
         _copy(job, mine)
         job.phases["copy"] = time.perf_counter() - t
@@ -470,7 +523,8 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
         # The parts decided the array documents: finalize with their codec and chunk size rather
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
-        job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
+        known = None if job.shared is None else job.shared.fingerprint_for(job.options.chunk_bytes, job.options.codec)
+        job.fingerprint = known or fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
     _parts.wait(
         output,
         n,
@@ -501,7 +555,47 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     _write_output_index(job)
     _finish(job, docs, lease)
+    _planshare.remove(output)  # the parts are done with it (the output is complete)
     return job.report(parts=n)
+
+
+def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
+    out_storage_options = options.out_storage_options
+    if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
+        same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
+        out_storage_options = options.storage_options if same else None
+    return Storage(out, out_storage_options)
+
+
+def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:
+    """Part 0 failed before it could publish its plan: a failure record (of no plan) tells the
+    parts waiting for the plan to stop waiting (they plan themselves, and meet the same error).
+    Only into an output that is absent, empty or ours; best effort."""
+    try:
+        output = _output_storage(root, out, options)
+        if not output.exists("") or not output.listdir("") or _output.is_ours(output):
+            _parts.write_failure(output, 0, part[1], "", None, options.run_id, exc)
+    except Exception:  # noqa: BLE001 - the original error matters more
+        pass
+
+
+def _find_shared(
+    output: Storage, key: str, segments: list[Any], options: MergeOptions, part: tuple[int, int] | None
+) -> _planshare.Published | None:
+    """The plan part 0 published, waiting up to ``timeout`` for it, but not once part 0 left a
+    record, done or failed, without it (another spill root or policy, a failed plan: this process
+    then plans itself)."""
+
+    def part0_ended() -> bool:
+        try:
+            records = _parts.read_records(output)
+        except SpillMergeError:
+            return False
+        return any(r.part == 0 and (part is None or r.parts == part[1]) for r in records)
+
+    return _planshare.find(
+        output, key, segments, timeout=options.timeout, work_dir=options.plan_dir, give_up=part0_ended
+    )
 
 
 def _write_output_index(job: _Job) -> None:

@@ -77,9 +77,14 @@ class MergeOptions:
     timeout: float = _option(
         0.0,
         config=float,
-        flag=Flag("--timeout", "seconds to wait for missing commit records (default 0: check once)", {"type": float}),
+        flag=Flag(
+            "--timeout",
+            "seconds to wait for missing commit records, and in a part for part 0's plan (default 0: check once)",
+            {"type": float},
+        ),
     )
-    """Seconds to wait for missing commit records (0: check once), and for missing parts at finalize."""
+    """Seconds to wait for missing commit records (0: check once), in parts 1..n-1 and the finalize
+    for the plan part 0 publishes (then they plan themselves), and for missing parts at finalize."""
     allow_partial: bool = _option(
         False,
         config=bool,

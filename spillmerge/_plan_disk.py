@@ -91,6 +91,10 @@ class StringTable(Sequence[str]):
         rel = (off - off[0]).tolist()
         return [raw[rel[j] : rel[j + 1]].decode("utf-8", "surrogatepass") for j in range(b - a)]
 
+    def raw(self) -> tuple[np.ndarray, np.ndarray]:
+        """The UTF-8 bytes of every string back to back and the int64 offsets (n + 1)."""
+        return self._data, self._off
+
     def encoded(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """The UTF-8 bytes of strings ``a .. b-1`` and their lengths, without decoding."""
         off = np.asarray(self._off[a : b + 1])
@@ -127,7 +131,7 @@ class StringTable(Sequence[str]):
         return lo if lo < len(self) and self[lo] == name else -1
 
 
-class _Work:
+class WorkFolder:
     """The private work folder: append-only arrays, then maps of them."""
 
     def __init__(self, parent: str | None) -> None:
@@ -213,7 +217,7 @@ class DiskPlan:
     """An out-of-core plan and the work folder its arrays live in."""
 
     plan: P.Plan
-    work: _Work
+    work: WorkFolder
 
     def close(self) -> None:
         """Remove the work folder (after the merge, whatever its outcome)."""
@@ -236,7 +240,7 @@ def build(
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     if not isinstance(budget, int) or budget < 1:
         raise SpillValueError(f"plan_budget must be a positive int, got {budget!r}")
-    work = _Work(work_dir)
+    work = WorkFolder(work_dir)
     try:
         return DiskPlan(_Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes).run(sources), work)
     except BaseException:
@@ -245,7 +249,7 @@ def build(
 
 
 class _Builder:
-    def __init__(self, work: _Work, block_entries: int, on_duplicate: str, same_bytes: P.SameBytes) -> None:
+    def __init__(self, work: WorkFolder, block_entries: int, on_duplicate: str, same_bytes: P.SameBytes) -> None:
         self.work, self.block_entries = work, block_entries
         self.on_duplicate, self.same_bytes = on_duplicate, same_bytes
         self.layouts: list[FS.Layout] = []

@@ -420,7 +420,7 @@ class V2Files:
 
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
-        a, b = self.rows_of(i)
+        a, b = self.checks.file_rows(i)  # (rows_of, inlined: one call per file read)
         cols, flat = self._layout_cols[self._file_layout.item(i)]
         if filename is None or type(filename) is not str:
             filename = str(self._names[i])

@@ -145,7 +145,9 @@ class BufferPool:
             self.allocated += 1
         buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         if not self.pinned:  # pinned memory is resident already
-            buf.numpy()[::4096] = 0
+            # torch, not numpy: its fill releases the GIL, so the caller's write_batch runs on
+            # while this thread takes a page fault per 4 KiB (milliseconds per buffer)
+            buf[::4096].fill_(0)
         self.release(buf)
 
     def release(self, buf: torch.Tensor) -> None:
@@ -338,6 +340,7 @@ class Staging:
         self._cuda_stream: Any = None
         self._closing = False
         self._path = ""
+        self._block_rows_cache: dict[tuple[Any, ...], np.ndarray] = {}
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
@@ -484,23 +487,24 @@ class Staging:
         self.n_checks += 1
 
     def add_frames(
-        self, row: int, file_ids: np.ndarray, frames: np.ndarray, layout_ids: tuple[int, ...], columns: list[np.ndarray]
-    ) -> np.ndarray:
+        self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: tuple[int, ...],
+        columns: list[np.ndarray], index: np.ndarray,
+    ) -> None:  # fmt: skip
         """Stage whole frames of the same layouts at once: frame ``i`` has index rows ``row +
         i * L + j`` for its ``L`` leaves, leaf ``j``'s bytes being ``columns[j][i]`` (host uint8
-        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0); ``file_ids`` and
-        ``frames`` are int64 arrays. Returns the int64 ``(n_frames, L)`` offsets in ``data`` of
-        every row. The frames that fit whole in the current chunk are one block: each leaf's
-        rows of the block are copied back to back in one copy (leaf by leaf, so the block of
-        one leaf is one byte range) and checksummed by one block checksum; their journal rows
-        are arrays. A frame straddling two chunks goes through ``add`` (a CRC per row, as
-        ``write`` does)."""
+        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0). ``file_ids``: int64
+        per frame, or an int (frame ``i`` is file ``file_ids + i``); ``frames``: int64 per frame,
+        or None (frame 0 each). Fills ``index`` (int64 ``(n_frames * L, 5)``: file, frame,
+        layout, offset in ``data``, nbytes of every row). The frames that fit whole in the
+        current chunk are one block: each leaf's rows of the block are copied back to back in
+        one copy (leaf by leaf, so the block of one leaf is one byte range) and checksummed by
+        one block checksum; their journal rows are arrays, made from a constant block per
+        (frames, layouts, widths) plus one shift. A frame straddling two chunks goes through
+        ``add`` (a CRC per row, as ``write`` does)."""
         widths = [int(c.shape[1]) for c in columns]
         frame_bytes = sum(widths)
-        n_leaves, n = len(columns), len(frames)
-        lids = np.asarray(layout_ids, dtype=np.int64)
-        lens = np.asarray(widths, dtype=np.int64)
-        offsets = np.empty((n, n_leaves), dtype=np.int64)
+        n_leaves, n = len(columns), len(columns[0])
+        consecutive = not isinstance(file_ids, np.ndarray)
         i = 0
         while i < n:
             chunk = self._current_chunk()
@@ -508,11 +512,11 @@ class Staging:
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
                 held: list[Any] = []
                 r = row + i * n_leaves
-                fid, fr = int(file_ids[i]), int(frames[i])
+                fid = int(file_ids) + i if consecutive else int(file_ids[i])  # type: ignore[index]
+                fr = 0 if frames is None else int(frames[i])
                 for j, col in enumerate(columns):
-                    offsets[i, j] = self.offset
-                    last = j == n_leaves - 1
-                    self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, last)
+                    index[i * n_leaves + j] = (fid, fr, layout_ids[j], self.offset, widths[j])
+                    self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, j == n_leaves - 1)
                 i += 1
                 continue
             if chunk.host_np is None:
@@ -520,33 +524,52 @@ class Staging:
             if chunk.run:
                 self._close_run(chunk)
             host, fill = chunk.host_np, chunk.fill
-            seg_base = self.offset - fill  # where this chunk starts in the segment's data
-            ids = row + i * n_leaves + np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
+            shift = (row + i * n_leaves, int(file_ids) + i if consecutive else 0, 0, 0, self.offset, 0)
+            cube = self._block_rows(k, layout_ids, widths) + np.array(shift, dtype=np.int64)
+            if not consecutive:
+                cube[:, :, 1] = file_ids[i : i + k, None]  # type: ignore[index]
+            if frames is not None:
+                cube[:, :, 2] = frames[i : i + k, None]
             for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
                 host[fill : fill + k * w] = col[i : i + k].reshape(-1)
-                offsets[i : i + k, j] = seg_base + fill + w * np.arange(k, dtype=np.int64)
                 # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row
                 # reads its whole block once.
                 g = max(1, CHECK_BYTES // w)
                 for a in range(0, k, g):
                     b = min(k, a + g)
-                    self._block(chunk, fill + a * w, fill + b * w, ids[a:b, j])
+                    self._block(chunk, fill + a * w, fill + b * w, cube[a:b, j, 0])
                 fill += k * w
-            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
-            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
-            cube[:, :, 0] = ids
-            cube[:, :, 1] = file_ids[i : i + k, None]
-            cube[:, :, 2] = frames[i : i + k, None]
-            cube[:, :, 3] = lids
-            cube[:, :, 4] = offsets[i : i + k]
-            cube[:, :, 5] = lens
-            chunk.complete_block(cube.reshape(k * n_leaves, 6))
+            flat = cube.reshape(k * n_leaves, 6)
+            index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
+            chunk.complete_block(flat)
             chunk.fill = fill
             self.offset += k * frame_bytes
             i += k
             if chunk.fill == self.chunk_bytes:
                 self.hand_off()
-        return offsets
+
+    def _block_rows(self, k: int, layout_ids: tuple[int, ...], widths: list[int]) -> np.ndarray:
+        """The journal rows of a block of ``k`` whole frames of these layouts and leaf widths,
+        as if its first row were row 0 of file 0 at frame 0, staged at offset 0: (row, file,
+        frame, layout, offset, nbytes) per frame and leaf, leaf ``j``'s rows after the earlier
+        leaves' rows (made once per (k, layouts, widths); a block is this plus one shift)."""
+        key = (k, layout_ids, tuple(widths))
+        rows = self._block_rows_cache.get(key)
+        if rows is None:
+            n_leaves = len(widths)
+            lens = np.asarray(widths, dtype=np.int64)
+            rows = np.zeros((k, n_leaves, 6), dtype=np.int64)
+            rows[:, :, 0] = np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            rows[:, :, 1] = np.arange(k, dtype=np.int64)[:, None]
+            rows[:, :, 3] = layout_ids
+            rows[:, :, 4] = k * (np.cumsum(lens) - lens) + np.arange(k, dtype=np.int64)[:, None] * lens
+            rows[:, :, 5] = lens
+            rows.flags.writeable = False
+            if len(self._block_rows_cache) >= 64:  # bounded: batches of ever new sizes
+                self._block_rows_cache.clear()
+            self._block_rows_cache[key] = rows
+        return rows
 
     def _prepare_cuda(self, data: torch.Tensor) -> None:
         if self._cuda_stream is None:

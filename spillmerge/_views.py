@@ -499,7 +499,9 @@ class RaggedView(_OffsetView):
         o = col.offsets
         assert o is not None
         # (n, *inner_shape) already when only the first dimension varies
-        flat = col.span(o.item(r), o.item(r + 1)).copy()
+        # a LazyArray, or (a list's items) offsets read whole at open
+        lo, hi = o.pair(r) if type(o) is not np.ndarray else (o.item(r), o.item(r + 1))
+        flat = col.span(lo, hi).copy()
         if col.info.inner_shape is None:
             assert col.shapes is not None
             flat = flat.reshape(tuple(col.shapes[r].tolist()))
@@ -667,7 +669,9 @@ class TextView(BytesView):
         col = self._col
         o = col.offsets
         assert o is not None
-        return _text(col, r, col.span(o.item(r), o.item(r + 1)).tobytes())
+        # a LazyArray, or (a list's items) offsets read whole at open
+        lo, hi = o.pair(r) if type(o) is not np.ndarray else (o.item(r), o.item(r + 1))
+        return _text(col, r, col.span(lo, hi).tobytes())
 
     def _list(self, a: int, b: int) -> list[Any]:
         flat = self._flat(a, b).tobytes()

@@ -24,7 +24,7 @@ import torch
 
 from . import _format as F
 from . import _format_spill as FS
-from ._batch import as_rows, at_position, batch_keys, dense_columns, mapping_items, split_batch
+from ._batch import as_rows, at_position, batch_keys, dense_columns, flat_rows, mapping_items, split_batch
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
@@ -178,6 +178,10 @@ class SpillWriter:
         key, 32 bytes, where a dict entry and its two tuples took ~250 (a gather of a million tiny
         values writes a million new files)."""
         self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
+        self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
+        """``_batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
+        move) and the dict position of each of its leaves (``_put_fresh``)."""
+        self._last_dense: DenseTemplate | None = None
         self._frame_template: FrameTemplate | None = None
         self._row_log: list[tuple[int, int, int, int]] = []
         """(first row, file id, frame, offset) of frames staged by ``_put_templated`` whose index
@@ -306,8 +310,16 @@ class SpillWriter:
         """
         self._check_open()
         names, frames = batch_keys(filenames, frame_idx)
-        dense = dense_columns(batch, len(names))
+        n = len(names)
+        flat = flat_rows(batch, n) if type(batch) is dict and n else None
+        if flat is not None:  # the common batch: a flat dict of host tensors, like an earlier one
+            fast = self._flat_templates.get(flat[0])
+            if fast is not None and self._put_fresh(names, frames, frame_idx is None, fast, flat[1]):
+                return
+        dense = dense_columns(batch, n)
         if dense is not None and self._put_dense(names, frames, dense):
+            if flat is not None:
+                self._learn_flat(flat[0])
             return
         items = split_batch(batch, names)
         checked = self._check_batch(names, frames, items)
@@ -372,38 +384,83 @@ class SpillWriter:
                     raise at_position(exc, i, n, name) from None
             schemas[fid] = move[0]
         rows = [as_rows(columns[path], n) for path in template.paths]
+        self._last_dense = template
         if fresh:
             layout_ids = self._schema.accept_new_files(n, moves[0][0], layouts, moves[0][1])
             # the move from the empty schema is the same for every later batch of new files
             template.fresh_move = (moves[0][0], layout_ids)
             self._filenames.extend(names)
             self._file_ids.update(zip(names, range(base, base + n), strict=True))
-        else:
-            layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
-            self._filenames.extend(new_names)
-            self._file_ids.update(new_names)
-        n_leaves, row0 = len(layouts), self._n_rows
+            self._stage_frames(names, frames, None, layout_ids, rows, _frame_array(frames))
+            return True
+        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
+        self._filenames.extend(new_names)
+        self._file_ids.update(new_names)
+        self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows, _frame_array(frames))
+        return True
+
+    def _put_fresh(
+        self, names: list[str], frames: list[int], zero: bool, fast: tuple[DenseTemplate, tuple[int, ...]],
+        columns: list[np.ndarray],
+    ) -> bool:  # fmt: skip
+        """``_put_dense`` of a flat dict batch whose structure an earlier batch of new files had
+        (``_learn_flat``): when every filename is new and none repeats, the layout rule's move
+        and the catalog ids are the template's and nothing else needs a look. ``columns``: each
+        leaf's rows in the dict's order; ``zero``: every frame index is 0. False (nothing done)
+        when a filename was written before or repeats: the general way handles the batch."""
+        template, order = fast
+        n, base = len(names), len(self._filenames)
+        file_ids = self._file_ids
+        if template.fresh_move is None or not file_ids.keys().isdisjoint(names):
+            return False
+        file_ids.update(zip(names, range(base, base + n), strict=True))
+        if len(file_ids) != base + n:  # a filename repeats in the batch: none of them was there before
+            for name in names:
+                file_ids.pop(name, None)
+            return False
+        self._flush_row_log()
+        schema, layout_ids = template.fresh_move
+        self._schema.accept_new_files(n, schema, template.layouts, layout_ids)
+        self._filenames.extend(names)
+        rows = [columns[j] for j in order]
+        self._stage_frames(names, frames, None, layout_ids, rows, None if zero else _frame_array(frames))
+        return True
+
+    def _learn_flat(self, sig: tuple[Any, ...]) -> None:
+        """Remember the flat dict batch of signature ``sig`` that ``_put_dense`` just staged: once
+        its template knows a new file's move, the next batch like it takes ``_put_fresh``."""
+        template = self._last_dense
+        if template is None or template.fresh_move is None or len(self._flat_templates) >= 256:
+            return
+        keys = [entry[0] for entry in sig]
+        # the template's leaves in flatten's order; each path of a flat dict is (key,)
+        self._flat_templates[sig] = (template, tuple([keys.index(path[0]) for path in template.paths]))
+
+    def _stage_frames(
+        self, names: list[str], frames: list[int], file_ids: np.ndarray | None, layout_ids: tuple[int, ...],
+        rows: list[np.ndarray], frame_arr: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        """The index rows and staged bytes of a checked dense batch whose files are accepted:
+        ``file_ids`` None for a batch of new files (the last ``len(names)`` ids), ``rows`` each
+        leaf's ``(n, item bytes)`` uint8 rows in the layouts' order; ``frame_arr`` None when
+        every frame index is 0."""
+        n, n_leaves, row0 = len(names), len(layout_ids), self._n_rows
         need = row0 + n * n_leaves
         if need > len(self._rows):
             grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
             grown[:row0] = self._rows[:row0]
             self._rows = grown
-        block = self._rows[row0:need, : FS.COL_CRC].reshape(n, n_leaves, FS.COL_CRC)
-        fid_arr = np.arange(base, base + n, dtype=np.int64) if fresh else np.asarray(file_ids, dtype=np.int64)
-        frame_arr = np.asarray(frames, dtype=np.int64)
-        block[:, :, 0] = fid_arr[:, None]
-        block[:, :, 1] = frame_arr[:, None]
-        block[:, :, 2] = layout_ids
-        block[:, :, 4] = [r.shape[1] for r in rows]
         self._n_rows = need
-        if fresh:
+        index = self._rows[row0:need, : FS.COL_CRC]
+        if file_ids is None:
+            base = len(self._filenames) - n
             self._fresh_keys.append((base, frames, row0, n_leaves))
             self._n_fresh_keys += n
+            self._staging.add_frames(row0, base, frame_arr, layout_ids, rows, index)
         else:
             spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
-            self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
-        block[:, :, 3] = self._staging.add_frames(row0, fid_arr, frame_arr, layout_ids, rows)
-        return True
+            self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
+            self._staging.add_frames(row0, file_ids, frame_arr, layout_ids, rows, index)
 
     def _dense_template(
         self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]
@@ -832,6 +889,11 @@ class SpillWriter:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
+
+
+def _frame_array(frames: list[int]) -> np.ndarray | None:
+    """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
+    return np.array(frames, dtype=np.int64) if any(frames) else None
 
 
 def _same_leaves(a: list[Leaf], b: list[Leaf]) -> bool:

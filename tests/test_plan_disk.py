@@ -4,6 +4,7 @@ leaves no temporary file behind after success or failure."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -182,3 +183,79 @@ def test_a_killed_out_of_core_merge_is_rebuilt_to_the_same_bytes_through_the_cli
     assert os.listdir(plan_dir) == left  # the rebuild removed its own
     a, b = output_tree(str(tmp_path / "clean")), output_tree(str(out))
     assert a == b, tree_diff(a, b)
+
+
+_PART = """
+import json, sys
+import spillmerge
+root, out, i, plan_dir, threads = sys.argv[1:6]
+rep = spillmerge.merge(root, out, part=(int(i), 3), timeout=120, chunk_bytes=256, plan_budget=40 << 10,
+                       plan_dir=plan_dir, threads=int(threads), progress=False)
+print(json.dumps(rep.notes))
+"""
+
+
+def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
+    """Three part processes started at once: part 0 plans (out of core) and publishes the plan,
+    parts 1 and 2 wait for it and map it; a part killed in the middle of its copy reruns from the
+    published plan; the finalize maps it too and removes it. Byte for byte the one-process merge."""
+    root, out, plan_dir = str(tmp_path / "spill"), tmp_path / "out", tmp_path / "plan-tmp"
+    with spillmerge.SpillWriter(root, world_size=2, rank=0) as w:
+        for i in range(1500):
+            for f in range(2):
+                w.write(f"file{i:04d}.mp4", f, torch.full((64,), float(i * 10 + f)))
+    with spillmerge.SpillWriter(root, world_size=2, rank=1) as w:
+        w.write_batch([f"cap{i:04d}" for i in range(300)], {"caption": [f"c {i}" for i in range(300)]})
+    spillmerge.merge(root, str(tmp_path / "clean"), chunk_bytes=256)
+
+    def part(i: int, threads: int = 4) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _PART, root, str(out), str(i), str(plan_dir), str(threads)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    procs = [part(i) for i in range(3)]
+    notes = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        notes.append(json.loads(stdout))
+    mapped = [any("was mapped, not rebuilt" in n for n in ns) for ns in notes]
+    assert mapped == [False, True, True], notes
+    assert any("out of core" in n for n in notes[0]), notes[0]  # part 0 planned, and alone
+    published = sorted(os.listdir(out / "spillmerge-parts" / "plan"))
+    assert "plan.json" in published and "names" in published
+    # Part 1 again, killed in the middle of its copy (one-row chunks, one thread): no record.
+    (out / "spillmerge-parts" / "part-00001-of-00003.json").unlink()
+    chunks = out / "columns" / "__value__" / "values" / "c"
+    before = len(os.listdir(chunks))
+    for c in os.listdir(chunks)[:50]:  # chunks lost with the crash, of every part
+        os.unlink(chunks / c / "0")
+    victim = part(1, threads=1)
+    deadline = time.time() + 120
+    start = {c: (chunks / c / "0").stat().st_mtime_ns for c in os.listdir(chunks) if (chunks / c / "0").exists()}
+    while time.time() < deadline and victim.poll() is None:
+        changed = sum(1 for c, t in start.items() if (chunks / c / "0").exists()
+                      and (chunks / c / "0").stat().st_mtime_ns != t)  # fmt: skip
+        if changed >= 100:
+            break
+        time.sleep(0.02)
+    victim.kill()
+    victim.communicate(timeout=30)
+    assert victim.returncode == -signal.SIGKILL, "the part finished before it could be killed"
+    assert before > 400
+    # The missing chunks of parts 0 and 2 come back when those parts run again; part 1 reruns from
+    # the published plan.
+    for i in (0, 1, 2):
+        (out / "spillmerge-parts" / f"part-0000{i}-of-00003.json").unlink(missing_ok=True)
+        p = part(i)
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+        assert any("was mapped, not rebuilt" in n for n in json.loads(stdout))  # part 0 too: its own plan
+    exe = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
+    fin = subprocess.run([exe, "merge", root, "--out", str(out), "--finalize", "--plan-dir", str(plan_dir),
+                          "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert fin.returncode == 0, fin.stderr
+    assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)]
+    assert os.listdir(plan_dir) == []  # and every process's work folder
+    a, b = output_tree(str(tmp_path / "clean")), output_tree(str(out))
+    assert a == b, tree_diff(a, b)
+    assert spillmerge.verify(str(out)).ok

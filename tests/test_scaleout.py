@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -119,12 +122,16 @@ def test_cli_parts_then_finalize_equal_one_process_merge(tmp_path):
     # A missing part: one line naming it, exit 1, nothing lost.
     p = run("merge", str(root), "--out", str(out), "--finalize")  # codec and chunk size: from the parts
     assert_one_line_error(p, "1 of 3 part(s)", "part 2/3", "--part I/3")
-    assert sorted(os.listdir(out / "spillmerge-parts")) == ["part-00000-of-00003.json", "part-00001-of-00003.json"]
+    # Part 0 published its plan (part 1 mapped it); nothing else of the missing part's is there.
+    assert sorted(os.listdir(out / "spillmerge-parts")) == [
+        "part-00000-of-00003.json", "part-00001-of-00003.json", "plan"
+    ]  # fmt: skip
     p = run("merge", str(root), "--out", str(out), "--part", "2/3", *common)
     assert p.returncode == 0, p.stderr
     p = run("merge", str(root), "--out", str(out), "--finalize", "--no-progress")
     assert p.returncode == 0, p.stderr
     assert "in 3 parts with zstd" in p.stdout
+    assert "plan" not in os.listdir(out / "spillmerge-parts")  # the finalize removed it
     # Object for object what one process writes (the root header's timestamp aside).
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
     _same_values(str(one), str(out))
@@ -165,9 +172,14 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
     # the folder), nothing else; no two parts write one chunk; together they write every chunk
     # the one-process merge writes.
     mine = [{p for p in w if _is_chunk(p)} for w in written]
+    plan = {p for p in written[0] if p.startswith("spillmerge-parts/plan/")}
+    assert "spillmerge-parts/plan/plan.json" in plan  # part 0 publishes the plan; the others map it
+    assert [any("was mapped, not rebuilt" in n for n in r.notes) for r in reps_ok] == [False, True, True]
     for i, w in enumerate(written):
         assert mine[i], i
-        assert w == mine[i] | {f"spillmerge-parts/part-0000{i}-of-00003.json"} | ({"zarr.json"} if i == 0 else set())
+        assert w == mine[i] | {f"spillmerge-parts/part-0000{i}-of-00003.json"} | (
+            {"zarr.json", *plan} if i == 0 else set()
+        )
     assert sum(len(m) for m in mine) == len(set().union(*mine))
     assert set().union(*mine) == {p for p in _snapshot(one) if _is_chunk(p)}
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
@@ -206,6 +218,61 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
 
 
+def test_a_damaged_published_plan_is_planned_again(tmp_path):
+    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    seg = out / "spillmerge-parts" / "plan" / "seg"
+    seg.write_bytes(seg.read_bytes()[:-8])  # a torn array: refused by its size, never mapped
+    rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
+    assert any(n.startswith("planned again:") and "seg holds" in n for n in rep.notes), rep.notes
+    (out / "spillmerge-parts" / "part-00000-of-00002.json").unlink()
+    rep = spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    assert any(n.startswith("planned again:") for n in rep.notes)  # and published anew
+    rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert any("was mapped, not rebuilt" in n for n in rep.notes)
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    # Parts that published nothing (written by an older version): part 0's record says no plan is
+    # coming, so a finalize with a long timeout plans at once rather than waiting for it.
+    _parts(root, out, 2, overwrite=True)
+    shutil.rmtree(out / "spillmerge-parts" / "plan")
+    t = time.monotonic()
+    rep = spillmerge.merge(str(root), str(out), finalize=True, timeout=120, **OPTS)  # type: ignore[arg-type]
+    assert time.monotonic() - t < 60 and not any("was mapped" in n for n in rep.notes)
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+
+
+_PART1 = """
+import sys, time
+import spillmerge
+t = time.monotonic()
+try:
+    spillmerge.merge(sys.argv[1], sys.argv[2], part=(1, 2), timeout=120)
+except spillmerge.DuplicateFrameError:
+    print(time.monotonic() - t)
+"""
+
+
+def test_parts_waiting_for_the_plan_stop_when_part_0_fails(tmp_path):
+    """Part 1 waits for part 0's plan; part 0 fails planning (conflicting duplicates) and leaves a
+    failure record; part 1 stops waiting, plans itself and fails the same way, long before its timeout."""
+    root, out = tmp_path / "spill", tmp_path / "out"
+    for r in range(2):
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=2) as w:
+            w.write("same.mp4", 0, torch.full((4,), float(r)))  # different content on both ranks
+    waiting = subprocess.Popen([sys.executable, "-c", _PART1, str(root), str(out)], stdout=subprocess.PIPE, text=True)
+    time.sleep(3)  # part 1 is waiting for the plan by now (or, on a slow machine, about to)
+    with pytest.raises(spillmerge.DuplicateFrameError):
+        spillmerge.merge(str(root), str(out), part=(0, 2))
+    assert os.listdir(out / "spillmerge-parts") == ["part-00000-of-00002.failed.json"]
+    stdout, _ = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0 and float(stdout) < 60, stdout
+    # The failure record names no plan: a finalize counts it as a missing part, not a failed one.
+    with pytest.raises(spillmerge.MissingPartsError, match="part 0/2"):
+        spillmerge.merge(str(root), str(out), finalize=True, on_duplicate="last")
+
+
 def test_parts_of_different_plans_never_mix(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "out"
     _spill(root, world=2)
@@ -221,7 +288,9 @@ def test_parts_of_different_plans_never_mix(tmp_path):
         w.write("late.mp4", 0, torch.ones(3, 8))  # float32: a column of its own next to the bfloat16 one
     with pytest.raises(spillmerge.PlanMismatchError, match="part 0/2 .* part 1/2"):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    assert len(os.listdir(out / "spillmerge-parts")) == 2  # refusing deletes nothing
+    # Refusing deletes nothing (the finalize planned the changed root itself: part 0's plan is of
+    # the old one).
+    assert len(os.listdir(out / "spillmerge-parts")) == 3
     with pytest.raises(spillmerge.PlanMismatchError):
         spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
     # overwrite: the new plan's parts replace the old records; finalize prunes the columns the new
@@ -233,7 +302,7 @@ def test_parts_of_different_plans_never_mix(tmp_path):
     (out / "files" / "old" / "zarr.json").write_text("{}")
     old_columns = set(os.listdir(out / "columns"))
     _parts(root, out, 3, overwrite=True)
-    assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)]
+    assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)] + ["plan"]
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert not (out / "columns" / "leftover").exists() and not (out / "files").exists()
     spillmerge.merge(str(root), str(tmp_path / "one"), **OPTS)  # type: ignore[arg-type]
@@ -263,7 +332,7 @@ def test_a_failed_part_is_named_and_the_other_parts_are_kept(tmp_path):
     assert len(failed) == 1 and isinstance(reps[failed[0]], spillmerge.CorruptSpillError), reps
     bad = failed[0]
     records = sorted(os.listdir(out / "spillmerge-parts"))
-    assert f"part-{bad:05d}-of-00003.failed.json" in records and len(records) == 3
+    assert f"part-{bad:05d}-of-00003.failed.json" in records and len(records) == 4 and "plan" in records
     # What the good parts wrote: their chunks, each of them still there, untouched, to the end.
     kept = {p for i, w in enumerate(written) if i != bad for p in w if _is_chunk(p)}
     assert all(any(_is_chunk(p) for p in w) for i, w in enumerate(written) if i != bad), written
@@ -322,11 +391,19 @@ def test_parts_on_every_backend(backend):
         with spillmerge.SpillWriter(root, rank=r, world_size=2, storage_options=backend.options) as w:
             for i in range(5):
                 w.write(f"v{i}/x.mp4", r, torch.arange(i + 3, dtype=torch.float16) + r)
-    so = {"storage_options": backend.options, "codec": "blosc-lz4"}
-    for i in range(3):
-        spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
+    work = tempfile.mkdtemp(prefix="plan-")  # where a plan fetched from an object store is kept
+    so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": work}
+    # Part 2 first: no plan is published yet, so it plans itself (timeout 0: no waiting); part 0
+    # publishes its plan, part 1 and the finalize map it (fetched into the work folder off local disk).
+    mapped = []
+    for i in (2, 0, 1):
+        rep = spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
+        mapped.append(any("was mapped, not rebuilt" in n for n in rep.notes))
+    assert mapped == [False, False, True]
     rep = spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
-    assert rep.parts == 3 and rep.n_frames == 10
+    assert rep.parts == 3 and rep.n_frames == 10 and any("was mapped, not rebuilt" in n for n in rep.notes)
+    assert os.listdir(work) == []
+    os.rmdir(work)
     spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
     a, b = spillmerge.open(out, backend.options), spillmerge.open(one, backend.options)
     for name in a.filenames:

@@ -315,3 +315,86 @@ def test_a_key_starting_with_the_marker_is_stored_alike_by_write_and_write_batch
     want = _merge(tmp_path, "general", general)
     assert _merge(tmp_path, "rows", rows) == want
     assert _merge(tmp_path, "batch", batch) == want
+
+
+def test_batches_of_a_repeated_flat_structure_are_stored_as_row_by_row_writes(tmp_path):
+    # write_batch stages a flat dict batch whose structure an earlier batch of new files had
+    # from that batch's template; every break of the structure, and a batch naming a file
+    # written before or twice, takes the general way. The reference: the same items written
+    # one by one as OrderedDicts (never a template).
+    from collections import OrderedDict
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(40, 700, generator=g).half(), torch.randn(40, 40, generator=g)
+    be = b[:3].numpy().astype(">f4")  # big-endian values: stored little-endian
+    batches: list[tuple[list[int], dict[str, Any], Any]] = [
+        ([0, 1, 2], {"logits": a[0:3], "emb": b[0:3]}, None),
+        ([3, 4], {"logits": a[3:5], "emb": b[3:5]}, None),  # the template's
+        ([5, 6, 7], {"emb": b[5:8], "logits": a[5:8]}, [0, 2, 1]),  # keys in another order, frame indices
+        ([8, 9], {"emb": b[8:10], "logits": a[8:10]}, None),  # that order again
+        ([10], {"logits": a[10:11].numpy(), "emb": b[10:11].numpy()}, None),  # numpy arrays
+        ([11, 12], {"logits": a[11:13].numpy(), "emb": b[11:13].numpy()}, None),
+        ([13, 14], {"logits": a[13:15].float(), "emb": b[13:15]}, None),  # another dtype
+        ([15, 16], {"logits": a[15:17, :350], "emb": b[15:17]}, None),  # another item shape
+        ([17, 18], {"logits": a[17:19, ::2], "emb": b[17:19]}, None),  # not contiguous
+        ([19, 20], {"logits": a[19:21], "emb": b[19:21].clone().requires_grad_()}, None),  # autograd
+        ([21, 22, 23], {"logits": a[21:24], "emb": be}, None),  # big-endian
+        ([24, 25], {"logits": a[24:26], "emb": b[24:26], "extra": torch.zeros(2, 0)}, None),  # an empty leaf
+        ([26, 0], {"logits": a[26:28], "emb": b[26:28]}, [0, 5]),  # a file written before, another frame
+        ([27, 27], {"logits": a[28:30], "emb": b[28:30]}, [0, 1]),  # one file twice in the batch
+        ([28, 29], {"logits": a[30:32], "emb": b[30:32]}, None),  # the template's again
+    ]
+
+    def rows(w: spillmerge.SpillWriter, general: bool) -> None:
+        for files, batch, frames in batches:
+            for j, f in enumerate(files):
+                item = {k: v[j] for k, v in batch.items()}
+                w.write(f"img/{f:03d}.jpg", 0 if frames is None else frames[j], OrderedDict(item) if general else item)
+
+    def batched(w: spillmerge.SpillWriter) -> None:
+        for files, batch, frames in batches:
+            w.write_batch([f"img/{f:03d}.jpg" for f in files], batch, frame_idx=frames)
+
+    want = _merge(tmp_path, "general", lambda w: rows(w, True))
+    got = _merge(tmp_path, "batch", batched)
+    assert got.keys() == want.keys()
+    for path in want:
+        assert got[path] == want[path], path
+    res = spillmerge.open(str(tmp_path / "batch.zarr"))
+    assert np.array_equal(res["img/006.jpg"]["logits"][0], a[6].numpy())
+    assert np.array_equal(res["img/023.jpg"]["emb"][0], be[2].astype("<f4"))
+    assert res.frames("img/000.jpg").tolist() == [0, 5] and res.frames("img/027.jpg").tolist() == [0, 1]
+
+
+def test_a_flat_batch_repeating_a_written_file_is_refused_whole(tmp_path):
+    # A batch of the template's structure that names a file written before with other bytes:
+    # DuplicateFrameError naming it, nothing of the batch staged, the rows before it kept.
+    x = torch.arange(12.0).reshape(6, 2)
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+        w.write_batch(["a", "b"], {"v": x[0:2]})
+        w.write_batch(["c", "d"], {"v": x[2:4]})
+        with pytest.raises(spillmerge.DuplicateFrameError, match=r"write_batch item 1 of 2 \('a'\)") as ei:
+            w.write_batch(["e", "a"], {"v": x[4:6]})
+        assert ei.value.batch_index == 1
+        w.write_batch(["e", "f"], {"v": x[4:6]})
+    w.merge(str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert list(res.filenames) == ["a", "b", "c", "d", "e", "f"]
+    assert res.column("v")[:].tolist() == x.tolist()
+
+
+def test_a_flat_batch_of_a_known_structure_with_a_short_leaf_names_it_and_writes_nothing(tmp_path):
+    # After a batch of new files taught the writer a flat dict's structure, a batch of the same
+    # keys whose leaf has the wrong length is refused by name, as the general way refuses it.
+    x = torch.arange(20.0).reshape(10, 2)
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+        w.write_batch(["a", "b"], {"v": x[0:2], "w": x[0:2, 0]})
+        w.write_batch(["c", "d"], {"v": x[2:4], "w": x[2:4, 0]})
+        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'w' has 1 items.*item 1 \('f'\) has no value") as ei:
+            w.write_batch(["e", "f"], {"v": x[4:6], "w": x[4:5, 0]})
+        assert (ei.value.leaf, ei.value.filename) == ("w", "f")
+        w.write_batch(["e", "f"], {"v": x[4:6], "w": x[4:6, 0]})
+    w.merge(str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert list(res.filenames) == ["a", "b", "c", "d", "e", "f"]
+    assert res.column("v")[:].tolist() == x[:6].tolist() and res.column("w")[:].tolist() == x[:6, 0].tolist()
