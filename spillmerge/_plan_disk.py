@@ -410,6 +410,11 @@ class _Builder:
         w = self.work
         for source in sources:
             self._add_segment(source.load())
+            # Decided by the layouts alone, and a layout never leaves: known after the first
+            # segment that has it, before the other segments are sorted into runs for nothing.
+            why = self._in_memory_only()
+            if why is not None:
+                raise InMemoryOnly(why)
         names = self._merge_names()
         n_files = len(names)
         self.leaf_paths = sorted({lay.leaf for lay in self.layouts})
@@ -419,12 +424,6 @@ class _Builder:
             e = np.zeros(0, np.int64)
             return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
                           [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
-        why = self.several_variants()
-        if why is None and any(lay.dtype in ("pylist", "pytuple") for lay in self.layouts):
-            # format 4's list offsets number the items of every row: built by the in-memory plan
-            why = "values hold lists or tuples of items (their list offsets are planned in memory)"
-        if why is not None:
-            raise InMemoryOnly(why)
 
         # Pass 1: rows and the row table, block by block.
         n_lp = len(self.leaf_paths)
@@ -521,6 +520,15 @@ class _Builder:
             names, file_offsets, frame_idx, rank, copies_all, file_layout, file_layouts, columns, self.segments,
             t["seg"], t["off"], t["nb"], t["crc"], duplicates,
         )  # fmt: skip
+
+    def _in_memory_only(self) -> str | None:
+        """Why this plan must be built by ``_plan`` in memory, or None. Only grows with the
+        layouts: once a reason, always one."""
+        why = self.several_variants()
+        if why is None and any(lay.dtype in ("pylist", "pytuple") for lay in self.layouts):
+            # format 4's list offsets number the items of every row: built by the in-memory plan
+            why = "values hold lists or tuples of items (their list offsets are planned in memory)"
+        return why
 
     def several_variants(self) -> str | None:
         """Why this plan needs ``_plan``'s variant grouping (docs/FORMAT.md, *Value model*), or

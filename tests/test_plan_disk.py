@@ -99,6 +99,18 @@ def test_an_out_of_core_plan_refuses_what_the_in_memory_plan_refuses_and_cleans_
 
 
 
+def _planned_in_memory(tmp_path, root, why):
+    """Merge ``root`` with the default budget and with a tiny one: the second says its plan was
+    built in memory (``why``), leaves nothing in its plan folder and writes the same output."""
+    plan_dir = tmp_path / "plan-tmp"
+    spillmerge.merge(root, str(tmp_path / "mem"))
+    disk = spillmerge.merge(root, str(tmp_path / "disk"), plan_budget=TINY, plan_dir=str(plan_dir))
+    assert any("built in memory" in n and why in n for n in disk.notes), disk.notes
+    assert not plan_dir.exists() or os.listdir(plan_dir) == []
+    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(tmp_path / "disk"))
+    assert a == b, tree_diff(a, b)
+
+
 @pytest.mark.parametrize("mixed", [True, False])
 def test_leaves_of_several_variants_are_planned_in_memory_whatever_the_budget(tmp_path, mixed):
     """Format 3 lets a leaf change kind, dtype or dimensions between files; the out-of-core plan
@@ -111,13 +123,20 @@ def test_leaves_of_several_variants_are_planned_in_memory_whatever_the_budget(tm
             with spillmerge.SpillWriter(root, rank=r, world_size=2) as w:
                 for i in range(r, 40, 2):
                     w.write(f"g{i:03d}", 0, {"v": "text" if i == 33 else torch.ones(2)})
-    plan_dir = tmp_path / "plan-tmp"
-    spillmerge.merge(root, str(tmp_path / "mem"))
-    disk = spillmerge.merge(root, str(tmp_path / "disk"), plan_budget=TINY, plan_dir=str(plan_dir))
-    assert any("built in memory" in n and "several variants" in n for n in disk.notes), disk.notes
-    assert not plan_dir.exists() or os.listdir(plan_dir) == []
-    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(tmp_path / "disk"))
-    assert a == b, tree_diff(a, b)
+    _planned_in_memory(tmp_path, root, "several variants")
+
+
+def test_lists_of_items_are_planned_in_memory_from_the_first_segment_that_has_them(tmp_path):
+    """A mixed list (torch's object-collective list holds one) gets list offsets the out-of-core
+    plan does not build: the merge says so and writes what the in-memory plan writes, whichever
+    segment holds the first list and however many segments follow it."""
+    root = str(tmp_path / "spill")
+    for r in range(3):
+        with spillmerge.SpillWriter(root, rank=r, world_size=3) as w:
+            for i in range(r, 30, 3):
+                w.write(f"h{i:03d}", 0, [1, True, "s", [i, "n"]] if i in (1, 29) else {"k": i})
+    _planned_in_memory(tmp_path, root, "lists or tuples")
+    assert spillmerge.open(str(tmp_path / "disk")).value("h029") == [1, True, "s", [29, "n"]]
 
 
 def test_expected_frames_and_allow_partial_with_an_out_of_core_plan(tmp_path):
