@@ -258,6 +258,41 @@ def test_a_published_plan_pointing_out_of_range_is_refused_as_damaged(tmp_path):
     assert info.value.path.endswith("spillmerge-parts/plan")
 
 
+@pytest.mark.parametrize("target", ["plan.json", "seg"])
+@pytest.mark.parametrize("attack", ["fifo", "link out of the root", "dev zero", "oversized"])
+def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, attack):
+    # The published plan is one more object kind in the output (docs/GUARANTEES.md, threat model):
+    # a part meeting a FIFO, a link, /dev/zero or an oversized object there never hangs, never
+    # reads outside the output, and either plans itself or stops with a SpillMergeError.
+    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    victim = out / "spillmerge-parts" / "plan" / target
+    outside = tmp_path / "outside.bin"
+    kept = victim.read_bytes()
+    outside.write_bytes(kept)  # the same bytes: only where they live is wrong
+    victim.unlink()
+    if attack == "fifo":
+        os.mkfifo(victim)
+    elif attack == "link out of the root":
+        victim.symlink_to(outside)
+    elif attack == "dev zero":
+        victim.symlink_to("/dev/zero")
+    else:
+        victim.write_bytes(kept)
+        os.truncate(victim, len(kept) + (300 << 20 if target == "plan.json" else 8))  # sparse: past the limits
+    try:
+        rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
+    except spillmerge.SpillMergeError as exc:
+        assert "spillmerge-parts/plan" in str(exc), exc
+    else:
+        assert not any("was mapped, not rebuilt" in n for n in rep.notes), rep.notes  # planned itself
+        spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+        assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert outside.read_bytes() == kept  # nothing outside the output written or removed
+
+
 _PART1 = """
 import sys, time
 import spillmerge
