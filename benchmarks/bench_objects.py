@@ -9,10 +9,15 @@ until the rank's share of the payload (measured as the pickled size, what the to
 move) is reached. ``allow_pickle=True`` (the list holds plain-class objects). Methods, interleaved
 and rotated each repeat, in W gloo ranks on loopback:
 
-- ``gather``: ``spillmerge.gather``, then rank 0 reads every value (``store.value``).
+- ``gather``: ``spillmerge.gather``, then rank 0 reads every value in order into a list, as
+  ``gather_object`` returns one (``store.iter_values()``; ``store.value`` per file when the
+  spillmerge under test predates it, for a before/after run against an older tree).
 - ``gather_object``: ``dist.gather_object`` to rank 0.
 - ``all_gather``: ``spillmerge.all_gather``, then every rank reads every value.
 - ``all_gather_object``: ``dist.all_gather_object``.
+
+``--methods gather,gather_object`` runs only those (at 1 GiB all_gather_object needs the payload's
+objects on every rank at once: more memory than a small machine has).
 
 Wall time: from a barrier until the slowest rank has everything; memory: each rank's peak extra
 anonymous memory (sampled). Prints a markdown table with ratios from this run.
@@ -71,10 +76,12 @@ def rank_main(rank: int, world: int, port: int, method: str, cfg: dict[str, Any]
     if method in ("gather", "all_gather"):
         fn = spillmerge.gather if method == "gather" else spillmerge.all_gather
         store = fn(preds, out, allow_pickle=True, progress=False)
-        if store is not None:
-            for name in store.filenames:
-                store.value(name)
-                n += 1
+        if store is not None and hasattr(store, "iter_values"):
+            values = [v for _, _, v in store.iter_values()]  # the list gather_object would give
+            n = len(values)
+        elif store is not None:
+            values = [store.value(name) for name in store.filenames]
+            n = len(values)
     elif method == "gather_object":
         parts: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(preds, parts, dst=0)
@@ -101,16 +108,21 @@ def main() -> None:
     ap.add_argument("--payload", default="16MiB", help="pickled bytes over all ranks (default 16MiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     args = ap.parse_args()
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown or not methods:
+        ap.error(f"--methods: unknown {sorted(unknown)}; choose from {METHODS}")
     payload = parse_size(args.payload)
     workdir = args.workdir or tempfile.mkdtemp(prefix="spillmerge-objects-")
     os.makedirs(workdir, exist_ok=True)
     cfg = {"payload": payload, "workdir": workdir}
-    rows: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in METHODS}
+    rows: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in methods}
     try:
         for rep in range(args.repeats):
-            k = rep % len(METHODS)
-            for m in METHODS[k:] + METHODS[:k]:
+            k = rep % len(methods)
+            for m in methods[k:] + methods[:k]:
                 res = run_method(m, args.world, cfg)
                 rows[m].append(res)
                 print(f"  repeat {rep + 1} {m}: {max(r.get('wall_s', float('nan')) for r in res):.2f} s", file=sys.stderr)
@@ -122,17 +134,18 @@ def main() -> None:
           f"median of {args.repeats} (methods interleaved)\n")  # fmt: skip
     print("| method | slowest rank's wall (median) | runs | peak extra anon, max over ranks | values read (max rank) |")
     print("|---|---|---|---|---|")
-    for m in METHODS:
+    for m in methods:
         ok = [r for r in rows[m] if "error" not in r[0]]
         walls = [max(x["wall_s"] for x in r) for r in ok]
         med[m] = statistics.median(walls) if walls else float("nan")
         anon[m] = max((x["anon"] for r in ok for x in r), default=0)
         n = max((x["values"] for r in ok for x in r), default=0)
         print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {anon[m] / MiB:.0f} MiB | {n} |")
-    print(f"\ngather / gather_object: time {med['gather'] / med['gather_object']:.2f}x, "
-          f"peak memory {anon['gather'] / max(anon['gather_object'], 1):.2f}x")  # fmt: skip
-    print(f"all_gather / all_gather_object: time {med['all_gather'] / med['all_gather_object']:.2f}x, "
-          f"peak memory {anon['all_gather'] / max(anon['all_gather_object'], 1):.2f}x")  # fmt: skip
+    print()
+    for ours, theirs in (("gather", "gather_object"), ("all_gather", "all_gather_object")):
+        if ours in med and theirs in med:
+            print(f"{ours} / {theirs}: time {med[ours] / med[theirs]:.2f}x, "
+                  f"peak memory {anon[ours] / max(anon[theirs], 1):.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

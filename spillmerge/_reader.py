@@ -16,7 +16,7 @@ from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Sto
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
-from . import _export
+from . import _export, _rowblock
 from . import _format as F
 from . import _format_output as FO
 from . import _invariants as V
@@ -457,11 +457,22 @@ class V2Files:
         return self._row_value(i, a + j, filename, as_torch)
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
-        layout = self._file_layout.item(i)
+        return row_value(self.row_plan(self._file_layout.item(i)), r, filename, as_torch, self._list_offs)
+
+    def row_plan(self, layout: int) -> RowPlan:
+        """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
         plan = self._row_plans.get(layout)
         if plan is None:
             plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self._list_offs)
-        return row_value(plan, r, filename, as_torch, self._list_offs)
+        return plan
+
+    def file_layouts(self, i0: int, i1: int) -> list[int]:
+        """The file layouts of files ``i0 .. i1-1`` (checked as their chunks are read)."""
+        return np.asarray(self._file_layout[i0:i1]).tolist()  # type: ignore[no-any-return]
+
+    def iter_values(self, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
+        """(filename, frame_idx, value) of every row in order (``_rowblock``)."""
+        return _rowblock.iter_values(self, as_torch)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
         if path is None:
@@ -652,6 +663,15 @@ class MergedStore(Mapping[str, Any]):
         files = self.require_columnar("value()")
         i = self._index(filename)
         return files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
+
+    def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
+        """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
+        :meth:`value` returns it (equal in type and content), read a block of rows at a time
+        (each column's rows of a block decoded once, no search for a file): for work over every
+        value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
+        Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
+        more than 32 MiB), whatever the output's size. Version 2 and later outputs."""
+        return self.require_columnar("iter_values()").iter_values(as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as

@@ -93,18 +93,18 @@ def _one(col: Any, d: int, filename: str) -> Any:
 
 
 def _entries(
-    plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray]
+    plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray], block: Any = None
 ) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     whether the row has a value there) of every value row ``r`` has in the plan's columns, less
     the list items and headers it has no value in (they say nothing): format 4's item rows
     (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say, as format 3 stored them
-    (``MARK`` + position)."""
+    (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
         if not domain:
-            ok = valid is None or bool(valid[r])
+            ok = (valid is None or bool(valid[r])) if block is None else block.ok(col, r)
             if ok or not quiet:
                 out.append((leaf, col, r, -1 if lpath is None or not ok else _items(offs, lpath, r), ok))
             continue
@@ -114,7 +114,7 @@ def _entries(
         lo, idx = got
         for j, ix in enumerate(idx):
             d = lo + j
-            ok = valid is None or bool(valid[d])
+            ok = (valid is None or bool(valid[d])) if block is None else block.ok(col, d)
             if not ok and quiet:
                 continue
             segs = list(leaf)
@@ -136,11 +136,20 @@ def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: i
 
 
 def row_value(
-    plan: RowPlan, r: int, filename: str, as_torch: bool = False, offs: dict[tuple[str, ...], np.ndarray] | None = None
+    plan: RowPlan,
+    r: int,
+    filename: str,
+    as_torch: bool = False,
+    offs: dict[tuple[str, ...], np.ndarray] | None = None,
+    block: Any = None,
 ) -> Any:
     """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
-    ``offs``: format 4's list offsets (list path -> offsets)."""
+    ``offs``: format 4's list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
+    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``),
+    else each leaf's row is read from its column here (``value()``)."""
     col = plan.single
+    if col is not None and block is not None:
+        return block.get(col, r, filename) if block.ok(col, r) else None
     if col is not None:  # the value is one leaf at the root: no tree to build
         valid = col.valid()
         if valid is not None and not valid[r]:
@@ -151,7 +160,7 @@ def row_value(
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
     inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
-    entries = _entries(plan, r, offs or {})
+    entries = _entries(plan, r, offs or {}, block)
     room, scalars = plan.room, plan.scalars
     for leaf, col, d, items, ok in entries:
         if not ok:  # (absent headers and list items say nothing: _entries left them out)
@@ -166,7 +175,10 @@ def row_value(
             node = nxt
         dtype, kind = col.info.dtype, col.info.kind
         scalar = id(col) in scalars
-        got = col.scalar(d) if scalar else _one(col, d, filename)
+        if block is not None:  # already what value() returns for the leaf
+            got = block.get(col, d, filename)
+        else:
+            got = col.scalar(d) if scalar else _one(col, d, filename)
         if dtype in F.PY_HEADERS:
             parent = root
             for seg in leaf[:-1]:
@@ -182,7 +194,7 @@ def row_value(
             parent["header"] = (dtype, n)
             del parent["kids"][leaf[-1]]
         else:
-            node["value"] = got if scalar else _to_python(dtype, kind, got, as_torch)
+            node["value"] = got if scalar or block is not None else _to_python(dtype, kind, got, as_torch)
     for leaf in absent:  # a leaf of the file no variant of which has a value here: None
         # dict keys the file's other frames have: None here, as the leaf views say; inside a list
         # only under a dict this row has (its header made the node)

@@ -192,3 +192,36 @@ def test_a_damaged_list_length_is_refused_not_built(tmp_path: Path) -> None:
     arr[:] = 10**9
     with pytest.raises(spillmerge.CorruptSpillError, match="has 1000000000 items"):
         spillmerge.open(str(tmp_path / "o")).value("f")
+
+
+def test_iter_values_gives_every_row_in_order_as_value_gives_it(tmp_path: Path) -> None:
+    # Every kind of VALUES, frames whose kinds differ within a file, and enough files and rows to
+    # cross iter_values' blocks of files (1,024) and of rows (4,096) inside a file of many frames.
+    frames: dict[tuple[str, int], Any] = {(k, 0): v for k, v in VALUES.items()}
+    kinds = list(VALUES.values())
+    for j in range(1500):
+        frames[(f"many-{j:05d}", 0)] = kinds[j % len(kinds)]
+    for f in range(3000):  # one file of 3,000 frames, straddling the row blocks
+        frames[("video.mp4", f)] = {"n": f, "box": torch.full((f % 3, 4), float(f)), "tag": None if f % 7 else "k"}
+    res = _write_merge(tmp_path, frames)
+    got = list(res.iter_values())
+    want = [(name, frame, res.value(name, frame)) for name in res.filenames for frame in res.frames(name).tolist()]
+    assert [(n, f) for n, f, _ in got] == [(n, f) for n, f, _ in want] and len(got) == len(frames)
+    for (name, frame, g), (_, _, w) in zip(got, want, strict=True):
+        assert same(g, w) and same(g, frames[(name, frame)]), (name, frame, g, w)
+    torch_got = {(n, f): v for n, f, v in res.iter_values(as_torch=True) if n in ("list-of-tensors", "bf16")}
+    assert torch.equal(torch_got[("bf16", 0)], VALUES["bf16"]) and torch_got[("bf16", 0)].dtype == torch.bfloat16
+    assert all(
+        torch.equal(a, b) for a, b in zip(torch_got[("list-of-tensors", 0)], VALUES["list-of-tensors"], strict=True)
+    )
+
+
+def test_iter_values_reads_large_rows_one_by_one_and_keeps_the_pickle_rule(tmp_path: Path) -> None:
+    # two 20 MiB rows: more than a block holds at once (32 MiB), read as value() reads them
+    big = {("big", f): {"x": torch.full((5 << 20,), float(f)), "o": Opaque(f)} for f in range(2)}
+    res = _write_merge(tmp_path, big, allow_pickle=True)
+    for name, frame, v in res.iter_values():
+        assert same(v, big[(name, frame)])
+    closed = spillmerge.open(str(tmp_path / "o"))
+    with pytest.raises(spillmerge.PickleNotAllowedError):
+        list(closed.iter_values())
