@@ -34,6 +34,11 @@ def _round(rank: int, world: int, base: str, name: str, shift: int, every_rank: 
     if store is None:
         return {"got_store": False, "diffs": []}
     diffs = [d for s in range(world) for d in same(store.value(f"rank-{s}"), want[s], f"rank {s}")]
+    # every value in order, read in bulk: the list gather_object / all_gather_object returns
+    in_order = list(store.iter_values())
+    if [(n, f) for n, f, _ in in_order] != [(f"rank-{s}", 0) for s in range(world)]:
+        diffs.append(f"iter_values gave rows {[(n, f) for n, f, _ in in_order]}")
+    diffs += same([v for _, _, v in in_order], want, "iter_values")
     return {"got_store": True, "diffs": diffs, "items": sorted({(s + shift) % 5 for s in range(world)})}
 
 
@@ -66,6 +71,12 @@ def whole_list_as_one_value_and_as_frames(rank: int, world: int, base: str) -> d
     for s in range(world):
         diffs += same(store.value(f"list-{s}"), want[s], f"list-{s}")
         diffs += [d for i in range(5) for d in same(store.value(f"frames-{s}", i), want[s][i], f"frames-{s}[{i}]")]
+    expected = {(f"list-{s}", 0): want[s] for s in range(world)}
+    expected.update({(f"frames-{s}", i): want[s][i] for s in range(world) for i in range(5)})
+    in_order = list(store.iter_values())
+    if [(n, f) for n, f, _ in in_order] != sorted(expected):
+        diffs.append(f"iter_values gave rows {[(n, f) for n, f, _ in in_order]}")
+    diffs += [d for n, f, v in in_order for d in same(v, expected.get((n, f)), f"iter_values {n}[{f}]")]
     return {"got_store": True, "diffs": diffs}
 
 
