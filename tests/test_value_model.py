@@ -225,3 +225,32 @@ def test_iter_values_reads_large_rows_one_by_one_and_keeps_the_pickle_rule(tmp_p
     closed = spillmerge.open(str(tmp_path / "o"))
     with pytest.raises(spillmerge.PickleNotAllowedError):
         list(closed.iter_values())
+
+
+class Holder:
+    def __init__(self, **tensors: Any) -> None:
+        self.__dict__.update(tensors)
+
+
+def test_tensors_inside_pickled_objects_come_back_as_torch_pickles_them(tmp_path: Path) -> None:
+    # spillmerge pickles plain CPU tensors through numpy (much cheaper than torch's torch.save of
+    # each storage); every other tensor takes torch's reduce: all come back equal in type and content
+    tagged = torch.arange(3)
+    tagged.note = "kept"  # type: ignore[attr-defined]
+    tensors = {
+        "f32": torch.randn(3, 3), "i64": torch.arange(5), "bool": torch.tensor([True, False]),
+        "zero_d": torch.tensor(2.5), "empty": torch.zeros(0, 4), "c64": torch.randn(2, dtype=torch.complex64),
+        "bf16": torch.randn(2, 3).to(torch.bfloat16), "strided": torch.arange(12).reshape(3, 4).t(),
+        "grad": torch.ones(2, requires_grad=True), "param": torch.nn.Parameter(torch.ones(2)),
+        "conj": torch.randn(2, dtype=torch.complex64).conj(), "tagged": tagged,
+        "offset": torch.arange(10)[4:],
+    }  # fmt: skip
+    res = _write_merge(tmp_path, {("f", 0): Holder(**tensors)}, allow_pickle=True)
+    got = res.value("f").__dict__
+    for k, want in tensors.items():
+        g = got[k]
+        assert type(g) is type(want) and g.dtype == want.dtype and g.shape == want.shape, k
+        assert torch.equal(g.detach().resolve_conj(), want.detach().resolve_conj()), k
+        assert g.requires_grad == want.requires_grad and g.is_conj() == want.is_conj(), k
+    assert got["strided"].stride() == tensors["strided"].stride() and got["tagged"].note == "kept"
+    assert got["f32"].numpy().flags.writeable  # a tensor that owns writable memory
