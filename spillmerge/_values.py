@@ -499,7 +499,7 @@ class _Pickler(pickle.Pickler):
             and obj.is_contiguous()
             and not obj.is_conj()
             and not obj.is_neg()
-            and not (_NAMED and obj.has_names())
+            and not (_NAMED and obj.has_names())  # type: ignore[attr-defined]
             and not obj.__dict__
         ):
             return torch.from_numpy, (obj.numpy(),)
