@@ -51,10 +51,15 @@ def _preds(rank: int, share: int) -> dict[str, tuple[int, Any]]:
     from _object_list import create_collectives_object_test_list
 
     out: dict[str, tuple[int, Any]] = {}
+    # Each item of the list pickles to the same size every time (a fresh 3x3 float tensor, the
+    # same dicts and strings): measured once per item, so that making a 1 GiB payload does not
+    # pickle it all once more (minutes per rank, outside the timed part but not outside the run).
+    sizes = [len(pickle.dumps(item)) for item in create_collectives_object_test_list()]
     size, j = 0, 0
     while size < share:
-        item = create_collectives_object_test_list()[(rank + j) % 5]
-        size += len(pickle.dumps(item))
+        k = (rank + j) % 5
+        item = create_collectives_object_test_list()[k]
+        size += sizes[k]
         out[f"r{rank}-{j:08d}"] = (0, item)
         j += 1
     return out
