@@ -38,6 +38,12 @@ def test_every_value_of_a_format_3_output_reads_back(v3):
     assert res.filenames == sorted({f for f, _, _ in written})
     for filename, frame, value in written:
         assert value_diffs(res.value(filename, frame), value, f"{filename}[{frame}]") == []
+    # every row in order, read in bulk: the same rows and values (format 3's item columns)
+    in_order = list(res.iter_values())
+    assert [(f, i) for f, i, _ in in_order] == sorted((f, i) for f, i, _ in written)
+    by_key = {(f, i): v for f, i, v in written}
+    for filename, frame, got in in_order:
+        assert value_diffs(got, by_key[(filename, frame)], f"iter_values {filename}[{frame}]") == []
     assert spillmerge.verify(str(v3)).ok
 
 

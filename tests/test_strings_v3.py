@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from _helpers import write_filenames
+from _helpers import value_diffs, write_filenames
 
 import spillmerge
 from spillmerge._zarrmeta import NAME_BLOCK
@@ -32,6 +32,10 @@ def test_a_format_2_output_still_reads_and_verifies(tmp_path):
         res["vid.mp4"]["caption"][0] == "" and res["vid.mp4"]["tags"][0] == [] and res.frames("vid.mp4").tolist() == [3]
     )
     assert res.column("caption").to_arrow().to_pylist()[2] == "caption 2 ✓"
+    rows = [(f, i) for f in res.filenames for i in res.frames(f).tolist()]
+    assert [(f, i) for f, i, _ in res.iter_values()] == rows  # format 2's Zarr strings, read in bulk
+    for (f, i), (_, _, v) in zip(rows, res.iter_values(), strict=True):
+        assert value_diffs(v, res.value(f, i)) == [], (f, i)
     assert spillmerge.verify(str(out)).ok
 
 
