@@ -108,9 +108,11 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
             arr[has] = vals[ob[:-1][has] - ob[0]]
         return (arr if col.native else arr.view(col.real)).tolist()  # type: ignore[no-any-return]
     cls = col.view_cls
+    if cls is PickleView and not col.allow_pickle:
+        # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and
+        # holds a pickled value, not for a block whose other rows hold the leaf's other variants
+        return _DIRECT
     if ob is not None and cls in (BytesView, PickleView, TextView):  # one bytes object, sliced per row
-        if cls is PickleView and not col.allow_pickle:
-            PickleView(col, lo, hi, None)._decode(b"")  # raises PickleNotAllowedError, as a row read would
         buf = col.rows(int(ob[0]), int(ob[-1])).tobytes()
         bounds = (ob - ob[0]).tolist()
         if cls is TextView:

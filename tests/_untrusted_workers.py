@@ -76,10 +76,14 @@ def _leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
 
 def _data(store: Any) -> dict[str, Any]:
     """Every leaf of every file, row by row as lists (comparable to the reference): read through
-    each leaf view's ``to_list()`` (every kind of column: fixed, ragged, str, absent rows)."""
+    each leaf view's ``to_list()`` (every kind of column: fixed, ragged, str, absent rows), and
+    every value through ``value()`` and ``iter_values()``."""
     import numpy as np
 
     out: dict[str, Any] = {}
+    in_order: dict[str, list[Any]] = {}  # every row read in bulk (iter_values), by file
+    for name, _, value in store.iter_values():
+        in_order.setdefault(name, []).append(_plain(value))
     for name in store.filenames:
         frames = np.asarray(store.frames(name)).tolist()
         for leaf, view in _leaves(store[name]):
@@ -87,6 +91,7 @@ def _data(store: Any) -> dict[str, Any]:
                 continue
             out[f"{name}/{leaf}"] = [_plain(row) for row in view.to_list()]
         out[f"{name}/value()"] = [_plain(store.value(name, f)) for f in frames]
+        out[f"{name}/iter_values()"] = in_order.get(name, [])
         out[f"{name}/frames"] = frames
     return out
 

@@ -227,6 +227,18 @@ def test_iter_values_reads_large_rows_one_by_one_and_keeps_the_pickle_rule(tmp_p
         list(closed.iter_values())
 
 
+def test_iter_values_unpickles_nothing_unasked_and_refuses_only_the_pickled_row(tmp_path: Path) -> None:
+    # a leaf pickled in one frame and an int in the other: without allow_pickle, the int's row
+    # reads (as value() reads it) and the pickled row is refused when it is reached
+    res = _write_merge(tmp_path, {("f", 0): {"u": 1}, ("f", 1): {"u": Opaque(2)}}, allow_pickle=True)
+    closed = spillmerge.open(str(tmp_path / "o"))
+    rows = closed.iter_values()
+    assert next(rows) == ("f", 0, {"u": 1}) and closed.value("f", 0) == {"u": 1}
+    with pytest.raises(spillmerge.PickleNotAllowedError):
+        next(rows)
+    assert [v for _, _, v in res.iter_values()] == [{"u": 1}, {"u": Opaque(2)}]
+
+
 class Holder:
     def __init__(self, **tensors: Any) -> None:
         self.__dict__.update(tensors)
