@@ -192,6 +192,8 @@ def test_a_damaged_list_length_is_refused_not_built(tmp_path: Path) -> None:
     arr[:] = 10**9
     with pytest.raises(spillmerge.CorruptSpillError, match="has 1000000000 items"):
         spillmerge.open(str(tmp_path / "o")).value("f")
+    with pytest.raises(spillmerge.CorruptSpillError, match="has 1000000000 items"):
+        list(spillmerge.open(str(tmp_path / "o")).iter_values())
 
 
 def test_iter_values_gives_every_row_in_order_as_value_gives_it(tmp_path: Path) -> None:
