@@ -25,11 +25,10 @@ import numpy as np
 
 from . import _format as F
 from . import _lists as L
-from ._rowvalue import RowPlan, _is_scalar, _one, _to_python, row_value
-from ._views import BytesView, PickleView, TextView, _text
+from ._rowvalue import RowPlan, is_scalar, row_value, to_python
+from ._views import BytesView, PickleView, TextView, utf8_text
 
 if TYPE_CHECKING:
-    from ._reader import V2Files
     from ._views import OpenColumn
 
 BLOCK_FILES = 1024
@@ -72,15 +71,15 @@ class Block:
         got = self._cols.get(id(col))
         lo, _, vals = got if got is not None else self._load(col)
         if vals is _DIRECT:  # as value() reads it
-            if _is_scalar(col):
+            if is_scalar(col):
                 return col.scalar(d)
-            return _to_python(col.info.dtype, col.info.kind, _one(col, d, filename), self.as_torch)
+            return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename)[0], self.as_torch)
         return vals[d - lo]
 
 
 def _payload(col: OpenColumn, lo: int, hi: int) -> tuple[int, np.ndarray | None]:
     """Bytes of ``values`` rows ``lo .. hi-1`` of ``col`` hold, and their offsets when it has them."""
-    unit = int(np.prod(col._unit, dtype=np.int64)) * col._dtype.itemsize
+    unit = col.unit_nbytes
     o = col.offsets
     if o is None:
         return (hi - lo) * unit, None
@@ -98,12 +97,12 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
     if size > BLOCK_BYTES:
         return _DIRECT
     info = col.info
-    if _is_scalar(col):  # py* scalars and container headers: one tolist() for the block
+    if is_scalar(col):  # py* scalars and container headers: one tolist() for the block
         if ob is None:
             arr = col.rows(lo, hi)
         else:  # compact: values hold only the rows with a value; the others read as zeros (scalar())
             vals = col.rows(int(ob[0]), int(ob[-1]))
-            arr = np.zeros(hi - lo, dtype=col._dtype)
+            arr = np.zeros(hi - lo, dtype=vals.dtype)
             has = ob[1:] > ob[:-1]
             arr[has] = vals[ob[:-1][has] - ob[0]]
         return (arr if col.native else arr.view(col.real)).tolist()  # type: ignore[no-any-return]
@@ -118,7 +117,7 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         if cls is TextView:
 
             def decode(j: int, raw: bytes) -> Any:
-                return _text(col, lo + j, raw)
+                return utf8_text(col, lo + j, raw)
 
         elif cls is PickleView:
 
@@ -138,12 +137,13 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         dtype, kind = info.dtype, info.kind
         # (a fixed view's rows are views of one array: each gets its own, as value() returns)
         own = info.kind == "fixed"
-        return [None if x is None else _to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
+        return [None if x is None else to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
     return rows
 
 
-def iter_values(files: V2Files, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
-    """(filename, frame_idx, value) of every row of ``files`` in order (module docstring)."""
+def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
+    """(filename, frame_idx, value) of every row of ``files`` (the reader's ``V2Files``) in order
+    (module docstring)."""
     n_files = len(files)
     offs = files.list_offsets
     plans: dict[int, RowPlan] = {}

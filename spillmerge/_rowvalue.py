@@ -25,7 +25,7 @@ _Node = dict[str, Any]
 ``header`` (a container header: (dtype, length))."""
 
 
-def _to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
+def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
     """A leaf view's row value as what was written."""
     if kind not in ("fixed", "ragged"):
         return v  # str, bytes, list of str, unpickled object: already what was written
@@ -66,7 +66,7 @@ class RowPlan:
             head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
             lpath = (*leaf[:-1], F.ITEM) if head else None
             self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
-            if _is_scalar(col):
+            if is_scalar(col):
                 self.scalars.add(id(col))
         # How many items each list of the file can have (format 3: its highest item column; format
         # 4: its offsets): a header is checked against it, so a damaged (or hostile) length cannot
@@ -82,7 +82,7 @@ class RowPlan:
         self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
 
 
-def _is_scalar(col: Any) -> bool:
+def is_scalar(col: Any) -> bool:
     info = col.info
     return bool(info.kind == "fixed" and info.ndim == 0 and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS))
 
@@ -156,7 +156,7 @@ def row_value(
             return None
         if id(col) in plan.scalars:
             return col.scalar(r)
-        return _to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
+        return to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
     inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
@@ -194,7 +194,7 @@ def row_value(
             parent["header"] = (dtype, n)
             del parent["kids"][leaf[-1]]
         else:
-            node["value"] = got if scalar or block is not None else _to_python(dtype, kind, got, as_torch)
+            node["value"] = got if scalar or block is not None else to_python(dtype, kind, got, as_torch)
     for leaf in absent:  # a leaf of the file no variant of which has a value here: None
         # dict keys the file's other frames have: None here, as the leaf views say; inside a list
         # only under a dict this row has (its header made the node)

@@ -72,6 +72,8 @@ class OpenColumn:
         self._n = int(values.shape[0])
         self._unit = tuple(values.shape[1:])
         self._dtype = values.dtype
+        self.unit_nbytes = int(np.prod(self._unit, dtype=np.int64)) * self._dtype.itemsize
+        """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
         # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
         self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
@@ -648,7 +650,7 @@ class StrListView(_OffsetView):
         return _with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), strings), self.valid)
 
 
-def _text(col: OpenColumn, r: int, raw: bytes) -> str:
+def utf8_text(col: OpenColumn, r: int, raw: bytes) -> str:
     """UTF-8 ``raw`` of row ``r`` as ``str``; bytes that are not UTF-8 are damage, named."""
     try:
         return raw.decode("utf-8")
@@ -671,7 +673,7 @@ class TextView(BytesView):
         assert o is not None
         # a LazyArray, or (a list's items) offsets read whole at open
         lo, hi = o.pair(r) if type(o) is not np.ndarray else (o.item(r), o.item(r + 1))
-        return _text(col, r, col.span(lo, hi).tobytes())
+        return utf8_text(col, r, col.span(lo, hi).tobytes())
 
     def _list(self, a: int, b: int) -> list[Any]:
         flat = self._flat(a, b).tobytes()
@@ -680,7 +682,7 @@ class TextView(BytesView):
         bounds = (o[a : b + 1] - o[a]).tolist()
         v = self._col.valid()
         return [
-            None if v is not None and not v[a + j] else _text(self._col, a + j, flat[bounds[j] : bounds[j + 1]])
+            None if v is not None and not v[a + j] else utf8_text(self._col, a + j, flat[bounds[j] : bounds[j + 1]])
             for j in range(b - a)
         ]
 
@@ -717,7 +719,7 @@ class TextListView(_OffsetView):
             )
         out, pos = [], 0
         for ln in lens:
-            out.append(_text(self._col, r, data[pos : pos + ln]))
+            out.append(utf8_text(self._col, r, data[pos : pos + ln]))
             pos += ln
         return out
 
