@@ -421,17 +421,23 @@ class V2Files:
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
         a, b = self.checks.file_rows(i)  # (rows_of, inlined: one call per file read)
-        cols, flat = self._layout_cols[self._file_layout.item(i)]
+        fl = self._file_layout
+        hot = fl._hot  # fl.item's first step, inlined
+        layout = hot[3].item(i - hot[2]) if hot is not None and hot[0] <= i < hot[1] else fl.item(i)
+        cols, flat = self._layout_cols[layout]
         if filename is None or type(filename) is not str:
             filename = str(self._names[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
         out = LeafDict.top(filename)
         if flat:
+            new = object.__new__
             for key, cls, col in flat:
-                out[key] = cls(col, a, b, filename)
+                # LeafView.__init__, inlined: a file's views are most of a file read in order
+                view = out[key] = new(cls)
+                view._col, view._start, view._stop, view.filename = col, a, b, filename
             return out
-        for path, col in self._layout_paths[self._file_layout.item(i)]:
+        for path, col in self._layout_paths[layout]:
             # a list's items (format 4): the items of the file's rows, flattened
             set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
