@@ -223,6 +223,24 @@ def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColum
     return [(p, c) for p, c in out if not any(p[:d] in values for d in range(1, len(p)))]
 
 
+def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int, str], LeafDict]:
+    """``make(a, b, filename)``: the value of a file whose layout has these top-level leaves
+    (``(key, view class, column)`` each), rows ``a .. b-1``: a :class:`LeafDict` of one view per
+    leaf. Straight-line code, made once per layout: building the views in a loop (through
+    ``LeafView.__init__``) was a third of a file read in order through ``res[f][leaf][0]``
+    (2.3 against 1.4 us for 7 leaves, measured). Only names are generated: the keys (which come
+    from the output), classes and columns are passed as values, never written into the source."""
+    ns: dict[str, Any] = {"top": LeafDict.top, "new": object.__new__}
+    lines = ["def make(a, b, f):", "    out = top(f)"]
+    for j, (key, cls, col) in enumerate(flat):
+        ns[f"k{j}"], ns[f"c{j}"], ns[f"col{j}"] = key, cls, col
+        # LeafView.__init__'s assignments
+        lines += [f"    v = out[k{j}] = new(c{j})", f"    v._col = col{j}; v._start = a; v._stop = b; v.filename = f"]
+    lines.append("    return out")
+    exec("\n".join(lines), ns)  # noqa: S102 - the source holds generated names only (docstring)
+    return ns["make"]  # type: ignore[no-any-return]
+
+
 class V2Files:
     """The files of a version-2 (columnar) output, for :class:`MergedStore`.
 
@@ -364,6 +382,7 @@ class V2Files:
             self._layout_cols.append((cols, None if plain else flat))
             self._layout_paths.append(paths)
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
+        self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
         self._next = 0
         self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -429,14 +448,12 @@ class V2Files:
             filename = str(self._names[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
-        out = LeafDict.top(filename)
         if flat:
-            new = object.__new__
-            for key, cls, col in flat:
-                # LeafView.__init__, inlined: a file's views are most of a file read in order
-                view = out[key] = new(cls)
-                view._col, view._start, view._stop, view.filename = col, a, b, filename
-            return out
+            make = self._makers.get(layout)
+            if make is None:
+                make = self._makers[layout] = view_factory(flat)
+            return make(a, b, filename)
+        out = LeafDict.top(filename)
         for path, col in self._layout_paths[layout]:
             # a list's items (format 4): the items of the file's rows, flattened
             set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))

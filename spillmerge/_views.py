@@ -228,6 +228,7 @@ class LeafView:
         self._stop = stop
         self.filename = filename
         """The file whose rows these are (None for a whole column)."""
+        # (_reader.view_factory makes the views of store[filename] with these same assignments)
 
     @property
     def leaf(self) -> tuple[str, ...]:
