@@ -19,6 +19,7 @@ from ._cache import ChunkCache
 from ._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
 from ._invariants import StoredColumn, read_rows
 from ._lazyindex import ROW_BLOCK
+from ._leafdict import LeafDict
 from ._rawchunk import chunk_reader
 from ._storage import Storage
 
@@ -228,7 +229,7 @@ class LeafView:
         self._stop = stop
         self.filename = filename
         """The file whose rows these are (None for a whole column)."""
-        # (_reader.view_factory makes the views of store[filename] with these same assignments)
+        # (view_factory makes the views of store[filename] with these same assignments)
 
     @property
     def leaf(self) -> tuple[str, ...]:
@@ -775,6 +776,24 @@ class TextListView(_OffsetView):
         pa = _pa()
         rows = self._list(self._start, self._stop)
         return pa.array(rows, type=pa.large_list(pa.large_string()))
+
+
+def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int, str], LeafDict]:
+    """``make(a, b, filename)``: the value of a file whose layout has these top-level leaves
+    (``(key, view class, column)`` each), rows ``a .. b-1``: a :class:`LeafDict` of one view per
+    leaf. Straight-line code, made once per layout: building the views in a loop (through
+    ``LeafView.__init__``) was a third of a file read in order through ``res[f][leaf][0]``
+    (2.3 against 1.4 us for 7 leaves, measured). Only names are generated: the keys (which come
+    from the output), classes and columns are passed as values, never written into the source."""
+    ns: dict[str, Any] = {"LeafDict": LeafDict, "new_dict": LeafDict.__new__, "new": object.__new__}
+    lines = ["def make(a, b, f):", "    out = new_dict(LeafDict)", "    out.filename = f; out.prefix = ()  # LeafDict.top's"]
+    for j, (key, cls, col) in enumerate(flat):
+        ns[f"k{j}"], ns[f"c{j}"], ns[f"col{j}"] = key, cls, col
+        # LeafView.__init__'s assignments
+        lines += [f"    v = out[k{j}] = new(c{j})", f"    v._col = col{j}; v._start = a; v._stop = b; v.filename = f"]
+    lines.append("    return out")
+    exec("\n".join(lines), ns)  # noqa: S102 - the source holds generated names only (docstring)
+    return ns["make"]  # type: ignore[no-any-return]
 
 
 _BYTE_VIEWS: dict[str, type[LeafView]] = {"str": TextView, "strlist": TextListView}
