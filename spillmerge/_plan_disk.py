@@ -58,30 +58,30 @@ ROW_BLOCK = P.ROW_BLOCK
 _I8 = np.dtype("<i8")
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None on a C library without it (musl, macOS, Windows)."""
+#: glibc's ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (malloc.h) and its documented
+#: default value: buffers of this size or more get their own mapping, unmapped when freed.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 128 * 1024
+
+
+def map_large_buffers() -> None:
+    """Make the C heap serve buffers of 128 KiB or more from their own mappings for the rest of
+    the process (glibc ``mallopt(M_MMAP_THRESHOLD, 128 KiB)``; on other C libraries nothing).
+
+    Why: glibc's threshold is dynamic by default. The first free of a large mapped buffer raises
+    it to that buffer's size (up to 32 MiB), and from then on buffers below it come from the heap,
+    whose free chunks between live ones are neither returned nor always reused. Step 1 allocates
+    and frees, segment after segment, buffers of 2-36 MB (a catalog's bytes, the index, its sorts),
+    so the heap fragmented and the process's resident memory crept up with the number of
+    segments: the merge peak at 10^7 keys in 40 sessions was 1.11-1.14x that at 10^6 in 4 (issue
+    24; ``malloc_trim`` after each segment removed only half of it). Setting the threshold fixes
+    it at glibc's default value and turns the dynamic rise off: each large buffer is unmapped when
+    freed, and the peak no longer depends on how many segments came before."""
     try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc ``malloc_trim(0)``; elsewhere
-    nothing).
-
-    Step 1 loads one segment after another: ~10^5 filenames, an index of several MB and their
-    sorts, all freed before the next. glibc serves these buffers from its heap once its dynamic
-    mmap threshold has risen (the first free of a large buffer raises it, up to 32 MiB), and the
-    heap's free chunks between what stays allocated are neither returned nor always reused, so
-    the process's resident memory crept up with every segment: the merge peak at 10^7 keys in 40
-    sessions was 1.11-1.14x that at 10^6 in 4 (issue 24). Trimming after each segment returns the
-    free pages; what a segment needs is then touched afresh."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
 class StringTable(Sequence[str]):
@@ -435,9 +435,9 @@ class _Builder:
 
     def run(self, sources: Sequence[SegmentSource]) -> P.Plan:
         w = self.work
+        map_large_buffers()
         for source in sources:
             self._add_segment(source.load())
-            release_free_memory()
             # Decided by the layouts alone, and a layout never leaves: known after the first
             # segment that has it, before the other segments are sorted into runs for nothing.
             why = self._in_memory_only()
