@@ -523,6 +523,31 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_lists.py::test_a_header_whose_list_group_is_missing_is_refused",),
         "a pylist / pytuple header whose items' list group is missing is refused, naming the header",
     ),
+    # ------------------------------------------------------------------ parts and leases (issue 24)
+    Mutation(
+        "published-plan-range-error",
+        "spillmerge/_planshare.py",
+        "        if published is None or isinstance(exc, SpillMergeError):",
+        "        if True:",
+        ("tests/test_scaleout.py::test_a_published_plan_pointing_out_of_range_is_refused_as_damaged",),
+        "a published plan with an entry out of range ends the part with CorruptSpillError naming the plan",
+    ),
+    Mutation(
+        "lease-conflicts-name-only-real-holders",
+        "spillmerge/_lease.py",
+        "        return None if self.exclusive else {f\"{_MERGE}.lock\"}",
+        "        return None",
+        ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
+        "parts sharing an output are never refused because of one another",
+    ),
+    Mutation(
+        "lease-lock-on-a-vanished-file",
+        "spillmerge/_lease.py",
+        "            if self._still_linked() is None:",
+        "            if True:",
+        ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
+        "a lock taken on a file a tidying holder just unlinked is not counted: no whole merge shares the output",
+    ),
     # Not listed: remove_spill's "salvaged_frames" and "no completion marker" conditions. A rank with
     # salvaged frames is always in missing_ranks too (checked first), and both merge paths write the
     # marker before they return: neither condition can decide alone (mutations survive every test).
