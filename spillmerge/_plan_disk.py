@@ -76,7 +76,11 @@ def map_large_buffers() -> None:
     segments: the merge peak at 10^7 keys in 40 sessions was 1.11-1.14x that at 10^6 in 4 (issue
     24; ``malloc_trim`` after each segment removed only half of it). Setting the threshold fixes
     it at glibc's default value and turns the dynamic rise off: each large buffer is unmapped when
-    freed, and the peak no longer depends on how many segments came before."""
+    freed, and step 1's peak no longer depends on how many segments came before (a later step
+    still grows: the whole merge's peak at 10^7 keys is 1.17x that at 10^6, docs/SCALE.md).
+
+    It stays set for the rest of the process (glibc cannot turn the dynamic threshold back on).
+    Only the out-of-core plan sets it: merges large enough that their memory bound matters."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
