@@ -92,6 +92,28 @@ def merge_one(root: str, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def open_lookup(out: str, n: int) -> dict[str, Any]:
+    """In a fresh process: ``spillmerge.open`` and 200 lookups of random filenames (cold blocks:
+    random keys rarely share one), each ``res[f]`` timed alone."""
+    import statistics
+
+    import spillmerge
+
+    t = time.perf_counter()
+    res = spillmerge.open(out)
+    t_open = time.perf_counter() - t
+    rng = np.random.default_rng(1)
+    lookup = []
+    for i in rng.integers(0, n, 200).tolist():
+        t = time.perf_counter()
+        v = res[key_name(i)]
+        lookup.append(time.perf_counter() - t)
+        if int(np.asarray(v["label"][0])) != i % 1000:
+            return {"ok": False, "error": f"{key_name(i)}: wrong label"}
+    return {"ok": True, "open_s": t_open, "lookup_ms_median": statistics.median(lookup) * 1e3,
+            "lookup_ms_p90": sorted(lookup)[179] * 1e3}  # fmt: skip
+
+
 def _parallel(fn: Any, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run ``fn(**job)`` for every job at once, each in a fresh process."""
     ctx = context()
@@ -181,6 +203,8 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
             raise RuntimeError(res)
         res["objects"], res["bytes"] = _objects(out)
         res["checked"] = _check(out, n)
+        if label == "merge":
+            (res["open_lookup"],) = _parallel(open_lookup, [{"out": out, "n": n}])
         row["merges"][label] = res
         log(f"N={n}: {label} {res['wall_s']:.1f} s, peak anon {res['anon'] / MiB:.0f} MiB, ok={res['checked']}")
         shutil.rmtree(out)
@@ -266,6 +290,14 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
                 f"| {r['n']:,} | {label} | {m['wall_s']:.1f} | {per_key:.1f} us | {m['anon'] / MiB:.0f} MiB | "
                 f"{m['file'] / MiB:.0f} MiB | {m['objects']:,} | {m['bytes'] / MiB:.0f} MiB | {ph_s} |"
             )
+    opened = [(r["n"], r["merges"]["merge"]["open_lookup"]) for r in rows
+              if r["merges"].get("merge", {}).get("open_lookup", {}).get("ok")]  # fmt: skip
+    if opened:
+        lines += ["", "| N | `open` (fresh process) | lookup `res[f]` median | p90 | targets |"]
+        lines.append("|---|---|---|---|---|")
+        for n, o in opened:
+            lines.append(f"| {n:,} | {o['open_s']:.3f} s | {o['lookup_ms_median']:.2f} ms | {o['lookup_ms_p90']:.2f} ms "
+                         "| <= 1 s, <= 5 ms |")  # fmt: skip
     lines += ["", "| N | spill (4 writers) | spill objects | spill bytes |", "|---|---|---|---|"]
     for r in rows:
         lines.append(

@@ -12,13 +12,13 @@ from ._errors import UnknownLeafError
 class LeafDict(dict[str, Any]):
     """One level of a file's value: ``prefix`` is the leaf path down to it (``()`` at the top)."""
 
-    prefix: tuple[str, ...] = ()
+    # Slots: no per-instance __dict__ to allocate, one LeafDict per file read in order.
+    __slots__ = ("filename", "prefix")
 
     def __init__(self, filename: str, prefix: tuple[str, ...] = ()) -> None:
         # no dict.__init__: a new dict is empty already
         self.filename = str(filename)  # never a numpy str: its repr would show in messages
-        if prefix:
-            self.prefix = prefix
+        self.prefix = prefix
 
     @classmethod
     def top(cls, filename: str) -> LeafDict:
@@ -26,6 +26,7 @@ class LeafDict(dict[str, Any]):
         one per file read, so it counts when files are read in order."""
         out = cls.__new__(cls)
         out.filename = filename
+        out.prefix = ()
         return out
 
     def child(self, key: str) -> LeafDict:

@@ -71,7 +71,9 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
                 "damaged: merge it again",
                 path=where,
             ) from None
-        if len(data) != size or google_crc32c.value(data[:-4]) != int.from_bytes(data[-4:], "little"):
+        # (over a numpy view: slicing the bytes would copy the whole chunk once more)
+        body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4) if len(data) >= 4 else b""
+        if len(data) != size or google_crc32c.value(body) != int.from_bytes(data[-4:], "little"):
             where = describe(rel)
             what = f"{len(data)} bytes, its chunk shape needs {size}" if len(data) != size else "CRC-32C mismatch"
             raise CorruptSpillError(

@@ -38,7 +38,7 @@ from ._output import not_an_output, what_is
 from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._rowvalue import RowPlan, row_value
 from ._storage import Storage
-from ._views import LeafView, OpenColumn
+from ._views import LeafView, OpenColumn, view_factory
 
 # Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
@@ -364,6 +364,7 @@ class V2Files:
             self._layout_cols.append((cols, None if plain else flat))
             self._layout_paths.append(paths)
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
+        self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
         self._next = 0
         self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -421,17 +422,19 @@ class V2Files:
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
         a, b = self.checks.file_rows(i)  # (rows_of, inlined: one call per file read)
-        cols, flat = self._layout_cols[self._file_layout.item(i)]
+        layout = self._file_layout.item(i)
+        cols, flat = self._layout_cols[layout]
         if filename is None or type(filename) is not str:
             filename = str(self._names[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
-        out = LeafDict.top(filename)
         if flat:
-            for key, cls, col in flat:
-                out[key] = cls(col, a, b, filename)
-            return out
-        for path, col in self._layout_paths[self._file_layout.item(i)]:
+            make = self._makers.get(layout)
+            if make is None:
+                make = self._makers[layout] = view_factory(flat)
+            return make(a, b, filename)
+        out = LeafDict.top(filename)
+        for path, col in self._layout_paths[layout]:
             # a list's items (format 4): the items of the file's rows, flattened
             set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
@@ -575,7 +578,9 @@ class MergedStore(Mapping[str, Any]):
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
             store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
-            self.group = zarr.open_group(store, mode="r", use_consolidated=True)
+            # zarr_format=3: every version of our output is Zarr v3; without it zarr probes the v2
+            # names too (.zgroup, .zattrs, .zmetadata: 6 more requests on an object store).
+            self.group = zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
             raise CorruptSpillError(
                 f"{self.storage.describe()}: cannot open as zarr: {exc}", path=self.storage.describe()

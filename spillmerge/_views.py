@@ -18,6 +18,8 @@ from . import _format as F
 from ._cache import ChunkCache
 from ._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
 from ._invariants import StoredColumn, read_rows
+from ._lazyindex import ROW_BLOCK
+from ._leafdict import LeafDict
 from ._rawchunk import chunk_reader
 from ._storage import Storage
 
@@ -40,6 +42,12 @@ def real_dtype(name: str) -> np.dtype[Any]:
     if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
         return np.dtype(ml)
     return np.dtype(dt.storage)
+
+
+ROW_BLOCK_ROWS = 256
+ROW_BLOCK_BYTES = 1 << 16
+"""Bounds of the rows of a column with offsets read together when read in order
+(:meth:`OpenColumn.row_block`): at most this much memory per column."""
 
 
 def _dims(shape: Any) -> tuple[int, ...]:
@@ -84,6 +92,8 @@ class OpenColumn:
             _BYTE_VIEWS[info.kind] if info.kind in _BYTE_VIEWS and values.dtype == np.uint8 else _VIEWS[info.kind]
         )
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
+        self._block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
+        self._next_row = -1
         self.offsets: Any = None
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
         self.shapes: Any = None
@@ -123,26 +133,48 @@ class OpenColumn:
         x = self._chunk(c)[i]
         return (x if self.native else x.view(self.real)).item()
 
-    def row(self, r: int) -> np.ndarray:
-        """Unit ``r`` of ``values`` (a row of a fixed column without offsets), a new array of the
-        real dtype."""
-        c, i = divmod(r, self._k)
-        hot = self._hot  # _chunk's first step, inlined: one row per file read in order
-        arr = hot[1]() if hot is not None and hot[0] == c else None
-        x = (arr if arr is not None else self._chunk(c))[i].copy()
-        return x if self.native else x.view(self.real)
-
-    def span(self, lo: int, hi: int) -> np.ndarray:
-        """Units ``lo .. hi-1`` of ``values`` for one row's read: a view of the cached chunk when
-        they lie in one (the caller copies or converts it), else :meth:`rows`."""
+    def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:
+        """Rows ``r ..`` read together when rows are read in order (row ``r`` right after row
+        ``r - 1``): ``(r, b, bounds, payload)`` for rows ``r .. b-1``, ``payload`` a private copy
+        of their values: row ``r + j`` is ``payload[j]`` in a fixed column without offsets,
+        ``payload[bounds[j] : bounds[j + 1]]`` in a column with offsets, and for a ``str`` column
+        (:class:`TextView`) ``payload[j]`` is its decoded string. At most :data:`ROW_BLOCK_ROWS` rows and :data:`ROW_BLOCK_BYTES` bytes, kept until
+        the next block (one per column), so a row read in order costs two list lookups and a
+        slice, not a walk through the index and chunk caches (a file read through
+        ``res[f][leaf][0]`` is mostly Python calls). None when the read is not in order, when
+        row ``r`` alone is larger than a block, or a string in the block is not UTF-8 (the
+        caller reads the row alone, and names it if it is the damaged one)."""
+        sequential = r == self._next_row
+        self._next_row = r + 1
+        if not sequential:
+            return None
+        limit = ROW_BLOCK_BYTES // max(self._dtype.itemsize * int(np.prod(self._unit, dtype=np.int64)), 1)
         k = self._k
-        c = lo // k
-        if hi > lo and (hi - 1) // k == c:
-            base = c * k
-            hot = self._hot  # _chunk's first step, inlined
-            arr = hot[1]() if hot is not None and hot[0] == c else None
-            return (arr if arr is not None else self._chunk(c))[lo - base : hi - base]
-        return self.rows(lo, hi)
+        if self.offsets is None:  # a fixed column: row r is unit r (no bounds)
+            n = min(ROW_BLOCK_ROWS, limit, self.n_rows - r, (r // k + 1) * k - r)
+            if n < 1:
+                return None
+            block = self._block = (r, r + n, [], self.rows(r, r + n))
+            return block
+        # Never past the block of index rows (ROW_BLOCK) or the chunk of values that row r reads:
+        # the rows read ahead are checked, and their chunks read, no sooner than row r's are.
+        stop = min(r + ROW_BLOCK_ROWS, self.n_rows, (r // ROW_BLOCK + 1) * ROW_BLOCK)
+        offs = np.asarray(self.offsets[r : stop + 1])
+        lo = int(offs[0])
+        n = int(np.searchsorted(offs, min(lo + limit, (lo // k + 1) * k), side="right")) - 1
+        if n < 1:
+            return None
+        offs = offs[: n + 1]
+        payload: Any = self.rows(lo, int(offs[-1]))
+        bounds = (offs - lo).tolist()
+        if self.view_cls is TextView:
+            raw = payload.tobytes()
+            try:
+                payload = [raw[bounds[j] : bounds[j + 1]].decode("utf-8") for j in range(n)]
+            except UnicodeDecodeError:
+                return None
+        block = self._block = (r, r + n, bounds, payload)
+        return block
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
         """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
@@ -199,6 +231,7 @@ class LeafView:
         self._stop = stop
         self.filename = filename
         """The file whose rows these are (None for a whole column)."""
+        # (view_factory makes the views of store[filename] with these same assignments)
 
     @property
     def leaf(self) -> tuple[str, ...]:
@@ -372,8 +405,16 @@ class FixedView(LeafView):
 
     def _one(self, r: int) -> Any:
         col = self._col
-        if col.offsets is None:  # one row, the common case: straight from its chunk
-            return col.row(r)
+        if col.offsets is None:  # one row, the common case
+            block = col._block
+            if block is None or not block[0] <= r < block[1]:
+                block = col.row_block(r)
+            if block is not None:  # read in order
+                x = block[3][r - block[0]].copy()
+            else:  # straight from its chunk
+                c, i = divmod(r, col._k)
+                x = col._chunk(c)[i].copy()
+            return x if col.native else x.view(col.real)
         return self._raw(r - self._start).view(self.dtype)
 
     def _select(self, sel: Any) -> Any:
@@ -498,12 +539,15 @@ class RaggedView(_OffsetView):
 
     def _one(self, r: int) -> Any:
         col = self._col
-        o = col.offsets
-        assert o is not None
+        block = col._block
+        if block is None or not block[0] <= r < block[1]:
+            block = col.row_block(r)
+        if block is not None:
+            bounds, j = block[2], r - block[0]
+            flat = block[3][bounds[j] : bounds[j + 1]].copy()
+        else:
+            flat = self._flat(r, r + 1)
         # (n, *inner_shape) already when only the first dimension varies
-        # a LazyArray, or (a list's items) offsets read whole at open
-        lo, hi = o.pair(r) if type(o) is not np.ndarray else (o.item(r), o.item(r + 1))
-        flat = col.span(lo, hi).copy()
         if col.info.inner_shape is None:
             assert col.shapes is not None
             flat = flat.reshape(tuple(col.shapes[r].tolist()))
@@ -669,11 +713,12 @@ class TextView(BytesView):
 
     def _one(self, r: int) -> Any:
         col = self._col
-        o = col.offsets
-        assert o is not None
-        # a LazyArray, or (a list's items) offsets read whole at open
-        lo, hi = o.pair(r) if type(o) is not np.ndarray else (o.item(r), o.item(r + 1))
-        return utf8_text(col, r, col.span(lo, hi).tobytes())
+        block = col._block
+        if block is None or not block[0] <= r < block[1]:
+            block = col.row_block(r)
+        if block is not None:
+            return block[3][r - block[0]]
+        return utf8_text(col, r, self._flat(r, r + 1).tobytes())
 
     def _list(self, a: int, b: int) -> list[Any]:
         flat = self._flat(a, b).tobytes()
@@ -733,6 +778,24 @@ class TextListView(_OffsetView):
         pa = _pa()
         rows = self._list(self._start, self._stop)
         return pa.array(rows, type=pa.large_list(pa.large_string()))
+
+
+def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int, str], LeafDict]:
+    """``make(a, b, filename)``: the value of a file whose layout has these top-level leaves
+    (``(key, view class, column)`` each), rows ``a .. b-1``: a :class:`LeafDict` of one view per
+    leaf. Straight-line code, made once per layout: building the views in a loop (through
+    ``LeafView.__init__``) was a third of a file read in order through ``res[f][leaf][0]``
+    (2.3 against 1.4 us for 7 leaves, measured). Only names are generated: the keys (which come
+    from the output), classes and columns are passed as values, never written into the source."""
+    ns: dict[str, Any] = {"LeafDict": LeafDict, "new_dict": LeafDict.__new__, "new": object.__new__}
+    lines = ["def make(a, b, f):", "    out = new_dict(LeafDict)", "    out.filename = f; out.prefix = ()  # LeafDict.top's"]
+    for j, (key, cls, col) in enumerate(flat):
+        ns[f"k{j}"], ns[f"c{j}"], ns[f"col{j}"] = key, cls, col
+        # LeafView.__init__'s assignments
+        lines += [f"    v = out[k{j}] = new(c{j})", f"    v._col = col{j}; v._start = a; v._stop = b; v.filename = f"]
+    lines.append("    return out")
+    exec("\n".join(lines), ns)  # noqa: S102 - the source holds generated names only (docstring)
+    return ns["make"]  # type: ignore[no-any-return]
 
 
 _BYTE_VIEWS: dict[str, type[LeafView]] = {"str": TextView, "strlist": TextListView}

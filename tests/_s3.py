@@ -63,6 +63,7 @@ class FaultyProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "503": 0, "dropped": 0}
+        self.forwarded: list[str] = []  # "METHOD /path?query" of each forwarded request
         host, port = upstream.removeprefix("http://").split(":")
         proxy = self
 
@@ -94,6 +95,7 @@ class FaultyProxy:
                     self.wfile.write(msg)
                     return
                 proxy.counts["forwarded"] += 1
+                proxy.forwarded.append(f"{self.command} {self.path}")
                 conn = http.client.HTTPConnection(host, int(port), timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
                 conn.request(self.command, self.path, body=body, headers=headers)
