@@ -548,6 +548,17 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
         "a lock taken on a file a tidying holder just unlinked is not counted: no whole merge shares the output",
     ),
+    # ------------------------------------------------------------------ object stores' bounded reads
+    Mutation(
+        "fsspec-read-folder-refused",
+        "spillmerge/_storage/_fsspec.py",
+        '                self._refuse_kind(rel, self.fs.info(p).get("type"))  # FileNotFoundError: nothing there',
+        "                pass",
+        ("tests/test_s3.py::test_a_commit_record_that_is_a_folder_or_oversized_is_refused_by_name",),
+        "on an object store, a prefix in place of an object is refused as a folder, naming it",
+    ),
+    # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
+    # JSON loader's own size check too (the mutation survives test_s3's oversized case).
     # Not listed: remove_spill's "salvaged_frames" and "no completion marker" conditions. A rank with
     # salvaged frames is always in missing_ranks too (checked first), and both merge paths write the
     # marker before they return: neither condition can decide alone (mutations survive every test).

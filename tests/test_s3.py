@@ -146,3 +146,30 @@ def test_a_merge_from_s3_reads_nearby_rows_in_one_request(s3, tmp_path):
         np.testing.assert_array_equal(emb[:], np.repeat(np.arange(n, dtype=np.float32)[:, None], 8, axis=1))
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("attack", ["folder", "oversized"])
+def test_a_commit_record_that_is_a_folder_or_oversized_is_refused_by_name(s3, attack):
+    """Object stores read each object with one ranged GET bounded by its format's size limit: a
+    prefix with objects below it in place of the commit record, or a record larger than the limit,
+    is a CorruptSpillError naming the object, and the spill root is left as it was."""
+    import s3fs
+
+    opts = storage_options(s3.endpoint)
+    root = f"s3://test/attack-{attack}/spill"
+    with spillmerge.SpillWriter(root, 0, 1, storage_options=opts) as w:
+        w.write("a.mp4", 0, {"x": torch.zeros(2)})
+    fs = s3fs.S3FileSystem(**opts)
+    (commit,) = [p for p in fs.find(root) if p.endswith("/commit.json")]
+    if attack == "folder":
+        fs.rm(commit)
+        fs.pipe(f"{commit}/inside", b"{}")
+    else:
+        fs.pipe(commit, b" " * (64 << 20))
+    before = sorted(fs.find(root))
+    with pytest.raises(spillmerge.CorruptSpillError) as err:
+        spillmerge.merge(root, f"s3://test/attack-{attack}/out.zarr", storage_options=opts)
+    assert "commit.json" in str(err.value), err.value
+    assert ("not a regular file" if attack == "folder" else "more than the") in str(err.value), err.value
+    fs.invalidate_cache()
+    assert sorted(fs.find(root)) == before
