@@ -15,8 +15,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import spillmerge
+from spillmerge import _format_spill as FS
+from spillmerge import _plan, _plan_disk
+from spillmerge._spillroot import LoadedSegment, Segment
 from tests._mp_scenarios import output_tree, tree_diff
 
 TINY = 4000  # bytes: blocks of ~10 index rows, so every spill below is planned in many blocks
@@ -44,6 +49,45 @@ def _spill_mixed(root: str, *, variants: bool = False) -> None:
         if r == 2:
             with spillmerge.SpillWriter(root, rank=r, world_size=4):
                 pass
+
+
+# Few letters, so names repeat across segments and share prefixes; surrogates and astral letters
+# (UTF-8 byte order must equal code point order); NUL, which a fixed-width byte sort would drop.
+_LETTERS = st.sampled_from(["a", "b", "\x00", "\x7f", "é", "\ud800", "\U0001f600"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.text(_LETTERS, max_size=4), max_size=12, unique=True), min_size=1, max_size=7),
+    st.integers(1, 30),
+)
+def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(segment_names, block_entries):
+    """The names merge of the out-of-core plan (runs merged in rounds of a few names, ties across
+    runs and rounds) gives the in-memory plan's sorted filenames and rows."""
+    lay = [FS.Layout(("label",), "int64", ())]
+    loaded = []
+    for si, names in enumerate(segment_names):
+        idx = np.zeros((len(names), FS.INDEX_COLUMNS), dtype=np.int64)
+        idx[:, FS.COL_FILE] = np.arange(len(names))[::-1]  # rows not in filename order
+        idx[:, FS.COL_FRAME] = si  # a file has one frame per segment that names it: no duplicates
+        idx[:, FS.COL_OFFSET] = np.arange(len(names)) * 8
+        idx[:, FS.COL_NBYTES] = 8
+        seg = Segment(rank=si % 3, name=f"seg-{si}", rel=f"rank-{si % 3}/seg-{si}", header=None, commit=None, failure=None)
+        loaded.append(LoadedSegment(seg, list(names), lay, idx, 1 << 20))
+
+    def same(a, b):
+        raise AssertionError("no key has two copies here")
+
+    mem = _plan.build(loaded, "error", same_bytes=same)
+    disk = _plan_disk.build([_plan_disk.SegmentSource(lambda s=s: s) for s in loaded], "error", same_bytes=same,
+                            budget=block_entries * _plan_disk.ENTRY_BYTES)  # fmt: skip
+    try:
+        assert list(disk.plan.filenames) == list(mem.filenames)
+        for k in ("file_offsets", "frame_idx", "rank", "seg", "offset"):
+            assert getattr(disk.plan, k).tolist() == getattr(mem, k).tolist(), k
+    finally:
+        disk.close()
+        assert not os.path.exists(disk.work.dir)
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
