@@ -61,7 +61,7 @@ def spill_rank(root: str, n: int, world: int, rank: int, session_keys: int | Non
     keys = np.arange(rank, n, world, dtype=np.int64)
     per = session_keys or len(keys) or 1
     mem = PeakMemory()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for s in range(0, max(len(keys), 1), per):
         with spillmerge.SpillWriter(root, rank=rank, world_size=world) as w:
             for a in range(s, min(s + per, len(keys)), BATCH):
@@ -73,7 +73,7 @@ def spill_rank(root: str, n: int, world: int, rank: int, session_keys: int | Non
                      "caption": [f"a photo, number {i}" for i in idx]},
                 )  # fmt: skip
     wall = time.perf_counter() - t0
-    return {"ok": True, "wall_s": wall, "anon": mem.stop()["anon"]}
+    return {"ok": True, "wall_s": wall, "cpu_s": time.process_time() - c0, "anon": mem.stop()["anon"]}
 
 
 def merge_one(root: str, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -81,12 +81,12 @@ def merge_one(root: str, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     mem = PeakMemory()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rep = spillmerge.merge(root, out, progress=False, **kwargs)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = mem.stop()
     return {
-        "ok": True, "wall_s": wall, "anon": peak["anon"], "file": peak["file"], "phases": rep.phases,
+        "ok": True, "wall_s": wall, "cpu_s": cpu, "anon": peak["anon"], "file": peak["file"], "phases": rep.phases,
         "anon_at_s": peak["anon_at_s"],
         "n_frames": rep.n_frames, "notes": rep.notes,
     }  # fmt: skip
@@ -188,6 +188,7 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
         spill_objects, spill_bytes = _objects(root)
         log(f"N={n}: spill {spill_wall:.1f} s ({spill_objects} objects, {spill_bytes / MiB:.0f} MiB)")
         row = {"n": n, "spill_s": spill_wall, "spill_rank_s": max(r["wall_s"] for r in ranks),
+               "spill_cpu_s": sum(r["cpu_s"] for r in ranks),
                "spill_objects": spill_objects, "spill_bytes": spill_bytes, "merges": {}}  # fmt: skip
         spilled.write_text(json.dumps({k: v for k, v in row.items() if k != "merges"}))
     save(row)
@@ -243,6 +244,15 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
     return row
 
 
+def _cpu_text(r: dict[str, Any], m: dict[str, Any]) -> str:
+    """Process CPU time per key, spill (all writers) + merge (its threads too); the load on a
+    shared VM moves wall time more than CPU time."""
+    if "cpu_s" not in m or "spill_cpu_s" not in r:
+        return "-"
+    sp, mg = r["spill_cpu_s"] / r["n"] * 1e6, m["cpu_s"] / r["n"] * 1e6
+    return f"{sp + mg:.1f} us ({sp:.1f}, {mg:.1f})"
+
+
 def _phases(ph: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if v >= 0.05)
 
@@ -264,13 +274,14 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
         + (f"a new writer session every {args.session_keys:,} keys" if args.session_keys else "one session per writer")
         + ", one merge process unless parts.",
         "",
-        "| N | merge | wall (s) | spill + merge per key | peak extra anon | peak file-mapped | objects | output | "
-        "phases (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| N | merge | wall (s) | spill + merge per key | CPU per key (spill, merge) | peak extra anon | "
+        "peak file-mapped | objects | output | phases (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for label, m in r["merges"].items():
             per_key = (r["spill_s"] + m["wall_s"]) / r["n"] * 1e6
+            cpu = _cpu_text(r, m)
             ph = m.get("phases") or m.get("finalize_phases") or {}
             if "part_phases" in m:
                 ph_s = (
@@ -287,7 +298,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
             else:
                 ph_s = _phases(ph) + (f"; anon peak at {m['anon_at_s']:.1f} s" if "anon_at_s" in m else "")
             lines.append(
-                f"| {r['n']:,} | {label} | {m['wall_s']:.1f} | {per_key:.1f} us | {m['anon'] / MiB:.0f} MiB | "
+                f"| {r['n']:,} | {label} | {m['wall_s']:.1f} | {per_key:.1f} us | {cpu} | {m['anon'] / MiB:.0f} MiB | "
                 f"{m['file'] / MiB:.0f} MiB | {m['objects']:,} | {m['bytes'] / MiB:.0f} MiB | {ph_s} |"
             )
     opened = [(r["n"], r["merges"]["merge"]["open_lookup"]) for r in rows
@@ -316,6 +327,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, runtime: float,
             f"| merge peak anon, N={hi['n']:,} / N={lo['n']:,} | {mh['anon'] / max(ml['anon'], 1):.2f}x | <= 1.10x |",
             f"| spill + merge per key, N={hi['n']:,} / N={lo['n']:,} | {th / tl:.2f}x | <= 1.2x |",
         ]
+        if "cpu_s" in ml and "cpu_s" in mh and "spill_cpu_s" in lo and "spill_cpu_s" in hi:
+            cl = (lo["spill_cpu_s"] + ml["cpu_s"]) / lo["n"]
+            ch = (hi["spill_cpu_s"] + mh["cpu_s"]) / hi["n"]
+            lines.append(f"| spill + merge CPU per key, N={hi['n']:,} / N={lo['n']:,} | {ch / cl:.2f}x | |")
+            lines.append(f"| merge CPU per key, N={hi['n']:,} / N={lo['n']:,} | "
+                         f"{mh['cpu_s'] / hi['n'] / (ml['cpu_s'] / lo['n']):.2f}x | |")  # fmt: skip
         for p in args.parts:
             key = "merge" if p == 1 else f"parts {p}"
             if key in hi["merges"]:
@@ -365,7 +382,7 @@ def main() -> None:
     log_lines: list[str] = []
 
     def log(msg: str) -> None:
-        line = f"{datetime.datetime.now(datetime.UTC):%H:%M:%S} {msg}"
+        line = f"{datetime.datetime.now(datetime.UTC):%H:%M:%S} {msg} (load {os.getloadavg()[0]:.1f})"
         log_lines.append(line)
         print(line, flush=True)
 
