@@ -12,7 +12,7 @@ import fsspec
 import numpy as np
 import zarr
 
-from . import _codecs, _lease, _output, _parts, _plan_disk, _planshare
+from . import _codecs, _lease, _output, _parts, _plan_disk, _planruns, _planshare
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
@@ -272,10 +272,23 @@ class _Job:
                 if len(flushed.index):
                     extra.append(flushed)
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in flushed.index[:, :2]})
+        need = _plan_disk.estimate_bytes(
+            sum(s.commit.n_rows for s in segments if s.commit is not None) + sum(len(p.index) for p in extra),
+            sum(s.commit.n_files for s in segments if s.commit is not None) + sum(len(p.filenames) for p in extra),
+        )
         key = None
         if (part is not None or finalize) and not allow_partial:
             key = _planshare.source_key(segments, options.on_duplicate)
             shared = None
+            if part is not None and part[0] > 0 and need > options.plan_budget:
+                # Part 0 will plan out of core: sort this part's share of the segments for it.
+                built = _planruns.build_share(
+                    src, output, segments, key, part, work_dir=options.plan_dir,
+                    stop=lambda: _part0_ended(output, part) or _planshare.published(output, key),
+                )  # fmt: skip
+                phases["runs"] = time.perf_counter() - t
+                if built:
+                    notes.append(f"sorted the runs of {built} segment(s) for part 0's plan")
             try:
                 if finalize or (part is not None and part[0] > 0):
                     shared = _find_shared(output, key, segments, options, part)
@@ -295,10 +308,6 @@ class _Job:
                     salvaged, notes, manifest, phases, t0, None, shared, key,
                 )  # fmt: skip
         compare = functools.partial(same_bytes, src)
-        need = _plan_disk.estimate_bytes(
-            sum(s.commit.n_rows for s in segments if s.commit is not None) + sum(len(p.index) for p in extra),
-            sum(s.commit.n_files for s in segments if s.commit is not None) + sum(len(p.filenames) for p in extra),
-        )
         disk = None
         if need <= options.plan_budget:
             loaded = load_all(src, segments) + extra
@@ -311,16 +320,31 @@ class _Job:
             sources += [_plan_disk.SegmentSource(functools.partial(lambda p: p, p)) for p in extra]
             phases["load"] = time.perf_counter() - t
             t = time.perf_counter()
+            runs = None
+            if part is not None and part[0] == 0 and part[1] > 1 and key is not None:
+                runs = _planruns.Published(output, key, segments, part[1])
             try:
-                disk = _plan_disk.build(
-                    sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
-                    work_dir=options.plan_dir,
-                )  # fmt: skip
+                try:
+                    disk = _plan_disk.build(
+                        sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
+                        work_dir=options.plan_dir, shared=runs,
+                    )  # fmt: skip
+                except _plan_disk.DamagedRun as exc:  # the spill root is the truth: sort every segment here
+                    notes.append(f"planned without the runs the other parts published: {exc}")
+                    disk = _plan_disk.build(
+                        sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
+                        work_dir=options.plan_dir,
+                    )  # fmt: skip
                 plan = disk.plan
                 notes.append(
                     f"the merge plan (about {need >> 20} MiB in memory) exceeds plan_budget ({options.plan_budget >> 20} "
                     f"MiB): built out of core in {disk.work.dir} (removed after the merge)"
                 )
+                if disk.taken:
+                    notes.append(
+                        f"the runs of {disk.taken} of {len(segments)} segments were sorted by the other parts "
+                        f"({output.describe(_planruns.RUNS_DIR)}), not here"
+                    )
             except _plan_disk.InMemoryOnly as exc:  # rare (> 62 columns, leaves of several variants): in memory
                 notes.append(f"the plan was built in memory: {exc}")
                 plan = build(load_all(src, segments) + extra, options.on_duplicate, same_bytes=compare)
@@ -558,6 +582,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
         _write_output_index(job)
     _finish(job, docs, lease)
     _planshare.remove(output)  # the parts are done with it (the output is complete)
+    _planruns.remove(output)
     return job.report(parts=n)
 
 
@@ -588,16 +613,19 @@ def _find_shared(
     record, done or failed, without it (another spill root or policy, a failed plan: this process
     then plans itself)."""
 
-    def part0_ended() -> bool:
-        try:
-            records = _parts.read_records(output)
-        except SpillMergeError:
-            return False
-        return any(r.part == 0 and (part is None or r.parts == part[1]) for r in records)
-
     return _planshare.find(
-        output, key, segments, timeout=options.timeout, work_dir=options.plan_dir, give_up=part0_ended
-    )
+        output, key, segments, timeout=options.timeout, work_dir=options.plan_dir,
+        give_up=lambda: _part0_ended(output, part),
+    )  # fmt: skip
+
+
+def _part0_ended(output: Storage, part: tuple[int, int] | None) -> bool:
+    """Whether part 0 (of as many parts as ``part``) left a record, done or failed."""
+    try:
+        records = _parts.read_records(output)
+    except SpillMergeError:
+        return False
+    return any(r.part == 0 and (part is None or r.parts == part[1]) for r in records)
 
 
 def _write_output_index(job: _Job) -> None:

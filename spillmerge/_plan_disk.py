@@ -11,8 +11,11 @@ successful or not (:meth:`DiskPlan.close`); it is never inside the output.
 Steps (each holds at most one segment's catalog and index, or one block of rows, in memory):
 
 1. *Runs*: each segment in turn is loaded; its filenames are sorted (code point order = UTF-8
-   byte order, lone surrogates included) into a name run, its index rows mapped to global layout
-   ids and ordered by filename into an entry run. Only the segment's record stays in memory.
+   byte order, lone surrogates included) into a name run, its index rows ordered by filename
+   into an entry run (``sort_run``). Only the segment's record stays in memory. In a merge in
+   parts, the other parts build and publish the runs of their share of the segments
+   (``_planruns``) and this step builds only the runs it is not given; the global layout ids
+   are numbered after it, in write order.
 2. *Names*: the name runs are merged, in rounds of a bounded number of names, into the sorted
    distinct filenames of the merge (a string table on disk); each run gets the map of its names
    to global file ids, which is increasing, so each entry run stays ordered by global file id.
@@ -46,7 +49,7 @@ import numpy as np
 from . import _format as F
 from . import _format_spill as FS
 from . import _plan as P
-from ._errors import SpillValueError
+from ._errors import CorruptSpillError, SpillValueError
 from ._spillroot import LoadedSegment
 
 #: Bytes one index row costs in a pass-1 block (the table's columns and the sorts' temporaries).
@@ -162,6 +165,14 @@ class StringTable(Sequence[str]):
         return lo if lo < len(self) and self[lo] == name else -1
 
 
+def _check_sorted(run: Run, names: list[bytes], before: bytes | None) -> None:
+    """A published run's names (after ``before``) strictly increase, as the k-way merge needs."""
+    if (before is not None and names and not before < names[0]) or any(
+        not x < y for x, y in zip(names, names[1:], strict=False)
+    ):
+        raise DamagedRun(f"{run.source}: its filenames are not sorted and distinct", path=run.source)
+
+
 class WorkFolder:
     """The private work folder: append-only arrays, then maps of them."""
 
@@ -226,7 +237,7 @@ class SegmentSource:
 
 
 @dataclass(frozen=True, slots=True)
-class _Run:
+class Run:
     """One segment's entries on disk, ordered by filename."""
 
     names: StringTable
@@ -235,12 +246,15 @@ class _Run:
     """Position of each entry's filename in ``names`` (non-decreasing)."""
     frame: np.ndarray
     gl: np.ndarray
-    """Global layout id."""
+    """The segment's own layout id (catalog position; the plan's ``lmaps`` give the global one)."""
     off: np.ndarray
     nb: np.ndarray
     crc: np.ndarray
     gmap: np.ndarray
     """Global file id of each of ``names`` (filled in step 2; increasing)."""
+    source: str | None = None
+    """Where another process published it (``_planruns``), whose names step 2 checks are sorted
+    and distinct; None: built here."""
 
 
 @dataclass
@@ -249,6 +263,8 @@ class DiskPlan:
 
     plan: P.Plan
     work: WorkFolder
+    taken: int = 0
+    """Segments whose runs another process built (``RunSource``)."""
 
     def close(self) -> None:
         """Remove the work folder (after the merge, whatever its outcome)."""
@@ -263,20 +279,81 @@ def estimate_bytes(n_rows: int, n_files: int) -> int:
 
 def build(
     sources: Sequence[SegmentSource], on_duplicate: str, *, same_bytes: P.SameBytes, budget: int,
-    work_dir: str | None = None,
+    work_dir: str | None = None, shared: RunSource | None = None,
 ) -> DiskPlan:  # fmt: skip
     """The plan of ``sources`` (in write order), equal to ``_plan.build`` of the loaded segments,
-    holding at most about ``budget`` bytes (plus one segment's catalog and index) in memory."""
+    holding at most about ``budget`` bytes (plus one segment's catalog and index) in memory.
+    ``shared``: runs other processes built, used instead of building them here."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     if not isinstance(budget, int) or budget < 1:
         raise SpillValueError(f"plan_budget must be a positive int, got {budget!r}")
     work = WorkFolder(work_dir)
     try:
-        return DiskPlan(_Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes).run(sources), work)
+        builder = _Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes)
+        return DiskPlan(builder.run(sources, shared), work, builder.taken)
     except BaseException:
         work.close()  # nothing of a failed plan stays on disk
         raise
+
+
+def sort_run(work: WorkFolder, tag: str, s: LoadedSegment) -> Run:
+    """Step 1 for one loaded segment: its filenames sorted (code point order = UTF-8 byte order,
+    lone surrogates included) into a name run, its index rows ordered by filename into an entry
+    run, both appended to ``work`` under names starting with ``tag``. ``gl`` holds the segment's
+    own layout ids (catalog positions): the plan maps them to global ids once every segment's
+    layouts are known, so a run does not depend on the segments before it (parts build them
+    for part 0, ``_planruns``)."""
+    idx = s.index
+    enc = [f.encode("utf-8", "surrogatepass") for f in s.filenames]
+    order = sorted(range(len(enc)), key=enc.__getitem__)
+    rank_of = np.empty(len(enc), dtype=np.int64)
+    rank_of[np.array(order, dtype=np.int64)] = np.arange(len(enc), dtype=np.int64)
+    lens = np.fromiter((len(enc[i]) for i in order), dtype=np.int64, count=len(order))
+    off = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    work.append(f"{tag}.names", np.frombuffer(b"".join(enc[i] for i in order), dtype=np.uint8))
+    work.append(f"{tag}.noff", off)
+    del enc, order
+    f = rank_of[idx[:, FS.COL_FILE]]
+    eo = np.argsort(f, kind="stable")
+    for name, col in (
+        ("file", f),
+        ("frame", idx[:, FS.COL_FRAME]),
+        ("gl", idx[:, FS.COL_LAYOUT]),
+        ("off", idx[:, FS.COL_OFFSET]),
+        ("nb", idx[:, FS.COL_NBYTES]),
+        ("crc", idx[:, FS.COL_CRC]),
+    ):
+        work.append(f"{tag}.{name}", col[eo])
+    names = StringTable(work.done(f"{tag}.names", np.uint8), work.done(f"{tag}.noff", _I8))
+    c = {k: work.done(f"{tag}.{k}", _I8) for k in RUN_COLUMNS}
+    gmap = work.zeros(f"{tag}.gmap", _I8, (len(names),))
+    return Run(names, c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap)
+
+
+#: The per-entry columns of a run, in the order of the ``Run`` fields.
+RUN_COLUMNS = ("file", "frame", "gl", "off", "nb", "crc")
+
+
+def record_of(s: LoadedSegment) -> LoadedSegment:
+    """What the plan keeps of a loaded segment: its record, not its catalog's filenames and its
+    index (the copy needs its folder, chunk size, layouts and block checksums only)."""
+    return replace(s, filenames=[], index=np.zeros((0, FS.INDEX_COLUMNS), np.int64))
+
+
+class RunSource:
+    """Runs of some segments built by another process (``_planruns``: the other parts of a merge
+    in parts). The plan builds its own share first, then asks for the others, last first, and
+    builds any it is not given itself, so it never waits for one."""
+
+    def elsewhere(self, si: int) -> bool:
+        """Whether segment ``si`` (write order) is another process's to build."""
+        raise NotImplementedError
+
+    def take(self, si: int, work: WorkFolder, tag: str) -> tuple[LoadedSegment, Run] | None:
+        """Segment ``si``'s record and run if they were built (checked), else None."""
+        raise NotImplementedError
 
 
 class _Builder:
@@ -284,52 +361,60 @@ class _Builder:
         self.work, self.block_entries = work, block_entries
         self.on_duplicate, self.same_bytes = on_duplicate, same_bytes
         self.layouts: list[FS.Layout] = []
-        self.gl_id: dict[FS.Layout, int] = {}
         self.segments: list[LoadedSegment] = []
-        self.runs: list[_Run | None] = []
+        self.runs: list[Run] = []
+        self.lmaps: list[np.ndarray] = []
+        """Each run's map of its segment's layout ids to global ones."""
+        self.taken = 0
+        """Runs another process built (``RunSource.take``)."""
+        self._seen: dict[FS.Layout, None] = {}
         self._seq = itertools.count()
 
     # -- step 1: runs -------------------------------------------------------------------------
 
-    def _add_segment(self, s: LoadedSegment) -> None:
-        si = len(self.segments)
-        # The plan keeps the segment's record, not its catalog and index (the copy needs its
-        # folder and chunk size only).
-        self.segments.append(replace(s, filenames=[], index=np.zeros((0, FS.INDEX_COLUMNS), np.int64)))
-        idx = s.index
-        lay_ids = []
-        for lay in s.layouts if len(idx) else []:  # ``_plan.build`` skips an empty segment's layouts too
-            if lay not in self.gl_id:
-                self.gl_id[lay] = len(self.layouts)
-                self.layouts.append(lay)
-            lay_ids.append(self.gl_id[lay])
-        lmap = np.array(lay_ids, dtype=np.int64)
-        enc = [f.encode("utf-8", "surrogatepass") for f in s.filenames]
-        order = sorted(range(len(enc)), key=enc.__getitem__)
-        rank_of = np.empty(len(enc), dtype=np.int64)
-        rank_of[np.array(order, dtype=np.int64)] = np.arange(len(enc), dtype=np.int64)
-        w = self.work
-        lens = np.fromiter((len(enc[i]) for i in order), dtype=np.int64, count=len(order))
-        off = np.zeros(len(order) + 1, dtype=np.int64)
-        np.cumsum(lens, out=off[1:])
-        w.append(f"s{si}.names", np.frombuffer(b"".join(enc[i] for i in order), dtype=np.uint8))
-        w.append(f"s{si}.noff", off)
-        del enc, order
-        f = rank_of[idx[:, FS.COL_FILE]]
-        eo = np.argsort(f, kind="stable")
-        for name, col in (
-            ("file", f),
-            ("frame", idx[:, FS.COL_FRAME]),
-            ("gl", lmap[idx[:, FS.COL_LAYOUT]]),
-            ("off", idx[:, FS.COL_OFFSET]),
-            ("nb", idx[:, FS.COL_NBYTES]),
-            ("crc", idx[:, FS.COL_CRC]),
-        ):
-            w.append(f"s{si}.{name}", col[eo])
-        names = StringTable(w.done(f"s{si}.names", np.uint8), w.done(f"s{si}.noff", _I8))
-        cols = {k: w.done(f"s{si}.{k}", _I8) for k in ("file", "frame", "gl", "off", "nb", "crc")}
-        gmap = w.zeros(f"s{si}.gmap", _I8, (len(names),))
-        self.runs.append(_Run(names, **cols, gmap=gmap))
+    def _runs(self, sources: Sequence[SegmentSource], shared: RunSource | None) -> None:
+        n = len(sources)
+        segments: list[LoadedSegment | None] = [None] * n
+        runs: list[Run | None] = [None] * n
+
+        def add(si: int, record: LoadedSegment, run: Run) -> None:
+            segments[si], runs[si] = record, run
+            if len(run.file):  # ``_plan.build`` skips an empty segment's layouts too
+                self._seen.update(dict.fromkeys(record.layouts))
+            # Decided by the layouts alone, and a layout never leaves: known after the first
+            # segment that has it, before the other segments are sorted into runs for nothing.
+            why = in_memory_only(list(self._seen))
+            if why is not None:
+                raise InMemoryOnly(why)
+
+        def build(si: int) -> None:
+            s = sources[si].load()
+            add(si, record_of(s), sort_run(self.work, f"s{si}", s))
+
+        later = []
+        for si in range(n):
+            if shared is not None and shared.elsewhere(si):
+                later.append(si)
+            else:
+                build(si)
+        for si in reversed(later):  # last first: a part still building its share starts at its first
+            got = shared.take(si, self.work, f"s{si}") if shared is not None else None
+            if got is None:
+                build(si)
+            else:
+                self.taken += 1
+                add(si, *got)
+        # Global layout ids in write order, as ``_plan.build`` numbers them.
+        gl_id: dict[FS.Layout, int] = {}
+        for record, run in zip(segments, runs, strict=True):
+            assert record is not None and run is not None
+            for lay in record.layouts if len(run.file) else []:
+                if lay not in gl_id:
+                    gl_id[lay] = len(self.layouts)
+                    self.layouts.append(lay)
+            self.lmaps.append(np.array([gl_id.get(lay, -1) for lay in record.layouts], dtype=np.int64))
+            self.segments.append(record)
+            self.runs.append(run)
 
     # -- step 2: names ------------------------------------------------------------------------
 
@@ -345,7 +430,7 @@ class _Builder:
         name, with Python lists of every id pending, made the 10^7-key plan's peak 1.14x the
         10^6 one (issue 24)."""
         w = self.work
-        runs = [r for r in self.runs if r is not None and len(r.names)]
+        runs = [r for r in self.runs if len(r.names)]
         share = max(1, min(ROW_BLOCK // 4, self.block_entries) // max(1, len(runs)))
         held: list[list[bytes]] = [[] for _ in runs]  # names read, not yet taken
         first = [0] * len(runs)  # entry of each run's first held name
@@ -358,6 +443,8 @@ class _Builder:
                     raw, lens = r.names.encoded(a, min(a + share, n))
                     raw_b, ends = raw.tobytes(), np.cumsum(lens).tolist()
                     held[i] = [raw_b[e - k : e] for e, k in zip(ends, lens.tolist(), strict=True)]
+                    if r.source is not None:
+                        _check_sorted(r, held[i], r.names[a - 1].encode("utf-8", "surrogatepass") if a else None)
                 if held[i] and a + len(held[i]) < n and (bound is None or held[i][-1] < bound):
                     bound = held[i][-1]
             pool: list[bytes] = []
@@ -394,7 +481,7 @@ class _Builder:
     def _blocks(self, n_files: int) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
         """``(first file, one past the last, [(run, entry lo, entry hi)])`` of each block of whole
         files holding at most ``block_entries`` entries (more only when one file alone has more)."""
-        live = [(si, r) for si, r in enumerate(self.runs) if r is not None]
+        live = list(enumerate(self.runs))
         cur = {si: 0 for si, _ in live}  # next entry of each run
         g = 0
         share = max(1, self.block_entries // max(1, len(live)))
@@ -424,8 +511,7 @@ class _Builder:
             if b <= a:
                 continue
             r = self.runs[si]
-            assert r is not None
-            gl = np.asarray(r.gl[a:b])
+            gl = self.lmaps[si][np.asarray(r.gl[a:b])]
             c["file"].append(np.asarray(r.gmap)[np.asarray(r.file[a:b])])
             c["frame"].append(np.asarray(r.frame[a:b]))
             c["lp"].append(self.pmap[gl])
@@ -438,22 +524,16 @@ class _Builder:
             return {k: np.zeros(0, np.int64) for k in c}
         return {k: np.concatenate(v) for k, v in c.items()}
 
-    def run(self, sources: Sequence[SegmentSource]) -> P.Plan:
+    def run(self, sources: Sequence[SegmentSource], shared: RunSource | None = None) -> P.Plan:
         w = self.work
         map_large_buffers()
-        for source in sources:
-            self._add_segment(source.load())
-            # Decided by the layouts alone, and a layout never leaves: known after the first
-            # segment that has it, before the other segments are sorted into runs for nothing.
-            why = self._in_memory_only()
-            if why is not None:
-                raise InMemoryOnly(why)
+        self._runs(sources, shared)
         names = self._merge_names()
         n_files = len(names)
         self.leaf_paths = sorted({lay.leaf for lay in self.layouts})
         lp_id = {p: i for i, p in enumerate(self.leaf_paths)}
         self.pmap = np.array([lp_id[lay.leaf] for lay in self.layouts], dtype=np.int64)
-        if not any(r is not None and len(r.file) for r in self.runs):
+        if not any(len(r.file) for r in self.runs):
             e = np.zeros(0, np.int64)
             return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
                           [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
@@ -554,41 +634,6 @@ class _Builder:
             t["seg"], t["off"], t["nb"], t["crc"], duplicates,
         )  # fmt: skip
 
-    def _in_memory_only(self) -> str | None:
-        """Why this plan must be built by ``_plan`` in memory, or None. Only grows with the
-        layouts: once a reason, always one."""
-        why = self.several_variants()
-        if why is None and any(lay.dtype in ("pylist", "pytuple") for lay in self.layouts):
-            # format 4's list offsets number the items of every row: built by the in-memory plan
-            why = "values hold lists or tuples of items (their list offsets are planned in memory)"
-        return why
-
-    def several_variants(self) -> str | None:
-        """Why this plan needs ``_plan``'s variant grouping (docs/FORMAT.md, *Value model*), or
-        None. Out of core, a leaf's column is decided per block of files (``_plan.pair_codes``) and
-        its leaf (``leaf_first``), which equals ``_plan._variant_groups`` when each leaf holds one
-        variant: one kind, dtype and ``ndim`` in every file (rows of ``None`` or of zero elements
-        fitting it). The layouts decide it before any row is read."""
-        sigs: dict[tuple[str, ...], set[tuple[str, str, int]]] = {}
-        empty: dict[tuple[str, ...], set[tuple[str, int]]] = {}
-        for lay in self.layouts:
-            dt = F.DTYPES[lay.dtype]
-            if dt.kind == "none":
-                continue
-            if dt.numeric and 0 in lay.shape:
-                empty.setdefault(lay.leaf, set()).add((lay.dtype, len(lay.shape)))
-                continue
-            sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 0)
-            sigs.setdefault(lay.leaf, set()).add(sig)
-        for leaf in sorted(set(sigs) | set(empty)):
-            have, zeros = sigs.get(leaf, set()), empty.get(leaf, set())
-            fits = len(have) == 1 and all(
-                (s[0] == "num" and s[2] == nd) or (nd == 1 and s[0] == "strlist") for s in have for _, nd in zeros
-            )
-            if not (fits or (not have and len(zeros) <= 1)):
-                return f"leaf {'/'.join(leaf)!r} holds several variants (kinds, dtypes or dimensions)"
-        return None
-
     def _column(
         self, name: str, leaf: tuple[str, ...], src: np.ndarray, rowgl: np.ndarray, lay_ids: list[int],
         has_valid: bool, nb: np.ndarray, tag: str,
@@ -653,6 +698,48 @@ class _Builder:
         off = self.work.zeros(f"{tag}.offsets", _I8, (len(col.counts) + 1,))
         np.cumsum(col.counts, out=off[1:])
         return replace(col, offs=off)
+
+
+def in_memory_only(layouts: Sequence[FS.Layout]) -> str | None:
+    """Why a plan of these layouts must be built by ``_plan`` in memory, or None. Only grows with
+    the layouts: once a reason, always one."""
+    why = several_variants(layouts)
+    if why is None and any(lay.dtype in ("pylist", "pytuple") for lay in layouts):
+        # format 4's list offsets number the items of every row: built by the in-memory plan
+        why = "values hold lists or tuples of items (their list offsets are planned in memory)"
+    return why
+
+
+def several_variants(layouts: Sequence[FS.Layout]) -> str | None:
+    """Why a plan of these layouts needs ``_plan``'s variant grouping (docs/FORMAT.md, *Value
+    model*), or None. Out of core, a leaf's column is decided per block of files
+    (``_plan.pair_codes``) and its leaf (``leaf_first``), which equals ``_plan._variant_groups``
+    when each leaf holds one variant: one kind, dtype and ``ndim`` in every file (rows of ``None``
+    or of zero elements fitting it). The layouts decide it before any row is read."""
+    sigs: dict[tuple[str, ...], set[tuple[str, str, int]]] = {}
+    empty: dict[tuple[str, ...], set[tuple[str, int]]] = {}
+    for lay in layouts:
+        dt = F.DTYPES[lay.dtype]
+        if dt.kind == "none":
+            continue
+        if dt.numeric and 0 in lay.shape:
+            empty.setdefault(lay.leaf, set()).add((lay.dtype, len(lay.shape)))
+            continue
+        sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 0)
+        sigs.setdefault(lay.leaf, set()).add(sig)
+    for leaf in sorted(set(sigs) | set(empty)):
+        have, zeros = sigs.get(leaf, set()), empty.get(leaf, set())
+        fits = len(have) == 1 and all(
+            (s[0] == "num" and s[2] == nd) or (nd == 1 and s[0] == "strlist") for s in have for _, nd in zeros
+        )
+        if not (fits or (not have and len(zeros) <= 1)):
+            return f"leaf {'/'.join(leaf)!r} holds several variants (kinds, dtypes or dimensions)"
+    return None
+
+
+class DamagedRun(CorruptSpillError):
+    """A run another process published is damaged (``_planruns``): the merge plans again without
+    the published runs."""
 
 
 class InMemoryOnly(Exception):

@@ -91,7 +91,7 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
     written (a half-published plan has no ``plan.json``, so nobody reads it anyway)."""
     output.rm_tree(PLAN_DIR)  # another key's plan (an older merge into this output)
     output.makedirs(PLAN_DIR)
-    try:
+    with removed_on_error(output, PLAN_DIR):
         arrays: dict[str, dict[str, Any]] = {}
 
         def put(name: str, a: np.ndarray) -> str:
@@ -146,12 +146,45 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
             ],
         }  # fmt: skip
         output.put_atomic(MANIFEST, F.dumps(manifest))
+
+
+@contextmanager
+def removed_on_error(output: Storage, rel: str) -> Iterator[None]:
+    """Around writing the folder ``rel`` whose index object is written last: on an exception,
+    remove what was written (without its index object nobody reads it anyway)."""
+    try:
+        yield
     except BaseException:
         try:
-            output.rm_tree(PLAN_DIR)
+            output.rm_tree(rel)
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
         raise
+
+
+def read_array(
+    output: Storage, rel: str, dtype: Any, shape: tuple[int, ...], size: int | None, work: WorkFolder | None,
+    bad: Callable[[str], Exception],
+) -> np.ndarray:  # fmt: skip
+    """The raw little-endian array object ``rel`` (whose listed size is ``size``): a page-cache map
+    on a local disk (``work`` None), else fetched into ``work`` in ranged reads. ``bad(why)`` is
+    raised when its size is not the one ``dtype`` and ``shape`` give."""
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    name = rel.rsplit("/", 1)[-1]
+    if size != nbytes:
+        raise bad(f"{name} holds {size} bytes, the manifest says {nbytes}")
+    if work is None:  # local disk: the object's pages, mapped (a part reads the rows it copies)
+        raw = output.view(rel, 0, None)
+        if len(raw) != nbytes:
+            raise bad(f"{name} holds {len(raw)} bytes, the manifest says {nbytes}")
+        return raw.view(dt).reshape(shape)
+    out = work.zeros(rel.replace("/", "."), dt, shape)
+    flat = out.reshape(-1).view(np.uint8) if nbytes else np.zeros(0, np.uint8)
+    for a in range(0, nbytes, _FETCH_BYTES):
+        b = min(nbytes, a + _FETCH_BYTES)
+        output.read_into([(rel, a, b)], flat[a:b].data)
+    return out
 
 
 @contextmanager
@@ -198,6 +231,18 @@ def find(
     return None  # pragma: no cover - poll() ends with a check at the deadline
 
 
+def published(output: Storage, key: str) -> bool:
+    """Whether the plan of ``key`` is published (its ``plan.json`` there, not read further)."""
+    raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
+    if raw is None:
+        return False
+    try:
+        obj = F.loads(raw, path=output.describe(MANIFEST))
+    except SpillMergeError:
+        return False
+    return isinstance(obj, dict) and obj.get("key") == key
+
+
 def _load(output: Storage, m: dict[str, Any], segments: Sequence[Segment], work_dir: str | None) -> Published:
     where = output.describe(MANIFEST)
 
@@ -213,22 +258,9 @@ def _load(output: Storage, m: dict[str, Any], segments: Sequence[Segment], work_
 
         def arr(name: str) -> np.ndarray:
             spec = specs[name]
-            dt, shape = np.dtype(spec["dtype"]), tuple(int(x) for x in spec["shape"])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            shape = tuple(int(x) for x in spec["shape"])
             rel = f"{PLAN_DIR}/{name}"
-            if sizes.get(rel) != nbytes:
-                raise bad(f"{name} holds {sizes.get(rel)} bytes, the manifest says {nbytes}")
-            if work is None:  # local disk: the object's pages, mapped (a part reads the rows it copies)
-                raw = output.view(rel, 0, None)
-                if len(raw) != nbytes:
-                    raise bad(f"{name} holds {len(raw)} bytes, the manifest says {nbytes}")
-                return raw.view(dt).reshape(shape)
-            out = work.zeros(name, dt, shape)
-            flat = out.reshape(-1).view(np.uint8) if nbytes else np.zeros(0, np.uint8)
-            for a in range(0, nbytes, _FETCH_BYTES):
-                b = min(nbytes, a + _FETCH_BYTES)
-                output.read_into([(rel, a, b)], flat[a:b].data)
-            return out
+            return read_array(output, rel, spec["dtype"], shape, sizes.get(rel), work, bad)
 
         by_rel = {s.rel: s for s in segments}
         checks = arr("checks")

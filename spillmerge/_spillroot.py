@@ -436,6 +436,28 @@ def _validate_rows(
 ) -> None:  # fmt: skip
     """Check every index row against the catalog and the data size, and every block checksum
     against the data and the rows that point at it (untrusted input)."""
+    check_rows(bad, len(filenames), layouts, list(index.T), data_nbytes, checks, chunk_bytes)
+    if not len(index):
+        return
+    fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
+    # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
+    # even with two shapes (format 2 gives each shape a layout of its own): compare leaf paths.
+    leaf = _leaf_ids(layouts)[lid]
+    order = np.lexsort((leaf, frame, fid))
+    dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)
+    if np.any(dup):
+        i = order[int(np.argmax(dup))]
+        raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", FS.INDEX_NAME)
+
+
+def check_rows(
+    bad: Any, n_files: int, layouts: Sequence[FS.Layout], columns: Sequence[np.ndarray], data_nbytes: int,
+    checks: np.ndarray | None = None, chunk_bytes: int = 1,
+) -> None:  # fmt: skip
+    """The range checks of index rows given as their six columns (``FS.COL_*`` order): file ids
+    below ``n_files``, known layouts, sizes matching them, bytes inside the data, checksums
+    possible; and every block checksum inside one data chunk. Not the check that no frame lists a
+    leaf twice (``load_segment`` makes it)."""
     if checks is not None and len(checks):
         c_off, c_nb, c_crc = checks[:, 0], checks[:, 1], checks[:, 2]
         if (
@@ -447,11 +469,11 @@ def _validate_rows(
             or c_crc.max() > 0xFFFFFFFF
         ):
             raise bad("a block checksum covers bytes outside one data chunk, or is impossible", FS.CHECKS_NAME)
-    if not len(index):
+    fid, frame, lid = columns[FS.COL_FILE], columns[FS.COL_FRAME], columns[FS.COL_LAYOUT]
+    off, nb, crc = columns[FS.COL_OFFSET], columns[FS.COL_NBYTES], columns[FS.COL_CRC]
+    if not len(fid):
         return
-    fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
-    off, nb, crc = index[:, FS.COL_OFFSET], index[:, FS.COL_NBYTES], index[:, FS.COL_CRC]
-    if fid.min() < 0 or fid.max() >= len(filenames):
+    if fid.min() < 0 or fid.max() >= n_files:
         raise bad("index refers to a filename the catalog does not have", FS.INDEX_NAME)
     if lid.min() < 0 or lid.max() >= len(layouts):
         raise bad("index refers to a layout the catalog does not have", FS.INDEX_NAME)
@@ -471,14 +493,6 @@ def _validate_rows(
         raise bad("index row sizes do not match their layouts", FS.INDEX_NAME)
     if off.min() < 0 or np.any(off > data_nbytes - nb):
         raise bad(f"index has offsets outside the {data_nbytes} bytes of data", FS.INDEX_NAME)
-    # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
-    # even with two shapes (format 2 gives each shape a layout of its own): compare leaf paths.
-    leaf = _leaf_ids(layouts)[lid]
-    order = np.lexsort((leaf, frame, fid))
-    dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)
-    if np.any(dup):
-        i = order[int(np.argmax(dup))]
-        raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", FS.INDEX_NAME)
 
 
 def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -88,3 +89,23 @@ def write_filenames(path: str | Path, names: list[str]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(str(path))
+
+
+def make_hostile(victim: Path, outside: Path, attack: str, grow: int) -> None:
+    """Replace the object ``victim`` by what a hostile writer of its folder could leave: a FIFO
+    (``fifo``), a link to ``outside`` holding the same bytes (``link out of the root``), a link to
+    ``/dev/zero`` (``dev zero``), or the object grown by ``grow`` sparse bytes (``oversized``)."""
+    kept = victim.read_bytes()
+    outside.write_bytes(kept)  # the same bytes: only where they live is wrong
+    victim.unlink()
+    if attack == "fifo":
+        os.mkfifo(victim)
+    elif attack == "link out of the root":
+        victim.symlink_to(outside)
+    elif attack == "dev zero":
+        victim.symlink_to("/dev/zero")
+    elif attack == "oversized":
+        victim.write_bytes(kept)
+        os.truncate(victim, len(kept) + grow)
+    else:
+        raise ValueError(attack)

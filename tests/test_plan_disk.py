@@ -22,6 +22,7 @@ import spillmerge
 from spillmerge import _format_spill as FS
 from spillmerge import _plan, _plan_disk
 from spillmerge._spillroot import LoadedSegment, Segment
+from tests._helpers import make_hostile
 from tests._mp_scenarios import output_tree, tree_diff
 
 TINY = 4000  # bytes: blocks of ~10 index rows, so every spill below is planned in many blocks
@@ -303,3 +304,122 @@ def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
     a, b = output_tree(str(tmp_path / "clean")), output_tree(str(out))
     assert a == b, tree_diff(a, b)
     assert spillmerge.verify(str(out)).ok
+
+
+def _parts_sort_runs(tmp_path):
+    """A spill root of ten segments (two writer sessions per rank, one empty) and an output in
+    which parts 1 and 2 of 3 ran first: no plan published yet, so each sorted the runs of its share
+    of the segments for part 0 (then planned itself: timeout 0). Returns the root, the output and
+    the one-process merge of the same root."""
+    root, out, whole = str(tmp_path / "spill"), tmp_path / "out", str(tmp_path / "whole")
+    _spill_mixed(root)
+    _spill_mixed(root)  # the same keys again: duplicates across sessions, identical
+    spillmerge.merge(root, whole, chunk_bytes=256)
+    for i in (1, 2):
+        rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(i, 3), plan_budget=TINY)
+        assert "sorted the runs of 3 segment(s) for part 0's plan" in rep.notes, rep.notes
+        assert not any("was mapped" in n for n in rep.notes)
+    return root, out, whole
+
+
+def test_parts_sort_runs_for_part_0_and_the_output_is_the_same(tmp_path):
+    root, out, whole = _parts_sort_runs(tmp_path)
+    (key,) = os.listdir(out / "spillmerge-parts" / "runs")
+    runs = out / "spillmerge-parts" / "runs" / key
+    assert sorted(os.listdir(runs)) == [f"{si:06d}" for si in range(10) if si % 3]  # segment si is part si % 3's
+    assert sorted(os.listdir(runs / "000001")) == sorted(
+        ["run.json", "names", "name_offsets", "file", "frame", "layout", "offset", "nbytes", "crc", "checks"]
+    )
+    rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(0, 3), plan_budget=TINY)
+    assert any(n.startswith("the runs of 6 of 10 segments were sorted by the other parts") for n in rep.notes), rep.notes
+    fin = spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
+    assert fin.n_frames == rep.n_frames and fin.duplicates > rep.n_frames  # every key of session 2 again
+    assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)]
+    a, b = output_tree(whole), output_tree(str(out))
+    assert a == b, tree_diff(a, b)
+
+
+def _swap_first_two_names(run):
+    off = np.frombuffer((run / "name_offsets").read_bytes(), dtype="<i8")
+    names = bytearray((run / "names").read_bytes())
+    lens = np.diff(off)
+    i = next(i for i in range(len(lens) - 1) if lens[i] == lens[i + 1] and lens[i] > 0)
+    a, b, c = int(off[i]), int(off[i + 1]), int(off[i + 2])
+    names[a:c] = names[b:c] + names[a:b]
+    (run / "names").write_bytes(bytes(names))
+
+
+def _split_a_character(run):
+    """The last two names: one ends in the first byte of "é", the next starts with its second.
+    The bytes as a whole are valid UTF-8 and still sorted; each of the two names is not."""
+    off = np.frombuffer((run / "name_offsets").read_bytes(), dtype="<i8")
+    names = bytearray((run / "names").read_bytes())
+    names[int(off[-2]) - 1], names[int(off[-2])] = 0xC3, 0xA9
+    (run / "names").write_bytes(bytes(names))
+
+
+def _edit_array(name, fn):
+    def edit(run):
+        a = np.frombuffer((run / name).read_bytes(), dtype=np.uint8 if name == "names" else "<i8").copy()
+        (run / name).write_bytes(fn(a).tobytes())
+
+    return edit
+
+
+def _edit_record(key, value):
+    def edit(run):
+        rec = json.loads((run / "run.json").read_text())
+        rec[key] = value
+        (run / "run.json").write_text(json.dumps(rec))
+
+    return edit
+
+
+def _replace(name, how):
+    def edit(run):  # the outside file lies beside the output
+        make_hostile(run / name, run.parents[4] / f"outside-{run.parents[3].name}.bin", how, grow=100 << 20)
+
+    return edit
+
+
+_DAMAGE = {
+    "unsorted names": _swap_first_two_names,
+    "a name starting inside a character": _split_a_character,
+    "invalid UTF-8": _edit_array("names", lambda a: np.where(np.arange(len(a)) == 0, 0xFF, a)),
+    "name offsets out of order": _edit_array("name_offsets", lambda a: np.where(np.arange(len(a)) == 1, a[2] + 1, a)),
+    "entries out of order": _edit_array("file", lambda a: a[::-1].copy()),
+    "layout out of range": _edit_array("layout", lambda a: a + 99),
+    "offset outside the data": _edit_array("offset", lambda a: a + (1 << 40)),
+    "torn array": _edit_array("frame", lambda a: a[:-1]),
+    "another segment's run": _edit_record("segment", "rank-00000/elsewhere"),
+    "wrong counts": _edit_record("n_rows", 1),
+    "record not JSON": lambda run: (run / "run.json").write_bytes(b"\x00{"),
+    "record a FIFO": _replace("run.json", "fifo"),
+    "array a FIFO": _replace("frame", "fifo"),
+    "array a link out of the output": _replace("crc", "link out of the root"),
+    "record /dev/zero": _replace("run.json", "dev zero"),
+    "array /dev/zero": _replace("nbytes", "dev zero"),
+    "record oversized": _replace("run.json", "oversized"),
+    "array oversized": _replace("names", "oversized"),
+}
+
+
+def test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root(tmp_path):
+    # A published run is one more object kind in the output (docs/GUARANTEES.md, threat model):
+    # whatever is wrong with it, part 0 never hangs, never reads outside the output, and plans
+    # from the spill root instead, to the same bytes.
+    root, pristine, whole = _parts_sort_runs(tmp_path)
+    (key,) = os.listdir(pristine / "spillmerge-parts" / "runs")
+    for what, damage in _DAMAGE.items():
+        out = tmp_path / what.replace(" ", "-").replace("/", "").replace("'", "")
+        shutil.copytree(pristine, out, symlinks=True)
+        damage(out / "spillmerge-parts" / "runs" / key / "000004")
+        outside = {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")}
+        rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(0, 3), plan_budget=TINY)
+        damaged = [n for n in rep.notes if n.startswith("planned without the runs the other parts published")]
+        assert len(damaged) == 1 and "000004" in damaged[0], (what, rep.notes)
+        assert not any("were sorted by the other parts" in n for n in rep.notes), what
+        spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
+        assert {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")} == outside  # nothing outside touched
+        a, b = output_tree(whole), output_tree(str(out))
+        assert a == b, (what, tree_diff(a, b))

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from _helpers import raw_bytes, zarr_filenames
+from _helpers import make_hostile, raw_bytes, zarr_filenames
 from _mp_scenarios import output_tree, tree_diff
 from test_cli import assert_one_line_error, run
 
 import spillmerge
 from spillmerge import _format_output as FO
+from spillmerge._storage import Storage
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
@@ -270,18 +271,8 @@ def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, 
     spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
     victim = out / "spillmerge-parts" / "plan" / target
     outside = tmp_path / "outside.bin"
-    kept = victim.read_bytes()
-    outside.write_bytes(kept)  # the same bytes: only where they live is wrong
-    victim.unlink()
-    if attack == "fifo":
-        os.mkfifo(victim)
-    elif attack == "link out of the root":
-        victim.symlink_to(outside)
-    elif attack == "dev zero":
-        victim.symlink_to("/dev/zero")
-    else:
-        victim.write_bytes(kept)
-        os.truncate(victim, len(kept) + (300 << 20 if target == "plan.json" else 8))  # sparse: past the limits
+    make_hostile(victim, outside, attack, grow=300 << 20 if target == "plan.json" else 8)  # past the limits
+    kept = outside.read_bytes()
     try:
         rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
     except spillmerge.SpillMergeError as exc:
@@ -437,27 +428,39 @@ def test_parts_never_touch_a_folder_they_did_not_write(tmp_path):
 
 def test_parts_on_every_backend(backend):
     root, out, one = backend.url("spill"), backend.url("out"), backend.url("one")
-    for r in range(2):
-        with spillmerge.SpillWriter(root, rank=r, world_size=2, storage_options=backend.options) as w:
-            for i in range(5):
-                w.write(f"v{i}/x.mp4", r, torch.arange(i + 3, dtype=torch.float16) + r)
+    for session in range(2):  # four segments, in write order: rank 0, rank 1, rank 0, rank 1
+        for r in range(2):
+            with spillmerge.SpillWriter(root, rank=r, world_size=2, storage_options=backend.options) as w:
+                for i in range(5):
+                    w.write(f"v{i}/x.mp4", r, torch.arange(i + 3, dtype=torch.float16) + r + session)
+                    w.write(f"s{session}/{i}.jpg", 0, torch.arange(i + 3, dtype=torch.float16) + r)
     work = tempfile.mkdtemp(prefix="plan-")  # where a plan fetched from an object store is kept
-    so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": work}
-    # Part 2 first: no plan is published yet, so it plans itself (timeout 0: no waiting); part 0
-    # publishes its plan, part 1 and the finalize map it (fetched into the work folder off local disk).
-    mapped = []
+    # plan_budget: planned out of core, so the parts sort runs for part 0
+    so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": work, "plan_budget": 1000,
+          "on_duplicate": "last"}  # fmt: skip
+    # Part 2 first: no plan is published yet, so it sorts the run of its segment (the third) for
+    # part 0, then plans itself (timeout 0: no waiting); part 0 takes that run (fetched into the
+    # work folder off local disk), sorts the second itself, and publishes its plan; part 1 and the
+    # finalize map the plan.
+    mapped, runs = [], []
     for i in (2, 0, 1):
         rep = spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
         mapped.append(any("was mapped, not rebuilt" in n for n in rep.notes))
+        runs.append([n for n in rep.notes if "runs" in n])
     assert mapped == [False, False, True]
+    assert runs[0] == ["sorted the runs of 1 segment(s) for part 0's plan"], runs
+    assert [n.startswith("the runs of 1 of 4 segments were sorted by the other parts") for n in runs[1]] == [True]
+    assert runs[2] == []  # the plan was published: nothing left to sort
     rep = spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
-    assert rep.parts == 3 and rep.n_frames == 10 and any("was mapped, not rebuilt" in n for n in rep.notes)
+    assert rep.parts == 3 and rep.n_frames == 20 and any("was mapped, not rebuilt" in n for n in rep.notes)
+    left = [rel for rel, _ in Storage(out, backend.options).find("spillmerge-parts")]
+    assert sorted(left) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]  # no plan, no runs
     assert os.listdir(work) == []
     os.rmdir(work)
     spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
     a, b = spillmerge.open(out, backend.options), spillmerge.open(one, backend.options)
-    for name in a.filenames:
-        assert np.array_equal(a[name][:], b[name][:]) and a.frames(name).tolist() == [0, 1]  # rows of one shape
+    for name in a.filenames:  # rows of one shape per file
+        assert np.array_equal(a[name][:], b[name][:]) and a.frames(name).tolist() == ([0] if "jpg" in name else [0, 1])
     assert spillmerge.verify(out, backend.options).ok
 
 

@@ -1,0 +1,192 @@
+"""A merge in parts shares the out-of-core plan's first step: the other parts sort the runs of their
+share of the segments and publish them under ``OUT/spillmerge-parts/runs/``, and part 0 maps them
+instead of loading and sorting those segments itself (docs/SCALE.md, *What breaks first*, 1;
+docs/FORMAT.md section 2.1).
+
+Protocol (only for a merge in parts whose plan is built out of core):
+
+1. (parts 1..n-1) after the commit barrier, before waiting for part 0's plan: :func:`build_share`
+   loads each segment ``si`` (write order) with ``si % n == part``, sorts it into a run
+   (``_plan_disk.sort_run``, the code part 0 runs) and :func:`publish` es it: every array one
+   object, ``run.json`` last. It stops once part 0 published its plan or left a record.
+2. (part 0) builds the runs of its own share, then takes the others, last first
+   (:class:`Published`): a run with ``run.json`` is checked and mapped (page-cache maps locally,
+   fetched into the plan's work folder from object stores); a run not there yet is built by
+   part 0 itself, so part 0 never waits for another part and the plan is the same whoever built
+   each run.
+3. (the finalize) removes the folder after the completion marker (:func:`remove`).
+
+A published run is one of the merge's own objects, like the published plan: checked for what
+would make the plan fail or read out of range (sizes, offsets, order, layouts, index ranges),
+not against the spill root's catalog it was built from (docs/GUARANTEES.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _format as F
+from . import _format_output as FO
+from . import _format_spill as FS
+from ._errors import SpillMergeError
+from ._output import check_claimable
+from ._parts import PARTS_DIR
+from ._plan_disk import RUN_COLUMNS, DamagedRun, Run, RunSource, StringTable, WorkFolder, in_memory_only, sort_run
+from ._planshare import read_array, removed_on_error
+from ._spillroot import LoadedSegment, Segment, check_rows, load_segment
+from ._storage import Storage
+
+RUNS_DIR = f"{PARTS_DIR}/runs"
+RECORD_NAME = "run.json"
+RECORD_MAX_BYTES = 64 << 20
+"""``run.json`` holds the segment's layouts (not per-row data)."""
+_KIND = "merge-run"
+
+#: Object name of each array of a run (``Run`` field → name under the run's folder).
+_OBJECTS = {"file": "file", "frame": "frame", "gl": "layout", "off": "offset", "nb": "nbytes", "crc": "crc"}
+
+
+def folder(key: str, si: int) -> str:
+    """The folder of segment ``si``'s run for the plan of source key ``key``."""
+    return f"{RUNS_DIR}/{key}/{si:06d}"
+
+
+def build_share(
+    src: Storage, output: Storage, segments: Sequence[Segment], key: str, part: tuple[int, int], *,
+    work_dir: str | None, stop: Callable[[], bool],
+) -> int:  # fmt: skip
+    """(parts 1..n-1) Build and publish the runs of this part's share of ``segments``; the number
+    published. Nothing is written into an output that is not ours, complete, or whose parts folder
+    is a link (the part's own checks then say why); a run already published is skipped."""
+    i, n = part
+    check_claimable(output)
+    if output.is_link(PARTS_DIR) or output.exists(FO.COMPLETE_NAME):
+        return 0
+    built = 0
+    for si in range(i, len(segments), n):
+        if stop():
+            break
+        rel = folder(key, si)
+        if output.exists(f"{rel}/{RECORD_NAME}"):
+            continue
+        s = load_segment(src, segments[si])
+        if len(s.index) and in_memory_only(s.layouts) is not None:
+            break  # part 0 plans in memory: runs would go unused
+        work = WorkFolder(work_dir)
+        try:
+            publish(output, rel, key, s, sort_run(work, "r", s))
+        finally:
+            work.close()
+        built += 1
+    return built
+
+
+def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> None:
+    """Write ``run`` (of segment ``s``) under ``rel``, ``run.json`` last; on an exception remove
+    what was written (a run without ``run.json`` is never read)."""
+    output.rm_tree(rel)  # a half-written run of an earlier attempt
+    output.makedirs(rel)
+    with removed_on_error(output, rel):
+
+        def put(name: str, a: np.ndarray) -> None:
+            with output.open_write(f"{rel}/{name}") as sink:
+                for j in range(0, len(a), 1 << 20):
+                    sink.write(np.ascontiguousarray(a[j : j + (1 << 20)]).reshape(-1).view(np.uint8))
+
+        data, offsets = run.names.raw()
+        put("names", data)
+        put("name_offsets", offsets)
+        for field, name in _OBJECTS.items():
+            put(name, getattr(run, field))
+        checks = s.checks if s.checks is not None else np.zeros((0, FS.CHECK_COLUMNS), np.int64)
+        put("checks", checks)
+        record = {
+            "kind": _KIND, "format_version": F.FORMAT_VERSION, "key": key, "segment": s.seg.rel,
+            "layouts": [lay.to_obj() for lay in s.layouts], "n_files": len(run.names), "n_rows": len(run.file),
+            "name_bytes": len(data), "n_checks": len(checks),
+        }  # fmt: skip
+        output.put_atomic(f"{rel}/{RECORD_NAME}", F.dumps(record))
+
+
+def remove(output: Storage) -> None:
+    """The finalize, after the completion marker (and a plan that found a run damaged): the runs
+    are no longer needed."""
+    output.rm_tree(RUNS_DIR)
+
+
+class Published(RunSource):
+    """(part 0) The runs the other parts published for the plan of ``key``."""
+
+    def __init__(self, output: Storage, key: str, segments: Sequence[Segment], parts: int) -> None:
+        self.output, self.key, self.segments, self.parts = output, key, segments, parts
+
+    def elsewhere(self, si: int) -> bool:
+        return si % self.parts != 0
+
+    def take(self, si: int, work: WorkFolder, tag: str) -> tuple[LoadedSegment, Run] | None:
+        rel = folder(self.key, si)
+        where = self.output.describe(rel)
+        try:
+            raw = self.output.get_or_none(f"{rel}/{RECORD_NAME}", max_bytes=RECORD_MAX_BYTES)
+            if raw is None:
+                return None
+            return _load(self.output, rel, F.loads(raw, path=where), self.segments[si], self.key, work, tag)
+        except DamagedRun:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError, OSError, SpillMergeError) as exc:
+            # Unreadable (not a file, a link, too large, torn) or malformed: the spill root decides.
+            raise DamagedRun(f"{where}: unusable published run ({type(exc).__name__}: {exc})", path=where) from exc
+
+
+def _load(
+    output: Storage, rel: str, m: Any, seg: Segment, key: str, work: WorkFolder, tag: str
+) -> tuple[LoadedSegment, Run]:
+    where = output.describe(rel)
+
+    def bad(why: str, *_: Any) -> DamagedRun:
+        return DamagedRun(f"{where}: {why}", path=where)
+
+    commit = seg.commit
+    assert commit is not None
+    if not isinstance(m, dict) or m.get("kind") != _KIND or m.get("format_version") != F.FORMAT_VERSION:
+        raise bad("not a merge run of this format version")
+    if m.get("key") != key or m.get("segment") != seg.rel:
+        raise bad(f"is not the run of segment {seg.rel!r} for this plan")
+    n_files, n_rows, n_checks, name_bytes = (int(m[k]) for k in ("n_files", "n_rows", "n_checks", "name_bytes"))
+    if (n_files, n_rows, n_checks) != (commit.n_files, commit.n_rows, commit.n_checks):
+        raise bad("its counts disagree with the segment's commit record")
+    if not 0 <= name_bytes <= FS.catalog_max_bytes(commit.n_files, commit.n_rows):
+        raise bad(f"its names cannot hold {name_bytes} bytes")
+    if not isinstance(m["layouts"], list):
+        raise bad("its layouts are not a list")
+    layouts = [FS.Layout.from_obj(o, path=where) for o in m["layouts"]]
+    sizes = dict(output.find(rel))
+
+    def arr(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        obj = f"{rel}/{name}"
+        return read_array(output, obj, dtype, shape, sizes.get(obj), None if output.local else work, bad)
+
+    names, noff = arr("names", "|u1", (name_bytes,)), arr("name_offsets", "<i8", (n_files + 1,))
+    lens = np.diff(noff)
+    if noff[0] != 0 or noff[-1] != name_bytes or (len(lens) and (lens.min() < 0 or lens.max() > F.FILENAME_MAX_BYTES)):
+        raise bad("its name offsets are out of order or out of range")
+    # Valid UTF-8 as a whole, and no name starts inside a character: so is every name.
+    bytes(names).decode("utf-8", "surrogatepass")
+    starts = noff[:-1][lens > 0]
+    if len(starts) and np.any((np.asarray(names)[starts] & 0xC0) == 0x80):
+        raise bad("a name starts inside a UTF-8 character")
+    cols = {field: arr(name, "<i8", (n_rows,)) for field, name in _OBJECTS.items()}
+    checks = arr("checks", "<i8", (n_checks, FS.CHECK_COLUMNS))
+    if len(cols["file"]) and np.any(np.diff(cols["file"]) < 0):
+        raise bad("its entries are not ordered by filename")
+    check_rows(bad, n_files, layouts, [cols[f] for f in RUN_COLUMNS], commit.nbytes, checks, commit.chunk_bytes)
+    record = LoadedSegment(
+        seg, [], layouts, np.zeros((0, FS.INDEX_COLUMNS), np.int64), commit.chunk_bytes,
+        checks=np.asarray(checks) if n_checks else None,
+    )  # fmt: skip
+    gmap = work.zeros(f"{tag}.gmap", np.int64, (n_files,))
+    c = cols
+    return record, Run(StringTable(names, noff), c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap, where)
