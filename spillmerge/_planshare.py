@@ -36,7 +36,7 @@ from . import _format as F
 from . import _poll
 from ._errors import CorruptSpillError, SpillMergeError
 from ._parts import PARTS_DIR
-from ._plan import ROW_BLOCK, Plan, PlannedColumn, PlannedList
+from ._plan import ROW_BLOCK, Plan, PlannedColumn, PlannedList, encoded_names
 from ._plan_disk import StringTable, WorkFolder
 from ._spillroot import LoadedSegment, Segment
 from ._storage import Storage
@@ -103,14 +103,7 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
             arrays[name] = {"dtype": dt.str, "shape": list(a.shape)}
             return name
 
-        names = plan.filenames
-        if isinstance(names, StringTable):
-            data, offsets = names.raw()
-        else:
-            enc = [f.encode("utf-8", "surrogatepass") for f in names]
-            offsets = np.zeros(len(enc) + 1, dtype=np.int64)
-            np.cumsum([len(e) for e in enc], out=offsets[1:])
-            data = np.frombuffer(b"".join(enc), dtype=np.uint8)
+        data, offsets = encoded_names(plan.filenames)
         put("names", data)
         put("name_offsets", offsets)
         for attr in ("file_offsets", "frame_idx", "rank", "copies", "file_layout", "seg", "offset", "nbytes", "crc"):
