@@ -444,7 +444,7 @@ class _Builder:
                     raw_b, ends = raw.tobytes(), np.cumsum(lens).tolist()
                     held[i] = [raw_b[e - k : e] for e, k in zip(ends, lens.tolist(), strict=True)]
                     if r.source is not None:
-                        _check_sorted(r, held[i], r.names[a - 1].encode("utf-8", "surrogatepass") if a else None)
+                        _check_sorted(r, held[i], r.names.encoded(a - 1, a)[0].tobytes() if a else None)
                 if held[i] and a + len(held[i]) < n and (bound is None or held[i][-1] < bound):
                     bound = held[i][-1]
             pool: list[bytes] = []

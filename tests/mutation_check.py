@@ -533,6 +533,14 @@ MUTATIONS: list[Mutation] = [
         "a published plan with an entry out of range ends the part with CorruptSpillError naming the plan",
     ),
     Mutation(
+        "run-layout-ids-mapped-to-global",
+        "spillmerge/_plan_disk.py",
+        "            gl = self.lmaps[si][np.asarray(r.gl[a:b])]",
+        "            gl = np.asarray(r.gl[a:b])",
+        ("tests/test_plan_disk.py::test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names",),
+        "a run's layout ids (its segment's catalog positions) become the plan's global ids, whoever built the run",
+    ),
+    Mutation(
         "published-run-names-sorted",
         "spillmerge/_plan_disk.py",
         "    if (before is not None and names and not before < names[0]) or any(",

@@ -4,6 +4,7 @@ leaves no temporary file behind after success or failure."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -61,14 +62,21 @@ _LETTERS = st.sampled_from(["a", "b", "\x00", "\x7f", "é", "\ud800", "\U0001f60
 @given(
     st.lists(st.lists(st.text(_LETTERS, max_size=4), max_size=12, unique=True), min_size=1, max_size=7),
     st.integers(1, 30),
+    st.booleans(),
 )
-def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(segment_names, block_entries):
+def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(segment_names, block_entries, shared):
     """The names merge of the out-of-core plan (runs merged in rounds of a few names, ties across
-    runs and rounds) gives the in-memory plan's sorted filenames and rows."""
-    lay = [FS.Layout(("label",), "int64", ())]
+    runs and rounds) gives the in-memory plan's sorted filenames and rows; so it does when
+    ``shared``: every odd segment's run comes from another work folder (as a part publishes it),
+    taken after the even ones are built, its layout ids mapped to global ones only then."""
     loaded = []
     for si, names in enumerate(segment_names):
+        # odd segments list an unused layout first: their layout ids differ from the global ones
+        lay = [FS.Layout(("label",), "int64", ())]
+        if si % 2:
+            lay.insert(0, FS.Layout((f"other{si}",), "int64", ()))
         idx = np.zeros((len(names), FS.INDEX_COLUMNS), dtype=np.int64)
+        idx[:, FS.COL_LAYOUT] = len(lay) - 1
         idx[:, FS.COL_FILE] = np.arange(len(names))[::-1]  # rows not in filename order
         idx[:, FS.COL_FRAME] = si  # a file has one frame per segment that names it: no duplicates
         idx[:, FS.COL_OFFSET] = np.arange(len(names)) * 8
@@ -79,16 +87,33 @@ def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(se
     def same(a, b):
         raise AssertionError("no key has two copies here")
 
+    class Elsewhere(_plan_disk.RunSource):
+        def __init__(self) -> None:
+            self.work = _plan_disk.WorkFolder(None)
+
+        def elsewhere(self, si):
+            return si % 2 == 1
+
+        def take(self, si, work, tag):
+            run = _plan_disk.sort_run(self.work, f"x{si}", loaded[si])
+            return _plan_disk.record_of(loaded[si]), dataclasses.replace(run, source=f"run {si}")  # names checked
+
     mem = _plan.build(loaded, "error", same_bytes=same)
+    other = Elsewhere() if shared else None
     disk = _plan_disk.build([_plan_disk.SegmentSource(lambda s=s: s) for s in loaded], "error", same_bytes=same,
-                            budget=block_entries * _plan_disk.ENTRY_BYTES)  # fmt: skip
+                            budget=block_entries * _plan_disk.ENTRY_BYTES, shared=other)  # fmt: skip
     try:
+        assert disk.taken == (len(loaded) // 2 if shared else 0)
         assert list(disk.plan.filenames) == list(mem.filenames)
         for k in ("file_offsets", "frame_idx", "rank", "seg", "offset"):
             assert getattr(disk.plan, k).tolist() == getattr(mem, k).tolist(), k
+        assert [c.header() for c in disk.plan.columns] == [c.header() for c in mem.columns]
+        assert disk.plan.file_layouts == mem.file_layouts and disk.plan.file_layout.tolist() == mem.file_layout.tolist()
     finally:
         disk.close()
         assert not os.path.exists(disk.work.dir)
+        if other is not None:
+            other.work.close()
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
