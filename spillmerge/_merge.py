@@ -323,18 +323,16 @@ class _Job:
             runs = None
             if part is not None and part[0] == 0 and part[1] > 1 and key is not None:
                 runs = _planruns.Published(output, key, segments, part[1])
+            plan_out_of_core = functools.partial(
+                _plan_disk.build, sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
+                work_dir=options.plan_dir,
+            )  # fmt: skip
             try:
                 try:
-                    disk = _plan_disk.build(
-                        sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
-                        work_dir=options.plan_dir, shared=runs,
-                    )  # fmt: skip
+                    disk = plan_out_of_core(shared=runs)
                 except _plan_disk.DamagedRun as exc:  # the spill root is the truth: sort every segment here
                     notes.append(f"planned without the runs the other parts published: {exc}")
-                    disk = _plan_disk.build(
-                        sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
-                        work_dir=options.plan_dir,
-                    )  # fmt: skip
+                    disk = plan_out_of_core()
                 plan = disk.plan
                 notes.append(
                     f"the merge plan (about {need >> 20} MiB in memory) exceeds plan_budget ({options.plan_budget >> 20} "

@@ -188,5 +188,5 @@ def _load(
         checks=np.asarray(checks) if n_checks else None,
     )  # fmt: skip
     gmap = work.zeros(f"{tag}.gmap", np.int64, (n_files,))
-    c = cols
-    return record, Run(StringTable(names, noff), c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap, where)
+    file, frame, gl, off, nb, crc = (cols[f] for f in RUN_COLUMNS)
+    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, where)

@@ -214,26 +214,29 @@ def find(
     """The published plan of ``key``, waiting up to ``timeout`` seconds for it (``give_up``:
     stop waiting early, e.g. part 0 failed); None when there is none: the caller plans itself."""
     for waited in _poll.poll(timeout, first=0.05, cap=2.0):
-        raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
-        if raw is not None:
-            obj = F.loads(raw, path=output.describe(MANIFEST))
-            if isinstance(obj, dict) and obj.get("key") == key:
-                return _load(output, obj, segments, work_dir)
+        manifest = _manifest(output, key)
+        if manifest is not None:
+            return _load(output, manifest, segments, work_dir)
         if waited >= timeout or give_up():
             return None
     return None  # pragma: no cover - poll() ends with a check at the deadline
 
 
 def published(output: Storage, key: str) -> bool:
-    """Whether the plan of ``key`` is published (its ``plan.json`` there, not read further)."""
-    raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
-    if raw is None:
-        return False
+    """Whether the plan of ``key`` is published (its ``plan.json`` there, its arrays not read)."""
     try:
-        obj = F.loads(raw, path=output.describe(MANIFEST))
+        return _manifest(output, key) is not None
     except SpillMergeError:
         return False
-    return isinstance(obj, dict) and obj.get("key") == key
+
+
+def _manifest(output: Storage, key: str) -> dict[str, Any] | None:
+    """``plan.json`` when it is there and of ``key``, else None (``CorruptSpillError``: not JSON)."""
+    raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
+    if raw is None:
+        return None
+    obj = F.loads(raw, path=output.describe(MANIFEST))
+    return obj if isinstance(obj, dict) and obj.get("key") == key else None
 
 
 def _load(output: Storage, m: dict[str, Any], segments: Sequence[Segment], work_dir: str | None) -> Published:
