@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +125,24 @@ def copy_units(
 
 _SCRATCH = threading.local()
 COPY_ROWS = 1 << 16
-"""Rows of one output chunk read and placed at a time (their tuples and views: ~200 B each)."""
+"""Rows of one output chunk read and placed at a time (their views: ~100 B each)."""
+PIECE_BYTES = 8 << 10
+"""Mean row size from which a chunk's rows are written from the page cache as they are, not copied
+into one buffer first."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Touched:
+    """Rows with bytes in one output chunk: each row's first and one-past-last unit in the chunk
+    (relative to the row) and where its piece starts in the chunk's bytes."""
+
+    rows: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    start: np.ndarray
+
+    def __getitem__(self, sl: slice) -> _Touched:
+        return _Touched(self.rows[sl], self.a[sl], self.b[sl], self.start[sl])
 
 
 def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
@@ -173,65 +191,69 @@ class _OutputChunk:
 
     # -- reading source rows -----------------------------------------------------------------
 
-    def _touched(self) -> list[tuple[int, int, int]]:
-        """``(row, first unit, one past the last unit)`` in row units of every row with bytes in
-        this chunk, in order; rows cut by the chunk's edges included (only kinds with offsets)."""
+    def _touched(self) -> _Touched:
+        """Every row with bytes in this chunk, in order; rows cut by the chunk's edges included
+        (only kinds with offsets). Computed on arrays: a lookup per row in the plan's maps cost
+        more than copying the row (issue 24, docs/SCALE.md)."""
         lo, hi, src = self.u.lo, self.u.hi, self.col.src
+        ub = self.col.unit_bytes
         if self.off is None:
-            rows = np.arange(lo, hi)
-            rows = rows[src[lo:hi] >= 0]
-            return [(r, 0, 1) for r in rows.tolist()]
+            rows = np.arange(lo, hi, dtype=np.int64)
+            rows = rows[np.asarray(src[lo:hi]) >= 0]
+            zero = np.zeros(len(rows), dtype=np.int64)
+            return _Touched(rows, zero, zero + 1, (rows - lo) * ub)
         off = self.off
         r0 = int(np.searchsorted(off, lo, side="right")) - 1
         r1 = int(np.searchsorted(off, hi, side="left"))
-        out = []
-        for r in range(r0, r1):
-            a, b = int(off[r]), int(off[r + 1])
-            if b > a and src[r] >= 0:
-                out.append((r, max(lo, a) - a, min(hi, b) - a))
-        return out
+        rows = np.arange(r0, r1, dtype=np.int64)
+        a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
+        keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
+        rows, a, b = rows[keep], a[keep], b[keep]
+        first, stop = np.maximum(a, lo), np.minimum(b, hi)
+        return _Touched(rows, first - a, stop - a, (first - lo) * ub)
 
-    def _rows(self, rows: list[int]) -> list[np.ndarray]:
+    def _rows(self, rows: np.ndarray) -> list[np.ndarray]:
         """The whole stored bytes of each of ``rows`` as uint8 arrays (views of the page cache on
         local disks, else one batched read into a scratch buffer), each checked against its
         CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers."""
-        plan, src = self.plan, self.col.src
-        ents = [int(src[r]) for r in rows]
+        plan = self.plan
+        e = np.asarray(self.col.src[rows], dtype=np.int64)
+        ents, segs, offs, sizes, crcs = (
+            x.tolist() for x in (e, plan.seg[e], plan.offset[e], plan.nbytes[e], plan.crc[e])
+        )
         if self.src.local:
-            return self._local_rows(rows, ents)
-        sizes = [int(plan.nbytes[e]) for e in ents]
+            return self._local_rows(rows.tolist(), ents, segs, offs, sizes, crcs)
         buf = _scratch(sum(sizes), "rows")
         pieces = []
-        for e in ents:
-            pieces.extend(data_ranges(plan.segments[int(plan.seg[e])], int(plan.offset[e]), int(plan.nbytes[e])))
+        for s, off, n in zip(segs, offs, sizes, strict=True):
+            pieces.extend(data_ranges(plan.segments[s], off, n))
         self.src.read_into(pieces, buf.data)
         out, pos = [], 0
-        for r, e, n in zip(rows, ents, sizes, strict=True):
+        for r, e_, s, n, crc in zip(rows.tolist(), ents, segs, sizes, crcs, strict=True):
             v = buf[pos : pos + n]
-            crc = int(plan.crc[e])
             if crc < 0:  # checked by its block: read and verify the block once per merge
-                key = (int(plan.seg[e]), crc)
-                if key not in self.checked:
+                if (s, crc) not in self.checked:
                     try:
-                        verify_block(self.src, plan.segments[key[0]], crc)
+                        verify_block(self.src, plan.segments[s], crc)
                     except CorruptSpillError:
-                        self._mismatch(r, e, crc)
-                    self.checked.add(key)
+                        self._mismatch(r, e_, crc)
+                    self.checked.add((s, crc))
             elif google_crc32c.value(v) != crc:
-                self._mismatch(r, e)
+                self._mismatch(r, e_)
             out.append(v)
             pos += n
         return out
 
-    def _local_rows(self, rows: list[int], ents: list[int]) -> list[np.ndarray]:
+    def _local_rows(
+        self, rows: list[int], ents: list[int], segs: list[int], offs: list[int], sizes: list[int], crcs: list[int]
+    ) -> list[np.ndarray]:  # fmt: skip
         """:meth:`_rows` on a local disk: each data chunk object is mapped once per output chunk
         and a row within one object is a slice of it (the many-keys case: millions of small
         rows, where a lookup per row would dominate)."""
         plan = self.plan
         maps: dict[tuple[int, int], np.ndarray] = {}
         out = []
-        for r, e in zip(rows, ents, strict=True):
-            s, off, n = int(plan.seg[e]), int(plan.offset[e]), int(plan.nbytes[e])
+        for r, e, s, off, n, crc in zip(rows, ents, segs, offs, sizes, crcs, strict=True):
             seg = plan.segments[s]
             cb = seg.chunk_bytes
             c = off // cb
@@ -246,7 +268,6 @@ class _OutputChunk:
                 row = whole[lo : lo + n]
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
-            crc = int(plan.crc[e])
             if crc < 0:  # checked by its block (in one data chunk): verified once per merge
                 if (s, crc) not in self.checked:
                     b_off, b_nb, value = check_of(seg, crc)
@@ -294,40 +315,40 @@ class _OutputChunk:
         full = u.k * ub
         if raw and self.src.local and (self.off is not None or u.hi - u.lo <= COPY_ROWS):
             touched = self._touched()
-            if len(touched) <= COPY_ROWS:  # few rows: written straight from the page cache
-                return self._pieces(touched, self._rows([r for r, _, _ in touched]), full)
+            n = len(touched.rows)
+            # Few large rows: written straight from the page cache. Small rows are copied into one
+            # buffer below: a write per row cost more than the copy (issue 24).
+            if n <= COPY_ROWS and full >= n * PIECE_BYTES:
+                return self._pieces(touched, self._rows(touched.rows), full)
         # Many small rows (a chunk of 2**21 int64 labels): copied into one buffer COPY_ROWS rows at
-        # a time, so the per-row tuples and views never exceed COPY_ROWS (measured: a whole label
-        # chunk's took ~450 MB, the merge's peak at 10^7 keys).
+        # a time, so the per-row views never exceed COPY_ROWS (measured: a whole label chunk's
+        # took ~450 MB, the merge's peak at 10^7 keys).
         out = _scratch(full)
         pos = 0  # bytes of the chunk produced so far
-        for touched in self._touched_batches():
-            data = self._rows([r for r, _, _ in touched])
-            for (r, a, b), row in zip(touched, data, strict=True):
-                if col.kind in ("str", "strlist"):  # text is checked where it becomes output text
-                    self._text(r, row)
-                start = (r - u.lo) * ub if self.off is None else (int(self.off[r]) + a - u.lo) * ub
+        text = col.kind in ("str", "strlist")
+        for t in self._touched_batches():
+            data = self._rows(t.rows)
+            if text:  # text is checked where it becomes output text
+                self._texts(t.rows, data)
+            for start, a, b, row in zip(t.start.tolist(), t.a.tolist(), t.b.tolist(), data, strict=True):
                 if start > pos:  # rows without a value read as zeros
                     out[pos:start] = 0
                 piece = row if self.off is None else row[a * ub : b * ub]
-                n = piece.nbytes
-                out[start : start + n] = np.frombuffer(piece, dtype=np.uint8)
-                pos = start + n
+                pos = start + len(piece)
+                out[start:pos] = piece
         if pos < full:
             out[pos:full] = 0
         return [out]
 
-    def _pieces(self, touched: list[tuple[int, int, int]], data: list[np.ndarray], full: int) -> list[Any]:
+    def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int) -> list[Any]:
         """The chunk as buffers written back to back: the rows' own bytes, zeros between."""
-        col, u = self.col, self.u
+        col = self.col
         ub = col.unit_bytes
         if col.kind in ("str", "strlist"):  # text is checked where it becomes output text
-            for (r, _, _), row in zip(touched, data, strict=True):
-                self._text(r, row)
+            self._texts(touched.rows, data)
         buffers: list[Any] = []
         pos = 0  # bytes of the chunk produced so far
-        for (r, a, b), row in zip(touched, data, strict=True):
-            start = (r - u.lo) * ub if self.off is None else (int(self.off[r]) + a - u.lo) * ub
+        for start, a, b, row in zip(touched.start.tolist(), touched.a.tolist(), touched.b.tolist(), data, strict=True):
             if start > pos:  # rows without a value read as zeros
                 buffers.append(_zeros(start - pos))
             piece = row if self.off is None else row[a * ub : b * ub]
@@ -337,29 +358,34 @@ class _OutputChunk:
             buffers.append(_zeros(full - pos))
         return buffers
 
-    def _touched_batches(self) -> Any:
-        """:meth:`_touched` in lists of at most :data:`COPY_ROWS` rows (columns without offsets:
+    def _touched_batches(self) -> Iterator[_Touched]:
+        """:meth:`_touched` in batches of at most :data:`COPY_ROWS` rows (columns without offsets:
         built a batch at a time)."""
         if self.off is not None:
             touched = self._touched()
-            for i in range(0, len(touched), COPY_ROWS):
+            for i in range(0, len(touched.rows), COPY_ROWS):
                 yield touched[i : i + COPY_ROWS]
             return
-        src = self.col.src
+        src, lo0, ub = self.col.src, self.u.lo, self.col.unit_bytes
         for lo in range(self.u.lo, self.u.hi, COPY_ROWS):
-            rows = np.arange(lo, min(lo + COPY_ROWS, self.u.hi))
-            rows = rows[src[lo : lo + len(rows)] >= 0]
-            yield [(r, 0, 1) for r in rows.tolist()]
+            rows = np.arange(lo, min(lo + COPY_ROWS, self.u.hi), dtype=np.int64)
+            rows = rows[np.asarray(src[lo : lo + len(rows)]) >= 0]
+            zero = np.zeros(len(rows), dtype=np.int64)
+            yield _Touched(rows, zero, zero + 1, (rows - lo0) * ub)
 
     # -- string columns -----------------------------------------------------------------------
 
-    def _text(self, r: int, row: np.ndarray) -> None:
-        """Row ``r`` of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
+    def _texts(self, rows: np.ndarray, data: list[np.ndarray]) -> None:
+        """Each row of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
         lengths that add up to its size, each string valid UTF-8 (``_format_spill.text_problem``)."""
-        count = self._strlist_count(r) if self.col.kind == "strlist" else 0
-        bad = FS.text_problem(self.col.kind, count, row)
-        if bad is not None:
-            self._corrupt(r, bad)
+        kind = self.col.kind
+        if kind == "str" and _utf8_rows(data):
+            return
+        for r, row in zip(rows.tolist(), data, strict=True):
+            count = self._strlist_count(r) if kind == "strlist" else 0
+            bad = FS.text_problem(kind, count, row)
+            if bad is not None:
+                self._corrupt(r, bad)
 
     def _strlist_count(self, r: int) -> int:
         """Strings in row ``r`` of a list-of-``str`` column (its layout's ``shape[0]``)."""
@@ -378,3 +404,20 @@ class _OutputChunk:
             path=where,
             rank=seg.seg.rank,
         )
+
+
+def _utf8_rows(rows: list[np.ndarray]) -> bool:
+    """Whether every one of ``rows`` is valid UTF-8, checked in one decode: the rows back to back
+    are valid and no row starts inside a character (then none ends inside one either). False
+    when some row is not: the caller finds which, row by row (a decode per row cost more than
+    the copy of a small string, issue 24)."""
+    if not rows:
+        return True
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    whole = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    try:
+        whole.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    starts = (np.cumsum(lens) - lens)[lens > 0]
+    return not np.any((whole[starts] & 0xC0) == 0x80)

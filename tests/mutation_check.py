@@ -445,10 +445,18 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g26-copy-text-check",
         "spillmerge/_copy.py",
-        "        bad = FS.text_problem(self.col.kind, count, row)",
-        "        bad = None",
+        "            bad = FS.text_problem(kind, count, row)",
+        "            bad = None",
         (f"{H}::test_verify_finds_text_the_merge_refuses",),
         "the merge's copy refuses string data that is not valid UTF-8",
+    ),
+    Mutation(
+        "copy-text-batch-row-starts",
+        "spillmerge/_copy.py",
+        "    return not np.any((whole[starts] & 0xC0) == 0x80)",
+        "    return True",
+        (f"{H}::test_a_character_split_between_two_strings_is_refused",),
+        "a batch of strings checked in one decode still refuses a character split between two rows",
     ),
     Mutation(
         "g26-stale-root-at-merge",

@@ -340,6 +340,31 @@ def test_verify_finds_text_the_merge_refuses(tmp_path: Path, leaf: str) -> None:
     assert any("not valid UTF-8" in p and "the merge would refuse it" in p for p in rep.problems), rep.problems
 
 
+def test_a_character_split_between_two_strings_is_refused(tmp_path: Path) -> None:
+    """Two string rows edited so a character's bytes are split between them (each row invalid
+    UTF-8, the two back to back valid; the rows' checksums fixed up): the copy, which checks a
+    batch of strings in one decode, still refuses it and names the first row."""
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, {"t": "xxé"})
+        w.write("b.mp4", 0, {"t": "éyy"})
+    seg = _segment(root)
+    index = np.frombuffer((seg / "index/c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, 6).copy()
+    chunk = seg / "data/c/0"
+    data = bytearray(chunk.read_bytes())
+    edits = {"xxé".encode(): b"xxx\xc3", "éyy".encode(): b"\xa9yyy"}
+    for row in index:
+        off, nb = int(row[3]), int(row[4])
+        data[off : off + nb] = edits[bytes(data[off : off + nb])]
+        row[5] = google_crc32c.value(bytes(data[off : off + nb]))
+    chunk.write_bytes(bytes(data))
+    raw = index.tobytes()
+    _rewrite_array(seg, "index", raw, list(index.shape))
+    _recommit(seg, index_crc32c=google_crc32c.value(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"'a\.mp4' frame 0 leaf 't'.*not valid UTF-8"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
+
+
 def _x_output(tmp: Path) -> Path:
     root, out = tmp / "spill", tmp / "out"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
