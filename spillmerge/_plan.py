@@ -26,7 +26,7 @@ from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from ._errors import DuplicateFrameError, LayoutMismatchError, SpillValueError
-from ._spillroot import Extent, LoadedSegment
+from ._spillroot import Extent, LoadedSegment, lex_order
 
 SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 """``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
@@ -291,12 +291,9 @@ def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_by
     c = {k: np.concatenate(v) for k, v in cols.items()}
     c, copies, duplicates = resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
 
-    # Rows: distinct (file, frame), in order; every entry's row number.
-    order = np.lexsort((c["lp"], c["frame"], c["file"]))
-    for col in c:
-        c[col] = c[col][order]
-    copies = copies[order]
-    new_key = np.ones(len(order), dtype=bool)
+    # Rows: distinct (file, frame), in order (``resolve_duplicates`` sorted them); every entry's row number.
+    n_ent = len(c["file"])
+    new_key = np.ones(n_ent, dtype=bool)
     new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
     row_of = np.cumsum(new_key) - 1
     key_start = np.flatnonzero(new_key)
@@ -395,8 +392,11 @@ def resolve_duplicates(
     same_bytes: SameBytes,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
     """Drop all but one copy of every (file, frame) held by several segments; return the kept
-    entries, how many segments held each entry's key, and the copies dropped."""
-    order = np.lexsort((c["lp"], c["seg"], c["frame"], c["file"]))
+    entries, how many segments held each entry's key, and the copies dropped. The kept entries
+    are ordered by (file, frame, leaf): each key's come from one segment once the others' are
+    dropped, so the (file, frame, segment, leaf) order they are sorted in is that order (the rows'
+    order: no second sort is needed)."""
+    order = lex_order(c["file"], c["frame"], c["seg"], c["lp"])
     for col in c:
         c[col] = c[col][order]
     new_key = np.ones(len(order), dtype=bool)

@@ -549,12 +549,9 @@ class _Builder:
         for g0, g1, spans in self._blocks(n_files):
             c = self._entries(spans)
             c, copies, dups = P.resolve_duplicates(c, names, self.segments, self.on_duplicate, self.same_bytes)
-            duplicates += dups
-            order = np.lexsort((c["lp"], c["frame"], c["file"]))
-            for k in c:
-                c[k] = c[k][order]
-            copies = copies[order]
-            new_key = np.ones(len(order), dtype=bool)
+            duplicates += dups  # ``c`` is in row order: (file, frame, leaf)
+            n_block = len(c["file"])
+            new_key = np.ones(n_block, dtype=bool)
             new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
             key_start = np.flatnonzero(new_key)
             _, code = P.pair_codes(c, self.layouts, self.leaf_paths, names, self.segments)
@@ -570,8 +567,8 @@ class _Builder:
             w.append("rank", np.array([s.seg.rank for s in self.segments], dtype=np.int32)[c["seg"][key_start]])
             w.append("copies", copies[key_start].astype(np.int32))
             w.append("fcount", np.bincount(c["file"][key_start] - g0, minlength=g1 - g0).astype(np.int64))
-            blocks.append((g0, g1, n_ent, n_ent + len(order), n_rows, n_rows + len(key_start)))
-            n_ent += len(order)
+            blocks.append((g0, g1, n_ent, n_ent + n_block, n_rows, n_rows + len(key_start)))
+            n_ent += n_block
             n_rows += len(key_start)
         t = {k: w.done(f"t.{k}", _I8) for k in ("seg", "off", "nb", "crc", "gl", "lp", "code", "row", "file")}
         frame_idx = w.done("frame_idx", _I8)

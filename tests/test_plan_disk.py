@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import spillmerge
 from spillmerge import _format_spill as FS
 from spillmerge import _plan, _plan_disk
-from spillmerge._spillroot import LoadedSegment, Segment
+from spillmerge._spillroot import LoadedSegment, Segment, lex_order
 from tests._helpers import make_hostile
 from tests._mp_scenarios import output_tree, tree_diff
 
@@ -115,6 +115,40 @@ def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(se
         if other is not None:
             other.work.close()
 
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(-3, 3), st.integers(0, 2)), max_size=60),
+    st.sampled_from([0, 1 << 40, -(1 << 61)]),
+)
+def test_lex_order_is_lexsorts_order(rows, big):
+    """``lex_order`` (keys packed into one int64 when their ranges fit, else ``np.lexsort``) gives
+    ``np.lexsort``'s stable order, ties included; ``big`` stretches one key past 63 bits."""
+    a = np.array([r[0] for r in rows], dtype=np.int64)
+    b = np.array([r[1] for r in rows], dtype=np.int64) * (big or 1)
+    c = np.array([r[2] for r in rows], dtype=np.int64)
+    assert lex_order(a, b, c).tolist() == np.lexsort((c, b, a)).tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 2), st.integers(0, 1)), max_size=40),
+    st.sampled_from(["first", "last"]),
+)
+def test_resolve_duplicates_leaves_entries_in_row_order(entries, policy):
+    """The plan takes ``resolve_duplicates``' entries as they come as the rows' order: (file,
+    frame, leaf), whatever segments wrote copies of a key and whichever copy the policy keeps."""
+    uniq = sorted(set(entries))  # (file, frame, segment, leaf): a segment lists a leaf of a frame once
+    order = np.random.default_rng(len(uniq)).permutation(len(uniq))
+    c = {k: np.array([uniq[i][j] for i in order], dtype=np.int64) for j, k in enumerate(("file", "frame", "seg", "lp"))}
+    n = len(uniq)
+    c.update(gl=c["lp"].copy(), off=np.arange(n, dtype=np.int64) * 8, nb=np.full(n, 8, np.int64), crc=np.full(n, 7, np.int64))
+    segs = [LoadedSegment(Segment(rank=s, name=f"s{s}", rel=f"r{s}", header=None, commit=None, failure=None), [], [],
+                          np.zeros((0, FS.INDEX_COLUMNS), np.int64), 1 << 20) for s in range(3)]  # fmt: skip
+    kept, copies, _ = _plan.resolve_duplicates(c, [f"f{i}" for i in range(4)], segs, policy, lambda x, y: True)
+    keys = list(zip(kept["file"].tolist(), kept["frame"].tolist(), kept["lp"].tolist(), strict=True))
+    assert keys == sorted(keys)
+    assert len({(f, fr) for f, fr, _ in keys}) == len({(u[0], u[1]) for u in uniq})
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan(tmp_path, codec):
