@@ -211,6 +211,10 @@ class PartDoneRecord:
     """Output codec."""
     chunk_bytes: int
     """Target output chunk size."""
+    index: bool
+    """The part wrote its share of the index chunks (every ``parts``-th chunk, from its number:
+    docs/FORMAT.md 2.1); absent (false) in a record of an older release, whose share the
+    finalize writes."""
     finished: str
     """UTC time the record was written."""
     host: str
@@ -240,6 +244,7 @@ class PartDoneRecord:
             nbytes=int_field(obj, "nbytes", path, hi=1 << 56),
             codec=str(obj.get("codec")),
             chunk_bytes=int_field(obj, "chunk_bytes", path, lo=1, hi=1 << 40),
+            index=obj.get("index") is True,
             finished=str(obj.get("finished")),
             host=str(obj.get("host"))[:256],
             pid=int_or_none(obj, "pid") or 0,

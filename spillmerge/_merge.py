@@ -12,7 +12,7 @@ import fsspec
 import numpy as np
 import zarr
 
-from . import _codecs, _lease, _output, _parts, _plan_disk, _planruns, _planshare
+from . import _codecs, _indexchunks, _lease, _output, _parts, _plan_disk, _planruns, _planshare
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
@@ -493,12 +493,15 @@ def _write_part(
                 output, job.plan, job.source_key, plan_id, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec
             )
             job.phases["publish"] = time.perf_counter() - t
-        # Chunks an earlier attempt of this part left are rewritten whole below; every other
-        # node (documents, index) is the finalizer's.
+        # Chunks an earlier attempt of this part left are rewritten whole below, values and this
+        # part's share of the index chunks (``_indexchunks``); the documents are the finalizer's.
         t = time.perf_counter()
         with _planshare.blamed_for_range_errors(job.shared, output):
             _copy(job, mine)
-        job.phases["copy"] = time.perf_counter() - t
+            job.phases["copy"] = time.perf_counter() - t
+            t = time.perf_counter()
+            _indexchunks.write(output, _index_share(job, i, n), threads=job.threads)
+        job.phases["index"] = time.perf_counter() - t
         t = time.perf_counter()
         if job.options.fsync:  # the part record vouches for every chunk of the part
             output.fsync_tree("")
@@ -506,6 +509,7 @@ def _write_part(
         _parts.write_done(
             output, i, n, plan_id, rank, job.options.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
             nbytes=sum(u.nbytes for u in mine), codec=job.options.codec, chunk_bytes=job.options.chunk_bytes,
+            index=True,
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
@@ -548,7 +552,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
         known = None if job.shared is None else job.shared.fingerprint_for(job.options.chunk_bytes, job.options.codec)
         job.fingerprint = known or fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
-    _parts.wait(
+    finished = _parts.wait(
         output,
         n,
         job.fingerprint,
@@ -576,8 +580,15 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
+    t = time.perf_counter()
     with _planshare.blamed_for_range_errors(job.shared, output):
-        _write_output_index(job)
+        # Each part wrote its share of the index chunks; a part whose record does not say so (a
+        # release before the shares) leaves its share to the finalize.
+        chunks = _indexchunks.index_chunks(job.plan, docs)
+        left = [c for p in range(n) if not any(r.part == p and r.index for r in finished)
+                for c in _indexchunks.share(chunks, p, n)]  # fmt: skip
+        _indexchunks.write(output, left, threads=job.threads)
+    job.phases["index"] = time.perf_counter() - t
     _finish(job, docs, lease)
     _planshare.remove(output)  # the parts are done with it (the output is complete)
     _planruns.remove(output)
@@ -624,6 +635,12 @@ def _part0_ended(output: Storage, part: tuple[int, int] | None) -> bool:
     except SpillMergeError:
         return False
     return any(r.part == 0 and (part is None or r.parts == part[1]) for r in records)
+
+
+def _index_share(job: _Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
+    """Part ``i``'s share of the output's index chunks."""
+    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
+    return _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
 
 
 def _write_output_index(job: _Job) -> None:

@@ -67,15 +67,17 @@ class PartRecord:
     """Completion records: the output codec the part wrote with."""
     chunk_bytes: int | None
     """Completion records: the target chunk size the part wrote with."""
+    index: bool = False
+    """Completion records: the part wrote its share of the index chunks (``_indexchunks``)."""
 
 
 def write_done(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
-    n_frames: int, nbytes: int, codec: str, chunk_bytes: int,
+    n_frames: int, nbytes: int, codec: str, chunk_bytes: int, index: bool,
 ) -> None:  # fmt: skip
     rec = FO.PartDoneRecord.now(
         part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
-        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes,
+        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes, index=index,
     )  # fmt: skip
     output.makedirs(PARTS_DIR)
     output.put_atomic(record_name(part, parts), rec.to_json())
@@ -111,7 +113,7 @@ def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
         raise CorruptSpillError(f"{where}: bad codec {done.codec!r} or chunk_bytes {done.chunk_bytes!r}", path=where)
     message = f"{done.n_files} files, {done.n_frames} frames"
     return PartRecord(
-        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes
+        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes, done.index
     )
 
 

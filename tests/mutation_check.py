@@ -451,6 +451,22 @@ MUTATIONS: list[Mutation] = [
         "the merge's copy refuses string data that is not valid UTF-8",
     ),
     Mutation(
+        "finalize-writes-index-share-of-older-parts",
+        "spillmerge/_merge.py",
+        "        left = [c for p in range(n) if not any(r.part == p and r.index for r in finished)",
+        "        left = [c for p in range(n) if False",
+        ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
+        "the finalize writes the index chunks of a part whose record does not say it wrote them",
+    ),
+    Mutation(
+        "part-writes-its-index-share",
+        "spillmerge/_merge.py",
+        "            _indexchunks.write(output, _index_share(job, i, n), threads=job.threads)",
+        "            pass",
+        ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
+        "each part writes its share of the index chunks",
+    ),
+    Mutation(
         "copy-text-batch-row-starts",
         "spillmerge/_copy.py",
         "    return not np.any((whole[starts] & 0xC0) == 0x80)",

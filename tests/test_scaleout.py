@@ -65,9 +65,11 @@ def _snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def _is_chunk(rel: str) -> bool:
-    """A chunk of a column's ``values`` (what parts write; everything else is the finalizer's)."""
+    """A chunk object of an output array: a column's ``values``, ``offsets``, ``shapes`` or
+    ``valid``, an ``index/`` array, a list's ``offsets`` (what parts write: each its values chunks
+    and its share of the index chunks; the documents and the marker are the finalizer's)."""
     p = Path(rel).parts
-    return len(p) >= 5 and p[0] == "columns" and p[2] == "values" and p[3] == "c"
+    return p[0] in ("columns", "index", "lists") and "c" in p[2:] and p[-1] != "zarr.json"
 
 
 def _parts_observed(
@@ -537,3 +539,56 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
     chunk.write_bytes(chunk.read_bytes()[:-5] + b"XXXXX")
     rep2 = spillmerge.verify(str(out))
     assert not rep2.ok and "zeros" in rep2.problems[0] and FO.COMPLETE_NAME in os.listdir(out)
+
+
+def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
+    """The index chunks parts write without zarr (``_indexchunks``) are, object for object, the
+    bytes a one-process merge writes through zarr: filenames and their heads, offsets, rows, a
+    ragged column's offsets and shapes, a column's ``valid``, a list's offsets; and a merge in
+    parts writes every one of them (the finalize none)."""
+    from spillmerge import _indexchunks, _merge
+    from spillmerge import _zarrmeta as Z
+    from spillmerge._options import MergeOptions
+
+    root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(300):  # a few index chunks per array at the small chunk sizes below
+            value = {"t": torch.ones(i % 3 + 1, i % 2 + 1), "s": f"é{i}", "o": None if i % 4 else i}
+            if i % 5 == 0:
+                value["l"] = [torch.full((j + 1,), float(j)) for j in range(i % 3)]
+            w.write(f"f{i:04d}é.jpg", 0, value)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    job = _merge._Job.open(str(root), str(one) + "-plan", MergeOptions(**OPTS))  # type: ignore[arg-type]
+    try:
+        docs = Z.output_docs(job.plan, 1, job.options.chunk_bytes, job.options.codec)
+        chunks = _indexchunks.index_chunks(job.plan, docs)
+        paths = {c.path for c in chunks}
+        assert {"index/filenames", "index/filename_heads", "index/frame_idx", "index/file_layout"} <= paths
+        assert any(p.endswith("/shapes") for p in paths) and any(p.endswith("/valid") for p in paths)
+        assert any(p.startswith("lists/") for p in paths) and any(p.endswith("/offsets") for p in paths)
+        for c in chunks:
+            assert b"".join(a.tobytes() for a in c.encode()) == (one / c.key).read_bytes(), c.key
+        stored = {str(p.relative_to(one)) for p in one.rglob("*") if p.is_file() and "/c/" in str(p.relative_to(one))}
+        assert {c.key for c in chunks} == {s for s in stored if "/values/" not in s}
+    finally:
+        job.close()
+    _parts(root, out, 3)
+    before = {k: v for k, v in _snapshot(out).items() if _is_chunk(k)}
+    assert set(before) == {str(p.relative_to(one)) for p in one.rglob("*") if p.is_file() and _is_chunk(str(p.relative_to(one)))}
+    spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert {k: v for k, v in _snapshot(out).items() if _is_chunk(k)} == before  # the finalize wrote no chunk
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    # A part of a release before the shares: its record does not say it wrote index chunks (and it
+    # did not), so the finalize writes that part's share.
+    out2 = tmp_path / "out2"
+    _parts(root, out2, 3)
+    rec = out2 / "spillmerge-parts" / "part-00001-of-00003.json"
+    doc = json.loads(rec.read_text())
+    assert doc.pop("index") is True
+    rec.write_text(json.dumps(doc))
+    theirs = {c.key for c in _indexchunks.share(chunks, 1, 3)}
+    assert theirs
+    for key in theirs:
+        (out2 / key).unlink()
+    spillmerge.merge(str(root), str(out2), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert tree_diff(output_tree(str(one)), output_tree(str(out2))) == []
