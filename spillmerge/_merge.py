@@ -489,10 +489,15 @@ def _write_part(
         if i == 0 and job.source_key is not None and job.shared is None:
             # The other parts and the finalize map this plan instead of planning it again.
             t = time.perf_counter()
-            _planshare.publish(
+            linked = _planshare.publish(
                 output, job.plan, job.source_key, plan_id, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec
             )
             job.phases["publish"] = time.perf_counter() - t
+            if linked:
+                job.notes.append(
+                    f"{linked} arrays of the published plan are hard links to the plan's work files (one file "
+                    f"system), not copies"
+                )
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_indexchunks``); the documents are the finalizer's.
         t = time.perf_counter()

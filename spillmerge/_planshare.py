@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,21 +87,29 @@ class Published:
 # -- publishing (part 0) -------------------------------------------------------------------------
 
 
-def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_bytes: int, codec: str) -> None:
+def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_bytes: int, codec: str) -> int:
     """Write ``plan`` under ``PLAN_DIR``, ``plan.json`` last; on an exception remove what was
-    written (a half-published plan has no ``plan.json``, so nobody reads it anyway)."""
+    written (a half-published plan has no ``plan.json``, so nobody reads it anyway). An array
+    that is an out-of-core plan's whole work file is hard-linked where the output's file system
+    allows (``Storage.put_link``) rather than copied; returns how many were."""
+    linked = 0
     output.rm_tree(PLAN_DIR)  # another key's plan (an older merge into this output)
     output.makedirs(PLAN_DIR)
     with removed_on_error(output, PLAN_DIR):
         arrays: dict[str, dict[str, Any]] = {}
 
         def put(name: str, a: np.ndarray) -> str:
+            nonlocal linked
             a = a if isinstance(a, np.ndarray) else np.asarray(a)
             dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+            arrays[name] = {"dtype": dt.str, "shape": list(a.shape)}
+            whole = _whole_file(a)
+            if whole is not None and output.put_link(f"{PLAN_DIR}/{name}", whole):
+                linked += 1
+                return name  # an out-of-core plan's work file, on the output's file system: linked, not copied
             with output.open_write(f"{PLAN_DIR}/{name}") as sink:
                 for i in range(0, len(a), ROW_BLOCK):  # maps of an out-of-core plan: a block at a time
                     sink.write(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype=dt).reshape(-1).view(np.uint8))
-            arrays[name] = {"dtype": dt.str, "shape": list(a.shape)}
             return name
 
         data, offsets = encoded_names(plan.filenames)
@@ -139,6 +148,23 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
             ],
         }  # fmt: skip
         output.put_atomic(MANIFEST, F.dumps(manifest))
+    return linked
+
+
+def _whole_file(a: np.ndarray) -> str | None:
+    """The file ``a`` maps whole (an out-of-core plan's work file: offset 0, every byte, C order,
+    little-endian), else None."""
+    mm = getattr(a, "_mmap", None)
+    if not isinstance(a, np.memmap) or mm is None or not a.filename or a.offset != 0:
+        return None
+    try:
+        start = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        size = os.path.getsize(a.filename)
+    except (ValueError, TypeError, OSError):
+        return None
+    if a.ctypes.data != start or a.nbytes != size or not a.flags.c_contiguous or a.dtype.byteorder == ">":
+        return None
+    return str(a.filename)
 
 
 @contextmanager

@@ -467,6 +467,14 @@ MUTATIONS: list[Mutation] = [
         "each part writes its share of the index chunks",
     ),
     Mutation(
+        "publish-links-out-of-core-work-files",
+        "spillmerge/_planshare.py",
+        "            whole = _whole_file(a)\n",
+        "            whole = None\n",
+        ("tests/test_plan_disk.py::test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes",),
+        "part 0 links the out-of-core plan's work files into the published plan on one file system",
+    ),
+    Mutation(
         "copy-text-batch-row-starts",
         "spillmerge/_copy.py",
         "    return not np.any((whole[starts] & 0xC0) == 0x80)",

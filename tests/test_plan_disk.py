@@ -325,6 +325,8 @@ def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
     mapped = [any("was mapped, not rebuilt" in n for n in ns) for ns in notes]
     assert mapped == [False, True, True], notes
     assert any("out of core" in n for n in notes[0]), notes[0]  # part 0 planned, and alone
+    # plan_dir and the output share a file system: the plan's work files were linked, not copied
+    assert any("hard links to the plan's work files" in n for n in notes[0]), notes[0]
     published = sorted(os.listdir(out / "spillmerge-parts" / "plan"))
     assert "plan.json" in published and "names" in published
     # Part 1 again, killed in the middle of its copy (one-row chunks, one thread): no record.
