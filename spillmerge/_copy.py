@@ -327,7 +327,12 @@ class _OutputChunk:
         pos = 0  # bytes of the chunk produced so far
         text = col.kind in ("str", "strlist")
         for t in self._touched_batches():
-            data = self._rows(t.rows)
+            if self.src.local and col.kind != "strlist":
+                placed = self._place_local(t, out, pos)
+                if placed is not None:
+                    pos = placed
+                    continue
+            data = self._rows(t.rows)  # row by row: the path that says exactly what is wrong
             if text:  # text is checked where it becomes output text
                 self._texts(t.rows, data)
             for start, a, b, row in zip(t.start.tolist(), t.a.tolist(), t.b.tolist(), data, strict=True):
@@ -339,6 +344,77 @@ class _OutputChunk:
         if pos < full:
             out[pos:full] = 0
         return [out]
+
+    def _place_local(self, t: _Touched, out: np.ndarray, pos: int) -> int | None:
+        """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
+        between) with numpy, not row by row: the rows of one data chunk object and one size are
+        taken as windows of its map in one fancy index and put into ``out`` in another, their
+        checksums and text checked per group. Returns the new ``pos``; None when a row needs the
+        row-by-row path (it crosses data chunk objects, the object is shorter than the index says,
+        a checksum or a string is wrong: that path raises the precise error)."""
+        plan, col = self.plan, self.col
+        n = len(t.rows)
+        if n == 0:
+            return pos
+        ub = col.unit_bytes
+        e = np.asarray(col.src[t.rows], dtype=np.int64)
+        seg, off, nb, crc = (np.asarray(a[e], dtype=np.int64) for a in (plan.seg, plan.offset, plan.nbytes, plan.crc))
+        cb = self._chunk_bytes()[seg]
+        c = off // cb
+        if np.any((nb > 0) & ((off + nb - 1) // cb != c)):
+            return None
+        if self.off is None:
+            first, size = np.zeros(n, dtype=np.int64), nb
+        else:
+            first, size = t.a * ub, (t.b - t.a) * ub
+        whole_row = (first == 0) & (size == nb)
+        start = t.start
+        # Groups: one data chunk object and one row size (rows of one size are windows of one shape).
+        gkey = np.stack([seg, c, nb])
+        order = np.lexsort(gkey[::-1])
+        sk = gkey[:, order]
+        edges = np.flatnonzero(np.any(sk[:, 1:] != sk[:, :-1], axis=0)) + 1
+        text = col.kind == "str"
+        for g in np.split(order, edges):
+            s_, c_, L = (int(v) for v in gkey[:, g[0]])
+            segment = plan.segments[s_]
+            whole = self.src.view(f"{segment.seg.rel}/data/c/{c_}", 0, None)
+            lo = off[g] - c_ * int(cb[g[0]])
+            if L == 0:
+                continue
+            if int(lo.max()) + L > len(whole):
+                return None
+            rows = np.lib.stride_tricks.sliding_window_view(whole, L)[lo]  # (k, L): the rows, copied
+            for i in np.flatnonzero(crc[g] >= 0).tolist():
+                if google_crc32c.value(rows[i]) != int(crc[g[i]]):
+                    return None
+            for b in np.unique(crc[g][crc[g] < 0]).tolist():
+                if (s_, b) not in self.checked:
+                    b_off, b_nb, value = check_of(segment, b)
+                    bc, b_lo = divmod(b_off, segment.chunk_bytes)
+                    block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
+                    if len(block) != b_nb or google_crc32c.value(block) != value:
+                        return None
+                    self.checked.add((s_, b))
+            if text and not _utf8_rows_of_one_size(rows):
+                return None
+            inner = whole_row[g]
+            if inner.any():
+                dst = np.lib.stride_tricks.sliding_window_view(out, L, writeable=True)
+                dst[start[g[inner]]] = rows[inner]
+            for i in np.flatnonzero(~inner).tolist():  # a row cut by the chunk's edge: its piece
+                j = int(g[i])
+                a0, m = int(first[j]), int(size[j])
+                out[int(start[j]) : int(start[j]) + m] = rows[i, a0 : a0 + m]
+        ends = start + size
+        gaps = np.flatnonzero(start > np.concatenate(([pos], ends[:-1])))
+        for i in gaps.tolist():  # rows without a value read as zeros
+            out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
+        return int(ends[-1])
+
+    def _chunk_bytes(self) -> np.ndarray:
+        """Each segment's data chunk size, by position in ``plan.segments``."""
+        return np.array([s.chunk_bytes for s in self.plan.segments], dtype=np.int64)
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int) -> list[Any]:
         """The chunk as buffers written back to back: the rows' own bytes, zeros between."""
@@ -421,3 +497,14 @@ def _utf8_rows(rows: list[np.ndarray]) -> bool:
         return False
     starts = (np.cumsum(lens) - lens)[lens > 0]
     return not np.any((whole[starts] & 0xC0) == 0x80)
+
+
+def _utf8_rows_of_one_size(rows: np.ndarray) -> bool:
+    """:func:`_utf8_rows` of a (k, L) array of k rows of L bytes."""
+    if rows.size == 0:
+        return True
+    try:
+        rows.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return not np.any((rows[:, 0] & 0xC0) == 0x80)
