@@ -349,9 +349,11 @@ class _OutputChunk:
         """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
         between) with numpy, not row by row: the rows of one data chunk object and one size are
         taken as windows of its map in one fancy index and put into ``out`` in another, their
-        checksums and text checked per group. Returns the new ``pos``; None when a row needs the
-        row-by-row path (it crosses data chunk objects, the object is shorter than the index says,
-        a checksum or a string is wrong: that path raises the precise error)."""
+        checksums and text checked per group. Returns the new ``pos``; None when the batch goes the
+        row-by-row way: a row larger than :data:`PIECE_BYTES` (a row cut by the chunk's edges is
+        read whole: a view, not a copy, of a large one), or a row that crosses data chunk objects,
+        an object shorter than the index says, a checksum or a string that is wrong (that path
+        raises the precise error)."""
         plan, col = self.plan, self.col
         n = len(t.rows)
         if n == 0:
@@ -359,6 +361,8 @@ class _OutputChunk:
         ub = col.unit_bytes
         e = np.asarray(col.src[t.rows], dtype=np.int64)
         seg, off, nb, crc = (np.asarray(a[e], dtype=np.int64) for a in (plan.seg, plan.offset, plan.nbytes, plan.crc))
+        if int(nb.max()) > PIECE_BYTES:
+            return None  # large rows: views of the page cache, row by row, never copies of whole rows
         cb = self._chunk_bytes()[seg]
         c = off // cb
         if np.any((nb > 0) & ((off + nb - 1) // cb != c)):
