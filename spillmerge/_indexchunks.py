@@ -1,13 +1,13 @@
-"""The output's index as chunk objects a merge in parts can share out: every chunk of every index
-array (filenames, offsets, rows, each column's ``offsets`` / ``shapes`` / ``valid``, each list's
-``offsets``), written without zarr in zarr's encoding, so each part writes its share and the
-finalize only the documents and the marker (docs/SCALE.md, *What breaks first*, 2).
+"""The output's index as chunk objects: every chunk of every index array (filenames, offsets,
+rows, each column's ``offsets`` / ``shapes`` / ``valid``, each list's ``offsets``), written
+without zarr in zarr's encoding. A whole merge writes them all (3-4x faster than through zarr); a
+merge in parts shares them out, so each part writes its share and the finalize only the
+documents and the marker (docs/SCALE.md, *What breaks first*, 2).
 
 Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
 (``_zarrmeta.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
-edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes. A
-whole merge writes the same bytes through zarr (``_merge._write_output_index``; a test compares
-the two).
+edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
+bytes zarr writes for the same elements (tests/test_scaleout.py compares every chunk).
 
 Shares: the chunks in a fixed order (array, then chunk), dealt round-robin (chunk ``u`` to part
 ``u mod n``), so every part's share is spread over every array and every process computes the
@@ -66,8 +66,9 @@ class IndexChunk:
 
 
 def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]]:
-    """Each index array's path and its elements (and the function that makes them from those),
-    as ``_merge._write_output_index`` writes them."""
+    """Each index array's path and its elements (and the function that makes them from those):
+    the arrays ``_zarrmeta.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
+    (but ``values``)."""
     names = plan.filenames
     if isinstance(names, _plan_disk.StringTable):
         filename_arrays = names.index_arrays(Z.NAME_BLOCK)

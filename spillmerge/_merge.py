@@ -9,8 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
-import numpy as np
-import zarr
 
 from . import _codecs, _indexchunks, _lease, _output, _parts, _plan_disk, _planruns, _planshare
 from . import _format as F
@@ -421,7 +419,9 @@ def _merge_whole_locked(job: _Job, lease: _lease.Lease) -> None:
         t = time.perf_counter()
         _copy(job, units(job.plan, job.options.chunk_bytes))
         job.phases["copy"] = time.perf_counter() - t
-        _write_output_index(job)
+        t = time.perf_counter()
+        _indexchunks.write(job.output, _indexchunks.index_chunks(job.plan, docs), threads=job.threads)
+        job.phases["index"] = time.perf_counter() - t
         _finish(job, docs, lease)
     except BaseException:
         # The output is unusable without its completion marker anyway; removing what we
@@ -646,61 +646,6 @@ def _index_share(job: _Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
     """Part ``i``'s share of the output's index chunks."""
     docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
     return _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
-
-
-def _write_output_index(job: _Job) -> None:
-    """The index arrays and every column's ``offsets``, ``shapes`` and ``valid``: computed from
-    the plan, written through zarr (whole arrays, one process)."""
-    t = time.perf_counter()
-    plan = job.plan
-    store = job.output.zarr_store()
-    # write_empty_chunks: an index chunk that happens to be all zeros must still exist on disk
-    # (verify treats a missing chunk as damage).
-    # The output may have been changed under us (a hostile writer of the storage): whatever zarr
-    # raises about it becomes one SpillStorageError naming the output.
-    with zarr.config.set({"array.write_empty_chunks": True}), job.output.storage_errors("write the index of", "index"):
-        group = zarr.open_group(store, mode="r+", use_consolidated=False)
-        index: Any = group["index"]
-        _write_filenames(plan, index)
-        if plan.n_files:
-            _assign(index["file_layout"], plan.file_layout)
-        _assign(index["frame_offsets"], plan.file_offsets)
-        if plan.n_frames:
-            _assign(index["frame_idx"], plan.frame_idx)
-            _assign(index["frame_rank"], plan.rank)
-            _assign(index["frame_copies"], plan.copies)
-        for lst in plan.lists:
-            _assign(group[f"lists/{lst.name}/offsets"], lst.offsets)
-        for col in plan.columns:
-            node: Any = group[f"columns/{col.name}"]
-            if col.has_offsets:
-                _assign(node["offsets"], col.offsets())
-            if col.shapes is not None and len(col.src):
-                _assign(node["shapes"], col.shapes)
-            if col.has_valid and len(col.src):
-                _assign(node["valid"], col.src, lambda src: src >= 0)
-    job.phases["index"] = time.perf_counter() - t
-
-
-def _assign(array: Any, source: np.ndarray, fn: Any = None) -> None:
-    """``array[:] = fn(source)``, a whole number of chunks at a time: an out-of-core plan's arrays
-    are maps of files, read block by block rather than into memory at once."""
-    n = len(source)
-    step = max(1, (1 << 21) // max(1, int(array.chunks[0]))) * int(array.chunks[0])
-    for a in range(0, n, step):
-        block = np.asarray(source[a : a + step])
-        array[a : a + len(block)] = block if fn is None else fn(block)
-
-
-def _write_filenames(plan: Plan, index: Any) -> None:
-    """``index/filenames`` and its offsets and block heads: from the plan's list, or, for an
-    out-of-core plan, straight from its string table's bytes and offsets a block at a time
-    (the same UTF-8 bytes + int64 offsets layout: never the names as Python strings)."""
-    names = plan.filenames
-    arrays = names.index_arrays(Z.NAME_BLOCK) if isinstance(names, _plan_disk.StringTable) else None
-    for name, arr in (arrays or Z.filename_arrays(list(names))).items():
-        if len(arr):
-            _assign(index[name], arr)
 
 
 def _copy(job: _Job, todo: list[Unit]) -> None:

@@ -542,10 +542,10 @@ def test_every_codec_round_trips_every_dtype(tmp_path, codec):
 
 
 def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
-    """The index chunks parts write without zarr (``_indexchunks``) are, object for object, the
-    bytes a one-process merge writes through zarr: filenames and their heads, offsets, rows, a
-    ragged column's offsets and shapes, a column's ``valid``, a list's offsets; and a merge in
-    parts writes every one of them (the finalize none)."""
+    """The index chunks written without zarr (``_indexchunks``) are, object for object, the bytes
+    zarr writes for the same elements: filenames and their heads, offsets, rows, a ragged
+    column's offsets and shapes, a column's ``valid``, a list's offsets; a one-process merge
+    writes every one of them, and so does a merge in parts (the finalize none)."""
     from spillmerge import _indexchunks, _merge
     from spillmerge import _zarrmeta as Z
     from spillmerge._options import MergeOptions
@@ -566,8 +566,19 @@ def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
         assert {"index/filenames", "index/filename_heads", "index/frame_idx", "index/file_layout"} <= paths
         assert any(p.endswith("/shapes") for p in paths) and any(p.endswith("/valid") for p in paths)
         assert any(p.startswith("lists/") for p in paths) and any(p.endswith("/offsets") for p in paths)
+        # zarr itself writes the same elements into arrays of the same documents: the same bytes
+        ref = tmp_path / "ref"
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            for path in sorted(paths):
+                (ref / path).mkdir(parents=True)
+                (ref / path / "zarr.json").write_text(json.dumps(docs[path]))
+                arr = zarr.open_array(str(ref / path), mode="r+")
+                for c in (c for c in chunks if c.path == path):
+                    block = np.asarray(c.source[c.lo : c.hi])
+                    arr[c.lo : c.hi] = block if c.fn is None else c.fn(block)
         for c in chunks:
-            assert b"".join(a.tobytes() for a in c.encode()) == (one / c.key).read_bytes(), c.key
+            mine = b"".join(a.tobytes() for a in c.encode())
+            assert mine == (ref / c.key).read_bytes() == (one / c.key).read_bytes(), c.key
         stored = {str(p.relative_to(one)) for p in one.rglob("*") if p.is_file() and "/c/" in str(p.relative_to(one))}
         assert {c.key for c in chunks} == {s for s in stored if "/values/" not in s}
     finally:
