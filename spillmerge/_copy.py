@@ -86,6 +86,7 @@ def copy_units(
     errors: list[BaseException] = []
     offsets: dict[int, np.ndarray] = {}
     checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
+    chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
     for u in todo:  # once per column, before the threads share them
         col = plan.columns[u.column]
         if col.counts is not None and u.column not in offsets:
@@ -113,7 +114,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked)
+                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes)
                 fut = pool.submit(job.write, output, codec)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
@@ -164,12 +165,13 @@ class _OutputChunk:
 
     def __init__(
         self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None,
-        checked: set[tuple[int, int]],
+        checked: set[tuple[int, int]], chunk_bytes: np.ndarray,
     ) -> None:  # fmt: skip
         """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
-        (shared by the chunks of one merge; a block checksum covers rows of many chunks)."""
+        (shared by the chunks of one merge; a block checksum covers rows of many chunks);
+        ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``."""
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
-        self.checked = checked
+        self.checked, self.chunk_bytes = checked, chunk_bytes
 
     @property
     def key(self) -> str:
@@ -270,15 +272,10 @@ class _OutputChunk:
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
             if crc < 0:  # checked by its block (in one data chunk): verified once per merge
                 if (s, crc) not in self.checked:
-                    b_off, b_nb, value = check_of(seg, crc)
-                    bc, b_lo = divmod(b_off, cb)
-                    whole_b = maps.get((s, bc))
-                    if whole_b is None:
-                        whole_b = maps[(s, bc)] = self.src.view(f"{seg.seg.rel}/data/c/{bc}", 0, None)
-                    block = whole_b[b_lo : b_lo + b_nb]
-                    if len(block) != b_nb:  # the object is shorter than the checks say
-                        self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises TruncatedObjectError
-                    if google_crc32c.value(block) != value:
+                    if not self._block_sound(s, crc):
+                        b_off, b_nb, _ = check_of(seg, crc)
+                        bc, b_lo = divmod(b_off, cb)
+                        self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
                         self._mismatch(r, e, crc)
                     self.checked.add((s, crc))
             elif google_crc32c.value(row) != crc:
@@ -363,7 +360,7 @@ class _OutputChunk:
         seg, off, nb, crc = (np.asarray(a[e], dtype=np.int64) for a in (plan.seg, plan.offset, plan.nbytes, plan.crc))
         if int(nb.max()) > PIECE_BYTES:
             return None  # large rows: views of the page cache, row by row, never copies of whole rows
-        cb = self._chunk_bytes()[seg]
+        cb = self.chunk_bytes[seg]
         c = off // cb
         if np.any((nb > 0) & ((off + nb - 1) // cb != c)):
             return None
@@ -394,10 +391,7 @@ class _OutputChunk:
                     return None
             for b in np.unique(crc[g][crc[g] < 0]).tolist():
                 if (s_, b) not in self.checked:
-                    b_off, b_nb, value = check_of(segment, b)
-                    bc, b_lo = divmod(b_off, segment.chunk_bytes)
-                    block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
-                    if len(block) != b_nb or google_crc32c.value(block) != value:
+                    if not self._block_sound(s_, b):
                         return None
                     self.checked.add((s_, b))
             if text and not _utf8_rows_of_one_size(rows):
@@ -416,9 +410,15 @@ class _OutputChunk:
             out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
         return int(ends[-1])
 
-    def _chunk_bytes(self) -> np.ndarray:
-        """Each segment's data chunk size, by position in ``plan.segments``."""
-        return np.array([s.chunk_bytes for s in self.plan.segments], dtype=np.int64)
+    def _block_sound(self, s: int, crc: int) -> bool:
+        """Whether the block checksum ``crc`` (negative: a block of rows) of segment ``s`` holds
+        on a local spill root: its bytes, a view of their data chunk object, all there and
+        matching. The caller says what is wrong when not."""
+        segment = self.plan.segments[s]
+        b_off, b_nb, value = check_of(segment, crc)
+        bc, b_lo = divmod(b_off, segment.chunk_bytes)
+        block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
+        return len(block) == b_nb and google_crc32c.value(block) == value
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int) -> list[Any]:
         """The chunk as buffers written back to back: the rows' own bytes, zeros between."""
@@ -495,20 +495,20 @@ def _utf8_rows(rows: list[np.ndarray]) -> bool:
         return True
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     whole = np.concatenate(rows) if len(rows) > 1 else rows[0]
-    try:
-        whole.tobytes().decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    starts = (np.cumsum(lens) - lens)[lens > 0]
-    return not np.any((whole[starts] & 0xC0) == 0x80)
+    return _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0])
 
 
 def _utf8_rows_of_one_size(rows: np.ndarray) -> bool:
     """:func:`_utf8_rows` of a (k, L) array of k rows of L bytes."""
-    if rows.size == 0:
-        return True
+    k, size = rows.shape
+    return _utf8_back_to_back(rows.reshape(-1), np.arange(k, dtype=np.int64) * size if size else np.zeros(0, np.int64))
+
+
+def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:
+    """Whether the rows whose bytes are ``whole`` back to back, starting at ``starts`` (those of
+    non-empty rows), are each valid UTF-8."""
     try:
-        rows.tobytes().decode("utf-8")
+        whole.tobytes().decode("utf-8")
     except UnicodeDecodeError:
         return False
-    return not np.any((rows[:, 0] & 0xC0) == 0x80)
+    return not np.any((whole[starts] & 0xC0) == 0x80)

@@ -590,8 +590,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
         # Each part wrote its share of the index chunks; a part whose record does not say so (a
         # release before the shares) leaves its share to the finalize.
         chunks = _indexchunks.index_chunks(job.plan, docs)
-        left = [c for p in range(n) if not any(r.part == p and r.index for r in finished)
-                for c in _indexchunks.share(chunks, p, n)]  # fmt: skip
+        left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]
         _indexchunks.write(output, left, threads=job.threads)
     job.phases["index"] = time.perf_counter() - t
     _finish(job, docs, lease)

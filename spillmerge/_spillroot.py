@@ -458,17 +458,12 @@ def lex_order(*keys: np.ndarray) -> np.ndarray:
     n = len(keys[0])
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    lows, spans = [], []
-    for k in keys:
-        lo, hi = int(k.min()), int(k.max())
-        lows.append(lo)
-        spans.append(hi - lo + 1)
-    bits = sum(int(s - 1).bit_length() for s in spans)
-    if bits > 62:
+    lows = [int(k.min()) for k in keys]
+    widths = [(int(k.max()) - lo).bit_length() for k, lo in zip(keys, lows, strict=True)]
+    if sum(widths) > 62:
         return np.lexsort(keys[::-1])
     packed = np.zeros(n, dtype=np.int64)
-    for k, lo, span in zip(keys, lows, spans, strict=True):
-        width = int(span - 1).bit_length()
+    for k, lo, width in zip(keys, lows, widths, strict=True):
         if width:
             packed <<= width
             packed |= k - lo
