@@ -179,6 +179,87 @@ def overlap(dev: torch.device, root: str, steps: int, step_ms: float, repeats: i
     }
 
 
+# --------------------------------------------------------------------------------- per key
+def per_key(dev: torch.device, root: str, n: int, batch: int, repeats: int) -> list[tuple[str, float, str, float]]:
+    """Microseconds a key for CUDA outputs of small rows, the loop only (synchronised at its end,
+    the commit apart), alternated with the floor each method is compared with.
+
+    Rows: bench_write.py's frame ``{"logits": fp16[1000], "emb": fp16[512]}`` (3,024 B), and a
+    detection output: a list of per-image dicts ``{"boxes": fp32[k, 4], "scores": fp32[k],
+    "labels": int64[k]}``, k in 0..20, as torchvision returns them. Floors: what a user does
+    before ``gather_object`` today, ``.cpu()`` of every tensor, into a list."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(n, 1000, generator=g).half().to(dev)
+    emb = torch.randn(n, 512, generator=g).half().to(dev)
+    ks = torch.randint(0, 21, (n,), generator=g).tolist()
+    dets = [
+        {"boxes": torch.rand(k, 4, generator=g).to(dev), "scores": torch.rand(k, generator=g).to(dev),
+         "labels": torch.randint(0, 91, (k,), generator=g).to(dev)}
+        for k in ks
+    ]  # fmt: skip
+    names = [f"images/{i:07d}.jpg" for i in range(n)]
+    clock = Clock(dev)
+
+    def timed(fn) -> float:
+        with clock:
+            fn()
+        return clock.seconds * 1e6 / n
+
+    def spill(body) -> float:
+        path = os.path.join(root, f"pk-{time.perf_counter_ns()}")
+        with spillmerge.SpillWriter(path) as w:
+            us = timed(lambda: body(w))
+        shutil.rmtree(path, ignore_errors=True)
+        return us
+
+    def rows_cpu() -> None:
+        out = []
+        for i in range(n):
+            out.append({"logits": logits[i].cpu(), "emb": emb[i].cpu()})
+
+    def rows_write(w) -> None:
+        for i in range(n):
+            w.write(names[i], 0, {"logits": logits[i], "emb": emb[i]})
+
+    def batch_cpu() -> None:
+        out = []
+        for s in range(0, n, batch):
+            out.append({"logits": logits[s : s + batch].cpu(), "emb": emb[s : s + batch].cpu()})
+
+    def batch_write(w) -> None:
+        for s in range(0, n, batch):
+            w.write_batch(names[s : s + batch], {"logits": logits[s : s + batch], "emb": emb[s : s + batch]})
+
+    def dets_cpu() -> None:
+        out = []
+        for s in range(0, n, batch):
+            out.append([{k: v.cpu() for k, v in d.items()} for d in dets[s : s + batch]])
+
+    def dets_write(w) -> None:
+        for s in range(0, n, batch):
+            w.write_batch(names[s : s + batch], dets[s : s + batch])
+
+    pairs = [
+        ("write() per key, {logits, emb}", lambda: spill(rows_write), ".cpu() per key", lambda: timed(rows_cpu)),
+        (f"write_batch({batch}), {{logits, emb}}", lambda: spill(batch_write), f".cpu() per batch of {batch}",
+         lambda: timed(batch_cpu)),
+        (f"write_batch({batch}), detection dicts", lambda: spill(dets_write), ".cpu() of every tensor",
+         lambda: timed(dets_cpu)),
+    ]  # fmt: skip
+    for _, method, _, floor in pairs:  # warm-up: CUDA streams, pinned blocks, templates
+        method()
+        floor()
+    got: dict[int, tuple[list[float], list[float]]] = {i: ([], []) for i in range(len(pairs))}
+    for _ in range(repeats):
+        for i, (_, method, _, floor) in enumerate(pairs):
+            got[i][0].append(method())
+            got[i][1].append(floor())
+    return [
+        (name, statistics.median(got[i][0]), floor_name, statistics.median(got[i][1]))
+        for i, (name, _, floor_name, _) in enumerate(pairs)
+    ]
+
+
 # ---------------------------------------------------------------------------------- memory
 def gpu_memory(dev: torch.device, payloads: list[int], root: str) -> list[dict]:
     """Peak allocator bytes above the level before, for spilling and for all_gather_object."""
@@ -226,7 +307,7 @@ def gbps(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f} GB/s"
 
 
-def report(args, dev, bw: dict, nbytes: int, ov: dict, mem: list[dict]) -> str:
+def report(args, dev, bw: dict, nbytes: int, ov: dict, mem: list[dict], pk: list) -> str:
     lines = [f"# GPU measurements ({'DRY RUN on CPU: not GPU figures' if args.dry_run else 'CUDA'})", ""]
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
@@ -245,16 +326,8 @@ def report(args, dev, bw: dict, nbytes: int, ov: dict, mem: list[dict]) -> str:
     ref = bw["raw pinned, one copy per frame"]
     for name, s in bw.items():
         lines.append(f"| {name} | {gbps(nbytes, s)} | {ref / s:.2f}x |")
-    slow = 100 * (ov["with"] / ov["without"] - 1)
+    lines += overlap_lines(args, ov)
     lines += [
-        "",
-        f"## 2. Overlap: {args.steps} steps of ~{ov['step_ms']:.1f} ms GPU compute"
-        f" ({ov['matmuls_per_step']} matmuls of {ov['size']}x{ov['size']}), one 384 KiB frame each (median of {args.repeats})",
-        "",
-        "| loop | seconds | slowdown |",
-        "|---|---|---|",
-        f"| compute only | {ov['without']:.3f} | |",
-        f"| compute + write() | {ov['with']:.3f} | {slow:+.1f} % |",
         "",
         "## 3. GPU memory: max_memory_allocated above the level before (world size 1, "
         f"{'NCCL' if dev.type == 'cuda' else 'gloo'})",
@@ -270,7 +343,34 @@ def report(args, dev, bw: dict, nbytes: int, ov: dict, mem: list[dict]) -> str:
         lines.append(
             f"| {r['payload'] / MiB:.0f} MiB | {cells[0]} | {cells[1]} | {r['spill_s']:.2f} s | {r['all_gather_object_s']:.2f} s |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + per_key_lines(args, pk)) + "\n"
+
+
+def overlap_lines(args, ov: dict) -> list[str]:
+    slow = 100 * (ov["with"] / ov["without"] - 1)
+    return [
+        "",
+        f"## 2. Overlap: {args.steps} steps of ~{ov['step_ms']:.1f} ms GPU compute"
+        f" ({ov['matmuls_per_step']} matmuls of {ov['size']}x{ov['size']}), one 384 KiB frame each (median of {args.repeats})",
+        "",
+        "| loop | seconds | slowdown |",
+        "|---|---|---|",
+        f"| compute only | {ov['without']:.3f} | |",
+        f"| compute + write() | {ov['with']:.3f} | {slow:+.1f} % |",
+    ]
+
+
+def per_key_lines(args, pk: list) -> list[str]:
+    lines = [
+        "",
+        f"## 4. Per key: CUDA outputs of small rows, {args.keys} keys (median of {args.repeats}, alternated)",
+        "",
+        "| method | us / key | floor | us / key | method / floor |",
+        "|---|---|---|---|---|",
+    ]
+    for name, us, floor_name, floor_us in pk:
+        lines.append(f"| {name} | {us:.2f} | {floor_name} | {floor_us:.2f} | {us / floor_us:.2f}x |")
+    return lines
 
 
 def main() -> None:
@@ -282,6 +382,9 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=5.0, help="GPU compute per step")
     ap.add_argument("--matmul", type=int, default=2048, help="matrix size of the overlap's compute")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keys", type=int, default=16384, help="keys of the per-key table")
+    ap.add_argument("--batch", type=int, default=256, help="write_batch size of the per-key table")
+    ap.add_argument("--only", choices=["perkey", "overlap"], help="run one table (4 or 2)")
     ap.add_argument("--root", help="where spills go (default /dev/shm when it has room, else the temp dir)")
     ap.add_argument("--out", help="folder for results.md")
     ap.add_argument("--dry-run", action="store_true", help="CPU and gloo, small sizes: check the script only")
@@ -290,6 +393,7 @@ def main() -> None:
     if args.dry_run:
         dev = torch.device("cpu")
         args.payload_mib, args.mem_payloads_mib, args.steps, args.step_ms, args.matmul = 32, "16,32", 20, 20.0, 256
+        args.keys = 2048
     elif not torch.cuda.is_available():
         sys.exit("bench_gpu.py: no CUDA device here (use --dry-run to check the script on CPU)")
     else:
@@ -301,6 +405,15 @@ def main() -> None:
         need = 2 * max([nbytes] + [int(x) * MiB for x in args.mem_payloads_mib.split(",")])
         args.root = "/dev/shm" if room >= need else tempfile.gettempdir()
     with tempfile.TemporaryDirectory(prefix="spillmerge-gpu-", dir=args.root) as root:
+        if args.only == "overlap":
+            ov = overlap(dev, root, args.steps, args.step_ms, args.repeats, args.matmul)
+            print("\n".join([f"# spillmerge {spillmerge.__file__}", *overlap_lines(args, ov)]))
+            return
+        print("per key ...", file=sys.stderr)
+        pk = per_key(dev, root, args.keys, args.batch, args.repeats)
+        if args.only == "perkey":
+            print("\n".join([f"# spillmerge {spillmerge.__file__}", *per_key_lines(args, pk)]))
+            return
         print("bandwidth ...", file=sys.stderr)
         bw = raw_copies(dev, nbytes, args.repeats)
         bw.update(spill_copies(dev, nbytes, root, args.repeats, args.chunk_mib * MiB))
@@ -308,7 +421,7 @@ def main() -> None:
         ov = overlap(dev, root, args.steps, args.step_ms, args.repeats, args.matmul)
         print("memory ...", file=sys.stderr)
         mem = gpu_memory(dev, [int(x) * MiB for x in args.mem_payloads_mib.split(",")], root)
-    text = report(args, dev, bw, nbytes, ov, mem)
+    text = report(args, dev, bw, nbytes, ov, mem, pk)
     print(text)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

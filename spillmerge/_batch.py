@@ -189,6 +189,92 @@ def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> l
     )
 
 
+CUDA_BATCH_BYTES = 16 << 20
+"""The most bytes of CUDA tensors that ``write_batch`` copies to host in one go (see
+:func:`cuda_to_host`); a larger batch is copied item by item, asynchronously."""
+
+
+def cuda_to_host(batch: Any) -> Any:
+    """``batch`` with its CUDA tensors replaced by host copies, made with one device-to-host copy
+    per tensor and one wait, when its first tensor is on CUDA and all of them hold at most
+    :data:`CUDA_BATCH_BYTES`; else ``batch`` itself. Item by item, a batch of small rows cost one
+    asynchronous copy, stream switch and event per leaf of every item, ~10x the work of the copy
+    (``benchmarks/bench_gpu.py``, table 4); the copy of a whole leaf costs what ``.cpu()`` costs
+    and waits like it. Mappings become dicts and tuples lists, as ``split_batch`` treats them
+    alike above the items; an item keeps its dicts, lists and tuples. Dataclasses, other
+    containers inside an item, and tensors it cannot copy plainly (sparse, quantized, nested)
+    leave the batch as it is, for the item-by-item path to store or name."""
+    first = _first_tensor(batch, 0)
+    if first is None or not first.is_cuda:
+        return batch
+    found: list[torch.Tensor] = []
+    if not _cuda_leaves(batch, found, 0) or sum(t.nbytes for t in found) > CUDA_BATCH_BYTES:
+        return batch
+    host: dict[int, torch.Tensor] = {}
+    devices = set()
+    for t in found:
+        if id(t) not in host:  # one copy of a tensor that appears twice
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            dst.copy_(t.detach(), non_blocking=True)  # resolves conj / neg bits into plain values
+            host[id(t)] = dst
+            devices.add(t.device)
+    for dev in devices:  # the copies ran on each device's current stream, after the producer
+        torch.cuda.current_stream(dev).synchronize()
+    return _replace(batch, host)
+
+
+def _first_tensor(value: Any, depth: int) -> torch.Tensor | None:
+    """The first tensor of a batch, looking only down its first branch (cheap for a host batch)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if depth > 32:
+        return None
+    if isinstance(value, Mapping):
+        for v in value.values():
+            return _first_tensor(v, depth + 1)
+    elif isinstance(value, (list, tuple)) and value:
+        return _first_tensor(value[0], depth + 1)
+    return None
+
+
+def _cuda_leaves(value: Any, found: list[torch.Tensor], depth: int, item: bool = False) -> bool:
+    """Collect every CUDA tensor of ``value``; False where the batch holds something this copy
+    leaves alone: a dataclass, a tensor of another layout, a mapping with keys other than str, or,
+    inside an item (under a list), a container other than a plain dict, list or tuple, whose type
+    the copy could not keep."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            if value.layout != torch.strided or value.is_quantized or value.is_nested:
+                return False
+            found.append(value)
+        return True
+    if depth > 32:
+        return False
+    if isinstance(value, Mapping):
+        return (
+            (not item or type(value) is dict)
+            and all(type(k) is str for k in value.keys())
+            and all(_cuda_leaves(v, found, depth + 1, item) for v in value.values())
+        )
+    if isinstance(value, (list, tuple)):
+        return type(value) in (list, tuple) and all(_cuda_leaves(v, found, depth + 1, True) for v in value)
+    return not (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+def _replace(value: Any, host: dict[int, torch.Tensor]) -> Any:
+    """``value`` with the tensors ``host`` holds swapped in: above the items a mapping becomes a
+    dict (``split_batch`` reads any mapping as one); an item's dicts, lists and tuples keep their type."""
+    if isinstance(value, torch.Tensor):
+        return host.get(id(value), value)
+    if isinstance(value, Mapping):
+        return {k: _replace(v, host) for k, v in value.items()}
+    if type(value) is list:
+        return [_replace(v, host) for v in value]
+    if type(value) is tuple:
+        return tuple(_replace(v, host) for v in value)
+    return value
+
+
 def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
     """The leaves of a batch that is only host tensors / numeric arrays with ``n`` items each
     (a dict, TensorDict or dataclass of them, or one of them), by leaf path; None for any other

@@ -24,7 +24,16 @@ import torch
 
 from . import _format as F
 from . import _format_spill as FS
-from ._batch import as_rows, at_position, batch_keys, dense_columns, flat_rows, mapping_items, split_batch
+from ._batch import (
+    as_rows,
+    at_position,
+    batch_keys,
+    cuda_to_host,
+    dense_columns,
+    flat_rows,
+    mapping_items,
+    split_batch,
+)
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
@@ -307,10 +316,15 @@ class SpillWriter:
         writer refuses, a layout change or a duplicate key raises :class:`~spillmerge.SpillValueError`
         (or its subclass) naming the leaf, the batch position and the filename, and nothing of
         that batch is written; everything written before it is kept.
+
+        A batch of CUDA tensors of at most 16 MiB in all is copied to host memory one tensor at a
+        time and waited for, as ``.cpu()`` would; a larger one is copied item by item, without
+        waiting (see ``_batch.cuda_to_host``).
         """
         self._check_open()
         names, frames = batch_keys(filenames, frame_idx)
         n = len(names)
+        batch = cuda_to_host(batch)
         flat = flat_rows(batch, n) if type(batch) is dict and n else None
         if flat is not None:  # the common batch: a flat dict of host tensors, like an earlier one
             fast = self._flat_templates.get(flat[0])
