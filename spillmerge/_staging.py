@@ -35,6 +35,9 @@ CHECK_BYTES = 1 << 20
 """Largest block checksum (docs/FORMAT.md, ``checks``) ``add_frames`` makes, unless one row is larger."""
 COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
+SIDE_STREAM_BYTES = 1 << 20
+"""A CUDA leaf of at least this many bytes is copied on the writer's own stream, overlapping the
+producer's next kernels; a smaller one on the caller's stream (``Staging._prepare_cuda``)."""
 
 
 @dataclass(slots=True)
@@ -65,8 +68,12 @@ class Chunk:
     copy into this chunk, and at hand-off."""
     run_start: int = 0
     """Where the open block starts in this chunk."""
-    event: Any = None
-    """CUDA event recorded after the last device-to-host copy into this buffer."""
+    streams: dict[int, int] = field(default_factory=dict)
+    """The CUDA streams that copied into this buffer (raw handle -> device index): small leaves
+    are copied on the caller's stream, large ones on the writer's own (``Staging.add``)."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA events recorded on each of ``streams`` after their copies (``Staging.seal``), when the
+    chunk leaves the writer's hands: whoever reads ``host`` waits for them first."""
     completed: list[np.ndarray] = field(default_factory=list)
     """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
     is in this chunk, in order, as int64 ``(n, 6)`` arrays: a block of ``Staging.add_frames``, or
@@ -90,6 +97,12 @@ class Chunk:
             self.completed.append(np.frombuffer(self.tail, dtype=np.int64).reshape(-1, 6))
             self.tail = array.array("q")
         self.completed.append(block)
+
+
+def _current_raw_stream(device: int) -> int:
+    """The raw handle of ``device``'s current CUDA stream, in one call (``torch.cuda.current_stream``
+    makes a Python stream object through several helpers)."""
+    return int(torch._C._cuda_getCurrentRawStream(device))
 
 
 _WAKE = object()
@@ -256,8 +269,8 @@ class Flusher(threading.Thread):
 
     def _checksum(self, chunk: Chunk) -> None:
         # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
-        if chunk.event is not None:
-            chunk.event.synchronize()
+        for event in chunk.events:
+            event.synchronize()
         buf = chunk.host.numpy()
         top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3][-1]) for b in chunk.blocks], default=-1)
         if top >= len(self.crc):
@@ -380,24 +393,17 @@ class Staging:
         frame's last byte, so the journal entry of that chunk lists the whole frame and a frame
         whose large leaf never became durable is never salvaged by halves."""
         done = 0
-        is_cuda = isinstance(data, torch.Tensor) and data.device.type == "cuda"
+        is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
         if is_cuda:
-            self._prepare_cuda(data)
+            stream = self._prepare_cuda(data, nbytes)
+            device = data.get_device()
         while done < nbytes:
             chunk = self._current_chunk()
             if chunk.run:  # the open block of whole frames ends where these bytes start
                 self._close_run(chunk)
             n = min(nbytes - done, self.chunk_bytes - chunk.fill)
             if is_cuda:
-                dst = chunk.host[chunk.fill : chunk.fill + n]
-                with torch.cuda.stream(self._cuda_stream):
-                    dst.copy_(data[done : done + n], non_blocking=True)
-                    if chunk.event is None:
-                        chunk.event = torch.cuda.Event()
-                    chunk.event.record(self._cuda_stream)
-                # Work the caller queues next (e.g. overwriting this tensor in place) runs after our
-                # copy, without blocking the host: write() keeps its copy semantics on CUDA.
-                torch.cuda.current_stream(data.device).wait_stream(self._cuda_stream)
+                self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
             else:
                 if chunk.host_np is None:
                     chunk.host_np = chunk.host.numpy()
@@ -579,14 +585,52 @@ class Staging:
             self._block_rows_cache[key] = rows
         return rows
 
-    def _prepare_cuda(self, data: torch.Tensor) -> None:
+    def _prepare_cuda(self, data: torch.Tensor, nbytes: int) -> Any:
+        """The stream that copies ``data`` to host: None for the caller's current stream, which
+        copies a leaf under :data:`SIDE_STREAM_BYTES` like any operation the caller queues there:
+        after the producer's work and before whatever the caller queues next (overwriting the
+        tensor in place, freeing it), with no cross-stream bookkeeping: on an H100 host each call
+        into ``torch.cuda``'s stream helpers cost ~10 us, and a small leaf's ~75 us went to ~30
+        (``benchmarks/bench_gpu.py``, table 4). A larger leaf is copied on the writer's own stream, so the producer's next
+        kernels overlap it."""
+        if not self.pool.pinned:
+            self.pool.pin()
+        if nbytes < SIDE_STREAM_BYTES:
+            return None
+        current = torch.cuda.current_stream(data.device)
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream(device=data.device)
-            self.pool.pin()
         # Copies run on our own stream after the producer's work; the allocator must not
         # reuse the tensor's memory before our copy has read it.
-        self._cuda_stream.wait_stream(torch.cuda.current_stream(data.device))
+        self._cuda_stream.wait_stream(current)
         data.record_stream(self._cuda_stream)
+        return self._cuda_stream
+
+    def _copy_cuda(self, chunk: Chunk, src: torch.Tensor, n: int, stream: Any, device: int) -> None:
+        """Queue the copy of ``src`` into ``chunk`` at its fill, on ``stream`` (None: the caller's
+        current stream), noting the stream so that ``seal`` marks its end."""
+        dst = chunk.host[chunk.fill : chunk.fill + n]
+        if stream is None:
+            dst.copy_(src, non_blocking=True)
+            chunk.streams[_current_raw_stream(device)] = device
+            return
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        chunk.streams[stream.cuda_stream] = device
+        # Work the caller queues next (e.g. overwriting this tensor in place) runs after our
+        # copy, without blocking the host: write() keeps its copy semantics on CUDA.
+        torch.cuda.current_stream(src.device).wait_stream(stream)
+
+    def seal(self, chunk: Chunk) -> list[Any]:
+        """Record an event on every stream that copied into ``chunk`` so far, after its copies
+        (one per stream and chunk, not per leaf), and return the chunk's events."""
+        if chunk.streams:
+            chunk.events = []
+            for raw, device in chunk.streams.items():
+                event = torch.cuda.Event()
+                event.record(torch.cuda.ExternalStream(raw, device=device))
+                chunk.events.append(event)
+        return chunk.events
 
     def _current_chunk(self) -> Chunk:
         if self._current is None:
@@ -603,6 +647,7 @@ class Staging:
             chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
             chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
+            self.seal(chunk)
             self._fl.q.put(chunk)
 
     def _object_size(self, chunk: Chunk) -> int:
@@ -633,8 +678,8 @@ class Staging:
                         new = new.cpu().numpy()
                     cur = self._current
                     if cur is not None and cur.number == c:
-                        if cur.event is not None:  # its device-to-host copies may still run
-                            cur.event.synchronize()
+                        for event in self.seal(cur):  # its device-to-host copies may still run
+                            event.synchronize()
                         old = cur.host.numpy()[lo : lo + m]
                     else:
                         self._wait_durable(c)
