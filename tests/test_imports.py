@@ -182,7 +182,12 @@ def _private_crossings(source: str, package_modules: set[str]) -> list[str]:
             continue
         base = node.value
         name = base.id if isinstance(base, ast.Name) else None
-        if name in ("self", "cls") or (name in foreign and name not in ours):
+        root = base
+        while isinstance(root, ast.Attribute):  # ``torch._C._x``: the chain starts at a foreign module
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in foreign and root.id not in ours:
+            continue
+        if name in ("self", "cls"):
             continue
         if name in ours or node.attr not in own:
             found.append(ast.unparse(node))
@@ -194,6 +199,7 @@ def test_the_private_name_finder_finds_crossings():
     src = (
         "from . import _format as F\nfrom ._storage import Storage, _why\nfrom torch import distributed\n"
         "class A:\n    def f(self, s):\n        self._mine = 1\n        distributed._store()\n"
+        "        distributed._C._raw(0)\n"
         "        return F._private, s._errors(), self._mine, s._mine, F.__name__\n"
     )
     assert sorted(_private_crossings(src, mods)) == ["F._private", "from ._storage import _why", "s._errors"]
