@@ -34,7 +34,6 @@ per-file dtype checks and rows are the in-memory plan's: the output is byte-iden
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import itertools
 import os
@@ -45,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any, overload
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from . import _format as F
 from . import _format_spill as FS
@@ -57,6 +57,9 @@ ENTRY_BYTES = 400
 
 #: Rows per block of the passes over per-row arrays (pass 3, the fingerprint, the index writer).
 ROW_BLOCK = P.ROW_BLOCK
+
+#: Bytes of the names' keys one round of step 2 holds, all runs together (``_merge_names``).
+NAMES_ROUND_BYTES = 32 << 20
 
 _I8 = np.dtype("<i8")
 
@@ -165,12 +168,35 @@ class StringTable(Sequence[str]):
         return lo if lo < len(self) and self[lo] == name else -1
 
 
-def _check_sorted(run: Run, names: list[bytes], before: bytes | None) -> None:
-    """A published run's names (after ``before``) strictly increase, as the k-way merge needs."""
-    if (before is not None and names and not before < names[0]) or any(
-        not x < y for x, y in zip(names, names[1:], strict=False)
-    ):
+def _check_sorted(run: Run, keys: np.ndarray, before: Any) -> None:
+    """A published run's names (after the key ``before``) strictly increase, as the k-way merge
+    needs; ``keys`` as :func:`name_keys` makes them."""
+    if (before is not None and len(keys) and not before < keys[0]) or not np.all(keys[1:] > keys[:-1]):
         raise DamagedRun(f"{run.source}: its filenames are not sorted and distinct", path=run.source)
+
+
+def name_keys(raw: np.ndarray, lens: np.ndarray, width: int) -> np.ndarray:
+    """Fixed-width keys that order as the names' bytes do: each name's UTF-8 bytes padded with
+    zero bytes to ``width`` (at least the longest name), then its length in 4 big-endian bytes,
+    as a numpy ``S`` array, whose comparisons and sorts are bytewise over the whole width. The
+    length breaks the tie of a name and the same name followed by zero bytes, and sorts the
+    shorter first, as bytes do. ``raw``: the names back to back; ``lens``: their lengths."""
+    n = len(lens)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    mat = np.empty((n, width + 4), dtype=np.uint8)
+    body = mat[:, :width]
+    body[:] = sliding_window_view(np.concatenate([raw, np.zeros(width, np.uint8)]), width)[starts]
+    body[np.arange(width) >= lens[:, None]] = 0
+    mat[:, width:] = lens.astype(">u4").view(np.uint8).reshape(n, 4)
+    return mat.reshape(-1).view(f"S{width + 4}")
+
+
+def key_names(keys: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The names back to back and their int64 lengths, from :func:`name_keys`' ``keys``."""
+    mat = np.ascontiguousarray(keys).view(np.uint8).reshape(-1, width + 4)
+    lens = mat[:, width:].copy().view(">u4").reshape(-1).astype(np.int64)
+    return mat[:, :width][np.arange(width) < lens[:, None]], lens
 
 
 class WorkFolder:
@@ -422,51 +448,67 @@ class _Builder:
         """Sorted distinct filenames of every run; fills each run's ``gmap``.
 
         In rounds: each run holds its next names read (at most an equal share of
-        ``min(block_entries, ROW_BLOCK // 4)``, read again only once taken); every held name up to
-        the smallest last held name of a run that has more is taken (a name equal to it is taken
-        from every run in the same round, so a name never spans two rounds); the round's names are
-        sorted together (timsort merges the sorted runs) and given the next global ids. Memory
-        depends on neither the number of runs nor of names: a ``heapq`` merge of one tuple per
-        name, with Python lists of every id pending, made the 10^7-key plan's peak 1.14x the
-        10^6 one (issue 24)."""
+        ``min(block_entries, ROW_BLOCK // 4)`` names and of ``NAMES_ROUND_BYTES`` of keys, topped
+        up once half of it is taken); every held name up to the smallest last held name of a run that
+        has more is taken (a name equal to it is taken from every run in the same round, so a
+        name never spans two rounds); the round's names are sorted together and given the next
+        global ids. Names are held as :func:`name_keys` (fixed width, the longest name's), so a
+        round is a few numpy calls, not Python per name (4.6 s of part 0's plan at 10^7 keys,
+        issue 24). Memory depends on neither the number of runs nor of names: a ``heapq``
+        merge of one tuple per name, with Python lists of every id pending, made the 10^7-key
+        plan's peak 1.14x the 10^6 one (issue 24)."""
         w = self.work
         runs = [r for r in self.runs if len(r.names)]
-        share = max(1, min(ROW_BLOCK // 4, self.block_entries) // max(1, len(runs)))
-        held: list[list[bytes]] = [[] for _ in runs]  # names read, not yet taken
+        width = 1  # the longest name (at least 1 byte: a window of 0 is refused)
+        for r in runs:
+            off = r.names.raw()[1]
+            for a in range(0, len(off) - 1, ROW_BLOCK):
+                width = max(width, int(np.diff(np.asarray(off[a : a + ROW_BLOCK + 1])).max()))
+        per_round = min(ROW_BLOCK // 4, self.block_entries, max(1, NAMES_ROUND_BYTES // (width + 4)))
+        share = max(1, per_round // max(1, len(runs)))
+        empty = np.zeros(0, dtype=f"S{width + 4}")
+        held = [empty] * len(runs)  # keys read, not yet taken
+        last: list[Any] = [None] * len(runs)  # each run's last key read: where the next read must start above
         first = [0] * len(runs)  # entry of each run's first held name
         n_names = 0
         while True:
-            bound: bytes | None = None  # the smallest last held name of a run with more to read
+            bound: Any = None  # the smallest last held key of a run with more to read
             for i, r in enumerate(runs):
-                a, n = first[i], len(r.names)
-                if not held[i] and a < n:
-                    raw, lens = r.names.encoded(a, min(a + share, n))
-                    raw_b, ends = raw.tobytes(), np.cumsum(lens).tolist()
-                    held[i] = [raw_b[e - k : e] for e, k in zip(ends, lens.tolist(), strict=True)]
+                n, h = len(r.names), len(held[i])
+                b = first[i] + h  # the run's next name not read yet
+                if h <= share // 2 and b < n:  # topped up, so that no run holds few and makes the round small
+                    raw, lens = r.names.encoded(b, min(b + share - h, n))
+                    keys = name_keys(raw, lens, width)
                     if r.source is not None:
-                        _check_sorted(r, held[i], r.names.encoded(a - 1, a)[0].tobytes() if a else None)
-                if held[i] and a + len(held[i]) < n and (bound is None or held[i][-1] < bound):
+                        _check_sorted(r, keys, last[i])
+                    last[i] = keys[-1]
+                    held[i] = np.concatenate([held[i], keys]) if h else keys
+                    b += len(keys)
+                if len(held[i]) and b < n and (bound is None or held[i][-1] < bound):
                     bound = held[i][-1]
-            pool: list[bytes] = []
+            taken: list[np.ndarray] = []
             spans: list[tuple[int, int, int]] = []  # run, first in pool, count
+            pos = 0
             for i, got in enumerate(held):
-                k = len(got) if bound is None else bisect.bisect_right(got, bound)
+                k = len(got) if bound is None else int(np.searchsorted(got, bound, side="right"))
                 if k:
-                    spans.append((i, len(pool), k))
-                    pool.extend(got[:k])
-                    del got[:k]
-            if not pool:
+                    spans.append((i, pos, k))
+                    taken.append(got[:k])
+                    held[i] = got[k:]
+                    pos += k
+            if not taken:
                 break
-            order = sorted(range(len(pool)), key=pool.__getitem__)
-            srt = [pool[i] for i in order]
+            pool = np.concatenate(taken)
+            order = np.argsort(pool, kind="stable")
+            srt = pool[order]
             new = np.ones(len(srt), dtype=bool)
-            new[1:] = [x != y for x, y in zip(srt[1:], srt, strict=False)]
+            new[1:] = srt[1:] != srt[:-1]
             ids = np.empty(len(pool), dtype=np.int64)
-            ids[np.array(order, dtype=np.int64)] = np.cumsum(new) - 1 + n_names
-            distinct = list(itertools.compress(srt, new.tolist()))
-            w.append("names", np.frombuffer(b"".join(distinct), dtype=np.uint8))
-            w.append("nlen", np.fromiter(map(len, distinct), dtype=np.int64, count=len(distinct)))
-            n_names += len(distinct)
+            ids[order] = np.cumsum(new) - 1 + n_names
+            data, lens = key_names(srt[new], width)
+            w.append("names", data)
+            w.append("nlen", lens)
+            n_names += len(lens)
             for i, p, k in spans:
                 runs[i].gmap[first[i] : first[i] + k] = ids[p : p + k]
                 first[i] += k

@@ -116,6 +116,25 @@ def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(se
             other.work.close()
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=6), max_size=40), st.integers(0, 3))
+def test_name_keys_order_and_compare_as_the_names_bytes_do(names, extra):
+    """Step 2's fixed-width keys: zero bytes inside or at the end of a name, prefixes, 0xff; any
+    width at least the longest name's. Sorted keys give the bytes' order, equal keys equal
+    names, and the names come back from the keys."""
+    lens = np.array([len(n) for n in names], dtype=np.int64)
+    width = max([1, *lens.tolist()]) + extra
+    keys = _plan_disk.name_keys(np.frombuffer(b"".join(names), dtype=np.uint8), lens, width)
+    order = np.argsort(keys, kind="stable")
+    assert [names[i] for i in order] == sorted(names)
+    for i in range(len(names) - 1):
+        assert (keys[i] < keys[i + 1]) == (names[i] < names[i + 1]) and (keys[i] == keys[i + 1]) == (
+            names[i] == names[i + 1]
+        )
+    data, back = _plan_disk.key_names(keys, width)
+    assert back.tolist() == lens.tolist() and data.tobytes() == b"".join(names)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 5), st.integers(-3, 3), st.integers(0, 2)), max_size=60),
