@@ -1,0 +1,131 @@
+"""Where part 0's plan goes (issue 24): P parts of a merge in parts at once on an existing spill
+root, then the finalize, with wall-clock timers around the steps of part 0's out-of-core plan.
+
+    python benchmarks/bench_billion.py --n 10000000 --spill-only --keep-spill --workdir /tmp/bb
+    python benchmarks/bench_plan_steps.py --root /tmp/bb/n10000000/spill --parts 2 --repeats 3
+
+To compare two checkouts, run this script from each in turn, alternating (``cd`` into the
+checkout and set ``PYTHONPATH`` to it: the parts are forked from a process that imported
+spillmerge from there), and quote ratios of the same run.
+
+Each part is a fresh process (forked after ``import torch, spillmerge``; one torch thread). Part
+0's steps are timed by wrapping ``_plan_disk._Builder`` and ``_plan`` functions (the timers add
+a few microseconds per call, ~1,000 calls at 10^7 keys): ``_runs`` (step 1: its share of the
+segments sorted, the other parts' runs taken: it includes waiting for them), ``_merge_names``
+(step 2), pass 1's ``_entries`` / ``resolve_duplicates`` / ``pair_codes``, ``run`` (the whole
+plan; ``run - _runs`` is what part 0 does alone), and the ``fingerprint``. Per part: the
+report's phases. Printed as one table per repeat, plus the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import multiprocessing as mp
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)
+
+import spillmerge  # noqa: E402
+from spillmerge import _merge, _plan, _plan_disk  # noqa: E402
+
+STEPS = ["_runs", "_merge_names", "_entries", "resolve_duplicates", "pair_codes", "run", "fingerprint"]
+
+
+def _timed(owner: Any, name: str, totals: dict[str, float]) -> None:
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            totals[name] += time.perf_counter() - t
+
+    setattr(owner, name, wrapper)
+
+
+def _part(i: int, n: int, root: str, out: str, q: Any) -> None:
+    totals: dict[str, float] = collections.defaultdict(float)
+    if i == 0:
+        for name in ("_runs", "_merge_names", "_entries", "run"):
+            _timed(_plan_disk._Builder, name, totals)
+        _timed(_plan, "resolve_duplicates", totals)
+        _timed(_plan, "pair_codes", totals)
+        _timed(_merge, "fingerprint", totals)  # _merge calls it by this name
+    t = time.perf_counter()
+    rep = spillmerge.merge(root, out, part=(i, n), progress=False)
+    q.put((i, time.perf_counter() - t, dict(rep.phases), dict(totals)))
+
+
+def one(root: str, parts: int, out: str) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    q: Any = mp.Queue()
+    t0 = time.perf_counter()
+    procs = [mp.Process(target=_part, args=(i, parts, root, out, q)) for i in range(parts)]
+    for p in procs:
+        p.start()
+    got = sorted((q.get() for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            sys.exit(f"a part failed (exit code {p.exitcode})")
+    t1 = time.perf_counter()
+    spillmerge.merge(root, out, finalize=True, progress=False)
+    t2 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    return {"parts": got, "finalize": t2 - t1, "wall": t2 - t0}
+
+
+def table(r: dict[str, Any]) -> list[str]:
+    steps = r["parts"][0][3]
+    alone = steps.get("run", 0.0) - steps.get("_runs", 0.0)
+    lines = [
+        "| part | seconds | plan | copy | index |",
+        "|---|---|---|---|---|",
+    ]
+    for i, seconds, phases, _ in r["parts"]:
+        lines.append(
+            f"| {i} | {seconds:.1f} | {phases.get('plan', 0):.1f} | {phases.get('copy', 0):.1f} | {phases.get('index', 0):.1f} |"
+        )
+    lines += [
+        "",
+        "part 0's plan: " + ", ".join(f"{k} {steps.get(k, 0.0):.2f} s" for k in STEPS) + f"; run - _runs {alone:.2f} s",
+        f"finalize {r['finalize']:.2f} s, wall {r['wall']:.1f} s",
+    ]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", required=True, help="a spill root (bench_billion.py --spill-only --keep-spill)")
+    ap.add_argument("--parts", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", help="where the output goes (removed after each repeat; default a temporary folder)")
+    args = ap.parse_args()
+    mp.set_start_method("fork")
+    out = args.out or tempfile.mkdtemp(prefix="bench-plan-steps-")
+    runs = []
+    print(f"# spillmerge from {spillmerge.__file__}, {args.parts} parts, {args.root}")
+    for k in range(args.repeats):
+        runs.append(one(args.root, args.parts, out))
+        print(f"\n## repeat {k + 1}\n")
+        print("\n".join(table(runs[-1])), flush=True)
+    if args.repeats > 1:
+        med = {s: statistics.median(r["parts"][0][3].get(s, 0.0) for r in runs) for s in STEPS}
+        walls = statistics.median(r["wall"] for r in runs)
+        print("\n## medians\n")
+        print(", ".join(f"{k} {v:.2f} s" for k, v in med.items()) + f"; wall {walls:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
