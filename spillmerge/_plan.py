@@ -578,8 +578,10 @@ def pair_codes(
     )
     known = lcode[c["gl"]]
     pair = c["file"] * n_lp + c["lp"]
-    order = np.argsort(pair, kind="stable")
-    ps, ks = pair[order], known[order]
+    # Rows in (file, frame, leaf) order whose files have one frame each (images, documents) are
+    # already grouped by (file, leaf): no sort (1.8 s of part 0's pass 1 at 10^7 keys, issue 24).
+    order = None if bool(np.all(pair[1:] >= pair[:-1])) else np.argsort(pair, kind="stable")
+    ps, ks = (pair, known) if order is None else (pair[order], known[order])
     starts = np.flatnonzero(np.r_[True, ps[1:] != ps[:-1]])
     hi = np.maximum.reduceat(ks, starts)
     lo = np.minimum.reduceat(np.where(ks < 0, len(dnames), ks), starts)
@@ -597,8 +599,11 @@ def pair_codes(
             leaf=leaf,
             ranks=_ranks(segments, c["seg"][sel]),
         )
+    grouped = np.repeat(hi, np.diff(np.r_[starts, len(ps)]))
+    if order is None:
+        return dnames, grouped
     code = np.empty(len(pair), dtype=np.int64)
-    code[order] = np.repeat(hi, np.diff(np.r_[starts, len(ps)]))
+    code[order] = grouped
     return dnames, code
 
 

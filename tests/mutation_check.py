@@ -600,8 +600,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "published-run-names-sorted",
         "spillmerge/_plan_disk.py",
-        "    if (before is not None and names and not before < names[0]) or any(",
-        "    if False and any(",
+        "    if (before is not None and len(keys) and not before < keys[0]) or not np.all(keys[1:] > keys[:-1]):",
+        "    if False:",
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root",),
         "a published run whose names are not sorted and distinct is not merged (part 0 sorts that segment itself)",
     ),
@@ -659,6 +659,30 @@ MUTATIONS: list[Mutation] = [
     # Not listed: remove_spill's "salvaged_frames" and "no completion marker" conditions. A rank with
     # salvaged frames is always in missing_ranks too (checked first), and both merge paths write the
     # marker before they return: neither condition can decide alone (mutations survive every test).
+    Mutation(
+        "names-keys-zero-padding",
+        "spillmerge/_plan_disk.py",
+        "    body[np.arange(width) >= lens[:, None]] = 0\n",
+        "",
+        ("tests/test_plan_disk.py::test_name_keys_order_and_compare_as_the_names_bytes_do",),
+        "step 2's fixed-width keys order as the names' bytes: the bytes past a name are zero, not the next name's",
+    ),
+    Mutation(
+        "names-keys-length-tiebreak",
+        "spillmerge/_plan_disk.py",
+        '    mat[:, width:] = lens.astype(">u4").view(np.uint8).reshape(n, 4)',
+        "    mat[:, width:] = 0",
+        ("tests/test_plan_disk.py::test_name_keys_order_and_compare_as_the_names_bytes_do",),
+        "a name and the same name followed by zero bytes are two names (a fixed-width sort would merge them)",
+    ),
+    Mutation(
+        "cuda-batch-copy-keeps-tuples",
+        "spillmerge/_batch.py",
+        "        return tuple(_replace(v, host) for v in value)",
+        "        return [_replace(v, host) for v in value]",
+        ("tests/test_write_batch.py::test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone",),
+        "a CUDA batch copied to host stores each item as write() would: a tuple stays a tuple",
+    ),
 ]
 
 

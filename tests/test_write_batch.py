@@ -398,3 +398,35 @@ def test_a_flat_batch_of_a_known_structure_with_a_short_leaf_names_it_and_writes
     res = spillmerge.open(str(tmp_path / "o"))
     assert list(res.filenames) == ["a", "b", "c", "d", "e", "f"]
     assert res.column("v")[:].tolist() == x[:6].tolist() and res.column("w")[:].tolist() == x[:6, 0].tolist()
+
+
+def test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone():
+    """``_batch.cuda_to_host``'s walk, on host tensors standing for CUDA ones (the copy itself
+    runs in tests/test_gpu.py): above the items a mapping becomes a dict; inside an item dicts,
+    lists and tuples keep their type; a dataclass, a namedtuple or a dict subclass inside an
+    item, or a mapping with keys other than str, leaves the batch to the item-by-item path."""
+    import collections
+    import dataclasses
+
+    from spillmerge import _batch
+
+    a, b = torch.zeros(2), torch.ones(2)
+    swap = {id(a): b}
+    batch = [{"pair": (a, "x"), "ids": [a, 1]}, {"pair": (a, "y"), "ids": []}]
+    out = _batch._replace(batch, swap)
+    assert type(out) is list and type(out[0]) is dict and type(out[0]["pair"]) is tuple
+    assert type(out[0]["ids"]) is list and out[0]["pair"][0] is b and out[0]["ids"][0] is b
+    assert out[0]["pair"][1] == "x" and out[1]["ids"] == []
+    assert _batch._cuda_leaves(batch, [], 0) is True
+
+    @dataclasses.dataclass
+    class Box:
+        x: torch.Tensor
+
+    Pair = collections.namedtuple("Pair", "x y")
+    assert _batch._cuda_leaves({"b": Box(a)}, [], 0) is False
+    assert _batch._cuda_leaves([Pair(a, a)], [], 0) is False
+    assert _batch._cuda_leaves([collections.OrderedDict(x=a)], [], 0) is False
+    assert _batch._cuda_leaves({1: a}, [], 0) is False
+    assert _batch._cuda_leaves({"top": collections.OrderedDict(x=a)}, [], 0) is True  # above the items
+    assert _batch.cuda_to_host(batch) is batch  # host tensors: nothing to copy
