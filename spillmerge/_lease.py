@@ -411,9 +411,43 @@ def whole(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
     return Lease.acquire(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
 
 
+def part_name(i: int, n: int) -> str:
+    """The lease name of part ``i`` of ``n``."""
+    return f"part-{i:05d}-of-{n:05d}"
+
+
 def part(output: Storage, i: int, n: int, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of part ``i`` of ``n``: shared with other parts and finalize, exclusive by name."""
-    return Lease.acquire(output, name=f"part-{i:05d}-of-{n:05d}", role=f"part {i}/{n}", exclusive=False, ttl=ttl)
+    return Lease.acquire(output, name=part_name(i, n), role=f"part {i}/{n}", exclusive=False, ttl=ttl)
+
+
+def held(output: Storage, name: str) -> bool:
+    """Whether a live process holds the lease ``name`` right now, as another process sees it: its
+    lock file is locked (local disks), or its lease object has not expired (object stores, and
+    local file systems without a working flock). Creates, locks for longer than a probe, or
+    changes nothing; a lock file that is not a regular file counts as not held."""
+    if output.local:
+        try:
+            fd = os.open(output.path(f"{LEASE_DIR}/{name}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                return True
+            except OSError:
+                pass  # no working flock here: such a holder has a lease object (below)
+            finally:
+                os.close(fd)
+    try:
+        raw = output.get_or_none(f"{LEASE_DIR}/{name}.json", max_bytes=_MAX_RECORD)
+    except (OSError, SpillStorageError, CorruptSpillError):
+        return False
+    holder = None if raw is None else Holder.from_json(raw)
+    return holder is not None and holder.expires > time.time()
 
 
 def finalize(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:

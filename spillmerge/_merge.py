@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Mapping
@@ -75,7 +76,9 @@ def merge(
     to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
     and the completion marker. Part 0 publishes its plan in the output; the other parts and the
     finalize wait up to ``timeout`` seconds for it and map it instead of planning again (no plan
-    by then: they plan themselves). Every call needs the same spill root and planning options
+    by then: they plan themselves). With ``timeout=0`` a part waits while part 0 is at work on
+    the plan (it holds its lease from the start) and plans itself at once when part 0 is not
+    running. Every call needs the same spill root and planning options
     (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
     ``codec`` and ``chunk_bytes``, which finalize takes from their records.
 
@@ -199,16 +202,24 @@ class _Job:
     source_key: str | None = None
     """``_planshare.source_key`` of a part or finalize (None: a whole merge, or ``allow_partial``,
     whose salvaged journals are planned by every process)."""
+    lease: _lease.Lease | None = None
+    """Part 0's lease, taken before it plans (the other parts wait for its plan while it holds
+    it: ``_find_shared``) and held until :meth:`close`; None for every other process."""
 
     def close(self) -> None:
-        """After the merge, whatever its outcome: the plan's temporary files, then the storage."""
+        """After the merge, whatever its outcome: the plan's temporary files, then the storage,
+        then part 0's lease."""
         try:
             if self.disk is not None:
                 self.disk.close()
             if self.shared is not None:
                 self.shared.close()
         finally:
-            self.src.close()
+            try:
+                self.src.close()
+            finally:
+                if self.lease is not None:
+                    self.lease.release(tidy=True)
 
     @classmethod
     def open(
@@ -216,17 +227,29 @@ class _Job:
     ) -> _Job:
         """Barrier → load → plan: everything before the first byte of output. A part other than 0
         and a finalize map the plan part 0 published when there is one (``_planshare``)."""
+        held: list[_lease.Lease] = []  # part 0's lease, once _open took it
         try:
-            return cls._open(root, out, options, part=part, finalize=finalize)
+            job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
         except SpillMergeError as exc:
-            if part is not None and part[0] == 0 and not options.allow_partial:
-                _plan_failed(root, out, options, part, exc)
+            try:
+                if part is not None and part[0] == 0 and not options.allow_partial:
+                    _plan_failed(root, out, options, part, exc)
+            finally:
+                for lease in held:
+                    lease.release(tidy=True)
             raise
+        except BaseException:
+            for lease in held:
+                lease.release(tidy=True)
+            raise
+        job.lease = held[0] if held else None
+        return job
 
     @classmethod
     def _open(
-        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None, finalize: bool
-    ) -> _Job:
+        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None, finalize: bool,
+        held: list[_lease.Lease],
+    ) -> _Job:  # fmt: skip
         t0 = time.perf_counter()
         chunk_bytes, threads = options.chunk_bytes, options.threads
         if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
@@ -247,6 +270,12 @@ class _Job:
             raise SpillValueError(
                 f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
             )
+        if part is not None and part[0] == 0:
+            # Part 0 holds its lease from here, while it plans: the other parts wait for its plan
+            # as long as it does (``_find_shared``), and two runs of part 0 never plan at once.
+            _output.check_claimable(output)
+            output.makedirs("")
+            held.append(_lease.part(output, 0, part[1]))
         allow_partial = options.allow_partial
         state = wait_for_commits(
             src,
@@ -447,7 +476,10 @@ def _merge_part(job: _Job, part: tuple[int, int], *, rank: int | None) -> MergeR
     mine = [every[k] for k in split([u.nbytes for u in every], n)[i]]
     _output.check_claimable(output)
     output.makedirs("")
-    with _lease.part(output, i, n) as lease:  # two runs of the same part never write at once
+    # Two runs of the same part never write at once. Part 0 took its lease before planning and
+    # keeps it until the job closes.
+    taken = contextlib.nullcontext(job.lease) if job.lease is not None else _lease.part(output, i, n)
+    with taken as lease:
         _output.claim(output, job.options.overwrite, lease)
         return _write_part(job, part, mine, rank, lease)
 
@@ -619,16 +651,30 @@ def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, in
         pass
 
 
+#: "No deadline": waiting then ends only when ``give_up`` says so.
+_UNTIL_GIVEN_UP = 10.0 * 365 * 86400
+
+
 def _find_shared(
     output: Storage, key: str, segments: list[Any], options: MergeOptions, part: tuple[int, int] | None
 ) -> _planshare.Published | None:
-    """The plan part 0 published, waiting up to ``timeout`` for it, but not once part 0 left a
-    record, done or failed, without it (another spill root or policy, a failed plan: this process
-    then plans itself)."""
+    """The plan part 0 published, waiting for it; None when this process should plan itself.
 
+    With ``timeout`` > 0 (and for the finalize): up to ``timeout`` seconds, but not once part 0
+    left a record, done or failed, without it (another spill root or policy, a failed plan). With
+    ``timeout=0`` (the default), a part other than 0 waits as long as part 0 holds its lease,
+    which it takes before planning: part 0 is at work and its plan comes (at 10^7 keys, a part
+    that did not wait planned everything again beside part 0, issue 24). It plans itself at once
+    when part 0 is not running, and as soon as part 0 leaves a record or lets its lease go."""
+    if part is None or part[0] == 0 or options.timeout > 0:
+        return _planshare.find(
+            output, key, segments, timeout=options.timeout, work_dir=options.plan_dir,
+            give_up=lambda: _part0_ended(output, part),
+        )  # fmt: skip
+    name = _lease.part_name(0, part[1])
     return _planshare.find(
-        output, key, segments, timeout=options.timeout, work_dir=options.plan_dir,
-        give_up=lambda: _part0_ended(output, part),
+        output, key, segments, timeout=_UNTIL_GIVEN_UP, work_dir=options.plan_dir,
+        give_up=lambda: _part0_ended(output, part) or not _lease.held(output, name),
     )  # fmt: skip
 
 

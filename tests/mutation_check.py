@@ -683,6 +683,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_write_batch.py::test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone",),
         "a CUDA batch copied to host stores each item as write() would: a tuple stays a tuple",
     ),
+    Mutation(
+        "parts-wait-while-part-0-holds-its-lease",
+        "spillmerge/_merge.py",
+        "        give_up=lambda: _part0_ended(output, part) or not _lease.held(output, name),",
+        "        give_up=lambda: True,",
+        ("tests/test_scaleout.py::test_with_timeout_0_a_part_waits_for_part_0s_plan_while_part_0_runs",),
+        "with timeout=0 a part waits for the plan of a part 0 at work instead of planning everything again",
+    ),
 ]
 
 

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -314,6 +315,64 @@ def test_parts_waiting_for_the_plan_stop_when_part_0_fails(tmp_path):
     # The failure record names no plan: a finalize counts it as a missing part, not a failed one.
     with pytest.raises(spillmerge.MissingPartsError, match="part 0/2"):
         spillmerge.merge(str(root), str(out), finalize=True, on_duplicate="last")
+
+
+_SLOW_PART0 = """
+import sys, time
+import spillmerge
+from spillmerge import _merge
+planned = _merge.fingerprint  # called once the plan is built, before it is published
+def slow(*a, **k):
+    time.sleep(float(sys.argv[3]))  # a large plan: part 0 holds its lease for a while first
+    return planned(*a, **k)
+_merge.fingerprint = slow
+spillmerge.merge(sys.argv[1], sys.argv[2], part=(0, 2))
+"""
+
+
+def _part0_planning(root, out, seconds: float) -> subprocess.Popen:
+    """Part 0 in its own process, its plan taking ``seconds`` more; returned once it holds its lease."""
+    from spillmerge import _lease
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PART0, str(root), str(out), str(seconds)])
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(out) and _lease.held(Storage(str(out)), _lease.part_name(0, 2))):
+        assert proc.poll() is None and time.monotonic() < deadline, "part 0 never took its lease"
+        time.sleep(0.05)
+    return proc
+
+
+def test_with_timeout_0_a_part_waits_for_part_0s_plan_while_part_0_runs(tmp_path):
+    """The default ``timeout=0``: part 1 started while part 0 plans waits for part 0's plan and
+    maps it instead of planning everything again; when part 0 dies (its lease goes with it),
+    part 1 stops waiting and plans itself; with part 0 not running it plans at once."""
+    root = tmp_path / "spill"
+    _spill(root, world=2)
+    out = tmp_path / "out"
+    part0 = _part0_planning(root, out, 4)
+    rep = spillmerge.merge(str(root), str(out), part=(1, 2))
+    assert any("was mapped, not rebuilt" in n for n in rep.notes), rep.notes
+    assert part0.wait(120) == 0
+    fin = spillmerge.merge(str(root), str(out), finalize=True)
+    one = spillmerge.merge(str(root), str(tmp_path / "one"))
+    assert fin.n_frames == one.n_frames
+    assert tree_diff(output_tree(str(tmp_path / "one")), output_tree(str(out))) == []
+
+    out2 = tmp_path / "out2"
+    part0 = _part0_planning(root, out2, 300)
+    got: list = []
+    waiting = threading.Thread(target=lambda: got.append(spillmerge.merge(str(root), str(out2), part=(1, 2))))
+    waiting.start()
+    time.sleep(2)
+    assert waiting.is_alive()  # waiting for the plan of a part 0 at work
+    part0.kill()
+    part0.wait(60)
+    waiting.join(120)
+    assert not waiting.is_alive() and got and not any("was mapped" in n for n in got[0].notes)
+
+    t = time.monotonic()  # part 0 not running at all: part 1 plans at once
+    rep = spillmerge.merge(str(root), str(tmp_path / "out3"), part=(1, 2))
+    assert time.monotonic() - t < 30 and not any("was mapped" in n for n in rep.notes)
 
 
 def test_parts_of_different_plans_never_mix(tmp_path):
