@@ -99,7 +99,7 @@ def _to_cuda(value):
 
 @pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "tensordict", "tuples"])
 def test_a_cuda_batch_is_stored_byte_for_byte_as_row_by_row_writes_of_host_copies(tmp_path, kind):
-    from test_write_batch import _batches, _merge
+    from test_write_batch import _batches, _merge, _write_rows
 
     if kind == "tuples":  # an item's tuple and str stay what they were, next to CUDA leaves
         g = torch.Generator().manual_seed(3)
@@ -112,10 +112,7 @@ def test_a_cuda_batch_is_stored_byte_for_byte_as_row_by_row_writes_of_host_copie
     cuda = [(names, _to_cuda(batch), frames) for names, batch, frames, _ in batches]
 
     def by_row(w: spillmerge.SpillWriter) -> None:
-        for names, _, frames, rows in batches:
-            idx = [0] * len(names) if frames is None else [int(f) for f in frames]
-            for name, f, row in zip(names, idx, rows, strict=True):
-                w.write(name, f, row)
+        _write_rows(w, batches)
 
     def by_batch(w: spillmerge.SpillWriter) -> None:
         for names, batch, frames in cuda:

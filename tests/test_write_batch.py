@@ -92,15 +92,20 @@ def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
     return out
 
 
+def _write_rows(w: spillmerge.SpillWriter, batches: list[tuple[list[str], Any, Any, list[Any]]]) -> None:
+    """Every item of ``batches`` (as ``_batches`` makes them) written with ``write``, in order."""
+    for names, _, frames, rows in batches:
+        idx = [0] * len(names) if frames is None else [int(f) for f in frames]
+        for name, f, row in zip(names, idx, rows, strict=True):
+            w.write(name, f, row)
+
+
 @pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "tensordict"])
 def test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes(tmp_path, kind):
     batches = _batches(kind)
 
     def by_row(w: spillmerge.SpillWriter) -> None:
-        for names, _, frames, rows in batches:
-            idx = [0] * len(names) if frames is None else [int(f) for f in frames]
-            for name, f, row in zip(names, idx, rows, strict=True):
-                w.write(name, f, row)
+        _write_rows(w, batches)
 
     def by_batch(w: spillmerge.SpillWriter) -> None:
         for names, batch, frames, _ in batches:
