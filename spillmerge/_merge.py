@@ -20,6 +20,7 @@ from ._copy import Unit, copy_units, units
 from ._errors import (
     CorruptSpillError,
     MissingPartsError,
+    OutputBusyError,
     SpillMergeError,
     SpillStorageError,
     SpillValueError,
@@ -232,7 +233,10 @@ class _Job:
             job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
         except SpillMergeError as exc:
             try:
-                if part is not None and part[0] == 0 and not options.allow_partial:
+                # Busy: another part 0 holds the lease and is at work; a failure record would
+                # tell the parts waiting for its plan that part 0 failed.
+                busy = isinstance(exc, OutputBusyError)
+                if part is not None and part[0] == 0 and not options.allow_partial and not busy:
                     _plan_failed(root, out, options, part, exc)
             finally:
                 for lease in held:

@@ -691,6 +691,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_scaleout.py::test_with_timeout_0_a_part_waits_for_part_0s_plan_while_part_0_runs",),
         "with timeout=0 a part waits for the plan of a part 0 at work instead of planning everything again",
     ),
+    Mutation(
+        "busy-part-0-leaves-no-failure-record",
+        "spillmerge/_merge.py",
+        "                busy = isinstance(exc, OutputBusyError)",
+        "                busy = False",
+        ("tests/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
+        "a part 0 refused because another part 0 is at work does not tell the waiting parts that part 0 failed",
+    ),
 ]
 
 

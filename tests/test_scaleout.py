@@ -375,6 +375,23 @@ def test_with_timeout_0_a_part_waits_for_part_0s_plan_while_part_0_runs(tmp_path
     assert time.monotonic() - t < 30 and not any("was mapped" in n for n in rep.notes)
 
 
+def test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record(tmp_path):
+    """Part 0 holds its lease while it plans: another part 0 on the same output fails at once
+    with OutputBusyError, and writes no failure record (which would tell the parts waiting for the
+    plan that part 0 failed)."""
+    root, out = tmp_path / "spill", tmp_path / "out"
+    _spill(root, world=2)
+    part0 = _part0_planning(root, out, 300)
+    try:
+        with pytest.raises(spillmerge.OutputBusyError, match="part 0/2"):
+            spillmerge.merge(str(root), str(out), part=(0, 2))
+        parts = out / "spillmerge-parts"
+        assert not parts.exists() or not any(p.name.endswith(".failed.json") for p in parts.iterdir())
+    finally:
+        part0.kill()
+        part0.wait(60)
+
+
 def test_parts_of_different_plans_never_mix(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "out"
     _spill(root, world=2)
