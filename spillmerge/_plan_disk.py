@@ -39,7 +39,9 @@ import itertools
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, overload
 
@@ -60,6 +62,9 @@ ROW_BLOCK = P.ROW_BLOCK
 
 #: Bytes of the names' keys one round of step 2 holds, all runs together (``_merge_names``).
 NAMES_ROUND_BYTES = 32 << 20
+
+#: Threads that check pass 1's blocks at most (fewer on fewer cores).
+PLAN_THREADS = 4
 
 _I8 = np.dtype("<i8")
 
@@ -403,6 +408,8 @@ class _Builder:
         """Runs another process built (``RunSource.take``)."""
         self._seen: dict[FS.Layout, None] = {}
         self._seq = itertools.count()
+        self.workers = max(1, min(PLAN_THREADS, os.cpu_count() or 1))
+        """Threads that check pass 1's blocks (``_in_order``); each block is a 1/workers share."""
 
     # -- step 1: runs -------------------------------------------------------------------------
 
@@ -534,7 +541,7 @@ class _Builder:
         live = list(enumerate(self.runs))
         cur = {si: 0 for si, _ in live}  # next entry of each run
         g = 0
-        share = max(1, self.block_entries // max(1, len(live)))
+        share = max(1, self.block_entries // self.workers // max(1, len(live)))
         while g < n_files:
             # The block ends below the file at which some run's share ends, so no run gives more.
             end = n_files
@@ -597,18 +604,28 @@ class _Builder:
         duplicates = 0
         blocks: list[tuple[int, int, int, int, int, int]] = []  # files, entries, rows
         n_ent = n_rows = 0
-        for g0, g1, spans in self._blocks(n_files):
+
+        def one_block(block: tuple[int, int, list[tuple[int, int, int]]]) -> _Block:
+            """A block's rows, checked: everything of pass 1 that depends on this block alone."""
+            g0, g1, spans = block
             c = self._entries(spans)
             c, copies, dups = P.resolve_duplicates(c, names, self.segments, self.on_duplicate, self.same_bytes)
-            duplicates += dups  # ``c`` is in row order: (file, frame, leaf)
-            n_block = len(c["file"])
-            new_key = np.ones(n_block, dtype=bool)
+            new_key = np.ones(len(c["file"]), dtype=bool)  # ``c`` is in row order: (file, frame, leaf)
             new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
-            key_start = np.flatnonzero(new_key)
             _, code = P.pair_codes(c, self.layouts, self.leaf_paths, names, self.segments)
-            first = P.leaf_first(c["lp"], code, n_lp, first)
             has = code >= 0
-            keys.update(_small_distinct(c["lp"][has] * (len(dnames) + 1) + code[has] + 1))
+            kinds = _small_distinct(c["lp"][has] * (len(dnames) + 1) + code[has] + 1)
+            return _Block(g0, g1, c, copies, dups, new_key, code, P.leaf_first(c["lp"], code, n_lp), kinds)
+
+        # Blocks are checked by a few threads at once (numpy leaves the GIL in its sorts and
+        # gathers), in order, each a 1/workers share of the budget; their rows are written here.
+        for b in _in_order(one_block, self._blocks(n_files), self.workers):
+            g0, g1, c, copies, code = b.g0, b.g1, b.c, b.copies, b.code
+            duplicates += b.duplicates
+            first = _lowest_codes(first, b.first)
+            keys.update(b.kinds)
+            n_block, new_key = len(c["file"]), b.new_key
+            key_start = np.flatnonzero(new_key)
             for k in ("seg", "off", "nb", "crc"):
                 w.append(f"t.{k}", c[k])
             for k, arr in (("gl", c["gl"]), ("lp", c["lp"]), ("code", code)):  # read only here: narrower
@@ -750,6 +767,50 @@ class _Builder:
         off = self.work.zeros(f"{tag}.offsets", _I8, (len(col.counts) + 1,))
         np.cumsum(col.counts, out=off[1:])
         return replace(col, offs=off)
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """One block of pass 1, checked (``_Builder.run``'s ``one_block``)."""
+
+    g0: int
+    g1: int
+    """Its files: ``g0 .. g1-1``."""
+    c: dict[str, np.ndarray]
+    """Its entries after duplicates, in row order."""
+    copies: np.ndarray
+    duplicates: int
+    new_key: np.ndarray
+    """Where a key (file, frame) starts."""
+    code: np.ndarray
+    first: np.ndarray
+    """``_plan.leaf_first`` of this block alone."""
+    kinds: list[int]
+    """Its (leaf, dtype code) pairs, as column keys before ``first`` applies."""
+
+
+def _in_order(fn: Callable[[Any], Any], items: Iterator[Any], workers: int) -> Iterator[Any]:
+    """``map(fn, items)``, with up to ``workers`` calls running at once in threads, results in
+    order, no more than ``workers`` items taken ahead (memory stays that of ``workers`` items)."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="spillmerge-plan")
+    pending: deque[Future[Any]] = deque()
+    try:
+        for item in items:
+            if len(pending) >= workers:
+                yield pending.popleft().result()
+            pending.append(pool.submit(fn, item))
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _lowest_codes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per leaf the lower of two ``leaf_first`` results (-1: no code): blocks folded in any grouping."""
+    return np.where((b >= 0) & ((a < 0) | (b < a)), b, a)
 
 
 def _small_distinct(a: np.ndarray) -> list[int]:

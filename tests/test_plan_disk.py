@@ -503,3 +503,35 @@ def test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root(
         assert {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")} == outside  # nothing outside touched
         a, b = output_tree(whole), output_tree(str(out))
         assert a == b, (what, tree_diff(a, b))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-1, 4)), max_size=40), st.integers(1, 6))
+def test_pass_1_blocks_folded_in_any_grouping_give_the_whole_tables_leaf_first(entries, cut):
+    """Pass 1 checks blocks in threads and folds each block's ``leaf_first`` into the running one:
+    the same as ``leaf_first`` of all the entries at once."""
+    lp = np.array([e[0] for e in entries], dtype=np.int64)
+    code = np.array([e[1] for e in entries], dtype=np.int64)
+    whole = _plan.leaf_first(lp, code, 4)
+    folded = np.full(4, -1, dtype=np.int64)
+    for a in range(0, len(entries), cut):
+        folded = _plan_disk._lowest_codes(folded, _plan.leaf_first(lp[a : a + cut], code[a : a + cut], 4))
+    assert folded.tolist() == whole.tolist()
+
+
+def test_blocks_checked_in_threads_come_back_in_order_and_the_first_error_is_the_first_blocks():
+    import random
+    import time as _time
+
+    def check(i):
+        _time.sleep(random.random() / 200)
+        if i in (5, 7):
+            raise ValueError(i)
+        return i
+
+    assert list(_plan_disk._in_order(check, iter(range(5)), 3)) == [0, 1, 2, 3, 4]
+    got = []
+    with pytest.raises(ValueError, match="5"):
+        for r in _plan_disk._in_order(check, iter(range(10)), 3):
+            got.append(r)
+    assert got == [0, 1, 2, 3, 4]
