@@ -699,6 +699,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
         "a part 0 refused because another part 0 is at work does not tell the waiting parts that part 0 failed",
     ),
+    Mutation(
+        "pass-1-blocks-fold-leaf-first",
+        "spillmerge/_plan_disk.py",
+        "    return np.where((b >= 0) & ((a < 0) | (b < a)), b, a)",
+        "    return np.where(b >= 0, b, a)",
+        ("tests/test_plan_disk.py::test_pass_1_blocks_folded_in_any_grouping_give_the_whole_tables_leaf_first",),
+        "blocks checked in threads give every leaf the dtype code of the whole table, as one pass does",
+    ),
 ]
 
 
