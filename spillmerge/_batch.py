@@ -224,14 +224,17 @@ def cuda_to_host(batch: Any) -> Any:
 
 
 def _first_tensor(value: Any, depth: int) -> torch.Tensor | None:
-    """The first tensor of a batch, looking only down its first branch (cheap for a host batch)."""
+    """The first tensor of a batch: down a mapping's values in turn (a leaf of strings may come
+    before the tensors) and a list's first item only (cheap for a host batch)."""
     if isinstance(value, torch.Tensor):
         return value
     if depth > 32:
         return None
     if isinstance(value, Mapping):
         for v in value.values():
-            return _first_tensor(v, depth + 1)
+            found = _first_tensor(v, depth + 1)
+            if found is not None:
+                return found
     elif isinstance(value, (list, tuple)) and value:
         return _first_tensor(value[0], depth + 1)
     return None

@@ -700,3 +700,37 @@ def test_small_and_large_rows_cut_by_chunk_edges_come_back_as_written(tmp_path, 
     for name, value in want.items():
         assert np.array_equal(np.asarray(res[name][0]), value), name
     assert spillmerge.verify(str(out)).ok
+
+
+def test_the_part_0_probe_reads_only_a_live_holder_and_is_not_fooled_by_hostile_lease_files(tmp_path):
+    """``_lease.held`` (what a waiting part asks): held while part 0's lease is, free once it is
+    released; a FIFO or a link out of the root in the lock's place, a lease object that expired,
+    or one too large reads as not held, at once and without blocking."""
+    from spillmerge import _lease
+
+    out = tmp_path / "out"
+    out.mkdir()
+    storage = Storage(str(out))
+    name = _lease.part_name(0, 2)
+    assert not _lease.held(storage, name)
+    with _lease.part(storage, 0, 2):
+        assert _lease.held(storage, name)
+    assert not _lease.held(storage, name)
+    lock = out / _lease.LEASE_DIR / f"{name}.lock"
+    lock.parent.mkdir(exist_ok=True)
+    if lock.exists():
+        lock.unlink()
+    os.mkfifo(lock)
+    assert not _lease.held(storage, name)
+    lock.unlink()
+    lock.symlink_to("/dev/zero")
+    assert not _lease.held(storage, name)
+    lock.unlink()
+    obj = out / _lease.LEASE_DIR / f"{name}.json"
+    rec = {"owner": "x", "role": "part 0/2", "host": "h", "pid": 1, "since": "2026-01-01T00:00:00Z"}
+    obj.write_text(json.dumps({**rec, "expires": time.time() - 1}))
+    assert not _lease.held(storage, name)  # expired: its holder died
+    obj.write_text(json.dumps({**rec, "expires": time.time() + 60}))
+    assert _lease.held(storage, name)  # an object-store holder (no working flock here)
+    obj.write_text(json.dumps({**rec, "expires": time.time() + 60, "pad": "x" * (1 << 20)}))
+    assert not _lease.held(storage, name)  # too large to be a lease record

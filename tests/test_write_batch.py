@@ -435,3 +435,5 @@ def test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone(
     assert _batch._cuda_leaves({1: a}, [], 0) is False
     assert _batch._cuda_leaves({"top": collections.OrderedDict(x=a)}, [], 0) is True  # above the items
     assert _batch.cuda_to_host(batch) is batch  # host tensors: nothing to copy
+    # the first tensor is found past a leaf of strings, not only down the first branch
+    assert _batch._first_tensor({"text": ["x", "y"], "emb": b}, 0) is b
