@@ -3,6 +3,7 @@ root, then the finalize, with wall-clock timers around the steps of part 0's out
 
     python benchmarks/bench_billion.py --n 10000000 --spill-only --keep-spill --workdir /tmp/bb
     python benchmarks/bench_plan_steps.py --root /tmp/bb/n10000000/spill --parts 2 --repeats 3
+    python benchmarks/bench_plan_steps.py --root /tmp/bb/n10000000/spill --parts 1 --ranges 4
 
 To compare two checkouts, run this script from each in turn, alternating (``cd`` into the
 checkout and set ``PYTHONPATH`` to it: the parts are forked from a process that imported
@@ -13,8 +14,11 @@ Each part is a fresh process (forked after ``import torch, spillmerge``; one tor
 a few microseconds per call, ~1,000 calls at 10^7 keys): ``_runs`` (step 1: its share of the
 segments sorted, the other parts' runs taken: it includes waiting for them), ``_merge_names``
 (step 2), pass 1's ``_entries`` / ``resolve_duplicates`` / ``pair_codes``, ``run`` (the whole
-plan; ``run - _runs`` is what part 0 does alone), and the ``fingerprint``. Per part: the
-report's phases. Printed as one table per repeat, plus the medians.
+plan; ``run - _runs`` is what part 0 does alone), the phases of the plan in ranges
+(``_phase_a``: names and pass 1, ``_phase_b``: pass 2, ``_phase_c``: the per-row arrays; summed
+over the ranges) and the ``fingerprint``. ``--ranges N`` plans in N ranges of filenames
+(``_plan_disk.RANGES``). Per part: the report's phases. Printed as one table per repeat, plus
+the medians.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ torch.set_num_threads(1)
 import spillmerge  # noqa: E402
 from spillmerge import _merge, _plan, _plan_disk  # noqa: E402
 
-STEPS = ["_runs", "_merge_names", "_entries", "resolve_duplicates", "pair_codes", "run", "fingerprint"]
+STEPS = ["_runs", "_merge_names", "_entries", "resolve_duplicates", "pair_codes", "_phase_a", "_phase_b", "_phase_c",
+         "run", "fingerprint"]  # fmt: skip
 
 
 def _timed(owner: Any, name: str, totals: dict[str, float]) -> None:
@@ -54,11 +59,14 @@ def _timed(owner: Any, name: str, totals: dict[str, float]) -> None:
     setattr(owner, name, wrapper)
 
 
-def _part(i: int, n: int, root: str, out: str, q: Any) -> None:
+def _part(i: int, n: int, root: str, out: str, q: Any, ranges: int) -> None:
     totals: dict[str, float] = collections.defaultdict(float)
+    if hasattr(_plan_disk, "RANGES"):  # a checkout before the plan in ranges has none
+        _plan_disk.RANGES = ranges
     if i == 0:
-        for name in ("_runs", "_merge_names", "_entries", "run"):
-            _timed(_plan_disk._Builder, name, totals)
+        for name in ("_runs", "_merge_names", "_entries", "_phase_a", "_phase_b", "_phase_c", "run"):
+            if hasattr(_plan_disk._Builder, name):
+                _timed(_plan_disk._Builder, name, totals)
         _timed(_plan, "resolve_duplicates", totals)
         _timed(_plan, "pair_codes", totals)
         _timed(_merge, "fingerprint", totals)  # _merge calls it by this name
@@ -67,11 +75,11 @@ def _part(i: int, n: int, root: str, out: str, q: Any) -> None:
     q.put((i, time.perf_counter() - t, dict(rep.phases), dict(totals)))
 
 
-def one(root: str, parts: int, out: str) -> dict[str, Any]:
+def one(root: str, parts: int, out: str, ranges: int) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     q: Any = mp.Queue()
     t0 = time.perf_counter()
-    procs = [mp.Process(target=_part, args=(i, parts, root, out, q)) for i in range(parts)]
+    procs = [mp.Process(target=_part, args=(i, parts, root, out, q, ranges)) for i in range(parts)]
     for p in procs:
         p.start()
     got = sorted((q.get() for _ in procs), key=lambda r: r[0])
@@ -110,14 +118,15 @@ def main() -> None:
     ap.add_argument("--root", required=True, help="a spill root (bench_billion.py --spill-only --keep-spill)")
     ap.add_argument("--parts", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--ranges", type=int, default=1, help="ranges of filenames the plan is built in")
     ap.add_argument("--out", help="where the output goes (removed after each repeat; default a temporary folder)")
     args = ap.parse_args()
     mp.set_start_method("fork")
     out = args.out or tempfile.mkdtemp(prefix="bench-plan-steps-")
     runs = []
-    print(f"# spillmerge from {spillmerge.__file__}, {args.parts} parts, {args.root}")
+    print(f"# spillmerge from {spillmerge.__file__}, {args.parts} parts, {args.ranges} ranges, {args.root}")
     for k in range(args.repeats):
-        runs.append(one(args.root, args.parts, out))
+        runs.append(one(args.root, args.parts, out, args.ranges))
         print(f"\n## repeat {k + 1}\n")
         print("\n".join(table(runs[-1])), flush=True)
     if args.repeats > 1:

@@ -35,7 +35,6 @@ per-file dtype checks and rows are the in-memory plan's: the output is byte-iden
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import shutil
 import tempfile
@@ -51,6 +50,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from . import _format as F
 from . import _format_spill as FS
 from . import _plan as P
+from ._concat import concat, concat_offsets
 from ._errors import CorruptSpillError, SpillValueError
 from ._spillroot import LoadedSegment
 
@@ -65,6 +65,13 @@ NAMES_ROUND_BYTES = 32 << 20
 
 #: Threads that check pass 1's blocks at most (fewer on fewer cores).
 PLAN_THREADS = 4
+
+#: Ranges of filenames a plan is built in when ``build`` is not told (``_Builder.run``). One:
+#: until the parts of a merge plan a range each, ranges in one process only cost a little.
+RANGES = 1
+
+#: Names sampled from each run for the splitters of a plan in ranges (at equal steps of its entries).
+SPLIT_SAMPLE = 1024
 
 _I8 = np.dtype("<i8")
 
@@ -318,11 +325,13 @@ def estimate_bytes(n_rows: int, n_files: int) -> int:
 
 def build(
     sources: Sequence[SegmentSource], on_duplicate: str, *, same_bytes: P.SameBytes, budget: int,
-    work_dir: str | None = None, shared: RunSource | None = None,
+    work_dir: str | None = None, shared: RunSource | None = None, ranges: int | None = None,
 ) -> DiskPlan:  # fmt: skip
     """The plan of ``sources`` (in write order), equal to ``_plan.build`` of the loaded segments,
     holding at most about ``budget`` bytes (plus one segment's catalog and index) in memory.
-    ``shared``: runs other processes built, used instead of building them here."""
+    ``shared``: runs other processes built, used instead of building them here. ``ranges``:
+    ranges of filenames planned apart (``_Builder.run``; default ``RANGES``); the plan is the
+    same for any."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     if not isinstance(budget, int) or budget < 1:
@@ -330,7 +339,7 @@ def build(
     work = WorkFolder(work_dir)
     try:
         builder = _Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes)
-        return DiskPlan(builder.run(sources, shared), work, builder.taken)
+        return DiskPlan(builder.run(sources, shared, RANGES if ranges is None else ranges), work, builder.taken)
     except BaseException:
         work.close()  # nothing of a failed plan stays on disk
         raise
@@ -407,7 +416,6 @@ class _Builder:
         self.taken = 0
         """Runs another process built (``RunSource.take``)."""
         self._seen: dict[FS.Layout, None] = {}
-        self._seq = itertools.count()
         self.workers = max(1, min(PLAN_THREADS, os.cpu_count() or 1))
         """Threads that check pass 1's blocks (``_in_order``); each block is a 1/workers share."""
 
@@ -459,55 +467,57 @@ class _Builder:
 
     # -- step 2: names ------------------------------------------------------------------------
 
-    def _merge_names(self) -> StringTable:
-        """Sorted distinct filenames of every run; fills each run's ``gmap``.
+    def _merge_names(self, tag: str, spans: list[tuple[int, int, int, int, int]], width: int, lo: Any, hi: Any) -> StringTable:
+        """Sorted distinct filenames of one range: names ``na .. nb-1`` of each run ``si`` in
+        ``spans`` (``si, na, nb, ...``); fills those names' ids (counted from 0 in the range) in
+        each run's ``gmap``. A published run's names are checked sorted, distinct and inside the
+        range's keys ``lo`` (included) to ``hi`` (excluded; None: open).
 
         In rounds: each run holds its next names read (at most an equal share of
         ``min(block_entries, ROW_BLOCK // 4)`` names and of ``NAMES_ROUND_BYTES`` of keys, topped
         up once half of it is taken); every held name up to the smallest last held name of a run that
         has more is taken (a name equal to it is taken from every run in the same round, so a
         name never spans two rounds); the round's names are sorted together and given the next
-        global ids. Names are held as :func:`name_keys` (fixed width, the longest name's), so a
+        ids. Names are held as :func:`name_keys` (fixed width, the longest name's), so a
         round is a few numpy calls, not Python per name (4.6 s of part 0's plan at 10^7 keys,
         issue 24). Memory depends on neither the number of runs nor of names: a ``heapq``
         merge of one tuple per name, with Python lists of every id pending, made the 10^7-key
         plan's peak 1.14x the 10^6 one (issue 24)."""
         w = self.work
-        runs = [r for r in self.runs if len(r.names)]
-        width = 1  # the longest name (at least 1 byte: a window of 0 is refused)
-        for r in runs:
-            off = r.names.raw()[1]
-            for a in range(0, len(off) - 1, ROW_BLOCK):
-                width = max(width, int(np.diff(np.asarray(off[a : a + ROW_BLOCK + 1])).max()))
+        live = [(self.runs[si], na, nb) for si, na, nb, _ea, _eb in spans if nb > na]
         per_round = min(ROW_BLOCK // 4, self.block_entries, max(1, NAMES_ROUND_BYTES // (width + 4)))
-        share = max(1, per_round // max(1, len(runs)))
+        share = max(1, per_round // max(1, len(live)))
         empty = np.zeros(0, dtype=f"S{width + 4}")
-        held = [empty] * len(runs)  # keys read, not yet taken
-        last: list[Any] = [None] * len(runs)  # each run's last key read: where the next read must start above
-        first = [0] * len(runs)  # entry of each run's first held name
+        held = [empty] * len(live)  # keys read, not yet taken
+        last: list[Any] = [None] * len(live)  # each run's last key read: where the next read must start above
+        first = [na for _r, na, _nb in live]  # name of each run's first held key
         n_names = 0
         while True:
             bound: Any = None  # the smallest last held key of a run with more to read
-            for i, r in enumerate(runs):
-                n, h = len(r.names), len(held[i])
+            for i, (r, na, nb) in enumerate(live):
+                h = len(held[i])
                 b = first[i] + h  # the run's next name not read yet
-                if h <= share // 2 and b < n:  # topped up, so that no run holds few and makes the round small
-                    raw, lens = r.names.encoded(b, min(b + share - h, n))
+                if h <= share // 2 and b < nb:  # topped up, so that no run holds few and makes the round small
+                    raw, lens = r.names.encoded(b, min(b + share - h, nb))
                     keys = name_keys(raw, lens, width)
                     if r.source is not None:
                         _check_sorted(r, keys, last[i])
+                        if (b == na and lo is not None and keys[0] < lo) or (
+                            b + len(keys) == nb and hi is not None and not keys[-1] < hi
+                        ):
+                            raise DamagedRun(f"{r.source}: its filenames are not sorted and distinct", path=r.source)
                     last[i] = keys[-1]
                     held[i] = np.concatenate([held[i], keys]) if h else keys
                     b += len(keys)
-                if len(held[i]) and b < n and (bound is None or held[i][-1] < bound):
+                if len(held[i]) and b < nb and (bound is None or held[i][-1] < bound):
                     bound = held[i][-1]
             taken: list[np.ndarray] = []
-            spans: list[tuple[int, int, int]] = []  # run, first in pool, count
+            takes: list[tuple[int, int, int]] = []  # run, first in pool, count
             pos = 0
             for i, got in enumerate(held):
                 k = len(got) if bound is None else int(np.searchsorted(got, bound, side="right"))
                 if k:
-                    spans.append((i, pos, k))
+                    takes.append((i, pos, k))
                     taken.append(got[:k])
                     held[i] = got[k:]
                     pos += k
@@ -521,44 +531,48 @@ class _Builder:
             ids = np.empty(len(pool), dtype=np.int64)
             ids[order] = np.cumsum(new) - 1 + n_names
             data, lens = key_names(srt[new], width)
-            w.append("names", data)
-            w.append("nlen", lens)
+            w.append(f"{tag}.names", data)
+            w.append(f"{tag}.nlen", lens)
             n_names += len(lens)
-            for i, p, k in spans:
-                runs[i].gmap[first[i] : first[i] + k] = ids[p : p + k]
+            for i, p, k in takes:
+                live[i][0].gmap[first[i] : first[i] + k] = ids[p : p + k]
                 first[i] += k
-        nlen = w.done("nlen", _I8)
-        off = w.zeros("noff", _I8, (len(nlen) + 1,))
+        nlen = w.done(f"{tag}.nlen", _I8)
+        off = w.zeros(f"{tag}.noff", _I8, (len(nlen) + 1,))
         if len(nlen):
             np.cumsum(nlen, out=off[1:])
-        return StringTable(w.done("names", np.uint8), off)
+        return StringTable(w.done(f"{tag}.names", np.uint8), off)
 
     # -- step 3: pass 1 -----------------------------------------------------------------------
 
-    def _blocks(self, n_files: int) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
+    def _blocks(
+        self, n_files: int, spans: list[tuple[int, int, int, int, int]]
+    ) -> Iterator[tuple[int, int, list[tuple[int, int, int]]]]:
         """``(first file, one past the last, [(run, entry lo, entry hi)])`` of each block of whole
-        files holding at most ``block_entries`` entries (more only when one file alone has more)."""
-        live = list(enumerate(self.runs))
-        cur = {si: 0 for si, _ in live}  # next entry of each run
+        files of one range (``spans``: each run's ``si, na, nb, ea, eb``, its names and entries
+        in the range) holding at most ``block_entries`` entries (more only when one file alone
+        has more). Files are the range's ids (``gmap``)."""
+        cur = {si: ea for si, _na, _nb, ea, _eb in spans}  # next entry of each run
         g = 0
-        share = max(1, self.block_entries // self.workers // max(1, len(live)))
+        share = max(1, self.block_entries // self.workers // max(1, len(spans)))
         while g < n_files:
             # The block ends below the file at which some run's share ends, so no run gives more.
             end = n_files
-            for si, r in live:
+            for si, _na, _nb, _ea, eb in spans:
                 e = cur[si] + share
-                if e < len(r.file):
+                if e < eb:
+                    r = self.runs[si]
                     end = min(end, int(r.gmap[int(r.file[e])]))
             if end <= g:  # one file holds more than a share of some run: it is a block alone
                 end = g + 1
-            spans = []
-            for si, r in live:
-                a = cur[si]
-                local_end = int(np.searchsorted(r.gmap, end, side="left"))
-                b = int(np.searchsorted(r.file, local_end, side="left"))
-                spans.append((si, a, b))
+            out = []
+            for si, na, nb, ea, eb in spans:
+                r, a = self.runs[si], cur[si]
+                local_end = na + int(np.searchsorted(r.gmap[na:nb], end, side="left"))
+                b = ea + int(np.searchsorted(r.file[ea:eb], local_end, side="left"))
+                out.append((si, a, b))
                 cur[si] = b
-            yield g, end, spans
+            yield g, end, out
             g = end
 
     def _entries(self, spans: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
@@ -581,12 +595,18 @@ class _Builder:
             return {k: np.zeros(0, np.int64) for k in c}
         return {k: np.concatenate(v) for k, v in c.items()}
 
-    def run(self, sources: Sequence[SegmentSource], shared: RunSource | None = None) -> P.Plan:
-        w = self.work
+    # -- the plan in ranges of filenames ------------------------------------------------------
+
+    def run(self, sources: Sequence[SegmentSource], shared: RunSource | None = None, ranges: int = 1) -> P.Plan:
+        """The plan: step 1 (runs), then the filenames split into ``ranges`` ranges by
+        :meth:`_splitters`, each planned on its own in three phases that exchange only small
+        summaries (docs/SCALE.md, *The plan in ranges*): A, the range's names and pass 1 (its
+        files, entries and rows, numbered from 0); B, pass 2 once every range's dtype codes
+        decided the columns; C, the range's per-row and per-file arrays once every range's
+        column counts and layouts are known. The plan's arrays are the ranges' pieces back to
+        back (``_concat``): the same values, whatever ``ranges`` is."""
         map_large_buffers()
         self._runs(sources, shared)
-        names = self._merge_names()
-        n_files = len(names)
         self.leaf_paths = sorted({lay.leaf for lay in self.layouts})
         lp_id = {p: i for i, p in enumerate(self.leaf_paths)}
         self.pmap = np.array([lp_id[lay.leaf] for lay in self.layouts], dtype=np.int64)
@@ -594,179 +614,420 @@ class _Builder:
             e = np.zeros(0, np.int64)
             return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
                           [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
+        width = self._name_width()
+        bounds = [None, *self._splitters(width, ranges), None]
+        a_ranges = [self._phase_a(i, width, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
-        # Pass 1: rows and the row table, block by block.
+        # Between A and B: the columns, from every range's dtype codes.
+        dnames = P.dtype_names(self.layouts)
+        first = np.full(len(self.leaf_paths), -1, dtype=np.int64)
+        for a in a_ranges:
+            first = _lowest_codes(first, a.first)
+        keys: set[int] = set()
+        for a in a_ranges:
+            keys.update(a.kinds)
+            # Rows without a code join their leaf's first (``_plan.group_keys``).
+            keys.update(lp * (len(dnames) + 1) + int(first[lp]) + 1 for lp in a.nocode)
+        uniq = np.array(sorted(keys), dtype=np.int64)
+        groups = P.decode_groups(uniq, dnames)
+        names_of = P.group_names(groups, self.leaf_paths)
+        if len(groups) > 62:
+            raise TooManyColumns(len(groups))
+        e_base = np.cumsum([0] + [a.n_ent for a in a_ranges])
+        b_ranges = [self._phase_b(a, int(e_base[i]), uniq, first, len(dnames)) for i, a in enumerate(a_ranges)]
+
+        # Between B and C: files' column sets, columns' kinds and each range's first unit.
+        n_rows = sum(a.n_rows for a in a_ranges)
+        uniq_masks = np.unique(np.concatenate([b.masks_seen for b in b_ranges]))
+        file_layouts = [sorted(names_of[g] for g in range(len(groups)) if (int(mk) >> g) & 1) for mk in uniq_masks]
+        hist = np.sum([b.hist for b in b_ranges], axis=0)
+        present = np.sum([b.present for b in b_ranges], axis=0)
+        specs = [
+            self._column_spec(names_of[g], self.leaf_paths[groups[g][0]], np.flatnonzero(hist[g]).tolist(),
+                              int(present[g]) < n_rows)
+            for g in range(len(groups))
+        ]  # fmt: skip
+        units = np.array([[s.units(b.present[g], b.hist[g], b.nbytes[g]) for g, s in enumerate(specs)] for b in b_ranges])
+        u_base = np.zeros_like(units)
+        np.cumsum(units[:-1], axis=0, out=u_base[1:])
+        r_base = np.cumsum([0] + [a.n_rows for a in a_ranges])
+        n_base = np.cumsum([0] + [a.name_bytes for a in a_ranges])
+        c_ranges = [
+            self._phase_c(a, b, specs, uniq_masks, int(r_base[i]), int(n_base[i]), int(e_base[i]), u_base[i], units[i])
+            for i, (a, b) in enumerate(zip(a_ranges, b_ranges, strict=True))
+        ]
+
+        names = StringTable(concat([a.names.raw()[0] for a in a_ranges]), concat_offsets([c.name_offsets for c in c_ranges]))
+        columns = []
+        for g, s in enumerate(specs):
+            counts, shapes, offs = ([c.columns[g][k] for c in c_ranges] for k in range(3))
+            col = P.PlannedColumn(
+                s.name, s.leaf, s.kind, s.dtype, s.ndim, s.shape, s.inner, concat([b.src[g] for b in b_ranges]),
+                None if s.count_mode is None else concat(_present(counts)),
+                None if s.table is None else concat(_present(shapes)), s.has_valid,
+                offs=None if s.count_mode is None else concat_offsets(_present(offs)),
+            )  # fmt: skip
+            columns.append(col)
+        columns.sort(key=lambda col: col.name)
+
+        def rows(k: str) -> Any:
+            return concat([a.t[k] for a in a_ranges])
+
+        return P.Plan(
+            names, concat_offsets([c.file_offsets for c in c_ranges]), concat([a.frame_idx for a in a_ranges]),
+            concat([a.rank for a in a_ranges]), concat([a.copies for a in a_ranges]),
+            concat([c.file_layout for c in c_ranges]), file_layouts, columns, self.segments,
+            rows("seg"), rows("off"), rows("nb"), rows("crc"), sum(a.duplicates for a in a_ranges),
+        )  # fmt: skip
+
+    def _splitters(self, width: int, ranges: int) -> list[Any]:
+        """``ranges - 1`` filename keys (:func:`name_keys`) that cut the merge's names into
+        ``ranges`` ranges of about as many entries: the names of about ``SPLIT_SAMPLE`` entries
+        of every run at equal steps, sorted together, taken at equal steps. Decided by the runs'
+        bytes alone, so any process that holds the same runs finds the same splitters. Equal
+        splitters make empty ranges."""
+        if ranges <= 1:
+            return []
+        samples = []
+        for r in self.runs:
+            if not len(r.file):
+                continue
+            step = max(1, len(r.file) // SPLIT_SAMPLE)
+            for p in np.unique(np.asarray(r.file[::step])).tolist():
+                raw, lens = r.names.encoded(p, p + 1)
+                samples.append(name_keys(raw, lens, width))
+        keys = np.sort(np.concatenate(samples))
+        return [keys[len(keys) * j // ranges] for j in range(1, ranges)]
+
+    def _name_width(self) -> int:
+        """The longest filename of every run (at least 1 byte: a window of 0 is refused): the width
+        of the names' keys (:func:`name_keys`)."""
+        width = 1
+        for r in self.runs:
+            off = r.names.raw()[1]
+            for a in range(0, len(off) - 1, ROW_BLOCK):
+                width = max(width, int(np.diff(np.asarray(off[a : a + ROW_BLOCK + 1])).max()))
+        return width
+
+    def _lower_bound(self, r: Run, key: Any, width: int) -> int:
+        """The first of ``r``'s names whose key is not below ``key`` (binary search)."""
+        lo, hi = 0, len(r.names)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if name_keys(*r.names.encoded(mid, mid + 1), width)[0] < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    # -- phase A: a range's names and pass 1 --------------------------------------------------
+
+    def _phase_a(self, i: int, width: int, lo: Any, hi: Any) -> _RangeA:
+        """Range ``i`` (filenames from key ``lo`` to below key ``hi``, None: open): its names
+        merged (step 2) and its entries checked into rows (pass 1), numbered from 0 in the range."""
+        w, tag = self.work, f"r{i}"
+        spans = []  # run, first name, one past the last name, first entry, one past the last entry
+        for si, r in enumerate(self.runs):
+            na = 0 if lo is None else self._lower_bound(r, lo, width)
+            nb = len(r.names) if hi is None else self._lower_bound(r, hi, width)
+            if nb < na:
+                raise DamagedRun(f"{r.source}: its filenames are not sorted and distinct", path=r.source)
+            ea, eb = (int(x) for x in np.searchsorted(r.file, [na, nb], side="left"))
+            spans.append((si, na, nb, ea, eb))
+        names = self._merge_names(tag, spans, width, lo, hi)
+        n_files = len(names)
         n_lp = len(self.leaf_paths)
         dnames = P.dtype_names(self.layouts)
         narrow = _narrow(len(self.layouts), len(dnames))
         first = np.full(n_lp, -1, dtype=np.int64)
-        keys: set[int] = set()
+        kinds: set[int] = set()
+        nocode: set[int] = set()
         duplicates = 0
         blocks: list[tuple[int, int, int, int, int, int]] = []  # files, entries, rows
         n_ent = n_rows = 0
+        ranks = np.array([s.seg.rank for s in self.segments], dtype=np.int32)
 
         def one_block(block: tuple[int, int, list[tuple[int, int, int]]]) -> _Block:
             """A block's rows, checked: everything of pass 1 that depends on this block alone."""
-            g0, g1, spans = block
-            c = self._entries(spans)
+            g0, g1, bspans = block
+            c = self._entries(bspans)
             c, copies, dups = P.resolve_duplicates(c, names, self.segments, self.on_duplicate, self.same_bytes)
             new_key = np.ones(len(c["file"]), dtype=bool)  # ``c`` is in row order: (file, frame, leaf)
             new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
             _, code = P.pair_codes(c, self.layouts, self.leaf_paths, names, self.segments)
             has = code >= 0
             kinds = _small_distinct(c["lp"][has] * (len(dnames) + 1) + code[has] + 1)
-            return _Block(g0, g1, c, copies, dups, new_key, code, P.leaf_first(c["lp"], code, n_lp), kinds)
+            first = P.leaf_first(c["lp"], code, n_lp)
+            return _Block(g0, g1, c, copies, dups, new_key, code, first, kinds, _small_distinct(c["lp"][~has]))
 
         # Blocks are checked by a few threads at once (numpy leaves the GIL in its sorts and
         # gathers), in order, each a 1/workers share of the budget; their rows are written here.
-        for b in _in_order(one_block, self._blocks(n_files), self.workers):
+        for b in _in_order(one_block, self._blocks(n_files, spans), self.workers):
             g0, g1, c, copies, code = b.g0, b.g1, b.c, b.copies, b.code
             duplicates += b.duplicates
             first = _lowest_codes(first, b.first)
-            keys.update(b.kinds)
+            kinds.update(b.kinds)
+            nocode.update(b.nocode)
             n_block, new_key = len(c["file"]), b.new_key
             key_start = np.flatnonzero(new_key)
             for k in ("seg", "off", "nb", "crc"):
-                w.append(f"t.{k}", c[k])
+                w.append(f"{tag}.t.{k}", c[k])
             for k, arr in (("gl", c["gl"]), ("lp", c["lp"]), ("code", code)):  # read only here: narrower
-                w.append(f"t.{k}", arr.astype(narrow[k]))
-            w.append("t.row", np.cumsum(new_key) - 1 + n_rows)
-            w.append("t.file", c["file"])
-            w.append("frame_idx", c["frame"][key_start])
-            w.append("rank", np.array([s.seg.rank for s in self.segments], dtype=np.int32)[c["seg"][key_start]])
-            w.append("copies", copies[key_start].astype(np.int32))
-            w.append("fcount", np.bincount(c["file"][key_start] - g0, minlength=g1 - g0).astype(np.int64))
+                w.append(f"{tag}.t.{k}", arr.astype(narrow[k]))
+            w.append(f"{tag}.t.row", np.cumsum(new_key) - 1 + n_rows)
+            w.append(f"{tag}.t.file", c["file"])
+            w.append(f"{tag}.frame_idx", c["frame"][key_start])
+            w.append(f"{tag}.rank", ranks[c["seg"][key_start]])
+            w.append(f"{tag}.copies", copies[key_start].astype(np.int32))
+            w.append(f"{tag}.fcount", np.bincount(c["file"][key_start] - g0, minlength=g1 - g0).astype(np.int64))
             blocks.append((g0, g1, n_ent, n_ent + n_block, n_rows, n_rows + len(key_start)))
             n_ent += n_block
             n_rows += len(key_start)
         t = {
-            k: w.done(f"t.{k}", narrow.get(k, _I8))
+            k: w.done(f"{tag}.t.{k}", narrow.get(k, _I8))
             for k in ("seg", "off", "nb", "crc", "gl", "lp", "code", "row", "file")
         }
-        frame_idx = w.done("frame_idx", _I8)
-        rank = w.done("rank", np.int32)
-        copies_all = w.done("copies", np.int32)
-        fcount = w.done("fcount", _I8)
-        file_offsets = w.zeros("file_offsets", _I8, (n_files + 1,))
-        np.cumsum(fcount, out=file_offsets[1:])
+        return _RangeA(
+            tag, names, n_files, n_ent, n_rows, duplicates, first, sorted(kinds), sorted(nocode), blocks, t,
+            w.done(f"{tag}.frame_idx", _I8), w.done(f"{tag}.rank", np.int32), w.done(f"{tag}.copies", np.int32),
+            w.done(f"{tag}.fcount", _I8), int(names.raw()[1][-1]) if n_files else 0,
+        )  # fmt: skip
 
-        # Columns: the groups every entry's leaf and dtype code make (rows without a code join
-        # their leaf's first; ``_plan._variant_groups`` on the whole table gives the same).
-        for a in range(0, n_ent, ROW_BLOCK):
-            lp, code = t["lp"][a : a + ROW_BLOCK].astype(np.int64), t["code"][a : a + ROW_BLOCK].astype(np.int64)
-            keys.update(_small_distinct(P.group_keys(lp, code, first, len(dnames))))
-        uniq = np.array(sorted(keys), dtype=np.int64)
-        groups = P.decode_groups(uniq, dnames)
-        names_of = P.group_names(groups, self.leaf_paths)
-        if len(groups) > 62:
-            raise TooManyColumns(len(groups))
+    # -- phase B: pass 2 ----------------------------------------------------------------------
+
+    def _phase_b(self, a: _RangeA, e_base: int, uniq: np.ndarray, first: np.ndarray, n_dtypes: int) -> _RangeB:
+        """Each column's source entry (its number in the whole plan: ``e_base`` + the range's)
+        and layout per row of the range, each file's set of columns, and what the columns'
+        kinds and first units need of the range: rows per column and layout, bytes per column."""
+        w, t, tag = self.work, a.t, a.tag
+        n_groups, n_layouts = len(uniq), len(self.layouts)
         kinds = np.array([F.DTYPES[lay.dtype].kind for lay in self.layouts])
         none_gl = kinds == "none"
-
-        # Pass 2: each column's source row per output row, each file's set of columns.
-        src = [w.zeros(f"src{g}", _I8, (n_rows,), fill=-1) for g in range(len(groups))]
-        rowgl = [w.zeros(f"rowgl{g}", np.int32, (n_rows,), fill=-1) for g in range(len(groups))]
-        present = np.zeros(len(groups), dtype=np.int64)
-        used: list[set[int]] = [set() for _ in groups]
-        masks = w.zeros("masks", np.int64, (n_files,))
-        for g0, g1, e0, e1, _r0, _r1 in blocks:
+        src = [w.zeros(f"{tag}.src{g}", _I8, (a.n_rows,), fill=-1) for g in range(n_groups)]
+        rowgl = [w.zeros(f"{tag}.rowgl{g}", np.int32, (a.n_rows,), fill=-1) for g in range(n_groups)]
+        present = np.zeros(n_groups, dtype=np.int64)
+        hist = np.zeros((n_groups, n_layouts), dtype=np.int64)
+        nbytes = np.zeros(n_groups, dtype=np.int64)
+        masks = w.zeros(f"{tag}.masks", np.int64, (a.n_files,))
+        seen = []
+        for g0, g1, e0, e1, _r0, _r1 in a.blocks:
             lp, code = t["lp"][e0:e1].astype(np.int64), t["code"][e0:e1].astype(np.int64)
             gl, row = t["gl"][e0:e1].astype(np.int64), np.asarray(t["row"][e0:e1])
-            group = np.searchsorted(uniq, P.group_keys(lp, code, first, len(dnames)))
+            group = np.searchsorted(uniq, P.group_keys(lp, code, first, n_dtypes))
             m = np.zeros(g1 - g0, dtype=np.int64)
             np.bitwise_or.at(m, np.asarray(t["file"][e0:e1]) - g0, np.left_shift(np.int64(1), group))
             masks[g0:g1] = m
+            seen.append(np.unique(m))
             ok = ~none_gl[gl]
+            nb = None
             for g in _small_distinct(group[ok]):
                 sel = np.flatnonzero((group == g) & ok)
-                src[g][row[sel]] = e0 + sel
+                src[g][row[sel]] = e_base + e0 + sel
                 rowgl[g][row[sel]] = gl[sel]
                 present[g] += len(sel)
-                used[g].update(_small_distinct(gl[sel]))
-        uniq_masks = np.unique(
-            np.concatenate([np.unique(masks[a : a + ROW_BLOCK]) for a in range(0, n_files, ROW_BLOCK)])
-        )
-        file_layout = w.zeros("file_layout", np.int32, (n_files,))
-        for a in range(0, n_files, ROW_BLOCK):
-            file_layout[a : a + ROW_BLOCK] = np.searchsorted(uniq_masks, masks[a : a + ROW_BLOCK])
-        file_layouts = [sorted(names_of[b] for b in range(len(groups)) if (int(mk) >> b) & 1) for mk in uniq_masks]
+                hist[g] += np.bincount(gl[sel], minlength=n_layouts)
+                nb = np.asarray(t["nb"][e0:e1]) if nb is None else nb
+                nbytes[g] += int(nb[sel].sum())
+        masks_seen = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+        return _RangeB(src, rowgl, masks, masks_seen, present, hist, nbytes)
 
-        # Pass 3: counts, shapes and offsets of every column.
-        columns = [
-            self._column(names_of[g], self.leaf_paths[groups[g][0]], src[g], rowgl[g], sorted(used[g]),
-                         int(present[g]) < n_rows, t["nb"], f"c{g}")
-            for g in range(len(groups))
-        ]  # fmt: skip
-        columns.sort(key=lambda col: col.name)
-        return P.Plan(
-            names, file_offsets, frame_idx, rank, copies_all, file_layout, file_layouts, columns, self.segments,
-            t["seg"], t["off"], t["nb"], t["crc"], duplicates,
-        )  # fmt: skip
+    # -- phase C: per-file and per-row arrays ------------------------------------------------
 
-    def _column(
-        self, name: str, leaf: tuple[str, ...], src: np.ndarray, rowgl: np.ndarray, lay_ids: list[int],
-        has_valid: bool, nb: np.ndarray, tag: str,
-    ) -> P.PlannedColumn:  # fmt: skip
-        """``_plan._column`` from the maps of each row's source entry and layout (-1: absent)."""
-        w, layouts = self.work, self.layouts
-        n_rows = len(src)
+    def _phase_c(
+        self, a: _RangeA, b: _RangeB, specs: list[_ColumnSpec], uniq_masks: np.ndarray, r_base: int, n_base: int,
+        e_base: int, u_base: np.ndarray, units: np.ndarray,
+    ) -> _RangeC:  # fmt: skip
+        """The range's pieces of the plan's arrays that count from the ranges before it: file
+        and name offsets, file layouts, and each column's per-row counts, shapes and offsets."""
+        w, tag = self.work, a.tag
+        file_offsets = _offsets(w, f"{tag}.file_offsets", a.fcount, r_base)
+        name_offsets = a.names.raw()[1]
+        if n_base:
+            name_offsets = _offsets(w, f"{tag}.name_offsets", np.diff(name_offsets), n_base)
+        file_layout = w.zeros(f"{tag}.file_layout", np.int32, (a.n_files,))
+        for s in range(0, a.n_files, ROW_BLOCK):
+            file_layout[s : s + ROW_BLOCK] = np.searchsorted(uniq_masks, b.masks[s : s + ROW_BLOCK])
+        nb = a.t["nb"]
+        columns = []
+        for g, spec in enumerate(specs):
+            counts, shapes, offs = spec.pieces(w, f"{tag}.c{g}", b.src[g], b.rowgl[g], nb, e_base, int(u_base[g]))
+            if offs is not None and int(offs[-1]) != int(u_base[g]) + int(units[g]):
+                raise AssertionError(f"column {spec.name!r}: range {tag} counted {int(offs[-1]) - int(u_base[g])} "
+                                     f"units, its summary {int(units[g])}")  # fmt: skip
+            columns.append((counts, shapes, offs))
+        return _RangeC(file_offsets, name_offsets, file_layout, columns)
+
+    def _column_spec(self, name: str, leaf: tuple[str, ...], lay_ids: list[int], has_valid: bool) -> _ColumnSpec:
+        """What ``_plan._column`` decides of a column from its layouts, the same in every range."""
+        layouts = self.layouts
         lays = [layouts[g] for g in lay_ids]
         non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
         dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
+        n_layouts = len(layouts)
+        if lays and not dt.numeric:
+            # Format 3: every non-numeric kind is bytes + byte offsets; a list of str also has
+            # its strings per row as (n_rows, 1) shapes (``_plan._column``).
+            kind = P.KIND[dt.kind]
+            table = None
+            if kind == "strlist":
+                table = np.zeros((n_layouts + 1, 1), dtype=np.int64)  # row -1: absent
+                for g in lay_ids:
+                    table[g, 0] = layouts[g].shape[0]
+            return _ColumnSpec(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, has_valid, "bytes",
+                               None, table)  # fmt: skip
+        ndim = len(lays[0].shape) if lays else 0
+        shapes = {lay.shape for lay in lays}
+        if len(shapes) <= 1:
+            shape = next(iter(shapes)) if shapes else ()
+            return _ColumnSpec(name, leaf, "fixed", dt.name, ndim, shape, None, has_valid,
+                               "valid" if has_valid else None, None, None)  # fmt: skip
+        table = np.zeros((n_layouts + 1, ndim), dtype=np.int64)  # row -1: absent
+        for g in lay_ids:
+            table[g] = layouts[g].shape
+        inner_set = {lay.shape[1:] for lay in lays}
+        if len(inner_set) == 1:
+            return _ColumnSpec(name, leaf, "ragged", dt.name, ndim, None, next(iter(inner_set)), has_valid, "units",
+                               table[:, 0].copy(), None)  # fmt: skip
+        return _ColumnSpec(name, leaf, "ragged", dt.name, ndim, None, None, has_valid, "units",
+                           np.prod(table, axis=1, dtype=np.int64), table)  # fmt: skip
+
+
+def _present(pieces: list[np.ndarray | None]) -> list[np.ndarray]:
+    """Pieces every range made (a column's counts, shapes or offsets)."""
+    out = [p for p in pieces if p is not None]
+    assert len(out) == len(pieces)
+    return out
+
+
+def _offsets(w: WorkFolder, name: str, counts: np.ndarray, base: int) -> np.ndarray:
+    """Offsets of ``counts`` (``len + 1``) starting at ``base``, in a new work file."""
+    off = w.zeros(name, _I8, (len(counts) + 1,))
+    np.cumsum(counts, out=off[1:])
+    if base:
+        for a in range(0, len(off), ROW_BLOCK):
+            off[a : a + ROW_BLOCK] += base
+    return off
+
+
+@dataclass(frozen=True, slots=True)
+class _ColumnSpec:
+    """A column as its layouts decide it (``_Builder._column_spec``), and how each range makes
+    its pieces of the per-row arrays."""
+
+    name: str
+    leaf: tuple[str, ...]
+    kind: str
+    dtype: str
+    ndim: int
+    shape: tuple[int, ...] | None
+    inner: tuple[int, ...] | None
+    has_valid: bool
+    count_mode: str | None
+    """Units of ``values`` per row: ``bytes`` (its entry's size), ``valid`` (1 when present),
+    ``units`` (``unit_of`` its layout), None: no offsets."""
+    unit_of: np.ndarray | None
+    """Units per row of each layout (the last: absent, 0)."""
+    table: np.ndarray | None
+    """Per-row shapes of each layout (the last: absent, zeros), when the column has shapes."""
+
+    def units(self, present: int, hist: np.ndarray, nbytes: int) -> int:
+        """The units of a range of ``present`` rows with this column, ``hist`` of them per
+        layout, of ``nbytes`` bytes in all."""
+        if self.count_mode == "bytes":
+            return int(nbytes)
+        if self.count_mode == "valid":
+            return int(present)
+        if self.count_mode == "units":
+            assert self.unit_of is not None
+            return int((hist * self.unit_of[:-1]).sum())
+        return 0
+
+    def pieces(
+        self, w: WorkFolder, tag: str, src: np.ndarray, rowgl: np.ndarray, nb: np.ndarray, e_base: int, base: int
+    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """A range's counts, shapes and offsets (from ``base``), from its rows' source entries
+        ``src`` (numbered from ``e_base`` in the range's ``nb``) and layouts ``rowgl`` (-1: absent)."""
+        n_rows = len(src)
 
         def per_row(
-            fn: Callable[[np.ndarray, np.ndarray, slice], np.ndarray], dtype: Any, tail: tuple[int, ...] = ()
+            name: str, fn: Callable[[np.ndarray, np.ndarray, slice], np.ndarray], tail: tuple[int, ...] = ()
         ) -> np.ndarray:
-            out = w.zeros(f"{tag}.{next(self._seq)}", dtype, (n_rows, *tail))
+            out = w.zeros(f"{tag}.{name}", _I8, (n_rows, *tail))
             for a in range(0, n_rows, ROW_BLOCK):
                 sl = slice(a, min(a + ROW_BLOCK, n_rows))
                 g = np.asarray(rowgl[sl])
                 out[sl] = fn(g, g >= 0, sl)
             return out
 
-        if lays and not dt.numeric:
-            # Format 3: every non-numeric kind is bytes + byte offsets; a list of str also has
-            # its strings per row as (n_rows, 1) shapes (``_plan._column``).
-            kind = P.KIND[dt.kind]
-            counts = per_row(lambda g, ok, sl: np.where(ok, np.asarray(nb)[np.maximum(np.asarray(src[sl]), 0)], 0), _I8)
-            strings = None
-            if kind == "strlist":
-                n_of = np.zeros(len(layouts) + 1, dtype=np.int64)  # position -1: absent
-                for g in lay_ids:
-                    n_of[g] = layouts[g].shape[0]
-                strings = per_row(lambda g, ok, sl: n_of[g][:, None], _I8, (1,))
-            col = P.PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src, counts,
-                                  strings, has_valid)  # fmt: skip
-            return self._with_offsets(col, tag)
-        ndim = len(lays[0].shape) if lays else 0
-        shapes = {lay.shape for lay in lays}
-        if len(shapes) <= 1:
-            shape = next(iter(shapes)) if shapes else ()
-            valid = per_row(lambda g, ok, sl: ok.astype(np.int64), _I8) if has_valid else None
-            col = P.PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, valid, None, has_valid)
-            return self._with_offsets(col, tag)
-        table = np.zeros((len(layouts), ndim), dtype=np.int64)
-        for g in lay_ids:
-            table[g] = layouts[g].shape
-        table = np.vstack([table, np.zeros((1, ndim), dtype=np.int64)])  # row -1: absent
-        inner_set = {lay.shape[1:] for lay in lays}
-        if len(inner_set) == 1:
-            inner = next(iter(inner_set))
-            counts = per_row(lambda g, ok, sl: table[g, 0], _I8)
-            col = P.PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, inner, src, counts, None, has_valid)
-            return self._with_offsets(col, tag)
-        counts = per_row(lambda g, ok, sl: np.prod(table[g], axis=1, dtype=np.int64), _I8)
-        row_shapes = per_row(lambda g, ok, sl: table[g], _I8, (ndim,))
-        col = P.PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
-        return self._with_offsets(col, tag)
+        counts = shapes = offs = None
+        unit_of, table = self.unit_of, self.table
+        if self.count_mode == "bytes":
+            nbs = np.asarray(nb)
+            counts = per_row("counts", lambda g, ok, sl: np.where(ok, nbs[np.maximum(np.asarray(src[sl]) - e_base, 0)], 0))
+        elif self.count_mode == "valid":
+            counts = per_row("valid", lambda g, ok, sl: ok.astype(np.int64))
+        elif unit_of is not None:
+            counts = per_row("counts", lambda g, ok, sl: unit_of[g])
+        if table is not None:
+            shapes = per_row("shapes", lambda g, ok, sl: table[g], table.shape[1:])
+        if counts is not None:
+            offs = _offsets(w, f"{tag}.offsets", counts, base)
+        return counts, shapes, offs
 
-    def _with_offsets(self, col: P.PlannedColumn, tag: str) -> P.PlannedColumn:
-        """The column with its offsets computed once, into the work folder."""
-        if col.counts is None:
-            return col
-        off = self.work.zeros(f"{tag}.offsets", _I8, (len(col.counts) + 1,))
-        np.cumsum(col.counts, out=off[1:])
-        return replace(col, offs=off)
+
+@dataclass(frozen=True, slots=True)
+class _RangeA:
+    """Phase A of one range (``_Builder._phase_a``): its names and pass 1, numbered from 0."""
+
+    tag: str
+    names: StringTable
+    n_files: int
+    n_ent: int
+    n_rows: int
+    duplicates: int
+    first: np.ndarray
+    """``_plan.leaf_first`` of the range."""
+    kinds: list[int]
+    """Column keys of its rows that have a dtype code."""
+    nocode: list[int]
+    """Leaf paths of its rows without one (they join their leaf's first: known after every range)."""
+    blocks: list[tuple[int, int, int, int, int, int]]
+    t: dict[str, np.ndarray]
+    """The range's row table (entries after duplicates, in row order) and its per-entry ids."""
+    frame_idx: np.ndarray
+    rank: np.ndarray
+    copies: np.ndarray
+    fcount: np.ndarray
+    """Rows per file."""
+    name_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RangeB:
+    """Phase B of one range (``_Builder._phase_b``): pass 2."""
+
+    src: list[np.ndarray]
+    rowgl: list[np.ndarray]
+    masks: np.ndarray
+    """Each file's set of columns (bit per column)."""
+    masks_seen: np.ndarray
+    present: np.ndarray
+    """Rows per column."""
+    hist: np.ndarray
+    """Rows per column and layout."""
+    nbytes: np.ndarray
+    """Bytes of the rows per column."""
+
+
+@dataclass(frozen=True, slots=True)
+class _RangeC:
+    """Phase C of one range (``_Builder._phase_c``): its pieces of the plan's arrays."""
+
+    file_offsets: np.ndarray
+    name_offsets: np.ndarray
+    file_layout: np.ndarray
+    columns: list[tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]
+    """Each column's counts, shapes and offsets (None: the column has none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -787,6 +1048,8 @@ class _Block:
     """``_plan.leaf_first`` of this block alone."""
     kinds: list[int]
     """Its (leaf, dtype code) pairs, as column keys before ``first`` applies."""
+    nocode: list[int]
+    """Leaf paths of its entries without a dtype code."""
 
 
 def _in_order(fn: Callable[[Any], Any], items: Iterator[Any], workers: int) -> Iterator[Any]:

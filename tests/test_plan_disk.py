@@ -63,12 +63,15 @@ _LETTERS = st.sampled_from(["a", "b", "\x00", "\x7f", "é", "\ud800", "\U0001f60
     st.lists(st.lists(st.text(_LETTERS, max_size=4), max_size=12, unique=True), min_size=1, max_size=7),
     st.integers(1, 30),
     st.booleans(),
+    st.integers(1, 5),
 )
-def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(segment_names, block_entries, shared):
+def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(segment_names, block_entries, shared,
+                                                                             ranges):  # fmt: skip
     """The names merge of the out-of-core plan (runs merged in rounds of a few names, ties across
     runs and rounds) gives the in-memory plan's sorted filenames and rows; so it does when
     ``shared``: every odd segment's run comes from another work folder (as a part publishes it),
-    taken after the even ones are built, its layout ids mapped to global ones only then."""
+    taken after the even ones are built, its layout ids mapped to global ones only then; and in
+    any number of ``ranges`` of filenames (some of them empty when names are few)."""
     loaded = []
     for si, names in enumerate(segment_names):
         # odd segments list an unused layout first: their layout ids differ from the global ones
@@ -101,14 +104,20 @@ def test_out_of_core_filenames_and_rows_are_the_in_memory_plans_for_any_names(se
     mem = _plan.build(loaded, "error", same_bytes=same)
     other = Elsewhere() if shared else None
     disk = _plan_disk.build([_plan_disk.SegmentSource(lambda s=s: s) for s in loaded], "error", same_bytes=same,
-                            budget=block_entries * _plan_disk.ENTRY_BYTES, shared=other)  # fmt: skip
+                            budget=block_entries * _plan_disk.ENTRY_BYTES, shared=other, ranges=ranges)  # fmt: skip
     try:
         assert disk.taken == (len(loaded) // 2 if shared else 0)
         assert list(disk.plan.filenames) == list(mem.filenames)
-        for k in ("file_offsets", "frame_idx", "rank", "seg", "offset"):
-            assert getattr(disk.plan, k).tolist() == getattr(mem, k).tolist(), k
+        for k in ("file_offsets", "frame_idx", "rank", "copies", "seg", "offset", "nbytes"):
+            assert np.asarray(getattr(disk.plan, k)).tolist() == np.asarray(getattr(mem, k)).tolist(), k
         assert [c.header() for c in disk.plan.columns] == [c.header() for c in mem.columns]
-        assert disk.plan.file_layouts == mem.file_layouts and disk.plan.file_layout.tolist() == mem.file_layout.tolist()
+        for c, m in zip(disk.plan.columns, mem.columns, strict=True):
+            assert np.asarray(c.src).tolist() == np.asarray(m.src).tolist()
+            if m.has_offsets:
+                assert np.asarray(c.offsets()).tolist() == np.asarray(m.offsets()).tolist()
+        assert disk.plan.file_layouts == mem.file_layouts
+        assert np.asarray(disk.plan.file_layout).tolist() == mem.file_layout.tolist()
+        assert _plan.fingerprint(disk.plan) == _plan.fingerprint(mem)
     finally:
         disk.close()
         assert not os.path.exists(disk.work.dir)
@@ -187,6 +196,27 @@ def test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan(tmp_path, co
     assert res["img/00117.jpg"]["caption"][0] == "image 117 é"
     assert res.frame_ranks("img/00000.jpg").tolist() == [0]
     assert spillmerge.verify(str(tmp_path / "disk")).ok
+
+
+@pytest.mark.parametrize("ranges", [2, 5])
+def test_an_out_of_core_plan_in_ranges_writes_the_bytes_of_the_in_memory_plan(tmp_path, monkeypatch, ranges):
+    """The plan split into ranges of filenames (each planned on its own, its arrays read back to
+    back) writes the in-memory plan's bytes: ragged, string, list-of-str, bytes and optional
+    columns, duplicates, a file written by several ranks, a segment that holds nothing."""
+    root = str(tmp_path / "spill")
+    _spill_mixed(root)
+    mem = spillmerge.merge(root, str(tmp_path / "mem"), chunk_bytes=512)
+    monkeypatch.setattr(_plan_disk, "RANGES", ranges)
+    disk = spillmerge.merge(root, str(tmp_path / "disk"), chunk_bytes=512, plan_budget=TINY)
+    assert any("out of core" in n for n in disk.notes), disk.notes
+    assert (disk.n_files, disk.n_frames, disk.duplicates, disk.nbytes) == (mem.n_files, mem.n_frames, 3, mem.nbytes)
+    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(tmp_path / "disk"))
+    assert a == b, tree_diff(a, b)
+    for i in range(2):
+        spillmerge.merge(root, str(tmp_path / "parts"), chunk_bytes=512, part=(i, 2), plan_budget=TINY)
+    spillmerge.merge(root, str(tmp_path / "parts"), finalize=True, plan_budget=TINY)
+    c = output_tree(str(tmp_path / "parts"))
+    assert a == c, tree_diff(a, c)
 
 
 def test_an_out_of_core_plan_in_parts_writes_the_same_bytes(tmp_path):
