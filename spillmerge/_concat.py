@@ -83,7 +83,13 @@ class Concat:
         n = len(self)
         if len(idx) and (int(idx.min()) < -n or int(idx.max()) >= n):
             raise IndexError(f"an index is out of bounds for an array of {n}")
-        idx = np.where(idx < 0, idx + n, idx)
+        if len(idx) and int(idx.min()) < 0:
+            idx = np.where(idx < 0, idx + n, idx)
+        if len(idx):
+            # Most gathers (a batch of rows of one output chunk) fall in one piece: index it directly.
+            k = int(np.searchsorted(self.starts, int(idx.min()), side="right")) - 1
+            if int(idx.max()) < int(self.starts[k + 1]):
+                return self.pieces[k][idx - self.starts[k] if k else idx]
         which = np.searchsorted(self.starts, idx, side="right") - 1
         out = np.empty((*idx.shape, *self.shape[1:]), dtype=self.dtype)
         for k in np.unique(which).tolist():

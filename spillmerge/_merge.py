@@ -11,7 +11,7 @@ from typing import Any
 
 import fsspec
 
-from . import _codecs, _indexchunks, _lease, _output, _parts, _plan_disk, _planruns, _planshare
+from . import _codecs, _indexchunks, _lease, _output, _parts, _plan_disk, _planranges, _planruns, _planshare
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
@@ -204,12 +204,15 @@ class _Job:
     """``_planshare.source_key`` of a part or finalize (None: a whole merge, or ``allow_partial``,
     whose salvaged journals are planned by every process)."""
     lease: _lease.Lease | None = None
-    """Part 0's lease, taken before it plans (the other parts wait for its plan while it holds
-    it: ``_find_shared``) and held until :meth:`close`; None for every other process."""
+    """A part's lease, taken before it plans (the other parts wait for part 0's plan, or for a
+    part's range of the plan, while it holds it: ``_find_shared``, ``_planranges``) and held
+    until :meth:`close`; None for a whole merge and the finalize."""
+    ranged: bool = False
+    """The plan was built in ranges, one per part (``_planranges``): part 0 publishes no plan."""
 
     def close(self) -> None:
         """After the merge, whatever its outcome: the plan's temporary files, then the storage,
-        then part 0's lease."""
+        then the part's lease."""
         try:
             if self.disk is not None:
                 self.disk.close()
@@ -228,15 +231,15 @@ class _Job:
     ) -> _Job:
         """Barrier → load → plan: everything before the first byte of output. A part other than 0
         and a finalize map the plan part 0 published when there is one (``_planshare``)."""
-        held: list[_lease.Lease] = []  # part 0's lease, once _open took it
+        held: list[_lease.Lease] = []  # the part's lease, once _open took it
         try:
             job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
         except SpillMergeError as exc:
             try:
-                # Busy: another part 0 holds the lease and is at work; a failure record would
-                # tell the parts waiting for its plan that part 0 failed.
+                # Busy: another run of this part holds the lease and is at work; a failure record
+                # would tell the parts waiting for its plan (or its range) that it failed.
                 busy = isinstance(exc, OutputBusyError)
-                if part is not None and part[0] == 0 and not options.allow_partial and not busy:
+                if part is not None and not options.allow_partial and not busy:
                     _plan_failed(root, out, options, part, exc)
             finally:
                 for lease in held:
@@ -274,12 +277,13 @@ class _Job:
             raise SpillValueError(
                 f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
             )
-        if part is not None and part[0] == 0:
-            # Part 0 holds its lease from here, while it plans: the other parts wait for its plan
-            # as long as it does (``_find_shared``), and two runs of part 0 never plan at once.
+        if part is not None:
+            # A part holds its lease from here, while it plans: the other parts wait for part 0's
+            # plan (``_find_shared``) or its range of the plan (``_planranges``) as long as it
+            # does, and two runs of one part never plan at once.
             _output.check_claimable(output)
             output.makedirs("")
-            held.append(_lease.part(output, 0, part[1]))
+            held.append(_lease.part(output, part[0], part[1]))
         allow_partial = options.allow_partial
         state = wait_for_commits(
             src,
@@ -308,10 +312,16 @@ class _Job:
             sum(s.commit.n_files for s in segments if s.commit is not None) + sum(len(p.filenames) for p in extra),
         )
         key = None
+        ranges = 0  # parts that plan a range each (``_planranges``), else 0
         if (part is not None or finalize) and not allow_partial:
             key = _planshare.source_key(segments, options.on_duplicate)
+            if need > options.plan_budget:
+                ranges = part[1] if part is not None else _finalize_ranges(output, key)
+                ranges = ranges if ranges > 1 else 0
             shared = None
-            if part is not None and part[0] > 0 and need > options.plan_budget:
+            if ranges:
+                pass  # every part plans its range of the plan; nobody publishes or maps a whole plan
+            elif part is not None and part[0] > 0 and need > options.plan_budget:
                 # Part 0 will plan out of core: sort this part's share of the segments for it.
                 built = _planruns.build_share(
                     src, output, segments, key, part, work_dir=options.plan_dir,
@@ -321,7 +331,9 @@ class _Job:
                 if built:
                     notes.append(f"sorted the runs of {built} segment(s) for part 0's plan")
             try:
-                if finalize or (part is not None and part[0] > 0):
+                if ranges:
+                    pass
+                elif finalize or (part is not None and part[0] > 0):
                     shared = _find_shared(output, key, segments, options, part)
                 elif part is not None:  # part 0: its own published plan when it runs again
                     shared = _planshare.find(output, key, segments, timeout=0.0, work_dir=options.plan_dir)
@@ -351,20 +363,41 @@ class _Job:
             sources += [_plan_disk.SegmentSource(functools.partial(lambda p: p, p)) for p in extra]
             phases["load"] = time.perf_counter() - t
             t = time.perf_counter()
-            runs = None
-            if part is not None and part[0] == 0 and part[1] > 1 and key is not None:
+            runs = exchange = None
+            if ranges and key is not None:
+                me = part[0] if part is not None else None
+                runs = _planruns.Published(output, key, segments, ranges, -1 if me is None else me, share=True)
+                exchange = _planranges.Exchange(
+                    output, key, ranges, me, timeout=options.timeout, work_dir=options.plan_dir
+                )
+            elif part is not None and part[0] == 0 and part[1] > 1 and key is not None:
                 runs = _planruns.Published(output, key, segments, part[1])
             plan_out_of_core = functools.partial(
                 _plan_disk.build, sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
-                work_dir=options.plan_dir,
+                work_dir=options.plan_dir, ranges=max(1, ranges),
             )  # fmt: skip
             try:
                 try:
-                    disk = plan_out_of_core(shared=runs)
-                except _plan_disk.DamagedRun as exc:  # the spill root is the truth: sort every segment here
-                    notes.append(f"planned without the runs the other parts published: {exc}")
+                    try:
+                        disk = plan_out_of_core(shared=runs, exchange=exchange)
+                    except _plan_disk.DamagedRun as exc:  # the spill root is the truth: sort every segment here
+                        notes.append(f"planned without the runs the other parts published: {exc}")
+                        disk = plan_out_of_core(exchange=exchange)
+                except _plan_disk.DamagedRange as exc:  # every range here, from the spill root
+                    notes.append(f"planned every range here, without the ranges the other parts published: {exc}")
+                    if exchange is not None:
+                        exchange.close()
+                    exchange = None
                     disk = plan_out_of_core()
                 plan = disk.plan
+                if exchange is not None:
+                    notes.append(
+                        f"the plan was built in {ranges} ranges of filenames, one per part "
+                        f"({output.describe(_planranges.RANGES_DIR)})"
+                        + (f"; ranges {sorted(exchange.mapped)} were mapped, not rebuilt" if exchange.mapped else "")
+                        + (f"; ranges {sorted(exchange.planned)} were planned here, their parts not at work"
+                           if exchange.planned else "")
+                    )  # fmt: skip
                 notes.append(
                     f"the merge plan (about {need >> 20} MiB in memory) exceeds plan_budget ({options.plan_budget >> 20} "
                     f"MiB): built out of core in {disk.work.dir} (removed after the merge)"
@@ -375,6 +408,22 @@ class _Job:
                         f"({output.describe(_planruns.RUNS_DIR)}), not here"
                     )
             except _plan_disk.InMemoryOnly as exc:  # rare (> 62 columns, leaves of several variants): in memory
+                if exchange is not None:
+                    exchange.close()
+                ranges = 0
+                if key is not None and (finalize or (part is not None and part[0] > 0)):
+                    # Part 0 plans in memory too and publishes that plan: map it.
+                    shared = _find_shared(output, key, segments, options, part)
+                    if shared is not None:
+                        plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
+                            shared.plan, chunk_bytes=chunk_bytes, codec=codec
+                        )
+                        phases["plan"] = time.perf_counter() - t
+                        notes.append(f"the plan part 0 published in {output.describe(_planshare.PLAN_DIR)} was mapped")
+                        return cls(
+                            src, output, replace(options, codec=codec), threads, state, segments, shared.plan,
+                            plan_id, salvaged, notes, manifest, phases, t0, None, shared, key,
+                        )  # fmt: skip
                 notes.append(f"the plan was built in memory: {exc}")
                 plan = build(load_all(src, segments) + extra, options.on_duplicate, same_bytes=compare)
         try:
@@ -387,7 +436,7 @@ class _Job:
         options = replace(options, codec=codec)
         return cls(
             src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0, disk,
-            None, key,
+            None, key, ranged=bool(ranges) and disk is not None,
         )  # fmt: skip
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
@@ -522,7 +571,7 @@ def _write_part(
             docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
             output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         job.phases["metadata"] = time.perf_counter() - t
-        if i == 0 and job.source_key is not None and job.shared is None:
+        if i == 0 and job.source_key is not None and job.shared is None and not job.ranged:
             # The other parts and the finalize map this plan instead of planning it again.
             t = time.perf_counter()
             linked = _planshare.publish(
@@ -537,7 +586,7 @@ def _write_part(
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_indexchunks``); the documents are the finalizer's.
         t = time.perf_counter()
-        with _planshare.blamed_for_range_errors(job.shared, output):
+        with _planshare.blamed_for_range_errors(*_mapped(job)):
             _copy(job, mine)
             job.phases["copy"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -622,7 +671,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
-    with _planshare.blamed_for_range_errors(job.shared, output):
+    with _planshare.blamed_for_range_errors(*_mapped(job)):
         # Each part wrote its share of the index chunks; a part whose record does not say so (a
         # release before the shares) leaves its share to the finalize.
         chunks = _indexchunks.index_chunks(job.plan, docs)
@@ -632,6 +681,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     _finish(job, docs, lease)
     _planshare.remove(output)  # the parts are done with it (the output is complete)
     _planruns.remove(output)
+    _planranges.remove(output)
     return job.report(parts=n)
 
 
@@ -680,6 +730,22 @@ def _find_shared(
         output, key, segments, timeout=_UNTIL_GIVEN_UP, work_dir=options.plan_dir,
         give_up=lambda: _part0_ended(output, part) or not _lease.held(output, name),
     )  # fmt: skip
+
+
+def _mapped(job: _Job) -> tuple[bool, Storage, str]:
+    """Whether ``job`` mapped a plan, or ranges of it, that other processes published, and where."""
+    if job.ranged:
+        return bool(job.disk and job.disk.exchange and job.disk.exchange.mapped), job.output, _planranges.RANGES_DIR
+    return job.shared is not None, job.output, _planshare.PLAN_DIR
+
+
+def _finalize_ranges(output: Storage, key: str) -> int:
+    """(the finalize) The parts whose ranges of the plan of ``key`` were published, else 0."""
+    try:
+        n = _parts.infer_parts(output, _parts.read_records(output))
+    except SpillMergeError:
+        return 0
+    return n if _planranges.published_ranges(output, key, n) else 0
 
 
 def _part0_ended(output: Storage, part: tuple[int, int] | None) -> bool:

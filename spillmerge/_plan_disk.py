@@ -311,10 +311,16 @@ class DiskPlan:
     work: WorkFolder
     taken: int = 0
     """Segments whose runs another process built (``RunSource``)."""
+    exchange: RangeExchange | None = None
+    """Where the other ranges' pieces came from (a plan in ranges of a merge in parts)."""
 
     def close(self) -> None:
         """Remove the work folder (after the merge, whatever its outcome)."""
-        self.work.close()
+        try:
+            self.work.close()
+        finally:
+            if self.exchange is not None:
+                self.exchange.close()
 
 
 def estimate_bytes(n_rows: int, n_files: int) -> int:
@@ -326,12 +332,14 @@ def estimate_bytes(n_rows: int, n_files: int) -> int:
 def build(
     sources: Sequence[SegmentSource], on_duplicate: str, *, same_bytes: P.SameBytes, budget: int,
     work_dir: str | None = None, shared: RunSource | None = None, ranges: int | None = None,
+    exchange: RangeExchange | None = None,
 ) -> DiskPlan:  # fmt: skip
     """The plan of ``sources`` (in write order), equal to ``_plan.build`` of the loaded segments,
     holding at most about ``budget`` bytes (plus one segment's catalog and index) in memory.
     ``shared``: runs other processes built, used instead of building them here. ``ranges``:
     ranges of filenames planned apart (``_Builder.run``; default ``RANGES``); the plan is the
-    same for any."""
+    same for any. ``exchange``: where other processes plan the other ranges (``_Builder.run``);
+    the plan keeps it and closes it with its work folder."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     if not isinstance(budget, int) or budget < 1:
@@ -339,9 +347,12 @@ def build(
     work = WorkFolder(work_dir)
     try:
         builder = _Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes)
-        return DiskPlan(builder.run(sources, shared, RANGES if ranges is None else ranges), work, builder.taken)
+        plan = builder.run(sources, shared, RANGES if ranges is None else ranges, exchange)
+        return DiskPlan(plan, work, builder.taken, exchange)
     except BaseException:
         work.close()  # nothing of a failed plan stays on disk
+        if exchange is not None:
+            exchange.close()
         raise
 
 
@@ -403,6 +414,9 @@ class RunSource:
         """Segment ``si``'s record and run if they were built (checked), else None."""
         raise NotImplementedError
 
+    def built(self, si: int, record: LoadedSegment, run: Run) -> None:
+        """Segment ``si``'s run was built here (to publish it for others, if they need it)."""
+
 
 class _Builder:
     def __init__(self, work: WorkFolder, block_entries: int, on_duplicate: str, same_bytes: P.SameBytes) -> None:
@@ -438,7 +452,10 @@ class _Builder:
 
         def build(si: int) -> None:
             s = sources[si].load()
-            add(si, record_of(s), sort_run(self.work, f"s{si}", s))
+            record, run = record_of(s), sort_run(self.work, f"s{si}", s)
+            add(si, record, run)
+            if shared is not None:
+                shared.built(si, record, run)
 
         later = []
         for si in range(n):
@@ -597,14 +614,21 @@ class _Builder:
 
     # -- the plan in ranges of filenames ------------------------------------------------------
 
-    def run(self, sources: Sequence[SegmentSource], shared: RunSource | None = None, ranges: int = 1) -> P.Plan:
+    def run(
+        self, sources: Sequence[SegmentSource], shared: RunSource | None = None, ranges: int = 1,
+        exchange: RangeExchange | None = None,
+    ) -> P.Plan:  # fmt: skip
         """The plan: step 1 (runs), then the filenames split into ``ranges`` ranges by
         :meth:`_splitters`, each planned on its own in three phases that exchange only small
         summaries (docs/SCALE.md, *The plan in ranges*): A, the range's names and pass 1 (its
         files, entries and rows, numbered from 0); B, pass 2 once every range's dtype codes
         decided the columns; C, the range's per-row and per-file arrays once every range's
         column counts and layouts are known. The plan's arrays are the ranges' pieces back to
-        back (``_concat``): the same values, whatever ``ranges`` is."""
+        back (``_concat``): the same values, whatever ``ranges`` is.
+
+        ``exchange``: where the other processes planning the other ranges (the parts of a merge,
+        ``_planranges``) publish their summaries and pieces, and this one its own; a range whose
+        planner is gone is planned here. None: every range here."""
         map_large_buffers()
         self._runs(sources, shared)
         self.leaf_paths = sorted({lay.leaf for lay in self.layouts})
@@ -614,70 +638,131 @@ class _Builder:
             e = np.zeros(0, np.int64)
             return P.Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32),
                           [], [], self.segments, e, e, e, e, duplicates=0)  # fmt: skip
+        ex = exchange if exchange is not None else RangeExchange()
         width = self._name_width()
         bounds = [None, *self._splitters(width, ranges), None]
-        a_ranges = [self._phase_a(i, width, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+        n = len(bounds) - 1
+        mine = [r for r in range(n) if ex.mine(r)]
+        order = mine + [r for r in range(n) if r not in mine]  # this process's ranges first
+        local_a: dict[int, _RangeA] = {}
+        local_b: dict[int, _RangeB] = {}
+        done = {r: got for r in order if (got := ex.pieces(r, wait=False)) is not None}  # published whole before
+
+        def a_of(r: int) -> _RangeA:
+            if r not in local_a:
+                local_a[r] = self._phase_a(r, width, bounds[r], bounds[r + 1])
+            return local_a[r]
+
+        # Phase A.
+        sa: dict[int, SummaryA] = {}
+        for r in order:
+            if r in done:
+                sa[r] = done[r].a
+                continue
+            got_a = None if r in mine else ex.summary_a(r)
+            if got_a is None:
+                got_a = a_of(r).summary()
+                ex.publish_a(r, got_a)
+            sa[r] = got_a
 
         # Between A and B: the columns, from every range's dtype codes.
         dnames = P.dtype_names(self.layouts)
         first = np.full(len(self.leaf_paths), -1, dtype=np.int64)
-        for a in a_ranges:
-            first = _lowest_codes(first, a.first)
+        for r in range(n):
+            first = _lowest_codes(first, np.array(sa[r].first, dtype=np.int64))
         keys: set[int] = set()
-        for a in a_ranges:
-            keys.update(a.kinds)
+        for r in range(n):
+            keys.update(sa[r].kinds)
             # Rows without a code join their leaf's first (``_plan.group_keys``).
-            keys.update(lp * (len(dnames) + 1) + int(first[lp]) + 1 for lp in a.nocode)
+            keys.update(lp * (len(dnames) + 1) + int(first[lp]) + 1 for lp in sa[r].nocode)
         uniq = np.array(sorted(keys), dtype=np.int64)
         groups = P.decode_groups(uniq, dnames)
         names_of = P.group_names(groups, self.leaf_paths)
         if len(groups) > 62:
             raise TooManyColumns(len(groups))
-        e_base = np.cumsum([0] + [a.n_ent for a in a_ranges])
-        b_ranges = [self._phase_b(a, int(e_base[i]), uniq, first, len(dnames)) for i, a in enumerate(a_ranges)]
+        e_base = np.cumsum([0] + [sa[r].n_ent for r in range(n)])
+
+        def b_of(r: int) -> _RangeB:
+            if r not in local_b:
+                local_b[r] = self._phase_b(a_of(r), int(e_base[r]), uniq, first, len(dnames))
+            return local_b[r]
+
+        # Phase B.
+        sb: dict[int, SummaryB] = {}
+        for r in order:
+            if r in done:
+                sb[r] = done[r].b
+                continue
+            got_b = None if r not in local_a else b_of(r).summary()
+            if got_b is None:
+                got_b = ex.summary_b(r)
+            if got_b is None:
+                got_b = b_of(r).summary()
+            if r in local_b:
+                ex.publish_b(r, got_b)
+            sb[r] = got_b
 
         # Between B and C: files' column sets, columns' kinds and each range's first unit.
-        n_rows = sum(a.n_rows for a in a_ranges)
-        uniq_masks = np.unique(np.concatenate([b.masks_seen for b in b_ranges]))
+        n_rows = sum(sa[r].n_rows for r in range(n))
+        uniq_masks = np.unique(np.array([m for r in range(n) for m in sb[r].masks_seen], dtype=np.int64))
         file_layouts = [sorted(names_of[g] for g in range(len(groups)) if (int(mk) >> g) & 1) for mk in uniq_masks]
-        hist = np.sum([b.hist for b in b_ranges], axis=0)
-        present = np.sum([b.present for b in b_ranges], axis=0)
+        hist = np.sum([np.array(sb[r].hist, dtype=np.int64).reshape(len(groups), len(self.layouts)) for r in range(n)],
+                      axis=0)  # fmt: skip
+        present = np.sum([np.array(sb[r].present, dtype=np.int64) for r in range(n)], axis=0)
         specs = [
             self._column_spec(names_of[g], self.leaf_paths[groups[g][0]], np.flatnonzero(hist[g]).tolist(),
                               int(present[g]) < n_rows)
             for g in range(len(groups))
         ]  # fmt: skip
-        units = np.array([[s.units(b.present[g], b.hist[g], b.nbytes[g]) for g, s in enumerate(specs)] for b in b_ranges])
+        units = np.array(
+            [[s.units(sb[r].present[g], np.array(sb[r].hist[g], dtype=np.int64), sb[r].nbytes[g])
+              for g, s in enumerate(specs)] for r in range(n)], dtype=np.int64,
+        ).reshape(n, len(specs))  # fmt: skip
         u_base = np.zeros_like(units)
         np.cumsum(units[:-1], axis=0, out=u_base[1:])
-        r_base = np.cumsum([0] + [a.n_rows for a in a_ranges])
-        n_base = np.cumsum([0] + [a.name_bytes for a in a_ranges])
-        c_ranges = [
-            self._phase_c(a, b, specs, uniq_masks, int(r_base[i]), int(n_base[i]), int(e_base[i]), u_base[i], units[i])
-            for i, (a, b) in enumerate(zip(a_ranges, b_ranges, strict=True))
+        r_base = np.cumsum([0] + [sa[r].n_rows for r in range(n)])
+        n_base = np.cumsum([0] + [sa[r].name_bytes for r in range(n)])
+        bases = [
+            Bases(int(r_base[r]), int(n_base[r]), int(e_base[r]), u_base[r].tolist(), units[r].tolist()) for r in range(n)
         ]
 
-        names = StringTable(concat([a.names.raw()[0] for a in a_ranges]), concat_offsets([c.name_offsets for c in c_ranges]))
+        # Phase C, and every range's pieces.
+        pieces: dict[int, Pieces] = {}
+        for r in order:
+            if r in done:
+                got_p: Pieces | None = done[r]
+            elif r in local_b:
+                got_p = None
+            else:
+                got_p = ex.pieces(r, wait=True)
+            if got_p is None:
+                a, b = a_of(r), b_of(r)
+                c = self._phase_c(a, b, specs, uniq_masks, bases[r])
+                got_p = Pieces.of(a, b, c, sa[r], sb[r])
+                ex.publish_pieces(r, got_p)
+            why = got_p.problem(sa[r], sb[r], bases[r], specs)
+            if why is not None:
+                where = ex.where(r)
+                raise DamagedRange(f"{where or f'range {r} of {n} of the plan'}: {why}", path=where)
+            pieces[r] = got_p
+
+        ps = [pieces[r] for r in range(n)]
+        names = StringTable(concat([p.names for p in ps]), concat_offsets([p.name_offsets for p in ps]))
         columns = []
         for g, s in enumerate(specs):
-            counts, shapes, offs = ([c.columns[g][k] for c in c_ranges] for k in range(3))
             col = P.PlannedColumn(
-                s.name, s.leaf, s.kind, s.dtype, s.ndim, s.shape, s.inner, concat([b.src[g] for b in b_ranges]),
-                None if s.count_mode is None else concat(_present(counts)),
-                None if s.table is None else concat(_present(shapes)), s.has_valid,
-                offs=None if s.count_mode is None else concat_offsets(_present(offs)),
+                s.name, s.leaf, s.kind, s.dtype, s.ndim, s.shape, s.inner, concat([p.src[g] for p in ps]),
+                None if s.count_mode is None else concat(_present([p.counts[g] for p in ps])),
+                None if s.table is None else concat(_present([p.shapes[g] for p in ps])), s.has_valid,
+                offs=None if s.count_mode is None else concat_offsets(_present([p.offs[g] for p in ps])),
             )  # fmt: skip
             columns.append(col)
         columns.sort(key=lambda col: col.name)
-
-        def rows(k: str) -> Any:
-            return concat([a.t[k] for a in a_ranges])
-
         return P.Plan(
-            names, concat_offsets([c.file_offsets for c in c_ranges]), concat([a.frame_idx for a in a_ranges]),
-            concat([a.rank for a in a_ranges]), concat([a.copies for a in a_ranges]),
-            concat([c.file_layout for c in c_ranges]), file_layouts, columns, self.segments,
-            rows("seg"), rows("off"), rows("nb"), rows("crc"), sum(a.duplicates for a in a_ranges),
+            names, concat_offsets([p.file_offsets for p in ps]), concat([p.frame_idx for p in ps]),
+            concat([p.rank for p in ps]), concat([p.copies for p in ps]), concat([p.file_layout for p in ps]),
+            file_layouts, columns, self.segments, concat([p.seg for p in ps]), concat([p.off for p in ps]),
+            concat([p.nb for p in ps]), concat([p.crc for p in ps]), sum(sa[r].duplicates for r in range(n)),
         )  # fmt: skip
 
     def _splitters(self, width: int, ranges: int) -> list[Any]:
@@ -833,27 +918,24 @@ class _Builder:
 
     # -- phase C: per-file and per-row arrays ------------------------------------------------
 
-    def _phase_c(
-        self, a: _RangeA, b: _RangeB, specs: list[_ColumnSpec], uniq_masks: np.ndarray, r_base: int, n_base: int,
-        e_base: int, u_base: np.ndarray, units: np.ndarray,
-    ) -> _RangeC:  # fmt: skip
+    def _phase_c(self, a: _RangeA, b: _RangeB, specs: list[_ColumnSpec], uniq_masks: np.ndarray, at: Bases) -> _RangeC:
         """The range's pieces of the plan's arrays that count from the ranges before it: file
         and name offsets, file layouts, and each column's per-row counts, shapes and offsets."""
         w, tag = self.work, a.tag
-        file_offsets = _offsets(w, f"{tag}.file_offsets", a.fcount, r_base)
+        file_offsets = _offsets(w, f"{tag}.file_offsets", a.fcount, at.rows)
         name_offsets = a.names.raw()[1]
-        if n_base:
-            name_offsets = _offsets(w, f"{tag}.name_offsets", np.diff(name_offsets), n_base)
+        if at.name_bytes:
+            name_offsets = _shifted(w, f"{tag}.name_offsets", name_offsets, at.name_bytes)
         file_layout = w.zeros(f"{tag}.file_layout", np.int32, (a.n_files,))
         for s in range(0, a.n_files, ROW_BLOCK):
             file_layout[s : s + ROW_BLOCK] = np.searchsorted(uniq_masks, b.masks[s : s + ROW_BLOCK])
         nb = a.t["nb"]
         columns = []
         for g, spec in enumerate(specs):
-            counts, shapes, offs = spec.pieces(w, f"{tag}.c{g}", b.src[g], b.rowgl[g], nb, e_base, int(u_base[g]))
-            if offs is not None and int(offs[-1]) != int(u_base[g]) + int(units[g]):
-                raise AssertionError(f"column {spec.name!r}: range {tag} counted {int(offs[-1]) - int(u_base[g])} "
-                                     f"units, its summary {int(units[g])}")  # fmt: skip
+            counts, shapes, offs = spec.pieces(w, f"{tag}.c{g}", b.src[g], b.rowgl[g], nb, at.entries, at.units[g])
+            if offs is not None and int(offs[-1]) != at.units[g] + at.count[g]:
+                raise AssertionError(f"column {spec.name!r}: range {tag} counted {int(offs[-1]) - at.units[g]} "
+                                     f"units, its summary {at.count[g]}")  # fmt: skip
             columns.append((counts, shapes, offs))
         return _RangeC(file_offsets, name_offsets, file_layout, columns)
 
@@ -896,6 +978,14 @@ def _present(pieces: list[np.ndarray | None]) -> list[np.ndarray]:
     """Pieces every range made (a column's counts, shapes or offsets)."""
     out = [p for p in pieces if p is not None]
     assert len(out) == len(pieces)
+    return out
+
+
+def _shifted(w: WorkFolder, name: str, a: np.ndarray, base: int) -> np.ndarray:
+    """``a + base`` in a new work file, a block at a time."""
+    out = w.zeros(name, _I8, (len(a),))
+    for i in range(0, len(a), ROW_BLOCK):
+        out[i : i + ROW_BLOCK] = np.asarray(a[i : i + ROW_BLOCK]) + base
     return out
 
 
@@ -1001,6 +1091,10 @@ class _RangeA:
     """Rows per file."""
     name_bytes: int
 
+    def summary(self) -> SummaryA:
+        return SummaryA(self.n_files, self.n_ent, self.n_rows, self.duplicates, self.name_bytes,
+                        self.first.tolist(), list(self.kinds), list(self.nocode))  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class _RangeB:
@@ -1018,6 +1112,9 @@ class _RangeB:
     nbytes: np.ndarray
     """Bytes of the rows per column."""
 
+    def summary(self) -> SummaryB:
+        return SummaryB(self.present.tolist(), self.hist.tolist(), self.nbytes.tolist(), self.masks_seen.tolist())
+
 
 @dataclass(frozen=True, slots=True)
 class _RangeC:
@@ -1028,6 +1125,200 @@ class _RangeC:
     file_layout: np.ndarray
     columns: list[tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]
     """Each column's counts, shapes and offsets (None: the column has none)."""
+
+
+# -- the plan in ranges: what the ranges exchange -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryA:
+    """What every range needs of another's phase A (``_RangeA.summary``)."""
+
+    n_files: int
+    n_ent: int
+    n_rows: int
+    duplicates: int
+    name_bytes: int
+    first: list[int]
+    """``_plan.leaf_first`` of the range, per leaf path."""
+    kinds: list[int]
+    """Column keys of its rows that have a dtype code."""
+    nocode: list[int]
+    """Leaf paths of its rows without one."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_obj(cls, o: Any) -> SummaryA:
+        """From JSON, checked: ints where ints go (``ValueError`` else)."""
+        n_files, n_ent, n_rows, duplicates, name_bytes = (
+            _int(o[f]) for f in ("n_files", "n_ent", "n_rows", "duplicates", "name_bytes")
+        )
+        return cls(n_files, n_ent, n_rows, duplicates, name_bytes, _ints(o["first"]), _ints(o["kinds"]),
+                   _ints(o["nocode"]))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryB:
+    """What every range needs of another's phase B (``_RangeB.summary``)."""
+
+    present: list[int]
+    """Rows per column."""
+    hist: list[list[int]]
+    """Rows per column and layout."""
+    nbytes: list[int]
+    """Bytes of the rows per column."""
+    masks_seen: list[int]
+    """The files' distinct column sets (bit per column)."""
+
+    def to_obj(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_obj(cls, o: Any) -> SummaryB:
+        if not isinstance(o["hist"], list):
+            raise ValueError("hist is not a list")
+        return cls(_ints(o["present"]), [_ints(h) for h in o["hist"]], _ints(o["nbytes"]), _ints(o["masks_seen"]))
+
+
+def _int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < -(2**63) or x >= 2**63:
+        raise ValueError(f"{x!r} is not an int64")
+    return x
+
+
+def _ints(xs: Any) -> list[int]:
+    if not isinstance(xs, list):
+        raise ValueError(f"{xs!r:.80} is not a list")
+    return [_int(x) for x in xs]
+
+
+@dataclass(frozen=True, slots=True)
+class Bases:
+    """Where a range's pieces start in the whole plan, and its units per column."""
+
+    rows: int
+    name_bytes: int
+    entries: int
+    units: list[int]
+    """Each column's first unit (offsets' first value)."""
+    count: list[int]
+    """Each column's units in the range."""
+
+
+#: Arrays of a range's pieces: name → (dtype, what its length is).
+PIECE_ARRAYS = {
+    "names": ("|u1", "name_bytes"), "name_offsets": ("<i8", "files+1"), "file_offsets": ("<i8", "files+1"),
+    "file_layout": ("<i4", "files"), "frame_idx": ("<i8", "rows"), "rank": ("<i4", "rows"), "copies": ("<i4", "rows"),
+    "seg": ("<i8", "entries"), "off": ("<i8", "entries"), "nb": ("<i8", "entries"), "crc": ("<i8", "entries"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """One range's pieces of the plan's arrays (``_Builder.run``), local or published."""
+
+    a: SummaryA
+    b: SummaryB
+    arrays: dict[str, np.ndarray]
+    """``PIECE_ARRAYS``."""
+    src: list[np.ndarray]
+    counts: list[np.ndarray | None]
+    shapes: list[np.ndarray | None]
+    offs: list[np.ndarray | None]
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        try:
+            return self.arrays[name]  # type: ignore[no-any-return]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @classmethod
+    def of(cls, a: _RangeA, b: _RangeB, c: _RangeC, sa: SummaryA, sb: SummaryB) -> Pieces:
+        arrays = {
+            "names": a.names.raw()[0], "name_offsets": c.name_offsets, "file_offsets": c.file_offsets,
+            "file_layout": c.file_layout, "frame_idx": a.frame_idx, "rank": a.rank, "copies": a.copies,
+            "seg": a.t["seg"], "off": a.t["off"], "nb": a.t["nb"], "crc": a.t["crc"],
+        }  # fmt: skip
+        return cls(sa, sb, arrays, list(b.src), *([col[k] for col in c.columns] for k in range(3)))
+
+    def problem(self, sa: SummaryA, sb: SummaryB, at: Bases, specs: list[_ColumnSpec]) -> str | None:
+        """What disagrees with the range's summaries and bases (lengths, dtypes, first and last
+        offsets), or None. The values between are not read (the copy's checks see them)."""
+        if self.a != sa or self.b != sb:
+            return "its summaries are not the ones the plan was built from"
+        n = {"name_bytes": sa.name_bytes, "files+1": sa.n_files + 1, "files": sa.n_files, "rows": sa.n_rows,
+             "entries": sa.n_ent}  # fmt: skip
+        want: list[tuple[str, np.ndarray | None, str | None, tuple[int, ...] | None]] = [
+            (k, self.arrays.get(k), dt, (n[size],)) for k, (dt, size) in PIECE_ARRAYS.items()
+        ]
+        if len(self.src) != len(specs) or not len(self.counts) == len(self.shapes) == len(self.offs) == len(specs):
+            return "its columns are not the plan's"
+        for g, s in enumerate(specs):
+            want.append((f"column {g} src", self.src[g], "<i8", (sa.n_rows,)))
+            has = s.count_mode is not None
+            want.append((f"column {g} counts", self.counts[g], "<i8" if has else None, (sa.n_rows,) if has else None))
+            want.append((f"column {g} offsets", self.offs[g], "<i8" if has else None, (sa.n_rows + 1,) if has else None))
+            tail = None if s.table is None else (sa.n_rows, *s.table.shape[1:])
+            want.append((f"column {g} shapes", self.shapes[g], None if tail is None else "<i8", tail))
+        for what, arr, dt, shape in want:
+            if (arr is None) != (dt is None):
+                return f"{what} is {'missing' if arr is None else 'unexpected'}"
+            if arr is not None and (np.dtype(arr.dtype) != np.dtype(dt) or tuple(arr.shape) != shape):
+                return f"{what} is {arr.dtype}{tuple(arr.shape)}, not {np.dtype(dt)}{shape}"
+        ends = [("name offsets", self.name_offsets, at.name_bytes, sa.name_bytes),
+                ("file offsets", self.file_offsets, at.rows, sa.n_rows)]  # fmt: skip
+        ends += [(f"column {g} offsets", o, at.units[g], at.count[g]) for g, o in enumerate(self.offs) if o is not None]
+        for what, off, base, count in ends:
+            if int(off[0]) != base or int(off[-1]) != base + count:
+                return f"its {what} run {int(off[0])}..{int(off[-1])}, not {base}..{base + count}"
+        return None
+
+
+class RangeExchange:
+    """Where the processes planning the ranges of one plan meet (``_planranges`` for the parts
+    of a merge). This base class is one process planning every range: nothing is published or
+    found."""
+
+    mapped: list[int]
+    """Ranges whose pieces were found published (``pieces``)."""
+    planned: list[int]
+    """Ranges of other processes planned here (published by ``publish_*``)."""
+
+    def __init__(self) -> None:
+        self.mapped, self.planned = [], []
+
+    def mine(self, r: int) -> bool:
+        """Whether range ``r`` is this process's to plan."""
+        return True
+
+    def summary_a(self, r: int) -> SummaryA | None:
+        """Range ``r``'s phase A summary, waiting while its planner is at work; None: plan it here."""
+        return None
+
+    def summary_b(self, r: int) -> SummaryB | None:
+        return None
+
+    def pieces(self, r: int, *, wait: bool) -> Pieces | None:
+        """Range ``r``'s published pieces (``wait``: while its planner is at work)."""
+        return None
+
+    def publish_a(self, r: int, s: SummaryA) -> None:
+        pass
+
+    def publish_b(self, r: int, s: SummaryB) -> None:
+        pass
+
+    def publish_pieces(self, r: int, p: Pieces) -> None:
+        pass
+
+    def where(self, r: int) -> str | None:
+        """Where range ``r``'s pieces are published (for messages)."""
+        return None
+
+    def close(self) -> None:
+        """Remove what was fetched for the plan (after the merge)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1122,6 +1413,10 @@ def several_variants(layouts: Sequence[FS.Layout]) -> str | None:
 class DamagedRun(CorruptSpillError):
     """A run another process published is damaged (``_planruns``): the merge plans again without
     the published runs."""
+
+
+class DamagedRange(CorruptSpillError):
+    """A range of the plan another process published is damaged (``_planranges``)."""
 
 
 class InMemoryOnly(Exception):

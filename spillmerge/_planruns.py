@@ -35,7 +35,7 @@ from ._errors import SpillMergeError
 from ._output import check_claimable
 from ._parts import PARTS_DIR
 from ._plan_disk import RUN_COLUMNS, DamagedRun, Run, RunSource, StringTable, WorkFolder, in_memory_only, sort_run
-from ._planshare import read_array, removed_on_error
+from ._planshare import put_array, read_array, removed_on_error
 from ._spillroot import LoadedSegment, Segment, check_rows, load_segment
 from ._storage import Storage
 
@@ -92,9 +92,7 @@ def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> 
     with removed_on_error(output, rel):
 
         def put(name: str, a: np.ndarray) -> None:
-            with output.open_write(f"{rel}/{name}") as sink:
-                for j in range(0, len(a), 1 << 20):
-                    sink.write(np.ascontiguousarray(a[j : j + (1 << 20)]).reshape(-1).view(np.uint8))
+            put_array(output, f"{rel}/{name}", a)  # a run's whole work file: linked where the file system allows
 
         data, offsets = run.names.raw()
         put("names", data)
@@ -118,13 +116,25 @@ def remove(output: Storage) -> None:
 
 
 class Published(RunSource):
-    """(part 0) The runs the other parts published for the plan of ``key``."""
+    """(part ``part``) The runs the other parts published for the plan of ``key``. With
+    ``share``, the runs this part builds of its own share are published too (a plan in ranges:
+    every part needs every run, ``_planranges``)."""
 
-    def __init__(self, output: Storage, key: str, segments: Sequence[Segment], parts: int) -> None:
-        self.output, self.key, self.segments, self.parts = output, key, segments, parts
+    def __init__(
+        self, output: Storage, key: str, segments: Sequence[Segment], parts: int, part: int = 0, *, share: bool = False
+    ) -> None:
+        self.output, self.key, self.segments, self.parts, self.part = output, key, segments, parts, part
+        self.share = share
 
     def elsewhere(self, si: int) -> bool:
-        return si % self.parts != 0
+        return si % self.parts != self.part
+
+    def built(self, si: int, record: LoadedSegment, run: Run) -> None:
+        rel = folder(self.key, si)
+        # Only its own share: a run of another's share it had to build may be being published
+        # by its owner now (``publish`` clears the folder first).
+        if self.share and not self.elsewhere(si) and not self.output.exists(f"{rel}/{RECORD_NAME}"):
+            publish(self.output, rel, self.key, record, run)
 
     def take(self, si: int, work: WorkFolder, tag: str) -> tuple[LoadedSegment, Run] | None:
         rel = folder(self.key, si)

@@ -100,16 +100,8 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
 
         def put(name: str, a: np.ndarray) -> str:
             nonlocal linked
-            a = a if isinstance(a, np.ndarray) else np.asarray(a)
-            dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-            arrays[name] = {"dtype": dt.str, "shape": list(a.shape)}
-            whole = _whole_file(a)
-            if whole is not None and output.put_link(f"{PLAN_DIR}/{name}", whole):
-                linked += 1
-                return name  # an out-of-core plan's work file, on the output's file system: linked, not copied
-            with output.open_write(f"{PLAN_DIR}/{name}") as sink:
-                for i in range(0, len(a), ROW_BLOCK):  # maps of an out-of-core plan: a block at a time
-                    sink.write(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype=dt).reshape(-1).view(np.uint8))
+            arrays[name], was_linked = put_array(output, f"{PLAN_DIR}/{name}", a)
+            linked += was_linked
             return name
 
         data, offsets = encoded_names(plan.filenames)
@@ -149,6 +141,22 @@ def publish(output: Storage, plan: Plan, key: str, fingerprint: str, *, chunk_by
         }  # fmt: skip
         output.put_atomic(MANIFEST, F.dumps(manifest))
     return linked
+
+
+def put_array(output: Storage, rel: str, a: Any) -> tuple[dict[str, Any], bool]:
+    """Write the array ``a`` (an array, a map or a ``_concat.Concat``) as the raw little-endian
+    object ``rel``: hard-linked when it is an out-of-core plan's whole work file on the output's
+    file system (``Storage.put_link``), else written a block at a time. Its ``dtype`` and
+    ``shape`` spec, and whether it was linked."""
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    spec = {"dtype": dt.str, "shape": list(a.shape)}
+    whole = _whole_file(a) if isinstance(a, np.ndarray) else None
+    if whole is not None and output.put_link(rel, whole):
+        return spec, True
+    with output.open_write(rel) as sink:
+        for i in range(0, len(a), ROW_BLOCK):  # maps of an out-of-core plan: a block at a time
+            sink.write(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype=dt).reshape(-1).view(np.uint8))
+    return spec, False
 
 
 def _whole_file(a: np.ndarray) -> str | None:
@@ -207,16 +215,17 @@ def read_array(
 
 
 @contextmanager
-def blamed_for_range_errors(published: Published | None, output: Storage) -> Iterator[None]:
-    """Around the work of a part or finalize that mapped a published plan: its rows are not checked
-    again against the spill root (docs/GUARANTEES.md), so an entry out of range there (damaged, or
-    written by someone else) surfaces as an IndexError or the like. Report it as a damaged plan."""
+def blamed_for_range_errors(published: bool, output: Storage, folder: str = PLAN_DIR) -> Iterator[None]:
+    """Around the work of a part or finalize that mapped a published plan (or ranges of it, under
+    ``folder``): its rows are not checked again against the spill root (docs/GUARANTEES.md), so an
+    entry out of range there (damaged, or written by someone else) surfaces as an IndexError or
+    the like. Report it as a damaged plan."""
     try:
         yield
     except (IndexError, ValueError, OverflowError, KeyError) as exc:
-        if published is None or isinstance(exc, SpillMergeError):
+        if not published or isinstance(exc, SpillMergeError):
             raise
-        where = output.describe(PLAN_DIR)
+        where = output.describe(folder)
         raise CorruptSpillError(
             f"{where}: the published merge plan holds an entry out of range ({type(exc).__name__}: {exc}); remove "
             f"{where} and run the parts again",

@@ -707,6 +707,30 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_disk.py::test_pass_1_blocks_folded_in_any_grouping_give_the_whole_tables_leaf_first",),
         "blocks checked in threads give every leaf the dtype code of the whole table, as one pass does",
     ),
+    Mutation(
+        "ranges-wait-while-their-part-holds-its-lease",
+        "spillmerge/_planranges.py",
+        "        return waited >= self.timeout and not _lease.held(self.output, _lease.part_name(r, self.n))",
+        "        return True",
+        ("tests/test_plan_disk.py::test_a_part_waits_for_a_range_while_its_part_runs_and_plans_it_when_that_part_dies",),
+        "a part waits for another part's range of the plan while that part is at work, not planning it again",
+    ),
+    Mutation(
+        "published-range-offsets-ends-checked",
+        "spillmerge/_plan_disk.py",
+        "            if int(off[0]) != base or int(off[-1]) != base + count:",
+        "            if False:",
+        ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
+        "a published range whose offsets do not start and end where the summaries put them is planned again",
+    ),
+    Mutation(
+        "rows-without-a-dtype-join-their-leafs-first-column",
+        "spillmerge/_plan_disk.py",
+        "            keys.update(lp * (len(dnames) + 1) + int(first[lp]) + 1 for lp in sa[r].nocode)",
+        "            pass",
+        ("tests/test_plan_disk.py::test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan",),
+        "rows of None or zero elements go to their leaf's column in every range, as the in-memory plan puts them",
+    ),
 ]
 
 

@@ -348,10 +348,11 @@ print(json.dumps(rep.notes))
 """
 
 
-def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
-    """Three part processes started at once: part 0 plans (out of core) and publishes the plan,
-    parts 1 and 2 wait for it and map it; a part killed in the middle of its copy reruns from the
-    published plan; the finalize maps it too and removes it. Byte for byte the one-process merge."""
+def test_parts_plan_a_range_each_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
+    """Three part processes started at once: each plans (out of core) its own range of filenames
+    and publishes it, waiting for the others' summaries between phases, then maps the others'
+    ranges; a part killed in the middle of its copy reruns from the published ranges; the
+    finalize maps them too and removes them. Byte for byte the one-process merge."""
     root, out, plan_dir = str(tmp_path / "spill"), tmp_path / "out", tmp_path / "plan-tmp"
     with spillmerge.SpillWriter(root, world_size=2, rank=0) as w:
         for i in range(1500):
@@ -371,13 +372,15 @@ def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr
         notes.append(json.loads(stdout))
-    mapped = [any("was mapped, not rebuilt" in n for n in ns) for ns in notes]
-    assert mapped == [False, True, True], notes
-    assert any("out of core" in n for n in notes[0]), notes[0]  # part 0 planned, and alone
-    # plan_dir and the output share a file system: the plan's work files were linked, not copied
-    assert any("hard links to the plan's work files" in n for n in notes[0]), notes[0]
-    published = sorted(os.listdir(out / "spillmerge-parts" / "plan"))
-    assert "plan.json" in published and "names" in published
+    for ns in notes:
+        assert any(n.startswith("the plan was built in 3 ranges of filenames, one per part") for n in ns), ns
+        assert not any("was mapped, not rebuilt" in n for n in ns), ns  # no whole plan published
+    assert not (out / "spillmerge-parts" / "plan").exists()
+    (key,) = os.listdir(out / "spillmerge-parts" / "ranges")
+    ranges = out / "spillmerge-parts" / "ranges" / key / "00003"
+    assert sorted(os.listdir(ranges)) == ["00000", "00001", "00002"]
+    for r in os.listdir(ranges):
+        assert {"a.json", "b.json", "c.json", "names", "file_offsets", "seg", "c0.src"} <= set(os.listdir(ranges / r))
     # Part 1 again, killed in the middle of its copy (one-row chunks, one thread): no record.
     (out / "spillmerge-parts" / "part-00001-of-00003.json").unlink()
     chunks = out / "columns" / "__value__" / "values" / "c"
@@ -397,20 +400,21 @@ def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
     victim.communicate(timeout=30)
     assert victim.returncode == -signal.SIGKILL, "the part finished before it could be killed"
     assert before > 400
-    # The missing chunks of parts 0 and 2 come back when those parts run again; part 1 reruns from
-    # the published plan.
+    # The missing chunks of parts 0 and 2 come back when those parts run again; each part reruns
+    # from the published ranges, its own included.
     for i in (0, 1, 2):
         (out / "spillmerge-parts" / f"part-0000{i}-of-00003.json").unlink(missing_ok=True)
         p = part(i)
         stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr
-        assert any("was mapped, not rebuilt" in n for n in json.loads(stdout))  # part 0 too: its own plan
+        assert any("ranges [0, 1, 2] were mapped, not rebuilt" in n for n in json.loads(stdout)), stdout
     exe = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
     fin = subprocess.run([exe, "merge", root, "--out", str(out), "--finalize", "--plan-dir", str(plan_dir),
                           "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert fin.returncode == 0, fin.stderr
     assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)]
-    assert os.listdir(plan_dir) == []  # and every process's work folder
+    # and every process's work folder, but the killed one's (named after it)
+    assert [n for n in os.listdir(plan_dir) if not n.startswith(f"spillmerge-plan-{victim.pid}-")] == []
     a, b = output_tree(str(tmp_path / "clean")), output_tree(str(out))
     assert a == b, tree_diff(a, b)
     assert spillmerge.verify(str(out)).ok
@@ -418,21 +422,22 @@ def test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes(tmp_path):
 
 def _parts_sort_runs(tmp_path):
     """A spill root of ten segments (two writer sessions per rank, one empty) and an output in
-    which parts 1 and 2 of 3 ran first: no plan published yet, so each sorted the runs of its share
-    of the segments for part 0 (then planned itself: timeout 0). Returns the root, the output and
-    the one-process merge of the same root."""
+    which parts 1 and 2 of 3 ran first, one after the other: each published the runs of its share
+    of the segments; part 1 planned every range (parts 0 and 2 were not at work: timeout 0) and
+    published them, part 2 mapped them. Returns the root, the output and the one-process merge of
+    the same root."""
     root, out, whole = str(tmp_path / "spill"), tmp_path / "out", str(tmp_path / "whole")
     _spill_mixed(root)
     _spill_mixed(root)  # the same keys again: duplicates across sessions, identical
     spillmerge.merge(root, whole, chunk_bytes=256)
-    for i in (1, 2):
+    said = ["ranges [0, 2] were planned here, their parts not at work", "ranges [0, 1, 2] were mapped, not rebuilt"]
+    for i, note in zip((1, 2), said, strict=True):
         rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(i, 3), plan_budget=TINY)
-        assert "sorted the runs of 3 segment(s) for part 0's plan" in rep.notes, rep.notes
-        assert not any("was mapped" in n for n in rep.notes)
+        assert any(n.startswith("the plan was built in 3 ranges") and n.endswith(note) for n in rep.notes), rep.notes
     return root, out, whole
 
 
-def test_parts_sort_runs_for_part_0_and_the_output_is_the_same(tmp_path):
+def test_parts_share_runs_and_ranges_and_the_output_is_the_same(tmp_path):
     root, out, whole = _parts_sort_runs(tmp_path)
     (key,) = os.listdir(out / "spillmerge-parts" / "runs")
     runs = out / "spillmerge-parts" / "runs" / key
@@ -442,6 +447,7 @@ def test_parts_sort_runs_for_part_0_and_the_output_is_the_same(tmp_path):
     )
     rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(0, 3), plan_budget=TINY)
     assert any(n.startswith("the runs of 6 of 10 segments were sorted by the other parts") for n in rep.notes), rep.notes
+    assert any(n.endswith("ranges [0, 1, 2] were mapped, not rebuilt") for n in rep.notes), rep.notes
     fin = spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
     assert fin.n_frames == rep.n_frames and fin.duplicates > rep.n_frames  # every key of session 2 again
     assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)]
@@ -485,9 +491,9 @@ def _edit_record(key, value):
     return edit
 
 
-def _replace(name, how):
-    def edit(run):  # the outside file lies beside the output
-        make_hostile(run / name, run.parents[4] / f"outside-{run.parents[3].name}.bin", how, grow=100 << 20)
+def _replace(name, how, up=4):
+    def edit(run):  # the outside file lies beside the output (``up`` folders above the run's)
+        make_hostile(run / name, run.parents[up] / f"outside-{run.parents[up - 1].name}.bin", how, grow=100 << 20)
 
     return edit
 
@@ -523,6 +529,7 @@ def test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root(
     for what, damage in _DAMAGE.items():
         out = tmp_path / what.replace(" ", "-").replace("/", "").replace("'", "")
         shutil.copytree(pristine, out, symlinks=True)
+        shutil.rmtree(out / "spillmerge-parts" / "ranges")  # part 0 plans, from the runs
         damage(out / "spillmerge-parts" / "runs" / key / "000004")
         outside = {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")}
         rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(0, 3), plan_budget=TINY)
@@ -531,6 +538,57 @@ def test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root(
         assert not any("were sorted by the other parts" in n for n in rep.notes), what
         spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
         assert {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")} == outside  # nothing outside touched
+        a, b = output_tree(whole), output_tree(str(out))
+        assert a == b, (what, tree_diff(a, b))
+
+
+def _edit_piece(name, fn):
+    def edit(rng):
+        a = np.frombuffer((rng / name).read_bytes(), dtype="<i8").copy()
+        (rng / name).write_bytes(fn(a).tobytes())
+
+    return edit
+
+
+def _edit_range_doc(fn):
+    def edit(rng):
+        doc = json.loads((rng / "c.json").read_text())
+        fn(doc)
+        (rng / "c.json").write_text(json.dumps(doc))
+
+    return edit
+
+
+_DAMAGE_RANGE = {
+    "doc not JSON": lambda rng: (rng / "c.json").write_bytes(b"\x00{"),
+    "another range's doc": _edit_range_doc(lambda d: d.update(range=2)),
+    "summary disagrees": _edit_range_doc(lambda d: d["a"].update(n_rows=d["a"]["n_rows"] + 1)),
+    "summary not ints": _edit_range_doc(lambda d: d["b"].update(present=["x"])),
+    "array named outside": _edit_range_doc(lambda d: d["columns"][0].update(src="../../x")),
+    "torn array": _edit_piece("seg", lambda a: a[:-1]),
+    "file offsets end elsewhere": _edit_piece("file_offsets", lambda a: a + 1),
+    "array a FIFO": _replace("c0.src", "fifo", up=5),
+    "array a link out of the output": _replace("crc", "link out of the root", up=5),
+    "array oversized": _replace("names", "oversized", up=5),
+}
+
+
+def test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root(tmp_path):
+    # A published range is one more object kind in the output, like a run: whatever is wrong with
+    # it, a part never hangs, never reads outside the output, and plans every range itself.
+    root, pristine, whole = _parts_sort_runs(tmp_path)
+    (key,) = os.listdir(pristine / "spillmerge-parts" / "ranges")
+    for what, damage in _DAMAGE_RANGE.items():
+        out = tmp_path / ("range-" + what.replace(" ", "-").replace("'", ""))
+        shutil.copytree(pristine, out, symlinks=True)
+        damage(out / "spillmerge-parts" / "ranges" / key / "00003" / "00001")
+        outside = {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")}
+        rep = spillmerge.merge(root, str(out), chunk_bytes=256, part=(0, 3), plan_budget=TINY)
+        damaged = [n for n in rep.notes if n.startswith("planned every range here")]
+        assert len(damaged) == 1 and "00001" in damaged[0], (what, rep.notes)
+        spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
+        assert {p: p.read_bytes() for p in tmp_path.glob("outside-*.bin")} == outside  # nothing outside touched
+        assert not (out / "spillmerge-parts" / "ranges").exists()
         a, b = output_tree(whole), output_tree(str(out))
         assert a == b, (what, tree_diff(a, b))
 
@@ -565,3 +623,59 @@ def test_blocks_checked_in_threads_come_back_in_order_and_the_first_error_is_the
         for r in _plan_disk._in_order(check, iter(range(10)), 3):
             got.append(r)
     assert got == [0, 1, 2, 3, 4]
+
+
+_RANGE_PART = """
+import json, sys, time
+import spillmerge
+from spillmerge import _plan_disk
+root, out, i, stall = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+phase_b = _plan_disk._Builder._phase_b
+def slow(*a, **k):  # a large range: pass 2 takes a while
+    time.sleep(stall)
+    return phase_b(*a, **k)
+_plan_disk._Builder._phase_b = slow
+rep = spillmerge.merge(root, out, part=(i, 2), chunk_bytes=256, plan_budget=4000, progress=False)
+print(json.dumps(rep.notes))
+"""
+
+
+def test_a_part_waits_for_a_range_while_its_part_runs_and_plans_it_when_that_part_dies(tmp_path):
+    """Part 0 publishes its phase A and B summaries, then waits for range 1's while part 1 (slowed
+    in pass 2) holds its lease; part 1 is killed: part 0 plans range 1 itself and finishes. Part 1
+    run again maps both ranges; the output is the one-process merge's."""
+    root, out = str(tmp_path / "spill"), tmp_path / "out"
+    _spill_mixed(root)
+    spillmerge.merge(root, str(tmp_path / "whole"), chunk_bytes=256)
+
+    def part(i: int, stall: float) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-c", _RANGE_PART, root, str(out), str(i), str(stall)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def wait_for(path, proc):
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+
+    slow = part(1, 600)
+    ranges = out / "spillmerge-parts" / "ranges"
+    wait_for(ranges, slow)
+    (key,) = os.listdir(ranges)
+    wait_for(ranges / key / "00002" / "00001" / "a.json", slow)  # part 1 is in pass 2 now
+    first = part(0, 0)
+    wait_for(ranges / key / "00002" / "00000" / "b.json", first)  # part 0 waits for range 1's
+    time.sleep(3)
+    assert first.poll() is None  # still waiting: part 1 is at work
+    slow.kill()
+    slow.communicate(timeout=30)
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    assert any(n.endswith("ranges [1] were planned here, their parts not at work") for n in json.loads(stdout)), stdout
+    again = part(1, 0)
+    stdout, stderr = again.communicate(timeout=300)
+    assert again.returncode == 0, stderr
+    assert any(n.endswith("ranges [0, 1] were mapped, not rebuilt") for n in json.loads(stdout)), stdout
+    spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
+    a, b = output_tree(str(tmp_path / "whole")), output_tree(str(out))
+    assert a == b, tree_diff(a, b)

@@ -513,26 +513,28 @@ def test_parts_on_every_backend(backend):
                     w.write(f"v{i}/x.mp4", r, torch.arange(i + 3, dtype=torch.float16) + r + session)
                     w.write(f"s{session}/{i}.jpg", 0, torch.arange(i + 3, dtype=torch.float16) + r)
     work = tempfile.mkdtemp(prefix="plan-")  # where a plan fetched from an object store is kept
-    # plan_budget: planned out of core, so the parts sort runs for part 0
+    # plan_budget: planned out of core, so the parts plan a range each and share their runs
     so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": work, "plan_budget": 1000,
           "on_duplicate": "last"}  # fmt: skip
-    # Part 2 first: no plan is published yet, so it sorts the run of its segment (the third) for
-    # part 0, then plans itself (timeout 0: no waiting); part 0 takes that run (fetched into the
-    # work folder off local disk), sorts the second itself, and publishes its plan; part 1 and the
-    # finalize map the plan.
-    mapped, runs = [], []
+    # Part 2 first: it publishes the run of its segment (the third), sorts the others itself, and
+    # plans every range (parts 0 and 1 are not at work: timeout 0), publishing them; part 0 takes
+    # that run (fetched into the work folder off local disk), publishes its own two, and maps the
+    # ranges; so do part 1 and the finalize.
+    ranges, runs = [], []
     for i in (2, 0, 1):
         rep = spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
-        mapped.append(any("was mapped, not rebuilt" in n for n in rep.notes))
-        runs.append([n for n in rep.notes if "runs" in n])
-    assert mapped == [False, False, True]
-    assert runs[0] == ["sorted the runs of 1 segment(s) for part 0's plan"], runs
+        ranges += [n.split("; ", 1)[1] for n in rep.notes if n.startswith("the plan was built in 3 ranges")]
+        runs.append([n for n in rep.notes if n.startswith("the runs of")])
+    assert ranges == ["ranges [0, 1] were planned here, their parts not at work"] + [
+        "ranges [0, 1, 2] were mapped, not rebuilt"
+    ] * 2, ranges
+    assert runs[0] == [], runs
     assert [n.startswith("the runs of 1 of 4 segments were sorted by the other parts") for n in runs[1]] == [True]
-    assert runs[2] == []  # the plan was published: nothing left to sort
+    assert [n.startswith("the runs of 3 of 4 segments were sorted by the other parts") for n in runs[2]] == [True]
     rep = spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
-    assert rep.parts == 3 and rep.n_frames == 20 and any("was mapped, not rebuilt" in n for n in rep.notes)
+    assert rep.parts == 3 and rep.n_frames == 20 and any("[0, 1, 2] were mapped" in n for n in rep.notes)
     left = [rel for rel, _ in Storage(out, backend.options).find("spillmerge-parts")]
-    assert sorted(left) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]  # no plan, no runs
+    assert sorted(left) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]  # no runs, no ranges
     assert os.listdir(work) == []
     os.rmdir(work)
     spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
