@@ -639,9 +639,11 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
         # The parts decided the array documents: finalize with their codec and chunk size rather
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
+        before = (job.options.codec, job.options.chunk_bytes)
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
-        known = None if job.shared is None else job.shared.fingerprint_for(job.options.chunk_bytes, job.options.codec)
-        job.fingerprint = known or fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
+        if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands (2 s at 10^7 keys)
+            known = None if job.shared is None else job.shared.fingerprint_for(job.options.chunk_bytes, job.options.codec)
+            job.fingerprint = known or fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
     finished = _parts.wait(
         output,
         n,

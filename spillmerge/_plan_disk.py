@@ -105,13 +105,36 @@ def map_large_buffers() -> None:
     freed, and step 1's peak no longer depends on how many segments came before (a later step
     still grows: the whole merge's peak at 10^7 keys is 1.17x that at 10^6, docs/SCALE.md).
 
-    It stays set for the rest of the process (glibc cannot turn the dynamic threshold back on).
-    Only the out-of-core plan sets it: merges large enough that their memory bound matters."""
+    Only the out-of-core plan sets it: merges large enough that their memory bound matters. Once
+    the plan is built, :func:`reuse_heap` sets the thresholds glibc's dynamic rule would have
+    reached (glibc cannot turn the rule back on)."""
+    _mallopt((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+
+
+#: ``M_TRIM_THRESHOLD`` and the values :func:`reuse_heap` sets: glibc's largest dynamic mmap
+#: threshold on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB) and twice that for the
+#: trim threshold, as the dynamic rule sets it.
+_M_TRIM_THRESHOLD = -1
+_REUSE = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 64 << 20))
+
+
+def reuse_heap() -> None:
+    """After the plan (``build``): buffers up to 32 MiB come from the heap again and freed heap
+    memory is kept up to 64 MiB, as glibc's dynamic thresholds would be by then. With
+    :func:`map_large_buffers`' 128 KiB left set, every buffer of the copy that follows was mapped,
+    faulted in and unmapped, and the trim threshold stayed at 128 KiB: a part's copy at 10^7 keys
+    took 6.0-6.4 s against 4.3-4.6 s without (issue 24, docs/SCALE.md)."""
+    _mallopt(*_REUSE)
+
+
+def _mallopt(*settings: tuple[int, int]) -> None:
+    """glibc ``mallopt`` of each ``(parameter, value)``; nothing on other C libraries."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return
-    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    for param, value in settings:
+        mallopt(param, value)
 
 
 class StringTable(Sequence[str]):
@@ -348,6 +371,7 @@ def build(
     try:
         builder = _Builder(work, max(1, budget // ENTRY_BYTES), on_duplicate, same_bytes)
         plan = builder.run(sources, shared, RANGES if ranges is None else ranges, exchange)
+        reuse_heap()
         return DiskPlan(plan, work, builder.taken, exchange)
     except BaseException:
         work.close()  # nothing of a failed plan stays on disk
@@ -417,6 +441,10 @@ class RunSource:
     def built(self, si: int, record: LoadedSegment, run: Run) -> None:
         """Segment ``si``'s run was built here (to publish it for others, if they need it)."""
 
+    reuse = False
+    """Whether a run of this process's own share is taken when it was published (by an earlier
+    run of the same part) rather than built again."""
+
 
 class _Builder:
     def __init__(self, work: WorkFolder, block_entries: int, on_duplicate: str, same_bytes: P.SameBytes) -> None:
@@ -461,6 +489,8 @@ class _Builder:
         for si in range(n):
             if shared is not None and shared.elsewhere(si):
                 later.append(si)
+            elif shared is not None and shared.reuse and (got := shared.take(si, self.work, f"s{si}")) is not None:
+                add(si, *got)  # its own, published by an earlier run of this process's part
             else:
                 build(si)
         for si in reversed(later):  # last first: a part still building its share starts at its first
@@ -778,9 +808,11 @@ class _Builder:
             if not len(r.file):
                 continue
             step = max(1, len(r.file) // SPLIT_SAMPLE)
-            for p in np.unique(np.asarray(r.file[::step])).tolist():
-                raw, lens = r.names.encoded(p, p + 1)
-                samples.append(name_keys(raw, lens, width))
+            pos = np.unique(np.asarray(r.file[::step]))
+            data, off = r.names.raw()
+            starts, ends = np.asarray(off[pos]), np.asarray(off[pos + 1])
+            raw = np.concatenate([np.asarray(data[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
+            samples.append(name_keys(raw, ends - starts, width))
         keys = np.sort(np.concatenate(samples))
         return [keys[len(keys) * j // ranges] for j in range(1, ranges)]
 

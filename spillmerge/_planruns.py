@@ -124,7 +124,7 @@ class Published(RunSource):
         self, output: Storage, key: str, segments: Sequence[Segment], parts: int, part: int = 0, *, share: bool = False
     ) -> None:
         self.output, self.key, self.segments, self.parts, self.part = output, key, segments, parts, part
-        self.share = share
+        self.share = self.reuse = share
 
     def elsewhere(self, si: int) -> bool:
         return si % self.parts != self.part
