@@ -315,21 +315,13 @@ class _Job:
         ranges = 0  # parts that plan a range each (``_planranges``), else 0
         if (part is not None or finalize) and not allow_partial:
             key = _planshare.source_key(segments, options.on_duplicate)
-            if need > options.plan_budget:
-                ranges = part[1] if part is not None else _finalize_ranges(output, key)
-                ranges = ranges if ranges > 1 else 0
+            if part is None:  # the finalize: the parts' ranges, whatever this call's plan_budget
+                ranges = _finalize_ranges(output, key)
+            elif need > options.plan_budget:
+                ranges = part[1] if part[1] > 1 else 0
             shared = None
-            if ranges:
-                pass  # every part plans its range of the plan; nobody publishes or maps a whole plan
-            elif part is not None and part[0] > 0 and need > options.plan_budget:
-                # Part 0 will plan out of core: sort this part's share of the segments for it.
-                built = _planruns.build_share(
-                    src, output, segments, key, part, work_dir=options.plan_dir,
-                    stop=lambda: _part0_ended(output, part) or _planshare.published(output, key),
-                )  # fmt: skip
-                phases["runs"] = time.perf_counter() - t
-                if built:
-                    notes.append(f"sorted the runs of {built} segment(s) for part 0's plan")
+            if ranges:  # every part plans its range of the plan; nobody publishes or maps a whole plan
+                pass
             try:
                 if ranges:
                     pass
@@ -352,7 +344,7 @@ class _Job:
                 )  # fmt: skip
         compare = functools.partial(same_bytes, src)
         disk = None
-        if need <= options.plan_budget:
+        if need <= options.plan_budget and not ranges:
             loaded = load_all(src, segments) + extra
             phases["load"] = time.perf_counter() - t
             t = time.perf_counter()
@@ -370,8 +362,6 @@ class _Job:
                 exchange = _planranges.Exchange(
                     output, key, ranges, me, timeout=options.timeout, work_dir=options.plan_dir
                 )
-            elif part is not None and part[0] == 0 and part[1] > 1 and key is not None:
-                runs = _planruns.Published(output, key, segments, part[1])
             plan_out_of_core = functools.partial(
                 _plan_disk.build, sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
                 work_dir=options.plan_dir, ranges=max(1, ranges),

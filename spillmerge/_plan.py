@@ -193,6 +193,10 @@ class Plan:
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
     lists: list[PlannedList] = dataclasses.field(default_factory=list)
     """Format 4: the list offsets of every list path, parents before children."""
+    range_digests: list[str] | None = None
+    """A plan built in ranges by several processes (``_plan_disk``, ``_planranges``): each
+    range's digest of its arrays, which its planner computed; the fingerprint hashes these
+    instead of every array (each process then reads only its own range to fingerprint the plan)."""
 
     @property
     def n_files(self) -> int:
@@ -734,7 +738,8 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     """A digest of everything that decides the output's bytes: the source segments, the files,
     rows and columns, the source rows chosen for them (segment, offset, size, checksum) and the
     output ``settings`` (chunk size, codec). Two processes that compute the same fingerprint write
-    the same output; parts of a parallel merge record it and refuse to mix."""
+    the same output; parts of a parallel merge record it and refuse to mix. A plan built in
+    ranges hashes its ranges' digests (``Plan.range_digests``) in place of the arrays."""
     h = hashlib.blake2b(digest_size=16)
     head = {
         "format_version": F.FORMAT_VERSION,
@@ -744,7 +749,11 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "file_layouts": plan.file_layouts,
         "lists": [[lst.name, list(lst.path)] for lst in plan.lists],
     }
+    if plan.range_digests is not None:
+        head["ranges"] = plan.range_digests
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
+    if plan.range_digests is not None:
+        return h.hexdigest()
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
     # offsets, which an out-of-core plan already holds: no name is decoded (decoding 10^7 names
     # into str took most of the fingerprint's 6 s, issue 24).

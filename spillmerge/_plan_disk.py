@@ -35,6 +35,7 @@ per-file dtype checks and rows are the in-memory plan's: the output is byte-iden
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import shutil
 import tempfile
@@ -324,6 +325,9 @@ class Run:
     source: str | None = None
     """Where another process published it (``_planruns``), whose names step 2 checks are sorted
     and distinct; None: built here."""
+    check: Callable[[int, int, int, int], None] | None = None
+    """A published run's checks of the names ``na .. nb-1`` and entries ``ea .. eb-1`` a range
+    of the plan reads (``DamagedRun``), made when the range is planned; None: built here."""
 
 
 @dataclass
@@ -793,6 +797,7 @@ class _Builder:
             concat([p.rank for p in ps]), concat([p.copies for p in ps]), concat([p.file_layout for p in ps]),
             file_layouts, columns, self.segments, concat([p.seg for p in ps]), concat([p.off for p in ps]),
             concat([p.nb for p in ps]), concat([p.crc for p in ps]), sum(sa[r].duplicates for r in range(n)),
+            range_digests=[p.digest() for p in ps] if n > 1 else None,
         )  # fmt: skip
 
     def _splitters(self, width: int, ranges: int) -> list[Any]:
@@ -850,6 +855,8 @@ class _Builder:
             if nb < na:
                 raise DamagedRun(f"{r.source}: its filenames are not sorted and distinct", path=r.source)
             ea, eb = (int(x) for x in np.searchsorted(r.file, [na, nb], side="left"))
+            if r.check is not None:
+                r.check(na, nb, ea, eb)
             spans.append((si, na, nb, ea, eb))
         names = self._merge_names(tag, spans, width, lo, hi)
         n_files = len(names)
@@ -1259,6 +1266,27 @@ class Pieces:
     counts: list[np.ndarray | None]
     shapes: list[np.ndarray | None]
     offs: list[np.ndarray | None]
+    known_digest: str | None = None
+    """The digest its publisher computed (``c.json``), for pieces mapped from storage; or this
+    process, once :meth:`digest` ran."""
+
+    def digest(self) -> str:
+        """BLAKE2b-128 of every array of the range (names, offsets, file layouts, rows, the row
+        table, each column's source entries, counts, shapes and offsets), a block at a time,
+        each array's length first: what ``_plan.fingerprint`` hashes of the range, and more."""
+        if self.known_digest is not None:
+            return self.known_digest
+        h = hashlib.blake2b(digest_size=16)
+        cols = [a for g in range(len(self.src)) for a in (self.src[g], self.counts[g], self.shapes[g], self.offs[g])]
+        for a in [*(self.arrays[k] for k in PIECE_ARRAYS), *cols]:
+            if a is None:
+                h.update(b"-")
+                continue
+            h.update(np.array(a.shape, dtype="<i8").tobytes())
+            for i in range(0, len(a), ROW_BLOCK):
+                h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK]).data)
+        object.__setattr__(self, "known_digest", h.hexdigest())  # once: published, then fingerprinted
+        return h.hexdigest()
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
@@ -1273,7 +1301,8 @@ class Pieces:
             "file_layout": c.file_layout, "frame_idx": a.frame_idx, "rank": a.rank, "copies": a.copies,
             "seg": a.t["seg"], "off": a.t["off"], "nb": a.t["nb"], "crc": a.t["crc"],
         }  # fmt: skip
-        return cls(sa, sb, arrays, list(b.src), *([col[k] for col in c.columns] for k in range(3)))
+        counts, shapes, offs = ([col[k] for col in c.columns] for k in range(3))
+        return cls(sa, sb, arrays, list(b.src), counts, shapes, offs)
 
     def problem(self, sa: SummaryA, sb: SummaryB, at: Bases, specs: list[_ColumnSpec]) -> str | None:
         """What disagrees with the range's summaries and bases (lengths, dtypes, first and last

@@ -124,7 +124,8 @@ class Exchange(RangeExchange):
             for g in range(len(p.src))
         ]  # fmt: skip
         self.output.put_atomic(
-            f"{rel}/c.json", self._doc(r, a=p.a.to_obj(), b=p.b.to_obj(), arrays=arrays, columns=columns)
+            f"{rel}/c.json",
+            self._doc(r, a=p.a.to_obj(), b=p.b.to_obj(), arrays=arrays, columns=columns, digest=p.digest()),
         )
 
     def _note(self, r: int) -> None:
@@ -171,10 +172,13 @@ class Exchange(RangeExchange):
         src = [arr(c["src"]) for c in cols]
         if any(a is None for a in [*arrays.values(), *src]):
             raise ValueError("an array is missing")
+        digest = doc["digest"]
+        if not isinstance(digest, str) or len(digest) != 32 or any(ch not in "0123456789abcdef" for ch in digest):
+            raise ValueError(f"digest {digest!r:.80} is not 32 hex digits")
         return Pieces(
             SummaryA.from_obj(doc["a"]), SummaryB.from_obj(doc["b"]), arrays,  # type: ignore[arg-type]
             src, [arr(c["counts"]) for c in cols], [arr(c["shapes"]) for c in cols],  # type: ignore[arg-type]
-            [arr(c["offsets"]) for c in cols],
+            [arr(c["offsets"]) for c in cols], digest,
         )  # fmt: skip
 
     def _bad(self, r: int) -> Callable[[str], DamagedRange]:

@@ -1,19 +1,19 @@
-"""A merge in parts shares the out-of-core plan's first step: the other parts sort the runs of their
-share of the segments and publish them under ``OUT/spillmerge-parts/runs/``, and part 0 maps them
-instead of loading and sorting those segments itself (docs/SCALE.md, *What breaks first*, 1;
-docs/FORMAT.md section 2.1).
+"""A merge in parts shares the out-of-core plan's first step: each part sorts the runs of its share
+of the segments and publishes them under ``OUT/spillmerge-parts/runs/``, and the other parts map
+them instead of loading and sorting those segments themselves (docs/SCALE.md; docs/FORMAT.md
+section 2.1).
 
-Protocol (only for a merge in parts whose plan is built out of core):
+Protocol (only for a merge in parts whose plan is built out of core, in ranges: ``_planranges``):
 
-1. (parts 1..n-1) after the commit barrier, before waiting for part 0's plan: :func:`build_share`
-   loads each segment ``si`` (write order) with ``si % n == part``, sorts it into a run
-   (``_plan_disk.sort_run``, the code part 0 runs) and :func:`publish` es it: every array one
-   object, ``run.json`` last. It stops once part 0 published its plan or left a record.
-2. (part 0) builds the runs of its own share, then takes the others, last first
-   (:class:`Published`): a run with ``run.json`` is checked and mapped (page-cache maps locally,
-   fetched into the plan's work folder from object stores); a run not there yet is built by
-   part 0 itself, so part 0 never waits for another part and the plan is the same whoever built
-   each run.
+1. (every part) builds the runs of its own share (segment ``si``, write order, is part
+   ``si % n``'s; ``_plan_disk.sort_run``) and :func:`publish` es each (:meth:`Published.built`):
+   every array one object (a hard link to its work file where the file system allows),
+   ``run.json`` last. A part run again takes its own published runs instead.
+2. (every part, the finalize) takes the others, last first (:class:`Published`): a run with
+   ``run.json`` is checked and mapped (page-cache maps locally, fetched into the plan's work
+   folder from object stores); a run not there yet is built by the process itself (not
+   published: its owner may be publishing it), so nobody waits for another part's run and the
+   plan is the same whoever built each run.
 3. (the finalize) removes the folder after the completion marker (:func:`remove`).
 
 A published run is one of the merge's own objects, like the published plan: checked for what
@@ -23,20 +23,18 @@ not against the spill root's catalog it was built from (docs/GUARANTEES.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _format as F
-from . import _format_output as FO
 from . import _format_spill as FS
 from ._errors import SpillMergeError
-from ._output import check_claimable
 from ._parts import PARTS_DIR
-from ._plan_disk import RUN_COLUMNS, DamagedRun, Run, RunSource, StringTable, WorkFolder, in_memory_only, sort_run
+from ._plan_disk import RUN_COLUMNS, DamagedRun, Run, RunSource, StringTable, WorkFolder
 from ._planshare import put_array, read_array, removed_on_error
-from ._spillroot import LoadedSegment, Segment, check_rows, load_segment
+from ._spillroot import LoadedSegment, Segment, check_rows
 from ._storage import Storage
 
 RUNS_DIR = f"{PARTS_DIR}/runs"
@@ -52,36 +50,6 @@ _OBJECTS = {"file": "file", "frame": "frame", "gl": "layout", "off": "offset", "
 def folder(key: str, si: int) -> str:
     """The folder of segment ``si``'s run for the plan of source key ``key``."""
     return f"{RUNS_DIR}/{key}/{si:06d}"
-
-
-def build_share(
-    src: Storage, output: Storage, segments: Sequence[Segment], key: str, part: tuple[int, int], *,
-    work_dir: str | None, stop: Callable[[], bool],
-) -> int:  # fmt: skip
-    """(parts 1..n-1) Build and publish the runs of this part's share of ``segments``; the number
-    published. Nothing is written into an output that is not ours, complete, or whose parts folder
-    is a link (the part's own checks then say why); a run already published is skipped."""
-    i, n = part
-    check_claimable(output)
-    if output.is_link(PARTS_DIR) or output.exists(FO.COMPLETE_NAME):
-        return 0
-    built = 0
-    for si in range(i, len(segments), n):
-        if stop():
-            break
-        rel = folder(key, si)
-        if output.exists(f"{rel}/{RECORD_NAME}"):
-            continue
-        s = load_segment(src, segments[si])
-        if len(s.index) and in_memory_only(s.layouts) is not None:
-            break  # part 0 plans in memory: runs would go unused
-        work = WorkFolder(work_dir)
-        try:
-            publish(output, rel, key, s, sort_run(work, "r", s))
-        finally:
-            work.close()
-        built += 1
-    return built
 
 
 def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> None:
@@ -183,20 +151,33 @@ def _load(
     lens = np.diff(noff)
     if noff[0] != 0 or noff[-1] != name_bytes or (len(lens) and (lens.min() < 0 or lens.max() > F.FILENAME_MAX_BYTES)):
         raise bad("its name offsets are out of order or out of range")
-    # Valid UTF-8 as a whole, and no name starts inside a character: so is every name.
-    bytes(names).decode("utf-8", "surrogatepass")
-    starts = noff[:-1][lens > 0]
-    if len(starts) and np.any((np.asarray(names)[starts] & 0xC0) == 0x80):
-        raise bad("a name starts inside a UTF-8 character")
     cols = {field: arr(name, "<i8", (n_rows,)) for field, name in _OBJECTS.items()}
     checks = arr("checks", "<i8", (n_checks, FS.CHECK_COLUMNS))
-    if len(cols["file"]) and np.any(np.diff(cols["file"]) < 0):
-        raise bad("its entries are not ordered by filename")
-    check_rows(bad, n_files, layouts, [cols[f] for f in RUN_COLUMNS], commit.nbytes, checks, commit.chunk_bytes)
+    file = cols["file"]
+    if len(file) and (np.any(np.diff(file) < 0) or file[0] < 0 or file[-1] >= n_files):
+        raise bad("its entries are not ordered by filename, or name a filename it does not have")
+    check_rows(bad, n_files, layouts, [c[:0] for c in (cols[f] for f in RUN_COLUMNS)], commit.nbytes, checks,
+               commit.chunk_bytes)  # fmt: skip
+
+    def check_span(na: int, nb: int, ea: int, eb: int) -> None:
+        """What a range of the plan reads of the run: names ``na .. nb-1`` valid UTF-8 as a whole,
+        none starting inside a character (so is every name), and the range checks of entries
+        ``ea .. eb-1``. Each range's planner checks its own spans (O(rows / parts) per part)."""
+        try:
+            bytes(names[int(noff[na]) : int(noff[nb])]).decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise bad(f"its names are not UTF-8 ({exc})") from None
+        off = np.asarray(noff[na:nb])
+        starts = off[np.diff(np.asarray(noff[na : nb + 1])) > 0]
+        if len(starts) and np.any((np.asarray(names)[starts] & 0xC0) == 0x80):
+            raise bad("a name starts inside a UTF-8 character")
+        span = [np.asarray(cols[f][ea:eb]) for f in RUN_COLUMNS]
+        check_rows(bad, n_files, layouts, span, commit.nbytes, checks, commit.chunk_bytes)
+
     record = LoadedSegment(
         seg, [], layouts, np.zeros((0, FS.INDEX_COLUMNS), np.int64), commit.chunk_bytes,
         checks=np.asarray(checks) if n_checks else None,
     )  # fmt: skip
     gmap = work.zeros(f"{tag}.gmap", np.int64, (n_files,))
     file, frame, gl, off, nb, crc = (cols[f] for f in RUN_COLUMNS)
-    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, where)
+    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, where, check_span)
