@@ -70,8 +70,19 @@ def _part(i: int, n: int, root: str, out: str, q: Any, ranges: int) -> None:
         _timed(_plan, "resolve_duplicates", totals)
         _timed(_plan, "pair_codes", totals)
         _timed(_merge, "fingerprint", totals)  # _merge calls it by this name
-    t = time.perf_counter()
+    copy = _merge._copy  # its CPU seconds, every thread of the process (time.process_time)
+
+    def timed_copy(*a: Any, **k: Any) -> Any:
+        c = time.process_time()
+        try:
+            return copy(*a, **k)
+        finally:
+            totals["copy cpu"] += time.process_time() - c
+
+    _merge._copy = timed_copy
+    t, c = time.perf_counter(), time.process_time()
     rep = spillmerge.merge(root, out, part=(i, n), progress=False)
+    totals["cpu"] = time.process_time() - c
     q.put((i, time.perf_counter() - t, dict(rep.phases), dict(totals)))
 
 
@@ -98,12 +109,13 @@ def table(r: dict[str, Any]) -> list[str]:
     steps = r["parts"][0][3]
     alone = steps.get("run", 0.0) - steps.get("_runs", 0.0)
     lines = [
-        "| part | seconds | plan | copy | index |",
-        "|---|---|---|---|---|",
+        "| part | seconds | plan | copy | index | CPU s | copy CPU s |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for i, seconds, phases, _ in r["parts"]:
+    for i, seconds, phases, tot in r["parts"]:
         lines.append(
-            f"| {i} | {seconds:.1f} | {phases.get('plan', 0):.1f} | {phases.get('copy', 0):.1f} | {phases.get('index', 0):.1f} |"
+            f"| {i} | {seconds:.1f} | {phases.get('plan', 0):.1f} | {phases.get('copy', 0):.1f} | "
+            f"{phases.get('index', 0):.1f} | {tot.get('cpu', 0):.1f} | {tot.get('copy cpu', 0):.1f} |"
         )
     lines += [
         "",

@@ -97,6 +97,18 @@ class Concat:
             out[m] = self.pieces[k][idx[m] - self.starts[k]]
         return out
 
+    def searchsorted(self, v: Any, side: Any = "left", sorter: Any = None) -> Any:
+        """``np.searchsorted`` of a sorted array (offsets), without joining the pieces: the count
+        of elements below ``v`` (or not above it, ``side="right"``) summed over the pieces, a
+        binary search in each (numpy calls this method for ``np.searchsorted(concat, v)``; joining
+        every piece per call made a part's copy read its offsets whole per output chunk)."""
+        if sorter is not None:
+            raise TypeError("Concat.searchsorted takes no sorter")
+        out = np.searchsorted(self.pieces[0], v, side=side)
+        for p in self.pieces[1:]:
+            out = out + np.searchsorted(p, v, side=side)
+        return out
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self._span(slice(None))
         out = np.array(out) if len(self.pieces) == 1 else out

@@ -35,6 +35,18 @@ def test_concat_reads_as_the_joined_array(lengths, tail, data):
             np.testing.assert_array_equal(c[idx, 1], whole[idx, 1])
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), max_size=5), min_size=1, max_size=4), st.lists(st.integers(-1, 11)),
+       st.sampled_from(["left", "right"]))  # fmt: skip
+def test_searchsorted_of_sorted_pieces_is_that_of_the_joined_array(values, probes, side):
+    whole = np.sort(np.array([x for v in values for x in v], dtype=np.int64))
+    cuts = np.cumsum([len(v) for v in values])[:-1]
+    c = Concat(np.split(whole, cuts))
+    assert np.searchsorted(c, probes, side=side).tolist() == np.searchsorted(whole, probes, side=side).tolist()
+    for p in probes[:3]:
+        assert int(np.searchsorted(c, p, side=side)) == int(np.searchsorted(whole, p, side=side))
+
+
 def test_concat_refuses_what_an_array_refuses():
     c = Concat([np.arange(3), np.arange(2)])
     with pytest.raises(IndexError):
