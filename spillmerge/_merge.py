@@ -320,10 +320,8 @@ class _Job:
             elif need > options.plan_budget:
                 ranges = part[1] if part[1] > 1 else 0
             shared = None
-            if ranges:  # every part plans its range of the plan; nobody publishes or maps a whole plan
-                pass
             try:
-                if ranges:
+                if ranges:  # every part plans its range of the plan; nobody publishes or maps a whole plan
                     pass
                 elif finalize or (part is not None and part[0] > 0):
                     shared = _find_shared(output, key, segments, options, part)
