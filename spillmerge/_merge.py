@@ -386,6 +386,12 @@ class _Job:
                         + (f"; ranges {sorted(exchange.planned)} were planned here, their parts not at work"
                            if exchange.planned else "")
                     )  # fmt: skip
+                    linked = exchange.linked + (runs.linked if isinstance(runs, _planruns.Published) else 0)
+                    if linked:
+                        notes.append(
+                            f"{linked} arrays of the runs and ranges this part published are hard links to its work "
+                            f"files (one file system), not copies"
+                        )
                 notes.append(
                     f"the merge plan (about {need >> 20} MiB in memory) exceeds plan_budget ({options.plan_budget >> 20} "
                     f"MiB): built out of core in {disk.work.dir} (removed after the merge)"

@@ -76,6 +76,8 @@ class Exchange(RangeExchange):
         self.output, self.key, self.n, self.part, self.timeout = output, key, n, part, timeout
         self.work = None if output.local else WorkFolder(work_dir)
         """Pieces fetched from an object store (removed by :meth:`close`)."""
+        self.linked = 0
+        """Arrays published as hard links to this process's work files (one file system)."""
 
     def close(self) -> None:
         if self.work is not None:
@@ -113,7 +115,8 @@ class Exchange(RangeExchange):
         def put(name: str, a: Any) -> str | None:
             if a is None:
                 return None
-            arrays[name], _ = put_array(self.output, f"{rel}/{name}", a)
+            arrays[name], linked = put_array(self.output, f"{rel}/{name}", a)
+            self.linked += linked
             return name
 
         for name in PIECE_ARRAYS:

@@ -52,15 +52,18 @@ def folder(key: str, si: int) -> str:
     return f"{RUNS_DIR}/{key}/{si:06d}"
 
 
-def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> None:
+def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> int:
     """Write ``run`` (of segment ``s``) under ``rel``, ``run.json`` last; on an exception remove
-    what was written (a run without ``run.json`` is never read)."""
+    what was written (a run without ``run.json`` is never read). Returns how many arrays were
+    hard links to the run's work files rather than copies."""
+    linked = 0
     output.rm_tree(rel)  # a half-written run of an earlier attempt
     output.makedirs(rel)
     with removed_on_error(output, rel):
 
         def put(name: str, a: np.ndarray) -> None:
-            put_array(output, f"{rel}/{name}", a)  # a run's whole work file: linked where the file system allows
+            nonlocal linked
+            linked += put_array(output, f"{rel}/{name}", a)[1]  # a whole work file: linked where it can be
 
         data, offsets = run.names.raw()
         put("names", data)
@@ -75,6 +78,7 @@ def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> 
             "name_bytes": len(data), "n_checks": len(checks),
         }  # fmt: skip
         output.put_atomic(f"{rel}/{RECORD_NAME}", F.dumps(record))
+    return linked
 
 
 def remove(output: Storage) -> None:
@@ -93,6 +97,8 @@ class Published(RunSource):
     ) -> None:
         self.output, self.key, self.segments, self.parts, self.part = output, key, segments, parts, part
         self.share = self.reuse = share
+        self.linked = 0
+        """Arrays of this part's runs published as hard links to its work files."""
 
     def elsewhere(self, si: int) -> bool:
         return si % self.parts != self.part
@@ -102,7 +108,7 @@ class Published(RunSource):
         # Only its own share: a run of another's share it had to build may be being published
         # by its owner now (``publish`` clears the folder first).
         if self.share and not self.elsewhere(si) and not self.output.exists(f"{rel}/{RECORD_NAME}"):
-            publish(self.output, rel, self.key, record, run)
+            self.linked += publish(self.output, rel, self.key, record, run)
 
     def take(self, si: int, work: WorkFolder, tag: str) -> tuple[LoadedSegment, Run] | None:
         rel = folder(self.key, si)

@@ -494,10 +494,10 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "publish-links-out-of-core-work-files",
         "spillmerge/_planshare.py",
-        "            whole = _whole_file(a)\n",
-        "            whole = None\n",
-        ("tests/test_plan_disk.py::test_parts_plan_once_and_a_killed_part_reruns_to_the_same_bytes",),
-        "part 0 links the out-of-core plan's work files into the published plan on one file system",
+        "    whole = _whole_file(a) if isinstance(a, np.ndarray) else None\n",
+        "    whole = None\n",
+        ("tests/test_plan_disk.py::test_parts_plan_a_range_each_and_a_killed_part_reruns_to_the_same_bytes",),
+        "a part links its runs' and its range's work files into the output on one file system, not copies",
     ),
     Mutation(
         "copy-text-batch-row-starts",
@@ -584,7 +584,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "published-plan-range-error",
         "spillmerge/_planshare.py",
-        "        if published is None or isinstance(exc, SpillMergeError):",
+        "        if not published or isinstance(exc, SpillMergeError):",
         "        if True:",
         ("tests/test_scaleout.py::test_a_published_plan_pointing_out_of_range_is_refused_as_damaged",),
         "a published plan with an entry out of range ends the part with CorruptSpillError naming the plan",
@@ -616,7 +616,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "published-run-entries-ordered",
         "spillmerge/_planruns.py",
-        "    if len(cols[\"file\"]) and np.any(np.diff(cols[\"file\"]) < 0):",
+        "    if len(file) and (np.any(np.diff(file) < 0) or file[0] < 0 or file[-1] >= n_files):",
         "    if False:",
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root",),
         "a published run whose entries are not ordered by filename is not used",

@@ -378,6 +378,8 @@ def test_parts_plan_a_range_each_and_a_killed_part_reruns_to_the_same_bytes(tmp_
     for ns in notes:
         assert any(n.startswith("the plan was built in 3 ranges of filenames, one per part") for n in ns), ns
         assert not any("was mapped, not rebuilt" in n for n in ns), ns  # no whole plan published
+        # plan_dir and the output share a file system: the work files were linked, not copied
+        assert any("are hard links to its work files" in n for n in ns), ns
     assert not (out / "spillmerge-parts" / "plan").exists()
     (key,) = os.listdir(out / "spillmerge-parts" / "ranges")
     ranges = out / "spillmerge-parts" / "ranges" / key / "00003"
