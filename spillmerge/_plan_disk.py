@@ -814,6 +814,8 @@ class _Builder:
                 continue
             step = max(1, len(r.file) // SPLIT_SAMPLE)
             pos = np.unique(np.asarray(r.file[::step]))
+            if r.source is not None and (pos[0] < 0 or pos[-1] >= len(r.names)):  # checked in full later
+                raise DamagedRun(f"{r.source}: its entries name a filename it does not have", path=r.source)
             data, off = r.names.raw()
             starts, ends = np.asarray(off[pos]), np.asarray(off[pos + 1])
             raw = np.concatenate([np.asarray(data[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])

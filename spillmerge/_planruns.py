@@ -159,16 +159,24 @@ def _load(
         raise bad("its name offsets are out of order or out of range")
     cols = {field: arr(name, "<i8", (n_rows,)) for field, name in _OBJECTS.items()}
     checks = arr("checks", "<i8", (n_checks, FS.CHECK_COLUMNS))
-    file = cols["file"]
-    if len(file) and (np.any(np.diff(file) < 0) or file[0] < 0 or file[-1] >= n_files):
-        raise bad("its entries are not ordered by filename, or name a filename it does not have")
     check_rows(bad, n_files, layouts, [c[:0] for c in (cols[f] for f in RUN_COLUMNS)], commit.nbytes, checks,
                commit.chunk_bytes)  # fmt: skip
 
     def check_span(na: int, nb: int, ea: int, eb: int) -> None:
         """What a range of the plan reads of the run: names ``na .. nb-1`` valid UTF-8 as a whole,
         none starting inside a character (so is every name), and the range checks of entries
-        ``ea .. eb-1``. Each range's planner checks its own spans (O(rows / parts) per part)."""
+        ``ea .. eb-1``, ordered by filename and naming only names ``na .. nb-1``. Each range's
+        planner checks its own spans (O(rows / parts) per part). The ranges' spans follow each
+        other (one range's end is the next one's start, the same search), the first starts at
+        entry 0 and the last ends at the last: checked by every range, the run is ordered."""
+        file = np.asarray(cols["file"][ea:eb])
+        if (
+            not 0 <= ea <= eb <= n_rows
+            or (na == 0 and ea != 0)
+            or (nb == n_files and eb != n_rows)
+            or (len(file) and (np.any(np.diff(file) < 0) or file[0] < na or file[-1] >= nb))
+        ):
+            raise bad("its entries are not ordered by filename, or name a filename it does not have")
         try:
             bytes(names[int(noff[na]) : int(noff[nb])]).decode("utf-8", "surrogatepass")
         except UnicodeDecodeError as exc:
@@ -177,7 +185,7 @@ def _load(
         starts = off[np.diff(np.asarray(noff[na : nb + 1])) > 0]
         if len(starts) and np.any((np.asarray(names)[starts] & 0xC0) == 0x80):
             raise bad("a name starts inside a UTF-8 character")
-        span = [np.asarray(cols[f][ea:eb]) for f in RUN_COLUMNS]
+        span = [file if f == "file" else np.asarray(cols[f][ea:eb]) for f in RUN_COLUMNS]
         check_rows(bad, n_files, layouts, span, commit.nbytes, checks, commit.chunk_bytes)
 
     record = LoadedSegment(

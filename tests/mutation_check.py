@@ -616,8 +616,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "published-run-entries-ordered",
         "spillmerge/_planruns.py",
-        "    if len(file) and (np.any(np.diff(file) < 0) or file[0] < 0 or file[-1] >= n_files):",
-        "    if False:",
+        "            or (len(file) and (np.any(np.diff(file) < 0) or file[0] < na or file[-1] >= nb))",
+        "            or False",
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root",),
         "a published run whose entries are not ordered by filename is not used",
     ),
