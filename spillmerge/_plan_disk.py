@@ -701,6 +701,8 @@ class _Builder:
 
         # Between A and B: the columns, from every range's dtype codes.
         dnames = P.dtype_names(self.layouts)
+        for r in range(n):  # published summaries drive the indexing below: their shapes first
+            _refuse(ex, r, n, sa[r].problem(len(self.leaf_paths), len(dnames)))
         first = np.full(len(self.leaf_paths), -1, dtype=np.int64)
         for r in range(n):
             first = _lowest_codes(first, np.array(sa[r].first, dtype=np.int64))
@@ -737,6 +739,8 @@ class _Builder:
             sb[r] = got_b
 
         # Between B and C: files' column sets, columns' kinds and each range's first unit.
+        for r in range(n):
+            _refuse(ex, r, n, sb[r].problem(len(uniq), len(self.layouts)))
         n_rows = sum(sa[r].n_rows for r in range(n))
         uniq_masks = np.unique(np.array([m for r in range(n) for m in sb[r].masks_seen], dtype=np.int64))
         file_layouts = [sorted(names_of[g] for g in range(len(groups)) if (int(mk) >> g) & 1) for mk in uniq_masks]
@@ -774,10 +778,7 @@ class _Builder:
                 c = self._phase_c(a, b, specs, uniq_masks, bases[r])
                 got_p = Pieces.of(a, b, c, sa[r], sb[r])
                 ex.publish_pieces(r, got_p)
-            why = got_p.problem(sa[r], sb[r], bases[r], specs)
-            if why is not None:
-                where = ex.where(r)
-                raise DamagedRange(f"{where or f'range {r} of {n} of the plan'}: {why}", path=where)
+            _refuse(ex, r, n, got_p.problem(sa[r], sb[r], bases[r], specs))
             pieces[r] = got_p
 
         ps = [pieces[r] for r in range(n)]
@@ -1190,6 +1191,16 @@ class SummaryA:
     def to_obj(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
+    def problem(self, n_lp: int, n_dtypes: int) -> str | None:
+        """What does not fit a plan of ``n_lp`` leaf paths and ``n_dtypes`` dtype codes, or None."""
+        if min(self.n_files, self.n_ent, self.n_rows, self.duplicates, self.name_bytes) < 0:
+            return "its summary A holds a negative count"
+        if self.n_rows > self.n_ent or len(self.first) != n_lp or any(not -1 <= c < n_dtypes for c in self.first):
+            return "its summary A does not fit the plan's leaves and dtypes"
+        if any(not 0 <= k < n_lp * (n_dtypes + 1) for k in self.kinds) or any(not 0 <= p < n_lp for p in self.nocode):
+            return "its summary A names a column key or leaf the plan does not have"
+        return None
+
     @classmethod
     def from_obj(cls, o: Any) -> SummaryA:
         """From JSON, checked: ints where ints go (``ValueError`` else)."""
@@ -1216,11 +1227,30 @@ class SummaryB:
     def to_obj(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
+    def problem(self, n_groups: int, n_layouts: int) -> str | None:
+        """What does not fit a plan of ``n_groups`` columns and ``n_layouts`` layouts, or None."""
+        if len(self.present) != n_groups or len(self.nbytes) != n_groups or len(self.hist) != n_groups:
+            return "its summary B does not have one entry per column"
+        if any(len(h) != n_layouts or min(h, default=0) < 0 for h in self.hist):
+            return "its summary B does not have one row count per layout"
+        if min(self.present, default=0) < 0 or min(self.nbytes, default=0) < 0:
+            return "its summary B holds a negative count"
+        if any(not 0 <= m < 1 << n_groups for m in self.masks_seen):
+            return "its summary B names a column set the plan does not have"
+        return None
+
     @classmethod
     def from_obj(cls, o: Any) -> SummaryB:
         if not isinstance(o["hist"], list):
             raise ValueError("hist is not a list")
         return cls(_ints(o["present"]), [_ints(h) for h in o["hist"]], _ints(o["nbytes"]), _ints(o["masks_seen"]))
+
+
+def _refuse(ex: RangeExchange, r: int, n: int, why: str | None) -> None:
+    """``DamagedRange`` naming range ``r``'s published objects, when ``why`` says what is wrong."""
+    if why is not None:
+        where = ex.where(r)
+        raise DamagedRange(f"{where or f'range {r} of {n} of the plan'}: {why}", path=where)
 
 
 def _int(x: Any) -> int:

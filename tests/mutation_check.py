@@ -731,6 +731,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_disk.py::test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan",),
         "rows of None or zero elements go to their leaf's column in every range, as the in-memory plan puts them",
     ),
+    Mutation(
+        "published-range-summary-a-fits-the-plan",
+        "spillmerge/_plan_disk.py",
+        "            _refuse(ex, r, n, sa[r].problem(len(self.leaf_paths), len(dnames)))",
+        "            pass",
+        ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
+        "a published range whose summary names leaves or column keys the plan does not have is planned again",
+    ),
+    Mutation(
+        "published-range-summary-b-fits-the-plan",
+        "spillmerge/_plan_disk.py",
+        "            _refuse(ex, r, n, sb[r].problem(len(uniq), len(self.layouts)))",
+        "            pass",
+        ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
+        "a published range whose per-column counts do not fit the plan's columns and layouts is planned again",
+    ),
 ]
 
 

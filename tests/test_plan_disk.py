@@ -573,10 +573,32 @@ _DAMAGE_RANGE = {
     "array named outside": _edit_range_doc(lambda d: d["columns"][0].update(src="../../x")),
     "torn array": _edit_piece("seg", lambda a: a[:-1]),
     "file offsets end elsewhere": _edit_piece("file_offsets", lambda a: a + 1),
+    "leaf codes of another length": _edit_range_doc(lambda d: d["a"]["first"].append(0)),
+    "a column key out of range": _edit_range_doc(lambda d: d["a"]["kinds"].append(10**9)),
+    "rows per layout of another shape": _edit_range_doc(lambda d: d["b"]["hist"][0].append(1)),
+    "a column set out of range": _edit_range_doc(lambda d: d["b"]["masks_seen"].append(-1)),
+    "doc /dev/zero": _replace("c.json", "dev zero", up=5),
+    "array /dev/zero": _replace("seg", "dev zero", up=5),
     "array a FIFO": _replace("c0.src", "fifo", up=5),
     "array a link out of the output": _replace("crc", "link out of the root", up=5),
     "array oversized": _replace("names", "oversized", up=5),
 }
+
+
+def _without_pieces(damage):
+    def edit(rng):  # the range is not done: its summaries are read as a waiting part reads them
+        (rng / "c.json").unlink()
+        damage(rng)
+
+    return edit
+
+
+_DAMAGE_RANGE.update({
+    "summary A not JSON, no pieces": _without_pieces(lambda rng: (rng / "a.json").write_bytes(b"[")),
+    "summary A of another plan, no pieces": _without_pieces(
+        lambda rng: (rng / "a.json").write_text((rng / "a.json").read_text().replace('"key"', '"old-key"'))),
+    "summary B oversized, no pieces": _without_pieces(_replace("b.json", "oversized", up=5)),
+})  # fmt: skip
 
 
 def test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root(tmp_path):
