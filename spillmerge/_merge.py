@@ -311,6 +311,18 @@ class _Job:
             sum(s.commit.n_rows for s in segments if s.commit is not None) + sum(len(p.index) for p in extra),
             sum(s.commit.n_files for s in segments if s.commit is not None) + sum(len(p.filenames) for p in extra),
         )
+        def mapped(shared: _planshare.Published) -> _Job:
+            """The job of the plan part 0 published, mapped instead of planned here."""
+            plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
+                shared.plan, chunk_bytes=chunk_bytes, codec=codec
+            )
+            phases["plan"] = time.perf_counter() - t
+            notes.append(f"the plan part 0 published in {output.describe(_planshare.PLAN_DIR)} was mapped, not rebuilt")
+            return cls(
+                src, output, replace(options, codec=codec), threads, state, segments, shared.plan, plan_id,
+                salvaged, notes, manifest, phases, t0, None, shared, key,
+            )  # fmt: skip
+
         key = None
         ranges = 0  # parts that plan a range each (``_planranges``), else 0
         if (part is not None or finalize) and not allow_partial:
@@ -330,16 +342,8 @@ class _Job:
             except CorruptSpillError as exc:  # damaged: plan here (part 0 publishes it anew)
                 notes.append(f"planned again: {exc}")
             if shared is not None:
-                plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
-                    shared.plan, chunk_bytes=chunk_bytes, codec=codec
-                )
                 phases["load"] = 0.0
-                phases["plan"] = time.perf_counter() - t
-                notes.append(f"the plan part 0 published in {output.describe(_planshare.PLAN_DIR)} was mapped, not rebuilt")
-                return cls(
-                    src, output, replace(options, codec=codec), threads, state, segments, shared.plan, plan_id,
-                    salvaged, notes, manifest, phases, t0, None, shared, key,
-                )  # fmt: skip
+                return mapped(shared)
         compare = functools.partial(same_bytes, src)
         disk = None
         if need <= options.plan_budget and not ranges:
@@ -409,15 +413,7 @@ class _Job:
                     # Part 0 plans in memory too and publishes that plan: map it.
                     shared = _find_shared(output, key, segments, options, part)
                     if shared is not None:
-                        plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
-                            shared.plan, chunk_bytes=chunk_bytes, codec=codec
-                        )
-                        phases["plan"] = time.perf_counter() - t
-                        notes.append(f"the plan part 0 published in {output.describe(_planshare.PLAN_DIR)} was mapped")
-                        return cls(
-                            src, output, replace(options, codec=codec), threads, state, segments, shared.plan,
-                            plan_id, salvaged, notes, manifest, phases, t0, None, shared, key,
-                        )  # fmt: skip
+                        return mapped(shared)
                 notes.append(f"the plan was built in memory: {exc}")
                 plan = build(load_all(src, segments) + extra, options.on_duplicate, same_bytes=compare)
         try:
