@@ -280,6 +280,15 @@ def test_leaves_of_several_variants_are_planned_in_memory_whatever_the_budget(tm
                 for i in range(r, 40, 2):
                     w.write(f"g{i:03d}", 0, {"v": "text" if i == 33 else torch.ones(2)})
     _planned_in_memory(tmp_path, root, "several variants")
+    # In parts: no plan in ranges; part 0 plans in memory and publishes it, part 1 maps it.
+    out = tmp_path / "parts"
+    reps = [spillmerge.merge(root, str(out), part=(i, 2), plan_budget=TINY) for i in range(2)]
+    assert any("built in memory" in n for n in reps[0].notes), reps[0].notes
+    assert any("was mapped, not rebuilt" in n for n in reps[1].notes), reps[1].notes
+    assert not (out / "spillmerge-parts" / "ranges").exists()
+    spillmerge.merge(root, str(out), finalize=True, plan_budget=TINY)
+    a, b = output_tree(str(tmp_path / "mem")), output_tree(str(out))
+    assert a == b, tree_diff(a, b)
 
 
 def test_lists_of_items_are_planned_in_memory_from_the_first_segment_that_has_them(tmp_path):
