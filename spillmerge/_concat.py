@@ -119,14 +119,19 @@ class Concat:
             yield from p
 
 
-def concat(pieces: Sequence[np.ndarray]) -> Any:
-    """One piece as itself (a plan in one range reads its maps directly), else a :class:`Concat`."""
-    return pieces[0] if len(pieces) == 1 else Concat(pieces)
+def concat(pieces: Sequence[Any]) -> Any:
+    """One array piece as itself (a plan in one range reads its maps directly), else a
+    :class:`Concat` (of one piece too when it is not an array: a ``_fetched.Fetched`` one gives
+    the plan's readers the operations of a ``Concat``, no more)."""
+    return pieces[0] if len(pieces) == 1 and isinstance(pieces[0], np.ndarray) else Concat(pieces)
 
 
-def concat_offsets(pieces: Sequence[np.ndarray]) -> Any:
+def concat_offsets(pieces: Sequence[Any]) -> Any:
     """Offsets arrays (``n + 1`` entries each, every piece starting where the one before ends,
     already in global values) as one: each piece's last entry is the next one's first."""
-    if len(pieces) == 1:
-        return pieces[0]
-    return Concat([p[:-1] for p in pieces[:-1]] + [pieces[-1]])
+    return concat([_head(p) for p in pieces[:-1]] + [pieces[-1]])
+
+
+def _head(a: Any) -> Any:
+    """``a`` without its last entry, as a view: not read (a ``_fetched.Fetched`` window)."""
+    return a.window(0, len(a) - 1) if hasattr(a, "window") else a[:-1]

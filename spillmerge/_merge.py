@@ -360,9 +360,11 @@ class _Job:
             runs = exchange = None
             if ranges and key is not None:
                 me = part[0] if part is not None else None
-                runs = _planruns.Published(output, key, segments, ranges, -1 if me is None else me, share=True)
                 exchange = _planranges.Exchange(
                     output, key, ranges, me, timeout=options.timeout, work_dir=options.plan_dir
+                )
+                runs = _planruns.Published(
+                    output, key, segments, ranges, -1 if me is None else me, share=True, fetches=exchange.fetches
                 )
             plan_out_of_core = functools.partial(
                 _plan_disk.build, sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
@@ -431,6 +433,12 @@ class _Job:
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan
+        ex = self.disk.exchange if self.disk is not None else None
+        if isinstance(ex, _planranges.Exchange) and ex.work is not None and ex.fetches.size:
+            self.notes.append(
+                f"read {ex.fetches} of the runs and ranges of the plan the other parts published (object store: "
+                f"the spans this process's plan, copy and index read)"
+            )
         t_end = time.perf_counter()
         t_wait = self.phases["wait"]
         return MergeReport(

@@ -74,6 +74,9 @@ RANGES = 1
 #: Names sampled from each run for the splitters of a plan in ranges (at equal steps of its entries).
 SPLIT_SAMPLE = 1024
 
+#: Names a search for a range's first name in a run reads in one block (``_lower_bound``).
+_SEARCH_BLOCK = 4096
+
 _I8 = np.dtype("<i8")
 
 
@@ -328,6 +331,70 @@ class Run:
     check: Callable[[int, int, int, int], None] | None = None
     """A published run's checks of the names ``na .. nb-1`` and entries ``ea .. eb-1`` a range
     of the plan reads (``DamagedRun``), made when the range is planned; None: built here."""
+    sample: Sample | None = None
+    """What the splitters and the searches for a range's span read of the run (None:
+    :meth:`Sample.of` its arrays)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Every ``step``-th entry of a run (entries 0, step, 2 step ...; ``step`` = its entries //
+    ``SPLIT_SAMPLE``, at least 1): their filename ids and those names, and the run's longest
+    name. The splitters are the sample's names, and a range's span in the run is searched
+    between two samples, so a part reads of another part's published run (its ``run.json``
+    holds the sample) only the spans of its own range (docs/SCALE.md, *The plan in ranges*)."""
+
+    step: int
+    files: np.ndarray
+    """The filename id of each sampled entry (int64)."""
+    raw: np.ndarray
+    """Their names' UTF-8 bytes back to back (uint8)."""
+    lens: np.ndarray
+    """Their names' lengths (int64)."""
+    width: int
+    """The run's longest name, in bytes (0: no names)."""
+
+    @classmethod
+    def of(cls, names: StringTable, file: np.ndarray) -> Sample:
+        step = max(1, len(file) // SPLIT_SAMPLE)
+        files = np.asarray(file[::step], dtype=np.int64)
+        data, off = names.raw()
+        starts, ends = np.asarray(off[files]), np.asarray(off[files + 1])
+        parts = [np.asarray(data[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+        width = 0
+        for a in range(0, len(off) - 1, ROW_BLOCK):
+            width = max(width, int(np.diff(np.asarray(off[a : a + ROW_BLOCK + 1])).max()))
+        return cls(step, files, raw.astype(np.uint8, copy=False), (ends - starts).astype(np.int64), width)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"step": self.step, "files": self.files.tolist(), "names": self.raw.tobytes().hex(),
+                "lens": self.lens.tolist(), "width": self.width}  # fmt: skip
+
+    @classmethod
+    def from_obj(cls, o: Any, n_files: int, n_rows: int) -> Sample:
+        """From a run's record, checked to fit a run of ``n_files`` names and ``n_rows`` entries
+        (``ValueError`` else). That it is the run's own sample is checked by each range's planner
+        for the entries of its span (``_planruns``)."""
+        step, width = _int(o["step"]), _int(o["width"])
+        files = np.array(_ints(o["files"]), dtype=np.int64)
+        lens = np.array(_ints(o["lens"]), dtype=np.int64)
+        if not isinstance(o["names"], str):
+            raise ValueError("names is not a string")
+        raw = np.frombuffer(bytes.fromhex(o["names"]), dtype=np.uint8)
+        if step != max(1, n_rows // SPLIT_SAMPLE) or len(files) != -(-n_rows // step) or len(lens) != len(files):
+            raise ValueError("the sample does not fit the run's entries")
+        if not 0 <= width <= F.FILENAME_MAX_BYTES or (n_files and width < 1):
+            raise ValueError(f"width {width} is out of range")
+        if len(files) and (files.min() < 0 or files.max() >= n_files or np.any(np.diff(files) < 0)):
+            raise ValueError("the sampled filename ids are out of order or out of range")
+        if len(lens) and (lens.min() < 0 or lens.max() > width) or int(lens.sum()) != len(raw):
+            raise ValueError("the sampled names' lengths disagree with their bytes")
+        return cls(step, files, raw, lens, width)
+
+    def keys(self, width: int) -> np.ndarray:
+        """:func:`name_keys` of the sampled names."""
+        return name_keys(self.raw, self.lens, width)
 
 
 @dataclass
@@ -416,7 +483,8 @@ def sort_run(work: WorkFolder, tag: str, s: LoadedSegment) -> Run:
     names = StringTable(work.done(f"{tag}.names", np.uint8), work.done(f"{tag}.noff", _I8))
     c = {k: work.done(f"{tag}.{k}", _I8) for k in RUN_COLUMNS}
     gmap = work.zeros(f"{tag}.gmap", _I8, (len(names),))
-    return Run(names, c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap)
+    sample = Sample.of(names, c["file"])
+    return Run(names, c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap, sample=sample)
 
 
 #: The per-entry columns of a run, in the order of the ``Run`` fields.
@@ -461,6 +529,8 @@ class _Builder:
         """Each run's map of its segment's layout ids to global ones."""
         self.taken = 0
         """Runs another process built (``RunSource.take``)."""
+        self._keys: dict[int, np.ndarray] = {}
+        """Each run's sample as :func:`name_keys` (``_sample_keys``)."""
         self._seen: dict[FS.Layout, None] = {}
         self.workers = max(1, min(PLAN_THREADS, os.cpu_count() or 1))
         """Threads that check pass 1's blocks (``_in_order``); each block is a 1/workers share."""
@@ -702,7 +772,11 @@ class _Builder:
         # Between A and B: the columns, from every range's dtype codes.
         dnames = P.dtype_names(self.layouts)
         for r in range(n):  # published summaries drive the indexing below: their shapes first
-            _refuse(ex, r, n, sa[r].problem(len(self.leaf_paths), len(dnames)))
+            _refuse(ex, r, n, sa[r].problem(len(self.leaf_paths), len(dnames), len(self.runs)))
+        bad = _untiled([sa[r].spans for r in range(n)], self.runs)
+        if bad is not None:
+            r, why = bad
+            _refuse(ex, r, n, f"{why}: {ex.where(r - 1) or f'range {r - 1}'}" if r else why)
         first = np.full(len(self.leaf_paths), -1, dtype=np.int64)
         for r in range(n):
             first = _lowest_codes(first, np.array(sa[r].first, dtype=np.int64))
@@ -803,47 +877,55 @@ class _Builder:
 
     def _splitters(self, width: int, ranges: int) -> list[Any]:
         """``ranges - 1`` filename keys (:func:`name_keys`) that cut the merge's names into
-        ``ranges`` ranges of about as many entries: the names of about ``SPLIT_SAMPLE`` entries
-        of every run at equal steps, sorted together, taken at equal steps. Decided by the runs'
-        bytes alone, so any process that holds the same runs finds the same splitters. Equal
-        splitters make empty ranges."""
+        ``ranges`` ranges of about as many entries: the distinct names of every run's
+        :class:`Sample`, sorted together, taken at equal steps. Decided by the runs' samples
+        alone, so any process that holds the same runs finds the same splitters (and the ranges'
+        spans, recorded in their summaries, are checked to tile every run). Equal splitters make
+        empty ranges."""
         if ranges <= 1:
             return []
-        samples = []
-        for r in self.runs:
-            if not len(r.file):
-                continue
-            step = max(1, len(r.file) // SPLIT_SAMPLE)
-            pos = np.unique(np.asarray(r.file[::step]))
-            if r.source is not None and (pos[0] < 0 or pos[-1] >= len(r.names)):  # checked in full later
-                raise DamagedRun(f"{r.source}: its entries name a filename it does not have", path=r.source)
-            data, off = r.names.raw()
-            starts, ends = np.asarray(off[pos]), np.asarray(off[pos + 1])
-            raw = np.concatenate([np.asarray(data[a:b]) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
-            samples.append(name_keys(raw, ends - starts, width))
+        samples = [np.unique(self._sample_keys(si, width)) for si in range(len(self.runs))]
         keys = np.sort(np.concatenate(samples))
         return [keys[len(keys) * j // ranges] for j in range(1, ranges)]
 
+    def _sample(self, si: int) -> Sample:
+        r = self.runs[si]
+        return r.sample if r.sample is not None else Sample.of(r.names, r.file)
+
+    def _sample_keys(self, si: int, width: int) -> np.ndarray:
+        if si not in self._keys:
+            self._keys[si] = self._sample(si).keys(width)
+        return self._keys[si]
+
     def _name_width(self) -> int:
         """The longest filename of every run (at least 1 byte: a window of 0 is refused): the width
-        of the names' keys (:func:`name_keys`)."""
-        width = 1
-        for r in self.runs:
-            off = r.names.raw()[1]
-            for a in range(0, len(off) - 1, ROW_BLOCK):
-                width = max(width, int(np.diff(np.asarray(off[a : a + ROW_BLOCK + 1])).max()))
-        return width
+        of the names' keys (:func:`name_keys`); each run's is in its sample."""
+        return max([1, *(self._sample(si).width for si in range(len(self.runs)))])
 
-    def _lower_bound(self, r: Run, key: Any, width: int) -> int:
-        """The first of ``r``'s names whose key is not below ``key`` (binary search)."""
-        lo, hi = 0, len(r.names)
-        while lo < hi:
+    def _lower_bound(self, si: int, key: Any, width: int) -> int:
+        """The first of run ``si``'s names whose key is not below ``key``: between the names of
+        two of its samples (which are sorted: the run's names are), found by a binary search and
+        then one block of names, so a published run is read there only."""
+        r, s = self.runs[si], self._sample(si)
+        j = int(np.searchsorted(self._sample_keys(si, width), key, side="left"))
+        hi = int(s.files[j]) if j < len(s.files) else len(r.names)
+        lo = min(hi, int(s.files[j - 1]) + 1) if j else 0
+        while hi - lo > _SEARCH_BLOCK:
             mid = (lo + hi) // 2
             if name_keys(*r.names.encoded(mid, mid + 1), width)[0] < key:
                 lo = mid + 1
             else:
                 hi = mid
-        return lo
+        return lo + int(np.searchsorted(name_keys(*r.names.encoded(lo, hi), width), key, side="left"))
+
+    def _entry_bound(self, si: int, name: int) -> int:
+        """The first of run ``si``'s entries whose filename id is not below ``name``: between two
+        samples, then one slice of the run's ``file``."""
+        r, s = self.runs[si], self._sample(si)
+        k = int(np.searchsorted(s.files, name, side="left"))
+        hi = min(k * s.step, len(r.file))
+        lo = min(hi, (k - 1) * s.step + 1) if k else 0
+        return lo + int(np.searchsorted(np.asarray(r.file[lo:hi]), name, side="left"))
 
     # -- phase A: a range's names and pass 1 --------------------------------------------------
 
@@ -853,11 +935,14 @@ class _Builder:
         w, tag = self.work, f"r{i}"
         spans = []  # run, first name, one past the last name, first entry, one past the last entry
         for si, r in enumerate(self.runs):
-            na = 0 if lo is None else self._lower_bound(r, lo, width)
-            nb = len(r.names) if hi is None else self._lower_bound(r, hi, width)
+            na = 0 if lo is None else self._lower_bound(si, lo, width)
+            nb = len(r.names) if hi is None else self._lower_bound(si, hi, width)
             if nb < na:
                 raise DamagedRun(f"{r.source}: its filenames are not sorted and distinct", path=r.source)
-            ea, eb = (int(x) for x in np.searchsorted(r.file, [na, nb], side="left"))
+            ea = 0 if lo is None else self._entry_bound(si, na)
+            eb = len(r.file) if hi is None else self._entry_bound(si, nb)
+            if eb < ea:
+                raise DamagedRun(f"{r.source}: its entries are not ordered by filename", path=r.source)
             if r.check is not None:
                 r.check(na, nb, ea, eb)
             spans.append((si, na, nb, ea, eb))
@@ -918,6 +1003,7 @@ class _Builder:
             tag, names, n_files, n_ent, n_rows, duplicates, first, sorted(kinds), sorted(nocode), blocks, t,
             w.done(f"{tag}.frame_idx", _I8), w.done(f"{tag}.rank", np.int32), w.done(f"{tag}.copies", np.int32),
             w.done(f"{tag}.fcount", _I8), int(names.raw()[1][-1]) if n_files else 0,
+            [x for sp in spans for x in sp[1:]],
         )  # fmt: skip
 
     # -- phase B: pass 2 ----------------------------------------------------------------------
@@ -1132,10 +1218,12 @@ class _RangeA:
     fcount: np.ndarray
     """Rows per file."""
     name_bytes: int
+    spans: list[int]
+    """``SummaryA.spans``."""
 
     def summary(self) -> SummaryA:
         return SummaryA(self.n_files, self.n_ent, self.n_rows, self.duplicates, self.name_bytes,
-                        self.first.tolist(), list(self.kinds), list(self.nocode))  # fmt: skip
+                        self.first.tolist(), list(self.kinds), list(self.nocode), list(self.spans))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -1187,14 +1275,22 @@ class SummaryA:
     """Column keys of its rows that have a dtype code."""
     nocode: list[int]
     """Leaf paths of its rows without one."""
+    spans: list[int]
+    """Of each run, the names ``na .. nb-1`` and entries ``ea .. eb-1`` the range planned:
+    ``na, nb, ea, eb`` back to back. Every process checks that the ranges' spans tile each run
+    (:func:`_untiled`): processes that disagreed on a splitter or a search (one of them read a
+    damaged published run) would otherwise leave entries out or plan them twice."""
 
     def to_obj(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
 
-    def problem(self, n_lp: int, n_dtypes: int) -> str | None:
-        """What does not fit a plan of ``n_lp`` leaf paths and ``n_dtypes`` dtype codes, or None."""
+    def problem(self, n_lp: int, n_dtypes: int, n_runs: int) -> str | None:
+        """What does not fit a plan of ``n_lp`` leaf paths, ``n_dtypes`` dtype codes and
+        ``n_runs`` runs, or None."""
         if min(self.n_files, self.n_ent, self.n_rows, self.duplicates, self.name_bytes) < 0:
             return "its summary A holds a negative count"
+        if len(self.spans) != 4 * n_runs:
+            return "its summary A does not have one span per run"
         if self.n_rows > self.n_ent or len(self.first) != n_lp or any(not -1 <= c < n_dtypes for c in self.first):
             return "its summary A does not fit the plan's leaves and dtypes"
         if any(not 0 <= k < n_lp * (n_dtypes + 1) for k in self.kinds) or any(not 0 <= p < n_lp for p in self.nocode):
@@ -1208,7 +1304,7 @@ class SummaryA:
             _int(o[f]) for f in ("n_files", "n_ent", "n_rows", "duplicates", "name_bytes")
         )
         return cls(n_files, n_ent, n_rows, duplicates, name_bytes, _ints(o["first"]), _ints(o["kinds"]),
-                   _ints(o["nocode"]))  # fmt: skip
+                   _ints(o["nocode"]), _ints(o["spans"]))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -1244,6 +1340,22 @@ class SummaryB:
         if not isinstance(o["hist"], list):
             raise ValueError("hist is not a list")
         return cls(_ints(o["present"]), [_ints(h) for h in o["hist"]], _ints(o["nbytes"]), _ints(o["masks_seen"]))
+
+
+def _untiled(spans: list[list[int]], runs: list[Run]) -> tuple[int, str] | None:
+    """The first range (and why) whose spans do not continue the range before it in some run
+    (the first range starts each run at its first name and entry, the last ends it at its
+    last, each range's ends are the next one's starts, none runs backwards), or None."""
+    sp = np.array(spans, dtype=np.int64).reshape(len(spans), len(runs), 4)
+    start = np.zeros((len(runs), 2), dtype=np.int64)
+    ends = np.array([[len(r.names), len(r.file)] for r in runs], dtype=np.int64).reshape(len(runs), 2)
+    for r in range(len(spans)):
+        if not np.array_equal(sp[r, :, [0, 2]].T, start) or np.any(sp[r, :, [1, 3]].T < start):
+            return r, "its spans of the runs do not continue the range before it (the parts disagree on the runs)"
+        start = sp[r, :, [1, 3]].T
+    if not np.array_equal(start, ends):
+        return len(spans) - 1, "its spans of the runs do not end at the runs' ends (the parts disagree on the runs)"
+    return None
 
 
 def _refuse(ex: RangeExchange, r: int, n: int, why: str | None) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 from . import _format as F
 from . import _lease, _parts, _poll
 from ._errors import SpillMergeError
+from ._fetched import Fetches
 from ._parts import PARTS_DIR
 from ._plan_disk import PIECE_ARRAYS, DamagedRange, Pieces, RangeExchange, SummaryA, SummaryB, WorkFolder
 from ._planshare import put_array, read_array
@@ -76,6 +77,8 @@ class Exchange(RangeExchange):
         self.output, self.key, self.n, self.part, self.timeout = output, key, n, part, timeout
         self.work = None if output.local else WorkFolder(work_dir)
         """Pieces fetched from an object store (removed by :meth:`close`)."""
+        self.fetches = Fetches()
+        """What was fetched of the other ranges' pieces (object stores: what the part reads)."""
         self.linked = 0
         """Arrays published as hard links to this process's work files (one file system)."""
 
@@ -166,7 +169,9 @@ class Exchange(RangeExchange):
             spec = specs[name]
             shape = tuple(int(x) for x in spec["shape"])
             obj = f"{rel}/{name}"
-            return read_array(self.output, obj, np.dtype(spec["dtype"]), shape, sizes.get(obj), self.work, self._bad(r))
+            return read_array(
+                self.output, obj, np.dtype(spec["dtype"]), shape, sizes.get(obj), self.work, self._bad(r), self.fetches
+            )
 
         arrays = {name: arr(name) for name in PIECE_ARRAYS}
         cols = doc["columns"]

@@ -31,8 +31,9 @@ import numpy as np
 from . import _format as F
 from . import _format_spill as FS
 from ._errors import SpillMergeError
+from ._fetched import Fetches
 from ._parts import PARTS_DIR
-from ._plan_disk import RUN_COLUMNS, DamagedRun, Run, RunSource, StringTable, WorkFolder
+from ._plan_disk import RUN_COLUMNS, DamagedRun, Run, RunSource, Sample, StringTable, WorkFolder
 from ._planshare import put_array, read_array, removed_on_error
 from ._spillroot import LoadedSegment, Segment, check_rows
 from ._storage import Storage
@@ -76,6 +77,7 @@ def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> 
             "kind": _KIND, "format_version": F.FORMAT_VERSION, "key": key, "segment": s.seg.rel,
             "layouts": [lay.to_obj() for lay in s.layouts], "n_files": len(run.names), "n_rows": len(run.file),
             "name_bytes": len(data), "n_checks": len(checks),
+            "sample": (run.sample if run.sample is not None else Sample.of(run.names, run.file)).to_obj(),
         }  # fmt: skip
         output.put_atomic(f"{rel}/{RECORD_NAME}", F.dumps(record))
     return linked
@@ -93,12 +95,15 @@ class Published(RunSource):
     every part needs every run, ``_planranges``)."""
 
     def __init__(
-        self, output: Storage, key: str, segments: Sequence[Segment], parts: int, part: int = 0, *, share: bool = False
-    ) -> None:
+        self, output: Storage, key: str, segments: Sequence[Segment], parts: int, part: int = 0, *, share: bool = False,
+        fetches: Fetches | None = None,
+    ) -> None:  # fmt: skip
         self.output, self.key, self.segments, self.parts, self.part = output, key, segments, parts, part
         self.share = self.reuse = share
         self.linked = 0
         """Arrays of this part's runs published as hard links to its work files."""
+        self.fetches = Fetches() if fetches is None else fetches
+        """What was fetched of the runs taken (object stores: what the part reads of them)."""
 
     def elsewhere(self, si: int) -> bool:
         return si % self.parts != self.part
@@ -117,7 +122,8 @@ class Published(RunSource):
             raw = self.output.get_or_none(f"{rel}/{RECORD_NAME}", max_bytes=RECORD_MAX_BYTES)
             if raw is None:
                 return None
-            return _load(self.output, rel, F.loads(raw, path=where), self.segments[si], self.key, work, tag)
+            m = F.loads(raw, path=where)
+            return _load(self.output, rel, m, self.segments[si], self.key, work, tag, self.fetches)
         except DamagedRun:
             raise
         except (KeyError, TypeError, ValueError, IndexError, OverflowError, OSError, SpillMergeError) as exc:
@@ -126,7 +132,7 @@ class Published(RunSource):
 
 
 def _load(
-    output: Storage, rel: str, m: Any, seg: Segment, key: str, work: WorkFolder, tag: str
+    output: Storage, rel: str, m: Any, seg: Segment, key: str, work: WorkFolder, tag: str, fetches: Fetches
 ) -> tuple[LoadedSegment, Run]:
     where = output.describe(rel)
 
@@ -151,11 +157,11 @@ def _load(
 
     def arr(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         obj = f"{rel}/{name}"
-        return read_array(output, obj, dtype, shape, sizes.get(obj), None if output.local else work, bad)
+        return read_array(output, obj, dtype, shape, sizes.get(obj), None if output.local else work, bad, fetches)
 
+    sample = Sample.from_obj(m["sample"], n_files, n_rows)
     names, noff = arr("names", "|u1", (name_bytes,)), arr("name_offsets", "<i8", (n_files + 1,))
-    lens = np.diff(noff)
-    if noff[0] != 0 or noff[-1] != name_bytes or (len(lens) and (lens.min() < 0 or lens.max() > F.FILENAME_MAX_BYTES)):
+    if noff[0] != 0 or noff[-1] != name_bytes:  # the lengths between: each range's planner, for its span
         raise bad("its name offsets are out of order or out of range")
     cols = {field: arr(name, "<i8", (n_rows,)) for field, name in _OBJECTS.items()}
     checks = arr("checks", "<i8", (n_checks, FS.CHECK_COLUMNS))
@@ -170,8 +176,13 @@ def _load(
         other (one range's end is the next one's start, the same search), the first starts at
         entry 0 and the last ends at the last: checked by every range, the run is ordered."""
         file = np.asarray(cols["file"][ea:eb])
+        off = np.asarray(noff[na : nb + 1])
+        lens = np.diff(off)
+        if len(lens) and (lens.min() < 0 or lens.max() > sample.width):
+            raise bad("its name offsets are out of order, or a name is longer than its record says")
         if (
-            not 0 <= ea <= eb <= n_rows
+            not 0 <= na <= nb <= n_files
+            or not 0 <= ea <= eb <= n_rows
             or (na == 0 and ea != 0)
             or (nb == n_files and eb != n_rows)
             or (len(file) and (np.any(np.diff(file) < 0) or file[0] < na or file[-1] >= nb))
@@ -181,10 +192,20 @@ def _load(
             bytes(names[int(noff[na]) : int(noff[nb])]).decode("utf-8", "surrogatepass")
         except UnicodeDecodeError as exc:
             raise bad(f"its names are not UTF-8 ({exc})") from None
-        off = np.asarray(noff[na:nb])
-        starts = off[np.diff(np.asarray(noff[na : nb + 1])) > 0]
-        if len(starts) and np.any((np.asarray(names)[starts] & 0xC0) == 0x80):
+        starts = off[:-1][lens > 0]
+        if len(starts) and np.any((names[starts] & 0xC0) == 0x80):
             raise bad("a name starts inside a UTF-8 character")
+        # The sampled entries of the span: the record's sample is the run's (the splitters and
+        # every range's searches read it in place of the run).
+        k = np.arange(-(-ea // sample.step), -(-eb // sample.step), dtype=np.int64)
+        if len(k) and not np.array_equal(file[k * sample.step - ea], sample.files[k]):
+            raise bad("its record's sample is not its entries'")
+        s_off = np.concatenate([[0], np.cumsum(sample.lens)])
+        for j in k.tolist():
+            f = int(sample.files[j])
+            got = np.asarray(names[int(noff[f]) : int(noff[f + 1])])
+            if not np.array_equal(got, sample.raw[s_off[j] : s_off[j + 1]]):
+                raise bad("its record's sample is not its names'")
         span = [file if f == "file" else np.asarray(cols[f][ea:eb]) for f in RUN_COLUMNS]
         check_rows(bad, n_files, layouts, span, commit.nbytes, checks, commit.chunk_bytes)
 
@@ -194,4 +215,4 @@ def _load(
     )  # fmt: skip
     gmap = work.zeros(f"{tag}.gmap", np.int64, (n_files,))
     file, frame, gl, off, nb, crc = (cols[f] for f in RUN_COLUMNS)
-    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, where, check_span)
+    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, where, check_span, sample)

@@ -36,6 +36,7 @@ import numpy as np
 from . import _format as F
 from . import _poll
 from ._errors import CorruptSpillError, SpillMergeError
+from ._fetched import Fetches, fetched
 from ._parts import PARTS_DIR
 from ._plan import ROW_BLOCK, Plan, PlannedColumn, PlannedList, encoded_names
 from ._plan_disk import StringTable, WorkFolder
@@ -191,11 +192,12 @@ def removed_on_error(output: Storage, rel: str) -> Iterator[None]:
 
 def read_array(
     output: Storage, rel: str, dtype: Any, shape: tuple[int, ...], size: int | None, work: WorkFolder | None,
-    bad: Callable[[str], Exception],
-) -> np.ndarray:  # fmt: skip
+    bad: Callable[[str], Exception], lazy: Fetches | None = None,
+) -> Any:  # fmt: skip
     """The raw little-endian array object ``rel`` (whose listed size is ``size``): a page-cache map
-    on a local disk (``work`` None), else fetched into ``work`` in ranged reads. ``bad(why)`` is
-    raised when its size is not the one ``dtype`` and ``shape`` give."""
+    on a local disk (``work`` None), else fetched into ``work`` in ranged reads: whole, or with
+    ``lazy`` a :class:`_fetched.Fetched` array that fetches what is read of it (counted in
+    ``lazy``). ``bad(why)`` is raised when its size is not the one ``dtype`` and ``shape`` give."""
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     name = rel.rsplit("/", 1)[-1]
@@ -206,6 +208,8 @@ def read_array(
         if len(raw) != nbytes:
             raise bad(f"{name} holds {len(raw)} bytes, the manifest says {nbytes}")
         return raw.view(dt).reshape(shape)
+    if lazy is not None:
+        return fetched(output, rel, dt, shape, work.path(rel.replace("/", ".")), lazy)
     out = work.zeros(rel.replace("/", "."), dt, shape)
     flat = out.reshape(-1).view(np.uint8) if nbytes else np.zeros(0, np.uint8)
     for a in range(0, nbytes, _FETCH_BYTES):

@@ -505,6 +505,15 @@ def _edit_record(key, value):
     return edit
 
 
+def _edit_sample(fn):
+    def edit(run):
+        rec = json.loads((run / "run.json").read_text())
+        fn(rec["sample"])
+        (run / "run.json").write_text(json.dumps(rec))
+
+    return edit
+
+
 def _replace(name, how, up=4):
     def edit(run):  # the outside file lies beside the output (``up`` folders above the run's)
         make_hostile(run / name, run.parents[up] / f"outside-{run.parents[up - 1].name}.bin", how, grow=100 << 20)
@@ -524,6 +533,11 @@ _DAMAGE = {
     "torn array": _edit_array("frame", lambda a: a[:-1]),
     "another segment's run": _edit_record("segment", "rank-00000/elsewhere"),
     "wrong counts": _edit_record("n_rows", 1),
+    "sample of other entries": _edit_sample(lambda smp: smp.update(files=[0] * len(smp["files"]))),
+    "sample of other names": _edit_sample(lambda smp: smp.update(names=smp["names"][:-2] + "7a")),
+    "sample names' lengths disagree": _edit_sample(lambda smp: smp["lens"].__setitem__(0, smp["lens"][0] + 1)),
+    "a name longer than the record's width": _edit_sample(lambda smp: smp.update(width=max(smp["lens"]) - 1)),
+    "sample missing": _edit_record("sample", None),
     "record not JSON": lambda run: (run / "run.json").write_bytes(b"\x00{"),
     "record a FIFO": _replace("run.json", "fifo"),
     "array a FIFO": _replace("frame", "fifo"),
@@ -586,6 +600,8 @@ _DAMAGE_RANGE = {
     "a column key out of range": _edit_range_doc(lambda d: d["a"]["kinds"].append(10**9)),
     "rows per layout of another shape": _edit_range_doc(lambda d: d["b"]["hist"][0].append(1)),
     "a column set out of range": _edit_range_doc(lambda d: d["b"]["masks_seen"].append(-1)),
+    "spans of the runs that leave entries out": _edit_range_doc(lambda d: d["a"]["spans"].__setitem__(3, d["a"]["spans"][3] - 1)),
+    "spans of the runs missing": _edit_range_doc(lambda d: d["a"]["spans"].clear()),
     "doc /dev/zero": _replace("c.json", "dev zero", up=5),
     "array /dev/zero": _replace("seg", "dev zero", up=5),
     "array a FIFO": _replace("c0.src", "fifo", up=5),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from _mp_scenarios import output_tree, tree_diff
 from test_cli import assert_one_line_error, run
 
 import spillmerge
+from spillmerge import _fetched
 from spillmerge import _format_output as FO
 from spillmerge._storage import Storage
 
@@ -736,3 +738,37 @@ def test_the_part_0_probe_reads_only_a_live_holder_and_is_not_fooled_by_hostile_
     assert _lease.held(storage, name)  # an object-store holder (no working flock here)
     obj.write_text(json.dumps({**rec, "expires": time.time() + 60, "pad": "x" * (1 << 20)}))
     assert not _lease.held(storage, name)  # too large to be a lease record
+
+
+@pytest.mark.parametrize("backend", ["memory", pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
+def test_parts_on_an_object_store_read_only_what_they_use_of_each_others_runs_and_ranges(backend, monkeypatch):
+    # Fetching every run and range whole made every part read the whole plan's runs (~170 GB a
+    # part at 10^9 keys, docs/SCALE.md). A part reads the granules its range's spans, its copy
+    # and its index chunks touch; granules of 256 bytes and output chunks of 1 KiB (128 rows of
+    # the label) make that visible at this size.
+    monkeypatch.setattr(_fetched, "GRANULE", 256)
+    root, out, one = backend.url("spill"), backend.url("out"), backend.url("one")
+    for half in range(2):  # four segments: parts 0 and 1 take one run each from the others
+        for r in range(2):
+            with spillmerge.SpillWriter(root, rank=r, world_size=2, storage_options=backend.options) as w:
+                for i in range(1500 * half + r, 1500 * half + 1500, 2):
+                    w.write(f"img/{i:05d}.jpg", 0, {"label": torch.tensor(i), "emb": torch.full((4,), i, dtype=torch.int16)})
+    so = {"storage_options": backend.options, "plan_budget": 1000, "chunk_bytes": 1024}
+    read = re.compile(r"^read ([\d,]+) bytes in ([\d,]+) ranged reads of ([\d,]+) of the runs and ranges")
+    for i in (2, 0, 1):  # part 2 plans every range (parts 0 and 1 not at work), which 0 and 1 then map
+        rep = spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
+        got = [m.groups() for n in rep.notes if (m := read.match(n))]
+        if i == 2:  # it took nothing: every run and range was its own
+            assert got == [], rep.notes
+            continue
+        assert len(got) == 1, rep.notes
+        fetched, requests, size = (int(x.replace(",", "")) for x in got[0])
+        assert 0 < fetched < size // 2 and requests > 0, (i, got)  # its range of the runs, its third of the ranges
+    rep = spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
+    spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
+    a, b = spillmerge.open(out, backend.options), spillmerge.open(one, backend.options)
+    assert list(a.filenames) == list(b.filenames) == [f"img/{i:05d}.jpg" for i in range(3000)]
+    for name in ("img/00000.jpg", "img/01501.jpg", "img/02999.jpg"):
+        got_a, got_b = (np.asarray(r[name]["label"]).reshape(-1).tolist() for r in (a, b))
+        assert got_a == got_b == [int(name[4:9])], (name, got_a, got_b)
+    assert spillmerge.verify(out, backend.options).ok
