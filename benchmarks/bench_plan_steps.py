@@ -150,6 +150,9 @@ def table(r: dict[str, Any]) -> list[str]:
             f"{phases.get('index', 0):.1f} | {tot.get('cpu', 0):.1f} | {tot.get('copy cpu', 0):.1f} | "
             f"{tot.get('parts bytes', 0) / 2**20:.1f}, {int(tot.get('parts reads', 0))} |"
         )
+    lines += [""] + [
+        f"part {i} phases: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) for i, _s, phases, _t in r["parts"]
+    ]
     lines += [
         "",
         "part 0's plan: " + ", ".join(f"{k} {steps.get(k, 0.0):.2f} s" for k in STEPS) + f"; run - _runs {alone:.2f} s",

@@ -23,6 +23,7 @@ from . import _codecs
 from . import _format as F
 from . import _format_spill as FS
 from ._errors import CorruptSpillError
+from ._fetched import prefetch
 from ._plan import Plan, PlannedColumn
 from ._spillroot import check_of, data_ranges, verify_block
 from ._storage import Storage
@@ -207,6 +208,7 @@ class _OutputChunk:
         off = self.off
         r0 = int(np.searchsorted(off, lo, side="right")) - 1
         r1 = int(np.searchsorted(off, hi, side="left"))
+        prefetch([(off, r0, r1 + 1), (src, r0, r1)])  # another part's ranges on an object store: at once
         rows = np.arange(r0, r1, dtype=np.int64)
         a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
@@ -220,6 +222,9 @@ class _OutputChunk:
         CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers."""
         plan = self.plan
         e = np.asarray(self.col.src[rows], dtype=np.int64)
+        if len(e):  # the rows' entries of the row table (a short span: rows are in entry order), at once
+            lo, hi = int(e.min()), int(e.max()) + 1
+            prefetch([(a, lo, hi) for a in (plan.seg, plan.offset, plan.nbytes, plan.crc)])
         ents, segs, offs, sizes, crcs = (
             x.tolist() for x in (e, plan.seg[e], plan.offset[e], plan.nbytes[e], plan.crc[e])
         )

@@ -8,12 +8,13 @@ every later read of them from there."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ._concat import Concat
 from ._storage import Storage
 
 GRANULE = 64 << 10
@@ -51,7 +52,9 @@ class _Object:
         self.output, self.rel, self.nbytes, self.stats = output, rel, nbytes, stats
         self.local = local  # uint8 map of the work file, as long as the object
         self.have = np.zeros(-(-nbytes // GRANULE), dtype=bool)
-        self.lock = threading.Lock()
+        self.busy = np.zeros_like(self.have)
+        """Granules another thread is fetching."""
+        self.cond = threading.Condition()
         stats.add(size=nbytes)
 
     def ensure(self, a: int, b: int) -> None:
@@ -63,29 +66,113 @@ class _Object:
             self.ensure_granules(np.arange(g0, g1, dtype=np.int64))
 
     def ensure_granules(self, granules: np.ndarray) -> None:
-        """The sorted distinct ``granules`` present in :attr:`local`, the missing ones fetched in
-        one read (runs of consecutive ones one ranged read each, cut at ``MAX_REQUEST``)."""
-        with self.lock:
-            missing = granules[~self.have[granules]]
-            if not len(missing):
-                return
-            cuts = np.flatnonzero(np.diff(missing) != 1) + 1
-            pieces = []
-            per = max(1, MAX_REQUEST // GRANULE)
-            for run in np.split(missing, cuts):
-                for i in range(0, len(run), per):
-                    lo, hi = int(run[i]), int(run[min(i + per, len(run)) - 1]) + 1
-                    pieces.append((lo * GRANULE, min(hi * GRANULE, self.nbytes)))
-            total = sum(hi - lo for lo, hi in pieces)
-            buf = np.empty(total, dtype=np.uint8)
-            # One read of all of them: an object store fetches them at once.
-            self.output.read_into([(self.rel, lo, hi) for lo, hi in pieces], buf.data)
+        """The sorted distinct ``granules`` present in :attr:`local`: the missing ones no other
+        thread is fetching are fetched here in one read (runs of consecutive ones one ranged
+        read each, cut at ``MAX_REQUEST``), outside the lock, so threads reading other parts of
+        the object (the index writer's, the copy's) are not held up; then this waits for those
+        another thread is fetching."""
+        while True:
+            with self.cond:
+                need = granules[~self.have[granules]]
+                if not len(need):
+                    return
+                mine = need[~self.busy[need]]
+                if not len(mine):
+                    self.cond.wait()
+                    continue
+                self.busy[mine] = True
+            try:
+                self._fetch(mine)
+            except BaseException:
+                with self.cond:
+                    self.busy[mine] = False
+                    self.cond.notify_all()
+                raise
+            with self.cond:
+                self.have[mine] = True
+                self.busy[mine] = False
+                self.cond.notify_all()
+
+    def _fetch(self, missing: np.ndarray) -> None:
+        pieces = self.pieces(missing)
+        buf = np.empty(sum(hi - lo for lo, hi in pieces), dtype=np.uint8)
+        # One read of all of them: an object store fetches them at once.
+        self.output.read_into([(self.rel, lo, hi) for lo, hi in pieces], buf.data)
+        self.place(pieces, buf)
+
+    def pieces(self, missing: np.ndarray) -> list[tuple[int, int]]:
+        """Byte ranges of the sorted ``missing`` granules: runs of consecutive ones, each cut at
+        ``MAX_REQUEST``."""
+        cuts = np.flatnonzero(np.diff(missing) != 1) + 1
+        out = []
+        per = max(1, MAX_REQUEST // GRANULE)
+        for run in np.split(missing, cuts):
+            for i in range(0, len(run), per):
+                lo, hi = int(run[i]), int(run[min(i + per, len(run)) - 1]) + 1
+                out.append((lo * GRANULE, min(hi * GRANULE, self.nbytes)))
+        return out
+
+    def place(self, pieces: list[tuple[int, int]], buf: np.ndarray) -> None:
+        """``buf`` (``pieces``' bytes back to back) into :attr:`local`; counted."""
+        pos = 0
+        for lo, hi in pieces:
+            self.local[lo:hi] = buf[pos : pos + hi - lo]
+            pos += hi - lo
+        self.stats.add(pos, len(pieces))
+
+
+def prefetch(spans: Sequence[tuple[Any, int, int]]) -> None:
+    """Fetch together what elements ``a .. b-1`` of each ``(array, a, b)`` will read, in one
+    ``read_into`` per storage (an object store's ranged GETs at once, not one after another):
+    ``Fetched`` arrays and ``Concat`` s of them; other arrays (maps of local files) are skipped.
+    The copy calls it before it gathers a chunk's rows from several arrays of the plan."""
+    want: dict[int, tuple[_Object, list[np.ndarray]]] = {}
+    for arr, a, b in spans:
+        _collect(arr, a, b, want)
+    claimed: list[tuple[_Object, np.ndarray]] = []
+    for obj, parts in want.values():
+        g = np.unique(np.concatenate(parts))
+        with obj.cond:
+            need = g[~obj.have[g]]
+            mine = need[~obj.busy[need]]
+            obj.busy[mine] = True
+        if len(mine):
+            claimed.append((obj, mine))
+    by_storage: dict[int, list[tuple[_Object, np.ndarray, list[tuple[int, int]]]]] = {}
+    for obj, mine in claimed:
+        by_storage.setdefault(id(obj.output), []).append((obj, mine, obj.pieces(mine)))
+    try:
+        for group in by_storage.values():
+            reads = [(obj.rel, lo, hi) for obj, _m, ps in group for lo, hi in ps]
+            buf = np.empty(sum(hi - lo for _r, lo, hi in reads), dtype=np.uint8)
+            group[0][0].output.read_into(reads, buf.data)
             pos = 0
-            for lo, hi in pieces:
-                self.local[lo:hi] = buf[pos : pos + hi - lo]
-                pos += hi - lo
-            self.have[missing] = True
-            self.stats.add(total, len(pieces))
+            for obj, mine, ps in group:
+                n = sum(hi - lo for lo, hi in ps)
+                obj.place(ps, buf[pos : pos + n])
+                pos += n
+                with obj.cond:
+                    obj.have[mine] = True
+    finally:
+        for obj, mine in claimed:
+            with obj.cond:
+                obj.busy[mine] = False
+                obj.cond.notify_all()
+
+
+def _collect(arr: Any, a: int, b: int, want: dict[int, tuple[_Object, list[np.ndarray]]]) -> None:
+    a, b = max(a, 0), min(b, len(arr))  # a span out of range is the gather's to refuse
+    if b <= a:
+        return
+    if isinstance(arr, Fetched):
+        lo, hi = (arr.start + a) * arr._row, (arr.start + b) * arr._row
+        g = np.arange(lo // GRANULE, -(-hi // GRANULE), dtype=np.int64)
+        want.setdefault(id(arr._obj), (arr._obj, []))[1].append(g)
+    elif isinstance(arr, Concat):
+        for k, p in enumerate(arr.pieces):
+            lo, hi = int(arr.starts[k]), int(arr.starts[k + 1])
+            if hi > a and lo < b:
+                _collect(p, max(a, lo) - lo, min(b, hi) - lo, want)
 
 
 class Fetched:

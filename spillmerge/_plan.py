@@ -73,6 +73,9 @@ class PlannedColumn:
     numeric dtypes (``_variant_groups``); None otherwise (the name carries at most the dtype)."""
     offs: np.ndarray | None = None
     """``offsets()`` computed once (an out-of-core plan keeps them on disk), else None."""
+    known_present: int | None = None
+    """:meth:`present` when the planner knows it (a plan in ranges: the ranges' summaries), so
+    that no process reads every row's ``src`` for it (the whole plan, from an object store)."""
 
     @property
     def storage(self) -> str:
@@ -124,6 +127,8 @@ class PlannedColumn:
 
     def present(self) -> int:
         """Rows that have a value (read a block at a time)."""
+        if self.known_present is not None:
+            return self.known_present
         return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
 
     def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
@@ -197,6 +202,9 @@ class Plan:
     """A plan built in ranges by several processes (``_plan_disk``, ``_planranges``): each
     range's digest of its arrays, which its planner computed; the fingerprint hashes these
     instead of every array (each process then reads only its own range to fingerprint the plan)."""
+    known_bytes: int | None = None
+    """:attr:`total_bytes` when the planner knows it (a plan in ranges: the ranges' summaries), so
+    that no process reads every row's size for it (the whole plan, from an object store)."""
 
     @property
     def n_files(self) -> int:
@@ -208,6 +216,8 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
+        if self.known_bytes is not None:
+            return self.known_bytes
         total = 0
         for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
             for a in range(0, len(c.src), ROW_BLOCK):

@@ -54,6 +54,7 @@ from . import _plan as P
 from ._concat import concat, concat_offsets
 from ._errors import CorruptSpillError, SpillValueError
 from ._spillroot import LoadedSegment
+from ._zarrmeta import NAME_BLOCK
 
 #: Bytes one index row costs in a pass-1 block (the table's columns and the sorts' temporaries).
 ENTRY_BYTES = 400
@@ -145,8 +146,13 @@ class StringTable(Sequence[str]):
     """Strings in a file of UTF-8 bytes (``surrogatepass``) and an int64 offsets map: a
     ``Sequence[str]`` that holds none of them in memory."""
 
-    def __init__(self, data: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(
+        self, data: np.ndarray, offsets: np.ndarray, heads: tuple[int, np.ndarray, np.ndarray] | None = None
+    ) -> None:
         self._data, self._off = data, offsets
+        self._heads = heads
+        """``(block, bytes, offsets)`` of every ``block``-th string, when the planner made them
+        (a plan in ranges: each range's, so no process reads every string for them)."""
 
     def __len__(self) -> int:
         return len(self._off) - 1
@@ -187,6 +193,9 @@ class StringTable(Sequence[str]):
     def index_arrays(self, block: int) -> dict[str, np.ndarray]:
         """``_zarrmeta.filename_arrays`` of these (sorted) names without decoding them: the bytes
         and offsets are the table's own maps; the heads are every ``block``-th name."""
+        if self._heads is not None and self._heads[0] == block:
+            return {"filenames": self._data, "filename_offsets": self._off, "filename_heads": self._heads[1],
+                    "filename_head_offsets": self._heads[2]}  # fmt: skip
         heads = [bytes(self._data[int(self._off[i]) : int(self._off[i + 1])]) for i in range(0, len(self), block)]
         hoff = np.zeros(len(heads) + 1, dtype=np.int64)
         np.cumsum([len(h) for h in heads], out=hoff[1:])
@@ -791,10 +800,11 @@ class _Builder:
         if len(groups) > 62:
             raise TooManyColumns(len(groups))
         e_base = np.cumsum([0] + [sa[r].n_ent for r in range(n)])
+        f_base = np.cumsum([0] + [sa[r].n_files for r in range(n)])
 
         def b_of(r: int) -> _RangeB:
             if r not in local_b:
-                local_b[r] = self._phase_b(a_of(r), int(e_base[r]), uniq, first, len(dnames))
+                local_b[r] = self._phase_b(a_of(r), int(e_base[r]), int(f_base[r]), uniq, first, len(dnames))
             return local_b[r]
 
         # Phase B.
@@ -834,9 +844,12 @@ class _Builder:
         np.cumsum(units[:-1], axis=0, out=u_base[1:])
         r_base = np.cumsum([0] + [sa[r].n_rows for r in range(n)])
         n_base = np.cumsum([0] + [sa[r].name_bytes for r in range(n)])
+        h_base = np.cumsum([0] + [sb[r].head_bytes for r in range(n)])
         bases = [
-            Bases(int(r_base[r]), int(n_base[r]), int(e_base[r]), u_base[r].tolist(), units[r].tolist()) for r in range(n)
-        ]
+            Bases(int(r_base[r]), int(n_base[r]), int(e_base[r]), u_base[r].tolist(), units[r].tolist(), int(f_base[r]),
+                  int(h_base[r]))
+            for r in range(n)
+        ]  # fmt: skip
 
         # Phase C, and every range's pieces.
         pieces: dict[int, Pieces] = {}
@@ -856,7 +869,8 @@ class _Builder:
             pieces[r] = got_p
 
         ps = [pieces[r] for r in range(n)]
-        names = StringTable(concat([p.names for p in ps]), concat_offsets([p.name_offsets for p in ps]))
+        heads = (NAME_BLOCK, concat([p.heads for p in ps]), concat_offsets([p.head_offsets for p in ps]))
+        names = StringTable(concat([p.names for p in ps]), concat_offsets([p.name_offsets for p in ps]), heads)
         columns = []
         for g, s in enumerate(specs):
             col = P.PlannedColumn(
@@ -864,6 +878,7 @@ class _Builder:
                 None if s.count_mode is None else concat(_present([p.counts[g] for p in ps])),
                 None if s.table is None else concat(_present([p.shapes[g] for p in ps])), s.has_valid,
                 offs=None if s.count_mode is None else concat_offsets(_present([p.offs[g] for p in ps])),
+                known_present=int(present[g]),
             )  # fmt: skip
             columns.append(col)
         columns.sort(key=lambda col: col.name)
@@ -873,6 +888,7 @@ class _Builder:
             file_layouts, columns, self.segments, concat([p.seg for p in ps]), concat([p.off for p in ps]),
             concat([p.nb for p in ps]), concat([p.crc for p in ps]), sum(sa[r].duplicates for r in range(n)),
             range_digests=[p.digest() for p in ps] if n > 1 else None,
+            known_bytes=sum(sum(sb[r].nbytes) for r in range(n)),
         )  # fmt: skip
 
     def _splitters(self, width: int, ranges: int) -> list[Any]:
@@ -1008,10 +1024,14 @@ class _Builder:
 
     # -- phase B: pass 2 ----------------------------------------------------------------------
 
-    def _phase_b(self, a: _RangeA, e_base: int, uniq: np.ndarray, first: np.ndarray, n_dtypes: int) -> _RangeB:
+    def _phase_b(
+        self, a: _RangeA, e_base: int, f_base: int, uniq: np.ndarray, first: np.ndarray, n_dtypes: int
+    ) -> _RangeB:
         """Each column's source entry (its number in the whole plan: ``e_base`` + the range's)
         and layout per row of the range, each file's set of columns, and what the columns'
-        kinds and first units need of the range: rows per column and layout, bytes per column."""
+        kinds and first units need of the range: rows per column and layout, bytes per column;
+        and the bytes of its filename heads (its names whose number in the plan, ``f_base`` +
+        the range's, is a multiple of ``NAME_BLOCK``)."""
         w, t, tag = self.work, a.t, a.tag
         n_groups, n_layouts = len(uniq), len(self.layouts)
         kinds = np.array([F.DTYPES[lay.dtype].kind for lay in self.layouts])
@@ -1042,7 +1062,10 @@ class _Builder:
                 nb = np.asarray(t["nb"][e0:e1]) if nb is None else nb
                 nbytes[g] += int(nb[sel].sum())
         masks_seen = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
-        return _RangeB(src, rowgl, masks, masks_seen, present, hist, nbytes)
+        off = a.names.raw()[1]
+        heads = _head_ids(f_base, a.n_files)
+        head_bytes = int((np.asarray(off[heads + 1]) - np.asarray(off[heads])).sum()) if len(heads) else 0
+        return _RangeB(src, rowgl, masks, masks_seen, present, hist, nbytes, head_bytes)
 
     # -- phase C: per-file and per-row arrays ------------------------------------------------
 
@@ -1065,7 +1088,16 @@ class _Builder:
                 raise AssertionError(f"column {spec.name!r}: range {tag} counted {int(offs[-1]) - at.units[g]} "
                                      f"units, its summary {at.count[g]}")  # fmt: skip
             columns.append((counts, shapes, offs))
-        return _RangeC(file_offsets, name_offsets, file_layout, columns)
+        heads = _head_ids(at.files, a.n_files)
+        off = a.names.raw()[1]
+        starts, ends = np.asarray(off[heads]), np.asarray(off[heads + 1])
+        data = a.names.raw()[0]
+        for x, y in zip(starts.tolist(), ends.tolist(), strict=True):
+            w.append(f"{tag}.heads", np.asarray(data[x:y]))
+        head_offsets = np.full(len(heads) + 1, at.head_bytes, dtype=np.int64)
+        np.cumsum(ends - starts, out=head_offsets[1:])
+        head_offsets[1:] += at.head_bytes
+        return _RangeC(file_offsets, name_offsets, file_layout, columns, w.done(f"{tag}.heads", np.uint8), head_offsets)
 
     def _column_spec(self, name: str, leaf: tuple[str, ...], lay_ids: list[int], has_valid: bool) -> _ColumnSpec:
         """What ``_plan._column`` decides of a column from its layouts, the same in every range."""
@@ -1241,9 +1273,12 @@ class _RangeB:
     """Rows per column and layout."""
     nbytes: np.ndarray
     """Bytes of the rows per column."""
+    head_bytes: int
+    """Bytes of the range's filename heads."""
 
     def summary(self) -> SummaryB:
-        return SummaryB(self.present.tolist(), self.hist.tolist(), self.nbytes.tolist(), self.masks_seen.tolist())
+        return SummaryB(self.present.tolist(), self.hist.tolist(), self.nbytes.tolist(), self.masks_seen.tolist(),
+                        self.head_bytes)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -1255,6 +1290,10 @@ class _RangeC:
     file_layout: np.ndarray
     columns: list[tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]]
     """Each column's counts, shapes and offsets (None: the column has none)."""
+    heads: np.ndarray
+    """The range's filename heads (``_phase_b``), UTF-8 bytes back to back."""
+    head_offsets: np.ndarray
+    """Their offsets (heads + 1), in the whole plan's values."""
 
 
 # -- the plan in ranges: what the ranges exchange -------------------------------------------------
@@ -1319,6 +1358,8 @@ class SummaryB:
     """Bytes of the rows per column."""
     masks_seen: list[int]
     """The files' distinct column sets (bit per column)."""
+    head_bytes: int
+    """Bytes of the range's filename heads (``_Builder._phase_b``)."""
 
     def to_obj(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]
@@ -1329,7 +1370,7 @@ class SummaryB:
             return "its summary B does not have one entry per column"
         if any(len(h) != n_layouts or min(h, default=0) < 0 for h in self.hist):
             return "its summary B does not have one row count per layout"
-        if min(self.present, default=0) < 0 or min(self.nbytes, default=0) < 0:
+        if min(self.present, default=0) < 0 or min(self.nbytes, default=0) < 0 or self.head_bytes < 0:
             return "its summary B holds a negative count"
         if any(not 0 <= m < 1 << n_groups for m in self.masks_seen):
             return "its summary B names a column set the plan does not have"
@@ -1339,7 +1380,14 @@ class SummaryB:
     def from_obj(cls, o: Any) -> SummaryB:
         if not isinstance(o["hist"], list):
             raise ValueError("hist is not a list")
-        return cls(_ints(o["present"]), [_ints(h) for h in o["hist"]], _ints(o["nbytes"]), _ints(o["masks_seen"]))
+        return cls(_ints(o["present"]), [_ints(h) for h in o["hist"]], _ints(o["nbytes"]), _ints(o["masks_seen"]),
+                   _int(o["head_bytes"]))  # fmt: skip
+
+
+def _head_ids(f_base: int, n_files: int) -> np.ndarray:
+    """The files of a range (numbered from 0) whose number in the plan (``f_base`` + theirs) is
+    a multiple of ``NAME_BLOCK``: the filename heads of the output's index it holds."""
+    return np.arange((-f_base) % NAME_BLOCK, n_files, NAME_BLOCK, dtype=np.int64)
 
 
 def _untiled(spans: list[list[int]], runs: list[Run]) -> tuple[int, str] | None:
@@ -1388,6 +1436,9 @@ class Bases:
     """Each column's first unit (offsets' first value)."""
     count: list[int]
     """Each column's units in the range."""
+    files: int
+    head_bytes: int
+    """Bytes of the filename heads of the ranges before."""
 
 
 #: Arrays of a range's pieces: name → (dtype, what its length is).
@@ -1395,6 +1446,7 @@ PIECE_ARRAYS = {
     "names": ("|u1", "name_bytes"), "name_offsets": ("<i8", "files+1"), "file_offsets": ("<i8", "files+1"),
     "file_layout": ("<i4", "files"), "frame_idx": ("<i8", "rows"), "rank": ("<i4", "rows"), "copies": ("<i4", "rows"),
     "seg": ("<i8", "entries"), "off": ("<i8", "entries"), "nb": ("<i8", "entries"), "crc": ("<i8", "entries"),
+    "heads": ("|u1", "head_bytes"), "head_offsets": ("<i8", "heads+1"),
 }  # fmt: skip
 
 
@@ -1444,6 +1496,7 @@ class Pieces:
             "names": a.names.raw()[0], "name_offsets": c.name_offsets, "file_offsets": c.file_offsets,
             "file_layout": c.file_layout, "frame_idx": a.frame_idx, "rank": a.rank, "copies": a.copies,
             "seg": a.t["seg"], "off": a.t["off"], "nb": a.t["nb"], "crc": a.t["crc"],
+            "heads": c.heads, "head_offsets": c.head_offsets,
         }  # fmt: skip
         counts, shapes, offs = ([col[k] for col in c.columns] for k in range(3))
         return cls(sa, sb, arrays, list(b.src), counts, shapes, offs)
@@ -1454,7 +1507,7 @@ class Pieces:
         if self.a != sa or self.b != sb:
             return "its summaries are not the ones the plan was built from"
         n = {"name_bytes": sa.name_bytes, "files+1": sa.n_files + 1, "files": sa.n_files, "rows": sa.n_rows,
-             "entries": sa.n_ent}  # fmt: skip
+             "entries": sa.n_ent, "head_bytes": sb.head_bytes, "heads+1": len(_head_ids(at.files, sa.n_files)) + 1}  # fmt: skip
         want: list[tuple[str, np.ndarray | None, str | None, tuple[int, ...] | None]] = [
             (k, self.arrays.get(k), dt, (n[size],)) for k, (dt, size) in PIECE_ARRAYS.items()
         ]
@@ -1473,7 +1526,8 @@ class Pieces:
             if arr is not None and (np.dtype(arr.dtype) != np.dtype(dt) or tuple(arr.shape) != shape):
                 return f"{what} is {arr.dtype}{tuple(arr.shape)}, not {np.dtype(dt)}{shape}"
         ends = [("name offsets", self.name_offsets, at.name_bytes, sa.name_bytes),
-                ("file offsets", self.file_offsets, at.rows, sa.n_rows)]  # fmt: skip
+                ("file offsets", self.file_offsets, at.rows, sa.n_rows),
+                ("head offsets", self.head_offsets, at.head_bytes, sb.head_bytes)]  # fmt: skip
         ends += [(f"column {g} offsets", o, at.units[g], at.count[g]) for g, o in enumerate(self.offs) if o is not None]
         for what, off, base, count in ends:
             if int(off[0]) != base or int(off[-1]) != base + count:

@@ -716,6 +716,22 @@ MUTATIONS: list[Mutation] = [
         "a part waits for another part's range of the plan while that part is at work, not planning it again",
     ),
     Mutation(
+        "ranges-filename-heads-count-from-the-plans-first-file",
+        "spillmerge/_plan_disk.py",
+        "    return np.arange((-f_base) % NAME_BLOCK, n_files, NAME_BLOCK, dtype=np.int64)",
+        "    return np.arange(0, n_files, NAME_BLOCK, dtype=np.int64)",
+        ("tests/test_plan_disk.py::test_an_out_of_core_plan_in_ranges_writes_the_bytes_of_the_in_memory_plan",),
+        "the filename heads of a plan in ranges are every NAME_BLOCK-th name of the whole plan",
+    ),
+    Mutation(
+        "ranges-summaries-give-the-plans-bytes",
+        "spillmerge/_plan_disk.py",
+        "            known_bytes=sum(sum(sb[r].nbytes) for r in range(n)),",
+        "            known_bytes=sum(sum(sb[r].nbytes) for r in range(n - 1)),",
+        ("tests/test_plan_disk.py::test_an_out_of_core_plan_in_ranges_writes_the_bytes_of_the_in_memory_plan",),
+        "the bytes a plan in ranges reports (header, report) are the whole plan's",
+    ),
+    Mutation(
         "ranges-spans-tile-every-run",
         "spillmerge/_plan_disk.py",
         "        if bad is not None:\n            r, why = bad",

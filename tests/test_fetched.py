@@ -83,3 +83,47 @@ def test_offsets_of_fetched_ranges_read_as_one_without_fetching_them(tmp_path, m
     assert np.searchsorted(c, 150) == 150 and int(c[-1]) == 300
     assert stats.bytes <= 64 * 12
     np.testing.assert_array_equal(np.asarray(c), np.arange(301))
+
+
+def test_threads_reading_one_fetched_array_at_once_fetch_each_granule_once(tmp_path, monkeypatch):
+    # The index writer's and the copy's threads read one array at once: a granule another thread
+    # is fetching is waited for, not fetched again, and nobody reads it half-written.
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(_fetched, "GRANULE", 64)
+    whole = np.arange(20_000, dtype=np.int64) * 7
+    stats = Fetches()
+    f = _stored(whole, stats, str(tmp_path))
+    rng = np.random.default_rng(0)
+    spans = [(int(a), int(a) + int(n)) for a, n in zip(rng.integers(0, 20_000, 400), rng.integers(1, 300, 400), strict=True)]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda s: np.array(f[s[0] : s[1]]), spans))
+    for (a, b), g in zip(spans, got, strict=True):
+        np.testing.assert_array_equal(g, whole[a:b])
+    np.testing.assert_array_equal(np.asarray(f), whole)
+    assert stats.bytes == whole.nbytes  # every granule fetched once, whoever fetched it
+
+
+def test_prefetch_reads_spans_of_several_arrays_in_one_read(tmp_path, monkeypatch):
+    # The copy's gathers of a chunk's rows from four arrays of the plan: one read_into, so an
+    # object store fetches them at once; what it fetched is not fetched again.
+    monkeypatch.setattr(_fetched, "GRANULE", 64)
+    st_ = Storage(f"memory://prefetch-{uuid.uuid4().hex}")
+    arrays, wholes = [], []
+    stats = Fetches()
+    for k in range(4):
+        whole = np.arange(1000, dtype=np.int64) + 1000 * k
+        st_.put(f"a{k}", whole.tobytes())
+        arrays.append(fetched(st_, f"a{k}", whole.dtype, whole.shape, str(tmp_path / f"a{k}"), stats))
+        wholes.append(whole)
+    calls = []
+    read_into = type(st_).read_into
+    monkeypatch.setattr(type(st_), "read_into", lambda self, p, out: (calls.append(len(p)), read_into(self, p, out)))
+    two = Concat([arrays[2], arrays[3]])  # a Concat of fetched pieces: its pieces' spans
+    _fetched.prefetch([(arrays[0], 100, 200), (arrays[1], -5, 50), (two, 990, 1010), (np.zeros(3), 0, 3)])
+    assert len(calls) == 1 and calls[0] >= 4
+    fetched_bytes = stats.bytes
+    np.testing.assert_array_equal(arrays[0][100:200], wholes[0][100:200])
+    np.testing.assert_array_equal(arrays[1][0:50], wholes[1][0:50])
+    np.testing.assert_array_equal(two[990:1010], np.concatenate([wholes[2][990:], wholes[3][:10]]))
+    assert len(calls) == 1 and stats.bytes == fetched_bytes  # nothing fetched twice

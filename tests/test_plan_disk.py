@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import spillmerge
 from spillmerge import _format_spill as FS
-from spillmerge import _plan, _plan_disk
+from spillmerge import _plan, _plan_disk, _zarrmeta
 from spillmerge._spillroot import LoadedSegment, Segment, lex_order
 from tests._helpers import make_hostile
 from tests._mp_scenarios import output_tree, tree_diff
@@ -201,11 +201,15 @@ def test_an_out_of_core_plan_writes_the_bytes_of_the_in_memory_plan(tmp_path, co
     assert spillmerge.verify(str(tmp_path / "disk")).ok
 
 
-@pytest.mark.parametrize("ranges", [2, 5])
-def test_an_out_of_core_plan_in_ranges_writes_the_bytes_of_the_in_memory_plan(tmp_path, monkeypatch, ranges):
+@pytest.mark.parametrize(("ranges", "name_block"), [(2, 1024), (5, 1024), (3, 7)])
+def test_an_out_of_core_plan_in_ranges_writes_the_bytes_of_the_in_memory_plan(tmp_path, monkeypatch, ranges, name_block):
     """The plan split into ranges of filenames (each planned on its own, its arrays read back to
     back) writes the in-memory plan's bytes: ragged, string, list-of-str, bytes and optional
-    columns, duplicates, a file written by several ranks, a segment that holds nothing."""
+    columns, duplicates, a file written by several ranks, a segment that holds nothing; and the
+    filename heads each range takes of its names (a head every 7 names: heads in every range, none
+    at a range's start)."""
+    monkeypatch.setattr(_zarrmeta, "NAME_BLOCK", name_block)
+    monkeypatch.setattr(_plan_disk, "NAME_BLOCK", name_block)
     root = str(tmp_path / "spill")
     _spill_mixed(root)
     mem = spillmerge.merge(root, str(tmp_path / "mem"), chunk_bytes=512)
