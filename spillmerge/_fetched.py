@@ -23,6 +23,8 @@ one granule; a part's share of round-robin index chunks (256 KiB per array) is n
 to its neighbours'."""
 MAX_REQUEST = 16 << 20
 """Bytes of one ranged read at most (a long read is several, fetched together)."""
+PREFETCH_BYTES = 64 << 20
+"""Bytes :func:`prefetch` reads at once at most (more: one batch after another)."""
 
 
 @dataclass
@@ -31,18 +33,21 @@ class Fetches:
 
     bytes: int = 0
     requests: int = 0
+    rounds: int = 0
+    """Reads that waited for their ranged reads (one ``read_into`` each, its reads at once)."""
     size: int = 0
     """Bytes of every object opened (what fetching them whole would have read)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, nbytes: int = 0, requests: int = 0, size: int = 0) -> None:
+    def add(self, nbytes: int = 0, requests: int = 0, size: int = 0, rounds: int = 0) -> None:
         with self._lock:  # the plan's threads fetch from several objects at once
             self.bytes += nbytes
             self.requests += requests
             self.size += size
+            self.rounds += rounds
 
     def __str__(self) -> str:
-        return f"{self.bytes:,} bytes in {self.requests:,} ranged reads of {self.size:,}"
+        return f"{self.bytes:,} bytes in {self.requests:,} ranged reads ({self.rounds:,} round trips) of {self.size:,}"
 
 
 class _Object:
@@ -99,6 +104,7 @@ class _Object:
         # One read of all of them: an object store fetches them at once.
         self.output.read_into([(self.rel, lo, hi) for lo, hi in pieces], buf.data)
         self.place(pieces, buf)
+        self.stats.add(rounds=1)
 
     def pieces(self, missing: np.ndarray) -> list[tuple[int, int]]:
         """Byte ranges of the sorted ``missing`` granules: runs of consecutive ones, each cut at
@@ -143,21 +149,33 @@ def prefetch(spans: Sequence[tuple[Any, int, int]]) -> None:
         by_storage.setdefault(id(obj.output), []).append((obj, mine, obj.pieces(mine)))
     try:
         for group in by_storage.values():
-            reads = [(obj.rel, lo, hi) for obj, _m, ps in group for lo, hi in ps]
-            buf = np.empty(sum(hi - lo for _r, lo, hi in reads), dtype=np.uint8)
-            group[0][0].output.read_into(reads, buf.data)
-            pos = 0
-            for obj, mine, ps in group:
-                n = sum(hi - lo for lo, hi in ps)
-                obj.place(ps, buf[pos : pos + n])
-                pos += n
-                with obj.cond:
-                    obj.have[mine] = True
+            batch: list[tuple[_Object, np.ndarray, list[tuple[int, int]]]] = []
+            size = 0
+            for item in group:  # batches of about PREFETCH_BYTES: the buffer is in memory
+                batch.append(item)
+                size += sum(hi - lo for lo, hi in item[2])
+                if size >= PREFETCH_BYTES or item is group[-1]:
+                    _read_batch(batch, size)
+                    batch, size = [], 0
     finally:
         for obj, mine in claimed:
             with obj.cond:
                 obj.busy[mine] = False
                 obj.cond.notify_all()
+
+
+def _read_batch(batch: list[tuple[_Object, np.ndarray, list[tuple[int, int]]]], size: int) -> None:
+    reads = [(obj.rel, lo, hi) for obj, _m, ps in batch for lo, hi in ps]
+    buf = np.empty(size, dtype=np.uint8)
+    batch[0][0].output.read_into(reads, buf.data)
+    batch[0][0].stats.add(rounds=1)
+    pos = 0
+    for obj, mine, ps in batch:
+        n = sum(hi - lo for lo, hi in ps)
+        obj.place(ps, buf[pos : pos + n])
+        pos += n
+        with obj.cond:
+            obj.have[mine] = True
 
 
 def _collect(arr: Any, a: int, b: int, want: dict[int, tuple[_Object, list[np.ndarray]]]) -> None:
@@ -279,7 +297,7 @@ def fetched(output: Storage, rel: str, dtype: np.dtype[Any], shape: tuple[int, .
     if nbytes == 0:
         empty = np.zeros(shape, dtype=dtype)
         return Fetched(_Object(output, rel, 0, empty.reshape(-1).view(np.uint8), stats), empty)
-    with open(local_path, "wb") as f:
+    with open(local_path, "xb") as f:  # never another array's copy (FileExistsError)
         f.truncate(nbytes)
     raw = np.memmap(local_path, dtype=np.uint8, mode="r+", shape=(nbytes,))
     return Fetched(_Object(output, rel, nbytes, raw, stats), raw.view(dtype).reshape(shape))

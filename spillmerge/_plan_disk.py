@@ -53,6 +53,7 @@ from . import _format_spill as FS
 from . import _plan as P
 from ._concat import concat, concat_offsets
 from ._errors import CorruptSpillError, SpillValueError
+from ._fetched import prefetch
 from ._spillroot import LoadedSegment
 from ._zarrmeta import NAME_BLOCK
 
@@ -918,14 +919,21 @@ class _Builder:
         of the names' keys (:func:`name_keys`); each run's is in its sample."""
         return max([1, *(self._sample(si).width for si in range(len(self.runs)))])
 
-    def _lower_bound(self, si: int, key: Any, width: int) -> int:
-        """The first of run ``si``'s names whose key is not below ``key``: between the names of
-        two of its samples (which are sorted: the run's names are), found by a binary search and
-        then one block of names, so a published run is read there only."""
+    def _name_window(self, si: int, key: Any, width: int) -> tuple[int, int]:
+        """Run ``si``'s names ``lo .. hi`` between which its first name whose key is not below
+        ``key`` lies: between the names of two of its samples (which are sorted: the run's names
+        are)."""
         r, s = self.runs[si], self._sample(si)
         j = int(np.searchsorted(self._sample_keys(si, width), key, side="left"))
         hi = int(s.files[j]) if j < len(s.files) else len(r.names)
-        lo = min(hi, int(s.files[j - 1]) + 1) if j else 0
+        return (min(hi, int(s.files[j - 1]) + 1) if j else 0), hi
+
+    def _lower_bound(self, si: int, key: Any, width: int) -> int:
+        """The first of run ``si``'s names whose key is not below ``key``: in its
+        :meth:`_name_window`, by a binary search and then one block of names, so a published run
+        is read there only."""
+        r = self.runs[si]
+        lo, hi = self._name_window(si, key, width)
         while hi - lo > _SEARCH_BLOCK:
             mid = (lo + hi) // 2
             if name_keys(*r.names.encoded(mid, mid + 1), width)[0] < key:
@@ -934,14 +942,61 @@ class _Builder:
                 hi = mid
         return lo + int(np.searchsorted(name_keys(*r.names.encoded(lo, hi), width), key, side="left"))
 
-    def _entry_bound(self, si: int, name: int) -> int:
-        """The first of run ``si``'s entries whose filename id is not below ``name``: between two
-        samples, then one slice of the run's ``file``."""
+    def _entry_window(self, si: int, name: int) -> tuple[int, int]:
+        """Run ``si``'s entries ``lo .. hi`` between which its first entry whose filename id is
+        not below ``name`` lies: between two samples."""
         r, s = self.runs[si], self._sample(si)
         k = int(np.searchsorted(s.files, name, side="left"))
         hi = min(k * s.step, len(r.file))
-        lo = min(hi, (k - 1) * s.step + 1) if k else 0
-        return lo + int(np.searchsorted(np.asarray(r.file[lo:hi]), name, side="left"))
+        return (min(hi, (k - 1) * s.step + 1) if k else 0), hi
+
+    def _entry_bound(self, si: int, name: int) -> int:
+        """The first of run ``si``'s entries whose filename id is not below ``name``: in its
+        :meth:`_entry_window`, one slice of the run's ``file``."""
+        lo, hi = self._entry_window(si, name)
+        return lo + int(np.searchsorted(np.asarray(self.runs[si].file[lo:hi]), name, side="left"))
+
+    def _spans(self, lo: Any, hi: Any, width: int) -> list[tuple[int, int, int, int, int]]:
+        """Each run's ``si, na, nb, ea, eb``: its names and entries from key ``lo`` (included) to
+        key ``hi`` (excluded; None: open), checked (``Run.check``). A published run on an object
+        store is read where the searches and the spans fall, in a few rounds of reads of every
+        run at once (``_fetched.prefetch``), not one run and array after another."""
+        runs = self.runs
+        keys = [k for k in (lo, hi) if k is not None]
+        wins = [(si, self._name_window(si, k, width)) for si in range(len(runs)) for k in keys]
+        wins = [(si, (a, b)) for si, (a, b) in wins if b - a <= _SEARCH_BLOCK]
+        prefetch([(runs[si].names.raw()[1], a, b + 1) for si, (a, b) in wins])
+        prefetch([(runs[si].names.raw()[0], int(runs[si].names.raw()[1][a]), int(runs[si].names.raw()[1][b]))
+                  for si, (a, b) in wins])  # fmt: skip
+        names = []
+        for si, r in enumerate(runs):
+            na = 0 if lo is None else self._lower_bound(si, lo, width)
+            nb = len(r.names) if hi is None else self._lower_bound(si, hi, width)
+            if nb < na:
+                raise DamagedRun(f"{r.source}: its filenames are not sorted and distinct", path=r.source)
+            names.append((na, nb))
+        ewins = [(si, self._entry_window(si, x)) for si, (na, nb) in enumerate(names) for x in (na, nb)]
+        prefetch([(runs[si].file, a, b) for si, (a, b) in ewins])
+        spans = []
+        for si, (na, nb) in enumerate(names):
+            r = runs[si]
+            ea = 0 if lo is None else self._entry_bound(si, na)
+            eb = len(r.file) if hi is None else self._entry_bound(si, nb)
+            if eb < ea:
+                raise DamagedRun(f"{r.source}: its entries are not ordered by filename", path=r.source)
+            spans.append((si, na, nb, ea, eb))
+        # What the checks and the names merge and pass 1 read of each run, at once.
+        reads: list[tuple[Any, int, int]] = []
+        for si, na, nb, ea, eb in spans:
+            data, off = runs[si].names.raw()
+            reads += [(off, na, nb + 1), (data, int(off[na]), int(off[nb]))]
+            reads += [(getattr(runs[si], f), ea, eb) for f in RUN_COLUMNS]
+        prefetch(reads)
+        for si, na, nb, ea, eb in spans:
+            check = runs[si].check
+            if check is not None:
+                check(na, nb, ea, eb)
+        return spans
 
     # -- phase A: a range's names and pass 1 --------------------------------------------------
 
@@ -949,19 +1004,7 @@ class _Builder:
         """Range ``i`` (filenames from key ``lo`` to below key ``hi``, None: open): its names
         merged (step 2) and its entries checked into rows (pass 1), numbered from 0 in the range."""
         w, tag = self.work, f"r{i}"
-        spans = []  # run, first name, one past the last name, first entry, one past the last entry
-        for si, r in enumerate(self.runs):
-            na = 0 if lo is None else self._lower_bound(si, lo, width)
-            nb = len(r.names) if hi is None else self._lower_bound(si, hi, width)
-            if nb < na:
-                raise DamagedRun(f"{r.source}: its filenames are not sorted and distinct", path=r.source)
-            ea = 0 if lo is None else self._entry_bound(si, na)
-            eb = len(r.file) if hi is None else self._entry_bound(si, nb)
-            if eb < ea:
-                raise DamagedRun(f"{r.source}: its entries are not ordered by filename", path=r.source)
-            if r.check is not None:
-                r.check(na, nb, ea, eb)
-            spans.append((si, na, nb, ea, eb))
+        spans = self._spans(lo, hi, width)  # run, first and one past the last name, entry
         names = self._merge_names(tag, spans, width, lo, hi)
         n_files = len(names)
         n_lp = len(self.leaf_paths)

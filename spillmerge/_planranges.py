@@ -35,7 +35,7 @@ import numpy as np
 from . import _format as F
 from . import _lease, _parts, _poll
 from ._errors import SpillMergeError
-from ._fetched import Fetches
+from ._fetched import Fetches, prefetch
 from ._parts import PARTS_DIR
 from ._plan_disk import PIECE_ARRAYS, DamagedRange, Pieces, RangeExchange, SummaryA, SummaryB, WorkFolder
 from ._planshare import put_array, read_array
@@ -161,17 +161,22 @@ class Exchange(RangeExchange):
         sizes = dict(self.output.find(rel))
         specs = doc["arrays"]
 
-        def arr(name: str | None) -> np.ndarray | None:
+        got: dict[str, Any] = {}
+
+        def arr(name: str | None) -> Any:
             if name is None:
                 return None
+            if isinstance(name, str) and name in got:  # named twice: one array (one local copy)
+                return got[name]
             if not isinstance(name, str) or name not in specs or "/" in name:
                 raise ValueError(f"no array {name!r:.80}")
             spec = specs[name]
             shape = tuple(int(x) for x in spec["shape"])
             obj = f"{rel}/{name}"
-            return read_array(
+            got[name] = read_array(
                 self.output, obj, np.dtype(spec["dtype"]), shape, sizes.get(obj), self.work, self._bad(r), self.fetches
             )
+            return got[name]
 
         arrays = {name: arr(name) for name in PIECE_ARRAYS}
         cols = doc["columns"]
@@ -180,13 +185,18 @@ class Exchange(RangeExchange):
         src = [arr(c["src"]) for c in cols]
         if any(a is None for a in [*arrays.values(), *src]):
             raise ValueError("an array is missing")
+        # The ends of its offsets (what ``Pieces.problem`` reads), in one round trip.
+        ends = [arrays["name_offsets"], arrays["file_offsets"], arrays["head_offsets"]]
+        offs = [arr(c["offsets"]) for c in cols]
+        ends += [a for a in offs if a is not None]
+        prefetch([(a, i, i + 1) for a in ends for i in (0, len(a) - 1)])
         digest = doc["digest"]
         if not isinstance(digest, str) or len(digest) != 32 or any(ch not in "0123456789abcdef" for ch in digest):
             raise ValueError(f"digest {digest!r:.80} is not 32 hex digits")
         return Pieces(
             SummaryA.from_obj(doc["a"]), SummaryB.from_obj(doc["b"]), arrays,  # type: ignore[arg-type]
             src, [arr(c["counts"]) for c in cols], [arr(c["shapes"]) for c in cols],  # type: ignore[arg-type]
-            [arr(c["offsets"]) for c in cols], digest,
+            offs, digest,
         )  # fmt: skip
 
     def _bad(self, r: int) -> Callable[[str], DamagedRange]:

@@ -732,6 +732,14 @@ MUTATIONS: list[Mutation] = [
         "the bytes a plan in ranges reports (header, report) are the whole plan's",
     ),
     Mutation(
+        "phase-a-reads-every-runs-span-at-once",
+        "spillmerge/_plan_disk.py",
+        "        prefetch(reads)\n",
+        "        pass\n",
+        ("tests/test_scaleout.py::test_a_part_reads_the_runs_it_takes_in_a_few_round_trips_whatever_their_number",),
+        "a part's plan reads the spans of every run it took from an object store in a few round trips",
+    ),
+    Mutation(
         "ranges-spans-tile-every-run",
         "spillmerge/_plan_disk.py",
         "        if bad is not None:\n            r, why = bad",
