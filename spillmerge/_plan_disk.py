@@ -523,6 +523,10 @@ class RunSource:
     def built(self, si: int, record: LoadedSegment, run: Run) -> None:
         """Segment ``si``'s run was built here (to publish it for others, if they need it)."""
 
+    def coming(self, sis: Sequence[int]) -> None:
+        """The plan will ask for the runs of segments ``sis`` next, in that order (to fetch what
+        it can of them at once)."""
+
     reuse = False
     """Whether a run of this process's own share is taken when it was published (by an earlier
     run of the same part) rather than built again."""
@@ -577,6 +581,8 @@ class _Builder:
                 add(si, *got)  # its own, published by an earlier run of this process's part
             else:
                 build(si)
+        if shared is not None and later:
+            shared.coming(later[::-1])
         for si in reversed(later):  # last first: a part still building its share starts at its first
             got = shared.take(si, self.work, f"s{si}") if shared is not None else None
             if got is None:

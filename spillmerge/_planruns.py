@@ -24,6 +24,7 @@ not against the spill root's catalog it was built from (docs/GUARANTEES.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -103,6 +104,8 @@ class Published(RunSource):
         self.linked = 0
         """Arrays of this part's runs published as hard links to its work files."""
         self._listed: dict[str, int] | None = None
+        self._records: dict[int, bytes] = {}
+        """Records GET ahead of their runs' take (:meth:`coming`)."""
         self.fetches = Fetches() if fetches is None else fetches
         """What was fetched of the runs taken (object stores: what the part reads of them)."""
 
@@ -115,6 +118,22 @@ class Published(RunSource):
         # by its owner now (``publish`` clears the folder first).
         if self.share and not self.elsewhere(si) and not self.output.exists(f"{rel}/{RECORD_NAME}"):
             self.linked += publish(self.output, rel, self.key, record, run)
+
+    def coming(self, sis: Sequence[int]) -> None:
+        """On an object store, the records of the runs of ``sis`` GET at once (16 at a time), not
+        one after another as each is taken (~5,000 round trips a part at 10^9 keys). A record
+        not there yet, or unreadable, is asked for again when its run is taken."""
+        if self.output.local or len(sis) < 2:
+            return
+
+        def get(si: int) -> tuple[int, bytes | None]:
+            try:
+                return si, self.output.get_or_none(f"{folder(self.key, si)}/{RECORD_NAME}", max_bytes=RECORD_MAX_BYTES)
+            except SpillMergeError:
+                return si, None
+
+        with ThreadPoolExecutor(max_workers=16, thread_name_prefix="spillmerge-runs") as pool:
+            self._records.update((si, raw) for si, raw in pool.map(get, sis) if raw is not None)
 
     def _sizes(self, rel: str) -> dict[str, int]:
         """The objects under run folder ``rel`` and their sizes. On an object store, from one
@@ -131,7 +150,9 @@ class Published(RunSource):
         rel = folder(self.key, si)
         where = self.output.describe(rel)
         try:
-            raw = self.output.get_or_none(f"{rel}/{RECORD_NAME}", max_bytes=RECORD_MAX_BYTES)
+            raw = self._records.pop(si, None)
+            if raw is None:
+                raw = self.output.get_or_none(f"{rel}/{RECORD_NAME}", max_bytes=RECORD_MAX_BYTES)
             if raw is None:
                 return None
             m = F.loads(raw, path=where)
