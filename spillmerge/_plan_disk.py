@@ -335,15 +335,14 @@ class Run:
     crc: np.ndarray
     gmap: np.ndarray
     """Global file id of each of ``names`` (filled in step 2; increasing)."""
+    sample: Sample
+    """What the splitters and the searches for a range's span read of the run."""
     source: str | None = None
     """Where another process published it (``_planruns``), whose names step 2 checks are sorted
     and distinct; None: built here."""
     check: Callable[[int, int, int, int], None] | None = None
     """A published run's checks of the names ``na .. nb-1`` and entries ``ea .. eb-1`` a range
     of the plan reads (``DamagedRun``), made when the range is planned; None: built here."""
-    sample: Sample | None = None
-    """What the splitters and the searches for a range's span read of the run (None:
-    :meth:`Sample.of` its arrays)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,7 +493,7 @@ def sort_run(work: WorkFolder, tag: str, s: LoadedSegment) -> Run:
     c = {k: work.done(f"{tag}.{k}", _I8) for k in RUN_COLUMNS}
     gmap = work.zeros(f"{tag}.gmap", _I8, (len(names),))
     sample = Sample.of(names, c["file"])
-    return Run(names, c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap, sample=sample)
+    return Run(names, c["file"], c["frame"], c["gl"], c["off"], c["nb"], c["crc"], gmap, sample)
 
 
 #: The per-entry columns of a run, in the order of the ``Run`` fields.
@@ -911,25 +910,22 @@ class _Builder:
         keys = np.sort(np.concatenate(samples))
         return [keys[len(keys) * j // ranges] for j in range(1, ranges)]
 
-    def _sample(self, si: int) -> Sample:
-        r = self.runs[si]
-        return r.sample if r.sample is not None else Sample.of(r.names, r.file)
-
     def _sample_keys(self, si: int, width: int) -> np.ndarray:
         if si not in self._keys:
-            self._keys[si] = self._sample(si).keys(width)
+            self._keys[si] = self.runs[si].sample.keys(width)
         return self._keys[si]
 
     def _name_width(self) -> int:
         """The longest filename of every run (at least 1 byte: a window of 0 is refused): the width
         of the names' keys (:func:`name_keys`); each run's is in its sample."""
-        return max([1, *(self._sample(si).width for si in range(len(self.runs)))])
+        return max([1, *(r.sample.width for r in self.runs)])
 
     def _name_window(self, si: int, key: Any, width: int) -> tuple[int, int]:
         """Run ``si``'s names ``lo .. hi`` between which its first name whose key is not below
         ``key`` lies: between the names of two of its samples (which are sorted: the run's names
         are)."""
-        r, s = self.runs[si], self._sample(si)
+        r = self.runs[si]
+        s = r.sample
         j = int(np.searchsorted(self._sample_keys(si, width), key, side="left"))
         hi = int(s.files[j]) if j < len(s.files) else len(r.names)
         return (min(hi, int(s.files[j - 1]) + 1) if j else 0), hi
@@ -951,7 +947,8 @@ class _Builder:
     def _entry_window(self, si: int, name: int) -> tuple[int, int]:
         """Run ``si``'s entries ``lo .. hi`` between which its first entry whose filename id is
         not below ``name`` lies: between two samples."""
-        r, s = self.runs[si], self._sample(si)
+        r = self.runs[si]
+        s = r.sample
         k = int(np.searchsorted(s.files, name, side="left"))
         hi = min(k * s.step, len(r.file))
         return (min(hi, (k - 1) * s.step + 1) if k else 0), hi
@@ -971,9 +968,9 @@ class _Builder:
         keys = [k for k in (lo, hi) if k is not None]
         wins = [(si, self._name_window(si, k, width)) for si in range(len(runs)) for k in keys]
         wins = [(si, (a, b)) for si, (a, b) in wins if b - a <= _SEARCH_BLOCK]
-        prefetch([(runs[si].names.raw()[1], a, b + 1) for si, (a, b) in wins])
-        prefetch([(runs[si].names.raw()[0], int(runs[si].names.raw()[1][a]), int(runs[si].names.raw()[1][b]))
-                  for si, (a, b) in wins])  # fmt: skip
+        tables = [r.names.raw() for r in runs]  # each run's names and offsets
+        prefetch([(tables[si][1], a, b + 1) for si, (a, b) in wins])
+        prefetch([(tables[si][0], int(tables[si][1][a]), int(tables[si][1][b])) for si, (a, b) in wins])
         names = []
         for si, r in enumerate(runs):
             na = 0 if lo is None else self._lower_bound(si, lo, width)
@@ -994,7 +991,7 @@ class _Builder:
         # What the checks and the names merge and pass 1 read of each run, at once.
         reads: list[tuple[Any, int, int]] = []
         for si, na, nb, ea, eb in spans:
-            data, off = runs[si].names.raw()
+            data, off = tables[si]
             reads += [(off, na, nb + 1), (data, int(off[na]), int(off[nb]))]
             reads += [(getattr(runs[si], f), ea, eb) for f in RUN_COLUMNS]
         prefetch(reads)

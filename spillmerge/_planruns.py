@@ -78,7 +78,7 @@ def publish(output: Storage, rel: str, key: str, s: LoadedSegment, run: Run) -> 
             "kind": _KIND, "format_version": F.FORMAT_VERSION, "key": key, "segment": s.seg.rel,
             "layouts": [lay.to_obj() for lay in s.layouts], "n_files": len(run.names), "n_rows": len(run.file),
             "name_bytes": len(data), "n_checks": len(checks),
-            "sample": (run.sample if run.sample is not None else Sample.of(run.names, run.file)).to_obj(),
+            "sample": run.sample.to_obj(),
         }  # fmt: skip
         output.put_atomic(f"{rel}/{RECORD_NAME}", F.dumps(record))
     return linked
@@ -250,4 +250,4 @@ def _load(
     )  # fmt: skip
     gmap = work.zeros(f"{tag}.gmap", np.int64, (n_files,))
     file, frame, gl, off, nb, crc = (cols[f] for f in RUN_COLUMNS)
-    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, where, check_span, sample)
+    return record, Run(StringTable(names, noff), file, frame, gl, off, nb, crc, gmap, sample, where, check_span)

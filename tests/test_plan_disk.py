@@ -606,6 +606,7 @@ _DAMAGE_RANGE = {
     "a column set out of range": _edit_range_doc(lambda d: d["b"]["masks_seen"].append(-1)),
     "spans of the runs that leave entries out": _edit_range_doc(lambda d: d["a"]["spans"].__setitem__(3, d["a"]["spans"][3] - 1)),
     "spans of the runs missing": _edit_range_doc(lambda d: d["a"]["spans"].clear()),
+    "one array named for two": _edit_range_doc(lambda d: d["columns"][0].update(src="seg")),
     "doc /dev/zero": _replace("c.json", "dev zero", up=5),
     "array /dev/zero": _replace("seg", "dev zero", up=5),
     "array a FIFO": _replace("c0.src", "fifo", up=5),
