@@ -748,14 +748,6 @@ MUTATIONS: list[Mutation] = [
         "ranges whose spans of the runs leave entries out (the parts read a run differently) are planned again",
     ),
     Mutation(
-        "published-run-sample-checked-against-its-entries",
-        "spillmerge/_planruns.py",
-        "        if len(k) and not np.array_equal(file[k * sample.step - ea], sample.files[k]):",
-        "        if False:",
-        ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root",),
-        "a published run whose record's sample is not its entries' is sorted again from the spill root",
-    ),
-    Mutation(
         "fetched-gather-fetches-every-granule-of-a-row",
         "spillmerge/_fetched.py",
         "            gr = np.unique(first if not reach else (first[:, None] + np.arange(reach + 1)).reshape(-1))",

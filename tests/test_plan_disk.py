@@ -518,6 +518,13 @@ def _edit_sample(fn):
     return edit
 
 
+def _sample_all_first(smp):
+    """Every sampled entry said to be the first one's filename (its name with it: the record
+    agrees with itself and with the names; only the entries disagree)."""
+    n, first = len(smp["files"]), smp["lens"][0]
+    smp.update(files=[smp["files"][0]] * n, lens=[first] * n, names=smp["names"][: 2 * first] * n)
+
+
 def _replace(name, how, up=4):
     def edit(run):  # the outside file lies beside the output (``up`` folders above the run's)
         make_hostile(run / name, run.parents[up] / f"outside-{run.parents[up - 1].name}.bin", how, grow=100 << 20)
@@ -537,7 +544,7 @@ _DAMAGE = {
     "torn array": _edit_array("frame", lambda a: a[:-1]),
     "another segment's run": _edit_record("segment", "rank-00000/elsewhere"),
     "wrong counts": _edit_record("n_rows", 1),
-    "sample of other entries": _edit_sample(lambda smp: smp.update(files=[0] * len(smp["files"]))),
+    "sample of other entries": _edit_sample(_sample_all_first),
     "sample of other names": _edit_sample(lambda smp: smp.update(names=smp["names"][:-2] + "7a")),
     "sample names' lengths disagree": _edit_sample(lambda smp: smp["lens"].__setitem__(0, smp["lens"][0] + 1)),
     "a name longer than the record's width": _edit_sample(lambda smp: smp.update(width=max(smp["lens"]) - 1)),
