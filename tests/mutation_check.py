@@ -57,6 +57,7 @@ class Mutation:
 G = "tests/test_guards.py"
 H = "tests/test_hostile.py"
 U = "tests/test_untrusted_storage.py"
+C = "tests/test_checks_tested.py"
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
@@ -786,6 +787,23 @@ MUTATIONS: list[Mutation] = [
         "            pass",
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
         "a published range whose per-column counts do not fit the plan's columns and layouts is planned again",
+    ),
+    # ------------------------------------------------------------------ checks nothing tested
+    Mutation(
+        "write-template-refuses-a-dict-with-more-keys",
+        "spillmerge/_templates.py",
+        "        if len(value) != len(self.keys):\n            return None\n        out = []",
+        "        out = []",
+        (f"{C}::test_a_dict_with_a_key_the_last_files_structure_lacks_is_merged_whole",),
+        "a write() of a dict with a key the last file's structure lacks merges that key too",
+    ),
+    Mutation(
+        "write-batch-fast-path-refuses-big-endian",
+        "spillmerge/_batch.py",
+        '            if a.dtype.kind not in "biufc" or not a.dtype.isnative:',
+        '            if a.dtype.kind not in "biufc":',
+        (f"{C}::test_a_big_endian_array_reads_back_as_its_values",),
+        "a big-endian array given to write_batch reads back as its values (stored little-endian)",
     ),
 ]
 
