@@ -805,6 +805,38 @@ MUTATIONS: list[Mutation] = [
         (f"{C}::test_a_big_endian_array_reads_back_as_its_values",),
         "a big-endian array given to write_batch reads back as its values (stored little-endian)",
     ),
+    Mutation(
+        "index-row-tail-inside-its-block",
+        "spillmerge/_spillroot.py",
+        "        if np.any(off[blocked] < c[:, 0]) or np.any(off[blocked] + nb[blocked] > c[:, 0] + c[:, 1]):",
+        "        if np.any(off[blocked] < c[:, 0]):",
+        (f"{C}::test_an_index_row_reaching_past_its_block_is_refused",),
+        "an index row whose bytes run past the block checksum it points at is refused, never copied unchecked",
+    ),
+    Mutation(
+        "block-checksums-match-the-commit-record",
+        "spillmerge/_spillroot.py",
+        "        if len(raw_chk) != want or google_crc32c.value(raw_chk) != commit.checks_crc32c:",
+        "        if len(raw_chk) != want:",
+        (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
+        "data damaged together with its block checksum is caught by the commit record's checksum of the checks",
+    ),
+    Mutation(
+        "block-checksum-inside-one-data-chunk",
+        "spillmerge/_spillroot.py",
+        "            or np.any(c_off // chunk_bytes != (c_off + c_nb - 1) // chunk_bytes)\n",
+        "",
+        (f"{C}::test_a_block_checksum_spanning_two_data_chunks_is_refused",),
+        "a block checksum spanning two data chunks is refused at load, named as such",
+    ),
+    Mutation(
+        "block-crc-object-store",
+        "spillmerge/_spillroot.py",
+        "    if google_crc32c.value(buf) != value:\n        raise block_mismatch(storage, seg, crc)",
+        "    if False:\n        raise block_mismatch(storage, seg, crc)",
+        (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
+        "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",
+    ),
 ]
 
 

@@ -5,14 +5,19 @@ tested")."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import pytest
+import torch
 from _helpers import value_diffs
 
 import spillmerge
+from spillmerge import _format_spill as FS
 
 
 def _merged(root: Path, out: Path) -> Any:
@@ -56,3 +61,110 @@ def test_a_big_endian_array_reads_back_as_its_values(tmp_path: Path, how: str) -
     for name, row in zip(names, vals, strict=True):
         got = res.value(name)["v"]
         assert np.array_equal(got, row.astype("<f4")), (name, got, row)
+
+
+# ------------------------------------------------------------------ damaged spill roots
+# A write_batch of 64 files at 4 KiB chunks: one block checksum per leaf and data chunk (the
+# int64 "a" rows, then the float32 "v" rows). Damage rewrites an array of the segment with its
+# chunk's CRC-32C fixed (and the commit record's, where said), so only the check under test can
+# catch it.
+
+
+@pytest.fixture(scope="module")
+def batch_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("batch") / "spill"
+    g = torch.Generator().manual_seed(0)
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
+        w.write_batch([f"i{i:02d}" for i in range(64)], {"a": torch.arange(64), "v": torch.randn(64, 100, generator=g)})
+    return root
+
+
+def _copy(batch_root: Path, tmp: Path) -> tuple[Path, Path]:
+    root = tmp / "spill"
+    shutil.copytree(batch_root, root)
+    return root, next(root.glob("rank-00000/seg-*"))
+
+
+def _array(seg: Path, name: str, cols: int) -> np.ndarray:
+    """A segment's index or checks (one chunk: its bytes, then their CRC-32C), as a copy."""
+    return np.frombuffer((seg / name / "c/0/0").read_bytes()[:-4], dtype="<i8").reshape(-1, cols).copy()
+
+
+def _store(seg: Path, name: str, arr: np.ndarray, commit_field: str | None) -> None:
+    raw = arr.astype("<i8").tobytes()
+    (seg / name / "c/0/0").write_bytes(raw + google_crc32c.value(raw).to_bytes(4, "little"))
+    if commit_field is not None:
+        commit = json.loads((seg / FS.COMMIT_NAME).read_text())
+        commit[commit_field] = google_crc32c.value(raw)
+        (seg / FS.COMMIT_NAME).write_text(json.dumps(commit))
+
+
+def _data(seg: Path) -> bytearray:
+    """A segment's data, its chunks back to back (4 KiB each but the last)."""
+    n = len(list((seg / "data/c").iterdir()))
+    return bytearray(b"".join((seg / f"data/c/{c}").read_bytes() for c in range(n)))
+
+
+def _refused(root: Path, tmp: Path, match: str) -> None:
+    with pytest.raises(spillmerge.CorruptSpillError, match=match):
+        spillmerge.merge(str(root), str(tmp / "out.zarr"), progress=False)
+    assert not (tmp / "out.zarr").exists()
+    assert not spillmerge.verify(str(root)).ok
+
+
+def test_an_index_row_reaching_past_its_block_is_refused(tmp_path: Path, batch_root: Path) -> None:
+    # Row i09 of "a" (bytes 72..80, the end of block 0) moved 4 bytes on: its tail lies in bytes
+    # no checksum covers, so the merge would copy them unchecked.
+    root, seg = _copy(batch_root, tmp_path)
+    index = _array(seg, FS.INDEX_NAME, FS.INDEX_COLUMNS)
+    (r,) = np.flatnonzero((index[:, FS.COL_OFFSET] == 72) & (index[:, FS.COL_CRC] == -1))
+    index[r, FS.COL_OFFSET] = 76
+    _store(seg, FS.INDEX_NAME, index, "index_crc32c")
+    _refused(root, tmp_path, "index row lies outside the block checksum it points at")
+
+
+def test_block_checksums_the_commit_record_does_not_vouch_for_are_refused(tmp_path: Path, batch_root: Path) -> None:
+    # A byte of block 1 changed together with that block's checksum: only the commit record's
+    # checksum of the checks array can tell.
+    root, seg = _copy(batch_root, tmp_path)
+    checks = _array(seg, FS.CHECKS_NAME, FS.CHECK_COLUMNS)
+    data = _data(seg)
+    data[100] ^= 0x10
+    (seg / "data/c/0").write_bytes(bytes(data[:4096]))
+    off, nb, _ = checks[1].tolist()
+    checks[1, 2] = google_crc32c.value(bytes(data[off : off + nb]))
+    _store(seg, FS.CHECKS_NAME, checks, None)
+    _refused(root, tmp_path, "checks do not match the commit record")
+
+
+def test_a_block_checksum_spanning_two_data_chunks_is_refused(tmp_path: Path, batch_root: Path) -> None:
+    # Block 1 (bytes 80..4080 of chunk 0) stretched to 4100, into chunk 1, its checksum that of
+    # those bytes: a block lies in one data chunk (the copy verifies it as one view of it).
+    root, seg = _copy(batch_root, tmp_path)
+    checks = _array(seg, FS.CHECKS_NAME, FS.CHECK_COLUMNS)
+    assert checks[1, :2].tolist() == [80, 4000]
+    data = _data(seg)
+    checks[1, 1:] = [4020, google_crc32c.value(bytes(data[80:4100]))]
+    _store(seg, FS.CHECKS_NAME, checks, "checks_crc32c")
+    _refused(root, tmp_path, "a block checksum covers bytes outside one data chunk")
+
+
+def test_a_corrupt_block_on_an_object_store_fails_the_merge(tmp_path: Path) -> None:
+    # The range-GET path of the copy checks a block of write_batch rows as the local one does.
+    import fsspec
+
+    root = "memory://checks-tested-block/spill"
+    fs = fsspec.filesystem("memory")
+    try:
+        with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
+            w.write_batch(
+                [f"i{i:02d}" for i in range(8)], {"v": torch.arange(800, dtype=torch.float32).reshape(8, 100)}
+            )
+        (key,) = [p for p in fs.find("/checks-tested-block/spill") if p.endswith("/data/c/0")]
+        raw = bytearray(fs.cat_file(key))
+        raw[1000] ^= 0x04  # row 2 of the one block
+        fs.pipe_file(key, bytes(raw))
+        with pytest.raises(spillmerge.CorruptSpillError, match=r"checksum mismatch"):
+            spillmerge.merge(root, str(tmp_path / "out"), progress=False)
+    finally:
+        fs.rm("/checks-tested-block", recursive=True)
