@@ -837,6 +837,22 @@ MUTATIONS: list[Mutation] = [
         (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
         "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",
     ),
+    Mutation(
+        "write-batch-multibyte-filename-limit",
+        "spillmerge/_batch.py",
+        "                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4\n",
+        "                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES\n",
+        (f"{C}::test_write_batch_refuses_a_multibyte_filename_over_the_limit",),
+        "write_batch refuses a filename of fewer characters but more UTF-8 bytes than the limit",
+    ),
+    Mutation(
+        "filename-block-starts-with-its-head",
+        "spillmerge/_names.py",
+        "        if len(names) and names[0] != self._heads[j]:",
+        "        if False:",
+        (f"{C}::test_a_filename_block_that_does_not_start_with_its_head_is_refused",),
+        "an output whose filename heads disagree with the blocks (files listed, never found) is refused when read",
+    ),
 ]
 
 

@@ -168,3 +168,44 @@ def test_a_corrupt_block_on_an_object_store_fails_the_merge(tmp_path: Path) -> N
             spillmerge.merge(root, str(tmp_path / "out"), progress=False)
     finally:
         fs.rm("/checks-tested-block", recursive=True)
+
+
+def test_write_batch_refuses_a_multibyte_filename_over_the_limit(tmp_path: Path) -> None:
+    # 40,000 two-byte characters: fewer characters than the byte limit, more bytes than it. The
+    # batch is refused at the call, naming the item, before anything is staged.
+    long = "é" * 40_000
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        with pytest.raises(spillmerge.SpillValueError, match=r"item 1 .*bytes"):
+            w.write_batch(["a.jpg", long], {"v": torch.zeros(2, 3)})
+        w.write_batch(["a.jpg", "b.jpg"], {"v": torch.ones(2, 3)})
+    res = _merged(tmp_path / "spill", tmp_path / "out.zarr")
+    assert sorted(res) == ["a.jpg", "b.jpg"]
+
+
+# ------------------------------------------------------------------ damaged outputs
+
+
+def test_a_filename_block_that_does_not_start_with_its_head_is_refused(tmp_path: Path) -> None:
+    # Each block of NAME_BLOCK filenames has its first name in index/filename_heads, the table a
+    # lookup bisects. Head 1 changed to a name between block 1's first two (same bytes, chunk
+    # checksum fixed by zarr): the file that starts block 1 would be listed yet never found.
+    import zarr
+
+    from spillmerge._zarrmeta import NAME_BLOCK
+
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    names = [f"f{i:06d}.jpg" for i in range(NAME_BLOCK + 5)]
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        w.write_batch(names, {"n": torch.arange(len(names))})
+    spillmerge.merge(str(root), str(out), progress=False)
+    heads = zarr.open_array(str(out / "index" / "filename_heads"), mode="r+")
+    second = len(names[0])  # head 1 starts after head 0's bytes
+    assert bytes(heads[second : second + len(names[NAME_BLOCK])]) == names[NAME_BLOCK].encode()
+    heads[second + len(names[NAME_BLOCK]) - 1] = ord("h")  # 'f001024.jpg' -> 'f001024.jph'
+    with pytest.raises(
+        spillmerge.CorruptSpillError,
+        match=r"index/filename_heads.*entry 1 is 'f001024.jph', but block 1 starts with 'f001024.jpg'",
+    ):
+        list(spillmerge.open(str(out)))
+    rep = spillmerge.verify(str(out))
+    assert not rep.ok and any("index/filename_heads" in p for p in rep.problems), rep.problems
