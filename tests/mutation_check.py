@@ -853,6 +853,22 @@ MUTATIONS: list[Mutation] = [
         (f"{C}::test_a_filename_block_that_does_not_start_with_its_head_is_refused",),
         "an output whose filename heads disagree with the blocks (files listed, never found) is refused when read",
     ),
+    Mutation(
+        "file-across-two-row-blocks-checks-both",
+        "spillmerge/_lazyindex.py",
+        "            if j != (b - 1) // ROW_BLOCK or j not in self._done:",
+        "            if j not in self._done:",
+        ("tests/test_lazy_index.py::test_a_file_across_two_blocks_is_read_only_after_both_are_checked",),
+        "a file whose rows span two row blocks is read only after the second block is checked too",
+    ),
+    Mutation(
+        "row-valid-in-one-variant-only",
+        "spillmerge/_lazyindex.py",
+        "            if len(count) and int(count.max()) > 1:",
+        "            if False:",
+        ("tests/test_lazy_index.py::test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused",),
+        "a row marked valid in two variant columns of a leaf is refused when read, not read as either",
+    ),
 ]
 
 

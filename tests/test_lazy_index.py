@@ -112,3 +112,35 @@ def test_every_row_reads_back_across_blocks(small_blocks, tmp_path):
     assert table.num_rows == 90 and table.column("caption")[89].as_py() == "file 29 frame 2"
     names, offsets, frame_idx, rank, copies = res.index_arrays()
     assert np.array_equal(offsets, np.arange(0, 91, 3)) and frame_idx.tolist() == [0, 1, 2] * 30
+
+
+def test_a_file_across_two_blocks_is_read_only_after_both_are_checked(small_blocks, tmp_path):
+    # File 2 holds rows 6..8: the end of block 0 and the start of block 1. Block 0 is checked when
+    # file 0 is read; reading file 2 then checks block 1 too, where row 8 is damaged, even for a
+    # leaf whose rows are read from its values alone ("emb": no offsets, nothing else checks).
+    out = _merge(tmp_path, 6)
+    _set(out, "index/frame_idx", 8, -4)
+    res = spillmerge.open(str(out))
+    assert res[_name(0)]["caption"].to_list() == [f"file 0 frame {f}" for f in range(3)]
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"index/frame_idx: row 8 .* < 0"):
+        res[_name(2)]["emb"][:]
+
+
+def test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused(small_blocks, tmp_path):
+    # "u" is a float in even frames and a string in odd ones: two variant columns, each row valid
+    # in exactly one. Row 0 (a float) also marked valid as a string would read as either.
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(4):
+            for f in range(3):
+                w.write(_name(i), f, {"u": 1.5 if f % 2 == 0 else f"s{f}"})
+    spillmerge.merge(str(root), str(out), progress=False)
+    res = spillmerge.open(str(out))
+    assert [res.value(_name(0), f)["u"] for f in range(3)] == [1.5, "s1", 1.5]
+    _set(out, "columns/u.str/valid", 0, 1)
+    with pytest.raises(
+        spillmerge.CorruptSpillError, match=r"row 0 has a value in more than one variant of leaf \['u'\]"
+    ):
+        spillmerge.open(str(out)).value(_name(0), 0)
+    rep = spillmerge.verify(str(out))
+    assert not rep.ok and any("more than one variant" in p for p in rep.problems), rep.problems
