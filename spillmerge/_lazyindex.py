@@ -370,7 +370,9 @@ class IndexChecks:
 
     def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
         rel = self._fi.rel
-        fi = self._fi.span(r0, r1)
+        lo = r0 - 1 if r0 else r0  # the row before: a file across the blocks' edge ascends across it
+        fi_lo = self._fi.span(lo, r1)
+        fi = fi_lo[r0 - lo :]
         neg = np.flatnonzero(fi < 0)
         if len(neg):
             r = r0 + int(neg[0])
@@ -382,17 +384,17 @@ class IndexChecks:
                     )
                 ]
             )
-        step_ok = np.diff(fi) > 0
-        inner = starts[(starts > r0) & (starts < r1)]
-        step_ok[inner - r0 - 1] = True  # a file's first row may be below the previous file's last
+        step_ok = np.diff(fi_lo) > 0
+        inner = starts[(starts > lo) & (starts < r1)]
+        step_ok[inner - lo - 1] = True  # a file's first row may be below the previous file's last
         bad = np.flatnonzero(~step_ok)
         if len(bad):
-            r = r0 + int(bad[0]) + 1
+            r = lo + int(bad[0]) + 1
             self._raise(
                 [
                     (
                         rel,
-                        f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi[r - r0])} after {int(fi[r - r0 - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
+                        f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
                     )
                 ]
             )

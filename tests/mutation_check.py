@@ -869,6 +869,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_lazy_index.py::test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused",),
         "a row marked valid in two variant columns of a leaf is refused when read, not read as either",
     ),
+    Mutation(
+        "iter-values-checks-frame-offsets-first",
+        "spillmerge/_rowblock.py",
+        "        if len(fo) != i1 - i0 + 1 or fo[0] < 0 or fo[-1] > files.n_rows or np.any(fo[1:] < fo[:-1]):",
+        "        if False:",
+        ("tests/test_lazy_index.py::test_iter_values_names_frame_offsets_decreasing_across_chunks",),
+        "iter_values over damaged frame offsets names index/frame_offsets, not the rows they misattribute",
+    ),
+    Mutation(
+        "frames-ascend-across-row-block-edges",
+        "spillmerge/_lazyindex.py",
+        "        lo = r0 - 1 if r0 else r0",
+        "        lo = r0",
+        ("tests/test_lazy_index.py::test_frames_descending_across_a_row_blocks_edge_are_refused",),
+        "a file's frame indices descending where its rows cross a row block's edge are refused when read",
+    ),
 ]
 
 

@@ -144,3 +144,27 @@ def test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused(small_blocks, t
         spillmerge.open(str(out)).value(_name(0), 0)
     rep = spillmerge.verify(str(out))
     assert not rep.ok and any("more than one variant" in p for p in rep.problems), rep.problems
+
+
+def test_iter_values_names_frame_offsets_decreasing_across_chunks(small_blocks, tmp_path):
+    # frame_offsets entry 16 (the first of its chunk, each chunk in order) set below entry 15:
+    # iter_values checks each window of files' entries before reading their rows, so the error
+    # names the array that is damaged, not the rows it misattributes.
+    out = _merge(tmp_path, 20)
+    _set(out, "index/frame_offsets", 16, 40)
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"^\S*index/frame_offsets: entries \d+\.\.\d+ decrease"):
+        list(spillmerge.open(str(out)).iter_values())
+
+
+def test_frames_descending_across_a_row_blocks_edge_are_refused(small_blocks, tmp_path):
+    # frame_offsets entry 8 moved from 24 to 25: file 7 then holds rows 21..24, frames 0, 1, 2
+    # (block 2) and 0 (block 3). Each block alone ascends: the check spans the edge between them.
+    out = _merge(tmp_path, 12)
+    _set(out, "index/frame_offsets", 8, 25)
+    res = spillmerge.open(str(out))
+    with pytest.raises(
+        spillmerge.CorruptSpillError, match=r"not strictly ascending within a file: row 24 .* holds 0 after 2"
+    ):
+        res.frames(_name(7))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"not strictly ascending"):
+        list(spillmerge.open(str(out)).iter_values())
