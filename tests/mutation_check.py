@@ -885,6 +885,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_lazy_index.py::test_frames_descending_across_a_row_blocks_edge_are_refused",),
         "a file's frame indices descending where its rows cross a row block's edge are refused when read",
     ),
+    Mutation(
+        "format-3-list-header-within-its-item-columns",
+        "spillmerge/_rowvalue.py",
+        "not (0 <= n <= limit and (items < 0 or n == items))",
+        "not (0 <= n and (items < 0 or n == items))",
+        ("tests/test_format3_fixture.py::test_a_list_header_longer_than_its_item_columns_is_refused",),
+        "a format-3 list header claiming more items than its file's item columns is refused, not padded with None",
+    ),
 ]
 
 

@@ -65,3 +65,20 @@ def test_to_arrow_of_a_format_3_output_is_what_format_3_exported(v3):
     got = spillmerge.open(str(v3)).to_arrow()
     assert got.schema == want.schema
     assert got.to_pylist() == want.to_pylist()
+
+
+def test_a_list_header_longer_than_its_item_columns_is_refused(v3):
+    # Format 3 stores a list's items in one column per position ("ll" has 3): a header saying 5
+    # would read as the 3 items and two None, not as the list written. Rewritten with zarr (which
+    # fixes the chunk's checksum), so only the header's bound can tell.
+    import zarr
+
+    (header,) = (v3 / "columns").glob("ll__~*")
+    values = zarr.open_array(str(header / "values"), mode="r+")
+    assert values[0] == 3  # a.jpg frame 0: [["a", "b"], [], ["c"]]
+    values[0] = 5
+    res = spillmerge.open(str(v3))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"says its list has 5 items; the file columns hold at most 3"):
+        res.value("a.jpg", 0)
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"has 5 items"):
+        list(res.iter_values())
