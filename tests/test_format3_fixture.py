@@ -78,7 +78,9 @@ def test_a_list_header_longer_than_its_item_columns_is_refused(v3):
     assert values[0] == 3  # a.jpg frame 0: [["a", "b"], [], ["c"]]
     values[0] = 5
     res = spillmerge.open(str(v3))
-    with pytest.raises(spillmerge.CorruptSpillError, match=r"says its list has 5 items; the file columns hold at most 3"):
+    with pytest.raises(
+        spillmerge.CorruptSpillError, match=r"says its list has 5 items; the file columns hold at most 3"
+    ):
         res.value("a.jpg", 0)
     with pytest.raises(spillmerge.CorruptSpillError, match=r"has 5 items"):
         list(res.iter_values())
