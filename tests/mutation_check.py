@@ -893,6 +893,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_format3_fixture.py::test_a_list_header_longer_than_its_item_columns_is_refused",),
         "a format-3 list header claiming more items than its file's item columns is refused, not padded with None",
     ),
+    Mutation(
+        "arrow-tuple-mark-only-for-tuples",
+        "spillmerge/_arrowtree.py",
+        '    meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None',
+        '    meta = TUPLE_META if ps and any(k[0] == "pytuple" for k, _, _, _ in ps) else None',
+        ("tests/test_arrow_v3.py::test_only_a_leaf_that_is_a_tuple_in_every_row_is_marked_as_tuples",),
+        "Arrow marks a column as tuples only when every row's value is a tuple, not lists mixed with tuples",
+    ),
 ]
 
 

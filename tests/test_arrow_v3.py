@@ -246,3 +246,25 @@ def test_every_kind_of_value_in_one_output_reads_back_row_by_row(tmp_path):
     for i, (name, v) in enumerate(VALUES.items()):
         one = write_merge(tmp_path / str(i), [{(name, 0): v}])
         check_rows(one, one.to_arrow())
+
+
+def test_only_a_leaf_that_is_a_tuple_in_every_row_is_marked_as_tuples(tmp_path):
+    # The field metadata says a column's lists were tuples: never for lists, nor for lists in
+    # some rows and tuples in others, in the table and in each batch.
+    tuple_mark = {b"spillmerge.container": b"tuple"}
+    res = write_merge(
+        tmp_path,
+        [
+            {
+                ("a.jpg", 0): {"pair": (1, "x"), "lst": [1, "a"], "mixed": [1, 2]},
+                ("b.jpg", 0): {"pair": (2, "y"), "lst": [2, "b"], "mixed": (3, 4)},
+                ("c.jpg", 0): {"other": 1},
+            }
+        ],
+    )
+    schema = res.to_arrow().schema
+    assert schema.field("pair").metadata == tuple_mark
+    assert schema.field("lst").metadata is None and schema.field("mixed").metadata is None
+    batches = list(res.iter_batches(batch_size=1))
+    assert [b.schema.field("pair").metadata for b in batches[:2]] == [tuple_mark, tuple_mark]
+    assert all(b.schema.field(k).metadata is None for b in batches for k in ("lst", "mixed"))
