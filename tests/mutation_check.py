@@ -901,6 +901,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_arrow_v3.py::test_only_a_leaf_that_is_a_tuple_in_every_row_is_marked_as_tuples",),
         "Arrow marks a column as tuples only when every row's value is a tuple, not lists mixed with tuples",
     ),
+    Mutation(
+        "one-list-group-per-list",
+        "spillmerge/_lists.py",
+        "        if key in out:\n",
+        "        if False:\n",
+        ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
+        "an output with two list groups for one list path is refused (their items could disagree)",
+    ),
+    Mutation(
+        "nested-list-group-has-its-parent",
+        "spillmerge/_lists.py",
+        "        if stored.parent and stored.parent not in out:",
+        "        if False:",
+        ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
+        "an output with a list group of items of a list that has no group is refused",
+    ),
 ]
 
 

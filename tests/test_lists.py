@@ -58,9 +58,17 @@ def test_a_list_of_1000_tensors_of_different_shapes_makes_two_columns_and_one_li
 
 
 def test_lists_whose_length_varies_between_rows_and_files(tmp_path):
-    rows = [(f"f{i % 3}.jpg", i, {"boxes": [torch.full((i % 4, 4), float(i)) for _ in range(i % 5)],
-                                  "names": [f"n{i}"] * (i % 2) + [torch.tensor(i)]})  # fmt: skip
-            for i in range(20)]
+    rows = [
+        (
+            f"f{i % 3}.jpg",
+            i,
+            {
+                "boxes": [torch.full((i % 4, 4), float(i)) for _ in range(i % 5)],
+                "names": [f"n{i}"] * (i % 2) + [torch.tensor(i)],
+            },
+        )  # fmt: skip
+        for i in range(20)
+    ]
     out = _merge(tmp_path, rows)
     res = _same(out, rows)
     lens = [len(v) for v in res.to_arrow()["boxes"].to_pylist()]
@@ -202,7 +210,9 @@ def test_a_header_whose_list_group_is_missing_is_refused(tmp_path, lists_out):
     for key in [k for k in meta if k.startswith(f"lists/{name}")]:
         del meta[key]
     (out / "zarr.json").write_text(json.dumps(root))
-    with pytest.raises(CorruptSpillError, match=r"columns/n_____~[0-9a-f]+: a list header whose items' list .* is missing"):
+    with pytest.raises(
+        CorruptSpillError, match=r"columns/n_____~[0-9a-f]+: a list header whose items' list .* is missing"
+    ):
         spillmerge.open(str(out))
     report = spillmerge.verify(str(out))
     assert not report.ok and any("a list header whose items' list" in p for p in report.problems), report.problems
@@ -221,3 +231,42 @@ def test_spill_roots_written_before_format_4_merge_to_lists(tmp_path):
     spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
     res = _same(tmp_path / "out", rows)
     assert res.format_version == 4 == spillmerge.FORMAT_VERSION
+
+
+def _plant_list_group(out: Path, like: str, name: str, path: tuple[str, ...]) -> None:
+    """A copy of the list group ``like`` as ``lists/<name>`` naming the list ``path`` (in the
+    consolidated root too): a group the merge never wrote."""
+    shutil.copytree(out / "lists" / like, out / "lists" / name)
+    doc = out / "lists" / name / "zarr.json"
+    meta = json.loads(doc.read_text())
+    meta["attributes"]["spillmerge"]["list"] = list(path)
+    doc.write_text(json.dumps(meta))
+    root = json.loads((out / "zarr.json").read_text())
+    docs = root["consolidated_metadata"]["metadata"]
+    for key in [k for k in docs if k == f"lists/{like}" or k.startswith(f"lists/{like}/")]:
+        docs[f"lists/{name}" + key[len(f"lists/{like}") :]] = json.loads(json.dumps(docs[key]))
+    docs[f"lists/{name}"]["attributes"]["spillmerge"]["list"] = list(path)
+    (out / "zarr.json").write_text(json.dumps(root))
+
+
+@pytest.mark.parametrize("planted", ["second group of a list", "list inside no list"])
+def test_a_list_group_the_lists_do_not_account_for_is_refused(tmp_path, lists_out, planted):
+    # Each list path has one group, and a nested list's group has its parent's: a second group
+    # of "l" (whichever the reader took, its items could be the other's), or a group of items
+    # of a list with none, is damage that open and verify name.
+    base, rows = lists_out
+    out = tmp_path / "out.zarr"
+    shutil.copytree(base, out)
+    like = _list_group(out, ("l", "\x1f*"))
+    if planted == "second group of a list":
+        path, needle = ("l", "\x1f*"), rf"lists/zz~0123456789abcdef: holds the list .* of lists/{like}"
+    else:
+        path, needle = (
+            ("zz", "\x1f*", "\x1f*"),
+            r"lists/zz~0123456789abcdef: its lists are items of \['zz', '\\x1f\*'\], which has no list group",
+        )
+    _plant_list_group(out, like, "zz~0123456789abcdef", path)
+    with pytest.raises(CorruptSpillError, match=needle):
+        spillmerge.open(str(out))
+    report = spillmerge.verify(str(out))
+    assert not report.ok and any("lists/zz~0123456789abcdef" in p for p in report.problems), report.problems
