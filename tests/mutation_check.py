@@ -917,6 +917,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
         "an output with a list group of items of a list that has no group is refused",
     ),
+    Mutation(
+        "cached-chunks-read-only",
+        "spillmerge/_cache.py",
+        "            arr.flags.writeable = False\n",
+        "",
+        (f"{C}::test_arrays_a_reader_returns_cannot_change_what_it_reads_next",),
+        "an array a read returns cannot change what later reads return (cached chunks are shared)",
+    ),
 ]
 
 

@@ -209,3 +209,31 @@ def test_a_filename_block_that_does_not_start_with_its_head_is_refused(tmp_path:
         list(spillmerge.open(str(out)))
     rep = spillmerge.verify(str(out))
     assert not rep.ok and any("index/filename_heads" in p for p in rep.problems), rep.problems
+
+
+def test_arrays_a_reader_returns_cannot_change_what_it_reads_next(tmp_path: Path) -> None:
+    # Decoded chunks are cached and shared by every read: an array a read returns is read-only
+    # or the caller's own, so writing into it never changes what the next read returns.
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for i in range(3):
+            for f in range(2):
+                w.write(f"f{i}.jpg", f, {"x": np.full(4, 10 * i + f, dtype=np.float32), "r": np.ones(i + 1)})
+    res = _merged(root, tmp_path / "out.zarr")
+    reads = {
+        "view rows": lambda: res["f1.jpg"]["x"][:],
+        "view row": lambda: res["f1.jpg"]["x"][0],
+        "column": lambda: res.column("x")[:],
+        "ragged row": lambda: res["f2.jpg"]["r"][1],
+        "value": lambda: res.value("f1.jpg", 1)["x"],
+        "frames": lambda: res.frames("f1.jpg"),
+        "ranks": lambda: res.frame_ranks("f1.jpg"),
+        "copies": lambda: res.frame_copies("f1.jpg"),
+        **{f"index_arrays()[{i}]": (lambda i=i: res.index_arrays()[i]) for i in range(1, 5)},
+    }
+    for what, read in reads.items():
+        first = read()
+        want = np.array(first, copy=True)
+        if first.flags.writeable:
+            first[...] = -1
+        assert np.array_equal(read(), want), what
