@@ -787,6 +787,31 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
         "a published range whose per-column counts do not fit the plan's columns and layouts is planned again",
     ),
+    # issue 37, part d: older outputs' reserved column name, filename suggestions
+    Mutation(
+        "older-output-value-column-refused-at-open",
+        "spillmerge/_reader.py",
+        "            raise renamed",
+        "            pass",
+        ("tests/test_inspect_cli.py::test_an_older_output_whose_plain_values_are_in_a_reserved_name_is_refused_by_name",),
+        "an output of format 4 or older with plain values in `__value__` is refused by name, both versions named",
+    ),
+    Mutation(
+        "older-output-value-column-refused-by-verify",
+        "spillmerge/_inspect.py",
+        "        return [str(renamed)]",
+        "        pass",
+        ("tests/test_inspect_cli.py::test_an_older_output_whose_plain_values_are_in_a_reserved_name_is_refused_by_name",),
+        "verify says an older output's `__value__` column is a format change, not damage",
+    ),
+    Mutation(
+        "filename-suggestions-only-a-typo-away",
+        "spillmerge/_names.py",
+        "(d := _edits(name, c, limit)) <= limit",
+        "(d := _edits(name, c, limit)) <= limit + 1",
+        ("tests/test_inspect_cli.py::test_a_mistyped_filename_suggests_only_names_a_typo_away",),
+        "a mistyped filename suggests only names a few typos away, never names that merely share a prefix",
+    ),
 ]
 
 

@@ -338,7 +338,7 @@ def test_a_killed_out_of_core_merge_is_rebuilt_to_the_same_bytes_through_the_cli
     # One-row output chunks and one thread: slow enough to kill in the middle of the copy.
     proc = subprocess.Popen([exe, "merge", root, "--out", str(out), "--threads", "1", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    chunks = out / "columns" / "__value__" / "values" / "c"
+    chunks = out / "columns" / "_value" / "values" / "c"
     deadline = time.time() + 120
     while time.time() < deadline and not (chunks.exists() and len(os.listdir(chunks)) >= 500):
         time.sleep(0.02)
@@ -401,7 +401,7 @@ def test_parts_plan_a_range_each_and_a_killed_part_reruns_to_the_same_bytes(tmp_
         assert {"a.json", "b.json", "c.json", "names", "file_offsets", "seg", "c0.src"} <= set(os.listdir(ranges / r))
     # Part 1 again, killed in the middle of its copy (one-row chunks, one thread): no record.
     (out / "spillmerge-parts" / "part-00001-of-00003.json").unlink()
-    chunks = out / "columns" / "__value__" / "values" / "c"
+    chunks = out / "columns" / "_value" / "values" / "c"
     before = len(os.listdir(chunks))
     for c in os.listdir(chunks)[:50]:  # chunks lost with the crash, of every part
         os.unlink(chunks / c / "0")
