@@ -812,6 +812,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_inspect_cli.py::test_a_mistyped_filename_suggests_only_names_a_typo_away",),
         "a mistyped filename suggests only names a few typos away, never names that merely share a prefix",
     ),
+    Mutation(
+        "checksum-mismatch-of-a-plan-entry-the-spill-lacks-blames-the-plan",
+        "spillmerge/_copy.py",
+        "        if not self._in_spill(e):",
+        "        if False:",
+        ("tests/test_plan_disk.py::test_two_entries_swapped_in_a_published_range_blame_the_range_not_the_spill_root",),
+        "a published range whose entries read other bytes of a sound spill root is named, not the spill root",
+    ),
 ]
 
 

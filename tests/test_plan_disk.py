@@ -658,6 +658,34 @@ def test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_ro
         assert a == b, (what, tree_diff(a, b))
 
 
+def test_two_entries_swapped_in_a_published_range_blame_the_range_not_the_spill_root(tmp_path):
+    """A published range is not checked against the spill root: two of its entries whose offsets
+    were swapped read other bytes of the spill, which fail their row checksums. The spill's own
+    index has no such rows, so the part names the published range, not the (sound) spill root."""
+    root, pristine, _ = _parts_sort_runs(tmp_path)
+    (key,) = os.listdir(pristine / "spillmerge-parts" / "ranges")
+    rng = pristine / "spillmerge-parts" / "ranges" / key / "00003" / "00001"
+    seg, off, crc = (np.frombuffer((rng / n).read_bytes(), dtype="<i8").copy() for n in ("seg", "off", "crc"))
+    i, j = next((i, j) for i in range(len(off)) for j in range(i + 1, len(off))
+                if crc[i] >= 0 and crc[j] >= 0 and seg[i] == seg[j] and off[i] != off[j])  # fmt: skip
+    off[[i, j]] = off[[j, i]]
+    (rng / "off").unlink()  # (a hard link to the publishing part's work file)
+    (rng / "off").write_bytes(off.tobytes())
+    for p in range(3):  # every part copies again, from the published ranges
+        (pristine / "spillmerge-parts" / f"part-{p:05d}-of-00003.json").unlink(missing_ok=True)
+    said = []
+    for p in range(3):
+        try:
+            spillmerge.merge(root, str(pristine), chunk_bytes=256, part=(p, 3), plan_budget=TINY)
+        except spillmerge.CorruptSpillError as exc:
+            said.append(str(exc))
+    assert said, "no part read the swapped entries"
+    for text in said:
+        assert text.startswith(f"{rng}: the merge plan's entry for ") and "spill is corrupt" not in text, text
+        assert text.endswith(f"the plan is damaged, not the spill root; remove {rng.parent.parent.parent} and run the parts again")
+    assert spillmerge.verify(root).ok
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(-1, 4)), max_size=40), st.integers(1, 6))
 def test_pass_1_blocks_folded_in_any_grouping_give_the_whole_tables_leaf_first(entries, cut):
