@@ -22,10 +22,11 @@ import numpy as np
 from . import _codecs
 from . import _format as F
 from . import _format_spill as FS
-from ._errors import CorruptSpillError
+from ._errors import CorruptSpillError, SpillMergeError
 from ._fetched import prefetch
 from ._plan import Plan, PlannedColumn
-from ._spillroot import check_of, data_ranges, verify_block
+from ._plan_disk import PlanEntryError
+from ._spillroot import check_of, data_ranges, load_segment, verify_block
 from ._storage import Storage
 from ._zarrmeta import values_chunk
 
@@ -300,6 +301,15 @@ class _OutputChunk:
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
+        if not self._in_spill(e):
+            raise PlanEntryError(
+                f"the merge plan's entry for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
+                f"{F.path_text(self.col.leaf)!r} (bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])} "
+                f"of {where}, rank {seg.seg.rank}) fails its checksum and is no row of that segment's index: the "
+                "plan is damaged, not the spill root",
+                path=where,
+                file=f,
+            )
         raise CorruptSpillError(
             f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
             f"{F.path_text(self.col.leaf)!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
@@ -307,6 +317,19 @@ class _OutputChunk:
             path=where,
             rank=seg.seg.rank,
         )
+
+    def _in_spill(self, e: int) -> bool:
+        """Whether the spill root's own index holds plan entry ``e`` (offset, size and checksum
+        in its segment): a plan mapped from what other processes published is not checked
+        against the spill, so a mismatch may be the plan's. One segment's index, read only here."""
+        plan = self.plan
+        seg = plan.segments[int(plan.seg[e])]
+        try:
+            idx = load_segment(self.src, seg.seg).index
+        except SpillMergeError:  # the spill root's own records are damaged: it is to blame
+            return True
+        off, nb, crc = int(plan.offset[e]), int(plan.nbytes[e]), int(plan.crc[e])
+        return bool(((idx[:, FS.COL_OFFSET] == off) & (idx[:, FS.COL_NBYTES] == nb) & (idx[:, FS.COL_CRC] == crc)).any())
 
     # -- numeric and byte columns -------------------------------------------------------------
 

@@ -22,17 +22,20 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """The version of the outputs a merge writes."""
 SPILL_FORMAT_VERSION = 3
-"""The version a writer's spill records carry: version 4 changed only the merged output (a
-list's items as one child column), so a spill root of this spillmerge merges with version 3's."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+"""The version a writer's spill records carry: versions 4 and 5 changed only the merged output
+(a list's items as one child column; the plain values' column name), so a spill root of this
+spillmerge merges with version 3's."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 """Versions this spillmerge reads: version 1 spill roots are a subset of version 2, version 2
-ones a subset of version 3 (which adds block checksums, ``checks``), and version 4 spill roots
-are laid out as version 3's; version 3 outputs store strings as bytes + offsets, version 4 ones a
-list's items as one child column with list offsets; version 1 outputs are read by the reader's
-version-1 path (docs/FORMAT.md section 5)."""
+ones a subset of version 3 (which adds block checksums, ``checks``), and version 4 and 5 spill
+roots are laid out as version 3's; version 3 outputs store strings as bytes + offsets, version 4
+ones a list's items as one child column with list offsets, version 5 ones the plain values in
+column ``_value`` (an older output with plain values is refused:
+``_format_output.renamed_value_column``); version 1 outputs are read by the reader's version-1
+path (docs/FORMAT.md section 5)."""
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;
@@ -196,6 +199,22 @@ for _n in PY_HEADERS:
     DTYPES[_n] = DType(_n, 8, "int64", False)
 
 
+_SHOWN = {"pybool": "bool", "pyint": "int", "pyfloat": "float", "pycomplex": "complex"}
+_SHOWN_HEADERS = {"pylist": "list", "pytuple": "tuple", "pydict": "dict", "pyrecords": "list[dict]"}
+
+
+def dtype_text(dtype: str, ndim: int | None = 0) -> str:
+    """A dtype as users see it in messages and listings: the Python type of ``py*`` leaves
+    (``int``, ``list[int]`` for ``ndim`` 1 ...) and containers (``list``, ``list[dict]``),
+    ``list[str]`` for ``strlist``; other dtype names as they are."""
+    if dtype in _SHOWN:
+        n = ndim if isinstance(ndim, int) and 0 <= ndim <= 8 else 0
+        return "list[" * n + _SHOWN[dtype] + "]" * n
+    if dtype == "strlist":
+        return "list[str]"
+    return _SHOWN_HEADERS.get(dtype, dtype)
+
+
 def get_dtype(name: object, *, path: str = "?") -> DType:
     if not isinstance(name, str) or name not in DTYPES:
         raise CorruptSpillError(f"{path}: unknown dtype {name!r}", path=path)
@@ -310,8 +329,13 @@ def node_names(names: list[str]) -> dict[str, str]:
     return out
 
 
-VALUE_COLUMN = "__value__"
-"""Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...)."""
+VALUE_COLUMN = "_value"
+"""Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...). No user
+leaf is named so: :func:`node_names` gives a name that starts with a letter or digit, or one
+that ends in ``~`` and 16 hex digits; nor does it start with ``__``, which Zarr v3 reserves.
+Versions 1 to 4 named it ``__value__``, an output this spillmerge refuses (:data:`OLD_VALUE_COLUMN`)."""
+OLD_VALUE_COLUMN = "__value__"
+"""The plain values' column of a version 1 to 4 output (refused: merge its spill root again)."""
 
 
 def leaf_text(leaf: tuple[str, ...]) -> str:

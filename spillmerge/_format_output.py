@@ -17,7 +17,9 @@ from ._format import (
     HARD_MAX_BYTES,
     MAX_CHUNK_BYTES,
     MAX_NDIM,
+    OLD_VALUE_COLUMN,
     READABLE_VERSIONS,
+    VALUE_COLUMN,
     column_name_choices,
     dumps,
     failure_now,
@@ -316,6 +318,26 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> di
     if obj.get("format_version") not in READABLE_VERSIONS or isinstance(obj.get("format_version"), bool):
         raise FormatVersionError(f"{path}: unknown format_version {obj.get('format_version')!r}", path=path)
     return dict(obj)
+
+
+def renamed_value_column(header: dict[str, Any], path: str) -> FormatVersionError | None:
+    """The error for an output of version 4 or older whose plain values' column has its old name
+    ``__value__`` (a name Zarr v3 reserves; format 5 calls it ``_value``): it is not read (merge
+    the spill root again), rather than refused column by column as damage. None otherwise."""
+    version = header.get("format_version")
+    layouts = header.get("file_layouts")
+    if not isinstance(version, int) or version >= FORMAT_VERSION or not isinstance(layouts, list):
+        return None
+    old = OLD_VALUE_COLUMN
+    if not any(isinstance(n, str) and (n == old or n.startswith(old + ".")) for cols in layouts[:1 << 20]
+               if isinstance(cols, list) for n in cols[:4096]):  # fmt: skip
+        return None
+    return FormatVersionError(
+        f"{path}: a format-{version} output whose plain values are in column {old!r}, a name format "
+        f"{FORMAT_VERSION} changed to {VALUE_COLUMN!r} (Zarr reserves names starting with '__'); this "
+        f"spillmerge (format {FORMAT_VERSION}) does not read it: merge its spill root again",
+        path=path,
+    )
 
 
 @dataclass(frozen=True, slots=True)

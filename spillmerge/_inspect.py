@@ -83,7 +83,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                         if n:
                             files[loaded.filenames[fid]] += int(n)
                     for lay in loaded.layouts:
-                        dtypes[lay.dtype] += 1
+                        dtypes[F.dtype_text(lay.dtype, len(lay.shape))] += 1
                 except SpillMergeError as exc:
                     entry["error"] = str(exc)
                 if bar is not None:
@@ -119,13 +119,14 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     files: list[dict[str, Any]] = []
     dtypes: set[str] = set()
     if res.format_version != 1:  # columnar: the dtypes are the columns', no file need be opened
-        dtypes = {res.column(p or None).dtype_name for p in res.columns}
+        # (every column: a leaf that files disagreed on has one per dtype or kind)
+        dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.require_columnar("inspect").columns.values()}
     names = res.filenames if res.format_version == 1 else res.filenames[:max_files]
     for name in names:
         value = res[name]
         leaves = _leaves(value)
         for _, arr in leaves:
-            dtypes.add(arr.dtype_name)
+            dtypes.add(_leaf_dtype(arr))
         if len(files) < max_files:
             frames = res.frames(name)
             files.append(
@@ -135,7 +136,7 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
                     "first_frame": int(frames[0]) if len(frames) else None,
                     "last_frame": int(frames[-1]) if len(frames) else None,
                     "leaves": [
-                        {"leaf": leaf or "<tensor>", "dtype": arr.dtype_name, "shape": _row_shape(arr)}
+                        {"leaf": _leaf_text(leaf, arr), "dtype": _leaf_dtype(arr), "shape": _row_shape(arr)}
                         for leaf, arr in leaves
                     ],
                 }
@@ -155,11 +156,35 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     }
 
 
+def _info(arr: Any) -> Any:
+    """The stored column of a leaf view (None for a version-1 file's array)."""
+    col = getattr(arr, "_col", None)
+    return None if col is None else col.info
+
+
+def _leaf_text(key: str, arr: Any) -> str:
+    """A leaf as a listing shows it: its dict keys joined by ``/``, a list's items as ``[*]``, a
+    container (its header) by its own path; ``<value>`` for the value itself."""
+    info = _info(arr)
+    if info is None:
+        return key or "<value>"
+    leaf = info.leaf[:-1] if info.leaf and info.leaf[-1] == F.MARK else info.leaf
+    return F.path_text(leaf)
+
+
+def _leaf_dtype(arr: Any) -> str:
+    info = _info(arr)
+    return arr.dtype_name if info is None else F.dtype_text(info.dtype, info.ndim)
+
+
 def _row_shape(arr: Any) -> list[int | None]:
     """The shape of one row of a leaf: ``None`` for a dimension that varies (ragged leaves), ``[]``
-    for strings, bytes and lists of strings."""
+    for strings, bytes and lists of strings, Python values and containers."""
     from ._views import RaggedView
 
+    info = _info(arr)
+    if info is not None and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS or not F.DTYPES[info.dtype].numeric):
+        return []
     if isinstance(arr, RaggedView):
         shapes = arr.shapes
         if not len(shapes):
@@ -224,7 +249,7 @@ def format_text(s: dict[str, Any]) -> str:
                 f"({s['segments']} segments); dtypes: {', '.join(s['dtypes'])}"
             )
             for f in s["files"]:
-                leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape']}" for x in f["leaves"])
+                leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape'] or ''}" for x in f["leaves"])
                 lines.append(
                     f"    {f['filename']!r}: {_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]  {leaves}"
                 )
@@ -513,6 +538,9 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     skipping what needs an index array whose chunks were already reported damaged."""
     header = group.attrs.get("spillmerge")
     header = header if isinstance(header, dict) else {}
+    renamed = FO.renamed_value_column(header, storage.describe())
+    if renamed is not None:
+        return [str(renamed)]
     check = _index_problems_v1 if header.get("format_version") == 1 else _index_problems_v2
     try:
         out = check(storage, group, damaged, header)

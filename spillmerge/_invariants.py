@@ -22,8 +22,6 @@ Problem = tuple[str, str]
 """(path relative to the output, what is wrong): one broken invariant of an output."""
 
 PROVENANCE = ("frame_rank", "frame_copies")
-VALUE_COLUMN = "__value__"
-"""Column name of the leaf ``[]`` (plain tensor values)."""
 OFFSET_KINDS = frozenset({"ragged", "bytes", "pickle", "strlist"})
 STRING_KINDS = frozenset({"str", "strlist"})
 

@@ -732,11 +732,12 @@ def _find_shared(
     )  # fmt: skip
 
 
-def _mapped(job: _Job) -> tuple[bool, Storage, str]:
+def _mapped(job: _Job) -> tuple[bool, Storage, str, _plan_disk.RangeExchange | None]:
     """Whether ``job`` mapped a plan, or ranges of it, that other processes published, and where."""
     if job.ranged:
-        return bool(job.disk and job.disk.exchange and job.disk.exchange.mapped), job.output, _planranges.RANGES_DIR
-    return job.shared is not None, job.output, _planshare.PLAN_DIR
+        ex = job.disk.exchange if job.disk else None
+        return bool(ex and ex.mapped), job.output, _planranges.RANGES_DIR, ex
+    return job.shared is not None, job.output, _planshare.PLAN_DIR, None
 
 
 def _finalize_ranges(output: Storage, key: str) -> int:

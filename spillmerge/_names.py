@@ -16,7 +16,6 @@ Format 2 stored a Zarr ``string`` array, read whole and checked at open (:class:
 from __future__ import annotations
 
 import bisect
-import difflib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -354,6 +353,43 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
 
 
 def close_matches(names: Names, name: object) -> list[str]:
+    """At most 3 filenames a mistyped ``name`` was likely meant as, among its neighbours in sort
+    order (bounded work whatever the output's size): :func:`suggest`."""
     if not isinstance(name, str) or not len(names):
         return []
-    return difflib.get_close_matches(name, names.near(name), n=3)
+    return suggest(name, names.near(name))
+
+
+def suggest(name: str, candidates: list[str]) -> list[str]:
+    """At most 3 of ``candidates`` that are the fewest typos away from ``name``, if that is few:
+    one edit per 20 characters plus one, at most 3 (a swap of two neighbouring characters is one
+    edit). A name that only shares a prefix (``img_0.jpg`` and ``img_00039.jpg``) is not one;
+    names over 256 characters get none (the work stays bounded)."""
+    if len(name) > 256:
+        return []
+    limit = min(3, 1 + len(name) // 20)
+    scored = sorted((d, c) for c in candidates if isinstance(c, str) and (d := _edits(name, c, limit)) <= limit)
+    return [c for d, c in scored[:3] if d == scored[0][0]]
+
+
+def _edits(a: str, b: str, limit: int) -> int:
+    """The edit distance of ``a`` and ``b`` (insertions, deletions, substitutions and swaps of
+    neighbouring characters), or ``limit + 1`` once it is known to exceed ``limit``: only cells
+    within ``limit`` of the diagonal are computed."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    far = limit + 1
+    prev2: list[int] = []
+    prev = [j if j <= limit else far for j in range(len(b) + 1)]
+    for i in range(1, len(a) + 1):
+        cur = [i if i <= limit else far] + [far] * len(b)
+        for j in range(max(1, i - limit), min(len(b), i + limit) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            d = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d = min(d, prev2[j - 2] + 1)
+            cur[j] = min(d, far)
+        if min(cur) > limit:
+            return far
+        prev2, prev = prev, cur
+    return prev[-1]

@@ -807,6 +807,7 @@ class _Builder:
             raise TooManyColumns(len(groups))
         e_base = np.cumsum([0] + [sa[r].n_ent for r in range(n)])
         f_base = np.cumsum([0] + [sa[r].n_files for r in range(n)])
+        ex.file_bases = f_base.tolist()
 
         def b_of(r: int) -> _RangeB:
             if r not in local_b:
@@ -1591,8 +1592,16 @@ class RangeExchange:
     planned: list[int]
     """Ranges of other processes planned here (published by ``publish_*``)."""
 
+    file_bases: list[int]
+    """Files before each range, then all of them (set once the ranges' summaries are known)."""
+
     def __init__(self) -> None:
-        self.mapped, self.planned = [], []
+        self.mapped, self.planned, self.file_bases = [], [], []
+
+    def where_file(self, f: int) -> str | None:
+        """Where the range holding the plan's file ``f`` was published, when it was mapped."""
+        r = int(np.searchsorted(self.file_bases, f, side="right")) - 1
+        return self.where(r) if 0 <= r < len(self.file_bases) - 1 and r in self.mapped else None
 
     def mine(self, r: int) -> bool:
         """Whether range ``r`` is this process's to plan."""
@@ -1722,6 +1731,16 @@ class DamagedRun(CorruptSpillError):
 
 class DamagedRange(CorruptSpillError):
     """A range of the plan another process published is damaged (``_planranges``)."""
+
+
+class PlanEntryError(CorruptSpillError):
+    """The copy read a plan entry whose bytes fail their checksum, and the spill root's own index
+    has no such row: the plan is damaged, not the spill (``_planshare.blamed_for_range_errors``
+    names the published range or plan holding file ``file``)."""
+
+    def __init__(self, message: str, *, path: str, file: int) -> None:
+        super().__init__(message, path=path)
+        self.file = file
 
 
 class InMemoryOnly(Exception):

@@ -39,7 +39,7 @@ from ._errors import CorruptSpillError, SpillMergeError
 from ._fetched import Fetches, fetched
 from ._parts import PARTS_DIR
 from ._plan import ROW_BLOCK, Plan, PlannedColumn, PlannedList, encoded_names
-from ._plan_disk import StringTable, WorkFolder
+from ._plan_disk import PlanEntryError, RangeExchange, StringTable, WorkFolder
 from ._spillroot import LoadedSegment, Segment
 from ._storage import Storage
 
@@ -219,13 +219,25 @@ def read_array(
 
 
 @contextmanager
-def blamed_for_range_errors(published: bool, output: Storage, folder: str = PLAN_DIR) -> Iterator[None]:
+def blamed_for_range_errors(
+    published: bool, output: Storage, folder: str = PLAN_DIR, exchange: RangeExchange | None = None
+) -> Iterator[None]:
     """Around the work of a part or finalize that mapped a published plan (or ranges of it, under
-    ``folder``): its rows are not checked again against the spill root (docs/GUARANTEES.md), so an
-    entry out of range there (damaged, or written by someone else) surfaces as an IndexError or
-    the like. Report it as a damaged plan."""
+    ``folder``; ``exchange``: where each range came from): its rows are not checked again against
+    the spill root (docs/GUARANTEES.md), so an entry out of range there (damaged, or written by
+    someone else) surfaces as an IndexError or the like, and one that names other bytes of the
+    spill as a checksum mismatch that the spill's own index does not share. Report either as a
+    damaged plan, naming the range published for the file when known."""
     try:
         yield
+    except PlanEntryError as exc:
+        if not published:
+            raise
+        where = (exchange.where_file(exc.file) if exchange is not None else None) or output.describe(folder)
+        raise CorruptSpillError(
+            f"{where}: {exc}; remove {output.describe(folder)} and run the parts again",
+            path=where,
+        ) from exc
     except (IndexError, ValueError, OverflowError, KeyError) as exc:
         if not published or isinstance(exc, SpillMergeError):
             raise

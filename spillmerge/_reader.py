@@ -223,6 +223,14 @@ def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColum
     return [(p, c) for p, c in out if not any(p[:d] in values for d in range(1, len(p)))]
 
 
+def _dtype_choice(c: OpenColumn) -> str:
+    """What ``column(..., dtype=)`` takes to choose column ``c`` among its leaf's, as messages
+    show it: a Python value's type (``int``, ``list[int]`` ...), else its variant tag
+    (``float32.2d``) or dtype."""
+    shown = F.dtype_text(c.info.dtype, c.info.ndim)
+    return shown if shown != c.info.dtype else c.info.variant or c.info.dtype
+
+
 class V2Files:
     """The files of a version-2 (columnar) output, for :class:`MergedStore`.
 
@@ -486,13 +494,13 @@ class V2Files:
             leaf = tuple(path)
         cols = self._by_leaf.get(leaf, [])
         if dtype is not None:
-            cols = [c for c in cols if c.info.dtype == dtype]
+            cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
         if len(cols) > 1:
             shown = "/".join(leaf) or "None (the plain tensor values)"
-            dts = [c.info.dtype for c in cols]
+            dts = [_dtype_choice(c) for c in cols]
             raise UnknownColumnError(
-                f"{where}: leaf {shown!r} has one column per dtype ({', '.join(dts)}: files disagreed on it); "
-                f"pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
+                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
+                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
                 column="/".join(leaf),
                 known=dts,
             )
@@ -595,6 +603,9 @@ class MergedStore(Mapping[str, Any]):
                 f"reads {', '.join(map(str, F.READABLE_VERSIONS))}); upgrade spillmerge",
                 path=self.storage.describe(),
             )
+        renamed = FO.renamed_value_column(header, self.storage.describe())
+        if renamed is not None:
+            raise renamed
         self.header: dict[str, Any] = header
         self.format_version: int = version
         """The output's format version (1: one array per file; 2: columnar)."""

@@ -4,7 +4,7 @@ bfloat16 ...). ``_reader.MergedStore`` delegates here when the header says versi
 
 from __future__ import annotations
 
-import difflib
+import bisect
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from ._invariants import (
     read_index,
 )
 from ._leafdict import LeafDict
+from ._names import suggest
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +145,8 @@ class V1Files:
         try:
             i = self._pos[filename]
         except (KeyError, TypeError):
-            near = difflib.get_close_matches(filename, self._filenames, n=3) if isinstance(filename, str) else []
+            j = bisect.bisect_left(self._filenames, filename) if isinstance(filename, str) else 0  # sorted (checked)
+            near = suggest(filename, self._filenames[max(0, j - 50) : j + 50]) if isinstance(filename, str) else []
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise UnknownFileError(
                 f"{filename!r} is not a filename of {where()} ({len(self._filenames)} files){hint}", filename=filename

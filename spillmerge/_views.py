@@ -325,8 +325,9 @@ class LeafView:
 
     def __repr__(self) -> str:
         where = f"{self.filename!r}" if self.filename is not None else "all files"
-        leaf = "/".join(self.leaf) or "<tensor>"
-        return f"{type(self).__name__}({where}, leaf={leaf!r}, rows={len(self)}, dtype={self.dtype_name})"
+        info = self._col.info
+        leaf = F.path_text(info.leaf) if info.leaf else "<tensor>"
+        return f"{type(self).__name__}({where}, leaf={leaf!r}, rows={len(self)}, dtype={F.dtype_text(info.dtype, info.ndim)})"
 
 
 class FixedView(LeafView):

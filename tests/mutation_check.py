@@ -925,6 +925,39 @@ MUTATIONS: list[Mutation] = [
         (f"{C}::test_arrays_a_reader_returns_cannot_change_what_it_reads_next",),
         "an array a read returns cannot change what later reads return (cached chunks are shared)",
     ),
+    # issue 37, part d: older outputs' reserved column name, filename suggestions
+    Mutation(
+        "older-output-value-column-refused-at-open",
+        "spillmerge/_reader.py",
+        "            raise renamed",
+        "            pass",
+        ("tests/test_inspect_cli.py::test_an_older_output_whose_plain_values_are_in_a_reserved_name_is_refused_by_name",),
+        "an output of format 4 or older with plain values in `__value__` is refused by name, both versions named",
+    ),
+    Mutation(
+        "older-output-value-column-refused-by-verify",
+        "spillmerge/_inspect.py",
+        "        return [str(renamed)]",
+        "        pass",
+        ("tests/test_inspect_cli.py::test_an_older_output_whose_plain_values_are_in_a_reserved_name_is_refused_by_name",),
+        "verify says an older output's `__value__` column is a format change, not damage",
+    ),
+    Mutation(
+        "filename-suggestions-only-a-typo-away",
+        "spillmerge/_names.py",
+        "(d := _edits(name, c, limit)) <= limit",
+        "(d := _edits(name, c, limit)) <= limit + 1",
+        ("tests/test_inspect_cli.py::test_a_mistyped_filename_suggests_only_names_a_typo_away",),
+        "a mistyped filename suggests only names a few typos away, never names that merely share a prefix",
+    ),
+    Mutation(
+        "checksum-mismatch-of-a-plan-entry-the-spill-lacks-blames-the-plan",
+        "spillmerge/_copy.py",
+        "        if not self._in_spill(e):",
+        "        if False:",
+        ("tests/test_plan_disk.py::test_two_entries_swapped_in_a_published_range_blame_the_range_not_the_spill_root",),
+        "a published range whose entries read other bytes of a sound spill root is named, not the spill root",
+    ),
 ]
 
 

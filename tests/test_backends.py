@@ -43,8 +43,8 @@ def test_round_trip_and_plain_zarr(backend):
     g = zarr.open_group(out, mode="r", storage_options=backend.options or None)
     names, off = zarr_filenames(g), g["index/frame_offsets"][:]
     i = names.index("other.mp4")
-    arr = g["columns/__value__/values"]  # other.mp4 holds plain tensors; clip/a b.mp4 dicts
-    first = int(g["columns/__value__/offsets"][int(off[i])])
+    arr = g["columns/_value/values"]  # other.mp4 holds plain tensors; clip/a b.mp4 dicts
+    first = int(g["columns/_value/offsets"][int(off[i])])
     np.testing.assert_array_equal(arr[first : first + 12, 0], np.arange(12, dtype=np.float32))
     assert spillmerge.verify(out, backend.options).ok and spillmerge.verify(root, backend.options).ok
 

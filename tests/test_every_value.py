@@ -144,7 +144,7 @@ def test_cli_inspect_and_verify_on_every_kind(tmp_path):
     info = subprocess.run([*cli, "inspect", out, "--json"], capture_output=True, text=True, env=env)
     assert info.returncode == 0, info.stderr
     doc = json.loads(info.stdout)
-    assert doc["frames"] == 24 and doc["n_files"] == 4 and "strlist" in doc["dtypes"], doc
+    assert doc["frames"] == 24 and doc["n_files"] == 4 and "list[str]" in doc["dtypes"], doc
     ver = subprocess.run([*cli, "verify", out], capture_output=True, text=True, env=env)
     assert ver.returncode == 0, ver.stdout + ver.stderr
     for path in (tmp_path / "o" / "columns" / "text" / "values" / "c").iterdir():

@@ -113,7 +113,7 @@ def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path):
     )
     # Kill it once a sixth of the 12000 chunks of the one column (one 64-value row each) are written,
     # long before the index and the marker.
-    chunks = out / "columns" / "__value__" / "values" / "c"
+    chunks = out / "columns" / "_value" / "values" / "c"
     deadline = time.time() + 120
     while time.time() < deadline:
         if chunks.exists() and len(os.listdir(chunks)) >= 2000:

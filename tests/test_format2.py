@@ -73,12 +73,12 @@ def test_a_leaf_only_some_files_have_stores_no_zeros_for_the_others(tmp_path):
             w.write(f"img{i}", 0, {"score": float(i)})
     spillmerge.merge(root, out)
     g = zarr.open_group(out, mode="r")
-    values = g["columns/__value__/values"]
+    values = g["columns/_value/values"]
     assert values.shape == (1, 256, 256)  # one row stored, not 51
-    assert g["columns/__value__/valid"][:].tolist() == [False] * 50 + [True]
-    assert g["columns/__value__/offsets"][:].tolist() == [0] * 51 + [1]
+    assert g["columns/_value/valid"][:].tolist() == [False] * 50 + [True]
+    assert g["columns/_value/offsets"][:].tolist() == [0] * 51 + [1]
     layouts = g.attrs["spillmerge"]["file_layouts"]
-    assert [layouts[i] for i in g["index/file_layout"][:]][-1] == ["__value__"]
+    assert [layouts[i] for i in g["index/file_layout"][:]][-1] == ["_value"]
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
@@ -152,7 +152,7 @@ def test_a_version_1_spill_root_merges_to_the_same_values(tmp_path):
         a, b = int(off[i]), int(off[i + 1])
         node = old[f"files/{keys[i]}"]
         if name.startswith("video"):
-            assert np.array_equal(new["columns/__value__/values"][int(new["columns/__value__/offsets"][a]) :][: b - a], node[:])
+            assert np.array_equal(new["columns/_value/values"][int(new["columns/_value/offsets"][a]) :][: b - a], node[:])
         else:
             for leaf in ("boxes", "n"):
                 col = new[f"columns/{leaf}"]

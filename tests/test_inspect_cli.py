@@ -7,15 +7,18 @@ import fcntl
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
 import termios
 from pathlib import Path
 
+import pytest
 import torch
 
 import spillmerge
+import spillmerge.cli
 
 HERE = Path(__file__).parent
 EXE = os.path.join(os.path.dirname(sys.executable), "spillmerge")
@@ -82,3 +85,123 @@ def test_progress_bar_on_a_terminal_and_none_when_piped(tmp_path):
         piped = subprocess.run([EXE, *cmd], capture_output=True, text=True, env=ENV, timeout=120)
         assert piped.returncode == 0, piped.stderr
         assert "%|" not in piped.stdout + piped.stderr and "\r" not in piped.stderr, (cmd, piped.stderr)
+
+
+# -- every valid output: variants, lists, plain values of several dtypes, dicts --------------------
+
+_PY_NAMES = r"\bpy(int|float|bool|complex|list|tuple|dict|records)\b"
+
+
+def _mixed(tmp_path: Path) -> tuple[Path, Path]:
+    """A spill and its merged output in which the plain value is a tensor in one file, an error
+    string in another (the README's pattern), a bfloat16 tensor, a list of ints and an int in
+    others; a dict leaf is a tensor in one file and a string in another; lists of tensors and
+    strings, lists of lists and a list of dicts."""
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    with spillmerge.SpillWriter(root, rank=0, world_size=1) as w:
+        w.write("a.jpg", 0, torch.ones(2, 3))
+        w.write("b.jpg", 0, "broken file: cannot decode")
+        w.write("c.jpg", 0, torch.ones(4, dtype=torch.bfloat16))
+        w.write("d.jpg", 0, [1, 2, 3])
+        w.write("e.jpg", 0, {"x": torch.ones(2), "y": "s", "z": [1.5, 2.5], "r": [{"a": 1}, {"a": 2}]})
+        w.write("f.jpg", 0, {"x": "err", "y": 3, "z": [[1, 2], [3]]})
+        w.write("g.jpg", 0, 7)
+        w.write("h.jpg", 0, [torch.ones(2), "q", None])
+    spillmerge.merge(str(root), str(out), progress=False)
+    return root, out
+
+
+def test_inspect_and_verify_read_an_output_whose_leaves_have_several_kinds(tmp_path, capsys):
+    root, out = _mixed(tmp_path)
+    assert spillmerge.cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = {line.split(":")[0].strip(): line for line in text.splitlines() if line.startswith("    '")}
+    assert "dtypes: bfloat16, float32, int, list, list[dict], list[float], list[int], str" in text, text
+    assert lines["'a.jpg'"].endswith("<value>: float32[2, 3]") and lines["'b.jpg'"].endswith("<value>: str")
+    assert lines["'c.jpg'"].endswith("<value>: bfloat16[4]") and lines["'d.jpg'"].endswith("<value>: list[int]")
+    assert lines["'g.jpg'"].endswith("<value>: int")
+    assert "r: list[dict]; r/a: list[int]; x: float32[2]; y: str; z: list[float]" in lines["'e.jpg'"]
+    assert "x: str; y: int; z/[*]: list[int]; z: list" in lines["'f.jpg'"]
+    assert lines["'h.jpg'"].endswith("[*]: float32[2]; [*]: str; <value>: list")
+    assert not re.search(_PY_NAMES, text) and "\x1f" not in text, text
+    assert spillmerge.cli.main(["inspect", str(out), "--json"]) == 0
+    raw = capsys.readouterr().out
+    j = json.loads(raw)
+    assert j["n_files"] == 8 and "list[int]" in j["dtypes"] and not re.search(_PY_NAMES, raw)
+    h = next(f for f in j["files"] if f["filename"] == "h.jpg")
+    assert h["leaves"] == [
+        {"leaf": "[*]", "dtype": "float32", "shape": [2]},
+        {"leaf": "[*]", "dtype": "str", "shape": []},
+        {"leaf": "<value>", "dtype": "list", "shape": []},
+    ]
+    assert spillmerge.cli.main(["inspect", str(root)]) == 0  # the spill root: the same dtype names
+    text = capsys.readouterr().out
+    assert "dtypes: bfloat16, float32, int, list, list[dict], list[float], list[int], none, str" in text, text
+    assert spillmerge.cli.main(["verify", str(out)]) == 0
+    # column(): the plain values' columns are named as inspect shows them, and chosen so
+    res = spillmerge.open(str(out))
+    with pytest.raises(spillmerge.UnknownColumnError, match=r"\(bfloat16.1d, float32.2d, int, list\[int\], str:") as ei:
+        res.column(None)
+    assert not re.search(_PY_NAMES, str(ei.value)), ei.value
+    ints = res.column(None, dtype="list[int]")
+    assert ints[3].tolist() == [1, 2, 3] and ints[0] is None and "dtype=list[int])" in repr(ints)
+    assert res.column(None, dtype="int")[6] == 7 and res.column(None, dtype="bfloat16").dtype_name == "bfloat16"
+
+
+def test_no_node_name_of_an_output_starts_with_two_underscores(tmp_path):
+    """Zarr v3 reserves node names starting with ``__``: the plain values' column is ``_value``
+    (docs/FORMAT.md, *Node names*), in every kind of output: variants, lists, dicts, plain values
+    split by dtype."""
+    _, out = _mixed(tmp_path)
+    root2, out2 = tmp_path / "spill2", tmp_path / "out2.zarr"
+    with spillmerge.SpillWriter(root2, rank=0, world_size=1) as w:  # plain values of two dtypes
+        w.write("a.mp4", 0, torch.ones(2, dtype=torch.float16))
+        w.write("b.mp4", 0, torch.ones(2, dtype=torch.float32))
+        w.write("c.mp4", 0, {"__value__": torch.ones(1), "_value": torch.ones(1)})  # user keys like it
+    spillmerge.merge(str(root2), str(out2), progress=False)
+    for o, want in ((out, "_value.str"), (out2, "_value.float16")):
+        names = [n for _, dirs, files in os.walk(o) for n in dirs + files]
+        assert want in names and not [n for n in names if n.startswith("__")], names
+        meta = json.loads((o / "zarr.json").read_text())["consolidated_metadata"]["metadata"]
+        assert not [k for k in meta if any(seg.startswith("__") for seg in k.split("/"))]
+    res = spillmerge.open(str(out2))
+    assert res["c.mp4"]["__value__"][0].tolist() == [1.0] and res.value("c.mp4")["_value"].tolist() == [1.0]
+    assert res["a.mp4"].dtype_name == "float16" and res.value("b.mp4").tolist() == [1.0, 1.0]
+
+
+def test_an_older_output_whose_plain_values_are_in_a_reserved_name_is_refused_by_name(tmp_path, capsys):
+    """An output of format 4 or older keeps its plain values in ``columns/__value__``: it is not
+    read (merge its spill root again), and every reader says so naming both versions."""
+    _, out = _mixed(tmp_path)
+    for d in (out / "columns").iterdir():
+        if d.name.startswith("_value"):
+            d.rename(d.with_name("__value__" + d.name[len("_value") :]))
+    doc = json.loads((out / "zarr.json").read_text())
+    text = json.dumps(doc).replace('"_value', '"__value__').replace('columns/_value', "columns/__value__")
+    doc = json.loads(text)
+    doc["attributes"]["spillmerge"]["format_version"] = 4
+    (out / "zarr.json").write_text(json.dumps(doc))
+    said = r"format-4 output .* column '__value__', a name format 5 changed to '_value'.*merge its spill root again"
+    with pytest.raises(spillmerge.FormatVersionError, match=said):
+        spillmerge.open(str(out))
+    assert spillmerge.cli.main(["inspect", str(out)]) == 1
+    assert re.search(said, capsys.readouterr().err)
+    rep = spillmerge.verify(str(out))
+    assert not rep.ok and any(re.search(said, p) for p in rep.problems), rep.problems
+
+
+def test_a_mistyped_filename_suggests_only_names_a_typo_away(tmp_path):
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    with spillmerge.SpillWriter(root, rank=0, world_size=1) as w:
+        for i in range(100):
+            w.write(f"img_{i:05d}.jpg", 0, i)
+    spillmerge.merge(str(root), str(out), progress=False)
+    res = spillmerge.open(str(out))
+    with pytest.raises(spillmerge.UnknownFileError) as ei:
+        res["img_0.jpg"]  # shares a prefix with every name: none is a typo away
+    assert "did you mean" not in str(ei.value) and "'img_0.jpg' is not a filename of" in str(ei.value)
+    for typo, meant in (("img_00039.jgp", "'img_00039.jpg'?"), ("img_00039.jpeg", "'img_00039.jpg'?"),
+                        ("img_00039.jpg ", "'img_00039.jpg'?")):  # fmt: skip
+        with pytest.raises(spillmerge.UnknownFileError) as ei:
+            res[typo]
+        assert str(ei.value).endswith(f"did you mean {meant}"), ei.value

@@ -139,9 +139,9 @@ def test_xarray_reads_the_merged_store(tmp_path):
     assert index["frame_idx"].values.tolist() == [1, 2, 3, 0, 1, 2, 3]
     off = index["frame_offsets"].values
     assert off.tolist() == [0, 3, 7]
-    a = xr.open_zarr(out, group="columns/__value__", consolidated=True)
+    a = xr.open_zarr(out, group="columns/_value", consolidated=True)
     assert a.attrs["spillmerge"]["leaf"] == [] and a.attrs["spillmerge"]["dtype"] == "float32"
-    assert a["values"].dims == ("__value__.elem", "__value__.dim_1", "__value__.dim_2") and a.sizes["row"] == 7
+    assert a["values"].dims == ("_value.elem", "_value.dim_1", "_value.dim_2") and a.sizes["row"] == 7
     assert a["valid"].values.tolist() == [True] * 3 + [False] * 4  # dets/b.mp4 has no plain value
     o = a["offsets"].values
     got = a["values"].values[o[off[0]] : o[off[1]]]
@@ -177,7 +177,7 @@ def test_tensorstore_reads_the_merged_store(tmp_path):
     ts = pytest.importorskip("tensorstore")
     res = _merge(tmp_path, {"a.mp4": {f: torch.full((3,), f, dtype=torch.int64) for f in range(5)}})
     out = tmp_path / "out.zarr"
-    assert res["a.mp4"].zarr.path == "columns/__value__/values"
+    assert res["a.mp4"].zarr.path == "columns/_value/values"
 
     def read(rel: str) -> list:
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(out / rel)}}
@@ -186,8 +186,8 @@ def test_tensorstore_reads_the_merged_store(tmp_path):
     # One file, every row has the leaf: the column's values are the file's rows, no offsets.
     assert read(res["a.mp4"].zarr.path) == res["a.mp4"][:].tolist()
     assert read("index/frame_offsets") == [0, 5] and read("index/frame_idx") == [0, 1, 2, 3, 4]
-    assert not (out / "columns" / "__value__" / "offsets").exists()
-    meta = json.loads((out / "columns" / "__value__" / "zarr.json").read_text())
+    assert not (out / "columns" / "_value" / "offsets").exists()
+    meta = json.loads((out / "columns" / "_value" / "zarr.json").read_text())
     assert meta["attributes"]["spillmerge"]["leaf"] == [] and meta["attributes"]["spillmerge"]["dtype"] == "int64"
 
 

@@ -230,7 +230,7 @@ def test_spill_roots_written_before_format_4_merge_to_lists(tmp_path):
     assert header["attributes"]["spillmerge"]["format_version"] == 3
     spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
     res = _same(tmp_path / "out", rows)
-    assert res.format_version == 4 == spillmerge.FORMAT_VERSION
+    assert res.format_version == 5 == spillmerge.FORMAT_VERSION
 
 
 def _plant_list_group(out: Path, like: str, name: str, path: tuple[str, ...]) -> None:

@@ -53,7 +53,7 @@ def test_main_reads_back_with_plain_zarr(ranks):
 
 
 def _allowed_node_name(name: str, parent: Path, out: Path) -> bool:
-    if parent == out / "columns" and re.fullmatch(r"__value__(\.[a-z0-9_]+)?", name):
+    if parent == out / "columns" and re.fullmatch(r"_value(\.[a-z0-9_]+)?", name):
         return True  # the plain tensor values' column(s), per dtype (FORMAT.md section 2)
     return (
         name.isascii()
@@ -169,13 +169,13 @@ def test_cross_rank_dtype_mismatch_in_one_file_is_one_column_per_dtype(ranks):
 
 def test_cross_rank_dtype_mismatch_between_files_is_one_column_per_dtype(ranks):
     """Format 2 changed this on purpose: float32 in a.mp4 (rank 0) and float16 in b.mp4 (ranks
-    1-3) merge into columns __value__.float32 and __value__.float16, nothing converted."""
+    1-3) merge into columns _value.float32 and _value.float16, nothing converted."""
     base, results = ranks
     m = results[0]["mismatch"]
     assert m["dtype_files"]["type"] is None, m["dtype_files"]
     rep = m["dtype_files"]["report"]
     assert rep["n_files"] == 2 and rep["n_frames"] == 4 and rep["ranks"] == [0, 1, 2, 3]
-    assert m["files_column_dirs"] == ["__value__.float16", "__value__.float32", "zarr.json"]
+    assert m["files_column_dirs"] == ["_value.float16", "_value.float32", "zarr.json"]
     assert m["files"] == {
         "a.mp4": {"dtype": "float32", "frames": [0], "bits": [[0x7F800001, -0x80000000]]},
         "b.mp4": {"dtype": "float16", "frames": [1, 11, 12], "bits": [[0x7C01, -0x8000], [0x3C00] * 2, [0x4000] * 2]},

@@ -45,7 +45,7 @@ def _write(w: spillmerge.SpillWriter) -> None:
 
 @pytest.fixture
 def out(tmp_path: Path) -> Path:
-    """A merged store: a.mp4 (tensor, frames 0..2, column ``__value__``, rows 0..2) and b.mp4 (dict,
+    """A merged store: a.mp4 (tensor, frames 0..2, column ``_value``, rows 0..2) and b.mp4 (dict,
     frames 10..12, columns ``x`` and ``y/z``, rows 3..5). Every column lacks the other file's rows,
     so each has ``valid`` and ``offsets`` and its ``values`` hold only its file's 3 rows, one row
     per chunk: every ``values`` array has 3 chunks."""
@@ -109,12 +109,12 @@ def test_undamaged_store_reads_and_verifies(out):
     assert res.frame_ranks("b.mp4").tolist() == [0, 0, 0] and spillmerge.verify(str(out)).ok
     # The layout the damage below relies on: compact fixed columns, one row of values per chunk.
     g = zarr.open_group(str(out), mode="r")
-    assert g["columns/__value__/offsets"][:].tolist() == [0, 1, 2, 3, 3, 3, 3]
-    assert g["columns/__value__/valid"][:].tolist() == [True] * 3 + [False] * 3
-    assert g["columns/__value__/values"].shape == (3, 2) and g["columns/__value__/values"].chunks == (1, 2)
+    assert g["columns/_value/offsets"][:].tolist() == [0, 1, 2, 3, 3, 3, 3]
+    assert g["columns/_value/valid"][:].tolist() == [True] * 3 + [False] * 3
+    assert g["columns/_value/values"].shape == (3, 2) and g["columns/_value/values"].chunks == (1, 2)
     assert g[_col(out, "y/z") + "/values"].cdata_shape == (3, 1)
     assert g["index/file_layout"][:].tolist() == [0, 1]
-    assert g.attrs["spillmerge"]["file_layouts"] == [["__value__"], ["x", _col(out, "y/z").split("/")[1]]]
+    assert g.attrs["spillmerge"]["file_layouts"] == [["_value"], ["x", _col(out, "y/z").split("/")[1]]]
 
 
 @pytest.mark.parametrize(
@@ -135,11 +135,11 @@ def test_frame_offsets_are_checked_at_open(out, offsets, needle):
 @pytest.mark.parametrize(
     "node, values, needle",
     [
-        # a.mp4's values hold 2 rows, but columns/__value__/offsets gives a.mp4 3
+        # a.mp4's values hold 2 rows, but columns/_value/offsets gives a.mp4 3
         (
-            "columns/__value__/values",
+            "columns/_value/values",
             np.zeros((2, 2), np.float32),
-            r"columns/__value__/offsets: ends at 3, but columns/__value__/values has 2 rows",
+            r"columns/_value/offsets: ends at 3, but columns/_value/values has 2 rows",
         ),
         (
             "columns/x/offsets",
@@ -174,7 +174,7 @@ def test_moved_file_boundary_is_refused(out):
     """frame_offsets [0, 2, 6]: monotone and ends right, but a.mp4 has 3 rows. Read anyway, a.mp4
     would lose frame 2 and b.mp4 gain a row 'frame 2' whose leaves are all None."""
     _set_index(out, "frame_offsets", [0, 2, 6])
-    with pytest.raises(spillmerge.CorruptSpillError, match=r"index/frame_offsets|columns/__value__"):
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"index/frame_offsets|columns/_value"):
         res = spillmerge.open(str(out))
         res.frames("b.mp4"), res["b.mp4"]["x"].to_list()  # noqa: B018 - the reads that misread
     assert not spillmerge.verify(str(out)).ok
@@ -227,8 +227,8 @@ def test_index_lengths_order_and_layouts_are_checked_at_open(out, name, values, 
 @pytest.mark.parametrize(
     "layouts, needle",
     [
-        ([["__value__"], ["x", "../index"]], r"zarr.json: file_layouts\[1\] names '../index', which is not a column"),
-        ([["__value__"]], r"index/file_layout: entry 1 \('b.mp4'\) is 1, not a position in the header's 1"),
+        ([["_value"], ["x", "../index"]], r"zarr.json: file_layouts\[1\] names '../index', which is not a column"),
+        ([["_value"]], r"index/file_layout: entry 1 \('b.mp4'\) is 1, not a position in the header's 1"),
         ("x", r"zarr.json: the header's file_layouts 'x' is not a list of column-name lists"),
     ],
 )
@@ -265,7 +265,7 @@ def test_dtype_attribute_must_be_known_and_match_the_storage(out, leaf, dtype, n
 @pytest.mark.parametrize(
     "leaf, claims, needle",
     [
-        ("", ["x"], r"columns/__value__: column '__value__' holds leaf \['x'\]"),
+        ("", ["x"], r"columns/_value: column '_value' holds leaf \['x'\]"),
         ("x", [], r"columns/x: column 'x' holds leaf \[\]"),
         ("x", ["y", "z"], r"columns/(x|y_z~[0-9a-f]{16})\b"),  # another leaf, of another dtype
     ],
@@ -288,17 +288,17 @@ def test_missing_chunk_raises_and_never_reads_as_zeros(backend):
     fs, base = fsspec.core.url_to_fs(out, **backend.options)
     yz = next(k for k in fs.ls(f"{base}/columns", detail=False) if k.rsplit("/", 1)[1].startswith("y_z~"))
     yz = "columns/" + yz.rsplit("/", 1)[1]
-    for key in ("columns/__value__/values/c/1/0", f"{yz}/values/c/2/0"):
+    for key in ("columns/_value/values/c/1/0", f"{yz}/values/c/2/0"):
         fs.rm(f"{base}/{key}")
     res = spillmerge.open(out, storage_options=backend.options)
     a = res["a.mp4"]
     assert a[0].tolist() == [0.0, 0.0] and a[2].tolist() == [2.0, 2.0]  # the chunks that are there
     for read in (lambda: np.asarray(a), lambda: a[1], lambda: a.to_torch(slice(0, 2)), lambda: a.to_list()):
         with pytest.raises(
-            spillmerge.CorruptSpillError, match=r"chunk 1, 0 of columns/__value__/values is missing"
+            spillmerge.CorruptSpillError, match=r"chunk 1, 0 of columns/_value/values is missing"
         ) as ei:
             read()
-        assert ei.value.path == f"{out}/columns/__value__/values/c/1/0"
+        assert ei.value.path == f"{out}/columns/_value/values/c/1/0"
     with pytest.raises(spillmerge.CorruptSpillError, match=rf"{yz}/values/c/2/0: chunk 2, 0 .* is missing"):
         res["b.mp4"]["y"]["z"].numpy()
     assert res["b.mp4"]["y"]["z"][1].tolist() == [1]
@@ -323,14 +323,14 @@ def test_missing_chunk_raises_and_never_reads_as_zeros(backend):
         (lambda o: _set_index(o, "frame_offsets", [0, 100, 6]), "index/frame_offsets: decreases from 100 to 6"),
         (lambda o: _set_index(o, "frame_idx", [0, 2, 1, 10, 11, 12]), "index/frame_idx: frame indices are not"),
         (
-            lambda o: _set_attr(o, "columns/__value__", dtype="bfloat16"),
-            "columns/__value__/values: dtype 'bfloat16' is stored as uint16",
+            lambda o: _set_attr(o, "columns/_value", dtype="bfloat16"),
+            "columns/_value/values: dtype 'bfloat16' is stored as uint16",
         ),
         (lambda o: _replace_index(o, "frame_copies", [1, 1]), "index/frame_copies: 2 rows"),
         (lambda o: _set_index(o, "frame_copies", [1, 1, 0, 1, 1, 1]), "index/frame_copies: row 2 holds 0 < 1"),
         (
-            lambda o: shutil.rmtree(o / "columns" / "__value__") or _consolidate(o),
-            "zarr.json: file_layouts[0] names '__value__', which is not a column",
+            lambda o: shutil.rmtree(o / "columns" / "_value") or _consolidate(o),
+            "zarr.json: file_layouts[0] names '_value', which is not a column",
         ),
         (
             # without offsets, a fixed column must hold every row
@@ -364,7 +364,7 @@ def test_verify_checks_the_index_invariants(out, damage, needle):
 def test_verify_lists_every_missing_chunk(out):
     yz = _col(out, "y/z")
     gone = [
-        "columns/__value__/values/c/1/0",
+        "columns/_value/values/c/1/0",
         f"{yz}/values/c/2/0",
         "columns/x/offsets/c/0",
         "columns/x/valid/c/0",

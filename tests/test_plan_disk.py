@@ -338,7 +338,7 @@ def test_a_killed_out_of_core_merge_is_rebuilt_to_the_same_bytes_through_the_cli
     # One-row output chunks and one thread: slow enough to kill in the middle of the copy.
     proc = subprocess.Popen([exe, "merge", root, "--out", str(out), "--threads", "1", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    chunks = out / "columns" / "__value__" / "values" / "c"
+    chunks = out / "columns" / "_value" / "values" / "c"
     deadline = time.time() + 120
     while time.time() < deadline and not (chunks.exists() and len(os.listdir(chunks)) >= 500):
         time.sleep(0.02)
@@ -401,7 +401,7 @@ def test_parts_plan_a_range_each_and_a_killed_part_reruns_to_the_same_bytes(tmp_
         assert {"a.json", "b.json", "c.json", "names", "file_offsets", "seg", "c0.src"} <= set(os.listdir(ranges / r))
     # Part 1 again, killed in the middle of its copy (one-row chunks, one thread): no record.
     (out / "spillmerge-parts" / "part-00001-of-00003.json").unlink()
-    chunks = out / "columns" / "__value__" / "values" / "c"
+    chunks = out / "columns" / "_value" / "values" / "c"
     before = len(os.listdir(chunks))
     for c in os.listdir(chunks)[:50]:  # chunks lost with the crash, of every part
         os.unlink(chunks / c / "0")
@@ -656,6 +656,34 @@ def test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_ro
         assert not (out / "spillmerge-parts" / "ranges").exists()
         a, b = output_tree(whole), output_tree(str(out))
         assert a == b, (what, tree_diff(a, b))
+
+
+def test_two_entries_swapped_in_a_published_range_blame_the_range_not_the_spill_root(tmp_path):
+    """A published range is not checked against the spill root: two of its entries whose offsets
+    were swapped read other bytes of the spill, which fail their row checksums. The spill's own
+    index has no such rows, so the part names the published range, not the (sound) spill root."""
+    root, pristine, _ = _parts_sort_runs(tmp_path)
+    (key,) = os.listdir(pristine / "spillmerge-parts" / "ranges")
+    rng = pristine / "spillmerge-parts" / "ranges" / key / "00003" / "00001"
+    seg, off, crc = (np.frombuffer((rng / n).read_bytes(), dtype="<i8").copy() for n in ("seg", "off", "crc"))
+    i, j = next((i, j) for i in range(len(off)) for j in range(i + 1, len(off))
+                if crc[i] >= 0 and crc[j] >= 0 and seg[i] == seg[j] and off[i] != off[j])  # fmt: skip
+    off[[i, j]] = off[[j, i]]
+    (rng / "off").unlink()  # (a hard link to the publishing part's work file)
+    (rng / "off").write_bytes(off.tobytes())
+    for p in range(3):  # every part copies again, from the published ranges
+        (pristine / "spillmerge-parts" / f"part-{p:05d}-of-00003.json").unlink(missing_ok=True)
+    said = []
+    for p in range(3):
+        try:
+            spillmerge.merge(root, str(pristine), chunk_bytes=256, part=(p, 3), plan_budget=TINY)
+        except spillmerge.CorruptSpillError as exc:
+            said.append(str(exc))
+    assert said, "no part read the swapped entries"
+    for text in said:
+        assert text.startswith(f"{rng}: the merge plan's entry for ") and "spill is corrupt" not in text, text
+        assert text.endswith(f"the plan is damaged, not the spill root; remove {rng.parent.parent.parent} and run the parts again")
+    assert spillmerge.verify(root).ok
 
 
 @settings(max_examples=100, deadline=None)

@@ -416,7 +416,7 @@ def test_parts_of_different_plans_never_mix(tmp_path):
     with pytest.raises(spillmerge.PlanMismatchError):
         spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
     # overwrite: the new plan's parts replace the old records; finalize prunes the columns the new
-    # plan does not have (an older merge's, and the old plan's own `__value__`, now split by dtype)
+    # plan does not have (an older merge's, and the old plan's own `_value`, now split by dtype)
     # and a format-1 files/ folder.
     (out / "columns" / "leftover").mkdir()
     (out / "columns" / "leftover" / "zarr.json").write_text("{}")
@@ -429,7 +429,7 @@ def test_parts_of_different_plans_never_mix(tmp_path):
     assert not (out / "columns" / "leftover").exists() and not (out / "files").exists()
     spillmerge.merge(str(root), str(tmp_path / "one"), **OPTS)  # type: ignore[arg-type]
     assert set(os.listdir(out / "columns")) == set(os.listdir(tmp_path / "one" / "columns"))
-    assert "__value__" in old_columns and not (out / "columns" / "__value__").exists()
+    assert "_value" in old_columns and not (out / "columns" / "_value").exists()
     assert tree_diff(output_tree(str(tmp_path / "one")), output_tree(str(out))) == []
     assert spillmerge.open(str(out)).filenames[-1] == "late.mp4"
 

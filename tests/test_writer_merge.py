@@ -282,7 +282,7 @@ def test_plain_zarr_reads_the_output(tmp_path):
     assert stored == sorted(names)  # filenames are data in format 2, never node names
     off = g["index/frame_offsets"][:]
     for i, name in enumerate(stored):
-        assert g["columns/__value__/values"][int(off[i]), 0] == float(names.index(name))
+        assert g["columns/_value/values"][int(off[i]), 0] == float(names.index(name))
     # Dict keys name columns: hostile ones become safe node names, distinct case-insensitively.
     hostile = {"../up": 1.0, "a/b": 2.0, "A/B": 3.0, "zarr.json": 4.0, "con": 5.0, ".": 6.0}
     with spillmerge.SpillWriter(str(tmp_path / "s2")) as w:
