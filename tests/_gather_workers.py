@@ -286,7 +286,8 @@ def calls_back_to_back(rank: int, world: int, port: int, base: str) -> None:
     calls: a rank starts the next call as soon as the previous one returns). Each call's
     predictions are its own (its tag in the filenames, frames shifted by the call number), so an
     output holding another call's data, or missing some, shows. Records per call what came back
-    or what was raised, then, after a barrier, what is left of the spill (``base/res-R.json``)."""
+    or what was raised, whether the spill root still existed when the last call returned, and,
+    after a barrier, what is left of it (``base/res-R.json``)."""
     import json
 
     import torch.distributed as dist
@@ -319,10 +320,11 @@ def calls_back_to_back(rank: int, world: int, port: int, base: str) -> None:
             calls.append({n: store.frames(n).tolist() for n in store.filenames})
         except BaseException as exc:  # noqa: BLE001 - recorded for the test
             calls.append({"error": _error(exc)})
-    dist.barrier()
     spill = spillmerge._gather.default_root(out)
+    at_return = os.path.exists(spill)  # the last call returned: nothing of it may be left, on any rank
+    dist.barrier()
     left = sorted(os.path.relpath(os.path.join(d, f), spill) for d, _, fs in os.walk(spill) for f in fs)
-    result = {"calls": calls, "spill_exists": os.path.exists(spill), "left": left}
+    result = {"calls": calls, "spill_at_return": at_return, "spill_exists": os.path.exists(spill), "left": left}
     with open(f"{base}/res-{rank}.json", "w", encoding="utf-8") as fh:
         json.dump(result, fh, default=str)
     dist.barrier()

@@ -171,7 +171,7 @@ def test_all_gather_called_back_to_back_with_the_same_out_always_works(tmp_path:
     The merging rank once removed whole rank folders while the other rank had already started the
     next call in the same ``OUT.spill`` (a lost segment file, or "no rank can see rank 1's commit
     record", in about half the runs). Every call must give every rank exactly its own
-    predictions, and nothing may be left of the spill after the last call."""
+    predictions, and nothing may be left of the spill when the last call returns, on any rank."""
     import json
 
     from _gather_workers import CALLS, calls_back_to_back
@@ -186,4 +186,4 @@ def test_all_gather_called_back_to_back_with_the_same_out_always_works(tmp_path:
         for r in range(2):
             assert res[r]["calls"][k] == want, (k, r, res[r]["calls"][k])
     for r in range(2):
-        assert not res[r]["spill_exists"] and not res[r]["left"], res[r]
+        assert not res[r]["spill_at_return"] and not res[r]["spill_exists"] and not res[r]["left"], res[r]
