@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _format_spill as FS
 from ._errors import SpillMergeError
+from ._report import finder
 from ._spillroot import LoadedSegment, Segment, list_ranks, load_flushed, read_segment
 from ._storage import Storage
 
@@ -51,9 +52,7 @@ def lacking(seg: LoadedSegment, lookup: Lookup) -> int:
 
 def plan_lookup(plan: Any) -> Lookup:
     """:data:`Lookup` of a merge plan (what a complete output written from it holds)."""
-    from ._report import _finder
-
-    find = _finder(plan.filenames)
+    find = finder(plan.filenames)
     off, frames = plan.file_offsets, plan.frame_idx
 
     def lookup(name: str) -> Any:
@@ -61,11 +60,6 @@ def plan_lookup(plan: Any) -> Lookup:
         return None if i < 0 else frames[off[i] : off[i + 1]]
 
     return lookup
-
-
-def store_lookup(store: Any) -> Lookup:
-    """:data:`Lookup` of an opened output (``MergedStore``)."""
-    return lambda name: store.frames(name) if name in store else None
 
 
 def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> Removal:

@@ -174,7 +174,7 @@ class MergeReport:
         return s
 
 
-def _finder(names: Sequence[str]) -> Callable[[str], int]:
+def finder(names: Sequence[str]) -> Callable[[str], int]:
     """Position of a name in the plan's sorted filenames, or -1 (a binary search on disk for an
     out-of-core plan's table, a dict for a list)."""
     search = getattr(names, "search", None)
@@ -197,7 +197,7 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         n_rows = np.diff(o)
         last = np.where(n_rows > 0, frames[np.maximum(o[1:] - 1, 0)], -1)
         check.update((a + np.flatnonzero(last + 1 != n_rows)).tolist())  # a gap below the last frame
-    find = _finder(plan.filenames) if expected else None
+    find = finder(plan.filenames) if expected else None
     if expected is not None and find is not None:
         check.update(i for i in map(find, expected) if i >= 0)
     for i in sorted(check):

@@ -40,18 +40,17 @@ from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
     IncompleteOutputError,
-    SpillMergeError,
     SpillStorageError,
     SpillValueError,
     WriterClosedError,
 )
 from ._format import user_key
-from ._removal import lacking, remove_listed, store_lookup
+from ._removal import remove_listed
 from ._report import MergeReport
-from ._round import Rounds
+from ._round import Rounds, complete_for
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import check_not_stale, list_ranks, load_committed_keys, load_segment, read_segment
+from ._spillroot import check_not_stale, list_ranks, load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._templates import DenseTemplate, FrameTemplate
@@ -820,8 +819,9 @@ class SpillWriter:
 
     def remove_spill(self, *, everything: bool = False) -> None:
         """Delete this writer's own segment once the output of its last :meth:`merge` holds it
-        (the merge's report lists it, or every frame of it is in the completed output); nothing
-        when it is already gone (the merging rank removed it). ``everything`` (the merging rank,
+        (the merge's report lists it, or the output is complete with this writer's round: its
+        completion marker names this run and session); nothing when it is already gone (the
+        merging rank removed it). ``everything`` (the merging rank,
         after a node-local transfer brought every shard to its root): every segment the merge's
         report lists as merged, and the merge failure record. Never a segment the output was not
         merged from (another rank's later session, an uncommitted one), never another rank's
@@ -857,25 +857,19 @@ class SpillWriter:
         if not self.storage.exists(self._rel(FS.COMMIT_NAME)):
             return  # removed by the merging rank
         if self.storage.describe(self._prefix) not in merged:
-            self._check_output_holds(out, out_options)
+            self._check_round_complete(out, out_options)
         remove_listed(self.storage, [self._prefix], failure_record=False)
 
-    def _check_output_holds(self, out: str, out_options: dict[str, Any] | None) -> None:
-        """Raise unless the completed output ``out`` holds every frame of this writer's segment."""
+    def _check_round_complete(self, out: str, out_options: dict[str, Any] | None) -> None:
+        """Raise unless ``out`` is complete with the merge of this writer's round (its completion
+        marker names this run and session: what a rank waiting with ``wait=True`` returns on)."""
         where = self.storage.describe(self._prefix)
-        from ._reader import open as open_output
-
-        try:
-            store = open_output(out, storage_options=out_options)
-            missing = lacking(load_segment(self.storage, read_segment(self.storage, self.rank, str(self.segment))),
-                              store_lookup(store))  # fmt: skip
-        except SpillMergeError as exc:
+        output = Storage(out, out_options)
+        if not complete_for(output, self.run_id, self._session_number):
             raise IncompleteOutputError(
-                f"{where} not removed: the output {out} cannot vouch for it ({exc})", path=where
-            ) from exc
-        if missing:
-            raise IncompleteOutputError(
-                f"{where} not removed: the output {out} lacks {missing} of its frames", path=where
+                f"{where} not removed: {output.describe()} holds no completed merge of this writer's round (run "
+                f"{self.run_id}, session {self._session_number}); call merge(..., wait=True) and let it return first",
+                path=where,
             )
 
     # ---------------------------------------------------------------------------------- merge

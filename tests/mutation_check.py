@@ -843,10 +843,10 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g37-writer-remove-spill-output-holds-it",
         "spillmerge/_writer.py",
-        "            self._check_output_holds(out, out_options)",
+        "            self._check_round_complete(out, out_options)",
         "            pass",
         ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
-        "SpillWriter.remove_spill keeps its segment when the output lacks its frames (committed after the merge)",
+        "SpillWriter.remove_spill keeps its segment unless the output is complete with its round (a later session)",
     ),
     Mutation(
         "g37-writer-remove-spill-everything-only-merged",
