@@ -246,6 +246,11 @@ def test_a_killed_segment_whose_frames_the_output_lacks_is_kept_with_them(tmp_pa
     assert killed.is_dir() and journaled() == before  # every journaled frame is still there
     assert len(rep.removed_segments) == 2 and not any((root / _segment(p)).exists() for p in rep.removed_segments)
     assert not (root / "rank-00000").exists()
+    back = spillmerge.MergeReport.from_json(rep.to_json())
+    assert (back.merged_segments, back.removed_segments, back.kept_segments) == (
+        rep.merged_segments, rep.removed_segments, rep.kept_segments,
+    )  # fmt: skip
+    assert f"kept {killed}: uncommitted (abandoned)" in str(rep)
 
 
 def test_a_killed_segment_whose_every_frame_the_output_holds_goes(tmp_path):
