@@ -3,20 +3,27 @@
 Protocol (every rank calls the same function, like the torch collectives):
   (every rank)  SpillWriter(root) → write_batch(preds, a batch of frames at a time) → commit → SpillWriter.merge(out, dst, wait=True)
   (dst)         merges; (every rank) returns once the output is complete (or raises naming dst)
-  (every rank)  removes its own spill segment (dst: the whole spill root), unless keep_spill
+  (dst)         its merge removes the segments the output was merged from (remove_spill), unless keep_spill
+  (other ranks) wait for dst's outcome, remove their own segment if still there (a node-local root)
+  (every rank)  a barrier: nobody starts the next call while this call's spill is being removed
   gather: dst returns the opened :class:`MergedStore`, the others None; all_gather: every rank.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ._batch import mapping_items
-from ._dist import resolve_run_id
+from ._dist import gloo_group, resolve_run_id
+from ._errors import CoordinationError, MergeFailedError
+from ._poll import poll
 from ._reader import MergedStore
 from ._reader import open as open_store
+from ._round import coordinated
+from ._runstore import OutcomeWatch
 from ._writer import SpillWriter
 
 
@@ -49,8 +56,9 @@ def gather(
 
     Nothing is pickled and nothing is staged on a GPU: each rank spills to ``root`` (default
     ``OUT.spill``, next to the output), ``dst`` merges into ``out`` (replacing an earlier output
-    there: ``overwrite`` defaults to True), and every rank returns once the output is complete.
-    The spill root is then removed (``keep_spill=True`` keeps it). Rank and world size come from
+    there: ``overwrite`` defaults to True), and every rank returns once the output is complete
+    and the segments it was merged from are removed, with the root when left empty
+    (``keep_spill=True`` keeps them); so the next call with the same ``out`` can start at once. Rank and world size come from
     torch.distributed when it is initialised, else env ``RANK`` / ``WORLD_SIZE``, else 0 / 1.
 
     A crash leaves the spill root behind with what each rank committed: calling again with the
@@ -122,13 +130,73 @@ def _gather(
     opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
     with SpillWriter(spill, rank, world_size, storage_options, **opts) as w:
         _write_all(w, preds)
+    # dst removes exactly the segments the output was merged from inside its merge (a segment of
+    # a later call is never among them), before it tells the waiting ranks how the merge ended.
+    merge_options = {"remove_spill": not keep_spill, **merge_options}
     w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
-    if not keep_spill:
-        w.remove_spill(everything=w.rank == dst)
+    _finish_call(w, dst, keep_spill, timeout)
     if every_rank or w.rank == dst:
         out_options = merge_options.get("out_storage_options", storage_options)
         return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
     return None
+
+
+def _finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:
+    """Return only once this call's spill is gone (unless ``keep_spill``), on every rank.
+
+    The ranks call again with the same ``out`` right after: a rank that returned while dst was
+    still removing would create its next segment in folders being removed, and dst's next merge
+    would see segments of this call. So, with torch.distributed, the other ranks wait for dst's
+    outcome (published after its removal), remove their own segment where dst could not (a
+    node-local root), and every rank meets at a barrier before it returns. Without it (ranks from
+    the environment) a rank returns at the completion marker; dst never deletes a segment of the
+    next call, which it did not merge."""
+    session = w.session()
+    together = coordinated(session)
+    if together and w.rank != dst:
+        _await_outcome(session.run_id, session.number, dst, timeout)
+    error: BaseException | None = None
+    if not keep_spill and w.rank != dst:  # dst's merge removed what it merged, its own segment included
+        try:
+            w.remove_spill()
+        except BaseException as exc:  # noqa: BLE001 - raised after the barrier, so no rank waits for this one
+            error = exc
+    if together:
+        _barrier(w.rank, timeout)
+    if error is not None:
+        raise error
+
+
+def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -> None:
+    """A rank other than ``dst``: wait for dst's merge outcome in the process group's store."""
+    watch = OutcomeWatch(run_id, session)
+    for waited in poll(timeout, first=0.01, cap=0.25):
+        told = watch.poll()
+        if told is not None:
+            if not told.get("ok"):
+                raise MergeFailedError(
+                    f"the merge on rank {dst} failed after the output was complete: {told.get('error')}",
+                    rank=dst,
+                    failures={dst: str(told.get("error"))},
+                )
+            return
+        if watch.store is None or waited >= timeout:
+            raise CoordinationError(
+                f"rank {dst} completed the output but did not say within {timeout:.0f} s that it removed the "
+                f"spill (lost the process group's store, or rank {dst} exited)",
+                rank=dst,
+            )
+
+
+def _barrier(rank: int, timeout: float) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(group=gloo_group(timeout), timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+        raise CoordinationError(
+            f"rank {rank}: not every rank finished the call within {timeout:.0f} s ({exc})", rank=rank
+        ) from exc
 
 
 GATHER_BATCH = 1024

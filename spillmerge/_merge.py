@@ -28,8 +28,9 @@ from ._errors import (
 from ._frames import check_expected
 from ._options import DEFAULT_MEMORY_BUDGET, DEFAULT_PLAN_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
+from ._removal import plan_lookup, remove_merged
 from ._report import MergeReport, gaps
-from ._spillroot import load_all, load_flushed, load_segment, remove_all, same_bytes, wait_for_commits
+from ._spillroot import load_all, load_flushed, load_segment, same_bytes, wait_for_commits
 from ._storage import Storage
 
 
@@ -88,12 +89,16 @@ def merge(
     ``0 .. count-1`` that is absent is listed in :attr:`MergeReport.frame_gaps`, files no rank
     wrote included. It changes what is reported, never what is merged.
 
-    ``remove_spill=True`` deletes the spill root's rank folders (and the root, when nothing else
-    is left in it) once the output is complete (its completion marker written, every row's
-    checksum checked while copying) and nothing is missing: no missing rank, nothing salvaged
-    from a journal, no frame missing against ``expected`` (or, with ``allow_partial``, at all).
-    Otherwise the root stays and :attr:`MergeReport.notes` says why. A part (``part=(i, n)``)
-    never removes it; the finalize does. A failed or interrupted merge raises before this point.
+    ``remove_spill=True`` deletes exactly the segments the output was merged from once the
+    output is complete (its completion marker written, every row's checksum checked while
+    copying) and nothing is missing: no missing rank, no frame missing against ``expected`` (or,
+    with ``allow_partial``, at all); otherwise nothing is deleted. A segment committed after the
+    plan was made stays, and so does an uncommitted one unless it ended (failed, or a later
+    session of its rank was merged) and the output holds every frame of its journal; rank
+    folders and the root go only when left empty. :attr:`MergeReport.removed_segments` and
+    :attr:`MergeReport.kept_segments` (with the reason) say what went and what stayed. A part
+    (``part=(i, n)``) never removes anything; the finalize does. A failed or interrupted merge
+    raises before this point.
     """
     # Every keyword parameter, by name: a test keeps them and MergeOptions' fields the same.
     options = MergeOptions(**{k: v for k, v in locals().items() if k not in ("root", "out")})
@@ -136,23 +141,31 @@ def merge_parallel(
 
 
 def _remove_spill(job: _Job, report: MergeReport) -> MergeReport:
-    """``remove_spill``: delete the spill root after a complete output that misses nothing."""
+    """``remove_spill``: after a complete output that misses nothing, delete exactly the segments
+    it was merged from (``_removal.remove_merged``); the report lists what went and what stayed."""
     if not job.options.remove_spill:
         return report
     why = None
     if not job.output.exists(FO.COMPLETE_NAME):
         why = "the output has no completion marker"
-    elif report.missing_ranks:
+    elif report.missing_ranks:  # frames salvaged from a journal are only ever those of a missing rank
         why = f"ranks {report.missing_ranks} are missing"
-    elif report.salvaged_frames:
-        why = "frames were salvaged from uncommitted segments (their rest may be needed)"
     elif report.frame_gaps and (job.options.allow_partial or report.expected_files is not None):
         why = f"frames are missing in {len(report.frame_gaps)} file(s)"
     if why is not None:
         report.notes.append(f"spill root {job.src.url} kept: {why}")
+        report.kept_segments.update({job.src.describe(s.rel): why for s in job.segments})
         return report
-    remove_all(job.src)
-    report.notes.append(f"spill root {job.src.url} removed")
+    done = remove_merged(job.src, job.segments, plan_lookup(job.plan))
+    report.removed_segments.extend(done.removed)
+    report.kept_segments.update(done.kept)
+    if not job.src.exists(""):
+        report.notes.append(f"spill root {job.src.url} removed")
+    else:
+        report.notes.append(
+            f"spill root {job.src.url}: {len(done.removed)} merged segment(s) removed"
+            + (f", {len(done.kept)} kept (MergeReport.kept_segments says why)" if done.kept else "")
+        )
     return report
 
 
@@ -448,6 +461,7 @@ class _Job:
             nbytes=plan.total_bytes if todo is None else sum(u.nbytes for u in todo),
             ranks=sorted({s.rank for s in self.segments}),
             segments=len(self.segments),
+            merged_segments=[self.src.describe(s.rel) for s in self.segments],
             seconds=t_end - self.t0,
             wait_seconds=t_wait,
             merge_seconds=t_end - self.t0 - t_wait,

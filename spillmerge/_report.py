@@ -76,6 +76,14 @@ class MergeReport:
     rewrites: int = 0
     """Duplicate copies each rank dropped itself (a key written twice by one writer; the sum of
     its ``stats()["rewrites"]``, from the commit records of the merged segments)."""
+    merged_segments: list[str] = field(default_factory=list)
+    """The committed segments the output was merged from (paths under the spill root)."""
+    removed_segments: list[str] = field(default_factory=list)
+    """Segments ``remove_spill`` deleted: the merged ones, and uncommitted ones that ended whose
+    every journaled frame the output holds."""
+    kept_segments: dict[str, str] = field(default_factory=dict)
+    """Segment → why ``remove_spill`` kept it (committed after the plan, still being written,
+    frames the output lacks, or a reason that kept the whole root)."""
 
     @property
     def dropped_duplicates(self) -> int:
@@ -139,6 +147,19 @@ class MergeReport:
                     "\n  (frames after a file's last merged frame, and files only the missing ranks held, "
                     "are not listed: pass expected= / --expected MANIFEST.csv to check against the counts)"
                 )
+        return s + self._kept_text()
+
+    def _kept_text(self, lines: int = 10) -> str:
+        """The segments ``remove_spill`` kept, one line per reason."""
+        by_why: dict[str, list[str]] = {}
+        for path, why in sorted(self.kept_segments.items()):
+            by_why.setdefault(why, []).append(path)
+        s = ""
+        for why, paths in list(by_why.items())[:lines]:
+            more = f" and {len(paths) - 1} more segment(s)" if len(paths) > 1 else ""
+            s += f"\n  kept {paths[0]}{more}: {why}"
+        if len(by_why) > lines:
+            s += "\n  ... and more kept segments (MergeReport.kept_segments lists them all)"
         return s
 
     def _gaps_text(self, files: int = 20, chars: int = 160) -> str:
@@ -153,7 +174,7 @@ class MergeReport:
         return s
 
 
-def _finder(names: Sequence[str]) -> Callable[[str], int]:
+def finder(names: Sequence[str]) -> Callable[[str], int]:
     """Position of a name in the plan's sorted filenames, or -1 (a binary search on disk for an
     out-of-core plan's table, a dict for a list)."""
     search = getattr(names, "search", None)
@@ -176,7 +197,7 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         n_rows = np.diff(o)
         last = np.where(n_rows > 0, frames[np.maximum(o[1:] - 1, 0)], -1)
         check.update((a + np.flatnonzero(last + 1 != n_rows)).tolist())  # a gap below the last frame
-    find = _finder(plan.filenames) if expected else None
+    find = finder(plan.filenames) if expected else None
     if expected is not None and find is not None:
         check.update(i for i in map(find, expected) if i >= 0)
     for i in sorted(check):

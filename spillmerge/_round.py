@@ -191,7 +191,7 @@ def wait_complete(
             if told.get("ok"):
                 return
             _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
-        if _complete_for(output, run_id, session):
+        if complete_for(output, run_id, session):
             return
         raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
         if raw is not None:
@@ -211,7 +211,7 @@ def wait_complete(
             )
 
 
-def _complete_for(output: Storage, run_id: str | None, session: int) -> bool:
+def complete_for(output: Storage, run_id: str | None, session: int) -> bool:
     raw = output.get_or_none(FO.COMPLETE_NAME, max_bytes=1 << 20)
     if raw is None:
         return False

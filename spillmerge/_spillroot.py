@@ -91,16 +91,6 @@ class LoadedSegment:
     point at (``-1 - id``), validated; None when the segment has none (before version 3)."""
 
 
-def remove_all(storage: Storage) -> None:
-    """Delete every rank folder and the merge failure record, then the root itself if nothing
-    else is in it (files of the user's next to the rank folders stay)."""
-    for name in storage.listdir(""):
-        if FS.parse_rank_dirname(name) is not None:
-            storage.rm_tree(name)
-    storage.rm_tree(FS.MERGE_FAILED_NAME)
-    storage.remove_empty_dir("")
-
-
 def list_ranks(storage: Storage) -> list[int]:
     ranks = [FS.parse_rank_dirname(n) for n in storage.listdir("")]
     return sorted(r for r in ranks if r is not None)

@@ -18,11 +18,13 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
+import fsspec
 import google_crc32c
 import numpy as np
 import torch
 
 from . import _format as F
+from . import _format_output as FO
 from . import _format_spill as FS
 from ._batch import (
     as_rows,
@@ -37,16 +39,18 @@ from ._batch import (
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
+    IncompleteOutputError,
     SpillStorageError,
     SpillValueError,
     WriterClosedError,
 )
 from ._format import user_key
+from ._removal import remove_listed
 from ._report import MergeReport
-from ._round import Rounds
+from ._round import Rounds, complete_for
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import check_not_stale, load_committed_keys, remove_all
+from ._spillroot import check_not_stale, list_ranks, load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._templates import DenseTemplate, FrameTemplate
@@ -809,20 +813,64 @@ class SpillWriter:
         frames = self.committed_keys().get(check_filename(filename))
         return frames is not None and check_frame_idx(frame_idx, filename) in frames
 
+    _merged_into: tuple[str, dict[str, Any] | None, MergeReport | None] | None = None
+    """The output of this writer's last merge round on this rank, its storage options, and the
+    round's report (on the merging rank; None elsewhere)."""
+
     def remove_spill(self, *, everything: bool = False) -> None:
-        """Delete this rank's spill data once it is merged: its rank folder (every session of this
-        rank), or with ``everything`` every rank folder and the merge failure record (the merging
-        rank of :func:`spillmerge.gather`, whose root holds every shard after a node-local
-        transfer); then the root itself if nothing else is in it. Only after the writer commits."""
+        """Delete this writer's own segment once the output of its last :meth:`merge` holds it
+        (the merge's report lists it, or the output is complete with this writer's round: its
+        completion marker names this run and session); nothing when it is already gone (the
+        merging rank removed it). ``everything`` (the merging rank,
+        after a node-local transfer brought every shard to its root): every segment the merge's
+        report lists as merged, and the merge failure record. Never a segment the output was not
+        merged from (another rank's later session, an uncommitted one), never another rank's
+        segment without ``everything``; rank folders and the root go only when left empty. Only
+        after the writer commits and merges; raises otherwise, deleting nothing."""
         if self._state is not WriterState.COMMITTED:
             raise WriterClosedError(
                 f"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed"
             )
+        if self._merged_into is None:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank}: call merge() before remove_spill(); only a segment the output "
+                f"holds is removed ({self.storage.describe(self._prefix)} stays)"
+            )
+        out, out_options, report = self._merged_into
+        merged = set(report.merged_segments) if report is not None else set()
         if everything:
-            remove_all(self.storage)
+            if report is None:
+                raise WriterClosedError(
+                    f"SpillWriter for rank {self.rank}: remove_spill(everything=True) is for the rank that merged "
+                    "(it knows which segments the output was merged from); other ranks remove their own segment"
+                )
+            output = Storage(out, out_options)
+            if not output.exists(FO.COMPLETE_NAME):
+                raise IncompleteOutputError(
+                    f"{output.describe()} has no completion marker: the spill it was merged from stays",
+                    path=output.describe(),
+                )
+            rels = [f"{FS.rank_dirname(r)}/{n}" for r in list_ranks(self.storage)
+                    for n in self.storage.listdir(FS.rank_dirname(r)) if FS.is_segment_name(n)]  # fmt: skip
+            remove_listed(self.storage, [r for r in rels if self.storage.describe(r) in merged], failure_record=True)
             return
-        self.storage.rm_tree(FS.rank_dirname(self.rank))
-        self.storage.remove_empty_dir("")
+        if not self.storage.exists(self._rel(FS.COMMIT_NAME)):
+            return  # removed by the merging rank
+        if self.storage.describe(self._prefix) not in merged:
+            self._check_round_complete(out, out_options)
+        remove_listed(self.storage, [self._prefix], failure_record=False)
+
+    def _check_round_complete(self, out: str, out_options: dict[str, Any] | None) -> None:
+        """Raise unless ``out`` is complete with the merge of this writer's round (its completion
+        marker names this run and session: what a rank waiting with ``wait=True`` returns on)."""
+        where = self.storage.describe(self._prefix)
+        output = Storage(out, out_options)
+        if not complete_for(output, self.run_id, self._session_number):
+            raise IncompleteOutputError(
+                f"{where} not removed: {output.describe()} holds no completed merge of this writer's round (run "
+                f"{self.run_id}, session {self._session_number}); call merge(..., wait=True) and let it return first",
+                path=where,
+            )
 
     # ---------------------------------------------------------------------------------- merge
     def merge(
@@ -874,10 +922,12 @@ class SpillWriter:
         """
         if self._state is WriterState.OPEN:
             raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
-        return self._rounds.merge(
+        report = self._rounds.merge(
             self.session(), out, dst, wait=wait, parallel=parallel, transport=transport,
             transfer_chunk_bytes=transfer_chunk_bytes, transfer_timeout=transfer_timeout, **kwargs,
         )  # fmt: skip
+        self._merged_into = (out, _out_options(self.root, out, kwargs, self.storage.storage_options), report)
+        return report
 
     def session(self) -> Session:
         """This writer's session as the merge round and the shard transfer see it (rank, root,
@@ -903,6 +953,17 @@ class SpillWriter:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
+
+
+def _out_options(
+    root: str, out: str, kwargs: dict[str, Any], default: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The storage options the merge used for ``out`` (its ``out_storage_options``, else the spill
+    root's when both share a protocol)."""
+    if kwargs.get("out_storage_options") is not None:
+        return kwargs["out_storage_options"]  # type: ignore[no-any-return]
+    same = fsspec.core.split_protocol(root)[0] == fsspec.core.split_protocol(str(out))[0]
+    return kwargs.get("storage_options", default) if same else None
 
 
 def _frame_array(frames: list[int]) -> np.ndarray | None:

@@ -276,3 +276,56 @@ def two_ranks_fail(rank: int, world: int, port: int, base: str) -> None:
         while len(glob.glob(f"{base}/res-*.json")) < world and time.monotonic() < deadline + 60:
             time.sleep(0.02)
     os._exit(0)
+
+
+CALLS = 3
+
+
+def calls_back_to_back(rank: int, world: int, port: int, base: str) -> None:
+    """``all_gather`` called ``CALLS`` times in a row with the same ``out`` (no barrier between the
+    calls: a rank starts the next call as soon as the previous one returns). Each call's
+    predictions are its own (its tag in the filenames, frames shifted by the call number), so an
+    output holding another call's data, or missing some, shows. Records per call what came back
+    or what was raised, whether the spill root still existed when the last call returned, and,
+    after a barrier, what is left of it (``base/res-R.json``)."""
+    import json
+
+    import torch.distributed as dist
+
+    import spillmerge
+
+    torch.set_num_threads(1)
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "RANK", "WORLD_SIZE"):
+        os.environ.pop(var, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    os.environ["TORCHELASTIC_RUN_ID"] = "b2b"  # as under torchrun: every call has the same run id, agreed on by none
+    if rank == 0:  # the merging rank's deletes are slow (a busy shared file system): 0.3 s each
+        import time
+
+        from spillmerge._storage import LocalStorage
+
+        real_rm_tree = LocalStorage.rm_tree
+
+        def slow_rm_tree(self: Any, rel: str = "") -> None:
+            time.sleep(0.3)
+            real_rm_tree(self, rel)
+
+        LocalStorage.rm_tree = slow_rm_tree  # type: ignore[method-assign]
+    out = f"{base}/o.zarr"
+    calls: list[Any] = []
+    for k in range(CALLS):
+        preds = {f"call{k} {name}": {i + k: v for i, v in frames.items()} for name, frames in preds_of(rank, "b").items()}
+        try:
+            store = spillmerge.all_gather(preds, out, progress=False, timeout=TIMEOUT)
+            calls.append({n: store.frames(n).tolist() for n in store.filenames})
+        except BaseException as exc:  # noqa: BLE001 - recorded for the test
+            calls.append({"error": _error(exc)})
+    spill = spillmerge._gather.default_root(out)
+    at_return = os.path.exists(spill)  # the last call returned: nothing of it may be left, on any rank
+    dist.barrier()
+    left = sorted(os.path.relpath(os.path.join(d, f), spill) for d, _, fs in os.walk(spill) for f in fs)
+    result = {"calls": calls, "spill_at_return": at_return, "spill_exists": os.path.exists(spill), "left": left}
+    with open(f"{base}/res-{rank}.json", "w", encoding="utf-8") as fh:
+        json.dump(result, fh, default=str)
+    dist.barrier()
+    dist.destroy_process_group()

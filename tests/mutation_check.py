@@ -657,9 +657,10 @@ MUTATIONS: list[Mutation] = [
     ),
     # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
     # JSON loader's own size check too (the mutation survives test_s3's oversized case).
-    # Not listed: remove_spill's "salvaged_frames" and "no completion marker" conditions. A rank with
-    # salvaged frames is always in missing_ranks too (checked first), and both merge paths write the
-    # marker before they return: neither condition can decide alone (mutations survive every test).
+    # Not listed: remove_spill's "no completion marker" condition: both merge paths write the marker
+    # before they return, so it cannot decide alone (the mutation survives every test). Its
+    # "salvaged_frames" condition was removed as dead: a rank with salvaged frames is always in
+    # missing_ranks too, which keeps every segment first.
     Mutation(
         "names-keys-zero-padding",
         "spillmerge/_plan_disk.py",
@@ -957,6 +958,82 @@ MUTATIONS: list[Mutation] = [
         "        if False:",
         ("tests/test_plan_disk.py::test_two_entries_swapped_in_a_published_range_blame_the_range_not_the_spill_root",),
         "a published range whose entries read other bytes of a sound spill root is named, not the spill root",
+    ),
+    # ------------------------------------------------- issue 37: remove only what was merged, gather called twice
+    Mutation(
+        "g37-remove-spill-only-planned-segments",
+        "spillmerge/_removal.py",
+        "            if rel in planned:",
+        "            if rel in planned or read_segment(src, rank, name).commit is not None:",
+        ("tests/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
+        "remove_spill never deletes a segment committed after the merge's plan was made",
+    ),
+    Mutation(
+        "g37-remove-spill-keeps-a-live-segment",
+        "spillmerge/_removal.py",
+        "    if seg.failure is None and not superseded:",
+        "    if False:",
+        ("tests/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
+        "remove_spill never deletes a segment still being written (no commit or failure record, no later session merged)",
+    ),
+    Mutation(
+        "g37-remove-spill-keeps-frames-the-output-lacks",
+        "spillmerge/_removal.py",
+        "    if missing:\n        return (",
+        "    if False:\n        return (",
+        ("tests/test_remove_spill.py::test_a_killed_segment_whose_frames_the_output_lacks_is_kept_with_them",),
+        "remove_spill keeps an abandoned (killed) segment whose journaled frames the output lacks",
+    ),
+    Mutation(
+        "g37-writer-remove-spill-before-commit",
+        "spillmerge/_writer.py",
+        "        if self._state is not WriterState.COMMITTED:\n            raise WriterClosedError(\n"
+        "                f\"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed\"",
+        "        if False:\n            raise WriterClosedError(\n"
+        "                f\"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed\"",
+        ("tests/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
+        "SpillWriter.remove_spill refuses before the writer commits, deleting nothing",
+    ),
+    Mutation(
+        "g37-writer-remove-spill-before-merge",
+        "spillmerge/_writer.py",
+        "        if self._merged_into is None:",
+        "        if False:",
+        ("tests/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
+        "SpillWriter.remove_spill refuses before the writer merged: only a segment an output holds is removed",
+    ),
+    Mutation(
+        "g37-writer-remove-spill-own-segment-only",
+        "spillmerge/_writer.py",
+        "        remove_listed(self.storage, [self._prefix], failure_record=False)",
+        "        remove_listed(self.storage, [f\"{FS.rank_dirname(r)}/{n}\" for r in list_ranks(self.storage) "
+        "for n in self.storage.listdir(FS.rank_dirname(r))], failure_record=False)",
+        ("tests/test_remove_spill.py::test_writer_remove_spill_removes_only_its_own_merged_segment",),
+        "SpillWriter.remove_spill removes this writer's own segment, never another rank's",
+    ),
+    Mutation(
+        "g37-writer-remove-spill-output-holds-it",
+        "spillmerge/_writer.py",
+        "            self._check_round_complete(out, out_options)",
+        "            pass",
+        ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
+        "SpillWriter.remove_spill keeps its segment unless the output is complete with its round (a later session)",
+    ),
+    Mutation(
+        "g37-writer-remove-spill-everything-only-merged",
+        "spillmerge/_writer.py",
+        "[r for r in rels if self.storage.describe(r) in merged]",
+        "rels",
+        ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
+        "remove_spill(everything=True) removes only the segments the merge's report lists as merged",
+    ),
+    Mutation(
+        "g37-gather-waits-for-dsts-removal",
+        "spillmerge/_gather.py",
+        "    together = coordinated(session)",
+        "    together = False",
+        ("tests/test_gather.py::test_all_gather_called_back_to_back_with_the_same_out_always_works",),
+        "no rank returns from gather before dst removed this call's spill (the next call's segments are safe)",
     ),
 ]
 

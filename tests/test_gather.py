@@ -64,6 +64,18 @@ def test_a_crashed_round_names_the_cause_on_every_rank_and_the_rerun_succeeds(ra
         assert res["digest"] == res["expected"] and not res["spill_left"]
 
 
+def _spawn_plain(target: Any, world: int, base: Path, *, timeout: float) -> None:
+    """Run ``target(rank, world, port, base)`` in ``world`` spawned processes (a hang fails)."""
+    from _procs import free_port, join_all
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, str(base))) for r in range(world)]
+    for p in procs:
+        p.start()
+    join_all(procs, timeout=timeout)
+
+
 # ------------------------------------------------------------------- without torch.distributed
 def _no_dist(fn: str, rank: int, world: int, out: str, q: Any) -> None:
     for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID"):
@@ -113,14 +125,8 @@ def test_every_rank_names_the_root_cause_when_the_store_host_exits(tmp_path: Pat
     import json
 
     from _gather_workers import store_host_exits
-    from _procs import free_port, join_all
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=store_host_exits, args=(r, WORLD, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    join_all(procs, timeout=150)
+    _spawn_plain(store_host_exits, WORLD, tmp_path, timeout=150)
     res = {r: json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(WORLD)}
     assert res[2]["error"]["type"] == "ValueError"
     for r in (0, 1, 3):
@@ -136,14 +142,8 @@ def test_timeout_covers_the_process_group_setup(tmp_path: Path):
     import json
 
     from _gather_workers import rank_exits_after_init
-    from _procs import free_port, join_all
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_exits_after_init, args=(r, 2, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    join_all(procs, timeout=150)
+    _spawn_plain(rank_exits_after_init, 2, tmp_path, timeout=150)
     res = json.loads((tmp_path / "res-0.json").read_text())
     assert res["error"] is not None and res["error"]["type"] == "CoordinationError", res
     assert "10 s" in res["error"]["msg"], res
@@ -156,17 +156,34 @@ def test_rank_failed_error_names_every_failed_rank(tmp_path: Path):
     import json
 
     from _gather_workers import two_ranks_fail
-    from _procs import free_port, join_all
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=two_ranks_fail, args=(r, WORLD, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    join_all(procs, timeout=150)
+    _spawn_plain(two_ranks_fail, WORLD, tmp_path, timeout=150)
     res = {r: json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(WORLD)}
     for r in (0, 3):
         err = res[r]["error"]
         assert err is not None and err["type"] == "RankFailedError", (r, err)
         assert sorted(res[r]["failures"]) == ["1", "2"], (r, res[r])
         assert "rank 1" in err["msg"] and "rank 2" in err["msg"], (r, err["msg"])
+
+
+def test_all_gather_called_back_to_back_with_the_same_out_always_works(tmp_path: Path):
+    """Two gloo ranks call ``all_gather(preds, out)`` three times in a row with the same ``out``.
+    The merging rank once removed whole rank folders while the other rank had already started the
+    next call in the same ``OUT.spill`` (a lost segment file, or "no rank can see rank 1's commit
+    record", in about half the runs). Every call must give every rank exactly its own
+    predictions, and nothing may be left of the spill when the last call returns, on any rank."""
+    import json
+
+    from _gather_workers import CALLS, calls_back_to_back
+
+    _spawn_plain(calls_back_to_back, 2, tmp_path, timeout=240)
+    res = {r: json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(2)}
+    for k in range(CALLS):
+        want = {
+            f"call{k} {name}": sorted(i + k for r in range(2) for i in preds_of(r, "b")[name])
+            for name in preds_of(0, "b")
+        }
+        for r in range(2):
+            assert res[r]["calls"][k] == want, (k, r, res[r]["calls"][k])
+    for r in range(2):
+        assert not res[r]["spill_at_return"] and not res[r]["spill_exists"] and not res[r]["left"], res[r]
