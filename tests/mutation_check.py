@@ -787,6 +787,31 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
         "a published range whose per-column counts do not fit the plan's columns and layouts is planned again",
     ),
+    # ------------------------------------------------------------------ issue 37: shared writers, waits, CLI
+    Mutation(
+        "writer-lock",
+        "spillmerge/_writer.py",
+        "        self._lock = threading.Lock()\n",
+        "        self._lock = __import__('contextlib').nullcontext()\n",
+        ("tests/test_writer_threads.py",),
+        "threads sharing a SpillWriter take turns: every key of every thread merges exactly",
+    ),
+    Mutation(
+        "wait-notices",
+        "spillmerge/_spillroot.py",
+        "        if waited < timeout:\n            notices(state, segments, run_id)\n",
+        "",
+        ("tests/test_waits.py",),
+        "a merge waiting for commit records names the missing ranks on stderr",
+    ),
+    Mutation(
+        "wait-notices-quiet",
+        "spillmerge/_spillroot.py",
+        "notices = WaitNotices(storage, timeout, quiet=progress is False)",
+        "notices = WaitNotices(storage, timeout, quiet=False)",
+        ("tests/test_waits.py",),
+        "progress=False keeps a waiting merge quiet",
+    ),
 ]
 
 
