@@ -812,6 +812,38 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_waits.py",),
         "progress=False keeps a waiting merge quiet",
     ),
+    Mutation(
+        "cli-broken-pipe",
+        "spillmerge/cli.py",
+        "    except BrokenPipeError:\n        return _stdout_closed()\n",
+        "",
+        ("tests/test_cli_messages.py::test_a_reader_that_goes_away_ends_the_command_quietly",),
+        "`spillmerge inspect ... | head` ends quietly (141), not with 'error: Broken pipe'",
+    ),
+    Mutation(
+        "cli-positional-out",
+        "spillmerge/cli.py",
+        'if unknown and args.command == "merge" and args.out is None and not unknown[0].startswith("-"):',
+        "if False:",
+        ("tests/test_cli_messages.py::test_a_positional_output_asks_for_out",),
+        "`spillmerge merge ROOT OUT` is one line asking for --out OUT, not the top-level usage",
+    ),
+    Mutation(
+        "cli-demo-needs-torch",
+        "spillmerge/cli.py",
+        '    require_torch("spillmerge demo")',
+        "    pass",
+        ("tests/test_cli_messages.py::test_demo_without_torch_names_the_install_in_one_line",),
+        "`spillmerge demo` without torch is one line naming the install, not a traceback",
+    ),
+    Mutation(
+        "report-size-units",
+        "spillmerge/_report.py",
+        "{self.n_frames} frames, {size_text(self.nbytes)} from",
+        "{self.n_frames} frames, {self.nbytes / (1 << 30):.3f} GiB from",
+        ("tests/test_cli_messages.py::test_merge_report_and_verify_print_sizes_in_the_unit_that_fits",),
+        "a merge report prints its size in the unit that fits it",
+    ),
 ]
 
 
