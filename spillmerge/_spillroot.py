@@ -366,17 +366,28 @@ class WaitNotices:
         self.start = time.monotonic()
         self.noticed: float | None = None
 
-    def __call__(self, state: SpillState, segments: dict[int, list[Segment]], run_id: str | None) -> None:
+    def due(self) -> bool:
+        """Is a line due now?"""
         waited = time.monotonic() - self.start
-        due = WAIT_NOTICE_FIRST if self.noticed is None else self.noticed + WAIT_NOTICE_EVERY
-        if self.quiet or waited < due or not state.missing:
+        return not self.quiet and waited >= (
+            WAIT_NOTICE_FIRST if self.noticed is None else self.noticed + WAIT_NOTICE_EVERY
+        )
+
+    def __call__(
+        self, state: SpillState, segments: dict[int, list[Segment]], run_id: str | None,
+        waiting: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Print a line if one is due, naming ``waiting`` (default: the ranks without a commit
+        record; a coordinated merge: those not at merge() either)."""
+        missing = state.missing if waiting is None else waiting
+        if not missing or not self.due():
             return
-        self.noticed = waited
-        shown = [self._rank_text(r, state, segments, run_id) for r in state.missing[:8]]
-        more = len(state.missing) - len(shown)
+        waited = self.noticed = time.monotonic() - self.start
+        shown = [self._rank_text(r, state, segments, run_id) for r in missing[:8]]
+        more = len(missing) - len(shown)
         ranks = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
         print(
-            f"spillmerge merge: waiting for {len(state.missing)} of {state.world_size} rank(s) to commit to "
+            f"spillmerge merge: waiting for {len(missing)} of {state.world_size} rank(s) to commit to "
             f"{self.storage.describe()} ({waited:.0f} s of {self.timeout:g} s): {ranks}",
             file=sys.stderr,
             flush=True,

@@ -813,6 +813,14 @@ MUTATIONS: list[Mutation] = [
         "progress=False keeps a waiting merge quiet",
     ),
     Mutation(
+        "wait-notices-coordinated",
+        "spillmerge/_transfer.py",
+        "            self.notices(state, self.segments, self.session.run_id, away)\n",
+        "            pass\n",
+        ("tests/test_waits.py::test_a_coordinated_merge_names_the_rank_still_writing",),
+        "a merge under torch.distributed names on stderr the ranks it waits for",
+    ),
+    Mutation(
         "cli-broken-pipe",
         "spillmerge/cli.py",
         "    except BrokenPipeError:\n        return _stdout_closed()\n",

@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from _procs import spawn_ranks
+from _waits_workers import WORLD, worker
 
 import spillmerge
 from spillmerge import _spillroot
@@ -55,3 +57,14 @@ def test_progress_false_waits_in_silence(spill_root, tmp_path, capfd):
     with pytest.raises(spillmerge.SpillMergeError, match="rank"):
         spillmerge.merge(spill_root, str(tmp_path / "out"), timeout=1.0, progress=False)
     assert "waiting for" not in capfd.readouterr().err
+
+
+def test_a_coordinated_merge_names_the_rank_still_writing(tmp_path):
+    """Under torch.distributed dst waits for the ranks in the process group's store: it names a
+    rank that has neither reached merge() nor committed, and says nothing of the others."""
+    results = spawn_ranks(worker, WORLD, tmp_path, timeout=300)
+    assert results[0]["late_rank"]["merged"], results
+    lines = [ln for ln in results[0]["late_rank"]["stderr"].splitlines() if "waiting for" in ln]
+    assert lines and lines[0].startswith("spillmerge merge: waiting for 1 of 2 rank(s) to commit to "), lines
+    assert "rank 1 (writing for " in lines[0] and "rank 0" not in lines[0], lines
+    assert "waiting for" not in results[1]["late_rank"]["stderr"]
