@@ -22,6 +22,7 @@ from ._invariants import Problem
 from ._output import header, not_an_output, what_is
 from ._spillroot import load_segment, scan
 from ._storage import Storage
+from ._units import size_text as _human
 
 
 def detect(storage: Storage) -> str:
@@ -202,15 +203,6 @@ def _leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
             out.extend(_leaves(v, f"{prefix}/{k}" if prefix else k))
         return out
     return [(prefix, value)]
-
-
-def _human(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{x:.1f} {unit}" if unit != "B" else f"{int(x)} B"
-        x /= 1024
-    return str(n)
 
 
 def _frames(n: int) -> str:

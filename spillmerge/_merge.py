@@ -304,6 +304,7 @@ class _Job:
             run_id=options.run_id,
             timeout=options.timeout,
             allow_partial=allow_partial,
+            progress=options.progress,
         )
         phases: dict[str, float] = {"wait": time.perf_counter() - t0}
         # Write order for the duplicate policy: segment start time, rank breaking ties.

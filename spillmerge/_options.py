@@ -225,9 +225,13 @@ class MergeOptions:
     )
     """Delete the spill root after a complete merge that misses nothing (see ``merge``)."""
     progress: bool | None = _option(
-        None, flag=Flag("--no-progress", "no progress bar", {"action": "store_const", "const": False})
+        None,
+        flag=Flag(
+            "--no-progress", "no progress bar, no notices while waiting for ranks", {"action": "store_const", "const": False}
+        ),
     )
-    """Progress bar (None: on a terminal)."""
+    """Progress bar (None: on a terminal); unless False, also a line on stderr every 30 s while the
+    merge waits for ranks to commit, naming them."""
     run_id: str | None = _option(None)
     """Run id the barrier waits for (None: each rank's newest segments)."""
     fsync: bool = _option(True)

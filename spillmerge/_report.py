@@ -11,6 +11,7 @@ import numpy as np
 
 from ._frames import first_missing, runs
 from ._plan import ROW_BLOCK, Plan
+from ._units import size_text
 
 _INLINE_NOTES = ("part ", "spill root ")
 """Notes printed on the report's first line (the rest only under a partial merge)."""
@@ -116,10 +117,9 @@ class MergeReport:
         return self.n_frames
 
     def __str__(self) -> str:
-        gib = self.nbytes / (1 << 30)
         s = (
             (f"part {self.part}/{self.parts}: " if self.part is not None else "")
-            + f"merged {self.n_files} files, {self.n_frames} frames, {gib:.3f} GiB from "
+            + f"merged {self.n_files} files, {self.n_frames} frames, {size_text(self.nbytes)} from "
             f"{len(self.ranks)} ranks ({self.segments} segments) into {self.out}"
             + (f" in {self.parts} parts" if self.part is None and self.parts > 1 else "")
             + (f" with {self.codec}" if self.codec != "none" else "")
@@ -127,8 +127,8 @@ class MergeReport:
             f"(wait {self.wait_seconds:.2f} s, merge {self.merge_seconds:.2f} s)"
         )
         if self.transferred:
-            moved = sum(self.transferred.values()) / (1 << 30)
-            s += f"; {moved:.3f} GiB of ranks {sorted(self.transferred)} moved over torch.distributed first"
+            moved = size_text(sum(self.transferred.values()))
+            s += f"; {moved} of ranks {sorted(self.transferred)} moved over torch.distributed first"
         s += "".join(f"; {n}" for n in self.notes if n.startswith(_INLINE_NOTES))
         if self.dropped_duplicates:
             s += f"; {self.dropped_duplicates} duplicate frame copies dropped"

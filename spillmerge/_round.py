@@ -92,8 +92,9 @@ class Rounds:
             # The first merge of a job gathers every shard where dst can read it; a later merge
             # of the same writer (another output or duplicate policy) needs no coordination.
             info = transfer_shards(
-                session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"])
-            )
+                session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
+                progress=kwargs.get("progress"),
+            )  # fmt: skip
             self.shards_here = True
         elif network:
             raise ConfigError(

@@ -3,7 +3,8 @@ because a spill root is untrusted input. Also the storage barrier (``wait_for_co
 
 from __future__ import annotations
 
-import logging
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,20 +14,21 @@ import numpy as np
 
 from . import _format as F
 from . import _format_spill as FS
-from . import _poll
+from . import _poll, _progress
 from ._errors import (
     CommitTimeout,
     CorruptSpillError,
     FormatVersionError,
     IncompleteSpillError,
     RankFailedError,
+    SpillMergeError,
     StaleSpillError,
 )
 from ._storage import Storage
 
-log = logging.getLogger("spillmerge")
 WAIT_NOTICE_FIRST, WAIT_NOTICE_EVERY = 2.0, 30.0
-"""Seconds a merge waits for ranks to commit before it logs that it does, then between two lines."""
+"""Seconds a merge waits for ranks to commit before it says so on stderr, then between two lines
+(read at each call: a test shortens them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,12 +316,15 @@ def wait_for_commits(
     allow_partial: bool = False,
     poll: float = 0.05,
     max_poll: float = 2.0,
+    progress: bool | None = None,
 ) -> SpillState:
     """The barrier: poll storage (with backoff, re-reading only unfinished ranks) until every rank
-    has committed; fail fast on a failure record; time out naming the missing ranks."""
+    has committed; fail fast on a failure record; time out naming the missing ranks. Unless
+    ``progress`` is False, a line on stderr says which ranks it waits for and what each is doing
+    (:class:`WaitNotices`)."""
     segments = scan(storage)
     missing: list[int] = []
-    noticed = WAIT_NOTICE_FIRST - WAIT_NOTICE_EVERY
+    notices = WaitNotices(storage, timeout, quiet=progress is False)
     for waited in _poll.poll(timeout, first=poll, cap=max_poll):
         for rank in missing:  # after the first look, only the ranks still outstanding are listed again
             segments[rank] = list_segments(storage, rank)
@@ -327,12 +332,8 @@ def wait_for_commits(
         missing = list(state.missing)
         if state.failed or not state.missing:
             break
-        if waited - noticed >= WAIT_NOTICE_EVERY and waited < timeout:  # a batch log says why nothing happens
-            noticed = waited
-            log.info(
-                "waiting for %d of %d rank(s) to commit to %s: %s (%.0f s of %.0f s)",
-                len(missing), state.world_size, storage.describe(), _ranks_text(missing), waited, timeout,
-            )  # fmt: skip
+        if waited < timeout:
+            notices(state, segments, run_id)
         if waited >= timeout:
             if allow_partial:
                 return state
@@ -342,9 +343,66 @@ def wait_for_commits(
     return state
 
 
-def _ranks_text(ranks: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(r) for r in ranks[:most])
-    return f"rank {shown}" + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
+class WaitNotices:
+    """What a merge waiting for commit records says on stderr, so that a long wait is never
+    silent: after ``WAIT_NOTICE_FIRST`` seconds, then every ``WAIT_NOTICE_EVERY``, one line
+    naming each missing rank (up to 8) and what storage shows of it: no segment, or writing, with
+    the frames its flush thread made durable and the age of the last one (``progress.json``).
+    Printed whatever stderr is (a batch job's log is where a hung merge is looked for); ``quiet``
+    (``progress=False``) prints nothing."""
+
+    def __init__(self, storage: Storage, timeout: float, *, quiet: bool = False) -> None:
+        self.storage, self.timeout, self.quiet = storage, timeout, quiet
+        self.start = time.monotonic()
+        self.noticed: float | None = None
+
+    def due(self) -> bool:
+        """Is a line due now?"""
+        waited = time.monotonic() - self.start
+        return not self.quiet and waited >= (
+            WAIT_NOTICE_FIRST if self.noticed is None else self.noticed + WAIT_NOTICE_EVERY
+        )
+
+    def __call__(
+        self, state: SpillState, segments: dict[int, list[Segment]], run_id: str | None,
+        waiting: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Print a line if one is due, naming ``waiting`` (default: the ranks without a commit
+        record; a coordinated merge: those not at merge() either)."""
+        missing = state.missing if waiting is None else waiting
+        if not missing or not self.due():
+            return
+        waited = self.noticed = time.monotonic() - self.start
+        shown = [self._rank_text(r, state, segments, run_id) for r in missing[:8]]
+        more = len(missing) - len(shown)
+        ranks = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+        print(
+            f"spillmerge merge: waiting for {len(missing)} of {state.world_size} rank(s) to commit to "
+            f"{self.storage.describe()} ({waited:.0f} s of {self.timeout:g} s): {ranks}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _rank_text(self, rank: int, state: SpillState, segments: dict[int, list[Segment]], run_id: str | None) -> str:
+        seg = state.partial.get(rank)
+        if seg is None:
+            of_run = " of this run" if run_id is not None and segments.get(rank) else ""
+            return f"rank {rank} (no segment{of_run} yet: has it started?)"
+        try:
+            rec = _progress.read(self.storage, seg.rel)
+        except SpillMergeError:  # an advisory record: the notice goes on without it
+            rec = None
+        now = time.time()
+        if rec is not None and rec.frames:
+            return f"rank {rank} (writing, {rec.frames} frames flushed, last write {_age(now - rec.updated)} ago)"
+        started = _progress.iso_to_unix((seg.header or {}).get("started"))
+        since = f" for {_age(now - started)}" if started is not None else ""
+        return f"rank {rank} (writing{since}, nothing flushed yet)"
+
+
+def _age(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s} s" if s < 120 else f"{s // 60} min" if s < 7200 else f"{s // 3600} h"
 
 
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:

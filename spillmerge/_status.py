@@ -19,6 +19,7 @@ from ._progress import iso_to_unix
 from ._progress import read as read_progress
 from ._spillroot import list_ranks, read_segment
 from ._storage import Storage
+from ._units import size_text as _size
 
 RankState = Literal["writing", "committed", "failed", "missing"]
 DEFAULT_STALL_AFTER = 120.0
@@ -167,14 +168,6 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
         state = "running" if records or output.exists("zarr.json") else "not-started"
         msg = None
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 def _dur(s: float | None) -> str:

@@ -52,7 +52,7 @@ from ._errors import (
 )
 from ._report import MergeReport
 from ._runstore import Coord
-from ._spillroot import assess, list_segments, raise_for_state, scan
+from ._spillroot import WaitNotices, assess, list_segments, raise_for_state, scan
 from ._storage import Storage
 
 TRANSPORTS = ("auto", "storage", "nccl", "gloo")
@@ -241,10 +241,12 @@ def transfer_shards(
     transfer_chunk_bytes: int,
     transfer_timeout: float,
     timeout: float,
+    progress: bool | None = None,
 ) -> TransferInfo | None:
     """Every rank: coordinate through the process group's store and move the committed shards
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
-    from its root), ``None`` on the other ranks once they have sent what they had to."""
+    from its root), ``None`` on the other ranks once they have sent what they had to. Unless
+    ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``)."""
     if session.run_id is None:  # the store's keys are named by the run id (never None under torch.distributed)
         raise CoordinationError(f"rank {session.rank}: a coordinated merge needs a run id", rank=session.rank)
     coord = Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
@@ -273,7 +275,7 @@ def transfer_shards(
             "meta",
             list(range(session.world_size)),
             "waiting for every rank to reach merge()",
-            done=_CommitWatch(session),
+            done=_CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False)),
         )
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
@@ -359,10 +361,11 @@ def _failures_on_storage(session: Session) -> dict[int, str]:
 class _CommitWatch:
     """Called by ``dst`` now and then while it waits for ranks to reach merge(): True once every
     rank's commit record of this run is on ``dst``'s storage (fails fast on a failure record
-    there). The first call lists the whole root, later ones only the ranks still missing."""
+    there). The first call lists the whole root, later ones only the ranks still missing. The
+    ranks neither committed there nor at merge() are named on stderr (``WaitNotices``)."""
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, session: Session, coord: Coord, notices: WaitNotices) -> None:
+        self.session, self.coord, self.notices = session, coord, notices
         self.segments: dict[int, list[Any]] | None = None
         self.missing: list[int] = []
 
@@ -377,6 +380,9 @@ class _CommitWatch:
         if state.failed:
             raise_for_state(storage, state)
         self.missing = list(state.missing)
+        if self.missing and self.notices.due():
+            away = [r for r in self.missing if not self.coord.store.check([f"meta/{r}"])]
+            self.notices(state, self.segments, self.session.run_id, away)
         return not self.missing
 
 

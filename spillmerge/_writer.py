@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import enum
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -84,6 +85,12 @@ class SpillWriter:
     the commit record (or a failure record when the block raised). Then every rank calls
     :meth:`merge`.
 
+    Threads may share a writer: ``open``, ``write``, ``write_batch``, ``update``, ``close`` and
+    ``abort`` take turns under one lock, so every call's frames are staged whole (writes of
+    several threads interleave call by call; under ``on_duplicate="first"`` / ``"last"`` the order
+    they got the lock decides). A thread writing after another left the ``with`` block gets
+    :class:`~spillmerge.WriterClosedError`; what was committed stays as committed.
+
     Args:
         root: spill root (local path or fsspec URL).
         rank, world_size: default to torch.distributed when initialised, else env ``RANK`` /
@@ -149,6 +156,9 @@ class SpillWriter:
         self._state = WriterState.NEW
         self._staging = Staging(chunk_bytes, self.n_buffers)
         self._rounds = Rounds()
+        self._lock = threading.Lock()
+        """Held by every call that changes the segment (open, write, write_batch, close, abort):
+        threads sharing the writer take turns, a call at a time."""
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> SpillWriter:
@@ -168,6 +178,10 @@ class SpillWriter:
 
     def open(self) -> None:
         """Start a new segment (called by ``__enter__``)."""
+        with self._lock:
+            self._open()
+
+    def _open(self) -> None:
         if self._state is not WriterState.NEW:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
         # Before any compute: a root left by a run of another world size cannot be merged with
@@ -243,29 +257,32 @@ class SpillWriter:
         """Append one frame. Copies the value into a staging buffer and returns; blocks only while
         every staging buffer waits for storage. A batch of items goes faster through
         :meth:`write_batch`."""
-        self._check_open()
-        filename = check_filename(filename)
-        if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
-            frame = frame_idx
-        else:
-            frame = check_frame_idx(frame_idx, filename)
-        template = self._frame_template
-        if type(value) is dict and filename not in self._file_ids:
-            if template is not None:
-                data = template.match(value)
-                if data is not None:  # a new file of the last new file's structure
-                    self._put_templated(filename, frame, template, data)
+        with self._lock:  # one call at a time: the writer may be shared by threads
+            self._check_open()
+            filename = check_filename(filename)
+            if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
+                frame = frame_idx
+            else:
+                frame = check_frame_idx(frame_idx, filename)
+            template = self._frame_template
+            if type(value) is dict and filename not in self._file_ids:
+                if template is not None:
+                    data = template.match(value)
+                    if data is not None:  # a new file of the last new file's structure
+                        self._put_templated(filename, frame, template, data)
+                        return
+                leaves = flatten_dense(value)  # the common value, without the general walk
+                if leaves is not None:
+                    layout_ids = self._put(filename, frame, leaves)
+                    if layout_ids is not None:  # the next new file of this structure takes the template
+                        schema = self._schema.schema_of(len(self._filenames) - 1)
+                        self._frame_template = FrameTemplate.of(leaves, schema, layout_ids)
                     return
-            leaves = flatten_dense(value)  # the common value, without the general walk
-            if leaves is not None:
-                layout_ids = self._put(filename, frame, leaves)
-                if layout_ids is not None:  # the next new file of this structure takes the template
-                    schema = self._schema.schema_of(len(self._filenames) - 1)
-                    self._frame_template = FrameTemplate.of(leaves, schema, layout_ids)
-                return
-        else:
-            leaves = flatten_dense(value)
-        self._put(filename, frame, leaves if leaves is not None else flatten(value, filename, frame, self.allow_pickle))
+            else:
+                leaves = flatten_dense(value)
+            if leaves is None:
+                leaves = flatten(value, filename, frame, self.allow_pickle)
+            self._put(filename, frame, leaves)
 
     def _put_templated(self, filename: str, frame: int, template: FrameTemplate, data: list[np.ndarray]) -> None:
         """``_put`` of a frame of a new file whose value matched ``template``: the layout rule's
@@ -325,24 +342,25 @@ class SpillWriter:
         time and waited for, as ``.cpu()`` would; a larger one is copied item by item, without
         waiting (see ``_batch.cuda_to_host``).
         """
-        self._check_open()
-        names, frames = batch_keys(filenames, frame_idx)
-        n = len(names)
-        batch = cuda_to_host(batch)
-        flat = flat_rows(batch, n) if type(batch) is dict and n else None
-        if flat is not None:  # the common batch: a flat dict of host tensors, like an earlier one
-            fast = self._flat_templates.get(flat[0])
-            if fast is not None and self._put_fresh(names, frames, frame_idx is None, fast, flat[1]):
+        with self._lock:  # one call at a time: the writer may be shared by threads
+            self._check_open()
+            names, frames = batch_keys(filenames, frame_idx)
+            n = len(names)
+            batch = cuda_to_host(batch)
+            flat = flat_rows(batch, n) if type(batch) is dict and n else None
+            if flat is not None:  # the common batch: a flat dict of host tensors, like an earlier one
+                fast = self._flat_templates.get(flat[0])
+                if fast is not None and self._put_fresh(names, frames, frame_idx is None, fast, flat[1]):
+                    return
+            dense = dense_columns(batch, n)
+            if dense is not None and self._put_dense(names, frames, dense):
+                if flat is not None:
+                    self._learn_flat(flat[0])
                 return
-        dense = dense_columns(batch, n)
-        if dense is not None and self._put_dense(names, frames, dense):
-            if flat is not None:
-                self._learn_flat(flat[0])
-            return
-        items = split_batch(batch, names)
-        checked = self._check_batch(names, frames, items)
-        for name, frame, leaves, layouts in checked:
-            self._put(name, frame, leaves, layouts)
+            items = split_batch(batch, names)
+            checked = self._check_batch(names, frames, items)
+            for name, frame, leaves, layouts in checked:
+                self._put(name, frame, leaves, layouts)
 
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
@@ -751,6 +769,10 @@ class SpillWriter:
 
     def close(self) -> None:
         """Flush everything and write the commit record. Idempotent."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._state is WriterState.COMMITTED:
             return
         if self._state is not WriterState.OPEN:
@@ -764,7 +786,7 @@ class SpillWriter:
             self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
         except BaseException as exc:
             self._state = WriterState.OPEN
-            self.abort(exc)
+            self._abort(exc)
             raise
         self.commit_record = record
         self._state = WriterState.COMMITTED
@@ -773,6 +795,10 @@ class SpillWriter:
     def abort(self, exc: BaseException) -> None:
         """Record a failure (best effort) after flushing what was staged, so the data written so far
         stays readable; the commit record is never written."""
+        with self._lock:
+            self._abort(exc)
+
+    def _abort(self, exc: BaseException) -> None:
         if self._state not in (WriterState.OPEN, WriterState.CLOSING):
             return
         self._state = WriterState.ABORTING
@@ -887,7 +913,8 @@ class SpillWriter:
     ) -> MergeReport | None:
         """Collective: every rank calls it after the ``with`` block. Rank ``dst`` merges and
         returns a :class:`~spillmerge.MergeReport`; other ranks return ``None``. ``kwargs`` go to
-        :func:`spillmerge.merge` (``timeout`` defaults to 1800 s here).
+        :func:`spillmerge.merge` (``timeout`` defaults to 1800 s here; while ``dst`` waits for
+        commit records it names the missing ranks on stderr every 30 s, unless ``progress=False``).
 
         ``wait=True``: every rank returns only once the output is complete, so every rank can
         ``spillmerge.open(out)`` right after (the output must be on storage every rank sees). If

@@ -1,11 +1,12 @@
 """Command line: ``spillmerge merge | inspect | verify | demo``. A thin shell over the library:
-library errors become one-line messages and a non-zero exit code."""
+library errors become one-line messages and a non-zero exit code; a reader of stdout that goes
+away (``| head``) ends the command quietly, with status 141 as for SIGPIPE."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -277,12 +278,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from ._inspect import verify
+    from ._units import size_text
 
     rep = verify(args.path, _storage_options(args.storage_option) or None)
     for problem in rep.problems:
         print(f"CORRUPT {problem}")
     status = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
-    print(f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {rep.checked_bytes} payload bytes verified")
+    print(f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {size_text(rep.checked_bytes)} of payload verified")
     return 0 if rep.ok else 1
 
 
@@ -319,6 +321,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from ._errors import require_torch
+
+    require_torch("spillmerge demo")  # one line naming the install, not an import traceback
     from ._demo import DemoConfig, run
     from ._inspect import format_text, summarize
 
@@ -349,19 +354,24 @@ def _demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command == "merge" and args.out is None and not unknown[0].startswith("-"):  # `merge ROOT OUT`
+        print(f"spillmerge merge: error: merge takes one path, the spill root; did you mean --out {unknown[0]}?",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if unknown:
+        parser.parse_args(argv)  # argparse's own message (and exit status 2) for anything else
     if args.command is None:
         parser.print_help()
         return 2
     handlers = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export}
     handler = {**handlers, "demo": _demo}[args.command]
-    if args.command == "merge":  # what a long merge is doing (waiting for ranks), on stderr
-        log_handler = logging.StreamHandler(sys.stderr)
-        log_handler.setFormatter(logging.Formatter(f"spillmerge {args.command}: %(message)s"))
-        logging.getLogger("spillmerge").addHandler(log_handler)
-        logging.getLogger("spillmerge").setLevel(logging.INFO)
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except SpillMergeError as exc:
         msg = " ".join(str(exc).split("\n"))
         print(f"spillmerge {args.command}: error: {msg}", file=sys.stderr)
@@ -373,6 +383,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("spillmerge: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``spillmerge inspect OUT | head``): exit quietly, with the
+    status of a process killed by SIGPIPE, as other command-line tools do. Python's docs:
+    point stdout at devnull so the flush at exit does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+        pass
+    return 128 + 13  # 141: 128 + SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

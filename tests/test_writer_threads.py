@@ -1,0 +1,99 @@
+"""One SpillWriter shared by threads: calls take turns, every key of every thread merges exactly,
+and a thread that writes after another committed gets a clear error, not a damaged segment."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import spillmerge
+
+
+def _value(t: int, i: int, j: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.full((24,), float(t * 100000 + i * 10 + j)), "k": torch.tensor([t, i, j])}
+
+
+def _work(w: spillmerge.SpillWriter, t: int, n: int, errors: list[BaseException]) -> None:
+    try:
+        for i in range(n):
+            if i % 2:  # one frame at a time, new files and frames of a file already written
+                w.write(f"t{t}_{i}.mp4", 0, _value(t, i, 0))
+                w.write(f"t{t}_0_0.mp4", i, _value(t, i, 1))
+            else:  # a flat dict batch of new files: the vectorised paths
+                names = [f"t{t}_{i}_{j}.mp4" for j in range(4)]
+                w.write_batch(names, {k: torch.stack([_value(t, i, j)[k] for j in range(4)]) for k in ("x", "k")})
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        errors.append(exc)
+
+
+@pytest.fixture
+def switch_often():
+    """Thread switches every microsecond: the interleavings a busy host makes, in every run."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+def test_a_writer_shared_by_four_threads_merges_every_key_exactly(tmp_path, switch_often):
+    root, out, threads, n = str(tmp_path / "spill"), str(tmp_path / "out"), 4, 120
+    errors: list[BaseException] = []
+    w = spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=8192, staging_bytes=4 * 8192)
+    w.open()
+    workers = [threading.Thread(target=_work, args=(w, t, n, errors), daemon=True) for t in range(threads)]
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in workers), "a writing thread hangs (staging buffers lost?)"
+    assert errors == []
+    w.close()
+    spillmerge.merge(root, out)
+    res = spillmerge.open(out)
+    want: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for t in range(threads):
+        want[(f"t{t}_0_0.mp4", 0)] = _value(t, 0, 0)
+        for i in range(n):
+            if i % 2:
+                want[(f"t{t}_{i}.mp4", 0)] = _value(t, i, 0)
+                want[(f"t{t}_0_0.mp4", i)] = _value(t, i, 1)
+            else:
+                want.update({(f"t{t}_{i}_{j}.mp4", 0): _value(t, i, j) for j in range(4)})
+    got = {(name, frame): value for name, frame, value in res.iter_values()}
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(torch.as_tensor(got[key]["x"]), value["x"]), key
+        assert torch.equal(torch.as_tensor(got[key]["k"]), value["k"]), key
+
+
+def test_a_thread_writing_after_another_committed_is_told_and_the_commit_stays_whole(tmp_path, switch_often):
+    root, out = str(tmp_path / "spill"), str(tmp_path / "out")
+    w = spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=8192)
+    w.open()
+    errors: list[BaseException] = []
+
+    def late() -> None:
+        try:
+            for i in range(100000):
+                w.write("late.mp4", i, torch.full((64,), float(i)))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    th = threading.Thread(target=late, daemon=True)
+    th.start()
+    while w.stats()["frames"] < 200 and th.is_alive():  # commit while the other thread writes
+        time.sleep(0.001)
+    w.close()
+    th.join(timeout=60)
+    assert not th.is_alive(), "the writing thread hangs"
+    assert len(errors) == 1 and isinstance(errors[0], spillmerge.WriterClosedError), errors
+    assert "committed" in str(errors[0])
+    spillmerge.merge(root, out)
+    frames = spillmerge.open(out)["late.mp4"]
+    n = len(frames)
+    assert n == w.stats()["frames"] > 0  # what the commit vouches for is what was written before it
+    assert all(float(frames[i][0]) == i for i in range(n))
