@@ -15,11 +15,14 @@ Each call (every rank, like the torch collectives):
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import os
 import socket
 import tempfile
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -103,46 +106,90 @@ def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> st
     return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}"
 
 
-class _Shape:
-    """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
-    list positions) of its numpy arrays (every array comes back as a torch tensor; these are
-    turned back into numpy arrays) and its dicts' key order (dicts come back with sorted keys):
-    once per distinct key set (``order``), per dict only where dicts of one key set differ
-    (``odd``)."""
+class _Whole:
+    """An object stored pickled whole (``allow_pickle``) because its type would not come back:
+    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
+
+    __slots__ = ("obj",)
 
     def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
+class _Shape:
+    """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
+    list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
+    tensor; these are turned back), of the objects stored pickled whole (``_Whole``), and its
+    dicts' key order (dicts come back with sorted keys): once per distinct key set (``order``),
+    per dict only where dicts of one key set differ (``odd``). ``obj``: what to write."""
+
+    def __init__(self, obj: Any, allow_pickle: bool) -> None:
         self.numpy: list[list[Any]] = []
+        self.scalars: list[list[Any]] = []
+        self.whole: list[list[Any]] = []
         self.first: dict[tuple[str, ...], list[str]] = {}
         self.odd: list[tuple[list[Any], list[str]]] = []
-        self._walk(obj, [], 0)
+        self.allow_pickle = allow_pickle
+        self.obj = self._walk(obj, [], 0)
 
-    def _walk(self, obj: Any, path: list[Any], depth: int) -> None:
-        if isinstance(obj, np.ndarray):
-            self.numpy.append(list(path))
-        elif depth > 64:
-            return
-        elif type(obj) is dict:
+    def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
+        kind = type(obj)
+        if kind is np.ndarray:
+            self.numpy.append(path)
+            return obj
+        if isinstance(obj, np.generic):
+            self.scalars.append(path)
+            return obj
+        if depth > 64:
+            return obj
+        if kind is dict:
             keys = list(obj)
-            if all(type(k) is str for k in keys):
-                got = self.first.setdefault(tuple(sorted(keys)), keys)
-                if got != keys:
-                    self.odd.append((list(path), keys))
-                for k, v in obj.items():
-                    self._walk(v, [*path, k], depth + 1)
-        elif isinstance(obj, (list, tuple)):
+            if not all(type(k) is str for k in keys):
+                return self._pickled(obj, path)  # else the writer refuses the key, naming it
+            got = self.first.setdefault(tuple(sorted(keys)), keys)
+            if got != keys:
+                self.odd.append((path, keys))
+            changed: Any = None
+            for k, v in obj.items():
+                nv = self._walk(v, [*path, k], depth + 1)
+                if nv is not v:
+                    changed = dict(obj) if changed is None else changed
+                    changed[k] = nv
+            return obj if changed is None else changed
+        if kind is list or kind is tuple:
+            items: Any = None
             for i, v in enumerate(obj):
-                self._walk(v, [*path, i], depth + 1)
+                nv = self._walk(v, [*path, i], depth + 1)
+                if nv is not v:
+                    items = list(obj) if items is None else items
+                    items[i] = nv
+            return obj if items is None else kind(items)
+        if isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+            return self._pickled(obj, path)  # a subclass or a dataclass: stored as a plain dict / list
+        return obj
+
+    def _pickled(self, obj: Any, path: list[Any]) -> Any:
+        if not self.allow_pickle:
+            return obj
+        self.whole.append(path)
+        return _Whole(obj)
 
     def dumps(self) -> str:
         order = [keys for sk, keys in self.first.items() if list(sk) != keys]
-        return json.dumps({"numpy": self.numpy, "order": order, "odd": self.odd})
+        return json.dumps(
+            {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "order": order, "odd": self.odd}
+        )
 
 
 def _restore(value: Any, text: str) -> Any:
     """``value`` as read back, with what ``_Shape.dumps`` says storage did not keep."""
     shape = json.loads(text)
+    for path in shape["whole"]:
+        value = _at(value, path, lambda v: v.obj if isinstance(v, _Whole) else v)
     for path in shape["numpy"]:
         value = _at(value, path, lambda v: v.numpy() if _is_tensor(v) else v)
+    for path in shape["scalars"]:
+        value = _at(value, path, lambda v: v.numpy()[()] if _is_tensor(v) else v)
     if shape["order"]:
         value = _reorder(value, {tuple(sorted(keys)): keys for keys in shape["order"]}, 0)
     for path, keys in shape["odd"]:
@@ -218,6 +265,31 @@ def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
         storage.close()
 
 
+CLEANUP_WAIT = 60.0
+"""The most seconds a failed call waits for the other ranks before its folder is removed."""
+
+
+def _clean_after_failure(
+    rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float
+) -> None:
+    """After a failure every rank raises too (the failing rank's record names it): once they all
+    have (a gloo barrier, so no rank still writes there), dst removes the call's folder. A rank
+    that does not come within ``CLEANUP_WAIT`` seconds (it died) leaves the folder behind."""
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(
+            group=gloo_group(timeout), timeout=datetime.timedelta(seconds=min(timeout, CLEANUP_WAIT))
+        )
+    except RuntimeError:  # gloo reports timeouts and dead peers as RuntimeError; the caller's error is raised
+        return
+    if rank == dst:
+        try:
+            _remove(call, storage_options)
+        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
+            pass
+
+
 def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
     for r in range(world):
         object_list[r] = _restore(store.value(_name(r), 0, as_torch=True), store.value(_name(r), 1))
@@ -239,27 +311,36 @@ def _collective(
     rank, world, target = _ranks(group, dst, group_dst)
     call = _agree(rank, root, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
-    with SpillWriter(spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:]) as w:
-        # checked inside the writer: a refused argument is this rank's failure record, so the
-        # other ranks raise naming it instead of waiting for the timeout
-        _check_list(rank, target, world, object_list, every_rank)
-        try:
-            w.write(_name(rank), 0, obj)
-        except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
-            exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
-            raise
-        w.write(_name(rank), 1, _Shape(obj).dumps())
-    w.merge(
-        out, target, wait=True, timeout=timeout, overwrite=True, storage_options=storage_options,
-        remove_spill=True, progress=False,
-    )  # fmt: skip
+    try:
+        with SpillWriter(spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:]) as w:
+            # checked inside the writer: a refused argument is this rank's failure record, so the
+            # other ranks raise naming it instead of waiting for the timeout
+            _check_list(rank, target, world, object_list, every_rank)
+            shape = _Shape(obj, allow_pickle)
+            try:
+                w.write(_name(rank), 0, shape.obj)
+            except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
+                exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+                raise
+            w.write(_name(rank), 1, shape.dumps())
+        w.merge(
+            out, target, wait=True, timeout=timeout, overwrite=True, storage_options=storage_options,
+            remove_spill=True, progress=False,
+        )  # fmt: skip
+    except Exception:  # a failure here fails every rank's merge (wait=True): they all come here
+        _clean_after_failure(rank, target, call, storage_options, timeout)
+        raise
     finish_call(w, target, False, timeout)
-    if every_rank or rank == target:
-        _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
-    if every_rank:
-        barrier(rank, timeout)  # every rank has read the output before dst removes it
-    if rank == target:  # every rank is done with the call's folder
-        _remove(call, storage_options)
+    # From here a failure is this rank's own (reading back): the others are not told, so each
+    # rank still meets the barrier and dst still removes the folder, whatever happened here.
+    try:
+        if every_rank or rank == target:
+            _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
+    finally:
+        if every_rank:
+            barrier(rank, timeout)  # every rank has read the output before dst removes it
+        if rank == target:  # every rank is done with the call's folder
+            _remove(call, storage_options)
 
 
 def gather_object(

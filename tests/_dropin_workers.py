@@ -4,6 +4,8 @@ same 3-rank gloo group; every scenario runs in the same processes."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import glob
 import os
 from typing import Any
@@ -32,6 +34,8 @@ def payload(rank: int, seed: int = 0) -> Any:
         "logits": torch.randn(3, 5, generator=g),
         "mask": torch.rand(4, generator=g) > 0.5,
         "half": torch.randn(2, generator=g).to(torch.bfloat16),
+        "half0": torch.tensor(rank + 0.5, dtype=torch.bfloat16),  # a 0-d tensor of a dtype numpy lacks
+        "np_scalar": np.float32(rank + 0.25),
         "emb": np.arange(6, dtype=np.float32).reshape(2, 3) + rank,
         "pair": (7, 0.93),
         "meta": {"zeta": "z", "alpha": [1, 2, 3], "mid": None, "ids": np.array([rank, 2], dtype=np.int64)},
@@ -63,6 +67,26 @@ def same_as_torch(rank: int, world: int, base: str) -> dict[str, Any]:
     objs = [payload(r) for r in range(world)]
     objs[2] = [objs[2]["instances"], torch.arange(5), np.float64(1.0).item(), "x", None]  # kinds differ per rank
     return {"diffs": _compare(rank, world, objs, allow_pickle=False)}
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Box:
+    label: str
+    score: float
+
+
+def pickled_types(rank: int, world: int, base: str) -> dict[str, Any]:
+    """With ``allow_pickle``, what would not come back as its own type is pickled whole: dicts
+    with int keys, an OrderedDict, a namedtuple, a dataclass (at the root and inside a list)."""
+    objs = [
+        {rank: "int key", "s": {0: np.arange(2)}},
+        collections.OrderedDict(b=rank, a=[Point(rank, 2)]),
+        [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}],
+    ]
+    return {"diffs": _compare(rank, world, objs[:world], allow_pickle=True, dst=2)}
 
 
 def torch_object_list(rank: int, world: int, base: str) -> dict[str, Any]:
@@ -135,6 +159,8 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
 
     sub = dist.new_group([0, 1], backend="gloo")  # every rank creates it, as torch requires
     attempt("subgroup", lambda: spillmerge.gather_object(rank, None, dst=0, group=sub, timeout=TIMEOUT))
+    dist.barrier()  # dst removes a failed call's folder once every rank raised: look after that
+    out["left_after_failures"] = os.listdir(f"{base}/failures") if os.path.isdir(f"{base}/failures") else []
     del os.environ["SPILLMERGE_ROOT"]  # the default root: node-local
     real = _dropin.socket.gethostname
     if rank == 2:  # this rank runs on "another node"
@@ -152,6 +178,7 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
 SCENARIOS = {
     "same_as_torch": same_as_torch,
     "torch_object_list": torch_object_list,
+    "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,
 }
