@@ -359,7 +359,9 @@ def gather_object(
     ``object_gather_list`` (``world_size`` items; ``None`` on the other ranks) is filled in rank
     order with what each rank passed: dicts (str keys, their order kept), lists, tuples, Python
     scalars, str, bytes, numpy arrays as numpy arrays and tensors as torch tensors on the CPU.
-    Other objects are pickled only with ``allow_pickle=True``.
+    Other objects are pickled only with ``allow_pickle=True``, and so are dicts with other keys,
+    subclasses of dict, list and tuple, and dataclasses (without it, these come back as the plain
+    dict, list or tuple of their items).
 
     The data travels through ``root`` (else env ``SPILLMERGE_ROOT``, else ``/dev/shm`` or the temp
     dir when every rank runs on one host; on several hosts one of the two must name storage every
