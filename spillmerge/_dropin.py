@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from ._dist import gloo_group
 from ._errors import ConfigError, CoordinationError, SpillMergeError
@@ -106,6 +107,10 @@ def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> st
     return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}"
 
 
+_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
+"""Types with nothing below them for ``_Shape`` to find: skipped without a call."""
+
+
 class _Whole:
     """An object stored pickled whole (``allow_pickle``) because its type would not come back:
     a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
@@ -129,6 +134,7 @@ class _Shape:
         self.whole: list[list[Any]] = []
         self.first: dict[tuple[str, ...], list[str]] = {}
         self.odd: list[tuple[list[Any], list[str]]] = []
+        self._seen: dict[tuple[str, ...], bool] = {}  # a dict's keys in order -> whether they are odd
         self.allow_pickle = allow_pickle
         self.obj = self._walk(obj, [], 0)
 
@@ -137,20 +143,26 @@ class _Shape:
         if kind is np.ndarray:
             self.numpy.append(path)
             return obj
+        if kind in _ATOMIC or isinstance(obj, torch.Tensor):
+            return obj
         if isinstance(obj, np.generic):
             self.scalars.append(path)
             return obj
         if depth > 64:
             return obj
         if kind is dict:
-            keys = list(obj)
-            if not all(type(k) is str for k in keys):
-                return self._pickled(obj, path)  # else the writer refuses the key, naming it
-            got = self.first.setdefault(tuple(sorted(keys)), keys)
-            if got != keys:
-                self.odd.append((path, keys))
+            keys = tuple(obj)
+            odd = self._seen.get(keys)
+            if odd is None:
+                if not all(type(k) is str for k in keys):
+                    return self._pickled(obj, path)  # else the writer refuses the key, naming it
+                odd = self._seen[keys] = self.first.setdefault(tuple(sorted(keys)), list(keys)) != list(keys)
+            if odd:
+                self.odd.append((path, list(keys)))
             changed: Any = None
             for k, v in obj.items():
+                if type(v) in _ATOMIC:
+                    continue
                 nv = self._walk(v, [*path, k], depth + 1)
                 if nv is not v:
                     changed = dict(obj) if changed is None else changed
@@ -159,6 +171,8 @@ class _Shape:
         if kind is list or kind is tuple:
             items: Any = None
             for i, v in enumerate(obj):
+                if type(v) in _ATOMIC:
+                    continue
                 nv = self._walk(v, [*path, i], depth + 1)
                 if nv is not v:
                     items = list(obj) if items is None else items
@@ -202,16 +216,20 @@ def _has(d: Any, keys: list[str]) -> bool:
 
 
 def _reorder(value: Any, order: dict[tuple[str, ...], list[str]], depth: int) -> Any:
-    if depth > 64:
+    kind = type(value)
+    if kind in _ATOMIC or depth > 64:
         return value
-    if type(value) is dict:
+    if kind is dict:
         keys = order.get(tuple(sorted(value))) if all(type(k) is str for k in value) else None
         items = keys if keys is not None else list(value)
         return {k: _reorder(value[k], order, depth + 1) for k in items}
-    if type(value) is list:
-        return [_reorder(v, order, depth + 1) for v in value]
-    if type(value) is tuple:
-        return tuple(_reorder(v, order, depth + 1) for v in value)
+    if kind is list:  # read back, so this rank's own: changed in place
+        for i, v in enumerate(value):
+            if type(v) not in _ATOMIC:
+                value[i] = _reorder(v, order, depth + 1)
+        return value
+    if kind is tuple:
+        return tuple(v if type(v) in _ATOMIC else _reorder(v, order, depth + 1) for v in value)
     return value
 
 
