@@ -6,7 +6,8 @@ merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` re
 A leaf of an output reads as a :class:`LeafView` (format version 2, what ``merge`` writes);
 :class:`LeafArray` is the same for outputs of format version 1, kept for code written against 0.1.
 
-Reading needs no torch: ``SpillWriter``, ``gather`` and ``all_gather`` (which write) are imported
+Reading needs no torch: ``SpillWriter``, ``gather``, ``all_gather`` and the drop-ins
+``gather_object`` / ``all_gather_object`` (which write) are imported
 on first use (PEP 562), so ``import spillmerge`` does not import torch.
 """
 
@@ -60,6 +61,7 @@ from ._status import JobStatus, MergeStatus, RankStatus, status
 from ._views import LeafView
 
 if TYPE_CHECKING:
+    from ._dropin import all_gather_object, gather_object
     from ._gather import all_gather, gather
     from ._writer import SpillWriter
 
@@ -68,6 +70,8 @@ _NEEDS_TORCH = {
     "SpillWriter": ("_writer", "SpillWriter"),
     "gather": ("_gather", "gather"),
     "all_gather": ("_gather", "all_gather"),
+    "gather_object": ("_dropin", "gather_object"),
+    "all_gather_object": ("_dropin", "all_gather_object"),
 }
 
 
@@ -145,8 +149,10 @@ __all__ = [
     "WriterClosedError",
     "__version__",
     "all_gather",
+    "all_gather_object",
     "committed_keys",
     "gather",
+    "gather_object",
     "merge",
     "open",
     "status",

@@ -134,14 +134,14 @@ def _gather(
     # a later call is never among them), before it tells the waiting ranks how the merge ended.
     merge_options = {"remove_spill": not keep_spill, **merge_options}
     w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
-    _finish_call(w, dst, keep_spill, timeout)
+    finish_call(w, dst, keep_spill, timeout)
     if every_rank or w.rank == dst:
         out_options = merge_options.get("out_storage_options", storage_options)
         return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
     return None
 
 
-def _finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:
+def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:
     """Return only once this call's spill is gone (unless ``keep_spill``), on every rank.
 
     The ranks call again with the same ``out`` right after: a rank that returned while dst was
@@ -162,7 +162,7 @@ def _finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> 
         except BaseException as exc:  # noqa: BLE001 - raised after the barrier, so no rank waits for this one
             error = exc
     if together:
-        _barrier(w.rank, timeout)
+        barrier(w.rank, timeout)
     if error is not None:
         raise error
 
@@ -188,7 +188,7 @@ def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -
             )
 
 
-def _barrier(rank: int, timeout: float) -> None:
+def barrier(rank: int, timeout: float) -> None:
     import torch.distributed as dist
 
     try:

@@ -38,7 +38,7 @@ def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
 
     if dtype not in F.RAW_BITS:
         return torch.from_numpy(np.array(arr))
-    raw = np.ascontiguousarray(arr).view(F.DTYPES[dtype].storage)
+    raw = np.ascontiguousarray(arr).reshape(arr.shape).view(F.DTYPES[dtype].storage)  # a 0-d row stays 0-d
     return torch.from_numpy(raw).view(getattr(torch, dtype))
 
 

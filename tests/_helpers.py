@@ -31,29 +31,48 @@ def random_bits(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) 
     return t.clone() if dtype != torch.bool else (raw[: t.numel()] % 2).bool().reshape(shape)
 
 
-def value_diffs(got: Any, want: Any, where: str = "") -> list[str]:
+def value_diffs(got: Any, want: Any, where: str = "", strict: bool = False) -> list[str]:
     """Where ``got`` differs from ``want`` in type or content (empty: equal). A tensor that
-    spillmerge returns as a numpy array (``value()``'s default) must match it in dtype and shape."""
+    spillmerge returns as a numpy array (``value()``'s default) must match it in dtype and shape.
+    ``strict``: what torch's object collectives return: a tensor as a tensor (bit-exact), dict keys
+    in the same order."""
+    if isinstance(want, torch.Tensor) and strict:
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
+            return [f"{where}: {type(got).__name__} {got!r:.80} != tensor {want!r:.80}"]
+        got, want = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)  # NaN payloads too
     if isinstance(want, torch.Tensor):  # bfloat16 and the like: compared as their bits
         ref = want.numpy() if want.dtype != torch.bfloat16 else want.view(torch.uint16).numpy()
         arr = np.asarray(got).view(np.uint16) if want.dtype == torch.bfloat16 and isinstance(got, np.ndarray) else got
-        if not isinstance(arr, np.ndarray) or arr.dtype != ref.dtype or arr.shape != ref.shape or not np.array_equal(arr, ref):
+        if isinstance(arr, torch.Tensor) and strict:
+            arr = arr.numpy()
+        if (
+            not isinstance(arr, np.ndarray)
+            or arr.dtype != ref.dtype
+            or arr.shape != ref.shape
+            or not np.array_equal(arr, ref)
+        ):
             return [f"{where}: {type(got).__name__} {got!r:.80} != tensor {want!r:.80}"]
         return []
     if isinstance(want, np.ndarray):
-        if not isinstance(got, np.ndarray) or got.dtype != want.dtype or not np.array_equal(got, want):
+        if (
+            not isinstance(got, np.ndarray)
+            or got.dtype != want.dtype
+            or got.shape != want.shape
+            or not np.array_equal(got, want)
+        ):
             return [f"{where}: {type(got).__name__} {got!r:.80} != array {want!r:.80}"]
         return []
     if type(got) is not type(want):
         return [f"{where}: {type(got).__name__} != {type(want).__name__}"]
     if isinstance(want, dict):
-        if list(sorted(got)) != list(sorted(want)):
-            return [f"{where}: keys {sorted(got)} != {sorted(want)}"]
-        return [d for k in want for d in value_diffs(got[k], want[k], f"{where}/{k}")]
+        if (list(got) != list(want)) if strict else (sorted(got) != sorted(want)):
+            return [f"{where}: keys {list(got)} != {list(want)}"]
+        return [d for k in want for d in value_diffs(got[k], want[k], f"{where}/{k}", strict)]
     if isinstance(want, (list, tuple)):
         if len(got) != len(want):
             return [f"{where}: length {len(got)} != {len(want)}"]
-        return [d for i, (a, b) in enumerate(zip(got, want, strict=True)) for d in value_diffs(a, b, f"{where}[{i}]")]
+        pairs = enumerate(zip(got, want, strict=True))
+        return [d for i, (a, b) in pairs for d in value_diffs(a, b, f"{where}[{i}]", strict)]
     return [] if got == want else [f"{where}: {got!r:.80} != {want!r:.80}"]
 
 

@@ -1,0 +1,415 @@
+"""Drop-ins for ``torch.distributed.gather_object`` / ``all_gather_object``: torch's signatures
+and semantics, the objects travelling through storage instead of pickled tensors.
+
+Each call (every rank, like the torch collectives):
+  (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
+                hostnames: on several hosts the folder must be on storage every rank sees
+                (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
+  (every rank)  writes its object as frame 0 of file ``R`` (its rank, zero-padded) and the paths
+                of its numpy arrays as frame 1, then the gather machinery of ``_gather``
+                (merge on dst, spill removed, a barrier)
+  (readers)     read every rank's object back (tensors as torch tensors on the CPU, the numpy
+                arrays' paths turned back into numpy arrays) into the caller's list
+  (dst)         removes the call's folder once every reader is done: nothing stays on storage
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._dist import gloo_group
+from ._errors import ConfigError, CoordinationError, SpillMergeError
+from ._gather import barrier, finish_call
+from ._reader import MergedStore
+from ._reader import open as open_store
+from ._storage import Storage
+from ._writer import SpillWriter
+
+ROOT_ENV = "SPILLMERGE_ROOT"
+"""The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
+
+DEFAULT_TIMEOUT = 1800.0
+
+
+class DropInArgumentError(SpillMergeError, ValueError):
+    """An argument torch's object collectives refuse with ``ValueError`` (an output list on the
+    wrong rank or of the wrong length, both ``dst`` and ``group_dst``, an unsupported group)."""
+
+
+def _name(rank: int) -> str:
+    return f"{rank:08d}"  # zero-padded: files sort in rank order
+
+
+def default_root() -> str:
+    """``/dev/shm`` when present and writable (nothing reaches a disk), else the temp dir."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int, int]:
+    """(this rank, world size, destination) in the default group; ``group`` must be it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise DropInArgumentError("the default process group is not initialized (call init_process_group first)")
+    if (
+        group is not None
+        and group is not dist.group.WORLD
+        and dist.get_process_group_ranks(group) != list(range(dist.get_world_size()))
+    ):
+        raise DropInArgumentError(
+            "group= other than the default process group (all ranks) is not supported yet; pass group=None"
+        )
+    if dst is not None and group_dst is not None:
+        raise DropInArgumentError("Can't specify both group_rank and global_rank (dst= and group_dst=)")
+    target = group_dst if group_dst is not None else (0 if dst is None else dst)
+    world = dist.get_world_size()
+    if not isinstance(target, int) or not 0 <= target < world:
+        raise DropInArgumentError(f"destination rank {target!r} is not in [0, world_size={world})")
+    return dist.get_rank(), world, target
+
+
+def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> str:
+    """The call's folder: rank 0's fresh id under the root, agreed with one gloo all-gather that
+    also tells whether every rank runs on this host (the default root is node-local)."""
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), uuid.uuid4().hex)
+    got: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(got, mine, group=gloo_group(timeout))
+    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+        raise CoordinationError(
+            f"rank {rank}: not every rank entered the call within {timeout:.0f} s ({exc})", rank=rank
+        ) from exc
+    where = os.fspath(root) if root is not None else os.environ.get(ROOT_ENV) or None
+    hosts = sorted({h for h, _ in got})
+    if where is None and len(hosts) > 1:
+        raise ConfigError(
+            f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}) and "
+            f"the default root ({default_root()}) is node-local: set {ROOT_ENV} (or pass root=) to a folder "
+            "every rank sees",
+            key=ROOT_ENV,
+        )
+    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}"
+
+
+_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
+"""Types with nothing below them for ``_Shape`` to find: skipped without a call."""
+
+
+class _Whole:
+    """An object stored pickled whole (``allow_pickle``) because its type would not come back:
+    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
+class _Shape:
+    """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
+    list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
+    tensor; these are turned back), of the objects stored pickled whole (``_Whole``), and its
+    dicts' key order (dicts come back with sorted keys): once per distinct key set (``order``),
+    per dict only where dicts of one key set differ (``odd``). ``obj``: what to write."""
+
+    def __init__(self, obj: Any, allow_pickle: bool) -> None:
+        self.numpy: list[list[Any]] = []
+        self.scalars: list[list[Any]] = []
+        self.whole: list[list[Any]] = []
+        self.first: dict[tuple[str, ...], list[str]] = {}
+        self.odd: list[tuple[list[Any], list[str]]] = []
+        self._seen: dict[tuple[str, ...], bool] = {}  # a dict's keys in order -> whether they are odd
+        self.allow_pickle = allow_pickle
+        self.obj = self._walk(obj, [], 0)
+
+    def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
+        kind = type(obj)
+        if kind is np.ndarray:
+            self.numpy.append(path)
+            return obj
+        if kind in _ATOMIC or isinstance(obj, torch.Tensor):
+            return obj
+        if isinstance(obj, np.generic):
+            self.scalars.append(path)
+            return obj
+        if depth > 64:
+            return obj
+        if kind is dict:
+            keys = tuple(obj)
+            odd = self._seen.get(keys)
+            if odd is None:
+                if not all(type(k) is str for k in keys):
+                    return self._pickled(obj, path)  # else the writer refuses the key, naming it
+                odd = self._seen[keys] = self.first.setdefault(tuple(sorted(keys)), list(keys)) != list(keys)
+            if odd:
+                self.odd.append((path, list(keys)))
+            changed: Any = None
+            for k, v in obj.items():
+                if type(v) in _ATOMIC:
+                    continue
+                nv = self._walk(v, [*path, k], depth + 1)
+                if nv is not v:
+                    changed = dict(obj) if changed is None else changed
+                    changed[k] = nv
+            return obj if changed is None else changed
+        if kind is list or kind is tuple:
+            items: Any = None
+            for i, v in enumerate(obj):
+                if type(v) in _ATOMIC:
+                    continue
+                nv = self._walk(v, [*path, i], depth + 1)
+                if nv is not v:
+                    items = list(obj) if items is None else items
+                    items[i] = nv
+            return obj if items is None else kind(items)
+        if isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+            return self._pickled(obj, path)  # a subclass or a dataclass: stored as a plain dict / list
+        return obj
+
+    def _pickled(self, obj: Any, path: list[Any]) -> Any:
+        if not self.allow_pickle:
+            return obj
+        self.whole.append(path)
+        return _Whole(obj)
+
+    def dumps(self) -> str:
+        order = [keys for sk, keys in self.first.items() if list(sk) != keys]
+        return json.dumps(
+            {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "order": order, "odd": self.odd}
+        )
+
+
+def _restore(value: Any, text: str) -> Any:
+    """``value`` as read back, with what ``_Shape.dumps`` says storage did not keep."""
+    shape = json.loads(text)
+    for path in shape["whole"]:
+        value = _at(value, path, lambda v: v.obj if isinstance(v, _Whole) else v)
+    for path in shape["numpy"]:
+        value = _at(value, path, lambda v: v.numpy() if _is_tensor(v) else v)
+    for path in shape["scalars"]:
+        value = _at(value, path, lambda v: v.numpy()[()] if _is_tensor(v) else v)
+    if shape["order"]:
+        value = _reorder(value, {tuple(sorted(keys)): keys for keys in shape["order"]}, 0)
+    for path, keys in shape["odd"]:
+        value = _at(value, path, lambda d, keys=keys: {k: d[k] for k in keys} if _has(d, keys) else d)
+    return value
+
+
+def _has(d: Any, keys: list[str]) -> bool:
+    return type(d) is dict and len(d) == len(keys) and all(k in d for k in keys)
+
+
+def _reorder(value: Any, order: dict[tuple[str, ...], list[str]], depth: int) -> Any:
+    kind = type(value)
+    if kind in _ATOMIC or depth > 64:
+        return value
+    if kind is dict:
+        keys = order.get(tuple(sorted(value))) if all(type(k) is str for k in value) else None
+        items = keys if keys is not None else list(value)
+        return {k: _reorder(value[k], order, depth + 1) for k in items}
+    if kind is list:  # read back, so this rank's own: changed in place
+        for i, v in enumerate(value):
+            if type(v) not in _ATOMIC:
+                value[i] = _reorder(v, order, depth + 1)
+        return value
+    if kind is tuple:
+        return tuple(v if type(v) in _ATOMIC else _reorder(v, order, depth + 1) for v in value)
+    return value
+
+
+def _at(value: Any, path: list[Any], fix: Any) -> Any:
+    """``value`` with ``fix`` applied to what lies at ``path`` (tuples rebuilt, the rest in place)."""
+    if not path:
+        return fix(value)
+    head = path[0]
+    try:
+        inner = value[head]
+    except (KeyError, IndexError, TypeError):
+        return value
+    fixed = _at(inner, path[1:], fix)
+    if fixed is inner:
+        return value
+    if type(value) is tuple:
+        return (*value[:head], fixed, *value[head + 1 :])
+    value[head] = fixed
+    return value
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: bool) -> None:
+    """torch's checks of the output list (``_validate_output_list_for_rank``), and its length."""
+    wanted = every_rank or rank == dst
+    if not wanted:
+        if object_list:
+            raise DropInArgumentError(
+                f"rank {rank}: Argument ``object_gather_list`` must NOT be specified on non-destination ranks "
+                f"(destination is rank {dst})"
+            )
+        return
+    name = "object_list" if every_rank else "object_gather_list"
+    if not every_rank and not object_list:
+        raise DropInArgumentError(f"rank {rank}: Argument ``{name}`` must be specified on destination rank")
+    if not isinstance(object_list, list) or len(object_list) != world:
+        got = len(object_list) if isinstance(object_list, list) else type(object_list).__name__
+        raise DropInArgumentError(f"rank {rank}: ``{name}`` must be a list of world_size={world} items, got {got}")
+
+
+def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
+    storage = Storage(call, storage_options)
+    try:
+        storage.rm_tree()
+    finally:
+        storage.close()
+
+
+CLEANUP_WAIT = 60.0
+"""The most seconds a failed call waits for the other ranks before its folder is removed."""
+
+
+def _clean_after_failure(
+    rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float
+) -> None:
+    """After a failure every rank raises too (the failing rank's record names it): once they all
+    have (a gloo barrier, so no rank still writes there), dst removes the call's folder. A rank
+    that does not come within ``CLEANUP_WAIT`` seconds (it died) leaves the folder behind."""
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(
+            group=gloo_group(timeout), timeout=datetime.timedelta(seconds=min(timeout, CLEANUP_WAIT))
+        )
+    except RuntimeError:  # gloo reports timeouts and dead peers as RuntimeError; the caller's error is raised
+        return
+    if rank == dst:
+        try:
+            _remove(call, storage_options)
+        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
+            pass
+
+
+def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
+    for r in range(world):
+        object_list[r] = _restore(store.value(_name(r), 0, as_torch=True), store.value(_name(r), 1))
+
+
+def _collective(
+    obj: Any,
+    object_list: Any,
+    dst: int | None,
+    group: Any,
+    group_dst: int | None,
+    *,
+    every_rank: bool,
+    root: str | os.PathLike[str] | None,
+    allow_pickle: bool,
+    timeout: float,
+    storage_options: dict[str, Any] | None,
+) -> None:
+    rank, world, target = _ranks(group, dst, group_dst)
+    call = _agree(rank, root, timeout)
+    spill, out = f"{call}/spill", f"{call}/out.zarr"
+    try:
+        with SpillWriter(spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:]) as w:
+            # checked inside the writer: a refused argument is this rank's failure record, so the
+            # other ranks raise naming it instead of waiting for the timeout
+            _check_list(rank, target, world, object_list, every_rank)
+            shape = _Shape(obj, allow_pickle)
+            try:
+                w.write(_name(rank), 0, shape.obj)
+            except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
+                exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+                raise
+            w.write(_name(rank), 1, shape.dumps())
+        w.merge(
+            out, target, wait=True, timeout=timeout, overwrite=True, storage_options=storage_options,
+            remove_spill=True, progress=False,
+        )  # fmt: skip
+    except Exception:  # a failure here fails every rank's merge (wait=True): they all come here
+        _clean_after_failure(rank, target, call, storage_options, timeout)
+        raise
+    finish_call(w, target, False, timeout)
+    # From here a failure is this rank's own (reading back): the others are not told, so each
+    # rank still meets the barrier and dst still removes the folder, whatever happened here.
+    try:
+        if every_rank or rank == target:
+            _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
+    finally:
+        if every_rank:
+            barrier(rank, timeout)  # every rank has read the output before dst removes it
+        if rank == target:  # every rank is done with the call's folder
+            _remove(call, storage_options)
+
+
+def gather_object(
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Any = None,
+    group_dst: int | None = None,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    allow_pickle: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """``torch.distributed.gather_object`` through storage: on rank ``dst`` (default 0),
+    ``object_gather_list`` (``world_size`` items; ``None`` on the other ranks) is filled in rank
+    order with what each rank passed: dicts (str keys, their order kept), lists, tuples, Python
+    scalars, str, bytes, numpy arrays as numpy arrays and tensors as torch tensors on the CPU.
+    Other objects are pickled only with ``allow_pickle=True``, and so are dicts with other keys,
+    subclasses of dict, list and tuple, and dataclasses (without it, these come back as the plain
+    dict, list or tuple of their items).
+
+    The data travels through ``root`` (else env ``SPILLMERGE_ROOT``, else ``/dev/shm`` or the temp
+    dir when every rank runs on one host; on several hosts one of the two must name storage every
+    rank sees, else every rank raises :class:`~spillmerge.ConfigError`); nothing is left there
+    when the call returns. A rank that raises inside the call makes every rank raise a
+    :class:`~spillmerge.SpillMergeError` naming it; a rank that never calls, one after
+    ``timeout`` seconds. Only the default process group is supported (``group=None``)."""
+    _collective(
+        obj, object_gather_list, dst, group, group_dst, every_rank=False, root=root, allow_pickle=allow_pickle,
+        timeout=timeout, storage_options=storage_options,
+    )  # fmt: skip
+
+
+def all_gather_object(
+    object_list: list[Any],
+    obj: Any,
+    group: Any = None,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    allow_pickle: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """``torch.distributed.all_gather_object`` through storage: every rank's ``object_list``
+    (``world_size`` items) is filled in rank order with what each rank passed, as
+    :func:`gather_object` fills the destination's."""
+    _collective(
+        obj, object_list, None, group, None, every_rank=True, root=root, allow_pickle=allow_pickle,
+        timeout=timeout, storage_options=storage_options,
+    )  # fmt: skip
+
+
+__all__ = ["ROOT_ENV", "DropInArgumentError", "all_gather_object", "gather_object"]

@@ -1,0 +1,189 @@
+"""Rank bodies for tests/test_dropin.py: ``spillmerge.gather_object`` / ``all_gather_object``
+against ``torch.distributed.gather_object`` / ``all_gather_object`` on the same inputs, in the
+same 3-rank gloo group; every scenario runs in the same processes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from _helpers import value_diffs
+from _mp_scenarios import run_scenarios
+from _object_list import create_collectives_object_test_list
+
+WORLD = 3
+TIMEOUT = 60.0
+
+
+def payload(rank: int, seed: int = 0) -> Any:
+    """What people gather: COCO-like per-instance dicts (keys not in sorted order), tensors,
+    numpy arrays, Python scalars, tuples, nested dicts."""
+    g = torch.Generator().manual_seed(rank * 100 + seed)
+    return {
+        "rank": rank,
+        "seed": seed,
+        "instances": [
+            {"image_id": rank * 10 + i, "category_id": i % 3, "bbox": [1.5 * i, 2.0, 3.0, 4.25], "score": 0.5 + i / 10}
+            for i in range(4)
+        ],
+        "logits": torch.randn(3, 5, generator=g),
+        "mask": torch.rand(4, generator=g) > 0.5,
+        "half": torch.randn(2, generator=g).to(torch.bfloat16),
+        "half0": torch.tensor(rank + 0.5, dtype=torch.bfloat16),  # a 0-d tensor of a dtype numpy lacks
+        "np_scalar": np.float32(rank + 0.25),
+        "emb": np.arange(6, dtype=np.float32).reshape(2, 3) + rank,
+        "pair": (7, 0.93),
+        "meta": {"zeta": "z", "alpha": [1, 2, 3], "mid": None, "ids": np.array([rank, 2], dtype=np.int64)},
+        "text": f"rank {rank} says hi",
+    }
+
+
+def _compare(rank: int, world: int, objs: list[Any], allow_pickle: bool, dst: int = 1) -> list[str]:
+    import torch.distributed as dist
+
+    import spillmerge
+
+    obj = objs[rank]
+    diffs: list[str] = []
+    got: list[Any] = [None] * world
+    want: list[Any] = [None] * world
+    spillmerge.all_gather_object(got, obj, allow_pickle=allow_pickle, timeout=TIMEOUT)
+    dist.all_gather_object(want, obj)
+    diffs += value_diffs(got, want, "all_gather_object", strict=True)
+    g_got = [None] * world if rank == dst else None
+    g_want = [None] * world if rank == dst else None
+    spillmerge.gather_object(obj, g_got, dst=dst, allow_pickle=allow_pickle, timeout=TIMEOUT)
+    dist.gather_object(obj, g_want, dst=dst)
+    diffs += value_diffs(g_got, g_want, "gather_object", strict=True)
+    return diffs
+
+
+def same_as_torch(rank: int, world: int, base: str) -> dict[str, Any]:
+    objs = [payload(r) for r in range(world)]
+    objs[2] = [objs[2]["instances"], torch.arange(5), np.float64(1.0).item(), "x", None]  # kinds differ per rank
+    return {"diffs": _compare(rank, world, objs, allow_pickle=False)}
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Box:
+    label: str
+    score: float
+
+
+def pickled_types(rank: int, world: int, base: str) -> dict[str, Any]:
+    """With ``allow_pickle``, what would not come back as its own type is pickled whole: dicts
+    with int keys, an OrderedDict, a namedtuple, a dataclass (at the root and inside a list)."""
+    objs = [
+        {rank: "int key", "s": {0: np.arange(2)}},
+        collections.OrderedDict(b=rank, a=[Point(rank, 2)]),
+        [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}],
+    ]
+    return {"diffs": _compare(rank, world, objs[:world], allow_pickle=True, dst=2)}
+
+
+def torch_object_list(rank: int, world: int, base: str) -> dict[str, Any]:
+    items = create_collectives_object_test_list()
+    return {"diffs": _compare(rank, world, [items[r % len(items)] for r in range(world)], allow_pickle=True, dst=0)}
+
+
+def _leftovers(root: str) -> list[str]:
+    return sorted(glob.glob(f"{root}/spillmerge-*"))
+
+
+def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Two calls with no barrier between: each sees only its own objects; nothing left in the
+    default root (``/dev/shm`` here) or in ``SPILLMERGE_ROOT``."""
+    import torch.distributed as dist
+
+    import spillmerge
+    from spillmerge._dropin import default_root
+
+    before = _leftovers(default_root())
+    dist.barrier()
+    first: list[Any] = [None] * world
+    second: list[Any] = [None] * world
+    spillmerge.all_gather_object(first, ("first", rank), timeout=TIMEOUT)
+    spillmerge.all_gather_object(second, {"second": rank}, timeout=TIMEOUT)
+    third = [None] * world if rank == 0 else None
+    spillmerge.gather_object(["third", rank], third, timeout=TIMEOUT)
+    dist.barrier()
+    after = _leftovers(default_root())
+    env_root = f"{base}/envroot"
+    os.makedirs(env_root, exist_ok=True)
+    os.environ["SPILLMERGE_ROOT"] = env_root
+    try:
+        via_env: list[Any] = [None] * world
+        spillmerge.all_gather_object(via_env, rank * 2, timeout=TIMEOUT)
+    finally:
+        del os.environ["SPILLMERGE_ROOT"]
+    dist.barrier()
+    return {
+        "first": first, "second": second, "third": third, "via_env": via_env,
+        "new_in_default_root": sorted(set(after) - set(before)), "left_in_env_root": os.listdir(env_root),
+    }  # fmt: skip
+
+
+def failures(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A rank that raises inside the drop-in: every rank raises a SpillMergeError naming it."""
+    import spillmerge
+    from spillmerge import _dropin
+
+    out: dict[str, Any] = {}
+    os.environ["SPILLMERGE_ROOT"] = f"{base}/failures"  # what a failed call leaves stays in the test's folder
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = None
+        except spillmerge.SpillMergeError as exc:
+            out[name] = {"type": type(exc).__name__, "msg": str(exc), "value_error": isinstance(exc, ValueError)}
+
+    lst: list[Any] = [None] * world
+    attempt(
+        "unpicklable", lambda: spillmerge.all_gather_object(lst, (lambda: 1) if rank == 1 else rank, timeout=TIMEOUT)
+    )
+    short = [None] * (world - 1) if rank == 0 else None
+    attempt("short_list", lambda: spillmerge.gather_object(rank, short, dst=0, timeout=TIMEOUT))
+    extra = [None] * world
+    attempt("list_off_dst", lambda: spillmerge.gather_object(rank, extra, dst=0, timeout=TIMEOUT))
+    attempt("dst_and_group_dst", lambda: spillmerge.gather_object(rank, None, dst=0, group_dst=0, timeout=TIMEOUT))
+    import torch.distributed as dist
+
+    sub = dist.new_group([0, 1], backend="gloo")  # every rank creates it, as torch requires
+    attempt("subgroup", lambda: spillmerge.gather_object(rank, None, dst=0, group=sub, timeout=TIMEOUT))
+    dist.barrier()  # dst removes a failed call's folder once every rank raised: look after that
+    out["left_after_failures"] = os.listdir(f"{base}/failures") if os.path.isdir(f"{base}/failures") else []
+    del os.environ["SPILLMERGE_ROOT"]  # the default root: node-local
+    real = _dropin.socket.gethostname
+    if rank == 2:  # this rank runs on "another node"
+        _dropin.socket.gethostname = lambda: "another-node"  # type: ignore[attr-defined]
+    try:
+        attempt("two_hosts", lambda: spillmerge.all_gather_object([None] * world, rank, timeout=TIMEOUT))
+    finally:
+        _dropin.socket.gethostname = real  # type: ignore[attr-defined]
+    after: list[Any] = [None] * world  # the group still works after every failure
+    spillmerge.all_gather_object(after, rank, timeout=TIMEOUT)
+    out["after"] = after
+    return out
+
+
+SCENARIOS = {
+    "same_as_torch": same_as_torch,
+    "torch_object_list": torch_object_list,
+    "pickled_types": pickled_types,
+    "back_to_back": back_to_back,
+    "failures": failures,
+}
+
+
+def worker(rank: int, world: int, port: int, base: str) -> None:
+    """Entry point for ``torch.multiprocessing.start_processes`` (the rank comes first)."""
+    run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
