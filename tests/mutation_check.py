@@ -787,6 +787,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
         "a published range whose per-column counts do not fit the plan's columns and layouts is planned again",
     ),
+    # Bounded status and exports: readers refuse headers before sizing anything by them.
+    Mutation(
+        "to-arrow-records-header-matches-its-keys",
+        "spillmerge/_arrowtree.py",
+        "            bad = np.flatnonzero(have != lengths[pos])",
+        "            bad = np.flatnonzero(have < 0)",
+        ("tests/test_export_bounds.py",),
+        "to_arrow refuses a list-of-dicts header that its keys' lists do not match before sizing arrays by it",
+    ),
+    Mutation(
+        "verify-records-header-matches-its-keys",
+        "spillmerge/_invariants.py",
+        "            bad = np.flatnonzero(has & v & (got != n))",
+        "            bad = np.flatnonzero(has & v & (got < 0))",
+        ("tests/test_export_bounds.py",),
+        "verify lists a list-of-dicts header that to_arrow refuses",
+    ),
 ]
 
 
