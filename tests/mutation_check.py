@@ -860,6 +860,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_status.py::test_status_of_a_path_that_is_no_spill_root_is_a_one_line_error",),
         "status on a mistyped path or a merged output is a one-line error, not an empty table",
     ),
+    Mutation(
+        "to-arrow-format-3-list-header-within-its-items",
+        "spillmerge/_arrowtree.py",
+        "    bad = np.flatnonzero((lengths < 0) | (lengths > room))",
+        "    bad = np.flatnonzero(lengths < 0)",
+        ("tests/test_format3_fixture.py",),
+        "to_arrow refuses a format 3 list header longer than its item columns before sizing arrays by it",
+    ),
 ]
 
 

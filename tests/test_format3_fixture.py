@@ -65,3 +65,19 @@ def test_to_arrow_of_a_format_3_output_is_what_format_3_exported(v3):
     got = spillmerge.open(str(v3)).to_arrow()
     assert got.schema == want.schema
     assert got.to_pylist() == want.to_pylist()
+
+
+def test_a_format_3_list_header_beyond_its_item_columns_is_refused_by_to_arrow(v3):
+    """Format 3 bounds a list's length by its highest item column: a header of 2**40 (its chunk's
+    CRC-32C fixed) is refused by ``to_arrow`` naming the list, as by ``value()``, before anything
+    is sized by it."""
+    import struct
+
+    import google_crc32c
+
+    chunk = v3 / "columns" / "dets__~517d9ec5da13c8a2.pylist" / "values" / "c" / "0"
+    raw = bytearray(chunk.read_bytes()[:-4])
+    raw[0:8] = struct.pack("<q", 1 << 40)
+    chunk.write_bytes(bytes(raw) + google_crc32c.value(bytes(raw)).to_bytes(4, "little"))
+    with pytest.raises(spillmerge.CorruptSpillError, match="1099511627776 items by its header"):
+        spillmerge.open(str(v3)).to_arrow()
