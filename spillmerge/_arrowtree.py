@@ -262,6 +262,14 @@ def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, sta
         item_rows = np.repeat(o[rows], lengths) + within
         at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
         return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
+    room = max(node.items, default=-1) + 1  # format 3: a list holds at most its highest item column's
+    bad = np.flatnonzero((lengths < 0) | (lengths > room))
+    if len(bad):
+        j = int(bad[0])
+        raise CorruptSpillError(
+            f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its header, "
+            f"but the file columns hold at most {room}; the output is damaged: merge it again"
+        )
     out: list[_Part] = []
     for i, item in sorted(node.items.items()):
         sel = np.flatnonzero(lengths > i)
@@ -335,23 +343,39 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     pa = _pa()
     import pyarrow.compute as pc
 
-    total = int(starts[-1])
-    fields, names = [], []
-    for seg, kid in sorted(node.keys.items()):
-        elems: list[_Part] = []
-        for _, name, pos, arr in parts(kid, b, rows, with_keys=True):
-            arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
-            if not len(pos) and not _listlike(arr.type):
-                continue  # a key of dicts in other rows, none of these
-            if not (
-                pa.types.is_large_list(arr.type) or pa.types.is_list(arr.type) or pa.types.is_fixed_size_list(arr.type)
-            ):
+    # Every key's columns first: a row's header must equal the length of each key's list in it
+    # (and some key must hold one), as ``value()`` checks, before anything is sized by the
+    # headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
+    keyed = [(seg, parts(kid, b, rows, with_keys=True)) for seg, kid in sorted(node.keys.items())]
+    held = np.zeros(len(rows), bool)
+    for seg, ps in keyed:
+        for _, name, pos, arr in ps:
+            arr = untensor(arr)
+            if not len(pos):
+                continue
+            if not _listlike(arr.type):
                 raise SpillMergeError(
                     f"the lists of dicts at {F.path_text(node.path)!r}: key {_seg_name(seg)!r} holds a {name} value where "
                     f"its list of {int(lengths.max(initial=0))} is expected; the output is damaged: merge it again"
                 )
             have = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-            have = np.minimum(have, lengths[pos])  # a dict has one value per key
+            bad = np.flatnonzero(have != lengths[pos])
+            if len(bad):
+                j = int(pos[bad[0]])
+                raise _records_error(node, int(rows[j]), int(lengths[j]), f"key {_seg_name(seg)!r} holds {int(have[bad[0]])}")
+            held[pos] = True
+    if not held.all() and len(rows):
+        j = int(np.flatnonzero(~held)[0])
+        raise _records_error(node, int(rows[j]), int(lengths[j]), "no key holds a list there")
+    total = int(starts[-1])
+    fields, names = [], []
+    for seg, ps in keyed:
+        elems: list[_Part] = []
+        for _, name, pos, arr in ps:
+            arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
+            if not len(pos) and not _listlike(arr.type):
+                continue  # a key of dicts in other rows, none of these
+            have = lengths[pos]  # each key's list length, checked above
             flat = pc.list_flatten(arr)
             first = np.concatenate(
                 [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
@@ -364,6 +388,16 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
         names.append(_seg_name(seg))
     values = pa.StructArray.from_arrays(fields, names) if fields else pa.array([{}] * total, type=pa.struct([]))
     return pa.LargeListArray.from_arrays(pa.array(starts), values)
+
+
+def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError:
+    head = next((h for h in node.headers if h.info.dtype == "pyrecords"), None)
+    where = f"columns/{head.info.name}" if head is not None else F.path_text(node.path)
+    return CorruptSpillError(
+        f"{where}: row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items, but {what}; "
+        "the output is damaged: merge it again",
+        path=where,
+    )
 
 
 def top_columns(

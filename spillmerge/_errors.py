@@ -276,6 +276,17 @@ class NotAnOutputError(SpillMergeError, ValueError):
         self.kind = kind
 
 
+class NotASpillRootError(SpillMergeError, ValueError):
+    """``spillmerge status`` on a path that is no spill root; ``kind`` says what it is:
+    ``"missing"`` (does not exist), ``"file"``, ``"output"`` (a merged output) or ``"other"`` (a
+    folder without rank folders). ``path`` names it."""
+
+    def __init__(self, message: str, *, path: str, kind: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.kind = kind
+
+
 class UnknownLeafError(SpillMergeError, KeyError):
     """A file's value has no leaf ``leaf`` (a ``KeyError``, so ``in`` / ``.get`` idioms work);
     ``filename`` names the file and ``known`` lists the leaf paths it has."""

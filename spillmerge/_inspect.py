@@ -625,6 +625,8 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
             out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
     out.extend(L.header_problems(lists, list_offs, heads))
     sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
+    whole = {n: c for n, c in sound.items() if not any(f"columns/{n}/{k}" in damaged for k in c.arrays)}
+    out.extend(V.records_problems(whole, V.read_array))
     out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
     return out
 

@@ -626,3 +626,71 @@ def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shap
         )
         return [(rel, f"row {r} is not valid UTF-8 (starts inside a character)")]
     return []
+
+
+def list_lengths(c: StoredColumn, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+    """Each row's length as a list (-1 where a row's value is not a list): a list header's
+    value, a numeric column's first dimension, a string list's count (``read``: an array, whole)."""
+    a = c.arrays
+    n = int(a["valid"].shape[0]) if "valid" in a else None
+    if c.leaf and c.leaf[-1] == F.MARK:  # a container header: its value
+        return header_values(c, read)
+    if c.kind == "strlist" or (c.kind == "ragged" and c.inner_shape is None):
+        if "shapes" in a:
+            return np.asarray(read(a["shapes"]), dtype=np.int64).reshape(int(a["shapes"].shape[0]), -1)[:, 0]
+        return np.diff(np.asarray(read(a["offsets"]), dtype=np.int64))
+    if c.kind == "ragged":
+        return np.diff(np.asarray(read(a["offsets"]), dtype=np.int64))
+    rows = int(a["offsets"].shape[0]) - 1 if "offsets" in a else int(a["values"].shape[0])
+    width = int(a["values"].shape[1]) if c.kind == "fixed" and len(a["values"].shape) > 1 else -1
+    return np.full(n if n is not None else rows, width, dtype=np.int64)
+
+
+def header_values(c: StoredColumn, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+    """A container header's value per row (0 where a compact column holds none)."""
+    values = np.asarray(read(c.arrays["values"]), dtype=np.int64).reshape(-1)
+    if "offsets" not in c.arrays:
+        return values
+    steps = np.diff(np.asarray(read(c.arrays["offsets"]), dtype=np.int64))
+    out = np.zeros(len(steps), dtype=np.int64)
+    out[steps > 0] = values[: int(np.count_nonzero(steps > 0))]
+    return out
+
+
+def records_problems(cols: dict[str, StoredColumn], read: Callable[[Any], np.ndarray]) -> list[Problem]:
+    """Every row of a ``pyrecords`` header (a list of dicts) holds a list of that length under
+    each key it has, and under at least one: what ``value()`` and ``to_arrow()`` check before
+    sizing anything by the header (``read``: an array, whole)."""
+    out: list[Problem] = []
+    heads = [c for c in cols.values() if c.dtype == "pyrecords" and c.leaf and c.leaf[-1] == F.MARK]
+    for h in heads:
+        p = h.leaf[:-1]
+        keys = [
+            c for c in cols.values()
+            if c.leaf[: len(p)] == p and (
+                (len(c.leaf) == len(p) + 1 and not F.is_marker(c.leaf[-1]))
+                or (len(c.leaf) == len(p) + 2 and c.leaf[-1] == F.MARK and not F.is_marker(c.leaf[-2]))
+            )
+        ]  # fmt: skip
+        n = header_values(h, read)
+        has = np.asarray(read(h.arrays["valid"]), bool) if "valid" in h.arrays else np.ones(len(n), bool)
+        held = np.zeros(len(n), bool)
+        problem = None
+        for k in keys:
+            got = list_lengths(k, read)
+            v = np.asarray(read(k.arrays["valid"]), bool) if "valid" in k.arrays else np.ones(len(got), bool)
+            if len(got) != len(n) or len(v) != len(n):
+                continue  # lengths against the rows: column_problems
+            bad = np.flatnonzero(has & v & (got != n))
+            if len(bad) and problem is None:
+                r = int(bad[0])
+                problem = f"key {F.path_text((k.leaf[len(p)],))!r} holds {int(got[r])}"
+                row = r
+            held |= v
+        if problem is None and np.any(has & ~held):
+            row = int(np.flatnonzero(has & ~held)[0])
+            problem = "no key holds a list there"
+        if problem is not None:
+            out.append((f"columns/{h.name}", f"row {row} says its list of dicts at {F.path_text(p)!r} has {int(n[row])} "
+                        f"items, but {problem}"))  # fmt: skip
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +40,13 @@ class ProgressRecord:
     """Data chunks durable (``c/0 .. c/chunks-1``)."""
     updated: float
     """Unix time (writer's clock) the last of those chunks became durable."""
+    staged_frames: int = 0
+    """Frames the writer has taken so far, durable or still in a staging buffer (rewrites of a
+    key included): small outputs fill a chunk only after many frames, and this moves before."""
+    staged_bytes: int = 0
+    """Payload bytes of those frames."""
+    staged_updated: float = 0.0
+    """Unix time (writer's clock) the writer was last seen taking a frame (to a few seconds)."""
 
     def to_json(self) -> bytes:
         return F.dumps({"format_version": F.SPILL_FORMAT_VERSION, "kind": "spill-progress", **asdict(self)})
@@ -57,7 +65,15 @@ class ProgressRecord:
             updated = obj["updated"]
             if not isinstance(updated, int | float) or isinstance(updated, bool):
                 return None
-            return cls(segment=str(obj.get("segment")), updated=float(updated), **ints)
+            # Records without the staged counts (older writers): what is durable is all they say.
+            staged = {"staged_frames": obj.get("staged_frames", ints["frames"]),
+                      "staged_bytes": obj.get("staged_bytes", ints["nbytes"])}  # fmt: skip
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in staged.values()):
+                return None
+            at = obj.get("staged_updated", updated)
+            if not isinstance(at, int | float) or isinstance(at, bool):
+                return None
+            return cls(segment=str(obj.get("segment")), updated=float(updated), staged_updated=float(at), **ints, **staged)
         except (KeyError, F.CorruptSpillError):
             return None
 
@@ -77,6 +93,11 @@ class ProgressWriter:
         self._updated = 0.0
         self._seq = self._written_seq = 0
         self._last_put = 0.0
+        self.staged: Callable[[], tuple[int, int]] | None = None
+        """(frames, bytes) the writer has staged so far (``Staging`` sets it); polled here, so the
+        record moves while no chunk is full yet."""
+        self._staged = (0, 0)
+        self._staged_at = 0.0
 
     def durable(self, number: int, completed: np.ndarray) -> None:
         """Chunk ``number`` and every earlier one are durable; ``completed`` are the int64 rows
@@ -93,9 +114,17 @@ class ProgressWriter:
             self._updated = time.time()
             self._seq += 1
 
+    def _poll_staged(self) -> None:
+        """Take the writer's staged counts (under ``_lock``); a change is news for the record."""
+        got = self.staged() if self.staged is not None else (0, 0)
+        if got != self._staged:
+            self._staged, self._staged_at = got, time.time()
+            self._seq += 1
+
     def behind(self) -> bool:
-        """Something durable is not in the record yet."""
+        """Something durable or staged is not in the record yet."""
         with self._lock:
+            self._poll_staged()
             return self._seq != self._written_seq
 
     def maybe_write(self, *, trailing: bool = False) -> None:
@@ -103,6 +132,7 @@ class ProgressWriter:
         last rewrite (``trailing``: the flush thread is idle, write what is left now)."""
         now = time.monotonic()
         with self._lock:
+            self._poll_staged()
             if self._seq == self._written_seq or (not trailing and now - self._last_put < self.interval):
                 return
             seq, rec = self._seq, self._snapshot()
@@ -120,12 +150,17 @@ class ProgressWriter:
                 pass
 
     def _snapshot(self) -> ProgressRecord:
+        frames, nbytes = self._staged
         return ProgressRecord(
-            self.rank, self.segment, self._frames, self._rows, self._bytes, self._chunks, self._updated
-        )
+            self.rank, self.segment, self._frames, self._rows, self._bytes, self._chunks, self._updated,
+            max(frames, self._frames), max(nbytes, self._bytes), max(self._staged_at, self._updated),
+        )  # fmt: skip
 
 
 def read(storage: Storage, seg_rel: str) -> ProgressRecord | None:
+    """The segment's progress record; None when it has none or it is not one. A record that is
+    no regular file or over ``RECORD_MAX_BYTES`` (64 KiB) raises (``SpillMergeError``) without
+    being read, naming it."""
     raw = storage.get_or_none(f"{seg_rel}/{PROGRESS_NAME}", max_bytes=F.RECORD_MAX_BYTES)
     return None if raw is None else ProgressRecord.from_json(raw, path=storage.describe(f"{seg_rel}/{PROGRESS_NAME}"))
 

@@ -356,6 +356,9 @@ class Staging:
         """Chunks started so far (the last one may still be filling)."""
         self.n_checks = 0
         """Block checksums assigned so far (``add_frames``)."""
+        self.frames = 0
+        """Frames staged so far (rewrites of a key included): the progress record's count of
+        what the writer has taken, durable or not yet (one int, read by the flush thread)."""
         self.flusher: Flusher | None = None
         self._current: Chunk | None = None
         self._cuda_stream: Any = None
@@ -375,6 +378,7 @@ class Staging:
         self.flusher = Flusher(
             self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size
         )
+        self.flusher.progress.staged = lambda: (self.frames, self.offset)
         self.flusher.start()
 
     @property
@@ -448,6 +452,7 @@ class Staging:
                     total,
                 )  # fmt: skip
                 return
+        self.frames += 1
         held: list[Any] = []
         last = len(leaves) - 1
         for j, leaf in enumerate(leaves):
@@ -461,6 +466,7 @@ class Staging:
         bytes (``total`` > 0 in all): in one step when the frame fits in the current chunk (no
         held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
         otherwise leaf by leaf through ``add``."""
+        self.frames += 1
         chunk = self._current
         if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
             held: list[Any] = []
@@ -518,6 +524,7 @@ class Staging:
         widths = [int(c.shape[1]) for c in columns]
         frame_bytes = sum(widths)
         n_leaves, n = len(columns), len(columns[0])
+        self.frames += n
         consecutive = not isinstance(file_ids, np.ndarray)
         i = 0
         while i < n:

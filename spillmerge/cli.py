@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         epilog="Example:\n  spillmerge status ./spill\n  spillmerge status ./spill --watch --expected 120000\n"
         "  spillmerge status s3://bucket/run1/spill --out s3://bucket/run1/preds.zarr --json\n\n"
-        "Exit status: 0; 1 when a rank failed or on an error.",
+        "Exit status: 0; 1 when a rank failed or its records are unreadable, or on an error (a path that is "
+        "no spill root).",
     )
     st.add_argument("root", help="spill root (path or fsspec URL)")
     st.add_argument("--out", help="the merge's output: show its parts and progress too")
@@ -305,7 +306,7 @@ def _status(args: argparse.Namespace) -> int:
                 print("\x1b[H\x1b[2J", end="")  # redraw in place on a terminal
             print(format_status(js), flush=True)
         if not args.watch or js.done:
-            return 1 if any(r.state == "failed" for r in js.ranks) else 0
+            return 1 if any(r.state in ("failed", "unreadable") for r in js.ranks) else 0
         time.sleep(args.interval)
 
 

@@ -84,3 +84,19 @@ def test_a_list_header_longer_than_its_item_columns_is_refused(v3):
         res.value("a.jpg", 0)
     with pytest.raises(spillmerge.CorruptSpillError, match=r"has 5 items"):
         list(res.iter_values())
+
+
+def test_a_format_3_list_header_beyond_its_item_columns_is_refused_by_to_arrow(v3):
+    """Format 3 bounds a list's length by its highest item column: a header of 2**40 (its chunk's
+    CRC-32C fixed) is refused by ``to_arrow`` naming the list, as by ``value()``, before anything
+    is sized by it."""
+    import struct
+
+    import google_crc32c
+
+    chunk = v3 / "columns" / "dets__~517d9ec5da13c8a2.pylist" / "values" / "c" / "0"
+    raw = bytearray(chunk.read_bytes()[:-4])
+    raw[0:8] = struct.pack("<q", 1 << 40)
+    chunk.write_bytes(bytes(raw) + google_crc32c.value(bytes(raw)).to_bytes(4, "little"))
+    with pytest.raises(spillmerge.CorruptSpillError, match="1099511627776 items by its header"):
+        spillmerge.open(str(v3)).to_arrow()
