@@ -609,8 +609,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "published-run-name-starts-inside-a-character",
         "spillmerge/_planruns.py",
-        "    if len(starts) and np.any((np.asarray(names)[starts] & 0xC0) == 0x80):",
-        "    if False:",
+        "        if len(starts) and np.any((names[starts] & 0xC0) == 0x80):",
+        "        if False:",
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_run_is_sorted_again_from_the_spill_root",),
         "a published run whose names are valid UTF-8 only as a whole is not used",
     ),
@@ -776,7 +776,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "published-range-summary-a-fits-the-plan",
         "spillmerge/_plan_disk.py",
-        "            _refuse(ex, r, n, sa[r].problem(len(self.leaf_paths), len(dnames)))",
+        "            _refuse(ex, r, n, sa[r].problem(len(self.leaf_paths), len(dnames), len(self.runs)))",
         "            pass",
         ("tests/test_plan_disk.py::test_a_damaged_or_hostile_published_range_is_planned_again_from_the_spill_root",),
         "a published range whose summary names leaves or column keys the plan does not have is planned again",
