@@ -1035,6 +1035,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_gather.py::test_all_gather_called_back_to_back_with_the_same_out_always_works",),
         "no rank returns from gather before dst removed this call's spill (the next call's segments are safe)",
     ),
+    # ------------------------------------------------------------------ issue 41: targeted durability
+    Mutation(
+        "i41-fsync-each-file",
+        "spillmerge/_storage/_local.py",
+        "            paths.extend(os.path.join(dirpath, f) for f in files)\n",
+        "",
+        ("tests/test_durability.py",),
+        "every data chunk a commit record or a merge's root vouches for is fsynced before that record",
+    ),
+    Mutation(
+        "i41-fsync-each-folder",
+        "spillmerge/_storage/_local.py",
+        "            paths.append(dirpath)\n",
+        "",
+        ("tests/test_durability.py",),
+        "every folder that gained an object a record vouches for is fsynced before that record",
+    ),
 ]
 
 
