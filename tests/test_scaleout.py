@@ -791,17 +791,19 @@ def test_a_part_reads_the_runs_it_takes_in_a_few_round_trips_whatever_their_numb
     so = {"plan_budget": 1000, "timeout": 120.0}
     # Part 1 sorts and publishes its runs, then waits for range 0 while part 0 is at work; part 0
     # takes those runs and plans range 0 from every run.
+    # The granule is set before either part starts: both run in this process, and a granule that
+    # changed under a part's open fetches would map its sparse files at two sizes.
     got: list[Any] = []
-    one = threading.Thread(target=lambda: got.append(spillmerge.merge(root, out, part=(1, 2), **so)))  # type: ignore[arg-type]
-    one.start()
-    runs = Storage(out, None)
-    for _ in _poll_until(60):
-        if sum(rel.endswith("/run.json") for rel, _ in runs.find("spillmerge-parts/runs")) == sessions:
-            break
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_fetched, "GRANULE", 256)
+        one = threading.Thread(target=lambda: got.append(spillmerge.merge(root, out, part=(1, 2), **so)))  # type: ignore[arg-type]
+        one.start()
+        runs = Storage(out, None)
+        for _ in _poll_until(60):
+            if sum(rel.endswith("/run.json") for rel, _ in runs.find("spillmerge-parts/runs")) == sessions:
+                break
         rep = spillmerge.merge(root, out, part=(0, 2), **so)  # type: ignore[arg-type]
-    one.join(120)
+        one.join(120)
     assert got and not one.is_alive()
     said = f"the runs of {sessions} of {2 * sessions} segments were sorted by the other parts"
     assert any(n.startswith(said) for n in rep.notes), rep.notes
