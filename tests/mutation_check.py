@@ -1286,23 +1286,6 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_format3_fixture.py",),
         "to_arrow refuses a format 3 list header longer than its item columns before sizing arrays by it",
     ),
-    # ------------------------------------------------------------------ issue 41: targeted durability
-    Mutation(
-        "i41-fsync-each-file",
-        "spillmerge/_storage/_local.py",
-        "            paths.extend(os.path.join(dirpath, f) for f in files)\n",
-        "",
-        ("tests/test_durability.py",),
-        "every data chunk a commit record or a merge's root vouches for is fsynced before that record",
-    ),
-    Mutation(
-        "i41-fsync-each-folder",
-        "spillmerge/_storage/_local.py",
-        "            paths.append(dirpath)\n",
-        "",
-        ("tests/test_durability.py",),
-        "every folder that gained an object a record vouches for is fsynced before that record",
-    ),
 ]
 
 

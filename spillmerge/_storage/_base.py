@@ -276,7 +276,7 @@ class Storage:
 
     def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
         """Make every file below ``rel`` (and the folders holding them) durable on a local disk:
-        an fsync of each of them, ``threads`` in flight; never the whole filesystem. A no-op on
+        one syncfs(2) where Linux has it, else an fsync per file with many in flight. A no-op on
         object stores, where a PUT is durable when it returns."""
         raise NotImplementedError
 
