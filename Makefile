@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.base
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test mutation-check lint bench release-check clean
+.PHONY: setup demo test test-fast mutation-check lint bench release-check clean
 
 $(BASE): pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,8 +33,14 @@ setup: $(STAMP)
 demo: $(BASE)
 	$(VENV)/bin/spillmerge demo
 
+# Whole files go to one of three workers (--dist loadfile): a module's fixtures are built once,
+# and the multi-rank tests spend most of their time waiting on their processes.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist loadfile
+
+# The tier for iteration: no rank processes, S3 server, framework or model tests (tests/conftest.py).
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not (multiprocess or s3 or framework or model or slow)"
 
 mutation-check: setup
 	$(PY) tests/mutation_check.py

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
-torch.set_num_threads(1)
+# One intra-op thread in every process the tests start (torch reads it at import): the suite's
+# processes share two cores. torch itself is imported only by the tests that need it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _counter = itertools.count()
 
@@ -70,13 +72,34 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
         yield Backend("s3", f"s3://test/t{next(_counter)}", storage_options(server.endpoint))
 
 
+#: Test files by the tier they belong to: ``make test-fast`` deselects these markers (the
+#: tests that start rank processes, need a framework or a model, or are slow for another reason).
+TIERS: dict[str, str] = {
+    "multiprocess": (
+        "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
+        "test_object_collectives test_torchrun test_status test_waits test_s3 test_untrusted_storage"
+    ),
+    "framework": "test_integrations test_examples",
+    "model": "test_model_outputs",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tier = {name: mark for mark, names in TIERS.items() for name in names.split()}
+    for item in items:
+        mark = tier.get(item.path.stem)
+        if mark is not None:
+            item.add_marker(getattr(pytest.mark, mark))
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
