@@ -11,7 +11,7 @@ from typing import Any
 
 import fsspec
 
-from . import _codecs, _indexchunks, _lease, _output, _parts, _planstore
+from . import _codecs, _indexchunks, _lease, _output, _parts, _planstore, _poll
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
@@ -494,6 +494,8 @@ def _finalize(job: _Job, parts: int | None, *, collective: bool = False) -> Merg
     """After every part: check the part records (present, same plan), then index, consolidated
     metadata and completion marker — the same documents a one-process merge writes."""
     output = job.output
+    if parts is None and job.options.timeout > 0:
+        _await_a_part(output, job.options.timeout)
     if not _output.is_ours(output):
         if output.exists("") and output.listdir(""):
             raise _output.not_ours(output)
@@ -506,6 +508,19 @@ def _finalize(job: _Job, parts: int | None, *, collective: bool = False) -> Merg
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
         return _finalize_locked(job, parts, collective, lease)
+
+
+def _await_a_part(output: Storage, timeout: float) -> None:
+    """A finalize started with the parts (a SLURM array's last task): up to ``timeout`` seconds for
+    the first part record, which tells it the part count; the records' own wait follows."""
+    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
+        try:
+            if output.exists(_parts.PARTS_DIR) and _parts.read_records(output):
+                return
+        except SpillMergeError:
+            return  # a damaged record: the finalize names it
+        if waited >= timeout:
+            return
 
 
 def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lease.Lease) -> MergeReport:
