@@ -103,7 +103,9 @@ def obtain(
                 with lease:
                     found = _read(output, key, segments, notes)  # stored while we took the lease
                     if found is not None:
-                        continue
+                        plan, fp, stored_settings = found
+                        notes.append(f"the plan stored in {where} was read, not rebuilt")
+                        return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
                     plan, fp = plan_here()
                     lease.check()
                     store(output, plan, key, fp, settings)
@@ -128,7 +130,9 @@ def _read(
     try:
         return load(output, key, segments)
     except DamagedPlan as exc:
-        notes.append(f"the stored plan was not used: {exc}")
+        note = f"the stored plan was not used: {exc}"
+        if note not in notes:  # read again at every poll while a planner replaces it
+            notes.append(note)
         return None
 
 
