@@ -1118,6 +1118,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_format3_fixture.py",),
         "to_arrow refuses a format 3 list header longer than its item columns before sizing arrays by it",
     ),
+    # ------------------------------------------------- the stored plan of a merge in parts
+    Mutation(
+        "stored-plan-array-digest-checked",
+        "spillmerge/_planstore.py",
+        '            if len(data) != nbytes or _digest(data) != spec["blake2b"]:',
+        "            if len(data) != nbytes:",
+        ("tests/test_scaleout.py::test_a_stored_plan_pointing_out_of_range_is_never_used",),
+        "a stored plan array whose bytes changed (same size) is never used: the plan is built again",
+    ),
+    Mutation(
+        "stored-plan-removed-by-finalize",
+        "spillmerge/_merge.py",
+        "    _planstore.remove(output)  # the parts are done with it (the output is complete)",
+        "    pass",
+        ("tests/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
+        "the finalize removes the stored plan once the output is complete",
+    ),
 ]
 
 
