@@ -10,14 +10,14 @@ rank) write their keys, dealt round-robin, with ``SpillWriter.write_batch`` in b
 Then, each in fresh processes (a fork server that imported torch and spillmerge; one torch
 thread each):
 
-- ``merge``: ``spillmerge.merge(root, out)`` with the default budgets (out-of-core plan once the
-  in-memory plan would exceed ``plan_budget``): wall time, phases, peak extra anonymous memory
-  (RssAnon + RssShmem sampled every 5 ms: the plan's maps of its work files are file pages the
-  kernel may drop, and are reported apart as peak file-mapped), objects and bytes written.
-- ``before`` (only at ``--before-n``): the same merge forced to today's in-memory plan
-  (``plan_budget`` = 1 TiB); never run at 10^7 keys (~8 GB).
+- ``merge``: ``spillmerge.merge(root, out)`` with the default budgets: wall time, phases, peak
+  extra anonymous memory (RssAnon + RssShmem sampled every 5 ms; file-mapped pages are reported
+  apart as peak file-mapped), objects and bytes written.
+- ``before`` (only at ``--before-n``): the same merge with ``plan_budget`` = 1 TiB (a checkout
+  whose plan depends on the budget plans in memory then).
 - ``parts P``: P processes run ``merge(part=(i, P))`` at once, then one ``finalize``; wall from
-  the first start to the finalize's end, the largest part's peak memory.
+  the first start to the finalize's end, the largest part's peak memory, and which processes read
+  a plan another one built (``mapped``).
 
 Quote ratios from one run: other engineers' jobs share the 2-core VM.
 """
@@ -216,8 +216,8 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
             t = time.perf_counter()
             parts = _parallel(
                 merge_one,
-                # timeout: parts other than 0 wait for the plan part 0 publishes (older code: the
-                # commit barrier only, which is met at once)
+                # timeout: parts wait for the plan another part stores (older code: the commit
+                # barrier only, which is met at once)
                 [{"root": root, "out": out, "kwargs": {**args.merge_kwargs, "part": (i, p), "timeout": 3600}}
                  for i in range(p)],
             )  # fmt: skip
@@ -232,7 +232,8 @@ def run_n(n: int, args: argparse.Namespace, log: Any, save: Any) -> dict[str, An
             res = {"wall_s": time.perf_counter() - t, "parts_s": parts_wall, "finalize_s": fin["wall_s"],
                    "anon": max(r["anon"] for r in [*parts, fin]), "file": max(r["file"] for r in [*parts, fin]),
                    "part_phases": [r["phases"] for r in parts], "finalize_phases": fin["phases"],
-                   "mapped": [any("was mapped, not rebuilt" in n for n in r["notes"]) for r in [*parts, fin]],
+                   "mapped": [any(s in n for n in r["notes"] for s in ("was mapped, not rebuilt", "was read, not rebuilt"))
+                              for r in [*parts, fin]],
                    "anon_each": [r["anon"] for r in [*parts, fin]],
                    "objects": objects, "bytes": size, "checked": _check(out, n)}  # fmt: skip
             row["merges"][f"parts {p}"] = res

@@ -22,11 +22,9 @@ import numpy as np
 from . import _codecs
 from . import _format as F
 from . import _format_spill as FS
-from ._errors import CorruptSpillError, SpillMergeError
-from ._fetched import prefetch
+from ._errors import CorruptSpillError
 from ._plan import Plan, PlannedColumn
-from ._plan_disk import PlanEntryError
-from ._spillroot import check_of, data_ranges, load_segment, verify_block
+from ._spillroot import check_of, data_ranges, verify_block
 from ._storage import Storage
 from ._zarrmeta import values_chunk
 
@@ -209,7 +207,6 @@ class _OutputChunk:
         off = self.off
         r0 = int(np.searchsorted(off, lo, side="right")) - 1
         r1 = int(np.searchsorted(off, hi, side="left"))
-        prefetch([(off, r0, r1 + 1), (src, r0, r1)])  # another part's ranges on an object store: at once
         rows = np.arange(r0, r1, dtype=np.int64)
         a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
@@ -223,9 +220,6 @@ class _OutputChunk:
         CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers."""
         plan = self.plan
         e = np.asarray(self.col.src[rows], dtype=np.int64)
-        if len(e):  # the rows' entries of the row table (a short span: rows are in entry order), at once
-            lo, hi = int(e.min()), int(e.max()) + 1
-            prefetch([(a, lo, hi) for a in (plan.seg, plan.offset, plan.nbytes, plan.crc)])
         ents, segs, offs, sizes, crcs = (
             x.tolist() for x in (e, plan.seg[e], plan.offset[e], plan.nbytes[e], plan.crc[e])
         )
@@ -301,15 +295,6 @@ class _OutputChunk:
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
-        if not self._in_spill(e):
-            raise PlanEntryError(
-                f"the merge plan's entry for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
-                f"{F.path_text(self.col.leaf)!r} (bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])} "
-                f"of {where}, rank {seg.seg.rank}) fails its checksum and is no row of that segment's index: the "
-                "plan is damaged, not the spill root",
-                path=where,
-                file=f,
-            )
         raise CorruptSpillError(
             f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
             f"{F.path_text(self.col.leaf)!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
@@ -317,19 +302,6 @@ class _OutputChunk:
             path=where,
             rank=seg.seg.rank,
         )
-
-    def _in_spill(self, e: int) -> bool:
-        """Whether the spill root's own index holds plan entry ``e`` (offset, size and checksum
-        in its segment): a plan mapped from what other processes published is not checked
-        against the spill, so a mismatch may be the plan's. One segment's index, read only here."""
-        plan = self.plan
-        seg = plan.segments[int(plan.seg[e])]
-        try:
-            idx = load_segment(self.src, seg.seg).index
-        except SpillMergeError:  # the spill root's own records are damaged: it is to blame
-            return True
-        off, nb, crc = int(plan.offset[e]), int(plan.nbytes[e]), int(plan.crc[e])
-        return bool(((idx[:, FS.COL_OFFSET] == off) & (idx[:, FS.COL_NBYTES] == nb) & (idx[:, FS.COL_CRC] == crc)).any())
 
     # -- numeric and byte columns -------------------------------------------------------------
 

@@ -223,6 +223,10 @@ class PartDoneRecord:
     """Host of the writing process."""
     pid: int
     """Its process id."""
+    options: dict[str, Any] | None = None
+    """The options that decide the plan and the output (duplicate policy, world size, run id,
+    partial merge, codec, chunk size, session), so that parts that disagree are told which; None
+    in a record of an older release."""
 
     @classmethod
     def now(cls, **fields: Any) -> PartDoneRecord:
@@ -250,6 +254,7 @@ class PartDoneRecord:
             finished=str(obj.get("finished")),
             host=str(obj.get("host"))[:256],
             pid=int_or_none(obj, "pid") or 0,
+            options=obj["options"] if isinstance(obj.get("options"), dict) else None,
         )
 
 

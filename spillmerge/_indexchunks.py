@@ -24,7 +24,6 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from . import _plan_disk
 from . import _zarrmeta as Z
 from ._plan import Plan
 from ._storage import Storage
@@ -43,7 +42,7 @@ class IndexChunk:
     """The chunk shape (the array's ``chunk_shape``)."""
     dtype: str
     source: Any
-    """The array the elements come from (an out-of-core plan's map: read ``[lo, hi)`` only)."""
+    """The array the elements come from (only ``[lo, hi)`` is read)."""
     fn: Callable[[np.ndarray], np.ndarray] | None = None
     """Applied to the source's elements (``valid``: ``src >= 0``)."""
 
@@ -69,11 +68,7 @@ def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarr
     """Each index array's path and its elements (and the function that makes them from those):
     the arrays ``_zarrmeta.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
     (but ``values``)."""
-    names = plan.filenames
-    if isinstance(names, _plan_disk.StringTable):
-        filename_arrays = names.index_arrays(Z.NAME_BLOCK)
-    else:
-        filename_arrays = Z.filename_arrays(list(names))
+    filename_arrays = Z.filename_arrays(list(plan.filenames))
     out: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {
         f"index/{k}": (v, None) for k, v in filename_arrays.items()
     }

@@ -11,14 +11,13 @@ from typing import Any
 
 import fsspec
 
-from . import _codecs, _indexchunks, _lease, _output, _parts, _plan_disk, _planranges, _planruns, _planshare
+from . import _codecs, _indexchunks, _lease, _output, _parts, _planstore, _poll
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from . import _zarrmeta as Z
 from ._copy import Unit, copy_units, units
 from ._errors import (
-    CorruptSpillError,
     MissingPartsError,
     OutputBusyError,
     SpillMergeError,
@@ -30,7 +29,7 @@ from ._options import DEFAULT_MEMORY_BUDGET, DEFAULT_PLAN_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
 from ._removal import plan_lookup, remove_merged
 from ._report import MergeReport, gaps
-from ._spillroot import load_all, load_flushed, load_segment, same_bytes, wait_for_commits
+from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
 
 
@@ -65,10 +64,9 @@ def merge(
     Waits up to ``timeout`` seconds for missing commit records (0: check once), failing at once
     when a rank recorded a failure. ``allow_partial`` merges what is committed and reports the
     missing ranks. Memory stays under about ``memory_budget`` bytes of output chunks whatever the
-    payload (plus one frame when a single frame is larger) and ``plan_budget`` bytes of plan
-    whatever the number of rows and files: a larger plan is built out of core, in temporary files
-    under ``plan_dir`` (default: the system's temporary folder) removed when the merge ends
-    (docs/SCALE.md; plus one segment's catalog and index at a time). ``codec`` compresses the output arrays: ``"none"``
+    payload (plus one frame when a single frame is larger). ``plan_budget`` is the memory limit of
+    the planner and ``plan_dir`` its temporary folder (default: the system's temporary folder),
+    emptied when the merge ends (docs/SCALE.md). ``codec`` compresses the output arrays: ``"none"``
     (default: raw bytes), ``"blosc-lz4"`` or ``"zstd"``. Returns a :class:`MergeReport`.
 
     Scale-out over independent processes (SLURM array tasks; no torch.distributed needed):
@@ -76,11 +74,11 @@ def merge(
     by bytes gives it — and then its part record; once all ``n`` parts ran, one call with
     ``finalize=True`` checks that every part is present and was planned identically (waiting up
     to ``timeout`` seconds for missing parts), then writes the index, the consolidated metadata
-    and the completion marker. Part 0 publishes its plan in the output; the other parts and the
-    finalize wait up to ``timeout`` seconds for it and map it instead of planning again (no plan
-    by then: they plan themselves). With ``timeout=0`` a part waits while part 0 is at work on
-    the plan (it holds its lease from the start) and plans itself at once when part 0 is not
-    running. Every call needs the same spill root and planning options
+    and the completion marker. The plan is built once: the first part to find no stored plan
+    builds it under the output's ``planner`` lease and stores it in the output's work folder; the
+    other parts and the finalize read it, waiting while the planner is alive (with ``timeout`` >
+    0, at most that long), and plan themselves when nobody is at it. The plan budget does not
+    change the plan. Every call needs the same spill root and planning options
     (``world_size``, ``run_id``, ``allow_partial``, ``on_duplicate``); the parts also need the same
     ``codec`` and ``chunk_bytes``, which finalize takes from their records.
 
@@ -208,49 +206,31 @@ class _Job:
     """Seconds per phase."""
     t0: float
     """perf_counter at the start of the call."""
-    disk: _plan_disk.DiskPlan | None = None
-    """The work folder of an out-of-core plan (removed by :meth:`close`), else None."""
-    shared: _planshare.Published | None = None
-    """The plan part 0 published, when this process mapped it rather than planning (a part other
-    than 0, a finalize), else None."""
-    source_key: str | None = None
-    """``_planshare.source_key`` of a part or finalize (None: a whole merge, or ``allow_partial``,
-    whose salvaged journals are planned by every process)."""
     lease: _lease.Lease | None = None
-    """A part's lease, taken before it plans (the other parts wait for part 0's plan, or for a
-    part's range of the plan, while it holds it: ``_find_shared``, ``_planranges``) and held
-    until :meth:`close`; None for a whole merge and the finalize."""
-    ranged: bool = False
-    """The plan was built in ranges, one per part (``_planranges``): part 0 publishes no plan."""
+    """A part's lease, taken before it plans (two runs of one part never plan or write at once)
+    and held until :meth:`close`; None for a whole merge and the finalize."""
 
     def close(self) -> None:
-        """After the merge, whatever its outcome: the plan's temporary files, then the storage,
-        then the part's lease."""
+        """After the merge, whatever its outcome: the storage, then the part's lease."""
         try:
-            if self.disk is not None:
-                self.disk.close()
-            if self.shared is not None:
-                self.shared.close()
+            self.src.close()
         finally:
-            try:
-                self.src.close()
-            finally:
-                if self.lease is not None:
-                    self.lease.release(tidy=True)
+            if self.lease is not None:
+                self.lease.release(tidy=True)
 
     @classmethod
     def open(
         cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None = None, finalize: bool = False
     ) -> _Job:
-        """Barrier → load → plan: everything before the first byte of output. A part other than 0
-        and a finalize map the plan part 0 published when there is one (``_planshare``)."""
+        """Barrier → load → plan: everything before the first byte of output. A part and a
+        finalize read the stored plan when there is one (``_planstore``)."""
         held: list[_lease.Lease] = []  # the part's lease, once _open took it
         try:
             job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
         except SpillMergeError as exc:
             try:
                 # Busy: another run of this part holds the lease and is at work; a failure record
-                # would tell the parts waiting for its plan (or its range) that it failed.
+                # of this part would describe that run's outcome wrongly.
                 busy = isinstance(exc, OutputBusyError)
                 if part is not None and not options.allow_partial and not busy:
                     _plan_failed(root, out, options, part, exc)
@@ -291,9 +271,8 @@ class _Job:
                 f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
             )
         if part is not None:
-            # A part holds its lease from here, while it plans: the other parts wait for part 0's
-            # plan (``_find_shared``) or its range of the plan (``_planranges``) as long as it
-            # does, and two runs of one part never plan at once.
+            # A part holds its lease from here, while it plans: two runs of one part never plan
+            # or write at once. Nobody waits on this lease for a plan (``_planstore``).
             _output.check_claimable(output)
             output.makedirs("")
             held.append(_lease.part(output, part[0], part[1]))
@@ -321,138 +300,39 @@ class _Job:
                 if len(flushed.index):
                     extra.append(flushed)
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in flushed.index[:, :2]})
-        need = _plan_disk.estimate_bytes(
-            sum(s.commit.n_rows for s in segments if s.commit is not None) + sum(len(p.index) for p in extra),
-            sum(s.commit.n_files for s in segments if s.commit is not None) + sum(len(p.filenames) for p in extra),
-        )
-        def mapped(shared: _planshare.Published) -> _Job:
-            """The job of the plan part 0 published, mapped instead of planned here."""
-            plan_id = shared.fingerprint_for(chunk_bytes, codec) or fingerprint(
-                shared.plan, chunk_bytes=chunk_bytes, codec=codec
-            )
-            phases["plan"] = time.perf_counter() - t
-            notes.append(f"the plan part 0 published in {output.describe(_planshare.PLAN_DIR)} was mapped, not rebuilt")
-            return cls(
-                src, output, replace(options, codec=codec), threads, state, segments, shared.plan, plan_id,
-                salvaged, notes, manifest, phases, t0, None, shared, key,
-            )  # fmt: skip
-
-        key = None
-        ranges = 0  # parts that plan a range each (``_planranges``), else 0
-        if (part is not None or finalize) and not allow_partial:
-            key = _planshare.source_key(segments, options.on_duplicate)
-            if part is None:  # the finalize: the parts' ranges, whatever this call's plan_budget
-                ranges = _finalize_ranges(output, key)
-            elif need > options.plan_budget:
-                ranges = part[1] if part[1] > 1 else 0
-            shared = None
-            try:
-                if ranges:  # every part plans its range of the plan; nobody publishes or maps a whole plan
-                    pass
-                elif finalize or (part is not None and part[0] > 0):
-                    shared = _find_shared(output, key, segments, options, part)
-                elif part is not None:  # part 0: its own published plan when it runs again
-                    shared = _planshare.find(output, key, segments, timeout=0.0, work_dir=options.plan_dir)
-            except CorruptSpillError as exc:  # damaged: plan here (part 0 publishes it anew)
-                notes.append(f"planned again: {exc}")
-            if shared is not None:
-                phases["load"] = 0.0
-                return mapped(shared)
         compare = functools.partial(same_bytes, src)
-        disk = None
-        if need <= options.plan_budget and not ranges:
+
+        def plan_here() -> tuple[Plan, str]:
+            """Load every segment's catalog and index, then plan (and fingerprint) here."""
+            t_load = time.perf_counter()
             loaded = load_all(src, segments) + extra
-            phases["load"] = time.perf_counter() - t
-            t = time.perf_counter()
+            phases["load"] = time.perf_counter() - t_load
             plan = build(loaded, options.on_duplicate, same_bytes=compare)
-        else:
-            # Out of core: each segment is loaded when the plan gets to it, one at a time.
-            sources = [_plan_disk.SegmentSource(functools.partial(load_segment, src, s)) for s in segments]
-            sources += [_plan_disk.SegmentSource(functools.partial(lambda p: p, p)) for p in extra]
-            phases["load"] = time.perf_counter() - t
-            t = time.perf_counter()
-            runs = exchange = None
-            if ranges and key is not None:
-                me = part[0] if part is not None else None
-                exchange = _planranges.Exchange(
-                    output, key, ranges, me, timeout=options.timeout, work_dir=options.plan_dir
-                )
-                runs = _planruns.Published(
-                    output, key, segments, ranges, -1 if me is None else me, share=True, fetches=exchange.fetches
-                )
-            plan_out_of_core = functools.partial(
-                _plan_disk.build, sources, options.on_duplicate, same_bytes=compare, budget=options.plan_budget,
-                work_dir=options.plan_dir, ranges=max(1, ranges),
+            return plan, fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
+
+        phases["load"] = 0.0
+        if (part is not None or finalize) and not allow_partial:
+            # One process plans and stores the plan; the others read it. Salvaged journals
+            # (``allow_partial``) are read by every process, which then plans itself.
+            key = _planstore.source_key(segments, options.on_duplicate)
+            complete = output.exists(FO.COMPLETE_NAME) and not options.overwrite  # refused later: store nothing
+            got = _planstore.obtain(
+                output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
+                settings={"chunk_bytes": chunk_bytes, "codec": codec}, timeout=options.timeout,
+                may_store=part is not None and not complete,
             )  # fmt: skip
-            try:
-                try:
-                    try:
-                        disk = plan_out_of_core(shared=runs, exchange=exchange)
-                    except _plan_disk.DamagedRun as exc:  # the spill root is the truth: sort every segment here
-                        notes.append(f"planned without the runs the other parts published: {exc}")
-                        disk = plan_out_of_core(exchange=exchange)
-                except _plan_disk.DamagedRange as exc:  # every range here, from the spill root
-                    notes.append(f"planned every range here, without the ranges the other parts published: {exc}")
-                    if exchange is not None:
-                        exchange.close()
-                    exchange = None
-                    disk = plan_out_of_core()
-                plan = disk.plan
-                if exchange is not None:
-                    notes.append(
-                        f"the plan was built in {ranges} ranges of filenames, one per part "
-                        f"({output.describe(_planranges.RANGES_DIR)})"
-                        + (f"; ranges {sorted(exchange.mapped)} were mapped, not rebuilt" if exchange.mapped else "")
-                        + (f"; ranges {sorted(exchange.planned)} were planned here, their parts not at work"
-                           if exchange.planned else "")
-                    )  # fmt: skip
-                    linked = exchange.linked + (runs.linked if isinstance(runs, _planruns.Published) else 0)
-                    if linked:
-                        notes.append(
-                            f"{linked} arrays of the runs and ranges this part published are hard links to its work "
-                            f"files (one file system), not copies"
-                        )
-                notes.append(
-                    f"the merge plan (about {need >> 20} MiB in memory) exceeds plan_budget ({options.plan_budget >> 20} "
-                    f"MiB): built out of core in {disk.work.dir} (removed after the merge)"
-                )
-                if disk.taken:
-                    notes.append(
-                        f"the runs of {disk.taken} of {len(segments)} segments were sorted by the other parts "
-                        f"({output.describe(_planruns.RUNS_DIR)}), not here"
-                    )
-            except _plan_disk.InMemoryOnly as exc:  # rare (> 62 columns, leaves of several variants): in memory
-                if exchange is not None:
-                    exchange.close()
-                ranges = 0
-                if key is not None and (finalize or (part is not None and part[0] > 0)):
-                    # Part 0 plans in memory too and publishes that plan: map it.
-                    shared = _find_shared(output, key, segments, options, part)
-                    if shared is not None:
-                        return mapped(shared)
-                notes.append(f"the plan was built in memory: {exc}")
-                plan = build(load_all(src, segments) + extra, options.on_duplicate, same_bytes=compare)
-        try:
-            plan_id = fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
-        except BaseException:
-            if disk is not None:
-                disk.close()
-            raise
-        phases["plan"] = time.perf_counter() - t
+            plan, plan_id = got.plan, got.fingerprint
+            notes.extend(got.notes)
+        else:
+            plan, plan_id = plan_here()
+        phases["plan"] = time.perf_counter() - t - phases["load"]
         options = replace(options, codec=codec)
         return cls(
-            src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0, disk,
-            None, key, ranged=bool(ranges) and disk is not None,
-        )  # fmt: skip
+            src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0
+        )
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan
-        ex = self.disk.exchange if self.disk is not None else None
-        if isinstance(ex, _planranges.Exchange) and ex.work is not None and ex.fetches.size:
-            self.notes.append(
-                f"read {ex.fetches} of the runs and ranges of the plan the other parts published (object store: "
-                f"the spans this process's plan, copy and index read)"
-            )
         t_end = time.perf_counter()
         t_wait = self.phases["wait"]
         return MergeReport(
@@ -542,7 +422,7 @@ def _merge_part(job: _Job, part: tuple[int, int], *, rank: int | None) -> MergeR
     mine = [every[k] for k in split([u.nbytes for u in every], n)[i]]
     _output.check_claimable(output)
     output.makedirs("")
-    # Two runs of the same part never write at once. Part 0 took its lease before planning and
+    # Two runs of the same part never write at once. A part took its lease before planning and
     # keeps it until the job closes.
     taken = contextlib.nullcontext(job.lease) if job.lease is not None else _lease.part(output, i, n)
     with taken as lease:
@@ -572,6 +452,7 @@ def _write_part(
             n,
             plan_id,
             hint="rerun every part with overwrite=True (--overwrite), or choose another --out",
+            options=_plan_options(job),
         )
     lease.check()
     for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
@@ -584,26 +465,13 @@ def _write_part(
             docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
             output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         job.phases["metadata"] = time.perf_counter() - t
-        if i == 0 and job.source_key is not None and job.shared is None and not job.ranged:
-            # The other parts and the finalize map this plan instead of planning it again.
-            t = time.perf_counter()
-            linked = _planshare.publish(
-                output, job.plan, job.source_key, plan_id, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec
-            )
-            job.phases["publish"] = time.perf_counter() - t
-            if linked:
-                job.notes.append(
-                    f"{linked} arrays of the published plan are hard links to the plan's work files (one file "
-                    f"system), not copies"
-                )
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_indexchunks``); the documents are the finalizer's.
         t = time.perf_counter()
-        with _planshare.blamed_for_range_errors(*_mapped(job)):
-            _copy(job, mine)
-            job.phases["copy"] = time.perf_counter() - t
-            t = time.perf_counter()
-            _indexchunks.write(output, _index_share(job, i, n), threads=job.threads)
+        _copy(job, mine)
+        job.phases["copy"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _indexchunks.write(output, _index_share(job, i, n), threads=job.threads)
         job.phases["index"] = time.perf_counter() - t
         t = time.perf_counter()
         if job.options.fsync:  # the part record vouches for every chunk of the part
@@ -612,7 +480,7 @@ def _write_part(
         _parts.write_done(
             output, i, n, plan_id, rank, job.options.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
             nbytes=sum(u.nbytes for u in mine), codec=job.options.codec, chunk_bytes=job.options.chunk_bytes,
-            index=True,
+            index=True, options=_plan_options(job),
         )  # fmt: skip
         job.phases["sync"] = time.perf_counter() - t
     except BaseException as exc:
@@ -626,6 +494,8 @@ def _finalize(job: _Job, parts: int | None, *, collective: bool = False) -> Merg
     """After every part: check the part records (present, same plan), then index, consolidated
     metadata and completion marker — the same documents a one-process merge writes."""
     output = job.output
+    if parts is None and job.options.timeout > 0:
+        _await_a_part(output, job.options.timeout)
     if not _output.is_ours(output):
         if output.exists("") and output.listdir(""):
             raise _output.not_ours(output)
@@ -638,6 +508,19 @@ def _finalize(job: _Job, parts: int | None, *, collective: bool = False) -> Merg
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
         return _finalize_locked(job, parts, collective, lease)
+
+
+def _await_a_part(output: Storage, timeout: float) -> None:
+    """A finalize started with the parts (a SLURM array's last task): up to ``timeout`` seconds for
+    the first part record, which tells it the part count; the records' own wait follows."""
+    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
+        try:
+            if output.exists(_parts.PARTS_DIR) and _parts.read_records(output):
+                return
+        except SpillMergeError:
+            return  # a damaged record: the finalize names it
+        if waited >= timeout:
+            return
 
 
 def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lease.Lease) -> MergeReport:
@@ -655,8 +538,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
         before = (job.options.codec, job.options.chunk_bytes)
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
         if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands (2 s at 10^7 keys)
-            known = None if job.shared is None else job.shared.fingerprint_for(job.options.chunk_bytes, job.options.codec)
-            job.fingerprint = known or fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
+            job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
     finished = _parts.wait(
         output,
         n,
@@ -664,6 +546,7 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
         timeout=job.options.timeout,
         collective=collective,
         run_id=job.options.run_id if collective else None,
+        options=_plan_options(job),
     )
     job.phases["parts"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -686,17 +569,14 @@ def _finalize_locked(job: _Job, parts: int | None, collective: bool, lease: _lea
     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
     t = time.perf_counter()
-    with _planshare.blamed_for_range_errors(*_mapped(job)):
-        # Each part wrote its share of the index chunks; a part whose record does not say so (a
-        # release before the shares) leaves its share to the finalize.
-        chunks = _indexchunks.index_chunks(job.plan, docs)
-        left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]
-        _indexchunks.write(output, left, threads=job.threads)
+    # Each part wrote its share of the index chunks; a part whose record does not say so (a
+    # release before the shares) leaves its share to the finalize.
+    chunks = _indexchunks.index_chunks(job.plan, docs)
+    left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]
+    _indexchunks.write(output, left, threads=job.threads)
     job.phases["index"] = time.perf_counter() - t
     _finish(job, docs, lease)
-    _planshare.remove(output)  # the parts are done with it (the output is complete)
-    _planruns.remove(output)
-    _planranges.remove(output)
+    _planstore.remove(output)  # the parts are done with it (the output is complete)
     return job.report(parts=n)
 
 
@@ -709,68 +589,24 @@ def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
 
 
 def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:
-    """Part 0 failed before it could publish its plan: a failure record (of no plan) tells the
-    parts waiting for the plan to stop waiting (they plan themselves, and meet the same error).
-    Only into an output that is absent, empty or ours; best effort."""
+    """A part failed before it had a plan: its failure record (of no plan) says so to ``status``
+    and to whoever reruns it. Only into an output that is absent, empty or ours; best effort."""
     try:
         output = _output_storage(root, out, options)
         if not output.exists("") or not output.listdir("") or _output.is_ours(output):
-            _parts.write_failure(output, 0, part[1], "", None, options.run_id, exc)
+            _parts.write_failure(output, part[0], part[1], "", None, options.run_id, exc)
     except Exception:  # noqa: BLE001 - the original error matters more
         pass
 
 
-#: "No deadline": waiting then ends only when ``give_up`` says so.
-_UNTIL_GIVEN_UP = 10.0 * 365 * 86400
-
-
-def _find_shared(
-    output: Storage, key: str, segments: list[Any], options: MergeOptions, part: tuple[int, int] | None
-) -> _planshare.Published | None:
-    """The plan part 0 published, waiting for it; None when this process should plan itself.
-
-    With ``timeout`` > 0 (and for the finalize): up to ``timeout`` seconds, but not once part 0
-    left a record, done or failed, without it (another spill root or policy, a failed plan). With
-    ``timeout=0`` (the default), a part other than 0 waits as long as part 0 holds its lease,
-    which it takes before planning: part 0 is at work and its plan comes (at 10^7 keys, a part
-    that did not wait planned everything again beside part 0, issue 24). It plans itself at once
-    when part 0 is not running, and as soon as part 0 leaves a record or lets its lease go."""
-    if part is None or part[0] == 0 or options.timeout > 0:
-        return _planshare.find(
-            output, key, segments, timeout=options.timeout, work_dir=options.plan_dir,
-            give_up=lambda: _part0_ended(output, part),
-        )  # fmt: skip
-    name = _lease.part_name(0, part[1])
-    return _planshare.find(
-        output, key, segments, timeout=_UNTIL_GIVEN_UP, work_dir=options.plan_dir,
-        give_up=lambda: _part0_ended(output, part) or not _lease.held(output, name),
-    )  # fmt: skip
-
-
-def _mapped(job: _Job) -> tuple[bool, Storage, str, _plan_disk.RangeExchange | None]:
-    """Whether ``job`` mapped a plan, or ranges of it, that other processes published, and where."""
-    if job.ranged:
-        ex = job.disk.exchange if job.disk else None
-        return bool(ex and ex.mapped), job.output, _planranges.RANGES_DIR, ex
-    return job.shared is not None, job.output, _planshare.PLAN_DIR, None
-
-
-def _finalize_ranges(output: Storage, key: str) -> int:
-    """(the finalize) The parts whose ranges of the plan of ``key`` were published, else 0."""
-    try:
-        n = _parts.infer_parts(output, _parts.read_records(output))
-    except SpillMergeError:
-        return 0
-    return n if _planranges.published_ranges(output, key, n) else 0
-
-
-def _part0_ended(output: Storage, part: tuple[int, int] | None) -> bool:
-    """Whether part 0 (of as many parts as ``part``) left a record, done or failed."""
-    try:
-        records = _parts.read_records(output)
-    except SpillMergeError:
-        return False
-    return any(r.part == 0 and (part is None or r.parts == part[1]) for r in records)
+def _plan_options(job: _Job) -> dict[str, Any]:
+    """The options that decide the plan and the output, as a part record carries them (messages
+    name those on which parts disagree; the plan budget and folder never change the plan)."""
+    o = job.options
+    return {
+        "on_duplicate": o.on_duplicate, "world_size": job.state.world_size, "run_id": o.run_id,
+        "allow_partial": o.allow_partial, "codec": o.codec, "chunk_bytes": o.chunk_bytes, "session": o.session,
+    }  # fmt: skip
 
 
 def _index_share(job: _Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:

@@ -17,9 +17,8 @@ DEFAULT_MEMORY_BUDGET = 256 << 20
 """Bytes of output chunks a merge keeps in flight by default."""
 
 DEFAULT_PLAN_BUDGET = 512 << 20
-"""Bytes the merge plan may hold in memory by default; a larger plan is built out of core
-(``_plan_disk``). With ``DEFAULT_MEMORY_BUDGET`` a merge process stays within about 1 GiB plus one
-segment's catalog and index (docs/SCALE.md)."""
+"""The planner's memory limit by default. With ``DEFAULT_MEMORY_BUDGET`` a merge process stays
+within about 1 GiB (docs/SCALE.md)."""
 
 
 def parse_size(text: str) -> int:
@@ -175,21 +174,21 @@ class MergeOptions:
         config=int,
         flag=Flag(
             "--plan-budget",
-            "bytes the merge plan may hold in memory; a larger plan is built in temporary files (default 512MiB)",
+            "memory limit of the planner; beyond it the planner spills to --plan-dir (default 512MiB)",
             {"type": parse_size},
         ),
     )
-    """Bytes the merge plan may hold in memory; beyond it the plan is built out of core in ``plan_dir``."""
+    """Memory limit of the planner; beyond it the planner spills to ``plan_dir``. Never changes the plan."""
     plan_dir: str | None = _option(
         None,
         config=str,
         flag=Flag(
             "--plan-dir",
-            "local folder for an out-of-core plan's temporary files, removed after the merge (default: system temp)",
+            "the planner's temporary folder, emptied after the merge (default: system temp)",
             {"metavar": "DIR"},
         ),
     )
-    """Local folder for an out-of-core plan's temporary files (None: the system's temporary folder)."""
+    """The planner's temporary folder (None: the system's temporary folder)."""
     threads: int | None = _option(
         None,
         config=int,

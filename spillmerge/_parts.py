@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from . import _format as F
 from . import _format_output as FO
@@ -69,15 +70,17 @@ class PartRecord:
     """Completion records: the target chunk size the part wrote with."""
     index: bool = False
     """Completion records: the part wrote its share of the index chunks (``_indexchunks``)."""
+    options: dict[str, Any] | None = None
+    """Completion records: the options that decide the plan and the output (``plan_options``)."""
 
 
 def write_done(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
-    n_frames: int, nbytes: int, codec: str, chunk_bytes: int, index: bool,
+    n_frames: int, nbytes: int, codec: str, chunk_bytes: int, index: bool, options: dict[str, Any] | None = None,
 ) -> None:  # fmt: skip
     rec = FO.PartDoneRecord.now(
         part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
-        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes, index=index,
+        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes, index=index, options=options,
     )  # fmt: skip
     output.makedirs(PARTS_DIR)
     output.put_atomic(record_name(part, parts), rec.to_json())
@@ -113,8 +116,9 @@ def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
         raise CorruptSpillError(f"{where}: bad codec {done.codec!r} or chunk_bytes {done.chunk_bytes!r}", path=where)
     message = f"{done.n_files} files, {done.n_frames} frames"
     return PartRecord(
-        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes, done.index
-    )
+        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes, done.index,
+        done.options,
+    )  # fmt: skip
 
 
 def read_records(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
@@ -142,8 +146,24 @@ def foreign(records: list[PartRecord], parts: int, plan: str) -> list[PartRecord
     return [r for r in records if not r.failed and (r.parts != parts or r.plan != plan)]
 
 
-def mismatch_error(output: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str) -> PlanMismatchError:
-    shown = "; ".join(f"{describe(r.part, r.parts, r.rank)} at {r.path} (plan {r.plan[:12]})" for r in bad[:8])
+def differing(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
+    """The plan options on which two calls disagree, as ``name: here vs there`` (empty: none known)."""
+    if mine is None or theirs is None:
+        return ""
+    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    return ", ".join(f"{k}={mine.get(k)!r} here, {theirs.get(k)!r} there" for k in keys)
+
+
+def mismatch_error(
+    output: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str, options: dict[str, Any] | None = None
+) -> PlanMismatchError:
+    def one(r: PartRecord) -> str:
+        diff = differing(options, r.options)
+        count = f"{r.parts} parts there, {parts} here" if r.parts != parts else ""
+        why = "; ".join(x for x in (diff, count) if x) or "same options: the spill root changed"
+        return f"{describe(r.part, r.parts, r.rank)} at {r.path} (plan {r.plan[:12]}; {why})"
+
+    shown = "; ".join(one(r) for r in bad[:8])
     return PlanMismatchError(
         f"{output.describe()} holds parts written from a different merge plan than this one "
         f"({parts} part(s), plan {plan[:12]}): {shown}{' ...' if len(bad) > 8 else ''}; the spill root, "
@@ -181,6 +201,7 @@ def wait(
     timeout: float,
     collective: bool = False,
     run_id: str | None = None,
+    options: dict[str, Any] | None = None,
     poll: float = 0.05,
     max_poll: float = 2.0,
 ) -> list[PartRecord]:
@@ -194,7 +215,7 @@ def wait(
         records = read_records(output, cache)
         bad = foreign(records, parts, plan)
         if bad:
-            raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)")
+            raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)", options=options)
         done = {r.part: r for r in records if not r.failed}
         failed = {
             r.part: r

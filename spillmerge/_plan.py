@@ -72,10 +72,7 @@ class PlannedColumn:
     """The variant tag of a leaf's column when the leaf has several variants that are not only
     numeric dtypes (``_variant_groups``); None otherwise (the name carries at most the dtype)."""
     offs: np.ndarray | None = None
-    """``offsets()`` computed once (an out-of-core plan keeps them on disk), else None."""
-    known_present: int | None = None
-    """:meth:`present` when the planner knows it (a plan in ranges: the ranges' summaries), so
-    that no process reads every row's ``src`` for it (the whole plan, from an object store)."""
+    """``offsets()`` computed once (a stored plan keeps them), else None."""
 
     @property
     def storage(self) -> str:
@@ -127,8 +124,6 @@ class PlannedColumn:
 
     def present(self) -> int:
         """Rows that have a value (read a block at a time)."""
-        if self.known_present is not None:
-            return self.known_present
         return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
 
     def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
@@ -169,7 +164,7 @@ class Plan:
     """The merge plan and the row table it refers to."""
 
     filenames: Sequence[str]
-    """Sorted, distinct (a list, or an out-of-core plan's ``_plan_disk.StringTable``)."""
+    """Sorted, distinct."""
     file_offsets: np.ndarray
     """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
     frame_idx: np.ndarray
@@ -198,13 +193,6 @@ class Plan:
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
     lists: list[PlannedList] = dataclasses.field(default_factory=list)
     """Format 4: the list offsets of every list path, parents before children."""
-    range_digests: list[str] | None = None
-    """A plan built in ranges by several processes (``_plan_disk``, ``_planranges``): each
-    range's digest of its arrays, which its planner computed; the fingerprint hashes these
-    instead of every array (each process then reads only its own range to fingerprint the plan)."""
-    known_bytes: int | None = None
-    """:attr:`total_bytes` when the planner knows it (a plan in ranges: the ranges' summaries), so
-    that no process reads every row's size for it (the whole plan, from an object store)."""
 
     @property
     def n_files(self) -> int:
@@ -216,8 +204,6 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        if self.known_bytes is not None:
-            return self.known_bytes
         total = 0
         for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
             for a in range(0, len(c.src), ROW_BLOCK):
@@ -733,11 +719,7 @@ def _file_layouts(
 
 def encoded_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """The UTF-8 bytes (``surrogatepass``) of ``names`` back to back and their int64 offsets
-    (``len(names) + 1``); an out-of-core plan's string table gives its own maps."""
-    raw = getattr(names, "raw", None)
-    if raw is not None:
-        data, offsets = raw()
-        return data, offsets
+    (``len(names) + 1``)."""
     enc = [f.encode("utf-8", "surrogatepass") for f in names]
     offsets = np.zeros(len(enc) + 1, dtype=np.int64)
     np.cumsum([len(e) for e in enc], out=offsets[1:])
@@ -748,8 +730,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     """A digest of everything that decides the output's bytes: the source segments, the files,
     rows and columns, the source rows chosen for them (segment, offset, size, checksum) and the
     output ``settings`` (chunk size, codec). Two processes that compute the same fingerprint write
-    the same output; parts of a parallel merge record it and refuse to mix. A plan built in
-    ranges hashes its ranges' digests (``Plan.range_digests``) in place of the arrays."""
+    the same output; parts of a parallel merge record it and refuse to mix."""
     h = hashlib.blake2b(digest_size=16)
     head = {
         "format_version": F.FORMAT_VERSION,
@@ -759,11 +740,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "file_layouts": plan.file_layouts,
         "lists": [[lst.name, list(lst.path)] for lst in plan.lists],
     }
-    if plan.range_digests is not None:
-        head["ranges"] = plan.range_digests
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
-    if plan.range_digests is not None:
-        return h.hexdigest()
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
     # offsets, which an out-of-core plan already holds: no name is decoded (decoding 10^7 names
     # into str took most of the fingerprint's 6 s, issue 24).

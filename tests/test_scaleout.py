@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,6 @@ from _mp_scenarios import output_tree, tree_diff
 from test_cli import assert_one_line_error, run
 
 import spillmerge
-from spillmerge import _fetched
 from spillmerge import _format_output as FO
 from spillmerge._storage import Storage
 
@@ -129,7 +126,7 @@ def test_cli_parts_then_finalize_equal_one_process_merge(tmp_path):
     # A missing part: one line naming it, exit 1, nothing lost.
     p = run("merge", str(root), "--out", str(out), "--finalize")  # codec and chunk size: from the parts
     assert_one_line_error(p, "1 of 3 part(s)", "part 2/3", "--part I/3")
-    # Part 0 published its plan (part 1 mapped it); nothing else of the missing part's is there.
+    # Part 0 stored the plan (part 1 read it); nothing else of the missing part's is there.
     assert sorted(os.listdir(out / "spillmerge-parts")) == [
         "part-00000-of-00003.json", "part-00001-of-00003.json", "plan"
     ]  # fmt: skip
@@ -180,8 +177,8 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
     # the one-process merge writes.
     mine = [{p for p in w if _is_chunk(p)} for w in written]
     plan = {p for p in written[0] if p.startswith("spillmerge-parts/plan/")}
-    assert "spillmerge-parts/plan/plan.json" in plan  # part 0 publishes the plan; the others map it
-    assert [any("was mapped, not rebuilt" in n for n in r.notes) for r in reps_ok] == [False, True, True]
+    assert "spillmerge-parts/plan/plan.json" in plan  # part 0 stores the plan; the others read it
+    assert [any("was read, not rebuilt" in n for n in r.notes) for r in reps_ok] == [False, True, True]
     for i, w in enumerate(written):
         assert mine[i], i
         assert w == mine[i] | {f"spillmerge-parts/part-0000{i}-of-00003.json"} | (
@@ -225,50 +222,50 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
 
 
-def test_a_damaged_published_plan_is_planned_again(tmp_path):
+def test_a_damaged_stored_plan_is_planned_again(tmp_path):
     root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
     _spill(root, world=2, files=4, frames=4)
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
     seg = out / "spillmerge-parts" / "plan" / "seg"
-    seg.write_bytes(seg.read_bytes()[:-8])  # a torn array: refused by its size, never mapped
+    seg.write_bytes(seg.read_bytes()[:-8])  # a torn array: it fails its digest, never used
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
-    assert any(n.startswith("planned again:") and "seg holds" in n for n in rep.notes), rep.notes
-    (out / "spillmerge-parts" / "part-00000-of-00002.json").unlink()
-    rep = spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
-    assert any(n.startswith("planned again:") for n in rep.notes)  # and published anew
+    assert any(n.startswith("the stored plan was not used:") and "plan/seg" in n for n in rep.notes), rep.notes
+    assert any("built here and stored" in n for n in rep.notes), rep.notes
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    assert any("was mapped, not rebuilt" in n for n in rep.notes)
+    assert any("was read, not rebuilt" in n for n in rep.notes)
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
-    # Parts that published nothing (written by an older version): part 0's record says no plan is
-    # coming, so a finalize with a long timeout plans at once rather than waiting for it.
+    # No stored plan at all (removed by hand) and nobody planning: a finalize with a long timeout
+    # plans at once rather than waiting for one.
     _parts(root, out, 2, overwrite=True)
     shutil.rmtree(out / "spillmerge-parts" / "plan")
     t = time.monotonic()
     rep = spillmerge.merge(str(root), str(out), finalize=True, timeout=120, **OPTS)  # type: ignore[arg-type]
-    assert time.monotonic() - t < 60 and not any("was mapped" in n for n in rep.notes)
+    assert time.monotonic() - t < 60 and not any("was read" in n for n in rep.notes)
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
 
 
-def test_a_published_plan_pointing_out_of_range_is_refused_as_damaged(tmp_path):
-    # The published plan's rows are not checked again against the spill root (docs/GUARANTEES.md):
-    # an entry out of range there must still end in a SpillMergeError naming the plan.
-    root, out = tmp_path / "spill", tmp_path / "out"
+def test_a_stored_plan_pointing_out_of_range_is_never_used(tmp_path):
+    # The stored plan's rows are not checked again against the spill root: an array rewritten to
+    # the same size fails its digest and the plan is built again from the spill root.
+    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
     _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
     seg = out / "spillmerge-parts" / "plan" / "seg"
     raw = np.frombuffer(seg.read_bytes(), dtype=np.uint8).copy()
     raw[:] = 0x7F  # the same size, every segment number far past the segments there are
     seg.write_bytes(raw.tobytes())
-    with pytest.raises(spillmerge.CorruptSpillError, match="published merge plan holds an entry out of range") as info:
-        spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
-    assert info.value.path.endswith("spillmerge-parts/plan")
+    rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
+    assert any("plan/seg: fails its digest" in n for n in rep.notes), rep.notes
+    spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
 
 
 @pytest.mark.parametrize("target", ["plan.json", "seg"])
 @pytest.mark.parametrize("attack", ["fifo", "link out of the root", "dev zero", "oversized"])
 def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, attack):
-    # The published plan is one more object kind in the output (docs/GUARANTEES.md, threat model):
+    # The stored plan is one more object kind in the output (docs/GUARANTEES.md, threat model):
     # a part meeting a FIFO, a link, /dev/zero or an oversized object there never hangs, never
     # reads outside the output, and either plans itself or stops with a SpillMergeError.
     root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
@@ -284,7 +281,7 @@ def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, 
     except spillmerge.SpillMergeError as exc:
         assert "spillmerge-parts/plan" in str(exc), exc
     else:
-        assert not any("was mapped, not rebuilt" in n for n in rep.notes), rep.notes  # planned itself
+        assert not any("was read, not rebuilt" in n for n in rep.notes), rep.notes  # planned itself
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
         assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
     assert outside.read_bytes() == kept  # nothing outside the output written or removed
@@ -301,21 +298,21 @@ except spillmerge.DuplicateFrameError:
 """
 
 
-def test_parts_waiting_for_the_plan_stop_when_part_0_fails(tmp_path):
-    """Part 1 waits for part 0's plan; part 0 fails planning (conflicting duplicates) and leaves a
-    failure record; part 1 stops waiting, plans itself and fails the same way, long before its timeout."""
+def test_parts_stop_waiting_for_the_plan_when_the_planner_fails(tmp_path):
+    """The planner fails (conflicting duplicates) and leaves a failure record of no plan; a part
+    waiting for its plan stops waiting, plans itself and fails the same way, long before its
+    timeout."""
     root, out = tmp_path / "spill", tmp_path / "out"
     for r in range(2):
         with spillmerge.SpillWriter(str(root), rank=r, world_size=2) as w:
             w.write("same.mp4", 0, torch.full((4,), float(r)))  # different content on both ranks
     waiting = subprocess.Popen([sys.executable, "-c", _PART1, str(root), str(out)], stdout=subprocess.PIPE, text=True)
-    time.sleep(3)  # part 1 is waiting for the plan by now (or, on a slow machine, about to)
     with pytest.raises(spillmerge.DuplicateFrameError):
         spillmerge.merge(str(root), str(out), part=(0, 2))
-    assert os.listdir(out / "spillmerge-parts") == ["part-00000-of-00002.failed.json"]
     stdout, _ = waiting.communicate(timeout=120)
     assert waiting.returncode == 0 and float(stdout) < 60, stdout
-    # The failure record names no plan: a finalize counts it as a missing part, not a failed one.
+    assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00002.failed.json" for i in range(2)]
+    # The failure records name no plan: a finalize counts them as missing parts, not failed ones.
     with pytest.raises(spillmerge.MissingPartsError, match="part 0/2"):
         spillmerge.merge(str(root), str(out), finalize=True, on_duplicate="last")
 
@@ -324,9 +321,9 @@ _SLOW_PART0 = """
 import sys, time
 import spillmerge
 from spillmerge import _merge
-planned = _merge.fingerprint  # called once the plan is built, before it is published
+planned = _merge.fingerprint  # called once the plan is built, before it is stored
 def slow(*a, **k):
-    time.sleep(float(sys.argv[3]))  # a large plan: part 0 holds its lease for a while first
+    time.sleep(float(sys.argv[3]))  # a large plan: the planner holds its lease for a while first
     return planned(*a, **k)
 _merge.fingerprint = slow
 spillmerge.merge(sys.argv[1], sys.argv[2], part=(0, 2))
@@ -334,27 +331,28 @@ spillmerge.merge(sys.argv[1], sys.argv[2], part=(0, 2))
 
 
 def _part0_planning(root, out, seconds: float) -> subprocess.Popen:
-    """Part 0 in its own process, its plan taking ``seconds`` more; returned once it holds its lease."""
-    from spillmerge import _lease
+    """Part 0 in its own process, its plan taking ``seconds`` more; returned once it holds the
+    planner lease."""
+    from spillmerge import _lease, _planstore
 
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_PART0, str(root), str(out), str(seconds)])
     deadline = time.monotonic() + 120
-    while not (os.path.isdir(out) and _lease.held(Storage(str(out)), _lease.part_name(0, 2))):
-        assert proc.poll() is None and time.monotonic() < deadline, "part 0 never took its lease"
+    while not (os.path.isdir(out) and _lease.held(Storage(str(out)), _planstore.PLANNER)):
+        assert proc.poll() is None and time.monotonic() < deadline, "part 0 never took the planner lease"
         time.sleep(0.05)
     return proc
 
 
-def test_with_timeout_0_a_part_waits_for_part_0s_plan_while_part_0_runs(tmp_path):
-    """The default ``timeout=0``: part 1 started while part 0 plans waits for part 0's plan and
-    maps it instead of planning everything again; when part 0 dies (its lease goes with it),
-    part 1 stops waiting and plans itself; with part 0 not running it plans at once."""
+def test_with_timeout_0_a_part_waits_for_the_plan_while_the_planner_runs(tmp_path):
+    """The default ``timeout=0``: part 1 started while part 0 plans waits for the stored plan and
+    reads it instead of planning everything again; when the planner dies (its lease goes with
+    it), part 1 stops waiting and plans (and stores) itself; with nobody planning it plans at once."""
     root = tmp_path / "spill"
     _spill(root, world=2)
     out = tmp_path / "out"
     part0 = _part0_planning(root, out, 4)
     rep = spillmerge.merge(str(root), str(out), part=(1, 2))
-    assert any("was mapped, not rebuilt" in n for n in rep.notes), rep.notes
+    assert any("was read, not rebuilt" in n for n in rep.notes), rep.notes
     assert part0.wait(120) == 0
     fin = spillmerge.merge(str(root), str(out), finalize=True)
     one = spillmerge.merge(str(root), str(tmp_path / "one"))
@@ -367,15 +365,15 @@ def test_with_timeout_0_a_part_waits_for_part_0s_plan_while_part_0_runs(tmp_path
     waiting = threading.Thread(target=lambda: got.append(spillmerge.merge(str(root), str(out2), part=(1, 2))))
     waiting.start()
     time.sleep(2)
-    assert waiting.is_alive()  # waiting for the plan of a part 0 at work
+    assert waiting.is_alive()  # waiting for the plan of a planner at work
     part0.kill()
     part0.wait(60)
     waiting.join(120)
-    assert not waiting.is_alive() and got and not any("was mapped" in n for n in got[0].notes)
+    assert not waiting.is_alive() and got and not any("was read" in n for n in got[0].notes)
 
-    t = time.monotonic()  # part 0 not running at all: part 1 plans at once
+    t = time.monotonic()  # nobody planning at all: part 1 plans at once
     rep = spillmerge.merge(str(root), str(tmp_path / "out3"), part=(1, 2))
-    assert time.monotonic() - t < 30 and not any("was mapped" in n for n in rep.notes)
+    assert time.monotonic() - t < 30 and not any("was read" in n for n in rep.notes)
 
 
 def test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record(tmp_path):
@@ -410,8 +408,8 @@ def test_parts_of_different_plans_never_mix(tmp_path):
         w.write("late.mp4", 0, torch.ones(3, 8))  # float32: a column of its own next to the bfloat16 one
     with pytest.raises(spillmerge.PlanMismatchError, match="part 0/2 .* part 1/2"):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    # Refusing deletes nothing (the finalize planned the changed root itself: part 0's plan is of
-    # the old one).
+    # Refusing deletes nothing (the finalize planned the changed root itself: the stored plan is
+    # of the old one).
     assert len(os.listdir(out / "spillmerge-parts")) == 3
     with pytest.raises(spillmerge.PlanMismatchError):
         spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
@@ -515,29 +513,19 @@ def test_parts_on_every_backend(backend):
                 for i in range(5):
                     w.write(f"v{i}/x.mp4", r, torch.arange(i + 3, dtype=torch.float16) + r + session)
                     w.write(f"s{session}/{i}.jpg", 0, torch.arange(i + 3, dtype=torch.float16) + r)
-    work = tempfile.mkdtemp(prefix="plan-")  # where a plan fetched from an object store is kept
-    # plan_budget: planned out of core, so the parts plan a range each and share their runs
+    work = tempfile.mkdtemp(prefix="plan-")  # the planner's temporary folder
+    # Part 2 first: it builds and stores the plan; parts 0 and 1 and the finalize read it.
     so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": work, "plan_budget": 1000,
           "on_duplicate": "last"}  # fmt: skip
-    # Part 2 first: it publishes the run of its segment (the third), sorts the others itself, and
-    # plans every range (parts 0 and 1 are not at work: timeout 0), publishing them; part 0 takes
-    # that run (fetched into the work folder off local disk), publishes its own two, and maps the
-    # ranges; so do part 1 and the finalize.
-    ranges, runs = [], []
+    read = []
     for i in (2, 0, 1):
         rep = spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
-        ranges += [n.split("; ", 1)[1] for n in rep.notes if n.startswith("the plan was built in 3 ranges")]
-        runs.append([n for n in rep.notes if n.startswith("the runs of")])
-    assert ranges == ["ranges [0, 1] were planned here, their parts not at work"] + [
-        "ranges [0, 1, 2] were mapped, not rebuilt"
-    ] * 2, ranges
-    assert runs[0] == [], runs
-    assert [n.startswith("the runs of 1 of 4 segments were sorted by the other parts") for n in runs[1]] == [True]
-    assert [n.startswith("the runs of 3 of 4 segments were sorted by the other parts") for n in runs[2]] == [True]
+        read.append(any("was read, not rebuilt" in n for n in rep.notes))
+    assert read == [False, True, True]
     rep = spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
-    assert rep.parts == 3 and rep.n_frames == 20 and any("[0, 1, 2] were mapped" in n for n in rep.notes)
+    assert rep.parts == 3 and rep.n_frames == 20 and any("was read, not rebuilt" in n for n in rep.notes)
     left = [rel for rel, _ in Storage(out, backend.options).find("spillmerge-parts")]
-    assert sorted(left) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]  # no runs, no ranges
+    assert sorted(left) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]  # no plan left
     assert os.listdir(work) == []
     os.rmdir(work)
     spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
@@ -739,86 +727,3 @@ def test_the_part_0_probe_reads_only_a_live_holder_and_is_not_fooled_by_hostile_
     assert _lease.held(storage, name)  # an object-store holder (no working flock here)
     obj.write_text(json.dumps({**rec, "expires": time.time() + 60, "pad": "x" * (1 << 20)}))
     assert not _lease.held(storage, name)  # too large to be a lease record
-
-
-@pytest.mark.parametrize("backend", ["memory", pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
-def test_parts_on_an_object_store_read_only_what_they_use_of_each_others_runs_and_ranges(backend, monkeypatch):
-    # Fetching every run and range whole made every part read the whole plan's runs (~170 GB a
-    # part at 10^9 keys, docs/SCALE.md). A part reads the granules its range's spans, its copy
-    # and its index chunks touch; granules of 256 bytes and output chunks of 2 KiB (256 rows of
-    # the label) make that visible at this size.
-    monkeypatch.setattr(_fetched, "GRANULE", 256)
-    root, out = backend.url("spill"), backend.url("out")
-    for half in range(2):  # four segments: parts 0 and 1 take one run each from the others
-        for r in range(2):
-            with spillmerge.SpillWriter(root, rank=r, world_size=2, storage_options=backend.options) as w:
-                for i in range(600 * half + r, 600 * half + 600, 2):
-                    w.write(f"img/{i:05d}.jpg", 0, {"label": torch.tensor(i), "emb": torch.full((4,), i, dtype=torch.int16)})
-    so = {"storage_options": backend.options, "plan_budget": 1000, "chunk_bytes": 2048}
-    read = re.compile(r"^read ([\d,]+) bytes in ([\d,]+) ranged reads \(([\d,]+) round trips\) of ([\d,]+) of the runs")
-    for i in (2, 0, 1):  # part 2 plans every range (parts 0 and 1 not at work), which 0 and 1 then map
-        rep = spillmerge.merge(root, out, part=(i, 3), **so)  # type: ignore[arg-type]
-        got = [m.groups() for n in rep.notes if (m := read.match(n))]
-        if i == 2:  # it took nothing: every run and range was its own
-            assert got == [], rep.notes
-            continue
-        assert len(got) == 1, rep.notes
-        fetched, requests, rounds, size = (int(x.replace(",", "")) for x in got[0])
-        assert 0 < fetched < size // 2 and requests > 0, (i, got)  # its range of the runs, its third of the ranges
-    spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
-    res = spillmerge.open(out, backend.options)
-    assert list(res.filenames) == [f"img/{i:05d}.jpg" for i in range(1200)]
-    for i in (0, 601, 1199):
-        assert np.asarray(res[f"img/{i:05d}.jpg"]["label"]).reshape(-1).tolist() == [i]
-        assert np.asarray(res[f"img/{i:05d}.jpg"]["emb"]).reshape(-1).tolist() == [i] * 4
-    assert spillmerge.verify(out, backend.options).ok
-
-
-def test_a_part_reads_the_runs_it_takes_in_a_few_round_trips_whatever_their_number():
-    # Phase A searches every run for its range's first and last names and entries and reads its
-    # spans; one run and array after another that is ~10 round trips to the object store per run
-    # (~20 ms each on S3: minutes at 5,000 runs). Fetched for every run at once: one round trip per
-    # run taken (its checks and name offsets' ends), a few for the plan, the rest the copy's and
-    # the index's. Granules of 256 bytes: each run's arrays are several.
-    url = f"memory://rounds-{uuid.uuid4().hex}"
-    root, out = f"{url}/spill", f"{url}/out"
-    sessions = 6
-    for session in range(sessions):  # rank 1's segments are part 1's share
-        for r in range(2):
-            with spillmerge.SpillWriter(root, rank=r, world_size=2) as w:
-                for i in range(300):
-                    w.write(f"s{session}/{i:04d}.jpg", 0, {"label": torch.tensor(i)})
-    so = {"plan_budget": 1000, "timeout": 120.0}
-    # Part 1 sorts and publishes its runs, then waits for range 0 while part 0 is at work; part 0
-    # takes those runs and plans range 0 from every run.
-    # The granule is set before either part starts: both run in this process, and a granule that
-    # changed under a part's open fetches would map its sparse files at two sizes.
-    got: list[Any] = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_fetched, "GRANULE", 256)
-        one = threading.Thread(target=lambda: got.append(spillmerge.merge(root, out, part=(1, 2), **so)))  # type: ignore[arg-type]
-        one.start()
-        runs = Storage(out, None)
-        for _ in _poll_until(60):
-            if sum(rel.endswith("/run.json") for rel, _ in runs.find("spillmerge-parts/runs")) == sessions:
-                break
-        rep = spillmerge.merge(root, out, part=(0, 2), **so)  # type: ignore[arg-type]
-        one.join(120)
-    assert got and not one.is_alive()
-    said = f"the runs of {sessions} of {2 * sessions} segments were sorted by the other parts"
-    assert any(n.startswith(said) for n in rep.notes), rep.notes
-    assert any(n.endswith("ranges [1] were mapped, not rebuilt") for n in rep.notes), rep.notes
-    read = re.compile(r"^read [\d,]+ bytes in [\d,]+ ranged reads \(([\d,]+) round trips\)")
-    (rounds,) = [int(m.group(1).replace(",", "")) for n in rep.notes if (m := read.match(n))]
-    assert rounds <= 20, rep.notes  # 15 when written; one run and array after another, 38
-    spillmerge.merge(root, out, finalize=True, **so)  # type: ignore[arg-type]
-    res = spillmerge.open(out)
-    assert len(res.filenames) == 2 * 300 * sessions // 2 and np.asarray(res["s3/0007.jpg"]["label"]).reshape(-1).tolist() == [7]
-
-
-def _poll_until(seconds: float) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        yield
-        time.sleep(0.05)
-    raise AssertionError("timed out")

@@ -1,0 +1,180 @@
+"""A merge in parts plans once: the stored plan under ``OUT/spillmerge-parts/plan/``, the planner
+lease, damage to anything under ``spillmerge-parts/``, and a planner killed while it works."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _mp_scenarios import output_tree, tree_diff
+from test_scaleout import OPTS, _spill
+
+import spillmerge
+from spillmerge import _lease, _planstore
+from spillmerge._storage import Storage
+
+_PART = """
+import sys, time
+import spillmerge
+root, out, i, n, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+kw = {"chunk_bytes": 8192, "codec": "zstd", "timeout": 240.0}
+if budget:
+    kw["plan_budget"] = budget
+if i < 0:
+    rep = spillmerge.merge(root, out, finalize=True, **kw)
+else:
+    rep = spillmerge.merge(root, out, part=(i, n), **kw)
+print("|".join(rep.notes))
+"""
+
+
+def _start(root: Path, out: Path, i: int, n: int, budget: int = 0) -> subprocess.Popen:
+    args = [sys.executable, "-c", _PART, str(root), str(out), str(i), str(n), str(budget)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _left(out: Path) -> list[str]:
+    """What the output's work folders hold: the part records a finished merge keeps, else a leftover."""
+    found = []
+    for name in ("spillmerge-parts", "spillmerge-lease"):
+        for dirpath, _dirs, files in os.walk(out / name):
+            found += [os.path.relpath(os.path.join(dirpath, f), out) for f in files]
+    return sorted(found)
+
+
+def test_parts_started_at_once_with_different_plan_budgets_plan_once_and_match_a_whole_merge(tmp_path):
+    """Three parts and the finalize started at the same moment as separate processes, one part
+    with a 64 KiB plan budget and the others with the default, in several start orders: every
+    process ends within its timeout, one of them built the plan, and the output is byte for byte
+    a whole merge's."""
+    root, one = tmp_path / "spill", tmp_path / "one"
+    _spill(root)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    for attempt, order in enumerate([(0, 1, 2), (2, 1, 0), (1, 0, 2)]):
+        out = tmp_path / f"out{attempt}"
+        procs = [_start(root, out, -1, 3)] if attempt == 1 else []  # the finalize first, once
+        procs += [_start(root, out, i, 3, budget=64 << 10 if i == order[0] else 0) for i in order]
+        if attempt != 1:
+            procs.append(_start(root, out, -1, 3))
+        deadline = time.monotonic() + 300
+        notes = []
+        for p in procs:
+            try:
+                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"attempt {attempt}: a process did not end within its timeout (order {order})")
+            assert p.returncode == 0, stderr
+            notes.append(stdout)
+        built = sum("built here and stored" in n for n in notes)
+        assert built == 1, notes  # one planner; everybody else read its plan
+        assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+        assert _left(out) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]
+        assert spillmerge.verify(str(out)).ok
+
+
+def _flip(path: Path, at: float) -> None:
+    raw = bytearray(path.read_bytes())
+    k = min(len(raw) - 1, int(len(raw) * at))
+    raw[k] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("when", ["between parts", "before finalize"])
+@pytest.mark.parametrize(
+    "target",
+    ["plan/plan.json", "plan/seg", "plan/names", "plan/name_offsets", "plan/c0.src", "plan/file_offsets",
+     "part-00000-of-00003.json"],
+)  # fmt: skip
+@pytest.mark.parametrize("at", [0.3, 0.6, 0.95])
+def test_a_damaged_file_of_the_work_folder_is_named_or_changes_nothing(tmp_path, target, when, at):
+    """One byte of a stored plan file or a part record changed between the parts, or before the
+    finalize: the merge ends with a SpillMergeError naming the file, or with the bytes of a whole
+    merge; never with a complete output that differs."""
+    root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
+    _spill(root, world=2, files=6, frames=5)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    victim = out / "spillmerge-parts" / target
+    try:
+        for i in range(3):
+            spillmerge.merge(str(root), str(out), part=(i, 3), **OPTS)  # type: ignore[arg-type]
+            if (when == "between parts" and i == 0) or (when == "before finalize" and i == 2):
+                _flip(victim, at)
+        spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    except spillmerge.SpillMergeError as exc:
+        assert victim.name in str(exc), exc
+        assert not (out / "spillmerge-complete.json").exists()
+        return
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert spillmerge.verify(str(out)).ok
+
+
+_KILLED = """
+import sys, time
+import spillmerge
+from spillmerge import _merge
+from spillmerge._storage import Storage
+stage = sys.argv[3]
+if stage == "build":
+    planned = _merge.fingerprint  # called once the plan is built, before it is stored
+    def slow(*a, **k):
+        time.sleep(300)
+        return planned(*a, **k)
+    _merge.fingerprint = slow
+else:
+    put = type(Storage(sys.argv[2])).put
+    def slow_put(self, rel, data, **k):
+        put(self, rel, data, **k)
+        if rel.endswith("plan/frame_idx"):
+            time.sleep(300)  # some arrays of the plan written, plan.json not yet
+    type(Storage(sys.argv[2])).put = slow_put
+spillmerge.merge(sys.argv[1], sys.argv[2], part=(1, 3), chunk_bytes=8192, codec="zstd", plan_dir=sys.argv[4])
+"""
+
+
+@pytest.mark.parametrize("stage", ["build", "store"])
+def test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes(tmp_path, stage):
+    """SIGKILL of the part that builds the plan, while it builds it or while it stores it: the
+    half-written plan is never used, a rerun gives a whole merge's bytes, and after the finalize
+    nothing is left in the work folders or the planner's temporary folder."""
+    root, one, out, work = tmp_path / "spill", tmp_path / "one", tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    _spill(root)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(root), str(out), stage, str(work)])
+    deadline = time.monotonic() + 120
+    stored = out / "spillmerge-parts" / "plan" / "frame_idx"
+    while not (out.is_dir() and _lease.held(Storage(str(out)), _planstore.PLANNER)) or (
+        stage == "store" and not stored.exists()
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, "the planner never got there"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    assert not (out / "spillmerge-parts" / "plan" / "plan.json").exists()
+    reps = [spillmerge.merge(str(root), str(out), part=(i, 3), plan_dir=str(work), **OPTS) for i in (2, 1, 0)]  # type: ignore[arg-type]
+    assert "built here and stored" in "|".join(reps[0].notes) and "was read" in "|".join(reps[1].notes)
+    spillmerge.merge(str(root), str(out), finalize=True, plan_dir=str(work), **OPTS)  # type: ignore[arg-type]
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert _left(out) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]
+    assert os.listdir(work) == []
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+
+
+def test_parts_that_disagree_on_an_option_of_the_plan_are_told_which(tmp_path):
+    """A part record carries the options that decide the plan: a part run with another duplicate
+    policy is refused with a message naming that option; another plan budget plans alike."""
+    root, out = tmp_path / "spill", tmp_path / "out"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(out), part=(0, 2), plan_budget=64 << 10, **OPTS)  # type: ignore[arg-type]
+    with pytest.raises(spillmerge.PlanMismatchError, match="codec='blosc-lz4' here, 'zstd' there"):
+        spillmerge.merge(str(root), str(out), part=(1, 2), chunk_bytes=8192, codec="blosc-lz4")
+    spillmerge.merge(str(root), str(out), part=(1, 2), plan_budget=1 << 30, **OPTS)  # type: ignore[arg-type]
+    rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert rep.parts == 2
