@@ -364,7 +364,8 @@ class _Job:
             loaded = load_all(src, segments) + extra
             phases["load"] = time.perf_counter() - t
             t = time.perf_counter()
-            plan = build(loaded, options.on_duplicate, same_bytes=compare)
+            plan = build(loaded, options.on_duplicate, same_bytes=compare, work_dir=options.plan_dir,
+                         memory_limit=options.plan_budget)  # fmt: skip
         else:
             # Out of core: each segment is loaded when the plan gets to it, one at a time.
             sources = [_plan_disk.SegmentSource(functools.partial(load_segment, src, s)) for s in segments]

@@ -16,7 +16,8 @@ import dataclasses
 import hashlib
 import heapq
 import json
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,10 @@ import numpy as np
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
+from . import _plansql
 from ._errors import DuplicateFrameError, LayoutMismatchError, SpillValueError
-from ._spillroot import Extent, LoadedSegment, lex_order
+from ._options import DEFAULT_PLAN_BUDGET
+from ._spillroot import Extent, LoadedSegment
 
 SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 """``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
@@ -264,48 +267,59 @@ def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
     return out
 
 
-def build(segments: list[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes) -> Plan:
+def build(
+    segments: Iterable[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes,
+    work_dir: str | None = None, memory_limit: int = DEFAULT_PLAN_BUDGET, threads: int | None = None,
+) -> Plan:  # fmt: skip
     """The plan for ``segments`` (in write order). ``same_bytes`` is asked, only for duplicate keys
     whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
-    that differ go to the ``on_duplicate`` policy, whatever their checksums say."""
+    that differ go to the ``on_duplicate`` policy, whatever their checksums say.
+
+    The index rows are sorted out of core by DuckDB (``_plansql``) under ``memory_limit`` bytes,
+    with ``threads`` threads (default: up to 4) and its temporary files in a work folder under
+    ``work_dir`` (default: the system's temporary folder), removed before this returns. Memory:
+    ``memory_limit`` for the sort, one segment's rows while it is inserted, and the small tables
+    (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
+    files, not anonymous memory, beyond ``_plansql.MAPPED_ROWS`` rows) and the numpy temporaries
+    of the steps below, which are per-row (about a dozen int64 arrays of the plan's rows)."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
-    names = sorted({f for s in segments for f in s.filenames})
-    gid = {f: i for i, f in enumerate(names)}
-    leaf_paths = sorted({lay.leaf for s in segments for lay in s.layouts})
-    lp_id = {p: i for i, p in enumerate(leaf_paths)}
+    segments = list(segments)
+    raw_lp: dict[tuple[str, ...], int] = {}
     layouts: list[FS.Layout] = []
     gl_id: dict[FS.Layout, int] = {}
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")}
-    for si, s in enumerate(segments):
-        idx = s.index
-        if not len(idx):
-            continue
-        fmap = np.array([gid[f] for f in s.filenames], dtype=np.int64)
-        lay_ids = []
+    leaf_paths: list[tuple[str, ...]] = []
+
+    def layout_ids(s: LoadedSegment) -> tuple[np.ndarray, np.ndarray]:
+        # Global layout ids in write order, of segments that hold rows; leaf paths of every segment.
+        pmap = np.array([raw_lp.setdefault(lay.leaf, len(raw_lp)) for lay in s.layouts], dtype=np.int64)
+        if not len(s.index):
+            return np.zeros(0, np.int64), pmap
         for lay in s.layouts:
             if lay not in gl_id:
                 gl_id[lay] = len(layouts)
                 layouts.append(lay)
-            lay_ids.append(gl_id[lay])
-        lmap = np.array(lay_ids, dtype=np.int64)
-        pmap = np.array([lp_id[lay.leaf] for lay in s.layouts], dtype=np.int64)
-        cols["file"].append(fmap[idx[:, FS.COL_FILE]])
-        cols["frame"].append(idx[:, FS.COL_FRAME])
-        cols["lp"].append(pmap[idx[:, FS.COL_LAYOUT]])
-        cols["gl"].append(lmap[idx[:, FS.COL_LAYOUT]])
-        cols["seg"].append(np.full(len(idx), si, dtype=np.int64))
-        cols["off"].append(idx[:, FS.COL_OFFSET])
-        cols["nb"].append(idx[:, FS.COL_NBYTES])
-        cols["crc"].append(idx[:, FS.COL_CRC])
-    if not cols["file"]:
+        return np.array([gl_id[lay] for lay in s.layouts], dtype=np.int64), pmap
+
+    def lp_order() -> np.ndarray:
+        leaf_paths.extend(sorted(raw_lp))
+        pos = {p: i for i, p in enumerate(leaf_paths)}
+        return np.array([pos[p] for p in raw_lp], dtype=np.int64)
+
+    def resolve(rows: dict[str, np.ndarray], names: list[str]) -> tuple[np.ndarray, int]:
+        return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
+
+    srt = _plansql.sort_rows(
+        segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+        threads=threads if threads is not None else min(4, os.cpu_count() or 1),
+    )  # fmt: skip
+    names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
+    if not len(c["file"]):
         e = np.zeros(0, np.int64)
         return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
                     [], segments, e, e, e, e, duplicates=0)  # fmt: skip
-    c = {k: np.concatenate(v) for k, v in cols.items()}
-    c, copies, duplicates = resolve_duplicates(c, names, segments, on_duplicate, same_bytes)
 
-    # Rows: distinct (file, frame), in order (``resolve_duplicates`` sorted them); every entry's row number.
+    # Rows: distinct (file, frame), in order (DuckDB sorted them); every entry's row number.
     n_ent = len(c["file"])
     new_key = np.ones(n_ent, dtype=bool)
     new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
@@ -404,26 +418,18 @@ def resolve_duplicates(
     segments: list[LoadedSegment],
     on_duplicate: str,
     same_bytes: SameBytes,
-) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
-    """Drop all but one copy of every (file, frame) held by several segments; return the kept
-    entries, how many segments held each entry's key, and the copies dropped. The kept entries
-    are ordered by (file, frame, leaf): each key's come from one segment once the others' are
-    dropped, so the (file, frame, segment, leaf) order they are sorted in is that order (the rows'
-    order: no second sort is needed)."""
-    order = lex_order(c["file"], c["frame"], c["seg"], c["lp"])
-    for col in c:
-        c[col] = c[col][order]
-    new_key = np.ones(len(order), dtype=bool)
+) -> tuple[np.ndarray, int]:
+    """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order:
+    which to keep (one segment's per key, ``_keep``) and how many copies are dropped. Keys are
+    decided in order: the first whose copies differ raises under ``on_duplicate='error'``."""
+    n = len(c["file"])
+    new_key = np.ones(n, dtype=bool)
     new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
     key_start = np.flatnonzero(new_key)
-    new_seg = new_key.copy()
-    new_seg[1:] |= np.diff(c["seg"]) != 0
-    segs_per_key = np.add.reduceat(new_seg.astype(np.int64), key_start)
-    keep = np.ones(len(order), dtype=bool)
+    keep = np.ones(n, dtype=bool)
     duplicates = 0
-    key_end = np.append(key_start[1:], len(order))
-    copies = np.repeat(segs_per_key, key_end - key_start)
-    for k in np.flatnonzero(segs_per_key > 1):
+    key_end = np.append(key_start[1:], n)
+    for k in range(len(key_start)):
         a, b = int(key_start[k]), int(key_end[k])
         groups: dict[int, list[int]] = {}
         for r in range(a, b):  # rows of one key: by segment, then leaf
@@ -460,11 +466,7 @@ def resolve_duplicates(
         chosen = _keep(segments, seg_ids, on_duplicate, identical=identical)
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
-    if not keep.all():
-        for col in c:
-            c[col] = c[col][keep]
-        copies = copies[keep]
-    return c, copies, duplicates
+    return keep, duplicates
 
 
 def _variant_groups(
