@@ -45,8 +45,9 @@ except Exception as exc:
 
 def write_values_root(root: str) -> None:
     sys.path.insert(0, str(HERE / "tests"))
-    import spillmerge
     from test_value_model import VALUES
+
+    import spillmerge
 
     with spillmerge.SpillWriter(root) as w:
         for k, v in VALUES.items():

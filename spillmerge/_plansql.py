@@ -35,7 +35,8 @@ from . import _format_spill as FS
 from ._spillroot import LoadedSegment
 
 BATCH = 1 << 18
-"""Sorted rows per Arrow batch read back from DuckDB."""
+"""Sorted rows per Arrow batch read back from DuckDB, at most (fewer under a small memory limit:
+one row per KiB of it, so a batch holds a small part of the limit whatever the names' lengths)."""
 
 MAPPED_ROWS = 1 << 20
 """Row tables of more rows than this are maps of the work folder's files; smaller ones are read
@@ -140,7 +141,7 @@ def sort_rows(
             reader = con.sql(
                 "SELECT fname, frame, lp, gl, seg, off, nb, crc FROM e JOIN lp_map USING (rlp) "
                 "ORDER BY fname, frame, seg, lp"
-            ).to_arrow_reader(BATCH)
+            ).to_arrow_reader(max(2048, min(BATCH, int(memory_limit) >> 10)))
             return _collect(reader, resolve, folder)
         finally:
             con.close()
