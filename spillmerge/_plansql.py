@@ -1,21 +1,23 @@
 """The merge plan's row table, sorted out of core by DuckDB.
 
-Every segment's index rows go into one DuckDB table (a segment at a time), each row with its
-filename as a BLOB of its UTF-8 bytes (``surrogatepass``: filenames may hold lone surrogates, NUL
-or newlines), whose byte order is the code-point order of Python's ``str`` sort. DuckDB sorts the
-rows by (filename, frame, segment, leaf) under ``memory_limit``, spilling to a ``temp_directory``
-in a private work folder, and the sorted rows come back as Arrow batches: each batch's names
-become file numbers, the rows of a key held by several segments go to the caller's ``resolve``
-(the duplicate rule lives with the plan), and the kept rows are appended to files of the work
-folder, mapped back as numpy arrays.
+Every segment's index rows (a segment at a time) are written to a Parquet file of a private work
+folder, each row with its filename as a BLOB of its UTF-8 bytes (``surrogatepass``: filenames may
+hold lone surrogates, NUL or newlines), whose byte order is the code-point order of Python's
+``str`` sort. DuckDB reads those files and sorts the rows by (filename, frame, segment, leaf)
+under ``memory_limit``, spilling to a ``temp_directory`` in the work folder; the sorted rows
+come back as Arrow batches: each batch's names become file numbers, the rows of keys held by
+several segments go to the caller's ``resolve`` (the duplicate rule lives with the plan), and
+the kept rows are appended to files of the work folder, mapped back as numpy arrays.
 
-Memory: DuckDB's ``memory_limit``, one segment's rows (Arrow) while it is inserted, one batch of
-sorted rows (``BATCH``), and the distinct filenames (Python strings, as the plan keeps them).
+Memory: DuckDB's ``memory_limit`` (its sort needs a few tens of MiB at the least: 32 MiB sorts
+300k rows of 80-byte names, 64 MiB a million), one segment's rows while its file is written, one
+batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
+(Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
 
 The work folder ``spillmerge-sqlplan-<pid>-*`` (under ``work_dir``, else the system's temporary
 folder) is removed when the sort is done, whether it succeeds or fails; the arrays mapped from it
-stay readable (their files are unlinked, not truncated). A folder left by a killed process (its
-pid is gone) is removed by the next plan that looks in the same parent folder.
+stay readable (their files are unlinked, their pages stay file-backed while mapped). A folder
+left by a killed process (its pid is gone) is removed by the next plan under the same parent.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ one row per KiB of it, so a batch holds a small part of the limit whatever the n
 MAPPED_ROWS = 1 << 20
 """Row tables of more rows than this are maps of the work folder's files; smaller ones are read
 into memory."""
+
+ROW_GROUP = 1 << 16
+"""Rows per Parquet row group of a segment's rows: what DuckDB reads at a time per thread."""
 
 PREFIX = "spillmerge-sqlplan-"
 
@@ -99,54 +104,127 @@ def sort_rows(
     a raw leaf-path number to its position in the sorted leaf paths."""
     import duckdb  # a dependency of merging only: reading never imports it
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     parent = work_dir if work_dir is not None else tempfile.gettempdir()
     os.makedirs(parent, exist_ok=True)
     _remove_stale(parent)
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
     try:
-        con = duckdb.connect(os.path.join(folder, "plan.duckdb"))
+        # Each segment's rows go to a Parquet file that DuckDB reads: no Python object is scanned
+        # (that path imports pandas), and the rows live on disk, not in the engine's memory.
+        n_files = 0
+        for si, s in enumerate(segments):
+            gmap, pmap = layout_ids(s)
+            idx = s.index
+            if not len(idx):
+                continue
+            lay = idx[:, FS.COL_LAYOUT]
+            cols = {
+                "fname": _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
+                "frame": _i64(idx[:, FS.COL_FRAME]),
+                "rlp": _i64(pmap[lay]),
+                "gl": _i64(gmap[lay]),
+                "seg": _i64(np.full(len(idx), si, dtype=np.int64)),
+                "off": _i64(idx[:, FS.COL_OFFSET]),
+                "nb": _i64(idx[:, FS.COL_NBYTES]),
+                "crc": _i64(idx[:, FS.COL_CRC]),
+            }
+            table = pa.Table.from_arrays(list(cols.values()), names=list(cols))
+            pq.write_table(table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none",
+                           row_group_size=ROW_GROUP)
+            n_files += 1
+            del table, cols
+        order = lp_order()
+        lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
+        pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
+        if not n_files:
+            return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0)
+        con = duckdb.connect()
         try:
             con.execute(f"SET memory_limit = '{max(int(memory_limit), 1 << 20)}B'")
             con.execute(f"SET threads = {max(1, int(threads))}")
-            con.execute(f"SET temp_directory = '{os.path.join(folder, 'tmp')}'")
+            con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
             con.execute("SET preserve_insertion_order = false")
-            con.execute(
-                "CREATE TABLE e (fname BLOB, frame BIGINT, rlp INTEGER, gl INTEGER, seg INTEGER, "
-                "off BIGINT, nb BIGINT, crc BIGINT)"
-            )
-            for si, s in enumerate(segments):
-                gmap, pmap = layout_ids(s)
-                idx = s.index
-                if not len(idx):
-                    continue
-                enc = pa.array([f.encode("utf-8", "surrogatepass") for f in s.filenames], pa.binary())
-                lay = idx[:, FS.COL_LAYOUT]
-                batch = pa.table({
-                    "fname": enc.take(pa.array(idx[:, FS.COL_FILE])),
-                    "frame": idx[:, FS.COL_FRAME],
-                    "rlp": pmap[lay].astype(np.int32),
-                    "gl": gmap[lay].astype(np.int32),
-                    "seg": np.full(len(idx), si, dtype=np.int32),
-                    "off": idx[:, FS.COL_OFFSET],
-                    "nb": idx[:, FS.COL_NBYTES],
-                    "crc": idx[:, FS.COL_CRC],
-                })  # fmt: skip
-                con.register("segment_rows", batch)
-                con.execute("INSERT INTO e SELECT * FROM segment_rows")
-                con.unregister("segment_rows")
-                del batch, enc
-            order = lp_order()
-            con.register("lp_map", pa.table({"rlp": np.arange(len(order), dtype=np.int32), "lp": order.astype(np.int32)}))
+            rows, lp = _quoted(os.path.join(folder, "rows-*.parquet")), _quoted(os.path.join(folder, "lp.parquet"))
             reader = con.sql(
-                "SELECT fname, frame, lp, gl, seg, off, nb, crc FROM e JOIN lp_map USING (rlp) "
-                "ORDER BY fname, frame, seg, lp"
+                f"SELECT fname, frame, lp, gl, seg, off, nb, crc FROM read_parquet('{rows}') "
+                f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
             ).to_arrow_reader(max(2048, min(BATCH, int(memory_limit) >> 10)))
             return _collect(reader, resolve, folder)
         finally:
             con.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _quoted(path: str) -> str:
+    """``path`` inside a single-quoted SQL string."""
+    return path.replace("'", "''")
+
+
+def _i64(a: np.ndarray) -> Any:
+    """An Arrow int64 array over ``a``'s values (built from its buffer: ``pa.array`` of numpy
+    imports pandas)."""
+    import pyarrow as pa
+
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(a), [None, pa.py_buffer(a)])
+
+
+def _names_array(names: list[str]) -> Any:
+    """The Arrow binary array of ``names``' UTF-8 bytes (``surrogatepass``)."""
+    import pyarrow as pa
+
+    enc = [f.encode("utf-8", "surrogatepass") for f in names]
+    off = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in enc], out=off[1:])
+    return pa.Array.from_buffers(pa.large_binary(), len(enc), [None, pa.py_buffer(off), pa.py_buffer(b"".join(enc))])
+
+
+def _binary_parts(col: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes and int64 offsets (rebased to 0) of an Arrow binary array without nulls."""
+    import pyarrow as pa
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    wide = pa.types.is_large_binary(col.type)
+    bufs = col.buffers()
+    off = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[col.offset : col.offset + len(col) + 1]
+    off = off.astype(np.int64)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return data[int(off[0]) : int(off[-1])], off - off[0]
+
+
+def _ints(col: Any) -> np.ndarray:
+    """An Arrow integer array without nulls as int64 numpy."""
+    import pyarrow as pa
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    dt = np.dtype(str(col.type))
+    return np.frombuffer(col.buffers()[1], dtype=dt)[col.offset : col.offset + len(col)].astype(np.int64)
+
+
+def _name_starts(data: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """For each name of a sorted run (bytes ``data``, offsets ``off``): does it differ from the
+    one before it (the first: True)?"""
+    lens = np.diff(off)
+    n = len(lens)
+    new = np.ones(n, dtype=bool)
+    if n < 2:
+        return new
+    same_len = lens[1:] == lens[:-1]
+    cand = np.flatnonzero(same_len) + 1  # names as long as the previous one: compare their bytes
+    if len(cand):
+        pos = np.repeat(off[cand], lens[cand]) + (np.arange(int(lens[cand].sum())) - np.repeat(
+            np.cumsum(lens[cand]) - lens[cand], lens[cand]))  # fmt: skip
+        differ = data[pos] != data[pos - np.repeat(lens[cand], lens[cand])]
+        owner = np.repeat(np.arange(len(cand)), lens[cand])
+        bad = np.zeros(len(cand), dtype=bool)
+        bad[owner[differ]] = True
+        new[cand] = bad
+    return new
 
 
 class _Spool:
@@ -179,9 +257,6 @@ class _Spool:
 
 def _collect(reader: Any, resolve: Resolve, folder: str) -> Sorted:
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     names: list[str] = []
     spool = _Spool(folder)
     last_name: bytes | None = None
@@ -225,20 +300,17 @@ def _collect(reader: Any, resolve: Resolve, folder: str) -> Sorted:
     for batch in reader:
         if not batch.num_rows:
             continue
-        fname = batch.column(0)
-        n = len(fname)
-        new_name = np.empty(n, dtype=bool)
-        new_name[0] = last_name is None or fname[0].as_py() != last_name
-        if n > 1:
-            same = pc.equal(fname.slice(1), fname.slice(0, n - 1)).to_numpy(zero_copy_only=False)
-            new_name[1:] = ~same
-        fresh = fname.filter(pa.array(new_name))
+        data, off = _binary_parts(batch.column(0))
+        new_name = _name_starts(data, off)
+        first_name = data[: int(off[1])].tobytes()
+        new_name[0] = last_name is None or first_name != last_name
         first = len(names)
-        names.extend(b.decode("utf-8", "surrogatepass") for b in fresh.to_pylist())
-        last_name = fname[n - 1].as_py()
+        for i in np.flatnonzero(new_name).tolist():
+            names.append(data[int(off[i]) : int(off[i + 1])].tobytes().decode("utf-8", "surrogatepass"))
+        last_name = data[int(off[-2]) : int(off[-1])].tobytes()
         c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
         for j, k in enumerate(COLUMNS[1:], start=1):
-            c[k] = batch.column(j).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            c[k] = _ints(batch.column(j))
         if carry is not None:
             c = {k: np.concatenate([carry[k], c[k]]) for k in c}
         carry = flush(c, final=False)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge import _plan
 from spillmerge import _format_spill as FS
+from spillmerge import _plan, _plansql
 from spillmerge._errors import DuplicateFrameError
 from spillmerge._spillroot import load_all, same_bytes, wait_for_commits
 from spillmerge._storage import Storage
@@ -48,10 +48,13 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
-def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the_plan_in_memory(tmp_path: Path) -> None:
-    n = 300_000  # about 33 MB of sort rows (names of 80 bytes) under a 24 MiB limit
+def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the_plan_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_plansql, "MAPPED_ROWS", 1000)  # a big plan's row table: maps of files
+    n = 300_000  # about 33 MB of sort rows (names of 80 bytes) under a 32 MiB limit
     _write(tmp_path / "s", n)
-    small = _plan_of(tmp_path / "s", memory_limit=24 << 20, threads=1, work_dir=str(tmp_path / "w"))
+    small = _plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
     large = _plan_of(tmp_path / "s", memory_limit=1 << 30)
     assert small.n_frames == n and small.duplicates == n // 100
     assert _plan.fingerprint(small) == _plan.fingerprint(large)
@@ -59,7 +62,7 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
     for a, b in zip(small.columns, large.columns, strict=True):
         assert np.array_equal(a.src, b.src)
     assert np.array_equal(small.copies, large.copies) and int(small.copies.max()) == 2
-    assert isinstance(small.frame_idx, np.memmap)  # the big per-row arrays are maps of files
+    assert all(isinstance(a, np.memmap) for a in (small.seg, small.offset, small.nbytes, small.crc))
     assert _leftovers(tmp_path / "w") == []
 
 
@@ -77,7 +80,7 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(t
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import test_plan_sql as t
-        from spillmerge import _plan
+        from spillmerge import _plan, _plansql
         real = _plan.build
         def build(segments, on_duplicate, *, same_bytes, **kw):
             def killer(a, b):
