@@ -146,9 +146,11 @@ def sort_rows(
             con.execute(f"SET threads = {max(1, int(threads))}")
             con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
             con.execute("SET preserve_insertion_order = false")
-            rows, lp = _quoted(os.path.join(folder, "rows-*.parquet")), _quoted(os.path.join(folder, "lp.parquet"))
+            # the files by name, not a glob: the folder's path may hold glob characters
+            rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
+            lp = _quoted(os.path.join(folder, "lp.parquet"))
             reader = con.sql(
-                f"SELECT fname, frame, lp, gl, seg, off, nb, crc FROM read_parquet('{rows}') "
+                f"SELECT fname, frame, lp, gl, seg, off, nb, crc FROM read_parquet([{rows}]) "
                 f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
             ).to_arrow_reader(max(2048, min(BATCH, int(memory_limit) >> 10)))
             return _collect(reader, resolve, folder)
