@@ -34,11 +34,11 @@ from ._plancolumns import (
     ROW_BLOCK,
     PlannedColumn,
     PlannedList,
-    _column,
-    _file_layouts,
-    _variant_groups,
+    file_layouts_of,
     group_names,
     list_domains,
+    plan_column,
+    variant_groups,
 )
 from ._spillroot import Extent, LoadedSegment
 
@@ -193,7 +193,7 @@ def build(
     heads = {lay.leaf for lay in layouts if lay.dtype in ("pylist", "pytuple")}
     gpaths, gp, drow, lists, sizes = list_domains(c["lp"], row_of, leaf_paths, n_rows, heads)
     c["lp"] = gp  # from here on a column's path: every item position of a list is one child path
-    group, groups = _variant_groups(c, layouts, gpaths)
+    group, groups = variant_groups(c, layouts, gpaths)
     names_of = group_names(groups, gpaths)
     kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
     is_none = kinds[c["gl"]] == "none"
@@ -204,14 +204,14 @@ def build(
         n_dom = sizes[F.list_domain(gpaths[p])]
         src = np.full(n_dom, -1, dtype=np.int64)
         src[drow[present]] = present
-        planned = _column(names_of[g], gpaths[p], src, c, layouts, n_dom)
+        planned = plan_column(names_of[g], gpaths[p], src, c, layouts, n_dom)
         if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
             # the header names the variant its name carries (a split by dtype alone: version 2's rule)
             planned = dataclasses.replace(planned, variant=tag)
         columns.append(planned)
     columns.sort(key=lambda col: col.name)
 
-    file_layout, file_layouts = _file_layouts(c["file"], group, len(names), names_of)
+    file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of)
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,

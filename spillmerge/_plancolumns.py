@@ -53,7 +53,7 @@ class PlannedColumn:
     """Some row lacks the leaf (a ``valid`` array is written)."""
     variant: str | None = None
     """The variant tag of a leaf's column when the leaf has several variants that are not only
-    numeric dtypes (``_variant_groups``); None otherwise (the name carries at most the dtype)."""
+    numeric dtypes (``variant_groups``); None otherwise (the name carries at most the dtype)."""
     offs: np.ndarray | None = None
     """``offsets()`` computed once (an out-of-core plan keeps them on disk), else None."""
     known_present: int | None = None
@@ -219,7 +219,7 @@ def list_domains(
     return gpaths, gp, drow, lists, sizes
 
 
-def _variant_groups(
+def variant_groups(
     c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]]
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
     """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
@@ -323,7 +323,7 @@ def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str
     return out
 
 
-def _column(
+def plan_column(
     name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int
 ) -> PlannedColumn:
     """The column of one leaf path from the row table positions of its present rows."""
@@ -370,7 +370,7 @@ def _column(
     return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
 
 
-def _file_layouts(
+def file_layouts_of(
     file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str]
 ) -> tuple[np.ndarray, list[list[str]]]:
     # lp_of / lp_names: each entry's column group and the groups' names.
