@@ -45,6 +45,7 @@ from ._spillroot import Extent, LoadedSegment
 SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 """``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
 
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The merge plan and the row table it refers to."""
@@ -287,11 +288,6 @@ def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: s
     if identical:
         return min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
     return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
-
-
-
-
-
 
 
 def encoded_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

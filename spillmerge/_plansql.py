@@ -131,8 +131,9 @@ def sort_rows(
                 "crc": _i64(idx[:, FS.COL_CRC]),
             }
             table = pa.Table.from_arrays(list(cols.values()), names=list(cols))
-            pq.write_table(table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none",
-                           row_group_size=ROW_GROUP)
+            pq.write_table(
+                table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none", row_group_size=ROW_GROUP
+            )
             n_files += 1
             del table, cols
         order = lp_order()

@@ -96,3 +96,19 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(t
     # ... and the next plan under the same folder removes it.
     _plan_of(tmp_path / "same", work_dir=str(work))
     assert _leftovers(work) == []
+
+
+def test_keys_whose_copies_straddle_sorted_batches_are_decided_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 2000  # every key on both ranks, 3 leaves: 6 rows a key, cut by batch ends of 2,048 rows
+    names = [f"k{i:05d}" for i in range(n)]
+    for rank in range(2):
+        with spillmerge.SpillWriter(str(tmp_path / "s"), rank=rank, world_size=2) as w:
+            w.write_batch(names, {"a": torch.arange(n), "b": torch.ones(n, 2), "c": [f"c{i}" for i in range(n)]})
+    whole = _plan_of(tmp_path / "s")  # one batch
+    monkeypatch.setattr(_plansql, "BATCH", 2048)
+    cut = _plan_of(tmp_path / "s", memory_limit=32 << 20)
+    assert cut.n_frames == whole.n_frames == n and cut.duplicates == whole.duplicates == n
+    assert (cut.copies == 2).all() and (cut.rank == 0).all()
+    assert _plan.fingerprint(cut) == _plan.fingerprint(whole)
