@@ -85,7 +85,7 @@ def run(checkout: str, root: str, budget: int, side: str) -> dict:
                        capture_output=True, text=True, timeout=3600)  # fmt: skip
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed: {r.stderr[-3000:]}")
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     assert out["module"].startswith(checkout), out
     return out
 

@@ -147,6 +147,7 @@ def sort_rows(
             con.execute(f"SET threads = {max(1, int(threads))}")
             con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
             con.execute("SET preserve_insertion_order = false")
+            con.execute("SET enable_progress_bar = false")  # DuckDB's own bar writes to stdout
             # the files by name, not a glob: the folder's path may hold glob characters
             rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
             lp = _quoted(os.path.join(folder, "lp.parquet"))
