@@ -307,7 +307,8 @@ class _Job:
             t_load = time.perf_counter()
             loaded = load_all(src, segments) + extra
             phases["load"] = time.perf_counter() - t_load
-            plan = build(loaded, options.on_duplicate, same_bytes=compare)
+            plan = build(loaded, options.on_duplicate, same_bytes=compare, work_dir=options.plan_dir,
+                         memory_limit=options.plan_budget)  # fmt: skip
             return plan, fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
 
         phases["load"] = 0.0

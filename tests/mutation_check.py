@@ -1135,6 +1135,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
         "the finalize removes the stored plan once the output is complete",
     ),
+    Mutation(
+        "plan-sql-stale-work-folder-removed",
+        "spillmerge/_plansql.py",
+        "                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)",
+        "                pass",
+        ("tests/test_plan_sql.py::test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun",),
+        "a plan killed mid-sort leaves its DuckDB work folder; the next plan under the same folder removes it",
+    ),
+    Mutation(
+        "plan-sql-duplicates-resolved-across-batches",
+        "spillmerge/_plansql.py",
+        "        if not final:  # the last key may go on in the next batch",
+        "        if False:",
+        ("tests/test_plan_sql.py::test_keys_whose_copies_straddle_sorted_batches_are_decided_whole",),
+        "a key whose rows straddle two sorted batches is one row (its copies decided together), whatever the batch size",
+    ),
 ]
 
 

@@ -85,6 +85,7 @@ def test_reading_works_without_torch(python, tmp_path):
         assert res.to_parquet({str(tmp_path / "a.parquet")!r}) == 50
         assert pq.read_table({str(tmp_path / "a.parquet")!r}).equals(res.to_arrow())
         assert "torch" not in sys.modules, "reading imported torch"
+        assert "duckdb" not in sys.modules, "reading imported duckdb (a dependency of merging only)"
         for name, call in (("SpillWriter", lambda: spillmerge.SpillWriter),
                            ("to_torch", lambda: res.column("emb").to_torch())):
             try:

@@ -1,0 +1,114 @@
+"""The merge plan's sort in DuckDB: out of core under a small memory limit, the same plan as with
+a large one, and no work folder left behind after a success, an error, or a kill and a rerun."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from spillmerge import _format_spill as FS
+from spillmerge import _plan, _plansql
+from spillmerge._errors import DuplicateFrameError
+from spillmerge._spillroot import load_all, same_bytes, wait_for_commits
+from spillmerge._storage import Storage
+
+
+def _write(root: Path, n: int, *, differ: bool = False) -> None:
+    """``n`` keys of long names from 2 ranks; rank 1 also writes 1 in 50 of rank 0's keys, with
+    the same content (or different content when ``differ``)."""
+    pad = "x" * 60
+    for rank in range(2):
+        mine = [f"dir-{i % 17}/{pad}-{i:08d}.bin" for i in range(rank, n, 2)]
+        with spillmerge.SpillWriter(str(root), rank=rank, world_size=2) as w:
+            w.write_batch(mine, {"v": torch.arange(len(mine) * 2, dtype=torch.float32).reshape(-1, 2)})
+            if rank == 1:
+                for i in range(0, n, 100):
+                    j = i // 2
+                    w.write(f"dir-{i % 17}/{pad}-{i:08d}.bin", 0, {"v": torch.tensor([2.0 * j, 2.0 * j + 1 + differ])})
+
+
+def _plan_of(root: Path, **kw: object) -> _plan.Plan:
+    storage = Storage(str(root))
+    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
+    segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
+    return _plan.build(load_all(storage, segments), "error", same_bytes=functools.partial(same_bytes, storage), **kw)
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the_plan_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_plansql, "MAPPED_ROWS", 1000)  # a big plan's row table: maps of files
+    n = 300_000  # about 33 MB of sort rows (names of 80 bytes) under a 32 MiB limit
+    _write(tmp_path / "s", n)
+    small = _plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
+    large = _plan_of(tmp_path / "s", memory_limit=1 << 30)
+    assert small.n_frames == n and small.duplicates == n // 100
+    assert _plan.fingerprint(small) == _plan.fingerprint(large)
+    assert list(small.filenames) == sorted(small.filenames) == list(large.filenames)
+    for a, b in zip(small.columns, large.columns, strict=True):
+        assert np.array_equal(a.src, b.src)
+    assert np.array_equal(small.copies, large.copies) and int(small.copies.max()) == 2
+    assert all(isinstance(a, np.memmap) for a in (small.seg, small.offset, small.nbytes, small.crc))
+    assert _leftovers(tmp_path / "w") == []
+
+
+def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    _write(tmp_path / "same", 400)
+    _write(tmp_path / "differ", 400, differ=True)
+    _plan_of(tmp_path / "same", work_dir=str(work))
+    assert _leftovers(work) == []
+    with pytest.raises(DuplicateFrameError, match="different content"):
+        _plan_of(tmp_path / "differ", work_dir=str(work))
+    assert _leftovers(work) == []
+    # Killed in the middle of the plan (while it compares two copies' bytes): its folder stays...
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import test_plan_sql as t
+        from spillmerge import _plan, _plansql
+        real = _plan.build
+        def build(segments, on_duplicate, *, same_bytes, **kw):
+            def killer(a, b):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(segments, on_duplicate, same_bytes=killer, **kw)
+        _plan.build = build
+        t._plan_of(t.Path({str(tmp_path / "same")!r}), work_dir={str(work)!r})
+    """)
+    r = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-2000:]
+    left = _leftovers(work)
+    assert len(left) == 1 and left[0].startswith("spillmerge-sqlplan-"), left
+    # ... and the next plan under the same folder removes it.
+    _plan_of(tmp_path / "same", work_dir=str(work))
+    assert _leftovers(work) == []
+
+
+def test_keys_whose_copies_straddle_sorted_batches_are_decided_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    n = 2000  # every key on both ranks, 3 leaves: 6 rows a key, cut by batch ends of 2,048 rows
+    names = [f"k{i:05d}" for i in range(n)]
+    for rank in range(2):
+        with spillmerge.SpillWriter(str(tmp_path / "s"), rank=rank, world_size=2) as w:
+            w.write_batch(names, {"a": torch.arange(n), "b": torch.ones(n, 2), "c": [f"c{i}" for i in range(n)]})
+    whole = _plan_of(tmp_path / "s")  # one batch
+    monkeypatch.setattr(_plansql, "BATCH", 2048)
+    cut = _plan_of(tmp_path / "s", memory_limit=32 << 20)
+    assert cut.n_frames == whole.n_frames == n and cut.duplicates == whole.duplicates == n
+    assert (cut.copies == 2).all() and (cut.rank == 0).all()
+    assert _plan.fingerprint(cut) == _plan.fingerprint(whole)
