@@ -55,6 +55,7 @@ class Backend:
 
 
 def _backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
+    """The storage named by ``request.param``, empty and unique to the test."""
     if request.param == "local":
         yield Backend("local", str(tmp_path), {})
     elif request.param == "memory":
@@ -80,8 +81,8 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
 @pytest.fixture(params=["local", "memory"])
 def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
     """A local directory and memory:// (a file system and an object store without folders): for
-    tests of what is written and read, not of the storage. S3 gets the same storage calls, which
-    the ``backend`` tests cover against a real S3 server."""
+    tests of what is written and read, not of the storage. The storage calls they make are the
+    ones the ``backend`` tests check against a real S3 server, where each test costs 10-60 s."""
     yield from _backend(request, tmp_path)
 
 
