@@ -214,7 +214,7 @@ def store_host_exits(rank: int, world: int, port: int, base: str) -> None:
 
 
 def rank_exits_after_init(rank: int, world: int, port: int, base: str) -> None:
-    """Rank 1 exits right after ``init_process_group``; rank 0 calls ``all_gather(timeout=10)``
+    """Rank 1 exits right after ``init_process_group``; rank 0 calls ``all_gather(timeout=3)``
     and records what it raised and how long it took (``base/res-0.json``)."""
     import json
     import time
@@ -232,7 +232,7 @@ def rank_exits_after_init(rank: int, world: int, port: int, base: str) -> None:
     t = time.monotonic()
     result: dict[str, Any] = {"error": None}
     try:
-        spillmerge.all_gather(preds_of(rank, "exit"), f"{base}/out.zarr", timeout=10, progress=False)
+        spillmerge.all_gather(preds_of(rank, "exit"), f"{base}/out.zarr", timeout=3, progress=False)
     except BaseException as exc:  # noqa: BLE001 - recorded for the test
         result["error"] = {"type": type(exc).__name__, "msg": str(exc)}
     result["seconds"] = time.monotonic() - t

@@ -198,14 +198,14 @@ def main(cases_path: str, result_path: str) -> None:
 
     import spillmerge  # noqa: F401 - imported before the address space is capped
 
-    try:  # the callback's report reader: lightning is heavy to import under the cap
-        import spillmerge.integrations.pytorch_lightning  # noqa: F401
-    except ImportError:
-        pass
-
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
+    if any(case["target"] == "spill" for case in cases):  # only the spill cases read the callback's report
+        try:  # the callback's report reader: lightning is heavy to import under the cap
+            import spillmerge.integrations.pytorch_lightning  # noqa: F401
+        except ImportError:
+            pass
     signal.signal(signal.SIGALRM, _alarm)
     sys.addaudithook(_audit)
     with open("/proc/self/statm") as f:

@@ -54,9 +54,8 @@ class Backend:
         return f"{self.base}/{name}"
 
 
-@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
-def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
-    """Every storage-facing test runs against a local directory, memory:// and a real S3 server."""
+def _backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
+    """The storage named by ``request.param``, empty and unique to the test."""
     if request.param == "local":
         yield Backend("local", str(tmp_path), {})
     elif request.param == "memory":
@@ -70,6 +69,21 @@ def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
         from _s3 import storage_options
 
         yield Backend("s3", f"s3://test/t{next(_counter)}", storage_options(server.endpoint))
+
+
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])
+def backend(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
+    """A local directory, memory:// and a real S3 server: for the storage conformance tests
+    (test_backends.py) and the tests whose point is how an object store behaves."""
+    yield from _backend(request, tmp_path)
+
+
+@pytest.fixture(params=["local", "memory"])
+def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Backend]:
+    """A local directory and memory:// (a file system and an object store without folders): for
+    tests of what is written and read, not of the storage. The storage calls they make are the
+    ones the ``backend`` tests check against a real S3 server, where each test costs 10-60 s."""
+    yield from _backend(request, tmp_path)
 
 
 #: Test files by the tier they belong to: ``make test-fast`` deselects these markers (the

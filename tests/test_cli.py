@@ -1,4 +1,5 @@
-"""The CLI through its real entry point (subprocesses)."""
+"""The CLI through ``cli.main`` in this process (output captured), and the installed console
+script once, in a subprocess."""
 
 from __future__ import annotations
 
@@ -8,21 +9,46 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 import spillmerge
+from spillmerge import cli
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 
 
-def run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+@dataclass
+class Ran:
+    """What a command returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def assert_one_line_error(p: subprocess.CompletedProcess[str], *needles: str) -> None:
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str]) -> Callable[..., Ran]:
+    """Runs ``spillmerge ARGS`` as the console script does (``sys.exit(cli.main(argv))``), in
+    this process: the exit status argparse gives for ``--help`` or a bad flag included."""
+
+    def run(*args: str) -> Ran:
+        capsys.readouterr()
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        cap = capsys.readouterr()
+        return Ran(code, cap.out, cap.err)
+
+    return run
+
+
+def assert_one_line_error(p: Ran | subprocess.CompletedProcess[str], *needles: str) -> None:
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
@@ -38,7 +64,7 @@ def _spill(root: Path, world_size: int = 2, ranks=None) -> None:
                 w.write("clip a.mp4", f, {"mask": torch.full((4, 4), float(f)), "score": f / 10})
 
 
-def test_every_command_has_help_with_an_example():
+def test_every_command_has_help_with_an_example(run):
     for cmd in ([], ["merge"], ["inspect"], ["verify"], ["status"], ["export"], ["demo"]):
         p = run(*cmd, "--help")
         assert p.returncode == 0 and "Example:" in p.stdout, cmd
@@ -46,7 +72,7 @@ def test_every_command_has_help_with_an_example():
             assert "--expected manifest.csv --plot coverage.png" in p.stdout and "filename,n_frames" in p.stdout
 
 
-def test_merge_inspect_verify(tmp_path):
+def test_merge_inspect_verify(tmp_path, run):
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
     _spill(root)
     p = run("merge", str(root), "--out", str(out))
@@ -65,7 +91,7 @@ def test_merge_inspect_verify(tmp_path):
     assert_one_line_error(p, "already holds a complete merge", "--overwrite")
 
 
-def test_user_errors_are_one_line(tmp_path):
+def test_user_errors_are_one_line(tmp_path, run):
     assert_one_line_error(run("merge", str(tmp_path / "nope"), "--out", str(tmp_path / "o")), "does not exist", "nope")
     assert_one_line_error(run("inspect", str(tmp_path / "nope")), "does not exist")
     assert_one_line_error(run("merge", "--out", str(tmp_path / "o")), "spill root")
@@ -83,7 +109,7 @@ def test_user_errors_are_one_line(tmp_path):
     assert_one_line_error(run("demo", "--out", str(tmp_path / "a-file" / "d")), "a-file")
 
 
-def test_incomplete_spill_names_the_rank(tmp_path):
+def test_incomplete_spill_names_the_rank(tmp_path, run):
     root = tmp_path / "spill"
     _spill(root, world_size=3, ranks=[0, 2])
     p = run("merge", str(root), "--out", str(tmp_path / "o"))
@@ -105,7 +131,7 @@ def test_incomplete_spill_names_the_rank(tmp_path):
     assert p.returncode == 0 and "PARTIAL: ranks [1] missing" in p.stdout
 
 
-def test_verify_names_corrupt_and_truncated_chunks(tmp_path):
+def test_verify_names_corrupt_and_truncated_chunks(tmp_path, run):
     root = tmp_path / "spill"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=4096) as w:
         for i in range(6):
@@ -123,7 +149,7 @@ def test_verify_names_corrupt_and_truncated_chunks(tmp_path):
     assert "2 problem(s)" in p.stdout
 
 
-def test_config_file_and_flag_override(tmp_path):
+def test_config_file_and_flag_override(tmp_path, run):
     root = tmp_path / "spill"
     _spill(root)
     cfg = tmp_path / "m.toml"
@@ -134,10 +160,10 @@ def test_config_file_and_flag_override(tmp_path):
     assert not (tmp_path / "from-config").exists()
 
 
-def test_demo_runs_end_to_end_with_config(tmp_path):
+def test_demo_runs_end_to_end_with_config(tmp_path, run):
     cfg = Path(__file__).parent.parent / "configs" / "demo.toml"
     p = run("demo", "--config", str(cfg), "--ranks", "2", "--files", "3", "--frames-per-file", "6",
-            "--out", str(tmp_path / "d"), timeout=300)  # fmt: skip
+            "--out", str(tmp_path / "d"))  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "verified" in p.stdout and "bit-exact" in p.stdout
     assert f"output: {tmp_path / 'd' / 'merged.zarr'}" in p.stdout
@@ -193,7 +219,7 @@ def test_merge_options_are_declared_once():
 
 
 @pytest.mark.s3
-def test_cli_merge_between_s3_and_local_with_storage_options(s3, tmp_path):
+def test_cli_merge_between_s3_and_local_with_storage_options(s3, tmp_path, run):
     opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": s3.endpoint, "region_name": "us-east-1"}}
     for r in range(2):
         with spillmerge.SpillWriter("s3://test/spill", rank=r, world_size=2, storage_options=opts) as w:
@@ -217,9 +243,19 @@ def test_cli_merge_between_s3_and_local_with_storage_options(s3, tmp_path):
     assert p.returncode == 0 and "OK" in p.stdout
 
 
-def test_missing_backend_gives_an_install_hint(tmp_path):
+def test_missing_backend_gives_an_install_hint(tmp_path, run):
     pytest.importorskip("torch")
     if __import__("importlib").util.find_spec("gcsfs") is not None:
         pytest.skip("gcsfs is installed")
     p = run("merge", "gs://bucket/spill", "--out", str(tmp_path / "o"))
     assert_one_line_error(p, "pip install 'spillmerge[gcs]'")
+
+
+def test_console_script_is_installed_and_runs_a_merge(tmp_path):
+    """The one run through the installed entry point (the tests above call ``cli.main``): it
+    starts, merges and exits 0."""
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    _spill(root)
+    p = subprocess.run([EXE, "merge", str(root), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "merged 1 files, 6 frames" in p.stdout, p.stderr
+    assert spillmerge.open(str(out)).frames("clip a.mp4").tolist() == list(range(6))

@@ -19,12 +19,21 @@ from _procs import free_port, join_all
 
 import spillmerge
 from spillmerge import _format_output as FO
+from spillmerge import cli
 
 CTX = mp.get_context("spawn")
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 
 
-def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path):
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``spillmerge ARGS`` through ``cli.main`` in this process: exit status, stdout, stderr."""
+    capsys.readouterr()
+    rc = cli.main(list(args))
+    printed = capsys.readouterr()
+    return rc, printed.out, printed.err
+
+
+def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path, capsys):
     root, out, result = str(tmp_path / "spill"), str(tmp_path / "out"), str(tmp_path / "res")
     port = free_port()
     procs = [CTX.Process(target=raising_rank, args=(r, 4, port, root, out, result)) for r in range(4)]
@@ -48,14 +57,12 @@ def test_a_raising_rank_is_named_within_seconds_on_every_merge_path(tmp_path):
     record = next(Path(root).glob("rank-00002/seg-*/failed.json"))
     assert "model blew up" in json.loads(record.read_text())["traceback"]
     t0 = time.time()
-    p = subprocess.run(
-        [EXE, "merge", root, "--out", out, "--timeout", "60"], capture_output=True, text=True, timeout=120
-    )
-    assert p.returncode == 1 and "rank 2: ValueError: model blew up on frame 22" in p.stderr
+    rc, _, err = _cli(capsys, "merge", root, "--out", out, "--timeout", "60")
+    assert rc == 1 and "rank 2: ValueError: model blew up on frame 22" in err
     assert time.time() - t0 < 30
 
 
-def test_sigkilled_rank_times_out_by_name_and_partial_merge_salvages(tmp_path):
+def test_sigkilled_rank_times_out_by_name_and_partial_merge_salvages(tmp_path, capsys):
     root, ready = str(tmp_path / "spill"), str(tmp_path / "ready")
     procs = {r: CTX.Process(target=slow_spiller, args=(root, r, 3, 12 if r != 1 else 9, ready)) for r in range(3)}
     for p in procs.values():
@@ -84,14 +91,13 @@ def test_sigkilled_rank_times_out_by_name_and_partial_merge_salvages(tmp_path):
     # With one, every missing frame is listed by file, the never-flushed file included.
     manifest = tmp_path / "manifest.csv"
     manifest.write_text("filename,n_frames\n" + "".join(f"task{r}.mp4,12\n" for r in range(3)) + "only1.mp4,1\n")
-    p = subprocess.run(
-        [EXE, "merge", root, "--out", str(tmp_path / "out2"), "--allow-partial", "--expected", str(manifest)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert p.returncode == 1, p.stderr
-    assert "PARTIAL: ranks [1] missing" in p.stdout
-    assert "4 frame(s) missing in 2 file(s) against the expected counts" in p.stdout, p.stdout
-    assert "'task1.mp4': frames 9..11" in p.stdout and "'only1.mp4': frames 0" in p.stdout
+    rc, printed, err = _cli(
+        capsys, "merge", root, "--out", str(tmp_path / "out2"), "--allow-partial", "--expected", str(manifest)
+    )
+    assert rc == 1, err
+    assert "PARTIAL: ranks [1] missing" in printed
+    assert "4 frame(s) missing in 2 file(s) against the expected counts" in printed, printed
+    assert "'task1.mp4': frames 9..11" in printed and "'only1.mp4': frames 0" in printed
     assert spillmerge.open(str(tmp_path / "out2")).frames("task1.mp4").tolist() == list(range(9))
 
 
@@ -102,7 +108,7 @@ def _spill_many(root: str, n_files: int) -> None:
                 w.write(f"file{i:04d}.mp4", f, torch.full((64,), float(i * 10 + f)))
 
 
-def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path):
+def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path, capsys):
     root, out = str(tmp_path / "spill"), tmp_path / "out"
     _spill_many(root, 3000)
     # Output chunks of one row (256 bytes) and 1 thread make the merge slow enough to kill in the middle.
@@ -125,10 +131,10 @@ def test_merge_killed_halfway_is_recognised_and_rebuilt(tmp_path):
     assert not (out / FO.COMPLETE_NAME).exists()
     with pytest.raises(spillmerge.IncompleteOutputError, match="did not finish"):
         spillmerge.open(str(out))
-    p = subprocess.run([EXE, "verify", str(out)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "merge did not finish" in p.stdout
-    p = subprocess.run([EXE, "merge", root, "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
+    rc, printed, _ = _cli(capsys, "verify", str(out))
+    assert rc == 1 and "merge did not finish" in printed
+    rc, _, err = _cli(capsys, "merge", root, "--out", str(out))
+    assert rc == 0, err
     res = spillmerge.open(str(out))
     assert len(res.filenames) == 3000
     assert res["file2999.mp4"][3, 0] == 29993.0

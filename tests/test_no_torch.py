@@ -70,7 +70,7 @@ def test_reading_works_without_torch(python, tmp_path):
     want = spillmerge.open(str(out)).to_arrow()
 
     script = textwrap.dedent(f"""
-        import importlib.util, subprocess, sys
+        import contextlib, importlib.util, io, sys
         assert importlib.util.find_spec("torch") is None, "this environment must not have torch"
         import pyarrow.parquet as pq
         import spillmerge
@@ -94,10 +94,13 @@ def test_reading_works_without_torch(python, tmp_path):
                 assert "pip install 'spillmerge[torch]'" in str(exc), exc
             else:
                 raise AssertionError(name + " worked without torch")
-        cli = [sys.executable, "-m", "spillmerge.cli"]
+        from spillmerge import cli
         for cmd in (["inspect", out], ["verify", out], ["export", out, "--parquet", {str(tmp_path / "b.parquet")!r}]):
-            p = subprocess.run(cli + cmd, capture_output=True, text=True)
-            assert p.returncode == 0, (cmd, p.stdout, p.stderr)
+            printed, errors = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+                rc = cli.main(cmd)
+            assert rc == 0, (cmd, printed.getvalue(), errors.getvalue())
+        assert "torch" not in sys.modules, "the CLI imported torch"
         print("ok")
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}

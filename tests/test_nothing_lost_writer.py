@@ -71,7 +71,8 @@ def test_forged_collision_is_a_real_crc32c_collision():
         assert forged[pos] != raw[pos] and google_crc32c.value(forged) == google_crc32c.value(raw)
 
 
-def test_duplicates_across_ranks_with_equal_crc_but_different_bytes_follow_the_policy(backend):
+def test_duplicates_across_ranks_with_equal_crc_but_different_bytes_follow_the_policy(backend_no_s3):
+    backend = backend_no_s3
     rng = np.random.default_rng(17)
     small = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
     # 2.5 MiB over 1 MiB chunks: compared in pieces; the flipped byte is in the first MiB, the
@@ -352,7 +353,8 @@ def test_a_vanished_data_chunk_stops_the_commit(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- row 10
-def test_identical_rewrite_on_one_rank_is_kept_once_wherever_the_first_copy_is(backend):
+def test_identical_rewrite_on_one_rank_is_kept_once_wherever_the_first_copy_is(backend_no_s3):
+    backend = backend_no_s3
     root = backend.url("spill")
     rng = np.random.default_rng(10)
     big = rng.integers(0, 256, 5 << 19, dtype=np.uint8)  # 2.5 MiB: several chunks and compare windows
