@@ -14,6 +14,8 @@ Memory: DuckDB's ``memory_limit`` (its sort needs a few tens of MiB at the least
 batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
 (Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
 
+A ``memory_limit`` below ``MIN_SORT_MEMORY`` is raised to it: DuckDB cannot sort in less.
+
 The work folder ``spillmerge-sqlplan-<pid>-*`` (under ``work_dir``, else the system's temporary
 folder) is removed when the sort is done, whether it succeeds or fails; the arrays mapped from it
 stay readable (their files are unlinked, their pages stay file-backed while mapped). A folder
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from . import _format_spill as FS
+from ._errors import SpillValueError
 from ._spillroot import LoadedSegment
 
 BATCH = 1 << 18
@@ -46,6 +49,9 @@ into memory."""
 
 ROW_GROUP = 1 << 16
 """Rows per Parquet row group of a segment's rows: what DuckDB reads at a time per thread."""
+
+MIN_SORT_MEMORY = 64 << 20
+"""DuckDB's memory limit at the least: its sort of a million rows fails in less."""
 
 PREFIX = "spillmerge-sqlplan-"
 
@@ -143,7 +149,7 @@ def sort_rows(
             return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0)
         con = duckdb.connect()
         try:
-            con.execute(f"SET memory_limit = '{max(int(memory_limit), 1 << 20)}B'")
+            con.execute(f"SET memory_limit = '{max(int(memory_limit), MIN_SORT_MEMORY)}B'")
             con.execute(f"SET threads = {max(1, int(threads))}")
             con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
             con.execute("SET preserve_insertion_order = false")
@@ -154,8 +160,14 @@ def sort_rows(
             reader = con.sql(
                 f"SELECT fname, frame, lp, gl, seg, off, nb, crc FROM read_parquet([{rows}]) "
                 f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
-            ).to_arrow_reader(max(2048, min(BATCH, int(memory_limit) >> 10)))
-            return _collect(reader, resolve, folder)
+            ).to_arrow_reader(max(2048, min(BATCH, max(int(memory_limit), MIN_SORT_MEMORY) >> 10)))
+            try:
+                return _collect(reader, resolve, folder)
+            except duckdb.OutOfMemoryException as exc:
+                raise SpillValueError(
+                    f"the merge plan's sort needs more memory than plan_budget allows "
+                    f"({max(int(memory_limit), MIN_SORT_MEMORY) >> 20} MiB); raise plan_budget (--plan-budget): {exc}"
+                ) from None
         finally:
             con.close()
     finally:

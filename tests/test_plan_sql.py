@@ -52,6 +52,7 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_plansql, "MAPPED_ROWS", 1000)  # a big plan's row table: maps of files
+    monkeypatch.setattr(_plansql, "MIN_SORT_MEMORY", 32 << 20)  # what DuckDB needs for these rows
     n = 300_000  # about 33 MB of sort rows (names of 80 bytes) under a 32 MiB limit
     _write(tmp_path / "s", n)
     small = _plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
@@ -112,3 +113,10 @@ def test_keys_whose_copies_straddle_sorted_batches_are_decided_whole(
     assert cut.n_frames == whole.n_frames == n and cut.duplicates == whole.duplicates == n
     assert (cut.copies == 2).all() and (cut.rank == 0).all()
     assert _plan.fingerprint(cut) == _plan.fingerprint(whole)
+
+
+def test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it(tmp_path: Path) -> None:
+    """A plan_budget of a few KiB (smaller than DuckDB can sort in) plans all the same."""
+    _write(tmp_path / "s", 2000)
+    tiny = _plan_of(tmp_path / "s", memory_limit=64 << 10)
+    assert _plan.fingerprint(tiny) == _plan.fingerprint(_plan_of(tmp_path / "s", memory_limit=1 << 30))
