@@ -23,19 +23,37 @@ import numpy as np
 from ._errors import CorruptSpillError, FormatVersionError
 
 FORMAT_VERSION = 5
-"""The version of the outputs a merge writes."""
+"""The version of the outputs a merge writes, and the only one a reader reads."""
 SPILL_FORMAT_VERSION = 3
-"""The version a writer's spill records carry: versions 4 and 5 changed only the merged output
-(a list's items as one child column; the plain values' column name), so a spill root of this
-spillmerge merges with version 3's."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
-"""Versions this spillmerge reads: version 1 spill roots are a subset of version 2, version 2
-ones a subset of version 3 (which adds block checksums, ``checks``), and version 4 and 5 spill
-roots are laid out as version 3's; version 3 outputs store strings as bytes + offsets, version 4
-ones a list's items as one child column with list offsets, version 5 ones the plain values in
-column ``_value`` (an older output with plain values is refused:
-``_format_output.renamed_value_column``); version 1 outputs are read by the reader's version-1
-path (docs/FORMAT.md section 5)."""
+"""The version a writer's spill records carry, and the only one a merge reads. It counts apart
+from :data:`FORMAT_VERSION`: a change to the merged output alone leaves spill roots as they are."""
+
+
+def version_error(path: str, found: object, *, spill: bool) -> FormatVersionError:
+    """The one refusal of a tree of another format version: names ``path``, the version found and
+    the one this spillmerge reads, and what to do (no reader of another version is kept)."""
+    if spill:
+        supported, what, a = SPILL_FORMAT_VERSION, "spill root", "a"
+        todo = "run the job again with this spillmerge, or merge the spill root with the spillmerge that wrote it"
+    else:
+        supported, what, a = FORMAT_VERSION, "output", "an"
+        todo = "merge its spill root again with this spillmerge (or read it with the spillmerge that wrote it)"
+    return FormatVersionError(
+        f"{path}: {a} {what} of format version {found!r:.40}; this spillmerge reads {what} format version "
+        f"{supported} only: {todo}",
+        path=path,
+        found=found,
+        supported=supported,
+    )
+
+
+def check_version(obj: dict[str, Any], path: str, *, spill: bool) -> int:
+    """``obj['format_version']`` when it is the version this spillmerge reads, else :func:`version_error`."""
+    version = obj.get("format_version")
+    if type(version) is not int or version != (SPILL_FORMAT_VERSION if spill else FORMAT_VERSION):
+        raise version_error(path, version, spill=spill)
+    return version
+
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;
@@ -332,10 +350,7 @@ def node_names(names: list[str]) -> dict[str, str]:
 VALUE_COLUMN = "_value"
 """Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...). No user
 leaf is named so: :func:`node_names` gives a name that starts with a letter or digit, or one
-that ends in ``~`` and 16 hex digits; nor does it start with ``__``, which Zarr v3 reserves.
-Versions 1 to 4 named it ``__value__``, an output this spillmerge refuses (:data:`OLD_VALUE_COLUMN`)."""
-OLD_VALUE_COLUMN = "__value__"
-"""The plain values' column of a version 1 to 4 output (refused: merge its spill root again)."""
+that ends in ``~`` and 16 hex digits; nor does it start with ``__``, which Zarr v3 reserves."""
 
 
 def leaf_text(leaf: tuple[str, ...]) -> str:
@@ -373,15 +388,10 @@ def is_safe_node_name(name: str) -> bool:
 
 
 def check_header(obj: Any, kind: str, path: str) -> dict[str, Any]:
+    """A spill record's JSON object of ``kind``, of this spillmerge's spill format version."""
     if not isinstance(obj, dict):
         raise CorruptSpillError(f"{path}: expected a JSON object", path=path)
-    version = obj.get("format_version")
-    if version not in READABLE_VERSIONS or isinstance(version, bool):
-        raise FormatVersionError(
-            f"{path}: format_version {version!r} is not supported by this spillmerge "
-            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade spillmerge or re-spill",
-            path=path,
-        )
+    check_version(obj, path, spill=True)
     if obj.get("kind") != kind:
         raise CorruptSpillError(f"{path}: expected kind {kind!r}, got {obj.get('kind')!r}", path=path)
     return obj

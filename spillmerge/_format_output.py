@@ -10,16 +10,14 @@ from typing import Any
 import numpy as np
 
 from . import _codecs
-from ._errors import CorruptSpillError, FormatVersionError
+from ._errors import CorruptSpillError
 from ._format import (
     DTYPES,
     FORMAT_VERSION,
     HARD_MAX_BYTES,
     MAX_CHUNK_BYTES,
     MAX_NDIM,
-    OLD_VALUE_COLUMN,
-    READABLE_VERSIONS,
-    VALUE_COLUMN,
+    check_version,
     column_name_choices,
     dumps,
     failure_now,
@@ -27,6 +25,7 @@ from ._format import (
     host_and_pid,
     int_field,
     int_or_none,
+    item_index,
     loads,
     shape_problem,
     str_or_none,
@@ -315,29 +314,8 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> di
     )
     if not ok:
         raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
-    if obj.get("format_version") not in READABLE_VERSIONS or isinstance(obj.get("format_version"), bool):
-        raise FormatVersionError(f"{path}: unknown format_version {obj.get('format_version')!r}", path=path)
+    check_version(obj, path, spill=False)
     return dict(obj)
-
-
-def renamed_value_column(header: dict[str, Any], path: str) -> FormatVersionError | None:
-    """The error for an output of version 4 or older whose plain values' column has its old name
-    ``__value__`` (a name Zarr v3 reserves; format 5 calls it ``_value``): it is not read (merge
-    the spill root again), rather than refused column by column as damage. None otherwise."""
-    version = header.get("format_version")
-    layouts = header.get("file_layouts")
-    if not isinstance(version, int) or version >= FORMAT_VERSION or not isinstance(layouts, list):
-        return None
-    old = OLD_VALUE_COLUMN
-    if not any(isinstance(n, str) and (n == old or n.startswith(old + ".")) for cols in layouts[:1 << 20]
-               if isinstance(cols, list) for n in cols[:4096]):  # fmt: skip
-        return None
-    return FormatVersionError(
-        f"{path}: a format-{version} output whose plain values are in column {old!r}, a name format "
-        f"{FORMAT_VERSION} changed to {VALUE_COLUMN!r} (Zarr reserves names starting with '__'); this "
-        f"spillmerge (format {FORMAT_VERSION}) does not read it: merge its spill root again",
-        path=path,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +397,8 @@ class ColumnHeader:
         leaf, kind, dtype = obj.get("leaf"), obj.get("kind"), obj.get("dtype")
         if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
             raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
+        if any(item_index(k) is not None for k in leaf):  # a spill's item position, never an output's
+            raise bad(f"leaf {leaf!r:.200} names a list item by position (an output's list items are one path)")
         numeric_dt = dtype if kind in NUMERIC_KINDS and isinstance(dtype, str) else None
         variant = obj.get("variant")
         if variant is not None and not isinstance(variant, str):

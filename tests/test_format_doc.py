@@ -2,7 +2,7 @@
 ``{...}`` code, the segment header's field table) is parsed and checked against the object a real
 spill, merge, merge in parts, failing writer and lease write here — the same keys (nested objects
 too) and the same ``format_version`` and ``kind`` — so the document cannot drift from the code
-again. Section 5 (version-1 outputs) is checked against the version-1 fixture in tests/fixtures.
+again.
 
 Examples use a shorthand a strict JSON parser refuses (``"rank"`` alone for a field, ``N`` or
 ``<original>`` for a value); :func:`_parse` reads it: a key without a value, or a placeholder value.
@@ -29,7 +29,6 @@ from spillmerge._progress import PROGRESS_NAME
 from spillmerge._storage import Storage
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
-V1_OUTPUT = Path(__file__).resolve().parent / "fixtures" / "v1-output.zarr"
 
 # Inline code that shows what a *value* becomes, not a record spillmerge writes.
 NOT_RECORDS = {'[{"a": 1}, {"a": 2}]', '{"a": [1, 2]}'}
@@ -126,20 +125,19 @@ def _parse(text: str) -> Any:
     return v
 
 
-def _examples() -> list[tuple[int, bool, str]]:
-    """Every JSON example of FORMAT.md as (line, in section 5 (version 1), text)."""
+def _examples() -> list[tuple[int, str]]:
+    """Every JSON example of FORMAT.md as (line, text)."""
     doc = DOC.read_text(encoding="utf-8")
-    v1_from = doc.index("## 5. Outputs of format version 1")
     out = []
     for m in re.finditer(r"```json\n(.*?)```", doc, re.S):
-        out.append((doc.count("\n", 0, m.start()) + 1, m.start() > v1_from, m.group(1).strip()))
+        out.append((doc.count("\n", 0, m.start()) + 1, m.group(1).strip()))
     # Inline code outside fenced blocks, from its first { (``attributes["spillmerge"] = {...}``).
     body = re.sub(r"```.*?```", lambda m: re.sub(r"[^\n]", " ", m.group(0)), doc, flags=re.S)
     for m in re.finditer(r"`([^`]*)`", body):
         text = m.group(1)
         if '{"' in text:
             text = text[text.index(" = ") + 3 :] if " = " in text else text
-            out.append((doc.count("\n", 0, m.start()) + 1, m.start() > v1_from, text))
+            out.append((doc.count("\n", 0, m.start()) + 1, text))
     return out
 
 
@@ -170,7 +168,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for f in range(8):  # boxes: a ragged float32 column with inner_shape [4], as in the doc
             w.write("video_001.mp4", f, {"boxes": torch.zeros(f + 1, 4), "caption": f"frame {f}"})
     with spillmerge.SpillWriter(str(tmp / "spill-variants"), rank=0, world_size=1) as w:
-        w.write("bad.mp4", 0, {"result": torch.zeros(2)})  # result: two variants (version 3)
+        w.write("bad.mp4", 0, {"result": torch.zeros(2)})  # result: two variants
         w.write("bad.mp4", 1, {"result": "corrupt header"})
     spillmerge.merge(str(tmp / "spill-variants"), str(tmp / "variants.zarr"))
     spillmerge.merge(str(root), str(out))
@@ -195,7 +193,6 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         raise OSError("No space left on device")
     except OSError as exc:  # the record class SpillWriter.merge writes when the merge raises
         merge_failure = FS.MergeFailureRecord.of(exc, rank=0, run_id=None, session=0)
-    v1_array = next(p for p in (V1_OUTPUT / "files").iterdir() if p.is_dir())
     return {
         "spill-segment": _attrs(seg / "zarr.json"),
         "spill-progress": json.loads((seg / PROGRESS_NAME).read_bytes()),
@@ -212,20 +209,18 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "lease": holder,
         "codec:blosc": _codecs.compressor_doc("blosc-lz4", 4),
         "codec:zstd": _codecs.compressor_doc("zstd", 4),
-        "merged-v1": _attrs(V1_OUTPUT / "zarr.json"),
-        "array-v1": _attrs(next(p for p in v1_array.rglob("zarr.json") if "filename" in _attrs(p))),
     }
 
 
-def _which(example: Any, v1: bool) -> str:
+def _which(example: Any) -> str:
     """The record an example shows: by its ``kind``, else by the fields only it has."""
     kind = example.get("kind")
     if isinstance(kind, str) and kind in FO.COLUMN_KINDS:
         return "column-variant" if "variant" in example else "column"
     if isinstance(kind, str):
-        return f"{kind}-v1" if v1 else kind
+        return kind
     for key, record in (
-        ("chunk", "journal"), ("layouts", "catalog"), ("owner", "lease"), ("filename", "array-v1"),
+        ("chunk", "journal"), ("layouts", "catalog"), ("owner", "lease"),
     ):  # fmt: skip
         if key in example:
             return record
@@ -255,11 +250,11 @@ def _same_shape(doc: Any, real: Any, where: str) -> None:
 
 
 def test_every_json_example_of_format_md_matches_what_spillmerge_writes(written: dict[str, Any]) -> None:
-    examples = [(line, v1, text) for line, v1, text in _examples() if text not in NOT_RECORDS]
+    examples = [(line, text) for line, text in _examples() if text not in NOT_RECORDS]
     seen = set()
-    for line, v1, text in examples:
+    for line, text in examples:
         example = _parse(text)
-        record = _which(example, v1)
+        record = _which(example)
         _same_shape(example, written[record], f"docs/FORMAT.md:{line} ({record})")
         seen.add(record)
     # Every record kind written above is shown somewhere (the table covers the segment header).
