@@ -276,7 +276,7 @@ class ChunkedNames(Names):
 
 def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, list[V.Problem]]:
     """Every filename of an output (``spillmerge verify``): an object array and the
-    problems of the bytes, offsets and heads (the order is :func:`_invariants.sorted_problems`'s)."""
+    problems of the bytes, offsets, order (:func:`_invariants.sorted_problems`) and heads."""
     raw = np.asarray(V.read_index(group, "filenames", describe))
     off = np.asarray(V.read_index(group, "filename_offsets", describe), dtype=np.int64)
     empty = np.empty(0, dtype=object)
@@ -288,6 +288,7 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
     if out:
         return empty, out
     names, out = decode_names(raw, off, "index/filenames")
+    out = out or V.sorted_problems(names)
     if out:
         return empty, out
     attrs = V.index_node(group, "filename_heads", describe).attrs.get("spillmerge")
