@@ -1,4 +1,4 @@
-"""On-disk format version 2, what both halves of docs/FORMAT.md share: the version, the size
+"""The on-disk format, what both halves of docs/FORMAT.md share: the version, the size
 limits of objects read whole, JSON in and out (``dumps``, ``loads``), the dtype table, the
 node-name encoding and the checks every record's reader uses.
 
@@ -199,13 +199,13 @@ for _n in _NATIVE:
     DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
 for _n, _s in _RAW.items():
     DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
-#: Non-numeric kinds (version 2): bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
+#: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
 #: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
 #: ``[]`` for ``none``).
 NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
 for _n in NON_NUMERIC:
     DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
-#: Version 3: Python scalars (and lists of one scalar type) keep their Python type: stored as the
+#: Python scalars (and lists of one scalar type) keep their Python type: stored as the
 #: numeric dtype ``storage`` and read back as ``int`` / ``float`` / ``bool`` / ``complex`` (0-d) or
 #: nested lists of them; and the headers of Python containers (docs/FORMAT.md, *Value model*),
 #: int64 0-d values holding a container's length.
@@ -240,7 +240,7 @@ def get_dtype(name: object, *, path: str = "?") -> DType:
 
 
 # --------------------------------------------------------------------------------------------
-# leaf path segments of the value model (version 3, docs/FORMAT.md section 1, *Value model*)
+# leaf path segments of the value model (docs/FORMAT.md section 1, *Value model*)
 
 MARK = "\x1f"
 """First character of a header (``MARK``) or list item (``MARK`` + index) path segment."""
@@ -258,7 +258,7 @@ def is_marker(seg: str) -> bool:
 
 
 ITEM = MARK + "*"
-"""The segment of a list's items in an output's leaf paths (version 4): every item of the lists
+"""The segment of a list's items in an output's leaf paths: every item of the lists
 at ``P`` is a row of the child path ``(*P, ITEM)`` (docs/FORMAT.md, *Lists*). The spill keeps
 each item's position (``MARK`` + index), which a merge turns into list offsets."""
 
@@ -287,7 +287,7 @@ def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...
 
 
 def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:
-    """The list whose items a version-4 leaf path's rows are (its prefix up to its last ``ITEM``),
+    """The list whose items an output leaf path's rows are (its prefix up to its last ``ITEM``),
     ``()`` for a path whose rows are the output's rows."""
     for k in range(len(path) - 1, -1, -1):
         if path[k] == ITEM:

@@ -437,8 +437,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     for name, arr in listed:
         # The metadata first, against the format: a chunk grid it breaks (a chunk larger than
         # its array, 2**40 rows of chunks) is reported without reading a chunk of it.
-        cmb = _string_chunk_bytes(group, name)
-        bad = V.grid_problems(name, arr, cmb)
+        bad = V.grid_problems(name, arr)
         if bad:
             rep.problems.extend(f"{storage.describe(rel)}: {what}" for rel, what in bad)
             damaged.add(name)
@@ -453,15 +452,6 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
         bar.close()
     if complete:  # an interrupted merge may not have written its index yet
         rep.problems.extend(_index_problems(storage, group, damaged))
-
-
-def _string_chunk_bytes(group: Any, name: str) -> int | None:
-    """A version-2 string column's header ``chunk_max_bytes`` (its values' chunk bound)."""
-    if not name.endswith("/values") or not name.startswith("columns/"):
-        return None
-    header = group[name.rpartition("/")[0]].attrs.get("spillmerge")
-    cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
-    return cmb if isinstance(cmb, int) and not isinstance(cmb, bool) and cmb >= 0 else None
 
 
 MISSING_LISTED = 20

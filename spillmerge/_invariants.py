@@ -94,13 +94,13 @@ def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
     return node
 
 
-def grid_problems(rel: str, arr: Any, string_chunk_bytes: int | None = None) -> list[Problem]:
+def grid_problems(rel: str, arr: Any) -> list[Problem]:
     """What the array ``rel``'s metadata breaks of the format's chunk rules
     (``_format_output.chunk_limits``: chunk shape within the array's, known codecs, bounded
     chunk size, shapes without overflow), from its metadata alone; the same limits bound every
     chunk read (``_reader.NoFillStore``)."""
     try:
-        FO.chunk_limits(arr.metadata.to_dict(), path=rel, string_chunk_bytes=string_chunk_bytes)
+        FO.chunk_limits(arr.metadata.to_dict(), path=rel)
     except CorruptSpillError as exc:
         return [(rel, exc.reason or str(exc))]
     return []
@@ -295,7 +295,7 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     if "valid" in a and not has_valid:
         out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
     for k, arr in sorted(a.items()):
-        out.extend(grid_problems(f"{rel}/{k}", arr, c.chunk_max_bytes if k == "values" else None))
+        out.extend(grid_problems(f"{rel}/{k}", arr))
     if out:
         return out
     v = a["values"]

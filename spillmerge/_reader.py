@@ -59,9 +59,8 @@ class NoFillStore(WrapperStore[Store]):
     Every chunk is checked before zarr decodes it, on every backend, against its array's
     metadata checked against the format (``_format_output.chunk_limits``: chunk shape within the
     array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
-    size its compressor header declares (a zstd or blosc bomb is refused unread), and a string
-    chunk's count (vlen-utf8 allocates one object per declared string). The metadata is one small
-    read per array, once.
+    size its compressor header declares (a zstd or blosc bomb is refused unread). The metadata is
+    one small read per array, once.
 
     Given the output's ``storage`` on a local disk, every object is read through
     :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
@@ -128,24 +127,9 @@ class NoFillStore(WrapperStore[Store]):
             meta = await self._doc(doc, prototype)
             if meta is None:
                 raise self._missing(key)
-            cmb = None
-            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
-                cmb = await self._string_chunk_bytes(array.rpartition("/")[0], prototype)
-            limits = FO.chunk_limits(meta, path=self._describe(doc), string_chunk_bytes=cmb)
+            limits = FO.chunk_limits(meta, path=self._describe(doc))
             self._chunk_limits[array] = limits
         return limits
-
-    async def _string_chunk_bytes(self, group: str, prototype: BufferPrototype) -> int | None:
-        """A string column's header ``chunk_max_bytes`` (the largest vlen-utf8 chunk
-        the merge wrote), where the group has one (a 10 MB string is one element): docs/FORMAT.md
-        section 2, *Columns*; None where it has none (the per-string default applies)."""
-        obj = await self._doc(f"{group}/zarr.json", prototype)
-        attrs = obj.get("attributes") if isinstance(obj, dict) else None
-        header = attrs.get("spillmerge") if isinstance(attrs, dict) else None
-        cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
-        if not isinstance(cmb, int) or isinstance(cmb, bool) or cmb < 0:
-            return None
-        return cmb
 
     def _read_local(self, key: str, byte_range: ByteRequest | None, max_bytes: int) -> bytes | None:
         assert self._storage is not None

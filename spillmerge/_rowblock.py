@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ._views import OpenColumn
 
 BLOCK_FILES = 1024
-"""Files whose index entries are read at a time (the names' block size of format 3)."""
+"""Files whose index entries are read at a time (the filenames' block size)."""
 BLOCK_ROWS = 4096
 """Rows whose column values are decoded at a time."""
 BLOCK_BYTES = 32 << 20

@@ -87,9 +87,8 @@ def _entries(
 ) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     whether the row has a value there) of every value row ``r`` has in the plan's columns, less
-    the list items and headers it has no value in (they say nothing): format 4's item rows
-    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say, as format 3 stored them
-    (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
+    the list items and headers it has no value in (they say nothing): a list's item rows
+    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
@@ -134,7 +133,7 @@ def row_value(
     block: Any = None,
 ) -> Any:
     """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
-    ``offs``: format 4's list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
+    ``offs``: the list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
     of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``),
     else each leaf's row is read from its column here (``value()``)."""
     col = plan.single
@@ -149,7 +148,7 @@ def row_value(
         return to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
-    inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
+    inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
     entries = _entries(plan, r, offs or {}, block)
     scalars = plan.scalars
     for leaf, col, d, items, ok in entries:

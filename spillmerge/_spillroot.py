@@ -485,7 +485,7 @@ def _validate_rows(
         return
     fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
     # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
-    # even with two shapes (format 2 gives each shape a layout of its own): compare leaf paths.
+    # even with two shapes (each shape has a layout of its own): compare leaf paths.
     leaf = _leaf_ids(layouts)[lid]
     order = lex_order(fid, frame, leaf)
     dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)

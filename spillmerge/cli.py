@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "merge",
         help="merge a spill root into one Zarr store",
         description="Merge every committed segment of a spill root into one consolidated Zarr v3 store "
-        "(format version 2: one array per leaf column across every (filename, frame) row, rows grouped "
+        "(one array per leaf column across every (filename, frame) row, rows grouped "
         "by file in frame order; docs/FORMAT.md). Read it with spillmerge.open(OUT).",
         formatter_class=_Formatter,
         epilog="Example:\n  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr\n"
