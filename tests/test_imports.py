@@ -221,7 +221,7 @@ def test_no_private_name_crosses_a_module_boundary():
 def test_every_name_in_all_resolves_and_star_import_works():
     """``from spillmerge import *`` raised once (MergeFailedError and MergeTimeout were listed in
     ``__all__`` but never imported); every public name is importable, the errors derive from
-    SpillMergeError, and LeafView is exported (LeafArray, a reader of format-1 outputs, is gone)."""
+    SpillMergeError, and LeafView is the one leaf view exported."""
     namespace: dict[str, object] = {}
     exec("from spillmerge import *", namespace)  # noqa: S102 - the statement users write
     missing = [name for name in spillmerge.__all__ if name not in namespace]
