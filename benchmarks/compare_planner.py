@@ -1,11 +1,10 @@
 """Byte-for-byte comparison of merge outputs between two checkouts (the planner's proof).
 
-    python benchmarks/compare_planner.py --base /work/wt/base            # fixtures + 10^5 keys
+    python benchmarks/compare_planner.py --base /work/wt/base            # every value kind + 10^5 keys
     python benchmarks/compare_planner.py --base /work/wt/base --n 2000   # quicker
 
-Spill roots are written once (with this checkout's writer): the spill fixtures of tests/fixtures,
-a root of every value kind (tests/test_value_model.py's VALUES), and a generated root of ``--n``
-keys from W=4 ranks with duplicates (identical copies on another rank, and copies of different
+Spill roots are written once (with this checkout's writer): a root of every value kind
+(tests/test_value_model.py's VALUES), and a generated root of ``--n`` keys from W=4 ranks with duplicates (identical copies on another rank, and copies of different
 content), a leaf that is float16 in some files and str in others, None, zero-element arrays,
 ragged arrays, lists of dicts and lists of str, written with ``write`` and ``write_batch``. Each
 root is merged, in a fresh process, by both checkouts (``PYTHONPATH``) under each duplicate
@@ -155,9 +154,6 @@ def main() -> int:
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="compare-planner-")
     roots: dict[str, str] = {}
-    fixtures = HERE / "tests" / "fixtures"
-    for spill in sorted(fixtures.glob("*-spill")):
-        roots[spill.name] = shutil.copytree(spill, os.path.join(work, spill.name))
     roots["values"] = os.path.join(work, "values")
     write_values_root(roots["values"])
     t = time.perf_counter()

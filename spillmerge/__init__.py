@@ -3,8 +3,9 @@
 Every rank appends its predictions to its own chunked Zarr segment (``SpillWriter``); one process
 merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` reads it back.
 
-A leaf of an output reads as a :class:`LeafView` (format version 2, what ``merge`` writes);
-:class:`LeafArray` is the same for outputs of format version 1, kept for code written against 0.1.
+A leaf of an output reads as a :class:`LeafView`. This spillmerge reads outputs of
+:data:`FORMAT_VERSION` only (and spill roots of its spill format): another version is refused
+with :class:`FormatVersionError`.
 
 Reading needs no torch: ``SpillWriter``, ``gather``, ``all_gather`` and the drop-ins
 ``gather_object`` / ``all_gather_object`` (which write) are imported
@@ -55,7 +56,7 @@ from ._errors import (
 from ._format import FORMAT_VERSION
 from ._inspect import VerifyReport, verify
 from ._merge import merge
-from ._reader import LeafArray, MergedStore, open  # noqa: A004 - the public name is fixed
+from ._reader import MergedStore, open  # noqa: A004 - the public name is fixed
 from ._report import MergeReport
 from ._spillroot import committed_keys
 from ._status import JobStatus, MergeStatus, RankStatus, status
@@ -114,7 +115,6 @@ __all__ = [
     "IncompleteSpillError",
     "JobStatus",
     "LayoutMismatchError",
-    "LeafArray",
     "LeafView",
     "MergeReport",
     "MergeStatus",

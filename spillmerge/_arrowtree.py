@@ -26,7 +26,7 @@ import numpy as np
 from . import _format as F
 from . import _lists as L
 from ._errors import CorruptSpillError, SpillMergeError, require
-from ._format import MARK, is_marker
+from ._format import MARK
 from ._views import OpenColumn, untensor
 
 _Part = tuple[tuple[str, str], str, np.ndarray, Any]
@@ -40,26 +40,23 @@ TUPLE_META = {b"spillmerge.container": b"tuple"}
 
 class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
-    (``headers``), its list items (position -> node) and its dict keys (segment -> node)."""
+    (``headers``), its list items (one node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("cols", "each", "headers", "items", "keys", "path")
+    __slots__ = ("cols", "each", "headers", "keys", "path")
 
     def __init__(self, path: tuple[str, ...]) -> None:
         self.path = path
         self.cols: list[OpenColumn] = []
         self.headers: list[OpenColumn] = []
-        self.items: dict[int, Node] = {}
         self.keys: dict[str, Node] = {}
         self.each: Node | None = None
-        """Format 4: the items of the lists here, one node whose rows are all of them."""
+        """The items of the lists here, one node whose rows are all of them."""
 
     def child(self, seg: str) -> Node:
         if seg == F.ITEM:
             if self.each is None:
                 self.each = Node((*self.path, seg))
             return self.each
-        if is_marker(seg):
-            return self.items.setdefault(int(seg[1:]), Node((*self.path, seg)))
         return self.keys.setdefault(seg, Node((*self.path, seg)))
 
     @property
@@ -89,7 +86,7 @@ def _seg_name(seg: str) -> str:
 
 class Batch:
     """Rows ``a .. b-1``: each column's leaf view as a pyarrow array read once, its ``valid``
-    and (headers) its lengths. A column whose rows are a list's items (format 4) is read over
+    and (headers) its lengths. A column whose rows are a list's items is read over
     the items of rows ``a .. b-1`` (``offs``: the list offsets), and row numbers passed for it
     are its own."""
 
@@ -246,36 +243,31 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
 def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[_Part]:
     """The parts of every item of the lists at ``node`` in ``rows``, positioned in the flat item
     array (item ``i`` of list ``j`` at ``starts[j] + i``)."""
-    if node.each is not None:  # format 4: the items are rows of the child path, in list order
-        o = b.offs.get(node.each.path)
-        have = np.diff(o)[rows] if o is not None else np.zeros(len(rows), np.int64)
-        if not np.array_equal(have, lengths):
-            j = int(np.flatnonzero(have != lengths)[0])
+    if node.each is None:  # no list here has an item anywhere in the output
+        bad = np.flatnonzero(lengths != 0)
+        if len(bad):
+            j = int(bad[0])
             raise CorruptSpillError(
                 f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
-                f"header, {int(have[j])} by its list offsets; the output is damaged: merge it again"
+                "header, but the output holds no item of these lists; the output is damaged: merge it again"
             )
-        if o is None:
-            o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
-        first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-        within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
-        item_rows = np.repeat(o[rows], lengths) + within
-        at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
-        return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
-    room = max(node.items, default=-1) + 1  # format 3: a list holds at most its highest item column's
-    bad = np.flatnonzero((lengths < 0) | (lengths > room))
-    if len(bad):
-        j = int(bad[0])
+        return []
+    # the items are rows of the child path, in list order
+    o = b.offs.get(node.each.path)
+    have = np.diff(o)[rows] if o is not None else np.zeros(len(rows), np.int64)
+    if not np.array_equal(have, lengths):
+        j = int(np.flatnonzero(have != lengths)[0])
         raise CorruptSpillError(
-            f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its header, "
-            f"but the file columns hold at most {room}; the output is damaged: merge it again"
+            f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
+            f"header, {int(have[j])} by its list offsets; the output is damaged: merge it again"
         )
-    out: list[_Part] = []
-    for i, item in sorted(node.items.items()):
-        sel = np.flatnonzero(lengths > i)
-        for key, name, pos, arr in parts(item, b, rows[sel], with_keys=True):
-            out.append((key, name, starts[sel[pos]] + i, arr))
-    return out
+    if o is None:
+        o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
+    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+    item_rows = np.repeat(o[rows], lengths) + within
+    at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
+    return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
 
 
 def _merged_lists(
@@ -404,7 +396,7 @@ def top_columns(
     root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray] | None = None
 ) -> dict[str, Any]:
     """Column name -> what makes it: a structured node (``Node``) or a flat column (``OpenColumn``),
-    in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: format 4's list offsets."""
+    in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: the list offsets."""
     out: dict[str, Any] = {}
 
     def walk(node: Node) -> None:
@@ -442,7 +434,7 @@ def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], 
                 v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
             if v is None or bool((np.asarray(v) & ~inside).any()):
                 return True
-        stack += [*n.items.values(), *n.keys.values(), *([n.each] if n.each is not None else [])]
+        stack += [*n.keys.values(), *([n.each] if n.each is not None else [])]
     return False
 
 

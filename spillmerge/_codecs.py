@@ -90,7 +90,6 @@ def decoder(compressor: str) -> Any:
 # reading untrusted chunks: the chain an output array may declare, and what a compressed chunk
 # says it decodes to, read from its header before anything is decoded (docs/FORMAT.md 2.3)
 
-_FIRST = ("bytes", "vlen-utf8")
 _COMPRESSORS = ("blosc", "zstd")
 
 
@@ -107,9 +106,9 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
     crc = bool(rest) and rest[-1] == "crc32c"
     if crc:
         rest = rest[:-1]
-    if first not in _FIRST or len(rest) > 1 or (rest and rest[0] not in _COMPRESSORS):
+    if first != "bytes" or len(rest) > 1 or (rest and rest[0] not in _COMPRESSORS):
         raise ValueError(
-            f"codec chain {names!r:.200} is not one spillmerge writes (bytes or vlen-utf8, then blosc or zstd, "
+            f"codec chain {names!r:.200} is not one spillmerge writes (bytes, then blosc or zstd, "
             "then crc32c)"
         )
     return str(first), (str(rest[0]) if rest else None), crc

@@ -15,9 +15,6 @@ from ._frames import MAX_FRAME, gap_runs, n_below, runs
 from ._spillroot import load_segment, scan
 from ._storage import Storage
 
-UNKNOWN_RANK = -1
-"""Rank recorded for rows of outputs written before provenance existed."""
-
 
 @dataclass(frozen=True, slots=True)
 class FileCoverage:
@@ -85,8 +82,6 @@ class Coverage:
     """``"spill"`` or ``"merged"``."""
     files: list[FileCoverage]
     """Sorted by filename."""
-    ranks_known: bool = True
-    """False for merged outputs written before ``index/frame_rank`` existed."""
     manifest: str | None = None
     """The manifest path, when one was given."""
     notes: list[str] = field(default_factory=list)
@@ -133,7 +128,6 @@ class Coverage:
             "kind": self.kind,
             "path": self.path,
             "manifest": self.manifest,
-            "ranks_known": self.ranks_known,
             "missing_frames": n_missing,
             "missing_files": [f.filename for f in self.files if not len(f.frames) and f.span],
             "duplicated_frames": n_dup,
@@ -157,7 +151,7 @@ def coverage(
             raise ConfigError(f"expected[{name!r}] must be a frame count in [0, 2**63], got {count!r}", key="expected")
     storage = Storage(path, storage_options)
     kind = detect(storage)
-    per_file, ranks_known, notes = _merged(storage) if kind == "merged" else _spill(storage)
+    per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
     names = sorted(set(per_file) | set(expected or {}))
     empty = np.zeros(0, dtype=np.int64)
     files = []
@@ -165,36 +159,26 @@ def coverage(
         frames, ranks, copies = per_file.get(name, (empty, empty, empty))
         files.append(FileCoverage(name, frames, ranks, copies, None if expected is None else expected.get(name)))
     unlisted = [] if expected is None else [n for n in names if n not in expected]
-    return Coverage(storage.describe(), kind, files, ranks_known, notes=notes, unlisted=unlisted)
+    return Coverage(storage.describe(), kind, files, notes=notes, unlisted=unlisted)
 
 
 _PerFile = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _merged(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
+def _merged(storage: Storage) -> tuple[_PerFile, list[str]]:
     from ._reader import MergedStore
 
     res = MergedStore(storage.url, storage.storage_options)
     out: _PerFile = {}
-    known = True
-    arrays = res.index_arrays()
-    if arrays is not None:  # columnar: slice the index arrays, no lookup per file
-        names, off, all_frames, all_ranks, all_copies = arrays
-        for i, name in enumerate(names):
-            a, b = int(off[i]), int(off[i + 1])
-            out[name] = (all_frames[a:b], all_ranks[a:b], all_copies[a:b])
-        return out, known, []
-    for name in res.filenames:
-        frames = res.frames(name)
-        ranks, copies = res.frame_ranks(name), res.frame_copies(name)
-        if ranks is None or copies is None:
-            known = False
-            ranks, copies = np.full(len(frames), UNKNOWN_RANK, np.int64), np.ones(len(frames), np.int64)
-        out[name] = (frames, ranks, copies)
-    return out, known, []
+    # slice the index arrays: no lookup per file
+    names, off, all_frames, all_ranks, all_copies = res.index_arrays()
+    for i, name in enumerate(names):
+        a, b = int(off[i]), int(off[i + 1])
+        out[name] = (all_frames[a:b], all_ranks[a:b], all_copies[a:b])
+    return out, []
 
 
-def _spill(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
+def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
     # Write order, as the merge's duplicate policy sees it: segment start time, then rank.
     segs = sorted(
         (s for ss in scan(storage).values() for s in ss if s.commit is not None),
@@ -218,7 +202,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
     by_id = {i: f for f, i in gid.items()}
     out: _PerFile = {}
     if not cols["file"]:
-        return out, True, notes
+        return out, notes
     c = {k: np.concatenate(v) for k, v in cols.items()}
     srt = np.lexsort((c["order"], c["frame"], c["file"]))
     file_s, frame_s, rank_s = c["file"][srt], c["frame"][srt], c["rank"][srt]
@@ -231,7 +215,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, bool, list[str]]:
     for part in np.split(np.arange(len(kf)), bounds):
         if len(part):
             out[by_id[int(kf[part[0]])]] = (kframe[part], krank[part], copies[part])
-    return out, True, notes
+    return out, notes
 
 
 def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
@@ -249,10 +233,9 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     # tab10 without its red (index 3), which is reserved for missing frames; viridis past 9 ranks.
     tab = [plt.get_cmap("tab10")(i) for i in range(10) if i != 3]
     many = plt.get_cmap("viridis")
-    known = [r for r in ranks if r != UNKNOWN_RANK]
-    color: dict[int, Any] = {UNKNOWN_RANK: "0.6"}
-    for i, r in enumerate(known):
-        color[r] = tab[i] if len(known) <= len(tab) else many(i / max(len(known) - 1, 1))
+    color: dict[int, Any] = {}
+    for i, r in enumerate(ranks):
+        color[r] = tab[i] if len(ranks) <= len(tab) else many(i / max(len(ranks) - 1, 1))
     # Runs, not frames: one bar collection per colour and file, so drawing costs O(frames) whatever
     # the span of frame indices. Bars are at least ~1 pixel wide, so an isolated frame stays
     # visible next to a gap of billions; missing runs go below the present ones.
@@ -284,7 +267,7 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("frame index")
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
-    handles = [Patch(color=color[r], label="rank ?" if r == UNKNOWN_RANK else f"rank {r}") for r in ranks]
+    handles = [Patch(color=color[r], label=f"rank {r}") for r in ranks]
     handles.append(Patch(color="red", label=f"missing ({cov.n_missing})"))
     handles.append(Patch(color="black", label=f"duplicated ({cov.n_duplicated})"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)

@@ -32,18 +32,14 @@ class OutputDataset:
         self.columns = sorted(store.columns) if columns is None else list(columns)
         for name in self.columns:
             store.column(name)  # raises UnknownColumnError, naming the columns there are
-        arrays = store.index_arrays()
-        assert arrays is not None  # _open refused a version-1 output
-        self._n = len(arrays[2])
+        self._n = len(store.index_arrays()[2])
         self._store: Any = store
         self._views: list[tuple[str, Any]] | None = None
 
     def _open(self) -> Any:
         from ._reader import open as open_store
 
-        store = open_store(self.path, storage_options=self.storage_options)
-        store.require_columnar("OutputDataset")  # a version-1 output has no rows across files: say so now
-        return store
+        return open_store(self.path, storage_options=self.storage_options)
 
     def __len__(self) -> int:
         return self._n

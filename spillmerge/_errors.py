@@ -133,7 +133,14 @@ class MergeTimeout(SpillMergeError, TimeoutError):
 
 
 class FormatVersionError(CorruptSpillError):
-    """A tree was written with a format version this spillmerge does not read."""
+    """A tree (an output or a spill root) was written with a format version this spillmerge does
+    not read: ``found`` is the tree's version, ``supported`` the one version this spillmerge
+    reads (each spillmerge reads exactly one output and one spill format)."""
+
+    def __init__(self, message: str, *, path: str, found: object, supported: int) -> None:
+        super().__init__(message, path=path)
+        self.found = found
+        self.supported = supported
 
 
 class OutputExistsError(SpillMergeError, FileExistsError):

@@ -24,11 +24,11 @@ from ._errors import ArrowUnionInParquetError, UnknownColumnError, require
 from ._views import OpenColumn, untensor
 
 Column = OpenColumn | T.Node
-"""What makes an exported column: one stored column (flat, as in version 2) or a node of the
+"""What makes an exported column: one stored column (flat) or a node of the
 value tree (``_arrowtree``: unions, lists, records)."""
 
-V2Files = Any
-"""``_reader.V2Files`` (which calls this module: named here, not imported, so no import circle)."""
+Files = Any
+"""``_reader.OutputFiles`` (which calls this module: named here, not imported, so no import circle)."""
 
 BATCH_BYTES = 64 << 20
 """The payload a batch aims at when ``batch_size`` is not given."""
@@ -41,7 +41,7 @@ def _pa(feature: str) -> Any:
     return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
 
 
-def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
+def arrow_names(files: Files) -> dict[str, OpenColumn]:
     """Leaf column name (as the Arrow forms name it) -> column, in output order."""
     out: dict[str, OpenColumn] = {}
     for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
@@ -53,16 +53,16 @@ def arrow_names(files: V2Files) -> dict[str, OpenColumn]:
     return out
 
 
-def default_columns(files: V2Files) -> dict[str, Column]:
+def default_columns(files: Files) -> dict[str, Column]:
     """The exported columns when none are named (``_arrowtree.top_columns``)."""
     flat = {id(c): name for name, c in arrow_names(files).items()}
     return T.top_columns(T.tree(list(files.columns.values())), lambda c: flat[id(c)], files.list_offsets)
 
 
-def select(files: V2Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
+def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
     """The columns named in ``columns`` (all when None), in the order given: the names of the
     default export, and each stored column's flat name (:func:`arrow_names`: one variant of a
-    union, one item of a list) as in version 2."""
+    union, one item of a list)."""
     default = default_columns(files)
     if columns is None:
         return default
@@ -94,11 +94,11 @@ def _stored(cols: dict[str, Column]) -> list[OpenColumn]:
             out.append(c)
         else:
             out += c.cols + c.headers
-            stack += [*c.items.values(), *c.keys.values(), *([c.each] if c.each is not None else [])]
+            stack += [*c.keys.values(), *([c.each] if c.each is not None else [])]
     return out
 
 
-def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
+def default_batch_rows(files: Files, cols: dict[str, Column]) -> int:
     """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
     if files.n_rows == 0:
         return 1
@@ -111,7 +111,7 @@ def default_batch_rows(files: V2Files, cols: dict[str, Column]) -> int:
     return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
 
 
-def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
+def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
     pa = _pa("MergedStore.iter_batches()")
     files.checks.rows(a, b)  # the index over these rows, checked (frame_offsets among it)
@@ -131,7 +131,7 @@ def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
         if isinstance(col, OpenColumn):
             arr = stored.arrow(col)
             domain = F.list_domain(col.info.leaf)
-            if domain:  # a list's items (format 4) by their flat name: each row's items as a list
+            if domain:  # a list's items by their flat name: each row's items as a list
                 arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
             fields.append(pa.field(name, arr.type))
         else:
@@ -141,7 +141,7 @@ def batch(files: V2Files, cols: dict[str, Column], a: int, b: int) -> Any:
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
 
 
-def iter_batches(files: V2Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
+def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
     """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
         raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
@@ -150,14 +150,14 @@ def iter_batches(files: V2Files, cols: dict[str, Column], batch_size: int | None
         yield batch(files, cols, a, min(a + step, files.n_rows))
 
 
-def to_arrow(files: V2Files, cols: dict[str, Column]) -> Any:
+def to_arrow(files: Files, cols: dict[str, Column]) -> Any:
     """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
     pa = _pa("MergedStore.to_arrow()")
     return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
 
 
 def to_parquet(
-    files: V2Files,
+    files: Files,
     cols: dict[str, Column],
     path: str | os.PathLike[str],
     batch_size: int | None,
@@ -229,7 +229,7 @@ def _refuse_unions(schema: Any, target: str) -> None:
 def _parquet_form(rb: Any) -> Any:
     """``rb`` with its tensor columns (``arrow.fixed_shape_tensor``) as nested ``fixed_size_list``:
     polars and DuckDB read the extension type's flat storage without its shape, the nested lists
-    with it (as before version 3)."""
+    with it."""
     pa = _pa("MergedStore.to_parquet()")
     if not any(isinstance(f.type, pa.FixedShapeTensorType) for f in rb.schema):
         return rb

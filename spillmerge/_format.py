@@ -1,4 +1,4 @@
-"""On-disk format version 2, what both halves of docs/FORMAT.md share: the version, the size
+"""The on-disk format, what both halves of docs/FORMAT.md share: the version, the size
 limits of objects read whole, JSON in and out (``dumps``, ``loads``), the dtype table, the
 node-name encoding and the checks every record's reader uses.
 
@@ -23,19 +23,37 @@ import numpy as np
 from ._errors import CorruptSpillError, FormatVersionError
 
 FORMAT_VERSION = 5
-"""The version of the outputs a merge writes."""
+"""The version of the outputs a merge writes, and the only one a reader reads."""
 SPILL_FORMAT_VERSION = 3
-"""The version a writer's spill records carry: versions 4 and 5 changed only the merged output
-(a list's items as one child column; the plain values' column name), so a spill root of this
-spillmerge merges with version 3's."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
-"""Versions this spillmerge reads: version 1 spill roots are a subset of version 2, version 2
-ones a subset of version 3 (which adds block checksums, ``checks``), and version 4 and 5 spill
-roots are laid out as version 3's; version 3 outputs store strings as bytes + offsets, version 4
-ones a list's items as one child column with list offsets, version 5 ones the plain values in
-column ``_value`` (an older output with plain values is refused:
-``_format_output.renamed_value_column``); version 1 outputs are read by the reader's version-1
-path (docs/FORMAT.md section 5)."""
+"""The version a writer's spill records carry, and the only one a merge reads. It counts apart
+from :data:`FORMAT_VERSION`: a change to the merged output alone leaves spill roots as they are."""
+
+
+def version_error(path: str, found: object, *, spill: bool) -> FormatVersionError:
+    """The one refusal of a tree of another format version: names ``path``, the version found and
+    the one this spillmerge reads, and what to do (no reader of another version is kept)."""
+    if spill:
+        supported, what, a = SPILL_FORMAT_VERSION, "spill root", "a"
+        todo = "run the job again with this spillmerge, or merge the spill root with the spillmerge that wrote it"
+    else:
+        supported, what, a = FORMAT_VERSION, "output", "an"
+        todo = "merge its spill root again with this spillmerge (or read it with the spillmerge that wrote it)"
+    return FormatVersionError(
+        f"{path}: {a} {what} of format version {found!r:.40}; this spillmerge reads {what} format version "
+        f"{supported} only: {todo}",
+        path=path,
+        found=found,
+        supported=supported,
+    )
+
+
+def check_version(obj: dict[str, Any], path: str, *, spill: bool) -> int:
+    """``obj['format_version']`` when it is the version this spillmerge reads, else :func:`version_error`."""
+    version = obj.get("format_version")
+    if type(version) is not int or version != (SPILL_FORMAT_VERSION if spill else FORMAT_VERSION):
+        raise version_error(path, version, spill=spill)
+    return version
+
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;
@@ -181,13 +199,13 @@ for _n in _NATIVE:
     DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
 for _n, _s in _RAW.items():
     DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
-#: Non-numeric kinds (version 2): bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
+#: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
 #: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
 #: ``[]`` for ``none``).
 NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
 for _n in NON_NUMERIC:
     DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
-#: Version 3: Python scalars (and lists of one scalar type) keep their Python type: stored as the
+#: Python scalars (and lists of one scalar type) keep their Python type: stored as the
 #: numeric dtype ``storage`` and read back as ``int`` / ``float`` / ``bool`` / ``complex`` (0-d) or
 #: nested lists of them; and the headers of Python containers (docs/FORMAT.md, *Value model*),
 #: int64 0-d values holding a container's length.
@@ -222,7 +240,7 @@ def get_dtype(name: object, *, path: str = "?") -> DType:
 
 
 # --------------------------------------------------------------------------------------------
-# leaf path segments of the value model (version 3, docs/FORMAT.md section 1, *Value model*)
+# leaf path segments of the value model (docs/FORMAT.md section 1, *Value model*)
 
 MARK = "\x1f"
 """First character of a header (``MARK``) or list item (``MARK`` + index) path segment."""
@@ -240,7 +258,7 @@ def is_marker(seg: str) -> bool:
 
 
 ITEM = MARK + "*"
-"""The segment of a list's items in an output's leaf paths (version 4): every item of the lists
+"""The segment of a list's items in an output's leaf paths: every item of the lists
 at ``P`` is a row of the child path ``(*P, ITEM)`` (docs/FORMAT.md, *Lists*). The spill keeps
 each item's position (``MARK`` + index), which a merge turns into list offsets."""
 
@@ -269,7 +287,7 @@ def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...
 
 
 def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:
-    """The list whose items a version-4 leaf path's rows are (its prefix up to its last ``ITEM``),
+    """The list whose items an output leaf path's rows are (its prefix up to its last ``ITEM``),
     ``()`` for a path whose rows are the output's rows."""
     for k in range(len(path) - 1, -1, -1):
         if path[k] == ITEM:
@@ -332,10 +350,7 @@ def node_names(names: list[str]) -> dict[str, str]:
 VALUE_COLUMN = "_value"
 """Column name of the leaf ``[]`` (a frame value that is itself a tensor, string ...). No user
 leaf is named so: :func:`node_names` gives a name that starts with a letter or digit, or one
-that ends in ``~`` and 16 hex digits; nor does it start with ``__``, which Zarr v3 reserves.
-Versions 1 to 4 named it ``__value__``, an output this spillmerge refuses (:data:`OLD_VALUE_COLUMN`)."""
-OLD_VALUE_COLUMN = "__value__"
-"""The plain values' column of a version 1 to 4 output (refused: merge its spill root again)."""
+that ends in ``~`` and 16 hex digits; nor does it start with ``__``, which Zarr v3 reserves."""
 
 
 def leaf_text(leaf: tuple[str, ...]) -> str:
@@ -373,15 +388,10 @@ def is_safe_node_name(name: str) -> bool:
 
 
 def check_header(obj: Any, kind: str, path: str) -> dict[str, Any]:
+    """A spill record's JSON object of ``kind``, of this spillmerge's spill format version."""
     if not isinstance(obj, dict):
         raise CorruptSpillError(f"{path}: expected a JSON object", path=path)
-    version = obj.get("format_version")
-    if version not in READABLE_VERSIONS or isinstance(version, bool):
-        raise FormatVersionError(
-            f"{path}: format_version {version!r} is not supported by this spillmerge "
-            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade spillmerge or re-spill",
-            path=path,
-        )
+    check_version(obj, path, spill=True)
     if obj.get("kind") != kind:
         raise CorruptSpillError(f"{path}: expected kind {kind!r}, got {obj.get('kind')!r}", path=path)
     return obj

@@ -10,16 +10,13 @@ from typing import Any
 import numpy as np
 
 from . import _codecs
-from ._errors import CorruptSpillError, FormatVersionError
+from ._errors import CorruptSpillError
 from ._format import (
     DTYPES,
     FORMAT_VERSION,
-    HARD_MAX_BYTES,
     MAX_CHUNK_BYTES,
     MAX_NDIM,
-    OLD_VALUE_COLUMN,
-    READABLE_VERSIONS,
-    VALUE_COLUMN,
+    check_version,
     column_name_choices,
     dumps,
     failure_now,
@@ -27,6 +24,7 @@ from ._format import (
     host_and_pid,
     int_field,
     int_or_none,
+    item_index,
     loads,
     shape_problem,
     str_or_none,
@@ -34,15 +32,6 @@ from ._format import (
 )
 
 COMPLETE_NAME = "spillmerge-complete.json"
-
-STRING_ITEM_MAX = (64 << 10) + 4
-"""Bytes one string may take in a string chunk whose column header states no larger chunk
-(a filename: at most 64 KiB, plus its 4-byte length)."""
-STRING_CHUNK_STRINGS_MAX = 1 << 24
-"""The most strings in one chunk of a Zarr ``string`` array (format 2: ``index/filenames`` is one
-chunk of every filename, so also the most files a version-2 output can have; format 3 stores
-strings as bytes + offsets)."""
-
 
 @dataclass(frozen=True, slots=True)
 class ChunkLimits:
@@ -53,15 +42,11 @@ class ChunkLimits:
     """Most bytes of the stored chunk object (decoded size, plus a compressor's worst case and
     the CRC)."""
     decoded_bytes: int
-    """Most bytes its ``bytes`` / ``vlen-utf8`` form may have: what a compressor's header may
-    declare."""
+    """Most bytes its ``bytes`` form may have: what a compressor's header may declare."""
     compressor: str | None
     """``blosc``, ``zstd`` or None."""
     crc: bool
     """The chain ends in ``crc32c`` (4 bytes at the end of the object)."""
-    strings: int | None = None
-    """Strings in a chunk of a string array (None for numeric arrays): vlen-utf8's count
-    header, which its decoder allocates objects for, may declare no more."""
 
 
 def _ints(v: Any, what: str) -> list[int]:
@@ -76,14 +61,14 @@ def _ints(v: Any, what: str) -> list[int]:
     return v
 
 
-def chunk_limits(meta: Any, *, path: str, string_chunk_bytes: int | None = None) -> ChunkLimits:
+def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
     """The bounds of a chunk of the output array whose ``zarr.json`` is ``meta`` (a dict), or a
     :class:`CorruptSpillError` naming ``path`` when the metadata itself breaks the format: a
     codec chain spillmerge does not write, a chunk shape larger than the array in any dimension
     (a 32 KB chunk declared ``(2**26, 4)`` in a 10-row array), a chunk decoding to more than
     :data:`MAX_CHUNK_BYTES` unless it is one row, a shape overflowing or empty past
     :data:`~spillmerge._format.EMPTY_EXTENT_MAX` entries. Everything is computed in Python ints, so nothing
-    overflows. ``string_chunk_bytes``: the column header's ``chunk_max_bytes``, for string arrays."""
+    overflows."""
     try:
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
@@ -106,35 +91,23 @@ def chunk_limits(meta: Any, *, path: str, string_chunk_bytes: int | None = None)
             raise ValueError(f"a row's {bad}")
         first, compressor, crc = _codecs.chain(meta.get("codecs"))
         dt = meta.get("data_type")
-        if dt == "string":
-            if first != "vlen-utf8" or len(chunks) != 1:
-                raise ValueError("a string array must be 1-d and vlen-utf8 encoded")
-            if chunks[0] > STRING_CHUNK_STRINGS_MAX:
-                raise ValueError(
-                    f"a chunk of {chunks[0]} strings, more than the {STRING_CHUNK_STRINGS_MAX} the format allows "
-                    "(zarr allocates one object per string before it reads the chunk)"
-                )
-            decoded = 4 + chunks[0] * STRING_ITEM_MAX if string_chunk_bytes is None else string_chunk_bytes
-            decoded = min(decoded, HARD_MAX_BYTES)
-        else:
-            if first != "bytes" or not isinstance(dt, str):
-                raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
-            item = np.dtype(dt).itemsize
-            row = item
-            for c in chunks[1:]:
-                row *= c
-            decoded = row * chunks[0]
-            if decoded > max(MAX_CHUNK_BYTES, row):
-                raise ValueError(
-                    f"a chunk of shape {chunks} decodes to {decoded} bytes, more than the {MAX_CHUNK_BYTES} the "
-                    "format allows a chunk of several rows"
-                )
+        if first != "bytes" or not isinstance(dt, str):
+            raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
+        item = np.dtype(dt).itemsize
+        row = item
+        for c in chunks[1:]:
+            row *= c
+        decoded = row * chunks[0]
+        if decoded > max(MAX_CHUNK_BYTES, row):
+            raise ValueError(
+                f"a chunk of shape {chunks} decodes to {decoded} bytes, more than the {MAX_CHUNK_BYTES} the "
+                "format allows a chunk of several rows"
+            )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptSpillError(
             f"{path}: array metadata breaks the format: {exc}", path=path, reason=str(exc)
         ) from None
-    strings = chunks[0] if dt == "string" else None
-    return ChunkLimits(decoded + decoded // 8 + (64 << 10) + 4, decoded, compressor, crc, strings)
+    return ChunkLimits(decoded + decoded // 8 + (64 << 10) + 4, decoded, compressor, crc)
 
 
 def check_chunk(limits: ChunkLimits, data: memoryview, *, path: str) -> None:
@@ -156,37 +129,6 @@ def check_chunk(limits: ChunkLimits, data: memoryview, *, path: str) -> None:
                 f"{limits.decoded_bytes} its array's chunk shape allows (a decompression bomb?)",
                 path=path,
             )
-    if limits.strings is not None and not (limits.crc and _crc_mismatch(data)):
-        # (a chunk failing its CRC never reaches vlen-utf8: zarr refuses it first, in its words)
-        _check_vlen_count(limits, body, path)
-
-
-def _crc_mismatch(data: memoryview) -> bool:
-    import google_crc32c
-
-    return len(data) < 4 or google_crc32c.value(bytes(data[:-4])) != int.from_bytes(data[-4:], "little")
-
-
-def _check_vlen_count(limits: ChunkLimits, body: memoryview, path: str) -> None:
-    """vlen-utf8's decoder allocates one object per string its 4-byte count declares, before it
-    reads a string: the count must fit the chunk shape and the bytes (4 per string at least).
-    A compressed chunk is decoded here first (its size already bounded): string chunks are
-    small (64 KiB), so a second decode costs microseconds."""
-    if limits.compressor is not None:
-        try:
-            raw = memoryview(_codecs.decoder(limits.compressor).decode(bytes(body)))
-        except Exception as exc:  # noqa: BLE001 - numcodecs raises RuntimeError, ValueError ...
-            raise CorruptSpillError(f"{path}: not a {limits.compressor} chunk ({exc})", path=path) from None
-    else:
-        raw = body
-    if len(raw) < 4:
-        raise CorruptSpillError(f"{path}: a string chunk of {len(raw)} bytes has no count", path=path)
-    count = int.from_bytes(raw[:4], "little")
-    assert limits.strings is not None
-    if count > limits.strings or 4 + 4 * count > len(raw):
-        raise CorruptSpillError(
-            f"{path}: declares {count} strings in {len(raw)} bytes, but its chunk holds {limits.strings}", path=path
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,29 +262,8 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> di
     )
     if not ok:
         raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
-    if obj.get("format_version") not in READABLE_VERSIONS or isinstance(obj.get("format_version"), bool):
-        raise FormatVersionError(f"{path}: unknown format_version {obj.get('format_version')!r}", path=path)
+    check_version(obj, path, spill=False)
     return dict(obj)
-
-
-def renamed_value_column(header: dict[str, Any], path: str) -> FormatVersionError | None:
-    """The error for an output of version 4 or older whose plain values' column has its old name
-    ``__value__`` (a name Zarr v3 reserves; format 5 calls it ``_value``): it is not read (merge
-    the spill root again), rather than refused column by column as damage. None otherwise."""
-    version = header.get("format_version")
-    layouts = header.get("file_layouts")
-    if not isinstance(version, int) or version >= FORMAT_VERSION or not isinstance(layouts, list):
-        return None
-    old = OLD_VALUE_COLUMN
-    if not any(isinstance(n, str) and (n == old or n.startswith(old + ".")) for cols in layouts[:1 << 20]
-               if isinstance(cols, list) for n in cols[:4096]):  # fmt: skip
-        return None
-    return FormatVersionError(
-        f"{path}: a format-{version} output whose plain values are in column {old!r}, a name format "
-        f"{FORMAT_VERSION} changed to {VALUE_COLUMN!r} (Zarr reserves names starting with '__'); this "
-        f"spillmerge (format {FORMAT_VERSION}) does not read it: merge its spill root again",
-        path=path,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +345,8 @@ class ColumnHeader:
         leaf, kind, dtype = obj.get("leaf"), obj.get("kind"), obj.get("dtype")
         if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
             raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
+        if any(item_index(k) is not None for k in leaf):  # a spill's item position, never an output's
+            raise bad(f"leaf {leaf!r:.200} names a list item by position (an output's list items are one path)")
         numeric_dt = dtype if kind in NUMERIC_KINDS and isinstance(dtype, str) else None
         variant = obj.get("variant")
         if variant is not None and not isinstance(variant, str):

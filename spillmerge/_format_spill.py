@@ -42,7 +42,7 @@ INDEX_NAME = "index"
 CATALOG_NAME = "catalog"
 JOURNAL_NAME = "journal"
 CHECKS_NAME = "checks"
-CHECK_COLUMNS = 3  # offset, nbytes, crc32c of a range of data (version 3)
+CHECK_COLUMNS = 3  # offset, nbytes, crc32c of a range of data
 JOURNAL_MAGIC = b"SMJ1"
 INDEX_COLUMNS = 6  # file_id, frame_idx, layout_id, offset, nbytes, crc32c (or -1 - check id)
 COL_FILE, COL_FRAME, COL_LAYOUT, COL_OFFSET, COL_NBYTES, COL_CRC = range(INDEX_COLUMNS)
@@ -128,10 +128,9 @@ class CommitRecord:
     finished: str
     """UTC time the commit was written."""
     rewrites: int = 0
-    """Writes of a key this segment already held, dropped by the writer's duplicate policy (0 in
-    records written before the field existed)."""
+    """Writes of a key this segment already held, dropped by the writer's duplicate policy."""
     n_checks: int = 0
-    """Rows of ``checks`` (version 3; 0 and no ``checks`` array in earlier records)."""
+    """Rows of ``checks`` (0: the segment has no ``checks`` array: every row has its own CRC)."""
     checks_crc32c: int = 0
     """CRC-32C of the raw ``checks`` bytes."""
 
@@ -397,7 +396,7 @@ def encode_journal(
         "layouts": [lay.to_obj() for lay in layouts],
         "n_rows": len(rows),
     }
-    if checks is not None and len(checks):  # version 3: the block checksums of this chunk's rows
+    if checks is not None and len(checks):  # the block checksums of this chunk's rows
         head["check_base"] = check_base
         head["checks"] = checks.tolist()
     header = dumps(head)
@@ -422,10 +421,10 @@ class JournalEntry:
     rows: np.ndarray
     """int64 (n, 6) index rows completed in this chunk."""
     check_base: int = 0
-    """Id of the first entry of ``checks`` (version 3)."""
+    """Id of the first entry of ``checks``."""
     checks: np.ndarray | None = None
-    """int64 (m, 3) block checksums (offset, nbytes, crc32c) first listed in this entry; None in
-    entries of writers before version 3."""
+    """int64 (m, 3) block checksums (offset, nbytes, crc32c) first listed in this entry; None when
+    it lists none."""
 
 
 def decode_journal(blob: bytes, *, path: str) -> JournalEntry:

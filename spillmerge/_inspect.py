@@ -119,11 +119,10 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     dtypes: set[str] = set()
-    if res.format_version != 1:  # columnar: the dtypes are the columns', no file need be opened
-        # (every column: a leaf that files disagreed on has one per dtype or kind)
-        dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.require_columnar("inspect").columns.values()}
-    names = res.filenames if res.format_version == 1 else res.filenames[:max_files]
-    for name in names:
+    # the dtypes are the columns', no file need be opened (every column: a leaf that files
+    # disagreed on has one per dtype or kind)
+    dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.files.columns.values()}
+    for name in res.filenames[:max_files]:
         value = res[name]
         leaves = _leaves(value)
         for _, arr in leaves:
@@ -158,24 +157,21 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
 
 
 def _info(arr: Any) -> Any:
-    """The stored column of a leaf view (None for a version-1 file's array)."""
-    col = getattr(arr, "_col", None)
-    return None if col is None else col.info
+    """The stored column of a leaf view."""
+    return arr.info
 
 
 def _leaf_text(key: str, arr: Any) -> str:
     """A leaf as a listing shows it: its dict keys joined by ``/``, a list's items as ``[*]``, a
     container (its header) by its own path; ``<value>`` for the value itself."""
     info = _info(arr)
-    if info is None:
-        return key or "<value>"
     leaf = info.leaf[:-1] if info.leaf and info.leaf[-1] == F.MARK else info.leaf
     return F.path_text(leaf)
 
 
 def _leaf_dtype(arr: Any) -> str:
     info = _info(arr)
-    return arr.dtype_name if info is None else F.dtype_text(info.dtype, info.ndim)
+    return F.dtype_text(info.dtype, info.ndim)
 
 
 def _row_shape(arr: Any) -> list[int | None]:
@@ -184,7 +180,7 @@ def _row_shape(arr: Any) -> list[int | None]:
     from ._views import RaggedView
 
     info = _info(arr)
-    if info is not None and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS or not F.DTYPES[info.dtype].numeric):
+    if info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS or not F.DTYPES[info.dtype].numeric:
         return []
     if isinstance(arr, RaggedView):
         shapes = arr.shapes
@@ -280,8 +276,6 @@ def format_coverage(cov: Any, max_files: int = 20) -> str:
             lines.append(f"    {f['filename']!r}: " + "; ".join(problems))
     if j["files_with_problems"] > max_files:
         lines.append(f"    ... and {j['files_with_problems'] - max_files} more files with problems (--max-files N)")
-    if not j["ranks_known"]:
-        lines.append("  (this output predates per-frame rank records: ranks are unknown)")
     lines.extend(f"  note: {n}" for n in j["notes"])
     return "\n".join(lines)
 
@@ -428,6 +422,11 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     except Exception as exc:  # noqa: BLE001
         rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")
         return
+    header = group.attrs.get("spillmerge")
+    if isinstance(header, dict) and header.get("format_version") != F.FORMAT_VERSION:
+        # another format's arrays would be reported as damage one by one: say what it is instead
+        rep.problems.append(str(F.version_error(storage.describe(), header.get("format_version"), spill=False)))
+        return
     damaged: set[str] = set()
     arrays = []
     try:
@@ -438,8 +437,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     for name, arr in listed:
         # The metadata first, against the format: a chunk grid it breaks (a chunk larger than
         # its array, 2**40 rows of chunks) is reported without reading a chunk of it.
-        cmb = _string_chunk_bytes(group, name)
-        bad = V.grid_problems(name, arr, cmb)
+        bad = V.grid_problems(name, arr)
         if bad:
             rep.problems.extend(f"{storage.describe(rel)}: {what}" for rel, what in bad)
             damaged.add(name)
@@ -454,15 +452,6 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
         bar.close()
     if complete:  # an interrupted merge may not have written its index yet
         rep.problems.extend(_index_problems(storage, group, damaged))
-
-
-def _string_chunk_bytes(group: Any, name: str) -> int | None:
-    """A version-2 string column's header ``chunk_max_bytes`` (its values' chunk bound)."""
-    if not name.endswith("/values") or not name.startswith("columns/"):
-        return None
-    header = group[name.rpartition("/")[0]].attrs.get("spillmerge")
-    cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
-    return cmb if isinstance(cmb, int) and not isinstance(cmb, bool) and cmb >= 0 else None
 
 
 MISSING_LISTED = 20
@@ -530,53 +519,21 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     skipping what needs an index array whose chunks were already reported damaged."""
     header = group.attrs.get("spillmerge")
     header = header if isinstance(header, dict) else {}
-    renamed = FO.renamed_value_column(header, storage.describe())
-    if renamed is not None:
-        return [str(renamed)]
-    check = _index_problems_v1 if header.get("format_version") == 1 else _index_problems_v2
     try:
-        out = check(storage, group, damaged, header)
+        out = _output_index_problems(storage, group, damaged, header)
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]
     return [f"{storage.describe(rel)}: {what}" for rel, what in out]
 
 
-def _index_problems_v1(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[Problem]:
-    from . import _reader_v1 as R1
-
-    need = {f"index/{n}" for n in ("filenames", "keys", "frame_offsets", "frame_idx")}
-    if need & damaged:
-        return []
-    filenames = [str(x) for x in V.read_index(group, "filenames", storage.describe)]
-    keys = [str(x) for x in V.read_index(group, "keys", storage.describe)]
-    offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
-    lengths = V.index_lengths(group, storage.describe)
-    frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
-    out = R1.index_problems(filenames, keys, offsets, lengths, header)
-    for name in V.PROVENANCE:
-        if name in lengths and f"index/{name}" not in damaged:
-            out.extend(V.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
-    # With broken offsets the rows of the files cannot be told apart: the per-file checks would
-    # only echo that problem.
-    if not any(rel == "index/frame_offsets" for rel, _ in out):
-        out.extend(V.frame_problems(frame_idx, offsets, filenames))
-        for i, (filename, key) in enumerate(zip(filenames, keys, strict=False)):
-            if F.is_safe_node_name(key):
-                out.extend(R1.file_problems(group, key, filename, int(offsets[i + 1] - offsets[i])))
-    return out
-
-
-def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[Problem]:
-    """The same checks as ``spillmerge.open`` (``_reader.V2Files``), all of them listed."""
+def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[Problem]:
+    """The same checks as ``spillmerge.open`` (``_reader.OutputFiles``), all of them listed."""
     need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
     if need & damaged:
         return []
-    if header.get("format_version") == 2:
-        filenames = V.read_index(group, "filenames", storage.describe).astype(object)
-    else:
-        filenames, name_problems = N.read_all(group, storage.describe)
-        if name_problems:
-            return name_problems
+    filenames, name_problems = N.read_all(group, storage.describe)
+    if name_problems:
+        return name_problems
     offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
     file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
@@ -587,8 +544,8 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
     damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
     list_offs, sizes, list_problems = L.domains({p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx))
     out.extend(list_problems)
-    if header.get("format_version", 0) >= 4:  # a header without its items' list (lengths: below)
-        out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
+    # a header without its items' list (lengths: below)
+    out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
     out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
     for name in V.PROVENANCE:
         if name in lengths and f"index/{name}" not in damaged:
@@ -616,11 +573,10 @@ def _index_problems_v2(storage: Storage, group: Any, damaged: set[str], header: 
         valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
         rows = L.expand(list_offs, F.list_domain(c.leaf), in_layout(c.name))
         out.extend(V.rows_layout_problems(c, valid, col_off, rows))
-        if header.get("format_version", 0) >= 4 and _is_list_head(c):
+        if _is_list_head(c):
             n = None if f"{rel}/values" in damaged else np.asarray(V.read_array(c.arrays["values"]), dtype=np.int64)
             heads.append((c, valid, n))
-        byte_text = c.kind in V.STRING_KINDS and c.arrays["values"].dtype == np.uint8  # format 3
-        if byte_text and col_off is not None and f"{rel}/values" not in damaged:
+        if c.kind in V.STRING_KINDS and col_off is not None and f"{rel}/values" not in damaged:
             sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
             out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
     out.extend(L.header_problems(lists, list_offs, heads))

@@ -2,8 +2,7 @@
 reader (which raises the first broken one) and ``spillmerge verify`` (which lists them all).
 
 Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:
-O(rows) numpy, no per-file Python loop. Version-2 checks live here; the version-1 per-file checks
-are in ``_reader_v1``.
+O(rows) numpy, no per-file Python loop.
 """
 
 from __future__ import annotations
@@ -95,13 +94,13 @@ def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
     return node
 
 
-def grid_problems(rel: str, arr: Any, string_chunk_bytes: int | None = None) -> list[Problem]:
+def grid_problems(rel: str, arr: Any) -> list[Problem]:
     """What the array ``rel``'s metadata breaks of the format's chunk rules
     (``_format_output.chunk_limits``: chunk shape within the array's, known codecs, bounded
     chunk size, shapes without overflow), from its metadata alone; the same limits bound every
     chunk read (``_reader.NoFillStore``)."""
     try:
-        FO.chunk_limits(arr.metadata.to_dict(), path=rel, string_chunk_bytes=string_chunk_bytes)
+        FO.chunk_limits(arr.metadata.to_dict(), path=rel)
     except CorruptSpillError as exc:
         return [(rel, exc.reason or str(exc))]
     return []
@@ -180,10 +179,6 @@ def provenance_problems(name: str, values: np.ndarray) -> list[Problem]:
     return [(f"index/{name}", f"row {int(bad[0])} holds {int(values[bad[0]])} < {least} ({len(bad)} such rows)")]
 
 
-# --------------------------------------------------------------------------------------------
-# version 2
-
-
 def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list[Problem]:
     """``index/filenames`` strictly ascending in code point order (so distinct); ``filenames``
     is an object array of ``str``."""
@@ -201,7 +196,7 @@ def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list
 
 @dataclass(frozen=True, slots=True)
 class StoredColumn:
-    """One column group ``columns/<name>`` of a version-2 output as stored, from its metadata alone
+    """One column group ``columns/<name>`` of an output as stored, from its metadata alone
     (the reader wraps it in ``_views.OpenColumn``; the merge plans it as ``_plan.PlannedColumn``)."""
 
     name: str
@@ -221,7 +216,7 @@ class StoredColumn:
     arrays: dict[str, Any]
     """``values`` / ``offsets`` / ``shapes`` / ``valid`` -> ``zarr.Array`` (those present)."""
     variant: str | None = None
-    """Version 3: the variant tag of one of a leaf's variant columns (None: the leaf's only column,
+    """The variant tag of one of a leaf's variant columns (None: the leaf's only column,
     or one split by dtype)."""
 
     @property
@@ -270,8 +265,7 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
             problems.extend(bad)
             continue
         out[name] = info
-    # A leaf may have one column per variant (version 3; version 2: per numeric dtype), never two
-    # of one variant.
+    # A leaf may have one column per variant, never two of one variant.
     paths: dict[tuple[tuple[str, ...], str], str] = {}
     for c in out.values():
         key = (c.leaf, c.variant or (c.dtype if c.kind in ("fixed", "ragged") else c.kind))
@@ -287,11 +281,9 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     rel = f"columns/{c.name}"
     a = c.arrays
     out: list[Problem] = []
-    # Format 3 stores str / strlist as uint8 bytes + byte offsets (strlist: + strings per row in
-    # shapes); format 2 as Zarr strings (strlist: + offsets counting strings).
-    as_bytes = c.kind in STRING_KINDS and "values" in a and a["values"].dtype == np.uint8
-    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS or as_bytes else [])
-    if (c.kind == "ragged" and c.inner_shape is None) or (c.kind == "strlist" and as_bytes):
+    # str / strlist are stored as uint8 bytes + byte offsets (strlist: + strings per row in shapes)
+    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS or c.kind in STRING_KINDS else [])
+    if (c.kind == "ragged" and c.inner_shape is None) or c.kind == "strlist":
         need.append("shapes")
     if has_valid:
         need.append("valid")
@@ -303,12 +295,12 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
     if "valid" in a and not has_valid:
         out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
     for k, arr in sorted(a.items()):
-        out.extend(grid_problems(f"{rel}/{k}", arr, c.chunk_max_bytes if k == "values" else None))
+        out.extend(grid_problems(f"{rel}/{k}", arr))
     if out:
         return out
     v = a["values"]
     if c.kind in STRING_KINDS:
-        if v.dtype.kind not in ("T", "O", "U") and v.dtype != np.uint8:
+        if v.dtype != np.uint8:
             out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8 (UTF-8 bytes), not {v.dtype}"))
     elif c.kind in ("bytes", "pickle"):
         if v.dtype != np.uint8:
@@ -333,7 +325,7 @@ def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
 
 def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -> list[Problem]:
     """Lengths of one column's arrays against ``n_rows``, the rows of its domain (``of``: the
-    output's rows, or (format 4) the items of a list) (metadata only)."""
+    output's rows, or the items of a list) (metadata only)."""
     rel = f"columns/{c.name}"
     out: list[Problem] = []
     a = c.arrays
@@ -422,7 +414,7 @@ def v2_index_problems(
     lists: Any = None,
 ) -> list[Problem]:
     """What the per-file index arrays, the header and the index arrays' lengths break (the
-    column checks aside): O(files) numpy, reads nothing. ``lists`` (format 4): (list groups,
+    column checks aside): O(files) numpy, reads nothing. ``lists``: (list groups,
     domain sizes) from ``_lists``, for the lengths of columns whose rows are a list's items."""
     out = v2_meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns, lists)
     layouts = header.get("file_layouts")
@@ -455,8 +447,6 @@ def v2_meta_problems(
     :func:`v2_index_problems`."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]
-    if isinstance(filenames, np.ndarray):  # format 2 reads them whole; format 3 checks them block by block
-        out.extend(sorted_problems(filenames))
     if n_layout != n:
         out.append(("index/file_layout", f"{n_layout} entries for {n} files in index/filenames"))
     layouts = header.get("file_layouts")
@@ -469,13 +459,6 @@ def v2_meta_problems(
             gone = [c for c in lay if c not in columns]
             if gone:
                 out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
-                break
-            leaves = [columns[c].leaf for c in lay]
-            # version 2: a file has one dtype per leaf; version 3: one column per variant, and
-            # variant_problems checks that a row has a value in one of them at most
-            if len(set(leaves)) != len(leaves) and header.get("format_version") == 2:
-                twice = next(lf for lf in leaves if leaves.count(lf) > 1)
-                out.append(("zarr.json", f"file_layouts[{j}] lists two columns of leaf {list(twice)!r:.200}"))
                 break
     if n_offsets != n + 1:
         out.append(("index/frame_offsets", f"{n_offsets} entries for {n} files (must be {n + 1})"))
@@ -501,8 +484,7 @@ def v2_meta_problems(
 
 
 def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
-    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone
-    (both versions)."""
+    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
     out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
     idx: Any = group["index"]
     for name in PROVENANCE:
@@ -583,7 +565,7 @@ def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColum
 
 
 def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
-    """Every string of a byte-stored ``str`` / list-of-``str`` column (format 3) valid UTF-8, and
+    """Every string of a ``str`` / list-of-``str`` column valid UTF-8, and
     a list row's ``n`` uint32 lengths adding up to its bytes (offsets already checked)."""
     rel = f"columns/{c.name}/values"
     if c.kind == "str":

@@ -56,7 +56,7 @@ def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Prob
         if arr is None:
             problems.append((f"{rel}/offsets", "missing from the list group"))
             continue
-        bad = grid_problems(f"{rel}/offsets", arr, None)
+        bad = grid_problems(f"{rel}/offsets", arr)
         if not bad and (arr.dtype.kind not in "iu" or arr.ndim != 1):
             bad = [(f"{rel}/offsets", "expected a 1-d int64 array")]
         if bad:

@@ -1,6 +1,6 @@
 """The filenames of an open output as a sequence: ``MergedStore.filenames``.
 
-Format 3 stores them as UTF-8 bytes + int64 offsets (``index/filenames``,
+An output stores them as UTF-8 bytes + int64 offsets (``index/filenames``,
 ``index/filename_offsets``: Arrow's large_string layout, docs/FORMAT.md section 2) with the first
 filename of every block of offsets (``index/filename_heads``). Opening reads the heads only; a
 lookup bisects them in memory and reads one block (an offsets chunk, the next one's first entry
@@ -9,8 +9,6 @@ a thousand files or a billion. A block is checked when it is first read: offsets
 decreasing and within the bytes, every name valid UTF-8, names strictly ascending, its first name
 its head and its last one below the next head — so the names are checked whole, block by block,
 as the reader comes to them (``spillmerge verify`` reads every block).
-
-Format 2 stored a Zarr ``string`` array, read whole and checked at open (:class:`ArrayNames`).
 """
 
 from __future__ import annotations
@@ -64,49 +62,6 @@ class Names(Sequence[str]):
         n = len(self)
         head = ", ".join(repr(x) for x in self[: min(n, 3)])
         return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
-
-    def as_array(self) -> np.ndarray:
-        """Every name as an object array (reads them all)."""
-        return np.array(list(self), dtype=object)
-
-
-class ArrayNames(Names):
-    """Format 1-2: the names read whole at open (checked there)."""
-
-    def __init__(self, names: np.ndarray) -> None:
-        self._names = names
-        self._next = 0
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __getitem__(self, i: int | slice) -> Any:
-        return self._names[i].tolist() if isinstance(i, slice) else str(self._names[i])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names.tolist())
-
-    def find(self, name: object) -> int | None:
-        if not isinstance(name, str):
-            return None
-        names = self._names
-        # Files are most often read in order: try the one after the last found before searching.
-        i = self._next
-        if i < len(names) and names[i] == name:
-            self._next = i + 1
-            return i
-        i = int(np.searchsorted(names, name))
-        if i < len(names) and names[i] == name:
-            self._next = i + 1
-            return i
-        return None
-
-    def near(self, name: str) -> list[str]:
-        j = int(np.searchsorted(self._names, name))
-        return self._names[max(0, j - 50) : j + 50].tolist()  # type: ignore[no-any-return]
-
-    def as_array(self) -> np.ndarray:
-        return self._names
 
 
 def _chunk_reader(
@@ -320,8 +275,8 @@ class ChunkedNames(Names):
 
 
 def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, list[V.Problem]]:
-    """Every filename of a format-3 output (``spillmerge verify``): an object array and the
-    problems of the bytes, offsets and heads (the order is :func:`_invariants.sorted_problems`'s)."""
+    """Every filename of an output (``spillmerge verify``): an object array and the
+    problems of the bytes, offsets, order (:func:`_invariants.sorted_problems`) and heads."""
     raw = np.asarray(V.read_index(group, "filenames", describe))
     off = np.asarray(V.read_index(group, "filename_offsets", describe), dtype=np.int64)
     empty = np.empty(0, dtype=object)
@@ -333,6 +288,7 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
     if out:
         return empty, out
     names, out = decode_names(raw, off, "index/filenames")
+    out = out or V.sorted_problems(names)
     if out:
         return empty, out
     attrs = V.index_node(group, "filename_heads", describe).attrs.get("spillmerge")

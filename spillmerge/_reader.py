@@ -1,7 +1,8 @@
 """Reading a merged output: ``spillmerge.open(out)``.
 
-Version 2 (columnar, docs/FORMAT.md section 2) is read here; version 1 (one array per file,
-section 5) by ``_reader_v1``; leaf views are in ``_views``, the index invariants in ``_invariants``.
+An output of this spillmerge's format version (docs/FORMAT.md section 2) is read here; leaf views
+are in ``_views``, the index invariants in ``_invariants``. An output of any other version is
+refused at open (``_format.version_error``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from . import _lists as L
 from ._cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from ._errors import (
     CorruptSpillError,
-    FormatVersionError,
     IncompleteOutputError,
     SpillStorageError,
     UnknownColumnError,
@@ -33,9 +33,8 @@ from ._errors import (
 )
 from ._lazyindex import LazyArray
 from ._leafdict import LeafDict
-from ._names import ArrayNames, ChunkedNames, Names, close_matches
+from ._names import ChunkedNames, Names, close_matches
 from ._output import not_an_output, what_is
-from ._reader_v1 import LeafArray, V1Files, set_nested
 from ._rowvalue import RowPlan, row_value
 from ._storage import Storage
 from ._views import LeafView, OpenColumn, view_factory
@@ -43,7 +42,7 @@ from ._views import LeafView, OpenColumn, view_factory
 # Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
 
-__all__ = ["LeafArray", "LeafView", "MergedStore", "NoFillStore", "open"]
+__all__ = ["LeafView", "MergedStore", "NoFillStore", "open"]
 
 
 class NoFillStore(WrapperStore[Store]):
@@ -60,9 +59,8 @@ class NoFillStore(WrapperStore[Store]):
     Every chunk is checked before zarr decodes it, on every backend, against its array's
     metadata checked against the format (``_format_output.chunk_limits``: chunk shape within the
     array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
-    size its compressor header declares (a zstd or blosc bomb is refused unread), and a string
-    chunk's count (vlen-utf8 allocates one object per declared string). The metadata is one small
-    read per array, once.
+    size its compressor header declares (a zstd or blosc bomb is refused unread). The metadata is
+    one small read per array, once.
 
     Given the output's ``storage`` on a local disk, every object is read through
     :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
@@ -129,24 +127,9 @@ class NoFillStore(WrapperStore[Store]):
             meta = await self._doc(doc, prototype)
             if meta is None:
                 raise self._missing(key)
-            cmb = None
-            if isinstance(meta, dict) and meta.get("data_type") == "string" and "/" in array:
-                cmb = await self._string_chunk_bytes(array.rpartition("/")[0], prototype)
-            limits = FO.chunk_limits(meta, path=self._describe(doc), string_chunk_bytes=cmb)
+            limits = FO.chunk_limits(meta, path=self._describe(doc))
             self._chunk_limits[array] = limits
         return limits
-
-    async def _string_chunk_bytes(self, group: str, prototype: BufferPrototype) -> int | None:
-        """A version-2 string column's header ``chunk_max_bytes`` (the largest vlen-utf8 chunk
-        the merge wrote), where the group has one (a 10 MB string is one element): docs/FORMAT.md
-        section 2, *Columns*; None where it has none (the per-string default applies)."""
-        obj = await self._doc(f"{group}/zarr.json", prototype)
-        attrs = obj.get("attributes") if isinstance(obj, dict) else None
-        header = attrs.get("spillmerge") if isinstance(attrs, dict) else None
-        cmb = header.get("chunk_max_bytes") if isinstance(header, dict) else None
-        if not isinstance(cmb, int) or isinstance(cmb, bool) or cmb < 0:
-            return None
-        return cmb
 
     def _read_local(self, key: str, byte_range: ByteRequest | None, max_bytes: int) -> bytes | None:
         assert self._storage is not None
@@ -206,7 +189,7 @@ class NoFillStore(WrapperStore[Store]):
 
 def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColumn]]:
     """Where each column of a file shows in ``store[filename]``'s nested dict: at its leaf path;
-    a leaf with several variant columns (format version 3) as ``<key>.<variant>`` for each; the
+    a leaf with several variant columns as ``<key>.<variant>`` for each; the
     headers and items of lists that share a path with a value in other frames are left out (a
     dict cannot hold both: ``store.value()`` reads them)."""
     count: dict[tuple[str, ...], int] = {}
@@ -231,8 +214,15 @@ def _dtype_choice(c: OpenColumn) -> str:
     return shown if shown != c.info.dtype else c.info.variant or c.info.dtype
 
 
-class V2Files:
-    """The files of a version-2 (columnar) output, for :class:`MergedStore`.
+def set_nested(out: LeafDict, path: list[str] | tuple[str, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in the nested dict ``out``, making the dicts on the way."""
+    for k in path[:-1]:
+        out = out.child(k)
+    out[path[-1]] = value
+
+
+class OutputFiles:
+    """The files of an output, for :class:`MergedStore`.
 
     Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants of the index*): the
     header's ``file_layouts``, every column's header and array lengths are checked there; the
@@ -254,25 +244,18 @@ class V2Files:
         storage: Storage | None = None,
     ) -> None:
         self.group = group
-        self._names: Names
-        if header.get("format_version") == 2:  # a Zarr string array, read whole
-            raw_names = V.read_index(group, "filenames", describe)
-            if raw_names.dtype.kind not in ("T", "U", "O"):
-                raise_([("index/filenames", f"expected strings, got {raw_names.dtype}")])
-            self._names = ArrayNames(raw_names.astype(object))
-        else:  # bytes + offsets, read block by block when asked for (_names)
-            self._names = ChunkedNames(group, describe, cache, raise_, storage)
+        # bytes + offsets, read block by block when asked for (_names)
+        self._names: Names = ChunkedNames(group, describe, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
-        # Format 4: list offsets (their contents stay in memory, as list columns' offsets do)
+        # list offsets (their contents stay in memory, as list columns' offsets do)
         lists, list_problems = L.read_lists(group)
         raise_(problems + list_problems)
         self._list_offs, sizes, list_problems = L.domains(lists, n_rows)
         raise_(list_problems)
         heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
-        if header.get("format_version", 0) >= 4:
-            raise_(L.header_problems(lists, self._list_offs, heads))
+        raise_(L.header_problems(lists, self._list_offs, heads))
         self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
 
@@ -299,9 +282,8 @@ class V2Files:
                          f"not a position in the header's {n_layouts} file_layouts")])  # fmt: skip
 
         self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
-        all_names = self._names.as_array() if isinstance(self._names, ArrayNames) else self._names
         meta = V.v2_meta_problems(
-            all_names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+            self._names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
         self._frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
@@ -314,7 +296,7 @@ class V2Files:
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
             col = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
-            if domain:  # format 4's list items: read and checked whole at open, as their lists are
+            if domain:  # a list's items: read and checked whole at open, as their lists are
                 nested[name] = info
                 if "offsets" in info.arrays:
                     col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
@@ -423,7 +405,7 @@ class V2Files:
         a, b = self.rows_of(i)
         return self._frame_idx[a:b].copy()
 
-    def provenance(self, i: int, name: str) -> np.ndarray | None:
+    def provenance(self, i: int, name: str) -> np.ndarray:
         a, b = self.rows_of(i)
         return self._prov[name][a:b].copy()
 
@@ -443,7 +425,7 @@ class V2Files:
             return make(a, b, filename)
         out = LeafDict.top(filename)
         for path, col in self._layout_paths[layout]:
-            # a list's items (format 4): the items of the file's rows, flattened
+            # a list's items: the items of the file's rows, flattened
             set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
         return out
 
@@ -545,13 +527,13 @@ class V2Files:
 
 
 class MergedStore(Mapping[str, Any]):
-    """A merged output, of format version 2 or 1.
+    """A merged output (of :data:`~spillmerge.FORMAT_VERSION`, the one version this spillmerge reads).
 
     ``store[filename]`` is the file's value: for a file whose only leaf is the plain value (leaf
-    ``[]``) a leaf view of its rows (:class:`~spillmerge._views.LeafView`; a :class:`LeafArray`
-    in version-1 outputs), else a nested dict, by leaf path, of such views.
-    ``store.frames(filename)`` gives the frame index of each row; ``store.column(path)`` one leaf
-    over every file; ``store.to_arrow()`` everything as a pyarrow table (version 2).
+    ``[]``) a leaf view of its rows (:class:`~spillmerge._views.LeafView`), else a nested dict, by
+    leaf path, of such views. ``store.frames(filename)`` gives the frame index of each row;
+    ``store.column(path)`` one leaf over every file; ``store.to_arrow()`` everything as a pyarrow
+    table.
 
     The index is checked before anything is returned from it (docs/FORMAT.md, "Invariants of the
     index"); every failure is a :class:`CorruptSpillError` naming the object and what is wrong.
@@ -586,7 +568,7 @@ class MergedStore(Mapping[str, Any]):
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
             store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
-            # zarr_format=3: every version of our output is Zarr v3; without it zarr probes the v2
+            # zarr_format=3: our output is Zarr v3; without it zarr probes the v2
             # names too (.zgroup, .zattrs, .zmetadata: 6 more requests on an object store).
             self.group = zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
@@ -596,27 +578,14 @@ class MergedStore(Mapping[str, Any]):
         header = self.group.attrs.get("spillmerge")
         if not isinstance(header, dict) or header.get("kind") != "merged":
             raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())
-        version = header.get("format_version")
-        if version not in F.READABLE_VERSIONS or isinstance(version, bool):
-            raise FormatVersionError(
-                f"{self.storage.describe()}: format_version {version!r} is not supported (this spillmerge "
-                f"reads {', '.join(map(str, F.READABLE_VERSIONS))}); upgrade spillmerge",
-                path=self.storage.describe(),
-            )
-        renamed = FO.renamed_value_column(header, self.storage.describe())
-        if renamed is not None:
-            raise renamed
+        version = F.check_version(header, self.storage.describe(), spill=False)
         self.header: dict[str, Any] = header
         self.format_version: int = version
-        """The output's format version (1: one array per file; 2: columnar)."""
+        """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
         self.allow_pickle = allow_pickle
-        self._files: V1Files | V2Files
-        if version == 1:
-            self._files = V1Files(self.group, header, self.storage.describe, self._raise)
-        else:
-            self._files = V2Files(
-                self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
-            )
+        self._files = OutputFiles(
+            self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
+        )
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -633,9 +602,8 @@ class MergedStore(Mapping[str, Any]):
 
     @property
     def filenames(self) -> Sequence[str]:
-        """Original filenames, sorted: a list (format 1), else a sequence read block by block as
-        it is used (``len``, ``names[i]``, slices, iteration, ``in``; format 3 never reads every
-        filename to open or to find one)."""
+        """Original filenames, sorted: a sequence read block by block as it is used (``len``,
+        ``names[i]``, slices, iteration, ``in``; no read of every filename to open or to find one)."""
         return self._files.filenames
 
     def __len__(self) -> int:
@@ -654,14 +622,13 @@ class MergedStore(Mapping[str, Any]):
         """Ascending int64 frame indices of ``filename``, one per row."""
         return self._files.frames(self._index(filename))
 
-    def frame_ranks(self, filename: str) -> np.ndarray | None:
-        """The rank each row of ``filename`` came from (int64, one per row), or ``None`` when the
-        output predates provenance (``index/frame_rank``, version 1 only)."""
+    def frame_ranks(self, filename: str) -> np.ndarray:
+        """The rank each row of ``filename`` came from (int64, one per row; ``index/frame_rank``)."""
         return self._files.provenance(self._index(filename), "frame_rank")
 
-    def frame_copies(self, filename: str) -> np.ndarray | None:
+    def frame_copies(self, filename: str) -> np.ndarray:
         """How many spill segments held each row's frame (1, or more when duplicates were
-        dropped), or ``None`` when the output predates provenance (``index/frame_copies``)."""
+        dropped; ``index/frame_copies``)."""
         return self._files.provenance(self._index(filename), "frame_copies")
 
     def __getitem__(self, filename: str) -> Any:
@@ -673,12 +640,10 @@ class MergedStore(Mapping[str, Any]):
         tuples, Python scalars, ``str``, ``bytes`` and ``None`` as themselves, tensors and arrays
         as numpy arrays (``as_torch=True``: torch tensors, importing torch only then), pickled
         objects unpickled (only under ``open(..., allow_pickle=True)``). A dict key some frames
-        of the file have and this one lacks reads as ``None``. Version 2 and 3 outputs
-        (docs/FORMAT.md section 1, *Value model*); version 2 stored Python scalars as 0-d arrays
-        and tuples as arrays, and returns them so."""
-        files = self.require_columnar("value()")
+        of the file have and this one lacks reads as ``None`` (docs/FORMAT.md section 1, *Value
+        model*)."""
         i = self._index(filename)
-        return files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
+        return self._files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
 
     def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
         """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
@@ -686,22 +651,17 @@ class MergedStore(Mapping[str, Any]):
         (each column's rows of a block decoded once, no search for a file): for work over every
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
-        more than 32 MiB), whatever the output's size. Version 2 and later outputs."""
-        return self.require_columnar("iter_values()").iter_values(as_torch)
+        more than 32 MiB), whatever the output's size."""
+        return self._files.iter_values(as_torch)
 
-    def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies) of a version-2 output, as
-        checked at open (for coverage, which needs them whole); None for version 1."""
-        return self._files.index_arrays() if isinstance(self._files, V2Files) else None
+    def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
+        (for coverage, which needs them whole)."""
+        return self._files.index_arrays()
 
-    def require_columnar(self, what: str) -> V2Files:
-        """The columnar files of this output, or FormatVersionError naming ``what`` for version 1."""
-        if not isinstance(self._files, V2Files):
-            raise FormatVersionError(
-                f"{self.storage.describe()}: {what} reads columnar outputs (format version 2); this one is "
-                "version 1 (one array per file): read it file by file, or merge its spill root again",
-                path=self.storage.describe(),
-            )
+    @property
+    def files(self) -> OutputFiles:
+        """The output's files and columns as the package's readers use them (inspect, datasets)."""
         return self._files
 
     def column(self, path: str | tuple[str, ...] | list[str] | None = None, dtype: str | None = None) -> LeafView:
@@ -710,12 +670,12 @@ class MergedStore(Mapping[str, Any]):
         same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
         columns when there is no such leaf. A leaf whose dtype differs between files has one
         column per dtype (rows of the other files absent): choose one with ``dtype=``."""
-        return self.require_columnar("column()").column(path, self.storage.describe(), dtype)
+        return self._files.column(path, self.storage.describe(), dtype)
 
     @property
     def columns(self) -> list[str]:
-        """The leaf paths of the columns (``""`` for plain tensor values), sorted (version 2)."""
-        return sorted({c.info.path for c in self.require_columnar("columns").columns.values()})
+        """The leaf paths of the columns (``""`` for plain tensor values), sorted."""
+        return sorted({c.info.path for c in self._files.columns.values()})
 
     def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
         """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
@@ -723,7 +683,7 @@ class MergedStore(Mapping[str, Any]):
         ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
         MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
         the output's size; every chunk is decoded once."""
-        files = self.require_columnar("iter_batches()")
+        files = self._files
         return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
 
     def to_parquet(
@@ -739,7 +699,7 @@ class MergedStore(Mapping[str, Any]):
         polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
-        files = self.require_columnar("to_parquet()")
+        files = self._files
         cols = _export.select(files, columns, self.storage.describe())
         return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
 
@@ -757,13 +717,13 @@ class MergedStore(Mapping[str, Any]):
         - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
           unpickled); list of ``str``: ``large_list<large_string>``;
         - fixed numeric leaves of 2+ dimensions per row: ``arrow.fixed_shape_tensor``;
-        - format 3 (docs/READING.md has the table): ``py*`` scalars as ``int64`` / ``double`` /
+        - Python values (docs/READING.md has the table): ``py*`` scalars as ``int64`` / ``double`` /
           ``bool``; a leaf of several variants as one ``dense_union`` column; lists and tuples as
           ``large_list`` (items of several types: a union), lists of dicts as
           ``large_list<struct>``. Dicts from the root stay flat columns (``"a/b"``); ``columns``
           also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
-        files = self.require_columnar("to_arrow()")
+        files = self._files
         return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
 
     def cache_stats(self) -> CacheStats:
@@ -780,7 +740,7 @@ def open(  # noqa: A001
     allow_pickle: bool = False,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
 ) -> MergedStore:
-    """Open a merged output (format version 1 or 2) for reading. ``allow_pickle=True`` lets
+    """Open a merged output (of :data:`~spillmerge.FORMAT_VERSION`) for reading. ``allow_pickle=True`` lets
     leaves stored pickled be unpickled (only for outputs you trust: unpickling runs code).
     ``cache_bytes`` bounds the decoded chunks kept for reading rows (default 64 MiB, shared by
     every view and ``column()`` of this store and by its threads; 0 keeps none): reading rows

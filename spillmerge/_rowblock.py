@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ._views import OpenColumn
 
 BLOCK_FILES = 1024
-"""Files whose index entries are read at a time (the names' block size of format 3)."""
+"""Files whose index entries are read at a time (the filenames' block size)."""
 BLOCK_ROWS = 4096
 """Rows whose column values are decoded at a time."""
 BLOCK_BYTES = 32 << 20
@@ -142,7 +142,7 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
 
 
 def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
-    """(filename, frame_idx, value) of every row of ``files`` (the reader's ``V2Files``) in order
+    """(filename, frame_idx, value) of every row of ``files`` (the reader's ``OutputFiles``) in order
     (module docstring)."""
     n_files = len(files)
     offs = files.list_offsets

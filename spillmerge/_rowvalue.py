@@ -45,10 +45,10 @@ def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
 class RowPlan:
     """What ``row_value`` needs of one file layout's columns, derived once per layout (the reader
     keeps one per layout) instead of once per row: each column's leaf, list domain, item
-    segments and header rule, format 3's list room, and the one column of a layout whose values
+    segments and header rule, and the one column of a layout whose values
     are plain leaves at the root (a str, a tensor, a pickled object), read without a tree."""
 
-    __slots__ = ("leaves", "room", "scalars", "single")
+    __slots__ = ("leaves", "scalars", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
         # (column, leaf, domain, item segments, list path of a header's items or None, its
@@ -68,16 +68,6 @@ class RowPlan:
             self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
             if is_scalar(col):
                 self.scalars.add(id(col))
-        # How many items each list of the file can have (format 3: its highest item column; format
-        # 4: its offsets): a header is checked against it, so a damaged (or hostile) length cannot
-        # make a reader build a list of a billion Nones.
-        self.room: dict[tuple[str, ...], int] = {}
-        if not offs:
-            for col in cols:
-                path: tuple[str, ...] = col.info.leaf
-                for k, seg in enumerate(path):
-                    if is_marker(seg) and seg[1:].isdigit():
-                        self.room[path[:k]] = max(self.room.get(path[:k], 0), int(seg[1:]) + 1)
         only = cols[0] if len(cols) == 1 else None
         self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
 
@@ -97,9 +87,8 @@ def _entries(
 ) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     whether the row has a value there) of every value row ``r`` has in the plan's columns, less
-    the list items and headers it has no value in (they say nothing): format 4's item rows
-    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say, as format 3 stored them
-    (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
+    the list items and headers it has no value in (they say nothing): a list's item rows
+    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
@@ -144,7 +133,7 @@ def row_value(
     block: Any = None,
 ) -> Any:
     """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
-    ``offs``: format 4's list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
+    ``offs``: the list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
     of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``),
     else each leaf's row is read from its column here (``value()``)."""
     col = plan.single
@@ -159,9 +148,9 @@ def row_value(
         return to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
-    inside: list[tuple[str, ...]] = []  # format 4: keys of dicts that are list items, absent or None
+    inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
     entries = _entries(plan, r, offs or {}, block)
-    room, scalars = plan.room, plan.scalars
+    scalars = plan.scalars
     for leaf, col, d, items, ok in entries:
         if not ok:  # (absent headers and list items say nothing: _entries left them out)
             (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
@@ -184,11 +173,12 @@ def row_value(
             for seg in leaf[:-1]:
                 parent = parent["kids"][seg]
             n = int(got) if scalar else int(np.asarray(got))
-            limit = items if items >= 0 else room.get(leaf[:-1], 0)
-            if dtype in ("pylist", "pytuple") and not (0 <= n <= limit and (items < 0 or n == items)):
+            # a header is checked against its list offsets (none: no items), so a damaged (or
+            # hostile) length cannot make a reader build a list of a billion Nones
+            if dtype in ("pylist", "pytuple") and n != max(items, 0):
+                said = f"its list offsets say {items}" if items >= 0 else "the output holds no items of it"
                 raise CorruptSpillError(
-                    f"columns/{col.info.name}: row {d} ({filename!r:.200}) says its {dtype[2:]} has {n} items; "
-                    f"{'its list offsets say' if items >= 0 else 'the file columns hold at most'} {limit}",
+                    f"columns/{col.info.name}: row {d} ({filename!r:.200}) says its {dtype[2:]} has {n} items; {said}",
                     path=f"columns/{col.info.name}",
                 )
             parent["header"] = (dtype, n)

@@ -1,6 +1,6 @@
 """The per-file leaf rule of one writer, and its layout catalog.
 
-Format version 3 lets a leaf's kind, dtype and ndim change between the frames of a file, and a
+A leaf's kind, dtype and ndim may change between the frames of a file, and a
 path hold a value in some frames and a dict, list or tuple in others (the merge stores each
 variant in a column of its own, docs/FORMAT.md *Value model*): the schema records what each
 path held first, and the catalog the layouts of accepted frames.

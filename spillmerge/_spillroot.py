@@ -18,7 +18,6 @@ from . import _poll, _progress
 from ._errors import (
     CommitTimeout,
     CorruptSpillError,
-    FormatVersionError,
     IncompleteSpillError,
     RankFailedError,
     SpillMergeError,
@@ -90,7 +89,7 @@ class LoadedSegment:
     """True when rebuilt from the journal of an uncommitted segment (``allow_partial``)."""
     checks: np.ndarray | None = None
     """int64 (n, 3) block checksums (offset, nbytes, CRC-32C) that rows with a negative CRC
-    point at (``-1 - id``), validated; None when the segment has none (before version 3)."""
+    point at (``-1 - id``), validated; None when the segment has none."""
 
 
 def list_ranks(storage: Storage) -> list[int]:
@@ -439,7 +438,6 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
             FS.CATALOG_NAME,
         )
     layouts = [FS.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
-    _check_kinds(bad, seg, layouts, FS.CATALOG_NAME)
 
     idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
@@ -456,8 +454,6 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     checks = None
     if commit.n_checks:
-        if seg.format_version is not None and seg.format_version < 3:
-            raise bad(f"a format version {seg.format_version} segment cannot have block checksums")
         chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
         want = commit.n_checks * FS.CHECK_COLUMNS * 8
         raw_chk = _read_small_array(
@@ -489,7 +485,7 @@ def _validate_rows(
         return
     fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
     # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
-    # even with two shapes (format 2 gives each shape a layout of its own): compare leaf paths.
+    # even with two shapes (each shape has a layout of its own): compare leaf paths.
     leaf = _leaf_ids(layouts)[lid]
     order = lex_order(fid, frame, leaf)
     dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)
@@ -570,15 +566,6 @@ def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
     return np.array([order[lay.leaf] for lay in layouts], dtype=np.int64)
 
 
-def _check_kinds(bad: Any, seg: Segment, layouts: list[FS.Layout], rel: str) -> None:
-    """A version-1 writer knew numeric dtypes only: a non-numeric kind in its segment is damage,
-    not data to read by version-2 rules."""
-    if seg.format_version == 1:
-        odd = sorted({lay.dtype for lay in layouts if lay.kind != "num"})
-        if odd:
-            raise bad(f"a format version 1 segment cannot hold dtypes {odd}", rel)
-
-
 def _read_small_array(
     storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
 ) -> bytes:
@@ -643,15 +630,8 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         empty = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
         return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
     header = seg.header or {}
-    version = seg.format_version
-    if seg.header is not None and version not in F.READABLE_VERSIONS:  # never misread a newer format
-        path = storage.describe(f"{seg.rel}/zarr.json")
-        raise FormatVersionError(
-            f"{path}: format_version {header.get('format_version')!r} is not supported by this spillmerge "
-            f"(reads versions {', '.join(map(str, F.READABLE_VERSIONS))}); it cannot be salvaged",
-            path=path,
-            rank=seg.rank,
-        )
+    if seg.header is not None:  # never misread another format
+        F.check_version(header, storage.describe(f"{seg.rel}/zarr.json"), spill=True)
     chunk_bytes = header.get("chunk_bytes")
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
         raise CorruptSpillError(f"{storage.describe(seg.rel)}: segment header has no valid chunk_bytes", rank=seg.rank)
@@ -672,9 +652,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
                 entry.chunk != n
                 or entry.file_base != len(filenames)
                 or entry.layout_base != len(layouts)
-                or (
-                    entry.checks is not None and (entry.check_base != n_checks or (version is not None and version < 3))
-                )
+                or (entry.checks is not None and entry.check_base != n_checks)
             ):
                 raise CorruptSpillError(
                     f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)
@@ -695,27 +673,15 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         where = storage.describe(f"{seg.rel}/{FS.JOURNAL_NAME}")
         return CorruptSpillError(f"{where}: {msg}", path=where, rank=seg.rank)
 
-    _check_kinds(bad, seg, layouts, FS.JOURNAL_NAME)
     # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
     # write's rows.
-    if len(index) and version == 1:
-        # Version 1: every frame of a file had the same layouts, so the last occurrence of each
-        # (file, frame, layout) is the last write's rows.
-        keys = index[:, [FS.COL_FILE, FS.COL_FRAME, FS.COL_LAYOUT]]
-        _, last = np.unique(keys[::-1], axis=0, return_index=True)
-        index = index[np.sort(len(index) - 1 - last)]
-    elif len(index):
+    if len(index):
         index = _last_writes(index, layouts)
 
     if len(set(filenames)) != len(filenames):
         raise bad("journal lists a filename twice")
     checks = np.concatenate(check_parts) if check_parts else None
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes, checks, chunk_bytes)
-    if len(index) and version == 1:  # after validation: file ids are known to be catalog positions
-        # Only journals of version-1 writers may end inside a frame (see _whole_frames); a
-        # version-2 frame may lack leaves other frames of its file have, so the rule would drop
-        # good frames there.
-        index = _whole_frames(storage, seg, index, problems)
     return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True, checks=checks), problems
 
 
@@ -821,9 +787,9 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
 
 
 def _last_writes(index: np.ndarray, layouts: list[FS.Layout]) -> np.ndarray:
-    """Keep only the rows of the last write of each ``(file, frame)`` of a version-2 journal.
+    """Keep only the rows of the last write of each ``(file, frame)`` of a journal.
 
-    A version-2 frame's rows are contiguous (listed together in one entry) with strictly
+    A frame's rows are contiguous (listed together in one entry) with strictly
     increasing leaf paths, so a write starts where the key changes or a leaf path does not
     increase. The layout is no key here: a rewrite may have other shapes or other leaves."""
     lid = index[:, FS.COL_LAYOUT]
@@ -838,29 +804,6 @@ def _last_writes(index: np.ndarray, layouts: list[FS.Layout]) -> np.ndarray:
     last = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
     np.maximum.at(last, inverse, write)
     return index[write == last[inverse]]
-
-
-def _whole_frames(storage: Storage, seg: Segment, index: np.ndarray, problems: list[str]) -> np.ndarray:
-    """Drop frames that have fewer leaves than other frames of their file in this journal.
-
-    A writer lists a frame's rows in the journal entry of the chunk holding its last byte, so its
-    journal holds whole frames only; journals of older writers listed each leaf when its own bytes
-    were flushed and may end inside a frame (its small leaf durable, its large one not). Every frame
-    of a file has the same leaves on one rank, so the short ones are exactly those."""
-    frames, inverse, counts = np.unique(
-        index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0, return_inverse=True, return_counts=True
-    )
-    inverse = inverse.reshape(-1)
-    want = np.zeros(int(frames[:, 0].max()) + 1, dtype=np.int64)  # file ids: validated catalog positions
-    np.maximum.at(want, frames[:, 0], counts)
-    short = counts < want[frames[:, 0]]
-    if not short.any():
-        return index
-    problems.append(
-        f"{storage.describe(f'{seg.rel}/{FS.JOURNAL_NAME}')}: {int(short.sum())} frame(s) of rank {seg.rank} "
-        "were only partly flushed (some leaves missing); they are reported missing, not salvaged"
-    )
-    return index[~short[inverse]]
 
 
 def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> dict[str, set[int]]:

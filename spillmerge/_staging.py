@@ -99,12 +99,6 @@ class Chunk:
         self.completed.append(block)
 
 
-def _current_raw_stream(device: int) -> int:
-    """The raw handle of ``device``'s current CUDA stream, in one call (``torch.cuda.current_stream``
-    makes a Python stream object through several helpers)."""
-    return int(torch._C._cuda_getCurrentRawStream(device))
-
-
 _WAKE = object()
 _SPARE = object()
 
@@ -619,7 +613,7 @@ class Staging:
         dst = chunk.host[chunk.fill : chunk.fill + n]
         if stream is None:
             dst.copy_(src, non_blocking=True)
-            chunk.streams[_current_raw_stream(device)] = device
+            chunk.streams[torch.cuda.current_stream(device).cuda_stream] = device
             return
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)

@@ -1,4 +1,4 @@
-"""Leaf views of a version-2 output: one leaf column, over the rows of one file or of every file.
+"""Leaf views of an output: one leaf column, over the rows of one file or of every file.
 
 ``view[i]`` is row ``i``'s value as written (``None`` where the row has no value); slices and the
 flat forms (``values`` / ``offsets`` / ``shapes``) serve vectorised work. One class per kind of
@@ -88,9 +88,7 @@ class OpenColumn:
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self._dtype
         self.has_valid = "valid" in info.arrays
-        self.view_cls = (
-            _BYTE_VIEWS[info.kind] if info.kind in _BYTE_VIEWS and values.dtype == np.uint8 else _VIEWS[info.kind]
-        )
+        self.view_cls = _VIEWS[info.kind]
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
         self._block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
         self._next_row = -1
@@ -231,7 +229,11 @@ class LeafView:
         self._stop = stop
         self.filename = filename
         """The file whose rows these are (None for a whole column)."""
-        # (view_factory makes the views of store[filename] with these same assignments)
+
+    @property
+    def info(self) -> StoredColumn:
+        """The stored column these rows are of (leaf path, kind, dtype, ``ndim`` ...)."""
+        return self._col.info
 
     @property
     def leaf(self) -> tuple[str, ...]:
@@ -615,26 +617,6 @@ class RaggedView(_OffsetView):
         return _with_nulls(arr, self.valid)
 
 
-class StrView(LeafView):
-    """A ``str`` leaf: ``view[i]`` a ``str``, ``view[a:b]`` a list."""
-
-    __slots__ = ()
-
-    def _one(self, r: int) -> Any:
-        k = self._col._k
-        return str(self._col._chunk(r // k)[r % k])
-
-    def _list(self, a: int, b: int) -> list[Any]:
-        vals = self._col.rows(a, b)
-        v = self._col.valid()
-        return [None if v is not None and not v[a + j] else str(s) for j, s in enumerate(vals)]
-
-    def to_arrow(self) -> Any:
-        pa = _pa()
-        vals = self._col.rows(self._start, self._stop).astype(object)
-        return pa.array(vals, type=pa.large_string(), mask=self._null_mask())
-
-
 class BytesView(_OffsetView):
     """A ``bytes`` leaf: ``view[i]`` ``bytes``, ``view[a:b]`` a list; the flat form is
     :attr:`values` (uint8) and :attr:`offsets`."""
@@ -678,23 +660,6 @@ class PickleView(BytesView):
         return pickle.loads(b)  # noqa: S301 - the reader opted in (allow_pickle=True)
 
 
-class StrListView(_OffsetView):
-    """A list-of-``str`` leaf: ``view[i]`` a list of ``str``."""
-
-    __slots__ = ()
-
-    def _one(self, r: int) -> Any:
-        return [str(s) for s in self._flat(r, r + 1)]
-
-    def _list(self, a: int, b: int) -> list[Any]:
-        return self._per_row(a, b, lambda _, x: [str(s) for s in x])
-
-    def to_arrow(self) -> Any:
-        pa = _pa()
-        strings = pa.array(self._flat(self._start, self._stop).astype(object), type=pa.large_string())
-        return _with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), strings), self.valid)
-
-
 def utf8_text(col: OpenColumn, r: int, raw: bytes) -> str:
     """UTF-8 ``raw`` of row ``r`` as ``str``; bytes that are not UTF-8 are damage, named."""
     try:
@@ -707,7 +672,7 @@ def utf8_text(col: OpenColumn, r: int, raw: bytes) -> str:
 
 
 class TextView(BytesView):
-    """A ``str`` leaf of a format-3 output (UTF-8 bytes + byte offsets): ``view[i]`` a ``str``,
+    """A ``str`` leaf (UTF-8 bytes + byte offsets): ``view[i]`` a ``str``,
     ``view[a:b]`` a list; :attr:`values` (uint8) and :attr:`offsets` are the flat form."""
 
     __slots__ = ()
@@ -746,7 +711,7 @@ class TextView(BytesView):
 
 
 class TextListView(_OffsetView):
-    """A list-of-``str`` leaf of a format-3 output: ``view[i]`` a list of ``str``. Row ``r``'s
+    """A list-of-``str`` leaf: ``view[i]`` a list of ``str``. Row ``r``'s
     bytes are ``n`` uint32 LE lengths then the UTF-8 strings, ``n`` = ``shapes[r, 0]``."""
 
     __slots__ = ()
@@ -784,31 +749,24 @@ class TextListView(_OffsetView):
 def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int, str], LeafDict]:
     """``make(a, b, filename)``: the value of a file whose layout has these top-level leaves
     (``(key, view class, column)`` each), rows ``a .. b-1``: a :class:`LeafDict` of one view per
-    leaf. Straight-line code, made once per layout: building the views in a loop (through
-    ``LeafView.__init__``) was a third of a file read in order through ``res[f][leaf][0]``
-    (2.3 against 1.4 us for 7 leaves, measured). Only names are generated: the keys (which come
-    from the output), classes and columns are passed as values, never written into the source."""
-    ns: dict[str, Any] = {"LeafDict": LeafDict, "new_dict": LeafDict.__new__, "new": object.__new__}
-    lines = ["def make(a, b, f):", "    out = new_dict(LeafDict)", "    out.filename = f; out.prefix = ()  # LeafDict.top's"]
-    for j, (key, cls, col) in enumerate(flat):
-        ns[f"k{j}"], ns[f"c{j}"], ns[f"col{j}"] = key, cls, col
-        # LeafView.__init__'s assignments
-        lines += [f"    v = out[k{j}] = new(c{j})", f"    v._col = col{j}; v._start = a; v._stop = b; v.filename = f"]
-    lines.append("    return out")
-    exec("\n".join(lines), ns)  # noqa: S102 - the source holds generated names only (docstring)
-    return ns["make"]  # type: ignore[no-any-return]
+    leaf."""
 
+    def make(a: int, b: int, filename: str) -> LeafDict:
+        out = LeafDict.top(filename)
+        for key, cls, col in flat:
+            out[key] = cls(col, a, b, filename)
+        return out
 
-_BYTE_VIEWS: dict[str, type[LeafView]] = {"str": TextView, "strlist": TextListView}
-"""Views of the string kinds stored as bytes (format 3); format 2 stored Zarr strings."""
+    return make
+
 
 _VIEWS: dict[str, type[LeafView]] = {
     "fixed": FixedView,
     "ragged": RaggedView,
-    "str": StrView,
+    "str": TextView,
     "bytes": BytesView,
     "pickle": PickleView,
-    "strlist": StrListView,
+    "strlist": TextListView,
 }
 
 

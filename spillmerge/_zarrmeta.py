@@ -45,7 +45,7 @@ SMALL_ROW_BYTES = 64 << 10
 """Columns whose rows average fewer bytes get chunks of ``chunk_bytes // 4``."""
 
 NAME_CHUNK_BYTES = 64 << 10
-"""Bytes per chunk of ``index/filenames`` (format 3): a lookup by filename reads one such chunk."""
+"""Bytes per chunk of ``index/filenames``: a lookup by filename reads one such chunk."""
 
 NAME_BLOCK = 1024
 """Filenames per block: ``index/filename_heads`` holds the first filename of each block (its
@@ -81,7 +81,7 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
 
 
 BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
-"""Column kinds stored as uint8 bytes + byte offsets (format 3)."""
+"""Column kinds stored as uint8 bytes + byte offsets."""
 
 
 def filename_arrays(filenames: list[str]) -> dict[str, np.ndarray]:
@@ -113,7 +113,7 @@ def name_sizes(plan: Plan) -> tuple[int, int]:
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
-    """Every ``zarr.json`` document of a format-3 output (path -> document, ``""`` the root with
+    """Every ``zarr.json`` document of an output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
     what zarr would write. Built from the plan alone: nothing is read back."""
     header = FO.OutputHeader(

@@ -7,7 +7,6 @@ import io
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from spillmerge._frames import read_manifest
 from spillmerge.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1-output.zarr"
 
 
 def _spill(root, frames_by_rank: dict[int, dict[str, list[int]]]) -> None:
@@ -80,7 +78,7 @@ def test_json_coverage_of_spill_root_and_merged_store_agree(merged, capsys):
         assert clip["frames"] == 9 and clip["missing"] == [[5, 5]] and clip["duplicated"] == [[0, 0]]
         assert clip["by_rank"] == [[0, 0, 0], [1, 1, 1], [2, 2, 0], [3, 3, 1], [4, 4, 0], [6, 6, 0], [7, 7, 1],
                                    [8, 8, 0], [9, 9, 1]]  # fmt: skip
-        assert c["missing_frames"] == 1 and c["duplicated_frames"] == 1 and c["ranks_known"]
+        assert c["missing_frames"] == 1 and c["duplicated_frames"] == 1
     assert covs[root]["kind"] == "spill" and covs[out]["kind"] == "merged"
     assert [f["by_rank"] for f in covs[root]["files"]] == [f["by_rank"] for f in covs[out]["files"]]
 
@@ -215,28 +213,10 @@ def _drop_provenance(out) -> None:
     (out / "zarr.json").write_text(json.dumps(root_doc))
 
 
-def test_output_without_provenance_still_covers(merged, tmp_path, capsys):
-    """Outputs written before index/frame_rank existed (they are format version 1: provenance came
-    within it): frames and gaps are reported, ranks unknown. Format version 2 always has both
-    arrays (docs/FORMAT.md section 2, *Invariants*): a version-2 output without them is damaged,
-    and open, inspect and coverage refuse it by name rather than report ranks as unknown."""
-    import zarr
-
-    out = tmp_path / "v1-output.zarr"
-    shutil.copytree(FIXTURE_V1, out)
-    assert coverage(str(out)).ranks_known  # the fixture has provenance: removing it is what is tested
-    _drop_provenance(out)
-    assert "frame_rank" not in zarr.open_group(str(out), mode="r")["index"]
-    res = spillmerge.open(str(out))
-    assert res.format_version == 1 and res.frame_ranks("video_0.mp4") is None and res.frame_copies("dets 0.jpg") is None
-    rc, stdout, _ = _cli(capsys, "inspect", str(out))
-    assert rc == 0 and "'video_0.mp4': missing 1..2" in stdout and "ranks are unknown" in stdout
-    cov = coverage(str(out)).to_json()
-    assert not cov["ranks_known"] and cov["files"][0]["filename"] == "dets 0.jpg"
-    dets0 = cov["files"][0]
-    assert dets0["by_rank"] == [[0, 0, -1], [2, 2, -1], [4, 4, -1]] and dets0["missing"] == [[1, 1], [3, 3]]
-    assert spillmerge.verify(str(out)).ok  # optional in version 1
-    # Version 2: the same removal is damage, named, never "ranks unknown".
+def test_an_output_without_provenance_is_damage_named(merged, capsys):
+    """An output always has index/frame_rank and index/frame_copies (docs/FORMAT.md section 2,
+    *Invariants*): one without them is damaged, and open, inspect and coverage refuse it by name
+    rather than report ranks as unknown."""
     _, out2 = merged
     _drop_provenance(out2)
     for fn in (lambda: spillmerge.open(str(out2)), lambda: coverage(str(out2))):

@@ -169,27 +169,3 @@ def test_a_linked_folder_above_an_object_is_refused(tmp_path: Path) -> None:
     with pytest.raises(spillmerge.UnsafePathError, match="columns/a/values is a symbolic link"):
         res = spillmerge.open(str(out))
         res["a.mp4"]["a"][0]
-
-
-def test_a_version_2_layout_naming_two_columns_of_one_leaf_is_refused(tmp_path: Path) -> None:
-    """Version 2 stores one column per leaf in a file (format 3 allows one per variant, checked
-    row by row instead): a copy of int64 column ``n`` relabelled uint64 (same bytes, a name a
-    merge gives) and listed in the file's layout makes it name two columns of leaf ``n``."""
-    out = tmp_path / "v2.zarr"
-    shutil.copytree(Path(__file__).parent / "fixtures" / "v2-output.zarr", out)
-    shutil.copytree(out / "columns/n", out / "columns/n.uint64")
-    meta = json.loads((out / "zarr.json").read_text())
-    cm = meta["consolidated_metadata"]["metadata"]
-    for rel, doc in (("columns/n.uint64", cm["columns/n"]), ("columns/n.uint64/values", cm["columns/n/values"])):
-        doc = json.loads(json.dumps(doc))
-        if "data_type" in doc:
-            doc["data_type"] = "uint64"
-        else:
-            doc["attributes"]["spillmerge"]["dtype"] = "uint64"
-        cm[rel] = doc
-        (out / rel / "zarr.json").write_text(json.dumps(doc))
-    meta["consolidated_metadata"]["metadata"] = dict(sorted(cm.items()))
-    meta["attributes"]["spillmerge"]["file_layouts"][0].append("n.uint64")
-    (out / "zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(spillmerge.CorruptSpillError, match=r"file_layouts\[0\] lists two columns of leaf \['n'\]"):
-        spillmerge.open(str(out))

@@ -130,7 +130,7 @@ def test_the_merge_path_does_not_import_the_inspection_tools():
     """The inspection tools read the merge's report and frame arithmetic, not the reverse: a
     merge (and the writer that calls it) never loads the coverage, inspect or reader modules."""
     edges = _graph()
-    tools = {f"spillmerge.{m}" for m in ("_coverage", "_inspect", "_reader", "_reader_v1", "_views", "_invariants")}
+    tools = {f"spillmerge.{m}" for m in ("_coverage", "_inspect", "_reader", "_views", "_invariants")}
     for start in ("spillmerge._merge", "spillmerge._report", "spillmerge._writer"):
         assert _reach(edges, start) & tools == set(), start
     assert "spillmerge._frames" in _reach(edges, "spillmerge._coverage")  # the tools use the shared low module
@@ -221,14 +221,14 @@ def test_no_private_name_crosses_a_module_boundary():
 def test_every_name_in_all_resolves_and_star_import_works():
     """``from spillmerge import *`` raised once (MergeFailedError and MergeTimeout were listed in
     ``__all__`` but never imported); every public name is importable, the errors derive from
-    SpillMergeError, and LeafView (format 2) is exported beside LeafArray (format 1)."""
+    SpillMergeError, and LeafView is the one leaf view exported."""
     namespace: dict[str, object] = {}
     exec("from spillmerge import *", namespace)  # noqa: S102 - the statement users write
     missing = [name for name in spillmerge.__all__ if name not in namespace]
     assert missing == [] and len(set(spillmerge.__all__)) == len(spillmerge.__all__)
     assert issubclass(spillmerge.MergeFailedError, spillmerge.RankFailedError)
     assert issubclass(spillmerge.MergeTimeout, (spillmerge.SpillMergeError, TimeoutError))
-    assert {"LeafView", "LeafArray"} <= set(spillmerge.__all__)
+    assert "LeafView" in spillmerge.__all__ and "LeafArray" not in spillmerge.__all__
     errors = importlib.import_module("spillmerge._errors")
     public_errors = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, Exception)}
     assert public_errors <= set(spillmerge.__all__)  # every error class a user may catch is exported

@@ -176,27 +176,6 @@ def test_no_node_name_of_an_output_starts_with_two_underscores(tmp_path):
     assert res["a.mp4"].dtype_name == "float16" and res.value("b.mp4").tolist() == [1.0, 1.0]
 
 
-def test_an_older_output_whose_plain_values_are_in_a_reserved_name_is_refused_by_name(tmp_path, capsys):
-    """An output of format 4 or older keeps its plain values in ``columns/__value__``: it is not
-    read (merge its spill root again), and every reader says so naming both versions."""
-    _, out = _mixed(tmp_path)
-    for d in (out / "columns").iterdir():
-        if d.name.startswith("_value"):
-            d.rename(d.with_name("__value__" + d.name[len("_value") :]))
-    doc = json.loads((out / "zarr.json").read_text())
-    text = json.dumps(doc).replace('"_value', '"__value__').replace('columns/_value', "columns/__value__")
-    doc = json.loads(text)
-    doc["attributes"]["spillmerge"]["format_version"] = 4
-    (out / "zarr.json").write_text(json.dumps(doc))
-    said = r"format-4 output .* column '__value__', a name format 5 changed to '_value'.*merge its spill root again"
-    with pytest.raises(spillmerge.FormatVersionError, match=said):
-        spillmerge.open(str(out))
-    assert spillmerge.cli.main(["inspect", str(out)]) == 1
-    assert re.search(said, capsys.readouterr().err)
-    rep = spillmerge.verify(str(out))
-    assert not rep.ok and any(re.search(said, p) for p in rep.problems), rep.problems
-
-
 def test_a_mistyped_filename_suggests_only_names_a_typo_away(tmp_path):
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
     with spillmerge.SpillWriter(root, rank=0, world_size=1) as w:

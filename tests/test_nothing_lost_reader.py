@@ -1,9 +1,7 @@
-"""Nothing lost on the read side (issue 17): `spillmerge.open` and `spillmerge verify` check the
-merged output's index and its columns (docs/FORMAT.md, *Invariants of the index (version 2)*) and
-never read an absent chunk as zeros; `inspect` / coverage cost O(frames), not O(span of frame
-indices). Stores are built with the public API and damaged on disk with plain zarr and file
-operations. The version-1 reader keeps its own checks: a copy of tests/fixtures/v1-output.zarr is
-damaged the same way."""
+"""Nothing lost on the read side: `spillmerge.open` and `spillmerge verify` check the merged
+output's index and its columns (docs/FORMAT.md, *Invariants of the index*) and never read an
+absent chunk as zeros; `inspect` / coverage cost O(frames), not O(span of frame indices). Stores
+are built with the public API and damaged on disk with plain zarr and file operations."""
 
 from __future__ import annotations
 
@@ -30,7 +28,6 @@ from spillmerge._coverage import coverage
 from spillmerge._frames import read_manifest
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
-FIXTURE_V1 = Path(__file__).parent / "fixtures" / "v1-output.zarr"
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -386,47 +383,6 @@ def test_inspect_of_a_damaged_output_is_a_one_line_error(out):
     p = run("inspect", str(out))
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "index/frame_offsets: decreases" in p.stderr
-
-
-# ------------------------------------------- version 1: the committed fixture, damaged a copy
-
-
-@pytest.fixture
-def v1(tmp_path: Path) -> Path:
-    dst = tmp_path / "v1-output.zarr"
-    shutil.copytree(FIXTURE_V1, dst)
-    return dst
-
-
-@pytest.mark.parametrize(
-    "name, values, needle",
-    [
-        ("keys", ["video_0.mp4"], r"index/keys: 1 keys for 5 filenames"),
-        ("keys", ["video_0.mp4"] * 5, r"index/keys: 'video_0.mp4' is listed more than once"),
-        ("keys", ["../index", "b", "c", "d", "e"], r"index/keys: '../index' is not a node name"),
-        ("frame_rank", [0, 0], r"index/frame_rank: 2 rows, but index/frame_idx has 12"),
-    ],
-)
-def test_v1_index_is_still_checked_at_open(v1, name, values, needle):
-    """Outputs of version 1 (docs/FORMAT.md section 5) are still read, with their own invariants."""
-    _replace_index(v1, name, values)
-    with pytest.raises(spillmerge.CorruptSpillError, match=needle):
-        spillmerge.open(str(v1))
-
-
-def test_v1_array_of_another_file_and_missing_chunk_are_refused(v1):
-    _set_attr(v1, "files/video_0.mp4", filename="video_1.mp4")
-    res = spillmerge.open(str(v1))
-    with pytest.raises(spillmerge.CorruptSpillError, match=r"belongs to 'video_1.mp4', but index/keys maps"):
-        res["video_0.mp4"]
-    (v1 / "files" / "video_2.mp4" / "c" / "0" / "0" / "0").unlink()
-    with pytest.raises(spillmerge.CorruptSpillError, match=r"chunk 0, 0, 0 of files/video_2.mp4 is missing") as ei:
-        np.asarray(spillmerge.open(str(v1))["video_2.mp4"])
-    assert ei.value.path == str(v1 / "files" / "video_2.mp4" / "c" / "0" / "0" / "0")
-    p = run("verify", str(v1))
-    assert p.returncode == 1 and f"CORRUPT {v1}/files/video_2.mp4/c/0/0/0: chunk" in p.stdout, p.stdout
-    assert f"CORRUPT {v1}/files/video_0.mp4: belongs to 'video_1.mp4', but index/keys maps" in p.stdout, p.stdout
-    assert "2 problem(s)" in p.stdout, p.stdout
 
 
 # ---------------------------------------------------- coverage bounded by frames, not the span

@@ -21,7 +21,6 @@ from _nothing_lost_workers import expected, small_value, spill, spill_batches_ki
 from _procs import join_all
 
 import spillmerge
-from spillmerge import _format as F
 from spillmerge import _format_spill as FS
 from spillmerge._storage import Storage
 
@@ -271,36 +270,6 @@ def test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their
     assert commit["n_checks"] > 0 and commit["format_version"] == 3
     assert got["committed"] == (n, 0)
     assert 0 < got["journal-3"][0] == got["journal-3"][1] < got["journal-7"][0] == got["journal-7"][1] < n, got
-
-
-def test_a_journal_that_ends_inside_a_frame_is_salvaged_without_that_frame(tmp_path):
-    # Writers before this fix listed each leaf in the entry of the chunk holding its own last
-    # byte, so a journal could end between a frame's small and large leaf: such a frame is left
-    # out (and reported), not merged by halves.
-    root = tmp_path / "spill"
-    spill(str(root), 0, 1, 6)
-    seg = next(root.glob("rank-00000/seg-*"))
-    (seg / FS.COMMIT_NAME).unlink()
-    # Fake an old writer's segment: the partial-frame rule applies to version-1 journals only (a
-    # version-2 writer lists whole frames, so a partial one there is damage, not an old habit).
-    header_path = seg / "zarr.json"
-    header = json.loads(header_path.read_text())
-    assert header["attributes"]["spillmerge"]["format_version"] == F.SPILL_FORMAT_VERSION
-    header["attributes"]["spillmerge"]["format_version"] = 1
-    header_path.write_text(json.dumps(header))
-    # The last entry ends frame 5; without frame 5's large leaf the journal ends inside it.
-    last_path = sorted((seg / FS.JOURNAL_NAME).iterdir())[-1]
-    last = FS.decode_journal(last_path.read_bytes(), path=str(last_path))
-    b_row = (last.rows[:, FS.COL_FRAME] == 5) & (last.rows[:, FS.COL_NBYTES] == 10_000)
-    assert b_row.sum() == 1
-    last_path.write_bytes(
-        FS.encode_journal(last.chunk, last.file_base, last.filenames, last.layout_base, last.layouts, last.rows[~b_row])
-    )
-    rep = spillmerge.merge(str(root), str(tmp_path / "out"), allow_partial=True, world_size=1)
-    res = spillmerge.open(str(tmp_path / "out"))
-    assert res.frames("clip").tolist() == [0, 1, 2, 3, 4]
-    assert rep.frame_gaps == {} and rep.salvaged_frames == {0: 5}
-    assert any("1 frame(s) of rank 0 were only partly flushed" in n for n in rep.notes), rep.notes
 
 
 # ---------------------------------------------------------------------------------------- row 7

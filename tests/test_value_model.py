@@ -154,12 +154,6 @@ def test_bad_input_names_filename_frame_and_path_and_loses_nothing(
     assert res.frames("f").tolist() == [0, 4] and res.value("f", 4) == {"ok": [2, "b"]}
 
 
-def test_value_names_the_format_a_version_1_output_lacks() -> None:
-    res = spillmerge.open(str(Path(__file__).parent / "fixtures" / "v1-output.zarr"))
-    with pytest.raises(spillmerge.FormatVersionError, match="version 1"):
-        res.value(res.filenames[0])
-
-
 def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Path) -> None:
     """The variant columns' ``valid`` arrays are the union's type ids: damaged so that a row has
     a value in two variants of one leaf, the output is refused (docs/FORMAT.md, *Invariants*)."""

@@ -458,10 +458,10 @@ def test_a_value_larger_than_all_staging_streams_through_it(tmp_path, kind):
     assert got[("big", 0)][("tail",)][1] == "after" and ("small", 1) in got
 
 
-def test_salvage_of_a_v2_journal_keeps_frames_with_fewer_leaves(tmp_path):
-    """The journal rule "drop frames with fewer leaves than other frames of their file" is for
-    version-1 writers only: version-2 frames may lack leaves, and a rewrite (on_duplicate='last')
-    may have other leaves and shapes than the write it replaces."""
+def test_salvage_of_a_journal_keeps_frames_with_fewer_leaves(tmp_path):
+    """A salvaged journal keeps every frame it lists whole: a frame may lack leaves other frames
+    of its file have, and a rewrite (on_duplicate='last') may have other leaves and shapes than
+    the write it replaces."""
     root = str(tmp_path / "s")
     chunk = 4096
     with pytest.raises(RuntimeError, match="boom"):
