@@ -88,7 +88,7 @@ def decoder(compressor: str) -> Any:
 
 # --------------------------------------------------------------------------------------------
 # reading untrusted chunks: the chain an output array may declare, and what a compressed chunk
-# says it decodes to, read from its header before anything is decoded (docs/FORMAT.md 2.3)
+# says it decodes to, read from its header before anything is decoded (docs/FORMAT.md, *Size limits*)
 
 _COMPRESSORS = ("blosc", "zstd")
 

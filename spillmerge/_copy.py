@@ -1,6 +1,6 @@
 """The byte-copy engine: leaf rows from spill chunks into whole output chunks of the columns'
 ``values``, checksum-verified, at most a memory budget of chunks in flight
-(docs/ARCHITECTURE.md, Memory).
+(docs/GUARANTEES.md, *Memory*).
 
 The work is a list of :class:`Unit` s, one per output chunk; a merge in parts gives each part a
 share of the units (``_plan.split``), so no two processes ever write the same object.

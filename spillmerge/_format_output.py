@@ -36,7 +36,7 @@ COMPLETE_NAME = "spillmerge-complete.json"
 @dataclass(frozen=True, slots=True)
 class ChunkLimits:
     """What one chunk of an output array may be, from its ``zarr.json`` checked against the
-    format (docs/FORMAT.md 2.3): every read of a chunk is bounded by it before zarr decodes."""
+    format (docs/FORMAT.md, *Size limits*): every read of a chunk is bounded by it before zarr decodes."""
 
     object_bytes: int
     """Most bytes of the stored chunk object (decoded size, plus a compressor's worst case and
@@ -157,8 +157,7 @@ class PartDoneRecord:
     """Target output chunk size."""
     index: bool
     """The part wrote its share of the index chunks (every ``parts``-th chunk, from its number:
-    docs/FORMAT.md 2.1); absent (false) in a record of an older release, whose share the
-    finalize writes."""
+    docs/FORMAT.md, *Outputs written in parts*); when false the finalize writes its share."""
     finished: str
     """UTC time the record was written."""
     host: str

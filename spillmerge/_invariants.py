@@ -1,4 +1,4 @@
-"""Invariants of a merged output's index (docs/FORMAT.md, *Invariants of the index*), shared by the
+"""Invariants of a merged output's index (docs/FORMAT.md, *Invariants*), shared by the
 reader (which raises the first broken one) and ``spillmerge verify`` (which lists them all).
 
 Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:

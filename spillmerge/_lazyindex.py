@@ -8,7 +8,7 @@ per-row arrays (``frame_idx``, ``frame_rank``, ``frame_copies``, every column's 
 the same at a thousand rows or a billion, and an output of one block (:data:`ROW_BLOCK` rows, one
 chunk of files) is checked whole at open, as before.
 
-Every invariant of docs/FORMAT.md (*Invariants of the index*) the reader checked at open is still
+Every invariant of docs/FORMAT.md (*Invariants*) the reader checked at open is still
 checked before anything is served from the arrays it concerns, at the latest when the rows are
 first read (:class:`IndexChecks`):
 

@@ -253,7 +253,7 @@ class _Job:
         t0 = time.perf_counter()
         chunk_bytes, threads = options.chunk_bytes, options.threads
         if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
-            # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md 2.3)
+            # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md, *Size limits*)
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)

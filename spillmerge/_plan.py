@@ -268,7 +268,7 @@ def resolve_duplicates(
 
 
 def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: str, *, identical: bool) -> int:
-    """Which copy of a duplicated (filename, frame) a row comes from (docs/GUARANTEES.md, *Duplicates*).
+    """Which copy of a duplicated (filename, frame) a row comes from (docs/GUARANTEES.md, *Resuming a crashed job*).
 
     Identical copies (by bytes): the lowest rank's, then its earliest segment — a rule of the spill
     root's contents alone, so ``frame_rank`` names the same rank whatever order the segments were

@@ -224,7 +224,7 @@ def set_nested(out: LeafDict, path: list[str] | tuple[str, ...], value: Any) -> 
 class OutputFiles:
     """The files of an output, for :class:`MergedStore`.
 
-    Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants of the index*): the
+    Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants*): the
     header's ``file_layouts``, every column's header and array lengths are checked there; the
     index arrays (``frame_offsets``, ``file_layout``, ``frame_idx``, provenance, every column's
     ``offsets``, ``shapes`` and ``valid``) are read a chunk at a time and checked block by block
@@ -535,8 +535,8 @@ class MergedStore(Mapping[str, Any]):
     ``store.column(path)`` one leaf over every file; ``store.to_arrow()`` everything as a pyarrow
     table.
 
-    The index is checked before anything is returned from it (docs/FORMAT.md, "Invariants of the
-    index"); every failure is a :class:`CorruptSpillError` naming the object and what is wrong.
+    The index is checked before anything is returned from it (docs/FORMAT.md,
+    *Invariants*); every failure is a :class:`CorruptSpillError` naming the object and what is wrong.
     Chunks are never read to check; an absent chunk raises when it is read (:class:`NoFillStore`).
     """
 

@@ -1,7 +1,7 @@
 """The merge round: what every rank's ``SpillWriter.merge`` call does, who merges, who waits, and
 how the outcome and failures travel. The writer delegates here; nothing below imports it.
 
-Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``, docs/ARCHITECTURE.md):
+Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
   (every rank)    check the options alike; when torch.distributed is initialised with the writer's
                   rank and world size (:func:`coordinated`) and ``transport`` is not ``"storage"``,
                   the first round of a writer session runs ``_transfer.transfer_shards`` so ``dst``

@@ -432,7 +432,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     long = next(
         (f for f in filenames if len(f) > F.FILENAME_MAX_BYTES // 4 and len(f.encode()) > F.FILENAME_MAX_BYTES), None
     )
-    if long is not None:  # a merge of it would write an output no reader opens (docs/FORMAT.md 2.3)
+    if long is not None:  # a merge of it would write an output no reader opens (docs/FORMAT.md, *Size limits*)
         raise bad(
             f"catalog filename {long!r:.200}... is more than the {F.FILENAME_MAX_BYTES} bytes a filename may have",
             FS.CATALOG_NAME,

@@ -1,6 +1,6 @@
 """Staging: host buffers a writer copies frames into, and the thread that uploads them.
 
-Protocol (the writer drives it through :class:`Staging`; docs/ARCHITECTURE.md, Memory):
+Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Memory*):
   (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` (the
                      CRC-32C of each block of host rows right after its copy: ``add_frames``
                      one per leaf per block, ``add_frame`` one per run of whole frames) →

@@ -82,7 +82,7 @@ def check_filename(filename: object) -> str:
             filename=filename,
         ) from None
     if n > FILENAME_MAX_BYTES:
-        # The reader refuses an output whose filename index holds more (docs/FORMAT.md 2.3): a
+        # The reader refuses an output whose filename index holds more (docs/FORMAT.md, *Size limits*): a
         # merge of it would succeed and leave an output nobody can open.
         raise SpillValueError(
             f"filename {filename!r:.200}... is {n} bytes of UTF-8, more than the {FILENAME_MAX_BYTES} a filename "
@@ -93,7 +93,7 @@ def check_filename(filename: object) -> str:
 
 
 def check_leaf_limits(leaf: Leaf, filename: str) -> None:
-    """The format's bounds on one leaf, which every reader enforces (docs/FORMAT.md 2.3): a
+    """The format's bounds on one leaf, which every reader enforces (docs/FORMAT.md, *Size limits*): a
     ``str`` / ``strlist`` of at most ``STRING_MAX_BYTES``, a shape within ``shape_problem``'s
     bounds (``[2**27, 0]`` is refused: an empty value with 2**27 entries before its zero).
     Cheap: only empty and string leaves need a look."""

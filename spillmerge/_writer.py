@@ -1,6 +1,6 @@
 """SpillWriter: each rank appends frames to its own segment under the spill root.
 
-Protocol (see docs/ARCHITECTURE.md):
+Protocol:
   (every rank)   __enter__ → write/update ... → __exit__ (commit record last) → merge(out)
   (merging rank) merge waits for every rank's commit record, moves the shards of ranks whose
                  storage it cannot see over torch.distributed, then merges (the round: _round.py).
