@@ -22,20 +22,20 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """The version of the outputs a merge writes."""
-SPILL_FORMAT_VERSION = 3
-"""The version a writer's spill records carry: versions 4 and 5 changed only the merged output
-(a list's items as one child column; the plain values' column name), so a spill root of this
-spillmerge merges with version 3's."""
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+SPILL_FORMAT_VERSION = 4
+"""The version a writer's spill records carry: version 4 adds a layout's ``pos`` (the user's
+dict key order); versions 5 and 6 changed only the merged output."""
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 """Versions this spillmerge reads: version 1 spill roots are a subset of version 2, version 2
-ones a subset of version 3 (which adds block checksums, ``checks``), and version 4 and 5 spill
-roots are laid out as version 3's; version 3 outputs store strings as bytes + offsets, version 4
-ones a list's items as one child column with list offsets, version 5 ones the plain values in
-column ``_value`` (an older output with plain values is refused:
-``_format_output.renamed_value_column``); version 1 outputs are read by the reader's version-1
-path (docs/FORMAT.md section 5)."""
+ones a subset of version 3 (which adds block checksums, ``checks``), version 3 ones a subset of
+version 4 (which adds the layouts' key order ``pos``; without it dicts read back in sorted key
+order); version 3 outputs store strings as bytes + offsets, version 4 ones a list's items as one
+child column with list offsets, version 5 ones the plain values in column ``_value`` (an older
+output with plain values is refused: ``_format_output.renamed_value_column``), version 6 ones
+the dicts' key order (``key_orders``; older outputs read back in sorted key order); version 1
+outputs are read by the reader's version-1 path (docs/FORMAT.md section 5)."""
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: Largest single leaf (bytes) and largest declared spill (bytes) a reader accepts from an index;
