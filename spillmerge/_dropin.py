@@ -41,6 +41,8 @@ ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
 
 DEFAULT_TIMEOUT = 1800.0
+CHUNK_BYTES = 4 << 20
+"""The writer's chunk (and staging buffer) size in a call."""
 
 
 class DropInArgumentError(SpillMergeError, ValueError):
@@ -299,7 +301,14 @@ def _collective(
     call = _agree(rank, root, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     try:
-        with SpillWriter(spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:]) as w:
+        # fsync=False here and in the merge: the call's folder is removed when the call returns,
+        # so nothing in it has to outlive a crash (a syncfs per call was most of a small call)
+        # 4 MiB chunks, two of them: the writer touches its staging buffers ahead of use, and a
+        # small call's cost was mostly faulting in 16 MiB ones
+        with SpillWriter(
+            spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
+            chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
+        ) as w:  # fmt: skip
             # checked inside the writer: a refused argument is this rank's failure record, so the
             # other ranks raise naming it instead of waiting for the timeout
             _check_list(rank, target, world, object_list, every_rank)
@@ -314,7 +323,7 @@ def _collective(
                 w.write(_name(rank), 1, extra)
         w.merge(
             out, target, wait=True, timeout=timeout, overwrite=True, storage_options=storage_options,
-            remove_spill=True, progress=False,
+            remove_spill=True, progress=False, fsync=False,
         )  # fmt: skip
     except Exception:  # a failure here fails every rank's merge (wait=True): they all come here
         _clean_after_failure(rank, target, call, storage_options, timeout)
