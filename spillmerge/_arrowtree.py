@@ -27,6 +27,7 @@ from . import _format as F
 from . import _lists as L
 from ._errors import CorruptSpillError, SpillMergeError, require
 from ._format import MARK
+from ._keyorder import Spec, ordered
 from ._views import OpenColumn, untensor
 
 _Part = tuple[tuple[str, str], str, np.ndarray, Any]
@@ -42,10 +43,13 @@ class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
     (``headers``), its list items (one node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("cols", "each", "headers", "keys", "path")
+    __slots__ = ("cols", "each", "headers", "keys", "order", "path")
 
-    def __init__(self, path: tuple[str, ...]) -> None:
+    def __init__(self, path: tuple[str, ...], order: Spec | None = None) -> None:
         self.path = path
+        self.order = order
+        """The output's dict key orders (``KeyOrders.overall``): struct fields follow them (flat
+        columns keep their name order)."""
         self.cols: list[OpenColumn] = []
         self.headers: list[OpenColumn] = []
         self.keys: dict[str, Node] = {}
@@ -55,9 +59,13 @@ class Node:
     def child(self, seg: str) -> Node:
         if seg == F.ITEM:
             if self.each is None:
-                self.each = Node((*self.path, seg))
+                self.each = Node((*self.path, seg), self.order)
             return self.each
-        return self.keys.setdefault(seg, Node((*self.path, seg)))
+        return self.keys.setdefault(seg, Node((*self.path, seg), self.order))
+
+    def sorted_keys(self) -> list[tuple[str, Node]]:
+        """The dict keys here, in the key order the output holds for this path (else sorted)."""
+        return ordered(self.keys, self.path, self.order)
 
     @property
     def structured(self) -> bool:
@@ -68,8 +76,8 @@ class Node:
         return bool(heads) or any(c.info.variant is not None for c in self.cols)
 
 
-def tree(cols: list[OpenColumn]) -> Node:
-    root = Node(())
+def tree(cols: list[OpenColumn], order: Spec | None = None) -> Node:
+    root = Node((), order)
     for col in sorted(cols, key=lambda c: (c.info.leaf, c.info.dtype)):
         leaf = col.info.leaf
         node = root
@@ -320,7 +328,7 @@ def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
     pa = _pa()
     fields, names = [], []
     present = np.zeros(len(rows), bool)
-    for seg, kid in sorted(node.keys.items()):
+    for seg, kid in node.sorted_keys():
         ps = parts(kid, b, rows, with_keys=True)
         for _, _, pos, _ in ps:
             present[pos] = True
@@ -338,7 +346,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     # Every key's columns first: a row's header must equal the length of each key's list in it
     # (and some key must hold one), as ``value()`` checks, before anything is sized by the
     # headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
-    keyed = [(seg, parts(kid, b, rows, with_keys=True)) for seg, kid in sorted(node.keys.items())]
+    keyed = [(seg, parts(kid, b, rows, with_keys=True)) for seg, kid in node.sorted_keys()]
     held = np.zeros(len(rows), bool)
     for seg, ps in keyed:
         for _, name, pos, arr in ps:
@@ -406,7 +414,7 @@ def top_columns(
             for col in node.cols:
                 out[name_of(col)] = col
         records = [h for h in node.headers if h.info.dtype == "pyrecords"]
-        for _, kid in sorted(node.keys.items()):
+        for _, kid in sorted(node.keys.items()):  # flat columns stay in name order, as before
             # the records' columns are inside its column: a key is a flat column too only where
             # other rows hold a dict with it
             if not records or _outside(kid, records, offs or {}):

@@ -5,8 +5,9 @@ Each call (every rank, like the torch collectives):
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
                 hostnames: on several hosts the folder must be on storage every rank sees
                 (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
-  (every rank)  writes its object as frame 0 of file ``R`` (its rank, zero-padded) and the paths
-                of its numpy arrays as frame 1, then the gather machinery of ``_gather``
+  (every rank)  writes its object as frame 0 of file ``R`` (its rank, zero-padded) and, when it
+                has any, the paths of its numpy arrays and pickled objects as frame 1, then the
+                gather machinery of ``_gather``
                 (merge on dst, spill removed, a barrier)
   (readers)     read every rank's object back (tensors as torch tensors on the CPU, the numpy
                 arrays' paths turned back into numpy arrays) into the caller's list
@@ -40,6 +41,8 @@ ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
 
 DEFAULT_TIMEOUT = 1800.0
+CHUNK_BYTES = 4 << 20
+"""The writer's chunk (and staging buffer) size in a call."""
 
 
 class DropInArgumentError(SpillMergeError, ValueError):
@@ -124,17 +127,13 @@ class _Whole:
 class _Shape:
     """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
     list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
-    tensor; these are turned back), of the objects stored pickled whole (``_Whole``), and its
-    dicts' key order (dicts come back with sorted keys): once per distinct key set (``order``),
-    per dict only where dicts of one key set differ (``odd``). ``obj``: what to write."""
+    tensor; these are turned back) and of the objects stored pickled whole (``_Whole``).
+    ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
 
     def __init__(self, obj: Any, allow_pickle: bool) -> None:
         self.numpy: list[list[Any]] = []
         self.scalars: list[list[Any]] = []
         self.whole: list[list[Any]] = []
-        self.first: dict[tuple[str, ...], list[str]] = {}
-        self.odd: list[tuple[list[Any], list[str]]] = []
-        self._seen: dict[tuple[str, ...], bool] = {}  # a dict's keys in order -> whether they are odd
         self.allow_pickle = allow_pickle
         self.obj = self._walk(obj, [], 0)
 
@@ -151,14 +150,8 @@ class _Shape:
         if depth > 64:
             return obj
         if kind is dict:
-            keys = tuple(obj)
-            odd = self._seen.get(keys)
-            if odd is None:
-                if not all(type(k) is str for k in keys):
-                    return self._pickled(obj, path)  # else the writer refuses the key, naming it
-                odd = self._seen[keys] = self.first.setdefault(tuple(sorted(keys)), list(keys)) != list(keys)
-            if odd:
-                self.odd.append((path, list(keys)))
+            if not all(type(k) is str for k in obj):
+                return self._pickled(obj, path)  # else the writer refuses the key, naming it
             changed: Any = None
             for k, v in obj.items():
                 if type(v) in _ATOMIC:
@@ -188,11 +181,11 @@ class _Shape:
         self.whole.append(path)
         return _Whole(obj)
 
-    def dumps(self) -> str:
-        order = [keys for sk, keys in self.first.items() if list(sk) != keys]
-        return json.dumps(
-            {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "order": order, "odd": self.odd}
-        )
+    def dumps(self) -> str | None:
+        """The paths to turn back, as JSON; None when there are none (nothing to store)."""
+        if not (self.numpy or self.scalars or self.whole):
+            return None
+        return json.dumps({"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole})
 
 
 def _restore(value: Any, text: str) -> Any:
@@ -204,32 +197,6 @@ def _restore(value: Any, text: str) -> Any:
         value = _at(value, path, lambda v: v.numpy() if _is_tensor(v) else v)
     for path in shape["scalars"]:
         value = _at(value, path, lambda v: v.numpy()[()] if _is_tensor(v) else v)
-    if shape["order"]:
-        value = _reorder(value, {tuple(sorted(keys)): keys for keys in shape["order"]}, 0)
-    for path, keys in shape["odd"]:
-        value = _at(value, path, lambda d, keys=keys: {k: d[k] for k in keys} if _has(d, keys) else d)
-    return value
-
-
-def _has(d: Any, keys: list[str]) -> bool:
-    return type(d) is dict and len(d) == len(keys) and all(k in d for k in keys)
-
-
-def _reorder(value: Any, order: dict[tuple[str, ...], list[str]], depth: int) -> Any:
-    kind = type(value)
-    if kind in _ATOMIC or depth > 64:
-        return value
-    if kind is dict:
-        keys = order.get(tuple(sorted(value))) if all(type(k) is str for k in value) else None
-        items = keys if keys is not None else list(value)
-        return {k: _reorder(value[k], order, depth + 1) for k in items}
-    if kind is list:  # read back, so this rank's own: changed in place
-        for i, v in enumerate(value):
-            if type(v) not in _ATOMIC:
-                value[i] = _reorder(v, order, depth + 1)
-        return value
-    if kind is tuple:
-        return tuple(v if type(v) in _ATOMIC else _reorder(v, order, depth + 1) for v in value)
     return value
 
 
@@ -310,7 +277,11 @@ def _clean_after_failure(
 
 def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
     for r in range(world):
-        object_list[r] = _restore(store.value(_name(r), 0, as_torch=True), store.value(_name(r), 1))
+        name = _name(r)
+        value = store.value(name, 0, as_torch=True)
+        if len(store.frames(name)) > 1:
+            value = _restore(value, store.value(name, 1))
+        object_list[r] = value
 
 
 def _collective(
@@ -330,7 +301,14 @@ def _collective(
     call = _agree(rank, root, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     try:
-        with SpillWriter(spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:]) as w:
+        # fsync=False here and in the merge: the call's folder is removed when the call returns,
+        # so nothing in it has to outlive a crash (a syncfs per call was most of a small call)
+        # 4 MiB chunks, two of them: the writer touches its staging buffers ahead of use, and a
+        # small call's cost was mostly faulting in 16 MiB ones
+        with SpillWriter(
+            spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
+            chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
+        ) as w:  # fmt: skip
             # checked inside the writer: a refused argument is this rank's failure record, so the
             # other ranks raise naming it instead of waiting for the timeout
             _check_list(rank, target, world, object_list, every_rank)
@@ -340,10 +318,12 @@ def _collective(
             except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
                 exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
                 raise
-            w.write(_name(rank), 1, shape.dumps())
+            extra = shape.dumps()
+            if extra is not None:  # numpy arrays and pickled objects: their paths, as frame 1
+                w.write(_name(rank), 1, extra)
         w.merge(
             out, target, wait=True, timeout=timeout, overwrite=True, storage_options=storage_options,
-            remove_spill=True, progress=False,
+            remove_spill=True, progress=False, fsync=False,
         )  # fmt: skip
     except Exception:  # a failure here fails every rank's merge (wait=True): they all come here
         _clean_after_failure(rank, target, call, storage_options, timeout)

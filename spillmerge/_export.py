@@ -56,7 +56,8 @@ def arrow_names(files: Files) -> dict[str, OpenColumn]:
 def default_columns(files: Files) -> dict[str, Column]:
     """The exported columns when none are named (``_arrowtree.top_columns``)."""
     flat = {id(c): name for name, c in arrow_names(files).items()}
-    return T.top_columns(T.tree(list(files.columns.values())), lambda c: flat[id(c)], files.list_offsets)
+    root = T.tree(list(files.columns.values()), files.key_orders.overall())
+    return T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)
 
 
 def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:

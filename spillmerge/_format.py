@@ -22,9 +22,9 @@ import numpy as np
 
 from ._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 """The version of the outputs a merge writes, and the only one a reader reads."""
-SPILL_FORMAT_VERSION = 3
+SPILL_FORMAT_VERSION = 4
 """The version a writer's spill records carry, and the only one a merge reads. It counts apart
 from :data:`FORMAT_VERSION`: a change to the merged output alone leaves spill roots as they are."""
 

@@ -285,9 +285,15 @@ class OutputHeader:
     """UTC time the merge planned the output."""
     file_layouts: list[list[str]]
     """The distinct column sets of the files (``index/file_layout`` points into it)."""
+    key_orders: dict[str, Any] | None = None
+    """The files' dict key orders (``_keyorder.output_orders``); None (not written) when every
+    dict was in sorted key order."""
 
     def to_obj(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
+        obj = {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
+        if obj["key_orders"] is None:
+            del obj["key_orders"]
+        return obj
 
 
 COLUMN_KINDS = ("fixed", "ragged", "str", "bytes", "pickle", "strlist")

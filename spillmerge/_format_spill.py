@@ -31,6 +31,7 @@ from ._format import (
     shape_problem,
     str_or_none,
 )
+from ._keyorder import check_pos
 
 RANK_PREFIX = "rank-"
 SEGMENT_PREFIX = "seg-"
@@ -291,6 +292,10 @@ class Layout:
     """Dtype name from the dtype table."""
     shape: tuple[int, ...]
     """Shape of the leaf in one frame."""
+    pos: tuple[int, ...] | None = None
+    """Per leaf segment, the key's position in the dict the user wrote (-1: a dict in sorted
+    order, or a list item); None when every dict along the path was in sorted order
+    (``_keyorder``)."""
 
     @property
     def nbytes(self) -> int:
@@ -310,7 +315,10 @@ class Layout:
         return DTYPES[self.dtype].kind
 
     def to_obj(self) -> dict[str, Any]:
-        return {"leaf": list(self.leaf), "dtype": self.dtype, "shape": list(self.shape)}
+        obj: dict[str, Any] = {"leaf": list(self.leaf), "dtype": self.dtype, "shape": list(self.shape)}
+        if self.pos is not None:
+            obj["pos"] = list(self.pos)
+        return obj
 
     @classmethod
     def from_obj(cls, obj: Any, *, path: str) -> Layout:
@@ -329,7 +337,7 @@ class Layout:
         want = _LAYOUT_NDIM.get(str(dtype))
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        lay = cls(tuple(leaf), str(dtype), tuple(shape))
+        lay = cls(tuple(leaf), str(dtype), tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a

@@ -170,7 +170,7 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
 def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -> None:
     """A rank other than ``dst``: wait for dst's merge outcome in the process group's store."""
     watch = OutcomeWatch(run_id, session)
-    for waited in poll(timeout, first=0.01, cap=0.25):
+    for waited in poll(timeout, first=0.002, cap=0.25, factor=1.25):
         told = watch.poll()
         if told is not None:
             if not told.get("ok"):

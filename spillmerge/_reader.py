@@ -31,6 +31,7 @@ from ._errors import (
     UnknownColumnError,
     UnknownFileError,
 )
+from ._keyorder import KeyOrders
 from ._lazyindex import LazyArray
 from ._leafdict import LeafDict
 from ._names import ChunkedNames, Names, close_matches
@@ -354,6 +355,10 @@ class OutputFiles:
             self._layout_cols.append((cols, None if plain else flat))
             self._layout_paths.append(paths)
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
+        try:
+            self.key_orders = KeyOrders(header.get("key_orders"), len(self), "zarr.json")
+        except CorruptSpillError as exc:
+            raise_([("zarr.json", str(exc))])
         self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
         self._next = 0
         self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
@@ -450,7 +455,8 @@ class OutputFiles:
         return self._row_value(i, a + j, filename, as_torch)
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
-        return row_value(self.row_plan(self._file_layout.item(i)), r, filename, as_torch, self._list_offs)
+        plan = self.row_plan(self._file_layout.item(i))
+        return row_value(plan, r, filename, as_torch, self._list_offs, order=self.key_orders.of_file(i))
 
     def row_plan(self, layout: int) -> RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""

@@ -170,4 +170,5 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 if plan is None:
                     plan = plans[layout] = files.row_plan(layout)
                 name = names[f]
-                yield name, frames[r - ra], row_value(plan, r, name, as_torch, offs, block)
+                order = files.key_orders.of_file(i0 + f)
+                yield name, frames[r - ra], row_value(plan, r, name, as_torch, offs, block, order)

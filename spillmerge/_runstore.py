@@ -203,7 +203,7 @@ class Coord:
         got: dict[int, Any] = {}
         done_every = 1.0
         next_done = time.monotonic() + done_every
-        for waited in _poll.poll(self.timeout, first=0.005, cap=0.25):
+        for waited in _poll.poll(self.timeout, first=0.001, cap=0.25, factor=1.25):  # a small round waits ms
             try:
                 for r, key in list(pending.items()):
                     if self.store.check([key]):

@@ -82,7 +82,7 @@ class FileSchemas:
         """The layouts of a frame's leaves, made once per distinct (paths, dtypes, shapes): a
         repeated frame shape skips building and hashing its ``Layout`` records (``check`` finds
         its catalog ids and signatures by the same key)."""
-        key = tuple([(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves])
+        key = tuple([(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves])
         layouts = self._frame_layouts.get(key)
         if layouts is None:
             if len(self._frame_layouts) >= _FRAME_CACHE:  # ragged frames: bounded memory

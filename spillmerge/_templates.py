@@ -34,6 +34,8 @@ class FrameTemplate:
 
     keys: tuple[str, ...]
     """The dict's keys, sorted (the order of its leaves and index rows)."""
+    order: tuple[str, ...]
+    """The dict's keys in the order it held them (its layouts carry that order)."""
     dtypes: tuple[np.dtype[Any], ...]
     """Each leaf's numpy dtype (native byte order: the format's little-endian bytes)."""
     shapes: tuple[tuple[int, ...], ...]
@@ -58,8 +60,11 @@ class FrameTemplate:
         if not leaves or any(len(leaf.path) != 1 or not leaf.nbytes for leaf in leaves) or -1 in layout_ids:
             return None
         sizes = tuple(int(leaf.nbytes) for leaf in leaves)
+        keys = tuple(leaf.path[0] for leaf in leaves)
+        pos = [leaf.pos[0] if leaf.pos is not None else i for i, leaf in enumerate(leaves)]
         return FrameTemplate(
-            keys=tuple(leaf.path[0] for leaf in leaves),
+            keys=keys,
+            order=tuple(k for _, k in sorted(zip(pos, keys, strict=True))),
             dtypes=tuple(np.dtype(leaf.dtype) for leaf in leaves),
             shapes=tuple(tuple(leaf.shape) for leaf in leaves),
             sizes=sizes,
@@ -74,7 +79,7 @@ class FrameTemplate:
         the same keys, each a plain host tensor or array of the same dtype and shape,
         C-contiguous; None otherwise. ``Tensor.numpy()`` refuses what needs care (autograd,
         conj / neg bits, other devices and layouts), exactly as ``flatten_dense`` relies on."""
-        if len(value) != len(self.keys):
+        if len(value) != len(self.keys) or tuple(value) != self.order:
             return None
         out = []
         for k, dtype, shape in zip(self.keys, self.dtypes, self.shapes, strict=True):

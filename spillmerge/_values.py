@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import numbers
 import pickle
 import struct
@@ -38,6 +39,7 @@ from ._format import (
     shape_problem,
     user_key,
 )
+from ._keyorder import positions
 
 _MAX_DEPTH = 32
 
@@ -57,6 +59,9 @@ class Leaf:
     """Number of bytes of the leaf."""
     data: Any
     """A flat uint8 view: ``np.ndarray`` on the host or a contiguous ``torch.Tensor`` on any device."""
+    pos: tuple[int, ...] | None = None
+    """Per path segment, the key's position in the user's dict; None when every dict along the
+    path had its keys in sorted order (``_keyorder``)."""
 
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
@@ -272,8 +277,9 @@ def flatten_dense(value: object) -> list[Leaf] | None:
     array), contiguous on the host: the same leaves, without the general walk. None when the
     value is anything else."""
     if type(value) is dict:
+        given = list(value)
         try:
-            keys = sorted(value)
+            keys = sorted(given)
         except TypeError:
             return None
         out = []
@@ -284,6 +290,9 @@ def flatten_dense(value: object) -> list[Leaf] | None:
             if leaf is None:
                 return None
             out.append(leaf)
+        if keys != given and out:  # the user's key order, on each leaf's layout
+            where = {k: i for i, k in enumerate(given)}
+            out = [dataclasses.replace(leaf, pos=(where[leaf.path[0]],)) for leaf in out]
         return out or None
     leaf = _dense_leaf(value, ())
     return None if leaf is None else [leaf]
@@ -295,8 +304,9 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
     ``allow_pickle``: store objects of no other kind as ``pickle`` leaves instead of refusing
     them (the writer's opt-in; a reader must opt in too)."""
     out: list[Leaf] = []
+    orders = _Orders()
     try:
-        _walk(value, (), filename, out, 0, allow_pickle, set())
+        _walk(value, (), filename, out, 0, allow_pickle, set(), orders)
     except SpillValueError as exc:
         if exc.frame_idx is not None or type(exc) is not SpillValueError:
             raise
@@ -311,6 +321,11 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
                 filename=filename,
                 leaf=_leaf_name(leaf.path),
             )
+    if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
+        where = orders.positions()
+        out = [
+            leaf if (p := positions(leaf.path, where)) is None else dataclasses.replace(leaf, pos=p) for leaf in out
+        ]
     return out
 
 
@@ -322,6 +337,7 @@ def _walk(
     depth: int,
     allow_pickle: bool,
     active: set[int],
+    orders: _Orders,
 ) -> None:
     if depth > _MAX_DEPTH:
         raise SpillValueError(
@@ -337,7 +353,7 @@ def _walk(
             out.append(Leaf(path, "str", *_utf8(value, path, filename)))  # type: ignore[arg-type]
             return
         if kind == "container":
-            _guarded(value, path, filename, out, depth, allow_pickle, active)
+            _guarded(value, path, filename, out, depth, allow_pickle, active, orders)
             return
         if kind == "none":
             out.append(Leaf(path, "none", (), 0, _EMPTY))
@@ -377,7 +393,7 @@ def _walk(
     elif isinstance(value, complex):
         out.append(_scalar(path, "pycomplex", value))
     elif isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
-        _guarded(value, path, filename, out, depth, allow_pickle, active)
+        _guarded(value, path, filename, out, depth, allow_pickle, active, orders)
     elif allow_pickle:
         out.append(_pickled(value, path, filename))
     else:
@@ -391,8 +407,9 @@ def _walk(
 
 
 def _guarded(
-    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int]
-) -> None:
+    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int],
+    orders: _Orders,
+) -> None:  # fmt: skip
     """``_container`` of a value not already being walked (a value that contains itself is refused)."""
     if id(value) in active:
         raise SpillValueError(
@@ -402,9 +419,25 @@ def _guarded(
         )
     active.add(id(value))
     try:
-        _container(value, path, filename, out, depth, allow_pickle, active)
+        _container(value, path, filename, out, depth, allow_pickle, active, orders)
     finally:
         active.discard(id(value))
+
+
+class _Orders(dict[tuple[str, ...], list[str]]):
+    """The keys of every dict of a value in their order (dict path -> keys); ``odd``: whether
+    one of them was not in sorted order (else the leaves carry no order)."""
+
+    odd = False
+
+    def note(self, path: tuple[str, ...], keys: list[str], ordered: list[str]) -> None:
+        if ordered != keys:
+            self.odd = True
+        self[path] = keys
+
+    def positions(self) -> dict[tuple[str, ...], dict[str, int]]:
+        """Dict path -> key segment -> its position."""
+        return {path: {user_key(k): i for i, k in enumerate(keys)} for path, keys in self.items()}
 
 
 _EXACT: dict[type, str] = {
@@ -416,11 +449,12 @@ takes the general chain, which pickles or refuses it)."""
 
 
 def _container(
-    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int]
-) -> None:
+    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int],
+    orders: _Orders,
+) -> None:  # fmt: skip
     """A mapping, dataclass, list or tuple: its children at their paths (``_walk``)."""
     if isinstance(value, (list, tuple)):
-        _from_list(value, path, filename, out, depth, allow_pickle, active)
+        _from_list(value, path, filename, out, depth, allow_pickle, active, orders)
         return
     if isinstance(value, Mapping):
         keys = list(value.keys())
@@ -431,18 +465,23 @@ def _container(
                     filename=filename,
                     leaf=_leaf_name(path),
                 )
-        items = [(k, value[k]) for k in sorted(keys)]
+        ordered = sorted(keys)
+        orders.note(path, keys, ordered)
+        items = [(k, value[k]) for k in ordered]
     else:
         # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
         # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
         # never imported here.
-        items = [(f.name, getattr(value, f.name)) for f in sorted(dataclasses.fields(value), key=lambda f: f.name)]
+        names = [f.name for f in dataclasses.fields(value)]
+        ordered = sorted(names)
+        orders.note(path, names, ordered)
+        items = [(k, getattr(value, k)) for k in ordered]
     if not items or any(is_marker(seg) for seg in path):
         # an empty dict has no leaf of its own, and a dict inside a list may hold only None: its
         # header (the number of keys) says it is there
         out.append(_header(path, "pydict", len(items)))
     for k, v in items:
-        _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active)
+        _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
 
 
 def _utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
@@ -528,23 +567,23 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
 
 def _from_list(
     value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int,
-    allow_pickle: bool, active: set[int],
+    allow_pickle: bool, active: set[int], orders: _Orders,
 ) -> None:  # fmt: skip
     """A list or tuple (docs/FORMAT.md, *Value model*): a list of ``str`` → a ``strlist`` leaf; a
     list of one Python number type (or of equally long such lists) → one ``py*`` array; a list of
     dicts with the same keys → a ``pyrecords`` header and the dict of their columns; anything
     else → a ``pylist`` / ``pytuple`` header and one path per item."""
     if isinstance(value, list):
-        _from_plain_list(value, path, filename, out, depth, allow_pickle, active)
+        _from_plain_list(value, path, filename, out, depth, allow_pickle, active, orders)
         return
     out.append(_header(path, "pytuple", len(value)))
     for i, item in enumerate(value):
-        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active)
+        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
 
 
 def _from_plain_list(
     value: list[Any], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool,
-    active: set[int],
+    active: set[int], orders: _Orders,
 ) -> None:  # fmt: skip
     if value and all(type(s) is str for s in value):
         out.append(_strlist(value, path, filename))
@@ -562,13 +601,15 @@ def _from_plain_list(
         ):
             # COCO-style detection lists: one column per key, each stored as the list it makes.
             out.append(_header(path, "pyrecords", len(value)))
-            for k in sorted(keys):
+            ordered = sorted(keys)
+            orders.note(path, keys, ordered)  # every dict of the list has this order (checked above)
+            for k in ordered:
                 column = [d[k] for d in value]
-                _walk(column, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active)
+                _walk(column, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
             return
     out.append(_header(path, "pylist", len(value)))
     for i, item in enumerate(value):
-        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active)
+        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
 
 
 _PY_NUM = {bool: "pybool", int: "pyint", float: "pyfloat"}
@@ -583,6 +624,9 @@ def _pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | Non
     if type(value[0]) is list:
         if depth >= _MAX_DEPTH:  # too deep (or a cycle): the item walk names it
             return None
+        flat = _flat_rows(value)
+        if flat is not None:
+            return flat
         rows = []
         for item in value:
             if type(item) is not list:
@@ -599,11 +643,32 @@ def _pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | Non
         return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
     t = type(value[0])
     name = _PY_NUM.get(t)
-    if name is None or any(type(v) is not t for v in value):
+    if name is None or (len(value) > 1 and set(map(type, value)) != {t}):  # the types, in C
         return None
     try:
         return name, np.array(value, dtype=DTYPES[name].storage)
     except OverflowError:  # an int beyond int64: the items are stored one by one (or refused there)
+        return None
+
+
+def _flat_rows(value: list[Any]) -> tuple[str, np.ndarray] | None:
+    """``_pynumeric`` of a list of equally long non-empty lists of one Python number type
+    (COCO boxes: a list of ``[4 floats]``) in a few C-level passes instead of one array per
+    row; None for anything else (the row-by-row way decides)."""
+    if set(map(type, value)) != {list}:
+        return None
+    lengths = set(map(len, value))
+    if len(lengths) != 1 or 0 in lengths:
+        return None
+    kinds = set(map(type, itertools.chain.from_iterable(value)))
+    if len(kinds) != 1:
+        return None
+    name = _PY_NUM.get(kinds.pop())
+    if name is None:
+        return None
+    try:
+        return name, np.array(value, dtype=DTYPES[name].storage)
+    except OverflowError:  # an int beyond int64
         return None
 
 

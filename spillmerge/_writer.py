@@ -523,7 +523,7 @@ class SpillWriter:
             return None
         template = DenseTemplate(
             tuple(paths),  # type: ignore[arg-type]
-            [FS.Layout(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves],
+            [FS.Layout(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves],
         )
         if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
             self._dense_templates[sig] = template

@@ -63,11 +63,6 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
     assert results[0]["failures"]["short_list"]["value_error"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the spill and the output keep a frame's leaves in sorted path order (a write's leaves are told "
-    "apart by it: _spillroot._last_writes); only the drop-ins restore dict key order",
-)
 def test_value_keeps_dict_key_order(tmp_path):
     import spillmerge
 

@@ -219,18 +219,18 @@ def test_a_header_whose_list_group_is_missing_is_refused(tmp_path, lists_out):
 
 
 def test_spill_roots_written_before_format_4_merge_to_lists(tmp_path):
-    """Version-3 spill roots hold the same catalogs (item positions): the spill format did not
-    change, so what a version-3 writer spilled merges to format 4's lists."""
+    """Spill roots hold the same catalogs (item positions) as before format 4's lists (version 4
+    added only the key order), so what such a writer spilled merges to lists."""
     rows = [("p", f, {"x": [torch.ones(f), "a"][: f + 1]}) for f in range(3)]
     root = tmp_path / "spill"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
         for name, frame, value in rows:
             w.write(name, frame, value)
     header = json.loads(next(root.glob("rank-00000/seg-*/zarr.json")).read_text())
-    assert header["attributes"]["spillmerge"]["format_version"] == 3
+    assert header["attributes"]["spillmerge"]["format_version"] == 4
     spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
     res = _same(tmp_path / "out", rows)
-    assert res.format_version == 5 == spillmerge.FORMAT_VERSION
+    assert res.format_version == 6 == spillmerge.FORMAT_VERSION
 
 
 def _plant_list_group(out: Path, like: str, name: str, path: tuple[str, ...]) -> None:

@@ -267,7 +267,7 @@ def test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their
         assert frames == list(range(len(frames))), (w, frames)  # a prefix of what was written
         got[w] = (len(frames), rep.salvaged_frames.get(0, 0))
     commit = json.loads(next(roots["committed"].glob("rank-00000/seg-*/commit.json")).read_text())
-    assert commit["n_checks"] > 0 and commit["format_version"] == 3
+    assert commit["n_checks"] > 0 and commit["format_version"] == 4
     assert got["committed"] == (n, 0)
     assert 0 < got["journal-3"][0] == got["journal-3"][1] < got["journal-7"][0] == got["journal-7"][1] < n, got
 
