@@ -1,6 +1,6 @@
 """One output format and one spill format: a tree of any other version is refused, by every reader,
 with one message naming the path, the version found and the version this spillmerge reads, and
-what to do (docs/FORMAT.md section 4). The versions are forged in real, current trees."""
+what to do (docs/FORMAT.md, top). The versions are forged in real, current trees."""
 
 from __future__ import annotations
 
