@@ -29,6 +29,7 @@ from . import _format_output as FO
 from . import _format_spill as FS
 from . import _plansql
 from ._errors import DuplicateFrameError, SpillValueError
+from ._keyorder import output_orders
 from ._options import DEFAULT_PLAN_BUDGET
 from ._plancolumns import (
     ROW_BLOCK,
@@ -79,7 +80,10 @@ class Plan:
     duplicates: int
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
     lists: list[PlannedList] = dataclasses.field(default_factory=list)
-    """Format 4: the list offsets of every list path, parents before children."""
+    """The list offsets of every list path, parents before children."""
+    key_orders: dict[str, Any] | None = None
+    """The output header's ``key_orders`` (``_keyorder.output_orders``): the dicts' key order,
+    from the segments' layouts, kept with the plan so a stored plan carries it too."""
 
     @property
     def n_files(self) -> int:
@@ -116,6 +120,15 @@ def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
     return sorted({segments[int(s)].seg.rank for s in np.unique(seg_ids)})
 
 
+SMALL_PLAN_ROWS = 1 << 18
+"""Index rows below which the sort runs on one thread: DuckDB's worker threads cost more to start
+than a small sort gains from them."""
+
+
+def _threads(n_rows: int) -> int:
+    return 1 if n_rows < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
+
+
 def build(
     segments: Iterable[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes,
     work_dir: str | None = None, memory_limit: int = DEFAULT_PLAN_BUDGET, threads: int | None = None,
@@ -125,7 +138,7 @@ def build(
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
     The index rows are sorted out of core by DuckDB (``_plansql``) under ``memory_limit`` bytes,
-    with ``threads`` threads (default: up to 4) and its temporary files in a work folder under
+    with ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a work folder under
     ``work_dir`` (default: the system's temporary folder), removed before this returns. Memory:
     ``memory_limit`` for the sort, one segment's rows while it is inserted, and the small tables
     (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
@@ -160,7 +173,7 @@ def build(
 
     srt = _plansql.sort_rows(
         segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-        threads=threads if threads is not None else min(4, os.cpu_count() or 1),
+        threads=threads if threads is not None else _threads(sum(len(s.index) for s in segments)),
     )  # fmt: skip
     names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
     if not len(c["file"]):
@@ -207,6 +220,7 @@ def build(
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
+        output_orders(names, segments),
     )  # fmt: skip
 
 
@@ -303,6 +317,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "columns": [c.header().to_obj() for c in plan.columns],
         "file_layouts": plan.file_layouts,
         "lists": [[lst.name, list(lst.path)] for lst in plan.lists],
+        "key_orders": plan.key_orders,
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their

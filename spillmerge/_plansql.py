@@ -147,10 +147,12 @@ def sort_rows(
         pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
         if not n_files:
             return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0)
-        con = duckdb.connect()
+        # Threads and memory in the connection's config: a connection made with defaults starts a
+        # worker per core before any SET could say otherwise.
+        con = duckdb.connect(
+            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), MIN_SORT_MEMORY)}B"}
+        )
         try:
-            con.execute(f"SET memory_limit = '{max(int(memory_limit), MIN_SORT_MEMORY)}B'")
-            con.execute(f"SET threads = {max(1, int(threads))}")
             con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
             con.execute("SET preserve_insertion_order = false")
             con.execute("SET enable_progress_bar = false")  # DuckDB's own bar writes to stdout

@@ -191,6 +191,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         body = {
             "key": key, "plan": fingerprint, "settings": settings, "duplicates": plan.duplicates,
             "file_layouts": plan.file_layouts, "columns": columns, "lists": lists, "arrays": arrays,
+            "key_orders": plan.key_orders,
             "segments": [
                 {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "salvaged": s.salvaged,
                  "n_checks": 0 if s.checks is None else len(s.checks)}
@@ -294,7 +295,7 @@ def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, 
         plan = Plan(
             names, arr("file_offsets"), arr("frame_idx"), arr("rank"), arr("copies"), arr("file_layout"),
             [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"), arr("nbytes"),
-            arr("crc"), int(body["duplicates"]), lists,
+            arr("crc"), int(body["duplicates"]), lists, body.get("key_orders"),
         )  # fmt: skip
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")

@@ -20,7 +20,6 @@ from zarr.core.metadata import ArrayV3Metadata
 from . import _codecs
 from . import _format as F
 from . import _format_output as FO
-from ._keyorder import output_orders
 from ._plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 15
@@ -126,7 +125,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         segments=len(plan.segments),
         created=F.utcnow(),
         file_layouts=plan.file_layouts,
-        key_orders=output_orders(plan.filenames, plan.segments),
+        key_orders=plan.key_orders,
     ).to_obj()
     nodes: dict[str, Any] = {
         "": GroupMetadata(attributes={"spillmerge": header}),

@@ -193,6 +193,31 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def _warm_up() -> None:
+    """One small write, merge and read before the address space is capped: every shared library
+    they load (the planner's DuckDB and pyarrow among them) is loaded and its thread-local data
+    set up here; a library first loaded under the cap can abort the process ("cannot allocate
+    memory for thread-local data") instead of raising MemoryError."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    import spillmerge
+
+    tmp = tempfile.mkdtemp(prefix="untrusted-warm-up-")
+    try:
+        with spillmerge.SpillWriter(f"{tmp}/spill", rank=0, world_size=1) as w:
+            for i in range(4):
+                w.write(f"f{i % 2}.bin", i, {"a": np.ones(3), "s": "x", "l": [1, {"k": 2.0}]})
+        spillmerge.merge(f"{tmp}/spill", f"{tmp}/out", progress=False)
+        res = spillmerge.open(f"{tmp}/out")
+        list(res.iter_values())
+        spillmerge.verify(f"{tmp}/out")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(cases_path: str, result_path: str) -> None:
     import torch
 
@@ -201,11 +226,14 @@ def main(cases_path: str, result_path: str) -> None:
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
-    if any(case["target"] == "spill" for case in cases):  # only the spill cases read the callback's report
-        try:  # the callback's report reader: lightning is heavy to import under the cap
-            import spillmerge.integrations.pytorch_lightning  # noqa: F401
-        except ImportError:
-            pass
+    # Every library a reader or a merge may load, before the cap: a shared library loaded under it
+    # can abort the process ("cannot allocate memory for thread-local data"). Lightning: the
+    # callback's report reader.
+    try:
+        import spillmerge.integrations.pytorch_lightning  # noqa: F401
+    except ImportError:
+        pass
+    _warm_up()
     signal.signal(signal.SIGALRM, _alarm)
     sys.addaudithook(_audit)
     with open("/proc/self/statm") as f:

@@ -3,6 +3,8 @@ script once, in a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -29,6 +31,18 @@ class Ran:
     returncode: int
     stdout: str
     stderr: str
+
+
+def cli_run(*args: str) -> Ran:
+    """``spillmerge ARGS`` in this process, its output captured (for the tests of other files,
+    which have no ``run`` fixture): the exit status argparse gives included."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return Ran(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import spillmerge
-from tests.test_cli import assert_one_line_error, run
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import cli_run as run
 
 _NUMPY_REPR = re.compile(r"\bnp\.[a-z]+\d*\(|array\(\[|dtype\('")
 

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_cli import EXE, assert_one_line_error, run
+from test_cli import EXE, assert_one_line_error
+from test_cli import cli_run as run
 
 import spillmerge
 from spillmerge import _lease

@@ -21,7 +21,8 @@ import torch
 import zarr
 from _helpers import make_hostile, raw_bytes, zarr_filenames
 from _mp_scenarios import output_tree, tree_diff
-from test_cli import assert_one_line_error, run
+from test_cli import assert_one_line_error
+from test_cli import cli_run as run
 
 import spillmerge
 from spillmerge import _format_output as FO
