@@ -1180,6 +1180,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_key_order.py::test_arrow_export_follows_the_key_order",),
         "Arrow struct fields follow the dicts' key order",
     ),
+    Mutation(
+        "stored-plan-carries-key-orders",
+        "spillmerge/_planstore.py",
+        '            "key_orders": plan.key_orders,',
+        "",
+        ("tests/test_scaleout.py::test_cli_parts_then_finalize_equal_one_process_merge",),
+        "a merge in parts writes the dicts' key order its stored plan carries, as a whole merge does",
+    ),
+    Mutation(
+        "plan-sort-memory-floor",
+        "spillmerge/_plansql.py",
+        '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), MIN_SORT_MEMORY)}B"}''',
+        '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), 1 << 20)}B"}''',
+        ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
+        "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
+    ),
 ]
 
 
