@@ -1,21 +1,23 @@
 """On-disk format of a merged output (docs/FORMAT.md section 2): its records — output header,
-column header, completion marker, and the part records of an output written in parts.
+column header, completion marker, and the part records of an output written in parts — and what a
+path holds when it is no output (the one check the merge, ``open`` and ``inspect`` share).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import _codecs
-from ._errors import CorruptSpillError
+from ._errors import CorruptSpillError, NotAnOutputError
 from ._format import (
     DTYPES,
     FORMAT_VERSION,
     MAX_CHUNK_BYTES,
     MAX_NDIM,
+    ROOT_DOC_MAX_BYTES,
     check_version,
     column_name_choices,
     dumps,
@@ -30,6 +32,10 @@ from ._format import (
     str_or_none,
     utcnow,
 )
+from ._format_spill import parse_rank_dirname
+
+if TYPE_CHECKING:
+    from ._storage import Storage
 
 COMPLETE_NAME = "spillmerge-complete.json"
 
@@ -411,3 +417,46 @@ class CompletionMarker:
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})
+
+
+def header(storage: Storage) -> dict[str, Any] | None:
+    """The output header (root ``zarr.json`` attributes ``spillmerge``) when ``storage`` holds a
+    merged output's root document, else None (absent, torn or not ours). The one reader of
+    "is this a merged output?" for the merge, ``inspect`` and ``open``."""
+    raw = storage.get_or_none("zarr.json", max_bytes=ROOT_DOC_MAX_BYTES)
+    if raw is None:
+        return None
+    try:
+        obj = loads(raw, path=storage.describe("zarr.json"))
+    except CorruptSpillError:
+        return None
+    head = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
+    if isinstance(head, dict) and head.get("kind") == "merged":
+        return head
+    return None
+
+
+def what_is(storage: Storage) -> str:
+    """What is at a path that is not a (complete or torn) output: ``"missing"``, ``"file"``,
+    ``"spill"`` (it has rank folders) or ``"other"``; so a message can name the next step."""
+    with storage.storage_errors("check", ""):
+        if not storage.fs.exists(storage.path("")):
+            return "missing"
+        if storage.fs.isfile(storage.path("")):
+            return "file"
+    if any(parse_rank_dirname(n) is not None for n in storage.listdir("")):
+        return "spill"
+    return "other"
+
+
+def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError:
+    """The error for opening, inspecting or verifying something that is no output, naming what it is."""
+    kind = kind or what_is(storage)
+    where = storage.describe()
+    why = {
+        "missing": f"{where} does not exist",
+        "file": f"{where} is a file, not a spillmerge output (a folder)",
+        "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` and open OUT",
+        "other": f"{where} is not a spillmerge output (no zarr.json) nor a spill root (no rank-NNNNN folders)",
+    }[kind]
+    return NotAnOutputError(why, path=where, kind=kind)

@@ -5,7 +5,7 @@ merge in parts shares them out, so each part writes its share and the finalize o
 documents and the marker (docs/SCALE.md, *What breaks first*, 2).
 
 Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
-(``_zarrmeta.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
+(``_format_zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
 edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
 bytes zarr writes for the same elements (tests/test_scaleout.py compares every chunk).
 

@@ -18,8 +18,8 @@ from . import _invariants as V
 from . import _lists as L
 from . import _names as N
 from ._errors import SpillMergeError
+from ._format_output import header, not_an_output, what_is
 from ._invariants import Problem
-from ._output import header, not_an_output, what_is
 from ._spillroot import load_segment, scan
 from ._storage import Storage
 from ._units import size_text as _human

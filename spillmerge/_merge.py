@@ -27,8 +27,8 @@ from ._errors import (
 from ._frames import check_expected
 from ._options import DEFAULT_MEMORY_BUDGET, DEFAULT_PLAN_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
-from ._removal import plan_lookup, remove_merged
-from ._report import MergeReport, gaps
+from ._removal import remove_merged
+from ._report import MergeReport, gaps, plan_lookup
 from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
 from ._storage import Storage
 

@@ -8,13 +8,10 @@ symbolic link, and only while it holds the output's lease (``_lease``).
 
 from __future__ import annotations
 
-from typing import Any
-
-from . import _format as F
 from . import _format_output as FO
-from . import _format_spill as FS
 from . import _lease, _parts
-from ._errors import CorruptSpillError, NotAnOutputError, OutputExistsError, UnsafePathError
+from ._errors import OutputExistsError, UnsafePathError
+from ._format_output import header, what_is
 from ._storage import Storage
 
 
@@ -74,49 +71,6 @@ def complete_error(output: Storage, to: str) -> OutputExistsError:
     )
 
 
-def header(storage: Storage) -> dict[str, Any] | None:
-    """The output header (root ``zarr.json`` attributes ``spillmerge``) when ``storage`` holds a
-    merged output's root document, else None (absent, torn or not ours). The one reader of
-    "is this a merged output?" for the merge, ``inspect`` and ``open``."""
-    raw = storage.get_or_none("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES)
-    if raw is None:
-        return None
-    try:
-        obj = F.loads(raw, path=storage.describe("zarr.json"))
-    except CorruptSpillError:
-        return None
-    head = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
-    if isinstance(head, dict) and head.get("kind") == "merged":
-        return head
-    return None
-
-
-def what_is(storage: Storage) -> str:
-    """What is at a path that is not a (complete or torn) output: ``"missing"``, ``"file"``,
-    ``"spill"`` (it has rank folders) or ``"other"``; so a message can name the next step."""
-    with storage.storage_errors("check", ""):
-        if not storage.fs.exists(storage.path("")):
-            return "missing"
-        if storage.fs.isfile(storage.path("")):
-            return "file"
-    if any(FS.parse_rank_dirname(n) is not None for n in storage.listdir("")):
-        return "spill"
-    return "other"
-
-
-def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError:
-    """The error for opening, inspecting or verifying something that is no output, naming what it is."""
-    kind = kind or what_is(storage)
-    where = storage.describe()
-    why = {
-        "missing": f"{where} does not exist",
-        "file": f"{where} is a file, not a spillmerge output (a folder)",
-        "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` and open OUT",
-        "other": f"{where} is not a spillmerge output (no zarr.json) nor a spill root (no rank-NNNNN folders)",
-    }[kind]
-    return NotAnOutputError(why, path=where, kind=kind)
-
-
 def not_ours(output: Storage) -> OutputExistsError:
     what = {"file": "a file", "spill": "a spill root"}.get(what_is(output), "a folder")
     return OutputExistsError(
@@ -126,7 +80,7 @@ def not_ours(output: Storage) -> OutputExistsError:
     )
 
 
-# The first bytes of the root document a merge writes first (``_merge._json_doc`` of a group with
+# The first bytes of the root document a merge writes first (``_zarrmeta.json_doc`` of a group with
 # the ``spillmerge`` header): a file holding a prefix of them is that write, torn by a crash.
 _ROOT_PREFIX = b'{\n  "attributes": {\n    "spillmerge": {\n      "format_version": '
 

@@ -31,11 +31,11 @@ from ._errors import (
     UnknownColumnError,
     UnknownFileError,
 )
+from ._format_output import not_an_output, what_is
 from ._keyorder import KeyOrders
 from ._lazyindex import LazyArray
 from ._leafdict import LeafDict
 from ._names import ChunkedNames, Names, close_matches
-from ._output import not_an_output, what_is
 from ._rowvalue import RowPlan, row_value
 from ._storage import Storage
 from ._views import LeafView, OpenColumn, view_factory

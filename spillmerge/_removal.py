@@ -17,7 +17,6 @@ import numpy as np
 
 from . import _format_spill as FS
 from ._errors import SpillMergeError
-from ._report import finder
 from ._spillroot import LoadedSegment, Segment, list_ranks, load_flushed, read_segment
 from ._storage import Storage
 
@@ -48,18 +47,6 @@ def lacking(seg: LoadedSegment, lookup: Lookup) -> int:
         have = lookup(seg.filenames[int(keys[a, 0])])
         total += len(want) if have is None else int(np.count_nonzero(~np.isin(want, np.asarray(have))))
     return total
-
-
-def plan_lookup(plan: Any) -> Lookup:
-    """:data:`Lookup` of a merge plan (what a complete output written from it holds)."""
-    find = finder(plan.filenames)
-    off, frames = plan.file_offsets, plan.frame_idx
-
-    def lookup(name: str) -> Any:
-        i = find(name)
-        return None if i < 0 else frames[off[i] : off[i + 1]]
-
-    return lookup
 
 
 def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> Removal:

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._frames import first_missing, runs
 from ._plan import ROW_BLOCK, Plan
+from ._removal import Lookup
 from ._units import size_text
 
 _INLINE_NOTES = ("part ", "spill root ")
@@ -182,6 +183,18 @@ def finder(names: Sequence[str]) -> Callable[[str], int]:
         return search  # type: ignore[no-any-return]
     pos = {name: i for i, name in enumerate(names)}
     return lambda name: pos.get(name, -1)
+
+
+def plan_lookup(plan: Plan) -> Lookup:
+    """:data:`~spillmerge._removal.Lookup` of a merge plan (what a complete output written from it holds)."""
+    find = finder(plan.filenames)
+    off, frames = plan.file_offsets, plan.frame_idx
+
+    def lookup(name: str) -> Any:
+        i = find(name)
+        return None if i < 0 else frames[off[i] : off[i + 1]]
+
+    return lookup
 
 
 def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int = 10000) -> dict[str, list[int]]:

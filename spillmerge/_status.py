@@ -17,8 +17,8 @@ from . import _format_output as FO
 from . import _format_spill as FS
 from . import _parts
 from ._errors import NotASpillRootError, SpillMergeError
-from ._output import header as output_header
-from ._output import what_is
+from ._format_output import header as output_header
+from ._format_output import what_is
 from ._progress import iso_to_unix
 from ._progress import read as read_progress
 from ._spillroot import list_ranks, read_segment

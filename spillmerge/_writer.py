@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import fsspec
 import google_crc32c
@@ -46,8 +46,8 @@ from ._errors import (
     WriterClosedError,
 )
 from ._format import user_key
+from ._format_zarr import array_meta, array_objects
 from ._removal import remove_listed
-from ._report import MergeReport
 from ._round import Rounds, complete_for
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
@@ -57,7 +57,9 @@ from ._storage import Storage
 from ._templates import DenseTemplate, FrameTemplate
 from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
 from ._values import Leaf, check_filename, check_frame_idx, flatten, flatten_dense
-from ._zarrmeta import array_meta, array_objects
+
+if TYPE_CHECKING:
+    from ._report import MergeReport
 
 
 class WriterState(enum.StrEnum):

@@ -1,10 +1,9 @@
-"""Every ``zarr.json`` document spillmerge writes, built from plain values (docs/FORMAT.md).
+"""Every ``zarr.json`` document of a merged output, built from the plan (docs/FORMAT.md).
 
-Segment arrays (``array_meta``, ``array_objects``: the writer's ``data``, ``index``, ``catalog``)
-and the merged output's nodes (``output_docs``: root, ``index`` and its arrays, every column's
-group and arrays; ``consolidated_root``). Documents are normalised by
+The merged output's nodes (``output_docs``: root, ``index`` and its arrays, every column's group
+and arrays; ``consolidated_root``) and the chunk sizes of its arrays. Documents are normalised by
 zarr's own metadata classes, so the consolidated root matches what zarr would write, and nothing
-is read back.
+is read back. A single array's document is ``_format_zarr.array_meta``, which the writer shares.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import google_crc32c
 import numpy as np
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
@@ -20,6 +18,7 @@ from zarr.core.metadata import ArrayV3Metadata
 from . import _codecs
 from . import _format as F
 from . import _format_output as FO
+from ._format_zarr import array_meta
 from ._plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 15
@@ -222,38 +221,3 @@ def _consolidated_entry(doc: dict[str, Any]) -> dict[str, Any]:
     if doc.get("node_type") == "group":
         return {**doc, "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}
     return doc
-
-
-def array_meta(
-    shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, attributes: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A Zarr v3 array ``zarr.json`` document (docs/FORMAT.md)."""
-    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if np.dtype(dtype).itemsize == 1:
-        codecs = [{"name": "bytes"}]
-    if crc:
-        codecs.append({"name": "crc32c"})
-    kind = np.dtype(dtype).kind
-    fill: Any = False if kind == "b" else [0.0, 0.0] if kind == "c" else 0.0 if kind == "f" else 0
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": list(shape),
-        "data_type": dtype,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": codecs,
-        "attributes": attributes or {},
-    }
-
-
-def array_objects(rel: str, raw: bytes, shape: tuple[int, ...], dtype: str) -> dict[str, bytes]:
-    """A small array as one chunk with a crc32c checksum (zarr's crc32c codec layout): its
-    objects by path."""
-    chunks = tuple(max(d, 1) for d in shape)
-    out = {f"{rel}/zarr.json": F.dumps(array_meta(shape, chunks, dtype, crc=True))}
-    if all(d > 0 for d in shape):
-        crc = np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()
-        out[f"{rel}/c/" + "/".join("0" * len(shape))] = raw + crc
-    return out

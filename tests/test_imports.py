@@ -23,14 +23,28 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (relative imports, at any depth of the file)."""
+def _typing_only(tree: ast.Module) -> set[int]:
+    """Ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports only annotations use)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def _graph(*, at_runtime: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (relative imports, at any depth of the file);
+    ``at_runtime``: without the imports under ``if TYPE_CHECKING:``."""
     mods = _modules()
     edges: dict[str, set[str]] = {}
     for name, f in mods.items():
         package = name if f.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        skip = _typing_only(tree) if at_runtime else set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
@@ -112,6 +126,86 @@ def test_the_merge_round_sits_between_the_writer_and_the_merge():
     assert "spillmerge._runstore" in edges["spillmerge._transfer"]
     assert not {"spillmerge._merge", "spillmerge._round", "spillmerge._writer"} & edges["spillmerge._transfer"]
     assert edges["spillmerge._runstore"] <= {"spillmerge._errors", "spillmerge._poll"}
+
+
+# Stages of the pipeline: the folders the package's modules will move into (a module not named
+# here is in "api", which may import anything). A module's stage is its first name below
+# ``spillmerge``, so ``_storage._local`` is in "storage".
+STAGES: dict[str, tuple[str, ...]] = {
+    "errors": ("_errors",),
+    "util": ("_units", "_poll", "_progress"),
+    "format": ("_format", "_format_output", "_format_spill", "_format_zarr", "_invariants", "_codecs", "_keyorder", "_lists"),
+    "storage": ("_storage",),
+    "write": ("_writer", "_batch", "_values", "_schema", "_staging", "_templates"),
+    "spill": ("_spillroot", "_removal"),
+    "merge": (
+        "_merge", "_plan", "_plancolumns", "_plansql", "_planstore", "_copy", "_indexchunks", "_zarrmeta",
+        "_report", "_parts", "_lease", "_output", "_options",
+    ),
+    "dist": ("_dist", "_round", "_transfer", "_gather", "_dropin", "_runstore"),
+    "read": (
+        "_reader", "_names", "_lazyindex", "_cache", "_views", "_rowvalue", "_rowblock", "_arrowtree", "_export",
+        "_dataset", "_rawchunk", "_leafdict",
+    ),
+    "inspect": ("_inspect", "_coverage", "_status", "_frames"),
+}  # fmt: skip
+
+# Stage -> the other stages its modules may import at run time (every stage may import "errors").
+# Data flows one way: the writer reaches the merge only through dist's collective round, and
+# neither the writer nor the reader imports anything of the merge.
+MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    "util": {"format", "storage"},
+    "format": set(),
+    "storage": {"format"},
+    "write": {"util", "format", "storage", "spill", "dist"},
+    "spill": {"util", "format", "storage"},
+    "merge": {"util", "format", "storage", "spill", "inspect"},
+    "dist": {"util", "format", "storage", "write", "spill", "merge", "read"},
+    "read": {"util", "format", "storage"},
+    "inspect": {"util", "format", "storage", "spill", "merge", "read"},
+}
+
+
+def _stage(module: str) -> str:
+    first = module.split(".")[1] if module.count(".") else ""
+    return next((stage for stage, names in STAGES.items() if first in names), "api")
+
+
+def _stage_crossings(edges: dict[str, set[str]]) -> list[str]:
+    """Imports from a stage into one it may not import (``MAY_IMPORT``)."""
+    out = []
+    for mod, deps in edges.items():
+        here = _stage(mod)
+        if here == "api":
+            continue
+        allowed = MAY_IMPORT[here] | {here, "errors"}
+        out += [f"{mod} ({here}) -> {dep} ({_stage(dep)})" for dep in sorted(deps) if _stage(dep) not in allowed]
+    return sorted(out)
+
+
+def test_every_module_has_a_stage_and_imports_only_the_stages_below_it():
+    mods = _modules()
+    unstaged = {m for m in mods if _stage(m) == "api"}
+    assert unstaged == {
+        "spillmerge", "spillmerge.cli", "spillmerge._demo", "spillmerge.integrations",
+        "spillmerge.integrations._prediction_writer", "spillmerge.integrations.lightning",
+        "spillmerge.integrations.pytorch_lightning",
+    }  # fmt: skip
+    named = {name for names in STAGES.values() for name in names}
+    assert named <= {m.split(".")[1] for m in mods if m.count(".")}  # no stale name in the mapping
+    assert _stage_crossings(_graph(at_runtime=True)) == []
+
+
+def test_the_stage_check_finds_a_crossing_and_ignores_annotation_imports():
+    edges = {"spillmerge._writer": {"spillmerge._merge"}, "spillmerge._reader": {"spillmerge._format"}}
+    assert _stage_crossings(edges) == ["spillmerge._writer (write) -> spillmerge._merge (merge)"]
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._report import MergeReport\nimport os\n"
+    tree = ast.parse(src)
+    skipped = [n for n in ast.walk(tree) if id(n) in _typing_only(tree) and isinstance(n, ast.ImportFrom)]
+    assert [n.module for n in skipped] == ["_report"]
+    assert "spillmerge._report" in _graph()["spillmerge._writer"]  # counted for circles, not for stages
+    assert "spillmerge._report" not in _graph(at_runtime=True)["spillmerge._writer"]
 
 
 def _reach(edges: dict[str, set[str]], start: str) -> set[str]:
