@@ -8,7 +8,7 @@ O(rows) numpy, no per-file Python loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -195,29 +195,16 @@ def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list
 
 
 @dataclass(frozen=True, slots=True)
-class StoredColumn:
-    """One column group ``columns/<name>`` of an output as stored, from its metadata alone
-    (the reader wraps it in ``_views.OpenColumn``; the merge plans it as ``_plan.PlannedColumn``)."""
+class StoredColumn(FO.ColumnHeader):
+    """One column group ``columns/<name>`` of an output as stored, from its metadata alone: its
+    header and its arrays (the reader wraps it in ``_views.OpenColumn``; the merge plans it as
+    ``_plan.PlannedColumn``)."""
 
+    _: KW_ONLY
     name: str
     """Group name under ``columns/``."""
-    leaf: tuple[str, ...]
-    """Dict keys from the value's root to the leaf (empty for plain tensor values)."""
-    kind: str
-    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
-    dtype: str
-    """Dtype name (section 3) for numeric kinds, else the kind."""
-    ndim: int | None
-    """Dimensions of a value (numeric kinds)."""
-    inner_shape: tuple[int, ...] | None
-    """Dimensions after the first of a ragged column's values (None: flat values + ``shapes``)."""
-    chunk_max_bytes: int | None
-    """Largest string chunk the merge wrote (string columns)."""
     arrays: dict[str, Any]
     """``values`` / ``offsets`` / ``shapes`` / ``valid`` -> ``zarr.Array`` (those present)."""
-    variant: str | None = None
-    """The variant tag of one of a leaf's variant columns (None: the leaf's only column,
-    or one split by dtype)."""
 
     @property
     def path(self) -> str:
@@ -249,18 +236,8 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
             problems.append((rel, exc.reason or str(exc)))
             continue
         arrays = {k: a for k, a in node.members(max_depth=0) if isinstance(a, zarr.Array)}
-        info = StoredColumn(
-            name=name,
-            leaf=h.leaf,
-            kind=h.kind,
-            dtype=h.dtype,
-            ndim=h.ndim,
-            inner_shape=h.inner_shape,
-            chunk_max_bytes=h.chunk_max_bytes,
-            arrays=arrays,
-            variant=h.variant,
-        )
-        bad = _column_meta_problems(info, h.has_valid)
+        info = StoredColumn(**{f.name: getattr(h, f.name) for f in fields(h)}, name=name, arrays=arrays)
+        bad = _column_meta_problems(info)
         if bad:
             problems.extend(bad)
             continue
@@ -275,10 +252,10 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     return out, problems
 
 
-def _column_meta_problems(c: StoredColumn, has_valid: bool) -> list[Problem]:
+def _column_meta_problems(c: StoredColumn) -> list[Problem]:
     """Storage types and array presence of one column (lengths are checked against ``n_rows`` by
     :func:`column_problems`)."""
-    rel = f"columns/{c.name}"
+    rel, has_valid = f"columns/{c.name}", c.has_valid
     a = c.arrays
     out: list[Problem] = []
     # str / strlist are stored as uint8 bytes + byte offsets (strlist: + strings per row in shapes)
