@@ -35,7 +35,8 @@ sys.path.insert(0, {bench!r})
 from common import PeakMemory
 from spillmerge import _plan
 from spillmerge import _format_spill as FS
-from spillmerge._spillroot import load_all, same_bytes, wait_for_commits
+from spillmerge._barrier import wait_for_commits
+from spillmerge._spillroot import load_all, same_bytes
 from spillmerge._storage import Storage
 root, budget, side = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 storage = Storage(root)

@@ -16,6 +16,7 @@ from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
 from . import _zarrmeta as Z
+from ._barrier import wait_for_commits
 from ._copy import Unit, copy_units, units
 from ._errors import (
     MissingPartsError,
@@ -29,7 +30,7 @@ from ._options import DEFAULT_MEMORY_BUDGET, DEFAULT_PLAN_BUDGET, MergeOptions
 from ._plan import Plan, build, fingerprint, split
 from ._removal import remove_merged
 from ._report import MergeReport, gaps, plan_lookup
-from ._spillroot import load_all, load_flushed, same_bytes, wait_for_commits
+from ._spillroot import load_all, load_flushed, same_bytes
 from ._storage import Storage
 
 

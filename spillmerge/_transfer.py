@@ -42,6 +42,7 @@ import torch
 
 from . import _format_spill as FS
 from . import _poll
+from ._barrier import WaitNotices, assess, raise_for_state
 from ._errors import (
     ConfigError,
     CoordinationError,
@@ -52,7 +53,7 @@ from ._errors import (
 )
 from ._report import MergeReport
 from ._runstore import Coord
-from ._spillroot import WaitNotices, assess, list_segments, raise_for_state, scan
+from ._spillroot import list_segments, scan
 from ._storage import Storage
 
 TRANSPORTS = ("auto", "storage", "nccl", "gloo")

@@ -27,6 +27,7 @@ import torch
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
+from ._barrier import check_not_stale
 from ._batch import (
     as_rows,
     at_position,
@@ -51,7 +52,7 @@ from ._removal import remove_listed
 from ._round import Rounds, complete_for
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import check_not_stale, list_ranks, load_committed_keys
+from ._spillroot import list_ranks, load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._templates import DenseTemplate, FrameTemplate

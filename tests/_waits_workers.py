@@ -13,13 +13,13 @@ import torch
 from _mp_scenarios import run_scenarios
 
 import spillmerge
-from spillmerge import _spillroot
+from spillmerge import _barrier
 
 WORLD = 2
 
 
 def late_rank(rank: int, world: int, base: str) -> dict[str, Any]:
-    _spillroot.WAIT_NOTICE_FIRST, _spillroot.WAIT_NOTICE_EVERY = 0.1, 0.5
+    _barrier.WAIT_NOTICE_FIRST, _barrier.WAIT_NOTICE_EVERY = 0.1, 0.5
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         with spillmerge.SpillWriter(f"{base}/spill", chunk_bytes=4096) as w:

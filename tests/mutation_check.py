@@ -105,7 +105,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "runid-failure-record-ignored",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_barrier.py",
         "            if any(s.failure is not None for s in mine):",
         "            if False:",
         (f"{G}::test_a_failure_record_of_the_run_fails_the_barrier_at_once",),
@@ -186,7 +186,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "failure-record-ignored-without-run-id",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_barrier.py",
         "            if newest.failure is not None:",
         "            if False:",
         (f"{G}::test_a_failure_record_of_the_run_fails_the_barrier_at_once",),
@@ -492,7 +492,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-stale-root-at-merge",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_barrier.py",
         "    if stale:\n        raise stale_error(storage, stale, world_size)\n    extra",
         "    if False:\n        raise stale_error(storage, stale, world_size)\n    extra",
         ("tests/test_stale_root.py",),
@@ -500,7 +500,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-stale-root-at-writer-open",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_barrier.py",
         "    stale = stale_segments(storage, segments, world_size)\n    if stale:\n        raise stale_error(storage, stale, world_size)\n\n",
         "    stale = stale_segments(storage, segments, world_size)\n    if False:\n        raise stale_error(storage, stale, world_size)\n\n",
         ("tests/test_stale_root.py",),
@@ -851,7 +851,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "wait-notices",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_barrier.py",
         "        if waited < timeout:\n            notices(state, segments, run_id)\n",
         "",
         ("tests/test_waits.py",),
@@ -859,7 +859,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "wait-notices-quiet",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_barrier.py",
         "notices = WaitNotices(storage, timeout, quiet=progress is False)",
         "notices = WaitNotices(storage, timeout, quiet=False)",
         ("tests/test_waits.py",),

@@ -137,7 +137,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     "format": ("_format", "_format_output", "_format_spill", "_format_zarr", "_invariants", "_codecs", "_keyorder", "_lists"),
     "storage": ("_storage",),
     "write": ("_writer", "_batch", "_values", "_schema", "_staging", "_templates"),
-    "spill": ("_spillroot", "_removal"),
+    "spill": ("_spillroot", "_barrier", "_removal"),
     "merge": (
         "_merge", "_plan", "_plancolumns", "_plansql", "_planstore", "_copy", "_indexchunks", "_zarrmeta",
         "_report", "_parts", "_lease", "_output", "_options",

@@ -11,7 +11,7 @@ from _procs import spawn_ranks
 from _waits_workers import WORLD, worker
 
 import spillmerge
-from spillmerge import _spillroot
+from spillmerge import _barrier
 from spillmerge._progress import PROGRESS_NAME
 
 
@@ -19,8 +19,8 @@ from spillmerge._progress import PROGRESS_NAME
 def spill_root(tmp_path, monkeypatch):
     """Rank 0 committed, rank 1 writing with flushed chunks, rank 2 writing with nothing flushed,
     rank 3 never started (world size 4); notices every 0.2 s instead of 30."""
-    monkeypatch.setattr(_spillroot, "WAIT_NOTICE_FIRST", 0.05)
-    monkeypatch.setattr(_spillroot, "WAIT_NOTICE_EVERY", 0.2)
+    monkeypatch.setattr(_barrier, "WAIT_NOTICE_FIRST", 0.05)
+    monkeypatch.setattr(_barrier, "WAIT_NOTICE_EVERY", 0.2)
     root = str(tmp_path / "spill")
     with spillmerge.SpillWriter(root, rank=0, world_size=4) as w0:
         w0.write("a.mp4", 0, torch.ones(4))
