@@ -14,6 +14,7 @@ import numpy as np
 from . import _format as F
 from . import _format_output as FO
 from . import _format_spill as FS
+from . import _indexinvariants as IX
 from . import _invariants as V
 from . import _lists as L
 from . import _names as N
@@ -538,7 +539,7 @@ def _output_index_problems(storage: Storage, group: Any, damaged: set[str], head
     file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
     frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
     columns, out = V.read_columns(group)
-    lengths = V.index_lengths(group, storage.describe)
+    lengths = IX.index_lengths(group, storage.describe)
     lists, list_problems = L.read_lists(group)
     out.extend(list_problems)
     damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
@@ -546,12 +547,12 @@ def _output_index_problems(storage: Storage, group: Any, damaged: set[str], head
     out.extend(list_problems)
     # a header without its items' list (lengths: below)
     out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
-    out.extend(V.v2_index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
-    for name in V.PROVENANCE:
+    out.extend(IX.index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
+    for name in IX.PROVENANCE:
         if name in lengths and f"index/{name}" not in damaged:
-            out.extend(V.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
+            out.extend(IX.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
     if not any(rel == "index/frame_offsets" for rel, _ in out):
-        out.extend(V.frame_problems(frame_idx, offsets, filenames))
+        out.extend(IX.frame_problems(frame_idx, offsets, filenames))
     for c in columns.values():
         rel = f"columns/{c.name}"
         if "offsets" not in c.arrays or {f"{rel}/offsets", f"{rel}/shapes"} & damaged:
@@ -563,7 +564,7 @@ def _output_index_problems(storage: Storage, group: Any, damaged: set[str], head
         out.extend(V.offsets_content_problems(c, o, sh))
     if out:  # the checks below need a sound index and sound offsets
         return out
-    in_layout = V.layout_rows(offsets, file_layout, header["file_layouts"])
+    in_layout = IX.layout_rows(offsets, file_layout, header["file_layouts"])
     heads = []
     for c in columns.values():
         rel = f"columns/{c.name}"

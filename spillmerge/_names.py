@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _indexinvariants as IX
 from . import _invariants as V
 from ._cache import ChunkCache
 from ._rawchunk import chunk_reader
@@ -153,7 +154,7 @@ class ChunkedNames(Names):
         )
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
         raise_(problems)
-        raise_(V.sorted_problems(heads, "index/filename_heads"))
+        raise_(IX.sorted_problems(heads, "index/filename_heads"))
         self._heads: list[str] = heads.tolist()
         self._next = 0
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
@@ -194,7 +195,7 @@ class ChunkedNames(Names):
         raw = _span(self._get_bytes, self._kb, lo, hi)
         names, problems = decode_names(raw, offs - lo, "index/filenames")
         self._raise(problems)
-        self._raise(V.sorted_problems(names, "index/filenames"))
+        self._raise(IX.sorted_problems(names, "index/filenames"))
         if len(names) and names[0] != self._heads[j]:
             self._raise(
                 [
@@ -276,7 +277,7 @@ class ChunkedNames(Names):
 
 def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, list[V.Problem]]:
     """Every filename of an output (``spillmerge verify``): an object array and the
-    problems of the bytes, offsets, order (:func:`_invariants.sorted_problems`) and heads."""
+    problems of the bytes, offsets, order (:func:`_indexinvariants.sorted_problems`) and heads."""
     raw = np.asarray(V.read_index(group, "filenames", describe))
     off = np.asarray(V.read_index(group, "filename_offsets", describe), dtype=np.int64)
     empty = np.empty(0, dtype=object)
@@ -288,7 +289,7 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
     if out:
         return empty, out
     names, out = decode_names(raw, off, "index/filenames")
-    out = out or V.sorted_problems(names)
+    out = out or IX.sorted_problems(names)
     if out:
         return empty, out
     attrs = V.index_node(group, "filename_heads", describe).attrs.get("spillmerge")

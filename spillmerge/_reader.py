@@ -20,6 +20,7 @@ from zarr.storage import WrapperStore
 from . import _export, _rowblock
 from . import _format as F
 from . import _format_output as FO
+from . import _indexinvariants as IX
 from . import _invariants as V
 from . import _lazyindex as LZ
 from . import _lists as L
@@ -248,7 +249,7 @@ class OutputFiles:
         # bytes + offsets, read block by block when asked for (_names)
         self._names: Names = ChunkedNames(group, describe, cache, raise_, storage)
         infos, problems = V.read_columns(group)
-        lengths = V.index_lengths(group, describe)
+        lengths = IX.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
         # list offsets (their contents stay in memory, as list columns' offsets do)
         lists, list_problems = L.read_lists(group)
@@ -283,13 +284,13 @@ class OutputFiles:
                          f"not a position in the header's {n_layouts} file_layouts")])  # fmt: skip
 
         self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
-        meta = V.v2_meta_problems(
+        meta = IX.meta_problems(
             self._names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
         self._frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
         self._prov: dict[str, LazyArray] = {
-            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in V.PROVENANCE
+            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in IX.PROVENANCE
         }
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
@@ -335,7 +336,7 @@ class OutputFiles:
         self._file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = V.layout_rows(self._offsets.whole(), self._file_layout.whole(), self._layouts)
+            in_layout = IX.layout_rows(self._offsets.whole(), self._file_layout.whole(), self._layouts)
             for name, info in nested.items():
                 col = self.columns[name]
                 rows = L.expand(self._list_offs, F.list_domain(info.leaf), in_layout(name))

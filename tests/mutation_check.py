@@ -420,7 +420,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-header-counts-vs-index",
-        "spillmerge/_invariants.py",
+        "spillmerge/_indexinvariants.py",
         "        if header.get(field) != want:",
         "        if False:",
         ("tests/test_guarded_checks.py::test_header_counts_that_disagree_with_the_index_are_refused",),

@@ -134,7 +134,10 @@ def test_the_merge_round_sits_between_the_writer_and_the_merge():
 STAGES: dict[str, tuple[str, ...]] = {
     "errors": ("_errors",),
     "util": ("_units", "_poll", "_progress"),
-    "format": ("_format", "_format_output", "_format_spill", "_format_zarr", "_invariants", "_codecs", "_keyorder", "_lists"),
+    "format": (
+        "_format", "_format_output", "_format_spill", "_format_zarr", "_invariants", "_indexinvariants", "_codecs",
+        "_keyorder", "_lists",
+    ),
     "storage": ("_storage",),
     "write": ("_writer", "_batch", "_values", "_schema", "_staging", "_templates"),
     "spill": ("_spillroot", "_barrier", "_removal"),
@@ -224,7 +227,7 @@ def test_the_merge_path_does_not_import_the_inspection_tools():
     """The inspection tools read the merge's report and frame arithmetic, not the reverse: a
     merge (and the writer that calls it) never loads the coverage, inspect or reader modules."""
     edges = _graph()
-    tools = {f"spillmerge.{m}" for m in ("_coverage", "_inspect", "_reader", "_views", "_invariants")}
+    tools = {f"spillmerge.{m}" for m in ("_coverage", "_inspect", "_reader", "_views", "_invariants", "_indexinvariants")}
     for start in ("spillmerge._merge", "spillmerge._report", "spillmerge._writer"):
         assert _reach(edges, start) & tools == set(), start
     assert "spillmerge._frames" in _reach(edges, "spillmerge._coverage")  # the tools use the shared low module
