@@ -12,20 +12,17 @@ The writer keeps rows (the index it commits) and the lifecycle; the per-file lea
 from __future__ import annotations
 
 import array
-import enum
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import fsspec
 import google_crc32c
 import numpy as np
 import torch
 
 from . import _format as F
-from . import _format_output as FO
 from . import _format_spill as FS
 from ._barrier import check_not_stale
 from ._batch import (
@@ -41,46 +38,27 @@ from ._batch import (
 from ._dist import resolve_rank, resolve_run_id
 from ._errors import (
     DuplicateFrameError,
-    IncompleteOutputError,
     SpillStorageError,
     SpillValueError,
     WriterClosedError,
 )
 from ._format import user_key
 from ._format_zarr import array_meta, array_objects
-from ._removal import remove_listed
-from ._round import Rounds, complete_for
+from ._lifecycle import MergeSteps, WriterState
+from ._round import Rounds
 from ._runstore import next_session, publish_failure
 from ._schema import FileSchemas
-from ._spillroot import list_ranks, load_committed_keys
+from ._spillroot import load_committed_keys
 from ._staging import Staging
 from ._storage import Storage
 from ._templates import DenseTemplate, FrameTemplate
-from ._transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
 from ._values import Leaf, check_filename, check_frame_idx, flatten, flatten_dense
-
-if TYPE_CHECKING:
-    from ._report import MergeReport
-
-
-class WriterState(enum.StrEnum):
-    """A writer's lifecycle: ``NEW`` → ``open()`` → ``OPEN`` (writes) → ``close()`` → ``CLOSING``
-    → ``COMMITTED``; an exception in the ``with`` block (or a failed commit, which passes back
-    through ``OPEN``) → ``abort()`` → ``ABORTING`` → ``FAILED``. ``merge()`` needs ``COMMITTED``."""
-
-    NEW = "new"
-    OPEN = "open"
-    CLOSING = "closing"
-    ABORTING = "aborting"
-    COMMITTED = "committed"
-    FAILED = "failed"
-
 
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 
 
-class SpillWriter:
+class SpillWriter(MergeSteps):
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
 
     ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
@@ -240,12 +218,6 @@ class SpillWriter:
             filenames=self._filenames, layouts=self._schema.layouts,
         )  # fmt: skip
         self._state = WriterState.OPEN
-
-    @property
-    def state(self) -> str:
-        """The lifecycle state (:class:`WriterState`), as its string: ``"new"``, ``"open"``,
-        ``"closing"``, ``"aborting"``, ``"committed"`` or ``"failed"``."""
-        return str(self._state.value)
 
     def _rel(self, name: str) -> str:
         return f"{self._prefix}/{name}"
@@ -842,132 +814,6 @@ class SpillWriter:
         frames = self.committed_keys().get(check_filename(filename))
         return frames is not None and check_frame_idx(frame_idx, filename) in frames
 
-    _merged_into: tuple[str, dict[str, Any] | None, MergeReport | None] | None = None
-    """The output of this writer's last merge round on this rank, its storage options, and the
-    round's report (on the merging rank; None elsewhere)."""
-
-    def remove_spill(self, *, everything: bool = False) -> None:
-        """Delete this writer's own segment once the output of its last :meth:`merge` holds it
-        (the merge's report lists it, or the output is complete with this writer's round: its
-        completion marker names this run and session); nothing when it is already gone (the
-        merging rank removed it). ``everything`` (the merging rank,
-        after a node-local transfer brought every shard to its root): every segment the merge's
-        report lists as merged, and the merge failure record. Never a segment the output was not
-        merged from (another rank's later session, an uncommitted one), never another rank's
-        segment without ``everything``; rank folders and the root go only when left empty. Only
-        after the writer commits and merges; raises otherwise, deleting nothing."""
-        if self._state is not WriterState.COMMITTED:
-            raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed"
-            )
-        if self._merged_into is None:
-            raise WriterClosedError(
-                f"SpillWriter for rank {self.rank}: call merge() before remove_spill(); only a segment the output "
-                f"holds is removed ({self.storage.describe(self._prefix)} stays)"
-            )
-        out, out_options, report = self._merged_into
-        merged = set(report.merged_segments) if report is not None else set()
-        if everything:
-            if report is None:
-                raise WriterClosedError(
-                    f"SpillWriter for rank {self.rank}: remove_spill(everything=True) is for the rank that merged "
-                    "(it knows which segments the output was merged from); other ranks remove their own segment"
-                )
-            output = Storage(out, out_options)
-            if not output.exists(FO.COMPLETE_NAME):
-                raise IncompleteOutputError(
-                    f"{output.describe()} has no completion marker: the spill it was merged from stays",
-                    path=output.describe(),
-                )
-            rels = [f"{FS.rank_dirname(r)}/{n}" for r in list_ranks(self.storage)
-                    for n in self.storage.listdir(FS.rank_dirname(r)) if FS.is_segment_name(n)]  # fmt: skip
-            remove_listed(self.storage, [r for r in rels if self.storage.describe(r) in merged], failure_record=True)
-            return
-        if not self.storage.exists(self._rel(FS.COMMIT_NAME)):
-            return  # removed by the merging rank
-        if self.storage.describe(self._prefix) not in merged:
-            self._check_round_complete(out, out_options)
-        remove_listed(self.storage, [self._prefix], failure_record=False)
-
-    def _check_round_complete(self, out: str, out_options: dict[str, Any] | None) -> None:
-        """Raise unless ``out`` is complete with the merge of this writer's round (its completion
-        marker names this run and session: what a rank waiting with ``wait=True`` returns on)."""
-        where = self.storage.describe(self._prefix)
-        output = Storage(out, out_options)
-        if not complete_for(output, self.run_id, self._session_number):
-            raise IncompleteOutputError(
-                f"{where} not removed: {output.describe()} holds no completed merge of this writer's round (run "
-                f"{self.run_id}, session {self._session_number}); call merge(..., wait=True) and let it return first",
-                path=where,
-            )
-
-    # ---------------------------------------------------------------------------------- merge
-    def merge(
-        self,
-        out: str,
-        dst: int = 0,
-        *,
-        wait: bool = False,
-        parallel: bool = False,
-        transport: str = "auto",
-        transfer_chunk_bytes: int = DEFAULT_TRANSFER_CHUNK_BYTES,
-        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
-        **kwargs: Any,
-    ) -> MergeReport | None:
-        """Collective: every rank calls it after the ``with`` block. Rank ``dst`` merges and
-        returns a :class:`~spillmerge.MergeReport`; other ranks return ``None``. ``kwargs`` go to
-        :func:`spillmerge.merge` (``timeout`` defaults to 1800 s here; while ``dst`` waits for
-        commit records it names the missing ranks on stderr every 30 s, unless ``progress=False``).
-
-        ``wait=True``: every rank returns only once the output is complete, so every rank can
-        ``spillmerge.open(out)`` right after (the output must be on storage every rank sees). If
-        the merge fails on ``dst``, every waiting rank raises :class:`~spillmerge.MergeFailedError`
-        naming ``dst`` and its error within seconds; none waits past ``timeout``
-        (:class:`~spillmerge.MergeTimeout`). Without ``wait`` the other ranks return once their
-        shards are where ``dst`` can read them.
-
-        ``transport`` says how ``dst`` gets the other ranks' shards:
-
-        - ``"auto"`` (default): from storage when ``dst`` can see every rank's commit record;
-          when some ranks spilled to node-local disks ``dst`` cannot see, their committed shards
-          are moved to ``dst`` over torch.distributed first (NCCL when the default group has it,
-          else gloo), one sender per group of ranks sharing a disk, in pieces of
-          ``transfer_chunk_bytes`` through one reused staging buffer, each send and receive
-          bounded by ``transfer_timeout`` seconds.
-        - ``"storage"``: never move bytes over the network; ``dst`` waits on storage only (the
-          only mode without torch.distributed, e.g. SLURM arrays).
-        - ``"nccl"`` / ``"gloo"``: like ``"auto"`` with that backend for the shards ``dst``
-          cannot see.
-
-        Coordination uses the process group's key-value store (CPU, TCP), never a GPU
-        collective; a rank whose writer failed or never arrives ends the merge on every rank with
-        an error naming it.
-
-        ``parallel=True`` spreads the merge over every rank: each writes the arrays of its share
-        of the files (split by bytes, the same on every rank), records its part under the output,
-        and returns ``None``; ``dst`` then waits on storage (up to ``timeout``) for every part and
-        writes the index, consolidated metadata and completion marker. A rank whose part fails
-        raises there, and ``dst`` raises :class:`~spillmerge.PartFailedError` naming it. Every rank
-        must see the spill root and the output (shared storage; no network transport).
-        """
-        if self._state is WriterState.OPEN:
-            raise WriterClosedError("call merge() after leaving the `with SpillWriter(...)` block")
-        report = self._rounds.merge(
-            self.session(), out, dst, wait=wait, parallel=parallel, transport=transport,
-            transfer_chunk_bytes=transfer_chunk_bytes, transfer_timeout=transfer_timeout, **kwargs,
-        )  # fmt: skip
-        self._merged_into = (out, _out_options(self.root, out, kwargs, self.storage.storage_options), report)
-        return report
-
-    def session(self) -> Session:
-        """This writer's session as the merge round and the shard transfer see it (rank, root,
-        segment, state)."""
-        if self.segment is None:
-            raise WriterClosedError(f"SpillWriter for rank {self.rank} was never opened; there is nothing to merge")
-        return Session(
-            self.rank, self.world_size, self.run_id, self.storage, self._prefix, self.state, self._session_number
-        )
-
     def stats(self) -> dict[str, int]:
         """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated, and
         ``identical_rewrites``: writes of a key already written with the same bytes (kept once,
@@ -983,17 +829,6 @@ class SpillWriter:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
-
-
-def _out_options(
-    root: str, out: str, kwargs: dict[str, Any], default: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The storage options the merge used for ``out`` (its ``out_storage_options``, else the spill
-    root's when both share a protocol)."""
-    if kwargs.get("out_storage_options") is not None:
-        return kwargs["out_storage_options"]  # type: ignore[no-any-return]
-    same = fsspec.core.split_protocol(root)[0] == fsspec.core.split_protocol(str(out))[0]
-    return kwargs.get("storage_options", default) if same else None
 
 
 def _frame_array(frames: list[int]) -> np.ndarray | None:

@@ -791,7 +791,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-before-commit",
-        "spillmerge/_writer.py",
+        "spillmerge/_lifecycle.py",
         "        if self._state is not WriterState.COMMITTED:\n            raise WriterClosedError(\n"
         "                f\"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed\"",
         "        if False:\n            raise WriterClosedError(\n"
@@ -801,7 +801,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-before-merge",
-        "spillmerge/_writer.py",
+        "spillmerge/_lifecycle.py",
         "        if self._merged_into is None:",
         "        if False:",
         ("tests/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
@@ -809,7 +809,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-own-segment-only",
-        "spillmerge/_writer.py",
+        "spillmerge/_lifecycle.py",
         "        remove_listed(self.storage, [self._prefix], failure_record=False)",
         "        remove_listed(self.storage, [f\"{FS.rank_dirname(r)}/{n}\" for r in list_ranks(self.storage) "
         "for n in self.storage.listdir(FS.rank_dirname(r))], failure_record=False)",
@@ -818,7 +818,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-output-holds-it",
-        "spillmerge/_writer.py",
+        "spillmerge/_lifecycle.py",
         "            self._check_round_complete(out, out_options)",
         "            pass",
         ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
@@ -826,7 +826,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-everything-only-merged",
-        "spillmerge/_writer.py",
+        "spillmerge/_lifecycle.py",
         "[r for r in rels if self.storage.describe(r) in merged]",
         "rels",
         ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
