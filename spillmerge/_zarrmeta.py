@@ -19,7 +19,7 @@ from . import _codecs
 from . import _format as F
 from . import _format_output as FO
 from ._format_zarr import array_meta
-from ._plan import Plan, PlannedColumn
+from ._plan import Plan, PlannedColumn, encoded_names
 
 INDEX_ROWS_PER_CHUNK = 1 << 15
 """Rows per chunk of the per-file and per-row index arrays (``frame_offsets``, ``frame_idx`` ...,
@@ -87,19 +87,10 @@ def filename_arrays(filenames: list[str]) -> dict[str, np.ndarray]:
     """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
     ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
     of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3
-    implementation (docs/FORMAT.md section 2)."""
-    enc = [f.encode("utf-8") for f in filenames]
-    off = np.zeros(len(enc) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in enc], out=off[1:])
-    heads = enc[::NAME_BLOCK]
-    hoff = np.zeros(len(heads) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in heads], out=hoff[1:])
-    return {
-        "filenames": np.frombuffer(b"".join(enc), dtype=np.uint8),
-        "filename_offsets": off,
-        "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
-        "filename_head_offsets": hoff,
-    }
+    implementation (docs/FORMAT.md section 2); the plan's string table (``encoded_names``)."""
+    data, off = encoded_names(filenames)
+    heads, hoff = encoded_names(filenames[::NAME_BLOCK])
+    return {"filenames": data, "filename_offsets": off, "filename_heads": heads, "filename_head_offsets": hoff}
 
 
 def name_sizes(plan: Plan) -> tuple[int, int]:
