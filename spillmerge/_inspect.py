@@ -412,7 +412,7 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     import zarr
 
-    from ._reader import NoFillStore
+    from ._outputstore import NoFillStore
 
     complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:

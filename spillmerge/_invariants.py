@@ -98,7 +98,7 @@ def grid_problems(rel: str, arr: Any) -> list[Problem]:
     """What the array ``rel``'s metadata breaks of the format's chunk rules
     (``_format_output.chunk_limits``: chunk shape within the array's, known codecs, bounded
     chunk size, shapes without overflow), from its metadata alone; the same limits bound every
-    chunk read (``_reader.NoFillStore``)."""
+    chunk read (``_outputstore.NoFillStore``)."""
     try:
         FO.chunk_limits(arr.metadata.to_dict(), path=rel)
     except CorruptSpillError as exc:

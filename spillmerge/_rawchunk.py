@@ -5,7 +5,7 @@ of outputs merged with ``codec="none"``) stores each chunk as its raw little-end
 CRC-32C. Reading such a chunk through zarr costs a round trip to zarr's event-loop thread and its
 indexing machinery (0.3-5 ms per read on a loaded 2-core VM: most of a lookup by filename and of a
 random row read); reading it here costs one bounded ``Storage.get`` and a checksum. The checks are
-zarr's and :class:`~spillmerge._reader.NoFillStore`'s: the object exists (an absent chunk is
+zarr's and :class:`~spillmerge._outputstore.NoFillStore`'s: the object exists (an absent chunk is
 damage, never zeros), has exactly the size its chunk shape needs, and its CRC-32C matches. Any
 other array (compressed, another chunk grid) is read through zarr as before.
 """

@@ -147,8 +147,8 @@ STAGES: dict[str, tuple[str, ...]] = {
     ),
     "dist": ("_dist", "_round", "_transfer", "_gather", "_dropin", "_runstore"),
     "read": (
-        "_reader", "_names", "_lazyindex", "_cache", "_views", "_rowvalue", "_rowblock", "_arrowtree", "_export",
-        "_dataset", "_rawchunk", "_leafdict",
+        "_reader", "_outputstore", "_names", "_lazyindex", "_cache", "_views", "_rowvalue", "_rowblock", "_arrowtree",
+        "_export", "_dataset", "_rawchunk", "_leafdict",
     ),
     "inspect": ("_inspect", "_coverage", "_status", "_frames"),
 }  # fmt: skip
