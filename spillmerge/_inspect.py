@@ -20,7 +20,6 @@ from . import _lists as L
 from . import _names as N
 from ._errors import SpillMergeError
 from ._format_output import header, not_an_output, what_is
-from ._invariants import Problem
 from ._spillroot import load_segment, scan
 from ._storage import Storage
 from ._units import size_text as _human
@@ -527,7 +526,7 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     return [f"{storage.describe(rel)}: {what}" for rel, what in out]
 
 
-def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[Problem]:
+def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[V.Problem]:
     """The same checks as ``spillmerge.open`` (``_reader.OutputFiles``), all of them listed."""
     need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
     if need & damaged:
