@@ -422,6 +422,28 @@ def host_and_pid() -> tuple[str, int]:
     return socket.gethostname(), os.getpid()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessFailure:
+    """What every record of a failed merge process carries (a part's, the collective merge's):
+    the exception and the process, from :func:`failure_now` / :func:`failure_read`."""
+
+    error_type: str
+    """Exception class name."""
+    message: str
+    """Exception message."""
+    traceback: str
+    """Formatted traceback."""
+    time: str
+    """UTC time of the failure."""
+    host: str
+    """Host of the failed process."""
+    pid: int
+    """Its process id."""
+
+    def summary(self) -> str:
+        return f"{self.error_type}: {self.message}"
+
+
 def failure_now(exc: BaseException, *, message_chars: int) -> dict[str, Any]:
     """The fields a process failure record (part or merge) takes from ``exc`` and this process."""
     error_type, message, tb = exception_fields(exc, message_chars=message_chars)

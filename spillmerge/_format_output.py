@@ -18,6 +18,7 @@ from ._format import (
     MAX_CHUNK_BYTES,
     MAX_NDIM,
     ROOT_DOC_MAX_BYTES,
+    ProcessFailure,
     check_version,
     column_name_choices,
     dumps,
@@ -206,7 +207,7 @@ class PartDoneRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class PartFailureRecord:
+class PartFailureRecord(ProcessFailure):
     """``OUT/spillmerge-parts/part-I-of-N.failed.json``: part ``I`` raised (removed when it reruns)."""
 
     part: int
@@ -219,18 +220,6 @@ class PartFailureRecord:
     """Rank of a collective merge, else None."""
     run_id: str | None
     """Run id of a collective merge (tells this attempt's failure from an earlier one's)."""
-    error_type: str
-    """Exception class name."""
-    message: str
-    """Exception message."""
-    traceback: str
-    """Formatted traceback."""
-    time: str
-    """UTC time of the failure."""
-    host: str
-    """Host of the failed process."""
-    pid: int
-    """Its process id."""
 
     @classmethod
     def of(cls, exc: BaseException, **fields: Any) -> PartFailureRecord:
@@ -250,9 +239,6 @@ class PartFailureRecord:
             run_id=str_or_none(obj, "run_id", path),
             **failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
         )
-
-    def summary(self) -> str:
-        return f"{self.error_type}: {self.message}"
 
 
 def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from ._format import (
     MAX_NDIM,
     SPILL_FORMAT_VERSION,
     STRING_MAX_BYTES,
+    ProcessFailure,
     check_header,
     dumps,
     failure_now,
@@ -236,7 +237,7 @@ class SegmentHeader:
 
 
 @dataclass(frozen=True, slots=True)
-class MergeFailureRecord:
+class MergeFailureRecord(ProcessFailure):
     """``ROOT/spillmerge-failed.json`` (in the spill root): the merge of ``SpillWriter.merge``
     failed on the merging rank, so ranks waiting for the output (``wait=True``) raise at once
     instead of at the timeout. Only its ``run_id``'s waiting ranks read it; a later failure
@@ -248,18 +249,6 @@ class MergeFailureRecord:
     """Run id of the job whose merge failed (waiting ranks of other runs ignore it)."""
     session: int
     """Which writer session of the run (a rerun in the same job ignores an earlier round's)."""
-    error_type: str
-    """Exception class name."""
-    message: str
-    """Exception message."""
-    traceback: str
-    """Formatted traceback."""
-    time: str
-    """UTC time of the failure."""
-    host: str
-    """Host of the merging process."""
-    pid: int
-    """Its process id."""
 
     @classmethod
     def of(cls, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> MergeFailureRecord:
@@ -277,9 +266,6 @@ class MergeFailureRecord:
             session=int_field(obj, "session", path, hi=1 << 40),
             **failure_read(obj, message_chars=2000, missing=None, missing_type=None),
         )
-
-    def summary(self) -> str:
-        return f"{self.error_type}: {self.message}"
 
 
 @dataclass(frozen=True, slots=True)
