@@ -84,49 +84,100 @@ def _compress(spec: dict[Path, list[str]]) -> list[list[Any]]:
     return out
 
 
-def output_orders(filenames: Sequence[str], segments: Sequence[Any]) -> dict[str, Any] | None:
+def output_orders(
+    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None
+) -> dict[str, Any] | None:
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
-    None when no layout carries a position (every dict was in sorted order)."""
-    per_file: dict[int, dict[Path, dict[str, int]]] = {}
+    None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
+    segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
+    knows them (the plan does); else they are looked up.
+
+    A file's orders follow from the distinct positioned layouts its rows use, in the order of
+    their first row (segment by segment, then row order): the rows are reduced to that sequence
+    per file with numpy, and a spec is built in Python only for a file whose sequence differs
+    from the file's before it (a run's first file), so the cost per file is vectorised."""
+    sig_id: dict[tuple[Path, tuple[int, ...]], int] = {}
+    sigs: list[tuple[Path, tuple[int, ...]]] = []
     lookup: dict[str, int] | None = None
-    for s in segments:
-        with_pos = [i for i, lay in enumerate(s.layouts) if getattr(lay, "pos", None) is not None]
-        if not with_pos:
-            continue
-        if lookup is None:
-            lookup = {}
+    files, codes = [], []
+    for si, s in enumerate(segments):
+        lay_sig = np.full(len(s.layouts), -1, dtype=np.int64)
+        for i, lay in enumerate(s.layouts):
+            pos = getattr(lay, "pos", None)
+            if pos is not None:
+                sk = (tuple(lay.leaf), tuple(pos))
+                if sk not in sig_id:
+                    sig_id[sk] = len(sigs)
+                    sigs.append(sk)
+                lay_sig[i] = sig_id[sk]
         idx = np.asarray(s.index)
-        sel = np.isin(idx[:, 2], np.array(with_pos, dtype=np.int64))  # COL_LAYOUT
-        pairs = idx[sel][:, [0, 2]]  # (COL_FILE, COL_LAYOUT), in row order
-        if not len(pairs):
+        if not (lay_sig >= 0).any() or not len(idx):
             continue
-        _, first = np.unique(pairs, axis=0, return_index=True)
-        for fid, lid in pairs[np.sort(first)].tolist():
-            name = s.filenames[fid]
-            g = lookup.get(name)
-            if g is None:
-                k = bisect.bisect_left(filenames, name)
-                if k >= len(filenames) or filenames[k] != name:
-                    continue
-                g = lookup[name] = k
-            lay = s.layouts[lid]
-            spec = per_file.setdefault(g, {})
-            for j, (seg, p) in enumerate(zip(lay.leaf, lay.pos, strict=True)):
-                if p >= 0:
-                    spec.setdefault(lay.leaf[:j], {}).setdefault(seg, p)
-    if not per_file:
+        sig = lay_sig[idx[:, 2]]  # COL_LAYOUT
+        sel = np.flatnonzero(sig >= 0)
+        if not len(sel):
+            continue
+        if file_ids is not None:
+            fmap = np.asarray(file_ids[si], dtype=np.int64)
+        else:
+            if lookup is None:
+                lookup = {name: k for k, name in enumerate(filenames)}
+            fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
+        g = fmap[idx[sel, 0]]  # COL_FILE
+        ok = g >= 0
+        files.append(g[ok])
+        codes.append(sig[sel][ok])
+    if not files:
         return None
+    file_of = np.concatenate(files)
+    sig_of = np.concatenate(codes)
+    del files, codes
+    if not len(file_of):
+        return None
+    # first row of each (file, layout) pair, in merge order; then each file's layouts in that order
+    pair = file_of * len(sigs) + sig_of
+    _, first = np.unique(pair, return_index=True)
+    del pair
+    by_file = np.lexsort((first, file_of[first]))
+    seq_file = file_of[first][by_file]
+    seq = sig_of[first][by_file]
+    del first, by_file, file_of, sig_of
+    starts = np.flatnonzero(np.diff(seq_file, prepend=-1))
+    ends = np.append(starts[1:], len(seq))
+    fid = seq_file[starts]
+    lens = ends - starts
+    # a file opens a new entry unless it follows the file before it with the same sequence
+    new = np.ones(len(starts), dtype=bool)
+    same = np.flatnonzero((fid[1:] == fid[:-1] + 1) & (lens[1:] == lens[:-1])) + 1
+    if len(same):
+        owner = np.repeat(np.arange(len(same)), lens[same])
+        at = np.arange(int(lens[same].sum())) - np.repeat(np.cumsum(lens[same]) - lens[same], lens[same])
+        pos_b = starts[same][owner] + at
+        differ = seq[pos_b] != seq[pos_b - lens[same][owner]]
+        eq = np.ones(len(same), dtype=bool)
+        eq[owner[differ]] = False
+        new[same[eq]] = False
     orders: list[list[list[Any]]] = []
     ids: dict[str, int] = {}
     runs: list[list[int]] = []
-    for g in sorted(per_file):
-        entry = _compress({path: _in_order(keys) for path, keys in per_file[g].items()})
-        key = repr(entry)
-        oid = ids.get(key)
-        if oid is None:
-            oid = ids[key] = len(orders)
-            orders.append(entry)
+    oid = -1
+    for k in range(len(starts)):
+        g = int(fid[k])
+        if new[k]:
+            spec: dict[Path, dict[str, int]] = {}
+            for sg in seq[starts[k] : ends[k]].tolist():
+                leaf, pos = sigs[sg]
+                for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
+                    if p >= 0:
+                        spec.setdefault(leaf[:j], {}).setdefault(seg, p)
+            entry = _compress({path: _in_order(keys) for path, keys in spec.items()})
+            key = repr(entry)
+            got = ids.get(key)
+            if got is None:
+                got = ids[key] = len(orders)
+                orders.append(entry)
+            oid = got
         if runs and runs[-1][1] == g and runs[-1][2] == oid:
             runs[-1][1] = g + 1
         else:

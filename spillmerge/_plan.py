@@ -220,7 +220,7 @@ def build(
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
-        output_orders(names, segments),
+        output_orders(names, segments, srt.file_ids),
     )  # fmt: skip
 
 

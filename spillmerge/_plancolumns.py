@@ -278,7 +278,14 @@ def variant_groups(
             code[rows] = got
     n_codes = max(len(sig_code), 1)
     key = c["lp"] * n_codes + code
-    uniq, group = np.unique(key, return_inverse=True)
+    # the distinct (leaf, variant) pairs, numbered in order: a table of every possible pair
+    # (leaves x variants, small), not a sort of the rows
+    seen = np.zeros(len(leaf_paths) * n_codes, dtype=np.int64)
+    seen[key] = 1
+    uniq = np.flatnonzero(seen)
+    number = np.cumsum(seen) - 1
+    group = number[key]
+    del seen, number
     by_leaf: dict[int, list[tuple[str, str, int]]] = {}
     sigs_all = sorted(sig_code, key=sig_code.__getitem__)
     for k in uniq.tolist():
@@ -368,17 +375,23 @@ def plan_column(
 def file_layouts_of(
     file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str]
 ) -> tuple[np.ndarray, list[list[str]]]:
-    # lp_of / lp_names: each entry's column group and the groups' names.
+    # file_of: each entry's file, ascending (the plan's rows are sorted by file); lp_of / lp_names:
+    # each entry's column group and the groups' names.
     """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
     a position in the list of distinct sets."""
-    pairs = np.unique(file_of * len(lp_names) + lp_of)
-    pf, pl = pairs // len(lp_names), pairs % len(lp_names)
+    n = len(file_of)
+    starts = np.flatnonzero(np.diff(file_of, prepend=-1)) if n else np.zeros(0, np.int64)
+    files = np.asarray(file_of[starts], dtype=np.int64)
     if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised for millions of files
         masks = np.zeros(n_files, dtype=np.int64)
-        np.bitwise_or.at(masks, pf, np.left_shift(np.int64(1), pl))
+        if n:
+            bits = np.left_shift(np.int64(1), np.asarray(lp_of, dtype=np.int64))
+            masks[files] = np.bitwise_or.reduceat(bits, starts)
         uniq, inverse = np.unique(masks, return_inverse=True)
         sets = [[lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1] for m in uniq]
     else:
+        pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
+        pf, pl = pairs // len(lp_names), pairs % len(lp_names)
         per_file: list[list[int]] = [[] for _ in range(n_files)]
         for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
             per_file[f].append(p)

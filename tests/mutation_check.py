@@ -1191,8 +1191,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "plan-sort-memory-floor",
         "spillmerge/_plansql.py",
-        '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), MIN_SORT_MEMORY)}B"}''',
-        '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), 1 << 20)}B"}''',
+        "    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)",
+        "    return max(int(budget) // ENGINE_SHARE, 1 << 20)",
         ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),
