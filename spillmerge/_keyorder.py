@@ -93,15 +93,19 @@ def output_orders(
     segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
     knows them (the plan does); else they are looked up.
 
-    A file's orders follow from the distinct positioned layouts its rows use, in the order of
-    their first row (segment by segment, then row order): the rows are reduced to that sequence
-    per file with numpy, and a spec is built in Python only for a file whose sequence differs
-    from the file's before it (a run's first file), so the cost per file is vectorised."""
+    A file's orders follow from the distinct positioned layouts its rows use. Where those never
+    give one key two positions, the order of the rows does not matter: each file's set of
+    layouts is a bit mask (numpy, no sort), and a spec is built in Python once per run of files
+    with one mask. Only files whose layouts disagree on a position are walked in row order
+    (segment by segment, then row order: the first row decides)."""
     sig_id: dict[tuple[Path, tuple[int, ...]], int] = {}
     sigs: list[tuple[Path, tuple[int, ...]]] = []
     lookup: dict[str, int] | None = None
-    files, codes = [], []
-    for si, s in enumerate(segments):
+    n_files = len(filenames)
+
+    def rows(si: int, s: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ``s``'s rows of positioned layouts, in row order: their files and layouts."""
+        nonlocal lookup
         lay_sig = np.full(len(s.layouts), -1, dtype=np.int64)
         for i, lay in enumerate(s.layouts):
             pos = getattr(lay, "pos", None)
@@ -112,12 +116,13 @@ def output_orders(
                     sigs.append(sk)
                 lay_sig[i] = sig_id[sk]
         idx = np.asarray(s.index)
+        empty = np.zeros(0, np.int64)
         if not (lay_sig >= 0).any() or not len(idx):
-            continue
+            return empty, empty
         sig = lay_sig[idx[:, 2]]  # COL_LAYOUT
         sel = np.flatnonzero(sig >= 0)
         if not len(sel):
-            continue
+            return empty, empty
         if file_ids is not None:
             fmap = np.asarray(file_ids[si], dtype=np.int64)
         else:
@@ -126,62 +131,91 @@ def output_orders(
             fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
         g = fmap[idx[sel, 0]]  # COL_FILE
         ok = g >= 0
-        files.append(g[ok])
-        codes.append(sig[sel][ok])
-    if not files:
+        return g[ok], sig[sel][ok]
+
+    def spec_of(seq: Sequence[int]) -> tuple[list[list[Any]], bool]:
+        """The entry of a file whose layouts are ``seq`` (in row order), and whether two of them
+        give one key different positions (the first one then decides)."""
+        spec: dict[Path, dict[str, int]] = {}
+        clash = False
+        for sg in seq:
+            leaf, pos = sigs[sg]
+            for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
+                if p >= 0:
+                    clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
+        return _compress({path: _in_order(keys) for path, keys in spec.items()}), clash
+
+    per_segment = [rows(si, s) for si, s in enumerate(segments)] if n_files else []
+    if not sigs or not any(len(g) for g, _ in per_segment):
         return None
-    file_of = np.concatenate(files)
-    sig_of = np.concatenate(codes)
-    del files, codes
-    if not len(file_of):
-        return None
-    # first row of each (file, layout) pair, in merge order; then each file's layouts in that order
-    pair = file_of * len(sigs) + sig_of
-    _, first = np.unique(pair, return_index=True)
-    del pair
-    by_file = np.lexsort((first, file_of[first]))
-    seq_file = file_of[first][by_file]
-    seq = sig_of[first][by_file]
-    del first, by_file, file_of, sig_of
-    starts = np.flatnonzero(np.diff(seq_file, prepend=-1))
-    ends = np.append(starts[1:], len(seq))
-    fid = seq_file[starts]
-    lens = ends - starts
-    # a file opens a new entry unless it follows the file before it with the same sequence
-    new = np.ones(len(starts), dtype=bool)
-    same = np.flatnonzero((fid[1:] == fid[:-1] + 1) & (lens[1:] == lens[:-1])) + 1
-    if len(same):
-        owner = np.repeat(np.arange(len(same)), lens[same])
-        at = np.arange(int(lens[same].sum())) - np.repeat(np.cumsum(lens[same]) - lens[same], lens[same])
-        pos_b = starts[same][owner] + at
-        differ = seq[pos_b] != seq[pos_b - lens[same][owner]]
-        eq = np.ones(len(same), dtype=bool)
-        eq[owner[differ]] = False
-        new[same[eq]] = False
+    wide = len(sigs) > 62
+    # each file's layouts: a bit mask (up to 62 distinct layouts), else their sorted ids
+    masks = np.zeros(n_files if not wide else 0, dtype=np.int64)
+    sets: dict[int, set[int]] = {}
+    for g, sig in per_segment:
+        if not wide:
+            np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sig))
+        else:
+            for f, sg in zip(g.tolist(), sig.tolist(), strict=True):
+                sets.setdefault(f, set()).add(sg)
+    if not wide:
+        files = np.flatnonzero(masks)
+        fmask = masks[files]
+        change = np.ones(len(files), dtype=bool)
+        change[1:] = fmask[1:] != fmask[:-1]
+        keys: dict[int, Any] = {
+            int(f): int(m) for f, m in zip(files[change].tolist(), fmask[change].tolist(), strict=True)
+        }
+        members = {m: [b for b in range(len(sigs)) if (m >> b) & 1] for m in set(keys.values())}
+    else:
+        files = np.array(sorted(sets), dtype=np.int64)
+        change = np.ones(len(files), dtype=bool)
+        members = {}
+        keys = {}
+        for f in files.tolist():
+            k = tuple(sorted(sets[f]))
+            keys[f] = k
+            members[k] = list(k)
+    # a file's key: its change point's (the files after it with the same layouts share it)
+    cp_key = [keys[f] for f in files[change].tolist()]
+    entries: dict[Any, list[list[Any]]] = {}
+    clashing: set[Any] = set()
+    for k, seq in members.items():
+        entries[k], clash = spec_of(seq)
+        if clash:
+            clashing.add(k)
+    ordered: dict[int, list[int]] = {}
+    if clashing:  # files whose layouts clash are walked in row order, each its own change point
+        walk = np.zeros(n_files, dtype=bool)
+        in_clash = np.array([k in clashing for k in cp_key], dtype=bool)
+        walk[files[in_clash[np.cumsum(change) - 1]]] = True
+        for g, sig in per_segment:
+            hit = walk[g]
+            for f, sg in zip(g[hit].tolist(), sig[hit].tolist(), strict=True):
+                seq = ordered.setdefault(f, [])
+                if sg not in seq:
+                    seq.append(sg)
+        change = change | walk[files]
+        keys = {**keys, **{f: None for f in ordered}}
     orders: list[list[list[Any]]] = []
     ids: dict[str, int] = {}
-    runs: list[list[int]] = []
-    oid = -1
-    for k in range(len(starts)):
-        g = int(fid[k])
-        if new[k]:
-            spec: dict[Path, dict[str, int]] = {}
-            for sg in seq[starts[k] : ends[k]].tolist():
-                leaf, pos = sigs[sg]
-                for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
-                    if p >= 0:
-                        spec.setdefault(leaf[:j], {}).setdefault(seg, p)
-            entry = _compress({path: _in_order(keys) for path, keys in spec.items()})
-            key = repr(entry)
-            got = ids.get(key)
-            if got is None:
-                got = ids[key] = len(orders)
-                orders.append(entry)
-            oid = got
-        if runs and runs[-1][1] == g and runs[-1][2] == oid:
-            runs[-1][1] = g + 1
-        else:
-            runs.append([g, g + 1, oid])
+    cp_oid = []
+    for f in files[change].tolist():
+        entry = spec_of(ordered[f])[0] if f in ordered else entries[keys[f]]
+        key = repr(entry)
+        got = ids.get(key)
+        if got is None:
+            got = ids[key] = len(orders)
+            orders.append(entry)
+        cp_oid.append(got)
+    oid = np.array(cp_oid, dtype=np.int64)[np.cumsum(change) - 1]
+    brk = np.ones(len(files), dtype=bool)
+    brk[1:] = (files[1:] != files[:-1] + 1) | (oid[1:] != oid[:-1])
+    first = np.flatnonzero(brk)
+    last = np.append(first[1:], len(files)) - 1
+    runs = [
+        [a, b + 1, o] for a, b, o in zip(files[first].tolist(), files[last].tolist(), oid[first].tolist(), strict=True)
+    ]
     return {"orders": orders, "runs": runs}
 
 
