@@ -189,12 +189,13 @@ def output_orders(
         walk = np.zeros(n_files, dtype=bool)
         in_clash = np.array([k in clashing for k in cp_key], dtype=bool)
         walk[files[in_clash[np.cumsum(change) - 1]]] = True
-        for g, sig in per_segment:
-            hit = walk[g]
-            for f, sg in zip(g[hit].tolist(), sig[hit].tolist(), strict=True):
-                seq = ordered.setdefault(f, [])
-                if sg not in seq:
-                    seq.append(sg)
+        # their rows in merge order; each (file, layout)'s first row; per file, by that row
+        wf = np.concatenate([g[walk[g]] for g, _ in per_segment])
+        ws = np.concatenate([sig[walk[g]] for g, sig in per_segment])
+        _, at = np.unique(wf * len(sigs) + ws, return_index=True)
+        at = at[np.lexsort((at, wf[at]))]
+        for f, sg in zip(wf[at].tolist(), ws[at].tolist(), strict=True):
+            ordered.setdefault(f, []).append(sg)
         change = change | walk[files]
         keys = {**keys, **{f: None for f in ordered}}
     orders: list[list[list[Any]]] = []
