@@ -155,8 +155,10 @@ def output_orders(
     for g, sig in per_segment:
         if not wide:
             np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sig))
-        else:
-            for f, sg in zip(g.tolist(), sig.tolist(), strict=True):
+        elif len(g):  # each distinct (file, layout) pair once (by a sort), then per pair
+            u = np.sort(g * len(sigs) + sig)
+            u = u[np.concatenate(([True], u[1:] != u[:-1]))]
+            for f, sg in zip((u // len(sigs)).tolist(), (u % len(sigs)).tolist(), strict=True):
                 sets.setdefault(f, set()).add(sg)
     if not wide:
         files = np.flatnonzero(masks)
@@ -176,7 +178,7 @@ def output_orders(
             k = tuple(sorted(sets[f]))
             keys[f] = k
             members[k] = list(k)
-    # a file's key: its change point's (the files after it with the same layouts share it)
+    # the key of each change point (a file whose layouts differ from the file's before it)
     cp_key = [keys[f] for f in files[change].tolist()]
     entries: dict[Any, list[list[Any]]] = {}
     clashing: set[Any] = set()
