@@ -11,7 +11,9 @@ and calls its ``_plan.build`` (timed), the way ``spillmerge.merge`` plans in mem
 checkout's gets ``memory_limit=--budget``. Memory is sampled every 5 ms over the build
 (benchmarks/common.py ``PeakMemory``: anonymous + shmem resident bytes beyond those at its start;
 file-mapped pages reported apart). Both plans' ``_plan.fingerprint`` must agree. Ratios are
-new / base within one run.
+new / base within one run. ``--base-root``: the same keys written by the base checkout's writer
+(``--write-root DIR`` writes one with the checkout on ``PYTHONPATH``), for a base whose spill
+format differs; the fingerprints then differ by the format and are not compared.
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=512 << 20, help="this checkout's memory_limit (bytes)")
     ap.add_argument("--root", help="an existing root written by this script (kept)")
+    ap.add_argument("--base-root", help="the same keys written by the base checkout (kept); default: --root")
+    ap.add_argument("--write-root", help="only write a root of --n keys here (with the checkout on PYTHONPATH)")
     args = ap.parse_args()
+    if args.write_root:
+        write_root(args.write_root, args.n)
+        return 0
     work = None
     root = args.root
     if root is None:
@@ -113,11 +120,14 @@ def main() -> int:
         for rep in range(args.repeats):
             sides = ["base", "new"] if rep % 2 == 0 else ["new", "base"]
             for side in sides:
-                r = run(args.base if side == "base" else args.new, root, args.budget, side)
+                where = args.base_root if side == "base" and args.base_root else root
+                r = run(args.base if side == "base" else args.new, where, args.budget, side)
                 res[side].append(r)
                 print(f"repeat {rep} {side:4}: plan {r['s']:.2f} s, peak anon +{r['anon'] >> 20} MiB, "
                       f"file-mapped +{r['file'] >> 20} MiB, {r['rows']} rows", flush=True)  # fmt: skip
         fps = {r["fp"] for v in res.values() for r in v}
+        if args.base_root:  # another spill format: each side's fingerprints must agree among themselves
+            fps = {len({r["fp"] for r in res["base"]}) * len({r["fp"] for r in res["new"]})}
         t_base = statistics.median(r["s"] for r in res["base"])
         t_new = statistics.median(r["s"] for r in res["new"])
         m_base = int(statistics.median(r["anon"] for r in res["base"]))

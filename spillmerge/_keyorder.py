@@ -84,53 +84,141 @@ def _compress(spec: dict[Path, list[str]]) -> list[list[Any]]:
     return out
 
 
-def output_orders(filenames: Sequence[str], segments: Sequence[Any]) -> dict[str, Any] | None:
+def output_orders(
+    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None
+) -> dict[str, Any] | None:
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
-    None when no layout carries a position (every dict was in sorted order)."""
-    per_file: dict[int, dict[Path, dict[str, int]]] = {}
+    None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
+    segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
+    knows them (the plan does); else they are looked up.
+
+    A file's orders follow from the distinct positioned layouts its rows use. Where those never
+    give one key two positions, the order of the rows does not matter: each file's set of
+    layouts is a bit mask (numpy, no sort), and a spec is built in Python once per run of files
+    with one mask. Only files whose layouts disagree on a position are walked in row order
+    (segment by segment, then row order: the first row decides)."""
+    sig_id: dict[tuple[Path, tuple[int, ...]], int] = {}
+    sigs: list[tuple[Path, tuple[int, ...]]] = []
     lookup: dict[str, int] | None = None
-    for s in segments:
-        with_pos = [i for i, lay in enumerate(s.layouts) if getattr(lay, "pos", None) is not None]
-        if not with_pos:
-            continue
-        if lookup is None:
-            lookup = {}
+    n_files = len(filenames)
+
+    def rows(si: int, s: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ``s``'s rows of positioned layouts, in row order: their files and layouts."""
+        nonlocal lookup
+        lay_sig = np.full(len(s.layouts), -1, dtype=np.int64)
+        for i, lay in enumerate(s.layouts):
+            pos = getattr(lay, "pos", None)
+            if pos is not None:
+                sk = (tuple(lay.leaf), tuple(pos))
+                if sk not in sig_id:
+                    sig_id[sk] = len(sigs)
+                    sigs.append(sk)
+                lay_sig[i] = sig_id[sk]
         idx = np.asarray(s.index)
-        sel = np.isin(idx[:, 2], np.array(with_pos, dtype=np.int64))  # COL_LAYOUT
-        pairs = idx[sel][:, [0, 2]]  # (COL_FILE, COL_LAYOUT), in row order
-        if not len(pairs):
-            continue
-        _, first = np.unique(pairs, axis=0, return_index=True)
-        for fid, lid in pairs[np.sort(first)].tolist():
-            name = s.filenames[fid]
-            g = lookup.get(name)
-            if g is None:
-                k = bisect.bisect_left(filenames, name)
-                if k >= len(filenames) or filenames[k] != name:
-                    continue
-                g = lookup[name] = k
-            lay = s.layouts[lid]
-            spec = per_file.setdefault(g, {})
-            for j, (seg, p) in enumerate(zip(lay.leaf, lay.pos, strict=True)):
+        empty = np.zeros(0, np.int64)
+        if not (lay_sig >= 0).any() or not len(idx):
+            return empty, empty
+        sig = lay_sig[idx[:, 2]]  # COL_LAYOUT
+        sel = np.flatnonzero(sig >= 0)
+        if not len(sel):
+            return empty, empty
+        if file_ids is not None:
+            fmap = np.asarray(file_ids[si], dtype=np.int64)
+        else:
+            if lookup is None:
+                lookup = {name: k for k, name in enumerate(filenames)}
+            fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
+        g = fmap[idx[sel, 0]]  # COL_FILE
+        ok = g >= 0
+        return g[ok], sig[sel][ok]
+
+    def spec_of(seq: Sequence[int]) -> tuple[list[list[Any]], bool]:
+        """The entry of a file whose layouts are ``seq`` (in row order), and whether two of them
+        give one key different positions (the first one then decides)."""
+        spec: dict[Path, dict[str, int]] = {}
+        clash = False
+        for sg in seq:
+            leaf, pos = sigs[sg]
+            for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
                 if p >= 0:
-                    spec.setdefault(lay.leaf[:j], {}).setdefault(seg, p)
-    if not per_file:
+                    clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
+        return _compress({path: _in_order(keys) for path, keys in spec.items()}), clash
+
+    per_segment = [rows(si, s) for si, s in enumerate(segments)] if n_files else []
+    if not sigs or not any(len(g) for g, _ in per_segment):
         return None
+    wide = len(sigs) > 62
+    # each file's layouts: a bit mask (up to 62 distinct layouts), else their sorted ids
+    masks = np.zeros(n_files if not wide else 0, dtype=np.int64)
+    sets: dict[int, set[int]] = {}
+    for g, sig in per_segment:
+        if not wide:
+            np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sig))
+        elif len(g):  # each distinct (file, layout) pair once (by a sort), then per pair
+            u = np.sort(g * len(sigs) + sig)
+            u = u[np.concatenate(([True], u[1:] != u[:-1]))]
+            for f, sg in zip((u // len(sigs)).tolist(), (u % len(sigs)).tolist(), strict=True):
+                sets.setdefault(f, set()).add(sg)
+    if not wide:
+        files = np.flatnonzero(masks)
+        fmask = masks[files]
+        change = np.ones(len(files), dtype=bool)
+        change[1:] = fmask[1:] != fmask[:-1]
+        keys: dict[int, Any] = {
+            int(f): int(m) for f, m in zip(files[change].tolist(), fmask[change].tolist(), strict=True)
+        }
+        members = {m: [b for b in range(len(sigs)) if (m >> b) & 1] for m in set(keys.values())}
+    else:
+        files = np.array(sorted(sets), dtype=np.int64)
+        change = np.ones(len(files), dtype=bool)
+        members = {}
+        keys = {}
+        for f in files.tolist():
+            k = tuple(sorted(sets[f]))
+            keys[f] = k
+            members[k] = list(k)
+    # the key of each change point (a file whose layouts differ from the file's before it)
+    cp_key = [keys[f] for f in files[change].tolist()]
+    entries: dict[Any, list[list[Any]]] = {}
+    clashing: set[Any] = set()
+    for k, seq in members.items():
+        entries[k], clash = spec_of(seq)
+        if clash:
+            clashing.add(k)
+    ordered: dict[int, list[int]] = {}
+    if clashing:  # files whose layouts clash are walked in row order, each its own change point
+        walk = np.zeros(n_files, dtype=bool)
+        in_clash = np.array([k in clashing for k in cp_key], dtype=bool)
+        walk[files[in_clash[np.cumsum(change) - 1]]] = True
+        # their rows in merge order; each (file, layout)'s first row; per file, by that row
+        wf = np.concatenate([g[walk[g]] for g, _ in per_segment])
+        ws = np.concatenate([sig[walk[g]] for g, sig in per_segment])
+        _, at = np.unique(wf * len(sigs) + ws, return_index=True)
+        at = at[np.lexsort((at, wf[at]))]
+        for f, sg in zip(wf[at].tolist(), ws[at].tolist(), strict=True):
+            ordered.setdefault(f, []).append(sg)
+        change = change | walk[files]
+        keys = {**keys, **{f: None for f in ordered}}
     orders: list[list[list[Any]]] = []
     ids: dict[str, int] = {}
-    runs: list[list[int]] = []
-    for g in sorted(per_file):
-        entry = _compress({path: _in_order(keys) for path, keys in per_file[g].items()})
+    cp_oid = []
+    for f in files[change].tolist():
+        entry = spec_of(ordered[f])[0] if f in ordered else entries[keys[f]]
         key = repr(entry)
-        oid = ids.get(key)
-        if oid is None:
-            oid = ids[key] = len(orders)
+        got = ids.get(key)
+        if got is None:
+            got = ids[key] = len(orders)
             orders.append(entry)
-        if runs and runs[-1][1] == g and runs[-1][2] == oid:
-            runs[-1][1] = g + 1
-        else:
-            runs.append([g, g + 1, oid])
+        cp_oid.append(got)
+    oid = np.array(cp_oid, dtype=np.int64)[np.cumsum(change) - 1]
+    brk = np.ones(len(files), dtype=bool)
+    brk[1:] = (files[1:] != files[:-1] + 1) | (oid[1:] != oid[:-1])
+    first = np.flatnonzero(brk)
+    last = np.append(first[1:], len(files)) - 1
+    runs = [
+        [a, b + 1, o] for a, b, o in zip(files[first].tolist(), files[last].tolist(), oid[first].tolist(), strict=True)
+    ]
     return {"orders": orders, "runs": runs}
 
 

@@ -137,13 +137,14 @@ def build(
     whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
-    The index rows are sorted out of core by DuckDB (``_plansql``) under ``memory_limit`` bytes,
-    with ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a work folder under
-    ``work_dir`` (default: the system's temporary folder), removed before this returns. Memory:
-    ``memory_limit`` for the sort, one segment's rows while it is inserted, and the small tables
+    ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
+    (``_plansql``) under half of it (``_plansql.engine_memory``), with ``threads`` threads
+    (default: one for a small plan, else up to 4) and its temporary files in a work folder under
+    ``work_dir`` (default: the system's temporary folder), removed before this returns. The
+    other half: one segment's rows while it is inserted, one sorted batch, the small tables
     (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
     files, not anonymous memory, beyond ``_plansql.MAPPED_ROWS`` rows) and the numpy temporaries
-    of the steps below, which are per-row (about a dozen int64 arrays of the plan's rows)."""
+    of the steps below, which are per-row (a few int64 arrays of the plan's rows at a time)."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     segments = list(segments)
@@ -220,7 +221,7 @@ def build(
     return Plan(
         names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
-        output_orders(names, segments),
+        output_orders(names, segments, srt.file_ids),
     )  # fmt: skip
 
 

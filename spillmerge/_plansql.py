@@ -4,17 +4,18 @@ Every segment's index rows (a segment at a time) are written to a Parquet file o
 folder, each row with its filename as a BLOB of its UTF-8 bytes (``surrogatepass``: filenames may
 hold lone surrogates, NUL or newlines), whose byte order is the code-point order of Python's
 ``str`` sort. DuckDB reads those files and sorts the rows by (filename, frame, segment, leaf)
-under ``memory_limit``, spilling to a ``temp_directory`` in the work folder; the sorted rows
+under its memory limit, spilling to a ``temp_directory`` in the work folder; the sorted rows
 come back as Arrow batches: each batch's names become file numbers, the rows of keys held by
 several segments go to the caller's ``resolve`` (the duplicate rule lives with the plan), and
 the kept rows are appended to files of the work folder, mapped back as numpy arrays.
 
-Memory: DuckDB's ``memory_limit`` (its sort needs a few tens of MiB at the least: 32 MiB sorts
+Memory: DuckDB's memory limit (its sort needs a few tens of MiB at the least: 32 MiB sorts
 300k rows of 80-byte names, 64 MiB a million), one segment's rows while its file is written, one
 batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
 (Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
 
-A ``memory_limit`` below ``MIN_SORT_MEMORY`` is raised to it: DuckDB cannot sort in less.
+DuckDB gets half the plan budget (``engine_memory``), raised to ``MIN_SORT_MEMORY`` when that
+is less: DuckDB cannot sort in less.
 
 The work folder ``spillmerge-sqlplan-<pid>-*`` (under ``work_dir``, else the system's temporary
 folder) is removed when the sort is done, whether it succeeds or fails; the arrays mapped from it
@@ -53,6 +54,16 @@ ROW_GROUP = 1 << 16
 MIN_SORT_MEMORY = 64 << 20
 """DuckDB's memory limit at the least: its sort of a million rows fails in less."""
 
+ENGINE_SHARE = 2
+"""DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
+beside the engine (the sorted batch, the filenames, the plan's per-row steps after the sort)."""
+
+
+def engine_memory(budget: int) -> int:
+    """DuckDB's memory limit under a plan budget of ``budget`` bytes (at least ``MIN_SORT_MEMORY``)."""
+    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)
+
+
 PREFIX = "spillmerge-sqlplan-"
 
 COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
@@ -76,6 +87,8 @@ class Sorted:
     """int64: segments that held each kept row's key."""
     duplicates: int
     """Copies dropped."""
+    file_ids: list[np.ndarray]
+    """Per segment: the file number of each of its filenames (-1 where it holds no row)."""
 
 
 def _remove_stale(parent: str) -> None:
@@ -103,7 +116,8 @@ def sort_rows(
     memory_limit: int,
     threads: int,
 ) -> Sorted:
-    """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB.
+    """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
+    whose memory limit is ``engine_memory(memory_limit)``.
 
     ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
     layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
@@ -120,7 +134,9 @@ def sort_rows(
         # Each segment's rows go to a Parquet file that DuckDB reads: no Python object is scanned
         # (that path imports pandas), and the rows live on disk, not in the engine's memory.
         n_files = 0
+        n_names: list[int] = []
         for si, s in enumerate(segments):
+            n_names.append(len(s.filenames))
             gmap, pmap = layout_ids(s)
             idx = s.index
             if not len(idx):
@@ -135,6 +151,7 @@ def sort_rows(
                 "off": _i64(idx[:, FS.COL_OFFSET]),
                 "nb": _i64(idx[:, FS.COL_NBYTES]),
                 "crc": _i64(idx[:, FS.COL_CRC]),
+                "lf": _i64(idx[:, FS.COL_FILE]),
             }
             table = pa.Table.from_arrays(list(cols.values()), names=list(cols))
             pq.write_table(
@@ -146,12 +163,12 @@ def sort_rows(
         lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
         pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
         if not n_files:
-            return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0)
+            ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
+            return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
         # Threads and memory in the connection's config: a connection made with defaults starts a
         # worker per core before any SET could say otherwise.
-        con = duckdb.connect(
-            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), MIN_SORT_MEMORY)}B"}
-        )
+        limit = engine_memory(memory_limit)
+        con = duckdb.connect(config={"threads": max(1, int(threads)), "memory_limit": f"{limit}B"})
         try:
             con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
             con.execute("SET preserve_insertion_order = false")
@@ -160,15 +177,16 @@ def sort_rows(
             rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
             lp = _quoted(os.path.join(folder, "lp.parquet"))
             reader = con.sql(
-                f"SELECT fname, frame, lp, gl, seg, off, nb, crc FROM read_parquet([{rows}]) "
+                f"SELECT fname, frame, lp, gl, seg, off, nb, crc, lf FROM read_parquet([{rows}]) "
                 f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
-            ).to_arrow_reader(max(2048, min(BATCH, max(int(memory_limit), MIN_SORT_MEMORY) >> 10)))
+            ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
             try:
-                return _collect(reader, resolve, folder)
+                return _collect(reader, resolve, folder, n_names)
             except duckdb.OutOfMemoryException as exc:
                 raise SpillValueError(
                     f"the merge plan's sort needs more memory than plan_budget allows "
-                    f"({max(int(memory_limit), MIN_SORT_MEMORY) >> 20} MiB); raise plan_budget (--plan-budget): {exc}"
+                    f"({limit >> 20} MiB of {int(memory_limit) >> 20} MiB for the sort); raise plan_budget "
+                    f"(--plan-budget): {exc}"
                 ) from None
         finally:
             con.close()
@@ -224,24 +242,18 @@ def _ints(col: Any) -> np.ndarray:
     return np.frombuffer(col.buffers()[1], dtype=dt)[col.offset : col.offset + len(col)].astype(np.int64)
 
 
-def _name_starts(data: np.ndarray, off: np.ndarray) -> np.ndarray:
-    """For each name of a sorted run (bytes ``data``, offsets ``off``): does it differ from the
-    one before it (the first: True)?"""
-    lens = np.diff(off)
-    n = len(lens)
+def _name_starts(col: Any) -> np.ndarray:
+    """For each name of a sorted Arrow binary array: does it differ from the one before it (the
+    first: True)? Compared by Arrow's kernel: a bool per name, no per-byte temporaries."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    n = len(col)
     new = np.ones(n, dtype=bool)
-    if n < 2:
-        return new
-    same_len = lens[1:] == lens[:-1]
-    cand = np.flatnonzero(same_len) + 1  # names as long as the previous one: compare their bytes
-    if len(cand):
-        pos = np.repeat(off[cand], lens[cand]) + (np.arange(int(lens[cand].sum())) - np.repeat(
-            np.cumsum(lens[cand]) - lens[cand], lens[cand]))  # fmt: skip
-        differ = data[pos] != data[pos - np.repeat(lens[cand], lens[cand])]
-        owner = np.repeat(np.arange(len(cand)), lens[cand])
-        bad = np.zeros(len(cand), dtype=bool)
-        bad[owner[differ]] = True
-        new[cand] = bad
+    if n >= 2:
+        new[1:] = pc.not_equal(col[1:], col[:-1]).to_numpy(zero_copy_only=False)
     return new
 
 
@@ -273,9 +285,13 @@ class _Spool:
         return np.memmap(path, dtype=np.int64, mode="c", shape=(n,))
 
 
-def _collect(reader: Any, resolve: Resolve, folder: str) -> Sorted:
-    """The sorted batches: file numbers, duplicates resolved, kept rows spooled."""
+def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> Sorted:
+    """The sorted batches: file numbers, duplicates resolved, kept rows spooled; each segment's
+    filenames numbered (``Sorted.file_ids``)."""
     names: list[str] = []
+    base = np.zeros(len(n_names) + 1, dtype=np.int64)
+    np.cumsum(n_names, out=base[1:])
+    file_ids = np.full(int(base[-1]), -1, dtype=np.int64)
     spool = _Spool(folder)
     last_name: bytes | None = None
     carry: dict[str, np.ndarray] | None = None
@@ -319,7 +335,7 @@ def _collect(reader: Any, resolve: Resolve, folder: str) -> Sorted:
         if not batch.num_rows:
             continue
         data, off = _binary_parts(batch.column(0))
-        new_name = _name_starts(data, off)
+        new_name = _name_starts(batch.column(0))
         first_name = data[: int(off[1])].tobytes()
         new_name[0] = last_name is None or first_name != last_name
         first = len(names)
@@ -329,10 +345,12 @@ def _collect(reader: Any, resolve: Resolve, folder: str) -> Sorted:
         c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
         for j, k in enumerate(COLUMNS[1:], start=1):
             c[k] = _ints(batch.column(j))
+        file_ids[base[c["seg"]] + _ints(batch.column(len(COLUMNS)))] = c["file"]
         if carry is not None:
             c = {k: np.concatenate([carry[k], c[k]]) for k in c}
         carry = flush(c, final=False)
     if carry is not None and len(carry["file"]):
         flush(carry, final=True)
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
-    return Sorted(names, rows, spool.done("copies", n_kept), duplicates)
+    ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
+    return Sorted(names, rows, spool.done("copies", n_kept), duplicates, ids)

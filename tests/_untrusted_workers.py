@@ -112,6 +112,11 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         spillmerge.merge(root, out, allow_partial=True, finalize=True, overwrite=True)
         return _data(spillmerge.open(out))
 
+    def parts_then_finalize() -> Any:  # part 1 reads the stored plan (or rebuilds it), then the finalize
+        spillmerge.merge(root, out, part=(1, 2), timeout=5.0, progress=False)
+        spillmerge.merge(root, out, finalize=True, timeout=5.0, progress=False)
+        return _data(spillmerge.open(out))
+
     def verify(path: str) -> Any:
         return spillmerge.verify(path).ok
 
@@ -136,6 +141,8 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         rep = cb.report
         return None if rep is None else rep.n_frames
 
+    if kind == "parts":  # an output between the parts of a merge: part 0 of 2 stored the plan
+        return {"parts": parts_then_finalize}
     if kind == "spill":
         return {
             "status": status,

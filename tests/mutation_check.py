@@ -1191,10 +1191,18 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "plan-sort-memory-floor",
         "spillmerge/_plansql.py",
-        '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), MIN_SORT_MEMORY)}B"}''',
-        '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), 1 << 20)}B"}''',
+        "    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)",
+        "    return max(int(budget) // ENGINE_SHARE, 1 << 20)",
         ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
+    ),
+    Mutation(
+        "key-order-clashing-files-walked-in-row-order",
+        "spillmerge/_keyorder.py",
+        "        if clash:\n            clashing.add(k)",
+        "        pass",
+        ("tests/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
+        "a file whose frames hold one dict in different orders takes the order of the frame written first",
     ),
 ]
 

@@ -121,3 +121,21 @@ def test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it(tmp_path: Path)
     _write(tmp_path / "s", 2000)
     tiny = _plan_of(tmp_path / "s", memory_limit=64 << 10)
     assert _plan.fingerprint(tiny) == _plan.fingerprint(_plan_of(tmp_path / "s", memory_limit=1 << 30))
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written(tmp_path: Path, first: int) -> None:
+    """Two frames of one file hold a dict out of sorted order, each in another order, between
+    files of one order (written before and after it, so the order written first in the file is
+    not the segment's first): every frame of that file comes back in the order of the frame
+    written first (not the lowest frame), the other files in theirs."""
+    orders = {0: ("z", "x", "y"), 1: ("y", "z", "x")}
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        w.write("b", 0, {k: 1 for k in orders[1]})
+        for f in (first, 1 - first):
+            w.write("a", f, {k: i for i, k in enumerate(orders[f])})
+        w.write("c", 0, {k: 1 for k in orders[1]})
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"), progress=False)
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert [tuple(res.value("a", f)) for f in (0, 1)] == [orders[first]] * 2
+    assert [tuple(res.value(n, 0)) for n in ("b", "c")] == [orders[1]] * 2

@@ -3,6 +3,7 @@ lease, damage to anything under ``spillmerge-parts/``, and a planner killed whil
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -178,3 +179,53 @@ def test_parts_that_disagree_on_an_option_of_the_plan_are_told_which(tmp_path):
     spillmerge.merge(str(root), str(out), part=(1, 2), plan_budget=1 << 30, **OPTS)  # type: ignore[arg-type]
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert rep.parts == 2
+
+
+STORED = ["plan.json", "names", "c0.src"]
+"""Stored plan files attacked below: the manifest, the filenames, a column's rows (every array is read alike)."""
+
+
+def test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_followed(tmp_path):
+    """Every attack of tests/test_untrusted_storage.py (a FIFO, a folder, a link out of the output,
+    a link to /dev/zero, a truncated file, a file 4 GiB longer, junk) on each kind of stored plan
+    file, between part 0 and part 1 of 2: part 1 and the finalize (in a child under a time limit,
+    an address-space cap and an audit of every open) end within seconds, follow no link, open no
+    FIFO blocking, and either refuse with a SpillMergeError naming the file or rebuild the plan and
+    write a whole merge's rows."""
+    from test_untrusted_storage import ATTACKS, _copy, _data
+
+    root, one, base = tmp_path / "spill", tmp_path / "one", tmp_path / "part0"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(one), progress=False)
+    want = _data(spillmerge.open(str(one)))
+    spillmerge.merge(str(root), str(base), part=(0, 2), progress=False)
+    assert (base / "spillmerge-parts" / "plan" / "plan.json").is_file()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cases = []
+    for i, name in enumerate(STORED):
+        for j, (attack, fn) in enumerate(ATTACKS.items()):
+            out = tmp_path / "cases" / f"{i}-{j}" / "out"
+            _copy(base, out)
+            fn(out / "spillmerge-parts" / "plan" / name, outside)
+            cases.append({"id": f"{name}|{attack}", "target": "parts", "root": str(root), "out": str(out),
+                          "scratch": str(out.parent / "unused")})  # fmt: skip
+    spec, res = tmp_path / "cases.json", tmp_path / "result.json"
+    spec.write_text(json.dumps(cases))
+    worker = Path(__file__).parent / "_untrusted_workers.py"
+    subprocess.run([sys.executable, str(worker), str(spec), str(res)], check=True, timeout=900)
+    bad = []
+    for case_id, results in json.loads(res.read_text()).items():
+        r = results["parts"]
+        if r["followed"]:
+            bad.append(f"{case_id}: {r['followed']}")
+        if r["ok"]:
+            if r["value"] != json.loads(json.dumps(want)):
+                bad.append(f"{case_id}: a complete output that differs from a whole merge")
+        elif r["error"] == "HANG" or r["error"].startswith("ESCAPED"):
+            bad.append(f"{case_id}: {r['error']}: {r['message']}")
+        elif case_id.split("|")[0] not in r["message"]:
+            bad.append(f"{case_id}: refused without naming the file: {r['message']}")
+        if r["seconds"] > 15:
+            bad.append(f"{case_id}: took {r['seconds']} s")
+    assert not bad, "\n".join(bad)
