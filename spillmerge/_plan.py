@@ -137,7 +137,8 @@ def build(
     whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
-    The index rows are sorted out of core by DuckDB (``_plansql``) under ``memory_limit`` bytes,
+    The index rows are sorted out of core by DuckDB (``_plansql``) under ``memory_limit`` bytes
+    (fewer than ``_plansql.IN_MEMORY_ROWS``: in memory, where starting DuckDB would cost more),
     with ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a work folder under
     ``work_dir`` (default: the system's temporary folder), removed before this returns. Memory:
     ``memory_limit`` for the sort, one segment's rows while it is inserted, and the small tables
@@ -171,10 +172,14 @@ def build(
     def resolve(rows: dict[str, np.ndarray], names: list[str]) -> tuple[np.ndarray, int]:
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
-    srt = _plansql.sort_rows(
-        segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-        threads=threads if threads is not None else _threads(sum(len(s.index) for s in segments)),
-    )  # fmt: skip
+    n_index = sum(len(s.index) for s in segments)
+    if n_index < _plansql.IN_MEMORY_ROWS:
+        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve, work_dir=work_dir)
+    else:
+        srt = _plansql.sort_rows(
+            segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+            threads=threads if threads is not None else _threads(n_index),
+        )  # fmt: skip
     names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
     if not len(c["file"]):
         e = np.zeros(0, np.int64)
