@@ -981,8 +981,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-cleanup-after-failure',
         'spillmerge/_dropin.py',
-        '        _clean_after_failure(rank, target, call, storage_options, timeout)\n',
-        '',
+        '    if rank == dst:\n        try:\n            _remove(call, storage_options)',
+        '    if rank == dst:\n        try:\n            pass',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "a failed drop-in call's folder is removed once every rank raised",
     ),
@@ -1195,6 +1195,30 @@ MUTATIONS: list[Mutation] = [
         '''            config={"threads": max(1, int(threads)), "memory_limit": f"{max(int(memory_limit), 1 << 20)}B"}''',
         ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
+    ),
+    Mutation(
+        "i40-dropin-group-has-the-call-timeout",
+        "spillmerge/_dropin.py",
+        "    key = (id(dist.group.WORLD), float(timeout))",
+        "    key = (id(dist.group.WORLD), 0.0)",
+        ("tests/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",),
+        "a drop-in call waits for a rank that never calls at most its own timeout, not the first call's",
+    ),
+    Mutation(
+        "i40-small-plan-sorted-by-leaf",
+        "spillmerge/_plansql.py",
+        '("seg", "ascending"), ("lp", "ascending")])',
+        '("seg", "ascending")])',
+        ("tests/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
+        "a small plan sorted in memory orders a key's rows as the DuckDB sort does",
+    ),
+    Mutation(
+        "i40-small-merge-no-pool",
+        "spillmerge/_merge.py",
+        "    return 1 if small else job.threads",
+        "    return job.threads",
+        ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
+        "a small merge between local storages writes its chunks and index without a thread pool",
     ),
 ]
 

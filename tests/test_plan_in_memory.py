@@ -72,15 +72,22 @@ def test_a_small_plan_in_memory_refuses_copies_that_differ(tmp_path, monkeypatch
         assert "frame 0 of 'b'" in str(err.value)  # the first differing key in sorted order
 
 
-def test_a_small_merge_never_starts_duckdb(tmp_path):
+def test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool(tmp_path):
     script = textwrap.dedent(f"""
-        import sys, spillmerge
+        import sys, threading, spillmerge
+        started = []
+        real_start = threading.Thread.start
+        def start(self):
+            started.append(self.name)
+            real_start(self)
+        threading.Thread.start = start
         with spillmerge.SpillWriter({str(tmp_path / "spill")!r}, rank=0, world_size=1) as w:
             w.write_batch([f"k{{i}}" for i in range(1000)], [{{"a": i, "b": [1.0, 2.0]}} for i in range(1000)])
         w.merge({str(tmp_path / "out.zarr")!r}, progress=False)
         assert spillmerge.open({str(tmp_path / "out.zarr")!r}).value("k7") == {{"a": 7, "b": [1.0, 2.0]}}
         print("duckdb" in sys.modules)
+        print([n for n in started if n.startswith(("spillmerge-merge", "spillmerge-index"))])
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "False"
+    assert r.stdout.split("\n")[:2] == ["False", "[]"], r.stdout
