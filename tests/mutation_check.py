@@ -1205,12 +1205,12 @@ MUTATIONS: list[Mutation] = [
         "a drop-in call waits for a rank that never calls at most its own timeout, not the first call's",
     ),
     Mutation(
-        "i40-small-plan-sorted-by-leaf",
+        "i40-small-plan-sorted-by-frame",
         "spillmerge/_plansql.py",
-        '("seg", "ascending"), ("lp", "ascending")])',
-        '("seg", "ascending")])',
+        '[("fname", "ascending"), ("frame", "ascending"), ',
+        '[("fname", "ascending"), ',
         ("tests/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
-        "a small plan sorted in memory orders a key's rows as the DuckDB sort does",
+        "a small plan sorted in memory orders rows as the DuckDB sort does (frames ascending within a file)",
     ),
     Mutation(
         "i40-small-merge-no-pool",
