@@ -104,6 +104,14 @@ def copy_units(
             bar.update(size)
 
     try:
+        if threads <= 1:  # one chunk at a time in this thread: a small merge starts no pool
+            for u in todo:
+                _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes).write(
+                    output, codec
+                )
+                if bar is not None:
+                    bar.update(u.nbytes)
+            return
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
             for u in todo:
                 size = u.nbytes

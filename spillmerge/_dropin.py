@@ -1,14 +1,17 @@
 """Drop-ins for ``torch.distributed.gather_object`` / ``all_gather_object``: torch's signatures
 and semantics, the objects travelling through storage instead of pickled tensors.
 
-Each call (every rank, like the torch collectives):
+Each call (every rank, like the torch collectives; each step's gloo all-gather also ends by the
+call's ``timeout``, so a rank that never calls is a timeout error, never a hang):
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
                 hostnames: on several hosts the folder must be on storage every rank sees
                 (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
   (every rank)  writes its object as frame 0 of file ``R`` (its rank, zero-padded) and, when it
-                has any, the paths of its numpy arrays and pickled objects as frame 1, then the
-                gather machinery of ``_gather``
-                (merge on dst, spill removed, a barrier)
+                has any, the paths of its numpy arrays and pickled objects as frame 1; commits
+  (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
+                dst removes the call's folder (every rank is past writing)
+  (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
+                an all-gather of how that went, as above
   (readers)     read every rank's object back (tensors as torch tensors on the CPU, the numpy
                 arrays' paths turned back into numpy arrays) into the caller's list
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
@@ -29,9 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._dist import gloo_group
-from ._errors import ConfigError, CoordinationError, SpillMergeError
-from ._gather import barrier, finish_call
+from ._errors import ConfigError, CoordinationError, RankFailedError, SpillMergeError
 from ._reader import MergedStore
 from ._reader import open as open_store
 from ._storage import Storage
@@ -85,19 +86,38 @@ def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int
     return dist.get_rank(), world, target
 
 
-def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> str:
-    """The call's folder: rank 0's fresh id under the root, agreed with one gloo all-gather that
-    also tells whether every rank runs on this host (the default root is node-local)."""
+_GROUPS: dict[tuple[int, float], Any] = {}
+
+
+def _group(timeout: float) -> Any:
+    """The gloo group of the calls with this ``timeout`` (every rank passes the same, as with
+    any collective's arguments): its own timeout is the call's, so every wait ends by it."""
     import torch.distributed as dist
 
-    mine = (socket.gethostname(), uuid.uuid4().hex)
+    key = (id(dist.group.WORLD), float(timeout))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    return _GROUPS[key]
+
+
+def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
+    """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
+    import torch.distributed as dist
+
     got: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(got, mine, group=gloo_group(timeout))
+        dist.all_gather_object(got, mine, group=_group(timeout))
     except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
         raise CoordinationError(
-            f"rank {rank}: not every rank entered the call within {timeout:.0f} s ({exc})", rank=rank
+            f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
         ) from exc
+    return got
+
+
+def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> tuple[str, bool]:
+    """The call's folder, rank 0's fresh id under the root, and whether every rank runs on this
+    host (the default root is node-local), from one all-gather."""
+    got = _exchange(rank, (socket.gethostname(), uuid.uuid4().hex), timeout, "entered the call")
     where = os.fspath(root) if root is not None else os.environ.get(ROOT_ENV) or None
     hosts = sorted({h for h, _ in got})
     if where is None and len(hosts) > 1:
@@ -107,7 +127,29 @@ def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> st
             "every rank sees",
             key=ROOT_ENV,
         )
-    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}"
+    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1
+
+
+def _settle(
+    rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, error: BaseException | None,
+    timeout: float, what: str,
+) -> None:  # fmt: skip
+    """After a step of the call, every rank learns whether any rank's step failed. On a failure
+    dst removes the call's folder (every rank is past the step: nobody writes there any more)
+    and every rank raises: its own error, else a :class:`RankFailedError` naming the ranks."""
+    mine = None if error is None else f"{type(error).__name__}: {str(error)[:2000]}"
+    failures = {r: m for r, m in enumerate(_exchange(rank, mine, timeout, f"finished {what}")) if m is not None}
+    if not failures:
+        return
+    if rank == dst:
+        try:
+            _remove(call, storage_options)
+        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
+            pass
+    if error is not None:
+        raise error
+    names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+    raise RankFailedError(f"rank {rank}: rank(s) {sorted(failures)} failed {what} ({names})", failures=failures)
 
 
 _ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
@@ -250,29 +292,15 @@ def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
         storage.close()
 
 
-CLEANUP_WAIT = 60.0
-"""The most seconds a failed call waits for the other ranks before its folder is removed."""
-
-
-def _clean_after_failure(
-    rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float
-) -> None:
-    """After a failure every rank raises too (the failing rank's record names it): once they all
-    have (a gloo barrier, so no rank still writes there), dst removes the call's folder. A rank
-    that does not come within ``CLEANUP_WAIT`` seconds (it died) leaves the folder behind."""
+def _barrier(rank: int, timeout: float) -> None:
     import torch.distributed as dist
 
     try:
-        dist.monitored_barrier(
-            group=gloo_group(timeout), timeout=datetime.timedelta(seconds=min(timeout, CLEANUP_WAIT))
-        )
-    except RuntimeError:  # gloo reports timeouts and dead peers as RuntimeError; the caller's error is raised
-        return
-    if rank == dst:
-        try:
-            _remove(call, storage_options)
-        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
-            pass
+        dist.monitored_barrier(group=_group(timeout), timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+        raise CoordinationError(
+            f"rank {rank}: not every rank finished the call within {timeout:.0f} s ({exc})", rank=rank
+        ) from exc
 
 
 def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
@@ -298,8 +326,9 @@ def _collective(
     storage_options: dict[str, Any] | None,
 ) -> None:
     rank, world, target = _ranks(group, dst, group_dst)
-    call = _agree(rank, root, timeout)
+    call, one_host = _agree(rank, root, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
+    error: BaseException | None = None
     try:
         # fsync=False here and in the merge: the call's folder is removed when the call returns,
         # so nothing in it has to outlive a crash (a syncfs per call was most of a small call)
@@ -309,8 +338,6 @@ def _collective(
             spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
             chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
         ) as w:  # fmt: skip
-            # checked inside the writer: a refused argument is this rank's failure record, so the
-            # other ranks raise naming it instead of waiting for the timeout
             _check_list(rank, target, world, object_list, every_rank)
             shape = _Shape(obj, allow_pickle)
             try:
@@ -321,14 +348,21 @@ def _collective(
             extra = shape.dumps()
             if extra is not None:  # numpy arrays and pickled objects: their paths, as frame 1
                 w.write(_name(rank), 1, extra)
+    except Exception as exc:  # told to every rank just below, then raised here
+        error = exc
+    # Every rank has committed (or failed) once this returns: dst's merge finds every commit
+    # record at its first look, with no polling of storage.
+    _settle(rank, target, call, storage_options, error, timeout, "writing its object")
+    try:
+        # On one host every shard lies where dst reads it: no transfer to coordinate. The spill
+        # stays until the call's folder goes as a whole.
         w.merge(
-            out, target, wait=True, timeout=timeout, overwrite=True, storage_options=storage_options,
-            remove_spill=True, progress=False, fsync=False,
+            out, target, wait=False, timeout=timeout, overwrite=True, storage_options=storage_options,
+            remove_spill=False, progress=False, fsync=False, transport="storage" if one_host else "auto",
         )  # fmt: skip
-    except Exception:  # a failure here fails every rank's merge (wait=True): they all come here
-        _clean_after_failure(rank, target, call, storage_options, timeout)
-        raise
-    finish_call(w, target, False, timeout)
+    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+        error = exc
+    _settle(rank, target, call, storage_options, error, timeout, "the merge")
     # From here a failure is this rank's own (reading back): the others are not told, so each
     # rank still meets the barrier and dst still removes the folder, whatever happened here.
     try:
@@ -336,7 +370,7 @@ def _collective(
             _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
     finally:
         if every_rank:
-            barrier(rank, timeout)  # every rank has read the output before dst removes it
+            _barrier(rank, timeout)  # every rank has read the output before dst removes it
         if rank == target:  # every rank is done with the call's folder
             _remove(call, storage_options)
 

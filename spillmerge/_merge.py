@@ -394,10 +394,11 @@ def _merge_whole_locked(job: _Job, lease: _lease.Lease) -> None:
         output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
         job.phases["metadata"] = time.perf_counter() - t
         t = time.perf_counter()
-        _copy(job, units(job.plan, job.options.chunk_bytes))
+        todo = units(job.plan, job.options.chunk_bytes)
+        _copy(job, todo)
         job.phases["copy"] = time.perf_counter() - t
         t = time.perf_counter()
-        _indexchunks.write(job.output, _indexchunks.index_chunks(job.plan, docs), threads=job.threads)
+        _indexchunks.write(job.output, _indexchunks.index_chunks(job.plan, docs), threads=_threads(job, todo))
         job.phases["index"] = time.perf_counter() - t
         _finish(job, docs, lease)
     except BaseException:
@@ -617,10 +618,21 @@ def _index_share(job: _Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
     return _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
 
 
+SMALL_MERGE_BYTES = 4 << 20
+"""Output chunks of at most this many bytes in all, on local storage, are written by the merging
+thread itself: starting a pool's threads costs more than they gain on a small merge."""
+
+
+def _threads(job: _Job, todo: list[Unit]) -> int:
+    """The copy and index threads for ``todo``: 1 for a small merge between local storages."""
+    small = job.src.local and job.output.local and sum(u.nbytes for u in todo) <= SMALL_MERGE_BYTES
+    return 1 if small else job.threads
+
+
 def _copy(job: _Job, todo: list[Unit]) -> None:
     copy_units(
-        job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget, threads=job.threads,
-        progress=job.options.progress,
+        job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget,
+        threads=_threads(job, todo), progress=job.options.progress,
     )  # fmt: skip
 
 

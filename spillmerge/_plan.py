@@ -138,10 +138,11 @@ def build(
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
     ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
-    (``_plansql``) under half of it (``_plansql.engine_memory``), with ``threads`` threads
-    (default: one for a small plan, else up to 4) and its temporary files in a work folder under
-    ``work_dir`` (default: the system's temporary folder), removed before this returns. The
-    other half: one segment's rows while it is inserted, one sorted batch, the small tables
+    (``_plansql``) under half of it (``_plansql.engine_memory``), or in memory below
+    ``_plansql.IN_MEMORY_ROWS`` rows (starting DuckDB would cost more than the sort), with
+    ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a
+    work folder under ``work_dir`` (default: the system's temporary folder), removed before this
+    returns. The other half: one segment's rows while it is inserted, one sorted batch, the small tables
     (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
     files, not anonymous memory, beyond ``_plansql.MAPPED_ROWS`` rows) and the numpy temporaries
     of the steps below, which are per-row (a few int64 arrays of the plan's rows at a time)."""
@@ -172,10 +173,14 @@ def build(
     def resolve(rows: dict[str, np.ndarray], names: list[str]) -> tuple[np.ndarray, int]:
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
-    srt = _plansql.sort_rows(
-        segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-        threads=threads if threads is not None else _threads(sum(len(s.index) for s in segments)),
-    )  # fmt: skip
+    n_index = sum(len(s.index) for s in segments)
+    if n_index < _plansql.IN_MEMORY_ROWS:
+        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve, work_dir=work_dir)
+    else:
+        srt = _plansql.sort_rows(
+            segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+            threads=threads if threads is not None else _threads(n_index),
+        )  # fmt: skip
     names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
     if not len(c["file"]):
         e = np.zeros(0, np.int64)

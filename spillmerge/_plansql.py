@@ -95,6 +95,8 @@ def _remove_stale(parent: str) -> None:
     """Remove the work folders of plans whose process is gone (killed before its cleanup)."""
     with contextlib.suppress(OSError):
         for name in os.listdir(parent):
+            if not name.startswith(PREFIX):  # the temporary folder may hold thousands of others
+                continue
             m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\w+", name)
             if m is None or int(m.group(1)) == os.getpid():
                 continue
@@ -354,3 +356,64 @@ def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> 
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
     return Sorted(names, rows, spool.done("copies", n_kept), duplicates, ids)
+
+
+IN_MEMORY_ROWS = 1 << 16
+"""Index rows below which :func:`sort_rows_in_memory` sorts instead of DuckDB: starting DuckDB
+(``connect``, about 40 ms) costs more than the whole sort of so few rows."""
+
+
+def sort_rows_in_memory(
+    segments: Iterable[LoadedSegment],
+    layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
+    lp_order: Callable[[], np.ndarray],
+    resolve: Resolve,
+    *,
+    work_dir: str | None,
+) -> Sorted:
+    """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same table,
+    sorted by Arrow in memory (binary names in byte order, as DuckDB sorts them) and collected
+    the same way, so the result is the same. Memory: the rows, a few times over."""
+    import pyarrow as pa
+
+    tables = []
+    n_names: list[int] = []
+    for si, s in enumerate(segments):
+        n_names.append(len(s.filenames))
+        gmap, pmap = layout_ids(s)
+        idx = s.index
+        if not len(idx):
+            continue
+        lay = idx[:, FS.COL_LAYOUT]
+        tables.append(
+            pa.Table.from_arrays(
+                [
+                    _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
+                    _i64(idx[:, FS.COL_FRAME]),
+                    _i64(pmap[lay]),
+                    _i64(gmap[lay]),
+                    _i64(np.full(len(idx), si, dtype=np.int64)),
+                    _i64(idx[:, FS.COL_OFFSET]),
+                    _i64(idx[:, FS.COL_NBYTES]),
+                    _i64(idx[:, FS.COL_CRC]),
+                    _i64(idx[:, FS.COL_FILE]),
+                ],
+                names=["fname", "frame", "rlp", "gl", "seg", "off", "nb", "crc", "lf"],
+            )
+        )
+    order = lp_order()
+    if not tables:
+        ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
+        return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
+    table = pa.concat_tables(tables)
+    table = table.append_column("lp", _i64(order[_ints(table.column("rlp"))]))
+    table = table.sort_by([("fname", "ascending"), ("frame", "ascending"), ("seg", "ascending"), ("lp", "ascending")])
+    table = table.select(["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"])
+    parent = work_dir if work_dir is not None else tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale(parent)
+    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+    try:
+        return _collect(table.to_batches(), resolve, folder, n_names)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

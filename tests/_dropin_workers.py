@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import glob
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -175,12 +176,32 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+NEVER_TIMEOUT = 8.0
+
+
+def never_called(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The last rank never calls: the others raise a CoordinationError naming the wait within
+    the call's timeout (a timeout no earlier call used), never a hang. Last: the group is not
+    used for a drop-in after it."""
+    import spillmerge
+
+    if rank == world - 1:
+        return {}
+    t0 = time.perf_counter()
+    try:
+        spillmerge.all_gather_object([None] * world, rank, timeout=NEVER_TIMEOUT)
+        return {"error": None}
+    except spillmerge.SpillMergeError as exc:
+        return {"error": {"type": type(exc).__name__, "msg": str(exc)}, "waited": time.perf_counter() - t0}
+
+
 SCENARIOS = {
     "same_as_torch": same_as_torch,
     "torch_object_list": torch_object_list,
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,
+    "never_called": never_called,
 }
 
 

@@ -981,8 +981,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-cleanup-after-failure',
         'spillmerge/_dropin.py',
-        '        _clean_after_failure(rank, target, call, storage_options, timeout)\n',
-        '',
+        '    if rank == dst:\n        try:\n            _remove(call, storage_options)',
+        '    if rank == dst:\n        try:\n            pass',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "a failed drop-in call's folder is removed once every rank raised",
     ),
@@ -1203,6 +1203,30 @@ MUTATIONS: list[Mutation] = [
         "        pass",
         ("tests/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
         "a file whose frames hold one dict in different orders takes the order of the frame written first",
+    ),
+    Mutation(
+        "i40-dropin-group-has-the-call-timeout",
+        "spillmerge/_dropin.py",
+        "    key = (id(dist.group.WORLD), float(timeout))",
+        "    key = (id(dist.group.WORLD), 0.0)",
+        ("tests/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",),
+        "a drop-in call waits for a rank that never calls at most its own timeout, not the first call's",
+    ),
+    Mutation(
+        "i40-small-plan-sorted-by-frame",
+        "spillmerge/_plansql.py",
+        '[("fname", "ascending"), ("frame", "ascending"), ',
+        '[("fname", "ascending"), ',
+        ("tests/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
+        "a small plan sorted in memory orders rows as the DuckDB sort does (frames ascending within a file)",
+    ),
+    Mutation(
+        "i40-small-merge-no-pool",
+        "spillmerge/_merge.py",
+        "    return 1 if small else job.threads",
+        "    return job.threads",
+        ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
+        "a small merge between local storages writes its chunks and index without a thread pool",
     ),
 ]
 

@@ -63,6 +63,17 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
     assert results[0]["failures"]["short_list"]["value_error"]
 
 
+def test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang(ranks):
+    from _dropin_workers import NEVER_TIMEOUT
+
+    _, results = ranks
+    for r in range(WORLD - 1):
+        res = results[r]["never_called"]
+        assert res["error"] is not None and res["error"]["type"] == "CoordinationError", res
+        assert f"within {NEVER_TIMEOUT:.0f} s" in res["error"]["msg"], res
+        assert NEVER_TIMEOUT * 0.9 <= res["waited"] <= NEVER_TIMEOUT + 30, res
+
+
 def test_value_keeps_dict_key_order(tmp_path):
     import spillmerge
 

@@ -1,0 +1,94 @@
+"""A small plan is sorted in memory (no DuckDB started): the same plan, duplicates decided alike,
+the same errors, as the DuckDB sort of the same rows."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from spillmerge import _format_spill as FS
+from spillmerge import _plan, _plansql
+from spillmerge._errors import DuplicateFrameError
+from spillmerge._barrier import wait_for_commits
+from spillmerge._spillroot import load_all, same_bytes
+from spillmerge._storage import Storage
+
+NAMES = ["b", "a\uffff", "a\x00z", "é", "A", "a", "z\n", "\U0001f600", "ab"]
+"""Names whose UTF-8 bytes sort as their code points: NUL, newline, multi-byte, astral."""
+
+
+def _write(root: Path, *, differ: bool = False, policy_rows: bool = False) -> None:
+    """Two ranks; rank 1 rewrites some of rank 0's keys (same content, or different with ``differ``)."""
+    for rank in range(2):
+        with spillmerge.SpillWriter(str(root), rank=rank, world_size=2) as w:
+            for i, name in enumerate(NAMES):
+                for frame in range(rank, 6, 2):
+                    w.write(name, frame, {"x": torch.tensor([i, frame]), "s": f"{name}{frame}", "l": [i] * frame})
+            if rank == 1:
+                for name in NAMES[::3]:
+                    j = NAMES.index(name)
+                    value = {"x": torch.tensor([j, 0 + differ]), "s": f"{name}0", "l": []}
+                    w.write(name, 0, value)
+                    if policy_rows:
+                        w.write(name, 2, {"x": torch.tensor([j, 7]), "s": "other", "l": [1]})
+
+
+def _plan_of(root: Path, in_memory: bool, monkeypatch: pytest.MonkeyPatch, on_duplicate: str = "error") -> _plan.Plan:
+    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 1 << 30 if in_memory else 0)
+    storage = Storage(str(root))
+    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
+    segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
+    return _plan.build(load_all(storage, segments), on_duplicate, same_bytes=functools.partial(same_bytes, storage))
+
+
+@pytest.mark.parametrize("on_duplicate", ["first", "last"])
+def test_a_small_plan_in_memory_equals_the_duckdb_plan(tmp_path, monkeypatch, on_duplicate):
+    _write(tmp_path / "s", policy_rows=True)
+    mem = _plan_of(tmp_path / "s", True, monkeypatch, on_duplicate)
+    sql = _plan_of(tmp_path / "s", False, monkeypatch, on_duplicate)
+    assert list(mem.filenames) == sorted(NAMES) == list(sql.filenames)
+    assert _plan.fingerprint(mem) == _plan.fingerprint(sql)
+    assert mem.duplicates == sql.duplicates == 6
+    for k in ("frame_idx", "rank", "copies", "seg", "offset", "nbytes", "crc", "file_offsets"):
+        assert np.array_equal(getattr(mem, k), getattr(sql, k)), k
+    assert [c.name for c in mem.columns] == [c.name for c in sql.columns]
+    for a, b in zip(mem.columns, sql.columns, strict=True):
+        assert np.array_equal(a.src, b.src)
+    assert mem.key_orders == sql.key_orders
+
+
+def test_a_small_plan_in_memory_refuses_copies_that_differ(tmp_path, monkeypatch):
+    _write(tmp_path / "s", differ=True)
+    for in_memory in (True, False):
+        with pytest.raises(DuplicateFrameError, match="different content") as err:
+            _plan_of(tmp_path / "s", in_memory, monkeypatch)
+        assert "frame 0 of 'b'" in str(err.value)  # the first differing key in sorted order
+
+
+def test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, threading, spillmerge
+        started = []
+        real_start = threading.Thread.start
+        def start(self):
+            started.append(self.name)
+            real_start(self)
+        threading.Thread.start = start
+        with spillmerge.SpillWriter({str(tmp_path / "spill")!r}, rank=0, world_size=1) as w:
+            w.write_batch([f"k{{i}}" for i in range(1000)], [{{"a": i, "b": [1.0, 2.0]}} for i in range(1000)])
+        w.merge({str(tmp_path / "out.zarr")!r}, progress=False)
+        assert spillmerge.open({str(tmp_path / "out.zarr")!r}).value("k7") == {{"a": 7, "b": [1.0, 2.0]}}
+        print("duckdb" in sys.modules)
+        print([n for n in started if n.startswith(("spillmerge-merge", "spillmerge-index"))])
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:2] == ["False", "[]"], r.stdout
