@@ -68,10 +68,12 @@ def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
 
 def copy_units(
     src: Storage, output: Storage, plan: Plan, todo: list[Unit], *, codec: str, memory_budget: int, threads: int,
-    progress: bool | None,
+    progress: bool | None, fsync: bool = False,
 ) -> None:  # fmt: skip
     """Write the output chunks ``todo`` (``codec``), at most ``memory_budget`` bytes of chunks in
-    flight over ``threads`` threads; a progress bar when ``progress`` (None: on a terminal)."""
+    flight over ``threads`` threads; a progress bar when ``progress`` (None: on a terminal).
+    ``fsync``: each chunk is fsynced by the thread that wrote it, overlapping the other copies
+    (the merge's final ``fsync_tree`` then only syncs the folders and documents)."""
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -115,7 +117,7 @@ def copy_units(
                         break
                     in_flight += size
                 job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes)
-                fut = pool.submit(job.write, output, codec)
+                fut = pool.submit(job.write, output, codec, fsync)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
         if bar is not None:
@@ -177,7 +179,7 @@ class _OutputChunk:
     def key(self) -> str:
         return f"columns/{self.col.name}/values/c/{self.u.chunk}" + "/0" * len(self.col.unit_shape)
 
-    def write(self, output: Storage, codec: str) -> None:
+    def write(self, output: Storage, codec: str, fsync: bool = False) -> None:
         col = self.col
         buffers = self._numeric(raw=codec == "none")
         itemsize = np.dtype(col.storage).itemsize
@@ -189,7 +191,7 @@ class _OutputChunk:
         for part in buffers:
             out_crc = google_crc32c.extend(out_crc, part)
         output.makedirs(self.key.rsplit("/", 1)[0])
-        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])  # type: ignore[list-item]
+        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
 
     # -- reading source rows -----------------------------------------------------------------
 

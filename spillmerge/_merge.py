@@ -619,7 +619,7 @@ def _index_share(job: _Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
 def _copy(job: _Job, todo: list[Unit]) -> None:
     copy_units(
         job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget, threads=job.threads,
-        progress=job.options.progress,
+        progress=job.options.progress, fsync=job.options.fsync,
     )  # fmt: skip
 
 

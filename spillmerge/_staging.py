@@ -192,13 +192,14 @@ class Flusher(threading.Thread):
 
     def __init__(
         self, pool: BufferPool, storage: Storage, prefix: str, *, rank: int, flush_threads: int,
-        object_size: Callable[[Chunk], int],
+        object_size: Callable[[Chunk], int], fsync: bool = True,
     ) -> None:  # fmt: skip
         """Uploads go to ``storage`` under ``prefix`` (the segment); ``object_size(chunk)`` says
         how many bytes of a chunk's buffer its object holds (the writer decides: the last chunk
-        of a small spill is stored exactly)."""
+        of a small spill is stored exactly). ``fsync``: each chunk is fsynced by the worker that
+        wrote it (local disks), so a chunk counts as durable only once it survives a power loss."""
         super().__init__(name=f"spillmerge-flush-r{rank}", daemon=True)
-        self.pool, self.storage, self.prefix = pool, storage, prefix
+        self.pool, self.storage, self.prefix, self.fsync = pool, storage, prefix, fsync
         self.flush_threads, self.object_size = flush_threads, object_size
         self.q: queue.Queue[Any] = queue.Queue()
         self.crc = np.zeros(1024, dtype=np.int64)
@@ -293,7 +294,9 @@ class Flusher(threading.Thread):
         size = self.object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
-        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data)
+        # The bytes are durable when this returns (fsync in this worker, beside the others in
+        # flight), their folder entry once ``_journal`` fsynced the folder.
+        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -320,6 +323,8 @@ class Flusher(threading.Thread):
         # Written only after this chunk and every earlier one are durable, so every row it lists
         # (including rows that started in earlier chunks) can be read back. ``done``:
         # completed_rows(chunk).
+        if self.fsync:  # the chunk's name too: its folder (the earlier chunks' names with it)
+            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)
         crc = self.crc
         rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
         rows[:, : FS.COL_CRC] = done[:, 1:]
@@ -362,7 +367,7 @@ class Staging:
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
-        layouts: list[FS.Layout],
+        layouts: list[FS.Layout], fsync: bool = True,
     ) -> None:  # fmt: skip
         """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
         ``layouts`` are the writer's catalog (append-only)."""
@@ -370,8 +375,9 @@ class Staging:
         self._filenames, self._layouts = filenames, layouts
         self._journaled_files = self._journaled_layouts = 0
         self.flusher = Flusher(
-            self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size
-        )
+            self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size,
+            fsync=fsync,
+        )  # fmt: skip
         self.flusher.progress.staged = lambda: (self.frames, self.offset)
         self.flusher.start()
 

@@ -232,9 +232,11 @@ class SpillWriter:
         self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
         self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
         self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
+        if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
+            self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
         self._staging.start(
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._schema.layouts,
+            filenames=self._filenames, layouts=self._schema.layouts, fsync=self.fsync,
         )  # fmt: skip
         self._state = WriterState.OPEN
 
@@ -746,7 +748,9 @@ class SpillWriter:
             objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
-            self.storage.fsync_tree(self._prefix)
+            # (the data chunks were fsynced by the flush workers: here only their folders)
+            chunks = [self._rel(f"{FS.DATA_NAME}/c/{c}") for c in range(n_chunks)]
+            self.storage.sync([*objects, *chunks])
         record = FS.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,
