@@ -8,7 +8,9 @@ Methods, alternated within each repeat (A B A B), medians and per-repeat ratios 
 - ``raw``: one file, every frame's bytes written in turn (``ndarray.tofile`` on the open file),
   then one ``fsync``: the floor for putting these bytes on this disk durably.
 - ``spill``: ``SpillWriter(root, 0, 1)``, ``write(name, frame, tensor)`` per frame (16 files, frames
-  in order), then the commit (``close``): what ``write()`` costs, durability included.
+  in order), then the commit (``close``): what ``write()`` costs, durability included. Each spill
+  runs in a fresh process (``--flush-threads 1,2``: one method per value; ``--base DIR``: one
+  more with the checkout ``DIR`` on ``PYTHONPATH``, e.g. today's main).
 
 ``--profile`` wraps the flush path's steps (waiting for a staging buffer in ``write()``, the
 flush workers' writes and fsyncs, the commit) in timers and prints where the spill's time went.
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -116,38 +120,58 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="a folder on the disk to measure (default: a temp dir)")
     ap.add_argument("--profile", action="store_true", help="one more spill with timers on the flush path")
+    ap.add_argument("--flush-threads", default="", help="comma list: one spill method per value (default: the writer's)")
+    ap.add_argument("--base", default=None, help="a checkout of another version: its spill runs as one more method")
+    ap.add_argument("--child", nargs=3, metavar=("ROOT", "N", "FLUSH_THREADS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     frames = pool(SHAPE)
+    if args.child:  # one spill in this fresh process (the version on PYTHONPATH): its times as JSON
+        root, n_child, ft = args.child
+        kw = {"flush_threads": int(ft)} if int(ft) else {}
+        print(json.dumps(run_spill(frames, int(n_child), root, **kw)))
+        return
     frame_bytes = frames[0].numel() * 2
     n = int(args.gib * (1 << 30)) // frame_bytes
     tmp = tempfile.mkdtemp(prefix="bench-spill-", dir=args.workdir)
-    got: dict[str, list[float]] = {"raw": [], "spill": [], "loop": [], "commit": []}
+    spills = [f"spill-ft{x}" for x in args.flush_threads.split(",") if x] or ["spill"]
+    if args.base:
+        spills.append("base")
+    got: dict[str, list[float]] = collections.defaultdict(list)
     try:
         for r in range(args.repeats):
-            order = ("raw", "spill") if r % 2 == 0 else ("spill", "raw")
+            order = ["raw", *spills]
+            order = order if r % 2 == 0 else order[::-1]
             for m in order:
                 where = os.path.join(tmp, f"{m}-{r}")
                 if m == "raw":
                     got["raw"].append(run_raw(frames, n, where))
                     os.unlink(where)
                 else:
-                    loop, commit = run_spill(frames, n, where)
-                    got["spill"].append(loop + commit)
-                    got["loop"].append(loop)
-                    got["commit"].append(commit)
+                    ft = m[8:] if m.startswith("spill-ft") else "0"
+                    here = str(Path(__file__).resolve().parents[1])
+                    env = {**os.environ, "PYTHONPATH": args.base if m == "base" else here}
+                    cmd = [sys.executable, __file__, "--child", where, str(n), ft]
+                    loop, commit = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True).stdout)
+                    got[m].append(loop + commit)
+                    got[f"{m} loop"].append(loop)
+                    got[f"{m} commit"].append(commit)
                     shutil.rmtree(where)
         if args.profile:
             profile(frames, n, os.path.join(tmp, "profile"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in got.items()}
-    per = [s / r for s, r in zip(got["spill"], got["raw"], strict=True)]
     gib = n * frame_bytes / (1 << 30)
     print(f"{n} frames of {frame_bytes >> 10} KiB ({gib:.2f} GiB), {args.repeats} repeats, load {os.getloadavg()}")
     print(f"raw tofile+fsync: median {med['raw']:.2f} s ({gib / med['raw']:.2f} GiB/s)")
-    print(f"spill write+commit: median {med['spill']:.2f} s (loop {med['loop']:.2f} s, commit {med['commit']:.2f} s)")
-    print(f"spill / raw: {med['spill'] / med['raw']:.2f}x (per repeat {', '.join(f'{x:.2f}' for x in per)})")
+    for m in spills:
+        per = [s / r for s, r in zip(got[m], got["raw"], strict=True)]
+        print(
+            f"{m} write+commit: median {med[m]:.2f} s (loop {med[m + ' loop']:.2f} s, commit "
+            f"{med[m + ' commit']:.2f} s); / raw: {med[m] / med['raw']:.2f}x (per repeat "
+            f"{', '.join(f'{x:.2f}' for x in per)})"
+        )
 
 
 if __name__ == "__main__":

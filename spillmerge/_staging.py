@@ -217,6 +217,9 @@ class Flusher(threading.Thread):
         self._pending: collections.deque[tuple[Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
+        # Journal entries land one after another, in chunk order: a reader replays them in order
+        # and stops at a gap, so entry N written before N-1 would be lost to a kill between them.
+        self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix=f"spillmerge-journal-r{rank}")
         self.progress = ProgressWriter(storage, prefix, rank=rank)
         pool.wants_spare = lambda: self.q.put(_SPARE)
 
@@ -254,6 +257,7 @@ class Flusher(threading.Thread):
                 self._retire(block=True)
         finally:
             self._pool.shutdown(wait=True)
+            self._journal_pool.shutdown(wait=True)
             # Final counts before a commit or failure record lands (a failed rank's stay exact).
             self.progress.maybe_write(trailing=True)
             for fut in self._journals:
@@ -311,9 +315,9 @@ class Flusher(threading.Thread):
                 done = completed_rows(chunk)  # once, for the progress record and the journal
                 self.progress.durable(chunk.number, done)
                 if self.error is None:
-                    # Its chunk and every earlier one are durable now; the PUT itself may overlap
-                    # the next uploads (a reader replays entries in order and stops at a gap).
-                    self._journals.append(self._pool.submit(self._journal, chunk, done))
+                    # Its chunk and every earlier one are durable now; the PUT itself overlaps the
+                    # next uploads, after the earlier entries.
+                    self._journals.append(self._journal_pool.submit(self._journal, chunk, done))
             except BaseException as exc:  # noqa: BLE001
                 self.error = self.error or exc
             finally:

@@ -104,9 +104,10 @@ class SpillWriter:
             :meth:`stats`), ``"first"`` (ignore later writes of a key) or ``"last"`` (a later write
             replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
-        fsync: on local disks, fsync every object of the segment before the commit record is
-            written (default True).
-        flush_threads: chunk uploads in flight (default 1 on local disks, 4 on object stores).
+        fsync: on local disks, fsync each data chunk before its journal entry is written and every
+            other object of the segment before the commit record (default True).
+        flush_threads: chunk uploads in flight (default 2 on local disks: one chunk's fsync
+            overlaps the next one's write; 4 on object stores).
         allow_pickle: store values of no other kind (docs/FORMAT.md section 1) as pickled bytes
             instead of refusing them with :class:`~spillmerge.SpillValueError`; reading them back
             needs ``spillmerge.open(out, allow_pickle=True)``. Off by default: nothing is pickled
@@ -139,7 +140,7 @@ class SpillWriter:
         self.storage = Storage(root, storage_options)
         self.root = self.storage.url
         self.chunk_bytes = chunk_bytes
-        self.flush_threads = flush_threads or (1 if self.storage.local else 4)
+        self.flush_threads = flush_threads or (2 if self.storage.local else 4)
         if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
             raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
         staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes

@@ -1196,6 +1196,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),
+    Mutation(
+        "flush-worker-skips-chunk-fsync",
+        "spillmerge/_staging.py",
+        "buf[:size].data, fsync=self.fsync)",
+        "buf[:size].data)",
+        ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
+        "a data chunk is fsynced before any journal entry names it, with several flush workers in flight",
+    ),
+    Mutation(
+        "journal-before-chunk-folder-sync",
+        "spillmerge/_staging.py",
+        '            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)',
+        "            pass",
+        ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
+        "a journal entry is written only after the folder naming its chunks was fsynced",
+    ),
 ]
 
 
