@@ -6,9 +6,10 @@ Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Me
                      one per leaf per block, ``add_frame`` one per run of whole frames) →
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
-                     one by one → upload it whole
-                     (``flush_threads`` in flight) → ``journal/N`` once chunks ``0..N`` are durable
-                     → ``BufferPool.release``; ``None`` on the queue ends it.
+                     one by one → a flush worker writes it whole and fsyncs it (``flush_threads``
+                     in flight, finishing in any order) → once chunks ``0..N`` are durable, the
+                     journal thread fsyncs their folder and writes ``journal/N`` (entries in
+                     chunk order) → ``BufferPool.release``; ``None`` on the queue ends it.
 """
 
 from __future__ import annotations
