@@ -141,9 +141,9 @@ class _PendingBlocks:
         self.checked = checked
         """Shared with the copy: the (segment, block) pairs verified already."""
         self._lock = threading.Lock()
-        self._blocks: dict[tuple[int, int], tuple[_OutputChunk, int, int, dict[int, tuple[int, int]]]] = {}
-        """(segment, block) -> (a chunk job, output row, plan entry: for the error message, and
-        the rows seen so far: spill offset -> (CRC-32C, nbytes))."""
+        self._blocks: dict[tuple[int, int], tuple[_OutputChunk, int, int, dict[int, tuple[int, int]], list[int]]] = {}
+        """(segment, block) -> (a chunk job, output row, plan entry: for the error message; the
+        rows seen so far: spill offset -> (CRC-32C, nbytes); [their bytes in all])."""
 
     def add(self, job: _OutputChunk, s: int, block: int, r: int, e: int, off: int, crc: int, n: int) -> None:
         """Row ``r`` (plan entry ``e``) of segment ``s``, checked by ``block``, at spill offset
@@ -153,11 +153,13 @@ class _PendingBlocks:
         with self._lock:
             if key in self.checked:
                 return
-            entry = self._blocks.setdefault(key, (job, r, e, {}))
-            rows = entry[3]
-            rows[off] = (crc, n)
+            entry = self._blocks.setdefault(key, (job, r, e, {}, [0]))
+            rows, seen = entry[3], entry[4]
+            if off not in rows:
+                rows[off] = (crc, n)
+                seen[0] += n
             b_off, b_nb, value = check_of(job.plan.segments[s], block)
-            if sum(m for _, m in rows.values()) < b_nb:
+            if seen[0] < b_nb:
                 return
             del self._blocks[key]
             got, pos = 0, b_off
@@ -174,7 +176,7 @@ class _PendingBlocks:
 
     def finish(self) -> None:
         """Check the blocks whose rows were not all copied by reading them."""
-        for (s, block), (job, r, e, _) in sorted(self._blocks.items(), key=lambda kv: kv[0]):
+        for (s, block), (job, r, e, _, _) in sorted(self._blocks.items(), key=lambda kv: kv[0]):
             if (s, block) not in self.checked:
                 job._verify_block_local(s, block, r, e)
         self._blocks.clear()
