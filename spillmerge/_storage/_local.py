@@ -453,10 +453,19 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> No
 
 
 def _fsync_path(path: str) -> None:
-    """fsync a file or a folder by path."""
-    fd = os.open(path, os.O_RDONLY)
+    """fsync a file or a folder by path. Anything else is skipped unopened or unsynced: a link
+    (``O_NOFOLLOW``), a FIFO (opened without blocking; a blocking open waits for a writer
+    forever), a device or socket planted in a tree we sync is not ours to flush."""
     try:
-        os.fsync(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            return
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
