@@ -86,7 +86,7 @@ def overlap(
         with_w.append(loop(w))
         writes.append(in_write)
         t0 = time.perf_counter()
-        w.__exit__(None, None, None)  # flush the last chunk, index, commit record, syncfs
+        w.__exit__(None, None, None)  # flush the last chunk, index, commit record, fsyncs
         close.append(time.perf_counter() - t0)
         peaks.append(mem.stop()["anon"])
         frames = w.stats()["frames"]

@@ -420,10 +420,10 @@ def render_overlap(o: dict) -> list[str]:
         "the same loop without a writer; with and without alternate, medians. Slowdown of the loop itself (until "
         "the last `write()` returns; the target), the part of the loop spent inside `write()` calls (copying into "
         "staging, waiting for a free buffer), and the slowdown including the writer's exit (flush of the last "
-        "chunk, index, commit record, syncfs: the price of durability, paid once per job).",
+        "chunk, index, commit record, their fsyncs: the price of durability, paid once per job).",
         "",
         "| compute | steps x step | frames/step | spill rate | loop without write | loop with write | slowdown "
-        "| of which inside write() | + exit (commit, syncfs) | slowdown incl. exit | writer peak anon |",
+        "| of which inside write() | + exit (commit, fsync) | slowdown incl. exit | writer peak anon |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, n, r in [

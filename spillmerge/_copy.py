@@ -19,7 +19,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from . import _codecs
+from . import _codecs, _crc
 from . import _format as F
 from . import _format_spill as FS
 from ._errors import CorruptSpillError
@@ -68,10 +68,12 @@ def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
 
 def copy_units(
     src: Storage, output: Storage, plan: Plan, todo: list[Unit], *, codec: str, memory_budget: int, threads: int,
-    progress: bool | None,
+    progress: bool | None, fsync: bool = False,
 ) -> None:  # fmt: skip
     """Write the output chunks ``todo`` (``codec``), at most ``memory_budget`` bytes of chunks in
-    flight over ``threads`` threads; a progress bar when ``progress`` (None: on a terminal)."""
+    flight over ``threads`` threads; a progress bar when ``progress`` (None: on a terminal).
+    ``fsync``: each chunk is fsynced by the thread that wrote it, overlapping the other copies
+    (the merge's final ``fsync_tree`` then only syncs the folders and documents)."""
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -86,6 +88,7 @@ def copy_units(
     errors: list[BaseException] = []
     offsets: dict[int, np.ndarray] = {}
     checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
+    pending = _PendingBlocks(checked)
     chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
     for u in todo:  # once per column, before the threads share them
         col = plan.columns[u.column]
@@ -122,14 +125,69 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                job = _OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes)
-                fut = pool.submit(job.write, output, codec)
+                job = _OutputChunk(
+                    src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes, pending
+                )  # fmt: skip
+                fut = pool.submit(job.write, output, codec, fsync)
                 fut.add_done_callback(functools.partial(_done_cb, done, size))
     finally:
         if bar is not None:
             bar.close()
     if errors:
         raise errors[0]
+    pending.finish()
+
+
+class _PendingBlocks:
+    """Block checksums verified from the CRC-32Cs of their rows, computed as the rows are copied:
+    a block's rows (back to back in one data chunk) often go to several output chunks, so each
+    row's CRC waits here until the block is whole, then their combine is compared with the
+    block's. Each spill byte is read once by the merge's checks. Blocks never made whole (some
+    of their rows are not in this merge) are read and checked by :meth:`finish`."""
+
+    def __init__(self, checked: set[tuple[int, int]]) -> None:
+        self.checked = checked
+        """Shared with the copy: the (segment, block) pairs verified already."""
+        self._lock = threading.Lock()
+        self._blocks: dict[tuple[int, int], tuple[_OutputChunk, int, int, dict[int, tuple[int, int]], list[int]]] = {}
+        """(segment, block) -> (a chunk job, output row, plan entry: for the error message; the
+        rows seen so far: spill offset -> (CRC-32C, nbytes); [their bytes in all])."""
+
+    def add(self, job: _OutputChunk, s: int, block: int, r: int, e: int, off: int, crc: int, n: int) -> None:
+        """Row ``r`` (plan entry ``e``) of segment ``s``, checked by ``block``, at spill offset
+        ``off`` has ``n`` bytes of CRC-32C ``crc``; raise when it makes its block whole and the
+        block's CRC does not hold."""
+        key = (s, block)
+        with self._lock:
+            if key in self.checked:
+                return
+            entry = self._blocks.setdefault(key, (job, r, e, {}, [0]))
+            rows, seen = entry[3], entry[4]
+            if off not in rows:
+                rows[off] = (crc, n)
+                seen[0] += n
+            b_off, b_nb, value = check_of(job.plan.segments[s], block)
+            if seen[0] < b_nb:
+                return
+            del self._blocks[key]
+            got, pos = 0, b_off
+            for o in sorted(rows):
+                c, m = rows[o]
+                if o != pos:  # not the block's rows back to back: read the block itself
+                    got = -1
+                    break
+                got, pos = _crc.combine(got, c, m), pos + m
+            if got == value and pos == b_off + b_nb:
+                self.checked.add(key)
+                return
+        job._verify_block_local(s, block, r, e)  # raises, naming the row, when the block is wrong
+
+    def finish(self) -> None:
+        """Check the blocks whose rows were not all copied by reading them."""
+        for (s, block), (job, r, e, _, _) in sorted(self._blocks.items(), key=lambda kv: kv[0]):
+            if (s, block) not in self.checked:
+                job._verify_block_local(s, block, r, e)
+        self._blocks.clear()
 
 
 _SCRATCH = threading.local()
@@ -168,24 +226,33 @@ def _zeros(n: int) -> np.ndarray:
     return np.zeros(n, dtype=np.uint8)
 
 
+@functools.lru_cache(maxsize=64)
+def _zeros_crc(n: int) -> int:
+    """The CRC-32C of ``n`` zero bytes (the padding between and after rows: a few sizes)."""
+    return int(google_crc32c.value(_zeros(n)))
+
+
 class _OutputChunk:
     """Builds and writes one output chunk."""
 
     def __init__(
         self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None,
-        checked: set[tuple[int, int]], chunk_bytes: np.ndarray,
+        checked: set[tuple[int, int]], chunk_bytes: np.ndarray, pending: _PendingBlocks | None = None,
     ) -> None:  # fmt: skip
         """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
         (shared by the chunks of one merge; a block checksum covers rows of many chunks);
-        ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``."""
+        ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
+        ``pending``: where rows checked by a block leave their CRC-32C (None: blocks are read)."""
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
-        self.checked, self.chunk_bytes = checked, chunk_bytes
+        self.checked, self.chunk_bytes, self.pending = checked, chunk_bytes, pending
+        self.crc: int | None = None
+        """The CRC-32C of the chunk's bytes, when the copy derived it from its rows' (``_pieces``)."""
 
     @property
     def key(self) -> str:
         return f"columns/{self.col.name}/values/c/{self.u.chunk}" + "/0" * len(self.col.unit_shape)
 
-    def write(self, output: Storage, codec: str) -> None:
+    def write(self, output: Storage, codec: str, fsync: bool = False) -> None:
         col = self.col
         buffers = self._numeric(raw=codec == "none")
         itemsize = np.dtype(col.storage).itemsize
@@ -194,10 +261,13 @@ class _OutputChunk:
             whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
             buffers = [np.frombuffer(enc.encode(whole), dtype=np.uint8)]
         out_crc = 0
-        for part in buffers:
-            out_crc = google_crc32c.extend(out_crc, part)
+        if enc is None and self.crc is not None:  # combined from the rows' CRCs: no second read
+            out_crc = self.crc
+        else:
+            for part in buffers:
+                out_crc = google_crc32c.extend(out_crc, part)
         output.makedirs(self.key.rsplit("/", 1)[0])
-        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()])  # type: ignore[list-item]
+        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
 
     # -- reading source rows -----------------------------------------------------------------
 
@@ -222,17 +292,19 @@ class _OutputChunk:
         first, stop = np.maximum(a, lo), np.minimum(b, hi)
         return _Touched(rows, first - a, stop - a, (first - lo) * ub)
 
-    def _rows(self, rows: np.ndarray) -> list[np.ndarray]:
+    def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
         """The whole stored bytes of each of ``rows`` as uint8 arrays (views of the page cache on
         local disks, else one batched read into a scratch buffer), each checked against its
-        CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers."""
+        CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers.
+        ``crcs_out`` (local disks): filled with each row's CRC-32C, computed once, for the check and
+        for the output chunk's CRC alike."""
         plan = self.plan
         e = np.asarray(self.col.src[rows], dtype=np.int64)
         ents, segs, offs, sizes, crcs = (
             x.tolist() for x in (e, plan.seg[e], plan.offset[e], plan.nbytes[e], plan.crc[e])
         )
         if self.src.local:
-            return self._local_rows(rows.tolist(), ents, segs, offs, sizes, crcs)
+            return self._local_rows(rows.tolist(), ents, segs, offs, sizes, crcs, out_crcs=crcs_out)
         buf = _scratch(sum(sizes), "rows")
         pieces = []
         for s, off, n in zip(segs, offs, sizes, strict=True):
@@ -255,11 +327,13 @@ class _OutputChunk:
         return out
 
     def _local_rows(
-        self, rows: list[int], ents: list[int], segs: list[int], offs: list[int], sizes: list[int], crcs: list[int]
+        self, rows: list[int], ents: list[int], segs: list[int], offs: list[int], sizes: list[int], crcs: list[int],
+        out_crcs: list[int] | None = None,
     ) -> list[np.ndarray]:  # fmt: skip
         """:meth:`_rows` on a local disk: each data chunk object is mapped once per output chunk
         and a row within one object is a slice of it (the many-keys case: millions of small
-        rows, where a lookup per row would dominate)."""
+        rows, where a lookup per row would dominate). ``out_crcs``: see :meth:`_rows`; a row
+        checked by a block then goes to ``pending`` instead of reading its block."""
         plan = self.plan
         maps: dict[tuple[int, int], np.ndarray] = {}
         out = []
@@ -278,18 +352,36 @@ class _OutputChunk:
                 row = whole[lo : lo + n]
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
-            if crc < 0:  # checked by its block (in one data chunk): verified once per merge
+            if out_crcs is not None:  # one CRC of the row: its check and the output's CRC
+                v = google_crc32c.value(row)
+                out_crcs.append(v)
+                if crc < 0:
+                    if self.pending is None:
+                        self._verify_block_local(s, crc, r, e)
+                    elif (s, crc) not in self.checked:
+                        self.pending.add(self, s, crc, r, e, off, v, n)
+                elif v != crc:
+                    self._mismatch(r, e)
+            elif crc < 0:  # checked by its block (in one data chunk): verified once per merge
                 if (s, crc) not in self.checked:
-                    if not self._block_sound(s, crc):
-                        b_off, b_nb, _ = check_of(seg, crc)
-                        bc, b_lo = divmod(b_off, cb)
-                        self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
-                        self._mismatch(r, e, crc)
-                    self.checked.add((s, crc))
+                    self._verify_block_local(s, crc, r, e)
             elif google_crc32c.value(row) != crc:
                 self._mismatch(r, e)
             out.append(row)
         return out
+
+    def _verify_block_local(self, s: int, crc: int, r: int, e: int) -> None:
+        """Read and check block ``crc`` of segment ``s`` (local disk) unless checked already;
+        raise naming row ``r`` (plan entry ``e``) when it is short or does not match."""
+        if (s, crc) in self.checked:
+            return
+        if not self._block_sound(s, crc):
+            seg = self.plan.segments[s]
+            b_off, b_nb, _ = check_of(seg, crc)
+            bc, b_lo = divmod(b_off, seg.chunk_bytes)
+            self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
+            self._mismatch(r, e, crc)
+        self.checked.add((s, crc))
 
     def _mismatch(self, r: int, e: int, block: int | None = None) -> None:
         """Raise for output row ``r`` (plan entry ``e``) whose bytes, or whose block's bytes
@@ -324,7 +416,8 @@ class _OutputChunk:
             # Few large rows: written straight from the page cache. Small rows are copied into one
             # buffer below: a write per row cost more than the copy (issue 24).
             if n <= COPY_ROWS and full >= n * PIECE_BYTES:
-                return self._pieces(touched, self._rows(touched.rows), full)
+                crcs: list[int] = []
+                return self._pieces(touched, self._rows(touched.rows, crcs), full, crcs)
         # Many small rows (a chunk of 2**21 int64 labels): copied into one buffer COPY_ROWS rows at
         # a time, so the per-row views never exceed COPY_ROWS (measured: a whole label chunk's
         # took ~450 MB, the merge's peak at 10^7 keys).
@@ -428,22 +521,33 @@ class _OutputChunk:
         block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
         return len(block) == b_nb and google_crc32c.value(block) == value
 
-    def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int) -> list[Any]:
-        """The chunk as buffers written back to back: the rows' own bytes, zeros between."""
+    def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:
+        """The chunk as buffers written back to back: the rows' own bytes, zeros between. Sets
+        :attr:`crc` from the rows' CRC-32Cs ``crcs`` (a piece cut from a row and the zeros
+        are checksummed themselves)."""
         col = self.col
         ub = col.unit_bytes
         if col.kind in ("str", "strlist"):  # text is checked where it becomes output text
             self._texts(touched.rows, data)
         buffers: list[Any] = []
         pos = 0  # bytes of the chunk produced so far
-        for start, a, b, row in zip(touched.start.tolist(), touched.a.tolist(), touched.b.tolist(), data, strict=True):
+        out_crc = 0
+        for start, a, b, row, row_crc in zip(
+            touched.start.tolist(), touched.a.tolist(), touched.b.tolist(), data, crcs, strict=True
+        ):  # fmt: skip
             if start > pos:  # rows without a value read as zeros
                 buffers.append(_zeros(start - pos))
+                out_crc = _crc.combine(out_crc, _zeros_crc(start - pos), start - pos)
             piece = row if self.off is None else row[a * ub : b * ub]
+            if len(piece) != len(row):
+                row_crc = google_crc32c.value(piece)
             buffers.append(piece)
+            out_crc = _crc.combine(out_crc, row_crc, len(piece))
             pos = start + len(piece)
         if pos < full:
             buffers.append(_zeros(full - pos))
+            out_crc = _crc.combine(out_crc, _zeros_crc(full - pos), full - pos)
+        self.crc = out_crc
         return buffers
 
     def _touched_batches(self) -> Iterator[_Touched]:

@@ -632,7 +632,7 @@ def _threads(job: _Job, todo: list[Unit]) -> int:
 def _copy(job: _Job, todo: list[Unit]) -> None:
     copy_units(
         job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget,
-        threads=_threads(job, todo), progress=job.options.progress,
+        threads=_threads(job, todo), progress=job.options.progress, fsync=job.options.fsync,
     )  # fmt: skip
 
 

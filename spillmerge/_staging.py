@@ -6,9 +6,10 @@ Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Me
                      one per leaf per block, ``add_frame`` one per run of whole frames) →
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
-                     one by one → upload it whole
-                     (``flush_threads`` in flight) → ``journal/N`` once chunks ``0..N`` are durable
-                     → ``BufferPool.release``; ``None`` on the queue ends it.
+                     one by one → a flush worker writes it whole and fsyncs it (``flush_threads``
+                     in flight, finishing in any order) → once chunks ``0..N`` are durable, the
+                     journal thread fsyncs their folder and writes ``journal/N`` (entries in
+                     chunk order) → ``BufferPool.release``; ``None`` on the queue ends it.
 """
 
 from __future__ import annotations
@@ -192,13 +193,14 @@ class Flusher(threading.Thread):
 
     def __init__(
         self, pool: BufferPool, storage: Storage, prefix: str, *, rank: int, flush_threads: int,
-        object_size: Callable[[Chunk], int],
+        object_size: Callable[[Chunk], int], fsync: bool = True,
     ) -> None:  # fmt: skip
         """Uploads go to ``storage`` under ``prefix`` (the segment); ``object_size(chunk)`` says
         how many bytes of a chunk's buffer its object holds (the writer decides: the last chunk
-        of a small spill is stored exactly)."""
+        of a small spill is stored exactly). ``fsync``: each chunk is fsynced by the worker that
+        wrote it (local disks), so a chunk counts as durable only once it survives a power loss."""
         super().__init__(name=f"spillmerge-flush-r{rank}", daemon=True)
-        self.pool, self.storage, self.prefix = pool, storage, prefix
+        self.pool, self.storage, self.prefix, self.fsync = pool, storage, prefix, fsync
         self.flush_threads, self.object_size = flush_threads, object_size
         self.q: queue.Queue[Any] = queue.Queue()
         self.crc = np.zeros(1024, dtype=np.int64)
@@ -216,6 +218,9 @@ class Flusher(threading.Thread):
         self._pending: collections.deque[tuple[Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
+        # Journal entries land one after another, in chunk order: a reader replays them in order
+        # and stops at a gap, so entry N written before N-1 would be lost to a kill between them.
+        self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix=f"spillmerge-journal-r{rank}")
         self.progress = ProgressWriter(storage, prefix, rank=rank)
         pool.wants_spare = lambda: self.q.put(_SPARE)
 
@@ -253,6 +258,7 @@ class Flusher(threading.Thread):
                 self._retire(block=True)
         finally:
             self._pool.shutdown(wait=True)
+            self._journal_pool.shutdown(wait=True)
             # Final counts before a commit or failure record lands (a failed rank's stay exact).
             self.progress.maybe_write(trailing=True)
             for fut in self._journals:
@@ -293,7 +299,9 @@ class Flusher(threading.Thread):
         size = self.object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
-        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data)
+        # The bytes are durable when this returns (fsync in this worker, beside the others in
+        # flight), their folder entry once ``_journal`` fsynced the folder.
+        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -308,9 +316,9 @@ class Flusher(threading.Thread):
                 done = completed_rows(chunk)  # once, for the progress record and the journal
                 self.progress.durable(chunk.number, done)
                 if self.error is None:
-                    # Its chunk and every earlier one are durable now; the PUT itself may overlap
-                    # the next uploads (a reader replays entries in order and stops at a gap).
-                    self._journals.append(self._pool.submit(self._journal, chunk, done))
+                    # Its chunk and every earlier one are durable now; the PUT itself overlaps the
+                    # next uploads, after the earlier entries.
+                    self._journals.append(self._journal_pool.submit(self._journal, chunk, done))
             except BaseException as exc:  # noqa: BLE001
                 self.error = self.error or exc
             finally:
@@ -320,6 +328,8 @@ class Flusher(threading.Thread):
         # Written only after this chunk and every earlier one are durable, so every row it lists
         # (including rows that started in earlier chunks) can be read back. ``done``:
         # completed_rows(chunk).
+        if self.fsync:  # the chunk's name too: its folder (the earlier chunks' names with it)
+            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)
         crc = self.crc
         rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
         rows[:, : FS.COL_CRC] = done[:, 1:]
@@ -362,7 +372,7 @@ class Staging:
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
-        layouts: list[FS.Layout],
+        layouts: list[FS.Layout], fsync: bool = True,
     ) -> None:  # fmt: skip
         """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
         ``layouts`` are the writer's catalog (append-only)."""
@@ -370,8 +380,9 @@ class Staging:
         self._filenames, self._layouts = filenames, layouts
         self._journaled_files = self._journaled_layouts = 0
         self.flusher = Flusher(
-            self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size
-        )
+            self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size,
+            fsync=fsync,
+        )  # fmt: skip
         self.flusher.progress.staged = lambda: (self.frames, self.offset)
         self.flusher.start()
 

@@ -85,9 +85,10 @@ class SpillWriter(MergeSteps):
             :meth:`stats`), ``"first"`` (ignore later writes of a key) or ``"last"`` (a later write
             replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
-        fsync: on local disks, fsync every object of the segment before the commit record is
-            written (default True).
-        flush_threads: chunk uploads in flight (default 1 on local disks, 4 on object stores).
+        fsync: on local disks, fsync each data chunk before its journal entry is written and every
+            other object of the segment before the commit record (default True).
+        flush_threads: chunk uploads in flight (default 2 on local disks: one chunk's fsync
+            overlaps the next one's write; 4 on object stores).
         allow_pickle: store values of no other kind (docs/FORMAT.md section 1) as pickled bytes
             instead of refusing them with :class:`~spillmerge.SpillValueError`; reading them back
             needs ``spillmerge.open(out, allow_pickle=True)``. Off by default: nothing is pickled
@@ -120,7 +121,7 @@ class SpillWriter(MergeSteps):
         self.storage = Storage(root, storage_options)
         self.root = self.storage.url
         self.chunk_bytes = chunk_bytes
-        self.flush_threads = flush_threads or (1 if self.storage.local else 4)
+        self.flush_threads = flush_threads or (2 if self.storage.local else 4)
         if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
             raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
         staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
@@ -213,9 +214,11 @@ class SpillWriter(MergeSteps):
         self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
         self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
         self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
+        if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
+            self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
         self._staging.start(
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._schema.layouts,
+            filenames=self._filenames, layouts=self._schema.layouts, fsync=self.fsync,
         )  # fmt: skip
         self._state = WriterState.OPEN
 
@@ -721,7 +724,9 @@ class SpillWriter(MergeSteps):
             objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
-            self.storage.fsync_tree(self._prefix)
+            # (the data chunks were fsynced by the flush workers: here only their folders)
+            chunks = [self._rel(f"{FS.DATA_NAME}/c/{c}") for c in range(n_chunks)]
+            self.storage.sync([*objects, *chunks])
         record = FS.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,

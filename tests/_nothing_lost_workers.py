@@ -99,3 +99,43 @@ def spill_batches_killed_at(root: str, rank: int, world: int, n_frames: int, whe
             fr = frames[s : s + 5]
             vals = [small_value(f) for f in fr]
             w.write_batch(["clip"] * len(fr), {k: torch.stack([v[k] for v in vals]) for k in ("a", "b")}, frame_idx=fr)
+
+
+def spill_parallel_killed(root: str, rank: int, world: int, n_frames: int, log: str, slow: int, kill: int) -> None:
+    """Like :func:`spill`, durably (``fsync=True``) with 4 flush workers: data chunk ``slow``
+    takes 0.3 s to write, so the chunks after it finish first (several uploads in flight, out of
+    order); the process SIGKILLs itself right after journal entry ``kill`` landed. Appends to
+    ``log`` what reached storage, in order: ``chunk C FSYNC``, ``sync REL... UP``, ``journal N``."""
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    real_put, real_sync = LocalStorage.put, LocalStorage.sync
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def note(line: str) -> None:
+        os.write(fd, f"{line}\n".encode())
+
+    def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        chunk = rel.split(f"/{FS.DATA_NAME}/c/")
+        if len(chunk) == 2 and int(chunk[1]) == slow:
+            import time
+
+            time.sleep(0.3)
+        real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
+        if len(chunk) == 2:
+            note(f"chunk {chunk[1]} {kwargs.get('fsync', False)}")
+        if rel.endswith(f"/{FS.journal_name(kill)}"):
+            note(f"journal {kill}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif "/journal/" in rel:
+            note(f"journal {int(rel.rsplit('/', 1)[1])}")
+
+    def sync(self: Storage, rels: list[str], **kwargs: object) -> None:
+        real_sync(self, rels, **kwargs)  # type: ignore[arg-type]
+        note(f"sync {' '.join(rels)} {kwargs.get('up', True)}")
+
+    LocalStorage.put, LocalStorage.sync = put, sync  # type: ignore[method-assign]
+    with spillmerge.SpillWriter(
+        root, rank=rank, world_size=world, chunk_bytes=CHUNK, flush_threads=4, staging_bytes=8 * CHUNK
+    ) as w:
+        for i in range(n_frames):
+            w.write("clip", rank + i * world, value(rank + i * world))

@@ -1228,6 +1228,38 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
         "a small merge between local storages writes its chunks and index without a thread pool",
     ),
+    Mutation(
+        "flush-worker-skips-chunk-fsync",
+        "spillmerge/_staging.py",
+        "buf[:size].data, fsync=self.fsync)",
+        "buf[:size].data)",
+        ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
+        "a data chunk is fsynced before any journal entry names it, with several flush workers in flight",
+    ),
+    Mutation(
+        "journal-before-chunk-folder-sync",
+        "spillmerge/_staging.py",
+        '            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)',
+        "            pass",
+        ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
+        "a journal entry is written only after the folder naming its chunks was fsynced",
+    ),
+    Mutation(
+        "copy-pending-block-combine-ignored",
+        "spillmerge/_copy.py",
+        "            if got == value and pos == b_off + b_nb:",
+        "            if True:",
+        ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_spread_over_output_chunks_fails_the_merge",),
+        "a block checked from its rows' CRC-32Cs (combined as they are copied) still catches a flipped byte",
+    ),
+    Mutation(
+        "copy-partial-block-never-read",
+        "spillmerge/_copy.py",
+        "            if (s, block) not in self.checked:\n                job._verify_block_local(s, block, r, e)",
+        "            if False:\n                job._verify_block_local(s, block, r, e)",
+        ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
+        "a block whose rows are not all in the merge is read and checked once the copy is done",
+    ),
 ]
 
 

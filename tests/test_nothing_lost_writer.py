@@ -17,7 +17,14 @@ import google_crc32c
 import numpy as np
 import pytest
 import torch
-from _nothing_lost_workers import expected, small_value, spill, spill_batches_killed_at, spill_killed_at
+from _nothing_lost_workers import (
+    expected,
+    small_value,
+    spill,
+    spill_batches_killed_at,
+    spill_killed_at,
+    spill_parallel_killed,
+)
 from _procs import join_all
 
 import spillmerge
@@ -270,6 +277,46 @@ def test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their
     assert commit["n_checks"] > 0 and commit["format_version"] == 4
     assert got["committed"] == (n, 0)
     assert 0 < got["journal-3"][0] == got["journal-3"][1] < got["journal-7"][0] == got["journal-7"][1] < n, got
+
+
+def test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks(tmp_path):
+    # 4 flush workers, fsync on; chunk 5 is slow, so chunks 6.. are written (and fsynced) before
+    # it: the journal still waits for it, and the kill lands with uploads in flight.
+    root = tmp_path / "root"
+    shutil.copytree(_rank0_root(tmp_path), root)
+    log = tmp_path / "events.log"
+    p = CTX.Process(target=spill_parallel_killed, args=(str(root), 1, 2, N_FRAMES, str(log), 5, 9))
+    p.start()
+    join_all([p], timeout=120)
+    assert p.exitcode == -signal.SIGKILL
+    events = log.read_text().splitlines()
+    fsynced: set[int] = set()
+    folder_synced: set[int] = set()  # chunks whose name was in the folder when it was fsynced
+    journals = []
+    for e in events:
+        kind, rest = e.split(" ", 1)
+        if kind == "chunk":
+            c, fsync = rest.split()
+            assert fsync == "True", e
+            fsynced.add(int(c))
+        elif kind == "sync" and "/data/c/" in rest:
+            folder_synced |= fsynced
+        elif kind == "journal":
+            n = int(rest)
+            journals.append(n)
+            # Every chunk a journal entry can name (0..n) was fsynced, and so was its folder entry.
+            assert set(range(n + 1)) <= fsynced & folder_synced, (n, sorted(fsynced), sorted(folder_synced))
+    assert journals == list(range(10)), journals  # in chunk order, however the uploads finished
+    # Written out of order: a chunk after the slow one landed before it.
+    order = [int(e.split()[1]) for e in events if e.startswith("chunk ")]
+    assert order.index(6) < order.index(5), order
+    rep = _check_partial_merge(root, tmp_path / "out", "parallel flush workers")
+    # Salvage keeps every frame the journal entries 0..9 list (two leaves a frame), no more.
+    seg = next(root.glob("rank-00001/seg-*"))
+    journaled = sum(
+        len(FS.decode_journal((seg / FS.journal_name(n)).read_bytes(), path=str(seg)).rows) for n in range(10)
+    )
+    assert rep.salvaged_frames.get(1, 0) == journaled // 2 > 0
 
 
 # ---------------------------------------------------------------------------------------- row 7

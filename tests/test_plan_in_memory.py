@@ -16,8 +16,8 @@ import torch
 import spillmerge
 from spillmerge import _format_spill as FS
 from spillmerge import _plan, _plansql
-from spillmerge._errors import DuplicateFrameError
 from spillmerge._barrier import wait_for_commits
+from spillmerge._errors import DuplicateFrameError
 from spillmerge._spillroot import load_all, same_bytes
 from spillmerge._storage import Storage
 

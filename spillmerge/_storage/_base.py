@@ -264,7 +264,8 @@ class Storage:
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         """Write one whole object. A sequence of buffers is written back to back (no join copy
-        on local disks)."""
+        on local disks). ``fsync``: the object's bytes are durable when this returns (its folder
+        entry: after :meth:`sync`; object stores: always, once the PUT returned)."""
         raise NotImplementedError
 
     def open_write(self, rel: str, *, durable: bool = False) -> Sink:
@@ -275,9 +276,17 @@ class Storage:
         raise NotImplementedError
 
     def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
-        """Make every file below ``rel`` (and the folders holding them) durable on a local disk:
-        one syncfs(2) where Linux has it, else an fsync per file with many in flight. A no-op on
-        object stores, where a PUT is durable when it returns."""
+        """Make every file below ``rel`` (and the folders holding them, up to the root) durable
+        on a local disk: an fsync of each, many in flight, skipping the files this handle already
+        fsynced (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it
+        returns."""
+        raise NotImplementedError
+
+    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+        """Make the objects ``rels`` (written already) durable on a local disk: an fsync of each
+        one this handle has not fsynced yet and of every folder holding one of them (with
+        ``up``: and every folder above, up to the root), so the names survive a power loss too.
+        A no-op on object stores."""
         raise NotImplementedError
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:

@@ -121,6 +121,9 @@ class FsspecStorage(Storage):
     def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
         """Nothing: a PUT is durable when it returns."""
 
+    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+        """Nothing: a PUT is durable when it returns."""
+
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
         with self.storage_errors("write metadata under"):

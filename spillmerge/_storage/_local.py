@@ -6,7 +6,6 @@ again after (docs/GUARANTEES.md, *Threat model*); writes go to a temporary name 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -51,6 +50,9 @@ class LocalStorage(Storage):
         # Folders below the root already seen to be real folders (not links): a path below them
         # costs no lstat of its ancestors again (see _refuse_links_in).
         self._real_dirs: set[str] = set()
+        # Objects this handle wrote and fsynced (``put(fsync=True)``): ``sync`` and ``fsync_tree``
+        # fsync only the rest and the folders, not each chunk a second time.
+        self._synced: set[str] = set()
 
     # ---------------------------------------------------------------------------------- reads
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:
@@ -246,24 +248,49 @@ class LocalStorage(Storage):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+        if fsync:
+            self._synced.add(rel)
 
     def open_write(self, rel: str, *, durable: bool = False) -> _LocalSink:
         return _LocalSink(self, rel, durable)
 
     def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
-        top = self.path(rel)
-        if _syncfs(top):
-            return
-        paths: list[str] = []
-        for dirpath, _dirs, files in os.walk(top):
-            paths.append(dirpath)
-            paths.extend(os.path.join(dirpath, f) for f in files)
+        # An fsync of each of our files and folders, never syncfs(2): that flushes every dirty
+        # page of the whole filesystem, other jobs' too, and each commit would wait for them.
+        top, base = self.path(rel), self._below_root()
+        files = [
+            os.path.join(dirpath, n)[len(base) :] for dirpath, _dirs, names in os.walk(top) for n in names
+        ]  # fmt: skip
+        self.sync(files, threads=threads)
 
+    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+        paths = {self.path(r) for r in rels if r not in self._synced}
+        paths.update(self._folders(rels, up))
+        if not paths:
+            return
         with (
-            self.storage_errors("sync", rel),
-            ThreadPoolExecutor(threads, thread_name_prefix="spillmerge-fsync") as pool,
+            self.storage_errors("sync", rels[0]),
+            ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="spillmerge-fsync") as pool,
         ):
-            list(pool.map(_fsync_path, paths))
+            list(pool.map(_fsync_path, sorted(paths)))
+        self._synced.update(rels)
+
+    def _folders(self, rels: Sequence[str], up: bool) -> set[str]:
+        """The folder holding each of ``rels`` and, with ``up``, every folder above it up to and
+        including the root: each must be fsynced for the entries naming them to survive a power
+        loss."""
+        out: set[str] = set()
+        for rel in rels:
+            d = posixpath.dirname(rel)
+            while True:
+                p = self.path(d)
+                if p in out:
+                    break
+                out.add(p)
+                if not d or not up:
+                    break
+                d = posixpath.dirname(d)
+        return out
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         for rel, data in objects.items():
@@ -418,25 +445,6 @@ class _LocalSink:
             _unlink_quietly(self._tmp)
 
 
-def _syncfs(path: str) -> bool:
-    """Flush the whole filesystem holding ``path`` with one syncfs(2) call (Linux): one journal
-    commit and one device flush, where an fsync per object costs one each (~100 objects per
-    merge, 20-30 ms apiece on the virtual disks we measured). False when unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        return bool(libc.syncfs(fd) == 0)
-    except AttributeError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> None:
     """``os.write`` until every byte of ``data`` is written (a write may be short)."""
     view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
@@ -445,10 +453,19 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> No
 
 
 def _fsync_path(path: str) -> None:
-    """fsync a file or a folder by path."""
-    fd = os.open(path, os.O_RDONLY)
+    """fsync a file or a folder by path. Anything else is skipped unopened or unsynced: a link
+    (``O_NOFOLLOW``), a FIFO (opened without blocking; a blocking open waits for a writer
+    forever), a device or socket planted in a tree we sync is not ours to flush."""
     try:
-        os.fsync(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            return
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -1,0 +1,73 @@
+"""CRC-32C combine: the CRC-32C of ``a + b`` from the CRC-32Cs of ``a`` and ``b`` and ``len(b)``,
+without reading the bytes again (google_crc32c computes CRCs but has no combine).
+
+CRC-32C is linear over GF(2): appending ``n`` bytes to ``a`` maps ``crc(a)`` through a fixed
+32x32 bit matrix (that of ``n`` zero bytes), and ``crc(a + b) = M_n · crc(a) xor crc(b)``
+(zlib's ``crc32_combine``, with the Castagnoli polynomial). ``M_n`` is built once per length
+from the matrices of ``2**k`` zero bytes and kept as four 256-entry byte tables, so a combine
+costs four lookups.
+"""
+
+from __future__ import annotations
+
+import functools
+
+POLY = 0x82F63B78
+"""The Castagnoli polynomial, bit-reflected (as CRC-32C computes)."""
+
+
+def _times(mat: list[int], vec: int) -> int:
+    """The 32x32 GF(2) matrix ``mat`` (one int per column) times the 32-bit vector ``vec``."""
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(mat: list[int]) -> list[int]:
+    return [_times(mat, col) for col in mat]
+
+
+@functools.cache
+def _zero_bytes_power(k: int) -> tuple[int, ...]:
+    """The matrix of ``2**k`` zero bytes appended."""
+    if k == 0:
+        bit = [POLY] + [1 << i for i in range(31)]  # one zero bit
+        m = bit
+        for _ in range(3):  # 2, 4, 8 bits
+            m = _square(m)
+        return tuple(m)
+    return tuple(_square(list(_zero_bytes_power(k - 1))))
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(n: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Byte tables of the matrix of ``n`` zero bytes: ``M_n · v`` is the xor of
+    ``t[j][(v >> 8j) & 255]`` over the four bytes of ``v``."""
+    cols = [1 << i for i in range(32)]  # identity
+    k = 0
+    while n:
+        if n & 1:
+            p = _zero_bytes_power(k)
+            cols = [_times(list(p), c) for c in cols]
+        n >>= 1
+        k += 1
+    out = []
+    for j in range(4):
+        t = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            t[b] = t[b ^ low] ^ cols[8 * j + low.bit_length() - 1]
+        out.append(t)
+    return out[0], out[1], out[2], out[3]
+
+
+def combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC-32C of ``a + b`` given ``crc_a``, ``crc_b`` and ``len(b)``."""
+    if len_b == 0:
+        return crc_a
+    t0, t1, t2, t3 = _tables(len_b)
+    return t0[crc_a & 255] ^ t1[(crc_a >> 8) & 255] ^ t2[(crc_a >> 16) & 255] ^ t3[crc_a >> 24] ^ crc_b

@@ -1,0 +1,79 @@
+"""The merge checks each spill byte once, as it copies: a row's CRC-32C serves both its check
+(alone, or combined with the other rows of its block) and the output chunk's CRC-32C."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+from spillmerge import _crc
+
+SHAPE = (3, 64, 64)  # fp16: 24 KiB a frame, copied straight from the page cache
+
+
+def test_crc32c_combine_matches_the_crc_of_the_joined_bytes():
+    rng = random.Random(7)
+    for la, lb in [(0, 0), (0, 5), (1, 1), (7, 1000), (4096, 393216), (3, 0), (12345, 1 << 20 | 3)]:
+        a, b = rng.randbytes(la), rng.randbytes(lb)
+        assert _crc.combine(google_crc32c.value(a), google_crc32c.value(b), lb) == google_crc32c.value(a + b)
+
+
+def frame(f: int, i: int) -> torch.Tensor:
+    return (torch.arange(int(np.prod(SHAPE)), dtype=torch.float32).reshape(SHAPE) * 0.001 + f * 10 + i).half()
+
+
+def spill(root: Path, n: int = 60, **kw: object) -> None:
+    # Frames of 3 files interleaved: the rows of one block checksum (1 MiB of consecutive frames)
+    # land in many output chunks of several files.
+    with spillmerge.SpillWriter(str(root), 0, 1, **kw) as w:
+        for i in range(n):
+            w.write(f"f{i % 3}.mp4", i // 3, frame(i % 3, i // 3))
+
+
+def _chunk0(root: Path) -> Path:
+    return next(root.glob("rank-00000/seg-*/data/c/0"))
+
+
+def test_a_merge_of_blocks_spread_over_output_chunks_writes_chunks_zarr_accepts(tmp_path):
+    spill(tmp_path / "root")
+    spillmerge.merge(str(tmp_path / "root"), str(tmp_path / "out"), chunk_bytes=64 << 10, progress=False)
+    res = spillmerge.open(str(tmp_path / "out"))  # zarr checks each chunk's CRC-32C as it reads
+    for f in range(3):
+        got = np.asarray(res[f"f{f}.mp4"][:])
+        assert np.array_equal(got, np.stack([frame(f, i).numpy() for i in range(20)]))
+    assert spillmerge.verify(str(tmp_path / "out")).ok
+
+
+# The first frame of a spill is checked alone; later ones by blocks of whole frames.
+@pytest.mark.parametrize(("where", "how"), [(100, ""), (300_000, ".*checked as one")], ids=["first-row", "block"])
+def test_a_flipped_byte_in_a_block_spread_over_output_chunks_fails_the_merge(tmp_path, where, how):
+    spill(tmp_path / "root")
+    chunk = _chunk0(tmp_path / "root")
+    raw = bytearray(chunk.read_bytes())
+    raw[where] ^= 0x04
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"checksum mismatch for 'f\d.mp4' frame \d+" + how):
+        spillmerge.merge(str(tmp_path / "root"), str(tmp_path / "out"), chunk_bytes=64 << 10, progress=False)
+
+
+def test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge(tmp_path):
+    # f1.mp4 frame 0 (the spill's second frame, in its first block) is written again with other
+    # bytes (policy "last"): that block is never whole in the merge, so it is read and checked on
+    # its own once the copy is done.
+    root = tmp_path / "root"
+    with spillmerge.SpillWriter(str(root), 0, 1, on_duplicate="last") as w:
+        for i in range(60):
+            w.write(f"f{i % 3}.mp4", i // 3, frame(i % 3, i // 3))
+        w.write("f1.mp4", 0, frame(1, 0) + 1)
+    chunk = _chunk0(root)
+    raw = bytearray(chunk.read_bytes())
+    raw[50_000] ^= 0x10  # in the spill's third frame (f2.mp4 frame 0), same block
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"in the block at bytes 24576\.\.\d+, checked as one"):
+        spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=64 << 10, progress=False)
