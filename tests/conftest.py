@@ -17,6 +17,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _counter = itertools.count()
 
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis comes with the test extra; the property tests skip without it
+    pass
+else:
+    # The property tests spill, merge and read a root per example: a few examples by default, many
+    # under HYPOTHESIS_PROFILE=ci (a thorough run). Fixtures are reused across examples on purpose
+    # (a pristine root is copied, a tmp_path_factory folder made per example).
+    _common: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
+    settings.register_profile("dev", max_examples=12, **_common)
+    settings.register_profile("ci", max_examples=100, **_common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[Any]:
@@ -98,12 +111,37 @@ TIERS: dict[str, str] = {
 }
 
 
+#: The files whose tests take longest, longest first (a full run's ``--durations``). The suite runs
+#: with ``--dist loadgroup --no-loadscope-reorder`` (Makefile): xdist hands out work in collection
+#: order, so these start first and no worker is left alone with a long one at the end.
+FIRST = (
+    "test_model_outputs test_untrusted_storage test_examples test_plan_sql test_torchrun "
+    "test_object_collectives test_integrations test_s3 test_gather test_failures test_nodelocal test_s3_outage "
+    "test_dropin test_waits test_guards_multirank test_multirank test_status test_stale_root test_every_value "
+    "test_nothing_lost_writer test_scaleout test_planstore test_nothing_lost_reader test_nothing_lost_output "
+    "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli"
+)
+
+
+def _module_scoped(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture (one set-up its file's tests share)."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope == "module" for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tier = {name: mark for mark, names in TIERS.items() for name in names.split()}
+    first = {name: i for i, name in enumerate(FIRST.split())}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: the rest keep their order
     for item in items:
         mark = tier.get(item.path.stem)
         if mark is not None:
             item.add_marker(getattr(pytest.mark, mark))
+        # The tests sharing a module's set-up go to one worker; every other test is a unit of its own.
+        if _module_scoped(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return
