@@ -99,8 +99,10 @@ def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Bac
     yield from _backend(request, tmp_path)
 
 
-#: Test files by the tier they belong to: ``make test-fast`` deselects these markers (the
-#: tests that start rank processes, need a framework or a model, or are slow for another reason).
+#: Test files (``file``) or tests (``file::function``) by the tier they belong to: ``make test-fast``
+#: deselects these markers (the tests that start rank processes, need a framework or a model, or
+#: take seconds each: a plan sorted out of core, processes killed and rerun, console-script or CLI
+#: runs, a fresh venv).
 TIERS: dict[str, str] = {
     "multiprocess": (
         "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
@@ -108,6 +110,30 @@ TIERS: dict[str, str] = {
     ),
     "framework": "test_integrations test_examples",
     "model": "test_model_outputs",
+    "slow": (
+        "test_plan_sql::test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the_plan_in_memory "
+        "test_plan_sql::test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun "
+        "test_plan_sql::test_keys_whose_copies_straddle_sorted_batches_are_decided_whole "
+        "test_every_value::test_cli_inspect_and_verify_on_every_kind "
+        "test_arrow_values::test_every_kind_of_value_in_one_output_reads_back_row_by_row "
+        "test_arrow_values::test_one_type_outputs_read_as_before_in_polars_and_duckdb "
+        "test_nothing_lost_writer::test_random_sigkills_of_a_dict_writer_salvage_only_whole_frames "
+        "test_nothing_lost_writer::test_a_rank_killed_at_exact_moments_leaves_whole_frames_or_nothing "
+        "test_planstore::test_parts_started_at_once_with_different_plan_budgets_plan_once_and_match_a_whole_merge "
+        "test_planstore::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes "
+        "test_scaleout::test_with_timeout_0_a_part_waits_for_the_plan_while_the_planner_runs "
+        "test_scaleout::test_parts_stop_waiting_for_the_plan_when_the_planner_fails "
+        "test_no_torch::test_reading_works_without_torch "
+        "test_nothing_lost_reader::test_inspect_costs_frames_not_the_span_of_frame_indices "
+        "test_cli::test_demo_runs_end_to_end_with_config "
+        "test_cli::test_incomplete_spill_names_the_rank "
+        "test_value_model::test_iter_values_gives_every_row_in_order_as_value_gives_it "
+        "test_guards::test_a_rank_sigkilled_mid_spill_leaves_a_salvageable_prefix "
+        "test_nothing_lost_output::test_a_merge_killed_at_random_points_is_rebuilt_by_the_next "
+        "test_duplicate_attribution::test_identical_duplicates_are_attributed_to_the_lowest_rank_whatever_started_first "
+        "test_remove_spill::test_cli_remove_spill_and_an_interrupted_merge_keeps_it "
+        "test_reading::test_export_through_the_console_script"
+    ),
 }
 
 
@@ -136,9 +162,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = {name: i for i, name in enumerate(FIRST.split())}
     items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: the rest keep their order
     for item in items:
-        mark = tier.get(item.path.stem)
-        if mark is not None:
-            item.add_marker(getattr(pytest.mark, mark))
+        for key in (item.path.stem, f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"):
+            if key in tier:
+                item.add_marker(getattr(pytest.mark, tier[key]))
         # The tests sharing a module's set-up go to one worker; every other test is a unit of its own.
         if _module_scoped(item):
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
