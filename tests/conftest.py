@@ -106,7 +106,7 @@ def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Bac
 TIERS: dict[str, str] = {
     "multiprocess": (
         "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
-        "test_object_collectives test_torchrun test_status test_waits test_s3 test_untrusted_storage"
+        "test_object_collectives test_torchrun test_status test_waits test_s3 test_untrusted_storage test_stale_root"
     ),
     "framework": "test_integrations test_examples",
     "model": "test_model_outputs",
@@ -132,14 +132,22 @@ TIERS: dict[str, str] = {
         "test_nothing_lost_output::test_a_merge_killed_at_random_points_is_rebuilt_by_the_next "
         "test_duplicate_attribution::test_identical_duplicates_are_attributed_to_the_lowest_rank_whatever_started_first "
         "test_remove_spill::test_cli_remove_spill_and_an_interrupted_merge_keeps_it "
-        "test_reading::test_export_through_the_console_script"
+        "test_reading::test_export_through_the_console_script "
+        "test_imports::test_every_module_imports_on_its_own "
+        "test_cli::test_console_script_is_installed_and_runs_a_merge "
+        "test_cli_messages::test_a_reader_that_goes_away_ends_the_command_quietly "
+        "test_nothing_lost_writer::test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their_blocks "
+        "test_nothing_lost_output::test_two_merges_into_one_output_never_both_write "
+        "test_values::test_a_million_element_list "
+        "test_write_batch::test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it "
+        "test_nothing_lost_reader::test_verify_checks_the_index_invariants"
     ),
 }
 
 
-#: The files whose tests take longest, longest first (a full run's ``--durations``). The suite runs
-#: with ``--dist loadgroup --no-loadscope-reorder`` (Makefile): xdist hands out work in collection
-#: order, so these start first and no worker is left alone with a long one at the end.
+#: The files whose tests take longest, longest first (a full run's ``--durations``). ``make test``
+#: runs with ``--no-loadscope-reorder``: xdist hands out work in collection order, so these start
+#: first and no worker is left alone with a long one at the end.
 FIRST = (
     "test_model_outputs test_untrusted_storage test_examples test_plan_sql test_torchrun "
     "test_object_collectives test_integrations test_s3 test_gather test_failures test_nodelocal test_s3_outage "
@@ -148,15 +156,33 @@ FIRST = (
     "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli"
 )
 
+#: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
+#: their tests go to the workers one by one instead of as one file (tests/test_tiers.py checks
+#: they hold no module fixture). Every other file goes to one worker whole.
+SPREAD = (
+    "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "
+    "test_status test_stale_root test_every_value test_nothing_lost_writer test_scaleout test_planstore "
+    "test_nothing_lost_output test_arrow_values test_properties test_backends test_duplicate_attribution test_cli"
+)
 
-def _module_scoped(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module-scoped fixture (one set-up its file's tests share)."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(d and d[-1].scope == "module" for d in defs)
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # a hook of pytest-xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, except that the tests of ``SPREAD`` files are units of their own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    spread = set(SPREAD.split())
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file.rsplit("/", 1)[-1].removesuffix(".py") in spread else file
+
+    return Scheduling(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tier = {name: mark for mark, names in TIERS.items() for name in names.split()}
     first = {name: i for i, name in enumerate(FIRST.split())}
@@ -165,9 +191,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for key in (item.path.stem, f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"):
             if key in tier:
                 item.add_marker(getattr(pytest.mark, tier[key]))
-        # The tests sharing a module's set-up go to one worker; every other test is a unit of its own.
-        if _module_scoped(item):
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return
