@@ -26,7 +26,9 @@ that has run nothing else (the server forks before any test code runs in it)."""
 
 def rank_context() -> Any:
     """The ``multiprocessing`` context rank processes start from: the forkserver, with ``PRELOAD``
-    (set before this process starts its server; later calls change nothing)."""
+    (set before this process starts its server; later calls change nothing). A rank gets the
+    parent's ``sys.path`` but the environment the server started with: pass what a rank needs
+    as arguments, not through ``os.environ`` changes made by the test."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
