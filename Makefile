@@ -33,14 +33,15 @@ setup: $(STAMP)
 demo: $(BASE)
 	$(VENV)/bin/spillmerge demo
 
-# Whole files go to one of three workers (--dist loadfile): a module's fixtures are built once,
-# and the multi-rank tests spend most of their time waiting on their processes.
+# Three workers: the multi-rank tests spend much of their time waiting on their processes. Whole
+# files go to a worker (a module's fixtures are built once) except tests/conftest.py's SPREAD files,
+# whose tests go one by one; in collection order, the longest files first (conftest FIRST).
 test: setup
-	$(PY) -m pytest -q -n 3 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 # The tier for iteration: no rank processes, S3 server, framework or model tests (tests/conftest.py).
 test-fast: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not (multiprocess or s3 or framework or model or slow)"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not (multiprocess or s3 or framework or model or slow)"
 
 mutation-check: setup
 	$(PY) tests/mutation_check.py

@@ -2,7 +2,7 @@
 downloaded) sent through ``spillmerge.all_gather`` / ``gather`` and through ``all_gather_object``
 / ``gather_object`` in the same 4-rank gloo group, compared in type and content.
 
-- Detection: torchvision's Mask R-CNN in eval mode returns, for a batch of images, a list of
+- Detection: torchvision's Mask R-CNN (a one-convolution backbone) in eval mode returns, for a batch of images, a list of
   per-image dicts (``boxes`` float32 (N, 4), ``labels`` int64 (N,), ``scores`` float32 (N,),
   ``masks`` float32 (N, 1, H, W)). Every rank's list has an image with no detection (its box score
   threshold above 1) and rank 3's has only such images; image sizes differ between ranks.
@@ -42,16 +42,24 @@ def _setup() -> None:
 
 @functools.cache  # one forward per rank serves every round (the values are only read)
 def detections(rank: int) -> list[dict[str, Any]]:
-    """Mask R-CNN (random weights, 3 classes: random logits clear a score threshold of 0) on
-    images of a size that depends on the rank, plus images no box clears a threshold of 1.01 for."""
+    """torchvision's Mask R-CNN (random weights, 3 classes: random logits clear a score threshold
+    of 0) on images of a size that depends on the rank, plus images no box clears a threshold of
+    1.01 for. Its backbone is one convolution: the output (boxes, labels, scores, masks per
+    image) is what the detection heads make, and a ResNet-50 cost each rank seconds to build."""
     import torch
 
     _setup()
-    from torchvision.models.detection import maskrcnn_resnet50_fpn
+    from torchvision.models.detection import MaskRCNN
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.ops import MultiScaleRoIAlign
 
     torch.manual_seed(rank)
-    model = maskrcnn_resnet50_fpn(
-        weights=None, weights_backbone=None, num_classes=3, min_size=64, max_size=96,
+    backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=4, padding=1), torch.nn.ReLU())
+    backbone.out_channels = 8
+    model = MaskRCNN(
+        backbone, num_classes=3, min_size=64, max_size=96,
+        rpn_anchor_generator=AnchorGenerator(((8, 16),), ((0.5, 1.0, 2.0),)),
+        box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2), mask_roi_pool=MultiScaleRoIAlign(["0"], 14, 2),
         rpn_pre_nms_top_n_test=100, rpn_post_nms_top_n_test=20, box_detections_per_img=4 + rank,
         box_score_thresh=0.0,
     ).eval()  # fmt: skip

@@ -17,6 +17,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _counter = itertools.count()
 
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis comes with the test extra; the property tests skip without it
+    pass
+else:
+    # The property tests spill, merge and read a root per example: a few examples by default, many
+    # under HYPOTHESIS_PROFILE=ci (a thorough run). Fixtures are reused across examples on purpose
+    # (a pristine root is copied, a tmp_path_factory folder made per example).
+    _common: dict[str, Any] = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped_fixture]}
+    settings.register_profile("dev", max_examples=12, **_common)
+    settings.register_profile("ci", max_examples=100, **_common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[Any]:
@@ -86,24 +99,98 @@ def backend_no_s3(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Bac
     yield from _backend(request, tmp_path)
 
 
-#: Test files by the tier they belong to: ``make test-fast`` deselects these markers (the
-#: tests that start rank processes, need a framework or a model, or are slow for another reason).
+#: Test files (``file``) or tests (``file::function``) by the tier they belong to: ``make test-fast``
+#: deselects these markers (the tests that start rank processes, need a framework or a model, or
+#: take seconds each: a plan sorted out of core, processes killed and rerun, console-script or CLI
+#: runs, a fresh venv).
 TIERS: dict[str, str] = {
     "multiprocess": (
         "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
-        "test_object_collectives test_torchrun test_status test_waits test_s3 test_untrusted_storage"
+        "test_object_collectives test_torchrun test_status test_waits test_s3 test_untrusted_storage test_stale_root"
     ),
     "framework": "test_integrations test_examples",
     "model": "test_model_outputs",
+    "slow": (
+        "test_plan_sql::test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the_plan_in_memory "
+        "test_plan_sql::test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun "
+        "test_plan_sql::test_keys_whose_copies_straddle_sorted_batches_are_decided_whole "
+        "test_every_value::test_cli_inspect_and_verify_on_every_kind "
+        "test_arrow_values::test_every_kind_of_value_in_one_output_reads_back_row_by_row "
+        "test_arrow_values::test_one_type_outputs_read_as_before_in_polars_and_duckdb "
+        "test_nothing_lost_writer::test_random_sigkills_of_a_dict_writer_salvage_only_whole_frames "
+        "test_nothing_lost_writer::test_a_rank_killed_at_exact_moments_leaves_whole_frames_or_nothing "
+        "test_planstore::test_parts_started_at_once_with_different_plan_budgets_plan_once_and_match_a_whole_merge "
+        "test_planstore::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes "
+        "test_scaleout::test_with_timeout_0_a_part_waits_for_the_plan_while_the_planner_runs "
+        "test_scaleout::test_parts_stop_waiting_for_the_plan_when_the_planner_fails "
+        "test_no_torch::test_reading_works_without_torch "
+        "test_nothing_lost_reader::test_inspect_costs_frames_not_the_span_of_frame_indices "
+        "test_cli::test_demo_runs_end_to_end_with_config "
+        "test_cli::test_incomplete_spill_names_the_rank "
+        "test_value_model::test_iter_values_gives_every_row_in_order_as_value_gives_it "
+        "test_guards::test_a_rank_sigkilled_mid_spill_leaves_a_salvageable_prefix "
+        "test_nothing_lost_output::test_a_merge_killed_at_random_points_is_rebuilt_by_the_next "
+        "test_duplicate_attribution::test_identical_duplicates_are_attributed_to_the_lowest_rank_whatever_started_first "
+        "test_remove_spill::test_cli_remove_spill_and_an_interrupted_merge_keeps_it "
+        "test_reading::test_export_through_the_console_script "
+        "test_imports::test_every_module_imports_on_its_own "
+        "test_cli::test_console_script_is_installed_and_runs_a_merge "
+        "test_cli_messages::test_a_reader_that_goes_away_ends_the_command_quietly "
+        "test_nothing_lost_writer::test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their_blocks "
+        "test_nothing_lost_output::test_two_merges_into_one_output_never_both_write "
+        "test_values::test_a_million_element_list "
+        "test_write_batch::test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it "
+        "test_nothing_lost_reader::test_verify_checks_the_index_invariants"
+    ),
 }
+
+
+#: The files whose tests take longest, longest first (a full run's ``--durations``). ``make test``
+#: runs with ``--no-loadscope-reorder``: xdist hands out work in collection order, so these start
+#: first and no worker is left alone with a long one at the end.
+FIRST = (
+    "test_model_outputs test_untrusted_storage test_examples test_plan_sql test_torchrun "
+    "test_object_collectives test_integrations test_s3 test_gather test_failures test_nodelocal test_s3_outage "
+    "test_dropin test_waits test_guards_multirank test_multirank test_status test_stale_root test_every_value "
+    "test_nothing_lost_writer test_scaleout test_planstore test_nothing_lost_reader test_nothing_lost_output "
+    "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli"
+)
+
+#: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
+#: their tests go to the workers one by one instead of as one file (tests/test_tiers.py checks
+#: they hold no module fixture). Every other file goes to one worker whole.
+SPREAD = (
+    "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "
+    "test_status test_stale_root test_every_value test_nothing_lost_writer test_scaleout test_planstore "
+    "test_nothing_lost_output test_arrow_values test_properties test_backends test_duplicate_attribution test_cli"
+)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # a hook of pytest-xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, except that the tests of ``SPREAD`` files are units of their own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    spread = set(SPREAD.split())
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return nodeid if file.rsplit("/", 1)[-1].removesuffix(".py") in spread else file
+
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tier = {name: mark for mark, names in TIERS.items() for name in names.split()}
+    first = {name: i for i, name in enumerate(FIRST.split())}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))  # stable: the rest keep their order
     for item in items:
-        mark = tier.get(item.path.stem)
-        if mark is not None:
-            item.add_marker(getattr(pytest.mark, mark))
+        for key in (item.path.stem, f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"):
+            if key in tier:
+                item.add_marker(getattr(pytest.mark, tier[key]))
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return

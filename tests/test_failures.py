@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -15,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
-from _procs import free_port, join_all
+from _procs import free_port, join_all, rank_context
 
 import spillmerge
 from spillmerge import _format_output as FO
 from spillmerge import cli
 
-CTX = mp.get_context("spawn")
+CTX = rank_context()
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 
 

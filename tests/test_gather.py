@@ -65,10 +65,10 @@ def test_a_crashed_round_names_the_cause_on_every_rank_and_the_rerun_succeeds(ra
 
 
 def _spawn_plain(target: Any, world: int, base: Path, *, timeout: float) -> None:
-    """Run ``target(rank, world, port, base)`` in ``world`` spawned processes (a hang fails)."""
-    from _procs import free_port, join_all
+    """Run ``target(rank, world, port, base)`` in ``world`` new processes (a hang fails)."""
+    from _procs import free_port, join_all, rank_context
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, str(base))) for r in range(world)]
     for p in procs:

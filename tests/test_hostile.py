@@ -13,7 +13,7 @@ import google_crc32c
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import spillmerge
@@ -83,7 +83,6 @@ interesting = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     cells=st.lists(
         st.tuples(st.integers(0, 1000), st.integers(0, FS.INDEX_COLUMNS - 1), interesting), min_size=1, max_size=4
@@ -128,7 +127,6 @@ catalogs = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(catalog=catalogs)
 def test_corrupted_catalogs(tmp_path_factory, pristine, catalog):
     tmp = tmp_path_factory.mktemp("cat")
@@ -140,7 +138,6 @@ def test_corrupted_catalogs(tmp_path_factory, pristine, catalog):
     _merge_must_fail_cleanly_or_succeed(tmp, root)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     field=st.sampled_from(
         [

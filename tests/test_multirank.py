@@ -1,7 +1,8 @@
-"""Four real gloo ranks (torch.multiprocessing, spawn) writing through SpillWriter and merging with
-``w.merge``, checked against ``torch.distributed.gather_object`` of the same inputs.
+"""Four real gloo ranks (torch.multiprocessing, forked from a forkserver that has imported torch)
+writing through SpillWriter and merging with ``w.merge``, checked against
+``torch.distributed.gather_object`` of the same inputs.
 
-Process start is slow, so one spawn runs every scenario of ``_mp_scenarios`` in the same four
+Process start is slow, so one start runs every scenario of ``_mp_scenarios`` in the same four
 processes; the ranks report in ``tmp_path/results/rank-R.json`` and this test asserts on those.
 """
 

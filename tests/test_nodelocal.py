@@ -5,14 +5,13 @@ bit-exact against the shared-root run of the same inputs."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
 import torch
 from _mp_scenarios import kinds_keys
 from _nodelocal_workers import WORLD, killed_sender, worker
-from _procs import free_port, join_all, ranks_fixture
+from _procs import free_port, join_all, rank_context, ranks_fixture
 
 import spillmerge
 
@@ -105,7 +104,7 @@ def test_a_piece_corrupted_in_flight_is_refused_by_name(ranks):
 
 
 def test_a_sender_killed_mid_transfer_is_named_within_the_timeout(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port, result = free_port(), str(tmp_path / "res")
     procs = [ctx.Process(target=killed_sender, args=(r, 2, port, str(tmp_path), result)) for r in range(2)]
     for p in procs:

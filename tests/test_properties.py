@@ -7,7 +7,7 @@ import posixpath
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import spillmerge
@@ -64,7 +64,6 @@ def test_storage_paths_never_escape(rel):
     assert ".." not in p.split("/")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(names, hostile), min_size=1, max_size=6, unique=True))
 def test_filenames_round_trip_through_spill_and_merge(tmp_path_factory, filenames):
     base = tmp_path_factory.mktemp("rt")

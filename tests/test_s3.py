@@ -3,7 +3,6 @@ and a fault-injecting proxy in front of the S3 server."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import numpy as np
@@ -11,12 +10,13 @@ import pytest
 import torch
 import zarr
 from _helpers import zarr_filenames
+from _procs import rank_context
 from _s3 import FaultyProxy, storage_options
 
 import spillmerge
 
 pytestmark = pytest.mark.s3
-CTX = mp.get_context("spawn")
+CTX = rank_context()
 
 
 def expected(rank: int, frame: int) -> torch.Tensor:
