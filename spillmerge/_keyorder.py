@@ -88,9 +88,9 @@ def output_orders(filenames: Sequence[str], segments: Sequence[Any]) -> dict[str
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
     None when no layout carries a position (every dict was in sorted order)."""
-    per_file: dict[int, dict[Path, dict[str, int]]] = {}
+    per_file: dict[int, list[tuple[int, int]]] = {}  # file -> (segment, layout) in merge order
     lookup: dict[str, int] | None = None
-    for s in segments:
+    for si, s in enumerate(segments):
         with_pos = [i for i, lay in enumerate(s.layouts) if getattr(lay, "pos", None) is not None]
         if not with_pos:
             continue
@@ -110,23 +110,30 @@ def output_orders(filenames: Sequence[str], segments: Sequence[Any]) -> dict[str
                 if k >= len(filenames) or filenames[k] != name:
                     continue
                 g = lookup[name] = k
-            lay = s.layouts[lid]
-            spec = per_file.setdefault(g, {})
-            for j, (seg, p) in enumerate(zip(lay.leaf, lay.pos, strict=True)):
-                if p >= 0:
-                    spec.setdefault(lay.leaf[:j], {}).setdefault(seg, p)
+            per_file.setdefault(g, []).append((si, lid))
     if not per_file:
         return None
     orders: list[list[list[Any]]] = []
     ids: dict[str, int] = {}
     runs: list[list[int]] = []
+    known: dict[tuple[tuple[int, int], ...], int] = {}  # files of the same layouts: one order, made once
     for g in sorted(per_file):
-        entry = _compress({path: _in_order(keys) for path, keys in per_file[g].items()})
-        key = repr(entry)
-        oid = ids.get(key)
+        used = tuple(per_file[g])
+        oid = known.get(used)
         if oid is None:
-            oid = ids[key] = len(orders)
-            orders.append(entry)
+            spec: dict[Path, dict[str, int]] = {}
+            for si, lid in used:
+                lay = segments[si].layouts[lid]
+                for j, (seg, p) in enumerate(zip(lay.leaf, lay.pos, strict=True)):
+                    if p >= 0:
+                        spec.setdefault(lay.leaf[:j], {}).setdefault(seg, p)
+            entry = _compress({path: _in_order(keys) for path, keys in spec.items()})
+            key = repr(entry)
+            oid = ids.get(key)
+            if oid is None:
+                oid = ids[key] = len(orders)
+                orders.append(entry)
+            known[used] = oid
         if runs and runs[-1][1] == g and runs[-1][2] == oid:
             runs[-1][1] = g + 1
         else:

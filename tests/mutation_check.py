@@ -1196,6 +1196,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),
+    Mutation(
+        "records-same-key-order",
+        "spillmerge/_values.py",
+        "        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):",
+        "        if set(map(type, value)) != {dict}:",
+        ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
+        "a list of dicts with the same keys in different orders keeps each dict's order",
+    ),
+    Mutation(
+        "py-list-rows-keep-validity",
+        "spillmerge/_rowblock.py",
+        "        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]",
+        "        return [flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]",
+        ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
+        "a list item whose number list is absent reads as None, not as an empty list",
+    ),
 ]
 
 

@@ -308,6 +308,7 @@ PAYLOAD_SHAPES: dict[str, Any] = {
         "p-0": {"text": "", "token_ids": [], "logprob": -0.0, "finish_reason": None},
     },
     "ragged-number-rows": [[1, 2, 3], [4], [], [5, 6]],
+    "list-items-number-lists-absent": [{"v": [1, 2]}, {"w": 3}, {"v": None}, {"v": []}, {"v": [[1.5]], "w": 1}],
     "rows-of-bools": [[True, False], [False, True]],
     "tuples-of-numbers": [(1, 2), (3, 4)],
 }  # fmt: skip
