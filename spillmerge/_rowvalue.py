@@ -162,8 +162,9 @@ def _row_value(
 ) -> Any:
     """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
     ``offs``: the list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
-    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``),
-    else each leaf's row is read from its column here (``value()``); ``order``: the file's dict
+    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``; and
+    ``value()`` of a row with list items: the block of that row, each column's items read at
+    once), else each leaf's row is read from its column here; ``order``: the file's dict
     key orders (``_keyorder``), None for sorted keys."""
     col = plan.single
     if col is not None and block is not None:
