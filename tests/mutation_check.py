@@ -1204,14 +1204,6 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),
-    Mutation(
-        "py-list-rows-keep-validity",
-        "spillmerge/_rowblock.py",
-        "        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]",
-        "        return [flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]",
-        ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
-        "a list item whose number list is absent reads as None, not as an empty list",
-    ),
 ]
 
 
