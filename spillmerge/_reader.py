@@ -310,7 +310,8 @@ class OutputFiles:
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
         plan = self.row_plan(self._file_layout.item(i))
-        return row_value(plan, r, filename, as_torch, self._list_offs, order=self.key_orders.of_file(i))
+        block = _rowblock.Block(r, r + 1, self._list_offs, as_torch) if plan.lists else None
+        return row_value(plan, r, filename, as_torch, self._list_offs, block, self.key_orders.of_file(i))
 
     def row_plan(self, layout: int) -> RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""

@@ -132,6 +132,10 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         return [
             None if ok is not None and not ok[j] else decode(j, buf[bounds[j] : bounds[j + 1]]) for j in range(hi - lo)
         ]
+    if info.dtype in F.PY_SCALARS:  # lists of Python numbers: one tolist() for the block
+        got = _py_rows(col, lo, hi, ok, ob)
+        if got is not None:
+            return got
     rows = col.view(lo, hi).to_list()  # the other kinds: the view's own read of several rows
     if info.kind in ("fixed", "ragged"):
         dtype, kind = info.dtype, info.kind
@@ -139,6 +143,24 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         own = info.kind == "fixed"
         return [None if x is None else to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
     return rows
+
+
+def _py_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, ob: np.ndarray | None) -> list[Any] | None:
+    """Rows ``lo .. hi-1`` of a ``py*`` column whose rows are lists (token ids, COCO boxes) as
+    ``value()`` gives them, from one ``tolist()`` of their values sliced per row (C-level list
+    slices, not an array and a ``tolist`` per row); None where a row's shape is not the
+    column's (a ragged column whose inner dimensions vary: row by row)."""
+    info = col.info
+    if info.kind == "ragged" and ob is not None and info.inner_shape is not None:
+        vals = col.rows(int(ob[0]), int(ob[-1]))
+        flat = (vals if col.native else vals.view(col.real)).tolist()
+        bounds = (ob - ob[0]).tolist()
+        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
+    if info.kind == "fixed" and ob is None and (info.ndim or 0) > 0:
+        vals = col.rows(lo, hi)
+        rows: list[Any] = (vals if col.native else vals.view(col.real)).tolist()
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
+    return None
 
 
 def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:

@@ -11,6 +11,7 @@ scalars (lists of them as lists), tensors as numpy arrays (``as_torch``: torch t
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ class RowPlan:
     segments and header rule, and the one column of a layout whose values
     are plain leaves at the root (a str, a tensor, a pickled object), read without a tree."""
 
-    __slots__ = ("leaves", "scalars", "single")
+    __slots__ = ("leaves", "lists", "scalars", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
         # (column, leaf, domain, item segments, list path of a header's items or None, its
@@ -69,6 +70,9 @@ class RowPlan:
             self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
             if is_scalar(col):
                 self.scalars.add(id(col))
+        self.lists = any(domain for _, _, domain, *_ in self.leaves)
+        """Whether some column's rows are list items: a row's value then reads each such column's
+        items at once (a ``_rowblock.Block`` of the row), not one item at a time."""
         only = cols[0] if len(cols) == 1 else None
         self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
 
@@ -134,10 +138,33 @@ def row_value(
     block: Any = None,
     order: Spec | None = None,
 ) -> Any:
+    """``_row_value`` with the cyclic garbage collector paused: a value builds only new, acyclic
+    dicts and lists (nothing for it to find), and with a large heap its passes over every live
+    object took half the time of reading back a list of 192k dicts. Restarted only when it was
+    running (a caller's ``gc.disable()`` stands)."""
+    if not gc.isenabled():
+        return _row_value(plan, r, filename, as_torch, offs, block, order)
+    gc.disable()
+    try:
+        return _row_value(plan, r, filename, as_torch, offs, block, order)
+    finally:
+        gc.enable()
+
+
+def _row_value(
+    plan: RowPlan,
+    r: int,
+    filename: str,
+    as_torch: bool,
+    offs: dict[tuple[str, ...], np.ndarray] | None,
+    block: Any,
+    order: Spec | None,
+) -> Any:
     """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
     ``offs``: the list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
-    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``),
-    else each leaf's row is read from its column here (``value()``); ``order``: the file's dict
+    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``; and
+    ``value()`` of a row with list items: the block of that row, each column's items read at
+    once), else each leaf's row is read from its column here; ``order``: the file's dict
     key orders (``_keyorder``), None for sorted keys."""
     col = plan.single
     if col is not None and block is not None:

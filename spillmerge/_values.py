@@ -18,6 +18,7 @@ import dataclasses
 import io
 import itertools
 import numbers
+import operator
 import pickle
 import struct
 from collections.abc import Mapping
@@ -42,7 +43,6 @@ from ._format import (
 from ._keyorder import positions
 
 _MAX_DEPTH = 32
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,10 +323,13 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
             )
     if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
         where = orders.positions()
-        out = [
-            leaf if (p := positions(leaf.path, where)) is None else dataclasses.replace(leaf, pos=p) for leaf in out
-        ]
+        out = [leaf if (p := positions(leaf.path, where)) is None else _with_pos(leaf, p) for leaf in out]
     return out
+
+
+def _with_pos(leaf: Leaf, pos: tuple[int, ...]) -> Leaf:
+    """``leaf`` carrying ``pos`` (``dataclasses.replace`` costs ten times more: one per leaf)."""
+    return Leaf(leaf.path, leaf.dtype, leaf.shape, leaf.nbytes, leaf.data, pos)
 
 
 def _walk(
@@ -353,6 +356,11 @@ def _walk(
             out.append(Leaf(path, "str", *_utf8(value, path, filename)))  # type: ignore[arg-type]
             return
         if kind == "container":
+            if type(value) is list:  # a list of numbers or str: its one leaf, without the walk
+                leaf = _plain_leaf(value, path, filename)  # type: ignore[arg-type]
+                if leaf is not None:
+                    out.append(leaf)
+                    return
             _guarded(value, path, filename, out, depth, allow_pickle, active, orders)
             return
         if kind == "none":
@@ -585,31 +593,74 @@ def _from_plain_list(
     value: list[Any], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool,
     active: set[int], orders: _Orders,
 ) -> None:  # fmt: skip
-    if value and all(type(s) is str for s in value):
-        out.append(_strlist(value, path, filename))
+    leaf = _plain_leaf(value, path, filename)
+    if leaf is not None:
+        out.append(leaf)
         return
-    arr = _pynumeric(value)
-    if arr is not None:
-        name, a = arr
-        out.append(Leaf(path, name, tuple(int(d) for d in a.shape), a.nbytes, a.reshape(-1).view(np.uint8)))
+    columns = _records(value)
+    if columns is not None:
+        # COCO-style detection lists: one column per key, each stored as the list it makes.
+        keys = list(columns)
+        out.append(_header(path, "pyrecords", len(value)))
+        ordered = sorted(keys)
+        orders.note(path, keys, ordered)  # every dict of the list has this order (checked in _records)
+        for k in ordered:
+            column, kpath = columns[k], (*path, user_key(k))
+            # a column of numbers or str is one leaf: made here, without the walk's dispatch
+            leaf = _plain_leaf(column, kpath, filename) if depth < _MAX_DEPTH else None
+            if leaf is not None:
+                out.append(leaf)
+            else:
+                _walk(column, kpath, filename, out, depth + 1, allow_pickle, active, orders)
         return
-    first = value[0] if value else None
-    if isinstance(first, Mapping):
-        keys = list(first.keys())
-        if keys and all(type(k) is str for k in keys) and all(
-            isinstance(d, Mapping) and list(d.keys()) == keys for d in value
-        ):
-            # COCO-style detection lists: one column per key, each stored as the list it makes.
-            out.append(_header(path, "pyrecords", len(value)))
-            ordered = sorted(keys)
-            orders.note(path, keys, ordered)  # every dict of the list has this order (checked above)
-            for k in ordered:
-                column = [d[k] for d in value]
-                _walk(column, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
-            return
     out.append(_header(path, "pylist", len(value)))
     for i, item in enumerate(value):
         _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
+
+
+def _plain_leaf(value: list[Any], path: tuple[str, ...], filename: str) -> Leaf | None:
+    """The one leaf of a list of ``str`` (``strlist``) or of Python numbers (``_pynumeric``);
+    None for any other list. Such a list cannot contain itself: no cycle check is needed."""
+    if value and type(value[0]) is str and all(type(s) is str for s in value):
+        return _strlist(value, path, filename)
+    arr = _pynumeric(value)
+    if arr is None:
+        return None
+    name, a = arr
+    return Leaf(path, name, tuple(int(d) for d in a.shape), a.nbytes, a.reshape(-1).view(np.uint8))
+
+
+def _records(value: list[Any]) -> dict[str, list[Any]] | None:
+    """The columns of a non-empty list of mappings with the same str keys in the same order (key
+    -> the list of its values, in the dicts' key order); None for any other list. Plain dicts
+    are checked and split by C-level passes (``map``, ``itemgetter``), not one Python step per
+    dict: a COCO result list holds hundreds of thousands."""
+    first = value[0] if value else None
+    if type(first) is dict:
+        keys = tuple(first)
+        if not keys or not all(type(k) is str for k in keys):
+            return None
+        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):
+            return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
+        if len(keys) == 1:
+            return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
+        return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
+    return _mapping_records(value) if isinstance(first, Mapping) else None
+
+
+def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
+    """``_records`` of a list whose items are mappings of any type (TensorDict ...), item by item."""
+    first = value[0]
+    if not isinstance(first, Mapping):
+        return None
+    keys = list(first.keys())
+    if (
+        keys
+        and all(type(k) is str for k in keys)
+        and all(isinstance(d, Mapping) and list(d.keys()) == keys for d in value)
+    ):
+        return {k: [d[k] for d in value] for k in keys}
+    return None
 
 
 _PY_NUM = {bool: "pybool", int: "pyint", float: "pyfloat"}

@@ -1260,6 +1260,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
         "a block whose rows are not all in the merge is read and checked once the copy is done",
     ),
+    Mutation(
+        "records-same-key-order",
+        "spillmerge/_values.py",
+        "        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):",
+        "        if set(map(type, value)) != {dict}:",
+        ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
+        "a list of dicts with the same keys in different orders keeps each dict's order",
+    ),
 ]
 
 

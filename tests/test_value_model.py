@@ -6,6 +6,7 @@ and files; bad input names filename, frame and path, and loses nothing committed
 from __future__ import annotations
 
 import dataclasses
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,77 @@ def test_tensors_inside_pickled_objects_come_back_as_torch_pickles_them(tmp_path
         assert g.requires_grad == want.requires_grad and g.is_conj() == want.is_conj(), k
     assert got["strided"].stride() == tensors["strided"].stride() and got["tagged"].note == "kept"
     assert got["f32"].numpy().flags.writeable  # a tensor that owns writable memory
+
+
+def _exact(got: Any, want: Any, at: str = "") -> list[str]:
+    """Where ``got`` differs from ``want`` in type, dict key order, length or value (floats by
+    their bits: NaN and -0.0 included)."""
+    if type(got) is not type(want):
+        return [f"{at}: {type(got).__name__} != {type(want).__name__}"]
+    if isinstance(want, dict):
+        if list(got) != list(want):
+            return [f"{at}: keys {list(got)} != {list(want)}"]
+        return [d for k in want for d in _exact(got[k], want[k], f"{at}/{k}")]
+    if isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            return [f"{at}: {len(got)} items != {len(want)}"]
+        return [d for i, (g, w) in enumerate(zip(got, want, strict=True)) for d in _exact(g, w, f"{at}[{i}]")]
+    if isinstance(want, float):
+        return [] if struct.pack("<d", got) == struct.pack("<d", want) else [f"{at}: {got!r} != {want!r}"]
+    return [] if got == want else [f"{at}: {got!r} != {want!r}"]
+
+
+PAYLOAD_SHAPES: dict[str, Any] = {
+    "number-kinds-mixed": [1, 2.0, True, False, 3, -0.0],
+    "bools-then-int": [True, 1],
+    "ints-near-int64-limits": [2**63 - 1, -(2**63), 0],
+    "floats-nan-negzero": [float("nan"), -0.0, 0.0, float("inf"), -1.5e308],
+    "empty-lists": {"a": [], "b": [[]], "c": [[], [1]], "d": [[], []]},
+    "dicts-differing-keys": [{"a": 1}, {"b": 2.0}, {"a": 3, "b": None}, {}],
+    "dicts-same-keys-other-order": [{"x": 1, "y": 2}, {"y": 3, "x": 4}],
+    "nested-lists-of-dicts": [[{"x": 1, "y": [1.0, 2.0]}], [], [{"x": 2, "y": []}, {"x": 3, "y": [0.5]}]],
+    "records-column-mixes-int-and-float": [{"s": 1, "t": "a"}, {"s": 2.5, "t": "b"}],
+    "records-column-of-tuples": [{"p": (1, 2)}, {"p": (3, 4)}],
+    "records-column-none-and-str": [{"n": None, "u": "é数\U0001f600"}, {"n": "x", "u": ""}],
+    "coco-images": [
+        {"image_id": 7, "instances": [
+            {"image_id": 7, "category_id": 3, "bbox": [1.0, 2.5, 30.25, 40.0], "score": 0.93},
+            {"image_id": 7, "category_id": 1, "bbox": [0.0, -0.0, 1e-300, 2.0], "score": float("nan")},
+        ]},
+        {"image_id": 8, "instances": []},
+        {"image_id": 9, "instances": [{"image_id": 9, "category_id": 2, "bbox": [1, 2, 3, 4], "score": 1}]},
+    ],
+    "llm-outputs": {
+        "p-1": {"text": "a\x00b é", "token_ids": [5, 2**40, 0], "logprob": -1.25, "finish_reason": "stop"},
+        "p-0": {"text": "", "token_ids": [], "logprob": -0.0, "finish_reason": None},
+    },
+    "ragged-number-rows": [[1, 2, 3], [4], [], [5, 6]],
+    "list-items-number-lists-absent": [{"v": [1, 2]}, {"w": 3}, {"v": None}, {"v": []}, {"v": [[1.5]], "w": 1}],
+    "rows-of-bools": [[True, False], [False, True]],
+    "tuples-of-numbers": [(1, 2), (3, 4)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PAYLOAD_SHAPES))
+def test_python_payload_shapes_come_back_exactly(tmp_path: Path, name: str) -> None:
+    """Every shape the column-wise paths take (and the ones they must leave to the item walk)
+    comes back exactly, by ``value()`` and by ``iter_values()``: types, key order, list order,
+    float bits."""
+    want = PAYLOAD_SHAPES[name]
+    other = {"k": [{"image_id": 1, "score": 0.5}], "z": [1.0, 2.0]}  # another file, another layout
+    store = _write_merge(tmp_path, {("a", 0): want, ("a", 1): want, ("b", 0): other, ("c", 0): want})
+    assert _exact(store.value("a", 0), want) == []
+    assert _exact(store.value("c", 0), want) == []
+    got = list(store.iter_values())
+    assert [(n, f) for n, f, _ in got] == [("a", 0), ("a", 1), ("b", 0), ("c", 0)]
+    for (_, _, v), w in zip(got, [want, want, other, want], strict=True):
+        assert _exact(v, w) == []
+
+
+def test_a_lone_surrogate_in_a_records_column_is_refused_naming_the_frame(tmp_path: Path) -> None:
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        with pytest.raises(spillmerge.SpillValueError, match=r"frame 3.*not valid Unicode|not valid Unicode.*frame 3"):
+            w.write("f", 3, [{"t": "ok"}, {"t": "bad\udc80"}])
+        w.write("f", 4, [{"t": "ok"}])
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"))
+    assert spillmerge.open(str(tmp_path / "o")).value("f", 4) == [{"t": "ok"}]
