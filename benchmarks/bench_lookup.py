@@ -40,11 +40,11 @@ import numpy as np
 def build(out: Path, n: int) -> None:
     import zarr
 
-    from spillmerge import _format as F
-    from spillmerge import _format_output as FO
-    from spillmerge import _merge
-    from spillmerge import _zarrmeta as Z
-    from spillmerge._plan import Plan, PlannedColumn
+    from spillmerge._format import common as F
+    from spillmerge._format import output as FO
+    from spillmerge._merge import documents as Z
+    from spillmerge._merge import job as _merge
+    from spillmerge._merge.plan import Plan, PlannedColumn
     from spillmerge._storage import Storage
 
     names = [f"images/shard-{i // 10000:05d}/img_{i:09d}.jpg" for i in range(n)]

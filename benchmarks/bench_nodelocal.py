@@ -89,7 +89,8 @@ def run_spillmerge(rank: int, world: int, mine, frames, work: Path, cfg: dict, i
     import torch.distributed as dist
 
     import spillmerge
-    from spillmerge import _storage, _transfer
+    from spillmerge import _storage
+    from spillmerge._dist import transfer as _transfer
 
     _transfer.VISIBILITY_GRACE = 0.0  # separate roots for sure; see the module docstring
     root = work / ("hostB" if rank in host_b(world) else "hostA") / "spill"

@@ -35,10 +35,10 @@ CHILD = """
 import functools, json, sys, time
 sys.path.insert(0, {bench!r})
 from common import PeakMemory
-from spillmerge import _plan
+from spillmerge._merge import plan as _plan
 from spillmerge import _format_spill as FS
-from spillmerge._barrier import wait_for_commits
-from spillmerge._spillroot import load_all, same_bytes
+from spillmerge._spill.barrier import wait_for_commits
+from spillmerge._spill.root import load_all, same_bytes
 from spillmerge._storage import Storage
 root, budget, side = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 storage = Storage(root)

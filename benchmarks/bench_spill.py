@@ -94,8 +94,9 @@ class Timers:
 def profile(frames: torch.Tensor, n: int, root: str) -> None:
     import google_crc32c
 
-    from spillmerge import _staging, _writer
-    from spillmerge._storage import _local
+    from spillmerge._storage import local as _local
+    from spillmerge._write import staging as _staging
+    from spillmerge._write import writer as _writer
 
     timers = Timers()
     timers.wrap(_staging.BufferPool, "acquire", "write(): waiting for a staging buffer")

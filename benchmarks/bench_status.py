@@ -16,7 +16,7 @@ import time
 import torch
 
 import spillmerge
-from spillmerge import _progress
+from spillmerge._util import progress as _progress
 
 
 def _per_row_us(rows: int) -> float:

@@ -14,8 +14,6 @@ on first use (PEP 562), so ``import spillmerge`` does not import torch.
 
 from typing import TYPE_CHECKING, Any
 
-from ._codecs import CODECS
-from ._dataset import OutputDataset
 from ._errors import (
     ArrowUnionInParquetError,
     CommitTimeout,
@@ -53,27 +51,29 @@ from ._errors import (
     UnsafePathError,
     WriterClosedError,
 )
-from ._format import FORMAT_VERSION
-from ._inspect import VerifyReport, verify
-from ._merge import merge
-from ._reader import MergedStore, open  # noqa: A004 - the public name is fixed
-from ._report import MergeReport
-from ._spillroot import committed_keys
-from ._status import JobStatus, MergeStatus, RankStatus, status
-from ._views import LeafView
+from ._format.codecs import CODECS
+from ._format.common import FORMAT_VERSION
+from ._inspect.status import JobStatus, MergeStatus, RankStatus, status
+from ._inspect.summary import VerifyReport, verify
+from ._merge.job import merge
+from ._merge.report import MergeReport
+from ._read.dataset import OutputDataset
+from ._read.store import MergedStore, open  # noqa: A004 - the public name is fixed
+from ._read.views import LeafView
+from ._spill.root import committed_keys
 
 if TYPE_CHECKING:
-    from ._dropin import all_gather_object, gather_object
-    from ._gather import all_gather, gather
-    from ._writer import SpillWriter
+    from ._dist.dropin import all_gather_object, gather_object
+    from ._dist.gather import all_gather, gather
+    from ._write.writer import SpillWriter
 
 # Public names whose modules import torch: (module, name). Loaded on first access.
 _NEEDS_TORCH = {
-    "SpillWriter": ("_writer", "SpillWriter"),
-    "gather": ("_gather", "gather"),
-    "all_gather": ("_gather", "all_gather"),
-    "gather_object": ("_dropin", "gather_object"),
-    "all_gather_object": ("_dropin", "all_gather_object"),
+    "SpillWriter": ("_write.writer", "SpillWriter"),
+    "gather": ("_dist.gather", "gather"),
+    "all_gather": ("_dist.gather", "all_gather"),
+    "gather_object": ("_dist.dropin", "gather_object"),
+    "all_gather_object": ("_dist.dropin", "all_gather_object"),
 }
 
 
@@ -81,7 +81,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     if name not in _NEEDS_TORCH:
-        if name.startswith("_") and not name.startswith("__"):  # spillmerge._gather as before: imported on use
+        if name.startswith("_") and not name.startswith("__"):  # spillmerge._dist.gather as before: imported on use
             try:
                 return importlib.import_module(f"{__name__}.{name}")
             except ModuleNotFoundError:

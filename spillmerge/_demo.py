@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from . import _format_spill as FS
 from ._errors import ConfigError, SpillMergeError
+from ._format import spill as FS
 
 
 @dataclass(frozen=True)

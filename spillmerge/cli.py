@@ -12,8 +12,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from . import _options
 from ._errors import ConfigError, SpillMergeError
+from ._merge import options as _options
 
 _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
 """The ``[merge]`` table of a config file: the spill root, the output and every option with a config key."""
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from ._merge import merge
+    from ._merge.job import merge
 
     opts = _load_config(args.config, "merge", _MERGE_KEYS)
     for name in ("root", "out", *_options.flags()):  # a flag given overrides the config file
@@ -249,9 +249,9 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._coverage import coverage, plot
-    from ._frames import read_manifest
-    from ._inspect import format_coverage, format_text, summarize
+    from ._inspect.coverage import coverage, plot
+    from ._inspect.summary import format_coverage, format_text, summarize
+    from ._util.frames import read_manifest
 
     so = _storage_options(args.storage_option) or None
     expected = read_manifest(args.expected) if args.expected else None
@@ -278,8 +278,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ._inspect import verify
-    from ._units import size_text
+    from ._inspect.summary import verify
+    from ._util.units import size_text
 
     rep = verify(args.path, _storage_options(args.storage_option) or None)
     for problem in rep.problems:
@@ -292,7 +292,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import time
 
-    from ._status import format_status, status
+    from ._inspect.status import format_status, status
 
     opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
             "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
@@ -311,7 +311,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ._reader import open as open_store
+    from ._read.store import open as open_store
 
     so = _storage_options(args.storage_option) or None
     store = open_store(args.path, so)
@@ -326,7 +326,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     require_torch("spillmerge demo")  # one line naming the install, not an import traceback
     from ._demo import DemoConfig, run
-    from ._inspect import format_text, summarize
+    from ._inspect.summary import format_text, summarize
 
     cfg = _load_config(args.config, "demo", _DEMO_KEYS)
     flags = {

@@ -105,7 +105,7 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import spillmerge
-    from spillmerge._dropin import default_root
+    from spillmerge._dist.dropin import default_root
 
     before = _leftovers(default_root())
     dist.barrier()
@@ -135,7 +135,7 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
 def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     """A rank that raises inside the drop-in: every rank raises a SpillMergeError naming it."""
     import spillmerge
-    from spillmerge import _dropin
+    from spillmerge._dist import dropin as _dropin
 
     out: dict[str, Any] = {}
     os.environ["SPILLMERGE_ROOT"] = f"{base}/failures"  # what a failed call leaves stays in the test's folder

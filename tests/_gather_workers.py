@@ -108,7 +108,7 @@ def gather_one_call(rank: int, world: int, base: str) -> dict[str, Any]:
     if store is not None:
         res["digest"] = _digest(store)
     dist.barrier()  # every rank removed its own spill data
-    res["spill_left"] = os.path.exists(spillmerge._gather.default_root(out))
+    res["spill_left"] = os.path.exists(spillmerge._dist.gather.default_root(out))
     return res
 
 
@@ -144,7 +144,7 @@ def crash_then_rerun(rank: int, world: int, base: str) -> dict[str, Any]:
         "first": first,
         "digest": _digest(store),
         "expected": _expected("r"),
-        "spill_left": os.path.exists(spillmerge._gather.default_root(out)),
+        "spill_left": os.path.exists(spillmerge._dist.gather.default_root(out)),
     }
 
 
@@ -320,7 +320,7 @@ def calls_back_to_back(rank: int, world: int, port: int, base: str) -> None:
             calls.append({n: store.frames(n).tolist() for n in store.filenames})
         except BaseException as exc:  # noqa: BLE001 - recorded for the test
             calls.append({"error": _error(exc)})
-    spill = spillmerge._gather.default_root(out)
+    spill = spillmerge._dist.gather.default_root(out)
     at_return = os.path.exists(spill)  # the last call returned: nothing of it may be left, on any rank
     dist.barrier()
     left = sorted(os.path.relpath(os.path.join(d, f), spill) for d, _, fs in os.walk(spill) for f in fs)

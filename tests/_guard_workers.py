@@ -40,7 +40,7 @@ def scenario_store_only(rank: int, world: int, base: str) -> dict[str, Any]:
 
 def scenario_storage_only(rank: int, world: int, base: str) -> dict[str, Any]:
     """A shared root, and rank 1 publishes no failure key: only its failure record tells."""
-    from spillmerge import _writer
+    from spillmerge._write import writer as _writer
 
     publish = _writer.publish_failure
     if rank == 1:

@@ -93,7 +93,7 @@ def write_filenames(path: str | Path, names: list[str]) -> None:
     stored as a merge stores them, keeping the consolidated root in step."""
     import zarr
 
-    from spillmerge._zarrmeta import filename_arrays
+    from spillmerge._merge.documents import filename_arrays
 
     g = zarr.open_group(str(path), mode="r+", use_consolidated=False)
     for name, arr in filename_arrays(names).items():

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from _helpers import bits, zarr_filenames
 
-from spillmerge import _format as F
+from spillmerge._format import common as F
 
 WORLD = 4
 MERGE_TIMEOUT = 90.0  # seconds rank 0 waits on storage for commit records; the parent's limit is larger

@@ -154,7 +154,7 @@ def scenario_only_dst_calls_merge(rank: int, world: int, base: str) -> dict[str,
 def scenario_corrupted_piece(rank: int, world: int, base: str) -> dict[str, Any]:
     """A piece flipped in flight on rank 2: the merging rank refuses it, names rank 2 and the
     object, and rank 2's segment never looks committed on the merging rank's disk."""
-    from spillmerge import _transfer
+    from spillmerge._dist import transfer as _transfer
 
     host = "A" if rank < 2 else "B"
     w = _spill(f"{base}/corrupt/host{host}", [(f"c{rank}.mp4", i) for i in range(8)], simple)
@@ -208,7 +208,7 @@ SCENARIOS = {
 
 def worker(rank: int, world: int, port: int, base: str) -> None:
     """Entry point for ``torch.multiprocessing.start_processes``."""
-    from spillmerge import _transfer
+    from spillmerge._dist import transfer as _transfer
 
     _transfer.VISIBILITY_GRACE = 0.2
     run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
@@ -220,7 +220,7 @@ def killed_sender(rank: int, world: int, port: int, base: str, result: str) -> N
     import torch.distributed as dist
 
     import spillmerge
-    from spillmerge import _transfer
+    from spillmerge._dist import transfer as _transfer
 
     torch.set_num_threads(1)
     _transfer.VISIBILITY_GRACE = 0.2

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import spillmerge
-from spillmerge import _format_spill as FS
+from spillmerge._format import spill as FS
 from spillmerge._storage import LocalStorage, Storage
 
 CHUNK = 4096

@@ -99,7 +99,8 @@ def _data(store: Any) -> dict[str, Any]:
 def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
     """name -> a callable returning what the reader produced (compared with the reference)."""
     import spillmerge
-    from spillmerge import _coverage, _inspect
+    from spillmerge._inspect import coverage as _coverage
+    from spillmerge._inspect import summary as _inspect
 
     def merge_and_read() -> Any:
         spillmerge.merge(root, scratch, allow_partial=True, overwrite=True)
@@ -121,7 +122,7 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         return spillmerge.verify(path).ok
 
     def wait_for_dst() -> Any:  # a rank waiting for dst's output reads dst's merge failure record
-        from spillmerge import _round
+        from spillmerge._dist import round as _round
         from spillmerge._storage import Storage
 
         _round.wait_complete(
@@ -129,7 +130,7 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         )
 
     def status() -> Any:  # reads every rank's progress.json (advisory: a bad one is no count)
-        from spillmerge import _status
+        from spillmerge._inspect import status as _status
 
         return _status.format_status(_status.status(root)) is not None
 

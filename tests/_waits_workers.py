@@ -13,7 +13,7 @@ import torch
 from _mp_scenarios import run_scenarios
 
 import spillmerge
-from spillmerge import _barrier
+from spillmerge._spill import barrier as _barrier
 
 WORLD = 2
 

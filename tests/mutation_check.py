@@ -64,7 +64,7 @@ MUTATIONS: list[Mutation] = [
         # The columnar copy checks every local row in one place (_OutputChunk._local_rows), whatever the
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            elif google_crc32c.value(row) != crc:\n                self._mismatch(r, e)",
         "            elif False:\n                self._mismatch(r, e)",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
@@ -72,7 +72,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-block-crc-local",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "        return len(block) == b_nb and google_crc32c.value(block) == value",
         "        return len(block) == b_nb",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec", "tests/test_write_batch.py"),
@@ -80,7 +80,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-crc-local-batch",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "                if google_crc32c.value(rows[i]) != int(crc[g[i]]):\n                    return None",
         "                if False:\n                    return None",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
@@ -88,7 +88,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-text-local-batch",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            if text and not _utf8_rows_of_one_size(rows):",
         "            if False:",
         ("tests/test_hostile.py::test_verify_finds_text_the_merge_refuses",
@@ -97,7 +97,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-short-object-local-batch",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            if int(lo.max()) + L > len(whole):\n                return None",
         "            if False:\n                return None",
         ("tests/test_untrusted_storage.py", "tests/test_guarded_checks.py"),
@@ -105,7 +105,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "runid-failure-record-ignored",
-        "spillmerge/_barrier.py",
+        "spillmerge/_spill/barrier.py",
         "            if any(s.failure is not None for s in mine):",
         "            if False:",
         (f"{G}::test_a_failure_record_of_the_run_fails_the_barrier_at_once",),
@@ -113,7 +113,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "publish-failure-disabled",
-        "spillmerge/_runstore.py",
+        "spillmerge/_dist/store.py",
         '        store.set(f"failed/{session}/{rank}", message[:4000])',
         "        return",
         ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
@@ -121,7 +121,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "storage-path-accepts-dotdot",
-        "spillmerge/_storage/_base.py",
+        "spillmerge/_storage/base.py",
         '        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):',
         '        if norm != rel.rstrip("/"):',
         (f"{G}::test_storage_paths_with_dot_dot_are_refused",),
@@ -129,7 +129,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "manifest-prefix-and-normpath-unchecked",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         "    if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:",
         "    if not isinstance(rel, str):",
         (f"{G}::test_receiver_refuses_objects_outside_the_senders_ranks",),
@@ -137,7 +137,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "catalog-crc-vs-commit-record",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "    if google_crc32c.value(raw_cat) != commit.catalog_crc32c:",
         "    if False:",
         (f"{G}::test_a_catalog_that_does_not_match_the_commit_record_is_refused",),
@@ -145,7 +145,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "verify-ignores-missing-chunks",
-        "spillmerge/_inspect.py",
+        "spillmerge/_inspect/summary.py",
         "    missing = declared - len(present)\n    if missing:",
         "    missing = declared - len(present)\n    if False:",
         ("tests/test_nothing_lost_reader.py::test_verify_lists_every_missing_chunk",),
@@ -153,7 +153,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "journal-sequence-unchecked",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "                entry.chunk != n\n",
         "                False\n",
         (f"{G}::test_salvage_stops_at_a_journal_entry_of_another_chunk",),
@@ -162,7 +162,7 @@ MUTATIONS: list[Mutation] = [
     # ---------------------------------------------------------------------------- others
     Mutation(
         "copy-crc-object-store",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            elif google_crc32c.value(v) != crc:",
         "            elif False:",
         (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
@@ -170,7 +170,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "index-crc-vs-commit-record",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "    if google_crc32c.value(raw_idx) != commit.index_crc32c:",
         "    if False:",
         (f"{G}::test_an_index_that_does_not_match_the_commit_record_is_refused",),
@@ -178,7 +178,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "small-array-chunk-crc",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "    if google_crc32c.value(raw) != stored:",
         "    if False:",
         (f"{G}::test_a_torn_index_or_catalog_chunk_is_named_as_such",),
@@ -186,7 +186,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "failure-record-ignored-without-run-id",
-        "spillmerge/_barrier.py",
+        "spillmerge/_spill/barrier.py",
         "            if newest.failure is not None:",
         "            if False:",
         (f"{G}::test_a_failure_record_of_the_run_fails_the_barrier_at_once",),
@@ -194,7 +194,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "failure-keys-never-read",
-        "spillmerge/_runstore.py",
+        "spillmerge/_dist/store.py",
         '        if int(self.base.add(f"failed/{self.session}", 0)) > 0:',
         "        if False:",
         ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
@@ -202,7 +202,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "manifest-normpath-unchecked",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         "    if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:",
         "    if not isinstance(rel, str) or not rel.startswith(ok_prefixes):",
         (f"{G}::test_receiver_refuses_objects_outside_the_senders_ranks",),
@@ -210,7 +210,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "manifest-size-unchecked",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         "    if not 0 < size <= _MAX_MANIFEST:",
         "    if False:",
         (f"{G}::test_receiver_refuses_malformed_manifests",),
@@ -218,7 +218,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "manifest-object-size-unchecked",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         '        if n < 0 or (rel.endswith("/" + FS.COMMIT_NAME) and n > _MAX_RECORD):',
         "        if False:",
         (f"{G}::test_receiver_refuses_negative_sizes_and_huge_commit_records",),
@@ -226,7 +226,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "received-crc-unchecked",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         "        ok = crc == want",
         "        ok = True",
         (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
@@ -234,7 +234,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "received-commit-record-not-held-back",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         '    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel',
         "    target = rel",
         (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
@@ -242,7 +242,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "get-max-bytes-ignored",
-        "spillmerge/_storage/_base.py",
+        "spillmerge/_storage/base.py",
         "        if size > max_bytes:",
         "        if False:",
         (f"{G}::test_get_refuses_an_object_larger_than_max_bytes",),
@@ -250,7 +250,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "merge-memory-budget-ignored",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "                    while in_flight and in_flight + size > memory_budget and not errors:",
         "                    while False:",
         (f"{G}::test_merge_keeps_at_most_its_memory_budget_of_stripes_in_flight",),
@@ -258,7 +258,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-backpressure-removed",
-        "spillmerge/_staging.py",
+        "spillmerge/_write/staging.py",
         "                if self.allocated < self.n_buffers:",
         "                if True:",
         (f"{G}::test_write_blocks_while_every_staging_buffer_waits_for_storage",),
@@ -266,7 +266,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "missing-data-chunk-unchecked",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "        if str(c) not in present:",
         "        if False:",
         ("tests/test_hostile.py::test_missing_data_chunk_and_future_format_are_named",),
@@ -275,7 +275,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ issue 26: metadata on trust
     Mutation(
         "chunk-shape-within-array",
-        "spillmerge/_format_output.py",
+        "spillmerge/_format/output.py",
         "big = [d for d, (c, s) in enumerate(zip(chunks, shape, strict=True)) if c > max(s, 1)]",
         "big = []",
         ("tests/test_hostile.py::test_chunk_shape_larger_than_its_array_is_refused",),
@@ -283,7 +283,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "compressor-declared-size",
-        "spillmerge/_format_output.py",
+        "spillmerge/_format/output.py",
         "        if n > limits.decoded_bytes:",
         "        if False:",
         (f"{U}::test_array_metadata_attacks",),
@@ -291,7 +291,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "zstd-content-size-required",
-        "spillmerge/_codecs.py",
+        "spillmerge/_format/codecs.py",
         "        if fcs_len == 0:",
         "        if False:",
         ("tests/test_hostile.py::test_zstd_frame_without_content_size_is_refused_unread",),
@@ -299,7 +299,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "blosc-nbytes",
-        "spillmerge/_codecs.py",
+        "spillmerge/_format/codecs.py",
         "        return nbytes",
         "        return 0",
         (f"{U}::test_array_metadata_attacks",),
@@ -307,7 +307,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "shape-products-overflow",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "        over |= big",
         "        pass",
         (f"{H}::test_shapes_row_of_product_zero_is_refused",),
@@ -315,7 +315,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "empty-extent-bound",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "(zero & (lead > F.EMPTY_EXTENT_MAX))",
         "(zero & False)",
         (f"{H}::test_shapes_row_of_product_zero_is_refused",),
@@ -323,7 +323,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "read-whole-chunk-by-chunk",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "    if n <= k:",
         "    if True:",
         (f"{U}::test_array_metadata_attacks",),
@@ -331,7 +331,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-filename-limit",
-        "spillmerge/_values.py",
+        "spillmerge/_write/flatten.py",
         "    if n > FILENAME_MAX_BYTES:",
         "    if False:",
         (f"{H}::test_writer_refuses_what_readers_refuse",),
@@ -339,7 +339,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-empty-shape",
-        "spillmerge/_values.py",
+        "spillmerge/_write/flatten.py",
         "    if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:",
         "    if False:",
         (f"{H}::test_writer_refuses_what_readers_refuse",),
@@ -347,7 +347,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "catalog-filename-limit",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "    if long is not None:",
         "    if False:",
         (f"{H}::test_merge_refuses_a_catalog_filename_past_the_limit",),
@@ -355,7 +355,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "strlist-layout-bytes",
-        "spillmerge/_format_spill.py",
+        "spillmerge/_format/spill.py",
         'if lay.kind == "strlist" and 4 * lay.shape[0] > lay.shape[1]:',
         "if False:",
         (f"{H}::test_strlist_layout_claiming_more_strings_than_bytes",),
@@ -363,7 +363,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "verify-checks-text",
-        "spillmerge/_inspect.py",
+        "spillmerge/_inspect/summary.py",
         'bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None',
         "bad = None",
         (f"{H}::test_verify_finds_text_the_merge_refuses",),
@@ -371,7 +371,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "gather-timeout-covers-group-setup",
-        "spillmerge/_gather.py",
+        "spillmerge/_dist/gather.py",
         'opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)',
         "pass",
         ("tests/test_gather.py::test_timeout_covers_the_process_group_setup",),
@@ -380,7 +380,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------ issue 26, second audit: checks no entry guarded
     Mutation(
         "g26-leaf-view-row-bound",
-        "spillmerge/_views.py",
+        "spillmerge/_read/views.py",
         '            if not 0 <= j < n:\n                raise IndexError(f"row {sel} out of range for {n} rows")',
         '            if j < 0:\n                raise IndexError(f"row {sel} out of range for {n} rows")',
         ("tests/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
@@ -388,7 +388,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-leaf-view-row-bound-numpy-index",
-        "spillmerge/_views.py",
+        "spillmerge/_read/views.py",
         '        if not 0 <= j < n:\n            raise IndexError(f"row {int(i)} out of range for {n} rows")',
         '        if j < 0:\n            raise IndexError(f"row {int(i)} out of range for {n} rows")',
         ("tests/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
@@ -396,7 +396,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-shapes-negative-dimension",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "    if np.any(shapes < 0):",
         "    if False:",
         ("tests/test_guarded_checks.py::test_a_negative_dimension_in_shapes_is_refused",),
@@ -404,7 +404,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-valid-without-has-valid",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         '    if "valid" in a and not has_valid:',
         "    if False:",
         ("tests/test_guarded_checks.py::test_a_valid_array_the_header_does_not_declare_is_refused",),
@@ -412,7 +412,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-variant-one-value-per-row",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "            if count is not None and len(count) and int(count.max()) > 1:",
         "            if False:",
         ("tests/test_value_model.py",),
@@ -420,7 +420,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-header-counts-vs-index",
-        "spillmerge/_indexinvariants.py",
+        "spillmerge/_format/indexinvariants.py",
         "        if header.get(field) != want:",
         "        if False:",
         ("tests/test_guarded_checks.py::test_header_counts_that_disagree_with_the_index_are_refused",),
@@ -428,7 +428,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-absent-row-spans-nothing",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "        bad = np.flatnonzero(~valid & (steps != 0))",
         "        bad = np.flatnonzero(~valid & (steps < 0))",
         ("tests/test_guarded_checks.py::test_an_absent_row_whose_offsets_span_bytes_is_refused",),
@@ -436,7 +436,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-local-lease-inode",
-        "spillmerge/_lease.py",
+        "spillmerge/_merge/lease.py",
         '            if not same:\n                return f"{self.output.describe(rel)} was removed or replaced"',
         '            if False:\n                return f"{self.output.describe(rel)} was removed or replaced"',
         ("tests/test_guarded_checks.py::test_a_local_lease_whose_lock_file_was_replaced_is_lost",),
@@ -444,7 +444,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-storage-path-normalised",
-        "spillmerge/_storage/_base.py",
+        "spillmerge/_storage/base.py",
         '        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):',
         '        if norm == ".." or norm.startswith("../"):',
         ("tests/test_guarded_checks.py::test_storage_refuses_paths_that_are_not_normalised",),
@@ -452,7 +452,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-linked-folder-above",
-        "spillmerge/_storage/_local.py",
+        "spillmerge/_storage/local.py",
         '            if stat.S_ISLNK(mode):\n                raise UnsafePathError(\n                    f"{self.describe(above)}',
         '            if False:\n                raise UnsafePathError(\n                    f"{self.describe(above)}',
         ("tests/test_guarded_checks.py::test_a_linked_folder_above_an_object_is_refused",),
@@ -460,7 +460,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-copy-text-check",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            bad = FS.text_problem(kind, count, row)",
         "            bad = None",
         (f"{H}::test_verify_finds_text_the_merge_refuses",),
@@ -468,7 +468,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "finalize-writes-index-share-of-older-parts",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "    left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]",
         "    left = [c for p, r in enumerate(finished) if False for c in _indexchunks.share(chunks, p, n)]",
         ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
@@ -476,7 +476,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "part-writes-its-index-share",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "        _indexchunks.write(output, _index_share(job, i, n), threads=job.threads)",
         "        pass",
         ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
@@ -484,7 +484,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-text-batch-row-starts",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "    return not np.any((whole[starts] & 0xC0) == 0x80)",
         "    return True",
         (f"{H}::test_a_character_split_between_two_strings_is_refused",),
@@ -492,7 +492,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-stale-root-at-merge",
-        "spillmerge/_barrier.py",
+        "spillmerge/_spill/barrier.py",
         "    if stale:\n        raise stale_error(storage, stale, world_size)\n    extra",
         "    if False:\n        raise stale_error(storage, stale, world_size)\n    extra",
         ("tests/test_stale_root.py",),
@@ -500,7 +500,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-stale-root-at-writer-open",
-        "spillmerge/_barrier.py",
+        "spillmerge/_spill/barrier.py",
         "    stale = stale_segments(storage, segments, world_size)\n    if stale:\n        raise stale_error(storage, stale, world_size)\n\n",
         "    stale = stale_segments(storage, segments, world_size)\n    if False:\n        raise stale_error(storage, stale, world_size)\n\n",
         ("tests/test_stale_root.py",),
@@ -508,7 +508,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-batch-frame-idx-length",
-        "spillmerge/_batch.py",
+        "spillmerge/_write/batch.py",
         "    if len(raw) != n:",
         "    if False:",
         ("tests/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
@@ -516,7 +516,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-batch-tensor-leaf-length",
-        "spillmerge/_batch.py",
+        "spillmerge/_write/batch.py",
         "        if len(value) != n:\n            raise _length_error(path, len(value), names)\n        return list(value.unbind(0))",
         "        if False:\n            raise _length_error(path, len(value), names)\n        return list(value.unbind(0))",
         ("tests/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
@@ -524,7 +524,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-batch-list-leaf-length",
-        "spillmerge/_batch.py",
+        "spillmerge/_write/batch.py",
         "        if len(value) != n:\n            raise _length_error(path, len(value), names)\n        return list(value)\n",
         "        if False:\n            raise _length_error(path, len(value), names)\n        return list(value)\n",
         ("tests/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
@@ -532,7 +532,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-remove-spill-missing-ranks",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "    elif report.missing_ranks:",
         "    elif False:",
         ("tests/test_remove_spill.py::test_partial_merge_keeps_the_root",),
@@ -540,7 +540,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-remove-spill-frame-gaps",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "    elif report.frame_gaps and (job.options.allow_partial or report.expected_files is not None):",
         "    elif False:",
         ("tests/test_remove_spill.py::test_frames_missing_against_expected_keep_the_root",),
@@ -549,7 +549,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ format 4's list offsets (issue 23)
     Mutation(
         "list-header-vs-offsets",
-        "spillmerge/_lists.py",
+        "spillmerge/_format/lists.py",
         "        bad = np.flatnonzero(said != steps)",
         "        bad = np.flatnonzero(said != said)",
         ("tests/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
@@ -557,7 +557,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "list-group-of-header-missing",
-        "spillmerge/_lists.py",
+        "spillmerge/_format/lists.py",
         "        if lpath not in lists:",
         "        if False:",
         ("tests/test_lists.py::test_a_header_whose_list_group_is_missing_is_refused",),
@@ -566,7 +566,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ parts and leases (issue 24)
     Mutation(
         "lease-conflicts-name-only-real-holders",
-        "spillmerge/_lease.py",
+        "spillmerge/_merge/lease.py",
         "        return None if self.exclusive else {f\"{_MERGE}.lock\"}",
         "        return None",
         ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
@@ -574,7 +574,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "lease-lock-on-a-vanished-file",
-        "spillmerge/_lease.py",
+        "spillmerge/_merge/lease.py",
         "            if self._still_linked() is None:",
         "            if True:",
         ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
@@ -583,7 +583,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ object stores' bounded reads
     Mutation(
         "fsspec-read-folder-refused",
-        "spillmerge/_storage/_fsspec.py",
+        "spillmerge/_storage/fsspec_store.py",
         '                self._refuse_kind(rel, self.fs.info(p).get("type"))  # FileNotFoundError: nothing there',
         "                pass",
         ("tests/test_s3.py::test_a_commit_record_that_is_a_folder_or_oversized_is_refused_by_name",),
@@ -597,7 +597,7 @@ MUTATIONS: list[Mutation] = [
     # missing_ranks too, which keeps every segment first.
     Mutation(
         "cuda-batch-copy-keeps-tuples",
-        "spillmerge/_batch.py",
+        "spillmerge/_write/batch.py",
         "        return tuple(_replace(v, host) for v in value)",
         "        return [_replace(v, host) for v in value]",
         ("tests/test_write_batch.py::test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone",),
@@ -605,7 +605,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "parts-wait-while-the-planner-holds-its-lease",
-        "spillmerge/_planstore.py",
+        "spillmerge/_merge/planstore.py",
         "        time.sleep(delay)  # a planner is at work: its plan comes",
         "        break",
         ("tests/test_scaleout.py::test_with_timeout_0_a_part_waits_for_the_plan_while_the_planner_runs",),
@@ -613,7 +613,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "busy-part-0-leaves-no-failure-record",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "                busy = isinstance(exc, OutputBusyError)",
         "                busy = False",
         ("tests/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
@@ -622,7 +622,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ checks nothing tested
     Mutation(
         "write-template-refuses-a-dict-with-more-keys",
-        "spillmerge/_templates.py",
+        "spillmerge/_write/templates.py",
         "        if len(value) != len(self.keys) or tuple(value) != self.order:\n            return None\n        out = []",
         "        out = []",
         (f"{C}::test_a_dict_with_a_key_the_last_files_structure_lacks_is_merged_whole",),
@@ -630,7 +630,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "write-batch-fast-path-refuses-big-endian",
-        "spillmerge/_batch.py",
+        "spillmerge/_write/batch.py",
         '            if a.dtype.kind not in "biufc" or not a.dtype.isnative:',
         '            if a.dtype.kind not in "biufc":',
         (f"{C}::test_a_big_endian_array_reads_back_as_its_values",),
@@ -638,7 +638,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "index-row-tail-inside-its-block",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "        if np.any(off[blocked] < c[:, 0]) or np.any(off[blocked] + nb[blocked] > c[:, 0] + c[:, 1]):",
         "        if np.any(off[blocked] < c[:, 0]):",
         (f"{C}::test_an_index_row_reaching_past_its_block_is_refused",),
@@ -646,7 +646,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "block-checksums-match-the-commit-record",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "        if len(raw_chk) != want or google_crc32c.value(raw_chk) != commit.checks_crc32c:",
         "        if len(raw_chk) != want:",
         (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
@@ -654,7 +654,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "block-checksum-inside-one-data-chunk",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "            or np.any(c_off // chunk_bytes != (c_off + c_nb - 1) // chunk_bytes)\n",
         "",
         (f"{C}::test_a_block_checksum_spanning_two_data_chunks_is_refused",),
@@ -662,7 +662,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "block-crc-object-store",
-        "spillmerge/_spillroot.py",
+        "spillmerge/_spill/root.py",
         "    if google_crc32c.value(buf) != value:\n        raise block_mismatch(storage, seg, crc)",
         "    if False:\n        raise block_mismatch(storage, seg, crc)",
         (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
@@ -670,7 +670,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "write-batch-multibyte-filename-limit",
-        "spillmerge/_batch.py",
+        "spillmerge/_write/batch.py",
         "                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4\n",
         "                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES\n",
         (f"{C}::test_write_batch_refuses_a_multibyte_filename_over_the_limit",),
@@ -678,7 +678,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "filename-block-starts-with-its-head",
-        "spillmerge/_names.py",
+        "spillmerge/_read/filenames.py",
         "        if len(names) and names[0] != self._heads[j]:",
         "        if False:",
         (f"{C}::test_a_filename_block_that_does_not_start_with_its_head_is_refused",),
@@ -686,7 +686,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "file-across-two-row-blocks-checks-both",
-        "spillmerge/_lazyindex.py",
+        "spillmerge/_read/index.py",
         "            if j != (b - 1) // ROW_BLOCK or j not in self._done:",
         "            if j not in self._done:",
         ("tests/test_lazy_index.py::test_a_file_across_two_blocks_is_read_only_after_both_are_checked",),
@@ -694,7 +694,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "row-valid-in-one-variant-only",
-        "spillmerge/_lazyindex.py",
+        "spillmerge/_read/index.py",
         "            if len(count) and int(count.max()) > 1:",
         "            if False:",
         ("tests/test_lazy_index.py::test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused",),
@@ -702,7 +702,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "iter-values-checks-frame-offsets-first",
-        "spillmerge/_rowblock.py",
+        "spillmerge/_read/rowblock.py",
         "        if len(fo) != i1 - i0 + 1 or fo[0] < 0 or fo[-1] > files.n_rows or np.any(fo[1:] < fo[:-1]):",
         "        if False:",
         ("tests/test_lazy_index.py::test_iter_values_names_frame_offsets_decreasing_across_chunks",),
@@ -710,7 +710,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "frames-ascend-across-row-block-edges",
-        "spillmerge/_lazyindex.py",
+        "spillmerge/_read/index.py",
         "        lo = r0 - 1 if r0 else r0",
         "        lo = r0",
         ("tests/test_lazy_index.py::test_frames_descending_across_a_row_blocks_edge_are_refused",),
@@ -718,7 +718,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "list-header-agrees-with-its-list-offsets",
-        "spillmerge/_rowvalue.py",
+        "spillmerge/_read/rowvalue.py",
         'if dtype in ("pylist", "pytuple") and n != max(items, 0):',
         'if dtype in ("pylist", "pytuple") and n < 0:',
         ("tests/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
@@ -726,7 +726,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "arrow-tuple-mark-only-for-tuples",
-        "spillmerge/_arrowtree.py",
+        "spillmerge/_read/arrow.py",
         '    meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None',
         '    meta = TUPLE_META if ps and any(k[0] == "pytuple" for k, _, _, _ in ps) else None',
         ("tests/test_arrow_values.py::test_only_a_leaf_that_is_a_tuple_in_every_row_is_marked_as_tuples",),
@@ -734,7 +734,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "one-list-group-per-list",
-        "spillmerge/_lists.py",
+        "spillmerge/_format/lists.py",
         "        if key in out:\n",
         "        if False:\n",
         ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
@@ -742,7 +742,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "nested-list-group-has-its-parent",
-        "spillmerge/_lists.py",
+        "spillmerge/_format/lists.py",
         "        if stored.parent and stored.parent not in out:",
         "        if False:",
         ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
@@ -750,7 +750,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "cached-chunks-read-only",
-        "spillmerge/_cache.py",
+        "spillmerge/_read/cache.py",
         "            arr.flags.writeable = False\n",
         "",
         (f"{C}::test_arrays_a_reader_returns_cannot_change_what_it_reads_next",),
@@ -758,7 +758,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "filename-suggestions-only-a-typo-away",
-        "spillmerge/_names.py",
+        "spillmerge/_read/filenames.py",
         "(d := _edits(name, c, limit)) <= limit",
         "(d := _edits(name, c, limit)) <= limit + 1",
         ("tests/test_inspect_cli.py::test_a_mistyped_filename_suggests_only_names_a_typo_away",),
@@ -767,7 +767,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------- issue 37: remove only what was merged, gather called twice
     Mutation(
         "g37-remove-spill-only-planned-segments",
-        "spillmerge/_removal.py",
+        "spillmerge/_spill/removal.py",
         "            if rel in planned:",
         "            if rel in planned or read_segment(src, rank, name).commit is not None:",
         ("tests/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
@@ -775,7 +775,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-remove-spill-keeps-a-live-segment",
-        "spillmerge/_removal.py",
+        "spillmerge/_spill/removal.py",
         "    if seg.failure is None and not superseded:",
         "    if False:",
         ("tests/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
@@ -783,7 +783,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-remove-spill-keeps-frames-the-output-lacks",
-        "spillmerge/_removal.py",
+        "spillmerge/_spill/removal.py",
         "    if missing:\n        return (",
         "    if False:\n        return (",
         ("tests/test_remove_spill.py::test_a_killed_segment_whose_frames_the_output_lacks_is_kept_with_them",),
@@ -791,7 +791,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-before-commit",
-        "spillmerge/_lifecycle.py",
+        "spillmerge/_write/lifecycle.py",
         "        if self._state is not WriterState.COMMITTED:\n            raise WriterClosedError(\n"
         "                f\"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed\"",
         "        if False:\n            raise WriterClosedError(\n"
@@ -801,7 +801,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-before-merge",
-        "spillmerge/_lifecycle.py",
+        "spillmerge/_write/lifecycle.py",
         "        if self._merged_into is None:",
         "        if False:",
         ("tests/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
@@ -809,7 +809,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-own-segment-only",
-        "spillmerge/_lifecycle.py",
+        "spillmerge/_write/lifecycle.py",
         "        remove_listed(self.storage, [self._prefix], failure_record=False)",
         "        remove_listed(self.storage, [f\"{FS.rank_dirname(r)}/{n}\" for r in list_ranks(self.storage) "
         "for n in self.storage.listdir(FS.rank_dirname(r))], failure_record=False)",
@@ -818,7 +818,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-output-holds-it",
-        "spillmerge/_lifecycle.py",
+        "spillmerge/_write/lifecycle.py",
         "            self._check_round_complete(out, out_options)",
         "            pass",
         ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
@@ -826,7 +826,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-writer-remove-spill-everything-only-merged",
-        "spillmerge/_lifecycle.py",
+        "spillmerge/_write/lifecycle.py",
         "[r for r in rels if self.storage.describe(r) in merged]",
         "rels",
         ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
@@ -834,7 +834,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g37-gather-waits-for-dsts-removal",
-        "spillmerge/_gather.py",
+        "spillmerge/_dist/gather.py",
         "    together = coordinated(session)",
         "    together = False",
         ("tests/test_gather.py::test_all_gather_called_back_to_back_with_the_same_out_always_works",),
@@ -843,7 +843,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ issue 37: shared writers, waits, CLI
     Mutation(
         "writer-lock",
-        "spillmerge/_writer.py",
+        "spillmerge/_write/writer.py",
         "        self._lock = threading.Lock()\n",
         "        self._lock = __import__('contextlib').nullcontext()\n",
         ("tests/test_writer_threads.py",),
@@ -851,7 +851,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "wait-notices",
-        "spillmerge/_barrier.py",
+        "spillmerge/_spill/barrier.py",
         "        if waited < timeout:\n            notices(state, segments, run_id)\n",
         "",
         ("tests/test_waits.py",),
@@ -859,7 +859,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "wait-notices-quiet",
-        "spillmerge/_barrier.py",
+        "spillmerge/_spill/barrier.py",
         "notices = WaitNotices(storage, timeout, quiet=progress is False)",
         "notices = WaitNotices(storage, timeout, quiet=False)",
         ("tests/test_waits.py",),
@@ -867,7 +867,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "wait-notices-coordinated",
-        "spillmerge/_transfer.py",
+        "spillmerge/_dist/transfer.py",
         "            self.notices(state, self.segments, self.session.run_id, away)\n",
         "            pass\n",
         ("tests/test_waits.py::test_a_coordinated_merge_names_the_rank_still_writing",),
@@ -899,16 +899,16 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "report-size-units",
-        "spillmerge/_report.py",
+        "spillmerge/_merge/report.py",
         "{self.n_frames} frames, {size_text(self.nbytes)} from",
         "{self.n_frames} frames, {self.nbytes / (1 << 30):.3f} GiB from",
         ("tests/test_cli_messages.py::test_merge_report_and_verify_print_sizes_in_the_unit_that_fits",),
         "a merge report prints its size in the unit that fits it",
     ),
-    # Issue 40: the drop-ins gather_object / all_gather_object (spillmerge/_dropin.py)
+    # Issue 40: the drop-ins gather_object / all_gather_object (spillmerge/_dist/dropin.py)
     Mutation(
         'i40-dropin-list-off-dst',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         '        if object_list:\n            raise DropInArgumentError(',
         '        if False:\n            raise DropInArgumentError(',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -916,7 +916,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-list-length',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         'if not isinstance(object_list, list) or len(object_list) != world:',
         'if not isinstance(object_list, list):',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -924,7 +924,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-dst-and-group-dst',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         '    if dst is not None and group_dst is not None:',
         '    if False:',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -932,7 +932,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-subgroup',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         '        and group is not dist.group.WORLD\n',
         '        and False\n',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -940,7 +940,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-two-hosts',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         '    if where is None and len(hosts) > 1:',
         '    if False:',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -948,7 +948,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-rank-named',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         'exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])',
         'exc.args = exc.args',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -956,7 +956,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-numpy-back',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         'lambda v: v.numpy() if _is_tensor(v) else v',
         'lambda v: v',
         ("tests/test_dropin.py::test_returns_what_torch_returns",),
@@ -964,7 +964,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-key-order',
-        "spillmerge/_keyorder.py",
+        "spillmerge/_format/keyorder.py",
         "        rank = spec.get(path)\n",
         "        rank = None\n",
         ("tests/test_dropin.py::test_returns_what_torch_returns",),
@@ -972,7 +972,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-removes-folder',
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         "        if rank == target:  # every rank is done with the call's folder\n            _remove(call, storage_options)",
         '        pass',
         ("tests/test_dropin.py::test_back_to_back_calls_apart_and_nothing_left",),
@@ -980,7 +980,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-cleanup-after-failure',
-        'spillmerge/_dropin.py',
+        'spillmerge/_dist/dropin.py',
         '    if rank == dst:\n        try:\n            _remove(call, storage_options)',
         '    if rank == dst:\n        try:\n            pass',
         ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
@@ -988,7 +988,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-numpy-scalar',
-        'spillmerge/_dropin.py',
+        'spillmerge/_dist/dropin.py',
         'lambda v: v.numpy()[()] if _is_tensor(v) else v',
         'lambda v: v',
         ("tests/test_dropin.py::test_returns_what_torch_returns",),
@@ -996,7 +996,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-pickled-whole',
-        'spillmerge/_dropin.py',
+        'spillmerge/_dist/dropin.py',
         '        self.whole.append(path)\n        return _Whole(obj)',
         '        return obj',
         ("tests/test_dropin.py::test_returns_what_torch_returns",),
@@ -1004,7 +1004,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-rowvalue-0d-raw-bits',
-        'spillmerge/_rowvalue.py',
+        'spillmerge/_read/rowvalue.py',
         'np.ascontiguousarray(arr).reshape(arr.shape).view(',
         'np.ascontiguousarray(arr).view(',
         ("tests/test_dropin.py::test_returns_what_torch_returns",),
@@ -1013,7 +1013,7 @@ MUTATIONS: list[Mutation] = [
     # Bounded status and exports: readers refuse headers before sizing anything by them.
     Mutation(
         "to-arrow-records-header-matches-its-keys",
-        "spillmerge/_arrowtree.py",
+        "spillmerge/_read/arrow.py",
         "            bad = np.flatnonzero(have != lengths[pos])",
         "            bad = np.flatnonzero(have < 0)",
         ("tests/test_export_bounds.py",),
@@ -1021,7 +1021,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "verify-records-header-matches-its-keys",
-        "spillmerge/_invariants.py",
+        "spillmerge/_format/invariants.py",
         "            bad = np.flatnonzero(has & v & (got != n))",
         "            bad = np.flatnonzero(has & v & (got < 0))",
         ("tests/test_export_bounds.py",),
@@ -1029,7 +1029,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-missing-rank-is-not-done",
-        "spillmerge/_status.py",
+        "spillmerge/_inspect/status.py",
         'all(x.state in ("committed", "failed") for x in rows)',
         'all(x.state in ("committed", "failed", "missing") for x in rows)',
         ("tests/test_status.py::test_status_shows_frames_written_before_a_chunk_fills_and_stalls_only_idle_ranks",),
@@ -1037,7 +1037,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-folders-outside-the-world-size-are-not-ranks",
-        "spillmerge/_status.py",
+        "spillmerge/_inspect/status.py",
         "    outside = [r for r in found if r >= top]",
         "    outside: list[int] = []",
         ("tests/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
@@ -1045,7 +1045,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-disagreeing-headers-give-no-world-size",
-        "spillmerge/_status.py",
+        "spillmerge/_inspect/status.py",
         "    if len(others) == 1:",
         "    if others:",
         ("tests/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
@@ -1053,7 +1053,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-missing-ranks-listed-bounded",
-        "spillmerge/_status.py",
+        "spillmerge/_inspect/status.py",
         "for r in itertools.islice(absent, LISTED_MISSING)]",
         "for r in absent]",
         ("tests/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
@@ -1061,7 +1061,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-bad-progress-record-costs-its-rank-only",
-        "spillmerge/_status.py",
+        "spillmerge/_inspect/status.py",
         "    except SpillMergeError as exc:  # advisory: a bad record only costs this rank's counts",
         "    except ZeroDivisionError as exc:  # advisory: a bad record only costs this rank's counts",
         ("tests/test_status.py::test_a_bad_progress_record_costs_only_its_ranks_counts",),
@@ -1069,7 +1069,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-shows-staged-frames",
-        "spillmerge/_staging.py",
+        "spillmerge/_write/staging.py",
         "        self.flusher.progress.staged = lambda: (self.frames, self.offset)\n",
         "",
         ("tests/test_status.py::test_status_shows_frames_written_before_a_chunk_fills_and_stalls_only_idle_ranks",),
@@ -1077,7 +1077,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "status-not-a-spill-root",
-        "spillmerge/_status.py",
+        "spillmerge/_inspect/status.py",
         "        raise _not_a_spill_root(storage)",
         "        pass",
         ("tests/test_status.py::test_status_of_a_path_that_is_no_spill_root_is_a_one_line_error",),
@@ -1085,7 +1085,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "output-of-another-version-refused-at-open",
-        "spillmerge/_reader.py",
+        "spillmerge/_read/store.py",
         "        version = F.check_version(header, self.storage.describe(), spill=False)",
         '        version = header.get("format_version")',
         ("tests/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
@@ -1093,7 +1093,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "output-of-another-version-named-by-verify",
-        "spillmerge/_inspect.py",
+        "spillmerge/_inspect/summary.py",
         '    if isinstance(header, dict) and header.get("format_version") != F.FORMAT_VERSION:',
         "    if False:",
         ("tests/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
@@ -1101,7 +1101,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "spill-record-of-another-version-refused",
-        "spillmerge/_format.py",
+        "spillmerge/_format/common.py",
         "    if type(version) is not int or version != (SPILL_FORMAT_VERSION if spill else FORMAT_VERSION):",
         "    if type(version) is not int:",
         ("tests/test_format_version.py",),
@@ -1109,7 +1109,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "column-leaf-with-an-item-position-refused",
-        "spillmerge/_format_output.py",
+        "spillmerge/_format/output.py",
         "        if any(item_index(k) is not None for k in leaf):",
         "        if False:",
         ("tests/test_format_version.py::test_a_column_naming_a_list_item_by_position_is_refused",),
@@ -1118,7 +1118,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------- the stored plan of a merge in parts
     Mutation(
         "stored-plan-array-digest-checked",
-        "spillmerge/_planstore.py",
+        "spillmerge/_merge/planstore.py",
         '            if len(data) != nbytes or _digest(data) != spec["blake2b"]:',
         "            if len(data) != nbytes:",
         ("tests/test_scaleout.py::test_a_stored_plan_pointing_out_of_range_is_never_used",),
@@ -1126,7 +1126,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "stored-plan-removed-by-finalize",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "    _planstore.remove(output)  # the parts are done with it (the output is complete)",
         "    pass",
         ("tests/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
@@ -1134,7 +1134,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "plan-sql-stale-work-folder-removed",
-        "spillmerge/_plansql.py",
+        "spillmerge/_merge/plansql.py",
         "                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)",
         "                pass",
         ("tests/test_plan_sql.py::test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun",),
@@ -1142,7 +1142,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "plan-sql-duplicates-resolved-across-batches",
-        "spillmerge/_plansql.py",
+        "spillmerge/_merge/plansql.py",
         "        if not final:  # the last key may go on in the next batch",
         "        if False:",
         ("tests/test_plan_sql.py::test_keys_whose_copies_straddle_sorted_batches_are_decided_whole",),
@@ -1150,7 +1150,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "key-order-written-on-layouts",
-        "spillmerge/_values.py",
+        "spillmerge/_write/flatten.py",
         "    if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order",
         "    if False:",
         ("tests/test_key_order.py::test_value_and_iter_values_keep_key_order",),
@@ -1158,7 +1158,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "key-order-write-template-checks-order",
-        "spillmerge/_templates.py",
+        "spillmerge/_write/templates.py",
         " or tuple(value) != self.order:",
         ":",
         ("tests/test_key_order.py::test_dicts_of_tensors_of_one_structure_keep_each_order",),
@@ -1166,7 +1166,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "key-order-runs-checked",
-        "spillmerge/_keyorder.py",
+        "spillmerge/_format/keyorder.py",
         "                or not end <= run[0] < run[1] <= n_files\n",
         "",
         ("tests/test_key_order.py::test_a_damaged_key_order_table_is_refused",),
@@ -1174,7 +1174,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "key-order-arrow-struct-fields",
-        "spillmerge/_arrowtree.py",
+        "spillmerge/_read/arrow.py",
         "        return ordered(self.keys, self.path, self.order)",
         "        return sorted(self.keys.items())",
         ("tests/test_key_order.py::test_arrow_export_follows_the_key_order",),
@@ -1182,7 +1182,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "stored-plan-carries-key-orders",
-        "spillmerge/_planstore.py",
+        "spillmerge/_merge/planstore.py",
         '            "key_orders": plan.key_orders,',
         "",
         ("tests/test_scaleout.py::test_cli_parts_then_finalize_equal_one_process_merge",),
@@ -1190,7 +1190,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "plan-sort-memory-floor",
-        "spillmerge/_plansql.py",
+        "spillmerge/_merge/plansql.py",
         "    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)",
         "    return max(int(budget) // ENGINE_SHARE, 1 << 20)",
         ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
@@ -1198,7 +1198,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "key-order-clashing-files-walked-in-row-order",
-        "spillmerge/_keyorder.py",
+        "spillmerge/_format/keyorder.py",
         "        if clash:\n            clashing.add(k)",
         "        pass",
         ("tests/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
@@ -1206,7 +1206,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "i40-dropin-group-has-the-call-timeout",
-        "spillmerge/_dropin.py",
+        "spillmerge/_dist/dropin.py",
         "    key = (id(dist.group.WORLD), float(timeout))",
         "    key = (id(dist.group.WORLD), 0.0)",
         ("tests/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",),
@@ -1214,7 +1214,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "i40-small-plan-sorted-by-frame",
-        "spillmerge/_plansql.py",
+        "spillmerge/_merge/plansql.py",
         '[("fname", "ascending"), ("frame", "ascending"), ',
         '[("fname", "ascending"), ',
         ("tests/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
@@ -1222,7 +1222,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "i40-small-merge-no-pool",
-        "spillmerge/_merge.py",
+        "spillmerge/_merge/job.py",
         "    return 1 if small else job.threads",
         "    return job.threads",
         ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
@@ -1230,7 +1230,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flush-worker-skips-chunk-fsync",
-        "spillmerge/_staging.py",
+        "spillmerge/_write/staging.py",
         "buf[:size].data, fsync=self.fsync)",
         "buf[:size].data)",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
@@ -1238,7 +1238,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "journal-before-chunk-folder-sync",
-        "spillmerge/_staging.py",
+        "spillmerge/_write/staging.py",
         '            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)',
         "            pass",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
@@ -1246,7 +1246,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-pending-block-combine-ignored",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            if got == value and pos == b_off + b_nb:",
         "            if True:",
         ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_spread_over_output_chunks_fails_the_merge",),
@@ -1254,7 +1254,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-partial-block-never-read",
-        "spillmerge/_copy.py",
+        "spillmerge/_merge/copy.py",
         "            if (s, block) not in self.checked:\n                job._verify_block_local(s, block, r, e)",
         "            if False:\n                job._verify_block_local(s, block, r, e)",
         ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
@@ -1262,7 +1262,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "records-same-key-order",
-        "spillmerge/_values.py",
+        "spillmerge/_write/flatten.py",
         "        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):",
         "        if set(map(type, value)) != {dict}:",
         ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),

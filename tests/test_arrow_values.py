@@ -15,7 +15,7 @@ import torch
 from test_value_model import VALUES
 
 import spillmerge
-from spillmerge._format import user_key
+from spillmerge._format.common import user_key
 
 KEYS = ("filename", "frame_idx", "rank")
 

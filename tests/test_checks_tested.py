@@ -17,7 +17,7 @@ import torch
 from _helpers import value_diffs
 
 import spillmerge
-from spillmerge import _format_spill as FS
+from spillmerge._format import spill as FS
 
 
 def _merged(root: Path, out: Path) -> Any:
@@ -191,7 +191,7 @@ def test_a_filename_block_that_does_not_start_with_its_head_is_refused(tmp_path:
     # checksum fixed by zarr): the file that starts block 1 would be listed yet never found.
     import zarr
 
-    from spillmerge._zarrmeta import NAME_BLOCK
+    from spillmerge._merge.documents import NAME_BLOCK
 
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
     names = [f"f{i:06d}.jpg" for i in range(NAME_BLOCK + 5)]

@@ -195,7 +195,7 @@ def test_config_is_valid_for_both_commands():
 
 @pytest.mark.parametrize("size, want", [("16MiB", 16 << 20), ("256M", 256 << 20), ("4096", 4096), ("1g", 1 << 30)])
 def test_size_parser(size, want):
-    from spillmerge._options import parse_size
+    from spillmerge._merge.options import parse_size
 
     assert parse_size(size) == want
 
@@ -206,7 +206,7 @@ def test_merge_options_are_declared_once():
     import dataclasses
     import inspect
 
-    from spillmerge._options import MergeOptions, config_keys, flags
+    from spillmerge._merge.options import MergeOptions, config_keys, flags
     from spillmerge.cli import _MERGE_KEYS, build_parser
 
     declared = {f.name: f.default for f in dataclasses.fields(MergeOptions)}

@@ -15,7 +15,7 @@ import torch
 
 import spillmerge
 from spillmerge import cli
-from spillmerge._units import size_text
+from spillmerge._util.units import size_text
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

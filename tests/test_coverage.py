@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge._coverage import coverage
-from spillmerge._frames import read_manifest
+from spillmerge._inspect.coverage import coverage
+from spillmerge._util.frames import read_manifest
 from spillmerge.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -194,7 +194,7 @@ def test_plot_is_a_png_that_depends_on_the_coverage(merged, tmp_path, capsys):
 
 def test_plot_without_matplotlib_gives_the_install_hint(merged, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    from spillmerge._coverage import plot
+    from spillmerge._inspect.coverage import plot
 
     cov = coverage(str(merged[1]))
     with pytest.raises(spillmerge.MissingDependencyError, match=r"pip install 'spillmerge\[plot\]'") as ei:

@@ -17,8 +17,8 @@ from _failure_workers import enospc_spill, frame, raising_rank, slow_spiller
 from _procs import free_port, join_all, rank_context
 
 import spillmerge
-from spillmerge import _format_output as FO
 from spillmerge import cli
+from spillmerge._format import output as FO
 
 CTX = rank_context()
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"

@@ -20,12 +20,13 @@ import torch
 import zarr
 
 import spillmerge
-from spillmerge import _codecs, _lease
-from spillmerge import _format as F
-from spillmerge import _format_output as FO
-from spillmerge import _format_spill as FS
-from spillmerge._progress import PROGRESS_NAME
+from spillmerge._format import codecs as _codecs
+from spillmerge._format import common as F
+from spillmerge._format import output as FO
+from spillmerge._format import spill as FS
+from spillmerge._merge import lease as _lease
 from spillmerge._storage import Storage
+from spillmerge._util.progress import PROGRESS_NAME
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
 

@@ -13,7 +13,7 @@ import torch
 
 import spillmerge
 import spillmerge.cli
-from spillmerge import _format as F
+from spillmerge._format import common as F
 
 
 def _spill(root: Path) -> None:

@@ -15,6 +15,7 @@ from _gather_workers import WORLD, preds_of, worker
 from _procs import ranks_fixture
 
 import spillmerge
+import spillmerge._dist.gather
 
 ranks = ranks_fixture(worker, WORLD, "gather")
 
@@ -105,7 +106,7 @@ def test_without_torch_distributed_rank_and_world_size_come_from_the_environment
     frames = {name: sorted(fr for r in range(2) for fr in preds_of(r, "nd")[name]) for name in preds_of(0, "nd")}
     assert got[0][0] == frames
     assert got[1][0] == (frames if fn == "all_gather" else None)
-    assert not os.path.exists(spillmerge._gather.default_root(out))  # nothing left behind
+    assert not os.path.exists(spillmerge._dist.gather.default_root(out))  # nothing left behind
 
 
 def test_gather_in_one_process_and_the_spill_root_option(tmp_path: Path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge import _lease
+from spillmerge._merge import lease as _lease
 from spillmerge._storage import Storage
 
 

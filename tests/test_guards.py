@@ -32,9 +32,10 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 import spillmerge
-from spillmerge import _format as F
-from spillmerge import _format_spill as FS
-from spillmerge import _spillroot, _transfer
+from spillmerge._dist import transfer as _transfer
+from spillmerge._format import common as F
+from spillmerge._format import spill as FS
+from spillmerge._spill import root as _spillroot
 from spillmerge._storage import Storage
 
 
@@ -398,7 +399,7 @@ def _blocked_in_acquire(thread: threading.Thread) -> bool:
         if (
             frame.f_code.co_name == "wait"
             and caller.f_code.co_name == "acquire"
-            and caller.f_code.co_filename.endswith("_staging.py")
+            and caller.f_code.co_filename.endswith("_write/staging.py")
         ):
             return True
         frame = caller

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import spillmerge
-from spillmerge import _format as F
-from spillmerge import _format_spill as FS
+from spillmerge._format import common as F
+from spillmerge._format import spill as FS
 
 
 @pytest.fixture(scope="module")

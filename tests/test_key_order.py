@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge import _format as F
-from spillmerge import _spillroot as R
+from spillmerge._format import common as F
+from spillmerge._spill import root as R
 from spillmerge._storage import Storage
 
 

@@ -15,7 +15,8 @@ import torch
 import zarr
 
 import spillmerge
-from spillmerge import _lazyindex, _zarrmeta
+from spillmerge._merge import documents as _zarrmeta
+from spillmerge._read import index as _lazyindex
 
 SMALL = 8
 

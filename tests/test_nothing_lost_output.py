@@ -25,7 +25,7 @@ from test_cli import EXE, assert_one_line_error
 from test_cli import cli_run as run
 
 import spillmerge
-from spillmerge import _lease
+from spillmerge._merge import lease as _lease
 from spillmerge._storage import Storage
 
 FORK = mp.get_context("fork")

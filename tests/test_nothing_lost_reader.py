@@ -24,8 +24,8 @@ import zarr
 from _helpers import write_filenames
 
 import spillmerge
-from spillmerge._coverage import coverage
-from spillmerge._frames import read_manifest
+from spillmerge._inspect.coverage import coverage
+from spillmerge._util.frames import read_manifest
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
 

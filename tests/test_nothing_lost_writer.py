@@ -28,7 +28,7 @@ from _nothing_lost_workers import (
 from _procs import join_all
 
 import spillmerge
-from spillmerge import _format_spill as FS
+from spillmerge._format import spill as FS
 from spillmerge._storage import Storage
 
 

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge import _format_spill as FS
-from spillmerge import _plan, _plansql
-from spillmerge._barrier import wait_for_commits
 from spillmerge._errors import DuplicateFrameError
-from spillmerge._spillroot import load_all, same_bytes
+from spillmerge._format import spill as FS
+from spillmerge._merge import plan as _plan
+from spillmerge._merge import plansql as _plansql
+from spillmerge._spill.barrier import wait_for_commits
+from spillmerge._spill.root import load_all, same_bytes
 from spillmerge._storage import Storage
 
 NAMES = ["b", "a\uffff", "a\x00z", "é", "A", "a", "z\n", "\U0001f600", "ab"]

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge import _format_spill as FS
-from spillmerge import _plan, _plansql
-from spillmerge._barrier import wait_for_commits
 from spillmerge._errors import DuplicateFrameError
-from spillmerge._spillroot import load_all, same_bytes
+from spillmerge._format import spill as FS
+from spillmerge._merge import plan as _plan
+from spillmerge._merge import plansql as _plansql
+from spillmerge._spill.barrier import wait_for_commits
+from spillmerge._spill.root import load_all, same_bytes
 from spillmerge._storage import Storage
 
 
@@ -82,7 +83,8 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(t
         import os, signal, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import test_plan_sql as t
-        from spillmerge import _plan, _plansql
+        from spillmerge._merge import plan as _plan
+        from spillmerge._merge import plansql as _plansql
         real = _plan.build
         def build(segments, on_duplicate, *, same_bytes, **kw):
             def killer(a, b):

@@ -16,7 +16,8 @@ from _mp_scenarios import output_tree, tree_diff
 from test_scaleout import OPTS, _spill
 
 import spillmerge
-from spillmerge import _lease, _planstore
+from spillmerge._merge import lease as _lease
+from spillmerge._merge import planstore as _planstore
 from spillmerge._storage import Storage
 
 _PART = """
@@ -119,7 +120,7 @@ def test_a_damaged_file_of_the_work_folder_is_named_or_changes_nothing(tmp_path,
 _KILLED = """
 import sys, time
 import spillmerge
-from spillmerge import _merge
+from spillmerge._merge import job as _merge
 from spillmerge._storage import Storage
 stage = sys.argv[3]
 if stage == "build":

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import spillmerge
-from spillmerge import _format as F
+from spillmerge._format import common as F
 from spillmerge._storage import Storage
 
 names = st.text(min_size=0, max_size=120)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge import _merge
+from spillmerge._merge import job as _merge
 
 HERE = Path(__file__).parent
 EXE = os.path.join(os.path.dirname(sys.executable), "spillmerge")
@@ -222,7 +222,7 @@ def _commit(root: Path, rank: int, frames: list[int]) -> None:
 
 
 def test_a_killed_segment_whose_frames_the_output_lacks_is_kept_with_them(tmp_path):
-    from spillmerge._spillroot import load_flushed, read_segment
+    from spillmerge._spill.root import load_flushed, read_segment
     from spillmerge._storage import Storage
 
     root, out = tmp_path / "spill", tmp_path / "out.zarr"

@@ -25,7 +25,7 @@ from test_cli import assert_one_line_error
 from test_cli import cli_run as run
 
 import spillmerge
-from spillmerge import _format_output as FO
+from spillmerge._format import output as FO
 from spillmerge._storage import Storage
 
 DTYPES = [
@@ -321,7 +321,7 @@ def test_parts_stop_waiting_for_the_plan_when_the_planner_fails(tmp_path):
 _SLOW_PART0 = """
 import sys, time
 import spillmerge
-from spillmerge import _merge
+from spillmerge._merge import job as _merge
 planned = _merge.fingerprint  # called once the plan is built, before it is stored
 def slow(*a, **k):
     time.sleep(float(sys.argv[3]))  # a large plan: the planner holds its lease for a while first
@@ -334,7 +334,8 @@ spillmerge.merge(sys.argv[1], sys.argv[2], part=(0, 2))
 def _part0_planning(root, out, seconds: float) -> subprocess.Popen:
     """Part 0 in its own process, its plan taking ``seconds`` more; returned once it holds the
     planner lease."""
-    from spillmerge import _lease, _planstore
+    from spillmerge._merge import lease as _lease
+    from spillmerge._merge import planstore as _planstore
 
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_PART0, str(root), str(out), str(seconds)])
     deadline = time.monotonic() + 120
@@ -616,9 +617,10 @@ def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
     zarr writes for the same elements: filenames and their heads, offsets, rows, a ragged
     column's offsets and shapes, a column's ``valid``, a list's offsets; a one-process merge
     writes every one of them, and so does a merge in parts (the finalize none)."""
-    from spillmerge import _indexchunks, _merge
-    from spillmerge import _zarrmeta as Z
-    from spillmerge._options import MergeOptions
+    from spillmerge._merge import documents as Z
+    from spillmerge._merge import index as _indexchunks
+    from spillmerge._merge import job as _merge
+    from spillmerge._merge.options import MergeOptions
 
     root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
@@ -700,7 +702,7 @@ def test_the_part_0_probe_reads_only_a_live_holder_and_is_not_fooled_by_hostile_
     """``_lease.held`` (what a waiting part asks): held while part 0's lease is, free once it is
     released; a FIFO or a link out of the root in the lock's place, a lease object that expired,
     or one too large reads as not held, at once and without blocking."""
-    from spillmerge import _lease
+    from spillmerge._merge import lease as _lease
 
     out = tmp_path / "out"
     out.mkdir()

@@ -13,7 +13,7 @@ import zarr
 from _helpers import write_filenames
 
 import spillmerge
-from spillmerge._zarrmeta import NAME_BLOCK
+from spillmerge._merge.documents import NAME_BLOCK
 
 
 def _many(tmp_path: Path, n: int) -> tuple[Path, list[str]]:

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import spillmerge
+import spillmerge._format.spill
 
 # object kind -> (tree it lives in, glob of its path in a freshly built spill root / output)
 KINDS: dict[str, tuple[str, str]] = {
@@ -198,10 +199,10 @@ def _build(base: Path) -> tuple[Path, Path]:
     (root / "spillmerge-report.json").write_text(json.dumps(doc))
     # What a merge(wait=True) that failed on dst leaves in the spill root, and what a merge killed
     # while holding the output's lease leaves in the output (the lock files; flock died with it).
-    failure = spillmerge._format_spill.MergeFailureRecord.of(
+    failure = spillmerge._format.spill.MergeFailureRecord.of(
         RuntimeError("dst failed"), rank=0, run_id="run-x", session=0
     )
-    (root / spillmerge._format_spill.MERGE_FAILED_NAME).write_bytes(failure.to_json())
+    (root / spillmerge._format.spill.MERGE_FAILED_NAME).write_bytes(failure.to_json())
     (out / "spillmerge-lease").mkdir()
     (out / "spillmerge-lease" / "output.lock").write_bytes(b"")
     return root, out

@@ -17,11 +17,11 @@ import torch
 from _helpers import value_diffs
 
 import spillmerge
-from spillmerge import _format as F
-from spillmerge import _format_spill as FS
-from spillmerge import _spillroot as R
+from spillmerge._format import common as F
+from spillmerge._format import spill as FS
+from spillmerge._spill import root as R
 from spillmerge._storage import Storage
-from spillmerge._values import Leaf, flatten
+from spillmerge._write.flatten import Leaf, flatten
 
 
 def leaves(value: Any, **kw: Any) -> dict[tuple[str, ...], Leaf]:
@@ -539,7 +539,7 @@ _FAST = {0, 3, 5, 6, 7, 10, 14}  # plain contiguous host tensors / arrays of num
 def test_the_write_fast_path_gives_the_leaves_of_the_general_walk(case: int) -> None:
     """What write() stores for a plain tensor / flat dict (the fast path) is what the general
     walk gives: same paths, dtypes, shapes and bytes; anything else is left to the walk."""
-    from spillmerge._values import flatten, flatten_dense
+    from spillmerge._write.flatten import flatten, flatten_dense
 
     value = _fast_cases()[case]
     fast = flatten_dense(value)

@@ -11,8 +11,8 @@ from _procs import spawn_ranks
 from _waits_workers import WORLD, worker
 
 import spillmerge
-from spillmerge import _barrier
-from spillmerge._progress import PROGRESS_NAME
+from spillmerge._spill import barrier as _barrier
+from spillmerge._util.progress import PROGRESS_NAME
 
 
 @pytest.fixture

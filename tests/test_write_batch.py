@@ -302,7 +302,7 @@ def test_a_key_written_again_after_templated_writes_is_a_duplicate(tmp_path):
 def test_a_key_starting_with_the_marker_is_stored_alike_by_write_and_write_batch(tmp_path):
     from collections import OrderedDict
 
-    from spillmerge._format import MARK
+    from spillmerge._format.common import MARK
 
     x, y = torch.arange(6.0).reshape(2, 3), torch.ones(2, 1)
 
@@ -413,7 +413,7 @@ def test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone(
     import collections
     import dataclasses
 
-    from spillmerge import _batch
+    from spillmerge._write import batch as _batch
 
     a, b = torch.zeros(2), torch.ones(2)
     swap = {id(a): b}

@@ -15,8 +15,8 @@ from _helpers import bits, random_bits, zarr_filenames
 from fsspec.implementations.memory import MemoryFileSystem
 
 import spillmerge
-from spillmerge import _format as F
-from spillmerge import _format_output as FO
+from spillmerge._format import common as F
+from spillmerge._format import output as FO
 
 TORCH_DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

@@ -11,9 +11,9 @@ returns a ``PosixPath``: :class:`LocalStorage` for local paths and ``file://`` U
 - ``_fsspec``: any other fsspec filesystem (object stores: one PUT per object).
 """
 
-from ._base import Sink, Storage
-from ._fsspec import FsspecStorage
-from ._local import LocalStorage
+from .base import Sink, Storage
+from .fsspec_store import FsspecStorage
+from .local import LocalStorage
 
 # Importing a backend registers it with Storage (Storage.__init_subclass__).
 

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .. import _batch
 from .._errors import SpillValueError
-from .._report import MergeReport
+from .._merge.report import MergeReport
 from .._storage import Storage
-from .._writer import SpillWriter
+from .._write import batch as _batch
+from .._write.writer import SpillWriter
 
 REPORT_NAME = "spillmerge-report.json"
 """In the spill root: the merging rank's :class:`MergeReport`, for a launching process that ran

@@ -1,0 +1,1 @@
+"""torch.distributed: ranks, the group's store, the merge round, node-local transfer, gather, drop-ins."""

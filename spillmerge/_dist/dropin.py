@@ -1,0 +1,429 @@
+"""Drop-ins for ``torch.distributed.gather_object`` / ``all_gather_object``: torch's signatures
+and semantics, the objects travelling through storage instead of pickled tensors.
+
+Each call (every rank, like the torch collectives; each step's gloo all-gather also ends by the
+call's ``timeout``, so a rank that never calls is a timeout error, never a hang):
+  (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
+                hostnames: on several hosts the folder must be on storage every rank sees
+                (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
+  (every rank)  writes its object as frame 0 of file ``R`` (its rank, zero-padded) and, when it
+                has any, the paths of its numpy arrays and pickled objects as frame 1; commits
+  (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
+                dst removes the call's folder (every rank is past writing)
+  (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
+                an all-gather of how that went, as above
+  (readers)     read every rank's object back (tensors as torch tensors on the CPU, the numpy
+                arrays' paths turned back into numpy arrays) into the caller's list
+  (dst)         removes the call's folder once every reader is done: nothing stays on storage
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._errors import ConfigError, CoordinationError, RankFailedError, SpillMergeError
+from .._read.store import MergedStore
+from .._read.store import open as open_store
+from .._storage import Storage
+from .._write.writer import SpillWriter
+
+ROOT_ENV = "SPILLMERGE_ROOT"
+"""The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
+
+DEFAULT_TIMEOUT = 1800.0
+CHUNK_BYTES = 4 << 20
+"""The writer's chunk (and staging buffer) size in a call."""
+
+
+class DropInArgumentError(SpillMergeError, ValueError):
+    """An argument torch's object collectives refuse with ``ValueError`` (an output list on the
+    wrong rank or of the wrong length, both ``dst`` and ``group_dst``, an unsupported group)."""
+
+
+def _name(rank: int) -> str:
+    return f"{rank:08d}"  # zero-padded: files sort in rank order
+
+
+def default_root() -> str:
+    """``/dev/shm`` when present and writable (nothing reaches a disk), else the temp dir."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int, int]:
+    """(this rank, world size, destination) in the default group; ``group`` must be it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise DropInArgumentError("the default process group is not initialized (call init_process_group first)")
+    if (
+        group is not None
+        and group is not dist.group.WORLD
+        and dist.get_process_group_ranks(group) != list(range(dist.get_world_size()))
+    ):
+        raise DropInArgumentError(
+            "group= other than the default process group (all ranks) is not supported yet; pass group=None"
+        )
+    if dst is not None and group_dst is not None:
+        raise DropInArgumentError("Can't specify both group_rank and global_rank (dst= and group_dst=)")
+    target = group_dst if group_dst is not None else (0 if dst is None else dst)
+    world = dist.get_world_size()
+    if not isinstance(target, int) or not 0 <= target < world:
+        raise DropInArgumentError(f"destination rank {target!r} is not in [0, world_size={world})")
+    return dist.get_rank(), world, target
+
+
+_GROUPS: dict[tuple[int, float], Any] = {}
+
+
+def _group(timeout: float) -> Any:
+    """The gloo group of the calls with this ``timeout`` (every rank passes the same, as with
+    any collective's arguments): its own timeout is the call's, so every wait ends by it."""
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), float(timeout))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    return _GROUPS[key]
+
+
+def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
+    """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
+    import torch.distributed as dist
+
+    got: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(got, mine, group=_group(timeout))
+    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+        raise CoordinationError(
+            f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
+        ) from exc
+    return got
+
+
+def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> tuple[str, bool]:
+    """The call's folder, rank 0's fresh id under the root, and whether every rank runs on this
+    host (the default root is node-local), from one all-gather."""
+    got = _exchange(rank, (socket.gethostname(), uuid.uuid4().hex), timeout, "entered the call")
+    where = os.fspath(root) if root is not None else os.environ.get(ROOT_ENV) or None
+    hosts = sorted({h for h, _ in got})
+    if where is None and len(hosts) > 1:
+        raise ConfigError(
+            f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}) and "
+            f"the default root ({default_root()}) is node-local: set {ROOT_ENV} (or pass root=) to a folder "
+            "every rank sees",
+            key=ROOT_ENV,
+        )
+    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1
+
+
+def _settle(
+    rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, error: BaseException | None,
+    timeout: float, what: str,
+) -> None:  # fmt: skip
+    """After a step of the call, every rank learns whether any rank's step failed. On a failure
+    dst removes the call's folder (every rank is past the step: nobody writes there any more)
+    and every rank raises: its own error, else a :class:`RankFailedError` naming the ranks."""
+    mine = None if error is None else f"{type(error).__name__}: {str(error)[:2000]}"
+    failures = {r: m for r, m in enumerate(_exchange(rank, mine, timeout, f"finished {what}")) if m is not None}
+    if not failures:
+        return
+    if rank == dst:
+        try:
+            _remove(call, storage_options)
+        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
+            pass
+    if error is not None:
+        raise error
+    names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+    raise RankFailedError(f"rank {rank}: rank(s) {sorted(failures)} failed {what} ({names})", failures=failures)
+
+
+_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
+"""Types with nothing below them for ``_Shape`` to find: skipped without a call."""
+
+
+class _Whole:
+    """An object stored pickled whole (``allow_pickle``) because its type would not come back:
+    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
+class _Shape:
+    """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
+    list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
+    tensor; these are turned back) and of the objects stored pickled whole (``_Whole``).
+    ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
+
+    def __init__(self, obj: Any, allow_pickle: bool) -> None:
+        self.numpy: list[list[Any]] = []
+        self.scalars: list[list[Any]] = []
+        self.whole: list[list[Any]] = []
+        self.allow_pickle = allow_pickle
+        self.obj = self._walk(obj, [], 0)
+
+    def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
+        kind = type(obj)
+        if kind is np.ndarray:
+            self.numpy.append(path)
+            return obj
+        if kind in _ATOMIC or isinstance(obj, torch.Tensor):
+            return obj
+        if isinstance(obj, np.generic):
+            self.scalars.append(path)
+            return obj
+        if depth > 64:
+            return obj
+        if kind is dict:
+            if not all(type(k) is str for k in obj):
+                return self._pickled(obj, path)  # else the writer refuses the key, naming it
+            changed: Any = None
+            for k, v in obj.items():
+                if type(v) in _ATOMIC:
+                    continue
+                nv = self._walk(v, [*path, k], depth + 1)
+                if nv is not v:
+                    changed = dict(obj) if changed is None else changed
+                    changed[k] = nv
+            return obj if changed is None else changed
+        if kind is list or kind is tuple:
+            items: Any = None
+            for i, v in enumerate(obj):
+                if type(v) in _ATOMIC:
+                    continue
+                nv = self._walk(v, [*path, i], depth + 1)
+                if nv is not v:
+                    items = list(obj) if items is None else items
+                    items[i] = nv
+            return obj if items is None else kind(items)
+        if isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+            return self._pickled(obj, path)  # a subclass or a dataclass: stored as a plain dict / list
+        return obj
+
+    def _pickled(self, obj: Any, path: list[Any]) -> Any:
+        if not self.allow_pickle:
+            return obj
+        self.whole.append(path)
+        return _Whole(obj)
+
+    def dumps(self) -> str | None:
+        """The paths to turn back, as JSON; None when there are none (nothing to store)."""
+        if not (self.numpy or self.scalars or self.whole):
+            return None
+        return json.dumps({"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole})
+
+
+def _restore(value: Any, text: str) -> Any:
+    """``value`` as read back, with what ``_Shape.dumps`` says storage did not keep."""
+    shape = json.loads(text)
+    for path in shape["whole"]:
+        value = _at(value, path, lambda v: v.obj if isinstance(v, _Whole) else v)
+    for path in shape["numpy"]:
+        value = _at(value, path, lambda v: v.numpy() if _is_tensor(v) else v)
+    for path in shape["scalars"]:
+        value = _at(value, path, lambda v: v.numpy()[()] if _is_tensor(v) else v)
+    return value
+
+
+def _at(value: Any, path: list[Any], fix: Any) -> Any:
+    """``value`` with ``fix`` applied to what lies at ``path`` (tuples rebuilt, the rest in place)."""
+    if not path:
+        return fix(value)
+    head = path[0]
+    try:
+        inner = value[head]
+    except (KeyError, IndexError, TypeError):
+        return value
+    fixed = _at(inner, path[1:], fix)
+    if fixed is inner:
+        return value
+    if type(value) is tuple:
+        return (*value[:head], fixed, *value[head + 1 :])
+    value[head] = fixed
+    return value
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: bool) -> None:
+    """torch's checks of the output list (``_validate_output_list_for_rank``), and its length."""
+    wanted = every_rank or rank == dst
+    if not wanted:
+        if object_list:
+            raise DropInArgumentError(
+                f"rank {rank}: Argument ``object_gather_list`` must NOT be specified on non-destination ranks "
+                f"(destination is rank {dst})"
+            )
+        return
+    name = "object_list" if every_rank else "object_gather_list"
+    if not every_rank and not object_list:
+        raise DropInArgumentError(f"rank {rank}: Argument ``{name}`` must be specified on destination rank")
+    if not isinstance(object_list, list) or len(object_list) != world:
+        got = len(object_list) if isinstance(object_list, list) else type(object_list).__name__
+        raise DropInArgumentError(f"rank {rank}: ``{name}`` must be a list of world_size={world} items, got {got}")
+
+
+def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
+    storage = Storage(call, storage_options)
+    try:
+        storage.rm_tree()
+    finally:
+        storage.close()
+
+
+def _barrier(rank: int, timeout: float) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(group=_group(timeout), timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+        raise CoordinationError(
+            f"rank {rank}: not every rank finished the call within {timeout:.0f} s ({exc})", rank=rank
+        ) from exc
+
+
+def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
+    for r in range(world):
+        name = _name(r)
+        value = store.value(name, 0, as_torch=True)
+        if len(store.frames(name)) > 1:
+            value = _restore(value, store.value(name, 1))
+        object_list[r] = value
+
+
+def _collective(
+    obj: Any,
+    object_list: Any,
+    dst: int | None,
+    group: Any,
+    group_dst: int | None,
+    *,
+    every_rank: bool,
+    root: str | os.PathLike[str] | None,
+    allow_pickle: bool,
+    timeout: float,
+    storage_options: dict[str, Any] | None,
+) -> None:
+    rank, world, target = _ranks(group, dst, group_dst)
+    call, one_host = _agree(rank, root, timeout)
+    spill, out = f"{call}/spill", f"{call}/out.zarr"
+    error: BaseException | None = None
+    try:
+        # fsync=False here and in the merge: the call's folder is removed when the call returns,
+        # so nothing in it has to outlive a crash (a syncfs per call was most of a small call)
+        # 4 MiB chunks, two of them: the writer touches its staging buffers ahead of use, and a
+        # small call's cost was mostly faulting in 16 MiB ones
+        with SpillWriter(
+            spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
+            chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
+        ) as w:  # fmt: skip
+            _check_list(rank, target, world, object_list, every_rank)
+            shape = _Shape(obj, allow_pickle)
+            try:
+                w.write(_name(rank), 0, shape.obj)
+            except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
+                exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+                raise
+            extra = shape.dumps()
+            if extra is not None:  # numpy arrays and pickled objects: their paths, as frame 1
+                w.write(_name(rank), 1, extra)
+    except Exception as exc:  # told to every rank just below, then raised here
+        error = exc
+    # Every rank has committed (or failed) once this returns: dst's merge finds every commit
+    # record at its first look, with no polling of storage.
+    _settle(rank, target, call, storage_options, error, timeout, "writing its object")
+    try:
+        # On one host every shard lies where dst reads it: no transfer to coordinate. The spill
+        # stays until the call's folder goes as a whole.
+        w.merge(
+            out, target, wait=False, timeout=timeout, overwrite=True, storage_options=storage_options,
+            remove_spill=False, progress=False, fsync=False, transport="storage" if one_host else "auto",
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+        error = exc
+    _settle(rank, target, call, storage_options, error, timeout, "the merge")
+    # From here a failure is this rank's own (reading back): the others are not told, so each
+    # rank still meets the barrier and dst still removes the folder, whatever happened here.
+    try:
+        if every_rank or rank == target:
+            _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
+    finally:
+        if every_rank:
+            _barrier(rank, timeout)  # every rank has read the output before dst removes it
+        if rank == target:  # every rank is done with the call's folder
+            _remove(call, storage_options)
+
+
+def gather_object(
+    obj: Any,
+    object_gather_list: list[Any] | None = None,
+    dst: int | None = None,
+    group: Any = None,
+    group_dst: int | None = None,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    allow_pickle: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """``torch.distributed.gather_object`` through storage: on rank ``dst`` (default 0),
+    ``object_gather_list`` (``world_size`` items; ``None`` on the other ranks) is filled in rank
+    order with what each rank passed: dicts (str keys, their order kept), lists, tuples, Python
+    scalars, str, bytes, numpy arrays as numpy arrays and tensors as torch tensors on the CPU.
+    Other objects are pickled only with ``allow_pickle=True``, and so are dicts with other keys,
+    subclasses of dict, list and tuple, and dataclasses (without it, these come back as the plain
+    dict, list or tuple of their items).
+
+    The data travels through ``root`` (else env ``SPILLMERGE_ROOT``, else ``/dev/shm`` or the temp
+    dir when every rank runs on one host; on several hosts one of the two must name storage every
+    rank sees, else every rank raises :class:`~spillmerge.ConfigError`); nothing is left there
+    when the call returns. A rank that raises inside the call makes every rank raise a
+    :class:`~spillmerge.SpillMergeError` naming it; a rank that never calls, one after
+    ``timeout`` seconds. Only the default process group is supported (``group=None``)."""
+    _collective(
+        obj, object_gather_list, dst, group, group_dst, every_rank=False, root=root, allow_pickle=allow_pickle,
+        timeout=timeout, storage_options=storage_options,
+    )  # fmt: skip
+
+
+def all_gather_object(
+    object_list: list[Any],
+    obj: Any,
+    group: Any = None,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    allow_pickle: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """``torch.distributed.all_gather_object`` through storage: every rank's ``object_list``
+    (``world_size`` items) is filled in rank order with what each rank passed, as
+    :func:`gather_object` fills the destination's."""
+    _collective(
+        obj, object_list, None, group, None, every_rank=True, root=root, allow_pickle=allow_pickle,
+        timeout=timeout, storage_options=storage_options,
+    )  # fmt: skip
+
+
+__all__ = ["ROOT_ENV", "DropInArgumentError", "all_gather_object", "gather_object"]

@@ -1,0 +1,94 @@
+"""Rank, world size and run id resolution. Never uses a GPU collective."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import uuid
+
+from .._errors import CoordinationError, SpillValueError
+
+
+def dist_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise SpillValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit arguments, else torch.distributed when initialised, else env RANK/WORLD_SIZE,
+    else 0 and 1."""
+    if rank is None or world_size is None:
+        if dist_initialized():
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        else:
+            env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+            rank = (env_rank if env_rank is not None else 0) if rank is None else rank
+            world_size = (env_world if env_world is not None else 1) if world_size is None else world_size
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise SpillValueError(f"{name} must be an int, got {v!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise SpillValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    return rank, world_size
+
+
+def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
+    """The id shared by all ranks of one job run.
+
+    Explicit argument, else the launcher's (torchrun's TORCHELASTIC_RUN_ID, SLURM's job id),
+    else, when torch.distributed is initialised, rank 0's fresh id broadcast over a gloo group
+    (CPU only), else None (the merge then waits on each rank's newest segment).
+    """
+    if run_id is not None:
+        return str(run_id)
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    if elastic and elastic != "none":
+        return f"torchelastic-{elastic}"
+    slurm = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    if slurm:
+        return f"slurm-{slurm}"
+    if dist_initialized():
+        import torch.distributed as dist
+
+        try:
+            group = gloo_group(timeout)
+            obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(obj, src=0, group=group)
+        except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            raise CoordinationError(
+                f"rank {dist.get_rank()}: agreeing on a run id with the other ranks failed within "
+                f"{timeout:.0f} s ({exc}); every rank must create its SpillWriter, or pass run_id=...",
+                rank=dist.get_rank(),
+            ) from exc
+        return str(obj[0])
+    return None
+
+
+_GLOO_GROUPS: dict[int, object] = {}
+
+
+def gloo_group(timeout: float):  # type: ignore[no-untyped-def]
+    """A CPU-only process group over all ranks with a bounded timeout (never NCCL), created once
+    per default process group."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _GLOO_GROUPS:
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    return _GLOO_GROUPS[key]

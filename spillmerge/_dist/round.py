@@ -1,0 +1,232 @@
+"""The merge round: what every rank's ``SpillWriter.merge`` call does, who merges, who waits, and
+how the outcome and failures travel. The writer delegates here; nothing below imports it.
+
+Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
+  (every rank)    check the options alike; when torch.distributed is initialised with the writer's
+                  rank and world size (:func:`coordinated`) and ``transport`` is not ``"storage"``,
+                  the first round of a writer session runs ``_transfer.transfer_shards`` so ``dst``
+                  can read every committed shard under its own root
+  (dst)           ``_merge.merge`` (``parallel``: every rank runs ``_merge.merge_parallel`` and
+                  ``dst`` finalizes), then ``_runstore.publish_merge_outcome``; a failure is also
+                  recorded in the spill root (:func:`record_failure`) when the others wait
+  (other ranks)   return ``None``, or with ``wait`` :func:`wait_complete`: this round's completion
+                  marker in the output, ``dst``'s outcome in the store, or its failure record
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTimeout, SpillValueError
+from .._format import common as F
+from .._format import output as FO
+from .._format import spill as FS
+from .._merge.job import merge, merge_parallel
+from .._merge.report import MergeReport
+from .._storage import Storage
+from .._util import poll as _poll
+from .rank import dist_initialized
+from .store import OutcomeWatch, publish_merge_outcome
+from .transfer import Session, TransferInfo, check_options, transfer_shards
+
+
+class Rounds:
+    """The merge rounds of one writer session (``SpillWriter.merge`` calls). The first
+    coordinated round moves every shard where ``dst`` reads it; a later round of the same writer
+    (another output or duplicate policy) needs no coordination."""
+
+    def __init__(self) -> None:
+        self.shards_here = False
+        """Set by a completed coordinated round: ``dst``'s root holds every committed shard."""
+
+    def merge(
+        self,
+        session: Session,
+        out: str,
+        dst: int,
+        /,  # kwargs go to the merge, and may hold a `session` of their own
+        *,
+        wait: bool,
+        parallel: bool,
+        transport: str,
+        transfer_chunk_bytes: int,
+        transfer_timeout: float,
+        **kwargs: Any,
+    ) -> MergeReport | None:
+        """One round, on this rank (``SpillWriter.merge`` documents the arguments)."""
+        if not 0 <= dst < session.world_size:
+            raise SpillValueError(f"dst={dst} is not a rank of world_size {session.world_size}")
+        check_options(transport, transfer_chunk_bytes, transfer_timeout)
+        kwargs.setdefault("timeout", 1800.0)
+        kwargs.setdefault("storage_options", session.storage.storage_options)
+        kwargs.setdefault("session", session.number)  # names this round in the completion marker
+        network = transport in ("nccl", "gloo")
+        root = session.storage.url
+        if parallel:  # every rank writes a part; dst finalizes
+            if network:
+                raise ConfigError(
+                    "parallel=True needs every rank to see the spill root; it cannot be combined with "
+                    f"transport={transport!r}",
+                    key="transport",
+                )
+            return _merge_on_dst(
+                session,
+                out,
+                dst,
+                wait,
+                kwargs,
+                lambda: merge_parallel(
+                    root,
+                    out,
+                    rank=session.rank,
+                    world_size=session.world_size,
+                    dst=dst,
+                    run_id=session.run_id,
+                    **kwargs,
+                ),
+                every_rank_runs=True,
+            )
+        info: TransferInfo | None = None
+        if transport != "storage" and coordinated(session) and not self.shards_here:
+            # The first merge of a job gathers every shard where dst can read it; a later merge
+            # of the same writer (another output or duplicate policy) needs no coordination.
+            info = transfer_shards(
+                session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
+                progress=kwargs.get("progress"),
+            )  # fmt: skip
+            self.shards_here = True
+        elif network:
+            raise ConfigError(
+                f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
+                f"{session.rank} and world_size {session.world_size}",
+                key="transport",
+            )
+
+        def run() -> MergeReport | None:
+            report = merge(root, out, world_size=session.world_size, run_id=session.run_id, **kwargs)
+            return report if info is None else info.add_to(report)
+
+        return _merge_on_dst(session, out, dst, wait, kwargs, run)
+
+
+def coordinated(session: Session) -> bool:
+    """True when torch.distributed is initialised with this writer's rank and world size."""
+    if session.world_size < 2 or not dist_initialized() or session.run_id is None:
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.get_rank() == session.rank and dist.get_world_size() == session.world_size)
+
+
+def _merge_on_dst(
+    session: Session,
+    out: str,
+    dst: int,
+    wait: bool,
+    kwargs: dict[str, Any],
+    run: Callable[[], MergeReport | None],
+    *,
+    every_rank_runs: bool = False,
+) -> MergeReport | None:
+    """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root);
+    the others (after ``run()`` too when ``every_rank_runs``: a parallel merge's parts) wait
+    for the output when ``wait``, else return None."""
+    n = session.number
+    if session.rank != dst:
+        if every_rank_runs:
+            run()
+        if wait:
+            output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
+            wait_complete(
+                output,
+                session.storage,
+                run_id=session.run_id,
+                session=n,
+                dst=dst,
+                timeout=float(kwargs["timeout"]),
+                outcome=OutcomeWatch(session.run_id, n).poll,
+            )
+        return None
+    try:
+        report = run()
+    except BaseException as exc:
+        if wait:  # the other ranks (called with the same wait=True) are waiting: tell them on storage too
+            record_failure(session.storage, exc, rank=session.rank, run_id=session.run_id, session=n)
+        publish_merge_outcome(session.run_id, n, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+        raise
+    publish_merge_outcome(session.run_id, n, {"ok": True})
+    return report
+
+
+def record_failure(spill: Storage, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> None:
+    """The merging rank's merge failed: say so in the spill root every rank knows
+    (``ROOT/spillmerge-failed.json``; never in the output, which may not be ours), so ranks
+    waiting for the output (:func:`wait_complete`) raise at once with the cause. Best effort:
+    storage may be what failed, and the process group's store carries it too."""
+    try:
+        record = FS.MergeFailureRecord.of(exc, rank=rank, run_id=run_id, session=session)
+        spill.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
+    except Exception:  # noqa: BLE001 - the merge's own error matters more
+        pass
+
+
+def wait_complete(
+    output: Storage,
+    spill: Storage,
+    *,
+    run_id: str | None,
+    session: int,
+    dst: int,
+    timeout: float,
+    outcome: Callable[[], dict[str, Any] | None],
+) -> None:
+    """A rank other than ``dst``: return once the output holds a completion marker of this run
+    (``run_id``), or the process group's store says the merge succeeded (``outcome()``); raise
+    :class:`MergeFailedError` naming ``dst`` as soon as its merge is known to have failed (the
+    store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
+    ``timeout`` seconds."""
+    for waited in _poll.poll(timeout, first=0.002, cap=1.0, factor=1.25):  # a small merge takes ms
+        told = outcome()
+        if told is not None:
+            if told.get("ok"):
+                return
+            _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
+        if complete_for(output, run_id, session):
+            return
+        raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
+        if raw is not None:
+            try:
+                rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME))
+            except CorruptSpillError:
+                rec = None
+            if rec is not None and rec.run_id == run_id and rec.session == session:
+                _raise_failed(output, spill, rec.rank, rec.summary())
+        if waited >= timeout:
+            raise MergeTimeout(
+                f"waited {waited:.0f} s for rank {dst} to complete the merge into {output.describe()}; it neither "
+                f"finished nor recorded a failure there. Check rank {dst}'s log (was it killed?), and that every rank "
+                "sees the output (wait=True needs shared storage for the output)",
+                path=output.describe(),
+                waited_s=waited,
+            )
+
+
+def complete_for(output: Storage, run_id: str | None, session: int) -> bool:
+    raw = output.get_or_none(FO.COMPLETE_NAME, max_bytes=1 << 20)
+    if raw is None:
+        return False
+    try:
+        obj = F.loads(raw, path=output.describe(FO.COMPLETE_NAME))
+    except CorruptSpillError:
+        return False
+    return isinstance(obj, dict) and obj.get("run_id") == run_id and obj.get("session") == session
+
+
+def _raise_failed(output: Storage, spill: Storage, dst: int, error: str) -> None:
+    raise MergeFailedError(
+        f"the merge into {output.describe()} failed on rank {dst}: {error} (its traceback is in "
+        f"{spill.describe(FS.MERGE_FAILED_NAME)} or rank {dst}'s log)",
+        rank=dst,
+        failures={dst: error},
+    )

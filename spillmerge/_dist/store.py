@@ -1,0 +1,232 @@
+"""Run-store signalling: the keys a job's ranks exchange through the process group's store.
+
+torch.distributed's default store (a TCP key-value store on CPU every process group already has)
+carries, under ``spillmerge/RUN_ID/``:
+
+- ``failed/A/R`` (and the counter ``failed/A``): rank R's A-th writer session of the run failed
+  (:func:`publish_failure`, written by ``SpillWriter.abort``; read by :class:`Coord` waits);
+- ``merge-outcome/A``: how ``dst``'s merge of session A ended (:func:`publish_merge_outcome`;
+  ranks waiting for the output watch it with :class:`OutcomeWatch`);
+- ``merge-A/...``: the JSON messages of one coordinated merge (:class:`Coord`: ``meta``,
+  ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_transfer.transfer_shards``).
+
+No collective and no GPU: every wait polls the store with backoff and ends by its timeout.
+Without torch.distributed (or a run id) nothing is published and the ranks rely on storage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import CommitTimeout, CoordinationError, RankFailedError, SpillMergeError
+from .._util import poll as _poll
+
+DONE_CHECK_MAX = 10.0
+"""Longest pause between dst's checks of storage for commit records while ranks have not reached merge()."""
+
+
+def _store_prefix(run_id: str) -> str:
+    return f"spillmerge/{run_id}/"
+
+
+def _default_store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+_SESSIONS: dict[str, itertools.count[int]] = {}
+
+
+def next_session(run_id: str | None) -> int:
+    """The number of this process's writer session within run ``run_id`` (0, 1, ...). Ranks that
+    call the same code open the same number of writers, so "the A-th session" names the same
+    round on every rank: a failure of round 0 (a crash) does not fail round 1 (the rerun) in the
+    same process group."""
+    return next(_SESSIONS.setdefault(run_id or "", itertools.count()))
+
+
+def _run_store(run_id: str | None) -> Any:
+    """This run's keys in the process group's store, or None without torch.distributed (or a run
+    id). Raises whatever the store raises."""
+    if run_id is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.PrefixStore(_store_prefix(run_id), _default_store())
+
+
+def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
+    """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed (best effort)."""
+    try:
+        store = _run_store(run_id)
+        if store is not None:
+            store.set(f"failed/{session}/{rank}", message[:4000])
+            store.add(f"failed/{session}", 1)
+    except Exception:  # noqa: BLE001 - the writer's own error matters more
+        pass
+
+
+def publish_merge_outcome(run_id: str | None, session: int, outcome: dict[str, Any]) -> None:
+    """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
+    merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
+    waiting ranks also watch storage)."""
+    try:
+        store = _run_store(run_id)
+        if store is not None:
+            store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
+    except Exception:  # noqa: BLE001 - storage still carries the outcome
+        pass
+
+
+class OutcomeWatch:
+    """A waiting rank's view of ``merge-outcome`` in the process group's store: ``poll()`` returns
+    the outcome once published, else None; once the store is gone (its host process, usually
+    rank 0, exited) it stays None and the caller relies on storage."""
+
+    def __init__(self, run_id: str | None, session: int) -> None:
+        self.key = f"merge-outcome/{session}"
+        try:
+            self.store: Any = _run_store(run_id)
+        except Exception:  # noqa: BLE001 - no store: storage only
+            self.store = None
+
+    def poll(self) -> dict[str, Any] | None:
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([self.key]):
+                return None
+            got = json.loads(self.store.get(self.key))
+            return got if isinstance(got, dict) else None
+        except Exception:  # noqa: BLE001 - the store's host went away: storage only from now on
+            self.store = None
+            return None
+
+
+# ------------------------------------------------------------------------------ coordination
+class Coord:
+    """JSON messages through the process group's store (a TCP key-value store on CPU). Waits poll
+    with backoff (at most 4 times a second) and look for failures each time, so a failed rank or
+    an aborted merge ends every wait promptly and every wait ends by ``timeout``."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float, session: int = 0) -> None:
+        import torch.distributed as dist
+
+        self.base = dist.PrefixStore(_store_prefix(run_id), _default_store())
+        self.session = session
+        self.diagnose: Callable[[], dict[int, str]] | None = None
+        """Failure records of this run on storage (rank -> "Type: message"), for a lost store."""
+        # One coordinated merge per writer session (later merges of a writer need none), so the
+        # session number names this merge's keys alike on every rank, even where an earlier
+        # round failed before merging on some ranks.
+        self.store = dist.PrefixStore(f"merge-{session}/", self.base)
+        self.rank, self.world_size, self.dst, self.timeout = rank, world_size, dst, timeout
+
+    def put(self, key: str, obj: Any) -> None:
+        try:
+            self.store.set(key, json.dumps(obj))
+        except RuntimeError as exc:  # the store's host went away before we could publish
+            raise self._store_lost(f"publishing {key}", exc) from exc
+
+    def _store_lost(self, what: str, exc: BaseException) -> SpillMergeError:
+        """The store's host went away (rank 0 exited, usually because some rank failed): name the
+        root cause from the failure records on storage when this rank can see them."""
+        failures = self.diagnose() if self.diagnose is not None else {}
+        lost = f"rank {self.rank}: lost the process group's store (hosted by rank 0) while {what} ({exc})"
+        if failures:
+            names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
+            return RankFailedError(
+                f"{lost}; the spill root records the cause: rank(s) {sorted(failures)} failed ({names})",
+                failures=failures,
+            )
+        return CoordinationError(
+            f"{lost}; no failure record is visible on this rank's storage: look at rank 0's log first, then at "
+            "each rank's ROOT/rank-RRRRR/seg-*/failed.json where the spill roots live",
+            rank=self.rank,
+        )
+
+    def abort(self, exc: BaseException) -> None:
+        """Publish why the merge stopped; every waiting rank raises it."""
+        doc = {
+            "rank": self.rank,
+            "type": type(exc).__name__,
+            "message": str(exc)[:4000],
+            "failures": {str(k): v for k, v in getattr(exc, "failures", {}).items()},
+        }
+        try:
+            self.store.set("abort", json.dumps(doc))
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
+
+    def _check_failures(self, pending: list[int]) -> None:
+        if int(self.base.add(f"failed/{self.session}", 0)) > 0:
+            failed = {
+                r: self.base.get(f"failed/{self.session}/{r}").decode(errors="replace")
+                for r in pending
+                if self.base.check([f"failed/{self.session}/{r}"])
+            }
+            if failed and self.diagnose is not None:
+                # Every rank whose failure record exists, not only those that reached the store
+                # first: two ranks failing together are both named.
+                for r, m in self.diagnose().items():
+                    failed.setdefault(r, m)
+            if failed:
+                names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
+                raise RankFailedError(f"rank(s) {sorted(failed)} failed before the merge ({names})", failures=failed)
+        if self.store.check(["abort"]):
+            doc = json.loads(self.store.get("abort"))
+            msg = f"rank {self.rank}: the merge stopped on rank {doc['rank']}: {doc['type']}: {doc['message']}"
+            if doc["failures"]:
+                raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
+            raise CoordinationError(msg, rank=self.rank)
+
+    def collect(
+        self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
+    ) -> dict[int, Any]:
+        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,
+        then less and less often, at most every 10 s: it may list storage) says waiting is no
+        longer needed; then the replies so far."""
+        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what, done)
+
+    def wait_one(self, key: str, what: str) -> Any:
+        return self._wait({self.dst: key}, what)[self.dst]
+
+    def _wait(self, keys: dict[int, str], what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
+        pending = dict(keys)
+        got: dict[int, Any] = {}
+        done_every = 1.0
+        next_done = time.monotonic() + done_every
+        for waited in _poll.poll(self.timeout, first=0.001, cap=0.25, factor=1.25):  # a small round waits ms
+            try:
+                for r, key in list(pending.items()):
+                    if self.store.check([key]):
+                        got[r] = json.loads(self.store.get(key))
+                        del pending[r]
+                if not pending:
+                    return got
+                self._check_failures(sorted(pending))
+                if done is not None and time.monotonic() >= next_done:
+                    if done():
+                        return got
+                    done_every = min(done_every * 1.5, DONE_CHECK_MAX)
+                    next_done = time.monotonic() + done_every
+            except SpillMergeError:
+                raise
+            except RuntimeError as exc:  # the store itself is gone (its host process died)
+                raise self._store_lost(what, exc) from exc
+            if waited >= self.timeout:
+                missing = sorted(pending)
+                raise CommitTimeout(
+                    f"rank {self.rank}: rank(s) {missing} did not arrive within {self.timeout:.0f} s "
+                    f"({what}); did they crash, or not call SpillWriter.merge()?",
+                    missing=missing,
+                    waited_s=waited,
+                )
+        raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover

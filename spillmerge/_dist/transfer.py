@@ -1,0 +1,528 @@
+"""Node-local spill roots: move committed shards to the merging rank over torch.distributed.
+
+Used by the merge round (``_round``) only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
+
+1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
+   key-value store (the TCPStore every process group already has; no collective, no GPU).
+2. ``dst`` waits for all metas, checks which ranks' commit records it cannot see under its own
+   root, and publishes ``plan`` = those ranks and the backend. Nothing invisible: every other rank
+   returns and ``dst`` merges from storage as usual.
+3. Every rank reports which of those ranks' commit records *it* can see (``sees/R``); ``dst``
+   picks one sender per group of ranks that share storage (the lowest rank that sees them: one
+   sender per node) and publishes ``senders``.
+4. Senders take turns (``dst`` says ``go/S``). Per turn: a manifest (object names and sizes),
+   then every object in fixed-size pieces through one staging buffer, a CRC-32C trailer and an
+   acknowledgement from ``dst``; commit records go last. ``dst`` writes the pieces straight into
+   its own root under the sender's prefix, so both sides hold one staging buffer whatever the
+   payload. Every send and receive waits at most ``transfer_timeout`` seconds.
+5. ``dst`` runs the normal merge.
+
+Any failure on ``dst`` sets ``abort`` so every waiting rank raises instead of hanging; a rank
+whose writer failed sets ``failed/A/R`` for its A-th writer session of the run
+(``_runstore.publish_failure``). The store's keys and waits are ``_runstore``'s; this module is the
+wire (:class:`_Link`) and the shard protocol (:func:`transfer_shards`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import posixpath
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from .._errors import (
+    ConfigError,
+    CoordinationError,
+    CorruptSpillError,
+    RankFailedError,
+    SpillMergeError,
+    SpillValueError,
+)
+from .._format import spill as FS
+from .._merge.report import MergeReport
+from .._spill.barrier import WaitNotices, assess, raise_for_state
+from .._spill.root import list_segments, scan
+from .._storage import Storage
+from .._util import poll as _poll
+from .store import Coord
+
+TRANSPORTS = ("auto", "storage", "nccl", "gloo")
+DEFAULT_TRANSFER_CHUNK_BYTES = 64 << 20
+DEFAULT_TRANSFER_TIMEOUT = 300.0
+VISIBILITY_GRACE = 5.0
+"""Seconds ``dst`` keeps re-checking a commit record it cannot see before moving it over the
+network (a shared filesystem's directory cache can hide a new file for a moment)."""
+_MAX_MANIFEST = 64 << 20
+_MAX_RECORD = 1 << 20
+
+
+# -------------------------------------------------------------------------------- transport
+@dataclass
+class _Link:
+    """A process group, the device its tensors live on, and the staging buffer: ``chunk`` bytes
+    (on the device for NCCL, plus pinned host memory of the same size), used as two slots of
+    ``piece = chunk // 2`` bytes so the receiver writes one piece while the next arrives."""
+
+    group: Any
+    device: torch.device
+    chunk: int
+    timeout: float
+    host: torch.Tensor = field(init=False)
+    dev: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        cuda = self.device.type == "cuda"
+        self.host = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.empty(self.chunk, dtype=torch.uint8, device=self.device) if cuda else self.host
+        self.piece = self.chunk // 2
+
+    def _wait(self, work: Any, what: str, peer: int, me: int) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            raise RankFailedError(
+                f"rank {me}: {what} rank {peer} failed or timed out after {self.timeout:.0f} s: {exc}",
+                failures={peer: str(exc)},
+            ) from exc
+
+    def send(self, t: torch.Tensor, peer: int, me: int, what: str) -> None:
+        import torch.distributed as dist
+
+        self._wait(
+            dist.isend(t.to(self.device, non_blocking=False), peer, group=self.group), f"sending {what} to", peer, me
+        )
+
+    def recv(self, t: torch.Tensor, peer: int, me: int, what: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        buf = t if t.device == self.device else torch.empty_like(t, device=self.device)
+        self._wait(dist.irecv(buf, peer, group=self.group), f"receiving {what} from", peer, me)
+        return buf if buf is t else buf.to("cpu")
+
+    def send_ints(self, values: list[int], peer: int, me: int, what: str) -> None:
+        self.send(torch.tensor(values, dtype=torch.int64), peer, me, what)
+
+    def recv_ints(self, n: int, peer: int, me: int, what: str) -> list[int]:
+        return [int(v) for v in self.recv(torch.zeros(n, dtype=torch.int64), peer, me, what).tolist()]
+
+    def send_bytes_piece(self, n: int, peer: int, me: int, what: str) -> None:
+        """Send the first ``n`` bytes of the host staging buffer. With NCCL the copy to the device
+        is blocking: waiting on a send does not block the CPU, and the caller refills the host
+        buffer right after, so the copy must have read it first."""
+        if self.dev is not self.host:
+            self.dev[:n].copy_(self.host[:n], non_blocking=False)
+        self.send(self.dev[:n], peer, me, what)
+
+    def send_blob(self, blob: bytes, peer: int, me: int, what: str) -> None:
+        """Send ``blob`` in pieces through the staging buffer (no allocation of its size)."""
+        host = self.host.numpy()
+        for lo in range(0, len(blob), self.piece):
+            n = min(self.piece, len(blob) - lo)
+            host[:n] = np.frombuffer(blob, dtype=np.uint8, count=n, offset=lo)
+            self.send_bytes_piece(n, peer, me, what)
+
+    def recv_blob(self, size: int, peer: int, me: int, what: str) -> bytes:
+        """Receive ``size`` bytes sent by :meth:`send_blob`."""
+        out = bytearray()
+        for lo in range(0, size, self.piece):
+            out += self.recv_bytes_piece(min(self.piece, size - lo), peer, me, what).tobytes()
+        return bytes(out)
+
+    def recv_bytes_piece(self, n: int, peer: int, me: int, what: str, slot: int = 0) -> np.ndarray:
+        """Receive ``n`` bytes into staging slot ``slot``; a view of them in host memory."""
+        lo = slot * self.piece
+        self.recv(self.dev[lo : lo + n], peer, me, what)
+        if self.dev is not self.host:
+            self.host[lo : lo + n].copy_(self.dev[lo : lo + n])
+        return self.host.numpy()[lo : lo + n]
+
+
+def _backend_of_default_group() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend()).lower()
+
+
+def choose_backend(transport: str) -> str:
+    """``nccl`` or ``gloo`` for ``transport``, checked against the default process group."""
+    default = _backend_of_default_group()
+    has_nccl = "nccl" in default and torch.cuda.is_available()
+    if transport == "auto":
+        return "nccl" if has_nccl else "gloo"
+    if transport == "nccl" and not has_nccl:
+        raise ConfigError(
+            f"transport='nccl' needs a default process group with the NCCL backend and a CUDA device "
+            f"(this one is {default!r}); use transport='gloo'",
+            key="transport",
+        )
+    return transport
+
+
+def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
+    """The process group and device for ``backend``. Every rank calls this (creating the gloo
+    group is collective), participants or not."""
+    import torch.distributed as dist
+
+    from .rank import gloo_group
+
+    if backend == "nccl":
+        return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
+    return gloo_group(group_timeout), torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------ visibility
+def _commit_rel(segment_rel: str) -> str:
+    return f"{segment_rel}/{FS.COMMIT_NAME}"
+
+
+def _invisible(storage: Storage, metas: dict[int, Any], grace: float) -> dict[int, str]:
+    """Ranks whose current commit record ``storage`` cannot see, after ``grace`` seconds of
+    re-checking."""
+    pending = {r: m["segment"] for r, m in metas.items()}
+    for waited in _poll.poll(grace, first=0.05, cap=1.0, factor=2.0):
+        pending = {r: s for r, s in pending.items() if not storage.exists(_commit_rel(s))}
+        if not pending or waited >= grace:
+            break
+    return pending
+
+
+def _assign_senders(invisible: dict[int, str], sees: dict[int, list[int]], dst: int) -> dict[int, list[int]]:
+    """One sender per group of ranks that share storage: for each invisible rank, the lowest rank
+    that sees its commit record. ``dst`` never sends."""
+    senders: dict[int, list[int]] = {}
+    for q in sorted(invisible):
+        candidates = sorted(r for r, seen in sees.items() if q in seen and r != dst)
+        if not candidates:
+            raise CoordinationError(
+                f"rank {dst}: no rank can see rank {q}'s commit record {_commit_rel(invisible[q])} under its "
+                f"spill root (not even rank {q} itself); its shards cannot be moved",
+                rank=dst,
+            )
+        senders.setdefault(candidates[0], []).append(q)
+    return senders
+
+
+# ---------------------------------------------------------------------------------- the merge
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What the merge round and the shard transfer need from one rank's writer session
+    (``SpillWriter.session()``)."""
+
+    rank: int
+    """This rank."""
+    world_size: int
+    """Ranks of the job."""
+    run_id: str | None
+    """Run id shared by the job's ranks (names the store keys); None without a launcher's id or
+    torch.distributed (then nothing is coordinated)."""
+    storage: Storage
+    """This rank's spill root (node-local or shared)."""
+    segment: str
+    """This rank's segment, relative to the root (``rank-R/seg-...``)."""
+    state: str
+    """The writer's state: ``committed`` is the only one that may merge."""
+    number: int = 0
+    """Which writer session of the run this is on this rank (``_runstore.next_session``)."""
+
+
+def transfer_shards(
+    session: Session,
+    dst: int,
+    transport: str,
+    transfer_chunk_bytes: int,
+    transfer_timeout: float,
+    timeout: float,
+    progress: bool | None = None,
+) -> TransferInfo | None:
+    """Every rank: coordinate through the process group's store and move the committed shards
+    ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
+    from its root), ``None`` on the other ranks once they have sent what they had to. Unless
+    ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``)."""
+    if session.run_id is None:  # the store's keys are named by the run id (never None under torch.distributed)
+        raise CoordinationError(f"rank {session.rank}: a coordinated merge needs a run id", rank=session.rank)
+    coord = Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
+    coord.diagnose = functools.partial(_failures_on_storage, session)
+    me = session.rank
+    coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})
+    if me != dst:
+        plan = coord.wait_one("plan", "waiting for the merging rank's plan")
+        if not plan["invisible"]:
+            return None
+        invisible = {int(q): s for q, s in plan["invisible"].items()}
+        coord.put(f"sees/{me}", [q for q, s in invisible.items() if session.storage.exists(_commit_rel(s))])
+        group, device = _group(plan["backend"], timeout)
+        senders = {int(s): qs for s, qs in coord.wait_one("senders", "waiting for the sender assignment").items()}
+        if me in senders:
+            link = _Link(group, device, int(plan["chunk"]), transfer_timeout)
+            coord.wait_one(f"go/{me}", "waiting for the merging rank to receive")
+            _send(session.storage, link, me, dst, senders[me], set(plan["have"]))
+        return None
+    info = TransferInfo()
+    t0 = time.perf_counter()
+    try:
+        # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
+        # commit record is on storage dst can read: then dst stops waiting for it.
+        metas = coord.collect(
+            "meta",
+            list(range(session.world_size)),
+            "waiting for every rank to reach merge()",
+            done=_CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False)),
+        )
+        not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
+        if not_committed:
+            raise RankFailedError(
+                f"rank(s) {sorted(not_committed)} called merge() without a committed SpillWriter "
+                f"(writer states: {not_committed})",
+                failures={r: f"writer state {st}" for r, st in not_committed.items()},
+            )
+        info.wait_seconds = time.perf_counter() - t0
+        t_vis = time.perf_counter()
+        everyone = len(metas) == session.world_size
+        invisible = (
+            {} if transport == "storage" or not everyone else _invisible(session.storage, metas, VISIBILITY_GRACE)
+        )
+        info.visibility_seconds = time.perf_counter() - t_vis
+        backend = choose_backend(transport) if invisible else ""
+        have = sorted(_committed_here(session.storage, invisible))
+        plan = {
+            "invisible": {str(q): s for q, s in invisible.items()},
+            "backend": backend,
+            "have": have,
+            "chunk": transfer_chunk_bytes,  # the merging rank's staging size applies to every sender
+        }
+        coord.put("plan", plan)
+        if invisible:
+            t1 = time.perf_counter()
+            coord.put(f"sees/{me}", [])
+            group, device = _group(backend, timeout)
+            link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
+            sees = coord.collect("sees", list(range(session.world_size)), "waiting for what each rank can see")
+            info.senders = _assign_senders(invisible, sees, dst)
+            coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
+            for s in sorted(info.senders):
+                coord.put(f"go/{s}", True)
+                for q, n in _receive(session.storage, link, me, s, info.senders[s]).items():
+                    info.received[q] = info.received.get(q, 0) + n
+            info.transfer_seconds = time.perf_counter() - t1
+    except BaseException as exc:
+        coord.abort(exc)
+        raise
+    return info
+
+
+@dataclass
+class TransferInfo:
+    """What :func:`transfer_shards` did before the merge proper."""
+
+    wait_seconds: float = 0.0
+    """Waiting for every rank to reach ``merge()``."""
+    visibility_seconds: float = 0.0
+    """Checking which commit records the merging rank can see (with ``VISIBILITY_GRACE``)."""
+    transfer_seconds: float = 0.0
+    received: dict[int, int] = field(default_factory=dict)
+    """Rank → shard bytes received."""
+    senders: dict[int, list[int]] = field(default_factory=dict)
+    """Sending rank → ranks whose shards it sent."""
+
+    def add_to(self, report: MergeReport) -> MergeReport:
+        """``report`` of the merge that followed, with this step's time and what moved."""
+        phases = dict(report.phases)
+        phases["wait"] = phases.get("wait", 0.0) + self.wait_seconds
+        if self.received:
+            phases = {"visibility": self.visibility_seconds, "transfer": self.transfer_seconds, **phases}
+        return dataclasses.replace(
+            report,
+            wait_seconds=report.wait_seconds + self.wait_seconds,
+            seconds=report.seconds + self.wait_seconds + self.visibility_seconds + self.transfer_seconds,
+            transferred=self.received,
+            transfer_senders=self.senders,
+            phases=phases,
+        )
+
+
+def _failures_on_storage(session: Session) -> dict[int, str]:
+    """Ranks whose writer of this run left a failure record under this rank's spill root."""
+    try:
+        state = assess(session.storage, scan(session.storage), session.world_size, session.run_id)
+    except SpillMergeError:
+        return {}
+    return {r: rec.summary() for r, rec in state.failed.items()}
+
+
+class _CommitWatch:
+    """Called by ``dst`` now and then while it waits for ranks to reach merge(): True once every
+    rank's commit record of this run is on ``dst``'s storage (fails fast on a failure record
+    there). The first call lists the whole root, later ones only the ranks still missing. The
+    ranks neither committed there nor at merge() are named on stderr (``WaitNotices``)."""
+
+    def __init__(self, session: Session, coord: Coord, notices: WaitNotices) -> None:
+        self.session, self.coord, self.notices = session, coord, notices
+        self.segments: dict[int, list[Any]] | None = None
+        self.missing: list[int] = []
+
+    def __call__(self) -> bool:
+        storage = self.session.storage
+        if self.segments is None:
+            self.segments = scan(storage)
+        else:
+            for rank in self.missing:
+                self.segments[rank] = list_segments(storage, rank)
+        state = assess(storage, self.segments, self.session.world_size, self.session.run_id)
+        if state.failed:
+            raise_for_state(storage, state)
+        self.missing = list(state.missing)
+        if self.missing and self.notices.due():
+            away = [r for r in self.missing if not self.coord.store.check([f"meta/{r}"])]
+            self.notices(state, self.segments, self.session.run_id, away)
+        return not self.missing
+
+
+def _committed_here(storage: Storage, ranks: dict[int, str]) -> set[str]:
+    """Segments (``rank-R/seg-...``) of ``ranks`` already committed under ``storage``."""
+    out: set[str] = set()
+    for q in ranks:
+        out.update(s.rel for s in list_segments(storage, q) if s.commit is not None)
+    return out
+
+
+# ------------------------------------------------------------------------------------- sender
+def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[str, int]]:
+    """Every object of every committed segment of ``ranks`` that ``dst`` lacks, each segment's
+    commit record last."""
+    objects: list[tuple[str, int]] = []
+    for q in ranks:
+        for seg in list_segments(storage, q):
+            if seg.commit is None or seg.rel in have:
+                continue
+            files = storage.find(seg.rel)
+            commit = [(rel, n) for rel, n in files if rel == _commit_rel(seg.rel)]
+            objects += [
+                (rel, n)
+                for rel, n in files
+                if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME
+            ]
+            objects += commit
+    return objects
+
+
+def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], have: set[str]) -> None:
+    objects = _manifest(storage, ranks, have)
+    blob = json.dumps({"ranks": ranks, "objects": objects}).encode()
+    link.send_ints([len(blob)], dst, me, "the manifest size")
+    link.send_blob(blob, dst, me, "the manifest")
+    host = link.host.numpy()
+    for rel, size in objects:
+        crc = 0
+        for start in range(0, size, link.piece):
+            n = min(link.piece, size - start)
+            storage.read_into([(rel, start, start + n)], host.data[:n])
+            crc = google_crc32c.extend(crc, host[:n])
+            link.send_bytes_piece(n, dst, me, f"{storage.describe(rel)}")
+        link.send_ints([crc], dst, me, f"the checksum of {rel}")
+        status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
+        if status != 0:
+            raise CorruptSpillError(
+                f"rank {dst} received {storage.describe(rel)} from rank {me} with a bad checksum; transfer stopped",
+                path=storage.describe(rel),
+                rank=me,
+            )
+    storage.close()
+
+
+# ----------------------------------------------------------------------------------- receiver
+def _check_rel(rel: Any, ranks: list[int], sender: int) -> str:
+    ok_prefixes = tuple(f"{FS.rank_dirname(q)}/" for q in ranks)
+    if not isinstance(rel, str) or not rel.startswith(ok_prefixes) or posixpath.normpath(rel) != rel:
+        raise CorruptSpillError(
+            f"rank {sender} sent object {rel!r}, which is not below the prefixes of ranks {ranks}",
+            rank=sender,
+        )
+    return rel
+
+
+def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[int]) -> dict[int, int]:
+    (size,) = link.recv_ints(1, sender, me, "the manifest size")
+    if not 0 < size <= _MAX_MANIFEST:
+        raise CorruptSpillError(f"rank {sender} announced a manifest of {size} bytes", rank=sender)
+    raw = link.recv_blob(size, sender, me, "the manifest")
+    try:
+        manifest = json.loads(raw)
+        objects = [(_check_rel(rel, ranks, sender), int(n)) for rel, n in manifest["objects"]]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptSpillError(f"rank {sender} sent a malformed manifest: {exc}", rank=sender) from exc
+    received: dict[int, int] = {}
+    for rel, n in objects:
+        if n < 0 or (rel.endswith("/" + FS.COMMIT_NAME) and n > _MAX_RECORD):
+            raise CorruptSpillError(f"rank {sender} announced {rel} with {n} bytes", rank=sender)
+        crc = _receive_object(storage, link, me, sender, rel, n)
+        (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
+        ok = crc == want
+        link.send_ints([0 if ok else 1], sender, me, f"the acknowledgement of {rel}")
+        if not ok:
+            raise CorruptSpillError(
+                f"{storage.describe(rel)}: received from rank {sender} with CRC-32C {crc:08x}, "
+                f"sent as {want:08x}; transfer stopped",
+                path=storage.describe(rel),
+                rank=sender,
+            )
+        if rel.endswith("/" + FS.COMMIT_NAME):
+            _commit(storage, rel)
+        q = FS.parse_rank_dirname(rel.split("/", 1)[0])
+        received[int(q or 0)] = received.get(int(q or 0), 0) + n
+    return received
+
+
+def _pending_name(rel: str) -> str:
+    return f"{rel}.transfer-{os.getpid()}"
+
+
+def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: str, size: int) -> int:
+    """Stream one object into ``storage``; its CRC-32C. Pieces alternate between the two staging
+    slots: one is written to storage by a helper thread while the next arrives in the other.
+    Commit records land under a temporary name and are renamed (or re-put) only once verified,
+    so a half-received rank never looks committed."""
+    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel
+    storage.makedirs(posixpath.dirname(target))
+    crc = 0
+    writes: list[Future[None] | None] = [None, None]
+    with ThreadPoolExecutor(1, thread_name_prefix="spillmerge-recv") as pool, storage.open_write(target) as sink:
+        try:
+            for k, start in enumerate(range(0, size, link.piece)):
+                slot = k % 2
+                if writes[slot] is not None:
+                    writes[slot].result()  # type: ignore[union-attr] # the slot is free again
+                n = min(link.piece, size - start)
+                piece = link.recv_bytes_piece(n, sender, me, f"{rel} (bytes {start}-{start + n})", slot)
+                crc = google_crc32c.extend(crc, piece)
+                writes[slot] = pool.submit(sink.write, piece)
+        finally:
+            for fut in writes:  # surface a write error; never leave a write running on a slot
+                if fut is not None:
+                    fut.result()
+    return crc
+
+
+def _commit(storage: Storage, rel: str) -> None:
+    tmp = _pending_name(rel)
+    data = storage.get(tmp, max_bytes=_MAX_RECORD)
+    storage.put_atomic(rel, data)
+    storage.rm_tree(tmp)
+
+
+def check_options(transport: str, transfer_chunk_bytes: int, transfer_timeout: float) -> None:
+    if transport not in TRANSPORTS:
+        raise SpillValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not isinstance(transfer_chunk_bytes, int) or transfer_chunk_bytes < 4096:
+        raise SpillValueError(f"transfer_chunk_bytes must be an int >= 4096, got {transfer_chunk_bytes!r}")
+    if not isinstance(transfer_timeout, (int, float)) or transfer_timeout <= 0:
+        raise SpillValueError(f"transfer_timeout must be a positive number of seconds, got {transfer_timeout!r}")

@@ -1,0 +1,1 @@
+"""The on-disk contract, both halves: spill format, output format, their checks."""

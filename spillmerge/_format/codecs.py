@@ -1,0 +1,182 @@
+"""Output codecs: the Zarr v3 codec chain of merged arrays and the encoder that produces it.
+
+The merge writes whole chunks itself (zarr's codec pipeline costs a copy and an event-loop hop per
+chunk), so it must encode exactly as the chain in the array's ``zarr.json`` says: ``bytes`` →
+optional compressor → ``crc32c``. The compressors are numcodecs' Blosc and Zstd configured the way
+zarr's own ``BloscCodec`` / ``ZstdCodec`` configure them, so plain zarr decodes every chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from .._errors import SpillValueError
+
+CODECS = ("none", "blosc-lz4", "zstd")
+"""Accepted ``codec=`` values; ``none`` (raw bytes + crc32c) is the default."""
+
+BLOSC_CLEVEL = 5
+ZSTD_LEVEL = 3
+
+
+def check(codec: Any) -> str:
+    if codec not in CODECS:
+        raise SpillValueError(f"codec must be one of {', '.join(repr(c) for c in CODECS)}, got {codec!r}")
+    return str(codec)
+
+
+def compressor_doc(codec: str, itemsize: int) -> dict[str, Any] | None:
+    """The bytes-to-bytes codec entry placed between ``bytes`` and ``crc32c`` (None for ``none``)."""
+    if codec == "blosc-lz4":
+        # Byte shuffle by the stored item size: the gain on float data comes from it.
+        return {
+            "name": "blosc",
+            "configuration": {
+                "typesize": itemsize, "cname": "lz4", "clevel": BLOSC_CLEVEL, "shuffle": "shuffle", "blocksize": 0,
+            },
+        }  # fmt: skip
+    if codec == "zstd":
+        return {"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": False}}
+    return None
+
+
+def with_codec(meta: dict[str, Any], codec: str, itemsize: int) -> dict[str, Any]:
+    """An array ``zarr.json`` document (bytes [+ crc32c]) with the compressor inserted after ``bytes``."""
+    doc = compressor_doc(codec, itemsize)
+    if doc is None:
+        return meta
+    codecs = list(meta["codecs"])
+    return {**meta, "codecs": [codecs[0], doc, *codecs[1:]]}
+
+
+@functools.lru_cache(maxsize=64)
+def encoder(codec: str, itemsize: int) -> Any:
+    """A numcodecs codec whose ``encode`` matches :func:`compressor_doc` (None for ``none``).
+
+    numcodecs codecs are safe to share between threads: Blosc compresses with a private context
+    off the main thread, Zstd with a context per call."""
+    if codec == "blosc-lz4":
+        from numcodecs import Blosc
+
+        config = {"cname": "lz4", "clevel": BLOSC_CLEVEL, "shuffle": Blosc.SHUFFLE, "blocksize": 0}
+        # As zarr's BloscCodec does: typesize is a config key since numcodecs 0.16 (before, zarr
+        # shuffled by the byte, and so do we).
+        try:
+            return Blosc.from_config({**config, "typesize": itemsize})
+        except TypeError:
+            return Blosc.from_config(config)
+    if codec == "zstd":
+        from numcodecs import Zstd
+
+        return Zstd(level=ZSTD_LEVEL, checksum=False)
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def decoder(compressor: str) -> Any:
+    """A numcodecs codec that decodes chunks of the compressor entry ``compressor`` (``blosc``,
+    ``zstd``): both read their parameters from the chunk itself."""
+    if compressor == "blosc":
+        from numcodecs import Blosc
+
+        return Blosc()
+    from numcodecs import Zstd
+
+    return Zstd()
+
+
+# --------------------------------------------------------------------------------------------
+# reading untrusted chunks: the chain an output array may declare, and what a compressed chunk
+# says it decodes to, read from its header before anything is decoded (docs/FORMAT.md, *Size limits*)
+
+_COMPRESSORS = ("blosc", "zstd")
+
+
+def chain(codecs: object) -> tuple[str, str | None, bool]:
+    """(array-to-bytes codec, compressor or None, crc32c last) of an output array's ``codecs``
+    list; ``ValueError`` for any chain the format does not write (sharding, transpose, gzip ...:
+    codecs whose decoded size no header states)."""
+    if isinstance(codecs, tuple):  # zarr's own metadata objects give tuples, JSON lists
+        codecs = list(codecs)
+    if not isinstance(codecs, list) or not codecs:
+        raise ValueError(f"codecs {codecs!r:.200} is not a non-empty list")
+    names = [c.get("name") if isinstance(c, dict) else c for c in codecs]
+    first, rest = names[0], names[1:]
+    crc = bool(rest) and rest[-1] == "crc32c"
+    if crc:
+        rest = rest[:-1]
+    if first != "bytes" or len(rest) > 1 or (rest and rest[0] not in _COMPRESSORS):
+        raise ValueError(
+            f"codec chain {names!r:.200} is not one spillmerge writes (bytes, then blosc or zstd, "
+            "then crc32c)"
+        )
+    return str(first), (str(rest[0]) if rest else None), crc
+
+
+def decoded_size(compressor: str, data: memoryview) -> int:
+    """The bytes a ``compressor`` chunk decodes to, as its own header declares it (the decoder
+    allocates that much and refuses to write more): blosc's ``nbytes``; for zstd the sum of the
+    frames' content sizes. ``ValueError`` when the chunk declares none (a zstd frame without a
+    content size would be decoded by a growing buffer, with no bound) or is not such a chunk."""
+    if compressor == "blosc":
+        if len(data) < 16:
+            raise ValueError(f"a blosc chunk of {len(data)} bytes has no 16-byte header")
+        nbytes = int.from_bytes(data[4:8], "little")
+        cbytes = int.from_bytes(data[12:16], "little")
+        if cbytes != len(data):
+            raise ValueError(f"blosc header says {cbytes} compressed bytes, the chunk has {len(data)}")
+        return nbytes
+    if compressor == "zstd":
+        return _zstd_content_size(data)
+    raise ValueError(f"unknown compressor {compressor!r}")
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_SKIPPABLE = 0x184D2A50  # .. 0x184D2A5F
+
+
+def _zstd_content_size(data: memoryview) -> int:
+    """Sum of the content sizes of the zstd frames in ``data`` (RFC 8878 section 3.1), walking
+    block headers to find each frame's end: every frame must declare its size."""
+    total, pos, n = 0, 0, len(data)
+    if n == 0:
+        raise ValueError("an empty zstd chunk")
+    while pos < n:
+        if pos + 4 > n:
+            raise ValueError(f"truncated zstd frame at byte {pos}")
+        magic = int.from_bytes(data[pos : pos + 4], "little")
+        if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
+            if pos + 8 > n:
+                raise ValueError(f"truncated skippable zstd frame at byte {pos}")
+            pos += 8 + int.from_bytes(data[pos + 4 : pos + 8], "little")
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise ValueError(f"no zstd frame at byte {pos} (magic {magic:#x})")
+        if pos + 5 > n:
+            raise ValueError(f"truncated zstd frame header at byte {pos}")
+        fhd = data[pos + 4]
+        fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
+        p = pos + 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+        fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if fcs_len == 0:
+            raise ValueError(f"the zstd frame at byte {pos} does not declare its content size")
+        if p + fcs_len > n:
+            raise ValueError(f"truncated zstd frame header at byte {pos}")
+        size = int.from_bytes(data[p : p + fcs_len], "little") + (256 if fcs_len == 2 else 0)
+        total += size
+        p += fcs_len
+        while True:  # blocks: 3-byte little-endian header (last, type, size)
+            if p + 3 > n:
+                raise ValueError(f"truncated zstd block at byte {p}")
+            h = int.from_bytes(data[p : p + 3], "little")
+            last, btype, bsize = h & 1, (h >> 1) & 3, h >> 3
+            if btype == 3:
+                raise ValueError(f"reserved zstd block type at byte {p}")
+            p += 3 + (1 if btype == 1 else bsize)
+            if last:
+                break
+        pos = p + (4 if checksum else 0)
+    if pos != n:
+        raise ValueError("the zstd frames end past the chunk")
+    return total

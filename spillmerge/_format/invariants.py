@@ -1,0 +1,496 @@
+"""Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and the bounded reads
+of its arrays, shared by the reader (which raises the first broken one) and ``spillmerge verify``
+(which lists them all). The index's own invariants are ``_indexinvariants``.
+
+Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:
+O(rows) numpy, no per-file Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError, SpillMergeError
+from . import common as F
+from . import output as FO
+
+Problem = tuple[str, str]
+"""(path relative to the output, what is wrong): one broken invariant of an output."""
+
+OFFSET_KINDS = frozenset({"ragged", "bytes", "pickle", "strlist"})
+STRING_KINDS = frozenset({"str", "strlist"})
+
+
+def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpillError:
+    path = describe(rel)
+    return CorruptSpillError(f"{path}: {what}", path=path)
+
+
+def read_array(arr: Any, sel: Any = None) -> np.ndarray:
+    """``arr[sel]`` as numpy (``sel`` None: the whole array, see :func:`read_whole`); a damaged
+    chunk is a :class:`CorruptSpillError` naming the array (an absent one already is, from
+    ``NoFillStore``)."""
+    if sel is None:
+        return read_whole(arr, lambda s: read_array(arr, s))
+    try:
+        return np.asarray(arr[sel])
+    except SpillMergeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - zarr reports a damaged chunk as ValueError, codec errors ...
+        raise CorruptSpillError(
+            f"{arr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})", path=str(arr.store_path)
+        ) from exc
+
+
+def read_whole(arr: Any, read: Callable[[slice], np.ndarray]) -> np.ndarray:
+    """The whole of ``arr``, read chunk row by chunk row (``read`` reads one slice): zarr
+    allocates a selection's result before it fetches a chunk, so reading the whole of an array
+    whose metadata declares ``2**40`` rows at once would allocate from metadata alone; chunk by
+    chunk, memory grows only with chunks that exist and decode (the chunk itself is bounded by
+    ``_format_output.chunk_limits``), and the first absent one ends the read."""
+    n = int(arr.shape[0]) if arr.ndim else 0
+    k = int(arr.chunks[0]) if arr.ndim else 1
+    if n <= k:
+        return read(slice(None))
+    return np.concatenate([read(slice(a, min(n, a + k))) for a in range(0, n, k)])
+
+
+def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``a .. b-1`` of ``arr``, read one chunk row at a time into the result on a local disk
+    (zarr holds every chunk of a selection and its decoded copy until the selection is filled:
+    a 64 MiB file of 16 MiB chunks peaked at ~170 MiB above the result; chunk by chunk it is one
+    chunk), four at a time on object stores, where requests in flight are what makes reads fast.
+    ``out`` (``b - a`` rows) receives them when given."""
+    k = int(arr.chunks[0]) * (1 if getattr(arr.store, "local", False) else 4)
+    if b - a <= k and out is None:
+        return read_array(arr, slice(a, b))
+    if out is None:
+        out = np.empty((b - a, *arr.shape[1:]), dtype=arr.dtype)
+    pos = a
+    while pos < b:
+        stop = min(b, (pos // k + 1) * k)
+        out[pos - a : stop - a] = read_array(arr, slice(pos, stop))
+        pos = stop
+    return out
+
+
+def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
+    import zarr
+
+    rel = f"index/{name}"
+    try:
+        node = group[rel]
+    except KeyError:
+        raise corrupt(describe, rel, "missing from the output's index") from None
+    if not isinstance(node, zarr.Array) or node.ndim != 1:
+        raise corrupt(describe, rel, "expected a 1-d array")
+    bad = grid_problems(rel, node)
+    if bad:
+        raise corrupt(describe, rel, bad[0][1])
+    return node
+
+
+def grid_problems(rel: str, arr: Any) -> list[Problem]:
+    """What the array ``rel``'s metadata breaks of the format's chunk rules
+    (``_format_output.chunk_limits``: chunk shape within the array's, known codecs, bounded
+    chunk size, shapes without overflow), from its metadata alone; the same limits bound every
+    chunk read (``_outputstore.NoFillStore``)."""
+    try:
+        FO.chunk_limits(arr.metadata.to_dict(), path=rel)
+    except CorruptSpillError as exc:
+        return [(rel, exc.reason or str(exc))]
+    return []
+
+
+def read_index(group: Any, name: str, describe: Callable[[str], str]) -> np.ndarray:
+    """The whole index array ``index/NAME``; a missing or unreadable one raises
+    :class:`CorruptSpillError` naming it."""
+    rel = f"index/{name}"
+    node = index_node(group, name, describe)
+
+    def read(sel: slice) -> np.ndarray:
+        try:
+            return np.asarray(node[sel])
+        except SpillMergeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - zarr reports codec and checksum errors as many types
+            raise corrupt(describe, rel, f"cannot read it ({exc})") from exc
+
+    return read_whole(node, read)
+
+
+def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
+    """``offsets``: ``n + 1`` entries from 0, never decreasing, ending at ``rows`` (``of`` says
+    what ``rows`` counts, ``what`` what ``n`` counts)."""
+    if len(offsets) != n + 1:
+        return [(rel, f"{len(offsets)} entries for {n} {what} (must be {n + 1})")]
+    if offsets[0] != 0:
+        return [(rel, f"starts at {int(offsets[0])}, not 0")]
+    step = np.diff(offsets)
+    if np.any(step < 0):
+        i = int(np.flatnonzero(step < 0)[0])
+        return [(rel, f"decreases from {int(offsets[i])} to {int(offsets[i + 1])} at entry {i + 1}")]
+    if offsets[-1] != rows:
+        return [(rel, f"ends at {int(offsets[-1])}, but {of} has {rows} rows")]
+    return []
+
+
+@dataclass(frozen=True, slots=True)
+class StoredColumn(FO.ColumnHeader):
+    """One column group ``columns/<name>`` of an output as stored, from its metadata alone: its
+    header and its arrays (the reader wraps it in ``_views.OpenColumn``; the merge plans it as
+    ``_plan.PlannedColumn``)."""
+
+    _: KW_ONLY
+    name: str
+    """Group name under ``columns/``."""
+    arrays: dict[str, Any]
+    """``values`` / ``offsets`` / ``shapes`` / ``valid`` -> ``zarr.Array`` (those present)."""
+
+    @property
+    def path(self) -> str:
+        """The column's leaf path as users name it (``"a/b"``; ``""`` for plain tensor values)."""
+        return "/".join(self.leaf)
+
+
+def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
+    """Every column group's header and arrays (metadata only: consolidated, no chunk read), and
+    what they break of the invariants that need no data."""
+    import zarr
+
+    out: dict[str, StoredColumn] = {}
+    problems: list[Problem] = []
+    try:
+        cols = group["columns"]
+    except KeyError:
+        return out, [("columns", "missing from the output")]
+    if not isinstance(cols, zarr.Group):
+        return out, [("columns", "expected a group")]
+    for name, node in sorted(cols.members(max_depth=0), key=lambda kv: kv[0]):
+        rel = f"columns/{name}"
+        if not isinstance(node, zarr.Group):
+            problems.append((rel, "expected a column group"))
+            continue
+        try:
+            h = FO.ColumnHeader.from_obj(node.attrs.get("spillmerge"), name=name, path=rel)
+        except CorruptSpillError as exc:
+            problems.append((rel, exc.reason or str(exc)))
+            continue
+        arrays = {k: a for k, a in node.members(max_depth=0) if isinstance(a, zarr.Array)}
+        info = StoredColumn(**{f.name: getattr(h, f.name) for f in fields(h)}, name=name, arrays=arrays)
+        bad = _column_meta_problems(info)
+        if bad:
+            problems.extend(bad)
+            continue
+        out[name] = info
+    # A leaf may have one column per variant, never two of one variant.
+    paths: dict[tuple[tuple[str, ...], str], str] = {}
+    for c in out.values():
+        key = (c.leaf, c.variant or (c.dtype if c.kind in ("fixed", "ragged") else c.kind))
+        if key in paths:
+            problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[key]}"))
+        paths[key] = c.name
+    return out, problems
+
+
+def _column_meta_problems(c: StoredColumn) -> list[Problem]:
+    """Storage types and array presence of one column (lengths are checked against ``n_rows`` by
+    :func:`column_problems`)."""
+    rel, has_valid = f"columns/{c.name}", c.has_valid
+    a = c.arrays
+    out: list[Problem] = []
+    # str / strlist are stored as uint8 bytes + byte offsets (strlist: + strings per row in shapes)
+    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS or c.kind in STRING_KINDS else [])
+    if (c.kind == "ragged" and c.inner_shape is None) or c.kind == "strlist":
+        need.append("shapes")
+    if has_valid:
+        need.append("valid")
+    for k in need:
+        if k not in a:
+            out.append((f"{rel}/{k}", f"missing from the {c.kind} column"))
+    if out:
+        return out
+    if "valid" in a and not has_valid:
+        out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
+    for k, arr in sorted(a.items()):
+        out.extend(grid_problems(f"{rel}/{k}", arr))
+    if out:
+        return out
+    v = a["values"]
+    if c.kind in STRING_KINDS:
+        if v.dtype != np.uint8:
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8 (UTF-8 bytes), not {v.dtype}"))
+    elif c.kind in ("bytes", "pickle"):
+        if v.dtype != np.uint8:
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8, not {v.dtype}"))
+    else:
+        storage = np.dtype(F.DTYPES[c.dtype].storage)
+        if v.dtype != storage:
+            out.append((f"{rel}/values", f"dtype {c.dtype!r} is stored as {storage}, but the array holds {v.dtype}"))
+    if c.kind != "fixed" and v.ndim != 1 and not (c.kind == "ragged" and c.inner_shape is not None):
+        out.append((f"{rel}/values", f"expected a 1-d array, got {v.ndim} dimensions"))
+    if c.kind == "ragged" and c.inner_shape is not None and tuple(v.shape[1:]) != c.inner_shape:
+        out.append((f"{rel}/values", f"shape {tuple(v.shape)} does not end in inner_shape {list(c.inner_shape)}"))
+    if c.kind == "fixed" and v.ndim < 1:
+        out.append((f"{rel}/values", "a fixed column's values need a row dimension"))
+    for k, kinds, ndim in (("offsets", "iu", 1), ("shapes", "iu", 2), ("valid", "b", 1)):
+        if k in a and (a[k].dtype.kind not in kinds or a[k].ndim != ndim):
+            out.append((f"{rel}/{k}", f"expected a {ndim}-d {'bool' if kinds == 'b' else 'int64'} array"))
+    if "shapes" in a and a["shapes"].ndim == 2 and c.ndim is not None and a["shapes"].shape[1] != c.ndim:
+        out.append((f"{rel}/shapes", f"{a['shapes'].shape[1]} dimensions per row, but the header's ndim is {c.ndim}"))
+    return out
+
+
+def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -> list[Problem]:
+    """Lengths of one column's arrays against ``n_rows``, the rows of its domain (``of``: the
+    output's rows, or the items of a list) (metadata only)."""
+    rel = f"columns/{c.name}"
+    out: list[Problem] = []
+    a = c.arrays
+    compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
+    if c.kind in ("fixed", "str") and not compact and "offsets" not in a and a["values"].shape[0] != n_rows:
+        out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but {of} has {n_rows}"))
+    for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
+        if k in a and a[k].shape[0] != want:
+            out.append((f"{rel}/{k}", f"{a[k].shape[0]} entries, but {of} has {n_rows} rows (must be {want})"))
+    return out
+
+
+def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
+    """A column's ``offsets`` from 0, never decreasing, ending at the length of ``values``; its
+    ``shapes`` non-negative, their products (times ``inner_shape``'s) equal to the offsets' steps."""
+    rel = f"columns/{c.name}"
+    n = len(offsets) - 1
+    out = offsets_problems(offsets, n, int(c.arrays["values"].shape[0]), f"{rel}/offsets", "rows", f"{rel}/values")
+    if out:
+        return out
+    if c.kind == "fixed" and np.any(np.diff(offsets) > 1):  # compact fixed column: 0 or 1 row each
+        r = int(np.flatnonzero(np.diff(offsets) > 1)[0])
+        return [(f"{rel}/offsets", f"row {r} spans {int(offsets[r + 1] - offsets[r])} rows of a fixed column")]
+    if shapes is None:
+        return out
+    if c.kind == "strlist":  # shapes (n_rows, 1): strings per row, whose n uint32 lengths open its bytes
+        bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > np.diff(offsets)))
+        if len(bad):
+            r = int(bad[0])
+            return [(f"{rel}/shapes", f"row {r} holds {int(shapes[r, 0])} strings, more than its "
+                     f"{int(offsets[r + 1] - offsets[r])} bytes can ({len(bad)} such rows)")]  # fmt: skip
+        return out
+    if np.any(shapes < 0):
+        r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
+        return [(f"{rel}/shapes", f"row {r} has a negative dimension {shapes[r].tolist()}")]
+    inner = int(np.prod(c.inner_shape)) if c.inner_shape else 1
+    elems, problems = shape_products(shapes, f"{rel}/shapes")
+    if problems:
+        return problems
+    bad = np.flatnonzero(elems != np.diff(offsets) * inner)
+    if len(bad):
+        r = int(bad[0])
+        return [
+            (
+                f"{rel}/shapes",
+                f"row {r} has shape {shapes[r].tolist()}, but its offsets span {int(offsets[r + 1] - offsets[r])} "
+                f"({len(bad)} such rows)",
+            )
+        ]
+    return out
+
+
+def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndarray, list[Problem]]:
+    """Elements per row of a non-negative ``(rows, ndim)`` shapes array, computed saturating at
+    ``F.SHAPE_ELEMS_MAX`` (never wrapping: ``[2**32, 2**32]`` is not 0 elements), and the rows
+    that break ``F.shape_problem``: more than 2**62 elements, or more than
+    ``F.EMPTY_EXTENT_MAX`` entries before a zero dimension (``[2**27, 0]``). Vectorised."""
+    rows = shapes.shape[0]
+    lead = np.ones(rows, dtype=np.int64)  # product of the dimensions before the first zero
+    zero = np.zeros(rows, dtype=bool)
+    over = np.zeros(rows, dtype=bool)
+    for j in range(shapes.shape[1]):
+        d = shapes[:, j]
+        zero_now = zero | (d == 0)
+        grow = ~zero_now
+        big = grow & (lead > F.SHAPE_ELEMS_MAX // np.maximum(d, 1))
+        over |= big
+        lead = np.where(grow & ~big, lead * np.where(grow, d, 1), lead)
+        zero = zero_now
+    elems = np.where(zero, 0, lead)
+    bad = np.flatnonzero(over | (zero & (lead > F.EMPTY_EXTENT_MAX)))
+    if not len(bad):
+        return elems, []
+    r = int(bad[0])
+    what = F.shape_problem(shapes[r].tolist()) or "is out of bounds"
+    return elems, [(rel, f"row {base + r}'s {what} ({len(bad)} such rows)")]
+
+
+def rows_layout_problems(
+    c: StoredColumn, valid: np.ndarray | None, offsets: np.ndarray | None, in_layout: np.ndarray
+) -> list[Problem]:
+    """A row has a value only in a column its file's ``file_layouts`` entry lists, and an absent
+    row stores nothing: so a file boundary moved in ``frame_offsets`` (rows handed to a file
+    whose layout lacks their leaves) or a ``valid`` flipped on is refused. ``in_layout``: per
+    row, whether its file lists this column."""
+    rel = f"columns/{c.name}"
+    has = np.ones(len(in_layout), dtype=bool) if valid is None else valid
+    bad = np.flatnonzero(has & ~in_layout)
+    if len(bad):
+        what = "valid" if valid is not None else "values"
+        return [(f"{rel}/{what}", f"row {int(bad[0])} has a value, but its file's layout does not list "
+                 f"this column ({len(bad)} such rows)")]  # fmt: skip
+    if offsets is not None and valid is not None:
+        steps = np.diff(offsets)
+        bad = np.flatnonzero(~valid & (steps != 0))
+        if len(bad):
+            return [
+                (
+                    f"{rel}/offsets",
+                    f"row {int(bad[0])} has no value but spans {int(steps[bad[0]])} ({len(bad)} such rows)",
+                )
+            ]
+        if c.kind == "fixed" and np.any(valid & (steps != 1)):
+            r = int(np.flatnonzero(valid & (steps != 1))[0])
+            return [(f"{rel}/offsets", f"row {r} has a value but spans {int(steps[r])} rows of a compact fixed column")]
+    return []
+
+
+def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColumn], np.ndarray | None]) -> list[Problem]:
+    """Version 3's type ids (docs/FORMAT.md, *Value model*): where a leaf has several variant
+    columns, a row has a value in at most one of them (``valid`` gives a column's mask, None when
+    every row has a value)."""
+    by_leaf: dict[tuple[str, ...], list[StoredColumn]] = {}
+    for c in cols.values():
+        by_leaf.setdefault(c.leaf, []).append(c)
+    out: list[Problem] = []
+    for leaf, group in sorted(by_leaf.items()):
+        if len(group) < 2:
+            continue
+        count: np.ndarray | None = None
+        for c in group:
+            v = valid(c)
+            if v is None:
+                out.append((f"columns/{c.name}/valid", f"missing: leaf {list(leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value"))
+                break
+            count = v.astype(np.int64) if count is None else count + v
+        else:
+            if count is not None and len(count) and int(count.max()) > 1:
+                r = int(np.argmax(count > 1))
+                names = ", ".join(f"columns/{c.name}" for c in group)
+                out.append((f"columns/{group[0].name}/valid", f"row {r} has a value in more than one variant of leaf {list(leaf)!r:.200} ({names})"))
+    return out
+
+
+def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
+    """Every string of a ``str`` / list-of-``str`` column valid UTF-8, and
+    a list row's ``n`` uint32 lengths adding up to its bytes (offsets already checked)."""
+    rel = f"columns/{c.name}/values"
+    if c.kind == "str":
+        bounds = offsets
+    else:
+        assert shapes is not None
+        pieces = [0]
+        for r, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
+            n = int(shapes[r, 0])
+            lens = np.frombuffer(values[a : a + 4 * n].tobytes(), dtype="<u4").astype(np.int64)
+            if a + 4 * n + int(lens.sum()) != b:
+                return [(rel, f"row {r}'s {n} string lengths do not add up to its {b - a} bytes")]
+            pieces.append(a + 4 * n)  # the length prefix: bytes, but never starts inside a character
+            pieces.extend((a + 4 * n + np.cumsum(lens)).tolist())
+        bounds = np.array(pieces, dtype=np.int64)
+        keep = np.ones(len(values), dtype=bool)
+        # prefixes are not text: check the strings alone, each starting at a boundary
+        for r, a in enumerate(offsets[:-1].tolist()):
+            keep[a : a + 4 * int(shapes[r, 0])] = False
+        starts = bounds[:-1][(np.diff(bounds) > 0)]
+        starts = starts[keep[starts]] if len(starts) else starts
+        text = values[keep]
+        try:
+            text.tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return [(rel, f"a string is not valid UTF-8 ({exc.reason})")]
+        if len(starts) and np.any((values[starts] & 0xC0) == 0x80):
+            return [(rel, "a string is not valid UTF-8 (starts inside a character)")]
+        return []
+    try:
+        values.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return [(rel, f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})")]
+    starts = bounds[:-1][np.diff(bounds) > 0]
+    if len(starts) and np.any((values[starts] & 0xC0) == 0x80):
+        r = int(
+            np.flatnonzero(
+                (np.diff(bounds) > 0) & ((values[np.minimum(bounds[:-1], max(len(values) - 1, 0))] & 0xC0) == 0x80)
+            )[0]
+        )
+        return [(rel, f"row {r} is not valid UTF-8 (starts inside a character)")]
+    return []
+
+
+def list_lengths(c: StoredColumn, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+    """Each row's length as a list (-1 where a row's value is not a list): a list header's
+    value, a numeric column's first dimension, a string list's count (``read``: an array, whole)."""
+    a = c.arrays
+    n = int(a["valid"].shape[0]) if "valid" in a else None
+    if c.leaf and c.leaf[-1] == F.MARK:  # a container header: its value
+        return header_values(c, read)
+    if c.kind == "strlist" or (c.kind == "ragged" and c.inner_shape is None):
+        if "shapes" in a:
+            return np.asarray(read(a["shapes"]), dtype=np.int64).reshape(int(a["shapes"].shape[0]), -1)[:, 0]
+        return np.diff(np.asarray(read(a["offsets"]), dtype=np.int64))
+    if c.kind == "ragged":
+        return np.diff(np.asarray(read(a["offsets"]), dtype=np.int64))
+    rows = int(a["offsets"].shape[0]) - 1 if "offsets" in a else int(a["values"].shape[0])
+    width = int(a["values"].shape[1]) if c.kind == "fixed" and len(a["values"].shape) > 1 else -1
+    return np.full(n if n is not None else rows, width, dtype=np.int64)
+
+
+def header_values(c: StoredColumn, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+    """A container header's value per row (0 where a compact column holds none)."""
+    values = np.asarray(read(c.arrays["values"]), dtype=np.int64).reshape(-1)
+    if "offsets" not in c.arrays:
+        return values
+    steps = np.diff(np.asarray(read(c.arrays["offsets"]), dtype=np.int64))
+    out = np.zeros(len(steps), dtype=np.int64)
+    out[steps > 0] = values[: int(np.count_nonzero(steps > 0))]
+    return out
+
+
+def records_problems(cols: dict[str, StoredColumn], read: Callable[[Any], np.ndarray]) -> list[Problem]:
+    """Every row of a ``pyrecords`` header (a list of dicts) holds a list of that length under
+    each key it has, and under at least one: what ``value()`` and ``to_arrow()`` check before
+    sizing anything by the header (``read``: an array, whole)."""
+    out: list[Problem] = []
+    heads = [c for c in cols.values() if c.dtype == "pyrecords" and c.leaf and c.leaf[-1] == F.MARK]
+    for h in heads:
+        p = h.leaf[:-1]
+        keys = [
+            c for c in cols.values()
+            if c.leaf[: len(p)] == p and (
+                (len(c.leaf) == len(p) + 1 and not F.is_marker(c.leaf[-1]))
+                or (len(c.leaf) == len(p) + 2 and c.leaf[-1] == F.MARK and not F.is_marker(c.leaf[-2]))
+            )
+        ]  # fmt: skip
+        n = header_values(h, read)
+        has = np.asarray(read(h.arrays["valid"]), bool) if "valid" in h.arrays else np.ones(len(n), bool)
+        held = np.zeros(len(n), bool)
+        problem = None
+        for k in keys:
+            got = list_lengths(k, read)
+            v = np.asarray(read(k.arrays["valid"]), bool) if "valid" in k.arrays else np.ones(len(got), bool)
+            if len(got) != len(n) or len(v) != len(n):
+                continue  # lengths against the rows: column_problems
+            bad = np.flatnonzero(has & v & (got != n))
+            if len(bad) and problem is None:
+                r = int(bad[0])
+                problem = f"key {F.path_text((k.leaf[len(p)],))!r} holds {int(got[r])}"
+                row = r
+            held |= v
+        if problem is None and np.any(has & ~held):
+            row = int(np.flatnonzero(has & ~held)[0])
+            problem = "no key holds a list there"
+        if problem is not None:
+            out.append((f"columns/{h.name}", f"row {row} says its list of dicts at {F.path_text(p)!r} has {int(n[row])} "
+                        f"items, but {problem}"))  # fmt: skip
+    return out

@@ -1,0 +1,49 @@
+"""A Zarr v3 array's documents from plain values (docs/FORMAT.md): the ``zarr.json`` of an array
+of fixed-size chunks with a ``crc32c`` checksum, and a small array written as one chunk. Both
+trees use them: the writer's segment arrays (``data``, ``index``, ``catalog``) and every array of
+a merged output (``_zarrmeta``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from . import common as F
+
+
+def array_meta(
+    shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, attributes: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A Zarr v3 array ``zarr.json`` document (docs/FORMAT.md)."""
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if np.dtype(dtype).itemsize == 1:
+        codecs = [{"name": "bytes"}]
+    if crc:
+        codecs.append({"name": "crc32c"})
+    kind = np.dtype(dtype).kind
+    fill: Any = False if kind == "b" else [0.0, 0.0] if kind == "c" else 0.0 if kind == "f" else 0
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attributes or {},
+    }
+
+
+def array_objects(rel: str, raw: bytes, shape: tuple[int, ...], dtype: str) -> dict[str, bytes]:
+    """A small array as one chunk with a crc32c checksum (zarr's crc32c codec layout): its
+    objects by path."""
+    chunks = tuple(max(d, 1) for d in shape)
+    out = {f"{rel}/zarr.json": F.dumps(array_meta(shape, chunks, dtype, crc=True))}
+    if all(d > 0 for d in shape):
+        crc = np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()
+        out[f"{rel}/c/" + "/".join("0" * len(shape))] = raw + crc
+    return out

@@ -1,0 +1,1 @@
+"""Inspecting either tree: summary and verify, coverage, status."""

@@ -1,0 +1,286 @@
+"""Coverage of a spill root or a merged output: which frames of which file came from which rank,
+which are missing (gaps, or against a manifest of expected frame counts) and which were written
+more than once. Used by ``spillmerge inspect --json / --expected / --plot``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import ConfigError, SpillMergeError, require
+from .._format import spill as FS
+from .._spill.root import load_segment, scan
+from .._storage import Storage
+from .._util.frames import MAX_FRAME, gap_runs, n_below, runs
+
+
+@dataclass(frozen=True, slots=True)
+class FileCoverage:
+    """The frames of one filename."""
+
+    filename: str
+    """Original filename."""
+    frames: np.ndarray
+    """Frame indices present, ascending, unique (int64)."""
+    ranks: np.ndarray
+    """Rank each frame came from (the first segment in write order for a spill root), or -1."""
+    copies: np.ndarray
+    """Number of segments that held each frame (1, or more when it was written twice)."""
+    expected: int | None
+    """Frames the manifest expects (frame indices ``0 .. expected-1``), or None without one."""
+
+    @property
+    def span(self) -> int:
+        """Frames ``0 .. span-1`` are expected: the manifest's count, else up to the highest frame."""
+        if self.expected is not None:
+            return self.expected
+        return int(self.frames[-1]) + 1 if len(self.frames) else 0
+
+    @property
+    def n_missing(self) -> int:
+        """How many frames below :attr:`span` are absent (arithmetic, whatever the span)."""
+        return self.span - n_below(self.frames, self.span)
+
+    def missing_runs(self) -> np.ndarray:
+        """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)).
+
+        Built from the gaps between present frames, so it costs O(frames) whatever the span: frames
+        {0, 5e9} are 1 run, not 5e9 integers (``spillmerge inspect`` once built an ``arange`` over
+        the span: 82 s and 10.9 GB for {0, 4e8}, a MemoryError for {0, 5e9})."""
+        return gap_runs(self.frames, self.span)
+
+    def missing(self, limit: int = 10_000) -> np.ndarray:
+        """The first ``limit`` absent frame indices below :attr:`span` (ascending); an explicit list
+        is capped, as ``MergeReport.frame_gaps`` is: :meth:`missing_runs` has them all."""
+        out: list[np.ndarray] = []
+        left = limit
+        for a, b in self.missing_runs().tolist():
+            if left <= 0:
+                break
+            take = min(b - a + 1, left)
+            out.append(np.arange(a, a + take, dtype=np.int64))
+            left -= take
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def unexpected(self) -> np.ndarray:
+        """Frames at or beyond the manifest's count (none without a manifest)."""
+        return self.frames[self.frames >= self.expected] if self.expected is not None else self.frames[:0]
+
+    def duplicated(self) -> np.ndarray:
+        return self.frames[self.copies > 1]
+
+
+@dataclass
+class Coverage:
+    """Coverage of every file of a spill root or merged output (plus files only the manifest names)."""
+
+    path: str
+    """What was read."""
+    kind: str
+    """``"spill"`` or ``"merged"``."""
+    files: list[FileCoverage]
+    """Sorted by filename."""
+    manifest: str | None = None
+    """The manifest path, when one was given."""
+    notes: list[str] = field(default_factory=list)
+    """Segments that could not be read (spill roots)."""
+    unlisted: list[str] = field(default_factory=list)
+    """Files present that the manifest does not list."""
+
+    @property
+    def n_missing(self) -> int:
+        return sum(f.n_missing for f in self.files)
+
+    @property
+    def n_duplicated(self) -> int:
+        return sum(int(np.count_nonzero(f.copies > 1)) for f in self.files)
+
+    def to_json(self, max_files: int | None = None) -> dict[str, Any]:
+        """Frame sets as inclusive ``[first, last]`` runs, so a million frames stay a few lines.
+        ``max_files``: list at most that many files, those with missing, duplicated or unexpected
+        frames (or not in the manifest) first; the totals always count every file."""
+        problem: list[FileCoverage] = []
+        clean: list[FileCoverage] = []
+        n_missing = n_dup = present = 0
+        unlisted = set(self.unlisted)
+        for f in self.files:  # cheap per-file counts; the runs only for the files listed
+            m, d = f.n_missing, int(np.count_nonzero(f.copies > 1))
+            n_missing, n_dup, present = n_missing + m, n_dup + d, present + len(f.frames)
+            bad = m or d or f.filename in unlisted or (f.expected is not None and len(f.unexpected()))
+            (problem if bad else clean).append(f)
+        listed = (problem + clean)[:max_files] if max_files is not None else problem + clean
+        files = []
+        for f in listed:
+            entry: dict[str, Any] = {
+                "filename": f.filename,
+                "frames": len(f.frames),
+                "expected": f.expected,
+                "by_rank": [[a, b, r] for a, b, r in runs(f.frames, f.ranks)],
+                "missing": f.missing_runs().tolist(),
+                "duplicated": [[a, b] for a, b, _ in runs(f.duplicated())],
+            }
+            if f.expected is not None:
+                entry["unexpected"] = [[a, b] for a, b, _ in runs(f.unexpected())]
+            files.append(entry)
+        return {
+            "kind": self.kind,
+            "path": self.path,
+            "manifest": self.manifest,
+            "missing_frames": n_missing,
+            "missing_files": [f.filename for f in self.files if not len(f.frames) and f.span],
+            "duplicated_frames": n_dup,
+            "present_frames": present,
+            "n_files": len(self.files),
+            "files_with_problems": len(problem),
+            "unlisted_files": self.unlisted,
+            "files": files,
+            "notes": self.notes,
+        }
+
+
+def coverage(
+    path: str, storage_options: dict[str, Any] | None = None, *, expected: dict[str, int] | None = None
+) -> Coverage:
+    """Coverage of a spill root (committed segments, as the merge would see them) or a merged output."""
+    from .summary import detect
+
+    for name, count in (expected or {}).items():
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_FRAME + 1:
+            raise ConfigError(f"expected[{name!r}] must be a frame count in [0, 2**63], got {count!r}", key="expected")
+    storage = Storage(path, storage_options)
+    kind = detect(storage)
+    per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
+    names = sorted(set(per_file) | set(expected or {}))
+    empty = np.zeros(0, dtype=np.int64)
+    files = []
+    for name in names:
+        frames, ranks, copies = per_file.get(name, (empty, empty, empty))
+        files.append(FileCoverage(name, frames, ranks, copies, None if expected is None else expected.get(name)))
+    unlisted = [] if expected is None else [n for n in names if n not in expected]
+    return Coverage(storage.describe(), kind, files, notes=notes, unlisted=unlisted)
+
+
+_PerFile = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _merged(storage: Storage) -> tuple[_PerFile, list[str]]:
+    from .._read.store import MergedStore
+
+    res = MergedStore(storage.url, storage.storage_options)
+    out: _PerFile = {}
+    # slice the index arrays: no lookup per file
+    names, off, all_frames, all_ranks, all_copies = res.index_arrays()
+    for i, name in enumerate(names):
+        a, b = int(off[i]), int(off[i + 1])
+        out[name] = (all_frames[a:b], all_ranks[a:b], all_copies[a:b])
+    return out, []
+
+
+def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
+    # Write order, as the merge's duplicate policy sees it: segment start time, then rank.
+    segs = sorted(
+        (s for ss in scan(storage).values() for s in ss if s.commit is not None),
+        key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name),
+    )
+    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": [], "order": []}
+    gid: dict[str, int] = {}
+    notes = []
+    for order, seg in enumerate(segs):
+        try:
+            loaded = load_segment(storage, seg)
+        except SpillMergeError as exc:
+            notes.append(str(exc))
+            continue
+        fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
+        keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
+        cols["file"].append(fmap[keys[:, 0]] if len(keys) else np.zeros(0, np.int64))
+        cols["frame"].append(keys[:, 1])
+        cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
+        cols["order"].append(np.full(len(keys), order, np.int64))
+    by_id = {i: f for f, i in gid.items()}
+    out: _PerFile = {}
+    if not cols["file"]:
+        return out, notes
+    c = {k: np.concatenate(v) for k, v in cols.items()}
+    srt = np.lexsort((c["order"], c["frame"], c["file"]))
+    file_s, frame_s, rank_s = c["file"][srt], c["frame"][srt], c["rank"][srt]
+    first = np.ones(len(srt), dtype=bool)
+    first[1:] = (np.diff(file_s) != 0) | (np.diff(frame_s) != 0)
+    starts = np.flatnonzero(first)
+    copies = np.diff(np.append(starts, len(srt)))
+    kf, kframe, krank = file_s[starts], frame_s[starts], rank_s[starts]
+    bounds = np.flatnonzero(np.diff(kf)) + 1
+    for part in np.split(np.arange(len(kf)), bounds):
+        if len(part):
+            out[by_id[int(kf[part[0]])]] = (kframe[part], krank[part], copies[part])
+    return out, notes
+
+
+def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
+    """Draw one row per file: frames coloured by source rank, missing frames in red, duplicated
+    frames marked with a black tick. Needs matplotlib (``pip install 'spillmerge[plot]'``)."""
+    mpl = require("matplotlib", package="matplotlib", extra="plot", feature="spillmerge inspect --plot")
+    mpl.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    files = cov.files[:max_files]
+    n = max(len(files), 1)
+    fig, ax = plt.subplots(figsize=(10, min(2.0 + 0.3 * n, 60.0)), dpi=100)
+    ranks = sorted({int(r) for f in files for r in np.unique(f.ranks)})
+    # tab10 without its red (index 3), which is reserved for missing frames; viridis past 9 ranks.
+    tab = [plt.get_cmap("tab10")(i) for i in range(10) if i != 3]
+    many = plt.get_cmap("viridis")
+    color: dict[int, Any] = {}
+    for i, r in enumerate(ranks):
+        color[r] = tab[i] if len(ranks) <= len(tab) else many(i / max(len(ranks) - 1, 1))
+    # Runs, not frames: one bar collection per colour and file, so drawing costs O(frames) whatever
+    # the span of frame indices. Bars are at least ~1 pixel wide, so an isolated frame stays
+    # visible next to a gap of billions; missing runs go below the present ones.
+    width = max((f.span for f in files), default=1)
+    least = max(width, 1) / 500
+    for y, f in enumerate(files):
+        gaps = f.missing_runs()
+        if len(gaps):
+            bars = [(a - 0.5, max(b - a + 1, least)) for a, b in gaps.tolist()]
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors="red", linewidth=0)
+        by_rank: dict[int, list[tuple[float, float]]] = {}
+        for a, b, r in runs(f.frames, f.ranks):
+            by_rank.setdefault(r, []).append((a - 0.5, max(b - a + 1, least)))
+        for r, bars in by_rank.items():
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[r], linewidth=0)
+        dup = f.duplicated()
+        if len(dup):
+            ax.plot(
+                dup,
+                np.full(len(dup), y + 0.3),
+                linestyle="none",
+                marker="|",
+                color="black",
+                markersize=12,
+                markeredgewidth=2,
+            )
+    ax.set_yticks(range(len(files)))
+    ax.set_yticklabels([_short(f.filename) for f in files], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("frame index")
+    ax.set_xlim(-0.5, max(width, 1) - 0.5)
+    handles = [Patch(color=color[r], label=f"rank {r}") for r in ranks]
+    handles.append(Patch(color="red", label=f"missing ({cov.n_missing})"))
+    handles.append(Patch(color="black", label=f"duplicated ({cov.n_duplicated})"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    more = f" (first {len(files)} of {len(cov.files)} files)" if len(cov.files) > len(files) else ""
+    ax.set_title(f"{cov.kind} {cov.path}{more}", fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(png, format="png")
+    except OSError as exc:
+        raise SpillMergeError(f"cannot write the plot to {png}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def _short(name: str, n: int = 40) -> str:
+    return name if len(name) <= n else "…" + name[-(n - 1) :]

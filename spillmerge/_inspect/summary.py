@@ -1,0 +1,600 @@
+"""Summaries and integrity checks of a spill root or a merged output (``inspect`` / ``verify``)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from .._errors import SpillMergeError
+from .._format import common as F
+from .._format import indexinvariants as IX
+from .._format import invariants as V
+from .._format import lists as L
+from .._format import output as FO
+from .._format import spill as FS
+from .._format.output import header, not_an_output, what_is
+from .._read import filenames as N
+from .._spill.root import load_segment, scan
+from .._storage import Storage
+from .._util.units import size_text as _human
+
+
+def detect(storage: Storage) -> str:
+    """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
+    kind = what_is(storage)
+    if kind in ("missing", "file"):
+        raise not_an_output(storage, kind)
+    if header(storage) is not None:
+        return "merged"
+    if kind == "spill":
+        return "spill"
+    raise not_an_output(storage, kind)
+
+
+def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:
+    storage = Storage(path, storage_options)
+    kind = detect(storage)
+    return _summarize_merged(storage, max_files) if kind == "merged" else _summarize_spill(storage, max_files)
+
+
+def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
+    """A tqdm bar on stderr when it is a terminal (as the merge's), else None: piped output and
+    logs stay free of carriage returns."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False)
+
+
+def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
+    segments = scan(storage)
+    bar = progress_bar(sum(1 for segs in segments.values() for s in segs if s.commit), "inspect", "segment")
+    ranks = []
+    files: Counter[str] = Counter()
+    dtypes: Counter[str] = Counter()
+    total = {"frames": 0, "bytes": 0, "segments": 0}
+    world_sizes = set()
+    for rank, segs in segments.items():
+        entries = []
+        for s in segs:
+            status = "committed" if s.commit else "failed" if s.failure else "incomplete"
+            entry: dict[str, Any] = {"segment": s.name, "status": status}
+            if s.world_size is not None:
+                world_sizes.add(s.world_size)
+            if s.commit is not None:
+                c = s.commit
+                entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
+                total["frames"] += c.n_frames
+                total["bytes"] += c.nbytes
+                try:
+                    loaded = load_segment(storage, s)
+                    # Frames, not index rows: a frame whose value is a dict has one row per leaf.
+                    keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
+                    per_file = (
+                        np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
+                    )
+                    for fid, n in enumerate(per_file):
+                        if n:
+                            files[loaded.filenames[fid]] += int(n)
+                    for lay in loaded.layouts:
+                        dtypes[F.dtype_text(lay.dtype, len(lay.shape))] += 1
+                except SpillMergeError as exc:
+                    entry["error"] = str(exc)
+                if bar is not None:
+                    bar.update(1)
+            if s.failure is not None:
+                entry["error"] = s.failure.summary()
+            entries.append(entry)
+            total["segments"] += 1
+        ranks.append({"rank": rank, "segments": entries})
+    if bar is not None:
+        bar.close()
+    top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
+    return {
+        "kind": "spill",
+        "path": storage.describe(),
+        "world_size": sorted(world_sizes),
+        "ranks": ranks,
+        "n_files": len(files),
+        "files": [{"filename": f, "frames": n} for f, n in top[:max_files]],
+        "dtypes": sorted(dtypes),
+        **total,
+    }
+
+
+def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
+    from .._read.store import MergedStore
+
+    complete = storage.exists(FO.COMPLETE_NAME)
+    if not complete:
+        raw = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))
+        return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
+    res = MergedStore(storage.url, storage.storage_options)
+    files: list[dict[str, Any]] = []
+    dtypes: set[str] = set()
+    # the dtypes are the columns', no file need be opened (every column: a leaf that files
+    # disagreed on has one per dtype or kind)
+    dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.files.columns.values()}
+    for name in res.filenames[:max_files]:
+        value = res[name]
+        leaves = _leaves(value)
+        for _, arr in leaves:
+            dtypes.add(_leaf_dtype(arr))
+        if len(files) < max_files:
+            frames = res.frames(name)
+            files.append(
+                {
+                    "filename": name,
+                    "frames": int(len(frames)),
+                    "first_frame": int(frames[0]) if len(frames) else None,
+                    "last_frame": int(frames[-1]) if len(frames) else None,
+                    "leaves": [
+                        {"leaf": _leaf_text(leaf, arr), "dtype": _leaf_dtype(arr), "shape": _row_shape(arr)}
+                        for leaf, arr in leaves
+                    ],
+                }
+            )
+    h = res.header
+    return {
+        "kind": "merged",
+        "path": storage.describe(),
+        "complete": True,
+        "n_files": h["n_files"],
+        "frames": h["n_frames"],
+        "bytes": h["nbytes"],
+        "ranks": h.get("ranks"),
+        "segments": h.get("segments"),
+        "dtypes": sorted(dtypes),
+        "files": files,
+    }
+
+
+def _info(arr: Any) -> Any:
+    """The stored column of a leaf view."""
+    return arr.info
+
+
+def _leaf_text(key: str, arr: Any) -> str:
+    """A leaf as a listing shows it: its dict keys joined by ``/``, a list's items as ``[*]``, a
+    container (its header) by its own path; ``<value>`` for the value itself."""
+    info = _info(arr)
+    leaf = info.leaf[:-1] if info.leaf and info.leaf[-1] == F.MARK else info.leaf
+    return F.path_text(leaf)
+
+
+def _leaf_dtype(arr: Any) -> str:
+    info = _info(arr)
+    return F.dtype_text(info.dtype, info.ndim)
+
+
+def _row_shape(arr: Any) -> list[int | None]:
+    """The shape of one row of a leaf: ``None`` for a dimension that varies (ragged leaves), ``[]``
+    for strings, bytes and lists of strings, Python values and containers."""
+    from .._read.views import RaggedView
+
+    info = _info(arr)
+    if info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS or not F.DTYPES[info.dtype].numeric:
+        return []
+    if isinstance(arr, RaggedView):
+        shapes = arr.shapes
+        if not len(shapes):
+            return [None] * arr.ndim
+        same = (shapes == shapes[0]).all(axis=0)
+        return [int(d) if ok else None for d, ok in zip(shapes[0], same, strict=True)]
+    shape = getattr(arr, "shape", None)
+    return list(shape[1:]) if shape is not None else []
+
+
+def _leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        out = []
+        for k, v in value.items():
+            out.extend(_leaves(v, f"{prefix}/{k}" if prefix else k))
+        return out
+    return [(prefix, value)]
+
+
+def _frames(n: int) -> str:
+    return f"{n} frame" if n == 1 else f"{n} frames"
+
+
+def format_text(s: dict[str, Any]) -> str:
+    lines = []
+    if s["kind"] == "spill":
+        lines.append(f"spill root {s['path']}")
+        lines.append(
+            f"  world size {', '.join(map(str, s['world_size'])) or '?'}; {len(s['ranks'])} rank folders, "
+            f"{s['segments']} segments; committed: {s['frames']} frames, {s['n_files']} files, {_human(s['bytes'])}"
+        )
+        lines.append(f"  dtypes: {', '.join(s['dtypes']) or '-'}")
+        for r in s["ranks"]:
+            for e in r["segments"]:
+                extra = (
+                    f"{e.get('frames', 0)} frames, {e.get('files', 0)} files, {_human(e.get('bytes', 0))}"
+                    if e["status"] == "committed"
+                    else ""
+                )
+                err = f"  ERROR: {e['error']}" if "error" in e else ""
+                lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
+        if s["files"]:
+            lines.append("  files (most frames first):")
+            for f in s["files"]:
+                lines.append(f"    {f['filename']!r}: {_frames(f['frames'])}")
+            if s["n_files"] > len(s["files"]):
+                lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
+    else:
+        lines.append(f"merged output {s['path']}" + ("" if s["complete"] else "  INCOMPLETE (merge did not finish)"))
+        if s["complete"]:
+            lines.append(
+                f"  {s['n_files']} files, {s['frames']} frames, {_human(s['bytes'])} from ranks {s['ranks']} "
+                f"({s['segments']} segments); dtypes: {', '.join(s['dtypes'])}"
+            )
+            for f in s["files"]:
+                leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape'] or ''}" for x in f["leaves"])
+                lines.append(
+                    f"    {f['filename']!r}: {_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]  {leaves}"
+                )
+            if s["n_files"] > len(s["files"]):
+                lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
+    return "\n".join(lines)
+
+
+def _ranges(runs: list[list[int]], limit: int = 8) -> str:
+    parts = [f"{r[0]}" if r[0] == r[1] else f"{r[0]}..{r[1]}" for r in runs[:limit]]
+    return ", ".join(parts) + (f", ... ({len(runs) - limit} more runs)" if len(runs) > limit else "")
+
+
+def format_coverage(cov: Any, max_files: int = 20) -> str:
+    """Text coverage report: totals, then each file with missing, duplicated or unexpected frames."""
+    j = cov.to_json(max_files=max_files)  # files with problems come first
+    present = j["present_frames"]
+    against = f" against {j['manifest']}" if j["manifest"] else " (gaps below each file's highest frame)"
+    lines = [
+        f"  coverage{against}: {present} frames present, {j['missing_frames']} missing"
+        f"{' (' + str(len(j['missing_files'])) + ' files entirely)' if j['missing_files'] else ''}, "
+        f"{j['duplicated_frames']} written more than once"
+        + (f", {len(j['unlisted_files'])} files not in the manifest" if j["unlisted_files"] else "")
+    ]
+    for f in j["files"]:
+        problems = []
+        if f["missing"]:
+            problems.append(f"missing {_ranges(f['missing'])}")
+        if f["duplicated"]:
+            problems.append(f"duplicated {_ranges(f['duplicated'])}")
+        if f["filename"] in j["unlisted_files"]:
+            problems.append("not in the manifest")
+        if f.get("unexpected"):
+            problems.append(f"beyond the manifest's {f['expected']} frames: {_ranges(f['unexpected'])}")
+        if problems:
+            lines.append(f"    {f['filename']!r}: " + "; ".join(problems))
+    if j["files_with_problems"] > max_files:
+        lines.append(f"    ... and {j['files_with_problems'] - max_files} more files with problems (--max-files N)")
+    lines.extend(f"  note: {n}" for n in j["notes"])
+    return "\n".join(lines)
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`."""
+
+    path: str
+    """What was checked."""
+    kind: str
+    """``"spill"`` or ``"merged"``."""
+    checked_objects: int = 0
+    """Objects (chunks, indexes) whose checksums were verified."""
+    checked_bytes: int = 0
+    """Payload bytes verified."""
+    problems: list[str] = field(default_factory=list)
+    """One line per corrupt or missing object, naming its path."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+    """Check every checksum of a spill root (index, catalog, every frame) or a merged output
+    (every chunk), collecting every problem rather than stopping at the first."""
+    storage = Storage(path, storage_options)
+    kind = detect(storage)
+    rep = VerifyReport(storage.describe(), kind)
+    if kind == "spill":
+        _verify_spill(storage, rep)
+    else:
+        _verify_merged(storage, rep)
+    storage.close()
+    return rep
+
+
+def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
+    segments = scan(storage)
+    bar = progress_bar(sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit), "verify")
+    try:
+        _verify_segments(storage, rep, segments, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
+    for rank in sorted(segments):
+        for seg in segments[rank]:
+            if seg.commit is None:
+                what = "failed" if seg.failure else "incomplete"
+                rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
+                continue
+            try:
+                loaded = load_segment(storage, seg)
+            except SpillMergeError as exc:
+                rep.problems.append(str(exc))
+                continue
+            rep.checked_objects += 2
+            cb = seg.commit.chunk_bytes
+            idx = loaded.index
+            bad_chunks: set[int] = set()
+            # Blocks first (write_batch's rows: one checksum per leaf of a block, in one chunk).
+            for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
+                c = off // cb
+                if c in bad_chunks:
+                    continue
+                buf = np.empty(nb, dtype=np.uint8)
+                rel = f"{seg.rel}/{FS.DATA_NAME}/c/{c}"
+                try:
+                    storage.read_into([(rel, off - c * cb, off - c * cb + nb)], buf.data)
+                except SpillMergeError as exc:
+                    rep.problems.append(str(exc))
+                    bad_chunks.add(c)
+                    continue
+                if google_crc32c.value(buf) != crc:
+                    rep.problems.append(
+                        f"{storage.describe(rel)}: checksum mismatch in a block of rows "
+                        f"(bytes {off}..{off + nb} of rank {rank}'s data)"
+                    )
+                    bad_chunks.add(c)
+            for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
+                off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
+                if nb == 0:
+                    continue
+                if crc < 0:  # checked with its block above
+                    if off // cb not in bad_chunks:
+                        rep.checked_bytes += nb
+                    if bar is not None:
+                        bar.update(nb)
+                    continue
+                first, last = off // cb, (off + nb - 1) // cb
+                if bad_chunks & set(range(first, last + 1)):
+                    continue
+                buf = np.empty(nb, dtype=np.uint8)
+                pieces = []
+                o = off
+                while o < off + nb:
+                    c = o // cb
+                    stop = min(off + nb, (c + 1) * cb)
+                    pieces.append((f"{seg.rel}/{FS.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
+                    o = stop
+                try:
+                    storage.read_into(pieces, buf.data)
+                except SpillMergeError as exc:
+                    rep.problems.append(str(exc))
+                    bad_chunks.update(range(first, last + 1))
+                    continue
+                if google_crc32c.value(buf) != crc:
+                    chunks = ", ".join(storage.describe(p[0]) for p in pieces)
+                    rep.problems.append(
+                        f"{chunks}: checksum mismatch in {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} "
+                        f"frame {int(row[FS.COL_FRAME])} (bytes {off}..{off + nb} of rank {rank}'s data)"
+                    )
+                    bad_chunks.update(range(first, last + 1))
+                else:
+                    rep.checked_bytes += nb
+                    lay = loaded.layouts[int(row[FS.COL_LAYOUT])]
+                    # what the merge's copy checks of text (a hand edit with its CRC fixed up)
+                    bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
+                    if bad is not None:
+                        rep.problems.append(
+                            f"{storage.describe(seg.rel)}: {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} frame "
+                            f"{int(row[FS.COL_FRAME])} leaf {lay.leaf_name()!r} holds {bad}: the merge would refuse it"
+                        )
+                if bar is not None:
+                    bar.update(nb)
+            rep.checked_objects += seg.commit.n_chunks
+
+
+def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
+    import zarr
+
+    from .._read.outputstore import NoFillStore
+
+    complete = storage.exists(FO.COMPLETE_NAME)
+    if not complete:
+        rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+    try:
+        store = NoFillStore(storage.zarr_store(read_only=True), storage.describe, storage)
+        group = zarr.open_group(store, mode="r")
+    except Exception as exc:  # noqa: BLE001
+        rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")
+        return
+    header = group.attrs.get("spillmerge")
+    if isinstance(header, dict) and header.get("format_version") != F.FORMAT_VERSION:
+        # another format's arrays would be reported as damage one by one: say what it is instead
+        rep.problems.append(str(F.version_error(storage.describe(), header.get("format_version"), spill=False)))
+        return
+    damaged: set[str] = set()
+    arrays = []
+    try:
+        listed = _all_arrays(group)
+    except KeyError as exc:  # zarr nests the consolidated listing by key order: an edited one breaks it
+        rep.problems.append(f"{storage.describe('zarr.json')}: the consolidated metadata is inconsistent ({exc})")
+        return
+    for name, arr in listed:
+        # The metadata first, against the format: a chunk grid it breaks (a chunk larger than
+        # its array, 2**40 rows of chunks) is reported without reading a chunk of it.
+        bad = V.grid_problems(name, arr)
+        if bad:
+            rep.problems.extend(f"{storage.describe(rel)}: {what}" for rel, what in bad)
+            damaged.add(name)
+        elif arr.size:
+            arrays.append((name, arr))
+    bar = progress_bar(len(arrays), "verify", "array")
+    for name, arr in arrays:
+        _verify_array(storage, rep, name, arr, damaged)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if complete:  # an interrupted merge may not have written its index yet
+        rep.problems.extend(_index_problems(storage, group, damaged))
+
+
+MISSING_LISTED = 20
+"""Absent chunks of one array that ``verify`` names one by one; beyond, it counts them."""
+
+
+def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, damaged: set[str]) -> None:
+    """Read every stored chunk of ``arr`` (decoding checks its CRC) and report the absent ones,
+    in time proportional to the chunks actually stored, not to the grid its metadata declares
+    (3,000,000 declared chunks of one row cost one listing): the array's chunks are listed
+    once, and the grid is walked only to name absent chunks when there are few."""
+    try:
+        stored = storage.find(f"{name}/c")
+    except SpillMergeError as exc:  # a link, FIFO or device among the chunks, named
+        rep.problems.append(str(exc))
+        damaged.add(name)
+        return
+    grid = tuple(int(n) for n in arr.cdata_shape)
+    declared = 1
+    for n in grid:
+        declared *= n
+    present: list[tuple[int, ...]] = []
+    prefix = f"{name}/c/"
+    for rel, _ in stored:
+        parts = rel[len(prefix) :].split("/")
+        try:
+            coords = tuple(int(p) for p in parts)
+        except ValueError:
+            continue  # not a chunk key (a temporary name): zarr never reads it
+        if len(coords) == len(grid) and all(0 <= c < n for c, n in zip(coords, grid, strict=True)):
+            present.append(coords)
+    missing = declared - len(present)
+    if missing:
+        damaged.add(name)
+        if missing <= MISSING_LISTED and declared <= len(present) + MISSING_LISTED:
+            have = set(present)
+            for coords in itertools.product(*(range(n) for n in grid)):
+                if coords not in have:
+                    rep.problems.append(
+                        f"{storage.describe(name + '/c/' + '/'.join(map(str, coords)))}: chunk "
+                        f"{', '.join(map(str, coords))} of {name} is missing (zarr would read it as zeros)"
+                    )
+        else:
+            rep.problems.append(
+                f"{storage.describe(name)}: {missing} of its {declared} chunks are missing "
+                f"({len(present)} stored; zarr would read the others as zeros)"
+            )
+    for coords in present:
+        sel = tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, arr.chunks, strict=True))
+        try:
+            block = arr[sel]
+            rep.checked_bytes += int(np.asarray(block).nbytes)
+            rep.checked_objects += 1
+        except SpillMergeError as exc:
+            rep.problems.append(str(exc))
+            damaged.add(name)
+        except Exception as exc:  # noqa: BLE001 - zarr reports codec errors as ValueError etc.
+            at = ", ".join(map(str, coords))
+            rep.problems.append(f"{storage.describe(name)}: chunk {at} is corrupt or missing ({exc})")
+            damaged.add(name)
+
+
+def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
+    """Every broken invariant of the output's index (docs/FORMAT.md), as the reader checks them,
+    skipping what needs an index array whose chunks were already reported damaged."""
+    header = group.attrs.get("spillmerge")
+    header = header if isinstance(header, dict) else {}
+    try:
+        out = _output_index_problems(storage, group, damaged, header)
+    except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
+        return [str(exc)]
+    return [f"{storage.describe(rel)}: {what}" for rel, what in out]
+
+
+def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[V.Problem]:
+    """The same checks as ``spillmerge.open`` (``_reader.OutputFiles``), all of them listed."""
+    need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
+    if need & damaged:
+        return []
+    filenames, name_problems = N.read_all(group, storage.describe)
+    if name_problems:
+        return name_problems
+    offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
+    file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
+    frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
+    columns, out = V.read_columns(group)
+    lengths = IX.index_lengths(group, storage.describe)
+    lists, list_problems = L.read_lists(group)
+    out.extend(list_problems)
+    damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
+    list_offs, sizes, list_problems = L.domains({p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx))
+    out.extend(list_problems)
+    # a header without its items' list (lengths: below)
+    out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
+    out.extend(IX.index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
+    for name in IX.PROVENANCE:
+        if name in lengths and f"index/{name}" not in damaged:
+            out.extend(IX.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
+    if not any(rel == "index/frame_offsets" for rel, _ in out):
+        out.extend(IX.frame_problems(frame_idx, offsets, filenames))
+    for c in columns.values():
+        rel = f"columns/{c.name}"
+        if "offsets" not in c.arrays or {f"{rel}/offsets", f"{rel}/shapes"} & damaged:
+            continue
+        if any(p == f"{rel}/offsets" or p == f"{rel}/shapes" for p, _ in out):
+            continue
+        o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64)
+        sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
+        out.extend(V.offsets_content_problems(c, o, sh))
+    if out:  # the checks below need a sound index and sound offsets
+        return out
+    in_layout = IX.layout_rows(offsets, file_layout, header["file_layouts"])
+    heads = []
+    for c in columns.values():
+        rel = f"columns/{c.name}"
+        if {f"{rel}/offsets", f"{rel}/valid"} & damaged or F.list_domain(c.leaf) not in {(), *list_offs}:
+            continue  # damaged arrays (or the list offsets of its rows) are reported already
+        col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
+        valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
+        rows = L.expand(list_offs, F.list_domain(c.leaf), in_layout(c.name))
+        out.extend(V.rows_layout_problems(c, valid, col_off, rows))
+        if _is_list_head(c):
+            n = None if f"{rel}/values" in damaged else np.asarray(V.read_array(c.arrays["values"]), dtype=np.int64)
+            heads.append((c, valid, n))
+        if c.kind in V.STRING_KINDS and col_off is not None and f"{rel}/values" not in damaged:
+            sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
+            out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
+    out.extend(L.header_problems(lists, list_offs, heads))
+    sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
+    whole = {n: c for n, c in sound.items() if not any(f"columns/{n}/{k}" in damaged for k in c.arrays)}
+    out.extend(V.records_problems(whole, V.read_array))
+    out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
+    return out
+
+
+def _is_list_head(c: V.StoredColumn) -> bool:
+    return c.dtype in ("pylist", "pytuple") and c.kind == "fixed"
+
+
+def _all_arrays(group: Any) -> list[tuple[str, Any]]:
+    import zarr
+
+    return sorted(
+        ((path, node) for path, node in group.members(max_depth=None) if isinstance(node, zarr.Array)),
+        key=lambda kv: kv[0],
+    )

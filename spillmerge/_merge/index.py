@@ -1,0 +1,133 @@
+"""The output's index as chunk objects: every chunk of every index array (filenames, offsets,
+rows, each column's ``offsets`` / ``shapes`` / ``valid``, each list's ``offsets``), written
+without zarr in zarr's encoding. A whole merge writes them all (3-4x faster than through zarr); a
+merge in parts shares them out, so each part writes its share and the finalize only the
+documents and the marker (docs/SCALE.md, *What breaks first*, 2).
+
+Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
+(``_format_zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
+edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
+bytes zarr writes for the same elements (tests/test_scaleout.py compares every chunk).
+
+Shares: the chunks in a fixed order (array, then chunk), dealt round-robin (chunk ``u`` to part
+``u mod n``), so every part's share is spread over every array and every process computes the
+same shares from the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from .._storage import Storage
+from . import documents as Z
+from .plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class IndexChunk:
+    """One chunk of one index array: elements ``[lo, hi)`` along its first dimension."""
+
+    path: str
+    """The array's path in the output (``index/frame_idx``, ``columns/<name>/offsets``, ...)."""
+    chunk: int
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+    """The chunk shape (the array's ``chunk_shape``)."""
+    dtype: str
+    source: Any
+    """The array the elements come from (only ``[lo, hi)`` is read)."""
+    fn: Callable[[np.ndarray], np.ndarray] | None = None
+    """Applied to the source's elements (``valid``: ``src >= 0``)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}/c/{self.chunk}" + "/0" * (len(self.shape) - 1)
+
+    def encode(self) -> list[np.ndarray]:
+        """The chunk object: the elements at the full chunk shape, then their CRC-32C."""
+        block = np.asarray(self.source[self.lo : self.hi])
+        if self.fn is not None:
+            block = self.fn(block)
+        dt = np.dtype(self.dtype)
+        if dt.itemsize > 1:
+            dt = dt.newbyteorder("<")
+        out = np.zeros(self.shape, dtype=dt)
+        out[: self.hi - self.lo] = block
+        raw = out.reshape(-1).view(np.uint8)
+        return [raw, np.frombuffer(np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes(), np.uint8)]
+
+
+def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]]:
+    """Each index array's path and its elements (and the function that makes them from those):
+    the arrays ``_zarrmeta.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
+    (but ``values``)."""
+    filename_arrays = Z.filename_arrays(list(plan.filenames))
+    out: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {
+        f"index/{k}": (v, None) for k, v in filename_arrays.items()
+    }
+    out["index/file_layout"] = (plan.file_layout, None)
+    out["index/frame_offsets"] = (plan.file_offsets, None)
+    out["index/frame_idx"] = (plan.frame_idx, None)
+    out["index/frame_rank"] = (plan.rank, None)
+    out["index/frame_copies"] = (plan.copies, None)
+    for lst in plan.lists:
+        out[f"lists/{lst.name}/offsets"] = (lst.offsets, None)
+    for col in plan.columns:
+        base = f"columns/{col.name}"
+        if col.has_offsets:
+            out[f"{base}/offsets"] = (col.offsets(), None)
+        if col.shapes is not None:
+            out[f"{base}/shapes"] = (col.shapes, None)
+        if col.has_valid:
+            out[f"{base}/valid"] = (col.src, _present)
+    return out
+
+
+def _present(src: np.ndarray) -> np.ndarray:
+    return src >= 0
+
+
+def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk]:
+    """Every chunk of every index array of the output whose documents are ``docs``
+    (``_zarrmeta.output_docs``), in the order the shares are dealt."""
+    out = []
+    for path, (source, fn) in _sources(plan).items():
+        doc = docs[path]
+        shape = tuple(int(d) for d in doc["shape"])
+        chunks = tuple(int(d) for d in doc["chunk_grid"]["configuration"]["chunk_shape"])
+        n, k = shape[0], chunks[0]
+        if any(d == 0 for d in shape):
+            continue  # no elements: the array has no chunk
+        for j, lo in enumerate(range(0, n, k)):
+            out.append(IndexChunk(path, j, lo, min(lo + k, n), chunks, doc["data_type"], source, fn))
+    return out
+
+
+def share(chunks: Sequence[IndexChunk], part: int, parts: int) -> list[IndexChunk]:
+    """Part ``part``'s chunks of ``parts``."""
+    return list(chunks[part::parts])
+
+
+def write(output: Storage, chunks: Sequence[IndexChunk], *, threads: int) -> None:
+    """Write ``chunks`` (whole objects: a rerun rewrites them), ``threads`` at a time."""
+    folders = sorted({c.key.rsplit("/", 1)[0] for c in chunks})
+    for f in folders:
+        output.makedirs(f)
+
+    def put(c: IndexChunk) -> None:
+        output.put(c.key, c.encode())  # type: ignore[arg-type]
+
+    if threads <= 1 or len(chunks) <= 1:
+        for c in chunks:
+            put(c)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-index") as pool:
+        for fut in [pool.submit(put, c) for c in chunks]:
+            fut.result()

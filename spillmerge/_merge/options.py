@@ -1,0 +1,249 @@
+"""What a merge can be told: every option of :func:`spillmerge.merge`, declared once in
+:class:`MergeOptions` with its default, its meaning, its key in the ``[merge]`` table of a TOML
+config file and its ``spillmerge merge`` flag. ``merge()``'s keyword parameters, ``_merge._Job``,
+the parts and the finalize read it; the CLI builds its flags and its config schema from it (a test
+checks that ``merge()``'s signature matches it)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .._format.common import DEFAULT_CHUNK_BYTES
+
+DEFAULT_MEMORY_BUDGET = 256 << 20
+"""Bytes of output chunks a merge keeps in flight by default."""
+
+DEFAULT_PLAN_BUDGET = 512 << 20
+"""The planner's memory limit by default. With ``DEFAULT_MEMORY_BUDGET`` a merge process stays
+within about 1 GiB (docs/SCALE.md)."""
+
+
+def parse_size(text: str) -> int:
+    """``16MiB``, ``256M``, ``1g``, ``4096`` → bytes (the CLI's sizes)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16MiB, 256M, 1048576)") from None
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``I/N`` → ``(i, n)`` (the CLI's ``--part``)."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a part: {text!r} (I/N, e.g. 0/4 for the first of 4)") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"part {text!r} is not in 0/N .. (N-1)/N")
+    return i, n
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How an option is given to ``spillmerge merge``."""
+
+    name: str
+    """The flag, e.g. ``--timeout``."""
+    help: str
+    """Its help text."""
+    argparse: Mapping[str, Any] = field(default_factory=dict)
+    """Further ``add_argument`` keywords (``type``, ``choices``, ``metavar``, ``action``). A dict
+    option's flag is repeatable ``KEY=VALUE`` and updates the config file's table."""
+    exclusive: str | None = None
+    """Flags sharing this name are mutually exclusive."""
+
+
+def _option(default: Any, *, config: type | None = None, flag: Flag | None = None) -> Any:
+    """A field of :class:`MergeOptions`: ``config`` is its TOML type in ``[merge]`` (None: not a
+    config key), ``flag`` its command-line flag (None: library only)."""
+    return field(default=default, metadata={"config": config, "flag": flag})
+
+
+_SWITCH = {"action": "store_true"}
+
+
+@dataclass(frozen=True, slots=True)
+class MergeOptions:
+    """Every option of one merge call, as :func:`spillmerge.merge` takes them (see its docstring).
+    Those with a flag come in the order ``spillmerge merge --help`` lists them."""
+
+    timeout: float = _option(
+        0.0,
+        config=float,
+        flag=Flag(
+            "--timeout",
+            "seconds to wait for missing commit records, and in a part for part 0's plan (default 0: check "
+            "once; a part still waits for the plan while part 0 is at work on it)",
+            {"type": float},
+        ),
+    )
+    """Seconds to wait for missing commit records (0: check once), in parts 1..n-1 and the finalize
+    for the plan part 0 publishes (then they plan themselves; with 0, parts 1..n-1 wait while part 0
+    holds its lease), and for missing parts at finalize."""
+    allow_partial: bool = _option(
+        False,
+        config=bool,
+        flag=Flag(
+            "--allow-partial",
+            "merge what is committed plus what dead ranks provably flushed; report missing ranks and frames",
+            _SWITCH,
+        ),
+    )
+    """Merge what is committed (plus what dead ranks' journals prove durable) and report the rest."""
+    expected: Mapping[str, int] | str | None = _option(
+        None,
+        config=str,
+        flag=Flag(
+            "--expected",
+            "manifest (columns filename,n_frames): list every frame missing against it; exit 1 if any",
+            {"metavar": "CSV"},
+        ),
+    )
+    """Filename → expected frame count, or the path of a ``filename,n_frames`` CSV manifest."""
+    on_duplicate: str = _option(
+        "error",
+        config=str,
+        flag=Flag(
+            "--on-duplicate",
+            "what to do with a key written twice with different content (default error)",
+            {"choices": ["error", "first", "last"]},
+        ),
+    )
+    """A key written twice with different content: ``error``, keep the ``first`` or the ``last``."""
+    overwrite: bool = _option(
+        False, config=bool, flag=Flag("--overwrite", "replace an existing complete output", _SWITCH)
+    )
+    """Replace an existing complete output (or part records of another plan)."""
+    codec: str = _option(
+        "none",
+        config=str,
+        flag=Flag(
+            "--codec",
+            "compress the output arrays (default none; --finalize takes it from the parts)",
+            {"choices": ["none", "blosc-lz4", "zstd"]},
+        ),
+    )
+    """Output codec: ``none``, ``blosc-lz4`` or ``zstd``."""
+    part: tuple[int, int] | None = _option(
+        None,
+        flag=Flag(
+            "--part",
+            "write only part I of N (its share of the files) and its part record; run all N, then --finalize",
+            {"type": parse_part, "metavar": "I/N"},
+            exclusive="how",
+        ),
+    )
+    """``(i, n)``: write only part ``i`` of ``n`` and its part record."""
+    finalize: bool = _option(
+        False,
+        flag=Flag(
+            "--finalize",
+            "after every --part ran: check all parts are present and of the same plan, write the index, "
+            "consolidated metadata and completion marker (--timeout waits for missing parts)",
+            _SWITCH,
+            exclusive="how",
+        ),
+    )
+    """After every part: check the part records, write the index, the consolidated root and the marker."""
+    world_size: int | None = _option(
+        None,
+        config=int,
+        flag=Flag("--world-size", "expected number of ranks (default: from the commit records)", {"type": int}),
+    )
+    """Ranks expected (None: from the commit records)."""
+    chunk_bytes: int = _option(
+        DEFAULT_CHUNK_BYTES,
+        config=int,
+        flag=Flag("--chunk-bytes", "target output chunk size (default 16MiB)", {"type": parse_size}),
+    )
+    """Target output chunk size."""
+    memory_budget: int = _option(
+        DEFAULT_MEMORY_BUDGET,
+        config=int,
+        flag=Flag("--memory-budget", "bytes of frames in flight (default 256MiB)", {"type": parse_size}),
+    )
+    """Bytes of output chunks in flight."""
+    plan_budget: int = _option(
+        DEFAULT_PLAN_BUDGET,
+        config=int,
+        flag=Flag(
+            "--plan-budget",
+            "memory limit of the planner; beyond it the planner spills to --plan-dir (default 512MiB)",
+            {"type": parse_size},
+        ),
+    )
+    """Memory limit of the planner; beyond it the planner spills to ``plan_dir``. Never changes the plan."""
+    plan_dir: str | None = _option(
+        None,
+        config=str,
+        flag=Flag(
+            "--plan-dir",
+            "the planner's temporary folder, emptied after the merge (default: system temp)",
+            {"metavar": "DIR"},
+        ),
+    )
+    """The planner's temporary folder (None: the system's temporary folder)."""
+    threads: int | None = _option(
+        None,
+        config=int,
+        flag=Flag("--threads", "copy threads (default 4 on local disks, 16 with an object store)", {"type": int}),
+    )
+    """Copy threads (None: 4 on local disks, 16 with an object store)."""
+    storage_options: dict[str, Any] | None = _option(
+        None,
+        config=dict,
+        flag=Flag(
+            "--storage-option",
+            "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol)",
+            {"action": "append", "metavar": "KEY=VALUE"},
+        ),
+    )
+    """fsspec options of the spill root (and of the output when both share a protocol)."""
+    out_storage_options: dict[str, Any] | None = _option(
+        None,
+        config=dict,
+        flag=Flag(
+            "--out-storage-option", "fsspec option for OUT (repeatable)", {"action": "append", "metavar": "KEY=VALUE"}
+        ),
+    )
+    """fsspec options of the output."""
+    remove_spill: bool = _option(
+        False,
+        config=bool,
+        flag=Flag(
+            "--remove-spill",
+            "delete the spill root once the output is complete and nothing is missing (kept otherwise)",
+            _SWITCH,
+        ),
+    )
+    """Delete the spill root after a complete merge that misses nothing (see ``merge``)."""
+    progress: bool | None = _option(
+        None,
+        flag=Flag(
+            "--no-progress", "no progress bar, no notices while waiting for ranks", {"action": "store_const", "const": False}
+        ),
+    )
+    """Progress bar (None: on a terminal); unless False, also a line on stderr every 30 s while the
+    merge waits for ranks to commit, naming them."""
+    run_id: str | None = _option(None)
+    """Run id the barrier waits for (None: each rank's newest segments)."""
+    fsync: bool = _option(True)
+    """Flush to the device before records and markers vouch for the data."""
+    session: int | None = _option(None)
+    """The writer session this merge serves (``SpillWriter.merge`` passes it), for the marker."""
+
+
+def config_keys() -> dict[str, type]:
+    """Option → its TOML type, for the options a ``[merge]`` table may set."""
+    return {f.name: f.metadata["config"] for f in fields(MergeOptions) if f.metadata["config"] is not None}
+
+
+def flags() -> dict[str, Flag]:
+    """Option → its ``spillmerge merge`` flag, in declaration order."""
+    return {f.name: f.metadata["flag"] for f in fields(MergeOptions) if f.metadata["flag"] is not None}

@@ -1,0 +1,255 @@
+"""Parallel merge coordination through storage: part records under ``OUT/spillmerge-parts/``.
+
+Protocol (docs/FORMAT.md section 2, docs/GUARANTEES.md):
+
+1. (every part ``i`` of ``n``, any process) plan, claim the output, write its output chunks,
+   flush them to the device, then ``write_done`` — its part record, last. On an exception after
+   claiming: ``write_failure`` (best effort), then re-raise.
+2. (the finalizing process) ``wait`` polls for all ``n`` records with the plan fingerprint it
+   computed itself; fails at once on a failure record or a record of another plan; times out
+   naming the missing parts. Then it writes the index, the consolidated metadata and the marker.
+
+Like the spill root's commit records, a record is written once, whole (temporary name + rename
+locally, one PUT on object stores), and its presence is the only meaning of "this part is done".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import CorruptSpillError, MissingPartsError, PartFailedError, PartsTimeout, PlanMismatchError
+from .._format import common as F
+from .._format import output as FO
+from .._format.codecs import CODECS
+from .._storage import Storage
+from .._util import poll as _poll
+
+PARTS_DIR = "spillmerge-parts"
+_NAME_RE = re.compile(r"^part-(\d{5,})-of-(\d{5,})(\.failed)?\.json$")
+
+
+def record_name(part: int, parts: int, *, failed: bool = False) -> str:
+    return f"{PARTS_DIR}/part-{part:05d}-of-{parts:05d}{'.failed' if failed else ''}.json"
+
+
+def describe(part: int, parts: int, rank: int | None = None) -> str:
+    return f"part {part}/{parts}" + (f" (rank {rank})" if rank is not None else "")
+
+
+@dataclass(frozen=True, slots=True)
+class PartRecord:
+    """A part's completion record (``kind: merge-part``) or failure record (``merge-part-failure``)."""
+
+    part: int
+    """Which part, 0-based."""
+    parts: int
+    """Number of parts of the merge."""
+    plan: str
+    """Plan fingerprint (``_plan.fingerprint``); every part of one output has the same."""
+    failed: bool
+    """True for a failure record."""
+    message: str
+    """Failure records: "Type: message"; completion records: a summary of what was written."""
+    rank: int | None
+    """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
+    run_id: str | None
+    """Run id of a collective merge (tells a failure of this attempt from an earlier one's)."""
+    path: str
+    """Where the record lives (for messages)."""
+    codec: str | None
+    """Completion records: the output codec the part wrote with."""
+    chunk_bytes: int | None
+    """Completion records: the target chunk size the part wrote with."""
+    index: bool = False
+    """Completion records: the part wrote its share of the index chunks (``_indexchunks``)."""
+    options: dict[str, Any] | None = None
+    """Completion records: the options that decide the plan and the output (``plan_options``)."""
+
+
+def write_done(
+    output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
+    n_frames: int, nbytes: int, codec: str, chunk_bytes: int, index: bool, options: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    rec = FO.PartDoneRecord.now(
+        part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
+        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes, index=index, options=options,
+    )  # fmt: skip
+    output.makedirs(PARTS_DIR)
+    output.put_atomic(record_name(part, parts), rec.to_json())
+
+
+def write_failure(
+    output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
+) -> None:
+    """Best effort: a part that cannot write its failure record is found missing at the timeout."""
+    rec = FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
+    try:
+        output.makedirs(PARTS_DIR)
+        output.put_atomic(record_name(part, parts, failed=True), rec.to_json())
+    except Exception:  # noqa: BLE001 - the original error matters more than this one
+        pass
+
+
+def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:
+    output.rm_tree(record_name(part, parts, failed=failed))
+
+
+def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
+    rel = f"{PARTS_DIR}/{name}"
+    where = output.describe(rel)
+    m = _NAME_RE.match(name)
+    assert m is not None
+    part, parts = int(m.group(1)), int(m.group(2))
+    if m.group(3) is not None:
+        bad = FO.PartFailureRecord.from_json(raw, path=where, part=part, parts=parts)
+        return PartRecord(part, parts, bad.plan, True, bad.summary(), bad.rank, bad.run_id, where, None, None)
+    done = FO.PartDoneRecord.from_json(raw, path=where, part=part, parts=parts)
+    if done.codec not in CODECS:
+        raise CorruptSpillError(f"{where}: bad codec {done.codec!r} or chunk_bytes {done.chunk_bytes!r}", path=where)
+    message = f"{done.n_files} files, {done.n_frames} frames"
+    return PartRecord(
+        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes, done.index,
+        done.options,
+    )  # fmt: skip
+
+
+def read_records(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
+    """Every part record of the output, in name order (unreadable ones raise, naming the path).
+
+    Records are immutable once written, so a ``cache`` kept across polls saves reading each
+    again; the listing stays the truth (a record that disappeared is dropped)."""
+    cache = {} if cache is None else cache
+    out = []
+    for name in output.listdir(PARTS_DIR):
+        if not _NAME_RE.match(name):
+            continue  # temporaries of an atomic write in progress
+        if name not in cache:
+            limit = F.FAILURE_MAX_BYTES if name.endswith(".failed.json") else F.RECORD_MAX_BYTES
+            raw = output.get_or_none(f"{PARTS_DIR}/{name}", max_bytes=limit)
+            if raw is None:
+                continue
+            cache[name] = _parse(output, name, raw)
+        out.append(cache[name])
+    return out
+
+
+def foreign(records: list[PartRecord], parts: int, plan: str) -> list[PartRecord]:
+    """Completion records that belong to another plan or another part count."""
+    return [r for r in records if not r.failed and (r.parts != parts or r.plan != plan)]
+
+
+def differing(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
+    """The plan options on which two calls disagree, as ``name: here vs there`` (empty: none known)."""
+    if mine is None or theirs is None:
+        return ""
+    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    return ", ".join(f"{k}={mine.get(k)!r} here, {theirs.get(k)!r} there" for k in keys)
+
+
+def mismatch_error(
+    output: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str, options: dict[str, Any] | None = None
+) -> PlanMismatchError:
+    def one(r: PartRecord) -> str:
+        diff = differing(options, r.options)
+        count = f"{r.parts} parts there, {parts} here" if r.parts != parts else ""
+        why = "; ".join(x for x in (diff, count) if x) or "same options: the spill root changed"
+        return f"{describe(r.part, r.parts, r.rank)} at {r.path} (plan {r.plan[:12]}; {why})"
+
+    shown = "; ".join(one(r) for r in bad[:8])
+    return PlanMismatchError(
+        f"{output.describe()} holds parts written from a different merge plan than this one "
+        f"({parts} part(s), plan {plan[:12]}): {shown}{' ...' if len(bad) > 8 else ''}; the spill root, "
+        f"the part count or the merge options (codec, chunk size, duplicate policy) changed between parts; {hint}",
+        path=output.describe(),
+        parts=sorted({r.part for r in bad}),
+    )
+
+
+def infer_parts(output: Storage, records: list[PartRecord]) -> int:
+    counts = sorted({r.parts for r in records})
+    if not counts:
+        raise MissingPartsError(
+            f"{output.describe()}: no part records under {PARTS_DIR}/; run every part first "
+            "(spillmerge merge ROOT --out OUT --part I/N), then --finalize",
+            path=output.describe(),
+            missing=[],
+            parts=0,
+        )
+    if len(counts) > 1:
+        raise PlanMismatchError(
+            f"{output.describe()} holds parts of merges with different part counts ({counts}); rerun every part "
+            "of one of them with --overwrite, or pass the part count explicitly",
+            path=output.describe(),
+            parts=sorted({r.part for r in records}),
+        )
+    return counts[0]
+
+
+def wait(
+    output: Storage,
+    parts: int,
+    plan: str,
+    *,
+    timeout: float,
+    collective: bool = False,
+    run_id: str | None = None,
+    options: dict[str, Any] | None = None,
+    poll: float = 0.05,
+    max_poll: float = 2.0,
+) -> list[PartRecord]:
+    """The finalizer's barrier: every part's completion record with this plan, else a clear error
+    naming the parts (failed at once, missing after ``timeout`` seconds, other plans at once).
+    ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say
+    so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
+    stays on storage until its part runs again, and must not fail this one."""
+    cache: dict[str, PartRecord] = {}
+    for waited in _poll.poll(timeout, first=poll, cap=max_poll):
+        records = read_records(output, cache)
+        bad = foreign(records, parts, plan)
+        if bad:
+            raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)", options=options)
+        done = {r.part: r for r in records if not r.failed}
+        failed = {
+            r.part: r
+            for r in records
+            if r.failed and r.parts == parts and r.plan == plan and r.part not in done
+            and (run_id is None or r.run_id == run_id)
+        }  # fmt: skip
+        if failed:
+            failures = {p: r.message for p, r in sorted(failed.items())}
+            detail = "; ".join(
+                f"{describe(p, parts, p if collective else r.rank)}: {r.message}" for p, r in sorted(failed.items())
+            )
+            raise PartFailedError(
+                f"{len(failed)} of {parts} part(s) of the merge into {output.describe()} failed: {detail}; "
+                f"rerun them (records under {output.describe(PARTS_DIR)})",
+                failures=failures,
+                path=output.describe(),
+            )
+        missing = [p for p in range(parts) if p not in done]
+        if not missing:
+            return [done[p] for p in range(parts)]
+        if waited >= timeout:
+            names = ", ".join(describe(p, parts, p if collective else None) for p in missing[:20])
+            names += " ..." if len(missing) > 20 else ""
+            msg = (
+                f"{output.describe()}: {len(missing)} of {parts} part(s) have no completion record: {names} "
+                f"(expected {output.describe(record_name(missing[0], parts))})"
+            )
+            if timeout > 0:
+                raise PartsTimeout(
+                    f"{msg} after waiting {waited:.1f} s; check those processes' logs and rerun the parts",
+                    path=output.describe(),
+                    missing=missing,
+                    parts=parts,
+                    waited_s=waited,
+                )
+            raise MissingPartsError(
+                f"{msg}; run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)",
+                path=output.describe(),
+                missing=missing,
+                parts=parts,
+            )
+    raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover

@@ -1,0 +1,367 @@
+"""Merge planning: which stored rows become which output rows and columns, checked before anything
+is written (format version 2: one array per leaf column across all rows, docs/FORMAT.md section 2).
+
+Rows are the distinct ``(filename, frame)`` keys, files sorted, frames ascending within a file.
+Every leaf path of the merge is one column; a leaf keeps one kind, dtype and ``ndim`` across the
+merge (its shape may vary: the column is then ragged). Duplicate keys are resolved by the policy
+(identical content is never an error). Content is identical only when the bytes are: the plan
+reads nothing itself, it asks a ``same_bytes`` callback (``_spillroot.same_bytes`` over the
+merge's storage) about duplicates whose checksums agree. The index rows are sorted by
+(filename, frame, segment, leaf) out of core by DuckDB (``_plansql``), under a memory limit; only
+the rows of duplicated keys come back to Python one by one, the rest is vectorised over rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import DuplicateFrameError, SpillValueError
+from .._format import common as F
+from .._format import output as FO
+from .._format import spill as FS
+from .._format.keyorder import output_orders
+from .._spill.root import Extent, LoadedSegment
+from . import plansql as _plansql
+from .options import DEFAULT_PLAN_BUDGET
+from .plancolumns import (
+    ROW_BLOCK,
+    PlannedColumn,
+    PlannedList,
+    file_layouts_of,
+    group_names,
+    list_domains,
+    plan_column,
+    variant_groups,
+)
+
+SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
+"""``same_bytes(a, b)``: do two stored copies of a frame (leaf extents, in leaf order) hold the same bytes?"""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The merge plan and the row table it refers to."""
+
+    filenames: Sequence[str]
+    """Sorted, distinct (a list, or a string table of UTF-8 bytes and offsets: ``encoded_names``)."""
+    file_offsets: np.ndarray
+    """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
+    frame_idx: np.ndarray
+    """int64 (n_rows,): frame index of each output row."""
+    rank: np.ndarray
+    """int32 (n_rows,): rank whose segment each output row came from."""
+    copies: np.ndarray
+    """int32 (n_rows,): segments that held each row's frame (1 unless duplicated)."""
+    file_layout: np.ndarray
+    """int32 (n_files,): position in ``file_layouts`` of each file's column set."""
+    file_layouts: list[list[str]]
+    """Distinct sorted column-name sets of the files."""
+    columns: list[PlannedColumn]
+    """Sorted by name."""
+    segments: list[LoadedSegment]
+    """Source segments; ``seg`` values index this list."""
+    seg: np.ndarray
+    """Row table: source segment of each stored leaf row."""
+    offset: np.ndarray
+    """Row table: byte offset in the segment's data."""
+    nbytes: np.ndarray
+    """Row table: byte length."""
+    crc: np.ndarray
+    """Row table: CRC-32C."""
+    duplicates: int
+    """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
+    lists: list[PlannedList] = dataclasses.field(default_factory=list)
+    """The list offsets of every list path, parents before children."""
+    key_orders: dict[str, Any] | None = None
+    """The output header's ``key_orders`` (``_keyorder.output_orders``): the dicts' key order,
+    from the segments' layouts, kept with the plan so a stored plan carries it too."""
+
+    @property
+    def n_files(self) -> int:
+        return len(self.filenames)
+
+    @property
+    def n_frames(self) -> int:
+        return len(self.frame_idx)
+
+    @property
+    def total_bytes(self) -> int:
+        total = 0
+        for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
+            for a in range(0, len(c.src), ROW_BLOCK):
+                s = np.asarray(c.src[a : a + ROW_BLOCK])
+                total += int(self.nbytes[s[s >= 0]].sum())
+        return total
+
+    def file_rows(self, i: int) -> tuple[int, int]:
+        return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
+
+    def top_row(self, col: PlannedColumn, r: int) -> int:
+        """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
+        offsets of its lists, innermost first), for messages naming a file and frame."""
+        offs = {lst.path: lst.offsets for lst in self.lists}
+        domain = F.list_domain(col.leaf)
+        for k in range(len(domain) - 1, -1, -1):
+            if domain[k] == F.ITEM:
+                r = int(np.searchsorted(offs[domain[: k + 1]], r, side="right")) - 1
+        return r
+
+
+def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
+    return sorted({segments[int(s)].seg.rank for s in np.unique(seg_ids)})
+
+
+SMALL_PLAN_ROWS = 1 << 18
+"""Index rows below which the sort runs on one thread: DuckDB's worker threads cost more to start
+than a small sort gains from them."""
+
+
+def _threads(n_rows: int) -> int:
+    return 1 if n_rows < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
+
+
+def build(
+    segments: Iterable[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes,
+    work_dir: str | None = None, memory_limit: int = DEFAULT_PLAN_BUDGET, threads: int | None = None,
+) -> Plan:  # fmt: skip
+    """The plan for ``segments`` (in write order). ``same_bytes`` is asked, only for duplicate keys
+    whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
+    that differ go to the ``on_duplicate`` policy, whatever their checksums say.
+
+    ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
+    (``_plansql``) under half of it (``_plansql.engine_memory``), or in memory below
+    ``_plansql.IN_MEMORY_ROWS`` rows (starting DuckDB would cost more than the sort), with
+    ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a
+    work folder under ``work_dir`` (default: the system's temporary folder), removed before this
+    returns. The other half: one segment's rows while it is inserted, one sorted batch, the small tables
+    (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
+    files, not anonymous memory, beyond ``_plansql.MAPPED_ROWS`` rows) and the numpy temporaries
+    of the steps below, which are per-row (a few int64 arrays of the plan's rows at a time)."""
+    if on_duplicate not in ("error", "first", "last"):
+        raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
+    segments = list(segments)
+    raw_lp: dict[tuple[str, ...], int] = {}
+    layouts: list[FS.Layout] = []
+    gl_id: dict[FS.Layout, int] = {}
+    leaf_paths: list[tuple[str, ...]] = []
+
+    def layout_ids(s: LoadedSegment) -> tuple[np.ndarray, np.ndarray]:
+        # Global layout ids in write order, of segments that hold rows; leaf paths of every segment.
+        pmap = np.array([raw_lp.setdefault(lay.leaf, len(raw_lp)) for lay in s.layouts], dtype=np.int64)
+        if not len(s.index):
+            return np.zeros(0, np.int64), pmap
+        for lay in s.layouts:
+            if lay not in gl_id:
+                gl_id[lay] = len(layouts)
+                layouts.append(lay)
+        return np.array([gl_id[lay] for lay in s.layouts], dtype=np.int64), pmap
+
+    def lp_order() -> np.ndarray:
+        leaf_paths.extend(sorted(raw_lp))
+        pos = {p: i for i, p in enumerate(leaf_paths)}
+        return np.array([pos[p] for p in raw_lp], dtype=np.int64)
+
+    def resolve(rows: dict[str, np.ndarray], names: list[str]) -> tuple[np.ndarray, int]:
+        return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
+
+    n_index = sum(len(s.index) for s in segments)
+    if n_index < _plansql.IN_MEMORY_ROWS:
+        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve, work_dir=work_dir)
+    else:
+        srt = _plansql.sort_rows(
+            segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+            threads=threads if threads is not None else _threads(n_index),
+        )  # fmt: skip
+    names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
+    if not len(c["file"]):
+        e = np.zeros(0, np.int64)
+        return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
+                    [], segments, e, e, e, e, duplicates=0)  # fmt: skip
+
+    # Rows: distinct (file, frame), in order (DuckDB sorted them); every entry's row number.
+    n_ent = len(c["file"])
+    new_key = np.ones(n_ent, dtype=bool)
+    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
+    row_of = np.cumsum(new_key) - 1
+    key_start = np.flatnonzero(new_key)
+    n_rows = len(key_start)
+    file_of_row = c["file"][key_start]
+    frame_idx = c["frame"][key_start].copy()
+    seg_rank = np.array([s.seg.rank for s in segments], dtype=np.int32)
+    rank = seg_rank[c["seg"][key_start]]
+    file_offsets = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
+
+    heads = {lay.leaf for lay in layouts if lay.dtype in ("pylist", "pytuple")}
+    gpaths, gp, drow, lists, sizes = list_domains(c["lp"], row_of, leaf_paths, n_rows, heads)
+    c["lp"] = gp  # from here on a column's path: every item position of a list is one child path
+    group, groups = variant_groups(c, layouts, gpaths)
+    names_of = group_names(groups, gpaths)
+    kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
+    is_none = kinds[c["gl"]] == "none"
+    columns = []
+    for g, (p, tag) in enumerate(groups):
+        sel = np.flatnonzero(group == g)
+        present = sel[~is_none[sel]]
+        n_dom = sizes[F.list_domain(gpaths[p])]
+        src = np.full(n_dom, -1, dtype=np.int64)
+        src[drow[present]] = present
+        planned = plan_column(names_of[g], gpaths[p], src, c, layouts, n_dom)
+        if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
+            # the header names the variant its name carries (a split by dtype alone: version 2's rule)
+            planned = dataclasses.replace(planned, variant=tag)
+        columns.append(planned)
+    columns.sort(key=lambda col: col.name)
+
+    file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of)
+    return Plan(
+        names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
+        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
+        output_orders(names, segments, srt.file_ids),
+    )  # fmt: skip
+
+
+def resolve_duplicates(
+    c: dict[str, np.ndarray],
+    names: Sequence[str],
+    segments: list[LoadedSegment],
+    on_duplicate: str,
+    same_bytes: SameBytes,
+) -> tuple[np.ndarray, int]:
+    """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order:
+    which to keep (one segment's per key, ``_keep``) and how many copies are dropped. Keys are
+    decided in order: the first whose copies differ raises under ``on_duplicate='error'``."""
+    n = len(c["file"])
+    new_key = np.ones(n, dtype=bool)
+    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
+    key_start = np.flatnonzero(new_key)
+    keep = np.ones(n, dtype=bool)
+    duplicates = 0
+    key_end = np.append(key_start[1:], n)
+    for k in range(len(key_start)):
+        a, b = int(key_start[k]), int(key_end[k])
+        groups: dict[int, list[int]] = {}
+        for r in range(a, b):  # rows of one key: by segment, then leaf
+            groups.setdefault(int(c["seg"][r]), []).append(r)
+        seg_ids = sorted(groups)  # segment order = write order (segments sorted by start time)
+        # A negative CRC names a block checksum, not the bytes: a leaf whose copies mix a row CRC
+        # and a block pointer (write() and write_batch(), or one copy in a block of frames) is
+        # compared by bytes; two row CRCs that differ prove different bytes.
+        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r])) for r in rows) for rows in groups.values()}
+        identical = len(sigs) == 1
+        if identical:
+            crcs = np.array([[int(c["crc"][r]) for r in rows] for rows in groups.values()], dtype=np.int64)
+            identical = all(len({int(v) for v in col if v >= 0}) <= 1 for col in crcs.T)
+        agree = identical  # sizes and checksums agree: only their bytes can tell
+        if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
+            ext = {
+                s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
+                for s in seg_ids
+            }
+            identical = all(same_bytes(ext[seg_ids[0]], ext[s]) for s in seg_ids[1:])
+        if not identical and on_duplicate == "error":
+            fname, frame = names[int(c["file"][a])], int(c["frame"][a])
+            ranks = _ranks(segments, np.array(seg_ids))
+            raise DuplicateFrameError(
+                f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
+                f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
+                + (" (their CRC-32C checksums agree, their bytes do not)" if agree else "")
+                + "; merge with on_duplicate='first' "
+                "or 'last' (--on-duplicate) to pick one",
+                filename=fname,
+                frame_idx=frame,
+                ranks=ranks,
+            )
+        chosen = _keep(segments, seg_ids, on_duplicate, identical=identical)
+        keep[a:b] = c["seg"][a:b] == chosen
+        duplicates += len(seg_ids) - 1
+    return keep, duplicates
+
+
+def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: str, *, identical: bool) -> int:
+    """Which copy of a duplicated (filename, frame) a row comes from (docs/GUARANTEES.md, *Resuming a crashed job*).
+
+    Identical copies (by bytes): the lowest rank's, then its earliest segment — a rule of the spill
+    root's contents alone, so ``frame_rank`` names the same rank whatever order the segments were
+    started, listed or loaded in (DistributedSampler's padding always attributes to the lowest
+    rank that wrote the frame). Different content: the policy picks by write order — ``first`` the
+    earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids`` are positions in
+    ``segments``, which are in that order."""
+    if identical:
+        return min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
+    return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
+
+
+def encoded_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The UTF-8 bytes (``surrogatepass``) of ``names`` back to back and their int64 offsets
+    (``len(names) + 1``)."""
+    enc = [f.encode("utf-8", "surrogatepass") for f in names]
+    offsets = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in enc], out=offsets[1:])
+    return np.frombuffer(b"".join(enc), dtype=np.uint8), offsets
+
+
+def fingerprint(plan: Plan, **settings: Any) -> str:
+    """A digest of everything that decides the output's bytes: the source segments, the files,
+    rows and columns, the source rows chosen for them (segment, offset, size, checksum) and the
+    output ``settings`` (chunk size, codec). Two processes that compute the same fingerprint write
+    the same output; parts of a parallel merge record it and refuse to mix."""
+    h = hashlib.blake2b(digest_size=16)
+    head = {
+        "format_version": F.FORMAT_VERSION,
+        "settings": settings,
+        "segments": [s.seg.rel for s in plan.segments],
+        "columns": [c.header().to_obj() for c in plan.columns],
+        "file_layouts": plan.file_layouts,
+        "lists": [[lst.name, list(lst.path)] for lst in plan.lists],
+        "key_orders": plan.key_orders,
+    }
+    h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
+    # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
+    # offsets, hashed a block at a time.
+    data, offsets = encoded_names(plan.filenames)
+    for i in range(0, len(data), ROW_BLOCK * 16):
+        h.update(np.ascontiguousarray(data[i : i + ROW_BLOCK * 16]).data)
+    for i in range(0, len(offsets), ROW_BLOCK):
+        h.update(np.ascontiguousarray(offsets[i : i + ROW_BLOCK], dtype="<i8").view(np.uint8).data)
+    # Hashed a block at a time (the arrays may be maps of files): the
+    # digest is that of the whole arrays back to back. Each block is hashed from its buffer, not
+    # a bytes copy of it (0.8 s of 2.7 at 10^7 keys).
+    for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
+        for i in range(0, len(a), ROW_BLOCK):
+            h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").data)
+    for lst in plan.lists:
+        h.update(np.ascontiguousarray(lst.offsets, dtype="<i8").data)
+    for col in plan.columns:
+        for i in range(0, len(col.src), ROW_BLOCK):
+            h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").data)
+        for table in (plan.seg, plan.offset, plan.nbytes, plan.crc):
+            for i in range(0, len(col.src), ROW_BLOCK):
+                s = np.asarray(col.src[i : i + ROW_BLOCK])
+                h.update(np.ascontiguousarray(table[s[s >= 0]], dtype="<i8").data)
+    return h.hexdigest()
+
+
+def split(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """Positions of the work units (output chunks) each of ``parts`` parts writes: greedy
+    largest-first by bytes (ties: fewest units, then lowest part), so every process computes the
+    same split from the same plan. A unit is one whole chunk, so no two processes ever write the
+    same object (zarr-python#3682 loses rows when processes share a chunk)."""
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise SpillValueError(f"parts must be a positive int, got {parts!r}")
+    heap = [(0, 0, p) for p in range(parts)]
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        load, count, p = heapq.heappop(heap)
+        out[p].append(i)
+        heapq.heappush(heap, (load + weights[i], count + 1, p))
+    return [sorted(units) for units in out]

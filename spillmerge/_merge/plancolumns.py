@@ -1,0 +1,418 @@
+"""From the plan's kept rows to the output's columns (docs/FORMAT.md section 2, *Columns*): each
+leaf path and variant one :class:`PlannedColumn` (where each row's bytes come from, its kind,
+dtype and shapes), each list path one :class:`PlannedList` of offsets, each file's column set.
+Per-row work is vectorised; per-leaf and per-layout tables are small Python ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._errors import LayoutMismatchError
+from .._format import common as F
+from .._format import output as FO
+from .._format import spill as FS
+
+VALUE_COLUMN = F.VALUE_COLUMN
+
+ROW_BLOCK = 1 << 20
+"""Rows per block of the loops over per-row arrays (bounded temporaries whatever the plan size)."""
+
+#: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
+KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedColumn:
+    """The plan of one leaf column of the output, ``columns/<name>/``: where each row's bytes come
+    from (the merge side; the reader's is ``_views.OpenColumn``)."""
+
+    name: str
+    """Node name under ``columns/``."""
+    leaf: tuple[str, ...]
+    """Dict keys from the frame value to the leaf."""
+    kind: str
+    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
+    dtype: str
+    """Dtype name (numeric kinds) or the kind."""
+    ndim: int
+    """Dimensions of one row's value (0 for str, bytes, pickle; 1 for strlist)."""
+    shape: tuple[int, ...] | None
+    """``fixed``: the shape of every row's value."""
+    inner: tuple[int, ...] | None
+    """``ragged``: the dimensions after the first when only the first varies, else None."""
+    src: np.ndarray
+    """int64 (n_rows,): position in the plan's row table of each output row's bytes, -1 when absent."""
+    counts: np.ndarray | None
+    """int64 (n_rows,): units of ``values`` per row (offsets' steps), for kinds with offsets."""
+    shapes: np.ndarray | None
+    """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``; of a list-of-str
+    column, (n_rows, 1): the strings in each row."""
+    has_valid: bool
+    """Some row lacks the leaf (a ``valid`` array is written)."""
+    variant: str | None = None
+    """The variant tag of a leaf's column when the leaf has several variants that are not only
+    numeric dtypes (``variant_groups``); None otherwise (the name carries at most the dtype)."""
+    offs: np.ndarray | None = None
+    """``offsets()`` computed once (a stored plan keeps them), else None."""
+
+    @property
+    def storage(self) -> str:
+        """numpy dtype of ``values``: ``uint8`` (bytes) for the non-numeric kinds."""
+        if self.kind in ("str", "strlist", "bytes", "pickle"):
+            return "uint8"
+        return F.DTYPES[self.dtype].storage
+
+    @property
+    def has_offsets(self) -> bool:
+        """Ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
+        ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
+        return self.counts is not None
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """Shape of one unit (one first-dimension entry) of ``values``."""
+        if self.kind == "fixed":
+            assert self.shape is not None
+            return self.shape
+        if self.kind == "ragged" and self.inner is not None:
+            return self.inner
+        return ()
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one unit of ``values`` (numeric kinds and bytes/pickle)."""
+        n = np.dtype(self.storage).itemsize if self.storage != "string" else 1
+        for d in self.unit_shape:
+            n *= d
+        return n
+
+    def offsets(self) -> np.ndarray:
+        assert self.counts is not None
+        if self.offs is not None:
+            return self.offs
+        out = np.zeros(len(self.counts) + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=out[1:])
+        return out
+
+    @property
+    def n_units(self) -> int:
+        """Length of ``values``' first dimension."""
+        if self.counts is None:
+            return len(self.src)
+        if self.offs is not None:
+            return int(self.offs[-1])
+        return int(self.counts.sum())
+
+    def present(self) -> int:
+        """Rows that have a value (read a block at a time)."""
+        return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
+
+    def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
+        """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
+        return FO.ColumnHeader(
+            leaf=self.leaf,
+            kind=self.kind,
+            dtype=self.dtype,
+            ndim=self.ndim,
+            inner_shape=self.inner,
+            has_valid=self.has_valid,
+            chunk_max_bytes=chunk_max_bytes,
+            variant=self.variant,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedList:
+    """The list offsets of one list path of the output (format 4, ``lists/<name>/offsets``): the
+    items of the lists at ``path[:-1]`` in row ``r`` of its parent domain are the rows
+    ``offsets[r] .. offsets[r + 1] - 1`` of the columns under ``path``."""
+
+    name: str
+    """Node name under ``lists/`` (the node name of ``path``, as a column of it would have)."""
+    path: tuple[str, ...]
+    """The child path, ending in ``ITEM``."""
+    offsets: np.ndarray
+    """int64 (n_parent + 1,), from 0 to the number of items."""
+
+    @property
+    def parent(self) -> tuple[str, ...]:
+        """The list whose items hold these lists (``()``: the output's rows)."""
+        return F.list_domain(self.path[:-1])
+
+
+def _leaf_name(leaf: tuple[str, ...]) -> str:
+    return "/".join(leaf) or "<value>"
+
+
+def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+    """Node name under ``columns/`` of each leaf path (docs/FORMAT.md section 2, *Columns*)."""
+    text = {leaf: F.leaf_text(leaf) for leaf in leaves if leaf}
+    if len(set(text.values())) != len(text):
+        a, b = [p for p in text if list(text.values()).count(text[p]) > 1][:2]
+        raise LayoutMismatchError(
+            f"leaf paths {list(a)} and {list(b)} have the same name; rename a dict key",
+            filename="",
+            leaf=_leaf_name(a),
+        )
+    enc = F.node_names(sorted(text.values()))
+    out = {leaf: enc[s] for leaf, s in text.items()}
+    if () in leaves:
+        out[()] = VALUE_COLUMN
+    return out
+
+
+def list_domains(
+    lp: np.ndarray, row_of: np.ndarray, leaf_paths: list[tuple[str, ...]], n_rows: int,
+    headers: set[tuple[str, ...]] = frozenset(),  # type: ignore[assignment]
+) -> tuple[list[tuple[str, ...]], np.ndarray, np.ndarray, list[PlannedList], dict[tuple[str, ...], int]]:  # fmt: skip
+    """Arrow's list model over the spill's item positions (docs/FORMAT.md, *Lists*): every spill
+    path ``P/\x1f<i>/...`` becomes the child path ``P/\x1f*/...``, whose rows are the items of
+    all the lists at ``P``, flattened (row ``r``'s items are rows ``offsets[r] ..
+    offsets[r+1]-1``), to any depth. A list's length is one more than its highest item position
+    (every item of a list has a leaf: a value, ``None``, or a header), so the offsets come from
+    the catalog alone. ``headers``: the leaf paths of ``pylist`` / ``pytuple`` headers, whose
+    lists get offsets even where every one of them is empty. Returns the column paths, each
+    entry's path and row in its path's domain, the lists (parents first) and every domain's size
+    (``()``: the output's rows)."""
+    general = [F.general_path(p) for p in leaf_paths]
+    gpaths = sorted({g for g, _ in general})
+    gid = {g: i for i, g in enumerate(gpaths)}
+    gp = np.array([gid[g] for g, _ in general], dtype=np.int64)[lp] if len(leaf_paths) else lp.copy()
+    drow = row_of.astype(np.int64, copy=True)
+    sizes: dict[tuple[str, ...], int] = {(): n_rows}
+    list_paths = {g[: d + 1] for g, _ in general for d, seg in enumerate(g) if seg == F.ITEM}
+    list_paths |= {(*F.general_path(h[:-1])[0], F.ITEM) for h in headers}
+    if not list_paths:
+        return gpaths, gp, drow, [], sizes
+    depth = max(len(ix) for _, ix in general)
+    # per level k: each leaf path's list (its prefix up to its k-th item segment) and position
+    chain = np.full((max(depth, 1), len(leaf_paths)), -1, dtype=np.int64)
+    pos = np.zeros((max(depth, 1), len(leaf_paths)), dtype=np.int64)
+    ordered = sorted(list_paths, key=lambda p: (p.count(F.ITEM), p))
+    list_id = {p: i for i, p in enumerate(ordered)}
+    for j, (g, ix) in enumerate(general):
+        ends = [d for d, seg in enumerate(g) if seg == F.ITEM]
+        for k, d in enumerate(ends):
+            chain[k, j] = list_id[g[: d + 1]]
+            pos[k, j] = ix[k]
+    lists: list[PlannedList] = []
+    names = column_names(ordered)
+    for lid, path in enumerate(ordered):
+        k = path.count(F.ITEM) - 1
+        sel = np.flatnonzero(chain[k][lp] == lid) if k < depth and len(lp) else np.zeros(0, np.int64)
+        idx = pos[k][lp[sel]] if len(sel) else sel
+        n_parent = sizes[F.list_domain(path[:-1])]
+        lengths = np.zeros(n_parent, dtype=np.int64)
+        np.maximum.at(lengths, drow[sel], idx + 1)
+        offsets = np.zeros(n_parent + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        drow[sel] = offsets[drow[sel]] + idx
+        sizes[path] = int(offsets[-1])
+        lists.append(PlannedList(names[path], path, offsets))
+    return gpaths, gp, drow, lists, sizes
+
+
+def distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a``, sorted: by a sort (numpy 2's hashing ``np.unique`` took 0.5 s
+    a call on a plan's row codes, 50x the sort)."""
+    v = np.sort(np.asarray(a).reshape(-1))
+    if len(v) < 2:
+        return v
+    return v[np.concatenate(([True], v[1:] != v[:-1]))]
+
+
+def member(a: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``np.isin(a, values)`` for ``values`` sorted and distinct (``distinct``), by binary search."""
+    if not len(values):
+        return np.zeros(len(a), dtype=bool)
+    at = np.minimum(np.searchsorted(values, a), len(values) - 1)
+    return values[at] == a
+
+
+def variant_groups(
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]]
+) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
+    """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
+    ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column,
+    as in version 2; one that is ``float16`` in some rows and a ``str`` or a 2-d ``float32`` in
+    others makes one column per variant, each with the rows of its variant (the others absent):
+    nothing is converted, and a row has a value in at most one of them. Rows that say nothing
+    about the variant (``None``, numeric rows of zero elements) join a compatible variant of their
+    file (the lowest), else of their leaf, else one of their own. Returns each entry's group and
+    the groups' (leaf path position, variant tag or None when the leaf has one column)."""
+    sig_code: dict[tuple[str, str, int], int] = {}
+    lcode = np.full(len(layouts), -1, dtype=np.int64)
+    for g, lay in enumerate(layouts):
+        dt = F.DTYPES[lay.dtype]
+        if dt.kind == "none" or (dt.numeric and 0 in lay.shape):
+            continue
+        sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
+        lcode[g] = sig_code.setdefault(sig, len(sig_code))
+    code = lcode[c["gl"]]
+    weak = np.flatnonzero(code < 0)
+    if len(weak):
+        n_lp, n_sig = len(leaf_paths), max(len(sig_code), 1)
+        definite = code >= 0
+        pair = c["file"] * n_lp + c["lp"]
+        pair_codes = distinct(pair[definite] * n_sig + code[definite])
+        leaf_codes: dict[int, set[int]] = {}
+        for k in distinct(c["lp"][definite] * n_sig + code[definite]).tolist():
+            leaf_codes.setdefault(k // n_sig, set()).add(k % n_sig)
+        sigs = sorted(sig_code, key=sig_code.__getitem__)
+        weak_gl = c["gl"][weak]
+        # empty numeric rows first: a leaf whose only variant is theirs then takes its None rows too
+        for g in sorted(distinct(weak_gl).tolist(), key=lambda g: layouts[g].dtype == "none"):
+            lay = layouts[g]
+            rows = weak[weak_gl == g]
+            if lay.dtype == "none":
+                ok = list(range(len(sigs)))
+            else:  # zero elements: the same ndim; ``[]`` is also an empty list of strings
+                nd = len(lay.shape)
+                ok = [i for i, s in enumerate(sigs) if s[0] == "num" and s[2] == nd]
+                ok += [i for i, s in enumerate(sigs) if nd == 1 and s[0] == "strlist"]
+            got = np.full(len(rows), -1, dtype=np.int64)
+            for cand in ok:
+                hit = (got < 0) & member(pair[rows] * n_sig + cand, pair_codes)
+                got[hit] = cand
+            left = got < 0
+            for p in distinct(c["lp"][rows[left]]).tolist() if left.any() else ():
+                m = left & (c["lp"][rows] == p)
+                have = leaf_codes.setdefault(p, set())
+                found = next((i for i in ok if i in have), None)
+                if found is not None:
+                    cand = found
+                else:
+                    own = ("none", "none", 0) if lay.dtype == "none" else ("num", lay.dtype, len(lay.shape))
+                    cand = sig_code.setdefault(own, len(sig_code))
+                    if cand == len(sigs):
+                        sigs.append(own)
+                    if own[0] != "none":
+                        ok.append(cand)
+                    have.add(cand)
+                got[m] = cand
+            code[rows] = got
+    n_codes = max(len(sig_code), 1)
+    key = c["lp"] * n_codes + code
+    # the distinct (leaf, variant) pairs, numbered in order: a table of every possible pair
+    # (leaves x variants, small), not a sort of the rows
+    seen = np.zeros(len(leaf_paths) * n_codes, dtype=np.int64)
+    seen[key] = 1
+    uniq = np.flatnonzero(seen)
+    number = np.cumsum(seen) - 1
+    group = number[key]
+    del seen, number
+    by_leaf: dict[int, list[tuple[str, str, int]]] = {}
+    sigs_all = sorted(sig_code, key=sig_code.__getitem__)
+    for k in uniq.tolist():
+        by_leaf.setdefault(k // n_codes, []).append(sigs_all[k % n_codes])
+    groups: list[tuple[int, str | None]] = []
+    for k in uniq.tolist():
+        p, sig = k // n_codes, sigs_all[k % n_codes]
+        variants = by_leaf[p]
+        if len(variants) == 1:
+            groups.append((p, None))
+        elif all(v[0] == "num" and v[2] == sig[2] for v in variants):
+            groups.append((p, sig[1]))  # version 2's split by dtype: ``<col>.<dtype>``
+        else:
+            groups.append((p, variant_tag(sig)))
+    return group.reshape(-1), groups
+
+
+def variant_tag(sig: tuple[str, str, int]) -> str:
+    """The name suffix of a variant column (``<col>.<tag>``): ``<dtype>.<ndim>d`` for numeric
+    variants, the kind for the others."""
+    kind, dtype, ndim = sig
+    return f"{dtype}.{ndim}d" if kind == "num" else kind
+
+
+def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
+    """Column name of each group: the leaf's name (``column_names``), and, for a leaf split by
+    dtype, that name ``.`` the dtype (hashed if it would equal another column's name)."""
+    base = column_names(leaf_paths)
+    per_leaf: dict[int, int] = {}
+    for p, _ in groups:
+        per_leaf[p] = per_leaf.get(p, 0) + 1
+    out = [base[leaf_paths[p]] if per_leaf[p] == 1 else f"{base[leaf_paths[p]]}.{dt}" for p, dt in groups]
+    taken = set(base.values())
+    for g, (p, dt) in enumerate(groups):
+        if per_leaf[p] > 1 and (out[g] in taken or out.count(out[g]) > 1):
+            out[g] = F.split_column_name(base[leaf_paths[p]], str(dt))
+    return out
+
+
+def plan_column(
+    name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int
+) -> PlannedColumn:
+    """The column of one leaf path from the row table positions of its present rows."""
+    present = src >= 0
+    has_valid = not bool(present.all())
+    gl = c["gl"][src[present]]
+    lay_ids = distinct(gl)
+    lays = [layouts[int(g)] for g in lay_ids]
+    non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
+    dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
+    if lays and not dt.numeric:
+        kind = KIND[dt.kind]
+        # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
+        # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
+        counts = np.zeros(n_rows, dtype=np.int64)
+        counts[present] = c["nb"][src[present]]
+        strings = None
+        if kind == "strlist":  # (n_rows, 1): strings per row (its n uint32 lengths open the row's bytes)
+            n_of = np.zeros(len(layouts), dtype=np.int64)
+            for g in lay_ids:
+                n_of[int(g)] = layouts[int(g)].shape[0]
+            strings = np.zeros((n_rows, 1), dtype=np.int64)
+            strings[present, 0] = n_of[gl]
+        return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
+                      counts, strings, has_valid)  # fmt: skip
+    ndim = len(lays[0].shape) if lays else 0
+    shapes = {lay.shape for lay in lays}
+    if len(shapes) <= 1:
+        shape = next(iter(shapes)) if shapes else ()
+        present_counts = present.astype(np.int64) if has_valid else None
+        return PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, present_counts, None, has_valid)
+    table = np.zeros((len(layouts), ndim), dtype=np.int64)
+    for g in lay_ids:
+        table[int(g)] = layouts[int(g)].shape
+    row_shapes = np.zeros((n_rows, ndim), dtype=np.int64)
+    row_shapes[present] = table[gl]
+    inner_set = {lay.shape[1:] for lay in lays}
+    if len(inner_set) == 1:
+        inner = next(iter(inner_set))
+        return PlannedColumn(
+            name, leaf, "ragged", dt.name, ndim, None, inner, src, row_shapes[:, 0].copy(), None, has_valid
+        )
+    counts = np.prod(row_shapes, axis=1, dtype=np.int64)
+    return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
+
+
+def file_layouts_of(
+    file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str]
+) -> tuple[np.ndarray, list[list[str]]]:
+    # file_of: each entry's file, ascending (the plan's rows are sorted by file); lp_of / lp_names:
+    # each entry's column group and the groups' names.
+    """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
+    a position in the list of distinct sets."""
+    n = len(file_of)
+    starts = np.flatnonzero(np.diff(file_of, prepend=-1)) if n else np.zeros(0, np.int64)
+    files = np.asarray(file_of[starts], dtype=np.int64)
+    if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised for millions of files
+        masks = np.zeros(n_files, dtype=np.int64)
+        if n:
+            bits = np.left_shift(np.int64(1), np.asarray(lp_of, dtype=np.int64))
+            masks[files] = np.bitwise_or.reduceat(bits, starts)
+        uniq, inverse = np.unique(masks, return_inverse=True)
+        sets = [[lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1] for m in uniq]
+    else:
+        pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
+        pf, pl = pairs // len(lp_names), pairs % len(lp_names)
+        per_file: list[list[int]] = [[] for _ in range(n_files)]
+        for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
+            per_file[f].append(p)
+        keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
+        inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
+        sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
+    return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]

@@ -1,0 +1,419 @@
+"""The merge plan's row table, sorted out of core by DuckDB.
+
+Every segment's index rows (a segment at a time) are written to a Parquet file of a private work
+folder, each row with its filename as a BLOB of its UTF-8 bytes (``surrogatepass``: filenames may
+hold lone surrogates, NUL or newlines), whose byte order is the code-point order of Python's
+``str`` sort. DuckDB reads those files and sorts the rows by (filename, frame, segment, leaf)
+under its memory limit, spilling to a ``temp_directory`` in the work folder; the sorted rows
+come back as Arrow batches: each batch's names become file numbers, the rows of keys held by
+several segments go to the caller's ``resolve`` (the duplicate rule lives with the plan), and
+the kept rows are appended to files of the work folder, mapped back as numpy arrays.
+
+Memory: DuckDB's memory limit (its sort needs a few tens of MiB at the least: 32 MiB sorts
+300k rows of 80-byte names, 64 MiB a million), one segment's rows while its file is written, one
+batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
+(Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
+
+DuckDB gets half the plan budget (``engine_memory``), raised to ``MIN_SORT_MEMORY`` when that
+is less: DuckDB cannot sort in less.
+
+The work folder ``spillmerge-sqlplan-<pid>-*`` (under ``work_dir``, else the system's temporary
+folder) is removed when the sort is done, whether it succeeds or fails; the arrays mapped from it
+stay readable (their files are unlinked, their pages stay file-backed while mapped). A folder
+left by a killed process (its pid is gone) is removed by the next plan under the same parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import SpillValueError
+from .._format import spill as FS
+from .._spill.root import LoadedSegment
+
+BATCH = 1 << 18
+"""Sorted rows per Arrow batch read back from DuckDB, at most (fewer under a small memory limit:
+one row per KiB of it, so a batch holds a small part of the limit whatever the names' lengths)."""
+
+MAPPED_ROWS = 1 << 20
+"""Row tables of more rows than this are maps of the work folder's files; smaller ones are read
+into memory."""
+
+ROW_GROUP = 1 << 16
+"""Rows per Parquet row group of a segment's rows: what DuckDB reads at a time per thread."""
+
+MIN_SORT_MEMORY = 64 << 20
+"""DuckDB's memory limit at the least: its sort of a million rows fails in less."""
+
+ENGINE_SHARE = 2
+"""DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
+beside the engine (the sorted batch, the filenames, the plan's per-row steps after the sort)."""
+
+
+def engine_memory(budget: int) -> int:
+    """DuckDB's memory limit under a plan budget of ``budget`` bytes (at least ``MIN_SORT_MEMORY``)."""
+    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)
+
+
+PREFIX = "spillmerge-sqlplan-"
+
+COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
+"""The row table's int64 columns (``_plan``'s names): file number, frame, leaf path, global
+layout, segment, byte offset, byte length, CRC-32C."""
+
+Resolve = Callable[[dict[str, np.ndarray], list[str]], tuple[np.ndarray, int]]
+"""``resolve(rows, names)``: the rows (sorted) of keys held by several segments and the names so
+far; returns which rows to keep and the copies dropped."""
+
+
+@dataclass
+class Sorted:
+    """The kept rows of every key, in (filename, frame, leaf) order."""
+
+    names: list[str]
+    """The distinct filenames, sorted; ``file`` numbers them."""
+    rows: dict[str, np.ndarray]
+    """``COLUMNS`` of every kept row."""
+    copies: np.ndarray
+    """int64: segments that held each kept row's key."""
+    duplicates: int
+    """Copies dropped."""
+    file_ids: list[np.ndarray]
+    """Per segment: the file number of each of its filenames (-1 where it holds no row)."""
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove the work folders of plans whose process is gone (killed before its cleanup)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith(PREFIX):  # the temporary folder may hold thousands of others
+                continue
+            m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\w+", name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            except OSError:  # alive, another user's
+                pass
+
+
+def sort_rows(
+    segments: Iterable[LoadedSegment],
+    layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
+    lp_order: Callable[[], np.ndarray],
+    resolve: Resolve,
+    *,
+    work_dir: str | None,
+    memory_limit: int,
+    threads: int,
+) -> Sorted:
+    """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
+    whose memory limit is ``engine_memory(memory_limit)``.
+
+    ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
+    layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
+    a raw leaf-path number to its position in the sorted leaf paths."""
+    import duckdb  # a dependency of merging only: reading never imports it
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parent = work_dir if work_dir is not None else tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale(parent)
+    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+    try:
+        # Each segment's rows go to a Parquet file that DuckDB reads: no Python object is scanned
+        # (that path imports pandas), and the rows live on disk, not in the engine's memory.
+        n_files = 0
+        n_names: list[int] = []
+        for si, s in enumerate(segments):
+            n_names.append(len(s.filenames))
+            gmap, pmap = layout_ids(s)
+            idx = s.index
+            if not len(idx):
+                continue
+            lay = idx[:, FS.COL_LAYOUT]
+            cols = {
+                "fname": _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
+                "frame": _i64(idx[:, FS.COL_FRAME]),
+                "rlp": _i64(pmap[lay]),
+                "gl": _i64(gmap[lay]),
+                "seg": _i64(np.full(len(idx), si, dtype=np.int64)),
+                "off": _i64(idx[:, FS.COL_OFFSET]),
+                "nb": _i64(idx[:, FS.COL_NBYTES]),
+                "crc": _i64(idx[:, FS.COL_CRC]),
+                "lf": _i64(idx[:, FS.COL_FILE]),
+            }
+            table = pa.Table.from_arrays(list(cols.values()), names=list(cols))
+            pq.write_table(
+                table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none", row_group_size=ROW_GROUP
+            )
+            n_files += 1
+            del table, cols
+        order = lp_order()
+        lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
+        pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
+        if not n_files:
+            ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
+            return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
+        # Threads and memory in the connection's config: a connection made with defaults starts a
+        # worker per core before any SET could say otherwise.
+        limit = engine_memory(memory_limit)
+        con = duckdb.connect(config={"threads": max(1, int(threads)), "memory_limit": f"{limit}B"})
+        try:
+            con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
+            con.execute("SET preserve_insertion_order = false")
+            con.execute("SET enable_progress_bar = false")  # DuckDB's own bar writes to stdout
+            # the files by name, not a glob: the folder's path may hold glob characters
+            rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
+            lp = _quoted(os.path.join(folder, "lp.parquet"))
+            reader = con.sql(
+                f"SELECT fname, frame, lp, gl, seg, off, nb, crc, lf FROM read_parquet([{rows}]) "
+                f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
+            ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
+            try:
+                return _collect(reader, resolve, folder, n_names)
+            except duckdb.OutOfMemoryException as exc:
+                raise SpillValueError(
+                    f"the merge plan's sort needs more memory than plan_budget allows "
+                    f"({limit >> 20} MiB of {int(memory_limit) >> 20} MiB for the sort); raise plan_budget "
+                    f"(--plan-budget): {exc}"
+                ) from None
+        finally:
+            con.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _quoted(path: str) -> str:
+    """``path`` inside a single-quoted SQL string."""
+    return path.replace("'", "''")
+
+
+def _i64(a: np.ndarray) -> Any:
+    """An Arrow int64 array over ``a``'s values (built from its buffer: ``pa.array`` of numpy
+    imports pandas)."""
+    import pyarrow as pa
+
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(a), [None, pa.py_buffer(a)])
+
+
+def _names_array(names: list[str]) -> Any:
+    """The Arrow binary array of ``names``' UTF-8 bytes (``surrogatepass``)."""
+    import pyarrow as pa
+
+    enc = [f.encode("utf-8", "surrogatepass") for f in names]
+    off = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in enc], out=off[1:])
+    return pa.Array.from_buffers(pa.large_binary(), len(enc), [None, pa.py_buffer(off), pa.py_buffer(b"".join(enc))])
+
+
+def _binary_parts(col: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes and int64 offsets (rebased to 0) of an Arrow binary array without nulls."""
+    import pyarrow as pa
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    wide = pa.types.is_large_binary(col.type)
+    bufs = col.buffers()
+    off = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[col.offset : col.offset + len(col) + 1]
+    off = off.astype(np.int64)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return data[int(off[0]) : int(off[-1])], off - off[0]
+
+
+def _ints(col: Any) -> np.ndarray:
+    """An Arrow integer array without nulls as int64 numpy."""
+    import pyarrow as pa
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    dt = np.dtype(str(col.type))
+    return np.frombuffer(col.buffers()[1], dtype=dt)[col.offset : col.offset + len(col)].astype(np.int64)
+
+
+def _name_starts(col: Any) -> np.ndarray:
+    """For each name of a sorted Arrow binary array: does it differ from the one before it (the
+    first: True)? Compared by Arrow's kernel: a bool per name, no per-byte temporaries."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    n = len(col)
+    new = np.ones(n, dtype=bool)
+    if n >= 2:
+        new[1:] = pc.not_equal(col[1:], col[:-1]).to_numpy(zero_copy_only=False)
+    return new
+
+
+class _Spool:
+    """Append-only int64 arrays in files of the work folder, mapped (or read) when done."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.files: dict[str, Any] = {}
+        self.n = 0
+
+    def append(self, name: str, a: np.ndarray) -> None:
+        f = self.files.get(name)
+        if f is None:
+            f = self.files[name] = open(os.path.join(self.folder, f"{name}.i8"), "wb")  # noqa: SIM115 - done()
+        f.write(np.ascontiguousarray(a, dtype=np.int64).data)
+
+    def done(self, name: str, n: int) -> np.ndarray:
+        f = self.files.pop(name, None)
+        if f is not None:
+            f.close()
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        path = os.path.join(self.folder, f"{name}.i8")
+        if n <= MAPPED_ROWS:
+            return np.fromfile(path, dtype=np.int64)
+        # copy-on-write map: the plan may rewrite a column in place; the file is unlinked with the
+        # folder, its pages stay file-backed while the map lives
+        return np.memmap(path, dtype=np.int64, mode="c", shape=(n,))
+
+
+def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> Sorted:
+    """The sorted batches: file numbers, duplicates resolved, kept rows spooled; each segment's
+    filenames numbered (``Sorted.file_ids``)."""
+    names: list[str] = []
+    base = np.zeros(len(n_names) + 1, dtype=np.int64)
+    np.cumsum(n_names, out=base[1:])
+    file_ids = np.full(int(base[-1]), -1, dtype=np.int64)
+    spool = _Spool(folder)
+    last_name: bytes | None = None
+    carry: dict[str, np.ndarray] | None = None
+    n_kept = duplicates = 0
+
+    def flush(c: dict[str, np.ndarray], final: bool) -> dict[str, np.ndarray] | None:
+        """Resolve and spool the whole keys of ``c``; return the rows of its last key unless final."""
+        nonlocal n_kept, duplicates
+        n = len(c["file"])
+        new_key = np.ones(n, dtype=bool)
+        new_key[1:] = (c["file"][1:] != c["file"][:-1]) | (c["frame"][1:] != c["frame"][:-1])
+        key_start = np.flatnonzero(new_key)
+        rest = None
+        if not final:  # the last key may go on in the next batch
+            cut = int(key_start[-1])
+            rest = {k: v[cut:] for k, v in c.items()}
+            c = {k: v[:cut] for k, v in c.items()}
+            key_start, n = key_start[:-1], cut
+            if n == 0:
+                return rest
+        new_seg = new_key[:n].copy()
+        new_seg[1:] |= c["seg"][1:] != c["seg"][:-1]
+        segs_per_key = np.add.reduceat(new_seg.astype(np.int64), key_start)
+        copies = np.repeat(segs_per_key, np.diff(np.append(key_start, n)))
+        dup = copies > 1
+        if dup.any():
+            rows = np.flatnonzero(dup)
+            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, names)
+            duplicates += dropped
+            keep = np.ones(n, dtype=bool)
+            keep[rows] = keep_dup
+            c = {k: v[keep] for k, v in c.items()}
+            copies = copies[keep]
+        for k in COLUMNS:
+            spool.append(k, c[k])
+        spool.append("copies", copies)
+        n_kept += len(copies)
+        return rest
+
+    for batch in reader:
+        if not batch.num_rows:
+            continue
+        data, off = _binary_parts(batch.column(0))
+        new_name = _name_starts(batch.column(0))
+        first_name = data[: int(off[1])].tobytes()
+        new_name[0] = last_name is None or first_name != last_name
+        first = len(names)
+        for i in np.flatnonzero(new_name).tolist():
+            names.append(data[int(off[i]) : int(off[i + 1])].tobytes().decode("utf-8", "surrogatepass"))
+        last_name = data[int(off[-2]) : int(off[-1])].tobytes()
+        c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
+        for j, k in enumerate(COLUMNS[1:], start=1):
+            c[k] = _ints(batch.column(j))
+        file_ids[base[c["seg"]] + _ints(batch.column(len(COLUMNS)))] = c["file"]
+        if carry is not None:
+            c = {k: np.concatenate([carry[k], c[k]]) for k in c}
+        carry = flush(c, final=False)
+    if carry is not None and len(carry["file"]):
+        flush(carry, final=True)
+    rows = {k: spool.done(k, n_kept) for k in COLUMNS}
+    ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
+    return Sorted(names, rows, spool.done("copies", n_kept), duplicates, ids)
+
+
+IN_MEMORY_ROWS = 1 << 16
+"""Index rows below which :func:`sort_rows_in_memory` sorts instead of DuckDB: starting DuckDB
+(``connect``, about 40 ms) costs more than the whole sort of so few rows."""
+
+
+def sort_rows_in_memory(
+    segments: Iterable[LoadedSegment],
+    layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
+    lp_order: Callable[[], np.ndarray],
+    resolve: Resolve,
+    *,
+    work_dir: str | None,
+) -> Sorted:
+    """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same table,
+    sorted by Arrow in memory (binary names in byte order, as DuckDB sorts them) and collected
+    the same way, so the result is the same. Memory: the rows, a few times over."""
+    import pyarrow as pa
+
+    tables = []
+    n_names: list[int] = []
+    for si, s in enumerate(segments):
+        n_names.append(len(s.filenames))
+        gmap, pmap = layout_ids(s)
+        idx = s.index
+        if not len(idx):
+            continue
+        lay = idx[:, FS.COL_LAYOUT]
+        tables.append(
+            pa.Table.from_arrays(
+                [
+                    _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
+                    _i64(idx[:, FS.COL_FRAME]),
+                    _i64(pmap[lay]),
+                    _i64(gmap[lay]),
+                    _i64(np.full(len(idx), si, dtype=np.int64)),
+                    _i64(idx[:, FS.COL_OFFSET]),
+                    _i64(idx[:, FS.COL_NBYTES]),
+                    _i64(idx[:, FS.COL_CRC]),
+                    _i64(idx[:, FS.COL_FILE]),
+                ],
+                names=["fname", "frame", "rlp", "gl", "seg", "off", "nb", "crc", "lf"],
+            )
+        )
+    order = lp_order()
+    if not tables:
+        ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
+        return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
+    table = pa.concat_tables(tables)
+    table = table.append_column("lp", _i64(order[_ints(table.column("rlp"))]))
+    table = table.sort_by([("fname", "ascending"), ("frame", "ascending"), ("seg", "ascending"), ("lp", "ascending")])
+    table = table.select(["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"])
+    parent = work_dir if work_dir is not None else tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale(parent)
+    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+    try:
+        return _collect(table.to_batches(), resolve, folder, n_names)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,310 @@
+"""A merge in parts plans once: one process builds the plan and stores it under
+``OUT/spillmerge-parts/plan/``; every other part and the finalize read it instead of planning
+again (docs/SCALE.md).
+
+Protocol:
+
+1. (every part, the finalize) after the commit barrier: :func:`source_key` of the committed
+   segments and the duplicate policy, computed without reading any catalog or index.
+2. (a part) :func:`obtain`: a stored plan of that key whose files all match their hashes is
+   read. None (or a damaged one): the part takes the ``planner`` lease, builds the plan, writes
+   every array as one raw little-endian object and then ``plan.json`` last, atomically. A part
+   that finds the lease held waits for the stored plan while its holder is alive (and, with a
+   ``timeout``, no longer than that); once nobody holds it, it takes the lease itself. Nobody
+   waits on a part's lease for a plan, so no two processes wait on each other.
+3. (the finalize) reads the stored plan the same way, or builds its own without storing it.
+4. (the finalize) removes the folder after the completion marker.
+
+``plan.json`` names each array's dtype, shape and BLAKE2b digest, and carries a digest of its own
+body: a file that fails its digest makes the whole stored plan unusable (it is rebuilt from the
+spill root, which is the truth), never trusted in part. Filenames are stored as UTF-8 bytes and
+offsets; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError, OutputBusyError, SpillMergeError
+from .._format import common as F
+from .._spill.root import LoadedSegment, Segment
+from .._storage import Storage
+from . import lease as _lease
+from .parts import PARTS_DIR
+from .plan import Plan, PlannedColumn, PlannedList, encoded_names
+
+PLAN_DIR = f"{PARTS_DIR}/plan"
+MANIFEST = f"{PLAN_DIR}/plan.json"
+MANIFEST_MAX_BYTES = 256 << 20
+"""``plan.json`` holds the columns, the files' column sets and the segments (not per-row data)."""
+PLANNER = "planner"
+"""The lease a part holds while it builds and stores the plan."""
+_KIND = "merge-plan"
+
+
+def source_key(segments: Sequence[Segment], on_duplicate: str) -> str:
+    """What decides the plan, known before any catalog is read: every committed segment (its
+    folder and commit record, which carries the checksums of its index and catalog) in write
+    order, and the duplicate policy."""
+    h = hashlib.blake2b(digest_size=16)
+    head = {"format_version": F.FORMAT_VERSION, "on_duplicate": on_duplicate}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for s in segments:
+        h.update(json.dumps([s.rel, repr(s.commit)], ensure_ascii=True).encode("ascii"))
+    return h.hexdigest()
+
+
+class DamagedPlan(CorruptSpillError):
+    """A stored plan file fails its digest or does not parse (the caller plans again)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Obtained:
+    """A plan and its fingerprint, and how this process came by it."""
+
+    plan: Plan
+    fingerprint: str
+    """``_plan.fingerprint`` for the caller's ``chunk_bytes`` and ``codec``."""
+    notes: list[str]
+    """For the report: read, built and stored, or built here, and why."""
+
+
+def obtain(
+    output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]],
+    fingerprint: Callable[[Plan], str], *, settings: dict[str, Any], timeout: float, may_store: bool,
+) -> Obtained:  # fmt: skip
+    """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
+    plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
+    ``planner`` lease. ``fingerprint`` computes it for a stored plan of other settings.
+    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive)."""
+    notes: list[str] = []
+    t0 = time.monotonic()
+    delay = 0.05
+    where = output.describe(PLAN_DIR)
+    while True:
+        found = _read(output, key, segments, notes)
+        if found is not None:
+            plan, fp, stored_settings = found
+            notes.append(f"the plan stored in {where} was read, not rebuilt")
+            return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
+        if may_store:
+            try:
+                lease = _lease.Lease.acquire(output, name=PLANNER, role="planner", exclusive=False)
+            except OutputBusyError:
+                lease = None
+            if lease is not None:
+                with lease:
+                    found = _read(output, key, segments, notes)  # stored while we took the lease
+                    if found is not None:
+                        plan, fp, stored_settings = found
+                        notes.append(f"the plan stored in {where} was read, not rebuilt")
+                        return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
+                    plan, fp = plan_here()
+                    lease.check()
+                    store(output, plan, key, fp, settings)
+                    notes.append(f"the plan was built here and stored in {where} for the other parts")
+                    return Obtained(plan, fp, notes)
+        elif not _lease.held(output, PLANNER):
+            break  # nobody at it: plan here
+        if timeout > 0 and time.monotonic() - t0 >= timeout:
+            notes.append(f"no stored plan in {where} after waiting {timeout:.0f} s for the planner")
+            break
+        time.sleep(delay)  # a planner is at work: its plan comes
+        delay = min(delay * 1.5, 1.0)
+    plan, fp = plan_here()
+    notes.append("the plan was built here (not stored)")
+    return Obtained(plan, fp, notes)
+
+
+def _read(
+    output: Storage, key: str, segments: Sequence[Segment], notes: list[str]
+) -> tuple[Plan, str, dict[str, Any]] | None:
+    """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
+    try:
+        return load(output, key, segments)
+    except DamagedPlan as exc:
+        note = f"the stored plan was not used: {exc}"
+        if note not in notes:  # read again at every poll while a planner replaces it
+            notes.append(note)
+        return None
+
+
+# -- storing ---------------------------------------------------------------------------------------
+
+
+def _digest(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def _body_digest(body: dict[str, Any]) -> str:
+    return _digest(json.dumps(body, sort_keys=True, ensure_ascii=True).encode("ascii"))
+
+
+def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dict[str, Any]) -> None:
+    """Write ``plan`` under ``PLAN_DIR``, ``plan.json`` last and atomically; on an exception remove
+    what was written (without ``plan.json`` nobody reads it anyway)."""
+    output.rm_tree(PLAN_DIR)  # another key's plan, or a damaged or half-written one
+    output.makedirs(PLAN_DIR)
+    try:
+        arrays: dict[str, dict[str, Any]] = {}
+
+        def put(name: str, a: np.ndarray) -> str:
+            a = np.asarray(a)
+            dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+            raw = np.ascontiguousarray(a, dtype=dt).tobytes()
+            output.put(f"{PLAN_DIR}/{name}", raw)
+            arrays[name] = {"dtype": dt.str, "shape": list(a.shape), "blake2b": _digest(raw)}
+            return name
+
+        data, offsets = encoded_names(plan.filenames)
+        put("names", data)
+        put("name_offsets", offsets)
+        for attr in ("file_offsets", "frame_idx", "rank", "copies", "file_layout", "seg", "offset", "nbytes", "crc"):
+            put(attr, getattr(plan, attr))
+        checks = [s.checks for s in plan.segments if s.checks is not None and len(s.checks)]
+        put("checks", np.concatenate(checks) if checks else np.zeros((0, 3), np.int64))
+        columns = []
+        for ci, col in enumerate(plan.columns):
+            entry: dict[str, Any] = {
+                "name": col.name, "leaf": list(col.leaf), "kind": col.kind, "dtype": col.dtype, "ndim": col.ndim,
+                "shape": None if col.shape is None else list(col.shape),
+                "inner": None if col.inner is None else list(col.inner),
+                "has_valid": col.has_valid, "variant": col.variant, "src": put(f"c{ci}.src", col.src),
+            }  # fmt: skip
+            if col.counts is not None:
+                entry["counts"] = put(f"c{ci}.counts", col.counts)
+                entry["offsets"] = put(f"c{ci}.offsets", col.offsets())
+            if col.shapes is not None:
+                entry["shapes"] = put(f"c{ci}.shapes", col.shapes)
+            columns.append(entry)
+        lists = [
+            {"name": lst.name, "path": list(lst.path), "offsets": put(f"l{li}.offsets", lst.offsets)}
+            for li, lst in enumerate(plan.lists)
+        ]
+        body = {
+            "key": key, "plan": fingerprint, "settings": settings, "duplicates": plan.duplicates,
+            "file_layouts": plan.file_layouts, "columns": columns, "lists": lists, "arrays": arrays,
+            "key_orders": plan.key_orders,
+            "segments": [
+                {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "salvaged": s.salvaged,
+                 "n_checks": 0 if s.checks is None else len(s.checks)}
+                for s in plan.segments
+            ],
+        }  # fmt: skip
+        doc = {"kind": _KIND, "format_version": F.FORMAT_VERSION, "body": body, "digest": _body_digest(body)}
+        output.put_atomic(MANIFEST, json.dumps(doc, sort_keys=True, ensure_ascii=True).encode("ascii"))
+    except BaseException:
+        try:
+            output.rm_tree(PLAN_DIR)
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+        raise
+
+
+def remove(output: Storage) -> None:
+    """The finalize, after the completion marker: the plan is no longer needed."""
+    output.rm_tree(PLAN_DIR)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, str, dict[str, Any]] | None:
+    """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
+    there is none (or one of another key). :class:`DamagedPlan` naming the file when a file is
+    missing, fails its digest or does not parse."""
+    try:
+        raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
+    except SpillMergeError as exc:
+        raise DamagedPlan(f"{output.describe(MANIFEST)}: {exc}", path=output.describe(MANIFEST)) from exc
+    if raw is None:
+        return None
+    mwhere = output.describe(MANIFEST)
+
+    def bad(rel: str, why: str) -> DamagedPlan:
+        where = output.describe(rel)
+        return DamagedPlan(f"{where}: {why}", path=where)
+
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        body = doc["body"]
+        ok = doc["kind"] == _KIND and doc["format_version"] == F.FORMAT_VERSION and isinstance(body, dict)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise bad(MANIFEST, f"not a stored merge plan ({type(exc).__name__}: {exc})") from None
+    if not ok or doc.get("digest") != _body_digest(body):
+        raise bad(MANIFEST, "fails its digest: the stored plan is damaged")
+    if body.get("key") != key:
+        return None  # another spill root's (or policy's) plan: replaced by the next planner
+    try:
+        specs = body["arrays"]
+
+        def arr(name: str) -> np.ndarray:
+            spec = specs[name]
+            rel = f"{PLAN_DIR}/{name}"
+            dt = np.dtype(spec["dtype"])
+            shape = tuple(int(x) for x in spec["shape"])
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            try:
+                data = output.get(rel, max_bytes=nbytes)
+            except FileNotFoundError:
+                raise bad(rel, "missing") from None
+            except SpillMergeError as exc:
+                raise bad(rel, str(exc)) from None
+            if len(data) != nbytes or _digest(data) != spec["blake2b"]:
+                raise bad(rel, "fails its digest in plan.json: the stored plan is damaged")
+            return np.frombuffer(data, dtype=dt).reshape(shape)
+
+        by_rel = {s.rel: s for s in segments}
+        checks = arr("checks")
+        segs, c0 = [], 0
+        for s in body["segments"]:
+            if s["rel"] not in by_rel:
+                raise bad(MANIFEST, f"segment {s['rel']!r} is not committed")
+            n = int(s["n_checks"])
+            segs.append(
+                LoadedSegment(
+                    by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), bool(s["salvaged"]),
+                    checks=np.asarray(checks[c0 : c0 + n]) if n else None,
+                )  # fmt: skip
+            )
+            c0 += n
+        columns = []
+        for c in body["columns"]:
+            columns.append(
+                PlannedColumn(
+                    c["name"], tuple(c["leaf"]), c["kind"], c["dtype"], int(c["ndim"]),
+                    None if c["shape"] is None else tuple(c["shape"]),
+                    None if c["inner"] is None else tuple(c["inner"]),
+                    arr(c["src"]), arr(c["counts"]) if "counts" in c else None,
+                    arr(c["shapes"]) if "shapes" in c else None, bool(c["has_valid"]),
+                    c["variant"], arr(c["offsets"]) if "offsets" in c else None,
+                )  # fmt: skip
+            )
+        lists = [PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"])) for lst in body["lists"]]
+        data, offs = arr("names"), arr("name_offsets")
+        blob = data.tobytes()
+        bounds = offs.tolist()
+        names = [blob[a:b].decode("utf-8", "surrogatepass") for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        plan = Plan(
+            names, arr("file_offsets"), arr("frame_idx"), arr("rank"), arr("copies"), arr("file_layout"),
+            [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"), arr("nbytes"),
+            arr("crc"), int(body["duplicates"]), lists, body.get("key_orders"),
+        )  # fmt: skip
+        if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
+            raise bad(MANIFEST, "its arrays disagree in length")
+        return plan, str(body["plan"]), dict(body["settings"])
+    except DamagedPlan:
+        raise
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise bad(MANIFEST, f"malformed ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # noqa: BLE001 - anything else a damaged plan provokes: rebuilt, never trusted
+        if isinstance(exc, SpillMergeError):
+            raise
+        raise DamagedPlan(f"{mwhere}: unreadable ({type(exc).__name__}: {exc})", path=mwhere) from None

@@ -1,0 +1,1 @@
+"""Reading an output: the store, filenames, index, cache, views, values, Arrow, datasets."""

@@ -1,0 +1,466 @@
+"""Format 3's values as Arrow types (``MergedStore.to_arrow`` / ``iter_batches`` / ``to_parquet``).
+
+The leaf columns of an output are put back into the tree of their paths (docs/FORMAT.md section 1,
+*Value model*), and each node's rows of one record batch become one Arrow array, built from the
+stored columns with pyarrow's array constructors (no Python object per row):
+
+- a leaf with several variants: a ``dense_union`` whose children are the variants (type ids:
+  which variant's ``valid`` is set; offsets: the row's position among that variant's rows);
+- a ``pylist`` / ``pytuple`` header and its item leaves: ``large_list`` of the item type (a union
+  when the items' types differ, the one type when they agree), a ``pyrecords`` header and its
+  columns: ``large_list<struct>``, a ``pydict`` header: an empty ``struct``;
+- a dict inside a list: a ``struct`` of its keys.
+
+Dicts from the value's root down to a leaf stay flat columns named by their path (``"a/b"``), and
+a leaf of one variant (or one per numeric dtype, ``"logits:float16"``) is exported as before, so
+pandas / polars / DuckDB readers of such outputs see no change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError, SpillMergeError, require
+from .._format import common as F
+from .._format import lists as L
+from .._format.common import MARK
+from .._format.keyorder import Spec, ordered
+from .views import OpenColumn, untensor
+
+_Part = tuple[tuple[str, str], str, np.ndarray, Any]
+"""One variant's share of a node's rows: (key, union child name, positions among the rows, the
+values at those positions as one pyarrow array). Every variant yields a part, empty or not, so
+the types (and the union's children) are the same in every batch."""
+
+TUPLE_META = {b"spillmerge.container": b"tuple"}
+"""Field metadata of a column that holds tuples (a union child of tuples is named ``tuple``)."""
+
+
+class Node:
+    """One path of the value tree: the columns of its leaf (``cols``), its container headers
+    (``headers``), its list items (one node) and its dict keys (segment -> node)."""
+
+    __slots__ = ("cols", "each", "headers", "keys", "order", "path")
+
+    def __init__(self, path: tuple[str, ...], order: Spec | None = None) -> None:
+        self.path = path
+        self.order = order
+        """The output's dict key orders (``KeyOrders.overall``): struct fields follow them (flat
+        columns keep their name order)."""
+        self.cols: list[OpenColumn] = []
+        self.headers: list[OpenColumn] = []
+        self.keys: dict[str, Node] = {}
+        self.each: Node | None = None
+        """The items of the lists here, one node whose rows are all of them."""
+
+    def child(self, seg: str) -> Node:
+        if seg == F.ITEM:
+            if self.each is None:
+                self.each = Node((*self.path, seg), self.order)
+            return self.each
+        return self.keys.setdefault(seg, Node((*self.path, seg), self.order))
+
+    def sorted_keys(self) -> list[tuple[str, Node]]:
+        """The dict keys here, in the key order the output holds for this path (else sorted)."""
+        return ordered(self.keys, self.path, self.order)
+
+    @property
+    def structured(self) -> bool:
+        """Exported as one column of its own type, not today's flat column(s). An empty dict
+        (``pydict``) at a path whose keys other rows have makes no column by itself: its keys'
+        flat columns are null in its rows (in a column made for other reasons it is ``{}``)."""
+        heads = [h for h in self.headers if not (h.info.dtype == "pydict" and self.keys)]
+        return bool(heads) or any(c.info.variant is not None for c in self.cols)
+
+
+def tree(cols: list[OpenColumn], order: Spec | None = None) -> Node:
+    root = Node((), order)
+    for col in sorted(cols, key=lambda c: (c.info.leaf, c.info.dtype)):
+        leaf = col.info.leaf
+        node = root
+        is_header = bool(leaf) and leaf[-1] == MARK
+        for seg in leaf[:-1] if is_header else leaf:
+            node = node.child(seg)
+        (node.headers if is_header else node.cols).append(col)
+    return root
+
+
+def _seg_name(seg: str) -> str:
+    return seg[1:] if seg.startswith(MARK) else seg
+
+
+class Batch:
+    """Rows ``a .. b-1``: each column's leaf view as a pyarrow array read once, its ``valid``
+    and (headers) its lengths. A column whose rows are a list's items is read over
+    the items of rows ``a .. b-1`` (``offs``: the list offsets), and row numbers passed for it
+    are its own."""
+
+    def __init__(self, a: int, b: int, offs: dict[tuple[str, ...], np.ndarray] | None = None) -> None:
+        self.a, self.b = a, b
+        self.offs = offs or {}
+        self._arrow: dict[int, Any] = {}
+        self._lengths: dict[int, np.ndarray] = {}
+        self._spans: dict[tuple[str, ...], tuple[int, int]] = {(): (a, b)}
+
+    def span(self, domain: tuple[str, ...]) -> tuple[int, int]:
+        """The rows of ``domain`` (a list path, ``()``: the output's rows) the batch holds."""
+        got = self._spans.get(domain)
+        if got is None:
+            got = self._spans[domain] = L.rows_of(self.offs, domain, self.a, self.b)
+        return got
+
+    def base(self, col: OpenColumn) -> int:
+        """The first row of ``col``'s domain in the batch (its arrays start there)."""
+        return self.span(F.list_domain(col.info.leaf))[0]
+
+    def arrow(self, col: OpenColumn) -> Any:
+        got = self._arrow.get(id(col))
+        if got is None:
+            got = self._arrow[id(col)] = col.view(*self.span(F.list_domain(col.info.leaf))).to_arrow()
+        return got
+
+    def valid(self, col: OpenColumn, rows: np.ndarray) -> np.ndarray:
+        v = col.valid()
+        return np.ones(len(rows), bool) if v is None else v[rows]
+
+    def lengths(self, col: OpenColumn) -> np.ndarray:
+        got = self._lengths.get(id(col))
+        if got is None:
+            view = col.view(*self.span(F.list_domain(col.info.leaf)))
+            got = self._lengths[id(col)] = np.asarray(view[:], dtype=np.int64).reshape(-1)
+        return got
+
+
+def _pa() -> Any:
+    return require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
+
+
+def combine(parts: list[_Part], n: int) -> Any:
+    """One array of ``n`` slots from the parts (positions never shared): the one type when every
+    part has it, else a dense union with a child per type (empty slots: nulls of the first)."""
+    pa = _pa()
+    order: list[tuple[str, str]] = []
+    names: dict[tuple[str, str], str] = {}
+    for key, name, _, _ in parts:
+        if key not in names:
+            order.append(key)
+            names[key] = name
+    ids = np.full(n, -1, np.int64)
+    offs = np.zeros(n, np.int64)
+    children = []
+    for c, key in enumerate(order):
+        mine = [(pos, arr) for k, _, pos, arr in parts if k == key]
+        pos = np.concatenate([p for p, _ in mine]) if mine else np.empty(0, np.int64)
+        arr = pa.concat_arrays([x for _, x in mine]) if len(mine) > 1 else mine[0][1]
+        if len(mine) > 1:  # several variants of one type: their rows in row order
+            perm = np.argsort(pos, kind="stable")
+            pos, arr = pos[perm], arr.take(pa.array(perm))
+        ids[pos] = c
+        offs[pos] = np.arange(len(pos))
+        children.append(arr)
+    empty = ids < 0
+    if len(order) == 1:
+        return children[0].take(pa.array(offs, mask=empty)) if empty.any() else children[0].take(pa.array(offs))
+    if not order:
+        return pa.nulls(n)
+    if empty.any():  # a dense union has no validity of its own: a null of its first child
+        k = int(empty.sum())
+        offs[empty] = len(children[0]) + np.arange(k)
+        ids[empty] = 0
+        children[0] = pa.concat_arrays([children[0], pa.nulls(k, children[0].type)])
+    # child names must differ: a second variant of the same name gets its type in it
+    seen: dict[str, int] = {}
+    fields = []
+    for key in order:
+        nm = names[key]
+        seen[nm] = seen.get(nm, 0) + 1
+        fields.append(nm if seen[nm] == 1 else f"{nm}.{seen[nm]}")
+    return pa.UnionArray.from_dense(
+        pa.array(ids.astype(np.int8)), pa.array(offs.astype(np.int32)), children, fields, list(range(len(order)))
+    )
+
+
+def _col_tag(col: OpenColumn) -> str:
+    info = col.info
+    if info.variant is not None:
+        return info.variant
+    if info.kind in ("fixed", "ragged"):
+        return f"{info.dtype}.{info.ndim}d"
+    return info.kind
+
+
+def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part]:
+    """The variants of ``node`` over ``rows`` (absolute row numbers within the batch): its
+    columns, its containers, and (``with_keys``: inside a list) the dict of its keys."""
+    pa = _pa()
+    out: list[_Part] = []
+    # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` too): where
+    # the path also holds lists of other items, its rows are lists of that column, items and all.
+    as_list = [c for c in node.cols if c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
+    if not any(h.info.dtype == "pylist" for h in node.headers):
+        as_list = []
+    for col in node.cols:
+        if col in as_list:
+            continue
+        full = b.arrow(col)
+        pos = np.flatnonzero(b.valid(col, rows))
+        arr = full.take(pa.array(rows[pos] - b.base(col)))
+        out.append((("col", str(arr.type)), _col_tag(col), pos, arr))
+    for head in node.headers:
+        pos = np.flatnonzero(b.valid(head, rows))
+        lengths = b.lengths(head)[rows[pos] - b.base(head)]
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        kind = head.info.dtype
+        if kind == "pylist" and as_list:
+            pos, starts, values = _merged_lists(node, b, rows, pos, lengths, as_list)
+            arr = pa.LargeListArray.from_arrays(pa.array(starts), values)
+            out.append(((kind, str(arr.type)), "list", pos, arr))
+        elif kind in ("pylist", "pytuple"):
+            values = combine(_item_parts(node, b, rows[pos], lengths, starts), int(starts[-1]))
+            name = "tuple" if kind == "pytuple" else "item"
+            arr = pa.LargeListArray.from_arrays(
+                pa.array(starts), values, type=pa.large_list(pa.field(name, values.type))
+            )
+            out.append(((kind, str(arr.type)), kind[2:], pos, arr))
+        elif kind == "pyrecords":
+            arr = _records(node, b, rows[pos], lengths, starts)
+            out.append((("records", str(arr.type)), "records", pos, arr))
+        elif with_keys and node.keys:
+            continue  # a dict whose keys some rows have: the struct of them below, null fields here
+        else:  # pydict: an empty dict
+            arr = pa.array([{}] * len(pos), type=pa.struct([]))
+            out.append((("dict", "struct<>"), "dict", pos, arr))
+    records = [h for h in node.headers if h.info.dtype == "pyrecords"]
+    if with_keys and node.keys:
+        arr, present = _struct(node, b, rows)
+        for head in node.headers:
+            if head.info.dtype == "pydict":
+                present |= b.valid(head, rows)
+        for head in records:  # a list of dicts' keys are its columns, not a dict of their own
+            present &= ~b.valid(head, rows)
+        pos = np.flatnonzero(present)
+        if len(pos) or not records:
+            arr = arr.take(pa.array(pos))
+            out.append((("dict", str(arr.type)), "dict", pos, arr))
+    return out
+
+
+def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[_Part]:
+    """The parts of every item of the lists at ``node`` in ``rows``, positioned in the flat item
+    array (item ``i`` of list ``j`` at ``starts[j] + i``)."""
+    if node.each is None:  # no list here has an item anywhere in the output
+        bad = np.flatnonzero(lengths != 0)
+        if len(bad):
+            j = int(bad[0])
+            raise CorruptSpillError(
+                f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
+                "header, but the output holds no item of these lists; the output is damaged: merge it again"
+            )
+        return []
+    # the items are rows of the child path, in list order
+    o = b.offs.get(node.each.path)
+    have = np.diff(o)[rows] if o is not None else np.zeros(len(rows), np.int64)
+    if not np.array_equal(have, lengths):
+        j = int(np.flatnonzero(have != lengths)[0])
+        raise CorruptSpillError(
+            f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
+            f"header, {int(have[j])} by its list offsets; the output is damaged: merge it again"
+        )
+    if o is None:
+        o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
+    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+    item_rows = np.repeat(o[rows], lengths) + within
+    at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
+    return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
+
+
+def _merged_lists(
+    node: Node, b: Batch, rows: np.ndarray, hpos: np.ndarray, hlen: np.ndarray, numeric: list[OpenColumn]
+) -> tuple[np.ndarray, np.ndarray, Any]:
+    """The lists at ``node`` over ``rows``, those of its ``pylist`` header (``hpos``, ``hlen``)
+    and those stored as the numeric columns ``numeric``: (positions, list offsets, items)."""
+    pa = _pa()
+    import pyarrow.compute as pc
+
+    got = []
+    for col in numeric:
+        cpos = np.flatnonzero(b.valid(col, rows))
+        carr = b.arrow(col).take(pa.array(rows[cpos] - b.base(col)))
+        clen = pc.list_value_length(carr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        got.append((col, cpos, carr, clen))
+    all_pos = np.concatenate([hpos, *(g[1] for g in got)]).astype(np.int64)
+    all_len = np.concatenate([hlen, *(g[3] for g in got)]).astype(np.int64)
+    perm = np.argsort(all_pos, kind="stable")
+    pos, ln = all_pos[perm], all_len[perm]
+    starts = np.concatenate([[0], np.cumsum(ln)]).astype(np.int64)
+    start_of = np.zeros(len(rows), np.int64)
+    start_of[pos] = starts[:-1]
+    ps = _item_parts(node, b, rows[hpos], hlen, start_of[hpos])
+    for col, cpos, carr, clen in got:
+        flat = pc.list_flatten(carr)
+        first = np.repeat(start_of[cpos], clen)
+        within = np.arange(int(clen.sum())) - np.repeat(np.concatenate([[0], np.cumsum(clen)])[:-1], clen)
+        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", first + within, flat))
+    return pos, starts, combine(ps, int(starts[-1]))
+
+
+def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:
+    """``arr`` at ``pos`` as parts: one per child when it is a union (no union of unions)."""
+    pa = _pa()
+    if not pa.types.is_union(arr.type):
+        return [(("col", str(arr.type)), name, pos, arr)]
+    codes = arr.type_codes.to_numpy(zero_copy_only=False)
+    offs = arr.offsets.to_numpy(zero_copy_only=False)
+    out: list[_Part] = []
+    for i in range(arr.type.num_fields):
+        mine = codes == arr.type.type_codes[i]
+        child = arr.field(i).take(pa.array(offs[mine].astype(np.int64)))
+        out.append((("col", str(child.type)), arr.type.field(i).name, pos[mine], child))
+    return out
+
+
+def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
+    """The dict of ``node``'s keys over ``rows`` as a struct array, and where any key has a value."""
+    pa = _pa()
+    fields, names = [], []
+    present = np.zeros(len(rows), bool)
+    for seg, kid in node.sorted_keys():
+        ps = parts(kid, b, rows, with_keys=True)
+        for _, _, pos, _ in ps:
+            present[pos] = True
+        fields.append(combine(ps, len(rows)))
+        names.append(_seg_name(seg))
+    return pa.StructArray.from_arrays(fields, names), present
+
+
+def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> Any:
+    """``large_list<struct>`` of the lists of dicts at ``node`` in ``rows``: each key's column (a
+    list per row) cut into the items."""
+    pa = _pa()
+    import pyarrow.compute as pc
+
+    # Every key's columns first: a row's header must equal the length of each key's list in it
+    # (and some key must hold one), as ``value()`` checks, before anything is sized by the
+    # headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
+    keyed = [(seg, parts(kid, b, rows, with_keys=True)) for seg, kid in node.sorted_keys()]
+    held = np.zeros(len(rows), bool)
+    for seg, ps in keyed:
+        for _, name, pos, arr in ps:
+            arr = untensor(arr)
+            if not len(pos):
+                continue
+            if not _listlike(arr.type):
+                raise SpillMergeError(
+                    f"the lists of dicts at {F.path_text(node.path)!r}: key {_seg_name(seg)!r} holds a {name} value where "
+                    f"its list of {int(lengths.max(initial=0))} is expected; the output is damaged: merge it again"
+                )
+            have = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = np.flatnonzero(have != lengths[pos])
+            if len(bad):
+                j = int(pos[bad[0]])
+                raise _records_error(node, int(rows[j]), int(lengths[j]), f"key {_seg_name(seg)!r} holds {int(have[bad[0]])}")
+            held[pos] = True
+    if not held.all() and len(rows):
+        j = int(np.flatnonzero(~held)[0])
+        raise _records_error(node, int(rows[j]), int(lengths[j]), "no key holds a list there")
+    total = int(starts[-1])
+    fields, names = [], []
+    for seg, ps in keyed:
+        elems: list[_Part] = []
+        for _, name, pos, arr in ps:
+            arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
+            if not len(pos) and not _listlike(arr.type):
+                continue  # a key of dicts in other rows, none of these
+            have = lengths[pos]  # each key's list length, checked above
+            flat = pc.list_flatten(arr)
+            first = np.concatenate(
+                [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
+            )[:-1]
+            within = np.arange(int(have.sum())) - np.repeat(np.concatenate([[0], np.cumsum(have)])[:-1], have)
+            take = np.repeat(first, have) + within
+            at = np.repeat(starts[pos], have) + within
+            elems += _split(name, at, flat.take(pa.array(take.astype(np.int64))))
+        fields.append(combine(elems, total))
+        names.append(_seg_name(seg))
+    values = pa.StructArray.from_arrays(fields, names) if fields else pa.array([{}] * total, type=pa.struct([]))
+    return pa.LargeListArray.from_arrays(pa.array(starts), values)
+
+
+def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError:
+    head = next((h for h in node.headers if h.info.dtype == "pyrecords"), None)
+    where = f"columns/{head.info.name}" if head is not None else F.path_text(node.path)
+    return CorruptSpillError(
+        f"{where}: row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items, but {what}; "
+        "the output is damaged: merge it again",
+        path=where,
+    )
+
+
+def top_columns(
+    root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray] | None = None
+) -> dict[str, Any]:
+    """Column name -> what makes it: a structured node (``Node``) or a flat column (``OpenColumn``),
+    in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: the list offsets."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Node) -> None:
+        if node.structured:
+            out["/".join(node.path) or "value"] = node
+        else:
+            for col in node.cols:
+                out[name_of(col)] = col
+        records = [h for h in node.headers if h.info.dtype == "pyrecords"]
+        for _, kid in sorted(node.keys.items()):  # flat columns stay in name order, as before
+            # the records' columns are inside its column: a key is a flat column too only where
+            # other rows hold a dict with it
+            if not records or _outside(kid, records, offs or {}):
+                walk(kid)
+
+    walk(root)
+    return out
+
+
+def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:
+    """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
+    inside = np.zeros(0, bool)
+    for head in records:
+        v = head.valid()
+        if v is None:
+            return False  # every row holds one
+        inside = np.array(v) if not len(inside) else inside | np.asarray(v)
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for col in n.cols + n.headers:
+            v = col.valid()
+            domain = F.list_domain(col.info.leaf)
+            if domain:  # a list's items: the rows that hold one
+                v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
+            if v is None or bool((np.asarray(v) & ~inside).any()):
+                return True
+        stack += [*n.keys.values(), *([n.each] if n.each is not None else [])]
+    return False
+
+
+def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
+    """The structured column of ``node`` for the batch's rows, and its field metadata."""
+    rows = np.arange(b.a, b.b, dtype=np.int64)
+    ps = parts(node, b, rows, with_keys=False)
+    meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None
+    return combine(ps, len(rows)), meta
+
+
+def _listlike(t: Any) -> bool:
+    pa = _pa()
+    return bool(pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t))
+
+
+def has_union(t: Any) -> bool:
+    pa = _pa()
+    if pa.types.is_union(t):
+        return True
+    return any(has_union(t.field(i).type) for i in range(t.num_fields))

@@ -1,0 +1,115 @@
+"""Decoded chunks of an open output, kept so that reading rows in order decodes each chunk once.
+
+``spillmerge.open(out, cache_bytes=...)`` gives every :class:`~spillmerge._read.store.MergedStore` one
+:class:`ChunkCache`, shared by its leaf views and ``column()``. A chunk enters the cache only
+after zarr decoded it, which checks its ``crc32c`` codec: a chunk that fails the check raises
+and is never stored, so the cache never serves bytes that were not verified. Memory is bounded by
+``cache_bytes`` (least recently used chunks are dropped first) whatever the number of reader
+threads: a chunk another thread is decoding is waited for, not decoded twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_CACHE_BYTES = 64 << 20
+"""Default bound of one open output's decoded chunks: four 16 MiB chunks of large rows, or
+sixteen 4 MiB chunks of small ones (docs/FORMAT.md section 2, *Chunks*)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """What a :class:`ChunkCache` holds and did (``MergedStore.cache_stats()``)."""
+
+    max_bytes: int
+    """The bound: decoded chunks held never add up to more."""
+    nbytes: int
+    """Bytes of decoded chunks held now."""
+    chunks: int
+    """Chunks held now."""
+    hits: int
+    """Reads served from the cache."""
+    misses: int
+    """Reads that decoded a chunk."""
+
+
+def cost(arr: np.ndarray) -> int:
+    """The memory a decoded chunk holds: its buffer, plus for strings their characters (numpy's
+    ``StringDType`` keeps them outside the array's buffer; 4 bytes per character is the most
+    UTF-32 would take, an upper bound of numpy's UTF-8 arena)."""
+    n = int(arr.nbytes)
+    if arr.dtype.kind in ("T", "O", "U") and arr.size:
+        n += 4 * int(np.strings.str_len(arr.astype(np.dtypes.StringDType(), copy=False)).sum())
+    return n
+
+
+class ChunkCache:
+    """A thread-safe LRU of decoded chunks, bounded by bytes (``max_bytes``; 0 keeps nothing).
+
+    :meth:`get` returns the chunk under ``key``, calling ``load`` to decode it on a miss; the
+    arrays it returns are read-only (they are shared between readers): take a copy to write."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self._lock = threading.Lock()
+        self._chunks: OrderedDict[Hashable, tuple[np.ndarray, int]] = OrderedDict()
+        self._nbytes = 0
+        self._loading: dict[Hashable, threading.Event] = {}
+        self._hits = 0
+        self._misses = 0
+
+    def get(self, key: Hashable, load: Callable[[], np.ndarray]) -> np.ndarray:
+        while True:
+            with self._lock:
+                hit = self._chunks.get(key)
+                if hit is not None:
+                    self._chunks.move_to_end(key)
+                    self._hits += 1
+                    return hit[0]
+                pending = self._loading.get(key)
+                if pending is None:
+                    self._misses += 1
+                    mine = self._loading[key] = threading.Event()
+                    break
+            # Another thread decodes this chunk: wait for it rather than hold a second copy. If it
+            # failed (a corrupt chunk), nothing was stored and this thread decodes and raises too.
+            pending.wait()
+        try:
+            arr = load()
+            arr.flags.writeable = False
+            self._put(key, arr)
+            return arr
+        finally:
+            with self._lock:
+                del self._loading[key]
+            mine.set()
+
+    def _put(self, key: Hashable, arr: np.ndarray) -> None:
+        size = cost(arr)
+        if size > self.max_bytes:  # would evict everything and still not fit: serve it uncached
+            return
+        with self._lock:
+            old = self._chunks.pop(key, None)
+            if old is not None:
+                self._nbytes -= old[1]
+            while self._chunks and self._nbytes + size > self.max_bytes:
+                _, (_, dropped) = self._chunks.popitem(last=False)
+                self._nbytes -= dropped
+            self._chunks[key] = (arr, size)
+            self._nbytes += size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._chunks.clear()
+            self._nbytes = 0
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self.max_bytes, self._nbytes, len(self._chunks), self._hits, self._misses)

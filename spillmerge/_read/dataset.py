@@ -1,0 +1,81 @@
+"""A map-style torch ``Dataset`` over a merged output (``spillmerge.OutputDataset``).
+
+``ds[i]`` is row ``i`` of the output, in (filename, frame) order: ``{"filename": str, "frame_idx":
+int, <column>: value}``, a numeric column's value a CPU tensor of its real dtype (bfloat16 ...
+bit-exact), a ``str`` / ``bytes`` / ``strlist`` column's its Python value, ``None`` where the row has
+no value for that leaf. ``len(ds)`` is the number of rows. It needs torch only when a row is read,
+and is no ``torch.utils.data.Dataset`` subclass (a ``DataLoader`` takes any object with
+``__getitem__`` and ``__len__``), so ``import spillmerge`` stays torch-free.
+
+Each process opens the output once, on its first row: a ``DataLoader`` worker gets the path, not
+the parent's open store (whose handles and cache are not shared across processes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class OutputDataset:
+    """Rows of the merged output at ``path`` as dicts (see the module docstring).
+
+    ``columns``: the leaf columns to read (names as :meth:`MergedStore.columns` lists them, e.g.
+    ``"logits"`` or ``"meta/score"``); None: every column. ``storage_options``: as for
+    :func:`spillmerge.open`. Reading rows in order decodes each chunk once (the store's chunk
+    cache); a shuffled sampler decodes a chunk per row at worst."""
+
+    def __init__(self, path: str, columns: list[str] | None = None, storage_options: dict[str, Any] | None = None):
+        self.path, self.storage_options = path, storage_options
+        store = self._open()
+        self.columns = sorted(store.columns) if columns is None else list(columns)
+        for name in self.columns:
+            store.column(name)  # raises UnknownColumnError, naming the columns there are
+        self._n = len(store.index_arrays()[2])
+        self._store: Any = store
+        self._views: list[tuple[str, Any]] | None = None
+
+    def _open(self) -> Any:
+        from .store import open as open_store
+
+        return open_store(self.path, storage_options=self.storage_options)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if isinstance(i, np.integer):
+            i = int(i)
+        if type(i) is not int:
+            raise TypeError(f"OutputDataset rows are selected by an int, not {type(i).__name__}")
+        if not -self._n <= i < self._n:
+            raise IndexError(f"row {i} out of range for {self._n} rows of {self.path}")
+        i %= self._n
+        if self._store is None:
+            self._store = self._open()
+        if self._views is None:
+            self._views = [(name, self._store.column(name)) for name in self.columns]
+            names, offsets, frames = self._store.index_arrays()[:3]
+            self._index = (names, offsets, frames)
+        names, offsets, frames = self._index
+        f = int(np.searchsorted(offsets, i, side="right")) - 1
+        row: dict[str, Any] = {"filename": names[f], "frame_idx": int(frames[i])}
+        for name, view in self._views:
+            if view.valid is not None and not view.valid[i]:
+                row[name] = None
+            elif view.kind in ("fixed", "ragged"):
+                row[name] = view.to_torch(i) if view.kind == "ragged" else view.to_torch(slice(i, i + 1))[0]
+            else:
+                row[name] = view[i]
+        return row
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A DataLoader worker opens the output itself (handles and the chunk cache are per process).
+        state = dict(self.__dict__)
+        state["_store"] = state["_views"] = None
+        state.pop("_index", None)
+        return state
+
+    def __repr__(self) -> str:
+        return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"

@@ -1,0 +1,239 @@
+"""A merged output as Arrow: record batches streamed in row order, one table, or a Parquet file.
+
+Every form has the same columns (``MergedStore.to_arrow``'s docstring gives their types):
+``filename`` (string), ``frame_idx`` (int64), ``rank`` (int32), then one per leaf column, named
+by its path (``"a/b"``; ``"value"`` for plain tensor values; ``"logits:float16"`` when a leaf has
+one column per dtype). ``columns=`` selects leaf columns by those names; the three key columns
+are always there. A batch reads its rows' chunks through the output's chunk cache, so chunks cut
+by a batch edge are decoded once, and memory is one batch plus the cache, whatever the output.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import ArrowUnionInParquetError, UnknownColumnError, require
+from .._format import common as F
+from .._format import lists as L
+from . import arrow as T
+from .views import OpenColumn, untensor
+
+Column = OpenColumn | T.Node
+"""What makes an exported column: one stored column (flat) or a node of the
+value tree (``_arrowtree``: unions, lists, records)."""
+
+Files = Any
+"""``_reader.OutputFiles`` (which calls this module: named here, not imported, so no import circle)."""
+
+BATCH_BYTES = 64 << 20
+"""The payload a batch aims at when ``batch_size`` is not given."""
+
+MAX_BATCH_ROWS = 1 << 16
+"""The most rows of a batch when ``batch_size`` is not given (small rows)."""
+
+
+def _pa(feature: str) -> Any:
+    return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
+
+
+def arrow_names(files: Files) -> dict[str, OpenColumn]:
+    """Leaf column name (as the Arrow forms name it) -> column, in output order."""
+    out: dict[str, OpenColumn] = {}
+    for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
+        name = col.info.path or "value"
+        if len(files.by_leaf(col.info.leaf)) > 1:  # one column per dtype: "logits:float16"
+            # per variant where they differ in more than the dtype: "result:float32.2d", "result:str"
+            name = f"{name}:{col.info.variant or col.info.dtype}"
+        out[name] = col
+    return out
+
+
+def default_columns(files: Files) -> dict[str, Column]:
+    """The exported columns when none are named (``_arrowtree.top_columns``)."""
+    flat = {id(c): name for name, c in arrow_names(files).items()}
+    root = T.tree(list(files.columns.values()), files.key_orders.overall())
+    return T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)
+
+
+def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
+    """The columns named in ``columns`` (all when None), in the order given: the names of the
+    default export, and each stored column's flat name (:func:`arrow_names`: one variant of a
+    union, one item of a list)."""
+    default = default_columns(files)
+    if columns is None:
+        return default
+    known: dict[str, Column] = {**arrow_names(files), **default}
+    if isinstance(columns, str):
+        columns = [columns]
+    out: dict[str, Column] = {}
+    for name in columns:
+        if name in ("filename", "frame_idx", "rank"):
+            continue  # always there
+        if name not in known:
+            raise UnknownColumnError(
+                f"{where} has no column {name!r}; its leaf columns: {', '.join(map(repr, known)) or 'none'} "
+                "(filename, frame_idx and rank are always exported)",
+                column=name,
+                known=list(known),
+            )
+        out[name] = known[name]
+    return out
+
+
+def _stored(cols: dict[str, Column]) -> list[OpenColumn]:
+    """The stored columns the exported ones read."""
+    out: list[OpenColumn] = []
+    stack = [c for c in cols.values()]
+    while stack:
+        c = stack.pop()
+        if isinstance(c, OpenColumn):
+            out.append(c)
+        else:
+            out += c.cols + c.headers
+            stack += [*c.keys.values(), *([c.each] if c.each is not None else [])]
+    return out
+
+
+def default_batch_rows(files: Files, cols: dict[str, Column]) -> int:
+    """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
+    if files.n_rows == 0:
+        return 1
+    total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
+    for col in _stored(cols):
+        v = col.values
+        item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
+        total += int(np.prod(v.shape, dtype=np.int64)) * item
+    per_row = max(total / files.n_rows, 1)
+    return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
+
+
+def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
+    """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
+    pa = _pa("MergedStore.iter_batches()")
+    files.checks.rows(a, b)  # the index over these rows, checked (frame_offsets among it)
+    offsets = files.frame_offsets
+    f0 = offsets.searchsorted(a, side="right") - 1
+    f1 = offsets.searchsorted(b, side="left")
+    rows = np.arange(a, b, dtype=np.int64)
+    file_of_row = np.searchsorted(offsets.span(f0, f1 + 1), rows, side="right") - 1
+    arrays: dict[str, Any] = {
+        "filename": pa.array(files.names[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
+        "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),
+        "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
+    }
+    fields = [pa.field(k, v.type) for k, v in arrays.items()]
+    stored = T.Batch(a, b, files.list_offsets)
+    for name, col in cols.items():
+        if isinstance(col, OpenColumn):
+            arr = stored.arrow(col)
+            domain = F.list_domain(col.info.leaf)
+            if domain:  # a list's items by their flat name: each row's items as a list
+                arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
+            fields.append(pa.field(name, arr.type))
+        else:
+            arr, meta = T.node_array(col, stored)
+            fields.append(pa.field(name, arr.type, metadata=meta))
+        arrays[name] = arr
+    return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
+
+
+def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
+    """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
+    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
+        raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
+    step = int(batch_size) if batch_size is not None else default_batch_rows(files, cols)
+    for a in range(0, files.n_rows, step):
+        yield batch(files, cols, a, min(a + step, files.n_rows))
+
+
+def to_arrow(files: Files, cols: dict[str, Column]) -> Any:
+    """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
+    pa = _pa("MergedStore.to_arrow()")
+    return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
+
+
+def to_parquet(
+    files: Files,
+    cols: dict[str, Column],
+    path: str | os.PathLike[str],
+    batch_size: int | None,
+    storage_options: dict[str, Any] | None,
+    **parquet: Any,
+) -> int:
+    """Write every row to the Parquet file ``path`` (a path or fsspec URL) batch by batch: one row
+    group per batch, memory one batch. A local file is written under a temporary name and renamed
+    when whole, so a reader never sees half a file. Returns the rows written."""
+    _pa("MergedStore.to_parquet()")
+    import pyarrow.parquet as pq
+
+    target = os.fspath(path)
+    local = "://" not in target or target.startswith("file://")
+    if local:
+        target = target.removeprefix("file://")
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    rows = 0
+    schema = None
+    writer = None
+    try:
+        if local:
+            sink: Any = open(tmp, "wb")  # noqa: SIM115 - closed in finally
+        else:
+            import fsspec
+
+            sink = fsspec.open(target, "wb", **(storage_options or {})).open()
+        try:
+            for rb in iter_batches(files, cols, batch_size):
+                rb = _parquet_form(rb)
+                if writer is None:
+                    _refuse_unions(rb.schema, target)
+                    schema = rb.schema
+                    writer = pq.ParquetWriter(sink, schema, **parquet)
+                writer.write_batch(rb)
+                rows += rb.num_rows
+            if writer is None:  # no rows: still a valid file with the columns
+                schema = _parquet_form(batch(files, cols, 0, 0)).schema
+                _refuse_unions(schema, target)
+                writer = pq.ParquetWriter(sink, schema, **parquet)
+            writer.close()
+            writer = None
+        finally:
+            if writer is not None:
+                writer.close()
+            sink.close()
+        if local:
+            os.replace(tmp, target)
+    except BaseException:
+        if local and os.path.exists(tmp):  # a half-written file must not be taken for an export
+            os.remove(tmp)
+        raise
+    return rows
+
+
+def _refuse_unions(schema: Any, target: str) -> None:
+    """Parquet has no union type: name the columns that hold one, and the ways out."""
+    bad = [f.name for f in schema if T.has_union(f.type)]
+    if bad:
+        raise ArrowUnionInParquetError(
+            f"to_parquet({target!r}): column(s) {', '.join(map(repr, bad))} hold values of several kinds (an Arrow "
+            "dense_union), and Parquet has no union type; pass columns= naming the others, or one variant's flat "
+            "column (MergedStore.to_arrow(columns=...) names them, e.g. 'result:float32'), or use to_arrow() / "
+            "iter_batches(), which keep the union",
+            columns=bad,
+        )
+
+
+def _parquet_form(rb: Any) -> Any:
+    """``rb`` with its tensor columns (``arrow.fixed_shape_tensor``) as nested ``fixed_size_list``:
+    polars and DuckDB read the extension type's flat storage without its shape, the nested lists
+    with it."""
+    pa = _pa("MergedStore.to_parquet()")
+    if not any(isinstance(f.type, pa.FixedShapeTensorType) for f in rb.schema):
+        return rb
+    arrays = [untensor(c) for c in rb.columns]
+    fields = [pa.field(f.name, a.type, metadata=f.metadata) for f, a in zip(rb.schema, arrays, strict=True)]
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))

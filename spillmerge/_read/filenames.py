@@ -1,0 +1,352 @@
+"""The filenames of an open output as a sequence: ``MergedStore.filenames``.
+
+An output stores them as UTF-8 bytes + int64 offsets (``index/filenames``,
+``index/filename_offsets``: Arrow's large_string layout, docs/FORMAT.md section 2) with the first
+filename of every block of offsets (``index/filename_heads``). Opening reads the heads only; a
+lookup bisects them in memory and reads one block (an offsets chunk, the next one's first entry
+and the block's bytes) through the output's chunk cache, so ``open`` and a lookup cost the same at
+a thousand files or a billion. A block is checked when it is first read: offsets never
+decreasing and within the bytes, every name valid UTF-8, names strictly ascending, its first name
+its head and its last one below the next head — so the names are checked whole, block by block,
+as the reader comes to them (``spillmerge verify`` reads every block).
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._format import indexinvariants as IX
+from .._format import invariants as V
+from .._storage import Storage
+from .cache import ChunkCache
+from .rawchunk import chunk_reader
+
+Raise = Callable[[list[V.Problem]], None]
+
+
+class Names(Sequence[str]):
+    """Sorted, distinct filenames: ``len``, ``names[i]``, ``names[a:b]`` (a list), iteration in
+    order, ``in``, and :meth:`find` (a position or None). Equal to any sequence of the same names."""
+
+    def find(self, name: object) -> int | None:
+        raise NotImplementedError
+
+    def near(self, name: str) -> list[str]:
+        """Filenames close to ``name`` in sort order (for "did you mean")."""
+        raise NotImplementedError
+
+    def __contains__(self, name: object) -> bool:
+        return self.find(name) is not None
+
+    def index(self, name: Any, start: int = 0, stop: int | None = None) -> int:
+        i = self.find(name)
+        if i is None or i < start or (stop is not None and i >= stop):
+            raise ValueError(f"{name!r} is not a filename")
+        return i
+
+    def count(self, name: Any) -> int:
+        return int(self.find(name) is not None)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(repr(x) for x in self[: min(n, 3)])
+        return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
+
+
+def _chunk_reader(
+    arr: Any, cache: ChunkCache, storage: Storage | None, describe: Callable[[str], str]
+) -> Callable[[int], np.ndarray]:
+    """Chunk ``c`` of the 1-d array ``arr``, read and checksummed once, then cached."""
+    read, key = chunk_reader(arr, storage, describe), arr.path
+
+    def get(c: int) -> np.ndarray:
+        return cache.get((key, c), lambda: read(c))
+
+    return get
+
+
+def _span(get: Callable[[int], np.ndarray], k: int, lo: int, hi: int) -> np.ndarray:
+    """Elements ``lo .. hi-1`` of a 1-d array read chunk by chunk through ``get``."""
+    if hi <= lo:
+        return np.empty(0, dtype=np.uint8)
+    parts = [get(c)[max(lo - c * k, 0) : hi - c * k] for c in range(lo // k, (hi - 1) // k + 1)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:
+    """Names from UTF-8 bytes ``raw`` and their offsets (relative to ``raw``, already checked to
+    rise within it): an object array, and what breaks the text rules (each valid UTF-8)."""
+    data = raw.tobytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return np.empty(0, dtype=object), [(rel, f"a filename is not valid UTF-8 ({exc.reason} at byte {exc.start})")]
+    starts = offsets[:-1][np.diff(offsets) > 0]
+    # The whole is valid UTF-8; each name is too when none starts inside a character.
+    if len(starts) and np.any((raw[starts] & 0xC0) == 0x80):
+        return np.empty(0, dtype=object), [(rel, "a filename is not valid UTF-8 (starts inside a character)")]
+    bounds = offsets.tolist()
+    names = np.empty(len(bounds) - 1, dtype=object)
+    names[:] = [data[a:b].decode("utf-8") for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return names, []
+
+
+class ChunkedNames(Names):
+    """Format 3: names read block by block on demand (module docstring)."""
+
+    def __init__(
+        self,
+        group: Any,
+        describe: Callable[[str], str],
+        cache: ChunkCache,
+        raise_: Raise,
+        storage: Storage | None = None,
+    ) -> None:
+        self._raise = raise_
+        self._bytes = V.index_node(group, "filenames", describe)
+        self._off = V.index_node(group, "filename_offsets", describe)
+        for rel, node, dt in (
+            ("index/filenames", self._bytes, np.uint8),
+            ("index/filename_offsets", self._off, np.int64),
+        ):
+            if node.dtype != dt:
+                raise_([(rel, f"expected {np.dtype(dt)}, got {node.dtype}")])
+        n_off = int(self._off.shape[0])
+        if n_off < 1:
+            raise_([("index/filename_offsets", "empty (must have n_files + 1 entries)")])
+        self._n = n_off - 1
+        self._ko = max(int(self._off.chunks[0]), 1)
+        self._nbytes = int(self._bytes.shape[0])
+        self._kb = max(int(self._bytes.chunks[0]), 1)
+        self._get_off = _chunk_reader(self._off, cache, storage, describe)
+        self._get_bytes = _chunk_reader(self._bytes, cache, storage, describe)
+        self._cache = cache
+        heads_node = V.index_node(group, "filename_heads", describe)
+        attrs = heads_node.attrs.get("spillmerge")
+        k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
+            raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
+        self._k: int = k  # type: ignore[assignment]
+        heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
+        hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
+        n_blocks = -(-self._n // self._k)
+        raise_(
+            V.offsets_problems(
+                hoff,
+                n_blocks,
+                len(heads_raw),
+                "index/filename_head_offsets",
+                "blocks of filenames",
+                "index/filename_heads",
+            )
+        )
+        heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
+        raise_(problems)
+        raise_(IX.sorted_problems(heads, "index/filename_heads"))
+        self._heads: list[str] = heads.tolist()
+        self._next = 0
+        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
+        self._in_order: tuple[int, list[str]] = (-1, [])
+        """(block, its names as str) of the block files are being read in order from (``find``'s
+        hint hit): comparing and returning a Python str costs less than a numpy element."""
+        if self._n:  # one block, so a small output is checked whole at open (a large one as read)
+            self.block(0)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def block(self, j: int) -> np.ndarray:
+        """The names of block ``j`` (files ``j*K .. (j+1)*K - 1``), checked on first read, cached."""
+        # The block read last, while the cache still holds it: files read in order skip the
+        # cache's lock (twice per file: the lookup and the view's filename).
+        hot = self._hot
+        if hot is not None and hot[0] == j:
+            names = hot[1]()
+            if names is not None:
+                return names
+        names = self._cache.get(("filenames", j), lambda: self._load(j))
+        self._hot = (j, weakref.ref(names))
+        return names
+
+    def _load(self, j: int) -> np.ndarray:
+        k, n = self._k, self._n
+        a, b = j * k, min((j + 1) * k, n)
+        offs = _span(self._get_off, self._ko, a, b + 1)
+        rel = "index/filename_offsets"
+        if j == 0 and int(offs[0]) != 0:
+            self._raise([(rel, f"starts at {int(offs[0])}, not 0")])
+        if np.any(np.diff(offs) < 0) or int(offs[0]) < 0 or int(offs[-1]) > self._nbytes:
+            self._raise([(rel, f"entries {a}..{b} decrease or point outside index/filenames ({self._nbytes} bytes)")])
+        if b == n and int(offs[-1]) != self._nbytes:
+            self._raise([(rel, f"ends at {int(offs[-1])}, but index/filenames has {self._nbytes} bytes")])
+        lo, hi = int(offs[0]), int(offs[-1])
+        raw = _span(self._get_bytes, self._kb, lo, hi)
+        names, problems = decode_names(raw, offs - lo, "index/filenames")
+        self._raise(problems)
+        self._raise(IX.sorted_problems(names, "index/filenames"))
+        if len(names) and names[0] != self._heads[j]:
+            self._raise(
+                [
+                    (
+                        "index/filename_heads",
+                        f"entry {j} is {self._heads[j]!r:.200}, but block {j} starts with {names[0]!r:.200}",
+                    )
+                ]
+            )
+        if len(names) and j + 1 < len(self._heads) and not names[-1] < self._heads[j + 1]:
+            self._raise(
+                [
+                    (
+                        "index/filenames",
+                        f"not sorted: {names[-1]!r:.200} (entry {b - 1}) is not below the next block's first name",
+                    )
+                ]
+            )
+        names.setflags(write=False)
+        return names
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            a, b, step = i.indices(self._n)
+            if step != 1:
+                return [self[x] for x in range(a, b, step)]
+            out: list[str] = []
+            k = self._k
+            for j in range(a // k, (b - 1) // k + 1 if b > a else a // k):
+                out.extend(self.block(j)[max(a - j * k, 0) : b - j * k].tolist())
+            return out
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"filename {i} of {self._n}")
+        j, r = divmod(i, self._k)
+        hot = self._in_order
+        return hot[1][r] if hot[0] == j else str(self.block(j)[r])
+
+    def __iter__(self) -> Iterator[str]:
+        for j in range(len(self._heads)):
+            yield from self.block(j).tolist()
+
+    def find(self, name: object) -> int | None:
+        if not isinstance(name, str):
+            return None
+        k = self._k
+        i = self._next  # files are most often read in order
+        if i < self._n:
+            j, r = divmod(i, k)
+            hot = self._in_order
+            if hot[0] == j:
+                if hot[1][r] == name:
+                    self._next = i + 1
+                    return i
+            elif self.block(j)[r] == name:  # in order into a new block: its names as str, once
+                self._in_order = (j, self.block(j).tolist())
+                self._next = i + 1
+                return i
+        j = bisect.bisect_right(self._heads, name) - 1
+        if j < 0:
+            return None
+        names = self.block(j)
+        p = int(np.searchsorted(names, name))
+        if p < len(names) and names[p] == name:
+            self._next = j * k + p + 1
+            return j * k + p
+        return None
+
+    def near(self, name: str) -> list[str]:
+        j = max(bisect.bisect_right(self._heads, name) - 1, 0)
+        if not self._heads:
+            return []
+        names = self.block(j)
+        p = int(np.searchsorted(names, name))
+        return names[max(0, p - 50) : p + 50].tolist()  # type: ignore[no-any-return]
+
+
+def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, list[V.Problem]]:
+    """Every filename of an output (``spillmerge verify``): an object array and the
+    problems of the bytes, offsets, order (:func:`_indexinvariants.sorted_problems`) and heads."""
+    raw = np.asarray(V.read_index(group, "filenames", describe))
+    off = np.asarray(V.read_index(group, "filename_offsets", describe), dtype=np.int64)
+    empty = np.empty(0, dtype=object)
+    if raw.dtype != np.uint8:
+        return empty, [("index/filenames", f"expected uint8, got {raw.dtype}")]
+    if len(off) < 1:
+        return empty, [("index/filename_offsets", "empty (must have n_files + 1 entries)")]
+    out = V.offsets_problems(off, len(off) - 1, len(raw), "index/filename_offsets", "files", "index/filenames")
+    if out:
+        return empty, out
+    names, out = decode_names(raw, off, "index/filenames")
+    out = out or IX.sorted_problems(names)
+    if out:
+        return empty, out
+    attrs = V.index_node(group, "filename_heads", describe).attrs.get("spillmerge")
+    k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
+        return empty, [("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")]
+    heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
+    hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
+    rel = "index/filename_head_offsets"
+    out = V.offsets_problems(
+        hoff, -(-len(names) // k), len(heads_raw), rel, "blocks of filenames", "index/filename_heads"
+    )
+    if not out:
+        heads, out = decode_names(heads_raw, hoff, "index/filename_heads")
+        if not out and heads.tolist() != names[::k].tolist():
+            out = [("index/filename_heads", f"not the first filename of every block of {k}")]
+    return names, out
+
+
+def close_matches(names: Names, name: object) -> list[str]:
+    """At most 3 filenames a mistyped ``name`` was likely meant as, among its neighbours in sort
+    order (bounded work whatever the output's size): :func:`suggest`."""
+    if not isinstance(name, str) or not len(names):
+        return []
+    return suggest(name, names.near(name))
+
+
+def suggest(name: str, candidates: list[str]) -> list[str]:
+    """At most 3 of ``candidates`` that are the fewest typos away from ``name``, if that is few:
+    one edit per 20 characters plus one, at most 3 (a swap of two neighbouring characters is one
+    edit). A name that only shares a prefix (``img_0.jpg`` and ``img_00039.jpg``) is not one;
+    names over 256 characters get none (the work stays bounded)."""
+    if len(name) > 256:
+        return []
+    limit = min(3, 1 + len(name) // 20)
+    scored = sorted((d, c) for c in candidates if isinstance(c, str) and (d := _edits(name, c, limit)) <= limit)
+    return [c for d, c in scored[:3] if d == scored[0][0]]
+
+
+def _edits(a: str, b: str, limit: int) -> int:
+    """The edit distance of ``a`` and ``b`` (insertions, deletions, substitutions and swaps of
+    neighbouring characters), or ``limit + 1`` once it is known to exceed ``limit``: only cells
+    within ``limit`` of the diagonal are computed."""
+    if abs(len(a) - len(b)) > limit:
+        return limit + 1
+    far = limit + 1
+    prev2: list[int] = []
+    prev = [j if j <= limit else far for j in range(len(b) + 1)]
+    for i in range(1, len(a) + 1):
+        cur = [i if i <= limit else far] + [far] * len(b)
+        for j in range(max(1, i - limit), min(len(b), i + limit) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            d = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d = min(d, prev2[j - 2] + 1)
+            cur[j] = min(d, far)
+        if min(cur) > limit:
+            return far
+        prev2, prev = prev, cur
+    return prev[-1]

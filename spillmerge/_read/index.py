@@ -1,0 +1,498 @@
+"""The index arrays of an open output, read chunk by chunk and checked block by block (issue 24).
+
+``spillmerge.open`` reads the header, the column metadata and the filename heads, and checks the
+first block of everything: the per-file arrays (``frame_offsets``, ``file_layout``) and the
+per-row arrays (``frame_idx``, ``frame_rank``, ``frame_copies``, every column's ``offsets``,
+``shapes`` and ``valid``) are :class:`LazyArray` s that read a chunk through the output's
+:class:`~spillmerge._read.cache.ChunkCache` when an element of it is first asked for, so opening costs
+the same at a thousand rows or a billion, and an output of one block (:data:`ROW_BLOCK` rows, one
+chunk of files) is checked whole at open, as before.
+
+Every invariant of docs/FORMAT.md (*Invariants*) the reader checked at open is still
+checked before anything is served from the arrays it concerns, at the latest when the rows are
+first read (:class:`IndexChecks`):
+
+- a chunk of a per-file array on its first read: ``frame_offsets`` within ``0 .. rows`` and never
+  decreasing inside the chunk, from 0 in the first chunk and ending at the row count in the last;
+  ``file_layout`` naming one of the header's layouts;
+- a block of :data:`ROW_BLOCK` rows before any element of a per-row array in it is served: the
+  files over those rows (their ``frame_offsets`` never decreasing across chunk edges and covering
+  the block), frame indices non-negative and strictly ascending within each file, provenance
+  bounds, each column's offsets never decreasing and within its values (from 0 in the first
+  block, ending at the values' length in the last), compact fixed rows spanning 0 or 1, shapes
+  non-negative, their products (without wrap-around) equal to the offsets' steps, a row without a
+  value spanning nothing, a value only in a column its file's layout lists, and at most one
+  variant of a leaf per row.
+
+Blocks share their edge entries (a block checks ``offsets[r0 .. r1]`` inclusive), so the checked
+blocks together are checked as the whole arrays are by ``spillmerge verify``, which still reads
+everything at once. A failure is the same :class:`CorruptSpillError` naming the array.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._format import invariants as V
+from .._storage import Storage
+from .cache import ChunkCache
+from .rawchunk import chunk_reader
+
+ROW_BLOCK = 1 << 14
+"""Rows checked together (and at open, the first block): the unit of the lazy checks. A quarter
+of an index chunk: a lookup checks 16,384 rows of each per-row array (measured at 10^7 rows:
+65,536 made a cold lookup ~10 ms under load, most of it the checks)."""
+
+Raise = Callable[[list[V.Problem]], None]
+Hook = Callable[[int, int], tuple[int, int]]
+"""``hook(a, b)``: make elements ``a .. b-1`` safe to serve (check their rows); returns the range
+of elements now known checked (covering ``a .. b-1``)."""
+
+
+class LazyArray:
+    """A 1-d (or rows x dims) index array read chunk by chunk through the output's chunk cache,
+    each chunk checked by ``check(c, chunk)`` when it is read, and every element served only after
+    ``hook`` checked its rows. Indexing as numpy for the forms the reader uses: an int (an
+    element, or a row of a 2-d array), a slice, an int array; ``np.asarray`` reads it whole."""
+
+    def __init__(
+        self,
+        node: Any,
+        rel: str,
+        cache: ChunkCache,
+        storage: Storage | None,
+        describe: Callable[[str], str],
+        dtype: Any = np.int64,
+        check: Callable[[int, np.ndarray], None] | None = None,
+    ) -> None:
+        self.rel = rel
+        self.shape: tuple[int, ...] = tuple(int(d) for d in node.shape)
+        self.ndim = len(self.shape)
+        self.dtype = np.dtype(dtype)
+        self._n = self.shape[0]
+        self._k = max(int(node.chunks[0]), 1)
+        self._read = chunk_reader(node, storage, describe)
+        self._key = node.path
+        self._cache = cache
+        self._check = check
+        self.hook: Hook | None = None
+        self._hot: tuple[int, int, int, np.ndarray] | None = None  # (lo, hi, chunk start, chunk)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self._n // self._k)
+
+    def chunk(self, c: int) -> np.ndarray:
+        """Chunk ``c`` (read-only), checked by ``check`` on its first read; no row hook."""
+        return self._cache.get((self._key, c), lambda: self._load(c))
+
+    def _load(self, c: int) -> np.ndarray:
+        arr = np.asarray(self._read(c)).astype(self.dtype, copy=False)
+        if self._check is not None:
+            self._check(c, arr)
+        return arr
+
+    def span(self, lo: int, hi: int) -> np.ndarray:
+        """Elements ``lo .. hi-1`` (clipped to the array), chunk by chunk; no row hook (for checks)."""
+        lo, hi = max(lo, 0), min(hi, self._n)
+        if hi <= lo:
+            return np.empty((0, *self.shape[1:]), dtype=self.dtype)
+        k = self._k
+        parts = [self.chunk(c)[max(lo - c * k, 0) : hi - c * k] for c in range(lo // k, (hi - 1) // k + 1)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _serve(self, lo: int, hi: int) -> np.ndarray:
+        if self.hook is not None and hi > lo:
+            self.hook(lo, hi)
+        return self.span(lo, hi)
+
+    def _one(self, i: int) -> Any:
+        hot = self._hot
+        if hot is not None and hot[0] <= i < hot[1]:
+            return hot[3][i - hot[2]]
+        if not 0 <= i < self._n:
+            raise IndexError(f"index {i} out of range for {self.rel} ({self._n} entries)")
+        c = i // self._k
+        lo, hi = c * self._k, min((c + 1) * self._k, self._n)
+        if self.hook is not None:
+            a, b = self.hook(i, i + 1)
+            lo, hi = max(lo, a), min(hi, b)
+        arr = self.chunk(c)
+        self._hot = (lo, hi, c * self._k, arr)
+        return arr[i - c * self._k]
+
+    def __getitem__(self, sel: Any) -> Any:
+        if isinstance(sel, tuple):  # (rows, dims...) of a 2-d array
+            head, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
+            got = self[head]
+            return got[rest] if isinstance(head, (int, np.integer)) else got[(slice(None), *rest)]
+        if isinstance(sel, (int, np.integer)):
+            i = int(sel)
+            return self._one(i + self._n if i < 0 else i)
+        if isinstance(sel, slice):
+            a, b, step = sel.indices(self._n)
+            if step == 1:
+                return self._serve(a, max(a, b))
+            lo, hi = (a, b) if step > 0 else (b + 1, a + 1)
+            return self._serve(lo, max(lo, hi))[slice(a - lo, (b - lo) if b - lo >= 0 else None, step)]
+        idx = np.asarray(sel)
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+        idx = np.where(idx < 0, idx + self._n, idx).astype(np.int64)
+        if not idx.size:
+            return np.empty((*idx.shape, *self.shape[1:]), dtype=self.dtype)
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        if lo < 0 or hi > self._n:
+            raise IndexError(f"index out of range for {self.rel} ({self._n} entries)")
+        return self._serve(lo, hi)[idx - lo]
+
+    def item(self, i: int) -> Any:
+        """Element ``i`` of a 1-d array as a Python scalar: a row's offset or a file's layout, read
+        once or more per row in order, so the chunk last served answers without ``__getitem__``'s
+        dispatch or a numpy scalar (``ndarray.item``)."""
+        hot = self._hot
+        if hot is not None and hot[0] <= i < hot[1]:
+            return hot[3].item(i - hot[2])
+        return self[i].item()
+
+    def pair(self, i: int) -> tuple[Any, Any]:
+        """Elements ``i`` and ``i + 1`` of a 1-d array as Python scalars: a row's bounds in a
+        column's ``offsets`` (one call per row read)."""
+        hot = self._hot
+        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
+            arr, j = hot[3], i - hot[2]
+            return arr.item(j), arr.item(j + 1)
+        return self.item(i), self.item(i + 1)
+
+    def whole(self) -> np.ndarray:
+        """Every element (checked): for work over the whole output (coverage, ``index_arrays``)."""
+        return self._serve(0, self._n)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.whole()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def searchsorted(self, v: int, side: str = "left", hint: int | None = None) -> int:
+        """Where ``v`` goes in this sorted 1-d array (numpy's ``searchsorted``), reading the chunks
+        a bisection over chunk starts needs (from chunk ``hint`` first when given); no row hook."""
+        k, m = self._k, self.n_chunks
+        if m == 0:
+            return 0
+
+        def before(c: int) -> bool:  # chunk c starts before v's position
+            x = int(self.chunk(c)[0])
+            return x < v if side == "left" else x <= v
+
+        lo, hi = 0, m  # the last chunk that starts before v's position is in lo-1 .. hi-1
+        if hint is not None and 0 <= hint < m:
+            if before(hint):
+                last = int(self.chunk(hint)[-1])
+                if (last >= v if side == "left" else last > v) or hint == m - 1:  # v's position is in it
+                    return hint * k + int(np.searchsorted(self.chunk(hint), v, side=side))  # type: ignore[call-overload]
+                lo = hint + 1
+                if not before(lo):  # v's position is the next chunk's start
+                    return lo * k
+            else:
+                hi = hint
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if before(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        c = lo - 1
+        if c < 0:
+            return 0
+        return c * k + int(np.searchsorted(self.chunk(c), v, side=side))  # type: ignore[call-overload]
+
+
+def offsets_chunk_check(
+    rel: str, rows: int, of: str, n_chunks: int, k: int, raise_: Raise
+) -> Callable[[int, np.ndarray], None]:
+    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: from 0 in the first
+    chunk, never decreasing inside the chunk, within ``0 .. rows``, ending at ``rows`` in the last."""
+
+    def check(c: int, arr: np.ndarray) -> None:
+        if not len(arr):
+            return
+        if c == 0 and int(arr[0]) != 0:
+            raise_([(rel, f"starts at {int(arr[0])}, not 0")])
+        step = np.diff(arr)
+        if np.any(step < 0):
+            j = int(np.flatnonzero(step < 0)[0])
+            raise_([(rel, f"decreases from {int(arr[j])} to {int(arr[j + 1])} at entry {c * k + j + 1}")])
+        if int(arr[0]) < 0 or int(arr[-1]) > rows:
+            j = 0 if int(arr[0]) < 0 else len(arr) - 1
+            raise_([(rel, f"entry {c * k + j} is {int(arr[j])}, outside 0..{rows} ({of} has {rows} rows)")])
+        if c == n_chunks - 1 and int(arr[-1]) != rows:
+            raise_([(rel, f"ends at {int(arr[-1])}, but {of} has {rows} rows")])
+
+    return check
+
+
+class IndexChecks:
+    """The row-block checks of an open output (module docstring): :meth:`rows` before serving
+    elements of a per-row array."""
+
+    def __init__(
+        self,
+        n_rows: int,
+        frame_offsets: LazyArray,
+        file_layout: LazyArray,
+        frame_idx: LazyArray,
+        prov: dict[str, LazyArray],
+        columns: dict[str, Any],
+        layouts: list[list[str]],
+        names: Any,
+        raise_: Raise,
+    ) -> None:
+        self.n_rows = n_rows
+        self._fo = frame_offsets
+        self._fl = file_layout
+        self._fi = frame_idx
+        self._prov = prov
+        self._cols = columns  # name -> _views.OpenColumn (offsets / shapes / valid: LazyArray)
+        self._names = names
+        self._raise = raise_
+        self._listed = {name: np.array([name in lay for lay in layouts], dtype=bool) for name in columns}
+        self._done: set[int] = set()
+        self._lock = threading.Lock()
+        self._last_file = 0
+        by_leaf: dict[tuple[str, ...], list[str]] = {}
+        for name, col in columns.items():
+            by_leaf.setdefault(col.info.leaf, []).append(name)
+        self._variants = [names_ for _, names_ in sorted(by_leaf.items()) if len(names_) > 1]
+
+    def rows(self, a: int, b: int) -> tuple[int, int]:
+        """Check the blocks over rows ``a .. b-1``; returns the rows now known checked."""
+        j0, j1 = a // ROW_BLOCK, max(a, b - 1) // ROW_BLOCK
+        for j in range(j0, j1 + 1):
+            if j not in self._done:
+                self._check(j)
+                with self._lock:
+                    self._done.add(j)
+        return j0 * ROW_BLOCK, min((j1 + 1) * ROW_BLOCK, self.n_rows)
+
+    def edges(self, a: int, b: int) -> tuple[int, int]:
+        """Hook of a column's ``offsets`` (``n_rows + 1`` entries): entry ``e`` is checked with the
+        block of row ``min(e, n_rows - 1)``; returns the entries now known checked."""
+        last = max(self.n_rows - 1, 0)
+        lo, hi = self.rows(min(a, last), min(max(b - 1, a), last) + 1)
+        return lo, hi + 1
+
+    def file_rows(self, i: int) -> tuple[int, int]:
+        """Rows ``a, b`` of file ``i``, its blocks checked."""
+        fo = self._fo  # no row hook: each chunk is checked when first read
+        hot = fo._hot  # fo.pair's first step, inlined: one call per file read
+        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
+            arr, j = hot[3], i - hot[2]
+            a, b = arr.item(j), arr.item(j + 1)
+        else:
+            a, b = fo.pair(i)
+        if not 0 <= a <= b <= self.n_rows:
+            self._raise([(fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")])
+        self._last_file = i
+        if b > a:
+            j = a // ROW_BLOCK
+            if j != (b - 1) // ROW_BLOCK or j not in self._done:  # (the common case: a block checked before)
+                self.rows(a, b)
+        return a, b
+
+    def _where(self, r: int, f0: int, starts: np.ndarray) -> str:
+        i = f0 + int(np.searchsorted(starts, r, side="right")) - 1
+        return f"row {r} (file {i}, {str(self._names[i])!r:.200})"
+
+    def _check(self, j: int) -> None:
+        r0, r1 = j * ROW_BLOCK, min((j + 1) * ROW_BLOCK, self.n_rows)
+        fo, n_files = self._fo, len(self._fo) - 1
+        hint = self._last_file // fo._k
+        f0 = max(fo.searchsorted(r0, "right", hint) - 1, 0)
+        f1 = min(max(fo.searchsorted(r1, "left", hint), f0 + 1), n_files) if n_files else 0
+        starts = fo.span(f0, f1 + 1)
+        if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
+            self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
+        self._frames(r0, r1, f0, starts)
+        for name, arr in self._prov.items():
+            least = 1 if name == "frame_copies" else 0
+            vals = arr.span(r0, r1)
+            bad = np.flatnonzero(vals < least)
+            if len(bad):
+                self._raise(
+                    [
+                        (
+                            arr.rel,
+                            f"row {r0 + int(bad[0])} holds {int(vals[bad[0]])} < {least} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
+                        )
+                    ]
+                )
+        if n_files:
+            lens = np.diff(np.clip(starts, r0, r1))
+            layout_of_row = np.repeat(self._fl.span(f0, f1), lens)
+        else:
+            layout_of_row = np.zeros(0, dtype=np.int64)
+        valid: dict[str, np.ndarray | None] = {}
+        for name, col in self._cols.items():
+            valid[name] = self._column(col, r0, r1, layout_of_row)
+        for group in self._variants:
+            count = np.zeros(r1 - r0, dtype=np.int64)
+            for name in group:
+                v = valid[name]
+                if v is None:
+                    self._raise(
+                        [
+                            (
+                                f"columns/{name}/valid",
+                                f"missing: leaf {list(self._cols[name].info.leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value",
+                            )
+                        ]
+                    )
+                    return
+                count += v
+            if len(count) and int(count.max()) > 1:
+                r = r0 + int(np.argmax(count > 1))
+                shown = ", ".join(f"columns/{n}" for n in group)
+                leaf = list(self._cols[group[0]].info.leaf)
+                self._raise(
+                    [
+                        (
+                            f"columns/{group[0]}/valid",
+                            f"row {r} has a value in more than one variant of leaf {leaf!r:.200} ({shown})",
+                        )
+                    ]
+                )
+
+    def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
+        rel = self._fi.rel
+        lo = r0 - 1 if r0 else r0  # the row before: a file across the blocks' edge ascends across it
+        fi_lo = self._fi.span(lo, r1)
+        fi = fi_lo[r0 - lo :]
+        neg = np.flatnonzero(fi < 0)
+        if len(neg):
+            r = r0 + int(neg[0])
+            self._raise(
+                [
+                    (
+                        rel,
+                        f"{self._where(r, f0, starts)} holds frame index {int(fi[neg[0]])} < 0 ({len(neg)} negative in rows {r0}..{r1 - 1})",
+                    )
+                ]
+            )
+        step_ok = np.diff(fi_lo) > 0
+        inner = starts[(starts > lo) & (starts < r1)]
+        step_ok[inner - lo - 1] = True  # a file's first row may be below the previous file's last
+        bad = np.flatnonzero(~step_ok)
+        if len(bad):
+            r = lo + int(bad[0]) + 1
+            self._raise(
+                [
+                    (
+                        rel,
+                        f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
+                    )
+                ]
+            )
+
+    def _column(self, col: Any, r0: int, r1: int, layout_of_row: np.ndarray) -> np.ndarray | None:
+        info = col.info
+        rel = f"columns/{info.name}"
+        o: np.ndarray | None = None
+        if col.offsets is not None:
+            o = col.offsets.span(r0, r1 + 1)
+            vlen = int(info.arrays["values"].shape[0])
+            step = np.diff(o)
+            if r0 == 0 and int(o[0]) != 0:
+                self._raise([(f"{rel}/offsets", f"starts at {int(o[0])}, not 0")])
+            if np.any(step < 0):
+                e = r0 + int(np.flatnonzero(step < 0)[0])
+                self._raise(
+                    [(f"{rel}/offsets", f"decreases from {int(o[e - r0])} to {int(o[e - r0 + 1])} at entry {e + 1}")]
+                )
+            if r1 == self.n_rows and int(o[-1]) != vlen:
+                self._raise([(f"{rel}/offsets", f"ends at {int(o[-1])}, but {rel}/values has {vlen} rows")])
+            if int(o[0]) < 0 or int(o[-1]) > vlen:
+                self._raise([(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")])
+            if info.kind == "fixed" and np.any(step > 1):
+                r = int(np.flatnonzero(step > 1)[0])
+                self._raise([(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")])
+            if col.shapes is not None:
+                self._shapes(info, col.shapes.span(r0, r1), step, r0)
+        v: np.ndarray | None = None
+        if col.has_valid:
+            v = np.asarray(col.valid_arr.span(r0, r1), dtype=bool)
+        listed = self._listed[info.name]
+        in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+        has = np.ones(r1 - r0, dtype=bool) if v is None else v
+        bad = np.flatnonzero(has & ~in_layout)
+        if len(bad):
+            what = "valid" if v is not None else "values"
+            self._raise(
+                [
+                    (
+                        f"{rel}/{what}",
+                        f"row {r0 + int(bad[0])} has a value, but its file's layout does not list this column ({len(bad)} such rows in rows {r0}..{r1 - 1})",
+                    )
+                ]
+            )
+        if o is not None and v is not None:
+            step = np.diff(o)
+            bad = np.flatnonzero(~v & (step != 0))
+            if len(bad):
+                self._raise(
+                    [
+                        (
+                            f"{rel}/offsets",
+                            f"row {r0 + int(bad[0])} has no value but spans {int(step[bad[0]])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
+                        )
+                    ]
+                )
+            if info.kind == "fixed" and np.any(v & (step != 1)):
+                r = int(np.flatnonzero(v & (step != 1))[0])
+                self._raise(
+                    [
+                        (
+                            f"{rel}/offsets",
+                            f"row {r0 + r} has a value but spans {int(step[r])} rows of a compact fixed column",
+                        )
+                    ]
+                )
+        return v
+
+    def _shapes(self, info: Any, shapes: np.ndarray, step: np.ndarray, r0: int) -> None:
+        rel = f"columns/{info.name}/shapes"
+        if info.kind == "strlist":  # strings per row, whose n uint32 lengths open its bytes
+            bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > step))
+            if len(bad):
+                r = int(bad[0])
+                self._raise(
+                    [
+                        (
+                            rel,
+                            f"row {r0 + r} holds {int(shapes[r, 0])} strings, more than its {int(step[r])} bytes can ({len(bad)} such rows)",
+                        )
+                    ]
+                )
+            return
+        if np.any(shapes < 0):
+            r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
+            self._raise([(rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}")])
+        inner = int(np.prod(info.inner_shape)) if info.inner_shape else 1
+        elems, problems = V.shape_products(shapes, rel, base=r0)
+        self._raise(problems)
+        bad = np.flatnonzero(elems != step * inner)
+        if len(bad):
+            r = int(bad[0])
+            self._raise(
+                [
+                    (
+                        rel,
+                        f"row {r0 + r} has shape {shapes[r].tolist()}, but its offsets span {int(step[r])} ({len(bad)} such rows)",
+                    )
+                ]
+            )

@@ -1,0 +1,163 @@
+"""The zarr store an output is read through (:class:`NoFillStore`): an absent chunk is damage,
+not fill values, and every object is read within the format's size limits, checked before zarr
+decodes it. ``open`` and ``verify`` read every array through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import WrapperStore
+
+from .._errors import CorruptSpillError
+from .._format import common as F
+from .._format import output as FO
+from .._storage import Storage
+
+# Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
+_METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
+
+class NoFillStore(WrapperStore[Store]):
+    """A zarr store that raises :class:`CorruptSpillError` where the wrapped store has no chunk,
+    and that reads a local output as untrusted storage.
+
+    zarr reads an absent chunk as ``fill_value`` (zeros), so a deleted or lost chunk of an output
+    would read back as plausible data. zarr asks the store for every chunk it reads anyway, so
+    refusing the absence here costs no request at all, for any number of files, and also catches
+    a chunk that vanishes after ``open`` (a listing at open would cost one listing per array on
+    object stores and would not). A merge writes every chunk of every array (``write_empty_chunks``
+    for the index), so an absent chunk is always damage.
+
+    Every chunk is checked before zarr decodes it, on every backend, against its array's
+    metadata checked against the format (``_format_output.chunk_limits``: chunk shape within the
+    array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
+    size its compressor header declares (a zstd or blosc bomb is refused unread). The metadata is
+    one small read per array, once.
+
+    Given the output's ``storage`` on a local disk, every object is read through
+    :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
+    or symbolic link is refused by name, never opened or followed), and never more bytes than the
+    format allows the object — a ``zarr.json`` its document limit, a chunk its limits above
+    (docs/FORMAT.md, *Size limits*): one lstat per object.
+    """
+
+    def __init__(self, store: Store, describe: Callable[[str], str], storage: Storage | None = None) -> None:
+        super().__init__(store)
+        self._describe = describe
+        self._storage = storage if storage is not None and storage.local else None
+        self._chunk_limits: dict[str, FO.ChunkLimits] = {}
+
+    @property
+    def local(self) -> bool:
+        """Objects are read from a local disk (``_invariants.read_rows`` reads chunk by chunk)."""
+        return self._storage is not None
+
+    def _with_store(self, store: Store) -> NoFillStore:
+        return type(self)(store, self._describe, self._storage)
+
+    def _missing(self, key: str) -> CorruptSpillError:
+        path = self._describe(key)
+        array, _, coords = key.rpartition("/c/")
+        what = f"chunk {coords.replace('/', ', ')} of {array}" if array else "chunk"
+        return CorruptSpillError(
+            f"{path}: {what} is missing (zarr would read it as zeros); the output is damaged: merge it again",
+            path=path,
+        )
+
+    def _is_chunk(self, key: str) -> bool:
+        return key.rsplit("/", 1)[-1] not in _METADATA_NAMES
+
+    def _array_of(self, key: str) -> str:
+        return key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
+
+    async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
+        """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
+        if self._storage is not None:
+            try:
+                raw = await asyncio.to_thread(self._storage.get, rel, max_bytes=F.ARRAY_DOC_MAX_BYTES)
+            except FileNotFoundError:
+                return None
+        else:
+            buf = await self._store.get(rel, prototype)
+            if buf is None:
+                return None
+            raw = buf.to_bytes()
+            if len(raw) > F.ARRAY_DOC_MAX_BYTES:
+                path = self._describe(rel)
+                raise CorruptSpillError(
+                    f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
+                )
+        return F.loads(raw, path=self._describe(rel))
+
+    async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:
+        """The bounds of chunk ``key`` (docs/FORMAT.md, *Size limits*), from its array's metadata
+        checked against the format once per array: on every backend, before zarr decodes it."""
+        array = self._array_of(key)
+        limits = self._chunk_limits.get(array)
+        if limits is None:
+            doc = f"{array}/zarr.json" if array else "zarr.json"
+            meta = await self._doc(doc, prototype)
+            if meta is None:
+                raise self._missing(key)
+            limits = FO.chunk_limits(meta, path=self._describe(doc))
+            self._chunk_limits[array] = limits
+        return limits
+
+    def _read_local(self, key: str, byte_range: ByteRequest | None, max_bytes: int) -> bytes | None:
+        assert self._storage is not None
+        try:
+            data = self._storage.get(key, max_bytes=max_bytes)
+        except FileNotFoundError:
+            return None
+        if byte_range is None:
+            return data
+        if isinstance(byte_range, RangeByteRequest):
+            return data[byte_range.start : byte_range.end]
+        if isinstance(byte_range, OffsetByteRequest):
+            return data[byte_range.offset :]
+        if isinstance(byte_range, SuffixByteRequest):
+            return data[-byte_range.suffix :] if byte_range.suffix else b""
+        raise TypeError(f"unexpected byte range {byte_range!r}")
+
+    async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
+        if not self._is_chunk(key):
+            if self._storage is None:
+                return await self._store.get(key, prototype, byte_range)
+            limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
+            data = await asyncio.to_thread(self._read_local, key, byte_range, limit)
+            return None if data is None else prototype.buffer.from_bytes(data)
+        limits = await self._limits(key, prototype)
+        if self._storage is None:
+            buf = await self._store.get(key, prototype, byte_range)
+            if buf is not None and byte_range is None:
+                FO.check_chunk(limits, buf.as_numpy_array().data, path=self._describe(key))
+            return buf
+        data = await asyncio.to_thread(self._read_local, key, byte_range, limits.object_bytes)
+        if data is None:
+            return None
+        if byte_range is None:
+            FO.check_chunk(limits, memoryview(data), path=self._describe(key))
+        return prototype.buffer.from_bytes(data)
+
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        buf = await self._get(key, prototype, byte_range)
+        if buf is None and self._is_chunk(key):
+            raise self._missing(key)
+        return buf
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        key_ranges = list(key_ranges)
+        if self._storage is None:
+            out = await self._store.get_partial_values(prototype, key_ranges)
+        else:
+            out = [await self._get(key, prototype, byte_range) for key, byte_range in key_ranges]
+        for (key, _), buf in zip(key_ranges, out, strict=True):
+            if buf is None and self._is_chunk(key):
+                raise self._missing(key)
+        return out

@@ -1,0 +1,196 @@
+"""Every row of an output as the Python object that was written, in (filename, frame) order
+(``MergedStore.iter_values``): ``value()`` for each row, with the per-row costs paid once per block.
+
+``value()`` finds its file (a search in the names), checks and reads the file's rows from the
+index and then one row of each of the file's columns (a chunk lookup, a validity lookup, an
+offsets pair, a decode): a few microseconds each, tens of them per value. Reading every row in
+order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
+indices) is read a block of files at a time, and each column's rows of a block of rows
+(:class:`Block`) are decoded once, as a list of Python values, when the first row of the block
+needs them. The row's value is then built by ``_rowvalue.row_value`` as ``value()`` builds it,
+from those lists: the same objects, equal in type and content.
+
+Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would
+hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row instead, as
+``value()`` reads it.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._format import common as F
+from .._format import lists as L
+from .rowvalue import RowPlan, is_scalar, row_value, to_python
+from .views import BytesView, PickleView, TextView, utf8_text
+
+if TYPE_CHECKING:
+    from .views import OpenColumn
+
+BLOCK_FILES = 1024
+"""Files whose index entries are read at a time (the filenames' block size)."""
+BLOCK_ROWS = 4096
+"""Rows whose column values are decoded at a time."""
+BLOCK_BYTES = 32 << 20
+"""A column's payload in one block above which its rows are read one by one (large tensors): the
+block's memory stays bounded whatever the rows hold."""
+
+_DIRECT = None  # a column read row by row (its rows in the block are too large to hold at once)
+
+
+class Block:
+    """Rows ``a .. b-1`` of an output: each column's rows (``lo``, validity, Python values) read
+    once, when a row first needs them (``row_value``'s ``block``)."""
+
+    __slots__ = ("_cols", "a", "as_torch", "b", "offs")
+
+    def __init__(self, a: int, b: int, offs: dict[tuple[str, ...], np.ndarray], as_torch: bool) -> None:
+        self.a, self.b, self.offs, self.as_torch = a, b, offs, as_torch
+        self._cols: dict[int, tuple[int, list[bool] | None, list[Any] | None]] = {}
+
+    def _load(self, col: OpenColumn) -> tuple[int, list[bool] | None, list[Any] | None]:
+        domain = F.list_domain(col.info.leaf)
+        lo, hi = (self.a, self.b) if not domain else L.rows_of(self.offs, domain, self.a, self.b)
+        valid = col.valid()
+        ok = None if valid is None else np.asarray(valid[lo:hi], dtype=bool).tolist()
+        got = self._cols[id(col)] = (lo, ok, column_rows(col, lo, hi, ok, self.as_torch))
+        return got
+
+    def ok(self, col: OpenColumn, d: int) -> bool:
+        """Whether row ``d`` of ``col`` has a value."""
+        got = self._cols.get(id(col))
+        lo, ok, _ = got if got is not None else self._load(col)
+        return ok is None or ok[d - lo]
+
+    def get(self, col: OpenColumn, d: int, filename: str) -> Any:
+        """Row ``d`` of ``col`` (one with a value) as ``value()`` returns it."""
+        got = self._cols.get(id(col))
+        lo, _, vals = got if got is not None else self._load(col)
+        if vals is _DIRECT:  # as value() reads it
+            if is_scalar(col):
+                return col.scalar(d)
+            return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename)[0], self.as_torch)
+        return vals[d - lo]
+
+
+def _payload(col: OpenColumn, lo: int, hi: int) -> tuple[int, np.ndarray | None]:
+    """Bytes of ``values`` rows ``lo .. hi-1`` of ``col`` hold, and their offsets when it has them."""
+    unit = col.unit_nbytes
+    o = col.offsets
+    if o is None:
+        return (hi - lo) * unit, None
+    ob = np.asarray(o[lo : hi + 1], dtype=np.int64)
+    return int(ob[-1] - ob[0]) * unit, ob
+
+
+def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_torch: bool) -> list[Any] | None:
+    """Rows ``lo .. hi-1`` of ``col`` as the Python values ``value()`` gives for them (anything
+    where ``ok`` says a row has no value), decoded from one read of their values; None when they
+    hold more than :data:`BLOCK_BYTES` (read them one by one)."""
+    if hi <= lo:
+        return []
+    size, ob = _payload(col, lo, hi)
+    if size > BLOCK_BYTES:
+        return _DIRECT
+    info = col.info
+    if is_scalar(col):  # py* scalars and container headers: one tolist() for the block
+        if ob is None:
+            arr = col.rows(lo, hi)
+        else:  # compact: values hold only the rows with a value; the others read as zeros (scalar())
+            vals = col.rows(int(ob[0]), int(ob[-1]))
+            arr = np.zeros(hi - lo, dtype=vals.dtype)
+            has = ob[1:] > ob[:-1]
+            arr[has] = vals[ob[:-1][has] - ob[0]]
+        return (arr if col.native else arr.view(col.real)).tolist()  # type: ignore[no-any-return]
+    cls = col.view_cls
+    if cls is PickleView and not col.allow_pickle:
+        # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and
+        # holds a pickled value, not for a block whose other rows hold the leaf's other variants
+        return _DIRECT
+    if ob is not None and cls in (BytesView, PickleView, TextView):  # one bytes object, sliced per row
+        buf = col.rows(int(ob[0]), int(ob[-1])).tobytes()
+        bounds = (ob - ob[0]).tolist()
+        if cls is TextView:
+
+            def decode(j: int, raw: bytes) -> Any:
+                return utf8_text(col, lo + j, raw)
+
+        elif cls is PickleView:
+
+            def decode(j: int, raw: bytes) -> Any:
+                return pickle.loads(raw)  # noqa: S301 - the reader opted in (allow_pickle=True)
+
+        else:
+
+            def decode(j: int, raw: bytes) -> Any:
+                return raw
+
+        return [
+            None if ok is not None and not ok[j] else decode(j, buf[bounds[j] : bounds[j + 1]]) for j in range(hi - lo)
+        ]
+    if info.dtype in F.PY_SCALARS:  # lists of Python numbers: one tolist() for the block
+        got = _py_rows(col, lo, hi, ok, ob)
+        if got is not None:
+            return got
+    rows = col.view(lo, hi).to_list()  # the other kinds: the view's own read of several rows
+    if info.kind in ("fixed", "ragged"):
+        dtype, kind = info.dtype, info.kind
+        # (a fixed view's rows are views of one array: each gets its own, as value() returns)
+        own = info.kind == "fixed"
+        return [None if x is None else to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
+    return rows
+
+
+def _py_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, ob: np.ndarray | None) -> list[Any] | None:
+    """Rows ``lo .. hi-1`` of a ``py*`` column whose rows are lists (token ids, COCO boxes) as
+    ``value()`` gives them, from one ``tolist()`` of their values sliced per row (C-level list
+    slices, not an array and a ``tolist`` per row); None where a row's shape is not the
+    column's (a ragged column whose inner dimensions vary: row by row)."""
+    info = col.info
+    if info.kind == "ragged" and ob is not None and info.inner_shape is not None:
+        vals = col.rows(int(ob[0]), int(ob[-1]))
+        flat = (vals if col.native else vals.view(col.real)).tolist()
+        bounds = (ob - ob[0]).tolist()
+        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
+    if info.kind == "fixed" and ob is None and (info.ndim or 0) > 0:
+        vals = col.rows(lo, hi)
+        rows: list[Any] = (vals if col.native else vals.view(col.real)).tolist()
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
+    return None
+
+
+def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
+    """(filename, frame_idx, value) of every row of ``files`` (the reader's ``OutputFiles``) in order
+    (module docstring)."""
+    n_files = len(files)
+    offs = files.list_offsets
+    plans: dict[int, RowPlan] = {}
+    for i0 in range(0, n_files, BLOCK_FILES):
+        i1 = min(i0 + BLOCK_FILES, n_files)
+        fo = np.asarray(files.frame_offsets[i0 : i1 + 1], dtype=np.int64)
+        if len(fo) != i1 - i0 + 1 or fo[0] < 0 or fo[-1] > files.n_rows or np.any(fo[1:] < fo[:-1]):
+            for i in range(i0, i1):  # the per-file check names the entry
+                files.checks.file_rows(i)
+        starts = fo.tolist()
+        layouts = files.file_layouts(i0, i1)
+        names = files.filenames[i0:i1]
+        a, b = starts[0], starts[-1]
+        f = 0
+        for ra in range(a, b, BLOCK_ROWS):
+            rb = min(ra + BLOCK_ROWS, b)
+            frames = np.asarray(files.frame_idx[ra:rb]).tolist()  # (checks the rows' index block)
+            block = Block(ra, rb, offs, as_torch)
+            for r in range(ra, rb):
+                while starts[f + 1] <= r:
+                    f += 1
+                layout = layouts[f]
+                plan = plans.get(layout)
+                if plan is None:
+                    plan = plans[layout] = files.row_plan(layout)
+                name = names[f]
+                order = files.key_orders.of_file(i0 + f)
+                yield name, frames[r - ra], row_value(plan, r, name, as_torch, offs, block, order)

@@ -1,0 +1,285 @@
+"""One row of an output as the Python object that was written (``MergedStore.value``).
+
+The inverse of ``_values.flatten`` (docs/FORMAT.md section 1, *Value model*): a row's leaves are
+read from the columns of its file that have a value in it (a leaf with several variants has one
+such column per row), then nested again by their paths: user keys make dicts, a ``pylist`` /
+``pytuple`` header and its ``MARK``-numbered items a list / tuple, a ``pyrecords`` header and its
+columns a list of dicts, a ``pydict`` header an empty dict. ``py*`` scalars come back as Python
+scalars (lists of them as lists), tensors as numpy arrays (``as_torch``: torch tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError
+from .._format import common as F
+from .._format import lists as L
+from .._format.common import MARK, is_marker
+from .._format.keyorder import Spec, ordered
+
+_Node = dict[str, Any]
+"""A node of the row's tree: ``kids`` (segment -> node), ``value`` (when a leaf has one),
+``header`` (a container header: (dtype, length))."""
+
+
+def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
+    """A leaf view's row value as what was written."""
+    if kind not in ("fixed", "ragged"):
+        return v  # str, bytes, list of str, unpickled object: already what was written
+    arr = np.asarray(v)
+    if dtype in F.PY_SCALARS:
+        return arr.item() if arr.ndim == 0 else arr.tolist()
+    if not as_torch:
+        return arr
+    import torch
+
+    if dtype not in F.RAW_BITS:
+        return torch.from_numpy(np.array(arr))
+    raw = np.ascontiguousarray(arr).reshape(arr.shape).view(F.DTYPES[dtype].storage)  # a 0-d row stays 0-d
+    return torch.from_numpy(raw).view(getattr(torch, dtype))
+
+
+class RowPlan:
+    """What ``row_value`` needs of one file layout's columns, derived once per layout (the reader
+    keeps one per layout) instead of once per row: each column's leaf, list domain, item
+    segments and header rule, and the one column of a layout whose values
+    are plain leaves at the root (a str, a tensor, a pickled object), read without a tree."""
+
+    __slots__ = ("leaves", "lists", "scalars", "single")
+
+    def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
+        # (column, leaf, domain, item segments, list path of a header's items or None, its
+        # ``valid`` or None, whether a row without a value there says nothing: a list item or a
+        # header, which row_value skips, so _entries does not make their paths)
+        self.leaves: list[
+            tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...] | None, Any, bool]
+        ] = []
+        self.scalars: set[int] = set()
+        """ids of the columns read as Python scalars (``OpenColumn.scalar``): 0-d ``py*`` leaves
+        and container headers."""
+        for col in cols:
+            leaf: tuple[str, ...] = col.info.leaf
+            domain, at = _shape_of(leaf)
+            head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
+            lpath = (*leaf[:-1], F.ITEM) if head else None
+            self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
+            if is_scalar(col):
+                self.scalars.add(id(col))
+        self.lists = any(domain for _, _, domain, *_ in self.leaves)
+        """Whether some column's rows are list items: a row's value then reads each such column's
+        items at once (a ``_rowblock.Block`` of the row), not one item at a time."""
+        only = cols[0] if len(cols) == 1 else None
+        self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
+
+
+def is_scalar(col: Any) -> bool:
+    info = col.info
+    return bool(info.kind == "fixed" and info.ndim == 0 and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS))
+
+
+def _one(col: Any, d: int, filename: str) -> Any:
+    """Row ``d`` of a column, known to have a value (its validity was read by the caller)."""
+    return col.view(d, d + 1, filename)._one(d)
+
+
+def _entries(
+    plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray], block: Any = None
+) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
+    """(leaf path with item positions, column, row of the column, items of its list or -1,
+    whether the row has a value there) of every value row ``r`` has in the plan's columns, less
+    the list items and headers it has no value in (they say nothing): a list's item rows
+    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
+    out = []
+    where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
+    for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
+        if not domain:
+            ok = (valid is None or bool(valid[r])) if block is None else block.ok(col, r)
+            if ok or not quiet:
+                out.append((leaf, col, r, -1 if lpath is None or not ok else _items(offs, lpath, r), ok))
+            continue
+        got = where.get(domain)
+        if got is None:
+            got = where[domain] = L.positions(offs, domain, r)
+        lo, idx = got
+        for j, ix in enumerate(idx):
+            d = lo + j
+            ok = (valid is None or bool(valid[d])) if block is None else block.ok(col, d)
+            if not ok and quiet:
+                continue
+            segs = list(leaf)
+            for k, pos in zip(at, ix, strict=True):
+                segs[k] = f"{MARK}{pos}"
+            out.append((tuple(segs), col, d, -1 if lpath is None or not ok else _items(offs, lpath, d), ok))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_of(leaf: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A leaf path's domain and the places of its item segments (once per path, not per row)."""
+    return F.list_domain(leaf), tuple(k for k, seg in enumerate(leaf) if seg == F.ITEM)
+
+
+def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: int) -> int:
+    o = offs.get(lpath)
+    return 0 if o is None else int(o[d + 1] - o[d])
+
+
+def row_value(
+    plan: RowPlan,
+    r: int,
+    filename: str,
+    as_torch: bool = False,
+    offs: dict[tuple[str, ...], np.ndarray] | None = None,
+    block: Any = None,
+    order: Spec | None = None,
+) -> Any:
+    """``_row_value`` with the cyclic garbage collector paused: a value builds only new, acyclic
+    dicts and lists (nothing for it to find), and with a large heap its passes over every live
+    object took half the time of reading back a list of 192k dicts. Restarted only when it was
+    running (a caller's ``gc.disable()`` stands)."""
+    if not gc.isenabled():
+        return _row_value(plan, r, filename, as_torch, offs, block, order)
+    gc.disable()
+    try:
+        return _row_value(plan, r, filename, as_torch, offs, block, order)
+    finally:
+        gc.enable()
+
+
+def _row_value(
+    plan: RowPlan,
+    r: int,
+    filename: str,
+    as_torch: bool,
+    offs: dict[tuple[str, ...], np.ndarray] | None,
+    block: Any,
+    order: Spec | None,
+) -> Any:
+    """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
+    ``offs``: the list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
+    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``; and
+    ``value()`` of a row with list items: the block of that row, each column's items read at
+    once), else each leaf's row is read from its column here; ``order``: the file's dict
+    key orders (``_keyorder``), None for sorted keys."""
+    col = plan.single
+    if col is not None and block is not None:
+        return block.get(col, r, filename) if block.ok(col, r) else None
+    if col is not None:  # the value is one leaf at the root: no tree to build
+        valid = col.valid()
+        if valid is not None and not valid[r]:
+            return None
+        if id(col) in plan.scalars:
+            return col.scalar(r)
+        return to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
+    root: _Node = {"kids": {}}
+    absent: list[tuple[str, ...]] = []
+    inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
+    entries = _entries(plan, r, offs or {}, block)
+    scalars = plan.scalars
+    for leaf, col, d, items, ok in entries:
+        if not ok:  # (absent headers and list items say nothing: _entries left them out)
+            (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
+            continue
+        node = root
+        for seg in leaf:
+            kids = node["kids"]
+            nxt = kids.get(seg)
+            if nxt is None:
+                nxt = kids[seg] = {"kids": {}}
+            node = nxt
+        dtype, kind = col.info.dtype, col.info.kind
+        scalar = id(col) in scalars
+        if block is not None:  # already what value() returns for the leaf
+            got = block.get(col, d, filename)
+        else:
+            got = col.scalar(d) if scalar else _one(col, d, filename)
+        if dtype in F.PY_HEADERS:
+            parent = root
+            for seg in leaf[:-1]:
+                parent = parent["kids"][seg]
+            n = int(got) if scalar else int(np.asarray(got))
+            # a header is checked against its list offsets (none: no items), so a damaged (or
+            # hostile) length cannot make a reader build a list of a billion Nones
+            if dtype in ("pylist", "pytuple") and n != max(items, 0):
+                said = f"its list offsets say {items}" if items >= 0 else "the output holds no items of it"
+                raise CorruptSpillError(
+                    f"columns/{col.info.name}: row {d} ({filename!r:.200}) says its {dtype[2:]} has {n} items; {said}",
+                    path=f"columns/{col.info.name}",
+                )
+            parent["header"] = (dtype, n)
+            del parent["kids"][leaf[-1]]
+        else:
+            node["value"] = got if scalar or block is not None else to_python(dtype, kind, got, as_torch)
+    for leaf in absent:  # a leaf of the file no variant of which has a value here: None
+        # dict keys the file's other frames have: None here, as the leaf views say; inside a list
+        # only under a dict this row has (its header made the node)
+        node, structural = root, any(is_marker(s) for s in leaf)
+        for seg in leaf[:-1]:
+            nxt = node["kids"].get(seg)
+            if nxt is None:
+                if structural:
+                    break
+                nxt = node["kids"][seg] = {"kids": {}}
+            node = nxt
+        else:
+            if "value" not in node and leaf[-1] not in node["kids"]:
+                node["kids"][leaf[-1]] = {"kids": {}, "value": None}
+    _none_keys(root, inside)
+    if not root["kids"] and "value" not in root and "header" not in root:
+        return None  # the value itself was None (its leaf is ``[]``)
+    return _build(root, (), order)
+
+
+def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
+    """Format 4: the keys of a dict inside a list that hold ``None`` (a row no column of the key
+    has a value in, like a key the dict lacks): its ``pydict`` header counts its keys, so the
+    keys it lacks of the ones its list's other dicts have are told from ``None`` ones. (When a
+    dict both lacks keys others have and holds ``None`` ones, which is which is not stored: the
+    first in key order read as ``None``; docs/FORMAT.md, *Lists*.)"""
+    by_dict: dict[tuple[str, ...], set[str]] = {}
+    for leaf in leaves:
+        by_dict.setdefault(leaf[:-1], set()).add(leaf[-1])
+    for path, keys in by_dict.items():
+        node: _Node | None = root
+        for seg in path:
+            node = node["kids"].get(seg) if node is not None else None
+        if node is None or "value" in node or node.get("header", ("", 0))[0] != "pydict":
+            continue
+        missing = node["header"][1] - len(node["kids"])
+        for key in sorted(k for k in keys if k not in node["kids"])[: max(missing, 0)]:
+            node["kids"][key] = {"kids": {}, "value": None}
+
+
+def _key(seg: str) -> str:
+    return seg[1:] if seg.startswith(MARK) else seg
+
+
+def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
+    """The object of a node at ``path`` (list items as ``MARK`` + position), its dicts' keys in
+    ``order``."""
+    if "value" in node:
+        return node["value"]
+    kids: dict[str, _Node] = node["kids"]
+    header = node.get("header")
+    if header is not None:
+        kind, n = header
+        if kind in ("pylist", "pytuple"):
+            items = [
+                _build(kids[f"{MARK}{i}"], (*path, f"{MARK}{i}"), order) if f"{MARK}{i}" in kids else None
+                for i in range(n)
+            ]
+            return tuple(items) if kind == "pytuple" else items
+        if kind == "pyrecords":
+            built = {_key(k): _build(v, (*path, k), order) for k, v in ordered(kids, path, order) if not is_marker(k)}
+            columns = {k: v for k, v in built.items() if v is not None}
+            bad = [k for k, v in columns.items() if not isinstance(v, (list, tuple)) or len(v) != n]
+            if bad:
+                raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
+            keys = list(columns)  # one dict per row, built by zip in C (a list of 192k dicts)
+            return [dict(zip(keys, row, strict=True)) for row in zip(*columns.values(), strict=True)]
+    return {_key(k): _build(v, (*path, k), order) for k, v in ordered(kids, path, order)}

@@ -1,0 +1,604 @@
+"""Reading a merged output: ``spillmerge.open(out)``.
+
+An output of this spillmerge's format version (docs/FORMAT.md section 2) is read here; leaf views
+are in ``_views``, the index invariants in ``_indexinvariants``, the zarr store every array is
+read through in ``_outputstore``. An output of any other version is refused at open
+(``_format.version_error``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError, IncompleteOutputError, SpillStorageError, UnknownColumnError, UnknownFileError
+from .._format import common as F
+from .._format import indexinvariants as IX
+from .._format import invariants as V
+from .._format import lists as L
+from .._format import output as FO
+from .._format.keyorder import KeyOrders
+from .._format.output import not_an_output, what_is
+from .._storage import Storage
+from . import export as _export
+from . import index as LZ
+from . import rowblock as _rowblock
+from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
+from .filenames import ChunkedNames, Names, close_matches
+from .index import LazyArray
+from .leafdict import LeafDict
+from .outputstore import NoFillStore
+from .rowvalue import RowPlan, row_value
+from .views import LeafView, OpenColumn, view_factory
+
+__all__ = ["LeafView", "MergedStore", "open"]
+
+
+def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColumn]]:
+    """Where each column of a file shows in ``store[filename]``'s nested dict: at its leaf path;
+    a leaf with several variant columns as ``<key>.<variant>`` for each; the
+    headers and items of lists that share a path with a value in other frames are left out (a
+    dict cannot hold both: ``store.value()`` reads them)."""
+    count: dict[tuple[str, ...], int] = {}
+    for c in cols:
+        count[c.info.leaf] = count.get(c.info.leaf, 0) + 1
+    out: list[tuple[tuple[str, ...], OpenColumn]] = []
+    for c in cols:
+        leaf = c.info.leaf or ("",)
+        if count[c.info.leaf] > 1:
+            tag = c.info.variant or c.info.dtype
+            leaf = (*leaf[:-1], f"{leaf[-1]}.{tag}")
+        out.append((leaf, c))
+    values = {p for p, _ in out}
+    return [(p, c) for p, c in out if not any(p[:d] in values for d in range(1, len(p)))]
+
+
+def _dtype_choice(c: OpenColumn) -> str:
+    """What ``column(..., dtype=)`` takes to choose column ``c`` among its leaf's, as messages
+    show it: a Python value's type (``int``, ``list[int]`` ...), else its variant tag
+    (``float32.2d``) or dtype."""
+    shown = F.dtype_text(c.info.dtype, c.info.ndim)
+    return shown if shown != c.info.dtype else c.info.variant or c.info.dtype
+
+
+def set_nested(out: LeafDict, path: list[str] | tuple[str, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in the nested dict ``out``, making the dicts on the way."""
+    for k in path[:-1]:
+        out = out.child(k)
+    out[path[-1]] = value
+
+
+class OutputFiles:
+    """The files of an output, for :class:`MergedStore`.
+
+    Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants*): the
+    header's ``file_layouts``, every column's header and array lengths are checked there; the
+    index arrays (``frame_offsets``, ``file_layout``, ``frame_idx``, provenance, every column's
+    ``offsets``, ``shapes`` and ``valid``) are read a chunk at a time and checked block by block
+    before anything is served from them (``_lazyindex``), so open costs the same at any size and
+    an output of one block is checked whole there. Column values are read only when asked for;
+    an absent chunk raises then (:class:`NoFillStore`). A filename is found by binary search in
+    the sorted filenames (their heads, then one block): no per-file dict is built."""
+
+    def __init__(
+        self,
+        group: Any,
+        header: dict[str, Any],
+        describe: Callable[[str], str],
+        raise_: Callable[[list[V.Problem]], None],
+        allow_pickle: bool,
+        cache: ChunkCache,
+        storage: Storage | None = None,
+    ) -> None:
+        self.group = group
+        # bytes + offsets, read block by block when asked for (_names)
+        self._names: Names = ChunkedNames(group, describe, cache, raise_, storage)
+        infos, problems = V.read_columns(group)
+        lengths = IX.index_lengths(group, describe)
+        n_rows = int(lengths["frame_idx"])
+        # list offsets (their contents stay in memory, as list columns' offsets do)
+        lists, list_problems = L.read_lists(group)
+        raise_(problems + list_problems)
+        self._list_offs, sizes, list_problems = L.domains(lists, n_rows)
+        raise_(list_problems)
+        heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
+        raise_(L.header_problems(lists, self._list_offs, heads))
+        self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
+        n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
+
+        def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
+            return LazyArray(node, rel, cache, storage, describe, dtype, check)
+
+        fo_node = V.index_node(group, "frame_offsets", describe)
+        fo_k = max(int(fo_node.chunks[0]), 1)
+        fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
+        self._offsets = lazy(
+            "index/frame_offsets",
+            fo_node,
+            check=LZ.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
+        )
+        fl_node = V.index_node(group, "file_layout", describe)
+        fl_k = max(int(fl_node.chunks[0]), 1)
+
+        def layout_check(c: int, arr: np.ndarray) -> None:
+            bad = np.flatnonzero((arr < 0) | (arr >= n_layouts))
+            if len(bad):
+                i = c * fl_k + int(bad[0])
+                shown = str(self._names[i]) if i < len(self._names) else "?"
+                raise_([("index/file_layout", f"entry {i} ({shown!r:.200}) is {int(arr[bad[0]])}, "
+                         f"not a position in the header's {n_layouts} file_layouts")])  # fmt: skip
+
+        self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
+        meta = IX.meta_problems(
+            self._names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+        )
+        raise_(meta)
+        self._frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
+        self._prov: dict[str, LazyArray] = {
+            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in IX.PROVENANCE
+        }
+        self.n_rows = n_rows
+        self.columns: dict[str, OpenColumn] = {}
+        nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
+        for name, info in infos.items():
+            domain = F.list_domain(info.leaf)
+            col = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
+            if domain:  # a list's items: read and checked whole at open, as their lists are
+                nested[name] = info
+                if "offsets" in info.arrays:
+                    col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
+                    if "shapes" in info.arrays:
+                        col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
+                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+                if "valid" in info.arrays and col.has_valid:
+                    col.valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
+                self.columns[name] = col
+                continue
+            if "offsets" in info.arrays:
+                col.offsets = lazy(f"columns/{name}/offsets", info.arrays["offsets"])
+                if "shapes" in info.arrays:
+                    col.shapes = lazy(f"columns/{name}/shapes", info.arrays["shapes"])
+            if "valid" in info.arrays and col.has_valid:
+                col.valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
+            self.columns[name] = col
+        root = {name: col for name, col in self.columns.items() if name not in nested}
+        self.checks = LZ.IndexChecks(
+            n_rows, self._offsets, self._file_layout, self._frame_idx, self._prov, root, self._layouts,
+            self._names, raise_,
+        )  # fmt: skip
+        for arr in (self._frame_idx, *self._prov.values()):
+            arr.hook = self.checks.rows
+        for col in root.values():
+            if col.offsets is not None:
+                col.offsets.hook = self.checks.edges
+            if col.shapes is not None:
+                col.shapes.hook = self.checks.rows
+            if col.valid_arr is not None:
+                col.valid_arr.hook = self.checks.rows
+        # The first chunk of files and block of rows now (an output of one block is checked whole
+        # at open, as the names' first block is); the others as they are read (_lazyindex).
+        self._offsets.span(0, 1)
+        self._file_layout.span(0, 1)
+        self.checks.rows(0, 0)
+        if nested:  # a list item has a value only where its row's file lists the column: whole
+            in_layout = IX.layout_rows(self._offsets.whole(), self._file_layout.whole(), self._layouts)
+            for name, info in nested.items():
+                col = self.columns[name]
+                rows = L.expand(self._list_offs, F.list_domain(info.leaf), in_layout(name))
+                raise_(V.rows_layout_problems(info, col.valid(), col.offsets, rows))
+            raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
+        # Per file layout, its columns and how a file's value is built from them (a file read is
+        # a few microseconds): None for plain tensor values (one view); (key, view class, column)
+        # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
+        self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
+        self._layout_paths: list[list[tuple[tuple[str, ...], OpenColumn]]] = []
+        for names in self._layouts:
+            cols = [self.columns[name] for name in names]
+            paths = _view_paths(cols)
+            plain = len(cols) == 1 and cols[0].info.leaf == ()
+            top = all(len(p) == 1 for p, _ in paths) and len(paths) == len(cols)
+            flat = [(p[0], c.view_cls, c) for p, c in paths] if top else []
+            self._layout_cols.append((cols, None if plain else flat))
+            self._layout_paths.append(paths)
+        self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
+        try:
+            self.key_orders = KeyOrders(header.get("key_orders"), len(self), "zarr.json")
+        except CorruptSpillError as exc:
+            raise_([("zarr.json", str(exc))])
+        self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
+        self._next = 0
+        self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
+        for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
+            self._by_leaf.setdefault(c.info.leaf, []).append(c)
+
+    @property
+    def filenames(self) -> Names:
+        return self._names
+
+    def index_arrays(self) -> tuple[Names, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), whole and checked (the
+        filenames as the sequence read block by block): O(rows) memory, for coverage."""
+        self.checks.rows(0, self.n_rows)
+        return (
+            self._names, self._offsets.whole(), self._frame_idx.whole(), self._prov["frame_rank"].whole(),
+            self._prov["frame_copies"].whole(),
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def _find(self, filename: object) -> int | None:
+        # (The in-order hint inside is a plain hint, not a lock: a racing thread at worst costs
+        # another thread the search.)
+        return self._names.find(filename)
+
+    def __contains__(self, filename: object) -> bool:
+        return self._find(filename) is not None
+
+    def index(self, filename: str, where: Callable[[], str]) -> int:
+        i = self._names.find(filename)  # (as _find: one call less per file read)
+        if i is None:
+            near = close_matches(self._names, filename)  # neighbours in sort order: no scan of every name
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise UnknownFileError(
+                f"{filename!r} is not a filename of {where()} ({len(self._names)} files){hint}", filename=filename
+            )
+        return i
+
+    def rows_of(self, i: int) -> tuple[int, int]:
+        """Rows ``a .. b-1`` of file ``i``, checked (``_lazyindex``)."""
+        return self.checks.file_rows(i)
+
+    def frames(self, i: int) -> np.ndarray:
+        a, b = self.rows_of(i)
+        return self._frame_idx[a:b].copy()
+
+    def provenance(self, i: int, name: str) -> np.ndarray:
+        a, b = self.rows_of(i)
+        return self._prov[name][a:b].copy()
+
+    def value(self, i: int, filename: str | None = None) -> Any:
+        """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
+        a, b = self.checks.file_rows(i)  # (rows_of, inlined: one call per file read)
+        layout = self._file_layout.item(i)
+        cols, flat = self._layout_cols[layout]
+        if filename is None or type(filename) is not str:
+            filename = str(self._names[i])
+        if flat is None:  # plain tensor values
+            return cols[0].view_cls(cols[0], a, b, filename)
+        if flat:
+            make = self._makers.get(layout)
+            if make is None:
+                make = self._makers[layout] = view_factory(flat)
+            return make(a, b, filename)
+        out = LeafDict.top(filename)
+        for path, col in self._layout_paths[layout]:
+            # a list's items: the items of the file's rows, flattened
+            set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
+        return out
+
+    def row_value(
+        self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool, filename: str | None = None
+    ) -> Any:
+        """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
+        has it) as it was written (``_rowvalue``)."""
+        a, b = self.rows_of(i)
+        if filename is None or type(filename) is not str:
+            filename = str(self._names[i])
+        if b == a + 1 and self._frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
+            return self._row_value(i, a, filename, as_torch)
+        frames = self._frame_idx[a:b]
+        j = int(np.searchsorted(frames, frame_idx))
+        if j >= len(frames) or frames[j] != frame_idx:
+            shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
+            raise UnknownFileError(
+                f"{filename!r} of {where()} has no frame {frame_idx} (its frames: {shown})",
+                filename=filename,
+            )
+        return self._row_value(i, a + j, filename, as_torch)
+
+    def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
+        plan = self.row_plan(self._file_layout.item(i))
+        block = _rowblock.Block(r, r + 1, self._list_offs, as_torch) if plan.lists else None
+        return row_value(plan, r, filename, as_torch, self._list_offs, block, self.key_orders.of_file(i))
+
+    def row_plan(self, layout: int) -> RowPlan:
+        """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
+        plan = self._row_plans.get(layout)
+        if plan is None:
+            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self._list_offs)
+        return plan
+
+    def file_layouts(self, i0: int, i1: int) -> list[int]:
+        """The file layouts of files ``i0 .. i1-1`` (checked as their chunks are read)."""
+        return np.asarray(self._file_layout[i0:i1]).tolist()  # type: ignore[no-any-return]
+
+    def iter_values(self, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
+        """(filename, frame_idx, value) of every row in order (``_rowblock``)."""
+        return _rowblock.iter_values(self, as_torch)
+
+    def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
+        if path is None:
+            leaf: tuple[str, ...] = ()
+        elif isinstance(path, str):
+            leaf = tuple(path.split("/")) if path else ()
+        else:
+            leaf = tuple(path)
+        cols = self._by_leaf.get(leaf, [])
+        if dtype is not None:
+            cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
+        if len(cols) > 1:
+            shown = "/".join(leaf) or "None (the plain tensor values)"
+            dts = [_dtype_choice(c) for c in cols]
+            raise UnknownColumnError(
+                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
+                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
+                column="/".join(leaf),
+                known=dts,
+            )
+        col = cols[0] if cols else None
+        if col is None:
+            known = sorted(c.info.path or "<tensor> (None)" for c in self.columns.values())
+            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
+            raise UnknownColumnError(
+                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
+                column="/".join(leaf),
+                known=known,
+            )
+        return col.view(0, col.n_rows)
+
+    def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
+        """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
+        return self._by_leaf.get(leaf, [])
+
+    @property
+    def names(self) -> Names:
+        """The filenames (sorted)."""
+        return self._names
+
+    @property
+    def frame_offsets(self) -> LazyArray:
+        """int64 ``(n_files + 1,)``: file ``i``'s rows are ``frame_offsets[i] .. frame_offsets[i + 1] - 1``
+        (read a chunk at a time)."""
+        return self._offsets
+
+    @property
+    def frame_idx(self) -> LazyArray:
+        return self._frame_idx
+
+    @property
+    def list_offsets(self) -> dict[tuple[str, ...], np.ndarray]:
+        """Format 4: each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
+        return self._list_offs
+
+    @property
+    def frame_rank(self) -> LazyArray:
+        return self._prov["frame_rank"]
+
+
+class MergedStore(Mapping[str, Any]):
+    """A merged output (of :data:`~spillmerge.FORMAT_VERSION`, the one version this spillmerge reads).
+
+    ``store[filename]`` is the file's value: for a file whose only leaf is the plain value (leaf
+    ``[]``) a leaf view of its rows (:class:`~spillmerge._read.views.LeafView`), else a nested dict, by
+    leaf path, of such views. ``store.frames(filename)`` gives the frame index of each row;
+    ``store.column(path)`` one leaf over every file; ``store.to_arrow()`` everything as a pyarrow
+    table.
+
+    The index is checked before anything is returned from it (docs/FORMAT.md,
+    *Invariants*); every failure is a :class:`CorruptSpillError` naming the object and what is wrong.
+    Chunks are never read to check; an absent chunk raises when it is read (:class:`NoFillStore`).
+    """
+
+    def __init__(
+        self,
+        out: str,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        import zarr
+
+        self.cache = ChunkCache(cache_bytes)
+        self.storage = Storage(out, storage_options)
+        try:
+            marker = self.storage.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        except SpillStorageError:
+            if what_is(self.storage) == "file":  # reading below a file fails with "Not a directory"
+                raise not_an_output(self.storage, "file") from None
+            raise
+        if marker is None:
+            if not self.storage.exists("zarr.json"):
+                raise not_an_output(self.storage)
+            raise IncompleteOutputError(
+                f"{self.storage.describe()} is incomplete (no {FO.COMPLETE_NAME}): the merge that wrote it "
+                "did not finish; run the merge again",
+                path=self.storage.describe(),
+            )
+        F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
+        try:
+            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
+            # zarr_format=3: our output is Zarr v3; without it zarr probes the v2
+            # names too (.zgroup, .zattrs, .zmetadata: 6 more requests on an object store).
+            self.group = zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3)
+        except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
+            raise CorruptSpillError(
+                f"{self.storage.describe()}: cannot open as zarr: {exc}", path=self.storage.describe()
+            ) from exc
+        header = self.group.attrs.get("spillmerge")
+        if not isinstance(header, dict) or header.get("kind") != "merged":
+            raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())
+        version = F.check_version(header, self.storage.describe(), spill=False)
+        self.header: dict[str, Any] = header
+        self.format_version: int = version
+        """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
+        self.allow_pickle = allow_pickle
+        self._files = OutputFiles(
+            self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
+        )
+
+    def _raise(self, problems: list[V.Problem]) -> None:
+        """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
+        if not problems:
+            return
+        rel, what = problems[0]
+        path = self.storage.describe(rel)
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CorruptSpillError(
+            f"{path}: {what}{more}; the output is damaged: `spillmerge verify {self.storage.describe()}` lists "
+            "every problem, merging again rebuilds it",
+            path=path,
+        )
+
+    @property
+    def filenames(self) -> Sequence[str]:
+        """Original filenames, sorted: a sequence read block by block as it is used (``len``,
+        ``names[i]``, slices, iteration, ``in``; no read of every filename to open or to find one)."""
+        return self._files.filenames
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __contains__(self, filename: object) -> bool:
+        return filename in self._files
+
+    def _index(self, filename: str) -> int:
+        return self._files.index(filename, self.storage.describe)
+
+    def frames(self, filename: str) -> np.ndarray:
+        """Ascending int64 frame indices of ``filename``, one per row."""
+        return self._files.frames(self._index(filename))
+
+    def frame_ranks(self, filename: str) -> np.ndarray:
+        """The rank each row of ``filename`` came from (int64, one per row; ``index/frame_rank``)."""
+        return self._files.provenance(self._index(filename), "frame_rank")
+
+    def frame_copies(self, filename: str) -> np.ndarray:
+        """How many spill segments held each row's frame (1, or more when duplicates were
+        dropped; ``index/frame_copies``)."""
+        return self._files.provenance(self._index(filename), "frame_copies")
+
+    def __getitem__(self, filename: str) -> Any:
+        files = self._files
+        return files.value(files.index(filename, self.storage.describe), filename)
+
+    def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
+        """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
+        tuples, Python scalars, ``str``, ``bytes`` and ``None`` as themselves, tensors and arrays
+        as numpy arrays (``as_torch=True``: torch tensors, importing torch only then), pickled
+        objects unpickled (only under ``open(..., allow_pickle=True)``). A dict key some frames
+        of the file have and this one lacks reads as ``None`` (docs/FORMAT.md section 1, *Value
+        model*)."""
+        i = self._index(filename)
+        return self._files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
+
+    def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
+        """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
+        :meth:`value` returns it (equal in type and content), read a block of rows at a time
+        (each column's rows of a block decoded once, no search for a file): for work over every
+        value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
+        Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
+        more than 32 MiB), whatever the output's size."""
+        return self._files.iter_values(as_torch)
+
+    def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
+        (for coverage, which needs them whole)."""
+        return self._files.index_arrays()
+
+    @property
+    def files(self) -> OutputFiles:
+        """The output's files and columns as the package's readers use them (inspect, datasets)."""
+        return self._files
+
+    def column(self, path: str | tuple[str, ...] | list[str] | None = None, dtype: str | None = None) -> LeafView:
+        """One leaf over every row of every file, in (filename, frame) order: ``"logits"``,
+        ``"a/b"`` (or the keys as a tuple), or None for plain tensor values (leaf ``[]``). The
+        same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
+        columns when there is no such leaf. A leaf whose dtype differs between files has one
+        column per dtype (rows of the other files absent): choose one with ``dtype=``."""
+        return self._files.column(path, self.storage.describe(), dtype)
+
+    @property
+    def columns(self) -> list[str]:
+        """The leaf paths of the columns (``""`` for plain tensor values), sorted."""
+        return sorted({c.info.path for c in self._files.columns.values()})
+
+    def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
+        """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
+        columns of :meth:`to_arrow`, ``columns`` selecting leaf columns by those names (``filename``,
+        ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
+        MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
+        the output's size; every chunk is decoded once."""
+        files = self._files
+        return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
+
+    def to_parquet(
+        self,
+        path: str | os.PathLike[str],
+        columns: Sequence[str] | str | None = None,
+        batch_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        **parquet_options: Any,
+    ) -> int:
+        """Write the rows of :meth:`iter_batches` to the Parquet file ``path`` (a path or fsspec
+        URL, ``storage_options`` for it), one row group per batch, so memory stays one batch;
+        polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
+        read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
+        ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
+        files = self._files
+        cols = _export.select(files, columns, self.storage.describe())
+        return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
+
+    def to_arrow(self, columns: Sequence[str] | str | None = None) -> Any:
+        """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``), all in
+        memory (:meth:`iter_batches` streams it): columns ``filename`` (string), ``frame_idx``
+        (int64), ``rank`` (int32), then one per leaf, named by its path (``"a/b"``; ``"value"``
+        for plain tensor values), null where a row lacks it; ``columns`` selects leaf columns:
+
+        - fixed numeric leaves: the numeric type for 0-d values, else (nested) ``fixed_size_list``;
+          dtypes numpy lacks (bfloat16, float8, complex32 ...) as their raw-bit unsigned type
+          (``uint16`` for bfloat16: the column's dtype name is in :meth:`column`);
+        - ragged leaves: ``large_list`` per row, of ``fixed_size_list`` (the inner dimensions)
+          when only the first dimension varies, else nested ``large_list`` one level per dimension;
+        - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
+          unpickled); list of ``str``: ``large_list<large_string>``;
+        - fixed numeric leaves of 2+ dimensions per row: ``arrow.fixed_shape_tensor``;
+        - Python values (docs/READING.md has the table): ``py*`` scalars as ``int64`` / ``double`` /
+          ``bool``; a leaf of several variants as one ``dense_union`` column; lists and tuples as
+          ``large_list`` (items of several types: a union), lists of dicts as
+          ``large_list<struct>``. Dicts from the root stay flat columns (``"a/b"``); ``columns``
+          also takes a stored column's flat name (``"result:float32.2d"``: one variant).
+        """
+        files = self._files
+        return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
+
+    def cache_stats(self) -> CacheStats:
+        """What the decoded-chunk cache holds now and its hits and misses (``open(cache_bytes=)``)."""
+        return self.cache.stats()
+
+    def __repr__(self) -> str:
+        return f"MergedStore({self.storage.describe()!r}, files={len(self)}, frames={self.header.get('n_frames')})"
+
+
+def open(  # noqa: A001
+    out: str,
+    storage_options: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
+) -> MergedStore:
+    """Open a merged output (of :data:`~spillmerge.FORMAT_VERSION`) for reading. ``allow_pickle=True`` lets
+    leaves stored pickled be unpickled (only for outputs you trust: unpickling runs code).
+    ``cache_bytes`` bounds the decoded chunks kept for reading rows (default 64 MiB, shared by
+    every view and ``column()`` of this store and by its threads; 0 keeps none): reading rows
+    in order decodes each chunk once."""
+    return MergedStore(out, storage_options, allow_pickle, cache_bytes)

@@ -1,0 +1,1 @@
+"""Reading a spill root: the commit barrier, segments, removal after a merge."""

@@ -1,0 +1,127 @@
+"""``remove_spill``: delete exactly the spill segments an output was merged from.
+
+A segment goes only when the output holds it: a committed segment the merge planned (never one
+committed after the plan was made), or an uncommitted segment that ended (a failure record, or a
+later committed session of its rank was merged) whose every frame its journal proves durable is
+in the output. Everything else stays, with the reason (:class:`Removal`). A rank folder and the
+root go only when they end up empty; files that are not segments are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import SpillMergeError
+from .._format import spill as FS
+from .._storage import Storage
+from .root import LoadedSegment, Segment, list_ranks, load_flushed, read_segment
+
+Lookup = Callable[[str], Any]
+"""Filename → the frame indices the output holds for it (array-like), or None when it has none."""
+
+
+@dataclass(slots=True)
+class Removal:
+    """What a removal deleted and what it kept."""
+
+    removed: list[str] = field(default_factory=list)
+    """Segments deleted (paths as the storage describes them)."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Segment → why it stays."""
+
+
+def lacking(seg: LoadedSegment, lookup: Lookup) -> int:
+    """How many of the (filename, frame) keys ``seg`` holds the output lacks."""
+    idx = seg.index
+    if not len(idx):
+        return 0
+    keys = np.unique(idx[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)  # sorted by file, then frame
+    starts = np.flatnonzero(np.r_[True, keys[1:, 0] != keys[:-1, 0]])
+    total = 0
+    for a, b in zip(starts, [*starts[1:], len(keys)], strict=True):
+        want = keys[a:b, 1]
+        have = lookup(seg.filenames[int(keys[a, 0])])
+        total += len(want) if have is None else int(np.count_nonzero(~np.isin(want, np.asarray(have))))
+    return total
+
+
+def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> Removal:
+    """After a complete merge of ``merged`` (the committed segments its plan was built from):
+    delete them, and the uncommitted segments that ended whose frames the output holds, then the
+    merge failure record (of a merge this one replaces), the rank folders left empty and the root
+    if nothing else is in it. What is found now and was not planned stays: a segment committed
+    after the plan, one still being written (or killed with no later session merged), one whose
+    frames the output lacks."""
+    planned = {s.rel for s in merged}
+    newest: dict[int, tuple[int, str]] = {}  # rank -> sort key of its last merged segment
+    for s in merged:
+        key = FS.segment_sort_key(s.name)
+        newest[s.rank] = max(newest.get(s.rank, key), key)
+    out = Removal()
+    for rank in list_ranks(src):
+        folder = FS.rank_dirname(rank)
+        for name in sorted(n for n in src.listdir(folder) if FS.is_segment_name(n)):
+            rel = f"{folder}/{name}"
+            if rel in planned:
+                _remove(src, rel, out)
+                continue
+            why = _why_kept(src, rank, name, newest.get(rank), lookup)
+            if why is None:
+                _remove(src, rel, out)
+            else:
+                out.kept[src.describe(rel)] = why
+        src.remove_empty_dir(folder)
+    src.rm_tree(FS.MERGE_FAILED_NAME)
+    src.remove_empty_dir("")
+    return out
+
+
+def remove_listed(src: Storage, rels: Collection[str], *, failure_record: bool) -> Removal:
+    """Delete the segments ``rels`` (relative to the root) that are still there, then the rank
+    folders left empty and the root if nothing else is in it (and the merge failure record when
+    ``failure_record``). The caller has checked that the output holds each of them."""
+    out = Removal()
+    ranks = set()
+    for rel in sorted(rels):
+        if src.exists(rel):
+            _remove(src, rel, out)
+        ranks.add(rel.split("/")[0])
+    for folder in sorted(ranks):
+        src.remove_empty_dir(folder)
+    if failure_record:
+        src.rm_tree(FS.MERGE_FAILED_NAME)
+    src.remove_empty_dir("")
+    return out
+
+
+def _remove(src: Storage, rel: str, out: Removal) -> None:
+    src.rm_tree(rel)
+    out.removed.append(src.describe(rel))
+
+
+def _why_kept(src: Storage, rank: int, name: str, newest_merged: tuple[int, str] | None, lookup: Lookup) -> str | None:
+    """Why a segment the merge did not plan stays, or None when the output holds it."""
+    try:
+        seg = read_segment(src, rank, name)
+    except SpillMergeError as exc:
+        return f"unreadable ({exc})"
+    if seg.commit is not None:
+        return "committed but not merged (committed after the merge's plan was made)"
+    superseded = newest_merged is not None and FS.segment_sort_key(name) < newest_merged
+    if seg.failure is None and not superseded:
+        return "no commit or failure record: still being written, or its writer was killed"
+    try:
+        flushed, _ = load_flushed(src, seg)
+    except SpillMergeError as exc:
+        return f"uncommitted and its journal is unreadable ({exc})"
+    missing = lacking(flushed, lookup)
+    if missing:
+        return (
+            f"uncommitted ({'failed' if seg.failure is not None else 'abandoned'}): {missing} of the frames its "
+            f"journal holds are not in the output"
+        )
+    return None

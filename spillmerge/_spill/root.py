@@ -1,0 +1,548 @@
+"""Read a spill root: ranks, segments, commit and failure records, indexes — all validated,
+because a spill root is untrusted input. The barrier on its commit records is ``_barrier``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from .._errors import CorruptSpillError
+from .._format import common as F
+from .._format import spill as FS
+from .._storage import Storage
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One writer session of one rank, as found on storage."""
+
+    rank: int
+    """Rank folder it lives in."""
+    name: str
+    """Segment folder name."""
+    rel: str
+    """Path relative to the spill root."""
+    header: dict[str, Any] | None
+    """Segment header from ``zarr.json`` (None when unreadable)."""
+    commit: FS.CommitRecord | None
+    """Commit record, when the segment is complete."""
+    failure: FS.FailureRecord | None
+    """Failure record, when the writer failed."""
+
+    @property
+    def run_id(self) -> str | None:
+        if self.commit is not None:
+            return self.commit.run_id
+        if self.failure is not None:
+            return self.failure.run_id
+        rid = (self.header or {}).get("run_id")
+        return rid if isinstance(rid, str) else None
+
+    @property
+    def format_version(self) -> int | None:
+        """The segment header's ``format_version`` (None when the header is unreadable)."""
+        v = (self.header or {}).get("format_version")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    @property
+    def world_size(self) -> int | None:
+        for src in (self.commit, self.failure):
+            if src is not None:
+                return src.world_size
+        ws = (self.header or {}).get("world_size")
+        return ws if isinstance(ws, int) and not isinstance(ws, bool) else None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedSegment:
+    """A committed segment with its validated catalog and index."""
+
+    seg: Segment
+    """Where it lives."""
+    filenames: list[str]
+    """Catalog filenames (position = file_id)."""
+    layouts: list[FS.Layout]
+    """Catalog layouts (position = layout_id)."""
+    index: np.ndarray
+    """int64 (n_rows, 6) index, validated against the commit record."""
+    chunk_bytes: int
+    """Chunk size of the segment's ``data``."""
+    salvaged: bool = False
+    """True when rebuilt from the journal of an uncommitted segment (``allow_partial``)."""
+    checks: np.ndarray | None = None
+    """int64 (n, 3) block checksums (offset, nbytes, CRC-32C) that rows with a negative CRC
+    point at (``-1 - id``), validated; None when the segment has none."""
+
+
+def list_ranks(storage: Storage) -> list[int]:
+    ranks = [FS.parse_rank_dirname(n) for n in storage.listdir("")]
+    return sorted(r for r in ranks if r is not None)
+
+
+def read_segment(storage: Storage, rank: int, name: str) -> Segment:
+    rel = f"{FS.rank_dirname(rank)}/{name}"
+    header = None
+    raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES)
+    if raw is not None:
+        try:
+            obj = F.loads(raw, path=storage.describe(f"{rel}/zarr.json"))
+            h = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
+            header = h if isinstance(h, dict) else None
+        except (CorruptSpillError, AttributeError):
+            header = None
+    commit = failure = None
+    raw = storage.get_or_none(f"{rel}/{FS.COMMIT_NAME}", max_bytes=F.RECORD_MAX_BYTES)
+    if raw is not None:
+        path = storage.describe(f"{rel}/{FS.COMMIT_NAME}")
+        commit = FS.CommitRecord.from_json(raw, path=path)
+        if commit.rank != rank or commit.segment != name:
+            raise CorruptSpillError(
+                f"{path}: commit record names rank {commit.rank} / {commit.segment}, "
+                f"but it lies in {FS.rank_dirname(rank)}/{name}",
+                path=path,
+                rank=rank,
+            )
+    raw = storage.get_or_none(f"{rel}/{FS.FAILURE_NAME}", max_bytes=F.FAILURE_MAX_BYTES)
+    if raw is not None:
+        failure = FS.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{FS.FAILURE_NAME}"))
+    return Segment(rank, name, rel, header, commit, failure)
+
+
+def list_segments(storage: Storage, rank: int) -> list[Segment]:
+    names = [n for n in storage.listdir(FS.rank_dirname(rank)) if FS.is_segment_name(n)]
+    return [read_segment(storage, rank, n) for n in sorted(names, key=FS.segment_sort_key)]
+
+
+def scan(storage: Storage) -> dict[int, list[Segment]]:
+    """Every rank folder and its segments, in natural order."""
+    return {r: list_segments(storage, r) for r in list_ranks(storage)}
+
+
+def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
+    """Read and validate a committed segment's catalog and index against its commit record."""
+    commit = seg.commit
+    assert commit is not None
+    where = storage.describe(seg.rel)
+
+    def bad(msg: str, rel: str = "") -> CorruptSpillError:
+        path = storage.describe(f"{seg.rel}/{rel}") if rel else where
+        return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
+
+    cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
+    limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
+    raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
+    if google_crc32c.value(raw_cat) != commit.catalog_crc32c:
+        raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
+    cat = F.loads(raw_cat, path=storage.describe(cat_rel))
+    if (
+        not isinstance(cat, dict)
+        or not isinstance(cat.get("filenames"), list)
+        or not isinstance(cat.get("layouts"), list)
+    ):
+        raise bad("catalog must hold 'filenames' and 'layouts' lists", FS.CATALOG_NAME)
+    filenames = cat["filenames"]
+    if not all(isinstance(f, str) for f in filenames) or len(set(filenames)) != len(filenames):
+        raise bad("catalog filenames must be distinct strings", FS.CATALOG_NAME)
+    long = next(
+        (f for f in filenames if len(f) > F.FILENAME_MAX_BYTES // 4 and len(f.encode()) > F.FILENAME_MAX_BYTES), None
+    )
+    if long is not None:  # a merge of it would write an output no reader opens (docs/FORMAT.md, *Size limits*)
+        raise bad(
+            f"catalog filename {long!r:.200}... is more than the {F.FILENAME_MAX_BYTES} bytes a filename may have",
+            FS.CATALOG_NAME,
+        )
+    layouts = [FS.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
+
+    idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
+    expect = commit.n_rows * FS.INDEX_COLUMNS * 8
+    raw_idx = _read_small_array(
+        storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
+    )
+    if len(raw_idx) != expect:
+        raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
+    if google_crc32c.value(raw_idx) != commit.index_crc32c:
+        raise bad("index checksum does not match the commit record", FS.INDEX_NAME)
+    # A read-only view of the bytes read, not a copy: at millions of rows the index is the largest
+    # thing a merge loads (a segment at a time, docs/SCALE.md).
+    index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
+
+    checks = None
+    if commit.n_checks:
+        chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
+        want = commit.n_checks * FS.CHECK_COLUMNS * 8
+        raw_chk = _read_small_array(
+            storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
+        )
+        if len(raw_chk) != want or google_crc32c.value(raw_chk) != commit.checks_crc32c:
+            raise bad("checks do not match the commit record", FS.CHECKS_NAME)
+        checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+    _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
+    if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
+        raise bad("commit record's chunks cannot hold its bytes")
+    # Every chunk the commit record promises must exist: this also bounds what a hostile record
+    # can make the merge allocate by what is really on storage.
+    present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
+    for c in range(commit.n_chunks):
+        if str(c) not in present:
+            raise bad(f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
+    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
+
+
+def _validate_rows(
+    bad: Any, filenames: list[str], layouts: list[FS.Layout], index: np.ndarray, data_nbytes: int,
+    checks: np.ndarray | None = None, chunk_bytes: int = 1,
+) -> None:  # fmt: skip
+    """Check every index row against the catalog and the data size, and every block checksum
+    against the data and the rows that point at it (untrusted input)."""
+    check_rows(bad, len(filenames), layouts, list(index.T), data_nbytes, checks, chunk_bytes)
+    if not len(index):
+        return
+    fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
+    # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
+    # even with two shapes (each shape has a layout of its own): compare leaf paths.
+    leaf = _leaf_ids(layouts)[lid]
+    order = lex_order(fid, frame, leaf)
+    dup = (np.diff(fid[order]) == 0) & (np.diff(frame[order]) == 0) & (np.diff(leaf[order]) == 0)
+    if np.any(dup):
+        i = order[int(np.argmax(dup))]
+        raise bad(f"index lists frame {int(frame[i])} of {filenames[int(fid[i])]!r:.200} twice", FS.INDEX_NAME)
+
+
+def lex_order(*keys: np.ndarray) -> np.ndarray:
+    """``np.lexsort`` of int64 ``keys`` given most significant first: the same stable order, from
+    one stable sort of the keys packed into one int64 when their ranges fit in 63 bits (one sort
+    instead of one per key: the most frequent case, small frame numbers and few segments and
+    leaves per block of the plan)."""
+    n = len(keys[0])
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    lows = [int(k.min()) for k in keys]
+    widths = [(int(k.max()) - lo).bit_length() for k, lo in zip(keys, lows, strict=True)]
+    if sum(widths) > 62:
+        return np.lexsort(keys[::-1])
+    packed = np.zeros(n, dtype=np.int64)
+    for k, lo, width in zip(keys, lows, widths, strict=True):
+        if width:
+            packed <<= width
+            packed |= k - lo
+    return np.argsort(packed, kind="stable")
+
+
+def check_rows(
+    bad: Any, n_files: int, layouts: Sequence[FS.Layout], columns: Sequence[np.ndarray], data_nbytes: int,
+    checks: np.ndarray | None = None, chunk_bytes: int = 1,
+) -> None:  # fmt: skip
+    """The range checks of index rows given as their six columns (``FS.COL_*`` order): file ids
+    below ``n_files``, known layouts, sizes matching them, bytes inside the data, checksums
+    possible; and every block checksum inside one data chunk. Not the check that no frame lists a
+    leaf twice (``load_segment`` makes it)."""
+    if checks is not None and len(checks):
+        c_off, c_nb, c_crc = checks[:, 0], checks[:, 1], checks[:, 2]
+        if (
+            c_off.min() < 0
+            or c_nb.min() < 1
+            or np.any(c_off > data_nbytes - c_nb)
+            or np.any(c_off // chunk_bytes != (c_off + c_nb - 1) // chunk_bytes)
+            or c_crc.min() < 0
+            or c_crc.max() > 0xFFFFFFFF
+        ):
+            raise bad("a block checksum covers bytes outside one data chunk, or is impossible", FS.CHECKS_NAME)
+    fid, frame, lid = columns[FS.COL_FILE], columns[FS.COL_FRAME], columns[FS.COL_LAYOUT]
+    off, nb, crc = columns[FS.COL_OFFSET], columns[FS.COL_NBYTES], columns[FS.COL_CRC]
+    if not len(fid):
+        return
+    if fid.min() < 0 or fid.max() >= n_files:
+        raise bad("index refers to a filename the catalog does not have", FS.INDEX_NAME)
+    if lid.min() < 0 or lid.max() >= len(layouts):
+        raise bad("index refers to a layout the catalog does not have", FS.INDEX_NAME)
+    if frame.min() < 0:
+        raise bad("index has a negative frame index", FS.INDEX_NAME)
+    n_checks = 0 if checks is None else len(checks)
+    if crc.min() < -n_checks or crc.max() > 0xFFFFFFFF:
+        raise bad("index has an impossible checksum", FS.INDEX_NAME)
+    blocked = np.flatnonzero(crc < 0)
+    if len(blocked):  # a row checked by a block lies inside that block
+        assert checks is not None
+        c = checks[-1 - crc[blocked]]
+        if np.any(off[blocked] < c[:, 0]) or np.any(off[blocked] + nb[blocked] > c[:, 0] + c[:, 1]):
+            raise bad("index row lies outside the block checksum it points at", FS.INDEX_NAME)
+    sizes = np.array([lay.nbytes for lay in layouts], dtype=np.int64)
+    if np.any(nb != sizes[lid]):
+        raise bad("index row sizes do not match their layouts", FS.INDEX_NAME)
+    if off.min() < 0 or np.any(off > data_nbytes - nb):
+        raise bad(f"index has offsets outside the {data_nbytes} bytes of data", FS.INDEX_NAME)
+
+
+def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
+    """Layout id -> the position of its leaf path in sorted order (a value's leaves are written
+    in that order, so within one write of a frame these strictly increase)."""
+    order = {p: i for i, p in enumerate(sorted({lay.leaf for lay in layouts}))}
+    return np.array([order[lay.leaf] for lay in layouts], dtype=np.int64)
+
+
+def _read_small_array(
+    storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
+) -> bytes:
+    """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
+    hostile ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
+    ``max_bytes`` bytes plus the 4 CRC bytes."""
+    path = storage.describe(rel)
+    try:
+        meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=f"{path}/zarr.json")
+    except FileNotFoundError:
+        raise CorruptSpillError(
+            f"{path}: missing (the segment is committed but has no {rel.rsplit('/', 1)[-1]})", path=path, rank=rank
+        ) from None
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CorruptSpillError(f"{path}/zarr.json: bad shape {shape!r}", path=path, rank=rank)
+    if expect_shape is not None and shape != expect_shape:
+        raise CorruptSpillError(
+            f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank
+        )
+    if any(d == 0 for d in shape):
+        return b""
+    key = f"{rel}/c/" + "/".join("0" * len(shape))
+    try:
+        blob = storage.get(key, max_bytes=max_bytes + 4)
+    except FileNotFoundError:
+        raise CorruptSpillError(
+            f"{storage.describe(key)}: missing chunk", path=storage.describe(key), rank=rank
+        ) from None
+    if len(blob) < 4:
+        raise CorruptSpillError(f"{storage.describe(key)}: truncated chunk", path=storage.describe(key), rank=rank)
+    raw, stored = blob[:-4], int.from_bytes(blob[-4:], "little")
+    if google_crc32c.value(raw) != stored:
+        raise CorruptSpillError(
+            f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)",
+            path=storage.describe(key),
+            rank=rank,
+        )
+    return raw
+
+
+def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
+    return [load_segment(storage, seg) for seg in segments]
+
+
+def flushed_chunks(storage: Storage, seg: Segment) -> int:
+    """How many journal entries (= data chunks made durable) an uncommitted segment has."""
+    return len([n for n in storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}") if n.isdigit()])
+
+
+def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[str]]:
+    """Rebuild an uncommitted segment's index from its journal: every entry in chunk order up to
+    the first missing or corrupt one. Returns the segment and the problems that stopped it."""
+    problems: list[str] = []
+    if seg.header is None and not storage.exists(f"{seg.rel}/zarr.json"):
+        # The header is the first object a writer creates (atomically): without it the rank was
+        # stopped while setting up, before any data chunk, so there is nothing to salvage.
+        note = (
+            f"{storage.describe(seg.rel)}: rank {seg.rank}'s segment has no header (the rank stopped before "
+            "its segment was set up); nothing to salvage from it"
+        )
+        empty = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
+        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
+    header = seg.header or {}
+    if seg.header is not None:  # never misread another format
+        F.check_version(header, storage.describe(f"{seg.rel}/zarr.json"), spill=True)
+    chunk_bytes = header.get("chunk_bytes")
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 1 <= chunk_bytes <= (1 << 34):
+        raise CorruptSpillError(f"{storage.describe(seg.rel)}: segment header has no valid chunk_bytes", rank=seg.rank)
+    filenames: list[str] = []
+    layouts: list[FS.Layout] = []
+    parts: list[np.ndarray] = []
+    check_parts: list[np.ndarray] = []
+    n_checks = 0
+    n = 0
+    while True:
+        rel = f"{seg.rel}/{FS.journal_name(n)}"
+        blob = storage.get_or_none(rel, max_bytes=FS.journal_max_bytes(chunk_bytes))
+        if blob is None:
+            break
+        try:
+            entry = FS.decode_journal(blob, path=storage.describe(rel))
+            if (
+                entry.chunk != n
+                or entry.file_base != len(filenames)
+                or entry.layout_base != len(layouts)
+                or (entry.checks is not None and entry.check_base != n_checks)
+            ):
+                raise CorruptSpillError(
+                    f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)
+                )
+        except CorruptSpillError as exc:
+            problems.append(str(exc))
+            break
+        filenames.extend(entry.filenames)
+        layouts.extend(entry.layouts)
+        parts.append(entry.rows)
+        if entry.checks is not None:
+            check_parts.append(entry.checks)
+            n_checks += len(entry.checks)
+        n += 1
+    index = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
+
+    def bad(msg: str, rel: str = "") -> CorruptSpillError:
+        where = storage.describe(f"{seg.rel}/{FS.JOURNAL_NAME}")
+        return CorruptSpillError(f"{where}: {msg}", path=where, rank=seg.rank)
+
+    # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
+    # write's rows.
+    if len(index):
+        index = _last_writes(index, layouts)
+
+    if len(set(filenames)) != len(filenames):
+        raise bad("journal lists a filename twice")
+    checks = np.concatenate(check_parts) if check_parts else None
+    _validate_rows(bad, filenames, layouts, index, n * chunk_bytes, checks, chunk_bytes)
+    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True, checks=checks), problems
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """The bytes of one leaf of one stored frame: what a duplicate is compared by."""
+
+    segment: LoadedSegment
+    """Segment whose ``data`` holds them."""
+    offset: int
+    """Byte offset in that ``data``."""
+    nbytes: int
+    """Byte length."""
+    crc: int
+    """CRC-32C the index gives for them."""
+
+
+_COMPARE_WINDOW = 1 << 20
+
+
+def data_ranges(seg: LoadedSegment, offset: int, nbytes: int) -> list[tuple[str, int, int]]:
+    """Byte ranges ``(rel, start, stop)`` of bytes ``[offset, offset + nbytes)`` of a segment's
+    ``data``, one per chunk object they touch, for :meth:`Storage.read_into`."""
+    out = []
+    cb, end = seg.chunk_bytes, offset + nbytes
+    while offset < end:
+        c = offset // cb
+        stop = min(end, (c + 1) * cb)
+        out.append((f"{seg.seg.rel}/{FS.DATA_NAME}/c/{c}", offset - c * cb, stop - c * cb))
+        offset = stop
+    return out
+
+
+def check_of(seg: LoadedSegment, crc: int) -> tuple[int, int, int]:
+    """``(offset, nbytes, CRC-32C)`` of the block checksum an index row's negative ``crc``
+    points at (validated at load: it exists and holds the row)."""
+    assert seg.checks is not None
+    off, nb, value = seg.checks[-1 - crc].tolist()
+    return off, nb, value
+
+
+def block_mismatch(storage: Storage, seg: LoadedSegment, crc: int) -> CorruptSpillError:
+    """The error for a block whose bytes fail their block checksum."""
+    off, nb, _ = check_of(seg, crc)
+    where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
+    return CorruptSpillError(
+        f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
+        f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+        path=where,
+        rank=seg.seg.rank,
+    )
+
+
+def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
+    """Read the block an index row's negative ``crc`` points at and check its CRC-32C (a block
+    lies in one data chunk: at most ``chunk_bytes`` read)."""
+    off, nb, value = check_of(seg, crc)
+    buf = np.empty(nb, dtype=np.uint8)
+    storage.read_into(data_ranges(seg, off, nb), buf.data)
+    if google_crc32c.value(buf) != value:
+        raise block_mismatch(storage, seg, crc)
+
+
+def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:
+    """True when two stored copies of a frame (their leaves, in the same order) hold the same
+    bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
+    merge calls this for duplicates whose sizes and checksums agree. Both copies are read
+    ``window`` bytes at a time, so memory stays bounded whatever the frame size; each leaf's
+    CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
+    different content."""
+    if len(a) != len(b) or any(x.nbytes != y.nbytes for x, y in zip(a, b, strict=True)):
+        return False
+    size = min(window, max((x.nbytes for x in a), default=0))
+    buf_a, buf_b = np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
+    # A handle cache of its own: the caller's storage may never be closed if the plan raises.
+    reader = Storage(storage.url, storage.storage_options)
+    equal = True
+    try:
+        for x, y in zip(a, b, strict=True):
+            crc_x = crc_y = 0
+            for start in range(0, x.nbytes, window):
+                n = min(window, x.nbytes - start)
+                reader.read_into(data_ranges(x.segment, x.offset + start, n), buf_a[:n].data)
+                reader.read_into(data_ranges(y.segment, y.offset + start, n), buf_b[:n].data)
+                crc_x = google_crc32c.extend(crc_x, buf_a[:n])
+                crc_y = google_crc32c.extend(crc_y, buf_b[:n])
+                equal = equal and bool(np.array_equal(buf_a[:n], buf_b[:n]))
+            for e, got in ((x, crc_x), (y, crc_y)):
+                if e.crc < 0:  # checked by a block checksum: check the whole block
+                    verify_block(reader, e.segment, e.crc)
+                elif got != e.crc:
+                    seg = e.segment.seg
+                    where = storage.describe(f"{seg.rel}/{FS.DATA_NAME}")
+                    raise CorruptSpillError(
+                        f"{where}: checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {seg.rank}): "
+                        "the spill is corrupt; run `spillmerge verify` on the root",
+                        path=where,
+                        rank=seg.rank,
+                    )
+    finally:
+        reader.close()
+    return equal
+
+
+def _last_writes(index: np.ndarray, layouts: list[FS.Layout]) -> np.ndarray:
+    """Keep only the rows of the last write of each ``(file, frame)`` of a journal.
+
+    A frame's rows are contiguous (listed together in one entry) with strictly
+    increasing leaf paths, so a write starts where the key changes or a leaf path does not
+    increase. The layout is no key here: a rewrite may have other shapes or other leaves."""
+    lid = index[:, FS.COL_LAYOUT]
+    if lid.min() < 0 or lid.max() >= len(layouts):
+        return index  # _validate_rows names the bad row
+    fid, frame, leaf = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], _leaf_ids(layouts)[lid]
+    starts = np.ones(len(index), dtype=bool)
+    starts[1:] = (fid[1:] != fid[:-1]) | (frame[1:] != frame[:-1]) | (leaf[1:] <= leaf[:-1])
+    write = np.cumsum(starts) - 1
+    _, inverse = np.unique(index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    last = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(last, inverse, write)
+    return index[write == last[inverse]]
+
+
+def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> dict[str, set[int]]:
+    """Filename → frame indices already committed under a spill root, by any rank and session.
+
+    A rerun after a crash can skip these keys; the merge unions all sessions."""
+    storage = Storage(root, storage_options)
+    if not storage.exists(""):
+        return {}
+    return load_committed_keys(storage)
+
+
+def load_committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
+    """Filename → frame indices already committed under the root (every rank, every segment but
+    ``exclude``)."""
+    out: dict[str, set[int]] = {}
+    for segs in scan(storage).values():
+        for seg in segs:
+            if seg.commit is None or seg.name == exclude:
+                continue
+            loaded = load_segment(storage, seg)
+            for fid, frame in set(map(tuple, loaded.index[:, :2].tolist())):
+                out.setdefault(loaded.filenames[fid], set()).add(frame)
+    return out

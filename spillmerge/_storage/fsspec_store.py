@@ -1,0 +1,235 @@
+"""Storage on an fsspec filesystem other than the local disk (S3, GCS, Azure, memory://).
+
+Object stores have no links, no folders and no rename: an object is written whole by one PUT
+(or one multipart upload), which is durable when it returns.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+
+from .._errors import SpillStorageError
+from .base import Storage
+
+
+def _normalize_key(root: str) -> str:
+    """``a/./b//c/../d`` -> ``a/b/d`` for an object-store root, leaving a protocol prefix that a
+    backend keeps in its paths (``proto://``) as it is."""
+    if root in ("/", ""):
+        return root
+    proto, sep, rest = root.partition("://")
+    if not sep:
+        return posixpath.normpath(root)
+    return f"{proto}://{posixpath.normpath(rest)}" if rest else root
+
+
+class FsspecStorage(Storage):
+    """A prefix of an fsspec filesystem (``s3://bucket/key``, ``memory://x`` ...)."""
+
+    local: ClassVar[bool] = False
+
+    @staticmethod
+    def _serves(fs: Any) -> bool:
+        return not isinstance(fs, LocalFileSystem)  # LocalStorage's
+
+    @staticmethod
+    def _resolve_root(root: str) -> str:
+        # Object stores have no links; `..`, `.` and `//` are resolved the way fsspec users mean them.
+        return _normalize_key(root)
+
+    # ---------------------------------------------------------------------------------- reads
+    def _read_bounded(self, rel: str, max_bytes: int) -> bytes:
+        p = self.path(rel)
+        with self.storage_errors("read", rel, passthrough=(FileNotFoundError,)):
+            # One ranged GET of at most one byte past the bound: no HEAD first (that doubled the
+            # requests of every read on an object store). Longer than the bound: refused.
+            try:
+                data = bytes(self.fs.cat_file(p, start=0, end=max_bytes + 1))
+            except (FileNotFoundError, IsADirectoryError):
+                # A prefix with objects below it (a "folder") is no object: refused by what it is.
+                self._refuse_kind(rel, self.fs.info(p).get("type"))  # FileNotFoundError: nothing there
+                raise
+            self._refuse_size(rel, len(data), max_bytes)
+            return data
+
+    def _before_listing(self, rel: str, path: str) -> None:
+        # Object-store filesystems cache listings; a barrier polling for commit records must
+        # see new objects.
+        self.fs.invalidate_cache(path)
+
+    def find(self, rel: str) -> list[tuple[str, int]]:
+        top = self.path(rel)
+        self.fs.invalidate_cache(top)
+        try:
+            with self.storage_errors("list", rel, passthrough=(FileNotFoundError,)):
+                found = self.fs.find(top, detail=True)
+        except FileNotFoundError:
+            return []
+        base = self._below_root()
+        out = []
+        for path, info in found.items():
+            path = str(path)
+            if not path.startswith(base):
+                continue
+            child = path[len(base) :]
+            self.path(child)  # a name that would escape the root is refused here
+            out.append((child, int(info.get("size") or 0)))
+        return sorted(out)
+
+    def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
+        """One ranged GET per run of nearby pieces of one object (:func:`coalesce`), not one per
+        piece: the copy asks for every row of an output chunk, and rows dealt round-robin over
+        ranks are one row per run (measured on moto: 12,677 GETs to merge 20,000 small keys)."""
+        starts, pos = [], 0
+        for _, start, stop in pieces:
+            starts.append(pos)
+            pos += stop - start
+        runs = coalesce(pieces)
+        paths = [self.path(rel) for rel, _, _, _ in runs]
+        with self.storage_errors("read from"):
+            blobs = self.fs.cat_ranges(paths, [a for _, a, _, _ in runs], [b for _, _, b, _ in runs], on_error="raise")
+        for (rel, a, _, members), blob in zip(runs, blobs, strict=True):
+            if isinstance(blob, BaseException):
+                raise SpillStorageError(f"cannot read {self.describe(rel)}: {blob}", path=self.describe(rel))
+            for i in members:
+                _, start, stop = pieces[i]
+                n = stop - start
+                got = blob[start - a : stop - a]
+                if len(got) != n:
+                    raise self._truncated(rel, start, len(got), n)
+                out[starts[i] : starts[i] + n] = got
+
+    # --------------------------------------------------------------------------------- writes
+    def makedirs(self, rel: str) -> None:
+        """Nothing: object stores have no folders."""
+
+    def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        p = self.path(rel)
+        with self.storage_errors("write", rel):
+            blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
+            self.fs.pipe_file(p, bytes(blob))
+
+    def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
+        return _FsspecSink(self, rel)
+
+    def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
+        """Nothing: a PUT is durable when it returns."""
+
+    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+        """Nothing: a PUT is durable when it returns."""
+
+    def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
+        paths = {self.path(rel): data for rel, data in objects.items()}
+        with self.storage_errors("write metadata under"):
+            if getattr(self.fs, "async_impl", False):
+                self.fs.pipe(paths, batch_size=batch)
+            else:
+                self.fs.pipe(paths)
+
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        self.put(rel, data)  # one PUT: objects appear whole or not at all
+
+    def is_link(self, rel: str) -> bool:
+        return False
+
+    def rm_tree(self, rel: str = "") -> None:
+        p = self.path(rel)
+        try:
+            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
+                if self.fs.exists(p):
+                    self.fs.rm(p, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def remove_empty_dir(self, rel: str) -> None:
+        """Nothing: object stores have no folders."""
+
+    def create(self, rel: str, data: bytes) -> bool:
+        p = self.path(rel)
+        try:
+            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
+                self.fs.pipe_file(p, data, mode="create")
+                return True
+        except FileExistsError:
+            return False
+
+    # ----------------------------------------------------------------------------------- zarr
+    def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
+        from zarr.storage import FsspecStore
+
+        fs = self.fs
+        if not getattr(fs, "async_impl", False):
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            fs = AsyncFileSystemWrapper(fs, asynchronous=True)
+        elif not getattr(fs, "asynchronous", False):
+            # zarr drives the filesystem from its own event loop: it needs an asynchronous instance.
+            fs = type(fs)(**{**fs.storage_options, "asynchronous": True})
+        return FsspecStore(fs, path=self.path(rel), read_only=read_only)
+
+
+class _FsspecSink:
+    """See :meth:`Storage.open_write`: one streamed (multipart) upload, which the object store
+    makes visible only when it completes."""
+
+    def __init__(self, storage: FsspecStorage, rel: str) -> None:
+        self.storage, self.rel = storage, rel
+        self.path = storage.path(rel)
+        self._fh: Any = None
+
+    def __enter__(self) -> _FsspecSink:
+        with self.storage.storage_errors("write", self.rel):
+            self._fh = self.storage.fs.open(self.path, "wb")
+        return self
+
+    def write(self, data: bytes | memoryview | np.ndarray) -> None:
+        with self.storage.storage_errors("write", self.rel):
+            self._fh.write(data)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._fh is None:
+            return
+        ok = exc_type is None
+        try:
+            with self.storage.storage_errors("write", self.rel):
+                if ok:
+                    self._fh.close()
+                else:
+                    discard = getattr(self._fh, "discard", None)
+                    if discard is not None:
+                        discard()
+        except BaseException:
+            if ok:
+                raise
+
+
+COALESCE_GAP = 64 << 10
+"""Bytes between two pieces of one object read in one GET rather than two: a request costs about
+what 64 KiB of transfer does on an object store."""
+COALESCE_MAX = 16 << 20
+"""Bytes at most in one coalesced GET (one spill data chunk)."""
+
+
+def coalesce(pieces: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int, list[int]]]:
+    """Runs ``(rel, start, stop, members)`` covering the byte ranges ``pieces`` (indices into it in
+    ``members``): pieces of one object at most :data:`COALESCE_GAP` apart share a run of at most
+    :data:`COALESCE_MAX` bytes (a longer piece is a run of its own)."""
+    order = sorted(range(len(pieces)), key=lambda i: (pieces[i][0], pieces[i][1]))
+    runs: list[tuple[str, int, int, list[int]]] = []
+    for i in order:
+        rel, start, stop = pieces[i]
+        if runs:
+            r_rel, r_start, r_stop, members = runs[-1]
+            end = max(r_stop, stop)
+            if r_rel == rel and start <= r_stop + COALESCE_GAP and end - r_start <= COALESCE_MAX:
+                members.append(i)
+                runs[-1] = (rel, r_start, end, members)
+                continue
+        runs.append((rel, start, stop, [i]))
+    return runs

@@ -1,0 +1,1 @@
+"""Writing on every rank: values to leaves, staging, flush workers, SpillWriter."""

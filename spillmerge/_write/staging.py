@@ -1,0 +1,776 @@
+"""Staging: host buffers a writer copies frames into, and the thread that uploads them.
+
+Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Memory*):
+  (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` (the
+                     CRC-32C of each block of host rows right after its copy: ``add_frames``
+                     one per leaf per block, ``add_frame`` one per run of whole frames) →
+                     ``Staging.hand_off``: ``Flusher.q.put(chunk)``
+  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
+                     one by one → a flush worker writes it whole and fsyncs it (``flush_threads``
+                     in flight, finishing in any order) → once chunks ``0..N`` are durable, the
+                     journal thread fsyncs their folder and writes ``journal/N`` (entries in
+                     chunk order) → ``BufferPool.release``; ``None`` on the queue ends it.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from .._errors import SpillMergeError, SpillStorageError
+from .._format import spill as FS
+from .._storage import Storage
+from .._util.progress import ProgressWriter
+
+CHECK_BYTES = 1 << 20
+"""Largest block checksum (docs/FORMAT.md, ``checks``) ``add_frames`` makes, unless one row is larger."""
+COMPARE_WINDOW = 1 << 20
+"""Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
+SIDE_STREAM_BYTES = 1 << 20
+"""A CUDA leaf of at least this many bytes is copied on the writer's own stream, overlapping the
+producer's next kernels; a smaller one on the caller's stream (``Staging._prepare_cuda``)."""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A staging buffer on its way to storage."""
+
+    number: int
+    """Chunk number in ``data``."""
+    host: torch.Tensor
+    """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
+    host_np: Any = None
+    """``host.numpy()``, made once: host-side copies slice it (cheaper per call than torch)."""
+    fill: int = 0
+    """Bytes used."""
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
+    staged by ``Staging.add``; a row may continue in the next chunk)."""
+    blocks: list[tuple[int, int, int, np.ndarray, int]] = field(default_factory=list)
+    """(check id, start, stop, rows, CRC-32C) of every block checksum of this chunk: bytes
+    ``start:stop`` hold the rows ``rows`` (int64) back to back (one leaf of a block of
+    ``add_frames``, or a run of whole frames of ``add_frame``), checksummed in one call
+    (docs/FORMAT.md, ``checks``) by the caller's thread right after its copy (``_block``)."""
+    check_base: int = 0
+    """Id of this chunk's first block checksum (the number of blocks of earlier chunks)."""
+    run: array.array[int] = field(default_factory=lambda: array.array("q"))
+    """Rows of the open block of ``write``'s frames (``Staging.add_frame``): consecutive whole
+    frames from ``run_start`` to ``fill``, closed into ``blocks`` at CHECK_BYTES, before any other
+    copy into this chunk, and at hand-off."""
+    run_start: int = 0
+    """Where the open block starts in this chunk."""
+    streams: dict[int, int] = field(default_factory=dict)
+    """The CUDA streams that copied into this buffer (raw handle -> device index): small leaves
+    are copied on the caller's stream, large ones on the writer's own (``Staging.add``)."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA events recorded on each of ``streams`` after their copies (``Staging.seal``), when the
+    chunk leaves the writer's hands: whoever reads ``host`` waits for them first."""
+    completed: list[np.ndarray] = field(default_factory=list)
+    """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
+    is in this chunk, in order, as int64 ``(n, 6)`` arrays: a block of ``Staging.add_frames``, or
+    the rows ``tail`` collected before it. A journal entry lists whole frames only."""
+    tail: array.array[int] = field(default_factory=lambda: array.array("q"))
+    """The rows completed one by one (``Staging.add``, ``add_frame``) since the last block of
+    ``completed``, six int64 each: 48 bytes a row, where a tuple per row took ~200 (a chunk of
+    tiny rows holds up to a million of them)."""
+    file_base: int = 0
+    """Catalog id of ``new_files[0]``."""
+    new_files: list[str] = field(default_factory=list)
+    """Filenames registered since the previous chunk was handed off."""
+    layout_base: int = 0
+    """Catalog id of ``new_layouts[0]``."""
+    new_layouts: list[FS.Layout] = field(default_factory=list)
+    """Layouts registered since the previous chunk was handed off."""
+
+    def complete_block(self, block: np.ndarray) -> None:
+        """Append a block of completed rows after the rows completed one by one so far."""
+        if self.tail:
+            self.completed.append(np.frombuffer(self.tail, dtype=np.int64).reshape(-1, 6))
+            self.tail = array.array("q")
+        self.completed.append(block)
+
+
+_WAKE = object()
+_SPARE = object()
+
+
+class BufferPool:
+    """At most ``n_buffers`` host buffers of ``chunk_bytes``, reused: ``acquire`` blocks while all
+    of them wait for storage (backpressure), the flush thread ``release``s each after its upload
+    and allocates the next one ahead (``prefault_spare``) so ``write()`` never pays for fresh
+    pages. Buffers are pinned once ``pin()`` was called (the first CUDA write)."""
+
+    def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
+        self.chunk_bytes, self.n_buffers = chunk_bytes, n_buffers
+        self.allocated = 0
+        """Buffers allocated so far (at most ``n_buffers``)."""
+        self.pinned = False
+        """True once CUDA tensors were written: new buffers are pinned."""
+        self._lock = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self.wants_spare: Callable[[], None] | None = None
+        """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
+        thread then prefaults the next one while the caller fills this one."""
+
+    def pin(self) -> None:
+        self.pinned = True
+
+    def acquire(self, check: Callable[[], None]) -> torch.Tensor:
+        """A free buffer, waiting for one while all are in use; ``check()`` runs while waiting
+        (it raises the flush thread's error instead of waiting forever)."""
+        with self._lock:
+            while True:
+                check()
+                if self._free:
+                    buf = self._free.pop()
+                    if self.pinned and not buf.is_pinned():
+                        break  # allocated before the first CUDA write: replace it with pinned memory
+                    if not self._free and self.allocated < self.n_buffers and self.wants_spare is not None:
+                        self.wants_spare()
+                    return buf
+                if self.allocated < self.n_buffers:
+                    self.allocated += 1
+                    break
+                self._lock.wait(timeout=0.5)  # backpressure: wait for the flush thread
+        return self._new_buffer()
+
+    def _new_buffer(self) -> torch.Tensor:
+        if self.pinned:
+            return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        # numpy's allocation, not torch's: numpy asks the kernel for transparent huge pages
+        # (madvise) for buffers of 4 MiB or more, so a fresh buffer costs a page fault per 2 MiB,
+        # not per 4 KiB (its first touch was ~a third of write_batch's time in short runs)
+        return torch.from_numpy(np.empty(self.chunk_bytes, dtype=np.uint8))
+
+    def prefault_spare(self) -> None:
+        """Allocate one more buffer (within ``n_buffers``) and touch its pages, so the page faults
+        of fresh memory are paid by the flush thread, not inside ``write()``."""
+        with self._lock:
+            if self._free or self.allocated >= self.n_buffers:
+                return
+            self.allocated += 1
+        buf = self._new_buffer()
+        if not self.pinned:  # pinned memory is resident already
+            # torch, not numpy: its fill releases the GIL, so the caller's write_batch runs on
+            # while this thread takes a page fault per 4 KiB (milliseconds per buffer)
+            buf[::4096].fill_(0)
+        self.release(buf)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._lock.notify()
+
+    def clear(self) -> None:
+        """Drop the free buffers (the staging memory is only needed while writing)."""
+        with self._lock:
+            self._free.clear()
+
+
+def completed_rows(chunk: Chunk) -> np.ndarray:
+    """The int64 ``(n, 6)`` rows (row, file, frame, layout, offset, nbytes) completed in ``chunk``,
+    in order: its blocks (``completed``), then the rows completed one by one after them (``tail``)."""
+    parts = list(chunk.completed)
+    if chunk.tail:
+        parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
+    return np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)
+
+
+class Flusher(threading.Thread):
+    """Background thread: waits for a chunk's device copies, checksums its rows, uploads it whole
+    (``flush_threads`` uploads at a time), and writes each chunk's journal entry once that chunk
+    and every earlier one are durable."""
+
+    def __init__(
+        self, pool: BufferPool, storage: Storage, prefix: str, *, rank: int, flush_threads: int,
+        object_size: Callable[[Chunk], int], fsync: bool = True,
+    ) -> None:  # fmt: skip
+        """Uploads go to ``storage`` under ``prefix`` (the segment); ``object_size(chunk)`` says
+        how many bytes of a chunk's buffer its object holds (the writer decides: the last chunk
+        of a small spill is stored exactly). ``fsync``: each chunk is fsynced by the worker that
+        wrote it (local disks), so a chunk counts as durable only once it survives a power loss."""
+        super().__init__(name=f"spillmerge-flush-r{rank}", daemon=True)
+        self.pool, self.storage, self.prefix, self.fsync = pool, storage, prefix, fsync
+        self.flush_threads, self.object_size = flush_threads, object_size
+        self.q: queue.Queue[Any] = queue.Queue()
+        self.crc = np.zeros(1024, dtype=np.int64)
+        """Index row -> CRC-32C of its bytes (rows without bytes: 0, the CRC of nothing), or
+        ``-1 - id`` of the block checksum covering it. Only this thread writes it; it grows by
+        copying, so a reader of the old array still sees every CRC computed before it grew."""
+        self.checks = np.zeros((64, FS.CHECK_COLUMNS), dtype=np.int64)
+        """Block checksum id -> (offset in ``data``, nbytes, CRC-32C); grows like ``crc``."""
+        self.n_checks = 0
+        """Block checksums computed so far (ids ``0 .. n_checks-1``, in chunk order)."""
+        self.error: BaseException | None = None
+        self.durable = 0
+        """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
+        self.durable_cond = threading.Condition()
+        self._pending: collections.deque[tuple[Chunk, Future[None]]] = collections.deque()
+        self._journals: list[Future[None]] = []
+        self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
+        # Journal entries land one after another, in chunk order: a reader replays them in order
+        # and stops at a gap, so entry N written before N-1 would be lost to a kill between them.
+        self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix=f"spillmerge-journal-r{rank}")
+        self.progress = ProgressWriter(storage, prefix, rank=rank)
+        pool.wants_spare = lambda: self.q.put(_SPARE)
+
+    def run(self) -> None:
+        try:
+            self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
+            while True:
+                try:
+                    chunk = self.q.get(timeout=self.progress.interval)
+                except queue.Empty:  # idle: the progress record catches up with the last chunks
+                    if self.progress.behind():
+                        self._journals.append(self._pool.submit(self.progress.maybe_write, trailing=True))
+                    continue
+                if chunk is None:
+                    break
+                if chunk is _WAKE:  # an upload finished: journal it and free its buffer
+                    self._retire(block=False)
+                    continue
+                if chunk is _SPARE:  # the caller took the prefaulted buffer: ready the next one
+                    self.pool.prefault_spare()
+                    continue
+                if self.error is not None:
+                    self.pool.release(chunk.host)
+                    continue
+                try:
+                    self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
+                    self._checksum(chunk)
+                    fut = self._pool.submit(self._upload, chunk)
+                    fut.add_done_callback(lambda _: self.q.put(_WAKE))
+                    self._pending.append((chunk, fut))
+                    self._retire(block=len(self._pending) > self.flush_threads)
+                except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
+                    self.error = self.error or exc
+            while self._pending:
+                self._retire(block=True)
+        finally:
+            self._pool.shutdown(wait=True)
+            self._journal_pool.shutdown(wait=True)
+            # Final counts before a commit or failure record lands (a failed rank's stay exact).
+            self.progress.maybe_write(trailing=True)
+            for fut in self._journals:
+                if fut.exception() is not None and self.error is None:
+                    self.error = fut.exception()
+            with self.durable_cond:  # wake a writer waiting for a chunk that will never land
+                self.durable_cond.notify_all()
+
+    def _checksum(self, chunk: Chunk) -> None:
+        # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
+        for event in chunk.events:
+            event.synchronize()
+        buf = chunk.host.numpy()
+        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3][-1]) for b in chunk.blocks], default=-1)
+        if top >= len(self.crc):
+            grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
+            grown[: len(self.crc)] = self.crc
+            self.crc = grown
+        crc = self.crc
+        for row, start, stop in chunk.pieces:
+            crc[row] = google_crc32c.extend(int(crc[row]), buf[start:stop])
+        if not chunk.blocks:
+            return
+        need = chunk.check_base + len(chunk.blocks)
+        if need > len(self.checks):
+            more = np.zeros((max(need, 2 * len(self.checks)), FS.CHECK_COLUMNS), dtype=np.int64)
+            more[: len(self.checks)] = self.checks
+            self.checks = more
+        # The caller computed each block's CRC-32C (``Staging._block``); its rows point at it by id.
+        base = chunk.number * len(buf)
+        for check, start, stop, rows, value in chunk.blocks:
+            self.checks[check] = (base + start, stop - start, value)
+            crc[rows] = -1 - check
+        self.n_checks = need
+
+    def _upload(self, chunk: Chunk) -> None:
+        buf = chunk.host.numpy()
+        size = self.object_size(chunk)
+        if chunk.fill < size:
+            buf[chunk.fill : size] = 0
+        # The bytes are durable when this returns (fsync in this worker, beside the others in
+        # flight), their folder entry once ``_journal`` fsynced the folder.
+        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync)
+
+    def _retire(self, *, block: bool) -> None:
+        """Journal finished uploads in chunk order; release their buffers."""
+        while self._pending and (block or self._pending[0][1].done()):
+            chunk, fut = self._pending.popleft()
+            block = False
+            try:
+                fut.result()
+                with self.durable_cond:
+                    self.durable = chunk.number + 1
+                    self.durable_cond.notify_all()
+                done = completed_rows(chunk)  # once, for the progress record and the journal
+                self.progress.durable(chunk.number, done)
+                if self.error is None:
+                    # Its chunk and every earlier one are durable now; the PUT itself overlaps the
+                    # next uploads, after the earlier entries.
+                    self._journals.append(self._journal_pool.submit(self._journal, chunk, done))
+            except BaseException as exc:  # noqa: BLE001
+                self.error = self.error or exc
+            finally:
+                self.pool.release(chunk.host)
+
+    def _journal(self, chunk: Chunk, done: np.ndarray) -> None:
+        # Written only after this chunk and every earlier one are durable, so every row it lists
+        # (including rows that started in earlier chunks) can be read back. ``done``:
+        # completed_rows(chunk).
+        if self.fsync:  # the chunk's name too: its folder (the earlier chunks' names with it)
+            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)
+        crc = self.crc
+        rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
+        rows[:, : FS.COL_CRC] = done[:, 1:]
+        rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
+        checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
+        entry = FS.encode_journal(
+            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
+            chunk.check_base, checks,
+        )  # fmt: skip
+        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
+        self.progress.maybe_write()
+
+
+class Staging:
+    """The writer's side of staging: the only object that touches the staging chunks, the
+    buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
+    :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
+    :meth:`stop` (abort), :meth:`row_crcs` for the index and :meth:`free`. Full chunks go to the
+    :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
+    since the previous one, read from the two append-only lists given to :meth:`start`."""
+
+    def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.pool = BufferPool(chunk_bytes, n_buffers)
+        self.offset = 0
+        """Bytes staged so far: where the next leaf's bytes start in the segment's ``data``."""
+        self.n_chunks = 0
+        """Chunks started so far (the last one may still be filling)."""
+        self.n_checks = 0
+        """Block checksums assigned so far (``add_frames``)."""
+        self.frames = 0
+        """Frames staged so far (rewrites of a key included): the progress record's count of
+        what the writer has taken, durable or not yet (one int, read by the flush thread)."""
+        self.flusher: Flusher | None = None
+        self._current: Chunk | None = None
+        self._cuda_stream: Any = None
+        self._closing = False
+        self._path = ""
+        self._block_rows_cache: dict[tuple[Any, ...], np.ndarray] = {}
+
+    def start(
+        self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
+        layouts: list[FS.Layout], fsync: bool = True,
+    ) -> None:  # fmt: skip
+        """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
+        ``layouts`` are the writer's catalog (append-only)."""
+        self._storage, self._prefix, self._path = storage, prefix, storage.describe(prefix)
+        self._filenames, self._layouts = filenames, layouts
+        self._journaled_files = self._journaled_layouts = 0
+        self.flusher = Flusher(
+            self.pool, storage, prefix, rank=rank, flush_threads=flush_threads, object_size=self._object_size,
+            fsync=fsync,
+        )  # fmt: skip
+        self.flusher.progress.staged = lambda: (self.frames, self.offset)
+        self.flusher.start()
+
+    @property
+    def allocated(self) -> int:
+        """Staging buffers allocated so far."""
+        return self.pool.allocated
+
+    # -------------------------------------------------------------------------------- copies
+    def add(
+        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int,
+        held: list[Any] | None = None, last: bool = True,
+    ) -> None:  # fmt: skip
+        """Copy one leaf (index row ``row``; ``data`` a flat uint8 ndarray or contiguous tensor
+        of ``nbytes``) into staging at :attr:`offset`. The rows of a frame's earlier leaves wait
+        in ``held`` (``last=False``); with its ``last`` leaf they all go to the chunk holding the
+        frame's last byte, so the journal entry of that chunk lists the whole frame and a frame
+        whose large leaf never became durable is never salvaged by halves."""
+        done = 0
+        is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
+        if is_cuda:
+            stream = self._prepare_cuda(data, nbytes)
+            device = data.get_device()
+        while done < nbytes:
+            chunk = self._current_chunk()
+            if chunk.run:  # the open block of whole frames ends where these bytes start
+                self._close_run(chunk)
+            n = min(nbytes - done, self.chunk_bytes - chunk.fill)
+            if is_cuda:
+                self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
+            else:
+                if chunk.host_np is None:
+                    chunk.host_np = chunk.host.numpy()
+                chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
+            chunk.pieces.append((row, chunk.fill, chunk.fill + n))
+            chunk.fill += n
+            done += n
+            self.offset += n
+            if done == nbytes:
+                entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
+                if not last:
+                    held.append(entry)  # type: ignore[union-attr]
+                else:
+                    for e in held or ():
+                        chunk.tail.extend(e)
+                    chunk.tail.extend(entry)
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+        if nbytes == 0:
+            entry = (row, file_id, frame, layout_id, self.offset, 0)
+            if not last:
+                held.append(entry)  # type: ignore[union-attr]
+            else:
+                tail = self._current_chunk().tail
+                for e in held or ():
+                    tail.extend(e)
+                tail.extend(entry)
+
+    def add_frame(self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], leaves: list[Any]) -> None:
+        """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
+        leaf would: when every leaf is on the host and the frame fits in the current chunk, in
+        one step (no held list, no per-leaf call); otherwise through ``add``."""
+        total = 0
+        for leaf in leaves:
+            if type(leaf.data) is not np.ndarray:
+                break
+            total += leaf.nbytes
+        else:
+            if total:
+                self.add_host_frame(
+                    row, file_id, frame, layout_ids, [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves],
+                    total,
+                )  # fmt: skip
+                return
+        self.frames += 1
+        held: list[Any] = []
+        last = len(leaves) - 1
+        for j, leaf in enumerate(leaves):
+            self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
+
+    def add_host_frame(
+        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
+        sizes: Any, total: int,
+    ) -> None:  # fmt: skip
+        """``add_frame`` of a frame whose leaves are host uint8 arrays ``data`` of ``sizes``
+        bytes (``total`` > 0 in all): in one step when the frame fits in the current chunk (no
+        held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
+        otherwise leaf by leaf through ``add``."""
+        self.frames += 1
+        chunk = self._current
+        if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
+            held: list[Any] = []
+            last = len(data) - 1
+            for j, d in enumerate(data):
+                self.add(row + j, file_id, frame, layout_ids[j], d, sizes[j], held, j == last)
+            return
+        host, fill, base = chunk.host_np, chunk.fill, self.offset - chunk.fill
+        run, tail = chunk.run, chunk.tail
+        if not run:
+            chunk.run_start = fill
+        for j, d in enumerate(data):
+            n = sizes[j]
+            if n:
+                host[fill : fill + n] = d
+                run.append(row + j)  # checked with its block (a CRC call per row held the GIL)
+            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
+            fill += n
+        chunk.fill = fill
+        self.offset += total
+        if fill - chunk.run_start >= CHECK_BYTES:
+            self._close_run(chunk)
+
+    def _close_run(self, chunk: Chunk) -> None:
+        """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
+        if chunk.run:
+            self._block(chunk, chunk.run_start, chunk.fill, np.frombuffer(chunk.run, dtype=np.int64))
+            chunk.run = array.array("q")
+
+    def _block(self, chunk: Chunk, start: int, stop: int, rows: np.ndarray) -> None:
+        """A block checksum of host bytes ``start:stop`` of ``chunk`` (rows ``rows``, ascending),
+        computed here, in the caller's thread, while the bytes just copied are in its cache.
+        google_crc32c holds the GIL: in the flush thread every block stalled the caller's next
+        Python line until it finished (write_batch's per-batch Python waited on it), and a
+        flush thread competing for the CPU on a busy machine made it worse."""
+        value = google_crc32c.value(chunk.host_np[start:stop])
+        chunk.blocks.append((self.n_checks, start, stop, rows, value))
+        self.n_checks += 1
+
+    def add_frames(
+        self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: tuple[int, ...],
+        columns: list[np.ndarray], index: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Stage whole frames of the same layouts at once: frame ``i`` has index rows ``row +
+        i * L + j`` for its ``L`` leaves, leaf ``j``'s bytes being ``columns[j][i]`` (host uint8
+        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0). ``file_ids``: int64
+        per frame, or an int (frame ``i`` is file ``file_ids + i``); ``frames``: int64 per frame,
+        or None (frame 0 each). Fills ``index`` (int64 ``(n_frames * L, 5)``: file, frame,
+        layout, offset in ``data``, nbytes of every row). The frames that fit whole in the
+        current chunk are one block: each leaf's rows of the block are copied back to back in
+        one copy (leaf by leaf, so the block of one leaf is one byte range) and checksummed by
+        one block checksum; their journal rows are arrays, made from a constant block per
+        (frames, layouts, widths) plus one shift. A frame straddling two chunks goes through
+        ``add`` (a CRC per row, as ``write`` does)."""
+        widths = [int(c.shape[1]) for c in columns]
+        frame_bytes = sum(widths)
+        n_leaves, n = len(columns), len(columns[0])
+        self.frames += n
+        consecutive = not isinstance(file_ids, np.ndarray)
+        i = 0
+        while i < n:
+            chunk = self._current_chunk()
+            k = min(n - i, (self.chunk_bytes - chunk.fill) // frame_bytes)
+            if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
+                held: list[Any] = []
+                r = row + i * n_leaves
+                fid = int(file_ids) + i if consecutive else int(file_ids[i])  # type: ignore[index]
+                fr = 0 if frames is None else int(frames[i])
+                for j, col in enumerate(columns):
+                    index[i * n_leaves + j] = (fid, fr, layout_ids[j], self.offset, widths[j])
+                    self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, j == n_leaves - 1)
+                i += 1
+                continue
+            if chunk.host_np is None:
+                chunk.host_np = chunk.host.numpy()
+            if chunk.run:
+                self._close_run(chunk)
+            host, fill = chunk.host_np, chunk.fill
+            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
+            shift = (row + i * n_leaves, int(file_ids) + i if consecutive else 0, 0, 0, self.offset, 0)
+            cube = self._block_rows(k, layout_ids, widths) + np.array(shift, dtype=np.int64)
+            if not consecutive:
+                cube[:, :, 1] = file_ids[i : i + k, None]  # type: ignore[index]
+            if frames is not None:
+                cube[:, :, 2] = frames[i : i + k, None]
+            for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
+                host[fill : fill + k * w] = col[i : i + k].reshape(-1)
+                # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row
+                # reads its whole block once.
+                g = max(1, CHECK_BYTES // w)
+                for a in range(0, k, g):
+                    b = min(k, a + g)
+                    self._block(chunk, fill + a * w, fill + b * w, cube[a:b, j, 0])
+                fill += k * w
+            flat = cube.reshape(k * n_leaves, 6)
+            index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
+            chunk.complete_block(flat)
+            chunk.fill = fill
+            self.offset += k * frame_bytes
+            i += k
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+
+    def _block_rows(self, k: int, layout_ids: tuple[int, ...], widths: list[int]) -> np.ndarray:
+        """The journal rows of a block of ``k`` whole frames of these layouts and leaf widths,
+        as if its first row were row 0 of file 0 at frame 0, staged at offset 0: (row, file,
+        frame, layout, offset, nbytes) per frame and leaf, leaf ``j``'s rows after the earlier
+        leaves' rows (made once per (k, layouts, widths); a block is this plus one shift)."""
+        key = (k, layout_ids, tuple(widths))
+        rows = self._block_rows_cache.get(key)
+        if rows is None:
+            n_leaves = len(widths)
+            lens = np.asarray(widths, dtype=np.int64)
+            rows = np.zeros((k, n_leaves, 6), dtype=np.int64)
+            rows[:, :, 0] = np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
+            rows[:, :, 1] = np.arange(k, dtype=np.int64)[:, None]
+            rows[:, :, 3] = layout_ids
+            rows[:, :, 4] = k * (np.cumsum(lens) - lens) + np.arange(k, dtype=np.int64)[:, None] * lens
+            rows[:, :, 5] = lens
+            rows.flags.writeable = False
+            if len(self._block_rows_cache) >= 64:  # bounded: batches of ever new sizes
+                self._block_rows_cache.clear()
+            self._block_rows_cache[key] = rows
+        return rows
+
+    def _prepare_cuda(self, data: torch.Tensor, nbytes: int) -> Any:
+        """The stream that copies ``data`` to host: None for the caller's current stream, which
+        copies a leaf under :data:`SIDE_STREAM_BYTES` like any operation the caller queues there:
+        after the producer's work and before whatever the caller queues next (overwriting the
+        tensor in place, freeing it), with no cross-stream bookkeeping: on an H100 host each call
+        into ``torch.cuda``'s stream helpers cost ~10 us, and a small leaf's ~75 us went to ~30
+        (``benchmarks/bench_gpu.py``, table 4). A larger leaf is copied on the writer's own stream, so the producer's next
+        kernels overlap it."""
+        if not self.pool.pinned:
+            self.pool.pin()
+        if nbytes < SIDE_STREAM_BYTES:
+            return None
+        current = torch.cuda.current_stream(data.device)
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device=data.device)
+        # Copies run on our own stream after the producer's work; the allocator must not
+        # reuse the tensor's memory before our copy has read it.
+        self._cuda_stream.wait_stream(current)
+        data.record_stream(self._cuda_stream)
+        return self._cuda_stream
+
+    def _copy_cuda(self, chunk: Chunk, src: torch.Tensor, n: int, stream: Any, device: int) -> None:
+        """Queue the copy of ``src`` into ``chunk`` at its fill, on ``stream`` (None: the caller's
+        current stream), noting the stream so that ``seal`` marks its end."""
+        dst = chunk.host[chunk.fill : chunk.fill + n]
+        if stream is None:
+            dst.copy_(src, non_blocking=True)
+            chunk.streams[torch.cuda.current_stream(device).cuda_stream] = device
+            return
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        chunk.streams[stream.cuda_stream] = device
+        # Work the caller queues next (e.g. overwriting this tensor in place) runs after our
+        # copy, without blocking the host: write() keeps its copy semantics on CUDA.
+        torch.cuda.current_stream(src.device).wait_stream(stream)
+
+    def seal(self, chunk: Chunk) -> list[Any]:
+        """Record an event on every stream that copied into ``chunk`` so far, after its copies
+        (one per stream and chunk, not per leaf), and return the chunk's events."""
+        if chunk.streams:
+            chunk.events = []
+            for raw, device in chunk.streams.items():
+                event = torch.cuda.Event()
+                event.record(torch.cuda.ExternalStream(raw, device=device))
+                chunk.events.append(event)
+        return chunk.events
+
+    def _current_chunk(self) -> Chunk:
+        if self._current is None:
+            self._current = Chunk(self.n_chunks, self.pool.acquire(self.check), check_base=self.n_checks)
+            self.n_chunks += 1
+        return self._current
+
+    def hand_off(self) -> None:
+        """Queue the current chunk (if any) for upload, with the catalog entries added since the
+        previous one."""
+        chunk, self._current = self._current, None
+        if chunk is not None:
+            self._close_run(chunk)
+            chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
+            chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
+            self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
+            self.seal(chunk)
+            self._fl.q.put(chunk)
+
+    def _object_size(self, chunk: Chunk) -> int:
+        # A spill smaller than one chunk is stored as one exactly-sized chunk; otherwise the last
+        # chunk is padded to the chunk size, as zarr's regular chunk grid requires.
+        if self._closing and chunk.number == 0 and self.n_chunks == 1:
+            return max(chunk.fill, 1)
+        return self.chunk_bytes
+
+    # ------------------------------------------------------------------------------ read back
+    def same_bytes(self, leaves: list[tuple[int, Any, int]]) -> bool:
+        """Do the staged bytes at ``(offset, data, nbytes)`` of every leaf equal ``data``?
+
+        Only a rewrite of a key gets here (rare), so this may wait for the flush thread and read
+        back from storage; writes of new keys never checksum or compare anything. The earlier
+        bytes are read where they are: in the current staging chunk, else (once the flush thread
+        has uploaded their chunk) from storage, ``COMPARE_WINDOW`` bytes at a time. CUDA leaves
+        are copied to the host, synchronously, window by window."""
+        reader: Storage | None = None
+        try:
+            for off, data, nbytes in leaves:
+                pos = 0
+                while pos < nbytes:
+                    c, lo = divmod(off + pos, self.chunk_bytes)
+                    m = min(nbytes - pos, self.chunk_bytes - lo, COMPARE_WINDOW)
+                    new = data[pos : pos + m]
+                    if isinstance(new, torch.Tensor):
+                        new = new.cpu().numpy()
+                    cur = self._current
+                    if cur is not None and cur.number == c:
+                        for event in self.seal(cur):  # its device-to-host copies may still run
+                            event.synchronize()
+                        old = cur.host.numpy()[lo : lo + m]
+                    else:
+                        self._wait_durable(c)
+                        if reader is None:  # its own handle cache, closed below
+                            reader = Storage(self._storage.url, self._storage.storage_options)
+                        old = np.empty(m, dtype=np.uint8)
+                        reader.read_into([(f"{self._prefix}/{FS.DATA_NAME}/c/{c}", lo, lo + m)], old.data)
+                    if not np.array_equal(old, new):
+                        return False
+                    pos += m
+        finally:
+            if reader is not None:
+                reader.close()
+        return True
+
+    def _wait_durable(self, chunk: int) -> None:
+        """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
+        background); raise the flush thread's error if it failed instead."""
+        fl = self._fl
+        with fl.durable_cond:
+            while fl.durable <= chunk and fl.error is None and fl.is_alive():
+                fl.durable_cond.wait(0.5)
+        self.check()
+        if fl.durable <= chunk:  # pragma: no cover - the flush thread ended without an error
+            raise SpillStorageError(f"data chunk {chunk} of {self._path} was never written", path=self._path)
+
+    # ------------------------------------------------------------------------------ the end
+    @property
+    def _fl(self) -> Flusher:
+        if self.flusher is None:  # pragma: no cover - the writer starts staging at open()
+            raise RuntimeError("staging was never started")
+        return self.flusher
+
+    def check(self) -> None:
+        """Raise the flush thread's error, if it failed."""
+        err = self.flusher.error if self.flusher is not None else None
+        if err is not None:
+            if isinstance(err, SpillMergeError):
+                raise err
+            raise SpillStorageError(
+                f"spilling to {self._path} failed in the background: {type(err).__name__}: {err}",
+                path=self._path,
+            ) from err
+
+    def finish(self) -> None:
+        """Commit: upload the last chunk (exactly sized when it is the only one), wait for every
+        upload and journal entry, raise the flush thread's error."""
+        self._closing = True
+        self.hand_off()
+        self._fl.q.put(None)
+        self._fl.join()
+        self.check()
+
+    def stop(self) -> bool:
+        """Abort: flush what was staged (so it stays readable) if the flush thread still runs;
+        True when the flush thread never failed (what it wrote can be indexed)."""
+        self._closing = True
+        fl = self._fl
+        if fl.is_alive():
+            self.hand_off()
+            fl.q.put(None)
+            fl.join()
+        return fl.error is None
+
+    def checks(self) -> np.ndarray:
+        """The int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) the index's negative
+        CRCs point at (complete once :meth:`finish` returned)."""
+        fl = self._fl
+        return fl.checks[: fl.n_checks].copy()
+
+    def row_crcs(self, n_rows: int) -> np.ndarray:
+        """The CRC-32C of the bytes of index rows ``0 .. n_rows-1`` (complete once :meth:`finish`
+        returned)."""
+        crc = self._fl.crc
+        out = np.zeros(n_rows, dtype=np.int64)
+        m = min(n_rows, len(crc))
+        out[:m] = crc[:m]
+        return out
+
+    def free(self) -> None:
+        # The staging memory is only needed while writing; a merge on this rank follows.
+        self.pool.clear()
