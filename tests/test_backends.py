@@ -116,3 +116,19 @@ def test_resume_sees_committed_keys(backend):
     assert spillmerge.committed_keys(root, backend.options) == {"clip/a b.mp4": {0, 1, 2, 3}, "other.mp4": {0, 1, 2, 3}}
     with spillmerge.SpillWriter(root, rank=0, world_size=2, storage_options=backend.options) as w:
         assert w.is_committed("other.mp4", 3) and not w.is_committed("other.mp4", 4)
+
+
+def test_syncing_an_output_tree_skips_a_file_another_part_renamed_away(tmp_path):
+    """Parts of one merge write beside each other: a part's fsync of the output tree may list
+    another part's temporary file that is renamed before its fsync. That file is not ours to
+    flush (the other part syncs what it renames), so the walk goes on; a file we name ourselves
+    and that is gone is still an error, naming it."""
+    from spillmerge._storage import Storage
+
+    (tmp_path / "out").mkdir()
+    out = Storage(str(tmp_path / "out"))
+    out.put("kept.json", b"{}")
+    out.sync(["gone.json.tmp-1"], missing_ok=True)  # listed by the walk, renamed away since
+    out.fsync_tree("")
+    with pytest.raises(spillmerge.SpillStorageError, match="gone.json"):
+        out.sync(["gone.json"])

@@ -7,6 +7,7 @@ again after (docs/GUARANTEES.md, *Threat model*); writes go to a temporary name 
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import posixpath
@@ -261,9 +262,11 @@ class LocalStorage(Storage):
         files = [
             os.path.join(dirpath, n)[len(base) :] for dirpath, _dirs, names in os.walk(top) for n in names
         ]  # fmt: skip
-        self.sync(files, threads=threads)
+        # another process's temporary file (a part writing beside us) may be renamed away between
+        # the walk and its fsync: a file gone by then is not ours to flush
+        self.sync(files, threads=threads, missing_ok=True)
 
-    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True, missing_ok: bool = False) -> None:
         paths = {self.path(r) for r in rels if r not in self._synced}
         paths.update(self._folders(rels, up))
         if not paths:
@@ -272,7 +275,7 @@ class LocalStorage(Storage):
             self.storage_errors("sync", rels[0]),
             ThreadPoolExecutor(min(threads, len(paths)), thread_name_prefix="spillmerge-fsync") as pool,
         ):
-            list(pool.map(_fsync_path, sorted(paths)))
+            list(pool.map(functools.partial(_fsync_path, missing_ok=missing_ok), sorted(paths)))
         self._synced.update(rels)
 
     def _folders(self, rels: Sequence[str], up: bool) -> set[str]:
@@ -452,14 +455,15 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> No
         view = view[os.write(fd, view) :]
 
 
-def _fsync_path(path: str) -> None:
+def _fsync_path(path: str, *, missing_ok: bool = False) -> None:
     """fsync a file or a folder by path. Anything else is skipped unopened or unsynced: a link
     (``O_NOFOLLOW``), a FIFO (opened without blocking; a blocking open waits for a writer
-    forever), a device or socket planted in a tree we sync is not ours to flush."""
+    forever), a device or socket planted in a tree we sync is not ours to flush; with
+    ``missing_ok``, so is a path gone since it was listed."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO):
+        if exc.errno in (errno.ELOOP, errno.ENXIO) or (missing_ok and exc.errno == errno.ENOENT):
             return
         raise
     try:
