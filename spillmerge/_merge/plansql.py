@@ -139,28 +139,14 @@ def sort_rows(
         n_names: list[int] = []
         for si, s in enumerate(segments):
             n_names.append(len(s.filenames))
-            gmap, pmap = layout_ids(s)
-            idx = s.index
-            if not len(idx):
+            table = _segment_rows(si, s, layout_ids)
+            if table is None:
                 continue
-            lay = idx[:, FS.COL_LAYOUT]
-            cols = {
-                "fname": _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
-                "frame": _i64(idx[:, FS.COL_FRAME]),
-                "rlp": _i64(pmap[lay]),
-                "gl": _i64(gmap[lay]),
-                "seg": _i64(np.full(len(idx), si, dtype=np.int64)),
-                "off": _i64(idx[:, FS.COL_OFFSET]),
-                "nb": _i64(idx[:, FS.COL_NBYTES]),
-                "crc": _i64(idx[:, FS.COL_CRC]),
-                "lf": _i64(idx[:, FS.COL_FILE]),
-            }
-            table = pa.Table.from_arrays(list(cols.values()), names=list(cols))
             pq.write_table(
                 table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none", row_group_size=ROW_GROUP
             )
             n_files += 1
-            del table, cols
+            del table
         order = lp_order()
         lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
         pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
@@ -194,6 +180,33 @@ def sort_rows(
             con.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _segment_rows(
+    si: int, s: LoadedSegment, layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]]
+) -> Any:
+    """Segment number ``si``'s index rows as the Arrow table both sorts take (None when it has
+    none): name bytes, frame, raw leaf path, global layout, segment, extent, local file number.
+    ``layout_ids`` is called for every segment, an empty one too."""
+    import pyarrow as pa
+
+    gmap, pmap = layout_ids(s)
+    idx = s.index
+    if not len(idx):
+        return None
+    lay = idx[:, FS.COL_LAYOUT]
+    cols = {
+        "fname": _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
+        "frame": _i64(idx[:, FS.COL_FRAME]),
+        "rlp": _i64(pmap[lay]),
+        "gl": _i64(gmap[lay]),
+        "seg": _i64(np.full(len(idx), si, dtype=np.int64)),
+        "off": _i64(idx[:, FS.COL_OFFSET]),
+        "nb": _i64(idx[:, FS.COL_NBYTES]),
+        "crc": _i64(idx[:, FS.COL_CRC]),
+        "lf": _i64(idx[:, FS.COL_FILE]),
+    }
+    return pa.Table.from_arrays(list(cols.values()), names=list(cols))
 
 
 def _quoted(path: str) -> str:
@@ -380,27 +393,9 @@ def sort_rows_in_memory(
     n_names: list[int] = []
     for si, s in enumerate(segments):
         n_names.append(len(s.filenames))
-        gmap, pmap = layout_ids(s)
-        idx = s.index
-        if not len(idx):
-            continue
-        lay = idx[:, FS.COL_LAYOUT]
-        tables.append(
-            pa.Table.from_arrays(
-                [
-                    _names_array(s.filenames).take(_i64(idx[:, FS.COL_FILE])),
-                    _i64(idx[:, FS.COL_FRAME]),
-                    _i64(pmap[lay]),
-                    _i64(gmap[lay]),
-                    _i64(np.full(len(idx), si, dtype=np.int64)),
-                    _i64(idx[:, FS.COL_OFFSET]),
-                    _i64(idx[:, FS.COL_NBYTES]),
-                    _i64(idx[:, FS.COL_CRC]),
-                    _i64(idx[:, FS.COL_FILE]),
-                ],
-                names=["fname", "frame", "rlp", "gl", "seg", "off", "nb", "crc", "lf"],
-            )
-        )
+        table = _segment_rows(si, s, layout_ids)
+        if table is not None:
+            tables.append(table)
     order = lp_order()
     if not tables:
         ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
