@@ -4,10 +4,10 @@ how the outcome and failures travel. The writer delegates here; nothing below im
 Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
   (every rank)    check the options alike; when torch.distributed is initialised with the writer's
                   rank and world size (:func:`coordinated`) and ``transport`` is not ``"storage"``,
-                  the first round of a writer session runs ``_transfer.transfer_shards`` so ``dst``
+                  the first round of a writer session runs ``_dist.transfer.transfer_shards`` so ``dst``
                   can read every committed shard under its own root
-  (dst)           ``_merge.merge`` (``parallel``: every rank runs ``_merge.merge_parallel`` and
-                  ``dst`` finalizes), then ``_runstore.publish_merge_outcome``; a failure is also
+  (dst)           ``_merge.job.merge`` (``parallel``: every rank runs ``_merge.job.merge_parallel`` and
+                  ``dst`` finalizes), then ``_dist.store.publish_merge_outcome``; a failure is also
                   recorded in the spill root (:func:`record_failure`) when the others wait
   (other ranks)   return ``None``, or with ``wait`` :func:`wait_complete`: this round's completion
                   marker in the output, ``dst``'s outcome in the store, or its failure record

@@ -8,7 +8,7 @@ carries, under ``spillmerge/RUN_ID/``:
 - ``merge-outcome/A``: how ``dst``'s merge of session A ended (:func:`publish_merge_outcome`;
   ranks waiting for the output watch it with :class:`OutcomeWatch`);
 - ``merge-A/...``: the JSON messages of one coordinated merge (:class:`Coord`: ``meta``,
-  ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_transfer.transfer_shards``).
+  ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_dist.transfer.transfer_shards``).
 
 No collective and no GPU: every wait polls the store with backoff and ends by its timeout.
 Without torch.distributed (or a run id) nothing is published and the ranks rely on storage.

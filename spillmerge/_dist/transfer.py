@@ -1,6 +1,6 @@
 """Node-local spill roots: move committed shards to the merging rank over torch.distributed.
 
-Used by the merge round (``_round``) only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
+Used by the merge round (``_dist.round``) only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
 
 1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
    key-value store (the TCPStore every process group already has; no collective, no GPU).
@@ -19,7 +19,7 @@ Used by the merge round (``_round``) only. Protocol (every rank runs :func:`tran
 
 Any failure on ``dst`` sets ``abort`` so every waiting rank raises instead of hanging; a rank
 whose writer failed sets ``failed/A/R`` for its A-th writer session of the run
-(``_runstore.publish_failure``). The store's keys and waits are ``_runstore``'s; this module is the
+(``_dist.store.publish_failure``). The store's keys and waits are ``_dist.store``'s; this module is the
 wire (:class:`_Link`) and the shard protocol (:func:`transfer_shards`).
 """
 
@@ -232,7 +232,7 @@ class Session:
     state: str
     """The writer's state: ``committed`` is the only one that may merge."""
     number: int = 0
-    """Which writer session of the run this is on this rank (``_runstore.next_session``)."""
+    """Which writer session of the run this is on this rank (``_dist.store.next_session``)."""
 
 
 def transfer_shards(

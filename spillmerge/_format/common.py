@@ -2,8 +2,8 @@
 limits of objects read whole, JSON in and out (``dumps``, ``loads``), the dtype table, the
 node-name encoding and the checks every record's reader uses.
 
-The spill root's names and records are in ``_format_spill`` (FORMAT.md section 1), the output's in
-``_format_output`` (section 2). docs/FORMAT.md is the normative description; keep them in step.
+The spill root's names and records are in ``_format.spill`` (FORMAT.md section 1), the output's in
+``_format.output`` (section 2). docs/FORMAT.md is the normative description; keep them in step.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
     """What is wrong with a leaf's shape by the format's bounds (None: nothing): its element
     count past :data:`SHAPE_ELEMS_MAX`, or more than :data:`EMPTY_EXTENT_MAX` entries before a
     zero dimension. Shared by the writer (which refuses such a value), the spill reader and the
-    output's invariants (``_invariants.shapes_problems``, the vectorised form)."""
+    output's invariants (``_format.invariants.shapes_problems``, the vectorised form)."""
     n = 1
     for d in shape:
         if d == 0:

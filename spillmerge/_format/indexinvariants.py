@@ -1,7 +1,7 @@
 """Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*): filenames
 sorted, frame offsets and frame indices, provenance, and the header's counts and file layouts
 against the index arrays' lengths. Shared by the reader and ``spillmerge verify``; each check
-returns ``(path, what is wrong)`` pairs (``_invariants.Problem``) and is vectorised numpy.
+returns ``(path, what is wrong)`` pairs (``_format.invariants.Problem``) and is vectorised numpy.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def index_problems(
 ) -> list[Problem]:
     """What the per-file index arrays, the header and the index arrays' lengths break (the
     column checks aside): O(files) numpy, reads nothing. ``lists``: (list groups,
-    domain sizes) from ``_lists``, for the lengths of columns whose rows are a list's items."""
+    domain sizes) from ``_format.lists``, for the lengths of columns whose rows are a list's items."""
     out = meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns, lists)
     layouts = header.get("file_layouts")
     n, rows = len(filenames), lengths["frame_idx"]
@@ -112,7 +112,7 @@ def meta_problems(
     lists: Any = None,
 ) -> list[Problem]:
     """What the header and the index arrays' lengths break, from metadata alone (``open``; the
-    contents are checked block by block as they are read, ``_lazyindex``). ``lists`` as for
+    contents are checked block by block as they are read, ``_read.index``). ``lists`` as for
     :func:`index_problems`."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]

@@ -1,6 +1,6 @@
 """Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and the bounded reads
 of its arrays, shared by the reader (which raises the first broken one) and ``spillmerge verify``
-(which lists them all). The index's own invariants are ``_indexinvariants``.
+(which lists them all). The index's own invariants are ``_format.indexinvariants``.
 
 Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:
 O(rows) numpy, no per-file Python loop.
@@ -51,7 +51,7 @@ def read_whole(arr: Any, read: Callable[[slice], np.ndarray]) -> np.ndarray:
     allocates a selection's result before it fetches a chunk, so reading the whole of an array
     whose metadata declares ``2**40`` rows at once would allocate from metadata alone; chunk by
     chunk, memory grows only with chunks that exist and decode (the chunk itself is bounded by
-    ``_format_output.chunk_limits``), and the first absent one ends the read."""
+    ``_format.output.chunk_limits``), and the first absent one ends the read."""
     n = int(arr.shape[0]) if arr.ndim else 0
     k = int(arr.chunks[0]) if arr.ndim else 1
     if n <= k:
@@ -96,9 +96,9 @@ def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
 
 def grid_problems(rel: str, arr: Any) -> list[Problem]:
     """What the array ``rel``'s metadata breaks of the format's chunk rules
-    (``_format_output.chunk_limits``: chunk shape within the array's, known codecs, bounded
+    (``_format.output.chunk_limits``: chunk shape within the array's, known codecs, bounded
     chunk size, shapes without overflow), from its metadata alone; the same limits bound every
-    chunk read (``_outputstore.NoFillStore``)."""
+    chunk read (``_read.outputstore.NoFillStore``)."""
     try:
         FO.chunk_limits(arr.metadata.to_dict(), path=rel)
     except CorruptSpillError as exc:
@@ -142,8 +142,8 @@ def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str
 @dataclass(frozen=True, slots=True)
 class StoredColumn(FO.ColumnHeader):
     """One column group ``columns/<name>`` of an output as stored, from its metadata alone: its
-    header and its arrays (the reader wraps it in ``_views.OpenColumn``; the merge plans it as
-    ``_plan.PlannedColumn``)."""
+    header and its arrays (the reader wraps it in ``_read.views.OpenColumn``; the merge plans it as
+    ``_merge.plan.PlannedColumn``)."""
 
     _: KW_ONLY
     name: str

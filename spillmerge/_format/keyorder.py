@@ -10,7 +10,7 @@ user's dicts had is kept beside it (docs/FORMAT.md, *Key order*):
   (merge)   ``output_orders`` gathers, per output file, the positions of the layouts its rows
             use into one order per dict path, interns the distinct orders and writes them with
             runs of file ids in the output header (``key_orders``).
-  (reader)  ``KeyOrders`` gives a file's orders; ``_rowvalue`` builds each dict in them.
+  (reader)  ``KeyOrders`` gives a file's orders; ``_read.rowvalue`` builds each dict in them.
 
 The rule when one file's frames held a dict in different orders: a key's position is the one of
 the first frame written (in merge order: segment by segment, then row order) that has the key

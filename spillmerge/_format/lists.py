@@ -4,7 +4,7 @@ rows between a list path's items and the output's rows.
 A merge writes ``lists/<name>/offsets`` for every list path ``P/\\x1f*`` of the output: the items
 of the lists at ``P`` in row ``r`` of ``P``'s domain (the output's rows, or the items of the list
 enclosing ``P``) are the rows ``offsets[r] .. offsets[r+1]-1`` of every column under ``P/\\x1f*``.
-A column's domain is the prefix of its leaf path up to its last ``\\x1f*`` (``_format.list_domain``).
+A column's domain is the prefix of its leaf path up to its last ``\\x1f*`` (``_format.common.list_domain``).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class OutputHeader:
     file_layouts: list[list[str]]
     """The distinct column sets of the files (``index/file_layout`` points into it)."""
     key_orders: dict[str, Any] | None = None
-    """The files' dict key orders (``_keyorder.output_orders``); None (not written) when every
+    """The files' dict key orders (``_format.keyorder.output_orders``); None (not written) when every
     dict was in sorted key order."""
 
     def to_obj(self) -> dict[str, Any]:

@@ -211,7 +211,7 @@ class FailureRecord:
 @dataclass(frozen=True, slots=True)
 class SegmentHeader:
     """A segment's ``zarr.json`` (a zarr group) attributes, key ``spillmerge``: the first object a
-    writer creates. Readers read it leniently (``_spillroot.Segment.header``): only
+    writer creates. Readers read it leniently (``_spill.root.Segment.header``): only
     ``chunk_bytes`` is required, to salvage a segment that never committed."""
 
     rank: int
@@ -281,7 +281,7 @@ class Layout:
     pos: tuple[int, ...] | None = None
     """Per leaf segment, the key's position in the dict the user wrote (-1: a dict in sorted
     order, or a list item); None when every dict along the path was in sorted order
-    (``_keyorder``)."""
+    (``_format.keyorder``)."""
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,7 @@
 """A Zarr v3 array's documents from plain values (docs/FORMAT.md): the ``zarr.json`` of an array
 of fixed-size chunks with a ``crc32c`` checksum, and a small array written as one chunk. Both
 trees use them: the writer's segment arrays (``data``, ``index``, ``catalog``) and every array of
-a merged output (``_zarrmeta``).
+a merged output (``_merge.documents``).
 """
 
 from __future__ import annotations

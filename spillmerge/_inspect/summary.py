@@ -527,7 +527,7 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
 
 
 def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[V.Problem]:
-    """The same checks as ``spillmerge.open`` (``_reader.OutputFiles``), all of them listed."""
+    """The same checks as ``spillmerge.open`` (``_read.store.OutputFiles``), all of them listed."""
     need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
     if need & damaged:
         return []

@@ -3,7 +3,7 @@
 (docs/GUARANTEES.md, *Memory*).
 
 The work is a list of :class:`Unit` s, one per output chunk; a merge in parts gives each part a
-share of the units (``_plan.split``), so no two processes ever write the same object.
+share of the units (``_merge.plan.split``), so no two processes ever write the same object.
 """
 
 from __future__ import annotations
@@ -570,7 +570,7 @@ class _OutputChunk:
 
     def _texts(self, rows: np.ndarray, data: list[np.ndarray]) -> None:
         """Each row of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
-        lengths that add up to its size, each string valid UTF-8 (``_format_spill.text_problem``)."""
+        lengths that add up to its size, each string valid UTF-8 (``_format.spill.text_problem``)."""
         kind = self.col.kind
         if kind == "str" and _utf8_rows(data):
             return

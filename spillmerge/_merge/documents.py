@@ -3,7 +3,7 @@
 The merged output's nodes (``output_docs``: root, ``index`` and its arrays, every column's group
 and arrays; ``consolidated_root``) and the chunk sizes of its arrays. Documents are normalised by
 zarr's own metadata classes, so the consolidated root matches what zarr would write, and nothing
-is read back. A single array's document is ``_format_zarr.array_meta``, which the writer shares.
+is read back. A single array's document is ``_format.zarr.array_meta``, which the writer shares.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .plan import Plan, PlannedColumn, encoded_names
 
 INDEX_ROWS_PER_CHUNK = 1 << 15
 """Rows per chunk of the per-file and per-row index arrays (``frame_offsets``, ``frame_idx`` ...,
-``offsets``, ``valid``): a reader reads and checks them a chunk at a time (``_lazyindex``), so a
+``offsets``, ``valid``): a reader reads and checks them a chunk at a time (``_read.index``), so a
 lookup costs one such chunk per array (256 KiB of int64), not the 16 MiB of 2**21 rows. Smaller
 chunks make lookups cheaper and objects more numerous (10^9 rows: ~30 k chunks per array)."""
 

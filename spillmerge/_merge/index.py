@@ -5,7 +5,7 @@ merge in parts shares them out, so each part writes its share and the finalize o
 documents and the marker (docs/SCALE.md, *What breaks first*, 2).
 
 Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
-(``_format_zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
+(``_format.zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
 edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
 bytes zarr writes for the same elements (tests/test_scaleout.py compares every chunk).
 
@@ -66,7 +66,7 @@ class IndexChunk:
 
 def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]]:
     """Each index array's path and its elements (and the function that makes them from those):
-    the arrays ``_zarrmeta.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
+    the arrays ``_merge.documents.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
     (but ``values``)."""
     filename_arrays = Z.filename_arrays(list(plan.filenames))
     out: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {
@@ -96,7 +96,7 @@ def _present(src: np.ndarray) -> np.ndarray:
 
 def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk]:
     """Every chunk of every index array of the output whose documents are ``docs``
-    (``_zarrmeta.output_docs``), in the order the shares are dealt."""
+    (``_merge.documents.output_docs``), in the order the shares are dealt."""
     out = []
     for path, (source, fn) in _sources(plan).items():
         doc = docs[path]

@@ -141,7 +141,7 @@ def merge_parallel(
 
 def _remove_spill(job: _Job, report: MergeReport) -> MergeReport:
     """``remove_spill``: after a complete output that misses nothing, delete exactly the segments
-    it was merged from (``_removal.remove_merged``); the report lists what went and what stayed."""
+    it was merged from (``_spill.removal.remove_merged``); the report lists what went and what stayed."""
     if not job.options.remove_spill:
         return report
     why = None
@@ -196,7 +196,7 @@ class _Job:
     plan: Plan
     """The merge plan."""
     fingerprint: str
-    """``_plan.fingerprint`` of the plan and the output settings."""
+    """``_merge.plan.fingerprint`` of the plan and the output settings."""
     salvaged: dict[int, int]
     """Rank → frames salvaged from journals."""
     notes: list[str]
@@ -224,7 +224,7 @@ class _Job:
         cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None = None, finalize: bool = False
     ) -> _Job:
         """Barrier → load → plan: everything before the first byte of output. A part and a
-        finalize read the stored plan when there is one (``_planstore``)."""
+        finalize read the stored plan when there is one (``_merge.planstore``)."""
         held: list[_lease.Lease] = []  # the part's lease, once _open took it
         try:
             job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
@@ -273,7 +273,7 @@ class _Job:
             )
         if part is not None:
             # A part holds its lease from here, while it plans: two runs of one part never plan
-            # or write at once. Nobody waits on this lease for a plan (``_planstore``).
+            # or write at once. Nobody waits on this lease for a plan (``_merge.planstore``).
             _output.check_claimable(output)
             output.makedirs("")
             held.append(_lease.part(output, part[0], part[1]))
@@ -469,7 +469,7 @@ def _write_part(
             output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         job.phases["metadata"] = time.perf_counter() - t
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
-        # part's share of the index chunks (``_indexchunks``); the documents are the finalizer's.
+        # part's share of the index chunks (``_merge.index``); the documents are the finalizer's.
         t = time.perf_counter()
         _copy(job, mine)
         job.phases["copy"] = time.perf_counter() - t

@@ -3,7 +3,7 @@
 A folder is a spillmerge output when its root ``zarr.json`` says so, or it holds a lease folder
 or part records of a merge (an interrupted merge); anything else is never written into or deleted.
 A merge deletes only the objects it writes itself (``OURS``), never a lease and never through a
-symbolic link, and only while it holds the output's lease (``_lease``).
+symbolic link, and only while it holds the output's lease (``_merge.lease``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def not_ours(output: Storage) -> OutputExistsError:
     )
 
 
-# The first bytes of the root document a merge writes first (``_zarrmeta.json_doc`` of a group with
+# The first bytes of the root document a merge writes first (``_merge.documents.json_doc`` of a group with
 # the ``spillmerge`` header): a file holding a prefix of them is that write, torn by a crash.
 _ROOT_PREFIX = b'{\n  "attributes": {\n    "spillmerge": {\n      "format_version": '
 

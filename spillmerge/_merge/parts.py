@@ -47,7 +47,7 @@ class PartRecord:
     parts: int
     """Number of parts of the merge."""
     plan: str
-    """Plan fingerprint (``_plan.fingerprint``); every part of one output has the same."""
+    """Plan fingerprint (``_merge.plan.fingerprint``); every part of one output has the same."""
     failed: bool
     """True for a failure record."""
     message: str
@@ -63,7 +63,7 @@ class PartRecord:
     chunk_bytes: int | None
     """Completion records: the target chunk size the part wrote with."""
     index: bool = False
-    """Completion records: the part wrote its share of the index chunks (``_indexchunks``)."""
+    """Completion records: the part wrote its share of the index chunks (``_merge.index``)."""
     options: dict[str, Any] | None = None
     """Completion records: the options that decide the plan and the output (``plan_options``)."""
 

@@ -5,9 +5,9 @@ Rows are the distinct ``(filename, frame)`` keys, files sorted, frames ascending
 Every leaf path of the merge is one column; a leaf keeps one kind, dtype and ``ndim`` across the
 merge (its shape may vary: the column is then ragged). Duplicate keys are resolved by the policy
 (identical content is never an error). Content is identical only when the bytes are: the plan
-reads nothing itself, it asks a ``same_bytes`` callback (``_spillroot.same_bytes`` over the
+reads nothing itself, it asks a ``same_bytes`` callback (``_spill.root.same_bytes`` over the
 merge's storage) about duplicates whose checksums agree. The index rows are sorted by
-(filename, frame, segment, leaf) out of core by DuckDB (``_plansql``), under a memory limit; only
+(filename, frame, segment, leaf) out of core by DuckDB (``_merge.plansql``), under a memory limit; only
 the rows of duplicated keys come back to Python one by one, the rest is vectorised over rows.
 """
 
@@ -82,7 +82,7 @@ class Plan:
     lists: list[PlannedList] = dataclasses.field(default_factory=list)
     """The list offsets of every list path, parents before children."""
     key_orders: dict[str, Any] | None = None
-    """The output header's ``key_orders`` (``_keyorder.output_orders``): the dicts' key order,
+    """The output header's ``key_orders`` (``_format.keyorder.output_orders``): the dicts' key order,
     from the segments' layouts, kept with the plan so a stored plan carries it too."""
 
     @property
@@ -138,13 +138,13 @@ def build(
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
     ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
-    (``_plansql``) under half of it (``_plansql.engine_memory``), or in memory below
-    ``_plansql.IN_MEMORY_ROWS`` rows (starting DuckDB would cost more than the sort), with
+    (``_merge.plansql``) under half of it (``_merge.plansql.engine_memory``), or in memory below
+    ``_merge.plansql.IN_MEMORY_ROWS`` rows (starting DuckDB would cost more than the sort), with
     ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a
     work folder under ``work_dir`` (default: the system's temporary folder), removed before this
     returns. The other half: one segment's rows while it is inserted, one sorted batch, the small tables
     (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
-    files, not anonymous memory, beyond ``_plansql.MAPPED_ROWS`` rows) and the numpy temporaries
+    files, not anonymous memory, beyond ``_merge.plansql.MAPPED_ROWS`` rows) and the numpy temporaries
     of the steps below, which are per-row (a few int64 arrays of the plan's rows at a time)."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")

@@ -67,7 +67,7 @@ def engine_memory(budget: int) -> int:
 PREFIX = "spillmerge-sqlplan-"
 
 COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
-"""The row table's int64 columns (``_plan``'s names): file number, frame, leaf path, global
+"""The row table's int64 columns (``_merge.plan``'s names): file number, frame, leaf path, global
 layout, segment, byte offset, byte length, CRC-32C."""
 
 Resolve = Callable[[dict[str, np.ndarray], list[str]], tuple[np.ndarray, int]]

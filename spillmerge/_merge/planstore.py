@@ -71,7 +71,7 @@ class Obtained:
 
     plan: Plan
     fingerprint: str
-    """``_plan.fingerprint`` for the caller's ``chunk_bytes`` and ``codec``."""
+    """``_merge.plan.fingerprint`` for the caller's ``chunk_bytes`` and ``codec``."""
     notes: list[str]
     """For the report: read, built and stored, or built here, and why."""
 

@@ -25,10 +25,10 @@ from .views import OpenColumn, untensor
 
 Column = OpenColumn | T.Node
 """What makes an exported column: one stored column (flat) or a node of the
-value tree (``_arrowtree``: unions, lists, records)."""
+value tree (``_read.arrow``: unions, lists, records)."""
 
 Files = Any
-"""``_reader.OutputFiles`` (which calls this module: named here, not imported, so no import circle)."""
+"""``_read.store.OutputFiles`` (which calls this module: named here, not imported, so no import circle)."""
 
 BATCH_BYTES = 64 << 20
 """The payload a batch aims at when ``batch_size`` is not given."""
@@ -54,7 +54,7 @@ def arrow_names(files: Files) -> dict[str, OpenColumn]:
 
 
 def default_columns(files: Files) -> dict[str, Column]:
-    """The exported columns when none are named (``_arrowtree.top_columns``)."""
+    """The exported columns when none are named (``_read.arrow.top_columns``)."""
     flat = {id(c): name for name, c in arrow_names(files).items()}
     root = T.tree(list(files.columns.values()), files.key_orders.overall())
     return T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)

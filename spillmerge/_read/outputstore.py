@@ -33,7 +33,7 @@ class NoFillStore(WrapperStore[Store]):
     for the index), so an absent chunk is always damage.
 
     Every chunk is checked before zarr decodes it, on every backend, against its array's
-    metadata checked against the format (``_format_output.chunk_limits``: chunk shape within the
+    metadata checked against the format (``_format.output.chunk_limits``: chunk shape within the
     array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
     size its compressor header declares (a zstd or blosc bomb is refused unread). The metadata is
     one small read per array, once.
@@ -53,7 +53,7 @@ class NoFillStore(WrapperStore[Store]):
 
     @property
     def local(self) -> bool:
-        """Objects are read from a local disk (``_invariants.read_rows`` reads chunk by chunk)."""
+        """Objects are read from a local disk (``_format.invariants.read_rows`` reads chunk by chunk)."""
         return self._storage is not None
 
     def _with_store(self, store: Store) -> NoFillStore:

@@ -7,7 +7,7 @@ offsets pair, a decode): a few microseconds each, tens of them per value. Readin
 order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
 indices) is read a block of files at a time, and each column's rows of a block of rows
 (:class:`Block`) are decoded once, as a list of Python values, when the first row of the block
-needs them. The row's value is then built by ``_rowvalue.row_value`` as ``value()`` builds it,
+needs them. The row's value is then built by ``_read.rowvalue.row_value`` as ``value()`` builds it,
 from those lists: the same objects, equal in type and content.
 
 Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would

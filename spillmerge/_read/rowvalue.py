@@ -1,6 +1,6 @@
 """One row of an output as the Python object that was written (``MergedStore.value``).
 
-The inverse of ``_values.flatten`` (docs/FORMAT.md section 1, *Value model*): a row's leaves are
+The inverse of ``_write.flatten.flatten`` (docs/FORMAT.md section 1, *Value model*): a row's leaves are
 read from the columns of its file that have a value in it (a leaf with several variants has one
 such column per row), then nested again by their paths: user keys make dicts, a ``pylist`` /
 ``pytuple`` header and its ``MARK``-numbered items a list / tuple, a ``pyrecords`` header and its
@@ -72,7 +72,7 @@ class RowPlan:
                 self.scalars.add(id(col))
         self.lists = any(domain for _, _, domain, *_ in self.leaves)
         """Whether some column's rows are list items: a row's value then reads each such column's
-        items at once (a ``_rowblock.Block`` of the row), not one item at a time."""
+        items at once (a ``_read.rowblock.Block`` of the row), not one item at a time."""
         only = cols[0] if len(cols) == 1 else None
         self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
 
@@ -93,7 +93,7 @@ def _entries(
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     whether the row has a value there) of every value row ``r`` has in the plan's columns, less
     the list items and headers it has no value in (they say nothing): a list's item rows
-    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say (``MARK`` + position). ``block``: a ``_rowblock.Block`` holding the columns' validity."""
+    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say (``MARK`` + position). ``block``: a ``_read.rowblock.Block`` holding the columns' validity."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
@@ -161,11 +161,11 @@ def _row_value(
     order: Spec | None,
 ) -> Any:
     """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
-    ``offs``: the list offsets (list path -> offsets); ``block``: a ``_rowblock.Block``
+    ``offs``: the list offsets (list path -> offsets); ``block``: a ``_read.rowblock.Block``
     of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``; and
     ``value()`` of a row with list items: the block of that row, each column's items read at
     once), else each leaf's row is read from its column here; ``order``: the file's dict
-    key orders (``_keyorder``), None for sorted keys."""
+    key orders (``_format.keyorder``), None for sorted keys."""
     col = plan.single
     if col is not None and block is not None:
         return block.get(col, r, filename) if block.ok(col, r) else None

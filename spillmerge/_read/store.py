@@ -1,9 +1,9 @@
 """Reading a merged output: ``spillmerge.open(out)``.
 
 An output of this spillmerge's format version (docs/FORMAT.md section 2) is read here; leaf views
-are in ``_views``, the index invariants in ``_indexinvariants``, the zarr store every array is
-read through in ``_outputstore``. An output of any other version is refused at open
-(``_format.version_error``).
+are in ``_read.views``, the index invariants in ``_format.indexinvariants``, the zarr store every array is
+read through in ``_read.outputstore``. An output of any other version is refused at open
+(``_format.common.version_error``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class OutputFiles:
     header's ``file_layouts``, every column's header and array lengths are checked there; the
     index arrays (``frame_offsets``, ``file_layout``, ``frame_idx``, provenance, every column's
     ``offsets``, ``shapes`` and ``valid``) are read a chunk at a time and checked block by block
-    before anything is served from them (``_lazyindex``), so open costs the same at any size and
+    before anything is served from them (``_read.index``), so open costs the same at any size and
     an output of one block is checked whole there. Column values are read only when asked for;
     an absent chunk raises then (:class:`NoFillStore`). A filename is found by binary search in
     the sorted filenames (their heads, then one block): no per-file dict is built."""
@@ -252,7 +252,7 @@ class OutputFiles:
         return i
 
     def rows_of(self, i: int) -> tuple[int, int]:
-        """Rows ``a .. b-1`` of file ``i``, checked (``_lazyindex``)."""
+        """Rows ``a .. b-1`` of file ``i``, checked (``_read.index``)."""
         return self.checks.file_rows(i)
 
     def frames(self, i: int) -> np.ndarray:
@@ -287,7 +287,7 @@ class OutputFiles:
         self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool, filename: str | None = None
     ) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
-        has it) as it was written (``_rowvalue``)."""
+        has it) as it was written (``_read.rowvalue``)."""
         a, b = self.rows_of(i)
         if filename is None or type(filename) is not str:
             filename = str(self._names[i])
@@ -320,7 +320,7 @@ class OutputFiles:
         return np.asarray(self._file_layout[i0:i1]).tolist()  # type: ignore[no-any-return]
 
     def iter_values(self, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
-        """(filename, frame_idx, value) of every row in order (``_rowblock``)."""
+        """(filename, frame_idx, value) of every row in order (``_read.rowblock``)."""
         return _rowblock.iter_values(self, as_torch)
 
     def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:

@@ -1,5 +1,5 @@
 """Read a spill root: ranks, segments, commit and failure records, indexes — all validated,
-because a spill root is untrusted input. The barrier on its commit records is ``_barrier``."""
+because a spill root is untrusted input. The barrier on its commit records is ``_spill.barrier``."""
 
 from __future__ import annotations
 

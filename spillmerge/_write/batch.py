@@ -356,7 +356,7 @@ def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...],
 
 def as_rows(value: Any, n: int) -> np.ndarray:
     """A dense leaf of ``n`` items as host bytes, one row of ``(n, item bytes)`` per item: the
-    bytes ``_values.flatten`` gives item ``i`` (little-endian, C order)."""
+    bytes ``_write.flatten.flatten`` gives item ``i`` (little-endian, C order)."""
     if type(value) is torch.Tensor:
         try:  # the common leaf: refuses autograd, conj / neg bits and what numpy lacks (below)
             arr = value.numpy()

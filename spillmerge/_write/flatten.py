@@ -61,7 +61,7 @@ class Leaf:
     """A flat uint8 view: ``np.ndarray`` on the host or a contiguous ``torch.Tensor`` on any device."""
     pos: tuple[int, ...] | None = None
     """Per path segment, the key's position in the user's dict; None when every dict along the
-    path had its keys in sorted order (``_keyorder``)."""
+    path had its keys in sorted order (``_format.keyorder``)."""
 
 
 _EMPTY = np.zeros(0, dtype=np.uint8)

@@ -1,7 +1,7 @@
 """A SpillWriter's lifecycle (:class:`WriterState`) and its steps after the ``with`` block: the
 collective merge round (``merge``, and the ``session`` the round and the shard transfer see) and
 ``remove_spill`` once the output holds the segment. ``SpillWriter`` takes them from
-:class:`MergeSteps`; the writing and the commit are ``_writer``'s.
+:class:`MergeSteps`; the writing and the commit are ``_write.writer``'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Repeated value structures the writer recognises instead of re-deriving them (issue 22).
 
 A job writes millions of values of one structure (``{"logits": fp16[1000], "emb": fp16[512]}``
-per image). What ``_values.flatten`` checks and yields, the layout rule's move from a new file's
+per image). What ``_write.flatten.flatten`` checks and yields, the layout rule's move from a new file's
 empty schema and the frame's catalog ids depend only on that structure, so the writer derives
 them once and keeps them here:
 
@@ -54,7 +54,7 @@ class FrameTemplate:
 
     @staticmethod
     def of(leaves: list[Any], schema: int, layout_ids: tuple[int, ...]) -> FrameTemplate | None:
-        """The template of a frame whose ``leaves`` came from ``_values.flatten_dense`` of a dict
+        """The template of a frame whose ``leaves`` came from ``_write.flatten.flatten_dense`` of a dict
         (paths of one key, host uint8 views), accepted as ``(schema, layout_ids)`` into a new
         file; None when a leaf is empty (the general way stages it)."""
         if not leaves or any(len(leaf.path) != 1 or not leaf.nbytes for leaf in leaves) or -1 in layout_ids:

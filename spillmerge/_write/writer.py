@@ -3,10 +3,10 @@
 Protocol:
   (every rank)   __enter__ → write/update ... → __exit__ (commit record last) → merge(out)
   (merging rank) merge waits for every rank's commit record, moves the shards of ranks whose
-                 storage it cannot see over torch.distributed, then merges (the round: _round.py).
+                 storage it cannot see over torch.distributed, then merges (the round: _dist/round.py).
 
 The writer keeps rows (the index it commits) and the lifecycle; the per-file leaf rule is
-``_schema.FileSchemas``, the byte and CUDA copies into staging ``_staging.Staging``.
+``_write.layouts.FileSchemas``, the byte and CUDA copies into staging ``_write.staging.Staging``.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class SpillWriter(MergeSteps):
         values writes a million new files)."""
         self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
         self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
-        """``_batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
+        """``_write.batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
         move) and the dict position of each of its leaves (``_put_fresh``)."""
         self._last_dense: DenseTemplate | None = None
         self._frame_template: FrameTemplate | None = None
@@ -304,7 +304,7 @@ class SpillWriter(MergeSteps):
 
         A batch of CUDA tensors of at most 16 MiB in all is copied to host memory one tensor at a
         time and waited for, as ``.cpu()`` would; a larger one is copied item by item, without
-        waiting (see ``_batch.cuda_to_host``).
+        waiting (see ``_write.batch.cuda_to_host``).
         """
         with self._lock:  # one call at a time: the writer may be shared by threads
             self._check_open()
