@@ -468,7 +468,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "finalize-writes-index-share-of-older-parts",
-        "spillmerge/_merge/job.py",
+        "spillmerge/_merge/scaleout.py",
         "    left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]",
         "    left = [c for p, r in enumerate(finished) if False for c in _indexchunks.share(chunks, p, n)]",
         ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
@@ -476,8 +476,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "part-writes-its-index-share",
-        "spillmerge/_merge/job.py",
-        "        _indexchunks.write(output, _index_share(job, i, n), threads=job.threads)",
+        "spillmerge/_merge/scaleout.py",
+        "        _indexchunks.write(output, _opening.index_share(job, i, n), threads=job.threads)",
         "        pass",
         ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
         "each part writes its share of the index chunks",
@@ -613,7 +613,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "busy-part-0-leaves-no-failure-record",
-        "spillmerge/_merge/job.py",
+        "spillmerge/_merge/opening.py",
         "                busy = isinstance(exc, OutputBusyError)",
         "                busy = False",
         ("tests/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
@@ -1126,7 +1126,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "stored-plan-removed-by-finalize",
-        "spillmerge/_merge/job.py",
+        "spillmerge/_merge/scaleout.py",
         "    _planstore.remove(output)  # the parts are done with it (the output is complete)",
         "    pass",
         ("tests/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
@@ -1222,7 +1222,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "i40-small-merge-no-pool",
-        "spillmerge/_merge/job.py",
+        "spillmerge/_merge/opening.py",
         "    return 1 if small else job.threads",
         "    return job.threads",
         ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),

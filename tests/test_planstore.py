@@ -120,7 +120,7 @@ def test_a_damaged_file_of_the_work_folder_is_named_or_changes_nothing(tmp_path,
 _KILLED = """
 import sys, time
 import spillmerge
-from spillmerge._merge import job as _merge
+from spillmerge._merge import opening as _merge
 from spillmerge._storage import Storage
 stage = sys.argv[3]
 if stage == "build":

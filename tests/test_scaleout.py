@@ -321,7 +321,7 @@ def test_parts_stop_waiting_for_the_plan_when_the_planner_fails(tmp_path):
 _SLOW_PART0 = """
 import sys, time
 import spillmerge
-from spillmerge._merge import job as _merge
+from spillmerge._merge import opening as _merge
 planned = _merge.fingerprint  # called once the plan is built, before it is stored
 def slow(*a, **k):
     time.sleep(float(sys.argv[3]))  # a large plan: the planner holds its lease for a while first
@@ -619,7 +619,7 @@ def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
     writes every one of them, and so does a merge in parts (the finalize none)."""
     from spillmerge._merge import documents as Z
     from spillmerge._merge import index as _indexchunks
-    from spillmerge._merge import job as _merge
+    from spillmerge._merge import opening as _merge
     from spillmerge._merge.options import MergeOptions
 
     root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
@@ -630,7 +630,7 @@ def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
                 value["l"] = [torch.full((j + 1,), float(j)) for j in range(i % 3)]
             w.write(f"f{i:04d}é.jpg", 0, value)
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
-    job = _merge._Job.open(str(root), str(one) + "-plan", MergeOptions(**OPTS))  # type: ignore[arg-type]
+    job = _merge.Job.open(str(root), str(one) + "-plan", MergeOptions(**OPTS))  # type: ignore[arg-type]
     try:
         docs = Z.output_docs(job.plan, 1, job.options.chunk_bytes, job.options.codec)
         chunks = _indexchunks.index_chunks(job.plan, docs)

@@ -1,0 +1,298 @@
+"""A merge call opened (``Job``): options checked, the commit barrier, segments loaded, the plan
+built or read; its report, and the write steps every path shares (copy, flush, completion marker)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import fsspec
+
+from .._errors import OutputBusyError, SpillMergeError, SpillStorageError, SpillValueError
+from .._format import codecs as _codecs
+from .._format import common as F
+from .._format import output as FO
+from .._format import spill as FS
+from .._spill.barrier import wait_for_commits
+from .._spill.root import load_all, load_flushed, same_bytes
+from .._storage import Storage
+from .._util.frames import check_expected
+from . import documents as Z
+from . import index as _indexchunks
+from . import lease as _lease
+from . import ownership as _output
+from . import parts as _parts
+from . import planstore as _planstore
+from .copy import Unit, copy_units
+from .options import MergeOptions
+from .plan import Plan, build, fingerprint
+from .report import MergeReport, gaps
+
+
+@dataclass(slots=True)
+class Job:
+    """One merge call: its storage, the plan every path works from, options and timings."""
+
+    src: Storage
+    """The spill root."""
+    output: Storage
+    """The output folder."""
+    options: MergeOptions
+    """The call's options, ``codec`` checked (finalize takes ``codec`` and ``chunk_bytes`` from
+    the part records)."""
+    threads: int
+    """Copy threads (``options.threads``, or the default for these storages)."""
+    state: Any
+    """``SpillState`` of the spill root after the barrier."""
+    segments: list[Any]
+    """Committed segments, in write order."""
+    plan: Plan
+    """The merge plan."""
+    fingerprint: str
+    """``_merge.plan.fingerprint`` of the plan and the output settings."""
+    salvaged: dict[int, int]
+    """Rank → frames salvaged from journals."""
+    notes: list[str]
+    """Report notes."""
+    manifest: dict[str, int] | None
+    """Filename → expected frame count (``options.expected`` read), for the report (None: not given)."""
+    phases: dict[str, float]
+    """Seconds per phase."""
+    t0: float
+    """perf_counter at the start of the call."""
+    lease: _lease.Lease | None = None
+    """A part's lease, taken before it plans (two runs of one part never plan or write at once)
+    and held until :meth:`close`; None for a whole merge and the finalize."""
+
+    def close(self) -> None:
+        """After the merge, whatever its outcome: the storage, then the part's lease."""
+        try:
+            self.src.close()
+        finally:
+            if self.lease is not None:
+                self.lease.release(tidy=True)
+
+    @classmethod
+    def open(
+        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None = None, finalize: bool = False
+    ) -> Job:
+        """Barrier → load → plan: everything before the first byte of output. A part and a
+        finalize read the stored plan when there is one (``_merge.planstore``)."""
+        held: list[_lease.Lease] = []  # the part's lease, once _open took it
+        try:
+            job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
+        except SpillMergeError as exc:
+            try:
+                # Busy: another run of this part holds the lease and is at work; a failure record
+                # of this part would describe that run's outcome wrongly.
+                busy = isinstance(exc, OutputBusyError)
+                if part is not None and not options.allow_partial and not busy:
+                    _plan_failed(root, out, options, part, exc)
+            finally:
+                for lease in held:
+                    lease.release(tidy=True)
+            raise
+        except BaseException:
+            for lease in held:
+                lease.release(tidy=True)
+            raise
+        job.lease = held[0] if held else None
+        return job
+
+    @classmethod
+    def _open(
+        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None, finalize: bool,
+        held: list[_lease.Lease],
+    ) -> Job:  # fmt: skip
+        t0 = time.perf_counter()
+        chunk_bytes, threads = options.chunk_bytes, options.threads
+        if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
+            # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md, *Size limits*)
+            raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
+        codec = _codecs.check(options.codec)
+        manifest = check_expected(options.expected)
+        storage_options = options.storage_options
+        src = Storage(root, storage_options)
+        output = _output_storage(root, out, options)
+        if threads is None:  # object stores need many requests in flight; local disks do not
+            threads = 4 if src.local and output.local else 16
+        if not isinstance(threads, int) or threads < 1:
+            raise SpillValueError(f"threads must be a positive int, got {threads!r}")
+        if not src.exists(""):
+            raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
+        if _output.overlaps(src, output):
+            raise SpillValueError(
+                f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
+            )
+        if part is not None:
+            # A part holds its lease from here, while it plans: two runs of one part never plan
+            # or write at once. Nobody waits on this lease for a plan (``_merge.planstore``).
+            _output.check_claimable(output)
+            output.makedirs("")
+            held.append(_lease.part(output, part[0], part[1]))
+        allow_partial = options.allow_partial
+        state = wait_for_commits(
+            src,
+            world_size=options.world_size,
+            run_id=options.run_id,
+            timeout=options.timeout,
+            allow_partial=allow_partial,
+            progress=options.progress,
+        )
+        phases: dict[str, float] = {"wait": time.perf_counter() - t0}
+        # Write order for the duplicate policy: segment start time, rank breaking ties.
+        segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
+        t = time.perf_counter()
+        salvaged: dict[int, int] = {}
+        notes: list[str] = []
+        extra = []
+        if allow_partial:
+            # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
+            for rank, seg in sorted(state.partial.items()):
+                flushed, problems = load_flushed(src, seg)
+                notes.extend(problems)
+                if len(flushed.index):
+                    extra.append(flushed)
+                    salvaged[rank] = len({(int(r[0]), int(r[1])) for r in flushed.index[:, :2]})
+        compare = functools.partial(same_bytes, src)
+
+        def plan_here() -> tuple[Plan, str]:
+            """Load every segment's catalog and index, then plan (and fingerprint) here."""
+            t_load = time.perf_counter()
+            loaded = load_all(src, segments) + extra
+            phases["load"] = time.perf_counter() - t_load
+            plan = build(loaded, options.on_duplicate, same_bytes=compare, work_dir=options.plan_dir,
+                         memory_limit=options.plan_budget)  # fmt: skip
+            return plan, fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
+
+        phases["load"] = 0.0
+        if (part is not None or finalize) and not allow_partial:
+            # One process plans and stores the plan; the others read it. Salvaged journals
+            # (``allow_partial``) are read by every process, which then plans itself.
+            key = _planstore.source_key(segments, options.on_duplicate)
+            complete = output.exists(FO.COMPLETE_NAME) and not options.overwrite  # refused later: store nothing
+            got = _planstore.obtain(
+                output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
+                settings={"chunk_bytes": chunk_bytes, "codec": codec}, timeout=options.timeout,
+                may_store=part is not None and not complete,
+            )  # fmt: skip
+            plan, plan_id = got.plan, got.fingerprint
+            notes.extend(got.notes)
+        else:
+            plan, plan_id = plan_here()
+        phases["plan"] = time.perf_counter() - t - phases["load"]
+        options = replace(options, codec=codec)
+        return cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
+
+    def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
+        plan = self.plan
+        t_end = time.perf_counter()
+        t_wait = self.phases["wait"]
+        return MergeReport(
+            out=self.output.describe(),
+            n_files=plan.n_files,
+            n_frames=plan.n_frames,
+            nbytes=plan.total_bytes if todo is None else sum(u.nbytes for u in todo),
+            ranks=sorted({s.rank for s in self.segments}),
+            segments=len(self.segments),
+            merged_segments=[self.src.describe(s.rel) for s in self.segments],
+            seconds=t_end - self.t0,
+            wait_seconds=t_wait,
+            merge_seconds=t_end - self.t0 - t_wait,
+            duplicates=plan.duplicates,
+            rewrites=sum(s.commit.rewrites for s in self.segments if s.commit is not None),
+            missing_ranks=sorted([*self.state.missing, *self.state.failed]),
+            abandoned_segments=[self.src.describe(s.rel) for s in self.state.abandoned],
+            salvaged_frames=self.salvaged,
+            frame_gaps=gaps(plan, self.manifest, whole=part is None)
+            if self.options.allow_partial or self.manifest is not None
+            else {},
+            expected_files=None if self.manifest is None else len(self.manifest),
+            notes=self.notes,
+            phases=self.phases,
+            parts=parts,
+            part=part,
+            codec=self.options.codec,
+        )
+
+
+def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
+    out_storage_options = options.out_storage_options
+    if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
+        same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
+        out_storage_options = options.storage_options if same else None
+    return Storage(out, out_storage_options)
+
+
+def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:
+    """A part failed before it had a plan: its failure record (of no plan) says so to ``status``
+    and to whoever reruns it. Only into an output that is absent, empty or ours; best effort."""
+    try:
+        output = _output_storage(root, out, options)
+        if not output.exists("") or not output.listdir("") or _output.is_ours(output):
+            _parts.write_failure(output, part[0], part[1], "", None, options.run_id, exc)
+    except Exception:  # noqa: BLE001 - the original error matters more
+        pass
+
+
+def plan_options(job: Job) -> dict[str, Any]:
+    """The options that decide the plan and the output, as a part record carries them (messages
+    name those on which parts disagree; the plan budget and folder never change the plan)."""
+    o = job.options
+    return {
+        "on_duplicate": o.on_duplicate, "world_size": job.state.world_size, "run_id": o.run_id,
+        "allow_partial": o.allow_partial, "codec": o.codec, "chunk_bytes": o.chunk_bytes, "session": o.session,
+    }  # fmt: skip
+
+
+def index_share(job: Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
+    """Part ``i``'s share of the output's index chunks."""
+    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
+    return _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
+
+
+SMALL_MERGE_BYTES = 4 << 20
+"""Output chunks of at most this many bytes in all, on local storage, are written by the merging
+thread itself: starting a pool's threads costs more than they gain on a small merge."""
+
+
+def copy_threads(job: Job, todo: list[Unit]) -> int:
+    """The copy and index threads for ``todo``: 1 for a small merge between local storages."""
+    small = job.src.local and job.output.local and sum(u.nbytes for u in todo) <= SMALL_MERGE_BYTES
+    return 1 if small else job.threads
+
+
+def copy(job: Job, todo: list[Unit]) -> None:
+    copy_units(
+        job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget,
+        threads=copy_threads(job, todo), progress=job.options.progress, fsync=job.options.fsync,
+    )  # fmt: skip
+
+
+def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> None:
+    """Flush, then the consolidated root, then the completion marker: last, once."""
+    output, plan = job.output, job.plan
+    root = Z.consolidated_root(docs)
+    t = time.perf_counter()
+    if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
+        output.fsync_tree("")
+    job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
+    t = time.perf_counter()
+    lease.check()  # a merge that lost its lease must not vouch for an output another one writes
+    output.put_atomic("zarr.json", Z.json_doc(root))
+    marker = FO.CompletionMarker(
+        n_files=plan.n_files,
+        n_frames=plan.n_frames,
+        nbytes=plan.total_bytes,
+        finished=F.utcnow(),
+        written_by=lease.record(),  # a second merge into this output can be told apart
+        spill_root=job.src.describe(),
+        plan=job.fingerprint,
+        run_id=job.options.run_id,
+        session=job.options.session,
+    )
+    lease.check()
+    output.put_atomic(FO.COMPLETE_NAME, marker.to_json())
+    job.phases["finish"] = time.perf_counter() - t

@@ -1,0 +1,194 @@
+"""A merge in parts: part ``i`` of ``n`` writes its output chunks and its part record; the finalize
+checks every record and writes the shared documents, index and completion marker."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import replace
+
+from .._errors import MissingPartsError, SpillMergeError
+from .._format import output as FO
+from .._storage import Storage
+from .._util import poll as _poll
+from . import documents as Z
+from . import index as _indexchunks
+from . import lease as _lease
+from . import opening as _opening
+from . import ownership as _output
+from . import parts as _parts
+from . import planstore as _planstore
+from .copy import Unit, units
+from .plan import fingerprint, split
+from .report import MergeReport
+
+
+def merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) -> MergeReport:
+    """Part ``i`` of ``n``: the output chunks ``split`` gives it, then its part record.
+
+    Touches nothing another part of the same plan owns: the shared nodes (index, groups,
+    consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
+    its own records, a completion marker (``overwrite``) and records of another plan
+    (``overwrite``)."""
+    i, n = part
+    output = job.output
+    every = units(job.plan, job.options.chunk_bytes)
+    mine = [every[k] for k in split([u.nbytes for u in every], n)[i]]
+    _output.check_claimable(output)
+    output.makedirs("")
+    # Two runs of the same part never write at once. A part took its lease before planning and
+    # keeps it until the job closes.
+    taken = contextlib.nullcontext(job.lease) if job.lease is not None else _lease.part(output, i, n)
+    with taken as lease:
+        _output.claim(output, job.options.overwrite, lease)
+        return _write_part(job, part, mine, rank, lease)
+
+
+def _write_part(
+    job: _opening.Job, part: tuple[int, int], mine: list[Unit], rank: int | None, lease: _lease.Lease
+) -> MergeReport:
+    i, n = part
+    overwrite = job.options.overwrite
+    output, plan_id = job.output, job.fingerprint
+    name = _parts.describe(i, n, rank)
+    records = _parts.read_records(output)
+    if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
+        # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
+        job.notes.append(
+            f"{name} was already complete ({output.describe(_parts.record_name(i, n))}); nothing rewritten"
+        )
+        return job.report(todo=mine, parts=n, part=i)
+    foreign = _parts.foreign(records, n, plan_id)
+    if foreign and not overwrite:
+        raise _parts.mismatch_error(
+            output,
+            foreign,
+            n,
+            plan_id,
+            hint="rerun every part with overwrite=True (--overwrite), or choose another --out",
+            options=_opening.plan_options(job),
+        )
+    lease.check()
+    for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
+        _parts.remove(output, r.part, r.parts, failed=False)
+    _parts.remove(output, i, n, failed=False)
+    _parts.remove(output, i, n, failed=True)  # a failure record of an earlier attempt of this part
+    try:
+        t = time.perf_counter()
+        if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
+            docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
+            output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+        job.phases["metadata"] = time.perf_counter() - t
+        # Chunks an earlier attempt of this part left are rewritten whole below, values and this
+        # part's share of the index chunks (``_merge.index``); the documents are the finalizer's.
+        t = time.perf_counter()
+        _opening.copy(job, mine)
+        job.phases["copy"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _indexchunks.write(output, _opening.index_share(job, i, n), threads=job.threads)
+        job.phases["index"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if job.options.fsync:  # the part record vouches for every chunk of the part
+            output.fsync_tree("")
+        lease.check()
+        _parts.write_done(
+            output, i, n, plan_id, rank, job.options.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
+            nbytes=sum(u.nbytes for u in mine), codec=job.options.codec, chunk_bytes=job.options.chunk_bytes,
+            index=True, options=_opening.plan_options(job),
+        )  # fmt: skip
+        job.phases["sync"] = time.perf_counter() - t
+    except BaseException as exc:
+        # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
+        _parts.write_failure(output, i, n, plan_id, rank, job.options.run_id, exc)
+        raise
+    return job.report(todo=mine, parts=n, part=i)
+
+
+def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) -> MergeReport:
+    """After every part: check the part records (present, same plan), then index, consolidated
+    metadata and completion marker — the same documents a one-process merge writes."""
+    output = job.output
+    if parts is None and job.options.timeout > 0:
+        _await_a_part(output, job.options.timeout)
+    if not _output.is_ours(output):
+        if output.exists("") and output.listdir(""):
+            raise _output.not_ours(output)
+        raise MissingPartsError(
+            f"{output.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
+            path=output.describe(),
+            missing=[],
+            parts=parts or 0,
+        )
+    with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
+        _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
+        return _finalize_locked(job, parts, collective, lease)
+
+
+def _await_a_part(output: Storage, timeout: float) -> None:
+    """A finalize started with the parts (a SLURM array's last task): up to ``timeout`` seconds for
+    the first part record, which tells it the part count; the records' own wait follows."""
+    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
+        try:
+            if output.exists(_parts.PARTS_DIR) and _parts.read_records(output):
+                return
+        except SpillMergeError:
+            return  # a damaged record: the finalize names it
+        if waited >= timeout:
+            return
+
+
+def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lease: _lease.Lease) -> MergeReport:
+    output = job.output
+    complete = output.exists(FO.COMPLETE_NAME)
+    if complete and not job.options.overwrite:
+        raise _output.complete_error(output, "finalize it again")
+    t = time.perf_counter()
+    records = _parts.read_records(output)
+    n = parts if parts is not None else _parts.infer_parts(output, records)
+    done = [r for r in records if not r.failed and r.parts == n]
+    if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
+        # The parts decided the array documents: finalize with their codec and chunk size rather
+        # than make every caller repeat them (the fingerprint still catches parts that disagree).
+        before = (job.options.codec, job.options.chunk_bytes)
+        job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
+        if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands (2 s at 10^7 keys)
+            job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
+    finished = _parts.wait(
+        output,
+        n,
+        job.fingerprint,
+        timeout=job.options.timeout,
+        collective=collective,
+        run_id=job.options.run_id if collective else None,
+        options=_opening.plan_options(job),
+    )
+    job.phases["parts"] = time.perf_counter() - t
+    t = time.perf_counter()
+    lease.check()
+    if complete:
+        output.rm_tree(FO.COMPLETE_NAME)
+    keep = {c.name for c in job.plan.columns}
+    for name in output.listdir("columns"):
+        if name not in keep and name != "zarr.json":  # left by an older merge into this output
+            output.rm_tree(f"columns/{name}")
+    lists = {lst.name for lst in job.plan.lists}
+    if output.exists("lists") and not lists:
+        output.rm_tree("lists")
+    for name in output.listdir("lists") if lists and output.exists("lists") else ():
+        if name not in lists and name != "zarr.json":  # left by an older merge into this output
+            output.rm_tree(f"lists/{name}")
+    if output.exists("files"):  # an older (format 1) merge into this output
+        output.rm_tree("files")
+    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
+    output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
+    job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
+    t = time.perf_counter()
+    # Each part wrote its share of the index chunks; a part whose record does not say so (a
+    # release before the shares) leaves its share to the finalize.
+    chunks = _indexchunks.index_chunks(job.plan, docs)
+    left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]
+    _indexchunks.write(output, left, threads=job.threads)
+    job.phases["index"] = time.perf_counter() - t
+    _opening.finish(job, docs, lease)
+    _planstore.remove(output)  # the parts are done with it (the output is complete)
+    return job.report(parts=n)
