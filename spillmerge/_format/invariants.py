@@ -142,7 +142,7 @@ def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str
 @dataclass(frozen=True, slots=True)
 class StoredColumn(FO.ColumnHeader):
     """One column group ``columns/<name>`` of an output as stored, from its metadata alone: its
-    header and its arrays (the reader wraps it in ``_read.views.OpenColumn``; the merge plans it as
+    header and its arrays (the reader wraps it in ``_read.column.OpenColumn``; the merge plans it as
     ``_merge.plan.PlannedColumn``)."""
 
     _: KW_ONLY

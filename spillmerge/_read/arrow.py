@@ -28,7 +28,8 @@ from .._format import common as F
 from .._format import lists as L
 from .._format.common import MARK
 from .._format.keyorder import Spec, ordered
-from .views import OpenColumn, untensor
+from .arrowarrays import untensor
+from .column import OpenColumn
 
 _Part = tuple[tuple[str, str], str, np.ndarray, Any]
 """One variant's share of a node's rows: (key, union child name, positions among the rows, the

@@ -21,7 +21,8 @@ from .._errors import ArrowUnionInParquetError, UnknownColumnError, require
 from .._format import common as F
 from .._format import lists as L
 from . import arrow as T
-from .views import OpenColumn, untensor
+from .arrowarrays import untensor
+from .column import OpenColumn
 
 Column = OpenColumn | T.Node
 """What makes an exported column: one stored column (flat) or a node of the

@@ -258,7 +258,7 @@ class IndexChecks:
         self._fl = file_layout
         self._fi = frame_idx
         self._prov = prov
-        self._cols = columns  # name -> _views.OpenColumn (offsets / shapes / valid: LazyArray)
+        self._cols = columns  # name -> column.OpenColumn (offsets / shapes / valid: LazyArray)
         self._names = names
         self._raise = raise_
         self._listed = {name: np.array([name in lay for lay in layouts], dtype=bool) for name in columns}

@@ -8,7 +8,6 @@ column (docs/FORMAT.md section 2, *Columns*), all on :class:`LeafView`.
 from __future__ import annotations
 
 import pickle
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -16,204 +15,13 @@ import numpy as np
 
 from .._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
 from .._format import common as F
-from .._format.invariants import StoredColumn, read_rows
-from .._storage import Storage
-from .cache import ChunkCache
-from .index import ROW_BLOCK
+from .._format.invariants import StoredColumn
+from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
+from .column import OpenColumn, dims
 from .leafdict import LeafDict
-from .rawchunk import chunk_reader
 
 if TYPE_CHECKING:
     import torch
-
-
-def real_dtype(name: str) -> np.dtype[Any]:
-    """The numpy dtype a reader returns for dtype ``name``: numpy's own, the ``ml_dtypes`` type
-    of the same name (bfloat16, float8 ...) where ml_dtypes has one, else the raw-bit storage type
-    (complex32, float4_e2m1fn_x2, bits*)."""
-    dt = F.DTYPES[name]
-    if dt.native:
-        return np.dtype(name)
-    try:
-        import ml_dtypes
-    except ImportError:  # a dependency; without it the raw bits are still exact
-        return np.dtype(dt.storage)
-    ml = getattr(ml_dtypes, name, None)
-    if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
-        return np.dtype(ml)
-    return np.dtype(dt.storage)
-
-
-ROW_BLOCK_ROWS = 256
-ROW_BLOCK_BYTES = 1 << 16
-"""Bounds of the rows of a column with offsets read together when read in order
-(:meth:`OpenColumn.row_block`): at most this much memory per column."""
-
-
-def _dims(shape: Any) -> tuple[int, ...]:
-    """A shape as plain ints: a tuple of numpy ints would print as ``(np.int64(4),)`` in messages."""
-    return tuple(int(d) for d in shape)
-
-
-class OpenColumn:
-    """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
-    ``shapes``, ``valid``: :class:`~spillmerge._read.index.LazyArray` s, read a chunk at a time and
-    checked block by block before a row of them is served). Its ``values`` are read through the
-    output's :class:`~spillmerge._read.cache.ChunkCache` (:meth:`rows`)."""
-
-    def __init__(
-        self,
-        info: StoredColumn,
-        n_rows: int,
-        allow_pickle: bool,
-        cache: ChunkCache | None = None,
-        storage: Storage | None = None,
-    ) -> None:
-        self.info = info
-        self.n_rows = n_rows
-        self.allow_pickle = allow_pickle
-        self.cache = cache if cache is not None else ChunkCache(0)
-        # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
-        values = info.arrays["values"]
-        self._key = values.path
-        self._k = max(int(values.chunks[0]), 1)
-        self._n = int(values.shape[0])
-        self._unit = tuple(values.shape[1:])
-        self._dtype = values.dtype
-        self.unit_nbytes = int(np.prod(self._unit, dtype=np.int64)) * self._dtype.itemsize
-        """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
-        # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
-        self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
-        self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
-        """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
-        self.native = self.real == self._dtype
-        self.has_valid = "valid" in info.arrays
-        self.view_cls = _VIEWS[info.kind]
-        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
-        self._block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
-        self._next_row = -1
-        self.offsets: Any = None
-        """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
-        self.shapes: Any = None
-        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
-        self.valid_arr: Any = None
-        """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
-
-    @property
-    def values(self) -> Any:
-        return self.info.arrays["values"]
-
-    def _chunk(self, c: int) -> np.ndarray:
-        """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
-        from the cache."""
-        # The chunk this column read last, while the cache (or a reader) still holds it: rows read
-        # in order skip the cache's lock. A weak reference, so the cache alone bounds the memory.
-        hot = self._hot
-        if hot is not None and hot[0] == c:
-            arr = hot[1]()
-            if arr is not None:
-                return arr
-        arr = self.cache.get((self._key, c), lambda: self._read(c))
-        self._hot = (c, weakref.ref(arr))
-        return arr
-
-    def scalar(self, r: int) -> Any:
-        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
-        read of a ``py*`` leaf or a container header: no view, no 0-d array); as ``view[r]``
-        reads it, then ``.item()``."""
-        o = self.offsets
-        if o is not None:  # compact: ``values`` hold only the rows with a value
-            lo = int(o[r])
-            if int(o[r + 1]) <= lo:
-                return np.zeros((), dtype=self.real).item()
-            r = lo
-        c, i = divmod(r, self._k)
-        x = self._chunk(c)[i]
-        return (x if self.native else x.view(self.real)).item()
-
-    def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:
-        """Rows ``r ..`` read together when rows are read in order (row ``r`` right after row
-        ``r - 1``): ``(r, b, bounds, payload)`` for rows ``r .. b-1``, ``payload`` a private copy
-        of their values: row ``r + j`` is ``payload[j]`` in a fixed column without offsets,
-        ``payload[bounds[j] : bounds[j + 1]]`` in a column with offsets, and for a ``str`` column
-        (:class:`TextView`) ``payload[j]`` is its decoded string. At most :data:`ROW_BLOCK_ROWS` rows and :data:`ROW_BLOCK_BYTES` bytes, kept until
-        the next block (one per column), so a row read in order costs two list lookups and a
-        slice, not a walk through the index and chunk caches (a file read through
-        ``res[f][leaf][0]`` is mostly Python calls). None when the read is not in order, when
-        row ``r`` alone is larger than a block, or a string in the block is not UTF-8 (the
-        caller reads the row alone, and names it if it is the damaged one)."""
-        sequential = r == self._next_row
-        self._next_row = r + 1
-        if not sequential:
-            return None
-        limit = ROW_BLOCK_BYTES // max(self._dtype.itemsize * int(np.prod(self._unit, dtype=np.int64)), 1)
-        k = self._k
-        if self.offsets is None:  # a fixed column: row r is unit r (no bounds)
-            n = min(ROW_BLOCK_ROWS, limit, self.n_rows - r, (r // k + 1) * k - r)
-            if n < 1:
-                return None
-            block = self._block = (r, r + n, [], self.rows(r, r + n))
-            return block
-        # Never past the block of index rows (ROW_BLOCK) or the chunk of values that row r reads:
-        # the rows read ahead are checked, and their chunks read, no sooner than row r's are.
-        stop = min(r + ROW_BLOCK_ROWS, self.n_rows, (r // ROW_BLOCK + 1) * ROW_BLOCK)
-        offs = np.asarray(self.offsets[r : stop + 1])
-        lo = int(offs[0])
-        n = int(np.searchsorted(offs, min(lo + limit, (lo // k + 1) * k), side="right")) - 1
-        if n < 1:
-            return None
-        offs = offs[: n + 1]
-        payload: Any = self.rows(lo, int(offs[-1]))
-        bounds = (offs - lo).tolist()
-        if self.view_cls is TextView:
-            raw = payload.tobytes()
-            try:
-                payload = [raw[bounds[j] : bounds[j + 1]].decode("utf-8") for j in range(n)]
-            except UnicodeDecodeError:
-                return None
-        block = self._block = (r, r + n, bounds, payload)
-        return block
-
-    def rows(self, lo: int, hi: int) -> np.ndarray:
-        """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
-        array. Chunks the read only partly covers go through the cache (reading rows in order, or
-        batches whose edges cut chunks, decodes each chunk once); chunks it covers whole are read
-        straight into the result, never kept: a large read does not flush the cache, and reading
-        a whole chunk costs one decoded copy, not a cached one plus the result."""
-        k, n = self._k, self._n
-        if hi <= lo:
-            return np.empty((0, *self._unit), dtype=self._dtype)
-        c0, c1 = lo // k, (hi - 1) // k
-        head_whole = lo == c0 * k and min((c0 + 1) * k, n) <= hi
-        if c0 == c1 and not head_whole:  # part of one chunk: one row, the common case
-            base = c0 * k
-            return self._chunk(c0)[lo - base : hi - base].copy()
-        tail_whole = hi == min((c1 + 1) * k, n)
-        if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
-            return read_rows(self.values, lo, hi)
-        out = np.empty((hi - lo, *self._unit), dtype=self._dtype)
-        pos = lo
-        if not head_whole:
-            head = self._chunk(c0)[lo - c0 * k :]
-            out[: len(head)] = head
-            pos += len(head)
-        straight_end = hi if tail_whole else c1 * k
-        if straight_end > pos:
-            read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
-            pos = straight_end
-        if pos < hi:
-            out[pos - lo :] = self._chunk(c1)[pos - c1 * k : hi - c1 * k]
-        return out
-
-    def valid(self) -> Any:
-        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``) or None
-        when every row has a value."""
-        if not self.has_valid:
-            return None
-        return self.valid_arr
-
-    def view(self, start: int, stop: int, filename: str | None = None) -> LeafView:
-        return self.view_cls(self, start, stop, filename)
 
 
 class LeafView:
@@ -450,7 +258,7 @@ class FixedView(LeafView):
         return [None if v is not None and not v[i] else arr[i] for i in range(len(arr))]
 
     def to_arrow(self) -> Any:
-        pa = _pa()
+        pa = require_pyarrow()
         raw = self._raw(slice(None))
         inner = raw.reshape(-1) if raw.ndim > 1 else raw
         if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs
@@ -458,10 +266,10 @@ class FixedView(LeafView):
             inner = raw.reshape(-1)
         if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
             cell = int(np.prod(raw.shape[1:], dtype=np.int64))
-            storage = _with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
+            storage = with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
             tensor = pa.fixed_shape_tensor(storage.type.value_type, list(raw.shape[1:]))
             return pa.ExtensionArray.from_storage(tensor, storage)
-        return _with_nulls(_nest(pa.array(inner), raw.shape), self.valid)
+        return with_nulls(nest(pa.array(inner), raw.shape), self.valid)
 
 
 class _OffsetView(LeafView):
@@ -561,11 +369,11 @@ class RaggedView(_OffsetView):
         if len(shapes) and np.any(shapes != shapes[0]):
             i = int(np.flatnonzero((shapes != shapes[0]).any(axis=1))[0])
             raise RaggedShapeError(
-                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {_dims(shapes[0])} and "
-                f"{_dims(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
+                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {dims(shapes[0])} and "
+                f"{dims(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
                 ".values / .offsets / .shapes (the flat form)"
             )
-        shape = _dims(shapes[0]) if len(shapes) else (0,) * self.ndim
+        shape = dims(shapes[0]) if len(shapes) else (0,) * self.ndim
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:
@@ -598,13 +406,13 @@ class RaggedView(_OffsetView):
     def to_arrow(self) -> Any:
         """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the
         first dimension varies, else nested ``large_list`` one level per dimension."""
-        pa = _pa()
+        pa = require_pyarrow()
         raw = self._flat(self._start, self._stop)
         o = self.offsets
         info = self._col.info
         if info.inner_shape is not None:
-            arr = _nest(pa.array(raw.reshape(-1)), raw.shape)
-            return _with_nulls(pa.LargeListArray.from_arrays(pa.array(o, pa.int64()), arr), self.valid)
+            arr = nest(pa.array(raw.reshape(-1)), raw.shape)
+            return with_nulls(pa.LargeListArray.from_arrays(pa.array(o, pa.int64()), arr), self.valid)
         shapes = self.shapes
         levels = []
         for j in range(shapes.shape[1]):
@@ -614,7 +422,7 @@ class RaggedView(_OffsetView):
         arr = pa.array(raw)
         for off in reversed(levels):
             arr = pa.LargeListArray.from_arrays(pa.array(off, pa.int64()), arr)
-        return _with_nulls(arr, self.valid)
+        return with_nulls(arr, self.valid)
 
 
 class BytesView(_OffsetView):
@@ -637,9 +445,9 @@ class BytesView(_OffsetView):
         return self._per_row(a, b, lambda _, x: self._decode(x.tobytes()))
 
     def to_arrow(self) -> Any:
-        pa = _pa()
+        pa = require_pyarrow()
         raw = self._flat(self._start, self._stop)
-        bufs = [_validity(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
+        bufs = [validity_bitmap(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
         return pa.Array.from_buffers(pa.large_binary(), len(self), bufs)
 
 
@@ -698,9 +506,9 @@ class TextView(BytesView):
         ]
 
     def to_arrow(self) -> Any:
-        pa = _pa()
+        pa = require_pyarrow()
         raw = self._flat(self._start, self._stop)
-        bufs = [_validity(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
+        bufs = [validity_bitmap(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
         arr = pa.Array.from_buffers(pa.large_string(), len(self), bufs)
         try:
             arr.validate(full=True)  # UTF-8 of every row
@@ -741,7 +549,7 @@ class TextListView(_OffsetView):
         return self._per_row(a, b, self._split)
 
     def to_arrow(self) -> Any:
-        pa = _pa()
+        pa = require_pyarrow()
         rows = self._list(self._start, self._stop)
         return pa.array(rows, type=pa.large_list(pa.large_string()))
 
@@ -760,62 +568,13 @@ def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int,
     return make
 
 
-_VIEWS: dict[str, type[LeafView]] = {
-    "fixed": FixedView,
-    "ragged": RaggedView,
-    "str": TextView,
-    "bytes": BytesView,
-    "pickle": PickleView,
-    "strlist": TextListView,
-}
-
-
-def _pa() -> Any:
-    from .._errors import require
-
-    return require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
-
-
-def _validity(valid: np.ndarray | None) -> Any:
-    if valid is None:
-        return None
-    return _pa().py_buffer(np.packbits(valid.astype(bool), bitorder="little"))
-
-
-def _with_nulls(arr: Any, valid: np.ndarray | None) -> Any:
-    """``arr`` with nulls where ``valid`` is False."""
-    if valid is None or valid.all():
-        return arr
-    import pyarrow.compute as pc
-
-    pa = _pa()
-    return pc.if_else(pa.array(valid), arr, pa.nulls(len(arr), arr.type))
-
-
-def _nest(flat: Any, shape: tuple[int, ...]) -> Any:
-    """``flat`` (every element) as ``shape[0]`` rows of ``fixed_size_list`` one level per later
-    dimension; a dimension of size 0 is a ``large_list`` of empty lists (Arrow refuses a
-    ``fixed_size_list`` of size 0)."""
-    pa = _pa()
-    arr = flat
-    for level in range(len(shape) - 1, 0, -1):
-        d = int(shape[level])
-        if d:
-            arr = pa.FixedSizeListArray.from_arrays(arr, d)
-        else:
-            count = int(np.prod(shape[:level], dtype=np.int64))
-            arr = pa.LargeListArray.from_arrays(pa.array(np.zeros(count + 1, np.int64)), arr)
-    return arr
-
-
-def untensor(arr: Any) -> Any:
-    """An ``arrow.fixed_shape_tensor`` array as the nested ``fixed_size_list`` it was before
-    (what readers without the extension type, Parquet's among them, see with its shape)."""
-    pa = _pa()
-    if not isinstance(arr.type, pa.FixedShapeTensorType):
-        return arr
-    storage = arr.storage
-    k = storage.type.list_size
-    flat = storage.values.slice(storage.offset * k, len(storage) * k)
-    valid = None if storage.null_count == 0 else storage.is_valid().to_numpy(zero_copy_only=False)
-    return _with_nulls(_nest(flat, (len(storage), *arr.type.shape)), valid)
+OpenColumn.VIEWS.update(
+    {
+        "fixed": FixedView,
+        "ragged": RaggedView,
+        "str": TextView,
+        "bytes": BytesView,
+        "pickle": PickleView,
+        "strlist": TextListView,
+    }
+)

@@ -1,0 +1,209 @@
+"""One column of an open output (``OpenColumn``): its header and arrays, rows read through the
+output's chunk cache, rows read in order in blocks, and the dtype rows are returned as."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .._format import common as F
+from .._format.invariants import StoredColumn, read_rows
+from .._storage import Storage
+from .cache import ChunkCache
+from .index import ROW_BLOCK
+from .rawchunk import chunk_reader
+
+
+def real_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype a reader returns for dtype ``name``: numpy's own, the ``ml_dtypes`` type
+    of the same name (bfloat16, float8 ...) where ml_dtypes has one, else the raw-bit storage type
+    (complex32, float4_e2m1fn_x2, bits*)."""
+    dt = F.DTYPES[name]
+    if dt.native:
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:  # a dependency; without it the raw bits are still exact
+        return np.dtype(dt.storage)
+    ml = getattr(ml_dtypes, name, None)
+    if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
+        return np.dtype(ml)
+    return np.dtype(dt.storage)
+
+
+ROW_BLOCK_ROWS = 256
+ROW_BLOCK_BYTES = 1 << 16
+"""Bounds of the rows of a column with offsets read together when read in order
+(:meth:`OpenColumn.row_block`): at most this much memory per column."""
+
+
+def dims(shape: Any) -> tuple[int, ...]:
+    """A shape as plain ints: a tuple of numpy ints would print as ``(np.int64(4),)`` in messages."""
+    return tuple(int(d) for d in shape)
+
+
+class OpenColumn:
+    """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
+    ``shapes``, ``valid``: :class:`~spillmerge._read.index.LazyArray` s, read a chunk at a time and
+    checked block by block before a row of them is served). Its ``values`` are read through the
+    output's :class:`~spillmerge._read.cache.ChunkCache` (:meth:`rows`)."""
+
+    VIEWS: ClassVar[dict[str, Any]] = {}
+    """Column kind → its leaf view class (``_read.views`` fills it: the views build on this class)."""
+
+    def __init__(
+        self,
+        info: StoredColumn,
+        n_rows: int,
+        allow_pickle: bool,
+        cache: ChunkCache | None = None,
+        storage: Storage | None = None,
+    ) -> None:
+        self.info = info
+        self.n_rows = n_rows
+        self.allow_pickle = allow_pickle
+        self.cache = cache if cache is not None else ChunkCache(0)
+        # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
+        values = info.arrays["values"]
+        self._key = values.path
+        self._k = max(int(values.chunks[0]), 1)
+        self._n = int(values.shape[0])
+        self._unit = tuple(values.shape[1:])
+        self._dtype = values.dtype
+        self.unit_nbytes = int(np.prod(self._unit, dtype=np.int64)) * self._dtype.itemsize
+        """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
+        # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
+        self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
+        self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
+        """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
+        self.native = self.real == self._dtype
+        self.has_valid = "valid" in info.arrays
+        self.view_cls = self.VIEWS[info.kind]
+        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
+        self._block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
+        self._next_row = -1
+        self.offsets: Any = None
+        """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
+        self.shapes: Any = None
+        """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
+        self.valid_arr: Any = None
+        """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
+
+    @property
+    def values(self) -> Any:
+        return self.info.arrays["values"]
+
+    def _chunk(self, c: int) -> np.ndarray:
+        """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
+        from the cache."""
+        # The chunk this column read last, while the cache (or a reader) still holds it: rows read
+        # in order skip the cache's lock. A weak reference, so the cache alone bounds the memory.
+        hot = self._hot
+        if hot is not None and hot[0] == c:
+            arr = hot[1]()
+            if arr is not None:
+                return arr
+        arr = self.cache.get((self._key, c), lambda: self._read(c))
+        self._hot = (c, weakref.ref(arr))
+        return arr
+
+    def scalar(self, r: int) -> Any:
+        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
+        read of a ``py*`` leaf or a container header: no view, no 0-d array); as ``view[r]``
+        reads it, then ``.item()``."""
+        o = self.offsets
+        if o is not None:  # compact: ``values`` hold only the rows with a value
+            lo = int(o[r])
+            if int(o[r + 1]) <= lo:
+                return np.zeros((), dtype=self.real).item()
+            r = lo
+        c, i = divmod(r, self._k)
+        x = self._chunk(c)[i]
+        return (x if self.native else x.view(self.real)).item()
+
+    def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:
+        """Rows ``r ..`` read together when rows are read in order (row ``r`` right after row
+        ``r - 1``): ``(r, b, bounds, payload)`` for rows ``r .. b-1``, ``payload`` a private copy
+        of their values: row ``r + j`` is ``payload[j]`` in a fixed column without offsets,
+        ``payload[bounds[j] : bounds[j + 1]]`` in a column with offsets, and for a ``str`` column
+        (:class:`TextView`) ``payload[j]`` is its decoded string. At most :data:`ROW_BLOCK_ROWS` rows and :data:`ROW_BLOCK_BYTES` bytes, kept until
+        the next block (one per column), so a row read in order costs two list lookups and a
+        slice, not a walk through the index and chunk caches (a file read through
+        ``res[f][leaf][0]`` is mostly Python calls). None when the read is not in order, when
+        row ``r`` alone is larger than a block, or a string in the block is not UTF-8 (the
+        caller reads the row alone, and names it if it is the damaged one)."""
+        sequential = r == self._next_row
+        self._next_row = r + 1
+        if not sequential:
+            return None
+        limit = ROW_BLOCK_BYTES // max(self._dtype.itemsize * int(np.prod(self._unit, dtype=np.int64)), 1)
+        k = self._k
+        if self.offsets is None:  # a fixed column: row r is unit r (no bounds)
+            n = min(ROW_BLOCK_ROWS, limit, self.n_rows - r, (r // k + 1) * k - r)
+            if n < 1:
+                return None
+            block = self._block = (r, r + n, [], self.rows(r, r + n))
+            return block
+        # Never past the block of index rows (ROW_BLOCK) or the chunk of values that row r reads:
+        # the rows read ahead are checked, and their chunks read, no sooner than row r's are.
+        stop = min(r + ROW_BLOCK_ROWS, self.n_rows, (r // ROW_BLOCK + 1) * ROW_BLOCK)
+        offs = np.asarray(self.offsets[r : stop + 1])
+        lo = int(offs[0])
+        n = int(np.searchsorted(offs, min(lo + limit, (lo // k + 1) * k), side="right")) - 1
+        if n < 1:
+            return None
+        offs = offs[: n + 1]
+        payload: Any = self.rows(lo, int(offs[-1]))
+        bounds = (offs - lo).tolist()
+        if self.info.kind == "str":  # TextView
+            raw = payload.tobytes()
+            try:
+                payload = [raw[bounds[j] : bounds[j + 1]].decode("utf-8") for j in range(n)]
+            except UnicodeDecodeError:
+                return None
+        block = self._block = (r, r + n, bounds, payload)
+        return block
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
+        array. Chunks the read only partly covers go through the cache (reading rows in order, or
+        batches whose edges cut chunks, decodes each chunk once); chunks it covers whole are read
+        straight into the result, never kept: a large read does not flush the cache, and reading
+        a whole chunk costs one decoded copy, not a cached one plus the result."""
+        k, n = self._k, self._n
+        if hi <= lo:
+            return np.empty((0, *self._unit), dtype=self._dtype)
+        c0, c1 = lo // k, (hi - 1) // k
+        head_whole = lo == c0 * k and min((c0 + 1) * k, n) <= hi
+        if c0 == c1 and not head_whole:  # part of one chunk: one row, the common case
+            base = c0 * k
+            return self._chunk(c0)[lo - base : hi - base].copy()
+        tail_whole = hi == min((c1 + 1) * k, n)
+        if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
+            return read_rows(self.values, lo, hi)
+        out = np.empty((hi - lo, *self._unit), dtype=self._dtype)
+        pos = lo
+        if not head_whole:
+            head = self._chunk(c0)[lo - c0 * k :]
+            out[: len(head)] = head
+            pos += len(head)
+        straight_end = hi if tail_whole else c1 * k
+        if straight_end > pos:
+            read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
+            pos = straight_end
+        if pos < hi:
+            out[pos - lo :] = self._chunk(c1)[pos - c1 * k : hi - c1 * k]
+        return out
+
+    def valid(self) -> Any:
+        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``) or None
+        when every row has a value."""
+        if not self.has_valid:
+            return None
+        return self.valid_arr
+
+    def view(self, start: int, stop: int, filename: str | None = None) -> Any:
+        """Rows ``start .. stop-1`` as this column's leaf view (``_read.views``)."""
+        return self.view_cls(self, start, stop, filename)
