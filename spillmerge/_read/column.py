@@ -68,21 +68,21 @@ class OpenColumn:
         # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
         values = info.arrays["values"]
         self._key = values.path
-        self._k = max(int(values.chunks[0]), 1)
+        self.chunk_rows = max(int(values.chunks[0]), 1)
         self._n = int(values.shape[0])
-        self._unit = tuple(values.shape[1:])
-        self._dtype = values.dtype
-        self.unit_nbytes = int(np.prod(self._unit, dtype=np.int64)) * self._dtype.itemsize
+        self.unit_shape = tuple(values.shape[1:])
+        self.stored_dtype = values.dtype
+        self.unit_nbytes = int(np.prod(self.unit_shape, dtype=np.int64)) * self.stored_dtype.itemsize
         """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
         # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
         self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
-        self.native = self.real == self._dtype
+        self.native = self.real == self.stored_dtype
         self.has_valid = "valid" in info.arrays
         self.view_cls = self.VIEWS[info.kind]
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
-        self._block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
+        self.block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
         self._next_row = -1
         self.offsets: Any = None
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
@@ -119,8 +119,8 @@ class OpenColumn:
             if int(o[r + 1]) <= lo:
                 return np.zeros((), dtype=self.real).item()
             r = lo
-        c, i = divmod(r, self._k)
-        x = self._chunk(c)[i]
+        c, i = divmod(r, self.chunk_rows)
+        x = self.chunk(c)[i]
         return (x if self.native else x.view(self.real)).item()
 
     def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:
@@ -138,13 +138,13 @@ class OpenColumn:
         self._next_row = r + 1
         if not sequential:
             return None
-        limit = ROW_BLOCK_BYTES // max(self._dtype.itemsize * int(np.prod(self._unit, dtype=np.int64)), 1)
-        k = self._k
+        limit = ROW_BLOCK_BYTES // max(self.stored_dtype.itemsize * int(np.prod(self.unit_shape, dtype=np.int64)), 1)
+        k = self.chunk_rows
         if self.offsets is None:  # a fixed column: row r is unit r (no bounds)
             n = min(ROW_BLOCK_ROWS, limit, self.n_rows - r, (r // k + 1) * k - r)
             if n < 1:
                 return None
-            block = self._block = (r, r + n, [], self.rows(r, r + n))
+            block = self.block = (r, r + n, [], self.rows(r, r + n))
             return block
         # Never past the block of index rows (ROW_BLOCK) or the chunk of values that row r reads:
         # the rows read ahead are checked, and their chunks read, no sooner than row r's are.
@@ -163,7 +163,7 @@ class OpenColumn:
                 payload = [raw[bounds[j] : bounds[j + 1]].decode("utf-8") for j in range(n)]
             except UnicodeDecodeError:
                 return None
-        block = self._block = (r, r + n, bounds, payload)
+        block = self.block = (r, r + n, bounds, payload)
         return block
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
@@ -172,21 +172,21 @@ class OpenColumn:
         batches whose edges cut chunks, decodes each chunk once); chunks it covers whole are read
         straight into the result, never kept: a large read does not flush the cache, and reading
         a whole chunk costs one decoded copy, not a cached one plus the result."""
-        k, n = self._k, self._n
+        k, n = self.chunk_rows, self._n
         if hi <= lo:
-            return np.empty((0, *self._unit), dtype=self._dtype)
+            return np.empty((0, *self.unit_shape), dtype=self.stored_dtype)
         c0, c1 = lo // k, (hi - 1) // k
         head_whole = lo == c0 * k and min((c0 + 1) * k, n) <= hi
         if c0 == c1 and not head_whole:  # part of one chunk: one row, the common case
             base = c0 * k
-            return self._chunk(c0)[lo - base : hi - base].copy()
+            return self.chunk(c0)[lo - base : hi - base].copy()
         tail_whole = hi == min((c1 + 1) * k, n)
         if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
             return read_rows(self.values, lo, hi)
-        out = np.empty((hi - lo, *self._unit), dtype=self._dtype)
+        out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
         pos = lo
         if not head_whole:
-            head = self._chunk(c0)[lo - c0 * k :]
+            head = self.chunk(c0)[lo - c0 * k :]
             out[: len(head)] = head
             pos += len(head)
         straight_end = hi if tail_whole else c1 * k
@@ -194,7 +194,7 @@ class OpenColumn:
             read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
             pos = straight_end
         if pos < hi:
-            out[pos - lo :] = self._chunk(c1)[pos - c1 * k : hi - c1 * k]
+            out[pos - lo :] = self.chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
 
     def valid(self) -> Any:

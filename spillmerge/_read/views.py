@@ -129,10 +129,6 @@ class LeafView:
         """These rows as a pyarrow array (docs/READING.md, *pyarrow*), null where absent."""
         raise NotImplementedError
 
-    def _null_mask(self) -> np.ndarray | None:
-        v = self.valid
-        return None if v is None else ~v
-
     def __repr__(self) -> str:
         where = f"{self.filename!r}" if self.filename is not None else "all files"
         info = self._col.info
@@ -205,26 +201,26 @@ class FixedView(LeafView):
             lo = int(o[r])
             if int(o[r + 1]) > lo:
                 return col.rows(lo, lo + 1)[0]
-            return np.zeros(col._unit, dtype=col._dtype)
+            return np.zeros(col.unit_shape, dtype=col.stored_dtype)
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
-        out = np.zeros((*rows.shape, *col._unit), dtype=vals.dtype)
+        out = np.zeros((*rows.shape, *col.unit_shape), dtype=vals.dtype)
         out[has] = vals[o[rows[has]] - lo]
         return out
 
     def _one(self, r: int) -> Any:
         col = self._col
         if col.offsets is None:  # one row, the common case
-            block = col._block
+            block = col.block
             if block is None or not block[0] <= r < block[1]:
                 block = col.row_block(r)
             if block is not None:  # read in order
                 x = block[3][r - block[0]].copy()
             else:  # straight from its chunk
-                c, i = divmod(r, col._k)
-                x = col._chunk(c)[i].copy()
+                c, i = divmod(r, col.chunk_rows)
+                x = col.chunk(c)[i].copy()
             return x if col.native else x.view(col.real)
         return self._raw(r - self._start).view(self.dtype)
 
@@ -350,7 +346,7 @@ class RaggedView(_OffsetView):
 
     def _one(self, r: int) -> Any:
         col = self._col
-        block = col._block
+        block = col.block
         if block is None or not block[0] <= r < block[1]:
             block = col.row_block(r)
         if block is not None:
@@ -487,7 +483,7 @@ class TextView(BytesView):
 
     def _one(self, r: int) -> Any:
         col = self._col
-        block = col._block
+        block = col.block
         if block is None or not block[0] <= r < block[1]:
             block = col.row_block(r)
         if block is not None:
