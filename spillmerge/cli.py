@@ -71,15 +71,11 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected sizes joined by x, e.g. 3x64x64, got {text!r}") from None
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spillmerge",
         description="Gather distributed inference predictions through storage: spill per rank, merge once.",
-        formatter_class=_Formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Example:\n  spillmerge demo\n  spillmerge merge ./spill --out ./merged.zarr\n  spillmerge inspect ./merged.zarr",
     )
     from . import __version__
@@ -87,14 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"spillmerge {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    m = sub.add_parser(
+    storage = {"action": "append", "metavar": "KEY=VALUE", "help": "fsspec option (repeatable)"}
+
+    def command(name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
+        """A subcommand whose examples (``epilog``) keep their line breaks."""
+        return sub.add_parser(name, help=summary, description=description, epilog=epilog,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+
+    m = command(
         "merge",
-        help="merge a spill root into one Zarr store",
-        description="Merge every committed segment of a spill root into one consolidated Zarr v3 store "
+        "merge a spill root into one Zarr store",
+        "Merge every committed segment of a spill root into one consolidated Zarr v3 store "
         "(one array per leaf column across every (filename, frame) row, rows grouped by file in frame "
         "order; docs/FORMAT.md). Read it with spillmerge.open(OUT).",
-        formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr\n"
+        "Example:\n  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr\n"
         "  spillmerge merge --config configs/demo.toml --timeout 600 --codec zstd\n"
         "Scale out over N independent processes (e.g. a SLURM array of N tasks), then finalize once:\n"
         "  spillmerge merge /scratch/run1/spill --out /scratch/run1/preds.zarr --part $SLURM_ARRAY_TASK_ID/N\n"
@@ -115,13 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         where = m if flag.exclusive is None else exclusive[flag.exclusive]
         where.add_argument(flag.name, dest=name, default=None, help=flag.help, **flag.argparse)
 
-    i = sub.add_parser(
+    i = command(
         "inspect",
-        help="summarise a spill root or a merged store",
-        description="Summarise a spill root (ranks, segments, files, frames, bytes, dtypes) or a merged store "
+        "summarise a spill root or a merged store",
+        "Summarise a spill root (ranks, segments, files, frames, bytes, dtypes) or a merged store "
         "(files, frames, leaf columns and their dtypes).",
-        formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge inspect ./spill\n  spillmerge inspect ./merged.zarr --json\n"
+        "Example:\n  spillmerge inspect ./spill\n  spillmerge inspect ./merged.zarr --json\n"
         "  spillmerge inspect ./merged.zarr --expected manifest.csv --plot coverage.png\n\n"
         "manifest.csv has a header and one row per file:\n  filename,n_frames\n  video_001.mp4,240\n\n"
         "Exit status: 0, or 1 when --expected finds missing frames (or on an error).",
@@ -143,29 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-files", "--files", type=int, default=20, metavar="N",
         help="files listed, in the text and in --json (default 20; those with problems first); totals count all",
     )  # fmt: skip
-    i.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+    i.add_argument("--storage-option", **storage)
 
-    v = sub.add_parser(
+    v = command(
         "verify",
-        help="check every checksum of a spill root or merged store",
-        description="Verify the CRC-32C of every index, catalog and frame of a spill root, or of every "
+        "check every checksum of a spill root or merged store",
+        "Verify the CRC-32C of every index, catalog and frame of a spill root, or of every "
         "chunk of a merged store. Lists each corrupt or missing object; exits 1 if there is any.",
-        formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge verify ./spill\n  spillmerge verify ./merged.zarr",
+        "Example:\n  spillmerge verify ./spill\n  spillmerge verify ./merged.zarr",
     )
     v.add_argument("path", help="spill root or merged output")
-    v.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+    v.add_argument("--storage-option", **storage)
 
-    st = sub.add_parser(
+    st = command(
         "status",
-        help="show a running job: per rank frames, rate, last write, stalled / failed / missing ranks",
-        description="Show the job writing to a spill root, from storage alone (local disk or object store): "
+        "show a running job: per rank frames, rate, last write, stalled / failed / missing ranks",
+        "Show the job writing to a spill root, from storage alone (local disk or object store): "
         "per rank its state (writing, committed, failed, missing), frames and bytes durable so far, rate and "
         "time since its last durable write, stalled ranks, an estimate of the end when the expected number "
         "of frames is known, and the merge's progress when --out names its output. It reads a few small "
         "records per rank and never writes, so it does not slow or block the writers.",
-        formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge status ./spill\n  spillmerge status ./spill --watch --expected 120000\n"
+        "Example:\n  spillmerge status ./spill\n  spillmerge status ./spill --watch --expected 120000\n"
         "  spillmerge status s3://bucket/run1/spill --out s3://bucket/run1/preds.zarr --json\n\n"
         "Exit status: 0; 1 when a rank failed or its records are unreadable, or on an error (a path that is "
         "no spill root).",
@@ -182,16 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--stall-after", type=float, default=120.0, metavar="SECONDS",
         help="flag a writing rank with no durable write for this long as stalled (default 120)",
     )  # fmt: skip
-    st.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+    st.add_argument("--storage-option", **storage)
 
-    e = sub.add_parser(
+    e = command(
         "export",
-        help="write a merged store as Parquet (for polars, DuckDB, pandas, Hugging Face datasets)",
-        description="Write every row of a merged store to one Parquet file, batch by batch (memory stays one "
+        "write a merged store as Parquet (for polars, DuckDB, pandas, Hugging Face datasets)",
+        "Write every row of a merged store to one Parquet file, batch by batch (memory stays one "
         "batch): columns filename, frame_idx, rank, then one per leaf (named by its path, 'value' for plain "
         "tensor values). Needs pyarrow (pip install 'spillmerge[arrow]'); torch is not needed.",
-        formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge export ./merged.zarr --parquet preds.parquet\n"
+        "Example:\n  spillmerge export ./merged.zarr --parquet preds.parquet\n"
         "  spillmerge export ./merged.zarr --parquet boxes.parquet --columns boxes,scores --compression zstd\n"
         "Then: polars.scan_parquet('preds.parquet'), duckdb.sql(\"SELECT * FROM 'preds.parquet'\"), "
         "datasets.load_dataset('parquet', data_files='preds.parquet')",
@@ -206,15 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--compression", default="snappy", choices=["none", "snappy", "zstd", "gzip", "lz4", "brotli"],
         help="Parquet compression (default snappy)",
     )  # fmt: skip
-    e.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+    e.add_argument("--storage-option", **storage)
 
-    d = sub.add_parser(
+    d = command(
         "demo",
-        help="run a small multi-rank spill + merge on CPU",
-        description="Spawn N CPU ranks on gloo that run a fake inference loop with uneven, shuffled frames, "
+        "run a small multi-rank spill + merge on CPU",
+        "Spawn N CPU ranks on gloo that run a fake inference loop with uneven, shuffled frames, "
         "spill them, merge into OUT/merged.zarr, check the result bit-exactly and print a summary.",
-        formatter_class=_Formatter,
-        epilog="Example:\n  spillmerge demo\n  spillmerge demo --ranks 2 --out /tmp/demo\n  spillmerge demo --config configs/demo.toml --files 4",
+        "Example:\n  spillmerge demo\n  spillmerge demo --ranks 2 --out /tmp/demo\n  spillmerge demo --config configs/demo.toml --files 4",
     )
     d.add_argument("--config", help="TOML file with a [demo] table; flags override it")
     d.add_argument("--ranks", type=int, help="number of ranks (default 4)")
@@ -285,7 +282,9 @@ def _verify(args: argparse.Namespace) -> int:
     for problem in rep.problems:
         print(f"CORRUPT {problem}")
     status = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
-    print(f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {size_text(rep.checked_bytes)} of payload verified")
+    print(
+        f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {size_text(rep.checked_bytes)} of payload verified"
+    )
     return 0 if rep.ok else 1
 
 
@@ -329,10 +328,7 @@ def _demo(args: argparse.Namespace) -> int:
     from ._inspect.summary import format_text, summarize
 
     cfg = _load_config(args.config, "demo", _DEMO_KEYS)
-    flags = {
-        "ranks": args.ranks, "files": args.files, "frames_per_file": args.frames_per_file,
-        "frame_shape": args.frame_shape, "out": args.out, "seed": args.seed,
-    }  # fmt: skip
+    flags = {key: getattr(args, key) for key in _DEMO_KEYS}
     opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
     if "frame_shape" in opts:
         shape = opts["frame_shape"]

@@ -73,19 +73,6 @@ def encoder(codec: str, itemsize: int) -> Any:
     return None
 
 
-@functools.lru_cache(maxsize=4)
-def decoder(compressor: str) -> Any:
-    """A numcodecs codec that decodes chunks of the compressor entry ``compressor`` (``blosc``,
-    ``zstd``): both read their parameters from the chunk itself."""
-    if compressor == "blosc":
-        from numcodecs import Blosc
-
-        return Blosc()
-    from numcodecs import Zstd
-
-    return Zstd()
-
-
 # --------------------------------------------------------------------------------------------
 # reading untrusted chunks: the chain an output array may declare, and what a compressed chunk
 # says it decodes to, read from its header before anything is decoded (docs/FORMAT.md, *Size limits*)
