@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"spillmerge {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    storage = {"action": "append", "metavar": "KEY=VALUE", "help": "fsspec option (repeatable)"}
+    storage: dict[str, Any] = {"action": "append", "metavar": "KEY=VALUE", "help": "fsspec option (repeatable)"}
 
     def command(name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
         """A subcommand whose examples (``epilog``) keep their line breaks."""

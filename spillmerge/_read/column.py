@@ -95,7 +95,7 @@ class OpenColumn:
     def values(self) -> Any:
         return self.info.arrays["values"]
 
-    def _chunk(self, c: int) -> np.ndarray:
+    def chunk(self, c: int) -> np.ndarray:
         """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
         from the cache."""
         # The chunk this column read last, while the cache (or a reader) still holds it: rows read
