@@ -1,4 +1,4 @@
-"""Format 4's list offsets (docs/FORMAT.md section 2, *Lists*): read, checked, and used to map
+"""The output's list offsets (docs/FORMAT.md section 2, *Lists*): read, checked, and used to map
 rows between a list path's items and the output's rows.
 
 A merge writes ``lists/<name>/offsets`` for every list path ``P/\\x1f*`` of the output: the items

@@ -118,7 +118,6 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
         return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
-    dtypes: set[str] = set()
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
     # disagreed on has one per dtype or kind)
     dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.files.columns.values()}
@@ -127,20 +126,19 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
         leaves = _leaves(value)
         for _, arr in leaves:
             dtypes.add(_leaf_dtype(arr))
-        if len(files) < max_files:
-            frames = res.frames(name)
-            files.append(
-                {
-                    "filename": name,
-                    "frames": int(len(frames)),
-                    "first_frame": int(frames[0]) if len(frames) else None,
-                    "last_frame": int(frames[-1]) if len(frames) else None,
-                    "leaves": [
-                        {"leaf": _leaf_text(leaf, arr), "dtype": _leaf_dtype(arr), "shape": _row_shape(arr)}
-                        for leaf, arr in leaves
-                    ],
-                }
-            )
+        frames = res.frames(name)
+        files.append(
+            {
+                "filename": name,
+                "frames": int(len(frames)),
+                "first_frame": int(frames[0]) if len(frames) else None,
+                "last_frame": int(frames[-1]) if len(frames) else None,
+                "leaves": [
+                    {"leaf": _leaf_text(leaf, arr), "dtype": _leaf_dtype(arr), "shape": _row_shape(arr)}
+                    for leaf, arr in leaves
+                ],
+            }
+        )
     h = res.header
     return {
         "kind": "merged",
@@ -156,21 +154,16 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     }
 
 
-def _info(arr: Any) -> Any:
-    """The stored column of a leaf view."""
-    return arr.info
-
-
 def _leaf_text(key: str, arr: Any) -> str:
     """A leaf as a listing shows it: its dict keys joined by ``/``, a list's items as ``[*]``, a
     container (its header) by its own path; ``<value>`` for the value itself."""
-    info = _info(arr)
+    info = arr.info
     leaf = info.leaf[:-1] if info.leaf and info.leaf[-1] == F.MARK else info.leaf
     return F.path_text(leaf)
 
 
 def _leaf_dtype(arr: Any) -> str:
-    info = _info(arr)
+    info = arr.info
     return F.dtype_text(info.dtype, info.ndim)
 
 
@@ -179,7 +172,7 @@ def _row_shape(arr: Any) -> list[int | None]:
     for strings, bytes and lists of strings, Python values and containers."""
     from .._read.views import RaggedView
 
-    info = _info(arr)
+    info = arr.info
     if info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS or not F.DTYPES[info.dtype].numeric:
         return []
     if isinstance(arr, RaggedView):

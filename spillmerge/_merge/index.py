@@ -1,8 +1,7 @@
 """The output's index as chunk objects: every chunk of every index array (filenames, offsets,
 rows, each column's ``offsets`` / ``shapes`` / ``valid``, each list's ``offsets``), written
-without zarr in zarr's encoding. A whole merge writes them all (3-4x faster than through zarr); a
-merge in parts shares them out, so each part writes its share and the finalize only the
-documents and the marker (docs/SCALE.md, *What breaks first*, 2).
+without zarr in zarr's encoding. A whole merge writes them all; a merge in parts shares them
+out, so each part writes its share and the finalize only the documents and the marker (docs/SCALE.md, *What breaks first*, 2).
 
 Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
 (``_format.zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an

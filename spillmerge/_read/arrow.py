@@ -1,4 +1,4 @@
-"""Format 3's values as Arrow types (``MergedStore.to_arrow`` / ``iter_batches`` / ``to_parquet``).
+"""An output's values as Arrow types (``MergedStore.to_arrow`` / ``iter_batches`` / ``to_parquet``).
 
 The leaf columns of an output are put back into the tree of their paths (docs/FORMAT.md section 1,
 *Value model*), and each node's rows of one record batch become one Arrow array, built from the

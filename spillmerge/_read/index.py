@@ -1,4 +1,4 @@
-"""The index arrays of an open output, read chunk by chunk and checked block by block (issue 24).
+"""The index arrays of an open output, read chunk by chunk and checked block by block.
 
 ``spillmerge.open`` reads the header, the column metadata and the filename heads, and checks the
 first block of everything: the per-file arrays (``frame_offsets``, ``file_layout``) and the
@@ -270,6 +270,10 @@ class IndexChecks:
             by_leaf.setdefault(col.info.leaf, []).append(name)
         self._variants = [names_ for _, names_ in sorted(by_leaf.items()) if len(names_) > 1]
 
+    def _fail(self, rel: str, problem: str) -> None:
+        """Refuse the output for one problem of the array ``rel``."""
+        self._raise([(rel, problem)])
+
     def rows(self, a: int, b: int) -> tuple[int, int]:
         """Check the blocks over rows ``a .. b-1``; returns the rows now known checked."""
         j0, j1 = a // ROW_BLOCK, max(a, b - 1) // ROW_BLOCK
@@ -297,7 +301,7 @@ class IndexChecks:
         else:
             a, b = fo.pair(i)
         if not 0 <= a <= b <= self.n_rows:
-            self._raise([(fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")])
+            self._fail(fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
         self._last_file = i
         if b > a:
             j = a // ROW_BLOCK
@@ -317,20 +321,16 @@ class IndexChecks:
         f1 = min(max(fo.searchsorted(r1, "left", hint), f0 + 1), n_files) if n_files else 0
         starts = fo.span(f0, f1 + 1)
         if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
-            self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
+            self._fail(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")
         self._frames(r0, r1, f0, starts)
         for name, arr in self._prov.items():
             least = 1 if name == "frame_copies" else 0
             vals = arr.span(r0, r1)
             bad = np.flatnonzero(vals < least)
             if len(bad):
-                self._raise(
-                    [
-                        (
-                            arr.rel,
-                            f"row {r0 + int(bad[0])} holds {int(vals[bad[0]])} < {least} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-                        )
-                    ]
+                self._fail(
+                    arr.rel,
+                    f"row {r0 + int(bad[0])} holds {int(vals[bad[0]])} < {least} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
                 )
         if n_files:
             lens = np.diff(np.clip(starts, r0, r1))
@@ -345,13 +345,9 @@ class IndexChecks:
             for name in group:
                 v = valid[name]
                 if v is None:
-                    self._raise(
-                        [
-                            (
-                                f"columns/{name}/valid",
-                                f"missing: leaf {list(self._cols[name].info.leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value",
-                            )
-                        ]
+                    self._fail(
+                        f"columns/{name}/valid",
+                        f"missing: leaf {list(self._cols[name].info.leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value",
                     )
                     return
                 count += v
@@ -359,13 +355,9 @@ class IndexChecks:
                 r = r0 + int(np.argmax(count > 1))
                 shown = ", ".join(f"columns/{n}" for n in group)
                 leaf = list(self._cols[group[0]].info.leaf)
-                self._raise(
-                    [
-                        (
-                            f"columns/{group[0]}/valid",
-                            f"row {r} has a value in more than one variant of leaf {leaf!r:.200} ({shown})",
-                        )
-                    ]
+                self._fail(
+                    f"columns/{group[0]}/valid",
+                    f"row {r} has a value in more than one variant of leaf {leaf!r:.200} ({shown})",
                 )
 
     def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
@@ -376,13 +368,9 @@ class IndexChecks:
         neg = np.flatnonzero(fi < 0)
         if len(neg):
             r = r0 + int(neg[0])
-            self._raise(
-                [
-                    (
-                        rel,
-                        f"{self._where(r, f0, starts)} holds frame index {int(fi[neg[0]])} < 0 ({len(neg)} negative in rows {r0}..{r1 - 1})",
-                    )
-                ]
+            self._fail(
+                rel,
+                f"{self._where(r, f0, starts)} holds frame index {int(fi[neg[0]])} < 0 ({len(neg)} negative in rows {r0}..{r1 - 1})",
             )
         step_ok = np.diff(fi_lo) > 0
         inner = starts[(starts > lo) & (starts < r1)]
@@ -390,13 +378,9 @@ class IndexChecks:
         bad = np.flatnonzero(~step_ok)
         if len(bad):
             r = lo + int(bad[0]) + 1
-            self._raise(
-                [
-                    (
-                        rel,
-                        f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-                    )
-                ]
+            self._fail(
+                rel,
+                f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
             )
 
     def _column(self, col: Any, r0: int, r1: int, layout_of_row: np.ndarray) -> np.ndarray | None:
@@ -408,19 +392,19 @@ class IndexChecks:
             vlen = int(info.arrays["values"].shape[0])
             step = np.diff(o)
             if r0 == 0 and int(o[0]) != 0:
-                self._raise([(f"{rel}/offsets", f"starts at {int(o[0])}, not 0")])
+                self._fail(f"{rel}/offsets", f"starts at {int(o[0])}, not 0")
             if np.any(step < 0):
                 e = r0 + int(np.flatnonzero(step < 0)[0])
-                self._raise(
-                    [(f"{rel}/offsets", f"decreases from {int(o[e - r0])} to {int(o[e - r0 + 1])} at entry {e + 1}")]
+                self._fail(
+                    f"{rel}/offsets", f"decreases from {int(o[e - r0])} to {int(o[e - r0 + 1])} at entry {e + 1}"
                 )
             if r1 == self.n_rows and int(o[-1]) != vlen:
-                self._raise([(f"{rel}/offsets", f"ends at {int(o[-1])}, but {rel}/values has {vlen} rows")])
+                self._fail(f"{rel}/offsets", f"ends at {int(o[-1])}, but {rel}/values has {vlen} rows")
             if int(o[0]) < 0 or int(o[-1]) > vlen:
-                self._raise([(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")])
+                self._fail(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")
             if info.kind == "fixed" and np.any(step > 1):
                 r = int(np.flatnonzero(step > 1)[0])
-                self._raise([(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")])
+                self._fail(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")
             if col.shapes is not None:
                 self._shapes(info, col.shapes.span(r0, r1), step, r0)
         v: np.ndarray | None = None
@@ -432,35 +416,23 @@ class IndexChecks:
         bad = np.flatnonzero(has & ~in_layout)
         if len(bad):
             what = "valid" if v is not None else "values"
-            self._raise(
-                [
-                    (
-                        f"{rel}/{what}",
-                        f"row {r0 + int(bad[0])} has a value, but its file's layout does not list this column ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-                    )
-                ]
+            self._fail(
+                f"{rel}/{what}",
+                f"row {r0 + int(bad[0])} has a value, but its file's layout does not list this column ({len(bad)} such rows in rows {r0}..{r1 - 1})",
             )
         if o is not None and v is not None:
             step = np.diff(o)
             bad = np.flatnonzero(~v & (step != 0))
             if len(bad):
-                self._raise(
-                    [
-                        (
-                            f"{rel}/offsets",
-                            f"row {r0 + int(bad[0])} has no value but spans {int(step[bad[0]])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-                        )
-                    ]
+                self._fail(
+                    f"{rel}/offsets",
+                    f"row {r0 + int(bad[0])} has no value but spans {int(step[bad[0]])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
                 )
             if info.kind == "fixed" and np.any(v & (step != 1)):
                 r = int(np.flatnonzero(v & (step != 1))[0])
-                self._raise(
-                    [
-                        (
-                            f"{rel}/offsets",
-                            f"row {r0 + r} has a value but spans {int(step[r])} rows of a compact fixed column",
-                        )
-                    ]
+                self._fail(
+                    f"{rel}/offsets",
+                    f"row {r0 + r} has a value but spans {int(step[r])} rows of a compact fixed column",
                 )
         return v
 
@@ -470,29 +442,21 @@ class IndexChecks:
             bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > step))
             if len(bad):
                 r = int(bad[0])
-                self._raise(
-                    [
-                        (
-                            rel,
-                            f"row {r0 + r} holds {int(shapes[r, 0])} strings, more than its {int(step[r])} bytes can ({len(bad)} such rows)",
-                        )
-                    ]
+                self._fail(
+                    rel,
+                    f"row {r0 + r} holds {int(shapes[r, 0])} strings, more than its {int(step[r])} bytes can ({len(bad)} such rows)",
                 )
             return
         if np.any(shapes < 0):
             r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
-            self._raise([(rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}")])
+            self._fail(rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}")
         inner = int(np.prod(info.inner_shape)) if info.inner_shape else 1
         elems, problems = V.shape_products(shapes, rel, base=r0)
         self._raise(problems)
         bad = np.flatnonzero(elems != step * inner)
         if len(bad):
             r = int(bad[0])
-            self._raise(
-                [
-                    (
-                        rel,
-                        f"row {r0 + r} has shape {shapes[r].tolist()}, but its offsets span {int(step[r])} ({len(bad)} such rows)",
-                    )
-                ]
+            self._fail(
+                rel,
+                f"row {r0 + r} has shape {shapes[r].tolist()}, but its offsets span {int(step[r])} ({len(bad)} such rows)",
             )
