@@ -87,6 +87,8 @@ class Chunk:
     """Catalog id of ``new_files[0]``."""
     new_files: list[str] = field(default_factory=list)
     """Filenames registered since the previous chunk was handed off."""
+    released: bool = False
+    """The buffer went back to the pool (once its bytes were written, before their fsync)."""
     layout_base: int = 0
     """Catalog id of ``new_layouts[0]``."""
     new_layouts: list[FS.Layout] = field(default_factory=list)
@@ -300,8 +302,18 @@ class Flusher(threading.Thread):
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
         # The bytes are durable when this returns (fsync in this worker, beside the others in
-        # flight), their folder entry once ``_journal`` fsynced the folder.
-        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync)
+        # flight), their folder entry once ``_journal`` fsynced the folder. The buffer is free
+        # once the bytes are written, before the fsync: write() refills it while the disk flushes.
+        self.storage.put(
+            f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync,
+            written=lambda: self._release(chunk),
+        )  # fmt: skip
+
+    def _release(self, chunk: Chunk) -> None:
+        """Give ``chunk``'s buffer back to the pool, once (its bytes were written, or never will be)."""
+        if not chunk.released:
+            chunk.released = True
+            self.pool.release(chunk.host)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -322,7 +334,7 @@ class Flusher(threading.Thread):
             except BaseException as exc:  # noqa: BLE001
                 self.error = self.error or exc
             finally:
-                self.pool.release(chunk.host)
+                self._release(chunk)
 
     def _journal(self, chunk: Chunk, done: np.ndarray) -> None:
         # Written only after this chunk and every earlier one are durable, so every row it lists
