@@ -1231,8 +1231,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "flush-worker-skips-chunk-fsync",
         "spillmerge/_write/staging.py",
-        "buf[:size].data, fsync=self.fsync)",
-        "buf[:size].data)",
+        "buf[:size].data, fsync=self.fsync,",
+        "buf[:size].data,",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
         "a data chunk is fsynced before any journal entry names it, with several flush workers in flight",
     ),

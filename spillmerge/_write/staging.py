@@ -253,7 +253,8 @@ class Flusher(threading.Thread):
                     fut = self._pool.submit(self._upload, chunk)
                     fut.add_done_callback(lambda _: self.q.put(_WAKE))
                     self._pending.append((chunk, fut))
-                    self._retire(block=len(self._pending) > self.flush_threads)
+                    # Buffers bound what is pending: at most n_buffers unwritten, one fsync a worker.
+                    self._retire(block=len(self._pending) > self.flush_threads + self.pool.n_buffers)
                 except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
                     self.error = self.error or exc
             while self._pending:
