@@ -258,7 +258,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-backpressure-removed",
-        "spillmerge/_write/staging.py",
+        "spillmerge/_write/flush.py",
         "                if self.allocated < self.n_buffers:",
         "                if True:",
         (f"{G}::test_write_blocks_while_every_staging_buffer_waits_for_storage",),
@@ -1230,7 +1230,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flush-worker-skips-chunk-fsync",
-        "spillmerge/_write/staging.py",
+        "spillmerge/_write/flush.py",
         "buf[:size].data, fsync=self.fsync,",
         "buf[:size].data,",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
@@ -1238,7 +1238,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "journal-before-chunk-folder-sync",
-        "spillmerge/_write/staging.py",
+        "spillmerge/_write/flush.py",
         '            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)',
         "            pass",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
