@@ -1268,6 +1268,23 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),
+    Mutation(
+        "staging-buffer-freed-before-its-write",
+        "spillmerge/_storage/local.py",
+        "                for part in parts:\n                    _write_all(fd, part)\n                if written is not None:",
+        "                if written is not None:\n                    written()\n                for part in parts:\n"
+        "                    _write_all(fd, part)\n                if False:",
+        ("tests/test_flush_overlap.py::test_a_buffer_is_refilled_only_after_its_bytes_are_written",),
+        "a flush worker gives a staging buffer back only once its bytes are written, never while write() could refill it",
+    ),
+    Mutation(
+        "staging-buffer-held-through-fsync",
+        "spillmerge/_write/flush.py",
+        "            written=lambda: self._release(chunk),",
+        "            written=None,",
+        ("tests/test_flush_overlap.py::test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync",),
+        "write() refills staging buffers while the flush workers fsync earlier chunks",
+    ),
 ]
 
 
