@@ -95,11 +95,12 @@ def profile(frames: torch.Tensor, n: int, root: str) -> None:
     import google_crc32c
 
     from spillmerge._storage import local as _local
+    from spillmerge._write import flush as _flush
     from spillmerge._write import staging as _staging
     from spillmerge._write import writer as _writer
 
     timers = Timers()
-    timers.wrap(_staging.BufferPool, "acquire", "write(): waiting for a staging buffer")
+    timers.wrap(_flush.BufferPool, "acquire", "write(): waiting for a staging buffer")
     timers.wrap(_staging.Staging, "_block", "write(): block CRC-32C (caller's thread)")
     timers.wrap(_local.LocalStorage, "put", "flush workers: put (write + fsync when asked)")
     timers.wrap(_local.os, "fsync", "any thread: os.fsync")

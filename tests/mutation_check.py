@@ -258,7 +258,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-backpressure-removed",
-        "spillmerge/_write/staging.py",
+        "spillmerge/_write/flush.py",
         "                if self.allocated < self.n_buffers:",
         "                if True:",
         (f"{G}::test_write_blocks_while_every_staging_buffer_waits_for_storage",),
@@ -1230,15 +1230,15 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flush-worker-skips-chunk-fsync",
-        "spillmerge/_write/staging.py",
-        "buf[:size].data, fsync=self.fsync)",
-        "buf[:size].data)",
+        "spillmerge/_write/flush.py",
+        "buf[:size].data, fsync=self.fsync,",
+        "buf[:size].data,",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
         "a data chunk is fsynced before any journal entry names it, with several flush workers in flight",
     ),
     Mutation(
         "journal-before-chunk-folder-sync",
-        "spillmerge/_write/staging.py",
+        "spillmerge/_write/flush.py",
         '            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)',
         "            pass",
         ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
@@ -1267,6 +1267,23 @@ MUTATIONS: list[Mutation] = [
         "        if set(map(type, value)) != {dict}:",
         ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
+    ),
+    Mutation(
+        "staging-buffer-freed-before-its-write",
+        "spillmerge/_storage/local.py",
+        "                for part in parts:\n                    _write_all(fd, part)\n                if written is not None:",
+        "                if written is not None:\n                    written()\n                for part in parts:\n"
+        "                    _write_all(fd, part)\n                if False:",
+        ("tests/test_flush_overlap.py::test_a_buffer_is_refilled_only_after_its_bytes_are_written",),
+        "a flush worker gives a staging buffer back only once its bytes are written, never while write() could refill it",
+    ),
+    Mutation(
+        "staging-buffer-held-through-fsync",
+        "spillmerge/_write/flush.py",
+        "            written=lambda: self._release(chunk),",
+        "            written=None,",
+        ("tests/test_flush_overlap.py::test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync",),
+        "write() refills staging buffers while the flush workers fsync earlier chunks",
     ),
 ]
 

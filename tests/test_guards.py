@@ -399,7 +399,7 @@ def _blocked_in_acquire(thread: threading.Thread) -> bool:
         if (
             frame.f_code.co_name == "wait"
             and caller.f_code.co_name == "acquire"
-            and caller.f_code.co_filename.endswith("_write/staging.py")
+            and caller.f_code.co_filename.endswith("_write/flush.py")
         ):
             return True
         frame = caller

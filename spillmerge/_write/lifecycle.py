@@ -184,9 +184,7 @@ class MergeSteps:
         )
 
 
-def _out_options(
-    root: str, out: str, kwargs: dict[str, Any], default: dict[str, Any] | None
-) -> dict[str, Any] | None:
+def _out_options(root: str, out: str, kwargs: dict[str, Any], default: dict[str, Any] | None) -> dict[str, Any] | None:
     """The storage options the merge used for ``out`` (its ``out_storage_options``, else the spill
     root's when both share a protocol)."""
     if kwargs.get("out_storage_options") is not None:

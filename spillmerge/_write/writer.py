@@ -5,8 +5,9 @@ Protocol:
   (merging rank) merge waits for every rank's commit record, moves the shards of ranks whose
                  storage it cannot see over torch.distributed, then merges (the round: _dist/round.py).
 
-The writer keeps rows (the index it commits) and the lifecycle; the per-file leaf rule is
-``_write.layouts.FileSchemas``, the byte and CUDA copies into staging ``_write.staging.Staging``.
+The writer keeps rows (the index it commits); opening, committing and aborting its segment are
+``_write.segment.SegmentSteps``', the per-file leaf rule ``_write.layouts.FileSchemas``, the byte
+and CUDA copies into staging ``_write.staging.Staging``.
 """
 
 from __future__ import annotations
@@ -15,28 +16,22 @@ import array
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal
 
-import google_crc32c
 import numpy as np
 import torch
 
-from .._dist.rank import resolve_rank, resolve_run_id
+from .._dist.rank import resolve_rank
 from .._dist.round import Rounds
-from .._dist.store import next_session, publish_failure
-from .._errors import DuplicateFrameError, SpillStorageError, SpillValueError, WriterClosedError
+from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import spill as FS
 from .._format.common import user_key
-from .._format.zarr import array_meta, array_objects
-from .._spill.barrier import check_not_stale
-from .._spill.root import load_committed_keys
 from .._storage import Storage
 from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, flat_rows, mapping_items, split_batch
 from .flatten import Leaf, check_filename, check_frame_idx, flatten, flatten_dense
-from .layouts import FileSchemas
 from .lifecycle import MergeSteps, WriterState
+from .segment import SegmentSteps
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate
 
@@ -44,7 +39,7 @@ DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 
 
-class SpillWriter(MergeSteps):
+class SpillWriter(SegmentSteps, MergeSteps):
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
 
     ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
@@ -127,94 +122,6 @@ class SpillWriter(MergeSteps):
         self._lock = threading.Lock()
         """Held by every call that changes the segment (open, write, write_batch, close, abort):
         threads sharing the writer take turns, a call at a time."""
-
-    # ------------------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> SpillWriter:
-        self.open()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.abort(exc)
-
-    def open(self) -> None:
-        """Start a new segment (called by ``__enter__``)."""
-        with self._lock:
-            self._open()
-
-    def _open(self) -> None:
-        if self._state is not WriterState.NEW:
-            raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
-        # Before any compute: a root left by a run of another world size cannot be merged with
-        # this one (every rank checks, so every rank fails here, not only the merging one).
-        check_not_stale(self.storage, self.rank, self.world_size)
-        self.run_id = resolve_run_id(self._run_id_arg)
-        self._session_number = next_session(self.run_id)
-        self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
-        self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
-        self._filenames: list[str] = []
-        self._file_ids: dict[str, int] = {}
-        self._schema = FileSchemas(self.rank)
-        self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
-        self._fresh_keys: list[tuple[int, list[int], int, int]] = []
-        """Keys of write_batch's batches of new files not yet in ``_keys`` (first file id, frames,
-        first row, rows per frame): only a write to a file already written looks keys up, so a
-        job of new files never builds the two tuples per key (:meth:`_key_map`)."""
-        self._n_fresh_keys = 0
-        self._new_keys = array.array("q")
-        """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
-        key, 32 bytes, where a dict entry and its two tuples took ~250 (a gather of a million tiny
-        values writes a million new files)."""
-        self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
-        self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
-        """``_write.batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
-        move) and the dict position of each of its leaves (``_put_fresh``)."""
-        self._last_dense: DenseTemplate | None = None
-        self._frame_template: FrameTemplate | None = None
-        self._row_log: list[tuple[int, int, int, int]] = []
-        """(first row, file id, frame, offset) of frames staged by ``_put_templated`` whose index
-        rows are not in ``_rows`` yet (``_flush_row_log``), all of ``_row_log_template``."""
-        self._row_log_template: FrameTemplate | None = None
-        self._dead_rows: list[tuple[int, int]] = []
-        self._identical_rewrites = 0
-        self._rewrites = 0  # writes of a key already written, whatever the policy kept
-        self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
-        self._n_rows = 0
-        self._committed_keys: dict[str, set[int]] | None = None
-        header = FS.SegmentHeader(
-            rank=self.rank,
-            world_size=self.world_size,
-            segment=self.segment,
-            run_id=self.run_id,
-            chunk_bytes=self.chunk_bytes,
-            started=F.utcnow(),
-            expected=self.expected,
-        )
-        self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
-        self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
-        self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
-        if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
-            self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
-        self._staging.start(
-            self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._schema.layouts, fsync=self.fsync,
-        )  # fmt: skip
-        self._state = WriterState.OPEN
-
-    def _rel(self, name: str) -> str:
-        return f"{self._prefix}/{name}"
-
-    @property
-    def segment_path(self) -> str:
-        """Where this writer's segment lives (URL or path)."""
-        return self.storage.describe(self._prefix) if self.segment else ""
 
     # ---------------------------------------------------------------------------------- write
     def write(self, filename: str, frame_idx: int, value: Any) -> None:
@@ -650,176 +557,6 @@ class SpillWriter(MergeSteps):
                 "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
             )
         self._staging.check()
-
-    def _free_buffers(self) -> None:
-        # The staging memory is only needed while writing; a merge on this rank follows.
-        self._staging.free()
-        self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
-
-    # --------------------------------------------------------------------------------- commit
-    def _vanished(self, what: str) -> SpillStorageError:
-        return SpillStorageError(
-            f"{self.segment_path} vanished while spilling ({what}): was the spill root {self.root} deleted or "
-            f"moved? Rank {self.rank}'s segment is not committed; spill again to a root that stays in place",
-            path=self.segment_path,
-        )
-
-    def _check_segment(self, n_chunks: int | None = None, size: int = 0) -> None:
-        """Fail when the segment is gone from storage, before writing anything that would recreate
-        its folders (local writes create missing parents) or a commit record that would vouch
-        for chunks that no longer exist. With ``n_chunks``, one listing also checks that every
-        data chunk is there with its ``size``."""
-        if n_chunks is None:
-            if not self.storage.exists(self._rel("zarr.json")):
-                raise self._vanished("its header zarr.json is gone")
-            return
-        found = dict(self.storage.find(self._prefix))
-        if self._rel("zarr.json") not in found:
-            raise self._vanished("its header zarr.json is gone")
-        for c in range(n_chunks):
-            got = found.get(self._rel(f"{FS.DATA_NAME}/c/{c}"))
-            if got != size:
-                state = "is gone" if got is None else f"has {got} bytes, not {size}"
-                raise self._vanished(f"data chunk {c} {state}")
-
-    def _write_index(self) -> tuple[FS.CommitRecord, np.ndarray]:
-        self._check_segment()
-        self._flush_row_log()
-        rows = self._rows[: self._n_rows].copy()
-        rows[:, FS.COL_CRC] = self._staging.row_crcs(len(rows))
-        if self._dead_rows:
-            keep = np.ones(len(rows), dtype=bool)
-            for first, n in self._dead_rows:
-                keep[first : first + n] = False
-            rows = rows[keep]
-        rows = np.ascontiguousarray(rows)
-        nbytes, n_chunks = self._staging.offset, self._staging.n_chunks
-        single = n_chunks == 1 and nbytes <= self.chunk_bytes
-        chunk = max(nbytes, 1) if single else self.chunk_bytes
-        data_meta = array_meta((nbytes,), (chunk,), "uint8", crc=False)
-        index_bytes = rows.astype("<i8").tobytes()
-        checks = self._staging.checks()
-        checks_bytes = checks.astype("<i8").tobytes()
-        catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._schema.layouts]})
-        # A few small objects, written concurrently on object stores (one round trip, not one each).
-        objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
-        objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
-        objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
-        if len(checks):  # only write_batch makes block checksums; other segments look like version 2's
-            shape = (len(checks), FS.CHECK_COLUMNS)
-            objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
-        self.storage.put_many(objects)
-        if self.fsync:  # everything the commit record vouches for is durable before it exists
-            # (the data chunks were fsynced by the flush workers: here only their folders)
-            chunks = [self._rel(f"{FS.DATA_NAME}/c/{c}") for c in range(n_chunks)]
-            self.storage.sync([*objects, *chunks])
-        record = FS.CommitRecord(
-            rank=self.rank,
-            world_size=self.world_size,
-            segment=str(self.segment),
-            run_id=self.run_id,
-            n_rows=len(rows),
-            n_frames=self._n_frames,
-            n_files=len(self._filenames),
-            nbytes=nbytes,
-            n_chunks=n_chunks,
-            rewrites=self._rewrites,
-            chunk_bytes=chunk,
-            index_crc32c=google_crc32c.value(index_bytes),
-            catalog_crc32c=google_crc32c.value(catalog),
-            n_checks=len(checks),
-            checks_crc32c=google_crc32c.value(checks_bytes),
-            finished=F.utcnow(),
-        )
-        return record, rows
-
-    def close(self) -> None:
-        """Flush everything and write the commit record. Idempotent."""
-        with self._lock:
-            self._close()
-
-    def _close(self) -> None:
-        if self._state is WriterState.COMMITTED:
-            return
-        if self._state is not WriterState.OPEN:
-            raise WriterClosedError(f"SpillWriter for rank {self.rank} is {self._state}; cannot commit")
-        self._state = WriterState.CLOSING
-        try:
-            self._staging.finish()
-            record, _ = self._write_index()
-            # Last look before the commit record vouches for the chunks: are they all still there?
-            self._check_segment(record.n_chunks, record.chunk_bytes)
-            self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
-        except BaseException as exc:
-            self._state = WriterState.OPEN
-            self._abort(exc)
-            raise
-        self.commit_record = record
-        self._state = WriterState.COMMITTED
-        self._free_buffers()
-
-    def abort(self, exc: BaseException) -> None:
-        """Record a failure (best effort) after flushing what was staged, so the data written so far
-        stays readable; the commit record is never written."""
-        with self._lock:
-            self._abort(exc)
-
-    def _abort(self, exc: BaseException) -> None:
-        if self._state not in (WriterState.OPEN, WriterState.CLOSING):
-            return
-        self._state = WriterState.ABORTING
-        try:
-            if self._staging.stop():
-                self._write_index()
-        except BaseException:  # noqa: BLE001 - the original exception matters more
-            pass
-        error_type, message, tb = F.exception_fields(exc)
-        record = FS.FailureRecord(
-            rank=self.rank,
-            world_size=self.world_size,
-            segment=str(self.segment),
-            run_id=self.run_id,
-            error_type=error_type,
-            message=message,
-            traceback=tb,
-            time=F.utcnow(),
-        )
-        try:
-            self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
-        except BaseException:  # noqa: BLE001 - storage may be what failed
-            pass
-        publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
-        self._state = WriterState.FAILED
-        self._free_buffers()
-
-    # --------------------------------------------------------------------------------- resume
-    def committed_keys(self) -> dict[str, set[int]]:
-        """Filename → frame indices committed under this root by earlier sessions of any rank
-        (read once, when first asked). Use it to skip work after a crash."""
-        if self._committed_keys is None:
-            self._committed_keys = load_committed_keys(self.storage, exclude=self.segment)
-        return self._committed_keys
-
-    def is_committed(self, filename: str, frame_idx: int) -> bool:
-        """True when ``(filename, frame_idx)`` was committed by an earlier session (any rank)."""
-        frames = self.committed_keys().get(check_filename(filename))
-        return frames is not None and check_frame_idx(frame_idx, filename) in frames
-
-    def stats(self) -> dict[str, int]:
-        """Counters of this writer: frames, rows, bytes, chunks, staging buffers allocated, and
-        ``identical_rewrites``: writes of a key already written with the same bytes (kept once,
-        under ``on_duplicate="error"``); ``rewrites``: every write of a key already written (kept
-        once by the policy), recorded in the commit record and summed by the merge into
-        ``MergeReport.rewrites`` / ``dropped_duplicates``."""
-        return {
-            "frames": self._n_frames if hasattr(self, "_keys") else 0,
-            "rows": getattr(self, "_n_rows", 0),
-            "bytes": self._staging.offset,
-            "chunks": self._staging.n_chunks,
-            "staging_buffers": self._staging.allocated,
-            "identical_rewrites": getattr(self, "_identical_rewrites", 0),
-            "rewrites": getattr(self, "_rewrites", 0),
-        }
 
 
 def _frame_array(frames: list[int]) -> np.ndarray | None:

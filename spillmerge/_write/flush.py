@@ -1,0 +1,346 @@
+"""The flush side of staging: the staging buffers (:class:`BufferPool`), a buffer on its way to
+storage (:class:`Chunk`), and the :class:`Flusher` thread with its upload workers and its in-order
+journal thread.
+
+Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
+  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
+                     one by one → a flush worker writes it whole, gives its buffer back
+                     (``BufferPool.release``) and fsyncs it (``flush_threads`` in flight,
+                     finishing in any order) → once chunks ``0..N`` are durable, the journal
+                     thread fsyncs their folder and writes ``journal/N`` (entries in chunk
+                     order); ``None`` on the queue ends it.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import torch
+
+from .._format import spill as FS
+from .._storage import Storage
+from .._util.progress import ProgressWriter
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A staging buffer on its way to storage."""
+
+    number: int
+    """Chunk number in ``data``."""
+    host: torch.Tensor
+    """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
+    host_np: Any = None
+    """``host.numpy()``, made once: host-side copies slice it (cheaper per call than torch)."""
+    fill: int = 0
+    """Bytes used."""
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
+    staged by ``Staging.add``; a row may continue in the next chunk)."""
+    blocks: list[tuple[int, int, int, np.ndarray, int]] = field(default_factory=list)
+    """(check id, start, stop, rows, CRC-32C) of every block checksum of this chunk: bytes
+    ``start:stop`` hold the rows ``rows`` (int64) back to back (one leaf of a block of
+    ``add_frames``, or a run of whole frames of ``add_frame``), checksummed in one call
+    (docs/FORMAT.md, ``checks``) by the caller's thread right after its copy (``_block``)."""
+    check_base: int = 0
+    """Id of this chunk's first block checksum (the number of blocks of earlier chunks)."""
+    run: array.array[int] = field(default_factory=lambda: array.array("q"))
+    """Rows of the open block of ``write``'s frames (``Staging.add_frame``): consecutive whole
+    frames from ``run_start`` to ``fill``, closed into ``blocks`` at CHECK_BYTES, before any other
+    copy into this chunk, and at hand-off."""
+    run_start: int = 0
+    """Where the open block starts in this chunk."""
+    streams: dict[int, int] = field(default_factory=dict)
+    """The CUDA streams that copied into this buffer (raw handle -> device index): small leaves
+    are copied on the caller's stream, large ones on the writer's own (``Staging.add``)."""
+    events: list[Any] = field(default_factory=list)
+    """CUDA events recorded on each of ``streams`` after their copies (``Staging.seal``), when the
+    chunk leaves the writer's hands: whoever reads ``host`` waits for them first."""
+    completed: list[np.ndarray] = field(default_factory=list)
+    """(row, file_id, frame, layout_id, offset, nbytes) of every row of the frames whose last byte
+    is in this chunk, in order, as int64 ``(n, 6)`` arrays: a block of ``Staging.add_frames``, or
+    the rows ``tail`` collected before it. A journal entry lists whole frames only."""
+    tail: array.array[int] = field(default_factory=lambda: array.array("q"))
+    """The rows completed one by one (``Staging.add``, ``add_frame``) since the last block of
+    ``completed``, six int64 each: 48 bytes a row, where a tuple per row took ~200 (a chunk of
+    tiny rows holds up to a million of them)."""
+    file_base: int = 0
+    """Catalog id of ``new_files[0]``."""
+    new_files: list[str] = field(default_factory=list)
+    """Filenames registered since the previous chunk was handed off."""
+    released: bool = False
+    """The buffer went back to the pool (once its bytes were written, before their fsync)."""
+    layout_base: int = 0
+    """Catalog id of ``new_layouts[0]``."""
+    new_layouts: list[FS.Layout] = field(default_factory=list)
+    """Layouts registered since the previous chunk was handed off."""
+
+    def complete_block(self, block: np.ndarray) -> None:
+        """Append a block of completed rows after the rows completed one by one so far."""
+        if self.tail:
+            self.completed.append(np.frombuffer(self.tail, dtype=np.int64).reshape(-1, 6))
+            self.tail = array.array("q")
+        self.completed.append(block)
+
+
+_WAKE = object()
+_SPARE = object()
+
+
+class BufferPool:
+    """At most ``n_buffers`` host buffers of ``chunk_bytes``, reused: ``acquire`` blocks while all
+    of them wait for storage (backpressure), the flush thread ``release``s each after its upload
+    and allocates the next one ahead (``prefault_spare``) so ``write()`` never pays for fresh
+    pages. Buffers are pinned once ``pin()`` was called (the first CUDA write)."""
+
+    def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
+        self.chunk_bytes, self.n_buffers = chunk_bytes, n_buffers
+        self.allocated = 0
+        """Buffers allocated so far (at most ``n_buffers``)."""
+        self.pinned = False
+        """True once CUDA tensors were written: new buffers are pinned."""
+        self._lock = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self.wants_spare: Callable[[], None] | None = None
+        """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
+        thread then prefaults the next one while the caller fills this one."""
+
+    def pin(self) -> None:
+        self.pinned = True
+
+    def acquire(self, check: Callable[[], None]) -> torch.Tensor:
+        """A free buffer, waiting for one while all are in use; ``check()`` runs while waiting
+        (it raises the flush thread's error instead of waiting forever)."""
+        with self._lock:
+            while True:
+                check()
+                if self._free:
+                    buf = self._free.pop()
+                    if self.pinned and not buf.is_pinned():
+                        break  # allocated before the first CUDA write: replace it with pinned memory
+                    if not self._free and self.allocated < self.n_buffers and self.wants_spare is not None:
+                        self.wants_spare()
+                    return buf
+                if self.allocated < self.n_buffers:
+                    self.allocated += 1
+                    break
+                self._lock.wait(timeout=0.5)  # backpressure: wait for the flush thread
+        return self._new_buffer()
+
+    def _new_buffer(self) -> torch.Tensor:
+        if self.pinned:
+            return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        # numpy's allocation, not torch's: numpy asks the kernel for transparent huge pages
+        # (madvise) for buffers of 4 MiB or more, so a fresh buffer costs a page fault per 2 MiB,
+        # not per 4 KiB (its first touch was ~a third of write_batch's time in short runs)
+        return torch.from_numpy(np.empty(self.chunk_bytes, dtype=np.uint8))
+
+    def prefault_spare(self) -> None:
+        """Allocate one more buffer (within ``n_buffers``) and touch its pages, so the page faults
+        of fresh memory are paid by the flush thread, not inside ``write()``."""
+        with self._lock:
+            if self._free or self.allocated >= self.n_buffers:
+                return
+            self.allocated += 1
+        buf = self._new_buffer()
+        if not self.pinned:  # pinned memory is resident already
+            # torch, not numpy: its fill releases the GIL, so the caller's write_batch runs on
+            # while this thread takes a page fault per 4 KiB (milliseconds per buffer)
+            buf[::4096].fill_(0)
+        self.release(buf)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._lock.notify()
+
+    def clear(self) -> None:
+        """Drop the free buffers (the staging memory is only needed while writing)."""
+        with self._lock:
+            self._free.clear()
+
+
+def completed_rows(chunk: Chunk) -> np.ndarray:
+    """The int64 ``(n, 6)`` rows (row, file, frame, layout, offset, nbytes) completed in ``chunk``,
+    in order: its blocks (``completed``), then the rows completed one by one after them (``tail``)."""
+    parts = list(chunk.completed)
+    if chunk.tail:
+        parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
+    return np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)
+
+
+class Flusher(threading.Thread):
+    """Background thread: waits for a chunk's device copies, checksums its rows, uploads it whole
+    (``flush_threads`` uploads at a time), and writes each chunk's journal entry once that chunk
+    and every earlier one are durable."""
+
+    def __init__(
+        self, pool: BufferPool, storage: Storage, prefix: str, *, rank: int, flush_threads: int,
+        object_size: Callable[[Chunk], int], fsync: bool = True,
+    ) -> None:  # fmt: skip
+        """Uploads go to ``storage`` under ``prefix`` (the segment); ``object_size(chunk)`` says
+        how many bytes of a chunk's buffer its object holds (the writer decides: the last chunk
+        of a small spill is stored exactly). ``fsync``: each chunk is fsynced by the worker that
+        wrote it (local disks), so a chunk counts as durable only once it survives a power loss."""
+        super().__init__(name=f"spillmerge-flush-r{rank}", daemon=True)
+        self.pool, self.storage, self.prefix, self.fsync = pool, storage, prefix, fsync
+        self.flush_threads, self.object_size = flush_threads, object_size
+        self.q: queue.Queue[Any] = queue.Queue()
+        self.crc = np.zeros(1024, dtype=np.int64)
+        """Index row -> CRC-32C of its bytes (rows without bytes: 0, the CRC of nothing), or
+        ``-1 - id`` of the block checksum covering it. Only this thread writes it; it grows by
+        copying, so a reader of the old array still sees every CRC computed before it grew."""
+        self.checks = np.zeros((64, FS.CHECK_COLUMNS), dtype=np.int64)
+        """Block checksum id -> (offset in ``data``, nbytes, CRC-32C); grows like ``crc``."""
+        self.n_checks = 0
+        """Block checksums computed so far (ids ``0 .. n_checks-1``, in chunk order)."""
+        self.error: BaseException | None = None
+        self.durable = 0
+        """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
+        self.durable_cond = threading.Condition()
+        self._pending: collections.deque[tuple[Chunk, Future[None]]] = collections.deque()
+        self._journals: list[Future[None]] = []
+        self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
+        # Journal entries land one after another, in chunk order: a reader replays them in order
+        # and stops at a gap, so entry N written before N-1 would be lost to a kill between them.
+        self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix=f"spillmerge-journal-r{rank}")
+        self.progress = ProgressWriter(storage, prefix, rank=rank)
+        pool.wants_spare = lambda: self.q.put(_SPARE)
+
+    def run(self) -> None:
+        try:
+            self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
+            while True:
+                try:
+                    chunk = self.q.get(timeout=self.progress.interval)
+                except queue.Empty:  # idle: the progress record catches up with the last chunks
+                    if self.progress.behind():
+                        self._journals.append(self._pool.submit(self.progress.maybe_write, trailing=True))
+                    continue
+                if chunk is None:
+                    break
+                if chunk is _WAKE:  # an upload finished: journal it and free its buffer
+                    self._retire(block=False)
+                    continue
+                if chunk is _SPARE:  # the caller took the prefaulted buffer: ready the next one
+                    self.pool.prefault_spare()
+                    continue
+                if self.error is not None:
+                    self.pool.release(chunk.host)
+                    continue
+                try:
+                    self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
+                    self._checksum(chunk)
+                    fut = self._pool.submit(self._upload, chunk)
+                    fut.add_done_callback(lambda _: self.q.put(_WAKE))
+                    self._pending.append((chunk, fut))
+                    # Buffers bound what is pending: at most n_buffers unwritten, one fsync a worker.
+                    self._retire(block=len(self._pending) > self.flush_threads + self.pool.n_buffers)
+                except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
+                    self.error = self.error or exc
+            while self._pending:
+                self._retire(block=True)
+        finally:
+            self._pool.shutdown(wait=True)
+            self._journal_pool.shutdown(wait=True)
+            # Final counts before a commit or failure record lands (a failed rank's stay exact).
+            self.progress.maybe_write(trailing=True)
+            for fut in self._journals:
+                if fut.exception() is not None and self.error is None:
+                    self.error = fut.exception()
+            with self.durable_cond:  # wake a writer waiting for a chunk that will never land
+                self.durable_cond.notify_all()
+
+    def _checksum(self, chunk: Chunk) -> None:
+        # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
+        for event in chunk.events:
+            event.synchronize()
+        buf = chunk.host.numpy()
+        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3][-1]) for b in chunk.blocks], default=-1)
+        if top >= len(self.crc):
+            grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
+            grown[: len(self.crc)] = self.crc
+            self.crc = grown
+        crc = self.crc
+        for row, start, stop in chunk.pieces:
+            crc[row] = google_crc32c.extend(int(crc[row]), buf[start:stop])
+        if not chunk.blocks:
+            return
+        need = chunk.check_base + len(chunk.blocks)
+        if need > len(self.checks):
+            more = np.zeros((max(need, 2 * len(self.checks)), FS.CHECK_COLUMNS), dtype=np.int64)
+            more[: len(self.checks)] = self.checks
+            self.checks = more
+        # The caller computed each block's CRC-32C (``Staging._block``); its rows point at it by id.
+        base = chunk.number * len(buf)
+        for check, start, stop, rows, value in chunk.blocks:
+            self.checks[check] = (base + start, stop - start, value)
+            crc[rows] = -1 - check
+        self.n_checks = need
+
+    def _upload(self, chunk: Chunk) -> None:
+        buf = chunk.host.numpy()
+        size = self.object_size(chunk)
+        if chunk.fill < size:
+            buf[chunk.fill : size] = 0
+        # The bytes are durable when this returns (fsync in this worker, beside the others in
+        # flight), their folder entry once ``_journal`` fsynced the folder. The buffer is free
+        # once the bytes are written, before the fsync: write() refills it while the disk flushes.
+        self.storage.put(
+            f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync,
+            written=lambda: self._release(chunk),
+        )  # fmt: skip
+
+    def _release(self, chunk: Chunk) -> None:
+        """Give ``chunk``'s buffer back to the pool, once (its bytes were written, or never will be)."""
+        if not chunk.released:
+            chunk.released = True
+            self.pool.release(chunk.host)
+
+    def _retire(self, *, block: bool) -> None:
+        """Journal finished uploads in chunk order; release their buffers."""
+        while self._pending and (block or self._pending[0][1].done()):
+            chunk, fut = self._pending.popleft()
+            block = False
+            try:
+                fut.result()
+                with self.durable_cond:
+                    self.durable = chunk.number + 1
+                    self.durable_cond.notify_all()
+                done = completed_rows(chunk)  # once, for the progress record and the journal
+                self.progress.durable(chunk.number, done)
+                if self.error is None:
+                    # Its chunk and every earlier one are durable now; the PUT itself overlaps the
+                    # next uploads, after the earlier entries.
+                    self._journals.append(self._journal_pool.submit(self._journal, chunk, done))
+            except BaseException as exc:  # noqa: BLE001
+                self.error = self.error or exc
+            finally:
+                self._release(chunk)
+
+    def _journal(self, chunk: Chunk, done: np.ndarray) -> None:
+        # Written only after this chunk and every earlier one are durable, so every row it lists
+        # (including rows that started in earlier chunks) can be read back. ``done``:
+        # completed_rows(chunk).
+        if self.fsync:  # the chunk's name too: its folder (the earlier chunks' names with it)
+            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)
+        crc = self.crc
+        rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
+        rows[:, : FS.COL_CRC] = done[:, 1:]
+        rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
+        checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
+        entry = FS.encode_journal(
+            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
+            chunk.check_base, checks,
+        )  # fmt: skip
+        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
+        self.progress.maybe_write()

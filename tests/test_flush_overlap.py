@@ -1,0 +1,102 @@
+"""A flush worker gives a staging buffer back once the chunk's bytes are written, before their
+fsync: ``write()`` goes on filling buffers while the disk flushes earlier chunks, and never
+refills a buffer whose bytes are still being written."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+import spillmerge
+from spillmerge._storage import local as local_mod
+
+CHUNK = 4096
+
+
+def _frame(i: int) -> torch.Tensor:
+    return torch.full((CHUNK // 4,), float(i), dtype=torch.float32)  # one whole chunk a frame
+
+
+def _is_data_chunk(fd: int) -> bool:
+    return "/data/c/" in os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _blocked_in_acquire(thread: threading.Thread) -> bool:
+    """True while ``thread`` waits inside ``BufferPool.acquire`` for a buffer to come back."""
+    frame: Any = sys._current_frames().get(thread.ident or -1)
+    while frame is not None and frame.f_back is not None:
+        caller = frame.f_back
+        if frame.f_code.co_name == "wait" and caller.f_code.co_name == "acquire":
+            return True
+        frame = caller
+    return False
+
+
+def _merged(root: str, out: str, n: int) -> None:
+    spillmerge.merge(root, out, progress=False)
+    assert torch.equal(spillmerge.open(out)["f"].to_torch(), torch.stack([_frame(i) for i in range(n)]))
+
+
+def test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync(tmp_path, monkeypatch):
+    """Two flush workers stuck in the fsync of chunks 0 and 1 hold no buffer: ``write()`` fills
+    both buffers again (frames 2 and 3) and only then waits; the memory bound still holds."""
+    gate = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if _is_data_chunk(fd):
+            gate.wait(60)
+        real_fsync(fd)
+
+    monkeypatch.setattr(local_mod.os, "fsync", fsync)
+    root, written, errors = str(tmp_path / "spill"), [], []
+
+    def spill() -> None:
+        try:
+            with spillmerge.SpillWriter(
+                root, rank=0, world_size=1, chunk_bytes=CHUNK, staging_bytes=2 * CHUNK, flush_threads=2
+            ) as w:
+                for i in range(12):
+                    w.write("f", i, _frame(i))
+                    written.append(i)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=spill, name="test-spill")
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while t.is_alive() and not (len(written) >= 4 and _blocked_in_acquire(t)) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # a write() that should wait has had time to run on
+        assert t.is_alive() and _blocked_in_acquire(t), f"write() did not wait: {len(written)} frames written"
+        # chunks 0 and 1 written (in fsync, buffers back), 2 and 3 staged: no more
+        assert written == [0, 1, 2, 3], written
+    finally:
+        gate.set()
+        t.join(60)
+    assert not t.is_alive() and not errors, errors
+    _merged(root, str(tmp_path / "out"), 12)
+
+
+def test_a_buffer_is_refilled_only_after_its_bytes_are_written(tmp_path, monkeypatch):
+    """Each data chunk's write is slow: a buffer handed back before it would be refilled by the
+    next frames while being written, and the merge would find other bytes than were staged."""
+    real_write_all = local_mod._write_all
+
+    def slow_write_all(fd: int, part: Any) -> None:
+        if _is_data_chunk(fd):
+            time.sleep(0.05)
+        real_write_all(fd, part)
+
+    monkeypatch.setattr(local_mod, "_write_all", slow_write_all)
+    root = str(tmp_path / "spill")
+    with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=CHUNK, staging_bytes=2 * CHUNK) as w:
+        for i in range(10):
+            w.write("f", i, _frame(i))
+    _merged(root, str(tmp_path / "out"), 10)
