@@ -18,8 +18,9 @@ from .._format import spill as FS
 
 VALUE_COLUMN = F.VALUE_COLUMN
 
-ROW_BLOCK = 1 << 20
-"""Rows per block of the loops over per-row arrays (bounded temporaries whatever the plan size)."""
+ROW_BLOCK = 1 << 18
+"""Rows per block of the loops over per-row arrays: a temporary is 2 MiB of int64 at most,
+whatever the plan's size."""
 
 Alloc = Callable[..., np.ndarray]
 """``new(name, shape, dtype, fill=None)``: a new array (``_merge.plansql.alloc`` over the plan's

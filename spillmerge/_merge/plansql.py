@@ -45,15 +45,20 @@ BATCH = 1 << 18
 """Sorted rows per Arrow batch read back from DuckDB, at most (fewer under a small memory limit:
 one row per KiB of it, so a batch holds a small part of the limit whatever the names' lengths)."""
 
-MAPPED_ROWS = 1 << 20
-"""Row tables of more rows than this are maps of the work folder's files; smaller ones are read
-into memory."""
+MAPPED_ROWS = 1 << 16
+"""Per-row arrays of more rows than this are maps of the work folder's files; smaller ones (512
+KiB of int64 at most) are in memory."""
 
 ROW_GROUP = 1 << 16
 """Rows per Parquet row group of a segment's rows: what DuckDB reads at a time per thread."""
 
 MIN_SORT_MEMORY = 64 << 20
 """DuckDB's memory limit at the least: its sort of a million rows fails in less."""
+
+THREAD_MEMORY = 128 << 20
+"""DuckDB's memory limit per sort thread, at the least: each thread's sort buffers come beside the
+limit (at 10^6 keys, a 128 MiB limit: 222 MiB peak on one thread, 263 on four), and four threads
+cannot sort 3 x 10^6 rows in 64 MiB at all."""
 
 ENGINE_SHARE = 2
 """DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
@@ -187,7 +192,8 @@ def sort_rows(
     # Threads and memory in the connection's config: a connection made with defaults starts a
     # worker per core before any SET could say otherwise.
     limit = engine_memory(memory_limit)
-    con = duckdb.connect(config={"threads": max(1, int(threads)), "memory_limit": f"{limit}B"})
+    threads = max(1, min(int(threads), limit // THREAD_MEMORY))
+    con = duckdb.connect(config={"threads": threads, "memory_limit": f"{limit}B"})
     try:
         con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
         con.execute("SET preserve_insertion_order = false")
@@ -201,7 +207,10 @@ def sort_rows(
         ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
         try:
             return _collect(reader, resolve, folder, n_names)
-        except duckdb.OutOfMemoryException as exc:
+        except (duckdb.OutOfMemoryException, OSError) as exc:
+            # DuckDB's limit met while the Arrow reader pulls a batch comes as an OSError
+            if not isinstance(exc, duckdb.OutOfMemoryException) and "Out of Memory" not in str(exc):
+                raise
             raise SpillValueError(
                 f"the merge plan's sort needs more memory than plan_budget allows "
                 f"({limit >> 20} MiB of {int(memory_limit) >> 20} MiB for the sort); raise plan_budget "
