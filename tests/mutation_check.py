@@ -1268,6 +1268,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),
+    Mutation(
+        "s45-plan-file-goes-on-across-blocks",
+        "spillmerge/_merge/plan.py",
+        '            new_file[0] = f[0] != c["file"][a - 1]',
+        "            new_file[0] = True",
+        ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
+        "a file whose rows go on from one block of the plan's rows to the next is one file (its offsets, its layouts)",
+    ),
+    Mutation(
+        "s45-list-offsets-over-blocks",
+        "spillmerge/_merge/plancolumns.py",
+        "            total = int(cs[-1])",
+        "            total = 0",
+        ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
+        "a list's offsets run on across the blocks of its parent rows",
+    ),
 ]
 
 
