@@ -36,7 +36,7 @@ import functools, json, sys, time
 sys.path.insert(0, {bench!r})
 from common import PeakMemory
 from spillmerge._merge import plan as _plan
-from spillmerge import _format_spill as FS
+from spillmerge._format import spill as FS
 from spillmerge._spill.barrier import wait_for_commits
 from spillmerge._spill.root import load_all, same_bytes
 from spillmerge._storage import Storage

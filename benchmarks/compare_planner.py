@@ -11,7 +11,8 @@ root is merged, in a fresh process, by both checkouts (``PYTHONPATH``) under eac
 policy; an error must be the same class and message in both; outputs must hold the same files
 with the same bytes, except two records that carry a time: the root ``zarr.json`` (compared
 without ``created``) and ``spillmerge-complete.json`` (compared without ``finished`` and
-``written_by``; its ``plan`` fingerprint must agree). Exit status 1 when anything differs.
+``written_by``; its ``plan`` fingerprint must agree); with ``--parts``, the part records too
+(without ``finished``, ``host`` and ``pid``). Exit status 1 when anything differs.
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ completion record's plan fingerprint is compared."""
 
 MERGE = """
 import json, sys, spillmerge
-root, out, policy = sys.argv[1:4]
+root, out, policy, parts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 try:
-    spillmerge.merge(root, out, on_duplicate=policy, overwrite=True, progress=False)
+    if parts == 1:
+        spillmerge.merge(root, out, on_duplicate=policy, overwrite=True, progress=False)
+    else:  # the parts one after another (the first stores the plan, the others read it), then the finalize
+        for i in range(parts):
+            spillmerge.merge(root, out, on_duplicate=policy, part=(i, parts), progress=False)
+        spillmerge.merge(root, out, on_duplicate=policy, finalize=True, progress=False)
     print(json.dumps({"ok": True, "module": spillmerge.__file__}))
 except Exception as exc:
     print(json.dumps({"ok": False, "error": type(exc).__name__, "message": str(exc), "module": spillmerge.__file__}))
@@ -106,9 +112,9 @@ def write_generated_root(root: str, n: int, world: int = 4) -> None:
             w.write_batch([f"batch-{rank}-{j:03d}" for j in range(64)], batch)
 
 
-def merge(checkout: str, root: str, out: str, policy: str) -> dict:
+def merge(checkout: str, root: str, out: str, policy: str, parts: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=checkout)
-    r = subprocess.run([sys.executable, "-c", MERGE, root, out, policy], env=env, capture_output=True, text=True, cwd=checkout,
+    r = subprocess.run([sys.executable, "-c", MERGE, root, out, policy, str(parts)], env=env, capture_output=True, text=True, cwd=checkout,
                        timeout=3600)  # fmt: skip
     if r.returncode != 0 or not r.stdout.strip():
         return {"ok": False, "error": "crash", "message": r.stderr[-2000:]}
@@ -123,7 +129,10 @@ def tree(path: str) -> dict[str, Path]:
 def _without_stamps(name: str, raw: bytes) -> object:
     """The record without what says when and by which process it was written."""
     obj = json.loads(raw)
-    if name == "zarr.json":
+    if name.startswith("spillmerge-parts/part-"):  # a part's record: when, on which host, which process
+        for key in ("finished", "host", "pid"):
+            obj.pop(key, None)
+    elif name == "zarr.json":
         obj.get("attributes", {}).get("spillmerge", {}).pop("created", None)
     else:
         for key in ("finished", "written_by"):
@@ -139,7 +148,8 @@ def compare(a: str, b: str) -> list[str]:
         x, y = ta[k].read_bytes(), tb[k].read_bytes()
         if x == y:
             continue
-        if k in STAMPED and _without_stamps(k, x) == _without_stamps(k, y):
+        stamped = k in STAMPED or k.startswith("spillmerge-parts/part-")
+        if stamped and _without_stamps(k, x) == _without_stamps(k, y):
             continue
         diffs.append(f"differs: {k} ({len(x)} and {len(y)} bytes)")
     return diffs
@@ -151,24 +161,30 @@ def main() -> int:
     ap.add_argument("--new", default=str(HERE), help="checkout of the planner under test")
     ap.add_argument("--n", type=int, default=100_000, help="keys of the generated root")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--parts", type=int, default=1, help="merge in this many parts + finalize (1: whole)")
+    ap.add_argument("--root", action="append", default=[], help="an existing spill root to compare on instead (kept)")
+    ap.add_argument("--policies", default="error,first,last")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="compare-planner-")
     roots: dict[str, str] = {}
-    roots["values"] = os.path.join(work, "values")
-    write_values_root(roots["values"])
-    t = time.perf_counter()
-    roots[f"generated-{args.n}"] = os.path.join(work, "generated")
-    write_generated_root(roots[f"generated-{args.n}"], args.n)
-    print(f"spill roots written in {time.perf_counter() - t:.1f} s under {work}", flush=True)
+    if args.root:
+        roots = {os.path.basename(r.rstrip("/")): r for r in args.root}
+    else:
+        roots["values"] = os.path.join(work, "values")
+        write_values_root(roots["values"])
+        t = time.perf_counter()
+        roots[f"generated-{args.n}"] = os.path.join(work, "generated")
+        write_generated_root(roots[f"generated-{args.n}"], args.n)
+        print(f"spill roots written in {time.perf_counter() - t:.1f} s under {work}", flush=True)
     bad = 0
     for name, root in roots.items():
-        for policy in ("error", "first", "last"):
+        for policy in args.policies.split(","):
             outs = {}
             res = {}
             for side, checkout in (("base", args.base), ("new", args.new)):
                 outs[side] = os.path.join(work, f"out-{name}-{policy}-{side}")
                 t = time.perf_counter()
-                res[side] = merge(checkout, root, outs[side], policy)
+                res[side] = merge(checkout, root, outs[side], policy, args.parts)
                 res[side]["s"] = round(time.perf_counter() - t, 1)
             a, b = res["base"], res["new"]
             assert a.get("module", "").startswith(args.base) and b.get("module", "").startswith(args.new), (a, b)
@@ -179,7 +195,7 @@ def main() -> int:
             n_files = len(tree(outs["new"]))
             what = "merged" if a["ok"] else f"both raise {a['error']}"
             status = "SAME" if not diffs else "DIFFERENT"
-            print(f"{status:9} {name:18} on_duplicate={policy:5} {what}, {n_files} files "
+            print(f"{status:9} {name:18} on_duplicate={policy:5} parts={args.parts} {what}, {n_files} files "
                   f"(base {a['s']} s, new {b['s']} s)", flush=True)  # fmt: skip
             for d in diffs[:20]:
                 print("    ", d)

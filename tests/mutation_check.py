@@ -1285,6 +1285,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_flush_overlap.py::test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync",),
         "write() refills staging buffers while the flush workers fsync earlier chunks",
     ),
+    Mutation(
+        "s45-plan-file-goes-on-across-blocks",
+        "spillmerge/_merge/plan.py",
+        '            new_file[0] = f[0] != c["file"][a - 1]',
+        "            new_file[0] = True",
+        ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
+        "a file whose rows go on from one block of the plan's rows to the next is one file (its offsets, its layouts)",
+    ),
+    Mutation(
+        "s45-list-offsets-over-blocks",
+        "spillmerge/_merge/plancolumns.py",
+        "            total = int(cs[-1])",
+        "            total = 0",
+        ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
+        "a list's offsets run on across the blocks of its parent rows",
+    ),
 ]
 
 

@@ -145,14 +145,26 @@ def output_orders(
                     clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
         return _compress({path: _in_order(keys) for path, keys in spec.items()}), clash
 
-    per_segment = [rows(si, s) for si, s in enumerate(segments)] if n_files else []
-    if not sigs or not any(len(g) for g, _ in per_segment):
+    def per_segment() -> Any:
+        """Each segment's :func:`rows`, one segment's at a time (all of them at once would be two
+        int64 arrays of every index row)."""
+        return (rows(si, s) for si, s in enumerate(segments)) if n_files else iter(())
+
+    for s in segments:  # every positioned layout numbered first, in segment order, as rows() does
+        for lay in s.layouts:
+            pos = getattr(lay, "pos", None)
+            if pos is not None and (tuple(lay.leaf), tuple(pos)) not in sig_id:
+                sig_id[(tuple(lay.leaf), tuple(pos))] = len(sigs)
+                sigs.append((tuple(lay.leaf), tuple(pos)))
+    if not sigs or not n_files:
         return None
     wide = len(sigs) > 62
     # each file's layouts: a bit mask (up to 62 distinct layouts), else their sorted ids
     masks = np.zeros(n_files if not wide else 0, dtype=np.int64)
     sets: dict[int, set[int]] = {}
-    for g, sig in per_segment:
+    any_rows = False
+    for g, sig in per_segment():
+        any_rows = any_rows or bool(len(g))
         if not wide:
             np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sig))
         elif len(g):  # each distinct (file, layout) pair once (by a sort), then per pair
@@ -160,6 +172,8 @@ def output_orders(
             u = u[np.concatenate(([True], u[1:] != u[:-1]))]
             for f, sg in zip((u // len(sigs)).tolist(), (u % len(sigs)).tolist(), strict=True):
                 sets.setdefault(f, set()).add(sg)
+    if not any_rows:
+        return None
     if not wide:
         files = np.flatnonzero(masks)
         fmask = masks[files]
@@ -192,8 +206,9 @@ def output_orders(
         in_clash = np.array([k in clashing for k in cp_key], dtype=bool)
         walk[files[in_clash[np.cumsum(change) - 1]]] = True
         # their rows in merge order; each (file, layout)'s first row; per file, by that row
-        wf = np.concatenate([g[walk[g]] for g, _ in per_segment])
-        ws = np.concatenate([sig[walk[g]] for g, sig in per_segment])
+        pairs = [(g[walk[g]], sig[walk[g]]) for g, sig in per_segment()]
+        wf = np.concatenate([g for g, _ in pairs])
+        ws = np.concatenate([sig for _, sig in pairs])
         _, at = np.unique(wf * len(sigs) + ws, return_index=True)
         at = at[np.lexsort((at, wf[at]))]
         for f, sg in zip(wf[at].tolist(), ws[at].tolist(), strict=True):

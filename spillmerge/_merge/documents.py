@@ -9,6 +9,7 @@ is read back. A single array's document is ``_format.zarr.array_meta``, which th
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -83,7 +84,7 @@ BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
 """Column kinds stored as uint8 bytes + byte offsets."""
 
 
-def filename_arrays(filenames: list[str]) -> dict[str, np.ndarray]:
+def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
     """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
     ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
     of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3

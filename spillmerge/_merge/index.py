@@ -67,7 +67,7 @@ def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarr
     """Each index array's path and its elements (and the function that makes them from those):
     the arrays ``_merge.documents.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
     (but ``values``)."""
-    filename_arrays = Z.filename_arrays(list(plan.filenames))
+    filename_arrays = Z.filename_arrays(plan.filenames)  # a plan's NameTable as it is: no str per name
     out: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {
         f"index/{k}": (v, None) for k, v in filename_arrays.items()
     }

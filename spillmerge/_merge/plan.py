@@ -14,6 +14,7 @@ the rows of duplicated keys come back to Python one by one, the rest is vectoris
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import json
@@ -31,11 +32,15 @@ from .._format import spill as FS
 from .._format.keyorder import output_orders
 from .._spill.root import Extent, LoadedSegment
 from . import plansql as _plansql
+from .nametable import table_of
 from .options import DEFAULT_PLAN_BUDGET
 from .plancolumns import (
     ROW_BLOCK,
+    Alloc,
     PlannedColumn,
     PlannedList,
+    blocks,
+    distinct,
     file_layouts_of,
     group_names,
     list_domains,
@@ -52,7 +57,8 @@ class Plan:
     """The merge plan and the row table it refers to."""
 
     filenames: Sequence[str]
-    """Sorted, distinct (a list, or a string table of UTF-8 bytes and offsets: ``encoded_names``)."""
+    """Sorted, distinct: a :class:`~spillmerge._merge.nametable.NameTable` (UTF-8 bytes and
+    offsets), or a list."""
     file_offsets: np.ndarray
     """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
     frame_idx: np.ndarray
@@ -170,61 +176,96 @@ def build(
         pos = {p: i for i, p in enumerate(leaf_paths)}
         return np.array([pos[p] for p in raw_lp], dtype=np.int64)
 
-    def resolve(rows: dict[str, np.ndarray], names: list[str]) -> tuple[np.ndarray, int]:
+    def resolve(rows: dict[str, np.ndarray], names: Sequence[str]) -> tuple[np.ndarray, int]:
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
     n_index = sum(len(s.index) for s in segments)
-    if n_index < _plansql.IN_MEMORY_ROWS:
-        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve, work_dir=work_dir)
-    else:
-        srt = _plansql.sort_rows(
-            segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-            threads=threads if threads is not None else _threads(n_index),
-        )  # fmt: skip
+    with _plansql.workspace(work_dir) as folder:
+        if n_index < _plansql.IN_MEMORY_ROWS:
+            srt = _plansql.sort_rows_in_memory(
+                segments, layout_ids, lp_order, resolve, work_dir=work_dir, folder=folder
+            )
+        else:
+            srt = _plansql.sort_rows(
+                segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+                threads=threads if threads is not None else _threads(n_index), folder=folder,
+            )  # fmt: skip
+        return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))
+
+
+def _assemble(
+    srt: _plansql.Sorted, segments: list[LoadedSegment], layouts: list[FS.Layout],
+    leaf_paths: list[tuple[str, ...]], new: Alloc,
+) -> Plan:  # fmt: skip
+    """The plan from the sorted kept rows: output rows, lists, variants, columns and each file's
+    column set, a block of rows at a time; every per-row array from ``new`` (a map of a file of
+    the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS`` rows), so what the plan holds in
+    anonymous memory does not grow with its rows."""
     names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
     if not len(c["file"]):
         e = np.zeros(0, np.int64)
-        return Plan([], np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
+        return Plan(names, np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
                     [], segments, e, e, e, e, duplicates=0)  # fmt: skip
 
-    # Rows: distinct (file, frame), in order (DuckDB sorted them); every entry's row number.
+    # Rows: distinct (file, frame), in order (the sort's); every entry's row number; each row's
+    # frame, rank and copies; each file's first row.
     n_ent = len(c["file"])
-    new_key = np.ones(n_ent, dtype=bool)
-    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
-    row_of = np.cumsum(new_key) - 1
-    key_start = np.flatnonzero(new_key)
-    n_rows = len(key_start)
-    file_of_row = c["file"][key_start]
-    frame_idx = c["frame"][key_start].copy()
+    row_of = new("row_of", n_ent, np.int64)
+    frame_idx = new("frame_idx", n_ent, np.int64)  # the first n_rows are the rows'
+    rank = new("rank", n_ent, np.int32)
+    row_copies = new("copies", n_ent, np.int32)
+    file_offsets = new("file_offsets", len(names) + 1, np.int64)
     seg_rank = np.array([s.seg.rank for s in segments], dtype=np.int32)
-    rank = seg_rank[c["seg"][key_start]]
-    file_offsets = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum(np.bincount(file_of_row, minlength=len(names)), out=file_offsets[1:])
+    n_rows = 0
+    for a, b in blocks(n_ent):
+        f, fr = np.asarray(c["file"][a:b]), np.asarray(c["frame"][a:b])
+        new_file = np.ones(b - a, dtype=bool)
+        new_file[1:] = f[1:] != f[:-1]
+        new_key = new_file.copy()
+        new_key[1:] |= fr[1:] != fr[:-1]
+        if a:
+            new_file[0] = f[0] != c["file"][a - 1]
+            new_key[0] = new_file[0] or fr[0] != c["frame"][a - 1]
+        r = n_rows - 1 + np.cumsum(new_key)
+        row_of[a:b] = r
+        ks = np.flatnonzero(new_key)
+        end = n_rows + len(ks)
+        frame_idx[n_rows:end] = fr[ks]
+        rank[n_rows:end] = seg_rank[c["seg"][a + ks]]
+        row_copies[n_rows:end] = copies[a + ks]
+        fs = np.flatnonzero(new_file)
+        file_offsets[f[fs]] = r[fs]
+        n_rows = end
+    file_offsets[len(names)] = n_rows
 
     heads = {lay.leaf for lay in layouts if lay.dtype in ("pylist", "pytuple")}
-    gpaths, gp, drow, lists, sizes = list_domains(c["lp"], row_of, leaf_paths, n_rows, heads)
+    gpaths, gp, drow, lists, sizes = list_domains(c["lp"], row_of, leaf_paths, n_rows, heads, new)
     c["lp"] = gp  # from here on a column's path: every item position of a list is one child path
-    group, groups = variant_groups(c, layouts, gpaths)
+    group, groups = variant_groups(c, layouts, gpaths, new)
     names_of = group_names(groups, gpaths)
-    kinds = np.array([F.DTYPES[lay.dtype].kind for lay in layouts])
-    is_none = kinds[c["gl"]] == "none"
+    is_none = np.array([F.DTYPES[lay.dtype].kind == "none" for lay in layouts], dtype=bool)
+    # every column's source rows in one pass over the entries (a value's entry, not a None's)
+    srcs = [new("src", sizes[F.list_domain(gpaths[p])], np.int64, -1) for p, _ in groups]
+    for a, b in blocks(n_ent):
+        gb = np.asarray(group[a:b])
+        ok = ~is_none[c["gl"][a:b]]
+        db = np.asarray(drow[a:b])
+        for g in distinct(gb[ok]).tolist():
+            m = np.flatnonzero(ok & (gb == g))
+            srcs[g][db[m]] = a + m
     columns = []
     for g, (p, tag) in enumerate(groups):
-        sel = np.flatnonzero(group == g)
-        present = sel[~is_none[sel]]
         n_dom = sizes[F.list_domain(gpaths[p])]
-        src = np.full(n_dom, -1, dtype=np.int64)
-        src[drow[present]] = present
-        planned = plan_column(names_of[g], gpaths[p], src, c, layouts, n_dom)
+        planned = plan_column(names_of[g], gpaths[p], srcs[g], c, layouts, n_dom, new)
         if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
             # the header names the variant its name carries (a split by dtype alone: version 2's rule)
             planned = dataclasses.replace(planned, variant=tag)
         columns.append(planned)
     columns.sort(key=lambda col: col.name)
 
-    file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of)
+    file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of, new)
     return Plan(
-        names, file_offsets, frame_idx, rank, copies[key_start].astype(np.int32), file_layout, file_layouts,
+        names, file_offsets, frame_idx[:n_rows], rank[:n_rows], row_copies[:n_rows], file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
         output_orders(names, segments, srt.file_ids),
     )  # fmt: skip
@@ -304,10 +345,8 @@ def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: s
 def encoded_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """The UTF-8 bytes (``surrogatepass``) of ``names`` back to back and their int64 offsets
     (``len(names) + 1``)."""
-    enc = [f.encode("utf-8", "surrogatepass") for f in names]
-    offsets = np.zeros(len(enc) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in enc], out=offsets[1:])
-    return np.frombuffer(b"".join(enc), dtype=np.uint8), offsets
+    t = table_of(names)
+    return t.data, t.offsets
 
 
 def fingerprint(plan: Plan, **settings: Any) -> str:

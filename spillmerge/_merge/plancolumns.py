@@ -5,7 +5,9 @@ Per-row work is vectorised; per-leaf and per-layout tables are small Python ones
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,8 +18,25 @@ from .._format import spill as FS
 
 VALUE_COLUMN = F.VALUE_COLUMN
 
-ROW_BLOCK = 1 << 20
-"""Rows per block of the loops over per-row arrays (bounded temporaries whatever the plan size)."""
+ROW_BLOCK = 1 << 18
+"""Rows per block of the loops over per-row arrays: a temporary is 2 MiB of int64 at most,
+whatever the plan's size."""
+
+Alloc = Callable[..., np.ndarray]
+"""``new(name, shape, dtype, fill=None)``: a new array (``_merge.plansql.alloc`` over the plan's
+work folder: a map of a file beyond ``_merge.plansql.MAPPED_ROWS`` rows)."""
+
+
+def in_memory(name: str, shape: Any, dtype: Any, fill: int | None = None) -> np.ndarray:
+    """:data:`Alloc` in memory."""
+    return np.full(shape, 0 if fill is None else fill, dtype=dtype)
+
+
+def blocks(n: int) -> Iterator[tuple[int, int]]:
+    """``(a, b)`` of each block of ``ROW_BLOCK`` rows of ``n``."""
+    for a in range(0, n, ROW_BLOCK):
+        yield a, min(n, a + ROW_BLOCK)
+
 
 #: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
 KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
@@ -165,7 +184,7 @@ def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
 
 def list_domains(
     lp: np.ndarray, row_of: np.ndarray, leaf_paths: list[tuple[str, ...]], n_rows: int,
-    headers: set[tuple[str, ...]] = frozenset(),  # type: ignore[assignment]
+    headers: set[tuple[str, ...]] = frozenset(), new: Alloc = in_memory,  # type: ignore[assignment]
 ) -> tuple[list[tuple[str, ...]], np.ndarray, np.ndarray, list[PlannedList], dict[tuple[str, ...], int]]:  # fmt: skip
     """Arrow's list model over the spill's item positions (docs/FORMAT.md, *Lists*): every spill
     path ``P/\x1f<i>/...`` becomes the child path ``P/\x1f*/...``, whose rows are the items of
@@ -175,17 +194,23 @@ def list_domains(
     the catalog alone. ``headers``: the leaf paths of ``pylist`` / ``pytuple`` headers, whose
     lists get offsets even where every one of them is empty. Returns the column paths, each
     entry's path and row in its path's domain, the lists (parents first) and every domain's size
-    (``()``: the output's rows)."""
+    (``()``: the output's rows). Per-entry work a block of entries at a time, into ``new`` arrays."""
     general = [F.general_path(p) for p in leaf_paths]
     gpaths = sorted({g for g, _ in general})
     gid = {g: i for i, g in enumerate(gpaths)}
-    gp = np.array([gid[g] for g, _ in general], dtype=np.int64)[lp] if len(leaf_paths) else lp.copy()
-    drow = row_of.astype(np.int64, copy=True)
+    gtab = np.array([gid[g] for g, _ in general], dtype=np.int64)
+    n = len(lp)
+    gp = new("gp", n, np.int64)
+    for a, b in blocks(n):
+        gp[a:b] = gtab[lp[a:b]]
     sizes: dict[tuple[str, ...], int] = {(): n_rows}
     list_paths = {g[: d + 1] for g, _ in general for d, seg in enumerate(g) if seg == F.ITEM}
     list_paths |= {(*F.general_path(h[:-1])[0], F.ITEM) for h in headers}
     if not list_paths:
-        return gpaths, gp, drow, [], sizes
+        return gpaths, gp, row_of, [], sizes
+    drow = new("drow", n, np.int64)
+    for a, b in blocks(n):
+        drow[a:b] = row_of[a:b]
     depth = max(len(ix) for _, ix in general)
     # per level k: each leaf path's list (its prefix up to its k-th item segment) and position
     chain = np.full((max(depth, 1), len(leaf_paths)), -1, dtype=np.int64)
@@ -199,16 +224,31 @@ def list_domains(
             pos[k, j] = ix[k]
     lists: list[PlannedList] = []
     names = column_names(ordered)
+
+    def items(k: int, lid: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per block: the block's rows in ``drow`` (a view), its entries of list ``lid`` and their item positions."""
+        if k >= depth:
+            return
+        for a, b in blocks(n):
+            lpb = np.asarray(lp[a:b])
+            sel = np.flatnonzero(chain[k][lpb] == lid)
+            if len(sel):
+                yield drow[a:b], sel, pos[k][lpb[sel]]
+
     for lid, path in enumerate(ordered):
         k = path.count(F.ITEM) - 1
-        sel = np.flatnonzero(chain[k][lp] == lid) if k < depth and len(lp) else np.zeros(0, np.int64)
-        idx = pos[k][lp[sel]] if len(sel) else sel
         n_parent = sizes[F.list_domain(path[:-1])]
-        lengths = np.zeros(n_parent, dtype=np.int64)
-        np.maximum.at(lengths, drow[sel], idx + 1)
-        offsets = np.zeros(n_parent + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        drow[sel] = offsets[drow[sel]] + idx
+        lengths = new("lengths", n_parent, np.int64)
+        for dr, sel, idx in items(k, lid):
+            np.maximum.at(lengths, np.asarray(dr[sel]), idx + 1)
+        offsets = new("offsets", n_parent + 1, np.int64)
+        total = 0
+        for a, b in blocks(n_parent):
+            cs = np.cumsum(lengths[a:b]) + total
+            offsets[a + 1 : b + 1] = cs
+            total = int(cs[-1])
+        for dr, sel, idx in items(k, lid):
+            dr[sel] = offsets[np.asarray(dr[sel])] + idx
         sizes[path] = int(offsets[-1])
         lists.append(PlannedList(names[path], path, offsets))
     return gpaths, gp, drow, lists, sizes
@@ -232,7 +272,7 @@ def member(a: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def variant_groups(
-    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]]
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], new: Alloc = in_memory
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
     """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
     ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column,
@@ -250,8 +290,14 @@ def variant_groups(
             continue
         sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
         lcode[g] = sig_code.setdefault(sig, len(sig_code))
-    code = lcode[c["gl"]]
-    weak = np.flatnonzero(code < 0)
+    n = len(c["gl"])
+    code = new("code", n, np.int64)
+    weak_parts = [np.zeros(0, np.int64)]
+    for a, b in blocks(n):
+        cb = code[a:b] = lcode[c["gl"][a:b]]
+        weak_parts.append(a + np.flatnonzero(cb < 0))
+    weak = np.concatenate(weak_parts)
+    del weak_parts
     if len(weak):
         n_lp, n_sig = len(leaf_paths), max(len(sig_code), 1)
         definite = code >= 0
@@ -294,14 +340,16 @@ def variant_groups(
                 got[m] = cand
             code[rows] = got
     n_codes = max(len(sig_code), 1)
-    key = c["lp"] * n_codes + code
     # the distinct (leaf, variant) pairs, numbered in order: a table of every possible pair
     # (leaves x variants, small), not a sort of the rows
     seen = np.zeros(len(leaf_paths) * n_codes, dtype=np.int64)
-    seen[key] = 1
+    for a, b in blocks(n):
+        seen[c["lp"][a:b] * n_codes + code[a:b]] = 1
     uniq = np.flatnonzero(seen)
     number = np.cumsum(seen) - 1
-    group = number[key]
+    group = new("group", n, np.int64)
+    for a, b in blocks(n):
+        group[a:b] = number[c["lp"][a:b] * n_codes + code[a:b]]
     del seen, number
     by_leaf: dict[int, list[tuple[str, str, int]]] = {}
     sigs_all = sorted(sig_code, key=sig_code.__getitem__)
@@ -317,7 +365,7 @@ def variant_groups(
             groups.append((p, sig[1]))  # version 2's split by dtype: ``<col>.<dtype>``
         else:
             groups.append((p, variant_tag(sig)))
-    return group.reshape(-1), groups
+    return group, groups
 
 
 def variant_tag(sig: tuple[str, str, int]) -> str:
@@ -343,13 +391,26 @@ def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str
 
 
 def plan_column(
-    name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int
-) -> PlannedColumn:
-    """The column of one leaf path from the row table positions of its present rows."""
-    present = src >= 0
-    has_valid = not bool(present.all())
-    gl = c["gl"][src[present]]
-    lay_ids = distinct(gl)
+    name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int,
+    new: Alloc = in_memory,
+) -> PlannedColumn:  # fmt: skip
+    """The column of one leaf path from the row table positions of its present rows (a block of
+    rows at a time; per-row arrays from ``new``)."""
+    has_valid = False
+    lay_ids = np.zeros(0, np.int64)
+    for a, b in blocks(n_rows):
+        s = np.asarray(src[a:b])
+        p = s >= 0
+        has_valid = has_valid or not bool(p.all())
+        lay_ids = distinct(np.concatenate([lay_ids, distinct(c["gl"][s[p]])]))
+
+    def each() -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+        """Per block of rows: its bounds, which rows are present and their layouts."""
+        for a, b in blocks(n_rows):
+            s = np.asarray(src[a:b])
+            p = s >= 0
+            yield a, b, p, c["gl"][s[p]]
+
     lays = [layouts[int(g)] for g in lay_ids]
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
@@ -357,62 +418,76 @@ def plan_column(
         kind = KIND[dt.kind]
         # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
         # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
-        counts = np.zeros(n_rows, dtype=np.int64)
-        counts[present] = c["nb"][src[present]]
-        strings = None
-        if kind == "strlist":  # (n_rows, 1): strings per row (its n uint32 lengths open the row's bytes)
-            n_of = np.zeros(len(layouts), dtype=np.int64)
+        counts = new("counts", n_rows, np.int64)
+        strings = new("strings", (n_rows, 1), np.int64) if kind == "strlist" else None
+        n_of = np.zeros(len(layouts), dtype=np.int64)
+        if strings is not None:  # (n_rows, 1): strings per row (its n uint32 lengths open the row's bytes)
             for g in lay_ids:
                 n_of[int(g)] = layouts[int(g)].shape[0]
-            strings = np.zeros((n_rows, 1), dtype=np.int64)
-            strings[present, 0] = n_of[gl]
+        for a, b, p, gl in each():
+            s = np.asarray(src[a:b])
+            counts[a:b][p] = c["nb"][s[p]]
+            if strings is not None:
+                strings[a:b, 0][p] = n_of[gl]
         return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
                       counts, strings, has_valid)  # fmt: skip
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
         shape = next(iter(shapes)) if shapes else ()
-        present_counts = present.astype(np.int64) if has_valid else None
+        present_counts = None
+        if has_valid:
+            present_counts = new("counts", n_rows, np.int64)
+            for a, b, p, _ in each():
+                present_counts[a:b] = p
         return PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, present_counts, None, has_valid)
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
-    row_shapes = np.zeros((n_rows, ndim), dtype=np.int64)
-    row_shapes[present] = table[gl]
     inner_set = {lay.shape[1:] for lay in lays}
+    counts = new("counts", n_rows, np.int64)
     if len(inner_set) == 1:
         inner = next(iter(inner_set))
-        return PlannedColumn(
-            name, leaf, "ragged", dt.name, ndim, None, inner, src, row_shapes[:, 0].copy(), None, has_valid
-        )
-    counts = np.prod(row_shapes, axis=1, dtype=np.int64)
+        for a, b, p, gl in each():
+            counts[a:b][p] = table[gl, 0]
+        return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, inner, src, counts, None, has_valid)
+    row_shapes = new("shapes", (n_rows, ndim), np.int64)
+    for a, b, p, gl in each():
+        row_shapes[a:b][p] = table[gl]
+        counts[a:b] = np.prod(row_shapes[a:b], axis=1, dtype=np.int64)
     return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
 
 
 def file_layouts_of(
-    file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str]
+    file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str], new: Alloc = in_memory
 ) -> tuple[np.ndarray, list[list[str]]]:
     # file_of: each entry's file, ascending (the plan's rows are sorted by file); lp_of / lp_names:
     # each entry's column group and the groups' names.
     """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
     a position in the list of distinct sets."""
     n = len(file_of)
-    starts = np.flatnonzero(np.diff(file_of, prepend=-1)) if n else np.zeros(0, np.int64)
-    files = np.asarray(file_of[starts], dtype=np.int64)
-    if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised for millions of files
-        masks = np.zeros(n_files, dtype=np.int64)
-        if n:
-            bits = np.left_shift(np.int64(1), np.asarray(lp_of, dtype=np.int64))
-            masks[files] = np.bitwise_or.reduceat(bits, starts)
-        uniq, inverse = np.unique(masks, return_inverse=True)
+    if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised, a block of rows at a time
+        masks = new("masks", n_files, np.int64)
+        for a, b in blocks(n):
+            fb = np.asarray(file_of[a:b])
+            starts = np.flatnonzero(np.diff(fb, prepend=-1))
+            bits = np.left_shift(np.int64(1), np.asarray(lp_of[a:b], dtype=np.int64))
+            masks[fb[starts]] |= np.bitwise_or.reduceat(bits, starts)  # a file may go on from the last block
+        uniq = np.zeros(0, np.int64)
+        for a, b in blocks(n_files):
+            uniq = distinct(np.concatenate([uniq, distinct(masks[a:b])]))
+        inverse = new("file_layout", n_files, np.int32)
+        for a, b in blocks(n_files):
+            inverse[a:b] = np.searchsorted(uniq, masks[a:b])
         sets = [[lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1] for m in uniq]
-    else:
-        pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
-        pf, pl = pairs // len(lp_names), pairs % len(lp_names)
-        per_file: list[list[int]] = [[] for _ in range(n_files)]
-        for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
-            per_file[f].append(p)
-        keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
-        inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
-        sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
+        return inverse, [sorted(s) for s in sets]
+    # more column sets than bits: the distinct (file, column) pairs, sorted (a whole array)
+    pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
+    pf, pl = pairs // len(lp_names), pairs % len(lp_names)
+    per_file: list[list[int]] = [[] for _ in range(n_files)]
+    for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
+        per_file[f].append(p)
+    keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
+    inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
+    sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
     return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,20 +39,26 @@ import numpy as np
 from .._errors import SpillValueError
 from .._format import spill as FS
 from .._spill.root import LoadedSegment
+from .nametable import NameTable
 
 BATCH = 1 << 18
 """Sorted rows per Arrow batch read back from DuckDB, at most (fewer under a small memory limit:
 one row per KiB of it, so a batch holds a small part of the limit whatever the names' lengths)."""
 
-MAPPED_ROWS = 1 << 20
-"""Row tables of more rows than this are maps of the work folder's files; smaller ones are read
-into memory."""
+MAPPED_ROWS = 1 << 16
+"""Per-row arrays of more rows than this are maps of the work folder's files; smaller ones (512
+KiB of int64 at most) are in memory."""
 
 ROW_GROUP = 1 << 16
 """Rows per Parquet row group of a segment's rows: what DuckDB reads at a time per thread."""
 
 MIN_SORT_MEMORY = 64 << 20
 """DuckDB's memory limit at the least: its sort of a million rows fails in less."""
+
+THREAD_MEMORY = 128 << 20
+"""DuckDB's memory limit per sort thread, at the least: each thread's sort buffers come beside the
+limit (at 10^6 keys, a 128 MiB limit: 222 MiB peak on one thread, 263 on four), and four threads
+cannot sort 3 x 10^6 rows in 64 MiB at all."""
 
 ENGINE_SHARE = 2
 """DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
@@ -70,7 +76,7 @@ COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
 """The row table's int64 columns (``_merge.plan``'s names): file number, frame, leaf path, global
 layout, segment, byte offset, byte length, CRC-32C."""
 
-Resolve = Callable[[dict[str, np.ndarray], list[str]], tuple[np.ndarray, int]]
+Resolve = Callable[[dict[str, np.ndarray], Sequence[str]], tuple[np.ndarray, int]]
 """``resolve(rows, names)``: the rows (sorted) of keys held by several segments and the names so
 far; returns which rows to keep and the copies dropped."""
 
@@ -79,7 +85,7 @@ far; returns which rows to keep and the copies dropped."""
 class Sorted:
     """The kept rows of every key, in (filename, frame, leaf) order."""
 
-    names: list[str]
+    names: NameTable
     """The distinct filenames, sorted; ``file`` numbers them."""
     rows: dict[str, np.ndarray]
     """``COLUMNS`` of every kept row."""
@@ -108,6 +114,36 @@ def _remove_stale(parent: str) -> None:
                 pass
 
 
+@contextlib.contextmanager
+def workspace(work_dir: str | None) -> Iterator[str]:
+    """A private work folder under ``work_dir`` (else the system's temporary folder), removed on
+    exit whether the body succeeds or fails; folders of killed plans under it go first. Arrays
+    mapped from its files stay readable after (their pages stay file-backed while mapped)."""
+    parent = work_dir if work_dir is not None else tempfile.gettempdir()
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale(parent)
+    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def alloc(folder: str, name: str, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None) -> np.ndarray:
+    """A new array of ``shape``: in memory up to ``MAPPED_ROWS`` rows, else a shared map of a new
+    file of ``folder`` (its pages file-backed: written back, not anonymous memory), filled with
+    ``fill`` a block at a time (None: zeros)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if shape[0] <= MAPPED_ROWS:
+        return np.full(shape, 0 if fill is None else fill, dtype=dtype)
+    path = os.path.join(folder, f"{name}-{len(os.listdir(folder))}.bin")
+    a = np.memmap(path, dtype=dtype, mode="w+", shape=shape)  # a sparse file: zeros
+    if fill:
+        for i in range(0, shape[0], MAPPED_ROWS):
+            a[i : i + MAPPED_ROWS] = fill
+    return a
+
+
 def sort_rows(
     segments: Iterable[LoadedSegment],
     layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
@@ -117,69 +153,82 @@ def sort_rows(
     work_dir: str | None,
     memory_limit: int,
     threads: int,
+    folder: str | None = None,
 ) -> Sorted:
     """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
     whose memory limit is ``engine_memory(memory_limit)``.
 
     ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
     layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
-    a raw leaf-path number to its position in the sorted leaf paths."""
+    a raw leaf-path number to its position in the sorted leaf paths. ``folder``: a
+    :func:`workspace` of the caller's, which then keeps the maps' files (else one of its own)."""
+    if folder is None:
+        with workspace(work_dir) as own:
+            return sort_rows(segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+                             threads=threads, folder=own)  # fmt: skip
     import duckdb  # a dependency of merging only: reading never imports it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parent = work_dir if work_dir is not None else tempfile.gettempdir()
-    os.makedirs(parent, exist_ok=True)
-    _remove_stale(parent)
-    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+    # Each segment's rows go to a Parquet file that DuckDB reads: no Python object is scanned
+    # (that path imports pandas), and the rows live on disk, not in the engine's memory.
+    n_files = 0
+    n_names: list[int] = []
+    for si, s in enumerate(segments):
+        n_names.append(len(s.filenames))
+        table = _segment_rows(si, s, layout_ids)
+        if table is None:
+            continue
+        pq.write_table(
+            table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none", row_group_size=ROW_GROUP
+        )
+        n_files += 1
+        del table
+    order = lp_order()
+    lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
+    pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
+    if not n_files:
+        return _empty(n_names)
+    # Threads and memory in the connection's config: a connection made with defaults starts a
+    # worker per core before any SET could say otherwise.
+    limit = engine_memory(memory_limit)
+    threads = max(1, min(int(threads), limit // THREAD_MEMORY))
+    con = duckdb.connect(config={"threads": threads, "memory_limit": f"{limit}B"})
     try:
-        # Each segment's rows go to a Parquet file that DuckDB reads: no Python object is scanned
-        # (that path imports pandas), and the rows live on disk, not in the engine's memory.
-        n_files = 0
-        n_names: list[int] = []
-        for si, s in enumerate(segments):
-            n_names.append(len(s.filenames))
-            table = _segment_rows(si, s, layout_ids)
-            if table is None:
-                continue
-            pq.write_table(
-                table, os.path.join(folder, f"rows-{n_files:06d}.parquet"), compression="none", row_group_size=ROW_GROUP
-            )
-            n_files += 1
-            del table
-        order = lp_order()
-        lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
-        pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
-        if not n_files:
-            ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
-            return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
-        # Threads and memory in the connection's config: a connection made with defaults starts a
-        # worker per core before any SET could say otherwise.
-        limit = engine_memory(memory_limit)
-        con = duckdb.connect(config={"threads": max(1, int(threads)), "memory_limit": f"{limit}B"})
+        con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
+        con.execute("SET preserve_insertion_order = false")
+        con.execute("SET enable_progress_bar = false")  # DuckDB's own bar writes to stdout
+        # the files by name, not a glob: the folder's path may hold glob characters
+        rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
+        lp = _quoted(os.path.join(folder, "lp.parquet"))
+        reader = con.sql(
+            f"SELECT fname, frame, lp, gl, seg, off, nb, crc, lf FROM read_parquet([{rows}]) "
+            f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
+        ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
         try:
-            con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
-            con.execute("SET preserve_insertion_order = false")
-            con.execute("SET enable_progress_bar = false")  # DuckDB's own bar writes to stdout
-            # the files by name, not a glob: the folder's path may hold glob characters
-            rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
-            lp = _quoted(os.path.join(folder, "lp.parquet"))
-            reader = con.sql(
-                f"SELECT fname, frame, lp, gl, seg, off, nb, crc, lf FROM read_parquet([{rows}]) "
-                f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
-            ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
-            try:
-                return _collect(reader, resolve, folder, n_names)
-            except duckdb.OutOfMemoryException as exc:
-                raise SpillValueError(
-                    f"the merge plan's sort needs more memory than plan_budget allows "
-                    f"({limit >> 20} MiB of {int(memory_limit) >> 20} MiB for the sort); raise plan_budget "
-                    f"(--plan-budget): {exc}"
-                ) from None
-        finally:
-            con.close()
+            return _collect(reader, resolve, folder, n_names)
+        except (duckdb.OutOfMemoryException, OSError) as exc:
+            # DuckDB's limit met while the Arrow reader pulls a batch comes as an OSError
+            if not isinstance(exc, duckdb.OutOfMemoryException) and "Out of Memory" not in str(exc):
+                raise
+            raise SpillValueError(
+                f"the merge plan's sort needs more memory than plan_budget allows "
+                f"({limit >> 20} MiB of {int(memory_limit) >> 20} MiB for the sort); raise plan_budget "
+                f"(--plan-budget): {exc}"
+            ) from None
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        con.close()
+        shutil.rmtree(os.path.join(folder, "tmp"), ignore_errors=True)
+        for name in os.listdir(folder):  # the sort's inputs; the folder keeps the maps' files
+            if name.endswith(".parquet"):
+                os.unlink(os.path.join(folder, name))
+
+
+def _empty(n_names: list[int]) -> Sorted:
+    """No rows: no names, every segment's filenames unnumbered."""
+    ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
+    names = NameTable(np.zeros(0, np.uint8), np.zeros(1, np.int64))
+    return Sorted(names, {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
 
 
 def _segment_rows(
@@ -286,6 +335,24 @@ class _Spool:
             f = self.files[name] = open(os.path.join(self.folder, f"{name}.i8"), "wb")  # noqa: SIM115 - done()
         f.write(np.ascontiguousarray(a, dtype=np.int64).data)
 
+    def append_bytes(self, name: str, a: np.ndarray) -> None:
+        f = self.files.get(name)
+        if f is None:
+            f = self.files[name] = open(os.path.join(self.folder, name), "wb")  # noqa: SIM115 - done_bytes()
+        f.write(np.ascontiguousarray(a, dtype=np.uint8).data)
+
+    def done_bytes(self, name: str, n: int) -> np.ndarray:
+        """The bytes appended to ``name``: read, or a map beyond ``MAPPED_ROWS`` int64s' worth."""
+        f = self.files.pop(name, None)
+        if f is not None:
+            f.close()
+        if n == 0:
+            return np.zeros(0, dtype=np.uint8)
+        path = os.path.join(self.folder, name)
+        if n <= MAPPED_ROWS * 8:
+            return np.fromfile(path, dtype=np.uint8)
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
+
     def done(self, name: str, n: int) -> np.ndarray:
         f = self.files.pop(name, None)
         if f is not None:
@@ -300,14 +367,38 @@ class _Spool:
         return np.memmap(path, dtype=np.int64, mode="c", shape=(n,))
 
 
+class _SpooledNames(Sequence[str]):
+    """The names spooled so far, for a message about a duplicated key (read back from the files)."""
+
+    def __init__(self, spool: _Spool) -> None:
+        self.spool = spool
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: Any) -> Any:
+        for f in self.spool.files.values():
+            f.flush()
+        off = np.fromfile(os.path.join(self.spool.folder, "name_off.i8"), dtype=np.int64, count=2, offset=8 * int(i))
+        with open(os.path.join(self.spool.folder, "names.u8"), "rb") as f:
+            f.seek(int(off[0]))
+            return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
+
+
 def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> Sorted:
-    """The sorted batches: file numbers, duplicates resolved, kept rows spooled; each segment's
-    filenames numbered (``Sorted.file_ids``)."""
-    names: list[str] = []
+    """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
+    names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
+    filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``)."""
+    import pyarrow as pa
+
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
     np.cumsum(n_names, out=base[1:])
-    file_ids = np.full(int(base[-1]), -1, dtype=np.int64)
+    file_ids = alloc(folder, "file_ids", int(base[-1]), np.int64, fill=-1)
     spool = _Spool(folder)
+    names = _SpooledNames(spool)
+    spool.append("name_off", np.zeros(1, np.int64))
+    name_bytes = 0
     last_name: bytes | None = None
     carry: dict[str, np.ndarray] | None = None
     n_kept = duplicates = 0
@@ -349,13 +440,19 @@ def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> 
     for batch in reader:
         if not batch.num_rows:
             continue
-        data, off = _binary_parts(batch.column(0))
-        new_name = _name_starts(batch.column(0))
-        first_name = data[: int(off[1])].tobytes()
-        new_name[0] = last_name is None or first_name != last_name
-        first = len(names)
-        for i in np.flatnonzero(new_name).tolist():
-            names.append(data[int(off[i]) : int(off[i + 1])].tobytes().decode("utf-8", "surrogatepass"))
+        col = batch.column(0)
+        data, off = _binary_parts(col)
+        new_name = _name_starts(col)
+        new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
+        starts = np.flatnonzero(new_name)
+        if len(starts):
+            fresh = col.take(_i64(starts))
+            fdata, foff = _binary_parts(fresh if isinstance(fresh, pa.Array) else fresh.combine_chunks())
+            spool.append_bytes("names.u8", fdata)
+            spool.append("name_off", name_bytes + foff[1:])
+            name_bytes += int(foff[-1])
+        first = names.n
+        names.n += len(starts)
         last_name = data[int(off[-2]) : int(off[-1])].tobytes()
         c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
         for j, k in enumerate(COLUMNS[1:], start=1):
@@ -368,7 +465,8 @@ def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> 
         flush(carry, final=True)
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
-    return Sorted(names, rows, spool.done("copies", n_kept), duplicates, ids)
+    table = NameTable(spool.done_bytes("names.u8", name_bytes), spool.done("name_off", names.n + 1))
+    return Sorted(table, rows, spool.done("copies", n_kept), duplicates, ids)
 
 
 IN_MEMORY_ROWS = 1 << 16
@@ -383,6 +481,7 @@ def sort_rows_in_memory(
     resolve: Resolve,
     *,
     work_dir: str | None,
+    folder: str | None = None,
 ) -> Sorted:
     """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same table,
     sorted by Arrow in memory (binary names in byte order, as DuckDB sorts them) and collected
@@ -398,17 +497,12 @@ def sort_rows_in_memory(
             tables.append(table)
     order = lp_order()
     if not tables:
-        ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
-        return Sorted([], {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
+        return _empty(n_names)
     table = pa.concat_tables(tables)
     table = table.append_column("lp", _i64(order[_ints(table.column("rlp"))]))
     table = table.sort_by([("fname", "ascending"), ("frame", "ascending"), ("seg", "ascending"), ("lp", "ascending")])
     table = table.select(["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"])
-    parent = work_dir if work_dir is not None else tempfile.gettempdir()
-    os.makedirs(parent, exist_ok=True)
-    _remove_stale(parent)
-    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
-    try:
+    if folder is not None:
         return _collect(table.to_batches(), resolve, folder, n_names)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with workspace(work_dir) as own:
+        return _collect(table.to_batches(), resolve, own, n_names)

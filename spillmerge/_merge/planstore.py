@@ -37,6 +37,7 @@ from .._format import common as F
 from .._spill.root import LoadedSegment, Segment
 from .._storage import Storage
 from . import lease as _lease
+from .nametable import NameTable
 from .parts import PARTS_DIR
 from .plan import Plan, PlannedColumn, PlannedList, encoded_names
 
@@ -289,9 +290,9 @@ def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, 
             )
         lists = [PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"])) for lst in body["lists"]]
         data, offs = arr("names"), arr("name_offsets")
-        blob = data.tobytes()
-        bounds = offs.tolist()
-        names = [blob[a:b].decode("utf-8", "surrogatepass") for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        if len(offs) < 1 or offs[0] != 0 or np.any(np.diff(offs) < 0) or offs[-1] != len(data):
+            raise bad(f"{PLAN_DIR}/name_offsets", "offsets not rising from 0 to the names' bytes")
+        names = NameTable(data, offs)  # decoded when asked for: no Python string per name
         plan = Plan(
             names, arr("file_offsets"), arr("frame_idx"), arr("rank"), arr("copies"), arr("file_layout"),
             [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"), arr("nbytes"),

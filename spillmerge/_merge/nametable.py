@@ -1,0 +1,104 @@
+"""The plan's filenames as a string table: UTF-8 bytes (``surrogatepass``) back to back and int64
+offsets (Arrow's large_string layout), no Python ``str`` per name. A name is decoded when it is
+asked for; the arrays may be maps of files, so a plan of 10^9 names holds none in memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+
+class NameTable(Sequence[str]):
+    """Sorted, distinct filenames: ``len``, ``names[i]``, ``names[a:b]`` (a list), iteration,
+    :meth:`search` (a position or -1), and the arrays themselves (:attr:`data`, :attr:`offsets`).
+    Equal to any sequence of the same names."""
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray) -> None:
+        self.data = data
+        """uint8: the names' bytes back to back."""
+        self.offsets = offsets
+        """int64 (n + 1,): name i is ``data[offsets[i]:offsets[i + 1]]``, from 0."""
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def raw(self, i: int) -> bytes:
+        """Name ``i``'s UTF-8 bytes."""
+        return bytes(self.data[int(self.offsets[i]) : int(self.offsets[i + 1])])
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        k = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= k < n:
+            raise IndexError(f"filename {i} of {n}")
+        return self.raw(k).decode("utf-8", "surrogatepass")
+
+    def __iter__(self) -> Iterator[str]:
+        step = 1 << 16  # decoded a block at a time
+        for a in range(0, len(self), step):
+            off = np.asarray(self.offsets[a : a + step + 1])
+            blob = bytes(self.data[int(off[0]) : int(off[-1])])
+            bounds = (off - off[0]).tolist()
+            for x, y in zip(bounds[:-1], bounds[1:], strict=True):
+                yield blob[x:y].decode("utf-8", "surrogatepass")
+
+    def search(self, name: str) -> int:
+        """The position of ``name``, or -1 (a binary search on the bytes: their order is the
+        names' code-point order)."""
+        key = name.encode("utf-8", "surrogatepass")
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.raw(mid) < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if lo < len(self) and self.raw(lo) == key else -1
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.search(name) >= 0
+
+    def index_arrays(self, block: int) -> dict[str, np.ndarray]:
+        """The output's ``index/filenames``, ``filename_offsets``, ``filename_heads`` and
+        ``filename_head_offsets`` (the first name of every ``block``)."""
+        heads = [self.raw(k) for k in range(0, len(self), block)]
+        hoff = np.zeros(len(heads) + 1, dtype=np.int64)
+        np.cumsum([len(h) for h in heads], out=hoff[1:])
+        return {
+            "filenames": self.data,
+            "filename_offsets": self.offsets,
+            "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
+            "filename_head_offsets": hoff,
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(repr(x) for x in self[: min(n, 3)])
+        return f"NameTable([{head}{', ...' if n > 3 else ''}], {n} names)"
+
+
+def table_of(names: Sequence[str] | Any) -> NameTable:
+    """``names`` as a :class:`NameTable` (itself when it is one)."""
+    if isinstance(names, NameTable):
+        return names
+    enc = [f.encode("utf-8", "surrogatepass") for f in names]
+    offsets = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in enc], out=offsets[1:])
+    return NameTable(np.frombuffer(b"".join(enc), dtype=np.uint8), offsets)
