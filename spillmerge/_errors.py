@@ -130,12 +130,13 @@ class MergeFailedError(RankFailedError):
         self.rank = rank
 
 
-class MergeTimeout(_AtPath, TimeoutError):
+class MergeTimeout(SpillMergeError, TimeoutError):
     """A rank waited ``waited_s`` seconds for the merged output at ``path`` without seeing it
     complete or fail."""
 
     def __init__(self, message: str, *, path: str, waited_s: float) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.waited_s = waited_s
 
 
@@ -232,13 +233,14 @@ class PartsTimeout(MissingPartsError, TimeoutError):
         self.waited_s = waited_s
 
 
-class PlanMismatchError(_AtPath, ValueError):
+class PlanMismatchError(SpillMergeError, ValueError):
     """Parts of one output were (or would be) written from different merge plans: the spill root,
     the part count or the merge options changed between them. ``parts`` names the disagreeing
     parts (their record paths in the message), ``path`` is the output."""
 
     def __init__(self, message: str, *, path: str, parts: list[int]) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.parts = parts
 
 
@@ -262,23 +264,25 @@ def require(module: str, *, package: str, extra: str, feature: str):  # type: ig
         raise MissingDependencyError(package, extra, feature) from None
 
 
-class NotAnOutputError(_AtPath, ValueError):
+class NotAnOutputError(SpillMergeError, ValueError):
     """A path opened as a merged output is not one; ``kind`` says what it is: ``"missing"`` (does
     not exist), ``"file"``, ``"spill"`` (a spill root: merge it first) or ``"other"`` (a folder
     spillmerge did not write). ``path`` names it."""
 
     def __init__(self, message: str, *, path: str, kind: str) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.kind = kind
 
 
-class NotASpillRootError(_AtPath, ValueError):
+class NotASpillRootError(SpillMergeError, ValueError):
     """``spillmerge status`` on a path that is no spill root; ``kind`` says what it is:
     ``"missing"`` (does not exist), ``"file"``, ``"output"`` (a merged output) or ``"other"`` (a
     folder without rank folders). ``path`` names it."""
 
     def __init__(self, message: str, *, path: str, kind: str) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.kind = kind
 
 
@@ -328,14 +332,15 @@ class RaggedShapeError(SpillMergeError, ValueError):
     with ``to_list()`` or the flat ``values`` / ``offsets`` / ``shapes``."""
 
 
-class StaleSpillError(_AtPath, ValueError):
+class StaleSpillError(SpillMergeError, ValueError):
     """A spill root holds segments of an earlier run with another world size: nothing is corrupt,
     but they cannot be merged with this run's. ``stale`` maps each such segment's path to the world
     size it was written with; ``world_size`` is this run's. Remove the root, choose another one, or
     merge the old run alone with its own ``world_size``."""
 
     def __init__(self, message: str, *, path: str, world_size: int, stale: dict[str, int]) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.world_size = world_size
         self.stale = stale
 
