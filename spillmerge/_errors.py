@@ -7,14 +7,6 @@ class SpillMergeError(Exception):
     """Base class of every error spillmerge raises on purpose."""
 
 
-class _AtPath(SpillMergeError):
-    """An error about one path: ``path`` names it."""
-
-    def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(message)
-        self.path = path
-
-
 class SpillValueError(SpillMergeError, ValueError):
     """A value, filename or frame index given to the writer cannot be stored.
 
@@ -151,8 +143,12 @@ class FormatVersionError(CorruptSpillError):
         self.supported = supported
 
 
-class OutputExistsError(_AtPath, FileExistsError):
+class OutputExistsError(SpillMergeError, FileExistsError):
     """The merge output already exists; pass ``overwrite=True`` (``--overwrite``) to replace it."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class OutputBusyError(SpillMergeError, BlockingIOError):
@@ -167,17 +163,29 @@ class OutputBusyError(SpillMergeError, BlockingIOError):
         self.holders = holders
 
 
-class LeaseLostError(_AtPath, RuntimeError):
+class LeaseLostError(SpillMergeError, RuntimeError):
     """This merge's lease on its output was taken over (it expired) or removed; it stopped before
     its next destructive step or its completion marker. ``path`` is the output."""
 
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
-class IncompleteOutputError(_AtPath):
+
+class IncompleteOutputError(SpillMergeError):
     """A merged output has no completion marker: the merge that wrote it did not finish."""
 
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
-class UnsafePathError(_AtPath, ValueError):
+
+class UnsafePathError(SpillMergeError, ValueError):
     """A path would escape the root it belongs to."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class UnknownFileError(SpillMergeError, KeyError):
