@@ -7,14 +7,6 @@ class SpillMergeError(Exception):
     """Base class of every error spillmerge raises on purpose."""
 
 
-class _AtPath(SpillMergeError):
-    """An error about one path: ``path`` names it."""
-
-    def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(message)
-        self.path = path
-
-
 class SpillValueError(SpillMergeError, ValueError):
     """A value, filename or frame index given to the writer cannot be stored.
 
@@ -130,12 +122,13 @@ class MergeFailedError(RankFailedError):
         self.rank = rank
 
 
-class MergeTimeout(_AtPath, TimeoutError):
+class MergeTimeout(SpillMergeError, TimeoutError):
     """A rank waited ``waited_s`` seconds for the merged output at ``path`` without seeing it
     complete or fail."""
 
     def __init__(self, message: str, *, path: str, waited_s: float) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.waited_s = waited_s
 
 
@@ -150,8 +143,12 @@ class FormatVersionError(CorruptSpillError):
         self.supported = supported
 
 
-class OutputExistsError(_AtPath, FileExistsError):
+class OutputExistsError(SpillMergeError, FileExistsError):
     """The merge output already exists; pass ``overwrite=True`` (``--overwrite``) to replace it."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class OutputBusyError(SpillMergeError, BlockingIOError):
@@ -166,17 +163,29 @@ class OutputBusyError(SpillMergeError, BlockingIOError):
         self.holders = holders
 
 
-class LeaseLostError(_AtPath, RuntimeError):
+class LeaseLostError(SpillMergeError, RuntimeError):
     """This merge's lease on its output was taken over (it expired) or removed; it stopped before
     its next destructive step or its completion marker. ``path`` is the output."""
 
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
-class IncompleteOutputError(_AtPath):
+
+class IncompleteOutputError(SpillMergeError):
     """A merged output has no completion marker: the merge that wrote it did not finish."""
 
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
-class UnsafePathError(_AtPath, ValueError):
+
+class UnsafePathError(SpillMergeError, ValueError):
     """A path would escape the root it belongs to."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class UnknownFileError(SpillMergeError, KeyError):
@@ -232,13 +241,14 @@ class PartsTimeout(MissingPartsError, TimeoutError):
         self.waited_s = waited_s
 
 
-class PlanMismatchError(_AtPath, ValueError):
+class PlanMismatchError(SpillMergeError, ValueError):
     """Parts of one output were (or would be) written from different merge plans: the spill root,
     the part count or the merge options changed between them. ``parts`` names the disagreeing
     parts (their record paths in the message), ``path`` is the output."""
 
     def __init__(self, message: str, *, path: str, parts: list[int]) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.parts = parts
 
 
@@ -262,23 +272,25 @@ def require(module: str, *, package: str, extra: str, feature: str):  # type: ig
         raise MissingDependencyError(package, extra, feature) from None
 
 
-class NotAnOutputError(_AtPath, ValueError):
+class NotAnOutputError(SpillMergeError, ValueError):
     """A path opened as a merged output is not one; ``kind`` says what it is: ``"missing"`` (does
     not exist), ``"file"``, ``"spill"`` (a spill root: merge it first) or ``"other"`` (a folder
     spillmerge did not write). ``path`` names it."""
 
     def __init__(self, message: str, *, path: str, kind: str) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.kind = kind
 
 
-class NotASpillRootError(_AtPath, ValueError):
+class NotASpillRootError(SpillMergeError, ValueError):
     """``spillmerge status`` on a path that is no spill root; ``kind`` says what it is:
     ``"missing"`` (does not exist), ``"file"``, ``"output"`` (a merged output) or ``"other"`` (a
     folder without rank folders). ``path`` names it."""
 
     def __init__(self, message: str, *, path: str, kind: str) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.kind = kind
 
 
@@ -328,14 +340,15 @@ class RaggedShapeError(SpillMergeError, ValueError):
     with ``to_list()`` or the flat ``values`` / ``offsets`` / ``shapes``."""
 
 
-class StaleSpillError(_AtPath, ValueError):
+class StaleSpillError(SpillMergeError, ValueError):
     """A spill root holds segments of an earlier run with another world size: nothing is corrupt,
     but they cannot be merged with this run's. ``stale`` maps each such segment's path to the world
     size it was written with; ``world_size`` is this run's. Remove the root, choose another one, or
     merge the old run alone with its own ``world_size``."""
 
     def __init__(self, message: str, *, path: str, world_size: int, stale: dict[str, int]) -> None:
-        super().__init__(message, path=path)
+        super().__init__(message)
+        self.path = path
         self.world_size = world_size
         self.stale = stale
 
