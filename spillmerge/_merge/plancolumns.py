@@ -45,7 +45,7 @@ KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"
 @dataclass(frozen=True, slots=True)
 class PlannedColumn:
     """The plan of one leaf column of the output, ``columns/<name>/``: where each row's bytes come
-    from (the merge side; the reader's is ``_read.views.OpenColumn``)."""
+    from (the merge side; the reader's is ``_read.column.OpenColumn``)."""
 
     name: str
     """Node name under ``columns/``."""
