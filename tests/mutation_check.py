@@ -1285,6 +1285,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_flush_overlap.py::test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync",),
         "write() refills staging buffers while the flush workers fsync earlier chunks",
     ),
+    Mutation(
+        "plan-name-starts-import-pandas",
+        "spillmerge/_merge/plansql.py",
+        '        new[1:] = np.unpackbits(bits, count=ne.offset + n - 1, bitorder="little")[ne.offset :]',
+        "        new[1:] = ne.to_numpy(zero_copy_only=False)",
+        ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
+        "a merge in a fresh process does not import pandas (a second spent on nothing the merge needs)",
+    ),
 ]
 
 
