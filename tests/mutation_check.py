@@ -1301,6 +1301,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
         "a list's offsets run on across the blocks of its parent rows",
     ),
+    Mutation(
+        "plan-name-starts-import-pandas",
+        "spillmerge/_merge/plansql.py",
+        '        new[1:] = np.unpackbits(bits, count=ne.offset + n - 1, bitorder="little")[ne.offset :]',
+        "        new[1:] = ne.to_numpy(zero_copy_only=False)",
+        ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
+        "a merge in a fresh process does not import pandas (a second spent on nothing the merge needs)",
+    ),
 ]
 
 
