@@ -61,10 +61,10 @@ C = "tests/test_checks_tested.py"
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
-        # The columnar copy checks every local row in one place (_OutputChunk._local_rows), whatever the
+        # The columnar copy checks every local row in one place (OutputChunk._local_rows), whatever the
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "            elif google_crc32c.value(row) != crc:\n                self._mismatch(r, e)",
         "            elif False:\n                self._mismatch(r, e)",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
@@ -72,7 +72,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-block-crc-local",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "        return len(block) == b_nb and google_crc32c.value(block) == value",
         "        return len(block) == b_nb",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec", "tests/test_write_batch.py"),
@@ -80,7 +80,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-crc-local-batch",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "                if google_crc32c.value(rows[i]) != int(crc[g[i]]):\n                    return None",
         "                if False:\n                    return None",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
@@ -88,7 +88,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-text-local-batch",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "            if text and not _utf8_rows_of_one_size(rows):",
         "            if False:",
         ("tests/test_hostile.py::test_verify_finds_text_the_merge_refuses",
@@ -97,7 +97,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-short-object-local-batch",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "            if int(lo.max()) + L > len(whole):\n                return None",
         "            if False:\n                return None",
         ("tests/test_untrusted_storage.py", "tests/test_guarded_checks.py"),
@@ -162,7 +162,7 @@ MUTATIONS: list[Mutation] = [
     # ---------------------------------------------------------------------------- others
     Mutation(
         "copy-crc-object-store",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "            elif google_crc32c.value(v) != crc:",
         "            elif False:",
         (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
@@ -460,7 +460,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-copy-text-check",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "            bad = FS.text_problem(kind, count, row)",
         "            bad = None",
         (f"{H}::test_verify_finds_text_the_merge_refuses",),
@@ -484,7 +484,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-text-batch-row-starts",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "    return not np.any((whole[starts] & 0xC0) == 0x80)",
         "    return True",
         (f"{H}::test_a_character_split_between_two_strings_is_refused",),
@@ -1246,7 +1246,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-pending-block-combine-ignored",
-        "spillmerge/_merge/copy.py",
+        "spillmerge/_merge/outputchunk.py",
         "            if got == value and pos == b_off + b_nb:",
         "            if True:",
         ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_spread_over_output_chunks_fails_the_merge",),
@@ -1254,9 +1254,9 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "copy-partial-block-never-read",
-        "spillmerge/_merge/copy.py",
-        "            if (s, block) not in self.checked:\n                job._verify_block_local(s, block, r, e)",
-        "            if False:\n                job._verify_block_local(s, block, r, e)",
+        "spillmerge/_merge/outputchunk.py",
+        "            if (s, block) not in self.checked:\n                job.verify_block_local(s, block, r, e)",
+        "            if False:\n                job.verify_block_local(s, block, r, e)",
         ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
         "a block whose rows are not all in the merge is read and checked once the copy is done",
     ),

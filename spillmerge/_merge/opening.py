@@ -25,8 +25,9 @@ from . import lease as _lease
 from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
-from .copy import Unit, copy_units
+from .copy import copy_units
 from .options import MergeOptions
+from .outputchunk import Unit
 from .plan import Plan, build, fingerprint
 from .report import MergeReport, gaps
 

@@ -18,7 +18,8 @@ from . import opening as _opening
 from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
-from .copy import Unit, units
+from .copy import units
+from .outputchunk import Unit
 from .plan import fingerprint, split
 from .report import MergeReport
 

@@ -1,0 +1,530 @@
+"""One output chunk of a column's ``values`` (a :class:`Unit`): its leaf rows read from the spill
+chunks, checksum-verified as they are copied (a row's CRC-32C is its check and goes into the
+chunk's), and the chunk written whole; :class:`PendingBlocks` completes the block checks whose
+rows several chunks copy."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from .._errors import CorruptSpillError
+from .._format import codecs as _codecs
+from .._format import common as F
+from .._format import spill as FS
+from .._spill.root import check_of, data_ranges, verify_block
+from .._storage import Storage
+from .._util import crc as _crc
+from .plan import Plan, PlannedColumn
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One output chunk: units ``[lo, hi)`` of one column's ``values``."""
+
+    column: int
+    """Position in ``plan.columns``."""
+    chunk: int
+    """Chunk number along the first dimension."""
+    lo: int
+    """First unit (row, element or byte) of the chunk."""
+    hi: int
+    """One past the last unit."""
+    k: int
+    """Units per chunk of this array (the chunk shape's first dimension)."""
+    nbytes: int
+    """Payload bytes: the memory budget and the split between parts count these."""
+
+
+_SCRATCH = threading.local()
+COPY_ROWS = 1 << 16
+"""Rows of one output chunk read and placed at a time (their views: ~100 B each)."""
+PIECE_BYTES = 8 << 10
+"""Mean row size from which a chunk's rows are written from the page cache as they are, not copied
+into one buffer first."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Touched:
+    """Rows with bytes in one output chunk: each row's first and one-past-last unit in the chunk
+    (relative to the row) and where its piece starts in the chunk's bytes."""
+
+    rows: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    start: np.ndarray
+
+    def __getitem__(self, sl: slice) -> _Touched:
+        return _Touched(self.rows[sl], self.a[sl], self.b[sl], self.start[sl])
+
+
+def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
+    """A per-thread buffer reused across chunks. Fresh allocations of this size are mmapped and
+    page-faulted anew each time; on the VMs we measured that tripled the merge's CPU time."""
+    buf = getattr(_SCRATCH, slot, None)
+    if buf is None or len(buf) < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        setattr(_SCRATCH, slot, buf)
+    return buf[:nbytes]
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_crc(n: int) -> int:
+    """The CRC-32C of ``n`` zero bytes (the padding between and after rows: a few sizes)."""
+    return int(google_crc32c.value(_zeros(n)))
+
+
+class OutputChunk:
+    """Builds and writes one output chunk."""
+
+    def __init__(
+        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None,
+        checked: set[tuple[int, int]], chunk_bytes: np.ndarray, pending: PendingBlocks | None = None,
+    ) -> None:  # fmt: skip
+        """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
+        (shared by the chunks of one merge; a block checksum covers rows of many chunks);
+        ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
+        ``pending``: where rows checked by a block leave their CRC-32C (None: blocks are read)."""
+        self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
+        self.checked, self.chunk_bytes, self.pending = checked, chunk_bytes, pending
+        self.crc: int | None = None
+        """The CRC-32C of the chunk's bytes, when the copy derived it from its rows' (``_pieces``)."""
+
+    @property
+    def key(self) -> str:
+        return f"columns/{self.col.name}/values/c/{self.u.chunk}" + "/0" * len(self.col.unit_shape)
+
+    def write(self, output: Storage, codec: str, fsync: bool = False) -> None:
+        col = self.col
+        buffers = self._numeric(raw=codec == "none")
+        itemsize = np.dtype(col.storage).itemsize
+        enc = _codecs.encoder(codec, itemsize)
+        if enc is not None:
+            whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
+            buffers = [np.frombuffer(enc.encode(whole), dtype=np.uint8)]
+        out_crc = 0
+        if enc is None and self.crc is not None:  # combined from the rows' CRCs: no second read
+            out_crc = self.crc
+        else:
+            for part in buffers:
+                out_crc = google_crc32c.extend(out_crc, part)
+        output.makedirs(self.key.rsplit("/", 1)[0])
+        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
+
+    # -- reading source rows -----------------------------------------------------------------
+
+    def _touched(self) -> _Touched:
+        """Every row with bytes in this chunk, in order; rows cut by the chunk's edges included
+        (only kinds with offsets). Computed on arrays: a lookup per row in the plan's maps cost
+        more than copying the row (issue 24, docs/SCALE.md)."""
+        lo, hi, src = self.u.lo, self.u.hi, self.col.src
+        ub = self.col.unit_bytes
+        if self.off is None:
+            rows = np.arange(lo, hi, dtype=np.int64)
+            rows = rows[np.asarray(src[lo:hi]) >= 0]
+            zero = np.zeros(len(rows), dtype=np.int64)
+            return _Touched(rows, zero, zero + 1, (rows - lo) * ub)
+        off = self.off
+        r0 = int(np.searchsorted(off, lo, side="right")) - 1
+        r1 = int(np.searchsorted(off, hi, side="left"))
+        rows = np.arange(r0, r1, dtype=np.int64)
+        a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
+        keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
+        rows, a, b = rows[keep], a[keep], b[keep]
+        first, stop = np.maximum(a, lo), np.minimum(b, hi)
+        return _Touched(rows, first - a, stop - a, (first - lo) * ub)
+
+    def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
+        """The whole stored bytes of each of ``rows`` as uint8 arrays (views of the page cache on
+        local disks, else one batched read into a scratch buffer), each checked against its
+        CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers.
+        ``crcs_out`` (local disks): filled with each row's CRC-32C, computed once, for the check and
+        for the output chunk's CRC alike."""
+        plan = self.plan
+        e = np.asarray(self.col.src[rows], dtype=np.int64)
+        ents, segs, offs, sizes, crcs = (
+            x.tolist() for x in (e, plan.seg[e], plan.offset[e], plan.nbytes[e], plan.crc[e])
+        )
+        if self.src.local:
+            return self._local_rows(rows.tolist(), ents, segs, offs, sizes, crcs, out_crcs=crcs_out)
+        buf = _scratch(sum(sizes), "rows")
+        pieces = []
+        for s, off, n in zip(segs, offs, sizes, strict=True):
+            pieces.extend(data_ranges(plan.segments[s], off, n))
+        self.src.read_into(pieces, buf.data)
+        out, pos = [], 0
+        for r, e_, s, n, crc in zip(rows.tolist(), ents, segs, sizes, crcs, strict=True):
+            v = buf[pos : pos + n]
+            if crc < 0:  # checked by its block: read and verify the block once per merge
+                if (s, crc) not in self.checked:
+                    try:
+                        verify_block(self.src, plan.segments[s], crc)
+                    except CorruptSpillError:
+                        self._mismatch(r, e_, crc)
+                    self.checked.add((s, crc))
+            elif google_crc32c.value(v) != crc:
+                self._mismatch(r, e_)
+            out.append(v)
+            pos += n
+        return out
+
+    def _local_rows(
+        self, rows: list[int], ents: list[int], segs: list[int], offs: list[int], sizes: list[int], crcs: list[int],
+        out_crcs: list[int] | None = None,
+    ) -> list[np.ndarray]:  # fmt: skip
+        """:meth:`_rows` on a local disk: each data chunk object is mapped once per output chunk
+        and a row within one object is a slice of it (the many-keys case: millions of small
+        rows, where a lookup per row would dominate). ``out_crcs``: see :meth:`_rows`; a row
+        checked by a block then goes to ``pending`` instead of reading its block."""
+        plan = self.plan
+        maps: dict[tuple[int, int], np.ndarray] = {}
+        out = []
+        for r, e, s, off, n, crc in zip(rows, ents, segs, offs, sizes, crcs, strict=True):
+            seg = plan.segments[s]
+            cb = seg.chunk_bytes
+            c = off // cb
+            if n and (off + n - 1) // cb != c:  # the row crosses data chunk objects
+                views = [self.src.view(rel, a, b) for rel, a, b in data_ranges(seg, off, n)]
+                row = np.concatenate(views)
+            else:
+                whole = maps.get((s, c))
+                if whole is None:
+                    whole = maps[(s, c)] = self.src.view(f"{seg.seg.rel}/data/c/{c}", 0, None)
+                lo = off - c * cb
+                row = whole[lo : lo + n]
+                if len(row) != n:  # the object is shorter than the index says
+                    self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
+            if out_crcs is not None:  # one CRC of the row: its check and the output's CRC
+                v = google_crc32c.value(row)
+                out_crcs.append(v)
+                if crc < 0:
+                    if self.pending is None:
+                        self.verify_block_local(s, crc, r, e)
+                    elif (s, crc) not in self.checked:
+                        self.pending.add(self, s, crc, r, e, off, v, n)
+                elif v != crc:
+                    self._mismatch(r, e)
+            elif crc < 0:  # checked by its block (in one data chunk): verified once per merge
+                if (s, crc) not in self.checked:
+                    self.verify_block_local(s, crc, r, e)
+            elif google_crc32c.value(row) != crc:
+                self._mismatch(r, e)
+            out.append(row)
+        return out
+
+    def verify_block_local(self, s: int, crc: int, r: int, e: int) -> None:
+        """Read and check block ``crc`` of segment ``s`` (local disk) unless checked already;
+        raise naming row ``r`` (plan entry ``e``) when it is short or does not match."""
+        if (s, crc) in self.checked:
+            return
+        if not self._block_sound(s, crc):
+            seg = self.plan.segments[s]
+            b_off, b_nb, _ = check_of(seg, crc)
+            bc, b_lo = divmod(b_off, seg.chunk_bytes)
+            self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
+            self._mismatch(r, e, crc)
+        self.checked.add((s, crc))
+
+    def _mismatch(self, r: int, e: int, block: int | None = None) -> None:
+        """Raise for output row ``r`` (plan entry ``e``) whose bytes, or whose block's bytes
+        (``block``: the row's negative CRC), fail their checksum."""
+        plan = self.plan
+        seg = plan.segments[int(plan.seg[e])]
+        where = self.src.describe(f"{seg.seg.rel}/data")
+        r = plan.top_row(self.col, r)
+        f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        in_block = ""
+        if block is not None:
+            b_off, b_nb, _ = check_of(seg, block)
+            in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
+        raise CorruptSpillError(
+            f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
+            f"{F.path_text(self.col.leaf)!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+            f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+            path=where,
+            rank=seg.seg.rank,
+        )
+
+    # -- numeric and byte columns -------------------------------------------------------------
+
+    def _numeric(self, *, raw: bool) -> list[Any]:
+        """The chunk's bytes (padded to the chunk shape) as buffers written back to back."""
+        col, u = self.col, self.u
+        ub = col.unit_bytes
+        full = u.k * ub
+        if raw and self.src.local and (self.off is not None or u.hi - u.lo <= COPY_ROWS):
+            touched = self._touched()
+            n = len(touched.rows)
+            # Few large rows: written straight from the page cache. Small rows are copied into one
+            # buffer below: a write per row cost more than the copy (issue 24).
+            if n <= COPY_ROWS and full >= n * PIECE_BYTES:
+                crcs: list[int] = []
+                return self._pieces(touched, self._rows(touched.rows, crcs), full, crcs)
+        # Many small rows (a chunk of 2**21 int64 labels): copied into one buffer COPY_ROWS rows at
+        # a time, so the per-row views never exceed COPY_ROWS (measured: a whole label chunk's
+        # took ~450 MB, the merge's peak at 10^7 keys).
+        out = _scratch(full)
+        pos = 0  # bytes of the chunk produced so far
+        text = col.kind in ("str", "strlist")
+        for t in self._touched_batches():
+            if self.src.local and col.kind != "strlist":
+                placed = self._place_local(t, out, pos)
+                if placed is not None:
+                    pos = placed
+                    continue
+            data = self._rows(t.rows)  # row by row: the path that says exactly what is wrong
+            if text:  # text is checked where it becomes output text
+                self._texts(t.rows, data)
+            for start, a, b, row in zip(t.start.tolist(), t.a.tolist(), t.b.tolist(), data, strict=True):
+                if start > pos:  # rows without a value read as zeros
+                    out[pos:start] = 0
+                piece = row if self.off is None else row[a * ub : b * ub]
+                pos = start + len(piece)
+                out[start:pos] = piece
+        if pos < full:
+            out[pos:full] = 0
+        return [out]
+
+    def _place_local(self, t: _Touched, out: np.ndarray, pos: int) -> int | None:
+        """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
+        between) with numpy, not row by row: the rows of one data chunk object and one size are
+        taken as windows of its map in one fancy index and put into ``out`` in another, their
+        checksums and text checked per group. Returns the new ``pos``; None when the batch goes the
+        row-by-row way: a row larger than :data:`PIECE_BYTES` (a row cut by the chunk's edges is
+        read whole: a view, not a copy, of a large one), or a row that crosses data chunk objects,
+        an object shorter than the index says, a checksum or a string that is wrong (that path
+        raises the precise error)."""
+        plan, col = self.plan, self.col
+        n = len(t.rows)
+        if n == 0:
+            return pos
+        ub = col.unit_bytes
+        e = np.asarray(col.src[t.rows], dtype=np.int64)
+        seg, off, nb, crc = (np.asarray(a[e], dtype=np.int64) for a in (plan.seg, plan.offset, plan.nbytes, plan.crc))
+        if int(nb.max()) > PIECE_BYTES:
+            return None  # large rows: views of the page cache, row by row, never copies of whole rows
+        cb = self.chunk_bytes[seg]
+        c = off // cb
+        if np.any((nb > 0) & ((off + nb - 1) // cb != c)):
+            return None
+        if self.off is None:
+            first, size = np.zeros(n, dtype=np.int64), nb
+        else:
+            first, size = t.a * ub, (t.b - t.a) * ub
+        whole_row = (first == 0) & (size == nb)
+        start = t.start
+        # Groups: one data chunk object and one row size (rows of one size are windows of one shape).
+        gkey = np.stack([seg, c, nb])
+        order = np.lexsort(gkey[::-1])
+        sk = gkey[:, order]
+        edges = np.flatnonzero(np.any(sk[:, 1:] != sk[:, :-1], axis=0)) + 1
+        text = col.kind == "str"
+        for g in np.split(order, edges):
+            s_, c_, L = (int(v) for v in gkey[:, g[0]])
+            segment = plan.segments[s_]
+            whole = self.src.view(f"{segment.seg.rel}/data/c/{c_}", 0, None)
+            lo = off[g] - c_ * int(cb[g[0]])
+            if L == 0:
+                continue
+            if int(lo.max()) + L > len(whole):
+                return None
+            rows = np.lib.stride_tricks.sliding_window_view(whole, L)[lo]  # (k, L): the rows, copied
+            for i in np.flatnonzero(crc[g] >= 0).tolist():
+                if google_crc32c.value(rows[i]) != int(crc[g[i]]):
+                    return None
+            for b in np.unique(crc[g][crc[g] < 0]).tolist():
+                if (s_, b) not in self.checked:
+                    if not self._block_sound(s_, b):
+                        return None
+                    self.checked.add((s_, b))
+            if text and not _utf8_rows_of_one_size(rows):
+                return None
+            inner = whole_row[g]
+            if inner.any():
+                dst = np.lib.stride_tricks.sliding_window_view(out, L, writeable=True)
+                dst[start[g[inner]]] = rows[inner]
+            for i in np.flatnonzero(~inner).tolist():  # a row cut by the chunk's edge: its piece
+                j = int(g[i])
+                a0, m = int(first[j]), int(size[j])
+                out[int(start[j]) : int(start[j]) + m] = rows[i, a0 : a0 + m]
+        ends = start + size
+        gaps = np.flatnonzero(start > np.concatenate(([pos], ends[:-1])))
+        for i in gaps.tolist():  # rows without a value read as zeros
+            out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
+        return int(ends[-1])
+
+    def _block_sound(self, s: int, crc: int) -> bool:
+        """Whether the block checksum ``crc`` (negative: a block of rows) of segment ``s`` holds
+        on a local spill root: its bytes, a view of their data chunk object, all there and
+        matching. The caller says what is wrong when not."""
+        segment = self.plan.segments[s]
+        b_off, b_nb, value = check_of(segment, crc)
+        bc, b_lo = divmod(b_off, segment.chunk_bytes)
+        block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
+        return len(block) == b_nb and google_crc32c.value(block) == value
+
+    def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:
+        """The chunk as buffers written back to back: the rows' own bytes, zeros between. Sets
+        :attr:`crc` from the rows' CRC-32Cs ``crcs`` (a piece cut from a row and the zeros
+        are checksummed themselves)."""
+        col = self.col
+        ub = col.unit_bytes
+        if col.kind in ("str", "strlist"):  # text is checked where it becomes output text
+            self._texts(touched.rows, data)
+        buffers: list[Any] = []
+        pos = 0  # bytes of the chunk produced so far
+        out_crc = 0
+        for start, a, b, row, row_crc in zip(
+            touched.start.tolist(), touched.a.tolist(), touched.b.tolist(), data, crcs, strict=True
+        ):  # fmt: skip
+            if start > pos:  # rows without a value read as zeros
+                buffers.append(_zeros(start - pos))
+                out_crc = _crc.combine(out_crc, _zeros_crc(start - pos), start - pos)
+            piece = row if self.off is None else row[a * ub : b * ub]
+            if len(piece) != len(row):
+                row_crc = google_crc32c.value(piece)
+            buffers.append(piece)
+            out_crc = _crc.combine(out_crc, row_crc, len(piece))
+            pos = start + len(piece)
+        if pos < full:
+            buffers.append(_zeros(full - pos))
+            out_crc = _crc.combine(out_crc, _zeros_crc(full - pos), full - pos)
+        self.crc = out_crc
+        return buffers
+
+    def _touched_batches(self) -> Iterator[_Touched]:
+        """:meth:`_touched` in batches of at most :data:`COPY_ROWS` rows (columns without offsets:
+        built a batch at a time)."""
+        if self.off is not None:
+            touched = self._touched()
+            for i in range(0, len(touched.rows), COPY_ROWS):
+                yield touched[i : i + COPY_ROWS]
+            return
+        src, lo0, ub = self.col.src, self.u.lo, self.col.unit_bytes
+        for lo in range(self.u.lo, self.u.hi, COPY_ROWS):
+            rows = np.arange(lo, min(lo + COPY_ROWS, self.u.hi), dtype=np.int64)
+            rows = rows[np.asarray(src[lo : lo + len(rows)]) >= 0]
+            zero = np.zeros(len(rows), dtype=np.int64)
+            yield _Touched(rows, zero, zero + 1, (rows - lo0) * ub)
+
+    # -- string columns -----------------------------------------------------------------------
+
+    def _texts(self, rows: np.ndarray, data: list[np.ndarray]) -> None:
+        """Each row of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
+        lengths that add up to its size, each string valid UTF-8 (``_format.spill.text_problem``)."""
+        kind = self.col.kind
+        if kind == "str" and _utf8_rows(data):
+            return
+        for r, row in zip(rows.tolist(), data, strict=True):
+            count = self._strlist_count(r) if kind == "strlist" else 0
+            bad = FS.text_problem(kind, count, row)
+            if bad is not None:
+                self._corrupt(r, bad)
+
+    def _strlist_count(self, r: int) -> int:
+        """Strings in row ``r`` of a list-of-``str`` column (its layout's ``shape[0]``)."""
+        assert self.col.shapes is not None
+        return int(self.col.shapes[r, 0])
+
+    def _corrupt(self, r: int, what: str) -> None:
+        plan, e = self.plan, int(self.col.src[r])
+        seg = plan.segments[int(plan.seg[e])]
+        where = self.src.describe(f"{seg.seg.rel}/data")
+        r = plan.top_row(self.col, r)
+        f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        raise CorruptSpillError(
+            f"{where}: {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
+            f"{F.path_text(self.col.leaf)!r} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
+            path=where,
+            rank=seg.seg.rank,
+        )
+
+
+def _utf8_rows(rows: list[np.ndarray]) -> bool:
+    """Whether every one of ``rows`` is valid UTF-8, checked in one decode: the rows back to back
+    are valid and no row starts inside a character (then none ends inside one either). False
+    when some row is not: the caller finds which, row by row (a decode per row cost more than
+    the copy of a small string, issue 24)."""
+    if not rows:
+        return True
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    whole = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    return _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0])
+
+
+def _utf8_rows_of_one_size(rows: np.ndarray) -> bool:
+    """:func:`_utf8_rows` of a (k, L) array of k rows of L bytes."""
+    k, size = rows.shape
+    return _utf8_back_to_back(rows.reshape(-1), np.arange(k, dtype=np.int64) * size if size else np.zeros(0, np.int64))
+
+
+def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:
+    """Whether the rows whose bytes are ``whole`` back to back, starting at ``starts`` (those of
+    non-empty rows), are each valid UTF-8."""
+    try:
+        whole.tobytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return not np.any((whole[starts] & 0xC0) == 0x80)
+
+
+class PendingBlocks:
+    """Block checksums verified from the CRC-32Cs of their rows, computed as the rows are copied:
+    a block's rows (back to back in one data chunk) often go to several output chunks, so each
+    row's CRC waits here until the block is whole, then their combine is compared with the
+    block's. Each spill byte is read once by the merge's checks. Blocks never made whole (some
+    of their rows are not in this merge) are read and checked by :meth:`finish`."""
+
+    def __init__(self, checked: set[tuple[int, int]]) -> None:
+        self.checked = checked
+        """Shared with the copy: the (segment, block) pairs verified already."""
+        self._lock = threading.Lock()
+        self._blocks: dict[tuple[int, int], tuple[OutputChunk, int, int, dict[int, tuple[int, int]], list[int]]] = {}
+        """(segment, block) -> (a chunk job, output row, plan entry: for the error message; the
+        rows seen so far: spill offset -> (CRC-32C, nbytes); [their bytes in all])."""
+
+    def add(self, job: OutputChunk, s: int, block: int, r: int, e: int, off: int, crc: int, n: int) -> None:
+        """Row ``r`` (plan entry ``e``) of segment ``s``, checked by ``block``, at spill offset
+        ``off`` has ``n`` bytes of CRC-32C ``crc``; raise when it makes its block whole and the
+        block's CRC does not hold."""
+        key = (s, block)
+        with self._lock:
+            if key in self.checked:
+                return
+            entry = self._blocks.setdefault(key, (job, r, e, {}, [0]))
+            rows, seen = entry[3], entry[4]
+            if off not in rows:
+                rows[off] = (crc, n)
+                seen[0] += n
+            b_off, b_nb, value = check_of(job.plan.segments[s], block)
+            if seen[0] < b_nb:
+                return
+            del self._blocks[key]
+            got, pos = 0, b_off
+            for o in sorted(rows):
+                c, m = rows[o]
+                if o != pos:  # not the block's rows back to back: read the block itself
+                    got = -1
+                    break
+                got, pos = _crc.combine(got, c, m), pos + m
+            if got == value and pos == b_off + b_nb:
+                self.checked.add(key)
+                return
+        job.verify_block_local(s, block, r, e)  # raises, naming the row, when the block is wrong
+
+    def finish(self) -> None:
+        """Check the blocks whose rows were not all copied by reading them."""
+        for (s, block), (job, r, e, _, _) in sorted(self._blocks.items(), key=lambda kv: kv[0]):
+            if (s, block) not in self.checked:
+                job.verify_block_local(s, block, r, e)
+        self._blocks.clear()
