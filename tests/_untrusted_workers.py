@@ -7,6 +7,9 @@ runs under ``SIGALRM`` (a blocked ``open()`` is interrupted), the address space 
 records every ``open`` that would follow a symbolic link or block on a FIFO.
 
     python _untrusted_workers.py CASES.json RESULT.json
+
+or ``main(CASES, RESULT, headroom)`` in a process forked from tests/_procs.py's forkserver (torch
+and spillmerge already imported there: no interpreter start and no torch import per child).
 """
 
 from __future__ import annotations
@@ -226,7 +229,7 @@ def _warm_up() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(cases_path: str, result_path: str) -> None:
+def main(cases_path: str, result_path: str, headroom: int = MEMORY_HEADROOM) -> None:
     import torch
 
     import spillmerge  # noqa: F401 - imported before the address space is capped
@@ -247,7 +250,7 @@ def main(cases_path: str, result_path: str) -> None:
     sys.addaudithook(_audit)
     with open("/proc/self/statm") as f:
         vm = int(f.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (vm + MEMORY_HEADROOM, resource.RLIM_INFINITY))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, resource.RLIM_INFINITY))
     report = {case["id"]: run_case(case) for case in cases}
     with open(result_path, "w") as f:
         json.dump(report, f)

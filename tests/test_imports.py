@@ -5,6 +5,7 @@ not remove it)."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -32,6 +33,7 @@ def _typing_only(tree: ast.Module) -> set[int]:
     return out
 
 
+@functools.cache  # read-only for the tests; each parse of the package costs ~0.5 s
 def _graph(*, at_runtime: bool = False) -> dict[str, set[str]]:
     """Module -> the package modules it imports (relative imports, at any depth of the file);
     ``at_runtime``: without the imports under ``if TYPE_CHECKING:``."""

@@ -213,8 +213,14 @@ def test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_fo
                           "scratch": str(out.parent / "unused")})  # fmt: skip
     spec, res = tmp_path / "cases.json", tmp_path / "result.json"
     spec.write_text(json.dumps(cases))
-    worker = Path(__file__).parent / "_untrusted_workers.py"
-    subprocess.run([sys.executable, str(worker), str(spec), str(res)], check=True, timeout=900)
+    # the child forks from the rank processes' forkserver (torch and spillmerge imported once)
+    from _procs import join_all, rank_context
+    from _untrusted_workers import main as run_cases
+
+    child = rank_context().Process(target=run_cases, args=(str(spec), str(res)))
+    child.start()
+    join_all([child], timeout=900)
+    assert child.exitcode == 0, child.exitcode
     bad = []
     for case_id, results in json.loads(res.read_text()).items():
         r = results["parts"]

@@ -87,9 +87,21 @@ def test_rank_processes_spill_to_s3_and_merge_every_direction(s3, tmp_path):
         counter.stop()
 
 
-def test_transient_faults_are_retried_and_total_failure_is_a_clear_error(s3, tmp_path):
-    # One request in ten fails: ~20 of the ~165 fail (both kinds), and each SlowDown costs up to a
-    # second of botocore's throttling backoff, so a higher rate buys time, not coverage.
+def test_transient_faults_are_retried_and_total_failure_is_a_clear_error(s3, tmp_path, monkeypatch):
+    # One request in ten fails: ~20 of the ~165 fail (both kinds). botocore retries each after a
+    # random backoff, up to a second for a SlowDown (its throttling scale): the same retries here
+    # wait a twentieth of it, which is what its other errors wait, so the test spends seconds
+    # retrying rather than sleeping. A higher rate buys time, not coverage.
+    from botocore.retries.standard import ExponentialBackoff
+
+    real_delay = ExponentialBackoff.delay_amount
+    delays: list[float] = []
+
+    def short_delay(self, context):
+        delays.append(real_delay(self, context) / 20)
+        return delays[-1]
+
+    monkeypatch.setattr(ExponentialBackoff, "delay_amount", short_delay)
     proxy = FaultyProxy(s3.endpoint, rate=0.1, seed=1)
     try:
         opts = storage_options(proxy.endpoint)
@@ -98,6 +110,7 @@ def test_transient_faults_are_retried_and_total_failure_is_a_clear_error(s3, tmp
             s3_rank(root, opts, r, 2)
         spillmerge.merge(root, "s3://test/flaky.zarr", storage_options=opts)
         assert proxy.counts["503"] > 0 and proxy.counts["dropped"] > 0
+        assert delays  # the client's own retries carried the merge through the failures
         proxy.rate = 0.0
         res = spillmerge.open("s3://test/flaky.zarr", storage_options=opts)
         for name in res.filenames:

@@ -19,7 +19,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,9 @@ from typing import Any
 import google_crc32c
 import pytest
 import torch
+from _procs import rank_context
+from _untrusted_workers import MEMORY_HEADROOM
+from _untrusted_workers import main as run_cases
 
 import spillmerge
 import spillmerge._format.spill
@@ -223,7 +225,9 @@ of the two cores idle for most of the module's minutes."""
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Build once, attack a copy per case (spill, output and output-metadata cases), run every
-    case's readers in children side by side; the result of each reader per case."""
+    case's readers in children side by side; the result of each reader per case. Each tree's
+    children start as soon as its cases are copied: the copies of the next tree are made while
+    they run, not before any of them starts."""
     base = tmp_path_factory.mktemp("untrusted")
     root, out = _build(base)
     reference = {
@@ -232,47 +236,61 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
     outside = base / "outside"
     outside.mkdir()
-    cases: dict[str, list[dict[str, Any]]] = {"spill": [], "out": [], "meta": []}
-    for i, (kind, (tree, pattern)) in enumerate(KINDS.items()):
-        for j, (attack, fn) in enumerate(ATTACKS.items()):
-            case = base / "cases" / f"{i}-{j}"
-            copy = case / tree
-            _copy(root if tree == "spill" else out, copy)
-            found = sorted(copy.glob(pattern))
-            assert found, f"{kind}: nothing matches {pattern}"
-            fn(found[0], outside)
-            cases[tree].append(
-                {
-                    "id": f"{kind}|{attack}",
-                    "target": tree,
-                    "root": str(copy if tree == "spill" else root),
-                    "out": str(copy if tree == "out" else case / "unused"),
-                    "scratch": str(case / "merged"),
-                }
-            )
+    # The children fork from the rank processes' forkserver (torch and spillmerge imported once,
+    # not per child); the metadata attacks run with less address space, so a bomb declaring 1 GiB
+    # cannot pass unnoticed.
+    ctx = rank_context()
+    headroom = {"meta": 768 << 20}
+    procs = []
+
+    def start(tree: str, batch: list[dict[str, Any]]) -> None:
+        n = 1 if tree == "spill" else CHILDREN_PER_TREE
+        for k in range(n):
+            spec, res = base / f"{tree}-{k}.json", base / f"{tree}-{k}.result.json"
+            spec.write_text(json.dumps(batch[k::n]))
+            args = (str(spec), str(res), headroom.get(tree, MEMORY_HEADROOM))
+            procs.append((tree, res, ctx.Process(target=run_cases, args=args)))
+            procs[-1][2].start()
+
+    def attacked(tree: str, i: int, kind: str, j: int, attack: str, fn: Callable[[Path, Path], None]) -> dict[str, Any]:
+        case = base / "cases" / f"{i}-{j}"
+        copy = case / tree
+        _copy(root if tree == "spill" else out, copy)
+        found = sorted(copy.glob(KINDS[kind][1]))
+        assert found, f"{kind}: nothing matches {KINDS[kind][1]}"
+        fn(found[0], outside)
+        return {
+            "id": f"{kind}|{attack}",
+            "target": tree,
+            "root": str(copy if tree == "spill" else root),
+            "out": str(copy if tree == "out" else case / "unused"),
+            "scratch": str(case / "merged"),
+        }
+
+    for tree in ("spill", "out"):  # the spill copies before any child may touch the pristine spill root
+        start(tree, [attacked(tree, i, kind, j, attack, fn)
+                     for i, (kind, (where, _)) in enumerate(KINDS.items()) if where == tree
+                     for j, (attack, fn) in enumerate(ATTACKS.items())])  # fmt: skip
+    meta = []
     for i, kind in enumerate(OUTPUT_ARRAYS):
         pattern = KINDS[kind][1]
         for j, (attack, fn) in enumerate(META_ATTACKS.items()):
             copy = base / "meta-cases" / f"{i}-{j}" / "out"
             _copy(out, copy)
             fn(sorted(copy.glob(pattern))[0], copy)
-            cases["meta"].append({"id": f"{kind}|{attack}", "target": "out", "root": str(root), "out": str(copy),
-                                  "scratch": str(copy.parent / "merged")})  # fmt: skip
-    worker = Path(__file__).parent / "_untrusted_workers.py"
-    # The metadata attacks run with less address space, so a bomb declaring 1 GiB cannot pass unnoticed.
-    envs = {"meta": {**os.environ, "UNTRUSTED_MEMORY_HEADROOM": str(768 << 20)}}
-    procs = []
-    for tree, batch in cases.items():
-        n = 1 if tree == "spill" else CHILDREN_PER_TREE
-        for k in range(n):
-            spec, res = base / f"{tree}-{k}.json", base / f"{tree}-{k}.result.json"
-            spec.write_text(json.dumps(batch[k::n]))
-            cmd = [sys.executable, str(worker), str(spec), str(res)]
-            procs.append((tree, res, subprocess.Popen(cmd, env=envs.get(tree))))
+            meta.append({"id": f"{kind}|{attack}", "target": "out", "root": str(root), "out": str(copy),
+                         "scratch": str(copy.parent / "merged")})  # fmt: skip
+    start("meta", meta)
     reports: dict[str, dict[str, Any]] = {"spill": {}, "out": {}, "meta": {}}
-    for tree, res, proc in procs:
-        assert proc.wait(timeout=900) == 0, f"the {tree} child {res.name} failed"
-        reports[tree].update(json.loads(res.read_text()))
+    try:
+        for tree, res, proc in procs:
+            proc.join(timeout=900)
+            assert proc.exitcode == 0, f"the {tree} child {res.name} failed ({proc.exitcode})"
+            reports[tree].update(json.loads(res.read_text()))
+    finally:
+        for _, _, proc in procs:
+            if proc.is_alive():
+                proc.kill()
     return {"report": {**reports["spill"], **reports["out"]}, "meta": reports["meta"], "reference": reference}
 
 
