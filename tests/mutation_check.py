@@ -1268,6 +1268,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),
+    Mutation(
+        "absent-key-stops-at-a-list",
+        "spillmerge/_read/rowvalue.py",
+        '            if node.get("header", ("",))[0] in _SEQUENCES:',
+        "            if False:",
+        ("tests/test_lists.py::test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same_path",),
+        "a nested key of another frame's dict is no column of this frame's list of dicts at the same path",
+    ),
+    Mutation(
+        "dropin-one-file-per-element",
+        "spillmerge/_dist/dropin.py",
+        '            w.write(f"{name}-{i:010d}", 0, v)',
+        "            w.write(f\"{name}-0\", i, v)",
+        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        "an element of a gathered list of dicts lacks no key another element has (one file each)",
+    ),
 ]
 
 
