@@ -6,12 +6,13 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
                 hostnames: on several hosts the folder must be on storage every rank sees
                 (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
-  (every rank)  writes its object: a list, tuple or dict of str keys that holds dicts one file
-                per element (``R-i``, R its rank and i the position, zero-padded; no path per
-                item, no column per key: an element's dict is a file's value, as in ``gather``,
-                and lacks no key another element has), any other object as file ``R``; and file
-                ``R.h``, a JSON header: the kind, a dict's keys in order, the paths of numpy
-                arrays and pickled objects; commits
+  (every rank)  writes its object: a list, tuple or dict of str keys that holds dicts (other
+                than a list of flat records: columns already) one file per element (``R-i``, R
+                its rank and i the position, zero-padded; no path per item, no column per key:
+                an element's dict is a file's value, as in ``gather``, and lacks no key another
+                element has), any other object as file ``R``; and file ``R.h``, a JSON header
+                (the kind, a dict's keys in order, the paths of numpy arrays and pickled
+                objects), unless the object is file ``R`` with nothing to restore; commits
   (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
                 dst removes the call's folder (every rank is past writing)
   (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
@@ -326,13 +327,23 @@ def _header_name(rank: int) -> str:
 
 
 def _split(obj: Any) -> bool:
-    """Whether ``obj`` is stored one file per element: a list, tuple or dict of str keys that
-    holds a dict (a list of scalars or of lists is one leaf already, its items stored as one
-    array)."""
+    """Whether ``obj`` is stored one file per element: a dict of str keys that holds a dict (else
+    a column per key), a list or tuple that holds a dict, unless its items are dicts of one key
+    order whose values are plain or lists of plain values (a list of records: one column per key,
+    converted whole, is faster than a file per item). A list of scalars or of lists is one leaf
+    already, its items stored as one array."""
     kind = type(obj)
     if kind is dict:
-        return all(type(k) is str for k in obj) and any(type(v) is dict for v in obj.values())
-    return (kind is list or kind is tuple) and any(type(v) is dict for v in obj)
+        return _STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
+    if not (kind is list or kind is tuple) or not any(type(v) is dict for v in obj):
+        return False
+    first = obj[0]
+    if type(first) is not dict or set(map(type, obj)) != {dict}:
+        return True
+    keys = tuple(first)
+    if not all(map(keys.__eq__, map(tuple, obj))):
+        return True
+    return not all(type(v) in _ATOMIC or (type(v) is list and _plain(v)) for d in obj for v in d.values())
 
 
 def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
@@ -349,6 +360,8 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
     else:
         header["kind"] = "object"
         w.write(name, 0, obj)
+        if header["shape"] is None:
+            return  # no header file: the object is file R's only value (a small call's one file)
     w.write(_header_name(rank), 0, json.dumps(header))
 
 
@@ -370,7 +383,7 @@ def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
         if paused:
             gc.enable()
     for r in range(world):
-        header, got = headers[r], items[r]
+        header, got = headers[r] or {"kind": "object", "shape": None}, items[r]
         kind = header["kind"]
         if kind == "object":
             value = got[0]
