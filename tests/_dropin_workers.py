@@ -70,6 +70,30 @@ def same_as_torch(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"diffs": _compare(rank, world, objs, allow_pickle=False)}
 
 
+def containers_of_dicts(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Lists, tuples and dicts of dicts (stored one file per element): an element lacks keys
+    another has and comes back without them, key order and element order kept, numpy and
+    tensors inside elements, elements that are no dict, and empty containers."""
+    g = torch.Generator().manual_seed(rank)
+    objs = [
+        [
+            {"image_id": 3, "instances": [{"score": 0.5, "bbox": [1.0, 2.0, 3.0, 4.0]}]},
+            {"zeta": None, "alpha": np.arange(3, dtype=np.int16), "t": torch.randn(2, generator=g)},
+            {},
+            None,
+            "text",
+            {"image_id": 4, "instances": []},
+            ({"in": "tuple"}, np.float32(2.5)),
+        ],
+        {f"prompt-{p}": {"text": "é" * p, "token_ids": list(range(p)), "logprob": -p / 3} for p in (10, 2, 33, 1)},
+        ({"a": 1}, {"b": [1, 2]}, {"a": {"nested": {"z": 1, "y": 2}}}),
+    ]
+    diffs = _compare(rank, world, objs[:world], allow_pickle=False)
+    diffs += _compare(rank, world, [[], {}, ()][:world], allow_pickle=False, dst=0)
+    diffs += _compare(rank, world, [{"one": {}}, [{}], ({"k": None},)][:world], allow_pickle=False, dst=2)
+    return {"diffs": diffs}
+
+
 Point = collections.namedtuple("Point", "x y")
 
 
@@ -198,6 +222,7 @@ def never_called(rank: int, world: int, base: str) -> dict[str, Any]:
 SCENARIOS = {
     "same_as_torch": same_as_torch,
     "torch_object_list": torch_object_list,
+    "containers_of_dicts": containers_of_dicts,
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,

@@ -1309,6 +1309,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
         "a merge in a fresh process does not import pandas (a second spent on nothing the merge needs)",
     ),
+    Mutation(
+        "absent-key-stops-at-a-list",
+        "spillmerge/_read/rowvalue.py",
+        '            if node.get("header", ("",))[0] in _SEQUENCES:',
+        "            if False:",
+        ("tests/test_lists.py::test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same_path",),
+        "a nested key of another frame's dict is no column of this frame's list of dicts at the same path",
+    ),
+    Mutation(
+        "dropin-one-file-per-element",
+        "spillmerge/_dist/dropin.py",
+        '            w.write(f"{name}-{i:010d}", 0, v)',
+        "            w.write(f\"{name}-0\", i, v)",
+        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        "an element of a gathered list of dicts lacks no key another element has (one file each)",
+    ),
 ]
 
 

@@ -34,6 +34,7 @@ def test_returns_what_torch_returns(ranks):
         assert results[r]["same_as_torch"]["diffs"] == [], (r, results[r]["same_as_torch"]["diffs"])
         assert results[r]["torch_object_list"]["diffs"] == [], (r, results[r]["torch_object_list"]["diffs"])
         assert results[r]["pickled_types"]["diffs"] == [], (r, results[r]["pickled_types"]["diffs"])
+        assert results[r]["containers_of_dicts"]["diffs"] == [], (r, results[r]["containers_of_dicts"]["diffs"])
 
 
 def test_back_to_back_calls_apart_and_nothing_left(ranks):

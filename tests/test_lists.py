@@ -101,6 +101,21 @@ def test_lists_of_dicts_with_different_keys_per_item(tmp_path):
     assert [sorted(k for k, v in d.items() if v is not None) for d in got] == [["a", "b"], ["a"], ["c"], []]
 
 
+@pytest.mark.parametrize("top", [False, True], ids=["under_a_key", "at_the_root"])
+def test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same_path(tmp_path, top):
+    """A nested key of one frame's dict is no column of another frame's list of dicts at that
+    path, so the list's dicts gain no key ``a`` from it: every frame reads back as written."""
+    frames = [
+        [{"b": 1}, {"b": 2}],
+        {"b": 3, "a": {"c": "s", "d": None}},
+        [{"b": "s"}],
+        {"b": None, "a": {"c": 2.5, "d": 1}},
+    ]
+    rows = [("f", i, v if top else {"x": v}) for i, v in enumerate(frames)]
+    res = _same(_merge(tmp_path, rows), rows)
+    assert [v for _, _, v in res.iter_values()] == [res.value("f", i) for i in range(len(frames))]
+
+
 def test_a_dict_item_that_lacks_keys_and_holds_none_reads_its_first_absent_keys_as_none(tmp_path):
     """The one case the format does not store (docs/FORMAT.md, *Lists*): a dict inside a list
     that both lacks keys other items have and holds None in others. Its key count says how many

@@ -6,8 +6,13 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
                 hostnames: on several hosts the folder must be on storage every rank sees
                 (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
-  (every rank)  writes its object as frame 0 of file ``R`` (its rank, zero-padded) and, when it
-                has any, the paths of its numpy arrays and pickled objects as frame 1; commits
+  (every rank)  writes its object: a list, tuple or dict of str keys that holds dicts (other
+                than a list of flat records: columns already) one file per element (``R-i``, R
+                its rank and i the position, zero-padded; no path per item, no column per key:
+                an element's dict is a file's value, as in ``gather``, and lacks no key another
+                element has), any other object as file ``R``; and file ``R.h``, a JSON header
+                (the kind, a dict's keys in order, the paths of numpy arrays and pickled
+                objects), unless the object is file ``R`` with nothing to restore; commits
   (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
                 dst removes the call's folder (every rank is past writing)
   (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import socket
@@ -32,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ConfigError, CoordinationError, RankFailedError, SpillMergeError
+from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
@@ -156,6 +162,15 @@ _ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
 """Types with nothing below them for ``_Shape`` to find: skipped without a call."""
 
 
+_STR = frozenset({str})
+
+
+def _plain(values: Any) -> bool:
+    """Whether every one of ``values`` is of an ``_ATOMIC`` type (a check in C, no call per item:
+    the COCO instances' boxes are 192k lists of four floats)."""
+    return _ATOMIC.issuperset(map(type, values))
+
+
 class _Whole:
     """An object stored pickled whole (``allow_pickle``) because its type would not come back:
     a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
@@ -192,11 +207,13 @@ class _Shape:
         if depth > 64:
             return obj
         if kind is dict:
-            if not all(type(k) is str for k in obj):
+            if not _STR.issuperset(map(type, obj)):
                 return self._pickled(obj, path)  # else the writer refuses the key, naming it
+            if _plain(obj.values()):
+                return obj
             changed: Any = None
             for k, v in obj.items():
-                if type(v) in _ATOMIC:
+                if type(v) in _ATOMIC or (type(v) is list and _plain(v)):
                     continue
                 nv = self._walk(v, [*path, k], depth + 1)
                 if nv is not v:
@@ -204,9 +221,11 @@ class _Shape:
                     changed[k] = nv
             return obj if changed is None else changed
         if kind is list or kind is tuple:
+            if _plain(obj):
+                return obj
             items: Any = None
             for i, v in enumerate(obj):
-                if type(v) in _ATOMIC:
+                if type(v) in _ATOMIC or (type(v) is list and _plain(v)):
                     continue
                 nv = self._walk(v, [*path, i], depth + 1)
                 if nv is not v:
@@ -303,12 +322,78 @@ def _barrier(rank: int, timeout: float) -> None:
         ) from exc
 
 
+def _header_name(rank: int) -> str:
+    return f"{_name(rank)}.h"  # after the rank's element files ('.' sorts after '-')
+
+
+def _split(obj: Any) -> bool:
+    """Whether ``obj`` is stored one file per element: a dict of str keys that holds a dict (else
+    a column per key), a list or tuple that holds a dict, unless its items are dicts of one key
+    order whose values are plain or lists of plain values (a list of records: one column per key,
+    converted whole, is faster than a file per item). A list of scalars or of lists is one leaf
+    already, its items stored as one array."""
+    kind = type(obj)
+    if kind is dict:
+        return _STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
+    if not (kind is list or kind is tuple) or not any(type(v) is dict for v in obj):
+        return False
+    first = obj[0]
+    if type(first) is not dict or set(map(type, obj)) != {dict}:
+        return True
+    keys = tuple(first)
+    if not all(map(keys.__eq__, map(tuple, obj))):
+        return True
+    return not all(type(v) in _ATOMIC or (type(v) is list and _plain(v)) for d in obj for v in d.values())
+
+
+def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
+    """The rank's object (``shape.obj``) and its header, as the module docstring says."""
+    obj, name = shape.obj, _name(rank)
+    header: dict[str, Any] = {"shape": shape.dumps()}
+    if _split(obj):
+        kind = type(obj)
+        header["kind"], header["n"] = kind.__name__, len(obj)
+        if kind is dict:
+            header["keys"] = list(obj)
+        for i, v in enumerate(obj.values() if kind is dict else obj):
+            w.write(f"{name}-{i:010d}", 0, v)
+    else:
+        header["kind"] = "object"
+        w.write(name, 0, obj)
+        if header["shape"] is None:
+            return  # no header file: the object is file R's only value (a small call's one file)
+    w.write(_header_name(rank), 0, json.dumps(header))
+
+
 def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
+    """Every rank's object, from one pass over the output's rows in filename order (a rank's
+    files sort together, its elements in order)."""
+    items: list[list[Any]] = [[] for _ in range(world)]
+    headers: list[Any] = [None] * world
+    paused = gc.isenabled()
+    gc.disable()  # only new, acyclic lists and dicts: the collector's passes over them find nothing
+    try:
+        for name, _, value in store.iter_values(as_torch=True):
+            r = int(name[:8])
+            if name.endswith(".h"):
+                headers[r] = json.loads(value)
+            else:
+                items[r].append(value)
+    finally:
+        if paused:
+            gc.enable()
     for r in range(world):
-        name = _name(r)
-        value = store.value(name, 0, as_torch=True)
-        if len(store.frames(name)) > 1:
-            value = _restore(value, store.value(name, 1))
+        header, got = headers[r] or {"kind": "object", "shape": None}, items[r]
+        kind = header["kind"]
+        if kind == "object":
+            value = got[0]
+        else:
+            if len(got) != header["n"]:
+                raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
+            value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
+            value = tuple(value) if kind == "tuple" else value
+        if header["shape"] is not None:
+            value = _restore(value, header["shape"])
         object_list[r] = value
 
 
@@ -341,13 +426,10 @@ def _collective(
             _check_list(rank, target, world, object_list, every_rank)
             shape = _Shape(obj, allow_pickle)
             try:
-                w.write(_name(rank), 0, shape.obj)
+                _write(w, rank, shape)
             except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
                 exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
                 raise
-            extra = shape.dumps()
-            if extra is not None:  # numpy arrays and pickled objects: their paths, as frame 1
-                w.write(_name(rank), 1, extra)
     except Exception as exc:  # told to every rank just below, then raised here
         error = exc
     # Every rank has committed (or failed) once this returns: dst's merge finds every commit

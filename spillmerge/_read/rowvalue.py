@@ -220,6 +220,10 @@ def _row_value(
         # only under a dict this row has (its header made the node)
         node, structural = root, any(is_marker(s) for s in leaf)
         for seg in leaf[:-1]:
+            if node.get("header", ("",))[0] in _SEQUENCES:
+                # a list here: its columns and items are lists, and a nested dict key of
+                # another frame's dict at this path is no column of it
+                break
             nxt = node["kids"].get(seg)
             if nxt is None:
                 if structural:
@@ -233,6 +237,9 @@ def _row_value(
     if not root["kids"] and "value" not in root and "header" not in root:
         return None  # the value itself was None (its leaf is ``[]``)
     return _build(root, (), order)
+
+
+_SEQUENCES = frozenset({"pylist", "pytuple", "pyrecords"})
 
 
 def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
