@@ -19,7 +19,7 @@ $(BASE): pyproject.toml
 # The tests' tools (pytest, moto, lightning, ruff, mypy ...) come with `make test` only.
 $(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[test]'
-	# torchvision for tests/test_model_outputs.py: the release built for the torch above, in a folder
+	# torchvision for tests/e2e/test_model_outputs.py: the release built for the torch above, in a folder
 	# off the venv's path (--target). PyPI's Linux wheel is built against CUDA torch: with the CPU
 	# torch its compiled ops do not load and `import torchvision` fails, which would break every
 	# package that imports it when installed (torchmetrics, lightning). Only the model test puts

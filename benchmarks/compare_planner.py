@@ -4,7 +4,7 @@
     python benchmarks/compare_planner.py --base /work/wt/base --n 2000   # quicker
 
 Spill roots are written once (with this checkout's writer): a root of every value kind
-(tests/test_value_model.py's VALUES), and a generated root of ``--n`` keys from W=4 ranks with duplicates (identical copies on another rank, and copies of different
+(tests/write/test_value_model.py's VALUES), and a generated root of ``--n`` keys from W=4 ranks with duplicates (identical copies on another rank, and copies of different
 content), a leaf that is float16 in some files and str in others, None, zero-element arrays,
 ragged arrays, lists of dicts and lists of str, written with ``write`` and ``write_batch``. Each
 root is merged, in a fresh process, by both checkouts (``PYTHONPATH``) under each duplicate

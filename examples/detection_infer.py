@@ -23,7 +23,7 @@ Rank 0 merges, then reads the result back two ways:
   order (what an evaluation over a million images wants, without opening per-image objects).
 
 ``FakeDetector`` is exact integer arithmetic, so a prediction depends only on the image:
-``tests/test_examples.py`` recomputes every value and compares bit for bit. Replace it and
+``tests/e2e/test_examples.py`` recomputes every value and compares bit for bit. Replace it and
 ``ImageDataset`` with your own.
 """
 

@@ -20,7 +20,7 @@ frame (frame i = sample i), with the value ``{"prompt": str, "token_ids": int64 
 (``res.column("token_ids")``), in (prompt, sample) order.
 
 ``FakeLM`` is a deterministic stand-in (integer arithmetic on the prompt's bytes, a tiny
-vocabulary with non-ASCII words), so ``tests/test_examples.py`` recomputes every value and
+vocabulary with non-ASCII words), so ``tests/e2e/test_examples.py`` recomputes every value and
 compares bit for bit. Replace it with your model and tokenizer.
 """
 

@@ -32,7 +32,7 @@ What it means on GPUs:
   (``w.is_committed``) and merges old and new segments together.
 
 The fake model below is exact integer arithmetic, so a prediction depends only on
-(filename, frame) and not on how frames were batched: ``tests/test_torchrun.py`` recomputes every
+(filename, frame) and not on how frames were batched: ``tests/distributed/test_torchrun.py`` recomputes every
 value and compares bit for bit. Replace ``FakeSegmenter`` and ``FrameDataset`` with your own.
 With torch's own ``DistributedSampler`` (which pads by repeating samples) some frames run on two
 ranks; spillmerge drops identical copies, but if your model is not bit-deterministic across batches

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_object_collectives.py: torch's object-collective test list (read
+"""Rank bodies for tests/distributed/test_object_collectives.py: torch's object-collective test list (read
 from the installed torch, ``_object_list``) sent with torch's pattern (rank r sends item r % 5)
 through ``spillmerge.all_gather`` / ``gather`` and through ``all_gather_object`` /
 ``gather_object`` in the same 4-rank gloo group; every round runs in the same processes."""

@@ -1,4 +1,4 @@
-"""Lightning ``ddp_spawn`` on 2 CPU ranks (run as a script by tests/test_integrations.py): the
+"""Lightning ``ddp_spawn`` on 2 CPU ranks (run as a script by tests/e2e/test_integrations.py): the
 launching process runs no hook itself, yet reads the merging rank's report from
 ``writer.report``. Prints one JSON line."""
 

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_dropin.py: ``spillmerge.gather_object`` / ``all_gather_object``
+"""Rank bodies for tests/distributed/test_dropin.py: ``spillmerge.gather_object`` / ``all_gather_object``
 against ``torch.distributed.gather_object`` / ``all_gather_object`` on the same inputs, in the
 same 3-rank gloo group; every scenario runs in the same processes."""
 

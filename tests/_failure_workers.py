@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_failures.py (importable by spawned processes)."""
+"""Worker functions for tests/distributed/test_failures.py (importable by spawned processes)."""
 
 from __future__ import annotations
 

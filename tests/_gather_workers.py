@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_gather.py: ``SpillWriter.merge(wait=True)``, ``spillmerge.gather`` and
+"""Rank bodies for tests/distributed/test_gather.py: ``SpillWriter.merge(wait=True)``, ``spillmerge.gather`` and
 ``spillmerge.all_gather`` in 4 gloo ranks. Spawned processes import this module on its own (no
 pytest); every scenario runs in the same processes, results in ``base/results/rank-R.json``."""
 

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_guards_multirank.py (spawned: importable on their own, no pytest).
+"""Rank bodies for tests/distributed/test_guards_multirank.py (spawned: importable on their own, no pytest).
 
 The collective merge learns of a failed rank in two ways: its failure record on storage (dst's
 ``_CommitWatch``) and its failure key in the process group's store (``publish_failure``). Each

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_model_outputs.py: real model outputs (random weights, nothing
+"""Rank bodies for tests/e2e/test_model_outputs.py: real model outputs (random weights, nothing
 downloaded) sent through ``spillmerge.all_gather`` / ``gather`` and through ``all_gather_object``
 / ``gather_object`` in the same 4-rank gloo group, compared in type and content.
 

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_multirank.py, run by ``torch.multiprocessing`` with the spawn start
+"""Rank bodies for tests/distributed/test_multirank.py, run by ``torch.multiprocessing`` with the spawn start
 method (so this module must stay importable on its own: no pytest, no fixtures).
 
 One spawn of ``WORLD`` gloo ranks runs every scenario in the same processes, each on its own spill

@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_nodelocal.py: spill roots that only some ranks can see (simulated
+"""Rank bodies for tests/distributed/test_nodelocal.py: spill roots that only some ranks can see (simulated
 node-local disks: one directory per simulated host), merged with ``SpillWriter.merge``, which
 moves the shards the merging rank cannot see over gloo.
 

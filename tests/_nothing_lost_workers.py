@@ -1,4 +1,4 @@
-"""Writer processes for tests/test_nothing_lost_writer.py, started from a forkserver that has
+"""Writer processes for tests/write/test_nothing_lost_writer.py, started from a forkserver that has
 imported torch and spillmerge once, so each of the many killed writers starts in milliseconds."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A rank of a live job for tests/test_status.py, run as a plain process with env RANK and
+"""A rank of a live job for tests/inspect/test_status.py, run as a plain process with env RANK and
 WORLD_SIZE: ``python _status_workers.py ROOT OPTIONS_JSON ROLE GO_FILE``.
 
 Roles: ``commit`` writes and commits; ``stall`` writes, then waits (no durable write) until

@@ -1,4 +1,4 @@
-"""Run by tests/test_torchrun.py through the real launcher (``python -m torch.distributed.run``):
+"""Run by tests/distributed/test_torchrun.py through the real launcher (``python -m torch.distributed.run``):
 the main multi-rank scenario of tests/_mp_scenarios.py (hostile filenames, every dtype, nested
 values, compared bit-exactly with ``gather_object`` in the same run), with rank, world size and
 run id coming from torchrun's environment. Writes ``BASE/torchrun-rank-R.json``."""

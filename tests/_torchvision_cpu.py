@@ -12,7 +12,7 @@ missing, and mask pasting is pure torch. So, only when ``_C.so`` does not load, 
 defines ``torchvision::nms`` / ``qnms`` with the schemas torchvision's C++ code registers, gives
 ``nms`` a pure-torch CPU kernel (greedy NMS in score order, like torchvision's CPU kernel) and
 lets ``torchvision.ops.boxes`` call it. With a torchvision whose ops load (a CPU wheel from
-PyTorch's index), nothing is changed. Used by tests only (tests/test_model_outputs.py)."""
+PyTorch's index), nothing is changed. Used by tests only (tests/e2e/test_model_outputs.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Child process of tests/test_untrusted_storage.py: runs every reader on attacked copies of a
+"""Child process of tests/storage/test_untrusted_storage.py: runs every reader on attacked copies of a
 spill root or a merged output and reports, per case, what each reader did (as JSON).
 
 A child, so that a hang or a runaway allocation cannot take the test session with it: each case

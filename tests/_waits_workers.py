@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_waits.py's coordinated merge (spawned gloo ranks; importable on its
+"""Rank bodies for tests/spill/test_waits.py's coordinated merge (spawned gloo ranks; importable on its
 own): rank 1 writes for 4 s more, rank 0 (dst) reaches merge() first and says on stderr whom it
 waits for."""
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+# The tests live in folders mirroring the package's stages; a test file may import helpers from
+# another folder's file (``from test_cli import cli_run``), so every folder is on the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = sorted(e.path for e in os.scandir(_HERE) if e.is_dir() and not e.name.startswith(("_", ".")))
 
 # One intra-op thread in every process the tests start (torch reads it at import): the suite's
 # processes share two cores. torch itself is imported only by the tests that need it.
@@ -160,7 +166,7 @@ FIRST = (
 )
 
 #: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
-#: their tests go to the workers one by one instead of as one file (tests/test_tiers.py checks
+#: their tests go to the workers one by one instead of as one file (tests/project/test_tiers.py checks
 #: they hold no module fixture). Every other file goes to one worker whole.
 SPREAD = (
     "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "

@@ -54,10 +54,10 @@ class Mutation:
     """The guarantee the check protects."""
 
 
-G = "tests/test_guards.py"
-H = "tests/test_hostile.py"
-U = "tests/test_untrusted_storage.py"
-C = "tests/test_checks_tested.py"
+G = "tests/project/test_guards.py"
+H = "tests/spill/test_hostile.py"
+U = "tests/storage/test_untrusted_storage.py"
+C = "tests/project/test_checks_tested.py"
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
@@ -75,7 +75,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/outputchunk.py",
         "        return len(block) == b_nb and google_crc32c.value(block) == value",
         "        return len(block) == b_nb",
-        (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec", "tests/test_write_batch.py"),
+        (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec", "tests/write/test_write_batch.py"),
         "a corrupt block of write_batch / write rows never reaches the output (local spill root)",
     ),
     Mutation(
@@ -91,8 +91,8 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/outputchunk.py",
         "            if text and not _utf8_rows_of_one_size(rows):",
         "            if False:",
-        ("tests/test_hostile.py::test_verify_finds_text_the_merge_refuses",
-         "tests/test_hostile.py::test_a_character_split_between_two_strings_is_refused"),
+        ("tests/spill/test_hostile.py::test_verify_finds_text_the_merge_refuses",
+         "tests/spill/test_hostile.py::test_a_character_split_between_two_strings_is_refused"),
         "string rows that are not valid UTF-8 never reach the output through the batched copy",
     ),
     Mutation(
@@ -100,7 +100,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/outputchunk.py",
         "            if int(lo.max()) + L > len(whole):\n                return None",
         "            if False:\n                return None",
-        ("tests/test_untrusted_storage.py", "tests/test_guarded_checks.py"),
+        ("tests/storage/test_untrusted_storage.py", "tests/project/test_guarded_checks.py"),
         "a data chunk shorter than the index says is refused by the batched copy",
     ),
     Mutation(
@@ -116,7 +116,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/store.py",
         '        store.set(f"failed/{session}/{rank}", message[:4000])',
         "        return",
-        ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
+        ("tests/distributed/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
         "dst hears of a failed rank through the store when it cannot see its failure record",
     ),
     Mutation(
@@ -148,7 +148,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/summary.py",
         "    missing = declared - len(present)\n    if missing:",
         "    missing = declared - len(present)\n    if False:",
-        ("tests/test_nothing_lost_reader.py::test_verify_lists_every_missing_chunk",),
+        ("tests/read/test_nothing_lost_reader.py::test_verify_lists_every_missing_chunk",),
         "verify of a merged store lists every missing chunk",
     ),
     Mutation(
@@ -197,7 +197,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/store.py",
         '        if int(self.base.add(f"failed/{self.session}", 0)) > 0:',
         "        if False:",
-        ("tests/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
+        ("tests/distributed/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
         "dst reads the failure keys other ranks publish",
     ),
     Mutation(
@@ -269,7 +269,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/root.py",
         "        if str(c) not in present:",
         "        if False:",
-        ("tests/test_hostile.py::test_missing_data_chunk_and_future_format_are_named",),
+        ("tests/spill/test_hostile.py::test_missing_data_chunk_and_future_format_are_named",),
         "every data chunk a commit record promises exists",
     ),
     # ------------------------------------------------------------------ issue 26: metadata on trust
@@ -278,7 +278,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/output.py",
         "big = [d for d, (c, s) in enumerate(zip(chunks, shape, strict=True)) if c > max(s, 1)]",
         "big = []",
-        ("tests/test_hostile.py::test_chunk_shape_larger_than_its_array_is_refused",),
+        ("tests/spill/test_hostile.py::test_chunk_shape_larger_than_its_array_is_refused",),
         "a chunk shape is never larger than its array's (a 32 KB chunk declared (2**26, 4))",
     ),
     Mutation(
@@ -294,7 +294,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/codecs.py",
         "        if fcs_len == 0:",
         "        if False:",
-        ("tests/test_hostile.py::test_zstd_frame_without_content_size_is_refused_unread",),
+        ("tests/spill/test_hostile.py::test_zstd_frame_without_content_size_is_refused_unread",),
         "a zstd frame without a content size (decoded by a growing buffer) is refused",
     ),
     Mutation(
@@ -374,7 +374,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/gather.py",
         'opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)',
         "pass",
-        ("tests/test_gather.py::test_timeout_covers_the_process_group_setup",),
+        ("tests/distributed/test_gather.py::test_timeout_covers_the_process_group_setup",),
         "all_gather(timeout=) bounds the process-group set-up (new_group waited 300 s)",
     ),
     # ------------------------------------------------ issue 26, second audit: checks no entry guarded
@@ -383,7 +383,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/views.py",
         '            if not 0 <= j < n:\n                raise IndexError(f"row {sel} out of range for {n} rows")',
         '            if j < 0:\n                raise IndexError(f"row {sel} out of range for {n} rows")',
-        ("tests/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
+        ("tests/project/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
         'res["a"][3] on a 3-row file raises, never returns the next file\'s first row',
     ),
     Mutation(
@@ -391,7 +391,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/views.py",
         '        if not 0 <= j < n:\n            raise IndexError(f"row {int(i)} out of range for {n} rows")',
         '        if j < 0:\n            raise IndexError(f"row {int(i)} out of range for {n} rows")',
-        ("tests/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
+        ("tests/project/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
         "the same bound for a numpy integer index",
     ),
     Mutation(
@@ -399,7 +399,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/invariants.py",
         "    if np.any(shapes < 0):",
         "    if False:",
-        ("tests/test_guarded_checks.py::test_a_negative_dimension_in_shapes_is_refused",),
+        ("tests/project/test_guarded_checks.py::test_a_negative_dimension_in_shapes_is_refused",),
         "a shapes row [-2, -3] is refused although its product agrees with the offsets",
     ),
     Mutation(
@@ -407,7 +407,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/invariants.py",
         '    if "valid" in a and not has_valid:',
         "    if False:",
-        ("tests/test_guarded_checks.py::test_a_valid_array_the_header_does_not_declare_is_refused",),
+        ("tests/project/test_guarded_checks.py::test_a_valid_array_the_header_does_not_declare_is_refused",),
         "a valid array where the column header says there is none is refused",
     ),
     Mutation(
@@ -415,7 +415,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/invariants.py",
         "            if count is not None and len(count) and int(count.max()) > 1:",
         "            if False:",
-        ("tests/test_value_model.py",),
+        ("tests/write/test_value_model.py",),
         "a row has a value in one variant column of its leaf at most",
     ),
     Mutation(
@@ -423,7 +423,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/indexinvariants.py",
         "        if header.get(field) != want:",
         "        if False:",
-        ("tests/test_guarded_checks.py::test_header_counts_that_disagree_with_the_index_are_refused",),
+        ("tests/project/test_guarded_checks.py::test_header_counts_that_disagree_with_the_index_are_refused",),
         "the header's n_files / n_frames agree with the index",
     ),
     Mutation(
@@ -431,7 +431,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/invariants.py",
         "        bad = np.flatnonzero(~valid & (steps != 0))",
         "        bad = np.flatnonzero(~valid & (steps < 0))",
-        ("tests/test_guarded_checks.py::test_an_absent_row_whose_offsets_span_bytes_is_refused",),
+        ("tests/project/test_guarded_checks.py::test_an_absent_row_whose_offsets_span_bytes_is_refused",),
         "an absent row's offsets span no values",
     ),
     Mutation(
@@ -439,7 +439,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/lease.py",
         '            if not same:\n                return f"{self.output.describe(rel)} was removed or replaced"',
         '            if False:\n                return f"{self.output.describe(rel)} was removed or replaced"',
-        ("tests/test_guarded_checks.py::test_a_local_lease_whose_lock_file_was_replaced_is_lost",),
+        ("tests/project/test_guarded_checks.py::test_a_local_lease_whose_lock_file_was_replaced_is_lost",),
         "a local lease whose lock file was unlinked and recreated is lost",
     ),
     Mutation(
@@ -447,7 +447,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_storage/base.py",
         '        if norm == ".." or norm.startswith("../") or norm != rel.rstrip("/"):',
         '        if norm == ".." or norm.startswith("../"):',
-        ("tests/test_guarded_checks.py::test_storage_refuses_paths_that_are_not_normalised",),
+        ("tests/project/test_guarded_checks.py::test_storage_refuses_paths_that_are_not_normalised",),
         "a path is its own normal form (a/./b is refused, not silently rewritten)",
     ),
     Mutation(
@@ -455,7 +455,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_storage/local.py",
         '            if stat.S_ISLNK(mode):\n                raise UnsafePathError(\n                    f"{self.describe(above)}',
         '            if False:\n                raise UnsafePathError(\n                    f"{self.describe(above)}',
-        ("tests/test_guarded_checks.py::test_a_linked_folder_above_an_object_is_refused",),
+        ("tests/project/test_guarded_checks.py::test_a_linked_folder_above_an_object_is_refused",),
         "no read follows a linked folder between the root and an object",
     ),
     Mutation(
@@ -471,7 +471,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/scaleout.py",
         "    left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]",
         "    left = [c for p, r in enumerate(finished) if False for c in _indexchunks.share(chunks, p, n)]",
-        ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
+        ("tests/merge/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
         "the finalize writes the index chunks of a part whose record does not say it wrote them",
     ),
     Mutation(
@@ -479,7 +479,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/scaleout.py",
         "        _indexchunks.write(output, _opening.index_share(job, i, n), threads=job.threads)",
         "        pass",
-        ("tests/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
+        ("tests/merge/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
         "each part writes its share of the index chunks",
     ),
     Mutation(
@@ -495,7 +495,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/barrier.py",
         "    if stale:\n        raise stale_error(storage, stale, world_size)\n    extra",
         "    if False:\n        raise stale_error(storage, stale, world_size)\n    extra",
-        ("tests/test_stale_root.py",),
+        ("tests/spill/test_stale_root.py",),
         "a merge names segments of another world size as stale",
     ),
     Mutation(
@@ -503,7 +503,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/barrier.py",
         "    stale = stale_segments(storage, segments, world_size)\n    if stale:\n        raise stale_error(storage, stale, world_size)\n\n",
         "    stale = stale_segments(storage, segments, world_size)\n    if False:\n        raise stale_error(storage, stale, world_size)\n\n",
-        ("tests/test_stale_root.py",),
+        ("tests/spill/test_stale_root.py",),
         "a writer of another world size fails at open, before any compute",
     ),
     Mutation(
@@ -511,7 +511,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/batch.py",
         "    if len(raw) != n:",
         "    if False:",
-        ("tests/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
+        ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
         "write_batch refuses frame indices that do not match the filenames",
     ),
     Mutation(
@@ -519,7 +519,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/batch.py",
         "        if len(value) != n:\n            raise _length_error(path, len(value), names)\n        return list(value.unbind(0))",
         "        if False:\n            raise _length_error(path, len(value), names)\n        return list(value.unbind(0))",
-        ("tests/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
+        ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
         "write_batch refuses a tensor leaf longer or shorter than the batch",
     ),
     Mutation(
@@ -527,7 +527,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/batch.py",
         "        if len(value) != n:\n            raise _length_error(path, len(value), names)\n        return list(value)\n",
         "        if False:\n            raise _length_error(path, len(value), names)\n        return list(value)\n",
-        ("tests/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
+        ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
         "write_batch refuses a list leaf longer or shorter than the batch",
     ),
     Mutation(
@@ -535,7 +535,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/job.py",
         "    elif report.missing_ranks:",
         "    elif False:",
-        ("tests/test_remove_spill.py::test_partial_merge_keeps_the_root",),
+        ("tests/spill/test_remove_spill.py::test_partial_merge_keeps_the_root",),
         "remove_spill keeps the root when ranks are missing",
     ),
     Mutation(
@@ -543,7 +543,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/job.py",
         "    elif report.frame_gaps and (job.options.allow_partial or report.expected_files is not None):",
         "    elif False:",
-        ("tests/test_remove_spill.py::test_frames_missing_against_expected_keep_the_root",),
+        ("tests/spill/test_remove_spill.py::test_frames_missing_against_expected_keep_the_root",),
         "remove_spill keeps the root when frames are missing against expected",
     ),
     # ------------------------------------------------------------------ format 4's list offsets (issue 23)
@@ -552,7 +552,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/lists.py",
         "        bad = np.flatnonzero(said != steps)",
         "        bad = np.flatnonzero(said != said)",
-        ("tests/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
+        ("tests/format/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
         "verify refuses a list whose header length differs from its offsets step",
     ),
     Mutation(
@@ -560,7 +560,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/lists.py",
         "        if lpath not in lists:",
         "        if False:",
-        ("tests/test_lists.py::test_a_header_whose_list_group_is_missing_is_refused",),
+        ("tests/format/test_lists.py::test_a_header_whose_list_group_is_missing_is_refused",),
         "a pylist / pytuple header whose items' list group is missing is refused, naming the header",
     ),
     # ------------------------------------------------------------------ parts and leases (issue 24)
@@ -569,7 +569,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/lease.py",
         "        return None if self.exclusive else {f\"{_MERGE}.lock\"}",
         "        return None",
-        ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
+        ("tests/merge/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
         "parts sharing an output are never refused because of one another",
     ),
     Mutation(
@@ -577,7 +577,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/lease.py",
         "            if self._still_linked() is None:",
         "            if True:",
-        ("tests/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
+        ("tests/merge/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
         "a lock taken on a file a tidying holder just unlinked is not counted: no whole merge shares the output",
     ),
     # ------------------------------------------------------------------ object stores' bounded reads
@@ -586,7 +586,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_storage/fsspec_store.py",
         '                self._refuse_kind(rel, self.fs.info(p).get("type"))  # FileNotFoundError: nothing there',
         "                pass",
-        ("tests/test_s3.py::test_a_commit_record_that_is_a_folder_or_oversized_is_refused_by_name",),
+        ("tests/storage/test_s3.py::test_a_commit_record_that_is_a_folder_or_oversized_is_refused_by_name",),
         "on an object store, a prefix in place of an object is refused as a folder, naming it",
     ),
     # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
@@ -600,7 +600,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/batch.py",
         "        return tuple(_replace(v, host) for v in value)",
         "        return [_replace(v, host) for v in value]",
-        ("tests/test_write_batch.py::test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone",),
+        ("tests/write/test_write_batch.py::test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone",),
         "a CUDA batch copied to host stores each item as write() would: a tuple stays a tuple",
     ),
     Mutation(
@@ -608,7 +608,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/planstore.py",
         "        time.sleep(delay)  # a planner is at work: its plan comes",
         "        break",
-        ("tests/test_scaleout.py::test_with_timeout_0_a_part_waits_for_the_plan_while_the_planner_runs",),
+        ("tests/merge/test_scaleout.py::test_with_timeout_0_a_part_waits_for_the_plan_while_the_planner_runs",),
         "with timeout=0 a part waits for the plan of a planner at work instead of planning everything again",
     ),
     Mutation(
@@ -616,7 +616,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/opening.py",
         "                busy = isinstance(exc, OutputBusyError)",
         "                busy = False",
-        ("tests/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
+        ("tests/merge/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
         "a part 0 refused because another part 0 is at work does not tell the waiting parts that part 0 failed",
     ),
     # ------------------------------------------------------------------ checks nothing tested
@@ -689,7 +689,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/index.py",
         "            if j != (b - 1) // ROW_BLOCK or j not in self._done:",
         "            if j not in self._done:",
-        ("tests/test_lazy_index.py::test_a_file_across_two_blocks_is_read_only_after_both_are_checked",),
+        ("tests/read/test_lazy_index.py::test_a_file_across_two_blocks_is_read_only_after_both_are_checked",),
         "a file whose rows span two row blocks is read only after the second block is checked too",
     ),
     Mutation(
@@ -697,7 +697,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/index.py",
         "            if len(count) and int(count.max()) > 1:",
         "            if False:",
-        ("tests/test_lazy_index.py::test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused",),
+        ("tests/read/test_lazy_index.py::test_a_row_with_a_value_in_two_variants_of_a_leaf_is_refused",),
         "a row marked valid in two variant columns of a leaf is refused when read, not read as either",
     ),
     Mutation(
@@ -705,7 +705,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/rowblock.py",
         "        if len(fo) != i1 - i0 + 1 or fo[0] < 0 or fo[-1] > files.n_rows or np.any(fo[1:] < fo[:-1]):",
         "        if False:",
-        ("tests/test_lazy_index.py::test_iter_values_names_frame_offsets_decreasing_across_chunks",),
+        ("tests/read/test_lazy_index.py::test_iter_values_names_frame_offsets_decreasing_across_chunks",),
         "iter_values over damaged frame offsets names index/frame_offsets, not the rows they misattribute",
     ),
     Mutation(
@@ -713,7 +713,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/index.py",
         "        lo = r0 - 1 if r0 else r0",
         "        lo = r0",
-        ("tests/test_lazy_index.py::test_frames_descending_across_a_row_blocks_edge_are_refused",),
+        ("tests/read/test_lazy_index.py::test_frames_descending_across_a_row_blocks_edge_are_refused",),
         "a file's frame indices descending where its rows cross a row block's edge are refused when read",
     ),
     Mutation(
@@ -721,7 +721,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/rowvalue.py",
         'if dtype in ("pylist", "pytuple") and n != max(items, 0):',
         'if dtype in ("pylist", "pytuple") and n < 0:',
-        ("tests/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
+        ("tests/format/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
         "value() refuses a list header that disagrees with its list offsets, not padded with None",
     ),
     Mutation(
@@ -729,7 +729,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/arrow.py",
         '    meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None',
         '    meta = TUPLE_META if ps and any(k[0] == "pytuple" for k, _, _, _ in ps) else None',
-        ("tests/test_arrow_values.py::test_only_a_leaf_that_is_a_tuple_in_every_row_is_marked_as_tuples",),
+        ("tests/read/test_arrow_values.py::test_only_a_leaf_that_is_a_tuple_in_every_row_is_marked_as_tuples",),
         "Arrow marks a column as tuples only when every row's value is a tuple, not lists mixed with tuples",
     ),
     Mutation(
@@ -737,7 +737,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/lists.py",
         "        if key in out:\n",
         "        if False:\n",
-        ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
+        ("tests/format/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
         "an output with two list groups for one list path is refused (their items could disagree)",
     ),
     Mutation(
@@ -745,7 +745,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/lists.py",
         "        if stored.parent and stored.parent not in out:",
         "        if False:",
-        ("tests/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
+        ("tests/format/test_lists.py::test_a_list_group_the_lists_do_not_account_for_is_refused",),
         "an output with a list group of items of a list that has no group is refused",
     ),
     Mutation(
@@ -761,7 +761,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/filenames.py",
         "(d := _edits(name, c, limit)) <= limit",
         "(d := _edits(name, c, limit)) <= limit + 1",
-        ("tests/test_inspect_cli.py::test_a_mistyped_filename_suggests_only_names_a_typo_away",),
+        ("tests/inspect/test_inspect_cli.py::test_a_mistyped_filename_suggests_only_names_a_typo_away",),
         "a mistyped filename suggests only names a few typos away, never names that merely share a prefix",
     ),
     # ------------------------------------------------- issue 37: remove only what was merged, gather called twice
@@ -770,7 +770,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/removal.py",
         "            if rel in planned:",
         "            if rel in planned or read_segment(src, rank, name).commit is not None:",
-        ("tests/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
+        ("tests/spill/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
         "remove_spill never deletes a segment committed after the merge's plan was made",
     ),
     Mutation(
@@ -778,7 +778,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/removal.py",
         "    if seg.failure is None and not superseded:",
         "    if False:",
-        ("tests/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
+        ("tests/spill/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
         "remove_spill never deletes a segment still being written (no commit or failure record, no later session merged)",
     ),
     Mutation(
@@ -786,7 +786,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/removal.py",
         "    if missing:\n        return (",
         "    if False:\n        return (",
-        ("tests/test_remove_spill.py::test_a_killed_segment_whose_frames_the_output_lacks_is_kept_with_them",),
+        ("tests/spill/test_remove_spill.py::test_a_killed_segment_whose_frames_the_output_lacks_is_kept_with_them",),
         "remove_spill keeps an abandoned (killed) segment whose journaled frames the output lacks",
     ),
     Mutation(
@@ -796,7 +796,7 @@ MUTATIONS: list[Mutation] = [
         "                f\"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed\"",
         "        if False:\n            raise WriterClosedError(\n"
         "                f\"SpillWriter for rank {self.rank} is {self._state}; only a committed spill is removed\"",
-        ("tests/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
+        ("tests/spill/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
         "SpillWriter.remove_spill refuses before the writer commits, deleting nothing",
     ),
     Mutation(
@@ -804,7 +804,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/lifecycle.py",
         "        if self._merged_into is None:",
         "        if False:",
-        ("tests/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
+        ("tests/spill/test_remove_spill.py::test_writer_remove_spill_refuses_before_commit_and_before_merge",),
         "SpillWriter.remove_spill refuses before the writer merged: only a segment an output holds is removed",
     ),
     Mutation(
@@ -813,7 +813,7 @@ MUTATIONS: list[Mutation] = [
         "        remove_listed(self.storage, [self._prefix], failure_record=False)",
         "        remove_listed(self.storage, [f\"{FS.rank_dirname(r)}/{n}\" for r in list_ranks(self.storage) "
         "for n in self.storage.listdir(FS.rank_dirname(r))], failure_record=False)",
-        ("tests/test_remove_spill.py::test_writer_remove_spill_removes_only_its_own_merged_segment",),
+        ("tests/spill/test_remove_spill.py::test_writer_remove_spill_removes_only_its_own_merged_segment",),
         "SpillWriter.remove_spill removes this writer's own segment, never another rank's",
     ),
     Mutation(
@@ -821,7 +821,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/lifecycle.py",
         "            self._check_round_complete(out, out_options)",
         "            pass",
-        ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
+        ("tests/spill/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
         "SpillWriter.remove_spill keeps its segment unless the output is complete with its round (a later session)",
     ),
     Mutation(
@@ -829,7 +829,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/lifecycle.py",
         "[r for r in rels if self.storage.describe(r) in merged]",
         "rels",
-        ("tests/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
+        ("tests/spill/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
         "remove_spill(everything=True) removes only the segments the merge's report lists as merged",
     ),
     Mutation(
@@ -837,7 +837,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/gather.py",
         "    together = coordinated(session)",
         "    together = False",
-        ("tests/test_gather.py::test_all_gather_called_back_to_back_with_the_same_out_always_works",),
+        ("tests/distributed/test_gather.py::test_all_gather_called_back_to_back_with_the_same_out_always_works",),
         "no rank returns from gather before dst removed this call's spill (the next call's segments are safe)",
     ),
     # ------------------------------------------------------------------ issue 37: shared writers, waits, CLI
@@ -846,7 +846,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/writer.py",
         "        self._lock = threading.Lock()\n",
         "        self._lock = __import__('contextlib').nullcontext()\n",
-        ("tests/test_writer_threads.py",),
+        ("tests/write/test_writer_threads.py",),
         "threads sharing a SpillWriter take turns: every key of every thread merges exactly",
     ),
     Mutation(
@@ -854,7 +854,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/barrier.py",
         "        if waited < timeout:\n            notices(state, segments, run_id)\n",
         "",
-        ("tests/test_waits.py",),
+        ("tests/spill/test_waits.py",),
         "a merge waiting for commit records names the missing ranks on stderr",
     ),
     Mutation(
@@ -862,7 +862,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_spill/barrier.py",
         "notices = WaitNotices(storage, timeout, quiet=progress is False)",
         "notices = WaitNotices(storage, timeout, quiet=False)",
-        ("tests/test_waits.py",),
+        ("tests/spill/test_waits.py",),
         "progress=False keeps a waiting merge quiet",
     ),
     Mutation(
@@ -870,7 +870,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/transfer.py",
         "            self.notices(state, self.segments, self.session.run_id, away)\n",
         "            pass\n",
-        ("tests/test_waits.py::test_a_coordinated_merge_names_the_rank_still_writing",),
+        ("tests/spill/test_waits.py::test_a_coordinated_merge_names_the_rank_still_writing",),
         "a merge under torch.distributed names on stderr the ranks it waits for",
     ),
     Mutation(
@@ -878,7 +878,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/cli.py",
         "    except BrokenPipeError:\n        return _stdout_closed()\n",
         "",
-        ("tests/test_cli_messages.py::test_a_reader_that_goes_away_ends_the_command_quietly",),
+        ("tests/cli/test_cli_messages.py::test_a_reader_that_goes_away_ends_the_command_quietly",),
         "`spillmerge inspect ... | head` ends quietly (141), not with 'error: Broken pipe'",
     ),
     Mutation(
@@ -886,7 +886,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/cli.py",
         'if unknown and args.command == "merge" and args.out is None and not unknown[0].startswith("-"):',
         "if False:",
-        ("tests/test_cli_messages.py::test_a_positional_output_asks_for_out",),
+        ("tests/cli/test_cli_messages.py::test_a_positional_output_asks_for_out",),
         "`spillmerge merge ROOT OUT` is one line asking for --out OUT, not the top-level usage",
     ),
     Mutation(
@@ -894,7 +894,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/cli.py",
         '    require_torch("spillmerge demo")',
         "    pass",
-        ("tests/test_cli_messages.py::test_demo_without_torch_names_the_install_in_one_line",),
+        ("tests/cli/test_cli_messages.py::test_demo_without_torch_names_the_install_in_one_line",),
         "`spillmerge demo` without torch is one line naming the install, not a traceback",
     ),
     Mutation(
@@ -902,7 +902,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/report.py",
         "{self.n_frames} frames, {size_text(self.nbytes)} from",
         "{self.n_frames} frames, {self.nbytes / (1 << 30):.3f} GiB from",
-        ("tests/test_cli_messages.py::test_merge_report_and_verify_print_sizes_in_the_unit_that_fits",),
+        ("tests/cli/test_cli_messages.py::test_merge_report_and_verify_print_sizes_in_the_unit_that_fits",),
         "a merge report prints its size in the unit that fits it",
     ),
     # Issue 40: the drop-ins gather_object / all_gather_object (spillmerge/_dist/dropin.py)
@@ -911,7 +911,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         '        if object_list:\n            raise DropInArgumentError(',
         '        if False:\n            raise DropInArgumentError(',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         'gather_object refuses an output list on a rank other than dst, as torch does',
     ),
     Mutation(
@@ -919,7 +919,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         'if not isinstance(object_list, list) or len(object_list) != world:',
         'if not isinstance(object_list, list):',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         'the output list must hold world_size items, refused on every rank naming the rank',
     ),
     Mutation(
@@ -927,7 +927,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         '    if dst is not None and group_dst is not None:',
         '    if False:',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         'dst= and group_dst= together are refused with a ValueError, as torch does',
     ),
     Mutation(
@@ -935,7 +935,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         '        and group is not dist.group.WORLD\n',
         '        and False\n',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         'a group other than the default one is refused, not gathered over the wrong ranks',
     ),
     Mutation(
@@ -943,7 +943,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         '    if where is None and len(hosts) > 1:',
         '    if False:',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         'on several hosts without SPILLMERGE_ROOT / root=, every rank raises ConfigError naming the setting',
     ),
     Mutation(
@@ -951,7 +951,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         'exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])',
         'exc.args = exc.args',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "the rank whose object cannot be stored names itself, as the other ranks' errors do",
     ),
     Mutation(
@@ -959,7 +959,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         'lambda v: v.numpy() if _is_tensor(v) else v',
         'lambda v: v',
-        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy arrays come back as numpy arrays, tensors as tensors',
     ),
     Mutation(
@@ -967,7 +967,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/keyorder.py",
         "        rank = spec.get(path)\n",
         "        rank = None\n",
-        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'dicts come back from the drop-ins with their key order',
     ),
     Mutation(
@@ -975,7 +975,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         "        if rank == target:  # every rank is done with the call's folder\n            _remove(call, storage_options)",
         '        pass',
-        ("tests/test_dropin.py::test_back_to_back_calls_apart_and_nothing_left",),
+        ("tests/distributed/test_dropin.py::test_back_to_back_calls_apart_and_nothing_left",),
         'nothing is left on storage after a drop-in call',
     ),
     Mutation(
@@ -983,7 +983,7 @@ MUTATIONS: list[Mutation] = [
         'spillmerge/_dist/dropin.py',
         '    if rank == dst:\n        try:\n            _remove(call, storage_options)',
         '    if rank == dst:\n        try:\n            pass',
-        ("tests/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
+        ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "a failed drop-in call's folder is removed once every rank raised",
     ),
     Mutation(
@@ -991,7 +991,7 @@ MUTATIONS: list[Mutation] = [
         'spillmerge/_dist/dropin.py',
         'lambda v: v.numpy()[()] if _is_tensor(v) else v',
         'lambda v: v',
-        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy scalars come back as numpy scalars',
     ),
     Mutation(
@@ -999,7 +999,7 @@ MUTATIONS: list[Mutation] = [
         'spillmerge/_dist/dropin.py',
         '        self.whole.append(path)\n        return _Whole(obj)',
         '        return obj',
-        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'with allow_pickle, dicts with int keys, mapping / list / tuple subclasses and dataclasses come back as their own type',
     ),
     Mutation(
@@ -1007,7 +1007,7 @@ MUTATIONS: list[Mutation] = [
         'spillmerge/_read/rowvalue.py',
         'np.ascontiguousarray(arr).reshape(arr.shape).view(',
         'np.ascontiguousarray(arr).view(',
-        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'value(as_torch=True) of a 0-d bfloat16 leaf is a 0-d tensor',
     ),
     # Bounded status and exports: readers refuse headers before sizing anything by them.
@@ -1016,7 +1016,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/arrow.py",
         "            bad = np.flatnonzero(have != lengths[pos])",
         "            bad = np.flatnonzero(have < 0)",
-        ("tests/test_export_bounds.py",),
+        ("tests/read/test_export_bounds.py",),
         "to_arrow refuses a list-of-dicts header that its keys' lists do not match before sizing arrays by it",
     ),
     Mutation(
@@ -1024,7 +1024,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/invariants.py",
         "            bad = np.flatnonzero(has & v & (got != n))",
         "            bad = np.flatnonzero(has & v & (got < 0))",
-        ("tests/test_export_bounds.py",),
+        ("tests/read/test_export_bounds.py",),
         "verify lists a list-of-dicts header that to_arrow refuses",
     ),
     Mutation(
@@ -1032,7 +1032,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/status.py",
         'all(x.state in ("committed", "failed") for x in rows)',
         'all(x.state in ("committed", "failed", "missing") for x in rows)',
-        ("tests/test_status.py::test_status_shows_frames_written_before_a_chunk_fills_and_stalls_only_idle_ranks",),
+        ("tests/inspect/test_status.py::test_status_shows_frames_written_before_a_chunk_fills_and_stalls_only_idle_ranks",),
         "a job with a rank that never started is not done (status --watch goes on)",
     ),
     Mutation(
@@ -1040,7 +1040,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/status.py",
         "    outside = [r for r in found if r >= top]",
         "    outside: list[int] = []",
-        ("tests/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
+        ("tests/inspect/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
         "a rank folder outside the agreed world size is one note, not a rank",
     ),
     Mutation(
@@ -1048,7 +1048,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/status.py",
         "    if len(others) == 1:",
         "    if others:",
-        ("tests/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
+        ("tests/inspect/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
         "segment headers that disagree on the world size give none (no rank count taken from one header)",
     ),
     Mutation(
@@ -1056,7 +1056,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/status.py",
         "for r in itertools.islice(absent, LISTED_MISSING)]",
         "for r in absent]",
-        ("tests/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
+        ("tests/inspect/test_status.py::test_status_reads_rank_folders_within_the_world_size_only",),
         "a world size of millions costs the first 1000 missing rows, not one row per rank",
     ),
     Mutation(
@@ -1064,7 +1064,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/status.py",
         "    except SpillMergeError as exc:  # advisory: a bad record only costs this rank's counts",
         "    except ZeroDivisionError as exc:  # advisory: a bad record only costs this rank's counts",
-        ("tests/test_status.py::test_a_bad_progress_record_costs_only_its_ranks_counts",),
+        ("tests/inspect/test_status.py::test_a_bad_progress_record_costs_only_its_ranks_counts",),
         "a FIFO or oversized progress.json loses that rank's counts, not the whole status",
     ),
     Mutation(
@@ -1072,7 +1072,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/staging.py",
         "        self.flusher.progress.staged = lambda: (self.frames, self.offset)\n",
         "",
-        ("tests/test_status.py::test_status_shows_frames_written_before_a_chunk_fills_and_stalls_only_idle_ranks",),
+        ("tests/inspect/test_status.py::test_status_shows_frames_written_before_a_chunk_fills_and_stalls_only_idle_ranks",),
         "status shows frames written before a chunk fills, and a writing rank is not flagged stalled",
     ),
     Mutation(
@@ -1080,7 +1080,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/status.py",
         "        raise _not_a_spill_root(storage)",
         "        pass",
-        ("tests/test_status.py::test_status_of_a_path_that_is_no_spill_root_is_a_one_line_error",),
+        ("tests/inspect/test_status.py::test_status_of_a_path_that_is_no_spill_root_is_a_one_line_error",),
         "status on a mistyped path or a merged output is a one-line error, not an empty table",
     ),
     Mutation(
@@ -1088,7 +1088,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/store.py",
         "        version = F.check_version(header, self.storage.describe(), spill=False)",
         '        version = header.get("format_version")',
-        ("tests/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
+        ("tests/format/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
         "an output of another format version is refused at open, naming both versions, never misread",
     ),
     Mutation(
@@ -1096,7 +1096,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_inspect/summary.py",
         '    if isinstance(header, dict) and header.get("format_version") != F.FORMAT_VERSION:',
         "    if False:",
-        ("tests/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
+        ("tests/format/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
         "verify says an output of another format version is one, not a list of damage",
     ),
     Mutation(
@@ -1104,7 +1104,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/common.py",
         "    if type(version) is not int or version != (SPILL_FORMAT_VERSION if spill else FORMAT_VERSION):",
         "    if type(version) is not int:",
-        ("tests/test_format_version.py",),
+        ("tests/format/test_format_version.py",),
         "a spill root or output of another format version is refused naming both versions, never misread",
     ),
     Mutation(
@@ -1112,7 +1112,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/output.py",
         "        if any(item_index(k) is not None for k in leaf):",
         "        if False:",
-        ("tests/test_format_version.py::test_a_column_naming_a_list_item_by_position_is_refused",),
+        ("tests/format/test_format_version.py::test_a_column_naming_a_list_item_by_position_is_refused",),
         "an output column whose leaf names a list item by position (a spill path) is refused at open",
     ),
     # ------------------------------------------------- the stored plan of a merge in parts
@@ -1121,7 +1121,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/planstore.py",
         '            if len(data) != nbytes or _digest(data) != spec["blake2b"]:',
         "            if len(data) != nbytes:",
-        ("tests/test_scaleout.py::test_a_stored_plan_pointing_out_of_range_is_never_used",),
+        ("tests/merge/test_scaleout.py::test_a_stored_plan_pointing_out_of_range_is_never_used",),
         "a stored plan array whose bytes changed (same size) is never used: the plan is built again",
     ),
     Mutation(
@@ -1129,7 +1129,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/scaleout.py",
         "    _planstore.remove(output)  # the parts are done with it (the output is complete)",
         "    pass",
-        ("tests/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
+        ("tests/merge/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
         "the finalize removes the stored plan once the output is complete",
     ),
     Mutation(
@@ -1137,7 +1137,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plansql.py",
         "                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)",
         "                pass",
-        ("tests/test_plan_sql.py::test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun",),
+        ("tests/merge/test_plan_sql.py::test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun",),
         "a plan killed mid-sort leaves its DuckDB work folder; the next plan under the same folder removes it",
     ),
     Mutation(
@@ -1145,7 +1145,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plansql.py",
         "        if not final:  # the last key may go on in the next batch",
         "        if False:",
-        ("tests/test_plan_sql.py::test_keys_whose_copies_straddle_sorted_batches_are_decided_whole",),
+        ("tests/merge/test_plan_sql.py::test_keys_whose_copies_straddle_sorted_batches_are_decided_whole",),
         "a key whose rows straddle two sorted batches is one row (its copies decided together), whatever the batch size",
     ),
     Mutation(
@@ -1153,7 +1153,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/flatten.py",
         "    if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order",
         "    if False:",
-        ("tests/test_key_order.py::test_value_and_iter_values_keep_key_order",),
+        ("tests/format/test_key_order.py::test_value_and_iter_values_keep_key_order",),
         "a dict's key order reaches the spill layouts (pos) and comes back from value()",
     ),
     Mutation(
@@ -1161,7 +1161,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/templates.py",
         " or tuple(value) != self.order:",
         ":",
-        ("tests/test_key_order.py::test_dicts_of_tensors_of_one_structure_keep_each_order",),
+        ("tests/format/test_key_order.py::test_dicts_of_tensors_of_one_structure_keep_each_order",),
         "a dict written through the write() template keeps its own key order, not the template's",
     ),
     Mutation(
@@ -1169,7 +1169,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/keyorder.py",
         "                or not end <= run[0] < run[1] <= n_files\n",
         "",
-        ("tests/test_key_order.py::test_a_damaged_key_order_table_is_refused",),
+        ("tests/format/test_key_order.py::test_a_damaged_key_order_table_is_refused",),
         "a key_orders run beyond the output's files is refused at open",
     ),
     Mutation(
@@ -1177,7 +1177,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/arrow.py",
         "        return ordered(self.keys, self.path, self.order)",
         "        return sorted(self.keys.items())",
-        ("tests/test_key_order.py::test_arrow_export_follows_the_key_order",),
+        ("tests/format/test_key_order.py::test_arrow_export_follows_the_key_order",),
         "Arrow struct fields follow the dicts' key order",
     ),
     Mutation(
@@ -1185,7 +1185,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/planstore.py",
         '            "key_orders": plan.key_orders,',
         "",
-        ("tests/test_scaleout.py::test_cli_parts_then_finalize_equal_one_process_merge",),
+        ("tests/merge/test_scaleout.py::test_cli_parts_then_finalize_equal_one_process_merge",),
         "a merge in parts writes the dicts' key order its stored plan carries, as a whole merge does",
     ),
     Mutation(
@@ -1193,7 +1193,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plansql.py",
         "    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)",
         "    return max(int(budget) // ENGINE_SHARE, 1 << 20)",
-        ("tests/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
+        ("tests/merge/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),
     Mutation(
@@ -1201,7 +1201,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_format/keyorder.py",
         "        if clash:\n            clashing.add(k)",
         "        pass",
-        ("tests/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
+        ("tests/merge/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
         "a file whose frames hold one dict in different orders takes the order of the frame written first",
     ),
     Mutation(
@@ -1209,7 +1209,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         "    key = (id(dist.group.WORLD), float(timeout))",
         "    key = (id(dist.group.WORLD), 0.0)",
-        ("tests/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",),
+        ("tests/distributed/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",),
         "a drop-in call waits for a rank that never calls at most its own timeout, not the first call's",
     ),
     Mutation(
@@ -1217,7 +1217,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plansql.py",
         '[("fname", "ascending"), ("frame", "ascending"), ',
         '[("fname", "ascending"), ',
-        ("tests/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
+        ("tests/merge/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
         "a small plan sorted in memory orders rows as the DuckDB sort does (frames ascending within a file)",
     ),
     Mutation(
@@ -1225,7 +1225,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/opening.py",
         "    return 1 if small else job.threads",
         "    return job.threads",
-        ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
+        ("tests/merge/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
         "a small merge between local storages writes its chunks and index without a thread pool",
     ),
     Mutation(
@@ -1233,7 +1233,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/flush.py",
         "buf[:size].data, fsync=self.fsync,",
         "buf[:size].data,",
-        ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
+        ("tests/write/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
         "a data chunk is fsynced before any journal entry names it, with several flush workers in flight",
     ),
     Mutation(
@@ -1241,7 +1241,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/flush.py",
         '            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)',
         "            pass",
-        ("tests/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
+        ("tests/write/test_nothing_lost_writer.py::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks",),
         "a journal entry is written only after the folder naming its chunks was fsynced",
     ),
     Mutation(
@@ -1249,7 +1249,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/outputchunk.py",
         "            if got == value and pos == b_off + b_nb:",
         "            if True:",
-        ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_spread_over_output_chunks_fails_the_merge",),
+        ("tests/merge/test_copy_checks.py::test_a_flipped_byte_in_a_block_spread_over_output_chunks_fails_the_merge",),
         "a block checked from its rows' CRC-32Cs (combined as they are copied) still catches a flipped byte",
     ),
     Mutation(
@@ -1257,7 +1257,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/outputchunk.py",
         "            if (s, block) not in self.checked:\n                job.verify_block_local(s, block, r, e)",
         "            if False:\n                job.verify_block_local(s, block, r, e)",
-        ("tests/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
+        ("tests/merge/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
         "a block whose rows are not all in the merge is read and checked once the copy is done",
     ),
     Mutation(
@@ -1265,7 +1265,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/flatten.py",
         "        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):",
         "        if set(map(type, value)) != {dict}:",
-        ("tests/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
+        ("tests/write/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),
     Mutation(
@@ -1274,7 +1274,7 @@ MUTATIONS: list[Mutation] = [
         "                for part in parts:\n                    _write_all(fd, part)\n                if written is not None:",
         "                if written is not None:\n                    written()\n                for part in parts:\n"
         "                    _write_all(fd, part)\n                if False:",
-        ("tests/test_flush_overlap.py::test_a_buffer_is_refilled_only_after_its_bytes_are_written",),
+        ("tests/write/test_flush_overlap.py::test_a_buffer_is_refilled_only_after_its_bytes_are_written",),
         "a flush worker gives a staging buffer back only once its bytes are written, never while write() could refill it",
     ),
     Mutation(
@@ -1282,7 +1282,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_write/flush.py",
         "            written=lambda: self._release(chunk),",
         "            written=None,",
-        ("tests/test_flush_overlap.py::test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync",),
+        ("tests/write/test_flush_overlap.py::test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync",),
         "write() refills staging buffers while the flush workers fsync earlier chunks",
     ),
     Mutation(
@@ -1290,7 +1290,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plan.py",
         '            new_file[0] = f[0] != c["file"][a - 1]',
         "            new_file[0] = True",
-        ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
+        ("tests/merge/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
         "a file whose rows go on from one block of the plan's rows to the next is one file (its offsets, its layouts)",
     ),
     Mutation(
@@ -1298,7 +1298,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plancolumns.py",
         "            total = int(cs[-1])",
         "            total = 0",
-        ("tests/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
+        ("tests/merge/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
         "a list's offsets run on across the blocks of its parent rows",
     ),
     Mutation(
@@ -1306,7 +1306,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plansql.py",
         '        new[1:] = np.unpackbits(bits, count=ne.offset + n - 1, bitorder="little")[ne.offset :]',
         "        new[1:] = ne.to_numpy(zero_copy_only=False)",
-        ("tests/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
+        ("tests/merge/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
         "a merge in a fresh process does not import pandas (a second spent on nothing the merge needs)",
     ),
     Mutation(
@@ -1314,7 +1314,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/rowvalue.py",
         '            if node.get("header", ("",))[0] in _SEQUENCES:',
         "            if False:",
-        ("tests/test_lists.py::test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same_path",),
+        ("tests/format/test_lists.py::test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same_path",),
         "a nested key of another frame's dict is no column of this frame's list of dicts at the same path",
     ),
     Mutation(
@@ -1322,7 +1322,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_dist/dropin.py",
         '            w.write(f"{name}-{i:010d}", 0, v)',
         "            w.write(f\"{name}-0\", i, v)",
-        ("tests/test_dropin.py::test_returns_what_torch_returns",),
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         "an element of a gathered list of dicts lacks no key another element has (one file each)",
     ),
 ]

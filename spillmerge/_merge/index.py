@@ -6,7 +6,7 @@ out, so each part writes its share and the finalize only the documents and the m
 Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
 (``_format.zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
 edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
-bytes zarr writes for the same elements (tests/test_scaleout.py compares every chunk).
+bytes zarr writes for the same elements (tests/merge/test_scaleout.py compares every chunk).
 
 Shares: the chunks in a fixed order (array, then chunk), dealt round-robin (chunk ``u`` to part
 ``u mod n``), so every part's share is spread over every array and every process computes the

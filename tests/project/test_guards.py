@@ -4,7 +4,7 @@ to a copy of the repository and runs the tests named for each; every mutation mu
 
 Checked here, in one process: the CRC check of the stripe copy on the codec path, the index /
 catalog checksums against the commit record and their own chunk checksums (not recomputed, unlike
-tests/test_hostile.py), the journal's sequence check, ``Storage.path`` refusing ``..``,
+tests/spill/test_hostile.py), the journal's sequence check, ``Storage.path`` refusing ``..``,
 ``Storage.get(max_bytes=)``, the receiver's manifest checks (``_transfer._receive``, fed by a
 scripted link: no network), the storage failure record on the run-id path, the merge's memory
 budget and the writer's backpressure (both observed through a gated fsspec filesystem), and what

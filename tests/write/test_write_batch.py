@@ -407,7 +407,7 @@ def test_a_flat_batch_of_a_known_structure_with_a_short_leaf_names_it_and_writes
 
 def test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone():
     """``_batch.cuda_to_host``'s walk, on host tensors standing for CUDA ones (the copy itself
-    runs in tests/test_gpu.py): above the items a mapping becomes a dict; inside an item dicts,
+    runs in tests/e2e/test_gpu.py): above the items a mapping becomes a dict; inside an item dicts,
     lists and tuples keep their type; a dataclass, a namedtuple or a dict subclass inside an
     item, or a mapping with keys other than str, leaves the batch to the item-by-item path."""
     import collections

@@ -26,7 +26,7 @@ import torch
 
 import spillmerge
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _venv() -> Path:

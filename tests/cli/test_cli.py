@@ -175,7 +175,7 @@ def test_config_file_and_flag_override(tmp_path, run):
 
 
 def test_demo_runs_end_to_end_with_config(tmp_path, run):
-    cfg = Path(__file__).parent.parent / "configs" / "demo.toml"
+    cfg = Path(__file__).parents[2] / "configs" / "demo.toml"
     p = run("demo", "--config", str(cfg), "--ranks", "2", "--files", "3", "--frames-per-file", "6",
             "--out", str(tmp_path / "d"))  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -189,7 +189,7 @@ def test_config_is_valid_for_both_commands():
 
     from spillmerge.cli import _DEMO_KEYS, _MERGE_KEYS
 
-    data = tomllib.loads((Path(__file__).parent.parent / "configs" / "demo.toml").read_text())
+    data = tomllib.loads((Path(__file__).parents[2] / "configs" / "demo.toml").read_text())
     assert set(data["demo"]) <= set(_DEMO_KEYS) and set(data["merge"]) <= set(_MERGE_KEYS)
 
 

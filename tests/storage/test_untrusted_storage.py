@@ -159,7 +159,7 @@ def _withholds_at_most(got: dict[str, Any], want: dict[str, Any], *, salvaged: b
 
 
 def _data(store: Any) -> dict[str, Any]:
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))
     from _untrusted_workers import _data as data
 
     return data(store)

@@ -17,7 +17,7 @@ import pytest
 import spillmerge
 from spillmerge import cli
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 
 
 def _env(rank: int, world: int) -> dict[str, str]:

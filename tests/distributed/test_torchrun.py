@@ -69,7 +69,7 @@ def test_torchrun_example_merges_every_frame(tmp_path):
 def test_torchrun_hostile_names_match_gather_object_and_plain_zarr(tmp_path):
     """The multi-rank main scenario under the real launcher: every hostile filename and dtype,
     bit-exact against gather_object of the same run, and readable without spillmerge."""
-    _torchrun(str(Path(__file__).parent / "_torchrun_scenario.py"), str(tmp_path), cwd=tmp_path)
+    _torchrun(str(Path(__file__).parents[1] / "_torchrun_scenario.py"), str(tmp_path), cwd=tmp_path)
     r0 = json.loads((tmp_path / "torchrun-rank-0.json").read_text())
     assert r0["problems"] == [], "\n".join(r0["problems"])
     keys = all_keys()

@@ -18,7 +18,7 @@ from spillmerge import cli
 from spillmerge._util.units import size_text
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 
 def _spill(root: Path, files: int = 3) -> None:

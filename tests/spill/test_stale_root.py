@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
+from test_cli import assert_one_line_error
+from test_cli import cli_run as run
 
 import spillmerge
 from tests._failure_workers import stale_root_rank
 from tests._procs import spawn_ranks
-from tests.test_cli import assert_one_line_error
-from tests.test_cli import cli_run as run
 
 
 def _one_rank_run(root) -> None:

@@ -81,7 +81,7 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(t
     # Killed in the middle of the plan (while it compares two copies' bytes): its folder stays...
     script = textwrap.dedent(f"""
         import os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
         import test_plan_sql as t
         from spillmerge._merge import plan as _plan
         from spillmerge._merge import plansql as _plansql

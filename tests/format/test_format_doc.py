@@ -28,7 +28,7 @@ from spillmerge._merge import lease as _lease
 from spillmerge._storage import Storage
 from spillmerge._util.progress import PROGRESS_NAME
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md"
 
 # Inline code that shows what a *value* becomes, not a record spillmerge writes.
 NOT_RECORDS = {'[{"a": 1}, {"a": 2}]', '{"a": [1, 2]}'}

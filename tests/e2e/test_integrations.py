@@ -321,8 +321,8 @@ def test_lightning_ddp_spawn_report_reaches_the_launching_process(tmp_path):
     callback, default key mapping included, pickles into the ranks)."""
     pytest.importorskip("lightning")
 
-    script = Path(__file__).with_name("_ddp_spawn_scenario.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    script = Path(__file__).parents[1] / "_ddp_spawn_scenario.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     p = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "spill"), str(tmp_path / "out.zarr")],
         capture_output=True, text=True, timeout=300, env=env,

@@ -187,7 +187,7 @@ STORED = ["plan.json", "names", "c0.src"]
 
 
 def test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_followed(tmp_path):
-    """Every attack of tests/test_untrusted_storage.py (a FIFO, a folder, a link out of the output,
+    """Every attack of tests/storage/test_untrusted_storage.py (a FIFO, a folder, a link out of the output,
     a link to /dev/zero, a truncated file, a file 4 GiB longer, junk) on each kind of stored plan
     file, between part 0 and part 1 of 2: part 1 and the finalize (in a child under a time limit,
     an address-space cap and an audit of every open) end within seconds, follow no link, open no

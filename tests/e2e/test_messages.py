@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_cli import assert_one_line_error
+from test_cli import cli_run as run
 
 import spillmerge
-from tests.test_cli import assert_one_line_error
-from tests.test_cli import cli_run as run
 
 _NUMPY_REPR = re.compile(r"\bnp\.[a-z]+\d*\(|array\(\[|dtype\('")
 
@@ -123,8 +123,8 @@ _FORMAT1_WORDS = ("one array per filename", "one array per file ")
 
 
 def test_every_help_describes_format_2():
-    docs = (Path(__file__).parents[1] / "README.md").read_text() + (
-        Path(__file__).parents[1] / "docs" / "FORMAT.md"
+    docs = (Path(__file__).parents[2] / "README.md").read_text() + (
+        Path(__file__).parents[2] / "docs" / "FORMAT.md"
     ).read_text()
     assert "one array per leaf column across every" in docs  # the docs' wording the help follows
     for cmd in ([], ["merge"], ["inspect"], ["verify"], ["demo"]):

@@ -17,7 +17,7 @@ import torch
 import spillmerge
 from spillmerge._merge import job as _merge
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 EXE = os.path.join(os.path.dirname(sys.executable), "spillmerge")
 ENV = {**os.environ, "PYTHONPATH": str(HERE.parent)}
 
