@@ -40,15 +40,15 @@ def scenario_store_only(rank: int, world: int, base: str) -> dict[str, Any]:
 
 def scenario_storage_only(rank: int, world: int, base: str) -> dict[str, Any]:
     """A shared root, and rank 1 publishes no failure key: only its failure record tells."""
-    from spillmerge._write import writer as _writer
+    from spillmerge._write import segment as _segment
 
-    publish = _writer.publish_failure
+    publish = _segment.publish_failure
     if rank == 1:
-        _writer.publish_failure = lambda *args, **kwargs: None  # type: ignore[assignment]
+        _segment.publish_failure = lambda *args, **kwargs: None  # type: ignore[assignment]
     try:
         return _fail_or_merge(rank, f"{base}/storage_only/spill", f"{base}/storage_only/out", "storage-only")
     finally:
-        _writer.publish_failure = publish  # type: ignore[assignment]
+        _segment.publish_failure = publish  # type: ignore[assignment]
 
 
 SCENARIOS = {"store_only": scenario_store_only, "storage_only": scenario_storage_only}
