@@ -331,7 +331,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-filename-limit",
-        "spillmerge/_write/flatten.py",
+        "spillmerge/_write/leaves.py",
         "    if n > FILENAME_MAX_BYTES:",
         "    if False:",
         (f"{H}::test_writer_refuses_what_readers_refuse",),
@@ -339,7 +339,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-empty-shape",
-        "spillmerge/_write/flatten.py",
+        "spillmerge/_write/leaves.py",
         "    if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:",
         "    if False:",
         (f"{H}::test_writer_refuses_what_readers_refuse",),
@@ -1262,7 +1262,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "records-same-key-order",
-        "spillmerge/_write/flatten.py",
+        "spillmerge/_write/leaves.py",
         "        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):",
         "        if set(map(type, value)) != {dict}:",
         ("tests/write/test_value_model.py::test_python_payload_shapes_come_back_exactly",),

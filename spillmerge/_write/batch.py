@@ -26,7 +26,7 @@ import torch
 
 from .._errors import SpillValueError
 from .._format.common import FILENAME_MAX_BYTES
-from .flatten import check_filename, check_frame_idx
+from .leaves import check_filename, check_frame_idx
 
 
 def mapping_items(mapping: Any) -> Iterator[tuple[Any, Any, Any]]:

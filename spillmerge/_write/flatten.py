@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
-import numbers
-import operator
 import pickle
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,41 +27,23 @@ import torch
 from .._errors import SpillValueError
 from .._format.common import (
     DTYPES,
-    FILENAME_MAX_BYTES,
     MARK,
     MAX_NDIM,
-    STRING_MAX_BYTES,
     is_marker,
-    path_text,
     shape_problem,
     user_key,
 )
 from .._format.keyorder import positions
-
-_MAX_DEPTH = 32
-
-
-@dataclass(frozen=True, slots=True)
-class Leaf:
-    """One array-like leaf of a frame value, ready to be copied into a staging buffer."""
-
-    path: tuple[str, ...]
-    """Dict keys from the value's root to this leaf."""
-    dtype: str
-    """Dtype name from the format's dtype table."""
-    shape: tuple[int, ...]
-    """Shape of the leaf."""
-    nbytes: int
-    """Number of bytes of the leaf."""
-    data: Any
-    """A flat uint8 view: ``np.ndarray`` on the host or a contiguous ``torch.Tensor`` on any device."""
-    pos: tuple[int, ...] | None = None
-    """Per path segment, the key's position in the user's dict; None when every dict along the
-    path had its keys in sorted order (``_format.keyorder``)."""
-
+from .leaves import (
+    MAX_DEPTH,
+    Leaf,
+    check_leaf_limits,
+    leaf_name,
+    plain_leaf,
+    records,
+)
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
-_UINT32_MAX = (1 << 32) - 1
 
 
 # torch dtype -> format name, for the dtypes this torch has (write() is per frame: one dict lookup).
@@ -74,87 +52,6 @@ _TORCH_NAMES: dict[torch.dtype, str] = {dt: n for n in DTYPES if isinstance(dt :
 
 def _torch_dtype_name(dt: torch.dtype) -> str | None:
     return _TORCH_NAMES.get(dt)
-
-
-def check_filename(filename: object) -> str:
-    if not isinstance(filename, str):
-        raise SpillValueError(f"filename must be a str, got {type(filename).__name__} {filename!r:.80}", filename=None)
-    try:
-        n = len(filename.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise SpillValueError(
-            f"filename {filename!r:.200} is not valid Unicode (lone surrogate); it cannot be stored",
-            filename=filename,
-        ) from None
-    if n > FILENAME_MAX_BYTES:
-        # The reader refuses an output whose filename index holds more (docs/FORMAT.md, *Size limits*): a
-        # merge of it would succeed and leave an output nobody can open.
-        raise SpillValueError(
-            f"filename {filename!r:.200}... is {n} bytes of UTF-8, more than the {FILENAME_MAX_BYTES} a filename "
-            "may have (docs/FORMAT.md, Size limits)",
-            filename=filename,
-        )
-    return filename
-
-
-def check_leaf_limits(leaf: Leaf, filename: str) -> None:
-    """The format's bounds on one leaf, which every reader enforces (docs/FORMAT.md, *Size limits*): a
-    ``str`` / ``strlist`` of at most ``STRING_MAX_BYTES``, a shape within ``shape_problem``'s
-    bounds (``[2**27, 0]`` is refused: an empty value with 2**27 entries before its zero).
-    Cheap: only empty and string leaves need a look."""
-    if leaf.dtype in ("str", "strlist") and leaf.nbytes > STRING_MAX_BYTES:
-        raise SpillValueError(
-            f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200}: a string of {leaf.nbytes} bytes, more than the "
-            f"{STRING_MAX_BYTES} the format allows (store it as bytes)",
-            filename=filename,
-            leaf=_leaf_name(leaf.path),
-        )
-    if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:
-        bad = shape_problem(leaf.shape)
-        if bad is not None:
-            raise SpillValueError(
-                f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200}: {bad}",
-                filename=filename,
-                leaf=_leaf_name(leaf.path),
-            )
-
-
-def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
-    """Accept non-negative Python/numpy ints and 0-d integer tensors; refuse anything else."""
-    value: object = frame_idx
-    if isinstance(frame_idx, torch.Tensor):
-        if (
-            frame_idx.ndim != 0
-            or frame_idx.dtype.is_floating_point
-            or frame_idx.dtype
-            in (
-                torch.bool,
-                torch.complex64,
-                torch.complex128,
-            )
-        ):
-            raise SpillValueError(
-                f"frame_idx must be a non-negative integer; got a tensor of shape "
-                f"{tuple(frame_idx.shape)} and dtype {frame_idx.dtype} (filename {filename!r:.200})",
-                filename=filename,
-            )
-        value = int(frame_idx.item())
-    elif isinstance(frame_idx, (bool, np.bool_)) or not isinstance(frame_idx, numbers.Integral):
-        raise SpillValueError(
-            f"frame_idx must be a non-negative integer, got {type(frame_idx).__name__} "
-            f"{frame_idx!r:.80} (filename {filename!r:.200})",
-            filename=filename,
-        )
-    out = int(value)  # type: ignore[call-overload]
-    if not 0 <= out < (1 << 63):
-        raise SpillValueError(
-            f"frame_idx must be in [0, 2**63), got {out} (filename {filename!r:.200})", filename=filename
-        )
-    return out
-
-
-def _leaf_name(path: tuple[str, ...]) -> str:
-    return path_text(path)
 
 
 _PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
@@ -185,11 +82,11 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
             return _pickled(arr, path, filename)
         hint = "; for text pass a list of str (arr.tolist())" if arr.dtype.kind in "USO" else ""
         raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: numpy dtype {arr.dtype} cannot be stored "
+            f"leaf {leaf_name(path)!r} of {filename!r:.200}: numpy dtype {arr.dtype} cannot be stored "
             f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
             "allow_pickle=True)",
             filename=filename,
-            leaf=_leaf_name(path),
+            leaf=leaf_name(path),
         )
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -199,7 +96,7 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
 
 
 def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
-    lname = _leaf_name(path)
+    lname = leaf_name(path)
     if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
         raise SpillValueError(
             f"leaf {lname!r} of {filename!r:.200}: only dense (strided) tensors can be stored, "
@@ -317,9 +214,9 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
         check_leaf_limits(leaf, filename)
         if len(leaf.shape) > MAX_NDIM:
             raise SpillValueError(
-                f"leaf {_leaf_name(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
+                f"leaf {leaf_name(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
                 filename=filename,
-                leaf=_leaf_name(leaf.path),
+                leaf=leaf_name(leaf.path),
             )
     if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
         where = orders.positions()
@@ -342,11 +239,11 @@ def _walk(
     active: set[int],
     orders: _Orders,
 ) -> None:
-    if depth > _MAX_DEPTH:
+    if depth > MAX_DEPTH:
         raise SpillValueError(
-            f"value for {filename!r:.200} is nested deeper than {_MAX_DEPTH} at {_leaf_name(path)!r}",
+            f"value for {filename!r:.200} is nested deeper than {MAX_DEPTH} at {leaf_name(path)!r}",
             filename=filename,
-            leaf=_leaf_name(path),
+            leaf=leaf_name(path),
         )
     # Plain Python values by their exact type first (one dict lookup, not a chain of isinstance
     # calls: a value of tiny objects is mostly these); subclasses take the general chain below.
@@ -357,7 +254,7 @@ def _walk(
             return
         if kind == "container":
             if type(value) is list:  # a list of numbers or str: its one leaf, without the walk
-                leaf = _plain_leaf(value, path, filename)  # type: ignore[arg-type]
+                leaf = plain_leaf(value, path, filename)  # type: ignore[arg-type]
                 if leaf is not None:
                     out.append(leaf)
                     return
@@ -391,9 +288,9 @@ def _walk(
                 out.append(_pickled(value, path, filename))
                 return
             raise SpillValueError(
-                f"leaf {_leaf_name(path)!r} of {filename!r:.200}: {value} does not fit int64",
+                f"leaf {leaf_name(path)!r} of {filename!r:.200}: {value} does not fit int64",
                 filename=filename,
-                leaf=_leaf_name(path),
+                leaf=leaf_name(path),
             )
         out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
@@ -406,11 +303,11 @@ def _walk(
         out.append(_pickled(value, path, filename))
     else:
         raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
+            f"leaf {leaf_name(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
             "without pickle (use a tensor, numpy array, Python scalar, str, bytes, list of numbers or str, "
             "None, or a dict, TensorDict or dataclass of those; or open the writer with allow_pickle=True)",
             filename=filename,
-            leaf=_leaf_name(path),
+            leaf=leaf_name(path),
         )
 
 
@@ -421,9 +318,9 @@ def _guarded(
     """``_container`` of a value not already being walked (a value that contains itself is refused)."""
     if id(value) in active:
         raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
+            f"leaf {leaf_name(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
             filename=filename,
-            leaf=_leaf_name(path),
+            leaf=leaf_name(path),
         )
     active.add(id(value))
     try:
@@ -469,9 +366,9 @@ def _container(
         for k in keys:
             if not isinstance(k, str):
                 raise SpillValueError(
-                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {_leaf_name(path)!r}",
+                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {leaf_name(path)!r}",
                     filename=filename,
-                    leaf=_leaf_name(path),
+                    leaf=leaf_name(path),
                 )
         ordered = sorted(keys)
         orders.note(path, keys, ordered)
@@ -499,10 +396,10 @@ def _utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], 
         raw = text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: the str is not valid Unicode (lone surrogate "
+            f"leaf {leaf_name(path)!r} of {filename!r:.200}: the str is not valid Unicode (lone surrogate "
             f"at character {exc.start}); it cannot be stored as UTF-8 text (pass bytes instead)",
             filename=filename,
-            leaf=_leaf_name(path),
+            leaf=leaf_name(path),
         ) from None
     data = np.frombuffer(raw, dtype=np.uint8)
     return (data.size,), data.size, data
@@ -564,10 +461,10 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
         raw = _dumps(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's problem
         raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
+            f"leaf {leaf_name(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
             f"{type(exc).__name__}: {exc}",
             filename=filename,
-            leaf=_leaf_name(path),
+            leaf=leaf_name(path),
         ) from exc
     data = np.frombuffer(raw, dtype=np.uint8)
     return Leaf(path, "pickle", (data.size,), data.size, data)
@@ -593,21 +490,21 @@ def _from_plain_list(
     value: list[Any], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool,
     active: set[int], orders: _Orders,
 ) -> None:  # fmt: skip
-    leaf = _plain_leaf(value, path, filename)
+    leaf = plain_leaf(value, path, filename)
     if leaf is not None:
         out.append(leaf)
         return
-    columns = _records(value)
+    columns = records(value)
     if columns is not None:
         # COCO-style detection lists: one column per key, each stored as the list it makes.
         keys = list(columns)
         out.append(_header(path, "pyrecords", len(value)))
         ordered = sorted(keys)
-        orders.note(path, keys, ordered)  # every dict of the list has this order (checked in _records)
+        orders.note(path, keys, ordered)  # every dict of the list has this order (checked in records)
         for k in ordered:
             column, kpath = columns[k], (*path, user_key(k))
             # a column of numbers or str is one leaf: made here, without the walk's dispatch
-            leaf = _plain_leaf(column, kpath, filename) if depth < _MAX_DEPTH else None
+            leaf = plain_leaf(column, kpath, filename) if depth < MAX_DEPTH else None
             if leaf is not None:
                 out.append(leaf)
             else:
@@ -616,137 +513,3 @@ def _from_plain_list(
     out.append(_header(path, "pylist", len(value)))
     for i, item in enumerate(value):
         _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
-
-
-def _plain_leaf(value: list[Any], path: tuple[str, ...], filename: str) -> Leaf | None:
-    """The one leaf of a list of ``str`` (``strlist``) or of Python numbers (``_pynumeric``);
-    None for any other list. Such a list cannot contain itself: no cycle check is needed."""
-    if value and type(value[0]) is str and all(type(s) is str for s in value):
-        return _strlist(value, path, filename)
-    arr = _pynumeric(value)
-    if arr is None:
-        return None
-    name, a = arr
-    return Leaf(path, name, tuple(int(d) for d in a.shape), a.nbytes, a.reshape(-1).view(np.uint8))
-
-
-def _records(value: list[Any]) -> dict[str, list[Any]] | None:
-    """The columns of a non-empty list of mappings with the same str keys in the same order (key
-    -> the list of its values, in the dicts' key order); None for any other list. Plain dicts
-    are checked and split by C-level passes (``map``, ``itemgetter``), not one Python step per
-    dict: a COCO result list holds hundreds of thousands."""
-    first = value[0] if value else None
-    if type(first) is dict:
-        keys = tuple(first)
-        if not keys or not all(type(k) is str for k in keys):
-            return None
-        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):
-            return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
-        if len(keys) == 1:
-            return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
-        return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
-    return _mapping_records(value) if isinstance(first, Mapping) else None
-
-
-def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
-    """``_records`` of a list whose items are mappings of any type (TensorDict ...), item by item."""
-    first = value[0]
-    if not isinstance(first, Mapping):
-        return None
-    keys = list(first.keys())
-    if (
-        keys
-        and all(type(k) is str for k in keys)
-        and all(isinstance(d, Mapping) and list(d.keys()) == keys for d in value)
-    ):
-        return {k: [d[k] for d in value] for k in keys}
-    return None
-
-
-_PY_NUM = {bool: "pybool", int: "pyint", float: "pyfloat"}
-
-
-def _pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None:
-    """A list of Python numbers of one exact type (``bool``, ``int`` or ``float``), or a
-    rectangular list of such lists, as its ``py*`` dtype name and array; None for anything else
-    (mixed types would not come back as they went in: ``[1, 2.5]`` read as floats)."""
-    if not value:
-        return "pyfloat", np.zeros(0, dtype=np.float64)
-    if type(value[0]) is list:
-        if depth >= _MAX_DEPTH:  # too deep (or a cycle): the item walk names it
-            return None
-        flat = _flat_rows(value)
-        if flat is not None:
-            return flat
-        rows = []
-        for item in value:
-            if type(item) is not list:
-                return None
-            row = _pynumeric(item, depth + 1)
-            if row is None:
-                return None
-            rows.append(row)
-        names = {n for n, a in rows if a.size}
-        shapes = {a.shape for _, a in rows}
-        if len(names) > 1 or len(shapes) != 1:
-            return None
-        kind = names.pop() if names else "pyfloat"
-        return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
-    t = type(value[0])
-    name = _PY_NUM.get(t)
-    if name is None or (len(value) > 1 and set(map(type, value)) != {t}):  # the types, in C
-        return None
-    try:
-        return name, np.array(value, dtype=DTYPES[name].storage)
-    except OverflowError:  # an int beyond int64: the items are stored one by one (or refused there)
-        return None
-
-
-def _flat_rows(value: list[Any]) -> tuple[str, np.ndarray] | None:
-    """``_pynumeric`` of a list of equally long non-empty lists of one Python number type
-    (COCO boxes: a list of ``[4 floats]``) in a few C-level passes instead of one array per
-    row; None for anything else (the row-by-row way decides)."""
-    if set(map(type, value)) != {list}:
-        return None
-    lengths = set(map(len, value))
-    if len(lengths) != 1 or 0 in lengths:
-        return None
-    kinds = set(map(type, itertools.chain.from_iterable(value)))
-    if len(kinds) != 1:
-        return None
-    name = _PY_NUM.get(kinds.pop())
-    if name is None:
-        return None
-    try:
-        return name, np.array(value, dtype=DTYPES[name].storage)
-    except OverflowError:  # an int beyond int64
-        return None
-
-
-def _strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str) -> Leaf:
-    """``n`` uint32 LE byte lengths, then the UTF-8 bytes of each string (docs/FORMAT.md)."""
-    enc = []
-    for i, s in enumerate(value):
-        try:
-            enc.append(s.encode("utf-8"))
-        except UnicodeEncodeError as exc:
-            raise SpillValueError(
-                f"leaf {_leaf_name(path)!r} of {filename!r:.200}: string {i} is not valid Unicode (lone "
-                f"surrogate at character {exc.start}); it cannot be stored as UTF-8 text",
-                filename=filename,
-                leaf=_leaf_name(path),
-            ) from None
-    n = len(enc)
-    lens = np.fromiter(map(len, enc), dtype=np.int64, count=n)
-    if n and int(lens.max()) > _UINT32_MAX:
-        raise SpillValueError(
-            f"leaf {_leaf_name(path)!r} of {filename!r:.200}: a string of a list is 4 GiB or longer (store it "
-            "as a str leaf of its own)",
-            filename=filename,
-            leaf=_leaf_name(path),
-        )
-    body = b"".join(enc)
-    data = np.empty(4 * n + len(body), dtype=np.uint8)
-    data[: 4 * n] = lens.astype("<u4").view(np.uint8)
-    data[4 * n :] = np.frombuffer(body, dtype=np.uint8)
-    return Leaf(path, "strlist", (n, data.size), data.size, data)

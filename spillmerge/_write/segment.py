@@ -24,8 +24,8 @@ from .._format.zarr import array_meta, array_objects
 from .._spill.barrier import check_not_stale
 from .._spill.root import load_committed_keys
 from .._storage import Storage
-from .flatten import check_filename, check_frame_idx
 from .layouts import FileSchemas
+from .leaves import check_filename, check_frame_idx
 from .lifecycle import WriterState
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate

@@ -29,7 +29,8 @@ from .._format import spill as FS
 from .._format.common import user_key
 from .._storage import Storage
 from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, flat_rows, mapping_items, split_batch
-from .flatten import Leaf, check_filename, check_frame_idx, flatten, flatten_dense
+from .flatten import flatten, flatten_dense
+from .leaves import Leaf, check_filename, check_frame_idx
 from .lifecycle import MergeSteps, WriterState
 from .segment import SegmentSteps
 from .staging import Staging

@@ -21,7 +21,8 @@ from spillmerge._format import common as F
 from spillmerge._format import spill as FS
 from spillmerge._spill import root as R
 from spillmerge._storage import Storage
-from spillmerge._write.flatten import Leaf, flatten
+from spillmerge._write.flatten import flatten
+from spillmerge._write.leaves import Leaf
 
 
 def leaves(value: Any, **kw: Any) -> dict[tuple[str, ...], Leaf]:
