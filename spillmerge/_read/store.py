@@ -1,10 +1,5 @@
-"""Reading a merged output: ``spillmerge.open(out)``.
-
-An output of this spillmerge's format version (docs/FORMAT.md section 2) is read here; leaf views
-are in ``_read.views``, the index invariants in ``_format.indexinvariants``, the zarr store every array is
-read through in ``_read.outputstore``. An output of any other version is refused at open
-(``_format.common.version_error``).
-"""
+"""Reading a merged output of this spillmerge's format version (docs/FORMAT.md section 2):
+``spillmerge.open(out)``; any other version is refused at open (``_format.common.version_error``)."""
 
 from __future__ import annotations
 
@@ -374,7 +369,7 @@ class OutputFiles:
 
     @property
     def list_offsets(self) -> dict[tuple[str, ...], np.ndarray]:
-        """Format 4: each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
+        """Each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
         return self._list_offs
 
     @property
