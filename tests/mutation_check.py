@@ -65,7 +65,7 @@ MUTATIONS: list[Mutation] = [
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_merge/outputchunk.py",
-        "            elif google_crc32c.value(row) != crc:\n                self._mismatch(r, e)",
+        "            elif _crc.value(row) != crc:\n                self._mismatch(r, e)",
         "            elif False:\n                self._mismatch(r, e)",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
         "a corrupt frame never reaches the output (local spill root, compressed or not)",
@@ -73,7 +73,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-block-crc-local",
         "spillmerge/_merge/outputchunk.py",
-        "        return len(block) == b_nb and google_crc32c.value(block) == value",
+        "        return len(block) == b_nb and _crc.value(block) == value",
         "        return len(block) == b_nb",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec", "tests/write/test_write_batch.py"),
         "a corrupt block of write_batch / write rows never reaches the output (local spill root)",
@@ -81,7 +81,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-crc-local-batch",
         "spillmerge/_merge/outputchunk.py",
-        "                if google_crc32c.value(rows[i]) != int(crc[g[i]]):\n                    return None",
+        "                if _crc.value(rows[i]) != int(crc[g[i]]):\n                    return None",
         "                if False:\n                    return None",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
         "a corrupt frame never reaches the output through the batched copy of a local spill root",
@@ -138,7 +138,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "catalog-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
-        "    if google_crc32c.value(raw_cat) != commit.catalog_crc32c:",
+        "    if _crc.value(raw_cat) != commit.catalog_crc32c:",
         "    if False:",
         (f"{G}::test_a_catalog_that_does_not_match_the_commit_record_is_refused",),
         "the catalog merged is the one the rank committed",
@@ -163,7 +163,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-crc-object-store",
         "spillmerge/_merge/outputchunk.py",
-        "            elif google_crc32c.value(v) != crc:",
+        "            elif _crc.value(v) != crc:",
         "            elif False:",
         (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
         "a corrupt frame read by range GETs never reaches the output",
@@ -171,7 +171,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "index-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
-        "    if google_crc32c.value(raw_idx) != commit.index_crc32c:",
+        "    if _crc.value(raw_idx) != commit.index_crc32c:",
         "    if False:",
         (f"{G}::test_an_index_that_does_not_match_the_commit_record_is_refused",),
         "the index merged is the one the rank committed",
@@ -179,7 +179,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "small-array-chunk-crc",
         "spillmerge/_spill/root.py",
-        "    if google_crc32c.value(raw) != stored:",
+        "    if _crc.value(raw) != stored:",
         "    if False:",
         (f"{G}::test_a_torn_index_or_catalog_chunk_is_named_as_such",),
         "a torn index or catalog chunk is named as such",
@@ -647,7 +647,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-checksums-match-the-commit-record",
         "spillmerge/_spill/root.py",
-        "        if len(raw_chk) != want or google_crc32c.value(raw_chk) != commit.checks_crc32c:",
+        "        if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:",
         "        if len(raw_chk) != want:",
         (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
         "data damaged together with its block checksum is caught by the commit record's checksum of the checks",
@@ -663,7 +663,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-crc-object-store",
         "spillmerge/_spill/root.py",
-        "    if google_crc32c.value(buf) != value:\n        raise block_mismatch(storage, seg, crc)",
+        "    if _crc.value(buf) != value:\n        raise block_mismatch(storage, seg, crc)",
         "    if False:\n        raise block_mismatch(storage, seg, crc)",
         (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
         "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",

@@ -36,7 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
 
@@ -48,6 +47,7 @@ from .._errors import (
     SpillMergeError,
     SpillValueError,
 )
+from .._format import crc as _crc
 from .._format import spill as FS
 from .._merge.report import MergeReport
 from .._spill.barrier import WaitNotices, assess, raise_for_state
@@ -426,7 +426,7 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
         for start in range(0, size, link.piece):
             n = min(link.piece, size - start)
             storage.read_into([(rel, start, start + n)], host.data[:n])
-            crc = google_crc32c.extend(crc, host[:n])
+            crc = _crc.extend(crc, host[:n])
             link.send_bytes_piece(n, dst, me, f"{storage.describe(rel)}")
         link.send_ints([crc], dst, me, f"the checksum of {rel}")
         status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
@@ -503,7 +503,7 @@ def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: st
                     writes[slot].result()  # type: ignore[union-attr] # the slot is free again
                 n = min(link.piece, size - start)
                 piece = link.recv_bytes_piece(n, sender, me, f"{rel} (bytes {start}-{start + n})", slot)
-                crc = google_crc32c.extend(crc, piece)
+                crc = _crc.extend(crc, piece)
                 writes[slot] = pool.submit(sink.write, piece)
         finally:
             for fut in writes:  # surface a write error; never leave a write running on a slot

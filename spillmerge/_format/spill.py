@@ -380,7 +380,7 @@ def encode_journal(
     chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray,
     check_base: int = 0, checks: np.ndarray | None = None,
 ) -> bytes:  # fmt: skip
-    import google_crc32c
+    from . import crc as _crc
 
     head: dict[str, Any] = {
         "chunk": chunk,
@@ -395,7 +395,7 @@ def encode_journal(
         head["checks"] = checks.tolist()
     header = dumps(head)
     body = JOURNAL_MAGIC + len(header).to_bytes(4, "little") + header + rows.astype("<i8").tobytes()
-    return body + google_crc32c.value(body).to_bytes(4, "little")
+    return body + _crc.value(body).to_bytes(4, "little")
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,11 +422,11 @@ class JournalEntry:
 
 
 def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
-    import google_crc32c
+    from . import crc as _crc
 
     if len(blob) < 12 or blob[:4] != JOURNAL_MAGIC:
         raise CorruptSpillError(f"{path}: not a journal entry", path=path)
-    if google_crc32c.value(blob[:-4]) != int.from_bytes(blob[-4:], "little"):
+    if _crc.value(blob[:-4]) != int.from_bytes(blob[-4:], "little"):
         raise CorruptSpillError(f"{path}: journal checksum mismatch (torn or corrupt)", path=path)
     hlen = int.from_bytes(blob[4:8], "little")
     if 8 + hlen > len(blob) - 4:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from . import common as F
+from . import crc as _crc
 
 
 def array_meta(
@@ -44,6 +44,6 @@ def array_objects(rel: str, raw: bytes, shape: tuple[int, ...], dtype: str) -> d
     chunks = tuple(max(d, 1) for d in shape)
     out = {f"{rel}/zarr.json": F.dumps(array_meta(shape, chunks, dtype, crc=True))}
     if all(d > 0 for d in shape):
-        crc = np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()
+        crc = np.uint32(_crc.value(raw)).astype("<u4").tobytes()
         out[f"{rel}/c/" + "/".join("0" * len(shape))] = raw + crc
     return out

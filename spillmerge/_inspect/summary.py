@@ -8,11 +8,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from .._errors import SpillMergeError
 from .._format import common as F
+from .._format import crc as _crc
 from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._format import lists as L
@@ -346,7 +346,7 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
                     rep.problems.append(str(exc))
                     bad_chunks.add(c)
                     continue
-                if google_crc32c.value(buf) != crc:
+                if _crc.value(buf) != crc:
                     rep.problems.append(
                         f"{storage.describe(rel)}: checksum mismatch in a block of rows "
                         f"(bytes {off}..{off + nb} of rank {rank}'s data)"
@@ -379,7 +379,7 @@ def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, li
                     rep.problems.append(str(exc))
                     bad_chunks.update(range(first, last + 1))
                     continue
-                if google_crc32c.value(buf) != crc:
+                if _crc.value(buf) != crc:
                     chunks = ", ".join(storage.describe(p[0]) for p in pieces)
                     rep.problems.append(
                         f"{chunks}: checksum mismatch in {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} "

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
+from .._format import crc as _crc
 from .._storage import Storage
 from . import documents as Z
 from .plan import Plan
@@ -60,7 +60,7 @@ class IndexChunk:
         out = np.zeros(self.shape, dtype=dt)
         out[: self.hi - self.lo] = block
         raw = out.reshape(-1).view(np.uint8)
-        return [raw, np.frombuffer(np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes(), np.uint8)]
+        return [raw, np.frombuffer(np.uint32(_crc.value(raw)).astype("<u4").tobytes(), np.uint8)]
 
 
 def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]]:

@@ -11,16 +11,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from .._errors import CorruptSpillError
 from .._format import codecs as _codecs
 from .._format import common as F
+from .._format import crc as _crc
 from .._format import spill as FS
 from .._spill.root import check_of, data_ranges, verify_block
 from .._storage import Storage
-from .._util import crc as _crc
 from .plan import Plan, PlannedColumn
 
 
@@ -81,7 +80,7 @@ def _zeros(n: int) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _zeros_crc(n: int) -> int:
     """The CRC-32C of ``n`` zero bytes (the padding between and after rows: a few sizes)."""
-    return int(google_crc32c.value(_zeros(n)))
+    return int(_crc.value(_zeros(n)))
 
 
 class OutputChunk:
@@ -117,7 +116,7 @@ class OutputChunk:
             out_crc = self.crc
         else:
             for part in buffers:
-                out_crc = google_crc32c.extend(out_crc, part)
+                out_crc = _crc.extend(out_crc, part)
         output.makedirs(self.key.rsplit("/", 1)[0])
         output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
 
@@ -172,7 +171,7 @@ class OutputChunk:
                     except CorruptSpillError:
                         self._mismatch(r, e_, crc)
                     self.checked.add((s, crc))
-            elif google_crc32c.value(v) != crc:
+            elif _crc.value(v) != crc:
                 self._mismatch(r, e_)
             out.append(v)
             pos += n
@@ -205,7 +204,7 @@ class OutputChunk:
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
             if out_crcs is not None:  # one CRC of the row: its check and the output's CRC
-                v = google_crc32c.value(row)
+                v = _crc.value(row)
                 out_crcs.append(v)
                 if crc < 0:
                     if self.pending is None:
@@ -217,7 +216,7 @@ class OutputChunk:
             elif crc < 0:  # checked by its block (in one data chunk): verified once per merge
                 if (s, crc) not in self.checked:
                     self.verify_block_local(s, crc, r, e)
-            elif google_crc32c.value(row) != crc:
+            elif _crc.value(row) != crc:
                 self._mismatch(r, e)
             out.append(row)
         return out
@@ -340,7 +339,7 @@ class OutputChunk:
                 return None
             rows = np.lib.stride_tricks.sliding_window_view(whole, L)[lo]  # (k, L): the rows, copied
             for i in np.flatnonzero(crc[g] >= 0).tolist():
-                if google_crc32c.value(rows[i]) != int(crc[g[i]]):
+                if _crc.value(rows[i]) != int(crc[g[i]]):
                     return None
             for b in np.unique(crc[g][crc[g] < 0]).tolist():
                 if (s_, b) not in self.checked:
@@ -371,7 +370,7 @@ class OutputChunk:
         b_off, b_nb, value = check_of(segment, crc)
         bc, b_lo = divmod(b_off, segment.chunk_bytes)
         block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
-        return len(block) == b_nb and google_crc32c.value(block) == value
+        return len(block) == b_nb and _crc.value(block) == value
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:
         """The chunk as buffers written back to back: the rows' own bytes, zeros between. Sets
@@ -392,7 +391,7 @@ class OutputChunk:
                 out_crc = _crc.combine(out_crc, _zeros_crc(start - pos), start - pos)
             piece = row if self.off is None else row[a * ub : b * ub]
             if len(piece) != len(row):
-                row_crc = google_crc32c.value(piece)
+                row_crc = _crc.value(piece)
             buffers.append(piece)
             out_crc = _crc.combine(out_crc, row_crc, len(piece))
             pos = start + len(piece)

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from .._errors import CorruptSpillError
+from .._format import crc as _crc
 from .._format import output as FO
 from .._format.invariants import read_array
 from .._storage import Storage
@@ -73,7 +73,7 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
             ) from None
         # (over a numpy view: slicing the bytes would copy the whole chunk once more)
         body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4) if len(data) >= 4 else b""
-        if len(data) != size or google_crc32c.value(body) != int.from_bytes(data[-4:], "little"):
+        if len(data) != size or _crc.value(body) != int.from_bytes(data[-4:], "little"):
             where = describe(rel)
             what = f"{len(data)} bytes, its chunk shape needs {size}" if len(data) != size else "CRC-32C mismatch"
             raise CorruptSpillError(

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from .._errors import CorruptSpillError
 from .._format import common as F
+from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
 
@@ -135,7 +135,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
     limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
     raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
-    if google_crc32c.value(raw_cat) != commit.catalog_crc32c:
+    if _crc.value(raw_cat) != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
     cat = F.loads(raw_cat, path=storage.describe(cat_rel))
     if (
@@ -164,7 +164,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     )
     if len(raw_idx) != expect:
         raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
-    if google_crc32c.value(raw_idx) != commit.index_crc32c:
+    if _crc.value(raw_idx) != commit.index_crc32c:
         raise bad("index checksum does not match the commit record", FS.INDEX_NAME)
     # A read-only view of the bytes read, not a copy: at millions of rows the index is the largest
     # thing a merge loads (a segment at a time, docs/SCALE.md).
@@ -177,7 +177,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         raw_chk = _read_small_array(
             storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
         )
-        if len(raw_chk) != want or google_crc32c.value(raw_chk) != commit.checks_crc32c:
+        if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:
             raise bad("checks do not match the commit record", FS.CHECKS_NAME)
         checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
@@ -316,7 +316,7 @@ def _read_small_array(
     if len(blob) < 4:
         raise CorruptSpillError(f"{storage.describe(key)}: truncated chunk", path=storage.describe(key), rank=rank)
     raw, stored = blob[:-4], int.from_bytes(blob[-4:], "little")
-    if google_crc32c.value(raw) != stored:
+    if _crc.value(raw) != stored:
         raise CorruptSpillError(
             f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)",
             path=storage.describe(key),
@@ -459,7 +459,7 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     off, nb, value = check_of(seg, crc)
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
-    if google_crc32c.value(buf) != value:
+    if _crc.value(buf) != value:
         raise block_mismatch(storage, seg, crc)
 
 
@@ -484,8 +484,8 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
                 n = min(window, x.nbytes - start)
                 reader.read_into(data_ranges(x.segment, x.offset + start, n), buf_a[:n].data)
                 reader.read_into(data_ranges(y.segment, y.offset + start, n), buf_b[:n].data)
-                crc_x = google_crc32c.extend(crc_x, buf_a[:n])
-                crc_y = google_crc32c.extend(crc_y, buf_b[:n])
+                crc_x = _crc.extend(crc_x, buf_a[:n])
+                crc_y = _crc.extend(crc_y, buf_b[:n])
                 equal = equal and bool(np.array_equal(buf_a[:n], buf_b[:n]))
             for e, got in ((x, crc_x), (y, crc_y)):
                 if e.crc < 0:  # checked by a block checksum: check the whole block

@@ -22,10 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
 
+from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
 from .._util.progress import ProgressWriter
@@ -272,7 +272,7 @@ class Flusher(threading.Thread):
             self.crc = grown
         crc = self.crc
         for row, start, stop in chunk.pieces:
-            crc[row] = google_crc32c.extend(int(crc[row]), buf[start:stop])
+            crc[row] = _crc.extend(int(crc[row]), buf[start:stop])
         if not chunk.blocks:
             return
         need = chunk.check_base + len(chunk.blocks)

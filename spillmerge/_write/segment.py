@@ -12,13 +12,13 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
-import google_crc32c
 import numpy as np
 
 from .._dist.rank import resolve_run_id
 from .._dist.store import next_session, publish_failure
 from .._errors import SpillStorageError, WriterClosedError
 from .._format import common as F
+from .._format import crc as _crc
 from .._format import spill as FS
 from .._format.zarr import array_meta, array_objects
 from .._spill.barrier import check_not_stale
@@ -229,10 +229,10 @@ class SegmentSteps:
             n_chunks=n_chunks,
             rewrites=self._rewrites,
             chunk_bytes=chunk,
-            index_crc32c=google_crc32c.value(index_bytes),
-            catalog_crc32c=google_crc32c.value(catalog),
+            index_crc32c=_crc.value(index_bytes),
+            catalog_crc32c=_crc.value(catalog),
             n_checks=len(checks),
-            checks_crc32c=google_crc32c.value(checks_bytes),
+            checks_crc32c=_crc.value(checks_bytes),
             finished=F.utcnow(),
         )
         return record, rows

@@ -14,11 +14,11 @@ from __future__ import annotations
 import array
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
 
 from .._errors import SpillMergeError, SpillStorageError
+from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
 from .flush import BufferPool, Chunk, Flusher
@@ -192,11 +192,8 @@ class Staging:
 
     def _block(self, chunk: Chunk, start: int, stop: int, rows: np.ndarray) -> None:
         """A block checksum of host bytes ``start:stop`` of ``chunk`` (rows ``rows``, ascending),
-        computed here, in the caller's thread, while the bytes just copied are in its cache.
-        google_crc32c holds the GIL: in the flush thread every block stalled the caller's next
-        Python line until it finished (write_batch's per-batch Python waited on it), and a
-        flush thread competing for the CPU on a busy machine made it worse."""
-        value = google_crc32c.value(chunk.host_np[start:stop])
+        computed here, in the caller's thread, while the bytes just copied are in its cache."""
+        value = _crc.value(chunk.host_np[start:stop])
         chunk.blocks.append((self.n_checks, start, stop, rows, value))
         self.n_checks += 1
 

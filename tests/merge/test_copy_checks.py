@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spillmerge
-from spillmerge._util import crc as _crc
+from spillmerge._format import crc as _crc
 
 SHAPE = (3, 64, 64)  # fp16: 24 KiB a frame, copied straight from the page cache
 
