@@ -148,12 +148,34 @@ def crash_then_rerun(rank: int, world: int, base: str) -> dict[str, Any]:
     }
 
 
+SHORT_TIMEOUT = 6.0
+
+
+def short_timeout_after_long_calls(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The last rank never calls ``all_gather(timeout=SHORT_TIMEOUT)``: the others raise naming
+    the wait within that timeout, though every earlier call in these processes waited up to
+    minutes (each wait is bounded by its own call's timeout). Last: the group is not used after."""
+    import time
+
+    import spillmerge
+
+    if rank == world - 1:
+        return {}
+    t0 = time.perf_counter()
+    try:
+        spillmerge.all_gather(preds_of(rank, "short"), f"{base}/short/out.zarr", progress=False, timeout=SHORT_TIMEOUT)
+        return {"error": None}
+    except spillmerge.SpillMergeError as exc:
+        return {"error": _error(exc), "waited": time.perf_counter() - t0}
+
+
 SCENARIOS = {
     "wait": wait_then_read,
     "fails": dst_fails,
     "gather": gather_one_call,
     "all_gather": all_gather_one_call,
     "rerun": crash_then_rerun,
+    "short_timeout": short_timeout_after_long_calls,
 }
 
 

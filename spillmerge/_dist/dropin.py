@@ -25,7 +25,6 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import os
@@ -43,6 +42,8 @@ from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
 from .._write.writer import SpillWriter
+from .gather import barrier
+from .rank import gloo_group
 
 ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
@@ -92,27 +93,13 @@ def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int
     return dist.get_rank(), world, target
 
 
-_GROUPS: dict[tuple[int, float], Any] = {}
-
-
-def _group(timeout: float) -> Any:
-    """The gloo group of the calls with this ``timeout`` (every rank passes the same, as with
-    any collective's arguments): its own timeout is the call's, so every wait ends by it."""
-    import torch.distributed as dist
-
-    key = (id(dist.group.WORLD), float(timeout))
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    return _GROUPS[key]
-
-
 def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
     """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
     import torch.distributed as dist
 
     got: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(got, mine, group=_group(timeout))
+        dist.all_gather_object(got, mine, group=gloo_group(timeout))
     except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
         raise CoordinationError(
             f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
@@ -311,17 +298,6 @@ def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
         storage.close()
 
 
-def _barrier(rank: int, timeout: float) -> None:
-    import torch.distributed as dist
-
-    try:
-        dist.monitored_barrier(group=_group(timeout), timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
-        raise CoordinationError(
-            f"rank {rank}: not every rank finished the call within {timeout:.0f} s ({exc})", rank=rank
-        ) from exc
-
-
 def _header_name(rank: int) -> str:
     return f"{_name(rank)}.h"  # after the rank's element files ('.' sorts after '-')
 
@@ -456,7 +432,7 @@ def _collective(
             _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
     finally:
         if every_rank:
-            _barrier(rank, timeout)  # every rank has read the output before dst removes it
+            barrier(rank, timeout)  # every rank has read the output before dst removes it
         if rank == target:  # every rank is done with the call's folder
             _remove(call, storage_options)
 

@@ -80,15 +80,17 @@ def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
     return None
 
 
-_GLOO_GROUPS: dict[int, object] = {}
+_GLOO_GROUPS: dict[tuple[int, float], object] = {}
 
 
 def gloo_group(timeout: float):  # type: ignore[no-untyped-def]
-    """A CPU-only process group over all ranks with a bounded timeout (never NCCL), created once
-    per default process group."""
+    """A CPU-only process group over all ranks (never NCCL) whose waits end after ``timeout``
+    seconds: one per default process group and timeout, so a call's own timeout bounds its waits
+    whatever an earlier call passed. Every rank passes the same timeout, as with any collective's
+    arguments: creating a group is itself a collective of all ranks."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
+    key = (id(dist.group.WORLD), float(timeout))
     if key not in _GLOO_GROUPS:
         _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     return _GLOO_GROUPS[key]

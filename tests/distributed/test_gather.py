@@ -91,6 +91,17 @@ def _no_dist(fn: str, rank: int, world: int, out: str, q: Any) -> None:
         q.put((rank, None, f"{type(exc).__name__}: {exc}"))
 
 
+def test_a_call_s_timeout_bounds_its_waits_after_calls_with_longer_ones(ranks):
+    from _gather_workers import SHORT_TIMEOUT
+
+    _, results = ranks
+    for r in range(WORLD - 1):
+        res = results[r]["short_timeout"]
+        assert res["error"] is not None and res["error"]["type"] == "CoordinationError", res
+        assert f"within {SHORT_TIMEOUT:.0f} s" in res["error"]["msg"], res
+        assert SHORT_TIMEOUT * 0.9 <= res["waited"] <= SHORT_TIMEOUT + 30, res
+
+
 @pytest.mark.parametrize("fn", ["gather", "all_gather"])
 def test_without_torch_distributed_rank_and_world_size_come_from_the_environment(tmp_path: Path, fn: str):
     ctx = mp.get_context("fork")
