@@ -1205,12 +1205,15 @@ MUTATIONS: list[Mutation] = [
         "a file whose frames hold one dict in different orders takes the order of the frame written first",
     ),
     Mutation(
-        "i40-dropin-group-has-the-call-timeout",
-        "spillmerge/_dist/dropin.py",
+        "i40-gloo-group-has-the-call-timeout",
+        "spillmerge/_dist/rank.py",
         "    key = (id(dist.group.WORLD), float(timeout))",
         "    key = (id(dist.group.WORLD), 0.0)",
-        ("tests/distributed/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",),
-        "a drop-in call waits for a rank that never calls at most its own timeout, not the first call's",
+        (
+            "tests/distributed/test_dropin.py::test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang",
+            "tests/distributed/test_gather.py::test_a_call_s_timeout_bounds_its_waits_after_calls_with_longer_ones",
+        ),
+        "a call waits for a rank that never calls at most its own timeout, not an earlier call's",
     ),
     Mutation(
         "i40-small-plan-sorted-by-frame",
