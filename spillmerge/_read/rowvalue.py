@@ -287,6 +287,33 @@ def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
             bad = [k for k, v in columns.items() if not isinstance(v, (list, tuple)) or len(v) != n]
             if bad:
                 raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
-            keys = list(columns)  # one dict per row, built by zip in C (a list of 192k dicts)
-            return [dict(zip(keys, row, strict=True)) for row in zip(*columns.values(), strict=True)]
+            return records(list(columns), list(columns.values()))
     return {_key(k): _build(v, (*path, k), order) for k, v in ordered(kids, path, order)}
+
+
+def records(keys: list[str], columns: list[Any]) -> list[dict[str, Any]]:
+    """The dicts ``{keys[0]: columns[0][i], ...}`` for each row ``i``, in the keys' order (the
+    columns are equally long)."""
+    n = len(keys)
+    if not 0 < n <= _RECORD_KEYS:
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
+    return _records_builder(n)(*keys)(columns)  # type: ignore[no-any-return]
+
+
+_RECORD_KEYS = 64
+"""Records of at most this many keys are built by a dict display made for their key count."""
+
+
+@functools.lru_cache(maxsize=_RECORD_KEYS)
+def _records_builder(n: int) -> Any:
+    """``keys -> columns -> dicts`` for ``n`` keys: a comprehension of one dict display (``{k0:
+    v0, k1: v1, ...}``) builds a dict in half the time ``dict(zip(keys, row))`` takes, less than
+    ``pickle.loads`` of it (COCO: 192k instance dicts). The source holds only names made from
+    ``n``; the keys are bound as arguments, never written into it."""
+    ks = [f"k{i}" for i in range(n)]
+    vs = [f"v{i}" for i in range(n)]
+    display = ", ".join(f"{k}: {v}" for k, v in zip(ks, vs, strict=True))
+    src = f"def make({', '.join(ks)}):\n    return lambda columns: [{{{display}}} for {', '.join(vs)}, in zip(*columns)]\n"
+    space: dict[str, Any] = {}
+    exec(compile(src, f"<records of {n} keys>", "exec"), space)  # noqa: S102 - the source is made from n alone
+    return space["make"]
