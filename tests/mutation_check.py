@@ -81,7 +81,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-crc-local-batch",
         "spillmerge/_merge/outputchunk.py",
-        "                if google_crc32c.value(rows[i]) != int(crc[g[i]]):\n                    return None",
+        "                if google_crc32c.value(whole[a : a + int(n_g[i])]) != int(crc[g[i]]):\n                    return None",
         "                if False:\n                    return None",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
         "a corrupt frame never reaches the output through the batched copy of a local spill root",
@@ -89,19 +89,11 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-text-local-batch",
         "spillmerge/_merge/outputchunk.py",
-        "            if text and not _utf8_rows_of_one_size(rows):",
-        "            if False:",
+        "                if not _utf8_back_to_back(rows, (np.cumsum(n_g) - n_g)[n_g > 0]):",
+        "                if False:",
         ("tests/spill/test_hostile.py::test_verify_finds_text_the_merge_refuses",
          "tests/spill/test_hostile.py::test_a_character_split_between_two_strings_is_refused"),
         "string rows that are not valid UTF-8 never reach the output through the batched copy",
-    ),
-    Mutation(
-        "copy-short-object-local-batch",
-        "spillmerge/_merge/outputchunk.py",
-        "            if int(lo.max()) + L > len(whole):\n                return None",
-        "            if False:\n                return None",
-        ("tests/storage/test_untrusted_storage.py", "tests/project/test_guarded_checks.py"),
-        "a data chunk shorter than the index says is refused by the batched copy",
     ),
     Mutation(
         "runid-failure-record-ignored",

@@ -173,11 +173,12 @@ def _plain(values: Any) -> bool:
     return _ATOMIC.issuperset(map(type, values))
 
 
-def _plain_records(values: Any) -> bool:
-    """Whether ``values`` are dicts of one key order whose values are all plain or lists of plain
-    values (COCO's instances), checked a column at a time in C: no step per dict."""
+def _plain_records(values: Any, depth: int = 0, nested: bool = True) -> bool:
+    """Whether ``values`` are dicts of one key order whose values, a key at a time, are plain,
+    lists of plain values or (``nested``) such records themselves (the instances of COCO's
+    images), checked a column at a time in C: no step per dict."""
     first = values[0] if values else None
-    if type(first) is not dict or set(map(type, values)) != {dict}:
+    if type(first) is not dict or set(map(type, values)) != {dict} or depth > 8:
         return False
     keys = tuple(first)
     if not _STR.issuperset(map(type, keys)) or not all(map(keys.__eq__, map(tuple, values))):
@@ -186,7 +187,9 @@ def _plain_records(values: Any) -> bool:
         column = list(map(operator.itemgetter(key), values))
         if _plain(column):
             continue
-        if set(map(type, column)) != {list} or not _plain(itertools.chain.from_iterable(column)):
+        if set(map(type, column)) == {list}:
+            column = list(itertools.chain.from_iterable(column))  # the lists' items, one column
+        if not (_plain(column) or (nested and _plain_records(column, depth + 1))):
             return False
     return True
 
@@ -229,7 +232,7 @@ class _Shape:
         if kind is dict:
             if not _STR.issuperset(map(type, obj)):
                 return self._pickled(obj, path)  # else the writer refuses the key, naming it
-            if _plain(obj.values()):
+            if _plain(obj.values()) or _plain_records(list(obj.values())):
                 return obj
             changed: Any = None
             for k, v in obj.items():
@@ -357,7 +360,7 @@ def _split(obj: Any) -> bool:
         return _STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
     if not (kind is list or kind is tuple) or not any(type(v) is dict for v in obj):
         return False
-    return not _plain_records(obj)
+    return not _plain_records(obj, nested=False)
 
 
 def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
