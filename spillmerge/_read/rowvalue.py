@@ -317,3 +317,72 @@ def _records_builder(n: int) -> Any:
     space: dict[str, Any] = {}
     exec(compile(src, f"<records of {n} keys>", "exec"), space)  # noqa: S102 - the source is made from n alone
     return space["make"]
+
+
+def static_builder(plan: RowPlan, order: Spec | None) -> Any:
+    """``(block, r, filename) -> value`` for a layout without list items or list headers: a row
+    with a value in each of its columns has the same tree as every other such row, so the tree is
+    made once here (its dicts' keys in ``order``) and the row only reads its leaves from the
+    block, as ``row_value`` with that block gives them; :data:`ABSENT` for a row without a value
+    in some column (``row_value`` builds it). None for any other layout."""
+    if plan.lists or plan.single is not None:
+        return None
+    root: _Node = {"kids": {}}
+    maybe = []  # the columns with rows without a value
+    for col, leaf, _, _, _, valid, _ in plan.leaves:
+        if col.info.dtype in ("pylist", "pytuple"):
+            return None
+        if valid is not None:
+            maybe.append(col)
+        node = root
+        for seg in leaf:
+            node = node["kids"].setdefault(seg, {"kids": {}})
+        if col.info.dtype in F.PY_HEADERS:
+            parent = root
+            for seg in leaf[:-1]:
+                parent = parent["kids"][seg]
+            parent["header"] = (col.info.dtype, col)
+            del parent["kids"][leaf[-1]]
+        else:
+            node["col"] = col
+    if not root["kids"] and "header" not in root:
+        return None
+    build = _compile(root, (), order)
+    if not maybe:
+        return build
+
+    def checked(block: Any, r: int, filename: str) -> Any:
+        for col in maybe:
+            if not block.ok(col, r):
+                return ABSENT
+        return build(block, r, filename)
+
+    return checked
+
+
+ABSENT = object()
+"""``static_builder``'s answer for a row without a value in one of its layout's columns."""
+
+
+def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
+    """The builder of ``node`` (``static_builder``): what ``_build`` makes of it."""
+    col = node.get("col")
+    if col is not None:
+        return lambda block, r, filename: block.get(col, r, filename)
+    kids = [(k, _key(k), _compile(v, (*path, k), order)) for k, v in ordered(node["kids"], path, order)]
+    header = node.get("header")
+    if header is None or header[0] != "pyrecords":
+        items = [(k, b) for _, k, b in kids]
+        return lambda block, r, filename: {k: b(block, r, filename) for k, b in items}
+    items = [(k, b) for seg, k, b in kids if not is_marker(seg)]
+    head = header[1]
+
+    def build_records(block: Any, r: int, filename: str) -> Any:
+        n = int(block.get(head, r, filename))
+        columns = [(k, v) for k, b in items if (v := b(block, r, filename)) is not None]
+        bad = [k for k, v in columns if not isinstance(v, (list, tuple)) or len(v) != n]
+        if bad:
+            raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
+        return records([k for k, _ in columns], [v for _, v in columns])
+
+    return build_records
