@@ -215,6 +215,9 @@ class _Shape:
         self.scalars: list[list[Any]] = []
         self.whole: list[list[Any]] = []
         self.allow_pickle = allow_pickle
+        self.records = False
+        """Whether ``obj`` holds records of plain values (``_plain_records``): its elements are
+        written as one batch, converted a column at a time."""
         self.obj = self._walk(obj, [], 0)
 
     def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
@@ -232,7 +235,10 @@ class _Shape:
         if kind is dict:
             if not _STR.issuperset(map(type, obj)):
                 return self._pickled(obj, path)  # else the writer refuses the key, naming it
-            if _plain(obj.values()) or _plain_records(list(obj.values())):
+            if _plain(obj.values()):
+                return obj
+            if _plain_records(list(obj.values())):
+                self.records = self.records or depth == 0
                 return obj
             changed: Any = None
             for k, v in obj.items():
@@ -244,7 +250,10 @@ class _Shape:
                     changed[k] = nv
             return obj if changed is None else changed
         if kind is list or kind is tuple:
-            if _plain(obj) or _plain_records(obj):
+            if _plain(obj):
+                return obj
+            if _plain_records(obj):
+                self.records = self.records or depth == 0
                 return obj
             items: Any = None
             for i, v in enumerate(obj):
@@ -372,8 +381,11 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
         header["kind"], header["n"] = kind.__name__, len(obj)
         if kind is dict:
             header["keys"] = list(obj)
-        for i, v in enumerate(obj.values() if kind is dict else obj):
-            w.write(f"{name}-{i:010d}", 0, v)
+        if shape.records:  # elements of one structure: their leaves made a column at a time
+            w.write_batch([f"{name}-{i:010d}" for i in range(len(obj))], list(obj.values() if kind is dict else obj))
+        else:
+            for i, v in enumerate(obj.values() if kind is dict else obj):
+                w.write(f"{name}-{i:010d}", 0, v)
     else:
         header["kind"] = "object"
         w.write(name, 0, obj)
