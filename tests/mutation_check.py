@@ -1317,6 +1317,46 @@ MUTATIONS: list[Mutation] = [
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         "an element of a gathered list of dicts lacks no key another element has (one file each)",
     ),
+    Mutation(
+        "columns-empty-records-list",
+        "spillmerge/_write/columns.py",
+        "        if not m:  # an empty list is no records",
+        "        if False:  # an empty list is no records",
+        ("tests/write/test_write_batch.py::test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes[records]",),
+        "an item with an empty list of records is stored as write() stores it (an empty list, not empty columns)",
+    ),
+    Mutation(
+        "static-tree-absent-column",
+        "spillmerge/_read/rowvalue.py",
+        "                return ABSENT",
+        "                pass",
+        ("tests/read/test_reading.py::test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts",),
+        "a row without a value in one of its layout's columns is built as value() builds it",
+    ),
+    Mutation(
+        "static-tree-key-order",
+        "spillmerge/_read/rowvalue.py",
+        "for k, v in ordered(node[\"kids\"], path, order)]",
+        "for k, v in sorted(node[\"kids\"].items())]",
+        ("tests/read/test_reading.py::test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts",),
+        "iter_values keeps every dict's key order",
+    ),
+    Mutation(
+        "records-display-key-order",
+        "spillmerge/_read/rowvalue.py",
+        "    return _records_builder(n)(*keys)(columns)",
+        "    return _records_builder(n)(*sorted(keys))(columns)",
+        ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
+        "a list of dicts comes back with each dict's keys in their order",
+    ),
+    Mutation(
+        "copy-runs-destination",
+        "spillmerge/_merge/outputchunk.py",
+        " | (dst[1:] != dst[:-1] + m[:-1])) + 1",
+        ") + 1",
+        ("tests/write/test_value_model.py",),
+        "rows are copied where their output offsets say, not back to back as they lie in the spill",
+    ),
 ]
 
 

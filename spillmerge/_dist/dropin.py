@@ -10,9 +10,10 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 than a list of flat records: columns already) one file per element (``R-i``, R
                 its rank and i the position, zero-padded; no path per item, no column per key:
                 an element's dict is a file's value, as in ``gather``, and lacks no key another
-                element has), any other object as file ``R``; and file ``R.h``, a JSON header
-                (the kind, a dict's keys in order, the paths of numpy arrays and pickled
-                objects), unless the object is file ``R`` with nothing to restore; commits
+                element has; records of plain values go a batch at a time, converted a
+                column at a time), any other object as file ``R``; and file ``R.h``, a JSON
+                header (the kind, a dict's keys in order, the paths of numpy arrays and
+                pickled objects), unless the object is file ``R`` with nothing to restore; commits
   (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
                 dst removes the call's folder (every rank is past writing)
   (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
@@ -52,6 +53,8 @@ ROOT_ENV = "SPILLMERGE_ROOT"
 DEFAULT_TIMEOUT = 1800.0
 CHUNK_BYTES = 4 << 20
 """The writer's chunk (and staging buffer) size in a call."""
+BATCH_ITEMS = 1024
+"""Elements written by one ``write_batch``: their leaves are held until it returns."""
 
 
 class DropInArgumentError(SpillMergeError, ValueError):
@@ -381,8 +384,11 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
         header["kind"], header["n"] = kind.__name__, len(obj)
         if kind is dict:
             header["keys"] = list(obj)
-        if shape.records:  # elements of one structure: their leaves made a column at a time
-            w.write_batch([f"{name}-{i:010d}" for i in range(len(obj))], list(obj.values() if kind is dict else obj))
+        if shape.records:  # elements of one structure: their leaves made a column at a time,
+            values = list(obj.values() if kind is dict else obj)  # a batch's at once: memory bounded
+            for a in range(0, len(values), BATCH_ITEMS):
+                b = min(a + BATCH_ITEMS, len(values))
+                w.write_batch([f"{name}-{i:010d}" for i in range(a, b)], values[a:b])
         else:
             for i, v in enumerate(obj.values() if kind is dict else obj):
                 w.write(f"{name}-{i:010d}", 0, v)
