@@ -1354,7 +1354,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/outputchunk.py",
         " | (dst[1:] != dst[:-1] + m[:-1])) + 1",
         ") + 1",
-        ("tests/write/test_value_model.py",),
+        ("tests/merge/test_copy_checks.py::test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them",),
         "rows are copied where their output offsets say, not back to back as they lie in the spill",
     ),
 ]
