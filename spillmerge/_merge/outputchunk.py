@@ -321,9 +321,9 @@ class OutputChunk:
         else:
             first, size = t.a * ub, (t.b - t.a) * ub
         start = t.start
-        # Groups: one data chunk object each; its rows, of any size, are copied a run at a time
-        # (rows back to back both there and in ``out``: one slice), not a window shape per size
-        # (token ids and texts have nearly one size per row: a group, and its numpy calls, each).
+        # Groups: one data chunk object each. Its rows, whatever their sizes (token ids and texts
+        # have nearly one size a row), are checked together and copied a run at a time: rows
+        # back to back both there and in ``out`` are one slice.
         gkey = np.stack([seg, c])
         order = np.lexsort(gkey[::-1])
         sk = gkey[:, order]
