@@ -296,9 +296,8 @@ class OutputChunk:
 
     def _place_local(self, t: _Touched, out: np.ndarray, pos: int) -> int | None:
         """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
-        between) with numpy, not row by row: the rows of one data chunk object and one size are
-        taken as windows of its map in one fancy index and put into ``out`` in another, their
-        checksums and text checked per group. Returns the new ``pos``; None when the batch goes the
+        between) with numpy, not row by row: the rows of one data chunk object are checked
+        (checksums, text) as a group and copied a run of back-to-back rows at a time. Returns the new ``pos``; None when the batch goes the
         row-by-row way: a row larger than :data:`PIECE_BYTES` (a row cut by the chunk's edges is
         read whole: a view, not a copy, of a large one), or a row that crosses data chunk objects,
         an object shorter than the index says, a checksum or a string that is wrong (that path
@@ -320,42 +319,40 @@ class OutputChunk:
             first, size = np.zeros(n, dtype=np.int64), nb
         else:
             first, size = t.a * ub, (t.b - t.a) * ub
-        whole_row = (first == 0) & (size == nb)
         start = t.start
-        # Groups: one data chunk object and one row size (rows of one size are windows of one shape).
-        gkey = np.stack([seg, c, nb])
+        # Groups: one data chunk object each. Its rows, whatever their sizes (token ids and texts
+        # have nearly one size a row), are checked together and copied a run at a time: rows
+        # back to back both there and in ``out`` are one slice.
+        gkey = np.stack([seg, c])
         order = np.lexsort(gkey[::-1])
         sk = gkey[:, order]
         edges = np.flatnonzero(np.any(sk[:, 1:] != sk[:, :-1], axis=0)) + 1
         text = col.kind == "str"
         for g in np.split(order, edges):
-            s_, c_, L = (int(v) for v in gkey[:, g[0]])
+            s_, c_ = int(seg[g[0]]), int(c[g[0]])
             segment = plan.segments[s_]
             whole = self.src.view(f"{segment.seg.rel}/data/c/{c_}", 0, None)
-            lo = off[g] - c_ * int(cb[g[0]])
-            if L == 0:
+            g = g[nb[g] > 0]  # (an empty row has nothing to check or copy)
+            if len(g) == 0:
                 continue
-            if int(lo.max()) + L > len(whole):
-                return None
-            rows = np.lib.stride_tricks.sliding_window_view(whole, L)[lo]  # (k, L): the rows, copied
+            # (an object shorter than the index says fails the rows' or blocks' checksums below)
+            lo, n_g = off[g] - c_ * int(cb[g[0]]), nb[g]
             for i in np.flatnonzero(crc[g] >= 0).tolist():
-                if _crc.value(rows[i]) != int(crc[g[i]]):
+                a = int(lo[i])
+                if _crc.value(whole[a : a + int(n_g[i])]) != int(crc[g[i]]):
                     return None
             for b in np.unique(crc[g][crc[g] < 0]).tolist():
                 if (s_, b) not in self.checked:
                     if not self._block_sound(s_, b):
                         return None
                     self.checked.add((s_, b))
-            if text and not _utf8_rows_of_one_size(rows):
-                return None
-            inner = whole_row[g]
-            if inner.any():
-                dst = np.lib.stride_tricks.sliding_window_view(out, L, writeable=True)
-                dst[start[g[inner]]] = rows[inner]
-            for i in np.flatnonzero(~inner).tolist():  # a row cut by the chunk's edge: its piece
-                j = int(g[i])
-                a0, m = int(first[j]), int(size[j])
-                out[int(start[j]) : int(start[j]) + m] = rows[i, a0 : a0 + m]
+            if text:
+                rows = np.concatenate([whole[x:y] for x, y, _ in _runs(lo, n_g, lo, n_g)])
+                if not _utf8_back_to_back(rows, (np.cumsum(n_g) - n_g)[n_g > 0]):
+                    return None
+            m = size[g]
+            for x, y, d in _runs(lo + first[g], m, start[g], m):
+                out[d : d + y - x] = whole[x:y]
         ends = start + size
         gaps = np.flatnonzero(start > np.concatenate(([pos], ends[:-1])))
         for i in gaps.tolist():  # rows without a value read as zeros
@@ -449,6 +446,16 @@ class OutputChunk:
         )
 
 
+def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any:
+    """(source start, source end, destination start) of each run of rows whose ``n`` bytes at
+    ``src`` and ``m`` at ``dst`` follow each other in both: one slice a run."""
+    cut = np.flatnonzero((src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + m[:-1])) + 1
+    first = np.concatenate(([0], cut))
+    last = np.concatenate((cut, [len(src)])) - 1
+    ends = src[last] + n[last]
+    return zip(src[first].tolist(), ends.tolist(), dst[first].tolist(), strict=True)
+
+
 def _utf8_rows(rows: list[np.ndarray]) -> bool:
     """Whether every one of ``rows`` is valid UTF-8, checked in one decode: the rows back to back
     are valid and no row starts inside a character (then none ends inside one either). False
@@ -459,12 +466,6 @@ def _utf8_rows(rows: list[np.ndarray]) -> bool:
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     whole = np.concatenate(rows) if len(rows) > 1 else rows[0]
     return _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0])
-
-
-def _utf8_rows_of_one_size(rows: np.ndarray) -> bool:
-    """:func:`_utf8_rows` of a (k, L) array of k rows of L bytes."""
-    k, size = rows.shape
-    return _utf8_back_to_back(rows.reshape(-1), np.arange(k, dtype=np.int64) * size if size else np.zeros(0, np.int64))
 
 
 def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:

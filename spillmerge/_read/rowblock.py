@@ -7,8 +7,10 @@ offsets pair, a decode): a few microseconds each, tens of them per value. Readin
 order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
 indices) is read a block of files at a time, and each column's rows of a block of rows
 (:class:`Block`) are decoded once, as a list of Python values, when the first row of the block
-needs them. The row's value is then built by ``_read.rowvalue.row_value`` as ``value()`` builds it,
-from those lists: the same objects, equal in type and content.
+needs them. The row's value is then built from those lists as ``value()`` builds it: by its
+layout's tree, made once (``_read.rowvalue.static_builder``), when the row has a value in each of
+the layout's columns and none is a list item, else by ``_read.rowvalue.row_value``: the same
+objects, equal in type, content and key order.
 
 Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would
 hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row instead, as
@@ -17,6 +19,7 @@ hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row
 
 from __future__ import annotations
 
+import gc
 import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -25,7 +28,7 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
-from .rowvalue import RowPlan, is_scalar, row_value, to_python
+from .rowvalue import ABSENT, RowPlan, is_scalar, row_value, static_builder, to_python
 from .views import BytesView, PickleView, TextView, utf8_text
 
 if TYPE_CHECKING:
@@ -169,6 +172,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
     n_files = len(files)
     offs = files.list_offsets
     plans: dict[int, RowPlan] = {}
+    builders: dict[tuple[int, int], Any] = {}  # (layout, id of the file's key orders) -> static_builder
     for i0 in range(0, n_files, BLOCK_FILES):
         i1 = min(i0 + BLOCK_FILES, n_files)
         fo = np.asarray(files.frame_offsets[i0 : i1 + 1], dtype=np.int64)
@@ -193,4 +197,18 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                     plan = plans[layout] = files.row_plan(layout)
                 name = names[f]
                 order = files.key_orders.of_file(i0 + f)
-                yield name, frames[r - ra], row_value(plan, r, name, as_torch, offs, block, order)
+                key = (layout, id(order))  # (a file's orders are the store's objects: alive, one per order)
+                if key not in builders:
+                    builders[key] = static_builder(plan, order)
+                build, value = builders[key], ABSENT
+                if build is not None:
+                    paused = gc.isenabled()  # paused as row_value pauses it: only new, acyclic objects
+                    gc.disable()
+                    try:
+                        value = build(block, r, name)
+                    finally:
+                        if paused:
+                            gc.enable()
+                if value is ABSENT:
+                    value = row_value(plan, r, name, as_torch, offs, block, order)
+                yield name, frames[r - ra], value

@@ -250,7 +250,7 @@ def _walk(
     kind = _EXACT.get(type(value))
     if kind is not None:
         if kind == "str":
-            out.append(Leaf(path, "str", *_utf8(value, path, filename)))  # type: ignore[arg-type]
+            out.append(Leaf(path, "str", *utf8(value, path, filename)))  # type: ignore[arg-type]
             return
         if kind == "container":
             if type(value) is list:  # a list of numbers or str: its one leaf, without the walk
@@ -272,7 +272,7 @@ def _walk(
     elif isinstance(value, np.ndarray):
         out.append(_from_numpy(value, path, filename, allow_pickle))
     elif isinstance(value, str):  # before np.generic: np.str_ is a str
-        out.append(Leaf(path, "str", *_utf8(value, path, filename)))
+        out.append(Leaf(path, "str", *utf8(value, path, filename)))
     elif isinstance(value, (bytes, bytearray, memoryview)):  # np.bytes_ is a bytes
         data = _bytes_view(value)
         out.append(Leaf(path, "bytes", (data.size,), data.size, data))
@@ -389,7 +389,7 @@ def _container(
         _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
 
 
-def _utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
+def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
     """Shape, size and bytes of a ``str`` leaf. Lone surrogates (from ``surrogateescape``
     decoding, or a broken JSON source) are not Unicode text: no reader could decode them."""
     try:

@@ -29,6 +29,7 @@ from .._format import spill as FS
 from .._format.common import user_key
 from .._storage import Storage
 from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, flat_rows, mapping_items, split_batch
+from .columns import flatten_items
 from .flatten import flatten, flatten_dense
 from .leaves import Leaf, check_filename, check_frame_idx
 from .lifecycle import MergeSteps, WriterState
@@ -430,9 +431,10 @@ class SpillWriter(SegmentSteps, MergeSteps):
         schemas: dict[int, int] = {}  # file id -> its schema after the batch's items so far
         new_ids: dict[str, int] = {}
         in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
+        by_column = flatten_items(items, names)  # items of one structure: a column at a time
         for i, (name, frame, item) in enumerate(zip(names, frames, items, strict=True)):
             try:
-                leaves = flatten(item, name, frame, self.allow_pickle)
+                leaves = by_column[i] if by_column is not None else flatten(item, name, frame, self.allow_pickle)
                 file_id = self._file_ids.get(name)
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))

@@ -77,3 +77,19 @@ def test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge
     chunk.write_bytes(bytes(raw))
     with pytest.raises(spillmerge.CorruptSpillError, match=r"in the block at bytes 24576\.\.\d+, checked as one"):
         spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=64 << 10, progress=False)
+
+
+def test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them(tmp_path):
+    """Two ranks' single-leaf values whose names interleave: each rank's rows lie back to back in
+    its data chunk, and go to every other place of the output."""
+    root = str(tmp_path / "spill")
+    want = {}
+    for rank in (0, 1):
+        with spillmerge.SpillWriter(root, rank, 2) as w:
+            for i in range(rank, 40, 2):
+                name = f"f{i:03d}"
+                want[name] = [i] * (i % 7) if i % 3 else f"text {i} " * (i % 5)
+                w.write(name, 0, want[name])
+    spillmerge.merge(root, str(tmp_path / "out.zarr"), progress=False)
+    got = {name: value for name, _, value in spillmerge.open(str(tmp_path / "out.zarr")).iter_values()}
+    assert got == dict(sorted(want.items()))

@@ -324,3 +324,38 @@ def test_rows_of_a_compact_column_one_by_one_equal_the_whole_read(out):
         assert tuple(t.shape) == (2,) and (t.tolist() == whole[i].tolist() if valid[i] else t.tolist() == [0.0, 0.0])
     rows = [j for j in range(len(col)) if valid[j]]
     assert all(float(col[j][0]) % 3 == 0 for j in rows)  # the files i % 3 == 0 wrote full((2,), i)
+
+
+def test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts(tmp_path):
+    """Files of one structure read by one tree per layout, files that lack a key or hold None
+    there, records, nested dicts and tensors: each value as value() gives it, keys in order."""
+    values = {
+        "a": {"z": 1, "a": "x", "m": {"q": [1.5, 2.5], "b": None}},
+        "b": {"z": 2, "a": "y", "m": {"q": [3.5], "b": None}},
+        "c": {"a": "only a"},
+        "d": {"z": 3, "a": None, "m": {"q": [], "b": 4}},
+        "e": {"recs": [{"k": 1, "box": [1.0, 2.0], "s": "u"}, {"k": 2, "box": [3.0, 4.0], "s": "v"}], "z": 7},
+        "f": {"recs": [{"k": 3, "box": [5.0, 6.0], "s": "w"}], "z": 8},
+        "g": {"t": torch.arange(3), "z": 9},
+        "h": "a str at the root",
+    }
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), 0, 1) as w:
+        for name, value in values.items():
+            w.write(name, 0, value)
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"), progress=False)
+    store = spillmerge.open(str(tmp_path / "out.zarr"))
+    got = {name: value for name, _, value in store.iter_values(as_torch=True)}
+    assert list(got) == list(values)
+    for name, want in values.items():
+        one = store.value(name, as_torch=True)
+        if isinstance(want, dict) and "t" in want:
+            assert list(got[name]) == list(one) == list(want) and torch.equal(got[name]["t"], want["t"])
+            continue
+        assert got[name] == one == want, name
+        if isinstance(want, dict):
+            assert list(got[name]) == list(one) == list(want), name
+            for k, v in want.items():
+                if isinstance(v, dict):
+                    assert list(got[name][k]) == list(v), (name, k)
+                if isinstance(v, list) and v and isinstance(v[0], dict):
+                    assert [list(d) for d in got[name][k]] == [list(d) for d in v], (name, k)

@@ -83,6 +83,26 @@ def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
             frames = [j % 2 for j in range(size)]
             names = [f"doc{b}_{j // 2}" for j in range(size)]
             rows = [{"text": text[j], "ids": ids[j], "tags": tags[j]} for j in range(size)]
+        elif kind == "records":  # COCO results and generation outputs: Python dicts of one structure
+            batch = [
+                {
+                    "image_id": 10 * b + j,  # keys out of sorted order, at both levels
+                    "instances": [
+                        {"score": 0.5 + i, "category_id": i, "bbox": [1.0 * i, 2.0, 3.0, 4.5], "crowd": i % 2 == 0,
+                         "name": f"c{i}", "mask": [i]}
+                        for i in range((j * 5 + b) % 4)  # items without instances too
+                    ],
+                    "text": "é" * j,
+                    "token_ids": list(range(j)),
+                    "tags": [f"t{i}" for i in range(j % 3)],
+                    "logprob": -0.25 * j,
+                    "stop": j % 2 == 0,
+                    "none": None,
+                    "\x1fx": j,  # a key starting with the marker
+                }
+                for j in range(size)
+            ]  # fmt: skip
+            rows = [dict(d) for d in batch]
         else:  # a nested TensorDict
             td = pytest.importorskip("tensordict")
             x = torch.randn(size, 5, generator=g)
@@ -100,7 +120,7 @@ def _write_rows(w: spillmerge.SpillWriter, batches: list[tuple[list[str], Any, A
             w.write(name, f, row)
 
 
-@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "tensordict"])
+@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "records", "tensordict"])
 def test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes(tmp_path, kind):
     batches = _batches(kind)
 
