@@ -153,6 +153,8 @@ def _dense_leaf(value: object, path: tuple[str, ...]) -> Leaf | None:
     numpy lacks, sparse or quantized layouts), so the checks of ``_from_tensor`` are not
     repeated here."""
     if type(value) is torch.Tensor:
+        if value.is_cuda:  # the walk stages it; numpy() would raise, ~15 us a leaf
+            return None
         try:
             arr = value.numpy()
         except (RuntimeError, TypeError):
