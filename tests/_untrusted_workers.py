@@ -138,9 +138,16 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         return _status.format_status(_status.status(root)) is not None
 
     def callback_report() -> Any:  # a ddp_spawn launcher reads the merging rank's report file
-        from spillmerge.integrations.pytorch_lightning import SpillPredictionWriter
+        from spillmerge.integrations._prediction_writer import SpillPredictionWriterMixin
 
-        cb = SpillPredictionWriter(root, out)
+        class Base:  # Lightning's BasePredictionWriter, whose import costs seconds: the callback's
+            def __init__(self, write_interval: str) -> None:  # report is read by the mixin alone
+                pass
+
+        class Callback(SpillPredictionWriterMixin, Base):
+            pass
+
+        cb = Callback(root, out)
         cb._created = 0.0  # the file was written before this callback: read it anyway
         rep = cb.report
         return None if rep is None else rep.n_frames
@@ -238,13 +245,9 @@ def main(cases_path: str, result_path: str, headroom: int = MEMORY_HEADROOM) -> 
     with open(cases_path) as f:
         cases = json.load(f)
     # Every library a reader or a merge may load, before the cap: a shared library loaded under it
-    # can abort the process ("cannot allocate memory for thread-local data"). Lightning: the
-    # callback's report reader, which only the spill cases run (seconds of import saved elsewhere).
-    if any(case["target"] == "spill" for case in cases):
-        try:
-            import spillmerge.integrations.pytorch_lightning  # noqa: F401
-        except ImportError:
-            pass
+    # can abort the process ("cannot allocate memory for thread-local data").
+    import spillmerge.integrations._prediction_writer  # noqa: F401 - the callback's report reader
+
     _warm_up()
     signal.signal(signal.SIGALRM, _alarm)
     sys.addaudithook(_audit)

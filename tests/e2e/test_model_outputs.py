@@ -1,5 +1,5 @@
 """Issue 23: real model outputs (random weights, nothing downloaded) sent through
-``spillmerge.all_gather`` / ``gather`` at 4 gloo ranks come back equal in type and content to
+``spillmerge.all_gather`` / ``gather`` at 2 gloo ranks come back equal in type and content to
 what ``all_gather_object`` / ``gather_object`` return in the same run: torchvision Mask R-CNN's
 list of per-image dicts (images without detections among them) and a tiny random GPT-2's
 ``generate(output_scores=True, return_dict_in_generate=True)`` output (``scores``: a tuple of
@@ -39,7 +39,7 @@ def test_detections_all_gather_as_all_gather_object(ranks):
     _, results = ranks
     assert_every_rank_equal(results, "det_ag")
     n_boxes = results[0]["det_ag"]["n_boxes"]
-    assert n_boxes[3] == [0, 0] and all(n[-1] == 0 and n[0] > 0 for n in n_boxes[:3]), n_boxes
+    assert n_boxes[-1] == [0, 0] and all(n[-1] == 0 and n[0] > 0 for n in n_boxes[:-1]), n_boxes
     assert len(results[0]["det_ag"]["mask_shapes"]) > 1  # image sizes differ
 
 

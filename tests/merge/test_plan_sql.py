@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,9 +56,24 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
 ) -> None:
     monkeypatch.setattr(_plansql, "MAPPED_ROWS", 1000)  # a big plan's row table: maps of files
     monkeypatch.setattr(_plansql, "MIN_SORT_MEMORY", 32 << 20)  # what DuckDB needs for these rows
-    n = 300_000  # about 33 MB of sort rows (names of 80 bytes) under a 32 MiB limit
+    n = 200_000  # about 22 MB of sort rows (names of 80 bytes): more than DuckDB sorts in 32 MiB
     _write(tmp_path / "s", n)
+    spilled: list[str] = []  # DuckDB's temporary files when the first sorted batch comes back
+    collect = _plansql._collect
+
+    def watched(reader: Any, resolve: Any, folder: str, n_names: list[int]) -> Any:
+        def batches() -> Any:
+            for batch in reader:
+                if not spilled:
+                    spilled.extend(os.listdir(os.path.join(folder, "tmp")) or ["(none)"])
+                yield batch
+
+        return collect(batches(), resolve, folder, n_names)
+
+    monkeypatch.setattr(_plansql, "_collect", watched)
     small = _plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
+    assert any("storage" in name for name in spilled), spilled  # the sort went out of core
+    monkeypatch.setattr(_plansql, "_collect", collect)
     large = _plan_of(tmp_path / "s", memory_limit=1 << 30)
     assert small.n_frames == n and small.duplicates == n // 100
     assert _plan.fingerprint(small) == _plan.fingerprint(large)
