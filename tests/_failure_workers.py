@@ -76,7 +76,7 @@ def slow_spiller(root: str, rank: int, world: int, n_frames: int, ready: str) ->
             flusher = w._staging.flusher
             deadline = time.time() + 60  # a hang guard only
             while time.time() < deadline and not (
-                flusher.durable == n_frames
+                flusher.written == n_frames
                 and len(flusher._journals) == n_frames
                 and all(f.done() for f in flusher._journals)
             ):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Protocol
 
 import fsspec
@@ -262,15 +262,11 @@ class Storage:
         """Create the folder ``rel`` and its parents (a no-op where folders do not exist)."""
         raise NotImplementedError
 
-    def put(
-        self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False,
-        written: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+    def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         """Write one whole object. A sequence of buffers is written back to back (no join copy
         on local disks). ``fsync``: the object's bytes are durable when this returns (its folder
-        entry: after :meth:`sync`; object stores: always, once the PUT returned). ``written()``
-        is called once ``data`` is no longer needed (locally: after the write calls, before the
-        fsync), so its buffer can be reused while the disk catches up."""
+        entry: after :meth:`sync`; object stores: always, once the PUT returned). ``data`` is no
+        longer needed once this returns."""
         raise NotImplementedError
 
     def open_write(self, rel: str, *, durable: bool = False) -> Sink:

@@ -7,7 +7,7 @@ Object stores have no links, no folders and no rename: an object is written whol
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -108,17 +108,12 @@ class FsspecStorage(Storage):
     def makedirs(self, rel: str) -> None:
         """Nothing: object stores have no folders."""
 
-    def put(
-        self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False,
-        written: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+    def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
         with self.storage_errors("write", rel):
             blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
             self.fs.pipe_file(p, bytes(blob))
-        if written is not None:
-            written()
 
     def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
         return _FsspecSink(self, rel)

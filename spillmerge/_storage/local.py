@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -237,10 +237,7 @@ class LocalStorage(Storage):
         with self.storage_errors("create", rel):
             os.makedirs(self.path(rel), exist_ok=True)
 
-    def put(
-        self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False,
-        written: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+    def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
         with self.storage_errors("write", rel):
@@ -248,8 +245,6 @@ class LocalStorage(Storage):
             try:
                 for part in parts:
                     _write_all(fd, part)
-                if written is not None:  # the bytes are in the page cache: the caller's buffer is free
-                    written()
                 if fsync:
                     os.fsync(fd)
             finally:

@@ -4,10 +4,11 @@ journal thread.
 
 Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
   (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
-                     one by one → a flush worker writes it whole, gives its buffer back
-                     (``BufferPool.release``) and fsyncs it (``flush_threads`` in flight,
-                     finishing in any order) → once chunks ``0..N`` are durable, the journal
-                     thread fsyncs their folder and writes ``journal/N`` (entries in chunk
+                     one by one → a flush worker writes it whole and gives its buffer back
+                     (``BufferPool.release``; ``flush_threads`` in flight, finishing in any
+                     order) → once chunks ``0..N`` are written, the journal thread makes them
+                     durable (one group commit: the chunks written since its last one and their
+                     folder, fsynced together) and writes ``journal/N`` (entries in chunk
                      order); ``None`` on the queue ends it.
 """
 
@@ -19,6 +20,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,8 +191,9 @@ class Flusher(threading.Thread):
     ) -> None:  # fmt: skip
         """Uploads go to ``storage`` under ``prefix`` (the segment); ``object_size(chunk)`` says
         how many bytes of a chunk's buffer its object holds (the writer decides: the last chunk
-        of a small spill is stored exactly). ``fsync``: each chunk is fsynced by the worker that
-        wrote it (local disks), so a chunk counts as durable only once it survives a power loss."""
+        of a small spill is stored exactly). ``fsync``: each chunk and its folder are fsynced
+        before a journal entry names it (local disks), so a journal entry lists only bytes that
+        survive a power loss."""
         super().__init__(name=f"spillmerge-flush-r{rank}", daemon=True)
         self.pool, self.storage, self.prefix, self.fsync = pool, storage, prefix, fsync
         self.flush_threads, self.object_size = flush_threads, object_size
@@ -204,9 +207,15 @@ class Flusher(threading.Thread):
         self.n_checks = 0
         """Block checksums computed so far (ids ``0 .. n_checks-1``, in chunk order)."""
         self.error: BaseException | None = None
-        self.durable = 0
-        """Chunks ``0 .. durable-1`` are on storage (uploads finish out of order; this counts in order)."""
-        self.durable_cond = threading.Condition()
+        self.written = 0
+        """Chunks ``0 .. written-1`` are on storage, readable, durable once journaled (uploads
+        finish out of order; this counts in order)."""
+        self.written_cond = threading.Condition()
+        self._synced = 0
+        """Chunks ``0 .. _synced-1`` are fsynced, their folder too (the journal thread's count)."""
+        self._unjournaled: collections.deque[Future[None]] = collections.deque()
+        """Journal entries submitted, not yet written: at most ``flush_threads + n_buffers``
+        chunks are written and not yet durable (the dirty pages a crash may lose)."""
         self._pending: collections.deque[tuple[Chunk, Future[None]]] = collections.deque()
         self._journals: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(flush_threads, thread_name_prefix=f"spillmerge-put-r{rank}")
@@ -257,8 +266,8 @@ class Flusher(threading.Thread):
             for fut in self._journals:
                 if fut.exception() is not None and self.error is None:
                     self.error = fut.exception()
-            with self.durable_cond:  # wake a writer waiting for a chunk that will never land
-                self.durable_cond.notify_all()
+            with self.written_cond:  # wake a writer waiting for a chunk that will never land
+                self.written_cond.notify_all()
 
     def _checksum(self, chunk: Chunk) -> None:
         # Sequential on purpose: a row's CRC is extended chunk by chunk, in order.
@@ -292,13 +301,11 @@ class Flusher(threading.Thread):
         size = self.object_size(chunk)
         if chunk.fill < size:
             buf[chunk.fill : size] = 0
-        # The bytes are durable when this returns (fsync in this worker, beside the others in
-        # flight), their folder entry once ``_journal`` fsynced the folder. The buffer is free
-        # once the bytes are written, before the fsync: write() refills it while the disk flushes.
-        self.storage.put(
-            f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data, fsync=self.fsync,
-            written=lambda: self._release(chunk),
-        )  # fmt: skip
+        # Written, not yet durable: the journal thread fsyncs the chunks written since its last
+        # fsync together (``_journal``). The buffer is free once the bytes are written: write()
+        # refills it while the disk flushes.
+        self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data)
+        self._release(chunk)
 
     def _release(self, chunk: Chunk) -> None:
         """Give ``chunk``'s buffer back to the pool, once (its bytes were written, or never will be)."""
@@ -313,26 +320,45 @@ class Flusher(threading.Thread):
             block = False
             try:
                 fut.result()
-                with self.durable_cond:
-                    self.durable = chunk.number + 1
-                    self.durable_cond.notify_all()
-                done = completed_rows(chunk)  # once, for the progress record and the journal
-                self.progress.durable(chunk.number, done)
+                with self.written_cond:
+                    self.written = chunk.number + 1
+                    self.written_cond.notify_all()
                 if self.error is None:
-                    # Its chunk and every earlier one are durable now; the PUT itself overlaps the
-                    # next uploads, after the earlier entries.
-                    self._journals.append(self._journal_pool.submit(self._journal, chunk, done))
+                    # Its chunk and every earlier one are written now; the journal thread makes
+                    # them durable and journals them while the next uploads run.
+                    journal = self._journal_pool.submit(self._journal, chunk, completed_rows(chunk))
+                    self._journals.append(journal)
+                    self._unjournaled.append(journal)
+                    bound = self.pool.n_buffers  # + flush_threads uploads in flight
+                    while self._unjournaled and (self._unjournaled[0].done() or len(self._unjournaled) > bound):
+                        futures_wait([self._unjournaled.popleft()])
             except BaseException as exc:  # noqa: BLE001
                 self.error = self.error or exc
             finally:
                 self._release(chunk)
 
     def _journal(self, chunk: Chunk, done: np.ndarray) -> None:
-        # Written only after this chunk and every earlier one are durable, so every row it lists
-        # (including rows that started in earlier chunks) can be read back. ``done``:
-        # completed_rows(chunk).
-        if self.fsync:  # the chunk's name too: its folder (the earlier chunks' names with it)
-            self.storage.sync([f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}"], up=False)
+        """Make ``chunk`` and every earlier one durable, then write its journal entry (``done``:
+        ``completed_rows(chunk)``), so every row the entry lists (rows that started in earlier
+        chunks too) can be read back after a power loss."""
+        if self.error is not None:  # an earlier chunk may not be durable: name nothing after it
+            return
+        try:
+            self._journal_durable(chunk, done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
+            self.error = self.error or exc
+            raise
+
+    def _journal_durable(self, chunk: Chunk, done: np.ndarray) -> None:
+        if self.fsync and chunk.number >= self._synced:
+            # One group commit: every chunk written since the last one (this one included) and
+            # their folder (their names), fsynced at once. A disk busy with one commit lets the
+            # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.
+            upto = self.written
+            names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]
+            self.storage.sync(names, up=False)
+            self._synced = upto
+        self.progress.durable(chunk.number, done)
         crc = self.crc
         rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
         rows[:, : FS.COL_CRC] = done[:, 1:]

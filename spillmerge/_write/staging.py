@@ -380,7 +380,7 @@ class Staging:
                             event.synchronize()
                         old = cur.host.numpy()[lo : lo + m]
                     else:
-                        self._wait_durable(c)
+                        self._wait_written(c)
                         if reader is None:  # its own handle cache, closed below
                             reader = Storage(self._storage.url, self._storage.storage_options)
                         old = np.empty(m, dtype=np.uint8)
@@ -393,15 +393,15 @@ class Staging:
                 reader.close()
         return True
 
-    def _wait_durable(self, chunk: int) -> None:
+    def _wait_written(self, chunk: int) -> None:
         """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
         background); raise the flush thread's error if it failed instead."""
         fl = self._fl
-        with fl.durable_cond:
-            while fl.durable <= chunk and fl.error is None and fl.is_alive():
-                fl.durable_cond.wait(0.5)
+        with fl.written_cond:
+            while fl.written <= chunk and fl.error is None and fl.is_alive():
+                fl.written_cond.wait(0.5)
         self.check()
-        if fl.durable <= chunk:  # pragma: no cover - the flush thread ended without an error
+        if fl.written <= chunk:  # pragma: no cover - the flush thread ended without an error
             raise SpillStorageError(f"data chunk {chunk} of {self._path} was never written", path=self._path)
 
     # ------------------------------------------------------------------------------ the end

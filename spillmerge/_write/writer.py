@@ -68,10 +68,10 @@ class SpillWriter(SegmentSteps, MergeSteps):
             :meth:`stats`), ``"first"`` (ignore later writes of a key) or ``"last"`` (a later write
             replaces the earlier one).
         run_id: id shared by all ranks of a job run; defaults to the launcher's id.
-        fsync: on local disks, fsync each data chunk before its journal entry is written and every
-            other object of the segment before the commit record (default True).
-        flush_threads: chunk uploads in flight (default 2 on local disks: one chunk's fsync
-            overlaps the next one's write; 4 on object stores).
+        fsync: on local disks, fsync each data chunk before a journal entry names it (the chunks
+            written since the last fsync together, with their folder) and every other object of
+            the segment before the commit record (default True).
+        flush_threads: chunk uploads in flight (default 2 on local disks; 4 on object stores).
         allow_pickle: store values of no other kind (docs/FORMAT.md section 1) as pickled bytes
             instead of refusing them with :class:`~spillmerge.SpillValueError`; reading them back
             needs ``spillmerge.open(out, allow_pickle=True)``. Off by default: nothing is pickled

@@ -280,8 +280,9 @@ def test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their
 
 
 def test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks(tmp_path):
-    # 4 flush workers, fsync on; chunk 5 is slow, so chunks 6.. are written (and fsynced) before
-    # it: the journal still waits for it, and the kill lands with uploads in flight.
+    # 4 flush workers, fsync on; chunk 5 is slow, so chunks 6.. are written before it: the
+    # journal still waits for it, and the kill lands with uploads in flight. Chunks are fsynced
+    # in groups (each with its folder) by the journal thread, before an entry names them.
     root = tmp_path / "root"
     shutil.copytree(_rank0_root(tmp_path), root)
     log = tmp_path / "events.log"
@@ -290,22 +291,23 @@ def test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_dura
     join_all([p], timeout=120)
     assert p.exitcode == -signal.SIGKILL
     events = log.read_text().splitlines()
-    fsynced: set[int] = set()
-    folder_synced: set[int] = set()  # chunks whose name was in the folder when it was fsynced
+    written: set[int] = set()
+    fsynced: set[int] = set()  # chunks fsynced by a sync that also fsynced their folder
     journals = []
     for e in events:
         kind, rest = e.split(" ", 1)
         if kind == "chunk":
-            c, fsync = rest.split()
-            assert fsync == "True", e
-            fsynced.add(int(c))
+            written.add(int(rest.split()[0]))
         elif kind == "sync" and "/data/c/" in rest:
-            folder_synced |= fsynced
+            *rels, up = rest.split()
+            named = {int(r.rsplit("/", 1)[1]) for r in rels}
+            assert named <= written and up == "False", e  # written before, their own folder
+            fsynced |= named
         elif kind == "journal":
             n = int(rest)
             journals.append(n)
             # Every chunk a journal entry can name (0..n) was fsynced, and so was its folder entry.
-            assert set(range(n + 1)) <= fsynced & folder_synced, (n, sorted(fsynced), sorted(folder_synced))
+            assert set(range(n + 1)) <= fsynced, (n, sorted(fsynced))
     assert journals == list(range(10)), journals  # in chunk order, however the uploads finished
     # Written out of order: a chunk after the slow one landed before it.
     order = [int(e.split()[1]) for e in events if e.startswith("chunk ")]
