@@ -91,7 +91,7 @@ def _flip(path: Path, at: float) -> None:
 @pytest.mark.parametrize("when", ["between parts", "before finalize"])
 @pytest.mark.parametrize(
     "target",
-    ["plan/plan.json", "plan/seg", "plan/names", "plan/name_offsets", "plan/c0.src", "plan/file_offsets",
+    ["plan/plan.json", "plan/seg.0", "plan/names.0", "plan/name_offsets.0", "plan/c0.src.0", "plan/file_offsets.0",
      "part-00000-of-00003.json"],
 )  # fmt: skip
 @pytest.mark.parametrize("at", [0.3, 0.6, 0.95])
@@ -133,7 +133,7 @@ else:
     put = type(Storage(sys.argv[2])).put
     def slow_put(self, rel, data, **k):
         put(self, rel, data, **k)
-        if rel.endswith("plan/frame_idx"):
+        if rel.endswith("plan/frame_idx.0"):
             time.sleep(300)  # some arrays of the plan written, plan.json not yet
     type(Storage(sys.argv[2])).put = slow_put
 spillmerge.merge(sys.argv[1], sys.argv[2], part=(1, 3), chunk_bytes=8192, codec="zstd", plan_dir=sys.argv[4])
@@ -151,7 +151,7 @@ def test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(root), str(out), stage, str(work)])
     deadline = time.monotonic() + 120
-    stored = out / "spillmerge-parts" / "plan" / "frame_idx"
+    stored = out / "spillmerge-parts" / "plan" / "frame_idx.0"
     while not (out.is_dir() and _lease.held(Storage(str(out)), _planstore.PLANNER)) or (
         stage == "store" and not stored.exists()
     ):
@@ -182,7 +182,7 @@ def test_parts_that_disagree_on_an_option_of_the_plan_are_told_which(tmp_path):
     assert rep.parts == 2
 
 
-STORED = ["plan.json", "names", "c0.src"]
+STORED = ["plan.json", "names.0", "c0.src.0"]
 """Stored plan files attacked below: the manifest, the filenames, a column's rows (every array is read alike)."""
 
 
