@@ -193,7 +193,7 @@ class Job:
             got = _planstore.obtain(
                 output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
                 settings={"chunk_bytes": chunk_bytes, "codec": codec}, timeout=options.timeout,
-                may_store=part is not None and not complete,
+                may_store=part is not None and not complete, memory_limit=max(options.plan_budget // 2, 16 << 20),
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)

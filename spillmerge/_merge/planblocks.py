@@ -22,7 +22,8 @@ from .._storage import Storage
 BLOCK_BYTES = 4 << 20
 """About the bytes of one stored block (whole rows of the array)."""
 CACHE_BYTES = 192 << 20
-"""Blocks a plan keeps in memory at most (least recently used go first)."""
+"""Blocks a plan keeps in memory at most by default (least recently used go first); a merge
+keeps half its ``plan_budget``, which a process that reads the plan does not plan with."""
 
 
 class DamagedPlan(CorruptSpillError):

@@ -82,17 +82,19 @@ class Obtained:
 def obtain(
     output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]],
     fingerprint: Callable[[Plan], str], *, settings: dict[str, Any], timeout: float, may_store: bool,
+    memory_limit: int = _blocks.CACHE_BYTES,
 ) -> Obtained:  # fmt: skip
     """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
     plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
     ``planner`` lease. ``fingerprint`` computes it for a stored plan of other settings.
-    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive)."""
+    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
+    ``memory_limit``: the blocks of a stored plan kept in memory at most."""
     notes: list[str] = []
     t0 = time.monotonic()
     delay = 0.05
     where = output.describe(PLAN_DIR)
     while True:
-        found = _read(output, key, segments, notes)
+        found = _read(output, key, segments, notes, memory_limit)
         if found is not None:
             plan, fp, stored_settings = found
             notes.append(f"the plan stored in {where} {READ}")
@@ -104,7 +106,7 @@ def obtain(
                 lease = None
             if lease is not None:
                 with lease:
-                    found = _read(output, key, segments, notes)  # stored while we took the lease
+                    found = _read(output, key, segments, notes, memory_limit)  # stored while we took the lease
                     if found is not None:
                         plan, fp, stored_settings = found
                         notes.append(f"the plan stored in {where} {READ}")
@@ -153,11 +155,11 @@ def rebuild(
 
 
 def _read(
-    output: Storage, key: str, segments: Sequence[Segment], notes: list[str]
+    output: Storage, key: str, segments: Sequence[Segment], notes: list[str], memory_limit: int
 ) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
     try:
-        return load(output, key, segments)
+        return load(output, key, segments, memory_limit=memory_limit)
     except DamagedPlan as exc:
         note = f"the stored plan was not used: {exc}"
         if note not in notes:  # read again at every poll while a planner replaces it
@@ -242,12 +244,15 @@ def remove(output: Storage) -> None:
 # -- reading ---------------------------------------------------------------------------------------
 
 
-def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, str, dict[str, Any]] | None:
+def load(
+    output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int = _blocks.CACHE_BYTES
+) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
     there is none (or one of another key). Its arrays are :class:`~spillmerge._merge.planblocks.StoredArray`:
     a block is read, and checked against its digest, when an index first touches it.
     :class:`DamagedPlan` naming the file when ``plan.json`` or a block read here is missing,
-    fails its digest or does not parse; a block read later raises it where it is read."""
+    fails its digest or does not parse; a block read later raises it where it is read. At most
+    ``memory_limit`` bytes of blocks are kept in memory."""
     try:
         raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
     except SpillMergeError as exc:
@@ -272,7 +277,7 @@ def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, 
         return None  # another spill root's (or policy's) plan: replaced by the next planner
     try:
         specs = body["arrays"]
-        cache = _blocks.BlockCache()
+        cache = _blocks.BlockCache(memory_limit)
 
         def arr(name: str, *, monotonic: bool = False) -> Any:
             return _blocks.StoredArray(output, f"{PLAN_DIR}/{name}", specs[name], cache, bad, monotonic=monotonic)

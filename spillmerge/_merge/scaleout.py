@@ -136,7 +136,7 @@ def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) 
         try:
             return _finalize_locked(job, parts, collective, lease)
         except DamagedPlan as exc:
-            if not job.replan(exc):
+            if "finish" in job.phases or not job.replan(exc):  # the marker written: nothing to redo
                 raise
         return _finalize_locked(job, parts, collective, lease)
 
@@ -207,5 +207,6 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
     _indexchunks.write(output, left, threads=job.threads)
     job.phases["index"] = time.perf_counter() - t
     _opening.finish(job, docs, lease)
+    report = job.report(parts=n)  # before the stored plan goes: the gaps against ``expected`` read it
     _planstore.remove(output)  # the parts are done with it (the output is complete)
-    return job.report(parts=n)
+    return report
