@@ -189,7 +189,7 @@ def build(
     def resolve(rows: dict[str, np.ndarray], names: Sequence[str]) -> tuple[np.ndarray, int]:
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
-    n_index = sum(len(s.index) for s in segments)
+    n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:
         if n_index < _plansql.IN_MEMORY_ROWS:
             srt = _plansql.sort_rows_in_memory(
