@@ -12,7 +12,7 @@ policy; an error must be the same class and message in both; outputs must hold t
 with the same bytes, except two records that carry a time: the root ``zarr.json`` (compared
 without ``created``) and ``spillmerge-complete.json`` (compared without ``finished`` and
 ``written_by``; its ``plan`` fingerprint must agree); with ``--parts``, the part records too
-(without ``finished``, ``host`` and ``pid``). Exit status 1 when anything differs.
+(without ``finished``, ``host``, ``pid`` and the share's ``nbytes``). Exit status 1 when anything differs.
 """
 
 from __future__ import annotations
@@ -129,8 +129,10 @@ def tree(path: str) -> dict[str, Path]:
 def _without_stamps(name: str, raw: bytes) -> object:
     """The record without what says when and by which process it was written."""
     obj = json.loads(raw)
-    if name.startswith("spillmerge-parts/part-"):  # a part's record: when, on which host, which process
-        for key in ("finished", "host", "pid"):
+    if name.startswith("spillmerge-parts/part-"):
+        # a part's record: when, on which host, which process, and its share's bytes (the split of
+        # the output chunks between parts, not the output)
+        for key in ("finished", "host", "pid", "nbytes"):
             obj.pop(key, None)
     elif name == "zarr.json":
         obj.get("attributes", {}).get("spillmerge", {}).pop("created", None)

@@ -1110,9 +1110,9 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------- the stored plan of a merge in parts
     Mutation(
         "stored-plan-array-digest-checked",
-        "spillmerge/_merge/planstore.py",
-        '            if len(data) != nbytes or _digest(data) != spec["blake2b"]:',
-        "            if len(data) != nbytes:",
+        "spillmerge/_merge/planblocks.py",
+        "        if len(data) != nbytes or digest(data) != self._digests[k]:",
+        "        if len(data) != nbytes:",
         ("tests/merge/test_scaleout.py::test_a_stored_plan_pointing_out_of_range_is_never_used",),
         "a stored plan array whose bytes changed (same size) is never used: the plan is built again",
     ),
@@ -1358,6 +1358,22 @@ MUTATIONS: list[Mutation] = [
         ") + 1",
         ("tests/merge/test_copy_checks.py::test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them",),
         "rows are copied where their output offsets say, not back to back as they lie in the spill",
+    ),
+    Mutation(
+        "parts-split-by-key-range",
+        "spillmerge/_merge/copy.py",
+        "        out[min(parts - 1, (2 * done + nb) * parts // max(2 * total, 1))].append(k)",
+        "        out[k % parts].append(k)",
+        ("tests/merge/test_planstore.py::test_each_part_reads_its_share_of_the_stored_plan_and_the_finalize_almost_none",),
+        "a part's output chunks cover one range of keys, so it reads that share of the stored plan",
+    ),
+    Mutation(
+        "damaged-block-in-use-replans",
+        "spillmerge/_merge/opening.py",
+        "        if self.rebuild is None:\n            return False",
+        "        if True:\n            return False",
+        ("tests/merge/test_scaleout.py::test_a_damaged_stored_plan_is_planned_again",),
+        "a stored plan block that fails its digest while a part uses it: the plan is built again, the part redone",
     ),
 ]
 

@@ -115,9 +115,14 @@ def output_orders(
                     sig_id[sk] = len(sigs)
                     sigs.append(sk)
                 lay_sig[i] = sig_id[sk]
-        idx = np.asarray(s.index)
         empty = np.zeros(0, np.int64)
-        if not (lay_sig >= 0).any() or not len(idx):
+        if not (lay_sig >= 0).any():
+            return empty, empty  # no dict out of sorted order here: its index is not read
+        idx = np.asarray(s.index)
+        release = getattr(s, "release", None)
+        if release is not None:
+            release()  # a lazily read segment: one segment's index at a time (idx holds it)
+        if not len(idx):
             return empty, empty
         sig = lay_sig[idx[:, 2]]  # COL_LAYOUT
         sel = np.flatnonzero(sig >= 0)

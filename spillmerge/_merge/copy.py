@@ -1,6 +1,6 @@
 """The byte-copy engine's schedule: the output chunks of the columns' ``values`` (units), written
 by a bounded pool of threads — at most a memory budget of chunks in flight (docs/GUARANTEES.md,
-*Memory*). A merge in parts gives each part a share of the units (``_merge.plan.split``), so no
+*Memory*). A merge in parts gives each part a share of the units (:func:`split`), so no
 two processes ever write the same object. One chunk's copy is ``_merge.outputchunk``."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from .._errors import SpillValueError
 from .._storage import Storage
 from .documents import values_chunk
 from .outputchunk import OutputChunk, PendingBlocks, Unit
@@ -32,6 +34,28 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
             size = (hi - lo) * col.unit_bytes
             out.append(Unit(ci, j, lo, hi, k, max(size, 1)))
     return out
+
+
+def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
+    """Positions in ``every`` (:func:`units`) of the output chunks each of ``parts`` parts writes:
+    the chunks in key order (by where each starts in its column, as a fraction of the column,
+    then by column) cut into ``parts`` runs of about equal bytes. A part's chunks then cover one
+    range of the keys in every column, so it reads only that range of a stored plan
+    (``_merge.planblocks``). A unit is one whole chunk, so no two processes ever write the same
+    object (zarr-python#3682 loses rows when processes share a chunk); every process computes the
+    same split from the same plan."""
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+        raise SpillValueError(f"parts must be a positive int, got {parts!r}")
+    size = [max(plan.columns[c].n_units, 1) for c in range(len(plan.columns))]
+    order = sorted(range(len(every)), key=lambda k: (every[k].lo / size[every[k].column], every[k].column))
+    total = sum(u.nbytes for u in every)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    done = 0
+    for k in order:
+        nb = every[k].nbytes
+        out[min(parts - 1, (2 * done + nb) * parts // max(2 * total, 1))].append(k)
+        done += nb
+    return [sorted(ks) for ks in out]
 
 
 def _done_cb(done: Any, size: int, fut: Future[None]) -> None:

@@ -20,7 +20,8 @@ from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import output as FO
 from .._format.zarr import array_meta
-from .plan import Plan, PlannedColumn, encoded_names
+from .nametable import table_of
+from .plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 15
 """Rows per chunk of the per-file and per-row index arrays (``frame_offsets``, ``frame_idx`` ...,
@@ -88,10 +89,8 @@ def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
     """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
     ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
     of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3
-    implementation (docs/FORMAT.md section 2); the plan's string table (``encoded_names``)."""
-    data, off = encoded_names(filenames)
-    heads, hoff = encoded_names(filenames[::NAME_BLOCK])
-    return {"filenames": data, "filename_offsets": off, "filename_heads": heads, "filename_head_offsets": hoff}
+    implementation (docs/FORMAT.md section 2); the plan's string table."""
+    return table_of(filenames).index_arrays(NAME_BLOCK)
 
 
 def name_sizes(plan: Plan) -> tuple[int, int]:
@@ -156,7 +155,9 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         dim[lst.path] = f"{lst.name}.item"
         nodes[f"lists/{lst.name}"] = GroupMetadata(attributes={"spillmerge": {"list": list(lst.path)}})
         edge = f"{dim[lst.parent]}_edge"
-        nodes[f"lists/{lst.name}/offsets"] = ArrayV3Metadata.from_dict(_dims(_rows_meta(len(lst.offsets), "int64"), [edge]))
+        nodes[f"lists/{lst.name}/offsets"] = ArrayV3Metadata.from_dict(
+            _dims(_rows_meta(len(lst.offsets), "int64"), [edge])
+        )
     for col in plan.columns:
         k = values_chunk(plan, col, chunk_bytes)
         base = f"columns/{col.name}"

@@ -8,9 +8,9 @@ Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
 edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
 bytes zarr writes for the same elements (tests/merge/test_scaleout.py compares every chunk).
 
-Shares: the chunks in a fixed order (array, then chunk), dealt round-robin (chunk ``u`` to part
-``u mod n``), so every part's share is spread over every array and every process computes the
-same shares from the same plan.
+Shares: every array's chunks are cut into ``n`` runs and each part writes one run of each (one
+range of rows of each array, which is what it reads of a stored plan); every process computes
+the same shares from the same plan.
 """
 
 from __future__ import annotations
@@ -110,8 +110,17 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
 
 
 def share(chunks: Sequence[IndexChunk], part: int, parts: int) -> list[IndexChunk]:
-    """Part ``part``'s chunks of ``parts``."""
-    return list(chunks[part::parts])
+    """Part ``part``'s chunks of ``parts``: of each array, one of ``parts`` runs of its chunks
+    (the ``j``-th array's ``q``-th run to part ``(q + j) mod parts``, so the arrays of one chunk
+    are spread over the parts), so a part reads one range of each of a stored plan's arrays."""
+    by_path: dict[str, list[IndexChunk]] = {}
+    for c in chunks:
+        by_path.setdefault(c.path, []).append(c)
+    out = []
+    for j, run in enumerate(by_path.values()):
+        m, q = len(run), (part - j) % parts
+        out += run[m * q // parts : m * (q + 1) // parts]
+    return out
 
 
 def write(output: Storage, chunks: Sequence[IndexChunk], *, threads: int) -> None:

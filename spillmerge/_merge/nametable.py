@@ -15,11 +15,16 @@ class NameTable(Sequence[str]):
     :meth:`search` (a position or -1), and the arrays themselves (:attr:`data`, :attr:`offsets`).
     Equal to any sequence of the same names."""
 
-    def __init__(self, data: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(
+        self, data: np.ndarray, offsets: np.ndarray, *, heads: dict[int, tuple[Any, Any]] | None = None
+    ) -> None:
         self.data = data
         """uint8: the names' bytes back to back."""
         self.offsets = offsets
         """int64 (n + 1,): name i is ``data[offsets[i]:offsets[i + 1]]``, from 0."""
+        self._heads = heads or {}
+        """:meth:`index_arrays`' heads (bytes, offsets) by ``block``, when known (a stored plan
+        carries them: reading every ``block``-th name would touch every block of ``data``)."""
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -71,6 +76,10 @@ class NameTable(Sequence[str]):
     def index_arrays(self, block: int) -> dict[str, np.ndarray]:
         """The output's ``index/filenames``, ``filename_offsets``, ``filename_heads`` and
         ``filename_head_offsets`` (the first name of every ``block``)."""
+        known = self._heads.get(block)
+        if known is not None:
+            return {"filenames": self.data, "filename_offsets": self.offsets, "filename_heads": known[0],
+                    "filename_head_offsets": known[1]}  # fmt: skip
         heads = [self.raw(k) for k in range(0, len(self), block)]
         hoff = np.zeros(len(heads) + 1, dtype=np.int64)
         np.cumsum([len(h) for h in heads], out=hoff[1:])

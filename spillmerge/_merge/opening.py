@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -66,6 +67,20 @@ class Job:
     lease: _lease.Lease | None = None
     """A part's lease, taken before it plans (two runs of one part never plan or write at once)
     and held until :meth:`close`; None for a whole merge and the finalize."""
+    rebuild: Callable[[BaseException], _planstore.Obtained] | None = None
+    """For a plan read from the store: builds it again from the spill root (:meth:`replan`)."""
+
+    def replan(self, damage: BaseException) -> bool:
+        """The stored plan this job reads failed a check while in use (``damage``): plan again
+        from the spill root, then the caller redoes its work. False when the plan was not read
+        from the store (nothing to rebuild: the caller raises)."""
+        if self.rebuild is None:
+            return False
+        got = self.rebuild(damage)
+        self.rebuild = None
+        self.plan, self.fingerprint = got.plan, got.fingerprint
+        self.notes[:] = [n for n in self.notes if _planstore.READ not in n] + got.notes
+        return True
 
     def close(self) -> None:
         """After the merge, whatever its outcome: the storage, then the part's lease."""
@@ -169,6 +184,7 @@ class Job:
             return plan, fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
 
         phases["load"] = 0.0
+        rebuild = None
         if (part is not None or finalize) and not allow_partial:
             # One process plans and stores the plan; the others read it. Salvaged journals
             # (``allow_partial``) are read by every process, which then plans itself.
@@ -177,15 +193,22 @@ class Job:
             got = _planstore.obtain(
                 output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
                 settings={"chunk_bytes": chunk_bytes, "codec": codec}, timeout=options.timeout,
-                may_store=part is not None and not complete,
+                may_store=part is not None and not complete, memory_limit=max(options.plan_budget // 2, 16 << 20),
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)
+            if plan.blocks is not None:  # read from the store: a block may yet fail its digest
+                rebuild = functools.partial(
+                    _planstore.rebuild, output, key, plan_here, settings={"chunk_bytes": chunk_bytes, "codec": codec},
+                    may_store=part is not None and not complete,
+                )  # fmt: skip
         else:
             plan, plan_id = plan_here()
         phases["plan"] = time.perf_counter() - t - phases["load"]
         options = replace(options, codec=codec)
-        return cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
+        job = cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
+        job.rebuild = rebuild
+        return job
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan

@@ -21,6 +21,7 @@ from .._format import spill as FS
 from .._spill.root import check_of, data_ranges, verify_block
 from .._storage import Storage
 from .plan import Plan, PlannedColumn
+from .planblocks import searchsorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +135,8 @@ class OutputChunk:
             zero = np.zeros(len(rows), dtype=np.int64)
             return _Touched(rows, zero, zero + 1, (rows - lo) * ub)
         off = self.off
-        r0 = int(np.searchsorted(off, lo, side="right")) - 1
-        r1 = int(np.searchsorted(off, hi, side="left"))
+        r0 = searchsorted(off, lo, side="right") - 1
+        r1 = searchsorted(off, hi, side="left")
         rows = np.arange(r0, r1, dtype=np.int64)
         a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
@@ -241,7 +242,7 @@ class OutputChunk:
         seg = plan.segments[int(plan.seg[e])]
         where = self.src.describe(f"{seg.seg.rel}/data")
         r = plan.top_row(self.col, r)
-        f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        f = plan.file_of(r)
         in_block = ""
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
@@ -437,7 +438,7 @@ class OutputChunk:
         seg = plan.segments[int(plan.seg[e])]
         where = self.src.describe(f"{seg.seg.rel}/data")
         r = plan.top_row(self.col, r)
-        f = int(np.searchsorted(plan.file_offsets, r, side="right")) - 1
+        f = plan.file_of(r)
         raise CorruptSpillError(
             f"{where}: {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
             f"{F.path_text(self.col.leaf)!r} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",

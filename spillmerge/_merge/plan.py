@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import heapq
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +33,7 @@ from .._spill.root import Extent, LoadedSegment
 from . import plansql as _plansql
 from .nametable import table_of
 from .options import DEFAULT_PLAN_BUDGET
+from .planblocks import searchsorted
 from .plancolumns import (
     ROW_BLOCK,
     Alloc,
@@ -90,6 +90,10 @@ class Plan:
     key_orders: dict[str, Any] | None = None
     """The output header's ``key_orders`` (``_format.keyorder.output_orders``): the dicts' key order,
     from the segments' layouts, kept with the plan so a stored plan carries it too."""
+    total: int | None = None
+    """:attr:`total_bytes` when known (a stored plan carries it), else computed from the rows."""
+    blocks: Any = None
+    """A stored plan's block cache (``_merge.planblocks.BlockCache``: what this process read of it), else None."""
 
     @property
     def n_files(self) -> int:
@@ -101,6 +105,8 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
+        if self.total is not None:
+            return self.total
         total = 0
         for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
             for a in range(0, len(c.src), ROW_BLOCK):
@@ -118,8 +124,12 @@ class Plan:
         domain = F.list_domain(col.leaf)
         for k in range(len(domain) - 1, -1, -1):
             if domain[k] == F.ITEM:
-                r = int(np.searchsorted(offs[domain[: k + 1]], r, side="right")) - 1
+                r = searchsorted(offs[domain[: k + 1]], r, side="right") - 1
         return r
+
+    def file_of(self, r: int) -> int:
+        """The file of output row ``r``."""
+        return searchsorted(self.file_offsets, r, side="right") - 1
 
 
 def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
@@ -179,7 +189,7 @@ def build(
     def resolve(rows: dict[str, np.ndarray], names: Sequence[str]) -> tuple[np.ndarray, int]:
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
-    n_index = sum(len(s.index) for s in segments)
+    n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:
         if n_index < _plansql.IN_MEMORY_ROWS:
             srt = _plansql.sort_rows_in_memory(
@@ -388,19 +398,3 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
                 s = np.asarray(col.src[i : i + ROW_BLOCK])
                 h.update(np.ascontiguousarray(table[s[s >= 0]], dtype="<i8").data)
     return h.hexdigest()
-
-
-def split(weights: Sequence[int], parts: int) -> list[list[int]]:
-    """Positions of the work units (output chunks) each of ``parts`` parts writes: greedy
-    largest-first by bytes (ties: fewest units, then lowest part), so every process computes the
-    same split from the same plan. A unit is one whole chunk, so no two processes ever write the
-    same object (zarr-python#3682 loses rows when processes share a chunk)."""
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise SpillValueError(f"parts must be a positive int, got {parts!r}")
-    heap = [(0, 0, p) for p in range(parts)]
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        load, count, p = heapq.heappop(heap)
-        out[p].append(i)
-        heapq.heappush(heap, (load + weights[i], count + 1, p))
-    return [sorted(units) for units in out]

@@ -75,6 +75,8 @@ class PlannedColumn:
     numeric dtypes (``variant_groups``); None otherwise (the name carries at most the dtype)."""
     offs: np.ndarray | None = None
     """``offsets()`` computed once (a stored plan keeps them), else None."""
+    n_present: int | None = None
+    """:meth:`present` when known (a stored plan carries it), else counted from ``src``."""
 
     @property
     def storage(self) -> str:
@@ -126,6 +128,8 @@ class PlannedColumn:
 
     def present(self) -> int:
         """Rows that have a value (read a block at a time)."""
+        if self.n_present is not None:
+            return self.n_present
         return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
 
     def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:

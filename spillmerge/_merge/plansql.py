@@ -177,6 +177,7 @@ def sort_rows(
     for si, s in enumerate(segments):
         n_names.append(len(s.filenames))
         table = _segment_rows(si, s, layout_ids)
+        s.release()  # one segment's catalog and index in memory at a time
         if table is None:
             continue
         pq.write_table(

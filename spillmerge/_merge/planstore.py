@@ -7,18 +7,19 @@ Protocol:
 1. (every part, the finalize) after the commit barrier: :func:`source_key` of the committed
    segments and the duplicate policy, computed without reading any catalog or index.
 2. (a part) :func:`obtain`: a stored plan of that key whose files all match their hashes is
-   read. None (or a damaged one): the part takes the ``planner`` lease, builds the plan, writes
-   every array as one raw little-endian object and then ``plan.json`` last, atomically. A part
+   found. None (or a damaged one): the part takes the ``planner`` lease, builds the plan, writes
+   every array in blocks (``_merge.planblocks``) and then ``plan.json`` last, atomically. A part
    that finds the lease held waits for the stored plan while its holder is alive (and, with a
    ``timeout``, no longer than that); once nobody holds it, it takes the lease itself. Nobody
    waits on a part's lease for a plan, so no two processes wait on each other.
 3. (the finalize) reads the stored plan the same way, or builds its own without storing it.
 4. (the finalize) removes the folder after the completion marker.
 
-``plan.json`` names each array's dtype, shape and BLAKE2b digest, and carries a digest of its own
-body: a file that fails its digest makes the whole stored plan unusable (it is rebuilt from the
-spill root, which is the truth), never trusted in part. Filenames are stored as UTF-8 bytes and
-offsets; nothing is pickled.
+``plan.json`` names each array's dtype, shape and the BLAKE2b digest of each of its blocks, and
+carries a digest of its own body. A reader fetches a block when its share first touches it; a
+file that fails its digest, then or on opening, makes the whole stored plan unusable (it is
+rebuilt from the spill root, which is the truth, and the work redone: ``Job.replan``), never
+trusted in part. Filenames are stored as UTF-8 bytes and offsets; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError, OutputBusyError, SpillMergeError
+from .._errors import OutputBusyError, SpillMergeError
 from .._format import common as F
 from .._spill.root import LoadedSegment, Segment
 from .._storage import Storage
 from . import lease as _lease
-from .nametable import NameTable
+from . import planblocks as _blocks
+from .documents import NAME_BLOCK
+from .nametable import NameTable, table_of
 from .parts import PARTS_DIR
-from .plan import Plan, PlannedColumn, PlannedList, encoded_names
+from .plan import Plan, PlannedColumn, PlannedList
+from .planblocks import DamagedPlan
 
 PLAN_DIR = f"{PARTS_DIR}/plan"
 MANIFEST = f"{PLAN_DIR}/plan.json"
@@ -48,6 +52,8 @@ MANIFEST_MAX_BYTES = 256 << 20
 PLANNER = "planner"
 """The lease a part holds while it builds and stores the plan."""
 _KIND = "merge-plan"
+READ = "was read, not rebuilt"
+"""In the report's note of a process that read the stored plan."""
 
 
 def source_key(segments: Sequence[Segment], on_duplicate: str) -> str:
@@ -60,10 +66,6 @@ def source_key(segments: Sequence[Segment], on_duplicate: str) -> str:
     for s in segments:
         h.update(json.dumps([s.rel, repr(s.commit)], ensure_ascii=True).encode("ascii"))
     return h.hexdigest()
-
-
-class DamagedPlan(CorruptSpillError):
-    """A stored plan file fails its digest or does not parse (the caller plans again)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,20 +82,22 @@ class Obtained:
 def obtain(
     output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]],
     fingerprint: Callable[[Plan], str], *, settings: dict[str, Any], timeout: float, may_store: bool,
+    memory_limit: int = _blocks.CACHE_BYTES,
 ) -> Obtained:  # fmt: skip
     """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
     plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
     ``planner`` lease. ``fingerprint`` computes it for a stored plan of other settings.
-    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive)."""
+    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
+    ``memory_limit``: the blocks of a stored plan kept in memory at most."""
     notes: list[str] = []
     t0 = time.monotonic()
     delay = 0.05
     where = output.describe(PLAN_DIR)
     while True:
-        found = _read(output, key, segments, notes)
+        found = _read(output, key, segments, notes, memory_limit)
         if found is not None:
             plan, fp, stored_settings = found
-            notes.append(f"the plan stored in {where} was read, not rebuilt")
+            notes.append(f"the plan stored in {where} {READ}")
             return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
         if may_store:
             try:
@@ -102,10 +106,10 @@ def obtain(
                 lease = None
             if lease is not None:
                 with lease:
-                    found = _read(output, key, segments, notes)  # stored while we took the lease
+                    found = _read(output, key, segments, notes, memory_limit)  # stored while we took the lease
                     if found is not None:
                         plan, fp, stored_settings = found
-                        notes.append(f"the plan stored in {where} was read, not rebuilt")
+                        notes.append(f"the plan stored in {where} {READ}")
                         return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
                     plan, fp = plan_here()
                     lease.check()
@@ -124,12 +128,38 @@ def obtain(
     return Obtained(plan, fp, notes)
 
 
+def rebuild(
+    output: Storage, key: str, plan_here: Callable[[], tuple[Plan, str]], damage: BaseException, *,
+    settings: dict[str, Any], may_store: bool,
+) -> Obtained:  # fmt: skip
+    """A stored plan found damaged while in use (a block failed its digest): built here from the
+    spill root, and stored again in place of the damaged one when this process may store and no
+    planner is at work."""
+    notes = [f"the stored plan was not used: {damage}"]
+    where = output.describe(PLAN_DIR)
+    if may_store:
+        try:
+            lease = _lease.Lease.acquire(output, name=PLANNER, role="planner", exclusive=False)
+        except OutputBusyError:
+            lease = None
+        if lease is not None:
+            with lease:
+                plan, fp = plan_here()
+                lease.check()
+                store(output, plan, key, fp, settings)
+                notes.append(f"the plan was built here and stored in {where} for the other parts")
+                return Obtained(plan, fp, notes)
+    plan, fp = plan_here()
+    notes.append("the plan was built here (not stored)")
+    return Obtained(plan, fp, notes)
+
+
 def _read(
-    output: Storage, key: str, segments: Sequence[Segment], notes: list[str]
+    output: Storage, key: str, segments: Sequence[Segment], notes: list[str], memory_limit: int
 ) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
     try:
-        return load(output, key, segments)
+        return load(output, key, segments, memory_limit=memory_limit)
     except DamagedPlan as exc:
         note = f"the stored plan was not used: {exc}"
         if note not in notes:  # read again at every poll while a planner replaces it
@@ -140,33 +170,29 @@ def _read(
 # -- storing ---------------------------------------------------------------------------------------
 
 
-def _digest(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
-
-
 def _body_digest(body: dict[str, Any]) -> str:
-    return _digest(json.dumps(body, sort_keys=True, ensure_ascii=True).encode("ascii"))
+    return _blocks.digest(json.dumps(body, sort_keys=True, ensure_ascii=True).encode("ascii"))
 
 
 def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dict[str, Any]) -> None:
-    """Write ``plan`` under ``PLAN_DIR``, ``plan.json`` last and atomically; on an exception remove
-    what was written (without ``plan.json`` nobody reads it anyway)."""
+    """Write ``plan`` under ``PLAN_DIR``, every array in blocks (``_merge.planblocks``) and
+    ``plan.json`` last and atomically; on an exception remove what was written (without
+    ``plan.json`` nobody reads it anyway)."""
     output.rm_tree(PLAN_DIR)  # another key's plan, or a damaged or half-written one
     output.makedirs(PLAN_DIR)
     try:
         arrays: dict[str, dict[str, Any]] = {}
 
         def put(name: str, a: np.ndarray) -> str:
-            a = np.asarray(a)
-            dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-            raw = np.ascontiguousarray(a, dtype=dt).tobytes()
-            output.put(f"{PLAN_DIR}/{name}", raw)
-            arrays[name] = {"dtype": dt.str, "shape": list(a.shape), "blake2b": _digest(raw)}
+            arrays[name] = _blocks.put_blocks(output, f"{PLAN_DIR}/{name}", a)
             return name
 
-        data, offsets = encoded_names(plan.filenames)
-        put("names", data)
-        put("name_offsets", offsets)
+        table = table_of(plan.filenames)
+        put("names", table.data)
+        put("name_offsets", table.offsets)
+        heads = table.index_arrays(NAME_BLOCK)
+        put("name_heads", heads["filename_heads"])
+        put("name_head_offsets", heads["filename_head_offsets"])
         for attr in ("file_offsets", "frame_idx", "rank", "copies", "file_layout", "seg", "offset", "nbytes", "crc"):
             put(attr, getattr(plan, attr))
         checks = [s.checks for s in plan.segments if s.checks is not None and len(s.checks)]
@@ -178,6 +204,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
                 "shape": None if col.shape is None else list(col.shape),
                 "inner": None if col.inner is None else list(col.inner),
                 "has_valid": col.has_valid, "variant": col.variant, "src": put(f"c{ci}.src", col.src),
+                "present": col.present(),
             }  # fmt: skip
             if col.counts is not None:
                 entry["counts"] = put(f"c{ci}.counts", col.counts)
@@ -192,7 +219,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         body = {
             "key": key, "plan": fingerprint, "settings": settings, "duplicates": plan.duplicates,
             "file_layouts": plan.file_layouts, "columns": columns, "lists": lists, "arrays": arrays,
-            "key_orders": plan.key_orders,
+            "key_orders": plan.key_orders, "total_bytes": plan.total_bytes, "names_per_head": NAME_BLOCK,
             "segments": [
                 {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "salvaged": s.salvaged,
                  "n_checks": 0 if s.checks is None else len(s.checks)}
@@ -217,10 +244,15 @@ def remove(output: Storage) -> None:
 # -- reading ---------------------------------------------------------------------------------------
 
 
-def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, str, dict[str, Any]] | None:
+def load(
+    output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int = _blocks.CACHE_BYTES
+) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
-    there is none (or one of another key). :class:`DamagedPlan` naming the file when a file is
-    missing, fails its digest or does not parse."""
+    there is none (or one of another key). Its arrays are :class:`~spillmerge._merge.planblocks.StoredArray`:
+    a block is read, and checked against its digest, when an index first touches it.
+    :class:`DamagedPlan` naming the file when ``plan.json`` or a block read here is missing,
+    fails its digest or does not parse; a block read later raises it where it is read. At most
+    ``memory_limit`` bytes of blocks are kept in memory."""
     try:
         raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
     except SpillMergeError as exc:
@@ -245,25 +277,13 @@ def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, 
         return None  # another spill root's (or policy's) plan: replaced by the next planner
     try:
         specs = body["arrays"]
+        cache = _blocks.BlockCache(memory_limit)
 
-        def arr(name: str) -> np.ndarray:
-            spec = specs[name]
-            rel = f"{PLAN_DIR}/{name}"
-            dt = np.dtype(spec["dtype"])
-            shape = tuple(int(x) for x in spec["shape"])
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            try:
-                data = output.get(rel, max_bytes=nbytes)
-            except FileNotFoundError:
-                raise bad(rel, "missing") from None
-            except SpillMergeError as exc:
-                raise bad(rel, str(exc)) from None
-            if len(data) != nbytes or _digest(data) != spec["blake2b"]:
-                raise bad(rel, "fails its digest in plan.json: the stored plan is damaged")
-            return np.frombuffer(data, dtype=dt).reshape(shape)
+        def arr(name: str, *, monotonic: bool = False) -> Any:
+            return _blocks.StoredArray(output, f"{PLAN_DIR}/{name}", specs[name], cache, bad, monotonic=monotonic)
 
         by_rel = {s.rel: s for s in segments}
-        checks = arr("checks")
+        checks = np.asarray(arr("checks")[:])  # a few rows per data block of the spill: read whole
         segs, c0 = [], 0
         for s in body["segments"]:
             if s["rel"] not in by_rel:
@@ -271,7 +291,12 @@ def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, 
             n = int(s["n_checks"])
             segs.append(
                 LoadedSegment(
-                    by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), bool(s["salvaged"]),
+                    by_rel[s["rel"]],
+                    [],
+                    [],
+                    np.zeros((0, 6), np.int64),
+                    int(s["chunk_bytes"]),
+                    bool(s["salvaged"]),
                     checks=np.asarray(checks[c0 : c0 + n]) if n else None,
                 )  # fmt: skip
             )
@@ -280,23 +305,37 @@ def load(output: Storage, key: str, segments: Sequence[Segment]) -> tuple[Plan, 
         for c in body["columns"]:
             columns.append(
                 PlannedColumn(
-                    c["name"], tuple(c["leaf"]), c["kind"], c["dtype"], int(c["ndim"]),
+                    c["name"],
+                    tuple(c["leaf"]),
+                    c["kind"],
+                    c["dtype"],
+                    int(c["ndim"]),
                     None if c["shape"] is None else tuple(c["shape"]),
                     None if c["inner"] is None else tuple(c["inner"]),
-                    arr(c["src"]), arr(c["counts"]) if "counts" in c else None,
-                    arr(c["shapes"]) if "shapes" in c else None, bool(c["has_valid"]),
-                    c["variant"], arr(c["offsets"]) if "offsets" in c else None,
+                    arr(c["src"]),
+                    arr(c["counts"]) if "counts" in c else None,
+                    arr(c["shapes"]) if "shapes" in c else None,
+                    bool(c["has_valid"]),
+                    c["variant"],
+                    arr(c["offsets"], monotonic=True) if "offsets" in c else None,
+                    n_present=int(c["present"]),
                 )  # fmt: skip
             )
-        lists = [PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"])) for lst in body["lists"]]
-        data, offs = arr("names"), arr("name_offsets")
-        if len(offs) < 1 or offs[0] != 0 or np.any(np.diff(offs) < 0) or offs[-1] != len(data):
+        lists = [
+            PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"], monotonic=True)) for lst in body["lists"]
+        ]
+        data, offs = arr("names"), arr("name_offsets", monotonic=True)
+        if len(offs) < 1 or offs[0] != 0 or offs[-1] != len(data):
             raise bad(f"{PLAN_DIR}/name_offsets", "offsets not rising from 0 to the names' bytes")
-        names = NameTable(data, offs)  # decoded when asked for: no Python string per name
+        if int(body["names_per_head"]) != NAME_BLOCK:
+            raise bad(MANIFEST, f"names_per_head {body['names_per_head']!r} is not {NAME_BLOCK}")
+        heads = (arr("name_heads"), arr("name_head_offsets", monotonic=True))
+        names = NameTable(data, offs, heads={NAME_BLOCK: heads})  # decoded when asked for
         plan = Plan(
-            names, arr("file_offsets"), arr("frame_idx"), arr("rank"), arr("copies"), arr("file_layout"),
-            [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"), arr("nbytes"),
-            arr("crc"), int(body["duplicates"]), lists, body.get("key_orders"),
+            names, arr("file_offsets", monotonic=True), arr("frame_idx"), arr("rank"), arr("copies"),
+            arr("file_layout"), [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"),
+            arr("nbytes"), arr("crc"), int(body["duplicates"]), lists, body.get("key_orders"),
+            total=int(body["total_bytes"]), blocks=cache,
         )  # fmt: skip
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")

@@ -18,9 +18,10 @@ from . import opening as _opening
 from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
-from .copy import units
+from .copy import split, units
 from .outputchunk import Unit
-from .plan import fingerprint, split
+from .plan import fingerprint
+from .planblocks import DamagedPlan
 from .report import MergeReport
 
 
@@ -30,11 +31,21 @@ def merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) ->
     Touches nothing another part of the same plan owns: the shared nodes (index, groups,
     consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
     its own records, a completion marker (``overwrite``) and records of another plan
-    (``overwrite``)."""
+    (``overwrite``). A stored plan that fails a check while in use is built again and the part
+    redone: nothing of a damaged plan is trusted."""
+    try:
+        return _merge_part(job, part, rank=rank)
+    except DamagedPlan as exc:
+        if not job.replan(exc):
+            raise
+    return _merge_part(job, part, rank=rank)
+
+
+def _merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) -> MergeReport:
     i, n = part
     output = job.output
     every = units(job.plan, job.options.chunk_bytes)
-    mine = [every[k] for k in split([u.nbytes for u in every], n)[i]]
+    mine = [every[k] for k in split(job.plan, every, n)[i]]
     _output.check_claimable(output)
     output.makedirs("")
     # Two runs of the same part never write at once. A part took its lease before planning and
@@ -122,6 +133,11 @@ def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) 
         )
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
+        try:
+            return _finalize_locked(job, parts, collective, lease)
+        except DamagedPlan as exc:
+            if "finish" in job.phases or not job.replan(exc):  # the marker written: nothing to redo
+                raise
         return _finalize_locked(job, parts, collective, lease)
 
 
@@ -191,5 +207,6 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
     _indexchunks.write(output, left, threads=job.threads)
     job.phases["index"] = time.perf_counter() - t
     _opening.finish(job, docs, lease)
+    report = job.report(parts=n)  # before the stored plan goes: the gaps against ``expected`` read it
     _planstore.remove(output)  # the parts are done with it (the output is complete)
-    return job.report(parts=n)
+    return report

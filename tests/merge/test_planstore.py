@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _mp_scenarios import output_tree, tree_diff
 from test_scaleout import OPTS, _spill
@@ -91,7 +92,7 @@ def _flip(path: Path, at: float) -> None:
 @pytest.mark.parametrize("when", ["between parts", "before finalize"])
 @pytest.mark.parametrize(
     "target",
-    ["plan/plan.json", "plan/seg", "plan/names", "plan/name_offsets", "plan/c0.src", "plan/file_offsets",
+    ["plan/plan.json", "plan/seg.0", "plan/names.0", "plan/name_offsets.0", "plan/c0.src.0", "plan/file_offsets.0",
      "part-00000-of-00003.json"],
 )  # fmt: skip
 @pytest.mark.parametrize("at", [0.3, 0.6, 0.95])
@@ -133,7 +134,7 @@ else:
     put = type(Storage(sys.argv[2])).put
     def slow_put(self, rel, data, **k):
         put(self, rel, data, **k)
-        if rel.endswith("plan/frame_idx"):
+        if rel.endswith("plan/frame_idx.0"):
             time.sleep(300)  # some arrays of the plan written, plan.json not yet
     type(Storage(sys.argv[2])).put = slow_put
 spillmerge.merge(sys.argv[1], sys.argv[2], part=(1, 3), chunk_bytes=8192, codec="zstd", plan_dir=sys.argv[4])
@@ -151,7 +152,7 @@ def test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(root), str(out), stage, str(work)])
     deadline = time.monotonic() + 120
-    stored = out / "spillmerge-parts" / "plan" / "frame_idx"
+    stored = out / "spillmerge-parts" / "plan" / "frame_idx.0"
     while not (out.is_dir() and _lease.held(Storage(str(out)), _planstore.PLANNER)) or (
         stage == "store" and not stored.exists()
     ):
@@ -182,7 +183,7 @@ def test_parts_that_disagree_on_an_option_of_the_plan_are_told_which(tmp_path):
     assert rep.parts == 2
 
 
-STORED = ["plan.json", "names", "c0.src"]
+STORED = ["plan.json", "names.0", "c0.src.0"]
 """Stored plan files attacked below: the manifest, the filenames, a column's rows (every array is read alike)."""
 
 
@@ -236,3 +237,51 @@ def test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_fo
         if r["seconds"] > 15:
             bad.append(f"{case_id}: took {r['seconds']} s")
     assert not bad, "\n".join(bad)
+
+
+def test_each_part_reads_its_share_of_the_stored_plan_and_the_finalize_almost_none(tmp_path, monkeypatch):
+    """The stored plan in small blocks (the arrays of 6,000 keys in ~90 blocks each): each of 4
+    parts fetches about a quarter of the row table's and the index arrays' blocks, every block
+    is fetched about once over all the parts, the finalize fetches a few, and the output is a
+    whole merge's bytes."""
+    from spillmerge._merge import planblocks
+
+    monkeypatch.setattr(planblocks, "BLOCK_BYTES", 512)
+    root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
+    n, world = 6000, 2
+    for r in range(world):
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=world, chunk_bytes=1 << 16) as w:
+            keys = list(range(r, n, world))
+            w.write_batch(
+                [f"img/{k:06d}.jpg" for k in keys],
+                {"emb": np.arange(len(keys) * 8, dtype=np.float16).reshape(-1, 8), "label": np.array(keys)},
+            )
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    fetched: dict[str, list[tuple[str, int]]] = {}
+    block = planblocks.StoredArray.block
+
+    def spy(self, k):
+        if self._cache.get((self._rel, k)) is None:
+            fetched.setdefault(who, []).append((self._rel.rsplit("/", 1)[1], k))
+        return block(self, k)
+
+    monkeypatch.setattr(planblocks.StoredArray, "block", spy)
+    for i in (1, 0, 2, 3):  # part 1 builds and stores the plan; the others read it
+        who = f"part {i}"
+        rep = spillmerge.merge(str(root), str(out), part=(i, 4), **OPTS)  # type: ignore[arg-type]
+        assert any(("built here" if i == 1 else _planstore.READ) in m for m in rep.notes), rep.notes
+    specs = json.loads((out / "spillmerge-parts" / "plan" / "plan.json").read_text())["body"]["arrays"]
+    who = "finalize"
+    spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    for name in ("seg", "offset", "nbytes", "crc", "c0.src", "c1.src", "frame_idx", "rank", "names", "name_offsets"):
+        blocks = len(specs[name]["blake2b"])
+        assert blocks >= 40, (name, blocks)
+        got = {p: len({k for a, k in fetched.get(p, []) if a == name}) for p in ("part 0", "part 2", "part 3")}
+        if name in ("seg", "offset", "nbytes", "crc", "c0.src", "c1.src"):  # what the copy reads
+            for p, k in got.items():
+                assert 0 < k <= blocks // 4 + 3, (name, p, k, blocks)  # a quarter and the edges
+        # an index array of one chunk is one part's to write (it reads that array whole)
+        assert sum(got.values()) <= blocks + 6, (name, got, blocks)  # and the first and last, checked
+    finals = fetched.get("finalize", [])
+    assert len(finals) <= 12, finals  # the names' last offsets, a list's or column's last offset

@@ -228,10 +228,10 @@ def test_a_damaged_stored_plan_is_planned_again(tmp_path):
     _spill(root, world=2, files=4, frames=4)
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
-    seg = out / "spillmerge-parts" / "plan" / "seg"
+    seg = out / "spillmerge-parts" / "plan" / "seg.0"
     seg.write_bytes(seg.read_bytes()[:-8])  # a torn array: it fails its digest, never used
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
-    assert any(n.startswith("the stored plan was not used:") and "plan/seg" in n for n in rep.notes), rep.notes
+    assert any(n.startswith("the stored plan was not used:") and "plan/seg.0" in n for n in rep.notes), rep.notes
     assert any("built here and stored" in n for n in rep.notes), rep.notes
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert any("was read, not rebuilt" in n for n in rep.notes)
@@ -253,17 +253,17 @@ def test_a_stored_plan_pointing_out_of_range_is_never_used(tmp_path):
     _spill(root, world=2, files=4, frames=4)
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
-    seg = out / "spillmerge-parts" / "plan" / "seg"
+    seg = out / "spillmerge-parts" / "plan" / "seg.0"
     raw = np.frombuffer(seg.read_bytes(), dtype=np.uint8).copy()
     raw[:] = 0x7F  # the same size, every segment number far past the segments there are
     seg.write_bytes(raw.tobytes())
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
-    assert any("plan/seg: fails its digest" in n for n in rep.notes), rep.notes
+    assert any("plan/seg.0: fails its digest" in n for n in rep.notes), rep.notes
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
 
 
-@pytest.mark.parametrize("target", ["plan.json", "seg"])
+@pytest.mark.parametrize("target", ["plan.json", "seg.0"])
 @pytest.mark.parametrize("attack", ["fifo", "link out of the root", "dev zero", "oversized"])
 def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, attack):
     # The stored plan is one more object kind in the output (docs/GUARANTEES.md, threat model):
