@@ -1191,8 +1191,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "key-order-clashing-files-walked-in-row-order",
         "spillmerge/_format/keyorder.py",
-        "        if clash:\n            clashing.add(k)",
-        "        pass",
+        "                    mask_eid[m] = -1 if clash else eid(spec)",
+        "                    mask_eid[m] = eid(spec)",
         ("tests/merge/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
         "a file whose frames hold one dict in different orders takes the order of the frame written first",
     ),
