@@ -1359,6 +1359,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/merge/test_copy_checks.py::test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them",),
         "rows are copied where their output offsets say, not back to back as they lie in the spill",
     ),
+    Mutation(
+        "key-order-runs-carried-across-blocks",
+        "spillmerge/_format/keyorder.py",
+        "            if runs and runs[-1][1] == f0 and runs[-1][2] == e:  # a run goes on across the block's edge",
+        "            if False:",
+        ("tests/merge/test_plan_blocks.py::test_key_orders_are_the_same_whatever_the_block_size",),
+        "a run of files of one key order goes on across the edge of output_orders' blocks of files",
+    ),
 ]
 
 
