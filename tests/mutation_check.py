@@ -1191,8 +1191,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "key-order-clashing-files-walked-in-row-order",
         "spillmerge/_format/keyorder.py",
-        "        if clash:\n            clashing.add(k)",
-        "        pass",
+        "                    mask_eid[m] = -1 if clash else eid(spec)",
+        "                    mask_eid[m] = eid(spec)",
         ("tests/merge/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
         "a file whose frames hold one dict in different orders takes the order of the frame written first",
     ),
@@ -1374,6 +1374,14 @@ MUTATIONS: list[Mutation] = [
         "        if True:\n            return False",
         ("tests/merge/test_scaleout.py::test_a_damaged_stored_plan_is_planned_again",),
         "a stored plan block that fails its digest while a part uses it: the plan is built again, the part redone",
+    ),
+    Mutation(
+        "key-order-runs-carried-across-blocks",
+        "spillmerge/_format/keyorder.py",
+        "            if runs and runs[-1][1] == f0 and runs[-1][2] == e:  # a run goes on across the block's edge",
+        "            if False:",
+        ("tests/merge/test_plan_blocks.py::test_key_orders_are_the_same_whatever_the_block_size",),
+        "a run of files of one key order goes on across the edge of output_orders' blocks of files",
     ),
 ]
 

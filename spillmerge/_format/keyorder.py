@@ -20,7 +20,7 @@ at that path; keys of the dict with no recorded position follow, sorted.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -84,162 +84,228 @@ def _compress(spec: dict[Path, list[str]]) -> list[list[Any]]:
     return out
 
 
+BLOCK = 1 << 18
+"""Files, and index rows, per step of :func:`output_orders`' loops: a temporary is 2 MiB of int64
+at most, whatever the number of files."""
+
+Alloc = Callable[..., np.ndarray]
+"""``new(name, shape, dtype)``: a new array of zeros (the plan's: a map of a file of its work
+folder when large, so a per-file array is not anonymous memory)."""
+
+
+def _in_memory(name: str, shape: Any, dtype: Any, fill: int | None = None) -> np.ndarray:
+    return np.full(shape, 0 if fill is None else fill, dtype=dtype)
+
+
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """The distinct values of ``a``, sorted (by a sort: numpy 2's hashing ``np.unique`` is slower)."""
+    v = np.sort(a)
+    return v[np.concatenate(([True], v[1:] != v[:-1]))] if len(v) > 1 else v
+
+
+def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
+    for a in range(0, n, block):
+        yield a, min(n, a + block)
+
+
 def output_orders(
-    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None
-) -> dict[str, Any] | None:
+    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None,
+    *, new: Alloc = _in_memory, block: int | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
     None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
     segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
-    knows them (the plan does); else they are looked up.
+    knows them (the plan does); else they are looked up (a table of every filename).
 
     A file's orders follow from the distinct positioned layouts its rows use. Where those never
     give one key two positions, the order of the rows does not matter: each file's set of
-    layouts is a bit mask (numpy, no sort), and a spec is built in Python once per run of files
-    with one mask. Only files whose layouts disagree on a position are walked in row order
-    (segment by segment, then row order: the first row decides)."""
+    layouts is a bit mask (numpy, no sort), and a spec is built in Python once per distinct
+    mask. Files whose layouts disagree on a position, and every file when there are more
+    layouts than bits, are walked in row order (segment by segment, then row order: the first
+    row decides) through states: each file's order so far, numbered, and each (state, layout)
+    step built once. Index rows and files go ``block`` (default :data:`BLOCK`) at a time; the
+    per-file masks and states come from ``new``, so what this holds in memory beyond its
+    output (the runs, and the distinct masks and states) does not grow with the files."""
+    step = block or BLOCK
+    n_files = len(filenames)
     sig_id: dict[tuple[Path, tuple[int, ...]], int] = {}
     sigs: list[tuple[Path, tuple[int, ...]]] = []
-    lookup: dict[str, int] | None = None
-    n_files = len(filenames)
-
-    def rows(si: int, s: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Segment ``s``'s rows of positioned layouts, in row order: their files and layouts."""
-        nonlocal lookup
+    lay_sigs: list[np.ndarray] = []  # per segment: each layout's number, -1 when it has no pos
+    for s in segments:  # every positioned layout numbered, in segment order
         lay_sig = np.full(len(s.layouts), -1, dtype=np.int64)
         for i, lay in enumerate(s.layouts):
             pos = getattr(lay, "pos", None)
             if pos is not None:
-                sk = (tuple(lay.leaf), tuple(pos))
-                if sk not in sig_id:
-                    sig_id[sk] = len(sigs)
-                    sigs.append(sk)
-                lay_sig[i] = sig_id[sk]
-        empty = np.zeros(0, np.int64)
-        if not (lay_sig >= 0).any():
-            return empty, empty  # no dict out of sorted order here: its index is not read
-        idx = np.asarray(s.index)
-        release = getattr(s, "release", None)
-        if release is not None:
-            release()  # a lazily read segment: one segment's index at a time (idx holds it)
-        if not len(idx):
-            return empty, empty
-        sig = lay_sig[idx[:, 2]]  # COL_LAYOUT
-        sel = np.flatnonzero(sig >= 0)
-        if not len(sel):
-            return empty, empty
-        if file_ids is not None:
-            fmap = np.asarray(file_ids[si], dtype=np.int64)
-        else:
-            if lookup is None:
-                lookup = {name: k for k, name in enumerate(filenames)}
-            fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
-        g = fmap[idx[sel, 0]]  # COL_FILE
-        ok = g >= 0
-        return g[ok], sig[sel][ok]
+                lay_sig[i] = sig_id.setdefault((tuple(lay.leaf), tuple(pos)), len(sig_id))
+                if lay_sig[i] == len(sigs):
+                    sigs.append((tuple(lay.leaf), tuple(pos)))
+        lay_sigs.append(lay_sig)
+    if not sigs or not n_files:
+        return None
+    n_sigs = len(sigs)
+    lookup: dict[str, int] | None = None
 
-    def spec_of(seq: Sequence[int]) -> tuple[list[list[Any]], bool]:
-        """The entry of a file whose layouts are ``seq`` (in row order), and whether two of them
-        give one key different positions (the first one then decides)."""
-        spec: dict[Path, dict[str, int]] = {}
-        clash = False
-        for sg in seq:
+    def rows() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The rows of positioned layouts, in merge order, a block at a time: their files and layouts."""
+        nonlocal lookup
+        for si, s in enumerate(segments):
+            lay_sig = lay_sigs[si]
+            if not (lay_sig >= 0).any():
+                continue  # no dict out of sorted order here: its index is not read
+            idx = s.index
+            release = getattr(s, "release", None)
+            if release is not None:
+                release()  # a lazily read segment: one segment's index at a time (idx holds it)
+            if not len(idx):
+                continue
+            if file_ids is not None:
+                fmap = np.asarray(file_ids[si], dtype=np.int64)
+            else:
+                if lookup is None:
+                    lookup = {name: k for k, name in enumerate(filenames)}
+                fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
+            for a, b in _spans(len(idx), step):
+                ib = np.asarray(idx[a:b])
+                sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
+                sel = np.flatnonzero(sig >= 0)
+                g = fmap[ib[sel, 0]]  # COL_FILE
+                ok = g >= 0
+                if ok.any():
+                    yield g[ok], sig[sel][ok]
+
+    # a file's state: its spec so far (path -> key -> position, the first row's wins), numbered
+    specs: list[Spec] = []
+    state_of: dict[Any, int] = {}
+    moves: dict[tuple[int, int], int] = {}
+
+    def move(s: int, sg: int) -> int:
+        """The state after state ``s`` (-1: nothing yet) meets layout ``sg``."""
+        got = moves.get((s, sg))
+        if got is None:
+            spec = {path: dict(keys) for path, keys in specs[s].items()} if s >= 0 else {}
             leaf, pos = sigs[sg]
             for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
                 if p >= 0:
-                    clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
-        return _compress({path: _in_order(keys) for path, keys in spec.items()}), clash
+                    spec.setdefault(leaf[:j], {}).setdefault(seg, p)
+            key = tuple(sorted((path, tuple(sorted(keys.items()))) for path, keys in spec.items()))
+            got = state_of.setdefault(key, len(specs))
+            if got == len(specs):
+                specs.append(spec)
+            moves[(s, sg)] = got
+        return got
 
-    def per_segment() -> Any:
-        """Each segment's :func:`rows`, one segment's at a time (all of them at once would be two
-        int64 arrays of every index row)."""
-        return (rows(si, s) for si, s in enumerate(segments)) if n_files else iter(())
+    def walk(only: np.ndarray | None) -> np.ndarray:
+        """Each file's state + 1 (0: no positioned row) after its rows in merge order; ``only``:
+        the masks of the files to walk (None: every file)."""
+        state = new("key_states", n_files, np.int64)
+        for g, sg in rows():
+            if only is not None:
+                keep = np.isin(np.asarray(masks[g]), only)
+                g, sg = g[keep], sg[keep]
+            if not len(g):
+                continue
+            _, first = np.unique(g * n_sigs + sg, return_index=True)  # each (file, layout)'s first row
+            first.sort()
+            pg, ps = g[first], sg[first]
+            # the k-th distinct layout of a file in this block goes in step k: one state per file a step
+            by_file = np.argsort(pg, kind="stable")
+            fs = pg[by_file]
+            head = np.flatnonzero(np.concatenate(([True], fs[1:] != fs[:-1])))
+            kth = np.empty(len(pg), dtype=np.int64)
+            kth[by_file] = np.arange(len(pg)) - np.repeat(head, np.diff(np.append(head, len(pg))))
+            by_k = np.argsort(kth, kind="stable")
+            ends = np.searchsorted(kth[by_k], np.arange(int(kth.max()) + 1), side="right")
+            for a, b in zip(np.concatenate(([0], ends[:-1])).tolist(), ends.tolist(), strict=True):
+                f, sgk = pg[by_k[a:b]], ps[by_k[a:b]]
+                u, inv = np.unique(np.asarray(state[f]) * n_sigs + sgk, return_inverse=True)
+                nxt = [move(int(c) // n_sigs - 1, int(c) % n_sigs) + 1 for c in u.tolist()]
+                state[f] = np.array(nxt, dtype=np.int64)[inv]
+        return state
 
-    for s in segments:  # every positioned layout numbered first, in segment order, as rows() does
-        for lay in s.layouts:
-            pos = getattr(lay, "pos", None)
-            if pos is not None and (tuple(lay.leaf), tuple(pos)) not in sig_id:
-                sig_id[(tuple(lay.leaf), tuple(pos))] = len(sigs)
-                sigs.append((tuple(lay.leaf), tuple(pos)))
-    if not sigs or not n_files:
-        return None
-    wide = len(sigs) > 62
-    # each file's layouts: a bit mask (up to 62 distinct layouts), else their sorted ids
-    masks = np.zeros(n_files if not wide else 0, dtype=np.int64)
-    sets: dict[int, set[int]] = {}
-    any_rows = False
-    for g, sig in per_segment():
-        any_rows = any_rows or bool(len(g))
-        if not wide:
-            np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sig))
-        elif len(g):  # each distinct (file, layout) pair once (by a sort), then per pair
-            u = np.sort(g * len(sigs) + sig)
-            u = u[np.concatenate(([True], u[1:] != u[:-1]))]
-            for f, sg in zip((u // len(sigs)).tolist(), (u % len(sigs)).tolist(), strict=True):
-                sets.setdefault(f, set()).add(sg)
-    if not any_rows:
-        return None
-    if not wide:
-        files = np.flatnonzero(masks)
-        fmask = masks[files]
-        change = np.ones(len(files), dtype=bool)
-        change[1:] = fmask[1:] != fmask[:-1]
-        keys: dict[int, Any] = {
-            int(f): int(m) for f, m in zip(files[change].tolist(), fmask[change].tolist(), strict=True)
-        }
-        members = {m: [b for b in range(len(sigs)) if (m >> b) & 1] for m in set(keys.values())}
+    eid_of: dict[str, int] = {}  # each distinct entry by its repr, numbered as met
+    entries: list[list[list[Any]]] = []
+
+    def eid(entry: list[list[Any]]) -> int:
+        got = eid_of.setdefault(repr(entry), len(entries))
+        if got == len(entries):
+            entries.append(entry)
+        return got
+
+    state_eid: dict[int, int] = {}
+
+    def eids_of_states(st: np.ndarray) -> np.ndarray:
+        u = _distinct(st)
+        for s in u.tolist():
+            if s not in state_eid:
+                spec = specs[s - 1]
+                state_eid[s] = eid(_compress({path: _in_order(keys) for path, keys in spec.items()}))
+        return np.array([state_eid[s] for s in u.tolist()], dtype=np.int64)[np.searchsorted(u, st)]
+
+    wide = n_sigs > 62
+    mask_eid: dict[int, int] = {}  # -1: its layouts clash
+    if not wide:  # each file's layouts: a bit mask
+        masks = new("key_masks", n_files, np.int64)
+        for g, sg in rows():
+            np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sg))
+        for a, b in _spans(n_files, step):
+            for m in _distinct(np.asarray(masks[a:b])).tolist():
+                if m and m not in mask_eid:
+                    spec, clash = _spec_of([sigs[k] for k in range(n_sigs) if (m >> k) & 1])
+                    mask_eid[m] = -1 if clash else eid(spec)
+        clashing = np.array(sorted(m for m, e in mask_eid.items() if e < 0), dtype=np.int64)
+        states = walk(clashing) if len(clashing) else None
     else:
-        files = np.array(sorted(sets), dtype=np.int64)
-        change = np.ones(len(files), dtype=bool)
-        members = {}
-        keys = {}
-        for f in files.tolist():
-            k = tuple(sorted(sets[f]))
-            keys[f] = k
-            members[k] = list(k)
-    # the key of each change point (a file whose layouts differ from the file's before it)
-    cp_key = [keys[f] for f in files[change].tolist()]
-    entries: dict[Any, list[list[Any]]] = {}
-    clashing: set[Any] = set()
-    for k, seq in members.items():
-        entries[k], clash = spec_of(seq)
-        if clash:
-            clashing.add(k)
-    ordered: dict[int, list[int]] = {}
-    if clashing:  # files whose layouts clash are walked in row order, each its own change point
-        walk = np.zeros(n_files, dtype=bool)
-        in_clash = np.array([k in clashing for k in cp_key], dtype=bool)
-        walk[files[in_clash[np.cumsum(change) - 1]]] = True
-        # their rows in merge order; each (file, layout)'s first row; per file, by that row
-        pairs = [(g[walk[g]], sig[walk[g]]) for g, sig in per_segment()]
-        wf = np.concatenate([g for g, _ in pairs])
-        ws = np.concatenate([sig for _, sig in pairs])
-        _, at = np.unique(wf * len(sigs) + ws, return_index=True)
-        at = at[np.lexsort((at, wf[at]))]
-        for f, sg in zip(wf[at].tolist(), ws[at].tolist(), strict=True):
-            ordered.setdefault(f, []).append(sg)
-        change = change | walk[files]
-        keys = {**keys, **{f: None for f in ordered}}
-    orders: list[list[list[Any]]] = []
-    ids: dict[str, int] = {}
-    cp_oid = []
-    for f in files[change].tolist():
-        entry = spec_of(ordered[f])[0] if f in ordered else entries[keys[f]]
-        key = repr(entry)
-        got = ids.get(key)
-        if got is None:
-            got = ids[key] = len(orders)
-            orders.append(entry)
-        cp_oid.append(got)
-    oid = np.array(cp_oid, dtype=np.int64)[np.cumsum(change) - 1]
-    brk = np.ones(len(files), dtype=bool)
-    brk[1:] = (files[1:] != files[:-1] + 1) | (oid[1:] != oid[:-1])
-    first = np.flatnonzero(brk)
-    last = np.append(first[1:], len(files)) - 1
-    runs = [
-        [a, b + 1, o] for a, b, o in zip(files[first].tolist(), files[last].tolist(), oid[first].tolist(), strict=True)
-    ]
+        states = walk(None)
+    runs: list[list[int]] = []
+    for a, b in _spans(n_files, step):
+        if wide:
+            assert states is not None
+            st = np.asarray(states[a:b])
+            files = np.flatnonzero(st)
+            fe = eids_of_states(st[files])
+        else:
+            mb = np.asarray(masks[a:b])
+            files = np.flatnonzero(mb)
+            fm = mb[files]
+            u = _distinct(fm)
+            fe = np.array([mask_eid[m] for m in u.tolist()], dtype=np.int64)[np.searchsorted(u, fm)]
+            walked = np.flatnonzero(fe < 0)
+            if len(walked):
+                assert states is not None
+                fe[walked] = eids_of_states(np.asarray(states[a + files[walked]]))
+        if not len(files):
+            continue
+        files += a
+        brk = np.ones(len(files), dtype=bool)
+        brk[1:] = (files[1:] != files[:-1] + 1) | (fe[1:] != fe[:-1])
+        first = np.flatnonzero(brk)
+        last = np.append(first[1:], len(files)) - 1
+        for f0, f1, e in zip(files[first].tolist(), (files[last] + 1).tolist(), fe[first].tolist(), strict=True):
+            if runs and runs[-1][1] == f0 and runs[-1][2] == e:  # a run goes on across the block's edge
+                runs[-1][1] = f1
+            else:
+                runs.append([f0, f1, e])
+    if not runs:
+        return None
+    # orders numbered as the files meet them
+    oid: dict[int, int] = {}
+    for r in runs:
+        r[2] = oid.setdefault(r[2], len(oid))
+    orders = [entries[e] for e in sorted(oid, key=oid.__getitem__)]
     return {"orders": orders, "runs": runs}
+
+
+def _spec_of(seq: Sequence[tuple[Path, tuple[int, ...]]]) -> tuple[list[list[Any]], bool]:
+    """The entry of a file whose positioned layouts are ``seq`` (in row order), and whether two
+    of them give one key different positions (the first one then decides)."""
+    spec: dict[Path, dict[str, int]] = {}
+    clash = False
+    for leaf, pos in seq:
+        for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
+            if p >= 0:
+                clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
+    return _compress({path: _in_order(keys) for path, keys in spec.items()}), clash
 
 
 def _in_order(keys: dict[str, int]) -> list[str]:

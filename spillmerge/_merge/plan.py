@@ -277,7 +277,7 @@ def _assemble(
     return Plan(
         names, file_offsets, frame_idx[:n_rows], rank[:n_rows], row_copies[:n_rows], file_layout, file_layouts,
         columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
-        output_orders(names, segments, srt.file_ids),
+        output_orders(names, segments, srt.file_ids, new=new),
     )  # fmt: skip
 
 

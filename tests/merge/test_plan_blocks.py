@@ -1,6 +1,7 @@
 """The plan's steps after the sort go a block of rows at a time into maps of files: whatever the
 block size, and whether the per-row arrays are in memory or maps, the plan is the same — rows,
-lists, variants, columns, key orders and the filenames' string table."""
+lists, variants, columns, key orders and the filenames' string table; a merge planned in tiny
+blocks gives every dict back in its key order."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import spillmerge
+from spillmerge._format import keyorder as _keyorder
 from spillmerge._format import spill as FS
 from spillmerge._merge import plan as _plan
 from spillmerge._merge import plancolumns as _plancolumns
@@ -73,6 +75,7 @@ def test_the_plan_is_the_same_whatever_the_block_size_and_with_maps(tmp_path, mo
     monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 1 << 30 if in_memory else 0)
     whole = _plan_of(tmp_path / "s")
     monkeypatch.setattr(_plancolumns, "ROW_BLOCK", 5)  # keys, files and lists cut by blocks
+    monkeypatch.setattr(_keyorder, "BLOCK", 3)
     monkeypatch.setattr(_plansql, "MAPPED_ROWS", 4)  # every per-row array a map of a file
     monkeypatch.setattr(_plansql, "BATCH", 7)
     cut = _plan_of(tmp_path / "s")
@@ -89,3 +92,72 @@ def test_the_plan_is_the_same_whatever_the_block_size_and_with_maps(tmp_path, mo
     for k in a:
         assert np.array_equal(a[k], b[k]), k
     assert _plan.fingerprint(cut) == _plan.fingerprint(whole)
+
+
+def _write_orders(root: Path, wide: bool) -> dict[str, list[dict]]:
+    """Files whose dicts change order every 3 files and come back to earlier orders, some in
+    sorted order (no positions), some whose second frame holds the dict in another order than
+    the first (they clash: the first written decides), over 2 ranks' segments. ``wide``: 10 keys
+    in 11 orders, 90 distinct positioned layouts (more than a bit mask holds). Returns each
+    file's values by frame."""
+    keys = [f"k{j}" for j in range(10 if wide else 3)]
+    perms = [keys[s:] + keys[:s] for s in range(len(keys))] + [keys[::-1]]  # rotation 0 is sorted
+    values: dict[str, list[dict]] = {}
+    for i in range(40):
+        order = [perms[(i // 3 + f * (i % 7 == 3)) % len(perms)] for f in range(1 + (i % 7 == 3) + (i % 5 == 0))]
+        m = {"m": {"y": i, "x": i}} if i % 4 else {}  # a file of sorted keys, no ``m``: no positions
+        values[f"file{i:03d}"] = [{**{k: 10 * i + f for k in o}, **m} for f, o in enumerate(order)]
+    for rank in range(2):
+        with spillmerge.SpillWriter(str(root), rank=rank, world_size=2) as w:
+            for i, (name, frames) in enumerate(values.items()):
+                if i % 2 == rank:
+                    for f, v in enumerate(frames):
+                        w.write(name, f, v)
+    return values
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["bit masks", "wide"])
+def test_key_orders_are_the_same_whatever_the_block_size(tmp_path, monkeypatch, wide):
+    """``output_orders`` a file (and an index row) at a time, its per-file arrays maps of files,
+    gives the orders and runs of one block: runs go on across the blocks' edges."""
+    _write_orders(tmp_path / "s", wide)
+    storage = Storage(str(tmp_path / "s"))
+    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
+    segments = load_all(storage, sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank)))
+    names = sorted({n for s in segments for n in s.filenames})
+    positioned = {(lay.leaf, lay.pos) for s in segments for lay in s.layouts if lay.pos is not None}
+    assert (len(positioned) > 62) == wide
+    whole = _keyorder.output_orders(names, segments)
+    assert whole is not None and len(whole["orders"]) > 4
+    assert max(b - a for a, b, _ in whole["runs"]) >= 3  # runs longer than the blocks below
+    assert sum(b - a for a, b, _ in whole["runs"]) < len(names)  # and files of no orders between them
+    monkeypatch.setattr(_plansql, "MAPPED_ROWS", 4)
+    (tmp_path / "work").mkdir()
+    new = functools.partial(_plansql.alloc, str(tmp_path / "work"))
+    for block in (1, 2, 5):
+        assert _keyorder.output_orders(names, segments, new=new, block=block) == whole, block
+    assert any(p.suffix == ".bin" for p in (tmp_path / "work").iterdir())  # the masks or states were maps
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["bit masks", "wide"])
+def test_a_merge_planned_in_tiny_blocks_gives_every_dict_in_its_key_order(tmp_path, monkeypatch, wide):
+    """Through a whole merge with blocks of 2 files and every per-file array a map: each dict
+    comes back in its file's order, that of the first frame written that records positions where
+    frames disagree (a value whose dicts are all in sorted order records none)."""
+    values = _write_orders(tmp_path / "s", wide)
+    monkeypatch.setattr(_keyorder, "BLOCK", 2)
+    monkeypatch.setattr(_plancolumns, "ROW_BLOCK", 5)
+    monkeypatch.setattr(_plansql, "MAPPED_ROWS", 4)
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"), progress=False)
+    res = spillmerge.open(str(tmp_path / "o"))
+    assert len(res.header["key_orders"]["runs"]) < len(values)
+    clashed = 0
+    for name, frames in values.items():
+        carries = [v for v in frames if any(list(d) != sorted(d) for d in (v, v.get("m", {})))]
+        first = list(carries[0]) if carries else sorted(frames[0])
+        for f, want in enumerate(frames):
+            got = res.value(name, f)
+            assert got == want and list(got) == first, (name, f)
+            assert list(got.get("m", ["y", "x"])) == ["y", "x"], (name, f)
+            clashed += list(want) != first
+    assert clashed
