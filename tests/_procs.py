@@ -92,3 +92,15 @@ def ranks_fixture(worker: Callable[..., None], world: int, name: str, timeout: f
         return base, spawn_ranks(worker, world, base, timeout)
 
     return ranks
+
+
+def assert_timed_out(results: dict[int, dict[str, Any]], scenario: str, timeout: float, ranks: Any) -> None:
+    """Each rank in ``ranks`` raised ``CoordinationError`` in ``scenario`` after waiting about
+    ``timeout`` seconds, and its message says so: a rank that waits on a call another rank never
+    makes ends in a timeout, not a hang. ``results[r][scenario]`` holds ``error`` (``type``,
+    ``msg``) and ``waited`` (seconds); the 30 s slack over ``timeout`` is a loaded machine's."""
+    for r in ranks:
+        res = results[r][scenario]
+        assert res["error"] is not None and res["error"]["type"] == "CoordinationError", (r, res)
+        assert f"within {timeout:.0f} s" in res["error"]["msg"], (r, res)
+        assert timeout * 0.9 <= res["waited"] <= timeout + 30, (r, res)

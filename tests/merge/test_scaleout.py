@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -507,7 +506,7 @@ def test_parts_never_touch_a_folder_they_did_not_write(tmp_path):
         spillmerge.merge(str(root), str(tmp_path / "x"), codec="gzip")
 
 
-def test_parts_on_every_backend(backend):
+def test_parts_on_every_backend(backend, tmp_path):
     root, out, one = backend.url("spill"), backend.url("out"), backend.url("one")
     for session in range(2):  # four segments, in write order: rank 0, rank 1, rank 0, rank 1
         for r in range(2):
@@ -515,9 +514,10 @@ def test_parts_on_every_backend(backend):
                 for i in range(5):
                     w.write(f"v{i}/x.mp4", r, torch.arange(i + 3, dtype=torch.float16) + r + session)
                     w.write(f"s{session}/{i}.jpg", 0, torch.arange(i + 3, dtype=torch.float16) + r)
-    work = tempfile.mkdtemp(prefix="plan-")  # the planner's temporary folder
+    work = tmp_path / "plan"  # the planner's temporary folder: pytest removes it even when the test fails
+    work.mkdir()
     # Part 2 first: it builds and stores the plan; parts 0 and 1 and the finalize read it.
-    so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": work, "plan_budget": 1000,
+    so = {"storage_options": backend.options, "codec": "blosc-lz4", "plan_dir": str(work), "plan_budget": 1000,
           "on_duplicate": "last"}  # fmt: skip
     read = []
     for i in (2, 0, 1):
@@ -529,7 +529,6 @@ def test_parts_on_every_backend(backend):
     left = [rel for rel, _ in Storage(out, backend.options).find("spillmerge-parts")]
     assert sorted(left) == [f"spillmerge-parts/part-0000{i}-of-00003.json" for i in range(3)]  # no plan left
     assert os.listdir(work) == []
-    os.rmdir(work)
     spillmerge.merge(root, one, **so)  # type: ignore[arg-type]
     a, b = spillmerge.open(out, backend.options), spillmerge.open(one, backend.options)
     for name in a.filenames:  # rows of one shape per file
@@ -657,7 +656,9 @@ def test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array(tmp_path):
         job.close()
     _parts(root, out, 3)
     before = {k: v for k, v in _snapshot(out).items() if _is_chunk(k)}
-    assert set(before) == {str(p.relative_to(one)) for p in one.rglob("*") if p.is_file() and _is_chunk(str(p.relative_to(one)))}
+    assert set(before) == {
+        str(p.relative_to(one)) for p in one.rglob("*") if p.is_file() and _is_chunk(str(p.relative_to(one)))
+    }
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert {k: v for k, v in _snapshot(out).items() if _is_chunk(k)} == before  # the finalize wrote no chunk
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []

@@ -1,7 +1,8 @@
 """A flush worker gives a staging buffer back once the chunk's bytes are written, before their
 fsync (the journal thread fsyncs written chunks in groups): ``write()`` goes on filling buffers
 while the disk flushes earlier chunks, up to a bound, and never refills a buffer whose bytes are
-still being written."""
+still being written. A journal entry is written only after every chunk it names and their folder
+were fsynced (the group commit)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,59 @@ def test_a_buffer_is_refilled_only_after_its_bytes_are_written(tmp_path, monkeyp
         for i in range(10):
             w.write("f", i, _frame(i))
     _merged(root, str(tmp_path / "out"), 10)
+
+
+def test_a_journal_entry_names_only_chunks_fsynced_with_their_folder_before_it(tmp_path, monkeypatch):
+    """What reaches the disk, in order, as the OS sees it: before journal entry N is written,
+    every data chunk ``0..N`` was fsynced after its last write, and so was the folder that names
+    it (a power loss keeps every chunk an entry names). The fsync of chunk 0 waits until chunk
+    2 is written, so a later group commit holds several chunks, some ahead of its entry."""
+    events: list[tuple[str, str]] = []  # (what, path): appended by every thread, in order
+    real_fsync, real_write_all = os.fsync, local_mod._write_all
+    chunk2 = threading.Event()
+
+    def path_of(fd: int) -> str:
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    def fsync(fd: int) -> None:
+        path = path_of(fd)
+        if path.endswith("/data/c/0"):
+            chunk2.wait(30)
+            time.sleep(0.5)  # the flush thread counts chunk 2 as written: the next group holds it
+        real_fsync(fd)
+        events.append(("fsync", path))
+
+    def write_all(fd: int, part: Any) -> None:
+        path = path_of(fd)
+        if "/journal/" in path:
+            events.append(("entry", path))  # before a byte of it lands
+        real_write_all(fd, part)
+        if "/data/c/" in path:
+            events.append(("write", path))
+            if path.endswith("/data/c/2"):
+                chunk2.set()
+
+    monkeypatch.setattr(local_mod.os, "fsync", fsync)
+    monkeypatch.setattr(local_mod, "_write_all", write_all)
+    root = str(tmp_path / "spill")
+    with spillmerge.SpillWriter(
+        root, rank=0, world_size=1, chunk_bytes=CHUNK, staging_bytes=2 * CHUNK, flush_threads=2
+    ) as w:
+        for i in range(12):
+            w.write("f", i, _frame(i))
+    entries = [(k, p) for k, (what, p) in enumerate(events) if what == "entry"]
+    assert [int(p.rsplit("/", 1)[1]) for _, p in entries] == list(range(12)), events
+    ahead = False
+    for at, entry in entries:
+        seg, n = entry.rsplit("/journal/", 1)
+        folder = f"{seg}/data/c"
+        for c in range(int(n) + 1):
+            chunk = f"{folder}/{c}"
+            writes = [k for k, e in enumerate(events[:at]) if e == ("write", chunk)]
+            assert writes, (entry, chunk, events)
+            after = events[writes[-1] + 1 : at]
+            assert ("fsync", chunk) in after, (entry, chunk, events)
+            assert ("fsync", folder) in after, (entry, chunk, events)
+        ahead |= ("fsync", f"{folder}/{int(n) + 1}") in events[:at]
+    assert ahead, events  # a group commit fsynced a chunk before the entry naming it was due
+    _merged(root, str(tmp_path / "out"), 12)
