@@ -218,11 +218,12 @@ def _rows(
         for a, b in _spans(len(idx), step):
             ib = np.asarray(idx[a:b])
             sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
-            sel = np.flatnonzero(sig >= 0)
-            g = fmap[ib[sel, 0]]  # COL_FILE
-            ok = g >= 0
-            if ok.any():
-                yield g[ok], sig[sel][ok]
+            g = fmap[ib[:, 0]]  # COL_FILE
+            ok = (sig >= 0) & (g >= 0)
+            if ok.all():  # the common case: no copies
+                yield g, sig
+            elif ok.any():
+                yield g[ok], sig[ok]
 
 
 def output_orders(
