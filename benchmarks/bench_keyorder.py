@@ -8,13 +8,16 @@ Each file is one frame of a dict ``{"score", "label"}`` (not in sorted key order
 carry positions), so two index rows; 2 segments (ranks) hold alternate files; the files come in 8
 runs of 2 key orders (the output is 8 runs whatever N); ``--clash-every K``: every K-th file has
 a second frame in the other order (its layouts clash: it is walked in row order). Every
-measurement is a fresh process with ``PYTHONPATH`` = its tree, ``torch.set_num_threads(1)``,
-glibc's mmap threshold fixed at 128 KiB (so a freed temporary leaves and the next one's pages
-count); the segments' index and the per-segment file numbers (maps of files, as the plan gives
-them) are built before the measurement starts. A tree whose ``output_orders`` takes ``new``
-gets the plan's allocator (``_merge.plansql.alloc`` over a work folder). Prints a markdown
-table: peak anonymous and file-backed memory over the call (``common.PeakMemory``), seconds,
-and the ratios 4x files / 1x and after / before.
+measurement is a fresh process with ``PYTHONPATH`` = its tree, ``torch.set_num_threads(1)``; the
+segments' index and the per-segment file numbers (maps of files, as the plan gives them) are
+built before the measurement starts. glibc's mmap threshold is fixed at 128 KiB unless
+``--default-malloc``: a freed temporary then leaves and the next one's pages count (the memory to
+read), but every temporary's pages also fault anew (read times from a ``--default-malloc``
+run). A tree whose ``output_orders`` takes ``new`` gets the plan's allocator
+(``_merge.plansql.alloc`` over a work folder). Prints a markdown table: peak anonymous and
+file-backed memory over the call (``common.PeakMemory``), wall and CPU seconds
+(``process_time``: what stays comparable on a shared VM), and the ratios 4x files / 1x and
+after / before.
 """
 
 from __future__ import annotations
@@ -63,21 +66,23 @@ if "new" in inspect.signature(output_orders).parameters:
     kw["new"] = functools.partial(plansql.alloc, work)
 names = range(n)  # only its length is read when file_ids are given
 pm = PeakMemory()
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 res = output_orders(names, segments, file_ids, **kw)
-s = time.perf_counter() - t
+s, cpu = time.perf_counter() - t, time.process_time() - c
 mem = pm.stop()
-print(json.dumps({"s": s, "anon": mem["anon"], "file": mem["file"], "runs": len(res["runs"]),
+print(json.dumps({"s": s, "cpu_s": cpu, "anon": mem["anon"], "file": mem["file"], "runs": len(res["runs"]),
                   "digest": hashlib.sha1(repr(res).encode()).hexdigest(), "tree": plansql.__file__}))
 """
 
 
-def run(tree: str, n: int, work: Path, clash: int) -> dict:
+def run(tree: str, n: int, work: Path, clash: int, fixed_malloc: bool) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     # a fixed mmap threshold: glibc's dynamic one rises after the input's large frees, and the
     # call's temporaries would then reuse heap pages already resident (no peak to see)
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve()), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    if fixed_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     here = str(Path(__file__).resolve().parent)
     out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(work), here, str(clash)], env=env, check=True, cwd=work,
                          capture_output=True, text=True).stdout  # fmt: skip
@@ -93,6 +98,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/bench-keyorder")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--default-malloc", action="store_true", help="glibc's own mmap threshold (times as in use)")
     ap.add_argument("--clash-every", type=int, default=0, help="every K-th file also has a frame in the other order")
     a = ap.parse_args()
     sizes = [int(x) for x in a.files.split(",")]
@@ -100,17 +106,17 @@ def main() -> None:
     for r in range(a.repeats):
         for n in sizes:
             for which in ("before", "after") if r % 2 == 0 else ("after", "before"):
-                res = run(getattr(a, which), n, Path(a.workdir) / which, a.clash_every)
+                res = run(getattr(a, which), n, Path(a.workdir) / which, a.clash_every, not a.default_malloc)
                 got.setdefault((which, n), []).append(res)
                 print(f"repeat {r + 1} {which} {n}: {json.dumps(res)}", file=sys.stderr, flush=True)
     MiB = 1 << 20
-    med = {k: {m: statistics.median(x[m] for x in v) for m in ("s", "anon", "file")} for k, v in got.items()}
-    lines = ["| tree | files | peak anon MiB | peak file MiB | s | runs |", "|---|---|---|---|---|---|"]
+    med = {k: {m: statistics.median(x[m] for x in v) for m in ("s", "cpu_s", "anon", "file")} for k, v in got.items()}
+    lines = ["| tree | files | peak anon MiB | peak file MiB | s | CPU s | runs |", "|---|---|---|---|---|---|---|"]
     for which in ("before", "after"):
         for n in sizes:
             m = med[(which, n)]
             lines.append(f"| {which} | {n:,} | {m['anon'] / MiB:.1f} | {m['file'] / MiB:.1f} | {m['s']:.2f} "
-                         f"| {got[(which, n)][0]['runs']} |")  # fmt: skip
+                         f"| {m['cpu_s']:.2f} | {got[(which, n)][0]['runs']} |")  # fmt: skip
     lo, hi = sizes[0], sizes[-1]
     lines.append("")
     for which in ("before", "after"):
@@ -119,7 +125,7 @@ def main() -> None:
     for n in sizes:
         b, f = med[("before", n)], med[("after", n)]
         same = {x["digest"] for x in got[("before", n)] + got[("after", n)]}
-        lines.append(f"- {n:,} files: after / before time {f['s'] / b['s']:.2f}x, peak anon "
+        lines.append(f"- {n:,} files: after / before time {f['s'] / b['s']:.2f}x (CPU {f['cpu_s'] / b['cpu_s']:.2f}x), peak anon "
                      f"{f['anon'] / max(b['anon'], 1):.3f}x; same result: {len(same) == 1}")  # fmt: skip
     text = "\n".join(lines)
     print(text)

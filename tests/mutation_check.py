@@ -1222,8 +1222,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "key-order-clashing-files-walked-in-row-order",
         "spillmerge/_format/keyorder.py",
-        "                    mask_eid[m] = -1 if clash else eid(spec)",
-        "                    mask_eid[m] = eid(spec)",
+        "                    mask_eid[m] = -1 if clash else entries.id(spec)",
+        "                    mask_eid[m] = entries.id(spec)",
         ("tests/merge/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
         "a file whose frames hold one dict in different orders takes the order of the frame written first",
     ),
@@ -1437,6 +1437,17 @@ MUTATIONS: list[Mutation] = [
         "        paths = set()\n",
         (FSYNC_ORDER,),
         "a group commit fsyncs each chunk's bytes, not only its folder, before a journal entry names it",
+    ),
+    Mutation(
+        "key-order-walk-in-row-order-within-a-block",
+        "spillmerge/_format/keyorder.py",
+        "        first.sort()\n",
+        "",
+        (
+            "tests/merge/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",
+            "tests/merge/test_plan_blocks.py::test_a_merge_planned_in_tiny_blocks_gives_every_dict_in_its_key_order",
+        ),
+        "a walked file's layouts meet its state in row order within a block of rows, not by layout number",
     ),
 ]
 

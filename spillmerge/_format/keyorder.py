@@ -92,6 +92,9 @@ Alloc = Callable[..., np.ndarray]
 """``new(name, shape, dtype)``: a new array of zeros (the plan's: a map of a file of its work
 folder when large, so a per-file array is not anonymous memory)."""
 
+Sig = tuple[Path, tuple[int, ...]]
+"""A positioned layout: its leaf path and ``pos``."""
+
 
 def _in_memory(name: str, shape: Any, dtype: Any, fill: int | None = None) -> np.ndarray:
     return np.full(shape, 0 if fill is None else fill, dtype=dtype)
@@ -108,6 +111,128 @@ def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
         yield a, min(n, a + block)
 
 
+def _entry(spec: Spec) -> list[list[Any]]:
+    return _compress({path: _in_order(keys) for path, keys in spec.items()})
+
+
+class _Entries:
+    """The distinct entries (one file's orders, as written), numbered as met."""
+
+    def __init__(self) -> None:
+        self.entries: list[list[list[Any]]] = []
+        self._ids: dict[str, int] = {}
+
+    def id(self, entry: list[list[Any]]) -> int:
+        got = self._ids.setdefault(repr(entry), len(self.entries))
+        if got == len(self.entries):
+            self.entries.append(entry)
+        return got
+
+
+class _States:
+    """Files walked in row order: a file's state is its spec so far (a key's first position wins),
+    numbered from 1 (0: no positioned row yet); each (state, layout) step is built once."""
+
+    def __init__(self, sigs: list[Sig]) -> None:
+        self.sigs = sigs
+        self.specs: list[Spec] = [{}]
+        self._ids: dict[Any, int] = {(): 0}
+        self._moves: dict[tuple[int, int], int] = {}
+        self._entry: dict[int, int] = {}
+
+    def move(self, s: int, sg: int) -> int:
+        """The state after state ``s`` meets layout ``sg``."""
+        got = self._moves.get((s, sg))
+        if got is None:
+            spec = {path: dict(keys) for path, keys in self.specs[s].items()}
+            leaf, pos = self.sigs[sg]
+            for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
+                if p >= 0:
+                    spec.setdefault(leaf[:j], {}).setdefault(seg, p)
+            key = tuple(sorted((path, tuple(sorted(keys.items()))) for path, keys in spec.items()))
+            got = self._moves[(s, sg)] = self._ids.setdefault(key, len(self.specs))
+            if got == len(self.specs):
+                self.specs.append(spec)
+        return got
+
+    def walk(self, state: np.ndarray, g: np.ndarray, sg: np.ndarray) -> None:
+        """``state`` (per file) after rows of files ``g`` and layouts ``sg``, in merge order: the
+        k-th distinct layout of a file in these rows goes in step k (one per file a step)."""
+        n = len(self.sigs)
+        _, first = np.unique(g * n + sg, return_index=True)  # each (file, layout)'s first row
+        first.sort()
+        pg, ps = g[first], sg[first]
+        by_file = np.argsort(pg, kind="stable")
+        fs = pg[by_file]
+        head = np.flatnonzero(np.concatenate(([True], fs[1:] != fs[:-1])))
+        kth = np.empty(len(pg), dtype=np.int64)
+        kth[by_file] = np.arange(len(pg)) - np.repeat(head, np.diff(np.append(head, len(pg))))
+        by_k = np.argsort(kth, kind="stable")
+        ends = np.searchsorted(kth[by_k], np.arange(int(kth.max()) + 1), side="right")
+        for a, b in zip(np.concatenate(([0], ends[:-1])).tolist(), ends.tolist(), strict=True):
+            f, sgk = pg[by_k[a:b]], ps[by_k[a:b]]
+            u, inv = np.unique(np.asarray(state[f]) * n + sgk, return_inverse=True)
+            nxt = [self.move(c // n, c % n) for c in u.tolist()]
+            state[f] = np.array(nxt, dtype=np.int64)[inv]
+
+    def entry_ids(self, st: np.ndarray, entries: _Entries) -> np.ndarray:
+        """The entry id of each state of ``st`` (none 0)."""
+        u = _distinct(st)
+        for s in u.tolist():
+            if s not in self._entry:
+                self._entry[s] = entries.id(_entry(self.specs[s]))
+        return np.array([self._entry[s] for s in u.tolist()], dtype=np.int64)[np.searchsorted(u, st)]
+
+
+def _number_layouts(segments: Sequence[Any]) -> tuple[list[Sig], list[np.ndarray]]:
+    """Every positioned layout numbered, in segment order; per segment, each layout's number (-1
+    when it has no ``pos``)."""
+    sig_id: dict[Sig, int] = {}
+    lay_sigs = []
+    for s in segments:
+        lay_sig = np.full(len(s.layouts), -1, dtype=np.int64)
+        for i, lay in enumerate(s.layouts):
+            pos = getattr(lay, "pos", None)
+            if pos is not None:
+                lay_sig[i] = sig_id.setdefault((tuple(lay.leaf), tuple(pos)), len(sig_id))
+        lay_sigs.append(lay_sig)
+    return list(sig_id), lay_sigs
+
+
+def _rows(
+    segments: Sequence[Any], lay_sigs: list[np.ndarray], filenames: Sequence[str],
+    file_ids: Sequence[np.ndarray] | None, step: int,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """The index rows of positioned layouts in merge order (segment by segment, then row order),
+    ``step`` rows at a time: their files (positions in ``filenames``) and layout numbers."""
+    lookup: dict[str, int] | None = None
+    for si, s in enumerate(segments):
+        lay_sig = lay_sigs[si]
+        if not (lay_sig >= 0).any():
+            continue  # no dict out of sorted order here: its index is not read
+        idx = s.index
+        release = getattr(s, "release", None)
+        if release is not None:
+            release()  # a segment read when used (``_spill.root.LazySegment``): idx holds its index
+        if not len(idx):
+            continue
+        if file_ids is not None:
+            fmap = np.asarray(file_ids[si], dtype=np.int64)
+        else:
+            lookup = lookup if lookup is not None else {name: k for k, name in enumerate(filenames)}
+            fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
+        for a, b in _spans(len(idx), step):
+            ib = np.asarray(idx[a:b])
+            sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
+            g = fmap[ib[:, 0]]  # COL_FILE
+            ok = (sig >= 0) & (g >= 0)
+            if ok.all():  # the common case: no copies
+                yield g, sig
+            elif ok.any():
+                yield g[ok], sig[ok]
+        del idx, ib, sig, g, ok  # before the next segment is read: one segment's index at a time
+
+
 def output_orders(
     filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None,
     *, new: Alloc = _in_memory, block: int | None = None,
@@ -122,158 +247,54 @@ def output_orders(
     give one key two positions, the order of the rows does not matter: each file's set of
     layouts is a bit mask (numpy, no sort), and a spec is built in Python once per distinct
     mask. Files whose layouts disagree on a position, and every file when there are more
-    layouts than bits, are walked in row order (segment by segment, then row order: the first
-    row decides) through states: each file's order so far, numbered, and each (state, layout)
-    step built once. Index rows and files go ``block`` (default :data:`BLOCK`) at a time; the
-    per-file masks and states come from ``new``, so what this holds in memory beyond its
-    output (the runs, and the distinct masks and states) does not grow with the files."""
+    layouts than bits, are walked in row order (:class:`_States`: the first row decides).
+    Index rows and files go ``block`` (default :data:`BLOCK`) at a time; the per-file masks
+    and states come from ``new``, so what this holds in memory beyond its output (the runs,
+    and the distinct masks and states) does not grow with the files."""
     step = block or BLOCK
     n_files = len(filenames)
-    sig_id: dict[tuple[Path, tuple[int, ...]], int] = {}
-    sigs: list[tuple[Path, tuple[int, ...]]] = []
-    lay_sigs: list[np.ndarray] = []  # per segment: each layout's number, -1 when it has no pos
-    for s in segments:  # every positioned layout numbered, in segment order
-        lay_sig = np.full(len(s.layouts), -1, dtype=np.int64)
-        for i, lay in enumerate(s.layouts):
-            pos = getattr(lay, "pos", None)
-            if pos is not None:
-                lay_sig[i] = sig_id.setdefault((tuple(lay.leaf), tuple(pos)), len(sig_id))
-                if lay_sig[i] == len(sigs):
-                    sigs.append((tuple(lay.leaf), tuple(pos)))
-        lay_sigs.append(lay_sig)
+    sigs, lay_sigs = _number_layouts(segments)
     if not sigs or not n_files:
         return None
-    n_sigs = len(sigs)
-    lookup: dict[str, int] | None = None
-
-    def rows() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The rows of positioned layouts, in merge order, a block at a time: their files and layouts."""
-        nonlocal lookup
-        for si, s in enumerate(segments):
-            lay_sig = lay_sigs[si]
-            if not (lay_sig >= 0).any():
-                continue  # no dict out of sorted order here: its index is not read
-            idx = s.index
-            release = getattr(s, "release", None)
-            if release is not None:
-                release()  # a lazily read segment: one segment's index at a time (idx holds it)
-            if not len(idx):
-                continue
-            if file_ids is not None:
-                fmap = np.asarray(file_ids[si], dtype=np.int64)
-            else:
-                if lookup is None:
-                    lookup = {name: k for k, name in enumerate(filenames)}
-                fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
-            for a, b in _spans(len(idx), step):
-                ib = np.asarray(idx[a:b])
-                sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
-                sel = np.flatnonzero(sig >= 0)
-                g = fmap[ib[sel, 0]]  # COL_FILE
-                ok = g >= 0
-                if ok.any():
-                    yield g[ok], sig[sel][ok]
-
-    # a file's state: its spec so far (path -> key -> position, the first row's wins), numbered
-    specs: list[Spec] = []
-    state_of: dict[Any, int] = {}
-    moves: dict[tuple[int, int], int] = {}
-
-    def move(s: int, sg: int) -> int:
-        """The state after state ``s`` (-1: nothing yet) meets layout ``sg``."""
-        got = moves.get((s, sg))
-        if got is None:
-            spec = {path: dict(keys) for path, keys in specs[s].items()} if s >= 0 else {}
-            leaf, pos = sigs[sg]
-            for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
-                if p >= 0:
-                    spec.setdefault(leaf[:j], {}).setdefault(seg, p)
-            key = tuple(sorted((path, tuple(sorted(keys.items()))) for path, keys in spec.items()))
-            got = state_of.setdefault(key, len(specs))
-            if got == len(specs):
-                specs.append(spec)
-            moves[(s, sg)] = got
-        return got
-
-    def walk(only: np.ndarray | None) -> np.ndarray:
-        """Each file's state + 1 (0: no positioned row) after its rows in merge order; ``only``:
-        the masks of the files to walk (None: every file)."""
-        state = new("key_states", n_files, np.int64)
-        for g, sg in rows():
-            if only is not None:
-                keep = np.isin(np.asarray(masks[g]), only)
-                g, sg = g[keep], sg[keep]
-            if not len(g):
-                continue
-            _, first = np.unique(g * n_sigs + sg, return_index=True)  # each (file, layout)'s first row
-            first.sort()
-            pg, ps = g[first], sg[first]
-            # the k-th distinct layout of a file in this block goes in step k: one state per file a step
-            by_file = np.argsort(pg, kind="stable")
-            fs = pg[by_file]
-            head = np.flatnonzero(np.concatenate(([True], fs[1:] != fs[:-1])))
-            kth = np.empty(len(pg), dtype=np.int64)
-            kth[by_file] = np.arange(len(pg)) - np.repeat(head, np.diff(np.append(head, len(pg))))
-            by_k = np.argsort(kth, kind="stable")
-            ends = np.searchsorted(kth[by_k], np.arange(int(kth.max()) + 1), side="right")
-            for a, b in zip(np.concatenate(([0], ends[:-1])).tolist(), ends.tolist(), strict=True):
-                f, sgk = pg[by_k[a:b]], ps[by_k[a:b]]
-                u, inv = np.unique(np.asarray(state[f]) * n_sigs + sgk, return_inverse=True)
-                nxt = [move(int(c) // n_sigs - 1, int(c) % n_sigs) + 1 for c in u.tolist()]
-                state[f] = np.array(nxt, dtype=np.int64)[inv]
-        return state
-
-    eid_of: dict[str, int] = {}  # each distinct entry by its repr, numbered as met
-    entries: list[list[list[Any]]] = []
-
-    def eid(entry: list[list[Any]]) -> int:
-        got = eid_of.setdefault(repr(entry), len(entries))
-        if got == len(entries):
-            entries.append(entry)
-        return got
-
-    state_eid: dict[int, int] = {}
-
-    def eids_of_states(st: np.ndarray) -> np.ndarray:
-        u = _distinct(st)
-        for s in u.tolist():
-            if s not in state_eid:
-                spec = specs[s - 1]
-                state_eid[s] = eid(_compress({path: _in_order(keys) for path, keys in spec.items()}))
-        return np.array([state_eid[s] for s in u.tolist()], dtype=np.int64)[np.searchsorted(u, st)]
-
-    wide = n_sigs > 62
-    mask_eid: dict[int, int] = {}  # -1: its layouts clash
-    if not wide:  # each file's layouts: a bit mask
+    walker = _States(sigs)
+    entries = _Entries()
+    wide = len(sigs) > 62
+    states = None
+    if not wide:  # each file's layouts: a bit mask; the entry of each distinct mask (-1: a clash)
         masks = new("key_masks", n_files, np.int64)
-        for g, sg in rows():
+        for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
             np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sg))
+        mask_eid: dict[int, int] = {}
         for a, b in _spans(n_files, step):
             for m in _distinct(np.asarray(masks[a:b])).tolist():
                 if m and m not in mask_eid:
-                    spec, clash = _spec_of([sigs[k] for k in range(n_sigs) if (m >> k) & 1])
-                    mask_eid[m] = -1 if clash else eid(spec)
+                    spec, clash = _spec_of([sigs[k] for k in range(len(sigs)) if (m >> k) & 1])
+                    mask_eid[m] = -1 if clash else entries.id(spec)
         clashing = np.array(sorted(m for m, e in mask_eid.items() if e < 0), dtype=np.int64)
-        states = walk(clashing) if len(clashing) else None
-    else:
-        states = walk(None)
+    if wide or len(clashing):  # the files to walk, in row order
+        states = new("key_states", n_files, np.int64)
+        for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
+            if not wide:
+                keep = np.isin(np.asarray(masks[g]), clashing)
+                g, sg = g[keep], sg[keep]
+            if len(g):
+                walker.walk(states, g, sg)
     runs: list[list[int]] = []
     for a, b in _spans(n_files, step):
         if wide:
             assert states is not None
             st = np.asarray(states[a:b])
             files = np.flatnonzero(st)
-            fe = eids_of_states(st[files])
+            fe = walker.entry_ids(st[files], entries)
         else:
             mb = np.asarray(masks[a:b])
             files = np.flatnonzero(mb)
-            fm = mb[files]
-            u = _distinct(fm)
-            fe = np.array([mask_eid[m] for m in u.tolist()], dtype=np.int64)[np.searchsorted(u, fm)]
+            u = _distinct(mb[files])
+            fe = np.array([mask_eid[m] for m in u.tolist()], dtype=np.int64)[np.searchsorted(u, mb[files])]
             walked = np.flatnonzero(fe < 0)
             if len(walked):
                 assert states is not None
-                fe[walked] = eids_of_states(np.asarray(states[a + files[walked]]))
+                fe[walked] = walker.entry_ids(np.asarray(states[a + files[walked]]), entries)
         if not len(files):
             continue
         files += a
@@ -288,24 +309,22 @@ def output_orders(
                 runs.append([f0, f1, e])
     if not runs:
         return None
-    # orders numbered as the files meet them
-    oid: dict[int, int] = {}
+    oid: dict[int, int] = {}  # orders numbered as the files meet them
     for r in runs:
         r[2] = oid.setdefault(r[2], len(oid))
-    orders = [entries[e] for e in sorted(oid, key=oid.__getitem__)]
-    return {"orders": orders, "runs": runs}
+    return {"orders": [entries.entries[e] for e in sorted(oid, key=oid.__getitem__)], "runs": runs}
 
 
-def _spec_of(seq: Sequence[tuple[Path, tuple[int, ...]]]) -> tuple[list[list[Any]], bool]:
-    """The entry of a file whose positioned layouts are ``seq`` (in row order), and whether two
-    of them give one key different positions (the first one then decides)."""
+def _spec_of(seq: Sequence[Sig]) -> tuple[list[list[Any]], bool]:
+    """The entry of a file whose positioned layouts are ``seq``, and whether two of them give one
+    key different positions."""
     spec: dict[Path, dict[str, int]] = {}
     clash = False
     for leaf, pos in seq:
         for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
             if p >= 0:
                 clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
-    return _compress({path: _in_order(keys) for path, keys in spec.items()}), clash
+    return _entry(spec), clash
 
 
 def _in_order(keys: dict[str, int]) -> list[str]:
