@@ -193,7 +193,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
     if _crc.value(raw_cat) != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
-    cat = F.loads(raw_cat, path=storage.describe(cat_rel))
+    cat = F.loads(bytes(raw_cat), path=storage.describe(cat_rel))
     if (
         not isinstance(cat, dict)
         or not isinstance(cat.get("filenames"), list)
@@ -342,7 +342,7 @@ def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
 
 def _read_small_array(
     storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
-) -> bytes:
+) -> memoryview:
     """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
     hostile ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
     ``max_bytes`` bytes plus the 4 CRC bytes."""
@@ -361,7 +361,7 @@ def _read_small_array(
             f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank
         )
     if any(d == 0 for d in shape):
-        return b""
+        return memoryview(b"")
     key = f"{rel}/c/" + "/".join("0" * len(shape))
     try:
         blob = storage.get(key, max_bytes=max_bytes + 4)
@@ -371,7 +371,7 @@ def _read_small_array(
         ) from None
     if len(blob) < 4:
         raise CorruptSpillError(f"{storage.describe(key)}: truncated chunk", path=storage.describe(key), rank=rank)
-    raw, stored = blob[:-4], int.from_bytes(blob[-4:], "little")
+    raw, stored = memoryview(blob)[:-4], int.from_bytes(blob[-4:], "little")  # a view: an index is large
     if _crc.value(raw) != stored:
         raise CorruptSpillError(
             f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)",
