@@ -1359,6 +1359,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/merge/test_copy_checks.py::test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them",),
         "rows are copied where their output offsets say, not back to back as they lie in the spill",
     ),
+    Mutation(
+        "s47-array-doc-shape",
+        "spillmerge/_merge/documents.py",
+        '    doc["shape"] = shape\n',
+        "",
+        ("tests/merge/test_documents.py::test_every_array_document_is_zarrs_own_form_across_merges_of_other_shapes",),
+        "an array document normalised once per kind gets each merge's own shape",
+    ),
 ]
 
 
