@@ -12,8 +12,9 @@ from typing import Any
 
 import zarr
 from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.core.array import AsyncArray
 from zarr.core.buffer import Buffer, BufferPrototype
-from zarr.core.group import AsyncGroup
+from zarr.core.group import AsyncGroup, GroupMetadata
 from zarr.storage import StorePath, WrapperStore
 
 from .._errors import CorruptSpillError
@@ -169,17 +170,24 @@ class NoFillStore(WrapperStore[Store]):
 
 class ConsolidatedGroup(zarr.Group):
     """A group with consolidated metadata whose lookups (``group[path]``, ``path in group``,
-    ``members(max_depth=0)``) are answered from that metadata in the calling thread. zarr's
-    ``Group`` sends each lookup to its event-loop thread and waits for it, though a lookup in
-    consolidated metadata does no I/O (zarr's ``_getitem_consolidated``): about 25 such round
-    trips made up most of opening a small output on a loaded machine. Without consolidated
-    metadata, or for deeper members, zarr's own lookups answer."""
+    ``members(max_depth=0)``) are answered from that metadata in the calling thread, as zarr's
+    own consolidated lookup does (no I/O). zarr's ``Group`` sends each lookup to its event-loop
+    thread and waits for it: about 25 such round trips made up most of opening a small output
+    on a loaded machine. Without consolidated metadata, or for deeper members, zarr answers."""
 
     def __getitem__(self, path: str) -> Any:
-        g = self._async_group
-        if g.metadata.consolidated_metadata is None:
-            return _wrap(super().__getitem__(path))
-        return _wrap(g._getitem_consolidated(g.store_path / path, path, prefix=g.name))
+        node: Any = self.metadata
+        if node.consolidated_metadata is None:
+            return super().__getitem__(path)
+        for name in path.strip("/").split("/"):
+            children = node.consolidated_metadata if isinstance(node, GroupMetadata) else None
+            if children is None or name not in children.metadata:
+                raise KeyError(path)
+            node = children.metadata[name]
+        where = self.store_path / path.strip("/")
+        if isinstance(node, GroupMetadata):
+            return ConsolidatedGroup(AsyncGroup(metadata=node, store_path=where))
+        return zarr.Array(AsyncArray(metadata=node, store_path=where))
 
     def __contains__(self, member: str) -> bool:
         try:
@@ -191,32 +199,20 @@ class ConsolidatedGroup(zarr.Group):
     def members(
         self, max_depth: int | None = 0, *, use_consolidated_for_children: bool = True
     ) -> tuple[tuple[str, zarr.Array[Any] | zarr.Group], ...]:
-        consolidated = self._async_group.metadata.consolidated_metadata
+        consolidated = self.metadata.consolidated_metadata
         if consolidated is None or max_depth != 0:
-            got = super().members(max_depth, use_consolidated_for_children=use_consolidated_for_children)
-            return tuple((k, _wrap(v)) for k, v in got)
+            return super().members(max_depth, use_consolidated_for_children=use_consolidated_for_children)
         return tuple((key, self[key]) for key in consolidated.metadata)
 
 
-def _wrap(node: Any) -> Any:
-    """``node`` (sync or async) as a :class:`ConsolidatedGroup` or a ``zarr.Array``."""
-    if isinstance(node, ConsolidatedGroup | zarr.Array):
-        return node
-    if isinstance(node, zarr.Group):
-        return ConsolidatedGroup(node._async_group)
-    if isinstance(node, AsyncGroup):
-        return ConsolidatedGroup(node)
-    return zarr.Array(node)
-
-
-def open_consolidated(store: NoFillStore, storage: Storage) -> ConsolidatedGroup:
+def open_consolidated(store: NoFillStore, storage: Storage) -> zarr.Group:
     """The output's root group, read only, from its root ``zarr.json`` and the consolidated
     metadata in it (which must be there, as ``zarr.open_group(use_consolidated=True,
     zarr_format=3)`` requires). On a local disk the document is read here, within
     :data:`F.ROOT_DOC_MAX_BYTES` (what :class:`NoFillStore` allows it), and parsed by zarr's
     ``AsyncGroup.from_dict``: no round trip to zarr's event-loop thread; elsewhere zarr opens it."""
     if not storage.local:
-        return _wrap(zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3))  # type: ignore[no-any-return]
+        return zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3)
     doc = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))
     if not isinstance(doc, dict) or doc.get("consolidated_metadata") is None:
         raise ValueError("Consolidated metadata requested with 'use_consolidated=True' but not found in ''.")
