@@ -67,6 +67,8 @@ def _compare(rank: int, world: int, objs: list[Any], allow_pickle: bool, dst: in
 def same_as_torch(rank: int, world: int, base: str) -> dict[str, Any]:
     objs = [payload(r) for r in range(world)]
     objs[2] = [objs[2]["instances"], torch.arange(5), np.float64(1.0).item(), "x", None]  # kinds differ per rank
+    # more than one 4 MiB chunk of the call's writer: its flush thread starts while it writes
+    objs[1]["big"] = np.arange(1_200_000, dtype=np.float32)
     return {"diffs": _compare(rank, world, objs, allow_pickle=False)}
 
 

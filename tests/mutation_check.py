@@ -1449,6 +1449,14 @@ MUTATIONS: list[Mutation] = [
         ),
         "a walked file's layouts meet its state in row order within a block of rows, not by layout number",
     ),
+    Mutation(
+        "s47-array-doc-shape",
+        "spillmerge/_merge/documents.py",
+        '    doc["shape"] = shape\n',
+        "",
+        ("tests/merge/test_documents.py::test_every_array_document_is_zarrs_own_form_across_merges_of_other_shapes",),
+        "an array document normalised once per kind gets each merge's own shape",
+    ),
 ]
 
 

@@ -63,6 +63,14 @@ class DropInArgumentError(SpillMergeError, ValueError):
     wrong rank or of the wrong length, both ``dst`` and ``group_dst``, an unsupported group)."""
 
 
+class _CallWriter(SpillWriter):
+    """The writer of one call: its flush thread starts only if a chunk fills, so a small call's
+    one chunk is written, checksummed and journaled by its commit in the caller's thread (no
+    thread started, no spare buffer prefaulted)."""
+
+    _flush_at_commit = True
+
+
 def _name(rank: int) -> str:
     return f"{rank:08d}"  # zero-padded: files sort in rank order
 
@@ -434,7 +442,7 @@ def _collective(
         # so nothing in it has to outlive a crash (a syncfs per call was most of a small call)
         # 4 MiB chunks, two of them: the writer touches its staging buffers ahead of use, and a
         # small call's cost was mostly faulting in 16 MiB ones
-        with SpillWriter(
+        with _CallWriter(
             spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
             chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
         ) as w:  # fmt: skip

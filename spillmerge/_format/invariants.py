@@ -94,13 +94,33 @@ def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
     return node
 
 
+_LIMITS: dict[int, tuple[Any, FO.ChunkLimits]] = {}
+"""``array_limits``' results by ``id`` of the metadata object (kept with it: the id stays its own)."""
+
+
+def array_limits(arr: Any, path: str) -> FO.ChunkLimits:
+    """``_format.output.chunk_limits`` of the zarr array ``arr``'s metadata (``path`` names it in
+    an error), worked out once per metadata object: an open checks each array's metadata where
+    it is looked up and again where its chunks are read, and zarr's ``to_dict`` of it is most
+    of the cost."""
+    meta = arr.metadata
+    hit = _LIMITS.get(id(meta))
+    if hit is not None and hit[0] is meta:
+        return hit[1]
+    limits = FO.chunk_limits(meta.to_dict(), path=path)
+    if len(_LIMITS) >= 1024:
+        _LIMITS.clear()
+    _LIMITS[id(meta)] = (meta, limits)
+    return limits
+
+
 def grid_problems(rel: str, arr: Any) -> list[Problem]:
     """What the array ``rel``'s metadata breaks of the format's chunk rules
     (``_format.output.chunk_limits``: chunk shape within the array's, known codecs, bounded
     chunk size, shapes without overflow), from its metadata alone; the same limits bound every
     chunk read (``_read.outputstore.NoFillStore``)."""
     try:
-        FO.chunk_limits(arr.metadata.to_dict(), path=rel)
+        array_limits(arr, rel)
     except CorruptSpillError as exc:
         return [(rel, exc.reason or str(exc))]
     return []

@@ -190,16 +190,15 @@ def build(
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
+    if n_index < _plansql.IN_MEMORY_ROWS:  # sorted in memory; a work folder only if an array needs a map
+        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
+        with _plansql.lazy_workspace(work_dir) as lazy:
+            return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, lazy))
     with _plansql.workspace(work_dir) as folder:
-        if n_index < _plansql.IN_MEMORY_ROWS:
-            srt = _plansql.sort_rows_in_memory(
-                segments, layout_ids, lp_order, resolve, work_dir=work_dir, folder=folder
-            )
-        else:
-            srt = _plansql.sort_rows(
-                segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-                threads=threads if threads is not None else _threads(n_index), folder=folder,
-            )  # fmt: skip
+        srt = _plansql.sort_rows(
+            segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+            threads=threads if threads is not None else _threads(n_index), folder=folder,
+        )  # fmt: skip
         return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))
 
 

@@ -20,7 +20,8 @@ is less: DuckDB cannot sort in less.
 The work folder ``spillmerge-sqlplan-<pid>-*`` (under ``work_dir``, else the system's temporary
 folder) is removed when the sort is done, whether it succeeds or fails; the arrays mapped from it
 stay readable (their files are unlinked, their pages stay file-backed while mapped). A folder
-left by a killed process (its pid is gone) is removed by the next plan under the same parent.
+left by a killed process (its pid is gone) is removed by the next plan under the same parent
+that makes one (a plan of fewer than ``IN_MEMORY_ROWS`` rows makes none unless it maps an array).
 """
 
 from __future__ import annotations
@@ -129,13 +130,32 @@ def workspace(work_dir: str | None) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def alloc(folder: str, name: str, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None) -> np.ndarray:
-    """A new array of ``shape``: in memory up to ``MAPPED_ROWS`` rows, else a shared map of a new
-    file of ``folder`` (its pages file-backed: written back, not anonymous memory), filled with
-    ``fill`` a block at a time (None: zeros)."""
+@contextlib.contextmanager
+def lazy_workspace(work_dir: str | None) -> Iterator[Callable[[], str]]:
+    """:func:`workspace`, made only when first asked for (``folder()``): a small plan maps no
+    file, and making a work folder lists the temporary folder (stale plans) and creates one."""
+    made: list[str] = []
+    with contextlib.ExitStack() as stack:
+
+        def folder() -> str:
+            if not made:
+                made.append(stack.enter_context(workspace(work_dir)))
+            return made[0]
+
+        yield folder
+
+
+def alloc(
+    folder: str | Callable[[], str] | None, name: str, shape: int | tuple[int, ...], dtype: Any, fill: int | None = None
+) -> np.ndarray:
+    """A new array of ``shape``: in memory up to ``MAPPED_ROWS`` rows (or with no ``folder``),
+    else a shared map of a new file of ``folder`` (a path, or a call that gives one: its pages
+    file-backed, written back, not anonymous memory), filled with ``fill`` a block at a time
+    (None: zeros)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if shape[0] <= MAPPED_ROWS:
+    if shape[0] <= MAPPED_ROWS or folder is None:
         return np.full(shape, 0 if fill is None else fill, dtype=dtype)
+    folder = folder() if callable(folder) else folder
     path = os.path.join(folder, f"{name}-{len(os.listdir(folder))}.bin")
     a = np.memmap(path, dtype=dtype, mode="w+", shape=shape)  # a sparse file: zeros
     if fill:
@@ -334,20 +354,28 @@ def _name_starts(col: Any) -> np.ndarray:
 
 
 class _Spool:
-    """Append-only int64 arrays in files of the work folder, mapped (or read) when done."""
+    """Append-only int64 arrays in files of the work folder, mapped (or read) when done; in
+    memory when there is no folder (a sort of fewer than ``IN_MEMORY_ROWS`` rows)."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str | None) -> None:
         self.folder = folder
         self.files: dict[str, Any] = {}
+        self.parts: dict[str, list[np.ndarray]] = {}
         self.n = 0
 
     def append(self, name: str, a: np.ndarray) -> None:
+        if self.folder is None:
+            self.parts.setdefault(name, []).append(np.array(a, dtype=np.int64))
+            return
         f = self.files.get(name)
         if f is None:
             f = self.files[name] = open(os.path.join(self.folder, f"{name}.i8"), "wb")  # noqa: SIM115 - done()
         f.write(np.ascontiguousarray(a, dtype=np.int64).data)
 
     def append_bytes(self, name: str, a: np.ndarray) -> None:
+        if self.folder is None:
+            self.parts.setdefault(name, []).append(np.array(a, dtype=np.uint8))
+            return
         f = self.files.get(name)
         if f is None:
             f = self.files[name] = open(os.path.join(self.folder, name), "wb")  # noqa: SIM115 - done_bytes()
@@ -355,6 +383,8 @@ class _Spool:
 
     def done_bytes(self, name: str, n: int) -> np.ndarray:
         """The bytes appended to ``name``: read, or a map beyond ``MAPPED_ROWS`` int64s' worth."""
+        if self.folder is None:
+            return self._joined(name, np.uint8)
         f = self.files.pop(name, None)
         if f is not None:
             f.close()
@@ -365,7 +395,13 @@ class _Spool:
             return np.fromfile(path, dtype=np.uint8)
         return np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
 
+    def _joined(self, name: str, dtype: Any) -> np.ndarray:
+        parts = self.parts.pop(name, [])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
     def done(self, name: str, n: int) -> np.ndarray:
+        if self.folder is None:
+            return self._joined(name, np.int64)
         f = self.files.pop(name, None)
         if f is not None:
             f.close()
@@ -390,6 +426,10 @@ class _SpooledNames(Sequence[str]):
         return self.n
 
     def __getitem__(self, i: Any) -> Any:
+        if self.spool.folder is None:
+            off = np.concatenate(self.spool.parts["name_off"])[int(i) : int(i) + 2]
+            data = np.concatenate(self.spool.parts["names.u8"])
+            return data[int(off[0]) : int(off[1])].tobytes().decode("utf-8", "surrogatepass")
         for f in self.spool.files.values():
             f.flush()
         off = np.fromfile(os.path.join(self.spool.folder, "name_off.i8"), dtype=np.int64, count=2, offset=8 * int(i))
@@ -398,7 +438,7 @@ class _SpooledNames(Sequence[str]):
             return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
 
 
-def _collect(reader: Any, resolve: Resolve, folder: str, n_names: list[int]) -> Sorted:
+def _collect(reader: Any, resolve: Resolve, folder: str | None, n_names: list[int]) -> Sorted:
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
     names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
     filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``)."""
@@ -492,12 +532,12 @@ def sort_rows_in_memory(
     lp_order: Callable[[], np.ndarray],
     resolve: Resolve,
     *,
-    work_dir: str | None,
     folder: str | None = None,
 ) -> Sorted:
     """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same table,
     sorted by Arrow in memory (binary names in byte order, as DuckDB sorts them) and collected
-    the same way, so the result is the same. Memory: the rows, a few times over."""
+    the same way, so the result is the same, into arrays in memory (no ``folder``) or files of
+    ``folder``. Memory: the rows, a few times over."""
     import pyarrow as pa
 
     tables: list[Any] = []
@@ -512,7 +552,4 @@ def sort_rows_in_memory(
     table = table.append_column("lp", _i64(order[_ints(table.column("rlp"))]))
     table = table.sort_by([("fname", "ascending"), ("frame", "ascending"), ("seg", "ascending"), ("lp", "ascending")])
     table = table.select(["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"])
-    if folder is not None:
-        return _collect(table.to_batches(), resolve, folder, n_names)
-    with workspace(work_dir) as own:
-        return _collect(table.to_batches(), resolve, own, n_names)
+    return _collect(table.to_batches(), resolve, folder, n_names)

@@ -77,6 +77,16 @@ def _chunk_reader(
     return get
 
 
+def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> np.ndarray:
+    """The whole 1-d array ``arr``, chunk by chunk (``_read.rawchunk``: straight from storage
+    where it is plain, no round trip to zarr's event-loop thread); memory grows only with the
+    chunks that exist, as ``_format.invariants.read_whole``'s does."""
+    read, k, n = chunk_reader(arr, storage, describe), max(int(arr.chunks[0]), 1), int(arr.shape[0])
+    if n <= k:
+        return read(0)
+    return np.concatenate([read(c) for c in range(-(-n // k))])
+
+
 def _span(get: Callable[[int], np.ndarray], k: int, lo: int, hi: int) -> np.ndarray:
     """Elements ``lo .. hi-1`` of a 1-d array read chunk by chunk through ``get``."""
     if hi <= lo:
@@ -139,8 +149,8 @@ class ChunkedNames(Names):
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
             raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
         self._k: int = k  # type: ignore[assignment]
-        heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
-        hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
+        heads_raw = _whole(heads_node, storage, describe)
+        hoff = np.asarray(_whole(V.index_node(group, "filename_head_offsets", describe), storage, describe), np.int64)
         n_blocks = -(-self._n // self._k)
         raise_(
             V.offsets_problems(

@@ -19,8 +19,7 @@ import numpy as np
 
 from .._errors import CorruptSpillError
 from .._format import crc as _crc
-from .._format import output as FO
-from .._format.invariants import read_array
+from .._format.invariants import array_limits, read_array
 from .._storage import Storage
 
 
@@ -57,7 +56,7 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     size = count * dtype.itemsize + 4
     suffix = "/0" * len(inner)
     path = arr.path
-    limit = FO.chunk_limits(arr.metadata.to_dict(), path=describe(f"{path}/zarr.json")).object_bytes
+    limit = array_limits(arr, describe(f"{path}/zarr.json")).object_bytes
 
     def read(c: int) -> np.ndarray:
         rel = f"{path}/c/{c}{suffix}"

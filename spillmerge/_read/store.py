@@ -25,7 +25,7 @@ from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import ChunkedNames, Names, close_matches
 from .index import LazyArray
 from .leafdict import LeafDict
-from .outputstore import NoFillStore
+from .outputstore import NoFillStore, open_consolidated
 from .rowvalue import RowPlan, row_value
 from .views import LeafView, OpenColumn, view_factory
 
@@ -398,8 +398,6 @@ class MergedStore(Mapping[str, Any]):
         allow_pickle: bool = False,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
-        import zarr
-
         self.cache = ChunkCache(cache_bytes)
         self.storage = Storage(out, storage_options)
         try:
@@ -419,9 +417,7 @@ class MergedStore(Mapping[str, Any]):
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
             store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
-            # zarr_format=3: our output is Zarr v3; without it zarr probes the v2
-            # names too (.zgroup, .zattrs, .zmetadata: 6 more requests on an object store).
-            self.group = zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3)
+            self.group = open_consolidated(store, self.storage)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
             raise CorruptSpillError(
                 f"{self.storage.describe()}: cannot open as zarr: {exc}", path=self.storage.describe()

@@ -171,6 +171,22 @@ class BufferPool:
             self._free.clear()
 
 
+class _HereExecutor:
+    """``submit`` runs the call at once in the calling thread and returns its finished Future
+    (``Flusher.run_here``: the executors' interface, no thread)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - the Future carries it, as a pool's does
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 def completed_rows(chunk: Chunk) -> np.ndarray:
     """The int64 ``(n, 6)`` rows (row, file, frame, layout, offset, nbytes) completed in ``chunk``,
     in order: its blocks (``completed``), then the rows completed one by one after them (``tail``)."""
@@ -224,10 +240,21 @@ class Flusher(threading.Thread):
         self._journal_pool = ThreadPoolExecutor(1, thread_name_prefix=f"spillmerge-journal-r{rank}")
         self.progress = ProgressWriter(storage, prefix, rank=rank)
         pool.wants_spare = lambda: self.q.put(_SPARE)
+        self.inline = False
+        """Run by :meth:`run_here` in the writer's thread, not as a thread of its own."""
+
+    def run_here(self) -> None:
+        """:meth:`run` in the calling thread, the uploads and journal entries too (one after
+        another, in chunk order), once the queue holds every chunk and the final ``None``; no
+        thread starts and no spare buffer is prefaulted (no write follows)."""
+        self.inline = True
+        self._pool = self._journal_pool = _HereExecutor()  # type: ignore[assignment]
+        self.run()
 
     def run(self) -> None:
         try:
-            self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
+            if not self.inline:
+                self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
             while True:
                 try:
                     chunk = self.q.get(timeout=self.progress.interval)
@@ -241,13 +268,15 @@ class Flusher(threading.Thread):
                     self._retire(block=False)
                     continue
                 if chunk is _SPARE:  # the caller took the prefaulted buffer: ready the next one
-                    self.pool.prefault_spare()
+                    if not self.inline:
+                        self.pool.prefault_spare()
                     continue
                 if self.error is not None:
                     self.pool.release(chunk.host)
                     continue
                 try:
-                    self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
+                    if not self.inline:
+                        self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
                     self._checksum(chunk)
                     fut = self._pool.submit(self._upload, chunk)
                     fut.add_done_callback(lambda _: self.q.put(_WAKE))

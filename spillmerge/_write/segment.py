@@ -59,6 +59,7 @@ class SegmentSteps:
     _dead_rows: list[tuple[int, int]]
     _rewrites: int
     _committed_keys: dict[str, set[int]] | None
+    _flush_at_commit: bool
 
     if TYPE_CHECKING:
 
@@ -143,7 +144,7 @@ class SegmentSteps:
             self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
         self._staging.start(
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._schema.layouts, fsync=self.fsync,
+            filenames=self._filenames, layouts=self._schema.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
         )  # fmt: skip
         self._state = WriterState.OPEN
 

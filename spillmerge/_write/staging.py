@@ -61,10 +61,13 @@ class Staging:
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
-        layouts: list[FS.Layout], fsync: bool = True,
+        layouts: list[FS.Layout], fsync: bool = True, at_commit: bool = False,
     ) -> None:  # fmt: skip
         """Start the flush thread for the segment ``prefix`` of ``storage``. ``filenames`` and
-        ``layouts`` are the writer's catalog (append-only)."""
+        ``layouts`` are the writer's catalog (append-only). ``at_commit``: start it only when a
+        chunk fills; a segment whose bytes fit in one chunk is then flushed by :meth:`finish`
+        (or :meth:`stop`) in the writer's thread, no thread started (a short-lived writer: no
+        progress record is written before that)."""
         self._storage, self._prefix, self._path = storage, prefix, storage.describe(prefix)
         self._filenames, self._layouts = filenames, layouts
         self._journaled_files = self._journaled_layouts = 0
@@ -73,7 +76,8 @@ class Staging:
             fsync=fsync,
         )  # fmt: skip
         self.flusher.progress.staged = lambda: (self.frames, self.offset)
-        self.flusher.start()
+        if not at_commit:
+            self.flusher.start()
 
     @property
     def allocated(self) -> int:
@@ -346,6 +350,8 @@ class Staging:
             chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
             self.seal(chunk)
+            if not self._closing and self._fl.ident is None:
+                self._fl.start()  # at_commit, and a chunk filled: the flush thread takes over
             self._fl.q.put(chunk)
 
     def _object_size(self, chunk: Chunk) -> int:
@@ -427,19 +433,26 @@ class Staging:
         upload and journal entry, raise the flush thread's error."""
         self._closing = True
         self.hand_off()
-        self._fl.q.put(None)
-        self._fl.join()
+        self._end()
         self.check()
+
+    def _end(self) -> None:
+        """The final ``None`` to the flusher; wait for it, or run it here if it never started."""
+        fl = self._fl
+        fl.q.put(None)
+        if fl.ident is None:
+            fl.run_here()
+        else:
+            fl.join()
 
     def stop(self) -> bool:
         """Abort: flush what was staged (so it stays readable) if the flush thread still runs;
         True when the flush thread never failed (what it wrote can be indexed)."""
         self._closing = True
         fl = self._fl
-        if fl.is_alive():
+        if fl.is_alive() or (fl.ident is None and not fl.inline):  # not yet ended
             self.hand_off()
-            fl.q.put(None)
-            fl.join()
+            self._end()
         return fl.error is None
 
     def checks(self) -> np.ndarray:

@@ -80,6 +80,10 @@ class SpillWriter(SegmentSteps, MergeSteps):
             header so that ``spillmerge status`` can estimate the end.
     """
 
+    _flush_at_commit = False
+    """Start the flush thread only once a chunk fills (``Staging.start``'s ``at_commit``): a
+    subclass for short-lived writers (the drop-ins) whose bytes usually fit in one chunk."""
+
     def __init__(
         self,
         root: str | os.PathLike[str],

@@ -85,10 +85,15 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
     assert _leftovers(tmp_path / "w") == []
 
 
-def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(tmp_path: Path) -> None:
+def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = tmp_path / "w"
     _write(tmp_path / "same", 400)
     _write(tmp_path / "differ", 400, differ=True)
+    _plan_of(tmp_path / "same", work_dir=str(work))  # in memory: no work folder at all
+    assert not work.exists()
+    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort, in a work folder
     _plan_of(tmp_path / "same", work_dir=str(work))
     assert _leftovers(work) == []
     with pytest.raises(DuplicateFrameError, match="different content"):
@@ -101,6 +106,7 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(t
         import test_plan_sql as t
         from spillmerge._merge import plan as _plan
         from spillmerge._merge import plansql as _plansql
+        _plansql.IN_MEMORY_ROWS = 0
         real = _plan.build
         def build(segments, on_duplicate, *, same_bytes, **kw):
             def killer(a, b):
