@@ -94,9 +94,7 @@ class LazySegment:
 
     def __init__(self, storage: Storage, seg: Segment) -> None:
         assert seg.commit is not None
-        self.seg = seg
-        self.chunk_bytes = seg.commit.chunk_bytes
-        self.salvaged = False
+        self.seg, self.chunk_bytes, self.n_rows, self.salvaged = seg, seg.commit.chunk_bytes, seg.commit.n_rows, False
         self._storage = storage
         self._whole: LoadedSegment | None = None
         self._small: tuple[list[FS.Layout], np.ndarray | None] | None = None
@@ -123,11 +121,6 @@ class LazySegment:
     @property
     def checks(self) -> np.ndarray | None:
         return self._small[1] if self._small is not None else self._load().checks
-
-    @property
-    def n_rows(self) -> int:
-        assert self.seg.commit is not None
-        return self.seg.commit.n_rows
 
     def release(self) -> None:
         """Let the filenames and index go (the layouts and checks stay)."""
