@@ -100,10 +100,7 @@ def obtain(
             notes.append(f"the plan stored in {where} {READ}")
             return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
         if may_store:
-            try:
-                lease = _lease.Lease.acquire(output, name=PLANNER, role="planner", exclusive=False)
-            except OutputBusyError:
-                lease = None
+            lease = _planner_lease(output)
             if lease is not None:
                 with lease:
                     found = _read(output, key, segments, notes, memory_limit)  # stored while we took the lease
@@ -111,11 +108,7 @@ def obtain(
                         plan, fp, stored_settings = found
                         notes.append(f"the plan stored in {where} {READ}")
                         return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
-                    plan, fp = plan_here()
-                    lease.check()
-                    store(output, plan, key, fp, settings)
-                    notes.append(f"the plan was built here and stored in {where} for the other parts")
-                    return Obtained(plan, fp, notes)
+                    return _build_and_store(output, lease, key, plan_here, settings, notes)
         elif not _lease.held(output, PLANNER):
             break  # nobody at it: plan here
         if timeout > 0 and time.monotonic() - t0 >= timeout:
@@ -136,21 +129,32 @@ def rebuild(
     spill root, and stored again in place of the damaged one when this process may store and no
     planner is at work."""
     notes = [f"the stored plan was not used: {damage}"]
-    where = output.describe(PLAN_DIR)
-    if may_store:
-        try:
-            lease = _lease.Lease.acquire(output, name=PLANNER, role="planner", exclusive=False)
-        except OutputBusyError:
-            lease = None
-        if lease is not None:
-            with lease:
-                plan, fp = plan_here()
-                lease.check()
-                store(output, plan, key, fp, settings)
-                notes.append(f"the plan was built here and stored in {where} for the other parts")
-                return Obtained(plan, fp, notes)
+    lease = _planner_lease(output) if may_store else None
+    if lease is not None:
+        with lease:
+            return _build_and_store(output, lease, key, plan_here, settings, notes)
     plan, fp = plan_here()
     notes.append("the plan was built here (not stored)")
+    return Obtained(plan, fp, notes)
+
+
+def _planner_lease(output: Storage) -> _lease.Lease | None:
+    """The ``planner`` lease, or None while another process holds it."""
+    try:
+        return _lease.Lease.acquire(output, name=PLANNER, role="planner", exclusive=False)
+    except OutputBusyError:
+        return None
+
+
+def _build_and_store(
+    output: Storage, lease: _lease.Lease, key: str, plan_here: Callable[[], tuple[Plan, str]],
+    settings: dict[str, Any], notes: list[str],
+) -> Obtained:  # fmt: skip
+    """Under the planner ``lease``: the plan built here and stored for the other parts."""
+    plan, fp = plan_here()
+    lease.check()
+    store(output, plan, key, fp, settings)
+    notes.append(f"the plan was built here and stored in {output.describe(PLAN_DIR)} for the other parts")
     return Obtained(plan, fp, notes)
 
 
