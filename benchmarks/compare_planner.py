@@ -49,7 +49,7 @@ except Exception as exc:
 
 
 def write_values_root(root: str) -> None:
-    sys.path.insert(0, str(HERE / "tests"))
+    sys.path[:0] = [str(HERE / "tests"), str(HERE / "tests" / "write")]  # the tests' folders
     from test_value_model import VALUES
 
     import spillmerge
