@@ -1457,6 +1457,30 @@ MUTATIONS: list[Mutation] = [
         ("tests/merge/test_documents.py::test_every_array_document_is_zarrs_own_form_across_merges_of_other_shapes",),
         "an array document normalised once per kind gets each merge's own shape",
     ),
+    Mutation(
+        "stored-plan-block-offsets-rise",
+        "spillmerge/_merge/planblocks.py",
+        "        if self._monotonic and n > 1 and bool(np.any(block[1:] < block[:-1])):",
+        "        if False:",
+        ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
+        "a stored plan's offsets block that does not rise is never used, whatever its digest",
+    ),
+    Mutation(
+        "stored-plan-block-first-element",
+        "spillmerge/_merge/planblocks.py",
+        "        if self._first is not None and n and int(block[0]) != self._first[k]:",
+        "        if False:",
+        ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
+        "a stored plan block that does not start with the element plan.json names is never used",
+    ),
+    Mutation(
+        "stored-plan-block-size-bounded",
+        "spillmerge/_merge/planblocks.py",
+        "        if self._rows * self._row_bytes > max(BLOCK_BYTES, self._row_bytes) or self._row_bytes > BLOCK_BYTES:",
+        "        if False:",
+        ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
+        "a stored plan's block size is bounded before anything is read or allocated",
+    ),
 ]
 
 

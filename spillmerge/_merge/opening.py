@@ -190,18 +190,18 @@ class Job:
             # (``allow_partial``) are read by every process, which then plans itself.
             key = _planstore.source_key(segments, options.on_duplicate)
             complete = output.exists(FO.COMPLETE_NAME) and not options.overwrite  # refused later: store nothing
+            settings = {"chunk_bytes": chunk_bytes, "codec": codec}
+            may_store = part is not None and not complete
             got = _planstore.obtain(
                 output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
-                settings={"chunk_bytes": chunk_bytes, "codec": codec}, timeout=options.timeout,
-                may_store=part is not None and not complete, memory_limit=max(options.plan_budget // 2, 16 << 20),
+                settings=settings, timeout=options.timeout, may_store=may_store,
+                memory_limit=max(options.plan_budget // 2, 16 << 20),
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)
             if plan.blocks is not None:  # read from the store: a block may yet fail its digest
-                rebuild = functools.partial(
-                    _planstore.rebuild, output, key, plan_here, settings={"chunk_bytes": chunk_bytes, "codec": codec},
-                    may_store=part is not None and not complete,
-                )  # fmt: skip
+                rebuild = functools.partial(_planstore.rebuild, output, key, plan_here, settings=settings,
+                                            may_store=may_store)  # fmt: skip
         else:
             plan, plan_id = plan_here()
         phases["plan"] = time.perf_counter() - t - phases["load"]

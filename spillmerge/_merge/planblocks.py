@@ -106,6 +106,9 @@ class StoredArray:
         if self._rows < 1 or len(self._digests) != n_blocks:
             raise bad(rel, f"{len(self._digests)} block digests for {self.shape[0]} rows of {self._rows}")
         self._row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        if self._rows * self._row_bytes > max(BLOCK_BYTES, self._row_bytes) or self._row_bytes > BLOCK_BYTES:
+            # what a block (and an index into it) may allocate is bounded before anything is read
+            raise bad(rel, f"blocks of {self._rows} rows of {self._row_bytes} bytes: more than a block holds")
         first = spec.get("first")
         self._first = None if first is None else [int(x) for x in first]
         if self._first is not None and len(self._first) != n_blocks:

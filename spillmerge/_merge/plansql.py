@@ -261,8 +261,8 @@ def _segment_rows(
     """Segment number ``si``'s index rows as the Arrow tables both sorts take, :data:`BATCH` rows
     at a time (none when it has none): name bytes, frame, raw leaf path, global layout, segment,
     extent, local file number. ``layout_ids`` is called for every segment, an empty one too.
-    A block at a time: the columns of a segment's every row at once were the planner's largest
-    allocation (~70 B a row beside the index itself)."""
+    A batch at a time: the columns of every row of a large segment (~70 B a row beside its
+    index) are never held at once."""
     import pyarrow as pa
 
     gmap, pmap = layout_ids(s)

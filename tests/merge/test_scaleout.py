@@ -245,6 +245,43 @@ def test_a_damaged_stored_plan_is_planned_again(tmp_path):
     assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
 
 
+@pytest.mark.parametrize(
+    ("victim", "why"),
+    [("name_offsets.0", "offsets that do not rise"), ("seg.0", "first element is not the one plan.json names"),
+     ("c0.src.0", "more than a block holds")],
+)  # fmt: skip
+def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(tmp_path, victim, why):
+    # plan.json's digests are not a signature: a block rewritten with its digest (and plan.json's
+    # own) recomputed still meets the checks a part makes as it reads: offsets rise, a block
+    # starts with the element plan.json names, a block holds no more than a block's bytes.
+    from spillmerge._merge import planblocks, planstore
+
+    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
+    _spill(root, world=2, files=4, frames=4)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    folder = out / "spillmerge-parts" / "plan"
+    doc = json.loads((folder / "plan.json").read_text())
+    name, _ = victim.rsplit(".", 1)
+    spec = doc["body"]["arrays"][name]
+    if why == "more than a block holds":
+        spec["rows"] = planblocks.BLOCK_BYTES  # int64 rows: 8x a block
+    else:
+        a = np.frombuffer((folder / victim).read_bytes(), dtype=spec["dtype"]).copy()
+        if name == "name_offsets":
+            a[1], a[2] = a[2], a[1]  # two offsets swapped: no longer rising
+        else:
+            a[0] = a[0] + 1  # another segment, valid, not the first element plan.json names
+        (folder / victim).write_bytes(a.tobytes())
+        spec["blake2b"][0] = planblocks.digest(a.tobytes())
+    doc["digest"] = planstore._body_digest(doc["body"])
+    (folder / "plan.json").write_text(json.dumps(doc, sort_keys=True))
+    rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
+    assert any(n.startswith("the stored plan was not used:") and why in n for n in rep.notes), rep.notes
+    spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
+    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+
+
 def test_a_stored_plan_pointing_out_of_range_is_never_used(tmp_path):
     # The stored plan's rows are not checked again against the spill root: an array rewritten to
     # the same size fails its digest and the plan is built again from the spill root.
