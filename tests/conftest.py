@@ -214,11 +214,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _thread_police():
-    """Fail a test that leaves spillmerge threads running (a leaked flush or merge thread)."""
+    """Fail a test that leaves spillmerge threads running (a leaked flush or merge thread). The
+    fsync threads are the one pool meant to outlive a call: started once per process, shared by
+    every sync (``_storage/local._fsync_pool``)."""
     before = {t.ident for t in threading.enumerate()}
     yield
     leaked = [
-        t for t in threading.enumerate() if t.ident not in before and t.is_alive() and t.name.startswith("spillmerge")
+        t
+        for t in threading.enumerate()
+        if t.ident not in before and t.is_alive() and t.name.startswith("spillmerge")
+        and not t.name.startswith("spillmerge-fsync")
     ]
     for t in leaked:
         t.join(timeout=5)

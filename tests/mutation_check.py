@@ -1481,6 +1481,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
         "a stored plan's block size is bounded before anything is read or allocated",
     ),
+    Mutation(
+        "forked-child-starts-its-own-fsync-threads",
+        "spillmerge/_storage/local.py",
+        "os.register_at_fork(after_in_child=_forget_fsync_pool)",
+        "pass",
+        ("tests/storage/test_backends.py::test_a_process_forked_after_a_spill_spills_and_merges",),
+        "a process forked after a spill syncs with threads of its own, not its parent's (which it lacks)",
+    ),
 ]
 
 

@@ -276,14 +276,14 @@ class Storage:
         renamed; ``durable``: fsync of the file before and of its folder after the rename)."""
         raise NotImplementedError
 
-    def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
+    def fsync_tree(self, rel: str = "") -> None:
         """Make every file below ``rel`` (and the folders holding them, up to the root) durable
         on a local disk: an fsync of each, many in flight, skipping the files this handle already
         fsynced (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it
         returns."""
         raise NotImplementedError
 
-    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+    def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
         """Make the objects ``rels`` (written already) durable on a local disk: an fsync of each
         one this handle has not fsynced yet and of every folder holding one of them (with
         ``up``: and every folder above, up to the root), so the names survive a power loss too.

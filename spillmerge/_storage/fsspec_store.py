@@ -118,10 +118,10 @@ class FsspecStorage(Storage):
     def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
         return _FsspecSink(self, rel)
 
-    def fsync_tree(self, rel: str = "", *, threads: int = 8) -> None:
+    def fsync_tree(self, rel: str = "") -> None:
         """Nothing: a PUT is durable when it returns."""
 
-    def sync(self, rels: Sequence[str], *, threads: int = 8, up: bool = True) -> None:
+    def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
         """Nothing: a PUT is durable when it returns."""
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:

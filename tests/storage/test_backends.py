@@ -132,3 +132,29 @@ def test_syncing_an_output_tree_skips_a_file_another_part_renamed_away(tmp_path)
     out.fsync_tree("")
     with pytest.raises(spillmerge.SpillStorageError, match="gone.json"):
         out.sync(["gone.json"])
+
+
+def test_a_process_forked_after_a_spill_spills_and_merges(tmp_path):
+    """The fsync threads are started once per process and shared by every sync; a child forked
+    after the parent used them (a DataLoader worker, a launcher's fork) has none of them, and
+    its spill must still commit and merge, not wait forever on threads that do not exist."""
+    import multiprocessing as mp
+
+    _spill_local(str(tmp_path / "parent"), 0)
+    ctx = mp.get_context("fork")
+    child = ctx.Process(target=_spill_local, args=(str(tmp_path / "child"), 1))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked child's spill hung")
+    assert child.exitcode == 0
+    rep = spillmerge.merge(str(tmp_path / "child"), str(tmp_path / "out"))
+    assert (rep.n_files, rep.n_frames) == (1, 6)
+
+
+def _spill_local(root: str, seed: int) -> None:
+    with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
+        for f in range(6):
+            w.write("a.mp4", f, torch.full((2048,), float(f + seed)))
