@@ -13,7 +13,8 @@ are in memory, released together by a barrier) each write their share of 384 KiB
   straight from its tensor into the current 16 MiB chunk file, every two full chunks fsynced
   together (no staging copy, no threads).
 - ``spill``: ``SpillWriter(root, rank, W)``, ``write(name, frame, tensor)`` per frame, then the
-  commit (``--base DIR``: the same with the checkout ``DIR`` first on ``sys.path``).
+  commit (``--base DIR``: the same with the checkout ``DIR`` first on ``sys.path``, and then both
+  spills run from a child interpreter each, so they start alike).
 
 Printed per method: the median wall time (barrier to the last rank's commit) and the median CPU
 time of all ranks together (user + system of every thread). On a machine with fewer cores than
@@ -163,8 +164,9 @@ def main() -> None:
     for rep in range(args.repeats):
         order = methods if rep % 2 == 0 else methods[::-1]
         for m in order:
-            if m == "base":
-                got[m].append(_base(args, n, work))
+            if args.base and m in ("spill", "base"):  # both checkouts the same way: a child interpreter each
+                tree = args.base if m == "base" else str(Path(__file__).resolve().parent.parent)
+                got[m].append(_child_spill(tree, args.world, n, work))
             else:
                 got[m].append(_one(m, None, args.world, n, work))
             print(f"  repeat {rep + 1} {m}: {got[m][-1][0]:.2f} s, CPU {got[m][-1][1]:.2f} s", file=sys.stderr)
@@ -181,8 +183,8 @@ def main() -> None:
         print(f"| {m} | {wall[m]:.2f} s | {wall[m] / wall['raw']:.2f}x | {cpu[m]:.2f} s | {cpu[m] / cpu['raw']:.2f}x | {reps} |")
 
 
-def _base(args: argparse.Namespace, n: int, work: str) -> tuple[float, float]:
-    """One spill repeat with ``--base`` first on sys.path, in a child interpreter (one repeat)."""
+def _child_spill(tree: str, world: int, n: int, work: str) -> tuple[float, float]:
+    """One spill repeat with the checkout ``tree`` first on sys.path, in a child interpreter."""
     import json
     import subprocess
 
@@ -196,7 +198,7 @@ def _base(args: argparse.Namespace, n: int, work: str) -> tuple[float, float]:
     )
     here = str(Path(__file__).resolve().parent)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, "-c", code, args.base, here, str(args.world), str(n), work],
+    p = subprocess.run([sys.executable, "-c", code, tree, here, str(world), str(n), work],
                        capture_output=True, text=True, env=env, check=True)  # fmt: skip
     w, c = json.loads(p.stdout.strip().splitlines()[-1])
     return w, c
