@@ -37,7 +37,7 @@ demo: $(BASE)
 # files go to a worker (a module's fixtures are built once) except tests/conftest.py's SPREAD files,
 # whose tests go one by one; in collection order, the longest files first (conftest FIRST).
 test: setup
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 # The tier for iteration: no rank processes, S3 server, framework or model tests (tests/conftest.py).
 test-fast: setup

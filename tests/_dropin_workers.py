@@ -202,7 +202,7 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
-NEVER_TIMEOUT = 8.0
+NEVER_TIMEOUT = 3.0
 
 
 def never_called(rank: int, world: int, base: str) -> dict[str, Any]:

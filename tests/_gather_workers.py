@@ -148,7 +148,7 @@ def crash_then_rerun(rank: int, world: int, base: str) -> dict[str, Any]:
     }
 
 
-SHORT_TIMEOUT = 6.0
+SHORT_TIMEOUT = 3.0
 
 
 def short_timeout_after_long_calls(rank: int, world: int, base: str) -> dict[str, Any]:

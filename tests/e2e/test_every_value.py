@@ -5,13 +5,11 @@ mid-spill salvaged with --allow-partial; resume; inspect and verify through the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from test_cli import cli_run
 
 import spillmerge
 
@@ -138,18 +136,16 @@ def test_pickle_only_when_both_sides_opt_in(tmp_path):
 def test_cli_inspect_and_verify_on_every_kind(tmp_path):
     spill(str(tmp_path / "s"), {})
     out = str(tmp_path / "o")
-    cli = [os.path.join(os.path.dirname(sys.executable), "spillmerge")]  # the console script
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([*cli, "merge", str(tmp_path / "s"), "--out", out], capture_output=True, text=True, env=env)
+    run = cli_run("merge", str(tmp_path / "s"), "--out", out)
     assert run.returncode == 0, run.stderr
-    info = subprocess.run([*cli, "inspect", out, "--json"], capture_output=True, text=True, env=env)
+    info = cli_run("inspect", out, "--json")
     assert info.returncode == 0, info.stderr
     doc = json.loads(info.stdout)
     assert doc["frames"] == 24 and doc["n_files"] == 4 and "list[str]" in doc["dtypes"], doc
-    ver = subprocess.run([*cli, "verify", out], capture_output=True, text=True, env=env)
+    ver = cli_run("verify", out)
     assert ver.returncode == 0, ver.stdout + ver.stderr
     for path in (tmp_path / "o" / "columns" / "text" / "values" / "c").iterdir():
         path.write_bytes(path.read_bytes()[:-1] + bytes([path.read_bytes()[-1] ^ 1]))  # flip a CRC bit
         break
-    ver = subprocess.run([*cli, "verify", out], capture_output=True, text=True, env=env)
+    ver = cli_run("verify", out)
     assert ver.returncode == 1 and "columns/text/values" in ver.stdout + ver.stderr

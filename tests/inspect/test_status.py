@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _status_workers
 import pytest
+from _procs import join_all, rank_context
 
 import spillmerge
 from spillmerge import cli
-
-HERE = Path(__file__).parents[1]  # tests/
-
-
-def _env(rank: int, world: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]))
-    return env
 
 
 def _poll(root: str, options: dict[str, Any], ok: Any, timeout: float = 90) -> spillmerge.JobStatus:
@@ -54,15 +46,12 @@ def test_status_of_a_live_job_with_a_stalled_a_failed_and_a_missing_rank(where, 
         root, options, cli_opts, so_env = str(tmp_path / "spill"), {}, [], {}
     go = str(tmp_path / "go")
     roles = {0: "commit", 1: "stall", 2: "fail"}  # rank 3 of 4 never starts
+    ctx = rank_context()
     procs = {
-        r: subprocess.Popen(
-            [sys.executable, str(HERE / "_status_workers.py"), root, json.dumps(options), role, go],
-            env=_env(r, 4),
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r, role in roles.items()
+        r: ctx.Process(target=_status_workers.run, args=(root, options, role, go, r, 4)) for r, role in roles.items()
     }
+    for proc in procs.values():
+        proc.start()
     try:
         js = _poll(root, options, lambda js: [r.state for r in js.ranks] == ["committed", "writing", "failed", "missing"]
                    and js.ranks[1].stalled and js.ranks[1].durable == 28)  # fmt: skip
@@ -105,19 +94,17 @@ def test_status_of_a_live_job_with_a_stalled_a_failed_and_a_missing_rank(where, 
         assert "of 200 expected" in text
 
         Path(go).touch()  # rank 1 goes on and commits
-        for r, proc in procs.items():
-            proc.wait(timeout=120)
-            assert (proc.returncode == 0) == (r != 2), proc.stderr.read()
+        join_all(list(procs.values()), timeout=120)
+        assert {r: proc.exitcode == 0 for r, proc in procs.items()} == {0: True, 1: True, 2: False}
         js = spillmerge.status(root, storage_options=options or None)
         assert [r.state for r in js.ranks] == ["committed", "committed", "failed", "missing"]
         assert js.ranks[1].frames == 30 and not js.ranks[1].stalled
     finally:
         Path(go).touch()
         for proc in procs.values():
-            if proc.poll() is None:
+            if proc.is_alive():
                 proc.kill()
-            proc.wait(30)
-            proc.stderr.close()
+            proc.join(30)
 
 
 def test_watch_ends_when_every_rank_has_ended_and_shows_the_merge(tmp_path, capsys):

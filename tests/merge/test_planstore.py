@@ -10,10 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from _mp_scenarios import output_tree, tree_diff
+from _planstore_workers import merge_part
+from _procs import rank_context
 from test_scaleout import OPTS, _spill
 
 import spillmerge
@@ -21,24 +24,14 @@ from spillmerge._merge import lease as _lease
 from spillmerge._merge import planstore as _planstore
 from spillmerge._storage import Storage
 
-_PART = """
-import sys, time
-import spillmerge
-root, out, i, n, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-kw = {"chunk_bytes": 8192, "codec": "zstd", "timeout": 240.0}
-if budget:
-    kw["plan_budget"] = budget
-if i < 0:
-    rep = spillmerge.merge(root, out, finalize=True, **kw)
-else:
-    rep = spillmerge.merge(root, out, part=(i, n), **kw)
-print("|".join(rep.notes))
-"""
 
-
-def _start(root: Path, out: Path, i: int, n: int, budget: int = 0) -> subprocess.Popen:
-    args = [sys.executable, "-c", _PART, str(root), str(out), str(i), str(n), str(budget)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(root: Path, out: Path, i: int, n: int, budget: int = 0) -> tuple[Any, Path]:
+    """Part ``i`` of ``n`` (the finalize where ``i < 0``) started in its own process; the file its
+    notes (or its traceback) go to."""
+    result = out.parent / f"{out.name}-{i}-of-{n}.txt"
+    proc = rank_context().Process(target=merge_part, args=(str(root), str(out), i, n, budget, str(result)))
+    proc.start()
+    return proc, result
 
 
 def _left(out: Path) -> list[str]:
@@ -65,16 +58,15 @@ def test_parts_started_at_once_with_different_plan_budgets_plan_once_and_match_a
         if attempt != 1:
             procs.append(_start(root, out, -1, 3))
         deadline = time.monotonic() + 300
-        notes = []
-        for p in procs:
-            try:
-                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                pytest.fail(f"attempt {attempt}: a process did not end within its timeout (order {order})")
-            assert p.returncode == 0, stderr
-            notes.append(stdout)
+        for p, _ in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p, _ in procs):
+            for p, _ in procs:
+                p.kill()
+            pytest.fail(f"attempt {attempt}: a process did not end within its timeout (order {order})")
+        notes = [result.read_text() for _, result in procs]
+        for (p, _), text in zip(procs, notes, strict=True):
+            assert p.exitcode == 0, text
         built = sum("built here and stored" in n for n in notes)
         assert built == 1, notes  # one planner; everybody else read its plan
         assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []

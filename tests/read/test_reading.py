@@ -5,9 +5,6 @@ batches with column selection, Parquet read by polars / DuckDB / Hugging Face da
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -16,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_cli import cli_run
 
 import spillmerge
 
-EXE = os.path.join(os.path.dirname(sys.executable), "spillmerge")
 N_FILES = 120
 WORDS = ["person", "car", "dog", "traffic light", "", "zebra crossing"]
 
@@ -278,19 +275,13 @@ def test_parquet_reads_the_same_in_polars_duckdb_and_datasets(out, tmp_path):
     assert ds.to_list() == expect
 
 
-def test_export_through_the_console_script(out, tmp_path):
+def test_export_through_the_cli(out, tmp_path):
     path = tmp_path / "boxes.parquet"
-    p = subprocess.run(
-        [EXE, "export", out, "--parquet", str(path), "--columns", "boxes,cls", "--compression", "zstd"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    p = cli_run("export", out, "--parquet", str(path), "--columns", "boxes,cls", "--compression", "zstd")
     assert p.returncode == 0, p.stderr
     assert f"{rows_of(out)} rows" in p.stdout
     assert pq.read_table(path).equals(spillmerge.open(out).to_arrow(columns=["boxes", "cls"]))
-    bad = subprocess.run(
-        [EXE, "export", out, "--parquet", str(tmp_path / "x.parquet"), "--columns", "nope"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    bad = cli_run("export", out, "--parquet", str(tmp_path / "x.parquet"), "--columns", "nope")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "no column 'nope'" in bad.stderr
     assert not (tmp_path / "x.parquet").exists()

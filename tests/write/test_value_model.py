@@ -158,10 +158,8 @@ def test_bad_input_names_filename_frame_and_path_and_loses_nothing(
 def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Path) -> None:
     """The variant columns' ``valid`` arrays are the union's type ids: damaged so that a row has
     a value in two variants of one leaf, the output is refused (docs/FORMAT.md, *Invariants*)."""
-    import subprocess
-    import sys
-
     import zarr
+    from test_cli import cli_run
 
     res = _write_merge(tmp_path, {("f", 0): {"result": torch.ones(2)}, ("f", 1): {"result": "corrupt header"}})
     assert res.value("f", 1) == {"result": "corrupt header"}
@@ -170,8 +168,7 @@ def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Pat
     valid[:] = True  # row 0 now has a value in result.float32.1d and in result.str
     with pytest.raises(spillmerge.CorruptSpillError, match="more than one variant"):
         spillmerge.open(str(out))
-    cli = Path(sys.executable).with_name("spillmerge")
-    done = subprocess.run([str(cli), "verify", str(out)], capture_output=True, text=True, check=False)
+    done = cli_run("verify", str(out))
     assert done.returncode != 0 and "more than one variant" in done.stdout + done.stderr, done.stdout + done.stderr
 
 

@@ -227,8 +227,8 @@ def test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it(tmp
     # damage anywhere in a block is caught by the merge, by `spillmerge verify` and by a
     # duplicate's byte comparison, as a per-row checksum would be.
     import shutil
-    import subprocess
-    import sys
+
+    from test_cli import cli_run
 
     root = tmp_path / "spill"
     g = torch.Generator().manual_seed(1)
@@ -245,10 +245,9 @@ def test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it(tmp
     chunk.write_bytes(bytes(raw))
     with pytest.raises(spillmerge.CorruptSpillError, match=r"mismatch for 'img/000.jpg' frame 0 leaf 'logits' .*in the block at bytes 512..38912"):
         spillmerge.merge(str(root), str(tmp_path / "out.zarr"), progress=False)
-    exe = shutil.which("spillmerge", path=str(Path(sys.executable).parent)) or "spillmerge"
-    p = subprocess.run([exe, "verify", str(root)], capture_output=True, text=True, timeout=120)
+    p = cli_run("verify", str(root))
     assert p.returncode == 1 and f"CORRUPT {chunk}: checksum mismatch in a block of rows" in p.stdout, p.stdout
-    p = subprocess.run([exe, "verify", str(intact)], capture_output=True, text=True, timeout=120)
+    p = cli_run("verify", str(intact))
     assert p.returncode == 0, p.stdout + p.stderr
     spillmerge.merge(str(intact), str(tmp_path / "ok.zarr"), progress=False)
     res = spillmerge.open(str(tmp_path / "ok.zarr"))
