@@ -1481,6 +1481,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
         "a stored plan's block size is bounded before anything is read or allocated",
     ),
+    Mutation(
+        "py-template-item-types",
+        "spillmerge/_write/templates.py",
+        "(len(v) > 1 and set(map(type, v)) != {typ})",
+        "False",
+        ("tests/write/test_values.py::test_python_dicts_of_one_structure_are_stored_as_the_general_walk_stores_them",),
+        "write()'s template of a Python dict checks every list item's type: [1, True] is no list of ints",
+    ),
 ]
 
 
