@@ -1489,6 +1489,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/storage/test_backends.py::test_a_process_forked_after_a_spill_spills_and_merges",),
         "a process forked after a spill syncs with threads of its own, not its parent's (which it lacks)",
     ),
+    Mutation(
+        "py-template-item-types",
+        "spillmerge/_write/templates.py",
+        "(len(v) > 1 and set(map(type, v)) != {typ})",
+        "False",
+        ("tests/write/test_values.py::test_python_dicts_of_one_structure_are_stored_as_the_general_walk_stores_them",),
+        "write()'s template of a Python dict checks every list item's type: [1, True] is no list of ints",
+    ),
+    Mutation(
+        "iter-values-run-key-order",
+        "spillmerge/_read/rowblock.py",
+        "                        and files.key_orders.of_file(i0 + g + 1) is order\n",
+        "",
+        ("tests/read/test_reading.py::test_iter_values_of_flat_dicts_in_runs_is_what_value_gives",),
+        "a run of flat dicts read at once ends where a file's key order changes",
+    ),
 ]
 
 

@@ -20,6 +20,7 @@ hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row
 from __future__ import annotations
 
 import gc
+import itertools
 import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,26 @@ class Block:
         got = self._cols.get(id(col))
         lo, ok, _ = got if got is not None else self._load(col)
         return ok is None or ok[d - lo]
+
+    def run(self, flat: list[tuple[str, OpenColumn]], r0: int, r1: int) -> list[dict[str, Any]] | None:
+        """Rows ``r0 .. r1-1`` of a layout whose value is a flat dict (key, column): the dicts, in
+        C-level passes over the columns' decoded rows; None when a column of them is read row by
+        row or a row lacks a value (the row-by-row way)."""
+        slices = []
+        for _, col in flat:
+            got = self._cols.get(id(col))
+            lo, ok, vals = got if got is not None else self._load(col)
+            if vals is _DIRECT or (ok is not None and not all(ok[r0 - lo : r1 - lo])):
+                return None
+            slices.append(vals[r0 - lo : r1 - lo])
+        keys = [k for k, _ in flat]
+        paused = gc.isenabled()  # only new, acyclic objects (as row_value pauses it)
+        gc.disable()
+        try:
+            return list(map(dict, map(zip, itertools.repeat(keys), zip(*slices, strict=True))))
+        finally:
+            if paused:
+                gc.enable()
 
     def get(self, col: OpenColumn, d: int, filename: str) -> Any:
         """Row ``d`` of ``col`` (one with a value) as ``value()`` returns it."""
@@ -188,7 +209,8 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
             rb = min(ra + BLOCK_ROWS, b)
             frames = np.asarray(files.frame_idx[ra:rb]).tolist()  # (checks the rows' index block)
             block = Block(ra, rb, offs, as_torch)
-            for r in range(ra, rb):
+            r = ra
+            while r < rb:
                 while starts[f + 1] <= r:
                     f += 1
                 layout = layouts[f]
@@ -201,6 +223,28 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 if key not in builders:
                     builders[key] = static_builder(plan, order)
                 build, value = builders[key], ABSENT
+                flat = getattr(build, "flat", None)
+                if flat is not None:  # a flat dict: the run of rows of this layout and order at once
+                    g = f
+                    while (
+                        starts[g + 1] < rb
+                        and layouts[g + 1] == layout
+                        and files.key_orders.of_file(i0 + g + 1) is order
+                    ):
+                        g += 1
+                    r1 = min(starts[g + 1], rb)
+                    run = block.run(flat, r, r1)
+                    if run is not None and r1 == starts[g + 1] and starts[f : g + 2] == list(range(r, r1 + 1)):
+                        # one row a file (an LLM output each)
+                        yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
+                        r = r1
+                        continue
+                    if run is not None:
+                        for h in range(f, g + 1):
+                            for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
+                                yield names[h], frames[q - ra], run[q - r]
+                        r = r1
+                        continue
                 if build is not None:
                     paused = gc.isenabled()  # paused as row_value pauses it: only new, acyclic objects
                     gc.disable()
@@ -212,3 +256,4 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 if value is ABSENT:
                     value = row_value(plan, r, name, as_torch, offs, block, order)
                 yield name, frames[r - ra], value
+                r += 1

@@ -369,11 +369,18 @@ def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
     col = node.get("col")
     if col is not None:
         return lambda block, r, filename: block.get(col, r, filename)
-    kids = [(k, _key(k), _compile(v, (*path, k), order)) for k, v in ordered(node["kids"], path, order)]
+    kid_nodes = list(ordered(node["kids"], path, order))
+    kids = [(k, _key(k), _compile(v, (*path, k), order)) for k, v in kid_nodes]
     header = node.get("header")
     if header is None or header[0] != "pyrecords":
         items = [(k, b) for _, k, b in kids]
-        return lambda block, r, filename: {k: b(block, r, filename) for k, b in items}
+
+        def build(block: Any, r: int, filename: str) -> Any:
+            return {k: b(block, r, filename) for k, b in items}
+
+        if header is None and kids and all("col" in v for _, v in kid_nodes):
+            build.flat = [(k, v["col"]) for (_, k, _), (_, v) in zip(kids, kid_nodes, strict=True)]  # type: ignore[attr-defined]
+        return build
     items = [(k, b) for seg, k, b in kids if not is_marker(seg)]
     head = header[1]
 

@@ -376,3 +376,16 @@ def as_rows(value: Any, n: int) -> np.ndarray:
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
+
+
+def nest(by_path: dict[tuple[str, ...], Any]) -> Any:
+    """The nested dict of leaves given by path (``()``: the value itself)."""
+    if () in by_path:
+        return by_path[()]
+    out: dict[str, Any] = {}
+    for path, v in by_path.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out

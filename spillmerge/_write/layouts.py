@@ -133,6 +133,13 @@ class FileSchemas:
         """The accepted schema of file ``file_id`` (0, the empty schema, for a new file)."""
         return self._file_schema[file_id] if file_id < len(self._file_schema) else 0
 
+    def add_layout(self, lay: FS.Layout) -> int:
+        """The catalog id of ``lay``, a layout of a frame being accepted whose signatures are
+        those of a move already made (``_write.templates.PyTemplate``: a ragged length)."""
+        if lay not in self._known:
+            self._new_layout(lay)
+        return self._layout_id(lay)
+
     def _layout_id(self, lay: FS.Layout) -> int:
         """The catalog id of a layout, added to the catalog on first use (only for frames that
         passed the layout rule: a refused frame leaves no layout a merge would trip on)."""

@@ -261,3 +261,17 @@ def strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename:
     data[: 4 * n] = lens.astype("<u4").view(np.uint8)
     data[4 * n :] = np.frombuffer(body, dtype=np.uint8)
     return Leaf(path, "strlist", (n, data.size), data.size, data)
+
+
+def same_leaves(a: list[Leaf], b: list[Leaf]) -> bool:
+    """Do two frames of one batch hold the same leaves (layouts and bytes)?"""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if (x.path, x.dtype, x.shape, x.nbytes) != (y.path, y.dtype, y.shape, y.nbytes):
+            return False
+        dx = x.data.cpu().numpy() if isinstance(x.data, torch.Tensor) else x.data
+        dy = y.data.cpu().numpy() if isinstance(y.data, torch.Tensor) else y.data
+        if not np.array_equal(dx, dy):
+            return False
+    return True

@@ -28,7 +28,7 @@ from .layouts import FileSchemas
 from .leaves import check_filename, check_frame_idx
 from .lifecycle import WriterState
 from .staging import Staging
-from .templates import DenseTemplate, FrameTemplate
+from .templates import DenseTemplate, FrameTemplate, PyTemplate
 
 
 class SegmentSteps:
@@ -122,6 +122,10 @@ class SegmentSteps:
         """(first row, file id, frame, offset) of frames staged by ``_put_templated`` whose index
         rows are not in ``_rows`` yet (``_flush_row_log``), all of ``_row_log_template``."""
         self._row_log_template: FrameTemplate | None = None
+        self._py_template: PyTemplate | None = None
+        self._row_tail = array.array("q")
+        """(row, file id, frame, layout id, offset, nbytes) of the index rows ``_put_py`` staged
+        that are not in ``_rows`` yet (``_flush_row_log``)."""
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
         self._rewrites = 0  # writes of a key already written, whatever the policy kept

@@ -8,6 +8,11 @@ them once and keeps them here:
 - :class:`FrameTemplate` (``write``): the flat dict of host tensors / arrays of the last new
   file written; a value of the same keys, dtypes and shapes, C-contiguous on the host, is staged
   from it without ``flatten``, ``Leaf`` records, the layout rule or a row list per frame.
+- :class:`PyTemplate` (``write``): the flat dict of Python scalars, ``str`` and lists of one
+  Python number type of the last new file written the general way (an LLM output ``{text,
+  token_ids, logprob, finish_reason}``); a value of the same keys in the same order, each of
+  the same Python type, is converted leaf by leaf without the walk, its ragged shapes' catalog
+  ids looked up per leaf.
 - :class:`DenseTemplate` (``write_batch``): a dense batch's leaves by signature (paths, array
   types, dtypes, item shapes), item 0 flattened and checked once for every later batch like it.
 
@@ -19,13 +24,18 @@ match takes the general way, which names what it refuses.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .._format import spill as FS
+from .._format.common import DTYPES, MARK, STRING_MAX_BYTES
+
+if TYPE_CHECKING:
+    from .layouts import FileSchemas
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +121,113 @@ class DenseTemplate:
     fresh_move: tuple[int, tuple[int, ...]] | None = None
     """(schema, catalog layout ids) of a new file after one such frame, once a batch of new
     files was accepted (ids in the catalog never change; the move is a pure function)."""
+
+
+_PY_PACK = {"pyint": struct.Struct("<q"), "pyfloat": struct.Struct("<d"), "pybool": struct.Struct("<?")}
+_PY_TYPES = {"pyint": int, "pyfloat": float, "pybool": bool}
+_STR, _NONE, _SCALAR, _LIST = 0, 1, 2, 3
+_EMPTY = np.zeros(0, dtype=np.uint8)
+
+
+@dataclass(slots=True)
+class PyTemplate:
+    """The structure of a flat dict of Python values that ``write()`` staged into a new file the
+    general way: each key a ``str``, ``None``, an ``int`` / ``float`` / ``bool`` or a non-empty
+    list of one of those types. ``match`` makes the leaves ``_write.flatten.flatten`` would make
+    of a value of the same structure (the same bytes, dtypes, shapes and key positions)."""
+
+    order: tuple[str, ...]
+    """The dict's keys in the order it held them."""
+    keys: tuple[str, ...]
+    """The keys sorted (the order of the frame's leaves)."""
+    kinds: tuple[tuple[int, type, Any], ...]
+    """Per leaf: what it is (``_STR`` ...), the exact Python type of the value (of its items for
+    a list), and the ``struct`` of a scalar."""
+    layouts: tuple[FS.Layout, ...]
+    """The leaves' layouts in the first frame (paths, dtypes and key positions of every frame)."""
+    ids: tuple[dict[int, int], ...]
+    """Per leaf: catalog layout id by the leaf's length (one entry for a scalar or ``None``)."""
+    schema: int
+    """A new file's schema after one such frame (the signatures do not depend on the lengths)."""
+
+    @staticmethod
+    def of(value: dict[Any, Any], leaves: list[Any], schema: int, layout_ids: tuple[int, ...]) -> PyTemplate | None:
+        """The template of ``value``, whose ``leaves`` (``flatten``'s) were accepted into a new
+        file as ``(schema, layout_ids)``; None when it is not such a flat dict."""
+        if len(leaves) != len(value) or not leaves or -1 in layout_ids:
+            return None
+        kinds: list[tuple[int, type, Any]] = []
+        layouts: list[FS.Layout] = []
+        ids: list[dict[int, int]] = []
+        for leaf, lid in zip(leaves, layout_ids, strict=True):
+            key = leaf.path[0] if len(leaf.path) == 1 else None
+            if type(key) is not str or key not in value or key.startswith(MARK):
+                return None
+            v, dtype, n = value[key], leaf.dtype, leaf.shape[0] if leaf.shape else 0
+            if dtype == "str" and type(v) is str:
+                kinds.append((_STR, str, None))
+            elif dtype == "none" and v is None:
+                kinds.append((_NONE, type(None), None))
+            elif dtype in _PY_PACK and not leaf.shape and type(v) is _PY_TYPES[dtype]:
+                kinds.append((_SCALAR, _PY_TYPES[dtype], _PY_PACK[dtype]))
+            elif (
+                dtype in _PY_PACK and len(leaf.shape) == 1 and n and type(v) is list and type(v[0]) is _PY_TYPES[dtype]
+            ):
+                kinds.append((_LIST, _PY_TYPES[dtype], np.dtype(DTYPES[dtype].storage)))
+            else:
+                return None
+            layouts.append(FS.Layout(leaf.path, dtype, tuple(leaf.shape), leaf.pos))
+            ids.append({n: lid})
+        order = tuple(value)
+        return PyTemplate(order, tuple(sorted(order)), tuple(kinds), tuple(layouts), tuple(ids), schema)
+
+    def match(
+        self, value: dict[Any, Any], schemas: FileSchemas
+    ) -> tuple[list[np.ndarray], list[int], int, tuple[int, ...]] | None:
+        """``(data, sizes, total, layout_ids)`` of a frame of ``value`` when it has this
+        structure (a leaf's length seen for the first time joins the catalog: the frame is
+        accepted as it is); None otherwise, and for what the general way must look at or refuse
+        (an empty list, an int beyond int64, a lone surrogate, a string over the format's
+        limit, a frame of no bytes)."""
+        if tuple(value) != self.order:
+            return None
+        data: list[np.ndarray] = []
+        sizes: list[int] = []
+        lids: list[int] = []
+        for key, (kind, typ, how), ids, lay in zip(self.keys, self.kinds, self.ids, self.layouts, strict=True):
+            v = value[key]
+            if kind == _LIST:
+                if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
+                    return None
+                try:
+                    arr = np.array(v, dtype=how).view(np.uint8)
+                except OverflowError:
+                    return None
+                n = len(v)
+            elif type(v) is not typ:
+                return None
+            elif kind == _STR:
+                try:
+                    raw = v.encode("utf-8")  # type: ignore[attr-defined]
+                except UnicodeEncodeError:
+                    return None
+                n = len(raw)
+                if n > STRING_MAX_BYTES:
+                    return None
+                arr = np.frombuffer(raw, dtype=np.uint8)
+            elif kind == _SCALAR:
+                try:
+                    arr = np.frombuffer(how.pack(v), dtype=np.uint8)
+                except struct.error:  # an int beyond int64
+                    return None
+                n = 0
+            else:
+                arr, n = _EMPTY, 0
+            lid = ids.get(n)
+            if lid is None:
+                lid = ids[n] = schemas.add_layout(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
+            data.append(arr)
+            sizes.append(arr.nbytes)
+            lids.append(lid)
+        total = sum(sizes)
+        return (data, sizes, total, tuple(lids)) if total else None

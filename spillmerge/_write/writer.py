@@ -19,29 +19,28 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
-import torch
 
 from .._dist.rank import resolve_rank
 from .._dist.round import Rounds
 from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import spill as FS
-from .._format.common import user_key
 from .._storage import Storage
-from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, flat_rows, mapping_items, split_batch
+from .batch import at_position, batch_keys, cuda_to_host, dense_columns, flat_rows, mapping_items, split_batch
 from .columns import flatten_items
+from .dense import DenseSteps
 from .flatten import flatten, flatten_dense
-from .leaves import Leaf, check_filename, check_frame_idx
+from .leaves import Leaf, check_filename, check_frame_idx, same_leaves
 from .lifecycle import MergeSteps, WriterState
 from .segment import SegmentSteps
 from .staging import Staging
-from .templates import DenseTemplate, FrameTemplate
+from .templates import FrameTemplate, PyTemplate
 
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 
 
-class SpillWriter(SegmentSteps, MergeSteps):
+class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
 
     ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
@@ -148,13 +147,23 @@ class SpillWriter(SegmentSteps, MergeSteps):
                     if data is not None:  # a new file of the last new file's structure
                         self._put_templated(filename, frame, template, data)
                         return
-                leaves = flatten_dense(value)  # the common value, without the general walk
-                if leaves is not None:
-                    layout_ids = self._put(filename, frame, leaves)
-                    if layout_ids is not None:  # the next new file of this structure takes the template
-                        schema = self._schema.schema_of(len(self._filenames) - 1)
-                        self._frame_template = FrameTemplate.of(leaves, schema, layout_ids)
+                py = self._py_template
+                got = py.match(value, self._schema) if py is not None else None
+                if got is not None:  # a new file of the last Python dict's structure
+                    self._put_py(filename, frame, py.schema, *got)  # type: ignore[union-attr]
                     return
+                leaves = flatten_dense(value)  # the common value, without the general walk
+                dense = leaves is not None
+                if leaves is None:
+                    leaves = flatten(value, filename, frame, self.allow_pickle)
+                layout_ids = self._put(filename, frame, leaves)
+                if layout_ids is not None:  # the next new file of this structure takes the template
+                    schema = self._schema.schema_of(len(self._filenames) - 1)
+                    if dense:
+                        self._frame_template = FrameTemplate.of(leaves, schema, layout_ids)
+                    else:
+                        self._py_template = PyTemplate.of(value, leaves, schema, layout_ids) or self._py_template
+                return
             else:
                 leaves = flatten_dense(value)
             if leaves is None:
@@ -179,6 +188,29 @@ class SpillWriter(SegmentSteps, MergeSteps):
         )
         self._keys[(file_id, frame)] = (first_row, len(template.sizes))
 
+    def _put_py(
+        self, filename: str, frame: int, schema: int, data: list[np.ndarray], sizes: list[int], total: int,
+        layout_ids: tuple[int, ...],
+    ) -> None:  # fmt: skip
+        """``_put`` of a frame of a new file that ``PyTemplate.match`` converted; its index rows
+        wait in ``_row_tail``."""
+        file_id = len(self._filenames)
+        self._schema.accept_new_files(1, schema, [], layout_ids)
+        self._filenames.append(filename)
+        self._file_ids[filename] = file_id
+        row = first_row = self._n_rows
+        off = self._staging.offset
+        tail = self._row_tail
+        for lid, n in zip(layout_ids, sizes, strict=True):
+            tail.extend((row, file_id, frame, lid, off, n))
+            row += 1
+            off += n
+        self._n_rows = row
+        self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
+        self._new_keys.extend((file_id, frame, first_row, len(sizes)))
+        if len(tail) >= 6 << 16:
+            self._flush_row_log()
+
     def _flush_row_log(self) -> None:
         """Write the index rows of the frames ``_put_templated`` logged into ``_rows`` (every
         reader of ``_rows`` calls this first), a block at a time."""
@@ -187,6 +219,10 @@ class SpillWriter(SegmentSteps, MergeSteps):
             grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
             grown[: len(self._rows)] = self._rows
             self._rows = grown
+        if self._row_tail:
+            tail = np.frombuffer(self._row_tail, dtype=np.int64).reshape(-1, 6)
+            self._rows[tail[:, 0], : FS.COL_CRC] = tail[:, 1:]
+            self._row_tail = array.array("q")
         if not log or template is None:
             return
         frames = np.array(log, dtype=np.int64)
@@ -239,173 +275,6 @@ class SpillWriter(SegmentSteps, MergeSteps):
             for name, frame, leaves, layouts in checked:
                 self._put(name, frame, leaves, layouts)
 
-    def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
-        """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
-        same layouts, so item 0 is flattened and checked for all, the layout rule runs once per
-        file schema, and the bytes, index rows and journal entries of the frames are made a block
-        at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
-        (nothing done) when a key of the batch was written before or repeats in it: the
-        item-by-item path applies the duplicate policy."""
-        self._flush_row_log()
-        n = len(names)
-        base = len(self._filenames)
-        # The common batch: n files never written before, each once. Their ids are the next n, no
-        # key can repeat, and every file's schema before the frame is the empty one.
-        fresh = self._file_ids.keys().isdisjoint(names) and len(set(names)) == n
-        file_ids: Any
-        new_names: dict[str, int] = {}
-        if fresh:
-            file_ids = range(base, base + n)
-        else:
-            file_ids = []
-            next_id = base
-            for name in names:
-                fid = self._file_ids.get(name)
-                if fid is None:
-                    fid = new_names.get(name)
-                    if fid is None:
-                        fid = new_names[name] = next_id
-                        next_id += 1
-                file_ids.append(fid)
-            keys = list(zip(file_ids, frames, strict=True))
-            known = self._key_map()
-            if len(set(keys)) != n or (known and any(k in known for k in keys)):
-                return False
-        template = self._dense_template(names, frames, columns)
-        if template is None:
-            return False
-        layouts = template.layouts
-        # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
-        moves: dict[int, tuple[int, tuple[int, ...]]] = {}
-        schemas: dict[int, int] = {}
-        if fresh and template.fresh_move is not None:
-            moves[0] = template.fresh_move
-        elif fresh:
-            try:
-                moves[0] = self._schema.check(names[0], frames[0], base, layouts, 0)
-            except SpillValueError as exc:
-                raise at_position(exc, 0, n, names[0]) from None
-        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)) if not fresh else ():
-            cur = schemas.get(fid)
-            if cur is None:
-                cur = self._schema.schema_of(fid)
-            move = moves.get(cur)
-            if move is None:
-                try:
-                    move = moves[cur] = self._schema.check(name, frames[i], fid, layouts, cur)
-                except SpillValueError as exc:
-                    raise at_position(exc, i, n, name) from None
-            schemas[fid] = move[0]
-        rows = [as_rows(columns[path], n) for path in template.paths]
-        self._last_dense = template
-        if fresh:
-            layout_ids = self._schema.accept_new_files(n, moves[0][0], layouts, moves[0][1])
-            # the move from the empty schema is the same for every later batch of new files
-            template.fresh_move = (moves[0][0], layout_ids)
-            self._filenames.extend(names)
-            self._file_ids.update(zip(names, range(base, base + n), strict=True))
-            self._stage_frames(names, frames, None, layout_ids, rows, _frame_array(frames))
-            return True
-        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
-        self._filenames.extend(new_names)
-        self._file_ids.update(new_names)
-        self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows, _frame_array(frames))
-        return True
-
-    def _put_fresh(
-        self, names: list[str], frames: list[int], zero: bool, fast: tuple[DenseTemplate, tuple[int, ...]],
-        columns: list[np.ndarray],
-    ) -> bool:  # fmt: skip
-        """``_put_dense`` of a flat dict batch whose structure an earlier batch of new files had
-        (``_learn_flat``): when every filename is new and none repeats, the layout rule's move
-        and the catalog ids are the template's and nothing else needs a look. ``columns``: each
-        leaf's rows in the dict's order; ``zero``: every frame index is 0. False (nothing done)
-        when a filename was written before or repeats: the general way handles the batch."""
-        template, order = fast
-        n, base = len(names), len(self._filenames)
-        file_ids = self._file_ids
-        if template.fresh_move is None or not file_ids.keys().isdisjoint(names):
-            return False
-        file_ids.update(zip(names, range(base, base + n), strict=True))
-        if len(file_ids) != base + n:  # a filename repeats in the batch: none of them was there before
-            for name in names:
-                file_ids.pop(name, None)
-            return False
-        self._flush_row_log()
-        schema, layout_ids = template.fresh_move
-        self._schema.accept_new_files(n, schema, template.layouts, layout_ids)
-        self._filenames.extend(names)
-        rows = [columns[j] for j in order]
-        self._stage_frames(names, frames, None, layout_ids, rows, None if zero else _frame_array(frames))
-        return True
-
-    def _learn_flat(self, sig: tuple[Any, ...]) -> None:
-        """Remember the flat dict batch of signature ``sig`` that ``_put_dense`` just staged: once
-        its template knows a new file's move, the next batch like it takes ``_put_fresh``."""
-        template = self._last_dense
-        if template is None or template.fresh_move is None or len(self._flat_templates) >= 256:
-            return
-        keys = [entry[0] for entry in sig]
-        # the template's leaves in flatten's order; each path of a flat dict is (key,)
-        self._flat_templates[sig] = (template, tuple([keys.index(path[0]) for path in template.paths]))
-
-    def _stage_frames(
-        self, names: list[str], frames: list[int], file_ids: np.ndarray | None, layout_ids: tuple[int, ...],
-        rows: list[np.ndarray], frame_arr: np.ndarray | None = None,
-    ) -> None:  # fmt: skip
-        """The index rows and staged bytes of a checked dense batch whose files are accepted:
-        ``file_ids`` None for a batch of new files (the last ``len(names)`` ids), ``rows`` each
-        leaf's ``(n, item bytes)`` uint8 rows in the layouts' order; ``frame_arr`` None when
-        every frame index is 0."""
-        n, n_leaves, row0 = len(names), len(layout_ids), self._n_rows
-        need = row0 + n * n_leaves
-        if need > len(self._rows):
-            grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[:row0] = self._rows[:row0]
-            self._rows = grown
-        self._n_rows = need
-        index = self._rows[row0:need, : FS.COL_CRC]
-        if file_ids is None:
-            base = len(self._filenames) - n
-            self._fresh_keys.append((base, frames, row0, n_leaves))
-            self._n_fresh_keys += n
-            self._staging.add_frames(row0, base, frame_arr, layout_ids, rows, index)
-        else:
-            spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
-            self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
-            self._staging.add_frames(row0, file_ids, frame_arr, layout_ids, rows, index)
-
-    def _dense_template(
-        self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]
-    ) -> DenseTemplate | None:
-        """The leaves every item of a dense batch has (item 0 flattened and checked for all),
-        made once per distinct (leaf paths, array kinds, dtypes, item shapes): what ``flatten``
-        checks and yields depends on nothing else, so a batch like the previous one skips it.
-        None when the batch holds leaves the vectorised path does not stage."""
-        sig = tuple([(path, type(col), col.dtype, tuple(col.shape[1:])) for path, col in columns.items()])
-        template = self._dense_templates.get(sig)
-        if template is not None:
-            return template
-        n = len(names)
-        item0 = _nest({path: col[0] for path, col in columns.items()})
-        try:
-            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
-        except SpillValueError as exc:
-            raise at_position(exc, 0, n, names[0]) from None
-        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
-            return None
-        by_leaf = {tuple([user_key(k) for k in path]): path for path in columns}  # keys as flatten escapes them
-        paths = [by_leaf.get(leaf.path) for leaf in leaves]
-        if None in paths:
-            return None
-        template = DenseTemplate(
-            tuple(paths),  # type: ignore[arg-type]
-            [FS.Layout(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves],
-        )
-        if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
-            self._dense_templates[sig] = template
-        return template
-
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
         for base, frames, row0, n_leaves in self._fresh_keys:
@@ -453,7 +322,7 @@ class SpillWriter(SegmentSteps, MergeSteps):
                         continue
                     if self.on_duplicate == "error":
                         same = (
-                            _same_leaves(earlier, leaves)
+                            same_leaves(earlier, leaves)
                             if earlier is not None
                             else self._same_as_written(self._key_map()[key], leaves, layout_ids)
                         )
@@ -564,35 +433,3 @@ class SpillWriter(SegmentSteps, MergeSteps):
                 "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
             )
         self._staging.check()
-
-
-def _frame_array(frames: list[int]) -> np.ndarray | None:
-    """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
-    return np.array(frames, dtype=np.int64) if any(frames) else None
-
-
-def _same_leaves(a: list[Leaf], b: list[Leaf]) -> bool:
-    """Do two frames of one batch hold the same leaves (layouts and bytes)?"""
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if (x.path, x.dtype, x.shape, x.nbytes) != (y.path, y.dtype, y.shape, y.nbytes):
-            return False
-        dx = x.data.cpu().numpy() if isinstance(x.data, torch.Tensor) else x.data
-        dy = y.data.cpu().numpy() if isinstance(y.data, torch.Tensor) else y.data
-        if not np.array_equal(dx, dy):
-            return False
-    return True
-
-
-def _nest(by_path: dict[tuple[str, ...], Any]) -> Any:
-    """The nested dict of leaves given by path (``()``: the value itself)."""
-    if () in by_path:
-        return by_path[()]
-    out: dict[str, Any] = {}
-    for path, v in by_path.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out

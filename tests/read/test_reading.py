@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -350,3 +351,33 @@ def test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts(tm
                     assert list(got[name][k]) == list(v), (name, k)
                 if isinstance(v, list) and v and isinstance(v[0], dict):
                     assert [list(d) for d in got[name][k]] == [list(d) for d in v], (name, k)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+def test_iter_values_of_flat_dicts_in_runs_is_what_value_gives(tmp_path, gaps):
+    """Flat dicts (an LLM output a file) read a run of rows at a time: files of several frames,
+    a key order that changes from file to file, runs that cross a block of rows, and (``gaps``)
+    a row lacking a key or holding None; every (filename, frame, value) as value() gives it,
+    keys in order."""
+    values: dict[tuple[str, int], dict[str, Any]] = {}
+    for i in range(2600):
+        name = f"p{i:05d}"
+        for fr in range(1 + (i % 3 == 0)):
+            v: dict[str, Any] = {"text": f"t{i}-{fr}", "ids": list(range(i % 4 + 1)), "lp": -i / 7, "why": "stop"}
+            if i % 500 == 17:
+                v = dict(reversed(list(v.items())))  # another key order for this file
+            if gaps and i == 1234:
+                v["lp"] = None
+            if gaps and i == 1500:
+                del v["why"]
+            values[(name, fr)] = v
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), 0, 1) as w:
+        for (name, fr), v in values.items():
+            w.write(name, fr, v)
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"), progress=False)
+    store = spillmerge.open(str(tmp_path / "out.zarr"))
+    got = {(name, fr): v for name, fr, v in store.iter_values()}
+    assert list(got) == list(values)
+    for key, want in values.items():
+        assert got[key] == want == store.value(*key), key
+        assert list(got[key]) == list(want) == list(store.value(*key)), key

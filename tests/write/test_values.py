@@ -559,3 +559,65 @@ def test_the_write_fast_path_gives_the_leaves_of_the_general_walk(case: int) -> 
         assert bytes(np.asarray(a.data)) == bytes(
             np.asarray(b.data.cpu() if isinstance(b.data, torch.Tensor) else b.data)
         )
+
+
+def _llm(i: int, **over: Any) -> dict[str, Any]:
+    out = {"text": "é数 " * (i % 7), "token_ids": list(range(i % 5 + 1)), "logprob": -0.5 * i, "finish_reason": "stop"}
+    out.update(over)
+    return out
+
+
+_PY_CASES: list[tuple[str, Any]] = [
+    ("empty-list", _llm(1, token_ids=[])),  # float64 (0,): another signature, the general way
+    ("none", _llm(2, logprob=None)),
+    ("bool-in-ints", _llm(3, token_ids=[1, True])),  # mixed types: a pylist of items, not pyint
+    ("bools", _llm(4, token_ids=[True, False])),
+    ("big-int", _llm(5, token_ids=[1 << 70])),  # beyond int64: pickled (allow_pickle) or refused
+    ("big-scalar", _llm(6, logprob=1 << 64)),
+    ("other-order", {"token_ids": [1], "text": "a", "logprob": 1.0, "finish_reason": "stop"}),
+    ("floats", _llm(7, token_ids=[1.5, 2.0])),
+    ("int-logprob", _llm(8, logprob=3)),
+    ("empty-text", _llm(9, text="")),
+    ("extra-key", {**_llm(10), "extra": 1}),
+    ("nested", _llm(11, token_ids=[[1, 2], [3, 4]])),
+]
+
+
+def test_python_dicts_of_one_structure_are_stored_as_the_general_walk_stores_them(tmp_path):
+    """write() converts a flat dict of Python values like the last new file's (an LLM output:
+    text, token ids, logprob, finish reason) without the walk: every frame's stored layouts and
+    bytes are what ``flatten`` makes of it, whatever lengths its text and lists have and
+    wherever a value of another kind or order (empty list, None, bools, ints beyond int64,
+    floats, another key order, one more key) breaks the structure; all of it reads back equal,
+    with its types and key order."""
+    values = {f"p{i:04d}": _llm(i) for i in range(300)}
+    for j, (name, v) in enumerate(_PY_CASES):
+        values[f"p{20 * j + 7:04d}-{name}"] = v  # between frames of the common structure
+    values = dict(sorted(values.items()))
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, allow_pickle=True) as w:
+        for name, v in values.items():
+            w.write(name, 0, v)
+        w.write("p0001", 1, _llm(1))  # a second frame of a file: the general way
+        with pytest.raises(spillmerge.SpillValueError, match="lone surrogate"):
+            w.write("bad", 0, _llm(3, text="a\udcff"))
+    got = read_spill(root)
+    for name, frame, v in [*((n, 0, v) for n, v in values.items()), ("p0001", 1, _llm(1))]:
+        want = {
+            lf.path: (
+                FS.Layout(lf.path, lf.dtype, lf.shape, lf.pos),
+                decode(FS.Layout(lf.path, lf.dtype, lf.shape), raw(lf)),
+            )
+            for lf in flatten(v, name, frame, allow_pickle=True)
+        }
+        row = got[(name, frame)]
+        assert row.keys() == want.keys(), name
+        for path, (lay, value) in want.items():
+            assert row[path][0] == lay, (name, path)
+            assert repr(row[path][1]) == repr(value), (name, path)
+    spillmerge.merge(root, out)
+    res = spillmerge.open(out, allow_pickle=True)
+    back = {f: v for f, fr, v in res.iter_values() if fr == 0}
+    assert back.keys() == values.keys()
+    for name, v in values.items():
+        assert value_diffs(back[name], v, strict=True) == [], name  # types, content, key order

@@ -1,0 +1,217 @@
+"""``write_batch`` of dense batches (tensors / arrays with a batch dimension, or flat dicts of
+them): item 0 flattened and checked for all, the layout rule once per file schema, bytes, index
+rows and journal entries staged a block at a time (``Staging.add_frames``), exactly as item by
+item writes would stage them. ``SpillWriter`` takes these steps from :class:`DenseSteps`; the
+general, item-by-item way is ``_write.writer``'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import SpillValueError
+from .._format import spill as FS
+from .._format.common import user_key
+from .batch import as_rows, at_position, nest
+from .flatten import flatten
+from .layouts import FileSchemas
+from .staging import Staging
+from .templates import DenseTemplate
+
+
+class DenseSteps:
+    """``SpillWriter``'s vectorised ``write_batch`` steps; they use the writer's state declared here."""
+
+    allow_pickle: bool
+    _filenames: list[str]
+    _file_ids: dict[str, int]
+    _schema: FileSchemas
+    _staging: Staging
+    _rows: np.ndarray
+    _n_rows: int
+    _keys: dict[tuple[int, int], tuple[int, int]]
+    _fresh_keys: list[tuple[int, list[int], int, int]]
+    _n_fresh_keys: int
+    _dense_templates: dict[tuple[Any, ...], DenseTemplate]
+    _flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]]
+    _last_dense: DenseTemplate | None
+
+    if TYPE_CHECKING:
+
+        def _flush_row_log(self) -> None: ...
+
+        def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]: ...
+
+    def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
+        """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
+        same layouts, so item 0 is flattened and checked for all, the layout rule runs once per
+        file schema, and the bytes, index rows and journal entries of the frames are made a block
+        at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
+        (nothing done) when a key of the batch was written before or repeats in it: the
+        item-by-item path applies the duplicate policy."""
+        self._flush_row_log()
+        n = len(names)
+        base = len(self._filenames)
+        # The common batch: n files never written before, each once. Their ids are the next n, no
+        # key can repeat, and every file's schema before the frame is the empty one.
+        fresh = self._file_ids.keys().isdisjoint(names) and len(set(names)) == n
+        file_ids: Any
+        new_names: dict[str, int] = {}
+        if fresh:
+            file_ids = range(base, base + n)
+        else:
+            file_ids = []
+            next_id = base
+            for name in names:
+                fid = self._file_ids.get(name)
+                if fid is None:
+                    fid = new_names.get(name)
+                    if fid is None:
+                        fid = new_names[name] = next_id
+                        next_id += 1
+                file_ids.append(fid)
+            keys = list(zip(file_ids, frames, strict=True))
+            known = self._key_map()
+            if len(set(keys)) != n or (known and any(k in known for k in keys)):
+                return False
+        template = self._dense_template(names, frames, columns)
+        if template is None:
+            return False
+        layouts = template.layouts
+        # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
+        moves: dict[int, tuple[int, tuple[int, ...]]] = {}
+        schemas: dict[int, int] = {}
+        if fresh and template.fresh_move is not None:
+            moves[0] = template.fresh_move
+        elif fresh:
+            try:
+                moves[0] = self._schema.check(names[0], frames[0], base, layouts, 0)
+            except SpillValueError as exc:
+                raise at_position(exc, 0, n, names[0]) from None
+        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)) if not fresh else ():
+            cur = schemas.get(fid)
+            if cur is None:
+                cur = self._schema.schema_of(fid)
+            move = moves.get(cur)
+            if move is None:
+                try:
+                    move = moves[cur] = self._schema.check(name, frames[i], fid, layouts, cur)
+                except SpillValueError as exc:
+                    raise at_position(exc, i, n, name) from None
+            schemas[fid] = move[0]
+        rows = [as_rows(columns[path], n) for path in template.paths]
+        self._last_dense = template
+        if fresh:
+            layout_ids = self._schema.accept_new_files(n, moves[0][0], layouts, moves[0][1])
+            # the move from the empty schema is the same for every later batch of new files
+            template.fresh_move = (moves[0][0], layout_ids)
+            self._filenames.extend(names)
+            self._file_ids.update(zip(names, range(base, base + n), strict=True))
+            self._stage_frames(names, frames, None, layout_ids, rows, _frame_array(frames))
+            return True
+        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
+        self._filenames.extend(new_names)
+        self._file_ids.update(new_names)
+        self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows, _frame_array(frames))
+        return True
+
+    def _put_fresh(
+        self, names: list[str], frames: list[int], zero: bool, fast: tuple[DenseTemplate, tuple[int, ...]],
+        columns: list[np.ndarray],
+    ) -> bool:  # fmt: skip
+        """``_put_dense`` of a flat dict batch whose structure an earlier batch of new files had
+        (``_learn_flat``): when every filename is new and none repeats, the layout rule's move
+        and the catalog ids are the template's and nothing else needs a look. ``columns``: each
+        leaf's rows in the dict's order; ``zero``: every frame index is 0. False (nothing done)
+        when a filename was written before or repeats: the general way handles the batch."""
+        template, order = fast
+        n, base = len(names), len(self._filenames)
+        file_ids = self._file_ids
+        if template.fresh_move is None or not file_ids.keys().isdisjoint(names):
+            return False
+        file_ids.update(zip(names, range(base, base + n), strict=True))
+        if len(file_ids) != base + n:  # a filename repeats in the batch: none of them was there before
+            for name in names:
+                file_ids.pop(name, None)
+            return False
+        self._flush_row_log()
+        schema, layout_ids = template.fresh_move
+        self._schema.accept_new_files(n, schema, template.layouts, layout_ids)
+        self._filenames.extend(names)
+        rows = [columns[j] for j in order]
+        self._stage_frames(names, frames, None, layout_ids, rows, None if zero else _frame_array(frames))
+        return True
+
+    def _learn_flat(self, sig: tuple[Any, ...]) -> None:
+        """Remember the flat dict batch of signature ``sig`` that ``_put_dense`` just staged: once
+        its template knows a new file's move, the next batch like it takes ``_put_fresh``."""
+        template = self._last_dense
+        if template is None or template.fresh_move is None or len(self._flat_templates) >= 256:
+            return
+        keys = [entry[0] for entry in sig]
+        # the template's leaves in flatten's order; each path of a flat dict is (key,)
+        self._flat_templates[sig] = (template, tuple([keys.index(path[0]) for path in template.paths]))
+
+    def _stage_frames(
+        self, names: list[str], frames: list[int], file_ids: np.ndarray | None, layout_ids: tuple[int, ...],
+        rows: list[np.ndarray], frame_arr: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        """The index rows and staged bytes of a checked dense batch whose files are accepted:
+        ``file_ids`` None for a batch of new files (the last ``len(names)`` ids), ``rows`` each
+        leaf's ``(n, item bytes)`` uint8 rows in the layouts' order; ``frame_arr`` None when
+        every frame index is 0."""
+        n, n_leaves, row0 = len(names), len(layout_ids), self._n_rows
+        need = row0 + n * n_leaves
+        if need > len(self._rows):
+            grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
+            grown[:row0] = self._rows[:row0]
+            self._rows = grown
+        self._n_rows = need
+        index = self._rows[row0:need, : FS.COL_CRC]
+        if file_ids is None:
+            base = len(self._filenames) - n
+            self._fresh_keys.append((base, frames, row0, n_leaves))
+            self._n_fresh_keys += n
+            self._staging.add_frames(row0, base, frame_arr, layout_ids, rows, index)
+        else:
+            spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
+            self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
+            self._staging.add_frames(row0, file_ids, frame_arr, layout_ids, rows, index)
+
+    def _dense_template(
+        self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]
+    ) -> DenseTemplate | None:
+        """The leaves every item of a dense batch has (item 0 flattened and checked for all),
+        made once per distinct (leaf paths, array kinds, dtypes, item shapes): what ``flatten``
+        checks and yields depends on nothing else, so a batch like the previous one skips it.
+        None when the batch holds leaves the vectorised path does not stage."""
+        sig = tuple([(path, type(col), col.dtype, tuple(col.shape[1:])) for path, col in columns.items()])
+        template = self._dense_templates.get(sig)
+        if template is not None:
+            return template
+        n = len(names)
+        item0 = nest({path: col[0] for path, col in columns.items()})
+        try:
+            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, 0, n, names[0]) from None
+        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
+            return None
+        by_leaf = {tuple([user_key(k) for k in path]): path for path in columns}  # keys as flatten escapes them
+        paths = [by_leaf.get(leaf.path) for leaf in leaves]
+        if None in paths:
+            return None
+        template = DenseTemplate(
+            tuple(paths),  # type: ignore[arg-type]
+            [FS.Layout(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves],
+        )
+        if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
+            self._dense_templates[sig] = template
+        return template
+
+
+def _frame_array(frames: list[int]) -> np.ndarray | None:
+    """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
+    return np.array(frames, dtype=np.int64) if any(frames) else None
