@@ -1369,8 +1369,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "static-tree-key-order",
         "spillmerge/_read/rowvalue.py",
-        "for k, v in ordered(node[\"kids\"], path, order)]",
-        "for k, v in sorted(node[\"kids\"].items())]",
+        "kid_nodes = list(ordered(node[\"kids\"], path, order))",
+        "kid_nodes = sorted(node[\"kids\"].items())",
         ("tests/read/test_reading.py::test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts",),
         "iter_values keeps every dict's key order",
     ),
