@@ -142,7 +142,11 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
     third = [None] * world if rank == 0 else None
     spillmerge.gather_object(["third", rank], third, timeout=TIMEOUT)
     dist.barrier()
-    after = _leftovers(default_root())
+    # Other tests' calls may run beside this one (pytest workers) and share the default root:
+    # their folders come and go; one of ours would stay.
+    deadline = time.monotonic() + 20
+    while set(after := _leftovers(default_root())) - set(before) and time.monotonic() < deadline:
+        time.sleep(0.2)
     env_root = f"{base}/envroot"
     os.makedirs(env_root, exist_ok=True)
     os.environ["SPILLMERGE_ROOT"] = env_root

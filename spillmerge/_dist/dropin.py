@@ -10,7 +10,7 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 than a list of flat records: columns already) one file per element (``R-i``, R
                 its rank and i the position, zero-padded; no path per item, no column per key:
                 an element's dict is a file's value, as in ``gather``, and lacks no key another
-                element has; records of plain values go a batch at a time, converted a
+                element has; records holding records go a batch at a time, converted a
                 column at a time), any other object as file ``R``; and file ``R.h``, a JSON
                 header (the kind, a dict's keys in order, the paths of numpy arrays and
                 pickled objects), unless the object is file ``R`` with nothing to restore; commits
@@ -368,13 +368,17 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
         header["kind"], header["n"] = kind.__name__, len(obj)
         if kind is dict:
             header["keys"] = list(obj)
-        if shape.records:  # elements of one structure: their leaves made a column at a time,
-            values = list(obj.values() if kind is dict else obj)  # a batch's at once: memory bounded
+        values = list(obj.values() if kind is dict else obj)
+        # Records holding records (COCO's images and their instances): their leaves made a column
+        # at a time, a batch's at once (memory bounded). Flat records go one write() each, which
+        # stages a dict of plain values from its file's template: 0.5x write_batch's CPU on the
+        # LLM outputs (benchmarks/results/2026-11-28-s48-bulk).
+        if shape.records and not _plain_records(values, nested=False):
             for a in range(0, len(values), BATCH_ITEMS):
                 b = min(a + BATCH_ITEMS, len(values))
                 w.write_batch([f"{name}-{i:010d}" for i in range(a, b)], values[a:b])
         else:
-            for i, v in enumerate(obj.values() if kind is dict else obj):
+            for i, v in enumerate(values):
                 w.write(f"{name}-{i:010d}", 0, v)
     else:
         header["kind"] = "object"
