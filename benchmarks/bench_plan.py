@@ -38,7 +38,11 @@ from common import PeakMemory
 from spillmerge._merge import plan as _plan
 from spillmerge._format import spill as FS
 from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.root import load_all, same_bytes
+from spillmerge._spill.root import same_bytes
+try:
+    from spillmerge._spill.lazy import load_all
+except ImportError:  # a checkout from before segments were read lazily in their own module
+    from spillmerge._spill.root import load_all
 from spillmerge._storage import Storage
 root, budget, side = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 storage = Storage(root)

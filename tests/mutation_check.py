@@ -1505,6 +1505,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/read/test_reading.py::test_iter_values_of_flat_dicts_in_runs_is_what_value_gives",),
         "a run of flat dicts read at once ends where a file's key order changes",
     ),
+    Mutation(
+        "segments-kept-within-budget",
+        "spillmerge/_spill/lazy.py",
+        "        if self._kept is not None and cost <= self._kept.left:",
+        "        if False:",
+        ("tests/merge/test_plan_sql.py::test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass",),
+        "a small merge keeps each segment it read for the sort loaded for the key-order pass",
+    ),
+    Mutation(
+        "segments-let-go-past-budget",
+        "spillmerge/_spill/lazy.py",
+        "            return\n        self._whole = None\n",
+        "            return\n",
+        ("tests/merge/test_plan_sql.py::test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass",),
+        "past the keep budget a segment's catalog and index are let go between passes (one held at a time)",
+    ),
 ]
 
 

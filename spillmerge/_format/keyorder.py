@@ -213,7 +213,7 @@ def _rows(
         idx = s.index
         release = getattr(s, "release", None)
         if release is not None:
-            release()  # a segment read when used (``_spill.root.LazySegment``): idx holds its index
+            release()  # a segment read when used (``_spill.lazy.LazySegment``): idx holds its index
         if not len(idx):
             continue
         if file_ids is not None:

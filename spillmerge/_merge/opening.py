@@ -17,7 +17,8 @@ from .._format import common as F
 from .._format import output as FO
 from .._format import spill as FS
 from .._spill.barrier import wait_for_commits
-from .._spill.root import load_all, load_flushed, same_bytes
+from .._spill.lazy import load_all
+from .._spill.root import load_flushed, same_bytes
 from .._storage import Storage
 from .._util.frames import check_expected
 from . import documents as Z

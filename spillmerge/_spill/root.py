@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -83,48 +83,6 @@ class LoadedSegment:
 
     def release(self) -> None:
         """Nothing to let go: this segment was read whole (see :class:`LazySegment`)."""
-
-
-class LazySegment:
-    """A committed segment read as :class:`LoadedSegment` is (:func:`load_segment`, with its
-    checks), but when its catalog or index is first used, and let go by :meth:`release` (read
-    again if used again). A merge plans from the segments one at a time, so the merging process
-    never holds every segment's filenames and index at once (docs/SCALE.md). The layouts and
-    block checksums, which are small, stay once read."""
-
-    def __init__(self, storage: Storage, seg: Segment) -> None:
-        assert seg.commit is not None
-        self.seg, self.chunk_bytes, self.n_rows, self.salvaged = seg, seg.commit.chunk_bytes, seg.commit.n_rows, False
-        self._storage = storage
-        self._whole: LoadedSegment | None = None
-        self._small: tuple[list[FS.Layout], np.ndarray | None] | None = None
-
-    def _load(self) -> LoadedSegment:
-        whole = self._whole
-        if whole is None:
-            whole = self._whole = load_segment(self._storage, self.seg)
-            self._small = (whole.layouts, whole.checks)
-        return whole
-
-    @property
-    def filenames(self) -> list[str]:
-        return self._load().filenames
-
-    @property
-    def index(self) -> np.ndarray:
-        return self._load().index
-
-    @property
-    def layouts(self) -> list[FS.Layout]:
-        return self._small[0] if self._small is not None else self._load().layouts
-
-    @property
-    def checks(self) -> np.ndarray | None:
-        return self._small[1] if self._small is not None else self._load().checks
-
-    def release(self) -> None:
-        """Let the filenames and index go (the layouts and checks stay)."""
-        self._whole = None
 
 
 def list_ranks(storage: Storage) -> list[int]:
@@ -372,12 +330,6 @@ def _read_small_array(
             rank=rank,
         )
     return raw
-
-
-def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
-    """Every segment, each read when first used (:class:`LazySegment`: duck-typed as a
-    :class:`LoadedSegment`, which is what the planner takes)."""
-    return [cast(LoadedSegment, LazySegment(storage, seg)) for seg in segments]
 
 
 def flushed_chunks(storage: Storage, seg: Segment) -> int:

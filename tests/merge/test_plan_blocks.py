@@ -20,7 +20,8 @@ from spillmerge._merge import plancolumns as _plancolumns
 from spillmerge._merge import plansql as _plansql
 from spillmerge._merge.nametable import NameTable
 from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.root import load_all, same_bytes
+from spillmerge._spill.lazy import load_all
+from spillmerge._spill.root import same_bytes
 from spillmerge._storage import Storage
 
 NL = "\n"

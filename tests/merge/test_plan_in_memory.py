@@ -19,7 +19,8 @@ from spillmerge._format import spill as FS
 from spillmerge._merge import plan as _plan
 from spillmerge._merge import plansql as _plansql
 from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.root import load_all, same_bytes
+from spillmerge._spill.lazy import load_all
+from spillmerge._spill.root import same_bytes
 from spillmerge._storage import Storage
 
 NAMES = ["b", "a\uffff", "a\x00z", "é", "A", "a", "z\n", "\U0001f600", "ab"]

@@ -22,7 +22,8 @@ from spillmerge._format import spill as FS
 from spillmerge._merge import plan as _plan
 from spillmerge._merge import plansql as _plansql
 from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.root import load_all, same_bytes
+from spillmerge._spill.lazy import load_all
+from spillmerge._spill.root import same_bytes
 from spillmerge._storage import Storage
 
 
@@ -167,3 +168,38 @@ def test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written(
     res = spillmerge.open(str(tmp_path / "o"))
     assert [tuple(res.value("a", f)) for f in (0, 1)] == [orders[first]] * 2
     assert [tuple(res.value(n, 0)) for n in ("b", "c")] == [orders[1]] * 2
+
+
+def test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sort and the key-order pass both read each segment's catalog and index. Within the
+    merge's keep budget a segment read for the sort stays loaded for the key-order pass; past it
+    (a large merge) each pass reads it again, so one segment at a time is held. The output is the
+    same either way."""
+    from spillmerge._spill import lazy
+
+    for rank in range(2):
+        with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=rank, world_size=2) as w:
+            for i in range(rank, 40, 2):  # dicts out of sorted key order: the key-order pass runs
+                w.write(f"f{i:03d}", 0, {"z": float(i), "a": [i] * (i % 3 + 1)})
+    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort, which lets segments go
+    reads: list[str] = []
+    real = lazy.load_segment
+
+    def counted(storage: Storage, seg: Any) -> Any:
+        reads.append(seg.rel)
+        return real(storage, seg)
+
+    monkeypatch.setattr(lazy, "load_segment", counted)
+    values = {}
+    for keep in (lazy.KEEP_BYTES, 0):
+        monkeypatch.setattr(lazy, "KEEP_BYTES", keep)
+        reads.clear()
+        out = tmp_path / f"out-{keep}"
+        spillmerge.merge(str(tmp_path / "spill"), str(out), progress=False)
+        per_segment = sorted(reads.count(r) for r in set(reads))
+        assert per_segment == ([1, 1] if keep else [2, 2]), (keep, reads)
+        values[keep] = [(name, v) for name, _, v in spillmerge.open(str(out)).iter_values()]
+    assert values[lazy.KEEP_BYTES] == values[0]
+    assert list(values[0][0][1]) == ["z", "a"]

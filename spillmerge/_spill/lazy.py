@@ -1,0 +1,88 @@
+"""A spill root's committed segments read when a merge first uses them (:class:`LazySegment`,
+duck-typed as ``_spill.root.LoadedSegment``) and let go between its passes unless they fit in
+the merge's budget for keeping them (:data:`KEEP_BYTES`)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import numpy as np
+
+from .._format import spill as FS
+from .._storage import Storage
+from .root import LoadedSegment, Segment, load_segment
+
+KEEP_BYTES = 64 << 20
+"""Catalogs and indexes one merge may keep loaded between its passes, in all (estimated from the
+commit records): a small merge reads each segment once; a large one lets them go after each pass
+and reads them again, one at a time."""
+
+
+class _Kept:
+    """What is left of :data:`KEEP_BYTES` for the segments of one :func:`load_all`."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+
+class LazySegment:
+    """A committed segment read as :class:`LoadedSegment` is (:func:`load_segment`, with its
+    checks), but when its catalog or index is first used, and let go by :meth:`release` (read
+    again if used again) unless it fits in what is left of the merge's :data:`KEEP_BYTES`. A
+    merge plans from the segments one at a time, so the merging process never holds every
+    segment's filenames and index at once (docs/SCALE.md). The layouts and block checksums,
+    which are small, stay once read."""
+
+    def __init__(self, storage: Storage, seg: Segment, kept: _Kept | None = None) -> None:
+        assert seg.commit is not None
+        self.seg, self.chunk_bytes, self.n_rows, self.salvaged = seg, seg.commit.chunk_bytes, seg.commit.n_rows, False
+        self._storage = storage
+        self._whole: LoadedSegment | None = None
+        self._small: tuple[list[FS.Layout], np.ndarray | None] | None = None
+        self._kept = kept
+        self._held = False
+        """Kept loaded within the merge's budget: never let go."""
+
+    def _load(self) -> LoadedSegment:
+        whole = self._whole
+        if whole is None:
+            whole = self._whole = load_segment(self._storage, self.seg)
+            self._small = (whole.layouts, whole.checks)
+        return whole
+
+    @property
+    def filenames(self) -> list[str]:
+        return self._load().filenames
+
+    @property
+    def index(self) -> np.ndarray:
+        return self._load().index
+
+    @property
+    def layouts(self) -> list[FS.Layout]:
+        return self._small[0] if self._small is not None else self._load().layouts
+
+    @property
+    def checks(self) -> np.ndarray | None:
+        return self._small[1] if self._small is not None else self._load().checks
+
+    def release(self) -> None:
+        """Let the filenames and index go (the layouts and checks stay), unless they fit in
+        what is left of the merge's budget: then they stay for the next pass."""
+        if self._held or self._whole is None:
+            return
+        commit = self.seg.commit
+        assert commit is not None
+        cost = self.n_rows * FS.INDEX_COLUMNS * 8 + commit.n_files * 128  # the index, the names
+        if self._kept is not None and cost <= self._kept.left:
+            self._kept.left -= cost
+            self._held = True
+            return
+        self._whole = None
+
+
+def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
+    """Every segment, each read when first used (:class:`LazySegment`: duck-typed as a
+    :class:`LoadedSegment`, which is what the planner takes)."""
+    kept = _Kept(KEEP_BYTES)
+    return [cast(LoadedSegment, LazySegment(storage, seg, kept)) for seg in segments]
