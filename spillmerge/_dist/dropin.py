@@ -371,8 +371,8 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
         values = list(obj.values() if kind is dict else obj)
         # Records holding records (COCO's images and their instances): their leaves made a column
         # at a time, a batch's at once (memory bounded). Flat records go one write() each, which
-        # stages a dict of plain values from its file's template: 0.5x write_batch's CPU on the
-        # LLM outputs (benchmarks/results/2026-11-28-s48-bulk).
+        # stages a dict of plain values from its file's template: half write_batch's CPU on the
+        # LLM outputs (benchmarks/RESULTS.md).
         if shape.records and not _plain_records(values, nested=False):
             for a in range(0, len(values), BATCH_ITEMS):
                 b = min(a + BATCH_ITEMS, len(values))

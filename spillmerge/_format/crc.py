@@ -4,7 +4,7 @@ from the CRC-32Cs of ``a`` and ``b`` and ``len(b)``, without reading the bytes a
 CRCs are computed by the ``crc32c`` package, which releases the GIL over large buffers, so the
 flush workers and the merge's copy pool checksum while the caller's Python runs.
 ``google_crc32c`` (zarr's) holds the GIL: on an H200 host, ``write()`` of 64 MiB CUDA leaves
-ran at 3.9 GB/s with it and 5.5-5.8 GB/s with ``crc32c`` (benchmarks/RESULTS.md, session 46).
+ran at 3.9 GB/s with it and 5.5-5.8 GB/s with ``crc32c`` (benchmarks/RESULTS.md).
 
 CRC-32C is linear over GF(2): appending ``n`` bytes to ``a`` maps ``crc(a)`` through a fixed
 32x32 bit matrix (that of ``n`` zero bytes), and ``crc(a + b) = M_n · crc(a) xor crc(b)``

@@ -126,7 +126,7 @@ class OutputChunk:
     def _touched(self) -> _Touched:
         """Every row with bytes in this chunk, in order; rows cut by the chunk's edges included
         (only kinds with offsets). Computed on arrays: a lookup per row in the plan's maps cost
-        more than copying the row (issue 24, docs/SCALE.md)."""
+        more than copying the row (docs/SCALE.md)."""
         lo, hi, src = self.u.lo, self.u.hi, self.col.src
         ub = self.col.unit_bytes
         if self.off is None:
@@ -266,7 +266,7 @@ class OutputChunk:
             touched = self._touched()
             n = len(touched.rows)
             # Few large rows: written straight from the page cache. Small rows are copied into one
-            # buffer below: a write per row cost more than the copy (issue 24).
+            # buffer below: a write per row costs more than the copy.
             if n <= COPY_ROWS and full >= n * PIECE_BYTES:
                 crcs: list[int] = []
                 return self._pieces(touched, self._rows(touched.rows, crcs), full, crcs)
@@ -460,8 +460,8 @@ def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any
 def _utf8_rows(rows: list[np.ndarray]) -> bool:
     """Whether every one of ``rows`` is valid UTF-8, checked in one decode: the rows back to back
     are valid and no row starts inside a character (then none ends inside one either). False
-    when some row is not: the caller finds which, row by row (a decode per row cost more than
-    the copy of a small string, issue 24)."""
+    when some row is not: the caller finds which, row by row (a decode per row costs more than
+    the copy of a small string)."""
     if not rows:
         return True
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))

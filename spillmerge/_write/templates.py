@@ -1,4 +1,4 @@
-"""Repeated value structures the writer recognises instead of re-deriving them (issue 22).
+"""Repeated value structures the writer recognises instead of re-deriving them.
 
 A job writes millions of values of one structure (``{"logits": fp16[1000], "emb": fp16[512]}``
 per image). What ``_write.flatten.flatten`` checks and yields, the layout rule's move from a new file's
