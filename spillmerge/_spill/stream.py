@@ -30,7 +30,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from .root import Segment, _read_small_array, check_rows
+from .root import Segment, check_rows, read_small_array
 
 BLOCK = 4 << 20
 """Bytes of a catalog or index read at a time."""
@@ -272,7 +272,7 @@ class Stream:
         if c.n_checks:
             want = c.n_checks * FS.CHECK_COLUMNS * 8
             try:
-                raw = _read_small_array(
+                raw = read_small_array(
                     self.storage, f"{self.seg.rel}/{FS.CHECKS_NAME}", self.seg.rank, max_bytes=want,
                     expect_shape=[c.n_checks, FS.CHECK_COLUMNS],
                 )  # fmt: skip
