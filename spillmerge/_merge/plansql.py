@@ -10,7 +10,8 @@ several segments go to the caller's ``resolve`` (the duplicate rule lives with t
 the kept rows are appended to files of the work folder, mapped back as numpy arrays.
 
 Memory: DuckDB's memory limit (its sort needs a few tens of MiB at the least: 32 MiB sorts
-300k rows of 80-byte names, 64 MiB a million), one segment's rows while its file is written, one
+300k rows of 80-byte names, 64 MiB a million), one batch of a segment's rows while its file is
+written (a large segment is read a block at a time: ``_spill.stream``), one
 batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
 (Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
 
