@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError
+from .._errors import CorruptSpillError, SpillMergeError
 from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
@@ -48,7 +48,7 @@ def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | N
     bytes), checked against its metadata and its size on storage."""
     try:
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=storage.describe(rel))
-    except (FileNotFoundError, CorruptSpillError):
+    except (OSError, SpillMergeError):
         raise Whole from None
     got = meta.get("shape") if isinstance(meta, dict) else None
     if not isinstance(got, list) or not got or not all(isinstance(d, int) and d > 0 for d in got):
@@ -61,7 +61,7 @@ def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | N
     key = f"{rel}/c/" + "/".join("0" * len(got))
     try:
         found = dict(storage.find(f"{rel}/c"))
-    except (OSError, CorruptSpillError):
+    except (OSError, SpillMergeError):
         raise Whole from None
     if found != {key: n + 4}:
         raise Whole
@@ -78,14 +78,14 @@ def _blocks(storage: Storage, key: str, n: int, step: int) -> Iterator[np.ndarra
         b = min(n, a + step)
         try:
             storage.read_into([(key, a, b)], buf[: b - a].data)
-        except (OSError, CorruptSpillError):
+        except (OSError, SpillMergeError):
             raise Whole from None
         crc = _crc.extend(crc, buf[: b - a])
         yield buf[: b - a]
     tail = np.empty(4, dtype=np.uint8)
     try:
         storage.read_into([(key, n, n + 4)], tail.data)
-    except (OSError, CorruptSpillError):
+    except (OSError, SpillMergeError):
         raise Whole from None
     if int.from_bytes(tail.tobytes(), "little") != crc:
         raise Whole
