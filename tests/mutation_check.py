@@ -1571,6 +1571,16 @@ MUTATIONS: list[Mutation] = [
         ),
         "a catalog read a block at a time is checked against the commit record's CRC-32C",
     ),
+    Mutation(
+        "stream-damaged-between-passes",
+        "spillmerge/_spill/lazy.py",
+        "            self._load()  # raises the segment's error",
+        "            pass",
+        (
+            "tests/merge/test_plan_stream.py::test_an_index_damaged_between_the_plans_passes_raises_what_a_whole_read_does",
+        ),
+        "an index damaged between the plan's passes gives the error a whole read gives",
+    ),
 ]
 
 

@@ -174,3 +174,27 @@ def test_a_catalog_written_another_way_is_read_whole(
     got, how = _plan(root, monkeypatch, streamed=True)
     assert how == [True, False]
     assert got == want
+
+
+def test_an_index_damaged_between_the_plans_passes_raises_what_a_whole_read_does(
+    tmp_path: Path, pristine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key-order pass (the dicts' keys were written out of sorted order) reads a segment's
+    index again, block by block: a byte flipped after the sort is found then."""
+    root = tmp_path / "spill"
+    shutil.copytree(pristine, root)
+    seg = _seg(root, 1)
+    collect = plansql._collect
+
+    def then_damage(*args: Any) -> Any:
+        out = collect(*args)
+        _flipped_index_byte(seg)
+        return out
+
+    monkeypatch.setattr(plansql, "_collect", then_damage)
+    with pytest.raises(CorruptSpillError) as blocks:
+        _plan(root, monkeypatch, streamed=True)
+    storage = Storage(str(root))
+    with pytest.raises(CorruptSpillError) as whole:
+        R.load_segment(storage, R.read_segment(storage, 1, seg.name))
+    assert str(blocks.value) == str(whole.value)
