@@ -1,6 +1,7 @@
 """A spill root's committed segments read when a merge first uses them (:class:`LazySegment`,
 duck-typed as ``_spill.root.LoadedSegment``) and let go between its passes unless they fit in
-the merge's budget for keeping them (:data:`KEEP_BYTES`)."""
+the merge's budget for keeping them (:data:`KEEP_BYTES`); a large one (:data:`STREAM_BYTES`) is
+read by the plan a block at a time instead (``_spill.stream``), never whole."""
 
 from __future__ import annotations
 
