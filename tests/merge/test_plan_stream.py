@@ -29,19 +29,25 @@ NAMES = ["a\nb.mp4", 'q"uote.mp4', "back\\slash.mp4", "\u00e9t\u00e9.mp4", "plai
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("stream") / "spill"
+    _write(str(root))
+    return root
+
+
+def _write(root: str, opts: dict[str, Any] | None = None) -> None:
     for rank in range(2):
-        with spillmerge.SpillWriter(str(root), rank=rank, world_size=2, chunk_bytes=4096) as w:
+        with spillmerge.SpillWriter(root, rank=rank, world_size=2, chunk_bytes=4096, storage_options=opts) as w:
             for i, name in enumerate(NAMES):
                 for frame in range(3):  # rank 1 writes the same keys: identical copies
                     w.write(name, frame, {"z": torch.full((5,), float(i + frame)), "a": f"{name}-{frame}"})
             w.write(f"only-{rank}.mp4", 0, {"z": torch.zeros(5), "a": "x"})
-    return root
 
 
-def _plan(root: Path, monkeypatch: pytest.MonkeyPatch, *, streamed: bool) -> tuple[str, list[bool]]:
+def _plan(
+    root: Path | str, monkeypatch: pytest.MonkeyPatch, *, streamed: bool, opts: dict[str, Any] | None = None
+) -> tuple[str, list[bool]]:
     monkeypatch.setattr(plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort whatever the rows
     monkeypatch.setattr(lazy, "STREAM_BYTES", 0 if streamed else 1 << 40)
-    storage = Storage(str(root))
+    storage = Storage(str(root), opts)
     segs = [s for ss in R.scan(storage).values() for s in ss if s.commit is not None]
     loaded = lazy.load_all(storage, segs)
     p = P.build(loaded, "first", same_bytes=lambda a, b: R.same_bytes(storage, a, b))
@@ -53,6 +59,20 @@ def test_a_segment_read_a_block_at_a_time_gives_the_same_plan(pristine: Path, mo
     whole, how = _plan(pristine, monkeypatch, streamed=False)
     assert how == [False, False]
     blocks, how = _plan(pristine, monkeypatch, streamed=True)
+    assert how == [True, True]
+    assert blocks == whole
+
+
+def test_a_segment_on_an_object_store_is_read_a_block_at_a_time_to_the_same_plan(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from _s3 import storage_options
+
+    opts = storage_options(s3.endpoint)
+    _write("s3://test/spill", opts)
+    monkeypatch.setattr(stream, "BLOCK", 64)  # several ranged reads of each catalog
+    whole, _ = _plan("s3://test/spill", monkeypatch, streamed=False, opts=opts)
+    blocks, how = _plan("s3://test/spill", monkeypatch, streamed=True, opts=opts)
     assert how == [True, True]
     assert blocks == whole
 
