@@ -1521,6 +1521,66 @@ MUTATIONS: list[Mutation] = [
         ("tests/merge/test_plan_sql.py::test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass",),
         "past the keep budget a segment's catalog and index are let go between passes (one held at a time)",
     ),
+    Mutation(
+        "stream-frame-twice",
+        "spillmerge/_merge/plancheck.py",
+        "    if not same.any():\n        return\n",
+        "    if True:\n        return\n",
+        (
+            "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[frame-twice]",
+        ),
+        "a segment read a block at a time: a frame its index lists twice is found on the sorted rows",
+    ),
+    Mutation(
+        "stream-name-twice-count",
+        "spillmerge/_merge/plancheck.py",
+        "        if seen and int(np.count_nonzero(np.asarray(stamp) == si)) != seen:",
+        "        if False:",
+        (
+            "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[name-twice-other-frames]",
+        ),
+        "a segment read a block at a time: two catalog names with rows of other frames are found by their file numbers",
+    ),
+    Mutation(
+        "stream-unused-name-twice",
+        "spillmerge/_merge/plancheck.py",
+        "        if found != len(ids):",
+        "        if False:",
+        (
+            "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[unused-name-twice]",
+        ),
+        "a segment read a block at a time: a catalog name without rows equal to another is found",
+    ),
+    Mutation(
+        "stream-index-crc",
+        "spillmerge/_spill/stream.py",
+        "        if crc != c.index_crc32c:\n            raise Whole",
+        "        if False:\n            raise Whole",
+        (
+            "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[index-checksum]",
+        ),
+        "an index read a block at a time is checked against the commit record's CRC-32C after the last block",
+    ),
+    Mutation(
+        "stream-catalog-crc",
+        "spillmerge/_spill/stream.py",
+        "        if not names.done or crc != self.commit.catalog_crc32c:",
+        "        if not names.done:",
+        (
+            "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[catalog-checksum]",
+        ),
+        "a catalog read a block at a time is checked against the commit record's CRC-32C",
+    ),
+    Mutation(
+        "stream-damaged-between-passes",
+        "spillmerge/_spill/lazy.py",
+        "            self._load()  # raises the segment's error",
+        "            pass",
+        (
+            "tests/merge/test_plan_stream.py::test_an_index_damaged_between_the_plans_passes_raises_what_a_whole_read_does",
+        ),
+        "an index damaged between the plan's passes gives the error a whole read gives",
+    ),
 ]
 
 

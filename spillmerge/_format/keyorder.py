@@ -210,27 +210,44 @@ def _rows(
         lay_sig = lay_sigs[si]
         if not (lay_sig >= 0).any():
             continue  # no dict out of sorted order here: its index is not read
-        idx = s.index
-        release = getattr(s, "release", None)
-        if release is not None:
-            release()  # a segment read when used (``_spill.lazy.LazySegment``): idx holds its index
-        if not len(idx):
+        n = getattr(s, "n_rows", None)  # a segment read when used knows it from its commit record
+        if not (len(s.index) if n is None else n):
             continue
         if file_ids is not None:
             fmap = np.asarray(file_ids[si], dtype=np.int64)
         else:
             lookup = lookup if lookup is not None else {name: k for k, name in enumerate(filenames)}
             fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
-        for a, b in _spans(len(idx), step):
-            ib = np.asarray(idx[a:b])
-            sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
-            g = fmap[ib[:, 0]]  # COL_FILE
-            ok = (sig >= 0) & (g >= 0)
-            if ok.all():  # the common case: no copies
-                yield g, sig
-            elif ok.any():
-                yield g[ok], sig[ok]
-        del idx, ib, sig, g, ok  # before the next segment is read: one segment's index at a time
+        block: Any = None
+        for block in _index_blocks(s, step):
+            yield from _pick(np.asarray(block), lay_sig, fmap)
+        del block  # before the next segment is read: one segment's index at a time
+
+
+def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
+    """Segment ``s``'s index ``step`` rows at a time: read again a block at a time when the plan
+    read it so (``_spill.stream``), else slices of the whole index, which a segment read when
+    used (``_spill.lazy.LazySegment``) lets go at once (these slices hold it until done)."""
+    if getattr(s, "stream", None) is not None:
+        yield from s.rows(step)
+        return
+    idx = s.index
+    release = getattr(s, "release", None)
+    if release is not None:
+        release()
+    for a, b in _spans(len(idx), step):
+        yield idx[a:b]
+
+
+def _pick(ib: np.ndarray, lay_sig: np.ndarray, fmap: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The files and layout numbers of index rows ``ib`` of positioned layouts and known files."""
+    sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
+    g = fmap[ib[:, 0]]  # COL_FILE
+    ok = (sig >= 0) & (g >= 0)
+    if ok.all():  # the common case: no copies
+        yield g, sig
+    elif ok.any():
+        yield g[ok], sig[ok]
 
 
 def output_orders(

@@ -173,7 +173,7 @@ def build(
     def layout_ids(s: LoadedSegment) -> tuple[np.ndarray, np.ndarray]:
         # Global layout ids in write order, of segments that hold rows; leaf paths of every segment.
         pmap = np.array([raw_lp.setdefault(lay.leaf, len(raw_lp)) for lay in s.layouts], dtype=np.int64)
-        if not len(s.index):
+        if not s.n_rows:  # from the commit record: the index is not read here
             return np.zeros(0, np.int64), pmap
         for lay in s.layouts:
             if lay not in gl_id:

@@ -10,7 +10,8 @@ several segments go to the caller's ``resolve`` (the duplicate rule lives with t
 the kept rows are appended to files of the work folder, mapped back as numpy arrays.
 
 Memory: DuckDB's memory limit (its sort needs a few tens of MiB at the least: 32 MiB sorts
-300k rows of 80-byte names, 64 MiB a million), one segment's rows while its file is written, one
+300k rows of 80-byte names, 64 MiB a million), one batch of a segment's rows while its file is
+written (a large segment is read a block at a time: ``_spill.stream``), one
 batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
 (Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
 
@@ -40,6 +41,7 @@ import numpy as np
 from .._errors import SpillValueError
 from .._format import spill as FS
 from .._spill.root import LoadedSegment
+from . import plancheck
 from .nametable import NameTable
 
 BATCH = 1 << 18
@@ -191,14 +193,18 @@ def sort_rows(
     import pyarrow.parquet as pq
 
     # Each segment's rows go to a Parquet file that DuckDB reads: no Python object is scanned
-    # (that path imports pandas), and the rows live on disk, not in the engine's memory.
+    # (that path imports pandas), and the rows live on disk, not in the engine's memory. A large
+    # segment is read a block at a time (``LazySegment.open_stream``).
+    segments = list(segments)
     n_files = 0
     n_names: list[int] = []
     for si, s in enumerate(segments):
-        n_names.append(len(s.filenames))
+        open_stream = getattr(s, "open_stream", None)
+        st = open_stream(folder, si) if open_stream is not None else None
+        n_names.append(st.n_files if st is not None else len(s.filenames))
         writer = None
         try:
-            for table in _segment_rows(si, s, layout_ids):
+            for table in _segment_rows(si, s, layout_ids, st):
                 if writer is None:
                     path = os.path.join(folder, f"rows-{n_files:06d}.parquet")
                     writer = pq.ParquetWriter(path, table.schema, compression="none")
@@ -230,7 +236,7 @@ def sort_rows(
             f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
         ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
         try:
-            return _collect(reader, resolve, folder, n_names)
+            return _collect(reader, resolve, folder, n_names, segments)
         except (duckdb.OutOfMemoryException, OSError) as exc:
             # DuckDB's limit met while the Arrow reader pulls a batch comes as an OSError
             if not isinstance(exc, duckdb.OutOfMemoryException) and "Out of Memory" not in str(exc):
@@ -256,22 +262,28 @@ def _empty(n_names: list[int]) -> Sorted:
 
 
 def _segment_rows(
-    si: int, s: LoadedSegment, layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]]
-) -> Iterator[Any]:
+    si: int, s: LoadedSegment, layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
+    st: Any = None,
+) -> Iterator[Any]:  # fmt: skip
     """Segment number ``si``'s index rows as the Arrow tables both sorts take, :data:`BATCH` rows
     at a time (none when it has none): name bytes, frame, raw leaf path, global layout, segment,
     extent, local file number. ``layout_ids`` is called for every segment, an empty one too.
     A batch at a time: the columns of every row of a large segment (~70 B a row beside its
-    index) are never held at once."""
+    index) are never held at once; with ``st`` (``_spill.stream.Stream``) neither are its index
+    nor its filenames (mapped from the work folder's files)."""
     import pyarrow as pa
 
     gmap, pmap = layout_ids(s)
-    idx = s.index
-    if not len(idx):
+    if not s.n_rows:
         return
-    names = _names_array(s.filenames)
-    for a in range(0, len(idx), BATCH):
-        ib = idx[a : a + BATCH]
+    if st is not None:
+        names = st.names()
+        batches = s.rows(BATCH)  # type: ignore[attr-defined]
+    else:
+        idx = s.index
+        names = _names_array(s.filenames)
+        batches = (idx[a : a + BATCH] for a in range(0, len(idx), BATCH))
+    for ib in batches:
         lay = ib[:, FS.COL_LAYOUT]
         cols = {
             "fname": names.take(_i64(ib[:, FS.COL_FILE])),
@@ -438,10 +450,13 @@ class _SpooledNames(Sequence[str]):
             return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
 
 
-def _collect(reader: Any, resolve: Resolve, folder: str | None, n_names: list[int]) -> Sorted:
+def _collect(
+    reader: Any, resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = ()
+) -> Sorted:
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
     names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
-    filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``)."""
+    filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
+    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
     import pyarrow as pa
 
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
@@ -509,14 +524,19 @@ def _collect(reader: Any, resolve: Resolve, folder: str | None, n_names: list[in
         c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
         for j, k in enumerate(COLUMNS[1:], start=1):
             c[k] = _ints(batch.column(j))
-        file_ids[base[c["seg"]] + _ints(batch.column(len(COLUMNS)))] = c["file"]
+        c["lf"] = _ints(batch.column(len(COLUMNS)))
+        file_ids[base[c["seg"]] + c["lf"]] = c["file"]
         if carry is not None:
             c = {k: np.concatenate([carry[k], c[k]]) for k in c}
+        if segments:
+            plancheck.twice(c, segments, names)
         carry = flush(c, final=False)
     if carry is not None and len(carry["file"]):
         flush(carry, final=True)
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
+    if any(getattr(s, "stream", None) is not None for s in segments):
+        plancheck.distinct_names(segments, ids, alloc(folder, "stamp", names.n, np.int32, fill=-1))
     table = NameTable(spool.done_bytes("names.u8", name_bytes), spool.done("name_off", names.n + 1))
     return Sorted(table, rows, spool.done("copies", n_kept), duplicates, ids)
 

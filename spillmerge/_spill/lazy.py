@@ -1,21 +1,31 @@
 """A spill root's committed segments read when a merge first uses them (:class:`LazySegment`,
 duck-typed as ``_spill.root.LoadedSegment``) and let go between its passes unless they fit in
-the merge's budget for keeping them (:data:`KEEP_BYTES`)."""
+the merge's budget for keeping them (:data:`KEEP_BYTES`); a large one (:data:`STREAM_BYTES`) is
+read by the plan a block at a time instead (``_spill.stream``), never whole."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import cast
 
 import numpy as np
 
+from .._errors import CorruptSpillError
 from .._format import spill as FS
 from .._storage import Storage
 from .root import LoadedSegment, Segment, load_segment
+from .stream import Stream, Whole
 
 KEEP_BYTES = 64 << 20
 """Catalogs and indexes one merge may keep loaded between its passes, in all (estimated from the
 commit records): a small merge reads each segment once; a large one lets them go after each pass
 and reads them again, one at a time."""
+
+STREAM_BYTES = 8 << 20
+"""Index bytes beyond which the plan's sort reads a segment a block at a time
+(:meth:`LazySegment.open_stream`) rather than whole: what it holds of one segment then stays
+bounded (``_spill.stream``)."""
 
 
 class _Kept:
@@ -42,6 +52,50 @@ class LazySegment:
         self._kept = kept
         self._held = False
         """Kept loaded within the merge's budget: never let go."""
+        self._stream: Stream | None = None
+
+    def open_stream(self, folder: str, si: int) -> Stream | None:
+        """Read this segment a block at a time from now on (its filenames to files of
+        ``folder``), when its index is larger than :data:`STREAM_BYTES` and it has not been read
+        whole; None when it is read whole (small, or not readable so: then it is read here, and
+        a damaged segment raises its error)."""
+        if self._stream is not None:
+            return self._stream
+        if self._whole is not None or self.n_rows * FS.INDEX_COLUMNS * 8 <= STREAM_BYTES:
+            return None
+        try:
+            st = Stream(self._storage, self.seg, os.path.join(folder, f"names-{si:06d}"))
+        except Whole:
+            self._load()
+            return None
+        self._stream = st
+        self._small = (st.layouts, st.checks)
+        return st
+
+    def rows(self, step: int) -> Iterator[np.ndarray]:
+        """The index, at most ``step`` rows at a time: read a block at a time (and checked
+        again) once :meth:`open_stream` gave a stream, else slices of the whole index."""
+        st = self._stream
+        if st is None:
+            idx = self.index
+            for a in range(0, len(idx), step):
+                yield idx[a : a + step]
+            return
+        try:
+            yield from st.rows(step)
+        except Whole:
+            self._load()  # raises the segment's error
+            raise self.corrupt("index changed while it was read", FS.INDEX_NAME) from None
+
+    def corrupt(self, msg: str, rel: str = "") -> CorruptSpillError:
+        """The error naming this segment's object ``rel`` (a check the plan's sort makes)."""
+        path = self._storage.describe(f"{self.seg.rel}/{rel}" if rel else self.seg.rel)
+        return CorruptSpillError(f"{path}: {msg}", path=path, rank=self.seg.rank)
+
+    @property
+    def stream(self) -> Stream | None:
+        """The block-at-a-time reader :meth:`open_stream` gave, if any."""
+        return self._stream
 
     def _load(self) -> LoadedSegment:
         whole = self._whole

@@ -141,7 +141,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
     limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
-    raw_cat = _read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
+    raw_cat = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
     if _crc.value(raw_cat) != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
     cat = F.loads(bytes(raw_cat), path=storage.describe(cat_rel))
@@ -166,7 +166,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
-    raw_idx = _read_small_array(
+    raw_idx = read_small_array(
         storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
     )
     if len(raw_idx) != expect:
@@ -181,7 +181,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     if commit.n_checks:
         chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
         want = commit.n_checks * FS.CHECK_COLUMNS * 8
-        raw_chk = _read_small_array(
+        raw_chk = read_small_array(
             storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
         )
         if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:
@@ -291,7 +291,7 @@ def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
     return np.array([order[lay.leaf] for lay in layouts], dtype=np.int64)
 
 
-def _read_small_array(
+def read_small_array(
     storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
 ) -> memoryview:
     """Read a one-chunk crc32c array written by the writer, checking its metadata first so a

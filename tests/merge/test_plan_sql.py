@@ -62,14 +62,14 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
     spilled: list[str] = []  # DuckDB's temporary files when the first sorted batch comes back
     collect = _plansql._collect
 
-    def watched(reader: Any, resolve: Any, folder: str, n_names: list[int]) -> Any:
+    def watched(reader: Any, resolve: Any, folder: str, n_names: list[int], *rest: Any) -> Any:
         def batches() -> Any:
             for batch in reader:
                 if not spilled:
                     spilled.extend(os.listdir(os.path.join(folder, "tmp")) or ["(none)"])
                 yield batch
 
-        return collect(batches(), resolve, folder, n_names)
+        return collect(batches(), resolve, folder, n_names, *rest)
 
     monkeypatch.setattr(_plansql, "_collect", watched)
     small = _plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))

@@ -1,0 +1,81 @@
+"""The checks of a segment that need all of it, made on the plan's sorted rows: a segment read a
+block at a time (``_spill.stream``) is never held whole, but the sort puts its equal keys side
+by side. The errors are those ``_spill.root.load_segment`` gives a segment read whole."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError
+from .._format import spill as FS
+
+BLOCK = 1 << 18
+"""File numbers looked at a time."""
+
+DISTINCT = "catalog filenames must be distinct strings"
+
+
+def corrupt(s: Any, msg: str, rel: str) -> CorruptSpillError:
+    """The error naming segment ``s``'s object ``rel``."""
+    make = getattr(s, "corrupt", None)
+    if make is not None:
+        return make(msg, rel)  # type: ignore[no-any-return]
+    return CorruptSpillError(f"{s.seg.rel}/{rel}: {msg}", rank=s.seg.rank)
+
+
+def twice(c: dict[str, np.ndarray], segments: Sequence[Any], names: Sequence[str]) -> None:
+    """Sorted rows ``c`` (file, frame, segment, leaf path, and ``lf``: the row's file number in
+    its segment's catalog): two rows of one segment with the same key and leaf are a frame the
+    index lists twice, or, when their catalog numbers differ, a name the catalog lists twice."""
+    f, fr, sg, lp = c["file"], c["frame"], c["seg"], c["lp"]
+    same = (f[1:] == f[:-1]) & (fr[1:] == fr[:-1]) & (sg[1:] == sg[:-1]) & (lp[1:] == lp[:-1])
+    if not same.any():
+        return
+    i = int(np.argmax(same))
+    s = segments[int(sg[i])]
+    if c["lf"][i] != c["lf"][i + 1]:
+        raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+    raise corrupt(s, f"index lists frame {int(fr[i])} of {names[int(f[i])]!r:.200} twice", FS.INDEX_NAME)
+
+
+def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stamp: np.ndarray) -> None:
+    """Each segment read a block at a time (``s.stream``) lists each filename once: its names
+    that hold rows have distinct file numbers (``file_ids``; ``stamp``: int32, one per file,
+    filled with -1), and a name that holds none (-1: rare) is found once among its names."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for si, s in enumerate(segments):
+        st = getattr(s, "stream", None)
+        if st is None:
+            continue
+        fid = file_ids[si]
+        seen = 0
+        unused: list[np.ndarray] = []
+        for a in range(0, len(fid), BLOCK):
+            f = np.asarray(fid[a : a + BLOCK])
+            u = np.flatnonzero(f < 0)
+            if len(u):
+                unused.append(u + a)
+            f = f[f >= 0]
+            if len(f) and np.any(stamp[f] == si):
+                raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+            stamp[f] = si
+            seen += len(f)
+        if seen and int(np.count_nonzero(np.asarray(stamp) == si)) != seen:
+            raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+        if not unused:
+            continue
+        ids = np.concatenate(unused)
+        all_names = st.names()
+        wanted = pa.array(sorted({all_names[int(i)].as_py() for i in ids}), type=pa.large_binary())
+        if len(wanted) < len(ids):
+            raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+        found = 0
+        for a in range(0, len(all_names), BLOCK):
+            found += int(pc.sum(pc.is_in(all_names.slice(a, BLOCK), value_set=wanted)).as_py() or 0)
+        if found != len(ids):
+            raise corrupt(s, DISTINCT, FS.CATALOG_NAME)

@@ -1,0 +1,333 @@
+"""A committed segment's catalog and index read a block of bytes at a time (:class:`Stream`), so
+what a merge holds of one segment does not grow with its size.
+
+The catalog's filenames go, block by block, to two files of the caller's work folder (UTF-8
+bytes back to back, int64 offsets), mapped back as an Arrow binary array: no Python string per
+name. Only the catalog the writer writes is read this way (``{"filenames": ["...", ...],
+"layouts": ...}``, names that need no JSON escape); every name is checked on the way (no control
+character, valid UTF-8, not too long). The index comes in blocks of whole rows, each checked
+against the catalog and the data size (``_spill.root.check_rows``) before it is used; the
+CRC-32C of both objects is updated as the blocks pass and compared with the chunk's and the
+commit record's at the end. The checks that need a whole segment — no frame lists a leaf twice,
+the catalog's names are distinct — are the merge plan's: its sort puts equal keys side by side
+(``_merge.plansql``).
+
+Anything else — a catalog written another way, a name with an escape, any check that fails —
+makes the segment be read whole by ``_spill.root.load_segment`` (:class:`Whole`), which raises
+the error a damaged segment has always had (or reads it, when nothing is wrong: then only an
+index already partly used is refused, as changed while it was read)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptSpillError, SpillMergeError
+from .._format import common as F
+from .._format import crc as _crc
+from .._format import spill as FS
+from .._storage import Storage
+from .root import Segment, check_rows, read_small_array
+
+BLOCK = 4 << 20
+"""Bytes of a catalog or index read at a time."""
+
+_PREFIX = b'{"filenames": ['
+_QUOTE, _COMMA, _SPACE, _CLOSE, _BACKSLASH = 0x22, 0x2C, 0x20, 0x5D, 0x5C
+
+
+class Whole(Exception):
+    """The segment must be read whole (``load_segment``): not the writer's catalog, or damaged."""
+
+
+def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | None, limit: int) -> tuple[str, int]:
+    """The chunk object of the one-chunk array ``rel`` and its data's size (without the 4 CRC
+    bytes), checked against its metadata and its size on storage."""
+    try:
+        meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=storage.describe(rel))
+    except (OSError, SpillMergeError):
+        raise Whole from None
+    got = meta.get("shape") if isinstance(meta, dict) else None
+    if not isinstance(got, list) or not got or not all(isinstance(d, int) and d > 0 for d in got):
+        raise Whole
+    if shape is not None and got != shape:
+        raise Whole
+    n = nbytes if nbytes is not None else got[0]
+    if n > limit:
+        raise Whole
+    key = f"{rel}/c/" + "/".join("0" * len(got))
+    try:
+        found = dict(storage.find(f"{rel}/c"))
+    except (OSError, SpillMergeError):
+        raise Whole from None
+    if found != {key: n + 4}:
+        raise Whole
+    return key, n
+
+
+def _blocks(storage: Storage, key: str, n: int, step: int) -> Iterator[np.ndarray]:
+    """Bytes ``[0, n)`` of ``key``, ``step`` at a time; then the chunk's CRC-32C trailer is
+    compared with theirs (:class:`Whole` when it differs). The CRC of all of them is
+    ``_crc.value`` of their concatenation: the caller compares it with the commit record's."""
+    buf = np.empty(min(step, n) + 4, dtype=np.uint8)
+    crc = 0
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        try:
+            storage.read_into([(key, a, b)], buf[: b - a].data)
+        except (OSError, SpillMergeError):
+            raise Whole from None
+        crc = _crc.extend(crc, buf[: b - a])
+        yield buf[: b - a]
+    tail = np.empty(4, dtype=np.uint8)
+    try:
+        storage.read_into([(key, n, n + 4)], tail.data)
+    except (OSError, SpillMergeError):
+        raise Whole from None
+    if int.from_bytes(tail.tobytes(), "little") != crc:
+        raise Whole
+
+
+class _Names:
+    """The incremental parse of the catalog's ``filenames`` list, in the writer's form only."""
+
+    def __init__(self, data: Any, offsets: Any) -> None:
+        self.data, self.offsets = data, offsets
+        self.n = 0
+        self.nbytes = 0
+        self.after = False
+        """An element was read: a ``, `` or the closing ``]`` comes next."""
+        self.done = False
+        offsets.write(np.zeros(1, np.int64).data)
+
+    def feed(self, buf: np.ndarray) -> int:
+        """Read the whole elements of ``buf``; return where the unread bytes start (after the
+        closing ``]`` once :attr:`done`)."""
+        pos = 0
+        while not self.done:
+            if self.after:
+                if pos < len(buf) and buf[pos] == _CLOSE:
+                    self.done = True
+                    return pos + 1
+                if len(buf) - pos < 2:
+                    return pos
+                if buf[pos] != _COMMA or buf[pos + 1] != _SPACE:
+                    raise Whole
+                pos += 2
+                self.after = False
+            elif self.n == 0 and pos < len(buf) and buf[pos] == _CLOSE:
+                self.done = True
+                return pos + 1
+            if pos >= len(buf):
+                return pos
+            if buf[pos] != _QUOTE:
+                raise Whole
+            q = _unescaped(buf, np.flatnonzero(buf[pos:] == _QUOTE) + pos)
+            opens, closes = q[0::2], q[1::2]
+            m = len(closes)
+            if not m:
+                return pos  # an element that goes on in the next block
+            opens = opens[:m]
+            chained = (opens[1:] == closes[:-1] + 3) & (buf[closes[:-1] + 1] == _COMMA)
+            chained &= buf[np.minimum(closes[:-1] + 2, len(buf) - 1)] == _SPACE
+            k = int(np.argmin(chained)) + 1 if not chained.all() else m
+            self._take(buf, opens[:k], closes[:k])
+            pos = int(closes[k - 1]) + 1
+            self.after = True
+        return pos
+
+    def _take(self, buf: np.ndarray, opens: np.ndarray, closes: np.ndarray) -> None:
+        """Elements ``buf[opens[i] + 1 : closes[i]]`` (back to back in ``buf``, ``", "`` apart)."""
+        a, b = int(opens[0]), int(closes[-1]) + 1
+        region = buf[a:b]
+        try:
+            region.tobytes().decode("utf-8")  # the separators are ASCII: each name is valid on its own
+        except UnicodeDecodeError:
+            raise Whole from None
+        keep = np.ones(b - a, dtype=bool)
+        keep[0] = keep[-1] = False
+        for d in range(3):
+            keep[closes[:-1] - a + d] = False
+        keep[opens[1:] - a] = False
+        names = region[keep]
+        if len(names) and names.min() < 0x20:
+            raise Whole  # a control character JSON forbids: read whole (it says so)
+        lengths = (closes - opens - 1).astype(np.int64)
+        if len(names) and np.any(names == _BACKSLASH):
+            names, lengths = _unescape(names, lengths)
+        if lengths.max() > F.FILENAME_MAX_BYTES:
+            raise Whole
+        self.data.write(names.data)
+        self.offsets.write((self.nbytes + np.cumsum(lengths)).data)
+        self.nbytes += int(lengths.sum())
+        self.n += len(lengths)
+
+
+def _unescaped(buf: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Quote positions ``q`` of ``buf`` without those a backslash escapes (after an odd run of
+    backslashes; a run never starts before the first quote, where an element starts)."""
+    drop = []
+    for i in np.flatnonzero(buf[np.maximum(q - 1, 0)] == _BACKSLASH).tolist():
+        p = int(q[i]) - 1
+        while p >= 0 and buf[p] == _BACKSLASH:
+            p -= 1
+        if (int(q[i]) - 1 - p) % 2:
+            drop.append(i)
+    return np.delete(q, drop) if drop else q
+
+
+def _unescape(names: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Names as their JSON string bodies (back to back, ``lengths`` bytes each), those with an
+    escape decoded (rare: a name per element); :class:`Whole` when one is not valid JSON or holds
+    a lone surrogate (``_format.common.loads`` refuses it)."""
+    import json
+
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    parts = np.split(names, starts[1:])
+    seen = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum(names == _BACKSLASH, out=seen[1:])
+    escaped = seen[starts + lengths] - seen[starts]
+    for i in np.flatnonzero(escaped).tolist():
+        try:
+            text = json.loads(b'"' + parts[i].tobytes() + b'"')
+            parts[i] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        except (ValueError, UnicodeEncodeError):
+            raise Whole from None
+    lengths = np.array([len(x) for x in parts], dtype=np.int64)
+    return np.concatenate(parts), lengths
+
+
+class Stream:
+    """A committed segment read a block at a time: its catalog when made (filenames to the
+    files ``<stem>.u8``/``<stem>.i8``, :meth:`names`; :attr:`layouts`; :attr:`checks`), then its
+    index by :meth:`rows`, as often as asked (each time read and checked again)."""
+
+    def __init__(self, storage: Storage, seg: Segment, stem: str) -> None:
+        commit = seg.commit
+        assert commit is not None
+        self.storage, self.seg, self.commit, self.stem = storage, seg, commit, stem
+        self.layouts: list[FS.Layout] = []
+        self.checks: np.ndarray | None = None
+        self.n_files = 0
+        self.name_bytes = 0
+        self._catalog()
+        self._records()
+
+    def bad(self, msg: str, rel: str = "") -> CorruptSpillError:
+        """The error naming this segment (or its object ``rel``)."""
+        path = self.storage.describe(f"{self.seg.rel}/{rel}" if rel else self.seg.rel)
+        return CorruptSpillError(f"{path}: {msg}", path=path, rank=self.seg.rank)
+
+    def _catalog(self) -> None:
+        rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"
+        limit = FS.catalog_max_bytes(self.commit.n_files, self.commit.n_rows)
+        key, n = _object(self.storage, rel, None, None, limit)
+        crc = 0
+        head = b""
+        rest = bytearray()
+        with open(f"{self.stem}.u8", "wb") as data, open(f"{self.stem}.i8", "wb") as offsets:
+            names = _Names(data, offsets)
+            left = np.zeros(0, dtype=np.uint8)
+            for block in _blocks(self.storage, key, n, BLOCK):
+                crc = _crc.extend(crc, block)
+                if len(head) < len(_PREFIX):  # the writer's catalog starts so
+                    take = len(_PREFIX) - len(head)
+                    head += block[:take].tobytes()
+                    block = block[take:]
+                    if head != _PREFIX[: len(head)]:
+                        raise Whole
+                if names.done:
+                    rest += block.tobytes()
+                    continue
+                buf = np.concatenate([left, block]) if len(left) else block
+                used = names.feed(buf)
+                if names.done:
+                    rest += buf[used:].tobytes()
+                    left = np.zeros(0, dtype=np.uint8)
+                else:
+                    left = buf[used:].copy()
+                    if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
+                        raise Whole
+        if not names.done or crc != self.commit.catalog_crc32c:
+            raise Whole
+        try:
+            obj = F.loads(b'{"filenames": []' + bytes(rest), path=self.storage.describe(rel))
+        except CorruptSpillError:
+            raise Whole from None
+        if not isinstance(obj, dict) or obj.get("filenames") != [] or not isinstance(obj.get("layouts"), list):
+            raise Whole
+        try:
+            self.layouts = [FS.Layout.from_obj(o, path=self.storage.describe(rel)) for o in obj["layouts"]]
+        except CorruptSpillError:
+            raise Whole from None
+        self.n_files, self.name_bytes = names.n, names.nbytes
+
+    def _records(self) -> None:
+        """The block checksums (small: read whole) and the data chunks the commit promises."""
+        c = self.commit
+        if c.n_checks:
+            want = c.n_checks * FS.CHECK_COLUMNS * 8
+            try:
+                raw = read_small_array(
+                    self.storage, f"{self.seg.rel}/{FS.CHECKS_NAME}", self.seg.rank, max_bytes=want,
+                    expect_shape=[c.n_checks, FS.CHECK_COLUMNS],
+                )  # fmt: skip
+            except CorruptSpillError:
+                raise Whole from None
+            if len(raw) != want or _crc.value(raw) != c.checks_crc32c:
+                raise Whole
+            self.checks = np.frombuffer(raw, dtype="<i8").reshape(c.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+        if c.n_chunks * c.chunk_bytes < c.nbytes:
+            raise Whole
+        present = set(self.storage.listdir(f"{self.seg.rel}/{FS.DATA_NAME}/c"))
+        if any(str(i) not in present for i in range(c.n_chunks)):
+            raise Whole
+
+    def names(self) -> Any:
+        """The catalog's filenames as an Arrow ``large_binary`` array over maps of the files."""
+        import pyarrow as pa
+
+        data: Any = np.zeros(1, np.uint8)
+        if self.name_bytes:
+            data = np.memmap(f"{self.stem}.u8", dtype=np.uint8, mode="r", shape=(self.name_bytes,))
+        off = np.memmap(f"{self.stem}.i8", dtype=np.int64, mode="r", shape=(self.n_files + 1,))
+        return pa.Array.from_buffers(pa.large_binary(), self.n_files, [None, pa.py_buffer(off), pa.py_buffer(data)])
+
+    def name(self, i: int) -> str:
+        """Filename ``i`` (for a message)."""
+        off = np.fromfile(f"{self.stem}.i8", dtype=np.int64, count=2, offset=8 * i)
+        with open(f"{self.stem}.u8", "rb") as f:
+            f.seek(int(off[0]))
+            return f.read(int(off[1] - off[0])).decode("utf-8")
+
+    def rows(self, step: int) -> Iterator[np.ndarray]:
+        """The index, about ``step`` rows at a time (int64, ``(rows, FS.INDEX_COLUMNS)``), each
+        block checked against the catalog and the data size before it is given; its CRC-32C
+        compared with the commit record's after the last (:class:`Whole` when anything fails)."""
+        c = self.commit
+        width = FS.INDEX_COLUMNS * 8
+        rel = f"{self.seg.rel}/{FS.INDEX_NAME}"
+        key, n = _object(self.storage, rel, [c.n_rows, FS.INDEX_COLUMNS], c.n_rows * width, c.n_rows * width)
+        crc = 0
+        for block in _blocks(self.storage, key, n, max(1, step) * width):
+            crc = _crc.extend(crc, block)
+            idx = block.view("<i8").reshape(-1, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
+            try:
+                check_rows(self.bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
+            except CorruptSpillError:
+                raise Whole from None
+            yield idx
+        if crc != c.index_crc32c:
+            raise Whole
+
+    def remove(self) -> None:
+        """Remove the filenames' files (maps of them stay readable)."""
+        for ext in (".u8", ".i8"):
+            try:
+                os.unlink(self.stem + ext)
+            except FileNotFoundError:
+                pass
