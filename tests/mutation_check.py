@@ -1027,9 +1027,9 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-rowvalue-0d-raw-bits',
-        'spillmerge/_read/rowvalue.py',
-        'np.ascontiguousarray(arr).reshape(arr.shape).view(',
-        'np.ascontiguousarray(arr).view(',
+        'spillmerge/_read/views.py',
+        'raw = np.ascontiguousarray(arr).reshape(arr.shape)',
+        'raw = np.ascontiguousarray(arr)',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'value(as_torch=True) of a 0-d bfloat16 leaf is a 0-d tensor',
     ),
