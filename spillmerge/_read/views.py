@@ -215,11 +215,7 @@ class FixedView(LeafView):
         o = col.offsets
         assert o is not None
         if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
-            r = self._row(sel)
-            lo = int(o[r])
-            if int(o[r + 1]) > lo:
-                return col.rows(lo, lo + 1)[0]
-            return np.zeros(col.unit_shape, dtype=col.stored_dtype)
+            return col.unit(self._row(sel)).copy()
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
@@ -237,8 +233,7 @@ class FixedView(LeafView):
             if block is not None:  # read in order
                 x = block[3][r - block[0]].copy()
             else:  # straight from its chunk
-                c, i = divmod(r, col.chunk_rows)
-                x = col.chunk(c)[i].copy()
+                x = col.unit(r).copy()
             return x if col.native else x.view(col.real)
         return self._raw(r - self._start).view(self.dtype)
 
