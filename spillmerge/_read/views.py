@@ -284,11 +284,6 @@ class _OffsetView(LeafView):
 
     __slots__ = ()
 
-    def _span(self, a: int, b: int) -> tuple[int, int]:
-        o = self._col.offsets
-        assert o is not None
-        return o.item(a), o.item(b)
-
     @property
     def offsets(self) -> np.ndarray:
         """int64 ``(rows + 1,)``: row ``i``'s values are ``values[offsets[i]:offsets[i + 1]]``."""
@@ -316,8 +311,9 @@ class _OffsetView(LeafView):
         return [None if ok is not None and not ok[j] else decode(a + j, buf[at[j] : at[j + 1]]) for j in range(b - a)]
 
     def _flat(self, a: int, b: int) -> np.ndarray:
-        lo, hi = self._span(a, b)
-        return self._col.rows(lo, hi)
+        o = self._col.offsets
+        assert o is not None
+        return self._col.rows(o.item(a), o.item(b))
 
 
 class RaggedView(_OffsetView):
