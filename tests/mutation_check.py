@@ -1363,7 +1363,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/rowvalue.py",
         "                return ABSENT",
         "                pass",
-        ("tests/read/test_reading.py::test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts",),
+        ("tests/read/test_reading.py::test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_gives",),
         "a row without a value in one of its layout's columns is built as value() builds it",
     ),
     Mutation(
