@@ -6,8 +6,8 @@ index and then one row of each of the file's columns (a chunk lookup, a validity
 offsets pair, a decode): a few microseconds each, tens of them per value. Reading every row in
 order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
 indices) is read a block of files at a time, and each column's rows of a block of rows
-(:class:`Block`) are decoded once, as a list of Python values, when the first row of the block
-needs them. The row's value is then built from those lists as ``value()`` builds it: by its
+(:class:`Block`) are decoded once, as a list of Python values, by the column's leaf view (the
+decoder ``value()`` uses), when the first row of the block needs them. The row's value is then built from those lists as ``value()`` builds it: by its
 layout's tree, made once (``_read.rowvalue.static_builder``), when the row has a value in each of
 the layout's columns and none is a list item, else by ``_read.rowvalue.row_value``: the same
 objects, equal in type, content and key order.
