@@ -137,7 +137,9 @@ class LeafView:
         return self._list(a, b)
 
     def _list(self, a: int, b: int) -> list[Any]:
-        return [self.at(r) if self._is_valid(r) else None for r in range(a, b)]
+        """Rows ``a .. b-1`` (absolute), None where a row has no value: the kind's decoder of
+        several rows, from one read of their values."""
+        raise NotImplementedError
 
     def to_list(self) -> list[Any]:
         """Every row's value (``None`` where absent)."""
@@ -259,10 +261,10 @@ class FixedView(LeafView):
         zarr decoded into: no copy beyond reading it."""
         return tensor(self._raw(sel), self.dtype_name)
 
-    def to_list(self) -> list[Any]:
-        arr = self.numpy()
-        v = self.valid
-        return [None if v is not None and not v[i] else arr[i] for i in range(len(arr))]
+    def _list(self, a: int, b: int) -> list[Any]:
+        arr = self._raw(slice(a - self._start, b - self._start)).view(self.dtype)
+        ok = self._ok(a, b)
+        return [None if ok is not None and not ok[j] else arr[j] for j in range(b - a)]
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
