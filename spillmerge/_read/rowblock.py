@@ -7,10 +7,11 @@ offsets pair, a decode): a few microseconds each, tens of them per value. Readin
 order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
 indices) is read a block of files at a time, and each column's rows of a block of rows
 (:class:`Block`) are decoded once, as a list of Python values, by the column's leaf view (the
-decoder ``value()`` uses), when the first row of the block needs them. The row's value is then built from those lists as ``value()`` builds it: by its
-layout's tree, made once (``_read.rowvalue.static_builder``), when the row has a value in each of
-the layout's columns and none is a list item, else by ``_read.rowvalue.row_value``: the same
-objects, equal in type, content and key order.
+decoder ``value()`` uses), when the first row of the block needs them. The row's value is then
+built from those lists as ``value()`` builds it: by its layout's tree, made once
+(``_read.rowvalue.static_builder``), when the row has a value in each of the layout's columns and
+none is a list item, else by ``_read.rowvalue.row_value``: the same objects, equal in type,
+content and key order.
 
 Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would
 hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row instead, as
@@ -69,8 +70,8 @@ class Block:
 
     def run(self, flat: list[tuple[str, OpenColumn]], r0: int, r1: int) -> list[dict[str, Any]] | None:
         """Rows ``r0 .. r1-1`` of a layout whose value is a flat dict (key, column): the dicts, in
-        one ``records`` pass over the columns' decoded rows; None when a column of them is read row by
-        row or a row lacks a value (the row-by-row way)."""
+        one ``records`` pass over the columns' decoded rows; None when a column of them is read
+        row by row or a row lacks a value (the row-by-row way)."""
         slices = []
         for _, col in flat:
             got = self._cols.get(id(col))
@@ -117,8 +118,8 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
     if info.kind == "ragged" and info.dtype in F.PY_SCALARS and info.inner_shape is not None:
         # lists of Python numbers (token ids, COCO boxes): one tolist() sliced per row
-        flat, at = view.values.tolist(), view.offsets.tolist()
-        return [None if ok is not None and not ok[j] else flat[at[j] : at[j + 1]] for j in range(hi - lo)]
+        flat, bounds = view.values.tolist(), view.offsets.tolist()
+        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
     rows = view.to_list()
     if info.kind in ("fixed", "ragged"):
         dtype, kind = info.dtype, info.kind

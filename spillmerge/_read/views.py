@@ -308,9 +308,12 @@ class _OffsetView(LeafView):
         assert o is not None
         ob = np.asarray(o[a : b + 1], dtype=np.int64)
         buf = self._col.rows(int(ob[0]), int(ob[-1])).tobytes()
-        at = (ob - ob[0]).tolist()
+        bounds = (ob - ob[0]).tolist()
         ok, decode = self._ok(a, b), self._decode
-        return [None if ok is not None and not ok[j] else decode(a + j, buf[at[j] : at[j + 1]]) for j in range(b - a)]
+        return [
+            None if ok is not None and not ok[j] else decode(a + j, buf[bounds[j] : bounds[j + 1]])
+            for j in range(b - a)
+        ]
 
     def _flat(self, a: int, b: int) -> np.ndarray:
         o = self._col.offsets
