@@ -264,11 +264,16 @@ def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, sta
         )
     if o is None:
         o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
-    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+    within = _within(lengths)
     item_rows = np.repeat(o[rows], lengths) + within
     at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
     return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
+
+
+def _within(lengths: np.ndarray) -> np.ndarray:
+    """Each item's position in its list, for lists of ``lengths`` items laid end to end."""
+    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
 
 
 def _merged_lists(
@@ -296,7 +301,7 @@ def _merged_lists(
     for col, cpos, carr, clen in got:
         flat = pc.list_flatten(carr)
         first = np.repeat(start_of[cpos], clen)
-        within = np.arange(int(clen.sum())) - np.repeat(np.concatenate([[0], np.cumsum(clen)])[:-1], clen)
+        within = _within(clen)
         ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", first + within, flat))
     return pos, starts, combine(ps, int(starts[-1]))
 
@@ -375,7 +380,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
             first = np.concatenate(
                 [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
             )[:-1]
-            within = np.arange(int(have.sum())) - np.repeat(np.concatenate([[0], np.cumsum(have)])[:-1], have)
+            within = _within(have)
             take = np.repeat(first, have) + within
             at = np.repeat(starts[pos], have) + within
             elems += _split(name, at, flat.take(pa.array(take.astype(np.int64))))
