@@ -1027,9 +1027,9 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-rowvalue-0d-raw-bits',
-        'spillmerge/_read/rowvalue.py',
-        'np.ascontiguousarray(arr).reshape(arr.shape).view(',
-        'np.ascontiguousarray(arr).view(',
+        'spillmerge/_read/views.py',
+        'raw = np.ascontiguousarray(arr).reshape(arr.shape)',
+        'raw = np.ascontiguousarray(arr)',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'value(as_torch=True) of a 0-d bfloat16 leaf is a 0-d tensor',
     ),
@@ -1363,7 +1363,7 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_read/rowvalue.py",
         "                return ABSENT",
         "                pass",
-        ("tests/read/test_reading.py::test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts",),
+        ("tests/read/test_reading.py::test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_gives",),
         "a row without a value in one of its layout's columns is built as value() builds it",
     ),
     Mutation(

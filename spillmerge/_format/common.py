@@ -252,6 +252,11 @@ def user_key(key: str) -> str:
     return MARK + key if key.startswith(MARK) else key
 
 
+def key_of(seg: str) -> str:
+    """The dict key of a path segment: ``user_key`` undone."""
+    return seg[1:] if seg.startswith(MARK) else seg
+
+
 def is_marker(seg: str) -> bool:
     """A header or list item segment (not a user key)."""
     return seg.startswith(MARK) and not seg.startswith(MARK + MARK)
@@ -304,7 +309,7 @@ def path_text(path: tuple[str, ...]) -> str:
         if is_marker(seg):
             parts.append("[*]" if seg == ITEM else f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
         else:
-            parts.append(seg[1:] if seg.startswith(MARK) else seg)
+            parts.append(key_of(seg))
     return "/".join(parts)
 
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError, SpillMergeError, require
+from .._errors import CorruptSpillError, SpillMergeError
 from .._format import common as F
 from .._format import lists as L
 from .._format.common import MARK
 from .._format.keyorder import Spec, ordered
-from .arrowarrays import untensor
+from .arrowarrays import require_pyarrow, untensor
 from .column import OpenColumn
 
 _Part = tuple[tuple[str, str], str, np.ndarray, Any]
@@ -89,10 +89,6 @@ def tree(cols: list[OpenColumn], order: Spec | None = None) -> Node:
     return root
 
 
-def _seg_name(seg: str) -> str:
-    return seg[1:] if seg.startswith(MARK) else seg
-
-
 class Batch:
     """Rows ``a .. b-1``: each column's leaf view as a pyarrow array read once, its ``valid``
     and (headers) its lengths. A column whose rows are a list's items is read over
@@ -135,14 +131,10 @@ class Batch:
         return got
 
 
-def _pa() -> Any:
-    return require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
-
-
 def combine(parts: list[_Part], n: int) -> Any:
     """One array of ``n`` slots from the parts (positions never shared): the one type when every
     part has it, else a dense union with a child per type (empty slots: nulls of the first)."""
-    pa = _pa()
+    pa = require_pyarrow()
     order: list[tuple[str, str]] = []
     names: dict[tuple[str, str], str] = {}
     for key, name, _, _ in parts:
@@ -196,7 +188,7 @@ def _col_tag(col: OpenColumn) -> str:
 def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part]:
     """The variants of ``node`` over ``rows`` (absolute row numbers within the batch): its
     columns, its containers, and (``with_keys``: inside a list) the dict of its keys."""
-    pa = _pa()
+    pa = require_pyarrow()
     out: list[_Part] = []
     # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` too): where
     # the path also holds lists of other items, its rows are lists of that column, items and all.
@@ -272,11 +264,16 @@ def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, sta
         )
     if o is None:
         o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
-    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+    within = _within(lengths)
     item_rows = np.repeat(o[rows], lengths) + within
     at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
     return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
+
+
+def _within(lengths: np.ndarray) -> np.ndarray:
+    """Each item's position in its list, for lists of ``lengths`` items laid end to end."""
+    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
 
 
 def _merged_lists(
@@ -284,7 +281,7 @@ def _merged_lists(
 ) -> tuple[np.ndarray, np.ndarray, Any]:
     """The lists at ``node`` over ``rows``, those of its ``pylist`` header (``hpos``, ``hlen``)
     and those stored as the numeric columns ``numeric``: (positions, list offsets, items)."""
-    pa = _pa()
+    pa = require_pyarrow()
     import pyarrow.compute as pc
 
     got = []
@@ -304,14 +301,14 @@ def _merged_lists(
     for col, cpos, carr, clen in got:
         flat = pc.list_flatten(carr)
         first = np.repeat(start_of[cpos], clen)
-        within = np.arange(int(clen.sum())) - np.repeat(np.concatenate([[0], np.cumsum(clen)])[:-1], clen)
+        within = _within(clen)
         ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", first + within, flat))
     return pos, starts, combine(ps, int(starts[-1]))
 
 
 def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:
     """``arr`` at ``pos`` as parts: one per child when it is a union (no union of unions)."""
-    pa = _pa()
+    pa = require_pyarrow()
     if not pa.types.is_union(arr.type):
         return [(("col", str(arr.type)), name, pos, arr)]
     codes = arr.type_codes.to_numpy(zero_copy_only=False)
@@ -326,7 +323,7 @@ def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:
 
 def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
     """The dict of ``node``'s keys over ``rows`` as a struct array, and where any key has a value."""
-    pa = _pa()
+    pa = require_pyarrow()
     fields, names = [], []
     present = np.zeros(len(rows), bool)
     for seg, kid in node.sorted_keys():
@@ -334,14 +331,14 @@ def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
         for _, _, pos, _ in ps:
             present[pos] = True
         fields.append(combine(ps, len(rows)))
-        names.append(_seg_name(seg))
+        names.append(F.key_of(seg))
     return pa.StructArray.from_arrays(fields, names), present
 
 
 def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> Any:
     """``large_list<struct>`` of the lists of dicts at ``node`` in ``rows``: each key's column (a
     list per row) cut into the items."""
-    pa = _pa()
+    pa = require_pyarrow()
     import pyarrow.compute as pc
 
     # Every key's columns first: a row's header must equal the length of each key's list in it
@@ -356,14 +353,16 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
                 continue
             if not _listlike(arr.type):
                 raise SpillMergeError(
-                    f"the lists of dicts at {F.path_text(node.path)!r}: key {_seg_name(seg)!r} holds a {name} value where "
+                    f"the lists of dicts at {F.path_text(node.path)!r}: key {F.key_of(seg)!r} holds a {name} value where "
                     f"its list of {int(lengths.max(initial=0))} is expected; the output is damaged: merge it again"
                 )
             have = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
             bad = np.flatnonzero(have != lengths[pos])
             if len(bad):
                 j = int(pos[bad[0]])
-                raise _records_error(node, int(rows[j]), int(lengths[j]), f"key {_seg_name(seg)!r} holds {int(have[bad[0]])}")
+                raise _records_error(
+                    node, int(rows[j]), int(lengths[j]), f"key {F.key_of(seg)!r} holds {int(have[bad[0]])}"
+                )
             held[pos] = True
     if not held.all() and len(rows):
         j = int(np.flatnonzero(~held)[0])
@@ -381,12 +380,12 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
             first = np.concatenate(
                 [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
             )[:-1]
-            within = np.arange(int(have.sum())) - np.repeat(np.concatenate([[0], np.cumsum(have)])[:-1], have)
+            within = _within(have)
             take = np.repeat(first, have) + within
             at = np.repeat(starts[pos], have) + within
             elems += _split(name, at, flat.take(pa.array(take.astype(np.int64))))
         fields.append(combine(elems, total))
-        names.append(_seg_name(seg))
+        names.append(F.key_of(seg))
     values = pa.StructArray.from_arrays(fields, names) if fields else pa.array([{}] * total, type=pa.struct([]))
     return pa.LargeListArray.from_arrays(pa.array(starts), values)
 
@@ -456,12 +455,12 @@ def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
 
 
 def _listlike(t: Any) -> bool:
-    pa = _pa()
+    pa = require_pyarrow()
     return bool(pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t))
 
 
 def has_union(t: Any) -> bool:
-    pa = _pa()
+    pa = require_pyarrow()
     if pa.types.is_union(t):
         return True
     return any(has_union(t.field(i).type) for i in range(t.num_fields))

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 
 
-def require_pyarrow() -> Any:
+def require_pyarrow(feature: str = "MergedStore.to_arrow()") -> Any:
     from .._errors import require
 
-    return require("pyarrow", package="pyarrow", extra="arrow", feature="MergedStore.to_arrow()")
+    return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
 
 
 def validity_bitmap(valid: np.ndarray | None) -> Any:

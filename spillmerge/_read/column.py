@@ -109,18 +109,23 @@ class OpenColumn:
         self._hot = (c, weakref.ref(arr))
         return arr
 
-    def scalar(self, r: int) -> Any:
-        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
-        read of a ``py*`` leaf or a container header: no view, no 0-d array); as ``view[r]``
-        reads it, then ``.item()``."""
+    def unit(self, r: int) -> np.ndarray:
+        """Row ``r`` of a fixed column, of the storage dtype, read-only (a view of its cached
+        chunk); a compact column's row without a value (its ``values`` hold only the rows with
+        one) reads as zeros."""
         o = self.offsets
-        if o is not None:  # compact: ``values`` hold only the rows with a value
+        if o is not None:
             lo = int(o[r])
             if int(o[r + 1]) <= lo:
-                return np.zeros((), dtype=self.real).item()
+                return np.zeros(self.unit_shape, dtype=self.stored_dtype)
             r = lo
         c, i = divmod(r, self.chunk_rows)
-        x = self.chunk(c)[i]
+        return self.chunk(c)[i]  # type: ignore[no-any-return]
+
+    def scalar(self, r: int) -> Any:
+        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
+        read of a ``py*`` leaf or a container header: no view, no 0-d array)."""
+        x = self.unit(r)
         return (x if self.native else x.view(self.real)).item()
 
     def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ArrowUnionInParquetError, UnknownColumnError, require
+from .._errors import ArrowUnionInParquetError, UnknownColumnError
 from .._format import common as F
 from .._format import lists as L
 from . import arrow as T
-from .arrowarrays import untensor
+from .arrowarrays import require_pyarrow, untensor
 from .column import OpenColumn
 
 Column = OpenColumn | T.Node
@@ -36,10 +36,6 @@ BATCH_BYTES = 64 << 20
 
 MAX_BATCH_ROWS = 1 << 16
 """The most rows of a batch when ``batch_size`` is not given (small rows)."""
-
-
-def _pa(feature: str) -> Any:
-    return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
 
 
 def arrow_names(files: Files) -> dict[str, OpenColumn]:
@@ -115,7 +111,7 @@ def default_batch_rows(files: Files, cols: dict[str, Column]) -> int:
 
 def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     """Rows ``a .. b-1`` as one ``pyarrow.RecordBatch``."""
-    pa = _pa("MergedStore.iter_batches()")
+    pa = require_pyarrow("MergedStore.iter_batches()")
     files.checks.rows(a, b)  # the index over these rows, checked (frame_offsets among it)
     offsets = files.frame_offsets
     f0 = offsets.searchsorted(a, side="right") - 1
@@ -154,7 +150,7 @@ def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) 
 
 def to_arrow(files: Files, cols: dict[str, Column]) -> Any:
     """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
-    pa = _pa("MergedStore.to_arrow()")
+    pa = require_pyarrow("MergedStore.to_arrow()")
     return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
 
 
@@ -169,7 +165,7 @@ def to_parquet(
     """Write every row to the Parquet file ``path`` (a path or fsspec URL) batch by batch: one row
     group per batch, memory one batch. A local file is written under a temporary name and renamed
     when whole, so a reader never sees half a file. Returns the rows written."""
-    _pa("MergedStore.to_parquet()")
+    require_pyarrow("MergedStore.to_parquet()")
     import pyarrow.parquet as pq
 
     target = os.fspath(path)
@@ -232,7 +228,7 @@ def _parquet_form(rb: Any) -> Any:
     """``rb`` with its tensor columns (``arrow.fixed_shape_tensor``) as nested ``fixed_size_list``:
     polars and DuckDB read the extension type's flat storage without its shape, the nested lists
     with it."""
-    pa = _pa("MergedStore.to_parquet()")
+    pa = require_pyarrow("MergedStore.to_parquet()")
     if not any(isinstance(f.type, pa.FixedShapeTensorType) for f in rb.schema):
         return rb
     arrays = [untensor(c) for c in rb.columns]

@@ -24,6 +24,7 @@ from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache
+from .index import LazyArray
 from .rawchunk import chunk_reader
 
 Raise = Callable[[list[V.Problem]], None]
@@ -65,18 +66,6 @@ class Names(Sequence[str]):
         return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
 
 
-def _chunk_reader(
-    arr: Any, cache: ChunkCache, storage: Storage | None, describe: Callable[[str], str]
-) -> Callable[[int], np.ndarray]:
-    """Chunk ``c`` of the 1-d array ``arr``, read and checksummed once, then cached."""
-    read, key = chunk_reader(arr, storage, describe), arr.path
-
-    def get(c: int) -> np.ndarray:
-        return cache.get((key, c), lambda: read(c))
-
-    return get
-
-
 def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> np.ndarray:
     """The whole 1-d array ``arr``, chunk by chunk (``_read.rawchunk``: straight from storage
     where it is plain, no round trip to zarr's event-loop thread); memory grows only with the
@@ -85,14 +74,6 @@ def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) ->
     if n <= k:
         return read(0)
     return np.concatenate([read(c) for c in range(-(-n // k))])
-
-
-def _span(get: Callable[[int], np.ndarray], k: int, lo: int, hi: int) -> np.ndarray:
-    """Elements ``lo .. hi-1`` of a 1-d array read chunk by chunk through ``get``."""
-    if hi <= lo:
-        return np.empty(0, dtype=np.uint8)
-    parts = [get(c)[max(lo - c * k, 0) : hi - c * k] for c in range(lo // k, (hi - 1) // k + 1)]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:
@@ -137,11 +118,10 @@ class ChunkedNames(Names):
         if n_off < 1:
             raise_([("index/filename_offsets", "empty (must have n_files + 1 entries)")])
         self._n = n_off - 1
-        self._ko = max(int(self._off.chunks[0]), 1)
         self._nbytes = int(self._bytes.shape[0])
-        self._kb = max(int(self._bytes.chunks[0]), 1)
-        self._get_off = _chunk_reader(self._off, cache, storage, describe)
-        self._get_bytes = _chunk_reader(self._bytes, cache, storage, describe)
+        # read a chunk at a time through the cache (no row checks: a block's own checks are below)
+        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage, describe)
+        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, describe, dtype=np.uint8)
         self._cache = cache
         heads_node = V.index_node(group, "filename_heads", describe)
         attrs = heads_node.attrs.get("spillmerge")
@@ -193,7 +173,7 @@ class ChunkedNames(Names):
     def _load(self, j: int) -> np.ndarray:
         k, n = self._k, self._n
         a, b = j * k, min((j + 1) * k, n)
-        offs = _span(self._get_off, self._ko, a, b + 1)
+        offs = self._offs.span(a, b + 1)
         rel = "index/filename_offsets"
         if j == 0 and int(offs[0]) != 0:
             self._raise([(rel, f"starts at {int(offs[0])}, not 0")])
@@ -202,7 +182,7 @@ class ChunkedNames(Names):
         if b == n and int(offs[-1]) != self._nbytes:
             self._raise([(rel, f"ends at {int(offs[-1])}, but index/filenames has {self._nbytes} bytes")])
         lo, hi = int(offs[0]), int(offs[-1])
-        raw = _span(self._get_bytes, self._kb, lo, hi)
+        raw = self._raw.span(lo, hi)
         names, problems = decode_names(raw, offs - lo, "index/filenames")
         self._raise(problems)
         self._raise(IX.sorted_problems(names, "index/filenames"))

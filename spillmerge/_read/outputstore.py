@@ -21,6 +21,7 @@ from .._errors import CorruptSpillError
 from .._format import common as F
 from .._format import output as FO
 from .._storage import Storage
+from .rawchunk import missing_chunk
 
 # Metadata documents zarr may look for and legitimately not find; every other key is a chunk.
 _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata"})
@@ -64,15 +65,6 @@ class NoFillStore(WrapperStore[Store]):
     def _with_store(self, store: Store) -> NoFillStore:
         return type(self)(store, self._describe, self._storage)
 
-    def _missing(self, key: str) -> CorruptSpillError:
-        path = self._describe(key)
-        array, _, coords = key.rpartition("/c/")
-        what = f"chunk {coords.replace('/', ', ')} of {array}" if array else "chunk"
-        return CorruptSpillError(
-            f"{path}: {what} is missing (zarr would read it as zeros); the output is damaged: merge it again",
-            path=path,
-        )
-
     def _is_chunk(self, key: str) -> bool:
         return key.rsplit("/", 1)[-1] not in _METADATA_NAMES
 
@@ -107,7 +99,7 @@ class NoFillStore(WrapperStore[Store]):
             doc = f"{array}/zarr.json" if array else "zarr.json"
             meta = await self._doc(doc, prototype)
             if meta is None:
-                raise self._missing(key)
+                raise missing_chunk(self._describe, key)
             limits = FO.chunk_limits(meta, path=self._describe(doc))
             self._chunk_limits[array] = limits
         return limits
@@ -151,7 +143,7 @@ class NoFillStore(WrapperStore[Store]):
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         buf = await self._get(key, prototype, byte_range)
         if buf is None and self._is_chunk(key):
-            raise self._missing(key)
+            raise missing_chunk(self._describe, key)
         return buf
 
     async def get_partial_values(
@@ -164,7 +156,7 @@ class NoFillStore(WrapperStore[Store]):
             out = [await self._get(key, prototype, byte_range) for key, byte_range in key_ranges]
         for (key, _), buf in zip(key_ranges, out, strict=True):
             if buf is None and self._is_chunk(key):
-                raise self._missing(key)
+                raise missing_chunk(self._describe, key)
         return out
 
 

@@ -23,6 +23,17 @@ from .._format.invariants import array_limits, read_array
 from .._storage import Storage
 
 
+def missing_chunk(describe: Callable[[str], str], key: str) -> CorruptSpillError:
+    """The error for chunk object ``key`` (``<array>/c/<coords>``) that is not there: damage,
+    where zarr would read fill values."""
+    path = describe(key)
+    array, _, coords = key.rpartition("/c/")
+    what = f"chunk {coords.replace('/', ', ')} of {array}" if array else "chunk"
+    return CorruptSpillError(
+        f"{path}: {what} is missing (zarr would read it as zeros); the output is damaged: merge it again", path=path
+    )
+
+
 def _plain(arr: Any) -> bool:
     """``arr`` is stored as raw little-endian chunks + CRC-32C, chunked along its first dimension."""
     m = arr.metadata
@@ -60,21 +71,16 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
 
     def read(c: int) -> np.ndarray:
         rel = f"{path}/c/{c}{suffix}"
-        coords = ", ".join([str(c)] + ["0"] * len(inner))
         try:
             data = storage.get(rel, max_bytes=limit)  # what NoFillStore allows: the format's size limit
         except FileNotFoundError:
-            where = describe(rel)
-            raise CorruptSpillError(
-                f"{where}: chunk {coords} of {path} is missing (zarr would read it as zeros); the output is "
-                "damaged: merge it again",
-                path=where,
-            ) from None
+            raise missing_chunk(describe, rel) from None
         # (over a numpy view: slicing the bytes would copy the whole chunk once more)
         body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4) if len(data) >= 4 else b""
         if len(data) != size or _crc.value(body) != int.from_bytes(data[-4:], "little"):
             where = describe(rel)
             what = f"{len(data)} bytes, its chunk shape needs {size}" if len(data) != size else "CRC-32C mismatch"
+            coords = ", ".join([str(c)] + ["0"] * len(inner))
             raise CorruptSpillError(
                 f"{where}: chunk {coords} of {path}: its size and checksum do not match ({what}); the output is "
                 "damaged: merge it again",

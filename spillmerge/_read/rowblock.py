@@ -6,11 +6,12 @@ index and then one row of each of the file's columns (a chunk lookup, a validity
 offsets pair, a decode): a few microseconds each, tens of them per value. Reading every row in
 order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
 indices) is read a block of files at a time, and each column's rows of a block of rows
-(:class:`Block`) are decoded once, as a list of Python values, when the first row of the block
-needs them. The row's value is then built from those lists as ``value()`` builds it: by its
-layout's tree, made once (``_read.rowvalue.static_builder``), when the row has a value in each of
-the layout's columns and none is a list item, else by ``_read.rowvalue.row_value``: the same
-objects, equal in type, content and key order.
+(:class:`Block`) are decoded once, as a list of Python values, by the column's leaf view (the
+decoder ``value()`` uses), when the first row of the block needs them. The row's value is then
+built from those lists as ``value()`` builds it: by its layout's tree, made once
+(``_read.rowvalue.static_builder``), when the row has a value in each of the layout's columns and
+none is a list item, else by ``_read.rowvalue.row_value``: the same objects, equal in type,
+content and key order.
 
 Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would
 hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row instead, as
@@ -19,9 +20,6 @@ hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row
 
 from __future__ import annotations
 
-import gc
-import itertools
-import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +27,8 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
-from .rowvalue import ABSENT, RowPlan, is_scalar, row_value, static_builder, to_python
-from .views import BytesView, PickleView, TextView, utf8_text
+from .rowvalue import ABSENT, RowPlan, gc_paused, is_scalar, leaf_value, records, row_value, static_builder, to_python
+from .views import PickleView
 
 if TYPE_CHECKING:
     from .views import OpenColumn
@@ -72,8 +70,8 @@ class Block:
 
     def run(self, flat: list[tuple[str, OpenColumn]], r0: int, r1: int) -> list[dict[str, Any]] | None:
         """Rows ``r0 .. r1-1`` of a layout whose value is a flat dict (key, column): the dicts, in
-        C-level passes over the columns' decoded rows; None when a column of them is read row by
-        row or a row lacks a value (the row-by-row way)."""
+        one ``records`` pass over the columns' decoded rows; None when a column of them is read
+        row by row or a row lacks a value (the row-by-row way)."""
         slices = []
         for _, col in flat:
             got = self._cols.get(id(col))
@@ -81,110 +79,54 @@ class Block:
             if vals is _DIRECT or (ok is not None and not all(ok[r0 - lo : r1 - lo])):
                 return None
             slices.append(vals[r0 - lo : r1 - lo])
-        keys = [k for k, _ in flat]
-        paused = gc.isenabled()  # only new, acyclic objects (as row_value pauses it)
-        gc.disable()
-        try:
-            return list(map(dict, map(zip, itertools.repeat(keys), zip(*slices, strict=True))))
-        finally:
-            if paused:
-                gc.enable()
+        return gc_paused(records, [k for k, _ in flat], slices)  # type: ignore[no-any-return]
 
     def get(self, col: OpenColumn, d: int, filename: str) -> Any:
         """Row ``d`` of ``col`` (one with a value) as ``value()`` returns it."""
         got = self._cols.get(id(col))
         lo, _, vals = got if got is not None else self._load(col)
         if vals is _DIRECT:  # as value() reads it
-            if is_scalar(col):
-                return col.scalar(d)
-            return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename)[0], self.as_torch)
+            return col.scalar(d) if is_scalar(col) else leaf_value(col, d, filename, self.as_torch)
         return vals[d - lo]
 
 
-def _payload(col: OpenColumn, lo: int, hi: int) -> tuple[int, np.ndarray | None]:
-    """Bytes of ``values`` rows ``lo .. hi-1`` of ``col`` hold, and their offsets when it has them."""
-    unit = col.unit_nbytes
+def _payload(col: OpenColumn, lo: int, hi: int) -> int:
+    """Bytes of ``values`` rows ``lo .. hi-1`` of ``col`` hold."""
     o = col.offsets
     if o is None:
-        return (hi - lo) * unit, None
-    ob = np.asarray(o[lo : hi + 1], dtype=np.int64)
-    return int(ob[-1] - ob[0]) * unit, ob
+        return (hi - lo) * col.unit_nbytes
+    return int(o[hi] - o[lo]) * col.unit_nbytes
 
 
 def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_torch: bool) -> list[Any] | None:
     """Rows ``lo .. hi-1`` of ``col`` as the Python values ``value()`` gives for them (anything
-    where ``ok`` says a row has no value), decoded from one read of their values; None when they
-    hold more than :data:`BLOCK_BYTES` (read them one by one)."""
+    where ``ok`` says a row has no value), decoded by the column's leaf view from one read of
+    their values; None when they hold more than :data:`BLOCK_BYTES` (read them one by one)."""
     if hi <= lo:
         return []
-    size, ob = _payload(col, lo, hi)
-    if size > BLOCK_BYTES:
+    if _payload(col, lo, hi) > BLOCK_BYTES:
         return _DIRECT
-    info = col.info
-    if is_scalar(col):  # py* scalars and container headers: one tolist() for the block
-        if ob is None:
-            arr = col.rows(lo, hi)
-        else:  # compact: values hold only the rows with a value; the others read as zeros (scalar())
-            vals = col.rows(int(ob[0]), int(ob[-1]))
-            arr = np.zeros(hi - lo, dtype=vals.dtype)
-            has = ob[1:] > ob[:-1]
-            arr[has] = vals[ob[:-1][has] - ob[0]]
-        return (arr if col.native else arr.view(col.real)).tolist()  # type: ignore[no-any-return]
-    cls = col.view_cls
-    if cls is PickleView and not col.allow_pickle:
+    if col.view_cls is PickleView and not col.allow_pickle:
         # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and
         # holds a pickled value, not for a block whose other rows hold the leaf's other variants
         return _DIRECT
-    if ob is not None and cls in (BytesView, PickleView, TextView):  # one bytes object, sliced per row
-        buf = col.rows(int(ob[0]), int(ob[-1])).tobytes()
-        bounds = (ob - ob[0]).tolist()
-        if cls is TextView:
-
-            def decode(j: int, raw: bytes) -> Any:
-                return utf8_text(col, lo + j, raw)
-
-        elif cls is PickleView:
-
-            def decode(j: int, raw: bytes) -> Any:
-                return pickle.loads(raw)  # noqa: S301 - the reader opted in (allow_pickle=True)
-
-        else:
-
-            def decode(j: int, raw: bytes) -> Any:
-                return raw
-
-        return [
-            None if ok is not None and not ok[j] else decode(j, buf[bounds[j] : bounds[j + 1]]) for j in range(hi - lo)
-        ]
-    if info.dtype in F.PY_SCALARS:  # lists of Python numbers: one tolist() for the block
-        got = _py_rows(col, lo, hi, ok, ob)
-        if got is not None:
-            return got
-    rows = col.view(lo, hi).to_list()  # the other kinds: the view's own read of several rows
+    info = col.info
+    view = col.view(lo, hi)
+    if info.kind == "fixed" and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS):
+        # py* scalars, lists of them and container headers: one tolist() for the block
+        rows: list[Any] = view[:].tolist()
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
+    if info.kind == "ragged" and info.dtype in F.PY_SCALARS and info.inner_shape is not None:
+        # lists of Python numbers (token ids, COCO boxes): one tolist() sliced per row
+        flat, bounds = view.values.tolist(), view.offsets.tolist()
+        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
+    rows = view.to_list()
     if info.kind in ("fixed", "ragged"):
         dtype, kind = info.dtype, info.kind
         # (a fixed view's rows are views of one array: each gets its own, as value() returns)
         own = info.kind == "fixed"
         return [None if x is None else to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
     return rows
-
-
-def _py_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, ob: np.ndarray | None) -> list[Any] | None:
-    """Rows ``lo .. hi-1`` of a ``py*`` column whose rows are lists (token ids, COCO boxes) as
-    ``value()`` gives them, from one ``tolist()`` of their values sliced per row (C-level list
-    slices, not an array and a ``tolist`` per row); None where a row's shape is not the
-    column's (a ragged column whose inner dimensions vary: row by row)."""
-    info = col.info
-    if info.kind == "ragged" and ob is not None and info.inner_shape is not None:
-        vals = col.rows(int(ob[0]), int(ob[-1]))
-        flat = (vals if col.native else vals.view(col.real)).tolist()
-        bounds = (ob - ob[0]).tolist()
-        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
-    if info.kind == "fixed" and ob is None and (info.ndim or 0) > 0:
-        vals = col.rows(lo, hi)
-        rows: list[Any] = (vals if col.native else vals.view(col.real)).tolist()
-        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
-    return None
 
 
 def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
@@ -246,13 +188,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                         r = r1
                         continue
                 if build is not None:
-                    paused = gc.isenabled()  # paused as row_value pauses it: only new, acyclic objects
-                    gc.disable()
-                    try:
-                        value = build(block, r, name)
-                    finally:
-                        if paused:
-                            gc.enable()
+                    value = gc_paused(build, block, r, name)
                 if value is ABSENT:
                     value = row_value(plan, r, name, as_torch, offs, block, order)
                 yield name, frames[r - ra], value

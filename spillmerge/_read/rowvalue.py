@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,9 @@ import numpy as np
 from .._errors import CorruptSpillError
 from .._format import common as F
 from .._format import lists as L
-from .._format.common import MARK, is_marker
+from .._format.common import MARK, is_marker, key_of
 from .._format.keyorder import Spec, ordered
+from .views import tensor
 
 _Node = dict[str, Any]
 """A node of the row's tree: ``kids`` (segment -> node), ``value`` (when a leaf has one),
@@ -34,14 +36,7 @@ def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
     arr = np.asarray(v)
     if dtype in F.PY_SCALARS:
         return arr.item() if arr.ndim == 0 else arr.tolist()
-    if not as_torch:
-        return arr
-    import torch
-
-    if dtype not in F.RAW_BITS:
-        return torch.from_numpy(np.array(arr))
-    raw = np.ascontiguousarray(arr).reshape(arr.shape).view(F.DTYPES[dtype].storage)  # a 0-d row stays 0-d
-    return torch.from_numpy(raw).view(getattr(torch, dtype))
+    return tensor(arr, dtype) if as_torch else arr
 
 
 class RowPlan:
@@ -82,9 +77,10 @@ def is_scalar(col: Any) -> bool:
     return bool(info.kind == "fixed" and info.ndim == 0 and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS))
 
 
-def _one(col: Any, d: int, filename: str) -> Any:
-    """Row ``d`` of a column, known to have a value (its validity was read by the caller)."""
-    return col.view(d, d + 1, filename)._one(d)
+def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
+    """Row ``d`` of a column that is no ``py*`` scalar or header (``is_scalar``: those are read by
+    ``OpenColumn.scalar``), known to have a value, as ``value()`` returns it."""
+    return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
 
 
 def _entries(
@@ -129,6 +125,20 @@ def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: i
     return 0 if o is None else int(o[d + 1] - o[d])
 
 
+def gc_paused(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the cyclic garbage collector paused: a value builds only new, acyclic
+    dicts and lists (nothing for it to find), and with a large heap its passes over every live
+    object took half the time of reading back a list of 192k dicts. Restarted only when it was
+    running (a caller's ``gc.disable()`` stands)."""
+    if not gc.isenabled():
+        return fn(*args)
+    gc.disable()
+    try:
+        return fn(*args)
+    finally:
+        gc.enable()
+
+
 def row_value(
     plan: RowPlan,
     r: int,
@@ -138,17 +148,8 @@ def row_value(
     block: Any = None,
     order: Spec | None = None,
 ) -> Any:
-    """``_row_value`` with the cyclic garbage collector paused: a value builds only new, acyclic
-    dicts and lists (nothing for it to find), and with a large heap its passes over every live
-    object took half the time of reading back a list of 192k dicts. Restarted only when it was
-    running (a caller's ``gc.disable()`` stands)."""
-    if not gc.isenabled():
-        return _row_value(plan, r, filename, as_torch, offs, block, order)
-    gc.disable()
-    try:
-        return _row_value(plan, r, filename, as_torch, offs, block, order)
-    finally:
-        gc.enable()
+    """``_row_value`` with the cyclic garbage collector paused (``gc_paused``)."""
+    return gc_paused(_row_value, plan, r, filename, as_torch, offs, block, order)
 
 
 def _row_value(
@@ -173,9 +174,7 @@ def _row_value(
         valid = col.valid()
         if valid is not None and not valid[r]:
             return None
-        if id(col) in plan.scalars:
-            return col.scalar(r)
-        return to_python(col.info.dtype, col.info.kind, _one(col, r, filename), as_torch)
+        return col.scalar(r) if id(col) in plan.scalars else leaf_value(col, r, filename, as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
     inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
@@ -192,17 +191,16 @@ def _row_value(
             if nxt is None:
                 nxt = kids[seg] = {"kids": {}}
             node = nxt
-        dtype, kind = col.info.dtype, col.info.kind
-        scalar = id(col) in scalars
+        dtype = col.info.dtype
         if block is not None:  # already what value() returns for the leaf
             got = block.get(col, d, filename)
         else:
-            got = col.scalar(d) if scalar else _one(col, d, filename)
-        if dtype in F.PY_HEADERS:
+            got = col.scalar(d) if id(col) in scalars else leaf_value(col, d, filename, as_torch)
+        if dtype in F.PY_HEADERS:  # (0-d: a Python int)
             parent = root
             for seg in leaf[:-1]:
                 parent = parent["kids"][seg]
-            n = int(got) if scalar else int(np.asarray(got))
+            n = int(got)
             # a header is checked against its list offsets (none: no items), so a damaged (or
             # hostile) length cannot make a reader build a list of a billion Nones
             if dtype in ("pylist", "pytuple") and n != max(items, 0):
@@ -214,7 +212,7 @@ def _row_value(
             parent["header"] = (dtype, n)
             del parent["kids"][leaf[-1]]
         else:
-            node["value"] = got if scalar or block is not None else to_python(dtype, kind, got, as_torch)
+            node["value"] = got
     for leaf in absent:  # a leaf of the file no variant of which has a value here: None
         # dict keys the file's other frames have: None here, as the leaf views say; inside a list
         # only under a dict this row has (its header made the node)
@@ -262,10 +260,6 @@ def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
             node["kids"][key] = {"kids": {}, "value": None}
 
 
-def _key(seg: str) -> str:
-    return seg[1:] if seg.startswith(MARK) else seg
-
-
 def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
     """The object of a node at ``path`` (list items as ``MARK`` + position), its dicts' keys in
     ``order``."""
@@ -282,13 +276,25 @@ def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
             ]
             return tuple(items) if kind == "pytuple" else items
         if kind == "pyrecords":
-            built = {_key(k): _build(v, (*path, k), order) for k, v in ordered(kids, path, order) if not is_marker(k)}
-            columns = {k: v for k, v in built.items() if v is not None}
-            bad = [k for k, v in columns.items() if not isinstance(v, (list, tuple)) or len(v) != n]
-            if bad:
-                raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
-            return records(list(columns), list(columns.values()))
-    return {_key(k): _build(v, (*path, k), order) for k, v in ordered(kids, path, order)}
+            return _records(
+                n,
+                [(key_of(k), _build(v, (*path, k), order)) for k, v in ordered(kids, path, order) if not is_marker(k)],
+            )
+    return {key_of(k): _build(v, (*path, k), order) for k, v in ordered(kids, path, order)}
+
+
+def _records(n: int, columns: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """A list of ``n`` dicts from its keys' columns (``(key, list of n values)``; a column of
+    None: a key no dict of the list has), each column checked to hold ``n`` values."""
+    keys, values = [], []
+    for k, v in columns:
+        if v is None:
+            continue
+        if not isinstance(v, (list, tuple)) or len(v) != n:
+            raise CorruptSpillError(f"a list of {n} dicts whose column {k!r:.100} is not a list of {n}")
+        keys.append(k)
+        values.append(v)
+    return records(keys, values)
 
 
 def records(keys: list[str], columns: list[Any]) -> list[dict[str, Any]]:
@@ -370,7 +376,7 @@ def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
     if col is not None:
         return lambda block, r, filename: block.get(col, r, filename)
     kid_nodes = list(ordered(node["kids"], path, order))
-    kids = [(k, _key(k), _compile(v, (*path, k), order)) for k, v in kid_nodes]
+    kids = [(k, key_of(k), _compile(v, (*path, k), order)) for k, v in kid_nodes]
     header = node.get("header")
     if header is None or header[0] != "pyrecords":
         items = [(k, b) for _, k, b in kids]
@@ -385,11 +391,6 @@ def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
     head = header[1]
 
     def build_records(block: Any, r: int, filename: str) -> Any:
-        n = int(block.get(head, r, filename))
-        columns = [(k, v) for k, b in items if (v := b(block, r, filename)) is not None]
-        bad = [k for k, v in columns if not isinstance(v, (list, tuple)) or len(v) != n]
-        if bad:
-            raise CorruptSpillError(f"a list of {n} dicts whose column {bad[0]!r:.100} is not a list of {n}")
-        return records([k for k, _ in columns], [v for _, v in columns])
+        return _records(int(block.get(head, r, filename)), [(k, b(block, r, filename)) for k, b in items])
 
     return build_records

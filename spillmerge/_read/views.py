@@ -24,6 +24,17 @@ if TYPE_CHECKING:
     import torch
 
 
+def tensor(arr: np.ndarray, dtype_name: str) -> torch.Tensor:
+    """A CPU tensor of dtype ``dtype_name``, bit-exact, over ``arr`` (of its storage or its real
+    dtype; copied only when not contiguous): raw-bit dtypes (bfloat16, float8 ...) through a torch
+    view of their storage type."""
+    torch = require_torch("LeafView.to_torch()")
+    raw = np.ascontiguousarray(arr).reshape(arr.shape)  # (a 0-d row stays 0-d)
+    if dtype_name not in F.RAW_BITS:
+        return torch.from_numpy(raw)
+    return torch.from_numpy(raw.view(F.DTYPES[dtype_name].storage)).view(getattr(torch, dtype_name))
+
+
 class LeafView:
     """Rows ``start .. stop-1`` of one leaf column. ``len(view)`` rows; ``view[i]`` is row ``i``'s
     value (``None`` where :attr:`valid` is False); ``view[a:b]`` several rows (the kind decides
@@ -86,6 +97,11 @@ class LeafView:
         col = self._col
         return not col.has_valid or bool(col.valid()[r])  # type: ignore[index]
 
+    def _ok(self, a: int, b: int) -> list[bool] | None:
+        """Whether rows ``a .. b-1`` (absolute) have a value, as a list; None when all have."""
+        v = self._col.valid()
+        return None if v is None else np.asarray(v[a:b], dtype=bool).tolist()  # type: ignore[no-any-return]
+
     def __getitem__(self, sel: Any) -> Any:
         if type(sel) is int:  # one row, the hot path of reading rows one by one: inlined
             n = self._stop - self._start
@@ -94,14 +110,14 @@ class LeafView:
                 raise IndexError(f"row {sel} out of range for {n} rows")
             r = self._start + j
             col = self._col
-            return None if col.has_valid and not col.valid()[r] else self._one(r)  # type: ignore[index]
+            return None if col.has_valid and not col.valid()[r] else self.at(r)  # type: ignore[index]
         return self._select(sel)
 
     def _select(self, sel: Any) -> Any:
         """``view[sel]`` for any ``sel`` but a Python int."""
         if isinstance(sel, np.integer):
             r = self._row(sel)
-            return self._one(r) if self._is_valid(r) else None
+            return self.at(r) if self._is_valid(r) else None
         if isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -112,14 +128,18 @@ class LeafView:
     def __iter__(self) -> Iterator[Any]:
         return iter(self.to_list())
 
-    def _one(self, r: int) -> Any:
+    def at(self, r: int) -> Any:
+        """Row ``r`` of the column (counted over every file), known to have a value: the one
+        decoder of a row of this kind, which ``view[i]``, ``value()`` and ``iter_values()`` use."""
         raise NotImplementedError
 
     def _many(self, a: int, b: int) -> Any:
         return self._list(a, b)
 
     def _list(self, a: int, b: int) -> list[Any]:
-        return [self._one(r) if self._is_valid(r) else None for r in range(a, b)]
+        """Rows ``a .. b-1`` (absolute), None where a row has no value: the kind's decoder of
+        several rows, from one read of their values."""
+        raise NotImplementedError
 
     def to_list(self) -> list[Any]:
         """Every row's value (``None`` where absent)."""
@@ -197,11 +217,7 @@ class FixedView(LeafView):
         o = col.offsets
         assert o is not None
         if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
-            r = self._row(sel)
-            lo = int(o[r])
-            if int(o[r + 1]) > lo:
-                return col.rows(lo, lo + 1)[0]
-            return np.zeros(col.unit_shape, dtype=col.stored_dtype)
+            return col.unit(self._row(sel)).copy()
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
@@ -210,7 +226,7 @@ class FixedView(LeafView):
         out[has] = vals[o[rows[has]] - lo]
         return out
 
-    def _one(self, r: int) -> Any:
+    def at(self, r: int) -> Any:
         col = self._col
         if col.offsets is None:  # one row, the common case
             block = col.block
@@ -219,15 +235,14 @@ class FixedView(LeafView):
             if block is not None:  # read in order
                 x = block[3][r - block[0]].copy()
             else:  # straight from its chunk
-                c, i = divmod(r, col.chunk_rows)
-                x = col.chunk(c)[i].copy()
+                x = col.unit(r).copy()
             return x if col.native else x.view(col.real)
         return self._raw(r - self._start).view(self.dtype)
 
     def _select(self, sel: Any) -> Any:
         if isinstance(sel, np.integer):
             r = self._row(sel)
-            return self._one(r) if self._is_valid(r) else None
+            return self.at(r) if self._is_valid(r) else None
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -244,14 +259,12 @@ class FixedView(LeafView):
     def to_torch(self, sel: Any = ...) -> torch.Tensor:
         """A CPU tensor of the real dtype (bfloat16, float8 ... bit-exact) that wraps the array
         zarr decoded into: no copy beyond reading it."""
-        torch = require_torch("LeafView.to_torch()")
-        t = torch.from_numpy(np.ascontiguousarray(self._raw(sel)))
-        return t if self.dtype_name not in F.RAW_BITS else t.view(self.torch_dtype)
+        return tensor(self._raw(sel), self.dtype_name)
 
-    def to_list(self) -> list[Any]:
-        arr = self.numpy()
-        v = self.valid
-        return [None if v is not None and not v[i] else arr[i] for i in range(len(arr))]
+    def _list(self, a: int, b: int) -> list[Any]:
+        arr = self._raw(slice(a - self._start, b - self._start)).view(self.dtype)
+        ok = self._ok(a, b)
+        return [None if ok is not None and not ok[j] else arr[j] for j in range(b - a)]
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
@@ -263,8 +276,8 @@ class FixedView(LeafView):
         if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
             cell = int(np.prod(raw.shape[1:], dtype=np.int64))
             storage = with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
-            tensor = pa.fixed_shape_tensor(storage.type.value_type, list(raw.shape[1:]))
-            return pa.ExtensionArray.from_storage(tensor, storage)
+            ext = pa.fixed_shape_tensor(storage.type.value_type, list(raw.shape[1:]))
+            return pa.ExtensionArray.from_storage(ext, storage)
         return with_nulls(nest(pa.array(inner), raw.shape), self.valid)
 
 
@@ -272,11 +285,6 @@ class _OffsetView(LeafView):
     """Base of the kinds stored as values + offsets."""
 
     __slots__ = ()
-
-    def _span(self, a: int, b: int) -> tuple[int, int]:
-        o = self._col.offsets
-        assert o is not None
-        return o.item(a), o.item(b)
 
     @property
     def offsets(self) -> np.ndarray:
@@ -286,22 +294,31 @@ class _OffsetView(LeafView):
         part = o[self._start : self._stop + 1]
         return part - part[0]
 
-    def _per_row(self, a: int, b: int, convert: Callable[[int, np.ndarray], Any]) -> list[Any]:
-        """Rows ``a .. b-1`` (absolute) from one read of their values: ``convert(row, slice)`` of
-        each row, None where the row has no value."""
-        flat = self._flat(a, b)
+    def _decode(self, r: int, raw: bytes) -> Any:
+        """Row ``r``'s value from its bytes (the kinds stored as bytes: the one decoder of each)."""
+        raise NotImplementedError
+
+    def at(self, r: int) -> Any:
+        return self._decode(r, self._flat(r, r + 1).tobytes())
+
+    def _list(self, a: int, b: int) -> list[Any]:
+        """Rows ``a .. b-1`` (absolute) from one read of their values as one ``bytes``, sliced per
+        row: ``_decode`` of each, None where the row has no value."""
         o = self._col.offsets
         assert o is not None
-        base = int(o[a])
-        v = self._col.valid()
+        ob = np.asarray(o[a : b + 1], dtype=np.int64)
+        buf = self._col.rows(int(ob[0]), int(ob[-1])).tobytes()
+        bounds = (ob - ob[0]).tolist()
+        ok, decode = self._ok(a, b), self._decode
         return [
-            None if v is not None and not v[r] else convert(r, flat[int(o[r]) - base : int(o[r + 1]) - base])
-            for r in range(a, b)
+            None if ok is not None and not ok[j] else decode(a + j, buf[bounds[j] : bounds[j + 1]])
+            for j in range(b - a)
         ]
 
     def _flat(self, a: int, b: int) -> np.ndarray:
-        lo, hi = self._span(a, b)
-        return self._col.rows(lo, hi)
+        o = self._col.offsets
+        assert o is not None
+        return self._col.rows(o.item(a), o.item(b))
 
 
 class RaggedView(_OffsetView):
@@ -344,7 +361,9 @@ class RaggedView(_OffsetView):
         than the first dimension varies; of the real dtype."""
         return self._flat(self._start, self._stop).view(self.dtype)
 
-    def _one(self, r: int) -> Any:
+    def _stored(self, r: int) -> np.ndarray:
+        """Row ``r`` in its shape, of the storage dtype: from the block read ahead when rows are
+        read in order (``OpenColumn.row_block``)."""
         col = self._col
         block = col.block
         if block is None or not block[0] <= r < block[1]:
@@ -358,7 +377,11 @@ class RaggedView(_OffsetView):
         if col.info.inner_shape is None:
             assert col.shapes is not None
             flat = flat.reshape(tuple(col.shapes[r].tolist()))
-        return flat if col.native else flat.view(col.real)
+        return flat
+
+    def at(self, r: int) -> Any:
+        flat = self._stored(r)
+        return flat if self._col.native else flat.view(self._col.real)
 
     def _many(self, a: int, b: int) -> Any:
         shapes = self._shapes(a, b)
@@ -378,10 +401,10 @@ class RaggedView(_OffsetView):
         assert o is not None
         base = int(o[a])
         shapes = self._shapes(a, b)
-        v = self._col.valid()
+        ok = self._ok(a, b)
         out: list[Any] = []
         for j, r in enumerate(range(a, b)):
-            if v is not None and not v[r]:
+            if ok is not None and not ok[j]:
                 out.append(None)
                 continue
             lo, hi = int(o[r]) - base, int(o[r + 1]) - base
@@ -393,11 +416,7 @@ class RaggedView(_OffsetView):
 
     def to_torch(self, i: int) -> torch.Tensor:
         """Row ``i`` as a CPU tensor of the real dtype."""
-        r = self._row(i)
-        raw = self._flat(r, r + 1).reshape(tuple(self._shapes(r, r + 1)[0]))
-        torch = require_torch("LeafView.to_torch()")
-        t = torch.from_numpy(np.ascontiguousarray(raw))
-        return t if self.dtype_name not in F.RAW_BITS else t.view(getattr(torch, self.dtype_name))
+        return tensor(self._stored(self._row(i)), self.dtype_name)
 
     def to_arrow(self) -> Any:
         """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the
@@ -431,20 +450,19 @@ class BytesView(_OffsetView):
     def values(self) -> np.ndarray:
         return self._flat(self._start, self._stop)
 
-    def _decode(self, b: bytes) -> Any:
-        return b
-
-    def _one(self, r: int) -> Any:
-        return self._decode(self._flat(r, r + 1).tobytes())
-
-    def _list(self, a: int, b: int) -> list[Any]:
-        return self._per_row(a, b, lambda _, x: self._decode(x.tobytes()))
+    def _decode(self, r: int, raw: bytes) -> Any:
+        return raw
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
+        return self._arrow(pa.large_binary())
+
+    def _arrow(self, typ: Any) -> Any:
+        """These rows as an Arrow array of ``typ`` over their bytes and offsets, as stored."""
+        pa = require_pyarrow()
         raw = self._flat(self._start, self._stop)
         bufs = [validity_bitmap(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
-        return pa.Array.from_buffers(pa.large_binary(), len(self), bufs)
+        return pa.Array.from_buffers(typ, len(self), bufs)
 
 
 class PickleView(BytesView):
@@ -453,7 +471,7 @@ class PickleView(BytesView):
 
     __slots__ = ()
 
-    def _decode(self, b: bytes) -> Any:
+    def _decode(self, r: int, raw: bytes) -> Any:
         if not self._col.allow_pickle:
             raise PickleNotAllowedError(
                 f"{self!r}: this leaf holds pickled objects; unpickling runs code from the output, so "
@@ -461,7 +479,7 @@ class PickleView(BytesView):
                 "allow_pickle=True) if you trust it (.values / .offsets give the pickled bytes)",
                 leaf="/".join(self.leaf),
             )
-        return pickle.loads(b)  # noqa: S301 - the reader opted in (allow_pickle=True)
+        return pickle.loads(raw)  # noqa: S301 - the reader opted in (allow_pickle=True)
 
 
 def utf8_text(col: OpenColumn, r: int, raw: bytes) -> str:
@@ -481,7 +499,7 @@ class TextView(BytesView):
 
     __slots__ = ()
 
-    def _one(self, r: int) -> Any:
+    def at(self, r: int) -> Any:
         col = self._col
         block = col.block
         if block is None or not block[0] <= r < block[1]:
@@ -490,22 +508,12 @@ class TextView(BytesView):
             return block[3][r - block[0]]
         return utf8_text(col, r, self._flat(r, r + 1).tobytes())
 
-    def _list(self, a: int, b: int) -> list[Any]:
-        flat = self._flat(a, b).tobytes()
-        o = self._col.offsets
-        assert o is not None
-        bounds = (o[a : b + 1] - o[a]).tolist()
-        v = self._col.valid()
-        return [
-            None if v is not None and not v[a + j] else utf8_text(self._col, a + j, flat[bounds[j] : bounds[j + 1]])
-            for j in range(b - a)
-        ]
+    def _decode(self, r: int, raw: bytes) -> Any:
+        return utf8_text(self._col, r, raw)
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
-        raw = self._flat(self._start, self._stop)
-        bufs = [validity_bitmap(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
-        arr = pa.Array.from_buffers(pa.large_string(), len(self), bufs)
+        arr = self._arrow(pa.large_string())
         try:
             arr.validate(full=True)  # UTF-8 of every row
         except pa.ArrowInvalid as exc:
@@ -520,12 +528,12 @@ class TextListView(_OffsetView):
 
     __slots__ = ()
 
-    def _split(self, r: int, raw: np.ndarray) -> list[str]:
+    def _decode(self, r: int, raw: bytes) -> Any:
         shapes = self._col.shapes
         assert shapes is not None
         n = int(shapes[r, 0])
         lens = np.frombuffer(raw, dtype="<u4", count=n).tolist()
-        data = raw[4 * n :].tobytes()
+        data = raw[4 * n :]
         if sum(lens) != len(data):
             path = f"{self._col.values.store_path}"
             raise CorruptSpillError(
@@ -537,12 +545,6 @@ class TextListView(_OffsetView):
             out.append(utf8_text(self._col, r, data[pos : pos + ln]))
             pos += ln
         return out
-
-    def _one(self, r: int) -> Any:
-        return self._split(r, self._flat(r, r + 1))
-
-    def _list(self, a: int, b: int) -> list[Any]:
-        return self._per_row(a, b, self._split)
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()

@@ -294,12 +294,6 @@ class Storage:
         """Write many small objects; concurrently on object stores."""
         raise NotImplementedError
 
-    def put_link(self, rel: str, local_file: str) -> bool:
-        """Make ``rel`` the local file ``local_file`` without copying its bytes (a hard link),
-        where the backend can: True. False where it cannot (an object store, another file system,
-        links refused): the caller writes the bytes instead. The file must not change afterwards."""
-        return False
-
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write ``rel`` so that readers see either nothing or the whole object, durably: a
         temporary name, fsync, rename and fsync of the folder on local disks; a single PUT

@@ -302,17 +302,6 @@ class LocalStorage(Storage):
             self.makedirs(posixpath.dirname(rel))
             self.put(rel, data)
 
-    def put_link(self, rel: str, local_file: str) -> bool:
-        self._refuse_links_above(rel)
-        dest = self.path(rel)
-        try:
-            if os.path.lexists(dest):
-                os.unlink(dest)
-            os.link(local_file, dest, follow_symlinks=False)
-        except OSError:  # another file system (EXDEV), no hard links here: the caller copies
-            return False
-        return True
-
     def put_atomic(self, rel: str, data: bytes) -> None:
         with self.open_write(rel, durable=True) as sink:
             sink.write(data)

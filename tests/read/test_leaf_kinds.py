@@ -87,6 +87,16 @@ def test_every_kind_round_trips(det):
         res["c.jpg"]
 
 
+def test_a_row_of_a_0d_leaf_as_a_tensor_is_0d_as_the_row_and_the_value_are(tmp_path):
+    frames = {f: {"x": torch.tensor(f + 0.5).to(torch.bfloat16), "y": torch.tensor(float(f))} for f in range(2)}
+    out = _merge(tmp_path, {"a.mp4": frames})  # type: ignore[dict-item]
+    res = spillmerge.open(str(out))
+    for key in ("x", "y"):
+        t = res["a.mp4"][key].to_torch(1)
+        assert t.shape == () == res["a.mp4"][key][1].shape == res.value("a.mp4", 1, as_torch=True)[key].shape
+        assert torch.equal(t, frames[1][key])
+
+
 def test_plain_tensor_values_and_bfloat16_equal_torch(tmp_path):
     vals = {f: torch.randn(2, 3).to(torch.bfloat16) for f in range(4)}
     out = _merge(tmp_path, {"v.mp4": vals})  # type: ignore[dict-item]

@@ -353,6 +353,22 @@ def test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts(tm
                     assert [list(d) for d in got[name][k]] == [list(d) for d in v], (name, k)
 
 
+def test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_gives(tmp_path):
+    """A file whose frames hold an empty dict, or a list of dicts, at a key in one frame and None
+    in another: rows without a value in a header column of the file's layout, each value as
+    value() gives it."""
+    frames = {"k": [{"e": {}, "y": 1}, {"e": None, "y": 2}], "l": [{"r": [{"a": 1}], "y": 1}, {"r": None, "y": 2}]}
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), 0, 1) as w:
+        for name, values in frames.items():
+            for f, value in enumerate(values):
+                w.write(name, f, value)
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"), progress=False)
+    store = spillmerge.open(str(tmp_path / "out.zarr"))
+    got = list(store.iter_values())
+    assert got == [(name, f, v) for name, values in frames.items() for f, v in enumerate(values)]
+    assert all(store.value(name, f) == v for name, f, v in got)
+
+
 @pytest.mark.parametrize("gaps", [False, True])
 def test_iter_values_of_flat_dicts_in_runs_is_what_value_gives(tmp_path, gaps):
     """Flat dicts (an LLM output a file) read a run of rows at a time: files of several frames,
