@@ -139,3 +139,42 @@ def spill_parallel_killed(root: str, rank: int, world: int, n_frames: int, log: 
     ) as w:
         for i in range(n_frames):
             w.write("clip", rank + i * world, value(rank + i * world))
+
+
+DIRECT_CHUNK = 256 << 10
+BIG = 25_000  # int32: a 100,000-byte frame, written straight into its chunk file (no staging)
+
+
+def big_value(frame: int) -> torch.Tensor:
+    return torch.arange(BIG, dtype=torch.int32) * 3 + frame
+
+
+def spill_direct_killed(root: str, rank: int, world: int, n_frames: int, kill: int | None) -> None:
+    """Rank ``rank`` writes 100 KB frames ``rank, rank + world, ...`` of ``clip`` durably; the
+    caller writes them straight into 256 KiB chunk files, a frame often across two. With ``kill``:
+    the process SIGKILLs itself in the middle of a chunk, right after the first write into a chunk
+    file that leaves it partly filled once journal entry ``kill`` has landed; None: it commits
+    (or is killed from outside)."""
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    real_put, real_writev = LocalStorage.put, os.writev
+    landed = [False]
+
+    def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
+        if kill is not None and rel.endswith(f"/{FS.journal_name(kill)}"):
+            landed[0] = True
+
+    def writev(fd: int, buffers: object) -> int:
+        n = real_writev(fd, buffers)  # type: ignore[arg-type]
+        if landed[0]:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if f"/{FS.DATA_NAME}/c/" in path and os.fstat(fd).st_size % DIRECT_CHUNK:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    LocalStorage.put = put  # type: ignore[method-assign]
+    os.writev = writev
+    with spillmerge.SpillWriter(root, rank=rank, world_size=world, chunk_bytes=DIRECT_CHUNK) as w:
+        for i in range(n_frames):
+            w.write("clip", rank + i * world, big_value(rank + i * world))

@@ -421,12 +421,13 @@ class Staging:
 
     def _wait_journaled(self) -> None:
         """Backpressure of a direct writer, as the staging buffers give a staged one: at most
-        ``n_buffers`` chunks written and not yet journaled (the bytes a crash may lose)."""
+        ``n_buffers`` chunk files not yet journaled, the one being written included (the bytes
+        a crash may lose)."""
         fl = self._fl
-        if self.n_chunks - fl.journaled <= self.pool.n_buffers or fl.ident is None:
+        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:
             return
         with fl.written_cond:
-            while self.n_chunks - fl.journaled > self.pool.n_buffers and fl.error is None and fl.is_alive():
+            while self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.error is None and fl.is_alive():
                 fl.written_cond.wait(0.5)
         self.check()
 
