@@ -9,7 +9,9 @@ Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
                      order) → once chunks ``0..N`` are written, the journal thread makes them
                      durable (one group commit: the chunks written since its last one and their
                      folder, fsynced together) and writes ``journal/N`` (entries in chunk
-                     order); ``None`` on the queue ends it.
+                     order); ``None`` on the queue ends it. A direct chunk
+                     (``_write.direct``: the caller wrote its file) skips the worker: it is
+                     written already, only made durable and journaled in order.
 """
 
 from __future__ import annotations

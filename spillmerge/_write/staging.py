@@ -7,6 +7,9 @@ Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Me
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     ``_write.flush.Flusher``: checksums, writes and fsyncs the chunk, journals
                      it in chunk order, gives its buffer back.
+A direct writer (``_write.direct``: local disk, large host frames) writes each chunk's bytes into
+its file in ``add`` / ``add_host_frame`` / ``add_frames`` instead of copying them, the checksums
+from the caller's memory; ``hand_off`` closes the file and queues the chunk the same way.
 """
 
 from __future__ import annotations
