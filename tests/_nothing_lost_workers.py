@@ -149,16 +149,19 @@ def big_value(frame: int) -> torch.Tensor:
     return torch.arange(BIG, dtype=torch.int32) * 3 + frame
 
 
-def spill_direct_killed(root: str, rank: int, world: int, n_frames: int, kill: int | None) -> None:
+def spill_direct_killed(
+    root: str, rank: int, world: int, n_frames: int, kill: int | None, after_writes: int | None = None
+) -> None:
     """Rank ``rank`` writes 100 KB frames ``rank, rank + world, ...`` of ``clip`` durably; the
     caller writes them straight into 256 KiB chunk files, a frame often across two. With ``kill``:
     the process SIGKILLs itself in the middle of a chunk, right after the first write into a chunk
-    file that leaves it partly filled once journal entry ``kill`` has landed; None: it commits
-    (or is killed from outside)."""
+    file that leaves it partly filled once journal entry ``kill`` has landed; ``after_writes``:
+    right after that many writes into chunk files, wherever the journal thread is; both None: it
+    commits."""
     torch.set_num_threads(1)
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
     real_put, real_writev = LocalStorage.put, os.writev
-    landed = [False]
+    landed, writes = [False], [0]
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
@@ -167,6 +170,9 @@ def spill_direct_killed(root: str, rank: int, world: int, n_frames: int, kill: i
 
     def writev(fd: int, buffers: object) -> int:
         n = real_writev(fd, buffers)  # type: ignore[arg-type]
+        writes[0] += 1
+        if writes[0] == after_writes:
+            os.kill(os.getpid(), signal.SIGKILL)
         if landed[0]:
             path = os.readlink(f"/proc/self/fd/{fd}")
             if f"/{FS.DATA_NAME}/c/" in path and os.fstat(fd).st_size % DIRECT_CHUNK:

@@ -124,12 +124,21 @@ class BufferPool:
         """True once CUDA tensors were written: new buffers are pinned."""
         self._lock = threading.Condition()
         self._free: list[torch.Tensor] = []
+        self.retired = False
+        """Set by :meth:`retire`."""
         self.wants_spare: Callable[[], None] | None = None
         """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
         thread then prefaults the next one while the caller fills this one."""
 
     def pin(self) -> None:
         self.pinned = True
+
+    def retire(self) -> None:
+        """No buffer is needed any more (the writer writes its chunks directly): drop the free
+        ones, prefault no spare, keep none given back."""
+        with self._lock:
+            self.retired = True
+            self._free.clear()
 
     def acquire(self, check: Callable[[], None]) -> torch.Tensor:
         """A free buffer, waiting for one while all are in use; ``check()`` runs while waiting
@@ -162,7 +171,7 @@ class BufferPool:
         """Allocate one more buffer (within ``n_buffers``) and touch its pages, so the page faults
         of fresh memory are paid by the flush thread, not inside ``write()``."""
         with self._lock:
-            if self._free or self.allocated >= self.n_buffers:
+            if self.retired or self._free or self.allocated >= self.n_buffers:
                 return
             self.allocated += 1
         buf = self._new_buffer()
@@ -174,7 +183,8 @@ class BufferPool:
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._free.append(buf)
+            if not self.retired:
+                self._free.append(buf)
             self._lock.notify()
 
     def clear(self) -> None:

@@ -218,6 +218,8 @@ class Staging:
     def _decide(self, nbytes: int, host: bool) -> None:
         """Write directly (``_write.direct``) or stage, for good: by the writer's first frame."""
         self.direct = self._local and host and nbytes >= D.DIRECT_MIN_BYTES
+        if self.direct:
+            self.pool.retire()  # the spare the flush thread may have made ready goes
 
     def _add_direct(self, chunk: Chunk, row: int, piece: Any) -> None:
         """``add``'s bytes ``piece`` of row ``row`` into the direct chunk's file; the row's CRC-32C
