@@ -160,7 +160,7 @@ def spill_direct_killed(
     commits."""
     torch.set_num_threads(1)
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    real_put, real_writev = LocalStorage.put, os.writev
+    real_put, real_pwritev = LocalStorage.put, os.pwritev
     landed, writes = [False], [0]
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
@@ -168,8 +168,8 @@ def spill_direct_killed(
         if kill is not None and rel.endswith(f"/{FS.journal_name(kill)}"):
             landed[0] = True
 
-    def writev(fd: int, buffers: object) -> int:
-        n = real_writev(fd, buffers)  # type: ignore[arg-type]
+    def pwritev(fd: int, buffers: object, at: int) -> int:
+        n = real_pwritev(fd, buffers, at)  # type: ignore[arg-type]
         writes[0] += 1
         if writes[0] == after_writes:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -180,7 +180,7 @@ def spill_direct_killed(
         return n
 
     LocalStorage.put = put  # type: ignore[method-assign]
-    os.writev = writev
+    os.pwritev = pwritev
     with spillmerge.SpillWriter(root, rank=rank, world_size=world, chunk_bytes=DIRECT_CHUNK) as w:
         for i in range(n_frames):
             w.write("clip", rank + i * world, big_value(rank + i * world))

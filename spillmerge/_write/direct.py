@@ -40,23 +40,22 @@ def open_chunk(storage: Storage, prefix: str, number: int) -> int:
         return os.open(storage.path(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
 
-def write_parts(storage: Storage, fd: int, parts: list[Any], where: str) -> None:
-    """Append ``parts`` (host buffers) to the chunk file ``fd``: one ``writev`` for them all,
-    then the rest of a short write one part at a time."""
+def write_parts(storage: Storage, fd: int, parts: list[Any], at: int, where: str) -> None:
+    """Write ``parts`` (host buffers) back to back at byte ``at`` of the chunk file ``fd``: one
+    ``pwritev`` for them all, then the rest of a short write one part at a time. At an explicit
+    offset, so a write that failed half way leaves the next one in its place."""
     with storage.storage_errors("write", where):
-        if len(parts) == 1:
-            views = [memoryview(parts[0]).cast("B")]
-        else:
-            views = [memoryview(p).cast("B") for p in parts]
-        done = os.writev(fd, views)
+        views = [memoryview(p).cast("B") for p in parts]
+        done = os.pwritev(fd, views, at)
         for v in views:
+            at += len(v)
             if done >= len(v):
                 done -= len(v)
                 continue
-            v = v[done:]
-            done = 0
+            v, pos, done = v[done:], at - len(v) + done, 0
             while v:
-                v = v[os.write(fd, v) :]
+                n = os.pwrite(fd, v, pos)
+                v, pos = v[n:], pos + n
 
 
 def close_chunk(storage: Storage, fd: int, fill: int, size: int, where: str) -> None:

@@ -224,7 +224,7 @@ class Staging:
     def _add_direct(self, chunk: Chunk, row: int, piece: Any) -> None:
         """``add``'s bytes ``piece`` of row ``row`` into the direct chunk's file; the row's CRC-32C
         extended from ``piece``'s memory (a row may continue from the previous chunk)."""
-        D.write_parts(self._storage, chunk.fd, [piece], self._path)
+        D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
         last, crc = self._row_crc
         crc = _crc.extend(crc if last == row else 0, piece)
         self._row_crc = (row, crc)
@@ -235,21 +235,21 @@ class Staging:
         sizes: Any, total: int,
     ) -> None:  # fmt: skip
         """``add_host_frame`` of a frame that fits in the direct chunk: its leaves written with
-        one ``writev``, joining the open block of whole frames, whose CRC-32C extends over them."""
+        one ``pwritev`` (before any bookkeeping: a failed write lists nothing), joining the open
+        block of whole frames, whose CRC-32C extends over them."""
         fill, base = chunk.fill, self.offset - chunk.fill
+        D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], fill, self._path)
         run, tail = chunk.run, chunk.tail
         if not run:
             chunk.run_start, chunk.run_crc = fill, 0
-        crc, parts = chunk.run_crc, []
+        crc = chunk.run_crc
         for j, d in enumerate(data):
             n = sizes[j]
             if n:
-                parts.append(d)
                 crc = _crc.extend(crc, d)
                 run.append(row + j)
             tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
             fill += n
-        D.write_parts(self._storage, chunk.fd, parts, self._path)
         chunk.run_crc, chunk.fill = crc, fill
         self.offset += total
         if fill - chunk.run_start >= CHECK_BYTES:
@@ -323,7 +323,7 @@ class Staging:
                 src = None
                 if chunk.direct:
                     src = D.as_block(col[i : i + k])
-                    D.write_parts(self._storage, chunk.fd, [src], self._path)
+                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
                 else:
                     host[fill : fill + k * w] = col[i : i + k].reshape(-1)
                 # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row

@@ -105,7 +105,7 @@ def test_a_direct_writers_journal_entry_names_only_chunks_fsynced_after_their_la
     ``0..N`` was fsynced after the caller's last write into it, and so was its folder. The fsync
     of chunk 0 waits until chunk 2 is written, so a later group commit holds several chunks."""
     events: list[tuple[str, str]] = []
-    real_fsync, real_writev, real_write_all = os.fsync, os.writev, local_mod._write_all
+    real_fsync, real_pwritev, real_write_all = os.fsync, os.pwritev, local_mod._write_all
     chunk2 = threading.Event()
 
     def fsync(fd: int) -> None:
@@ -116,8 +116,8 @@ def test_a_direct_writers_journal_entry_names_only_chunks_fsynced_after_their_la
         real_fsync(fd)
         events.append(("fsync", path))
 
-    def writev(fd: int, parts: Any) -> int:
-        n = real_writev(fd, parts)
+    def pwritev(fd: int, parts: Any, at: int) -> int:
+        n = real_pwritev(fd, parts, at)
         path = _path_of(fd)
         events.append(("write", path))
         if path.endswith("/data/c/2"):
@@ -131,7 +131,7 @@ def test_a_direct_writers_journal_entry_names_only_chunks_fsynced_after_their_la
         real_write_all(fd, part)
 
     monkeypatch.setattr(local_mod.os, "fsync", fsync)
-    monkeypatch.setattr(local_mod.os, "writev", writev)
+    monkeypatch.setattr(local_mod.os, "pwritev", pwritev)
     monkeypatch.setattr(local_mod, "_write_all", write_all)
     root = str(tmp_path / "spill")
     w = _spill(root, n=40)
