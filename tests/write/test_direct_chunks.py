@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import spillmerge
+from spillmerge import CorruptSpillError
 from spillmerge._format import spill as FS
 from spillmerge._storage import local as local_mod
 
@@ -227,9 +228,15 @@ def _salvaged(root: Path, out: Path, label: str) -> tuple[int, int]:
         if (seg / "commit.json").exists():
             assert len(frames) == N_FRAMES, label
             return len(frames), -1
-        names = sorted(os.listdir(seg / "journal")) if (seg / "journal").exists() else []
-        entries = len(names)
-        listed = sum(len(FS.decode_journal((seg / "journal" / n).read_bytes(), path=str(seg)).rows) for n in names)
+        names = sorted(os.listdir(seg / "journal"), key=int) if (seg / "journal").exists() else []
+        listed = entries = 0
+        for n in names:  # as the reader replays them: up to the first entry the kill left torn
+            try:
+                listed += len(FS.decode_journal((seg / "journal" / n).read_bytes(), path=str(seg)).rows)
+            except CorruptSpillError:
+                assert n == names[-1], (label, "an entry after a torn one", names)
+                break
+            entries += 1
         assert rep.salvaged_frames.get(0, 0) == len(frames) == listed, (label, len(frames), listed)
     return len(frames), entries
 
@@ -246,6 +253,21 @@ def test_a_direct_writer_killed_mid_chunk_salvages_every_journaled_frame(tmp_pat
     assert last >= 6 and 0 < sizes[last] < DIRECT_CHUNK, sizes  # killed with a chunk half written
     frames, entries = _salvaged(root, tmp_path / "out", "mid-chunk")
     assert entries >= 6 and frames * BIG * 4 <= entries * DIRECT_CHUNK < (frames + 1) * BIG * 4, (frames, entries)
+
+
+def test_a_direct_writer_killed_while_writing_a_journal_entry_salvages_the_entries_before_it(tmp_path):
+    """The journal entry being written when the kill came is torn: salvage keeps exactly the
+    frames of the entries before it, and says which entry it stopped at."""
+    root = tmp_path / "root"
+    p = CTX.Process(target=spill_direct_killed, args=(str(root), 0, 1, N_FRAMES, None, None, 4))
+    p.start()
+    join_all([p], timeout=120)
+    assert p.exitcode == -signal.SIGKILL
+    (seg,) = root.glob("rank-00000/seg-*")
+    torn = seg / FS.journal_name(4)
+    assert 0 < torn.stat().st_size and sorted(os.listdir(seg / "journal"))[-1] == torn.name
+    frames, entries = _salvaged(root, tmp_path / "out", "torn entry 4")
+    assert entries == 4 and 0 < frames, (frames, entries)
 
 
 def test_direct_writers_killed_at_random_moments_salvage_only_journaled_frames(tmp_path):
