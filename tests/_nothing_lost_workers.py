@@ -61,6 +61,10 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
         real_put_atomic(self, rel, data)
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        if tear is not None and rel.endswith(f"/{FS.journal_name(tear)}"):
+            blob = b"".join(bytes(p) for p in ([data] if isinstance(data, (bytes, memoryview)) else data))  # type: ignore[union-attr]
+            real_put(self, rel, blob[: len(blob) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
         if when.startswith("journal-") and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
             die()
@@ -88,6 +92,10 @@ def spill_batches_killed_at(root: str, rank: int, world: int, n_frames: int, whe
     real_put = LocalStorage.put
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        if tear is not None and rel.endswith(f"/{FS.journal_name(tear)}"):
+            blob = b"".join(bytes(p) for p in ([data] if isinstance(data, (bytes, memoryview)) else data))  # type: ignore[union-attr]
+            real_put(self, rel, blob[: len(blob) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
         if when and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -139,3 +147,53 @@ def spill_parallel_killed(root: str, rank: int, world: int, n_frames: int, log: 
     ) as w:
         for i in range(n_frames):
             w.write("clip", rank + i * world, value(rank + i * world))
+
+
+DIRECT_CHUNK = 256 << 10
+BIG = 25_000  # int32: a 100,000-byte frame, written straight into its chunk file (no staging)
+
+
+def big_value(frame: int) -> torch.Tensor:
+    return torch.arange(BIG, dtype=torch.int32) * 3 + frame
+
+
+def spill_direct_killed(
+    root: str, rank: int, world: int, n_frames: int, kill: int | None, after_writes: int | None = None,
+    tear: int | None = None,
+) -> None:  # fmt: skip
+    """Rank ``rank`` writes 100 KB frames ``rank, rank + world, ...`` of ``clip`` durably; the
+    caller writes them straight into 256 KiB chunk files, a frame often across two. With ``kill``:
+    the process SIGKILLs itself in the middle of a chunk, right after the first write into a chunk
+    file that leaves it partly filled once journal entry ``kill`` has landed; ``after_writes``:
+    right after that many writes into chunk files, wherever the journal thread is; ``tear``: half
+    way through writing journal entry ``tear`` (a torn entry); all None: it commits."""
+    torch.set_num_threads(1)
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    real_put, real_pwritev = LocalStorage.put, os.pwritev
+    landed, writes = [False], [0]
+
+    def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
+        if tear is not None and rel.endswith(f"/{FS.journal_name(tear)}"):
+            blob = b"".join(bytes(p) for p in ([data] if isinstance(data, (bytes, memoryview)) else data))  # type: ignore[union-attr]
+            real_put(self, rel, blob[: len(blob) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
+        if kill is not None and rel.endswith(f"/{FS.journal_name(kill)}"):
+            landed[0] = True
+
+    def pwritev(fd: int, buffers: object, at: int) -> int:
+        n = real_pwritev(fd, buffers, at)  # type: ignore[arg-type]
+        writes[0] += 1
+        if writes[0] == after_writes:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if landed[0]:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if f"/{FS.DATA_NAME}/c/" in path and os.fstat(fd).st_size % DIRECT_CHUNK:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return n
+
+    LocalStorage.put = put  # type: ignore[method-assign]
+    os.pwritev = pwritev
+    with spillmerge.SpillWriter(root, rank=rank, world_size=world, chunk_bytes=DIRECT_CHUNK) as w:
+        for i in range(n_frames):
+            w.write("clip", rank + i * world, big_value(rank + i * world))

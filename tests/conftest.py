@@ -146,7 +146,9 @@ TIERS: dict[str, str] = {
         "test_nothing_lost_reader::test_verify_checks_the_index_invariants "
         "test_planstore::test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_followed "
         "test_nothing_lost_writer::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks "
-        "test_plan_in_memory::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool"
+        "test_plan_in_memory::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool "
+        "test_direct_chunks::test_a_direct_writer_killed_mid_chunk_salvages_every_journaled_frame "
+        "test_direct_chunks::test_direct_writers_killed_at_random_moments_salvage_only_journaled_frames"
     ),
 }
 

@@ -1581,6 +1581,30 @@ MUTATIONS: list[Mutation] = [
         ),
         "an index damaged between the plan's passes gives the error a whole read gives",
     ),
+    Mutation(
+        "direct-group-commit-after-journal-entry",
+        "spillmerge/_write/flush.py",
+        _GROUP_COMMIT + _JOURNAL_ENTRY,
+        _JOURNAL_ENTRY + _GROUP_COMMIT,
+        ("tests/write/test_direct_chunks.py::test_a_direct_writers_journal_entry_names_only_chunks_fsynced_after_their_last_write",),
+        "a chunk file the caller wrote directly is fsynced, with its folder, after its last write and before the entry naming it",
+    ),
+    Mutation(
+        "direct-writer-unbounded",
+        "spillmerge/_write/staging.py",
+        "        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:",
+        "        if True:",
+        ("tests/write/test_direct_chunks.py::test_a_direct_writer_waits_while_its_bound_of_chunks_awaits_the_journal",),
+        "a direct writer opens a new chunk file only while fewer than n_buffers await their journal entry",
+    ),
+    Mutation(
+        "direct-row-crc-dropped",
+        "spillmerge/_write/flush.py",
+        "        for row, value in chunk.row_crcs:\n            crc[row] = value\n",
+        "",
+        ("tests/write/test_direct_chunks.py::test_direct_chunks_hold_the_same_bytes_journal_and_checks_as_staged_ones",),
+        "a row a direct chunk took across chunk edges carries the CRC-32C the caller computed from its memory",
+    ),
 ]
 
 

@@ -9,7 +9,9 @@ Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
                      order) → once chunks ``0..N`` are written, the journal thread makes them
                      durable (one group commit: the chunks written since its last one and their
                      folder, fsynced together) and writes ``journal/N`` (entries in chunk
-                     order); ``None`` on the queue ends it.
+                     order); ``None`` on the queue ends it. A direct chunk
+                     (``_write.direct``: the caller wrote its file) skips the worker: it is
+                     written already, only made durable and journaled in order.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ class Chunk:
     """Catalog id of ``new_layouts[0]``."""
     new_layouts: list[FS.Layout] = field(default_factory=list)
     """Layouts registered since the previous chunk was handed off."""
+    direct: bool = False
+    """Written by the caller straight into its chunk file (``_write.direct``), no staging buffer:
+    handed off whole, closed, padded; the flush thread only makes it durable and journals it."""
+    fd: int = -1
+    """The open chunk file of a direct chunk, until its hand-off."""
+    row_crcs: list[tuple[int, int]] = field(default_factory=list)
+    """(row, CRC-32C of its bytes so far) of the rows a direct chunk took one by one
+    (``Staging.add``), computed by the caller from its memory; the last one of a row counts."""
+    run_crc: int = 0
+    """CRC-32C of the open block of whole frames of a direct chunk (``run_start`` to ``fill``)."""
 
     def complete_block(self, block: np.ndarray) -> None:
         """Append a block of completed rows after the rows completed one by one so far."""
@@ -112,12 +124,21 @@ class BufferPool:
         """True once CUDA tensors were written: new buffers are pinned."""
         self._lock = threading.Condition()
         self._free: list[torch.Tensor] = []
+        self.retired = False
+        """Set by :meth:`retire`."""
         self.wants_spare: Callable[[], None] | None = None
         """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
         thread then prefaults the next one while the caller fills this one."""
 
     def pin(self) -> None:
         self.pinned = True
+
+    def retire(self) -> None:
+        """No buffer is needed any more (the writer writes its chunks directly): drop the free
+        ones, prefault no spare, keep none given back."""
+        with self._lock:
+            self.retired = True
+            self._free.clear()
 
     def acquire(self, check: Callable[[], None]) -> torch.Tensor:
         """A free buffer, waiting for one while all are in use; ``check()`` runs while waiting
@@ -150,7 +171,7 @@ class BufferPool:
         """Allocate one more buffer (within ``n_buffers``) and touch its pages, so the page faults
         of fresh memory are paid by the flush thread, not inside ``write()``."""
         with self._lock:
-            if self._free or self.allocated >= self.n_buffers:
+            if self.retired or self._free or self.allocated >= self.n_buffers:
                 return
             self.allocated += 1
         buf = self._new_buffer()
@@ -162,7 +183,8 @@ class BufferPool:
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._free.append(buf)
+            if not self.retired:
+                self._free.append(buf)
             self._lock.notify()
 
     def clear(self) -> None:
@@ -228,6 +250,8 @@ class Flusher(threading.Thread):
         finish out of order; this counts in order)."""
         self.written_cond = threading.Condition()
         self._synced = 0
+        self.journaled = 0
+        """Chunks ``0 .. journaled-1`` have their journal entry (a direct writer waits on it)."""
         """Chunks ``0 .. _synced-1`` are fsynced, their folder too (the journal thread's count)."""
         self._unjournaled: collections.deque[Future[None]] = collections.deque()
         """Journal entries submitted, not yet written: at most ``flush_threads + n_buffers``
@@ -272,9 +296,16 @@ class Flusher(threading.Thread):
                         self.pool.prefault_spare()
                     continue
                 if self.error is not None:
-                    self.pool.release(chunk.host)
+                    self._release(chunk)
                     continue
                 try:
+                    if chunk.direct:  # already written whole: durable and journaled in order
+                        self._checksum(chunk)
+                        done: Future[None] = Future()
+                        done.set_result(None)
+                        self._pending.append((chunk, done))
+                        self._retire(block=False)
+                        continue
                     if not self.inline:
                         self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
                     self._checksum(chunk)
@@ -303,7 +334,10 @@ class Flusher(threading.Thread):
         for event in chunk.events:
             event.synchronize()
         buf = chunk.host.numpy()
-        top = max([p[0] for p in chunk.pieces[-1:]] + [int(b[3][-1]) for b in chunk.blocks], default=-1)
+        top = max(
+            [p[0] for p in chunk.pieces[-1:]] + [r for r, _ in chunk.row_crcs[-1:]] + [int(b[3][-1]) for b in chunk.blocks],
+            default=-1,
+        )  # fmt: skip
         if top >= len(self.crc):
             grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
             grown[: len(self.crc)] = self.crc
@@ -311,6 +345,8 @@ class Flusher(threading.Thread):
         crc = self.crc
         for row, start, stop in chunk.pieces:
             crc[row] = _crc.extend(int(crc[row]), buf[start:stop])
+        for row, value in chunk.row_crcs:
+            crc[row] = value
         if not chunk.blocks:
             return
         need = chunk.check_base + len(chunk.blocks)
@@ -319,7 +355,7 @@ class Flusher(threading.Thread):
             more[: len(self.checks)] = self.checks
             self.checks = more
         # The caller computed each block's CRC-32C (``Staging._block``); its rows point at it by id.
-        base = chunk.number * len(buf)
+        base = chunk.number * self.pool.chunk_bytes
         for check, start, stop, rows, value in chunk.blocks:
             self.checks[check] = (base + start, stop - start, value)
             crc[rows] = -1 - check
@@ -340,7 +376,8 @@ class Flusher(threading.Thread):
         """Give ``chunk``'s buffer back to the pool, once (its bytes were written, or never will be)."""
         if not chunk.released:
             chunk.released = True
-            self.pool.release(chunk.host)
+            if not chunk.direct:
+                self.pool.release(chunk.host)
 
     def _retire(self, *, block: bool) -> None:
         """Journal finished uploads in chunk order; release their buffers."""
@@ -398,4 +435,7 @@ class Flusher(threading.Thread):
             chunk.check_base, checks,
         )  # fmt: skip
         self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
+        with self.written_cond:
+            self.journaled = chunk.number + 1
+            self.written_cond.notify_all()
         self.progress.maybe_write()

@@ -7,6 +7,9 @@ Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Me
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     ``_write.flush.Flusher``: checksums, writes and fsyncs the chunk, journals
                      it in chunk order, gives its buffer back.
+A direct writer (``_write.direct``: local disk, large host frames) writes each chunk's bytes into
+its file in ``add`` / ``add_host_frame`` / ``add_frames`` instead of copying them, the checksums
+from the caller's memory; ``hand_off`` closes the file and queues the chunk the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .._errors import SpillMergeError, SpillStorageError
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
+from . import direct as D
 from .flush import BufferPool, Chunk, Flusher
 
 CHECK_BYTES = 1 << 20
@@ -58,6 +62,12 @@ class Staging:
         self._closing = False
         self._path = ""
         self._block_rows_cache: dict[tuple[Any, ...], np.ndarray] = {}
+        self._local = False
+        self.direct: bool | None = None
+        """Chunks are written straight into their files (``_write.direct``); None until the
+        first frame decides (``_decide``)."""
+        self._row_crc = (-1, 0)
+        """(row, CRC-32C so far) of the last row a direct chunk took through ``add``."""
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
@@ -69,6 +79,7 @@ class Staging:
         (or :meth:`stop`) in the writer's thread, no thread started (a short-lived writer: no
         progress record is written before that)."""
         self._storage, self._prefix, self._path = storage, prefix, storage.describe(prefix)
+        self._local = storage.local
         self._filenames, self._layouts = filenames, layouts
         self._journaled_files = self._journaled_layouts = 0
         self.flusher = Flusher(
@@ -96,6 +107,10 @@ class Staging:
         whose large leaf never became durable is never salvaged by halves."""
         done = 0
         is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
+        if self.direct is None:
+            self._decide(nbytes, not is_cuda)
+        if self.direct:
+            data, is_cuda = D.host_bytes(data), False
         if is_cuda:
             stream = self._prepare_cuda(data, nbytes)
             device = data.get_device()
@@ -106,11 +121,14 @@ class Staging:
             n = min(nbytes - done, self.chunk_bytes - chunk.fill)
             if is_cuda:
                 self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
+            elif chunk.direct:
+                self._add_direct(chunk, row, data if n == nbytes else data[done : done + n])
             else:
                 if chunk.host_np is None:
                     chunk.host_np = chunk.host.numpy()
                 chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
-            chunk.pieces.append((row, chunk.fill, chunk.fill + n))
+            if not chunk.direct:  # a direct chunk's rows were checksummed as written
+                chunk.pieces.append((row, chunk.fill, chunk.fill + n))
             chunk.fill += n
             done += n
             self.offset += n
@@ -139,6 +157,10 @@ class Staging:
         leaf would: when every leaf is on the host and the frame fits in the current chunk, in
         one step (no held list, no per-leaf call); otherwise through ``add``."""
         total = 0
+        if self.direct is None:
+            self._decide(
+                sum(leaf.nbytes for leaf in leaves), not any(getattr(leaf.data, "is_cuda", False) for leaf in leaves)
+            )
         for leaf in leaves:
             if type(leaf.data) is not np.ndarray:
                 break
@@ -165,7 +187,12 @@ class Staging:
         held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
         otherwise leaf by leaf through ``add``."""
         self.frames += 1
+        if self.direct is None:
+            self._decide(total, True)
         chunk = self._current
+        if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
+            self._add_direct_frame(chunk, row, file_id, frame, layout_ids, data, sizes, total)
+            return
         if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
             held: list[Any] = []
             last = len(data) - 1
@@ -188,16 +215,59 @@ class Staging:
         if fill - chunk.run_start >= CHECK_BYTES:
             self._close_run(chunk)
 
+    def _decide(self, nbytes: int, host: bool) -> None:
+        """Write directly (``_write.direct``) or stage, for good: by the writer's first frame."""
+        self.direct = self._local and host and nbytes >= D.DIRECT_MIN_BYTES
+        if self.direct:
+            self.pool.retire()  # the spare the flush thread may have made ready goes
+
+    def _add_direct(self, chunk: Chunk, row: int, piece: Any) -> None:
+        """``add``'s bytes ``piece`` of row ``row`` into the direct chunk's file; the row's CRC-32C
+        extended from ``piece``'s memory (a row may continue from the previous chunk)."""
+        D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
+        last, crc = self._row_crc
+        crc = _crc.extend(crc if last == row else 0, piece)
+        self._row_crc = (row, crc)
+        chunk.row_crcs.append((row, crc))
+
+    def _add_direct_frame(
+        self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
+        sizes: Any, total: int,
+    ) -> None:  # fmt: skip
+        """``add_host_frame`` of a frame that fits in the direct chunk: its leaves written with
+        one ``pwritev`` (before any bookkeeping: a failed write lists nothing), joining the open
+        block of whole frames, whose CRC-32C extends over them."""
+        fill, base = chunk.fill, self.offset - chunk.fill
+        D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], fill, self._path)
+        run, tail = chunk.run, chunk.tail
+        if not run:
+            chunk.run_start, chunk.run_crc = fill, 0
+        crc = chunk.run_crc
+        for j, d in enumerate(data):
+            n = sizes[j]
+            if n:
+                crc = _crc.extend(crc, d)
+                run.append(row + j)
+            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
+            fill += n
+        chunk.run_crc, chunk.fill = crc, fill
+        self.offset += total
+        if fill - chunk.run_start >= CHECK_BYTES:
+            self._close_run(chunk)
+
     def _close_run(self, chunk: Chunk) -> None:
         """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
         if chunk.run:
-            self._block(chunk, chunk.run_start, chunk.fill, np.frombuffer(chunk.run, dtype=np.int64))
+            rows = np.frombuffer(chunk.run, dtype=np.int64)
+            self._block(chunk, chunk.run_start, chunk.fill, rows, chunk.run_crc if chunk.direct else None)
             chunk.run = array.array("q")
 
-    def _block(self, chunk: Chunk, start: int, stop: int, rows: np.ndarray) -> None:
+    def _block(self, chunk: Chunk, start: int, stop: int, rows: np.ndarray, value: int | None = None) -> None:
         """A block checksum of host bytes ``start:stop`` of ``chunk`` (rows ``rows``, ascending),
-        computed here, in the caller's thread, while the bytes just copied are in its cache."""
-        value = _crc.value(chunk.host_np[start:stop])
+        computed here, in the caller's thread, while the bytes just copied are in its cache
+        (``value``: computed already, from the caller's memory, for a direct chunk)."""
+        if value is None:
+            value = _crc.value(chunk.host_np[start:stop])
         chunk.blocks.append((self.n_checks, start, stop, rows, value))
         self.n_checks += 1
 
@@ -219,6 +289,8 @@ class Staging:
         widths = [int(c.shape[1]) for c in columns]
         frame_bytes = sum(widths)
         n_leaves, n = len(columns), len(columns[0])
+        if self.direct is None:
+            self._decide(frame_bytes, True)
         self.frames += n
         consecutive = not isinstance(file_ids, np.ndarray)
         i = 0
@@ -235,7 +307,7 @@ class Staging:
                     self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, j == n_leaves - 1)
                 i += 1
                 continue
-            if chunk.host_np is None:
+            if chunk.host_np is None and not chunk.direct:
                 chunk.host_np = chunk.host.numpy()
             if chunk.run:
                 self._close_run(chunk)
@@ -248,13 +320,19 @@ class Staging:
             if frames is not None:
                 cube[:, :, 2] = frames[i : i + k, None]
             for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
-                host[fill : fill + k * w] = col[i : i + k].reshape(-1)
+                src = None
+                if chunk.direct:
+                    src = D.as_block(col[i : i + k])
+                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
+                else:
+                    host[fill : fill + k * w] = col[i : i + k].reshape(-1)
                 # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row
                 # reads its whole block once.
                 g = max(1, CHECK_BYTES // w)
                 for a in range(0, k, g):
                     b = min(k, a + g)
-                    self._block(chunk, fill + a * w, fill + b * w, cube[a:b, j, 0])
+                    value = None if src is None else _crc.value(src[a * w : b * w])
+                    self._block(chunk, fill + a * w, fill + b * w, cube[a:b, j, 0], value)
                 fill += k * w
             flat = cube.reshape(k * n_leaves, 6)
             index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
@@ -336,9 +414,27 @@ class Staging:
 
     def _current_chunk(self) -> Chunk:
         if self._current is None:
-            self._current = Chunk(self.n_chunks, self.pool.acquire(self.check), check_base=self.n_checks)
+            if self.direct:
+                self._wait_journaled()
+                chunk = Chunk(self.n_chunks, D.NO_BUFFER, check_base=self.n_checks, direct=True)
+                chunk.fd = D.open_chunk(self._storage, self._prefix, self.n_chunks)
+                self._current = chunk
+            else:
+                self._current = Chunk(self.n_chunks, self.pool.acquire(self.check), check_base=self.n_checks)
             self.n_chunks += 1
         return self._current
+
+    def _wait_journaled(self) -> None:
+        """Backpressure of a direct writer, as the staging buffers give a staged one: at most
+        ``n_buffers`` chunk files not yet journaled, the one being written included (the bytes
+        a crash may lose)."""
+        fl = self._fl
+        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:
+            return
+        with fl.written_cond:
+            while self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.error is None and fl.is_alive():
+                fl.written_cond.wait(0.5)
+        self.check()
 
     def hand_off(self) -> None:
         """Queue the current chunk (if any) for upload, with the catalog entries added since the
@@ -346,6 +442,9 @@ class Staging:
         chunk, self._current = self._current, None
         if chunk is not None:
             self._close_run(chunk)
+            if chunk.fd >= 0:
+                fd, chunk.fd = chunk.fd, -1
+                D.close_chunk(self._storage, fd, chunk.fill, self._object_size(chunk), self._path)
             chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
             chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
@@ -381,12 +480,13 @@ class Staging:
                     if isinstance(new, torch.Tensor):
                         new = new.cpu().numpy()
                     cur = self._current
-                    if cur is not None and cur.number == c:
+                    if cur is not None and cur.number == c and not cur.direct:
                         for event in self.seal(cur):  # its device-to-host copies may still run
                             event.synchronize()
                         old = cur.host.numpy()[lo : lo + m]
                     else:
-                        self._wait_written(c)
+                        if cur is None or cur.number != c:  # a direct chunk's file has its bytes already
+                            self._wait_written(c)
                         if reader is None:  # its own handle cache, closed below
                             reader = Storage(self._storage.url, self._storage.storage_options)
                         old = np.empty(m, dtype=np.uint8)

@@ -130,9 +130,10 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
 
     # ---------------------------------------------------------------------------------- write
     def write(self, filename: str, frame_idx: int, value: Any) -> None:
-        """Append one frame. Copies the value into a staging buffer and returns; blocks only while
-        every staging buffer waits for storage. A batch of items goes faster through
-        :meth:`write_batch`."""
+        """Append one frame. Copies the value into a staging buffer (on a local disk, large host
+        frames straight into their chunk file) and returns: the caller may change the value at
+        once. Blocks only while every staging buffer (or as many chunk files) waits for storage.
+        A batch of items goes faster through :meth:`write_batch`."""
         with self._lock:  # one call at a time: the writer may be shared by threads
             self._check_open()
             filename = check_filename(filename)
