@@ -309,6 +309,7 @@ class Flusher(threading.Thread):
                     if not self.inline:
                         self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
                     self._checksum(chunk)
+                    self._bound_unsynced()
                     fut = self._pool.submit(self._upload, chunk)
                     fut.add_done_callback(lambda _: self.q.put(_WAKE))
                     self._pending.append((chunk, fut))
@@ -371,6 +372,17 @@ class Flusher(threading.Thread):
         # refills it while the disk flushes.
         self.storage.put(f"{self.prefix}/{FS.DATA_NAME}/c/{chunk.number}", buf[:size].data)
         self._release(chunk)
+
+    def _bound_unsynced(self) -> None:
+        """Wait until one more chunk may be written: at most ``n_buffers + 1`` written chunks
+        await their journal entry, plus ``flush_threads`` being written (docs/GUARANTEES.md,
+        *Memory*: the dirty pages a crash may lose). The buffers alone do not bound this: a
+        worker gives its buffer back before its upload's future is done."""
+        while len(self._unjournaled) + len(self._pending) >= self.pool.n_buffers + 1 + self.flush_threads:
+            if self._unjournaled:
+                futures_wait([self._unjournaled.popleft()])
+            else:
+                self._retire(block=True)
 
     def _release(self, chunk: Chunk) -> None:
         """Give ``chunk``'s buffer back to the pool, once (its bytes were written, or never will be)."""

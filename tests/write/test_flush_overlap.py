@@ -17,6 +17,7 @@ import torch
 
 import spillmerge
 from spillmerge._storage import local as local_mod
+from spillmerge._write import flush as flush_mod
 
 CHUNK = 4096
 
@@ -86,6 +87,53 @@ def test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync(tmp_path,
         assert 3 <= len(on_disk) <= 5 and on_disk == list(range(len(on_disk))), on_disk
         assert written == list(range(len(on_disk) + 2)), (written, on_disk)
         assert not glob.glob(f"{seg}/journal/*")  # chunk 0 is not durable: no entry names anything yet
+    finally:
+        gate.set()
+        t.join(60)
+    assert not t.is_alive() and not errors, errors
+    _merged(root, str(tmp_path / "out"), 12)
+
+
+def test_chunks_written_ahead_of_their_journal_stay_bounded_when_uploads_report_late(tmp_path, monkeypatch):
+    """Chunk 0's fsync hangs and each upload reports done a while after its buffer went back (a
+    loaded machine): still at most ``n_buffers + 1`` chunks awaiting the journal plus
+    ``flush_threads`` being written, here 2 + 1 + 2 chunk files."""
+    gate = threading.Event()
+    real_fsync, real_release = os.fsync, flush_mod.Flusher._release
+
+    def fsync(fd: int) -> None:
+        if _is_data_chunk(fd):
+            gate.wait(60)
+        real_fsync(fd)
+
+    def release(self: Any, chunk: Any) -> None:
+        real_release(self, chunk)
+        if threading.current_thread().name.startswith("spillmerge-put"):
+            time.sleep(0.3)  # the buffer is back; the upload's future is not done yet
+
+    monkeypatch.setattr(local_mod.os, "fsync", fsync)
+    monkeypatch.setattr(flush_mod.Flusher, "_release", release)
+    root, written, errors = str(tmp_path / "spill"), [], []
+
+    def spill() -> None:
+        try:
+            with spillmerge.SpillWriter(
+                root, rank=0, world_size=1, chunk_bytes=CHUNK, staging_bytes=2 * CHUNK, flush_threads=2
+            ) as w:
+                for i in range(12):
+                    w.write("f", i, _frame(i))
+                    written.append(i)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=spill, name="test-spill")
+    t.start()
+    try:
+        time.sleep(2.5)  # every late report has come in: the flush thread waits on chunk 0's fsync
+        (seg,) = glob.glob(f"{root}/rank-00000/seg-*")
+        on_disk = sorted(map(int, os.listdir(f"{seg}/data/c")))
+        assert on_disk == list(range(5)), on_disk
+        assert t.is_alive() and not glob.glob(f"{seg}/journal/*")
     finally:
         gate.set()
         t.join(60)
