@@ -1605,6 +1605,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/write/test_direct_chunks.py::test_direct_chunks_hold_the_same_bytes_journal_and_checks_as_staged_ones",),
         "a row a direct chunk took across chunk edges carries the CRC-32C the caller computed from its memory",
     ),
+    Mutation(
+        "flush-unsynced-bound",
+        "spillmerge/_write/flush.py",
+        "        while len(self._unjournaled) + len(self._pending) >= self.pool.n_buffers + 1 + self.flush_threads:",
+        "        while False:",
+        ("tests/write/test_flush_overlap.py::test_chunks_written_ahead_of_their_journal_stay_bounded_when_uploads_report_late",),
+        "written chunks awaiting their journal entry stay within n_buffers + 1 plus flush_threads being written",
+    ),
 ]
 
 
