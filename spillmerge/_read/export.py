@@ -119,7 +119,7 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     rows = np.arange(a, b, dtype=np.int64)
     file_of_row = np.searchsorted(offsets.span(f0, f1 + 1), rows, side="right") - 1
     arrays: dict[str, Any] = {
-        "filename": pa.array(files.names[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
+        "filename": pa.array(files.filenames[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
         "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),
         "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
     }

@@ -22,7 +22,7 @@ from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
-from .filenames import ChunkedNames, Names, close_matches
+from .filenames import Names, close_matches
 from .index import LazyArray
 from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
@@ -90,7 +90,7 @@ class OutputFiles:
     ) -> None:
         self.group = group
         # bytes + offsets, read block by block when asked for (_names)
-        self._names: Names = ChunkedNames(group, describe, cache, raise_, storage)
+        self._names = Names(group, describe, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = IX.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
@@ -228,16 +228,13 @@ class OutputFiles:
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
-    def _find(self, filename: object) -> int | None:
-        # (The in-order hint inside is a plain hint, not a lock: a racing thread at worst costs
-        # another thread the search.)
-        return self._names.find(filename)
-
     def __contains__(self, filename: object) -> bool:
-        return self._find(filename) is not None
+        return filename in self._names
 
     def index(self, filename: str, where: Callable[[], str]) -> int:
-        i = self._names.find(filename)  # (as _find: one call less per file read)
+        # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
+        # another thread the search.)
+        i = self._names.find(filename)
         if i is None:
             near = close_matches(self._names, filename)  # neighbours in sort order: no scan of every name
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
@@ -246,21 +243,17 @@ class OutputFiles:
             )
         return i
 
-    def rows_of(self, i: int) -> tuple[int, int]:
-        """Rows ``a .. b-1`` of file ``i``, checked (``_read.index``)."""
-        return self.checks.file_rows(i)
-
     def frames(self, i: int) -> np.ndarray:
-        a, b = self.rows_of(i)
+        a, b = self.checks.file_rows(i)
         return self._frame_idx[a:b].copy()
 
     def provenance(self, i: int, name: str) -> np.ndarray:
-        a, b = self.rows_of(i)
+        a, b = self.checks.file_rows(i)
         return self._prov[name][a:b].copy()
 
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
-        a, b = self.checks.file_rows(i)  # (rows_of, inlined: one call per file read)
+        a, b = self.checks.file_rows(i)
         layout = self._file_layout.item(i)
         cols, flat = self._layout_cols[layout]
         if filename is None or type(filename) is not str:
@@ -283,7 +276,7 @@ class OutputFiles:
     ) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
         has it) as it was written (``_read.rowvalue``)."""
-        a, b = self.rows_of(i)
+        a, b = self.checks.file_rows(i)
         if filename is None or type(filename) is not str:
             filename = str(self._names[i])
         if b == a + 1 and self._frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
@@ -351,11 +344,6 @@ class OutputFiles:
     def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
         """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
         return self._by_leaf.get(leaf, [])
-
-    @property
-    def names(self) -> Names:
-        """The filenames (sorted)."""
-        return self._names
 
     @property
     def frame_offsets(self) -> LazyArray:
