@@ -65,7 +65,10 @@ class ProgressRecord:
                 type(v) in (int, float) for v in times.values()
             ):
                 return None
-            return cls(segment=str(obj.get("segment")), **ints, **{k: float(v) for k, v in times.items()})
+            at = {k: float(v) for k, v in times.items()}
+            return cls(
+                segment=str(obj.get("segment")), updated=at["updated"], staged_updated=at["staged_updated"], **ints
+            )
         except (KeyError, F.CorruptSpillError):
             return None
 
