@@ -1,10 +1,24 @@
-"""Errors raised on purpose by spillmerge. All derive from :class:`SpillMergeError`."""
+"""Errors raised on purpose by spillmerge. All derive from :class:`SpillMergeError`; each names
+its data (the annotated attributes below), given as keywords after the message."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SpillMergeError(Exception):
-    """Base class of every error spillmerge raises on purpose."""
+    """Base class of every error spillmerge raises on purpose: ``Error(message, **fields)`` sets
+    each field as an attribute (a field not given reads as its class default, None where the
+    class gives one); the message alone is its text, quoted by no subclass (``KeyError`` ones
+    included)."""
+
+    def __init__(self, *args: object, **fields: Any) -> None:
+        super().__init__(*args)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class SpillValueError(SpillMergeError, ValueError):
@@ -13,18 +27,9 @@ class SpillValueError(SpillMergeError, ValueError):
     ``filename``, ``frame_idx`` and ``leaf`` name the offending item when known.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        filename: str | None = None,
-        frame_idx: int | None = None,
-        leaf: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.filename = filename
-        self.frame_idx = frame_idx
-        self.leaf = leaf
+    filename: str | None = None
+    frame_idx: int | None = None
+    leaf: str | None = None
 
 
 class DuplicateFrameError(SpillValueError):
@@ -33,17 +38,16 @@ class DuplicateFrameError(SpillValueError):
     ``ranks`` lists the ranks that wrote it.
     """
 
-    def __init__(self, message: str, *, filename: str, frame_idx: int, ranks: list[int]) -> None:
-        super().__init__(message, filename=filename, frame_idx=frame_idx)
-        self.ranks = ranks
+    ranks: list[int]
 
 
 class LayoutMismatchError(SpillValueError):
     """A leaf changed dtype or shape between frames of one filename (``ranks`` name the writers)."""
 
-    def __init__(self, message: str, *, filename: str, leaf: str, ranks: list[int] | None = None) -> None:
-        super().__init__(message, filename=filename, leaf=leaf)
-        self.ranks = ranks or []
+    ranks: list[int]
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None, **fields: Any) -> None:
+        super().__init__(message, ranks=ranks or [], **fields)
 
 
 class WriterClosedError(SpillMergeError, RuntimeError):
@@ -53,9 +57,7 @@ class WriterClosedError(SpillMergeError, RuntimeError):
 class SpillStorageError(SpillMergeError, OSError):
     """Reading or writing storage failed; ``path`` names the object."""
 
-    def __init__(self, message: str, *, path: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
+    path: str | None = None
 
 
 class CorruptSpillError(SpillMergeError, ValueError):
@@ -65,13 +67,9 @@ class CorruptSpillError(SpillMergeError, ValueError):
     wrong without the path (``verify`` lists it next to the path) when the raiser gives it.
     """
 
-    def __init__(
-        self, message: str, *, path: str | None = None, rank: int | None = None, reason: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.path = path
-        self.rank = rank
-        self.reason = reason
+    path: str | None = None
+    rank: int | None = None
+    reason: str | None = None
 
 
 class TruncatedObjectError(CorruptSpillError, SpillStorageError):
@@ -83,33 +81,23 @@ class IncompleteSpillError(SpillMergeError):
     """Some ranks have no commit record. ``missing`` lists them; ``incomplete`` maps rank → path
     of an uncommitted segment when one exists."""
 
-    def __init__(self, message: str, *, missing: list[int], incomplete: dict[int, str] | None = None) -> None:
-        super().__init__(message)
-        self.missing = missing
-        self.incomplete = incomplete or {}
+    missing: list[int]
+    incomplete: dict[int, str]
+
+    def __init__(self, message: str, *, incomplete: dict[int, str] | None = None, **fields: Any) -> None:
+        super().__init__(message, incomplete=incomplete or {}, **fields)
 
 
 class CommitTimeout(IncompleteSpillError, TimeoutError):
     """Waiting for commit records timed out after ``waited_s`` seconds."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        missing: list[int],
-        waited_s: float,
-        incomplete: dict[int, str] | None = None,
-    ) -> None:
-        super().__init__(message, missing=missing, incomplete=incomplete)
-        self.waited_s = waited_s
+    waited_s: float
 
 
 class RankFailedError(SpillMergeError, RuntimeError):
     """One or more ranks recorded a failure. ``failures`` maps rank → "Type: message"."""
 
-    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
+    failures: dict[int, str]
 
 
 class MergeFailedError(RankFailedError):
@@ -117,19 +105,15 @@ class MergeFailedError(RankFailedError):
     (``SpillWriter.merge(wait=True)``, ``all_gather``). ``rank`` is the merging rank and
     ``failures`` maps it to "Type: message"."""
 
-    def __init__(self, message: str, *, rank: int, failures: dict[int, str]) -> None:
-        super().__init__(message, failures=failures)
-        self.rank = rank
+    rank: int
 
 
 class MergeTimeout(SpillMergeError, TimeoutError):
     """A rank waited ``waited_s`` seconds for the merged output at ``path`` without seeing it
     complete or fail."""
 
-    def __init__(self, message: str, *, path: str, waited_s: float) -> None:
-        super().__init__(message)
-        self.path = path
-        self.waited_s = waited_s
+    path: str
+    waited_s: float
 
 
 class FormatVersionError(CorruptSpillError):
@@ -137,18 +121,14 @@ class FormatVersionError(CorruptSpillError):
     not read: ``found`` is the tree's version, ``supported`` the one version this spillmerge
     reads (each spillmerge reads exactly one output and one spill format)."""
 
-    def __init__(self, message: str, *, path: str, found: object, supported: int) -> None:
-        super().__init__(message, path=path)
-        self.found = found
-        self.supported = supported
+    found: object
+    supported: int
 
 
 class OutputExistsError(SpillMergeError, FileExistsError):
     """The merge output already exists; pass ``overwrite=True`` (``--overwrite``) to replace it."""
 
-    def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(message)
-        self.path = path
+    path: str
 
 
 class OutputBusyError(SpillMergeError, BlockingIOError):
@@ -157,88 +137,65 @@ class OutputBusyError(SpillMergeError, BlockingIOError):
     ``path`` is the output, ``holders`` describes each holder (role, host, pid, since, expiry).
     """
 
-    def __init__(self, message: str, *, path: str, holders: list[str]) -> None:
-        super().__init__(message)
-        self.path = path
-        self.holders = holders
+    path: str
+    holders: list[str]
 
 
 class LeaseLostError(SpillMergeError, RuntimeError):
     """This merge's lease on its output was taken over (it expired) or removed; it stopped before
     its next destructive step or its completion marker. ``path`` is the output."""
 
-    def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(message)
-        self.path = path
+    path: str
 
 
 class IncompleteOutputError(SpillMergeError):
     """A merged output has no completion marker: the merge that wrote it did not finish."""
 
-    def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(message)
-        self.path = path
+    path: str
 
 
 class UnsafePathError(SpillMergeError, ValueError):
     """A path would escape the root it belongs to."""
 
-    def __init__(self, message: str, *, path: str) -> None:
-        super().__init__(message)
-        self.path = path
+    path: str
 
 
 class UnknownFileError(SpillMergeError, KeyError):
     """A merged store has no array for ``filename`` (a ``KeyError``, so ``in`` / ``.get`` idioms work)."""
 
-    def __init__(self, message: str, *, filename: object) -> None:
-        super().__init__(message)
-        self.filename = filename
-
-    def __str__(self) -> str:  # KeyError would print the repr of the message
-        return str(self.args[0])
+    filename: object
 
 
 class ConfigError(SpillMergeError, ValueError):
     """A configuration file or option is invalid; ``key`` names it when known."""
 
-    def __init__(self, message: str, *, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
+    key: str | None = None
 
 
 class CoordinationError(SpillMergeError, RuntimeError):
     """CPU-side coordination between ranks (gloo) failed or timed out; ``rank`` is the caller."""
 
-    def __init__(self, message: str, *, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
+    rank: int
 
 
 class PartFailedError(RankFailedError):
     """Parts of a parallel merge recorded a failure. ``failures`` maps part → "Type: message";
     ``path`` is the output. In ``SpillWriter.merge(parallel=True)`` part ``i`` is rank ``i``."""
 
-    def __init__(self, message: str, *, failures: dict[int, str], path: str) -> None:
-        super().__init__(message, failures=failures)
-        self.path = path
+    path: str
 
 
 class MissingPartsError(IncompleteOutputError):
     """Parts of a parallel merge have no completion record (``missing``, out of ``parts``)."""
 
-    def __init__(self, message: str, *, path: str, missing: list[int], parts: int) -> None:
-        super().__init__(message, path=path)
-        self.missing = missing
-        self.parts = parts
+    missing: list[int]
+    parts: int
 
 
 class PartsTimeout(MissingPartsError, TimeoutError):
     """Waiting for the parts of a parallel merge timed out after ``waited_s`` seconds."""
 
-    def __init__(self, message: str, *, path: str, missing: list[int], parts: int, waited_s: float) -> None:
-        super().__init__(message, path=path, missing=missing, parts=parts)
-        self.waited_s = waited_s
+    waited_s: float
 
 
 class PlanMismatchError(SpillMergeError, ValueError):
@@ -246,10 +203,8 @@ class PlanMismatchError(SpillMergeError, ValueError):
     the part count or the merge options changed between them. ``parts`` names the disagreeing
     parts (their record paths in the message), ``path`` is the output."""
 
-    def __init__(self, message: str, *, path: str, parts: list[int]) -> None:
-        super().__init__(message)
-        self.path = path
-        self.parts = parts
+    path: str
+    parts: list[int]
 
 
 class MissingDependencyError(SpillMergeError, ImportError):
@@ -257,9 +212,11 @@ class MissingDependencyError(SpillMergeError, ImportError):
     ``spillmerge[extra]`` that installs it."""
 
     def __init__(self, package: str, extra: str, feature: str) -> None:
-        super().__init__(f"{feature} needs {package}, which is not installed: pip install 'spillmerge[{extra}]'")
-        self.package = package
-        self.extra = extra
+        message = f"{feature} needs {package}, which is not installed: pip install 'spillmerge[{extra}]'"
+        super().__init__(message, package=package, extra=extra)
+
+    package: str
+    extra: str
 
 
 def require(module: str, *, package: str, extra: str, feature: str):  # type: ignore[no-untyped-def]
@@ -277,10 +234,8 @@ class NotAnOutputError(SpillMergeError, ValueError):
     not exist), ``"file"``, ``"spill"`` (a spill root: merge it first) or ``"other"`` (a folder
     spillmerge did not write). ``path`` names it."""
 
-    def __init__(self, message: str, *, path: str, kind: str) -> None:
-        super().__init__(message)
-        self.path = path
-        self.kind = kind
+    path: str
+    kind: str
 
 
 class NotASpillRootError(SpillMergeError, ValueError):
@@ -288,24 +243,17 @@ class NotASpillRootError(SpillMergeError, ValueError):
     ``"missing"`` (does not exist), ``"file"``, ``"output"`` (a merged output) or ``"other"`` (a
     folder without rank folders). ``path`` names it."""
 
-    def __init__(self, message: str, *, path: str, kind: str) -> None:
-        super().__init__(message)
-        self.path = path
-        self.kind = kind
+    path: str
+    kind: str
 
 
 class UnknownLeafError(SpillMergeError, KeyError):
     """A file's value has no leaf ``leaf`` (a ``KeyError``, so ``in`` / ``.get`` idioms work);
     ``filename`` names the file and ``known`` lists the leaf paths it has."""
 
-    def __init__(self, message: str, *, filename: str, leaf: str, known: list[str]) -> None:
-        super().__init__(message)
-        self.filename = filename
-        self.leaf = leaf
-        self.known = known
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
+    filename: str
+    leaf: str
+    known: list[str]
 
 
 def require_torch(feature: str):  # type: ignore[no-untyped-def]
@@ -317,22 +265,15 @@ def require_torch(feature: str):  # type: ignore[no-untyped-def]
 class UnknownColumnError(SpillMergeError, KeyError):
     """A merged store has no leaf column ``column``; ``known`` lists the ones it has."""
 
-    def __init__(self, message: str, *, column: str, known: list[str]) -> None:
-        super().__init__(message)
-        self.column = column
-        self.known = known
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
+    column: str
+    known: list[str]
 
 
 class PickleNotAllowedError(SpillMergeError, ValueError):
     """A leaf holds pickled objects and the store was opened without ``allow_pickle=True``
     (nothing is ever unpickled by default); ``leaf`` names it."""
 
-    def __init__(self, message: str, *, leaf: str) -> None:
-        super().__init__(message)
-        self.leaf = leaf
+    leaf: str
 
 
 class RaggedShapeError(SpillMergeError, ValueError):
@@ -346,17 +287,13 @@ class StaleSpillError(SpillMergeError, ValueError):
     size it was written with; ``world_size`` is this run's. Remove the root, choose another one, or
     merge the old run alone with its own ``world_size``."""
 
-    def __init__(self, message: str, *, path: str, world_size: int, stale: dict[str, int]) -> None:
-        super().__init__(message)
-        self.path = path
-        self.world_size = world_size
-        self.stale = stale
+    path: str
+    world_size: int
+    stale: dict[str, int]
 
 
 class ArrowUnionInParquetError(SpillMergeError, ValueError):
     """``to_parquet`` was asked for a column that holds an Arrow union (a leaf of several kinds):
     Parquet has no union type. ``columns`` names them."""
 
-    def __init__(self, message: str, *, columns: list[str]) -> None:
-        super().__init__(message)
-        self.columns = columns
+    columns: list[str]

@@ -88,18 +88,23 @@ def index_problems(
     out = meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns, lists)
     layouts = header.get("file_layouts")
     n, rows = len(filenames), lengths["frame_idx"]
-    if isinstance(layouts, list) and len(file_layout) and (file_layout.min() < 0 or file_layout.max() >= len(layouts)):
-        i = int(np.flatnonzero((file_layout < 0) | (file_layout >= len(layouts)))[0])
-        out.append(
-            (
-                "index/file_layout",
-                f"entry {i} ({str(filenames[i]) if i < n else '?'!r:.200}) is {int(file_layout[i])}, "
-                f"not a position in the header's {len(layouts)} file_layouts",
-            )
-        )
+    if isinstance(layouts, list):
+        out.extend(layout_problems(file_layout, len(layouts), filenames))
     if len(offsets) == n + 1:
         out.extend(offsets_problems(offsets, n, rows, "index/frame_offsets", "files", "index/frame_idx"))
     return out
+
+
+def layout_problems(file_layout: np.ndarray, n_layouts: int, filenames: Any, first: int = 0) -> list[Problem]:
+    """The first entry of ``file_layout`` (entries ``first ..`` of the index's) that names no
+    position in the header's ``n_layouts`` file layouts."""
+    bad = np.flatnonzero((file_layout < 0) | (file_layout >= n_layouts))
+    if not len(bad):
+        return []
+    i = first + int(bad[0])
+    shown = str(filenames[i]) if i < len(filenames) else "?"
+    what = f"entry {i} ({shown!r:.200}) is {int(file_layout[bad[0]])}, not a position in the header's {n_layouts} file_layouts"
+    return [("index/file_layout", what)]
 
 
 def meta_problems(

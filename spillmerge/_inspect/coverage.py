@@ -13,7 +13,7 @@ from .._errors import ConfigError, SpillMergeError, require
 from .._format import spill as FS
 from .._spill.root import load_segment, scan
 from .._storage import Storage
-from .._util.frames import MAX_FRAME, gap_runs, n_below, runs
+from .._util.frames import MAX_FRAME, first_missing, gap_runs, n_below, runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +54,7 @@ class FileCoverage:
     def missing(self, limit: int = 10_000) -> np.ndarray:
         """The first ``limit`` absent frame indices below :attr:`span` (ascending); an explicit list
         is capped, as ``MergeReport.frame_gaps`` is: :meth:`missing_runs` has them all."""
-        out: list[np.ndarray] = []
-        left = limit
-        for a, b in self.missing_runs().tolist():
-            if left <= 0:
-                break
-            take = min(b - a + 1, left)
-            out.append(np.arange(a, a + take, dtype=np.int64))
-            left -= take
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        return np.asarray(first_missing(self.frames, self.span, limit), dtype=np.int64)
 
     def unexpected(self) -> np.ndarray:
         """Frames at or beyond the manifest's count (none without a manifest)."""

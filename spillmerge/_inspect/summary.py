@@ -122,10 +122,6 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     # disagreed on has one per dtype or kind)
     dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.files.columns.values()}
     for name in res.filenames[:max_files]:
-        value = res[name]
-        leaves = _leaves(value)
-        for _, arr in leaves:
-            dtypes.add(_leaf_dtype(arr))
         frames = res.frames(name)
         files.append(
             {
@@ -133,10 +129,7 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
                 "frames": int(len(frames)),
                 "first_frame": int(frames[0]) if len(frames) else None,
                 "last_frame": int(frames[-1]) if len(frames) else None,
-                "leaves": [
-                    {"leaf": _leaf_text(leaf, arr), "dtype": _leaf_dtype(arr), "shape": _row_shape(arr)}
-                    for leaf, arr in leaves
-                ],
+                "leaves": [_leaf(arr) for arr in _leaves(res[name])],
             }
         )
     h = res.header
@@ -154,17 +147,12 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     }
 
 
-def _leaf_text(key: str, arr: Any) -> str:
+def _leaf(arr: Any) -> dict[str, Any]:
     """A leaf as a listing shows it: its dict keys joined by ``/``, a list's items as ``[*]``, a
-    container (its header) by its own path; ``<value>`` for the value itself."""
+    container (its header) by its own path, ``<value>`` for the value itself; dtype; row shape."""
     info = arr.info
     leaf = info.leaf[:-1] if info.leaf and info.leaf[-1] == F.MARK else info.leaf
-    return F.path_text(leaf)
-
-
-def _leaf_dtype(arr: Any) -> str:
-    info = arr.info
-    return F.dtype_text(info.dtype, info.ndim)
+    return {"leaf": F.path_text(leaf), "dtype": F.dtype_text(info.dtype, info.ndim), "shape": _row_shape(arr)}
 
 
 def _row_shape(arr: Any) -> list[int | None]:
@@ -185,13 +173,9 @@ def _row_shape(arr: Any) -> list[int | None]:
     return list(shape[1:]) if shape is not None else []
 
 
-def _leaves(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        out = []
-        for k, v in value.items():
-            out.extend(_leaves(v, f"{prefix}/{k}" if prefix else k))
-        return out
-    return [(prefix, value)]
+def _leaves(value: Any) -> list[Any]:
+    """The leaf views of a file's value (a view, or a nested dict of them)."""
+    return [x for v in value.values() for x in _leaves(v)] if isinstance(value, dict) else [value]
 
 
 def _frames(n: int) -> str:
@@ -300,24 +284,20 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
     kind = detect(storage)
     rep = VerifyReport(storage.describe(), kind)
     if kind == "spill":
-        _verify_spill(storage, rep)
+        segments = scan(storage)
+        bar = progress_bar(sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit), "verify")
+        try:
+            _verify_spill(storage, rep, segments, bar)
+        finally:
+            if bar is not None:
+                bar.close()
     else:
         _verify_merged(storage, rep)
     storage.close()
     return rep
 
 
-def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
-    segments = scan(storage)
-    bar = progress_bar(sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit), "verify")
-    try:
-        _verify_segments(storage, rep, segments, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _verify_segments(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
+def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
     for rank in sorted(segments):
         for seg in segments[rank]:
             if seg.commit is None:
@@ -423,7 +403,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     damaged: set[str] = set()
     arrays = []
     try:
-        listed = _all_arrays(group)
+        listed = sorted((p, node) for p, node in group.members(max_depth=None) if isinstance(node, zarr.Array))
     except KeyError as exc:  # zarr nests the consolidated listing by key order: an edited one breaks it
         rep.problems.append(f"{storage.describe('zarr.json')}: the consolidated metadata is inconsistent ({exc})")
         return
@@ -508,19 +488,18 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
 
 
 def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
-    """Every broken invariant of the output's index (docs/FORMAT.md), as the reader checks them,
-    skipping what needs an index array whose chunks were already reported damaged."""
+    """Every broken invariant of the output's index (docs/FORMAT.md), as ``spillmerge.open``
+    checks them (``_read.store.OutputFiles``), skipping what needs an index array whose chunks
+    were already reported damaged."""
     header = group.attrs.get("spillmerge")
-    header = header if isinstance(header, dict) else {}
     try:
-        out = _output_index_problems(storage, group, damaged, header)
+        out = _output_index_problems(storage, group, damaged, header if isinstance(header, dict) else {})
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]
     return [f"{storage.describe(rel)}: {what}" for rel, what in out]
 
 
 def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[V.Problem]:
-    """The same checks as ``spillmerge.open`` (``_read.store.OutputFiles``), all of them listed."""
     need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
     if need & damaged:
         return []
@@ -535,7 +514,9 @@ def _output_index_problems(storage: Storage, group: Any, damaged: set[str], head
     lists, list_problems = L.read_lists(group)
     out.extend(list_problems)
     damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
-    list_offs, sizes, list_problems = L.domains({p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx))
+    list_offs, sizes, list_problems = L.domains(
+        {p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx)
+    )
     out.extend(list_problems)
     # a header without its items' list (lengths: below)
     out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
@@ -576,18 +557,13 @@ def _output_index_problems(storage: Storage, group: Any, damaged: set[str], head
     sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
     whole = {n: c for n, c in sound.items() if not any(f"columns/{n}/{k}" in damaged for k in c.arrays)}
     out.extend(V.records_problems(whole, V.read_array))
-    out.extend(V.variant_problems(sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None))
+    out.extend(
+        V.variant_problems(
+            sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
+        )
+    )
     return out
 
 
 def _is_list_head(c: V.StoredColumn) -> bool:
     return c.dtype in ("pylist", "pytuple") and c.kind == "fixed"
-
-
-def _all_arrays(group: Any) -> list[tuple[str, Any]]:
-    import zarr
-
-    return sorted(
-        ((path, node) for path, node in group.members(max_depth=None) if isinstance(node, zarr.Array)),
-        key=lambda kv: kv[0],
-    )

@@ -376,8 +376,9 @@ def _name_starts(col: Any) -> np.ndarray:
 
 
 class _Spool:
-    """Append-only int64 arrays in files of the work folder, mapped (or read) when done; in
-    memory when there is no folder (a sort of fewer than ``IN_MEMORY_ROWS`` rows)."""
+    """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, mapped (or
+    read) when done; in memory when there is no folder (a sort of fewer than ``IN_MEMORY_ROWS``
+    rows)."""
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
@@ -385,56 +386,37 @@ class _Spool:
         self.parts: dict[str, list[np.ndarray]] = {}
         self.n = 0
 
+    def _path(self, name: str) -> str:
+        assert self.folder is not None
+        return os.path.join(self.folder, name if name.endswith(".u8") else f"{name}.i8")
+
     def append(self, name: str, a: np.ndarray) -> None:
+        dtype = np.uint8 if name.endswith(".u8") else np.int64
         if self.folder is None:
-            self.parts.setdefault(name, []).append(np.array(a, dtype=np.int64))
+            self.parts.setdefault(name, []).append(np.array(a, dtype=dtype))
             return
         f = self.files.get(name)
         if f is None:
-            f = self.files[name] = open(os.path.join(self.folder, f"{name}.i8"), "wb")  # noqa: SIM115 - done()
-        f.write(np.ascontiguousarray(a, dtype=np.int64).data)
-
-    def append_bytes(self, name: str, a: np.ndarray) -> None:
-        if self.folder is None:
-            self.parts.setdefault(name, []).append(np.array(a, dtype=np.uint8))
-            return
-        f = self.files.get(name)
-        if f is None:
-            f = self.files[name] = open(os.path.join(self.folder, name), "wb")  # noqa: SIM115 - done_bytes()
-        f.write(np.ascontiguousarray(a, dtype=np.uint8).data)
-
-    def done_bytes(self, name: str, n: int) -> np.ndarray:
-        """The bytes appended to ``name``: read, or a map beyond ``MAPPED_ROWS`` int64s' worth."""
-        if self.folder is None:
-            return self._joined(name, np.uint8)
-        f = self.files.pop(name, None)
-        if f is not None:
-            f.close()
-        if n == 0:
-            return np.zeros(0, dtype=np.uint8)
-        path = os.path.join(self.folder, name)
-        if n <= MAPPED_ROWS * 8:
-            return np.fromfile(path, dtype=np.uint8)
-        return np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
-
-    def _joined(self, name: str, dtype: Any) -> np.ndarray:
-        parts = self.parts.pop(name, [])
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+            f = self.files[name] = open(self._path(name), "wb")  # noqa: SIM115 - done()
+        f.write(np.ascontiguousarray(a, dtype=dtype).data)
 
     def done(self, name: str, n: int) -> np.ndarray:
+        """The ``n`` elements appended to ``name``: read, or a map beyond ``MAPPED_ROWS`` int64s'
+        worth of bytes."""
+        dtype = np.dtype(np.uint8 if name.endswith(".u8") else np.int64)
         if self.folder is None:
-            return self._joined(name, np.int64)
+            parts = self.parts.pop(name, [])
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
         f = self.files.pop(name, None)
         if f is not None:
             f.close()
         if n == 0:
-            return np.zeros(0, dtype=np.int64)
-        path = os.path.join(self.folder, f"{name}.i8")
-        if n <= MAPPED_ROWS:
-            return np.fromfile(path, dtype=np.int64)
-        # copy-on-write map: the plan may rewrite a column in place; the file is unlinked with the
-        # folder, its pages stay file-backed while the map lives
-        return np.memmap(path, dtype=np.int64, mode="c", shape=(n,))
+            return np.zeros(0, dtype=dtype)
+        if n * dtype.itemsize <= MAPPED_ROWS * 8:
+            return np.fromfile(self._path(name), dtype=dtype)
+        # int64: a copy-on-write map (the plan may rewrite a column in place); the file is
+        # unlinked with the folder, its pages stay file-backed while the map lives
+        return np.memmap(self._path(name), dtype=dtype, mode="r" if dtype == np.uint8 else "c", shape=(n,))
 
 
 class _SpooledNames(Sequence[str]):
@@ -525,7 +507,7 @@ def _collect(
         if len(starts):
             fresh = col.take(_i64(starts))
             fdata, foff = _binary_parts(fresh if isinstance(fresh, pa.Array) else fresh.combine_chunks())
-            spool.append_bytes("names.u8", fdata)
+            spool.append("names.u8", fdata)
             spool.append("name_off", name_bytes + foff[1:])
             name_bytes += int(foff[-1])
         first = names.n
@@ -547,7 +529,7 @@ def _collect(
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
     if any(getattr(s, "stream", None) is not None for s in segments):
         plancheck.distinct_names(segments, ids, alloc(folder, "stamp", names.n, np.int32, fill=-1))
-    table = NameTable(spool.done_bytes("names.u8", name_bytes), spool.done("name_off", names.n + 1))
+    table = NameTable(spool.done("names.u8", name_bytes), spool.done("name_off", names.n + 1))
     return Sorted(table, rows, spool.done("copies", n_kept), duplicates, ids)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ from .._errors import OutputBusyError, SpillMergeError
 from .._format import common as F
 from .._spill.root import LoadedSegment, Segment
 from .._storage import Storage
+from .._util.poll import poll
 from . import lease as _lease
 from . import planblocks as _blocks
 from .documents import NAME_BLOCK
@@ -90,32 +91,30 @@ def obtain(
     ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
     ``memory_limit``: the blocks of a stored plan kept in memory at most."""
     notes: list[str] = []
-    t0 = time.monotonic()
-    delay = 0.05
     where = output.describe(PLAN_DIR)
-    while True:
+
+    def stored() -> Obtained | None:
         found = _read(output, key, segments, notes, memory_limit)
-        if found is not None:
-            plan, fp, stored_settings = found
-            notes.append(f"the plan stored in {where} {READ}")
-            return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
+        if found is None:
+            return None
+        plan, fp, stored_settings = found
+        notes.append(f"the plan stored in {where} {READ}")
+        return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
+
+    for waited in poll(timeout if timeout > 0 else math.inf, first=0.05, cap=1.0):  # a planner's plan comes
+        got = stored()
+        if got is not None:
+            return got
         if may_store:
             lease = _planner_lease(output)
             if lease is not None:
-                with lease:
-                    found = _read(output, key, segments, notes, memory_limit)  # stored while we took the lease
-                    if found is not None:
-                        plan, fp, stored_settings = found
-                        notes.append(f"the plan stored in {where} {READ}")
-                        return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
-                    return _build_and_store(output, lease, key, plan_here, settings, notes)
+                with lease:  # (stored while we took the lease?)
+                    return stored() or _build_and_store(output, lease, key, plan_here, settings, notes)
         elif not _lease.held(output, PLANNER):
             break  # nobody at it: plan here
-        if timeout > 0 and time.monotonic() - t0 >= timeout:
+        if waited >= timeout > 0:
             notes.append(f"no stored plan in {where} after waiting {timeout:.0f} s for the planner")
             break
-        time.sleep(delay)  # a planner is at work: its plan comes
-        delay = min(delay * 1.5, 1.0)
     plan, fp = plan_here()
     notes.append("the plan was built here (not stored)")
     return Obtained(plan, fp, notes)

@@ -43,7 +43,7 @@ def arrow_names(files: Files) -> dict[str, OpenColumn]:
     out: dict[str, OpenColumn] = {}
     for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
         name = col.info.path or "value"
-        if len(files.by_leaf(col.info.leaf)) > 1:  # one column per dtype: "logits:float16"
+        if len(files.by_leaf.get(col.info.leaf, [])) > 1:  # one column per dtype: "logits:float16"
             # per variant where they differ in more than the dtype: "result:float32.2d", "result:str"
             name = f"{name}:{col.info.variant or col.info.dtype}"
         out[name] = col
@@ -119,9 +119,9 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     rows = np.arange(a, b, dtype=np.int64)
     file_of_row = np.searchsorted(offsets.span(f0, f1 + 1), rows, side="right") - 1
     arrays: dict[str, Any] = {
-        "filename": pa.array(files.names[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
+        "filename": pa.array(files.filenames[f0:f1], type=pa.string()).take(pa.array(file_of_row)),
         "frame_idx": pa.array(files.frame_idx[a:b], type=pa.int64()),
-        "rank": pa.array(files.frame_rank[a:b].astype(np.int32), type=pa.int32()),
+        "rank": pa.array(files.prov["frame_rank"][a:b].astype(np.int32), type=pa.int32()),
     }
     fields = [pa.field(k, v.type) for k, v in arrays.items()]
     stored = T.Batch(a, b, files.list_offsets)

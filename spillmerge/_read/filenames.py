@@ -30,42 +30,6 @@ from .rawchunk import chunk_reader
 Raise = Callable[[list[V.Problem]], None]
 
 
-class Names(Sequence[str]):
-    """Sorted, distinct filenames: ``len``, ``names[i]``, ``names[a:b]`` (a list), iteration in
-    order, ``in``, and :meth:`find` (a position or None). Equal to any sequence of the same names."""
-
-    def find(self, name: object) -> int | None:
-        raise NotImplementedError
-
-    def near(self, name: str) -> list[str]:
-        """Filenames close to ``name`` in sort order (for "did you mean")."""
-        raise NotImplementedError
-
-    def __contains__(self, name: object) -> bool:
-        return self.find(name) is not None
-
-    def index(self, name: Any, start: int = 0, stop: int | None = None) -> int:
-        i = self.find(name)
-        if i is None or i < start or (stop is not None and i >= stop):
-            raise ValueError(f"{name!r} is not a filename")
-        return i
-
-    def count(self, name: Any) -> int:
-        return int(self.find(name) is not None)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):
-            return len(self) == len(other) and list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        n = len(self)
-        head = ", ".join(repr(x) for x in self[: min(n, 3)])
-        return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
-
-
 def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> np.ndarray:
     """The whole 1-d array ``arr``, chunk by chunk (``_read.rawchunk``: straight from storage
     where it is plain, no round trip to zarr's event-loop thread); memory grows only with the
@@ -94,8 +58,20 @@ def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.nda
     return names, []
 
 
-class ChunkedNames(Names):
-    """Format 3: names read block by block on demand (module docstring)."""
+def _names_per_head(node: Any) -> tuple[int, list[V.Problem]]:
+    """``index/filename_heads``' ``names_per_head`` (names a block), and its problem if it is no
+    int from 1 to 2**20."""
+    attrs = node.attrs.get("spillmerge")
+    k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
+        return 0, [("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")]
+    return k, []
+
+
+class Names(Sequence[str]):
+    """Sorted, distinct filenames, read block by block on demand (module docstring): ``len``,
+    ``names[i]``, ``names[a:b]`` (a list), iteration in order, ``in``, and :meth:`find` (a
+    position or None). Equal to any sequence of the same names."""
 
     def __init__(
         self,
@@ -124,24 +100,13 @@ class ChunkedNames(Names):
         self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, describe, dtype=np.uint8)
         self._cache = cache
         heads_node = V.index_node(group, "filename_heads", describe)
-        attrs = heads_node.attrs.get("spillmerge")
-        k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
-            raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
-        self._k: int = k  # type: ignore[assignment]
+        self._k, problems = _names_per_head(heads_node)
+        raise_(problems)
         heads_raw = _whole(heads_node, storage, describe)
         hoff = np.asarray(_whole(V.index_node(group, "filename_head_offsets", describe), storage, describe), np.int64)
         n_blocks = -(-self._n // self._k)
-        raise_(
-            V.offsets_problems(
-                hoff,
-                n_blocks,
-                len(heads_raw),
-                "index/filename_head_offsets",
-                "blocks of filenames",
-                "index/filename_heads",
-            )
-        )
+        rel = "index/filename_head_offsets"
+        raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
         raise_(problems)
         raise_(IX.sorted_problems(heads, "index/filename_heads"))
@@ -187,23 +152,11 @@ class ChunkedNames(Names):
         self._raise(problems)
         self._raise(IX.sorted_problems(names, "index/filenames"))
         if len(names) and names[0] != self._heads[j]:
-            self._raise(
-                [
-                    (
-                        "index/filename_heads",
-                        f"entry {j} is {self._heads[j]!r:.200}, but block {j} starts with {names[0]!r:.200}",
-                    )
-                ]
-            )
+            what = f"entry {j} is {self._heads[j]!r:.200}, but block {j} starts with {names[0]!r:.200}"
+            self._raise([("index/filename_heads", what)])
         if len(names) and j + 1 < len(self._heads) and not names[-1] < self._heads[j + 1]:
-            self._raise(
-                [
-                    (
-                        "index/filenames",
-                        f"not sorted: {names[-1]!r:.200} (entry {b - 1}) is not below the next block's first name",
-                    )
-                ]
-            )
+            what = f"not sorted: {names[-1]!r:.200} (entry {b - 1}) is not below the next block's first name"
+            self._raise([("index/filenames", what)])
         names.setflags(write=False)
         return names
 
@@ -256,7 +209,32 @@ class ChunkedNames(Names):
             return j * k + p
         return None
 
+    def __contains__(self, name: object) -> bool:
+        return self.find(name) is not None
+
+    def index(self, name: Any, start: int = 0, stop: int | None = None) -> int:
+        i = self.find(name)
+        if i is None or i < start or (stop is not None and i >= stop):
+            raise ValueError(f"{name!r} is not a filename")
+        return i
+
+    def count(self, name: Any) -> int:
+        return int(self.find(name) is not None)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(repr(x) for x in self[: min(n, 3)])
+        return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
+
     def near(self, name: str) -> list[str]:
+        """Filenames close to ``name`` in sort order (for "did you mean")."""
         j = max(bisect.bisect_right(self._heads, name) - 1, 0)
         if not self._heads:
             return []
@@ -282,10 +260,9 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
     out = out or IX.sorted_problems(names)
     if out:
         return empty, out
-    attrs = V.index_node(group, "filename_heads", describe).attrs.get("spillmerge")
-    k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
-        return empty, [("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")]
+    k, out = _names_per_head(V.index_node(group, "filename_heads", describe))
+    if out:
+        return empty, out
     heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
     hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
     rel = "index/filename_head_offsets"

@@ -22,7 +22,7 @@ from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
-from .filenames import ChunkedNames, Names, close_matches
+from .filenames import Names, close_matches
 from .index import LazyArray
 from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
@@ -90,17 +90,18 @@ class OutputFiles:
     ) -> None:
         self.group = group
         # bytes + offsets, read block by block when asked for (_names)
-        self._names: Names = ChunkedNames(group, describe, cache, raise_, storage)
+        self.filenames = Names(group, describe, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = IX.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
         # list offsets (their contents stay in memory, as list columns' offsets do)
         lists, list_problems = L.read_lists(group)
         raise_(problems + list_problems)
-        self._list_offs, sizes, list_problems = L.domains(lists, n_rows)
+        # each list path's offsets (ending in ``ITEM``), checked here
+        self.list_offsets, sizes, list_problems = L.domains(lists, n_rows)
         raise_(list_problems)
         heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
-        raise_(L.header_problems(lists, self._list_offs, heads))
+        raise_(L.header_problems(lists, self.list_offsets, heads))
         self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
 
@@ -110,7 +111,8 @@ class OutputFiles:
         fo_node = V.index_node(group, "frame_offsets", describe)
         fo_k = max(int(fo_node.chunks[0]), 1)
         fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
-        self._offsets = lazy(
+        # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
+        self.frame_offsets = lazy(
             "index/frame_offsets",
             fo_node,
             check=LZ.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
@@ -119,20 +121,15 @@ class OutputFiles:
         fl_k = max(int(fl_node.chunks[0]), 1)
 
         def layout_check(c: int, arr: np.ndarray) -> None:
-            bad = np.flatnonzero((arr < 0) | (arr >= n_layouts))
-            if len(bad):
-                i = c * fl_k + int(bad[0])
-                shown = str(self._names[i]) if i < len(self._names) else "?"
-                raise_([("index/file_layout", f"entry {i} ({shown!r:.200}) is {int(arr[bad[0]])}, "
-                         f"not a position in the header's {n_layouts} file_layouts")])  # fmt: skip
+            raise_(IX.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
 
         self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
         meta = IX.meta_problems(
-            self._names, len(self._offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+            self.filenames, len(self.frame_offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
-        self._frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
-        self._prov: dict[str, LazyArray] = {
+        self.frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
+        self.prov: dict[str, LazyArray] = {
             name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in IX.PROVENANCE
         }
         self.n_rows = n_rows
@@ -161,10 +158,10 @@ class OutputFiles:
             self.columns[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
-            n_rows, self._offsets, self._file_layout, self._frame_idx, self._prov, root, self._layouts,
-            self._names, raise_,
+            n_rows, self.frame_offsets, self._file_layout, self.frame_idx, self.prov, root, self._layouts,
+            self.filenames, raise_,
         )  # fmt: skip
-        for arr in (self._frame_idx, *self._prov.values()):
+        for arr in (self.frame_idx, *self.prov.values()):
             arr.hook = self.checks.rows
         for col in root.values():
             if col.offsets is not None:
@@ -175,14 +172,14 @@ class OutputFiles:
                 col.valid_arr.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (_lazyindex).
-        self._offsets.span(0, 1)
+        self.frame_offsets.span(0, 1)
         self._file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = IX.layout_rows(self._offsets.whole(), self._file_layout.whole(), self._layouts)
+            in_layout = IX.layout_rows(self.frame_offsets.whole(), self._file_layout.whole(), self._layouts)
             for name, info in nested.items():
                 col = self.columns[name]
-                rows = L.expand(self._list_offs, F.list_domain(info.leaf), in_layout(name))
+                rows = L.expand(self.list_offsets, F.list_domain(info.leaf), in_layout(name))
                 raise_(V.rows_layout_problems(info, col.valid(), col.offsets, rows))
             raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
@@ -205,66 +202,55 @@ class OutputFiles:
             raise_([("zarr.json", str(exc))])
         self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
         self._next = 0
-        self._by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
+        self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
-            self._by_leaf.setdefault(c.info.leaf, []).append(c)
-
-    @property
-    def filenames(self) -> Names:
-        return self._names
+            self.by_leaf.setdefault(c.info.leaf, []).append(c)
 
     def index_arrays(self) -> tuple[Names, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), whole and checked (the
         filenames as the sequence read block by block): O(rows) memory, for coverage."""
         self.checks.rows(0, self.n_rows)
         return (
-            self._names, self._offsets.whole(), self._frame_idx.whole(), self._prov["frame_rank"].whole(),
-            self._prov["frame_copies"].whole(),
+            self.filenames, self.frame_offsets.whole(), self.frame_idx.whole(), self.prov["frame_rank"].whole(),
+            self.prov["frame_copies"].whole(),
         )  # fmt: skip
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self.filenames)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def _find(self, filename: object) -> int | None:
-        # (The in-order hint inside is a plain hint, not a lock: a racing thread at worst costs
-        # another thread the search.)
-        return self._names.find(filename)
+        return iter(self.filenames)
 
     def __contains__(self, filename: object) -> bool:
-        return self._find(filename) is not None
+        return filename in self.filenames
 
     def index(self, filename: str, where: Callable[[], str]) -> int:
-        i = self._names.find(filename)  # (as _find: one call less per file read)
+        # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
+        # another thread the search.)
+        i = self.filenames.find(filename)
         if i is None:
-            near = close_matches(self._names, filename)  # neighbours in sort order: no scan of every name
+            near = close_matches(self.filenames, filename)  # neighbours in sort order: no scan of every name
             hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
             raise UnknownFileError(
-                f"{filename!r} is not a filename of {where()} ({len(self._names)} files){hint}", filename=filename
+                f"{filename!r} is not a filename of {where()} ({len(self.filenames)} files){hint}", filename=filename
             )
         return i
 
-    def rows_of(self, i: int) -> tuple[int, int]:
-        """Rows ``a .. b-1`` of file ``i``, checked (``_read.index``)."""
-        return self.checks.file_rows(i)
-
     def frames(self, i: int) -> np.ndarray:
-        a, b = self.rows_of(i)
-        return self._frame_idx[a:b].copy()
+        a, b = self.checks.file_rows(i)
+        return self.frame_idx[a:b].copy()
 
     def provenance(self, i: int, name: str) -> np.ndarray:
-        a, b = self.rows_of(i)
-        return self._prov[name][a:b].copy()
+        a, b = self.checks.file_rows(i)
+        return self.prov[name][a:b].copy()
 
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
-        a, b = self.checks.file_rows(i)  # (rows_of, inlined: one call per file read)
+        a, b = self.checks.file_rows(i)
         layout = self._file_layout.item(i)
         cols, flat = self._layout_cols[layout]
         if filename is None or type(filename) is not str:
-            filename = str(self._names[i])
+            filename = str(self.filenames[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
         if flat:
@@ -275,7 +261,7 @@ class OutputFiles:
         out = LeafDict.top(filename)
         for path, col in self._layout_paths[layout]:
             # a list's items: the items of the file's rows, flattened
-            set_nested(out, path, col.view(*L.rows_of(self._list_offs, F.list_domain(col.info.leaf), a, b), filename))
+            set_nested(out, path, col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename))
         return out
 
     def row_value(
@@ -283,12 +269,12 @@ class OutputFiles:
     ) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
         has it) as it was written (``_read.rowvalue``)."""
-        a, b = self.rows_of(i)
+        a, b = self.checks.file_rows(i)
         if filename is None or type(filename) is not str:
-            filename = str(self._names[i])
-        if b == a + 1 and self._frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
+            filename = str(self.filenames[i])
+        if b == a + 1 and self.frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
             return self._row_value(i, a, filename, as_torch)
-        frames = self._frame_idx[a:b]
+        frames = self.frame_idx[a:b]
         j = int(np.searchsorted(frames, frame_idx))
         if j >= len(frames) or frames[j] != frame_idx:
             shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
@@ -300,14 +286,14 @@ class OutputFiles:
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
         plan = self.row_plan(self._file_layout.item(i))
-        block = _rowblock.Block(r, r + 1, self._list_offs, as_torch) if plan.lists else None
-        return row_value(plan, r, filename, as_torch, self._list_offs, block, self.key_orders.of_file(i))
+        block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
+        return row_value(plan, r, filename, as_torch, self.list_offsets, block, self.key_orders.of_file(i))
 
     def row_plan(self, layout: int) -> RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
         plan = self._row_plans.get(layout)
         if plan is None:
-            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self._list_offs)
+            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self.list_offsets)
         return plan
 
     def file_layouts(self, i0: int, i1: int) -> list[int]:
@@ -325,7 +311,7 @@ class OutputFiles:
             leaf = tuple(path.split("/")) if path else ()
         else:
             leaf = tuple(path)
-        cols = self._by_leaf.get(leaf, [])
+        cols = self.by_leaf.get(leaf, [])
         if dtype is not None:
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
         if len(cols) > 1:
@@ -347,34 +333,6 @@ class OutputFiles:
                 known=known,
             )
         return col.view(0, col.n_rows)
-
-    def by_leaf(self, leaf: tuple[str, ...]) -> list[OpenColumn]:
-        """The columns of leaf ``leaf`` (one per dtype when files disagreed on it)."""
-        return self._by_leaf.get(leaf, [])
-
-    @property
-    def names(self) -> Names:
-        """The filenames (sorted)."""
-        return self._names
-
-    @property
-    def frame_offsets(self) -> LazyArray:
-        """int64 ``(n_files + 1,)``: file ``i``'s rows are ``frame_offsets[i] .. frame_offsets[i + 1] - 1``
-        (read a chunk at a time)."""
-        return self._offsets
-
-    @property
-    def frame_idx(self) -> LazyArray:
-        return self._frame_idx
-
-    @property
-    def list_offsets(self) -> dict[tuple[str, ...], np.ndarray]:
-        """Each list path's offsets (checked at open), by the path (ending in ``ITEM``)."""
-        return self._list_offs
-
-    @property
-    def frame_rank(self) -> LazyArray:
-        return self._prov["frame_rank"]
 
 
 class MergedStore(Mapping[str, Any]):

@@ -93,16 +93,13 @@ def read_manifest(path: str) -> dict[str, int]:
 
 
 def first_missing(have: np.ndarray, span: int, limit: int) -> list[int]:
-    """The first ``limit`` integers of ``0 .. span-1`` not in ``have`` (ascending, unique), without
-    materialising ``span`` integers when it is huge."""
+    """The first ``limit`` integers of ``0 .. span-1`` not in ``have`` (ascending, unique), from
+    the gaps' runs: ``span`` integers are never materialised, however large it is."""
     out: list[int] = []
-    start = 0
-    for a, b, _ in runs(have):
-        out.extend(range(start, min(a, start + limit - len(out))))
-        start = b + 1
+    for a, b in gap_runs(have, span).tolist():
         if len(out) >= limit:
-            return out
-    out.extend(range(start, min(span, start + limit - len(out))))
+            break
+        out.extend(range(a, min(b + 1, a + limit - len(out))))
     return out
 
 

@@ -59,21 +59,16 @@ class ProgressRecord:
             obj = F.loads(data, path=path)
             if not isinstance(obj, dict) or obj.get("kind") != "spill-progress":
                 return None
-            ints = {k: obj[k] for k in ("rank", "frames", "rows", "nbytes", "chunks")}
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints.values()):
+            ints = {k: obj[k] for k in ("rank", "frames", "rows", "nbytes", "chunks", "staged_frames", "staged_bytes")}
+            times = {k: obj[k] for k in ("updated", "staged_updated")}
+            if not all(type(v) is int and v >= 0 for v in ints.values()) or not all(
+                type(v) in (int, float) for v in times.values()
+            ):
                 return None
-            updated = obj["updated"]
-            if not isinstance(updated, int | float) or isinstance(updated, bool):
-                return None
-            # Records without the staged counts (older writers): what is durable is all they say.
-            staged = {"staged_frames": obj.get("staged_frames", ints["frames"]),
-                      "staged_bytes": obj.get("staged_bytes", ints["nbytes"])}  # fmt: skip
-            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in staged.values()):
-                return None
-            at = obj.get("staged_updated", updated)
-            if not isinstance(at, int | float) or isinstance(at, bool):
-                return None
-            return cls(segment=str(obj.get("segment")), updated=float(updated), staged_updated=float(at), **ints, **staged)
+            at = {k: float(v) for k, v in times.items()}
+            return cls(
+                segment=str(obj.get("segment")), updated=at["updated"], staged_updated=at["staged_updated"], **ints
+            )
         except (KeyError, F.CorruptSpillError):
             return None
 
