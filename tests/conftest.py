@@ -143,7 +143,6 @@ TIERS: dict[str, str] = {
         "test_nothing_lost_writer::test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their_blocks "
         "test_nothing_lost_output::test_two_merges_into_one_output_never_both_write "
         "test_values::test_a_million_element_list "
-        "test_nothing_lost_reader::test_verify_checks_the_index_invariants "
         "test_planstore::test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_followed "
         "test_nothing_lost_writer::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks "
         "test_plan_in_memory::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool"

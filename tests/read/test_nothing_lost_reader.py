@@ -22,16 +22,14 @@ import pytest
 import torch
 import zarr
 from _helpers import write_filenames
+from test_cli import cli_run as run  # spillmerge ARGS in this process
 
 import spillmerge
 from spillmerge._inspect.coverage import coverage
 from spillmerge._util.frames import read_manifest
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
-
-
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout)
+"""The console script: the memory-bounded runs below measure a process of its own."""
 
 
 def _write(w: spillmerge.SpillWriter) -> None:
