@@ -163,7 +163,9 @@ FIRST = (
 
 #: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
 #: their tests go to the workers one by one instead of as one file (tests/project/test_tiers.py checks
-#: they hold no module fixture). Every other file goes to one worker whole.
+#: they hold no module fixture: a worker would build it again each time it comes back to the file; a
+#: set-up their tests share is session-scoped, built at most once per worker). Every other file goes
+#: to one worker whole.
 SPREAD = (
     "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "
     "test_status test_stale_root test_every_value test_nothing_lost_writer test_scaleout test_planstore "
