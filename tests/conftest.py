@@ -198,6 +198,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for key in (item.path.stem, f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"):
             if key in tier:
                 item.add_marker(getattr(pytest.mark, tier[key]))
+        if "s3_server" in getattr(item, "fixturenames", ()):  # starts the moto server, however reached
+            item.add_marker(pytest.mark.s3)
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return
