@@ -143,7 +143,6 @@ TIERS: dict[str, str] = {
         "test_nothing_lost_writer::test_a_batch_writer_killed_mid_stream_salvages_whole_frames_checked_by_their_blocks "
         "test_nothing_lost_output::test_two_merges_into_one_output_never_both_write "
         "test_values::test_a_million_element_list "
-        "test_nothing_lost_reader::test_verify_checks_the_index_invariants "
         "test_planstore::test_a_stored_plan_file_that_is_no_plain_file_is_refused_or_rebuilt_never_followed "
         "test_nothing_lost_writer::test_a_writer_killed_with_several_flush_workers_in_flight_journals_only_durable_chunks "
         "test_plan_in_memory::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool "
@@ -166,7 +165,9 @@ FIRST = (
 
 #: Files whose tests share no module-scoped set-up and take seconds each: under ``--dist loadfile``
 #: their tests go to the workers one by one instead of as one file (tests/project/test_tiers.py checks
-#: they hold no module fixture). Every other file goes to one worker whole.
+#: they hold no module fixture: a worker would build it again each time it comes back to the file; a
+#: set-up their tests share is session-scoped, built at most once per worker). Every other file goes
+#: to one worker whole.
 SPREAD = (
     "test_examples test_plan_sql test_torchrun test_integrations test_s3 test_failures test_s3_outage test_waits "
     "test_status test_stale_root test_every_value test_nothing_lost_writer test_scaleout test_planstore "
@@ -199,6 +200,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for key in (item.path.stem, f"{item.path.stem}::{getattr(item, 'originalname', item.name)}"):
             if key in tier:
                 item.add_marker(getattr(pytest.mark, tier[key]))
+        if "s3_server" in getattr(item, "fixturenames", ()):  # starts the moto server, however reached
+            item.add_marker(pytest.mark.s3)
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return

@@ -180,10 +180,11 @@ def _list_group(out: Path, path: tuple[str, ...]) -> str:
     raise AssertionError(path)
 
 
-@pytest.fixture
-def lists_out(tmp_path: Path) -> tuple[Path, list[tuple[str, int, Any]]]:
+@pytest.fixture(scope="module")
+def lists_out(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[str, int, Any]]]:
+    """Read only: each test damages a copy."""
     rows = [("a", f, {"l": [torch.full((f + 1,), float(f))] * (f + 1), "n": [[1, "x"]] * f}) for f in range(4)]
-    return _merge(tmp_path / "base", rows), rows
+    return _merge(tmp_path_factory.mktemp("lists"), rows), rows
 
 
 @pytest.mark.parametrize("damage", ["decrease", "past the items", "not from 0", "header disagrees"])

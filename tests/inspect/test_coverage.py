@@ -33,11 +33,21 @@ def _spill(root, frames_by_rank: dict[int, dict[str, list[int]]]) -> None:
 LAYOUT = {0: {"clip.mp4": [0, 2, 4, 6, 8], "only0.mp4": [0, 1]}, 1: {"clip.mp4": [0, 1, 3, 7, 9]}}
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """The spill root and output ``merged`` copies, spilled and merged once for the module."""
+    base = tmp_path_factory.mktemp("coverage")
+    _spill(base / "spill", LAYOUT)
+    spillmerge.merge(str(base / "spill"), str(base / "out.zarr"))
+    return base
+
+
 @pytest.fixture
-def merged(tmp_path):
+def merged(pristine, tmp_path):
+    """The test's own copy of a spill root and its output."""
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
-    _spill(root, LAYOUT)
-    spillmerge.merge(str(root), str(out))
+    shutil.copytree(pristine / "spill", root)
+    shutil.copytree(pristine / "out.zarr", out)
     return root, out
 
 

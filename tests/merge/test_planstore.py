@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,22 @@ def _flip(path: Path, at: float) -> None:
     path.write_bytes(bytes(raw))
 
 
+@pytest.fixture(scope="session")
+def work_folder_states(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Path]]:
+    """Read only, shared by the damage cases: a spill root, a whole merge's ``output_tree``, and an
+    output of 3 parts as it stands after part 0 and after every part (before the finalize). Session
+    scope: this file's tests go to the workers one by one, so each worker builds it at most once."""
+    base = tmp_path_factory.mktemp("planstore-states")
+    root, one, out = base / "spill", base / "one", base / "out"
+    _spill(root, world=2, files=6, frames=5)
+    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    for i in range(3):
+        spillmerge.merge(str(root), str(out), part=(i, 3), **OPTS)  # type: ignore[arg-type]
+        if i == 0:
+            shutil.copytree(out, base / "after-part-0", symlinks=True)
+    return root, output_tree(str(one)), {"between parts": base / "after-part-0", "before finalize": out}
+
+
 @pytest.mark.parametrize("when", ["between parts", "before finalize"])
 @pytest.mark.parametrize(
     "target",
@@ -88,25 +105,24 @@ def _flip(path: Path, at: float) -> None:
      "part-00000-of-00003.json"],
 )  # fmt: skip
 @pytest.mark.parametrize("at", [0.3, 0.6, 0.95])
-def test_a_damaged_file_of_the_work_folder_is_named_or_changes_nothing(tmp_path, target, when, at):
+def test_a_damaged_file_of_the_work_folder_is_named_or_changes_nothing(work_folder_states, tmp_path, target, when, at):
     """One byte of a stored plan file or a part record changed between the parts, or before the
     finalize: the merge ends with a SpillMergeError naming the file, or with the bytes of a whole
     merge; never with a complete output that differs."""
-    root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
-    _spill(root, world=2, files=6, frames=5)
-    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
+    root, whole, states = work_folder_states
+    out = tmp_path / "out"
+    shutil.copytree(states[when], out, symlinks=True)  # the parts so far, run once for every case
     victim = out / "spillmerge-parts" / target
+    _flip(victim, at)
     try:
-        for i in range(3):
+        for i in range(1 if when == "between parts" else 3, 3):
             spillmerge.merge(str(root), str(out), part=(i, 3), **OPTS)  # type: ignore[arg-type]
-            if (when == "between parts" and i == 0) or (when == "before finalize" and i == 2):
-                _flip(victim, at)
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     except spillmerge.SpillMergeError as exc:
         assert victim.name in str(exc), exc
         assert not (out / "spillmerge-complete.json").exists()
         return
-    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert tree_diff(whole, output_tree(str(out))) == []
     assert spillmerge.verify(str(out)).ok
 
 

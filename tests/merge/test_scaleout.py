@@ -222,11 +222,29 @@ def test_part_rerun_is_idempotent_and_repairs_a_crashed_part(tmp_path):
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
 
 
-def test_a_damaged_stored_plan_is_planned_again(tmp_path):
-    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
+@pytest.fixture(scope="session")
+def after_part_0(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Path]:
+    """Read only, shared by the stored-plan damage tests: a spill root of 2 ranks, a whole merge's
+    ``output_tree`` and an output after part 0 of 2 (the stored plan written). A test damages a copy
+    (``_after_part_0``). Session scope: this file's tests go to the workers one by one, so each
+    worker builds it at most once."""
+    base = tmp_path_factory.mktemp("scaleout-part0")
+    root, one, out = base / "spill", base / "one", base / "out"
     _spill(root, world=2, files=4, frames=4)
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    return root, output_tree(str(one)), out
+
+
+def _after_part_0(state: tuple[Path, dict[str, Any], Path], tmp_path: Path) -> tuple[Path, dict[str, Any], Path]:
+    """The spill root, the whole merge's tree and a copy of the output after part 0, the test's own."""
+    root, whole, out = state
+    shutil.copytree(out, tmp_path / "out", symlinks=True)
+    return root, whole, tmp_path / "out"
+
+
+def test_a_damaged_stored_plan_is_planned_again(after_part_0, tmp_path):
+    root, whole, out = _after_part_0(after_part_0, tmp_path)
     seg = out / "spillmerge-parts" / "plan" / "seg.0"
     seg.write_bytes(seg.read_bytes()[:-8])  # a torn array: it fails its digest, never used
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
@@ -234,7 +252,7 @@ def test_a_damaged_stored_plan_is_planned_again(tmp_path):
     assert any("built here and stored" in n for n in rep.notes), rep.notes
     rep = spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
     assert any("was read, not rebuilt" in n for n in rep.notes)
-    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert tree_diff(whole, output_tree(str(out))) == []
     # No stored plan at all (removed by hand) and nobody planning: a finalize with a long timeout
     # plans at once rather than waiting for one.
     _parts(root, out, 2, overwrite=True)
@@ -242,7 +260,7 @@ def test_a_damaged_stored_plan_is_planned_again(tmp_path):
     t = time.monotonic()
     rep = spillmerge.merge(str(root), str(out), finalize=True, timeout=120, **OPTS)  # type: ignore[arg-type]
     assert time.monotonic() - t < 60 and not any("was read" in n for n in rep.notes)
-    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert tree_diff(whole, output_tree(str(out))) == []
 
 
 @pytest.mark.parametrize(
@@ -250,16 +268,13 @@ def test_a_damaged_stored_plan_is_planned_again(tmp_path):
     [("name_offsets.0", "offsets that do not rise"), ("seg.0", "first element is not the one plan.json names"),
      ("c0.src.0", "more than a block holds")],
 )  # fmt: skip
-def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(tmp_path, victim, why):
+def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(after_part_0, tmp_path, victim, why):
     # plan.json's digests are not a signature: a block rewritten with its digest (and plan.json's
     # own) recomputed still meets the checks a part makes as it reads: offsets rise, a block
     # starts with the element plan.json names, a block holds no more than a block's bytes.
     from spillmerge._merge import planblocks, planstore
 
-    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
-    _spill(root, world=2, files=4, frames=4)
-    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
-    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    root, whole, out = _after_part_0(after_part_0, tmp_path)
     folder = out / "spillmerge-parts" / "plan"
     doc = json.loads((folder / "plan.json").read_text())
     name, _ = victim.rsplit(".", 1)
@@ -279,16 +294,13 @@ def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(tm
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
     assert any(n.startswith("the stored plan was not used:") and why in n for n in rep.notes), rep.notes
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert tree_diff(whole, output_tree(str(out))) == []
 
 
-def test_a_stored_plan_pointing_out_of_range_is_never_used(tmp_path):
+def test_a_stored_plan_pointing_out_of_range_is_never_used(after_part_0, tmp_path):
     # The stored plan's rows are not checked again against the spill root: an array rewritten to
     # the same size fails its digest and the plan is built again from the spill root.
-    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
-    _spill(root, world=2, files=4, frames=4)
-    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
-    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    root, whole, out = _after_part_0(after_part_0, tmp_path)
     seg = out / "spillmerge-parts" / "plan" / "seg.0"
     raw = np.frombuffer(seg.read_bytes(), dtype=np.uint8).copy()
     raw[:] = 0x7F  # the same size, every segment number far past the segments there are
@@ -296,19 +308,16 @@ def test_a_stored_plan_pointing_out_of_range_is_never_used(tmp_path):
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
     assert any("plan/seg.0: fails its digest" in n for n in rep.notes), rep.notes
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+    assert tree_diff(whole, output_tree(str(out))) == []
 
 
 @pytest.mark.parametrize("target", ["plan.json", "seg.0"])
 @pytest.mark.parametrize("attack", ["fifo", "link out of the root", "dev zero", "oversized"])
-def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, attack):
+def test_a_hostile_published_plan_is_planned_again_or_refused(after_part_0, tmp_path, target, attack):
     # The stored plan is one more object kind in the output (docs/GUARANTEES.md, threat model):
     # a part meeting a FIFO, a link, /dev/zero or an oversized object there never hangs, never
     # reads outside the output, and either plans itself or stops with a SpillMergeError.
-    root, out, one = tmp_path / "spill", tmp_path / "out", tmp_path / "one"
-    _spill(root, world=2, files=4, frames=4)
-    spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
-    spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
+    root, whole, out = _after_part_0(after_part_0, tmp_path)
     victim = out / "spillmerge-parts" / "plan" / target
     outside = tmp_path / "outside.bin"
     make_hostile(victim, outside, attack, grow=300 << 20 if target == "plan.json" else 8)  # past the limits
@@ -320,7 +329,7 @@ def test_a_hostile_published_plan_is_planned_again_or_refused(tmp_path, target, 
     else:
         assert not any("was read, not rebuilt" in n for n in rep.notes), rep.notes  # planned itself
         spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-        assert tree_diff(output_tree(str(one)), output_tree(str(out))) == []
+        assert tree_diff(whole, output_tree(str(out))) == []
     assert outside.read_bytes() == kept  # nothing outside the output written or removed
 
 

@@ -7,6 +7,7 @@ refused, naming the array, when a row of it is read; ``verify`` lists it as befo
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -71,9 +72,21 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def merged_60(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Read only: an output of 60 files merged with the small blocks; each damage case copies it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_zarrmeta, "INDEX_ROWS_PER_CHUNK", SMALL)
+        mp.setattr(_lazyindex, "ROW_BLOCK", SMALL)
+        return _merge(tmp_path_factory.mktemp("lazy-index"), 60)
+
+
 @pytest.mark.parametrize("node, at, value, needle", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_a_damaged_late_block_opens_and_is_refused_when_read(small_blocks, tmp_path, node, at, value, needle):
-    out = _merge(tmp_path, 60)
+def test_a_damaged_late_block_opens_and_is_refused_when_read(
+    merged_60, small_blocks, tmp_path, node, at, value, needle
+):
+    out = tmp_path / "out.zarr"
+    shutil.copytree(merged_60, out)
     _set(out, node, at, value)
     res = spillmerge.open(str(out))  # bounded: the damage lies beyond the first block
     assert len(res) == 60 and res.filenames[59] == _name(59)

@@ -38,10 +38,11 @@ def _det(f: int) -> dict[str, object]:
     }
 
 
-@pytest.fixture
-def det(tmp_path: Path) -> tuple[Path, dict[str, dict[int, dict[str, object]]]]:
+@pytest.fixture(scope="module")
+def det(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, dict[str, object]]]]:
+    """Read only: the tests that damage it damage a copy (``_copy``)."""
     frames = {"b.jpg": {f: _det(f) for f in (0, 1, 2)}, "a.jpg": {7: _det(3)}}
-    return _merge(tmp_path, frames), frames  # type: ignore[arg-type]
+    return _merge(tmp_path_factory.mktemp("det"), frames), frames  # type: ignore[arg-type]
 
 
 def _same(got: object, want: object) -> None:

@@ -22,16 +22,14 @@ import pytest
 import torch
 import zarr
 from _helpers import write_filenames
+from test_cli import cli_run as run  # spillmerge ARGS in this process
 
 import spillmerge
 from spillmerge._inspect.coverage import coverage
 from spillmerge._util.frames import read_manifest
 
 EXE = shutil.which("spillmerge", path=os.path.dirname(sys.executable)) or "spillmerge"
-
-
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout)
+"""The console script: the memory-bounded runs below measure a process of its own."""
 
 
 def _write(w: spillmerge.SpillWriter) -> None:
@@ -40,16 +38,25 @@ def _write(w: spillmerge.SpillWriter) -> None:
         w.write("b.mp4", 10 + f, {"x": torch.full((2,), float(f)), "y": {"z": torch.tensor([f])}})
 
 
-@pytest.fixture
-def out(tmp_path: Path) -> Path:
-    """A merged store: a.mp4 (tensor, frames 0..2, column ``_value``, rows 0..2) and b.mp4 (dict,
-    frames 10..12, columns ``x`` and ``y/z``, rows 3..5). Every column lacks the other file's rows,
-    so each has ``valid`` and ``offsets`` and its ``values`` hold only its file's 3 rows, one row
-    per chunk: every ``values`` array has 3 chunks."""
-    root, dst = tmp_path / "spill", tmp_path / "out.zarr"
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store ``out`` copies, merged once for the module."""
+    base = tmp_path_factory.mktemp("nothing-lost-reader")
+    root, dst = base / "spill", base / "out.zarr"
     with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
         _write(w)
     spillmerge.merge(str(root), str(dst), chunk_bytes=8)
+    return dst
+
+
+@pytest.fixture
+def out(pristine: Path, tmp_path: Path) -> Path:
+    """A merged store, the test's own copy: a.mp4 (tensor, frames 0..2, column ``_value``, rows
+    0..2) and b.mp4 (dict, frames 10..12, columns ``x`` and ``y/z``, rows 3..5). Every column lacks
+    the other file's rows, so each has ``valid`` and ``offsets`` and its ``values`` hold only its
+    file's 3 rows, one row per chunk: every ``values`` array has 3 chunks."""
+    dst = tmp_path / "out.zarr"
+    shutil.copytree(pristine, dst)
     return dst
 
 
