@@ -61,10 +61,6 @@ def spill_killed_at(root: str, rank: int, world: int, n_frames: int, when: str) 
         real_put_atomic(self, rel, data)
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
-        if tear is not None and rel.endswith(f"/{FS.journal_name(tear)}"):
-            blob = b"".join(bytes(p) for p in ([data] if isinstance(data, (bytes, memoryview)) else data))  # type: ignore[union-attr]
-            real_put(self, rel, blob[: len(blob) // 2])
-            os.kill(os.getpid(), signal.SIGKILL)
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
         if when.startswith("journal-") and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
             die()
@@ -92,10 +88,6 @@ def spill_batches_killed_at(root: str, rank: int, world: int, n_frames: int, whe
     real_put = LocalStorage.put
 
     def put(self: Storage, rel: str, data: object, **kwargs: object) -> None:
-        if tear is not None and rel.endswith(f"/{FS.journal_name(tear)}"):
-            blob = b"".join(bytes(p) for p in ([data] if isinstance(data, (bytes, memoryview)) else data))  # type: ignore[union-attr]
-            real_put(self, rel, blob[: len(blob) // 2])
-            os.kill(os.getpid(), signal.SIGKILL)
         real_put(self, rel, data, **kwargs)  # type: ignore[arg-type]
         if when and rel.endswith(f"/{FS.journal_name(int(when.split('-')[1]))}"):
             os.kill(os.getpid(), signal.SIGKILL)
