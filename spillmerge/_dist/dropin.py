@@ -454,7 +454,8 @@ def _collective(
     call, one_host = _agree(rank, root, timeout)
     # On one host each rank merges its own spill into an output of its own, all at once, and the
     # readers read the W outputs: the merges run in parallel and each sorts a W-th of the rows
-    # (on 4 ranks of an LLM eval, rank 0's merge CPU was 0.6-0.9 s whole, 0.12-0.14 s a rank).
+    # (on 4 ranks of an LLM eval, rank 0's merge CPU was 0.6-0.9 s whole, 0.12-0.14 s a rank);
+    # one copy thread each: the W merges already share the host's cores (0.10-0.11 s a rank).
     # On several hosts dst merges every rank's spill, moved to it when its root is node-local.
     if one_host:
         spill, out = f"{call}/spill-{_name(rank)}", f"{call}/out-{_name(rank)}.zarr"
@@ -482,7 +483,7 @@ def _collective(
         if one_host:
             merge(
                 spill, out, storage_options=storage_options, world_size=1, run_id=call[-32:], overwrite=True,
-                progress=False, fsync=False,
+                progress=False, fsync=False, threads=1,
             )  # fmt: skip
     except Exception as exc:  # told to every rank just below, then raised here
         error = exc
