@@ -363,6 +363,9 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
                 return ABSENT
         return build(block, r, filename)
 
+    flat = getattr(build, "flat", None)
+    if flat is not None:  # a run checks its columns' validity itself (``Block.run``)
+        checked.flat = flat  # type: ignore[attr-defined]
     return checked
 
 

@@ -127,6 +127,25 @@ def test_gather_in_one_process_and_the_spill_root_option(tmp_path: Path):
     assert not (tmp_path / "o.zarr.spill").exists()
 
 
+def test_gather_gives_back_flat_records_as_written(tmp_path: Path):
+    """LLM outputs (flat dicts of Python values, keys not in sorted order, a key that is None in
+    some), more than a batch of them, and a batch holding a dict of another kind: every value
+    comes back as written, its keys in order."""
+    preds: dict[str, Any] = {
+        f"p{i:05d}": {"text": "é" * (i % 7), "token_ids": list(range(i % 5 + 1)), "logprob": -i / 3,
+                      "finish_reason": None if i % 4 else "stop"}
+        for i in range(1500)
+    }  # fmt: skip
+    preds["p01400"] = {"text": "x", "nested": {"a": [1.5]}}
+    store = spillmerge.gather({k: (0, v) for k, v in preds.items()}, tmp_path / "o.zarr", rank=0, world_size=1,
+                              progress=False)  # fmt: skip
+    assert store is not None
+    got = {name: v for name, _, v in store.iter_values()}
+    assert list(got) == list(preds)
+    for name, want in preds.items():
+        assert got[name] == want and list(got[name]) == list(want), name
+
+
 def test_every_rank_names_the_root_cause_when_the_store_host_exits(tmp_path: Path):
     """Measured on an older release: ranks 1 and 3 raised 'lost the process group's store ...
     Connection reset by peer', which did not mention rank 2, whose failure record was on storage."""
