@@ -13,12 +13,11 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 element has; records holding records go a batch at a time, converted a
                 column at a time), any other object as file ``R``; and file ``R.h``, a JSON
                 header (the kind, a dict's keys in order, the paths of numpy arrays and
-                pickled objects), unless the object is file ``R`` with nothing to restore;
-                commits; on one host, merges its own spill into an output of its own
+                pickled objects), unless the object is file ``R`` with nothing to restore; commits
   (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
                 dst removes the call's folder (every rank is past writing)
-  (dst)         on several hosts only: merges every rank's spill (``SpillWriter.merge``, the
-                shards moved to it when its root is node-local); an all-gather of how that went
+  (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
+                an all-gather of how that went, as above
   (readers)     read every rank's object back (tensors as torch tensors on the CPU, the numpy
                 arrays' paths turned back into numpy arrays) into the caller's list
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
@@ -42,7 +41,6 @@ import numpy as np
 import torch
 
 from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
-from .._merge.job import merge
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
@@ -173,34 +171,25 @@ def _plain(values: Any) -> bool:
     return _ATOMIC.issuperset(map(type, values))
 
 
-def _records_kind(values: Any, depth: int = 0) -> int:
+def _plain_records(values: Any, depth: int = 0, nested: bool = True) -> bool:
     """Whether ``values`` are dicts of one key order whose values, a key at a time, are plain,
-    lists of plain values or such records themselves (the instances of COCO's images), checked a
-    column at a time in C: no step per dict. :data:`_NOT_RECORDS` when they are not, else
-    :data:`_FLAT` (no column holds records) or :data:`_NESTED`."""
+    lists of plain values or (``nested``) such records themselves (the instances of COCO's
+    images), checked a column at a time in C: no step per dict."""
     first = values[0] if values else None
     if type(first) is not dict or set(map(type, values)) != {dict} or depth > 8:
-        return _NOT_RECORDS
+        return False
     keys = tuple(first)
     if not _STR.issuperset(map(type, keys)) or not all(map(keys.__eq__, map(tuple, values))):
-        return _NOT_RECORDS
-    kind = _FLAT
+        return False
     for key in keys:
         column = list(map(operator.itemgetter(key), values))
         if _plain(column):
             continue
         if set(map(type, column)) == {list}:
             column = list(itertools.chain.from_iterable(column))  # the lists' items, one column
-        if _plain(column):
-            continue
-        if _records_kind(column, depth + 1) == _NOT_RECORDS:
-            return _NOT_RECORDS
-        kind = _NESTED
-    return kind
-
-
-_NOT_RECORDS, _FLAT, _NESTED = 0, 1, 2
-"""``_records_kind``'s answers."""
+        if not (_plain(column) or (nested and _plain_records(column, depth + 1))):
+            return False
+    return True
 
 
 class _Whole:
@@ -224,9 +213,9 @@ class _Shape:
         self.scalars: list[list[Any]] = []
         self.whole: list[list[Any]] = []
         self.allow_pickle = allow_pickle
-        self.records = _NOT_RECORDS
-        """What ``obj``'s elements are (``_records_kind``, found once here): records holding
-        records are written a batch at a time, converted a column at a time."""
+        self.records = False
+        """Whether ``obj`` holds records of plain values (``_plain_records``): its elements are
+        written as one batch, converted a column at a time."""
         self.obj = self._walk(obj, [], 0)
 
     def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
@@ -246,9 +235,8 @@ class _Shape:
                 return self._pickled(obj, path)  # else the writer refuses the key, naming it
             if _plain(obj.values()):
                 return obj
-            found = _records_kind(list(obj.values()))
-            if found != _NOT_RECORDS:
-                self.records = found if depth == 0 else self.records
+            if _plain_records(list(obj.values())):
+                self.records = self.records or depth == 0
                 return obj
             changed: Any = None
             for k, v in obj.items():
@@ -262,9 +250,8 @@ class _Shape:
         if kind is list or kind is tuple:
             if _plain(obj):
                 return obj
-            found = _records_kind(obj)
-            if found != _NOT_RECORDS:
-                self.records = found if depth == 0 else self.records
+            if _plain_records(obj):
+                self.records = self.records or depth == 0
                 return obj
             items: Any = None
             for i, v in enumerate(obj):
@@ -358,25 +345,25 @@ def _header_name(rank: int) -> str:
     return f"{_name(rank)}.h"  # after the rank's element files ('.' sorts after '-')
 
 
-def _split(obj: Any, records: int) -> bool:
-    """Whether ``obj`` (whose elements are ``records``: ``_records_kind``) is stored one file per
-    element: a dict of str keys that holds a dict (else a column per key), a list or tuple that
-    holds a dict, unless its items are flat records, dicts of one key order whose values are
-    plain or lists of plain values (one column per key, converted whole, is faster than a file
-    per item). A list of scalars or of lists is one leaf already, its items stored as one array."""
+def _split(obj: Any) -> bool:
+    """Whether ``obj`` is stored one file per element: a dict of str keys that holds a dict (else
+    a column per key), a list or tuple that holds a dict, unless its items are dicts of one key
+    order whose values are plain or lists of plain values (a list of records: one column per key,
+    converted whole, is faster than a file per item). A list of scalars or of lists is one leaf
+    already, its items stored as one array."""
     kind = type(obj)
     if kind is dict:
         return _STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
     if not (kind is list or kind is tuple) or not any(type(v) is dict for v in obj):
         return False
-    return records != _FLAT
+    return not _plain_records(obj, nested=False)
 
 
 def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
     """The rank's object (``shape.obj``) and its header, as the module docstring says."""
     obj, name = shape.obj, _name(rank)
     header: dict[str, Any] = {"shape": shape.dumps()}
-    if _split(obj, shape.records):
+    if _split(obj):
         kind = type(obj)
         header["kind"], header["n"] = kind.__name__, len(obj)
         if kind is dict:
@@ -386,7 +373,7 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
         # at a time, a batch's at once (memory bounded). Flat records go one write() each, which
         # stages a dict of plain values from its file's template: half write_batch's CPU on the
         # LLM outputs (benchmarks/RESULTS.md).
-        if shape.records == _NESTED:
+        if shape.records and not _plain_records(values, nested=False):
             for a in range(0, len(values), BATCH_ITEMS):
                 b = min(a + BATCH_ITEMS, len(values))
                 w.write_batch([f"{name}-{i:010d}" for i in range(a, b)], values[a:b])
@@ -401,15 +388,15 @@ def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
     w.write(_header_name(rank), 0, json.dumps(header))
 
 
-def _read(store: MergedStore, ranks: range, object_list: list[Any]) -> None:
-    """The objects of ``ranks`` (those whose files ``store`` holds), from one pass over the
-    output's rows in filename order (a rank's files sort together, its elements in order)."""
-    if len(store) == len(ranks):  # every rank wrote one file and no header: its object is that file's value
-        for r in ranks:
+def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
+    """Every rank's object, from one pass over the output's rows in filename order (a rank's
+    files sort together, its elements in order)."""
+    if len(store) == world:  # every rank wrote one file and no header: its object is that file's value
+        for r in range(world):
             object_list[r] = store.value(_name(r), 0, as_torch=True)
         return
-    items: dict[int, list[Any]] = {r: [] for r in ranks}
-    headers: dict[int, Any] = {}
+    items: list[list[Any]] = [[] for _ in range(world)]
+    headers: list[Any] = [None] * world
     paused = gc.isenabled()
     gc.disable()  # only new, acyclic lists and dicts: the collector's passes over them find nothing
     try:
@@ -422,8 +409,8 @@ def _read(store: MergedStore, ranks: range, object_list: list[Any]) -> None:
     finally:
         if paused:
             gc.enable()
-    for r in ranks:
-        header, got = headers.get(r) or {"kind": "object", "shape": None}, items[r]
+    for r in range(world):
+        header, got = headers[r] or {"kind": "object", "shape": None}, items[r]
         kind = header["kind"]
         if kind == "object":
             value = got[0]
@@ -452,17 +439,7 @@ def _collective(
 ) -> None:
     rank, world, target = _ranks(group, dst, group_dst)
     call, one_host = _agree(rank, root, timeout)
-    # On one host each rank merges its own spill into an output of its own, all at once, and the
-    # readers read the W outputs: the merges run in parallel and each sorts a W-th of the rows
-    # (on 4 ranks of an LLM eval, rank 0's merge CPU was 0.6-0.9 s whole, 0.12-0.14 s a rank);
-    # one copy thread each: the W merges already share the host's cores (0.10-0.11 s a rank).
-    # On several hosts dst merges every rank's spill, moved to it when its root is node-local.
-    if one_host:
-        spill, out = f"{call}/spill-{_name(rank)}", f"{call}/out-{_name(rank)}.zarr"
-        w_rank, w_world = 0, 1
-    else:
-        spill, out = f"{call}/spill", f"{call}/out.zarr"
-        w_rank, w_world = rank, world
+    spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
     try:
         # fsync=False here and in the merge: the call's folder is removed when the call returns,
@@ -470,7 +447,7 @@ def _collective(
         # 4 MiB chunks, two of them: the writer touches its staging buffers ahead of use, and a
         # small call's cost was mostly faulting in 16 MiB ones
         with _CallWriter(
-            spill, w_rank, w_world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
+            spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
             chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
         ) as w:  # fmt: skip
             _check_list(rank, target, world, object_list, every_rank)
@@ -480,33 +457,26 @@ def _collective(
             except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
                 exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
                 raise
-        if one_host:
-            merge(
-                spill, out, storage_options=storage_options, world_size=1, run_id=call[-32:], overwrite=True,
-                progress=False, fsync=False, threads=1,
-            )  # fmt: skip
     except Exception as exc:  # told to every rank just below, then raised here
         error = exc
     # Every rank has committed (or failed) once this returns: dst's merge finds every commit
     # record at its first look, with no polling of storage.
     _settle(rank, target, call, storage_options, error, timeout, "writing its object")
-    if not one_host:
-        try:
-            # The spill stays until the call's folder goes as a whole.
-            w.merge(
-                out, target, wait=False, timeout=timeout, overwrite=True, storage_options=storage_options,
-                remove_spill=False, progress=False, fsync=False, transport="auto",
-            )  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
-            error = exc
-        _settle(rank, target, call, storage_options, error, timeout, "the merge")
+    try:
+        # On one host every shard lies where dst reads it: no transfer to coordinate. The spill
+        # stays until the call's folder goes as a whole.
+        w.merge(
+            out, target, wait=False, timeout=timeout, overwrite=True, storage_options=storage_options,
+            remove_spill=False, progress=False, fsync=False, transport="storage" if one_host else "auto",
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+        error = exc
+    _settle(rank, target, call, storage_options, error, timeout, "the merge")
     # From here a failure is this rank's own (reading back): the others are not told, so each
     # rank still meets the barrier and dst still removes the folder, whatever happened here.
     try:
         if every_rank or rank == target:
-            outs = [(f"{call}/out-{_name(r)}.zarr", range(r, r + 1)) for r in range(world)]
-            for path, ranks in outs if one_host else [(out, range(world))]:
-                _read(open_store(path, storage_options=storage_options, allow_pickle=allow_pickle), ranks, object_list)
+            _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
     finally:
         if every_rank:
             barrier(rank, timeout)  # every rank has read the output before dst removes it
