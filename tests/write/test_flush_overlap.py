@@ -46,13 +46,9 @@ def _merged(root: str, out: str, n: int) -> None:
     assert torch.equal(spillmerge.open(out)["f"].to_torch(), torch.stack([_frame(i) for i in range(n)]))
 
 
-def test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync(tmp_path, monkeypatch):
-    """The fsync of chunk 0 hangs: ``write()`` goes on while later chunks are written and wait
-    for their fsync, more than two flush workers and two buffers could hold, up to a bound (at
-    most ``n_buffers + 1`` journal entries waiting and ``flush_threads`` uploads in flight: the
-    dirty bytes a crash may lose are bounded), fills both buffers again and only then waits."""
-    gate = threading.Event()
-    real_fsync = os.fsync
+def _hang_data_fsyncs(monkeypatch: Any) -> threading.Event:
+    """Every fsync of a data chunk waits until the returned event is set."""
+    gate, real_fsync = threading.Event(), os.fsync
 
     def fsync(fd: int) -> None:
         if _is_data_chunk(fd):
@@ -60,7 +56,12 @@ def test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync(tmp_path,
         real_fsync(fd)
 
     monkeypatch.setattr(local_mod.os, "fsync", fsync)
-    root, written, errors = str(tmp_path / "spill"), [], []
+    return gate
+
+
+def _spill_in_thread(root: str, written: list[int], errors: list[BaseException]) -> threading.Thread:
+    """A thread writing 12 one-chunk frames (two staging buffers, two flush workers), appending
+    each frame to ``written`` once ``write()`` returned, an error to ``errors``."""
 
     def spill() -> None:
         try:
@@ -75,6 +76,17 @@ def test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync(tmp_path,
 
     t = threading.Thread(target=spill, name="test-spill")
     t.start()
+    return t
+
+
+def test_write_fills_buffers_while_earlier_chunks_wait_for_their_fsync(tmp_path, monkeypatch):
+    """The fsync of chunk 0 hangs: ``write()`` goes on while later chunks are written and wait
+    for their fsync, more than two flush workers and two buffers could hold, up to a bound (at
+    most ``n_buffers + 1`` journal entries waiting and ``flush_threads`` uploads in flight: the
+    dirty bytes a crash may lose are bounded), fills both buffers again and only then waits."""
+    gate = _hang_data_fsyncs(monkeypatch)
+    root, written, errors = str(tmp_path / "spill"), [], []
+    t = _spill_in_thread(root, written, errors)
     try:
         deadline = time.monotonic() + 30
         while t.is_alive() and not (len(written) >= 4 and _blocked_in_acquire(t)) and time.monotonic() < deadline:
@@ -98,36 +110,17 @@ def test_chunks_written_ahead_of_their_journal_stay_bounded_when_uploads_report_
     """Chunk 0's fsync hangs and each upload reports done a while after its buffer went back (a
     loaded machine): still at most ``n_buffers + 1`` chunks awaiting the journal plus
     ``flush_threads`` being written, here 2 + 1 + 2 chunk files."""
-    gate = threading.Event()
-    real_fsync, real_release = os.fsync, flush_mod.Flusher._release
-
-    def fsync(fd: int) -> None:
-        if _is_data_chunk(fd):
-            gate.wait(60)
-        real_fsync(fd)
+    gate = _hang_data_fsyncs(monkeypatch)
+    real_release = flush_mod.Flusher._release
 
     def release(self: Any, chunk: Any) -> None:
         real_release(self, chunk)
         if threading.current_thread().name.startswith("spillmerge-put"):
             time.sleep(0.3)  # the buffer is back; the upload's future is not done yet
 
-    monkeypatch.setattr(local_mod.os, "fsync", fsync)
     monkeypatch.setattr(flush_mod.Flusher, "_release", release)
     root, written, errors = str(tmp_path / "spill"), [], []
-
-    def spill() -> None:
-        try:
-            with spillmerge.SpillWriter(
-                root, rank=0, world_size=1, chunk_bytes=CHUNK, staging_bytes=2 * CHUNK, flush_threads=2
-            ) as w:
-                for i in range(12):
-                    w.write("f", i, _frame(i))
-                    written.append(i)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-
-    t = threading.Thread(target=spill, name="test-spill")
-    t.start()
+    t = _spill_in_thread(root, written, errors)
     try:
         time.sleep(2.5)  # every late report has come in: the flush thread waits on chunk 0's fsync
         (seg,) = glob.glob(f"{root}/rank-00000/seg-*")
