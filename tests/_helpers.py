@@ -128,3 +128,23 @@ def make_hostile(victim: Path, outside: Path, attack: str, grow: int) -> None:
         os.truncate(victim, len(kept) + grow)
     else:
         raise ValueError(attack)
+
+
+def assert_group_commits(events: list[tuple[str, str]]) -> None:
+    """``events`` (("write" | "fsync" | "entry", path), in order) of a local writer: each journal
+    entry comes after an fsync of every chunk it names (after that chunk's last write) and of
+    their folder, and some group commit fsynced a chunk before the entry naming it was due."""
+    entries = [(k, p) for k, (what, p) in enumerate(events) if what == "entry"]
+    ahead = False
+    for at, entry in entries:
+        seg, n = entry.rsplit("/journal/", 1)
+        folder = f"{seg}/data/c"
+        for c in range(int(n) + 1):
+            chunk = f"{folder}/{c}"
+            writes = [k for k, e in enumerate(events[:at]) if e == ("write", chunk)]
+            assert writes, (entry, chunk, events)
+            after = events[writes[-1] + 1 : at]
+            assert ("fsync", chunk) in after, (entry, chunk, events)
+            assert ("fsync", folder) in after, (entry, chunk, events)
+        ahead |= ("fsync", f"{folder}/{int(n) + 1}") in events[:at]
+    assert ahead, events

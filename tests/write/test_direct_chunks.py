@@ -27,6 +27,7 @@ from spillmerge._format import spill as FS
 from spillmerge._storage import local as local_mod
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from _helpers import assert_group_commits  # noqa: E402
 from _nothing_lost_workers import BIG, DIRECT_CHUNK, big_value, spill_direct_killed  # noqa: E402
 from _procs import join_all  # noqa: E402
 
@@ -139,19 +140,7 @@ def test_a_direct_writers_journal_entry_names_only_chunks_fsynced_after_their_la
     assert w._staging.direct
     entries = [(k, p) for k, (what, p) in enumerate(events) if what == "entry"]
     assert len(entries) >= 14 and [int(p.rsplit("/", 1)[1]) for _, p in entries] == list(range(len(entries)))
-    ahead = False
-    for at, entry in entries:
-        seg, n = entry.rsplit("/journal/", 1)
-        folder = f"{seg}/data/c"
-        for c in range(int(n) + 1):
-            chunk = f"{folder}/{c}"
-            writes = [k for k, e in enumerate(events[:at]) if e == ("write", chunk)]
-            assert writes, (entry, chunk, events)
-            after = events[writes[-1] + 1 : at]
-            assert ("fsync", chunk) in after, (entry, chunk, events)
-            assert ("fsync", folder) in after, (entry, chunk, events)
-        ahead |= ("fsync", f"{folder}/{int(n) + 1}") in events[:at]
-    assert ahead, events  # a group commit fsynced a chunk before the entry naming it was due
+    assert_group_commits(events)
     _merged_ok(root, str(tmp_path / "out"), 40)
 
 
