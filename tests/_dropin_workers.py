@@ -96,6 +96,36 @@ def containers_of_dicts(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"diffs": diffs}
 
 
+def records(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Records (sent as one Arrow stream where the round trip is exact): an LLM eval's dict of
+    dicts, COCO's images holding instances, None, bools, bytes and empty containers at any depth;
+    next to records that must go the general way (an int and a float under one key, keys that
+    differ, a numpy array or a tuple inside), each rank's of another kind."""
+    exact = {
+        f"prompt-{p}": {"text": "é数" * p, "token_ids": list(range(p)), "logprob": -p / 3, "finish": None if p else "stop"}
+        for p in (3, 0, 7)
+    }
+    coco = [
+        {"image_id": 9, "instances": [{"image_id": 9, "category_id": 2, "bbox": [1.5, 2.0, 3.0, 4.25], "score": 0.5}]},
+        {"image_id": 10, "instances": []},
+        {"image_id": 11, "instances": None},
+    ]
+    odd = [
+        {"flag": True, "blob": b"\x00\xff", "nested": {"z": [[1], [], None], "a": {}}, "none": None},
+        {"flag": False, "blob": None, "nested": None, "none": None},
+    ]
+    general = [
+        [{"v": 1}, {"v": 2.5}],  # an int and a float under one key: the int stays an int
+        [{"a": 1}, {"b": 2}],  # keys that differ
+        ({"emb": np.arange(3, dtype=np.int16)},),  # a numpy array inside
+        [{"t": (1, 2)}],  # a tuple inside
+    ]
+    diffs = _compare(rank, world, [exact, coco, odd][:world], allow_pickle=False)
+    diffs += _compare(rank, world, [general[0], general[1] + general[3], general[2]][:world], allow_pickle=False)
+    diffs += _compare(rank, world, [tuple(coco), general[0], exact][:world], allow_pickle=False, dst=0)
+    return {"diffs": diffs}
+
+
 Point = collections.namedtuple("Point", "x y")
 
 
@@ -229,6 +259,7 @@ SCENARIOS = {
     "same_as_torch": same_as_torch,
     "torch_object_list": torch_object_list,
     "containers_of_dicts": containers_of_dicts,
+    "records": records,
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,

@@ -6,14 +6,13 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
                 hostnames: on several hosts the folder must be on storage every rank sees
                 (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
-  (every rank)  writes its object: a list, tuple or dict of str keys that holds dicts (other
-                than a list of flat records: columns already) one file per element (``R-i``, R
-                its rank and i the position, zero-padded; no path per item, no column per key:
-                an element's dict is a file's value, as in ``gather``, and lacks no key another
-                element has; records holding records go a batch at a time, converted a
-                column at a time), any other object as file ``R``; and file ``R.h``, a JSON
-                header (the kind, a dict's keys in order, the paths of numpy arrays and
-                pickled objects), unless the object is file ``R`` with nothing to restore; commits
+  (every rank)  writes its object: records Arrow keeps exactly (``_dist.records``) as file
+                ``R``, one Arrow stream; other lists, tuples and str-keyed dicts that hold dicts
+                one file per element (``R-i``, i the position, zero-padded; records holding
+                records a batch at a time, a column at a time); any other object as file ``R``;
+                and file ``R.h``, a JSON header (the kind, a dict's keys in order, the paths of
+                numpy arrays and pickled objects), unless the object is file ``R`` with nothing
+                to restore; commits
   (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
                 dst removes the call's folder (every rank is past writing)
   (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
@@ -47,6 +46,8 @@ from .._storage import Storage
 from .._write.writer import SpillWriter
 from .gather import barrier
 from .rank import gloo_group
+from .records import decode as decode_records
+from .records import encode as encode_records
 
 ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
@@ -359,9 +360,16 @@ def _split(obj: Any) -> bool:
     return not _plain_records(obj, nested=False)
 
 
-def _write(w: SpillWriter, rank: int, shape: _Shape) -> None:
-    """The rank's object (``shape.obj``) and its header, as the module docstring says."""
-    obj, name = shape.obj, _name(rank)
+def _write(w: SpillWriter, rank: int, obj: Any, allow_pickle: bool) -> None:
+    """The rank's object and its header, as the module docstring says."""
+    name = _name(rank)
+    encoded = encode_records(obj)
+    if encoded is not None:  # records: one Arrow stream, converted in C++ both ways
+        w.write(name, 0, encoded[1])
+        w.write(_header_name(rank), 0, json.dumps({**encoded[0], "shape": None}))
+        return
+    shape = _Shape(obj, allow_pickle)
+    obj = shape.obj
     header: dict[str, Any] = {"shape": shape.dumps()}
     if _split(obj):
         kind = type(obj)
@@ -406,22 +414,28 @@ def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
                 headers[r] = json.loads(value)
             else:
                 items[r].append(value)
+        for r in range(world):
+            object_list[r] = _rebuild(r, headers[r] or {"kind": "object", "shape": None}, items[r])
     finally:
         if paused:
             gc.enable()
-    for r in range(world):
-        header, got = headers[r] or {"kind": "object", "shape": None}, items[r]
-        kind = header["kind"]
-        if kind == "object":
-            value = got[0]
-        else:
-            if len(got) != header["n"]:
-                raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
-            value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
-            value = tuple(value) if kind == "tuple" else value
-        if header["shape"] is not None:
-            value = _restore(value, header["shape"])
-        object_list[r] = value
+
+
+def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
+    """Rank ``r``'s object from its header and its files' values."""
+    kind = header["kind"]
+    if kind in ("object", "records") and len(got) != 1:
+        raise CorruptSpillError(f"rank {r}'s {kind} came back as {len(got)} files")
+    if kind == "records":
+        value = decode_records(header, got[0], r)
+    elif kind == "object":
+        value = got[0]
+    else:
+        if len(got) != header["n"]:
+            raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
+        value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
+        value = tuple(value) if kind == "tuple" else value
+    return value if header["shape"] is None else _restore(value, header["shape"])
 
 
 def _collective(
@@ -451,9 +465,8 @@ def _collective(
             chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
         ) as w:  # fmt: skip
             _check_list(rank, target, world, object_list, every_rank)
-            shape = _Shape(obj, allow_pickle)
             try:
-                _write(w, rank, shape)
+                _write(w, rank, obj, allow_pickle)
             except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
                 exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
                 raise

@@ -35,6 +35,7 @@ def test_returns_what_torch_returns(ranks):
         assert results[r]["torch_object_list"]["diffs"] == [], (r, results[r]["torch_object_list"]["diffs"])
         assert results[r]["pickled_types"]["diffs"] == [], (r, results[r]["pickled_types"]["diffs"])
         assert results[r]["containers_of_dicts"]["diffs"] == [], (r, results[r]["containers_of_dicts"]["diffs"])
+        assert results[r]["records"]["diffs"] == [], (r, results[r]["records"]["diffs"])
 
 
 def test_back_to_back_calls_apart_and_nothing_left(ranks):
