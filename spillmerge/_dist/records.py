@@ -41,31 +41,38 @@ class _NotExact(Exception):
     """Raised inside ``_column``: the values would not come back as they are."""
 
 
-def _column(pa: Any, column: list[Any], depth: int = 0) -> Any:
+def _column(column: list[Any], depth: int = 0) -> Any:
     """``column`` (one key's values) as one Arrow array; ``_NotExact`` unless the module
-    docstring's conditions hold."""
+    docstring's conditions hold. pyarrow is imported once something is to convert (not for an
+    object of tensors: declined at its first key)."""
     n = len(column)
     kinds = set(map(type, column))
     nulls = _NONE in kinds
     kinds.discard(_NONE)
-    if not kinds:
-        return pa.nulls(n)
     if len(kinds) > 1 or depth > _MAX_DEPTH:
         raise _NotExact
-    kind = kinds.pop()
-    if kind is not list and kind is not dict and kind not in _SCALARS:
+    kind = kinds.pop() if kinds else None
+    if kind is not None and kind is not list and kind is not dict and kind not in _SCALARS:
         raise _NotExact
-    if kind is dict:  # one key order of str keys in every dict
-        present = [v for v in column if v is not None] if nulls else column
+    valid = None
+    if nulls and kind is not None:
+        valid = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=n)
+        fill = {} if kind is dict else [] if kind is list else _FILL[kind]
+        column = [fill if v is None else v for v in column]
+    children = []
+    if kind is dict:  # one key order of str keys in every dict (a None's stand-in {} aside)
+        present = [v for v, ok in zip(column, valid, strict=True) if ok] if valid is not None else column
         keys = tuple(present[0])
         if not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, present))):
             raise _NotExact
-    validity = None
-    if nulls:
-        valid = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=n)
-        validity = pa.py_buffer(np.packbits(valid, bitorder="little"))
-        fill = {} if kind is dict else [] if kind is list else _FILL[kind]
-        column = [fill if v is None else v for v in column]
+        children = [_column(list(map(operator.methodcaller("get", k), column)), depth + 1) for k in keys]
+    elif kind is list:
+        children = [_column(list(itertools.chain.from_iterable(column)), depth + 1)]
+    import pyarrow as pa
+
+    if kind is None:
+        return pa.nulls(n)
+    validity = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
     if kind is int or kind is float:
         data = np.fromiter(column, dtype=np.int64 if kind is int else np.float64, count=n)
         return pa.Array.from_buffers(pa.int64() if kind is int else pa.float64(), n, [validity, pa.py_buffer(data)])
@@ -80,10 +87,8 @@ def _column(pa: Any, column: list[Any], depth: int = 0) -> Any:
         return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
     if kind is list:
         offsets, large = _offsets(np.fromiter(map(len, column), dtype=np.int64, count=n))
-        child = _column(pa, list(itertools.chain.from_iterable(column)), depth + 1)
-        typ = pa.large_list(child.type) if large else pa.list_(child.type)
-        return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets)], children=[child])
-    children = [_column(pa, list(map(operator.methodcaller("get", k), column)), depth + 1) for k in keys]
+        typ = pa.large_list(children[0].type) if large else pa.list_(children[0].type)
+        return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets)], children=children)
     typ = pa.struct([pa.field(k, c.type) for k, c in zip(keys, children, strict=True)])
     return pa.Array.from_buffers(typ, n, [validity], children=children)
 
@@ -102,15 +107,15 @@ def encode(obj: Any) -> tuple[dict[str, Any], np.ndarray] | None:
         return None
     if not values or set(map(type, values)) != {dict} or not values[0]:
         return None
-    import pyarrow as pa
-
     try:
-        arrays, names = [_column(pa, values)], ["v"]
+        arrays, names = [_column(values)], ["v"]
         if kind is dict:
-            arrays.append(_column(pa, list(obj)))
+            arrays.append(_column(list(obj)))
             names.append("k")
     except (_NotExact, OverflowError, UnicodeError):
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
+    import pyarrow as pa
+
     batch = pa.RecordBatch.from_arrays(arrays, names=names)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as stream:
