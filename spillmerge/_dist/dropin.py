@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._read.rowvalue import gc_paused
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
@@ -466,7 +467,7 @@ def _collective(
         ) as w:  # fmt: skip
             _check_list(rank, target, world, object_list, every_rank)
             try:
-                _write(w, rank, obj, allow_pickle)
+                gc_paused(_write, w, rank, obj, allow_pickle)  # builds only acyclic lists and buffers
             except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
                 exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
                 raise
