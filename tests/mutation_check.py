@@ -1613,6 +1613,30 @@ MUTATIONS: list[Mutation] = [
         ("tests/write/test_flush_overlap.py::test_chunks_written_ahead_of_their_journal_stay_bounded_when_uploads_report_late",),
         "written chunks awaiting their journal entry stay within n_buffers + 1 plus flush_threads being written",
     ),
+    Mutation(
+        "dropin-records-one-kind-a-key",
+        "spillmerge/_dist/records.py",
+        "    if len(kinds) > 1 or depth > _MAX_DEPTH:\n        raise _NotExact",
+        "    if depth > _MAX_DEPTH:\n        raise _NotExact",
+        ("tests/distributed/test_records.py::test_what_would_not_come_back_exactly_is_declined",),
+        "an int and a float under one key never travel as one Arrow column (the int would come back a float)",
+    ),
+    Mutation(
+        "dropin-records-key-order",
+        "spillmerge/_dist/records.py",
+        "        if not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, present))):",
+        "        if not all(type(k) is str for k in keys):",
+        ("tests/distributed/test_records.py::test_what_would_not_come_back_exactly_is_declined",),
+        "dicts of other keys or key orders never travel as one struct column (a key gained as None, an order lost)",
+    ),
+    Mutation(
+        "crc-combine",
+        "spillmerge/_format/crc.py",
+        "            crc_a = t0[crc_a & 255] ^ t1[(crc_a >> 8) & 255] ^ t2[(crc_a >> 16) & 255] ^ t3[crc_a >> 24]",
+        "            crc_a = t0[crc_a & 255] ^ t1[(crc_a >> 8) & 255] ^ t2[(crc_a >> 16) & 255]",
+        ("tests/merge/test_copy_checks.py::test_crc32c_combine_matches_the_crc_of_the_joined_bytes",),
+        "the output chunk's CRC-32C combined from its rows' is the CRC of its bytes",
+    ),
 ]
 
 
