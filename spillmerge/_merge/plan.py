@@ -1,15 +1,6 @@
 """Merge planning: which stored rows become which output rows and columns, checked before anything
-is written (format version 2: one array per leaf column across all rows, docs/FORMAT.md section 2).
-
-Rows are the distinct ``(filename, frame)`` keys, files sorted, frames ascending within a file.
-Every leaf path of the merge is one column; a leaf keeps one kind, dtype and ``ndim`` across the
-merge (its shape may vary: the column is then ragged). Duplicate keys are resolved by the policy
-(identical content is never an error). Content is identical only when the bytes are: the plan
-reads nothing itself, it asks a ``same_bytes`` callback (``_spill.root.same_bytes`` over the
-merge's storage) about duplicates whose checksums agree. The index rows are sorted by
-(filename, frame, segment, leaf) out of core by DuckDB (``_merge.plansql``), under a memory limit; only
-the rows of duplicated keys come back to Python one by one, the rest is vectorised over rows.
-"""
+is written (docs/FORMAT.md section 2): rows are the sorted distinct ``(filename, frame)`` keys, one
+column per leaf path, duplicates resolved by the policy (identical bytes are never an error)."""
 
 from __future__ import annotations
 
