@@ -79,6 +79,16 @@ def _lock_flags(exclusive: bool) -> int:
     return (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
 
 
+def _locked(fd: int) -> bool:
+    """Whether another process holds a lock on ``fd`` (probed with a shared lock, dropped at once)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
 class Lease:
     """A held lease on an output; see the module docstring. Use :meth:`acquire`."""
 
@@ -226,12 +236,8 @@ class Lease:
             if fd is None:
                 continue  # tidied away: nobody holds it
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                if not _locked(fd):
                     continue  # nobody holds it: a finished holder's file
-                except BlockingIOError:
-                    pass
                 holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
                 for _ in range(20):  # locked a moment ago, its record not written yet
                     if holder is not None:
@@ -414,11 +420,8 @@ def held(output: Storage, name: str) -> bool:
             fd = -1
         if fd >= 0:
             try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            except BlockingIOError:
-                return True
+                if stat.S_ISREG(os.fstat(fd).st_mode) and _locked(fd):
+                    return True
             except OSError:
                 pass  # no working flock here: such a holder has a lease object (below)
             finally:
