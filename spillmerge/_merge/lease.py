@@ -75,10 +75,6 @@ class Holder:
             return None
 
 
-def _lock_flags(exclusive: bool) -> int:
-    return (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-
-
 def _locked(fd: int) -> bool:
     """Whether another process holds a lock on ``fd`` (probed with a shared lock, dropped at once)."""
     try:
@@ -193,7 +189,7 @@ class Lease:
                 self.release()
                 return None
             try:
-                fcntl.flock(fd, _lock_flags(exclusive))
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 self.release()

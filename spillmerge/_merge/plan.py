@@ -342,13 +342,6 @@ def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: s
     return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
 
 
-def encoded_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The UTF-8 bytes (``surrogatepass``) of ``names`` back to back and their int64 offsets
-    (``len(names) + 1``)."""
-    t = table_of(names)
-    return t.data, t.offsets
-
-
 def fingerprint(plan: Plan, **settings: Any) -> str:
     """A digest of everything that decides the output's bytes: the source segments, the files,
     rows and columns, the source rows chosen for them (segment, offset, size, checksum) and the
@@ -367,7 +360,8 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
     # offsets, hashed a block at a time.
-    data, offsets = encoded_names(plan.filenames)
+    names = table_of(plan.filenames)
+    data, offsets = names.data, names.offsets
     for i in range(0, len(data), ROW_BLOCK * 16):
         h.update(np.ascontiguousarray(data[i : i + ROW_BLOCK * 16]).data)
     for i in range(0, len(offsets), ROW_BLOCK):
