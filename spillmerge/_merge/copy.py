@@ -10,7 +10,6 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
@@ -56,10 +55,6 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
         out[min(parts - 1, (2 * done + nb) * parts // max(2 * total, 1))].append(k)
         done += nb
     return [sorted(ks) for ks in out]
-
-
-def _done_cb(done: Any, size: int, fut: Future[None]) -> None:
-    done(fut, size)
 
 
 def copy_units(
@@ -125,7 +120,7 @@ def copy_units(
                     src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes, pending
                 )  # fmt: skip
                 fut = pool.submit(job.write, output, codec, fsync)
-                fut.add_done_callback(functools.partial(_done_cb, done, size))
+                fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:
             bar.close()

@@ -1,10 +1,5 @@
-"""Every ``zarr.json`` document of a merged output, built from the plan (docs/FORMAT.md).
-
-The merged output's nodes (``output_docs``: root, ``index`` and its arrays, every column's group
-and arrays; ``consolidated_root``) and the chunk sizes of its arrays. Documents are normalised by
-zarr's own metadata classes, so the consolidated root matches what zarr would write, and nothing
-is read back. A single array's document is ``_format.zarr.array_meta``, which the writer shares.
-"""
+"""Every ``zarr.json`` document of a merged output, built from the plan (docs/FORMAT.md) and
+normalised by zarr's own metadata classes, so the consolidated root matches what zarr would write."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The output's index as chunk objects: every chunk of every index array (filenames, offsets,
-rows, each column's ``offsets`` / ``shapes`` / ``valid``, each list's ``offsets``), written
-without zarr in zarr's encoding. A whole merge writes them all; a merge in parts shares them
-out, so each part writes its share and the finalize only the documents and the marker (docs/SCALE.md, *What breaks first*, 2).
-
-Encoding: the index arrays' codecs are ``bytes`` (little endian) and ``crc32c``
-(``_format.zarr.array_meta``): a chunk object is the chunk's elements at the full chunk shape (an
-edge chunk padded with the fill value, zero), then their CRC-32C as 4 little-endian bytes: the
-bytes zarr writes for the same elements (tests/merge/test_scaleout.py compares every chunk).
-
-Shares: every array's chunks are cut into ``n`` runs and each part writes one run of each (one
-range of rows of each array, which is what it reads of a stored plan); every process computes
-the same shares from the same plan.
-"""
+"""The output's index arrays' chunk objects, written without zarr in zarr's encoding (``bytes`` +
+``crc32c``): a whole merge writes them all, each part of a merge in parts its share (one run of
+each array's chunks), the finalize none (docs/SCALE.md)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
-"""One merge per output: a lease taken before the first byte of output is written.
-
-Protocol (docs/GUARANTEES.md, "One merge per output"):
-
-1. (every merging process: a whole merge, a part, a finalize) ``Lease.acquire`` before it changes
-   anything under the output. A whole merge is *exclusive*; a part ``i/n`` and a finalize are
-   *shared* with each other (they write disjoint objects) but exclusive among themselves by name
-   (two processes running part 2/4 at once conflict) and with any whole merge.
-2. (the holder) ``check()`` before every destructive step and before the completion marker:
-   it raises :class:`LeaseLostError` if the lease was taken over or removed.
-3. (the holder) ``release()`` when done, successful or not (``with`` does it).
-
-Two mechanisms behind one class:
-
-- **Local disks**: ``flock(2)`` on files under ``OUT/spillmerge-lease/``. The kernel drops the
-  lock when the holder dies, so a SIGKILLed merge never blocks the next one, and there is no
-  expiry to wait for. (NFSv4 maps flock to byte-range locks shared across clients.)
-- **Object stores** (and local filesystems without flock): one lease object per holder,
-  created with a conditional PUT (``If-None-Match: *``), naming owner, host, pid and an expiry
-  that a heartbeat thread pushes forward. A lease past its expiry (its holder died) is taken
-  over; a holder that finds its lease gone or replaced stops before its next destructive step.
-"""
+"""One merge per output: a lease taken before the first byte of output is written, checked before
+every destructive step (docs/GUARANTEES.md, "One merge per output"; docs/FORMAT.md): ``flock`` on
+local disks, conditional-PUT objects renewed by a heartbeat on object stores."""
 
 from __future__ import annotations
 
@@ -32,7 +13,7 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -94,8 +75,14 @@ class Holder:
             return None
 
 
-def _lock_flags(exclusive: bool) -> int:
-    return (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+def _locked(fd: int) -> bool:
+    """Whether another process holds a lock on ``fd`` (probed with a shared lock, dropped at once)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 class Lease:
@@ -202,7 +189,7 @@ class Lease:
                 self.release()
                 return None
             try:
-                fcntl.flock(fd, _lock_flags(exclusive))
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 self.release()
@@ -245,12 +232,8 @@ class Lease:
             if fd is None:
                 continue  # tidied away: nobody holds it
             try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                if not _locked(fd):
                     continue  # nobody holds it: a finished holder's file
-                except BlockingIOError:
-                    pass
                 holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
                 for _ in range(20):  # locked a moment ago, its record not written yet
                     if holder is not None:
@@ -267,7 +250,7 @@ class Lease:
         """Object stores: create our lease object conditionally, then look for holders it
         conflicts with; on a conflict remove ours again (both may back off; neither proceeds)."""
         rel = self._rel(self.name, "json")
-        self.holder = _with_expiry(self.holder, self.ttl)
+        self.holder = replace(self.holder, expires=time.time() + self.ttl)
         if not self.output.create(rel, self.holder.to_json()):
             old = self._read_object(rel)
             if old is None:  # being written this instant (a local O_EXCL create) or damaged by hand
@@ -299,15 +282,21 @@ class Lease:
         raw = self.output.get_or_none(rel, max_bytes=_MAX_RECORD)
         return None if raw is None else Holder.from_json(raw)
 
+    def _object_lost(self) -> str | None:
+        """Why our lease object is no longer ours, or None while it is."""
+        current = self._read_object(self._objects[0])
+        if current is None or current.owner != self.holder.owner:
+            return "it was removed" if current is None else f"it was taken over by {current.describe()}"
+        return None
+
     def _heartbeat(self) -> None:
         rel = self._objects[0]
         while not self._stop.wait(self.ttl / 4):
             try:
-                current = self._read_object(rel)
-                if current is None or current.owner != self.holder.owner:
-                    self._lost = "it was removed" if current is None else f"it was taken over by {current.describe()}"
+                self._lost = self._object_lost()
+                if self._lost is not None:
                     return
-                self.holder = _with_expiry(self.holder, self.ttl)
+                self.holder = replace(self.holder, expires=time.time() + self.ttl)
                 self.output.put_atomic(rel, self.holder.to_json())  # never torn for a reader
             except Exception:  # noqa: BLE001 - a transient failure: the next beat retries
                 continue
@@ -344,9 +333,7 @@ class Lease:
         if why is None and self._fds:
             why = self._still_linked()
         elif why is None and self._objects:
-            current = self._read_object(self._objects[0])
-            if current is None or current.owner != self.holder.owner:
-                why = "it was removed" if current is None else f"it was taken over by {current.describe()}"
+            why = self._object_lost()
         if why is not None:
             raise LeaseLostError(
                 f"{self.holder.role} lost its lease on {self.output.describe()} ({why}); it stopped before changing "
@@ -402,10 +389,6 @@ _MERGE = "merge"
 """The lease name of a whole (one-process) merge."""
 
 
-def _with_expiry(holder: Holder, ttl: float) -> Holder:
-    return Holder(holder.owner, holder.role, holder.host, holder.pid, holder.since, time.time() + ttl)
-
-
 def whole(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of a one-process merge: exclusive."""
     return Lease.acquire(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
@@ -433,11 +416,8 @@ def held(output: Storage, name: str) -> bool:
             fd = -1
         if fd >= 0:
             try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            except BlockingIOError:
-                return True
+                if stat.S_ISREG(os.fstat(fd).st_mode) and _locked(fd):
+                    return True
             except OSError:
                 pass  # no working flock here: such a holder has a lease object (below)
             finally:

@@ -1,8 +1,5 @@
-"""What a merge can be told: every option of :func:`spillmerge.merge`, declared once in
-:class:`MergeOptions` with its default, its meaning, its key in the ``[merge]`` table of a TOML
-config file and its ``spillmerge merge`` flag. ``merge()``'s keyword parameters, ``_merge.opening.Job``,
-the parts and the finalize read it; the CLI builds its flags and its config schema from it (a test
-checks that ``merge()``'s signature matches it)."""
+"""Every option of :func:`spillmerge.merge`, declared once in :class:`MergeOptions` with its default,
+meaning, ``[merge]`` TOML key and ``spillmerge merge`` flag."""
 
 from __future__ import annotations
 

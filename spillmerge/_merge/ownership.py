@@ -1,10 +1,5 @@
-"""The output folder: whose it is, who may write it, what overwrite may delete.
-
-A folder is a spillmerge output when its root ``zarr.json`` says so, or it holds a lease folder
-or part records of a merge (an interrupted merge); anything else is never written into or deleted.
-A merge deletes only the objects it writes itself (``OURS``), never a lease and never through a
-symbolic link, and only while it holds the output's lease (``_merge.lease``).
-"""
+"""The output folder: whose it is, who may write it, what overwrite may delete (only the objects
+a merge writes itself, ``OURS``, never a lease, never through a symbolic link, under the lease)."""
 
 from __future__ import annotations
 

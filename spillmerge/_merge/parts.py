@@ -1,17 +1,6 @@
-"""Parallel merge coordination through storage: part records under ``OUT/spillmerge-parts/``.
-
-Protocol (docs/FORMAT.md section 2, docs/GUARANTEES.md):
-
-1. (every part ``i`` of ``n``, any process) plan, claim the output, write its output chunks,
-   flush them to the device, then ``write_done`` — its part record, last. On an exception after
-   claiming: ``write_failure`` (best effort), then re-raise.
-2. (the finalizing process) ``wait`` polls for all ``n`` records with the plan fingerprint it
-   computed itself; fails at once on a failure record or a record of another plan; times out
-   naming the missing parts. Then it writes the index, the consolidated metadata and the marker.
-
-Like the spill root's commit records, a record is written once, whole (temporary name + rename
-locally, one PUT on object stores), and its presence is the only meaning of "this part is done".
-"""
+"""Parallel merge coordination through storage: part records under ``OUT/spillmerge-parts/``,
+each written once, whole, last, after its chunks are flushed; the finalize waits for all ``n`` of
+its plan (docs/FORMAT.md section 2, docs/GUARANTEES.md)."""
 
 from __future__ import annotations
 

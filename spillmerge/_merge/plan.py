@@ -1,15 +1,6 @@
 """Merge planning: which stored rows become which output rows and columns, checked before anything
-is written (format version 2: one array per leaf column across all rows, docs/FORMAT.md section 2).
-
-Rows are the distinct ``(filename, frame)`` keys, files sorted, frames ascending within a file.
-Every leaf path of the merge is one column; a leaf keeps one kind, dtype and ``ndim`` across the
-merge (its shape may vary: the column is then ragged). Duplicate keys are resolved by the policy
-(identical content is never an error). Content is identical only when the bytes are: the plan
-reads nothing itself, it asks a ``same_bytes`` callback (``_spill.root.same_bytes`` over the
-merge's storage) about duplicates whose checksums agree. The index rows are sorted by
-(filename, frame, segment, leaf) out of core by DuckDB (``_merge.plansql``), under a memory limit; only
-the rows of duplicated keys come back to Python one by one, the rest is vectorised over rows.
-"""
+is written (docs/FORMAT.md section 2): rows are the sorted distinct ``(filename, frame)`` keys, one
+column per leaf path, duplicates resolved by the policy (identical bytes are never an error)."""
 
 from __future__ import annotations
 
@@ -351,13 +342,6 @@ def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: s
     return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
 
 
-def encoded_names(names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The UTF-8 bytes (``surrogatepass``) of ``names`` back to back and their int64 offsets
-    (``len(names) + 1``)."""
-    t = table_of(names)
-    return t.data, t.offsets
-
-
 def fingerprint(plan: Plan, **settings: Any) -> str:
     """A digest of everything that decides the output's bytes: the source segments, the files,
     rows and columns, the source rows chosen for them (segment, offset, size, checksum) and the
@@ -376,7 +360,8 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
     # offsets, hashed a block at a time.
-    data, offsets = encoded_names(plan.filenames)
+    names = table_of(plan.filenames)
+    data, offsets = names.data, names.offsets
     for i in range(0, len(data), ROW_BLOCK * 16):
         h.update(np.ascontiguousarray(data[i : i + ROW_BLOCK * 16]).data)
     for i in range(0, len(offsets), ROW_BLOCK):

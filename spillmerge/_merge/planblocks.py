@@ -1,9 +1,6 @@
-"""A stored plan's arrays in blocks (``_merge.planstore``): each array is cut along its first
-dimension into objects of about :data:`BLOCK_BYTES` (``<name>.<k>``), each with its BLAKE2b in
-``plan.json``. A part reads an array through :class:`StoredArray`, which fetches a block when an
-index first touches it, checks it against its digest and keeps it in a cache of bounded size
-shared by the plan: a part reads the blocks of its share of the output, not the whole plan, and
-never uses a byte that fails its digest."""
+"""A stored plan's arrays in blocks of about :data:`BLOCK_BYTES`, each with its BLAKE2b in
+``plan.json``: a part fetches a block when an index first touches it, checks it and caches it
+(bounded); a byte that fails its digest is never used."""
 
 from __future__ import annotations
 

@@ -165,10 +165,6 @@ class PlannedList:
         return F.list_domain(self.path[:-1])
 
 
-def _leaf_name(leaf: tuple[str, ...]) -> str:
-    return "/".join(leaf) or "<value>"
-
-
 def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
     """Node name under ``columns/`` of each leaf path (docs/FORMAT.md section 2, *Columns*)."""
     text = {leaf: F.leaf_text(leaf) for leaf in leaves if leaf}
@@ -177,7 +173,7 @@ def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
         raise LayoutMismatchError(
             f"leaf paths {list(a)} and {list(b)} have the same name; rename a dict key",
             filename="",
-            leaf=_leaf_name(a),
+            leaf="/".join(a) or "<value>",
         )
     enc = F.node_names(sorted(text.values()))
     out = {leaf: enc[s] for leaf, s in text.items()}

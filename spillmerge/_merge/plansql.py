@@ -1,29 +1,6 @@
-"""The merge plan's row table, sorted out of core by DuckDB.
-
-Every segment's index rows (a segment at a time) are written to a Parquet file of a private work
-folder, each row with its filename as a BLOB of its UTF-8 bytes (``surrogatepass``: filenames may
-hold lone surrogates, NUL or newlines), whose byte order is the code-point order of Python's
-``str`` sort. DuckDB reads those files and sorts the rows by (filename, frame, segment, leaf)
-under its memory limit, spilling to a ``temp_directory`` in the work folder; the sorted rows
-come back as Arrow batches: each batch's names become file numbers, the rows of keys held by
-several segments go to the caller's ``resolve`` (the duplicate rule lives with the plan), and
-the kept rows are appended to files of the work folder, mapped back as numpy arrays.
-
-Memory: DuckDB's memory limit (its sort needs a few tens of MiB at the least: 32 MiB sorts
-300k rows of 80-byte names, 64 MiB a million), one batch of a segment's rows while its file is
-written (a large segment is read a block at a time: ``_spill.stream``), one
-batch of sorted rows (at most ``BATCH``, one row per KiB of the limit), the distinct filenames
-(Python strings, as the plan keeps them), and the libraries (about 70 MiB of mapped code).
-
-DuckDB gets half the plan budget (``engine_memory``), raised to ``MIN_SORT_MEMORY`` when that
-is less: DuckDB cannot sort in less.
-
-The work folder ``spillmerge-sqlplan-<pid>-*`` (under ``work_dir``, else the system's temporary
-folder) is removed when the sort is done, whether it succeeds or fails; the arrays mapped from it
-stay readable (their files are unlinked, their pages stay file-backed while mapped). A folder
-left by a killed process (its pid is gone) is removed by the next plan under the same parent
-that makes one (a plan of fewer than ``IN_MEMORY_ROWS`` rows makes none unless it maps an array).
-"""
+"""The merge plan's row table, sorted out of core by DuckDB under half the plan budget (docs/SCALE.md)
+in a private work folder removed when done; filenames go in as UTF-8 BLOBs (``surrogatepass``),
+whose byte order is ``str``'s; a killed process's folder is removed by the next plan."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""A merge in parts plans once: one process builds the plan and stores it under
-``OUT/spillmerge-parts/plan/``; every other part and the finalize read it instead of planning
-again (docs/SCALE.md).
-
-Protocol:
-
-1. (every part, the finalize) after the commit barrier: :func:`source_key` of the committed
-   segments and the duplicate policy, computed without reading any catalog or index.
-2. (a part) :func:`obtain`: a stored plan of that key whose files all match their hashes is
-   found. None (or a damaged one): the part takes the ``planner`` lease, builds the plan, writes
-   every array in blocks (``_merge.planblocks``) and then ``plan.json`` last, atomically. A part
-   that finds the lease held waits for the stored plan while its holder is alive (and, with a
-   ``timeout``, no longer than that); once nobody holds it, it takes the lease itself. Nobody
-   waits on a part's lease for a plan, so no two processes wait on each other.
-3. (the finalize) reads the stored plan the same way, or builds its own without storing it.
-4. (the finalize) removes the folder after the completion marker.
-
-``plan.json`` names each array's dtype, shape and the BLAKE2b digest of each of its blocks, and
-carries a digest of its own body. A reader fetches a block when its share first touches it; a
-file that fails its digest, then or on opening, makes the whole stored plan unusable (it is
-rebuilt from the spill root, which is the truth, and the work redone: ``Job.replan``), never
-trusted in part. Filenames are stored as UTF-8 bytes and offsets; nothing is pickled.
-"""
+"""A merge in parts plans once: the planner (under the ``planner`` lease) stores the plan under
+``OUT/spillmerge-parts/plan/`` in digested blocks, ``plan.json`` last; every other part and the
+finalize read it, and a stored plan failing any digest is rebuilt, never trusted (docs/SCALE.md)."""
 
 from __future__ import annotations
 
