@@ -420,8 +420,9 @@ class _SpooledNames(Sequence[str]):
 
 
 def _collect(
-    reader: Any, resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = ()
-) -> Sorted:
+    reader: Any, resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = (),
+    new_names: np.ndarray | None = None,
+) -> Sorted:  # fmt: skip
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
     names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
     filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
@@ -478,12 +479,15 @@ def _collect(
             continue
         col = batch.column(0)
         data, off = _binary_parts(col)
-        new_name = _name_starts(col)
+        new_name = _name_starts(col) if new_names is None else new_names
         new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
         starts = np.flatnonzero(new_name)
         if len(starts):
-            fresh = col.take(_i64(starts))
-            fdata, foff = _binary_parts(fresh if isinstance(fresh, pa.Array) else fresh.combine_chunks())
+            if new_names is not None:  # one batch of few rows: sliced by numpy
+                fdata, foff = _slices(data, off, starts)
+            else:
+                fresh = col.take(_i64(starts))
+                fdata, foff = _binary_parts(fresh if isinstance(fresh, pa.Array) else fresh.combine_chunks())
             spool.append("names.u8", fdata)
             spool.append("name_off", name_bytes + foff[1:])
             name_bytes += int(foff[-1])
@@ -523,22 +527,60 @@ def sort_rows_in_memory(
     *,
     folder: str | None = None,
 ) -> Sorted:
-    """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same table,
-    sorted by Arrow in memory (binary names in byte order, as DuckDB sorts them) and collected
-    the same way, so the result is the same, into arrays in memory (no ``folder``) or files of
-    ``folder``. Memory: the rows, a few times over."""
+    """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same order
+    (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
+    by a numpy ``lexsort``, collected the same way, into arrays in memory (no ``folder``) or files
+    of ``folder``. No Arrow compute kernel: importing ``pyarrow.compute`` (0.14 s) was most of a
+    small merge's plan. Memory: the rows, a few times over."""
     import pyarrow as pa
 
-    tables: list[Any] = []
     n_names: list[int] = []
+    parts: list[dict[str, np.ndarray]] = []
+    encoded: list[list[bytes]] = []
     for si, s in enumerate(segments):
         n_names.append(len(s.filenames))
-        tables.extend(_segment_rows(si, s, layout_ids))
-    order = lp_order()
-    if not tables:
+        encoded.append([f.encode("utf-8", "surrogatepass") for f in s.filenames])
+        gmap, pmap = layout_ids(s)
+        idx = s.index
+        if not s.n_rows:
+            continue
+        lay = idx[:, FS.COL_LAYOUT]
+        parts.append({
+            "si": np.full(len(idx), si, dtype=np.int64), "lf": idx[:, FS.COL_FILE].astype(np.int64),
+            "frame": idx[:, FS.COL_FRAME].astype(np.int64), "rlp": pmap[lay].astype(np.int64),
+            "gl": gmap[lay].astype(np.int64), "off": idx[:, FS.COL_OFFSET].astype(np.int64),
+            "nb": idx[:, FS.COL_NBYTES].astype(np.int64), "crc": idx[:, FS.COL_CRC].astype(np.int64),
+        })  # fmt: skip
+    if not parts:
         return _empty(n_names)
-    table = pa.concat_tables(tables)
-    table = table.append_column("lp", _i64(order[_ints(table.column("rlp"))]))
-    table = table.sort_by([("fname", "ascending"), ("frame", "ascending"), ("seg", "ascending"), ("lp", "ascending")])
-    table = table.select(["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"])
-    return _collect(table.to_batches(), resolve, folder, n_names)
+    rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    distinct = sorted({name for names in encoded for name in names})
+    rank_of = {name: i for i, name in enumerate(distinct)}
+    ranks = [np.array([rank_of[n] for n in names], dtype=np.int64) for names in encoded]
+    base = np.zeros(len(ranks) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in ranks], out=base[1:])
+    rank = np.concatenate(ranks)[base[rows["si"]] + rows["lf"]]
+    lp = lp_order()[rows["rlp"]]
+    order = np.lexsort((lp, rows["si"], rows["frame"], rank))  # stable: ties keep their order
+    rank = rank[order]
+    lengths = np.array([len(n) for n in distinct], dtype=np.int64)[rank]
+    offsets = np.zeros(len(rank) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    data = b"".join([distinct[r] for r in rank.tolist()])
+    fname = pa.Array.from_buffers(pa.large_binary(), len(rank), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    batch = pa.RecordBatch.from_arrays(
+        [fname, _i64(rows["frame"][order]), _i64(lp[order]), _i64(rows["gl"][order]), _i64(rows["si"][order]),
+         _i64(rows["off"][order]), _i64(rows["nb"][order]), _i64(rows["crc"][order]), _i64(rows["lf"][order])],
+        names=["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"],
+    )  # fmt: skip
+    new_names = np.ones(len(rank), dtype=bool)
+    new_names[1:] = rank[1:] != rank[:-1]
+    return _collect([batch], resolve, folder, n_names, new_names=new_names)
+
+
+def _slices(data: np.ndarray, off: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes and offsets of items ``which`` of the byte strings ``data`` / ``off``."""
+    lo, lengths = off[which], off[which + 1] - off[which]
+    out_off = np.zeros(len(which) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out_off[1:])
+    return data[np.repeat(lo - out_off[:-1], lengths) + np.arange(out_off[-1])], out_off
