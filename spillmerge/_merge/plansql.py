@@ -426,7 +426,9 @@ def _collect(
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
     names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
     filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
-    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
+    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``).
+    ``new_names``: for one batch, which rows start a new name, known already (the in-memory
+    sort), so no Arrow kernel compares them."""
     import pyarrow as pa
 
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
