@@ -365,7 +365,7 @@ def _write(w: SpillWriter, rank: int, obj: Any, allow_pickle: bool) -> None:
     """The rank's object and its header, as the module docstring says."""
     name = _name(rank)
     encoded = encode_records(obj)
-    if encoded is not None:  # records: one Arrow stream, converted in C++ both ways
+    if encoded is not None:  # records: one Arrow stream, its columns made by numpy, read back by Arrow
         w.write(name, 0, encoded[1])
         w.write(_header_name(rank), 0, json.dumps({**encoded[0], "shape": None}))
         return
