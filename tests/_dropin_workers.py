@@ -171,6 +171,11 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
     spillmerge.all_gather_object(second, {"second": rank}, timeout=TIMEOUT)
     third = [None] * world if rank == 0 else None
     spillmerge.gather_object(["third", rank], third, timeout=TIMEOUT)
+    # records on every rank: one Arrow file a rank, no spill and no merge
+    fourth: list[Any] = [None] * world
+    spillmerge.all_gather_object(fourth, [{"fourth": rank, "ids": [rank] * rank}], timeout=TIMEOUT)
+    fifth = [None] * world if rank == 2 else None
+    spillmerge.gather_object({"k": {"fifth": rank}}, fifth, dst=2, timeout=TIMEOUT)
     dist.barrier()
     # Other tests' calls may run beside this one (pytest workers) and share the default root:
     # their folders come and go; one of ours would stay.
@@ -187,7 +192,7 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
         del os.environ["SPILLMERGE_ROOT"]
     dist.barrier()
     return {
-        "first": first, "second": second, "third": third, "via_env": via_env,
+        "first": first, "second": second, "third": third, "fourth": fourth, "fifth": fifth, "via_env": via_env,
         "new_in_default_root": sorted(set(after) - set(before)), "left_in_env_root": os.listdir(env_root),
     }  # fmt: skip
 
@@ -213,6 +218,8 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     )
     short = [None] * (world - 1) if rank == 0 else None
     attempt("short_list", lambda: spillmerge.gather_object(rank, short, dst=0, timeout=TIMEOUT))
+    records_of = [{"rank": rank}]  # every rank's object records: the failure comes in the records' way
+    attempt("short_list_records", lambda: spillmerge.gather_object(records_of, short, dst=0, timeout=TIMEOUT))
     extra = [None] * world
     attempt("list_off_dst", lambda: spillmerge.gather_object(rank, extra, dst=0, timeout=TIMEOUT))
     attempt("dst_and_group_dst", lambda: spillmerge.gather_object(rank, None, dst=0, group_dst=0, timeout=TIMEOUT))

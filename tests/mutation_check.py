@@ -1630,6 +1630,14 @@ MUTATIONS: list[Mutation] = [
         "dicts of other keys or key orders never travel as one struct column (a key gained as None, an order lost)",
     ),
     Mutation(
+        "dropin-records-file-checked",
+        "spillmerge/_dist/dropin.py",
+        "            if data is None or len(data) != nbytes or crc.value(data) != want:",
+        "            if data is None or len(data) != nbytes:",
+        ("tests/distributed/test_records.py::test_records_files_come_back_and_damage_is_refused_naming_rank_and_path",),
+        "a drop-in's records file whose bytes are not the ones its rank wrote is refused before Arrow reads it",
+    ),
+    Mutation(
         "crc-combine",
         "spillmerge/_format/crc.py",
         "            crc_a = t0[crc_a & 255] ^ t1[(crc_a >> 8) & 255] ^ t2[(crc_a >> 16) & 255] ^ t3[crc_a >> 24]",

@@ -3,22 +3,24 @@ and semantics, the objects travelling through storage instead of pickled tensors
 
 Each call (every rank, like the torch collectives; each step's gloo all-gather also ends by the
 call's ``timeout``, so a rank that never calls is a timeout error, never a hang):
-  (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id) and compares
-                hostnames: on several hosts the folder must be on storage every rank sees
-                (``root=`` or env ``SPILLMERGE_ROOT``), else every rank raises ConfigError
-  (every rank)  writes its object: records Arrow keeps exactly (``_dist.records``) as file
-                ``R``, one Arrow stream; other lists, tuples and str-keyed dicts that hold dicts
-                one file per element (``R-i``, i the position, zero-padded; records holding
-                records a batch at a time, a column at a time); any other object as file ``R``;
-                and file ``R.h``, a JSON header (the kind, a dict's keys in order, the paths of
-                numpy arrays and pickled objects), unless the object is file ``R`` with nothing
-                to restore; commits
-  (every rank)  an all-gather of how that went: a rank that failed is named on every rank, and
-                dst removes the call's folder (every rank is past writing)
-  (dst)         merges (``SpillWriter.merge``, the shards read where they lie on one host);
-                an all-gather of how that went, as above
-  (readers)     read every rank's object back (tensors as torch tensors on the CPU, the numpy
-                arrays' paths turned back into numpy arrays) into the caller's list
+  (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id), compares
+                hostnames (on several hosts the folder must be on storage every rank sees:
+                ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
+                whether every rank's object is records Arrow keeps exactly (``_dist.records``)
+  records on every rank: each writes file ``R.arrow``, one Arrow stream; an all-gather of how
+                that went (a rank that failed is named on every rank, and dst removes the call's
+                folder) and of each file's size and CRC-32C; the readers check each file against
+                them and convert it back. No spill, no merge.
+  otherwise:    each rank spills its object: records as file ``R`` (one Arrow stream); other
+                lists, tuples and str-keyed dicts that hold dicts one file per element (``R-i``,
+                i the position, zero-padded; records holding records a batch at a time, a column
+                at a time); any other object as file ``R``; and file ``R.h``, a JSON header (the
+                kind, a dict's keys in order, the paths of numpy arrays and pickled objects),
+                unless the object is file ``R`` with nothing to restore; commits; an all-gather
+                of how that went, as above; dst merges (``SpillWriter.merge``, the shards read
+                where they lie on one host), an all-gather of how that went; the readers read
+                every rank's object back (tensors as torch tensors on the CPU, the numpy arrays'
+                paths turned back into numpy arrays) into the caller's list
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
 """
 
@@ -40,15 +42,15 @@ import numpy as np
 import torch
 
 from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._format import crc
 from .._read.rowvalue import gc_paused
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
 from .._write.writer import SpillWriter
+from . import records
 from .gather import barrier
 from .rank import gloo_group
-from .records import decode as decode_records
-from .records import encode as encode_records
 
 ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
@@ -122,12 +124,13 @@ def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
     return got
 
 
-def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> tuple[str, bool]:
-    """The call's folder, rank 0's fresh id under the root, and whether every rank runs on this
-    host (the default root is node-local), from one all-gather."""
-    got = _exchange(rank, (socket.gethostname(), uuid.uuid4().hex), timeout, "entered the call")
+def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float, records: bool) -> tuple[str, bool, bool]:
+    """The call's folder, rank 0's fresh id under the root; whether every rank runs on this host
+    (the default root is node-local); whether every rank's object is ``records``: from one
+    all-gather."""
+    got = _exchange(rank, (socket.gethostname(), uuid.uuid4().hex, records), timeout, "entered the call")
     where = os.fspath(root) if root is not None else os.environ.get(ROOT_ENV) or None
-    hosts = sorted({h for h, _ in got})
+    hosts = sorted({h for h, _, _ in got})
     if where is None and len(hosts) > 1:
         raise ConfigError(
             f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}) and "
@@ -135,20 +138,22 @@ def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float) -> tu
             "every rank sees",
             key=ROOT_ENV,
         )
-    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1
+    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(r for *_, r in got)
 
 
 def _settle(
     rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, error: BaseException | None,
-    timeout: float, what: str,
-) -> None:  # fmt: skip
-    """After a step of the call, every rank learns whether any rank's step failed. On a failure
-    dst removes the call's folder (every rank is past the step: nobody writes there any more)
-    and every rank raises: its own error, else a :class:`RankFailedError` naming the ranks."""
+    timeout: float, what: str, info: Any = None,
+) -> list[Any]:  # fmt: skip
+    """After a step of the call, every rank learns whether any rank's step failed, and every
+    rank's ``info``, which it returns. On a failure dst removes the call's folder (every rank is
+    past the step: nobody writes there any more) and every rank raises: its own error, else a
+    :class:`RankFailedError` naming the ranks."""
     mine = None if error is None else f"{type(error).__name__}: {str(error)[:2000]}"
-    failures = {r: m for r, m in enumerate(_exchange(rank, mine, timeout, f"finished {what}")) if m is not None}
+    got = _exchange(rank, (mine, info), timeout, f"finished {what}")
+    failures = {r: m for r, (m, _) in enumerate(got) if m is not None}
     if not failures:
-        return
+        return [i for _, i in got]
     if rank == dst:
         try:
             _remove(call, storage_options)
@@ -361,13 +366,13 @@ def _split(obj: Any) -> bool:
     return not _plain_records(obj, nested=False)
 
 
-def _write(w: SpillWriter, rank: int, obj: Any, allow_pickle: bool) -> None:
-    """The rank's object and its header, as the module docstring says."""
+def _write(w: SpillWriter, rank: int, obj: Any, batch: Any, allow_pickle: bool) -> None:
+    """The rank's object and its header, as the module docstring says; ``batch``: the object
+    as records (``records.encode``), else None."""
     name = _name(rank)
-    encoded = encode_records(obj)
-    if encoded is not None:  # records: one Arrow stream, its columns made by numpy, read back by Arrow
-        w.write(name, 0, encoded[1])
-        w.write(_header_name(rank), 0, json.dumps({**encoded[0], "shape": None}))
+    if batch is not None:  # records, where another rank's object is not: one Arrow stream
+        w.write(name, 0, records.to_bytes(batch))
+        w.write(_header_name(rank), 0, json.dumps({"kind": "records", "shape": None}))
         return
     shape = _Shape(obj, allow_pickle)
     obj = shape.obj
@@ -428,7 +433,7 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
     if kind in ("object", "records") and len(got) != 1:
         raise CorruptSpillError(f"rank {r}'s {kind} came back as {len(got)} files")
     if kind == "records":
-        value = decode_records(header, got[0], r)
+        value = records.decode(got[0], r)
     elif kind == "object":
         value = got[0]
     else:
@@ -437,6 +442,45 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
         value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
         value = tuple(value) if kind == "tuple" else value
     return value if header["shape"] is None else _restore(value, header["shape"])
+
+
+def _records_file(rank: int) -> str:
+    return f"{_name(rank)}.arrow"
+
+
+def _put_records(call: str, rank: int, batch: Any, storage_options: dict[str, Any] | None) -> tuple[int, int]:
+    """Write the rank's records as file ``R.arrow`` in the call's folder; its size and CRC-32C."""
+    storage = Storage(call, storage_options)
+    try:
+        storage.makedirs("")
+        with storage.open_write(_records_file(rank)) as sink:
+            out = records.Checksummed(sink)
+            records.write(batch, out)
+        return out.nbytes, out.crc
+    finally:
+        storage.close()
+
+
+def _get_records(
+    call: str, sizes: list[tuple[int, int]], storage_options: dict[str, Any] | None, out: list[Any]
+) -> None:
+    """Every rank's records into ``out``, each file checked against the size and CRC-32C its
+    rank reported."""
+    storage = Storage(call, storage_options)
+    try:
+        for r, (nbytes, want) in enumerate(sizes):
+            data = storage.get_or_none(_records_file(r), max_bytes=nbytes)
+            if data is None or len(data) != nbytes or crc.value(data) != want:
+                where = storage.describe(_records_file(r))
+                got = "missing" if data is None else f"{len(data)} bytes of CRC-32C {crc.value(data):08x}"
+                raise CorruptSpillError(
+                    f"rank {r}'s records at {where} are not what it wrote ({nbytes} bytes of CRC-32C {want:08x}): {got}",
+                    path=where,
+                )
+            out[r] = records.decode(data, r)
+            del data
+    finally:
+        storage.close()
 
 
 def _collective(
@@ -453,43 +497,54 @@ def _collective(
     storage_options: dict[str, Any] | None,
 ) -> None:
     rank, world, target = _ranks(group, dst, group_dst)
-    call, one_host = _agree(rank, root, timeout)
+    try:
+        batch = gc_paused(records.encode, obj)
+    except Exception:  # noqa: BLE001 - not records after all: the general way names what is wrong
+        batch = None
+    # Records on every rank go as one Arrow file a rank, read back as they are: no spill, no merge.
+    call, one_host, direct = _agree(rank, root, timeout, batch is not None)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
+    info = None
     try:
-        # fsync=False here and in the merge: the call's folder is removed when the call returns,
-        # so nothing in it has to outlive a crash (a syncfs per call was most of a small call)
-        # 4 MiB chunks, two of them: the writer touches its staging buffers ahead of use, and a
-        # small call's cost was mostly faulting in 16 MiB ones
-        with _CallWriter(
-            spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
-            chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
-        ) as w:  # fmt: skip
-            _check_list(rank, target, world, object_list, every_rank)
-            try:
-                gc_paused(_write, w, rank, obj, allow_pickle)  # builds only acyclic lists and buffers
-            except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
-                exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
-                raise
+        _check_list(rank, target, world, object_list, every_rank)
+        if direct:
+            info = _put_records(call, rank, batch, storage_options)
+        else:
+            # fsync=False here and in the merge: the call's folder is removed when the call
+            # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a
+            # small call). 4 MiB chunks, two of them: the writer touches its staging buffers
+            # ahead of use, and a small call's cost was mostly faulting in 16 MiB ones.
+            with _CallWriter(
+                spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
+                chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
+            ) as w:  # fmt: skip
+                gc_paused(_write, w, rank, obj, batch, allow_pickle)  # builds only acyclic lists and buffers
+    except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
+        exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+        error = exc
     except Exception as exc:  # told to every rank just below, then raised here
         error = exc
     # Every rank has committed (or failed) once this returns: dst's merge finds every commit
     # record at its first look, with no polling of storage.
-    _settle(rank, target, call, storage_options, error, timeout, "writing its object")
-    try:
-        # On one host every shard lies where dst reads it: no transfer to coordinate. The spill
-        # stays until the call's folder goes as a whole.
-        w.merge(
-            out, target, wait=False, timeout=timeout, overwrite=True, storage_options=storage_options,
-            remove_spill=False, progress=False, fsync=False, transport="storage" if one_host else "auto",
-        )  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
-        error = exc
-    _settle(rank, target, call, storage_options, error, timeout, "the merge")
+    sizes = _settle(rank, target, call, storage_options, error, timeout, "writing its object", info)
+    if not direct:
+        try:
+            # On one host every shard lies where dst reads it: no transfer to coordinate. The
+            # spill stays until the call's folder goes as a whole.
+            w.merge(
+                out, target, wait=False, timeout=timeout, overwrite=True, storage_options=storage_options,
+                remove_spill=False, progress=False, fsync=False, transport="storage" if one_host else "auto",
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+            error = exc
+        _settle(rank, target, call, storage_options, error, timeout, "the merge")
     # From here a failure is this rank's own (reading back): the others are not told, so each
     # rank still meets the barrier and dst still removes the folder, whatever happened here.
     try:
-        if every_rank or rank == target:
+        if (every_rank or rank == target) and direct:
+            gc_paused(_get_records, call, sizes, storage_options, object_list)  # builds only acyclic objects
+        elif every_rank or rank == target:
             _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
     finally:
         if every_rank:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CorruptSpillError
+from .._format import crc
 
 _NONE = type(None)
 _MAX_DEPTH = 8
@@ -106,9 +107,9 @@ def _items(lists: list[list[Any]], depth: int) -> Any:
     return _column(list(itertools.chain.from_iterable(lists)), depth)
 
 
-def encode(obj: Any) -> tuple[dict[str, Any], np.ndarray] | None:
-    """``obj`` as (header, the IPC stream's bytes) when it is records this round trip keeps
-    exactly (the module docstring), else None."""
+def encode(obj: Any) -> Any | None:
+    """``obj`` as one Arrow record batch when it is records this round trip keeps exactly (the
+    module docstring), else None. Its schema's metadata names the container (dict, list, tuple)."""
     kind = type(obj)
     if kind is dict:
         if not obj or not all(type(k) is str for k in obj):
@@ -129,24 +130,66 @@ def encode(obj: Any) -> tuple[dict[str, Any], np.ndarray] | None:
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
     import pyarrow as pa
 
-    batch = pa.RecordBatch.from_arrays(arrays, names=names)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as stream:
-        stream.write_batch(batch)
-    return {"kind": "records", "container": kind.__name__}, np.frombuffer(sink.getvalue(), dtype=np.uint8)
+    return pa.RecordBatch.from_arrays(arrays, names=names).replace_schema_metadata({"container": kind.__name__})
 
 
-def decode(header: dict[str, Any], data: Any, rank: int) -> Any:
-    """The object ``encode`` made ``data`` of (its bytes checked as Arrow data before use)."""
+class Checksummed:
+    """A file-like object Arrow's writer writes to: the bytes go on to ``sink`` (a storage
+    object being written), counted and their CRC-32C taken on the way."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.nbytes, self.crc = sink, 0, 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        self.sink.write(data)
+        self.crc = crc.extend(self.crc, data)
+        self.nbytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def write(batch: Any, out: Any) -> None:
+    """``batch`` as an Arrow IPC stream into ``out`` (a pyarrow sink or a file-like object)."""
     import pyarrow as pa
 
+    if not isinstance(out, pa.NativeFile):
+        out = pa.PythonFile(out, mode="w")
+    with pa.ipc.new_stream(out, batch.schema) as stream:
+        stream.write_batch(batch)
+
+
+def to_bytes(batch: Any) -> np.ndarray:
+    """``batch``'s IPC stream as bytes."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    write(batch, sink)
+    return np.frombuffer(sink.getvalue(), dtype=np.uint8)
+
+
+_CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
+
+
+def decode(data: Any, rank: int) -> Any:
+    """The object ``encode`` made the stream ``data`` of (its bytes checked as Arrow data before
+    use; a checksum, where the caller has one, checked by the caller)."""
+    import pyarrow as pa
+
+    if not isinstance(data, (bytes, memoryview)):  # a spilled value: a uint8 array or tensor
+        data = np.ascontiguousarray(np.asarray(data), dtype=np.uint8)
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(np.ascontiguousarray(np.asarray(data), dtype=np.uint8))).read_all()
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
         table.validate(full=True)
+        container = _CONTAINERS[(table.schema.metadata or {}).get(b"container", b"").decode()]
         values = table.column("v").to_pylist()
-        container = header["container"]
-        if container == "dict":
+        if container is dict:
             return dict(zip(table.column("k").to_pylist(), values, strict=True))
-        return tuple(values) if container == "tuple" else values
+        return tuple(values) if container is tuple else values
     except (pa.ArrowException, OSError, KeyError, ValueError) as exc:  # Arrow's I/O errors are OSErrors
         raise CorruptSpillError(f"rank {rank}'s records are not the Arrow stream written: {exc}") from exc

@@ -45,6 +45,8 @@ def test_back_to_back_calls_apart_and_nothing_left(ranks):
         assert res["first"] == [["first", s] for s in range(WORLD)]
         assert res["second"] == [{"second": s} for s in range(WORLD)]
         assert res["third"] == ([["third", s] for s in range(WORLD)] if r == 0 else None)
+        assert res["fourth"] == [[{"fourth": s, "ids": [s] * s}] for s in range(WORLD)]
+        assert res["fifth"] == ([{"k": {"fifth": s}} for s in range(WORLD)] if r == 2 else None)
         assert res["via_env"] == [2 * s for s in range(WORLD)]
         assert res["new_in_default_root"] == [] and res["left_in_env_root"] == []
 
@@ -55,6 +57,8 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
         res = results[r]["failures"]
         assert res["unpicklable"] is not None and "rank 1" in res["unpicklable"]["msg"], (r, res["unpicklable"])
         assert res["short_list"] is not None and "rank 0" in res["short_list"]["msg"], (r, res["short_list"])
+        recs = res["short_list_records"]
+        assert recs is not None and "rank 0" in recs["msg"], (r, recs)
         assert res["list_off_dst"] is not None and "rank" in res["list_off_dst"]["msg"], (r, res["list_off_dst"])
         assert res["dst_and_group_dst"]["value_error"], res["dst_and_group_dst"]
         assert res["subgroup"] is not None and "group=" in res["subgroup"]["msg"], res["subgroup"]
@@ -63,6 +67,7 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
         assert res["after"] == list(range(WORLD))
         assert res["left_after_failures"] == []
     assert results[0]["failures"]["short_list"]["value_error"]
+    assert results[0]["failures"]["short_list_records"]["value_error"]
 
 
 def test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang(ranks):

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from spillmerge import CorruptSpillError
-from spillmerge._dist.records import decode, encode
+from spillmerge._dist.dropin import _get_records, _put_records
+from spillmerge._dist.records import decode, encode, to_bytes
 
 KEYS = st.sampled_from(["score", "bbox", "a", "", "é"])
 SCALARS = st.one_of(
@@ -22,6 +23,11 @@ VALUES = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=3)),
     max_leaves=12,
 )
+
+
+def _back(batch, rank: int = 0):
+    """What a reader makes of ``batch``'s stream."""
+    return decode(to_bytes(batch), rank=rank)
 
 
 def _same(got, want) -> bool:
@@ -42,7 +48,7 @@ def test_what_it_takes_comes_back_exactly(rows, container):
     obj = {f"k{i}": r for i, r in enumerate(rows)} if container is dict else container(rows)
     encoded = encode(obj)
     if encoded is not None:
-        assert _same(decode(*encoded, rank=0), obj)
+        assert _same(_back(encoded), obj)
 
 
 KINDS = [
@@ -70,7 +76,7 @@ def test_records_of_one_kind_a_key_are_taken_and_come_back_exactly(rows, contain
     obj = {f"k{i}": r for i, r in enumerate(rows)} if container is dict else container(rows)
     encoded = encode(obj)
     assert encoded is not None
-    assert _same(decode(*encoded, rank=0), obj)
+    assert _same(_back(encoded), obj)
 
 
 @pytest.mark.parametrize(
@@ -103,14 +109,46 @@ def test_the_workloads_people_gather_are_taken():
     coco = [{"image_id": i, "instances": [{"bbox": [1.0, 2.0, 3.0, 4.0], "score": 0.5}] * i} for i in range(3)]
     for obj in (llm, coco, tuple(coco)):
         encoded = encode(obj)
-        assert encoded is not None and _same(decode(*encoded, rank=0), obj)
+        assert encoded is not None and _same(_back(encoded), obj)
 
 
 def test_bytes_that_are_not_the_stream_are_refused_naming_the_rank():
-    header, data = encode([{"text": "x" * 100, "n": 7}])
+    data = to_bytes(encode([{"text": "x" * 100, "n": 7}]))
     bad = data.copy()
     bad[len(bad) // 2 :] ^= 0xFF
     with pytest.raises(CorruptSpillError, match="rank 3"):
-        decode(header, bad, rank=3)
+        decode(bad, rank=3)
     with pytest.raises(CorruptSpillError, match="rank 3"):
-        decode(header, data[:10], rank=3)
+        decode(data[:10], rank=3)
+
+
+def test_a_stream_without_its_container_is_refused():
+    import pyarrow as pa
+
+    batch = encode([{"n": 7}]).replace_schema_metadata({"container": "set"})
+    with pytest.raises(CorruptSpillError, match="rank 1"):
+        decode(to_bytes(batch), rank=1)
+    with pytest.raises(CorruptSpillError, match="rank 1"):
+        decode(to_bytes(pa.record_batch([pa.array([1])], names=["v"])), rank=1)
+
+
+def test_records_files_come_back_and_damage_is_refused_naming_rank_and_path(tmp_path):
+    """The drop-ins' records on every rank: one file a rank, checked against the size and CRC-32C
+    its rank reported, before Arrow reads it."""
+    call = str(tmp_path / "call")
+    objs = [{f"p{i}": {"text": "é" * i, "ids": list(range(i))} for i in range(5)}, [{"a": None}, {"a": 1.5}]]
+    sizes = [_put_records(call, r, encode(o), None) for r, o in enumerate(objs)]
+    out = [None, None]
+    _get_records(call, sizes, None, out)
+    assert all(_same(g, w) for g, w in zip(out, objs, strict=True))
+    path = tmp_path / "call" / "00000001.arrow"
+    good = path.read_bytes()
+    path.write_bytes(good[:-9] + bytes([good[-9] ^ 1]) + good[-8:])  # one bit flipped
+    with pytest.raises(CorruptSpillError, match=r"rank 1's records at .*00000001\.arrow"):
+        _get_records(call, sizes, None, [None, None])
+    path.write_bytes(good[:-1])
+    with pytest.raises(CorruptSpillError, match="rank 1"):
+        _get_records(call, sizes, None, [None, None])
+    path.unlink()
+    with pytest.raises(CorruptSpillError, match="rank 1.*missing"):
+        _get_records(call, sizes, None, [None, None])
