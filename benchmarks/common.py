@@ -193,6 +193,14 @@ def context() -> Any:
     torch and spillmerge (0.1 s per process instead of 2-10 s for spawn + import on 2 cores). The
     fork server itself never runs torch ops, so its children start with clean memory and no
     threads; every process measures memory against its own baseline anyway."""
+    # spillmerge's modules compiled to bytecode once, as installing a wheel does: an editable
+    # checkout under PYTHONDONTWRITEBYTECODE would compile every module a rank first imports in
+    # each fresh process (20-60 ms a rank), a cost no installed user pays and torch never does.
+    import compileall
+
+    import spillmerge
+
+    compileall.compile_dir(os.path.dirname(spillmerge.__file__), quiet=1)
     if os.environ.get("BENCH_START") == "spawn":  # the slow way, to check the fork server changes nothing
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

@@ -7,11 +7,11 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 hostnames (on several hosts the folder must be on storage every rank sees:
                 ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
                 whether every rank's object is records Arrow keeps exactly (``_dist.records``)
-  records on every rank: each writes file ``R.arrow``, one Arrow stream; an all-gather of how
+  records on every rank: each writes file ``R.records``, its columns' buffers; an all-gather of how
                 that went (a rank that failed is named on every rank, and dst removes the call's
                 folder) and of each file's size and CRC-32C; the readers check each file against
                 them and convert it back. No spill, no merge.
-  otherwise:    each rank spills its object: records as file ``R`` (one Arrow stream); other
+  otherwise:    each rank spills its object: records as file ``R`` (those bytes); other
                 lists, tuples and str-keyed dicts that hold dicts one file per element (``R-i``,
                 i the position, zero-padded; records holding records a batch at a time, a column
                 at a time); any other object as file ``R``; and file ``R.h``, a JSON header (the
@@ -366,12 +366,12 @@ def _split(obj: Any) -> bool:
     return not _plain_records(obj, nested=False)
 
 
-def _write(w: SpillWriter, rank: int, obj: Any, batch: Any, allow_pickle: bool) -> None:
-    """The rank's object and its header, as the module docstring says; ``batch``: the object
+def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_pickle: bool) -> None:
+    """The rank's object and its header, as the module docstring says; ``pieces``: the object
     as records (``records.encode``), else None."""
     name = _name(rank)
-    if batch is not None:  # records, where another rank's object is not: one Arrow stream
-        w.write(name, 0, records.to_bytes(batch))
+    if pieces is not None:  # records, where another rank's object is not: one file of their bytes
+        w.write(name, 0, np.frombuffer(b"".join(pieces), dtype=np.uint8))
         w.write(_header_name(rank), 0, json.dumps({"kind": "records", "shape": None}))
         return
     shape = _Shape(obj, allow_pickle)
@@ -445,20 +445,22 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
 
 
 def _records_file(rank: int) -> str:
-    return f"{_name(rank)}.arrow"
+    return f"{_name(rank)}.records"
 
 
-def _put_records(call: str, rank: int, batch: Any, storage_options: dict[str, Any] | None) -> tuple[int, int]:
-    """Write the rank's records as file ``R.arrow`` in the call's folder; its size and CRC-32C."""
+def _put_records(call: str, rank: int, pieces: list[Any], storage_options: dict[str, Any] | None) -> tuple[int, int]:
+    """Write the rank's records (``records.encode``'s pieces) as file ``R.records`` in the call's
+    folder; its size and CRC-32C."""
     storage = Storage(call, storage_options)
     try:
         storage.makedirs("")
-        with storage.open_write(_records_file(rank)) as sink:
-            out = records.Checksummed(sink)
-            records.write(batch, out)
-        return out.nbytes, out.crc
+        storage.put(_records_file(rank), pieces)
     finally:
         storage.close()
+    checksum = 0
+    for piece in pieces:
+        checksum = crc.extend(checksum, piece)
+    return sum(map(len, pieces)), checksum
 
 
 def _get_records(
@@ -498,18 +500,18 @@ def _collective(
 ) -> None:
     rank, world, target = _ranks(group, dst, group_dst)
     try:
-        batch = gc_paused(records.encode, obj)
+        pieces = gc_paused(records.encode, obj)
     except Exception:  # noqa: BLE001 - not records after all: the general way names what is wrong
-        batch = None
-    # Records on every rank go as one Arrow file a rank, read back as they are: no spill, no merge.
-    call, one_host, direct = _agree(rank, root, timeout, batch is not None)
+        pieces = None
+    # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
+    call, one_host, direct = _agree(rank, root, timeout, pieces is not None)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
     info = None
     try:
         _check_list(rank, target, world, object_list, every_rank)
         if direct:
-            info = _put_records(call, rank, batch, storage_options)
+            info = _put_records(call, rank, pieces, storage_options)
         else:
             # fsync=False here and in the merge: the call's folder is removed when the call
             # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a
@@ -519,7 +521,7 @@ def _collective(
                 spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
                 chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
             ) as w:  # fmt: skip
-                gc_paused(_write, w, rank, obj, batch, allow_pickle)  # builds only acyclic lists and buffers
+                gc_paused(_write, w, rank, obj, pieces, allow_pickle)  # builds only acyclic lists and buffers
     except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
         exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
         error = exc

@@ -1,6 +1,7 @@
-"""A drop-in's object of records as one Arrow IPC stream: each key's values become one typed
-column (numpy's ``fromiter`` in C, no Python step per leaf), read back by pyarrow's ``to_pylist``
-in C++, at pickle's speed.
+"""A drop-in's object of records as Arrow columns: each key's values become one column's buffers
+(numpy's ``fromiter`` in C, no Python step per leaf); the reader makes Arrow arrays of them and
+converts those back with pyarrow's ``to_pylist`` in C++, at pickle's speed. The sender does not
+need pyarrow at all (its import is 25 ms and 5 MiB a process).
 
 Taken only where that round trip is exact: a list, tuple or str-keyed dict of dicts of one key
 order (struct fields keep it), each key's values, at every depth, of one type (None allowed
@@ -8,44 +9,72 @@ anywhere) among int, float, str, bytes, bool, a list of such values or such dict
 (an int and a float under one key, keys that differ, an int past 64 bits, an unpaired surrogate)
 goes the general way, one file per element.
 
-The columns are built from their buffers (``Array.from_buffers``), not by ``pa.array``: that one
-imports pandas when it is installed (pyarrow's pandas shim), 0.5-0.7 s of a process's first call.
+The bytes (docs/FORMAT.md, section 4): the JSON header's length (8 bytes, little
+endian), the header (the container, each column's Arrow type, length and buffers as offsets
+into what follows), padded to 8 bytes, then the buffers, each starting 8-byte aligned. The
+reader checks every offset against the bytes, builds only the types listed here and validates
+the arrays in full (``validate(full=True)``) before converting them.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import operator
 from typing import Any
 
 import numpy as np
 
 from .._errors import CorruptSpillError
-from .._format import crc
 
 _NONE = type(None)
 _MAX_DEPTH = 8
 _FILL = {int: 0, float: 0.0, bool: False, str: "", bytes: b""}
 """What stands in a column's buffer for a None (its validity bit says null)."""
 _SCALARS = frozenset(_FILL)
-
-
-def _offsets(lengths: np.ndarray) -> tuple[Any, bool]:
-    """Arrow offsets of items of ``lengths``, and whether they need 64 bits."""
-    ends = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=ends[1:])
-    large = bool(ends[-1] > np.iinfo(np.int32).max)
-    return ends if large else ends.astype(np.int32), large
+_HEADER_MAX = 1 << 24
 
 
 class _NotExact(Exception):
     """Raised inside ``_column``: the values would not come back as they are."""
 
 
-def _column(column: list[Any], depth: int = 0) -> Any:
-    """``column`` (one key's values) as one Arrow array; ``_NotExact`` unless the module
-    docstring's conditions hold. pyarrow is imported once something is to convert (not for an
-    object of tensors: declined at its first key)."""
+class Encoded:
+    """An object's records as the header and buffers of its bytes."""
+
+    def __init__(self, container: str) -> None:
+        self.container = container
+        self.parts: list[Any] = []
+        self.size = 0
+
+    def buffer(self, data: Any) -> list[int]:
+        """``data``'s place after the header, as ``[offset, size]``; 8-byte aligned."""
+        pad = -self.size % 8
+        if pad:
+            self.parts.append(bytes(pad))
+            self.size += pad
+        view = memoryview(data).cast("B")
+        self.parts.append(view)
+        self.size += len(view)
+        return [self.size - len(view), len(view)]
+
+    def offsets(self, lengths: np.ndarray) -> tuple[list[int], bool]:
+        """Arrow offsets of items of ``lengths`` as a buffer, and whether they need 64 bits."""
+        ends = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=ends[1:])
+        large = bool(ends[-1] > np.iinfo(np.int32).max)
+        return self.buffer(ends if large else ends.astype(np.int32)), large
+
+    def pieces(self, columns: dict[str, Any]) -> list[Any]:
+        """The bytes, as pieces to write back to back."""
+        head = json.dumps({"container": self.container, "columns": columns}).encode()
+        head += b" " * (-len(head) % 8)  # JSON's whitespace: the buffers start 8-byte aligned
+        return [len(head).to_bytes(8, "little"), head, *self.parts]
+
+
+def _column(out: Encoded, column: list[Any], depth: int = 0) -> dict[str, Any]:
+    """``column`` (one key's values) as one Arrow array's node (type, length, buffers, children)
+    in ``out``; ``_NotExact`` unless the module docstring's conditions hold."""
     n = len(column)
     kinds = set(map(type, column))
     nulls = _NONE in kinds
@@ -55,61 +84,54 @@ def _column(column: list[Any], depth: int = 0) -> Any:
     kind = kinds.pop() if kinds else None
     if kind is not None and kind is not list and kind is not dict and kind not in _SCALARS:
         raise _NotExact
-    valid = None
-    if nulls and kind is not None:
+    if kind is None:
+        return {"t": "null", "n": n, "b": [None]}
+    validity, present = None, column
+    if nulls:
         valid = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=n)
+        validity = out.buffer(np.packbits(valid, bitorder="little"))
+        present = [v for v in column if v is not None]
         fill = {} if kind is dict else [] if kind is list else _FILL[kind]
         column = [fill if v is None else v for v in column]
-    children = []
     if kind is dict:  # one key order of str keys in every dict (a None's stand-in {} aside)
-        present = [v for v, ok in zip(column, valid, strict=True) if ok] if valid is not None else column
         keys = tuple(present[0])
         if not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, present))):
             raise _NotExact
-        children = [_column(list(map(operator.methodcaller("get", k), column)), depth + 1) for k in keys]
-    elif kind is list:
-        children = [_items(column, depth + 1)]
-    import pyarrow as pa
-
-    if kind is None:
-        return pa.nulls(n)
-    validity = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
+        children = [_column(out, list(map(operator.methodcaller("get", k), column)), depth + 1) for k in keys]
+        return {"t": "struct", "n": n, "b": [validity], "c": children, "f": list(keys)}
+    if kind is list:
+        offsets, large = out.offsets(np.fromiter(map(len, column), dtype=np.int64, count=n))
+        child = _items(out, column, depth + 1)
+        return {"t": "large_list" if large else "list", "n": n, "b": [validity, offsets], "c": [child]}
     if kind is int or kind is float:
-        data = np.fromiter(column, dtype=np.int64 if kind is int else np.float64, count=n)
-        return pa.Array.from_buffers(pa.int64() if kind is int else pa.float64(), n, [validity, pa.py_buffer(data)])
+        return _numbers(out, kind, column, n, validity)
     if kind is bool:
         bits = np.packbits(np.fromiter(column, dtype=bool, count=n), bitorder="little")
-        return pa.Array.from_buffers(pa.bool_(), n, [validity, pa.py_buffer(bits)])
-    if kind is str or kind is bytes:
-        encoded = [s.encode() for s in column] if kind is str else column
-        offsets, large = _offsets(np.fromiter(map(len, encoded), dtype=np.int64, count=n))
-        typ = (pa.large_string() if large else pa.string()) if kind is str else (
-            pa.large_binary() if large else pa.binary())  # fmt: skip
-        return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
-    if kind is list:
-        offsets, large = _offsets(np.fromiter(map(len, column), dtype=np.int64, count=n))
-        typ = pa.large_list(children[0].type) if large else pa.list_(children[0].type)
-        return pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(offsets)], children=children)
-    typ = pa.struct([pa.field(k, c.type) for k, c in zip(keys, children, strict=True)])
-    return pa.Array.from_buffers(typ, n, [validity], children=children)
+        return {"t": "bool", "n": n, "b": [validity, out.buffer(bits)]}
+    encoded = [s.encode() for s in column] if kind is str else column
+    offsets, large = out.offsets(np.fromiter(map(len, encoded), dtype=np.int64, count=n))
+    name = ("large_" if large else "") + ("string" if kind is str else "binary")
+    return {"t": name, "n": n, "b": [validity, offsets, out.buffer(b"".join(encoded))]}
 
 
-def _items(lists: list[list[Any]], depth: int) -> Any:
-    """The items of ``lists`` as one Arrow array. Numbers of one kind without None go straight
+def _numbers(out: Encoded, kind: type, values: Any, n: int, validity: list[int] | None) -> dict[str, Any]:
+    """``n`` ints or floats from the iterable ``values`` as one column's node."""
+    data = np.fromiter(values, dtype=np.int64 if kind is int else np.float64, count=n)
+    return {"t": "int64" if kind is int else "float64", "n": n, "b": [validity, out.buffer(data)]}
+
+
+def _items(out: Encoded, lists: list[list[Any]], depth: int) -> dict[str, Any]:
+    """The items of ``lists`` as one column's node. Numbers of one kind without None go straight
     from the lists into their buffer (no list of every item: 8 bytes an item more of peak)."""
     kinds = set(map(type, itertools.chain.from_iterable(lists)))
     if len(kinds) == 1 and depth <= _MAX_DEPTH and (kind := kinds.pop()) in (int, float):
-        import pyarrow as pa
-
-        n = sum(map(len, lists))
-        data = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64 if kind is int else np.float64, count=n)
-        return pa.Array.from_buffers(pa.int64() if kind is int else pa.float64(), n, [None, pa.py_buffer(data)])
-    return _column(list(itertools.chain.from_iterable(lists)), depth)
+        return _numbers(out, kind, itertools.chain.from_iterable(lists), sum(map(len, lists)), None)
+    return _column(out, list(itertools.chain.from_iterable(lists)), depth)
 
 
-def encode(obj: Any) -> Any | None:
-    """``obj`` as one Arrow record batch when it is records this round trip keeps exactly (the
-    module docstring), else None. Its schema's metadata names the container (dict, list, tuple)."""
+def encode(obj: Any) -> list[Any] | None:
+    """``obj``'s bytes as pieces to write back to back, when it is records this round trip keeps
+    exactly (the module docstring), else None."""
     kind = type(obj)
     if kind is dict:
         if not obj or not all(type(k) is str for k in obj):
@@ -121,75 +143,77 @@ def encode(obj: Any) -> Any | None:
         return None
     if not values or set(map(type, values)) != {dict} or not values[0]:
         return None
+    out = Encoded(kind.__name__)
     try:
-        arrays, names = [_column(values)], ["v"]
+        columns = {"v": _column(out, values)}
         if kind is dict:
-            arrays.append(_column(list(obj)))
-            names.append("k")
+            columns["k"] = _column(out, list(obj))
     except (_NotExact, OverflowError, UnicodeError):
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
-    import pyarrow as pa
-
-    return pa.RecordBatch.from_arrays(arrays, names=names).replace_schema_metadata({"container": kind.__name__})
-
-
-class Checksummed:
-    """A file-like object Arrow's writer writes to: the bytes go on to ``sink`` (a storage
-    object being written), counted and their CRC-32C taken on the way."""
-
-    def __init__(self, sink: Any) -> None:
-        self.sink, self.nbytes, self.crc = sink, 0, 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        self.sink.write(data)
-        self.crc = crc.extend(self.crc, data)
-        self.nbytes += len(data)
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def write(batch: Any, out: Any) -> None:
-    """``batch`` as an Arrow IPC stream into ``out`` (a pyarrow sink or a file-like object)."""
-    import pyarrow as pa
-
-    if not isinstance(out, pa.NativeFile):
-        out = pa.PythonFile(out, mode="w")
-    with pa.ipc.new_stream(out, batch.schema) as stream:
-        stream.write_batch(batch)
-
-
-def to_bytes(batch: Any) -> np.ndarray:
-    """``batch``'s IPC stream as bytes."""
-    import pyarrow as pa
-
-    sink = pa.BufferOutputStream()
-    write(batch, sink)
-    return np.frombuffer(sink.getvalue(), dtype=np.uint8)
+    return out.pieces(columns)
 
 
 _CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
 
 
+def _array(pa: Any, node: Any, body: Any, depth: int) -> Any:
+    """The Arrow array ``node`` describes, its buffers sliced from ``body``; every offset checked."""
+    if type(node) is not dict or depth > _MAX_DEPTH + 2:
+        raise ValueError("a column is not described by a JSON object, or is nested too deep")
+    t, n, refs = node.get("t"), node.get("n"), node.get("b")
+    if type(n) is not int or n < 0 or type(refs) is not list:
+        raise ValueError(f"column of type {t!r}: no length or buffers")
+    buffers: list[Any] = []
+    for ref in refs:
+        if ref is None:
+            buffers.append(None)
+            continue
+        if type(ref) is not list or len(ref) != 2 or not all(type(x) is int and x >= 0 for x in ref):
+            raise ValueError(f"column of type {t!r}: a buffer's place {ref!r} is not [offset, size]")
+        if ref[0] + ref[1] > len(body):
+            raise ValueError(f"column of type {t!r}: buffer {ref} runs past the {len(body)} bytes there are")
+        buffers.append(body.slice(ref[0], ref[1]))
+    children = [_array(pa, c, body, depth + 1) for c in node.get("c", [])]
+    if t == "struct":
+        names = node.get("f")
+        if type(names) is not list or len(names) != len(children) or not all(type(x) is str for x in names):
+            raise ValueError("a struct column's field names do not match its children")
+        typ = pa.struct([pa.field(k, c.type) for k, c in zip(names, children, strict=True)])
+    elif t in ("list", "large_list"):
+        if len(children) != 1:
+            raise ValueError(f"a {t} column has {len(children)} children, not 1")
+        typ = (pa.list_ if t == "list" else pa.large_list)(children[0].type)
+    elif t in ("null", "int64", "float64", "bool", "string", "large_string", "binary", "large_binary") and not children:
+        typ = pa.bool_() if t == "bool" else getattr(pa, t)()
+    else:
+        raise ValueError(f"a column of type {t!r}, which the records do not use")
+    return pa.Array.from_buffers(typ, n, buffers, children=children if t in ("struct", "list", "large_list") else None)
+
+
 def decode(data: Any, rank: int) -> Any:
-    """The object ``encode`` made the stream ``data`` of (its bytes checked as Arrow data before
-    use; a checksum, where the caller has one, checked by the caller)."""
+    """The object ``encode`` made ``data`` of (its bytes checked before use; a checksum, where
+    the caller has one, checked by the caller)."""
     import pyarrow as pa
 
     if not isinstance(data, (bytes, memoryview)):  # a spilled value: a uint8 array or tensor
         data = np.ascontiguousarray(np.asarray(data), dtype=np.uint8)
+    whole = pa.py_buffer(data)
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-        table.validate(full=True)
-        container = _CONTAINERS[(table.schema.metadata or {}).get(b"container", b"").decode()]
-        values = table.column("v").to_pylist()
-        if container is dict:
-            return dict(zip(table.column("k").to_pylist(), values, strict=True))
-        return tuple(values) if container is tuple else values
-    except (pa.ArrowException, OSError, KeyError, ValueError) as exc:  # Arrow's I/O errors are OSErrors
-        raise CorruptSpillError(f"rank {rank}'s records are not the Arrow stream written: {exc}") from exc
+        size = int.from_bytes(bytes(whole.slice(0, 8)), "little") if len(whole) >= 8 else -1
+        if not 0 < size <= min(len(whole) - 8, _HEADER_MAX) or size % 8 != 0:
+            raise ValueError(f"a header of {size} bytes in {len(whole)}")
+        header = json.loads(bytes(whole.slice(8, size)))
+        container = _CONTAINERS[header["container"]]
+        body = whole.slice(8 + size)
+        columns = header["columns"]
+        values = _array(pa, columns["v"], body, 0)
+        values.validate(full=True)
+        if container is not dict:
+            return tuple(values.to_pylist()) if container is tuple else values.to_pylist()
+        keys = _array(pa, columns["k"], body, 0)
+        keys.validate(full=True)
+        if keys.type != pa.string() or keys.null_count or len(keys) != len(values):
+            raise ValueError("the dict's keys are not one str per value")
+        return dict(zip(keys.to_pylist(), values.to_pylist(), strict=True))
+    except (pa.ArrowException, KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise CorruptSpillError(f"rank {rank}'s records are not the bytes a drop-in writes: {exc}") from exc

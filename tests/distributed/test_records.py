@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 
+import crc32c
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from spillmerge import CorruptSpillError
 from spillmerge._dist.dropin import _get_records, _put_records
-from spillmerge._dist.records import decode, encode, to_bytes
+from spillmerge._dist.records import decode, encode
 
 KEYS = st.sampled_from(["score", "bbox", "a", "", "é"])
 SCALARS = st.one_of(
@@ -25,9 +26,13 @@ VALUES = st.recursive(
 )
 
 
-def _back(batch, rank: int = 0):
-    """What a reader makes of ``batch``'s stream."""
-    return decode(to_bytes(batch), rank=rank)
+def _bytes(pieces) -> bytes:
+    return b"".join(pieces)
+
+
+def _back(pieces, rank: int = 0):
+    """What a reader makes of ``encode``'s pieces written back to back."""
+    return decode(_bytes(pieces), rank=rank)
 
 
 def _same(got, want) -> bool:
@@ -112,24 +117,39 @@ def test_the_workloads_people_gather_are_taken():
         assert encoded is not None and _same(_back(encoded), obj)
 
 
-def test_bytes_that_are_not_the_stream_are_refused_naming_the_rank():
-    data = to_bytes(encode([{"text": "x" * 100, "n": 7}]))
+def test_bytes_that_are_not_the_records_are_refused_naming_the_rank():
+    import json
+
+    import numpy as np
+
+    data = np.frombuffer(_bytes(encode([{"text": "x" * 100, "n": 7, "ids": [1, 2]}])), dtype=np.uint8)
+    size = int.from_bytes(data[:8].tobytes(), "little")
     bad = data.copy()
-    bad[len(bad) // 2 :] ^= 0xFF
-    with pytest.raises(CorruptSpillError, match="rank 3"):
-        decode(bad, rank=3)
-    with pytest.raises(CorruptSpillError, match="rank 3"):
-        decode(data[:10], rank=3)
+    bad[8 + size + 4 : 8 + size + 8] ^= 0xFF  # the text's end offset
+    header = json.loads(data[8 : 8 + size].tobytes())
+    body = data[8 + size :].tobytes()
 
+    def remade(**change) -> bytes:
+        head = json.dumps({**header, **change}).encode()
+        head += b" " * (-len(head) % 8)
+        return len(head).to_bytes(8, "little") + head + body
 
-def test_a_stream_without_its_container_is_refused():
-    import pyarrow as pa
-
-    batch = encode([{"n": 7}]).replace_schema_metadata({"container": "set"})
-    with pytest.raises(CorruptSpillError, match="rank 1"):
-        decode(to_bytes(batch), rank=1)
-    with pytest.raises(CorruptSpillError, match="rank 1"):
-        decode(to_bytes(pa.record_batch([pa.array([1])], names=["v"])), rank=1)
+    columns = header["columns"]["v"]
+    past_end = {**columns, "c": [{**columns["c"][0], "b": [None, [0, len(body) + 1]]}, *columns["c"][1:]]}
+    longer = {**columns, "n": columns["n"] + 1000}
+    for damaged in (
+        bad,  # an offset past its buffer
+        data[: len(data) // 2] ^ 1,  # flipped bits in the header
+        data[:10],  # short
+        data[:-3],  # a buffer cut off
+        remade(container="set"),  # a container no drop-in takes
+        remade(columns={"v": {**columns, "t": "dictionary"}}),  # a type the records do not use
+        remade(columns={"v": past_end}),  # a buffer past the end
+        remade(columns={"v": longer}),  # more rows than the buffers hold
+        remade(columns={"v": {**columns, "f": ["text"]}}),  # field names that do not match
+    ):
+        with pytest.raises(CorruptSpillError, match="rank 3"):
+            decode(damaged, rank=3)
 
 
 def test_records_files_come_back_and_damage_is_refused_naming_rank_and_path(tmp_path):
@@ -138,13 +158,14 @@ def test_records_files_come_back_and_damage_is_refused_naming_rank_and_path(tmp_
     call = str(tmp_path / "call")
     objs = [{f"p{i}": {"text": "é" * i, "ids": list(range(i))} for i in range(5)}, [{"a": None}, {"a": 1.5}]]
     sizes = [_put_records(call, r, encode(o), None) for r, o in enumerate(objs)]
+    assert sizes[0] == (len(_bytes(encode(objs[0]))), crc32c.crc32c(_bytes(encode(objs[0]))))
     out = [None, None]
     _get_records(call, sizes, None, out)
     assert all(_same(g, w) for g, w in zip(out, objs, strict=True))
-    path = tmp_path / "call" / "00000001.arrow"
+    path = tmp_path / "call" / "00000001.records"
     good = path.read_bytes()
     path.write_bytes(good[:-9] + bytes([good[-9] ^ 1]) + good[-8:])  # one bit flipped
-    with pytest.raises(CorruptSpillError, match=r"rank 1's records at .*00000001\.arrow"):
+    with pytest.raises(CorruptSpillError, match=r"rank 1's records at .*00000001\.records"):
         _get_records(call, sizes, None, [None, None])
     path.write_bytes(good[:-1])
     with pytest.raises(CorruptSpillError, match="rank 1"):
