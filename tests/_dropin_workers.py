@@ -172,7 +172,7 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
     third = [None] * world if rank == 0 else None
     spillmerge.gather_object(["third", rank], third, timeout=TIMEOUT)
     # records on every rank: one Arrow file a rank, no spill and no merge
-    fourth: list[Any] = [None] * world
+    fourth: list[Any] = ["stale"] * world  # whatever the list holds is replaced, as torch does
     spillmerge.all_gather_object(fourth, [{"fourth": rank, "ids": [rank] * rank}], timeout=TIMEOUT)
     fifth = [None] * world if rank == 2 else None
     spillmerge.gather_object({"k": {"fifth": rank}}, fifth, dst=2, timeout=TIMEOUT)

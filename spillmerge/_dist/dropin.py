@@ -464,13 +464,16 @@ def _put_records(call: str, rank: int, pieces: list[Any], storage_options: dict[
 
 
 def _get_records(
-    call: str, sizes: list[tuple[int, int]], storage_options: dict[str, Any] | None, out: list[Any]
+    call: str, sizes: list[tuple[int, int]], storage_options: dict[str, Any] | None, out: list[Any], mine: int
 ) -> None:
-    """Every rank's records into ``out``, each file checked against the size and CRC-32C its
-    rank reported."""
+    """Every rank's records but rank ``mine``'s into ``out``, each file checked against the size
+    and CRC-32C its rank reported."""
     storage = Storage(call, storage_options)
     try:
-        for r, (nbytes, want) in enumerate(sizes):
+        for r, size in enumerate(sizes):
+            if r == mine:
+                continue
+            nbytes, want = size
             data = storage.get_or_none(_records_file(r), max_bytes=nbytes)
             if data is None or len(data) != nbytes or crc.value(data) != want:
                 where = storage.describe(_records_file(r))
@@ -510,9 +513,11 @@ def _collective(
     info = None
     try:
         _check_list(rank, target, world, object_list, every_rank)
-        if direct:
+        if direct and (every_rank or rank != target):  # dst's own file would be read by nobody
             info = _put_records(call, rank, pieces, storage_options)
-        else:
+        if direct and (every_rank or rank == target):  # its own records back, as the others write
+            object_list[rank] = gc_paused(records.decode, b"".join(pieces), rank)
+        if not direct:
             # fsync=False here and in the merge: the call's folder is removed when the call
             # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a
             # small call). 4 MiB chunks, two of them: the writer touches its staging buffers
@@ -545,7 +550,7 @@ def _collective(
     # rank still meets the barrier and dst still removes the folder, whatever happened here.
     try:
         if (every_rank or rank == target) and direct:
-            gc_paused(_get_records, call, sizes, storage_options, object_list)  # builds only acyclic objects
+            gc_paused(_get_records, call, sizes, storage_options, object_list, rank)  # builds only acyclic objects
         elif every_rank or rank == target:
             _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
     finally:

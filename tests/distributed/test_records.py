@@ -48,7 +48,10 @@ def _same(got, want) -> bool:
     return got == want
 
 
-@given(st.lists(st.dictionaries(KEYS, VALUES, min_size=1, max_size=4), min_size=1, max_size=6), st.sampled_from([list, tuple, dict]))
+@given(
+    st.lists(st.dictionaries(KEYS, VALUES, min_size=1, max_size=4), min_size=1, max_size=6),
+    st.sampled_from([list, tuple, dict]),
+)
 def test_what_it_takes_comes_back_exactly(rows, container):
     obj = {f"k{i}": r for i, r in enumerate(rows)} if container is dict else container(rows)
     encoded = encode(obj)
@@ -110,7 +113,10 @@ def test_what_would_not_come_back_exactly_is_declined(obj):
 
 
 def test_the_workloads_people_gather_are_taken():
-    llm = {f"prompt-{p}": {"text": "é" * p, "token_ids": list(range(p)), "logprob": -p / 3, "finish": "stop"} for p in range(5)}
+    llm = {
+        f"prompt-{p}": {"text": "é" * p, "token_ids": list(range(p)), "logprob": -p / 3, "finish": "stop"}
+        for p in range(5)
+    }
     coco = [{"image_id": i, "instances": [{"bbox": [1.0, 2.0, 3.0, 4.0], "score": 0.5}] * i} for i in range(3)]
     for obj in (llm, coco, tuple(coco)):
         encoded = encode(obj)
@@ -160,16 +166,16 @@ def test_records_files_come_back_and_damage_is_refused_naming_rank_and_path(tmp_
     sizes = [_put_records(call, r, encode(o), None) for r, o in enumerate(objs)]
     assert sizes[0] == (len(_bytes(encode(objs[0]))), crc32c.crc32c(_bytes(encode(objs[0]))))
     out = [None, None]
-    _get_records(call, sizes, None, out)
+    _get_records(call, sizes, None, out, mine=-1)
     assert all(_same(g, w) for g, w in zip(out, objs, strict=True))
     path = tmp_path / "call" / "00000001.records"
     good = path.read_bytes()
     path.write_bytes(good[:-9] + bytes([good[-9] ^ 1]) + good[-8:])  # one bit flipped
     with pytest.raises(CorruptSpillError, match=r"rank 1's records at .*00000001\.records"):
-        _get_records(call, sizes, None, [None, None])
+        _get_records(call, sizes, None, [None, None], mine=0)
     path.write_bytes(good[:-1])
     with pytest.raises(CorruptSpillError, match="rank 1"):
-        _get_records(call, sizes, None, [None, None])
+        _get_records(call, sizes, None, [None, None], mine=0)
     path.unlink()
     with pytest.raises(CorruptSpillError, match="rank 1.*missing"):
-        _get_records(call, sizes, None, [None, None])
+        _get_records(call, sizes, None, [None, None], mine=0)
