@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -72,7 +73,7 @@ class Encoded:
         return [len(head).to_bytes(8, "little"), head, *self.parts]
 
 
-def _column(out: Encoded, column: list[Any], depth: int = 0) -> dict[str, Any]:
+def _column(out: Encoded, column: Sequence[Any], depth: int = 0) -> dict[str, Any]:
     """``column`` (one key's values) as one Arrow array's node (type, length, buffers, children)
     in ``out``; ``_NotExact`` unless the module docstring's conditions hold."""
     n = len(column)
@@ -91,13 +92,20 @@ def _column(out: Encoded, column: list[Any], depth: int = 0) -> dict[str, Any]:
         valid = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=n)
         validity = out.buffer(np.packbits(valid, bitorder="little"))
         present = [v for v in column if v is not None]
-        fill = {} if kind is dict else [] if kind is list else _FILL[kind]
+    keys = tuple(present[0]) if kind is dict else ()
+    if nulls:
+        fill = dict.fromkeys(keys) if kind is dict else [] if kind is list else _FILL[kind]
         column = [fill if v is None else v for v in column]
-    if kind is dict:  # one key order of str keys in every dict (a None's stand-in {} aside)
-        keys = tuple(present[0])
+    if kind is dict:  # one key order of str keys in every dict
         if not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, present))):
             raise _NotExact
-        children = [_column(out, list(map(operator.methodcaller("get", k), column)), depth + 1) for k in keys]
+        # every dict's values as a tuple, then a column a key: two passes in C
+        get = operator.itemgetter(*keys) if keys else None
+        if get is None:
+            columns: list[Any] = []
+        else:
+            columns = list(zip(*map(get, column), strict=True)) if len(keys) > 1 else [list(map(get, column))]
+        children = [_column(out, c, depth + 1) for c in columns]
         return {"t": "struct", "n": n, "b": [validity], "c": children, "f": list(keys)}
     if kind is list:
         offsets, large = out.offsets(np.fromiter(map(len, column), dtype=np.int64, count=n))
@@ -120,7 +128,7 @@ def _numbers(out: Encoded, kind: type, values: Any, n: int, validity: list[int] 
     return {"t": "int64" if kind is int else "float64", "n": n, "b": [validity, out.buffer(data)]}
 
 
-def _items(out: Encoded, lists: list[list[Any]], depth: int) -> dict[str, Any]:
+def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, Any]:
     """The items of ``lists`` as one column's node. Numbers of one kind without None go straight
     from the lists into their buffer (no list of every item: 8 bytes an item more of peak)."""
     kinds = set(map(type, itertools.chain.from_iterable(lists)))
