@@ -145,8 +145,8 @@ def build(
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
     ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
-    (``_merge.plansql``) under half of it (``_merge.plansql.engine_memory``), or in memory below
-    ``_merge.plansql.IN_MEMORY_ROWS`` rows (starting DuckDB would cost more than the sort), with
+    (``_merge.plansql``) under half of it (``_merge.plansql.engine_memory``), or in memory when
+    few (``_merge.plansql.in_memory``: starting DuckDB would cost more than the sort), with
     ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a
     work folder under ``work_dir`` (default: the system's temporary folder), removed before this
     returns. The other half: one segment's rows while it is inserted, one sorted batch, the small tables
@@ -181,7 +181,7 @@ def build(
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
-    if n_index < _plansql.IN_MEMORY_ROWS:  # sorted in memory; a work folder only if an array needs a map
+    if _plansql.in_memory(n_index, memory_limit):  # sorted in memory; a work folder only if an array needs a map
         srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
         with _plansql.lazy_workspace(work_dir) as lazy:
             return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, lazy))

@@ -517,8 +517,17 @@ def _collect(
 
 
 IN_MEMORY_ROWS = 1 << 16
-"""Index rows below which :func:`sort_rows_in_memory` sorts instead of DuckDB: starting DuckDB
-(``connect``, about 40 ms) costs more than the whole sort of so few rows."""
+"""Index rows below which :func:`sort_rows_in_memory` sorts instead of DuckDB whatever the budget:
+starting DuckDB (its import and ``connect``, 0.1-0.2 s) costs more than the whole sort."""
+IN_MEMORY_ROW_BYTES = 2048
+"""Budget a row of :func:`sort_rows_in_memory` is given (its arrays and name, a few times over,
+take a few hundred bytes): a plan of up to ``plan_budget / IN_MEMORY_ROW_BYTES`` rows is sorted
+in memory too (256k rows under the default budget)."""
+
+
+def in_memory(n_rows: int, memory_limit: int) -> bool:
+    """Whether a plan of ``n_rows`` index rows is sorted in memory under ``memory_limit``."""
+    return n_rows < max(IN_MEMORY_ROWS, memory_limit // IN_MEMORY_ROW_BYTES)
 
 
 def sort_rows_in_memory(
@@ -529,7 +538,7 @@ def sort_rows_in_memory(
     *,
     folder: str | None = None,
 ) -> Sorted:
-    """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same order
+    """:func:`sort_rows` for few rows (:func:`in_memory`): the same order
     (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
     by a numpy ``lexsort``, collected the same way, into arrays in memory (no ``folder``) or files
     of ``folder``. No Arrow compute kernel: importing ``pyarrow.compute`` (0.14 s) was most of a

@@ -73,7 +73,7 @@ def _arrays(p: _plan.Plan) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("in_memory", [True, False])
 def test_the_plan_is_the_same_whatever_the_block_size_and_with_maps(tmp_path, monkeypatch, in_memory):
     _write(tmp_path / "s")
-    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 1 << 30 if in_memory else 0)
+    monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: in_memory)
     whole = _plan_of(tmp_path / "s")
     monkeypatch.setattr(_plancolumns, "ROW_BLOCK", 5)  # keys, files and lists cut by blocks
     monkeypatch.setattr(_keyorder, "BLOCK", 3)

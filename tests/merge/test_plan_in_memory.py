@@ -44,7 +44,7 @@ def _write(root: Path, *, differ: bool = False, policy_rows: bool = False) -> No
 
 
 def _plan_of(root: Path, in_memory: bool, monkeypatch: pytest.MonkeyPatch, on_duplicate: str = "error") -> _plan.Plan:
-    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 1 << 30 if in_memory else 0)
+    monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: in_memory)
     storage = Storage(str(root))
     state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
     segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
@@ -98,3 +98,14 @@ def test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split("\n")[:4] == ["False", "[]", "False", "False"], r.stdout
+
+
+def test_the_plan_is_sorted_in_memory_while_the_budget_holds_its_rows():
+    """Up to plan_budget / 2 KiB rows (256k under the default 512 MiB) the rows are sorted in
+    memory: no DuckDB to start; a smaller budget sends them to DuckDB, which sorts within it."""
+    from spillmerge._merge.options import DEFAULT_PLAN_BUDGET
+
+    assert _plansql.in_memory(200_000, DEFAULT_PLAN_BUDGET)
+    assert not _plansql.in_memory(300_000, DEFAULT_PLAN_BUDGET)
+    assert not _plansql.in_memory(200_000, 64 << 20)
+    assert _plansql.in_memory(60_000, 1 << 20)  # a few rows whatever the budget

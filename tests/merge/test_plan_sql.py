@@ -94,7 +94,7 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(
     _write(tmp_path / "differ", 400, differ=True)
     _plan_of(tmp_path / "same", work_dir=str(work))  # in memory: no work folder at all
     assert not work.exists()
-    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort, in a work folder
+    monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's sort, in a work folder
     _plan_of(tmp_path / "same", work_dir=str(work))
     assert _leftovers(work) == []
     with pytest.raises(DuplicateFrameError, match="different content"):
@@ -107,7 +107,7 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(
         import test_plan_sql as t
         from spillmerge._merge import plan as _plan
         from spillmerge._merge import plansql as _plansql
-        _plansql.IN_MEMORY_ROWS = 0
+        _plansql.in_memory = lambda n, limit: False
         real = _plan.build
         def build(segments, on_duplicate, *, same_bytes, **kw):
             def killer(a, b):
@@ -133,7 +133,7 @@ def test_keys_whose_copies_straddle_sorted_batches_are_decided_whole(
     for rank in range(2):
         with spillmerge.SpillWriter(str(tmp_path / "s"), rank=rank, world_size=2) as w:
             w.write_batch(names, {"a": torch.arange(n), "b": torch.ones(n, 2), "c": [f"c{i}" for i in range(n)]})
-    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's batches, however few the rows
+    monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's batches, however few the rows
     whole = _plan_of(tmp_path / "s")  # one batch
     monkeypatch.setattr(_plansql, "BATCH", 2048)
     cut = _plan_of(tmp_path / "s", memory_limit=32 << 20)
@@ -146,7 +146,7 @@ def test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A plan_budget of a few KiB (smaller than DuckDB can sort in) plans all the same."""
-    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort, however few the rows
+    monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's sort, however few the rows
     _write(tmp_path / "s", 2000)
     tiny = _plan_of(tmp_path / "s", memory_limit=64 << 10)
     assert _plan.fingerprint(tiny) == _plan.fingerprint(_plan_of(tmp_path / "s", memory_limit=1 << 30))
@@ -183,7 +183,7 @@ def test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass(
         with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=rank, world_size=2) as w:
             for i in range(rank, 40, 2):  # dicts out of sorted key order: the key-order pass runs
                 w.write(f"f{i:03d}", 0, {"z": float(i), "a": [i] * (i % 3 + 1)})
-    monkeypatch.setattr(_plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort, which lets segments go
+    monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's sort, which lets segments go
     reads: list[str] = []
     real = lazy.load_segment
 

@@ -45,7 +45,7 @@ def _write(root: str, opts: dict[str, Any] | None = None) -> None:
 def _plan(
     root: Path | str, monkeypatch: pytest.MonkeyPatch, *, streamed: bool, opts: dict[str, Any] | None = None
 ) -> tuple[str, list[bool]]:
-    monkeypatch.setattr(plansql, "IN_MEMORY_ROWS", 0)  # DuckDB's sort whatever the rows
+    monkeypatch.setattr(plansql, "in_memory", lambda n, limit: False)  # DuckDB's sort whatever the rows
     monkeypatch.setattr(lazy, "STREAM_BYTES", 0 if streamed else 1 << 40)
     storage = Storage(str(root), opts)
     segs = [s for ss in R.scan(storage).values() for s in ss if s.commit is not None]
