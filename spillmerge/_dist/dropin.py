@@ -58,6 +58,9 @@ ROOT_ENV = "SPILLMERGE_ROOT"
 DEFAULT_TIMEOUT = 1800.0
 CHUNK_BYTES = 4 << 20
 """The writer's chunk (and staging buffer) size in a call."""
+READ_CACHE_BYTES = 2 * CHUNK_BYTES
+"""Decoded chunks kept while the readers read the call's output once, in order: a chunk is
+read again only while its rows last, so a larger cache would hold only what was read."""
 BATCH_ITEMS = 1024
 """Elements written by one ``write_batch``: their leaves are held until it returns."""
 
@@ -552,7 +555,10 @@ def _collective(
         if (every_rank or rank == target) and direct:
             gc_paused(_get_records, call, sizes, storage_options, object_list, rank)  # builds only acyclic objects
         elif every_rank or rank == target:
-            _read(open_store(out, storage_options=storage_options, allow_pickle=allow_pickle), world, object_list)
+            store = open_store(
+                out, storage_options=storage_options, allow_pickle=allow_pickle, cache_bytes=READ_CACHE_BYTES
+            )
+            _read(store, world, object_list)
     finally:
         if every_rank:
             barrier(rank, timeout)  # every rank has read the output before dst removes it
