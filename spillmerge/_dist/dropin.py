@@ -13,8 +13,7 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 them and convert it back. No spill, no merge.
   otherwise:    each rank spills its object: records as file ``R`` (those bytes); other
                 lists, tuples and str-keyed dicts that hold dicts one file per element (``R-i``,
-                i the position, zero-padded; records holding records a batch at a time, a column
-                at a time); any other object as file ``R``; and file ``R.h``, a JSON header (the
+                i the position, zero-padded); any other object as file ``R``; and file ``R.h``, a JSON header (the
                 kind, a dict's keys in order, the paths of numpy arrays and pickled objects),
                 unless the object is file ``R`` with nothing to restore; commits; an all-gather
                 of how that went, as above; dst merges (``SpillWriter.merge``, the shards read
@@ -28,9 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import itertools
 import json
-import operator
 import os
 import socket
 import tempfile
@@ -61,8 +58,6 @@ CHUNK_BYTES = 4 << 20
 READ_CACHE_BYTES = 2 * CHUNK_BYTES
 """Decoded chunks kept while the readers read the call's output once, in order: a chunk is
 read again only while its rows last, so a larger cache would hold only what was read."""
-BATCH_ITEMS = 1024
-"""Elements written by one ``write_batch``: their leaves are held until it returns."""
 
 
 class DropInArgumentError(SpillMergeError, ValueError):
@@ -181,27 +176,6 @@ def _plain(values: Any) -> bool:
     return _ATOMIC.issuperset(map(type, values))
 
 
-def _plain_records(values: Any, depth: int = 0, nested: bool = True) -> bool:
-    """Whether ``values`` are dicts of one key order whose values, a key at a time, are plain,
-    lists of plain values or (``nested``) such records themselves (the instances of COCO's
-    images), checked a column at a time in C: no step per dict."""
-    first = values[0] if values else None
-    if type(first) is not dict or set(map(type, values)) != {dict} or depth > 8:
-        return False
-    keys = tuple(first)
-    if not _STR.issuperset(map(type, keys)) or not all(map(keys.__eq__, map(tuple, values))):
-        return False
-    for key in keys:
-        column = list(map(operator.itemgetter(key), values))
-        if _plain(column):
-            continue
-        if set(map(type, column)) == {list}:
-            column = list(itertools.chain.from_iterable(column))  # the lists' items, one column
-        if not (_plain(column) or (nested and _plain_records(column, depth + 1))):
-            return False
-    return True
-
-
 class _Whole:
     """An object stored pickled whole (``allow_pickle``) because its type would not come back:
     a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
@@ -223,9 +197,6 @@ class _Shape:
         self.scalars: list[list[Any]] = []
         self.whole: list[list[Any]] = []
         self.allow_pickle = allow_pickle
-        self.records = False
-        """Whether ``obj`` holds records of plain values (``_plain_records``): its elements are
-        written as one batch, converted a column at a time."""
         self.obj = self._walk(obj, [], 0)
 
     def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
@@ -245,9 +216,6 @@ class _Shape:
                 return self._pickled(obj, path)  # else the writer refuses the key, naming it
             if _plain(obj.values()):
                 return obj
-            if _plain_records(list(obj.values())):
-                self.records = self.records or depth == 0
-                return obj
             changed: Any = None
             for k, v in obj.items():
                 if type(v) in _ATOMIC or (type(v) is list and _plain(v)):
@@ -259,9 +227,6 @@ class _Shape:
             return obj if changed is None else changed
         if kind is list or kind is tuple:
             if _plain(obj):
-                return obj
-            if _plain_records(obj):
-                self.records = self.records or depth == 0
                 return obj
             items: Any = None
             for i, v in enumerate(obj):
@@ -357,16 +322,12 @@ def _header_name(rank: int) -> str:
 
 def _split(obj: Any) -> bool:
     """Whether ``obj`` is stored one file per element: a dict of str keys that holds a dict (else
-    a column per key), a list or tuple that holds a dict, unless its items are dicts of one key
-    order whose values are plain or lists of plain values (a list of records: one column per key,
-    converted whole, is faster than a file per item). A list of scalars or of lists is one leaf
-    already, its items stored as one array."""
+    a column per key), a list or tuple that holds a dict. A list of scalars or of lists is one
+    leaf already, its items stored as one array. (Records Arrow keeps exactly went as such.)"""
     kind = type(obj)
     if kind is dict:
         return _STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
-    if not (kind is list or kind is tuple) or not any(type(v) is dict for v in obj):
-        return False
-    return not _plain_records(obj, nested=False)
+    return (kind is list or kind is tuple) and any(type(v) is dict for v in obj)
 
 
 def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_pickle: bool) -> None:
@@ -385,18 +346,8 @@ def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_
         header["kind"], header["n"] = kind.__name__, len(obj)
         if kind is dict:
             header["keys"] = list(obj)
-        values = list(obj.values() if kind is dict else obj)
-        # Records holding records (COCO's images and their instances): their leaves made a column
-        # at a time, a batch's at once (memory bounded). Flat records go one write() each, which
-        # stages a dict of plain values from its file's template: half write_batch's CPU on the
-        # LLM outputs (benchmarks/RESULTS.md).
-        if shape.records and not _plain_records(values, nested=False):
-            for a in range(0, len(values), BATCH_ITEMS):
-                b = min(a + BATCH_ITEMS, len(values))
-                w.write_batch([f"{name}-{i:010d}" for i in range(a, b)], values[a:b])
-        else:
-            for i, v in enumerate(values):
-                w.write(f"{name}-{i:010d}", 0, v)
+        for i, v in enumerate(obj.values() if kind is dict else obj):
+            w.write(f"{name}-{i:010d}", 0, v)
     else:
         header["kind"] = "object"
         w.write(name, 0, obj)
