@@ -277,3 +277,38 @@ SCENARIOS = {
 def worker(rank: int, world: int, port: int, base: str) -> None:
     """Entry point for ``torch.multiprocessing.start_processes`` (the rank comes first)."""
     run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
+
+
+def s3_worker(rank: int, world: int, port: int, base: str) -> None:
+    """The drop-ins with their root on an object store (``base/s3.json``: the endpoint): records
+    on every rank (an object a rank, no spill), then objects that go through a spill and a merge;
+    each compared strictly with torch's collective on the same inputs."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from _s3 import storage_options
+
+    import spillmerge
+
+    opts = storage_options(json.loads(Path(base, "s3.json").read_text())["endpoint"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        records = {f"p{rank}-{i}": {"text": "é数" * i, "ids": list(range(i)), "score": None if i else 0.5} for i in range(5)}
+        mixed = {"rank": rank, "t": torch.arange(3) + rank, "instances": [{"a": 1}, {"b": [2.5]}]}
+        kw: dict[str, Any] = {"root": "s3://test/calls", "storage_options": opts, "timeout": TIMEOUT}
+        got, want = [None] * world, [None] * world
+        spillmerge.all_gather_object(got, records, **kw)
+        dist.all_gather_object(want, records)
+        diffs = value_diffs(got, want, "records", strict=True)
+        got_m = [None] * world if rank == 0 else None
+        want_m = [None] * world if rank == 0 else None
+        spillmerge.gather_object(mixed, got_m, dst=0, **kw)
+        dist.gather_object(mixed, want_m, dst=0)
+        diffs += value_diffs(got_m, want_m, "mixed", strict=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    out = Path(base, "results", f"rank-{rank}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"diffs": diffs}))
