@@ -46,15 +46,13 @@ from .._read.store import open as open_store
 from .._storage import Storage
 from .._write.writer import SpillWriter
 from . import records
-from .gather import barrier
+from .gather import CHUNK_BYTES, CallWriter, barrier
 from .rank import gloo_group
 
 ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
 
 DEFAULT_TIMEOUT = 1800.0
-CHUNK_BYTES = 4 << 20
-"""The writer's chunk (and staging buffer) size in a call."""
 READ_CACHE_BYTES = 2 * CHUNK_BYTES
 """Decoded chunks kept while the readers read the call's output once, in order: a chunk is
 read again only while its rows last, so a larger cache would hold only what was read."""
@@ -63,14 +61,6 @@ read again only while its rows last, so a larger cache would hold only what was 
 class DropInArgumentError(SpillMergeError, ValueError):
     """An argument torch's object collectives refuse with ``ValueError`` (an output list on the
     wrong rank or of the wrong length, both ``dst`` and ``group_dst``, an unsupported group)."""
-
-
-class _CallWriter(SpillWriter):
-    """The writer of one call: its flush thread starts only if a chunk fills, so a small call's
-    one chunk is written, checksummed and journaled by its commit in the caller's thread (no
-    thread started, no spare buffer prefaulted)."""
-
-    _flush_at_commit = True
 
 
 def _name(rank: int) -> str:
@@ -476,7 +466,7 @@ def _collective(
             # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a
             # small call). 4 MiB chunks, two of them: the writer touches its staging buffers
             # ahead of use, and a small call's cost was mostly faulting in 16 MiB ones.
-            with _CallWriter(
+            with CallWriter(
                 spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
                 chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
             ) as w:  # fmt: skip

@@ -28,6 +28,18 @@ from .rank import gloo_group, resolve_run_id
 from .round import coordinated
 from .store import OutcomeWatch
 
+CHUNK_BYTES = 4 << 20
+"""The chunk (and staging buffer) size of a call's writer: every prediction is in memory already
+and written at once, so larger staging buffers would only add to each rank's peak."""
+
+
+class CallWriter(SpillWriter):
+    """The writer of one call: its flush thread starts only if a chunk fills, so a small call's
+    one chunk is written, checksummed and journaled by its commit in the caller's thread (no
+    thread started, no spare buffer prefaulted)."""
+
+    _flush_at_commit = True
+
 
 def default_root(out: str | os.PathLike[str]) -> str:
     """The spill root ``gather`` / ``all_gather`` use when none is given: ``OUT.spill`` next to
@@ -126,11 +138,12 @@ def _gather(
 ) -> MergedStore | None:
     out = os.fspath(out)
     spill = os.fspath(root) if root is not None else default_root(out)
-    opts = {"allow_pickle": allow_pickle, **(writer_options or {})}
+    opts: dict[str, Any] = {"allow_pickle": allow_pickle, "chunk_bytes": CHUNK_BYTES, "staging_bytes": 2 * CHUNK_BYTES}
+    opts.update(writer_options or {})
     # The run id is agreed on here, within the call's timeout: the writer's own agreement sets
     # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
     opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
-    with SpillWriter(spill, rank, world_size, storage_options, **opts) as w:
+    with CallWriter(spill, rank, world_size, storage_options, **opts) as w:
         _write_all(w, preds)
     # dst removes exactly the segments the output was merged from inside its merge (a segment of
     # a later call is never among them), before it tells the waiting ranks how the merge ended.
