@@ -1241,8 +1241,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "i40-small-plan-sorted-by-frame",
         "spillmerge/_merge/plansql.py",
-        '    order = np.lexsort((lp, rows["si"], rows["frame"], rank))',
-        '    order = np.lexsort((lp, rows["si"], rank))',
+        '    order = np.lexsort((lp, rows["seg"], rows["frame"], rank))',
+        '    order = np.lexsort((lp, rows["seg"], rank))',
         ("tests/merge/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
         "a small plan sorted in memory orders rows as the DuckDB sort does (frames ascending within a file)",
     ),
