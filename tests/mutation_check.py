@@ -96,8 +96,8 @@ MUTATIONS: list[Mutation] = [
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_merge/outputchunk.py",
-        "            elif _crc.value(row) != crc:\n                self._mismatch(r, e)",
-        "            elif False:\n                self._mismatch(r, e)",
+        "                if v != crc:\n                    self._mismatch(r, e)",
+        "                if False:\n                    self._mismatch(r, e)",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
         "a corrupt frame never reaches the output (local spill root, compressed or not)",
     ),
