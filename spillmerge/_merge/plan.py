@@ -187,7 +187,7 @@ def build(
             return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, lazy))
     with _plansql.workspace(work_dir) as folder:
         srt = _plansql.sort_rows(
-            segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
+            segments, layout_ids, lp_order, resolve, memory_limit=memory_limit,
             threads=threads if threads is not None else _threads(n_index), folder=folder,
         )  # fmt: skip
         return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))

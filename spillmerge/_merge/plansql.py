@@ -159,22 +159,17 @@ def sort_rows(
     lp_order: Callable[[], np.ndarray],
     resolve: Resolve,
     *,
-    work_dir: str | None,
     memory_limit: int,
     threads: int,
-    folder: str | None = None,
+    folder: str,
 ) -> Sorted:
     """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
     whose memory limit is ``engine_memory(memory_limit)``.
 
     ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
     layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
-    a raw leaf-path number to its position in the sorted leaf paths. ``folder``: a
-    :func:`workspace` of the caller's, which then keeps the maps' files (else one of its own)."""
-    if folder is None:
-        with workspace(work_dir) as own:
-            return sort_rows(segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-                             threads=threads, folder=own)  # fmt: skip
+    a raw leaf-path number to its position in the sorted leaf paths. ``folder``: the caller's
+    :func:`workspace`, which keeps the maps' files."""
     import duckdb  # a dependency of merging only: reading never imports it
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -517,13 +512,10 @@ def sort_rows_in_memory(
     layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
     lp_order: Callable[[], np.ndarray],
     resolve: Resolve,
-    *,
-    folder: str | None = None,
 ) -> Sorted:
     """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same order
     (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
-    by a numpy ``lexsort``, collected the same way, into arrays in memory (no ``folder``) or files
-    of ``folder``. No Arrow compute kernel: importing ``pyarrow.compute`` (0.14 s) was most of a
+    by a numpy ``lexsort``, collected the same way, into arrays in memory. No Arrow compute kernel: importing ``pyarrow.compute`` (0.14 s) was most of a
     small merge's plan. Memory: the rows, a few times over."""
     import pyarrow as pa
 
@@ -558,7 +550,7 @@ def sort_rows_in_memory(
     batch = pa.RecordBatch.from_arrays([fname, *(_i64(rows[k][order]) for k in cols)], names=["fname", *cols])
     new_names = np.ones(len(rank), dtype=bool)
     new_names[1:] = rank[1:] != rank[:-1]
-    return _collect([batch], resolve, folder, n_names, new_names=new_names)
+    return _collect([batch], resolve, None, n_names, new_names=new_names)
 
 
 def _slices(data: np.ndarray, off: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
