@@ -366,9 +366,8 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         h.update(np.ascontiguousarray(data[i : i + ROW_BLOCK * 16]).data)
     for i in range(0, len(offsets), ROW_BLOCK):
         h.update(np.ascontiguousarray(offsets[i : i + ROW_BLOCK], dtype="<i8").view(np.uint8).data)
-    # Hashed a block at a time (the arrays may be maps of files): the
-    # digest is that of the whole arrays back to back. Each block is hashed from its buffer, not
-    # a bytes copy of it (0.8 s of 2.7 at 10^7 keys).
+    # Hashed a block at a time (the arrays may be maps of files), each from its buffer: the
+    # digest is that of the whole arrays back to back.
     for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
         for i in range(0, len(a), ROW_BLOCK):
             h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").data)

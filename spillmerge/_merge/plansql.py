@@ -37,8 +37,7 @@ MIN_SORT_MEMORY = 64 << 20
 
 THREAD_MEMORY = 128 << 20
 """DuckDB's memory limit per sort thread, at the least: each thread's sort buffers come beside the
-limit (at 10^6 keys, a 128 MiB limit: 222 MiB peak on one thread, 263 on four), and four threads
-cannot sort 3 x 10^6 rows in 64 MiB at all."""
+limit."""
 
 ENGINE_SHARE = 2
 """DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
@@ -57,8 +56,8 @@ PARQUET: dict[str, Any] = {
 }
 """The sort's input files, read once by the same process: no compression nor statistics, and a
 dictionary only for the columns of few distinct values. Names, offsets, checksums and catalog
-numbers are nearly all distinct: the encoder tries a dictionary for each row group, then falls
-back (half the files' write time at 10^7 keys)."""
+numbers are nearly all distinct: the encoder would try a dictionary for each row group, then fall
+back."""
 
 PREFIX = "spillmerge-sqlplan-"
 
@@ -504,7 +503,7 @@ def _collect(
 
 IN_MEMORY_ROWS = 1 << 16
 """Index rows below which :func:`sort_rows_in_memory` sorts instead of DuckDB: starting DuckDB
-(``connect``, about 40 ms) costs more than the whole sort of so few rows."""
+costs more than the whole sort of so few rows."""
 
 
 def sort_rows_in_memory(
@@ -515,8 +514,8 @@ def sort_rows_in_memory(
 ) -> Sorted:
     """:func:`sort_rows` for a few rows (fewer than :data:`IN_MEMORY_ROWS`): the same order
     (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
-    by a numpy ``lexsort``, collected the same way, into arrays in memory. No Arrow compute kernel: importing ``pyarrow.compute`` (0.14 s) was most of a
-    small merge's plan. Memory: the rows, a few times over."""
+    by a numpy ``lexsort``, collected the same way, into arrays in memory, with no Arrow compute
+    kernel (whose import is slow). Memory: the rows, a few times over."""
     import pyarrow as pa
 
     n_names: list[int] = []

@@ -271,23 +271,21 @@ def load(
             if s["rel"] not in by_rel:
                 raise bad(MANIFEST, f"segment {s['rel']!r} is not committed")
             n = int(s["n_checks"])
-            segs.append(
-                LoadedSegment(
-                    by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]),
-                    bool(s["salvaged"]), checks=np.asarray(checks[c0 : c0 + n]) if n else None,
-                )  # fmt: skip
-            )
+            seg = LoadedSegment(
+                by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), bool(s["salvaged"]),
+                checks=np.asarray(checks[c0 : c0 + n]) if n else None,
+            )  # fmt: skip
+            segs.append(seg)
             c0 += n
         columns = []
         for c in body["columns"]:
             kw = {k: c[k] if f is None or c[k] is None else f(c[k]) for k, f in _COLUMN_FIELDS.items()}
-            columns.append(
-                PlannedColumn(
-                    **kw, src=arr(c["src"]), counts=arr(c["counts"]) if "counts" in c else None,
-                    shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
-                    offs=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
-                )  # fmt: skip
-            )
+            col = PlannedColumn(
+                **kw, src=arr(c["src"]), counts=arr(c["counts"]) if "counts" in c else None,
+                shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
+                offs=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
+            )  # fmt: skip
+            columns.append(col)
         lists = [
             PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"], monotonic=True)) for lst in body["lists"]
         ]

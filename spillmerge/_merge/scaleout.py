@@ -168,7 +168,7 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
         before = (job.options.codec, job.options.chunk_bytes)
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
-        if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands (2 s at 10^7 keys)
+        if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands
             job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
     finished = _parts.wait(
         output,
