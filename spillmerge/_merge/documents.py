@@ -87,12 +87,9 @@ def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def name_sizes(plan: Plan) -> tuple[int, int]:
-    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (one encode each, no per-name loop)."""
-    arrays = getattr(plan.filenames, "index_arrays", None)
-    if arrays is not None:  # an out-of-core plan's string table: its offsets say it
-        a = arrays(NAME_BLOCK)
-        return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
-    return len("".join(plan.filenames).encode("utf-8")), len("".join(plan.filenames[::NAME_BLOCK]).encode("utf-8"))
+    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (from their offsets)."""
+    a = filename_arrays(plan.filenames)
+    return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:

@@ -21,7 +21,6 @@ from .._format import spill as FS
 from .._spill.root import check_of, data_ranges, verify_block
 from .._storage import Storage
 from .plan import Plan, PlannedColumn
-from .planblocks import searchsorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +131,8 @@ class OutputChunk:
         if self.off is None:
             return self._present(lo, hi)
         off = self.off
-        r0 = searchsorted(off, lo, side="right") - 1
-        r1 = searchsorted(off, hi, side="left")
+        r0 = int(off.searchsorted(lo, side="right")) - 1
+        r1 = int(off.searchsorted(hi, side="left"))
         rows = np.arange(r0, r1, dtype=np.int64)
         a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)

@@ -24,7 +24,6 @@ from .._spill.root import Extent, LoadedSegment
 from . import plansql as _plansql
 from .nametable import table_of
 from .options import DEFAULT_PLAN_BUDGET
-from .planblocks import searchsorted
 from .plancolumns import (
     ROW_BLOCK,
     Alloc,
@@ -115,12 +114,12 @@ class Plan:
         domain = F.list_domain(col.leaf)
         for k in range(len(domain) - 1, -1, -1):
             if domain[k] == F.ITEM:
-                r = searchsorted(offs[domain[: k + 1]], r, side="right") - 1
+                r = int(offs[domain[: k + 1]].searchsorted(r, side="right")) - 1
         return r
 
     def file_of(self, r: int) -> int:
         """The file of output row ``r``."""
-        return searchsorted(self.file_offsets, r, side="right") - 1
+        return int(self.file_offsets.searchsorted(r, side="right")) - 1
 
 
 def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:

@@ -190,7 +190,7 @@ class StoredArray:
         return out
 
     def searchsorted(self, v: int, side: str = "left") -> int:
-        """``np.searchsorted`` of a rising 1-d integer array, reading one block."""
+        """``ndarray.searchsorted`` of a rising 1-d integer array, reading one block."""
         if self._first is None:
             raise TypeError(f"{self._rel} is not a stored 1-d integer array")
         find = bisect.bisect_left if side == "left" else bisect.bisect_right
@@ -202,10 +202,3 @@ class StoredArray:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[:]
         return whole if dtype is None else whole.astype(dtype)
-
-
-def searchsorted(a: Any, v: int, side: str = "left") -> int:
-    """``np.searchsorted(a, v, side)`` for a rising 1-d array, a :class:`StoredArray` read by one block."""
-    if isinstance(a, StoredArray):
-        return a.searchsorted(v, side)
-    return int(np.searchsorted(a, v, side=side))  # type: ignore[call-overload]
