@@ -79,7 +79,14 @@ def obtain(
     where = output.describe(PLAN_DIR)
 
     def stored() -> Obtained | None:
-        found = _read(output, key, segments, notes, memory_limit)
+        """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
+        try:
+            found = load(output, key, segments, memory_limit=memory_limit)
+        except DamagedPlan as exc:
+            note = f"the stored plan was not used: {exc}"
+            if note not in notes:  # read again at every poll while a planner replaces it
+                notes.append(note)
+            return None
         if found is None:
             return None
         plan, fp, stored_settings = found
@@ -140,19 +147,6 @@ def _build_and_store(
     store(output, plan, key, fp, settings)
     notes.append(f"the plan was built here and stored in {output.describe(PLAN_DIR)} for the other parts")
     return Obtained(plan, fp, notes)
-
-
-def _read(
-    output: Storage, key: str, segments: Sequence[Segment], notes: list[str], memory_limit: int
-) -> tuple[Plan, str, dict[str, Any]] | None:
-    """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
-    try:
-        return load(output, key, segments, memory_limit=memory_limit)
-    except DamagedPlan as exc:
-        note = f"the stored plan was not used: {exc}"
-        if note not in notes:  # read again at every poll while a planner replaces it
-            notes.append(note)
-        return None
 
 
 # -- storing ---------------------------------------------------------------------------------------
@@ -241,7 +235,6 @@ def load(
         raise DamagedPlan(f"{output.describe(MANIFEST)}: {exc}", path=output.describe(MANIFEST)) from exc
     if raw is None:
         return None
-    mwhere = output.describe(MANIFEST)
 
     def bad(rel: str, why: str) -> DamagedPlan:
         where = output.describe(rel)
@@ -312,4 +305,4 @@ def load(
     except Exception as exc:  # noqa: BLE001 - anything else a damaged plan provokes: rebuilt, never trusted
         if isinstance(exc, SpillMergeError):
             raise
-        raise DamagedPlan(f"{mwhere}: unreadable ({type(exc).__name__}: {exc})", path=mwhere) from None
+        raise bad(MANIFEST, f"unreadable ({type(exc).__name__}: {exc})") from None
