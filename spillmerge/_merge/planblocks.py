@@ -58,8 +58,6 @@ class BlockCache:
     def __init__(self, limit: int = CACHE_BYTES) -> None:
         self.limit = limit
         self.bytes = 0
-        self.read = 0
-        """Bytes fetched from storage (for the report and the tests of a part's share)."""
         self._blocks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -72,7 +70,6 @@ class BlockCache:
 
     def put(self, key: tuple[str, int], block: np.ndarray) -> None:
         with self._lock:
-            self.read += block.nbytes
             if key in self._blocks:
                 return
             self._blocks[key] = block
@@ -118,10 +115,6 @@ class StoredArray:
 
     def __len__(self) -> int:
         return self.shape[0]
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
     def block(self, k: int) -> np.ndarray:
         """Block ``k``, checked against its digest (and, for offsets, rising)."""
@@ -180,13 +173,9 @@ class StoredArray:
             raise IndexError(f"index out of {n} rows of {self._rel}")
         dest = out.reshape((-1, *self.shape[1:]))
         which = flat // rows
-        k0, k1 = int(which.min()), int(which.max())
-        if k0 == k1:
-            dest[:] = self.block(k0)[flat - k0 * rows]
-        else:
-            for k in np.unique(which).tolist():
-                m = which == k
-                dest[m] = self.block(k)[flat[m] - k * rows]
+        for k in np.unique(which).tolist():
+            m = which == k
+            dest[m] = self.block(k)[flat[m] - k * rows]
         return out
 
     def searchsorted(self, v: int, side: str = "left") -> int:
