@@ -122,10 +122,6 @@ class Plan:
         return int(self.file_offsets.searchsorted(r, side="right")) - 1
 
 
-def _ranks(segments: list[LoadedSegment], seg_ids: np.ndarray) -> list[int]:
-    return sorted({segments[int(s)].seg.rank for s in np.unique(seg_ids)})
-
-
 SMALL_PLAN_ROWS = 1 << 18
 """Index rows below which the sort runs on one thread: DuckDB's worker threads cost more to start
 than a small sort gains from them."""
@@ -310,7 +306,7 @@ def resolve_duplicates(
             identical = all(same_bytes(ext[seg_ids[0]], ext[s]) for s in seg_ids[1:])
         if not identical and on_duplicate == "error":
             fname, frame = names[int(c["file"][a])], int(c["frame"][a])
-            ranks = _ranks(segments, np.array(seg_ids))
+            ranks = sorted({segments[s].seg.rank for s in seg_ids})
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "
                 f"({', '.join(segments[s].seg.rel for s in seg_ids)})"
