@@ -637,8 +637,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "busy-part-0-leaves-no-failure-record",
         "spillmerge/_merge/opening.py",
-        "                busy = isinstance(exc, OutputBusyError)",
-        "                busy = False",
+        "                failed = isinstance(exc, SpillMergeError) and not isinstance(exc, OutputBusyError)",
+        "                failed = isinstance(exc, SpillMergeError)",
         ("tests/merge/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
         "a part 0 refused because another part 0 is at work does not tell the waiting parts that part 0 failed",
     ),
