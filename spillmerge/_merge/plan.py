@@ -104,9 +104,6 @@ class Plan:
                 total += int(self.nbytes[s[s >= 0]].sum())
         return total
 
-    def file_rows(self, i: int) -> tuple[int, int]:
-        return int(self.file_offsets[i]), int(self.file_offsets[i + 1])
-
     def top_row(self, col: PlannedColumn, r: int) -> int:
         """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
         offsets of its lists, innermost first), for messages naming a file and frame."""
