@@ -173,9 +173,13 @@ class StoredArray:
             raise IndexError(f"index out of {n} rows of {self._rel}")
         dest = out.reshape((-1, *self.shape[1:]))
         which = flat // rows
-        for k in np.unique(which).tolist():
-            m = which == k
-            dest[m] = self.block(k)[flat[m] - k * rows]
+        k0, k1 = int(which.min()), int(which.max())
+        if k0 == k1:  # (nearly always: a chunk's rows lie in one block; no sort of the indices)
+            dest[:] = self.block(k0)[flat - k0 * rows]
+        else:
+            for k in np.unique(which).tolist():
+                m = which == k
+                dest[m] = self.block(k)[flat[m] - k * rows]
         return out
 
     def searchsorted(self, v: int, side: str = "left") -> int:
