@@ -96,8 +96,8 @@ MUTATIONS: list[Mutation] = [
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_merge/outputchunk.py",
-        "            elif _crc.value(row) != crc:\n                self._mismatch(r, e)",
-        "            elif False:\n                self._mismatch(r, e)",
+        "                if v != crc:\n                    self._mismatch(r, e)",
+        "                if False:\n                    self._mismatch(r, e)",
         (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
         "a corrupt frame never reaches the output (local spill root, compressed or not)",
     ),
@@ -637,8 +637,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "busy-part-0-leaves-no-failure-record",
         "spillmerge/_merge/opening.py",
-        "                busy = isinstance(exc, OutputBusyError)",
-        "                busy = False",
+        "                failed = isinstance(exc, SpillMergeError) and not isinstance(exc, OutputBusyError)",
+        "                failed = isinstance(exc, SpillMergeError)",
         ("tests/merge/test_scaleout.py::test_a_second_part_0_is_refused_before_it_plans_and_leaves_no_failure_record",),
         "a part 0 refused because another part 0 is at work does not tell the waiting parts that part 0 failed",
     ),
@@ -1241,8 +1241,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "i40-small-plan-sorted-by-frame",
         "spillmerge/_merge/plansql.py",
-        '    order = np.lexsort((lp, rows["si"], rows["frame"], rank))',
-        '    order = np.lexsort((lp, rows["si"], rank))',
+        '    order = np.lexsort((lp, rows["seg"], rows["frame"], rank))',
+        '    order = np.lexsort((lp, rows["seg"], rank))',
         ("tests/merge/test_plan_in_memory.py::test_a_small_plan_in_memory_equals_the_duckdb_plan",),
         "a small plan sorted in memory orders rows as the DuckDB sort does (frames ascending within a file)",
     ),

@@ -86,6 +86,10 @@ def copy_units(
         if col.counts is not None and u.column not in offsets:
             offsets[u.column] = col.offsets()
 
+    def chunk(u: Unit, pending: PendingBlocks | None = None) -> OutputChunk:
+        col = plan.columns[u.column]
+        return OutputChunk(src, plan, col, u, offsets.get(u.column), checked, chunk_bytes, pending)
+
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
         with cond:
@@ -100,9 +104,7 @@ def copy_units(
     try:
         if threads <= 1:  # one chunk at a time in this thread: a small merge starts no pool
             for u in todo:
-                OutputChunk(src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes).write(
-                    output, codec
-                )
+                chunk(u).write(output, codec)
                 if bar is not None:
                     bar.update(u.nbytes)
             return
@@ -116,10 +118,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                job = OutputChunk(
-                    src, plan, plan.columns[u.column], u, offsets.get(u.column), checked, chunk_bytes, pending
-                )  # fmt: skip
-                fut = pool.submit(job.write, output, codec, fsync)
+                fut = pool.submit(chunk(u, pending).write, output, codec, fsync)
                 fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:

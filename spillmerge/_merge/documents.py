@@ -21,8 +21,7 @@ from .plan import Plan, PlannedColumn
 INDEX_ROWS_PER_CHUNK = 1 << 15
 """Rows per chunk of the per-file and per-row index arrays (``frame_offsets``, ``frame_idx`` ...,
 ``offsets``, ``valid``): a reader reads and checks them a chunk at a time (``_read.index``), so a
-lookup costs one such chunk per array (256 KiB of int64), not the 16 MiB of 2**21 rows. Smaller
-chunks make lookups cheaper and objects more numerous (10^9 rows: ~30 k chunks per array)."""
+lookup costs one such chunk per array (256 KiB of int64), not the 16 MiB of 2**21 rows."""
 
 
 def balanced(n: int, cap: int) -> int:
@@ -46,25 +45,24 @@ NAME_CHUNK_BYTES = 64 << 10
 NAME_BLOCK = 1024
 """Filenames per block: ``index/filename_heads`` holds the first filename of each block (its
 attributes say how many names a block has), so a lookup bisects the heads in memory and decodes
-one block (1,024 names: ~0.2 ms; 4,096 cost a lookup ~1 ms more)."""
+one block."""
 
 NAME_OFFSETS_CHUNK = 8192
 """Entries per chunk of ``index/filename_offsets`` (64 KiB: fewer objects than one per block)."""
 
 BYTES_CHUNK_BYTES = 1 << 20
 """Target bytes of a chunk of a ``bytes`` / ``pickle`` column of small rows: one row reads its
-whole chunk (and checks its CRC), so a row of a 4 MiB chunk cost ~1.5 ms, of a 1 MiB one ~0.4."""
+whole chunk (and checks its CRC)."""
 
 
 def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2).
 
     A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
-    many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes`` (100k
-    keys of 3 KiB: one key read in 2.7 ms instead of 10.3 ms, the merge no slower, 93 objects
-    instead of 39), and byte-stored ones (``bytes``, ``pickle``, ``str``, list of ``str``) at most
+    many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes``, and
+    byte-stored ones (``bytes``, ``pickle``, ``str``, list of ``str``) at most
     :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
-    chunks, which write fastest (benchmarks: 829 vs 712 MiB/s at 16 vs 4 MiB)."""
+    chunks, which write fastest."""
     n = col.n_units
     rows = max(col.present(), 1)
     total = n * col.unit_bytes
@@ -89,12 +87,9 @@ def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
 
 
 def name_sizes(plan: Plan) -> tuple[int, int]:
-    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (one encode each, no per-name loop)."""
-    arrays = getattr(plan.filenames, "index_arrays", None)
-    if arrays is not None:  # an out-of-core plan's string table: its offsets say it
-        a = arrays(NAME_BLOCK)
-        return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
-    return len("".join(plan.filenames).encode("utf-8")), len("".join(plan.filenames[::NAME_BLOCK]).encode("utf-8"))
+    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (from their offsets)."""
+    a = filename_arrays(plan.filenames)
+    return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
@@ -186,8 +181,7 @@ def _array_doc(meta: dict[str, Any]) -> dict[str, Any]:
     """``ArrayV3Metadata.from_dict(meta).to_dict()``: the document as zarr writes it. zarr's
     normalisation of a document copies its shape and chunk shape as they are (ints), so it runs
     once per process for each kind of array (dtype, codecs, dimension names, attributes, number
-    of dimensions) and the shapes are put into a copy: 0.3-0.4 ms of zarr per array, 14 or more
-    arrays per merge."""
+    of dimensions) and the shapes are put into a copy."""
     grid = meta["chunk_grid"]
     shape, chunks = [int(d) for d in meta["shape"]], [int(d) for d in grid["configuration"]["chunk_shape"]]
     rest = {

@@ -61,16 +61,10 @@ class Holder:
     @classmethod
     def from_json(cls, raw: bytes) -> Holder | None:
         """The holder a lease object names, or None when it is empty or not a lease (torn write)."""
+        types = {"owner": str, "role": str, "host": str, "pid": int, "since": str, "expires": float}
         try:
             obj = json.loads(raw)
-            return cls(
-                owner=str(obj["owner"]),
-                role=str(obj["role"]),
-                host=str(obj["host"]),
-                pid=int(obj["pid"]),
-                since=str(obj["since"]),
-                expires=float(obj["expires"]),
-            )
+            return cls(**{k: t(obj[k]) for k, t in types.items()})
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
 

@@ -77,18 +77,13 @@ class NameTable(Sequence[str]):
         """The output's ``index/filenames``, ``filename_offsets``, ``filename_heads`` and
         ``filename_head_offsets`` (the first name of every ``block``)."""
         known = self._heads.get(block)
-        if known is not None:
-            return {"filenames": self.data, "filename_offsets": self.offsets, "filename_heads": known[0],
-                    "filename_head_offsets": known[1]}  # fmt: skip
-        heads = [self.raw(k) for k in range(0, len(self), block)]
-        hoff = np.zeros(len(heads) + 1, dtype=np.int64)
-        np.cumsum([len(h) for h in heads], out=hoff[1:])
-        return {
-            "filenames": self.data,
-            "filename_offsets": self.offsets,
-            "filename_heads": np.frombuffer(b"".join(heads), dtype=np.uint8),
-            "filename_head_offsets": hoff,
-        }
+        if known is None:
+            heads = [self.raw(k) for k in range(0, len(self), block)]
+            hoff = np.zeros(len(heads) + 1, dtype=np.int64)
+            np.cumsum([len(h) for h in heads], out=hoff[1:])
+            known = (np.frombuffer(b"".join(heads), dtype=np.uint8), hoff)
+        return {"filenames": self.data, "filename_offsets": self.offsets, "filename_heads": known[0],
+                "filename_head_offsets": known[1]}  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):

@@ -100,20 +100,16 @@ class Job:
         held: list[_lease.Lease] = []  # the part's lease, once _open took it
         try:
             job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
-        except SpillMergeError as exc:
+        except BaseException as exc:
             try:
                 # Busy: another run of this part holds the lease and is at work; a failure record
                 # of this part would describe that run's outcome wrongly.
-                busy = isinstance(exc, OutputBusyError)
-                if part is not None and not options.allow_partial and not busy:
+                failed = isinstance(exc, SpillMergeError) and not isinstance(exc, OutputBusyError)
+                if failed and part is not None and not options.allow_partial:
                     _plan_failed(root, out, options, part, exc)
             finally:
                 for lease in held:
                     lease.release(tidy=True)
-            raise
-        except BaseException:
-            for lease in held:
-                lease.release(tidy=True)
             raise
         job.lease = held[0] if held else None
         return job

@@ -21,7 +21,6 @@ from .._format import spill as FS
 from .._spill.root import check_of, data_ranges, verify_block
 from .._storage import Storage
 from .plan import Plan, PlannedColumn
-from .planblocks import searchsorted
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +64,8 @@ class _Touched:
 
 
 def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
-    """A per-thread buffer reused across chunks. Fresh allocations of this size are mmapped and
-    page-faulted anew each time; on the VMs we measured that tripled the merge's CPU time."""
+    """A per-thread buffer reused across chunks (fresh allocations of this size are mmapped and
+    page-faulted anew each time)."""
     buf = getattr(_SCRATCH, slot, None)
     if buf is None or len(buf) < nbytes:
         buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
@@ -130,13 +129,10 @@ class OutputChunk:
         lo, hi, src = self.u.lo, self.u.hi, self.col.src
         ub = self.col.unit_bytes
         if self.off is None:
-            rows = np.arange(lo, hi, dtype=np.int64)
-            rows = rows[np.asarray(src[lo:hi]) >= 0]
-            zero = np.zeros(len(rows), dtype=np.int64)
-            return _Touched(rows, zero, zero + 1, (rows - lo) * ub)
+            return self._present(lo, hi)
         off = self.off
-        r0 = searchsorted(off, lo, side="right") - 1
-        r1 = searchsorted(off, hi, side="left")
+        r0 = int(off.searchsorted(lo, side="right")) - 1
+        r1 = int(off.searchsorted(hi, side="left"))
         rows = np.arange(r0, r1, dtype=np.int64)
         a, b = np.asarray(off[r0:r1]), np.asarray(off[r0 + 1 : r1 + 1])
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
@@ -204,21 +200,16 @@ class OutputChunk:
                 row = whole[lo : lo + n]
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
+            v = _crc.value(row) if out_crcs is not None or crc >= 0 else 0
             if out_crcs is not None:  # one CRC of the row: its check and the output's CRC
-                v = _crc.value(row)
                 out_crcs.append(v)
-                if crc < 0:
-                    if self.pending is None:
-                        self.verify_block_local(s, crc, r, e)
-                    elif (s, crc) not in self.checked:
-                        self.pending.add(self, s, crc, r, e, off, v, n)
-                elif v != crc:
+            if crc >= 0:
+                if v != crc:
                     self._mismatch(r, e)
-            elif crc < 0:  # checked by its block (in one data chunk): verified once per merge
-                if (s, crc) not in self.checked:
-                    self.verify_block_local(s, crc, r, e)
-            elif _crc.value(row) != crc:
-                self._mismatch(r, e)
+            elif out_crcs is None or self.pending is None:  # checked by its block: once per merge
+                self.verify_block_local(s, crc, r, e)
+            elif (s, crc) not in self.checked:
+                self.pending.add(self, s, crc, r, e, off, v, n)
             out.append(row)
         return out
 
@@ -239,21 +230,28 @@ class OutputChunk:
         """Raise for output row ``r`` (plan entry ``e``) whose bytes, or whose block's bytes
         (``block``: the row's negative CRC), fail their checksum."""
         plan = self.plan
-        seg = plan.segments[int(plan.seg[e])]
-        where = self.src.describe(f"{seg.seg.rel}/data")
-        r = plan.top_row(self.col, r)
-        f = plan.file_of(r)
+        seg, where, row = self._row_where(r, e)
         in_block = ""
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
         raise CorruptSpillError(
-            f"{where}: checksum mismatch for {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
-            f"{F.path_text(self.col.leaf)!r} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+            f"{where}: checksum mismatch for {row} at bytes "
+            f"{int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
             f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
             path=where,
             rank=seg.seg.rank,
         )
+
+    def _row_where(self, r: int, e: int) -> tuple[Any, str, str]:
+        """For a message about row ``r`` (plan entry ``e``): its segment, its data folder, and its
+        file, frame and leaf."""
+        plan = self.plan
+        seg = plan.segments[int(plan.seg[e])]
+        r = plan.top_row(self.col, r)
+        f = plan.file_of(r)
+        row = f"{plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf {F.path_text(self.col.leaf)!r}"
+        return seg, self.src.describe(f"{seg.seg.rel}/data"), row
 
     # -- numeric and byte columns -------------------------------------------------------------
 
@@ -271,8 +269,7 @@ class OutputChunk:
                 crcs: list[int] = []
                 return self._pieces(touched, self._rows(touched.rows, crcs), full, crcs)
         # Many small rows (a chunk of 2**21 int64 labels): copied into one buffer COPY_ROWS rows at
-        # a time, so the per-row views never exceed COPY_ROWS (measured: a whole label chunk's
-        # took ~450 MB, the merge's peak at 10^7 keys).
+        # a time, so the per-row views never exceed COPY_ROWS.
         out = _scratch(full)
         pos = 0  # bytes of the chunk produced so far
         text = col.kind in ("str", "strlist")
@@ -407,12 +404,15 @@ class OutputChunk:
             for i in range(0, len(touched.rows), COPY_ROWS):
                 yield touched[i : i + COPY_ROWS]
             return
-        src, lo0, ub = self.col.src, self.u.lo, self.col.unit_bytes
         for lo in range(self.u.lo, self.u.hi, COPY_ROWS):
-            rows = np.arange(lo, min(lo + COPY_ROWS, self.u.hi), dtype=np.int64)
-            rows = rows[np.asarray(src[lo : lo + len(rows)]) >= 0]
-            zero = np.zeros(len(rows), dtype=np.int64)
-            yield _Touched(rows, zero, zero + 1, (rows - lo0) * ub)
+            yield self._present(lo, min(lo + COPY_ROWS, self.u.hi))
+
+    def _present(self, lo: int, hi: int) -> _Touched:
+        """Rows ``[lo, hi)`` of a column without offsets that have a value, each one unit."""
+        rows = np.arange(lo, hi, dtype=np.int64)
+        rows = rows[np.asarray(self.col.src[lo:hi]) >= 0]
+        zero = np.zeros(len(rows), dtype=np.int64)
+        return _Touched(rows, zero, zero + 1, (rows - self.u.lo) * self.col.unit_bytes)
 
     # -- string columns -----------------------------------------------------------------------
 
@@ -423,25 +423,18 @@ class OutputChunk:
         if kind == "str" and _utf8_rows(data):
             return
         for r, row in zip(rows.tolist(), data, strict=True):
-            count = self._strlist_count(r) if kind == "strlist" else 0
+            count = 0
+            if kind == "strlist":  # its layout's shape[0]
+                assert self.col.shapes is not None
+                count = int(self.col.shapes[r, 0])
             bad = FS.text_problem(kind, count, row)
             if bad is not None:
                 self._corrupt(r, bad)
 
-    def _strlist_count(self, r: int) -> int:
-        """Strings in row ``r`` of a list-of-``str`` column (its layout's ``shape[0]``)."""
-        assert self.col.shapes is not None
-        return int(self.col.shapes[r, 0])
-
     def _corrupt(self, r: int, what: str) -> None:
-        plan, e = self.plan, int(self.col.src[r])
-        seg = plan.segments[int(plan.seg[e])]
-        where = self.src.describe(f"{seg.seg.rel}/data")
-        r = plan.top_row(self.col, r)
-        f = plan.file_of(r)
+        seg, where, row = self._row_where(r, int(self.col.src[r]))
         raise CorruptSpillError(
-            f"{where}: {plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf "
-            f"{F.path_text(self.col.leaf)!r} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
+            f"{where}: {row} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
             path=where,
             rank=seg.seg.rank,
         )

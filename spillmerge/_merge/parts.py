@@ -185,8 +185,6 @@ def wait(
     collective: bool = False,
     run_id: str | None = None,
     options: dict[str, Any] | None = None,
-    poll: float = 0.05,
-    max_poll: float = 2.0,
 ) -> list[PartRecord]:
     """The finalizer's barrier: every part's completion record with this plan, else a clear error
     naming the parts (failed at once, missing after ``timeout`` seconds, other plans at once).
@@ -194,7 +192,7 @@ def wait(
     so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
     stays on storage until its part runs again, and must not fail this one."""
     cache: dict[str, PartRecord] = {}
-    for waited in _poll.poll(timeout, first=poll, cap=max_poll):
+    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
         records = read_records(output, cache)
         bad = foreign(records, parts, plan)
         if bad:

@@ -58,8 +58,6 @@ class BlockCache:
     def __init__(self, limit: int = CACHE_BYTES) -> None:
         self.limit = limit
         self.bytes = 0
-        self.read = 0
-        """Bytes fetched from storage (for the report and the tests of a part's share)."""
         self._blocks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -72,7 +70,6 @@ class BlockCache:
 
     def put(self, key: tuple[str, int], block: np.ndarray) -> None:
         with self._lock:
-            self.read += block.nbytes
             if key in self._blocks:
                 return
             self._blocks[key] = block
@@ -118,10 +115,6 @@ class StoredArray:
 
     def __len__(self) -> int:
         return self.shape[0]
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
 
     def block(self, k: int) -> np.ndarray:
         """Block ``k``, checked against its digest (and, for offsets, rising)."""
@@ -181,7 +174,7 @@ class StoredArray:
         dest = out.reshape((-1, *self.shape[1:]))
         which = flat // rows
         k0, k1 = int(which.min()), int(which.max())
-        if k0 == k1:
+        if k0 == k1:  # (nearly always: a chunk's rows lie in one block; no sort of the indices)
             dest[:] = self.block(k0)[flat - k0 * rows]
         else:
             for k in np.unique(which).tolist():
@@ -190,7 +183,7 @@ class StoredArray:
         return out
 
     def searchsorted(self, v: int, side: str = "left") -> int:
-        """``np.searchsorted`` of a rising 1-d integer array, reading one block."""
+        """``ndarray.searchsorted`` of a rising 1-d integer array, reading one block."""
         if self._first is None:
             raise TypeError(f"{self._rel} is not a stored 1-d integer array")
         find = bisect.bisect_left if side == "left" else bisect.bisect_right
@@ -202,10 +195,3 @@ class StoredArray:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         whole = self[:]
         return whole if dtype is None else whole.astype(dtype)
-
-
-def searchsorted(a: Any, v: int, side: str = "left") -> int:
-    """``np.searchsorted(a, v, side)`` for a rising 1-d array, a :class:`StoredArray` read by one block."""
-    if isinstance(a, StoredArray):
-        return a.searchsorted(v, side)
-    return int(np.searchsorted(a, v, side=side))  # type: ignore[call-overload]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -15,8 +14,6 @@ from .._errors import LayoutMismatchError
 from .._format import common as F
 from .._format import output as FO
 from .._format import spill as FS
-
-VALUE_COLUMN = F.VALUE_COLUMN
 
 ROW_BLOCK = 1 << 18
 """Rows per block of the loops over per-row arrays: a temporary is 2 MiB of int64 at most,
@@ -27,19 +24,10 @@ Alloc = Callable[..., np.ndarray]
 work folder: a map of a file beyond ``_merge.plansql.MAPPED_ROWS`` rows)."""
 
 
-def in_memory(name: str, shape: Any, dtype: Any, fill: int | None = None) -> np.ndarray:
-    """:data:`Alloc` in memory."""
-    return np.full(shape, 0 if fill is None else fill, dtype=dtype)
-
-
 def blocks(n: int) -> Iterator[tuple[int, int]]:
     """``(a, b)`` of each block of ``ROW_BLOCK`` rows of ``n``."""
     for a in range(0, n, ROW_BLOCK):
         yield a, min(n, a + ROW_BLOCK)
-
-
-#: Output column kind of each non-numeric spill dtype (numeric ones are ``fixed`` or ``ragged``).
-KIND = {"str": "str", "bytes": "bytes", "pickle": "pickle", "strlist": "strlist"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,13 +166,13 @@ def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
     enc = F.node_names(sorted(text.values()))
     out = {leaf: enc[s] for leaf, s in text.items()}
     if () in leaves:
-        out[()] = VALUE_COLUMN
+        out[()] = F.VALUE_COLUMN
     return out
 
 
 def list_domains(
     lp: np.ndarray, row_of: np.ndarray, leaf_paths: list[tuple[str, ...]], n_rows: int,
-    headers: set[tuple[str, ...]] = frozenset(), new: Alloc = in_memory,  # type: ignore[assignment]
+    headers: set[tuple[str, ...]], new: Alloc,
 ) -> tuple[list[tuple[str, ...]], np.ndarray, np.ndarray, list[PlannedList], dict[tuple[str, ...], int]]:  # fmt: skip
     """Arrow's list model over the spill's item positions (docs/FORMAT.md, *Lists*): every spill
     path ``P/\x1f<i>/...`` becomes the child path ``P/\x1f*/...``, whose rows are the items of
@@ -255,8 +243,7 @@ def list_domains(
 
 
 def distinct(a: np.ndarray) -> np.ndarray:
-    """The distinct values of ``a``, sorted: by a sort (numpy 2's hashing ``np.unique`` took 0.5 s
-    a call on a plan's row codes, 50x the sort)."""
+    """The distinct values of ``a``, sorted: by a sort (faster than numpy 2's hashing ``np.unique``)."""
     v = np.sort(np.asarray(a).reshape(-1))
     if len(v) < 2:
         return v
@@ -272,7 +259,7 @@ def member(a: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def variant_groups(
-    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], new: Alloc = in_memory
+    c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], new: Alloc
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
     """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
     ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column,
@@ -392,7 +379,7 @@ def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str
 
 def plan_column(
     name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int,
-    new: Alloc = in_memory,
+    new: Alloc,
 ) -> PlannedColumn:  # fmt: skip
     """The column of one leaf path from the row table positions of its present rows (a block of
     rows at a time; per-row arrays from ``new``)."""
@@ -415,7 +402,7 @@ def plan_column(
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
     if lays and not dt.numeric:
-        kind = KIND[dt.kind]
+        kind = dt.kind  # str, bytes, pickle or strlist (numeric ones are fixed or ragged)
         # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
         # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
         counts = new("counts", n_rows, np.int64)
@@ -459,7 +446,7 @@ def plan_column(
 
 
 def file_layouts_of(
-    file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str], new: Alloc = in_memory
+    file_of: np.ndarray, lp_of: np.ndarray, n_files: int, lp_names: list[str], new: Alloc
 ) -> tuple[np.ndarray, list[list[str]]]:
     # file_of: each entry's file, ascending (the plan's rows are sorted by file); lp_of / lp_names:
     # each entry's column group and the groups' names.

@@ -37,8 +37,7 @@ MIN_SORT_MEMORY = 64 << 20
 
 THREAD_MEMORY = 128 << 20
 """DuckDB's memory limit per sort thread, at the least: each thread's sort buffers come beside the
-limit (at 10^6 keys, a 128 MiB limit: 222 MiB peak on one thread, 263 on four), and four threads
-cannot sort 3 x 10^6 rows in 64 MiB at all."""
+limit."""
 
 ENGINE_SHARE = 2
 """DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
@@ -57,8 +56,8 @@ PARQUET: dict[str, Any] = {
 }
 """The sort's input files, read once by the same process: no compression nor statistics, and a
 dictionary only for the columns of few distinct values. Names, offsets, checksums and catalog
-numbers are nearly all distinct: the encoder tries a dictionary for each row group, then falls
-back (half the files' write time at 10^7 keys)."""
+numbers are nearly all distinct: the encoder would try a dictionary for each row group, then fall
+back."""
 
 PREFIX = "spillmerge-sqlplan-"
 
@@ -159,22 +158,17 @@ def sort_rows(
     lp_order: Callable[[], np.ndarray],
     resolve: Resolve,
     *,
-    work_dir: str | None,
     memory_limit: int,
     threads: int,
-    folder: str | None = None,
+    folder: str,
 ) -> Sorted:
     """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
     whose memory limit is ``engine_memory(memory_limit)``.
 
     ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
     layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
-    a raw leaf-path number to its position in the sorted leaf paths. ``folder``: a
-    :func:`workspace` of the caller's, which then keeps the maps' files (else one of its own)."""
-    if folder is None:
-        with workspace(work_dir) as own:
-            return sort_rows(segments, layout_ids, lp_order, resolve, work_dir=work_dir, memory_limit=memory_limit,
-                             threads=threads, folder=own)  # fmt: skip
+    a raw leaf-path number to its position in the sorted leaf paths. ``folder``: the caller's
+    :func:`workspace`, which keeps the maps' files."""
     import duckdb  # a dependency of merging only: reading never imports it
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -271,19 +265,21 @@ def _segment_rows(
         names = _names_array(s.filenames)
         batches = (idx[a : a + BATCH] for a in range(0, len(idx), BATCH))
     for ib in batches:
-        lay = ib[:, FS.COL_LAYOUT]
-        cols = {
-            "fname": names.take(_i64(ib[:, FS.COL_FILE])),
-            "frame": _i64(ib[:, FS.COL_FRAME]),
-            "rlp": _i64(pmap[lay]),
-            "gl": _i64(gmap[lay]),
-            "seg": _i64(np.full(len(ib), si, dtype=np.int64)),
-            "off": _i64(ib[:, FS.COL_OFFSET]),
-            "nb": _i64(ib[:, FS.COL_NBYTES]),
-            "crc": _i64(ib[:, FS.COL_CRC]),
-            "lf": _i64(ib[:, FS.COL_FILE]),
-        }
+        cols = {"fname": names.take(_i64(ib[:, FS.COL_FILE]))}
+        cols.update({k: _i64(v) for k, v in _index_columns(si, ib, gmap, pmap).items()})
         yield pa.Table.from_arrays(list(cols.values()), names=list(cols))
+
+
+def _index_columns(si: int, ib: np.ndarray, gmap: np.ndarray, pmap: np.ndarray) -> dict[str, np.ndarray]:
+    """Index rows ``ib`` of segment ``si`` as int64 columns: frame, raw leaf path, global layout,
+    segment, extent, local file number."""
+    lay = ib[:, FS.COL_LAYOUT]
+    return {
+        "frame": ib[:, FS.COL_FRAME].astype(np.int64), "rlp": pmap[lay].astype(np.int64),
+        "gl": gmap[lay].astype(np.int64), "seg": np.full(len(ib), si, dtype=np.int64),
+        "off": ib[:, FS.COL_OFFSET].astype(np.int64), "nb": ib[:, FS.COL_NBYTES].astype(np.int64),
+        "crc": ib[:, FS.COL_CRC].astype(np.int64), "lf": ib[:, FS.COL_FILE].astype(np.int64),
+    }  # fmt: skip
 
 
 def _quoted(path: str) -> str:
@@ -314,8 +310,6 @@ def _binary_parts(col: Any) -> tuple[np.ndarray, np.ndarray]:
     """The bytes and int64 offsets (rebased to 0) of an Arrow binary array without nulls."""
     import pyarrow as pa
 
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
     wide = pa.types.is_large_binary(col.type)
     bufs = col.buffers()
     off = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[col.offset : col.offset + len(col) + 1]
@@ -326,10 +320,6 @@ def _binary_parts(col: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def _ints(col: Any) -> np.ndarray:
     """An Arrow integer array without nulls as int64 numpy."""
-    import pyarrow as pa
-
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
     dt = np.dtype(str(col.type))
     return np.frombuffer(col.buffers()[1], dtype=dt)[col.offset : col.offset + len(col)].astype(np.int64)
 
@@ -337,11 +327,8 @@ def _ints(col: Any) -> np.ndarray:
 def _name_starts(col: Any) -> np.ndarray:
     """For each name of a sorted Arrow binary array: does it differ from the one before it (the
     first: True)? Compared by Arrow's kernel: a bool per name, no per-byte temporaries."""
-    import pyarrow as pa
     import pyarrow.compute as pc
 
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
     n = len(col)
     new = np.ones(n, dtype=bool)
     if n >= 2:
@@ -354,8 +341,7 @@ def _name_starts(col: Any) -> np.ndarray:
 
 class _Spool:
     """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, mapped (or
-    read) when done; in memory when there is no folder (a sort of fewer than ``IN_MEMORY_ROWS``
-    rows)."""
+    read) when done; in memory when there is no folder (a sort of few rows, :func:`in_memory`)."""
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
@@ -429,7 +415,6 @@ def _collect(
     ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``).
     ``new_names``: for one batch, which rows start a new name, known already (the in-memory
     sort), so no Arrow kernel compares them."""
-    import pyarrow as pa
 
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
     np.cumsum(n_names, out=base[1:])
@@ -488,8 +473,7 @@ def _collect(
             if new_names is not None:  # one batch of few rows: sliced by numpy
                 fdata, foff = _slices(data, off, starts)
             else:
-                fresh = col.take(_i64(starts))
-                fdata, foff = _binary_parts(fresh if isinstance(fresh, pa.Array) else fresh.combine_chunks())
+                fdata, foff = _binary_parts(col.take(_i64(starts)))
             spool.append("names.u8", fdata)
             spool.append("name_off", name_bytes + foff[1:])
             name_bytes += int(foff[-1])
@@ -535,14 +519,11 @@ def sort_rows_in_memory(
     layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
     lp_order: Callable[[], np.ndarray],
     resolve: Resolve,
-    *,
-    folder: str | None = None,
 ) -> Sorted:
     """:func:`sort_rows` for few rows (:func:`in_memory`): the same order
     (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
-    by a numpy ``lexsort``, collected the same way, into arrays in memory (no ``folder``) or files
-    of ``folder``. No Arrow compute kernel: importing ``pyarrow.compute`` (0.14 s) was most of a
-    small merge's plan. Memory: the rows, a few times over."""
+    by a numpy ``lexsort``, collected the same way, into arrays in memory, with no Arrow compute
+    kernel (whose import is slow). Memory: the rows, a few times over."""
     import pyarrow as pa
 
     n_names: list[int] = []
@@ -552,16 +533,8 @@ def sort_rows_in_memory(
         n_names.append(len(s.filenames))
         encoded.append([f.encode("utf-8", "surrogatepass") for f in s.filenames])
         gmap, pmap = layout_ids(s)
-        idx = s.index
-        if not s.n_rows:
-            continue
-        lay = idx[:, FS.COL_LAYOUT]
-        parts.append({
-            "si": np.full(len(idx), si, dtype=np.int64), "lf": idx[:, FS.COL_FILE].astype(np.int64),
-            "frame": idx[:, FS.COL_FRAME].astype(np.int64), "rlp": pmap[lay].astype(np.int64),
-            "gl": gmap[lay].astype(np.int64), "off": idx[:, FS.COL_OFFSET].astype(np.int64),
-            "nb": idx[:, FS.COL_NBYTES].astype(np.int64), "crc": idx[:, FS.COL_CRC].astype(np.int64),
-        })  # fmt: skip
+        if s.n_rows:
+            parts.append(_index_columns(si, s.index, gmap, pmap))
     if not parts:
         return _empty(n_names)
     rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -570,23 +543,21 @@ def sort_rows_in_memory(
     ranks = [np.array([rank_of[n] for n in names], dtype=np.int64) for names in encoded]
     base = np.zeros(len(ranks) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in ranks], out=base[1:])
-    rank = np.concatenate(ranks)[base[rows["si"]] + rows["lf"]]
+    rank = np.concatenate(ranks)[base[rows["seg"]] + rows["lf"]]
     lp = lp_order()[rows["rlp"]]
-    order = np.lexsort((lp, rows["si"], rows["frame"], rank))  # stable: ties keep their order
+    order = np.lexsort((lp, rows["seg"], rows["frame"], rank))  # stable: ties keep their order
     rank = rank[order]
     lengths = np.array([len(n) for n in distinct], dtype=np.int64)[rank]
     offsets = np.zeros(len(rank) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     data = b"".join([distinct[r] for r in rank.tolist()])
     fname = pa.Array.from_buffers(pa.large_binary(), len(rank), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    batch = pa.RecordBatch.from_arrays(
-        [fname, _i64(rows["frame"][order]), _i64(lp[order]), _i64(rows["gl"][order]), _i64(rows["si"][order]),
-         _i64(rows["off"][order]), _i64(rows["nb"][order]), _i64(rows["crc"][order]), _i64(rows["lf"][order])],
-        names=["fname", "frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"],
-    )  # fmt: skip
+    rows["lp"] = lp
+    cols = ["frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"]
+    batch = pa.RecordBatch.from_arrays([fname, *(_i64(rows[k][order]) for k in cols)], names=["fname", *cols])
     new_names = np.ones(len(rank), dtype=bool)
     new_names[1:] = rank[1:] != rank[:-1]
-    return _collect([batch], resolve, folder, n_names, new_names=new_names)
+    return _collect([batch], resolve, None, n_names, new_names=new_names)
 
 
 def _slices(data: np.ndarray, off: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

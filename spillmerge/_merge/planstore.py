@@ -33,6 +33,11 @@ MANIFEST_MAX_BYTES = 256 << 20
 PLANNER = "planner"
 """The lease a part holds while it builds and stores the plan."""
 _KIND = "merge-plan"
+_COLUMN_FIELDS: dict[str, Callable[[Any], Any] | None] = {
+    "name": None, "leaf": tuple, "kind": None, "dtype": None, "ndim": int, "shape": tuple, "inner": tuple,
+    "has_valid": bool, "variant": None,
+}  # fmt: skip
+"""A :class:`PlannedColumn`'s fields ``plan.json`` holds, and how each is read back (its arrays are stored apart)."""
 READ = "was read, not rebuilt"
 """In the report's note of a process that read the stored plan."""
 
@@ -74,7 +79,14 @@ def obtain(
     where = output.describe(PLAN_DIR)
 
     def stored() -> Obtained | None:
-        found = _read(output, key, segments, notes, memory_limit)
+        """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
+        try:
+            found = load(output, key, segments, memory_limit=memory_limit)
+        except DamagedPlan as exc:
+            note = f"the stored plan was not used: {exc}"
+            if note not in notes:  # read again at every poll while a planner replaces it
+                notes.append(note)
+            return None
         if found is None:
             return None
         plan, fp, stored_settings = found
@@ -137,19 +149,6 @@ def _build_and_store(
     return Obtained(plan, fp, notes)
 
 
-def _read(
-    output: Storage, key: str, segments: Sequence[Segment], notes: list[str], memory_limit: int
-) -> tuple[Plan, str, dict[str, Any]] | None:
-    """The stored plan of ``key`` when it is whole and sound, else None (a damaged one is noted)."""
-    try:
-        return load(output, key, segments, memory_limit=memory_limit)
-    except DamagedPlan as exc:
-        note = f"the stored plan was not used: {exc}"
-        if note not in notes:  # read again at every poll while a planner replaces it
-            notes.append(note)
-        return None
-
-
 # -- storing ---------------------------------------------------------------------------------------
 
 
@@ -182,18 +181,12 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         put("checks", np.concatenate(checks) if checks else np.zeros((0, 3), np.int64))
         columns = []
         for ci, col in enumerate(plan.columns):
-            entry: dict[str, Any] = {
-                "name": col.name, "leaf": list(col.leaf), "kind": col.kind, "dtype": col.dtype, "ndim": col.ndim,
-                "shape": None if col.shape is None else list(col.shape),
-                "inner": None if col.inner is None else list(col.inner),
-                "has_valid": col.has_valid, "variant": col.variant, "src": put(f"c{ci}.src", col.src),
-                "present": col.present(),
-            }  # fmt: skip
+            entry: dict[str, Any] = {k: getattr(col, k) for k in _COLUMN_FIELDS}
+            entry["present"] = col.present()
+            arrays_of = {"src": col.src, "counts": col.counts, "shapes": col.shapes}
             if col.counts is not None:
-                entry["counts"] = put(f"c{ci}.counts", col.counts)
-                entry["offsets"] = put(f"c{ci}.offsets", col.offsets())
-            if col.shapes is not None:
-                entry["shapes"] = put(f"c{ci}.shapes", col.shapes)
+                arrays_of["offsets"] = col.offsets()
+            entry.update({k: put(f"c{ci}.{k}", a) for k, a in arrays_of.items() if a is not None})
             columns.append(entry)
         lists = [
             {"name": lst.name, "path": list(lst.path), "offsets": put(f"l{li}.offsets", lst.offsets)}
@@ -242,7 +235,6 @@ def load(
         raise DamagedPlan(f"{output.describe(MANIFEST)}: {exc}", path=output.describe(MANIFEST)) from exc
     if raw is None:
         return None
-    mwhere = output.describe(MANIFEST)
 
     def bad(rel: str, why: str) -> DamagedPlan:
         where = output.describe(rel)
@@ -272,38 +264,21 @@ def load(
             if s["rel"] not in by_rel:
                 raise bad(MANIFEST, f"segment {s['rel']!r} is not committed")
             n = int(s["n_checks"])
-            segs.append(
-                LoadedSegment(
-                    by_rel[s["rel"]],
-                    [],
-                    [],
-                    np.zeros((0, 6), np.int64),
-                    int(s["chunk_bytes"]),
-                    bool(s["salvaged"]),
-                    checks=np.asarray(checks[c0 : c0 + n]) if n else None,
-                )  # fmt: skip
-            )
+            seg = LoadedSegment(
+                by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), bool(s["salvaged"]),
+                checks=np.asarray(checks[c0 : c0 + n]) if n else None,
+            )  # fmt: skip
+            segs.append(seg)
             c0 += n
         columns = []
         for c in body["columns"]:
-            columns.append(
-                PlannedColumn(
-                    c["name"],
-                    tuple(c["leaf"]),
-                    c["kind"],
-                    c["dtype"],
-                    int(c["ndim"]),
-                    None if c["shape"] is None else tuple(c["shape"]),
-                    None if c["inner"] is None else tuple(c["inner"]),
-                    arr(c["src"]),
-                    arr(c["counts"]) if "counts" in c else None,
-                    arr(c["shapes"]) if "shapes" in c else None,
-                    bool(c["has_valid"]),
-                    c["variant"],
-                    arr(c["offsets"], monotonic=True) if "offsets" in c else None,
-                    n_present=int(c["present"]),
-                )  # fmt: skip
-            )
+            kw = {k: c[k] if f is None or c[k] is None else f(c[k]) for k, f in _COLUMN_FIELDS.items()}
+            col = PlannedColumn(
+                **kw, src=arr(c["src"]), counts=arr(c["counts"]) if "counts" in c else None,
+                shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
+                offs=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
+            )  # fmt: skip
+            columns.append(col)
         lists = [
             PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"], monotonic=True)) for lst in body["lists"]
         ]
@@ -330,4 +305,4 @@ def load(
     except Exception as exc:  # noqa: BLE001 - anything else a damaged plan provokes: rebuilt, never trusted
         if isinstance(exc, SpillMergeError):
             raise
-        raise DamagedPlan(f"{mwhere}: unreadable ({type(exc).__name__}: {exc})", path=mwhere) from None
+        raise bad(MANIFEST, f"unreadable ({type(exc).__name__}: {exc})") from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy as np
 from .._spill.removal import Lookup
 from .._util.frames import first_missing, runs
 from .._util.units import size_text
+from .nametable import table_of
 from .plan import ROW_BLOCK, Plan
 
 _INLINE_NOTES = ("part ", "spill root ")
@@ -175,19 +175,9 @@ class MergeReport:
         return s
 
 
-def finder(names: Sequence[str]) -> Callable[[str], int]:
-    """Position of a name in the plan's sorted filenames, or -1 (a binary search on disk for an
-    out-of-core plan's table, a dict for a list)."""
-    search = getattr(names, "search", None)
-    if search is not None:
-        return search  # type: ignore[no-any-return]
-    pos = {name: i for i, name in enumerate(names)}
-    return lambda name: pos.get(name, -1)
-
-
 def plan_lookup(plan: Plan) -> Lookup:
     """:data:`~spillmerge._spill.removal.Lookup` of a merge plan (what a complete output written from it holds)."""
-    find = finder(plan.filenames)
+    find = table_of(plan.filenames).search
     off, frames = plan.file_offsets, plan.frame_idx
 
     def lookup(name: str) -> Any:
@@ -210,8 +200,8 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         n_rows = np.diff(o)
         last = np.where(n_rows > 0, frames[np.maximum(o[1:] - 1, 0)], -1)
         check.update((a + np.flatnonzero(last + 1 != n_rows)).tolist())  # a gap below the last frame
-    find = finder(plan.filenames) if expected else None
-    if expected is not None and find is not None:
+    find = table_of(plan.filenames).search
+    if expected:
         check.update(i for i in map(find, expected) if i >= 0)
     for i in sorted(check):
         name = plan.filenames[i]
@@ -222,7 +212,7 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         have = have[have < span]
         if len(have) != span:
             out[name] = first_missing(have, span, limit)
-    if expected is not None and whole and find is not None:
+    if expected and whole:
         for name, count in expected.items():
             if find(name) < 0 and count > 0:
                 out[name] = list(range(min(count, limit)))

@@ -168,7 +168,7 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
         before = (job.options.codec, job.options.chunk_bytes)
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
-        if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands (2 s at 10^7 keys)
+        if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands
             job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
     finished = _parts.wait(
         output,
@@ -184,16 +184,13 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
     lease.check()
     if complete:
         output.rm_tree(FO.COMPLETE_NAME)
-    keep = {c.name for c in job.plan.columns}
-    for name in output.listdir("columns"):
-        if name not in keep and name != "zarr.json":  # left by an older merge into this output
-            output.rm_tree(f"columns/{name}")
     lists = {lst.name for lst in job.plan.lists}
     if output.exists("lists") and not lists:
         output.rm_tree("lists")
-    for name in output.listdir("lists") if lists and output.exists("lists") else ():
-        if name not in lists and name != "zarr.json":  # left by an older merge into this output
-            output.rm_tree(f"lists/{name}")
+    for folder, keep in (("columns", {c.name for c in job.plan.columns}), ("lists", lists)):
+        for name in output.listdir(folder) if output.exists(folder) else ():
+            if name not in keep and name != "zarr.json":  # left by an older merge into this output
+                output.rm_tree(f"{folder}/{name}")
     if output.exists("files"):  # an older (format 1) merge into this output
         output.rm_tree("files")
     docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
