@@ -1638,6 +1638,22 @@ MUTATIONS: list[Mutation] = [
         "a drop-in's records file whose bytes are not the ones its rank wrote is refused before Arrow reads it",
     ),
     Mutation(
+        "dropin-records-buffer-in-bounds",
+        "spillmerge/_dist/records.py",
+        "        if ref[0] + ref[1] > len(body):",
+        "        if False:",
+        ("tests/distributed/test_records.py::test_bytes_that_are_not_the_records_are_refused_naming_the_rank",),
+        "a drop-in's records whose buffer lies past the bytes there are is refused naming the rank",
+    ),
+    Mutation(
+        "plan-in-memory-within-budget",
+        "spillmerge/_merge/plansql.py",
+        "    return n_rows < max(IN_MEMORY_ROWS, memory_limit // IN_MEMORY_ROW_BYTES)",
+        "    return n_rows < memory_limit",
+        ("tests/merge/test_plan_in_memory.py::test_the_plan_is_sorted_in_memory_while_the_budget_holds_its_rows",),
+        "a plan is sorted in memory only while plan_budget holds its rows (2 KiB a row)",
+    ),
+    Mutation(
         "crc-combine",
         "spillmerge/_format/crc.py",
         "            crc_a = t0[crc_a & 255] ^ t1[(crc_a >> 8) & 255] ^ t2[(crc_a >> 16) & 255] ^ t3[crc_a >> 24]",
