@@ -1638,14 +1638,6 @@ MUTATIONS: list[Mutation] = [
         "a drop-in's records file whose bytes are not the ones its rank wrote is refused before Arrow reads it",
     ),
     Mutation(
-        "dropin-records-buffer-in-bounds",
-        "spillmerge/_dist/records.py",
-        "        if ref[0] + ref[1] > len(body):",
-        "        if False:",
-        ("tests/distributed/test_records.py::test_bytes_that_are_not_the_records_are_refused_naming_the_rank",),
-        "a drop-in's records whose buffer lies past the bytes there are is refused naming the rank",
-    ),
-    Mutation(
         "plan-in-memory-within-budget",
         "spillmerge/_merge/plansql.py",
         "    return n_rows < max(IN_MEMORY_ROWS, memory_limit // IN_MEMORY_ROW_BYTES)",
