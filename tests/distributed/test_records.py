@@ -179,3 +179,19 @@ def test_records_files_come_back_and_damage_is_refused_naming_rank_and_path(tmp_
     path.unlink()
     with pytest.raises(CorruptSpillError, match="rank 1.*missing"):
         _get_records(call, sizes, None, [None, None], mine=0)
+
+
+@given(st.data())
+def test_damaged_records_are_refused_or_read_never_another_error(data):
+    """Whatever bytes of a records file are changed, reading it either gives some value or
+    raises CorruptSpillError naming the rank: never another exception, a crash or a hang."""
+    obj = [{"text": "é" * i, "ids": list(range(i)), "score": None if i % 2 else i / 3, "m": {"b": b"x" * i}} for i in range(6)]
+    good = bytearray(b"".join(encode(obj)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(good) - 1))
+        good[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(good)))
+    try:
+        decode(bytes(good[:cut] if data.draw(st.booleans()) else good), rank=5)
+    except CorruptSpillError as exc:
+        assert "rank 5" in str(exc)
