@@ -214,7 +214,7 @@ def barrier(rank: int, timeout: float) -> None:
         ) from exc
 
 
-GATHER_BATCH = 1024
+GATHER_BATCH = 256
 """Frames handed to ``write_batch`` at a time: its per-frame cost without holding every
 prediction's flattened leaves at once."""
 
