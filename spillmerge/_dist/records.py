@@ -12,8 +12,9 @@ goes the general way, one file per element.
 The bytes (docs/FORMAT.md, section 4): the JSON header's length (8 bytes, little
 endian), the header (the container, each column's Arrow type, length and buffers as offsets
 into what follows), padded to 8 bytes, then the buffers, each starting 8-byte aligned. The
-reader checks every offset against the bytes, builds only the types listed here and validates
-the arrays in full (``validate(full=True)``) before converting them.
+reader slices every buffer from the bytes (pyarrow refuses a slice past the end), builds only
+the types listed here and validates the arrays in full (``validate(full=True)``) before
+converting them.
 """
 
 from __future__ import annotations
