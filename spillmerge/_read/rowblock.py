@@ -1,22 +1,6 @@
 """Every row of an output as the Python object that was written, in (filename, frame) order
-(``MergedStore.iter_values``): ``value()`` for each row, with the per-row costs paid once per block.
-
-``value()`` finds its file (a search in the names), checks and reads the file's rows from the
-index and then one row of each of the file's columns (a chunk lookup, a validity lookup, an
-offsets pair, a decode): a few microseconds each, tens of them per value. Reading every row in
-order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
-indices) is read a block of files at a time, and each column's rows of a block of rows
-(:class:`Block`) are decoded once, as a list of Python values, by the column's leaf view (the
-decoder ``value()`` uses), when the first row of the block needs them. The row's value is then
-built from those lists as ``value()`` builds it: by its layout's tree, made once
-(``_read.rowvalue.static_builder``), when the row has a value in each of the layout's columns and
-none is a list item, else by ``_read.rowvalue.row_value``: the same objects, equal in type,
-content and key order.
-
-Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would
-hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row instead, as
-``value()`` reads it.
-"""
+(``MergedStore.iter_values``): ``value()``'s decoders run on blocks of rows, the index read a block of
+files at a time, memory bounded by :data:`BLOCK_ROWS` and :data:`BLOCK_BYTES`."""
 
 from __future__ import annotations
 
