@@ -16,9 +16,8 @@ from .cache import ChunkCache
 from .rawchunk import chunk_reader
 
 ROW_BLOCK = 1 << 14
-"""Rows checked together (and at open, the first block): the unit of the lazy checks. A quarter
-of an index chunk: a lookup checks 16,384 rows of each per-row array (measured at 10^7 rows:
-65,536 made a cold lookup ~10 ms under load, most of it the checks)."""
+"""Rows checked together (and at open, the first block): the unit of the lazy checks, a quarter of
+an index chunk."""
 
 Raise = Callable[[list[V.Problem]], None]
 Hook = Callable[[int, int], tuple[int, int]]
