@@ -74,21 +74,15 @@ class Block:
         return vals[d - lo]
 
 
-def _payload(col: OpenColumn, lo: int, hi: int) -> int:
-    """Bytes of ``values`` rows ``lo .. hi-1`` of ``col`` hold."""
-    o = col.offsets
-    if o is None:
-        return (hi - lo) * col.unit_nbytes
-    return int(o[hi] - o[lo]) * col.unit_nbytes
-
-
 def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_torch: bool) -> list[Any] | None:
     """Rows ``lo .. hi-1`` of ``col`` as the Python values ``value()`` gives for them (anything
     where ``ok`` says a row has no value), decoded by the column's leaf view from one read of
     their values; None when they hold more than :data:`BLOCK_BYTES` (read them one by one)."""
     if hi <= lo:
         return []
-    if _payload(col, lo, hi) > BLOCK_BYTES:
+    o = col.offsets
+    units = hi - lo if o is None else int(o[hi] - o[lo])  # of values: rows, or elements with offsets
+    if units * col.unit_nbytes > BLOCK_BYTES:
         return _DIRECT
     if col.view_cls is PickleView and not col.allow_pickle:
         # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and
