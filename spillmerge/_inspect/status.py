@@ -1,10 +1,5 @@
-"""``spillmerge status``: a running job seen from storage alone.
-
-Reads per refresh are bounded by the number of ranks, not by what they wrote: one listing of the
-root, one of each rank folder, then per rank only the newest segment's small records (header,
-``commit.json``, ``failed.json``, ``progress.json``), and under an output only
-``spillmerge-parts/`` and the completion marker. Nothing is written and nothing is locked, so the
-writers never wait on it (docs/GUARANTEES.md, *Watching a running job*)."""
+"""``spillmerge status``: a running job seen from storage alone, with reads per refresh bounded by
+the number of ranks; nothing is written or locked, so the writers never wait on it."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""An output's values as Arrow types (``MergedStore.to_arrow`` / ``iter_batches`` / ``to_parquet``).
-
-The leaf columns of an output are put back into the tree of their paths (docs/FORMAT.md section 1,
-*Value model*), and each node's rows of one record batch become one Arrow array, built from the
-stored columns with pyarrow's array constructors (no Python object per row):
-
-- a leaf with several variants: a ``dense_union`` whose children are the variants (type ids:
-  which variant's ``valid`` is set; offsets: the row's position among that variant's rows);
-- a ``pylist`` / ``pytuple`` header and its item leaves: ``large_list`` of the item type (a union
-  when the items' types differ, the one type when they agree), a ``pyrecords`` header and its
-  columns: ``large_list<struct>``, a ``pydict`` header: an empty ``struct``;
-- a dict inside a list: a ``struct`` of its keys.
-
-Dicts from the value's root down to a leaf stay flat columns named by their path (``"a/b"``), and
-a leaf of one variant (or one per numeric dtype, ``"logits:float16"``) is exported as before, so
-pandas / polars / DuckDB readers of such outputs see no change.
-"""
+"""An output's values as Arrow types (``MergedStore.to_arrow`` / ``iter_batches`` / ``to_parquet``):
+the leaf columns put back into their paths' tree, each node's rows of a batch one Arrow array built
+by pyarrow's constructors (unions for variants, ``large_list`` for lists, ``struct`` for dicts)."""
 
 from __future__ import annotations
 

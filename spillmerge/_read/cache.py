@@ -1,12 +1,6 @@
-"""Decoded chunks of an open output, kept so that reading rows in order decodes each chunk once.
-
-``spillmerge.open(out, cache_bytes=...)`` gives every :class:`~spillmerge._read.store.MergedStore` one
-:class:`ChunkCache`, shared by its leaf views and ``column()``. A chunk enters the cache only
-after zarr decoded it, which checks its ``crc32c`` codec: a chunk that fails the check raises
-and is never stored, so the cache never serves bytes that were not verified. Memory is bounded by
-``cache_bytes`` (least recently used chunks are dropped first) whatever the number of reader
-threads: a chunk another thread is decoding is waited for, not decoded twice.
-"""
+"""Decoded chunks of an open output (``open(out, cache_bytes=...)``), shared by its leaf views and
+``column()``: only chunks zarr decoded (crc32c checked) enter, least recently used go first, and a
+chunk another thread is decoding is waited for, not decoded twice."""
 
 from __future__ import annotations
 

@@ -129,16 +129,11 @@ class OpenColumn:
         return (x if self.native else x.view(self.real)).item()
 
     def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:
-        """Rows ``r ..`` read together when rows are read in order (row ``r`` right after row
-        ``r - 1``): ``(r, b, bounds, payload)`` for rows ``r .. b-1``, ``payload`` a private copy
-        of their values: row ``r + j`` is ``payload[j]`` in a fixed column without offsets,
-        ``payload[bounds[j] : bounds[j + 1]]`` in a column with offsets, and for a ``str`` column
-        (:class:`TextView`) ``payload[j]`` is its decoded string. At most :data:`ROW_BLOCK_ROWS` rows and :data:`ROW_BLOCK_BYTES` bytes, kept until
-        the next block (one per column), so a row read in order costs two list lookups and a
-        slice, not a walk through the index and chunk caches (a file read through
-        ``res[f][leaf][0]`` is mostly Python calls). None when the read is not in order, when
-        row ``r`` alone is larger than a block, or a string in the block is not UTF-8 (the
-        caller reads the row alone, and names it if it is the damaged one)."""
+        """Rows ``r ..`` read together when row ``r`` comes right after row ``r - 1``: ``(r, b,
+        bounds, payload)``, ``payload`` a private copy of rows ``r .. b-1`` (``payload[j]``, or
+        ``payload[bounds[j] : bounds[j + 1]]`` with offsets; a ``str`` column's decoded strings),
+        within :data:`ROW_BLOCK_ROWS` and :data:`ROW_BLOCK_BYTES`, kept until the next block. None
+        when not in order, row ``r`` alone exceeds a block, or a string is not UTF-8."""
         sequential = r == self._next_row
         self._next_row = r + 1
         if not sequential:
@@ -172,11 +167,8 @@ class OpenColumn:
         return block
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
-        """Units ``lo .. hi-1`` of ``values`` (rows, or elements of columns with offsets), a new
-        array. Chunks the read only partly covers go through the cache (reading rows in order, or
-        batches whose edges cut chunks, decodes each chunk once); chunks it covers whole are read
-        straight into the result, never kept: a large read does not flush the cache, and reading
-        a whole chunk costs one decoded copy, not a cached one plus the result."""
+        """Units ``lo .. hi-1`` of ``values`` (rows, or elements with offsets), a new array: chunks
+        the read covers partly go through the cache, chunks it covers whole straight into the result."""
         k, n = self.chunk_rows, self._n
         if hi <= lo:
             return np.empty((0, *self.unit_shape), dtype=self.stored_dtype)

@@ -1,15 +1,6 @@
-"""A map-style torch ``Dataset`` over a merged output (``spillmerge.OutputDataset``).
-
-``ds[i]`` is row ``i`` of the output, in (filename, frame) order: ``{"filename": str, "frame_idx":
-int, <column>: value}``, a numeric column's value a CPU tensor of its real dtype (bfloat16 ...
-bit-exact), a ``str`` / ``bytes`` / ``strlist`` column's its Python value, ``None`` where the row has
-no value for that leaf. ``len(ds)`` is the number of rows. It needs torch only when a row is read,
-and is no ``torch.utils.data.Dataset`` subclass (a ``DataLoader`` takes any object with
-``__getitem__`` and ``__len__``), so ``import spillmerge`` stays torch-free.
-
-Each process opens the output once, on its first row: a ``DataLoader`` worker gets the path, not
-the parent's open store (whose handles and cache are not shared across processes).
-"""
+"""A map-style torch ``Dataset`` over a merged output (``spillmerge.OutputDataset``): ``ds[i]`` is
+row ``i`` as ``{"filename", "frame_idx", <column>: value}``; torch is needed only when a row is read,
+and each process opens the output on its first row (a ``DataLoader`` worker gets the path)."""
 
 from __future__ import annotations
 

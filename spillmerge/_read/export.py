@@ -1,12 +1,6 @@
-"""A merged output as Arrow: record batches streamed in row order, one table, or a Parquet file.
-
-Every form has the same columns (``MergedStore.to_arrow``'s docstring gives their types):
-``filename`` (string), ``frame_idx`` (int64), ``rank`` (int32), then one per leaf column, named
-by its path (``"a/b"``; ``"value"`` for plain tensor values; ``"logits:float16"`` when a leaf has
-one column per dtype). ``columns=`` selects leaf columns by those names; the three key columns
-are always there. A batch reads its rows' chunks through the output's chunk cache, so chunks cut
-by a batch edge are decoded once, and memory is one batch plus the cache, whatever the output.
-"""
+"""A merged output as Arrow: record batches streamed in row order, one table, or a Parquet file,
+all with the columns ``filename``, ``frame_idx``, ``rank`` and one per leaf column (``columns=``
+selects those); memory is one batch plus the chunk cache."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""The filenames of an open output as a sequence: ``MergedStore.filenames``.
-
-An output stores them as UTF-8 bytes + int64 offsets (``index/filenames``,
-``index/filename_offsets``: Arrow's large_string layout, docs/FORMAT.md section 2) with the first
-filename of every block of offsets (``index/filename_heads``). Opening reads the heads only; a
-lookup bisects them in memory and reads one block (an offsets chunk, the next one's first entry
-and the block's bytes) through the output's chunk cache, so ``open`` and a lookup cost the same at
-a thousand files or a billion. A block is checked when it is first read: offsets never
-decreasing and within the bytes, every name valid UTF-8, names strictly ascending, its first name
-its head and its last one below the next head — so the names are checked whole, block by block,
-as the reader comes to them (``spillmerge verify`` reads every block).
-"""
+"""The filenames of an open output as a sequence (``MergedStore.filenames``): opening reads the
+block heads only, a lookup bisects them and reads one block through the chunk cache, and a block is
+checked (offsets, UTF-8, strictly ascending, bounded by its heads) when it is first read."""
 
 from __future__ import annotations
 

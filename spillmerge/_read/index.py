@@ -1,33 +1,6 @@
-"""The index arrays of an open output, read chunk by chunk and checked block by block.
-
-``spillmerge.open`` reads the header, the column metadata and the filename heads, and checks the
-first block of everything: the per-file arrays (``frame_offsets``, ``file_layout``) and the
-per-row arrays (``frame_idx``, ``frame_rank``, ``frame_copies``, every column's ``offsets``,
-``shapes`` and ``valid``) are :class:`LazyArray` s that read a chunk through the output's
-:class:`~spillmerge._read.cache.ChunkCache` when an element of it is first asked for, so opening costs
-the same at a thousand rows or a billion, and an output of one block (:data:`ROW_BLOCK` rows, one
-chunk of files) is checked whole at open, as before.
-
-Every invariant of docs/FORMAT.md (*Invariants*) the reader checked at open is still
-checked before anything is served from the arrays it concerns, at the latest when the rows are
-first read (:class:`IndexChecks`):
-
-- a chunk of a per-file array on its first read: ``frame_offsets`` within ``0 .. rows`` and never
-  decreasing inside the chunk, from 0 in the first chunk and ending at the row count in the last;
-  ``file_layout`` naming one of the header's layouts;
-- a block of :data:`ROW_BLOCK` rows before any element of a per-row array in it is served: the
-  files over those rows (their ``frame_offsets`` never decreasing across chunk edges and covering
-  the block), frame indices non-negative and strictly ascending within each file, provenance
-  bounds, each column's offsets never decreasing and within its values (from 0 in the first
-  block, ending at the values' length in the last), compact fixed rows spanning 0 or 1, shapes
-  non-negative, their products (without wrap-around) equal to the offsets' steps, a row without a
-  value spanning nothing, a value only in a column its file's layout lists, and at most one
-  variant of a leaf per row.
-
-Blocks share their edge entries (a block checks ``offsets[r0 .. r1]`` inclusive), so the checked
-blocks together are checked as the whole arrays are by ``spillmerge verify``, which still reads
-everything at once. A failure is the same :class:`CorruptSpillError` naming the array.
-"""
+"""The index arrays of an open output, read chunk by chunk (:class:`LazyArray`) and checked block by
+block (:class:`IndexChecks`): every docs/FORMAT.md *Invariant* of a block holds before anything in it
+is served, so the checked blocks together are checked as ``spillmerge verify`` checks the whole."""
 
 from __future__ import annotations
 
@@ -43,9 +16,8 @@ from .cache import ChunkCache
 from .rawchunk import chunk_reader
 
 ROW_BLOCK = 1 << 14
-"""Rows checked together (and at open, the first block): the unit of the lazy checks. A quarter
-of an index chunk: a lookup checks 16,384 rows of each per-row array (measured at 10^7 rows:
-65,536 made a cold lookup ~10 ms under load, most of it the checks)."""
+"""Rows checked together (and at open, the first block): the unit of the lazy checks, a quarter of
+an index chunk."""
 
 Raise = Callable[[list[V.Problem]], None]
 Hook = Callable[[int, int], tuple[int, int]]

@@ -1,8 +1,5 @@
-"""The zarr store an output is read through (:class:`NoFillStore`): an absent chunk is damage,
-not fill values, and every object is read within the format's size limits, checked before zarr
-decodes it. ``open`` and ``verify`` read every array through it. ``open`` reaches the output's
-nodes through :func:`open_consolidated`: lookups in its consolidated metadata, in the calling thread.
-"""
+"""The zarr store an output is read through (:class:`NoFillStore`: an absent chunk is damage, not
+fill values, every object read within the format's size limits) and :func:`open_consolidated`."""
 
 from __future__ import annotations
 
@@ -28,28 +25,11 @@ _METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zgroup", ".zattrs", ".zme
 
 
 class NoFillStore(WrapperStore[Store]):
-    """A zarr store that raises :class:`CorruptSpillError` where the wrapped store has no chunk,
-    and that reads a local output as untrusted storage.
-
-    zarr reads an absent chunk as ``fill_value`` (zeros), so a deleted or lost chunk of an output
-    would read back as plausible data. zarr asks the store for every chunk it reads anyway, so
-    refusing the absence here costs no request at all, for any number of files, and also catches
-    a chunk that vanishes after ``open`` (a listing at open would cost one listing per array on
-    object stores and would not). A merge writes every chunk of every array (``write_empty_chunks``
-    for the index), so an absent chunk is always damage.
-
-    Every chunk is checked before zarr decodes it, on every backend, against its array's
-    metadata checked against the format (``_format.output.chunk_limits``: chunk shape within the
-    array's, known codecs, at most ``MAX_CHUNK_BYTES`` unless one row): its size, the decoded
-    size its compressor header declares (a zstd or blosc bomb is refused unread). The metadata is
-    one small read per array, once.
-
-    Given the output's ``storage`` on a local disk, every object is read through
-    :meth:`Storage.get` instead of zarr's ``LocalStore``: regular files only (a FIFO, device, folder
-    or symbolic link is refused by name, never opened or followed), and never more bytes than the
-    format allows the object — a ``zarr.json`` its document limit, a chunk its limits above
-    (docs/FORMAT.md, *Size limits*): one lstat per object.
-    """
+    """A zarr store that raises :class:`CorruptSpillError` where the wrapped store has no chunk
+    (zarr would read zeros; a merge writes every chunk, so an absent one is damage), and that checks
+    every chunk against its array's ``_format.output.chunk_limits`` before zarr decodes it (a zstd
+    or blosc bomb is refused unread). Given a local ``storage``, every object is read through
+    :meth:`Storage.get`: regular files only, never past the format's size limits."""
 
     def __init__(self, store: Store, describe: Callable[[str], str], storage: Storage | None = None) -> None:
         super().__init__(store)
@@ -161,11 +141,9 @@ class NoFillStore(WrapperStore[Store]):
 
 
 class ConsolidatedGroup(zarr.Group):
-    """A group with consolidated metadata whose lookups (``group[path]``, ``path in group``,
-    ``members(max_depth=0)``) are answered from that metadata in the calling thread, as zarr's
-    own consolidated lookup does (no I/O). zarr's ``Group`` sends each lookup to its event-loop
-    thread and waits for it: about 25 such round trips made up most of opening a small output
-    on a loaded machine. Without consolidated metadata, or for deeper members, zarr answers."""
+    """A group whose lookups (``group[path]``, ``in``, ``members(max_depth=0)``) are answered from
+    its consolidated metadata in the calling thread, not zarr's event-loop thread; without
+    consolidated metadata, or for deeper members, zarr answers."""
 
     def __getitem__(self, path: str) -> Any:
         node: Any = self.metadata
@@ -198,11 +176,8 @@ class ConsolidatedGroup(zarr.Group):
 
 
 def open_consolidated(store: NoFillStore, storage: Storage) -> zarr.Group:
-    """The output's root group, read only, from its root ``zarr.json`` and the consolidated
-    metadata in it (which must be there, as ``zarr.open_group(use_consolidated=True,
-    zarr_format=3)`` requires). On a local disk the document is read here, within
-    :data:`F.ROOT_DOC_MAX_BYTES` (what :class:`NoFillStore` allows it), and parsed by zarr's
-    ``AsyncGroup.from_dict``: no round trip to zarr's event-loop thread; elsewhere zarr opens it."""
+    """The output's root group, read only, with its consolidated metadata (required); on a local
+    disk read here within :data:`F.ROOT_DOC_MAX_BYTES` and parsed by ``AsyncGroup.from_dict``."""
     if not storage.local:
         return zarr.open_group(store, mode="r", use_consolidated=True, zarr_format=3)
     doc = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))

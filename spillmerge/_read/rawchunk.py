@@ -1,14 +1,6 @@
-"""Reading one chunk of an output array straight from storage, for the arrays zarr would only copy.
-
-An uncompressed output array (codecs ``bytes`` + ``crc32c``: the index, offsets, and the values
-of outputs merged with ``codec="none"``) stores each chunk as its raw little-endian elements and a
-CRC-32C. Reading such a chunk through zarr costs a round trip to zarr's event-loop thread and its
-indexing machinery (0.3-5 ms per read on a loaded 2-core VM: most of a lookup by filename and of a
-random row read); reading it here costs one bounded ``Storage.get`` and a checksum. The checks are
-zarr's and :class:`~spillmerge._read.outputstore.NoFillStore`'s: the object exists (an absent chunk is
-damage, never zeros), has exactly the size its chunk shape needs, and its CRC-32C matches. Any
-other array (compressed, another chunk grid) is read through zarr as before.
-"""
+"""One chunk of an uncompressed output array (codecs ``bytes`` + ``crc32c``) read straight from
+storage, without zarr's event-loop round trip: the object must exist, have exactly its chunk's size
+and match its CRC-32C. Any other array is read through zarr."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
 """Every row of an output as the Python object that was written, in (filename, frame) order
-(``MergedStore.iter_values``): ``value()`` for each row, with the per-row costs paid once per block.
-
-``value()`` finds its file (a search in the names), checks and reads the file's rows from the
-index and then one row of each of the file's columns (a chunk lookup, a validity lookup, an
-offsets pair, a decode): a few microseconds each, tens of them per value. Reading every row in
-order needs none of that per row: the index (filenames, frame offsets, file layouts, frame
-indices) is read a block of files at a time, and each column's rows of a block of rows
-(:class:`Block`) are decoded once, as a list of Python values, by the column's leaf view (the
-decoder ``value()`` uses), when the first row of the block needs them. The row's value is then
-built from those lists as ``value()`` builds it: by its layout's tree, made once
-(``_read.rowvalue.static_builder``), when the row has a value in each of the layout's columns and
-none is a list item, else by ``_read.rowvalue.row_value``: the same objects, equal in type,
-content and key order.
-
-Memory is one block: at most :data:`BLOCK_ROWS` rows, and a column whose rows in a block would
-hold more than :data:`BLOCK_BYTES` of payload (large tensors) is read row by row instead, as
-``value()`` reads it.
-"""
+(``MergedStore.iter_values``): ``value()``'s decoders run on blocks of rows, the index read a block of
+files at a time, memory bounded by :data:`BLOCK_ROWS` and :data:`BLOCK_BYTES`."""
 
 from __future__ import annotations
 
@@ -90,21 +74,15 @@ class Block:
         return vals[d - lo]
 
 
-def _payload(col: OpenColumn, lo: int, hi: int) -> int:
-    """Bytes of ``values`` rows ``lo .. hi-1`` of ``col`` hold."""
-    o = col.offsets
-    if o is None:
-        return (hi - lo) * col.unit_nbytes
-    return int(o[hi] - o[lo]) * col.unit_nbytes
-
-
 def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_torch: bool) -> list[Any] | None:
     """Rows ``lo .. hi-1`` of ``col`` as the Python values ``value()`` gives for them (anything
     where ``ok`` says a row has no value), decoded by the column's leaf view from one read of
     their values; None when they hold more than :data:`BLOCK_BYTES` (read them one by one)."""
     if hi <= lo:
         return []
-    if _payload(col, lo, hi) > BLOCK_BYTES:
+    o = col.offsets
+    units = hi - lo if o is None else int(o[hi] - o[lo])  # of values: rows, or elements with offsets
+    if units * col.unit_nbytes > BLOCK_BYTES:
         return _DIRECT
     if col.view_cls is PickleView and not col.allow_pickle:
         # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and

@@ -1,12 +1,5 @@
-"""One row of an output as the Python object that was written (``MergedStore.value``).
-
-The inverse of ``_write.flatten.flatten`` (docs/FORMAT.md section 1, *Value model*): a row's leaves are
-read from the columns of its file that have a value in it (a leaf with several variants has one
-such column per row), then nested again by their paths: user keys make dicts, a ``pylist`` /
-``pytuple`` header and its ``MARK``-numbered items a list / tuple, a ``pyrecords`` header and its
-columns a list of dicts, a ``pydict`` header an empty dict. ``py*`` scalars come back as Python
-scalars (lists of them as lists), tensors as numpy arrays (``as_torch``: torch tensors).
-"""
+"""One row of an output as the Python object that was written (``MergedStore.value``): the inverse
+of ``_write.flatten.flatten`` (docs/FORMAT.md section 1, *Value model*)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Leaf views of an output: one leaf column, over the rows of one file or of every file.
-
-``view[i]`` is row ``i``'s value as written (``None`` where the row has no value); slices and the
-flat forms (``values`` / ``offsets`` / ``shapes``) serve vectorised work. One class per kind of
-column (docs/FORMAT.md section 2, *Columns*), all on :class:`LeafView`.
-"""
+"""Leaf views of an output: one leaf column over the rows of one file or of every file, one class
+per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`."""
 
 from __future__ import annotations
 
