@@ -272,7 +272,11 @@ def _walk(
     elif isinstance(value, str):  # before np.generic: np.str_ is a str
         out.append(Leaf(path, "str", *utf8(value, path, filename)))
     elif isinstance(value, (bytes, bytearray, memoryview)):  # np.bytes_ is a bytes
-        data = _bytes_view(value)
+        # a flat uint8 view, copied only when not contiguous (write() copies it into staging
+        # before returning, so a view of the caller's buffer is safe)
+        if isinstance(value, memoryview):
+            value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
+        data = np.frombuffer(value, dtype=np.uint8)
         out.append(Leaf(path, "bytes", (data.size,), data.size, data))
     elif value is None:
         out.append(Leaf(path, "none", (), 0, _EMPTY))
@@ -401,14 +405,6 @@ def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], i
         ) from None
     data = np.frombuffer(raw, dtype=np.uint8)
     return (data.size,), data.size, data
-
-
-def _bytes_view(value: bytes | bytearray | memoryview) -> np.ndarray:
-    """A flat uint8 view of a bytes-like value, copied only when it is not contiguous (write()
-    copies it into staging before returning, so a view of the caller's buffer is safe)."""
-    if isinstance(value, memoryview):
-        value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
-    return np.frombuffer(value, dtype=np.uint8)
 
 
 _NUMPY_TORCH = {
