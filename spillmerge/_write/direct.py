@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._format import spill as FS
@@ -22,14 +21,6 @@ DIRECT_MIN_BYTES = 64 << 10
 """Smallest first frame (bytes, all leaves) that makes a local-disk writer write directly."""
 NO_BUFFER = torch.empty(0, dtype=torch.uint8)
 """The ``Chunk.host`` of a direct chunk: it has no staging buffer."""
-
-
-def host_bytes(data: Any) -> Any:
-    """``data`` (a flat uint8 ndarray or tensor) as something ``os.write`` takes: a CUDA tensor
-    is copied to the host and waited for, as ``.cpu()`` does."""
-    if isinstance(data, torch.Tensor):
-        return data.cpu().numpy()
-    return data
 
 
 def open_chunk(storage: Storage, prefix: str, number: int) -> int:
@@ -67,8 +58,3 @@ def close_chunk(storage: Storage, fd: int, fill: int, size: int, where: str) -> 
                 os.ftruncate(fd, size)
         finally:
             os.close(fd)
-
-
-def as_block(col: np.ndarray) -> np.ndarray:
-    """Rows of a column as one C-contiguous run of bytes."""
-    return np.ascontiguousarray(col).reshape(-1)

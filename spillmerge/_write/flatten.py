@@ -50,10 +50,6 @@ _EMPTY = np.zeros(0, dtype=np.uint8)
 _TORCH_NAMES: dict[torch.dtype, str] = {dt: n for n in DTYPES if isinstance(dt := getattr(torch, n, None), torch.dtype)}
 
 
-def _torch_dtype_name(dt: torch.dtype) -> str | None:
-    return _TORCH_NAMES.get(dt)
-
-
 _PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
 """The little-endian bytes of a 0-d ``py*`` leaf: one ``pack`` instead of three numpy calls (a
 value of tiny objects is mostly such leaves)."""
@@ -109,7 +105,7 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
         raise SpillValueError(
             f"leaf {lname!r} of {filename!r:.200}: meta tensors have no data", filename=filename, leaf=lname
         )
-    name = _torch_dtype_name(t.dtype)
+    name = _TORCH_NAMES.get(t.dtype)
     if name is None:
         raise SpillValueError(
             f"leaf {lname!r} of {filename!r:.200}: torch dtype {t.dtype} is not supported",
@@ -276,7 +272,11 @@ def _walk(
     elif isinstance(value, str):  # before np.generic: np.str_ is a str
         out.append(Leaf(path, "str", *utf8(value, path, filename)))
     elif isinstance(value, (bytes, bytearray, memoryview)):  # np.bytes_ is a bytes
-        data = _bytes_view(value)
+        # a flat uint8 view, copied only when not contiguous (write() copies it into staging
+        # before returning, so a view of the caller's buffer is safe)
+        if isinstance(value, memoryview):
+            value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
+        data = np.frombuffer(value, dtype=np.uint8)
         out.append(Leaf(path, "bytes", (data.size,), data.size, data))
     elif value is None:
         out.append(Leaf(path, "none", (), 0, _EMPTY))
@@ -407,14 +407,6 @@ def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], i
     return (data.size,), data.size, data
 
 
-def _bytes_view(value: bytes | bytearray | memoryview) -> np.ndarray:
-    """A flat uint8 view of a bytes-like value, copied only when it is not contiguous (write()
-    copies it into staging before returning, so a view of the caller's buffer is safe)."""
-    if isinstance(value, memoryview):
-        value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
-    return np.frombuffer(value, dtype=np.uint8)
-
-
 _NUMPY_TORCH = {
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
     torch.float32, torch.float64, torch.complex64, torch.complex128,
@@ -452,15 +444,10 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps(value: object) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=5).dump(value)
-    return buf.getvalue()
-
-
 def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
+    buf = io.BytesIO()
     try:
-        raw = _dumps(value)
+        _Pickler(buf, protocol=5).dump(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's problem
         raise SpillValueError(
             f"leaf {leaf_name(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
@@ -468,7 +455,7 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
             filename=filename,
             leaf=leaf_name(path),
         ) from exc
-    data = np.frombuffer(raw, dtype=np.uint8)
+    data = np.frombuffer(buf.getvalue(), dtype=np.uint8)
     return Leaf(path, "pickle", (data.size,), data.size, data)
 
 
@@ -480,18 +467,11 @@ def _from_list(
     list of one Python number type (or of equally long such lists) → one ``py*`` array; a list of
     dicts with the same keys → a ``pyrecords`` header and the dict of their columns; anything
     else → a ``pylist`` / ``pytuple`` header and one path per item."""
-    if isinstance(value, list):
-        _from_plain_list(value, path, filename, out, depth, allow_pickle, active, orders)
+    if isinstance(value, tuple):
+        out.append(_header(path, "pytuple", len(value)))
+        for i, item in enumerate(value):
+            _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
         return
-    out.append(_header(path, "pytuple", len(value)))
-    for i, item in enumerate(value):
-        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
-
-
-def _from_plain_list(
-    value: list[Any], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool,
-    active: set[int], orders: _Orders,
-) -> None:  # fmt: skip
     leaf = plain_leaf(value, path, filename)
     if leaf is not None:
         out.append(leaf)

@@ -152,13 +152,10 @@ class FileSchemas:
         return lid
 
     def _new_layout(self, lay: FS.Layout) -> tuple[int, int]:
-        info = self._known[lay] = (-1, self._sig_id(lay))
-        return info
-
-    def _sig_id(self, lay: FS.Layout) -> int:
-        """The signature of a layout: what must stay the same for its leaf within one file (kind,
-        numeric dtype, ndim), not its shape. A ``none`` row and a numeric row of zero elements
-        say nothing about the dtype (``[]`` is float64 whatever the other rows hold)."""
+        """Know ``lay`` (no layout id yet) with its signature: what must stay the same for its leaf
+        within one file (kind, numeric dtype, ndim), not its shape. A ``none`` row and a numeric
+        row of zero elements say nothing about the dtype (``[]`` is float64 whatever the other
+        rows hold)."""
         kind = lay.kind
         if kind == "none":
             sig: _Sig = ("none", None, None)
@@ -171,7 +168,8 @@ class FileSchemas:
         if sid is None:
             sid = self._sig_ids[full] = len(self._sigs)
             self._sigs.append(full)
-        return sid
+        info = self._known[lay] = (-1, sid)
+        return info
 
     def _next_schema(
         self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[FS.Layout]

@@ -245,27 +245,24 @@ class SegmentSteps:
     def close(self) -> None:
         """Flush everything and write the commit record. Idempotent."""
         with self._lock:
-            self._close()
-
-    def _close(self) -> None:
-        if self._state is WriterState.COMMITTED:
-            return
-        if self._state is not WriterState.OPEN:
-            raise WriterClosedError(f"SpillWriter for rank {self.rank} is {self._state}; cannot commit")
-        self._state = WriterState.CLOSING
-        try:
-            self._staging.finish()
-            record, _ = self._write_index()
-            # Last look before the commit record vouches for the chunks: are they all still there?
-            self._check_segment(record.n_chunks, record.chunk_bytes)
-            self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
-        except BaseException as exc:
-            self._state = WriterState.OPEN
-            self._abort(exc)
-            raise
-        self.commit_record = record
-        self._state = WriterState.COMMITTED
-        self._free_buffers()
+            if self._state is WriterState.COMMITTED:
+                return
+            if self._state is not WriterState.OPEN:
+                raise WriterClosedError(f"SpillWriter for rank {self.rank} is {self._state}; cannot commit")
+            self._state = WriterState.CLOSING
+            try:
+                self._staging.finish()
+                record, _ = self._write_index()
+                # Last look before the commit record vouches for the chunks: are they all still there?
+                self._check_segment(record.n_chunks, record.chunk_bytes)
+                self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
+            except BaseException as exc:
+                self._state = WriterState.OPEN
+                self._abort(exc)
+                raise
+            self.commit_record = record
+            self._state = WriterState.COMMITTED
+            self._free_buffers()
 
     def abort(self, exc: BaseException) -> None:
         """Record a failure (best effort) after flushing what was staged, so the data written so far

@@ -110,7 +110,7 @@ class Staging:
         if self.direct is None:
             self._decide(nbytes, not is_cuda)
         if self.direct:
-            data, is_cuda = D.host_bytes(data), False
+            data, is_cuda = data.cpu().numpy() if isinstance(data, torch.Tensor) else data, False
         if is_cuda:
             stream = self._prepare_cuda(data, nbytes)
             device = data.get_device()
@@ -322,7 +322,7 @@ class Staging:
             for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
                 src = None
                 if chunk.direct:
-                    src = D.as_block(col[i : i + k])
+                    src = np.ascontiguousarray(col[i : i + k]).reshape(-1)
                     D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
                 else:
                     host[fill : fill + k * w] = col[i : i + k].reshape(-1)
