@@ -82,9 +82,7 @@ class FsspecStorage(Storage):
         return sorted(out)
 
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
-        """One ranged GET per run of nearby pieces of one object (:func:`coalesce`), not one per
-        piece: the copy asks for every row of an output chunk, and rows dealt round-robin over
-        ranks are one row per run (measured on moto: 12,677 GETs to merge 20,000 small keys)."""
+        """One ranged GET per run of nearby pieces of one object (:func:`coalesce`), not one per piece."""
         starts, pos = [], 0
         for _, start, stop in pieces:
             starts.append(pos)
