@@ -158,7 +158,6 @@ class DType:
     name: str
     """Format name (the torch name without ``torch.``)."""
     itemsize: int
-    """Bytes per element."""
     storage: str
     """numpy dtype name used for output arrays (raw bits for torch-only types)."""
     native: bool
@@ -433,17 +432,11 @@ class ProcessFailure:
     the exception and the process, from :func:`failure_now` / :func:`failure_read`."""
 
     error_type: str
-    """Exception class name."""
     message: str
-    """Exception message."""
     traceback: str
-    """Formatted traceback."""
     time: str
-    """UTC time of the failure."""
     host: str
-    """Host of the failed process."""
     pid: int
-    """Its process id."""
 
     def summary(self) -> str:
         return f"{self.error_type}: {self.message}"

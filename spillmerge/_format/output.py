@@ -145,32 +145,23 @@ class PartDoneRecord:
     part: int
     """Which part, 0-based."""
     parts: int
-    """Number of parts of the merge."""
     plan: str
     """Plan fingerprint; every part of one output has the same."""
     rank: int | None
     """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
     run_id: str | None
-    """Run id of a collective merge."""
     n_files: int
-    """Files the part wrote."""
     n_frames: int
-    """Frames the part wrote."""
     nbytes: int
-    """Payload bytes the part wrote."""
     codec: str
-    """Output codec."""
     chunk_bytes: int
     """Target output chunk size."""
     index: bool
     """The part wrote its share of the index chunks (every ``parts``-th chunk, from its number:
     docs/FORMAT.md, *Outputs written in parts*); when false the finalize writes its share."""
     finished: str
-    """UTC time the record was written."""
     host: str
-    """Host of the writing process."""
     pid: int
-    """Its process id."""
     options: dict[str, Any] | None = None
     """The options that decide the plan and the output (duplicate policy, world size, run id,
     partial merge, codec, chunk size, session), so that parts that disagree are told which; None
@@ -213,7 +204,6 @@ class PartFailureRecord(ProcessFailure):
     part: int
     """Which part, 0-based."""
     parts: int
-    """Number of parts of the merge."""
     plan: str
     """Plan fingerprint of the failed attempt."""
     rank: int | None
@@ -262,17 +252,12 @@ class OutputHeader:
     """The merged output's root ``zarr.json`` attributes, key ``spillmerge``."""
 
     n_files: int
-    """Filenames in the output."""
     n_frames: int
-    """Rows over all files."""
     nbytes: int
-    """Payload bytes."""
     ranks: list[int]
     """Ranks whose segments were merged."""
     world_size: int
-    """World size of the spill."""
     segments: int
-    """Segments merged."""
     created: str
     """UTC time the merge planned the output."""
     file_layouts: list[list[str]]
@@ -382,19 +367,13 @@ class CompletionMarker:
     """``OUT/spillmerge-complete.json``: written last; its presence means the output is whole."""
 
     n_files: int
-    """Filenames in the output."""
     n_frames: int
-    """Rows over all files."""
     nbytes: int
-    """Payload bytes."""
     finished: str
-    """UTC time the marker was written."""
     written_by: dict[str, Any]
     """The run that wrote it: its lease's ``owner`` token, ``role``, ``host``, ``pid``."""
     spill_root: str
-    """The spill root it merged."""
     plan: str
-    """Plan fingerprint."""
     run_id: str | None
     """Run id the merge waited for (None: the newest segments)."""
     session: int | None = None
