@@ -90,11 +90,7 @@ class LocalStorage(Storage):
             except (FileNotFoundError, NotADirectoryError):
                 return  # nothing below exists: the caller's open or listing says so
             if stat.S_ISLNK(mode):
-                raise UnsafePathError(
-                    f"{self.describe(above)} is a symbolic link; spillmerge never follows links inside "
-                    f"{self.describe()} (it could read outside it): replace the link by the object itself",
-                    path=self.describe(above),
-                )
+                self._refuse_mode(above, mode)
             if stat.S_ISDIR(mode):
                 self._real_dirs.add(above)
 
