@@ -377,9 +377,8 @@ def rows_layout_problems(
 
 
 def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColumn], np.ndarray | None]) -> list[Problem]:
-    """Version 3's type ids (docs/FORMAT.md, *Value model*): where a leaf has several variant
-    columns, a row has a value in at most one of them (``valid`` gives a column's mask, None when
-    every row has a value)."""
+    """Where a leaf has several variant columns, a row has a value in at most one of them
+    (``valid`` gives a column's mask, None when every row has a value)."""
     by_leaf: dict[tuple[str, ...], list[StoredColumn]] = {}
     for c in cols.values():
         by_leaf.setdefault(c.leaf, []).append(c)

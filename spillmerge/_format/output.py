@@ -163,9 +163,7 @@ class PartDoneRecord:
     host: str
     pid: int
     options: dict[str, Any] | None = None
-    """The options that decide the plan and the output (duplicate policy, world size, run id,
-    partial merge, codec, chunk size, session), so that parts that disagree are told which; None
-    in a record of an older release."""
+    """The options that decide the plan and the output, so that parts that disagree are told which."""
 
     @classmethod
     def now(cls, **fields: Any) -> PartDoneRecord:
@@ -299,8 +297,7 @@ class ColumnHeader:
     chunk_max_bytes: int | None
     """Largest string chunk the merge wrote (string columns); read as None when not an int >= 0."""
     variant: str | None = None
-    """Version 3: the variant tag of one of a leaf's variant columns (``<col>.<variant>``) when the
-    leaf holds values of several kinds or dimensions; absent otherwise (docs/FORMAT.md)."""
+    """The variant tag (``<col>.<variant>``) of a column of a leaf holding several kinds or dimensions."""
 
     def to_obj(self) -> dict[str, Any]:
         extra = {} if self.variant is None else {"variant": self.variant}

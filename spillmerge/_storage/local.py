@@ -449,9 +449,7 @@ _fsync_lock = threading.Lock()
 
 
 def _fsync_pool() -> ThreadPoolExecutor:
-    """This process's fsync threads, started once and shared by every ``sync``: a writer syncs
-    at open, at each group commit and at its commit, and starting a pool of threads for each
-    cost ~1.3 ms of CPU a call (as much as a small write's fsyncs)."""
+    """This process's fsync threads, started once and shared by every ``sync``."""
     global _fsync_threads
     if _fsync_threads is None:
         with _fsync_lock:
