@@ -1,10 +1,6 @@
-"""Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and the bounded reads
-of its arrays, shared by the reader (which raises the first broken one) and ``spillmerge verify``
-(which lists them all). The index's own invariants are ``_format.indexinvariants``.
-
-Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:
-O(rows) numpy, no per-file Python loop.
-"""
+"""Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and bounded reads of its
+arrays, shared by the reader and ``spillmerge verify``: each check returns vectorised
+``(path, what is wrong)`` pairs. The index's own invariants are ``_format.indexinvariants``."""
 
 from __future__ import annotations
 

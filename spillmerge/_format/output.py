@@ -1,7 +1,5 @@
-"""On-disk format of a merged output (docs/FORMAT.md section 2): its records — output header,
-column header, completion marker, and the part records of an output written in parts — and what a
-path holds when it is no output (the one check the merge, ``open`` and ``inspect`` share).
-"""
+"""On-disk format of a merged output (docs/FORMAT.md section 2): its records (output and column
+headers, completion marker, part records) and what a path holds when it is no output."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""On-disk format of a spill root (docs/FORMAT.md section 1): its names (rank and segment
-folders, objects of a segment), the index columns, and its records — segment header, catalog
-layouts, journal entries, commit and failure records, the merging rank's failure record.
-"""
+"""On-disk format of a spill root (docs/FORMAT.md section 1): rank and segment names, the index
+columns, and its records (segment header, catalog layouts, journal, commit and failure records)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Storage on an fsspec filesystem other than the local disk (S3, GCS, Azure, memory://).
-
-Object stores have no links, no folders and no rename: an object is written whole by one PUT
-(or one multipart upload), which is durable when it returns.
-"""
+"""Storage on an fsspec filesystem other than the local disk (S3, GCS, Azure, memory://): no
+links, no folders, no rename; an object is written whole by one PUT (or multipart upload)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Storage on a local disk: POSIX calls, never following a link inside the root.
-
-Reads open regular files only, checked without following a link before they are opened and
-again after (docs/GUARANTEES.md, *Threat model*); writes go to a temporary name and are renamed.
-"""
+"""Storage on a local disk: POSIX calls, regular files only, never following a link inside the
+root (checked before and after each open); writes go to a temporary name and are renamed."""
 
 from __future__ import annotations
 
