@@ -173,13 +173,9 @@ class PartDoneRecord:
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartDoneRecord:
-        obj = _part_header(data, "merge-part", path, part, parts)
+        obj, common = _part_header(data, "merge-part", path, part, parts)
         return cls(
-            part=part,
-            parts=parts,
-            plan=obj["plan"],
-            rank=int_or_none(obj, "rank"),
-            run_id=str_or_none(obj, "run_id", path),
+            **common,
             n_files=int_field(obj, "n_files", path, hi=1 << 40),
             n_frames=int_field(obj, "n_frames", path, hi=1 << 40),
             nbytes=int_field(obj, "nbytes", path, hi=1 << 56),
@@ -216,19 +212,16 @@ class PartFailureRecord(ProcessFailure):
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartFailureRecord:
-        obj = _part_header(data, "merge-part-failure", path, part, parts)
+        obj, common = _part_header(data, "merge-part-failure", path, part, parts)
         return cls(
-            part=part,
-            parts=parts,
-            plan=obj["plan"],
-            rank=int_or_none(obj, "rank"),
-            run_id=str_or_none(obj, "run_id", path),
+            **common,
             **failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
         )
 
 
-def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> dict[str, Any]:
-    """A part record's object, checked to be the record its name says it is."""
+def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A part record's object, checked to be the record its name says it is, and the fields every
+    part record has (part, parts, plan, rank, run_id)."""
     obj = loads(data, path=path)
     ok = (
         isinstance(obj, dict)
@@ -240,7 +233,8 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> di
     if not ok:
         raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
     check_version(obj, path, spill=False)
-    return dict(obj)
+    common = {"part": part, "parts": parts, "plan": obj["plan"], "rank": int_or_none(obj, "rank")}
+    return dict(obj), {**common, "run_id": str_or_none(obj, "run_id", path)}
 
 
 @dataclass(frozen=True, slots=True)
