@@ -1,16 +1,6 @@
-"""spillmerge: gather distributed PyTorch predictions through storage instead of gather_object.
-
-Every rank appends its predictions to its own chunked Zarr segment (``SpillWriter``); one process
-merges all segments into one consolidated Zarr v3 store (``merge``); ``open`` reads it back.
-
-A leaf of an output reads as a :class:`LeafView`. This spillmerge reads outputs of
-:data:`FORMAT_VERSION` only (and spill roots of its spill format): another version is refused
-with :class:`FormatVersionError`.
-
-Reading needs no torch: ``SpillWriter``, ``gather``, ``all_gather`` and the drop-ins
-``gather_object`` / ``all_gather_object`` (which write) are imported
-on first use (PEP 562), so ``import spillmerge`` does not import torch.
-"""
+"""spillmerge: gather distributed PyTorch predictions through storage instead of gather_object:
+each rank spills to its own Zarr segment (``SpillWriter``), one process merges them all (``merge``)
+and ``open`` reads the result. ``import spillmerge`` does not import torch (PEP 562 lazy names)."""
 
 from typing import TYPE_CHECKING, Any
 

@@ -24,9 +24,7 @@ class DemoConfig:
     """Settings of the demo job."""
 
     ranks: int = 4
-    """Number of CPU ranks (processes) on gloo."""
     files: int = 8
-    """Number of fake videos."""
     frames_per_file: int = 40
     """Mean frames per video (each video gets between half and 1.5 times this)."""
     frame_shape: tuple[int, ...] = (3, 64, 64)
@@ -34,7 +32,6 @@ class DemoConfig:
     out: str = "spillmerge-demo"
     """Directory for the spill root (``spill/``) and merged output (``merged.zarr``)."""
     seed: int = 0
-    """Seed of the workload."""
 
 
 def workload(cfg: DemoConfig) -> dict[int, list[tuple[str, int]]]:

@@ -7,10 +7,8 @@ from typing import Any
 
 
 class SpillMergeError(Exception):
-    """Base class of every error spillmerge raises on purpose: ``Error(message, **fields)`` sets
-    each field as an attribute (a field not given reads as its class default, None where the
-    class gives one); the message alone is its text, quoted by no subclass (``KeyError`` ones
-    included)."""
+    """Base of every error raised on purpose: ``Error(message, **fields)`` sets each field as an
+    attribute; the message alone is its text, unquoted (``KeyError`` subclasses included)."""
 
     def __init__(self, *args: object, **fields: Any) -> None:
         super().__init__(*args)
@@ -22,10 +20,8 @@ class SpillMergeError(Exception):
 
 
 class SpillValueError(SpillMergeError, ValueError):
-    """A value, filename or frame index given to the writer cannot be stored.
-
-    ``filename``, ``frame_idx`` and ``leaf`` name the offending item when known.
-    """
+    """A value, filename or frame index given to the writer cannot be stored; ``filename``,
+    ``frame_idx`` and ``leaf`` name the offending item when known."""
 
     filename: str | None = None
     frame_idx: int | None = None
@@ -33,10 +29,7 @@ class SpillValueError(SpillMergeError, ValueError):
 
 
 class DuplicateFrameError(SpillValueError):
-    """The same ``(filename, frame_idx)`` was written more than once with different content.
-
-    ``ranks`` lists the ranks that wrote it.
-    """
+    """The same ``(filename, frame_idx)`` was written twice with different content by ``ranks``."""
 
     ranks: list[int]
 
@@ -61,11 +54,8 @@ class SpillStorageError(SpillMergeError, OSError):
 
 
 class CorruptSpillError(SpillMergeError, ValueError):
-    """Something read from a spill root or an output is malformed or fails its checksum.
-
-    ``path`` names the object, ``rank`` the rank it belongs to when known, ``reason`` what is
-    wrong without the path (``verify`` lists it next to the path) when the raiser gives it.
-    """
+    """Something read is malformed or fails its checksum: ``path`` names the object, ``rank``
+    its rank when known, ``reason`` what is wrong without the path (``verify`` lists it)."""
 
     path: str | None = None
     rank: int | None = None
@@ -73,8 +63,7 @@ class CorruptSpillError(SpillMergeError, ValueError):
 
 
 class TruncatedObjectError(CorruptSpillError, SpillStorageError):
-    """An object is shorter than its metadata promise (a torn write or a truncated copy): both
-    corrupt data and a storage problem, so either ``except`` catches it; ``path`` names it."""
+    """An object is shorter than its metadata promise: corrupt data and a storage problem both."""
 
 
 class IncompleteSpillError(SpillMergeError):
@@ -101,25 +90,21 @@ class RankFailedError(SpillMergeError, RuntimeError):
 
 
 class MergeFailedError(RankFailedError):
-    """The merging rank's merge failed; raised on every rank that waits for the output
-    (``SpillWriter.merge(wait=True)``, ``all_gather``). ``rank`` is the merging rank and
-    ``failures`` maps it to "Type: message"."""
+    """The merging rank's merge failed, raised on every rank waiting for the output; ``rank``
+    is the merging rank and ``failures`` maps it to "Type: message"."""
 
     rank: int
 
 
 class MergeTimeout(SpillMergeError, TimeoutError):
-    """A rank waited ``waited_s`` seconds for the merged output at ``path`` without seeing it
-    complete or fail."""
+    """A rank waited ``waited_s`` seconds for the merged output at ``path`` to complete or fail."""
 
     path: str
     waited_s: float
 
 
 class FormatVersionError(CorruptSpillError):
-    """A tree (an output or a spill root) was written with a format version this spillmerge does
-    not read: ``found`` is the tree's version, ``supported`` the one version this spillmerge
-    reads (each spillmerge reads exactly one output and one spill format)."""
+    """A tree was written with format version ``found``; this spillmerge reads only ``supported``."""
 
     found: object
     supported: int
@@ -132,18 +117,15 @@ class OutputExistsError(SpillMergeError, FileExistsError):
 
 
 class OutputBusyError(SpillMergeError, BlockingIOError):
-    """Another merge (or part, or finalize) holds the output's lease: one merge per output.
-
-    ``path`` is the output, ``holders`` describes each holder (role, host, pid, since, expiry).
-    """
+    """Another merge (or part, or finalize) holds the lease of output ``path``; ``holders``
+    describes each holder (role, host, pid, since, expiry)."""
 
     path: str
     holders: list[str]
 
 
 class LeaseLostError(SpillMergeError, RuntimeError):
-    """This merge's lease on its output was taken over (it expired) or removed; it stopped before
-    its next destructive step or its completion marker. ``path`` is the output."""
+    """This merge's lease on output ``path`` was taken over or removed; the merge stopped."""
 
     path: str
 
@@ -179,8 +161,7 @@ class CoordinationError(SpillMergeError, RuntimeError):
 
 
 class PartFailedError(RankFailedError):
-    """Parts of a parallel merge recorded a failure. ``failures`` maps part → "Type: message";
-    ``path`` is the output. In ``SpillWriter.merge(parallel=True)`` part ``i`` is rank ``i``."""
+    """Parts of a parallel merge of ``path`` failed; ``failures`` maps part → "Type: message"."""
 
     path: str
 
@@ -199,17 +180,15 @@ class PartsTimeout(MissingPartsError, TimeoutError):
 
 
 class PlanMismatchError(SpillMergeError, ValueError):
-    """Parts of one output were (or would be) written from different merge plans: the spill root,
-    the part count or the merge options changed between them. ``parts`` names the disagreeing
-    parts (their record paths in the message), ``path`` is the output."""
+    """Parts ``parts`` of output ``path`` were (or would be) written from different merge plans
+    (spill root, part count or options changed between them)."""
 
     path: str
     parts: list[int]
 
 
 class MissingDependencyError(SpillMergeError, ImportError):
-    """An optional dependency is not installed; ``package`` names it and ``extra`` the
-    ``spillmerge[extra]`` that installs it."""
+    """Optional dependency ``package`` is not installed; ``spillmerge[extra]`` installs it."""
 
     def __init__(self, package: str, extra: str, feature: str) -> None:
         message = f"{feature} needs {package}, which is not installed: pip install 'spillmerge[{extra}]'"
@@ -257,8 +236,7 @@ class UnknownLeafError(SpillMergeError, KeyError):
 
 
 def require_torch(feature: str):  # type: ignore[no-untyped-def]
-    """torch, imported where it is needed: reading an output never needs it, writing does
-    (``pip install 'spillmerge[torch]'``, or any torch >= 2.2)."""
+    """torch, imported where it is needed (writing; reading never needs it)."""
     return require("torch", package="torch", extra="torch", feature=feature)
 
 
@@ -270,22 +248,18 @@ class UnknownColumnError(SpillMergeError, KeyError):
 
 
 class PickleNotAllowedError(SpillMergeError, ValueError):
-    """A leaf holds pickled objects and the store was opened without ``allow_pickle=True``
-    (nothing is ever unpickled by default); ``leaf`` names it."""
+    """Leaf ``leaf`` holds pickled objects and the store was opened without ``allow_pickle=True``."""
 
     leaf: str
 
 
 class RaggedShapeError(SpillMergeError, ValueError):
-    """Rows of a ragged leaf with different shapes were asked for as one stacked array; read them
-    with ``to_list()`` or the flat ``values`` / ``offsets`` / ``shapes``."""
+    """Rows of a ragged leaf were asked for as one stacked array; use ``to_list()`` or ``values``."""
 
 
 class StaleSpillError(SpillMergeError, ValueError):
-    """A spill root holds segments of an earlier run with another world size: nothing is corrupt,
-    but they cannot be merged with this run's. ``stale`` maps each such segment's path to the world
-    size it was written with; ``world_size`` is this run's. Remove the root, choose another one, or
-    merge the old run alone with its own ``world_size``."""
+    """A spill root holds segments of an earlier run with another world size; ``stale`` maps each
+    such segment's path to its world size, ``world_size`` is this run's."""
 
     path: str
     world_size: int
@@ -293,7 +267,6 @@ class StaleSpillError(SpillMergeError, ValueError):
 
 
 class ArrowUnionInParquetError(SpillMergeError, ValueError):
-    """``to_parquet`` was asked for a column that holds an Arrow union (a leaf of several kinds):
-    Parquet has no union type. ``columns`` names them."""
+    """``to_parquet`` was asked for ``columns`` that hold an Arrow union, which Parquet lacks."""
 
     columns: list[str]

@@ -83,12 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"spillmerge {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    storage: dict[str, Any] = {"action": "append", "metavar": "KEY=VALUE", "help": "fsspec option (repeatable)"}
-
     def command(name: str, summary: str, description: str, epilog: str) -> argparse.ArgumentParser:
-        """A subcommand whose examples (``epilog``) keep their line breaks."""
-        return sub.add_parser(name, help=summary, description=description, epilog=epilog,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        """A subcommand whose examples (``epilog``) keep their line breaks; all but merge and demo
+        take ``--storage-option``."""
+        c = sub.add_parser(name, help=summary, description=description, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        if name not in ("merge", "demo"):
+            c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+        return c
 
     m = command(
         "merge",
@@ -144,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-files", "--files", type=int, default=20, metavar="N",
         help="files listed, in the text and in --json (default 20; those with problems first); totals count all",
     )  # fmt: skip
-    i.add_argument("--storage-option", **storage)
 
     v = command(
         "verify",
@@ -154,7 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
         "Example:\n  spillmerge verify ./spill\n  spillmerge verify ./merged.zarr",
     )
     v.add_argument("path", help="spill root or merged output")
-    v.add_argument("--storage-option", **storage)
 
     st = command(
         "status",
@@ -181,7 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--stall-after", type=float, default=120.0, metavar="SECONDS",
         help="flag a writing rank with no durable write for this long as stalled (default 120)",
     )  # fmt: skip
-    st.add_argument("--storage-option", **storage)
 
     e = command(
         "export",
@@ -204,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--compression", default="snappy", choices=["none", "snappy", "zstd", "gzip", "lz4", "brotli"],
         help="Parquet compression (default snappy)",
     )  # fmt: skip
-    e.add_argument("--storage-option", **storage)
 
     d = command(
         "demo",

@@ -476,8 +476,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g26-linked-folder-above",
         "spillmerge/_storage/local.py",
-        '            if stat.S_ISLNK(mode):\n                raise UnsafePathError(\n                    f"{self.describe(above)}',
-        '            if False:\n                raise UnsafePathError(\n                    f"{self.describe(above)}',
+        "            if stat.S_ISLNK(mode):\n                self._refuse_mode(above, mode)",
+        "            if False:\n                self._refuse_mode(above, mode)",
         ("tests/project/test_guarded_checks.py::test_a_linked_folder_above_an_object_is_refused",),
         "no read follows a linked folder between the root and an object",
     ),

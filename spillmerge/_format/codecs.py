@@ -1,10 +1,6 @@
-"""Output codecs: the Zarr v3 codec chain of merged arrays and the encoder that produces it.
-
-The merge writes whole chunks itself (zarr's codec pipeline costs a copy and an event-loop hop per
-chunk), so it must encode exactly as the chain in the array's ``zarr.json`` says: ``bytes`` →
-optional compressor → ``crc32c``. The compressors are numcodecs' Blosc and Zstd configured the way
-zarr's own ``BloscCodec`` / ``ZstdCodec`` configure them, so plain zarr decodes every chunk.
-"""
+"""Output codecs: the Zarr v3 chain of merged arrays (``bytes`` → optional Blosc / Zstd configured
+as zarr's codecs configure them → ``crc32c``) and the encoder matching it exactly: the merge
+writes whole chunks itself, and plain zarr must decode every one."""
 
 from __future__ import annotations
 

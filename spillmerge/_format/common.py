@@ -1,10 +1,6 @@
-"""The on-disk format, what both halves of docs/FORMAT.md share: the version, the size
-limits of objects read whole, JSON in and out (``dumps``, ``loads``), the dtype table, the
-node-name encoding and the checks every record's reader uses.
-
-The spill root's names and records are in ``_format.spill`` (FORMAT.md section 1), the output's in
-``_format.output`` (section 2). docs/FORMAT.md is the normative description; keep them in step.
-"""
+"""What both halves of docs/FORMAT.md share (the normative description; keep them in step): the
+versions, size limits, JSON in and out, the dtype table, node names and record checks. The spill
+root's records are in ``_format.spill``, the output's in ``_format.output``."""
 
 from __future__ import annotations
 
@@ -158,7 +154,6 @@ class DType:
     name: str
     """Format name (the torch name without ``torch.``)."""
     itemsize: int
-    """Bytes per element."""
     storage: str
     """numpy dtype name used for output arrays (raw bits for torch-only types)."""
     native: bool
@@ -433,17 +428,11 @@ class ProcessFailure:
     the exception and the process, from :func:`failure_now` / :func:`failure_read`."""
 
     error_type: str
-    """Exception class name."""
     message: str
-    """Exception message."""
     traceback: str
-    """Formatted traceback."""
     time: str
-    """UTC time of the failure."""
     host: str
-    """Host of the failed process."""
     pid: int
-    """Its process id."""
 
     def summary(self) -> str:
         return f"{self.error_type}: {self.message}"

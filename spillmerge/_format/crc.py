@@ -1,17 +1,6 @@
-"""CRC-32C of buffers (:func:`value`, :func:`extend`) and their combine: the CRC-32C of ``a + b``
-from the CRC-32Cs of ``a`` and ``b`` and ``len(b)``, without reading the bytes again.
-
-CRCs are computed by the ``crc32c`` package, which releases the GIL over large buffers, so the
-flush workers and the merge's copy pool checksum while the caller's Python runs.
-``google_crc32c`` (zarr's) holds the GIL: on an H200 host, ``write()`` of 64 MiB CUDA leaves
-ran at 3.9 GB/s with it and 5.5-5.8 GB/s with ``crc32c`` (benchmarks/RESULTS.md).
-
-CRC-32C is linear over GF(2): appending ``n`` bytes to ``a`` maps ``crc(a)`` through a fixed
-32x32 bit matrix (that of ``n`` zero bytes), and ``crc(a + b) = M_n · crc(a) xor crc(b)``
-(zlib's ``crc32_combine``, with the Castagnoli polynomial). ``M_n`` is the product of the
-matrices of the powers of two in ``n``, each kept as four 256-entry byte tables: a combine costs
-four lookups per bit set in ``n``, for any length (ragged rows have many).
-"""
+"""CRC-32C of buffers (:func:`value`, :func:`extend`, by the ``crc32c`` package, which releases the
+GIL) and their combine: ``crc(a + b) = M_n · crc(a) xor crc(b)`` (zlib's ``crc32_combine`` for the
+Castagnoli polynomial), ``M_n`` kept as four 256-entry byte tables per power of two."""
 
 from __future__ import annotations
 

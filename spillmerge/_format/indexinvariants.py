@@ -1,8 +1,6 @@
-"""Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*): filenames
-sorted, frame offsets and frame indices, provenance, and the header's counts and file layouts
-against the index arrays' lengths. Shared by the reader and ``spillmerge verify``; each check
-returns ``(path, what is wrong)`` pairs (``_format.invariants.Problem``) and is vectorised numpy.
-"""
+"""Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*), shared by the
+reader and ``spillmerge verify``: filenames sorted, frame offsets and indices, provenance, the
+header's counts and file layouts; each returns ``(path, what is wrong)`` pairs."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and the bounded reads
-of its arrays, shared by the reader (which raises the first broken one) and ``spillmerge verify``
-(which lists them all). The index's own invariants are ``_format.indexinvariants``.
-
-Every check returns ``(path relative to the output, what is wrong)`` pairs and is vectorised:
-O(rows) numpy, no per-file Python loop.
-"""
+"""Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and bounded reads of its
+arrays, shared by the reader and ``spillmerge verify``: each check returns vectorised
+``(path, what is wrong)`` pairs. The index's own invariants are ``_format.indexinvariants``."""
 
 from __future__ import annotations
 
@@ -377,9 +373,8 @@ def rows_layout_problems(
 
 
 def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColumn], np.ndarray | None]) -> list[Problem]:
-    """Version 3's type ids (docs/FORMAT.md, *Value model*): where a leaf has several variant
-    columns, a row has a value in at most one of them (``valid`` gives a column's mask, None when
-    every row has a value)."""
+    """Where a leaf has several variant columns, a row has a value in at most one of them
+    (``valid`` gives a column's mask, None when every row has a value)."""
     by_leaf: dict[tuple[str, ...], list[StoredColumn]] = {}
     for c in cols.values():
         by_leaf.setdefault(c.leaf, []).append(c)

@@ -1,21 +1,6 @@
-"""Dict key order: what a value's dicts held their keys in, stored once per layout, not per row.
-
-A value is flattened into leaves in sorted-key order (every reader relies on it); the order the
-user's dicts had is kept beside it (docs/FORMAT.md, *Key order*):
-
-  (writer)  ``flatten`` notes each dict whose keys are not in sorted order; each leaf's spill
-            layout then carries ``pos``: per path segment, the key's position in its dict
-            (-1 for a dict in sorted order and for list items). A value of sorted dicts carries
-            nothing.
-  (merge)   ``output_orders`` gathers, per output file, the positions of the layouts its rows
-            use into one order per dict path, interns the distinct orders and writes them with
-            runs of file ids in the output header (``key_orders``).
-  (reader)  ``KeyOrders`` gives a file's orders; ``_read.rowvalue`` builds each dict in them.
-
-The rule when one file's frames held a dict in different orders: a key's position is the one of
-the first frame written (in merge order: segment by segment, then row order) that has the key
-at that path; keys of the dict with no recorded position follow, sorted.
-"""
+"""Dict key order (docs/FORMAT.md, *Key order*): ``flatten`` notes each leaf's ``pos``, the merge
+interns one order per file (``output_orders``, the header's ``key_orders``), the reader rebuilds
+each dict in it (``KeyOrders``, ``ordered``)."""
 
 from __future__ import annotations
 
@@ -260,14 +245,9 @@ def output_orders(
     segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
     knows them (the plan does); else they are looked up (a table of every filename).
 
-    A file's orders follow from the distinct positioned layouts its rows use. Where those never
-    give one key two positions, the order of the rows does not matter: each file's set of
-    layouts is a bit mask (numpy, no sort), and a spec is built in Python once per distinct
-    mask. Files whose layouts disagree on a position, and every file when there are more
-    layouts than bits, are walked in row order (:class:`_States`: the first row decides).
-    Index rows and files go ``block`` (default :data:`BLOCK`) at a time; the per-file masks
-    and states come from ``new``, so what this holds in memory beyond its output (the runs,
-    and the distinct masks and states) does not grow with the files."""
+    Each file's set of positioned layouts is a bit mask and a spec is built once per distinct
+    mask; files whose layouts give a key two positions (or all, past 62 layouts) are walked in
+    row order (:class:`_States`). Rows and files go ``block`` at a time into arrays from ``new``."""
     step = block or BLOCK
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)

@@ -1,11 +1,6 @@
 """The output's list offsets (docs/FORMAT.md section 2, *Lists*): read, checked, and used to map
-rows between a list path's items and the output's rows.
-
-A merge writes ``lists/<name>/offsets`` for every list path ``P/\\x1f*`` of the output: the items
-of the lists at ``P`` in row ``r`` of ``P``'s domain (the output's rows, or the items of the list
-enclosing ``P``) are the rows ``offsets[r] .. offsets[r+1]-1`` of every column under ``P/\\x1f*``.
-A column's domain is the prefix of its leaf path up to its last ``\\x1f*`` (``_format.common.list_domain``).
-"""
+rows between a list path's items (``offsets[r] .. offsets[r+1]-1`` of row ``r`` of its domain)
+and the output's rows."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""On-disk format of a merged output (docs/FORMAT.md section 2): its records — output header,
-column header, completion marker, and the part records of an output written in parts — and what a
-path holds when it is no output (the one check the merge, ``open`` and ``inspect`` share).
-"""
+"""On-disk format of a merged output (docs/FORMAT.md section 2): its records (output and column
+headers, completion marker, part records) and what a path holds when it is no output."""
 
 from __future__ import annotations
 
@@ -145,36 +143,25 @@ class PartDoneRecord:
     part: int
     """Which part, 0-based."""
     parts: int
-    """Number of parts of the merge."""
     plan: str
     """Plan fingerprint; every part of one output has the same."""
     rank: int | None
     """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
     run_id: str | None
-    """Run id of a collective merge."""
     n_files: int
-    """Files the part wrote."""
     n_frames: int
-    """Frames the part wrote."""
     nbytes: int
-    """Payload bytes the part wrote."""
     codec: str
-    """Output codec."""
     chunk_bytes: int
     """Target output chunk size."""
     index: bool
     """The part wrote its share of the index chunks (every ``parts``-th chunk, from its number:
     docs/FORMAT.md, *Outputs written in parts*); when false the finalize writes its share."""
     finished: str
-    """UTC time the record was written."""
     host: str
-    """Host of the writing process."""
     pid: int
-    """Its process id."""
     options: dict[str, Any] | None = None
-    """The options that decide the plan and the output (duplicate policy, world size, run id,
-    partial merge, codec, chunk size, session), so that parts that disagree are told which; None
-    in a record of an older release."""
+    """The options that decide the plan and the output, so that parts that disagree are told which."""
 
     @classmethod
     def now(cls, **fields: Any) -> PartDoneRecord:
@@ -186,13 +173,9 @@ class PartDoneRecord:
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartDoneRecord:
-        obj = _part_header(data, "merge-part", path, part, parts)
+        obj, common = _part_header(data, "merge-part", path, part, parts)
         return cls(
-            part=part,
-            parts=parts,
-            plan=obj["plan"],
-            rank=int_or_none(obj, "rank"),
-            run_id=str_or_none(obj, "run_id", path),
+            **common,
             n_files=int_field(obj, "n_files", path, hi=1 << 40),
             n_frames=int_field(obj, "n_frames", path, hi=1 << 40),
             nbytes=int_field(obj, "nbytes", path, hi=1 << 56),
@@ -213,7 +196,6 @@ class PartFailureRecord(ProcessFailure):
     part: int
     """Which part, 0-based."""
     parts: int
-    """Number of parts of the merge."""
     plan: str
     """Plan fingerprint of the failed attempt."""
     rank: int | None
@@ -230,19 +212,16 @@ class PartFailureRecord(ProcessFailure):
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartFailureRecord:
-        obj = _part_header(data, "merge-part-failure", path, part, parts)
+        obj, common = _part_header(data, "merge-part-failure", path, part, parts)
         return cls(
-            part=part,
-            parts=parts,
-            plan=obj["plan"],
-            rank=int_or_none(obj, "rank"),
-            run_id=str_or_none(obj, "run_id", path),
+            **common,
             **failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
         )
 
 
-def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> dict[str, Any]:
-    """A part record's object, checked to be the record its name says it is."""
+def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A part record's object, checked to be the record its name says it is, and the fields every
+    part record has (part, parts, plan, rank, run_id)."""
     obj = loads(data, path=path)
     ok = (
         isinstance(obj, dict)
@@ -254,7 +233,8 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> di
     if not ok:
         raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
     check_version(obj, path, spill=False)
-    return dict(obj)
+    common = {"part": part, "parts": parts, "plan": obj["plan"], "rank": int_or_none(obj, "rank")}
+    return dict(obj), {**common, "run_id": str_or_none(obj, "run_id", path)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,17 +242,12 @@ class OutputHeader:
     """The merged output's root ``zarr.json`` attributes, key ``spillmerge``."""
 
     n_files: int
-    """Filenames in the output."""
     n_frames: int
-    """Rows over all files."""
     nbytes: int
-    """Payload bytes."""
     ranks: list[int]
     """Ranks whose segments were merged."""
     world_size: int
-    """World size of the spill."""
     segments: int
-    """Segments merged."""
     created: str
     """UTC time the merge planned the output."""
     file_layouts: list[list[str]]
@@ -314,8 +289,7 @@ class ColumnHeader:
     chunk_max_bytes: int | None
     """Largest string chunk the merge wrote (string columns); read as None when not an int >= 0."""
     variant: str | None = None
-    """Version 3: the variant tag of one of a leaf's variant columns (``<col>.<variant>``) when the
-    leaf holds values of several kinds or dimensions; absent otherwise (docs/FORMAT.md)."""
+    """The variant tag (``<col>.<variant>``) of a column of a leaf holding several kinds or dimensions."""
 
     def to_obj(self) -> dict[str, Any]:
         extra = {} if self.variant is None else {"variant": self.variant}
@@ -382,19 +356,13 @@ class CompletionMarker:
     """``OUT/spillmerge-complete.json``: written last; its presence means the output is whole."""
 
     n_files: int
-    """Filenames in the output."""
     n_frames: int
-    """Rows over all files."""
     nbytes: int
-    """Payload bytes."""
     finished: str
-    """UTC time the marker was written."""
     written_by: dict[str, Any]
     """The run that wrote it: its lease's ``owner`` token, ``role``, ``host``, ``pid``."""
     spill_root: str
-    """The spill root it merged."""
     plan: str
-    """Plan fingerprint."""
     run_id: str | None
     """Run id the merge waited for (None: the newest segments)."""
     session: int | None = None

@@ -1,7 +1,5 @@
-"""On-disk format of a spill root (docs/FORMAT.md section 1): its names (rank and segment
-folders, objects of a segment), the index columns, and its records — segment header, catalog
-layouts, journal entries, commit and failure records, the merging rank's failure record.
-"""
+"""On-disk format of a spill root (docs/FORMAT.md section 1): rank and segment names, the index
+columns, and its records (segment header, catalog layouts, journal, commit and failure records)."""
 
 from __future__ import annotations
 
@@ -104,23 +102,17 @@ class CommitRecord:
     """Contents of ``commit.json``: written last; its presence means the segment is complete."""
 
     rank: int
-    """Rank that wrote the segment."""
     world_size: int
-    """World size the writer ran with."""
     segment: str
-    """Segment folder name."""
     run_id: str | None
     """Identifier shared by the ranks of one job run."""
     n_rows: int
     """Rows in ``index``."""
     n_frames: int
-    """Distinct frames written."""
     n_files: int
-    """Distinct filenames written."""
     nbytes: int
     """Payload bytes in ``data`` (without padding)."""
     n_chunks: int
-    """Chunk objects of ``data``."""
     chunk_bytes: int
     """Chunk size of ``data``."""
     index_crc32c: int
@@ -128,7 +120,6 @@ class CommitRecord:
     catalog_crc32c: int
     """CRC-32C of the catalog JSON bytes."""
     finished: str
-    """UTC time the commit was written."""
     rewrites: int = 0
     """Writes of a key this segment already held, dropped by the writer's duplicate policy."""
     n_checks: int = 0
@@ -171,21 +162,13 @@ class FailureRecord:
     """Contents of ``failed.json``: the writer session ended on an exception."""
 
     rank: int
-    """Rank whose writer failed."""
     world_size: int
-    """World size the writer ran with."""
     segment: str
-    """Segment folder name."""
     run_id: str | None
-    """Run identifier of the writer."""
     error_type: str
-    """Exception class name."""
     message: str
-    """Exception message."""
     traceback: str
-    """Formatted traceback."""
     time: str
-    """UTC time of the failure."""
 
     def to_json(self) -> bytes:
         return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
@@ -215,17 +198,12 @@ class SegmentHeader:
     ``chunk_bytes`` is required, to salvage a segment that never committed."""
 
     rank: int
-    """Rank that writes the segment."""
     world_size: int
-    """World size the writer runs with."""
     segment: str
-    """Segment folder name."""
     run_id: str | None
-    """Identifier shared by the ranks of one job run."""
     chunk_bytes: int
     """Size of each data chunk object."""
     started: str
-    """UTC time the writer opened the segment."""
     expected: int | None = None
     """Frames the whole job will write (all ranks), when the user said (``SpillWriter(expected=)``);
     only ``spillmerge status`` reads it, to estimate the end."""
@@ -275,7 +253,6 @@ class Layout:
     leaf: tuple[str, ...]
     """Dict keys from the value's root to the leaf (empty for a plain tensor)."""
     dtype: str
-    """Dtype name from the dtype table."""
     shape: tuple[int, ...]
     """Shape of the leaf in one frame."""
     pos: tuple[int, ...] | None = None

@@ -1,8 +1,5 @@
-"""A Zarr v3 array's documents from plain values (docs/FORMAT.md): the ``zarr.json`` of an array
-of fixed-size chunks with a ``crc32c`` checksum, and a small array written as one chunk. Both
-trees use them: the writer's segment arrays (``data``, ``index``, ``catalog``) and every array of
-a merged output (``_merge.documents``).
-"""
+"""Zarr v3 array documents from plain values (docs/FORMAT.md): an array's ``zarr.json`` (fixed-size
+chunks, ``crc32c``) and a small array written as one chunk; used by segments and outputs alike."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The storage interface: what every backend shares, and the primitives each one implements.
-
-Every path handed to a method is relative to the storage root and is checked to stay inside it,
-so a name read from an untrusted spill root can never reach outside.
-"""
+"""The storage interface: what every backend shares, and the primitives each implements. Every
+relative path is checked to stay inside the root, so no name read from storage reaches outside."""
 
 from __future__ import annotations
 
@@ -84,11 +81,8 @@ _BACKENDS_BY_CLASS: list[type[Storage]] = []
 
 
 class Storage:
-    """A root directory (local path or fsspec URL) and relative-path operations below it.
-
-    This class holds what every backend shares — contained paths, the one error translation,
-    the size and kind checks of untrusted objects, the listing — and declares the primitives
-    each backend implements (the methods raising ``NotImplementedError`` here)."""
+    """A root directory (local path or fsspec URL) and relative-path operations below it; the
+    methods raising ``NotImplementedError`` here are the primitives each backend implements."""
 
     local: ClassVar[bool] = False
     """Objects are files on a local disk: :meth:`view` maps them, :meth:`fsync_tree` syncs them,

@@ -1,8 +1,5 @@
-"""Storage on a local disk: POSIX calls, never following a link inside the root.
-
-Reads open regular files only, checked without following a link before they are opened and
-again after (docs/GUARANTEES.md, *Threat model*); writes go to a temporary name and are renamed.
-"""
+"""Storage on a local disk: POSIX calls, regular files only, never following a link inside the
+root (checked before and after each open); writes go to a temporary name and are renamed."""
 
 from __future__ import annotations
 
@@ -90,11 +87,7 @@ class LocalStorage(Storage):
             except (FileNotFoundError, NotADirectoryError):
                 return  # nothing below exists: the caller's open or listing says so
             if stat.S_ISLNK(mode):
-                raise UnsafePathError(
-                    f"{self.describe(above)} is a symbolic link; spillmerge never follows links inside "
-                    f"{self.describe()} (it could read outside it): replace the link by the object itself",
-                    path=self.describe(above),
-                )
+                self._refuse_mode(above, mode)
             if stat.S_ISDIR(mode):
                 self._real_dirs.add(above)
 
@@ -453,9 +446,7 @@ _fsync_lock = threading.Lock()
 
 
 def _fsync_pool() -> ThreadPoolExecutor:
-    """This process's fsync threads, started once and shared by every ``sync``: a writer syncs
-    at open, at each group commit and at its commit, and starting a pool of threads for each
-    cost ~1.3 ms of CPU a call (as much as a small write's fsyncs)."""
+    """This process's fsync threads, started once and shared by every ``sync``."""
     global _fsync_threads
     if _fsync_threads is None:
         with _fsync_lock:
