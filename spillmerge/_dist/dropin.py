@@ -446,10 +446,11 @@ def _collective(
     storage_options: dict[str, Any] | None,
 ) -> None:
     rank, world, target = _ranks(group, dst, group_dst)
+    reads = every_rank or rank == target  # this rank fills an output list
     own = None  # a reader's own records back, converted while the other ranks still convert theirs
     try:
         pieces = gc_paused(records.encode, obj)
-        if pieces is not None and (every_rank or rank == target):
+        if pieces is not None and reads:
             own = gc_paused(records.decode, b"".join(pieces), rank)
     except Exception:  # noqa: BLE001 - not records after all: the general way names what is wrong
         pieces = None
@@ -462,17 +463,15 @@ def _collective(
         _check_list(rank, target, world, object_list, every_rank)
         if direct and (every_rank or rank != target):  # dst's own file would be read by nobody
             info = _put_records(call, rank, pieces, storage_options)
-        if direct and (every_rank or rank == target):
+        if direct and reads:
             object_list[rank] = own
         if not direct:
             # fsync=False here and in the merge: the call's folder is removed when the call
             # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a
-            # small call). 4 MiB chunks, two of them: the writer touches its staging buffers
-            # ahead of use, and a small call's cost was mostly faulting in 16 MiB ones.
+            # small call).
             with CallWriter(
-                spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False,
-                chunk_bytes=CHUNK_BYTES, staging_bytes=2 * CHUNK_BYTES,
-            ) as w:  # fmt: skip
+                spill, rank, world, storage_options, allow_pickle=allow_pickle, run_id=call[-32:], fsync=False
+            ) as w:
                 gc_paused(_write, w, rank, obj, pieces, allow_pickle)  # builds only acyclic lists and buffers
     except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
         exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
@@ -496,9 +495,9 @@ def _collective(
     # From here a failure is this rank's own (reading back): the others are not told, so each
     # rank still meets the barrier and dst still removes the folder, whatever happened here.
     try:
-        if (every_rank or rank == target) and direct:
+        if reads and direct:
             gc_paused(_get_records, call, sizes, storage_options, object_list, rank)  # builds only acyclic objects
-        elif every_rank or rank == target:
+        elif reads:
             store = open_store(
                 out, storage_options=storage_options, allow_pickle=allow_pickle, cache_bytes=READ_CACHE_BYTES
             )

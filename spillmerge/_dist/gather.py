@@ -34,11 +34,15 @@ and written at once, so larger staging buffers would only add to each rank's pea
 
 
 class CallWriter(SpillWriter):
-    """The writer of one call: its flush thread starts only if a chunk fills, so a small call's
-    one chunk is written, checksummed and journaled by its commit in the caller's thread (no
-    thread started, no spare buffer prefaulted)."""
+    """The writer of one call: ``CHUNK_BYTES`` chunks, two of them, unless told otherwise; its
+    flush thread starts only if a chunk fills, so a small call's one chunk is written,
+    checksummed and journaled by its commit in the caller's thread (no thread started, no spare
+    buffer prefaulted)."""
 
     _flush_at_commit = True
+
+    def __init__(self, *args: Any, chunk_bytes: int = CHUNK_BYTES, staging_bytes: int = 2 * CHUNK_BYTES, **kw: Any):
+        super().__init__(*args, chunk_bytes=chunk_bytes, staging_bytes=staging_bytes, **kw)
 
 
 def default_root(out: str | os.PathLike[str]) -> str:
@@ -138,8 +142,7 @@ def _gather(
 ) -> MergedStore | None:
     out = os.fspath(out)
     spill = os.fspath(root) if root is not None else default_root(out)
-    opts: dict[str, Any] = {"allow_pickle": allow_pickle, "chunk_bytes": CHUNK_BYTES, "staging_bytes": 2 * CHUNK_BYTES}
-    opts.update(writer_options or {})
+    opts: dict[str, Any] = {"allow_pickle": allow_pickle, **(writer_options or {})}
     # The run id is agreed on here, within the call's timeout: the writer's own agreement sets
     # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
     opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
