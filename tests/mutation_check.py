@@ -692,6 +692,22 @@ MUTATIONS: list[Mutation] = [
         "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",
     ),
     Mutation(
+        "flat-records-batch-repeating-a-file",
+        "spillmerge/_write/dense.py",
+        "        if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:",
+        "        if n < 2 or not self._file_ids.keys().isdisjoint(names):",
+        ("tests/write/test_write_batch.py::test_duplicate_policies_apply_inside_a_batch_as_row_by_row",),
+        "a batch of flat records naming one file twice applies the duplicate policy as row-by-row writes do",
+    ),
+    Mutation(
+        "flat-records-row-offsets",
+        "spillmerge/_write/staging.py",
+        "                cube[:, j, 4] = base + fill + lo\n",
+        "                cube[:, j, 4] = base + fill\n",
+        ("tests/write/test_write_batch.py::test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes",),
+        "each row of a batch of flat records is indexed at its own bytes",
+    ),
+    Mutation(
         "write-batch-multibyte-filename-limit",
         "spillmerge/_write/batch.py",
         "                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4\n",

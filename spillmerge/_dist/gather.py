@@ -13,7 +13,6 @@ Protocol (every rank calls the same function, like the torch collectives):
 from __future__ import annotations
 
 import datetime
-import operator
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -232,42 +231,9 @@ def _write_all(w: SpillWriter, preds: Mapping[str, Any]) -> None:
         frames.append(frame)
         values.append(value)
         if len(names) == GATHER_BATCH:
-            _write_some(w, names, values, frames)
+            w.write_batch(names, values, frames)
             names, frames, values = [], [], []
     if names:
-        _write_some(w, names, values, frames)
-
-
-def _write_some(w: SpillWriter, names: list[Any], values: list[Any], frames: list[Any]) -> None:
-    """One batch: flat records (an LLM output a file) one ``write()`` each, which converts a
-    dict of Python values like the last one from a template (less than half ``write_batch``'s
-    CPU on 5,000 LLM outputs); any other batch through ``write_batch``, a column at a time (COCO's
-    records of records: ``write_batch`` is the faster there). Either stores the same frames."""
-    if _flat_records(values):
-        for name, frame, value in zip(names, frames, values, strict=True):
-            w.write(name, frame, value)
-    else:
         w.write_batch(names, values, frames)
 
 
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
-def _flat_records(values: list[Any]) -> bool:
-    """Whether ``values`` are dicts of one key order each of whose values is a str, a Python
-    scalar, None or a list starting with one (a look at types a column at a time, in C, and at
-    each list's first item: a guess of which way is faster, not a check of what is stored)."""
-    if not values or set(map(type, values)) != {dict}:
-        return False
-    keys = tuple(values[0])
-    if not keys or not all(map(keys.__eq__, map(tuple, values))):
-        return False
-    for key in keys:
-        column = list(map(operator.itemgetter(key), values))
-        kinds = set(map(type, column))
-        if list in kinds:
-            kinds.discard(list)
-            kinds.update(type(v[0]) for v in column if type(v) is list and v)
-        if not _SCALARS.issuperset(kinds):
-            return False
-    return True

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._errors import SpillValueError
-from .._format.common import DTYPES, MARK, user_key
+from .._format.common import DTYPES, MARK, STRING_MAX_BYTES, user_key
 from .._format.keyorder import positions
 from .flatten import utf8
 from .leaves import Leaf, check_leaf_limits, strlist
@@ -181,3 +182,82 @@ def _records(
         out.append(leaves)
         at += m
     return out
+
+
+@dataclass(slots=True)
+class FlatColumns:
+    """A batch of flat dicts (one key order; each key's values all ``None``, all ``str``, all one
+    Python number type, or all non-empty lists of one number type) as one byte buffer per key:
+    what ``flatten`` gives item by item, made a column at a time (``SpillWriter.write_batch``)."""
+
+    data: list[np.ndarray]
+    """Per leaf (the keys sorted, as ``flatten`` orders them): every item's bytes, back to back."""
+    sizes: np.ndarray
+    """int64 ``(n_items, n_leaves)``: each leaf's byte count."""
+    lengths: np.ndarray
+    """int64 ``(n_items, n_leaves)``: each leaf's length (its shape ``(length,)``), -1 for a 0-d leaf."""
+    dtypes: list[str]
+    """Per leaf: its dtype name."""
+
+
+def flat_columns(items: list[Any]) -> FlatColumns | None:
+    """``items`` as :class:`FlatColumns`, or None for any other batch and for what ``flatten``
+    refuses or words itself (an int beyond int64, a lone surrogate, an over-long string, an
+    empty list, an item of no bytes): the item-by-item way handles those."""
+    n = len(items)
+    first = items[0] if n else None
+    if n < 2 or type(first) is not dict or not first or set(map(type, items)) != {dict}:
+        return None
+    keys = tuple(first)
+    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+        return None
+    data: list[np.ndarray] = []
+    dtypes: list[str] = []
+    sizes = np.empty((n, len(keys)), dtype=np.int64)
+    lengths = np.empty((n, len(keys)), dtype=np.int64)
+    try:
+        for j, k in enumerate(sorted(keys)):
+            column = list(map(operator.itemgetter(k), items))
+            got = _flat_column(column, n)
+            if got is None:
+                return None
+            data.append(got[0])
+            sizes[:, j], lengths[:, j] = got[1], got[2]
+            dtypes.append(got[3])
+    except (OverflowError, UnicodeEncodeError):
+        return None
+    if not sizes.sum(axis=1).all():
+        return None
+    return FlatColumns(data, sizes, lengths, dtypes)
+
+
+def _flat_column(column: list[Any], n: int) -> tuple[np.ndarray, Any, Any, str] | None:
+    """One key's ``(bytes, sizes, lengths, dtype name)`` over the batch (``flat_columns``), or None."""
+    kinds = set(map(type, column))
+    if len(kinds) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is str:
+        raw = [v.encode("utf-8") for v in column]
+        sizes = np.fromiter(map(len, raw), dtype=np.int64, count=n)
+        if sizes.max() > STRING_MAX_BYTES:
+            return None
+        return np.frombuffer(b"".join(raw), dtype=np.uint8), sizes, sizes, "str"
+    if kind is type(None):
+        return _EMPTY, 0, -1, "none"
+    if kind is list:
+        lens = np.fromiter(map(len, column), dtype=np.int64, count=n)
+        if not lens.all():  # an empty list has a signature of its own (``FileSchemas._new_layout``)
+            return None
+        inner = set(map(type, itertools.chain.from_iterable(column)))
+        name = _NUMBERS.get(inner.pop()) if len(inner) == 1 else None
+        if name is None:
+            return None
+        storage = np.dtype(DTYPES[name].storage)
+        flat = np.fromiter(itertools.chain.from_iterable(column), dtype=storage, count=int(lens.sum()))
+        return flat.view(np.uint8), lens * storage.itemsize, lens, name
+    name = _NUMBERS.get(kind)
+    if name is None:
+        return None
+    u8 = np.array(column, dtype=DTYPES[name].storage).view(np.uint8)
+    return u8, u8.size // n, -1, name

@@ -15,6 +15,7 @@ from .._errors import SpillValueError
 from .._format import spill as FS
 from .._format.common import user_key
 from .batch import as_rows, at_position, nest
+from .columns import flat_columns
 from .flatten import flatten
 from .layouts import FileSchemas
 from .staging import Staging
@@ -144,6 +145,45 @@ class DenseSteps:
         self._stage_frames(names, frames, None, layout_ids, rows, None if zero else _frame_array(frames))
         return True
 
+    def _put_records(self, names: list[str], frames: list[int], zero: bool, items: list[Any]) -> bool:
+        """``write_batch`` of flat dicts into new files a column at a time
+        (``_write.columns.flat_columns``): item 0 is flattened and goes through the layout rule
+        for all (the other items' leaves differ from its leaves only in length, which the rule
+        does not look at), and each leaf length's layout joins the catalog once. False (nothing
+        done) when a filename was written before or repeats, or the items are not such dicts."""
+        n, base = len(names), len(self._filenames)
+        if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
+            return False
+        cols = flat_columns(items)
+        if cols is None:
+            return False
+        try:
+            leaves = flatten(items[0], names[0], frames[0], self.allow_pickle)
+        except SpillValueError:
+            return False  # the item-by-item way raises it, naming the item
+        if [leaf.dtype for leaf in leaves] != cols.dtypes:
+            return False
+        layouts = self._schema.layouts_of(leaves)
+        try:
+            schema, first_ids = self._schema.check(names[0], frames[0], base, layouts, 0)
+        except SpillValueError as exc:
+            raise at_position(exc, 0, n, names[0]) from None
+        self._flush_row_log()
+        self._schema.accept_new_files(n, schema, layouts, first_ids)
+        layout_ids = np.empty_like(cols.lengths)
+        for j, lay in enumerate(layouts):
+            found, where = np.unique(cols.lengths[:, j], return_inverse=True)
+            layout_ids[:, j] = np.asarray(self._schema.length_ids(lay, found.tolist()), dtype=np.int64)[where]
+        self._filenames.extend(names)
+        self._file_ids.update(zip(names, range(base, base + n), strict=True))
+        row0 = self._n_rows
+        index = self._new_rows(n, len(leaves))
+        self._fresh_keys.append((base, frames, row0, len(leaves)))
+        self._n_fresh_keys += n
+        frame_arr = None if zero else _frame_array(frames)
+        self._staging.add_ragged(row0, base, frame_arr, layout_ids, cols.sizes, cols.data, index)
+        return True
+
     def _learn_flat(self, sig: tuple[Any, ...]) -> None:
         """Remember the flat dict batch of signature ``sig`` that ``_put_dense`` just staged: once
         its template knows a new file's move, the next batch like it takes ``_put_fresh``."""
@@ -164,12 +204,7 @@ class DenseSteps:
         every frame index is 0."""
         n, n_leaves, row0 = len(names), len(layout_ids), self._n_rows
         need = row0 + n * n_leaves
-        if need > len(self._rows):
-            grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[:row0] = self._rows[:row0]
-            self._rows = grown
-        self._n_rows = need
-        index = self._rows[row0:need, : FS.COL_CRC]
+        index = self._new_rows(n, n_leaves)
         if file_ids is None:
             base = len(self._filenames) - n
             self._fresh_keys.append((base, frames, row0, n_leaves))
@@ -179,6 +214,18 @@ class DenseSteps:
             spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
             self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
             self._staging.add_frames(row0, file_ids, frame_arr, layout_ids, rows, index)
+
+    def _new_rows(self, n: int, n_leaves: int) -> np.ndarray:
+        """The index rows (file, frame, layout, offset, nbytes) of ``n`` more frames of
+        ``n_leaves`` leaves each, to be filled by staging."""
+        row0 = self._n_rows
+        need = row0 + n * n_leaves
+        if need > len(self._rows):
+            grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
+            grown[:row0] = self._rows[:row0]
+            self._rows = grown
+        self._n_rows = need
+        return self._rows[row0:need, : FS.COL_CRC]
 
     def _dense_template(
         self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]

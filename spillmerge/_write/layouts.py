@@ -54,6 +54,7 @@ class FileSchemas:
         self._sig_ids: dict[tuple[tuple[str, ...], _Sig], int] = {}
         self._frame_layouts: dict[tuple[Any, ...], _Layouts] = {}
         self._frame_infos: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._by_length: dict[tuple[Any, ...], dict[int, int]] = {}
 
     def check(
         self, filename: str, frame: int, file_id: int, layouts: list[FS.Layout], schema: int | None = None
@@ -139,6 +140,18 @@ class FileSchemas:
         if lay not in self._known:
             self._new_layout(lay)
         return self._layout_id(lay)
+
+    def length_ids(self, lay: FS.Layout, lengths: list[int]) -> list[int]:
+        """The catalog ids of ``lay``'s leaf at each of ``lengths`` (shape ``(length,)``; -1:
+        ``()``), layouts of frames being accepted by a move already made (``add_layout``)."""
+        known = self._by_length.setdefault((lay.leaf, lay.dtype, lay.pos), {})
+        ids = []
+        for m in lengths:
+            lid = known.get(m)
+            if lid is None:
+                lid = known[m] = self.add_layout(FS.Layout(lay.leaf, lay.dtype, () if m < 0 else (m,), lay.pos))
+            ids.append(lid)
+        return ids
 
     def _layout_id(self, lay: FS.Layout) -> int:
         """The catalog id of a layout, added to the catalog on first use (only for frames that

@@ -343,6 +343,79 @@ class Staging:
             if chunk.fill == self.chunk_bytes:
                 self.hand_off()
 
+    def add_ragged(
+        self, row: int, file_base: int, frames: np.ndarray | None, layout_ids: np.ndarray, sizes: np.ndarray,
+        columns: list[np.ndarray], index: np.ndarray,
+    ) -> None:  # fmt: skip
+        """``add_frames`` of frames of new files ``file_base``, ``file_base + 1`` ... whose rows
+        differ in size: frame ``i``'s leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some)
+        of catalog layout ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s
+        rows back to back). The frames that fit whole in the current chunk are staged a leaf at
+        a time, one copy per leaf and a block checksum per CHECK_BYTES of its rows; a frame
+        straddling two chunks goes through ``add``."""
+        n, n_leaves = sizes.shape
+        ends = np.cumsum(sizes, axis=0)
+        starts = ends - sizes
+        frame_ends = np.cumsum(sizes.sum(axis=1))
+        if self.direct is None:
+            self._decide(int(frame_ends[0]), True)
+        self.frames += n
+        grid = np.arange(n * n_leaves, dtype=np.int64).reshape(n, n_leaves) + row
+        i = 0
+        while i < n:
+            chunk = self._current_chunk()
+            done = int(frame_ends[i - 1]) if i else 0
+            k = int(np.searchsorted(frame_ends, done + self.chunk_bytes - chunk.fill, side="right")) - i
+            fr = 0 if frames is None else int(frames[i])
+            if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
+                held: list[Any] = []
+                for j in range(n_leaves):
+                    a, nb, lid = int(starts[i, j]), int(sizes[i, j]), int(layout_ids[i, j])
+                    index[i * n_leaves + j] = (file_base + i, fr, lid, self.offset, nb)
+                    self.add(int(grid[i, j]), file_base + i, fr, lid, columns[j][a : a + nb], nb, held, j == n_leaves - 1)
+                i += 1
+                continue
+            if chunk.host_np is None and not chunk.direct:
+                chunk.host_np = chunk.host.numpy()
+            if chunk.run:
+                self._close_run(chunk)
+            part = slice(i, i + k)
+            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
+            cube[:, :, 0] = grid[part]
+            cube[:, :, 1] = np.arange(file_base + i, file_base + i + k, dtype=np.int64)[:, None]
+            cube[:, :, 2] = 0 if frames is None else frames[part, None]
+            cube[:, :, 3] = layout_ids[part]
+            cube[:, :, 5] = sizes[part]
+            fill, base = chunk.fill, self.offset - chunk.fill
+            for j in range(n_leaves):
+                a, b = int(starts[i, j]), int(ends[i + k - 1, j])
+                lo, hi = starts[part, j] - a, ends[part, j] - a  # the rows' bytes in this block of the leaf
+                cube[:, j, 4] = base + fill + lo
+                if a == b:
+                    continue
+                src = columns[j][a:b]
+                if chunk.direct:
+                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
+                else:
+                    chunk.host_np[fill : fill + b - a] = src
+                r = 0
+                while r < k:  # block checksums of at most CHECK_BYTES (or one larger row)
+                    s = max(r + 1, int(np.searchsorted(hi, lo[r] + CHECK_BYTES, side="right")))
+                    rows = cube[r:s, j, 0][sizes[i + r : i + s, j] > 0]
+                    if len(rows):
+                        value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None
+                        self._block(chunk, fill + int(lo[r]), fill + int(hi[s - 1]), rows, value)
+                    r = s
+                fill += b - a
+            flat = cube.reshape(k * n_leaves, 6)
+            index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
+            chunk.complete_block(flat)
+            self.offset += fill - chunk.fill
+            chunk.fill = fill
+            i += k
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+
     def _block_rows(self, k: int, layout_ids: tuple[int, ...], widths: list[int]) -> np.ndarray:
         """The journal rows of a block of ``k`` whole frames of these layouts and leaf widths,
         as if its first row were row 0 of file 0 at frame 0, staged at offset 0: (row, file,

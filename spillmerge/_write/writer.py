@@ -272,6 +272,8 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                     self._learn_flat(flat[0])
                 return
             items = split_batch(batch, names)
+            if type(batch) is list and self._put_records(names, frames, frame_idx is None, items):
+                return
             checked = self._check_batch(names, frames, items)
             for name, frame, leaves, layouts in checked:
                 self._put(name, frame, leaves, layouts)

@@ -103,6 +103,22 @@ def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
                 for j in range(size)
             ]  # fmt: skip
             rows = [dict(d) for d in batch]
+        elif kind == "flat":  # generation outputs: flat dicts of strings, scalars and number lists
+            batch = [
+                {
+                    "text": "ü" * (j * 900 + b),  # rows and frames larger than a chunk too
+                    "token_ids": list(range(-1, 3 * j + b)) if (b, j) != (2, 3) else [],  # [] is a float list
+                    "logprob": -0.25 * j,
+                    "stop": j % 2 == 0,
+                    "mask": [j % 2 == 0, True],
+                    "probs": [0.5] * (j + 1),
+                    "none": None,
+                    "\x1fx": j,  # a key starting with the marker
+                }
+                for j in range(size)
+            ]  # fmt: skip
+            frames = [b * j for j in range(size)]
+            rows = [dict(d) for d in batch]
         else:  # a nested TensorDict
             td = pytest.importorskip("tensordict")
             x = torch.randn(size, 5, generator=g)
@@ -120,7 +136,7 @@ def _write_rows(w: spillmerge.SpillWriter, batches: list[tuple[list[str], Any, A
             w.write(name, f, row)
 
 
-@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "records", "tensordict"])
+@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "records", "flat", "tensordict"])
 def test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes(tmp_path, kind):
     batches = _batches(kind)
 
@@ -170,6 +186,9 @@ _GOOD = {"logits": torch.ones(2, 3), "name": ["p", "q"]}
         # a bad filename / frame index at position 1
         (["x0", 7], _GOOD, None, r"write_batch item 1 of 2: filename must be a str"),
         (["x0", "x1"], _GOOD, [0, -1], r"write_batch item 1 of 2 \('x1'\): frame_idx must be in"),
+        # flat records: an int beyond int64, a lone surrogate in item 1
+        (["x0", "x1"], [{"ids": [1, 2], "t": "a"}, {"ids": [1, 2**63], "t": "b"}], None, r"write_batch item 1 of 2 \('x1'\).*ids"),
+        (["x0", "x1"], [{"ids": [1, 2], "t": "a"}, {"ids": [1], "t": "\ud800"}], None, r"write_batch item 1 of 2 \('x1'\).*surrogate"),
         # a dict with a non-str key deep in item 1 (a layout change between frames is no error
         # since format 3: the leaf becomes a union)
         (["x0", "x1"], [{"v": 1}, {"v": {3: 1}}], None, r"write_batch item 1 of 2 \('x1'\): dict keys must be str.*key 3 at 'v'"),
@@ -200,14 +219,16 @@ def test_a_bad_batch_names_the_leaf_in_the_error_fields(tmp_path):
     assert (ei.value.leaf, ei.value.filename, ei.value.batch_index) == ("m/boxes/k", "c", 2)
 
 
-@pytest.mark.parametrize("as_tensor", [False, True])
-def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path, as_tensor):
+@pytest.mark.parametrize("kind", ["list", "tensor", "records"])
+def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path, kind):
     def run(name: str, policy: str, batched: bool) -> dict[str, Any]:
         def writes(w: spillmerge.SpillWriter) -> None:
             w.write("k", 0, torch.tensor([1.0]))
             names, vals = ["k", "j", "j"], [torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([4.0])]
+            if kind == "records":  # flat dicts, a new file repeating inside the batch
+                names, vals = ["i", "j", "j"], [{"t": "a" * i, "ids": [i] * i} for i in (2, 3, 4)]
             if batched:  # a list of per-item values, or one tensor with the batch first
-                w.write_batch(names, torch.stack(vals) if as_tensor else vals)
+                w.write_batch(names, torch.stack(vals) if kind == "tensor" else vals)
             else:
                 for n, v in zip(names, vals, strict=True):
                     w.write(n, 0, v)
@@ -218,6 +239,9 @@ def test_duplicate_policies_apply_inside_a_batch_as_row_by_row(tmp_path, as_tens
         assert run(f"r-{policy}", policy, False) == run(f"b-{policy}", policy, True)
     last = spillmerge.open(str(tmp_path / "b-last.zarr"))
     first = spillmerge.open(str(tmp_path / "b-first.zarr"))
+    if kind == "records":
+        assert (last.value("j", 0)["ids"], first.value("j", 0)["ids"]) == ([4] * 4, [3] * 3)
+        return
     assert (last["k"][0].item(), last["j"][0].item()) == (2.0, 4.0)
     assert (first["k"][0].item(), first["j"][0].item()) == (1.0, 3.0)
 
