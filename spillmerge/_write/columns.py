@@ -36,11 +36,8 @@ def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None
     """``flatten(items[i], names[i], ...)`` for every ``i`` when the items are such dicts (module
     docstring); None otherwise, and for anything ``flatten`` would refuse or word itself."""
     n = len(items)
-    first = items[0] if n else None
-    if n < 2 or type(first) is not dict or not first or set(map(type, items)) != {dict}:
-        return None
-    keys = tuple(first)
-    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+    keys = _one_key_order(items)
+    if keys is None:
         return None
     where: dict[Path, dict[str, int]] = {(): {user_key(k): i for i, k in enumerate(keys)}}
     odd = [list(keys) != sorted(keys)] * n  # per item: a dict of it out of sorted order
@@ -63,6 +60,18 @@ def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None
                 if p is not None:
                     leaves[j] = Leaf(leaf.path, leaf.dtype, leaf.shape, leaf.nbytes, leaf.data, p)
     return out
+
+
+def _one_key_order(items: list[Any]) -> tuple[str, ...] | None:
+    """The keys of ``items`` when there are two or more and all are non-empty dicts of the same
+    str keys in the same order; None otherwise."""
+    first = items[0] if items else None
+    if len(items) < 2 or type(first) is not dict or not first or set(map(type, items)) != {dict}:
+        return None
+    keys = tuple(first)
+    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+        return None
+    return keys
 
 
 def _column(
@@ -205,11 +214,8 @@ def flat_columns(items: list[Any]) -> FlatColumns | None:
     refuses or words itself (an int beyond int64, a lone surrogate, an over-long string, an
     empty list, an item of no bytes): the item-by-item way handles those."""
     n = len(items)
-    first = items[0] if n else None
-    if n < 2 or type(first) is not dict or not first or set(map(type, items)) != {dict}:
-        return None
-    keys = tuple(first)
-    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+    keys = _one_key_order(items)
+    if keys is None:
         return None
     data: list[np.ndarray] = []
     dtypes: list[str] = []

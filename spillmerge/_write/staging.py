@@ -298,19 +298,13 @@ class Staging:
             chunk = self._current_chunk()
             k = min(n - i, (self.chunk_bytes - chunk.fill) // frame_bytes)
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
-                held: list[Any] = []
-                r = row + i * n_leaves
                 fid = int(file_ids) + i if consecutive else int(file_ids[i])  # type: ignore[index]
                 fr = 0 if frames is None else int(frames[i])
-                for j, col in enumerate(columns):
-                    index[i * n_leaves + j] = (fid, fr, layout_ids[j], self.offset, widths[j])
-                    self.add(r + j, fid, fr, layout_ids[j], col[i], widths[j], held, j == n_leaves - 1)
+                pieces = [col[i] for col in columns]
+                self._add_by_leaf(row + i * n_leaves, fid, fr, layout_ids, pieces, widths, index[i * n_leaves :])
                 i += 1
                 continue
-            if chunk.host_np is None and not chunk.direct:
-                chunk.host_np = chunk.host.numpy()
-            if chunk.run:
-                self._close_run(chunk)
+            self._open_block(chunk)
             host, fill = chunk.host_np, chunk.fill
             # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
             shift = (row + i * n_leaves, int(file_ids) + i if consecutive else 0, 0, 0, self.offset, 0)
@@ -368,17 +362,12 @@ class Staging:
             k = int(np.searchsorted(frame_ends, done + self.chunk_bytes - chunk.fill, side="right")) - i
             fr = 0 if frames is None else int(frames[i])
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
-                held: list[Any] = []
-                for j in range(n_leaves):
-                    a, nb, lid = int(starts[i, j]), int(sizes[i, j]), int(layout_ids[i, j])
-                    index[i * n_leaves + j] = (file_base + i, fr, lid, self.offset, nb)
-                    self.add(int(grid[i, j]), file_base + i, fr, lid, columns[j][a : a + nb], nb, held, j == n_leaves - 1)
+                nbs = sizes[i].tolist()
+                pieces = [col[a : a + nb] for col, a, nb in zip(columns, starts[i].tolist(), nbs, strict=True)]
+                self._add_by_leaf(int(grid[i, 0]), file_base + i, fr, layout_ids[i].tolist(), pieces, nbs, index[i * n_leaves :])
                 i += 1
                 continue
-            if chunk.host_np is None and not chunk.direct:
-                chunk.host_np = chunk.host.numpy()
-            if chunk.run:
-                self._close_run(chunk)
+            self._open_block(chunk)
             part = slice(i, i + k)
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)
             cube[:, :, 0] = grid[part]
@@ -415,6 +404,24 @@ class Staging:
             i += k
             if chunk.fill == self.chunk_bytes:
                 self.hand_off()
+
+    def _add_by_leaf(
+        self, row: int, file_id: int, frame: int, layout_ids: Any, pieces: list[Any], sizes: list[int],
+        index: np.ndarray,
+    ) -> None:  # fmt: skip
+        """One frame through ``add``, a leaf at a time (rows ``row`` ...), its index rows into ``index[0:]``."""
+        held: list[Any] = []
+        last = len(pieces) - 1
+        for j, (piece, nb) in enumerate(zip(pieces, sizes, strict=True)):
+            index[j] = (file_id, frame, layout_ids[j], self.offset, nb)
+            self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
+
+    def _open_block(self, chunk: Chunk) -> None:
+        """Make ``chunk`` ready for a block of whole frames copied in by ``add_frames`` / ``add_ragged``."""
+        if chunk.host_np is None and not chunk.direct:
+            chunk.host_np = chunk.host.numpy()
+        if chunk.run:
+            self._close_run(chunk)
 
     def _block_rows(self, k: int, layout_ids: tuple[int, ...], widths: list[int]) -> np.ndarray:
         """The journal rows of a block of ``k`` whole frames of these layouts and leaf widths,
