@@ -179,17 +179,28 @@ class Staging:
             self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
 
     def add_host_frame(
-        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
+        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray] | bytes,
         sizes: Any, total: int,
     ) -> None:  # fmt: skip
         """``add_frame`` of a frame whose leaves are host uint8 arrays ``data`` of ``sizes``
-        bytes (``total`` > 0 in all): in one step when the frame fits in the current chunk (no
-        held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
-        otherwise leaf by leaf through ``add``."""
+        bytes (``total`` > 0 in all), or ``bytes`` holding them back to back: in one step when
+        the frame fits in the current chunk (no held list, no per-leaf call), its rows joining
+        the chunk's open block of whole frames; otherwise leaf by leaf through ``add``."""
         self.frames += 1
         if self.direct is None:
             self._decide(total, True)
         chunk = self._current
+        if type(data) is bytes:
+            if not self.direct and chunk is not None and chunk.host_np is not None and chunk.fill + total < self.chunk_bytes:
+                memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data  # one copy of the frame
+                self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
+                return
+            u8, at = np.frombuffer(data, dtype=np.uint8), 0
+            data = []
+            for n in sizes:
+                data.append(u8[at : at + n])
+                at += n
+        assert not isinstance(data, bytes)
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
             self._add_direct_frame(chunk, row, file_id, frame, layout_ids, data, sizes, total)
             return
@@ -199,15 +210,24 @@ class Staging:
             for j, d in enumerate(data):
                 self.add(row + j, file_id, frame, layout_ids[j], d, sizes[j], held, j == last)
             return
-        host, fill, base = chunk.host_np, chunk.fill, self.offset - chunk.fill
+        host, fill = chunk.host_np, chunk.fill
+        for d, n in zip(data, sizes, strict=True):
+            host[fill : fill + n] = d
+            fill += n
+        self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
+
+    def _add_run(
+        self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int
+    ) -> None:
+        """Join the rows of a frame just copied to the end of ``chunk`` to its open block of
+        whole frames (checked with the block: a CRC call per row held the GIL)."""
+        fill, base = chunk.fill, self.offset - chunk.fill
         run, tail = chunk.run, chunk.tail
         if not run:
             chunk.run_start = fill
-        for j, d in enumerate(data):
-            n = sizes[j]
+        for j, n in enumerate(sizes):
             if n:
-                host[fill : fill + n] = d
-                run.append(row + j)  # checked with its block (a CRC call per row held the GIL)
+                run.append(row + j)
             tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
             fill += n
         chunk.fill = fill

@@ -190,7 +190,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
         self._keys[(file_id, frame)] = (first_row, len(template.sizes))
 
     def _put_py(
-        self, filename: str, frame: int, schema: int, data: list[np.ndarray], sizes: list[int], total: int,
+        self, filename: str, frame: int, schema: int, data: bytes, sizes: list[int], total: int,
         layout_ids: tuple[int, ...],
     ) -> None:  # fmt: skip
         """``_put`` of a frame of a new file that ``PyTemplate.match`` converted; its index rows
