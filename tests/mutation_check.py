@@ -708,6 +708,14 @@ MUTATIONS: list[Mutation] = [
         "each row of a batch of flat records is indexed at its own bytes",
     ),
     Mutation(
+        "flat-records-direct-block-crc",
+        "spillmerge/_write/staging.py",
+        "                        value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None",
+        "                        value = _crc.value(src[lo[r] : hi[s - 1] - 1]) if chunk.direct else None",
+        ("tests/write/test_direct_chunks.py::test_direct_chunks_of_flat_record_batches_match_staged_ones_and_read_back",),
+        "a direct writer's block checksum of flat record rows covers exactly their bytes",
+    ),
+    Mutation(
         "write-batch-multibyte-filename-limit",
         "spillmerge/_write/batch.py",
         "                or max(map(len, names), default=0) <= FILENAME_MAX_BYTES // 4\n",

@@ -71,6 +71,33 @@ def test_direct_chunks_hold_the_same_bytes_journal_and_checks_as_staged_ones(tmp
     _merged_ok(local, str(tmp_path / "out"))
 
 
+def _records(b: int) -> list[dict[str, Any]]:
+    """Generation outputs of 70-170 KB each: a batch of them crosses 256 KiB chunks."""
+    return [{"text": "é" * (35_000 + 9_000 * j + b), "ids": list(range(j, 40 * j + b + 1)), "p": -0.5 * j} for j in range(6)]
+
+
+def test_direct_chunks_of_flat_record_batches_match_staged_ones_and_read_back(tmp_path):
+    def spill(root: str) -> spillmerge.SpillWriter:
+        with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=CHUNK) as w:
+            for b in range(3):
+                w.write_batch([f"b{b}-{j}" for j in range(6)], _records(b))
+        return w
+
+    local = str(tmp_path / "spill")
+    assert spill(local)._staging.direct is True
+    assert spill("memory://direct-records/spill")._staging.direct is False
+    (seg,) = glob.glob(f"{local}/rank-00000/seg-*")
+    (mseg,) = fsspec.filesystem("memory").glob("/direct-records/spill/rank-00000/seg-*")
+    names = [f"{FS.DATA_NAME}/c/{c}" for c in range(len(os.listdir(f"{seg}/data/c")))]
+    names += [f"journal/{n}" for n in sorted(os.listdir(f"{seg}/journal"))] + ["index/c/0/0", "checks/c/0/0"]
+    assert len(names) > 8
+    for name in names:
+        assert Path(f"{seg}/{name}").read_bytes() == fsspec.filesystem("memory").cat(f"{mseg}/{name}"), name
+    spillmerge.merge(local, str(tmp_path / "out"), progress=False)
+    res = spillmerge.open(str(tmp_path / "out"))
+    assert {f: v for f, _, v in res.iter_values()} == {f"b{b}-{j}": r for b in range(3) for j, r in enumerate(_records(b))}
+
+
 def test_a_tensor_changed_after_write_keeps_the_bytes_it_had(tmp_path):
     root = str(tmp_path / "spill")
     t = torch.zeros(40_000, dtype=torch.float32)
