@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import spillmerge
 
@@ -480,3 +482,57 @@ def test_the_cuda_batch_copy_keeps_item_containers_and_leaves_odd_batches_alone(
     assert _batch.cuda_to_host(batch) is batch  # host tensors: nothing to copy
     # the first tensor is found past a leaf of strings, not only down the first branch
     assert _batch._first_tensor({"text": ["x", "y"], "emb": b}, 0) is b
+
+
+_VALUE_KINDS = {
+    "str": st.text(max_size=40),
+    "int": st.integers(min_value=-(2**64), max_value=2**64),  # past int64 too: item by item, named
+    "float": st.floats(allow_nan=False),
+    "bool": st.booleans(),
+    "none": st.none(),
+    "ints": st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=6),
+    "floats": st.lists(st.floats(allow_nan=False), max_size=6),
+    "bools": st.lists(st.booleans(), min_size=1, max_size=6),
+}
+
+
+@st.composite
+def _flat_batch(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Flat dicts of one key order, each key of one kind (or, rarely, of two)."""
+    keys = draw(st.lists(st.sampled_from(["b", "a", "text", "\x1fm", "z", "ids"]), min_size=1, max_size=4, unique=True))
+    kinds = {k: draw(st.sampled_from(sorted(_VALUE_KINDS))) for k in keys}
+    mixed = draw(st.sampled_from([None, *keys])) if draw(st.booleans()) else None
+    n = draw(st.integers(min_value=1, max_value=8))
+    return [
+        {k: draw(_VALUE_KINDS["str" if k == mixed and i == n - 1 else kinds[k]]) for k in keys} for i in range(n)
+    ]
+
+
+@given(batches=st.lists(_flat_batch(), min_size=1, max_size=3))
+def test_batches_of_flat_records_are_stored_as_row_by_row_writes_or_refused_alike(tmp_path_factory, batches):
+    tmp = tmp_path_factory.mktemp("flat")
+    names = [[f"f{b}-{i}" for i in range(len(batch))] for b, batch in enumerate(batches)]
+    refused: dict[str, list[str | None]] = {"rows": [], "batch": []}
+
+    def by_row(w: spillmerge.SpillWriter) -> None:
+        for b, batch in enumerate(batches):
+            try:
+                for name, item in zip(names[b], batch, strict=True):
+                    w.write(name, 0, item)
+            except spillmerge.SpillValueError as exc:
+                refused["rows"].append(exc.filename)
+
+    def by_batch(w: spillmerge.SpillWriter) -> None:
+        for b, batch in enumerate(batches):
+            try:
+                w.write_batch(names[b], batch)
+            except spillmerge.SpillValueError as exc:
+                refused["batch"].append(exc.filename)
+
+    with spillmerge.SpillWriter(str(tmp / "rows.spill"), 0, 1, chunk_bytes=4096) as w:
+        by_row(w)
+    with spillmerge.SpillWriter(str(tmp / "batch.spill"), 0, 1, chunk_bytes=4096) as w:
+        by_batch(w)
+    assert refused["rows"] == refused["batch"]  # the same first bad item named
+    if not refused["rows"]:
+        assert _merge(tmp, "r", by_row) == _merge(tmp, "b", by_batch)
