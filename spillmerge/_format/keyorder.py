@@ -245,9 +245,8 @@ def output_orders(
     segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
     knows them (the plan does); else they are looked up (a table of every filename).
 
-    Each file's set of positioned layouts is a bit mask and a spec is built once per distinct
-    mask; files whose layouts give a key two positions (or all, past 62 layouts) are walked in
-    row order (:class:`_States`). Rows and files go ``block`` at a time into arrays from ``new``."""
+    Each file's layouts are walked in row order (:class:`_States`), a key's first position
+    winning. Rows and files go ``block`` at a time into arrays from ``new``."""
     step = block or BLOCK
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)
@@ -255,45 +254,16 @@ def output_orders(
         return None
     walker = _States(sigs)
     entries = _Entries()
-    wide = len(sigs) > 62
-    states = None
-    if not wide:  # each file's layouts: a bit mask; the entry of each distinct mask (-1: a clash)
-        masks = new("key_masks", n_files, np.int64)
-        for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
-            np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sg))
-        mask_eid: dict[int, int] = {}
-        for a, b in _spans(n_files, step):
-            for m in _distinct(np.asarray(masks[a:b])).tolist():
-                if m and m not in mask_eid:
-                    spec, clash = _spec_of([sigs[k] for k in range(len(sigs)) if (m >> k) & 1])
-                    mask_eid[m] = -1 if clash else entries.id(spec)
-        clashing = np.array(sorted(m for m, e in mask_eid.items() if e < 0), dtype=np.int64)
-    if wide or len(clashing):  # the files to walk, in row order
-        states = new("key_states", n_files, np.int64)
-        for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
-            if not wide:
-                keep = np.isin(np.asarray(masks[g]), clashing)
-                g, sg = g[keep], sg[keep]
-            if len(g):
-                walker.walk(states, g, sg)
+    states = new("key_states", n_files, np.int64)
+    for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
+        walker.walk(states, g, sg)
     runs: list[list[int]] = []
     for a, b in _spans(n_files, step):
-        if wide:
-            assert states is not None
-            st = np.asarray(states[a:b])
-            files = np.flatnonzero(st)
-            fe = walker.entry_ids(st[files], entries)
-        else:
-            mb = np.asarray(masks[a:b])
-            files = np.flatnonzero(mb)
-            u = _distinct(mb[files])
-            fe = np.array([mask_eid[m] for m in u.tolist()], dtype=np.int64)[np.searchsorted(u, mb[files])]
-            walked = np.flatnonzero(fe < 0)
-            if len(walked):
-                assert states is not None
-                fe[walked] = walker.entry_ids(np.asarray(states[a + files[walked]]), entries)
+        st = np.asarray(states[a:b])
+        files = np.flatnonzero(st)
         if not len(files):
             continue
+        fe = walker.entry_ids(st[files], entries)
         files += a
         brk = np.ones(len(files), dtype=bool)
         brk[1:] = (files[1:] != files[:-1] + 1) | (fe[1:] != fe[:-1])
@@ -310,18 +280,6 @@ def output_orders(
     for r in runs:
         r[2] = oid.setdefault(r[2], len(oid))
     return {"orders": [entries.entries[e] for e in sorted(oid, key=oid.__getitem__)], "runs": runs}
-
-
-def _spec_of(seq: Sequence[Sig]) -> tuple[list[list[Any]], bool]:
-    """The entry of a file whose positioned layouts are ``seq``, and whether two of them give one
-    key different positions."""
-    spec: dict[Path, dict[str, int]] = {}
-    clash = False
-    for leaf, pos in seq:
-        for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
-            if p >= 0:
-                clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
-    return _entry(spec), clash
 
 
 def _in_order(keys: dict[str, int]) -> list[str]:
