@@ -81,8 +81,8 @@ Sig = tuple[Path, tuple[int, ...]]
 """A positioned layout: its leaf path and ``pos``."""
 
 
-def _in_memory(name: str, shape: Any, dtype: Any, fill: int | None = None) -> np.ndarray:
-    return np.full(shape, 0 if fill is None else fill, dtype=dtype)
+def _in_memory(name: str, shape: Any, dtype: Any) -> np.ndarray:
+    return np.zeros(shape, dtype=dtype)
 
 
 def _distinct(a: np.ndarray) -> np.ndarray:
@@ -96,24 +96,6 @@ def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
         yield a, min(n, a + block)
 
 
-def _entry(spec: Spec) -> list[list[Any]]:
-    return _compress({path: _in_order(keys) for path, keys in spec.items()})
-
-
-class _Entries:
-    """The distinct entries (one file's orders, as written), numbered as met."""
-
-    def __init__(self) -> None:
-        self.entries: list[list[list[Any]]] = []
-        self._ids: dict[str, int] = {}
-
-    def id(self, entry: list[list[Any]]) -> int:
-        got = self._ids.setdefault(repr(entry), len(self.entries))
-        if got == len(self.entries):
-            self.entries.append(entry)
-        return got
-
-
 class _States:
     """Files walked in row order: a file's state is its spec so far (a key's first position wins),
     numbered from 1 (0: no positioned row yet); each (state, layout) step is built once."""
@@ -124,6 +106,9 @@ class _States:
         self._ids: dict[Any, int] = {(): 0}
         self._moves: dict[tuple[int, int], int] = {}
         self._entry: dict[int, int] = {}
+        self.entries: list[list[list[Any]]] = []
+        """The distinct entries (one file's orders, as written), numbered as met."""
+        self._entry_ids: dict[str, int] = {}
 
     def move(self, s: int, sg: int) -> int:
         """The state after state ``s`` meets layout ``sg``."""
@@ -160,12 +145,15 @@ class _States:
             nxt = [self.move(c // n, c % n) for c in u.tolist()]
             state[f] = np.array(nxt, dtype=np.int64)[inv]
 
-    def entry_ids(self, st: np.ndarray, entries: _Entries) -> np.ndarray:
+    def entry_ids(self, st: np.ndarray) -> np.ndarray:
         """The entry id of each state of ``st`` (none 0)."""
         u = _distinct(st)
         for s in u.tolist():
             if s not in self._entry:
-                self._entry[s] = entries.id(_entry(self.specs[s]))
+                entry = _compress({path: _in_order(keys) for path, keys in self.specs[s].items()})
+                self._entry[s] = self._entry_ids.setdefault(repr(entry), len(self.entries))
+                if self._entry[s] == len(self.entries):
+                    self.entries.append(entry)
         return np.array([self._entry[s] for s in u.tolist()], dtype=np.int64)[np.searchsorted(u, st)]
 
 
@@ -185,12 +173,10 @@ def _number_layouts(segments: Sequence[Any]) -> tuple[list[Sig], list[np.ndarray
 
 
 def _rows(
-    segments: Sequence[Any], lay_sigs: list[np.ndarray], filenames: Sequence[str],
-    file_ids: Sequence[np.ndarray] | None, step: int,
+    segments: Sequence[Any], lay_sigs: list[np.ndarray], file_ids: Sequence[np.ndarray], step: int,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """The index rows of positioned layouts in merge order (segment by segment, then row order),
-    ``step`` rows at a time: their files (positions in ``filenames``) and layout numbers."""
-    lookup: dict[str, int] | None = None
+    ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
     for si, s in enumerate(segments):
         lay_sig = lay_sigs[si]
         if not (lay_sig >= 0).any():
@@ -198,11 +184,7 @@ def _rows(
         n = getattr(s, "n_rows", None)  # a segment read when used knows it from its commit record
         if not (len(s.index) if n is None else n):
             continue
-        if file_ids is not None:
-            fmap = np.asarray(file_ids[si], dtype=np.int64)
-        else:
-            lookup = lookup if lookup is not None else {name: k for k, name in enumerate(filenames)}
-            fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
+        fmap = np.asarray(file_ids[si], dtype=np.int64)
         block: Any = None
         for block in _index_blocks(s, step):
             yield from _pick(np.asarray(block), lay_sig, fmap)
@@ -236,14 +218,13 @@ def _pick(ib: np.ndarray, lay_sig: np.ndarray, fmap: np.ndarray) -> Iterator[tup
 
 
 def output_orders(
-    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None,
+    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray],
     *, new: Alloc = _in_memory, block: int | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
     None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
-    segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
-    knows them (the plan does); else they are looked up (a table of every filename).
+    segment, the position in ``filenames`` of each of its filenames (-1: none).
 
     Each file's layouts are walked in row order (:class:`_States`), a key's first position
     winning. Rows and files go ``block`` at a time into arrays from ``new``."""
@@ -253,9 +234,8 @@ def output_orders(
     if not sigs or not n_files:
         return None
     walker = _States(sigs)
-    entries = _Entries()
     states = new("key_states", n_files, np.int64)
-    for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
+    for g, sg in _rows(segments, lay_sigs, file_ids, step):
         walker.walk(states, g, sg)
     runs: list[list[int]] = []
     for a, b in _spans(n_files, step):
@@ -263,7 +243,7 @@ def output_orders(
         files = np.flatnonzero(st)
         if not len(files):
             continue
-        fe = walker.entry_ids(st[files], entries)
+        fe = walker.entry_ids(st[files])
         files += a
         brk = np.ones(len(files), dtype=bool)
         brk[1:] = (files[1:] != files[:-1] + 1) | (fe[1:] != fe[:-1])
@@ -279,7 +259,7 @@ def output_orders(
     oid: dict[int, int] = {}  # orders numbered as the files meet them
     for r in runs:
         r[2] = oid.setdefault(r[2], len(oid))
-    return {"orders": [entries.entries[e] for e in sorted(oid, key=oid.__getitem__)], "runs": runs}
+    return {"orders": [walker.entries[e] for e in sorted(oid, key=oid.__getitem__)], "runs": runs}
 
 
 def _in_order(keys: dict[str, int]) -> list[str]:
