@@ -3,6 +3,8 @@ headers, completion marker, part records) and what a path holds when it is no ou
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,6 @@ from .common import (
     dumps,
     failure_now,
     failure_read,
-    host_and_pid,
     int_field,
     int_or_none,
     item_index,
@@ -165,8 +166,7 @@ class PartDoneRecord:
 
     @classmethod
     def now(cls, **fields: Any) -> PartDoneRecord:
-        host, pid = host_and_pid()
-        return cls(finished=utcnow(), host=host, pid=pid, **fields)
+        return cls(finished=utcnow(), host=socket.gethostname(), pid=os.getpid(), **fields)
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part", **asdict(self)})
@@ -292,16 +292,11 @@ class ColumnHeader:
     """The variant tag (``<col>.<variant>``) of a column of a leaf holding several kinds or dimensions."""
 
     def to_obj(self) -> dict[str, Any]:
-        extra = {} if self.variant is None else {"variant": self.variant}
-        return extra | {
-            "leaf": list(self.leaf),
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "ndim": self.ndim,
-            "inner_shape": None if self.inner_shape is None else list(self.inner_shape),
-            "has_valid": self.has_valid,
-            "chunk_max_bytes": self.chunk_max_bytes,
-        }
+        inner = None if self.inner_shape is None else list(self.inner_shape)
+        obj = asdict(self) | {"leaf": list(self.leaf), "inner_shape": inner}
+        if self.variant is None:
+            del obj["variant"]
+        return obj
 
     @classmethod
     def from_obj(cls, obj: Any, *, name: str, path: str) -> ColumnHeader:
