@@ -50,16 +50,12 @@ def check_pos(pos: Any, leaf: Path, where: str) -> tuple[int, ...] | None:
 # merge
 
 
-def _general(path: Path) -> Path:
-    return tuple(F.ITEM if F.item_index(s) is not None else s for s in path)
-
-
 def _compress(spec: dict[Path, list[str]]) -> list[list[Any]]:
     """``[[dict path, [key segments in order]], ...]``: dicts of one list whose items all have
     one order are stored once under the list's ``ITEM`` path."""
     by_gen: dict[Path, list[tuple[Path, list[str]]]] = {}
     for path, keys in spec.items():
-        by_gen.setdefault(_general(path), []).append((path, keys))
+        by_gen.setdefault(F.general_path(path)[0], []).append((path, keys))
     out: list[list[Any]] = []
     for gen, entries in sorted(by_gen.items()):
         if gen != entries[0][0] and all(keys == entries[0][1] for _, keys in entries):
@@ -327,7 +323,7 @@ class KeyOrders:
         out: dict[Path, dict[str, int]] = {}
         for oid in self._ids:
             for path, keys in self._specs[oid].items():
-                got = out.setdefault(_general(path), {})
+                got = out.setdefault(F.general_path(path)[0], {})
                 for k, i in keys.items():
                     got.setdefault(k, i)
         return {path: {k: i for i, k in enumerate(_in_order(keys))} for path, keys in out.items()}
@@ -348,7 +344,7 @@ def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[s
     if spec is not None:
         rank = spec.get(path)
         if rank is None:
-            gen = _general(path)
+            gen = F.general_path(path)[0]
             if gen != path:
                 rank = spec.get(gen)
         if rank is not None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 COMPLETE_NAME = "spillmerge-complete.json"
 
+
 @dataclass(frozen=True, slots=True)
 class ChunkLimits:
     """What one chunk of an output array may be, from its ``zarr.json`` checked against the
