@@ -70,12 +70,8 @@ def _ints(v: Any, what: str) -> list[int]:
 
 def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
     """The bounds of a chunk of the output array whose ``zarr.json`` is ``meta`` (a dict), or a
-    :class:`CorruptSpillError` naming ``path`` when the metadata itself breaks the format: a
-    codec chain spillmerge does not write, a chunk shape larger than the array in any dimension
-    (a 32 KB chunk declared ``(2**26, 4)`` in a 10-row array), a chunk decoding to more than
-    :data:`MAX_CHUNK_BYTES` unless it is one row, a shape overflowing or empty past
-    :data:`~spillmerge._format.common.EMPTY_EXTENT_MAX` entries. Everything is computed in Python ints, so nothing
-    overflows."""
+    :class:`CorruptSpillError` naming ``path`` when the metadata itself breaks the format (its
+    message names the rule). Computed in Python ints, so nothing overflows."""
     try:
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
@@ -100,8 +96,7 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         dt = meta.get("data_type")
         if first != "bytes" or not isinstance(dt, str):
             raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
-        item = np.dtype(dt).itemsize
-        row = item
+        row = np.dtype(dt).itemsize
         for c in chunks[1:]:
             row *= c
         decoded = row * chunks[0]
