@@ -1244,14 +1244,6 @@ MUTATIONS: list[Mutation] = [
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),
     Mutation(
-        "key-order-clashing-files-walked-in-row-order",
-        "spillmerge/_format/keyorder.py",
-        "                    mask_eid[m] = -1 if clash else entries.id(spec)",
-        "                    mask_eid[m] = entries.id(spec)",
-        ("tests/merge/test_plan_sql.py::test_a_file_whose_frames_order_one_dict_differently_keeps_the_first_written",),
-        "a file whose frames hold one dict in different orders takes the order of the frame written first",
-    ),
-    Mutation(
         "i40-gloo-group-has-the-call-timeout",
         "spillmerge/_dist/rank.py",
         "    key = (id(dist.group.WORLD), float(timeout))",

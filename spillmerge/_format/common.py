@@ -418,10 +418,6 @@ def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> tuple[
     return type(exc).__name__, str(exc)[:message_chars], tb[-20000:]
 
 
-def host_and_pid() -> tuple[str, int]:
-    return socket.gethostname(), os.getpid()
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProcessFailure:
     """What every record of a failed merge process carries (a part's, the collective merge's):
@@ -441,8 +437,8 @@ class ProcessFailure:
 def failure_now(exc: BaseException, *, message_chars: int) -> dict[str, Any]:
     """The fields a process failure record (part or merge) takes from ``exc`` and this process."""
     error_type, message, tb = exception_fields(exc, message_chars=message_chars)
-    host, pid = host_and_pid()
-    return {"error_type": error_type, "message": message, "traceback": tb, "time": utcnow(), "host": host, "pid": pid}
+    fields = {"error_type": error_type, "message": message, "traceback": tb}
+    return fields | {"time": utcnow(), "host": socket.gethostname(), "pid": os.getpid()}
 
 
 def failure_read(obj: dict[str, Any], *, message_chars: int, missing: Any, missing_type: Any) -> dict[str, Any]:

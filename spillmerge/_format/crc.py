@@ -19,6 +19,7 @@ def extend(crc: int, data: Any) -> int:
     """CRC-32C of the bytes whose CRC-32C is ``crc`` followed by ``data``."""
     return _crc32c.crc32c(data, crc)
 
+
 POLY = 0x82F63B78
 """The Castagnoli polynomial, bit-reflected (as CRC-32C computes)."""
 

@@ -37,13 +37,8 @@ def frame_problems(frame_idx: np.ndarray, offsets: np.ndarray, filenames: Any) -
     bad = np.flatnonzero(~step_ok)
     if len(bad):
         r = int(bad[0]) + 1
-        out.append(
-            (
-                rel,
-                f"frame indices are not strictly ascending within a file: {where(r)} holds {int(frame_idx[r])} "
-                f"after {int(frame_idx[r - 1])} ({len(bad)} such rows)",
-            )
-        )
+        what = f"{where(r)} holds {int(frame_idx[r])} after {int(frame_idx[r - 1])} ({len(bad)} such rows)"
+        out.append((rel, f"frame indices are not strictly ascending within a file: {what}"))
     return out
 
 

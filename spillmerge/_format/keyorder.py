@@ -50,16 +50,12 @@ def check_pos(pos: Any, leaf: Path, where: str) -> tuple[int, ...] | None:
 # merge
 
 
-def _general(path: Path) -> Path:
-    return tuple(F.ITEM if F.item_index(s) is not None else s for s in path)
-
-
 def _compress(spec: dict[Path, list[str]]) -> list[list[Any]]:
     """``[[dict path, [key segments in order]], ...]``: dicts of one list whose items all have
     one order are stored once under the list's ``ITEM`` path."""
     by_gen: dict[Path, list[tuple[Path, list[str]]]] = {}
     for path, keys in spec.items():
-        by_gen.setdefault(_general(path), []).append((path, keys))
+        by_gen.setdefault(F.general_path(path)[0], []).append((path, keys))
     out: list[list[Any]] = []
     for gen, entries in sorted(by_gen.items()):
         if gen != entries[0][0] and all(keys == entries[0][1] for _, keys in entries):
@@ -81,8 +77,8 @@ Sig = tuple[Path, tuple[int, ...]]
 """A positioned layout: its leaf path and ``pos``."""
 
 
-def _in_memory(name: str, shape: Any, dtype: Any, fill: int | None = None) -> np.ndarray:
-    return np.full(shape, 0 if fill is None else fill, dtype=dtype)
+def _in_memory(name: str, shape: Any, dtype: Any) -> np.ndarray:
+    return np.zeros(shape, dtype=dtype)
 
 
 def _distinct(a: np.ndarray) -> np.ndarray:
@@ -96,24 +92,6 @@ def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
         yield a, min(n, a + block)
 
 
-def _entry(spec: Spec) -> list[list[Any]]:
-    return _compress({path: _in_order(keys) for path, keys in spec.items()})
-
-
-class _Entries:
-    """The distinct entries (one file's orders, as written), numbered as met."""
-
-    def __init__(self) -> None:
-        self.entries: list[list[list[Any]]] = []
-        self._ids: dict[str, int] = {}
-
-    def id(self, entry: list[list[Any]]) -> int:
-        got = self._ids.setdefault(repr(entry), len(self.entries))
-        if got == len(self.entries):
-            self.entries.append(entry)
-        return got
-
-
 class _States:
     """Files walked in row order: a file's state is its spec so far (a key's first position wins),
     numbered from 1 (0: no positioned row yet); each (state, layout) step is built once."""
@@ -124,6 +102,9 @@ class _States:
         self._ids: dict[Any, int] = {(): 0}
         self._moves: dict[tuple[int, int], int] = {}
         self._entry: dict[int, int] = {}
+        self.entries: list[list[list[Any]]] = []
+        """The distinct entries (one file's orders, as written), numbered as met."""
+        self._entry_ids: dict[str, int] = {}
 
     def move(self, s: int, sg: int) -> int:
         """The state after state ``s`` meets layout ``sg``."""
@@ -160,12 +141,15 @@ class _States:
             nxt = [self.move(c // n, c % n) for c in u.tolist()]
             state[f] = np.array(nxt, dtype=np.int64)[inv]
 
-    def entry_ids(self, st: np.ndarray, entries: _Entries) -> np.ndarray:
+    def entry_ids(self, st: np.ndarray) -> np.ndarray:
         """The entry id of each state of ``st`` (none 0)."""
         u = _distinct(st)
         for s in u.tolist():
             if s not in self._entry:
-                self._entry[s] = entries.id(_entry(self.specs[s]))
+                entry = _compress({path: _in_order(keys) for path, keys in self.specs[s].items()})
+                self._entry[s] = self._entry_ids.setdefault(repr(entry), len(self.entries))
+                if self._entry[s] == len(self.entries):
+                    self.entries.append(entry)
         return np.array([self._entry[s] for s in u.tolist()], dtype=np.int64)[np.searchsorted(u, st)]
 
 
@@ -185,12 +169,10 @@ def _number_layouts(segments: Sequence[Any]) -> tuple[list[Sig], list[np.ndarray
 
 
 def _rows(
-    segments: Sequence[Any], lay_sigs: list[np.ndarray], filenames: Sequence[str],
-    file_ids: Sequence[np.ndarray] | None, step: int,
+    segments: Sequence[Any], lay_sigs: list[np.ndarray], file_ids: Sequence[np.ndarray], step: int,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """The index rows of positioned layouts in merge order (segment by segment, then row order),
-    ``step`` rows at a time: their files (positions in ``filenames``) and layout numbers."""
-    lookup: dict[str, int] | None = None
+    ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
     for si, s in enumerate(segments):
         lay_sig = lay_sigs[si]
         if not (lay_sig >= 0).any():
@@ -198,11 +180,7 @@ def _rows(
         n = getattr(s, "n_rows", None)  # a segment read when used knows it from its commit record
         if not (len(s.index) if n is None else n):
             continue
-        if file_ids is not None:
-            fmap = np.asarray(file_ids[si], dtype=np.int64)
-        else:
-            lookup = lookup if lookup is not None else {name: k for k, name in enumerate(filenames)}
-            fmap = np.fromiter((lookup.get(n, -1) for n in s.filenames), dtype=np.int64, count=len(s.filenames))
+        fmap = np.asarray(file_ids[si], dtype=np.int64)
         block: Any = None
         for block in _index_blocks(s, step):
             yield from _pick(np.asarray(block), lay_sig, fmap)
@@ -236,64 +214,32 @@ def _pick(ib: np.ndarray, lay_sig: np.ndarray, fmap: np.ndarray) -> Iterator[tup
 
 
 def output_orders(
-    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray] | None = None,
+    filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray],
     *, new: Alloc = _in_memory, block: int | None = None,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
     None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
-    segment, the position in ``filenames`` of each of its filenames (-1: none), when the caller
-    knows them (the plan does); else they are looked up (a table of every filename).
+    segment, the position in ``filenames`` of each of its filenames (-1: none).
 
-    Each file's set of positioned layouts is a bit mask and a spec is built once per distinct
-    mask; files whose layouts give a key two positions (or all, past 62 layouts) are walked in
-    row order (:class:`_States`). Rows and files go ``block`` at a time into arrays from ``new``."""
+    Each file's layouts are walked in row order (:class:`_States`), a key's first position
+    winning. Rows and files go ``block`` at a time into arrays from ``new``."""
     step = block or BLOCK
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)
     if not sigs or not n_files:
         return None
     walker = _States(sigs)
-    entries = _Entries()
-    wide = len(sigs) > 62
-    states = None
-    if not wide:  # each file's layouts: a bit mask; the entry of each distinct mask (-1: a clash)
-        masks = new("key_masks", n_files, np.int64)
-        for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
-            np.bitwise_or.at(masks, g, np.left_shift(np.int64(1), sg))
-        mask_eid: dict[int, int] = {}
-        for a, b in _spans(n_files, step):
-            for m in _distinct(np.asarray(masks[a:b])).tolist():
-                if m and m not in mask_eid:
-                    spec, clash = _spec_of([sigs[k] for k in range(len(sigs)) if (m >> k) & 1])
-                    mask_eid[m] = -1 if clash else entries.id(spec)
-        clashing = np.array(sorted(m for m, e in mask_eid.items() if e < 0), dtype=np.int64)
-    if wide or len(clashing):  # the files to walk, in row order
-        states = new("key_states", n_files, np.int64)
-        for g, sg in _rows(segments, lay_sigs, filenames, file_ids, step):
-            if not wide:
-                keep = np.isin(np.asarray(masks[g]), clashing)
-                g, sg = g[keep], sg[keep]
-            if len(g):
-                walker.walk(states, g, sg)
+    states = new("key_states", n_files, np.int64)
+    for g, sg in _rows(segments, lay_sigs, file_ids, step):
+        walker.walk(states, g, sg)
     runs: list[list[int]] = []
     for a, b in _spans(n_files, step):
-        if wide:
-            assert states is not None
-            st = np.asarray(states[a:b])
-            files = np.flatnonzero(st)
-            fe = walker.entry_ids(st[files], entries)
-        else:
-            mb = np.asarray(masks[a:b])
-            files = np.flatnonzero(mb)
-            u = _distinct(mb[files])
-            fe = np.array([mask_eid[m] for m in u.tolist()], dtype=np.int64)[np.searchsorted(u, mb[files])]
-            walked = np.flatnonzero(fe < 0)
-            if len(walked):
-                assert states is not None
-                fe[walked] = walker.entry_ids(np.asarray(states[a + files[walked]]), entries)
+        st = np.asarray(states[a:b])
+        files = np.flatnonzero(st)
         if not len(files):
             continue
+        fe = walker.entry_ids(st[files])
         files += a
         brk = np.ones(len(files), dtype=bool)
         brk[1:] = (files[1:] != files[:-1] + 1) | (fe[1:] != fe[:-1])
@@ -309,19 +255,7 @@ def output_orders(
     oid: dict[int, int] = {}  # orders numbered as the files meet them
     for r in runs:
         r[2] = oid.setdefault(r[2], len(oid))
-    return {"orders": [entries.entries[e] for e in sorted(oid, key=oid.__getitem__)], "runs": runs}
-
-
-def _spec_of(seq: Sequence[Sig]) -> tuple[list[list[Any]], bool]:
-    """The entry of a file whose positioned layouts are ``seq``, and whether two of them give one
-    key different positions."""
-    spec: dict[Path, dict[str, int]] = {}
-    clash = False
-    for leaf, pos in seq:
-        for j, (seg, p) in enumerate(zip(leaf, pos, strict=True)):
-            if p >= 0:
-                clash |= spec.setdefault(leaf[:j], {}).setdefault(seg, p) != p
-    return _entry(spec), clash
+    return {"orders": [walker.entries[e] for e in sorted(oid, key=oid.__getitem__)], "runs": runs}
 
 
 def _in_order(keys: dict[str, int]) -> list[str]:
@@ -389,7 +323,7 @@ class KeyOrders:
         out: dict[Path, dict[str, int]] = {}
         for oid in self._ids:
             for path, keys in self._specs[oid].items():
-                got = out.setdefault(_general(path), {})
+                got = out.setdefault(F.general_path(path)[0], {})
                 for k, i in keys.items():
                     got.setdefault(k, i)
         return {path: {k: i for i, k in enumerate(_in_order(keys))} for path, keys in out.items()}
@@ -410,7 +344,7 @@ def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[s
     if spec is not None:
         rank = spec.get(path)
         if rank is None:
-            gen = _general(path)
+            gen = F.general_path(path)[0]
             if gen != path:
                 rank = spec.get(gen)
         if rank is not None:

@@ -27,7 +27,7 @@ class StoredList:
 
 
 def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Problem]]:
-    """Every list group of a format-4 output (metadata only), and what is wrong with them."""
+    """Every list group of an output (metadata only), and what is wrong with them."""
     import zarr
 
     out: dict[tuple[str, ...], StoredList] = {}
@@ -64,12 +64,8 @@ def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Prob
         out[key] = StoredList(name, key, arr)
     for stored in out.values():
         if stored.parent and stored.parent not in out:
-            problems.append(
-                (
-                    f"lists/{stored.name}",
-                    f"its lists are items of {list(stored.parent)!r:.200}, which has no list group",
-                )
-            )
+            what = f"its lists are items of {list(stored.parent)!r:.200}, which has no list group"
+            problems.append((f"lists/{stored.name}", what))
     return out, problems
 
 
@@ -135,8 +131,8 @@ def positions(
     offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], r: int
 ) -> tuple[int, list[tuple[int, ...]]]:
     """Where the rows of ``domain`` that output row ``r`` holds sit: their first row, and per
-    row its item position in each enclosing list (outermost first). Python ints: one row's lists
-    are short, and numpy's per-call cost was most of ``value()``'s time."""
+    row its item position in each enclosing list (outermost first); in Python ints, as one row's
+    lists are short."""
     lo, hi = r, r + 1
     items: list[tuple[int, ...]] = [()]
     for lst in chain(domain):
@@ -158,12 +154,8 @@ def header_problems(
     for c, valid, n in heads:
         lpath = (*c.leaf[:-1], F.ITEM)
         if lpath not in lists:
-            out.append(
-                (
-                    f"columns/{c.name}",
-                    f"a {c.dtype[2:]} header whose items' list lists/{F.leaf_text(lpath)!r:.200} is missing",
-                )
-            )
+            what = f"a {c.dtype[2:]} header whose items' list lists/{F.leaf_text(lpath)!r:.200} is missing"
+            out.append((f"columns/{c.name}", what))
             continue
         by_list.setdefault(lpath, []).append((c, valid, n))
     for lpath, hs in by_list.items():

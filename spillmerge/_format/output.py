@@ -3,6 +3,8 @@ headers, completion marker, part records) and what a path holds when it is no ou
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,6 @@ from .common import (
     dumps,
     failure_now,
     failure_read,
-    host_and_pid,
     int_field,
     int_or_none,
     item_index,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .._storage import Storage
 
 COMPLETE_NAME = "spillmerge-complete.json"
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkLimits:
@@ -68,12 +70,8 @@ def _ints(v: Any, what: str) -> list[int]:
 
 def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
     """The bounds of a chunk of the output array whose ``zarr.json`` is ``meta`` (a dict), or a
-    :class:`CorruptSpillError` naming ``path`` when the metadata itself breaks the format: a
-    codec chain spillmerge does not write, a chunk shape larger than the array in any dimension
-    (a 32 KB chunk declared ``(2**26, 4)`` in a 10-row array), a chunk decoding to more than
-    :data:`MAX_CHUNK_BYTES` unless it is one row, a shape overflowing or empty past
-    :data:`~spillmerge._format.common.EMPTY_EXTENT_MAX` entries. Everything is computed in Python ints, so nothing
-    overflows."""
+    :class:`CorruptSpillError` naming ``path`` when the metadata itself breaks the format (its
+    message names the rule). Computed in Python ints, so nothing overflows."""
     try:
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
@@ -98,8 +96,7 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         dt = meta.get("data_type")
         if first != "bytes" or not isinstance(dt, str):
             raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
-        item = np.dtype(dt).itemsize
-        row = item
+        row = np.dtype(dt).itemsize
         for c in chunks[1:]:
             row *= c
         decoded = row * chunks[0]
@@ -165,8 +162,7 @@ class PartDoneRecord:
 
     @classmethod
     def now(cls, **fields: Any) -> PartDoneRecord:
-        host, pid = host_and_pid()
-        return cls(finished=utcnow(), host=host, pid=pid, **fields)
+        return cls(finished=utcnow(), host=socket.gethostname(), pid=os.getpid(), **fields)
 
     def to_json(self) -> bytes:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part", **asdict(self)})
@@ -292,16 +288,11 @@ class ColumnHeader:
     """The variant tag (``<col>.<variant>``) of a column of a leaf holding several kinds or dimensions."""
 
     def to_obj(self) -> dict[str, Any]:
-        extra = {} if self.variant is None else {"variant": self.variant}
-        return extra | {
-            "leaf": list(self.leaf),
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "ndim": self.ndim,
-            "inner_shape": None if self.inner_shape is None else list(self.inner_shape),
-            "has_valid": self.has_valid,
-            "chunk_max_bytes": self.chunk_max_bytes,
-        }
+        inner = None if self.inner_shape is None else list(self.inner_shape)
+        obj = asdict(self) | {"leaf": list(self.leaf), "inner_shape": inner}
+        if self.variant is None:
+            del obj["variant"]
+        return obj
 
     @classmethod
     def from_obj(cls, obj: Any, *, name: str, path: str) -> ColumnHeader:

@@ -99,7 +99,7 @@ def _write_orders(root: Path, wide: bool) -> dict[str, list[dict]]:
     """Files whose dicts change order every 3 files and come back to earlier orders, some in
     sorted order (no positions), some whose second frame holds the dict in another order than
     the first (they clash: the first written decides), over 2 ranks' segments. ``wide``: 10 keys
-    in 11 orders, 90 distinct positioned layouts (more than a bit mask holds). Returns each
+    in 11 orders, 90 distinct positioned layouts (more than 62). Returns each
     file's values by frame."""
     keys = [f"k{j}" for j in range(10 if wide else 3)]
     perms = [keys[s:] + keys[:s] for s in range(len(keys))] + [keys[::-1]]  # rotation 0 is sorted
@@ -117,7 +117,7 @@ def _write_orders(root: Path, wide: bool) -> dict[str, list[dict]]:
     return values
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["bit masks", "wide"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_key_orders_are_the_same_whatever_the_block_size(tmp_path, monkeypatch, wide):
     """``output_orders`` a file (and an index row) at a time, its per-file arrays maps of files,
     gives the orders and runs of one block: runs go on across the blocks' edges."""
@@ -128,7 +128,9 @@ def test_key_orders_are_the_same_whatever_the_block_size(tmp_path, monkeypatch, 
     names = sorted({n for s in segments for n in s.filenames})
     positioned = {(lay.leaf, lay.pos) for s in segments for lay in s.layouts if lay.pos is not None}
     assert (len(positioned) > 62) == wide
-    whole = _keyorder.output_orders(names, segments)
+    number = {n: k for k, n in enumerate(names)}
+    file_ids = [np.array([number[n] for n in s.filenames], dtype=np.int64) for s in segments]
+    whole = _keyorder.output_orders(names, segments, file_ids)
     assert whole is not None and len(whole["orders"]) > 4
     assert max(b - a for a, b, _ in whole["runs"]) >= 3  # runs longer than the blocks below
     assert sum(b - a for a, b, _ in whole["runs"]) < len(names)  # and files of no orders between them
@@ -136,11 +138,11 @@ def test_key_orders_are_the_same_whatever_the_block_size(tmp_path, monkeypatch, 
     (tmp_path / "work").mkdir()
     new = functools.partial(_plansql.alloc, str(tmp_path / "work"))
     for block in (1, 2, 5):
-        assert _keyorder.output_orders(names, segments, new=new, block=block) == whole, block
-    assert any(p.suffix == ".bin" for p in (tmp_path / "work").iterdir())  # the masks or states were maps
+        assert _keyorder.output_orders(names, segments, file_ids, new=new, block=block) == whole, block
+    assert any(p.suffix == ".bin" for p in (tmp_path / "work").iterdir())  # the states were maps
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["bit masks", "wide"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_a_merge_planned_in_tiny_blocks_gives_every_dict_in_its_key_order(tmp_path, monkeypatch, wide):
     """Through a whole merge with blocks of 2 files and every per-file array a map: each dict
     comes back in its file's order, that of the first frame written that records positions where
