@@ -700,6 +700,22 @@ MUTATIONS: list[Mutation] = [
         "a batch of flat records naming one file twice applies the duplicate policy as row-by-row writes do",
     ),
     Mutation(
+        "flat-records-others-checked-first",
+        "spillmerge/_write/dense.py",
+        "            except SpillValueError as exc:\n                raise at_position(exc, i, n, names[i]) from None\n            others.append(",
+        "            except SpillValueError as exc:\n                continue\n            others.append(",
+        ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
+        "a batch of records whose bad item holds an empty list is refused whole, naming that item",
+    ),
+    Mutation(
+        "flat-records-kept-items-only",
+        "spillmerge/_write/dense.py",
+        "            names, frames = [names[i] for i in kept], [frames[i] for i in kept]\n",
+        "            pass\n",
+        ("tests/write/test_write_batch.py::test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes",),
+        "records staged a column at a time are filed under their own names when items with an empty list go apart",
+    ),
+    Mutation(
         "flat-records-row-offsets",
         "spillmerge/_write/stagebatch.py",
         "                cube[:, j, 4] = base + fill + lo\n",

@@ -195,75 +195,114 @@ def _records(
 
 @dataclass(slots=True)
 class FlatColumns:
-    """A batch of flat dicts (one key order; each key's values all ``None``, all ``str``, all one
-    Python number type, or all non-empty lists of one number type) as one byte buffer per key:
-    what ``flatten`` gives item by item, made a column at a time (``SpillWriter.write_batch``)."""
+    """A batch of dicts of one key order as one byte buffer per leaf: what ``flatten`` gives item
+    by item, made a column at a time (``SpillWriter.write_batch``). Each key's values are all
+    ``None``, all ``str``, all one Python number type, all lists of one number type, or all
+    lists of flat records (dicts of one key order over the batch, each key's values of one number
+    type, or lists of one number type all of one length)."""
 
     data: list[np.ndarray]
-    """Per leaf (the keys sorted, as ``flatten`` orders them): every item's bytes, back to back."""
+    """Per leaf (in ``flatten``'s order): the kept items' bytes, back to back."""
     sizes: np.ndarray
-    """int64 ``(n_items, n_leaves)``: each leaf's byte count."""
+    """int64 ``(n_kept, n_leaves)``: each leaf's byte count."""
     lengths: np.ndarray
-    """int64 ``(n_items, n_leaves)``: each leaf's length (its shape ``(length,)``), -1 for a 0-d leaf."""
+    """int64 ``(n_kept, n_leaves)``: each leaf's first dimension, -1 for a 0-d leaf."""
     dtypes: list[str]
     """Per leaf: its dtype name."""
+    kept: list[int]
+    """The items taken, in batch order; the others hold an empty list, which ``flatten`` stores as
+    a leaf of its own: they go item by item."""
 
 
 def flat_columns(items: list[Any]) -> FlatColumns | None:
     """``items`` as :class:`FlatColumns`, or None for any other batch and for what ``flatten``
     refuses or words itself (an int beyond int64, a lone surrogate, an over-long string, an
-    empty list, an item of no bytes): the item-by-item way handles those."""
-    n = len(items)
+    item of no bytes): the item-by-item way handles those."""
     keys = _one_key_order(items)
     if keys is None:
         return None
-    data: list[np.ndarray] = []
-    dtypes: list[str] = []
-    sizes = np.empty((n, len(keys)), dtype=np.int64)
-    lengths = np.empty((n, len(keys)), dtype=np.int64)
+    columns = [list(map(operator.itemgetter(k), items)) for k in sorted(keys)]
+    empty = {i for column in columns for i, v in enumerate(column) if type(v) is list and not v}
+    kept = [i for i in range(len(items)) if i not in empty]
+    if len(kept) < 2:
+        return None
+    if empty:
+        pick = operator.itemgetter(*kept)
+        columns = [list(pick(column)) for column in columns]
+    n = len(kept)
+    leaves: list[tuple[np.ndarray, Any, Any, str]] = []
     try:
-        for j, k in enumerate(sorted(keys)):
-            column = list(map(operator.itemgetter(k), items))
-            got = _flat_column(column, n)
-            if got is None:
-                return None
-            data.append(got[0])
-            sizes[:, j], lengths[:, j] = got[1], got[2]
-            dtypes.append(got[3])
+        if not all(_column_leaves(column, n, leaves) for column in columns):
+            return None
     except (OverflowError, UnicodeEncodeError):
         return None
+    sizes = np.empty((n, len(leaves)), dtype=np.int64)
+    lengths = np.empty((n, len(leaves)), dtype=np.int64)
+    for j, (_, size, length, _) in enumerate(leaves):
+        sizes[:, j], lengths[:, j] = size, length
     if not sizes.sum(axis=1).all():
         return None
-    return FlatColumns(data, sizes, lengths, dtypes)
+    return FlatColumns([leaf[0] for leaf in leaves], sizes, lengths, [leaf[3] for leaf in leaves], kept)
 
 
-def _flat_column(column: list[Any], n: int) -> tuple[np.ndarray, Any, Any, str] | None:
-    """One key's ``(bytes, sizes, lengths, dtype name)`` over the batch (``flat_columns``), or None."""
+def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, Any, str]]) -> bool:
+    """Append one key's leaves over the batch to ``out`` as ``(bytes, sizes, lengths, dtype
+    name)``; False for values ``flat_columns`` does not take."""
     kinds = set(map(type, column))
     if len(kinds) != 1:
-        return None
+        return False
     kind = kinds.pop()
     if kind is str:
         raw = [v.encode("utf-8") for v in column]
         sizes = np.fromiter(map(len, raw), dtype=np.int64, count=n)
         if sizes.max() > STRING_MAX_BYTES:
-            return None
-        return np.frombuffer(b"".join(raw), dtype=np.uint8), sizes, sizes, "str"
+            return False
+        out.append((np.frombuffer(b"".join(raw), dtype=np.uint8), sizes, sizes, "str"))
+        return True
     if kind is type(None):
-        return _EMPTY, 0, -1, "none"
-    if kind is list:
-        lens = np.fromiter(map(len, column), dtype=np.int64, count=n)
-        if not lens.all():  # an empty list has a signature of its own (``FileSchemas._new_layout``)
-            return None
-        inner = set(map(type, itertools.chain.from_iterable(column)))
-        name = _NUMBERS.get(inner.pop()) if len(inner) == 1 else None
-        if name is None:
-            return None
-        storage = np.dtype(DTYPES[name].storage)
-        flat = np.fromiter(itertools.chain.from_iterable(column), dtype=storage, count=int(lens.sum()))
-        return flat.view(np.uint8), lens * storage.itemsize, lens, name
+        out.append((_EMPTY, 0, -1, "none"))
+        return True
+    if kind is not list:
+        return _numbers_leaf(column, n, kind, None, None, out)
+    lens = np.fromiter(map(len, column), dtype=np.int64, count=n)
+    inner = set(map(type, itertools.chain.from_iterable(column)))
+    if inner != {dict}:
+        numbers = itertools.chain.from_iterable(column)
+        return len(inner) == 1 and _numbers_leaf(numbers, int(lens.sum()), inner.pop(), lens, lens, out)
+    records = list(itertools.chain.from_iterable(column))
+    rkeys = tuple(records[0])
+    if not rkeys or set(map(type, rkeys)) != {str} or not all(map(rkeys.__eq__, map(tuple, records))):
+        return False
+    out.append((lens.astype("<i8").view(np.uint8), 8, -1, "pyrecords"))  # the header: how many records
+    for k in sorted(rkeys):
+        sub = list(map(operator.itemgetter(k), records))
+        kinds = set(map(type, sub))
+        rkind = kinds.pop() if len(kinds) == 1 else None
+        if rkind is not list:
+            if not _numbers_leaf(sub, len(sub), rkind, lens, lens, out):
+                return False
+            continue
+        widths = set(map(len, sub))
+        inner = set(map(type, itertools.chain.from_iterable(sub)))
+        if len(widths) != 1 or 0 in widths or len(inner) != 1:  # rows of a 2-d array
+            return False
+        w = widths.pop()
+        if not _numbers_leaf(itertools.chain.from_iterable(sub), len(sub) * w, inner.pop(), lens * w, lens, out):
+            return False
+    return True
+
+
+def _numbers_leaf(numbers: Any, count: int, kind: Any, elems: Any, lengths: Any, out: list[Any]) -> bool:
+    """Append the leaf of the iterable ``numbers``, ``count`` Python numbers of type ``kind``,
+    ``elems`` of them per item (None: one, a 0-d leaf), of first dimension ``lengths``; False
+    for another type."""
     name = _NUMBERS.get(kind)
     if name is None:
-        return None
-    u8 = np.array(column, dtype=DTYPES[name].storage).view(np.uint8)
-    return u8, u8.size // n, -1, name
+        return False
+    storage = np.dtype(DTYPES[name].storage)
+    data = np.fromiter(numbers, dtype=storage, count=count).view(np.uint8)
+    if elems is None:
+        out.append((data, storage.itemsize, -1, name))
+    else:
+        out.append((data, elems * storage.itemsize, lengths, name))
+    return True

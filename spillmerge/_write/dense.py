@@ -45,6 +45,10 @@ class DenseSteps:
 
         def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]: ...
 
+        def _put(
+            self, filename: str, frame: int, leaves: list[Any], layouts: list[FS.Layout] | None = None
+        ) -> tuple[int, ...] | None: ...
+
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
         same layouts, so item 0 is flattened and checked for all, the layout rule runs once per
@@ -146,42 +150,56 @@ class DenseSteps:
         return True
 
     def _put_records(self, names: list[str], frames: list[int], zero: bool, items: list[Any]) -> bool:
-        """``write_batch`` of flat dicts into new files a column at a time
-        (``_write.columns.flat_columns``): item 0 is flattened and goes through the layout rule
-        for all (the other items' leaves differ from its leaves only in length, which the rule
-        does not look at), and each leaf length's layout joins the catalog once. False (nothing
-        done) when a filename was written before or repeats, or the items are not such dicts."""
+        """``write_batch`` of dicts into new files a column at a time (``_write.columns.flat_columns``):
+        the first item taken is flattened and goes through the layout rule for all (the others'
+        leaves differ from its leaves only in their first dimension, which the rule does not look
+        at), and each length's layout joins the catalog once. Items holding an empty list are
+        checked before anything is staged and staged after, item by item. False (nothing done)
+        when a filename was written before or repeats, or the items are not such dicts."""
         n, base = len(names), len(self._filenames)
         if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
             return False
         cols = flat_columns(items)
         if cols is None:
             return False
+        kept = cols.kept
+        first = kept[0]
         try:
-            leaves = flatten(items[0], names[0], frames[0], self.allow_pickle)
+            leaves = flatten(items[first], names[first], frames[first], self.allow_pickle)
         except SpillValueError:
             return False  # the item-by-item way raises it, naming the item
-        if [leaf.dtype for leaf in leaves] != cols.dtypes:
+        seen = [(leaf.dtype, leaf.nbytes, leaf.shape[0] if leaf.shape else -1) for leaf in leaves]
+        if seen != list(zip(cols.dtypes, cols.sizes[0].tolist(), cols.lengths[0].tolist(), strict=True)):
             return False
         layouts = self._schema.layouts_of(leaves)
-        try:
-            schema, first_ids = self._schema.check(names[0], frames[0], base, layouts, 0)
-        except SpillValueError as exc:
-            raise at_position(exc, 0, n, names[0]) from None
+        others = []
+        for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
+            try:
+                item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
+                item_layouts = self._schema.layouts_of(item_leaves)
+                self._schema.check(names[i], frames[i], base, item_layouts, 0)
+            except SpillValueError as exc:
+                raise at_position(exc, i, n, names[i]) from None
+            others.append((names[i], frames[i], item_leaves, item_layouts))
+        schema, first_ids = self._schema.check(names[first], frames[first], base, layouts, 0)
         self._flush_row_log()
-        self._schema.accept_new_files(n, schema, layouts, first_ids)
+        self._schema.accept_new_files(len(kept), schema, layouts, first_ids)
         layout_ids = np.empty_like(cols.lengths)
         for j, lay in enumerate(layouts):
             found, where = np.unique(cols.lengths[:, j], return_inverse=True)
             layout_ids[:, j] = np.asarray(self._schema.length_ids(lay, found.tolist()), dtype=np.int64)[where]
+        if len(kept) < n:
+            names, frames = [names[i] for i in kept], [frames[i] for i in kept]
         self._filenames.extend(names)
-        self._file_ids.update(zip(names, range(base, base + n), strict=True))
+        self._file_ids.update(zip(names, range(base, base + len(names)), strict=True))
         row0 = self._n_rows
-        index = self._new_rows(n, len(leaves))
+        index = self._new_rows(len(names), len(leaves))
         self._fresh_keys.append((base, frames, row0, len(leaves)))
-        self._n_fresh_keys += n
+        self._n_fresh_keys += len(names)
         frame_arr = None if zero else _frame_array(frames)
         self._staging.add_ragged(row0, base, frame_arr, layout_ids, cols.sizes, cols.data, index)
+        for name, frame, item_leaves, item_layouts in others:
+            self._put(name, frame, item_leaves, item_layouts)
         return True
 
     def _learn_flat(self, sig: tuple[Any, ...]) -> None:

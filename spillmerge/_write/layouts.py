@@ -142,14 +142,15 @@ class FileSchemas:
         return self._layout_id(lay)
 
     def length_ids(self, lay: FS.Layout, lengths: list[int]) -> list[int]:
-        """The catalog ids of ``lay``'s leaf at each of ``lengths`` (shape ``(length,)``; -1:
-        ``()``), layouts of frames being accepted by a move already made (``add_layout``)."""
-        known = self._by_length.setdefault((lay.leaf, lay.dtype, lay.pos), {})
+        """The catalog ids of ``lay`` with its first dimension at each of ``lengths`` (-1: a 0-d
+        leaf), layouts of frames being accepted by a move already made (``add_layout``)."""
+        known = self._by_length.setdefault((lay.leaf, lay.dtype, lay.shape[1:], lay.pos), {})
         ids = []
         for m in lengths:
             lid = known.get(m)
             if lid is None:
-                lid = known[m] = self.add_layout(FS.Layout(lay.leaf, lay.dtype, () if m < 0 else (m,), lay.pos))
+                shape = () if m < 0 else (m, *lay.shape[1:])
+                lid = known[m] = self.add_layout(FS.Layout(lay.leaf, lay.dtype, shape, lay.pos))
             ids.append(lid)
         return ids
 

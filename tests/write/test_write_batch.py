@@ -105,6 +105,18 @@ def _batches(kind: str) -> list[tuple[list[str], Any, Any, list[Any]]]:
                 for j in range(size)
             ]  # fmt: skip
             rows = [dict(d) for d in batch]
+        elif kind == "coco":  # COCO detections: records of numbers, images without any among them
+            batch = [
+                {
+                    "image_id": 10 * b + j,  # keys out of sorted order, at both levels
+                    "instances": [
+                        {"score": 0.5 + i, "category_id": i, "bbox": [1.0 * i, 2.0, 3.0, 4.5 + j], "crowd": i % 2 == 0}
+                        for i in range((j * 5 + b) % 4 * 40)  # rows larger than a chunk too
+                    ],
+                }
+                for j in range(size)
+            ]  # fmt: skip
+            rows = [dict(d) for d in batch]
         elif kind == "flat":  # generation outputs: flat dicts of strings, scalars and number lists
             batch = [
                 {
@@ -138,7 +150,9 @@ def _write_rows(w: spillmerge.SpillWriter, batches: list[tuple[list[str], Any, A
             w.write(name, f, row)
 
 
-@pytest.mark.parametrize("kind", ["dense", "wide", "tensor", "detections", "text", "records", "flat", "tensordict"])
+@pytest.mark.parametrize(
+    "kind", ["dense", "wide", "tensor", "detections", "text", "records", "coco", "flat", "tensordict"]
+)
 def test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes(tmp_path, kind):
     batches = _batches(kind)
 
@@ -191,6 +205,8 @@ _GOOD = {"logits": torch.ones(2, 3), "name": ["p", "q"]}
         # flat records: an int beyond int64, a lone surrogate in item 1
         (["x0", "x1"], [{"ids": [1, 2], "t": "a"}, {"ids": [1, 2**63], "t": "b"}], None, r"write_batch item 1 of 2 \('x1'\).*ids"),
         (["x0", "x1"], [{"ids": [1, 2], "t": "a"}, {"ids": [1], "t": "\ud800"}], None, r"write_batch item 1 of 2 \('x1'\).*surrogate"),
+        # records whose bad item holds an empty list (it goes item by item, checked first)
+        (["x0", "x1", "x2"], [{"ids": [1], "t": "a"}, {"ids": [2], "t": "b"}, {"ids": [], "t": "\ud800"}], None, r"write_batch item 2 of 3 \('x2'\).*surrogate"),
         # a dict with a non-str key deep in item 1 (a layout change between frames is no error
         # since format 3: the leaf becomes a union)
         (["x0", "x1"], [{"v": 1}, {"v": {3: 1}}], None, r"write_batch item 1 of 2 \('x1'\): dict keys must be str.*key 3 at 'v'"),
@@ -493,6 +509,10 @@ _VALUE_KINDS = {
     "ints": st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=6),
     "floats": st.lists(st.floats(allow_nan=False), max_size=6),
     "bools": st.lists(st.booleans(), min_size=1, max_size=6),
+    "records": st.lists(
+        st.fixed_dictionaries({"s": st.floats(allow_nan=False), "c": st.integers(-5, 5), "bb": st.lists(st.floats(0, 9), min_size=2, max_size=2)}),
+        max_size=3,
+    ),
 }
 
 
