@@ -1,14 +1,9 @@
-"""The leaves of a batch of values of one structure, made a column at a time (``write_batch`` of a
-list of dicts: the drop-ins' elements, detection results, generation outputs).
-
-``flatten`` walks each value in Python; values that are dicts of one key order whose values, key
-by key, are all of one kind give the same leaves from a few C-level passes over each key's
-column (``map``, ``itertools.chain``, one ``np.array`` per column) and a slice per item. The kinds
-taken: ``None``, ``str``, Python scalars of one type (``bool``, ``int`` within int64, ``float``),
-lists of ``str``, lists of one Python number type, and lists of flat records (dicts of one key
-order over the whole batch whose values are scalars of one type, ``str``, or lists of one number
-type, all of one length). Anything else is left to ``flatten`` (None), which names what it
-refuses: the leaves are those ``flatten`` gives, byte for byte, key order included.
+"""A batch of Python dicts of one structure made a column at a time (``write_batch``: the
+drop-ins' elements, detection results, generation outputs): each key's values converted in a few
+C-level passes (``map``, ``itertools.chain``, ``np.fromiter``) into one byte buffer per leaf,
+which the writer stages whole (``FlatColumns``) or slices into each item's leaves
+(``flatten_items``). Anything else is left to ``flatten``, which names what it refuses: the
+leaves are those ``flatten`` gives, byte for byte, key order included.
 """
 
 from __future__ import annotations
@@ -21,10 +16,9 @@ from typing import Any
 import numpy as np
 
 from .._errors import SpillValueError
-from .._format.common import DTYPES, MARK, STRING_MAX_BYTES, user_key
-from .._format.keyorder import positions
-from .flatten import utf8
-from .leaves import Leaf, check_leaf_limits, strlist
+from .._format.common import DTYPES, STRING_MAX_BYTES
+from .flatten import flatten
+from .leaves import UINT32_MAX, Leaf
 
 _NUMBERS = {bool: "pybool", int: "pyint", float: "pyfloat"}
 _EMPTY = np.zeros(0, dtype=np.uint8)
@@ -33,33 +27,43 @@ Path = tuple[str, ...]
 
 
 def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None:
-    """``flatten(items[i], names[i], ...)`` for every ``i`` when the items are such dicts (module
-    docstring); None otherwise, and for anything ``flatten`` would refuse or word itself."""
-    n = len(items)
-    keys = _one_key_order(items)
-    if keys is None:
+    """``flatten(items[i], names[i], ...)`` for every ``i`` when the items are dicts
+    :func:`flat_columns` takes, each kept item's leaves sliced from the columns; None otherwise,
+    and for anything ``flatten`` would refuse or word itself."""
+    cols = flat_columns(items)
+    first = first_leaves(cols, items, names, [0] * len(items)) if cols is not None else None
+    if cols is None or first is None:
         return None
-    where: dict[Path, dict[str, int]] = {(): {user_key(k): i for i, k in enumerate(keys)}}
-    odd = [list(keys) != sorted(keys)] * n  # per item: a dict of it out of sorted order
-    out: list[list[Leaf]] = [[] for _ in range(n)]
+    out: list[Any] = [None] * len(items)
     try:
-        for k in sorted(keys):
-            got = _column((user_key(k),), list(map(operator.itemgetter(k), items)), names, where, odd)
-            if got is None:
-                return None
-            for leaves, mine in zip(out, got, strict=True):
-                leaves.extend(mine)
-    except (SpillValueError, OverflowError):  # flatten says what is wrong, naming the item
+        for i in set(range(len(items))) - set(cols.kept):
+            out[i] = flatten(items[i], names[i], 0)
+    except SpillValueError:  # flatten says what is wrong, naming the item
         return None
-    pos: dict[Path, tuple[int, ...] | None] = {}
-    for i, leaves in enumerate(out):
-        for j, leaf in enumerate(leaves):
-            check_leaf_limits(leaf, names[i])
-            if odd[i]:
-                p = pos[leaf.path] if leaf.path in pos else pos.setdefault(leaf.path, positions(leaf.path, where))
-                if p is not None:
-                    leaves[j] = Leaf(leaf.path, leaf.dtype, leaf.shape, leaf.nbytes, leaf.data, p)
+    starts = np.cumsum(cols.sizes, axis=0) - cols.sizes
+    for r, i in enumerate(cols.kept):
+        out[i] = leaves = []
+        for j, leaf in enumerate(first):
+            m, at, nb = int(cols.lengths[r, j]), int(starts[r, j]), int(cols.sizes[r, j])
+            shape = () if m < 0 else (m, nb) if leaf.dtype == "strlist" else (m, *leaf.shape[1:])
+            leaves.append(Leaf(leaf.path, leaf.dtype, shape, nb, cols.data[j][at : at + nb], leaf.pos))
     return out
+
+
+def first_leaves(
+    cols: FlatColumns, items: list[Any], names: list[str], frames: list[int], allow_pickle: bool = False
+) -> list[Leaf] | None:
+    """``flatten``'s leaves of the first item ``cols`` kept (paths, key positions and the shape
+    past the first dimension of every kept item's leaves), when they agree with the columns;
+    None otherwise, and when ``flatten`` refuses the item (it says why, naming it)."""
+    i = cols.kept[0]
+    try:
+        leaves = flatten(items[i], names[i], frames[i], allow_pickle)
+    except SpillValueError:
+        return None
+    seen = [(leaf.dtype, leaf.nbytes, leaf.shape[0] if leaf.shape else -1) for leaf in leaves]
+    want = list(zip(cols.dtypes, cols.sizes[0].tolist(), cols.lengths[0].tolist(), strict=True))
+    return leaves if seen == want else None
 
 
 def _one_key_order(items: list[Any]) -> tuple[str, ...] | None:
@@ -72,125 +76,6 @@ def _one_key_order(items: list[Any]) -> tuple[str, ...] | None:
     if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
         return None
     return keys
-
-
-def _column(
-    path: Path, column: list[Any], names: list[str], where: dict[Path, dict[str, int]], odd: list[bool]
-) -> list[list[Leaf]] | None:
-    """Each item's leaves of one key's ``column`` (its values over the batch), or None."""
-    kinds = set(map(type, column))
-    if len(kinds) != 1:
-        return None
-    kind = kinds.pop()
-    if kind is list:
-        return _lists(path, column, names, where, odd)
-    if kind is str:
-        return [[Leaf(path, "str", *utf8(v, path, name))] for v, name in zip(column, names, strict=True)]
-    if kind is type(None):
-        return [[Leaf(path, "none", (), 0, _EMPTY)]] * len(column)
-    rows = _numbers(column, kind)
-    if rows is None:
-        return None
-    name, u8 = rows
-    size = u8.shape[1]
-    return [[Leaf(path, name, (), size, u8[i])] for i in range(len(column))]
-
-
-def _numbers(values: list[Any], kind: type) -> tuple[str, np.ndarray] | None:
-    """``values`` (all of Python number type ``kind``) as their dtype name and one row of
-    little-endian bytes per value; None for other types. OverflowError for an int beyond int64."""
-    name = _NUMBERS.get(kind)
-    if name is None:
-        return None
-    arr = np.array(values, dtype=DTYPES[name].storage)
-    return name, arr.view(np.uint8).reshape(len(values), -1)
-
-
-def _empty(path: Path) -> Leaf:
-    """The leaf of an empty list (``pynumeric``: an empty float array)."""
-    return Leaf(path, "pyfloat", (0,), 0, _EMPTY)
-
-
-def _lists(
-    path: Path, column: list[list[Any]], names: list[str], where: dict[Path, dict[str, int]], odd: list[bool]
-) -> list[list[Leaf]] | None:
-    """Each item's leaves of a column of lists: of str, of one number type, or of flat records."""
-    flat = list(itertools.chain.from_iterable(column))
-    lens = list(map(len, column))
-    if not flat:
-        return [[_empty(path)] for _ in column]
-    kinds = set(map(type, flat))
-    if len(kinds) != 1:
-        return None
-    kind = kinds.pop()
-    if kind is str:
-        return [[strlist(v, path, name) if v else _empty(path)] for v, name in zip(column, names, strict=True)]
-    if kind is dict:
-        return _records(path, flat, lens, names, where, odd)
-    rows = _numbers(flat, kind)
-    if rows is None:
-        return None
-    name, u8 = rows
-    size = u8.shape[1]
-    data = u8.reshape(-1)
-    out, at = [], 0
-    for m in lens:
-        out.append([Leaf(path, name, (m,), m * size, data[at * size : (at + m) * size])] if m else [_empty(path)])
-        at += m
-    return out
-
-
-def _records(
-    path: Path, flat: list[dict[str, Any]], lens: list[int], names: list[str], where: dict[Path, dict[str, int]],
-    odd: list[bool],
-) -> list[list[Leaf]] | None:  # fmt: skip
-    """Each item's leaves of a column of lists of records (``flat``: every item's records, back to
-    back; ``lens``: how many each item has): a ``pyrecords`` header and a leaf per key."""
-    rkeys = tuple(flat[0])
-    if not rkeys or set(map(type, rkeys)) != {str} or not all(map(rkeys.__eq__, map(tuple, flat))):
-        return None
-    where[path] = {user_key(k): i for i, k in enumerate(rkeys)}
-    unsorted = list(rkeys) != sorted(rkeys)
-    columns: list[tuple[Path, Any]] = []
-    for k in sorted(rkeys):
-        sub = list(map(operator.itemgetter(k), flat))
-        kinds = set(map(type, sub))
-        if len(kinds) != 1:
-            return None
-        kind = kinds.pop()
-        if kind is str:
-            columns.append(((*path, user_key(k)), sub))
-            continue
-        width = None
-        if kind is list:  # equally long, non-empty lists of one number type: rows of a 2-d array
-            widths = set(map(len, sub))
-            inner = set(map(type, itertools.chain.from_iterable(sub)))
-            if len(widths) != 1 or 0 in widths or len(inner) != 1:
-                return None
-            width, kind = widths.pop(), inner.pop()
-        rows = _numbers(sub, kind)
-        if rows is None:
-            return None
-        columns.append(((*path, user_key(k)), (*rows, width)))
-    out, at = [], 0
-    for i, (m, name) in enumerate(zip(lens, names, strict=True)):
-        if not m:  # an empty list is no records (``records`` needs a first dict)
-            out.append([_empty(path)])
-            continue
-        odd[i] = odd[i] or unsorted
-        head = np.array([m], dtype="<i8").view(np.uint8)
-        leaves = [Leaf((*path, MARK), "pyrecords", (), 8, head)]
-        for kpath, col in columns:
-            if type(col) is list:
-                leaves.append(strlist(col[at : at + m], kpath, name))
-                continue
-            dtype, u8, width = col
-            part = u8[at : at + m].reshape(-1)
-            shape = (m,) if width is None else (m, width)
-            leaves.append(Leaf(kpath, dtype, shape, part.size, part))
-        out.append(leaves)
-        at += m
-    return out
 
 
 @dataclass(slots=True)
@@ -266,6 +151,8 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         return _numbers_leaf(column, n, kind, None, None, out)
     lens = np.fromiter(map(len, column), dtype=np.int64, count=n)
     inner = set(map(type, itertools.chain.from_iterable(column)))
+    if inner == {str}:
+        return _strlist_leaf(list(itertools.chain.from_iterable(column)), lens, out)
     if inner != {dict}:
         numbers = itertools.chain.from_iterable(column)
         return len(inner) == 1 and _numbers_leaf(numbers, int(lens.sum()), inner.pop(), lens, lens, out)
@@ -278,6 +165,10 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         sub = list(map(operator.itemgetter(k), records))
         kinds = set(map(type, sub))
         rkind = kinds.pop() if len(kinds) == 1 else None
+        if rkind is str:
+            if not _strlist_leaf(sub, lens, out):
+                return False
+            continue
         if rkind is not list:
             if not _numbers_leaf(sub, len(sub), rkind, lens, lens, out):
                 return False
@@ -305,4 +196,25 @@ def _numbers_leaf(numbers: Any, count: int, kind: Any, elems: Any, lengths: Any,
         out.append((data, storage.itemsize, -1, name))
     else:
         out.append((data, elems * storage.itemsize, lengths, name))
+    return True
+
+
+def _strlist_leaf(strings: list[str], lens: np.ndarray, out: list[Any]) -> bool:
+    """Append the ``strlist`` leaf of ``strings``, ``lens`` of them per item (each item's uint32
+    UTF-8 lengths, then its strings: docs/FORMAT.md); False past the format's limits."""
+    raw = [s.encode("utf-8") for s in strings]
+    sizes = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+    if len(raw) and int(sizes.max()) > UINT32_MAX:
+        return False
+    heads = sizes.astype("<u4")
+    parts: list[Any] = []
+    a = 0
+    for b in np.cumsum(lens).tolist():
+        parts.append(heads[a:b])
+        parts.extend(raw[a:b])
+        a = b
+    per_item = 4 * lens + np.add.reduceat(sizes, np.cumsum(lens) - lens) if len(raw) else 4 * lens
+    if int(per_item.max()) > STRING_MAX_BYTES:
+        return False
+    out.append((np.frombuffer(b"".join(parts), dtype=np.uint8), per_item, lens, "strlist"))
     return True

@@ -15,7 +15,7 @@ from .._errors import SpillValueError
 from .._format import spill as FS
 from .._format.common import user_key
 from .batch import as_rows, at_position, nest
-from .columns import flat_columns
+from .columns import first_leaves, flat_columns
 from .flatten import flatten
 from .layouts import FileSchemas
 from .staging import Staging
@@ -164,13 +164,9 @@ class DenseSteps:
             return False
         kept = cols.kept
         first = kept[0]
-        try:
-            leaves = flatten(items[first], names[first], frames[first], self.allow_pickle)
-        except SpillValueError:
-            return False  # the item-by-item way raises it, naming the item
-        seen = [(leaf.dtype, leaf.nbytes, leaf.shape[0] if leaf.shape else -1) for leaf in leaves]
-        if seen != list(zip(cols.dtypes, cols.sizes[0].tolist(), cols.lengths[0].tolist(), strict=True)):
-            return False
+        leaves = first_leaves(cols, items, names, frames, self.allow_pickle)
+        if leaves is None:
+            return False  # the item-by-item way says what is wrong, naming the item
         layouts = self._schema.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
@@ -186,8 +182,14 @@ class DenseSteps:
         self._schema.accept_new_files(len(kept), schema, layouts, first_ids)
         layout_ids = np.empty_like(cols.lengths)
         for j, lay in enumerate(layouts):
-            found, where = np.unique(cols.lengths[:, j], return_inverse=True)
-            layout_ids[:, j] = np.asarray(self._schema.length_ids(lay, found.tolist()), dtype=np.int64)[where]
+            if lay.dtype == "strlist":  # shape (strings, bytes)
+                pairs = np.stack([cols.lengths[:, j], cols.sizes[:, j]], axis=1)
+                found, where = np.unique(pairs, axis=0, return_inverse=True)
+                ids = [self._schema.add_layout(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos)) for m, nb in found.tolist()]
+            else:
+                found, where = np.unique(cols.lengths[:, j], return_inverse=True)
+                ids = self._schema.length_ids(lay, found.tolist())
+            layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
         self._filenames.extend(names)

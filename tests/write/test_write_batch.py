@@ -509,8 +509,12 @@ _VALUE_KINDS = {
     "ints": st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=6),
     "floats": st.lists(st.floats(allow_nan=False), max_size=6),
     "bools": st.lists(st.booleans(), min_size=1, max_size=6),
+    "strs": st.lists(st.text(max_size=8), max_size=4),
     "records": st.lists(
-        st.fixed_dictionaries({"s": st.floats(allow_nan=False), "c": st.integers(-5, 5), "bb": st.lists(st.floats(0, 9), min_size=2, max_size=2)}),
+        st.fixed_dictionaries(
+            {"s": st.floats(allow_nan=False), "c": st.integers(-5, 5), "bb": st.lists(st.floats(0, 9), min_size=2, max_size=2),
+             "n": st.text(max_size=4)}
+        ),
         max_size=3,
     ),
 }
