@@ -980,7 +980,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-numpy-back',
         "spillmerge/_dist/dropin.py",
-        'lambda v: v.numpy() if _is_tensor(v) else v',
+        'lambda v: v.numpy() if isinstance(v, torch.Tensor) else v',
         'lambda v: v',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy arrays come back as numpy arrays, tensors as tensors',
@@ -1012,7 +1012,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-numpy-scalar',
         'spillmerge/_dist/dropin.py',
-        'lambda v: v.numpy()[()] if _is_tensor(v) else v',
+        'lambda v: v.numpy()[()] if isinstance(v, torch.Tensor) else v',
         'lambda v: v',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy scalars come back as numpy scalars',

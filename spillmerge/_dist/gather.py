@@ -13,6 +13,7 @@ Protocol (every rank calls the same function, like the torch collectives):
 from __future__ import annotations
 
 import datetime
+import itertools
 import operator
 import os
 from collections.abc import Mapping
@@ -223,31 +224,19 @@ prediction's flattened leaves at once."""
 
 
 def _write_all(w: SpillWriter, preds: Mapping[str, Any]) -> None:
-    """Write ``preds`` (what ``update`` takes) a batch of frames at a time."""
-    names: list[Any] = []
-    frames: list[Any] = []
-    values: list[Any] = []
-    for name, frame, value in mapping_items(preds):
-        names.append(name)
-        frames.append(frame)
-        values.append(value)
-        if len(names) == GATHER_BATCH:
-            _write_some(w, names, values, frames)
-            names, frames, values = [], [], []
-    if names:
-        _write_some(w, names, values, frames)
-
-
-def _write_some(w: SpillWriter, names: list[Any], values: list[Any], frames: list[Any]) -> None:
-    """One batch: flat records (an LLM output a file) one ``write()`` each, which converts a
-    dict of Python values like the last one from a template (less than half ``write_batch``'s
-    CPU on 5,000 LLM outputs); any other batch through ``write_batch``, a column at a time (COCO's
-    records of records: ``write_batch`` is the faster there). Either stores the same frames."""
-    if _flat_records(values):
-        for name, frame, value in zip(names, frames, values, strict=True):
-            w.write(name, frame, value)
-    else:
-        w.write_batch(names, values, frames)
+    """Write ``preds`` (what ``update`` takes) a batch of frames at a time: flat records (an LLM
+    output a file) one ``write()`` each, which converts a dict of Python values like the last one
+    from a template (less than half ``write_batch``'s CPU on 5,000 LLM outputs); any other batch
+    through ``write_batch``, a column at a time (COCO's records of records: ``write_batch`` is the
+    faster there). Either stores the same frames."""
+    items = iter(mapping_items(preds))
+    while batch := list(itertools.islice(items, GATHER_BATCH)):
+        names, frames, values = (list(column) for column in zip(*batch, strict=True))
+        if _flat_records(values):
+            for name, frame, value in batch:
+                w.write(name, frame, value)
+        else:
+            w.write_batch(names, values, frames)
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
