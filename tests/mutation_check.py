@@ -1484,7 +1484,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "forked-child-starts-its-own-fsync-threads",
         "spillmerge/_storage/local.py",
-        "os.register_at_fork(after_in_child=_forget_fsync_pool)",
+        "os.register_at_fork(after_in_child=_fsync_pool.cache_clear)",
         "pass",
         ("tests/storage/test_backends.py::test_a_process_forked_after_a_spill_spills_and_merges",),
         "a process forked after a spill syncs with threads of its own, not its parent's (which it lacks)",

@@ -31,17 +31,17 @@ _BACKENDS = {
 
 # Transient S3 failures (5xx, throttling, resets, timeouts) are retried by botocore itself with
 # exponential backoff; spillmerge adds no retry loop of its own. Users override via storage_options.
-_S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}, "connect_timeout": 10, "read_timeout": 60}
+_S3_CONFIG: dict[str, Any] = {
+    "retries": {"max_attempts": 10, "mode": "standard"},
+    "connect_timeout": 10,
+    "read_timeout": 60,
 }
 
 
 def _with_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     opts = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
-        config = dict(_S3_DEFAULTS["config_kwargs"])
-        config.update(opts.get("config_kwargs", {}))
-        opts["config_kwargs"] = config
+        opts["config_kwargs"] = {**_S3_CONFIG, **opts.get("config_kwargs", {})}
     return opts
 
 
@@ -220,12 +220,7 @@ class Storage:
                 entries = self.fs.ls(p, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        names = []
-        for e in entries:
-            name = posixpath.basename(str(e).rstrip("/"))
-            if name and name not in (".", ".."):
-                names.append(name)
-        return sorted(set(names))
+        return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {"", ".", ".."})
 
     def _before_listing(self, rel: str, path: str) -> None:
         """What a listing of ``rel`` (backend path ``path``) needs first."""
