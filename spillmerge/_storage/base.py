@@ -38,13 +38,6 @@ _S3_CONFIG: dict[str, Any] = {
 }
 
 
-def _with_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    opts = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")):
-        opts["config_kwargs"] = {**_S3_CONFIG, **opts.get("config_kwargs", {})}
-    return opts
-
-
 def _why(exc: BaseException) -> str:
     """The cause of a storage error in a few words (``No space left on device`` ...)."""
     if isinstance(exc, OSError) and exc.strerror:
@@ -52,9 +45,12 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    opts = dict(storage_options)
+    if url.startswith(("s3://", "s3a://")):
+        opts["config_kwargs"] = {**_S3_CONFIG, **opts.get("config_kwargs", {})}
     try:
-        return fsspec.core.url_to_fs(url, **_with_defaults(url, storage_options))
+        return fsspec.core.url_to_fs(url, **opts)
     except ImportError as exc:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in _BACKENDS:

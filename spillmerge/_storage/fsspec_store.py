@@ -14,17 +14,6 @@ from .._errors import SpillStorageError
 from .base import Storage
 
 
-def _normalize_key(root: str) -> str:
-    """``a/./b//c/../d`` -> ``a/b/d`` for an object-store root, leaving a protocol prefix that a
-    backend keeps in its paths (``proto://``) as it is."""
-    if root in ("/", ""):
-        return root
-    proto, sep, rest = root.partition("://")
-    if not sep:
-        return posixpath.normpath(root)
-    return f"{proto}://{posixpath.normpath(rest)}" if rest else root
-
-
 class FsspecStorage(Storage):
     """A prefix of an fsspec filesystem (``s3://bucket/key``, ``memory://x`` ...)."""
 
@@ -36,8 +25,14 @@ class FsspecStorage(Storage):
 
     @staticmethod
     def _resolve_root(root: str) -> str:
-        # Object stores have no links; `..`, `.` and `//` are resolved the way fsspec users mean them.
-        return _normalize_key(root)
+        """``a/./b//c/../d`` -> ``a/b/d`` (object stores have no links), leaving a protocol prefix
+        that a backend keeps in its paths (``proto://``) as it is."""
+        if root in ("/", ""):
+            return root
+        proto, sep, rest = root.partition("://")
+        if not sep:
+            return posixpath.normpath(root)
+        return f"{proto}://{posixpath.normpath(rest)}" if rest else root
 
     # ---------------------------------------------------------------------------------- reads
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:

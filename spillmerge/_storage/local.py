@@ -272,9 +272,8 @@ class LocalStorage(Storage):
             return
         with self.storage_errors("sync", rels[0]):
             fsync = functools.partial(_fsync_path, missing_ok=missing_ok)
-            if len(paths) == 1:
-                for p in sorted(paths):
-                    fsync(p)
+            if len(paths) == 1:  # no thread hand-off for one
+                fsync(paths.pop())
             else:
                 list(_fsync_pool().map(fsync, sorted(paths)))
         self._synced.update(rels)
