@@ -11,15 +11,10 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 that went (a rank that failed is named on every rank, and dst removes the call's
                 folder) and of each file's size and CRC-32C; the readers check each file against
                 them and convert it back. No spill, no merge.
-  otherwise:    each rank spills its object: records as file ``R`` (those bytes); other
-                lists, tuples and str-keyed dicts that hold dicts one file per element (``R-i``,
-                i the position, zero-padded); any other object as file ``R``; and file ``R.h``, a JSON header (the
-                kind, a dict's keys in order, the paths of numpy arrays and pickled objects),
-                unless the object is file ``R`` with nothing to restore; commits; an all-gather
-                of how that went, as above; dst merges (``SpillWriter.merge``, the shards read
-                where they lie on one host), an all-gather of how that went; the readers read
-                every rank's object back (tensors as torch tensors on the CPU, the numpy arrays'
-                paths turned back into numpy arrays) into the caller's list
+  otherwise:    each rank spills its object and its header (``_write``) and commits; an
+                all-gather of how that went, as above; dst merges (``SpillWriter.merge``, the
+                shards read where they lie on one host), an all-gather of how that went; the
+                readers read every rank's object back into the caller's list (``_read``)
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
 """
 
@@ -305,8 +300,11 @@ def _split(obj: Any) -> bool:
 
 
 def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_pickle: bool) -> None:
-    """The rank's object and its header, as the module docstring says; ``pieces``: the object
-    as records (``records.encode``), else None."""
+    """The rank's object: records (``pieces``, from ``records.encode``, where another rank's
+    object is not) as file ``R``, those bytes; lists, tuples and str-keyed dicts that hold dicts
+    one file per element (``R-i``, i the position, zero-padded); any other object as file ``R``.
+    File ``R.h``, a JSON header (the kind, a dict's keys in order, the paths of numpy arrays and
+    pickled objects), unless the object is file ``R`` with nothing to restore."""
     name = _name(rank)
     if pieces is not None:  # records, where another rank's object is not: one file of their bytes
         w.write(name, 0, np.frombuffer(b"".join(pieces), dtype=np.uint8))
@@ -332,7 +330,8 @@ def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_
 
 def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
     """Every rank's object, from one pass over the output's rows in filename order (a rank's
-    files sort together, its elements in order)."""
+    files sort together, its elements in order): tensors as torch tensors on the CPU, the paths
+    its header names turned back (numpy arrays, pickled objects)."""
     if len(store) == world:  # every rank wrote one file and no header: its object is that file's value
         for r in range(world):
             object_list[r] = store.value(_name(r), 0, as_torch=True)

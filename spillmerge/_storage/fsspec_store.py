@@ -38,16 +38,14 @@ class FsspecStorage(Storage):
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:
         p = self.path(rel)
         with self.storage_errors("read", rel, passthrough=(FileNotFoundError,)):
-            # One ranged GET of at most one byte past the bound: no HEAD first (that doubled the
-            # requests of every read on an object store). Longer than the bound: refused.
+            # One ranged GET of at most one byte past the bound (get refuses a longer object): no
+            # HEAD first (that doubled the requests of every read on an object store).
             try:
-                data = bytes(self.fs.cat_file(p, start=0, end=max_bytes + 1))
+                return bytes(self.fs.cat_file(p, start=0, end=max_bytes + 1))
             except (FileNotFoundError, IsADirectoryError):
                 # A prefix with objects below it (a "folder") is no object: refused by what it is.
                 self._refuse_kind(rel, self.fs.info(p).get("type"))  # FileNotFoundError: nothing there
                 raise
-            self._refuse_size(rel, len(data), max_bytes)
-            return data
 
     def _before_listing(self, rel: str, path: str) -> None:
         # Object-store filesystems cache listings; a barrier polling for commit records must
