@@ -393,14 +393,8 @@ def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[
         for seg in list_segments(storage, q):
             if seg.commit is None or seg.rel in have:
                 continue
-            files = storage.find(seg.rel)
-            commit = [(rel, n) for rel, n in files if rel == _commit_rel(seg.rel)]
-            objects += [
-                (rel, n)
-                for rel, n in files
-                if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME
-            ]
-            objects += commit
+            files = [(rel, n) for rel, n in storage.find(seg.rel) if rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME]
+            objects += sorted(files, key=lambda f: f[0] == _commit_rel(seg.rel))  # stable: the commit last
     return objects
 
 

@@ -415,11 +415,10 @@ class _LocalSink:
                     if self.durable:
                         _fsync_path(os.path.dirname(self.path))
         except BaseException:
-            _unlink_quietly(self._tmp)
             if ok:
+                _unlink_quietly(self._tmp)
                 raise
-            return
-        if not ok:
+        if not ok:  # the caller's error is the one raised; a failed close adds nothing to it
             _unlink_quietly(self._tmp)
 
 
