@@ -270,3 +270,42 @@ class ArrowUnionInParquetError(SpillMergeError, ValueError):
     """``to_parquet`` was asked for ``columns`` that hold an Arrow union, which Parquet lacks."""
 
     columns: list[str]
+
+
+__all__ = [
+    "ArrowUnionInParquetError",
+    "CommitTimeout",
+    "ConfigError",
+    "CoordinationError",
+    "CorruptSpillError",
+    "DuplicateFrameError",
+    "FormatVersionError",
+    "IncompleteOutputError",
+    "IncompleteSpillError",
+    "LayoutMismatchError",
+    "LeaseLostError",
+    "MergeFailedError",
+    "MergeTimeout",
+    "MissingDependencyError",
+    "MissingPartsError",
+    "NotASpillRootError",
+    "NotAnOutputError",
+    "OutputBusyError",
+    "OutputExistsError",
+    "PartFailedError",
+    "PartsTimeout",
+    "PickleNotAllowedError",
+    "PlanMismatchError",
+    "RaggedShapeError",
+    "RankFailedError",
+    "SpillMergeError",
+    "SpillStorageError",
+    "SpillValueError",
+    "StaleSpillError",
+    "TruncatedObjectError",
+    "UnknownColumnError",
+    "UnknownFileError",
+    "UnknownLeafError",
+    "UnsafePathError",
+    "WriterClosedError",
+]

@@ -1020,7 +1020,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-numpy-back',
         "spillmerge/_dist/dropin.py",
-        'lambda v: v.numpy() if _is_tensor(v) else v',
+        'lambda v: v.numpy() if isinstance(v, torch.Tensor) else v',
         'lambda v: v',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy arrays come back as numpy arrays, tensors as tensors',
@@ -1052,7 +1052,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-numpy-scalar',
         'spillmerge/_dist/dropin.py',
-        'lambda v: v.numpy()[()] if _is_tensor(v) else v',
+        'lambda v: v.numpy()[()] if isinstance(v, torch.Tensor) else v',
         'lambda v: v',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy scalars come back as numpy scalars',
@@ -1516,7 +1516,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "forked-child-starts-its-own-fsync-threads",
         "spillmerge/_storage/local.py",
-        "os.register_at_fork(after_in_child=_forget_fsync_pool)",
+        "os.register_at_fork(after_in_child=_fsync_pool.cache_clear)",
         "pass",
         ("tests/storage/test_backends.py::test_a_process_forked_after_a_spill_spills_and_merges",),
         "a process forked after a spill syncs with threads of its own, not its parent's (which it lacks)",

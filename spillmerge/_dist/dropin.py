@@ -11,22 +11,18 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 that went (a rank that failed is named on every rank, and dst removes the call's
                 folder) and of each file's size and CRC-32C; the readers check each file against
                 them and convert it back. No spill, no merge.
-  otherwise:    each rank spills its object: records as file ``R`` (those bytes); other
-                lists, tuples and str-keyed dicts that hold dicts one file per element (``R-i``,
-                i the position, zero-padded); any other object as file ``R``; and file ``R.h``, a JSON header (the
-                kind, a dict's keys in order, the paths of numpy arrays and pickled objects),
-                unless the object is file ``R`` with nothing to restore; commits; an all-gather
-                of how that went, as above; dst merges (``SpillWriter.merge``, the shards read
-                where they lie on one host), an all-gather of how that went; the readers read
-                every rank's object back (tensors as torch tensors on the CPU, the numpy arrays'
-                paths turned back into numpy arrays) into the caller's list
+  otherwise:    each rank spills its object and its header (``_write``) and commits; an
+                all-gather of how that went, as above; dst merges (``SpillWriter.merge``, the
+                shards read where they lie on one host), an all-gather of how that went; the
+                readers read every rank's object back into the caller's list (``_read``)
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
+import functools
 import json
 import os
 import socket
@@ -201,32 +197,20 @@ class _Shape:
             return obj
         if depth > 64:
             return obj
-        if kind is dict:
-            if not _STR.issuperset(map(type, obj)):
+        if kind is dict or kind is list or kind is tuple:
+            if kind is dict and not _STR.issuperset(map(type, obj)):
                 return self._pickled(obj, path)  # else the writer refuses the key, naming it
-            if _plain(obj.values()):
+            if _plain(obj.values() if kind is dict else obj):
                 return obj
             changed: Any = None
-            for k, v in obj.items():
+            for k, v in obj.items() if kind is dict else enumerate(obj):
                 if type(v) in _ATOMIC or (type(v) is list and _plain(v)):
                     continue
                 nv = self._walk(v, [*path, k], depth + 1)
                 if nv is not v:
-                    changed = dict(obj) if changed is None else changed
+                    changed = (dict(obj) if kind is dict else list(obj)) if changed is None else changed
                     changed[k] = nv
-            return obj if changed is None else changed
-        if kind is list or kind is tuple:
-            if _plain(obj):
-                return obj
-            items: Any = None
-            for i, v in enumerate(obj):
-                if type(v) in _ATOMIC or (type(v) is list and _plain(v)):
-                    continue
-                nv = self._walk(v, [*path, i], depth + 1)
-                if nv is not v:
-                    items = list(obj) if items is None else items
-                    items[i] = nv
-            return obj if items is None else kind(items)
+            return obj if changed is None else changed if kind is dict else kind(changed)
         if isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
             return self._pickled(obj, path)  # a subclass or a dataclass: stored as a plain dict / list
         return obj
@@ -247,13 +231,17 @@ class _Shape:
 def _restore(value: Any, text: str) -> Any:
     """``value`` as read back, with what ``_Shape.dumps`` says storage did not keep."""
     shape = json.loads(text)
-    for path in shape["whole"]:
-        value = _at(value, path, lambda v: v.obj if isinstance(v, _Whole) else v)
-    for path in shape["numpy"]:
-        value = _at(value, path, lambda v: v.numpy() if _is_tensor(v) else v)
-    for path in shape["scalars"]:
-        value = _at(value, path, lambda v: v.numpy()[()] if _is_tensor(v) else v)
+    for key, fix in _FIXES.items():  # in this order: a pickled whole may hold numpy arrays
+        for path in shape[key]:
+            value = _at(value, path, fix)
     return value
+
+
+_FIXES: dict[str, Any] = {
+    "whole": lambda v: v.obj if isinstance(v, _Whole) else v,
+    "numpy": lambda v: v.numpy() if isinstance(v, torch.Tensor) else v,
+    "scalars": lambda v: v.numpy()[()] if isinstance(v, torch.Tensor) else v,
+}
 
 
 def _at(value: Any, path: list[Any], fix: Any) -> Any:
@@ -272,12 +260,6 @@ def _at(value: Any, path: list[Any], fix: Any) -> Any:
         return (*value[:head], fixed, *value[head + 1 :])
     value[head] = fixed
     return value
-
-
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
 
 
 def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: bool) -> None:
@@ -299,11 +281,8 @@ def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: b
 
 
 def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
-    storage = Storage(call, storage_options)
-    try:
+    with contextlib.closing(Storage(call, storage_options)) as storage:
         storage.rm_tree()
-    finally:
-        storage.close()
 
 
 def _header_name(rank: int) -> str:
@@ -321,8 +300,11 @@ def _split(obj: Any) -> bool:
 
 
 def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_pickle: bool) -> None:
-    """The rank's object and its header, as the module docstring says; ``pieces``: the object
-    as records (``records.encode``), else None."""
+    """The rank's object: records (``pieces``, from ``records.encode``, where another rank's
+    object is not) as file ``R``, those bytes; lists, tuples and str-keyed dicts that hold dicts
+    one file per element (``R-i``, i the position, zero-padded); any other object as file ``R``.
+    File ``R.h``, a JSON header (the kind, a dict's keys in order, the paths of numpy arrays and
+    pickled objects), unless the object is file ``R`` with nothing to restore."""
     name = _name(rank)
     if pieces is not None:  # records, where another rank's object is not: one file of their bytes
         w.write(name, 0, np.frombuffer(b"".join(pieces), dtype=np.uint8))
@@ -348,27 +330,22 @@ def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_
 
 def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
     """Every rank's object, from one pass over the output's rows in filename order (a rank's
-    files sort together, its elements in order)."""
+    files sort together, its elements in order): tensors as torch tensors on the CPU, the paths
+    its header names turned back (numpy arrays, pickled objects)."""
     if len(store) == world:  # every rank wrote one file and no header: its object is that file's value
         for r in range(world):
             object_list[r] = store.value(_name(r), 0, as_torch=True)
         return
     items: list[list[Any]] = [[] for _ in range(world)]
     headers: list[Any] = [None] * world
-    paused = gc.isenabled()
-    gc.disable()  # only new, acyclic lists and dicts: the collector's passes over them find nothing
-    try:
-        for name, _, value in store.iter_values(as_torch=True):
-            r = int(name[:8])
-            if name.endswith(".h"):
-                headers[r] = json.loads(value)
-            else:
-                items[r].append(value)
-        for r in range(world):
-            object_list[r] = _rebuild(r, headers[r] or {"kind": "object", "shape": None}, items[r])
-    finally:
-        if paused:
-            gc.enable()
+    for name, _, value in store.iter_values(as_torch=True):
+        r = int(name[:8])
+        if name.endswith(".h"):
+            headers[r] = json.loads(value)
+        else:
+            items[r].append(value)
+    for r in range(world):
+        object_list[r] = _rebuild(r, headers[r] or {"kind": "object", "shape": None}, items[r])
 
 
 def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
@@ -395,16 +372,10 @@ def _records_file(rank: int) -> str:
 def _put_records(call: str, rank: int, pieces: list[Any], storage_options: dict[str, Any] | None) -> tuple[int, int]:
     """Write the rank's records (``records.encode``'s pieces) as file ``R.records`` in the call's
     folder; its size and CRC-32C."""
-    storage = Storage(call, storage_options)
-    try:
+    with contextlib.closing(Storage(call, storage_options)) as storage:
         storage.makedirs("")
         storage.put(_records_file(rank), pieces)
-    finally:
-        storage.close()
-    checksum = 0
-    for piece in pieces:
-        checksum = crc.extend(checksum, piece)
-    return sum(map(len, pieces)), checksum
+    return sum(map(len, pieces)), functools.reduce(crc.extend, pieces, 0)
 
 
 def _get_records(
@@ -412,8 +383,7 @@ def _get_records(
 ) -> None:
     """Every rank's records but rank ``mine``'s into ``out``, each file checked against the size
     and CRC-32C its rank reported."""
-    storage = Storage(call, storage_options)
-    try:
+    with contextlib.closing(Storage(call, storage_options)) as storage:
         for r, size in enumerate(sizes):
             if r == mine:
                 continue
@@ -428,8 +398,6 @@ def _get_records(
                 )
             out[r] = records.decode(data, r)
             del data
-    finally:
-        storage.close()
 
 
 def _collective(
@@ -501,7 +469,7 @@ def _collective(
             store = open_store(
                 out, storage_options=storage_options, allow_pickle=allow_pickle, cache_bytes=READ_CACHE_BYTES
             )
-            _read(store, world, object_list)
+            gc_paused(_read, store, world, object_list)  # builds only acyclic lists and dicts
     finally:
         if every_rank:
             barrier(rank, timeout)  # every rank has read the output before dst removes it

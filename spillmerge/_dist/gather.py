@@ -13,6 +13,7 @@ Protocol (every rank calls the same function, like the torch collectives):
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -223,17 +224,9 @@ prediction's flattened leaves at once."""
 
 def _write_all(w: SpillWriter, preds: Mapping[str, Any]) -> None:
     """Write ``preds`` (what ``update`` takes) a batch of frames at a time."""
-    names: list[Any] = []
-    frames: list[Any] = []
-    values: list[Any] = []
-    for name, frame, value in mapping_items(preds):
-        names.append(name)
-        frames.append(frame)
-        values.append(value)
-        if len(names) == GATHER_BATCH:
-            w.write_batch(names, values, frames)
-            names, frames, values = [], [], []
-    if names:
+    items = iter(mapping_items(preds))
+    while batch := list(itertools.islice(items, GATHER_BATCH)):
+        names, frames, values = (list(column) for column in zip(*batch, strict=True))
         w.write_batch(names, values, frames)
 
 

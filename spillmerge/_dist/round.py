@@ -15,6 +15,7 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -70,23 +71,11 @@ class Rounds:
                     f"transport={transport!r}",
                     key="transport",
                 )
-            return _merge_on_dst(
-                session,
-                out,
-                dst,
-                wait,
-                kwargs,
-                lambda: merge_parallel(
-                    root,
-                    out,
-                    rank=session.rank,
-                    world_size=session.world_size,
-                    dst=dst,
-                    run_id=session.run_id,
-                    **kwargs,
-                ),
-                every_rank_runs=True,
-            )
+            part = functools.partial(
+                merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
+                run_id=session.run_id, **kwargs,
+            )  # fmt: skip
+            return _merge_on_dst(session, out, dst, wait, kwargs, part, every_rank_runs=True)
         info: TransferInfo | None = None
         if transport != "storage" and coordinated(session) and not self.shards_here:
             # The first merge of a job gathers every shard where dst can read it; a later merge
@@ -139,14 +128,9 @@ def _merge_on_dst(
         if wait:
             output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
             wait_complete(
-                output,
-                session.storage,
-                run_id=session.run_id,
-                session=n,
-                dst=dst,
-                timeout=float(kwargs["timeout"]),
-                outcome=OutcomeWatch(session.run_id, n).poll,
-            )
+                output, session.storage, run_id=session.run_id, session=n, dst=dst,
+                timeout=float(kwargs["timeout"]), outcome=OutcomeWatch(session.run_id, n).poll,
+            )  # fmt: skip
         return None
     try:
         report = run()

@@ -29,16 +29,6 @@ DONE_CHECK_MAX = 10.0
 """Longest pause between dst's checks of storage for commit records while ranks have not reached merge()."""
 
 
-def _store_prefix(run_id: str) -> str:
-    return f"spillmerge/{run_id}/"
-
-
-def _default_store() -> Any:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
-
-
 _SESSIONS: dict[str, itertools.count[int]] = {}
 
 
@@ -56,10 +46,11 @@ def _run_store(run_id: str | None) -> Any:
     if run_id is None:
         return None
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.PrefixStore(_store_prefix(run_id), _default_store())
+    return dist.PrefixStore(f"spillmerge/{run_id}/", distributed_c10d._get_default_store())
 
 
 def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
@@ -119,7 +110,7 @@ class Coord:
     def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float, session: int = 0) -> None:
         import torch.distributed as dist
 
-        self.base = dist.PrefixStore(_store_prefix(run_id), _default_store())
+        self.base = _run_store(run_id)
         self.session = session
         self.diagnose: Callable[[], dict[int, str]] | None = None
         """Failure records of this run on storage (rank -> "Type: message"), for a lost store."""

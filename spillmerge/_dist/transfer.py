@@ -147,15 +147,11 @@ class _Link:
         return self.host.numpy()[lo : lo + n]
 
 
-def _backend_of_default_group() -> str:
-    import torch.distributed as dist
-
-    return str(dist.get_backend()).lower()
-
-
 def choose_backend(transport: str) -> str:
     """``nccl`` or ``gloo`` for ``transport``, checked against the default process group."""
-    default = _backend_of_default_group()
+    import torch.distributed as dist
+
+    default = str(dist.get_backend()).lower()
     has_nccl = "nccl" in default and torch.cuda.is_available()
     if transport == "auto":
         return "nccl" if has_nccl else "gloo"
@@ -293,7 +289,8 @@ def transfer_shards(
         )
         info.visibility_seconds = time.perf_counter() - t_vis
         backend = choose_backend(transport) if invisible else ""
-        have = sorted(_committed_here(session.storage, invisible))
+        # segments of those ranks dst has committed already: not sent again
+        have = sorted({s.rel for q in invisible for s in list_segments(session.storage, q) if s.commit is not None})
         plan = {
             "invisible": {str(q): s for q, s in invisible.items()},
             "backend": backend,
@@ -387,14 +384,6 @@ class _CommitWatch:
         return not self.missing
 
 
-def _committed_here(storage: Storage, ranks: dict[int, str]) -> set[str]:
-    """Segments (``rank-R/seg-...``) of ``ranks`` already committed under ``storage``."""
-    out: set[str] = set()
-    for q in ranks:
-        out.update(s.rel for s in list_segments(storage, q) if s.commit is not None)
-    return out
-
-
 # ------------------------------------------------------------------------------------- sender
 def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[str, int]]:
     """Every object of every committed segment of ``ranks`` that ``dst`` lacks, each segment's
@@ -404,14 +393,8 @@ def _manifest(storage: Storage, ranks: list[int], have: set[str]) -> list[tuple[
         for seg in list_segments(storage, q):
             if seg.commit is None or seg.rel in have:
                 continue
-            files = storage.find(seg.rel)
-            commit = [(rel, n) for rel, n in files if rel == _commit_rel(seg.rel)]
-            objects += [
-                (rel, n)
-                for rel, n in files
-                if rel != _commit_rel(seg.rel) and rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME
-            ]
-            objects += commit
+            files = [(rel, n) for rel, n in storage.find(seg.rel) if rel.rsplit("/", 1)[-1] != FS.FAILURE_NAME]
+            objects += sorted(files, key=lambda f: f[0] == _commit_rel(seg.rel))  # stable: the commit last
     return objects
 
 

@@ -31,18 +31,11 @@ _BACKENDS = {
 
 # Transient S3 failures (5xx, throttling, resets, timeouts) are retried by botocore itself with
 # exponential backoff; spillmerge adds no retry loop of its own. Users override via storage_options.
-_S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"retries": {"max_attempts": 10, "mode": "standard"}, "connect_timeout": 10, "read_timeout": 60}
+_S3_CONFIG: dict[str, Any] = {
+    "retries": {"max_attempts": 10, "mode": "standard"},
+    "connect_timeout": 10,
+    "read_timeout": 60,
 }
-
-
-def _with_defaults(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    opts = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")):
-        config = dict(_S3_DEFAULTS["config_kwargs"])
-        config.update(opts.get("config_kwargs", {}))
-        opts["config_kwargs"] = config
-    return opts
 
 
 def _why(exc: BaseException) -> str:
@@ -52,9 +45,12 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _url_to_fs(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    opts = dict(storage_options)
+    if url.startswith(("s3://", "s3a://")):
+        opts["config_kwargs"] = {**_S3_CONFIG, **opts.get("config_kwargs", {})}
     try:
-        return fsspec.core.url_to_fs(url, **_with_defaults(url, storage_options))
+        return fsspec.core.url_to_fs(url, **opts)
     except ImportError as exc:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in _BACKENDS:
@@ -220,12 +216,7 @@ class Storage:
                 entries = self.fs.ls(p, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        names = []
-        for e in entries:
-            name = posixpath.basename(str(e).rstrip("/"))
-            if name and name not in (".", ".."):
-                names.append(name)
-        return sorted(set(names))
+        return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {"", ".", ".."})
 
     def _before_listing(self, rel: str, path: str) -> None:
         """What a listing of ``rel`` (backend path ``path``) needs first."""

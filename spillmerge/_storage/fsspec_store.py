@@ -14,17 +14,6 @@ from .._errors import SpillStorageError
 from .base import Storage
 
 
-def _normalize_key(root: str) -> str:
-    """``a/./b//c/../d`` -> ``a/b/d`` for an object-store root, leaving a protocol prefix that a
-    backend keeps in its paths (``proto://``) as it is."""
-    if root in ("/", ""):
-        return root
-    proto, sep, rest = root.partition("://")
-    if not sep:
-        return posixpath.normpath(root)
-    return f"{proto}://{posixpath.normpath(rest)}" if rest else root
-
-
 class FsspecStorage(Storage):
     """A prefix of an fsspec filesystem (``s3://bucket/key``, ``memory://x`` ...)."""
 
@@ -36,23 +25,27 @@ class FsspecStorage(Storage):
 
     @staticmethod
     def _resolve_root(root: str) -> str:
-        # Object stores have no links; `..`, `.` and `//` are resolved the way fsspec users mean them.
-        return _normalize_key(root)
+        """``a/./b//c/../d`` -> ``a/b/d`` (object stores have no links), leaving a protocol prefix
+        that a backend keeps in its paths (``proto://``) as it is."""
+        if root in ("/", ""):
+            return root
+        proto, sep, rest = root.partition("://")
+        if not sep:
+            return posixpath.normpath(root)
+        return f"{proto}://{posixpath.normpath(rest)}" if rest else root
 
     # ---------------------------------------------------------------------------------- reads
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:
         p = self.path(rel)
         with self.storage_errors("read", rel, passthrough=(FileNotFoundError,)):
-            # One ranged GET of at most one byte past the bound: no HEAD first (that doubled the
-            # requests of every read on an object store). Longer than the bound: refused.
+            # One ranged GET of at most one byte past the bound (get refuses a longer object): no
+            # HEAD first (that doubled the requests of every read on an object store).
             try:
-                data = bytes(self.fs.cat_file(p, start=0, end=max_bytes + 1))
+                return bytes(self.fs.cat_file(p, start=0, end=max_bytes + 1))
             except (FileNotFoundError, IsADirectoryError):
                 # A prefix with objects below it (a "folder") is no object: refused by what it is.
                 self._refuse_kind(rel, self.fs.info(p).get("type"))  # FileNotFoundError: nothing there
                 raise
-            self._refuse_size(rel, len(data), max_bytes)
-            return data
 
     def _before_listing(self, rel: str, path: str) -> None:
         # Object-store filesystems cache listings; a barrier polling for commit records must

@@ -69,23 +69,29 @@ class LocalStorage(Storage):
             os.close(fd)
         return b"".join(chunks)
 
-    def _refuse_links_in(self, rel: str, *, itself: bool) -> None:
+    def _refuse_links_in(self, rel: str, *, itself: bool, acting: bool = False) -> None:
         """Refuse ``rel`` when a folder between the root and it — or, with ``itself``, ``rel``
-        itself — is a symbolic link. Reads never follow a link inside a root: it could lead
-        outside it (docs/GUARANTEES.md, *Threat model*). Folders found real are remembered, so
-        reading thousands of chunks of one folder costs one lstat of it."""
+        itself — is a symbolic link: it could lead outside the root (docs/GUARANTEES.md, *Threat
+        model*). Reads remember the folders found real, so reading thousands of chunks of one
+        folder costs one lstat of it; a write or removal (``acting``) checks every folder again."""
         if rel in ("", "."):
             return
         parts = rel.split("/")
         for depth in range(1, len(parts) + (1 if itself else 0)):
             above = "/".join(parts[:depth])
-            if above in self._real_dirs:
+            if above in self._real_dirs and not acting:
                 continue
             try:
                 with self.storage_errors("check", above, passthrough=(FileNotFoundError, NotADirectoryError)):
                     mode = os.lstat(self.path(above)).st_mode
             except (FileNotFoundError, NotADirectoryError):
                 return  # nothing below exists: the caller's open or listing says so
+            if stat.S_ISLNK(mode) and acting:
+                raise UnsafePathError(
+                    f"{self.describe(above)} is a symbolic link; spillmerge does not write or delete through links "
+                    f"(it would act outside {self.describe()}): remove the link",
+                    path=self.describe(above),
+                )
             if stat.S_ISLNK(mode):
                 self._refuse_mode(above, mode)
             if stat.S_ISDIR(mode):
@@ -266,9 +272,8 @@ class LocalStorage(Storage):
             return
         with self.storage_errors("sync", rels[0]):
             fsync = functools.partial(_fsync_path, missing_ok=missing_ok)
-            if len(paths) == 1:
-                for p in sorted(paths):
-                    fsync(p)
+            if len(paths) == 1:  # no thread hand-off for one
+                fsync(paths.pop())
             else:
                 list(_fsync_pool().map(fsync, sorted(paths)))
         self._synced.update(rels)
@@ -306,23 +311,9 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return False
 
-    def _refuse_links_above(self, rel: str) -> None:
-        """Refuse ``rel`` when a folder between the root and it is a symbolic link: an operation
-        through it would act outside the root (a ``files/`` linked to another folder)."""
-        parts = rel.split("/")[:-1]
-        for depth in range(1, len(parts) + 1):
-            above = "/".join(parts[:depth])
-            if self.is_link(above):
-                raise UnsafePathError(
-                    f"{self.describe(above)} is a symbolic link; spillmerge does not write or delete through links "
-                    f"(it would act outside {self.describe()}): remove the link",
-                    path=self.describe(above),
-                )
-
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
-        if rel not in ("", "."):
-            self._refuse_links_above(rel)
+        self._refuse_links_in(rel, itself=False, acting=True)
         try:
             with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
                 if stat.S_ISDIR(os.lstat(p).st_mode):
@@ -399,7 +390,7 @@ class _LocalSink:
     def __enter__(self) -> _LocalSink:
         with self.storage.storage_errors("write", self.rel):
             # A received object must land below the root, never through a linked folder.
-            self.storage._refuse_links_above(self.rel)
+            self.storage._refuse_links_in(self.rel, itself=False, acting=True)
             self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         return self
 
@@ -424,11 +415,10 @@ class _LocalSink:
                     if self.durable:
                         _fsync_path(os.path.dirname(self.path))
         except BaseException:
-            _unlink_quietly(self._tmp)
             if ok:
+                _unlink_quietly(self._tmp)
                 raise
-            return
-        if not ok:
+        if not ok:  # the caller's error is the one raised; a failed close adds nothing to it
             _unlink_quietly(self._tmp)
 
 
@@ -441,28 +431,16 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> No
 
 FSYNC_THREADS = 8
 """fsyncs in flight at once: a disk's queue takes many, and each waits mostly on the device."""
-_fsync_threads: ThreadPoolExecutor | None = None
-_fsync_lock = threading.Lock()
 
 
+@functools.cache
 def _fsync_pool() -> ThreadPoolExecutor:
-    """This process's fsync threads, started once and shared by every ``sync``."""
-    global _fsync_threads
-    if _fsync_threads is None:
-        with _fsync_lock:
-            if _fsync_threads is None:
-                _fsync_threads = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="spillmerge-fsync")
-    return _fsync_threads
+    """This process's fsync threads, started once and shared by every ``sync``; forgotten in a
+    forked child, where the parent's threads do not exist (a sync would wait on them forever)."""
+    return ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="spillmerge-fsync")
 
 
-def _forget_fsync_pool() -> None:
-    """In a forked child: the parent's threads do not exist there (a sync would wait on them
-    forever), and another thread may have held the lock at the fork."""
-    global _fsync_threads, _fsync_lock
-    _fsync_threads, _fsync_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_fsync_pool)
+os.register_at_fork(after_in_child=_fsync_pool.cache_clear)
 
 
 def _fsync_path(path: str, *, missing_ok: bool = False) -> None:

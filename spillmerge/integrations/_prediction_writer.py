@@ -107,25 +107,20 @@ class SpillPredictionWriterMixin:
         0 by default), and in the process that launched the ranks when it ran no prediction itself
         (``ddp_spawn``): there it is read from ``ROOT/spillmerge-report.json``, which the merging
         rank writes. None on the other ranks, and before a merge of this callback's run."""
-        if self._report is None and self.writer is None and self.out is not None:
-            self._report = self._report_from_root()
+        if self._report is not None or self.writer is not None or self.out is None:
+            return self._report
+        raw = Storage(self.root, self.storage_options).get_or_none(REPORT_NAME)
+        try:
+            obj = json.loads(raw) if raw is not None else None
+            if obj is not None and float(obj["written"]) >= self._created:
+                self._report = MergeReport.from_json(json.dumps(obj["report"]))
+        except (ValueError, KeyError, TypeError):  # a torn or foreign file: no report, not a crash
+            pass
         return self._report
 
     @report.setter
     def report(self, value: MergeReport | None) -> None:
         self._report = value
-
-    def _report_from_root(self) -> MergeReport | None:
-        raw = Storage(self.root, self.storage_options).get_or_none(REPORT_NAME)
-        if raw is None:
-            return None
-        try:
-            obj = json.loads(raw)
-            if float(obj["written"]) < self._created:
-                return None
-            return MergeReport.from_json(json.dumps(obj["report"]))
-        except (ValueError, KeyError, TypeError):  # a torn or foreign file: no report, not a crash
-            return None
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self.report = None
