@@ -199,7 +199,7 @@ class DenseSteps:
         self._fresh_keys.append((base, frames, row0, len(leaves)))
         self._n_fresh_keys += len(names)
         frame_arr = None if zero else _frame_array(frames)
-        self._staging.add_ragged(row0, base, frame_arr, layout_ids, cols.sizes, cols.data, index)
+        self._staging.add_frames(row0, base, frame_arr, layout_ids, cols.sizes, cols.data, index)
         for name, frame, item_leaves, item_layouts in others:
             self._put(name, frame, item_leaves, item_layouts)
         return True
@@ -229,11 +229,11 @@ class DenseSteps:
             base = len(self._filenames) - n
             self._fresh_keys.append((base, frames, row0, n_leaves))
             self._n_fresh_keys += n
-            self._staging.add_frames(row0, base, frame_arr, layout_ids, rows, index)
+            self._staging.add_frames(row0, base, frame_arr, *_rows_of(n, layout_ids, rows), index)
         else:
             spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
             self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
-            self._staging.add_frames(row0, file_ids, frame_arr, layout_ids, rows, index)
+            self._staging.add_frames(row0, file_ids, frame_arr, *_rows_of(n, layout_ids, rows), index)
 
     def _new_rows(self, n: int, n_leaves: int) -> np.ndarray:
         """The index rows (file, frame, layout, offset, nbytes) of ``n`` more frames of
@@ -282,3 +282,13 @@ class DenseSteps:
 def _frame_array(frames: list[int]) -> np.ndarray | None:
     """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
     return np.array(frames, dtype=np.int64) if any(frames) else None
+
+
+def _rows_of(n: int, layout_ids: tuple[int, ...], rows: list[np.ndarray]) -> tuple[Any, Any, list[np.ndarray]]:
+    """A dense batch's ``(layout ids, sizes, columns)`` as ``Staging.add_frames`` takes them:
+    every frame's leaf ``j`` has ``layout_ids[j]`` and ``rows[j]``'s width."""
+    ids = np.empty((n, len(rows)), dtype=np.int64)
+    sizes = np.empty((n, len(rows)), dtype=np.int64)
+    ids[:] = layout_ids
+    sizes[:] = [r.shape[1] for r in rows]
+    return ids, sizes, [np.ascontiguousarray(r).reshape(-1) for r in rows]

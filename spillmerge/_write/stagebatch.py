@@ -30,7 +30,6 @@ class BatchSteps:
     direct: bool | None
     _storage: Storage
     _path: str
-    _block_rows_cache: dict[tuple[Any, ...], np.ndarray]
 
     if TYPE_CHECKING:
 
@@ -50,89 +49,28 @@ class BatchSteps:
         ) -> None: ...  # fmt: skip
 
     def add_frames(
-        self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: tuple[int, ...],
-        columns: list[np.ndarray], index: np.ndarray,
+        self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: np.ndarray,
+        sizes: np.ndarray, columns: list[np.ndarray], index: np.ndarray,
     ) -> None:  # fmt: skip
-        """Stage whole frames of the same layouts at once: frame ``i`` has index rows ``row +
-        i * L + j`` for its ``L`` leaves, leaf ``j``'s bytes being ``columns[j][i]`` (host uint8
-        arrays of shape ``(n_frames, nbytes_j)``, every ``nbytes_j`` > 0). ``file_ids``: int64
-        per frame, or an int (frame ``i`` is file ``file_ids + i``); ``frames``: int64 per frame,
-        or None (frame 0 each). Fills ``index`` (int64 ``(n_frames * L, 5)``: file, frame,
-        layout, offset in ``data``, nbytes of every row). The frames that fit whole in the
-        current chunk are one block: each leaf's rows of the block are copied back to back in
-        one copy (leaf by leaf, so the block of one leaf is one byte range) and checksummed by
-        one block checksum; their journal rows are arrays, made from a constant block per
-        (frames, layouts, widths) plus one shift. A frame straddling two chunks goes through
-        ``add`` (a CRC per row, as ``write`` does)."""
-        widths = [int(c.shape[1]) for c in columns]
-        frame_bytes = sum(widths)
-        n_leaves, n = len(columns), len(columns[0])
-        if self.direct is None:
-            self._decide(frame_bytes, True)
-        self.frames += n
-        consecutive = not isinstance(file_ids, np.ndarray)
-        i = 0
-        while i < n:
-            chunk = self._current_chunk()
-            k = min(n - i, (self.chunk_bytes - chunk.fill) // frame_bytes)
-            if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
-                fid = int(file_ids) + i if consecutive else int(file_ids[i])  # type: ignore[index]
-                fr = 0 if frames is None else int(frames[i])
-                pieces = [col[i] for col in columns]
-                self._add_by_leaf(row + i * n_leaves, fid, fr, layout_ids, pieces, widths, index[i * n_leaves :])
-                i += 1
-                continue
-            self._open_block(chunk)
-            host, fill = chunk.host_np, chunk.fill
-            # journal rows (row, file, frame, layout, offset, nbytes), frame by frame
-            shift = (row + i * n_leaves, int(file_ids) + i if consecutive else 0, 0, 0, self.offset, 0)
-            cube = self._block_rows(k, layout_ids, widths) + np.array(shift, dtype=np.int64)
-            if not consecutive:
-                cube[:, :, 1] = file_ids[i : i + k, None]  # type: ignore[index]
-            if frames is not None:
-                cube[:, :, 2] = frames[i : i + k, None]
-            for j, (col, w) in enumerate(zip(columns, widths, strict=True)):
-                src = None
-                if chunk.direct:
-                    src = np.ascontiguousarray(col[i : i + k]).reshape(-1)
-                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
-                else:
-                    host[fill : fill + k * w] = col[i : i + k].reshape(-1)
-                # At most CHECK_BYTES (or one row) per block checksum: a merge verifying one row
-                # reads its whole block once.
-                g = max(1, CHECK_BYTES // w)
-                for a in range(0, k, g):
-                    b = min(k, a + g)
-                    value = None if src is None else _crc.value(src[a * w : b * w])
-                    self._block(chunk, fill + a * w, fill + b * w, cube[a:b, j, 0], value)
-                fill += k * w
-            flat = cube.reshape(k * n_leaves, 6)
-            index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
-            chunk.complete_block(flat)
-            chunk.fill = fill
-            self.offset += k * frame_bytes
-            i += k
-            if chunk.fill == self.chunk_bytes:
-                self.hand_off()
-
-    def add_ragged(
-        self, row: int, file_base: int, frames: np.ndarray | None, layout_ids: np.ndarray, sizes: np.ndarray,
-        columns: list[np.ndarray], index: np.ndarray,
-    ) -> None:  # fmt: skip
-        """``add_frames`` of frames of new files ``file_base``, ``file_base + 1`` ... whose rows
-        differ in size: frame ``i``'s leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some)
-        of catalog layout ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s
-        rows back to back). The frames that fit whole in the current chunk are staged a leaf at
-        a time, one copy per leaf and a block checksum per CHECK_BYTES of its rows; a frame
-        straddling two chunks goes through ``add``."""
+        """Stage whole frames at once: frame ``i`` has index rows ``row + i * L + j`` for its
+        ``L`` leaves; leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some) of catalog layout
+        ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s rows back to back).
+        ``file_ids``: int64 per frame, or an int (frame ``i`` is file ``file_ids + i``);
+        ``frames``: int64 per frame, or None (frame 0 each). Fills ``index`` (int64
+        ``(n_frames * L, 5)``: file, frame, layout, offset in ``data``, nbytes of every row). The
+        frames that fit whole in the current chunk are staged a leaf at a time, one copy per leaf
+        (its rows one byte range) and a block checksum per CHECK_BYTES of its rows; a frame
+        straddling two chunks goes through ``add`` (a CRC per row, as ``write`` does)."""
         n, n_leaves = sizes.shape
         ends = np.cumsum(sizes, axis=0)
         starts = ends - sizes
         frame_ends = np.cumsum(sizes.sum(axis=1))
+        gaps = (sizes == 0).any(axis=0).tolist()  # per leaf: a row of no bytes, in no block
         if self.direct is None:
             self._decide(int(frame_ends[0]), True)
         self.frames += n
         grid = np.arange(n * n_leaves, dtype=np.int64).reshape(n, n_leaves) + row
+        fids = np.arange(file_ids, file_ids + n, dtype=np.int64) if isinstance(file_ids, int) else file_ids
         i = 0
         while i < n:
             chunk = self._current_chunk()
@@ -142,14 +80,14 @@ class BatchSteps:
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
                 nbs = sizes[i].tolist()
                 pieces = [col[a : a + nb] for col, a, nb in zip(columns, starts[i].tolist(), nbs, strict=True)]
-                self._add_by_leaf(int(grid[i, 0]), file_base + i, fr, layout_ids[i].tolist(), pieces, nbs, index[i * n_leaves :])
+                self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs, index[i * n_leaves :])
                 i += 1
                 continue
             self._open_block(chunk)
             part = slice(i, i + k)
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)
             cube[:, :, 0] = grid[part]
-            cube[:, :, 1] = np.arange(file_base + i, file_base + i + k, dtype=np.int64)[:, None]
+            cube[:, :, 1] = fids[part, None]
             cube[:, :, 2] = 0 if frames is None else frames[part, None]
             cube[:, :, 3] = layout_ids[part]
             cube[:, :, 5] = sizes[part]
@@ -168,7 +106,7 @@ class BatchSteps:
                 r = 0
                 while r < k:  # block checksums of at most CHECK_BYTES (or one larger row)
                     s = max(r + 1, int(np.searchsorted(hi, lo[r] + CHECK_BYTES, side="right")))
-                    rows = cube[r:s, j, 0][sizes[i + r : i + s, j] > 0]
+                    rows = cube[r:s, j, 0][sizes[i + r : i + s, j] > 0] if gaps[j] else cube[r:s, j, 0]
                     if len(rows):
                         value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None
                         self._block(chunk, fill + int(lo[r]), fill + int(hi[s - 1]), rows, value)
@@ -195,30 +133,8 @@ class BatchSteps:
             self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
 
     def _open_block(self, chunk: Chunk) -> None:
-        """Make ``chunk`` ready for a block of whole frames copied in by ``add_frames`` / ``add_ragged``."""
+        """Make ``chunk`` ready for a block of whole frames copied in by ``add_frames``."""
         if chunk.host_np is None and not chunk.direct:
             chunk.host_np = chunk.host.numpy()
         if chunk.run:
             self._close_run(chunk)
-
-    def _block_rows(self, k: int, layout_ids: tuple[int, ...], widths: list[int]) -> np.ndarray:
-        """The journal rows of a block of ``k`` whole frames of these layouts and leaf widths,
-        as if its first row were row 0 of file 0 at frame 0, staged at offset 0: (row, file,
-        frame, layout, offset, nbytes) per frame and leaf, leaf ``j``'s rows after the earlier
-        leaves' rows (made once per (k, layouts, widths); a block is this plus one shift)."""
-        key = (k, layout_ids, tuple(widths))
-        rows = self._block_rows_cache.get(key)
-        if rows is None:
-            n_leaves = len(widths)
-            lens = np.asarray(widths, dtype=np.int64)
-            rows = np.zeros((k, n_leaves, 6), dtype=np.int64)
-            rows[:, :, 0] = np.arange(k * n_leaves, dtype=np.int64).reshape(k, n_leaves)
-            rows[:, :, 1] = np.arange(k, dtype=np.int64)[:, None]
-            rows[:, :, 3] = layout_ids
-            rows[:, :, 4] = k * (np.cumsum(lens) - lens) + np.arange(k, dtype=np.int64)[:, None] * lens
-            rows[:, :, 5] = lens
-            rows.flags.writeable = False
-            if len(self._block_rows_cache) >= 64:  # bounded: batches of ever new sizes
-                self._block_rows_cache.clear()
-            self._block_rows_cache[key] = rows
-        return rows

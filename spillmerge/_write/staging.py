@@ -60,7 +60,6 @@ class Staging(BatchSteps):
         self._cuda_stream: Any = None
         self._closing = False
         self._path = ""
-        self._block_rows_cache: dict[tuple[Any, ...], np.ndarray] = {}
         self._local = False
         self.direct: bool | None = None
         """Chunks are written straight into their files (``_write.direct``); None until the
