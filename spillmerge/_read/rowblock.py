@@ -11,7 +11,7 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
-from .rowvalue import ABSENT, RowPlan, gc_paused, is_scalar, leaf_value, records, row_value, static_builder, to_python
+from .rowvalue import ABSENT, RowPlan, gc_paused, leaf_value, records, row_value, static_builder, to_python
 from .views import PickleView
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Block:
         got = self._cols.get(id(col))
         lo, _, vals = got if got is not None else self._load(col)
         if vals is _DIRECT:  # as value() reads it
-            return col.scalar(d) if is_scalar(col) else leaf_value(col, d, filename, self.as_torch)
+            return leaf_value(col, d, filename, self.as_torch)
         return vals[d - lo]
 
 

@@ -38,7 +38,7 @@ class RowPlan:
     segments and header rule, and the one column of a layout whose values
     are plain leaves at the root (a str, a tensor, a pickled object), read without a tree."""
 
-    __slots__ = ("leaves", "lists", "scalars", "single")
+    __slots__ = ("leaves", "lists", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
         # (column, leaf, domain, item segments, list path of a header's items or None, its
@@ -47,17 +47,12 @@ class RowPlan:
         self.leaves: list[
             tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...] | None, Any, bool]
         ] = []
-        self.scalars: set[int] = set()
-        """ids of the columns read as Python scalars (``OpenColumn.scalar``): 0-d ``py*`` leaves
-        and container headers."""
         for col in cols:
             leaf: tuple[str, ...] = col.info.leaf
             domain, at = _shape_of(leaf)
             head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
             lpath = (*leaf[:-1], F.ITEM) if head else None
             self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
-            if is_scalar(col):
-                self.scalars.add(id(col))
         self.lists = any(domain for _, _, domain, *_ in self.leaves)
         """Whether some column's rows are list items: a row's value then reads each such column's
         items at once (a ``_read.rowblock.Block`` of the row), not one item at a time."""
@@ -65,14 +60,10 @@ class RowPlan:
         self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
 
 
-def is_scalar(col: Any) -> bool:
-    info = col.info
-    return bool(info.kind == "fixed" and info.ndim == 0 and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS))
-
-
 def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
-    """Row ``d`` of a column that is no ``py*`` scalar or header (``is_scalar``: those are read by
-    ``OpenColumn.scalar``), known to have a value, as ``value()`` returns it."""
+    """Row ``d`` of ``col``, known to have a value, as ``value()`` returns it."""
+    if col.py_scalar:
+        return col.scalar(d)
     return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
 
 
@@ -167,12 +158,11 @@ def _row_value(
         valid = col.valid()
         if valid is not None and not valid[r]:
             return None
-        return col.scalar(r) if id(col) in plan.scalars else leaf_value(col, r, filename, as_torch)
+        return leaf_value(col, r, filename, as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
     inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
     entries = _entries(plan, r, offs or {}, block)
-    scalars = plan.scalars
     for leaf, col, d, items, ok in entries:
         if not ok:  # (absent headers and list items say nothing: _entries left them out)
             (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
@@ -188,7 +178,7 @@ def _row_value(
         if block is not None:  # already what value() returns for the leaf
             got = block.get(col, d, filename)
         else:
-            got = col.scalar(d) if id(col) in scalars else leaf_value(col, d, filename, as_torch)
+            got = leaf_value(col, d, filename, as_torch)
         if dtype in F.PY_HEADERS:  # (0-d: a Python int)
             parent = root
             for seg in leaf[:-1]:

@@ -224,16 +224,11 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        if col.offsets is None:  # one row, the common case
-            block = col.block
-            if block is None or not block[0] <= r < block[1]:
-                block = col.row_block(r)
-            if block is not None:  # read in order
-                x = block[3][r - block[0]].copy()
-            else:  # straight from its chunk
-                x = col.unit(r).copy()
-            return x if col.native else x.view(col.real)
-        return self._raw(r - self._start).view(self.dtype)
+        block = col.ahead(r)
+        if block is not None:
+            return block[2][r - block[0]].copy()
+        x = col.unit(r).copy()
+        return x if col.native else x.view(col.real)
 
     def _select(self, sel: Any) -> Any:
         if isinstance(sel, np.integer):
@@ -357,27 +352,16 @@ class RaggedView(_OffsetView):
         than the first dimension varies; of the real dtype."""
         return self._flat(self._start, self._stop).view(self.dtype)
 
-    def _stored(self, r: int) -> np.ndarray:
-        """Row ``r`` in its shape, of the storage dtype: from the block read ahead when rows are
-        read in order (``OpenColumn.row_block``)."""
+    def at(self, r: int) -> Any:
         col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.row_block(r)
+        block = col.ahead(r)
         if block is not None:
-            bounds, j = block[2], r - block[0]
-            flat = block[3][bounds[j] : bounds[j + 1]].copy()
-        else:
-            flat = self._flat(r, r + 1)
-        # (n, *inner_shape) already when only the first dimension varies
-        if col.info.inner_shape is None:
+            return block[2][r - block[0]].copy()
+        flat = self._flat(r, r + 1).view(col.real)
+        if col.info.inner_shape is None:  # else (n, *inner_shape) already
             assert col.shapes is not None
             flat = flat.reshape(tuple(col.shapes[r].tolist()))
         return flat
-
-    def at(self, r: int) -> Any:
-        flat = self._stored(r)
-        return flat if self._col.native else flat.view(self._col.real)
 
     def _many(self, a: int, b: int) -> Any:
         shapes = self._shapes(a, b)
@@ -412,7 +396,7 @@ class RaggedView(_OffsetView):
 
     def to_torch(self, i: int) -> torch.Tensor:
         """Row ``i`` as a CPU tensor of the real dtype."""
-        return tensor(self._stored(self._row(i)), self.dtype_name)
+        return tensor(self.at(self._row(i)), self.dtype_name)
 
     def to_arrow(self) -> Any:
         """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the
@@ -496,13 +480,8 @@ class TextView(BytesView):
     __slots__ = ()
 
     def at(self, r: int) -> Any:
-        col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.row_block(r)
-        if block is not None:
-            return block[3][r - block[0]]
-        return utf8_text(col, r, self._flat(r, r + 1).tobytes())
+        block = self._col.ahead(r)
+        return super().at(r) if block is None else block[2][r - block[0]]
 
     def _decode(self, r: int, raw: bytes) -> Any:
         return utf8_text(self._col, r, raw)
