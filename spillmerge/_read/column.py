@@ -132,13 +132,10 @@ class OpenColumn:
         return (x if self.native else x.view(self.real)).item()
 
     def ahead(self, r: int) -> tuple[int, int, list[Any]] | None:
-        """``(a, b, rows)``: rows ``a .. b-1`` (``r`` among them) decoded together by the column's
-        view when rows are read in order, within :data:`ROW_BLOCK_ROWS` and
+        """``(r, b, rows)``: rows ``r .. b-1`` decoded together by the column's view when row ``r``
+        comes right after row ``r - 1``, within :data:`ROW_BLOCK_ROWS` and
         :data:`ROW_BLOCK_BYTES`, kept until the next block. None when not in order, row ``r``
         alone exceeds a block, or a row of the block is damaged (each row is then read alone)."""
-        block = self.block
-        if block is not None and block[0] <= r < block[1]:
-            return block
         sequential = r == self._next_row
         self._next_row = r + 1
         if not sequential:

@@ -224,8 +224,10 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.ahead(r)
-        if block is not None:
+        block = col.block
+        if block is None or not block[0] <= r < block[1]:
+            block = col.ahead(r)
+        if block is not None:  # read in order
             return block[2][r - block[0]].copy()
         x = col.unit(r).copy()
         return x if col.native else x.view(col.real)
@@ -354,8 +356,10 @@ class RaggedView(_OffsetView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.ahead(r)
-        if block is not None:
+        block = col.block
+        if block is None or not block[0] <= r < block[1]:
+            block = col.ahead(r)
+        if block is not None:  # read in order
             return block[2][r - block[0]].copy()
         flat = self._flat(r, r + 1).view(col.real)
         if col.info.inner_shape is None:  # else (n, *inner_shape) already
@@ -377,21 +381,17 @@ class RaggedView(_OffsetView):
 
     def _list(self, a: int, b: int) -> list[Any]:
         flat = self._flat(a, b).view(self.dtype)
-        o = self._col.offsets
-        assert o is not None
-        base = int(o[a])
-        shapes = self._shapes(a, b)
+        o = np.asarray(self._col.offsets[a : b + 1], dtype=np.int64)  # type: ignore[index]
+        bounds = (o - o[0]).tolist()
+        shapes = None if self._col.info.inner_shape is not None else self._shapes(a, b).tolist()
         ok = self._ok(a, b)
         out: list[Any] = []
-        for j, r in enumerate(range(a, b)):
+        for j in range(b - a):
             if ok is not None and not ok[j]:
                 out.append(None)
-                continue
-            lo, hi = int(o[r]) - base, int(o[r + 1]) - base
-            if self._col.info.inner_shape is not None:
-                out.append(flat[lo:hi])
             else:
-                out.append(flat[lo:hi].reshape(tuple(shapes[j])))
+                x = flat[bounds[j] : bounds[j + 1]]
+                out.append(x if shapes is None else x.reshape(shapes[j]))
         return out
 
     def to_torch(self, i: int) -> torch.Tensor:
@@ -480,7 +480,10 @@ class TextView(BytesView):
     __slots__ = ()
 
     def at(self, r: int) -> Any:
-        block = self._col.ahead(r)
+        col = self._col
+        block = col.block
+        if block is None or not block[0] <= r < block[1]:
+            block = col.ahead(r)
         return super().at(r) if block is None else block[2][r - block[0]]
 
     def _decode(self, r: int, raw: bytes) -> Any:
