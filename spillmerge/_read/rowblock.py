@@ -168,6 +168,6 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 if build is not None:
                     value = gc_paused(build, block, r, name)
                 if value is ABSENT:
-                    value = row_value(plan, r, name, as_torch, offs, block, order)
+                    value = gc_paused(row_value, plan, r, name, as_torch, offs, block, order)
                 yield name, frames[r - ra], value
                 r += 1

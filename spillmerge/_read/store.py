@@ -26,7 +26,7 @@ from .filenames import Names, close_matches
 from .index import LazyArray
 from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
-from .rowvalue import RowPlan, row_value
+from .rowvalue import RowPlan, gc_paused, row_value
 from .views import LeafView, OpenColumn, view_factory
 
 __all__ = ["LeafView", "MergedStore", "open"]
@@ -287,7 +287,8 @@ class OutputFiles:
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
         plan = self.row_plan(self._file_layout.item(i))
         block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
-        return row_value(plan, r, filename, as_torch, self.list_offsets, block, self.key_orders.of_file(i))
+        order = self.key_orders.of_file(i)
+        return gc_paused(row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
 
     def row_plan(self, layout: int) -> RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
