@@ -27,7 +27,7 @@ from .index import LazyArray
 from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
 from .rowvalue import RowPlan, gc_paused, row_value
-from .views import LeafView, OpenColumn, view_factory
+from .views import LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
 
@@ -57,13 +57,6 @@ def _dtype_choice(c: OpenColumn) -> str:
     (``float32.2d``) or dtype."""
     shown = F.dtype_text(c.info.dtype, c.info.ndim)
     return shown if shown != c.info.dtype else c.info.variant or c.info.dtype
-
-
-def set_nested(out: LeafDict, path: list[str] | tuple[str, ...], value: Any) -> None:
-    """Put ``value`` at ``path`` in the nested dict ``out``, making the dicts on the way."""
-    for k in path[:-1]:
-        out = out.child(k)
-    out[path[-1]] = value
 
 
 class OutputFiles:
@@ -184,7 +177,7 @@ class OutputFiles:
             raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
-        # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
+        # for a dict of top-level leaves; an empty list for nested leaves.
         self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
         self._layout_paths: list[list[tuple[tuple[str, ...], OpenColumn]]] = []
         for names in self._layouts:
@@ -200,7 +193,6 @@ class OutputFiles:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
-        self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
         self._next = 0
         self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -253,15 +245,17 @@ class OutputFiles:
             filename = str(self.filenames[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
-        if flat:
-            make = self._makers.get(layout)
-            if make is None:
-                make = self._makers[layout] = view_factory(flat)
-            return make(a, b, filename)
         out = LeafDict.top(filename)
+        if flat:
+            for key, cls, col in flat:
+                out[key] = cls(col, a, b, filename)
+            return out
         for path, col in self._layout_paths[layout]:
+            node = out
+            for k in path[:-1]:
+                node = node.child(k)
             # a list's items: the items of the file's rows, flattened
-            set_nested(out, path, col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename))
+            node[path[-1]] = col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename)
         return out
 
     def row_value(

@@ -4,7 +4,7 @@ per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`."""
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +14,6 @@ from .._format import common as F
 from .._format.invariants import StoredColumn
 from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
 from .column import OpenColumn, dims
-from .leafdict import LeafDict
 
 if TYPE_CHECKING:
     import torch
@@ -528,20 +527,6 @@ class TextListView(_OffsetView):
         pa = require_pyarrow()
         rows = self._list(self._start, self._stop)
         return pa.array(rows, type=pa.large_list(pa.large_string()))
-
-
-def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int, str], LeafDict]:
-    """``make(a, b, filename)``: the value of a file whose layout has these top-level leaves
-    (``(key, view class, column)`` each), rows ``a .. b-1``: a :class:`LeafDict` of one view per
-    leaf."""
-
-    def make(a: int, b: int, filename: str) -> LeafDict:
-        out = LeafDict.top(filename)
-        for key, cls, col in flat:
-            out[key] = cls(col, a, b, filename)
-        return out
-
-    return make
 
 
 OpenColumn.VIEWS.update(
