@@ -88,10 +88,6 @@ class LeafView:
             raise IndexError(f"row {int(i)} out of range for {n} rows")
         return self._start + j
 
-    def _is_valid(self, r: int) -> bool:
-        col = self._col
-        return not col.has_valid or bool(col.valid()[r])  # type: ignore[index]
-
     def _ok(self, a: int, b: int) -> list[bool] | None:
         """Whether rows ``a .. b-1`` (absolute) have a value, as a list; None when all have."""
         v = self._col.valid()
@@ -111,8 +107,7 @@ class LeafView:
     def _select(self, sel: Any) -> Any:
         """``view[sel]`` for any ``sel`` but a Python int."""
         if isinstance(sel, np.integer):
-            r = self._row(sel)
-            return self.at(r) if self._is_valid(r) else None
+            return self[int(sel)]
         if isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -233,8 +228,7 @@ class FixedView(LeafView):
 
     def _select(self, sel: Any) -> Any:
         if isinstance(sel, np.integer):
-            r = self._row(sel)
-            return self.at(r) if self._is_valid(r) else None
+            return self[int(sel)]
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
