@@ -36,7 +36,7 @@ def real_dtype(name: str) -> np.dtype[Any]:
 
 ROW_BLOCK_ROWS = 256
 ROW_BLOCK_BYTES = 1 << 16
-"""Bounds of the rows of a column with offsets read together when read in order
+"""Bounds of the rows of a column decoded together when read in order
 (:meth:`OpenColumn.ahead`): at most this much memory per column."""
 
 

@@ -177,11 +177,10 @@ class FixedView(LeafView):
             sel, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
         if sel is Ellipsis:
             sel = slice(None)
-        if self._col.offsets is not None:
+        if isinstance(sel, (int, np.integer)):
+            arr = self._col.unit(self._row(sel)).copy()
+        elif self._col.offsets is not None:
             arr = self._compact(sel)
-        elif isinstance(sel, (int, np.integer)):
-            r = self._row(sel)
-            arr = self._col.rows(r, r + 1)[0]
         elif isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -206,8 +205,6 @@ class FixedView(LeafView):
         col = self._col
         o = col.offsets
         assert o is not None
-        if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
-            return col.unit(self._row(sel)).copy()
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
