@@ -400,7 +400,7 @@ def top_columns(
             for col in node.cols:
                 out[name_of(col)] = col
         records = [h for h in node.headers if h.info.dtype == "pyrecords"]
-        for _, kid in sorted(node.keys.items()):  # flat columns stay in name order, as before
+        for _, kid in sorted(node.keys.items()):  # flat columns in name order
             # the records' columns are inside its column: a key is a flat column too only where
             # other rows hold a dict with it
             if not records or _outside(kid, records, offs or {}):

@@ -204,7 +204,7 @@ _SEQUENCES = frozenset({"pylist", "pytuple", "pyrecords"})
 
 
 def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
-    """Format 4: the keys of a dict inside a list that hold ``None`` (a row no column of the key
+    """The keys of a dict inside a list that hold ``None`` (a row no column of the key
     has a value in, like a key the dict lacks): its ``pydict`` header counts its keys, so the
     keys it lacks of the ones its list's other dicts have are told from ``None`` ones. (When a
     dict both lacks keys others have and holds ``None`` ones, which is which is not stored: the
