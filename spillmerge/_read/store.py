@@ -128,27 +128,28 @@ class OutputFiles:
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
+
+        def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
+            """A column's ``offsets``, ``shapes`` or ``valid``: whole (a list's items, read and
+            checked at open, as their lists are), else a ``LazyArray``."""
+            node = info.arrays[kind]
+            if whole:
+                return np.asarray(V.read_array(node), dtype=dtype)
+            return lazy(f"columns/{info.name}/{kind}", node, dtype)
+
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
-            col = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
-            if domain:  # a list's items: read and checked whole at open, as their lists are
-                nested[name] = info
-                if "offsets" in info.arrays:
-                    col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
-                    if "shapes" in info.arrays:
-                        col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
-                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
-                if "valid" in info.arrays and col.has_valid:
-                    col.valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
-                self.columns[name] = col
-                continue
+            col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
             if "offsets" in info.arrays:
-                col.offsets = lazy(f"columns/{name}/offsets", info.arrays["offsets"])
+                col.offsets = array(info, "offsets", bool(domain))
                 if "shapes" in info.arrays:
-                    col.shapes = lazy(f"columns/{name}/shapes", info.arrays["shapes"])
-            if "valid" in info.arrays and col.has_valid:
-                col.valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
-            self.columns[name] = col
+                    col.shapes = array(info, "shapes", bool(domain))
+                if domain:
+                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+            if col.has_valid:
+                col.valid_arr = array(info, "valid", bool(domain), bool)
+            if domain:
+                nested[name] = info
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
             n_rows, self.frame_offsets, self._file_layout, self.frame_idx, self.prov, root, self._layouts,
