@@ -130,8 +130,7 @@ class OutputFiles:
         nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
 
         def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
-            """A column's ``offsets``, ``shapes`` or ``valid``: whole (a list's items, read and
-            checked at open, as their lists are), else a ``LazyArray``."""
+            """Whole for a list's items (checked at open, as their lists are), else a ``LazyArray``."""
             node = info.arrays[kind]
             if whole:
                 return np.asarray(V.read_array(node), dtype=dtype)
