@@ -154,15 +154,13 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                         g += 1
                     r1 = min(starts[g + 1], rb)
                     run = block.run(flat, r, r1)
-                    if run is not None and r1 == starts[g + 1] and starts[f : g + 2] == list(range(r, r1 + 1)):
-                        # one row a file (an LLM output each)
-                        yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
-                        r = r1
-                        continue
                     if run is not None:
-                        for h in range(f, g + 1):
-                            for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
-                                yield names[h], frames[q - ra], run[q - r]
+                        if starts[f : g + 2] == list(range(r, r1 + 1)):  # one row a file (an LLM output each)
+                            yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
+                        else:
+                            for h in range(f, g + 1):
+                                for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
+                                    yield names[h], frames[q - ra], run[q - r]
                         r = r1
                         continue
                 if build is not None:
