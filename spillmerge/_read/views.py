@@ -284,14 +284,16 @@ class _OffsetView(LeafView):
     def at(self, r: int) -> Any:
         return self._decode(r, self._flat(r, r + 1).tobytes())
 
+    def _span(self, a: int, b: int) -> tuple[np.ndarray, list[int]]:
+        """The values of rows ``a .. b-1`` (absolute), one read, and each row's bounds in them."""
+        ob = np.asarray(self._col.offsets[a : b + 1], dtype=np.int64)  # type: ignore[index]
+        return self._col.rows(int(ob[0]), int(ob[-1])), (ob - ob[0]).tolist()
+
     def _list(self, a: int, b: int) -> list[Any]:
-        """Rows ``a .. b-1`` (absolute) from one read of their values as one ``bytes``, sliced per
-        row: ``_decode`` of each, None where the row has no value."""
-        o = self._col.offsets
-        assert o is not None
-        ob = np.asarray(o[a : b + 1], dtype=np.int64)
-        buf = self._col.rows(int(ob[0]), int(ob[-1])).tobytes()
-        bounds = (ob - ob[0]).tolist()
+        """Rows ``a .. b-1`` (absolute) from their values as one ``bytes``, sliced per row:
+        ``_decode`` of each, None where the row has no value."""
+        vals, bounds = self._span(a, b)
+        buf = vals.tobytes()
         ok, decode = self._ok(a, b), self._decode
         return [
             None if ok is not None and not ok[j] else decode(a + j, buf[bounds[j] : bounds[j + 1]])
@@ -370,9 +372,8 @@ class RaggedView(_OffsetView):
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:
-        flat = self._flat(a, b).view(self.dtype)
-        o = np.asarray(self._col.offsets[a : b + 1], dtype=np.int64)  # type: ignore[index]
-        bounds = (o - o[0]).tolist()
+        vals, bounds = self._span(a, b)
+        flat = vals.view(self.dtype)
         shapes = None if self._col.info.inner_shape is not None else self._shapes(a, b).tolist()
         ok = self._ok(a, b)
         out: list[Any] = []
