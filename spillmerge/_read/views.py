@@ -351,8 +351,9 @@ class RaggedView(_OffsetView):
         block = col.block
         if block is None or not block[0] <= r < block[1]:
             block = col.ahead(r)
-        if block is not None:  # read in order
-            return block[2][r - block[0]].copy()
+        x = None if block is None else block[2][r - block[0]]
+        if x is not None:  # read in order (to_torch reads a row without a value too: read alone)
+            return x.copy()
         flat = self._flat(r, r + 1).view(col.real)
         if col.info.inner_shape is None:  # else (n, *inner_shape) already
             assert col.shapes is not None
