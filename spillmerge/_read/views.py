@@ -479,7 +479,10 @@ class TextView(BytesView):
         return super().at(r) if block is None else block[2][r - block[0]]
 
     def _decode(self, r: int, raw: bytes) -> Any:
-        return utf8_text(self._col, r, raw)
+        try:  # (no call to utf8_text for a valid row: rows read in order are decoded here)
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return utf8_text(self._col, r, raw)  # raises, naming the row
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
