@@ -415,7 +415,7 @@ MUTATIONS: list[Mutation] = [
         '        if not 0 <= j < n:\n            raise IndexError(f"row {int(i)} out of range for {n} rows")',
         '        if j < 0:\n            raise IndexError(f"row {int(i)} out of range for {n} rows")',
         ("tests/project/test_guarded_checks.py::test_a_row_past_a_files_last_row_raises",),
-        "the same bound for a numpy integer index",
+        "the same bound for the row of a tuple index (view[np.int64(i), j])",
     ),
     Mutation(
         "g26-shapes-negative-dimension",

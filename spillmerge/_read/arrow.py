@@ -50,6 +50,16 @@ class Node:
             return self.each
         return self.keys.setdefault(seg, Node((*self.path, seg), self.order))
 
+    def stored(self) -> list[OpenColumn]:
+        """The columns and headers of this node and of every node under it."""
+        out: list[OpenColumn] = []
+        stack = [self]
+        while stack:
+            n = stack.pop()
+            out += n.cols + n.headers
+            stack += [*n.keys.values(), *([n.each] if n.each is not None else [])]
+        return out
+
     def sorted_keys(self) -> list[tuple[str, Node]]:
         """The dict keys here, in the key order the output holds for this path (else sorted)."""
         return ordered(self.keys, self.path, self.order)
@@ -400,7 +410,7 @@ def top_columns(
             for col in node.cols:
                 out[name_of(col)] = col
         records = [h for h in node.headers if h.info.dtype == "pyrecords"]
-        for _, kid in sorted(node.keys.items()):  # flat columns stay in name order, as before
+        for _, kid in sorted(node.keys.items()):  # flat columns in name order
             # the records' columns are inside its column: a key is a flat column too only where
             # other rows hold a dict with it
             if not records or _outside(kid, records, offs or {}):
@@ -418,17 +428,13 @@ def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], 
         if v is None:
             return False  # every row holds one
         inside = np.array(v) if not len(inside) else inside | np.asarray(v)
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for col in n.cols + n.headers:
-            v = col.valid()
-            domain = F.list_domain(col.info.leaf)
-            if domain:  # a list's items: the rows that hold one
-                v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
-            if v is None or bool((np.asarray(v) & ~inside).any()):
-                return True
-        stack += [*n.keys.values(), *([n.each] if n.each is not None else [])]
+    for col in node.stored():
+        v = col.valid()
+        domain = F.list_domain(col.info.leaf)
+        if domain:  # a list's items: the rows that hold one
+            v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
+        if v is None or bool((np.asarray(v) & ~inside).any()):
+            return True
     return False
 
 

@@ -47,7 +47,7 @@ def nest(flat: Any, shape: tuple[int, ...]) -> Any:
 
 
 def untensor(arr: Any) -> Any:
-    """An ``arrow.fixed_shape_tensor`` array as the nested ``fixed_size_list`` it was before
+    """An ``arrow.fixed_shape_tensor`` array as the nested ``fixed_size_list`` of its storage
     (what readers without the extension type, Parquet's among them, see with its shape)."""
     pa = require_pyarrow()
     if not isinstance(arr.type, pa.FixedShapeTensorType):

@@ -99,11 +99,6 @@ class ChunkCache:
             self._chunks[key] = (arr, size)
             self._nbytes += size
 
-    def clear(self) -> None:
-        with self._lock:
-            self._chunks.clear()
-            self._nbytes = 0
-
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self.max_bytes, self._nbytes, len(self._chunks), self._hits, self._misses)

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._errors import CorruptSpillError
 from .._format import common as F
 from .._format.invariants import StoredColumn, read_rows
 from .._storage import Storage
@@ -35,8 +36,8 @@ def real_dtype(name: str) -> np.dtype[Any]:
 
 ROW_BLOCK_ROWS = 256
 ROW_BLOCK_BYTES = 1 << 16
-"""Bounds of the rows of a column with offsets read together when read in order
-(:meth:`OpenColumn.row_block`): at most this much memory per column."""
+"""Bounds of the rows of a column decoded together when read in order
+(:meth:`OpenColumn.ahead`): at most this much memory per column."""
 
 
 def dims(shape: Any) -> tuple[int, ...]:
@@ -80,9 +81,11 @@ class OpenColumn:
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
         self.has_valid = "valid" in info.arrays
+        self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
+        """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
         self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
-        self.block: tuple[int, int, list[int], Any] | None = None  # rows read in order (row_block)
+        self.block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
         self.offsets: Any = None
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
@@ -128,42 +131,32 @@ class OpenColumn:
         x = self.unit(r)
         return (x if self.native else x.view(self.real)).item()
 
-    def row_block(self, r: int) -> tuple[int, int, list[int], Any] | None:
-        """Rows ``r ..`` read together when row ``r`` comes right after row ``r - 1``: ``(r, b,
-        bounds, payload)``, ``payload`` a private copy of rows ``r .. b-1`` (``payload[j]``, or
-        ``payload[bounds[j] : bounds[j + 1]]`` with offsets; a ``str`` column's decoded strings),
-        within :data:`ROW_BLOCK_ROWS` and :data:`ROW_BLOCK_BYTES`, kept until the next block. None
-        when not in order, row ``r`` alone exceeds a block, or a string is not UTF-8."""
+    def ahead(self, r: int) -> tuple[int, int, list[Any]] | None:
+        """``(r, b, rows)``: rows ``r .. b-1`` decoded together by the column's view when row ``r``
+        comes right after row ``r - 1``, within :data:`ROW_BLOCK_ROWS` and
+        :data:`ROW_BLOCK_BYTES`, kept until the next block. None when not in order, row ``r``
+        alone exceeds a block, or a row of the block is damaged (each row is then read alone)."""
         sequential = r == self._next_row
         self._next_row = r + 1
         if not sequential:
             return None
-        limit = ROW_BLOCK_BYTES // max(self.stored_dtype.itemsize * int(np.prod(self.unit_shape, dtype=np.int64)), 1)
+        limit = ROW_BLOCK_BYTES // max(self.unit_nbytes, 1)
         k = self.chunk_rows
-        if self.offsets is None:  # a fixed column: row r is unit r (no bounds)
-            n = min(ROW_BLOCK_ROWS, limit, self.n_rows - r, (r // k + 1) * k - r)
-            if n < 1:
-                return None
-            block = self.block = (r, r + n, [], self.rows(r, r + n))
-            return block
         # Never past the block of index rows (ROW_BLOCK) or the chunk of values that row r reads:
         # the rows read ahead are checked, and their chunks read, no sooner than row r's are.
         stop = min(r + ROW_BLOCK_ROWS, self.n_rows, (r // ROW_BLOCK + 1) * ROW_BLOCK)
-        offs = np.asarray(self.offsets[r : stop + 1])
-        lo = int(offs[0])
-        n = int(np.searchsorted(offs, min(lo + limit, (lo // k + 1) * k), side="right")) - 1
+        if self.offsets is None:  # row r is unit r
+            n = min(stop - r, limit, (r // k + 1) * k - r)
+        else:
+            offs = np.asarray(self.offsets[r : stop + 1])
+            lo = int(offs[0])
+            n = int(np.searchsorted(offs, min(lo + limit, (lo // k + 1) * k), side="right")) - 1
         if n < 1:
             return None
-        offs = offs[: n + 1]
-        payload: Any = self.rows(lo, int(offs[-1]))
-        bounds = (offs - lo).tolist()
-        if self.info.kind == "str":  # TextView
-            raw = payload.tobytes()
-            try:
-                payload = [raw[bounds[j] : bounds[j + 1]].decode("utf-8") for j in range(n)]
-            except UnicodeDecodeError:
-                return None
-        block = self.block = (r, r + n, bounds, payload)
+        try:
+            block = self.block = (r, r + n, self.view(r, r + n).to_list())
+        except CorruptSpillError:
+            return None
         return block
 
     def rows(self, lo: int, hi: int) -> np.ndarray:

@@ -76,26 +76,12 @@ def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dic
     return out
 
 
-def _stored(cols: dict[str, Column]) -> list[OpenColumn]:
-    """The stored columns the exported ones read."""
-    out: list[OpenColumn] = []
-    stack = [c for c in cols.values()]
-    while stack:
-        c = stack.pop()
-        if isinstance(c, OpenColumn):
-            out.append(c)
-        else:
-            out += c.cols + c.headers
-            stack += [*c.keys.values(), *([c.each] if c.each is not None else [])]
-    return out
-
-
 def default_batch_rows(files: Files, cols: dict[str, Column]) -> int:
     """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
     if files.n_rows == 0:
         return 1
     total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
-    for col in _stored(cols):
+    for col in [x for c in cols.values() for x in ([c] if isinstance(c, OpenColumn) else c.stored())]:
         v = col.values
         item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
         total += int(np.prod(v.shape, dtype=np.int64)) * item

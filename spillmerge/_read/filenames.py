@@ -269,21 +269,13 @@ def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, li
 
 def close_matches(names: Names, name: object) -> list[str]:
     """At most 3 filenames a mistyped ``name`` was likely meant as, among its neighbours in sort
-    order (bounded work whatever the output's size): :func:`suggest`."""
-    if not isinstance(name, str) or not len(names):
-        return []
-    return suggest(name, names.near(name))
-
-
-def suggest(name: str, candidates: list[str]) -> list[str]:
-    """At most 3 of ``candidates`` that are the fewest typos away from ``name``, if that is few:
-    one edit per 20 characters plus one, at most 3 (a swap of two neighbouring characters is one
-    edit). A name that only shares a prefix (``img_0.jpg`` and ``img_00039.jpg``) is not one;
-    names over 256 characters get none (the work stays bounded)."""
-    if len(name) > 256:
+    order: the fewest typos away, if that is few (one edit per 20 characters plus one, at most 3;
+    a swap of two neighbouring characters is one edit). A name that only shares a prefix
+    (``img_0.jpg`` and ``img_00039.jpg``) is not one; names over 256 characters get none."""
+    if not isinstance(name, str) or not len(names) or len(name) > 256:
         return []
     limit = min(3, 1 + len(name) // 20)
-    scored = sorted((d, c) for c in candidates if isinstance(c, str) and (d := _edits(name, c, limit)) <= limit)
+    scored = sorted((d, c) for c in names.near(name) if (d := _edits(name, c, limit)) <= limit)
     return [c for d, c in scored[:3] if d == scored[0][0]]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
-from .rowvalue import ABSENT, RowPlan, gc_paused, is_scalar, leaf_value, records, row_value, static_builder, to_python
+from .rowvalue import ABSENT, RowPlan, gc_paused, leaf_value, records, row_value, static_builder, to_python
 from .views import PickleView
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Block:
         got = self._cols.get(id(col))
         lo, _, vals = got if got is not None else self._load(col)
         if vals is _DIRECT:  # as value() reads it
-            return col.scalar(d) if is_scalar(col) else leaf_value(col, d, filename, self.as_torch)
+            return leaf_value(col, d, filename, self.as_torch)
         return vals[d - lo]
 
 
@@ -154,20 +154,18 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                         g += 1
                     r1 = min(starts[g + 1], rb)
                     run = block.run(flat, r, r1)
-                    if run is not None and r1 == starts[g + 1] and starts[f : g + 2] == list(range(r, r1 + 1)):
-                        # one row a file (an LLM output each)
-                        yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
-                        r = r1
-                        continue
                     if run is not None:
-                        for h in range(f, g + 1):
-                            for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
-                                yield names[h], frames[q - ra], run[q - r]
+                        if starts[f : g + 2] == list(range(r, r1 + 1)):  # one row a file (an LLM output each)
+                            yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
+                        else:
+                            for h in range(f, g + 1):
+                                for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
+                                    yield names[h], frames[q - ra], run[q - r]
                         r = r1
                         continue
                 if build is not None:
                     value = gc_paused(build, block, r, name)
                 if value is ABSENT:
-                    value = row_value(plan, r, name, as_torch, offs, block, order)
+                    value = gc_paused(row_value, plan, r, name, as_torch, offs, block, order)
                 yield name, frames[r - ra], value
                 r += 1

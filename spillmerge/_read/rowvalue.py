@@ -33,12 +33,11 @@ def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
 
 
 class RowPlan:
-    """What ``row_value`` needs of one file layout's columns, derived once per layout (the reader
-    keeps one per layout) instead of once per row: each column's leaf, list domain, item
-    segments and header rule, and the one column of a layout whose values
-    are plain leaves at the root (a str, a tensor, a pickled object), read without a tree."""
+    """What ``row_value`` needs of one file layout's columns, derived once per layout: each
+    column's leaf, list domain, item segments and header rule, and the one column of a layout
+    whose values are plain leaves at the root (``single``: read without a tree)."""
 
-    __slots__ = ("leaves", "lists", "scalars", "single")
+    __slots__ = ("leaves", "lists", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
         # (column, leaf, domain, item segments, list path of a header's items or None, its
@@ -47,32 +46,22 @@ class RowPlan:
         self.leaves: list[
             tuple[Any, tuple[str, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...] | None, Any, bool]
         ] = []
-        self.scalars: set[int] = set()
-        """ids of the columns read as Python scalars (``OpenColumn.scalar``): 0-d ``py*`` leaves
-        and container headers."""
         for col in cols:
             leaf: tuple[str, ...] = col.info.leaf
             domain, at = _shape_of(leaf)
             head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
             lpath = (*leaf[:-1], F.ITEM) if head else None
             self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
-            if is_scalar(col):
-                self.scalars.add(id(col))
         self.lists = any(domain for _, _, domain, *_ in self.leaves)
-        """Whether some column's rows are list items: a row's value then reads each such column's
-        items at once (a ``_read.rowblock.Block`` of the row), not one item at a time."""
+        """Whether some column's rows are list items (a row's value then reads them in a ``Block``)."""
         only = cols[0] if len(cols) == 1 else None
         self.single = only if only is not None and only.info.leaf == () else None  # () is never a header
 
 
-def is_scalar(col: Any) -> bool:
-    info = col.info
-    return bool(info.kind == "fixed" and info.ndim == 0 and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS))
-
-
 def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
-    """Row ``d`` of a column that is no ``py*`` scalar or header (``is_scalar``: those are read by
-    ``OpenColumn.scalar``), known to have a value, as ``value()`` returns it."""
+    """Row ``d`` of ``col``, known to have a value, as ``value()`` returns it."""
+    if col.py_scalar:
+        return col.scalar(d)
     return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
 
 
@@ -81,8 +70,8 @@ def _entries(
 ) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     whether the row has a value there) of every value row ``r`` has in the plan's columns, less
-    the list items and headers it has no value in (they say nothing): a list's item rows
-    (docs/FORMAT.md, *Lists*) get the positions their lists' offsets say (``MARK`` + position). ``block``: a ``_read.rowblock.Block`` holding the columns' validity."""
+    the list items and headers it has no value in; a list's item rows get the positions their
+    lists' offsets say (``MARK`` + position)."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
@@ -119,10 +108,8 @@ def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: i
 
 
 def gc_paused(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with the cyclic garbage collector paused: a value builds only new, acyclic
-    dicts and lists (nothing for it to find), and with a large heap its passes over every live
-    object took half the time of reading back a list of 192k dicts. Restarted only when it was
-    running (a caller's ``gc.disable()`` stands)."""
+    """``fn(*args)`` with the cyclic garbage collector paused (a value builds only new, acyclic
+    dicts and lists: nothing for it to find); restarted only when it was running."""
     if not gc.isenabled():
         return fn(*args)
     gc.disable()
@@ -136,30 +123,14 @@ def row_value(
     plan: RowPlan,
     r: int,
     filename: str,
-    as_torch: bool = False,
-    offs: dict[tuple[str, ...], np.ndarray] | None = None,
-    block: Any = None,
-    order: Spec | None = None,
-) -> Any:
-    """``_row_value`` with the cyclic garbage collector paused (``gc_paused``)."""
-    return gc_paused(_row_value, plan, r, filename, as_torch, offs, block, order)
-
-
-def _row_value(
-    plan: RowPlan,
-    r: int,
-    filename: str,
     as_torch: bool,
-    offs: dict[tuple[str, ...], np.ndarray] | None,
+    offs: dict[tuple[str, ...], np.ndarray],
     block: Any,
     order: Spec | None,
 ) -> Any:
-    """The value of row ``r`` of the output from the plan of its file's columns (``OpenColumn``);
-    ``offs``: the list offsets (list path -> offsets); ``block``: a ``_read.rowblock.Block``
-    of rows around ``r`` whose columns' rows are read once for all of them (``iter_values``; and
-    ``value()`` of a row with list items: the block of that row, each column's items read at
-    once), else each leaf's row is read from its column here; ``order``: the file's dict
-    key orders (``_format.keyorder``), None for sorted keys."""
+    """The value of row ``r`` from the plan of its file's columns; ``offs``: the list offsets;
+    ``block``: a ``_read.rowblock.Block`` of rows around ``r`` whose columns' rows it reads (else
+    each leaf's row is read here); ``order``: the file's dict key orders, None for sorted keys."""
     col = plan.single
     if col is not None and block is not None:
         return block.get(col, r, filename) if block.ok(col, r) else None
@@ -167,12 +138,11 @@ def _row_value(
         valid = col.valid()
         if valid is not None and not valid[r]:
             return None
-        return col.scalar(r) if id(col) in plan.scalars else leaf_value(col, r, filename, as_torch)
+        return leaf_value(col, r, filename, as_torch)
     root: _Node = {"kids": {}}
     absent: list[tuple[str, ...]] = []
     inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
-    entries = _entries(plan, r, offs or {}, block)
-    scalars = plan.scalars
+    entries = _entries(plan, r, offs, block)
     for leaf, col, d, items, ok in entries:
         if not ok:  # (absent headers and list items say nothing: _entries left them out)
             (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
@@ -188,7 +158,7 @@ def _row_value(
         if block is not None:  # already what value() returns for the leaf
             got = block.get(col, d, filename)
         else:
-            got = col.scalar(d) if id(col) in scalars else leaf_value(col, d, filename, as_torch)
+            got = leaf_value(col, d, filename, as_torch)
         if dtype in F.PY_HEADERS:  # (0-d: a Python int)
             parent = root
             for seg in leaf[:-1]:
@@ -234,7 +204,7 @@ _SEQUENCES = frozenset({"pylist", "pytuple", "pyrecords"})
 
 
 def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
-    """Format 4: the keys of a dict inside a list that hold ``None`` (a row no column of the key
+    """The keys of a dict inside a list that hold ``None`` (a row no column of the key
     has a value in, like a key the dict lacks): its ``pydict`` header counts its keys, so the
     keys it lacks of the ones its list's other dicts have are told from ``None`` ones. (When a
     dict both lacks keys others have and holds ``None`` ones, which is which is not stored: the
@@ -306,9 +276,8 @@ _RECORD_KEYS = 64
 @functools.lru_cache(maxsize=_RECORD_KEYS)
 def _records_builder(n: int) -> Any:
     """``keys -> columns -> dicts`` for ``n`` keys: a comprehension of one dict display (``{k0:
-    v0, k1: v1, ...}``) builds a dict in half the time ``dict(zip(keys, row))`` takes, less than
-    ``pickle.loads`` of it (COCO: 192k instance dicts). The source holds only names made from
-    ``n``; the keys are bound as arguments, never written into it."""
+    v0, k1: v1, ...}``), faster than ``dict(zip(keys, row))``. The source holds only names made
+    from ``n``; the keys are bound as arguments, never written into it."""
     ks = [f"k{i}" for i in range(n)]
     vs = [f"v{i}" for i in range(n)]
     display = ", ".join(f"{k}: {v}" for k, v in zip(ks, vs, strict=True))

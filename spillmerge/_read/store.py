@@ -26,8 +26,8 @@ from .filenames import Names, close_matches
 from .index import LazyArray
 from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
-from .rowvalue import RowPlan, row_value
-from .views import LeafView, OpenColumn, view_factory
+from .rowvalue import RowPlan, gc_paused, row_value
+from .views import LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
 
@@ -57,13 +57,6 @@ def _dtype_choice(c: OpenColumn) -> str:
     (``float32.2d``) or dtype."""
     shown = F.dtype_text(c.info.dtype, c.info.ndim)
     return shown if shown != c.info.dtype else c.info.variant or c.info.dtype
-
-
-def set_nested(out: LeafDict, path: list[str] | tuple[str, ...], value: Any) -> None:
-    """Put ``value`` at ``path`` in the nested dict ``out``, making the dicts on the way."""
-    for k in path[:-1]:
-        out = out.child(k)
-    out[path[-1]] = value
 
 
 class OutputFiles:
@@ -135,27 +128,27 @@ class OutputFiles:
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
+
+        def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
+            """Whole for a list's items (checked at open, as their lists are), else a ``LazyArray``."""
+            node = info.arrays[kind]
+            if whole:
+                return np.asarray(V.read_array(node), dtype=dtype)
+            return lazy(f"columns/{info.name}/{kind}", node, dtype)
+
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
-            col = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
-            if domain:  # a list's items: read and checked whole at open, as their lists are
-                nested[name] = info
-                if "offsets" in info.arrays:
-                    col.offsets = np.asarray(V.read_array(info.arrays["offsets"]), dtype=np.int64)
-                    if "shapes" in info.arrays:
-                        col.shapes = np.asarray(V.read_array(info.arrays["shapes"]), dtype=np.int64)
-                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
-                if "valid" in info.arrays and col.has_valid:
-                    col.valid_arr = V.read_array(info.arrays["valid"]).astype(bool, copy=False)
-                self.columns[name] = col
-                continue
+            col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
             if "offsets" in info.arrays:
-                col.offsets = lazy(f"columns/{name}/offsets", info.arrays["offsets"])
+                col.offsets = array(info, "offsets", bool(domain))
                 if "shapes" in info.arrays:
-                    col.shapes = lazy(f"columns/{name}/shapes", info.arrays["shapes"])
-            if "valid" in info.arrays and col.has_valid:
-                col.valid_arr = lazy(f"columns/{name}/valid", info.arrays["valid"], bool)
-            self.columns[name] = col
+                    col.shapes = array(info, "shapes", bool(domain))
+                if domain:
+                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
+            if col.has_valid:
+                col.valid_arr = array(info, "valid", bool(domain), bool)
+            if domain:
+                nested[name] = info
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
             n_rows, self.frame_offsets, self._file_layout, self.frame_idx, self.prov, root, self._layouts,
@@ -184,7 +177,7 @@ class OutputFiles:
             raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
-        # for a dict of top-level leaves; an empty list for nested leaves (set_nested).
+        # for a dict of top-level leaves; an empty list for nested leaves.
         self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
         self._layout_paths: list[list[tuple[tuple[str, ...], OpenColumn]]] = []
         for names in self._layouts:
@@ -200,7 +193,6 @@ class OutputFiles:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
-        self._makers: dict[int, Callable[[int, int, str], LeafDict]] = {}  # per file layout, likewise
         self._next = 0
         self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
@@ -253,15 +245,17 @@ class OutputFiles:
             filename = str(self.filenames[i])
         if flat is None:  # plain tensor values
             return cols[0].view_cls(cols[0], a, b, filename)
-        if flat:
-            make = self._makers.get(layout)
-            if make is None:
-                make = self._makers[layout] = view_factory(flat)
-            return make(a, b, filename)
         out = LeafDict.top(filename)
+        if flat:
+            for key, cls, col in flat:
+                out[key] = cls(col, a, b, filename)
+            return out
         for path, col in self._layout_paths[layout]:
+            node = out
+            for k in path[:-1]:
+                node = node.child(k)
             # a list's items: the items of the file's rows, flattened
-            set_nested(out, path, col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename))
+            node[path[-1]] = col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename)
         return out
 
     def row_value(
@@ -287,7 +281,8 @@ class OutputFiles:
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
         plan = self.row_plan(self._file_layout.item(i))
         block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
-        return row_value(plan, r, filename, as_torch, self.list_offsets, block, self.key_orders.of_file(i))
+        order = self.key_orders.of_file(i)
+        return gc_paused(row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
 
     def row_plan(self, layout: int) -> RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""

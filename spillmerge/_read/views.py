@@ -4,7 +4,7 @@ per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`."""
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,7 +14,6 @@ from .._format import common as F
 from .._format.invariants import StoredColumn
 from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
 from .column import OpenColumn, dims
-from .leafdict import LeafDict
 
 if TYPE_CHECKING:
     import torch
@@ -89,10 +88,6 @@ class LeafView:
             raise IndexError(f"row {int(i)} out of range for {n} rows")
         return self._start + j
 
-    def _is_valid(self, r: int) -> bool:
-        col = self._col
-        return not col.has_valid or bool(col.valid()[r])  # type: ignore[index]
-
     def _ok(self, a: int, b: int) -> list[bool] | None:
         """Whether rows ``a .. b-1`` (absolute) have a value, as a list; None when all have."""
         v = self._col.valid()
@@ -112,8 +107,7 @@ class LeafView:
     def _select(self, sel: Any) -> Any:
         """``view[sel]`` for any ``sel`` but a Python int."""
         if isinstance(sel, np.integer):
-            r = self._row(sel)
-            return self.at(r) if self._is_valid(r) else None
+            return self[int(sel)]
         if isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -183,11 +177,10 @@ class FixedView(LeafView):
             sel, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
         if sel is Ellipsis:
             sel = slice(None)
-        if self._col.offsets is not None:
+        if isinstance(sel, (int, np.integer)):
+            arr = self._col.unit(self._row(sel)).copy()
+        elif self._col.offsets is not None:
             arr = self._compact(sel)
-        elif isinstance(sel, (int, np.integer)):
-            r = self._row(sel)
-            arr = self._col.rows(r, r + 1)[0]
         elif isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -212,8 +205,6 @@ class FixedView(LeafView):
         col = self._col
         o = col.offsets
         assert o is not None
-        if isinstance(sel, (int, np.integer)):  # one row (value() reads rows one by one): no index arrays
-            return col.unit(self._row(sel)).copy()
         rows = np.arange(self._start, self._stop)[sel]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
@@ -224,21 +215,17 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        if col.offsets is None:  # one row, the common case
-            block = col.block
-            if block is None or not block[0] <= r < block[1]:
-                block = col.row_block(r)
-            if block is not None:  # read in order
-                x = block[3][r - block[0]].copy()
-            else:  # straight from its chunk
-                x = col.unit(r).copy()
-            return x if col.native else x.view(col.real)
-        return self._raw(r - self._start).view(self.dtype)
+        block = col.block
+        if block is None or not block[0] <= r < block[1]:
+            block = col.ahead(r)
+        if block is not None:  # read in order
+            return block[2][r - block[0]].copy()
+        x = col.unit(r).copy()
+        return x if col.native else x.view(col.real)
 
     def _select(self, sel: Any) -> Any:
         if isinstance(sel, np.integer):
-            r = self._row(sel)
-            return self.at(r) if self._is_valid(r) else None
+            return self[int(sel)]
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -297,14 +284,16 @@ class _OffsetView(LeafView):
     def at(self, r: int) -> Any:
         return self._decode(r, self._flat(r, r + 1).tobytes())
 
+    def _span(self, a: int, b: int) -> tuple[np.ndarray, list[int]]:
+        """The values of rows ``a .. b-1`` (absolute), one read, and each row's bounds in them."""
+        ob = np.asarray(self._col.offsets[a : b + 1], dtype=np.int64)  # type: ignore[index]
+        return self._col.rows(int(ob[0]), int(ob[-1])), (ob - ob[0]).tolist()
+
     def _list(self, a: int, b: int) -> list[Any]:
-        """Rows ``a .. b-1`` (absolute) from one read of their values as one ``bytes``, sliced per
-        row: ``_decode`` of each, None where the row has no value."""
-        o = self._col.offsets
-        assert o is not None
-        ob = np.asarray(o[a : b + 1], dtype=np.int64)
-        buf = self._col.rows(int(ob[0]), int(ob[-1])).tobytes()
-        bounds = (ob - ob[0]).tolist()
+        """Rows ``a .. b-1`` (absolute) from their values as one ``bytes``, sliced per row:
+        ``_decode`` of each, None where the row has no value."""
+        vals, bounds = self._span(a, b)
+        buf = vals.tobytes()
         ok, decode = self._ok(a, b), self._decode
         return [
             None if ok is not None and not ok[j] else decode(a + j, buf[bounds[j] : bounds[j + 1]])
@@ -357,27 +346,19 @@ class RaggedView(_OffsetView):
         than the first dimension varies; of the real dtype."""
         return self._flat(self._start, self._stop).view(self.dtype)
 
-    def _stored(self, r: int) -> np.ndarray:
-        """Row ``r`` in its shape, of the storage dtype: from the block read ahead when rows are
-        read in order (``OpenColumn.row_block``)."""
+    def at(self, r: int) -> Any:
         col = self._col
         block = col.block
         if block is None or not block[0] <= r < block[1]:
-            block = col.row_block(r)
-        if block is not None:
-            bounds, j = block[2], r - block[0]
-            flat = block[3][bounds[j] : bounds[j + 1]].copy()
-        else:
-            flat = self._flat(r, r + 1)
-        # (n, *inner_shape) already when only the first dimension varies
-        if col.info.inner_shape is None:
+            block = col.ahead(r)
+        x = None if block is None else block[2][r - block[0]]
+        if x is not None:  # read in order (to_torch reads a row without a value too: read alone)
+            return x.copy()
+        flat = self._flat(r, r + 1).view(col.real)
+        if col.info.inner_shape is None:  # else (n, *inner_shape) already
             assert col.shapes is not None
             flat = flat.reshape(tuple(col.shapes[r].tolist()))
         return flat
-
-    def at(self, r: int) -> Any:
-        flat = self._stored(r)
-        return flat if self._col.native else flat.view(self._col.real)
 
     def _many(self, a: int, b: int) -> Any:
         shapes = self._shapes(a, b)
@@ -392,27 +373,22 @@ class RaggedView(_OffsetView):
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:
-        flat = self._flat(a, b).view(self.dtype)
-        o = self._col.offsets
-        assert o is not None
-        base = int(o[a])
-        shapes = self._shapes(a, b)
+        vals, bounds = self._span(a, b)
+        flat = vals.view(self.dtype)
+        shapes = None if self._col.info.inner_shape is not None else self._shapes(a, b).tolist()
         ok = self._ok(a, b)
         out: list[Any] = []
-        for j, r in enumerate(range(a, b)):
+        for j in range(b - a):
             if ok is not None and not ok[j]:
                 out.append(None)
-                continue
-            lo, hi = int(o[r]) - base, int(o[r + 1]) - base
-            if self._col.info.inner_shape is not None:
-                out.append(flat[lo:hi])
             else:
-                out.append(flat[lo:hi].reshape(tuple(shapes[j])))
+                x = flat[bounds[j] : bounds[j + 1]]
+                out.append(x if shapes is None else x.reshape(shapes[j]))
         return out
 
     def to_torch(self, i: int) -> torch.Tensor:
         """Row ``i`` as a CPU tensor of the real dtype."""
-        return tensor(self._stored(self._row(i)), self.dtype_name)
+        return tensor(self.at(self._row(i)), self.dtype_name)
 
     def to_arrow(self) -> Any:
         """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the
@@ -499,13 +475,14 @@ class TextView(BytesView):
         col = self._col
         block = col.block
         if block is None or not block[0] <= r < block[1]:
-            block = col.row_block(r)
-        if block is not None:
-            return block[3][r - block[0]]
-        return utf8_text(col, r, self._flat(r, r + 1).tobytes())
+            block = col.ahead(r)
+        return super().at(r) if block is None else block[2][r - block[0]]
 
     def _decode(self, r: int, raw: bytes) -> Any:
-        return utf8_text(self._col, r, raw)
+        try:  # (no call to utf8_text for a valid row: rows read in order are decoded here)
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return utf8_text(self._col, r, raw)  # raises, naming the row
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
@@ -546,20 +523,6 @@ class TextListView(_OffsetView):
         pa = require_pyarrow()
         rows = self._list(self._start, self._stop)
         return pa.array(rows, type=pa.large_list(pa.large_string()))
-
-
-def view_factory(flat: list[tuple[str, Any, OpenColumn]]) -> Callable[[int, int, str], LeafDict]:
-    """``make(a, b, filename)``: the value of a file whose layout has these top-level leaves
-    (``(key, view class, column)`` each), rows ``a .. b-1``: a :class:`LeafDict` of one view per
-    leaf."""
-
-    def make(a: int, b: int, filename: str) -> LeafDict:
-        out = LeafDict.top(filename)
-        for key, cls, col in flat:
-            out[key] = cls(col, a, b, filename)
-        return out
-
-    return make
 
 
 OpenColumn.VIEWS.update(

@@ -57,6 +57,8 @@ def test_a_row_past_a_files_last_row_raises(tmp_path: Path) -> None:
         for i in (3, -4, np.int64(3)):
             with pytest.raises(IndexError, match="out of range for 3 rows"):
                 res["a.mp4"][leaf][i]
+    with pytest.raises(IndexError, match="out of range for 3 rows"):
+        view[np.int64(3), 0]  # a row and an index within it
     assert res["a.mp4"]["s"][2] == "xx" and res["b.mp4"]["s"][0] == "y"
 
 

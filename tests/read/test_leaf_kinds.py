@@ -283,3 +283,13 @@ def test_absent_column_chunk_is_refused_never_zeros(det, tmp_path):
         res.column("logits")[:]
     rep = spillmerge.verify(str(out))
     assert not rep.ok and any("columns/logits/values" in p and "missing" in p for p in rep.problems)
+
+
+def test_a_ragged_rows_tensor_in_order_is_empty_where_the_row_has_no_value(tmp_path):
+    """``to_torch(i)`` of every row in order (read a block at a time): a row without a value is an
+    empty tensor, as when it is read alone."""
+    out = _merge(tmp_path, {"a": {f: {"b": None if f == 1 else torch.ones(f, 2)} for f in range(4)}})
+    view = spillmerge.open(str(out)).column("b")
+    got = [view.to_torch(i) for i in range(4)]
+    assert [tuple(t.shape) for t in got] == [(0, 2), (0, 2), (2, 2), (3, 2)]
+    assert tuple(spillmerge.open(str(out)).column("b").to_torch(1).shape) == (0, 2)
