@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -13,13 +15,11 @@ import numpy as np
 from .._errors import SpillMergeError
 from .._format import common as F
 from .._format import crc as _crc
-from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._format import lists as L
 from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header, not_an_output, what_is
-from .._read import filenames as N
 from .._spill.root import load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
@@ -487,81 +487,65 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
             damaged.add(name)
 
 
+class _Found(Exception):
+    """The problems (``args[0]``) one of ``open``'s checks found, for :func:`_index_problems`."""
+
+
+def _found(problems: list[V.Problem]) -> None:
+    if problems:
+        raise _Found(problems)
+
+
 def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
-    """Every broken invariant of the output's index (docs/FORMAT.md), as ``spillmerge.open``
-    checks them (``_read.store.OutputFiles``), skipping what needs an index array whose chunks
-    were already reported damaged."""
+    """Every broken invariant of the output's index (docs/FORMAT.md) by the checks ``open`` makes
+    (``_read.store.OutputFiles``), over every block of filenames and rows (the first problem of
+    each array), then what is checked as values are read; not when an array those checks read
+    was already reported damaged."""
+    from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
+    from .._read.index import ROW_BLOCK
+    from .._read.store import OutputFiles
+
+    if any(p.startswith(("index/", "lists/")) or p.endswith(("/offsets", "/shapes", "/valid")) for p in damaged):
+        return []
     header = group.attrs.get("spillmerge")
+    header = header if isinstance(header, dict) else {}
+    out: list[V.Problem] = []
     try:
-        out = _output_index_problems(storage, group, damaged, header if isinstance(header, dict) else {})
+        files = OutputFiles(group, header, storage.describe, _found, False, ChunkCache(DEFAULT_CACHE_BYTES), storage)
+        steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
+        steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
+        for step in steps:
+            try:
+                step()
+            except _Found as exc:
+                out.extend(p for p in exc.args[0] if all(p[0] != rel for rel, _ in out))
+        out = out or _value_problems(group, files.columns, files.list_offsets, damaged)
+    except _Found as exc:
+        out = exc.args[0]
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]
     return [f"{storage.describe(rel)}: {what}" for rel, what in out]
 
 
-def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[V.Problem]:
-    need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
-    if need & damaged:
-        return []
-    filenames, name_problems = N.read_all(group, storage.describe)
-    if name_problems:
-        return name_problems
-    offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
-    file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
-    frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
-    columns, out = V.read_columns(group)
-    lengths = IX.index_lengths(group, storage.describe)
-    lists, list_problems = L.read_lists(group)
-    out.extend(list_problems)
-    damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
-    list_offs, sizes, list_problems = L.domains(
-        {p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx)
-    )
-    out.extend(list_problems)
-    # a header without its items' list (lengths: below)
-    out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
-    out.extend(IX.index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
-    for name in IX.PROVENANCE:
-        if name in lengths and f"index/{name}" not in damaged:
-            out.extend(IX.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
-    if not any(rel == "index/frame_offsets" for rel, _ in out):
-        out.extend(IX.frame_problems(frame_idx, offsets, filenames))
-    for c in columns.values():
-        rel = f"columns/{c.name}"
-        if "offsets" not in c.arrays or {f"{rel}/offsets", f"{rel}/shapes"} & damaged:
-            continue
-        if any(p == f"{rel}/offsets" or p == f"{rel}/shapes" for p, _ in out):
-            continue
-        o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64)
-        sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
-        out.extend(V.offsets_content_problems(c, o, sh))
-    if out:  # the checks below need a sound index and sound offsets
-        return out
-    in_layout = IX.layout_rows(offsets, file_layout, header["file_layouts"])
+def _value_problems(
+    group: Any, columns: dict[str, Any], list_offs: dict[tuple[str, ...], np.ndarray], damaged: set[str]
+) -> list[V.Problem]:
+    """What ``open`` checks of values as it reads them, each array whole: text valid UTF-8, list
+    headers against their lists' offsets, lists of dicts against their keys."""
+    out: list[V.Problem] = []
     heads = []
-    for c in columns.values():
-        rel = f"columns/{c.name}"
-        if {f"{rel}/offsets", f"{rel}/valid"} & damaged or F.list_domain(c.leaf) not in {(), *list_offs}:
-            continue  # damaged arrays (or the list offsets of its rows) are reported already
-        col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
-        valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
-        rows = L.expand(list_offs, F.list_domain(c.leaf), in_layout(c.name))
-        out.extend(V.rows_layout_problems(c, valid, col_off, rows))
+    for col in columns.values():
+        c: V.StoredColumn = col.info
+        readable = f"columns/{c.name}/values" not in damaged
         if _is_list_head(c):
-            n = None if f"{rel}/values" in damaged else np.asarray(V.read_array(c.arrays["values"]), dtype=np.int64)
-            heads.append((c, valid, n))
-        if c.kind in V.STRING_KINDS and col_off is not None and f"{rel}/values" not in damaged:
-            sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
-            out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
-    out.extend(L.header_problems(lists, list_offs, heads))
-    sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
-    whole = {n: c for n, c in sound.items() if not any(f"columns/{n}/{k}" in damaged for k in c.arrays)}
+            valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
+            heads.append((c, valid, np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None))
+        if c.kind in V.STRING_KINDS and col.offsets is not None and readable:
+            shapes = None if col.shapes is None else np.asarray(col.shapes)
+            out.extend(V.text_problems(c, V.read_array(col.values), np.asarray(col.offsets), shapes))
+    out.extend(L.header_problems(L.read_lists(group)[0], list_offs, heads))
+    whole = {n: c.info for n, c in columns.items() if not any(f"columns/{n}/{k}" in damaged for k in c.info.arrays)}
     out.extend(V.records_problems(whole, V.read_array))
-    out.extend(
-        V.variant_problems(
-            sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
-        )
-    )
     return out
 
 

@@ -392,6 +392,20 @@ def test_inspect_of_a_damaged_output_is_a_one_line_error(out):
     assert len(p.stderr.strip().splitlines()) == 1 and "index/frame_offsets: decreases" in p.stderr
 
 
+def test_a_whole_array_read_ends_at_its_first_absent_chunk(tmp_path):
+    """An array whose metadata declares 2**48 rows, of which one chunk exists, is read whole chunk
+    by chunk: the first absent chunk ends the read, nothing is allocated from the declared shape."""
+    from spillmerge._format.invariants import read_array
+    from spillmerge._read.outputstore import NoFillStore
+    from spillmerge._storage import Storage
+
+    zarr.create_array(store=str(tmp_path / "a"), shape=(1 << 48,), chunks=(1 << 16,), dtype="int64")[: 1 << 16] = 1
+    st = Storage(str(tmp_path))
+    arr = zarr.open_array(NoFillStore(st.zarr_store(read_only=True), st.describe, st), path="a", mode="r")
+    with pytest.raises(spillmerge.CorruptSpillError, match="chunk 1 of a is missing"):
+        read_array(arr)
+
+
 # ---------------------------------------------------- coverage bounded by frames, not the span
 
 GIB = 1 << 30
