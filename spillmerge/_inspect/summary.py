@@ -310,75 +310,62 @@ def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[
                 rep.problems.append(str(exc))
                 continue
             rep.checked_objects += 2
-            cb = seg.commit.chunk_bytes
-            idx = loaded.index
-            bad_chunks: set[int] = set()
-            # Blocks first (write_batch's rows: one checksum per leaf of a block, in one chunk).
-            for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
-                c = off // cb
-                if c in bad_chunks:
-                    continue
-                buf = np.empty(nb, dtype=np.uint8)
-                rel = f"{seg.rel}/{FS.DATA_NAME}/c/{c}"
-                try:
-                    storage.read_into([(rel, off - c * cb, off - c * cb + nb)], buf.data)
-                except SpillMergeError as exc:
-                    rep.problems.append(str(exc))
-                    bad_chunks.add(c)
-                    continue
-                if _crc.value(buf) != crc:
-                    rep.problems.append(
-                        f"{storage.describe(rel)}: checksum mismatch in a block of rows "
-                        f"(bytes {off}..{off + nb} of rank {rank}'s data)"
-                    )
-                    bad_chunks.add(c)
-            for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
-                off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
-                if nb == 0:
-                    continue
-                if crc < 0:  # checked with its block above
-                    if off // cb not in bad_chunks:
-                        rep.checked_bytes += nb
-                    if bar is not None:
-                        bar.update(nb)
-                    continue
-                first, last = off // cb, (off + nb - 1) // cb
-                if bad_chunks & set(range(first, last + 1)):
-                    continue
-                buf = np.empty(nb, dtype=np.uint8)
-                pieces = []
-                o = off
-                while o < off + nb:
-                    c = o // cb
-                    stop = min(off + nb, (c + 1) * cb)
-                    pieces.append((f"{seg.rel}/{FS.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
-                    o = stop
-                try:
-                    storage.read_into(pieces, buf.data)
-                except SpillMergeError as exc:
-                    rep.problems.append(str(exc))
-                    bad_chunks.update(range(first, last + 1))
-                    continue
-                if _crc.value(buf) != crc:
-                    chunks = ", ".join(storage.describe(p[0]) for p in pieces)
-                    rep.problems.append(
-                        f"{chunks}: checksum mismatch in {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} "
-                        f"frame {int(row[FS.COL_FRAME])} (bytes {off}..{off + nb} of rank {rank}'s data)"
-                    )
-                    bad_chunks.update(range(first, last + 1))
-                else:
-                    rep.checked_bytes += nb
-                    lay = loaded.layouts[int(row[FS.COL_LAYOUT])]
-                    # what the merge's copy checks of text (a hand edit with its CRC fixed up)
-                    bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
-                    if bad is not None:
-                        rep.problems.append(
-                            f"{storage.describe(seg.rel)}: {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} frame "
-                            f"{int(row[FS.COL_FRAME])} leaf {lay.leaf_name()!r} holds {bad}: the merge would refuse it"
-                        )
-                if bar is not None:
-                    bar.update(nb)
+            _verify_segment(storage, rep, seg, loaded, bar)
             rep.checked_objects += seg.commit.n_chunks
+
+
+def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, bar: Any) -> None:
+    """Every checksum of a committed segment's data: its blocks (``write_batch``'s rows: one
+    checksum per leaf of a block, in one chunk), then its other rows, in data order."""
+    cb = seg.commit.chunk_bytes
+    bad_chunks: set[int] = set()
+
+    def read(off: int, nb: int, crc: int, row: Any = None) -> np.ndarray | None:
+        """Data bytes ``off .. off+nb`` (a block's, or index ``row``'s) when they match ``crc``;
+        else None, the problem noted and their chunks not read again."""
+        span = range(off // cb, (off + nb - 1) // cb + 1)
+        if bad_chunks.intersection(span):
+            return None
+        pieces = [(f"{seg.rel}/{FS.DATA_NAME}/c/{c}", max(off - c * cb, 0), min(off + nb - c * cb, cb)) for c in span]
+        buf = np.empty(nb, dtype=np.uint8)
+        try:
+            storage.read_into(pieces, buf.data)
+        except SpillMergeError as exc:
+            rep.problems.append(str(exc))
+            bad_chunks.update(span)
+            return None
+        if _crc.value(buf) != crc:
+            chunks = ", ".join(storage.describe(p[0]) for p in pieces)
+            what = "a block of rows" if row is None else _frame_text(loaded, row)
+            where = f"bytes {off}..{off + nb} of rank {seg.rank}'s data"
+            rep.problems.append(f"{chunks}: checksum mismatch in {what} ({where})")
+            bad_chunks.update(span)
+            return None
+        return buf
+
+    for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
+        read(off, nb, crc)
+    idx = loaded.index
+    for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
+        off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
+        if nb and crc < 0:  # checked with its block above
+            rep.checked_bytes += 0 if off // cb in bad_chunks else nb
+        elif nb and (buf := read(off, nb, crc, row)) is not None:
+            rep.checked_bytes += nb
+            lay = loaded.layouts[int(row[FS.COL_LAYOUT])]
+            # what the merge's copy checks of text (a hand edit with its CRC fixed up)
+            bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
+            if bad is not None:
+                rep.problems.append(
+                    f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r} holds {bad}: "
+                    "the merge would refuse it"
+                )
+        if bar is not None:
+            bar.update(nb)
+
+
+def _frame_text(loaded: Any, row: np.ndarray) -> str:
+    return f"{loaded.filenames[int(row[FS.COL_FILE])]!r:.200} frame {int(row[FS.COL_FRAME])}"
 
 
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
