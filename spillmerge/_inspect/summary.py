@@ -44,13 +44,12 @@ def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_f
 
 
 def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
-    """A tqdm bar on stderr when it is a terminal (as the merge's), else None: piped output and
+    """A tqdm bar on stderr, shown only when it is a terminal (as the merge's): piped output and
     logs stay free of carriage returns."""
-    if not sys.stderr.isatty():
-        return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False)
+    off = not sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False, disable=off)
 
 
 def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
@@ -77,9 +76,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                     loaded = load_segment(storage, s)
                     # Frames, not index rows: a frame whose value is a dict has one row per leaf.
                     keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = (
-                        np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
-                    )
+                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames))
                     for fid, n in enumerate(per_file):
                         if n:
                             files[loaded.filenames[fid]] += int(n)
@@ -87,15 +84,13 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                         dtypes[F.dtype_text(lay.dtype, len(lay.shape))] += 1
                 except SpillMergeError as exc:
                     entry["error"] = str(exc)
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             if s.failure is not None:
                 entry["error"] = s.failure.summary()
             entries.append(entry)
             total["segments"] += 1
         ranks.append({"rank": rank, "segments": entries})
-    if bar is not None:
-        bar.close()
+    bar.close()
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
@@ -285,12 +280,9 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
     rep = VerifyReport(storage.describe(), kind)
     if kind == "spill":
         segments = scan(storage)
-        bar = progress_bar(sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit), "verify")
-        try:
+        nbytes = sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit)
+        with progress_bar(nbytes, "verify") as bar:
             _verify_spill(storage, rep, segments, bar)
-        finally:
-            if bar is not None:
-                bar.close()
     else:
         _verify_merged(storage, rep)
     storage.close()
@@ -360,8 +352,7 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
                     f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r} holds {bad}: "
                     "the merge would refuse it"
                 )
-        if bar is not None:
-            bar.update(nb)
+        bar.update(nb)
 
 
 def _frame_text(loaded: Any, row: np.ndarray) -> str:
@@ -403,13 +394,10 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             damaged.add(name)
         elif arr.size:
             arrays.append((name, arr))
-    bar = progress_bar(len(arrays), "verify", "array")
-    for name, arr in arrays:
-        _verify_array(storage, rep, name, arr, damaged)
-        if bar is not None:
+    with progress_bar(len(arrays), "verify", "array") as bar:
+        for name, arr in arrays:
+            _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)
-    if bar is not None:
-        bar.close()
     if complete:  # an interrupted merge may not have written its index yet
         rep.problems.extend(_index_problems(storage, group, damaged))
 
