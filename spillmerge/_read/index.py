@@ -185,26 +185,32 @@ class LazyArray:
         return c * k + int(np.searchsorted(self.chunk(c), v, side=side))  # type: ignore[call-overload]
 
 
+def offsets_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[V.Problem]:
+    """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
+    when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
+    if not len(o):
+        return []
+    if first == 0 and int(o[0]) != 0:
+        return [(rel, f"starts at {int(o[0])}, not 0")]
+    step = np.diff(o)
+    if np.any(step < 0):
+        j = int(np.flatnonzero(step < 0)[0])
+        return [(rel, f"decreases from {int(o[j])} to {int(o[j + 1])} at entry {first + j + 1}")]
+    if last and int(o[-1]) != n:
+        return [(rel, f"ends at {int(o[-1])}, but {of} has {n} rows")]
+    if int(o[0]) < 0 or int(o[-1]) > n:
+        j = 0 if int(o[0]) < 0 else len(o) - 1
+        return [(rel, f"entry {first + j} is {int(o[j])}, outside 0..{n} ({of} has {n} rows)")]
+    return []
+
+
 def offsets_chunk_check(
     rel: str, rows: int, of: str, n_chunks: int, k: int, raise_: Raise
 ) -> Callable[[int, np.ndarray], None]:
-    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: from 0 in the first
-    chunk, never decreasing inside the chunk, within ``0 .. rows``, ending at ``rows`` in the last."""
+    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: :func:`offsets_problems`."""
 
     def check(c: int, arr: np.ndarray) -> None:
-        if not len(arr):
-            return
-        if c == 0 and int(arr[0]) != 0:
-            raise_([(rel, f"starts at {int(arr[0])}, not 0")])
-        step = np.diff(arr)
-        if np.any(step < 0):
-            j = int(np.flatnonzero(step < 0)[0])
-            raise_([(rel, f"decreases from {int(arr[j])} to {int(arr[j + 1])} at entry {c * k + j + 1}")])
-        if int(arr[0]) < 0 or int(arr[-1]) > rows:
-            j = 0 if int(arr[0]) < 0 else len(arr) - 1
-            raise_([(rel, f"entry {c * k + j} is {int(arr[j])}, outside 0..{rows} ({of} has {rows} rows)")])
-        if c == n_chunks - 1 and int(arr[-1]) != rows:
-            raise_([(rel, f"ends at {int(arr[-1])}, but {of} has {rows} rows")])
+        raise_(offsets_problems(rel, arr, c * k, c == n_chunks - 1, rows, of))
 
     return check
 
@@ -362,18 +368,8 @@ class IndexChecks:
         if col.offsets is not None:
             o = col.offsets.span(r0, r1 + 1)
             vlen = int(info.arrays["values"].shape[0])
+            self._raise(offsets_problems(f"{rel}/offsets", o, r0, r1 == self.n_rows, vlen, f"{rel}/values"))
             step = np.diff(o)
-            if r0 == 0 and int(o[0]) != 0:
-                self._fail(f"{rel}/offsets", f"starts at {int(o[0])}, not 0")
-            if np.any(step < 0):
-                e = r0 + int(np.flatnonzero(step < 0)[0])
-                self._fail(
-                    f"{rel}/offsets", f"decreases from {int(o[e - r0])} to {int(o[e - r0 + 1])} at entry {e + 1}"
-                )
-            if r1 == self.n_rows and int(o[-1]) != vlen:
-                self._fail(f"{rel}/offsets", f"ends at {int(o[-1])}, but {rel}/values has {vlen} rows")
-            if int(o[0]) < 0 or int(o[-1]) > vlen:
-                self._fail(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")
             if info.kind == "fixed" and np.any(step > 1):
                 r = int(np.flatnonzero(step > 1)[0])
                 self._fail(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")
