@@ -54,7 +54,7 @@ def meta_problems(
 ) -> list[Problem]:
     """What the header and the index arrays' lengths break, from metadata alone (``open``; the
     contents are checked block by block as they are read, ``_read.index``). ``lists``: (list
-    groups, domain sizes) from ``_format.lists``, for the lengths of columns whose rows are a list's items."""
+    groups, domain sizes) from ``_format.lists``, for the lengths of columns of a list's items."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]
     if n_layout != n:

@@ -106,9 +106,10 @@ def status(
     stall_after: float = DEFAULT_STALL_AFTER,
     storage_options: dict[str, Any] | None = None,
 ) -> JobStatus:
-    """The job writing to spill root ``root``, as storage shows it now. ``out``: also the merge's progress into that output. ``expected``: frames the
-    whole job writes (default: what the writers recorded). Raises ``NotASpillRootError`` when
-    ``root`` does not exist or holds no rank folders (a mistyped path, a merged output)."""
+    """The job writing to spill root ``root``, as storage shows it now. ``out``: also the merge's
+    progress into that output. ``expected``: frames the whole job writes (default: what the
+    writers recorded). Raises ``NotASpillRootError`` when ``root`` does not exist or holds no rank
+    folders (a mistyped path, a merged output)."""
     storage = Storage(root, storage_options)
     now = time.time()
     found = list_ranks(storage)
@@ -169,9 +170,7 @@ def status(
     nbytes = sum(x.bytes for x in rows)
     exp = expected if expected is not None else recorded_expected
     rate = sum(x.rate_fps or 0.0 for x in rows if x.state == "writing")
-    eta = None
-    if exp is not None and rate > 0:
-        eta = max(0.0, (exp - frames) / rate)
+    eta = max(0.0, (exp - frames) / rate) if exp is not None and rate > 0 else None
     # (a missing rank is a row: the first of them is always listed)
     done = world_size is not None and all(x.state in ("committed", "failed") for x in rows)
     merge = _merge_status(out, storage_options) if out is not None else None

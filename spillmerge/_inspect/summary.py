@@ -48,8 +48,8 @@ def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
     logs stay free of carriage returns."""
     from tqdm.auto import tqdm
 
-    off = not sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False, disable=off)
+    kw = {"unit_scale": True, "file": sys.stderr, "leave": False, "disable": not sys.stderr.isatty()}
+    return tqdm(total=total, desc=desc, unit=unit, **kw)
 
 
 def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
@@ -318,7 +318,8 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
         span = range(off // cb, (off + nb - 1) // cb + 1)
         if bad_chunks.intersection(span):
             return None
-        pieces = [(f"{seg.rel}/{FS.DATA_NAME}/c/{c}", max(off - c * cb, 0), min(off + nb - c * cb, cb)) for c in span]
+        data = f"{seg.rel}/{FS.DATA_NAME}/c"
+        pieces = [(f"{data}/{c}", max(off - c * cb, 0), min(off + nb - c * cb, cb)) for c in span]
         buf = np.empty(nb, dtype=np.uint8)
         try:
             storage.read_into(pieces, buf.data)
@@ -348,10 +349,8 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
             # what the merge's copy checks of text (a hand edit with its CRC fixed up)
             bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
             if bad is not None:
-                rep.problems.append(
-                    f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r} holds {bad}: "
-                    "the merge would refuse it"
-                )
+                where = f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r}"
+                rep.problems.append(f"{where} holds {bad}: the merge would refuse it")
         bar.update(nb)
 
 
@@ -480,13 +479,15 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     from .._read.index import ROW_BLOCK
     from .._read.store import OutputFiles
 
-    if any(p.startswith(("index/", "lists/")) or p.endswith(("/offsets", "/shapes", "/valid")) for p in damaged):
+    read_by_open = ("/offsets", "/shapes", "/valid")
+    if any(p.startswith(("index/", "lists/")) or p.endswith(read_by_open) for p in damaged):
         return []
     header = group.attrs.get("spillmerge")
     header = header if isinstance(header, dict) else {}
     out: list[V.Problem] = []
     try:
-        files = OutputFiles(group, header, storage.describe, _found, False, ChunkCache(DEFAULT_CACHE_BYTES), storage)
+        cache = ChunkCache(DEFAULT_CACHE_BYTES)
+        files = OutputFiles(group, header, storage.describe, _found, False, cache, storage)
         steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
         steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
         for step in steps:
@@ -514,12 +515,13 @@ def _value_problems(
         readable = f"columns/{c.name}/values" not in damaged
         if _is_list_head(c):
             valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
-            heads.append((c, valid, np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None))
+            lengths = np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None
+            heads.append((c, valid, lengths))
         if c.kind in V.STRING_KINDS and col.offsets is not None and readable:
             shapes = None if col.shapes is None else np.asarray(col.shapes)
             out.extend(V.text_problems(c, V.read_array(col.values), np.asarray(col.offsets), shapes))
     out.extend(L.header_problems(L.read_lists(group)[0], list_offs, heads))
-    whole = {n: c.info for n, c in columns.items() if not any(f"columns/{n}/{k}" in damaged for k in c.info.arrays)}
+    whole = {n: c.info for n, c in columns.items() if not any(d.startswith(f"columns/{n}/") for d in damaged)}
     out.extend(V.records_problems(whole, V.read_array))
     return out
 
