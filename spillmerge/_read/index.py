@@ -1,6 +1,6 @@
 """The index arrays of an open output, read chunk by chunk (:class:`LazyArray`) and checked block by
 block (:class:`IndexChecks`): every docs/FORMAT.md *Invariant* of a block holds before anything in it
-is served, so the checked blocks together are checked as ``spillmerge verify`` checks the whole."""
+is served; ``spillmerge verify`` runs the same checks over every block."""
 
 from __future__ import annotations
 
@@ -271,15 +271,9 @@ class IndexChecks:
 
     def file_rows(self, i: int) -> tuple[int, int]:
         """Rows ``a, b`` of file ``i``, its blocks checked."""
-        fo = self._fo  # no row hook: each chunk is checked when first read
-        hot = fo._hot  # fo.pair's first step, inlined: one call per file read
-        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
-            arr, j = hot[3], i - hot[2]
-            a, b = arr.item(j), arr.item(j + 1)
-        else:
-            a, b = fo.pair(i)
+        a, b = self._fo.pair(i)  # no row hook: each chunk is checked when first read
         if not 0 <= a <= b <= self.n_rows:
-            self._fail(fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
+            self._fail(self._fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
         self._last_file = i
         if b > a:
             j = a // ROW_BLOCK
