@@ -20,6 +20,7 @@ from .._format import lists as L
 from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header, not_an_output, what_is
+from .._read.index import Found
 from .._spill.root import load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
@@ -461,20 +462,15 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
             damaged.add(name)
 
 
-class _Found(Exception):
-    """The problems (``args[0]``) one of ``open``'s checks found, for :func:`_index_problems`."""
-
-
 def _found(problems: list[V.Problem]) -> None:
     if problems:
-        raise _Found(problems)
+        raise Found(problems)
 
 
 def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
     """Every broken invariant of the output's index (docs/FORMAT.md) by the checks ``open`` makes
-    (``_read.store.OutputFiles``), over every block of filenames and rows (the first problem of
-    each array), then what is checked as values are read; not when an array those checks read
-    was already reported damaged."""
+    (``_read.store.OutputFiles``), over every block of filenames and rows, then what is checked
+    as values are read; not when an array those checks read was already reported damaged."""
     from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
     from .._read.index import ROW_BLOCK
     from .._read.store import OutputFiles
@@ -493,10 +489,11 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
         for step in steps:
             try:
                 step()
-            except _Found as exc:
-                out.extend(p for p in exc.args[0] if all(p[0] != rel for rel, _ in out))
+            except Found as exc:
+                out.extend(exc.args[0])
+        out = list(dict.fromkeys(files.checks.found + out))
         out = out or _value_problems(group, files.columns, files.list_offsets, damaged)
-    except _Found as exc:
+    except Found as exc:
         out = exc.args[0]
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]

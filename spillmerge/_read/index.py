@@ -215,6 +215,11 @@ def offsets_chunk_check(
     return check
 
 
+class Found(Exception):
+    """The problems (``args[0]``) found, raised by a ``raise_`` that collects them (``verify``)
+    rather than refuses the output: :class:`IndexChecks` keeps them and goes on."""
+
+
 class IndexChecks:
     """The row-block checks of an open output (module docstring): :meth:`rows` before serving
     elements of a per-row array."""
@@ -239,6 +244,8 @@ class IndexChecks:
         self._cols = columns  # name -> column.OpenColumn (offsets / shapes / valid: LazyArray)
         self._names = names
         self._raise = raise_
+        self.found: list[V.Problem] = []
+        """The problems a collecting ``raise_`` (:class:`Found`) was given, the checks going on."""
         self._listed = {name: np.array([name in lay for lay in layouts], dtype=bool) for name in columns}
         self._done: set[int] = set()
         self._lock = threading.Lock()
@@ -249,8 +256,12 @@ class IndexChecks:
         self._variants = [names_ for _, names_ in sorted(by_leaf.items()) if len(names_) > 1]
 
     def _fail(self, rel: str, problem: str) -> None:
-        """Refuse the output for one problem of the array ``rel``."""
-        self._raise([(rel, problem)])
+        """Refuse the output for one problem of the array ``rel`` (or, with a collecting
+        ``raise_``, keep it: the checks after it need nothing it broke)."""
+        try:
+            self._raise([(rel, problem)])
+        except Found as exc:
+            self.found.extend(exc.args[0])
 
     def rows(self, a: int, b: int) -> tuple[int, int]:
         """Check the blocks over rows ``a .. b-1``; returns the rows now known checked."""
@@ -293,7 +304,7 @@ class IndexChecks:
         f1 = min(max(fo.searchsorted(r1, "left", hint), f0 + 1), n_files) if n_files else 0
         starts = fo.span(f0, f1 + 1)
         if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
-            self._fail(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")
+            self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
         self._frames(r0, r1, f0, starts)
         for name, arr in self._prov.items():
             least = 1 if name == "frame_copies" else 0
@@ -362,7 +373,8 @@ class IndexChecks:
         if col.offsets is not None:
             o = col.offsets.span(r0, r1 + 1)
             vlen = int(info.arrays["values"].shape[0])
-            self._raise(offsets_problems(f"{rel}/offsets", o, r0, r1 == self.n_rows, vlen, f"{rel}/values"))
+            for p in offsets_problems(f"{rel}/offsets", o, r0, r1 == self.n_rows, vlen, f"{rel}/values"):
+                self._fail(*p)
             step = np.diff(o)
             if info.kind == "fixed" and np.any(step > 1):
                 r = int(np.flatnonzero(step > 1)[0])
@@ -414,7 +426,8 @@ class IndexChecks:
             self._fail(rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}")
         inner = int(np.prod(info.inner_shape)) if info.inner_shape else 1
         elems, problems = V.shape_products(shapes, rel, base=r0)
-        self._raise(problems)
+        for p in problems:
+            self._fail(*p)
         bad = np.flatnonzero(elems != step * inner)
         if len(bad):
             r = int(bad[0])

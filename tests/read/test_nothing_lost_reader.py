@@ -366,6 +366,18 @@ def test_verify_checks_the_index_invariants(out, damage, needle):
     assert f"CORRUPT {out}/{needle}" in p.stdout, p.stdout
 
 
+def test_verify_lists_every_broken_index_invariant_of_one_block(out):
+    _set_index(out, "frame_idx", [0, -1, 2, 10, 11, 12])
+    _set_index(out, "frame_copies", [1, 1, 0, 1, 1, 1])
+    problems = spillmerge.verify(str(out)).problems
+    for needle in (
+        "index/frame_idx: row 1 (file 0, 'a.mp4') holds frame index -1 < 0",
+        "index/frame_idx: frame indices are not strictly ascending",
+        "index/frame_copies: row 2 holds 0 < 1",
+    ):
+        assert any(needle in p for p in problems), (needle, problems)
+
+
 def test_verify_lists_every_missing_chunk(out):
     yz = _col(out, "y/z")
     gone = [
