@@ -1,6 +1,6 @@
-"""Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*), shared by the
-reader and ``spillmerge verify``: filenames sorted, frame offsets and indices, provenance, the
-header's counts and file layouts; each returns ``(path, what is wrong)`` pairs."""
+"""Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*) that ``open``
+(and so ``spillmerge verify``) checks outside the row blocks of ``_read.index``: filenames sorted,
+file layouts, the header's counts, the index arrays' lengths; ``(path, what is wrong)`` pairs."""
 
 from __future__ import annotations
 
