@@ -1,6 +1,6 @@
-"""Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*), shared by the
-reader and ``spillmerge verify``: filenames sorted, frame offsets and indices, provenance, the
-header's counts and file layouts; each returns ``(path, what is wrong)`` pairs."""
+"""Invariants of a merged output's index and header (docs/FORMAT.md, *Invariants*) that ``open``
+(and so ``spillmerge verify``) checks outside the row blocks of ``_read.index``: filenames sorted,
+file layouts, the header's counts, the index arrays' lengths; ``(path, what is wrong)`` pairs."""
 
 from __future__ import annotations
 
@@ -10,45 +10,10 @@ from typing import Any
 import numpy as np
 
 from . import common as F
-from .invariants import Problem, StoredColumn, column_problems, index_node, offsets_problems
+from .invariants import Problem, StoredColumn, column_problems, index_node
 
 PROVENANCE = ("frame_rank", "frame_copies")
 """Per-row provenance arrays under ``index/``: the rank a row came from, and its copies."""
-
-
-def frame_problems(frame_idx: np.ndarray, offsets: np.ndarray, filenames: Any) -> list[Problem]:
-    """Frame indices non-negative and strictly ascending within each file (``offsets`` already
-    checked): vectorised, O(rows)."""
-    rel = "index/frame_idx"
-
-    def where(r: int) -> str:
-        i = int(np.searchsorted(offsets, r, side="right")) - 1
-        return f"row {r} (file {i}, {str(filenames[i])!r:.200})"
-
-    out: list[Problem] = []
-    neg = np.flatnonzero(frame_idx < 0)
-    if len(neg):
-        r = int(neg[0])
-        out.append((rel, f"{where(r)} holds frame index {int(frame_idx[r])} < 0 ({len(neg)} negative in all)"))
-    step_ok = np.diff(frame_idx) > 0
-    starts = offsets[1:-1]
-    starts = starts[(starts > 0) & (starts < len(frame_idx))]
-    step_ok[starts - 1] = True  # the first row of a file may be below the last of the previous one
-    bad = np.flatnonzero(~step_ok)
-    if len(bad):
-        r = int(bad[0]) + 1
-        what = f"{where(r)} holds {int(frame_idx[r])} after {int(frame_idx[r - 1])} ({len(bad)} such rows)"
-        out.append((rel, f"frame indices are not strictly ascending within a file: {what}"))
-    return out
-
-
-def provenance_problems(name: str, values: np.ndarray) -> list[Problem]:
-    """``frame_rank`` non-negative, ``frame_copies`` at least 1."""
-    least = 1 if name == "frame_copies" else 0
-    bad = np.flatnonzero(values < least)
-    if not len(bad):
-        return []
-    return [(f"index/{name}", f"row {int(bad[0])} holds {int(values[bad[0]])} < {least} ({len(bad)} such rows)")]
 
 
 def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list[Problem]:
@@ -64,28 +29,6 @@ def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list
     if a == b:
         return [(rel, f"{a!r:.200} is listed more than once")]
     return [(rel, f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}")]
-
-
-def index_problems(
-    filenames: Any,
-    offsets: np.ndarray,
-    file_layout: np.ndarray,
-    lengths: dict[str, int],
-    header: dict[str, Any],
-    columns: dict[str, StoredColumn],
-    lists: Any = None,
-) -> list[Problem]:
-    """What the per-file index arrays, the header and the index arrays' lengths break (the
-    column checks aside): O(files) numpy, reads nothing. ``lists``: (list groups,
-    domain sizes) from ``_format.lists``, for the lengths of columns whose rows are a list's items."""
-    out = meta_problems(filenames, len(offsets), len(file_layout), lengths, header, columns, lists)
-    layouts = header.get("file_layouts")
-    n, rows = len(filenames), lengths["frame_idx"]
-    if isinstance(layouts, list):
-        out.extend(layout_problems(file_layout, len(layouts), filenames))
-    if len(offsets) == n + 1:
-        out.extend(offsets_problems(offsets, n, rows, "index/frame_offsets", "files", "index/frame_idx"))
-    return out
 
 
 def layout_problems(file_layout: np.ndarray, n_layouts: int, filenames: Any, first: int = 0) -> list[Problem]:
@@ -110,8 +53,8 @@ def meta_problems(
     lists: Any = None,
 ) -> list[Problem]:
     """What the header and the index arrays' lengths break, from metadata alone (``open``; the
-    contents are checked block by block as they are read, ``_read.index``). ``lists`` as for
-    :func:`index_problems`."""
+    contents are checked block by block as they are read, ``_read.index``). ``lists``: (list
+    groups, domain sizes) from ``_format.lists``, for the lengths of columns of a list's items."""
     out: list[Problem] = []
     n, rows = len(filenames), lengths["frame_idx"]
     if n_layout != n:

@@ -122,23 +122,6 @@ def grid_problems(rel: str, arr: Any) -> list[Problem]:
     return []
 
 
-def read_index(group: Any, name: str, describe: Callable[[str], str]) -> np.ndarray:
-    """The whole index array ``index/NAME``; a missing or unreadable one raises
-    :class:`CorruptSpillError` naming it."""
-    rel = f"index/{name}"
-    node = index_node(group, name, describe)
-
-    def read(sel: slice) -> np.ndarray:
-        try:
-            return np.asarray(node[sel])
-        except SpillMergeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - zarr reports codec and checksum errors as many types
-            raise corrupt(describe, rel, f"cannot read it ({exc})") from exc
-
-    return read_whole(node, read)
-
-
 def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
     """``offsets``: ``n + 1`` entries from 0, never decreasing, ending at ``rows`` (``of`` says
     what ``rows`` counts, ``what`` what ``n`` counts)."""

@@ -21,7 +21,6 @@ class FileCoverage:
     """The frames of one filename."""
 
     filename: str
-    """Original filename."""
     frames: np.ndarray
     """Frame indices present, ascending, unique (int64)."""
     ranks: np.ndarray
@@ -44,11 +43,8 @@ class FileCoverage:
         return self.span - n_below(self.frames, self.span)
 
     def missing_runs(self) -> np.ndarray:
-        """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)).
-
-        Built from the gaps between present frames, so it costs O(frames) whatever the span: frames
-        {0, 5e9} are 1 run, not 5e9 integers (``spillmerge inspect`` once built an ``arange`` over
-        the span: 82 s and 10.9 GB for {0, 4e8}, a MemoryError for {0, 5e9})."""
+        """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)),
+        from the gaps between present frames: O(frames) whatever the span."""
         return gap_runs(self.frames, self.span)
 
     def missing(self, limit: int = 10_000) -> np.ndarray:
@@ -69,7 +65,6 @@ class Coverage:
     """Coverage of every file of a spill root or merged output (plus files only the manifest names)."""
 
     path: str
-    """What was read."""
     kind: str
     """``"spill"`` or ``"merged"``."""
     files: list[FileCoverage]

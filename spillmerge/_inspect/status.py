@@ -37,22 +37,22 @@ class RankStatus:
     state: RankState
     """``writing``, ``committed``, ``failed``, ``missing`` (no segment yet) or ``unreadable`` (its
     newest segment's records could not be read: ``message`` says why)."""
-    frames: int
+    frames: int = 0
     """Frames written so far, durable or still in the writer's staging memory (the commit
     record's count once committed)."""
-    bytes: int
+    bytes: int = 0
     """Payload bytes of those frames."""
-    last_write_age_s: float | None
+    last_write_age_s: float | None = None
     """Seconds since the rank last wrote (to the progress record's few seconds; commit or failure
     time once ended); None if unknown."""
-    message: str | None
+    message: str | None = None
     """The failure (type: message) of a failed rank, or why its records are unreadable."""
-    stalled: bool
+    stalled: bool = False
     """Writing, and nothing written for longer than ``stall_after`` seconds."""
-    rate_fps: float | None
+    rate_fps: float | None = None
     """Frames per second since the segment started."""
-    segment: str | None
-    run_id: str | None
+    segment: str | None = None
+    run_id: str | None = None
     durable: int = 0
     """Frames durable so far (listed by the journal; whole chunks)."""
 
@@ -95,9 +95,7 @@ class JobStatus:
     records that disagree on it), one line each."""
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["merge"] = asdict(self.merge) if self.merge is not None else {}
-        return d
+        return asdict(self) | {"merge": asdict(self.merge) if self.merge is not None else {}}
 
 
 def status(
@@ -108,10 +106,10 @@ def status(
     stall_after: float = DEFAULT_STALL_AFTER,
     storage_options: dict[str, Any] | None = None,
 ) -> JobStatus:
-    """The job writing to spill root ``root``, as storage shows it now (see the module doc for
-    what it reads). ``out``: also the merge's progress into that output. ``expected``: frames the
-    whole job writes (default: what the writers recorded). Raises ``NotASpillRootError`` when
-    ``root`` does not exist or holds no rank folders (a mistyped path, a merged output)."""
+    """The job writing to spill root ``root``, as storage shows it now. ``out``: also the merge's
+    progress into that output. ``expected``: frames the whole job writes (default: what the
+    writers recorded). Raises ``NotASpillRootError`` when ``root`` does not exist or holds no rank
+    folders (a mistyped path, a merged output)."""
     storage = Storage(root, storage_options)
     now = time.time()
     found = list_ranks(storage)
@@ -151,7 +149,7 @@ def status(
     ranks: dict[int, RankStatus] = {}
     for r in inside:
         if r in broken:
-            ranks[r] = RankStatus(r, "unreadable", 0, 0, None, broken[r], False, None, None, None)
+            ranks[r] = RankStatus(r, "unreadable", message=broken[r])
         if r not in segs:  # (a rank folder without a segment: missing)
             continue
         seg = segs[r]
@@ -164,8 +162,7 @@ def status(
     if world_size is not None:
         absent = (r for r in range(world_size) if r not in ranks)
         missing = world_size - len(ranks)
-        rows += [RankStatus(r, "missing", 0, 0, None, None, False, None, None, None)
-                 for r in itertools.islice(absent, LISTED_MISSING)]  # fmt: skip
+        rows += [RankStatus(r, "missing") for r in itertools.islice(absent, LISTED_MISSING)]
         rows.sort(key=lambda x: x.rank)
         if missing > LISTED_MISSING:
             notes.append(f"{missing} ranks missing, the first {LISTED_MISSING} listed")
@@ -173,9 +170,7 @@ def status(
     nbytes = sum(x.bytes for x in rows)
     exp = expected if expected is not None else recorded_expected
     rate = sum(x.rate_fps or 0.0 for x in rows if x.state == "writing")
-    eta = None
-    if exp is not None and rate > 0:
-        eta = max(0.0, (exp - frames) / rate)
+    eta = max(0.0, (exp - frames) / rate) if exp is not None and rate > 0 else None
     # (a missing rank is a row: the first of them is always listed)
     done = world_size is not None and all(x.state in ("committed", "failed") for x in rows)
     merge = _merge_status(out, storage_options) if out is not None else None

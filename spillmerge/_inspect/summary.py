@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -13,13 +15,12 @@ import numpy as np
 from .._errors import SpillMergeError
 from .._format import common as F
 from .._format import crc as _crc
-from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._format import lists as L
 from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header, not_an_output, what_is
-from .._read import filenames as N
+from .._read.index import Found
 from .._spill.root import load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
@@ -44,13 +45,12 @@ def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_f
 
 
 def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
-    """A tqdm bar on stderr when it is a terminal (as the merge's), else None: piped output and
+    """A tqdm bar on stderr, shown only when it is a terminal (as the merge's): piped output and
     logs stay free of carriage returns."""
-    if not sys.stderr.isatty():
-        return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, leave=False)
+    kw = {"unit_scale": True, "file": sys.stderr, "leave": False, "disable": not sys.stderr.isatty()}
+    return tqdm(total=total, desc=desc, unit=unit, **kw)
 
 
 def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
@@ -77,9 +77,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                     loaded = load_segment(storage, s)
                     # Frames, not index rows: a frame whose value is a dict has one row per leaf.
                     keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = (
-                        np.bincount(keys[:, 0], minlength=len(loaded.filenames)) if len(keys) else np.zeros(0, np.int64)
-                    )
+                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames))
                     for fid, n in enumerate(per_file):
                         if n:
                             files[loaded.filenames[fid]] += int(n)
@@ -87,15 +85,13 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                         dtypes[F.dtype_text(lay.dtype, len(lay.shape))] += 1
                 except SpillMergeError as exc:
                     entry["error"] = str(exc)
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             if s.failure is not None:
                 entry["error"] = s.failure.summary()
             entries.append(entry)
             total["segments"] += 1
         ranks.append({"rank": rank, "segments": entries})
-    if bar is not None:
-        bar.close()
+    bar.close()
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
@@ -285,12 +281,9 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
     rep = VerifyReport(storage.describe(), kind)
     if kind == "spill":
         segments = scan(storage)
-        bar = progress_bar(sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit), "verify")
-        try:
+        nbytes = sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit)
+        with progress_bar(nbytes, "verify") as bar:
             _verify_spill(storage, rep, segments, bar)
-        finally:
-            if bar is not None:
-                bar.close()
     else:
         _verify_merged(storage, rep)
     storage.close()
@@ -310,75 +303,60 @@ def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[
                 rep.problems.append(str(exc))
                 continue
             rep.checked_objects += 2
-            cb = seg.commit.chunk_bytes
-            idx = loaded.index
-            bad_chunks: set[int] = set()
-            # Blocks first (write_batch's rows: one checksum per leaf of a block, in one chunk).
-            for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
-                c = off // cb
-                if c in bad_chunks:
-                    continue
-                buf = np.empty(nb, dtype=np.uint8)
-                rel = f"{seg.rel}/{FS.DATA_NAME}/c/{c}"
-                try:
-                    storage.read_into([(rel, off - c * cb, off - c * cb + nb)], buf.data)
-                except SpillMergeError as exc:
-                    rep.problems.append(str(exc))
-                    bad_chunks.add(c)
-                    continue
-                if _crc.value(buf) != crc:
-                    rep.problems.append(
-                        f"{storage.describe(rel)}: checksum mismatch in a block of rows "
-                        f"(bytes {off}..{off + nb} of rank {rank}'s data)"
-                    )
-                    bad_chunks.add(c)
-            for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
-                off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
-                if nb == 0:
-                    continue
-                if crc < 0:  # checked with its block above
-                    if off // cb not in bad_chunks:
-                        rep.checked_bytes += nb
-                    if bar is not None:
-                        bar.update(nb)
-                    continue
-                first, last = off // cb, (off + nb - 1) // cb
-                if bad_chunks & set(range(first, last + 1)):
-                    continue
-                buf = np.empty(nb, dtype=np.uint8)
-                pieces = []
-                o = off
-                while o < off + nb:
-                    c = o // cb
-                    stop = min(off + nb, (c + 1) * cb)
-                    pieces.append((f"{seg.rel}/{FS.DATA_NAME}/c/{c}", o - c * cb, stop - c * cb))
-                    o = stop
-                try:
-                    storage.read_into(pieces, buf.data)
-                except SpillMergeError as exc:
-                    rep.problems.append(str(exc))
-                    bad_chunks.update(range(first, last + 1))
-                    continue
-                if _crc.value(buf) != crc:
-                    chunks = ", ".join(storage.describe(p[0]) for p in pieces)
-                    rep.problems.append(
-                        f"{chunks}: checksum mismatch in {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} "
-                        f"frame {int(row[FS.COL_FRAME])} (bytes {off}..{off + nb} of rank {rank}'s data)"
-                    )
-                    bad_chunks.update(range(first, last + 1))
-                else:
-                    rep.checked_bytes += nb
-                    lay = loaded.layouts[int(row[FS.COL_LAYOUT])]
-                    # what the merge's copy checks of text (a hand edit with its CRC fixed up)
-                    bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
-                    if bad is not None:
-                        rep.problems.append(
-                            f"{storage.describe(seg.rel)}: {loaded.filenames[int(row[FS.COL_FILE])]!r:.200} frame "
-                            f"{int(row[FS.COL_FRAME])} leaf {lay.leaf_name()!r} holds {bad}: the merge would refuse it"
-                        )
-                if bar is not None:
-                    bar.update(nb)
+            _verify_segment(storage, rep, seg, loaded, bar)
             rep.checked_objects += seg.commit.n_chunks
+
+
+def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, bar: Any) -> None:
+    """Every checksum of a committed segment's data: its blocks (``write_batch``'s rows: one
+    checksum per leaf of a block, in one chunk), then its other rows, in data order."""
+    cb = seg.commit.chunk_bytes
+    bad_chunks: set[int] = set()
+
+    def read(off: int, nb: int, crc: int, row: Any = None) -> np.ndarray | None:
+        """Data bytes ``off .. off+nb`` (a block's, or index ``row``'s) when they match ``crc``;
+        else None, the problem noted and their chunks not read again."""
+        span = range(off // cb, (off + nb - 1) // cb + 1)
+        if bad_chunks.intersection(span):
+            return None
+        data = f"{seg.rel}/{FS.DATA_NAME}/c"
+        pieces = [(f"{data}/{c}", max(off - c * cb, 0), min(off + nb - c * cb, cb)) for c in span]
+        buf = np.empty(nb, dtype=np.uint8)
+        try:
+            storage.read_into(pieces, buf.data)
+        except SpillMergeError as exc:
+            rep.problems.append(str(exc))
+            bad_chunks.update(span)
+            return None
+        if _crc.value(buf) != crc:
+            chunks = ", ".join(storage.describe(p[0]) for p in pieces)
+            what = "a block of rows" if row is None else _frame_text(loaded, row)
+            where = f"bytes {off}..{off + nb} of rank {seg.rank}'s data"
+            rep.problems.append(f"{chunks}: checksum mismatch in {what} ({where})")
+            bad_chunks.update(span)
+            return None
+        return buf
+
+    for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
+        read(off, nb, crc)
+    idx = loaded.index
+    for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
+        off, nb, crc = int(row[FS.COL_OFFSET]), int(row[FS.COL_NBYTES]), int(row[FS.COL_CRC])
+        if nb and crc < 0:  # checked with its block above
+            rep.checked_bytes += 0 if off // cb in bad_chunks else nb
+        elif nb and (buf := read(off, nb, crc, row)) is not None:
+            rep.checked_bytes += nb
+            lay = loaded.layouts[int(row[FS.COL_LAYOUT])]
+            # what the merge's copy checks of text (a hand edit with its CRC fixed up)
+            bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
+            if bad is not None:
+                where = f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r}"
+                rep.problems.append(f"{where} holds {bad}: the merge would refuse it")
+        bar.update(nb)
+
+
+def _frame_text(loaded: Any, row: np.ndarray) -> str:
+    return f"{loaded.filenames[int(row[FS.COL_FILE])]!r:.200} frame {int(row[FS.COL_FRAME])}"
 
 
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
@@ -416,13 +394,10 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             damaged.add(name)
         elif arr.size:
             arrays.append((name, arr))
-    bar = progress_bar(len(arrays), "verify", "array")
-    for name, arr in arrays:
-        _verify_array(storage, rep, name, arr, damaged)
-        if bar is not None:
+    with progress_bar(len(arrays), "verify", "array") as bar:
+        for name, arr in arrays:
+            _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)
-    if bar is not None:
-        bar.close()
     if complete:  # an interrupted merge may not have written its index yet
         rep.problems.extend(_index_problems(storage, group, damaged))
 
@@ -487,81 +462,64 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
             damaged.add(name)
 
 
+def _found(problems: list[V.Problem]) -> None:
+    if problems:
+        raise Found(problems)
+
+
 def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
-    """Every broken invariant of the output's index (docs/FORMAT.md), as ``spillmerge.open``
-    checks them (``_read.store.OutputFiles``), skipping what needs an index array whose chunks
-    were already reported damaged."""
+    """Every broken invariant of the output's index (docs/FORMAT.md) by the checks ``open`` makes
+    (``_read.store.OutputFiles``), over every block of filenames and rows, then what is checked
+    as values are read; not when an array those checks read was already reported damaged."""
+    from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
+    from .._read.index import ROW_BLOCK
+    from .._read.store import OutputFiles
+
+    read_by_open = ("/offsets", "/shapes", "/valid")
+    if any(p.startswith(("index/", "lists/")) or p.endswith(read_by_open) for p in damaged):
+        return []
     header = group.attrs.get("spillmerge")
+    header = header if isinstance(header, dict) else {}
+    out: list[V.Problem] = []
     try:
-        out = _output_index_problems(storage, group, damaged, header if isinstance(header, dict) else {})
+        cache = ChunkCache(DEFAULT_CACHE_BYTES)
+        files = OutputFiles(group, header, storage.describe, _found, False, cache, storage)
+        steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
+        steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
+        for step in steps:
+            try:
+                step()
+            except Found as exc:
+                out.extend(exc.args[0])
+        out = list(dict.fromkeys(files.checks.found + out))
+        out = out or _value_problems(group, files.columns, files.list_offsets, damaged)
+    except Found as exc:
+        out = exc.args[0]
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]
     return [f"{storage.describe(rel)}: {what}" for rel, what in out]
 
 
-def _output_index_problems(storage: Storage, group: Any, damaged: set[str], header: dict[str, Any]) -> list[V.Problem]:
-    need = {f"index/{n}" for n in ("filenames", "frame_offsets", "frame_idx", "file_layout")}
-    if need & damaged:
-        return []
-    filenames, name_problems = N.read_all(group, storage.describe)
-    if name_problems:
-        return name_problems
-    offsets = np.asarray(V.read_index(group, "frame_offsets", storage.describe), dtype=np.int64)
-    file_layout = np.asarray(V.read_index(group, "file_layout", storage.describe), dtype=np.int64)
-    frame_idx = np.asarray(V.read_index(group, "frame_idx", storage.describe), dtype=np.int64)
-    columns, out = V.read_columns(group)
-    lengths = IX.index_lengths(group, storage.describe)
-    lists, list_problems = L.read_lists(group)
-    out.extend(list_problems)
-    damaged_lists = {p for p in lists if f"lists/{lists[p].name}/offsets" in damaged}
-    list_offs, sizes, list_problems = L.domains(
-        {p: v for p, v in lists.items() if p not in damaged_lists}, len(frame_idx)
-    )
-    out.extend(list_problems)
-    # a header without its items' list (lengths: below)
-    out.extend(L.header_problems(lists, list_offs, [(c, None, None) for c in columns.values() if _is_list_head(c)]))
-    out.extend(IX.index_problems(filenames, offsets, file_layout, lengths, header, columns, (lists, sizes)))
-    for name in IX.PROVENANCE:
-        if name in lengths and f"index/{name}" not in damaged:
-            out.extend(IX.provenance_problems(name, np.asarray(V.read_index(group, name, storage.describe))))
-    if not any(rel == "index/frame_offsets" for rel, _ in out):
-        out.extend(IX.frame_problems(frame_idx, offsets, filenames))
-    for c in columns.values():
-        rel = f"columns/{c.name}"
-        if "offsets" not in c.arrays or {f"{rel}/offsets", f"{rel}/shapes"} & damaged:
-            continue
-        if any(p == f"{rel}/offsets" or p == f"{rel}/shapes" for p, _ in out):
-            continue
-        o = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64)
-        sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
-        out.extend(V.offsets_content_problems(c, o, sh))
-    if out:  # the checks below need a sound index and sound offsets
-        return out
-    in_layout = IX.layout_rows(offsets, file_layout, header["file_layouts"])
+def _value_problems(
+    group: Any, columns: dict[str, Any], list_offs: dict[tuple[str, ...], np.ndarray], damaged: set[str]
+) -> list[V.Problem]:
+    """What ``open`` checks of values as it reads them, each array whole: text valid UTF-8, list
+    headers against their lists' offsets, lists of dicts against their keys."""
+    out: list[V.Problem] = []
     heads = []
-    for c in columns.values():
-        rel = f"columns/{c.name}"
-        if {f"{rel}/offsets", f"{rel}/valid"} & damaged or F.list_domain(c.leaf) not in {(), *list_offs}:
-            continue  # damaged arrays (or the list offsets of its rows) are reported already
-        col_off = np.asarray(V.read_array(c.arrays["offsets"]), dtype=np.int64) if "offsets" in c.arrays else None
-        valid = V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
-        rows = L.expand(list_offs, F.list_domain(c.leaf), in_layout(c.name))
-        out.extend(V.rows_layout_problems(c, valid, col_off, rows))
+    for col in columns.values():
+        c: V.StoredColumn = col.info
+        readable = f"columns/{c.name}/values" not in damaged
         if _is_list_head(c):
-            n = None if f"{rel}/values" in damaged else np.asarray(V.read_array(c.arrays["values"]), dtype=np.int64)
-            heads.append((c, valid, n))
-        if c.kind in V.STRING_KINDS and col_off is not None and f"{rel}/values" not in damaged:
-            sh = np.asarray(V.read_array(c.arrays["shapes"]), dtype=np.int64) if "shapes" in c.arrays else None
-            out.extend(V.text_problems(c, V.read_array(c.arrays["values"]), col_off, sh))
-    out.extend(L.header_problems(lists, list_offs, heads))
-    sound = {n: c for n, c in columns.items() if not {f"columns/{n}/valid"} & damaged}
-    whole = {n: c for n, c in sound.items() if not any(f"columns/{n}/{k}" in damaged for k in c.arrays)}
+            valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
+            lengths = np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None
+            heads.append((c, valid, lengths))
+        if c.kind in V.STRING_KINDS and col.offsets is not None and readable:
+            shapes = None if col.shapes is None else np.asarray(col.shapes)
+            out.extend(V.text_problems(c, V.read_array(col.values), np.asarray(col.offsets), shapes))
+    out.extend(L.header_problems(L.read_lists(group)[0], list_offs, heads))
+    whole = {n: c.info for n, c in columns.items() if not any(d.startswith(f"columns/{n}/") for d in damaged)}
     out.extend(V.records_problems(whole, V.read_array))
-    out.extend(
-        V.variant_problems(
-            sound, lambda c: V.read_array(c.arrays["valid"]).astype(bool) if "valid" in c.arrays else None
-        )
-    )
     return out
 
 

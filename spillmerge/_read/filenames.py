@@ -234,39 +234,6 @@ class Names(Sequence[str]):
         return names[max(0, p - 50) : p + 50].tolist()  # type: ignore[no-any-return]
 
 
-def read_all(group: Any, describe: Callable[[str], str]) -> tuple[np.ndarray, list[V.Problem]]:
-    """Every filename of an output (``spillmerge verify``): an object array and the
-    problems of the bytes, offsets, order (:func:`_indexinvariants.sorted_problems`) and heads."""
-    raw = np.asarray(V.read_index(group, "filenames", describe))
-    off = np.asarray(V.read_index(group, "filename_offsets", describe), dtype=np.int64)
-    empty = np.empty(0, dtype=object)
-    if raw.dtype != np.uint8:
-        return empty, [("index/filenames", f"expected uint8, got {raw.dtype}")]
-    if len(off) < 1:
-        return empty, [("index/filename_offsets", "empty (must have n_files + 1 entries)")]
-    out = V.offsets_problems(off, len(off) - 1, len(raw), "index/filename_offsets", "files", "index/filenames")
-    if out:
-        return empty, out
-    names, out = decode_names(raw, off, "index/filenames")
-    out = out or IX.sorted_problems(names)
-    if out:
-        return empty, out
-    k, out = _names_per_head(V.index_node(group, "filename_heads", describe))
-    if out:
-        return empty, out
-    heads_raw = np.asarray(V.read_index(group, "filename_heads", describe))
-    hoff = np.asarray(V.read_index(group, "filename_head_offsets", describe), dtype=np.int64)
-    rel = "index/filename_head_offsets"
-    out = V.offsets_problems(
-        hoff, -(-len(names) // k), len(heads_raw), rel, "blocks of filenames", "index/filename_heads"
-    )
-    if not out:
-        heads, out = decode_names(heads_raw, hoff, "index/filename_heads")
-        if not out and heads.tolist() != names[::k].tolist():
-            out = [("index/filename_heads", f"not the first filename of every block of {k}")]
-    return names, out
-
-
 def close_matches(names: Names, name: object) -> list[str]:
     """At most 3 filenames a mistyped ``name`` was likely meant as, among its neighbours in sort
     order: the fewest typos away, if that is few (one edit per 20 characters plus one, at most 3;

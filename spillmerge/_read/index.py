@@ -1,6 +1,6 @@
 """The index arrays of an open output, read chunk by chunk (:class:`LazyArray`) and checked block by
 block (:class:`IndexChecks`): every docs/FORMAT.md *Invariant* of a block holds before anything in it
-is served, so the checked blocks together are checked as ``spillmerge verify`` checks the whole."""
+is served; ``spillmerge verify`` runs the same checks over every block."""
 
 from __future__ import annotations
 
@@ -185,28 +185,39 @@ class LazyArray:
         return c * k + int(np.searchsorted(self.chunk(c), v, side=side))  # type: ignore[call-overload]
 
 
+def offsets_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[V.Problem]:
+    """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
+    when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
+    if not len(o):
+        return []
+    if first == 0 and int(o[0]) != 0:
+        return [(rel, f"starts at {int(o[0])}, not 0")]
+    step = np.diff(o)
+    if np.any(step < 0):
+        j = int(np.flatnonzero(step < 0)[0])
+        return [(rel, f"decreases from {int(o[j])} to {int(o[j + 1])} at entry {first + j + 1}")]
+    if last and int(o[-1]) != n:
+        return [(rel, f"ends at {int(o[-1])}, but {of} has {n} rows")]
+    if int(o[0]) < 0 or int(o[-1]) > n:
+        j = 0 if int(o[0]) < 0 else len(o) - 1
+        return [(rel, f"entry {first + j} is {int(o[j])}, outside 0..{n} ({of} has {n} rows)")]
+    return []
+
+
 def offsets_chunk_check(
     rel: str, rows: int, of: str, n_chunks: int, k: int, raise_: Raise
 ) -> Callable[[int, np.ndarray], None]:
-    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: from 0 in the first
-    chunk, never decreasing inside the chunk, within ``0 .. rows``, ending at ``rows`` in the last."""
+    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: :func:`offsets_problems`."""
 
     def check(c: int, arr: np.ndarray) -> None:
-        if not len(arr):
-            return
-        if c == 0 and int(arr[0]) != 0:
-            raise_([(rel, f"starts at {int(arr[0])}, not 0")])
-        step = np.diff(arr)
-        if np.any(step < 0):
-            j = int(np.flatnonzero(step < 0)[0])
-            raise_([(rel, f"decreases from {int(arr[j])} to {int(arr[j + 1])} at entry {c * k + j + 1}")])
-        if int(arr[0]) < 0 or int(arr[-1]) > rows:
-            j = 0 if int(arr[0]) < 0 else len(arr) - 1
-            raise_([(rel, f"entry {c * k + j} is {int(arr[j])}, outside 0..{rows} ({of} has {rows} rows)")])
-        if c == n_chunks - 1 and int(arr[-1]) != rows:
-            raise_([(rel, f"ends at {int(arr[-1])}, but {of} has {rows} rows")])
+        raise_(offsets_problems(rel, arr, c * k, c == n_chunks - 1, rows, of))
 
     return check
+
+
+class Found(Exception):
+    """The problems (``args[0]``) found, raised by a ``raise_`` that collects them (``verify``)
+    rather than refuses the output: :class:`IndexChecks` keeps them and goes on."""
 
 
 class IndexChecks:
@@ -233,6 +244,8 @@ class IndexChecks:
         self._cols = columns  # name -> column.OpenColumn (offsets / shapes / valid: LazyArray)
         self._names = names
         self._raise = raise_
+        self.found: list[V.Problem] = []
+        """The problems a collecting ``raise_`` (:class:`Found`) was given, the checks going on."""
         self._listed = {name: np.array([name in lay for lay in layouts], dtype=bool) for name in columns}
         self._done: set[int] = set()
         self._lock = threading.Lock()
@@ -243,8 +256,12 @@ class IndexChecks:
         self._variants = [names_ for _, names_ in sorted(by_leaf.items()) if len(names_) > 1]
 
     def _fail(self, rel: str, problem: str) -> None:
-        """Refuse the output for one problem of the array ``rel``."""
-        self._raise([(rel, problem)])
+        """Refuse the output for one problem of the array ``rel`` (or, with a collecting
+        ``raise_``, keep it: the checks after it need nothing it broke)."""
+        try:
+            self._raise([(rel, problem)])
+        except Found as exc:
+            self.found.extend(exc.args[0])
 
     def rows(self, a: int, b: int) -> tuple[int, int]:
         """Check the blocks over rows ``a .. b-1``; returns the rows now known checked."""
@@ -265,15 +282,9 @@ class IndexChecks:
 
     def file_rows(self, i: int) -> tuple[int, int]:
         """Rows ``a, b`` of file ``i``, its blocks checked."""
-        fo = self._fo  # no row hook: each chunk is checked when first read
-        hot = fo._hot  # fo.pair's first step, inlined: one call per file read
-        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
-            arr, j = hot[3], i - hot[2]
-            a, b = arr.item(j), arr.item(j + 1)
-        else:
-            a, b = fo.pair(i)
+        a, b = self._fo.pair(i)  # no row hook: each chunk is checked when first read
         if not 0 <= a <= b <= self.n_rows:
-            self._fail(fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
+            self._fail(self._fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
         self._last_file = i
         if b > a:
             j = a // ROW_BLOCK
@@ -293,7 +304,7 @@ class IndexChecks:
         f1 = min(max(fo.searchsorted(r1, "left", hint), f0 + 1), n_files) if n_files else 0
         starts = fo.span(f0, f1 + 1)
         if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
-            self._fail(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")
+            self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
         self._frames(r0, r1, f0, starts)
         for name, arr in self._prov.items():
             least = 1 if name == "frame_copies" else 0
@@ -362,18 +373,9 @@ class IndexChecks:
         if col.offsets is not None:
             o = col.offsets.span(r0, r1 + 1)
             vlen = int(info.arrays["values"].shape[0])
+            for p in offsets_problems(f"{rel}/offsets", o, r0, r1 == self.n_rows, vlen, f"{rel}/values"):
+                self._fail(*p)
             step = np.diff(o)
-            if r0 == 0 and int(o[0]) != 0:
-                self._fail(f"{rel}/offsets", f"starts at {int(o[0])}, not 0")
-            if np.any(step < 0):
-                e = r0 + int(np.flatnonzero(step < 0)[0])
-                self._fail(
-                    f"{rel}/offsets", f"decreases from {int(o[e - r0])} to {int(o[e - r0 + 1])} at entry {e + 1}"
-                )
-            if r1 == self.n_rows and int(o[-1]) != vlen:
-                self._fail(f"{rel}/offsets", f"ends at {int(o[-1])}, but {rel}/values has {vlen} rows")
-            if int(o[0]) < 0 or int(o[-1]) > vlen:
-                self._fail(f"{rel}/offsets", f"entries {r0}..{r1} leave 0..{vlen} ({rel}/values has {vlen} rows)")
             if info.kind == "fixed" and np.any(step > 1):
                 r = int(np.flatnonzero(step > 1)[0])
                 self._fail(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")
@@ -424,7 +426,8 @@ class IndexChecks:
             self._fail(rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}")
         inner = int(np.prod(info.inner_shape)) if info.inner_shape else 1
         elems, problems = V.shape_products(shapes, rel, base=r0)
-        self._raise(problems)
+        for p in problems:
+            self._fail(*p)
         bad = np.flatnonzero(elems != step * inner)
         if len(bad):
             r = int(bad[0])

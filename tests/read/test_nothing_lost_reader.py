@@ -366,6 +366,18 @@ def test_verify_checks_the_index_invariants(out, damage, needle):
     assert f"CORRUPT {out}/{needle}" in p.stdout, p.stdout
 
 
+def test_verify_lists_every_broken_index_invariant_of_one_block(out):
+    _set_index(out, "frame_idx", [0, -1, 2, 10, 11, 12])
+    _set_index(out, "frame_copies", [1, 1, 0, 1, 1, 1])
+    problems = spillmerge.verify(str(out)).problems
+    for needle in (
+        "index/frame_idx: row 1 (file 0, 'a.mp4') holds frame index -1 < 0",
+        "index/frame_idx: frame indices are not strictly ascending",
+        "index/frame_copies: row 2 holds 0 < 1",
+    ):
+        assert any(needle in p for p in problems), (needle, problems)
+
+
 def test_verify_lists_every_missing_chunk(out):
     yz = _col(out, "y/z")
     gone = [
@@ -390,6 +402,20 @@ def test_inspect_of_a_damaged_output_is_a_one_line_error(out):
     p = run("inspect", str(out))
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "index/frame_offsets: decreases" in p.stderr
+
+
+def test_a_whole_array_read_ends_at_its_first_absent_chunk(tmp_path):
+    """An array whose metadata declares 2**48 rows, of which one chunk exists, is read whole chunk
+    by chunk: the first absent chunk ends the read, nothing is allocated from the declared shape."""
+    from spillmerge._format.invariants import read_array
+    from spillmerge._read.outputstore import NoFillStore
+    from spillmerge._storage import Storage
+
+    zarr.create_array(store=str(tmp_path / "a"), shape=(1 << 48,), chunks=(1 << 16,), dtype="int64")[: 1 << 16] = 1
+    st = Storage(str(tmp_path))
+    arr = zarr.open_array(NoFillStore(st.zarr_store(read_only=True), st.describe, st), path="a", mode="r")
+    with pytest.raises(spillmerge.CorruptSpillError, match="chunk 1 of a is missing"):
+        read_array(arr)
 
 
 # ---------------------------------------------------- coverage bounded by frames, not the span

@@ -155,17 +155,21 @@ def test_bad_input_names_filename_frame_and_path_and_loses_nothing(
     assert res.frames("f").tolist() == [0, 4] and res.value("f", 4) == {"ok": [2, "b"]}
 
 
-def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_list", [False, True], ids=["leaf", "list-items"])
+def test_a_row_valid_in_two_variants_is_refused_by_open_and_verify(tmp_path: Path, in_list: bool) -> None:
     """The variant columns' ``valid`` arrays are the union's type ids: damaged so that a row has
-    a value in two variants of one leaf, the output is refused (docs/FORMAT.md, *Invariants*)."""
+    a value in two variants of one leaf (or a list's item in two variants of the items), the
+    output is refused (docs/FORMAT.md, *Invariants*)."""
     import zarr
     from test_cli import cli_run
 
-    res = _write_merge(tmp_path, {("f", 0): {"result": torch.ones(2)}, ("f", 1): {"result": "corrupt header"}})
-    assert res.value("f", 1) == {"result": "corrupt header"}
+    value = [1.5, "corrupt header"] if in_list else "corrupt header"
+    res = _write_merge(tmp_path, {("f", 0): {"result": torch.ones(2)}, ("f", 1): {"result": value}})
+    assert res.value("f", 1) == {"result": value}
     out = tmp_path / "o"
-    valid = zarr.open_array(str(out / "columns" / "result.str" / "valid"), mode="r+")
-    valid[:] = True  # row 0 now has a value in result.float32.1d and in result.str
+    (col,) = (out / "columns").glob("result*.str")
+    valid = zarr.open_array(str(col / "valid"), mode="r+")
+    valid[:] = True  # row (item) 0 now has a value in two variants, one of them str
     with pytest.raises(spillmerge.CorruptSpillError, match="more than one variant"):
         spillmerge.open(str(out))
     done = cli_run("verify", str(out))
