@@ -86,12 +86,6 @@ def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
     return table_of(filenames).index_arrays(NAME_BLOCK)
 
 
-def name_sizes(plan: Plan) -> tuple[int, int]:
-    """Bytes of ``index/filenames`` and of ``index/filename_heads`` (from their offsets)."""
-    a = filename_arrays(plan.filenames)
-    return int(a["filename_offsets"][-1]), int(a["filename_head_offsets"][-1])
-
-
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
     """Every ``zarr.json`` document of an output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
@@ -113,7 +107,8 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         "columns": GroupMetadata(),
     }
     n, rows = plan.n_files, plan.n_frames
-    name_bytes, head_bytes = name_sizes(plan)
+    names = filename_arrays(plan.filenames)
+    name_bytes, head_bytes = int(names["filename_offsets"][-1]), int(names["filename_head_offsets"][-1])
     n_heads = -(-n // NAME_BLOCK)
     index_meta = {
         # Filenames as UTF-8 bytes + int64 offsets (Arrow's large_string layout): every Zarr v3

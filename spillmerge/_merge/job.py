@@ -172,42 +172,36 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
     output.makedirs("")
     try:
         with _lease.whole(output) as lease:  # before any change: one merge per output
-            _merge_whole_locked(job, lease)
+            _output.prepare(output, job.options.overwrite, lease)
+            try:
+                t = time.perf_counter()
+                docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
+                # The root document goes first, alone and whole: it marks the folder as a spillmerge
+                # output, so an interrupted merge can be recognised and rebuilt.
+                output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+                output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
+                job.phases["metadata"] = time.perf_counter() - t
+                t = time.perf_counter()
+                todo = units(job.plan, job.options.chunk_bytes)
+                _opening.copy(job, todo)
+                job.phases["copy"] = time.perf_counter() - t
+                t = time.perf_counter()
+                _indexchunks.write(
+                    job.output, _indexchunks.index_chunks(job.plan, docs), threads=_opening.copy_threads(job, todo)
+                )
+                job.phases["index"] = time.perf_counter() - t
+                _opening.finish(job, docs, lease)
+            except BaseException:
+                # The output is unusable without its completion marker anyway; removing what we
+                # wrote keeps the next merge (or a reader) from seeing half a store. Only while the
+                # lease is still ours: a merge that took over after it expired owns the output now.
+                try:
+                    _output.remove_ours(output, lease)
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
     except BaseException:
         if created:  # leave no empty folder behind where there was none
             output.remove_empty_dir("")
         raise
     return job.report()
-
-
-def _merge_whole_locked(job: _opening.Job, lease: _lease.Lease) -> None:
-    """Everything of a whole merge that happens under its lease."""
-    output = job.output
-    _output.prepare(output, job.options.overwrite, lease)
-    try:
-        t = time.perf_counter()
-        docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
-        # The root document goes first, alone and whole: it marks the folder as a spillmerge
-        # output, so an interrupted merge can be recognised and rebuilt.
-        output.put_atomic("zarr.json", Z.json_doc(docs[""]))
-        output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
-        job.phases["metadata"] = time.perf_counter() - t
-        t = time.perf_counter()
-        todo = units(job.plan, job.options.chunk_bytes)
-        _opening.copy(job, todo)
-        job.phases["copy"] = time.perf_counter() - t
-        t = time.perf_counter()
-        _indexchunks.write(
-            job.output, _indexchunks.index_chunks(job.plan, docs), threads=_opening.copy_threads(job, todo)
-        )
-        job.phases["index"] = time.perf_counter() - t
-        _opening.finish(job, docs, lease)
-    except BaseException:
-        # The output is unusable without its completion marker anyway; removing what we
-        # wrote keeps the next merge (or a reader) from seeing half a store. Only while the
-        # lease is still ours: a merge that took over after it expired owns the output now.
-        try:
-            _output.remove_ours(output, lease)
-        except Exception:  # noqa: BLE001
-            pass
-        raise
