@@ -210,19 +210,11 @@ def json_doc(doc: dict[str, Any]) -> bytes:
 
 def consolidated_root(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The root ``zarr.json`` with every other document of ``docs`` (path -> document, ``""`` the
-    root) inlined as consolidated metadata, the way zarr-python writes it."""
-    root = dict(docs[""])
-    root["consolidated_metadata"] = {
-        "kind": "inline",
-        "must_understand": False,
-        "metadata": {path: _consolidated_entry(doc) for path, doc in sorted(docs.items()) if path},
-    }
-    return root
-
-
-def _consolidated_entry(doc: dict[str, Any]) -> dict[str, Any]:
-    # zarr-python writes child groups into the inline consolidated metadata with an empty
-    # consolidated block of their own; mirror it so reading never falls back to listing.
-    if doc.get("node_type") == "group":
-        return {**doc, "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}
-    return doc
+    root) inlined as consolidated metadata, the way zarr-python writes it: child groups with an
+    empty consolidated block of their own, so reading never falls back to listing."""
+    empty = {"kind": "inline", "must_understand": False, "metadata": {}}
+    inlined = {}
+    for path, doc in sorted(docs.items()):
+        if path:
+            inlined[path] = {**doc, "consolidated_metadata": empty} if doc.get("node_type") == "group" else doc
+    return {**docs[""], "consolidated_metadata": {**empty, "metadata": inlined}}

@@ -19,7 +19,7 @@ from .._errors import SpillValueError
 from .._format import spill as FS
 from .._spill.root import LoadedSegment
 from . import plancheck
-from .nametable import NameTable
+from .nametable import NameTable, table_of
 
 BATCH = 1 << 18
 """Sorted rows per Arrow batch read back from DuckDB, at most (fewer under a small memory limit:
@@ -300,10 +300,8 @@ def _names_array(names: list[str]) -> Any:
     """The Arrow binary array of ``names``' UTF-8 bytes (``surrogatepass``)."""
     import pyarrow as pa
 
-    enc = [f.encode("utf-8", "surrogatepass") for f in names]
-    off = np.zeros(len(enc) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in enc], out=off[1:])
-    return pa.Array.from_buffers(pa.large_binary(), len(enc), [None, pa.py_buffer(off), pa.py_buffer(b"".join(enc))])
+    t = table_of(names)
+    return pa.Array.from_buffers(pa.large_binary(), len(t), [None, pa.py_buffer(t.offsets), pa.py_buffer(t.data)])
 
 
 def _binary_parts(col: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -553,7 +551,7 @@ def sort_rows_in_memory(
     data = b"".join([distinct[r] for r in rank.tolist()])
     fname = pa.Array.from_buffers(pa.large_binary(), len(rank), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
     rows["lp"] = lp
-    cols = ["frame", "lp", "gl", "seg", "off", "nb", "crc", "lf"]
+    cols = [*COLUMNS[1:], "lf"]
     batch = pa.RecordBatch.from_arrays([fname, *(_i64(rows[k][order]) for k in cols)], names=["fname", *cols])
     new_names = np.ones(len(rank), dtype=bool)
     new_names[1:] = rank[1:] != rank[:-1]

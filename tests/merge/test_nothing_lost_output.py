@@ -1,4 +1,4 @@
-"""Nothing lost at the output end (issue 17): every spelling of a path, one merge per output, no
+"""Nothing lost at the output end: every spelling of a path, one merge per output, no
 deletion through links, and a merge killed at any point rebuilt by the next one.
 
 Concurrent and killed merges run in real forked processes (``spillmerge`` imported once, so a
