@@ -92,7 +92,7 @@ class PlannedColumn:
     @property
     def unit_bytes(self) -> int:
         """Bytes of one unit of ``values`` (numeric kinds and bytes/pickle)."""
-        n = np.dtype(self.storage).itemsize if self.storage != "string" else 1
+        n = np.dtype(self.storage).itemsize
         for d in self.unit_shape:
             n *= d
         return n
@@ -120,7 +120,7 @@ class PlannedColumn:
             return self.n_present
         return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
 
-    def header(self, chunk_max_bytes: int | None = None) -> FO.ColumnHeader:
+    def header(self) -> FO.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
         return FO.ColumnHeader(
             leaf=self.leaf,
@@ -129,7 +129,7 @@ class PlannedColumn:
             ndim=self.ndim,
             inner_shape=self.inner,
             has_valid=self.has_valid,
-            chunk_max_bytes=chunk_max_bytes,
+            chunk_max_bytes=None,
             variant=self.variant,
         )
 
