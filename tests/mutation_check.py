@@ -1190,7 +1190,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "stored-plan-removed-by-finalize",
         "spillmerge/_merge/scaleout.py",
-        "    _planstore.remove(output)  # the parts are done with it (the output is complete)",
+        "    output.rm_tree(_planstore.PLAN_DIR)  # the parts are done with it (the output is complete)",
         "    pass",
         ("tests/merge/test_planstore.py::test_a_planner_killed_while_building_or_storing_the_plan_reruns_to_the_same_bytes",),
         "the finalize removes the stored plan once the output is complete",

@@ -124,10 +124,6 @@ SMALL_PLAN_ROWS = 1 << 18
 than a small sort gains from them."""
 
 
-def _threads(n_rows: int) -> int:
-    return 1 if n_rows < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
-
-
 def build(
     segments: Iterable[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes,
     work_dir: str | None = None, memory_limit: int = DEFAULT_PLAN_BUDGET, threads: int | None = None,
@@ -177,11 +173,12 @@ def build(
         srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
         with _plansql.lazy_workspace(work_dir) as lazy:
             return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, lazy))
+    if threads is None:
+        threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
     with _plansql.workspace(work_dir) as folder:
         srt = _plansql.sort_rows(
-            segments, layout_ids, lp_order, resolve, memory_limit=memory_limit,
-            threads=threads if threads is not None else _threads(n_index), folder=folder,
-        )  # fmt: skip
+            segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, threads=threads, folder=folder
+        )
         return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))
 
 

@@ -212,11 +212,6 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         raise
 
 
-def remove(output: Storage) -> None:
-    """The finalize, after the completion marker: the plan is no longer needed."""
-    output.rm_tree(PLAN_DIR)
-
-
 # -- reading ---------------------------------------------------------------------------------------
 
 

@@ -205,5 +205,5 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
     job.phases["index"] = time.perf_counter() - t
     _opening.finish(job, docs, lease)
     report = job.report(parts=n)  # before the stored plan goes: the gaps against ``expected`` read it
-    _planstore.remove(output)  # the parts are done with it (the output is complete)
+    output.rm_tree(_planstore.PLAN_DIR)  # the parts are done with it (the output is complete)
     return report
