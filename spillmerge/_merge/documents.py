@@ -131,7 +131,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
     }  # fmt: skip
     for name, meta in index_meta.items():
         nodes[f"index/{name}"] = _array_doc(meta)
-    # Format 4: a list path's offsets (its items are the rows of the columns under it), and the
+    # A list path's offsets (its items are the rows of the columns under it), and the
     # dimension names of each domain: ``row`` for the output's rows, ``<list>.item`` for a list's items.
     dim: dict[tuple[str, ...], str] = {(): "row"}
     if plan.lists:

@@ -247,7 +247,7 @@ def _assemble(
         n_dom = sizes[F.list_domain(gpaths[p])]
         planned = plan_column(names_of[g], gpaths[p], srcs[g], c, layouts, n_dom, new)
         if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
-            # the header names the variant its name carries (a split by dtype alone: version 2's rule)
+            # the header names the variant its name carries (a split by numeric dtype alone does not)
             planned = dataclasses.replace(planned, variant=tag)
         columns.append(planned)
     columns.sort(key=lambda col: col.name)

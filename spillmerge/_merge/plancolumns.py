@@ -136,7 +136,7 @@ class PlannedColumn:
 
 @dataclass(frozen=True, slots=True)
 class PlannedList:
-    """The list offsets of one list path of the output (format 4, ``lists/<name>/offsets``): the
+    """The list offsets of one list path of the output (``lists/<name>/offsets``): the
     items of the lists at ``path[:-1]`` in row ``r`` of its parent domain are the rows
     ``offsets[r] .. offsets[r + 1] - 1`` of the columns under ``path``."""
 
@@ -262,9 +262,9 @@ def variant_groups(
     c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], new: Alloc
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
     """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
-    ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column,
-    as in version 2; one that is ``float16`` in some rows and a ``str`` or a 2-d ``float32`` in
-    others makes one column per variant, each with the rows of its variant (the others absent):
+    ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column;
+    one that is ``float16`` in some rows and a ``str`` or a 2-d ``float32`` in others makes one
+    column per variant, each with the rows of its variant (the others absent):
     nothing is converted, and a row has a value in at most one of them. Rows that say nothing
     about the variant (``None``, numeric rows of zero elements) join a compatible variant of their
     file (the lowest), else of their leaf, else one of their own. Returns each entry's group and
@@ -349,7 +349,7 @@ def variant_groups(
         if len(variants) == 1:
             groups.append((p, None))
         elif all(v[0] == "num" and v[2] == sig[2] for v in variants):
-            groups.append((p, sig[1]))  # version 2's split by dtype: ``<col>.<dtype>``
+            groups.append((p, sig[1]))  # numeric variants of one ndim: ``<col>.<dtype>``
         else:
             groups.append((p, variant_tag(sig)))
     return group, groups
@@ -403,7 +403,7 @@ def plan_column(
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
     if lays and not dt.numeric:
         kind = dt.kind  # str, bytes, pickle or strlist (numeric ones are fixed or ragged)
-        # Format 3: every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
+        # Every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
         # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
         counts = new("counts", n_rows, np.int64)
         strings = new("strings", (n_rows, 1), np.int64) if kind == "strlist" else None
