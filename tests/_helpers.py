@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -9,6 +10,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from spillmerge._format import spill as FS
+from spillmerge._merge import plan as _plan
+from spillmerge._spill.barrier import wait_for_commits
+from spillmerge._spill.lazy import load_all
+from spillmerge._spill.root import LoadedSegment, same_bytes
+from spillmerge._storage import Storage
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -148,3 +156,17 @@ def assert_group_commits(events: list[tuple[str, str]]) -> None:
             assert ("fsync", folder) in after, (entry, chunk, events)
         ahead |= ("fsync", f"{folder}/{int(n) + 1}") in events[:at]
     assert ahead, events
+
+
+def committed_segments(root: str | Path) -> tuple[Storage, list[LoadedSegment]]:
+    """The spill root ``root`` and its committed segments, loaded, in a merge's write order."""
+    storage = Storage(str(root))
+    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
+    segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
+    return storage, load_all(storage, segments)
+
+
+def plan_of(root: str | Path, on_duplicate: str = "error", **kw: Any) -> _plan.Plan:
+    """The merge plan of the spill root ``root``, built as a merge builds it."""
+    storage, segments = committed_segments(root)
+    return _plan.build(segments, on_duplicate, same_bytes=functools.partial(same_bytes, storage), **kw)

@@ -11,18 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _helpers import committed_segments, plan_of
 
 import spillmerge
 from spillmerge._format import keyorder as _keyorder
-from spillmerge._format import spill as FS
 from spillmerge._merge import plan as _plan
 from spillmerge._merge import plancolumns as _plancolumns
 from spillmerge._merge import plansql as _plansql
 from spillmerge._merge.nametable import NameTable
-from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.lazy import load_all
-from spillmerge._spill.root import same_bytes
-from spillmerge._storage import Storage
 
 NL = "\n"
 NAMES = [f"f{i % 7}-\u00e9{NL if i % 5 == 0 else ''}/{i:03d}" for i in range(40)] + ["a\x00z", "\U0001f600"]
@@ -51,13 +47,6 @@ def _write(root: Path) -> None:
                     w.write(NAMES[i], 0, _value(i))
 
 
-def _plan_of(root: Path) -> _plan.Plan:
-    storage = Storage(str(root))
-    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
-    segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
-    return _plan.build(load_all(storage, segments), "error", same_bytes=functools.partial(same_bytes, storage))
-
-
 def _arrays(p: _plan.Plan) -> dict[str, np.ndarray]:
     out = {a: np.asarray(getattr(p, a)) for a in ("file_offsets", "frame_idx", "rank", "copies", "file_layout")}
     for c in p.columns:
@@ -74,12 +63,12 @@ def _arrays(p: _plan.Plan) -> dict[str, np.ndarray]:
 def test_the_plan_is_the_same_whatever_the_block_size_and_with_maps(tmp_path, monkeypatch, in_memory):
     _write(tmp_path / "s")
     monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: in_memory)
-    whole = _plan_of(tmp_path / "s")
+    whole = plan_of(tmp_path / "s")
     monkeypatch.setattr(_plancolumns, "ROW_BLOCK", 5)  # keys, files and lists cut by blocks
     monkeypatch.setattr(_keyorder, "BLOCK", 3)
     monkeypatch.setattr(_plansql, "MAPPED_ROWS", 4)  # every per-row array a map of a file
     monkeypatch.setattr(_plansql, "BATCH", 7)
-    cut = _plan_of(tmp_path / "s")
+    cut = plan_of(tmp_path / "s")
     assert isinstance(cut.filenames, NameTable) and isinstance(cut.columns[0].src, np.memmap)
     assert list(cut.filenames) == sorted(NAMES, key=lambda n: n.encode("utf-8")) == list(whole.filenames)
     assert cut.filenames.search(NAMES[3]) == list(cut.filenames).index(NAMES[3])
@@ -122,9 +111,7 @@ def test_key_orders_are_the_same_whatever_the_block_size(tmp_path, monkeypatch, 
     """``output_orders`` a file (and an index row) at a time, its per-file arrays maps of files,
     gives the orders and runs of one block: runs go on across the blocks' edges."""
     _write_orders(tmp_path / "s", wide)
-    storage = Storage(str(tmp_path / "s"))
-    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
-    segments = load_all(storage, sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank)))
+    _, segments = committed_segments(tmp_path / "s")
     names = sorted({n for s in segments for n in s.filenames})
     positioned = {(lay.leaf, lay.pos) for s in segments for lay in s.layouts if lay.pos is not None}
     assert (len(positioned) > 62) == wide

@@ -3,7 +3,6 @@ the same errors, as the DuckDB sort of the same rows."""
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 import textwrap
@@ -12,16 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _helpers import plan_of
 
 import spillmerge
 from spillmerge._errors import DuplicateFrameError
-from spillmerge._format import spill as FS
 from spillmerge._merge import plan as _plan
 from spillmerge._merge import plansql as _plansql
-from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.lazy import load_all
-from spillmerge._spill.root import same_bytes
-from spillmerge._storage import Storage
 
 NAMES = ["b", "a\uffff", "a\x00z", "é", "A", "a", "z\n", "\U0001f600", "ab"]
 """Names whose UTF-8 bytes sort as their code points: NUL, newline, multi-byte, astral."""
@@ -45,10 +40,7 @@ def _write(root: Path, *, differ: bool = False, policy_rows: bool = False) -> No
 
 def _plan_of(root: Path, in_memory: bool, monkeypatch: pytest.MonkeyPatch, on_duplicate: str = "error") -> _plan.Plan:
     monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: in_memory)
-    storage = Storage(str(root))
-    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
-    segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
-    return _plan.build(load_all(storage, segments), on_duplicate, same_bytes=functools.partial(same_bytes, storage))
+    return plan_of(root, on_duplicate)
 
 
 @pytest.mark.parametrize("on_duplicate", ["first", "last"])

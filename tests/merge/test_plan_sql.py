@@ -3,7 +3,6 @@ a large one, and no work folder left behind after a success, an error, or a kill
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import subprocess
@@ -15,15 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import plan_of
 
 import spillmerge
 from spillmerge._errors import DuplicateFrameError
-from spillmerge._format import spill as FS
 from spillmerge._merge import plan as _plan
 from spillmerge._merge import plansql as _plansql
-from spillmerge._spill.barrier import wait_for_commits
-from spillmerge._spill.lazy import load_all
-from spillmerge._spill.root import same_bytes
 from spillmerge._storage import Storage
 
 
@@ -39,13 +35,6 @@ def _write(root: Path, n: int, *, differ: bool = False) -> None:
                 for i in range(0, n, 100):
                     j = i // 2
                     w.write(f"dir-{i % 17}/{pad}-{i:08d}.bin", 0, {"v": torch.tensor([2.0 * j, 2.0 * j + 1 + differ])})
-
-
-def _plan_of(root: Path, **kw: object) -> _plan.Plan:
-    storage = Storage(str(root))
-    state = wait_for_commits(storage, world_size=None, run_id=None, timeout=0.0, progress=False)
-    segments = sorted(state.committed, key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name))
-    return _plan.build(load_all(storage, segments), "error", same_bytes=functools.partial(same_bytes, storage), **kw)
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -72,10 +61,10 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
         return collect(batches(), resolve, folder, n_names, *rest)
 
     monkeypatch.setattr(_plansql, "_collect", watched)
-    small = _plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
+    small = plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
     assert any("storage" in name for name in spilled), spilled  # the sort went out of core
     monkeypatch.setattr(_plansql, "_collect", collect)
-    large = _plan_of(tmp_path / "s", memory_limit=1 << 30)
+    large = plan_of(tmp_path / "s", memory_limit=1 << 30)
     assert small.n_frames == n and small.duplicates == n // 100
     assert _plan.fingerprint(small) == _plan.fingerprint(large)
     assert list(small.filenames) == sorted(small.filenames) == list(large.filenames)
@@ -92,13 +81,13 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(
     work = tmp_path / "w"
     _write(tmp_path / "same", 400)
     _write(tmp_path / "differ", 400, differ=True)
-    _plan_of(tmp_path / "same", work_dir=str(work))  # in memory: no work folder at all
+    plan_of(tmp_path / "same", work_dir=str(work))  # in memory: no work folder at all
     assert not work.exists()
     monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's sort, in a work folder
-    _plan_of(tmp_path / "same", work_dir=str(work))
+    plan_of(tmp_path / "same", work_dir=str(work))
     assert _leftovers(work) == []
     with pytest.raises(DuplicateFrameError, match="different content"):
-        _plan_of(tmp_path / "differ", work_dir=str(work))
+        plan_of(tmp_path / "differ", work_dir=str(work))
     assert _leftovers(work) == []
     # Killed in the middle of the plan (while it compares two copies' bytes): its folder stays...
     script = textwrap.dedent(f"""
@@ -114,14 +103,14 @@ def test_the_work_folder_goes_after_a_success_an_error_and_a_kill_then_a_rerun(
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(segments, on_duplicate, same_bytes=killer, **kw)
         _plan.build = build
-        t._plan_of(t.Path({str(tmp_path / "same")!r}), work_dir={str(work)!r})
+        t.plan_of(t.Path({str(tmp_path / "same")!r}), work_dir={str(work)!r})
     """)
     r = subprocess.run([sys.executable, "-c", script], env=dict(os.environ), capture_output=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-2000:]
     left = _leftovers(work)
     assert len(left) == 1 and left[0].startswith("spillmerge-sqlplan-"), left
     # ... and the next plan under the same folder removes it.
-    _plan_of(tmp_path / "same", work_dir=str(work))
+    plan_of(tmp_path / "same", work_dir=str(work))
     assert _leftovers(work) == []
 
 
@@ -134,9 +123,9 @@ def test_keys_whose_copies_straddle_sorted_batches_are_decided_whole(
         with spillmerge.SpillWriter(str(tmp_path / "s"), rank=rank, world_size=2) as w:
             w.write_batch(names, {"a": torch.arange(n), "b": torch.ones(n, 2), "c": [f"c{i}" for i in range(n)]})
     monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's batches, however few the rows
-    whole = _plan_of(tmp_path / "s")  # one batch
+    whole = plan_of(tmp_path / "s")  # one batch
     monkeypatch.setattr(_plansql, "BATCH", 2048)
-    cut = _plan_of(tmp_path / "s", memory_limit=32 << 20)
+    cut = plan_of(tmp_path / "s", memory_limit=32 << 20)
     assert cut.n_frames == whole.n_frames == n and cut.duplicates == whole.duplicates == n
     assert (cut.copies == 2).all() and (cut.rank == 0).all()
     assert _plan.fingerprint(cut) == _plan.fingerprint(whole)
@@ -148,8 +137,8 @@ def test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it(
     """A plan_budget of a few KiB (smaller than DuckDB can sort in) plans all the same."""
     monkeypatch.setattr(_plansql, "in_memory", lambda n, limit: False)  # DuckDB's sort, however few the rows
     _write(tmp_path / "s", 2000)
-    tiny = _plan_of(tmp_path / "s", memory_limit=64 << 10)
-    assert _plan.fingerprint(tiny) == _plan.fingerprint(_plan_of(tmp_path / "s", memory_limit=1 << 30))
+    tiny = plan_of(tmp_path / "s", memory_limit=64 << 10)
+    assert _plan.fingerprint(tiny) == _plan.fingerprint(plan_of(tmp_path / "s", memory_limit=1 << 30))
 
 
 @pytest.mark.parametrize("first", [0, 1])
