@@ -56,15 +56,14 @@ def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarr
     """Each index array's path and its elements (and the function that makes them from those):
     the arrays ``_merge.documents.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
     (but ``values``)."""
-    filename_arrays = Z.filename_arrays(plan.filenames)  # a plan's NameTable as it is: no str per name
+    index = {
+        **Z.filename_arrays(plan.filenames),  # a plan's NameTable as it is: no str per name
+        "file_layout": plan.file_layout, "frame_offsets": plan.file_offsets, "frame_idx": plan.frame_idx,
+        "frame_rank": plan.rank, "frame_copies": plan.copies,
+    }  # fmt: skip
     out: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {
-        f"index/{k}": (v, None) for k, v in filename_arrays.items()
+        f"index/{k}": (v, None) for k, v in index.items()
     }
-    out["index/file_layout"] = (plan.file_layout, None)
-    out["index/frame_offsets"] = (plan.file_offsets, None)
-    out["index/frame_idx"] = (plan.frame_idx, None)
-    out["index/frame_rank"] = (plan.rank, None)
-    out["index/frame_copies"] = (plan.copies, None)
     for lst in plan.lists:
         out[f"lists/{lst.name}/offsets"] = (lst.offsets, None)
     for col in plan.columns:
