@@ -1,15 +1,6 @@
-"""A batched output split into the per-item values ``SpillWriter.write`` would be given.
-
-What ``SpillWriter.write_batch(filenames, batch, frame_idx)`` accepts, and what item ``i`` is:
-
-- a tensor or numpy array whose first dimension is the batch: ``batch[i]``;
-- a list or tuple with one value per item (per-image dicts as torchvision detection returns,
-  strings, ragged tensors ...): ``batch[i]``;
-- a mapping (dict, nested TensorDict) or dataclass (tensorclass) of those, to any depth: the
-  dict of each leaf's item ``i``.
-
-Item ``i`` is stored exactly as ``write(filenames[i], frame_idx[i], item_i)`` would store it. The
-keys and the split are checked here, for the whole batch, before the writer stages any byte.
+"""A batched output split into the per-item values ``SpillWriter.write`` would be given (what
+``write_batch`` accepts: its docstring); the keys and the split checked for the whole batch
+before the writer stages any byte.
 
 Protocol (the writer, once per batch): :func:`batch_keys` → :func:`split_batch` (or
 :func:`dense_columns` for the vectorised path) → validate every item → stage every item.

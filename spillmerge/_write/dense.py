@@ -1,9 +1,6 @@
 """``write_batch`` of dense batches (tensors / arrays with a batch dimension, or flat dicts of
-them): item 0 flattened and checked for all, the layout rule once per file schema, bytes, index
-rows and journal entries staged a block at a time (``Staging.add_frames``), exactly as item by
-item writes would stage them. ``SpillWriter`` takes these steps from :class:`DenseSteps`; the
-general, item-by-item way is ``_write.writer``'s.
-"""
+them): item 0 flattened and checked for all, then staged a block at a time (``Staging.add_frames``),
+exactly as item by item writes would stage them."""
 
 from __future__ import annotations
 

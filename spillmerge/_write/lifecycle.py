@@ -1,8 +1,6 @@
 """A SpillWriter's lifecycle (:class:`WriterState`) and its steps after the ``with`` block: the
-collective merge round (``merge``, and the ``session`` the round and the shard transfer see) and
-``remove_spill`` once the output holds the segment. ``SpillWriter`` takes them from
-:class:`MergeSteps`; the writing and the commit are ``_write.writer``'s.
-"""
+collective merge round (``merge``, ``session``) and ``remove_spill`` once the output holds the
+segment."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A SpillWriter's segment from start to end (:class:`SegmentSteps`): opening it (header,
-folders, the flush thread), committing it (the index, catalog and block checksums, made durable
-before the commit record that vouches for them is written last), aborting it (the failure
-record), and the resume helpers that read what earlier sessions committed. ``SpillWriter`` takes
-them from :class:`SegmentSteps`; the writing is ``_write.writer``'s.
-"""
+"""A SpillWriter's segment opened (header, folders, the flush thread), committed (index, catalog
+and block checksums durable before the commit record, written last) or aborted (the failure
+record); the resume helpers that read what earlier sessions committed."""
 
 from __future__ import annotations
 

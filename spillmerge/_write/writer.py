@@ -4,10 +4,6 @@ Protocol:
   (every rank)   __enter__ → write/update ... → __exit__ (commit record last) → merge(out)
   (merging rank) merge waits for every rank's commit record, moves the shards of ranks whose
                  storage it cannot see over torch.distributed, then merges (the round: _dist/round.py).
-
-The writer keeps rows (the index it commits); opening, committing and aborting its segment are
-``_write.segment.SegmentSteps``', the per-file leaf rule ``_write.layouts.FileSchemas``, the byte
-and CUDA copies into staging ``_write.staging.Staging``.
 """
 
 from __future__ import annotations
