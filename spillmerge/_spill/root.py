@@ -43,12 +43,6 @@ class Segment:
         return rid if isinstance(rid, str) else None
 
     @property
-    def format_version(self) -> int | None:
-        """The segment header's ``format_version`` (None when the header is unreadable)."""
-        v = (self.header or {}).get("format_version")
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-    @property
     def world_size(self) -> int | None:
         for src in (self.commit, self.failure):
             if src is not None:
@@ -444,18 +438,6 @@ def check_of(seg: LoadedSegment, crc: int) -> tuple[int, int, int]:
     return off, nb, value
 
 
-def block_mismatch(storage: Storage, seg: LoadedSegment, crc: int) -> CorruptSpillError:
-    """The error for a block whose bytes fail their block checksum."""
-    off, nb, _ = check_of(seg, crc)
-    where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
-    return CorruptSpillError(
-        f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
-        f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-        path=where,
-        rank=seg.seg.rank,
-    )
-
-
 def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     """Read the block an index row's negative ``crc`` points at and check its CRC-32C (a block
     lies in one data chunk: at most ``chunk_bytes`` read)."""
@@ -463,7 +445,13 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
     if _crc.value(buf) != value:
-        raise block_mismatch(storage, seg, crc)
+        where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
+        raise CorruptSpillError(
+            f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
+            f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+            path=where,
+            rank=seg.seg.rank,
+        )
 
 
 def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:
