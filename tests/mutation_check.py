@@ -882,8 +882,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g37-writer-remove-spill-output-holds-it",
         "spillmerge/_write/lifecycle.py",
-        "            self._check_round_complete(out, out_options)",
-        "            pass",
+        "            if not complete_for(output, self.run_id, self._session_number):",
+        "            if False:",
         ("tests/spill/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
         "SpillWriter.remove_spill keeps its segment unless the output is complete with its round (a later session)",
     ),
