@@ -68,10 +68,9 @@ def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | N
     return key, n
 
 
-def _blocks(storage: Storage, key: str, n: int, step: int) -> Iterator[np.ndarray]:
-    """Bytes ``[0, n)`` of ``key``, ``step`` at a time; then the chunk's CRC-32C trailer is
-    compared with theirs (:class:`Whole` when it differs). The CRC of all of them is
-    ``_crc.value`` of their concatenation: the caller compares it with the commit record's."""
+def _blocks(storage: Storage, key: str, n: int, step: int, want: int) -> Iterator[np.ndarray]:
+    """Bytes ``[0, n)`` of ``key``, ``step`` at a time; then their CRC-32C is compared with the
+    chunk's trailer and with ``want``, the commit record's (:class:`Whole` when either differs)."""
     buf = np.empty(min(step, n) + 4, dtype=np.uint8)
     crc = 0
     for a in range(0, n, step):
@@ -87,7 +86,7 @@ def _blocks(storage: Storage, key: str, n: int, step: int) -> Iterator[np.ndarra
         storage.read_into([(key, n, n + 4)], tail.data)
     except (OSError, SpillMergeError):
         raise Whole from None
-    if int.from_bytes(tail.tobytes(), "little") != crc:
+    if int.from_bytes(tail.tobytes(), "little") != crc or crc != want:
         raise Whole
 
 
@@ -226,14 +225,12 @@ class Stream:
         rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"
         limit = FS.catalog_max_bytes(self.commit.n_files, self.commit.n_rows)
         key, n = _object(self.storage, rel, None, None, limit)
-        crc = 0
         head = b""
         rest = bytearray()
         with open(f"{self.stem}.u8", "wb") as data, open(f"{self.stem}.i8", "wb") as offsets:
             names = _Names(data, offsets)
             left = np.zeros(0, dtype=np.uint8)
-            for block in _blocks(self.storage, key, n, BLOCK):
-                crc = _crc.extend(crc, block)
+            for block in _blocks(self.storage, key, n, BLOCK, self.commit.catalog_crc32c):
                 if len(head) < len(_PREFIX):  # the writer's catalog starts so
                     take = len(_PREFIX) - len(head)
                     head += block[:take].tobytes()
@@ -252,7 +249,7 @@ class Stream:
                     left = buf[used:].copy()
                     if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
                         raise Whole
-        if not names.done or crc != self.commit.catalog_crc32c:
+        if not names.done:
             raise Whole
         try:
             obj = F.loads(b'{"filenames": []' + bytes(rest), path=self.storage.describe(rel))
@@ -312,17 +309,13 @@ class Stream:
         width = FS.INDEX_COLUMNS * 8
         rel = f"{self.seg.rel}/{FS.INDEX_NAME}"
         key, n = _object(self.storage, rel, [c.n_rows, FS.INDEX_COLUMNS], c.n_rows * width, c.n_rows * width)
-        crc = 0
-        for block in _blocks(self.storage, key, n, max(1, step) * width):
-            crc = _crc.extend(crc, block)
+        for block in _blocks(self.storage, key, n, max(1, step) * width, c.index_crc32c):
             idx = block.view("<i8").reshape(-1, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
             try:
                 check_rows(self.bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
             except CorruptSpillError:
                 raise Whole from None
             yield idx
-        if crc != c.index_crc32c:
-            raise Whole
 
     def remove(self) -> None:
         """Remove the filenames' files (maps of them stay readable)."""
