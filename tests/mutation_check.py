@@ -161,7 +161,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "catalog-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(raw_cat) != commit.catalog_crc32c:",
+        "    if cat_crc != commit.catalog_crc32c:",
         "    if False:",
         (f"{G}::test_a_catalog_that_does_not_match_the_commit_record_is_refused",),
         "the catalog merged is the one the rank committed",
@@ -194,7 +194,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "index-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(raw_idx) != commit.index_crc32c:",
+        "    if idx_crc != commit.index_crc32c:",
         "    if False:",
         (f"{G}::test_an_index_that_does_not_match_the_commit_record_is_refused",),
         "the index merged is the one the rank committed",
@@ -670,7 +670,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-checksums-match-the-commit-record",
         "spillmerge/_spill/root.py",
-        "        if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:",
+        "        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:",
         "        if len(raw_chk) != want:",
         (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
         "data damaged together with its block checksum is caught by the commit record's checksum of the checks",

@@ -135,8 +135,8 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
     limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
-    raw_cat = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
-    if _crc.value(raw_cat) != commit.catalog_crc32c:
+    raw_cat, cat_crc = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
+    if cat_crc != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
     cat = F.loads(bytes(raw_cat), path=storage.describe(cat_rel))
     if (
@@ -160,12 +160,12 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
-    raw_idx = read_small_array(
+    raw_idx, idx_crc = read_small_array(
         storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
     )
     if len(raw_idx) != expect:
         raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
-    if _crc.value(raw_idx) != commit.index_crc32c:
+    if idx_crc != commit.index_crc32c:
         raise bad("index checksum does not match the commit record", FS.INDEX_NAME)
     # A read-only view of the bytes read, not a copy: at millions of rows the index is the largest
     # thing a merge loads (a segment at a time, docs/SCALE.md).
@@ -175,10 +175,10 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     if commit.n_checks:
         chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
         want = commit.n_checks * FS.CHECK_COLUMNS * 8
-        raw_chk = read_small_array(
+        raw_chk, chk_crc = read_small_array(
             storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
         )
-        if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:
+        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:
             raise bad("checks do not match the commit record", FS.CHECKS_NAME)
         checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
@@ -287,10 +287,10 @@ def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
 
 def read_small_array(
     storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
-) -> memoryview:
+) -> tuple[memoryview, int]:
     """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
     hostile ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
-    ``max_bytes`` bytes plus the 4 CRC bytes."""
+    ``max_bytes`` bytes plus the 4 CRC bytes. Returns the bytes and their CRC-32C."""
     path = storage.describe(rel)
     try:
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=f"{path}/zarr.json")
@@ -306,7 +306,7 @@ def read_small_array(
             f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank
         )
     if any(d == 0 for d in shape):
-        return memoryview(b"")
+        return memoryview(b""), 0
     key = f"{rel}/c/" + "/".join("0" * len(shape))
     try:
         blob = storage.get(key, max_bytes=max_bytes + 4)
@@ -323,7 +323,7 @@ def read_small_array(
             path=storage.describe(key),
             rank=rank,
         )
-    return raw
+    return raw, stored
 
 
 def flushed_chunks(storage: Storage, seg: Segment) -> int:

@@ -269,13 +269,13 @@ class Stream:
         if c.n_checks:
             want = c.n_checks * FS.CHECK_COLUMNS * 8
             try:
-                raw = read_small_array(
+                raw, crc = read_small_array(
                     self.storage, f"{self.seg.rel}/{FS.CHECKS_NAME}", self.seg.rank, max_bytes=want,
                     expect_shape=[c.n_checks, FS.CHECK_COLUMNS],
                 )  # fmt: skip
             except CorruptSpillError:
                 raise Whole from None
-            if len(raw) != want or _crc.value(raw) != c.checks_crc32c:
+            if len(raw) != want or crc != c.checks_crc32c:
                 raise Whole
             self.checks = np.frombuffer(raw, dtype="<i8").reshape(c.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
         if c.n_chunks * c.chunk_bytes < c.nbytes:
