@@ -3,6 +3,7 @@ because a spill root is untrusted input. The barrier on its commit records is ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,16 +124,17 @@ def scan(storage: Storage) -> dict[int, list[Segment]]:
     return {r: list_segments(storage, r) for r in list_ranks(storage)}
 
 
+def corrupt(storage: Storage, seg: Segment, msg: str, rel: str = "") -> CorruptSpillError:
+    """The error naming segment ``seg`` (or its object ``rel``)."""
+    path = storage.describe(f"{seg.rel}/{rel}" if rel else seg.rel)
+    return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
+
+
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     """Read and validate a committed segment's catalog and index against its commit record."""
     commit = seg.commit
     assert commit is not None
-    where = storage.describe(seg.rel)
-
-    def bad(msg: str, rel: str = "") -> CorruptSpillError:
-        path = storage.describe(f"{seg.rel}/{rel}") if rel else where
-        return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
-
+    bad = functools.partial(corrupt, storage, seg)
     cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
     limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
     raw_cat, cat_crc = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)

@@ -19,6 +19,7 @@ index already partly used is refused, as changed while it was read)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +31,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from .root import Segment, check_rows, read_small_array
+from .root import Segment, check_rows, corrupt, read_small_array
 
 BLOCK = 4 << 20
 """Bytes of a catalog or index read at a time."""
@@ -216,11 +217,6 @@ class Stream:
         self._catalog()
         self._records()
 
-    def bad(self, msg: str, rel: str = "") -> CorruptSpillError:
-        """The error naming this segment (or its object ``rel``)."""
-        path = self.storage.describe(f"{self.seg.rel}/{rel}" if rel else self.seg.rel)
-        return CorruptSpillError(f"{path}: {msg}", path=path, rank=self.seg.rank)
-
     def _catalog(self) -> None:
         rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"
         limit = FS.catalog_max_bytes(self.commit.n_files, self.commit.n_rows)
@@ -309,10 +305,11 @@ class Stream:
         width = FS.INDEX_COLUMNS * 8
         rel = f"{self.seg.rel}/{FS.INDEX_NAME}"
         key, n = _object(self.storage, rel, [c.n_rows, FS.INDEX_COLUMNS], c.n_rows * width, c.n_rows * width)
+        bad = functools.partial(corrupt, self.storage, self.seg)
         for block in _blocks(self.storage, key, n, max(1, step) * width, c.index_crc32c):
             idx = block.view("<i8").reshape(-1, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
             try:
-                check_rows(self.bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
+                check_rows(bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
             except CorruptSpillError:
                 raise Whole from None
             yield idx
