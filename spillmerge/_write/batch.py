@@ -50,7 +50,7 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
             f"write_batch: filenames must be a sequence of str (one per item), got {type(filenames).__name__}"
         )
     names = list(filenames)
-    ok = set(map(type, names)) <= {str}  # exactly str, in C (a generator cost ~0.2 us a name)
+    ok = set(map(type, names)) <= {str}  # exactly str, in C
     try:  # every name valid Unicode and short enough, checked in one pass; the loop below names a bad one
         if ok:
             # no name is longer than all of them together (the common case: one comparison)
@@ -188,11 +188,10 @@ CUDA_BATCH_BYTES = 16 << 20
 def cuda_to_host(batch: Any) -> Any:
     """``batch`` with its CUDA tensors replaced by host copies, made with one device-to-host copy
     per tensor and one wait, when its first tensor is on CUDA and all of them hold at most
-    :data:`CUDA_BATCH_BYTES`; else ``batch`` itself. Item by item, a batch of small rows cost one
-    copy call per leaf of every item: on an H100 a ``write_batch(256)`` of two small leaves took
-    115 us a key that way and 2 us this way (``benchmarks/bench_gpu.py``, table 4). The copy of a
-    whole leaf costs what ``.cpu()`` costs and waits like it. Mappings become dicts and tuples lists, as ``split_batch`` treats them
-    alike above the items; an item keeps its dicts, lists and tuples. Dataclasses, other
+    :data:`CUDA_BATCH_BYTES`; else ``batch`` itself (item by item, a batch of small rows costs one
+    copy call per leaf of every item). The copy of a whole leaf costs what ``.cpu()`` costs and
+    waits like it. Mappings become dicts and tuples lists, as ``split_batch`` treats them alike
+    above the items; an item keeps its dicts, lists and tuples. Dataclasses, other
     containers inside an item, and tensors it cannot copy plainly (sparse, quantized, nested)
     leave the batch as it is, for the item-by-item path to store or name."""
     first = _first_tensor(batch, 0)
@@ -291,7 +290,7 @@ def flat_rows(batch: dict[Any, Any], n: int) -> tuple[tuple[Any, ...], list[np.n
     numeric arrays, C-contiguous, each item holding something; None for any other batch (the
     general way handles and names it). ``Tensor.numpy()`` refuses what needs care (autograd,
     conj / neg bits, other devices, layouts and dtypes numpy lacks), as ``as_rows`` relies on;
-    one numpy view per leaf is all the batch costs here (torch attributes cost ~1 us each)."""
+    one numpy view per leaf is all the batch costs here."""
     sig: list[Any] = []
     rows: list[np.ndarray] = []
     for k, v in batch.items():
