@@ -1,21 +1,15 @@
 """A committed segment's catalog and index read a block of bytes at a time (:class:`Stream`), so
 what a merge holds of one segment does not grow with its size.
 
-The catalog's filenames go, block by block, to two files of the caller's work folder (UTF-8
-bytes back to back, int64 offsets), mapped back as an Arrow binary array: no Python string per
-name. Only the catalog the writer writes is read this way (``{"filenames": ["...", ...],
-"layouts": ...}``, names that need no JSON escape); every name is checked on the way (no control
-character, valid UTF-8, not too long). The index comes in blocks of whole rows, each checked
-against the catalog and the data size (``_spill.root.check_rows``) before it is used; the
-CRC-32C of both objects is updated as the blocks pass and compared with the chunk's and the
-commit record's at the end. The checks that need a whole segment — no frame lists a leaf twice,
-the catalog's names are distinct — are the merge plan's: its sort puts equal keys side by side
-(``_merge.plansql``).
-
-Anything else — a catalog written another way, a name with an escape, any check that fails —
-makes the segment be read whole by ``_spill.root.load_segment`` (:class:`Whole`), which raises
-the error a damaged segment has always had (or reads it, when nothing is wrong: then only an
-index already partly used is refused, as changed while it was read)."""
+The filenames go to two files of the caller's work folder (UTF-8 bytes back to back, int64
+offsets), mapped back as an Arrow binary array, each checked on the way (no control character,
+valid UTF-8, not too long); each index block is checked (``_spill.root.check_rows``) before it
+is used; both objects' CRC-32C are compared with the chunk's and the commit record's at the end.
+The checks that need a whole segment (no frame lists a leaf twice, distinct names) are the merge
+plan's (``_merge.plansql``). Anything else (a catalog not in the writer's form, a failed check)
+raises :class:`Whole`: the segment is then read whole by ``_spill.root.load_segment``, which
+raises a damaged segment's error.
+"""
 
 from __future__ import annotations
 
