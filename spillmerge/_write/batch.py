@@ -139,13 +139,9 @@ def _length_error(path: tuple[str, ...], got: int, names: list[str]) -> SpillVal
     )
 
 
-def split_batch(batch: Any, names: list[str]) -> list[Any]:
-    """Item ``i`` of ``batch`` for every ``i`` (see the module docstring); raises
+def split_batch(value: Any, names: list[str], path: tuple[str, ...] = (), depth: int = 0) -> list[Any]:
+    """Item ``i`` of ``value`` (the batch, or its leaf at ``path``) for every ``i``; raises
     ``SpillValueError`` naming the leaf when a leaf is not batched or has the wrong length."""
-    return _split(batch, (), names, 0)
-
-
-def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> list[Any]:
     n = len(names)
     if depth > 32:
         raise SpillValueError(f"write_batch: the batch is nested deeper than 32 at {_name(path)!r}", leaf=_name(path))
@@ -164,10 +160,10 @@ def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> l
         for k in keys:
             if not isinstance(k, str):
                 raise SpillValueError(f"write_batch: dict keys must be str, got {k!r:.80} at {_name(path)!r}")
-        columns = [_split(value[k], (*path, k), names, depth + 1) for k in keys]
+        columns = [split_batch(value[k], names, (*path, k), depth + 1) for k in keys]
         return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)] if keys else [{}] * n
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _split({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, path, names, depth)
+        return split_batch({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, names, path, depth)
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise _length_error(path, len(value), names)
