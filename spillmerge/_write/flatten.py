@@ -1,15 +1,11 @@
 """Turn user values into leaves (dtype, shape, bytes) without pickle; validate keys.
 
-A value is built from tensors, numpy arrays, Python scalars, ``str``, ``bytes``, ``None``, lists,
-tuples and mappings (dict, TensorDict) or dataclasses (tensorclass) with str keys, nested to any
-depth; each becomes leaves at leaf paths (format version 3's value model, docs/FORMAT.md section
-1, *Value model*): a mapping's keys are path segments; a Python scalar keeps its type in its dtype
-(``pyint`` ...); a list of one Python number type, or of ``str``, is one leaf; a list of dicts
-with the same keys is the dict of its columns under a ``pyrecords`` header; any other list or
-tuple is a ``pylist`` / ``pytuple`` header leaf (its length) plus one path per item. Header and
-item segments start with ``MARK``, which no user key does once escaped (``user_key``). Anything
-else is pickled only when the writer opted in (``allow_pickle``), at any depth. The bytes each
-kind puts in ``data`` are docs/FORMAT.md section 1, *catalog*.
+The value model is docs/FORMAT.md section 1, *Value model*: a mapping's keys are path segments; a
+Python scalar keeps its type in its dtype (``pyint`` ...); a list of one Python number type or of
+``str`` is one leaf, a list of same-keyed dicts the dict of its columns (``pyrecords``), any other
+list or tuple a ``pylist`` / ``pytuple`` header leaf plus one path per item. Header and item
+segments start with ``MARK``, which no escaped user key does (``user_key``). Anything else is
+pickled only when the writer opted in (``allow_pickle``), at any depth.
 """
 
 from __future__ import annotations
