@@ -161,7 +161,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "catalog-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(raw_cat) != commit.catalog_crc32c:",
+        "    if cat_crc != commit.catalog_crc32c:",
         "    if False:",
         (f"{G}::test_a_catalog_that_does_not_match_the_commit_record_is_refused",),
         "the catalog merged is the one the rank committed",
@@ -194,7 +194,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "index-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(raw_idx) != commit.index_crc32c:",
+        "    if idx_crc != commit.index_crc32c:",
         "    if False:",
         (f"{G}::test_an_index_that_does_not_match_the_commit_record_is_refused",),
         "the index merged is the one the rank committed",
@@ -670,7 +670,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-checksums-match-the-commit-record",
         "spillmerge/_spill/root.py",
-        "        if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:",
+        "        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:",
         "        if len(raw_chk) != want:",
         (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
         "data damaged together with its block checksum is caught by the commit record's checksum of the checks",
@@ -686,8 +686,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-crc-object-store",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(buf) != value:\n        raise block_mismatch(storage, seg, crc)",
-        "    if False:\n        raise block_mismatch(storage, seg, crc)",
+        "    if _crc.value(buf) != value:\n        where = storage",
+        "    if False:\n        where = storage",
         (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
         "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",
     ),
@@ -882,8 +882,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g37-writer-remove-spill-output-holds-it",
         "spillmerge/_write/lifecycle.py",
-        "            self._check_round_complete(out, out_options)",
-        "            pass",
+        "            if not complete_for(output, self.run_id, self._session_number):",
+        "            if False:",
         ("tests/spill/test_remove_spill.py::test_writer_remove_spill_everything_takes_only_what_the_output_holds",),
         "SpillWriter.remove_spill keeps its segment unless the output is complete with its round (a later session)",
     ),
@@ -1584,24 +1584,15 @@ MUTATIONS: list[Mutation] = [
         "a segment read a block at a time: a catalog name without rows equal to another is found",
     ),
     Mutation(
-        "stream-index-crc",
+        "stream-commit-crc",
         "spillmerge/_spill/stream.py",
-        "        if crc != c.index_crc32c:\n            raise Whole",
-        "        if False:\n            raise Whole",
+        ' != crc or crc != want:',
+        " != crc:",
         (
             "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[index-checksum]",
-        ),
-        "an index read a block at a time is checked against the commit record's CRC-32C after the last block",
-    ),
-    Mutation(
-        "stream-catalog-crc",
-        "spillmerge/_spill/stream.py",
-        "        if not names.done or crc != self.commit.catalog_crc32c:",
-        "        if not names.done:",
-        (
             "tests/merge/test_plan_stream.py::test_a_damaged_segment_read_a_block_at_a_time_raises_what_a_whole_read_does[catalog-checksum]",
         ),
-        "a catalog read a block at a time is checked against the commit record's CRC-32C",
+        "a catalog and an index read a block at a time are checked against the commit record's CRC-32C after the last block",
     ),
     Mutation(
         "stream-damaged-between-passes",

@@ -85,13 +85,11 @@ def assess(
         )
     for rank in range(world_size):
         segs = segments.get(rank, [])
+        committed.extend(s for s in segs if s.commit is not None)  # with a run id: earlier runs' too
         if run_id is not None:
             mine = [s for s in segs if s.run_id == run_id]
-            done = [s for s in mine if s.commit is not None]
-            if done:
-                committed.extend(s for s in segs if s.commit is not None)
+            if any(s.commit is not None for s in mine):
                 continue
-            committed.extend(s for s in segs if s.commit is not None)  # earlier runs' commits
             if any(s.failure is not None for s in mine):
                 failed[rank] = next(s.failure for s in reversed(mine) if s.failure is not None)  # type: ignore[misc]
             else:
@@ -112,7 +110,6 @@ def assess(
             else:
                 missing.append(rank)
                 incomplete[rank] = storage.describe(newest.rel)
-        committed.extend(s for s in segs if s.commit is not None)
         last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
         abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
     return SpillState(world_size, committed, failed, missing, incomplete, abandoned, partial)

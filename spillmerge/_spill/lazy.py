@@ -14,7 +14,7 @@ import numpy as np
 from .._errors import CorruptSpillError
 from .._format import spill as FS
 from .._storage import Storage
-from .root import LoadedSegment, Segment, load_segment
+from .root import LoadedSegment, Segment, corrupt, load_segment
 from .stream import Stream, Whole
 
 KEEP_BYTES = 64 << 20
@@ -52,15 +52,16 @@ class LazySegment:
         self._kept = kept
         self._held = False
         """Kept loaded within the merge's budget: never let go."""
-        self._stream: Stream | None = None
+        self.stream: Stream | None = None
+        """The block-at-a-time reader :meth:`open_stream` gave, if any."""
 
     def open_stream(self, folder: str, si: int) -> Stream | None:
         """Read this segment a block at a time from now on (its filenames to files of
         ``folder``), when its index is larger than :data:`STREAM_BYTES` and it has not been read
         whole; None when it is read whole (small, or not readable so: then it is read here, and
         a damaged segment raises its error)."""
-        if self._stream is not None:
-            return self._stream
+        if self.stream is not None:
+            return self.stream
         if self._whole is not None or self.n_rows * FS.INDEX_COLUMNS * 8 <= STREAM_BYTES:
             return None
         try:
@@ -68,14 +69,14 @@ class LazySegment:
         except Whole:
             self._load()
             return None
-        self._stream = st
+        self.stream = st
         self._small = (st.layouts, st.checks)
         return st
 
     def rows(self, step: int) -> Iterator[np.ndarray]:
         """The index, at most ``step`` rows at a time: read a block at a time (and checked
         again) once :meth:`open_stream` gave a stream, else slices of the whole index."""
-        st = self._stream
+        st = self.stream
         if st is None:
             idx = self.index
             for a in range(0, len(idx), step):
@@ -89,13 +90,7 @@ class LazySegment:
 
     def corrupt(self, msg: str, rel: str = "") -> CorruptSpillError:
         """The error naming this segment's object ``rel`` (a check the plan's sort makes)."""
-        path = self._storage.describe(f"{self.seg.rel}/{rel}" if rel else self.seg.rel)
-        return CorruptSpillError(f"{path}: {msg}", path=path, rank=self.seg.rank)
-
-    @property
-    def stream(self) -> Stream | None:
-        """The block-at-a-time reader :meth:`open_stream` gave, if any."""
-        return self._stream
+        return corrupt(self._storage, self.seg, msg, rel)
 
     def _load(self) -> LoadedSegment:
         whole = self._whole

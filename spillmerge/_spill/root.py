@@ -3,6 +3,7 @@ because a spill root is untrusted input. The barrier on its commit records is ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +42,6 @@ class Segment:
             return self.failure.run_id
         rid = (self.header or {}).get("run_id")
         return rid if isinstance(rid, str) else None
-
-    @property
-    def format_version(self) -> int | None:
-        """The segment header's ``format_version`` (None when the header is unreadable)."""
-        v = (self.header or {}).get("format_version")
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
 
     @property
     def world_size(self) -> int | None:
@@ -129,20 +124,21 @@ def scan(storage: Storage) -> dict[int, list[Segment]]:
     return {r: list_segments(storage, r) for r in list_ranks(storage)}
 
 
+def corrupt(storage: Storage, seg: Segment, msg: str, rel: str = "") -> CorruptSpillError:
+    """The error naming segment ``seg`` (or its object ``rel``)."""
+    path = storage.describe(f"{seg.rel}/{rel}" if rel else seg.rel)
+    return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
+
+
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     """Read and validate a committed segment's catalog and index against its commit record."""
     commit = seg.commit
     assert commit is not None
-    where = storage.describe(seg.rel)
-
-    def bad(msg: str, rel: str = "") -> CorruptSpillError:
-        path = storage.describe(f"{seg.rel}/{rel}") if rel else where
-        return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
-
+    bad = functools.partial(corrupt, storage, seg)
     cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
     limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
-    raw_cat = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
-    if _crc.value(raw_cat) != commit.catalog_crc32c:
+    raw_cat, cat_crc = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
+    if cat_crc != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
     cat = F.loads(bytes(raw_cat), path=storage.describe(cat_rel))
     if (
@@ -166,12 +162,12 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
-    raw_idx = read_small_array(
+    raw_idx, idx_crc = read_small_array(
         storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
     )
     if len(raw_idx) != expect:
         raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
-    if _crc.value(raw_idx) != commit.index_crc32c:
+    if idx_crc != commit.index_crc32c:
         raise bad("index checksum does not match the commit record", FS.INDEX_NAME)
     # A read-only view of the bytes read, not a copy: at millions of rows the index is the largest
     # thing a merge loads (a segment at a time, docs/SCALE.md).
@@ -181,10 +177,10 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     if commit.n_checks:
         chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
         want = commit.n_checks * FS.CHECK_COLUMNS * 8
-        raw_chk = read_small_array(
+        raw_chk, chk_crc = read_small_array(
             storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
         )
-        if len(raw_chk) != want or _crc.value(raw_chk) != commit.checks_crc32c:
+        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:
             raise bad("checks do not match the commit record", FS.CHECKS_NAME)
         checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
@@ -293,10 +289,10 @@ def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
 
 def read_small_array(
     storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
-) -> memoryview:
+) -> tuple[memoryview, int]:
     """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
     hostile ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
-    ``max_bytes`` bytes plus the 4 CRC bytes."""
+    ``max_bytes`` bytes plus the 4 CRC bytes. Returns the bytes and their CRC-32C."""
     path = storage.describe(rel)
     try:
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=f"{path}/zarr.json")
@@ -312,7 +308,7 @@ def read_small_array(
             f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank
         )
     if any(d == 0 for d in shape):
-        return memoryview(b"")
+        return memoryview(b""), 0
     key = f"{rel}/c/" + "/".join("0" * len(shape))
     try:
         blob = storage.get(key, max_bytes=max_bytes + 4)
@@ -329,7 +325,7 @@ def read_small_array(
             path=storage.describe(key),
             rank=rank,
         )
-    return raw
+    return raw, stored
 
 
 def flushed_chunks(storage: Storage, seg: Segment) -> int:
@@ -444,18 +440,6 @@ def check_of(seg: LoadedSegment, crc: int) -> tuple[int, int, int]:
     return off, nb, value
 
 
-def block_mismatch(storage: Storage, seg: LoadedSegment, crc: int) -> CorruptSpillError:
-    """The error for a block whose bytes fail their block checksum."""
-    off, nb, _ = check_of(seg, crc)
-    where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
-    return CorruptSpillError(
-        f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
-        f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-        path=where,
-        rank=seg.seg.rank,
-    )
-
-
 def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     """Read the block an index row's negative ``crc`` points at and check its CRC-32C (a block
     lies in one data chunk: at most ``chunk_bytes`` read)."""
@@ -463,7 +447,13 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
     if _crc.value(buf) != value:
-        raise block_mismatch(storage, seg, crc)
+        where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
+        raise CorruptSpillError(
+            f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
+            f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
+            path=where,
+            rank=seg.seg.rank,
+        )
 
 
 def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:

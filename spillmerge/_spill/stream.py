@@ -1,24 +1,19 @@
 """A committed segment's catalog and index read a block of bytes at a time (:class:`Stream`), so
 what a merge holds of one segment does not grow with its size.
 
-The catalog's filenames go, block by block, to two files of the caller's work folder (UTF-8
-bytes back to back, int64 offsets), mapped back as an Arrow binary array: no Python string per
-name. Only the catalog the writer writes is read this way (``{"filenames": ["...", ...],
-"layouts": ...}``, names that need no JSON escape); every name is checked on the way (no control
-character, valid UTF-8, not too long). The index comes in blocks of whole rows, each checked
-against the catalog and the data size (``_spill.root.check_rows``) before it is used; the
-CRC-32C of both objects is updated as the blocks pass and compared with the chunk's and the
-commit record's at the end. The checks that need a whole segment — no frame lists a leaf twice,
-the catalog's names are distinct — are the merge plan's: its sort puts equal keys side by side
-(``_merge.plansql``).
-
-Anything else — a catalog written another way, a name with an escape, any check that fails —
-makes the segment be read whole by ``_spill.root.load_segment`` (:class:`Whole`), which raises
-the error a damaged segment has always had (or reads it, when nothing is wrong: then only an
-index already partly used is refused, as changed while it was read)."""
+The filenames go to two files of the caller's work folder (UTF-8 bytes back to back, int64
+offsets), mapped back as an Arrow binary array, each checked on the way (no control character,
+valid UTF-8, not too long); each index block is checked (``_spill.root.check_rows``) before it
+is used; both objects' CRC-32C are compared with the chunk's and the commit record's at the end.
+The checks that need a whole segment (no frame lists a leaf twice, distinct names) are the merge
+plan's (``_merge.plansql``). Anything else (a catalog not in the writer's form, a failed check)
+raises :class:`Whole`: the segment is then read whole by ``_spill.root.load_segment``, which
+raises a damaged segment's error.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +25,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from .root import Segment, check_rows, read_small_array
+from .root import Segment, check_rows, corrupt, read_small_array
 
 BLOCK = 4 << 20
 """Bytes of a catalog or index read at a time."""
@@ -68,10 +63,9 @@ def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | N
     return key, n
 
 
-def _blocks(storage: Storage, key: str, n: int, step: int) -> Iterator[np.ndarray]:
-    """Bytes ``[0, n)`` of ``key``, ``step`` at a time; then the chunk's CRC-32C trailer is
-    compared with theirs (:class:`Whole` when it differs). The CRC of all of them is
-    ``_crc.value`` of their concatenation: the caller compares it with the commit record's."""
+def _blocks(storage: Storage, key: str, n: int, step: int, want: int) -> Iterator[np.ndarray]:
+    """Bytes ``[0, n)`` of ``key``, ``step`` at a time; then their CRC-32C is compared with the
+    chunk's trailer and with ``want``, the commit record's (:class:`Whole` when either differs)."""
     buf = np.empty(min(step, n) + 4, dtype=np.uint8)
     crc = 0
     for a in range(0, n, step):
@@ -87,7 +81,7 @@ def _blocks(storage: Storage, key: str, n: int, step: int) -> Iterator[np.ndarra
         storage.read_into([(key, n, n + 4)], tail.data)
     except (OSError, SpillMergeError):
         raise Whole from None
-    if int.from_bytes(tail.tobytes(), "little") != crc:
+    if int.from_bytes(tail.tobytes(), "little") != crc or crc != want:
         raise Whole
 
 
@@ -217,23 +211,16 @@ class Stream:
         self._catalog()
         self._records()
 
-    def bad(self, msg: str, rel: str = "") -> CorruptSpillError:
-        """The error naming this segment (or its object ``rel``)."""
-        path = self.storage.describe(f"{self.seg.rel}/{rel}" if rel else self.seg.rel)
-        return CorruptSpillError(f"{path}: {msg}", path=path, rank=self.seg.rank)
-
     def _catalog(self) -> None:
         rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"
         limit = FS.catalog_max_bytes(self.commit.n_files, self.commit.n_rows)
         key, n = _object(self.storage, rel, None, None, limit)
-        crc = 0
         head = b""
         rest = bytearray()
         with open(f"{self.stem}.u8", "wb") as data, open(f"{self.stem}.i8", "wb") as offsets:
             names = _Names(data, offsets)
             left = np.zeros(0, dtype=np.uint8)
-            for block in _blocks(self.storage, key, n, BLOCK):
-                crc = _crc.extend(crc, block)
+            for block in _blocks(self.storage, key, n, BLOCK, self.commit.catalog_crc32c):
                 if len(head) < len(_PREFIX):  # the writer's catalog starts so
                     take = len(_PREFIX) - len(head)
                     head += block[:take].tobytes()
@@ -252,7 +239,7 @@ class Stream:
                     left = buf[used:].copy()
                     if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
                         raise Whole
-        if not names.done or crc != self.commit.catalog_crc32c:
+        if not names.done:
             raise Whole
         try:
             obj = F.loads(b'{"filenames": []' + bytes(rest), path=self.storage.describe(rel))
@@ -272,13 +259,13 @@ class Stream:
         if c.n_checks:
             want = c.n_checks * FS.CHECK_COLUMNS * 8
             try:
-                raw = read_small_array(
+                raw, crc = read_small_array(
                     self.storage, f"{self.seg.rel}/{FS.CHECKS_NAME}", self.seg.rank, max_bytes=want,
                     expect_shape=[c.n_checks, FS.CHECK_COLUMNS],
                 )  # fmt: skip
             except CorruptSpillError:
                 raise Whole from None
-            if len(raw) != want or _crc.value(raw) != c.checks_crc32c:
+            if len(raw) != want or crc != c.checks_crc32c:
                 raise Whole
             self.checks = np.frombuffer(raw, dtype="<i8").reshape(c.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
         if c.n_chunks * c.chunk_bytes < c.nbytes:
@@ -312,17 +299,14 @@ class Stream:
         width = FS.INDEX_COLUMNS * 8
         rel = f"{self.seg.rel}/{FS.INDEX_NAME}"
         key, n = _object(self.storage, rel, [c.n_rows, FS.INDEX_COLUMNS], c.n_rows * width, c.n_rows * width)
-        crc = 0
-        for block in _blocks(self.storage, key, n, max(1, step) * width):
-            crc = _crc.extend(crc, block)
+        bad = functools.partial(corrupt, self.storage, self.seg)
+        for block in _blocks(self.storage, key, n, max(1, step) * width, c.index_crc32c):
             idx = block.view("<i8").reshape(-1, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
             try:
-                check_rows(self.bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
+                check_rows(bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
             except CorruptSpillError:
                 raise Whole from None
             yield idx
-        if crc != c.index_crc32c:
-            raise Whole
 
     def remove(self) -> None:
         """Remove the filenames' files (maps of them stay readable)."""

@@ -1,15 +1,6 @@
-"""A batched output split into the per-item values ``SpillWriter.write`` would be given.
-
-What ``SpillWriter.write_batch(filenames, batch, frame_idx)`` accepts, and what item ``i`` is:
-
-- a tensor or numpy array whose first dimension is the batch: ``batch[i]``;
-- a list or tuple with one value per item (per-image dicts as torchvision detection returns,
-  strings, ragged tensors ...): ``batch[i]``;
-- a mapping (dict, nested TensorDict) or dataclass (tensorclass) of those, to any depth: the
-  dict of each leaf's item ``i``.
-
-Item ``i`` is stored exactly as ``write(filenames[i], frame_idx[i], item_i)`` would store it. The
-keys and the split are checked here, for the whole batch, before the writer stages any byte.
+"""A batched output split into the per-item values ``SpillWriter.write`` would be given (what
+``write_batch`` accepts: its docstring); the keys and the split checked for the whole batch
+before the writer stages any byte.
 
 Protocol (the writer, once per batch): :func:`batch_keys` → :func:`split_batch` (or
 :func:`dense_columns` for the vectorised path) → validate every item → stage every item.
@@ -59,7 +50,7 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
             f"write_batch: filenames must be a sequence of str (one per item), got {type(filenames).__name__}"
         )
     names = list(filenames)
-    ok = set(map(type, names)) <= {str}  # exactly str, in C (a generator cost ~0.2 us a name)
+    ok = set(map(type, names)) <= {str}  # exactly str, in C
     try:  # every name valid Unicode and short enough, checked in one pass; the loop below names a bad one
         if ok:
             # no name is longer than all of them together (the common case: one comparison)
@@ -148,13 +139,9 @@ def _length_error(path: tuple[str, ...], got: int, names: list[str]) -> SpillVal
     )
 
 
-def split_batch(batch: Any, names: list[str]) -> list[Any]:
-    """Item ``i`` of ``batch`` for every ``i`` (see the module docstring); raises
+def split_batch(value: Any, names: list[str], path: tuple[str, ...] = (), depth: int = 0) -> list[Any]:
+    """Item ``i`` of ``value`` (the batch, or its leaf at ``path``) for every ``i``; raises
     ``SpillValueError`` naming the leaf when a leaf is not batched or has the wrong length."""
-    return _split(batch, (), names, 0)
-
-
-def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> list[Any]:
     n = len(names)
     if depth > 32:
         raise SpillValueError(f"write_batch: the batch is nested deeper than 32 at {_name(path)!r}", leaf=_name(path))
@@ -173,10 +160,10 @@ def _split(value: Any, path: tuple[str, ...], names: list[str], depth: int) -> l
         for k in keys:
             if not isinstance(k, str):
                 raise SpillValueError(f"write_batch: dict keys must be str, got {k!r:.80} at {_name(path)!r}")
-        columns = [_split(value[k], (*path, k), names, depth + 1) for k in keys]
+        columns = [split_batch(value[k], names, (*path, k), depth + 1) for k in keys]
         return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)] if keys else [{}] * n
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _split({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, path, names, depth)
+        return split_batch({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, names, path, depth)
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise _length_error(path, len(value), names)
@@ -197,11 +184,10 @@ CUDA_BATCH_BYTES = 16 << 20
 def cuda_to_host(batch: Any) -> Any:
     """``batch`` with its CUDA tensors replaced by host copies, made with one device-to-host copy
     per tensor and one wait, when its first tensor is on CUDA and all of them hold at most
-    :data:`CUDA_BATCH_BYTES`; else ``batch`` itself. Item by item, a batch of small rows cost one
-    copy call per leaf of every item: on an H100 a ``write_batch(256)`` of two small leaves took
-    115 us a key that way and 2 us this way (``benchmarks/bench_gpu.py``, table 4). The copy of a
-    whole leaf costs what ``.cpu()`` costs and waits like it. Mappings become dicts and tuples lists, as ``split_batch`` treats them
-    alike above the items; an item keeps its dicts, lists and tuples. Dataclasses, other
+    :data:`CUDA_BATCH_BYTES`; else ``batch`` itself (item by item, a batch of small rows costs one
+    copy call per leaf of every item). The copy of a whole leaf costs what ``.cpu()`` costs and
+    waits like it. Mappings become dicts and tuples lists, as ``split_batch`` treats them alike
+    above the items; an item keeps its dicts, lists and tuples. Dataclasses, other
     containers inside an item, and tensors it cannot copy plainly (sparse, quantized, nested)
     leave the batch as it is, for the item-by-item path to store or name."""
     first = _first_tensor(batch, 0)
@@ -300,7 +286,7 @@ def flat_rows(batch: dict[Any, Any], n: int) -> tuple[tuple[Any, ...], list[np.n
     numeric arrays, C-contiguous, each item holding something; None for any other batch (the
     general way handles and names it). ``Tensor.numpy()`` refuses what needs care (autograd,
     conj / neg bits, other devices, layouts and dtypes numpy lacks), as ``as_rows`` relies on;
-    one numpy view per leaf is all the batch costs here (torch attributes cost ~1 us each)."""
+    one numpy view per leaf is all the batch costs here."""
     sig: list[Any] = []
     rows: list[np.ndarray] = []
     for k, v in batch.items():

@@ -1,9 +1,6 @@
 """``write_batch`` of dense batches (tensors / arrays with a batch dimension, or flat dicts of
-them): item 0 flattened and checked for all, the layout rule once per file schema, bytes, index
-rows and journal entries staged a block at a time (``Staging.add_frames``), exactly as item by
-item writes would stage them. ``SpillWriter`` takes these steps from :class:`DenseSteps`; the
-general, item-by-item way is ``_write.writer``'s.
-"""
+them): item 0 flattened and checked for all, then staged a block at a time (``Staging.add_frames``),
+exactly as item by item writes would stage them."""
 
 from __future__ import annotations
 
@@ -92,7 +89,7 @@ class DenseSteps:
             moves[0] = template.fresh_move
         elif fresh:
             try:
-                moves[0] = self._schema.check(names[0], frames[0], base, layouts, 0)
+                moves[0] = self._schema.check(base, layouts, 0)
             except SpillValueError as exc:
                 raise at_position(exc, 0, n, names[0]) from None
         for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)) if not fresh else ():
@@ -102,7 +99,7 @@ class DenseSteps:
             move = moves.get(cur)
             if move is None:
                 try:
-                    move = moves[cur] = self._schema.check(name, frames[i], fid, layouts, cur)
+                    move = moves[cur] = self._schema.check(fid, layouts, cur)
                 except SpillValueError as exc:
                     raise at_position(exc, i, n, name) from None
             schemas[fid] = move[0]
@@ -163,7 +160,6 @@ class DenseSteps:
         if cols is None:
             return False
         kept = cols.kept
-        first = kept[0]
         leaves = first_leaves(cols, items, names, frames, self.allow_pickle)
         if leaves is None:
             return False  # the item-by-item way says what is wrong, naming the item
@@ -173,11 +169,11 @@ class DenseSteps:
             try:
                 item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
                 item_layouts = self._schema.layouts_of(item_leaves)
-                self._schema.check(names[i], frames[i], base, item_layouts, 0)
+                self._schema.check(base, item_layouts, 0)
             except SpillValueError as exc:
                 raise at_position(exc, i, n, names[i]) from None
             others.append((names[i], frames[i], item_leaves, item_layouts))
-        schema, first_ids = self._schema.check(names[first], frames[first], base, layouts, 0)
+        schema, first_ids = self._schema.check(base, layouts, 0)
         self._flush_row_log()
         self._schema.accept_new_files(len(kept), schema, layouts, first_ids)
         layout_ids = np.empty_like(cols.lengths)

@@ -1,15 +1,11 @@
 """Turn user values into leaves (dtype, shape, bytes) without pickle; validate keys.
 
-A value is built from tensors, numpy arrays, Python scalars, ``str``, ``bytes``, ``None``, lists,
-tuples and mappings (dict, TensorDict) or dataclasses (tensorclass) with str keys, nested to any
-depth; each becomes leaves at leaf paths (format version 3's value model, docs/FORMAT.md section
-1, *Value model*): a mapping's keys are path segments; a Python scalar keeps its type in its dtype
-(``pyint`` ...); a list of one Python number type, or of ``str``, is one leaf; a list of dicts
-with the same keys is the dict of its columns under a ``pyrecords`` header; any other list or
-tuple is a ``pylist`` / ``pytuple`` header leaf (its length) plus one path per item. Header and
-item segments start with ``MARK``, which no user key does once escaped (``user_key``). Anything
-else is pickled only when the writer opted in (``allow_pickle``), at any depth. The bytes each
-kind puts in ``data`` are docs/FORMAT.md section 1, *catalog*.
+The value model is docs/FORMAT.md section 1, *Value model*: a mapping's keys are path segments; a
+Python scalar keeps its type in its dtype (``pyint`` ...); a list of one Python number type or of
+``str`` is one leaf, a list of same-keyed dicts the dict of its columns (``pyrecords``), any other
+list or tuple a ``pylist`` / ``pytuple`` header leaf plus one path per item. Header and item
+segments start with ``MARK``, which no escaped user key does (``user_key``). Anything else is
+pickled only when the writer opted in (``allow_pickle``), at any depth.
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ from .._format.common import (
     MARK,
     MAX_NDIM,
     is_marker,
+    path_text,
     shape_problem,
     user_key,
 )
@@ -38,7 +35,6 @@ from .leaves import (
     MAX_DEPTH,
     Leaf,
     check_leaf_limits,
-    leaf_name,
     plain_leaf,
     records,
 )
@@ -78,11 +74,11 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
             return _pickled(arr, path, filename)
         hint = "; for text pass a list of str (arr.tolist())" if arr.dtype.kind in "USO" else ""
         raise SpillValueError(
-            f"leaf {leaf_name(path)!r} of {filename!r:.200}: numpy dtype {arr.dtype} cannot be stored "
+            f"leaf {path_text(path)!r} of {filename!r:.200}: numpy dtype {arr.dtype} cannot be stored "
             f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
             "allow_pickle=True)",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         )
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -92,7 +88,7 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
 
 
 def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
-    lname = leaf_name(path)
+    lname = path_text(path)
     if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
         raise SpillValueError(
             f"leaf {lname!r} of {filename!r:.200}: only dense (strided) tensors can be stored, "
@@ -149,7 +145,7 @@ def _dense_leaf(value: object, path: tuple[str, ...]) -> Leaf | None:
     numpy lacks, sparse or quantized layouts), so the checks of ``_from_tensor`` are not
     repeated here."""
     if type(value) is torch.Tensor:
-        if value.is_cuda:  # the walk stages it; numpy() would raise, ~15 us a leaf
+        if value.is_cuda:  # the walk stages it; numpy() would raise
             return None
         try:
             arr = value.numpy()
@@ -212,9 +208,9 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
         check_leaf_limits(leaf, filename)
         if len(leaf.shape) > MAX_NDIM:
             raise SpillValueError(
-                f"leaf {leaf_name(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
+                f"leaf {path_text(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
                 filename=filename,
-                leaf=leaf_name(leaf.path),
+                leaf=path_text(leaf.path),
             )
     if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
         where = orders.positions()
@@ -239,9 +235,9 @@ def _walk(
 ) -> None:
     if depth > MAX_DEPTH:
         raise SpillValueError(
-            f"value for {filename!r:.200} is nested deeper than {MAX_DEPTH} at {leaf_name(path)!r}",
+            f"value for {filename!r:.200} is nested deeper than {MAX_DEPTH} at {path_text(path)!r}",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         )
     # Plain Python values by their exact type first (one dict lookup, not a chain of isinstance
     # calls: a value of tiny objects is mostly these); subclasses take the general chain below.
@@ -290,9 +286,9 @@ def _walk(
                 out.append(_pickled(value, path, filename))
                 return
             raise SpillValueError(
-                f"leaf {leaf_name(path)!r} of {filename!r:.200}: {value} does not fit int64",
+                f"leaf {path_text(path)!r} of {filename!r:.200}: {value} does not fit int64",
                 filename=filename,
-                leaf=leaf_name(path),
+                leaf=path_text(path),
             )
         out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
@@ -305,11 +301,11 @@ def _walk(
         out.append(_pickled(value, path, filename))
     else:
         raise SpillValueError(
-            f"leaf {leaf_name(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
+            f"leaf {path_text(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
             "without pickle (use a tensor, numpy array, Python scalar, str, bytes, list of numbers or str, "
             "None, or a dict, TensorDict or dataclass of those; or open the writer with allow_pickle=True)",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         )
 
 
@@ -320,9 +316,9 @@ def _guarded(
     """``_container`` of a value not already being walked (a value that contains itself is refused)."""
     if id(value) in active:
         raise SpillValueError(
-            f"leaf {leaf_name(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
+            f"leaf {path_text(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         )
     active.add(id(value))
     try:
@@ -368,9 +364,9 @@ def _container(
         for k in keys:
             if not isinstance(k, str):
                 raise SpillValueError(
-                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {leaf_name(path)!r}",
+                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {path_text(path)!r}",
                     filename=filename,
-                    leaf=leaf_name(path),
+                    leaf=path_text(path),
                 )
         ordered = sorted(keys)
         orders.note(path, keys, ordered)
@@ -398,10 +394,10 @@ def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], i
         raw = text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise SpillValueError(
-            f"leaf {leaf_name(path)!r} of {filename!r:.200}: the str is not valid Unicode (lone surrogate "
+            f"leaf {path_text(path)!r} of {filename!r:.200}: the str is not valid Unicode (lone surrogate "
             f"at character {exc.start}); it cannot be stored as UTF-8 text (pass bytes instead)",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         ) from None
     data = np.frombuffer(raw, dtype=np.uint8)
     return (data.size,), data.size, data
@@ -419,9 +415,8 @@ class _Pickler(pickle.Pickler):
     """``pickle`` with plain CPU tensors reduced through numpy (``torch.from_numpy(array)``).
 
     torch's own reduce of a tensor saves its storage with ``torch.save`` and loads it with
-    ``torch.load`` (~100-180 us each way for a 3x3 tensor, most of what pickling
-    ``gather_object``'s test list costs); a numpy array pickles as its bytes (~15-25 us). What
-    comes back is equal in type and content: a ``torch.Tensor`` of the same dtype, shape and
+    ``torch.load``, far slower for a small tensor than a numpy array, which pickles as its bytes.
+    What comes back is equal in type and content: a ``torch.Tensor`` of the same dtype, shape and
     values (contiguous, as it went in). Anything else (subclasses, tensors with attributes, names,
     autograd, conjugate or negative views, non-contiguous strides, other devices and dtypes)
     takes torch's reduce. Storage shared between tensors is not kept, as torch's reduce under
@@ -450,10 +445,10 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
         _Pickler(buf, protocol=5).dump(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's problem
         raise SpillValueError(
-            f"leaf {leaf_name(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
+            f"leaf {path_text(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
             f"{type(exc).__name__}: {exc}",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         ) from exc
     data = np.frombuffer(buf.getvalue(), dtype=np.uint8)
     return Leaf(path, "pickle", (data.size,), data.size, data)

@@ -75,8 +75,8 @@ class Chunk:
     the rows ``tail`` collected before it. A journal entry lists whole frames only."""
     tail: array.array[int] = field(default_factory=lambda: array.array("q"))
     """The rows completed one by one (``Staging.add``, ``add_frame``) since the last block of
-    ``completed``, six int64 each: 48 bytes a row, where a tuple per row took ~200 (a chunk of
-    tiny rows holds up to a million of them)."""
+    ``completed``, six int64 each, not a tuple per row (a chunk of tiny rows holds up to a million
+    of them)."""
     file_base: int = 0
     """Catalog id of ``new_files[0]``."""
     new_files: list[str] = field(default_factory=list)

@@ -56,13 +56,12 @@ class FileSchemas:
         self._frame_infos: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._by_length: dict[tuple[Any, ...], dict[int, int]] = {}
 
-    def check(
-        self, filename: str, frame: int, file_id: int, layouts: list[FS.Layout], schema: int | None = None
-    ) -> tuple[int, tuple[int, ...]]:
+    def check(self, file_id: int, layouts: list[FS.Layout], schema: int | None = None) -> tuple[int, tuple[int, ...]]:
         """The schema of file ``file_id`` (a new file: the next id) after this frame, and the
         frame's layout ids (-1 where a layout is not in the catalog yet); changes nothing the
-        catalog shows (``accept`` does, once the frame passed the duplicate policy). ``schema``: the file's schema before this frame when it is not the accepted one (a
-        batch checks its items before accepting any)."""
+        catalog shows (``accept`` does, once the frame passed the duplicate policy). ``schema``:
+        the file's schema before this frame when it is not the accepted one (a batch checks its
+        items before accepting any)."""
         if schema is None:
             schema = self._file_schema[file_id] if file_id < len(self._file_schema) else 0
         frame_key = getattr(layouts, "key", None)
@@ -76,7 +75,7 @@ class FileSchemas:
         sigs, ids = cached
         new_schema = self._transitions.get((schema, sigs))
         if new_schema is None:
-            new_schema = self._next_schema(filename, frame, schema, sigs, layouts)
+            new_schema = self._next_schema(schema, sigs)
         return new_schema, ids
 
     def layouts_of(self, leaves: list[Any]) -> list[FS.Layout]:
@@ -185,9 +184,7 @@ class FileSchemas:
         info = self._known[lay] = (-1, sid)
         return info
 
-    def _next_schema(
-        self, filename: str, frame: int, schema: int, sigs: tuple[int, ...], layouts: list[FS.Layout]
-    ) -> int:
+    def _next_schema(self, schema: int, sigs: tuple[int, ...]) -> int:
         """The file's schema after this frame (the module docstring)."""
         state = dict(self._schemas[schema])
         for sid in sigs:

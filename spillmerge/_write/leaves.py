@@ -76,18 +76,18 @@ def check_leaf_limits(leaf: Leaf, filename: str) -> None:
     Cheap: only empty and string leaves need a look."""
     if leaf.dtype in ("str", "strlist") and leaf.nbytes > STRING_MAX_BYTES:
         raise SpillValueError(
-            f"leaf {leaf_name(leaf.path)!r} of {filename!r:.200}: a string of {leaf.nbytes} bytes, more than the "
+            f"leaf {path_text(leaf.path)!r} of {filename!r:.200}: a string of {leaf.nbytes} bytes, more than the "
             f"{STRING_MAX_BYTES} the format allows (store it as bytes)",
             filename=filename,
-            leaf=leaf_name(leaf.path),
+            leaf=path_text(leaf.path),
         )
     if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:
         bad = shape_problem(leaf.shape)
         if bad is not None:
             raise SpillValueError(
-                f"leaf {leaf_name(leaf.path)!r} of {filename!r:.200}: {bad}",
+                f"leaf {path_text(leaf.path)!r} of {filename!r:.200}: {bad}",
                 filename=filename,
-                leaf=leaf_name(leaf.path),
+                leaf=path_text(leaf.path),
             )
 
 
@@ -123,10 +123,6 @@ def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
             f"frame_idx must be in [0, 2**63), got {out} (filename {filename!r:.200})", filename=filename
         )
     return out
-
-
-def leaf_name(path: tuple[str, ...]) -> str:
-    return path_text(path)
 
 
 def plain_leaf(value: list[Any], path: tuple[str, ...], filename: str) -> Leaf | None:
@@ -242,19 +238,19 @@ def strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename:
             enc.append(s.encode("utf-8"))
         except UnicodeEncodeError as exc:
             raise SpillValueError(
-                f"leaf {leaf_name(path)!r} of {filename!r:.200}: string {i} is not valid Unicode (lone "
+                f"leaf {path_text(path)!r} of {filename!r:.200}: string {i} is not valid Unicode (lone "
                 f"surrogate at character {exc.start}); it cannot be stored as UTF-8 text",
                 filename=filename,
-                leaf=leaf_name(path),
+                leaf=path_text(path),
             ) from None
     n = len(enc)
     lens = np.fromiter(map(len, enc), dtype=np.int64, count=n)
     if n and int(lens.max()) > UINT32_MAX:
         raise SpillValueError(
-            f"leaf {leaf_name(path)!r} of {filename!r:.200}: a string of a list is 4 GiB or longer (store it "
+            f"leaf {path_text(path)!r} of {filename!r:.200}: a string of a list is 4 GiB or longer (store it "
             "as a str leaf of its own)",
             filename=filename,
-            leaf=leaf_name(path),
+            leaf=path_text(path),
         )
     body = b"".join(enc)
     data = np.empty(4 * n + len(body), dtype=np.uint8)

@@ -1,8 +1,6 @@
 """A SpillWriter's lifecycle (:class:`WriterState`) and its steps after the ``with`` block: the
-collective merge round (``merge``, and the ``session`` the round and the shard transfer see) and
-``remove_spill`` once the output holds the segment. ``SpillWriter`` takes them from
-:class:`MergeSteps`; the writing and the commit are ``_write.writer``'s.
-"""
+collective merge round (``merge``, ``session``) and ``remove_spill`` once the output holds the
+segment."""
 
 from __future__ import annotations
 
@@ -101,21 +99,17 @@ class MergeSteps:
             return
         if not self.storage.exists(f"{self._prefix}/{FS.COMMIT_NAME}"):
             return  # removed by the merging rank
-        if self.storage.describe(self._prefix) not in merged:
-            self._check_round_complete(out, out_options)
-        remove_listed(self.storage, [self._prefix], failure_record=False)
-
-    def _check_round_complete(self, out: str, out_options: dict[str, Any] | None) -> None:
-        """Raise unless ``out`` is complete with the merge of this writer's round (its completion
-        marker names this run and session: what a rank waiting with ``wait=True`` returns on)."""
         where = self.storage.describe(self._prefix)
-        output = Storage(out, out_options)
-        if not complete_for(output, self.run_id, self._session_number):
-            raise IncompleteOutputError(
-                f"{where} not removed: {output.describe()} holds no completed merge of this writer's round (run "
-                f"{self.run_id}, session {self._session_number}); call merge(..., wait=True) and let it return first",
-                path=where,
-            )
+        if where not in merged:  # then the output must be complete with this writer's round
+            output = Storage(out, out_options)
+            if not complete_for(output, self.run_id, self._session_number):
+                raise IncompleteOutputError(
+                    f"{where} not removed: {output.describe()} holds no completed merge of this writer's round "
+                    f"(run {self.run_id}, session {self._session_number}); call merge(..., wait=True) and let it "
+                    "return first",
+                    path=where,
+                )
+        remove_listed(self.storage, [self._prefix], failure_record=False)
 
     def merge(
         self,

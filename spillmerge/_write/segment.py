@@ -1,9 +1,6 @@
-"""A SpillWriter's segment from start to end (:class:`SegmentSteps`): opening it (header,
-folders, the flush thread), committing it (the index, catalog and block checksums, made durable
-before the commit record that vouches for them is written last), aborting it (the failure
-record), and the resume helpers that read what earlier sessions committed. ``SpillWriter`` takes
-them from :class:`SegmentSteps`; the writing is ``_write.writer``'s.
-"""
+"""A SpillWriter's segment opened (header, folders, the flush thread), committed (index, catalog
+and block checksums durable before the commit record, written last) or aborted (the failure
+record); the resume helpers that read what earlier sessions committed."""
 
 from __future__ import annotations
 
@@ -110,8 +107,8 @@ class SegmentSteps:
         self._n_fresh_keys = 0
         self._new_keys = array.array("q")
         """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
-        key, 32 bytes, where a dict entry and its two tuples took ~250 (a gather of a million tiny
-        values writes a million new files)."""
+        key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
+        writes a million new files)."""
         self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
         self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
         """``_write.batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
@@ -214,7 +211,7 @@ class SegmentSteps:
         objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
         objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
         objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
-        if len(checks):  # only write_batch makes block checksums; other segments look like version 2's
+        if len(checks):
             shape = (len(checks), FS.CHECK_COLUMNS)
             objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
         self.storage.put_many(objects)

@@ -1,8 +1,5 @@
-"""Staging of a batch's frames a block at a time (``write_batch``): each leaf's rows of the
-frames that fit in the current chunk copied back to back and checked by one block checksum per
-``CHECK_BYTES``. :class:`~spillmerge._write.staging.Staging` takes these steps from
-:class:`BatchSteps`.
-"""
+"""A batch's frames staged a block at a time (``write_batch``): each leaf's rows of the frames
+that fit in the current chunk copied back to back, one block checksum per ``CHECK_BYTES``."""
 
 from __future__ import annotations
 

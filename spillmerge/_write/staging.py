@@ -293,10 +293,9 @@ class Staging(BatchSteps):
         """The stream that copies ``data`` to host: None for the caller's current stream, which
         copies a leaf under :data:`SIDE_STREAM_BYTES` like any operation the caller queues there:
         after the producer's work and before whatever the caller queues next (overwriting the
-        tensor in place, freeing it), with no cross-stream bookkeeping: on an H100 host each call
-        into ``torch.cuda``'s stream helpers cost ~10 us, and a small leaf's ~75 us went to ~30
-        (``benchmarks/bench_gpu.py``, table 4). A larger leaf is copied on the writer's own stream, so the producer's next
-        kernels overlap it."""
+        tensor in place, freeing it), with no cross-stream bookkeeping (each call into
+        ``torch.cuda``'s stream helpers costs more than a small leaf's copy). A larger leaf is
+        copied on the writer's own stream, so the producer's next kernels overlap it."""
         if not self.pool.pinned:
             self.pool.pin()
         if nbytes < SIDE_STREAM_BYTES:

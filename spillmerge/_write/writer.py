@@ -4,10 +4,6 @@ Protocol:
   (every rank)   __enter__ → write/update ... → __exit__ (commit record last) → merge(out)
   (merging rank) merge waits for every rank's commit record, moves the shards of ranks whose
                  storage it cannot see over torch.distributed, then merges (the round: _dist/round.py).
-
-The writer keeps rows (the index it commits); opening, committing and aborting its segment are
-``_write.segment.SegmentSteps``', the per-file leaf rule ``_write.layouts.FileSchemas``, the byte
-and CUDA copies into staging ``_write.staging.Staging``.
 """
 
 from __future__ import annotations
@@ -315,7 +311,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
                 layouts = self._schema.layouts_of(leaves)  # cached per frame shape, as _put's
-                new_schema, layout_ids = self._schema.check(name, frame, file_id, layouts, schemas.get(file_id))
+                new_schema, layout_ids = self._schema.check(file_id, layouts, schemas.get(file_id))
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
                 # (a file the writer has not written yet has no key yet: no lookup)
@@ -358,8 +354,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
             file_id = len(self._filenames)
         if layouts is None:
             layouts = self._schema.layouts_of(leaves)
-        # raises before anything of this frame is staged or cataloged
-        new_schema, layout_ids = self._schema.check(filename, frame, file_id, layouts)  # -1: not in the catalog yet
+        new_schema, layout_ids = self._schema.check(file_id, layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
         # A file never written has no key yet (its id is the next one).
         prev = self._key_map().get(key) if file_id < len(self._filenames) else None

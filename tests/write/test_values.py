@@ -76,7 +76,7 @@ def read_spill(root: str) -> dict[tuple[str, int], dict[tuple[str, ...], tuple[F
             for seg in segs:
                 if seg.commit is None:
                     continue
-                assert seg.format_version == F.SPILL_FORMAT_VERSION == 4
+                assert seg.header["format_version"] == F.SPILL_FORMAT_VERSION == 4
                 loaded = R.load_segment(st, seg)
                 for fid, frame, lid, off, nb, crc in loaded.index.tolist():
                     buf = np.empty(nb, dtype=np.uint8)
@@ -477,7 +477,7 @@ def test_salvage_of_a_journal_keeps_frames_with_fewer_leaves(tmp_path):
             raise RuntimeError("boom")
     st = Storage(root)
     (seg,) = R.scan(st)[0]
-    assert seg.commit is None and seg.failure is not None and seg.format_version == 4
+    assert seg.commit is None and seg.failure is not None and seg.header["format_version"] == 4
     loaded, problems = R.load_flushed(st, seg)
     assert problems == []
     rows: dict[tuple[int, int], list[FS.Layout]] = {}
