@@ -88,20 +88,14 @@ class DenseSteps:
         if fresh and template.fresh_move is not None:
             moves[0] = template.fresh_move
         elif fresh:
-            try:
-                moves[0] = self._schema.check(base, layouts, 0)
-            except SpillValueError as exc:
-                raise at_position(exc, 0, n, names[0]) from None
-        for i, (name, fid) in enumerate(zip(names, file_ids, strict=True)) if not fresh else ():
+            moves[0] = self._schema.check(base, layouts, 0)
+        for fid in file_ids if not fresh else ():
             cur = schemas.get(fid)
             if cur is None:
                 cur = self._schema.schema_of(fid)
             move = moves.get(cur)
             if move is None:
-                try:
-                    move = moves[cur] = self._schema.check(fid, layouts, cur)
-                except SpillValueError as exc:
-                    raise at_position(exc, i, n, name) from None
+                move = moves[cur] = self._schema.check(fid, layouts, cur)
             schemas[fid] = move[0]
         rows = [as_rows(columns[path], n) for path in template.paths]
         self._last_dense = template
@@ -168,11 +162,9 @@ class DenseSteps:
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
             try:
                 item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
-                item_layouts = self._schema.layouts_of(item_leaves)
-                self._schema.check(base, item_layouts, 0)
             except SpillValueError as exc:
                 raise at_position(exc, i, n, names[i]) from None
-            others.append((names[i], frames[i], item_leaves, item_layouts))
+            others.append((names[i], frames[i], item_leaves, self._schema.layouts_of(item_leaves)))
         schema, first_ids = self._schema.check(base, layouts, 0)
         self._flush_row_log()
         self._schema.accept_new_files(len(kept), schema, layouts, first_ids)
