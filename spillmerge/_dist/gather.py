@@ -228,5 +228,3 @@ def _write_all(w: SpillWriter, preds: Mapping[str, Any]) -> None:
     while batch := list(itertools.islice(items, GATHER_BATCH)):
         names, frames, values = (list(column) for column in zip(*batch, strict=True))
         w.write_batch(names, values, frames)
-
-

@@ -173,7 +173,10 @@ class DenseSteps:
             if lay.dtype == "strlist":  # shape (strings, bytes)
                 pairs = np.stack([cols.lengths[:, j], cols.sizes[:, j]], axis=1)
                 found, where = np.unique(pairs, axis=0, return_inverse=True)
-                ids = [self._schema.add_layout(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos)) for m, nb in found.tolist()]
+                ids = [
+                    self._schema.add_layout(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos))
+                    for m, nb in found.tolist()
+                ]
             else:
                 found, where = np.unique(cols.lengths[:, j], return_inverse=True)
                 ids = self._schema.length_ids(lay, found.tolist())

@@ -77,7 +77,9 @@ class BatchSteps:
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
                 nbs = sizes[i].tolist()
                 pieces = [col[a : a + nb] for col, a, nb in zip(columns, starts[i].tolist(), nbs, strict=True)]
-                self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs, index[i * n_leaves :])
+                self._add_by_leaf(
+                    int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs, index[i * n_leaves :]
+                )
                 i += 1
                 continue
             self._open_block(chunk)

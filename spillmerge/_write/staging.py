@@ -189,7 +189,12 @@ class Staging(BatchSteps):
             self._decide(total, True)
         chunk = self._current
         if type(data) is bytes:
-            if not self.direct and chunk is not None and chunk.host_np is not None and chunk.fill + total < self.chunk_bytes:
+            if (
+                not self.direct
+                and chunk is not None
+                and chunk.host_np is not None
+                and chunk.fill + total < self.chunk_bytes
+            ):
                 memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data  # one copy of the frame
                 self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
                 return

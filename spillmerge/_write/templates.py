@@ -185,7 +185,9 @@ class PyTemplate:
         order = tuple(value)
         return PyTemplate(order, tuple(sorted(order)), tuple(kinds), tuple(layouts), tuple(ids), schema)
 
-    def match(self, value: dict[Any, Any], schemas: FileSchemas) -> tuple[bytes, list[int], int, tuple[int, ...]] | None:
+    def match(
+        self, value: dict[Any, Any], schemas: FileSchemas
+    ) -> tuple[bytes, list[int], int, tuple[int, ...]] | None:
         """``(bytes, sizes, total, layout_ids)`` of a frame of ``value`` when it has this
         structure: its leaves' bytes back to back (a leaf's length seen for the first time joins
         the catalog: the frame is accepted as it is); None otherwise, and for what the general

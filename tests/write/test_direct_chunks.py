@@ -73,7 +73,9 @@ def test_direct_chunks_hold_the_same_bytes_journal_and_checks_as_staged_ones(tmp
 
 def _records(b: int) -> list[dict[str, Any]]:
     """Generation outputs of 70-170 KB each: a batch of them crosses 256 KiB chunks."""
-    return [{"text": "é" * (35_000 + 9_000 * j + b), "ids": list(range(j, 40 * j + b + 1)), "p": -0.5 * j} for j in range(6)]
+    return [
+        {"text": "é" * (35_000 + 9_000 * j + b), "ids": list(range(j, 40 * j + b + 1)), "p": -0.5 * j} for j in range(6)
+    ]
 
 
 def test_direct_chunks_of_flat_record_batches_match_staged_ones_and_read_back(tmp_path):
@@ -95,7 +97,9 @@ def test_direct_chunks_of_flat_record_batches_match_staged_ones_and_read_back(tm
         assert Path(f"{seg}/{name}").read_bytes() == fsspec.filesystem("memory").cat(f"{mseg}/{name}"), name
     spillmerge.merge(local, str(tmp_path / "out"), progress=False)
     res = spillmerge.open(str(tmp_path / "out"))
-    assert {f: v for f, _, v in res.iter_values()} == {f"b{b}-{j}": r for b in range(3) for j, r in enumerate(_records(b))}
+    assert {f: v for f, _, v in res.iter_values()} == {
+        f"b{b}-{j}": r for b in range(3) for j, r in enumerate(_records(b))
+    }
 
 
 def test_a_tensor_changed_after_write_keeps_the_bytes_it_had(tmp_path):

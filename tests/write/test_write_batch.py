@@ -285,7 +285,10 @@ def test_a_flipped_byte_in_a_batch_block_fails_the_merge_and_verify_names_it(tmp
     raw = bytearray(chunk.read_bytes())
     raw[64 * 8 + 1000] ^= 0x01  # inside row 1 of "logits" (the int64 "label" block comes first)
     chunk.write_bytes(bytes(raw))
-    with pytest.raises(spillmerge.CorruptSpillError, match=r"mismatch for 'img/000.jpg' frame 0 leaf 'logits' .*in the block at bytes 512..38912"):
+    with pytest.raises(
+        spillmerge.CorruptSpillError,
+        match=r"mismatch for 'img/000.jpg' frame 0 leaf 'logits' .*in the block at bytes 512..38912",
+    ):
         spillmerge.merge(str(root), str(tmp_path / "out.zarr"), progress=False)
     p = cli_run("verify", str(root))
     assert p.returncode == 1 and f"CORRUPT {chunk}: checksum mismatch in a block of rows" in p.stdout, p.stdout
@@ -456,7 +459,9 @@ def test_a_flat_batch_of_a_known_structure_with_a_short_leaf_names_it_and_writes
     with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
         w.write_batch(["a", "b"], {"v": x[0:2], "w": x[0:2, 0]})
         w.write_batch(["c", "d"], {"v": x[2:4], "w": x[2:4, 0]})
-        with pytest.raises(spillmerge.SpillValueError, match=r"leaf 'w' has 1 items.*item 1 \('f'\) has no value") as ei:
+        with pytest.raises(
+            spillmerge.SpillValueError, match=r"leaf 'w' has 1 items.*item 1 \('f'\) has no value"
+        ) as ei:
             w.write_batch(["e", "f"], {"v": x[4:6], "w": x[4:5, 0]})
         assert (ei.value.leaf, ei.value.filename) == ("w", "f")
         w.write_batch(["e", "f"], {"v": x[4:6], "w": x[4:6, 0]})
@@ -512,8 +517,12 @@ _VALUE_KINDS = {
     "strs": st.lists(st.text(max_size=8), max_size=4),
     "records": st.lists(
         st.fixed_dictionaries(
-            {"s": st.floats(allow_nan=False), "c": st.integers(-5, 5), "bb": st.lists(st.floats(0, 9), min_size=2, max_size=2),
-             "n": st.text(max_size=4)}
+            {
+                "s": st.floats(allow_nan=False),
+                "c": st.integers(-5, 5),
+                "bb": st.lists(st.floats(0, 9), min_size=2, max_size=2),
+                "n": st.text(max_size=4),
+            }
         ),
         max_size=3,
     ),
@@ -527,9 +536,7 @@ def _flat_batch(draw: st.DrawFn) -> list[dict[str, Any]]:
     kinds = {k: draw(st.sampled_from(sorted(_VALUE_KINDS))) for k in keys}
     mixed = draw(st.sampled_from([None, *keys])) if draw(st.booleans()) else None
     n = draw(st.integers(min_value=1, max_value=8))
-    return [
-        {k: draw(_VALUE_KINDS["str" if k == mixed and i == n - 1 else kinds[k]]) for k in keys} for i in range(n)
-    ]
+    return [{k: draw(_VALUE_KINDS["str" if k == mixed and i == n - 1 else kinds[k]]) for k in keys} for i in range(n)]
 
 
 @given(batches=st.lists(_flat_batch(), min_size=1, max_size=3))
