@@ -23,8 +23,6 @@ from .leaves import UINT32_MAX, Leaf
 _NUMBERS = {bool: "pybool", int: "pyint", float: "pyfloat"}
 _EMPTY = np.zeros(0, dtype=np.uint8)
 
-Path = tuple[str, ...]
-
 
 def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None:
     """``flatten(items[i], names[i], ...)`` for every ``i`` when the items are dicts
@@ -204,7 +202,7 @@ def _strlist_leaf(strings: list[str], lens: np.ndarray, out: list[Any]) -> bool:
     UTF-8 lengths, then its strings: docs/FORMAT.md); False past the format's limits."""
     raw = [s.encode("utf-8") for s in strings]
     sizes = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
-    if len(raw) and int(sizes.max()) > UINT32_MAX:
+    if int(sizes.max()) > UINT32_MAX:
         return False
     heads = sizes.astype("<u4")
     parts: list[Any] = []
@@ -213,7 +211,7 @@ def _strlist_leaf(strings: list[str], lens: np.ndarray, out: list[Any]) -> bool:
         parts.append(heads[a:b])
         parts.extend(raw[a:b])
         a = b
-    per_item = 4 * lens + np.add.reduceat(sizes, np.cumsum(lens) - lens) if len(raw) else 4 * lens
+    per_item = 4 * lens + np.add.reduceat(sizes, np.cumsum(lens) - lens)  # every item has a string
     if int(per_item.max()) > STRING_MAX_BYTES:
         return False
     out.append((np.frombuffer(b"".join(parts), dtype=np.uint8), per_item, lens, "strlist"))

@@ -177,33 +177,17 @@ class Staging(BatchSteps):
             self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
 
     def add_host_frame(
-        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray] | bytes,
+        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
         sizes: Any, total: int,
     ) -> None:  # fmt: skip
         """``add_frame`` of a frame whose leaves are host uint8 arrays ``data`` of ``sizes``
-        bytes (``total`` > 0 in all), or ``bytes`` holding them back to back: in one step when
-        the frame fits in the current chunk (no held list, no per-leaf call), its rows joining
-        the chunk's open block of whole frames; otherwise leaf by leaf through ``add``."""
+        bytes (``total`` > 0 in all): in one step when the frame fits in the current chunk (no
+        held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
+        otherwise leaf by leaf through ``add``."""
         self.frames += 1
         if self.direct is None:
             self._decide(total, True)
         chunk = self._current
-        if type(data) is bytes:
-            if (
-                not self.direct
-                and chunk is not None
-                and chunk.host_np is not None
-                and chunk.fill + total < self.chunk_bytes
-            ):
-                memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data  # one copy of the frame
-                self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
-                return
-            u8, at = np.frombuffer(data, dtype=np.uint8), 0
-            data = []
-            for n in sizes:
-                data.append(u8[at : at + n])
-                at += n
-        assert not isinstance(data, bytes)
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
             self._add_direct_frame(chunk, row, file_id, frame, layout_ids, data, sizes, total)
             return
@@ -218,6 +202,29 @@ class Staging(BatchSteps):
             host[fill : fill + n] = d
             fill += n
         self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
+
+    def add_host_bytes(
+        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: bytes, sizes: list[int],
+        total: int,
+    ) -> None:  # fmt: skip
+        """``add_host_frame`` of a frame whose leaves' bytes are ``data``, back to back: one copy
+        when it fits in the current staged chunk."""
+        chunk = self._current
+        if (
+            self.direct is False
+            and chunk is not None
+            and chunk.host_np is not None
+            and chunk.fill + total < self.chunk_bytes
+        ):
+            self.frames += 1
+            memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data
+            self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
+            return
+        u8, at, leaves = np.frombuffer(data, dtype=np.uint8), 0, []
+        for n in sizes:
+            leaves.append(u8[at : at + n])
+            at += n
+        self.add_host_frame(row, file_id, frame, layout_ids, leaves, sizes, total)
 
     def _add_run(
         self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int

@@ -203,7 +203,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
             row += 1
             off += n
         self._n_rows = row
-        self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
+        self._staging.add_host_bytes(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
         if len(tail) >= 6 << 16:
             self._flush_row_log()
