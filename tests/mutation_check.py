@@ -724,6 +724,14 @@ MUTATIONS: list[Mutation] = [
         "each row of a batch of flat records is indexed at its own bytes",
     ),
     Mutation(
+        "index-rows-of-handed-off-chunks",
+        "spillmerge/_write/staging.py",
+        "            self._sealed_rows.append(completed_rows(chunk))\n",
+        "",
+        ("tests/write/test_writer_merge.py",),
+        "the index holds the rows of every chunk handed off, not only the last one",
+    ),
+    Mutation(
         "flat-records-direct-block-crc",
         "spillmerge/_write/stagebatch.py",
         "                        value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None",

@@ -38,8 +38,6 @@ class DenseSteps:
 
     if TYPE_CHECKING:
 
-        def _flush_row_log(self) -> None: ...
-
         def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]: ...
 
         def _put(
@@ -53,7 +51,6 @@ class DenseSteps:
         at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
         (nothing done) when a key of the batch was written before or repeats in it: the
         item-by-item path applies the duplicate policy."""
-        self._flush_row_log()
         n = len(names)
         base = len(self._filenames)
         # The common batch: n files never written before, each once. Their ids are the next n, no
@@ -132,7 +129,6 @@ class DenseSteps:
             for name in names:
                 file_ids.pop(name, None)
             return False
-        self._flush_row_log()
         schema, layout_ids = template.fresh_move
         self._schema.accept_new_files(n, schema, template.layouts, layout_ids)
         self._filenames.extend(names)
@@ -166,7 +162,6 @@ class DenseSteps:
                 raise at_position(exc, i, n, names[i]) from None
             others.append((names[i], frames[i], item_leaves, self._schema.layouts_of(item_leaves)))
         schema, first_ids = self._schema.check(base, layouts, 0)
-        self._flush_row_log()
         self._schema.accept_new_files(len(kept), schema, layouts, first_ids)
         layout_ids = np.empty_like(cols.lengths)
         for j, lay in enumerate(layouts):
@@ -186,11 +181,11 @@ class DenseSteps:
         self._filenames.extend(names)
         self._file_ids.update(zip(names, range(base, base + len(names)), strict=True))
         row0 = self._n_rows
-        index = self._new_rows(len(names), len(leaves))
+        self._n_rows += len(names) * len(leaves)
         self._fresh_keys.append((base, frames, row0, len(leaves)))
         self._n_fresh_keys += len(names)
         frame_arr = None if zero else _frame_array(frames)
-        self._staging.add_frames(row0, base, frame_arr, layout_ids, cols.sizes, cols.data, index)
+        self._staging.add_frames(row0, base, frame_arr, layout_ids, cols.sizes, cols.data)
         for name, frame, item_leaves, item_layouts in others:
             self._put(name, frame, item_leaves, item_layouts)
         return True
@@ -209,34 +204,21 @@ class DenseSteps:
         self, names: list[str], frames: list[int], file_ids: np.ndarray | None, layout_ids: tuple[int, ...],
         rows: list[np.ndarray], frame_arr: np.ndarray | None = None,
     ) -> None:  # fmt: skip
-        """The index rows and staged bytes of a checked dense batch whose files are accepted:
+        """The staged bytes and keys of a checked dense batch whose files are accepted:
         ``file_ids`` None for a batch of new files (the last ``len(names)`` ids), ``rows`` each
         leaf's ``(n, item bytes)`` uint8 rows in the layouts' order; ``frame_arr`` None when
         every frame index is 0."""
         n, n_leaves, row0 = len(names), len(layout_ids), self._n_rows
-        need = row0 + n * n_leaves
-        index = self._new_rows(n, n_leaves)
+        need = self._n_rows = row0 + n * n_leaves
         if file_ids is None:
             base = len(self._filenames) - n
             self._fresh_keys.append((base, frames, row0, n_leaves))
             self._n_fresh_keys += n
-            self._staging.add_frames(row0, base, frame_arr, *_rows_of(n, layout_ids, rows), index)
+            self._staging.add_frames(row0, base, frame_arr, *_rows_of(n, layout_ids, rows))
         else:
             spans = zip(range(row0, need, n_leaves), [n_leaves] * n, strict=True)
             self._keys.update(zip(zip(file_ids.tolist(), frames, strict=True), spans, strict=True))
-            self._staging.add_frames(row0, file_ids, frame_arr, *_rows_of(n, layout_ids, rows), index)
-
-    def _new_rows(self, n: int, n_leaves: int) -> np.ndarray:
-        """The index rows (file, frame, layout, offset, nbytes) of ``n`` more frames of
-        ``n_leaves`` leaves each, to be filled by staging."""
-        row0 = self._n_rows
-        need = row0 + n * n_leaves
-        if need > len(self._rows):
-            grown = np.zeros((max(need, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[:row0] = self._rows[:row0]
-            self._rows = grown
-        self._n_rows = need
-        return self._rows[row0:need, : FS.COL_CRC]
+            self._staging.add_frames(row0, file_ids, frame_arr, *_rows_of(n, layout_ids, rows))
 
     def _dense_template(
         self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]

@@ -211,11 +211,16 @@ class _HereExecutor:
 
 def completed_rows(chunk: Chunk) -> np.ndarray:
     """The int64 ``(n, 6)`` rows (row, file, frame, layout, offset, nbytes) completed in ``chunk``,
-    in order: its blocks (``completed``), then the rows completed one by one after them (``tail``)."""
-    parts = list(chunk.completed)
-    if chunk.tail:
-        parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
-    return np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)
+    in order: its blocks (``completed``), then the rows completed one by one after them (``tail``).
+    Joined once and kept as the chunk's one block: only the thread holding the chunk calls it (the
+    writer's, until the hand-off; then the flush thread finds them joined)."""
+    if chunk.tail or len(chunk.completed) != 1:
+        parts = chunk.completed
+        if chunk.tail:
+            parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
+        chunk.completed = [np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)]
+        chunk.tail = array.array("q")
+    return chunk.completed[0]
 
 
 class Flusher(threading.Thread):

@@ -63,7 +63,7 @@ class SegmentSteps:
         @property
         def _n_frames(self) -> int: ...
 
-        def _flush_row_log(self) -> None: ...
+        def _sync_rows(self) -> None: ...
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -115,14 +115,7 @@ class SegmentSteps:
         move) and the dict position of each of its leaves (``_put_fresh``)."""
         self._last_dense: DenseTemplate | None = None
         self._frame_template: FrameTemplate | None = None
-        self._row_log: list[tuple[int, int, int, int]] = []
-        """(first row, file id, frame, offset) of frames staged by ``_put_templated`` whose index
-        rows are not in ``_rows`` yet (``_flush_row_log``), all of ``_row_log_template``."""
-        self._row_log_template: FrameTemplate | None = None
         self._py_template: PyTemplate | None = None
-        self._row_tail = array.array("q")
-        """(row, file id, frame, layout id, offset, nbytes) of the index rows ``_put_py`` staged
-        that are not in ``_rows`` yet (``_flush_row_log``)."""
         self._dead_rows: list[tuple[int, int]] = []
         self._identical_rewrites = 0
         self._rewrites = 0  # writes of a key already written, whatever the policy kept
@@ -190,8 +183,8 @@ class SegmentSteps:
 
     def _write_index(self) -> tuple[FS.CommitRecord, np.ndarray]:
         self._check_segment()
-        self._flush_row_log()
-        rows = self._rows[: self._n_rows].copy()
+        self._sync_rows()
+        rows = self._rows[: self._n_rows]  # the writer takes no more rows: filled in place
         rows[:, FS.COL_CRC] = self._staging.row_crcs(len(rows))
         if self._dead_rows:
             keep = np.ones(len(rows), dtype=bool)

@@ -47,14 +47,13 @@ class BatchSteps:
 
     def add_frames(
         self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: np.ndarray,
-        sizes: np.ndarray, columns: list[np.ndarray], index: np.ndarray,
+        sizes: np.ndarray, columns: list[np.ndarray],
     ) -> None:  # fmt: skip
         """Stage whole frames at once: frame ``i`` has index rows ``row + i * L + j`` for its
         ``L`` leaves; leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some) of catalog layout
         ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s rows back to back).
         ``file_ids``: int64 per frame, or an int (frame ``i`` is file ``file_ids + i``);
-        ``frames``: int64 per frame, or None (frame 0 each). Fills ``index`` (int64
-        ``(n_frames * L, 5)``: file, frame, layout, offset in ``data``, nbytes of every row). The
+        ``frames``: int64 per frame, or None (frame 0 each). The
         frames that fit whole in the current chunk are staged a leaf at a time, one copy per leaf
         (its rows one byte range) and a block checksum per CHECK_BYTES of its rows; a frame
         straddling two chunks goes through ``add`` (a CRC per row, as ``write`` does)."""
@@ -77,9 +76,7 @@ class BatchSteps:
             if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
                 nbs = sizes[i].tolist()
                 pieces = [col[a : a + nb] for col, a, nb in zip(columns, starts[i].tolist(), nbs, strict=True)]
-                self._add_by_leaf(
-                    int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs, index[i * n_leaves :]
-                )
+                self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs)
                 i += 1
                 continue
             self._open_block(chunk)
@@ -111,9 +108,7 @@ class BatchSteps:
                         self._block(chunk, fill + int(lo[r]), fill + int(hi[s - 1]), rows, value)
                     r = s
                 fill += b - a
-            flat = cube.reshape(k * n_leaves, 6)
-            index[i * n_leaves : (i + k) * n_leaves] = flat[:, 1:]
-            chunk.complete_block(flat)
+            chunk.complete_block(cube.reshape(k * n_leaves, 6))
             self.offset += fill - chunk.fill
             chunk.fill = fill
             i += k
@@ -121,14 +116,12 @@ class BatchSteps:
                 self.hand_off()
 
     def _add_by_leaf(
-        self, row: int, file_id: int, frame: int, layout_ids: Any, pieces: list[Any], sizes: list[int],
-        index: np.ndarray,
-    ) -> None:  # fmt: skip
-        """One frame through ``add``, a leaf at a time (rows ``row`` ...), its index rows into ``index[0:]``."""
+        self, row: int, file_id: int, frame: int, layout_ids: Any, pieces: list[Any], sizes: list[int]
+    ) -> None:
+        """One frame through ``add``, a leaf at a time (rows ``row`` ...)."""
         held: list[Any] = []
         last = len(pieces) - 1
         for j, (piece, nb) in enumerate(zip(pieces, sizes, strict=True)):
-            index[j] = (file_id, frame, layout_ids[j], self.offset, nb)
             self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
 
     def _open_block(self, chunk: Chunk) -> None:

@@ -25,7 +25,7 @@ from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
 from . import direct as D
-from .flush import BufferPool, Chunk, Flusher
+from .flush import BufferPool, Chunk, Flusher, completed_rows
 from .stagebatch import CHECK_BYTES, BatchSteps
 
 COMPARE_WINDOW = 1 << 20
@@ -66,6 +66,8 @@ class Staging(BatchSteps):
         first frame decides (``_decide``)."""
         self._row_crc = (-1, 0)
         """(row, CRC-32C so far) of the last row a direct chunk took through ``add``."""
+        self._sealed_rows: list[np.ndarray] = []
+        """The rows of the chunks handed off since :meth:`take_rows` last took them."""
 
     def start(
         self, storage: Storage, prefix: str, *, rank: int, flush_threads: int, filenames: list[str],
@@ -384,9 +386,19 @@ class Staging(BatchSteps):
             chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
             self.seal(chunk)
+            self._sealed_rows.append(completed_rows(chunk))
             if not self._closing and self._fl.ident is None:
                 self._fl.start()  # at_commit, and a chunk filled: the flush thread takes over
             self._fl.q.put(chunk)
+
+    def take_rows(self) -> list[np.ndarray]:
+        """The index rows staged since the last call, as int64 ``(n, 6)`` parts (row, file,
+        frame, layout, offset, nbytes: the rows the journal lists); the current chunk's rows
+        come again with the next call, until it is handed off."""
+        parts, self._sealed_rows = self._sealed_rows, []
+        if self._current is not None:
+            parts.append(completed_rows(self._current))
+        return parts
 
     def _object_size(self, chunk: Chunk) -> int:
         # A spill smaller than one chunk is stored as one exactly-sized chunk; otherwise the last

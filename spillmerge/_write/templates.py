@@ -61,8 +61,6 @@ class FrameTemplate:
     leaf signatures)."""
     layout_ids: tuple[int, ...]
     """The frame's catalog layout ids (fixed once in the catalog)."""
-    starts: np.ndarray
-    """int64 offset of each leaf from the frame's first byte."""
 
     @staticmethod
     def of(leaves: list[Any], schema: int, layout_ids: tuple[int, ...]) -> FrameTemplate | None:
@@ -83,7 +81,6 @@ class FrameTemplate:
             total=sum(sizes),
             schema=schema,
             layout_ids=tuple(layout_ids),
-            starts=np.cumsum((0, *sizes[:-1]), dtype=np.int64),
         )
 
     def match(self, value: dict[Any, Any]) -> list[np.ndarray] | None:

@@ -169,67 +169,43 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
 
     def _put_templated(self, filename: str, frame: int, template: FrameTemplate, data: list[np.ndarray]) -> None:
         """``_put`` of a frame of a new file whose value matched ``template``: the layout rule's
-        move and the catalog ids are the template's; the index rows wait in ``_row_log``."""
+        move and the catalog ids are the template's."""
         file_id = len(self._filenames)
         self._schema.accept_new_files(1, template.schema, [], template.layout_ids)
         self._filenames.append(filename)
         self._file_ids[filename] = file_id
         first_row = self._n_rows
-        if self._row_log_template is not template or len(self._row_log) >= 4096:
-            self._flush_row_log()
-            self._row_log_template = template
-        self._row_log.append((first_row, file_id, frame, self._staging.offset))
         self._n_rows = first_row + len(template.sizes)
         self._staging.add_host_frame(
             first_row, file_id, frame, template.layout_ids, data, template.sizes, template.total
         )
-        self._keys[(file_id, frame)] = (first_row, len(template.sizes))
+        self._new_keys.extend((file_id, frame, first_row, len(template.sizes)))
 
     def _put_py(
         self, filename: str, frame: int, schema: int, data: bytes, sizes: list[int], total: int,
         layout_ids: tuple[int, ...],
     ) -> None:  # fmt: skip
-        """``_put`` of a frame of a new file that ``PyTemplate.match`` converted; its index rows
-        wait in ``_row_tail``."""
+        """``_put`` of a frame of a new file that ``PyTemplate.match`` converted."""
         file_id = len(self._filenames)
         self._schema.accept_new_files(1, schema, [], layout_ids)
         self._filenames.append(filename)
         self._file_ids[filename] = file_id
-        row = first_row = self._n_rows
-        off = self._staging.offset
-        tail = self._row_tail
-        for lid, n in zip(layout_ids, sizes, strict=True):
-            tail.extend((row, file_id, frame, lid, off, n))
-            row += 1
-            off += n
-        self._n_rows = row
+        first_row = self._n_rows
+        self._n_rows = first_row + len(sizes)
         self._staging.add_host_bytes(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
-        if len(tail) >= 6 << 16:
-            self._flush_row_log()
 
-    def _flush_row_log(self) -> None:
-        """Write the index rows of the frames ``_put_templated`` logged into ``_rows`` (every
-        reader of ``_rows`` calls this first), a block at a time."""
-        log, template = self._row_log, self._row_log_template
+    def _sync_rows(self) -> None:
+        """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
+        staging hands the journal); only a rewrite of a key and the commit read them."""
         if len(self._rows) < self._n_rows:
             grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
             grown[: len(self._rows)] = self._rows
             self._rows = grown
-        if self._row_tail:
-            tail = np.frombuffer(self._row_tail, dtype=np.int64).reshape(-1, 6)
-            self._rows[tail[:, 0], : FS.COL_CRC] = tail[:, 1:]
-            self._row_tail = array.array("q")
-        if not log or template is None:
-            return
-        frames = np.array(log, dtype=np.int64)
-        log.clear()
-        rows = frames[:, :1] + np.arange(len(template.sizes), dtype=np.int64)  # (frames, leaves)
-        self._rows[rows, FS.COL_FILE] = frames[:, 1:2]
-        self._rows[rows, FS.COL_FRAME] = frames[:, 2:3]
-        self._rows[rows, FS.COL_LAYOUT] = template.layout_ids
-        self._rows[rows, FS.COL_OFFSET] = frames[:, 3:4] + template.starts
-        self._rows[rows, FS.COL_NBYTES] = template.sizes
+        parts = self._staging.take_rows()
+        while parts:
+            part = parts.pop()
+            self._rows[part[:, 0], : FS.COL_CRC] = part[:, 1:]
 
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
         """Append one frame per item of a batched output: item ``i`` is stored exactly as
@@ -348,7 +324,6 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
         """Stage one checked frame: the layout rule, the duplicate policy, then its rows. Returns
         the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
         ``layouts``: the leaves' ``FileSchemas.layouts_of``, when the caller has them."""
-        self._flush_row_log()
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
@@ -382,15 +357,6 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
             self._filenames.append(filename)
             self._file_ids[filename] = file_id
         first_row, n_leaves = self._n_rows, len(leaves)
-        if first_row + n_leaves > len(self._rows):
-            self._rows = np.concatenate(
-                [self._rows, np.zeros((len(self._rows) + n_leaves, FS.INDEX_COLUMNS), np.int64)]
-            )
-        off, rows = self._staging.offset, []
-        for leaf, lid in zip(leaves, layout_ids, strict=True):
-            rows.append((file_id, frame, lid, off, leaf.nbytes))
-            off += leaf.nbytes
-        self._rows[first_row : first_row + n_leaves, : FS.COL_CRC] = rows  # one assignment per frame
         self._n_rows += n_leaves
         self._staging.add_frame(first_row, file_id, frame, layout_ids, leaves)
         if new_file:
@@ -407,7 +373,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
     def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes (and layouts) as the frame already written at rows
         ``prev``? Only a rewrite of a key gets here; staging reads the earlier bytes back."""
-        self._flush_row_log()
+        self._sync_rows()
         first, n = prev
         if n != len(leaves):
             return False
