@@ -35,6 +35,7 @@ from .leaves import (
     MAX_DEPTH,
     Leaf,
     check_leaf_limits,
+    leaf_error,
     plain_leaf,
     records,
 )
@@ -73,12 +74,12 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
         if allow_pickle:
             return _pickled(arr, path, filename)
         hint = "; for text pass a list of str (arr.tolist())" if arr.dtype.kind in "USO" else ""
-        raise SpillValueError(
-            f"leaf {path_text(path)!r} of {filename!r:.200}: numpy dtype {arr.dtype} cannot be stored "
+        raise leaf_error(
+            path,
+            filename,
+            f"numpy dtype {arr.dtype} cannot be stored "
             f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
             "allow_pickle=True)",
-            filename=filename,
-            leaf=path_text(path),
         )
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -88,26 +89,19 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
 
 
 def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
-    lname = path_text(path)
     if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
-        raise SpillValueError(
-            f"leaf {lname!r} of {filename!r:.200}: only dense (strided) tensors can be stored, "
+        raise leaf_error(
+            path,
+            filename,
+            "only dense (strided) tensors can be stored, "
             f"got layout {t.layout}{' (quantized)' if t.is_quantized else ''}",
-            filename=filename,
-            leaf=lname,
         )
     device = t.device.type
     if device == "meta":
-        raise SpillValueError(
-            f"leaf {lname!r} of {filename!r:.200}: meta tensors have no data", filename=filename, leaf=lname
-        )
+        raise leaf_error(path, filename, "meta tensors have no data")
     name = _TORCH_NAMES.get(t.dtype)
     if name is None:
-        raise SpillValueError(
-            f"leaf {lname!r} of {filename!r:.200}: torch dtype {t.dtype} is not supported",
-            filename=filename,
-            leaf=lname,
-        )
+        raise leaf_error(path, filename, f"torch dtype {t.dtype} is not supported")
     if t.requires_grad:
         t = t.detach()
     if t.is_conj():
@@ -285,11 +279,7 @@ def _walk(
             if allow_pickle:  # gather_object's behaviour for what nothing else stores
                 out.append(_pickled(value, path, filename))
                 return
-            raise SpillValueError(
-                f"leaf {path_text(path)!r} of {filename!r:.200}: {value} does not fit int64",
-                filename=filename,
-                leaf=path_text(path),
-            )
+            raise leaf_error(path, filename, f"{value} does not fit int64")
         out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
         out.append(_scalar(path, "pyfloat", value))
@@ -300,12 +290,12 @@ def _walk(
     elif allow_pickle:
         out.append(_pickled(value, path, filename))
     else:
-        raise SpillValueError(
-            f"leaf {path_text(path)!r} of {filename!r:.200}: cannot store a {type(value).__name__} "
+        raise leaf_error(
+            path,
+            filename,
+            f"cannot store a {type(value).__name__} "
             "without pickle (use a tensor, numpy array, Python scalar, str, bytes, list of numbers or str, "
             "None, or a dict, TensorDict or dataclass of those; or open the writer with allow_pickle=True)",
-            filename=filename,
-            leaf=path_text(path),
         )
 
 
@@ -315,11 +305,7 @@ def _guarded(
 ) -> None:  # fmt: skip
     """``_container`` of a value not already being walked (a value that contains itself is refused)."""
     if id(value) in active:
-        raise SpillValueError(
-            f"leaf {path_text(path)!r} of {filename!r:.200}: the value contains itself (a cycle)",
-            filename=filename,
-            leaf=path_text(path),
-        )
+        raise leaf_error(path, filename, "the value contains itself (a cycle)")
     active.add(id(value))
     try:
         _container(value, path, filename, out, depth, allow_pickle, active, orders)
@@ -393,11 +379,11 @@ def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], i
     try:
         raw = text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise SpillValueError(
-            f"leaf {path_text(path)!r} of {filename!r:.200}: the str is not valid Unicode (lone surrogate "
+        raise leaf_error(
+            path,
+            filename,
+            "the str is not valid Unicode (lone surrogate "
             f"at character {exc.start}); it cannot be stored as UTF-8 text (pass bytes instead)",
-            filename=filename,
-            leaf=path_text(path),
         ) from None
     data = np.frombuffer(raw, dtype=np.uint8)
     return (data.size,), data.size, data
@@ -444,11 +430,8 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
     try:
         _Pickler(buf, protocol=5).dump(value)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the value's problem
-        raise SpillValueError(
-            f"leaf {path_text(path)!r} of {filename!r:.200}: cannot pickle a {type(value).__name__}: "
-            f"{type(exc).__name__}: {exc}",
-            filename=filename,
-            leaf=path_text(path),
+        raise leaf_error(
+            path, filename, f"cannot pickle a {type(value).__name__}: {type(exc).__name__}: {exc}"
         ) from exc
     data = np.frombuffer(buf.getvalue(), dtype=np.uint8)
     return Leaf(path, "pickle", (data.size,), data.size, data)

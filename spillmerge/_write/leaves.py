@@ -48,6 +48,12 @@ class Leaf:
 UINT32_MAX = (1 << 32) - 1
 
 
+def leaf_error(path: tuple[str, ...], filename: str, problem: str) -> SpillValueError:
+    """The error for a leaf the writer refuses, naming the leaf, its file and the problem."""
+    name = path_text(path)
+    return SpillValueError(f"leaf {name!r} of {filename!r:.200}: {problem}", filename=filename, leaf=name)
+
+
 def check_filename(filename: object) -> str:
     if not isinstance(filename, str):
         raise SpillValueError(f"filename must be a str, got {type(filename).__name__} {filename!r:.80}", filename=None)
@@ -75,20 +81,15 @@ def check_leaf_limits(leaf: Leaf, filename: str) -> None:
     bounds (``[2**27, 0]`` is refused: an empty value with 2**27 entries before its zero).
     Cheap: only empty and string leaves need a look."""
     if leaf.dtype in ("str", "strlist") and leaf.nbytes > STRING_MAX_BYTES:
-        raise SpillValueError(
-            f"leaf {path_text(leaf.path)!r} of {filename!r:.200}: a string of {leaf.nbytes} bytes, more than the "
-            f"{STRING_MAX_BYTES} the format allows (store it as bytes)",
-            filename=filename,
-            leaf=path_text(leaf.path),
+        raise leaf_error(
+            leaf.path,
+            filename,
+            f"a string of {leaf.nbytes} bytes, more than the {STRING_MAX_BYTES} the format allows (store it as bytes)",
         )
     if leaf.nbytes == 0 and DTYPES[leaf.dtype].numeric:
         bad = shape_problem(leaf.shape)
         if bad is not None:
-            raise SpillValueError(
-                f"leaf {path_text(leaf.path)!r} of {filename!r:.200}: {bad}",
-                filename=filename,
-                leaf=path_text(leaf.path),
-            )
+            raise leaf_error(leaf.path, filename, bad)
 
 
 def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
@@ -237,21 +238,16 @@ def strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename:
         try:
             enc.append(s.encode("utf-8"))
         except UnicodeEncodeError as exc:
-            raise SpillValueError(
-                f"leaf {path_text(path)!r} of {filename!r:.200}: string {i} is not valid Unicode (lone "
+            raise leaf_error(
+                path,
+                filename,
+                f"string {i} is not valid Unicode (lone "
                 f"surrogate at character {exc.start}); it cannot be stored as UTF-8 text",
-                filename=filename,
-                leaf=path_text(path),
             ) from None
     n = len(enc)
     lens = np.fromiter(map(len, enc), dtype=np.int64, count=n)
     if n and int(lens.max()) > UINT32_MAX:
-        raise SpillValueError(
-            f"leaf {path_text(path)!r} of {filename!r:.200}: a string of a list is 4 GiB or longer (store it "
-            "as a str leaf of its own)",
-            filename=filename,
-            leaf=path_text(path),
-        )
+        raise leaf_error(path, filename, "a string of a list is 4 GiB or longer (store it as a str leaf of its own)")
     body = b"".join(enc)
     data = np.empty(4 * n + len(body), dtype=np.uint8)
     data[: 4 * n] = lens.astype("<u4").view(np.uint8)
