@@ -17,7 +17,7 @@ import torch
 
 from .._errors import SpillValueError
 from .._format.common import FILENAME_MAX_BYTES
-from .leaves import check_filename, check_frame_idx
+from .leaves import check_filename, check_frame_idx, host_array
 
 
 def mapping_items(mapping: Any) -> Iterator[tuple[Any, Any, Any]]:
@@ -284,28 +284,18 @@ def flat_rows(batch: dict[Any, Any], n: int) -> tuple[tuple[Any, ...], list[np.n
     """The signature (key, array type, dtype, item shape per leaf, in the dict's order) and each
     leaf's ``(n, item bytes)`` uint8 rows of the common batch, a flat dict of ``n`` host tensors /
     numeric arrays, C-contiguous, each item holding something; None for any other batch (the
-    general way handles and names it). ``Tensor.numpy()`` refuses what needs care (autograd,
-    conj / neg bits, other devices, layouts and dtypes numpy lacks), as ``as_rows`` relies on;
-    one numpy view per leaf is all the batch costs here."""
+    general way handles and names it). One numpy view per leaf (``host_array``) is all the batch
+    costs here."""
     sig: list[Any] = []
     rows: list[np.ndarray] = []
     for k, v in batch.items():
-        t = type(v)
-        if t is torch.Tensor:
-            try:
-                a = v.numpy()
-            except (RuntimeError, TypeError):
-                return None
-        elif t is np.ndarray:
-            a = v
-            if a.dtype.kind not in "biufc" or not a.dtype.isnative:
-                return None
-        else:
+        a = host_array(v)
+        if a is None or a.dtype.kind not in "biufc" or not a.dtype.isnative:
             return None
         shape = a.shape
         if type(k) is not str or not shape or shape[0] != n or not a.size or not a.flags.c_contiguous:
             return None
-        sig.append((k, t, a.dtype, shape[1:]))
+        sig.append((k, type(v), a.dtype, shape[1:]))
         rows.append(a.reshape(n, -1).view(np.uint8))
     return (tuple(sig), rows) if rows else None
 
@@ -343,14 +333,9 @@ def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...],
 def as_rows(value: Any, n: int) -> np.ndarray:
     """A dense leaf of ``n`` items as host bytes, one row of ``(n, item bytes)`` per item: the
     bytes ``_write.flatten.flatten`` gives item ``i`` (little-endian, C order)."""
-    if type(value) is torch.Tensor:
-        try:  # the common leaf: refuses autograd, conj / neg bits and what numpy lacks (below)
-            arr = value.numpy()
-        except (RuntimeError, TypeError):
-            pass
-        else:
-            if arr.flags.c_contiguous:
-                return arr.reshape(n, -1).view(np.uint8)
+    arr = host_array(value) if type(value) is torch.Tensor else None  # the common leaf
+    if arr is not None and arr.flags.c_contiguous:
+        return arr.reshape(n, -1).view(np.uint8)
     if isinstance(value, torch.Tensor):
         t = value.detach()
         if t.is_conj():

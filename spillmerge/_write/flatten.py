@@ -35,6 +35,7 @@ from .leaves import (
     MAX_DEPTH,
     Leaf,
     check_leaf_limits,
+    host_array,
     leaf_error,
     plain_leaf,
     records,
@@ -135,19 +136,9 @@ _NUMPY_NAMES: dict[np.dtype[Any], str] = (
 def _dense_leaf(value: object, path: tuple[str, ...]) -> Leaf | None:
     """The leaf of a plain contiguous host tensor or array of a native dtype, with one dtype
     lookup; None for anything else (``flatten`` handles it, and names what it refuses).
-    ``Tensor.numpy()`` itself refuses what needs care (autograd, conj/neg bits, devices, dtypes
-    numpy lacks, sparse or quantized layouts), so the checks of ``_from_tensor`` are not
-    repeated here."""
-    if type(value) is torch.Tensor:
-        if value.is_cuda:  # the walk stages it; numpy() would raise
-            return None
-        try:
-            arr = value.numpy()
-        except (RuntimeError, TypeError):
-            return None
-    elif type(value) is np.ndarray:
-        arr = value
-    else:
+    ``host_array`` refuses what needs ``_from_tensor``'s care."""
+    arr = host_array(value)
+    if arr is None:
         return None
     name = _NUMPY_NAMES.get(arr.dtype)
     if name is None or not arr.flags.c_contiguous or arr.ndim > MAX_NDIM:

@@ -48,6 +48,20 @@ class Leaf:
 UINT32_MAX = (1 << 32) - 1
 
 
+def host_array(value: object) -> np.ndarray | None:
+    """``value`` as a numpy array when it is one, or a plain host tensor that ``Tensor.numpy()``
+    views (it refuses what needs care: autograd, conj / neg bits, other devices, layouts and
+    dtypes numpy lacks); None for anything else (the general way handles and names it)."""
+    if type(value) is np.ndarray:
+        return value
+    if type(value) is torch.Tensor:
+        try:
+            return value.numpy()
+        except (RuntimeError, TypeError):
+            return None
+    return None
+
+
 def leaf_error(path: tuple[str, ...], filename: str, problem: str) -> SpillValueError:
     """The error for a leaf the writer refuses, naming the leaf, its file and the problem."""
     name = path_text(path)

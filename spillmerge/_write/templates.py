@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .._format import spill as FS
 from .._format.common import MARK, STRING_MAX_BYTES
+from .leaves import host_array
 
 if TYPE_CHECKING:
     from .layouts import FileSchemas
@@ -92,18 +92,8 @@ class FrameTemplate:
             return None
         out = []
         for k, dtype, shape in zip(self.keys, self.dtypes, self.shapes, strict=True):
-            v = value.get(k)
-            t = type(v)
-            if t is torch.Tensor:
-                try:
-                    a = v.numpy()  # type: ignore[union-attr]
-                except (RuntimeError, TypeError):
-                    return None
-            elif t is np.ndarray:
-                a = v
-            else:
-                return None
-            if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+            a = host_array(value.get(k))
+            if a is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
                 return None
             out.append(a.view(np.uint8) if a.ndim == 1 else a.reshape(-1).view(np.uint8))
         return out
