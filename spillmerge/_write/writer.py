@@ -142,12 +142,13 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 if template is not None:
                     data = template.match(value)
                     if data is not None:  # a new file of the last new file's structure
-                        self._put_templated(filename, frame, template, data)
+                        t = template
+                        self._put_new(filename, frame, t.schema, data, t.sizes, t.total, t.layout_ids)
                         return
                 py = self._py_template
                 got = py.match(value, self._schema) if py is not None else None
                 if got is not None:  # a new file of the last Python dict's structure
-                    self._put_py(filename, frame, py.schema, *got)  # type: ignore[union-attr]
+                    self._put_new(filename, frame, py.schema, *got)  # type: ignore[union-attr]
                     return
                 leaves = flatten_dense(value)  # the common value, without the general walk
                 dense = leaves is not None
@@ -167,32 +168,23 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 leaves = flatten(value, filename, frame, self.allow_pickle)
             self._put(filename, frame, leaves)
 
-    def _put_templated(self, filename: str, frame: int, template: FrameTemplate, data: list[np.ndarray]) -> None:
-        """``_put`` of a frame of a new file whose value matched ``template``: the layout rule's
-        move and the catalog ids are the template's."""
-        file_id = len(self._filenames)
-        self._schema.accept_new_files(1, template.schema, [], template.layout_ids)
-        self._filenames.append(filename)
-        self._file_ids[filename] = file_id
-        first_row = self._n_rows
-        self._n_rows = first_row + len(template.sizes)
-        self._staging.add_host_frame(
-            first_row, file_id, frame, template.layout_ids, data, template.sizes, template.total
-        )
-        self._new_keys.extend((file_id, frame, first_row, len(template.sizes)))
-
-    def _put_py(
-        self, filename: str, frame: int, schema: int, data: bytes, sizes: list[int], total: int,
+    def _put_new(
+        self, filename: str, frame: int, schema: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
         layout_ids: tuple[int, ...],
     ) -> None:  # fmt: skip
-        """``_put`` of a frame of a new file that ``PyTemplate.match`` converted."""
+        """``_put`` of a frame of a new file whose value matched a template (``FrameTemplate``:
+        each leaf's bytes; ``PyTemplate``: the leaves' bytes joined): the layout rule's move and
+        the catalog ids are the template's."""
         file_id = len(self._filenames)
         self._schema.accept_new_files(1, schema, [], layout_ids)
         self._filenames.append(filename)
         self._file_ids[filename] = file_id
         first_row = self._n_rows
         self._n_rows = first_row + len(sizes)
-        self._staging.add_host_bytes(first_row, file_id, frame, layout_ids, data, sizes, total)
+        if isinstance(data, bytes):
+            self._staging.add_host_bytes(first_row, file_id, frame, layout_ids, data, sizes, total)
+        else:
+            self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
 
     def _sync_rows(self) -> None:
