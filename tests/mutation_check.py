@@ -654,8 +654,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "write-batch-fast-path-refuses-big-endian",
         "spillmerge/_write/batch.py",
-        '            if a.dtype.kind not in "biufc" or not a.dtype.isnative:',
-        '            if a.dtype.kind not in "biufc":',
+        '        if a is None or a.dtype.kind not in "biufc" or not a.dtype.isnative:',
+        '        if a is None or a.dtype.kind not in "biufc":',
         (f"{C}::test_a_big_endian_array_reads_back_as_its_values",),
         "a big-endian array given to write_batch reads back as its values (stored little-endian)",
     ),
