@@ -14,7 +14,7 @@ from .._format.common import user_key
 from .batch import as_rows, at_position, nest
 from .columns import first_leaves, flat_columns
 from .flatten import flatten
-from .layouts import FileSchemas
+from .layouts import LayoutCatalog
 from .staging import Staging
 from .templates import DenseTemplate
 
@@ -25,7 +25,7 @@ class DenseSteps:
     allow_pickle: bool
     _filenames: list[str]
     _file_ids: dict[str, int]
-    _schema: FileSchemas
+    _catalog: LayoutCatalog
     _staging: Staging
     _rows: np.ndarray
     _n_rows: int
@@ -46,15 +46,14 @@ class DenseSteps:
 
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
-        same layouts, so item 0 is flattened and checked for all, the layout rule runs once per
-        file schema, and the bytes, index rows and journal entries of the frames are made a block
-        at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
+        same layouts, so item 0 is flattened and checked for all, and the bytes and journal rows
+        of the frames are made a block at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
         (nothing done) when a key of the batch was written before or repeats in it: the
         item-by-item path applies the duplicate policy."""
         n = len(names)
         base = len(self._filenames)
-        # The common batch: n files never written before, each once. Their ids are the next n, no
-        # key can repeat, and every file's schema before the frame is the empty one.
+        # The common batch: n files never written before, each once. Their ids are the next n and
+        # no key can repeat.
         fresh = self._file_ids.keys().isdisjoint(names) and len(set(names)) == n
         file_ids: Any
         new_names: dict[str, int] = {}
@@ -78,33 +77,16 @@ class DenseSteps:
         template = self._dense_template(names, frames, columns)
         if template is None:
             return False
-        layouts = template.layouts
-        # The layout rule: once per (file schema before the frame); a file may repeat with other frames.
-        moves: dict[int, tuple[int, tuple[int, ...]]] = {}
-        schemas: dict[int, int] = {}
-        if fresh and template.fresh_move is not None:
-            moves[0] = template.fresh_move
-        elif fresh:
-            moves[0] = self._schema.check(base, layouts, 0)
-        for fid in file_ids if not fresh else ():
-            cur = schemas.get(fid)
-            if cur is None:
-                cur = self._schema.schema_of(fid)
-            move = moves.get(cur)
-            if move is None:
-                move = moves[cur] = self._schema.check(fid, layouts, cur)
-            schemas[fid] = move[0]
         rows = [as_rows(columns[path], n) for path in template.paths]
         self._last_dense = template
+        if template.ids is None:  # ids in the catalog never change: once per template
+            template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
+        layout_ids = template.ids
         if fresh:
-            layout_ids = self._schema.accept_new_files(n, moves[0][0], layouts, moves[0][1])
-            # the move from the empty schema is the same for every later batch of new files
-            template.fresh_move = (moves[0][0], layout_ids)
             self._filenames.extend(names)
             self._file_ids.update(zip(names, range(base, base + n), strict=True))
             self._stage_frames(names, frames, None, layout_ids, rows, _frame_array(frames))
             return True
-        layout_ids = self._schema.accept_files(schemas, layouts, next(iter(moves.values()))[1])
         self._filenames.extend(new_names)
         self._file_ids.update(new_names)
         self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows, _frame_array(frames))
@@ -115,32 +97,29 @@ class DenseSteps:
         columns: list[np.ndarray],
     ) -> bool:  # fmt: skip
         """``_put_dense`` of a flat dict batch whose structure an earlier batch of new files had
-        (``_learn_flat``): when every filename is new and none repeats, the layout rule's move
-        and the catalog ids are the template's and nothing else needs a look. ``columns``: each
+        (``_learn_flat``): when every filename is new and none repeats, the catalog ids are the
+        template's and nothing else needs a look. ``columns``: each
         leaf's rows in the dict's order; ``zero``: every frame index is 0. False (nothing done)
         when a filename was written before or repeats: the general way handles the batch."""
         template, order = fast
         n, base = len(names), len(self._filenames)
         file_ids = self._file_ids
-        if template.fresh_move is None or not file_ids.keys().isdisjoint(names):
+        if template.ids is None or not file_ids.keys().isdisjoint(names):
             return False
         file_ids.update(zip(names, range(base, base + n), strict=True))
         if len(file_ids) != base + n:  # a filename repeats in the batch: none of them was there before
             for name in names:
                 file_ids.pop(name, None)
             return False
-        schema, layout_ids = template.fresh_move
-        self._schema.accept_new_files(n, schema, template.layouts, layout_ids)
         self._filenames.extend(names)
         rows = [columns[j] for j in order]
-        self._stage_frames(names, frames, None, layout_ids, rows, None if zero else _frame_array(frames))
+        self._stage_frames(names, frames, None, template.ids, rows, None if zero else _frame_array(frames))
         return True
 
     def _put_records(self, names: list[str], frames: list[int], zero: bool, items: list[Any]) -> bool:
         """``write_batch`` of dicts into new files a column at a time (``_write.columns.flat_columns``):
-        the first item taken is flattened and goes through the layout rule for all (the others'
-        leaves differ from its leaves only in their first dimension, which the rule does not look
-        at), and each length's layout joins the catalog once. Items holding an empty list are
+        the first item taken is flattened and checked for all (the others' leaves differ from its
+        leaves only in their first dimension), and each length's layout joins the catalog once. Items holding an empty list are
         checked before anything is staged and staged after, item by item. False (nothing done)
         when a filename was written before or repeats, or the items are not such dicts."""
         n, base = len(names), len(self._filenames)
@@ -153,28 +132,24 @@ class DenseSteps:
         leaves = first_leaves(cols, items, names, frames, self.allow_pickle)
         if leaves is None:
             return False  # the item-by-item way says what is wrong, naming the item
-        layouts = self._schema.layouts_of(leaves)
+        layouts = self._catalog.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
             try:
                 item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
             except SpillValueError as exc:
                 raise at_position(exc, i, n, names[i]) from None
-            others.append((names[i], frames[i], item_leaves, self._schema.layouts_of(item_leaves)))
-        schema, first_ids = self._schema.check(base, layouts, 0)
-        self._schema.accept_new_files(len(kept), schema, layouts, first_ids)
+            others.append((names[i], frames[i], item_leaves, self._catalog.layouts_of(item_leaves)))
+        self._catalog.accept(layouts, self._catalog.ids(layouts))
         layout_ids = np.empty_like(cols.lengths)
         for j, lay in enumerate(layouts):
             if lay.dtype == "strlist":  # shape (strings, bytes)
                 pairs = np.stack([cols.lengths[:, j], cols.sizes[:, j]], axis=1)
                 found, where = np.unique(pairs, axis=0, return_inverse=True)
-                ids = [
-                    self._schema.add_layout(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos))
-                    for m, nb in found.tolist()
-                ]
+                ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos)) for m, nb in found.tolist()]
             else:
                 found, where = np.unique(cols.lengths[:, j], return_inverse=True)
-                ids = self._schema.length_ids(lay, found.tolist())
+                ids = self._catalog.length_ids(lay, found.tolist())
             layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
@@ -192,9 +167,9 @@ class DenseSteps:
 
     def _learn_flat(self, sig: tuple[Any, ...]) -> None:
         """Remember the flat dict batch of signature ``sig`` that ``_put_dense`` just staged: once
-        its template knows a new file's move, the next batch like it takes ``_put_fresh``."""
+        its template knows its catalog ids, the next batch like it takes ``_put_fresh``."""
         template = self._last_dense
-        if template is None or template.fresh_move is None or len(self._flat_templates) >= 256:
+        if template is None or template.ids is None or len(self._flat_templates) >= 256:
             return
         keys = [entry[0] for entry in sig]
         # the template's leaves in flatten's order; each path of a flat dict is (key,)

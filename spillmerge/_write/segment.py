@@ -21,7 +21,7 @@ from .._format.zarr import array_meta, array_objects
 from .._spill.barrier import check_not_stale
 from .._spill.root import load_committed_keys
 from .._storage import Storage
-from .layouts import FileSchemas
+from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
 from .lifecycle import WriterState
 from .staging import Staging
@@ -50,7 +50,7 @@ class SegmentSteps:
     _staging: Staging
     _lock: threading.Lock
     _filenames: list[str]
-    _schema: FileSchemas
+    _catalog: LayoutCatalog
     _rows: np.ndarray
     _n_rows: int
     _dead_rows: list[tuple[int, int]]
@@ -98,7 +98,7 @@ class SegmentSteps:
         self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
         self._filenames: list[str] = []
         self._file_ids: dict[str, int] = {}
-        self._schema = FileSchemas(self.rank)
+        self._catalog = LayoutCatalog()
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
         self._fresh_keys: list[tuple[int, list[int], int, int]] = []
         """Keys of write_batch's batches of new files not yet in ``_keys`` (first file id, frames,
@@ -111,8 +111,8 @@ class SegmentSteps:
         writes a million new files)."""
         self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
         self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
-        """``_write.batch.flat_rows``' signature of a flat dict batch -> its template (with a new file's
-        move) and the dict position of each of its leaves (``_put_fresh``)."""
+        """``_write.batch.flat_rows``' signature of a flat dict batch -> its template (with its catalog
+        ids) and the dict position of each of its leaves (``_put_fresh``)."""
         self._last_dense: DenseTemplate | None = None
         self._frame_template: FrameTemplate | None = None
         self._py_template: PyTemplate | None = None
@@ -138,7 +138,7 @@ class SegmentSteps:
             self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
         self._staging.start(
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._schema.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
+            filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
         )  # fmt: skip
         self._state = WriterState.OPEN
 
@@ -199,7 +199,7 @@ class SegmentSteps:
         index_bytes = rows.astype("<i8").tobytes()
         checks = self._staging.checks()
         checks_bytes = checks.astype("<i8").tobytes()
-        catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._schema.layouts]})
+        catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._catalog.layouts]})
         # A few small objects, written concurrently on object stores (one round trip, not one each).
         objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
         objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))

@@ -1,13 +1,12 @@
 """Repeated value structures the writer recognises instead of re-deriving them.
 
 A job writes millions of values of one structure (``{"logits": fp16[1000], "emb": fp16[512]}``
-per image). What ``_write.flatten.flatten`` checks and yields, the layout rule's move from a new file's
-empty schema and the frame's catalog ids depend only on that structure, so the writer derives
-them once and keeps them here:
+per image). What ``_write.flatten.flatten`` checks and yields and the frame's catalog ids
+depend only on that structure, so the writer derives them once and keeps them here:
 
 - :class:`FrameTemplate` (``write``): the flat dict of host tensors / arrays of the last new
   file written; a value of the same keys, dtypes and shapes, C-contiguous on the host, is staged
-  from it without ``flatten``, ``Leaf`` records, the layout rule or a row list per frame.
+  from it without ``flatten``, ``Leaf`` records or a catalog lookup per frame.
 - :class:`PyTemplate` (``write``): the flat dict of Python scalars, ``str`` and lists of one
   Python number type of the last new file written the general way (an LLM output ``{text,
   token_ids, logprob, finish_reason}``); a value of the same keys in the same order, each of
@@ -37,7 +36,7 @@ from .._format.common import MARK, STRING_MAX_BYTES
 from .leaves import host_array
 
 if TYPE_CHECKING:
-    from .layouts import FileSchemas
+    from .layouts import LayoutCatalog
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +55,13 @@ class FrameTemplate:
     """Each leaf's bytes (all > 0)."""
     total: int
     """The frame's bytes."""
-    schema: int
-    """A new file's schema after one such frame (``FileSchemas``; a pure function of the frame's
-    leaf signatures)."""
     layout_ids: tuple[int, ...]
     """The frame's catalog layout ids (fixed once in the catalog)."""
 
     @staticmethod
-    def of(leaves: list[Any], schema: int, layout_ids: tuple[int, ...]) -> FrameTemplate | None:
+    def of(leaves: list[Any], layout_ids: tuple[int, ...]) -> FrameTemplate | None:
         """The template of a frame whose ``leaves`` came from ``_write.flatten.flatten_dense`` of a dict
-        (paths of one key, host uint8 views), accepted as ``(schema, layout_ids)`` into a new
-        file; None when a leaf is empty (the general way stages it)."""
+        (paths of one key, host uint8 views), staged into a new file with ``layout_ids``; None when a leaf is empty (the general way stages it)."""
         if not leaves or any(len(leaf.path) != 1 or not leaf.nbytes for leaf in leaves) or -1 in layout_ids:
             return None
         sizes = tuple(int(leaf.nbytes) for leaf in leaves)
@@ -79,7 +74,6 @@ class FrameTemplate:
             shapes=tuple(tuple(leaf.shape) for leaf in leaves),
             sizes=sizes,
             total=sum(sizes),
-            schema=schema,
             layout_ids=tuple(layout_ids),
         )
 
@@ -107,9 +101,8 @@ class DenseTemplate:
     """The batch's leaf paths (as given) in the order ``flatten`` puts the item's leaves."""
     layouts: list[FS.Layout]
     """The item's layouts, in that order."""
-    fresh_move: tuple[int, tuple[int, ...]] | None = None
-    """(schema, catalog layout ids) of a new file after one such frame, once a batch of new
-    files was accepted (ids in the catalog never change; the move is a pure function)."""
+    ids: tuple[int, ...] | None = None
+    """The layouts' catalog ids, once a batch of them was staged (ids in the catalog never change)."""
 
 
 _PY_PACK = {"pyint": struct.Struct("<q"), "pyfloat": struct.Struct("<d"), "pybool": struct.Struct("<?")}
@@ -138,13 +131,11 @@ class PyTemplate:
     """The leaves' layouts in the first frame (paths, dtypes and key positions of every frame)."""
     ids: tuple[dict[int, int], ...]
     """Per leaf: catalog layout id by the leaf's length (one entry for a scalar or ``None``)."""
-    schema: int
-    """A new file's schema after one such frame (the signatures do not depend on the lengths)."""
 
     @staticmethod
-    def of(value: dict[Any, Any], leaves: list[Any], schema: int, layout_ids: tuple[int, ...]) -> PyTemplate | None:
-        """The template of ``value``, whose ``leaves`` (``flatten``'s) were accepted into a new
-        file as ``(schema, layout_ids)``; None when it is not such a flat dict."""
+    def of(value: dict[Any, Any], leaves: list[Any], layout_ids: tuple[int, ...]) -> PyTemplate | None:
+        """The template of ``value``, whose ``leaves`` (``flatten``'s) were staged into a new
+        file with ``layout_ids``; None when it is not such a flat dict."""
         if len(leaves) != len(value) or not leaves or -1 in layout_ids or sys.byteorder != "little":
             return None
         kinds: list[tuple[int, type, Any]] = []
@@ -170,10 +161,10 @@ class PyTemplate:
             layouts.append(FS.Layout(leaf.path, dtype, tuple(leaf.shape), leaf.pos))
             ids.append({n: lid})
         order = tuple(value)
-        return PyTemplate(order, tuple(sorted(order)), tuple(kinds), tuple(layouts), tuple(ids), schema)
+        return PyTemplate(order, tuple(sorted(order)), tuple(kinds), tuple(layouts), tuple(ids))
 
     def match(
-        self, value: dict[Any, Any], schemas: FileSchemas
+        self, value: dict[Any, Any], catalog: LayoutCatalog
     ) -> tuple[bytes, list[int], int, tuple[int, ...]] | None:
         """``(bytes, sizes, total, layout_ids)`` of a frame of ``value`` when it has this
         structure: its leaves' bytes back to back (a leaf's length seen for the first time joins
@@ -215,7 +206,7 @@ class PyTemplate:
                 raw, n, size = b"", 0, 0
             lid = ids.get(n)
             if lid is None:
-                lid = ids[n] = schemas.add_layout(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
+                lid = ids[n] = catalog.add(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
             parts.append(raw)
             sizes.append(size)
             lids.append(lid)

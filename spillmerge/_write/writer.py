@@ -143,12 +143,12 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                     data = template.match(value)
                     if data is not None:  # a new file of the last new file's structure
                         t = template
-                        self._put_new(filename, frame, t.schema, data, t.sizes, t.total, t.layout_ids)
+                        self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
                         return
                 py = self._py_template
-                got = py.match(value, self._schema) if py is not None else None
+                got = py.match(value, self._catalog) if py is not None else None
                 if got is not None:  # a new file of the last Python dict's structure
-                    self._put_new(filename, frame, py.schema, *got)  # type: ignore[union-attr]
+                    self._put_new(filename, frame, *got)  # type: ignore[union-attr]
                     return
                 leaves = flatten_dense(value)  # the common value, without the general walk
                 dense = leaves is not None
@@ -156,11 +156,10 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                     leaves = flatten(value, filename, frame, self.allow_pickle)
                 layout_ids = self._put(filename, frame, leaves)
                 if layout_ids is not None:  # the next new file of this structure takes the template
-                    schema = self._schema.schema_of(len(self._filenames) - 1)
                     if dense:
-                        self._frame_template = FrameTemplate.of(leaves, schema, layout_ids)
+                        self._frame_template = FrameTemplate.of(leaves, layout_ids)
                     else:
-                        self._py_template = PyTemplate.of(value, leaves, schema, layout_ids) or self._py_template
+                        self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
                 return
             else:
                 leaves = flatten_dense(value)
@@ -169,14 +168,13 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
             self._put(filename, frame, leaves)
 
     def _put_new(
-        self, filename: str, frame: int, schema: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
+        self, filename: str, frame: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
         layout_ids: tuple[int, ...],
     ) -> None:  # fmt: skip
         """``_put`` of a frame of a new file whose value matched a template (``FrameTemplate``:
-        each leaf's bytes; ``PyTemplate``: the leaves' bytes joined): the layout rule's move and
-        the catalog ids are the template's."""
+        each leaf's bytes; ``PyTemplate``: the leaves' bytes joined), of the template's catalog
+        ids."""
         file_id = len(self._filenames)
-        self._schema.accept_new_files(1, schema, [], layout_ids)
         self._filenames.append(filename)
         self._file_ids[filename] = file_id
         first_row = self._n_rows
@@ -263,12 +261,11 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
     def _check_batch(
         self, names: list[str], frames: list[int], items: list[Any]
     ) -> list[tuple[str, int, list[Leaf], list[FS.Layout]]]:
-        """Flatten every item and run what ``_put`` would check (the layout rule, the duplicate
-        policy), in batch order, against the writer's state as the earlier items of the batch
+        """Flatten every item and run what ``_put`` would check (the duplicate policy), in
+        batch order, against the writer's state as the earlier items of the batch
         leave it, without changing anything: the batch is refused whole or staged whole."""
         n = len(names)
         out: list[tuple[str, int, list[Leaf], list[FS.Layout]]] = []
-        schemas: dict[int, int] = {}  # file id -> its schema after the batch's items so far
         new_ids: dict[str, int] = {}
         in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
         by_column = flatten_items(items, names)  # items of one structure: a column at a time
@@ -278,8 +275,8 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 file_id = self._file_ids.get(name)
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
-                layouts = self._schema.layouts_of(leaves)  # cached per frame shape, as _put's
-                new_schema, layout_ids = self._schema.check(file_id, layouts, schemas.get(file_id))
+                layouts = self._catalog.layouts_of(leaves)  # cached per frame shape, as _put's
+                layout_ids = self._catalog.ids(layouts)
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
                 # (a file the writer has not written yet has no key yet: no lookup)
@@ -305,7 +302,6 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                         continue
             except SpillValueError as exc:
                 raise at_position(exc, i, n, name) from None
-            schemas[file_id] = new_schema
             in_batch[key] = leaves
             out.append((name, frame, leaves, layouts))
         return out
@@ -313,15 +309,15 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
     def _put(
         self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout] | None = None
     ) -> tuple[int, ...] | None:
-        """Stage one checked frame: the layout rule, the duplicate policy, then its rows. Returns
+        """Stage one checked frame: the duplicate policy, then its rows. Returns
         the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
-        ``layouts``: the leaves' ``FileSchemas.layouts_of``, when the caller has them."""
+        ``layouts``: the leaves' ``LayoutCatalog.layouts_of``, when the caller has them."""
         file_id = self._file_ids.get(filename)
         if file_id is None:
             file_id = len(self._filenames)
         if layouts is None:
-            layouts = self._schema.layouts_of(leaves)
-        new_schema, layout_ids = self._schema.check(file_id, layouts)  # -1: not in the catalog yet
+            layouts = self._catalog.layouts_of(leaves)
+        layout_ids = self._catalog.ids(layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
         # A file never written has no key yet (its id is the next one).
         prev = self._key_map().get(key) if file_id < len(self._filenames) else None
@@ -343,7 +339,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 )
             self._dead_rows.append(prev)
             self._rewrites += 1  # "last": the earlier copy is dropped
-        layout_ids = self._schema.accept(file_id, new_schema, layouts, layout_ids)
+        layout_ids = self._catalog.accept(layouts, layout_ids)
         new_file = file_id == len(self._filenames)
         if new_file:
             self._filenames.append(filename)
