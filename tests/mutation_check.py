@@ -724,14 +724,6 @@ MUTATIONS: list[Mutation] = [
         "each row of a batch of flat records is indexed at its own bytes",
     ),
     Mutation(
-        "catalog-takes-layouts-of-staged-frames-only",
-        "spillmerge/_write/layouts.py",
-        "            cached = tuple([get(lay, -1) for lay in layouts])\n",
-        "            cached = tuple([self.add(lay) for lay in layouts])\n",
-        ("tests/write",),
-        "a frame or batch the writer refuses leaves no layout in the catalog",
-    ),
-    Mutation(
         "index-rows-of-handed-off-chunks",
         "spillmerge/_write/staging.py",
         "            self._sealed_rows.append(completed_rows(chunk))\n",
