@@ -347,8 +347,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "read-whole-chunk-by-chunk",
         "spillmerge/_format/invariants.py",
-        "    if n <= k:",
-        "    if True:",
+        "        if n > k:",
+        "        if False:",
         ("tests/read/test_nothing_lost_reader.py::test_a_whole_array_read_ends_at_its_first_absent_chunk",),
         "whole arrays are read chunk by chunk: a declared 2**40 rows allocates nothing",
     ),

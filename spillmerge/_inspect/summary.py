@@ -519,7 +519,7 @@ def _value_problems(
             out.extend(V.text_problems(c, V.read_array(col.values), np.asarray(col.offsets), shapes))
     out.extend(L.header_problems(L.read_lists(group)[0], list_offs, heads))
     whole = {n: c.info for n, c in columns.items() if not any(d.startswith(f"columns/{n}/") for d in damaged)}
-    out.extend(V.records_problems(whole, V.read_array))
+    out.extend(V.records_problems(whole))
     return out
 
 
