@@ -12,7 +12,7 @@ import re
 import socket
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -402,6 +402,15 @@ def int_field(obj: dict[str, Any], key: str, path: str, *, lo: int = 0, hi: int 
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise CorruptSpillError(f"{path}: field {key!r} must be an integer in [{lo}, {hi}], got {v!r}", path=path)
     return v
+
+
+def int_list(v: Any, *, lo: int = 0, hi: float = float("inf"), most: int | None = None) -> TypeGuard[list[int]]:
+    """``v`` is a JSON list (of at most ``most`` entries) of ints from ``lo`` up to below ``hi``."""
+    return isinstance(v, list) and (most is None or len(v) <= most) and all(type(d) is int and lo <= d < hi for d in v)
+
+
+def str_list(v: Any) -> TypeGuard[list[str]]:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
 
 
 def str_or_none(obj: dict[str, Any], key: str, path: str) -> str | None:

@@ -36,11 +36,7 @@ def check_pos(pos: Any, leaf: Path, where: str) -> tuple[int, ...] | None:
     """A catalog layout's ``pos`` as stored, checked: one int >= -1 per leaf segment."""
     if pos is None:
         return None
-    if (
-        not isinstance(pos, list)
-        or len(pos) != len(leaf)
-        or not all(type(p) is int and -1 <= p < (1 << 31) for p in pos)
-    ):
+    if not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf):
         raise CorruptSpillError(f"{where}: layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}",
                                 path=where)  # fmt: skip
     return tuple(pos)
@@ -291,11 +287,7 @@ class KeyOrders:
             if not isinstance(entry, list):
                 raise CorruptSpillError(bad, path=where)
             for item in entry:
-                if (
-                    not isinstance(item, list)
-                    or len(item) != 2
-                    or not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in item)
-                ):
+                if not isinstance(item, list) or len(item) != 2 or not all(F.str_list(x) for x in item):
                     raise CorruptSpillError(bad, path=where)
                 spec[tuple(item[0])] = {k: i for i, k in enumerate(item[1])}
             self._specs.append(spec)

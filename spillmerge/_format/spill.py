@@ -26,8 +26,10 @@ from .common import (
     failure_read,
     get_dtype,
     int_field,
+    int_list,
     loads,
     shape_problem,
+    str_list,
     str_or_none,
 )
 from .keyorder import check_pos
@@ -288,14 +290,10 @@ class Layout:
         if not isinstance(obj, dict):
             raise CorruptSpillError(f"{path}: layout must be an object", path=path)
         leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
-        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf) or len(leaf) > 64:
+        if not str_list(leaf) or len(leaf) > 64:
             raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
         get_dtype(dtype, path=path)
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
-        ):
+        if not int_list(shape, hi=1 << 40, most=MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
         want = _LAYOUT_NDIM.get(str(dtype))
         if want is not None and len(shape) != want:
@@ -416,14 +414,13 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
     if len(raw) != n * INDEX_COLUMNS * 8:
         raise CorruptSpillError(f"{path}: journal rows do not match n_rows", path=path)
     files, lays = h.get("filenames"), h.get("layouts")
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files) or not isinstance(lays, list):
+    if not str_list(files) or not isinstance(lays, list):
         raise CorruptSpillError(f"{path}: journal catalog entries malformed", path=path)
     checks = None
     if "checks" in h:
         raw_checks = h.get("checks")
         if not isinstance(raw_checks, list) or not all(
-            isinstance(c, list) and len(c) == CHECK_COLUMNS and all(type(v) is int and 0 <= v < (1 << 56) for v in c)
-            for c in raw_checks
+            int_list(c, hi=1 << 56) and len(c) == CHECK_COLUMNS for c in raw_checks
         ):
             raise CorruptSpillError(f"{path}: journal checks malformed", path=path)
         checks = np.array(raw_checks, dtype=np.int64).reshape(len(raw_checks), CHECK_COLUMNS)
