@@ -17,7 +17,6 @@ from . import output as FO
 Problem = tuple[str, str]
 """(path relative to the output, what is wrong): one broken invariant of an output."""
 
-OFFSET_KINDS = frozenset({"ragged", "bytes", "pickle", "strlist"})
 STRING_KINDS = frozenset({"str", "strlist"})
 
 
@@ -193,33 +192,26 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
 def _column_meta_problems(c: StoredColumn) -> list[Problem]:
     """Storage types and array presence of one column (lengths are checked against ``n_rows`` by
     :func:`column_problems`)."""
-    rel, has_valid = f"columns/{c.name}", c.has_valid
-    a = c.arrays
-    out: list[Problem] = []
-    # str / strlist are stored as uint8 bytes + byte offsets (strlist: + strings per row in shapes)
-    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS or c.kind in STRING_KINDS else [])
+    rel, a = f"columns/{c.name}", c.arrays
+    # every kind but fixed has offsets (of bytes for strings); strlist and flat ragged, shapes
+    need = ["values"] + (["offsets"] if c.kind != "fixed" else [])
     if (c.kind == "ragged" and c.inner_shape is None) or c.kind == "strlist":
         need.append("shapes")
-    if has_valid:
-        need.append("valid")
-    for k in need:
-        if k not in a:
-            out.append((f"{rel}/{k}", f"missing from the {c.kind} column"))
+    need += ["valid"] if c.has_valid else []
+    out: list[Problem] = [(f"{rel}/{k}", f"missing from the {c.kind} column") for k in need if k not in a]
     if out:
         return out
-    if "valid" in a and not has_valid:
+    if "valid" in a and not c.has_valid:
         out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
     for k, arr in sorted(a.items()):
         out.extend(grid_problems(f"{rel}/{k}", arr))
     if out:
         return out
     v = a["values"]
-    if c.kind in STRING_KINDS:
+    if c.kind not in FO.NUMERIC_KINDS:
         if v.dtype != np.uint8:
-            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8 (UTF-8 bytes), not {v.dtype}"))
-    elif c.kind in ("bytes", "pickle"):
-        if v.dtype != np.uint8:
-            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8, not {v.dtype}"))
+            text = " (UTF-8 bytes)" if c.kind in STRING_KINDS else ""
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8{text}, not {v.dtype}"))
     else:
         storage = np.dtype(F.DTYPES[c.dtype].storage)
         if v.dtype != storage:

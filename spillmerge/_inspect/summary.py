@@ -108,10 +108,8 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     from .._read.store import MergedStore
 
-    complete = storage.exists(FO.COMPLETE_NAME)
-    if not complete:
-        raw = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))
-        return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
+    if not storage.exists(FO.COMPLETE_NAME):
+        return {"kind": "merged", "path": storage.describe(), "complete": False, **(header(storage) or {})}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
