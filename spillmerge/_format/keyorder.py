@@ -167,20 +167,22 @@ def _number_layouts(segments: Sequence[Any]) -> tuple[list[Sig], list[np.ndarray
 def _rows(
     segments: Sequence[Any], lay_sigs: list[np.ndarray], file_ids: Sequence[np.ndarray], step: int,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
-    """The index rows of positioned layouts in merge order (segment by segment, then row order),
-    ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
+    """The index rows of positioned layouts and known files in merge order (segment by segment,
+    then row order), ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
     for si, s in enumerate(segments):
         lay_sig = lay_sigs[si]
-        if not (lay_sig >= 0).any():
+        if not (lay_sig >= 0).any() or not s.n_rows:
             continue  # no dict out of sorted order here: its index is not read
-        n = getattr(s, "n_rows", None)  # a segment read when used knows it from its commit record
-        if not (len(s.index) if n is None else n):
-            continue
         fmap = np.asarray(file_ids[si], dtype=np.int64)
-        block: Any = None
-        for block in _index_blocks(s, step):
-            yield from _pick(np.asarray(block), lay_sig, fmap)
-        del block  # before the next segment is read: one segment's index at a time
+        ib: Any = None
+        for ib in map(np.asarray, _index_blocks(s, step)):
+            sig, g = lay_sig[ib[:, 2]], fmap[ib[:, 0]]  # COL_LAYOUT, COL_FILE
+            ok = (sig >= 0) & (g >= 0)
+            if ok.all():  # the common case: no copies
+                yield g, sig
+            elif ok.any():
+                yield g[ok], sig[ok]
+        del ib  # before the next segment is read: one segment's index at a time
 
 
 def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
@@ -191,22 +193,9 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
         yield from s.rows(step)
         return
     idx = s.index
-    release = getattr(s, "release", None)
-    if release is not None:
-        release()
+    s.release()
     for a, b in _spans(len(idx), step):
         yield idx[a:b]
-
-
-def _pick(ib: np.ndarray, lay_sig: np.ndarray, fmap: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The files and layout numbers of index rows ``ib`` of positioned layouts and known files."""
-    sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
-    g = fmap[ib[:, 0]]  # COL_FILE
-    ok = (sig >= 0) & (g >= 0)
-    if ok.all():  # the common case: no copies
-        yield g, sig
-    elif ok.any():
-        yield g[ok], sig[ok]
 
 
 def output_orders(
