@@ -250,7 +250,7 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
                 markeredgewidth=2,
             )
     ax.set_yticks(range(len(files)))
-    ax.set_yticklabels([_short(f.filename) for f in files], fontsize=7)
+    ax.set_yticklabels([f.filename if len(f.filename) <= 40 else "…" + f.filename[-39:] for f in files], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("frame index")
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
@@ -267,7 +267,3 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
         raise SpillMergeError(f"cannot write the plot to {png}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
-
-
-def _short(name: str, n: int = 40) -> str:
-    return name if len(name) <= n else "…" + name[-(n - 1) :]

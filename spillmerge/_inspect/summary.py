@@ -187,11 +187,8 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append(f"  dtypes: {', '.join(s['dtypes']) or '-'}")
         for r in s["ranks"]:
             for e in r["segments"]:
-                extra = (
-                    f"{e.get('frames', 0)} frames, {e.get('files', 0)} files, {_human(e.get('bytes', 0))}"
-                    if e["status"] == "committed"
-                    else ""
-                )
+                done = e["status"] == "committed"  # (a committed entry has the counts)
+                extra = f"{e['frames']} frames, {e['files']} files, {_human(e['bytes'])}" if done else ""
                 err = f"  ERROR: {e['error']}" if "error" in e else ""
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
@@ -508,7 +505,7 @@ def _value_problems(
     for col in columns.values():
         c: V.StoredColumn = col.info
         readable = f"columns/{c.name}/values" not in damaged
-        if _is_list_head(c):
+        if c.dtype in ("pylist", "pytuple") and c.kind == "fixed":  # a list header
             valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
             lengths = np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None
             heads.append((c, valid, lengths))
@@ -519,7 +516,3 @@ def _value_problems(
     whole = {n: c.info for n, c in columns.items() if not any(d.startswith(f"columns/{n}/") for d in damaged)}
     out.extend(V.records_problems(whole))
     return out
-
-
-def _is_list_head(c: V.StoredColumn) -> bool:
-    return c.dtype in ("pylist", "pytuple") and c.kind == "fixed"
