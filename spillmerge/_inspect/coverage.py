@@ -182,7 +182,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
             continue
         fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
         keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-        cols["file"].append(fmap[keys[:, 0]] if len(keys) else np.zeros(0, np.int64))
+        cols["file"].append(fmap[keys[:, 0]])
         cols["frame"].append(keys[:, 1])
         cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
         cols["order"].append(np.full(len(keys), order, np.int64))

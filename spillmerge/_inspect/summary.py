@@ -29,9 +29,7 @@ from .._util.units import size_text as _human
 def detect(storage: Storage) -> str:
     """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
     kind = what_is(storage)
-    if kind in ("missing", "file"):
-        raise not_an_output(storage, kind)
-    if header(storage) is not None:
+    if kind not in ("missing", "file") and header(storage) is not None:
         return "merged"
     if kind == "spill":
         return "spill"
