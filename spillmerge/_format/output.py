@@ -3,6 +3,7 @@ headers, completion marker, part records) and what a path holds when it is no ou
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import asdict, dataclass
@@ -94,9 +95,7 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         dt = meta.get("data_type")
         if first != "bytes" or not isinstance(dt, str):
             raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
-        row = np.dtype(dt).itemsize
-        for c in chunks[1:]:
-            row *= c
+        row = np.dtype(dt).itemsize * math.prod(chunks[1:])
         decoded = row * chunks[0]
         if decoded > max(MAX_CHUNK_BYTES, row):
             raise ValueError(

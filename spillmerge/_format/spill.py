@@ -4,6 +4,7 @@ columns, and its records (segment header, catalog layouts, journal, commit and f
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -270,10 +271,7 @@ class Layout:
             return self.shape[1]
         if not dt.numeric:
             return self.shape[0] if self.shape else 0
-        n = dt.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return dt.itemsize * math.prod(self.shape)
 
     @property
     def kind(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -411,9 +412,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
         damaged.add(name)
         return
     grid = tuple(int(n) for n in arr.cdata_shape)
-    declared = 1
-    for n in grid:
-        declared *= n
+    declared = math.prod(grid)
     present: list[tuple[int, ...]] = []
     prefix = f"{name}/c/"
     for rel, _ in stored:
