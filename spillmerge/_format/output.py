@@ -369,10 +369,9 @@ def header(storage: Storage) -> dict[str, Any] | None:
         obj = loads(raw, path=storage.describe("zarr.json"))
     except CorruptSpillError:
         return None
-    head = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
-    if isinstance(head, dict) and head.get("kind") == "merged":
-        return head
-    return None
+    attrs = obj.get("attributes") if isinstance(obj, dict) else None
+    head = attrs.get("spillmerge") if isinstance(attrs, dict) else None
+    return head if isinstance(head, dict) and head.get("kind") == "merged" else None
 
 
 def what_is(storage: Storage) -> str:

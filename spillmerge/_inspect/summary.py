@@ -426,7 +426,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
     missing = declared - len(present)
     if missing:
         damaged.add(name)
-        if missing <= MISSING_LISTED and declared <= len(present) + MISSING_LISTED:
+        if missing <= MISSING_LISTED:
             have = set(present)
             for coords in itertools.product(*(range(n) for n in grid)):
                 if coords not in have:
