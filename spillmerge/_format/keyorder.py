@@ -283,9 +283,8 @@ class KeyOrders:
         end = 0
         for run in obj["runs"]:
             if (
-                not isinstance(run, list)
+                not F.int_list(run)
                 or len(run) != 3
-                or not all(type(v) is int for v in run)
                 or not end <= run[0] < run[1] <= n_files
                 or not 0 <= run[2] < len(self._specs)
             ):
