@@ -239,16 +239,8 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
         for r, bars in by_rank.items():
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[r], linewidth=0)
         dup = f.duplicated()
-        if len(dup):
-            ax.plot(
-                dup,
-                np.full(len(dup), y + 0.3),
-                linestyle="none",
-                marker="|",
-                color="black",
-                markersize=12,
-                markeredgewidth=2,
-            )
+        if len(dup):  # a black tick above each (the "|" marker, no line)
+            ax.plot(dup, np.full(len(dup), y + 0.3), "|", color="black", markersize=12, markeredgewidth=2)
     ax.set_yticks(range(len(files)))
     ax.set_yticklabels([f.filename if len(f.filename) <= 40 else "…" + f.filename[-39:] for f in files], fontsize=7)
     ax.invert_yaxis()
