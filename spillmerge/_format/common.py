@@ -228,12 +228,6 @@ def dtype_text(dtype: str, ndim: int | None = 0) -> str:
     return _SHOWN_HEADERS.get(dtype, dtype)
 
 
-def get_dtype(name: object, *, path: str = "?") -> DType:
-    if not isinstance(name, str) or name not in DTYPES:
-        raise CorruptSpillError(f"{path}: unknown dtype {name!r}", path=path)
-    return DTYPES[name]
-
-
 # --------------------------------------------------------------------------------------------
 # leaf path segments of the value model (docs/FORMAT.md section 1, *Value model*)
 

@@ -25,7 +25,6 @@ from .common import (
     dumps,
     failure_now,
     failure_read,
-    get_dtype,
     int_field,
     int_list,
     loads,
@@ -290,13 +289,14 @@ class Layout:
         leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
         if not str_list(leaf) or len(leaf) > 64:
             raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
-        get_dtype(dtype, path=path)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
         if not int_list(shape, hi=1 << 40, most=MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
-        want = _LAYOUT_NDIM.get(str(dtype))
+        want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        lay = cls(tuple(leaf), str(dtype), tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
+        lay = cls(tuple(leaf), dtype, tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
