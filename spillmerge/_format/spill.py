@@ -312,9 +312,6 @@ class Layout:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay
 
-    def leaf_name(self) -> str:
-        return "/".join(self.leaf) if self.leaf else "<tensor>"
-
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:
     """What is wrong with the bytes of a ``str`` leaf (valid UTF-8) or a ``strlist`` leaf of

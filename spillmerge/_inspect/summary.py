@@ -344,7 +344,8 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
             # what the merge's copy checks of text (a hand edit with its CRC fixed up)
             bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
             if bad is not None:
-                where = f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r}"
+                leaf = "/".join(lay.leaf) or "<tensor>"
+                where = f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {leaf!r}"
                 rep.problems.append(f"{where} holds {bad}: the merge would refuse it")
         bar.update(nb)
 
