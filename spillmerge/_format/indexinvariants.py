@@ -19,8 +19,6 @@ PROVENANCE = ("frame_rank", "frame_copies")
 def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list[Problem]:
     """``index/filenames`` strictly ascending in code point order (so distinct); ``filenames``
     is an object array of ``str``."""
-    if len(filenames) < 2:
-        return []
     bad = np.flatnonzero(~(filenames[1:] > filenames[:-1]))
     if not len(bad):
         return []

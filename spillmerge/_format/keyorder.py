@@ -310,8 +310,6 @@ class KeyOrders:
 
     def of_file(self, i: int) -> Spec | None:
         """File ``i``'s key orders; None when its dicts are in sorted order."""
-        if not self._starts:
-            return None
         k = bisect.bisect_right(self._starts, i) - 1
         if k < 0 or i >= self._ends[k]:
             return None
