@@ -190,10 +190,8 @@ _RAW = {
 DTYPES: dict[str, DType] = {}
 RAW_BITS = frozenset(_RAW)
 """Dtypes stored as raw bits of an unsigned type (read back through ``ml_dtypes`` / torch views)."""
-for _n in _NATIVE:
-    DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
-for _n, _s in _RAW.items():
-    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+for _n, _s in {**{n: n for n in _NATIVE}, **_RAW}.items():
+    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, _n == _s)
 #: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
 #: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
 #: ``[]`` for ``none``).
@@ -206,10 +204,8 @@ for _n in NON_NUMERIC:
 #: int64 0-d values holding a container's length.
 PY_SCALARS = {"pybool": "bool", "pyint": "int64", "pyfloat": "float64", "pycomplex": "complex128"}
 PY_HEADERS = ("pylist", "pytuple", "pydict", "pyrecords")
-for _n, _s in PY_SCALARS.items():
+for _n, _s in {**PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}.items():
     DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
-for _n in PY_HEADERS:
-    DTYPES[_n] = DType(_n, 8, "int64", False)
 
 
 _SHOWN = {"pybool": "bool", "pyint": "int", "pyfloat": "float", "pycomplex": "complex"}
