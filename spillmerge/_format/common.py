@@ -209,7 +209,7 @@ for _n, _s in {**PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}.items():
 
 
 _SHOWN = {"pybool": "bool", "pyint": "int", "pyfloat": "float", "pycomplex": "complex"}
-_SHOWN_HEADERS = {"pylist": "list", "pytuple": "tuple", "pydict": "dict", "pyrecords": "list[dict]"}
+_SHOWN_AS = {"pylist": "list", "pytuple": "tuple", "pydict": "dict", "pyrecords": "list[dict]", "strlist": "list[str]"}
 
 
 def dtype_text(dtype: str, ndim: int | None = 0) -> str:
@@ -219,9 +219,7 @@ def dtype_text(dtype: str, ndim: int | None = 0) -> str:
     if dtype in _SHOWN:
         n = ndim if isinstance(ndim, int) and 0 <= ndim <= 8 else 0
         return "list[" * n + _SHOWN[dtype] + "]" * n
-    if dtype == "strlist":
-        return "list[str]"
-    return _SHOWN_HEADERS.get(dtype, dtype)
+    return _SHOWN_AS.get(dtype, dtype)
 
 
 # --------------------------------------------------------------------------------------------
