@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -323,13 +324,8 @@ def hashed_name(name: str) -> str:
 def node_names(names: list[str]) -> dict[str, str]:
     """Map each string to a zarr node name that is safe on every filesystem and unique, also
     case-insensitively, among ``names``. Deterministic for a given set of names."""
-    folded: dict[str, int] = {}
-    for n in names:
-        if _plain_ok(n):
-            folded[n.lower()] = folded.get(n.lower(), 0) + 1
-    out: dict[str, str] = {}
-    for n in names:
-        out[n] = n if _plain_ok(n) and folded[n.lower()] == 1 else hashed_name(n)
+    folded = Counter(n.lower() for n in names if _plain_ok(n))
+    out = {n: n if _plain_ok(n) and folded[n.lower()] == 1 else hashed_name(n) for n in names}
     if len(set(out.values())) != len(out):  # 64-bit hash collision: refuse rather than overwrite
         raise CorruptSpillError("two names map to the same node name; rename one of them")
     return out
