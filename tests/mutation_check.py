@@ -347,8 +347,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "read-whole-chunk-by-chunk",
         "spillmerge/_format/invariants.py",
-        "    if n <= k:",
-        "    if True:",
+        "        if n > k:",
+        "        if False:",
         ("tests/read/test_nothing_lost_reader.py::test_a_whole_array_read_ends_at_its_first_absent_chunk",),
         "whole arrays are read chunk by chunk: a declared 2**40 rows allocates nothing",
     ),
@@ -428,7 +428,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g26-valid-without-has-valid",
         "spillmerge/_format/invariants.py",
-        '    if "valid" in a and not has_valid:',
+        '    if "valid" in a and not c.has_valid:',
         "    if False:",
         ("tests/project/test_guarded_checks.py::test_a_valid_array_the_header_does_not_declare_is_refused",),
         "a valid array where the column header says there is none is refused",

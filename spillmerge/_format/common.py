@@ -11,8 +11,9 @@ import os
 import re
 import socket
 import traceback
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -190,10 +191,8 @@ _RAW = {
 DTYPES: dict[str, DType] = {}
 RAW_BITS = frozenset(_RAW)
 """Dtypes stored as raw bits of an unsigned type (read back through ``ml_dtypes`` / torch views)."""
-for _n in _NATIVE:
-    DTYPES[_n] = DType(_n, np.dtype(_n).itemsize, _n, True)
-for _n, _s in _RAW.items():
-    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+for _n, _s in {**{n: n for n in _NATIVE}, **_RAW}.items():
+    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, _n == _s)
 #: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
 #: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
 #: ``[]`` for ``none``).
@@ -206,14 +205,12 @@ for _n in NON_NUMERIC:
 #: int64 0-d values holding a container's length.
 PY_SCALARS = {"pybool": "bool", "pyint": "int64", "pyfloat": "float64", "pycomplex": "complex128"}
 PY_HEADERS = ("pylist", "pytuple", "pydict", "pyrecords")
-for _n, _s in PY_SCALARS.items():
+for _n, _s in {**PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}.items():
     DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
-for _n in PY_HEADERS:
-    DTYPES[_n] = DType(_n, 8, "int64", False)
 
 
 _SHOWN = {"pybool": "bool", "pyint": "int", "pyfloat": "float", "pycomplex": "complex"}
-_SHOWN_HEADERS = {"pylist": "list", "pytuple": "tuple", "pydict": "dict", "pyrecords": "list[dict]"}
+_SHOWN_AS = {"pylist": "list", "pytuple": "tuple", "pydict": "dict", "pyrecords": "list[dict]", "strlist": "list[str]"}
 
 
 def dtype_text(dtype: str, ndim: int | None = 0) -> str:
@@ -223,15 +220,7 @@ def dtype_text(dtype: str, ndim: int | None = 0) -> str:
     if dtype in _SHOWN:
         n = ndim if isinstance(ndim, int) and 0 <= ndim <= 8 else 0
         return "list[" * n + _SHOWN[dtype] + "]" * n
-    if dtype == "strlist":
-        return "list[str]"
-    return _SHOWN_HEADERS.get(dtype, dtype)
-
-
-def get_dtype(name: object, *, path: str = "?") -> DType:
-    if not isinstance(name, str) or name not in DTYPES:
-        raise CorruptSpillError(f"{path}: unknown dtype {name!r}", path=path)
-    return DTYPES[name]
+    return _SHOWN_AS.get(dtype, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,13 +324,8 @@ def hashed_name(name: str) -> str:
 def node_names(names: list[str]) -> dict[str, str]:
     """Map each string to a zarr node name that is safe on every filesystem and unique, also
     case-insensitively, among ``names``. Deterministic for a given set of names."""
-    folded: dict[str, int] = {}
-    for n in names:
-        if _plain_ok(n):
-            folded[n.lower()] = folded.get(n.lower(), 0) + 1
-    out: dict[str, str] = {}
-    for n in names:
-        out[n] = n if _plain_ok(n) and folded[n.lower()] == 1 else hashed_name(n)
+    folded = Counter(n.lower() for n in names if _plain_ok(n))
+    out = {n: n if _plain_ok(n) and folded[n.lower()] == 1 else hashed_name(n) for n in names}
     if len(set(out.values())) != len(out):  # 64-bit hash collision: refuse rather than overwrite
         raise CorruptSpillError("two names map to the same node name; rename one of them")
     return out
@@ -402,6 +386,15 @@ def int_field(obj: dict[str, Any], key: str, path: str, *, lo: int = 0, hi: int 
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise CorruptSpillError(f"{path}: field {key!r} must be an integer in [{lo}, {hi}], got {v!r}", path=path)
     return v
+
+
+def int_list(v: Any, *, lo: int = 0, hi: float = float("inf"), most: int | None = None) -> TypeGuard[list[int]]:
+    """``v`` is a JSON list (of at most ``most`` entries) of ints from ``lo`` up to below ``hi``."""
+    return isinstance(v, list) and (most is None or len(v) <= most) and all(type(d) is int and lo <= d < hi for d in v)
+
+
+def str_list(v: Any) -> TypeGuard[list[str]]:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
 
 
 def str_or_none(obj: dict[str, Any], key: str, path: str) -> str | None:

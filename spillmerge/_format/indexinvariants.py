@@ -19,8 +19,6 @@ PROVENANCE = ("frame_rank", "frame_copies")
 def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list[Problem]:
     """``index/filenames`` strictly ascending in code point order (so distinct); ``filenames``
     is an object array of ``str``."""
-    if len(filenames) < 2:
-        return []
     bad = np.flatnonzero(~(filenames[1:] > filenames[:-1]))
     if not len(bad):
         return []
@@ -60,9 +58,7 @@ def meta_problems(
     if n_layout != n:
         out.append(("index/file_layout", f"{n_layout} entries for {n} files in index/filenames"))
     layouts = header.get("file_layouts")
-    if not isinstance(layouts, list) or not all(
-        isinstance(lay, list) and all(isinstance(c, str) for c in lay) for lay in layouts
-    ):
+    if not isinstance(layouts, list) or not all(F.str_list(lay) for lay in layouts):
         out.append(("zarr.json", f"the header's file_layouts {layouts!r:.200} is not a list of column-name lists"))
     else:
         for j, lay in enumerate(layouts):

@@ -17,7 +17,6 @@ from . import output as FO
 Problem = tuple[str, str]
 """(path relative to the output, what is wrong): one broken invariant of an output."""
 
-OFFSET_KINDS = frozenset({"ragged", "bytes", "pickle", "strlist"})
 STRING_KINDS = frozenset({"str", "strlist"})
 
 
@@ -27,11 +26,18 @@ def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpill
 
 
 def read_array(arr: Any, sel: Any = None) -> np.ndarray:
-    """``arr[sel]`` as numpy (``sel`` None: the whole array, see :func:`read_whole`); a damaged
-    chunk is a :class:`CorruptSpillError` naming the array (an absent one already is, from
-    ``NoFillStore``)."""
+    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array (an
+    absent one already is, from ``NoFillStore``). ``sel`` None: the whole array, read chunk row by
+    chunk row: zarr allocates a selection's result before it fetches a chunk, so reading the whole
+    of an array whose metadata declares ``2**40`` rows at once would allocate from metadata alone;
+    chunk by chunk, memory grows only with chunks that exist and decode (the chunk itself is
+    bounded by ``_format.output.chunk_limits``), and the first absent one ends the read."""
     if sel is None:
-        return read_whole(arr, lambda s: read_array(arr, s))
+        n = int(arr.shape[0]) if arr.ndim else 0
+        k = int(arr.chunks[0]) if arr.ndim else 1
+        if n > k:
+            return np.concatenate([read_array(arr, slice(a, min(n, a + k))) for a in range(0, n, k)])
+        sel = slice(None)
     try:
         return np.asarray(arr[sel])
     except SpillMergeError:
@@ -40,19 +46,6 @@ def read_array(arr: Any, sel: Any = None) -> np.ndarray:
         raise CorruptSpillError(
             f"{arr.store_path}: a chunk is corrupt ({type(exc).__name__}: {exc})", path=str(arr.store_path)
         ) from exc
-
-
-def read_whole(arr: Any, read: Callable[[slice], np.ndarray]) -> np.ndarray:
-    """The whole of ``arr``, read chunk row by chunk row (``read`` reads one slice): zarr
-    allocates a selection's result before it fetches a chunk, so reading the whole of an array
-    whose metadata declares ``2**40`` rows at once would allocate from metadata alone; chunk by
-    chunk, memory grows only with chunks that exist and decode (the chunk itself is bounded by
-    ``_format.output.chunk_limits``), and the first absent one ends the read."""
-    n = int(arr.shape[0]) if arr.ndim else 0
-    k = int(arr.chunks[0]) if arr.ndim else 1
-    if n <= k:
-        return read(slice(None))
-    return np.concatenate([read(slice(a, min(n, a + k))) for a in range(0, n, k)])
 
 
 def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -199,33 +192,26 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
 def _column_meta_problems(c: StoredColumn) -> list[Problem]:
     """Storage types and array presence of one column (lengths are checked against ``n_rows`` by
     :func:`column_problems`)."""
-    rel, has_valid = f"columns/{c.name}", c.has_valid
-    a = c.arrays
-    out: list[Problem] = []
-    # str / strlist are stored as uint8 bytes + byte offsets (strlist: + strings per row in shapes)
-    need = ["values"] + (["offsets"] if c.kind in OFFSET_KINDS or c.kind in STRING_KINDS else [])
+    rel, a = f"columns/{c.name}", c.arrays
+    # every kind but fixed has offsets (of bytes for strings); strlist and flat ragged, shapes
+    need = ["values"] + (["offsets"] if c.kind != "fixed" else [])
     if (c.kind == "ragged" and c.inner_shape is None) or c.kind == "strlist":
         need.append("shapes")
-    if has_valid:
-        need.append("valid")
-    for k in need:
-        if k not in a:
-            out.append((f"{rel}/{k}", f"missing from the {c.kind} column"))
+    need += ["valid"] if c.has_valid else []
+    out: list[Problem] = [(f"{rel}/{k}", f"missing from the {c.kind} column") for k in need if k not in a]
     if out:
         return out
-    if "valid" in a and not has_valid:
+    if "valid" in a and not c.has_valid:
         out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
     for k, arr in sorted(a.items()):
         out.extend(grid_problems(f"{rel}/{k}", arr))
     if out:
         return out
     v = a["values"]
-    if c.kind in STRING_KINDS:
+    if c.kind not in FO.NUMERIC_KINDS:
         if v.dtype != np.uint8:
-            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8 (UTF-8 bytes), not {v.dtype}"))
-    elif c.kind in ("bytes", "pickle"):
-        if v.dtype != np.uint8:
-            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8, not {v.dtype}"))
+            text = " (UTF-8 bytes)" if c.kind in STRING_KINDS else ""
+            out.append((f"{rel}/values", f"a {c.kind} column's values must be uint8{text}, not {v.dtype}"))
     else:
         storage = np.dtype(F.DTYPES[c.dtype].storage)
         if v.dtype != storage:
@@ -385,80 +371,69 @@ def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shap
     a list row's ``n`` uint32 lengths adding up to its bytes (offsets already checked)."""
     rel = f"columns/{c.name}/values"
     if c.kind == "str":
-        bounds = offsets
+        starts = offsets[:-1][np.diff(offsets) > 0]
     else:
         assert shapes is not None
-        pieces = [0]
+        values = values.copy()
+        found = []
         for r, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
             n = int(shapes[r, 0])
             lens = np.frombuffer(values[a : a + 4 * n].tobytes(), dtype="<u4").astype(np.int64)
             if a + 4 * n + int(lens.sum()) != b:
                 return [(rel, f"row {r}'s {n} string lengths do not add up to its {b - a} bytes")]
-            pieces.append(a + 4 * n)  # the length prefix: bytes, but never starts inside a character
-            pieces.extend((a + 4 * n + np.cumsum(lens)).tolist())
-        bounds = np.array(pieces, dtype=np.int64)
-        keep = np.ones(len(values), dtype=bool)
-        # prefixes are not text: check the strings alone, each starting at a boundary
-        for r, a in enumerate(offsets[:-1].tolist()):
-            keep[a : a + 4 * int(shapes[r, 0])] = False
-        starts = bounds[:-1][(np.diff(bounds) > 0)]
-        starts = starts[keep[starts]] if len(starts) else starts
-        text = values[keep]
-        try:
-            text.tobytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return [(rel, f"a string is not valid UTF-8 ({exc.reason})")]
-        if len(starts) and np.any((values[starts] & 0xC0) == 0x80):
-            return [(rel, "a string is not valid UTF-8 (starts inside a character)")]
-        return []
+            values[a : a + 4 * n] = 0  # the length prefixes are no text: NULs (valid UTF-8) in their place
+            found.append((a + 4 * n + np.cumsum(lens) - lens)[lens > 0])
+        starts = np.concatenate(found) if found else np.zeros(0, np.int64)
     try:
         values.tobytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         return [(rel, f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})")]
-    starts = bounds[:-1][np.diff(bounds) > 0]
-    if len(starts) and np.any((values[starts] & 0xC0) == 0x80):
-        r = int(
-            np.flatnonzero(
-                (np.diff(bounds) > 0) & ((values[np.minimum(bounds[:-1], max(len(values) - 1, 0))] & 0xC0) == 0x80)
-            )[0]
-        )
+    inside = starts[(values[starts] & 0xC0) == 0x80]
+    if len(inside):
+        r = int(np.searchsorted(offsets, inside[0], side="right")) - 1
         return [(rel, f"row {r} is not valid UTF-8 (starts inside a character)")]
     return []
 
 
-def list_lengths(c: StoredColumn, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+def _whole_ints(arr: Any) -> np.ndarray:
+    return np.asarray(read_array(arr), dtype=np.int64)
+
+
+def _has_value(c: StoredColumn, n: int) -> np.ndarray:
+    return np.asarray(read_array(c.arrays["valid"]), bool) if "valid" in c.arrays else np.ones(n, bool)
+
+
+def list_lengths(c: StoredColumn) -> np.ndarray:
     """Each row's length as a list (-1 where a row's value is not a list): a list header's
-    value, a numeric column's first dimension, a string list's count (``read``: an array, whole)."""
+    value, a numeric column's first dimension, a string list's count."""
     a = c.arrays
     n = int(a["valid"].shape[0]) if "valid" in a else None
     if c.leaf and c.leaf[-1] == F.MARK:  # a container header: its value
-        return header_values(c, read)
-    if c.kind == "strlist" or (c.kind == "ragged" and c.inner_shape is None):
-        if "shapes" in a:
-            return np.asarray(read(a["shapes"]), dtype=np.int64).reshape(int(a["shapes"].shape[0]), -1)[:, 0]
-        return np.diff(np.asarray(read(a["offsets"]), dtype=np.int64))
-    if c.kind == "ragged":
-        return np.diff(np.asarray(read(a["offsets"]), dtype=np.int64))
+        return header_values(c)
+    if "shapes" in a and (c.kind == "strlist" or (c.kind == "ragged" and c.inner_shape is None)):
+        return _whole_ints(a["shapes"]).reshape(int(a["shapes"].shape[0]), -1)[:, 0]
+    if c.kind in ("strlist", "ragged"):
+        return np.diff(_whole_ints(a["offsets"]))
     rows = int(a["offsets"].shape[0]) - 1 if "offsets" in a else int(a["values"].shape[0])
     width = int(a["values"].shape[1]) if c.kind == "fixed" and len(a["values"].shape) > 1 else -1
     return np.full(n if n is not None else rows, width, dtype=np.int64)
 
 
-def header_values(c: StoredColumn, read: Callable[[Any], np.ndarray]) -> np.ndarray:
+def header_values(c: StoredColumn) -> np.ndarray:
     """A container header's value per row (0 where a compact column holds none)."""
-    values = np.asarray(read(c.arrays["values"]), dtype=np.int64).reshape(-1)
+    values = _whole_ints(c.arrays["values"]).reshape(-1)
     if "offsets" not in c.arrays:
         return values
-    steps = np.diff(np.asarray(read(c.arrays["offsets"]), dtype=np.int64))
+    steps = np.diff(_whole_ints(c.arrays["offsets"]))
     out = np.zeros(len(steps), dtype=np.int64)
     out[steps > 0] = values[: int(np.count_nonzero(steps > 0))]
     return out
 
 
-def records_problems(cols: dict[str, StoredColumn], read: Callable[[Any], np.ndarray]) -> list[Problem]:
+def records_problems(cols: dict[str, StoredColumn]) -> list[Problem]:
     """Every row of a ``pyrecords`` header (a list of dicts) holds a list of that length under
     each key it has, and under at least one: what ``value()`` and ``to_arrow()`` check before
-    sizing anything by the header (``read``: an array, whole)."""
+    sizing anything by the header (arrays read whole)."""
     out: list[Problem] = []
     heads = [c for c in cols.values() if c.dtype == "pyrecords" and c.leaf and c.leaf[-1] == F.MARK]
     for h in heads:
@@ -470,13 +445,13 @@ def records_problems(cols: dict[str, StoredColumn], read: Callable[[Any], np.nda
                 or (len(c.leaf) == len(p) + 2 and c.leaf[-1] == F.MARK and not F.is_marker(c.leaf[-2]))
             )
         ]  # fmt: skip
-        n = header_values(h, read)
-        has = np.asarray(read(h.arrays["valid"]), bool) if "valid" in h.arrays else np.ones(len(n), bool)
+        n = header_values(h)
+        has = _has_value(h, len(n))
         held = np.zeros(len(n), bool)
         problem = None
         for k in keys:
-            got = list_lengths(k, read)
-            v = np.asarray(read(k.arrays["valid"]), bool) if "valid" in k.arrays else np.ones(len(got), bool)
+            got = list_lengths(k)
+            v = _has_value(k, len(got))
             if len(got) != len(n) or len(v) != len(n):
                 continue  # lengths against the rows: column_problems
             bad = np.flatnonzero(has & v & (got != n))

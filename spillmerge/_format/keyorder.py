@@ -36,11 +36,7 @@ def check_pos(pos: Any, leaf: Path, where: str) -> tuple[int, ...] | None:
     """A catalog layout's ``pos`` as stored, checked: one int >= -1 per leaf segment."""
     if pos is None:
         return None
-    if (
-        not isinstance(pos, list)
-        or len(pos) != len(leaf)
-        or not all(type(p) is int and -1 <= p < (1 << 31) for p in pos)
-    ):
+    if not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf):
         raise CorruptSpillError(f"{where}: layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}",
                                 path=where)  # fmt: skip
     return tuple(pos)
@@ -171,20 +167,22 @@ def _number_layouts(segments: Sequence[Any]) -> tuple[list[Sig], list[np.ndarray
 def _rows(
     segments: Sequence[Any], lay_sigs: list[np.ndarray], file_ids: Sequence[np.ndarray], step: int,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
-    """The index rows of positioned layouts in merge order (segment by segment, then row order),
-    ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
+    """The index rows of positioned layouts and known files in merge order (segment by segment,
+    then row order), ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
     for si, s in enumerate(segments):
         lay_sig = lay_sigs[si]
-        if not (lay_sig >= 0).any():
+        if not (lay_sig >= 0).any() or not s.n_rows:
             continue  # no dict out of sorted order here: its index is not read
-        n = getattr(s, "n_rows", None)  # a segment read when used knows it from its commit record
-        if not (len(s.index) if n is None else n):
-            continue
         fmap = np.asarray(file_ids[si], dtype=np.int64)
-        block: Any = None
-        for block in _index_blocks(s, step):
-            yield from _pick(np.asarray(block), lay_sig, fmap)
-        del block  # before the next segment is read: one segment's index at a time
+        ib: Any = None
+        for ib in map(np.asarray, _index_blocks(s, step)):
+            sig, g = lay_sig[ib[:, 2]], fmap[ib[:, 0]]  # COL_LAYOUT, COL_FILE
+            ok = (sig >= 0) & (g >= 0)
+            if ok.all():  # the common case: no copies
+                yield g, sig
+            elif ok.any():
+                yield g[ok], sig[ok]
+        del ib  # before the next segment is read: one segment's index at a time
 
 
 def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
@@ -195,22 +193,9 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
         yield from s.rows(step)
         return
     idx = s.index
-    release = getattr(s, "release", None)
-    if release is not None:
-        release()
+    s.release()
     for a, b in _spans(len(idx), step):
         yield idx[a:b]
-
-
-def _pick(ib: np.ndarray, lay_sig: np.ndarray, fmap: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The files and layout numbers of index rows ``ib`` of positioned layouts and known files."""
-    sig = lay_sig[ib[:, 2]]  # COL_LAYOUT
-    g = fmap[ib[:, 0]]  # COL_FILE
-    ok = (sig >= 0) & (g >= 0)
-    if ok.all():  # the common case: no copies
-        yield g, sig
-    elif ok.any():
-        yield g[ok], sig[ok]
 
 
 def output_orders(
@@ -291,20 +276,15 @@ class KeyOrders:
             if not isinstance(entry, list):
                 raise CorruptSpillError(bad, path=where)
             for item in entry:
-                if (
-                    not isinstance(item, list)
-                    or len(item) != 2
-                    or not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in item)
-                ):
+                if not isinstance(item, list) or len(item) != 2 or not all(F.str_list(x) for x in item):
                     raise CorruptSpillError(bad, path=where)
                 spec[tuple(item[0])] = {k: i for i, k in enumerate(item[1])}
             self._specs.append(spec)
         end = 0
         for run in obj["runs"]:
             if (
-                not isinstance(run, list)
+                not F.int_list(run)
                 or len(run) != 3
-                or not all(type(v) is int for v in run)
                 or not end <= run[0] < run[1] <= n_files
                 or not 0 <= run[2] < len(self._specs)
             ):
@@ -330,8 +310,6 @@ class KeyOrders:
 
     def of_file(self, i: int) -> Spec | None:
         """File ``i``'s key orders; None when its dicts are in sorted order."""
-        if not self._starts:
-            return None
         k = bisect.bisect_right(self._starts, i) - 1
         if k < 0 or i >= self._ends[k]:
             return None

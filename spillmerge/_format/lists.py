@@ -43,7 +43,7 @@ def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Prob
         rel = f"lists/{name}"
         attrs = grp.attrs.get("spillmerge") if isinstance(grp, zarr.Group) else None
         path = attrs.get("list") if isinstance(attrs, dict) else None
-        if not isinstance(path, list) or not path or not all(isinstance(s, str) for s in path) or path[-1] != F.ITEM:
+        if not F.str_list(path) or not path or path[-1] != F.ITEM:
             problems.append((rel, f"expected a list group whose header names a path ending in {F.ITEM!r}"))
             continue
         arrays = {k: a for k, a in grp.members(max_depth=0) if isinstance(a, zarr.Array)}

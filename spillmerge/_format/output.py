@@ -3,6 +3,7 @@ headers, completion marker, part records) and what a path holds when it is no ou
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import asdict, dataclass
@@ -25,10 +26,12 @@ from .common import (
     failure_now,
     failure_read,
     int_field,
+    int_list,
     int_or_none,
     item_index,
     loads,
     shape_problem,
+    str_list,
     str_or_none,
     utcnow,
 )
@@ -59,11 +62,7 @@ class ChunkLimits:
 def _ints(v: Any, what: str) -> list[int]:
     if isinstance(v, tuple):  # zarr's own metadata objects give tuples, JSON lists
         v = list(v)
-    if (
-        not isinstance(v, list)
-        or len(v) > MAX_NDIM + 1
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v)
-    ):
+    if not int_list(v, most=MAX_NDIM + 1):
         raise ValueError(f"{what} {v!r:.200} is not a list of at most {MAX_NDIM + 1} non-negative ints")
     return v
 
@@ -96,9 +95,7 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         dt = meta.get("data_type")
         if first != "bytes" or not isinstance(dt, str):
             raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
-        row = np.dtype(dt).itemsize
-        for c in chunks[1:]:
-            row *= c
+        row = np.dtype(dt).itemsize * math.prod(chunks[1:])
         decoded = row * chunks[0]
         if decoded > max(MAX_CHUNK_BYTES, row):
             raise ValueError(
@@ -305,7 +302,7 @@ class ColumnHeader:
         if not isinstance(obj, dict):
             raise bad("no spillmerge column header (leaf, kind, dtype)")
         leaf, kind, dtype = obj.get("leaf"), obj.get("kind"), obj.get("dtype")
-        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf):
+        if not str_list(leaf):
             raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
         if any(item_index(k) is not None for k in leaf):  # a spill's item position, never an output's
             raise bad(f"leaf {leaf!r:.200} names a list item by position (an output's list items are one path)")
@@ -324,10 +321,7 @@ class ColumnHeader:
         if not numeric and dtype != kind:
             raise bad(f"dtype {dtype!r:.50} of a {kind} column (must be {kind!r})")
         inner = obj.get("inner_shape")
-        if inner is not None and (
-            not isinstance(inner, list)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in inner)
-        ):
+        if inner is not None and not int_list(inner):
             raise bad(f"inner_shape {inner!r:.100} is not a list of non-negative ints")
         cmb = int_or_none(obj, "chunk_max_bytes")
         return cls(
@@ -375,10 +369,9 @@ def header(storage: Storage) -> dict[str, Any] | None:
         obj = loads(raw, path=storage.describe("zarr.json"))
     except CorruptSpillError:
         return None
-    head = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
-    if isinstance(head, dict) and head.get("kind") == "merged":
-        return head
-    return None
+    attrs = obj.get("attributes") if isinstance(obj, dict) else None
+    head = attrs.get("spillmerge") if isinstance(attrs, dict) else None
+    return head if isinstance(head, dict) and head.get("kind") == "merged" else None
 
 
 def what_is(storage: Storage) -> str:

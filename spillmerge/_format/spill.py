@@ -4,6 +4,7 @@ columns, and its records (segment header, catalog layouts, journal, commit and f
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -24,10 +25,11 @@ from .common import (
     dumps,
     failure_now,
     failure_read,
-    get_dtype,
     int_field,
+    int_list,
     loads,
     shape_problem,
+    str_list,
     str_or_none,
 )
 from .keyorder import check_pos
@@ -268,10 +270,7 @@ class Layout:
             return self.shape[1]
         if not dt.numeric:
             return self.shape[0] if self.shape else 0
-        n = dt.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return dt.itemsize * math.prod(self.shape)
 
     @property
     def kind(self) -> str:
@@ -288,19 +287,16 @@ class Layout:
         if not isinstance(obj, dict):
             raise CorruptSpillError(f"{path}: layout must be an object", path=path)
         leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
-        if not isinstance(leaf, list) or not all(isinstance(k, str) for k in leaf) or len(leaf) > 64:
+        if not str_list(leaf) or len(leaf) > 64:
             raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
-        get_dtype(dtype, path=path)
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
-        ):
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
+        if not int_list(shape, hi=1 << 40, most=MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
-        want = _LAYOUT_NDIM.get(str(dtype))
+        want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        lay = cls(tuple(leaf), str(dtype), tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
+        lay = cls(tuple(leaf), dtype, tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
@@ -315,9 +311,6 @@ class Layout:
         if bad is not None:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay
-
-    def leaf_name(self) -> str:
-        return "/".join(self.leaf) if self.leaf else "<tensor>"
 
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:
@@ -416,14 +409,13 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
     if len(raw) != n * INDEX_COLUMNS * 8:
         raise CorruptSpillError(f"{path}: journal rows do not match n_rows", path=path)
     files, lays = h.get("filenames"), h.get("layouts")
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files) or not isinstance(lays, list):
+    if not str_list(files) or not isinstance(lays, list):
         raise CorruptSpillError(f"{path}: journal catalog entries malformed", path=path)
     checks = None
     if "checks" in h:
         raw_checks = h.get("checks")
         if not isinstance(raw_checks, list) or not all(
-            isinstance(c, list) and len(c) == CHECK_COLUMNS and all(type(v) is int and 0 <= v < (1 << 56) for v in c)
-            for c in raw_checks
+            int_list(c, hi=1 << 56) and len(c) == CHECK_COLUMNS for c in raw_checks
         ):
             raise CorruptSpillError(f"{path}: journal checks malformed", path=path)
         checks = np.array(raw_checks, dtype=np.int64).reshape(len(raw_checks), CHECK_COLUMNS)

@@ -182,7 +182,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
             continue
         fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
         keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-        cols["file"].append(fmap[keys[:, 0]] if len(keys) else np.zeros(0, np.int64))
+        cols["file"].append(fmap[keys[:, 0]])
         cols["frame"].append(keys[:, 1])
         cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
         cols["order"].append(np.full(len(keys), order, np.int64))
@@ -239,18 +239,10 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
         for r, bars in by_rank.items():
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[r], linewidth=0)
         dup = f.duplicated()
-        if len(dup):
-            ax.plot(
-                dup,
-                np.full(len(dup), y + 0.3),
-                linestyle="none",
-                marker="|",
-                color="black",
-                markersize=12,
-                markeredgewidth=2,
-            )
+        if len(dup):  # a black tick above each (the "|" marker, no line)
+            ax.plot(dup, np.full(len(dup), y + 0.3), "|", color="black", markersize=12, markeredgewidth=2)
     ax.set_yticks(range(len(files)))
-    ax.set_yticklabels([_short(f.filename) for f in files], fontsize=7)
+    ax.set_yticklabels([f.filename if len(f.filename) <= 40 else "…" + f.filename[-39:] for f in files], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("frame index")
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
@@ -267,7 +259,3 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
         raise SpillMergeError(f"cannot write the plot to {png}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
-
-
-def _short(name: str, n: int = 40) -> str:
-    return name if len(name) <= n else "…" + name[-(n - 1) :]

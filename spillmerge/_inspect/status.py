@@ -289,13 +289,8 @@ def format_status(js: JobStatus) -> str:
         if js.eta_s is not None and not js.done:
             total += f", about {_dur(js.eta_s)} left"
     stalled = sum(1 for r in js.ranks if r.stalled)
-    lines.append(
-        "total: "
-        + total
-        + "; "
-        + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-        + (f", {stalled} stalled" if stalled else "")
-    )
+    counted = ", ".join(f"{v} {k}" for k, v in counts.items() if v) + (f", {stalled} stalled" if stalled else "")
+    lines.append(f"total: {total}; {counted}")
     if js.merge is not None:
         m = js.merge
         parts = f", parts {m.parts_done}/{m.parts}" if m.parts else ""

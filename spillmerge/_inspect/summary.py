@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -29,9 +30,7 @@ from .._util.units import size_text as _human
 def detect(storage: Storage) -> str:
     """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
     kind = what_is(storage)
-    if kind in ("missing", "file"):
-        raise not_an_output(storage, kind)
-    if header(storage) is not None:
+    if kind not in ("missing", "file") and header(storage) is not None:
         return "merged"
     if kind == "spill":
         return "spill"
@@ -108,10 +107,8 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     from .._read.store import MergedStore
 
-    complete = storage.exists(FO.COMPLETE_NAME)
-    if not complete:
-        raw = F.loads(storage.get("zarr.json", max_bytes=F.ROOT_DOC_MAX_BYTES), path=storage.describe("zarr.json"))
-        return {"kind": "merged", "path": storage.describe(), "complete": False, **raw["attributes"]["spillmerge"]}
+    if not storage.exists(FO.COMPLETE_NAME):
+        return {"kind": "merged", "path": storage.describe(), "complete": False, **(header(storage) or {})}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
@@ -189,11 +186,8 @@ def format_text(s: dict[str, Any]) -> str:
         lines.append(f"  dtypes: {', '.join(s['dtypes']) or '-'}")
         for r in s["ranks"]:
             for e in r["segments"]:
-                extra = (
-                    f"{e.get('frames', 0)} frames, {e.get('files', 0)} files, {_human(e.get('bytes', 0))}"
-                    if e["status"] == "committed"
-                    else ""
-                )
+                done = e["status"] == "committed"  # (a committed entry has the counts)
+                extra = f"{e['frames']} frames, {e['files']} files, {_human(e['bytes'])}" if done else ""
                 err = f"  ERROR: {e['error']}" if "error" in e else ""
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
@@ -350,7 +344,8 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
             # what the merge's copy checks of text (a hand edit with its CRC fixed up)
             bad = FS.text_problem(lay.kind, lay.shape[0], buf) if lay.kind in ("str", "strlist") else None
             if bad is not None:
-                where = f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {lay.leaf_name()!r}"
+                leaf = "/".join(lay.leaf) or "<tensor>"
+                where = f"{storage.describe(seg.rel)}: {_frame_text(loaded, row)} leaf {leaf!r}"
                 rep.problems.append(f"{where} holds {bad}: the merge would refuse it")
         bar.update(nb)
 
@@ -418,9 +413,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
         damaged.add(name)
         return
     grid = tuple(int(n) for n in arr.cdata_shape)
-    declared = 1
-    for n in grid:
-        declared *= n
+    declared = math.prod(grid)
     present: list[tuple[int, ...]] = []
     prefix = f"{name}/c/"
     for rel, _ in stored:
@@ -434,7 +427,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
     missing = declared - len(present)
     if missing:
         damaged.add(name)
-        if missing <= MISSING_LISTED and declared <= len(present) + MISSING_LISTED:
+        if missing <= MISSING_LISTED:
             have = set(present)
             for coords in itertools.product(*(range(n) for n in grid)):
                 if coords not in have:
@@ -510,7 +503,7 @@ def _value_problems(
     for col in columns.values():
         c: V.StoredColumn = col.info
         readable = f"columns/{c.name}/values" not in damaged
-        if _is_list_head(c):
+        if c.dtype in ("pylist", "pytuple") and c.kind == "fixed":  # a list header
             valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
             lengths = np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None
             heads.append((c, valid, lengths))
@@ -519,9 +512,5 @@ def _value_problems(
             out.extend(V.text_problems(c, V.read_array(col.values), np.asarray(col.offsets), shapes))
     out.extend(L.header_problems(L.read_lists(group)[0], list_offs, heads))
     whole = {n: c.info for n, c in columns.items() if not any(d.startswith(f"columns/{n}/") for d in damaged)}
-    out.extend(V.records_problems(whole, V.read_array))
+    out.extend(V.records_problems(whole))
     return out
-
-
-def _is_list_head(c: V.StoredColumn) -> bool:
-    return c.dtype in ("pylist", "pytuple") and c.kind == "fixed"

@@ -24,7 +24,7 @@ Raise = Callable[[list[V.Problem]], None]
 def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> np.ndarray:
     """The whole 1-d array ``arr``, chunk by chunk (``_read.rawchunk``: straight from storage
     where it is plain, no round trip to zarr's event-loop thread); memory grows only with the
-    chunks that exist, as ``_format.invariants.read_whole``'s does."""
+    chunks that exist, as ``_format.invariants.read_array``'s does."""
     read, k, n = chunk_reader(arr, storage, describe), max(int(arr.chunks[0]), 1), int(arr.shape[0])
     if n <= k:
         return read(0)

@@ -191,3 +191,15 @@ def test_a_mistyped_filename_suggests_only_names_a_typo_away(tmp_path):
         with pytest.raises(spillmerge.UnknownFileError) as ei:
             res[typo]
         assert str(ei.value).endswith(f"did you mean {meant}"), ei.value
+
+
+@pytest.mark.parametrize("attributes", ["5", "[]", '{"spillmerge": 5}'])
+def test_a_root_document_whose_attributes_are_no_object_is_no_output(tmp_path, capsys, attributes):
+    """A ``zarr.json`` whose attributes (or their ``spillmerge`` entry) are no JSON object is no
+    output: ``verify`` and ``inspect`` say so (no ``AttributeError``)."""
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "zarr.json").write_text(f'{{"zarr_format": 3, "node_type": "group", "attributes": {attributes}}}')
+    with pytest.raises(spillmerge.NotAnOutputError, match="is not a spillmerge output"):
+        spillmerge.verify(str(tmp_path / "o"))
+    rc, _, err = _cli(capsys, "inspect", str(tmp_path / "o"))
+    assert rc != 0 and "is not a spillmerge output" in err, err
