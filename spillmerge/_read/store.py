@@ -127,7 +127,7 @@ class OutputFiles:
         }
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
-        nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
+        nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
 
         def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
             """Whole for a list's items (checked at open, as their lists are), else a ``LazyArray``."""
@@ -143,12 +143,10 @@ class OutputFiles:
                 col.offsets = array(info, "offsets", bool(domain))
                 if "shapes" in info.arrays:
                     col.shapes = array(info, "shapes", bool(domain))
-                if domain:
-                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
             if col.has_valid:
                 col.valid_arr = array(info, "valid", bool(domain), bool)
             if domain:
-                nested[name] = info
+                nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
             n_rows, self.frame_offsets, self._file_layout, self.frame_idx, self.prov, root, self._layouts,
@@ -170,11 +168,11 @@ class OutputFiles:
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
             in_layout = IX.layout_rows(self.frame_offsets.whole(), self._file_layout.whole(), self._layouts)
-            for name, info in nested.items():
-                col = self.columns[name]
-                rows = L.expand(self.list_offsets, F.list_domain(info.leaf), in_layout(name))
-                raise_(V.rows_layout_problems(info, col.valid(), col.offsets, rows))
-            raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
+            for name, col in nested.items():
+                rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
+                raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid(), rows, 0, True))
+            valid = {name: col.valid() for name, col in nested.items()}
+            raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves.
