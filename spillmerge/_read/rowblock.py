@@ -110,7 +110,7 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
 def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
     """(filename, frame_idx, value) of every row of ``files`` (the reader's ``OutputFiles``) in order
     (module docstring)."""
-    n_files = len(files)
+    n_files = len(files.filenames)
     offs = files.list_offsets
     plans: dict[int, RowPlan] = {}
     builders: dict[tuple[int, int], Any] = {}  # (layout, id of the file's key orders) -> static_builder

@@ -188,51 +188,13 @@ class OutputFiles:
             self._layout_paths.append(paths)
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
         try:
-            self.key_orders = KeyOrders(header.get("key_orders"), len(self), "zarr.json")
+            self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
         self._next = 0
         self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self.by_leaf.setdefault(c.info.leaf, []).append(c)
-
-    def index_arrays(self) -> tuple[Names, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), whole and checked (the
-        filenames as the sequence read block by block): O(rows) memory, for coverage."""
-        self.checks.rows(0, self.n_rows)
-        return (
-            self.filenames, self.frame_offsets.whole(), self.frame_idx.whole(), self.prov["frame_rank"].whole(),
-            self.prov["frame_copies"].whole(),
-        )  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self.filenames)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.filenames)
-
-    def __contains__(self, filename: object) -> bool:
-        return filename in self.filenames
-
-    def index(self, filename: str, where: Callable[[], str]) -> int:
-        # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
-        # another thread the search.)
-        i = self.filenames.find(filename)
-        if i is None:
-            near = close_matches(self.filenames, filename)  # neighbours in sort order: no scan of every name
-            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise UnknownFileError(
-                f"{filename!r} is not a filename of {where()} ({len(self.filenames)} files){hint}", filename=filename
-            )
-        return i
-
-    def frames(self, i: int) -> np.ndarray:
-        a, b = self.checks.file_rows(i)
-        return self.frame_idx[a:b].copy()
-
-    def provenance(self, i: int, name: str) -> np.ndarray:
-        a, b = self.checks.file_rows(i)
-        return self.prov[name][a:b].copy()
 
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
@@ -292,40 +254,6 @@ class OutputFiles:
     def file_layouts(self, i0: int, i1: int) -> list[int]:
         """The file layouts of files ``i0 .. i1-1`` (checked as their chunks are read)."""
         return np.asarray(self._file_layout[i0:i1]).tolist()  # type: ignore[no-any-return]
-
-    def iter_values(self, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
-        """(filename, frame_idx, value) of every row in order (``_read.rowblock``)."""
-        return _rowblock.iter_values(self, as_torch)
-
-    def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
-        if path is None:
-            leaf: tuple[str, ...] = ()
-        elif isinstance(path, str):
-            leaf = tuple(path.split("/")) if path else ()
-        else:
-            leaf = tuple(path)
-        cols = self.by_leaf.get(leaf, [])
-        if dtype is not None:
-            cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
-        if len(cols) > 1:
-            shown = "/".join(leaf) or "None (the plain tensor values)"
-            dts = [_dtype_choice(c) for c in cols]
-            raise UnknownColumnError(
-                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
-                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
-                column="/".join(leaf),
-                known=dts,
-            )
-        col = cols[0] if cols else None
-        if col is None:
-            known = sorted(c.info.path or "<tensor> (None)" for c in self.columns.values())
-            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
-            raise UnknownColumnError(
-                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
-                column="/".join(leaf),
-                known=known,
-            )
-        return col.view(0, col.n_rows)
 
 
 class MergedStore(Mapping[str, Any]):
@@ -405,33 +333,48 @@ class MergedStore(Mapping[str, Any]):
         return self._files.filenames
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._files.filenames)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
+        return iter(self._files.filenames)
 
     def __contains__(self, filename: object) -> bool:
-        return filename in self._files
+        return filename in self._files.filenames
 
     def _index(self, filename: str) -> int:
-        return self._files.index(filename, self.storage.describe)
+        # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
+        # another thread the search.)
+        names = self._files.filenames
+        i = names.find(filename)
+        if i is None:
+            near = close_matches(names, filename)  # neighbours in sort order: no scan of every name
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise UnknownFileError(
+                f"{filename!r} is not a filename of {self.storage.describe()} ({len(names)} files){hint}",
+                filename=filename,
+            )
+        return i
+
+    def _rows(self, filename: str, of: LazyArray) -> np.ndarray:
+        """The entries of the per-row array ``of`` for ``filename``'s rows."""
+        a, b = self._files.checks.file_rows(self._index(filename))
+        return of[a:b].copy()  # type: ignore[no-any-return]
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""
-        return self._files.frames(self._index(filename))
+        return self._rows(filename, self._files.frame_idx)
 
     def frame_ranks(self, filename: str) -> np.ndarray:
         """The rank each row of ``filename`` came from (int64, one per row; ``index/frame_rank``)."""
-        return self._files.provenance(self._index(filename), "frame_rank")
+        return self._rows(filename, self._files.prov["frame_rank"])
 
     def frame_copies(self, filename: str) -> np.ndarray:
         """How many spill segments held each row's frame (1, or more when duplicates were
         dropped; ``index/frame_copies``)."""
-        return self._files.provenance(self._index(filename), "frame_copies")
+        return self._rows(filename, self._files.prov["frame_copies"])
 
     def __getitem__(self, filename: str) -> Any:
-        files = self._files
-        return files.value(files.index(filename, self.storage.describe), filename)
+        return self._files.value(self._index(filename), filename)
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
@@ -450,12 +393,17 @@ class MergedStore(Mapping[str, Any]):
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
         more than 32 MiB), whatever the output's size."""
-        return self._files.iter_values(as_torch)
+        return _rowblock.iter_values(self._files, as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
         (for coverage, which needs them whole)."""
-        return self._files.index_arrays()
+        files = self._files
+        files.checks.rows(0, files.n_rows)
+        return (
+            files.filenames, files.frame_offsets.whole(), files.frame_idx.whole(), files.prov["frame_rank"].whole(),
+            files.prov["frame_copies"].whole(),
+        )  # fmt: skip
 
     @property
     def files(self) -> OutputFiles:
@@ -468,7 +416,33 @@ class MergedStore(Mapping[str, Any]):
         same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
         columns when there is no such leaf. A leaf whose dtype differs between files has one
         column per dtype (rows of the other files absent): choose one with ``dtype=``."""
-        return self._files.column(path, self.storage.describe(), dtype)
+        if path is None:
+            leaf: tuple[str, ...] = ()
+        elif isinstance(path, str):
+            leaf = tuple(path.split("/")) if path else ()
+        else:
+            leaf = tuple(path)
+        where, cols = self.storage.describe(), self._files.by_leaf.get(leaf, [])
+        if dtype is not None:
+            cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
+        if len(cols) > 1:
+            shown = "/".join(leaf) or "None (the plain tensor values)"
+            dts = [_dtype_choice(c) for c in cols]
+            raise UnknownColumnError(
+                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
+                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
+                column="/".join(leaf),
+                known=dts,
+            )
+        if not cols:
+            known = sorted(c.info.path or "<tensor> (None)" for c in self._files.columns.values())
+            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
+            raise UnknownColumnError(
+                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
+                column="/".join(leaf),
+                known=known,
+            )
+        return cols[0].view(0, cols[0].n_rows)
 
     @property
     def columns(self) -> list[str]:
