@@ -16,19 +16,8 @@ from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache
 from .index import LazyArray
-from .rawchunk import chunk_reader
 
 Raise = Callable[[list[V.Problem]], None]
-
-
-def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> np.ndarray:
-    """The whole 1-d array ``arr``, chunk by chunk (``_read.rawchunk``: straight from storage
-    where it is plain, no round trip to zarr's event-loop thread); memory grows only with the
-    chunks that exist, as ``_format.invariants.read_whole``'s does."""
-    read, k, n = chunk_reader(arr, storage, describe), max(int(arr.chunks[0]), 1), int(arr.shape[0])
-    if n <= k:
-        return read(0)
-    return np.concatenate([read(c) for c in range(-(-n // k))])
 
 
 def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:
@@ -93,10 +82,10 @@ class Names(Sequence[str]):
         heads_node = V.index_node(group, "filename_heads", describe)
         self._k, problems = _names_per_head(heads_node)
         raise_(problems)
-        heads_raw = _whole(heads_node, storage, describe)
-        hoff = np.asarray(_whole(V.index_node(group, "filename_head_offsets", describe), storage, describe), np.int64)
-        n_blocks = -(-self._n // self._k)
+        heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, describe, dtype=np.uint8).whole()
         rel = "index/filename_head_offsets"
+        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage, describe).whole()
+        n_blocks = -(-self._n // self._k)
         raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
         raise_(problems)
