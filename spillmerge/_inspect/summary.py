@@ -483,7 +483,7 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     out: list[V.Problem] = []
     try:
         cache = ChunkCache(DEFAULT_CACHE_BYTES)
-        files = OutputFiles(group, header, storage.describe, _found, False, cache, storage)
+        files = OutputFiles(group, header, _found, False, cache, storage)
         steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
         steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
         for step in steps:

@@ -59,13 +59,13 @@ class OpenColumn:
         info: StoredColumn,
         n_rows: int,
         allow_pickle: bool,
-        cache: ChunkCache | None = None,
-        storage: Storage | None = None,
+        cache: ChunkCache,
+        storage: Storage,
     ) -> None:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
-        self.cache = cache if cache is not None else ChunkCache(0)
+        self.cache = cache
         # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
         values = info.arrays["values"]
         self._key = values.path
@@ -76,7 +76,7 @@ class OpenColumn:
         self.unit_nbytes = int(np.prod(self.unit_shape, dtype=np.int64)) * self.stored_dtype.itemsize
         """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
         # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
-        self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
+        self._read = chunk_reader(values, storage)
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype

@@ -56,11 +56,11 @@ class Names(Sequence[str]):
     def __init__(
         self,
         group: Any,
-        describe: Callable[[str], str],
         cache: ChunkCache,
         raise_: Raise,
-        storage: Storage | None = None,
+        storage: Storage,
     ) -> None:
+        describe = storage.describe
         self._raise = raise_
         self._bytes = V.index_node(group, "filenames", describe)
         self._off = V.index_node(group, "filename_offsets", describe)
@@ -76,15 +76,15 @@ class Names(Sequence[str]):
         self._n = n_off - 1
         self._nbytes = int(self._bytes.shape[0])
         # read a chunk at a time through the cache (no row checks: a block's own checks are below)
-        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage, describe)
-        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, describe, dtype=np.uint8)
+        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage)
+        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, dtype=np.uint8)
         self._cache = cache
         heads_node = V.index_node(group, "filename_heads", describe)
         self._k, problems = _names_per_head(heads_node)
         raise_(problems)
-        heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, describe, dtype=np.uint8).whole()
+        heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, dtype=np.uint8).whole()
         rel = "index/filename_head_offsets"
-        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage, describe).whole()
+        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage).whole()
         n_blocks = -(-self._n // self._k)
         raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")

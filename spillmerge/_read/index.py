@@ -36,8 +36,7 @@ class LazyArray:
         node: Any,
         rel: str,
         cache: ChunkCache,
-        storage: Storage | None,
-        describe: Callable[[str], str],
+        storage: Storage,
         dtype: Any = np.int64,
         check: Callable[[int, np.ndarray], None] | None = None,
     ) -> None:
@@ -47,7 +46,7 @@ class LazyArray:
         self.dtype = np.dtype(dtype)
         self._n = self.shape[0]
         self._k = max(int(node.chunks[0]), 1)
-        self._read = chunk_reader(node, storage, describe)
+        self._read = chunk_reader(node, storage)
         self._key = node.path
         self._cache = cache
         self._check = check

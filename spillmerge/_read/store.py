@@ -75,15 +75,14 @@ class OutputFiles:
         self,
         group: Any,
         header: dict[str, Any],
-        describe: Callable[[str], str],
         raise_: Callable[[list[V.Problem]], None],
         allow_pickle: bool,
         cache: ChunkCache,
-        storage: Storage | None = None,
+        storage: Storage,
     ) -> None:
-        self.group = group
+        self.group, self.storage, describe = group, storage, storage.describe
         # bytes + offsets, read block by block when asked for (_names)
-        self.filenames = Names(group, describe, cache, raise_, storage)
+        self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = IX.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
@@ -99,7 +98,7 @@ class OutputFiles:
         n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
 
         def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
-            return LazyArray(node, rel, cache, storage, describe, dtype, check)
+            return LazyArray(node, rel, cache, storage, dtype, check)
 
         fo_node = V.index_node(group, "frame_offsets", describe)
         fo_k = max(int(fo_node.chunks[0]), 1)
@@ -218,9 +217,7 @@ class OutputFiles:
             node[path[-1]] = col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename)
         return out
 
-    def row_value(
-        self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool, filename: str | None = None
-    ) -> Any:
+    def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str | None = None) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
         has it) as it was written (``_read.rowvalue``)."""
         a, b = self.checks.file_rows(i)
@@ -233,7 +230,7 @@ class OutputFiles:
         if j >= len(frames) or frames[j] != frame_idx:
             shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
             raise UnknownFileError(
-                f"{filename!r} of {where()} has no frame {frame_idx} (its frames: {shown})",
+                f"{filename!r} of {self.storage.describe()} has no frame {frame_idx} (its frames: {shown})",
                 filename=filename,
             )
         return self._row_value(i, a + j, filename, as_torch)
@@ -309,9 +306,7 @@ class MergedStore(Mapping[str, Any]):
         self.format_version: int = version
         """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
         self.allow_pickle = allow_pickle
-        self._files = OutputFiles(
-            self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
-        )
+        self._files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -384,7 +379,7 @@ class MergedStore(Mapping[str, Any]):
         of the file have and this one lacks reads as ``None`` (docs/FORMAT.md section 1, *Value
         model*)."""
         i = self._index(filename)
-        return self._files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
+        return self._files.row_value(i, frame_idx, as_torch, filename)
 
     def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
         """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
