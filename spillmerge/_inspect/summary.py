@@ -511,7 +511,7 @@ def _value_problems(
         c: V.StoredColumn = col.info
         readable = f"columns/{c.name}/values" not in damaged
         if _is_list_head(c):
-            valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
+            valid = None if col.valid is None else np.asarray(col.valid, dtype=bool)
             lengths = np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None
             heads.append((c, valid, lengths))
         if c.kind in V.STRING_KINDS and col.offsets is not None and readable:

@@ -116,7 +116,7 @@ class Batch:
         return got
 
     def valid(self, col: OpenColumn, rows: np.ndarray) -> np.ndarray:
-        v = col.valid()
+        v = col.valid
         return np.ones(len(rows), bool) if v is None else v[rows]
 
     def lengths(self, col: OpenColumn) -> np.ndarray:
@@ -424,12 +424,12 @@ def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], 
     """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
     inside = np.zeros(0, bool)
     for head in records:
-        v = head.valid()
+        v = head.valid
         if v is None:
             return False  # every row holds one
         inside = np.array(v) if not len(inside) else inside | np.asarray(v)
     for col in node.stored():
-        v = col.valid()
+        v = col.valid
         domain = F.list_domain(col.info.leaf)
         if domain:  # a list's items: the rows that hold one
             v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))

@@ -80,7 +80,6 @@ class OpenColumn:
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
-        self.has_valid = "valid" in info.arrays
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
         """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
@@ -91,8 +90,9 @@ class OpenColumn:
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
         self.shapes: Any = None
         """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
-        self.valid_arr: Any = None
-        """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
+        self.valid: Any = None
+        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``; whole for a
+        list's items) set by the reader, or None when every row has a value."""
 
     @property
     def values(self) -> Any:
@@ -186,13 +186,6 @@ class OpenColumn:
         if pos < hi:
             out[pos - lo :] = self.chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
-
-    def valid(self) -> Any:
-        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``) or None
-        when every row has a value."""
-        if not self.has_valid:
-            return None
-        return self.valid_arr
 
     def view(self, start: int, stop: int, filename: str | None = None) -> Any:
         """Rows ``start .. stop-1`` as this column's leaf view (``_read.views``)."""

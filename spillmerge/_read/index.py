@@ -320,7 +320,7 @@ class IndexChecks:
         for name, col in self._cols.items():
             o = None if col.offsets is None else col.offsets.span(r0, r1 + 1)
             shapes = None if col.shapes is None else col.shapes.span(r0, r1)
-            v = valid[name] = None if not col.has_valid else np.asarray(col.valid_arr.span(r0, r1), dtype=bool)
+            v = valid[name] = None if col.valid is None else np.asarray(col.valid.span(r0, r1), dtype=bool)
             listed = self._listed[name]
             in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
             for p in column_row_problems(col.info, o, shapes, v, in_layout, r0, r1 == self.n_rows):

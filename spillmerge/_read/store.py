@@ -142,8 +142,8 @@ class OutputFiles:
                 col.offsets = array(info, "offsets", bool(domain))
                 if "shapes" in info.arrays:
                     col.shapes = array(info, "shapes", bool(domain))
-            if col.has_valid:
-                col.valid_arr = array(info, "valid", bool(domain), bool)
+            if info.has_valid:
+                col.valid = array(info, "valid", bool(domain), bool)
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
@@ -158,8 +158,8 @@ class OutputFiles:
                 col.offsets.hook = self.checks.edges
             if col.shapes is not None:
                 col.shapes.hook = self.checks.rows
-            if col.valid_arr is not None:
-                col.valid_arr.hook = self.checks.rows
+            if col.valid is not None:
+                col.valid.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (_lazyindex).
         self.frame_offsets.span(0, 1)
@@ -169,8 +169,8 @@ class OutputFiles:
             in_layout = IX.layout_rows(self.frame_offsets.whole(), self._file_layout.whole(), self._layouts)
             for name, col in nested.items():
                 rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
-                raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid(), rows, 0, True))
-            valid = {name: col.valid() for name, col in nested.items()}
+                raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))
+            valid = {name: col.valid for name, col in nested.items()}
             raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)

@@ -75,7 +75,7 @@ class LeafView:
     @property
     def valid(self) -> np.ndarray | None:
         """bool per row: False where the row has no value for this leaf; None when all have one."""
-        v = self._col.valid()
+        v = self._col.valid
         return None if v is None else v[self._start : self._stop]
 
     def _row(self, i: Any) -> int:
@@ -90,7 +90,7 @@ class LeafView:
 
     def _ok(self, a: int, b: int) -> list[bool] | None:
         """Whether rows ``a .. b-1`` (absolute) have a value, as a list; None when all have."""
-        v = self._col.valid()
+        v = self._col.valid
         return None if v is None else np.asarray(v[a:b], dtype=bool).tolist()  # type: ignore[no-any-return]
 
     def __getitem__(self, sel: Any) -> Any:
@@ -101,7 +101,7 @@ class LeafView:
                 raise IndexError(f"row {sel} out of range for {n} rows")
             r = self._start + j
             col = self._col
-            return None if col.has_valid and not col.valid()[r] else self.at(r)  # type: ignore[index]
+            return None if col.valid is not None and not col.valid[r] else self.at(r)
         return self._select(sel)
 
     def _select(self, sel: Any) -> Any:
