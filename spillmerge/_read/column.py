@@ -40,11 +40,6 @@ ROW_BLOCK_BYTES = 1 << 16
 (:meth:`OpenColumn.ahead`): at most this much memory per column."""
 
 
-def dims(shape: Any) -> tuple[int, ...]:
-    """A shape as plain ints: a tuple of numpy ints would print as ``(np.int64(4),)`` in messages."""
-    return tuple(int(d) for d in shape)
-
-
 class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
     ``shapes``, ``valid``: :class:`~spillmerge._read.index.LazyArray` s, read a chunk at a time and

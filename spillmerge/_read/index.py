@@ -203,17 +203,6 @@ def offsets_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of
     return []
 
 
-def offsets_chunk_check(
-    rel: str, rows: int, of: str, n_chunks: int, k: int, raise_: Raise
-) -> Callable[[int, np.ndarray], None]:
-    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: :func:`offsets_problems`."""
-
-    def check(c: int, arr: np.ndarray) -> None:
-        raise_(offsets_problems(rel, arr, c * k, c == n_chunks - 1, rows, of))
-
-    return check
-
-
 class Found(Exception):
     """The problems (``args[0]``) found, raised by a ``raise_`` that collects them (``verify``)
     rather than refuses the output: :class:`IndexChecks` keeps them and goes on."""

@@ -103,12 +103,13 @@ class OutputFiles:
         fo_node = V.index_node(group, "frame_offsets", describe)
         fo_k = max(int(fo_node.chunks[0]), 1)
         fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
+
+        def offsets_check(c: int, arr: np.ndarray) -> None:
+            last = c == fo_chunks - 1
+            raise_(LZ.offsets_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
+
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
-        self.frame_offsets = lazy(
-            "index/frame_offsets",
-            fo_node,
-            check=LZ.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
-        )
+        self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
         fl_node = V.index_node(group, "file_layout", describe)
         fl_k = max(int(fl_node.chunks[0]), 1)
 

@@ -13,7 +13,7 @@ from .._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError
 from .._format import common as F
 from .._format.invariants import StoredColumn
 from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
-from .column import OpenColumn, dims
+from .column import OpenColumn
 
 if TYPE_CHECKING:
     import torch
@@ -365,11 +365,11 @@ class RaggedView(_OffsetView):
         if len(shapes) and np.any(shapes != shapes[0]):
             i = int(np.flatnonzero((shapes != shapes[0]).any(axis=1))[0])
             raise RaggedShapeError(
-                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {dims(shapes[0])} and "
-                f"{dims(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
+                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {tuple(shapes[0].tolist())} and "
+                f"{tuple(shapes[i].tolist())}, so they do not stack; use .to_list() (one array per row) or "
                 ".values / .offsets / .shapes (the flat form)"
             )
-        shape = dims(shapes[0]) if len(shapes) else (0,) * self.ndim
+        shape = tuple(shapes[0].tolist()) if len(shapes) else (0,) * self.ndim
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:
