@@ -80,7 +80,7 @@ class OutputFiles:
         cache: ChunkCache,
         storage: Storage,
     ) -> None:
-        self.group, self.storage, describe = group, storage, storage.describe
+        self.storage, describe = storage, storage.describe
         # bytes + offsets, read block by block when asked for (_names)
         self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
@@ -191,7 +191,6 @@ class OutputFiles:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
-        self._next = 0
         self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self.by_leaf.setdefault(c.info.leaf, []).append(c)
