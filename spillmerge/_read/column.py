@@ -93,6 +93,11 @@ class OpenColumn:
     def values(self) -> Any:
         return self.info.arrays["values"]
 
+    def damaged(self, what: str) -> CorruptSpillError:
+        """The error for damage ``what`` found in this column's values."""
+        path = f"{self.values.store_path}"
+        return CorruptSpillError(f"{path}: {what}; the output is damaged: merge it again", path=path)
+
     def chunk(self, c: int) -> np.ndarray:
         """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
         from the cache."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
+from .._errors import PickleNotAllowedError, RaggedShapeError, require_torch
 from .._format import common as F
 from .._format.invariants import StoredColumn
 from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
@@ -459,10 +459,7 @@ def utf8_text(col: OpenColumn, r: int, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        path = f"{col.values.store_path}"
-        raise CorruptSpillError(
-            f"{path}: row {r} is not valid UTF-8 ({exc.reason}); the output is damaged: merge it again", path=path
-        ) from None
+        raise col.damaged(f"row {r} is not valid UTF-8 ({exc.reason})") from None
 
 
 class TextView(BytesView):
@@ -490,8 +487,7 @@ class TextView(BytesView):
         try:
             arr.validate(full=True)  # UTF-8 of every row
         except pa.ArrowInvalid as exc:
-            path = f"{self._col.values.store_path}"
-            raise CorruptSpillError(f"{path}: {exc}; the output is damaged: merge it again", path=path) from None
+            raise self._col.damaged(str(exc)) from None
         return arr
 
 
@@ -508,11 +504,7 @@ class TextListView(_OffsetView):
         lens = np.frombuffer(raw, dtype="<u4", count=n).tolist()
         data = raw[4 * n :]
         if sum(lens) != len(data):
-            path = f"{self._col.values.store_path}"
-            raise CorruptSpillError(
-                f"{path}: row {r}'s string lengths do not add up to its bytes; the output is damaged: merge it again",
-                path=path,
-            )
+            raise self._col.damaged(f"row {r}'s string lengths do not add up to its bytes")
         out, pos = [], 0
         for ln in lens:
             out.append(utf8_text(self._col, r, data[pos : pos + ln]))
