@@ -121,7 +121,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
             for i in range(i0, i1):  # the per-file check names the entry
                 files.checks.file_rows(i)
         starts = fo.tolist()
-        layouts = files.file_layouts(i0, i1)
+        layouts = files.file_layout[i0:i1].tolist()
         names = files.filenames[i0:i1]
         a, b = starts[0], starts[-1]
         f = 0

@@ -116,9 +116,10 @@ class OutputFiles:
         def layout_check(c: int, arr: np.ndarray) -> None:
             raise_(IX.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
 
-        self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
+        # int64 (n_files,): file i's entry of the header's file_layouts (checked as chunks are read)
+        self.file_layout = lazy("index/file_layout", fl_node, check=layout_check)
         meta = IX.meta_problems(
-            self.filenames, len(self.frame_offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+            self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
         self.frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
@@ -149,7 +150,7 @@ class OutputFiles:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
-            n_rows, self.frame_offsets, self._file_layout, self.frame_idx, self.prov, root, self._layouts,
+            n_rows, self.frame_offsets, self.file_layout, self.frame_idx, self.prov, root, self._layouts,
             self.filenames, raise_,
         )  # fmt: skip
         for arr in (self.frame_idx, *self.prov.values()):
@@ -164,10 +165,10 @@ class OutputFiles:
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (_lazyindex).
         self.frame_offsets.span(0, 1)
-        self._file_layout.span(0, 1)
+        self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = IX.layout_rows(self.frame_offsets.whole(), self._file_layout.whole(), self._layouts)
+            in_layout = IX.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
             for name, col in nested.items():
                 rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))
@@ -198,7 +199,7 @@ class OutputFiles:
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
         a, b = self.checks.file_rows(i)
-        layout = self._file_layout.item(i)
+        layout = self.file_layout.item(i)
         cols, flat = self._layout_cols[layout]
         if filename is None or type(filename) is not str:
             filename = str(self.filenames[i])
@@ -236,7 +237,7 @@ class OutputFiles:
         return self._row_value(i, a + j, filename, as_torch)
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
-        plan = self.row_plan(self._file_layout.item(i))
+        plan = self.row_plan(self.file_layout.item(i))
         block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
         order = self.key_orders.of_file(i)
         return gc_paused(row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
@@ -247,10 +248,6 @@ class OutputFiles:
         if plan is None:
             plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self.list_offsets)
         return plan
-
-    def file_layouts(self, i0: int, i1: int) -> list[int]:
-        """The file layouts of files ``i0 .. i1-1`` (checked as their chunks are read)."""
-        return np.asarray(self._file_layout[i0:i1]).tolist()  # type: ignore[no-any-return]
 
 
 class MergedStore(Mapping[str, Any]):
