@@ -3,7 +3,6 @@ output's chunk cache, rows read in order in blocks, and the dtype rows are retur
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -12,7 +11,7 @@ from .._errors import CorruptSpillError
 from .._format import common as F
 from .._format.invariants import StoredColumn, read_rows
 from .._storage import Storage
-from .cache import ChunkCache
+from .cache import ChunkCache, Chunks
 from .index import ROW_BLOCK
 from .rawchunk import chunk_reader
 
@@ -60,25 +59,23 @@ class OpenColumn:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
-        self.cache = cache
         # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
         values = info.arrays["values"]
-        self._key = values.path
         self.chunk_rows = max(int(values.chunks[0]), 1)
         self._n = int(values.shape[0])
         self.unit_shape = tuple(values.shape[1:])
         self.stored_dtype = values.dtype
         self.unit_nbytes = int(np.prod(self.unit_shape, dtype=np.int64)) * self.stored_dtype.itemsize
         """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
-        # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
-        self._read = chunk_reader(values, storage)
+        # Chunk c of values (read-only), decoded once, then served from the cache; uncompressed
+        # chunks straight from storage (one get + CRC-32C), others through zarr.
+        self.chunk = Chunks(cache, values.path, chunk_reader(values, storage))
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
         """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
-        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
         self.block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
         self.offsets: Any = None
@@ -97,20 +94,6 @@ class OpenColumn:
         """The error for damage ``what`` found in this column's values."""
         path = f"{self.values.store_path}"
         return CorruptSpillError(f"{path}: {what}; the output is damaged: merge it again", path=path)
-
-    def chunk(self, c: int) -> np.ndarray:
-        """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
-        from the cache."""
-        # The chunk this column read last, while the cache (or a reader) still holds it: rows read
-        # in order skip the cache's lock. A weak reference, so the cache alone bounds the memory.
-        hot = self._hot
-        if hot is not None and hot[0] == c:
-            arr = hot[1]()
-            if arr is not None:
-                return arr
-        arr = self.cache.get((self._key, c), lambda: self._read(c))
-        self._hot = (c, weakref.ref(arr))
-        return arr
 
     def unit(self, r: int) -> np.ndarray:
         """Row ``r`` of a fixed column, of the storage dtype, read-only (a view of its cached

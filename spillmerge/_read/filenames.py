@@ -5,7 +5,6 @@ checked (offsets, UTF-8, strictly ascending, bounded by its heads) when it is fi
 from __future__ import annotations
 
 import bisect
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._storage import Storage
-from .cache import ChunkCache
+from .cache import ChunkCache, Chunks
 from .index import LazyArray
 
 Raise = Callable[[list[V.Problem]], None]
@@ -78,7 +77,6 @@ class Names(Sequence[str]):
         # read a chunk at a time through the cache (no row checks: a block's own checks are below)
         self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage)
         self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, dtype=np.uint8)
-        self._cache = cache
         heads_node = V.index_node(group, "filename_heads", describe)
         self._k, problems = _names_per_head(heads_node)
         raise_(problems)
@@ -92,7 +90,8 @@ class Names(Sequence[str]):
         raise_(IX.sorted_problems(heads, "index/filename_heads"))
         self._heads: list[str] = heads.tolist()
         self._next = 0
-        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
+        # block(j): the names of block j (files j*K .. (j+1)*K - 1), checked on first read, cached
+        self.block = Chunks(cache, "filenames", self._load)
         self._in_order: tuple[int, list[str]] = (-1, [])
         """(block, its names as str) of the block files are being read in order from (``find``'s
         hint hit): comparing and returning a Python str costs less than a numpy element."""
@@ -101,19 +100,6 @@ class Names(Sequence[str]):
 
     def __len__(self) -> int:
         return self._n
-
-    def block(self, j: int) -> np.ndarray:
-        """The names of block ``j`` (files ``j*K .. (j+1)*K - 1``), checked on first read, cached."""
-        # The block read last, while the cache still holds it: files read in order skip the
-        # cache's lock (twice per file: the lookup and the view's filename).
-        hot = self._hot
-        if hot is not None and hot[0] == j:
-            names = hot[1]()
-            if names is not None:
-                return names
-        names = self._cache.get(("filenames", j), lambda: self._load(j))
-        self._hot = (j, weakref.ref(names))
-        return names
 
     def _load(self, j: int) -> np.ndarray:
         k, n = self._k, self._n

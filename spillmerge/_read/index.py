@@ -12,7 +12,7 @@ import numpy as np
 
 from .._format import invariants as V
 from .._storage import Storage
-from .cache import ChunkCache
+from .cache import ChunkCache, Chunks
 from .rawchunk import chunk_reader
 
 ROW_BLOCK = 1 << 14
@@ -47,8 +47,8 @@ class LazyArray:
         self._n = self.shape[0]
         self._k = max(int(node.chunks[0]), 1)
         self._read = chunk_reader(node, storage)
-        self._key = node.path
-        self._cache = cache
+        self.chunk = Chunks(cache, node.path, self._load)
+        """``chunk(c)``: chunk ``c`` (read-only), checked by ``check`` on its first read; no row hook."""
         self._check = check
         self.hook: Hook | None = None
         self._hot: tuple[int, int, int, np.ndarray] | None = None  # (lo, hi, chunk start, chunk)
@@ -59,10 +59,6 @@ class LazyArray:
     @property
     def n_chunks(self) -> int:
         return -(-self._n // self._k)
-
-    def chunk(self, c: int) -> np.ndarray:
-        """Chunk ``c`` (read-only), checked by ``check`` on its first read; no row hook."""
-        return self._cache.get((self._key, c), lambda: self._load(c))
 
     def _load(self, c: int) -> np.ndarray:
         arr = np.asarray(self._read(c)).astype(self.dtype, copy=False)
