@@ -5,7 +5,7 @@ checked (offsets, UTF-8, strictly ascending, bounded by its heads) when it is fi
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,9 +14,7 @@ from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
-from .index import LazyArray
-
-Raise = Callable[[list[V.Problem]], None]
+from .index import LazyArray, Raise
 
 
 def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,7 +75,7 @@ class OutputFiles:
         self,
         group: Any,
         header: dict[str, Any],
-        raise_: Callable[[list[V.Problem]], None],
+        raise_: LZ.Raise,
         allow_pickle: bool,
         cache: ChunkCache,
         storage: Storage,
