@@ -56,10 +56,6 @@ class LazyArray:
     def __len__(self) -> int:
         return self._n
 
-    @property
-    def n_chunks(self) -> int:
-        return -(-self._n // self._k)
-
     def _load(self, c: int) -> np.ndarray:
         arr = np.asarray(self._read(c)).astype(self.dtype, copy=False)
         if self._check is not None:
@@ -149,7 +145,8 @@ class LazyArray:
     def searchsorted(self, v: int, side: str = "left", hint: int | None = None) -> int:
         """Where ``v`` goes in this sorted 1-d array (numpy's ``searchsorted``), reading the chunks
         a bisection over chunk starts needs (from chunk ``hint`` first when given); no row hook."""
-        k, m = self._k, self.n_chunks
+        k = self._k
+        m = -(-self._n // k)  # chunks
         if m == 0:
             return 0
 
