@@ -245,46 +245,6 @@ def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -
     return out
 
 
-def offsets_content_problems(c: StoredColumn, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
-    """A column's ``offsets`` from 0, never decreasing, ending at the length of ``values``; its
-    ``shapes`` non-negative, their products (times ``inner_shape``'s) equal to the offsets' steps."""
-    rel = f"columns/{c.name}"
-    n = len(offsets) - 1
-    out = offsets_problems(offsets, n, int(c.arrays["values"].shape[0]), f"{rel}/offsets", "rows", f"{rel}/values")
-    if out:
-        return out
-    if c.kind == "fixed" and np.any(np.diff(offsets) > 1):  # compact fixed column: 0 or 1 row each
-        r = int(np.flatnonzero(np.diff(offsets) > 1)[0])
-        return [(f"{rel}/offsets", f"row {r} spans {int(offsets[r + 1] - offsets[r])} rows of a fixed column")]
-    if shapes is None:
-        return out
-    if c.kind == "strlist":  # shapes (n_rows, 1): strings per row, whose n uint32 lengths open its bytes
-        bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > np.diff(offsets)))
-        if len(bad):
-            r = int(bad[0])
-            return [(f"{rel}/shapes", f"row {r} holds {int(shapes[r, 0])} strings, more than its "
-                     f"{int(offsets[r + 1] - offsets[r])} bytes can ({len(bad)} such rows)")]  # fmt: skip
-        return out
-    if np.any(shapes < 0):
-        r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
-        return [(f"{rel}/shapes", f"row {r} has a negative dimension {shapes[r].tolist()}")]
-    inner = int(np.prod(c.inner_shape)) if c.inner_shape else 1
-    elems, problems = shape_products(shapes, f"{rel}/shapes")
-    if problems:
-        return problems
-    bad = np.flatnonzero(elems != np.diff(offsets) * inner)
-    if len(bad):
-        r = int(bad[0])
-        return [
-            (
-                f"{rel}/shapes",
-                f"row {r} has shape {shapes[r].tolist()}, but its offsets span {int(offsets[r + 1] - offsets[r])} "
-                f"({len(bad)} such rows)",
-            )
-        ]
-    return out
-
-
 def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndarray, list[Problem]]:
     """Elements per row of a non-negative ``(rows, ndim)`` shapes array, computed saturating at
     ``F.SHAPE_ELEMS_MAX`` (never wrapping: ``[2**32, 2**32]`` is not 0 elements), and the rows
@@ -309,61 +269,6 @@ def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndar
     r = int(bad[0])
     what = F.shape_problem(shapes[r].tolist()) or "is out of bounds"
     return elems, [(rel, f"row {base + r}'s {what} ({len(bad)} such rows)")]
-
-
-def rows_layout_problems(
-    c: StoredColumn, valid: np.ndarray | None, offsets: np.ndarray | None, in_layout: np.ndarray
-) -> list[Problem]:
-    """A row has a value only in a column its file's ``file_layouts`` entry lists, and an absent
-    row stores nothing: so a file boundary moved in ``frame_offsets`` (rows handed to a file
-    whose layout lacks their leaves) or a ``valid`` flipped on is refused. ``in_layout``: per
-    row, whether its file lists this column."""
-    rel = f"columns/{c.name}"
-    has = np.ones(len(in_layout), dtype=bool) if valid is None else valid
-    bad = np.flatnonzero(has & ~in_layout)
-    if len(bad):
-        what = "valid" if valid is not None else "values"
-        return [(f"{rel}/{what}", f"row {int(bad[0])} has a value, but its file's layout does not list "
-                 f"this column ({len(bad)} such rows)")]  # fmt: skip
-    if offsets is not None and valid is not None:
-        steps = np.diff(offsets)
-        bad = np.flatnonzero(~valid & (steps != 0))
-        if len(bad):
-            return [
-                (
-                    f"{rel}/offsets",
-                    f"row {int(bad[0])} has no value but spans {int(steps[bad[0]])} ({len(bad)} such rows)",
-                )
-            ]
-        if c.kind == "fixed" and np.any(valid & (steps != 1)):
-            r = int(np.flatnonzero(valid & (steps != 1))[0])
-            return [(f"{rel}/offsets", f"row {r} has a value but spans {int(steps[r])} rows of a compact fixed column")]
-    return []
-
-
-def variant_problems(cols: dict[str, StoredColumn], valid: Callable[[StoredColumn], np.ndarray | None]) -> list[Problem]:
-    """Where a leaf has several variant columns, a row has a value in at most one of them
-    (``valid`` gives a column's mask, None when every row has a value)."""
-    by_leaf: dict[tuple[str, ...], list[StoredColumn]] = {}
-    for c in cols.values():
-        by_leaf.setdefault(c.leaf, []).append(c)
-    out: list[Problem] = []
-    for leaf, group in sorted(by_leaf.items()):
-        if len(group) < 2:
-            continue
-        count: np.ndarray | None = None
-        for c in group:
-            v = valid(c)
-            if v is None:
-                out.append((f"columns/{c.name}/valid", f"missing: leaf {list(leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value"))
-                break
-            count = v.astype(np.int64) if count is None else count + v
-        else:
-            if count is not None and len(count) and int(count.max()) > 1:
-                r = int(np.argmax(count > 1))
-                names = ", ".join(f"columns/{c.name}" for c in group)
-                out.append((f"columns/{group[0].name}/valid", f"row {r} has a value in more than one variant of leaf {list(leaf)!r:.200} ({names})"))
-    return out
 
 
 def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:

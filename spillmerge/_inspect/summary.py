@@ -476,7 +476,7 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     out: list[V.Problem] = []
     try:
         cache = ChunkCache(DEFAULT_CACHE_BYTES)
-        files = OutputFiles(group, header, storage.describe, _found, False, cache, storage)
+        files = OutputFiles(group, header, _found, False, cache, storage)
         steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
         steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
         for step in steps:
@@ -504,7 +504,7 @@ def _value_problems(
         c: V.StoredColumn = col.info
         readable = f"columns/{c.name}/values" not in damaged
         if c.dtype in ("pylist", "pytuple") and c.kind == "fixed":  # a list header
-            valid = None if col.valid() is None else np.asarray(col.valid(), dtype=bool)
+            valid = None if col.valid is None else np.asarray(col.valid, dtype=bool)
             lengths = np.asarray(V.read_array(col.values), dtype=np.int64) if readable else None
             heads.append((c, valid, lengths))
         if c.kind in V.STRING_KINDS and col.offsets is not None and readable:

@@ -116,7 +116,7 @@ class Batch:
         return got
 
     def valid(self, col: OpenColumn, rows: np.ndarray) -> np.ndarray:
-        v = col.valid()
+        v = col.valid
         return np.ones(len(rows), bool) if v is None else v[rows]
 
     def lengths(self, col: OpenColumn) -> np.ndarray:
@@ -260,16 +260,15 @@ def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, sta
         )
     if o is None:
         o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
-    within = _within(lengths)
-    item_rows = np.repeat(o[rows], lengths) + within
-    at = np.repeat(starts[: len(rows)], lengths) + within  # where each item goes in the flat array
+    item_rows = _spread(o[rows], lengths)
+    at = _spread(starts[: len(rows)], lengths)  # where each item goes in the flat array
     return [(key, name, at[pos], arr) for key, name, pos, arr in parts(node.each, b, item_rows, with_keys=True)]
 
 
-def _within(lengths: np.ndarray) -> np.ndarray:
-    """Each item's position in its list, for lists of ``lengths`` items laid end to end."""
-    first = np.concatenate([[0], np.cumsum(lengths)])[:-1]
-    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first, lengths)
+def _spread(first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each item's position, for lists of ``lengths`` items whose first items are at ``first``."""
+    laid = np.concatenate([[0], np.cumsum(lengths)])[:-1]  # where each list starts laid end to end
+    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(first - laid, lengths)
 
 
 def _merged_lists(
@@ -296,9 +295,7 @@ def _merged_lists(
     ps = _item_parts(node, b, rows[hpos], hlen, start_of[hpos])
     for col, cpos, carr, clen in got:
         flat = pc.list_flatten(carr)
-        first = np.repeat(start_of[cpos], clen)
-        within = _within(clen)
-        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", first + within, flat))
+        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", _spread(start_of[cpos], clen), flat))
     return pos, starts, combine(ps, int(starts[-1]))
 
 
@@ -376,9 +373,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
             first = np.concatenate(
                 [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
             )[:-1]
-            within = _within(have)
-            take = np.repeat(first, have) + within
-            at = np.repeat(starts[pos], have) + within
+            take, at = _spread(first, have), _spread(starts[pos], have)
             elems += _split(name, at, flat.take(pa.array(take.astype(np.int64))))
         fields.append(combine(elems, total))
         names.append(F.key_of(seg))
@@ -424,12 +419,12 @@ def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], 
     """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
     inside = np.zeros(0, bool)
     for head in records:
-        v = head.valid()
+        v = head.valid
         if v is None:
             return False  # every row holds one
         inside = np.array(v) if not len(inside) else inside | np.asarray(v)
     for col in node.stored():
-        v = col.valid()
+        v = col.valid
         domain = F.list_domain(col.info.leaf)
         if domain:  # a list's items: the rows that hold one
             v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))

@@ -5,6 +5,7 @@ chunk another thread is decoding is waited for, not decoded twice."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -102,3 +103,25 @@ class ChunkCache:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self.max_bytes, self._nbytes, len(self._chunks), self._hits, self._misses)
+
+
+class Chunks:
+    """``chunks(c)``: chunk ``c`` of one array (``key``) through ``cache``, ``load(c)`` decoding it on
+    a miss. The chunk read last is kept by a weak reference while the cache holds it: reads in
+    order skip the cache's lock, and the cache alone bounds the memory."""
+
+    __slots__ = ("_cache", "_key", "_last", "_load")
+
+    def __init__(self, cache: ChunkCache, key: Hashable, load: Callable[[int], np.ndarray]) -> None:
+        self._cache, self._key, self._load = cache, key, load
+        self._last: tuple[int, weakref.ref[np.ndarray]] | None = None
+
+    def __call__(self, c: int) -> np.ndarray:
+        last = self._last
+        if last is not None and last[0] == c:
+            arr = last[1]()
+            if arr is not None:
+                return arr
+        arr = self._cache.get((self._key, c), lambda: self._load(c))
+        self._last = (c, weakref.ref(arr))
+        return arr

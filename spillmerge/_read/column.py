@@ -3,7 +3,6 @@ output's chunk cache, rows read in order in blocks, and the dtype rows are retur
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -12,7 +11,7 @@ from .._errors import CorruptSpillError
 from .._format import common as F
 from .._format.invariants import StoredColumn, read_rows
 from .._storage import Storage
-from .cache import ChunkCache
+from .cache import ChunkCache, Chunks
 from .index import ROW_BLOCK
 from .rawchunk import chunk_reader
 
@@ -40,11 +39,6 @@ ROW_BLOCK_BYTES = 1 << 16
 (:meth:`OpenColumn.ahead`): at most this much memory per column."""
 
 
-def dims(shape: Any) -> tuple[int, ...]:
-    """A shape as plain ints: a tuple of numpy ints would print as ``(np.int64(4),)`` in messages."""
-    return tuple(int(d) for d in shape)
-
-
 class OpenColumn:
     """One column of an open output: its header, arrays, and the row-layout arrays (``offsets``,
     ``shapes``, ``valid``: :class:`~spillmerge._read.index.LazyArray` s, read a chunk at a time and
@@ -59,58 +53,47 @@ class OpenColumn:
         info: StoredColumn,
         n_rows: int,
         allow_pickle: bool,
-        cache: ChunkCache | None = None,
-        storage: Storage | None = None,
+        cache: ChunkCache,
+        storage: Storage,
     ) -> None:
         self.info = info
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
-        self.cache = cache if cache is not None else ChunkCache(0)
         # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
         values = info.arrays["values"]
-        self._key = values.path
         self.chunk_rows = max(int(values.chunks[0]), 1)
         self._n = int(values.shape[0])
         self.unit_shape = tuple(values.shape[1:])
         self.stored_dtype = values.dtype
         self.unit_nbytes = int(np.prod(self.unit_shape, dtype=np.int64)) * self.stored_dtype.itemsize
         """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
-        # Uncompressed chunks straight from storage (one get + CRC-32C), others through zarr.
-        self._read = chunk_reader(values, storage, lambda rel: storage.describe(rel) if storage else rel)
+        # Chunk c of values (read-only), decoded once, then served from the cache; uncompressed
+        # chunks straight from storage (one get + CRC-32C), others through zarr.
+        self.chunk = Chunks(cache, values.path, chunk_reader(values, storage))
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
-        self.has_valid = "valid" in info.arrays
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
         """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
-        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
         self.block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
         self.offsets: Any = None
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
         self.shapes: Any = None
         """int64 ``(n_rows, ndim)`` (ragged columns without ``inner_shape``): a ``LazyArray``."""
-        self.valid_arr: Any = None
-        """bool ``(n_rows,)`` (columns with ``valid``): a ``LazyArray`` set by the reader."""
+        self.valid: Any = None
+        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``; whole for a
+        list's items) set by the reader, or None when every row has a value."""
 
     @property
     def values(self) -> Any:
         return self.info.arrays["values"]
 
-    def chunk(self, c: int) -> np.ndarray:
-        """Chunk ``c`` of ``values`` (read-only), decoded and checksummed by zarr once, then served
-        from the cache."""
-        # The chunk this column read last, while the cache (or a reader) still holds it: rows read
-        # in order skip the cache's lock. A weak reference, so the cache alone bounds the memory.
-        hot = self._hot
-        if hot is not None and hot[0] == c:
-            arr = hot[1]()
-            if arr is not None:
-                return arr
-        arr = self.cache.get((self._key, c), lambda: self._read(c))
-        self._hot = (c, weakref.ref(arr))
-        return arr
+    def damaged(self, what: str) -> CorruptSpillError:
+        """The error for damage ``what`` found in this column's values."""
+        path = f"{self.values.store_path}"
+        return CorruptSpillError(f"{path}: {what}; the output is damaged: merge it again", path=path)
 
     def unit(self, r: int) -> np.ndarray:
         """Row ``r`` of a fixed column, of the storage dtype, read-only (a view of its cached
@@ -186,13 +169,6 @@ class OpenColumn:
         if pos < hi:
             out[pos - lo :] = self.chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
-
-    def valid(self) -> Any:
-        """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``) or None
-        when every row has a value."""
-        if not self.has_valid:
-            return None
-        return self.valid_arr
 
     def view(self, start: int, stop: int, filename: str | None = None) -> Any:
         """Rows ``start .. stop-1`` as this column's leaf view (``_read.views``)."""

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from .views import tensor
+
 
 class OutputDataset:
     """Rows of the merged output at ``path`` as dicts (see the module docstring).
@@ -53,12 +55,8 @@ class OutputDataset:
         f = int(np.searchsorted(offsets, i, side="right")) - 1
         row: dict[str, Any] = {"filename": names[f], "frame_idx": int(frames[i])}
         for name, view in self._views:
-            if view.valid is not None and not view.valid[i]:
-                row[name] = None
-            elif view.kind in ("fixed", "ragged"):
-                row[name] = view.to_torch(i) if view.kind == "ragged" else view.to_torch(slice(i, i + 1))[0]
-            else:
-                row[name] = view[i]
+            x = view[i]  # (None where the row has no value)
+            row[name] = tensor(x, view.dtype_name) if x is not None and view.kind in ("fixed", "ragged") else x
         return row
 
     def __getstate__(self) -> dict[str, Any]:

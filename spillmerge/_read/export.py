@@ -44,21 +44,17 @@ def arrow_names(files: Files) -> dict[str, OpenColumn]:
     return out
 
 
-def default_columns(files: Files) -> dict[str, Column]:
-    """The exported columns when none are named (``_read.arrow.top_columns``)."""
-    flat = {id(c): name for name, c in arrow_names(files).items()}
-    root = T.tree(list(files.columns.values()), files.key_orders.overall())
-    return T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)
-
-
 def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
     """The columns named in ``columns`` (all when None), in the order given: the names of the
     default export, and each stored column's flat name (:func:`arrow_names`: one variant of a
     union, one item of a list)."""
-    default = default_columns(files)
+    names = arrow_names(files)
+    flat = {id(c): name for name, c in names.items()}
+    root = T.tree(list(files.columns.values()), files.key_orders.overall())
+    default = T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)  # (none named: these)
     if columns is None:
         return default
-    known: dict[str, Column] = {**arrow_names(files), **default}
+    known: dict[str, Column] = {**names, **default}
     if isinstance(columns, str):
         columns = [columns]
     out: dict[str, Column] = {}

@@ -5,8 +5,7 @@ checked (offsets, UTF-8, strictly ascending, bounded by its heads) when it is fi
 from __future__ import annotations
 
 import bisect
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,21 +13,8 @@ import numpy as np
 from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._storage import Storage
-from .cache import ChunkCache
-from .index import LazyArray
-from .rawchunk import chunk_reader
-
-Raise = Callable[[list[V.Problem]], None]
-
-
-def _whole(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> np.ndarray:
-    """The whole 1-d array ``arr``, chunk by chunk (``_read.rawchunk``: straight from storage
-    where it is plain, no round trip to zarr's event-loop thread); memory grows only with the
-    chunks that exist, as ``_format.invariants.read_array``'s does."""
-    read, k, n = chunk_reader(arr, storage, describe), max(int(arr.chunks[0]), 1), int(arr.shape[0])
-    if n <= k:
-        return read(0)
-    return np.concatenate([read(c) for c in range(-(-n // k))])
+from .cache import ChunkCache, Chunks
+from .index import LazyArray, Raise
 
 
 def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:
@@ -67,11 +53,11 @@ class Names(Sequence[str]):
     def __init__(
         self,
         group: Any,
-        describe: Callable[[str], str],
         cache: ChunkCache,
         raise_: Raise,
-        storage: Storage | None = None,
+        storage: Storage,
     ) -> None:
+        describe = storage.describe
         self._raise = raise_
         self._bytes = V.index_node(group, "filenames", describe)
         self._off = V.index_node(group, "filename_offsets", describe)
@@ -87,23 +73,23 @@ class Names(Sequence[str]):
         self._n = n_off - 1
         self._nbytes = int(self._bytes.shape[0])
         # read a chunk at a time through the cache (no row checks: a block's own checks are below)
-        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage, describe)
-        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, describe, dtype=np.uint8)
-        self._cache = cache
+        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage)
+        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, dtype=np.uint8)
         heads_node = V.index_node(group, "filename_heads", describe)
         self._k, problems = _names_per_head(heads_node)
         raise_(problems)
-        heads_raw = _whole(heads_node, storage, describe)
-        hoff = np.asarray(_whole(V.index_node(group, "filename_head_offsets", describe), storage, describe), np.int64)
-        n_blocks = -(-self._n // self._k)
+        heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, dtype=np.uint8).whole()
         rel = "index/filename_head_offsets"
+        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage).whole()
+        n_blocks = -(-self._n // self._k)
         raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
         raise_(problems)
         raise_(IX.sorted_problems(heads, "index/filename_heads"))
         self._heads: list[str] = heads.tolist()
         self._next = 0
-        self._hot: tuple[int, weakref.ref[np.ndarray]] | None = None
+        # block(j): the names of block j (files j*K .. (j+1)*K - 1), checked on first read, cached
+        self.block = Chunks(cache, "filenames", self._load)
         self._in_order: tuple[int, list[str]] = (-1, [])
         """(block, its names as str) of the block files are being read in order from (``find``'s
         hint hit): comparing and returning a Python str costs less than a numpy element."""
@@ -112,19 +98,6 @@ class Names(Sequence[str]):
 
     def __len__(self) -> int:
         return self._n
-
-    def block(self, j: int) -> np.ndarray:
-        """The names of block ``j`` (files ``j*K .. (j+1)*K - 1``), checked on first read, cached."""
-        # The block read last, while the cache still holds it: files read in order skip the
-        # cache's lock (twice per file: the lookup and the view's filename).
-        hot = self._hot
-        if hot is not None and hot[0] == j:
-            names = hot[1]()
-            if names is not None:
-                return names
-        names = self._cache.get(("filenames", j), lambda: self._load(j))
-        self._hot = (j, weakref.ref(names))
-        return names
 
     def _load(self, j: int) -> np.ndarray:
         k, n = self._k, self._n

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._format import invariants as V
 from .._storage import Storage
-from .cache import ChunkCache
+from .cache import ChunkCache, Chunks
 from .rawchunk import chunk_reader
 
 ROW_BLOCK = 1 << 14
@@ -36,8 +36,7 @@ class LazyArray:
         node: Any,
         rel: str,
         cache: ChunkCache,
-        storage: Storage | None,
-        describe: Callable[[str], str],
+        storage: Storage,
         dtype: Any = np.int64,
         check: Callable[[int, np.ndarray], None] | None = None,
     ) -> None:
@@ -47,23 +46,15 @@ class LazyArray:
         self.dtype = np.dtype(dtype)
         self._n = self.shape[0]
         self._k = max(int(node.chunks[0]), 1)
-        self._read = chunk_reader(node, storage, describe)
-        self._key = node.path
-        self._cache = cache
+        self._read = chunk_reader(node, storage)
+        self.chunk = Chunks(cache, node.path, self._load)
+        """``chunk(c)``: chunk ``c`` (read-only), checked by ``check`` on its first read; no row hook."""
         self._check = check
         self.hook: Hook | None = None
         self._hot: tuple[int, int, int, np.ndarray] | None = None  # (lo, hi, chunk start, chunk)
 
     def __len__(self) -> int:
         return self._n
-
-    @property
-    def n_chunks(self) -> int:
-        return -(-self._n // self._k)
-
-    def chunk(self, c: int) -> np.ndarray:
-        """Chunk ``c`` (read-only), checked by ``check`` on its first read; no row hook."""
-        return self._cache.get((self._key, c), lambda: self._load(c))
 
     def _load(self, c: int) -> np.ndarray:
         arr = np.asarray(self._read(c)).astype(self.dtype, copy=False)
@@ -154,7 +145,8 @@ class LazyArray:
     def searchsorted(self, v: int, side: str = "left", hint: int | None = None) -> int:
         """Where ``v`` goes in this sorted 1-d array (numpy's ``searchsorted``), reading the chunks
         a bisection over chunk starts needs (from chunk ``hint`` first when given); no row hook."""
-        k, m = self._k, self.n_chunks
+        k = self._k
+        m = -(-self._n // k)  # chunks
         if m == 0:
             return 0
 
@@ -204,17 +196,6 @@ def offsets_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of
     return []
 
 
-def offsets_chunk_check(
-    rel: str, rows: int, of: str, n_chunks: int, k: int, raise_: Raise
-) -> Callable[[int, np.ndarray], None]:
-    """Check of chunk ``c`` (``k`` entries per chunk) of ``frame_offsets``: :func:`offsets_problems`."""
-
-    def check(c: int, arr: np.ndarray) -> None:
-        raise_(offsets_problems(rel, arr, c * k, c == n_chunks - 1, rows, of))
-
-    return check
-
-
 class Found(Exception):
     """The problems (``args[0]``) found, raised by a ``raise_`` that collects them (``verify``)
     rather than refuses the output: :class:`IndexChecks` keeps them and goes on."""
@@ -250,10 +231,7 @@ class IndexChecks:
         self._done: set[int] = set()
         self._lock = threading.Lock()
         self._last_file = 0
-        by_leaf: dict[tuple[str, ...], list[str]] = {}
-        for name, col in columns.items():
-            by_leaf.setdefault(col.info.leaf, []).append(name)
-        self._variants = [names_ for _, names_ in sorted(by_leaf.items()) if len(names_) > 1]
+        self._variants = variant_groups(columns)
 
     def _fail(self, rel: str, problem: str) -> None:
         """Refuse the output for one problem of the array ``rel`` (or, with a collecting
@@ -322,26 +300,15 @@ class IndexChecks:
             layout_of_row = np.zeros(0, dtype=np.int64)
         valid: dict[str, np.ndarray | None] = {}
         for name, col in self._cols.items():
-            valid[name] = self._column(col, r0, r1, layout_of_row)
-        for group in self._variants:
-            count = np.zeros(r1 - r0, dtype=np.int64)
-            for name in group:
-                v = valid[name]
-                if v is None:
-                    self._fail(
-                        f"columns/{name}/valid",
-                        f"missing: leaf {list(self._cols[name].info.leaf)!r:.200} has {len(group)} variant columns, so each has rows without a value",
-                    )
-                    return
-                count += v
-            if len(count) and int(count.max()) > 1:
-                r = r0 + int(np.argmax(count > 1))
-                shown = ", ".join(f"columns/{n}" for n in group)
-                leaf = list(self._cols[group[0]].info.leaf)
-                self._fail(
-                    f"columns/{group[0]}/valid",
-                    f"row {r} has a value in more than one variant of leaf {leaf!r:.200} ({shown})",
-                )
+            o = None if col.offsets is None else col.offsets.span(r0, r1 + 1)
+            shapes = None if col.shapes is None else col.shapes.span(r0, r1)
+            v = valid[name] = None if col.valid is None else np.asarray(col.valid.span(r0, r1), dtype=bool)
+            listed = self._listed[name]
+            in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+            for p in column_row_problems(col.info, o, shapes, v, in_layout, r0, r1 == self.n_rows):
+                self._fail(*p)
+        for p in variant_problems(self._variants, self._cols, valid, r0):
+            self._fail(*p)
 
     def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
         rel = self._fi.rel
@@ -366,72 +333,96 @@ class IndexChecks:
                 f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
             )
 
-    def _column(self, col: Any, r0: int, r1: int, layout_of_row: np.ndarray) -> np.ndarray | None:
-        info = col.info
-        rel = f"columns/{info.name}"
-        o: np.ndarray | None = None
-        if col.offsets is not None:
-            o = col.offsets.span(r0, r1 + 1)
-            vlen = int(info.arrays["values"].shape[0])
-            for p in offsets_problems(f"{rel}/offsets", o, r0, r1 == self.n_rows, vlen, f"{rel}/values"):
-                self._fail(*p)
-            step = np.diff(o)
-            if info.kind == "fixed" and np.any(step > 1):
-                r = int(np.flatnonzero(step > 1)[0])
-                self._fail(f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column")
-            if col.shapes is not None:
-                self._shapes(info, col.shapes.span(r0, r1), step, r0)
-        v: np.ndarray | None = None
-        if col.has_valid:
-            v = np.asarray(col.valid_arr.span(r0, r1), dtype=bool)
-        listed = self._listed[info.name]
-        in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
-        has = np.ones(r1 - r0, dtype=bool) if v is None else v
-        bad = np.flatnonzero(has & ~in_layout)
-        if len(bad):
-            what = "valid" if v is not None else "values"
-            self._fail(
-                f"{rel}/{what}",
-                f"row {r0 + int(bad[0])} has a value, but its file's layout does not list this column ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-            )
-        if o is not None and v is not None:
-            step = np.diff(o)
-            bad = np.flatnonzero(~v & (step != 0))
-            if len(bad):
-                self._fail(
-                    f"{rel}/offsets",
-                    f"row {r0 + int(bad[0])} has no value but spans {int(step[bad[0]])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-                )
-            if info.kind == "fixed" and np.any(v & (step != 1)):
-                r = int(np.flatnonzero(v & (step != 1))[0])
-                self._fail(
-                    f"{rel}/offsets",
-                    f"row {r0 + r} has a value but spans {int(step[r])} rows of a compact fixed column",
-                )
-        return v
 
-    def _shapes(self, info: Any, shapes: np.ndarray, step: np.ndarray, r0: int) -> None:
-        rel = f"columns/{info.name}/shapes"
-        if info.kind == "strlist":  # strings per row, whose n uint32 lengths open its bytes
-            bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > step))
-            if len(bad):
-                r = int(bad[0])
-                self._fail(
-                    rel,
-                    f"row {r0 + r} holds {int(shapes[r, 0])} strings, more than its {int(step[r])} bytes can ({len(bad)} such rows)",
-                )
-            return
-        if np.any(shapes < 0):
-            r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
-            self._fail(rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}")
-        inner = int(np.prod(info.inner_shape)) if info.inner_shape else 1
-        elems, problems = V.shape_products(shapes, rel, base=r0)
-        for p in problems:
-            self._fail(*p)
-        bad = np.flatnonzero(elems != step * inner)
+def column_row_problems(
+    info: Any,
+    o: np.ndarray | None,
+    shapes: np.ndarray | None,
+    v: np.ndarray | None,
+    in_layout: np.ndarray,
+    r0: int,
+    last: bool,
+) -> list[V.Problem]:
+    """What rows ``r0 ..`` of column ``info`` break: their ``offsets`` ``o`` (one entry more;
+    ``last``: they end the column) and ``shapes`` against ``values``; a value only where the row's
+    file lists the column (``in_layout``); no values where a row has none (``v``, None: all have)."""
+    rel, r1 = f"columns/{info.name}", r0 + len(in_layout)
+    out: list[V.Problem] = []
+    if o is not None:
+        vlen = int(info.arrays["values"].shape[0])
+        out += offsets_problems(f"{rel}/offsets", o, r0, last, vlen, f"{rel}/values")
+        step = np.diff(o)
+        if info.kind == "fixed" and np.any(step > 1):
+            r = int(np.flatnonzero(step > 1)[0])
+            out.append((f"{rel}/offsets", f"row {r0 + r} spans {int(step[r])} rows of a fixed column"))
+        if shapes is not None:
+            out += _shapes_problems(info, shapes, step, r0)
+    has = np.ones(r1 - r0, dtype=bool) if v is None else v
+    bad = np.flatnonzero(has & ~in_layout)
+    within = f"in rows {r0}..{r1 - 1}"
+    if len(bad):
+        what = f"row {r0 + int(bad[0])} has a value, but its file's layout does not list this column"
+        out.append((f"{rel}/{'values' if v is None else 'valid'}", f"{what} ({len(bad)} such rows {within})"))
+    if o is not None and v is not None:
+        bad = np.flatnonzero(~v & (step != 0))
         if len(bad):
-            r = int(bad[0])
-            self._fail(
-                rel,
-                f"row {r0 + r} has shape {shapes[r].tolist()}, but its offsets span {int(step[r])} ({len(bad)} such rows)",
-            )
+            what = f"row {r0 + int(bad[0])} has no value but spans {int(step[bad[0]])}"
+            out.append((f"{rel}/offsets", f"{what} ({len(bad)} such rows {within})"))
+        if info.kind == "fixed" and np.any(v & (step != 1)):
+            r = int(np.flatnonzero(v & (step != 1))[0])
+            what = f"row {r0 + r} has a value but spans {int(step[r])} rows of a compact fixed column"
+            out.append((f"{rel}/offsets", what))
+    return out
+
+
+def _shapes_problems(info: Any, shapes: np.ndarray, step: np.ndarray, r0: int) -> list[V.Problem]:
+    rel = f"columns/{info.name}/shapes"
+    if info.kind == "strlist":  # strings per row, whose n uint32 lengths open its bytes
+        bad = np.flatnonzero((shapes[:, 0] < 0) | (4 * shapes[:, 0] > step))
+        if not len(bad):
+            return []
+        r = int(bad[0])
+        what = f"row {r0 + r} holds {int(shapes[r, 0])} strings, more than its {int(step[r])} bytes can"
+        return [(rel, f"{what} ({len(bad)} such rows)")]
+    out: list[V.Problem] = []
+    if np.any(shapes < 0):
+        r = int(np.flatnonzero((shapes < 0).any(axis=1))[0])
+        out.append((rel, f"row {r0 + r} has a negative dimension {shapes[r].tolist()}"))
+    inner = int(np.prod(info.inner_shape)) if info.inner_shape else 1
+    elems, problems = V.shape_products(shapes, rel, base=r0)
+    out += problems
+    bad = np.flatnonzero(elems != step * inner)
+    if len(bad):
+        r = int(bad[0])
+        what = f"row {r0 + r} has shape {shapes[r].tolist()}, but its offsets span {int(step[r])}"
+        out.append((rel, f"{what} ({len(bad)} such rows)"))
+    return out
+
+
+def variant_groups(columns: dict[str, Any]) -> list[list[str]]:
+    """The names of each leaf's columns, for the leaves with several (one per variant)."""
+    by_leaf: dict[tuple[str, ...], list[str]] = {}
+    for name, col in columns.items():
+        by_leaf.setdefault(col.info.leaf, []).append(name)
+    return [names for _, names in sorted(by_leaf.items()) if len(names) > 1]
+
+
+def variant_problems(
+    groups: list[list[str]], columns: dict[str, Any], valid: dict[str, np.ndarray | None], r0: int
+) -> list[V.Problem]:
+    """A row (of rows ``r0 ..``, ``valid`` each column's) has a value in one variant of its leaf at most."""
+    out: list[V.Problem] = []
+    for group in groups:
+        leaf = list(columns[group[0]].info.leaf)
+        absent = [name for name in group if valid[name] is None]
+        if absent:
+            what = f"missing: leaf {leaf!r:.200} has {len(group)} variant columns, so each has rows without a value"
+            out.append((f"columns/{absent[0]}/valid", what))
+            continue
+        count = np.sum([np.asarray(valid[name]) for name in group], axis=0, dtype=np.int64)
+        if count.size and int(count.max()) > 1:
+            r = r0 + int(np.argmax(count > 1))
+            shown = ", ".join(f"columns/{n}" for n in group)
+            what = f"row {r} has a value in more than one variant of leaf {leaf!r:.200} ({shown})"
+            out.append((f"columns/{group[0]}/valid", what))
+    return out

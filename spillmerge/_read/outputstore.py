@@ -53,21 +53,15 @@ class NoFillStore(WrapperStore[Store]):
 
     async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
         """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
-        if self._storage is not None:
-            try:
-                raw = await asyncio.to_thread(self._storage.get, rel, max_bytes=F.ARRAY_DOC_MAX_BYTES)
-            except FileNotFoundError:
-                return None
-        else:
-            buf = await self._store.get(rel, prototype)
-            if buf is None:
-                return None
-            raw = buf.to_bytes()
-            if len(raw) > F.ARRAY_DOC_MAX_BYTES:
-                path = self._describe(rel)
-                raise CorruptSpillError(
-                    f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
-                )
+        buf = await self._get(rel, prototype, None)  # (a local disk reads no more than the limit)
+        if buf is None:
+            return None
+        raw = buf.to_bytes()
+        if len(raw) > F.ARRAY_DOC_MAX_BYTES:
+            path = self._describe(rel)
+            raise CorruptSpillError(
+                f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
+            )
         return F.loads(raw, path=self._describe(rel))
 
     async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:

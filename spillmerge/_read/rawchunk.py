@@ -43,7 +43,7 @@ def _plain(arr: Any) -> bool:
     )
 
 
-def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], str]) -> Callable[[int], np.ndarray]:
+def chunk_reader(arr: Any, storage: Storage) -> Callable[[int], np.ndarray]:
     """``read(c)``: chunk ``c`` of ``arr`` along its first dimension (the edge chunk trimmed to the
     array), a read-only array; straight from ``storage`` when the array is plain (module
     docstring), else through zarr."""
@@ -51,7 +51,7 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     if 0 in tuple(arr.shape):  # no element: zarr stores no chunk, and a read needs none
         rest = tuple(int(d) for d in arr.shape[1:])
         return lambda c: np.empty((max(0, min(k, n - c * k)), *rest), dtype=arr.dtype)
-    if storage is None or not _plain(arr):
+    if not _plain(arr):
         return lambda c: read_array(arr, slice(c * k, min((c + 1) * k, n)))
     inner = tuple(int(d) for d in arr.chunks[1:])
     dtype = arr.dtype.newbyteorder("<")
@@ -59,6 +59,7 @@ def chunk_reader(arr: Any, storage: Storage | None, describe: Callable[[str], st
     size = count * dtype.itemsize + 4
     suffix = "/0" * len(inner)
     path = arr.path
+    describe = storage.describe
     limit = array_limits(arr, describe(f"{path}/zarr.json")).object_bytes
 
     def read(c: int) -> np.ndarray:

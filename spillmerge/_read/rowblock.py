@@ -41,7 +41,7 @@ class Block:
     def _load(self, col: OpenColumn) -> tuple[int, list[bool] | None, list[Any] | None]:
         domain = F.list_domain(col.info.leaf)
         lo, hi = (self.a, self.b) if not domain else L.rows_of(self.offs, domain, self.a, self.b)
-        valid = col.valid()
+        valid = col.valid
         ok = None if valid is None else np.asarray(valid[lo:hi], dtype=bool).tolist()
         got = self._cols[id(col)] = (lo, ok, column_rows(col, lo, hi, ok, self.as_torch))
         return got
@@ -110,7 +110,7 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
 def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
     """(filename, frame_idx, value) of every row of ``files`` (the reader's ``OutputFiles``) in order
     (module docstring)."""
-    n_files = len(files)
+    n_files = len(files.filenames)
     offs = files.list_offsets
     plans: dict[int, RowPlan] = {}
     builders: dict[tuple[int, int], Any] = {}  # (layout, id of the file's key orders) -> static_builder
@@ -121,7 +121,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
             for i in range(i0, i1):  # the per-file check names the entry
                 files.checks.file_rows(i)
         starts = fo.tolist()
-        layouts = files.file_layouts(i0, i1)
+        layouts = files.file_layout[i0:i1].tolist()
         names = files.filenames[i0:i1]
         a, b = starts[0], starts[-1]
         f = 0

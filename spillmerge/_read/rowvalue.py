@@ -51,7 +51,7 @@ class RowPlan:
             domain, at = _shape_of(leaf)
             head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
             lpath = (*leaf[:-1], F.ITEM) if head else None
-            self.leaves.append((col, leaf, domain, at, lpath, col.valid(), not leaf or is_marker(leaf[-1])))
+            self.leaves.append((col, leaf, domain, at, lpath, col.valid, not leaf or is_marker(leaf[-1])))
         self.lists = any(domain for _, _, domain, *_ in self.leaves)
         """Whether some column's rows are list items (a row's value then reads them in a ``Block``)."""
         only = cols[0] if len(cols) == 1 else None
@@ -135,7 +135,7 @@ def row_value(
     if col is not None and block is not None:
         return block.get(col, r, filename) if block.ok(col, r) else None
     if col is not None:  # the value is one leaf at the root: no tree to build
-        valid = col.valid()
+        valid = col.valid
         if valid is not None and not valid[r]:
             return None
         return leaf_value(col, r, filename, as_torch)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,15 +75,14 @@ class OutputFiles:
         self,
         group: Any,
         header: dict[str, Any],
-        describe: Callable[[str], str],
-        raise_: Callable[[list[V.Problem]], None],
+        raise_: LZ.Raise,
         allow_pickle: bool,
         cache: ChunkCache,
-        storage: Storage | None = None,
+        storage: Storage,
     ) -> None:
-        self.group = group
+        self.storage, describe = storage, storage.describe
         # bytes + offsets, read block by block when asked for (_names)
-        self.filenames = Names(group, describe, cache, raise_, storage)
+        self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = IX.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
@@ -99,26 +98,28 @@ class OutputFiles:
         n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
 
         def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
-            return LazyArray(node, rel, cache, storage, describe, dtype, check)
+            return LazyArray(node, rel, cache, storage, dtype, check)
 
         fo_node = V.index_node(group, "frame_offsets", describe)
         fo_k = max(int(fo_node.chunks[0]), 1)
         fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
+
+        def offsets_check(c: int, arr: np.ndarray) -> None:
+            last = c == fo_chunks - 1
+            raise_(LZ.offsets_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
+
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
-        self.frame_offsets = lazy(
-            "index/frame_offsets",
-            fo_node,
-            check=LZ.offsets_chunk_check("index/frame_offsets", n_rows, "index/frame_idx", fo_chunks, fo_k, raise_),
-        )
+        self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
         fl_node = V.index_node(group, "file_layout", describe)
         fl_k = max(int(fl_node.chunks[0]), 1)
 
         def layout_check(c: int, arr: np.ndarray) -> None:
             raise_(IX.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
 
-        self._file_layout = lazy("index/file_layout", fl_node, check=layout_check)
+        # int64 (n_files,): file i's entry of the header's file_layouts (checked as chunks are read)
+        self.file_layout = lazy("index/file_layout", fl_node, check=layout_check)
         meta = IX.meta_problems(
-            self.filenames, len(self.frame_offsets), len(self._file_layout), lengths, header, infos, (lists, sizes)
+            self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
         self.frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
@@ -127,7 +128,7 @@ class OutputFiles:
         }
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
-        nested: dict[str, V.StoredColumn] = {}  # columns whose rows are a list's items
+        nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
 
         def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
             """Whole for a list's items (checked at open, as their lists are), else a ``LazyArray``."""
@@ -143,15 +144,13 @@ class OutputFiles:
                 col.offsets = array(info, "offsets", bool(domain))
                 if "shapes" in info.arrays:
                     col.shapes = array(info, "shapes", bool(domain))
-                if domain:
-                    raise_(V.offsets_content_problems(info, col.offsets, col.shapes))
-            if col.has_valid:
-                col.valid_arr = array(info, "valid", bool(domain), bool)
+            if info.has_valid:
+                col.valid = array(info, "valid", bool(domain), bool)
             if domain:
-                nested[name] = info
+                nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(
-            n_rows, self.frame_offsets, self._file_layout, self.frame_idx, self.prov, root, self._layouts,
+            n_rows, self.frame_offsets, self.file_layout, self.frame_idx, self.prov, root, self._layouts,
             self.filenames, raise_,
         )  # fmt: skip
         for arr in (self.frame_idx, *self.prov.values()):
@@ -161,20 +160,20 @@ class OutputFiles:
                 col.offsets.hook = self.checks.edges
             if col.shapes is not None:
                 col.shapes.hook = self.checks.rows
-            if col.valid_arr is not None:
-                col.valid_arr.hook = self.checks.rows
+            if col.valid is not None:
+                col.valid.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (_lazyindex).
         self.frame_offsets.span(0, 1)
-        self._file_layout.span(0, 1)
+        self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = IX.layout_rows(self.frame_offsets.whole(), self._file_layout.whole(), self._layouts)
-            for name, info in nested.items():
-                col = self.columns[name]
-                rows = L.expand(self.list_offsets, F.list_domain(info.leaf), in_layout(name))
-                raise_(V.rows_layout_problems(info, col.valid(), col.offsets, rows))
-            raise_(V.variant_problems(nested, lambda c: self.columns[c.name].valid()))
+            in_layout = IX.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
+            for name, col in nested.items():
+                rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
+                raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))
+            valid = {name: col.valid for name, col in nested.items()}
+            raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0))
         # Per file layout, its columns and how a file's value is built from them (a file read is
         # a few microseconds): None for plain tensor values (one view); (key, view class, column)
         # for a dict of top-level leaves; an empty list for nested leaves.
@@ -190,56 +189,17 @@ class OutputFiles:
             self._layout_paths.append(paths)
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
         try:
-            self.key_orders = KeyOrders(header.get("key_orders"), len(self), "zarr.json")
+            self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
-        self._next = 0
         self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self.by_leaf.setdefault(c.info.leaf, []).append(c)
 
-    def index_arrays(self) -> tuple[Names, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), whole and checked (the
-        filenames as the sequence read block by block): O(rows) memory, for coverage."""
-        self.checks.rows(0, self.n_rows)
-        return (
-            self.filenames, self.frame_offsets.whole(), self.frame_idx.whole(), self.prov["frame_rank"].whole(),
-            self.prov["frame_copies"].whole(),
-        )  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self.filenames)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.filenames)
-
-    def __contains__(self, filename: object) -> bool:
-        return filename in self.filenames
-
-    def index(self, filename: str, where: Callable[[], str]) -> int:
-        # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
-        # another thread the search.)
-        i = self.filenames.find(filename)
-        if i is None:
-            near = close_matches(self.filenames, filename)  # neighbours in sort order: no scan of every name
-            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
-            raise UnknownFileError(
-                f"{filename!r} is not a filename of {where()} ({len(self.filenames)} files){hint}", filename=filename
-            )
-        return i
-
-    def frames(self, i: int) -> np.ndarray:
-        a, b = self.checks.file_rows(i)
-        return self.frame_idx[a:b].copy()
-
-    def provenance(self, i: int, name: str) -> np.ndarray:
-        a, b = self.checks.file_rows(i)
-        return self.prov[name][a:b].copy()
-
     def value(self, i: int, filename: str | None = None) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
         a, b = self.checks.file_rows(i)
-        layout = self._file_layout.item(i)
+        layout = self.file_layout.item(i)
         cols, flat = self._layout_cols[layout]
         if filename is None or type(filename) is not str:
             filename = str(self.filenames[i])
@@ -258,9 +218,7 @@ class OutputFiles:
             node[path[-1]] = col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename)
         return out
 
-    def row_value(
-        self, i: int, frame_idx: int, where: Callable[[], str], as_torch: bool, filename: str | None = None
-    ) -> Any:
+    def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str | None = None) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
         has it) as it was written (``_read.rowvalue``)."""
         a, b = self.checks.file_rows(i)
@@ -273,13 +231,13 @@ class OutputFiles:
         if j >= len(frames) or frames[j] != frame_idx:
             shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
             raise UnknownFileError(
-                f"{filename!r} of {where()} has no frame {frame_idx} (its frames: {shown})",
+                f"{filename!r} of {self.storage.describe()} has no frame {frame_idx} (its frames: {shown})",
                 filename=filename,
             )
         return self._row_value(i, a + j, filename, as_torch)
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
-        plan = self.row_plan(self._file_layout.item(i))
+        plan = self.row_plan(self.file_layout.item(i))
         block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
         order = self.key_orders.of_file(i)
         return gc_paused(row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
@@ -290,44 +248,6 @@ class OutputFiles:
         if plan is None:
             plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self.list_offsets)
         return plan
-
-    def file_layouts(self, i0: int, i1: int) -> list[int]:
-        """The file layouts of files ``i0 .. i1-1`` (checked as their chunks are read)."""
-        return np.asarray(self._file_layout[i0:i1]).tolist()  # type: ignore[no-any-return]
-
-    def iter_values(self, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
-        """(filename, frame_idx, value) of every row in order (``_read.rowblock``)."""
-        return _rowblock.iter_values(self, as_torch)
-
-    def column(self, path: str | tuple[str, ...] | list[str] | None, where: str, dtype: str | None = None) -> LeafView:
-        if path is None:
-            leaf: tuple[str, ...] = ()
-        elif isinstance(path, str):
-            leaf = tuple(path.split("/")) if path else ()
-        else:
-            leaf = tuple(path)
-        cols = self.by_leaf.get(leaf, [])
-        if dtype is not None:
-            cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
-        if len(cols) > 1:
-            shown = "/".join(leaf) or "None (the plain tensor values)"
-            dts = [_dtype_choice(c) for c in cols]
-            raise UnknownColumnError(
-                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
-                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
-                column="/".join(leaf),
-                known=dts,
-            )
-        col = cols[0] if cols else None
-        if col is None:
-            known = sorted(c.info.path or "<tensor> (None)" for c in self.columns.values())
-            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
-            raise UnknownColumnError(
-                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
-                column="/".join(leaf),
-                known=known,
-            )
-        return col.view(0, col.n_rows)
 
 
 class MergedStore(Mapping[str, Any]):
@@ -383,9 +303,7 @@ class MergedStore(Mapping[str, Any]):
         self.format_version: int = version
         """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
         self.allow_pickle = allow_pickle
-        self._files = OutputFiles(
-            self.group, header, self.storage.describe, self._raise, allow_pickle, self.cache, self.storage
-        )
+        self._files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -407,33 +325,48 @@ class MergedStore(Mapping[str, Any]):
         return self._files.filenames
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._files.filenames)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
+        return iter(self._files.filenames)
 
     def __contains__(self, filename: object) -> bool:
-        return filename in self._files
+        return filename in self._files.filenames
 
     def _index(self, filename: str) -> int:
-        return self._files.index(filename, self.storage.describe)
+        # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
+        # another thread the search.)
+        names = self._files.filenames
+        i = names.find(filename)
+        if i is None:
+            near = close_matches(names, filename)  # neighbours in sort order: no scan of every name
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            raise UnknownFileError(
+                f"{filename!r} is not a filename of {self.storage.describe()} ({len(names)} files){hint}",
+                filename=filename,
+            )
+        return i
+
+    def _rows(self, filename: str, of: LazyArray) -> np.ndarray:
+        """The entries of the per-row array ``of`` for ``filename``'s rows."""
+        a, b = self._files.checks.file_rows(self._index(filename))
+        return of[a:b].copy()  # type: ignore[no-any-return]
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""
-        return self._files.frames(self._index(filename))
+        return self._rows(filename, self._files.frame_idx)
 
     def frame_ranks(self, filename: str) -> np.ndarray:
         """The rank each row of ``filename`` came from (int64, one per row; ``index/frame_rank``)."""
-        return self._files.provenance(self._index(filename), "frame_rank")
+        return self._rows(filename, self._files.prov["frame_rank"])
 
     def frame_copies(self, filename: str) -> np.ndarray:
         """How many spill segments held each row's frame (1, or more when duplicates were
         dropped; ``index/frame_copies``)."""
-        return self._files.provenance(self._index(filename), "frame_copies")
+        return self._rows(filename, self._files.prov["frame_copies"])
 
     def __getitem__(self, filename: str) -> Any:
-        files = self._files
-        return files.value(files.index(filename, self.storage.describe), filename)
+        return self._files.value(self._index(filename), filename)
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
@@ -443,7 +376,7 @@ class MergedStore(Mapping[str, Any]):
         of the file have and this one lacks reads as ``None`` (docs/FORMAT.md section 1, *Value
         model*)."""
         i = self._index(filename)
-        return self._files.row_value(i, frame_idx, self.storage.describe, as_torch, filename)
+        return self._files.row_value(i, frame_idx, as_torch, filename)
 
     def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
         """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
@@ -452,12 +385,17 @@ class MergedStore(Mapping[str, Any]):
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
         more than 32 MiB), whatever the output's size."""
-        return self._files.iter_values(as_torch)
+        return _rowblock.iter_values(self._files, as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
         (for coverage, which needs them whole)."""
-        return self._files.index_arrays()
+        files = self._files
+        files.checks.rows(0, files.n_rows)
+        return (
+            files.filenames, files.frame_offsets.whole(), files.frame_idx.whole(), files.prov["frame_rank"].whole(),
+            files.prov["frame_copies"].whole(),
+        )  # fmt: skip
 
     @property
     def files(self) -> OutputFiles:
@@ -470,7 +408,33 @@ class MergedStore(Mapping[str, Any]):
         same kind of view as ``store[filename]`` gives; :class:`UnknownColumnError` lists the
         columns when there is no such leaf. A leaf whose dtype differs between files has one
         column per dtype (rows of the other files absent): choose one with ``dtype=``."""
-        return self._files.column(path, self.storage.describe(), dtype)
+        if path is None:
+            leaf: tuple[str, ...] = ()
+        elif isinstance(path, str):
+            leaf = tuple(path.split("/")) if path else ()
+        else:
+            leaf = tuple(path)
+        where, cols = self.storage.describe(), self._files.by_leaf.get(leaf, [])
+        if dtype is not None:
+            cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
+        if len(cols) > 1:
+            shown = "/".join(leaf) or "None (the plain tensor values)"
+            dts = [_dtype_choice(c) for c in cols]
+            raise UnknownColumnError(
+                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
+                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
+                column="/".join(leaf),
+                known=dts,
+            )
+        if not cols:
+            known = sorted(c.info.path or "<tensor> (None)" for c in self._files.columns.values())
+            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
+            raise UnknownColumnError(
+                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
+                column="/".join(leaf),
+                known=known,
+            )
+        return cols[0].view(0, cols[0].n_rows)
 
     @property
     def columns(self) -> list[str]:

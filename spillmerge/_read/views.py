@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError, PickleNotAllowedError, RaggedShapeError, require_torch
+from .._errors import PickleNotAllowedError, RaggedShapeError, require_torch
 from .._format import common as F
 from .._format.invariants import StoredColumn
 from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
-from .column import OpenColumn, dims
+from .column import OpenColumn
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ class LeafView:
     @property
     def valid(self) -> np.ndarray | None:
         """bool per row: False where the row has no value for this leaf; None when all have one."""
-        v = self._col.valid()
+        v = self._col.valid
         return None if v is None else v[self._start : self._stop]
 
     def _row(self, i: Any) -> int:
@@ -90,7 +90,7 @@ class LeafView:
 
     def _ok(self, a: int, b: int) -> list[bool] | None:
         """Whether rows ``a .. b-1`` (absolute) have a value, as a list; None when all have."""
-        v = self._col.valid()
+        v = self._col.valid
         return None if v is None else np.asarray(v[a:b], dtype=bool).tolist()  # type: ignore[no-any-return]
 
     def __getitem__(self, sel: Any) -> Any:
@@ -101,7 +101,7 @@ class LeafView:
                 raise IndexError(f"row {sel} out of range for {n} rows")
             r = self._start + j
             col = self._col
-            return None if col.has_valid and not col.valid()[r] else self.at(r)  # type: ignore[index]
+            return None if col.valid is not None and not col.valid[r] else self.at(r)
         return self._select(sel)
 
     def _select(self, sel: Any) -> Any:
@@ -365,11 +365,11 @@ class RaggedView(_OffsetView):
         if len(shapes) and np.any(shapes != shapes[0]):
             i = int(np.flatnonzero((shapes != shapes[0]).any(axis=1))[0])
             raise RaggedShapeError(
-                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {dims(shapes[0])} and "
-                f"{dims(shapes[i])}, so they do not stack; use .to_list() (one array per row) or "
+                f"{self!r}: rows {a - self._start} and {a - self._start + i} have shapes {tuple(shapes[0].tolist())} and "
+                f"{tuple(shapes[i].tolist())}, so they do not stack; use .to_list() (one array per row) or "
                 ".values / .offsets / .shapes (the flat form)"
             )
-        shape = dims(shapes[0]) if len(shapes) else (0,) * self.ndim
+        shape = tuple(shapes[0].tolist()) if len(shapes) else (0,) * self.ndim
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:
@@ -459,10 +459,7 @@ def utf8_text(col: OpenColumn, r: int, raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        path = f"{col.values.store_path}"
-        raise CorruptSpillError(
-            f"{path}: row {r} is not valid UTF-8 ({exc.reason}); the output is damaged: merge it again", path=path
-        ) from None
+        raise col.damaged(f"row {r} is not valid UTF-8 ({exc.reason})") from None
 
 
 class TextView(BytesView):
@@ -490,8 +487,7 @@ class TextView(BytesView):
         try:
             arr.validate(full=True)  # UTF-8 of every row
         except pa.ArrowInvalid as exc:
-            path = f"{self._col.values.store_path}"
-            raise CorruptSpillError(f"{path}: {exc}; the output is damaged: merge it again", path=path) from None
+            raise self._col.damaged(str(exc)) from None
         return arr
 
 
@@ -508,11 +504,7 @@ class TextListView(_OffsetView):
         lens = np.frombuffer(raw, dtype="<u4", count=n).tolist()
         data = raw[4 * n :]
         if sum(lens) != len(data):
-            path = f"{self._col.values.store_path}"
-            raise CorruptSpillError(
-                f"{path}: row {r}'s string lengths do not add up to its bytes; the output is damaged: merge it again",
-                path=path,
-            )
+            raise self._col.damaged(f"row {r}'s string lengths do not add up to its bytes")
         out, pos = [], 0
         for ln in lens:
             out.append(utf8_text(self._col, r, data[pos : pos + ln]))
