@@ -280,26 +280,6 @@ def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
     return out if n and _dense(batch, (), n, out, 0) else None
 
 
-def flat_rows(batch: dict[Any, Any], n: int) -> tuple[tuple[Any, ...], list[np.ndarray]] | None:
-    """The signature (key, array type, dtype, item shape per leaf, in the dict's order) and each
-    leaf's ``(n, item bytes)`` uint8 rows of the common batch, a flat dict of ``n`` host tensors /
-    numeric arrays, C-contiguous, each item holding something; None for any other batch (the
-    general way handles and names it). One numpy view per leaf (``host_array``) is all the batch
-    costs here."""
-    sig: list[Any] = []
-    rows: list[np.ndarray] = []
-    for k, v in batch.items():
-        a = host_array(v)
-        if a is None or a.dtype.kind not in "biufc" or not a.dtype.isnative:
-            return None
-        shape = a.shape
-        if type(k) is not str or not shape or shape[0] != n or not a.size or not a.flags.c_contiguous:
-            return None
-        sig.append((k, type(v), a.dtype, shape[1:]))
-        rows.append(a.reshape(n, -1).view(np.uint8))
-    return (tuple(sig), rows) if rows else None
-
-
 def _dense_tensor(value: torch.Tensor, n: int) -> bool:
     return (
         value.device.type == "cpu"

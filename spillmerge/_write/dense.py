@@ -33,8 +33,6 @@ class DenseSteps:
     _fresh_keys: list[tuple[int, list[int], int, int]]
     _n_fresh_keys: int
     _dense_templates: dict[tuple[Any, ...], DenseTemplate]
-    _flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]]
-    _last_dense: DenseTemplate | None
 
     if TYPE_CHECKING:
 
@@ -78,7 +76,6 @@ class DenseSteps:
         if template is None:
             return False
         rows = [as_rows(columns[path], n) for path in template.paths]
-        self._last_dense = template
         if template.ids is None:  # ids in the catalog never change: once per template
             template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
         layout_ids = template.ids
@@ -92,35 +89,12 @@ class DenseSteps:
         self._stage_frames(names, frames, np.asarray(file_ids, dtype=np.int64), layout_ids, rows, _frame_array(frames))
         return True
 
-    def _put_fresh(
-        self, names: list[str], frames: list[int], zero: bool, fast: tuple[DenseTemplate, tuple[int, ...]],
-        columns: list[np.ndarray],
-    ) -> bool:  # fmt: skip
-        """``_put_dense`` of a flat dict batch whose structure an earlier batch of new files had
-        (``_learn_flat``): when every filename is new and none repeats, the catalog ids are the
-        template's and nothing else needs a look. ``columns``: each
-        leaf's rows in the dict's order; ``zero``: every frame index is 0. False (nothing done)
-        when a filename was written before or repeats: the general way handles the batch."""
-        template, order = fast
-        n, base = len(names), len(self._filenames)
-        file_ids = self._file_ids
-        if template.ids is None or not file_ids.keys().isdisjoint(names):
-            return False
-        file_ids.update(zip(names, range(base, base + n), strict=True))
-        if len(file_ids) != base + n:  # a filename repeats in the batch: none of them was there before
-            for name in names:
-                file_ids.pop(name, None)
-            return False
-        self._filenames.extend(names)
-        rows = [columns[j] for j in order]
-        self._stage_frames(names, frames, None, template.ids, rows, None if zero else _frame_array(frames))
-        return True
-
     def _put_records(self, names: list[str], frames: list[int], zero: bool, items: list[Any]) -> bool:
         """``write_batch`` of dicts into new files a column at a time (``_write.columns.flat_columns``):
         the first item taken is flattened and checked for all (the others' leaves differ from its
-        leaves only in their first dimension), and each length's layout joins the catalog once. Items holding an empty list are
-        checked before anything is staged and staged after, item by item. False (nothing done)
+        leaves only in their first dimension), and each length's layout joins the catalog once.
+        Items holding an empty list are checked before anything is staged and staged after, item
+        by item. False (nothing done)
         when a filename was written before or repeats, or the items are not such dicts."""
         n, base = len(names), len(self._filenames)
         if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
@@ -164,16 +138,6 @@ class DenseSteps:
         for name, frame, item_leaves, item_layouts in others:
             self._put(name, frame, item_leaves, item_layouts)
         return True
-
-    def _learn_flat(self, sig: tuple[Any, ...]) -> None:
-        """Remember the flat dict batch of signature ``sig`` that ``_put_dense`` just staged: once
-        its template knows its catalog ids, the next batch like it takes ``_put_fresh``."""
-        template = self._last_dense
-        if template is None or template.ids is None or len(self._flat_templates) >= 256:
-            return
-        keys = [entry[0] for entry in sig]
-        # the template's leaves in flatten's order; each path of a flat dict is (key,)
-        self._flat_templates[sig] = (template, tuple([keys.index(path[0]) for path in template.paths]))
 
     def _stage_frames(
         self, names: list[str], frames: list[int], file_ids: np.ndarray | None, layout_ids: tuple[int, ...],

@@ -110,10 +110,6 @@ class SegmentSteps:
         key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
         writes a million new files)."""
         self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
-        self._flat_templates: dict[tuple[Any, ...], tuple[DenseTemplate, tuple[int, ...]]] = {}
-        """``_write.batch.flat_rows``' signature of a flat dict batch -> its template (with its catalog
-        ids) and the dict position of each of its leaves (``_put_fresh``)."""
-        self._last_dense: DenseTemplate | None = None
         self._frame_template: FrameTemplate | None = None
         self._py_template: PyTemplate | None = None
         self._dead_rows: list[tuple[int, int]] = []

@@ -22,7 +22,7 @@ from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import spill as FS
 from .._storage import Storage
-from .batch import at_position, batch_keys, cuda_to_host, dense_columns, flat_rows, mapping_items, split_batch
+from .batch import at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, split_batch
 from .columns import flatten_items
 from .dense import DenseSteps
 from .flatten import flatten, flatten_dense
@@ -223,15 +223,8 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
             names, frames = batch_keys(filenames, frame_idx)
             n = len(names)
             batch = cuda_to_host(batch)
-            flat = flat_rows(batch, n) if type(batch) is dict and n else None
-            if flat is not None:  # the common batch: a flat dict of host tensors, like an earlier one
-                fast = self._flat_templates.get(flat[0])
-                if fast is not None and self._put_fresh(names, frames, frame_idx is None, fast, flat[1]):
-                    return
             dense = dense_columns(batch, n)
             if dense is not None and self._put_dense(names, frames, dense):
-                if flat is not None:
-                    self._learn_flat(flat[0])
                 return
             items = split_batch(batch, names)
             if type(batch) is list and self._put_records(names, frames, frame_idx is None, items):
