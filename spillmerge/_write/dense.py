@@ -45,9 +45,9 @@ class DenseSteps:
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
         same layouts, so item 0 is flattened and checked for all, and the bytes and journal rows
-        of the frames are made a block at a time (``Staging.add_frames``), the same as item-by-item writes make them. False
-        (nothing done) when a key of the batch was written before or repeats in it: the
-        item-by-item path applies the duplicate policy."""
+        of the frames are made a block at a time (``Staging.add_frames``), the same as
+        item-by-item writes make them. False (nothing done) when a key of the batch was written
+        before or repeats in it: the item-by-item path applies the duplicate policy."""
         n = len(names)
         base = len(self._filenames)
         # The common batch: n files never written before, each once. Their ids are the next n and

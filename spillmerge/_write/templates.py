@@ -60,8 +60,9 @@ class FrameTemplate:
 
     @staticmethod
     def of(leaves: list[Any], layout_ids: tuple[int, ...]) -> FrameTemplate | None:
-        """The template of a frame whose ``leaves`` came from ``_write.flatten.flatten_dense`` of a dict
-        (paths of one key, host uint8 views), staged into a new file with ``layout_ids``; None when a leaf is empty (the general way stages it)."""
+        """The template of a frame whose ``leaves`` came from ``_write.flatten.flatten_dense``
+        of a dict (paths of one key, host uint8 views), staged into a new file with
+        ``layout_ids``; None when a leaf is empty (the general way stages it)."""
         if not leaves or any(len(leaf.path) != 1 or not leaf.nbytes for leaf in leaves) or -1 in layout_ids:
             return None
         sizes = tuple(int(leaf.nbytes) for leaf in leaves)
