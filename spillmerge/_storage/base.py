@@ -61,6 +61,9 @@ def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
         raise SpillStorageError(f"cannot open {url!r}: {exc}", path=url) from None
 
 
+Errors = tuple[type[BaseException], ...]
+
+
 class Sink(Protocol):
     """What :meth:`Storage.open_write` returns: a context manager taking writes."""
 
@@ -141,17 +144,20 @@ class Storage:
 
     @contextlib.contextmanager
     def storage_errors(
-        self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()
+        self, verb: str, rel: str = "", *, passthrough: Errors = (), ignore: Errors = ()
     ) -> Iterator[None]:
         """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``,
         also for callers that drive a backend through zarr (the merge's index). Our own errors and
-        the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
+        the ``passthrough`` types (a caller's ``FileNotFoundError``) pass; the ``ignore`` types
+        end the block quietly (an absent object where absent is an answer)."""
         try:
             yield
         except SpillMergeError:
             raise
         except passthrough:
             raise
+        except ignore:
+            pass
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             where = self.describe(rel)
             raise SpillStorageError(f"cannot {verb} {where}: {_why(exc)}", path=where) from exc
@@ -211,11 +217,9 @@ class Storage:
         """Names directly below ``rel`` (files and folders); empty when ``rel`` does not exist."""
         p = self.path(rel)
         self._before_listing(rel, p)
-        try:
-            with self.storage_errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
-                entries = self.fs.ls(p, detail=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        entries = []
+        with self.storage_errors("list", rel, ignore=(FileNotFoundError, NotADirectoryError)):
+            entries = self.fs.ls(p, detail=False)
         return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {"", ".", ".."})
 
     def _before_listing(self, rel: str, path: str) -> None:

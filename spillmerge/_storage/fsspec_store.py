@@ -55,11 +55,9 @@ class FsspecStorage(Storage):
     def find(self, rel: str) -> list[tuple[str, int]]:
         top = self.path(rel)
         self.fs.invalidate_cache(top)
-        try:
-            with self.storage_errors("list", rel, passthrough=(FileNotFoundError,)):
-                found = self.fs.find(top, detail=True)
-        except FileNotFoundError:
-            return []
+        found = {}
+        with self.storage_errors("list", rel, ignore=(FileNotFoundError,)):
+            found = self.fs.find(top, detail=True)
         base = self._below_root()
         out = []
         for path, info in found.items():
@@ -128,24 +126,19 @@ class FsspecStorage(Storage):
 
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
-        try:
-            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
-                if self.fs.exists(p):
-                    self.fs.rm(p, recursive=True)
-        except FileNotFoundError:
-            pass
+        with self.storage_errors("remove", rel, ignore=(FileNotFoundError,)):
+            if self.fs.exists(p):
+                self.fs.rm(p, recursive=True)
 
     def remove_empty_dir(self, rel: str) -> None:
         """Nothing: object stores have no folders."""
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
-        try:
-            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
-                self.fs.pipe_file(p, data, mode="create")
-                return True
-        except FileExistsError:
-            return False
+        with self.storage_errors("create", rel, ignore=(FileExistsError,)):
+            self.fs.pipe_file(p, data, mode="create")
+            return True
+        return False
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:

@@ -101,13 +101,11 @@ class LocalStorage(Storage):
         """Refuse ``rel`` unless it is absent (None) or a regular file reached without a link;
         its size."""
         self._refuse_links_in(rel, itself=False)
-        try:
-            with self.storage_errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
-                st = os.lstat(self.path(rel))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        self._refuse_mode(rel, st.st_mode)
-        return st.st_size
+        with self.storage_errors("check", rel, ignore=(FileNotFoundError, NotADirectoryError)):
+            st = os.lstat(self.path(rel))
+            self._refuse_mode(rel, st.st_mode)
+            return st.st_size
+        return None
 
     def _open_regular(self, rel: str) -> int:
         """A read-only descriptor of the regular file ``rel``. What ``rel`` is gets checked
@@ -305,25 +303,20 @@ class LocalStorage(Storage):
             sink.write(data)
 
     def is_link(self, rel: str) -> bool:
-        try:
-            with self.storage_errors("check", rel, passthrough=(FileNotFoundError,)):
-                return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
-        except FileNotFoundError:
-            return False
+        with self.storage_errors("check", rel, ignore=(FileNotFoundError,)):
+            return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
+        return False
 
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
         self._refuse_links_in(rel, itself=False, acting=True)
-        try:
-            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
-                if stat.S_ISDIR(os.lstat(p).st_mode):
-                    # fd-based on Linux: unlinks links inside, never follows them; what another
-                    # process removes meanwhile is fine, the rest of the tree still goes.
-                    shutil.rmtree(p, **_RMTREE_HANDLER)
-                else:
-                    os.unlink(p)
-        except FileNotFoundError:
-            pass
+        with self.storage_errors("remove", rel, ignore=(FileNotFoundError,)):
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                # fd-based on Linux: unlinks links inside, never follows them; what another
+                # process removes meanwhile is fine, the rest of the tree still goes.
+                shutil.rmtree(p, **_RMTREE_HANDLER)
+            else:
+                os.unlink(p)
 
     def remove_empty_dir(self, rel: str) -> None:
         try:
@@ -333,17 +326,15 @@ class LocalStorage(Storage):
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
-        try:
-            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                try:
-                    _write_all(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                return True
-        except FileExistsError:
-            return False
+        with self.storage_errors("create", rel, ignore=(FileExistsError,)):
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return True
+        return False
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
