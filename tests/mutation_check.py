@@ -670,8 +670,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-checksums-match-the-commit-record",
         "spillmerge/_spill/root.py",
-        "        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:",
-        "        if len(raw_chk) != want:",
+        "    if len(raw) != want or crc != commit.checks_crc32c:",
+        "    if len(raw) != want:",
         (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
         "data damaged together with its block checksum is caught by the commit record's checksum of the checks",
     ),

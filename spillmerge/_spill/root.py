@@ -173,26 +173,39 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     # thing a merge loads (a segment at a time, docs/SCALE.md).
     index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
 
-    checks = None
-    if commit.n_checks:
-        chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
-        want = commit.n_checks * FS.CHECK_COLUMNS * 8
-        raw_chk, chk_crc = read_small_array(
-            storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
-        )
-        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:
-            raise bad("checks do not match the commit record", FS.CHECKS_NAME)
-        checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+    checks = read_checks(storage, seg, bad)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
+    check_chunks(storage, seg, bad)
+    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
+
+
+def read_checks(storage: Storage, seg: Segment, bad: Any) -> np.ndarray | None:
+    """A committed segment's block checksums, checked against its commit record (None: it has none)."""
+    commit = seg.commit
+    assert commit is not None
+    if not commit.n_checks:
+        return None
+    want = commit.n_checks * FS.CHECK_COLUMNS * 8
+    raw, crc = read_small_array(
+        storage, f"{seg.rel}/{FS.CHECKS_NAME}", seg.rank, max_bytes=want,
+        expect_shape=[commit.n_checks, FS.CHECK_COLUMNS],
+    )  # fmt: skip
+    if len(raw) != want or crc != commit.checks_crc32c:
+        raise bad("checks do not match the commit record", FS.CHECKS_NAME)
+    return np.frombuffer(raw, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+
+
+def check_chunks(storage: Storage, seg: Segment, bad: Any) -> None:
+    """Every data chunk a committed segment's commit record promises exists: this also bounds
+    what a hostile record can make the merge allocate by what is really on storage."""
+    commit = seg.commit
+    assert commit is not None
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
-    # Every chunk the commit record promises must exist: this also bounds what a hostile record
-    # can make the merge allocate by what is really on storage.
     present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
     for c in range(commit.n_chunks):
         if str(c) not in present:
             raise bad(f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
-    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
 
 
 def _validate_rows(
