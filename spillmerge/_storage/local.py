@@ -177,7 +177,8 @@ class LocalStorage(Storage):
         pos = 0
         for rel, start, stop in pieces:
             n = stop - start
-            fd = self._fd(rel)
+            with self._fd_lock:
+                fd = self._fd_unlocked(rel)
             got = os.preadv(fd, [out[pos : pos + n]], start)
             if got != n:
                 raise self._truncated(rel, start, got, n)
@@ -204,10 +205,6 @@ class LocalStorage(Storage):
             raise self._truncated(rel, start, max(0, len(mm) - start), stop - start)
         # A numpy view: zero-copy, and accepted by the CRC-32C extension (memoryviews are not).
         return np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start)
-
-    def _fd(self, rel: str) -> int:
-        with self._fd_lock:
-            return self._fd_unlocked(rel)
 
     def _fd_unlocked(self, rel: str) -> int:
         fd = self._fds.get(rel)
