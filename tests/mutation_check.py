@@ -831,8 +831,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g37-remove-spill-only-planned-segments",
         "spillmerge/_spill/removal.py",
-        "            if rel in planned:",
-        "            if rel in planned or read_segment(src, rank, name).commit is not None:",
+        "            why = None if rel in planned else",
+        "            why = None if rel in planned or read_segment(src, rank, name).commit is not None else",
         ("tests/spill/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
         "remove_spill never deletes a segment committed after the merge's plan was made",
     ),
