@@ -3,6 +3,7 @@ links, no folders, no rename; an object is written whole by one PUT (or multipar
 
 from __future__ import annotations
 
+import itertools
 import posixpath
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -71,10 +72,7 @@ class FsspecStorage(Storage):
 
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
         """One ranged GET per run of nearby pieces of one object (:func:`coalesce`), not one per piece."""
-        starts, pos = [], 0
-        for _, start, stop in pieces:
-            starts.append(pos)
-            pos += stop - start
+        starts = [0, *itertools.accumulate(stop - start for _, start, stop in pieces)]  # where each lands in out
         runs = coalesce(pieces)
         paths = [self.path(rel) for rel, _, _, _ in runs]
         with self.storage_errors("read from"):
@@ -95,11 +93,10 @@ class FsspecStorage(Storage):
         """Nothing: object stores have no folders."""
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
-        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         p = self.path(rel)
         with self.storage_errors("write", rel):
-            blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
-            self.fs.pipe_file(p, bytes(blob))
+            self.fs.pipe_file(p, b"".join(parts))  # one bytes object: returned as it is, not copied
 
     def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
         return _FsspecSink(self, rel)
