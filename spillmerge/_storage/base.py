@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 import fsspec
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import (
     CorruptSpillError,
@@ -75,7 +76,7 @@ class Sink(Protocol):
 
 
 # The backends: each subclass of Storage registers itself (spillmerge/_storage/__init__.py imports
-# every one); exactly one serves a given filesystem.
+# every one); the one whose `local` says whether the filesystem is the local disk serves it.
 _BACKENDS_BY_CLASS: list[type[Storage]] = []
 
 
@@ -84,8 +85,8 @@ class Storage:
     methods raising ``NotImplementedError`` here are the primitives each backend implements."""
 
     local: ClassVar[bool] = False
-    """Objects are files on a local disk: :meth:`view` maps them, :meth:`fsync_tree` syncs them,
-    a lease can hold an flock."""
+    """Objects are files on a local disk (fsspec's ``LocalFileSystem``): :meth:`view` maps them,
+    :meth:`fsync_tree` syncs them, a lease can hold an flock."""
     url: str
     """The root as the user gave it (joined by :meth:`describe`)."""
     storage_options: dict[str, Any]
@@ -103,7 +104,7 @@ class Storage:
         text = os.fspath(url)
         options = dict(storage_options or {})
         fs, root = _url_to_fs(text, options)
-        backend = next(b for b in _BACKENDS_BY_CLASS if b._serves(fs))
+        backend = next(b for b in _BACKENDS_BY_CLASS if b.local == isinstance(fs, LocalFileSystem))
         if not issubclass(backend, cls):
             raise SpillStorageError(f"{text!r} is not a {cls.__name__} location", path=text)
         self = super().__new__(backend)
@@ -112,11 +113,6 @@ class Storage:
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._setup()
         return self
-
-    @staticmethod
-    def _serves(fs: Any) -> bool:
-        """This backend handles the fsspec filesystem ``fs``."""
-        raise NotImplementedError
 
     @staticmethod
     def _resolve_root(root: str) -> str:

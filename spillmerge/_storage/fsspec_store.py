@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SpillStorageError
 from .base import Storage
@@ -19,10 +18,6 @@ class FsspecStorage(Storage):
     """A prefix of an fsspec filesystem (``s3://bucket/key``, ``memory://x`` ...)."""
 
     local: ClassVar[bool] = False
-
-    @staticmethod
-    def _serves(fs: Any) -> bool:
-        return not isinstance(fs, LocalFileSystem)  # LocalStorage's
 
     @staticmethod
     def _resolve_root(root: str) -> str:

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SpillStorageError, UnsafePathError
 from .._format.common import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
@@ -29,10 +28,6 @@ class LocalStorage(Storage):
     """A folder on a local disk (a plain path or a ``file://`` URL)."""
 
     local: ClassVar[bool] = True
-
-    @staticmethod
-    def _serves(fs: Any) -> bool:
-        return isinstance(fs, LocalFileSystem)
 
     @staticmethod
     def _resolve_root(root: str) -> str:
