@@ -82,7 +82,8 @@ _BACKENDS_BY_CLASS: list[type[Storage]] = []
 
 class Storage:
     """A root directory (local path or fsspec URL) and relative-path operations below it; the
-    methods raising ``NotImplementedError`` here are the primitives each backend implements."""
+    methods raising ``NotImplementedError`` here are the primitives each backend implements, the
+    others do here what an object store does (no folders, links or fsync)."""
 
     local: ClassVar[bool] = False
     """Objects are files on a local disk (fsspec's ``LocalFileSystem``): :meth:`view` maps them,
@@ -245,7 +246,6 @@ class Storage:
     # --------------------------------------------------------------------------------- writes
     def makedirs(self, rel: str) -> None:
         """Create the folder ``rel`` and its parents (a no-op where folders do not exist)."""
-        raise NotImplementedError
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         """Write one whole object. A sequence of buffers is written back to back (no join copy
@@ -266,14 +266,12 @@ class Storage:
         on a local disk: an fsync of each, many in flight, skipping the files this handle already
         fsynced (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it
         returns."""
-        raise NotImplementedError
 
     def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
         """Make the objects ``rels`` (written already) durable on a local disk: an fsync of each
         one this handle has not fsynced yet and of every folder holding one of them (with
         ``up``: and every folder above, up to the root), so the names survive a power loss too.
         A no-op on object stores."""
-        raise NotImplementedError
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         """Write many small objects; concurrently on object stores."""
@@ -283,11 +281,11 @@ class Storage:
         """Write ``rel`` so that readers see either nothing or the whole object, durably: a
         temporary name, fsync, rename and fsync of the folder on local disks; a single PUT
         (objects are immutable) elsewhere."""
-        raise NotImplementedError
+        self.put(rel, data)  # one PUT: objects appear whole or not at all
 
     def is_link(self, rel: str) -> bool:
         """True when ``rel`` is a symbolic link (local disks; object stores have none)."""
-        raise NotImplementedError
+        return False
 
     def rm_tree(self, rel: str = "") -> None:
         """Delete ``rel`` and everything below it, never following a symbolic link: a link is
@@ -296,7 +294,6 @@ class Storage:
 
     def remove_empty_dir(self, rel: str) -> None:
         """Remove the folder ``rel`` if it is empty (local disks; object stores have no folders)."""
-        raise NotImplementedError
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write ``rel`` only if it does not exist; False when it does. Locally an ``O_EXCL``

@@ -84,9 +84,6 @@ class FsspecStorage(Storage):
                 out[starts[i] : starts[i] + n] = got
 
     # --------------------------------------------------------------------------------- writes
-    def makedirs(self, rel: str) -> None:
-        """Nothing: object stores have no folders."""
-
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         p = self.path(rel)
@@ -96,12 +93,6 @@ class FsspecStorage(Storage):
     def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
         return _FsspecSink(self, rel)
 
-    def fsync_tree(self, rel: str = "") -> None:
-        """Nothing: a PUT is durable when it returns."""
-
-    def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
-        """Nothing: a PUT is durable when it returns."""
-
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
         with self.storage_errors("write metadata under"):
@@ -110,20 +101,11 @@ class FsspecStorage(Storage):
             else:
                 self.fs.pipe(paths)
 
-    def put_atomic(self, rel: str, data: bytes) -> None:
-        self.put(rel, data)  # one PUT: objects appear whole or not at all
-
-    def is_link(self, rel: str) -> bool:
-        return False
-
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
         with self.storage_errors("remove", rel, ignore=(FileNotFoundError,)):
             if self.fs.exists(p):
                 self.fs.rm(p, recursive=True)
-
-    def remove_empty_dir(self, rel: str) -> None:
-        """Nothing: object stores have no folders."""
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
