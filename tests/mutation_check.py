@@ -1012,8 +1012,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-rank-named',
         "spillmerge/_dist/dropin.py",
-        'exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])',
-        'exc.args = exc.args',
+        'error = exc.prefixed(f"rank {rank}")',
+        'error = exc',
         ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "the rank whose object cannot be stored names itself, as the other ranks' errors do",
     ),
