@@ -3,7 +3,7 @@ its data (the annotated attributes below), given as keywords after the message."
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 
 class SpillMergeError(Exception):
@@ -17,6 +17,11 @@ class SpillMergeError(Exception):
 
     def __str__(self) -> str:
         return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
+    def prefixed(self, where: str) -> Self:
+        """This error with ``where`` in front of its message (same class, same fields)."""
+        self.args = (f"{where}: {self.args[0] if self.args else self}", *self.args[1:])
+        return self
 
 
 class SpillValueError(SpillMergeError, ValueError):

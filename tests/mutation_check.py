@@ -662,8 +662,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-checksums-match-the-commit-record",
         "spillmerge/_spill/root.py",
-        "        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:",
-        "        if len(raw_chk) != want:",
+        "    if len(raw) != want or crc != commit.checks_crc32c:",
+        "    if len(raw) != want:",
         (f"{C}::test_block_checksums_the_commit_record_does_not_vouch_for_are_refused",),
         "data damaged together with its block checksum is caught by the commit record's checksum of the checks",
     ),
@@ -831,8 +831,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g37-remove-spill-only-planned-segments",
         "spillmerge/_spill/removal.py",
-        "            if rel in planned:",
-        "            if rel in planned or read_segment(src, rank, name).commit is not None:",
+        "            why = None if rel in planned else",
+        "            why = None if rel in planned or read_segment(src, rank, name).commit is not None else",
         ("tests/spill/test_remove_spill.py::test_a_segment_committed_or_opened_while_the_merge_ran_stays",),
         "remove_spill never deletes a segment committed after the merge's plan was made",
     ),
@@ -1012,8 +1012,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-rank-named',
         "spillmerge/_dist/dropin.py",
-        'exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])',
-        'exc.args = exc.args',
+        'error = exc.prefixed(f"rank {rank}")',
+        'error = exc',
         ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "the rank whose object cannot be stored names itself, as the other ranks' errors do",
     ),

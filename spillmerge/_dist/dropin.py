@@ -442,8 +442,7 @@ def _collective(
             ) as w:
                 gc_paused(_write, w, rank, obj, pieces, allow_pickle)  # builds only acyclic lists and buffers
     except SpillMergeError as exc:  # name the rank, as the other ranks' errors do
-        exc.args = (f"rank {rank}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
-        error = exc
+        error = exc.prefixed(f"rank {rank}")
     except Exception as exc:  # told to every rank just below, then raised here
         error = exc
     # Every rank has committed (or failed) once this returns: dst's merge finds every commit

@@ -87,11 +87,23 @@ def gather(
     other kind (``gather_object``'s behaviour) and opens the result with ``allow_pickle=True``;
     off by default, so nothing is pickled or unpickled unless the caller asks.
     """
-    return _gather(
-        preds, out, dst=dst, root=root, keep_spill=keep_spill, rank=rank, world_size=world_size,
-        storage_options=storage_options, timeout=timeout, overwrite=overwrite, writer_options=writer_options,
-        allow_pickle=allow_pickle, every_rank=False, merge_options=merge_options,
-    )  # fmt: skip
+    out = os.fspath(out)
+    spill = os.fspath(root) if root is not None else default_root(out)
+    opts: dict[str, Any] = {"allow_pickle": allow_pickle, **(writer_options or {})}
+    # The run id is agreed on here, within the call's timeout: the writer's own agreement sets
+    # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
+    opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
+    with CallWriter(spill, rank, world_size, storage_options, **opts) as w:
+        _write_all(w, preds)
+    # dst removes exactly the segments the output was merged from inside its merge (a segment of
+    # a later call is never among them), before it tells the waiting ranks how the merge ended.
+    merge_options = {"remove_spill": not keep_spill, **merge_options}
+    w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
+    finish_call(w, dst, keep_spill, timeout)
+    if w.rank != dst:
+        return None
+    out_options = merge_options.get("out_storage_options", storage_options)
+    return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
 
 
 def all_gather(
@@ -114,49 +126,15 @@ def all_gather(
     :class:`MergedStore` (lazy: a rank reads only what it indexes, from storage every rank sees;
     nothing is copied to every rank's memory). Rank ``dst`` does the merge; a failure there is
     raised on every rank as :class:`~spillmerge.MergeFailedError` naming ``dst``."""
-    store = _gather(
+    store = gather(
         preds, out, dst=dst, root=root, keep_spill=keep_spill, rank=rank, world_size=world_size,
         storage_options=storage_options, timeout=timeout, overwrite=overwrite, writer_options=writer_options,
-        allow_pickle=allow_pickle, every_rank=True, merge_options=merge_options,
+        allow_pickle=allow_pickle, **merge_options,
     )  # fmt: skip
-    assert store is not None
-    return store
-
-
-def _gather(
-    preds: Mapping[str, Any],
-    out: str | os.PathLike[str],
-    *,
-    dst: int,
-    root: str | os.PathLike[str] | None,
-    keep_spill: bool,
-    rank: int | None,
-    world_size: int | None,
-    storage_options: dict[str, Any] | None,
-    timeout: float,
-    overwrite: bool,
-    writer_options: dict[str, Any] | None,
-    allow_pickle: bool,
-    every_rank: bool,
-    merge_options: dict[str, Any],
-) -> MergedStore | None:
-    out = os.fspath(out)
-    spill = os.fspath(root) if root is not None else default_root(out)
-    opts: dict[str, Any] = {"allow_pickle": allow_pickle, **(writer_options or {})}
-    # The run id is agreed on here, within the call's timeout: the writer's own agreement sets
-    # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
-    opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
-    with CallWriter(spill, rank, world_size, storage_options, **opts) as w:
-        _write_all(w, preds)
-    # dst removes exactly the segments the output was merged from inside its merge (a segment of
-    # a later call is never among them), before it tells the waiting ranks how the merge ended.
-    merge_options = {"remove_spill": not keep_spill, **merge_options}
-    w.merge(out, dst, wait=True, timeout=timeout, overwrite=overwrite, storage_options=storage_options, **merge_options)
-    finish_call(w, dst, keep_spill, timeout)
-    if every_rank or w.rank == dst:
+    if store is None:  # a rank other than dst, once the output is complete
         out_options = merge_options.get("out_storage_options", storage_options)
-        return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
-    return None
+        store = open_store(os.fspath(out), storage_options=out_options, allow_pickle=allow_pickle)
+    return store
 
 
 def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:

@@ -201,8 +201,6 @@ def wait_for_commits(
     run_id: str | None,
     timeout: float,
     allow_partial: bool = False,
-    poll: float = 0.05,
-    max_poll: float = 2.0,
     progress: bool | None = None,
 ) -> SpillState:
     """The barrier: poll storage (with backoff, re-reading only unfinished ranks) until every rank
@@ -212,7 +210,7 @@ def wait_for_commits(
     segments = scan(storage)
     missing: list[int] = []
     notices = WaitNotices(storage, timeout, quiet=progress is False)
-    for waited in _poll.poll(timeout, first=poll, cap=max_poll):
+    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
         for rank in missing:  # after the first look, only the ranks still outstanding are listed again
             segments[rank] = list_segments(storage, rank)
         state = assess(storage, segments, world_size, run_id)

@@ -66,10 +66,7 @@ def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> 
         folder = FS.rank_dirname(rank)
         for name in sorted(n for n in src.listdir(folder) if FS.is_segment_name(n)):
             rel = f"{folder}/{name}"
-            if rel in planned:
-                _remove(src, rel, out)
-                continue
-            why = _why_kept(src, rank, name, newest.get(rank), lookup)
+            why = None if rel in planned else _why_kept(src, rank, name, newest.get(rank), lookup)
             if why is None:
                 _remove(src, rel, out)
             else:

@@ -137,7 +137,7 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     bad = functools.partial(corrupt, storage, seg)
     cat_rel = f"{seg.rel}/{FS.CATALOG_NAME}"
     limit = FS.catalog_max_bytes(commit.n_files, commit.n_rows)
-    raw_cat, cat_crc = read_small_array(storage, cat_rel, seg.rank, max_bytes=limit, expect_shape=None)
+    raw_cat, cat_crc = read_small_array(storage, seg, FS.CATALOG_NAME, max_bytes=limit, expect_shape=None)
     if cat_crc != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
     cat = F.loads(bytes(raw_cat), path=storage.describe(cat_rel))
@@ -160,10 +160,9 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
         )
     layouts = [FS.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
 
-    idx_rel = f"{seg.rel}/{FS.INDEX_NAME}"
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
     raw_idx, idx_crc = read_small_array(
-        storage, idx_rel, seg.rank, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
+        storage, seg, FS.INDEX_NAME, max_bytes=expect, expect_shape=[commit.n_rows, FS.INDEX_COLUMNS]
     )
     if len(raw_idx) != expect:
         raise bad(f"index has {len(raw_idx)} bytes, the commit record says {expect}", FS.INDEX_NAME)
@@ -173,26 +172,38 @@ def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     # thing a merge loads (a segment at a time, docs/SCALE.md).
     index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
 
-    checks = None
-    if commit.n_checks:
-        chk_rel = f"{seg.rel}/{FS.CHECKS_NAME}"
-        want = commit.n_checks * FS.CHECK_COLUMNS * 8
-        raw_chk, chk_crc = read_small_array(
-            storage, chk_rel, seg.rank, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
-        )
-        if len(raw_chk) != want or chk_crc != commit.checks_crc32c:
-            raise bad("checks do not match the commit record", FS.CHECKS_NAME)
-        checks = np.frombuffer(raw_chk, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+    checks = read_checks(storage, seg, bad)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
+    check_chunks(storage, seg, bad)
+    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
+
+
+def read_checks(storage: Storage, seg: Segment, bad: Any) -> np.ndarray | None:
+    """A committed segment's block checksums, checked against its commit record (None: it has none)."""
+    commit = seg.commit
+    assert commit is not None
+    if not commit.n_checks:
+        return None
+    want = commit.n_checks * FS.CHECK_COLUMNS * 8
+    raw, crc = read_small_array(
+        storage, seg, FS.CHECKS_NAME, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
+    )
+    if len(raw) != want or crc != commit.checks_crc32c:
+        raise bad("checks do not match the commit record", FS.CHECKS_NAME)
+    return np.frombuffer(raw, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
+
+
+def check_chunks(storage: Storage, seg: Segment, bad: Any) -> None:
+    """Every data chunk a committed segment's commit record promises exists: this also bounds
+    what a hostile record can make the merge allocate by what is really on storage."""
+    commit = seg.commit
+    assert commit is not None
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
         raise bad("commit record's chunks cannot hold its bytes")
-    # Every chunk the commit record promises must exist: this also bounds what a hostile record
-    # can make the merge allocate by what is really on storage.
     present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
     for c in range(commit.n_chunks):
         if str(c) not in present:
             raise bad(f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
-    return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
 
 
 def _validate_rows(
@@ -288,43 +299,34 @@ def _leaf_ids(layouts: list[FS.Layout]) -> np.ndarray:
 
 
 def read_small_array(
-    storage: Storage, rel: str, rank: int, *, max_bytes: int, expect_shape: list[int] | None
+    storage: Storage, seg: Segment, name: str, *, max_bytes: int, expect_shape: list[int] | None
 ) -> tuple[memoryview, int]:
-    """Read a one-chunk crc32c array written by the writer, checking its metadata first so a
-    hostile ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
+    """Read a segment's one-chunk crc32c array ``name``, checking its metadata first so a hostile
+    ``zarr.json`` cannot make us allocate or read without bound: its chunk holds at most
     ``max_bytes`` bytes plus the 4 CRC bytes. Returns the bytes and their CRC-32C."""
+    rel, bad = f"{seg.rel}/{name}", functools.partial(corrupt, storage, seg)
     path = storage.describe(rel)
     try:
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=f"{path}/zarr.json")
     except FileNotFoundError:
-        raise CorruptSpillError(
-            f"{path}: missing (the segment is committed but has no {rel.rsplit('/', 1)[-1]})", path=path, rank=rank
-        ) from None
+        raise bad(f"missing (the segment is committed but has no {name})", name) from None
     shape = meta.get("shape") if isinstance(meta, dict) else None
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CorruptSpillError(f"{path}/zarr.json: bad shape {shape!r}", path=path, rank=rank)
+        raise CorruptSpillError(f"{path}/zarr.json: bad shape {shape!r}", path=path, rank=seg.rank)
     if expect_shape is not None and shape != expect_shape:
-        raise CorruptSpillError(
-            f"{path}: shape {shape} does not match the commit record {expect_shape}", path=path, rank=rank
-        )
+        raise bad(f"shape {shape} does not match the commit record {expect_shape}", name)
     if any(d == 0 for d in shape):
         return memoryview(b""), 0
-    key = f"{rel}/c/" + "/".join("0" * len(shape))
+    chunk = f"{name}/c/" + "/".join("0" * len(shape))
     try:
-        blob = storage.get(key, max_bytes=max_bytes + 4)
+        blob = storage.get(f"{seg.rel}/{chunk}", max_bytes=max_bytes + 4)
     except FileNotFoundError:
-        raise CorruptSpillError(
-            f"{storage.describe(key)}: missing chunk", path=storage.describe(key), rank=rank
-        ) from None
+        raise bad("missing chunk", chunk) from None
     if len(blob) < 4:
-        raise CorruptSpillError(f"{storage.describe(key)}: truncated chunk", path=storage.describe(key), rank=rank)
+        raise bad("truncated chunk", chunk)
     raw, stored = memoryview(blob)[:-4], int.from_bytes(blob[-4:], "little")  # a view: an index is large
     if _crc.value(raw) != stored:
-        raise CorruptSpillError(
-            f"{storage.describe(key)}: chunk checksum mismatch (corrupt or torn write)",
-            path=storage.describe(key),
-            rank=rank,
-        )
+        raise bad("chunk checksum mismatch (corrupt or torn write)", chunk)
     return raw, stored
 
 

@@ -25,7 +25,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from .root import Segment, check_rows, corrupt, read_small_array
+from .root import Segment, check_chunks, check_rows, corrupt, read_checks
 
 BLOCK = 4 << 20
 """Bytes of a catalog or index read at a time."""
@@ -255,24 +255,12 @@ class Stream:
 
     def _records(self) -> None:
         """The block checksums (small: read whole) and the data chunks the commit promises."""
-        c = self.commit
-        if c.n_checks:
-            want = c.n_checks * FS.CHECK_COLUMNS * 8
-            try:
-                raw, crc = read_small_array(
-                    self.storage, f"{self.seg.rel}/{FS.CHECKS_NAME}", self.seg.rank, max_bytes=want,
-                    expect_shape=[c.n_checks, FS.CHECK_COLUMNS],
-                )  # fmt: skip
-            except CorruptSpillError:
-                raise Whole from None
-            if len(raw) != want or crc != c.checks_crc32c:
-                raise Whole
-            self.checks = np.frombuffer(raw, dtype="<i8").reshape(c.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
-        if c.n_chunks * c.chunk_bytes < c.nbytes:
-            raise Whole
-        present = set(self.storage.listdir(f"{self.seg.rel}/{FS.DATA_NAME}/c"))
-        if any(str(i) not in present for i in range(c.n_chunks)):
-            raise Whole
+        bad = functools.partial(corrupt, self.storage, self.seg)
+        try:
+            self.checks = read_checks(self.storage, self.seg, bad)
+            check_chunks(self.storage, self.seg, bad)
+        except CorruptSpillError:
+            raise Whole from None
 
     def names(self) -> Any:
         """The catalog's filenames as an Arrow ``large_binary`` array over maps of the files."""

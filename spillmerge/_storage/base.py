@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 import fsspec
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import (
     CorruptSpillError,
@@ -61,6 +62,9 @@ def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
         raise SpillStorageError(f"cannot open {url!r}: {exc}", path=url) from None
 
 
+Errors = tuple[type[BaseException], ...]
+
+
 class Sink(Protocol):
     """What :meth:`Storage.open_write` returns: a context manager taking writes."""
 
@@ -72,17 +76,18 @@ class Sink(Protocol):
 
 
 # The backends: each subclass of Storage registers itself (spillmerge/_storage/__init__.py imports
-# every one); exactly one serves a given filesystem.
+# every one); the one whose `local` says whether the filesystem is the local disk serves it.
 _BACKENDS_BY_CLASS: list[type[Storage]] = []
 
 
 class Storage:
     """A root directory (local path or fsspec URL) and relative-path operations below it; the
-    methods raising ``NotImplementedError`` here are the primitives each backend implements."""
+    methods raising ``NotImplementedError`` here are the primitives each backend implements, the
+    others do here what an object store does (no folders, links or fsync)."""
 
     local: ClassVar[bool] = False
-    """Objects are files on a local disk: :meth:`view` maps them, :meth:`fsync_tree` syncs them,
-    a lease can hold an flock."""
+    """Objects are files on a local disk (fsspec's ``LocalFileSystem``): :meth:`view` maps them,
+    :meth:`fsync_tree` syncs them, a lease can hold an flock."""
     url: str
     """The root as the user gave it (joined by :meth:`describe`)."""
     storage_options: dict[str, Any]
@@ -100,7 +105,7 @@ class Storage:
         text = os.fspath(url)
         options = dict(storage_options or {})
         fs, root = _url_to_fs(text, options)
-        backend = next(b for b in _BACKENDS_BY_CLASS if b._serves(fs))
+        backend = next(b for b in _BACKENDS_BY_CLASS if b.local == isinstance(fs, LocalFileSystem))
         if not issubclass(backend, cls):
             raise SpillStorageError(f"{text!r} is not a {cls.__name__} location", path=text)
         self = super().__new__(backend)
@@ -109,11 +114,6 @@ class Storage:
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self._setup()
         return self
-
-    @staticmethod
-    def _serves(fs: Any) -> bool:
-        """This backend handles the fsspec filesystem ``fs``."""
-        raise NotImplementedError
 
     @staticmethod
     def _resolve_root(root: str) -> str:
@@ -141,17 +141,20 @@ class Storage:
 
     @contextlib.contextmanager
     def storage_errors(
-        self, verb: str, rel: str = "", *, passthrough: tuple[type[BaseException], ...] = ()
+        self, verb: str, rel: str = "", *, passthrough: Errors = (), ignore: Errors = ()
     ) -> Iterator[None]:
         """The one place backend errors become ``SpillStorageError("cannot VERB PATH: cause")``,
         also for callers that drive a backend through zarr (the merge's index). Our own errors and
-        the ``passthrough`` types (a caller's ``FileNotFoundError``) pass."""
+        the ``passthrough`` types (a caller's ``FileNotFoundError``) pass; the ``ignore`` types
+        end the block quietly (an absent object where absent is an answer)."""
         try:
             yield
         except SpillMergeError:
             raise
         except passthrough:
             raise
+        except ignore:
+            pass
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             where = self.describe(rel)
             raise SpillStorageError(f"cannot {verb} {where}: {_why(exc)}", path=where) from exc
@@ -211,11 +214,9 @@ class Storage:
         """Names directly below ``rel`` (files and folders); empty when ``rel`` does not exist."""
         p = self.path(rel)
         self._before_listing(rel, p)
-        try:
-            with self.storage_errors("list", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
-                entries = self.fs.ls(p, detail=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        entries = []
+        with self.storage_errors("list", rel, ignore=(FileNotFoundError, NotADirectoryError)):
+            entries = self.fs.ls(p, detail=False)
         return sorted({posixpath.basename(str(e).rstrip("/")) for e in entries} - {"", ".", ".."})
 
     def _before_listing(self, rel: str, path: str) -> None:
@@ -245,7 +246,6 @@ class Storage:
     # --------------------------------------------------------------------------------- writes
     def makedirs(self, rel: str) -> None:
         """Create the folder ``rel`` and its parents (a no-op where folders do not exist)."""
-        raise NotImplementedError
 
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
         """Write one whole object. A sequence of buffers is written back to back (no join copy
@@ -266,14 +266,12 @@ class Storage:
         on a local disk: an fsync of each, many in flight, skipping the files this handle already
         fsynced (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it
         returns."""
-        raise NotImplementedError
 
     def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
         """Make the objects ``rels`` (written already) durable on a local disk: an fsync of each
         one this handle has not fsynced yet and of every folder holding one of them (with
         ``up``: and every folder above, up to the root), so the names survive a power loss too.
         A no-op on object stores."""
-        raise NotImplementedError
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         """Write many small objects; concurrently on object stores."""
@@ -283,11 +281,11 @@ class Storage:
         """Write ``rel`` so that readers see either nothing or the whole object, durably: a
         temporary name, fsync, rename and fsync of the folder on local disks; a single PUT
         (objects are immutable) elsewhere."""
-        raise NotImplementedError
+        self.put(rel, data)  # one PUT: objects appear whole or not at all
 
     def is_link(self, rel: str) -> bool:
         """True when ``rel`` is a symbolic link (local disks; object stores have none)."""
-        raise NotImplementedError
+        return False
 
     def rm_tree(self, rel: str = "") -> None:
         """Delete ``rel`` and everything below it, never following a symbolic link: a link is
@@ -296,7 +294,6 @@ class Storage:
 
     def remove_empty_dir(self, rel: str) -> None:
         """Remove the folder ``rel`` if it is empty (local disks; object stores have no folders)."""
-        raise NotImplementedError
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write ``rel`` only if it does not exist; False when it does. Locally an ``O_EXCL``

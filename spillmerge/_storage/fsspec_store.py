@@ -3,12 +3,12 @@ links, no folders, no rename; an object is written whole by one PUT (or multipar
 
 from __future__ import annotations
 
+import itertools
 import posixpath
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SpillStorageError
 from .base import Storage
@@ -18,10 +18,6 @@ class FsspecStorage(Storage):
     """A prefix of an fsspec filesystem (``s3://bucket/key``, ``memory://x`` ...)."""
 
     local: ClassVar[bool] = False
-
-    @staticmethod
-    def _serves(fs: Any) -> bool:
-        return not isinstance(fs, LocalFileSystem)  # LocalStorage's
 
     @staticmethod
     def _resolve_root(root: str) -> str:
@@ -55,11 +51,9 @@ class FsspecStorage(Storage):
     def find(self, rel: str) -> list[tuple[str, int]]:
         top = self.path(rel)
         self.fs.invalidate_cache(top)
-        try:
-            with self.storage_errors("list", rel, passthrough=(FileNotFoundError,)):
-                found = self.fs.find(top, detail=True)
-        except FileNotFoundError:
-            return []
+        found = {}
+        with self.storage_errors("list", rel, ignore=(FileNotFoundError,)):
+            found = self.fs.find(top, detail=True)
         base = self._below_root()
         out = []
         for path, info in found.items():
@@ -73,10 +67,7 @@ class FsspecStorage(Storage):
 
     def read_into(self, pieces: Sequence[tuple[str, int, int]], out: memoryview) -> None:
         """One ranged GET per run of nearby pieces of one object (:func:`coalesce`), not one per piece."""
-        starts, pos = [], 0
-        for _, start, stop in pieces:
-            starts.append(pos)
-            pos += stop - start
+        starts = [0, *itertools.accumulate(stop - start for _, start, stop in pieces)]  # where each lands in out
         runs = coalesce(pieces)
         paths = [self.path(rel) for rel, _, _, _ in runs]
         with self.storage_errors("read from"):
@@ -93,24 +84,14 @@ class FsspecStorage(Storage):
                 out[starts[i] : starts[i] + n] = got
 
     # --------------------------------------------------------------------------------- writes
-    def makedirs(self, rel: str) -> None:
-        """Nothing: object stores have no folders."""
-
     def put(self, rel: str, data: bytes | memoryview | Sequence[bytes | memoryview], *, fsync: bool = False) -> None:
-        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         p = self.path(rel)
         with self.storage_errors("write", rel):
-            blob = parts[0] if len(parts) == 1 else b"".join(bytes(x) for x in parts)
-            self.fs.pipe_file(p, bytes(blob))
+            self.fs.pipe_file(p, b"".join(parts))  # one bytes object: returned as it is, not copied
 
     def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
         return _FsspecSink(self, rel)
-
-    def fsync_tree(self, rel: str = "") -> None:
-        """Nothing: a PUT is durable when it returns."""
-
-    def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
-        """Nothing: a PUT is durable when it returns."""
 
     def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
@@ -120,32 +101,18 @@ class FsspecStorage(Storage):
             else:
                 self.fs.pipe(paths)
 
-    def put_atomic(self, rel: str, data: bytes) -> None:
-        self.put(rel, data)  # one PUT: objects appear whole or not at all
-
-    def is_link(self, rel: str) -> bool:
-        return False
-
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
-        try:
-            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
-                if self.fs.exists(p):
-                    self.fs.rm(p, recursive=True)
-        except FileNotFoundError:
-            pass
-
-    def remove_empty_dir(self, rel: str) -> None:
-        """Nothing: object stores have no folders."""
+        with self.storage_errors("remove", rel, ignore=(FileNotFoundError,)):
+            if self.fs.exists(p):
+                self.fs.rm(p, recursive=True)
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
-        try:
-            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
-                self.fs.pipe_file(p, data, mode="create")
-                return True
-        except FileExistsError:
-            return False
+        with self.storage_errors("create", rel, ignore=(FileExistsError,)):
+            self.fs.pipe_file(p, data, mode="create")
+            return True
+        return False
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:

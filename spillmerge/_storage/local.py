@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SpillStorageError, UnsafePathError
 from .._format.common import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
@@ -29,10 +28,6 @@ class LocalStorage(Storage):
     """A folder on a local disk (a plain path or a ``file://`` URL)."""
 
     local: ClassVar[bool] = True
-
-    @staticmethod
-    def _serves(fs: Any) -> bool:
-        return isinstance(fs, LocalFileSystem)
 
     @staticmethod
     def _resolve_root(root: str) -> str:
@@ -101,13 +96,11 @@ class LocalStorage(Storage):
         """Refuse ``rel`` unless it is absent (None) or a regular file reached without a link;
         its size."""
         self._refuse_links_in(rel, itself=False)
-        try:
-            with self.storage_errors("check", rel, passthrough=(FileNotFoundError, NotADirectoryError)):
-                st = os.lstat(self.path(rel))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        self._refuse_mode(rel, st.st_mode)
-        return st.st_size
+        with self.storage_errors("check", rel, ignore=(FileNotFoundError, NotADirectoryError)):
+            st = os.lstat(self.path(rel))
+            self._refuse_mode(rel, st.st_mode)
+            return st.st_size
+        return None
 
     def _open_regular(self, rel: str) -> int:
         """A read-only descriptor of the regular file ``rel``. What ``rel`` is gets checked
@@ -179,7 +172,8 @@ class LocalStorage(Storage):
         pos = 0
         for rel, start, stop in pieces:
             n = stop - start
-            fd = self._fd(rel)
+            with self._fd_lock:
+                fd = self._fd_unlocked(rel)
             got = os.preadv(fd, [out[pos : pos + n]], start)
             if got != n:
                 raise self._truncated(rel, start, got, n)
@@ -206,10 +200,6 @@ class LocalStorage(Storage):
             raise self._truncated(rel, start, max(0, len(mm) - start), stop - start)
         # A numpy view: zero-copy, and accepted by the CRC-32C extension (memoryviews are not).
         return np.frombuffer(mm, dtype=np.uint8, count=stop - start, offset=start)
-
-    def _fd(self, rel: str) -> int:
-        with self._fd_lock:
-            return self._fd_unlocked(rel)
 
     def _fd_unlocked(self, rel: str) -> int:
         fd = self._fds.get(rel)
@@ -305,25 +295,20 @@ class LocalStorage(Storage):
             sink.write(data)
 
     def is_link(self, rel: str) -> bool:
-        try:
-            with self.storage_errors("check", rel, passthrough=(FileNotFoundError,)):
-                return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
-        except FileNotFoundError:
-            return False
+        with self.storage_errors("check", rel, ignore=(FileNotFoundError,)):
+            return stat.S_ISLNK(os.lstat(self.path(rel)).st_mode)
+        return False
 
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
         self._refuse_links_in(rel, itself=False, acting=True)
-        try:
-            with self.storage_errors("remove", rel, passthrough=(FileNotFoundError,)):
-                if stat.S_ISDIR(os.lstat(p).st_mode):
-                    # fd-based on Linux: unlinks links inside, never follows them; what another
-                    # process removes meanwhile is fine, the rest of the tree still goes.
-                    shutil.rmtree(p, **_RMTREE_HANDLER)
-                else:
-                    os.unlink(p)
-        except FileNotFoundError:
-            pass
+        with self.storage_errors("remove", rel, ignore=(FileNotFoundError,)):
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                # fd-based on Linux: unlinks links inside, never follows them; what another
+                # process removes meanwhile is fine, the rest of the tree still goes.
+                shutil.rmtree(p, **_RMTREE_HANDLER)
+            else:
+                os.unlink(p)
 
     def remove_empty_dir(self, rel: str) -> None:
         try:
@@ -333,17 +318,15 @@ class LocalStorage(Storage):
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
-        try:
-            with self.storage_errors("create", rel, passthrough=(FileExistsError,)):
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-                try:
-                    _write_all(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                return True
-        except FileExistsError:
-            return False
+        with self.storage_errors("create", rel, ignore=(FileExistsError,)):
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return True
+        return False
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:

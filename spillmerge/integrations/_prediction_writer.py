@@ -55,16 +55,10 @@ def batch_keys(filename_key: str = "filename", frame_key: str = "frame_idx") -> 
             names, frames = _batch.batch_keys(names, frames)
             items = _batch.split_batch(prediction, names)
         except SpillValueError as exc:
-            raise _in_batch(exc, batch_idx) from None
+            raise exc.prefixed(f"SpillPredictionWriter: batch {batch_idx}") from None
         yield from zip(names, frames, items, strict=True)
 
     return key_fn
-
-
-def _in_batch(exc: SpillValueError, batch_idx: int) -> SpillValueError:
-    """``exc`` with the Lightning batch named in front of its message (same class, same fields)."""
-    exc.args = (f"SpillPredictionWriter: batch {batch_idx}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
-    return exc
 
 
 class SpillPredictionWriterMixin:
@@ -149,7 +143,7 @@ class SpillPredictionWriterMixin:
         try:
             self.writer.write_batch(names, prediction, frames)  # checked whole: a bad batch writes nothing
         except SpillValueError as exc:
-            raise _in_batch(exc, batch_idx) from None
+            raise exc.prefixed(f"SpillPredictionWriter: batch {batch_idx}") from None
 
     def on_predict_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         w = self.writer
