@@ -115,8 +115,7 @@ def at_position(exc: SpillValueError, i: int, n: int, filename: str | None) -> S
     """``exc`` (raised for one item) with the item's batch position in front of its message. The
     same exception object is returned, so its class and attributes (``leaf`` ...) stay as the
     per-item check set them; ``batch_index`` is added."""
-    where = f"write_batch item {i} of {n}" + (f" ({filename!r:.200})" if filename is not None else "")
-    exc.args = (f"{where}: {exc.args[0] if exc.args else exc}", *exc.args[1:])
+    exc.prefixed(f"write_batch item {i} of {n}" + (f" ({filename!r:.200})" if filename is not None else ""))
     exc.batch_index = i  # type: ignore[attr-defined]
     if exc.filename is None and filename is not None:
         exc.filename = filename
