@@ -500,8 +500,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "part-writes-its-index-share",
         "spillmerge/_merge/scaleout.py",
-        "        _indexchunks.write(output, _opening.index_share(job, i, n), threads=job.threads)",
-        "        pass",
+        "            _indexchunks.write(output, share, threads=job.threads)",
+        "            pass",
         ("tests/merge/test_scaleout.py::test_index_chunks_are_the_bytes_zarr_writes_for_every_index_array",),
         "each part writes its share of the index chunks",
     ),

@@ -3,9 +3,10 @@ built or read; its report, and the write steps every path shares (copy, flush, c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,7 +23,6 @@ from .._spill.root import load_flushed, same_bytes
 from .._storage import Storage
 from .._util.frames import check_expected
 from . import documents as Z
-from . import index as _indexchunks
 from . import lease as _lease
 from . import ownership as _output
 from . import parts as _parts
@@ -82,6 +82,18 @@ class Job:
         self.plan, self.fingerprint = got.plan, got.fingerprint
         self.notes[:] = [n for n in self.notes if _planstore.READ not in n] + got.notes
         return True
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The body's seconds added to phase ``name`` when it succeeds (``finish`` then says
+        that the marker is written)."""
+        t = time.perf_counter()
+        yield
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def docs(self) -> dict[str, dict[str, Any]]:
+        """Every ``zarr.json`` of the output (``_merge.documents.output_docs``)."""
+        return Z.output_docs(self.plan, self.state.world_size, self.options.chunk_bytes, self.options.codec)
 
     def close(self) -> None:
         """After the merge, whatever its outcome: the storage, then the part's lease."""
@@ -268,12 +280,6 @@ def plan_options(job: Job) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def index_share(job: Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
-    """Part ``i``'s share of the output's index chunks."""
-    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
-    return _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
-
-
 SMALL_MERGE_BYTES = 4 << 20
 """Output chunks of at most this many bytes in all, on local storage, are written by the merging
 thread itself: starting a pool's threads costs more than they gain on a small merge."""
@@ -296,24 +302,22 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
     """Flush, then the consolidated root, then the completion marker: last, once."""
     output, plan = job.output, job.plan
     root = Z.consolidated_root(docs)
-    t = time.perf_counter()
-    if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
-        output.fsync_tree("")
-    job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
-    t = time.perf_counter()
-    lease.check()  # a merge that lost its lease must not vouch for an output another one writes
-    output.put_atomic("zarr.json", Z.json_doc(root))
-    marker = FO.CompletionMarker(
-        n_files=plan.n_files,
-        n_frames=plan.n_frames,
-        nbytes=plan.total_bytes,
-        finished=F.utcnow(),
-        written_by=lease.record(),  # a second merge into this output can be told apart
-        spill_root=job.src.describe(),
-        plan=job.fingerprint,
-        run_id=job.options.run_id,
-        session=job.options.session,
-    )
-    lease.check()
-    output.put_atomic(FO.COMPLETE_NAME, marker.to_json())
-    job.phases["finish"] = time.perf_counter() - t
+    with job.phase("sync"):
+        if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
+            output.fsync_tree("")
+    with job.phase("finish"):
+        lease.check()  # a merge that lost its lease must not vouch for an output another one writes
+        output.put_atomic("zarr.json", Z.json_doc(root))
+        marker = FO.CompletionMarker(
+            n_files=plan.n_files,
+            n_frames=plan.n_frames,
+            nbytes=plan.total_bytes,
+            finished=F.utcnow(),
+            written_by=lease.record(),  # a second merge into this output can be told apart
+            spill_root=job.src.describe(),
+            plan=job.fingerprint,
+            run_id=job.options.run_id,
+            session=job.options.session,
+        )
+        lease.check()
+        output.put_atomic(FO.COMPLETE_NAME, marker.to_json())
