@@ -57,26 +57,19 @@ class PartRecord:
     """Completion records: the options that decide the plan and the output (``plan_options``)."""
 
 
-def write_done(
-    output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
-    n_frames: int, nbytes: int, codec: str, chunk_bytes: int, index: bool, options: dict[str, Any] | None = None,
-) -> None:  # fmt: skip
-    rec = FO.PartDoneRecord.now(
-        part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
-        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes, index=index, options=options,
-    )  # fmt: skip
+def put(output: Storage, rec: FO.PartDoneRecord | FO.PartFailureRecord) -> None:
+    """Write a part's completion or failure record, whole."""
     output.makedirs(PARTS_DIR)
-    output.put_atomic(record_name(part, parts), rec.to_json())
+    failed = isinstance(rec, FO.PartFailureRecord)
+    output.put_atomic(record_name(rec.part, rec.parts, failed=failed), rec.to_json())
 
 
 def write_failure(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
-    rec = FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
     try:
-        output.makedirs(PARTS_DIR)
-        output.put_atomic(record_name(part, parts, failed=True), rec.to_json())
+        put(output, FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id))
     except Exception:  # noqa: BLE001 - the original error matters more than this one
         pass
 

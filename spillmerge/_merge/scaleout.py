@@ -100,11 +100,12 @@ def _write_part(
             if job.options.fsync:  # the part record vouches for every chunk of the part
                 output.fsync_tree("")
             lease.check()
-            _parts.write_done(
-                output, i, n, plan_id, rank, job.options.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
-                nbytes=sum(u.nbytes for u in mine), codec=job.options.codec, chunk_bytes=job.options.chunk_bytes,
-                index=True, options=_opening.plan_options(job),
+            done = FO.PartDoneRecord.now(
+                part=i, parts=n, plan=plan_id, rank=rank, run_id=job.options.run_id, n_files=job.plan.n_files,
+                n_frames=job.plan.n_frames, nbytes=sum(u.nbytes for u in mine), codec=job.options.codec,
+                chunk_bytes=job.options.chunk_bytes, index=True, options=_opening.plan_options(job),
             )  # fmt: skip
+            _parts.put(output, done)
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
         _parts.write_failure(output, i, n, plan_id, rank, job.options.run_id, exc)
