@@ -12,8 +12,7 @@ import numpy as np
 
 class NameTable(Sequence[str]):
     """Sorted, distinct filenames: ``len``, ``names[i]``, ``names[a:b]`` (a list), iteration,
-    :meth:`search` (a position or -1), and the arrays themselves (:attr:`data`, :attr:`offsets`).
-    Equal to any sequence of the same names."""
+    :meth:`search` (a position or -1), and the arrays themselves (:attr:`data`, :attr:`offsets`)."""
 
     def __init__(
         self, data: np.ndarray, offsets: np.ndarray, *, heads: dict[int, tuple[Any, Any]] | None = None
@@ -84,18 +83,6 @@ class NameTable(Sequence[str]):
             known = (np.frombuffer(b"".join(heads), dtype=np.uint8), hoff)
         return {"filenames": self.data, "filename_offsets": self.offsets, "filename_heads": known[0],
                 "filename_head_offsets": known[1]}  # fmt: skip
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        n = len(self)
-        head = ", ".join(repr(x) for x in self[: min(n, 3)])
-        return f"NameTable([{head}{', ...' if n > 3 else ''}], {n} names)"
 
 
 def table_of(names: Sequence[str] | Any) -> NameTable:
