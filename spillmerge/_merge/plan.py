@@ -9,7 +9,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,12 +97,7 @@ class Plan:
     def total_bytes(self) -> int:
         if self.total is not None:
             return self.total
-        total = 0
-        for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
-            for a in range(0, len(c.src), ROW_BLOCK):
-                s = np.asarray(c.src[a : a + ROW_BLOCK])
-                total += int(self.nbytes[s[s >= 0]].sum())
-        return total
+        return sum(int(self.nbytes[s].sum()) for c in self.columns for s in _present(c))
 
     def top_row(self, col: PlannedColumn, r: int) -> int:
         """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
@@ -347,26 +342,28 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "key_orders": plan.key_orders,
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
-    # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
-    # offsets, hashed a block at a time.
+
+    def feed(a: Any, dtype: str = "<i8", step: int = ROW_BLOCK) -> None:
+        """Hash ``a`` a block at a time (the arrays may be maps of files), each from its buffer:
+        the digest is that of the whole arrays back to back."""
+        for i in range(0, len(a), step):
+            h.update(np.ascontiguousarray(a[i : i + step], dtype=dtype).data)
+
+    # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their offsets.
     names = table_of(plan.filenames)
-    data, offsets = names.data, names.offsets
-    for i in range(0, len(data), ROW_BLOCK * 16):
-        h.update(np.ascontiguousarray(data[i : i + ROW_BLOCK * 16]).data)
-    for i in range(0, len(offsets), ROW_BLOCK):
-        h.update(np.ascontiguousarray(offsets[i : i + ROW_BLOCK], dtype="<i8").view(np.uint8).data)
-    # Hashed a block at a time (the arrays may be maps of files), each from its buffer: the
-    # digest is that of the whole arrays back to back.
-    for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
-        for i in range(0, len(a), ROW_BLOCK):
-            h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").data)
-    for lst in plan.lists:
-        h.update(np.ascontiguousarray(lst.offsets, dtype="<i8").data)
+    feed(names.data, "u1", ROW_BLOCK * 16)
+    for a in (names.offsets, plan.file_offsets, plan.frame_idx, plan.file_layout, *(x.offsets for x in plan.lists)):
+        feed(a)
     for col in plan.columns:
-        for i in range(0, len(col.src), ROW_BLOCK):
-            h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").data)
+        feed(col.src)
         for table in (plan.seg, plan.offset, plan.nbytes, plan.crc):
-            for i in range(0, len(col.src), ROW_BLOCK):
-                s = np.asarray(col.src[i : i + ROW_BLOCK])
-                h.update(np.ascontiguousarray(table[s[s >= 0]], dtype="<i8").data)
+            for s in _present(col):
+                feed(table[s])
     return h.hexdigest()
+
+
+def _present(col: PlannedColumn) -> Iterator[np.ndarray]:
+    """The row table positions of ``col``'s present rows, a block of rows at a time."""
+    for a in range(0, len(col.src), ROW_BLOCK):
+        s = np.asarray(col.src[a : a + ROW_BLOCK])
+        yield s[s >= 0]
