@@ -4,7 +4,6 @@ normalised by zarr's own metadata classes, so the consolidated root matches what
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,14 +77,6 @@ BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
 """Column kinds stored as uint8 bytes + byte offsets."""
 
 
-def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
-    """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
-    ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
-    of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3
-    implementation (docs/FORMAT.md section 2); the plan's string table."""
-    return table_of(filenames).index_arrays(NAME_BLOCK)
-
-
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
     """Every ``zarr.json`` document of an output (path -> document, ``""`` the root with
     the output header), normalised by zarr's own metadata classes so the consolidated root matches
@@ -107,7 +98,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         "columns": GroupMetadata(),
     }
     n, rows = plan.n_files, plan.n_frames
-    names = filename_arrays(plan.filenames)
+    names = table_of(plan.filenames).index_arrays(NAME_BLOCK)
     name_bytes, head_bytes = int(names["filename_offsets"][-1]), int(names["filename_head_offsets"][-1])
     n_heads = -(-n // NAME_BLOCK)
     index_meta = {

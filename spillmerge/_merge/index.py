@@ -14,6 +14,7 @@ import numpy as np
 from .._format import crc as _crc
 from .._storage import Storage
 from . import documents as Z
+from .nametable import table_of
 from .plan import Plan
 
 
@@ -57,7 +58,7 @@ def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarr
     the arrays ``_merge.documents.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
     (but ``values``)."""
     index = {
-        **Z.filename_arrays(plan.filenames),  # a plan's NameTable as it is: no str per name
+        **table_of(plan.filenames).index_arrays(Z.NAME_BLOCK),  # a plan's NameTable as it is: no str per name
         "file_layout": plan.file_layout, "frame_offsets": plan.file_offsets, "frame_idx": plan.frame_idx,
         "frame_rank": plan.rank, "frame_copies": plan.copies,
     }  # fmt: skip
