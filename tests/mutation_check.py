@@ -1353,8 +1353,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "s45-list-offsets-over-blocks",
         "spillmerge/_merge/plancolumns.py",
-        "            total = int(cs[-1])",
-        "            total = 0",
+        "        total = int(a[hi - 1])",
+        "        total = 0",
         ("tests/merge/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
         "a list's offsets run on across the blocks of its parent rows",
     ),

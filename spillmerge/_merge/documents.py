@@ -63,7 +63,7 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
     chunks, which write fastest."""
     n = col.n_units
-    rows = max(col.present(), 1)
+    rows = max(col.n_present, 1)
     total = n * col.unit_bytes
     per = col.unit_bytes
     small = total / rows < SMALL_ROW_BYTES
@@ -139,7 +139,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         n_dom, row = len(col.src), dim[F.list_domain(col.leaf)]
         meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
         meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
-        first = row if col.counts is None else f"{col.name}.elem"
+        first = row if col.offsets is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
         nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = _array_doc(meta)

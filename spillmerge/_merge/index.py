@@ -70,7 +70,7 @@ def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarr
     for col in plan.columns:
         base = f"columns/{col.name}"
         if col.has_offsets:
-            out[f"{base}/offsets"] = (col.offsets(), None)
+            out[f"{base}/offsets"] = (col.offsets, None)
         if col.shapes is not None:
             out[f"{base}/shapes"] = (col.shapes, None)
         if col.has_valid:

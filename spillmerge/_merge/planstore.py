@@ -182,10 +182,8 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         columns = []
         for ci, col in enumerate(plan.columns):
             entry: dict[str, Any] = {k: getattr(col, k) for k in _COLUMN_FIELDS}
-            entry["present"] = col.present()
-            arrays_of = {"src": col.src, "counts": col.counts, "shapes": col.shapes}
-            if col.counts is not None:
-                arrays_of["offsets"] = col.offsets()
+            entry["present"] = col.n_present
+            arrays_of = {"src": col.src, "offsets": col.offsets, "shapes": col.shapes}
             entry.update({k: put(f"c{ci}.{k}", a) for k, a in arrays_of.items() if a is not None})
             columns.append(entry)
         lists = [
@@ -269,9 +267,8 @@ def load(
         for c in body["columns"]:
             kw = {k: c[k] if f is None or c[k] is None else f(c[k]) for k, f in _COLUMN_FIELDS.items()}
             col = PlannedColumn(
-                **kw, src=arr(c["src"]), counts=arr(c["counts"]) if "counts" in c else None,
+                **kw, src=arr(c["src"]), offsets=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
                 shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
-                offs=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
             )  # fmt: skip
             columns.append(col)
         lists = [
