@@ -61,6 +61,7 @@ def build(out: Path, n: int) -> None:
         file_layouts=[["caption", "label"]], columns=[caption, label], segments=[],
         seg=np.zeros(2 * n, np.int64), offset=np.zeros(2 * n, np.int64),
         nbytes=np.concatenate([8 * ones, cap_len]), crc=np.zeros(2 * n, np.int64), duplicates=0,
+        total_bytes=int(8 * n + cap_len.sum()),
     )  # fmt: skip
     storage = Storage(str(out))
     storage.makedirs("")

@@ -75,13 +75,13 @@ class Plan:
     """Row table: CRC-32C."""
     duplicates: int
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
+    total_bytes: int
+    """The payload bytes of every column's rows."""
     lists: list[PlannedList] = dataclasses.field(default_factory=list)
     """The list offsets of every list path, parents before children."""
     key_orders: dict[str, Any] | None = None
     """The output header's ``key_orders`` (``_format.keyorder.output_orders``): the dicts' key order,
     from the segments' layouts, kept with the plan so a stored plan carries it too."""
-    total: int | None = None
-    """:attr:`total_bytes` when known (a stored plan carries it), else computed from the rows."""
     blocks: Any = None
     """A stored plan's block cache (``_merge.planblocks.BlockCache``: what this process read of it), else None."""
 
@@ -92,12 +92,6 @@ class Plan:
     @property
     def n_frames(self) -> int:
         return len(self.frame_idx)
-
-    @property
-    def total_bytes(self) -> int:
-        if self.total is not None:
-            return self.total
-        return sum(int(self.nbytes[s].sum()) for c in self.columns for s in _present(c))
 
     def top_row(self, col: PlannedColumn, r: int) -> int:
         """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
@@ -189,7 +183,7 @@ def _assemble(
     if not len(c["file"]):
         e = np.zeros(0, np.int64)
         return Plan(names, np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
-                    [], segments, e, e, e, e, duplicates=0)  # fmt: skip
+                    [], segments, e, e, e, e, duplicates=0, total_bytes=0)  # fmt: skip
 
     # Rows: distinct (file, frame), in order (the sort's); every entry's row number; each row's
     # frame, rank and copies; each file's first row.
@@ -246,11 +240,12 @@ def _assemble(
             planned = dataclasses.replace(planned, variant=tag)
         columns.append(planned)
     columns.sort(key=lambda col: col.name)
+    total = sum(int(c["nb"][s].sum()) for col in columns for s in _present(col))
 
     file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of, new)
     return Plan(
         names, file_offsets, frame_idx[:n_rows], rank[:n_rows], row_copies[:n_rows], file_layout, file_layouts,
-        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
+        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, total, lists,
         output_orders(names, segments, srt.file_ids, new=new),
     )  # fmt: skip
 

@@ -284,8 +284,8 @@ def load(
         plan = Plan(
             names, arr("file_offsets", monotonic=True), arr("frame_idx"), arr("rank"), arr("copies"),
             arr("file_layout"), [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"),
-            arr("nbytes"), arr("crc"), int(body["duplicates"]), lists, body.get("key_orders"),
-            total=int(body["total_bytes"]), blocks=cache,
+            arr("nbytes"), arr("crc"), int(body["duplicates"]), int(body["total_bytes"]), lists,
+            body.get("key_orders"), blocks=cache,
         )  # fmt: skip
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")
