@@ -3,7 +3,6 @@ checks every record and writes the shared documents, index and completion marker
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 from .._errors import MissingPartsError, SpillMergeError
@@ -18,7 +17,6 @@ from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
 from .copy import split, units
-from .outputchunk import Unit
 from .plan import fingerprint
 from .planblocks import DamagedPlan
 from .report import MergeReport
@@ -33,32 +31,22 @@ def merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) ->
     (``overwrite``). A stored plan that fails a check while in use is built again and the part
     redone: nothing of a damaged plan is trusted."""
     try:
-        return _merge_part(job, part, rank=rank)
+        return _write_part(job, part, rank)
     except DamagedPlan as exc:
         if not job.replan(exc):
             raise
-    return _merge_part(job, part, rank=rank)
+    return _write_part(job, part, rank)
 
 
-def _merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) -> MergeReport:
+def _write_part(job: _opening.Job, part: tuple[int, int], rank: int | None) -> MergeReport:
     i, n = part
-    output = job.output
     every = units(job.plan, job.options.chunk_bytes)
     mine = [every[k] for k in split(job.plan, every, n)[i]]
-    _output.check_claimable(output)
-    output.makedirs("")
-    # Two runs of the same part never write at once. A part took its lease before planning and
-    # keeps it until the job closes.
-    taken = contextlib.nullcontext(job.lease) if job.lease is not None else _lease.part(output, i, n)
-    with taken as lease:
-        _output.claim(output, job.options.overwrite, lease)
-        return _write_part(job, part, mine, rank, lease)
-
-
-def _write_part(
-    job: _opening.Job, part: tuple[int, int], mine: list[Unit], rank: int | None, lease: _lease.Lease
-) -> MergeReport:
-    i, n = part
+    # Two runs of the same part never write at once: a part took its lease (in the output, which
+    # it checked it may claim) before planning and keeps it until the job closes.
+    lease = job.lease
+    assert lease is not None
+    _output.claim(job.output, job.options.overwrite, lease)
     overwrite = job.options.overwrite
     output, plan_id = job.output, job.fingerprint
     name = _parts.describe(i, n, rank)
