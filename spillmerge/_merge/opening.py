@@ -8,7 +8,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -31,7 +31,10 @@ from .copy import copy_units
 from .options import MergeOptions
 from .outputchunk import Unit
 from .plan import Plan, build, fingerprint
+from .planblocks import DamagedPlan
 from .report import MergeReport, gaps
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -69,19 +72,22 @@ class Job:
     """A part's lease, taken before it plans (two runs of one part never plan or write at once)
     and held until :meth:`close`; None for a whole merge and the finalize."""
     rebuild: Callable[[BaseException], _planstore.Obtained] | None = None
-    """For a plan read from the store: builds it again from the spill root (:meth:`replan`)."""
+    """For a plan read from the store: builds it again from the spill root (:meth:`redone`)."""
 
-    def replan(self, damage: BaseException) -> bool:
-        """The stored plan this job reads failed a check while in use (``damage``): plan again
-        from the spill root, then the caller redoes its work. False when the plan was not read
-        from the store (nothing to rebuild: the caller raises)."""
-        if self.rebuild is None:
-            return False
-        got = self.rebuild(damage)
+    def redone(self, work: Callable[[], T]) -> T:
+        """``work()``; when the stored plan this job reads fails a check while in use (a block
+        fails its digest), plan again from the spill root and ``work()`` again: nothing of a
+        damaged plan is trusted. Not for a plan built here, nor once the marker is written."""
+        try:
+            return work()
+        except DamagedPlan as exc:
+            if self.rebuild is None or "finish" in self.phases:
+                raise
+            got = self.rebuild(exc)
         self.rebuild = None
         self.plan, self.fingerprint = got.plan, got.fingerprint
         self.notes[:] = [n for n in self.notes if _planstore.READ not in n] + got.notes
-        return True
+        return work()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -18,7 +18,6 @@ from . import parts as _parts
 from . import planstore as _planstore
 from .copy import split, units
 from .plan import fingerprint
-from .planblocks import DamagedPlan
 from .report import MergeReport
 
 
@@ -29,13 +28,8 @@ def merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) ->
     consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
     its own records, a completion marker (``overwrite``) and records of another plan
     (``overwrite``). A stored plan that fails a check while in use is built again and the part
-    redone: nothing of a damaged plan is trusted."""
-    try:
-        return _write_part(job, part, rank)
-    except DamagedPlan as exc:
-        if not job.replan(exc):
-            raise
-    return _write_part(job, part, rank)
+    redone (``Job.redone``)."""
+    return job.redone(lambda: _write_part(job, part, rank))
 
 
 def _write_part(job: _opening.Job, part: tuple[int, int], rank: int | None) -> MergeReport:
@@ -118,12 +112,7 @@ def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) 
         )
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
-        try:
-            return _finalize_locked(job, parts, collective, lease)
-        except DamagedPlan as exc:
-            if "finish" in job.phases or not job.replan(exc):  # the marker written: nothing to redo
-                raise
-        return _finalize_locked(job, parts, collective, lease)
+        return job.redone(lambda: _finalize_locked(job, parts, collective, lease))
 
 
 def _await_a_part(output: Storage, timeout: float) -> None:
