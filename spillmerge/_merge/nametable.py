@@ -4,6 +4,7 @@ asked for; the arrays may be maps of files, so a plan of 10^9 names holds none i
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -60,13 +61,7 @@ class NameTable(Sequence[str]):
         """The position of ``name``, or -1 (a binary search on the bytes: their order is the
         names' code-point order)."""
         key = name.encode("utf-8", "surrogatepass")
-        lo, hi = 0, len(self)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.raw(mid) < key:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = bisect.bisect_left(range(len(self)), key, key=self.raw)
         return lo if lo < len(self) and self.raw(lo) == key else -1
 
     def __contains__(self, name: object) -> bool:
