@@ -208,8 +208,7 @@ class Job:
             settings = {"chunk_bytes": chunk_bytes, "codec": codec}
             may_store = part is not None and not complete
             got = _planstore.obtain(
-                output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
-                settings=settings, timeout=options.timeout, may_store=may_store,
+                output, key, segments, plan_here, settings=settings, timeout=options.timeout, may_store=may_store,
                 memory_limit=max(options.plan_budget // 2, 16 << 20),
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint

@@ -19,6 +19,7 @@ from .._spill.root import LoadedSegment, Segment
 from .._storage import Storage
 from .._util.poll import poll
 from . import lease as _lease
+from . import plan as _plan
 from . import planblocks as _blocks
 from .documents import NAME_BLOCK
 from .nametable import NameTable, table_of
@@ -66,13 +67,12 @@ class Obtained:
 
 
 def obtain(
-    output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]],
-    fingerprint: Callable[[Plan], str], *, settings: dict[str, Any], timeout: float, may_store: bool,
-    memory_limit: int = _blocks.CACHE_BYTES,
+    output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]], *,
+    settings: dict[str, Any], timeout: float, may_store: bool, memory_limit: int = _blocks.CACHE_BYTES,
 ) -> Obtained:  # fmt: skip
     """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
     plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
-    ``planner`` lease. ``fingerprint`` computes it for a stored plan of other settings.
+    ``planner`` lease.
     ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
     ``memory_limit``: the blocks of a stored plan kept in memory at most."""
     notes: list[str] = []
@@ -91,7 +91,7 @@ def obtain(
             return None
         plan, fp, stored_settings = found
         notes.append(f"the plan stored in {where} {READ}")
-        return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
+        return Obtained(plan, fp if stored_settings == settings else _plan.fingerprint(plan, **settings), notes)
 
     for waited in poll(timeout if timeout > 0 else math.inf, first=0.05, cap=1.0):  # a planner's plan comes
         got = stored()
