@@ -45,7 +45,9 @@ def _write_part(job: _opening.Job, part: tuple[int, int], rank: int | None) -> M
     output, plan_id = job.output, job.fingerprint
     name = _parts.describe(i, n, rank)
     records = _parts.read_records(output)
-    if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
+    if not overwrite and any(
+        isinstance(r, FO.PartDoneRecord) and (r.part, r.parts, r.plan) == (i, n, plan_id) for r in records
+    ):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
         job.notes.append(
             f"{name} was already complete ({output.describe(_parts.record_name(i, n))}); nothing rewritten"
@@ -135,8 +137,8 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
         raise _output.complete_error(output, "finalize it again")
     records = _parts.read_records(output)
     n = parts if parts is not None else _parts.infer_parts(output, records)
-    done = [r for r in records if not r.failed and r.parts == n]
-    if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
+    done = [r for r in records if isinstance(r, FO.PartDoneRecord) and r.parts == n]
+    if not collective and done:
         # The parts decided the array documents: finalize with their codec and chunk size rather
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
         before = (job.options.codec, job.options.chunk_bytes)
