@@ -52,14 +52,16 @@ def build(out: Path, n: int) -> None:
     cap_len = np.fromiter((len(c) for c in captions), dtype=np.int64, count=n)
     ones = np.ones(n, dtype=np.int64)
     rows = np.arange(n, dtype=np.int64)
-    label = PlannedColumn("label", ("label",), "fixed", "int64", 0, (), None, rows, None, None, False)
-    caption = PlannedColumn("caption", ("caption",), "str", "str", 0, None, None, n + rows, cap_len, None, False)
+    cap_off = np.concatenate([[0], np.cumsum(cap_len)])
+    label = PlannedColumn("label", ("label",), "fixed", "int64", 0, (), None, rows, None, None, False, n)
+    caption = PlannedColumn("caption", ("caption",), "str", "str", 0, None, None, n + rows, cap_off, None, False, n)
     plan = Plan(
         filenames=names, file_offsets=np.arange(n + 1, dtype=np.int64), frame_idx=np.zeros(n, np.int64),
         rank=np.zeros(n, np.int32), copies=np.ones(n, np.int32), file_layout=np.zeros(n, np.int32),
         file_layouts=[["caption", "label"]], columns=[caption, label], segments=[],
         seg=np.zeros(2 * n, np.int64), offset=np.zeros(2 * n, np.int64),
         nbytes=np.concatenate([8 * ones, cap_len]), crc=np.zeros(2 * n, np.int64), duplicates=0,
+        total_bytes=int(8 * n + cap_len.sum()),
     )  # fmt: skip
     storage = Storage(str(out))
     storage.makedirs("")

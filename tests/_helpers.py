@@ -101,10 +101,11 @@ def write_filenames(path: str | Path, names: list[str]) -> None:
     stored as a merge stores them, keeping the consolidated root in step."""
     import zarr
 
-    from spillmerge._merge.documents import filename_arrays
+    from spillmerge._merge.documents import NAME_BLOCK
+    from spillmerge._merge.nametable import table_of
 
     g = zarr.open_group(str(path), mode="r+", use_consolidated=False)
-    for name, arr in filename_arrays(names).items():
+    for name, arr in table_of(names).index_arrays(NAME_BLOCK).items():
         old = g["index"][name]
         new = g["index"].create_array(
             name, shape=arr.shape, dtype=old.dtype, chunks=old.chunks, overwrite=True,

@@ -251,12 +251,12 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
         records = _parts.read_records(output)
     except Exception as exc:  # noqa: BLE001 - a status view shows what it cannot read
         return MergeStatus(output.url, "running", 0, 0, None, f"part records unreadable: {exc}")
-    done = [r for r in records if not r.failed]
-    failed = [r for r in records if r.failed]
+    failed = [r for r in records if isinstance(r, FO.PartFailureRecord)]
+    done = [r for r in records if isinstance(r, FO.PartDoneRecord)]
     parts = max((r.parts for r in records), default=None)
     if failed:
         state: Any = "failed"
-        msg = "; ".join(f"{_parts.describe(r.part, r.parts, r.rank)}: {r.message}" for r in failed)
+        msg = "; ".join(f"{_parts.describe(r.part, r.parts, r.rank)}: {r.summary()}" for r in failed)
     else:
         state = "running" if records or output.exists("zarr.json") else "not-started"
         msg = None

@@ -77,18 +77,12 @@ def copy_units(
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []
-    offsets: dict[int, np.ndarray] = {}
     checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
     pending = PendingBlocks(checked)
     chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
-    for u in todo:  # once per column, before the threads share them
-        col = plan.columns[u.column]
-        if col.counts is not None and u.column not in offsets:
-            offsets[u.column] = col.offsets()
 
     def chunk(u: Unit, pending: PendingBlocks | None = None) -> OutputChunk:
-        col = plan.columns[u.column]
-        return OutputChunk(src, plan, col, u, offsets.get(u.column), checked, chunk_bytes, pending)
+        return OutputChunk(src, plan, plan.columns[u.column], u, checked, chunk_bytes, pending)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight

@@ -4,7 +4,6 @@ normalised by zarr's own metadata classes, so the consolidated root matches what
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -64,7 +63,7 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
     :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
     chunks, which write fastest."""
     n = col.n_units
-    rows = max(col.present(), 1)
+    rows = max(col.n_present, 1)
     total = n * col.unit_bytes
     per = col.unit_bytes
     small = total / rows < SMALL_ROW_BYTES
@@ -76,14 +75,6 @@ def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
 
 BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
 """Column kinds stored as uint8 bytes + byte offsets."""
-
-
-def filename_arrays(filenames: Sequence[str]) -> dict[str, np.ndarray]:
-    """``index/filenames`` (UTF-8 bytes, concatenated), ``index/filename_offsets`` (int64, n + 1),
-    ``index/filename_heads`` / ``index/filename_head_offsets`` (the first filename of every block
-    of :data:`NAME_BLOCK` files, same layout): Arrow's large_string layout, readable by any Zarr v3
-    implementation (docs/FORMAT.md section 2); the plan's string table."""
-    return table_of(filenames).index_arrays(NAME_BLOCK)
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:
@@ -107,7 +98,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         "columns": GroupMetadata(),
     }
     n, rows = plan.n_files, plan.n_frames
-    names = filename_arrays(plan.filenames)
+    names = table_of(plan.filenames).index_arrays(NAME_BLOCK)
     name_bytes, head_bytes = int(names["filename_offsets"][-1]), int(names["filename_head_offsets"][-1])
     n_heads = -(-n // NAME_BLOCK)
     index_meta = {
@@ -148,7 +139,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         n_dom, row = len(col.src), dim[F.list_domain(col.leaf)]
         meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
         meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
-        first = row if col.counts is None else f"{col.name}.elem"
+        first = row if col.offsets is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
         nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = _array_doc(meta)

@@ -4,7 +4,7 @@ each array's chunks), the finalize none (docs/SCALE.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +14,7 @@ import numpy as np
 from .._format import crc as _crc
 from .._storage import Storage
 from . import documents as Z
+from .nametable import table_of
 from .plan import Plan
 
 
@@ -30,62 +31,56 @@ class IndexChunk:
     """The chunk shape (the array's ``chunk_shape``)."""
     dtype: str
     source: Any
-    """The array the elements come from (only ``[lo, hi)`` is read)."""
-    fn: Callable[[np.ndarray], np.ndarray] | None = None
-    """Applied to the source's elements (``valid``: ``src >= 0``)."""
+    """The array the elements come from (only ``[lo, hi)`` is read); of a ``valid`` array, its
+    column's ``src`` (the elements: ``src >= 0``)."""
 
     @property
     def key(self) -> str:
         return f"{self.path}/c/{self.chunk}" + "/0" * (len(self.shape) - 1)
 
+    def elements(self) -> np.ndarray:
+        block = np.asarray(self.source[self.lo : self.hi])
+        return block >= 0 if self.path.endswith("/valid") else block
+
     def encode(self) -> list[np.ndarray]:
         """The chunk object: the elements at the full chunk shape, then their CRC-32C."""
-        block = np.asarray(self.source[self.lo : self.hi])
-        if self.fn is not None:
-            block = self.fn(block)
         dt = np.dtype(self.dtype)
         if dt.itemsize > 1:
             dt = dt.newbyteorder("<")
         out = np.zeros(self.shape, dtype=dt)
-        out[: self.hi - self.lo] = block
+        out[: self.hi - self.lo] = self.elements()
         raw = out.reshape(-1).view(np.uint8)
         return [raw, np.frombuffer(np.uint32(_crc.value(raw)).astype("<u4").tobytes(), np.uint8)]
 
 
-def _sources(plan: Plan) -> dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]]:
-    """Each index array's path and its elements (and the function that makes them from those):
+def _sources(plan: Plan) -> dict[str, Any]:
+    """Each index array's path and the array its elements come from (``IndexChunk.source``):
     the arrays ``_merge.documents.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
     (but ``values``)."""
     index = {
-        **Z.filename_arrays(plan.filenames),  # a plan's NameTable as it is: no str per name
+        **table_of(plan.filenames).index_arrays(Z.NAME_BLOCK),  # a plan's NameTable as it is: no str per name
         "file_layout": plan.file_layout, "frame_offsets": plan.file_offsets, "frame_idx": plan.frame_idx,
         "frame_rank": plan.rank, "frame_copies": plan.copies,
     }  # fmt: skip
-    out: dict[str, tuple[Any, Callable[[np.ndarray], np.ndarray] | None]] = {
-        f"index/{k}": (v, None) for k, v in index.items()
-    }
+    out: dict[str, Any] = {f"index/{k}": v for k, v in index.items()}
     for lst in plan.lists:
-        out[f"lists/{lst.name}/offsets"] = (lst.offsets, None)
+        out[f"lists/{lst.name}/offsets"] = lst.offsets
     for col in plan.columns:
         base = f"columns/{col.name}"
         if col.has_offsets:
-            out[f"{base}/offsets"] = (col.offsets(), None)
+            out[f"{base}/offsets"] = col.offsets
         if col.shapes is not None:
-            out[f"{base}/shapes"] = (col.shapes, None)
+            out[f"{base}/shapes"] = col.shapes
         if col.has_valid:
-            out[f"{base}/valid"] = (col.src, _present)
+            out[f"{base}/valid"] = col.src
     return out
-
-
-def _present(src: np.ndarray) -> np.ndarray:
-    return src >= 0
 
 
 def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk]:
     """Every chunk of every index array of the output whose documents are ``docs``
     (``_merge.documents.output_docs``), in the order the shares are dealt."""
     out = []
-    for path, (source, fn) in _sources(plan).items():
+    for path, source in _sources(plan).items():
         doc = docs[path]
         shape = tuple(int(d) for d in doc["shape"])
         chunks = tuple(int(d) for d in doc["chunk_grid"]["configuration"]["chunk_shape"])
@@ -93,7 +88,7 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
         if any(d == 0 for d in shape):
             continue  # no elements: the array has no chunk
         for j, lo in enumerate(range(0, n, k)):
-            out.append(IndexChunk(path, j, lo, min(lo + k, n), chunks, doc["data_type"], source, fn))
+            out.append(IndexChunk(path, j, lo, min(lo + k, n), chunks, doc["data_type"], source))
     return out
 
 

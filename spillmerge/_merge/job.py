@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -174,22 +173,18 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
         with _lease.whole(output) as lease:  # before any change: one merge per output
             _output.prepare(output, job.options.overwrite, lease)
             try:
-                t = time.perf_counter()
-                docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
-                # The root document goes first, alone and whole: it marks the folder as a spillmerge
-                # output, so an interrupted merge can be recognised and rebuilt.
-                output.put_atomic("zarr.json", Z.json_doc(docs[""]))
-                output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
-                job.phases["metadata"] = time.perf_counter() - t
-                t = time.perf_counter()
-                todo = units(job.plan, job.options.chunk_bytes)
-                _opening.copy(job, todo)
-                job.phases["copy"] = time.perf_counter() - t
-                t = time.perf_counter()
-                _indexchunks.write(
-                    job.output, _indexchunks.index_chunks(job.plan, docs), threads=_opening.copy_threads(job, todo)
-                )
-                job.phases["index"] = time.perf_counter() - t
+                with job.phase("metadata"):
+                    docs = job.docs()
+                    # The root document goes first, alone and whole: it marks the folder as a spillmerge
+                    # output, so an interrupted merge can be recognised and rebuilt.
+                    output.put_atomic("zarr.json", Z.json_doc(docs[""]))
+                    output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
+                with job.phase("copy"):
+                    todo = units(job.plan, job.options.chunk_bytes)
+                    _opening.copy(job, todo)
+                with job.phase("index"):
+                    chunks = _indexchunks.index_chunks(job.plan, docs)
+                    _indexchunks.write(job.output, chunks, threads=_opening.copy_threads(job, todo))
                 _opening.finish(job, docs, lease)
             except BaseException:
                 # The output is unusable without its completion marker anyway; removing what we

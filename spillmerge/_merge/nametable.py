@@ -4,6 +4,7 @@ asked for; the arrays may be maps of files, so a plan of 10^9 names holds none i
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -12,8 +13,7 @@ import numpy as np
 
 class NameTable(Sequence[str]):
     """Sorted, distinct filenames: ``len``, ``names[i]``, ``names[a:b]`` (a list), iteration,
-    :meth:`search` (a position or -1), and the arrays themselves (:attr:`data`, :attr:`offsets`).
-    Equal to any sequence of the same names."""
+    :meth:`search` (a position or -1), and the arrays themselves (:attr:`data`, :attr:`offsets`)."""
 
     def __init__(
         self, data: np.ndarray, offsets: np.ndarray, *, heads: dict[int, tuple[Any, Any]] | None = None
@@ -61,13 +61,7 @@ class NameTable(Sequence[str]):
         """The position of ``name``, or -1 (a binary search on the bytes: their order is the
         names' code-point order)."""
         key = name.encode("utf-8", "surrogatepass")
-        lo, hi = 0, len(self)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.raw(mid) < key:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = bisect.bisect_left(range(len(self)), key, key=self.raw)
         return lo if lo < len(self) and self.raw(lo) == key else -1
 
     def __contains__(self, name: object) -> bool:
@@ -84,18 +78,6 @@ class NameTable(Sequence[str]):
             known = (np.frombuffer(b"".join(heads), dtype=np.uint8), hoff)
         return {"filenames": self.data, "filename_offsets": self.offsets, "filename_heads": known[0],
                 "filename_head_offsets": known[1]}  # fmt: skip
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (Sequence, np.ndarray)) and not isinstance(other, str):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        n = len(self)
-        head = ", ".join(repr(x) for x in self[: min(n, 3)])
-        return f"NameTable([{head}{', ...' if n > 3 else ''}], {n} names)"
 
 
 def table_of(names: Sequence[str] | Any) -> NameTable:

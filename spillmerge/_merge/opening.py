@@ -3,11 +3,12 @@ built or read; its report, and the write steps every path shares (copy, flush, c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -22,7 +23,6 @@ from .._spill.root import load_flushed, same_bytes
 from .._storage import Storage
 from .._util.frames import check_expected
 from . import documents as Z
-from . import index as _indexchunks
 from . import lease as _lease
 from . import ownership as _output
 from . import parts as _parts
@@ -31,7 +31,10 @@ from .copy import copy_units
 from .options import MergeOptions
 from .outputchunk import Unit
 from .plan import Plan, build, fingerprint
+from .planblocks import DamagedPlan
 from .report import MergeReport, gaps
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -69,19 +72,34 @@ class Job:
     """A part's lease, taken before it plans (two runs of one part never plan or write at once)
     and held until :meth:`close`; None for a whole merge and the finalize."""
     rebuild: Callable[[BaseException], _planstore.Obtained] | None = None
-    """For a plan read from the store: builds it again from the spill root (:meth:`replan`)."""
+    """For a plan read from the store: builds it again from the spill root (:meth:`redone`)."""
 
-    def replan(self, damage: BaseException) -> bool:
-        """The stored plan this job reads failed a check while in use (``damage``): plan again
-        from the spill root, then the caller redoes its work. False when the plan was not read
-        from the store (nothing to rebuild: the caller raises)."""
-        if self.rebuild is None:
-            return False
-        got = self.rebuild(damage)
+    def redone(self, work: Callable[[], T]) -> T:
+        """``work()``; when the stored plan this job reads fails a check while in use (a block
+        fails its digest), plan again from the spill root and ``work()`` again: nothing of a
+        damaged plan is trusted. Not for a plan built here, nor once the marker is written."""
+        try:
+            return work()
+        except DamagedPlan as exc:
+            if self.rebuild is None or "finish" in self.phases:
+                raise
+            got = self.rebuild(exc)
         self.rebuild = None
         self.plan, self.fingerprint = got.plan, got.fingerprint
         self.notes[:] = [n for n in self.notes if _planstore.READ not in n] + got.notes
-        return True
+        return work()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The body's seconds added to phase ``name`` when it succeeds (``finish`` then says
+        that the marker is written)."""
+        t = time.perf_counter()
+        yield
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def docs(self) -> dict[str, dict[str, Any]]:
+        """Every ``zarr.json`` of the output (``_merge.documents.output_docs``)."""
+        return Z.output_docs(self.plan, self.state.world_size, self.options.chunk_bytes, self.options.codec)
 
     def close(self) -> None:
         """After the merge, whatever its outcome: the storage, then the part's lease."""
@@ -190,8 +208,7 @@ class Job:
             settings = {"chunk_bytes": chunk_bytes, "codec": codec}
             may_store = part is not None and not complete
             got = _planstore.obtain(
-                output, key, segments, plan_here, lambda p: fingerprint(p, chunk_bytes=chunk_bytes, codec=codec),
-                settings=settings, timeout=options.timeout, may_store=may_store,
+                output, key, segments, plan_here, settings=settings, timeout=options.timeout, may_store=may_store,
                 memory_limit=max(options.plan_budget // 2, 16 << 20),
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
@@ -268,12 +285,6 @@ def plan_options(job: Job) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def index_share(job: Job, i: int, n: int) -> list[_indexchunks.IndexChunk]:
-    """Part ``i``'s share of the output's index chunks."""
-    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
-    return _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
-
-
 SMALL_MERGE_BYTES = 4 << 20
 """Output chunks of at most this many bytes in all, on local storage, are written by the merging
 thread itself: starting a pool's threads costs more than they gain on a small merge."""
@@ -296,24 +307,22 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
     """Flush, then the consolidated root, then the completion marker: last, once."""
     output, plan = job.output, job.plan
     root = Z.consolidated_root(docs)
-    t = time.perf_counter()
-    if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
-        output.fsync_tree("")
-    job.phases["sync"] = job.phases.get("sync", 0.0) + time.perf_counter() - t
-    t = time.perf_counter()
-    lease.check()  # a merge that lost its lease must not vouch for an output another one writes
-    output.put_atomic("zarr.json", Z.json_doc(root))
-    marker = FO.CompletionMarker(
-        n_files=plan.n_files,
-        n_frames=plan.n_frames,
-        nbytes=plan.total_bytes,
-        finished=F.utcnow(),
-        written_by=lease.record(),  # a second merge into this output can be told apart
-        spill_root=job.src.describe(),
-        plan=job.fingerprint,
-        run_id=job.options.run_id,
-        session=job.options.session,
-    )
-    lease.check()
-    output.put_atomic(FO.COMPLETE_NAME, marker.to_json())
-    job.phases["finish"] = time.perf_counter() - t
+    with job.phase("sync"):
+        if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
+            output.fsync_tree("")
+    with job.phase("finish"):
+        lease.check()  # a merge that lost its lease must not vouch for an output another one writes
+        output.put_atomic("zarr.json", Z.json_doc(root))
+        marker = FO.CompletionMarker(
+            n_files=plan.n_files,
+            n_frames=plan.n_frames,
+            nbytes=plan.total_bytes,
+            finished=F.utcnow(),
+            written_by=lease.record(),  # a second merge into this output can be told apart
+            spill_root=job.src.describe(),
+            plan=job.fingerprint,
+            run_id=job.options.run_id,
+            session=job.options.session,
+        )
+        lease.check()
+        output.put_atomic(FO.COMPLETE_NAME, marker.to_json())

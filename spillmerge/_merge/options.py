@@ -92,7 +92,6 @@ class MergeOptions:
             _SWITCH,
         ),
     )
-    """Merge what is committed (plus what dead ranks' journals prove durable) and report the rest."""
     expected: Mapping[str, int] | str | None = _option(
         None,
         config=str,
@@ -112,7 +111,6 @@ class MergeOptions:
             {"choices": ["error", "first", "last"]},
         ),
     )
-    """A key written twice with different content: ``error``, keep the ``first`` or the ``last``."""
     overwrite: bool = _option(
         False, config=bool, flag=Flag("--overwrite", "replace an existing complete output", _SWITCH)
     )
@@ -126,7 +124,6 @@ class MergeOptions:
             {"choices": ["none", "blosc-lz4", "zstd"]},
         ),
     )
-    """Output codec: ``none``, ``blosc-lz4`` or ``zstd``."""
     part: tuple[int, int] | None = _option(
         None,
         flag=Flag(
@@ -136,7 +133,6 @@ class MergeOptions:
             exclusive="how",
         ),
     )
-    """``(i, n)``: write only part ``i`` of ``n`` and its part record."""
     finalize: bool = _option(
         False,
         flag=Flag(
@@ -147,25 +143,21 @@ class MergeOptions:
             exclusive="how",
         ),
     )
-    """After every part: check the part records, write the index, the consolidated root and the marker."""
     world_size: int | None = _option(
         None,
         config=int,
         flag=Flag("--world-size", "expected number of ranks (default: from the commit records)", {"type": int}),
     )
-    """Ranks expected (None: from the commit records)."""
     chunk_bytes: int = _option(
         DEFAULT_CHUNK_BYTES,
         config=int,
         flag=Flag("--chunk-bytes", "target output chunk size (default 16MiB)", {"type": parse_size}),
     )
-    """Target output chunk size."""
     memory_budget: int = _option(
         DEFAULT_MEMORY_BUDGET,
         config=int,
         flag=Flag("--memory-budget", "bytes of frames in flight (default 256MiB)", {"type": parse_size}),
     )
-    """Bytes of output chunks in flight."""
     plan_budget: int = _option(
         DEFAULT_PLAN_BUDGET,
         config=int,
@@ -185,13 +177,11 @@ class MergeOptions:
             {"metavar": "DIR"},
         ),
     )
-    """The planner's temporary folder (None: the system's temporary folder)."""
     threads: int | None = _option(
         None,
         config=int,
         flag=Flag("--threads", "copy threads (default 4 on local disks, 16 with an object store)", {"type": int}),
     )
-    """Copy threads (None: 4 on local disks, 16 with an object store)."""
     storage_options: dict[str, Any] | None = _option(
         None,
         config=dict,
@@ -201,7 +191,6 @@ class MergeOptions:
             {"action": "append", "metavar": "KEY=VALUE"},
         ),
     )
-    """fsspec options of the spill root (and of the output when both share a protocol)."""
     out_storage_options: dict[str, Any] | None = _option(
         None,
         config=dict,
@@ -209,7 +198,6 @@ class MergeOptions:
             "--out-storage-option", "fsspec option for OUT (repeatable)", {"action": "append", "metavar": "KEY=VALUE"}
         ),
     )
-    """fsspec options of the output."""
     remove_spill: bool = _option(
         False,
         config=bool,
@@ -219,7 +207,6 @@ class MergeOptions:
             _SWITCH,
         ),
     )
-    """Delete the spill root after a complete merge that misses nothing (see ``merge``)."""
     progress: bool | None = _option(
         None,
         flag=Flag(

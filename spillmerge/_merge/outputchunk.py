@@ -87,14 +87,14 @@ class OutputChunk:
     """Builds and writes one output chunk."""
 
     def __init__(
-        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, offsets: np.ndarray | None,
-        checked: set[tuple[int, int]], chunk_bytes: np.ndarray, pending: PendingBlocks | None = None,
+        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, checked: set[tuple[int, int]],
+        chunk_bytes: np.ndarray, pending: PendingBlocks | None = None,
     ) -> None:  # fmt: skip
         """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
         (shared by the chunks of one merge; a block checksum covers rows of many chunks);
         ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
         ``pending``: where rows checked by a block leave their CRC-32C (None: blocks are read)."""
-        self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, offsets
+        self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, col.offsets
         self.checked, self.chunk_bytes, self.pending = checked, chunk_bytes, pending
         self.crc: int | None = None
         """The CRC-32C of the chunk's bytes, when the copy derived it from its rows' (``_pieces``)."""

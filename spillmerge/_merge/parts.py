@@ -5,7 +5,6 @@ its plan (docs/FORMAT.md section 2, docs/GUARANTEES.md)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from .._errors import CorruptSpillError, MissingPartsError, PartFailedError, PartsTimeout, PlanMismatchError
@@ -27,56 +26,23 @@ def describe(part: int, parts: int, rank: int | None = None) -> str:
     return f"part {part}/{parts}" + (f" (rank {rank})" if rank is not None else "")
 
 
-@dataclass(frozen=True, slots=True)
-class PartRecord:
-    """A part's completion record (``kind: merge-part``) or failure record (``merge-part-failure``)."""
-
-    part: int
-    """Which part, 0-based."""
-    parts: int
-    """Number of parts of the merge."""
-    plan: str
-    """Plan fingerprint (``_merge.plan.fingerprint``); every part of one output has the same."""
-    failed: bool
-    """True for a failure record."""
-    message: str
-    """Failure records: "Type: message"; completion records: a summary of what was written."""
-    rank: int | None
-    """Rank of a collective merge (``SpillWriter.merge(parallel=True)``), else None."""
-    run_id: str | None
-    """Run id of a collective merge (tells a failure of this attempt from an earlier one's)."""
-    path: str
-    """Where the record lives (for messages)."""
-    codec: str | None
-    """Completion records: the output codec the part wrote with."""
-    chunk_bytes: int | None
-    """Completion records: the target chunk size the part wrote with."""
-    index: bool = False
-    """Completion records: the part wrote its share of the index chunks (``_merge.index``)."""
-    options: dict[str, Any] | None = None
-    """Completion records: the options that decide the plan and the output (``plan_options``)."""
+Record = FO.PartDoneRecord | FO.PartFailureRecord
+"""A part's completion record, or its failure record, as read."""
 
 
-def write_done(
-    output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, *, n_files: int,
-    n_frames: int, nbytes: int, codec: str, chunk_bytes: int, index: bool, options: dict[str, Any] | None = None,
-) -> None:  # fmt: skip
-    rec = FO.PartDoneRecord.now(
-        part=part, parts=parts, plan=plan, rank=rank, run_id=run_id, n_files=n_files, n_frames=n_frames,
-        nbytes=nbytes, codec=codec, chunk_bytes=chunk_bytes, index=index, options=options,
-    )  # fmt: skip
+def put(output: Storage, rec: FO.PartDoneRecord | FO.PartFailureRecord) -> None:
+    """Write a part's completion or failure record, whole."""
     output.makedirs(PARTS_DIR)
-    output.put_atomic(record_name(part, parts), rec.to_json())
+    failed = isinstance(rec, FO.PartFailureRecord)
+    output.put_atomic(record_name(rec.part, rec.parts, failed=failed), rec.to_json())
 
 
 def write_failure(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
-    rec = FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id)
     try:
-        output.makedirs(PARTS_DIR)
-        output.put_atomic(record_name(part, parts, failed=True), rec.to_json())
+        put(output, FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id))
     except Exception:  # noqa: BLE001 - the original error matters more than this one
         pass
 
@@ -85,26 +51,20 @@ def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:
     output.rm_tree(record_name(part, parts, failed=failed))
 
 
-def _parse(output: Storage, name: str, raw: bytes) -> PartRecord:
-    rel = f"{PARTS_DIR}/{name}"
-    where = output.describe(rel)
+def _parse(output: Storage, name: str, raw: bytes) -> Record:
+    where = output.describe(f"{PARTS_DIR}/{name}")
     m = _NAME_RE.match(name)
     assert m is not None
     part, parts = int(m.group(1)), int(m.group(2))
     if m.group(3) is not None:
-        bad = FO.PartFailureRecord.from_json(raw, path=where, part=part, parts=parts)
-        return PartRecord(part, parts, bad.plan, True, bad.summary(), bad.rank, bad.run_id, where, None, None)
+        return FO.PartFailureRecord.from_json(raw, path=where, part=part, parts=parts)
     done = FO.PartDoneRecord.from_json(raw, path=where, part=part, parts=parts)
     if done.codec not in CODECS:
         raise CorruptSpillError(f"{where}: bad codec {done.codec!r} or chunk_bytes {done.chunk_bytes!r}", path=where)
-    message = f"{done.n_files} files, {done.n_frames} frames"
-    return PartRecord(
-        part, parts, done.plan, False, message, done.rank, done.run_id, where, done.codec, done.chunk_bytes, done.index,
-        done.options,
-    )  # fmt: skip
+    return done
 
 
-def read_records(output: Storage, cache: dict[str, PartRecord] | None = None) -> list[PartRecord]:
+def read_records(output: Storage, cache: dict[str, Record] | None = None) -> list[Record]:
     """Every part record of the output, in name order (unreadable ones raise, naming the path).
 
     Records are immutable once written, so a ``cache`` kept across polls saves reading each
@@ -124,9 +84,9 @@ def read_records(output: Storage, cache: dict[str, PartRecord] | None = None) ->
     return out
 
 
-def foreign(records: list[PartRecord], parts: int, plan: str) -> list[PartRecord]:
+def foreign(records: list[Record], parts: int, plan: str) -> list[FO.PartDoneRecord]:
     """Completion records that belong to another plan or another part count."""
-    return [r for r in records if not r.failed and (r.parts != parts or r.plan != plan)]
+    return [r for r in records if isinstance(r, FO.PartDoneRecord) and (r.parts != parts or r.plan != plan)]
 
 
 def differing(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str:
@@ -138,13 +98,15 @@ def differing(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> str
 
 
 def mismatch_error(
-    output: Storage, bad: list[PartRecord], parts: int, plan: str, *, hint: str, options: dict[str, Any] | None = None
-) -> PlanMismatchError:
-    def one(r: PartRecord) -> str:
+    output: Storage, bad: list[FO.PartDoneRecord], parts: int, plan: str, *, hint: str,
+    options: dict[str, Any] | None = None,
+) -> PlanMismatchError:  # fmt: skip
+    def one(r: FO.PartDoneRecord) -> str:
         diff = differing(options, r.options)
         count = f"{r.parts} parts there, {parts} here" if r.parts != parts else ""
         why = "; ".join(x for x in (diff, count) if x) or "same options: the spill root changed"
-        return f"{describe(r.part, r.parts, r.rank)} at {r.path} (plan {r.plan[:12]}; {why})"
+        at = output.describe(record_name(r.part, r.parts))
+        return f"{describe(r.part, r.parts, r.rank)} at {at} (plan {r.plan[:12]}; {why})"
 
     shown = "; ".join(one(r) for r in bad[:8])
     return PlanMismatchError(
@@ -156,7 +118,7 @@ def mismatch_error(
     )
 
 
-def infer_parts(output: Storage, records: list[PartRecord]) -> int:
+def infer_parts(output: Storage, records: list[Record]) -> int:
     counts = sorted({r.parts for r in records})
     if not counts:
         raise MissingPartsError(
@@ -185,29 +147,29 @@ def wait(
     collective: bool = False,
     run_id: str | None = None,
     options: dict[str, Any] | None = None,
-) -> list[PartRecord]:
+) -> list[FO.PartDoneRecord]:
     """The finalizer's barrier: every part's completion record with this plan, else a clear error
     naming the parts (failed at once, missing after ``timeout`` seconds, other plans at once).
     ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say
     so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
     stays on storage until its part runs again, and must not fail this one."""
-    cache: dict[str, PartRecord] = {}
+    cache: dict[str, Record] = {}
     for waited in _poll.poll(timeout, first=0.05, cap=2.0):
         records = read_records(output, cache)
         bad = foreign(records, parts, plan)
         if bad:
             raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)", options=options)
-        done = {r.part: r for r in records if not r.failed}
+        done = {r.part: r for r in records if isinstance(r, FO.PartDoneRecord)}
         failed = {
             r.part: r
             for r in records
-            if r.failed and r.parts == parts and r.plan == plan and r.part not in done
+            if isinstance(r, FO.PartFailureRecord) and r.parts == parts and r.plan == plan and r.part not in done
             and (run_id is None or r.run_id == run_id)
         }  # fmt: skip
         if failed:
-            failures = {p: r.message for p, r in sorted(failed.items())}
+            failures = {p: r.summary() for p, r in sorted(failed.items())}
             detail = "; ".join(
-                f"{describe(p, parts, p if collective else r.rank)}: {r.message}" for p, r in sorted(failed.items())
+                f"{describe(p, parts, p if collective else r.rank)}: {r.summary()}" for p, r in sorted(failed.items())
             )
             raise PartFailedError(
                 f"{len(failed)} of {parts} part(s) of the merge into {output.describe()} failed: {detail}; "

@@ -9,7 +9,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,13 +75,13 @@ class Plan:
     """Row table: CRC-32C."""
     duplicates: int
     """Duplicate (filename, frame) copies dropped (identical content or by policy)."""
+    total_bytes: int
+    """The payload bytes of every column's rows."""
     lists: list[PlannedList] = dataclasses.field(default_factory=list)
     """The list offsets of every list path, parents before children."""
     key_orders: dict[str, Any] | None = None
     """The output header's ``key_orders`` (``_format.keyorder.output_orders``): the dicts' key order,
     from the segments' layouts, kept with the plan so a stored plan carries it too."""
-    total: int | None = None
-    """:attr:`total_bytes` when known (a stored plan carries it), else computed from the rows."""
     blocks: Any = None
     """A stored plan's block cache (``_merge.planblocks.BlockCache``: what this process read of it), else None."""
 
@@ -92,17 +92,6 @@ class Plan:
     @property
     def n_frames(self) -> int:
         return len(self.frame_idx)
-
-    @property
-    def total_bytes(self) -> int:
-        if self.total is not None:
-            return self.total
-        total = 0
-        for c in self.columns:  # a block of rows at a time: the arrays may be maps of files
-            for a in range(0, len(c.src), ROW_BLOCK):
-                s = np.asarray(c.src[a : a + ROW_BLOCK])
-                total += int(self.nbytes[s[s >= 0]].sum())
-        return total
 
     def top_row(self, col: PlannedColumn, r: int) -> int:
         """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
@@ -194,7 +183,7 @@ def _assemble(
     if not len(c["file"]):
         e = np.zeros(0, np.int64)
         return Plan(names, np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
-                    [], segments, e, e, e, e, duplicates=0)  # fmt: skip
+                    [], segments, e, e, e, e, duplicates=0, total_bytes=0)  # fmt: skip
 
     # Rows: distinct (file, frame), in order (the sort's); every entry's row number; each row's
     # frame, rank and copies; each file's first row.
@@ -251,11 +240,12 @@ def _assemble(
             planned = dataclasses.replace(planned, variant=tag)
         columns.append(planned)
     columns.sort(key=lambda col: col.name)
+    total = sum(int(c["nb"][s].sum()) for col in columns for s in _present(col))
 
     file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of, new)
     return Plan(
         names, file_offsets, frame_idx[:n_rows], rank[:n_rows], row_copies[:n_rows], file_layout, file_layouts,
-        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, lists,
+        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, total, lists,
         output_orders(names, segments, srt.file_ids, new=new),
     )  # fmt: skip
 
@@ -347,26 +337,28 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
         "key_orders": plan.key_orders,
     }
     h.update(json.dumps(head, sort_keys=True, ensure_ascii=True).encode("ascii"))
-    # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their
-    # offsets, hashed a block at a time.
+
+    def feed(a: Any, dtype: str = "<i8", step: int = ROW_BLOCK) -> None:
+        """Hash ``a`` a block at a time (the arrays may be maps of files), each from its buffer:
+        the digest is that of the whole arrays back to back."""
+        for i in range(0, len(a), step):
+            h.update(np.ascontiguousarray(a[i : i + step], dtype=dtype).data)
+
+    # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their offsets.
     names = table_of(plan.filenames)
-    data, offsets = names.data, names.offsets
-    for i in range(0, len(data), ROW_BLOCK * 16):
-        h.update(np.ascontiguousarray(data[i : i + ROW_BLOCK * 16]).data)
-    for i in range(0, len(offsets), ROW_BLOCK):
-        h.update(np.ascontiguousarray(offsets[i : i + ROW_BLOCK], dtype="<i8").view(np.uint8).data)
-    # Hashed a block at a time (the arrays may be maps of files), each from its buffer: the
-    # digest is that of the whole arrays back to back.
-    for a in (plan.file_offsets, plan.frame_idx, plan.file_layout):
-        for i in range(0, len(a), ROW_BLOCK):
-            h.update(np.ascontiguousarray(a[i : i + ROW_BLOCK], dtype="<i8").data)
-    for lst in plan.lists:
-        h.update(np.ascontiguousarray(lst.offsets, dtype="<i8").data)
+    feed(names.data, "u1", ROW_BLOCK * 16)
+    for a in (names.offsets, plan.file_offsets, plan.frame_idx, plan.file_layout, *(x.offsets for x in plan.lists)):
+        feed(a)
     for col in plan.columns:
-        for i in range(0, len(col.src), ROW_BLOCK):
-            h.update(np.ascontiguousarray(col.src[i : i + ROW_BLOCK], dtype="<i8").data)
+        feed(col.src)
         for table in (plan.seg, plan.offset, plan.nbytes, plan.crc):
-            for i in range(0, len(col.src), ROW_BLOCK):
-                s = np.asarray(col.src[i : i + ROW_BLOCK])
-                h.update(np.ascontiguousarray(table[s[s >= 0]], dtype="<i8").data)
+            for s in _present(col):
+                feed(table[s])
     return h.hexdigest()
+
+
+def _present(col: PlannedColumn) -> Iterator[np.ndarray]:
+    """The row table positions of ``col``'s present rows, a block of rows at a time."""
+    for a in range(0, len(col.src), ROW_BLOCK):
+        s = np.asarray(col.src[a : a + ROW_BLOCK])
+        yield s[s >= 0]

@@ -30,6 +30,16 @@ def blocks(n: int) -> Iterator[tuple[int, int]]:
         yield a, min(n, a + ROW_BLOCK)
 
 
+def cumulate(a: np.ndarray) -> np.ndarray:
+    """``a`` (a 0, then counts) made offsets in place: its running sums, a block at a time."""
+    total = 0
+    for lo, hi in blocks(len(a)):
+        np.cumsum(a[lo:hi], out=a[lo:hi])
+        a[lo:hi] += total
+        total = int(a[hi - 1])
+    return a
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedColumn:
     """The plan of one leaf column of the output, ``columns/<name>/``: where each row's bytes come
@@ -51,20 +61,19 @@ class PlannedColumn:
     """``ragged``: the dimensions after the first when only the first varies, else None."""
     src: np.ndarray
     """int64 (n_rows,): position in the plan's row table of each output row's bytes, -1 when absent."""
-    counts: np.ndarray | None
-    """int64 (n_rows,): units of ``values`` per row (offsets' steps), for kinds with offsets."""
+    offsets: np.ndarray | None
+    """int64 (n_rows + 1,): row ``r``'s units of ``values`` are ``offsets[r] .. offsets[r+1]-1``,
+    for kinds with offsets."""
     shapes: np.ndarray | None
     """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``; of a list-of-str
     column, (n_rows, 1): the strings in each row."""
     has_valid: bool
     """Some row lacks the leaf (a ``valid`` array is written)."""
+    n_present: int
+    """Rows that have a value."""
     variant: str | None = None
     """The variant tag of a leaf's column when the leaf has several variants that are not only
     numeric dtypes (``variant_groups``); None otherwise (the name carries at most the dtype)."""
-    offs: np.ndarray | None = None
-    """``offsets()`` computed once (a stored plan keeps them), else None."""
-    n_present: int | None = None
-    """:meth:`present` when known (a stored plan carries it), else counted from ``src``."""
 
     @property
     def storage(self) -> str:
@@ -77,7 +86,7 @@ class PlannedColumn:
     def has_offsets(self) -> bool:
         """Ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
         ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
-        return self.counts is not None
+        return self.offsets is not None
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -97,28 +106,10 @@ class PlannedColumn:
             n *= d
         return n
 
-    def offsets(self) -> np.ndarray:
-        assert self.counts is not None
-        if self.offs is not None:
-            return self.offs
-        out = np.zeros(len(self.counts) + 1, dtype=np.int64)
-        np.cumsum(self.counts, out=out[1:])
-        return out
-
     @property
     def n_units(self) -> int:
         """Length of ``values``' first dimension."""
-        if self.counts is None:
-            return len(self.src)
-        if self.offs is not None:
-            return int(self.offs[-1])
-        return int(self.counts.sum())
-
-    def present(self) -> int:
-        """Rows that have a value (read a block at a time)."""
-        if self.n_present is not None:
-            return self.n_present
-        return sum(int(np.count_nonzero(self.src[a : a + ROW_BLOCK] >= 0)) for a in range(0, len(self.src), ROW_BLOCK))
+        return len(self.src) if self.offsets is None else int(self.offsets[-1])
 
     def header(self) -> FO.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
@@ -226,15 +217,10 @@ def list_domains(
     for lid, path in enumerate(ordered):
         k = path.count(F.ITEM) - 1
         n_parent = sizes[F.list_domain(path[:-1])]
-        lengths = new("lengths", n_parent, np.int64)
-        for dr, sel, idx in items(k, lid):
-            np.maximum.at(lengths, np.asarray(dr[sel]), idx + 1)
         offsets = new("offsets", n_parent + 1, np.int64)
-        total = 0
-        for a, b in blocks(n_parent):
-            cs = np.cumsum(lengths[a:b]) + total
-            offsets[a + 1 : b + 1] = cs
-            total = int(cs[-1])
+        for dr, sel, idx in items(k, lid):  # each list's length, then the offsets
+            np.maximum.at(offsets[1:], np.asarray(dr[sel]), idx + 1)
+        cumulate(offsets)
         for dr, sel, idx in items(k, lid):
             dr[sel] = offsets[np.asarray(dr[sel])] + idx
         sizes[path] = int(offsets[-1])
@@ -383,13 +369,14 @@ def plan_column(
 ) -> PlannedColumn:  # fmt: skip
     """The column of one leaf path from the row table positions of its present rows (a block of
     rows at a time; per-row arrays from ``new``)."""
-    has_valid = False
+    n_present = 0
     lay_ids = np.zeros(0, np.int64)
     for a, b in blocks(n_rows):
         s = np.asarray(src[a:b])
         p = s >= 0
-        has_valid = has_valid or not bool(p.all())
+        n_present += int(np.count_nonzero(p))
         lay_ids = distinct(np.concatenate([lay_ids, distinct(c["gl"][s[p]])]))
+    has_valid = n_present < n_rows
 
     def each() -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """Per block of rows: its bounds, which rows are present and their layouts."""
@@ -405,7 +392,7 @@ def plan_column(
         kind = dt.kind  # str, bytes, pickle or strlist (numeric ones are fixed or ragged)
         # Every non-numeric kind is uint8 bytes + byte offsets (Arrow's large_binary /
         # large_string layout), so any Zarr v3 reader (tensorstore has no string type) reads it.
-        counts = new("counts", n_rows, np.int64)
+        offsets = new("offsets", n_rows + 1, np.int64)
         strings = new("strings", (n_rows, 1), np.int64) if kind == "strlist" else None
         n_of = np.zeros(len(layouts), dtype=np.int64)
         if strings is not None:  # (n_rows, 1): strings per row (its n uint32 lengths open the row's bytes)
@@ -413,36 +400,41 @@ def plan_column(
                 n_of[int(g)] = layouts[int(g)].shape[0]
         for a, b, p, gl in each():
             s = np.asarray(src[a:b])
-            counts[a:b][p] = c["nb"][s[p]]
+            offsets[a + 1 : b + 1][p] = c["nb"][s[p]]
             if strings is not None:
                 strings[a:b, 0][p] = n_of[gl]
         return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
-                      counts, strings, has_valid)  # fmt: skip
+                             cumulate(offsets), strings, has_valid, n_present)  # fmt: skip
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
         shape = next(iter(shapes)) if shapes else ()
-        present_counts = None
+        present = None
         if has_valid:
-            present_counts = new("counts", n_rows, np.int64)
+            present = new("offsets", n_rows + 1, np.int64)
             for a, b, p, _ in each():
-                present_counts[a:b] = p
-        return PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, present_counts, None, has_valid)
+                present[a + 1 : b + 1] = p
+            cumulate(present)
+        return PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, present, None, has_valid, n_present)
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
     inner_set = {lay.shape[1:] for lay in lays}
-    counts = new("counts", n_rows, np.int64)
+    offsets = new("offsets", n_rows + 1, np.int64)
     if len(inner_set) == 1:
         inner = next(iter(inner_set))
         for a, b, p, gl in each():
-            counts[a:b][p] = table[gl, 0]
-        return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, inner, src, counts, None, has_valid)
+            offsets[a + 1 : b + 1][p] = table[gl, 0]
+        return PlannedColumn(
+            name, leaf, "ragged", dt.name, ndim, None, inner, src, cumulate(offsets), None, has_valid, n_present
+        )
     row_shapes = new("shapes", (n_rows, ndim), np.int64)
     for a, b, p, gl in each():
         row_shapes[a:b][p] = table[gl]
-        counts[a:b] = np.prod(row_shapes[a:b], axis=1, dtype=np.int64)
-    return PlannedColumn(name, leaf, "ragged", dt.name, ndim, None, None, src, counts, row_shapes, has_valid)
+        offsets[a + 1 : b + 1] = np.prod(row_shapes[a:b], axis=1, dtype=np.int64)
+    return PlannedColumn(
+        name, leaf, "ragged", dt.name, ndim, None, None, src, cumulate(offsets), row_shapes, has_valid, n_present
+    )
 
 
 def file_layouts_of(

@@ -19,6 +19,7 @@ from .._spill.root import LoadedSegment, Segment
 from .._storage import Storage
 from .._util.poll import poll
 from . import lease as _lease
+from . import plan as _plan
 from . import planblocks as _blocks
 from .documents import NAME_BLOCK
 from .nametable import NameTable, table_of
@@ -66,13 +67,12 @@ class Obtained:
 
 
 def obtain(
-    output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]],
-    fingerprint: Callable[[Plan], str], *, settings: dict[str, Any], timeout: float, may_store: bool,
-    memory_limit: int = _blocks.CACHE_BYTES,
+    output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]], *,
+    settings: dict[str, Any], timeout: float, may_store: bool, memory_limit: int = _blocks.CACHE_BYTES,
 ) -> Obtained:  # fmt: skip
     """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
     plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
-    ``planner`` lease. ``fingerprint`` computes it for a stored plan of other settings.
+    ``planner`` lease.
     ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
     ``memory_limit``: the blocks of a stored plan kept in memory at most."""
     notes: list[str] = []
@@ -91,7 +91,7 @@ def obtain(
             return None
         plan, fp, stored_settings = found
         notes.append(f"the plan stored in {where} {READ}")
-        return Obtained(plan, fp if stored_settings == settings else fingerprint(plan), notes)
+        return Obtained(plan, fp if stored_settings == settings else _plan.fingerprint(plan, **settings), notes)
 
     for waited in poll(timeout if timeout > 0 else math.inf, first=0.05, cap=1.0):  # a planner's plan comes
         got = stored()
@@ -182,10 +182,8 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         columns = []
         for ci, col in enumerate(plan.columns):
             entry: dict[str, Any] = {k: getattr(col, k) for k in _COLUMN_FIELDS}
-            entry["present"] = col.present()
-            arrays_of = {"src": col.src, "counts": col.counts, "shapes": col.shapes}
-            if col.counts is not None:
-                arrays_of["offsets"] = col.offsets()
+            entry["present"] = col.n_present
+            arrays_of = {"src": col.src, "offsets": col.offsets, "shapes": col.shapes}
             entry.update({k: put(f"c{ci}.{k}", a) for k, a in arrays_of.items() if a is not None})
             columns.append(entry)
         lists = [
@@ -269,9 +267,8 @@ def load(
         for c in body["columns"]:
             kw = {k: c[k] if f is None or c[k] is None else f(c[k]) for k, f in _COLUMN_FIELDS.items()}
             col = PlannedColumn(
-                **kw, src=arr(c["src"]), counts=arr(c["counts"]) if "counts" in c else None,
+                **kw, src=arr(c["src"]), offsets=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
                 shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
-                offs=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
             )  # fmt: skip
             columns.append(col)
         lists = [
@@ -287,8 +284,8 @@ def load(
         plan = Plan(
             names, arr("file_offsets", monotonic=True), arr("frame_idx"), arr("rank"), arr("copies"),
             arr("file_layout"), [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"),
-            arr("nbytes"), arr("crc"), int(body["duplicates"]), lists, body.get("key_orders"),
-            total=int(body["total_bytes"]), blocks=cache,
+            arr("nbytes"), arr("crc"), int(body["duplicates"]), int(body["total_bytes"]), lists,
+            body.get("key_orders"), blocks=cache,
         )  # fmt: skip
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")

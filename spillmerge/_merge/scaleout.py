@@ -3,8 +3,6 @@ checks every record and writes the shared documents, index and completion marker
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import replace
 
 from .._errors import MissingPartsError, SpillMergeError
@@ -19,9 +17,7 @@ from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
 from .copy import split, units
-from .outputchunk import Unit
 from .plan import fingerprint
-from .planblocks import DamagedPlan
 from .report import MergeReport
 
 
@@ -32,39 +28,26 @@ def merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) ->
     consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
     its own records, a completion marker (``overwrite``) and records of another plan
     (``overwrite``). A stored plan that fails a check while in use is built again and the part
-    redone: nothing of a damaged plan is trusted."""
-    try:
-        return _merge_part(job, part, rank=rank)
-    except DamagedPlan as exc:
-        if not job.replan(exc):
-            raise
-    return _merge_part(job, part, rank=rank)
+    redone (``Job.redone``)."""
+    return job.redone(lambda: _write_part(job, part, rank))
 
 
-def _merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) -> MergeReport:
+def _write_part(job: _opening.Job, part: tuple[int, int], rank: int | None) -> MergeReport:
     i, n = part
-    output = job.output
     every = units(job.plan, job.options.chunk_bytes)
     mine = [every[k] for k in split(job.plan, every, n)[i]]
-    _output.check_claimable(output)
-    output.makedirs("")
-    # Two runs of the same part never write at once. A part took its lease before planning and
-    # keeps it until the job closes.
-    taken = contextlib.nullcontext(job.lease) if job.lease is not None else _lease.part(output, i, n)
-    with taken as lease:
-        _output.claim(output, job.options.overwrite, lease)
-        return _write_part(job, part, mine, rank, lease)
-
-
-def _write_part(
-    job: _opening.Job, part: tuple[int, int], mine: list[Unit], rank: int | None, lease: _lease.Lease
-) -> MergeReport:
-    i, n = part
+    # Two runs of the same part never write at once: a part took its lease (in the output, which
+    # it checked it may claim) before planning and keeps it until the job closes.
+    lease = job.lease
+    assert lease is not None
+    _output.claim(job.output, job.options.overwrite, lease)
     overwrite = job.options.overwrite
     output, plan_id = job.output, job.fingerprint
     name = _parts.describe(i, n, rank)
     records = _parts.read_records(output)
-    if not overwrite and any(r.part == i and r.parts == n and r.plan == plan_id and not r.failed for r in records):
+    if not overwrite and any(
+        isinstance(r, FO.PartDoneRecord) and (r.part, r.parts, r.plan) == (i, n, plan_id) for r in records
+    ):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
         job.notes.append(
             f"{name} was already complete ({output.describe(_parts.record_name(i, n))}); nothing rewritten"
@@ -86,29 +69,27 @@ def _write_part(
     _parts.remove(output, i, n, failed=False)
     _parts.remove(output, i, n, failed=True)  # a failure record of an earlier attempt of this part
     try:
-        t = time.perf_counter()
-        if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
-            docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
-            output.put_atomic("zarr.json", Z.json_doc(docs[""]))
-        job.phases["metadata"] = time.perf_counter() - t
+        with job.phase("metadata"):
+            docs = job.docs()
+            if not output.exists("zarr.json"):  # marks the folder as ours before anything else lands in it
+                output.put_atomic("zarr.json", Z.json_doc(docs[""]))
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_merge.index``); the documents are the finalizer's.
-        t = time.perf_counter()
-        _opening.copy(job, mine)
-        job.phases["copy"] = time.perf_counter() - t
-        t = time.perf_counter()
-        _indexchunks.write(output, _opening.index_share(job, i, n), threads=job.threads)
-        job.phases["index"] = time.perf_counter() - t
-        t = time.perf_counter()
-        if job.options.fsync:  # the part record vouches for every chunk of the part
-            output.fsync_tree("")
-        lease.check()
-        _parts.write_done(
-            output, i, n, plan_id, rank, job.options.run_id, n_files=job.plan.n_files, n_frames=job.plan.n_frames,
-            nbytes=sum(u.nbytes for u in mine), codec=job.options.codec, chunk_bytes=job.options.chunk_bytes,
-            index=True, options=_opening.plan_options(job),
-        )  # fmt: skip
-        job.phases["sync"] = time.perf_counter() - t
+        with job.phase("copy"):
+            _opening.copy(job, mine)
+        with job.phase("index"):
+            share = _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
+            _indexchunks.write(output, share, threads=job.threads)
+        with job.phase("sync"):
+            if job.options.fsync:  # the part record vouches for every chunk of the part
+                output.fsync_tree("")
+            lease.check()
+            done = FO.PartDoneRecord.now(
+                part=i, parts=n, plan=plan_id, rank=rank, run_id=job.options.run_id, n_files=job.plan.n_files,
+                n_frames=job.plan.n_frames, nbytes=sum(u.nbytes for u in mine), codec=job.options.codec,
+                chunk_bytes=job.options.chunk_bytes, index=True, options=_opening.plan_options(job),
+            )  # fmt: skip
+            _parts.put(output, done)
     except BaseException as exc:
         # Nothing is removed: other parts' work stays, and a rerun of this part replaces its own.
         _parts.write_failure(output, i, n, plan_id, rank, job.options.run_id, exc)
@@ -133,12 +114,7 @@ def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) 
         )
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
-        try:
-            return _finalize_locked(job, parts, collective, lease)
-        except DamagedPlan as exc:
-            if "finish" in job.phases or not job.replan(exc):  # the marker written: nothing to redo
-                raise
-        return _finalize_locked(job, parts, collective, lease)
+        return job.redone(lambda: _finalize_locked(job, parts, collective, lease))
 
 
 def _await_a_part(output: Storage, timeout: float) -> None:
@@ -159,50 +135,47 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
     complete = output.exists(FO.COMPLETE_NAME)
     if complete and not job.options.overwrite:
         raise _output.complete_error(output, "finalize it again")
-    t = time.perf_counter()
     records = _parts.read_records(output)
     n = parts if parts is not None else _parts.infer_parts(output, records)
-    done = [r for r in records if not r.failed and r.parts == n]
-    if not collective and done and done[0].codec is not None and done[0].chunk_bytes is not None:
+    done = [r for r in records if isinstance(r, FO.PartDoneRecord) and r.parts == n]
+    if not collective and done:
         # The parts decided the array documents: finalize with their codec and chunk size rather
         # than make every caller repeat them (the fingerprint still catches parts that disagree).
         before = (job.options.codec, job.options.chunk_bytes)
         job.options = replace(job.options, codec=done[0].codec, chunk_bytes=done[0].chunk_bytes)
         if (job.options.codec, job.options.chunk_bytes) != before:  # else the fingerprint stands
             job.fingerprint = fingerprint(job.plan, chunk_bytes=job.options.chunk_bytes, codec=job.options.codec)
-    finished = _parts.wait(
-        output,
-        n,
-        job.fingerprint,
-        timeout=job.options.timeout,
-        collective=collective,
-        run_id=job.options.run_id if collective else None,
-        options=_opening.plan_options(job),
-    )
-    job.phases["parts"] = time.perf_counter() - t
-    t = time.perf_counter()
-    lease.check()
-    if complete:
-        output.rm_tree(FO.COMPLETE_NAME)
-    lists = {lst.name for lst in job.plan.lists}
-    if output.exists("lists") and not lists:
-        output.rm_tree("lists")
-    for folder, keep in (("columns", {c.name for c in job.plan.columns}), ("lists", lists)):
-        for name in output.listdir(folder) if output.exists(folder) else ():
-            if name not in keep and name != "zarr.json":  # left by an older merge into this output
-                output.rm_tree(f"{folder}/{name}")
-    if output.exists("files"):  # an older (format 1) merge into this output
-        output.rm_tree("files")
-    docs = Z.output_docs(job.plan, job.state.world_size, job.options.chunk_bytes, job.options.codec)
-    output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
-    job.phases["metadata"] = job.phases.get("metadata", 0.0) + time.perf_counter() - t
-    t = time.perf_counter()
-    # Each part wrote its share of the index chunks; a part whose record does not say so (a
-    # release before the shares) leaves its share to the finalize.
-    chunks = _indexchunks.index_chunks(job.plan, docs)
-    left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]
-    _indexchunks.write(output, left, threads=job.threads)
-    job.phases["index"] = time.perf_counter() - t
+    with job.phase("parts"):
+        finished = _parts.wait(
+            output,
+            n,
+            job.fingerprint,
+            timeout=job.options.timeout,
+            collective=collective,
+            run_id=job.options.run_id if collective else None,
+            options=_opening.plan_options(job),
+        )
+    with job.phase("metadata"):
+        lease.check()
+        if complete:
+            output.rm_tree(FO.COMPLETE_NAME)
+        lists = {lst.name for lst in job.plan.lists}
+        if output.exists("lists") and not lists:
+            output.rm_tree("lists")
+        for folder, keep in (("columns", {c.name for c in job.plan.columns}), ("lists", lists)):
+            for name in output.listdir(folder) if output.exists(folder) else ():
+                if name not in keep and name != "zarr.json":  # left by an older merge into this output
+                    output.rm_tree(f"{folder}/{name}")
+        if output.exists("files"):  # an older (format 1) merge into this output
+            output.rm_tree("files")
+        docs = job.docs()
+        output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
+    with job.phase("index"):
+        # Each part wrote its share of the index chunks; a part whose record does not say so (a
+        # release before the shares) leaves its share to the finalize.
+        chunks = _indexchunks.index_chunks(job.plan, docs)
+        left = [c for p, r in enumerate(finished) if not r.index for c in _indexchunks.share(chunks, p, n)]
+        _indexchunks.write(output, left, threads=job.threads)
     _opening.finish(job, docs, lease)
     report = job.report(parts=n)  # before the stored plan goes: the gaps against ``expected`` read it
     output.rm_tree(_planstore.PLAN_DIR)  # the parts are done with it (the output is complete)

@@ -51,7 +51,7 @@ def _arrays(p: _plan.Plan) -> dict[str, np.ndarray]:
     out = {a: np.asarray(getattr(p, a)) for a in ("file_offsets", "frame_idx", "rank", "copies", "file_layout")}
     for c in p.columns:
         out[f"{c.name}.src"] = np.asarray(c.src)
-        for a in ("counts", "shapes"):
+        for a in ("offsets", "shapes"):
             if getattr(c, a) is not None:
                 out[f"{c.name}.{a}"] = np.asarray(getattr(c, a))
     for lst in p.lists:
