@@ -4,8 +4,8 @@ baseline a user would build, measured in the same run).
 
 The outputs are built cheaply, not spilled and merged (a 10^7-key merge does not fit this 2-core
 VM's time): the plan of a one-frame-per-key output of `{label int64, caption str}` is made in
-numpy, and the merge's own writers lay it out (`_zarrmeta.output_docs`, the merge's index writer
-`_merge._write_output_index`, the consolidated root and the completion marker), with the column
+numpy, and the merge's own writers lay it out (`_merge.documents.output_docs`, the merge's index writer
+`_merge.index.write`, the consolidated root and the completion marker), with the column
 values written through zarr. So the index and its chunking are exactly a merge's.
 
 Each measurement runs in a fresh process: open time, peak RSS of the process after open (and its
@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,7 @@ def build(out: Path, n: int) -> None:
     from spillmerge._format import common as F
     from spillmerge._format import output as FO
     from spillmerge._merge import documents as Z
-    from spillmerge._merge import job as _merge
+    from spillmerge._merge import index as _index
     from spillmerge._merge.plan import Plan, PlannedColumn
     from spillmerge._storage import Storage
 
@@ -68,7 +67,7 @@ def build(out: Path, n: int) -> None:
     docs = Z.output_docs(plan, 1, F.DEFAULT_CHUNK_BYTES, "none")
     storage.put_atomic("zarr.json", Z.json_doc(docs[""]))  # the merge marks the folder first
     storage.put_many({f"{p}/zarr.json": Z.json_doc(d) for p, d in docs.items() if p})
-    _merge._write_output_index(SimpleNamespace(plan=plan, output=storage, phases={}))  # type: ignore[arg-type]
+    _index.write(storage, _index.index_chunks(plan, docs), threads=2)
     g = zarr.open_group(str(out), mode="r+", use_consolidated=False)
     g["columns/label/values"][:] = rows
     g["columns/caption/values"][:] = np.frombuffer("".join(captions).encode(), dtype=np.uint8)
