@@ -158,16 +158,15 @@ def build(
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
-    if _plansql.in_memory(n_index, memory_limit):  # sorted in memory; a work folder only if an array needs a map
-        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
-        with _plansql.lazy_workspace(work_dir) as lazy:
-            return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, lazy))
-    if threads is None:
-        threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
-    with _plansql.workspace(work_dir) as folder:
-        srt = _plansql.sort_rows(
-            segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, threads=threads, folder=folder
-        )
+    with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
+        if _plansql.in_memory(n_index, memory_limit):
+            srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
+        else:
+            if threads is None:
+                threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
+            srt = _plansql.sort_rows(
+                segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, threads=threads, folder=folder()
+            )
         return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))
 
 
