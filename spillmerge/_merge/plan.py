@@ -179,11 +179,6 @@ def _assemble(
     the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS`` rows), so what the plan holds in
     anonymous memory does not grow with its rows."""
     names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
-    if not len(c["file"]):
-        e = np.zeros(0, np.int64)
-        return Plan(names, np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
-                    [], segments, e, e, e, e, duplicates=0, total_bytes=0)  # fmt: skip
-
     # Rows: distinct (file, frame), in order (the sort's); every entry's row number; each row's
     # frame, rank and copies; each file's first row.
     n_ent = len(c["file"])
