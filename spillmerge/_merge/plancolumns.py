@@ -172,8 +172,9 @@ def list_domains(
     (every item of a list has a leaf: a value, ``None``, or a header), so the offsets come from
     the catalog alone. ``headers``: the leaf paths of ``pylist`` / ``pytuple`` headers, whose
     lists get offsets even where every one of them is empty. Returns the column paths, each
-    entry's path and row in its path's domain, the lists (parents first) and every domain's size
-    (``()``: the output's rows). Per-entry work a block of entries at a time, into ``new`` arrays."""
+    entry's path and row in its path's domain (``row_of``, each entry's output row, rewritten),
+    the lists (parents first) and every domain's size (``()``: the output's rows). Per-entry work
+    a block of entries at a time, into ``new`` arrays."""
     general = [F.general_path(p) for p in leaf_paths]
     gpaths = sorted({g for g, _ in general})
     gid = {g: i for i, g in enumerate(gpaths)}
@@ -185,11 +186,9 @@ def list_domains(
     sizes: dict[tuple[str, ...], int] = {(): n_rows}
     list_paths = {g[: d + 1] for g, _ in general for d, seg in enumerate(g) if seg == F.ITEM}
     list_paths |= {(*F.general_path(h[:-1])[0], F.ITEM) for h in headers}
+    drow = row_of  # made each entry's row in its path's domain, in place, a level at a time
     if not list_paths:
-        return gpaths, gp, row_of, [], sizes
-    drow = new("drow", n, np.int64)
-    for a, b in blocks(n):
-        drow[a:b] = row_of[a:b]
+        return gpaths, gp, drow, [], sizes
     depth = max(len(ix) for _, ix in general)
     # per level k: each leaf path's list (its prefix up to its k-th item segment) and position
     chain = np.full((max(depth, 1), len(leaf_paths)), -1, dtype=np.int64)
