@@ -77,12 +77,11 @@ def copy_units(
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []
-    checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
-    pending = PendingBlocks(checked)
+    pending = PendingBlocks()
     chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
 
-    def chunk(u: Unit, pending: PendingBlocks | None = None) -> OutputChunk:
-        return OutputChunk(src, plan, plan.columns[u.column], u, checked, chunk_bytes, pending)
+    def chunk(u: Unit) -> OutputChunk:
+        return OutputChunk(src, plan, plan.columns[u.column], u, chunk_bytes, pending)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -101,6 +100,7 @@ def copy_units(
                 chunk(u).write(output, codec)
                 if bar is not None:
                     bar.update(u.nbytes)
+            pending.finish()
             return
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
             for u in todo:
@@ -112,7 +112,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(chunk(u, pending).write, output, codec, fsync)
+                fut = pool.submit(chunk(u).write, output, codec, fsync)
                 fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:

@@ -87,15 +87,14 @@ class OutputChunk:
     """Builds and writes one output chunk."""
 
     def __init__(
-        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, checked: set[tuple[int, int]],
-        chunk_bytes: np.ndarray, pending: PendingBlocks | None = None,
+        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, chunk_bytes: np.ndarray,
+        pending: PendingBlocks,
     ) -> None:  # fmt: skip
-        """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
-        (shared by the chunks of one merge; a block checksum covers rows of many chunks);
-        ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
-        ``pending``: where rows checked by a block leave their CRC-32C (None: blocks are read)."""
+        """``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
+        ``pending``: shared by the chunks of one merge (a block checksum covers rows of many
+        chunks), where rows checked by a block leave their CRC-32C."""
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, col.offsets
-        self.checked, self.chunk_bytes, self.pending = checked, chunk_bytes, pending
+        self.chunk_bytes, self.pending, self.checked = chunk_bytes, pending, pending.checked
         self.crc: int | None = None
         """The CRC-32C of the chunk's bytes, when the copy derived it from its rows' (``_pieces``)."""
 
@@ -206,7 +205,7 @@ class OutputChunk:
             if crc >= 0:
                 if v != crc:
                     self._mismatch(r, e)
-            elif out_crcs is None or self.pending is None:  # checked by its block: once per merge
+            elif out_crcs is None:  # checked by its block: once per merge
                 self.verify_block_local(s, crc, r, e)
             elif (s, crc) not in self.checked:
                 self.pending.add(self, s, crc, r, e, off, v, n)
@@ -479,9 +478,9 @@ class PendingBlocks:
     block's. Each spill byte is read once by the merge's checks. Blocks never made whole (some
     of their rows are not in this merge) are read and checked by :meth:`finish`."""
 
-    def __init__(self, checked: set[tuple[int, int]]) -> None:
-        self.checked = checked
-        """Shared with the copy: the (segment, block) pairs verified already."""
+    def __init__(self) -> None:
+        self.checked: set[tuple[int, int]] = set()
+        """The (segment, block checksum) pairs this merge verified already."""
         self._lock = threading.Lock()
         self._blocks: dict[tuple[int, int], tuple[OutputChunk, int, int, dict[int, tuple[int, int]], list[int]]] = {}
         """(segment, block) -> (a chunk job, output row, plan entry: for the error message; the
