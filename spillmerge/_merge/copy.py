@@ -27,7 +27,7 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
         n = col.n_units
         if n == 0 or col.unit_bytes == 0:
             continue  # no elements: the array has no chunk to write
-        k = values_chunk(plan, col, chunk_bytes)
+        k = values_chunk(col, chunk_bytes)
         for j, lo in enumerate(range(0, n, k)):
             hi = min(lo + k, n)
             size = (hi - lo) * col.unit_bytes

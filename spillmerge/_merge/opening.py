@@ -313,7 +313,8 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
             n_frames=plan.n_frames,
             nbytes=plan.total_bytes,
             finished=F.utcnow(),
-            written_by=lease.record(),  # a second merge into this output can be told apart
+            # who wrote it: a second merge into this output can be told apart
+            written_by={k: getattr(lease.holder, k) for k in ("owner", "role", "host", "pid")},
             spill_root=job.src.describe(),
             plan=job.fingerprint,
             run_id=job.options.run_id,

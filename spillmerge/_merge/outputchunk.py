@@ -419,8 +419,11 @@ class OutputChunk:
         """Each row of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
         lengths that add up to its size, each string valid UTF-8 (``_format.spill.text_problem``)."""
         kind = self.col.kind
-        if kind == "str" and _utf8_rows(data):
-            return
+        if kind == "str" and data:  # one decode of all rows; row by row (to say which) if it fails
+            lens = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+            whole = np.concatenate(data) if len(data) > 1 else data[0]
+            if _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0]):
+                return
         for r, row in zip(rows.tolist(), data, strict=True):
             count = 0
             if kind == "strlist":  # its layout's shape[0]
@@ -449,21 +452,10 @@ def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any
     return zip(src[first].tolist(), ends.tolist(), dst[first].tolist(), strict=True)
 
 
-def _utf8_rows(rows: list[np.ndarray]) -> bool:
-    """Whether every one of ``rows`` is valid UTF-8, checked in one decode: the rows back to back
-    are valid and no row starts inside a character (then none ends inside one either). False
-    when some row is not: the caller finds which, row by row (a decode per row costs more than
-    the copy of a small string)."""
-    if not rows:
-        return True
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    whole = np.concatenate(rows) if len(rows) > 1 else rows[0]
-    return _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0])
-
-
 def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:
     """Whether the rows whose bytes are ``whole`` back to back, starting at ``starts`` (those of
-    non-empty rows), are each valid UTF-8."""
+    non-empty rows), are each valid UTF-8: the whole is, and no row starts inside a character
+    (then none ends inside one either)."""
     try:
         whole.tobytes().decode("utf-8")
     except UnicodeDecodeError:

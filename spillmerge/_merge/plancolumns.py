@@ -63,7 +63,8 @@ class PlannedColumn:
     """int64 (n_rows,): position in the plan's row table of each output row's bytes, -1 when absent."""
     offsets: np.ndarray | None
     """int64 (n_rows + 1,): row ``r``'s units of ``values`` are ``offsets[r] .. offsets[r+1]-1``,
-    for kinds with offsets."""
+    for ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
+    ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
     shapes: np.ndarray | None
     """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``; of a list-of-str
     column, (n_rows, 1): the strings in each row."""
@@ -81,12 +82,6 @@ class PlannedColumn:
         if self.kind in ("str", "strlist", "bytes", "pickle"):
             return "uint8"
         return F.DTYPES[self.dtype].storage
-
-    @property
-    def has_offsets(self) -> bool:
-        """Ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
-        ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
-        return self.offsets is not None
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -137,11 +132,6 @@ class PlannedList:
     """The child path, ending in ``ITEM``."""
     offsets: np.ndarray
     """int64 (n_parent + 1,), from 0 to the number of items."""
-
-    @property
-    def parent(self) -> tuple[str, ...]:
-        """The list whose items hold these lists (``()``: the output's rows)."""
-        return F.list_domain(self.path[:-1])
 
 
 def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
@@ -335,16 +325,9 @@ def variant_groups(
             groups.append((p, None))
         elif all(v[0] == "num" and v[2] == sig[2] for v in variants):
             groups.append((p, sig[1]))  # numeric variants of one ndim: ``<col>.<dtype>``
-        else:
-            groups.append((p, variant_tag(sig)))
+        else:  # ``<col>.<dtype>.<ndim>d`` for a numeric variant, ``<col>.<kind>`` for the others
+            groups.append((p, f"{sig[1]}.{sig[2]}d" if sig[0] == "num" else sig[0]))
     return group, groups
-
-
-def variant_tag(sig: tuple[str, str, int]) -> str:
-    """The name suffix of a variant column (``<col>.<tag>``): ``<dtype>.<ndim>d`` for numeric
-    variants, the kind for the others."""
-    kind, dtype, ndim = sig
-    return f"{dtype}.{ndim}d" if kind == "num" else kind
 
 
 def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:
