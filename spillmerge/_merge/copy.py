@@ -13,7 +13,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .._errors import SpillValueError
 from .._storage import Storage
 from .documents import values_chunk
 from .outputchunk import OutputChunk, PendingBlocks, Unit
@@ -43,8 +42,6 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
     (``_merge.planblocks``). A unit is one whole chunk, so no two processes ever write the same
     object (zarr-python#3682 loses rows when processes share a chunk); every process computes the
     same split from the same plan."""
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise SpillValueError(f"parts must be a positive int, got {parts!r}")
     size = [max(plan.columns[c].n_units, 1) for c in range(len(plan.columns))]
     order = sorted(range(len(every)), key=lambda k: (every[k].lo / size[every[k].column], every[k].column))
     total = sum(u.nbytes for u in every)

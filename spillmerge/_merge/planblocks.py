@@ -34,7 +34,6 @@ def digest(data: bytes | memoryview) -> str:
 def put_blocks(output: Storage, rel: str, a: np.ndarray) -> dict[str, Any]:
     """Write ``a`` as blocks ``rel.0``, ``rel.1``, ...; the spec ``plan.json`` keeps for it: dtype,
     shape, rows per block, each block's digest and (1-d integers) each block's first element."""
-    a = np.asarray(a) if not hasattr(a, "dtype") else a
     dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
     row_bytes = dt.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
     rows = max(1, BLOCK_BYTES // max(row_bytes, 1))

@@ -338,7 +338,6 @@ class _Spool:
         self.folder = folder
         self.files: dict[str, Any] = {}
         self.parts: dict[str, list[np.ndarray]] = {}
-        self.n = 0
 
     def _path(self, name: str) -> str:
         assert self.folder is not None
