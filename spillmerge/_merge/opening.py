@@ -204,7 +204,7 @@ class Job:
             may_store = part is not None and not complete
             got = _planstore.obtain(
                 output, key, segments, plan_here, settings=settings, timeout=options.timeout, may_store=may_store,
-                memory_limit=max(options.plan_budget // 2, 16 << 20),
+                memory_limit=max(options.plan_budget // 2, 16 << 20),  # of the stored plan's blocks in memory
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)

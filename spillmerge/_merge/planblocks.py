@@ -18,9 +18,6 @@ from .._storage import Storage
 
 BLOCK_BYTES = 4 << 20
 """About the bytes of one stored block (whole rows of the array)."""
-CACHE_BYTES = 192 << 20
-"""Blocks a plan keeps in memory at most by default (least recently used go first); a merge
-keeps half its ``plan_budget``, which a process that reads the plan does not plan with."""
 
 
 class DamagedPlan(CorruptSpillError):
@@ -54,7 +51,7 @@ def put_blocks(output: Storage, rel: str, a: np.ndarray) -> dict[str, Any]:
 class BlockCache:
     """The blocks a stored plan holds in memory, least recently used evicted beyond ``limit`` bytes."""
 
-    def __init__(self, limit: int = CACHE_BYTES) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
         self._blocks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
