@@ -309,7 +309,7 @@ def variant_groups(
         seen[c["lp"][a:b] * n_codes + code[a:b]] = 1
     uniq = np.flatnonzero(seen)
     number = np.cumsum(seen) - 1
-    group = new("group", n, np.int64)
+    group = code  # each entry's variant code made its group's number, in place
     for a, b in blocks(n):
         group[a:b] = number[c["lp"][a:b] * n_codes + code[a:b]]
     del seen, number
