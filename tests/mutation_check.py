@@ -582,8 +582,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "lease-conflicts-name-only-real-holders",
         "spillmerge/_merge/lease.py",
-        "        return None if self.exclusive else {f\"{_MERGE}.lock\"}",
-        "        return None",
+        "                named = None if self.exclusive else {f\"{_MERGE}.lock\"}",
+        "                named = None",
         ("tests/merge/test_nothing_lost_output.py::test_leases_taken_and_tidied_at_once_refuse_only_real_conflicts",),
         "parts sharing an output are never refused because of one another",
     ),

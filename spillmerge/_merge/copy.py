@@ -13,7 +13,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .._errors import SpillValueError
 from .._storage import Storage
 from .documents import values_chunk
 from .outputchunk import OutputChunk, PendingBlocks, Unit
@@ -27,7 +26,7 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
         n = col.n_units
         if n == 0 or col.unit_bytes == 0:
             continue  # no elements: the array has no chunk to write
-        k = values_chunk(plan, col, chunk_bytes)
+        k = values_chunk(col, chunk_bytes)
         for j, lo in enumerate(range(0, n, k)):
             hi = min(lo + k, n)
             size = (hi - lo) * col.unit_bytes
@@ -43,8 +42,6 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
     (``_merge.planblocks``). A unit is one whole chunk, so no two processes ever write the same
     object (zarr-python#3682 loses rows when processes share a chunk); every process computes the
     same split from the same plan."""
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise SpillValueError(f"parts must be a positive int, got {parts!r}")
     size = [max(plan.columns[c].n_units, 1) for c in range(len(plan.columns))]
     order = sorted(range(len(every)), key=lambda k: (every[k].lo / size[every[k].column], every[k].column))
     total = sum(u.nbytes for u in every)
@@ -77,12 +74,11 @@ def copy_units(
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []
-    checked: set[tuple[int, int]] = set()  # (segment, block checksum) verified by this merge
-    pending = PendingBlocks(checked)
+    pending = PendingBlocks()
     chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
 
-    def chunk(u: Unit, pending: PendingBlocks | None = None) -> OutputChunk:
-        return OutputChunk(src, plan, plan.columns[u.column], u, checked, chunk_bytes, pending)
+    def chunk(u: Unit) -> OutputChunk:
+        return OutputChunk(src, plan, plan.columns[u.column], u, chunk_bytes, pending)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -101,6 +97,7 @@ def copy_units(
                 chunk(u).write(output, codec)
                 if bar is not None:
                     bar.update(u.nbytes)
+            pending.finish()
             return
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
             for u in todo:
@@ -112,7 +109,7 @@ def copy_units(
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(chunk(u, pending).write, output, codec, fsync)
+                fut = pool.submit(chunk(u).write, output, codec, fsync)
                 fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:

@@ -54,7 +54,7 @@ BYTES_CHUNK_BYTES = 1 << 20
 whole chunk (and checks its CRC)."""
 
 
-def values_chunk(plan: Plan, col: PlannedColumn, chunk_bytes: int) -> int:
+def values_chunk(col: PlannedColumn, chunk_bytes: int) -> int:
     """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2).
 
     A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
@@ -130,10 +130,10 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
     for lst in plan.lists:
         dim[lst.path] = f"{lst.name}.item"
         nodes[f"lists/{lst.name}"] = GroupMetadata(attributes={"spillmerge": {"list": list(lst.path)}})
-        edge = f"{dim[lst.parent]}_edge"
+        edge = f"{dim[F.list_domain(lst.path[:-1])]}_edge"  # the list whose items hold these lists
         nodes[f"lists/{lst.name}/offsets"] = _array_doc(_dims(_rows_meta(len(lst.offsets), "int64"), [edge]))
     for col in plan.columns:
-        k = values_chunk(plan, col, chunk_bytes)
+        k = values_chunk(col, chunk_bytes)
         base = f"columns/{col.name}"
         unit = col.unit_shape
         n_dom, row = len(col.src), dim[F.list_domain(col.leaf)]
@@ -143,7 +143,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
         nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = _array_doc(meta)
-        if col.has_offsets:
+        if col.offsets is not None:
             nodes[f"{base}/offsets"] = _array_doc(_dims(_rows_meta(n_dom + 1, "int64"), [f"{row}_edge"]))
         if col.shapes is not None:
             shp = array_meta(

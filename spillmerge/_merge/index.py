@@ -67,7 +67,7 @@ def _sources(plan: Plan) -> dict[str, Any]:
         out[f"lists/{lst.name}/offsets"] = lst.offsets
     for col in plan.columns:
         base = f"columns/{col.name}"
-        if col.has_offsets:
+        if col.offsets is not None:
             out[f"{base}/offsets"] = col.offsets
         if col.shapes is not None:
             out[f"{base}/shapes"] = col.shapes

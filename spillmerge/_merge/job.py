@@ -92,12 +92,12 @@ def merge(
         raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
     if part is not None:
         options = replace(options, part=_check_part(part))
-    job = _opening.Job.open(root, out, options, part=options.part, finalize=finalize)
+    job = _opening.Job.open(root, out, options)
     try:
         if finalize:
             return _remove_spill(job, _scaleout.finalize(job, None))
         if options.part is not None:
-            return _scaleout.merge_part(job, options.part, rank=None)
+            return _scaleout.merge_part(job, rank=None)
         return _remove_spill(job, _merge_whole(job))
     finally:
         job.close()
@@ -115,10 +115,12 @@ def merge_parallel(
             raise SpillValueError(f"{key}= cannot be combined with parallel=True (every rank is one part)")
     if rank != dst:
         kwargs.setdefault("progress", False)  # one progress bar per job, not one per rank
-    options = MergeOptions(world_size=world_size, run_id=run_id, timeout=timeout, overwrite=overwrite, **kwargs)
-    job = _opening.Job.open(root, out, options, part=(rank, world_size))
+    options = MergeOptions(
+        world_size=world_size, run_id=run_id, timeout=timeout, overwrite=overwrite, part=(rank, world_size), **kwargs
+    )
+    job = _opening.Job.open(root, out, options)
     try:
-        _scaleout.merge_part(job, (rank, world_size), rank=rank)
+        _scaleout.merge_part(job, rank=rank)
         if rank != dst:
             return None
         return _remove_spill(job, _scaleout.finalize(job, world_size, collective=True))

@@ -15,7 +15,6 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 from types import TracebackType
-from typing import Any
 
 from .._errors import CorruptSpillError, LeaseLostError, OutputBusyError, SpillStorageError
 from .._format import common as F
@@ -187,7 +186,10 @@ class Lease:
             except BlockingIOError:
                 os.close(fd)
                 self.release()
-                return self._local_holders(self._conflicts(rel == shared))
+                # In our way: our name's holder; on the output's lock, a whole merge blocks everyone
+                # and a part or a finalize blocks only a whole merge.
+                named = None if self.exclusive else {f"{_MERGE}.lock"}
+                return self._local_holders({f"{self.name}.lock"} if rel == mine else named)
             except OSError as exc:
                 os.close(fd)
                 self.release()
@@ -201,14 +203,6 @@ class Lease:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, data, 0)
         return True
-
-    def _conflicts(self, on_output: bool) -> set[str] | None:
-        """The lock files whose holders stand in our way when we were refused our own lock
-        (``on_output`` False: the same name's) or the output's (a whole merge blocks everyone; a
-        part or a finalize blocks only a whole merge). None: every holder."""
-        if not on_output:
-            return {f"{self.name}.lock"}
-        return None if self.exclusive else {f"{_MERGE}.lock"}
 
     def _local_holders(self, names: set[str] | None = None) -> list[Holder]:
         """The holders of the lock files under the lease folder (of ``names`` only, if given)
@@ -373,10 +367,6 @@ class Lease:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release(tidy=True)
-
-    def record(self) -> dict[str, Any]:
-        """What the completion marker says about the run that wrote it."""
-        return {"owner": self.holder.owner, "role": self.holder.role, "host": self.holder.host, "pid": self.holder.pid}
 
 
 _MERGE = "merge"

@@ -110,21 +110,19 @@ class Job:
                 self.lease.release(tidy=True)
 
     @classmethod
-    def open(
-        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None = None, finalize: bool = False
-    ) -> Job:
+    def open(cls, root: str, out: str, options: MergeOptions) -> Job:
         """Barrier → load → plan: everything before the first byte of output. A part and a
         finalize read the stored plan when there is one (``_merge.planstore``)."""
         held: list[_lease.Lease] = []  # the part's lease, once _open took it
         try:
-            job = cls._open(root, out, options, part=part, finalize=finalize, held=held)
+            job = cls._open(root, out, options, held)
         except BaseException as exc:
             try:
                 # Busy: another run of this part holds the lease and is at work; a failure record
                 # of this part would describe that run's outcome wrongly.
                 failed = isinstance(exc, SpillMergeError) and not isinstance(exc, OutputBusyError)
-                if failed and part is not None and not options.allow_partial:
-                    _plan_failed(root, out, options, part, exc)
+                if failed and options.part is not None and not options.allow_partial:
+                    _plan_failed(root, out, options, options.part, exc)
             finally:
                 for lease in held:
                     lease.release(tidy=True)
@@ -133,19 +131,16 @@ class Job:
         return job
 
     @classmethod
-    def _open(
-        cls, root: str, out: str, options: MergeOptions, *, part: tuple[int, int] | None, finalize: bool,
-        held: list[_lease.Lease],
-    ) -> Job:  # fmt: skip
+    def _open(cls, root: str, out: str, options: MergeOptions, held: list[_lease.Lease]) -> Job:
         t0 = time.perf_counter()
+        part = options.part
         chunk_bytes, threads = options.chunk_bytes, options.threads
         if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
             # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md, *Size limits*)
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)
-        storage_options = options.storage_options
-        src = Storage(root, storage_options)
+        src = Storage(root, options.storage_options)
         output = _output_storage(root, out, options)
         if threads is None:  # object stores need many requests in flight; local disks do not
             threads = 4 if src.local and output.local else 16
@@ -200,7 +195,7 @@ class Job:
 
         phases["load"] = 0.0
         rebuild = None
-        if (part is not None or finalize) and not allow_partial:
+        if (part is not None or options.finalize) and not allow_partial:
             # One process plans and stores the plan; the others read it. Salvaged journals
             # (``allow_partial``) are read by every process, which then plans itself.
             key = _planstore.source_key(segments, options.on_duplicate)
@@ -209,7 +204,7 @@ class Job:
             may_store = part is not None and not complete
             got = _planstore.obtain(
                 output, key, segments, plan_here, settings=settings, timeout=options.timeout, may_store=may_store,
-                memory_limit=max(options.plan_budget // 2, 16 << 20),
+                memory_limit=max(options.plan_budget // 2, 16 << 20),  # of the stored plan's blocks in memory
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)
@@ -318,7 +313,8 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
             n_frames=plan.n_frames,
             nbytes=plan.total_bytes,
             finished=F.utcnow(),
-            written_by=lease.record(),  # a second merge into this output can be told apart
+            # who wrote it: a second merge into this output can be told apart
+            written_by={k: getattr(lease.holder, k) for k in ("owner", "role", "host", "pid")},
             spill_root=job.src.describe(),
             plan=job.fingerprint,
             run_id=job.options.run_id,

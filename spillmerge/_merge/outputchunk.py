@@ -87,15 +87,14 @@ class OutputChunk:
     """Builds and writes one output chunk."""
 
     def __init__(
-        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, checked: set[tuple[int, int]],
-        chunk_bytes: np.ndarray, pending: PendingBlocks | None = None,
+        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, chunk_bytes: np.ndarray,
+        pending: PendingBlocks,
     ) -> None:  # fmt: skip
-        """``checked``: the ``(segment, block checksum)`` pairs this merge verified already
-        (shared by the chunks of one merge; a block checksum covers rows of many chunks);
-        ``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
-        ``pending``: where rows checked by a block leave their CRC-32C (None: blocks are read)."""
+        """``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
+        ``pending``: shared by the chunks of one merge (a block checksum covers rows of many
+        chunks), where rows checked by a block leave their CRC-32C."""
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, col.offsets
-        self.checked, self.chunk_bytes, self.pending = checked, chunk_bytes, pending
+        self.chunk_bytes, self.pending, self.checked = chunk_bytes, pending, pending.checked
         self.crc: int | None = None
         """The CRC-32C of the chunk's bytes, when the copy derived it from its rows' (``_pieces``)."""
 
@@ -206,7 +205,7 @@ class OutputChunk:
             if crc >= 0:
                 if v != crc:
                     self._mismatch(r, e)
-            elif out_crcs is None or self.pending is None:  # checked by its block: once per merge
+            elif out_crcs is None:  # checked by its block: once per merge
                 self.verify_block_local(s, crc, r, e)
             elif (s, crc) not in self.checked:
                 self.pending.add(self, s, crc, r, e, off, v, n)
@@ -420,8 +419,11 @@ class OutputChunk:
         """Each row of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
         lengths that add up to its size, each string valid UTF-8 (``_format.spill.text_problem``)."""
         kind = self.col.kind
-        if kind == "str" and _utf8_rows(data):
-            return
+        if kind == "str" and data:  # one decode of all rows; row by row (to say which) if it fails
+            lens = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+            whole = np.concatenate(data) if len(data) > 1 else data[0]
+            if _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0]):
+                return
         for r, row in zip(rows.tolist(), data, strict=True):
             count = 0
             if kind == "strlist":  # its layout's shape[0]
@@ -450,21 +452,10 @@ def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any
     return zip(src[first].tolist(), ends.tolist(), dst[first].tolist(), strict=True)
 
 
-def _utf8_rows(rows: list[np.ndarray]) -> bool:
-    """Whether every one of ``rows`` is valid UTF-8, checked in one decode: the rows back to back
-    are valid and no row starts inside a character (then none ends inside one either). False
-    when some row is not: the caller finds which, row by row (a decode per row costs more than
-    the copy of a small string)."""
-    if not rows:
-        return True
-    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    whole = np.concatenate(rows) if len(rows) > 1 else rows[0]
-    return _utf8_back_to_back(whole, (np.cumsum(lens) - lens)[lens > 0])
-
-
 def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:
     """Whether the rows whose bytes are ``whole`` back to back, starting at ``starts`` (those of
-    non-empty rows), are each valid UTF-8."""
+    non-empty rows), are each valid UTF-8: the whole is, and no row starts inside a character
+    (then none ends inside one either)."""
     try:
         whole.tobytes().decode("utf-8")
     except UnicodeDecodeError:
@@ -479,9 +470,9 @@ class PendingBlocks:
     block's. Each spill byte is read once by the merge's checks. Blocks never made whole (some
     of their rows are not in this merge) are read and checked by :meth:`finish`."""
 
-    def __init__(self, checked: set[tuple[int, int]]) -> None:
-        self.checked = checked
-        """Shared with the copy: the (segment, block) pairs verified already."""
+    def __init__(self) -> None:
+        self.checked: set[tuple[int, int]] = set()
+        """The (segment, block checksum) pairs this merge verified already."""
         self._lock = threading.Lock()
         self._blocks: dict[tuple[int, int], tuple[OutputChunk, int, int, dict[int, tuple[int, int]], list[int]]] = {}
         """(segment, block) -> (a chunk job, output row, plan entry: for the error message; the

@@ -38,12 +38,8 @@ def check_claimable(output: Storage) -> None:
 
 
 def prepare(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
-    """A whole merge's start, under its lease: an empty or interrupted output is cleared of what
-    an earlier merge wrote; a complete one only with ``overwrite``."""
-    if not output.listdir(""):
-        return
-    if not is_ours(output):
-        raise not_ours(output)
+    """A whole merge's start, under its lease (taken after ``check_claimable``): an interrupted
+    output is cleared of what an earlier merge wrote; a complete one only with ``overwrite``."""
     if output.exists(FO.COMPLETE_NAME) and not overwrite:
         raise complete_error(output, "replace it")
     # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
@@ -112,12 +108,9 @@ def refuse_links(output: Storage, overwrite: bool) -> None:
 
 
 def claim(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
-    """A part's ``prepare``, under its lease: the output must be empty or ours; never delete
+    """A part's ``prepare``, under its lease (taken after ``check_claimable``): never delete
     anything but the completion marker (``overwrite``), because other parts may be writing next
     to us."""
-    names = output.listdir("")
-    if names and not is_ours(output):
-        raise not_ours(output)
     lease.check()
     refuse_links(output, overwrite)
     if output.exists(FO.COMPLETE_NAME):

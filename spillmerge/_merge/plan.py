@@ -158,16 +158,15 @@ def build(
         return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
 
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
-    if _plansql.in_memory(n_index, memory_limit):  # sorted in memory; a work folder only if an array needs a map
-        srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
-        with _plansql.lazy_workspace(work_dir) as lazy:
-            return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, lazy))
-    if threads is None:
-        threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
-    with _plansql.workspace(work_dir) as folder:
-        srt = _plansql.sort_rows(
-            segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, threads=threads, folder=folder
-        )
+    with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
+        if _plansql.in_memory(n_index, memory_limit):
+            srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
+        else:
+            if threads is None:
+                threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
+            srt = _plansql.sort_rows(
+                segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, threads=threads, folder=folder()
+            )
         return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))
 
 
@@ -180,11 +179,6 @@ def _assemble(
     the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS`` rows), so what the plan holds in
     anonymous memory does not grow with its rows."""
     names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
-    if not len(c["file"]):
-        e = np.zeros(0, np.int64)
-        return Plan(names, np.zeros(1, np.int64), e, e.astype(np.int32), e.astype(np.int32), e.astype(np.int32), [],
-                    [], segments, e, e, e, e, duplicates=0, total_bytes=0)  # fmt: skip
-
     # Rows: distinct (file, frame), in order (the sort's); every entry's row number; each row's
     # frame, rank and copies; each file's first row.
     n_ent = len(c["file"])

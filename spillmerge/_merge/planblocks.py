@@ -18,9 +18,6 @@ from .._storage import Storage
 
 BLOCK_BYTES = 4 << 20
 """About the bytes of one stored block (whole rows of the array)."""
-CACHE_BYTES = 192 << 20
-"""Blocks a plan keeps in memory at most by default (least recently used go first); a merge
-keeps half its ``plan_budget``, which a process that reads the plan does not plan with."""
 
 
 class DamagedPlan(CorruptSpillError):
@@ -34,7 +31,6 @@ def digest(data: bytes | memoryview) -> str:
 def put_blocks(output: Storage, rel: str, a: np.ndarray) -> dict[str, Any]:
     """Write ``a`` as blocks ``rel.0``, ``rel.1``, ...; the spec ``plan.json`` keeps for it: dtype,
     shape, rows per block, each block's digest and (1-d integers) each block's first element."""
-    a = np.asarray(a) if not hasattr(a, "dtype") else a
     dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
     row_bytes = dt.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
     rows = max(1, BLOCK_BYTES // max(row_bytes, 1))
@@ -55,7 +51,7 @@ def put_blocks(output: Storage, rel: str, a: np.ndarray) -> dict[str, Any]:
 class BlockCache:
     """The blocks a stored plan holds in memory, least recently used evicted beyond ``limit`` bytes."""
 
-    def __init__(self, limit: int = CACHE_BYTES) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0
         self._blocks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()

@@ -63,7 +63,8 @@ class PlannedColumn:
     """int64 (n_rows,): position in the plan's row table of each output row's bytes, -1 when absent."""
     offsets: np.ndarray | None
     """int64 (n_rows + 1,): row ``r``'s units of ``values`` are ``offsets[r] .. offsets[r+1]-1``,
-    for kinds with offsets."""
+    for ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
+    ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
     shapes: np.ndarray | None
     """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``; of a list-of-str
     column, (n_rows, 1): the strings in each row."""
@@ -81,12 +82,6 @@ class PlannedColumn:
         if self.kind in ("str", "strlist", "bytes", "pickle"):
             return "uint8"
         return F.DTYPES[self.dtype].storage
-
-    @property
-    def has_offsets(self) -> bool:
-        """Ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
-        ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
-        return self.offsets is not None
 
     @property
     def unit_shape(self) -> tuple[int, ...]:
@@ -138,11 +133,6 @@ class PlannedList:
     offsets: np.ndarray
     """int64 (n_parent + 1,), from 0 to the number of items."""
 
-    @property
-    def parent(self) -> tuple[str, ...]:
-        """The list whose items hold these lists (``()``: the output's rows)."""
-        return F.list_domain(self.path[:-1])
-
 
 def column_names(leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
     """Node name under ``columns/`` of each leaf path (docs/FORMAT.md section 2, *Columns*)."""
@@ -172,8 +162,9 @@ def list_domains(
     (every item of a list has a leaf: a value, ``None``, or a header), so the offsets come from
     the catalog alone. ``headers``: the leaf paths of ``pylist`` / ``pytuple`` headers, whose
     lists get offsets even where every one of them is empty. Returns the column paths, each
-    entry's path and row in its path's domain, the lists (parents first) and every domain's size
-    (``()``: the output's rows). Per-entry work a block of entries at a time, into ``new`` arrays."""
+    entry's path and row in its path's domain (``row_of``, each entry's output row, rewritten),
+    the lists (parents first) and every domain's size (``()``: the output's rows). Per-entry work
+    a block of entries at a time, into ``new`` arrays."""
     general = [F.general_path(p) for p in leaf_paths]
     gpaths = sorted({g for g, _ in general})
     gid = {g: i for i, g in enumerate(gpaths)}
@@ -185,11 +176,9 @@ def list_domains(
     sizes: dict[tuple[str, ...], int] = {(): n_rows}
     list_paths = {g[: d + 1] for g, _ in general for d, seg in enumerate(g) if seg == F.ITEM}
     list_paths |= {(*F.general_path(h[:-1])[0], F.ITEM) for h in headers}
+    drow = row_of  # made each entry's row in its path's domain, in place, a level at a time
     if not list_paths:
-        return gpaths, gp, row_of, [], sizes
-    drow = new("drow", n, np.int64)
-    for a, b in blocks(n):
-        drow[a:b] = row_of[a:b]
+        return gpaths, gp, drow, [], sizes
     depth = max(len(ix) for _, ix in general)
     # per level k: each leaf path's list (its prefix up to its k-th item segment) and position
     chain = np.full((max(depth, 1), len(leaf_paths)), -1, dtype=np.int64)
@@ -320,7 +309,7 @@ def variant_groups(
         seen[c["lp"][a:b] * n_codes + code[a:b]] = 1
     uniq = np.flatnonzero(seen)
     number = np.cumsum(seen) - 1
-    group = new("group", n, np.int64)
+    group = code  # each entry's variant code made its group's number, in place
     for a, b in blocks(n):
         group[a:b] = number[c["lp"][a:b] * n_codes + code[a:b]]
     del seen, number
@@ -336,16 +325,9 @@ def variant_groups(
             groups.append((p, None))
         elif all(v[0] == "num" and v[2] == sig[2] for v in variants):
             groups.append((p, sig[1]))  # numeric variants of one ndim: ``<col>.<dtype>``
-        else:
-            groups.append((p, variant_tag(sig)))
+        else:  # ``<col>.<dtype>.<ndim>d`` for a numeric variant, ``<col>.<kind>`` for the others
+            groups.append((p, f"{sig[1]}.{sig[2]}d" if sig[0] == "num" else sig[0]))
     return group, groups
-
-
-def variant_tag(sig: tuple[str, str, int]) -> str:
-    """The name suffix of a variant column (``<col>.<tag>``): ``<dtype>.<ndim>d`` for numeric
-    variants, the kind for the others."""
-    kind, dtype, ndim = sig
-    return f"{dtype}.{ndim}d" if kind == "num" else kind
 
 
 def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str, ...]]) -> list[str]:

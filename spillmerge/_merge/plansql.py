@@ -104,33 +104,26 @@ def _remove_stale(parent: str) -> None:
 
 
 @contextlib.contextmanager
-def workspace(work_dir: str | None) -> Iterator[str]:
-    """A private work folder under ``work_dir`` (else the system's temporary folder), removed on
-    exit whether the body succeeds or fails; folders of killed plans under it go first. Arrays
-    mapped from its files stay readable after (their pages stay file-backed while mapped)."""
-    parent = work_dir if work_dir is not None else tempfile.gettempdir()
-    os.makedirs(parent, exist_ok=True)
-    _remove_stale(parent)
-    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent)
+def workspace(work_dir: str | None) -> Iterator[Callable[[], str]]:
+    """A private work folder under ``work_dir`` (else the system's temporary folder), made when
+    first asked for (``folder()``: a small plan maps no file) and removed on exit whether the body
+    succeeds or fails; folders of killed plans under it go first. Arrays mapped from its files stay
+    readable after (their pages stay file-backed while mapped)."""
+    made: list[str] = []
+
+    def folder() -> str:
+        if not made:
+            parent = work_dir if work_dir is not None else tempfile.gettempdir()
+            os.makedirs(parent, exist_ok=True)
+            _remove_stale(parent)
+            made.append(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+        return made[0]
+
     try:
         yield folder
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def lazy_workspace(work_dir: str | None) -> Iterator[Callable[[], str]]:
-    """:func:`workspace`, made only when first asked for (``folder()``): a small plan maps no
-    file, and making a work folder lists the temporary folder (stale plans) and creates one."""
-    made: list[str] = []
-    with contextlib.ExitStack() as stack:
-
-        def folder() -> str:
-            if not made:
-                made.append(stack.enter_context(workspace(work_dir)))
-            return made[0]
-
-        yield folder
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def alloc(
@@ -345,7 +338,6 @@ class _Spool:
         self.folder = folder
         self.files: dict[str, Any] = {}
         self.parts: dict[str, list[np.ndarray]] = {}
-        self.n = 0
 
     def _path(self, name: str) -> str:
         assert self.folder is not None

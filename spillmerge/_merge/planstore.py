@@ -68,7 +68,7 @@ class Obtained:
 
 def obtain(
     output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]], *,
-    settings: dict[str, Any], timeout: float, may_store: bool, memory_limit: int = _blocks.CACHE_BYTES,
+    settings: dict[str, Any], timeout: float, may_store: bool, memory_limit: int,
 ) -> Obtained:  # fmt: skip
     """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
     plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
@@ -214,7 +214,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
 
 
 def load(
-    output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int = _blocks.CACHE_BYTES
+    output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int
 ) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
     there is none (or one of another key). Its arrays are :class:`~spillmerge._merge.planblocks.StoredArray`:

@@ -21,19 +21,21 @@ from .plan import fingerprint
 from .report import MergeReport
 
 
-def merge_part(job: _opening.Job, part: tuple[int, int], *, rank: int | None) -> MergeReport:
-    """Part ``i`` of ``n``: the output chunks ``split`` gives it, then its part record.
+def merge_part(job: _opening.Job, *, rank: int | None) -> MergeReport:
+    """Part ``i`` of ``n`` (``job.options.part``): the output chunks ``split`` gives it, then its
+    part record.
 
     Touches nothing another part of the same plan owns: the shared nodes (index, groups,
     consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
     its own records, a completion marker (``overwrite``) and records of another plan
     (``overwrite``). A stored plan that fails a check while in use is built again and the part
     redone (``Job.redone``)."""
-    return job.redone(lambda: _write_part(job, part, rank))
+    return job.redone(lambda: _write_part(job, rank))
 
 
-def _write_part(job: _opening.Job, part: tuple[int, int], rank: int | None) -> MergeReport:
-    i, n = part
+def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
+    assert job.options.part is not None
+    i, n = job.options.part
     every = units(job.plan, job.options.chunk_bytes)
     mine = [every[k] for k in split(job.plan, every, n)[i]]
     # Two runs of the same part never write at once: a part took its lease (in the output, which
