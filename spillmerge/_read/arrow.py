@@ -172,15 +172,6 @@ def combine(parts: list[_Part], n: int) -> Any:
     )
 
 
-def _col_tag(col: OpenColumn) -> str:
-    info = col.info
-    if info.variant is not None:
-        return info.variant
-    if info.kind in ("fixed", "ragged"):
-        return f"{info.dtype}.{info.ndim}d"
-    return info.kind
-
-
 def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part]:
     """The variants of ``node`` over ``rows`` (absolute row numbers within the batch): its
     columns, its containers, and (``with_keys``: inside a list) the dict of its keys."""
@@ -197,7 +188,9 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         full = b.arrow(col)
         pos = np.flatnonzero(b.valid(col, rows))
         arr = full.take(pa.array(rows[pos] - b.base(col)))
-        out.append((("col", str(arr.type)), _col_tag(col), pos, arr))
+        info = col.info
+        tag = f"{info.dtype}.{info.ndim}d" if info.kind in ("fixed", "ragged") else info.kind
+        out.append((("col", str(arr.type)), info.variant if info.variant is not None else tag, pos, arr))
     for head in node.headers:
         pos = np.flatnonzero(b.valid(head, rows))
         lengths = b.lengths(head)[rows[pos] - b.base(head)]
@@ -334,17 +327,19 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     pa = require_pyarrow()
     import pyarrow.compute as pc
 
-    # Every key's columns first: a row's header must equal the length of each key's list in it
-    # (and some key must hold one), as ``value()`` checks, before anything is sized by the
-    # headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
-    keyed = [(seg, parts(kid, b, rows, with_keys=True)) for seg, kid in node.sorted_keys()]
+    # A row's header must equal the length of each key's list in it (checked before the key's
+    # lists are cut) and some key must hold one, as ``value()`` checks, before anything is sized
+    # by the headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
     held = np.zeros(len(rows), bool)
-    for seg, ps in keyed:
-        for _, name, pos, arr in ps:
-            arr = untensor(arr)
-            if not len(pos):
-                continue
-            if not _listlike(arr.type):
+    keyed: list[tuple[str, list[_Part]]] = []
+    for seg, kid in node.sorted_keys():
+        elems: list[_Part] = []
+        for _, name, pos, arr in parts(kid, b, rows, with_keys=True):
+            arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
+            t = arr.type
+            if not (pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t)):
+                if not len(pos):
+                    continue  # a key of dicts in other rows, none of these
                 raise SpillMergeError(
                     f"the lists of dicts at {F.path_text(node.path)!r}: key {F.key_of(seg)!r} holds a {name} value where "
                     f"its list of {int(lengths.max(initial=0))} is expected; the output is damaged: merge it again"
@@ -357,26 +352,16 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
                     node, int(rows[j]), int(lengths[j]), f"key {F.key_of(seg)!r} holds {int(have[bad[0]])}"
                 )
             held[pos] = True
+            first = np.concatenate([[0], np.cumsum(have)])[:-1]
+            take, at = _spread(first, have), _spread(starts[pos], have)
+            elems += _split(name, at, pc.list_flatten(arr).take(pa.array(take)))
+        keyed.append((seg, elems))
     if not held.all() and len(rows):
         j = int(np.flatnonzero(~held)[0])
         raise _records_error(node, int(rows[j]), int(lengths[j]), "no key holds a list there")
     total = int(starts[-1])
-    fields, names = [], []
-    for seg, ps in keyed:
-        elems: list[_Part] = []
-        for _, name, pos, arr in ps:
-            arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
-            if not len(pos) and not _listlike(arr.type):
-                continue  # a key of dicts in other rows, none of these
-            have = lengths[pos]  # each key's list length, checked above
-            flat = pc.list_flatten(arr)
-            first = np.concatenate(
-                [[0], np.cumsum(pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False))]
-            )[:-1]
-            take, at = _spread(first, have), _spread(starts[pos], have)
-            elems += _split(name, at, flat.take(pa.array(take.astype(np.int64))))
-        fields.append(combine(elems, total))
-        names.append(F.key_of(seg))
+    fields = [combine(elems, total) for _, elems in keyed]
+    names = [F.key_of(seg) for seg, _ in keyed]
     values = pa.StructArray.from_arrays(fields, names) if fields else pa.array([{}] * total, type=pa.struct([]))
     return pa.LargeListArray.from_arrays(pa.array(starts), values)
 
@@ -439,11 +424,6 @@ def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
     ps = parts(node, b, rows, with_keys=False)
     meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None
     return combine(ps, len(rows)), meta
-
-
-def _listlike(t: Any) -> bool:
-    pa = require_pyarrow()
-    return bool(pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t))
 
 
 def has_union(t: Any) -> bool:

@@ -1,5 +1,5 @@
-"""numpy → Arrow helpers the leaf views and the Arrow export share: pyarrow on demand, validity
-bitmaps, nulls, nested fixed-size lists, a fixed-shape tensor array undone."""
+"""numpy → Arrow helpers the leaf views and the Arrow export share: pyarrow on demand, nulls,
+nested fixed-size lists, a fixed-shape tensor array undone."""
 
 from __future__ import annotations
 
@@ -12,12 +12,6 @@ def require_pyarrow(feature: str = "MergedStore.to_arrow()") -> Any:
     from .._errors import require
 
     return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
-
-
-def validity_bitmap(valid: np.ndarray | None) -> Any:
-    if valid is None:
-        return None
-    return require_pyarrow().py_buffer(np.packbits(valid.astype(bool), bitorder="little"))
 
 
 def with_nulls(arr: Any, valid: np.ndarray | None) -> Any:

@@ -49,8 +49,7 @@ class OutputDataset:
             self._store = self._open()
         if self._views is None:
             self._views = [(name, self._store.column(name)) for name in self.columns]
-            names, offsets, frames = self._store.index_arrays()[:3]
-            self._index = (names, offsets, frames)
+            self._index = self._store.index_arrays()[:3]
         names, offsets, frames = self._index
         f = int(np.searchsorted(offsets, i, side="right")) - 1
         row: dict[str, Any] = {"filename": names[f], "frame_idx": int(frames[i])}

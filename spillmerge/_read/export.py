@@ -150,7 +150,6 @@ def to_parquet(
         target = target.removeprefix("file://")
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     rows = 0
-    schema = None
     writer = None
     try:
         if local:
@@ -164,8 +163,7 @@ def to_parquet(
                 rb = _parquet_form(rb)
                 if writer is None:
                     _refuse_unions(rb.schema, target)
-                    schema = rb.schema
-                    writer = pq.ParquetWriter(sink, schema, **parquet)
+                    writer = pq.ParquetWriter(sink, rb.schema, **parquet)
                 writer.write_batch(rb)
                 rows += rb.num_rows
             if writer is None:  # no rows: still a valid file with the columns

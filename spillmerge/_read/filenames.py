@@ -35,16 +35,6 @@ def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.nda
     return names, []
 
 
-def _names_per_head(node: Any) -> tuple[int, list[V.Problem]]:
-    """``index/filename_heads``' ``names_per_head`` (names a block), and its problem if it is no
-    int from 1 to 2**20."""
-    attrs = node.attrs.get("spillmerge")
-    k = attrs.get("names_per_head") if isinstance(attrs, dict) else None
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
-        return 0, [("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")]
-    return k, []
-
-
 class Names(Sequence[str]):
     """Sorted, distinct filenames, read block by block on demand (module docstring): ``len``,
     ``names[i]``, ``names[a:b]`` (a list), iteration in order, ``in``, and :meth:`find` (a
@@ -76,8 +66,11 @@ class Names(Sequence[str]):
         self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage)
         self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, dtype=np.uint8)
         heads_node = V.index_node(group, "filename_heads", describe)
-        self._k, problems = _names_per_head(heads_node)
-        raise_(problems)
+        attrs = heads_node.attrs.get("spillmerge")
+        k: Any = attrs.get("names_per_head") if isinstance(attrs, dict) else None  # names a block
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
+            raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
+        self._k: int = k
         heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, dtype=np.uint8).whole()
         rel = "index/filename_head_offsets"
         hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage).whole()

@@ -14,26 +14,24 @@ class LeafDict(dict[str, Any]):
 
     # Slots: no per-instance __dict__ to allocate, one LeafDict per file read in order.
     __slots__ = ("filename", "prefix")
-
-    def __init__(self, filename: str, prefix: tuple[str, ...] = ()) -> None:
-        # no dict.__init__: a new dict is empty already
-        self.filename = str(filename)  # never a numpy str: its repr would show in messages
-        self.prefix = prefix
+    filename: str
+    prefix: tuple[str, ...]
 
     @classmethod
-    def top(cls, filename: str) -> LeafDict:
-        """The top level of ``filename``'s value (a ``str``), made without a Python ``__init__``:
-        one per file read, so it counts when files are read in order."""
+    def top(cls, filename: str, prefix: tuple[str, ...] = ()) -> LeafDict:
+        """The level ``prefix`` (``()``: the top) of ``filename``'s value (a ``str``: a numpy str's
+        repr would show in messages), made without a Python ``__init__``: one per file read, so it
+        counts when files are read in order."""
         out = cls.__new__(cls)
         out.filename = filename
-        out.prefix = ()
+        out.prefix = prefix
         return out
 
     def child(self, key: str) -> LeafDict:
         """The level below ``key``, created when absent."""
         node = self.get(key)
         if node is None:
-            node = self[key] = LeafDict(self.filename, (*self.prefix, key))
+            node = self[key] = LeafDict.top(self.filename, (*self.prefix, key))
         return node  # type: ignore[no-any-return]
 
     def __missing__(self, key: object) -> Any:

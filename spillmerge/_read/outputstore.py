@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import zarr
-from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.abc.store import ByteRequest, Store
 from zarr.core.array import AsyncArray
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.group import AsyncGroup, GroupMetadata
@@ -53,7 +53,7 @@ class NoFillStore(WrapperStore[Store]):
 
     async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
         """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
-        buf = await self._get(rel, prototype, None)  # (a local disk reads no more than the limit)
+        buf = await self.get(rel, prototype)  # (a local disk reads no more than the limit)
         if buf is None:
             return None
         raw = buf.to_bytes()
@@ -78,64 +78,36 @@ class NoFillStore(WrapperStore[Store]):
             self._chunk_limits[array] = limits
         return limits
 
-    def _read_local(self, key: str, byte_range: ByteRequest | None, max_bytes: int) -> bytes | None:
-        assert self._storage is not None
-        try:
-            data = self._storage.get(key, max_bytes=max_bytes)
-        except FileNotFoundError:
-            return None
-        if byte_range is None:
-            return data
-        if isinstance(byte_range, RangeByteRequest):
-            return data[byte_range.start : byte_range.end]
-        if isinstance(byte_range, OffsetByteRequest):
-            return data[byte_range.offset :]
-        if isinstance(byte_range, SuffixByteRequest):
-            return data[-byte_range.suffix :] if byte_range.suffix else b""
-        raise TypeError(f"unexpected byte range {byte_range!r}")
-
-    async def _get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None) -> Buffer | None:
-        if not self._is_chunk(key):
-            if self._storage is None:
-                return await self._store.get(key, prototype, byte_range)
-            limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
-            data = await asyncio.to_thread(self._read_local, key, byte_range, limit)
-            return None if data is None else prototype.buffer.from_bytes(data)
-        limits = await self._limits(key, prototype)
-        if self._storage is None:
-            buf = await self._store.get(key, prototype, byte_range)
-            if buf is not None and byte_range is None:
-                FO.check_chunk(limits, buf.as_numpy_array().data, path=self._describe(key))
-            return buf
-        data = await asyncio.to_thread(self._read_local, key, byte_range, limits.object_bytes)
-        if data is None:
-            return None
-        if byte_range is None:
-            FO.check_chunk(limits, memoryview(data), path=self._describe(key))
-        return prototype.buffer.from_bytes(data)
-
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        buf = await self._get(key, prototype, byte_range)
-        if buf is None and self._is_chunk(key):
+        chunk = self._is_chunk(key)
+        limits = await self._limits(key, prototype) if chunk else None  # (refuses a sharded array)
+        if byte_range is not None:  # zarr reads byte ranges of sharded arrays only
+            raise ValueError(f"{self._describe(key)}: a byte range {byte_range!r}; an output is never sharded")
+        if self._storage is None:
+            buf = await self._store.get(key, prototype)
+        else:
+            doc_limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
+            try:
+                raw = await asyncio.to_thread(
+                    self._storage.get, key, max_bytes=limits.object_bytes if limits else doc_limit
+                )
+            except FileNotFoundError:
+                raw = None
+            buf = None if raw is None else prototype.buffer.from_bytes(raw)
+        if buf is None and chunk:
             raise missing_chunk(self._describe, key)
+        if buf is not None and limits is not None:
+            FO.check_chunk(limits, buf.as_numpy_array().data, path=self._describe(key))
         return buf
 
     async def get_partial_values(
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
-        key_ranges = list(key_ranges)
-        if self._storage is None:
-            out = await self._store.get_partial_values(prototype, key_ranges)
-        else:
-            out = [await self._get(key, prototype, byte_range) for key, byte_range in key_ranges]
-        for (key, _), buf in zip(key_ranges, out, strict=True):
-            if buf is None and self._is_chunk(key):
-                raise missing_chunk(self._describe, key)
-        return out
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
 
 
 class ConsolidatedGroup(zarr.Group):
-    """A group whose lookups (``group[path]``, ``in``, ``members(max_depth=0)``) are answered from
+    """A group whose lookups (``group[path]``, ``members(max_depth=0)``) are answered from
     its consolidated metadata in the calling thread, not zarr's event-loop thread; without
     consolidated metadata, or for deeper members, zarr answers."""
 
@@ -152,13 +124,6 @@ class ConsolidatedGroup(zarr.Group):
         if isinstance(node, GroupMetadata):
             return ConsolidatedGroup(AsyncGroup(metadata=node, store_path=where))
         return zarr.Array(AsyncArray(metadata=node, store_path=where))
-
-    def __contains__(self, member: str) -> bool:
-        try:
-            self[member]
-        except KeyError:
-            return False
-        return True
 
     def members(
         self, max_depth: int | None = 0, *, use_consolidated_for_children: bool = True

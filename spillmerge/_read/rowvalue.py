@@ -147,22 +147,20 @@ def row_value(
         if not ok:  # (absent headers and list items say nothing: _entries left them out)
             (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
             continue
+        dtype = col.info.dtype
+        head = dtype in F.PY_HEADERS  # a container's header: the node of its path, not of its leaf
         node = root
-        for seg in leaf:
+        for seg in leaf[:-1] if head else leaf:
             kids = node["kids"]
             nxt = kids.get(seg)
             if nxt is None:
                 nxt = kids[seg] = {"kids": {}}
             node = nxt
-        dtype = col.info.dtype
         if block is not None:  # already what value() returns for the leaf
             got = block.get(col, d, filename)
         else:
             got = leaf_value(col, d, filename, as_torch)
-        if dtype in F.PY_HEADERS:  # (0-d: a Python int)
-            parent = root
-            for seg in leaf[:-1]:
-                parent = parent["kids"][seg]
+        if head:  # (0-d: a Python int)
             n = int(got)
             # a header is checked against its list offsets (none: no items), so a damaged (or
             # hostile) length cannot make a reader build a list of a billion Nones
@@ -172,8 +170,7 @@ def row_value(
                     f"columns/{col.info.name}: row {d} ({filename!r:.200}) says its {dtype[2:]} has {n} items; {said}",
                     path=f"columns/{col.info.name}",
                 )
-            parent["header"] = (dtype, n)
-            del parent["kids"][leaf[-1]]
+            node["header"] = (dtype, n)
         else:
             node["value"] = got
     for leaf in absent:  # a leaf of the file no variant of which has a value here: None
@@ -302,15 +299,12 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
             return None
         if valid is not None:
             maybe.append(col)
+        head = col.info.dtype in F.PY_HEADERS
         node = root
-        for seg in leaf:
+        for seg in leaf[:-1] if head else leaf:
             node = node["kids"].setdefault(seg, {"kids": {}})
-        if col.info.dtype in F.PY_HEADERS:
-            parent = root
-            for seg in leaf[:-1]:
-                parent = parent["kids"][seg]
-            parent["header"] = (col.info.dtype, col)
-            del parent["kids"][leaf[-1]]
+        if head:
+            node["header"] = (col.info.dtype, col)
         else:
             node["col"] = col
     if not root["kids"] and "header" not in root:

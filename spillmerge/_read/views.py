@@ -12,7 +12,7 @@ import numpy as np
 from .._errors import PickleNotAllowedError, RaggedShapeError, require_torch
 from .._format import common as F
 from .._format.invariants import StoredColumn
-from .arrowarrays import nest, require_pyarrow, validity_bitmap, with_nulls
+from .arrowarrays import nest, require_pyarrow, with_nulls
 from .column import OpenColumn
 
 if TYPE_CHECKING:
@@ -432,8 +432,9 @@ class BytesView(_OffsetView):
     def _arrow(self, typ: Any) -> Any:
         """These rows as an Arrow array of ``typ`` over their bytes and offsets, as stored."""
         pa = require_pyarrow()
-        raw = self._flat(self._start, self._stop)
-        bufs = [validity_bitmap(self.valid), pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
+        raw, valid = self._flat(self._start, self._stop), self.valid
+        bitmap = None if valid is None else pa.py_buffer(np.packbits(valid.astype(bool), bitorder="little"))
+        bufs = [bitmap, pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
         return pa.Array.from_buffers(typ, len(self), bufs)
 
 
