@@ -178,13 +178,11 @@ class Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
-    def collect(
-        self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
-    ) -> dict[int, Any]:
-        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,
-        then less and less often, at most every 10 s: it may list storage) says waiting is no
-        longer needed; then the replies so far."""
-        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what, done)
+    def collect(self, prefix: str, what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
+        """Wait for ``prefix/R`` from every rank R, or until ``done()`` (asked after 1 s, then
+        less and less often, at most every 10 s: it may list storage) says waiting is no longer
+        needed; then the replies so far."""
+        return self._wait({r: f"{prefix}/{r}" for r in range(self.world_size)}, what, done)
 
     def wait_one(self, key: str, what: str) -> Any:
         return self._wait({self.dst: key}, what)[self.dst]
