@@ -1540,7 +1540,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "segments-kept-within-budget",
         "spillmerge/_spill/lazy.py",
-        "        if self._kept is not None and cost <= self._kept.left:",
+        "        if cost <= self._kept.left:",
         "        if False:",
         ("tests/merge/test_plan_sql.py::test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass",),
         "a small merge keeps each segment it read for the sort loaded for the key-order pass",
