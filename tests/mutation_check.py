@@ -1044,8 +1044,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-cleanup-after-failure',
         'spillmerge/_dist/dropin.py',
-        '    if rank == dst:\n        try:\n            _remove(call, storage_options)',
-        '    if rank == dst:\n        try:\n            pass',
+        "what the caller sees\n            _remove(call, storage_options)",
+        "what the caller sees\n            pass",
         ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "a failed drop-in call's folder is removed once every rank raised",
     ),

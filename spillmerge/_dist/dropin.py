@@ -139,10 +139,8 @@ def _settle(
     if not failures:
         return [i for _, i in got]
     if rank == dst:
-        try:
+        with contextlib.suppress(Exception):  # the call's own error is what the caller sees
             _remove(call, storage_options)
-        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
-            pass
     if error is not None:
         raise error
     names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))

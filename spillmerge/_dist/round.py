@@ -15,6 +15,7 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -138,11 +139,9 @@ def _merge_on_dst(
         if wait:  # the other ranks (called with the same wait=True) are waiting: tell them on storage too
             # (ROOT/spillmerge-failed.json, in the spill root every rank knows; never in the output,
             # which may not be ours). Best effort: storage may be what failed, the store tells them too.
-            try:
+            with contextlib.suppress(Exception):  # the merge's own error matters more
                 record = FS.MergeFailureRecord.of(exc, rank=session.rank, run_id=session.run_id, session=n)
                 session.storage.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
-            except Exception:  # noqa: BLE001 - the merge's own error matters more
-                pass
         publish_merge_outcome(session.run_id, n, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
         raise
     publish_merge_outcome(session.run_id, n, {"ok": True})

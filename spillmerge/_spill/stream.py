@@ -289,7 +289,5 @@ class Stream:
     def remove(self) -> None:
         """Remove the filenames' files (maps of them stay readable)."""
         for ext in (".u8", ".i8"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.stem + ext)
-            except FileNotFoundError:
-                pass
