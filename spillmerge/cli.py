@@ -5,6 +5,7 @@ away (``| head``) ends the command quietly, with status 141 as for SIGPIPE."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -384,11 +385,9 @@ def _stdout_closed() -> int:
     """The reader of stdout went away (``spillmerge inspect OUT | head``): exit quietly, with the
     status of a process killed by SIGPIPE, as other command-line tools do. Python's docs:
     point stdout at devnull so the flush at exit does not raise again."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stdout without a file descriptor
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
-        pass
     return 128 + 13  # 141: 128 + SIGPIPE
 
 

@@ -139,10 +139,8 @@ def _settle(
     if not failures:
         return [i for _, i in got]
     if rank == dst:
-        try:
+        with contextlib.suppress(Exception):  # the call's own error is what the caller sees
             _remove(call, storage_options)
-        except Exception:  # noqa: BLE001 - the call's own error is what the caller sees
-            pass
     if error is not None:
         raise error
     names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
@@ -164,7 +162,8 @@ def _plain(values: Any) -> bool:
 
 class _Whole:
     """An object stored pickled whole (``allow_pickle``) because its type would not come back:
-    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass."""
+    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass. Not a
+    dataclass itself: the writer would store it as a dict of its fields."""
 
     __slots__ = ("obj",)
 
@@ -226,15 +225,6 @@ class _Shape:
         if not (self.numpy or self.scalars or self.whole):
             return None
         return json.dumps({"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole})
-
-
-def _restore(value: Any, text: str) -> Any:
-    """``value`` as read back, with what ``_Shape.dumps`` says storage did not keep."""
-    shape = json.loads(text)
-    for key, fix in _FIXES.items():  # in this order: a pickled whole may hold numpy arrays
-        for path in shape[key]:
-            value = _at(value, path, fix)
-    return value
 
 
 _FIXES: dict[str, Any] = {
@@ -362,7 +352,12 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
             raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
         value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
         value = tuple(value) if kind == "tuple" else value
-    return value if header["shape"] is None else _restore(value, header["shape"])
+    if header["shape"] is not None:  # what ``_Shape.dumps`` says storage did not keep
+        shape = json.loads(header["shape"])
+        for key, fix in _FIXES.items():  # in this order: a pickled whole may hold numpy arrays
+            for path in shape[key]:
+                value = _at(value, path, fix)
+    return value
 
 
 def _records_file(rank: int) -> str:

@@ -8,13 +8,14 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
                   can read every committed shard under its own root
   (dst)           ``_merge.job.merge`` (``parallel``: every rank runs ``_merge.job.merge_parallel`` and
                   ``dst`` finalizes), then ``_dist.store.publish_merge_outcome``; a failure is also
-                  recorded in the spill root (:func:`record_failure`) when the others wait
+                  recorded in the spill root when the others wait
   (other ranks)   return ``None``, or with ``wait`` :func:`wait_complete`: this round's completion
                   marker in the output, ``dst``'s outcome in the store, or its failure record
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -136,23 +137,15 @@ def _merge_on_dst(
         report = run()
     except BaseException as exc:
         if wait:  # the other ranks (called with the same wait=True) are waiting: tell them on storage too
-            record_failure(session.storage, exc, rank=session.rank, run_id=session.run_id, session=n)
+            # (ROOT/spillmerge-failed.json, in the spill root every rank knows; never in the output,
+            # which may not be ours). Best effort: storage may be what failed, the store tells them too.
+            with contextlib.suppress(Exception):  # the merge's own error matters more
+                record = FS.MergeFailureRecord.of(exc, rank=session.rank, run_id=session.run_id, session=n)
+                session.storage.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
         publish_merge_outcome(session.run_id, n, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
         raise
     publish_merge_outcome(session.run_id, n, {"ok": True})
     return report
-
-
-def record_failure(spill: Storage, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> None:
-    """The merging rank's merge failed: say so in the spill root every rank knows
-    (``ROOT/spillmerge-failed.json``; never in the output, which may not be ours), so ranks
-    waiting for the output (:func:`wait_complete`) raise at once with the cause. Best effort:
-    storage may be what failed, and the process group's store carries it too."""
-    try:
-        record = FS.MergeFailureRecord.of(exc, rank=rank, run_id=run_id, session=session)
-        spill.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
-    except Exception:  # noqa: BLE001 - the merge's own error matters more
-        pass
 
 
 def wait_complete(

@@ -16,6 +16,7 @@ Without torch.distributed (or a run id) nothing is published and the ranks rely 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -55,25 +56,21 @@ def _run_store(run_id: str | None) -> Any:
 
 def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
     """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed (best effort)."""
-    try:
+    with contextlib.suppress(Exception):  # the writer's own error matters more
         store = _run_store(run_id)
         if store is not None:
             store.set(f"failed/{session}/{rank}", message[:4000])
             store.add(f"failed/{session}", 1)
-    except Exception:  # noqa: BLE001 - the writer's own error matters more
-        pass
 
 
 def publish_merge_outcome(run_id: str | None, session: int, outcome: dict[str, Any]) -> None:
     """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
     merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
     waiting ranks also watch storage)."""
-    try:
+    with contextlib.suppress(Exception):  # storage still carries the outcome
         store = _run_store(run_id)
         if store is not None:
             store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
-    except Exception:  # noqa: BLE001 - storage still carries the outcome
-        pass
 
 
 class OutcomeWatch:
@@ -151,10 +148,8 @@ class Coord:
             "message": str(exc)[:4000],
             "failures": {str(k): v for k, v in getattr(exc, "failures", {}).items()},
         }
-        try:
+        with contextlib.suppress(Exception):  # the store may be what failed
             self.store.set("abort", json.dumps(doc))
-        except Exception:  # noqa: BLE001 - the store may be what failed
-            pass
 
     def _check_failures(self, pending: list[int]) -> None:
         if int(self.base.add(f"failed/{self.session}", 0)) > 0:
@@ -178,13 +173,11 @@ class Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
-    def collect(
-        self, prefix: str, ranks: list[int], what: str, done: Callable[[], bool] | None = None
-    ) -> dict[int, Any]:
-        """Wait for ``prefix/R`` from every rank in ``ranks``, or until ``done()`` (asked after 1 s,
-        then less and less often, at most every 10 s: it may list storage) says waiting is no
-        longer needed; then the replies so far."""
-        return self._wait({r: f"{prefix}/{r}" for r in ranks}, what, done)
+    def collect(self, prefix: str, what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
+        """Wait for ``prefix/R`` from every rank R, or until ``done()`` (asked after 1 s, then
+        less and less often, at most every 10 s: it may list storage) says waiting is no longer
+        needed; then the replies so far."""
+        return self._wait({r: f"{prefix}/{r}" for r in range(self.world_size)}, what, done)
 
     def wait_one(self, key: str, what: str) -> Any:
         return self._wait({self.dst: key}, what)[self.dst]

@@ -215,9 +215,7 @@ class Session:
     (``SpillWriter.session()``)."""
 
     rank: int
-    """This rank."""
     world_size: int
-    """Ranks of the job."""
     run_id: str | None
     """Run id shared by the job's ranks (names the store keys); None without a launcher's id or
     torch.distributed (then nothing is coordinated)."""
@@ -268,12 +266,8 @@ def transfer_shards(
     try:
         # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
         # commit record is on storage dst can read: then dst stops waiting for it.
-        metas = coord.collect(
-            "meta",
-            list(range(session.world_size)),
-            "waiting for every rank to reach merge()",
-            done=_CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False)),
-        )
+        watch = _CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False))
+        metas = coord.collect("meta", "waiting for every rank to reach merge()", done=watch)
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
             raise RankFailedError(
@@ -303,7 +297,7 @@ def transfer_shards(
             coord.put(f"sees/{me}", [])
             group, device = _group(backend, timeout)
             link = _Link(group, device, transfer_chunk_bytes, transfer_timeout)
-            sees = coord.collect("sees", list(range(session.world_size)), "waiting for what each rank can see")
+            sees = coord.collect("sees", "waiting for what each rank can see")
             info.senders = _assign_senders(invisible, sees, dst)
             coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
             for s in sorted(info.senders):
@@ -458,8 +452,10 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
                 path=storage.describe(rel),
                 rank=sender,
             )
-        if rel.endswith("/" + FS.COMMIT_NAME):
-            _commit(storage, rel)
+        if rel.endswith("/" + FS.COMMIT_NAME):  # verified: now under its own name
+            tmp = _pending_name(rel)
+            storage.put_atomic(rel, storage.get(tmp, max_bytes=_MAX_RECORD))
+            storage.rm_tree(tmp)
         q = FS.parse_rank_dirname(rel.split("/", 1)[0])
         received[int(q or 0)] = received.get(int(q or 0), 0) + n
     return received
@@ -493,13 +489,6 @@ def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: st
                 if fut is not None:
                     fut.result()
     return crc
-
-
-def _commit(storage: Storage, rel: str) -> None:
-    tmp = _pending_name(rel)
-    data = storage.get(tmp, max_bytes=_MAX_RECORD)
-    storage.put_atomic(rel, data)
-    storage.rm_tree(tmp)
 
 
 def check_options(transport: str, transfer_chunk_bytes: int, transfer_timeout: float) -> None:

@@ -388,6 +388,11 @@ def int_field(obj: dict[str, Any], key: str, path: str, *, lo: int = 0, hi: int 
     return v
 
 
+def int_fields(obj: dict[str, Any], path: str, bounds: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The fields ``bounds`` names (key -> (lo, hi)), each read by :func:`int_field`."""
+    return {key: int_field(obj, key, path, lo=lo, hi=hi) for key, (lo, hi) in bounds.items()}
+
+
 def int_list(v: Any, *, lo: int = 0, hi: float = float("inf"), most: int | None = None) -> TypeGuard[list[int]]:
     """``v`` is a JSON list (of at most ``most`` entries) of ints from ``lo`` up to below ``hi``."""
     return isinstance(v, list) and (most is None or len(v) <= most) and all(type(d) is int and lo <= d < hi for d in v)

@@ -77,12 +77,6 @@ def _in_memory(name: str, shape: Any, dtype: Any) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-def _distinct(a: np.ndarray) -> np.ndarray:
-    """The distinct values of ``a``, sorted (by a sort: numpy 2's hashing ``np.unique`` is slower)."""
-    v = np.sort(a)
-    return v[np.concatenate(([True], v[1:] != v[:-1]))] if len(v) > 1 else v
-
-
 def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
     for a in range(0, n, block):
         yield a, min(n, a + block)
@@ -139,7 +133,8 @@ class _States:
 
     def entry_ids(self, st: np.ndarray) -> np.ndarray:
         """The entry id of each state of ``st`` (none 0)."""
-        u = _distinct(st)
+        v = np.sort(st)  # the distinct states, sorted (by a sort: numpy 2's hashing np.unique is slower)
+        u = v[np.concatenate(([True], v[1:] != v[:-1]))] if len(v) > 1 else v
         for s in u.tolist():
             if s not in self._entry:
                 entry = _compress({path: _in_order(keys) for path, keys in self.specs[s].items()})

@@ -26,6 +26,7 @@ from .common import (
     failure_now,
     failure_read,
     int_field,
+    int_fields,
     int_list,
     loads,
     shape_problem,
@@ -122,11 +123,11 @@ class CommitRecord:
     catalog_crc32c: int
     """CRC-32C of the catalog JSON bytes."""
     finished: str
-    rewrites: int = 0
+    rewrites: int
     """Writes of a key this segment already held, dropped by the writer's duplicate policy."""
-    n_checks: int = 0
+    n_checks: int
     """Rows of ``checks`` (0: the segment has no ``checks`` array: every row has its own CRC)."""
-    checks_crc32c: int = 0
+    checks_crc32c: int
     """CRC-32C of the raw ``checks`` bytes."""
 
     def to_json(self) -> bytes:
@@ -138,25 +139,18 @@ class CommitRecord:
         segment = obj.get("segment")
         if not isinstance(segment, str) or not is_segment_name(segment):
             raise CorruptSpillError(f"{path}: bad segment name {segment!r}", path=path)
-        finished = obj.get("finished")
-        return cls(
-            rank=int_field(obj, "rank", path, hi=1 << 24),
-            world_size=int_field(obj, "world_size", path, lo=1, hi=1 << 24),
-            segment=segment,
-            run_id=str_or_none(obj, "run_id", path),
-            n_rows=int_field(obj, "n_rows", path, hi=1 << 40),
-            n_frames=int_field(obj, "n_frames", path, hi=1 << 40),
-            n_files=int_field(obj, "n_files", path, hi=1 << 40),
-            nbytes=int_field(obj, "nbytes", path, hi=1 << 56),
-            n_chunks=int_field(obj, "n_chunks", path, hi=1 << 40),
-            chunk_bytes=int_field(obj, "chunk_bytes", path, lo=1, hi=1 << 34),
-            index_crc32c=int_field(obj, "index_crc32c", path, hi=0xFFFFFFFF),
-            catalog_crc32c=int_field(obj, "catalog_crc32c", path, hi=0xFFFFFFFF),
-            finished=str(finished),
-            rewrites=int_field(obj, "rewrites", path, hi=1 << 40) if "rewrites" in obj else 0,
-            n_checks=int_field(obj, "n_checks", path, hi=1 << 40) if "n_checks" in obj else 0,
-            checks_crc32c=int_field(obj, "checks_crc32c", path, hi=0xFFFFFFFF) if "checks_crc32c" in obj else 0,
-        )
+        run_id, finished = str_or_none(obj, "run_id", path), str(obj.get("finished"))
+        return cls(segment=segment, run_id=run_id, finished=finished, **int_fields(obj, path, _COMMIT_INTS))
+
+
+_RANK_INTS = {"rank": (0, 1 << 24), "world_size": (1, 1 << 24)}
+_COMMIT_INTS = {
+    **_RANK_INTS,
+    **dict.fromkeys(("n_rows", "n_frames", "n_files", "n_chunks", "rewrites", "n_checks"), (0, 1 << 40)),
+    "nbytes": (0, 1 << 56),
+    "chunk_bytes": (1, 1 << 34),
+    **dict.fromkeys(("index_crc32c", "catalog_crc32c", "checks_crc32c"), (0, 0xFFFFFFFF)),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,8 +173,7 @@ class FailureRecord:
     def from_json(cls, data: bytes, *, path: str) -> FailureRecord:
         obj = check_header(loads(data, path=path), "spill-failure", path)
         return cls(
-            rank=int_field(obj, "rank", path, hi=1 << 24),
-            world_size=int_field(obj, "world_size", path, lo=1, hi=1 << 24),
+            **int_fields(obj, path, _RANK_INTS),
             segment=str(obj.get("segment")),
             run_id=str_or_none(obj, "run_id", path),
             error_type=str(obj.get("error_type"))[:200],
@@ -420,10 +413,8 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
             raise CorruptSpillError(f"{path}: journal checks malformed", path=path)
         checks = np.array(raw_checks, dtype=np.int64).reshape(len(raw_checks), CHECK_COLUMNS)
     return JournalEntry(
-        chunk=int_field(h, "chunk", path, hi=1 << 40),
-        file_base=int_field(h, "file_base", path, hi=1 << 40),
+        **int_fields(h, path, dict.fromkeys(("chunk", "file_base", "layout_base"), (0, 1 << 40))),
         filenames=files,
-        layout_base=int_field(h, "layout_base", path, hi=1 << 40),
         layouts=[Layout.from_obj(o, path=path) for o in lays],
         rows=np.frombuffer(raw, dtype="<i8").reshape(n, INDEX_COLUMNS).astype(np.int64),
         check_base=int_field(h, "check_base", path, hi=1 << 40) if checks is not None else 0,

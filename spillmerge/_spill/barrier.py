@@ -67,12 +67,7 @@ def assess(
             world_size = newest.commit.world_size if newest is not None and newest.commit else max(sizes)
             raise stale_error(storage, stale_segments(storage, segments, world_size), world_size)
         world_size = sizes.pop()
-    committed: list[Segment] = []
-    failed: dict[int, FS.FailureRecord] = {}
-    missing: list[int] = []
-    incomplete: dict[int, str] = {}
-    abandoned: list[Segment] = []
-    partial: dict[int, Segment] = {}
+    state = SpillState(world_size, committed=[], failed={}, missing=[], incomplete={}, abandoned=[], partial={})
     stale = stale_segments(storage, segments, world_size)
     if stale:
         raise stale_error(storage, stale, world_size)
@@ -85,34 +80,34 @@ def assess(
         )
     for rank in range(world_size):
         segs = segments.get(rank, [])
-        committed.extend(s for s in segs if s.commit is not None)  # with a run id: earlier runs' too
+        state.committed.extend(s for s in segs if s.commit is not None)  # with a run id: earlier runs' too
         if run_id is not None:
             mine = [s for s in segs if s.run_id == run_id]
             if any(s.commit is not None for s in mine):
                 continue
             if any(s.failure is not None for s in mine):
-                failed[rank] = next(s.failure for s in reversed(mine) if s.failure is not None)  # type: ignore[misc]
+                state.failed[rank] = [s.failure for s in mine if s.failure is not None][-1]
             else:
-                missing.append(rank)
+                state.missing.append(rank)
                 if mine:
-                    incomplete[rank] = storage.describe(mine[-1].rel)
+                    state.incomplete[rank] = storage.describe(mine[-1].rel)
             if mine:
-                partial[rank] = mine[-1]
+                state.partial[rank] = mine[-1]
             continue
         if not segs:
-            missing.append(rank)
+            state.missing.append(rank)
             continue
         newest = segs[-1]
         if newest.commit is None:
-            partial[rank] = newest
+            state.partial[rank] = newest
             if newest.failure is not None:
-                failed[rank] = newest.failure
+                state.failed[rank] = newest.failure
             else:
-                missing.append(rank)
-                incomplete[rank] = storage.describe(newest.rel)
+                state.missing.append(rank)
+                state.incomplete[rank] = storage.describe(newest.rel)
         last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
-        abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
-    return SpillState(world_size, committed, failed, missing, incomplete, abandoned, partial)
+        state.abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
+    return state
 
 
 def stale_segments(storage: Storage, segments: dict[int, list[Segment]], world_size: int) -> dict[str, int]:

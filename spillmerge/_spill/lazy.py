@@ -43,7 +43,7 @@ class LazySegment:
     segment's filenames and index at once (docs/SCALE.md). The layouts and block checksums,
     which are small, stay once read."""
 
-    def __init__(self, storage: Storage, seg: Segment, kept: _Kept | None = None) -> None:
+    def __init__(self, storage: Storage, seg: Segment, kept: _Kept) -> None:
         assert seg.commit is not None
         self.seg, self.chunk_bytes, self.n_rows, self.salvaged = seg, seg.commit.chunk_bytes, seg.commit.n_rows, False
         self._storage = storage
@@ -123,7 +123,7 @@ class LazySegment:
         commit = self.seg.commit
         assert commit is not None
         cost = self.n_rows * FS.INDEX_COLUMNS * 8 + commit.n_files * 128  # the index, the names
-        if self._kept is not None and cost <= self._kept.left:
+        if cost <= self._kept.left:
             self._kept.left -= cost
             self._held = True
             return

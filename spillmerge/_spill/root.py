@@ -388,9 +388,8 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         n += 1
     index = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
-    def bad(msg: str, rel: str = "") -> CorruptSpillError:
-        where = storage.describe(f"{seg.rel}/{FS.JOURNAL_NAME}")
-        return CorruptSpillError(f"{where}: {msg}", path=where, rank=seg.rank)
+    def bad(msg: str, rel: str = "") -> CorruptSpillError:  # the journal, whatever object a check names
+        return corrupt(storage, seg, msg, FS.JOURNAL_NAME)
 
     # With on_duplicate="last" a later write of a key replaces the earlier one: keep the last
     # write's rows.

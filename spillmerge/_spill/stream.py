@@ -13,6 +13,7 @@ raises a damaged segment's error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Iterator
@@ -38,13 +39,20 @@ class Whole(Exception):
     """The segment must be read whole (``load_segment``): not the writer's catalog, or damaged."""
 
 
+@contextlib.contextmanager
+def _whole_on(*errors: type[BaseException]) -> Iterator[None]:
+    """:class:`Whole` instead of any of ``errors`` raised in the block."""
+    try:
+        yield
+    except errors:
+        raise Whole from None
+
+
 def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | None, limit: int) -> tuple[str, int]:
     """The chunk object of the one-chunk array ``rel`` and its data's size (without the 4 CRC
     bytes), checked against its metadata and its size on storage."""
-    try:
+    with _whole_on(OSError, SpillMergeError):
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=storage.describe(rel))
-    except (OSError, SpillMergeError):
-        raise Whole from None
     got = meta.get("shape") if isinstance(meta, dict) else None
     if not isinstance(got, list) or not got or not all(isinstance(d, int) and d > 0 for d in got):
         raise Whole
@@ -54,10 +62,8 @@ def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | N
     if n > limit:
         raise Whole
     key = f"{rel}/c/" + "/".join("0" * len(got))
-    try:
+    with _whole_on(OSError, SpillMergeError):
         found = dict(storage.find(f"{rel}/c"))
-    except (OSError, SpillMergeError):
-        raise Whole from None
     if found != {key: n + 4}:
         raise Whole
     return key, n
@@ -70,17 +76,13 @@ def _blocks(storage: Storage, key: str, n: int, step: int, want: int) -> Iterato
     crc = 0
     for a in range(0, n, step):
         b = min(n, a + step)
-        try:
+        with _whole_on(OSError, SpillMergeError):
             storage.read_into([(key, a, b)], buf[: b - a].data)
-        except (OSError, SpillMergeError):
-            raise Whole from None
         crc = _crc.extend(crc, buf[: b - a])
         yield buf[: b - a]
     tail = np.empty(4, dtype=np.uint8)
-    try:
+    with _whole_on(OSError, SpillMergeError):
         storage.read_into([(key, n, n + 4)], tail.data)
-    except (OSError, SpillMergeError):
-        raise Whole from None
     if int.from_bytes(tail.tobytes(), "little") != crc or crc != want:
         raise Whole
 
@@ -137,10 +139,8 @@ class _Names:
         """Elements ``buf[opens[i] + 1 : closes[i]]`` (back to back in ``buf``, ``", "`` apart)."""
         a, b = int(opens[0]), int(closes[-1]) + 1
         region = buf[a:b]
-        try:
+        with _whole_on(UnicodeDecodeError):
             region.tobytes().decode("utf-8")  # the separators are ASCII: each name is valid on its own
-        except UnicodeDecodeError:
-            raise Whole from None
         keep = np.ones(b - a, dtype=bool)
         keep[0] = keep[-1] = False
         for d in range(3):
@@ -186,11 +186,9 @@ def _unescape(names: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nd
     np.cumsum(names == _BACKSLASH, out=seen[1:])
     escaped = seen[starts + lengths] - seen[starts]
     for i in np.flatnonzero(escaped).tolist():
-        try:
+        with _whole_on(ValueError, UnicodeEncodeError):
             text = json.loads(b'"' + parts[i].tobytes() + b'"')
             parts[i] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-        except (ValueError, UnicodeEncodeError):
-            raise Whole from None
     lengths = np.array([len(x) for x in parts], dtype=np.int64)
     return np.concatenate(parts), lengths
 
@@ -241,26 +239,20 @@ class Stream:
                         raise Whole
         if not names.done:
             raise Whole
-        try:
+        with _whole_on(CorruptSpillError):
             obj = F.loads(b'{"filenames": []' + bytes(rest), path=self.storage.describe(rel))
-        except CorruptSpillError:
-            raise Whole from None
         if not isinstance(obj, dict) or obj.get("filenames") != [] or not isinstance(obj.get("layouts"), list):
             raise Whole
-        try:
+        with _whole_on(CorruptSpillError):
             self.layouts = [FS.Layout.from_obj(o, path=self.storage.describe(rel)) for o in obj["layouts"]]
-        except CorruptSpillError:
-            raise Whole from None
         self.n_files, self.name_bytes = names.n, names.nbytes
 
     def _records(self) -> None:
         """The block checksums (small: read whole) and the data chunks the commit promises."""
         bad = functools.partial(corrupt, self.storage, self.seg)
-        try:
+        with _whole_on(CorruptSpillError):
             self.checks = read_checks(self.storage, self.seg, bad)
             check_chunks(self.storage, self.seg, bad)
-        except CorruptSpillError:
-            raise Whole from None
 
     def names(self) -> Any:
         """The catalog's filenames as an Arrow ``large_binary`` array over maps of the files."""
@@ -290,16 +282,12 @@ class Stream:
         bad = functools.partial(corrupt, self.storage, self.seg)
         for block in _blocks(self.storage, key, n, max(1, step) * width, c.index_crc32c):
             idx = block.view("<i8").reshape(-1, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
-            try:
+            with _whole_on(CorruptSpillError):
                 check_rows(bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
-            except CorruptSpillError:
-                raise Whole from None
             yield idx
 
     def remove(self) -> None:
         """Remove the filenames' files (maps of them stay readable)."""
         for ext in (".u8", ".i8"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.stem + ext)
-            except FileNotFoundError:
-                pass

@@ -3,6 +3,7 @@ root (checked before and after each open); writes go to a temporary name and are
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import mmap
@@ -311,10 +312,8 @@ class LocalStorage(Storage):
                 os.unlink(p)
 
     def remove_empty_dir(self, rel: str) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.rmdir(self.path(rel))
-        except OSError:
-            pass
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
@@ -399,10 +398,12 @@ class _LocalSink:
                         _fsync_path(os.path.dirname(self.path))
         except BaseException:
             if ok:
-                _unlink_quietly(self._tmp)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._tmp)
                 raise
         if not ok:  # the caller's error is the one raised; a failed close adds nothing to it
-            _unlink_quietly(self._tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> None:
@@ -453,10 +454,3 @@ def _gone_is_fine(func: Any, path: str, exc: Any) -> None:
 
 
 _RMTREE_HANDLER: dict[str, Any] = {"onexc" if sys.version_info >= (3, 12) else "onerror": _gone_is_fine}
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

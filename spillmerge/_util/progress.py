@@ -4,6 +4,7 @@ rank instead of listing and replaying the journal (docs/FORMAT.md, *progress.jso
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -135,14 +136,12 @@ class ProgressWriter:
         with self._put_lock:
             if seq <= self._written_seq:  # a newer snapshot got there first
                 return
-            try:
-                # Whole or nothing for a reader (temporary name + rename on local disks, one PUT
-                # elsewhere); no fsync: the record is advisory, the journal is the durable truth.
+            # Whole or nothing for a reader (temporary name + rename on local disks, one PUT
+            # elsewhere); no fsync: the record is advisory, the journal is the durable truth.
+            with contextlib.suppress(Exception):  # advisory record; the spill goes on without it
                 with self.storage.open_write(self.rel) as sink:
                     sink.write(rec.to_json())
                 self._written_seq = seq
-            except Exception:  # noqa: BLE001 - advisory record; the spill goes on without it
-                pass
 
     def _snapshot(self) -> ProgressRecord:
         frames, nbytes = self._staged

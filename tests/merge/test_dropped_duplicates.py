@@ -33,15 +33,16 @@ def test_padding_and_rewrites_are_counted_once_in_the_report(tmp_path):
     assert [c["rewrites"] for c in commits] == [1, 0]
 
 
-def test_a_commit_record_without_rewrites_still_reads(tmp_path):
+def test_a_commit_record_without_rewrites_is_refused(tmp_path):
     root = tmp_path / "spill"
     with spillmerge.SpillWriter(str(root)) as w:
         w.write("a.png", 0, torch.ones(1))
     (seg,) = (root / "rank-00000").iterdir()
     rec = json.loads((seg / "commit.json").read_text())
-    del rec["rewrites"]  # as written before the field existed
+    del rec["rewrites"]  # every writer of this (unreleased) spill format writes it
     (seg / "commit.json").write_text(json.dumps(rec))
-    assert spillmerge.merge(str(root), str(tmp_path / "out")).rewrites == 0
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"commit.json: field 'rewrites' must be an integer"):
+        spillmerge.merge(str(root), str(tmp_path / "out"))
 
 
 def test_a_refused_rewrite_is_not_counted_and_policies_count_what_they_drop(tmp_path):
