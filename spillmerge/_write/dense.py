@@ -27,7 +27,6 @@ class DenseSteps:
     _file_ids: dict[str, int]
     _catalog: LayoutCatalog
     _staging: Staging
-    _rows: np.ndarray
     _n_rows: int
     _keys: dict[tuple[int, int], tuple[int, int]]
     _fresh_keys: list[tuple[int, list[int], int, int]]
@@ -94,8 +93,8 @@ class DenseSteps:
         the first item taken is flattened and checked for all (the others' leaves differ from its
         leaves only in their first dimension), and each length's layout joins the catalog once.
         Items holding an empty list are checked before anything is staged and staged after, item
-        by item. False (nothing done)
-        when a filename was written before or repeats, or the items are not such dicts."""
+        by item. False (nothing done) when a filename was written before or repeats, or the items
+        are not such dicts."""
         n, base = len(names), len(self._filenames)
         if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
             return False

@@ -39,8 +39,8 @@ class Staging(BatchSteps):
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
     :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
-    :meth:`stop` (abort), :meth:`row_crcs` for the index and :meth:`free`. Full chunks go to the
-    :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
+    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index and :meth:`free`.
+    Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
     def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
