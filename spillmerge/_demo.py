@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import socket
 import tempfile
 import time
 import zlib
@@ -62,19 +61,13 @@ def predict(cfg: DemoConfig, filename: str, frame: int) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, cfg: DemoConfig, port: int, result_path: str) -> None:
+def _rank_main(rank: int, cfg: DemoConfig, rendezvous: str, result_path: str) -> None:
     import torch.distributed as dist
 
     import spillmerge
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.ranks)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=cfg.ranks)
     try:
         out = Path(cfg.out)
         mine = workload(cfg)[rank]
@@ -114,8 +107,10 @@ def run(cfg: DemoConfig) -> str:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.txt")
+        # A file rendezvous: no free port to pick that another process could take first.
+        rendezvous = os.path.join(tmp, "rendezvous")
         try:
-            mp.spawn(_rank_main, args=(cfg, _free_port(), result), nprocs=cfg.ranks, join=True)
+            mp.spawn(_rank_main, args=(cfg, rendezvous, result), nprocs=cfg.ranks, join=True)
         except mp.ProcessRaisedException as exc:  # one line for the CLI: the rank's own error last
             last = [ln for ln in str(exc).strip().splitlines() if ln.strip()][-1]
             raise SpillMergeError(f"demo rank {exc.error_index} failed: {last.strip()}") from exc
