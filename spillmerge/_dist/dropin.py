@@ -36,10 +36,10 @@ import torch
 
 from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
 from .._format import crc
-from .._read.rowvalue import gc_paused
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
+from .._util.gcpause import gc_paused
 from .._write.writer import SpillWriter
 from . import records
 from .gather import CHUNK_BYTES, CallWriter, barrier

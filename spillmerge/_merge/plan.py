@@ -21,6 +21,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._format.keyorder import output_orders
 from .._spill.root import Extent, LoadedSegment
+from .._util.gcpause import gc_paused
 from . import plansql as _plansql
 from .nametable import table_of
 from .options import DEFAULT_PLAN_BUDGET
@@ -160,7 +161,7 @@ def build(
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
         if _plansql.in_memory(n_index, memory_limit):
-            srt = _plansql.sort_rows_in_memory(segments, layout_ids, lp_order, resolve)
+            srt = gc_paused(_plansql.sort_rows_in_memory, segments, layout_ids, lp_order, resolve)
         else:
             if threads is None:
                 threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)

@@ -11,7 +11,8 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
-from .rowvalue import ABSENT, RowPlan, gc_paused, leaf_value, records, row_value, static_builder, to_python
+from .._util.gcpause import gc_paused
+from .rowvalue import ABSENT, RowPlan, leaf_value, records, row_value, static_builder, to_python
 from .views import PickleView
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Block:
         lo, hi = (self.a, self.b) if not domain else L.rows_of(self.offs, domain, self.a, self.b)
         valid = col.valid
         ok = None if valid is None else np.asarray(valid[lo:hi], dtype=bool).tolist()
-        got = self._cols[id(col)] = (lo, ok, column_rows(col, lo, hi, ok, self.as_torch))
+        got = self._cols[id(col)] = (lo, ok, gc_paused(column_rows, col, lo, hi, ok, self.as_torch))
         return got
 
     def ok(self, col: OpenColumn, d: int) -> bool:

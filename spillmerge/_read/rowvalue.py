@@ -4,8 +4,6 @@ of ``_write.flatten.flatten`` (docs/FORMAT.md section 1, *Value model*)."""
 from __future__ import annotations
 
 import functools
-import gc
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,18 +103,6 @@ def _shape_of(leaf: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: int) -> int:
     o = offs.get(lpath)
     return 0 if o is None else int(o[d + 1] - o[d])
-
-
-def gc_paused(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with the cyclic garbage collector paused (a value builds only new, acyclic
-    dicts and lists: nothing for it to find); restarted only when it was running."""
-    if not gc.isenabled():
-        return fn(*args)
-    gc.disable()
-    try:
-        return fn(*args)
-    finally:
-        gc.enable()
 
 
 def row_value(

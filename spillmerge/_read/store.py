@@ -18,6 +18,7 @@ from .._format import output as FO
 from .._format.keyorder import KeyOrders
 from .._format.output import not_an_output, what_is
 from .._storage import Storage
+from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
@@ -26,7 +27,7 @@ from .filenames import Names, close_matches
 from .index import LazyArray
 from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
-from .rowvalue import RowPlan, gc_paused, row_value
+from .rowvalue import RowPlan, row_value
 from .views import LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]

@@ -15,6 +15,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
+from .._util.gcpause import gc_paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,10 @@ def corrupt(storage: Storage, seg: Segment, msg: str, rel: str = "") -> CorruptS
 
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     """Read and validate a committed segment's catalog and index against its commit record."""
+    return gc_paused(_load_segment, storage, seg)  # type: ignore[no-any-return]  # (a catalog: many small objects)
+
+
+def _load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     commit = seg.commit
     assert commit is not None
     bad = functools.partial(corrupt, storage, seg)
