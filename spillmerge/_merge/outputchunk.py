@@ -454,13 +454,17 @@ def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any
 
 def _utf8_back_to_back(whole: np.ndarray, starts: np.ndarray) -> bool:
     """Whether the rows whose bytes are ``whole`` back to back, starting at ``starts`` (those of
-    non-empty rows), are each valid UTF-8: the whole is, and no row starts inside a character
-    (then none ends inside one either)."""
+    non-empty rows), are each valid UTF-8. Arrow checks each row in C++ without making a Python
+    string of them: 4-10x faster than decoding the whole (benchmarks/RESULTS.md)."""
+    import pyarrow as pa
+
+    ends = np.append(starts, len(whole)).astype(np.int64)
+    rows = pa.Array.from_buffers(pa.large_string(), len(starts), [None, pa.py_buffer(ends), pa.py_buffer(whole)])
     try:
-        whole.tobytes().decode("utf-8")
-    except UnicodeDecodeError:
+        rows.validate(full=True)
+    except pa.ArrowInvalid:
         return False
-    return not np.any((whole[starts] & 0xC0) == 0x80)
+    return True
 
 
 class PendingBlocks:
