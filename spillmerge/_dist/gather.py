@@ -24,7 +24,7 @@ from .._read.store import open as open_store
 from .._util.poll import poll
 from .._write.batch import mapping_items
 from .._write.writer import SpillWriter
-from .rank import gloo_group, resolve_run_id
+from .rank import on_gloo, resolve_run_id
 from .round import coordinated
 from .store import OutcomeWatch
 
@@ -187,12 +187,7 @@ def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -
 def barrier(rank: int, timeout: float) -> None:
     import torch.distributed as dist
 
-    try:
-        dist.monitored_barrier(group=gloo_group(timeout), timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
-        raise CoordinationError(
-            f"rank {rank}: not every rank finished the call within {timeout:.0f} s ({exc})", rank=rank
-        ) from exc
+    on_gloo(rank, timeout, "finished the call", dist.monitored_barrier, timeout=datetime.timedelta(seconds=timeout))
 
 
 GATHER_BATCH = 256
