@@ -522,10 +522,7 @@ def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> 
     """Filename → frame indices already committed under a spill root, by any rank and session.
 
     A rerun after a crash can skip these keys; the merge unions all sessions."""
-    storage = Storage(root, storage_options)
-    if not storage.exists(""):
-        return {}
-    return load_committed_keys(storage)
+    return load_committed_keys(Storage(root, storage_options))
 
 
 def load_committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:
