@@ -129,9 +129,8 @@ def _merge_on_dst(
         if wait:
             output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
             wait_complete(
-                output, session.storage, run_id=session.run_id, session=n, dst=dst,
-                timeout=float(kwargs["timeout"]), outcome=OutcomeWatch(session.run_id, n).poll,
-            )  # fmt: skip
+                output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"])
+            )
         return None
     try:
         report = run()
@@ -156,15 +155,15 @@ def wait_complete(
     session: int,
     dst: int,
     timeout: float,
-    outcome: Callable[[], dict[str, Any] | None],
 ) -> None:
     """A rank other than ``dst``: return once the output holds a completion marker of this run
-    (``run_id``), or the process group's store says the merge succeeded (``outcome()``); raise
+    (``run_id``), or the process group's store says the merge succeeded (:class:`OutcomeWatch`); raise
     :class:`MergeFailedError` naming ``dst`` as soon as its merge is known to have failed (the
     store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
     ``timeout`` seconds."""
+    outcome = OutcomeWatch(run_id, session)
     for waited in _poll.poll(timeout, first=0.002, cap=1.0, factor=1.25):  # a small merge takes ms
-        told = outcome()
+        told = outcome.poll()
         if told is not None:
             if told.get("ok"):
                 return
