@@ -360,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export}
-    handler = {**handlers, "demo": _demo}[args.command]
+    handler = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export,
+               "demo": _demo}[args.command]  # fmt: skip
     try:
         code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
