@@ -39,13 +39,6 @@ _S3_CONFIG: dict[str, Any] = {
 }
 
 
-def _why(exc: BaseException) -> str:
-    """The cause of a storage error in a few words (``No space left on device`` ...)."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return str(exc.strerror)
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     opts = dict(storage_options)
     if url.startswith(("s3://", "s3a://")):
@@ -157,7 +150,8 @@ class Storage:
             pass
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             where = self.describe(rel)
-            raise SpillStorageError(f"cannot {verb} {where}: {_why(exc)}", path=where) from exc
+            why = str(exc.strerror) if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            raise SpillStorageError(f"cannot {verb} {where}: {why}", path=where) from exc
 
     # ---------------------------------------------------------------------------------- reads
     def exists(self, rel: str) -> bool:
