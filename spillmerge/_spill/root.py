@@ -330,11 +330,6 @@ def read_small_array(
     return raw, stored
 
 
-def flushed_chunks(storage: Storage, seg: Segment) -> int:
-    """How many journal entries (= data chunks made durable) an uncommitted segment has."""
-    return len([n for n in storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}") if n.isdigit()])
-
-
 def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[str]]:
     """Rebuild an uncommitted segment's index from its journal: every entry in chunk order up to
     the first missing or corrupt one. Returns the segment and the problems that stopped it."""
