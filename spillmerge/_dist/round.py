@@ -76,7 +76,9 @@ class Rounds:
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
                 run_id=session.run_id, **kwargs,
             )  # fmt: skip
-            return _merge_on_dst(session, out, dst, wait, kwargs, part, every_rank_runs=True)
+            if session.rank != dst:
+                part()  # dst's own part runs in its merge_parallel call, which then finalizes
+            return _merge_on_dst(session, out, dst, wait, kwargs, part)
         info: TransferInfo | None = None
         if transport != "storage" and coordinated(session) and not self.shards_here:
             # The first merge of a job gathers every shard where dst can read it; a later merge
@@ -116,16 +118,11 @@ def _merge_on_dst(
     wait: bool,
     kwargs: dict[str, Any],
     run: Callable[[], MergeReport | None],
-    *,
-    every_rank_runs: bool = False,
 ) -> MergeReport | None:
-    """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root);
-    the others (after ``run()`` too when ``every_rank_runs``: a parallel merge's parts) wait
-    for the output when ``wait``, else return None."""
+    """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root); the
+    others wait for the output when ``wait``, else return None."""
     n = session.number
     if session.rank != dst:
-        if every_rank_runs:
-            run()
         if wait:
             output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
             wait_complete(
