@@ -68,11 +68,6 @@ class Sink(Protocol):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
 
 
-# The backends: each subclass of Storage registers itself (spillmerge/_storage/__init__.py imports
-# every one); the one whose `local` says whether the filesystem is the local disk serves it.
-_BACKENDS_BY_CLASS: list[type[Storage]] = []
-
-
 class Storage:
     """A root directory (local path or fsspec URL) and relative-path operations below it; the
     methods raising ``NotImplementedError`` here are the primitives each backend implements, the
@@ -90,15 +85,13 @@ class Storage:
     root: str
     """The backend path of the root, resolved (see :meth:`_resolve_root`), without a trailing ``/``."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _BACKENDS_BY_CLASS.append(cls)
-
     def __new__(cls, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
         text = os.fspath(url)
         options = dict(storage_options or {})
         fs, root = _url_to_fs(text, options)
-        backend = next(b for b in _BACKENDS_BY_CLASS if b.local == isinstance(fs, LocalFileSystem))
+        # The backends are Storage's subclasses (spillmerge/_storage/__init__.py imports each one):
+        # the one whose `local` says whether the filesystem is the local disk serves it.
+        backend = next(b for b in Storage.__subclasses__() if b.local == isinstance(fs, LocalFileSystem))
         if not issubclass(backend, cls):
             raise SpillStorageError(f"{text!r} is not a {cls.__name__} location", path=text)
         self = super().__new__(backend)
