@@ -138,15 +138,11 @@ def all_gather(
 
 
 def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:
-    """Return only once this call's spill is gone (unless ``keep_spill``), on every rank.
-
-    The ranks call again with the same ``out`` right after: a rank that returned while dst was
-    still removing would create its next segment in folders being removed, and dst's next merge
-    would see segments of this call. So, with torch.distributed, the other ranks wait for dst's
-    outcome (published after its removal), remove their own segment where dst could not (a
-    node-local root), and every rank meets at a barrier before it returns. Without it (ranks from
-    the environment) a rank returns at the completion marker; dst never deletes a segment of the
-    next call, which it did not merge."""
+    """Return only once this call's spill is gone (unless ``keep_spill``), on every rank (the
+    module docstring's last steps): the ranks call again with the same ``out`` right after, and a
+    rank that returned while dst was still removing would create its next segment in folders
+    being removed. Without torch.distributed (ranks from the environment) a rank returns at the
+    completion marker; dst never deletes a segment of the next call, which it did not merge."""
     session = w.session()
     together = coordinated(session)
     if together and w.rank != dst:
