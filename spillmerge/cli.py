@@ -360,14 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export}
-    handler = {**handlers, "demo": _demo}[args.command]
+    handler = {"merge": _merge, "inspect": _inspect, "verify": _verify, "status": _status, "export": _export,
+               "demo": _demo}[args.command]  # fmt: skip
     try:
         code = handler(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
         return code
-    except BrokenPipeError:
-        return _stdout_closed()
+    except BrokenPipeError:  # the reader of stdout went away (`spillmerge inspect OUT | head`): exit quietly
+        # with the status of a process killed by SIGPIPE, as other command-line tools do; stdout
+        # points at devnull so that the flush at exit does not raise again (Python's docs)
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # 141: 128 + SIGPIPE
     except SpillMergeError as exc:
         msg = " ".join(str(exc).split("\n"))
         print(f"spillmerge {args.command}: error: {msg}", file=sys.stderr)
@@ -379,16 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("spillmerge: interrupted", file=sys.stderr)
         return 130
-
-
-def _stdout_closed() -> int:
-    """The reader of stdout went away (``spillmerge inspect OUT | head``): exit quietly, with the
-    status of a process killed by SIGPIPE, as other command-line tools do. Python's docs:
-    point stdout at devnull so the flush at exit does not raise again."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stdout without a file descriptor
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    return 128 + 13  # 141: 128 + SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -128,9 +128,7 @@ def readers(kind: str, root: str, out: str, scratch: str) -> dict[str, Any]:
         from spillmerge._dist import round as _round
         from spillmerge._storage import Storage
 
-        _round.wait_complete(
-            Storage(out), Storage(root), run_id="run-x", session=0, dst=0, timeout=1.0, outcome=lambda: None
-        )
+        _round.wait_complete(Storage(out), Storage(root), run_id="run-x", session=0, dst=0, timeout=1.0)
 
     def status() -> Any:  # reads every rank's progress.json (advisory: a bad one is no count)
         from spillmerge._inspect import status as _status

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._errors import ConfigError, CorruptSpillError, RankFailedError, SpillMergeError
 from .._format import crc
 from .._read.store import MergedStore
 from .._read.store import open as open_store
@@ -43,7 +43,7 @@ from .._util.gcpause import gc_paused
 from .._write.writer import SpillWriter
 from . import records
 from .gather import CHUNK_BYTES, CallWriter, barrier
-from .rank import gloo_group
+from .rank import on_gloo
 
 ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
@@ -99,12 +99,7 @@ def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
     import torch.distributed as dist
 
     got: list[Any] = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(got, mine, group=gloo_group(timeout))
-    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
-        raise CoordinationError(
-            f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
-        ) from exc
+    on_gloo(rank, timeout, what, dist.all_gather_object, got, mine)
     return got
 
 

@@ -24,7 +24,7 @@ from .._read.store import open as open_store
 from .._util.poll import poll
 from .._write.batch import mapping_items
 from .._write.writer import SpillWriter
-from .rank import gloo_group, resolve_run_id
+from .rank import on_gloo, resolve_run_id
 from .round import coordinated
 from .store import OutcomeWatch
 
@@ -138,15 +138,11 @@ def all_gather(
 
 
 def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:
-    """Return only once this call's spill is gone (unless ``keep_spill``), on every rank.
-
-    The ranks call again with the same ``out`` right after: a rank that returned while dst was
-    still removing would create its next segment in folders being removed, and dst's next merge
-    would see segments of this call. So, with torch.distributed, the other ranks wait for dst's
-    outcome (published after its removal), remove their own segment where dst could not (a
-    node-local root), and every rank meets at a barrier before it returns. Without it (ranks from
-    the environment) a rank returns at the completion marker; dst never deletes a segment of the
-    next call, which it did not merge."""
+    """Return only once this call's spill is gone (unless ``keep_spill``), on every rank (the
+    module docstring's last steps): the ranks call again with the same ``out`` right after, and a
+    rank that returned while dst was still removing would create its next segment in folders
+    being removed. Without torch.distributed (ranks from the environment) a rank returns at the
+    completion marker; dst never deletes a segment of the next call, which it did not merge."""
     session = w.session()
     together = coordinated(session)
     if together and w.rank != dst:
@@ -187,12 +183,7 @@ def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -
 def barrier(rank: int, timeout: float) -> None:
     import torch.distributed as dist
 
-    try:
-        dist.monitored_barrier(group=gloo_group(timeout), timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
-        raise CoordinationError(
-            f"rank {rank}: not every rank finished the call within {timeout:.0f} s ({exc})", rank=rank
-        ) from exc
+    on_gloo(rank, timeout, "finished the call", dist.monitored_barrier, timeout=datetime.timedelta(seconds=timeout))
 
 
 GATHER_BATCH = 256

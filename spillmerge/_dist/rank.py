@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import os
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from .._errors import CoordinationError, SpillValueError
 
@@ -94,3 +96,14 @@ def gloo_group(timeout: float):  # type: ignore[no-untyped-def]
     if key not in _GLOO_GROUPS:
         _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     return _GLOO_GROUPS[key]
+
+
+def on_gloo(rank: int, timeout: float, what: str, collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+    """``collective(*args, group=gloo_group(timeout), **kwargs)``; a timeout or a dead peer (gloo
+    raises RuntimeError) as a :class:`CoordinationError` saying not every rank ``what``."""
+    try:
+        collective(*args, group=gloo_group(timeout), **kwargs)
+    except RuntimeError as exc:
+        raise CoordinationError(
+            f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
+        ) from exc

@@ -76,7 +76,9 @@ class Rounds:
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
                 run_id=session.run_id, **kwargs,
             )  # fmt: skip
-            return _merge_on_dst(session, out, dst, wait, kwargs, part, every_rank_runs=True)
+            if session.rank != dst:
+                part()  # dst's own part runs in its merge_parallel call, which then finalizes
+            return _merge_on_dst(session, out, dst, wait, kwargs, part)
         info: TransferInfo | None = None
         if transport != "storage" and coordinated(session) and not self.shards_here:
             # The first merge of a job gathers every shard where dst can read it; a later merge
@@ -116,22 +118,16 @@ def _merge_on_dst(
     wait: bool,
     kwargs: dict[str, Any],
     run: Callable[[], MergeReport | None],
-    *,
-    every_rank_runs: bool = False,
 ) -> MergeReport | None:
-    """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root);
-    the others (after ``run()`` too when ``every_rank_runs``: a parallel merge's parts) wait
-    for the output when ``wait``, else return None."""
+    """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root); the
+    others wait for the output when ``wait``, else return None."""
     n = session.number
     if session.rank != dst:
-        if every_rank_runs:
-            run()
         if wait:
             output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
             wait_complete(
-                output, session.storage, run_id=session.run_id, session=n, dst=dst,
-                timeout=float(kwargs["timeout"]), outcome=OutcomeWatch(session.run_id, n).poll,
-            )  # fmt: skip
+                output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"])
+            )
         return None
     try:
         report = run()
@@ -156,15 +152,15 @@ def wait_complete(
     session: int,
     dst: int,
     timeout: float,
-    outcome: Callable[[], dict[str, Any] | None],
 ) -> None:
     """A rank other than ``dst``: return once the output holds a completion marker of this run
-    (``run_id``), or the process group's store says the merge succeeded (``outcome()``); raise
+    (``run_id``), or the process group's store says the merge succeeded (:class:`OutcomeWatch`); raise
     :class:`MergeFailedError` naming ``dst`` as soon as its merge is known to have failed (the
     store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
     ``timeout`` seconds."""
+    outcome = OutcomeWatch(run_id, session)
     for waited in _poll.poll(timeout, first=0.002, cap=1.0, factor=1.25):  # a small merge takes ms
-        told = outcome()
+        told = outcome.poll()
         if told is not None:
             if told.get("ok"):
                 return

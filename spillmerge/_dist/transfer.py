@@ -54,6 +54,7 @@ from .._spill.barrier import WaitNotices, assess, raise_for_state
 from .._spill.root import list_segments, scan
 from .._storage import Storage
 from .._util import poll as _poll
+from .rank import gloo_group
 from .store import Coord
 
 TRANSPORTS = ("auto", "storage", "nccl", "gloo")
@@ -169,8 +170,6 @@ def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
     group is collective), participants or not."""
     import torch.distributed as dist
 
-    from .rank import gloo_group
-
     if backend == "nccl":
         return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
     return gloo_group(group_timeout), torch.device("cpu")
@@ -242,8 +241,7 @@ def transfer_shards(
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
     from its root), ``None`` on the other ranks once they have sent what they had to. Unless
     ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``)."""
-    if session.run_id is None:  # the store's keys are named by the run id (never None under torch.distributed)
-        raise CoordinationError(f"rank {session.rank}: a coordinated merge needs a run id", rank=session.rank)
+    assert session.run_id is not None  # the store's keys are named by it: round.coordinated() checked it
     coord = Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
     coord.diagnose = functools.partial(_failures_on_storage, session)
     me = session.rank

@@ -20,7 +20,7 @@ from .._format import spill as FS
 from .._storage import Storage
 from .._util import poll as _poll
 from .._util import progress as _progress
-from .root import Segment, flushed_chunks, list_ranks, list_segments, scan
+from .root import Segment, list_ranks, list_segments, scan
 
 WAIT_NOTICE_FIRST, WAIT_NOTICE_EVERY = 2.0, 30.0
 """Seconds a merge waits for ranks to commit before it says so on stderr, then between two lines
@@ -166,7 +166,8 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
         for r in state.missing:
             where = state.incomplete.get(r)
             if where and r in state.partial:
-                n = flushed_chunks(storage, state.partial[r])
+                journal = storage.listdir(f"{state.partial[r].rel}/{FS.JOURNAL_NAME}")
+                n = sum(name.isdigit() for name in journal)  # one entry per data chunk made durable
                 parts.append(f"rank {r} (uncommitted segment {where}, {n} chunk(s) flushed)")
             else:
                 parts.append(f"rank {r} ({'uncommitted segment ' + where if where else 'no segment'})")

@@ -37,11 +37,8 @@ class _Kept:
 
 class LazySegment:
     """A committed segment read as :class:`LoadedSegment` is (:func:`load_segment`, with its
-    checks), but when its catalog or index is first used, and let go by :meth:`release` (read
-    again if used again) unless it fits in what is left of the merge's :data:`KEEP_BYTES`. A
-    merge plans from the segments one at a time, so the merging process never holds every
-    segment's filenames and index at once (docs/SCALE.md). The layouts and block checksums,
-    which are small, stay once read."""
+    checks) when its catalog or index is first used: a merge plans from the segments one at a
+    time, never holding every segment's filenames and index at once (docs/SCALE.md)."""
 
     def __init__(self, storage: Storage, seg: Segment, kept: _Kept) -> None:
         assert seg.commit is not None

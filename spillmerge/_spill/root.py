@@ -335,11 +335,6 @@ def read_small_array(
     return raw, stored
 
 
-def flushed_chunks(storage: Storage, seg: Segment) -> int:
-    """How many journal entries (= data chunks made durable) an uncommitted segment has."""
-    return len([n for n in storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}") if n.isdigit()])
-
-
 def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[str]]:
     """Rebuild an uncommitted segment's index from its journal: every entry in chunk order up to
     the first missing or corrupt one. Returns the segment and the problems that stopped it."""
@@ -527,10 +522,7 @@ def committed_keys(root: str, storage_options: dict[str, Any] | None = None) -> 
     """Filename → frame indices already committed under a spill root, by any rank and session.
 
     A rerun after a crash can skip these keys; the merge unions all sessions."""
-    storage = Storage(root, storage_options)
-    if not storage.exists(""):
-        return {}
-    return load_committed_keys(storage)
+    return load_committed_keys(Storage(root, storage_options))
 
 
 def load_committed_keys(storage: Storage, *, exclude: str | None = None) -> dict[str, set[int]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,11 +202,13 @@ class Stream:
         assert commit is not None
         self.storage, self.seg, self.commit, self.stem = storage, seg, commit, stem
         self.layouts: list[FS.Layout] = []
-        self.checks: np.ndarray | None = None
         self.n_files = 0
         self.name_bytes = 0
         self._catalog()
-        self._records()
+        bad = functools.partial(corrupt, storage, seg)
+        with _whole_on(CorruptSpillError):  # the block checksums (small: read whole), the chunks promised
+            self.checks: np.ndarray | None = read_checks(storage, seg, bad)
+            check_chunks(storage, seg, bad)
 
     def _catalog(self) -> None:
         rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"
@@ -247,13 +248,6 @@ class Stream:
             self.layouts = [FS.Layout.from_obj(o, path=self.storage.describe(rel)) for o in obj["layouts"]]
         self.n_files, self.name_bytes = names.n, names.nbytes
 
-    def _records(self) -> None:
-        """The block checksums (small: read whole) and the data chunks the commit promises."""
-        bad = functools.partial(corrupt, self.storage, self.seg)
-        with _whole_on(CorruptSpillError):
-            self.checks = read_checks(self.storage, self.seg, bad)
-            check_chunks(self.storage, self.seg, bad)
-
     def names(self) -> Any:
         """The catalog's filenames as an Arrow ``large_binary`` array over maps of the files."""
         import pyarrow as pa
@@ -263,13 +257,6 @@ class Stream:
             data = np.memmap(f"{self.stem}.u8", dtype=np.uint8, mode="r", shape=(self.name_bytes,))
         off = np.memmap(f"{self.stem}.i8", dtype=np.int64, mode="r", shape=(self.n_files + 1,))
         return pa.Array.from_buffers(pa.large_binary(), self.n_files, [None, pa.py_buffer(off), pa.py_buffer(data)])
-
-    def name(self, i: int) -> str:
-        """Filename ``i`` (for a message)."""
-        off = np.fromfile(f"{self.stem}.i8", dtype=np.int64, count=2, offset=8 * i)
-        with open(f"{self.stem}.u8", "rb") as f:
-            f.seek(int(off[0]))
-            return f.read(int(off[1] - off[0])).decode("utf-8")
 
     def rows(self, step: int) -> Iterator[np.ndarray]:
         """The index, about ``step`` rows at a time (int64, ``(rows, FS.INDEX_COLUMNS)``), each
@@ -285,9 +272,3 @@ class Stream:
             with _whole_on(CorruptSpillError):
                 check_rows(bad, self.n_files, self.layouts, list(idx.T), c.nbytes, self.checks, c.chunk_bytes)
             yield idx
-
-    def remove(self) -> None:
-        """Remove the filenames' files (maps of them stay readable)."""
-        for ext in (".u8", ".i8"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.stem + ext)

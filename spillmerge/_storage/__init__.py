@@ -6,6 +6,4 @@ from .base import Sink, Storage
 from .fsspec_store import FsspecStorage
 from .local import LocalStorage
 
-# Importing a backend registers it with Storage (Storage.__init_subclass__).
-
 __all__ = ["FsspecStorage", "LocalStorage", "Sink", "Storage"]

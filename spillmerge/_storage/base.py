@@ -39,13 +39,6 @@ _S3_CONFIG: dict[str, Any] = {
 }
 
 
-def _why(exc: BaseException) -> str:
-    """The cause of a storage error in a few words (``No space left on device`` ...)."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return str(exc.strerror)
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     opts = dict(storage_options)
     if url.startswith(("s3://", "s3a://")):
@@ -75,11 +68,6 @@ class Sink(Protocol):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
 
 
-# The backends: each subclass of Storage registers itself (spillmerge/_storage/__init__.py imports
-# every one); the one whose `local` says whether the filesystem is the local disk serves it.
-_BACKENDS_BY_CLASS: list[type[Storage]] = []
-
-
 class Storage:
     """A root directory (local path or fsspec URL) and relative-path operations below it; the
     methods raising ``NotImplementedError`` here are the primitives each backend implements, the
@@ -97,15 +85,13 @@ class Storage:
     root: str
     """The backend path of the root, resolved (see :meth:`_resolve_root`), without a trailing ``/``."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _BACKENDS_BY_CLASS.append(cls)
-
     def __new__(cls, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
         text = os.fspath(url)
         options = dict(storage_options or {})
         fs, root = _url_to_fs(text, options)
-        backend = next(b for b in _BACKENDS_BY_CLASS if b.local == isinstance(fs, LocalFileSystem))
+        # The backends are Storage's subclasses (spillmerge/_storage/__init__.py imports each one):
+        # the one whose `local` says whether the filesystem is the local disk serves it.
+        backend = next(b for b in Storage.__subclasses__() if b.local == isinstance(fs, LocalFileSystem))
         if not issubclass(backend, cls):
             raise SpillStorageError(f"{text!r} is not a {cls.__name__} location", path=text)
         self = super().__new__(backend)
@@ -157,7 +143,8 @@ class Storage:
             pass
         except Exception as exc:  # noqa: BLE001 - backends raise their own types (botocore, aiohttp)
             where = self.describe(rel)
-            raise SpillStorageError(f"cannot {verb} {where}: {_why(exc)}", path=where) from exc
+            why = str(exc.strerror) if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            raise SpillStorageError(f"cannot {verb} {where}: {why}", path=where) from exc
 
     # ---------------------------------------------------------------------------------- reads
     def exists(self, rel: str) -> bool:

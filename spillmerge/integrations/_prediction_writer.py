@@ -112,12 +112,8 @@ class SpillPredictionWriterMixin:
             pass
         return self._report
 
-    @report.setter
-    def report(self, value: MergeReport | None) -> None:
-        self._report = value
-
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
-        self.report = None
+        self._report = None
         self.writer = SpillWriter(
             self.root, trainer.global_rank, trainer.world_size, self.storage_options, **self.writer_options
         )
@@ -151,9 +147,9 @@ class SpillPredictionWriterMixin:
             return
         w.close()  # the commit record: this rank is done
         if self.out is not None:
-            self.report = w.merge(self.out, **self.merge_options)
-            if self.report is not None:  # for a launching process that ran no hook (ddp_spawn)
-                doc = {"written": time.time(), "report": json.loads(self.report.to_json())}
+            self._report = w.merge(self.out, **self.merge_options)
+            if self._report is not None:  # for a launching process that ran no hook (ddp_spawn)
+                doc = {"written": time.time(), "report": json.loads(self._report.to_json())}
                 w.storage.put_atomic(REPORT_NAME, json.dumps(doc).encode())
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
