@@ -131,10 +131,10 @@ def test_incomplete_spill_names_the_rank(tmp_path, run):
     # A rank that crashed mid-spill leaves an uncommitted segment: name it.
     code = textwrap.dedent(
         f"""
-        import os, torch, spillmerge
+        import os, numpy, spillmerge
         w = spillmerge.SpillWriter({str(root)!r}, rank=1, world_size=3)
         w.open()
-        w.write("clip a.mp4", 1, {{"mask": torch.zeros(4, 4), "score": 0.0}})
+        w.write("clip a.mp4", 1, {{"mask": numpy.zeros((4, 4), numpy.float32), "score": 0.0}})
         os._exit(0)  # killed: no commit record, no failure record
         """
     )

@@ -182,21 +182,21 @@ def test_read_only_root_is_a_clear_error(tmp_path):
 
 
 _PERMISSION_CHILD = r"""
-import json, os, sys, torch, spillmerge
+import json, os, sys, numpy, spillmerge
 denied, own = sys.argv[1], sys.argv[2]
 out = {}
 try:  # A: a rank folder cannot be created under a root we may not write
     with spillmerge.SpillWriter(denied, rank=1, world_size=2) as w:
-        w.write("b.mp4", 0, torch.ones(4))
+        w.write("b.mp4", 0, numpy.ones(4, numpy.float32))
 except spillmerge.SpillMergeError as e:
     out["open"] = [type(e).__name__, str(e)]
 try:  # B: permission taken away while spilling: the flush thread's error reaches the loop
     with spillmerge.SpillWriter(own, rank=0, world_size=1, chunk_bytes=4096, staging_bytes=8192) as w:
-        w.write("c.mp4", 0, torch.zeros(1024))
+        w.write("c.mp4", 0, numpy.zeros(1024, numpy.float32))
         for d, _, _ in os.walk(own):
             os.chmod(d, 0o555)
         for i in range(1, 50):
-            w.write("c.mp4", i, torch.full((1024,), float(i)))
+            w.write("c.mp4", i, numpy.full(1024, i, numpy.float32))
 except spillmerge.SpillMergeError as e:
     out["spill"] = [type(e).__name__, str(e), i]
 print(json.dumps(out))

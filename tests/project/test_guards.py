@@ -445,11 +445,11 @@ def test_write_blocks_while_every_staging_buffer_waits_for_storage(gated):
 
 # --------------------------------------------------------------------- SIGKILL in the middle
 _KILLED_CHILD = r"""
-import os, sys, time, torch, spillmerge
+import os, sys, time, numpy, spillmerge
 root = sys.argv[1]
 with spillmerge.SpillWriter(root, rank=0, world_size=2, chunk_bytes=4096, flush_threads=2) as w:
     for i in range(1_000_000):  # never finishes: SIGKILLed while writing
-        w.write("k.mp4", i, torch.full((1024,), float(i)))
+        w.write("k.mp4", i, numpy.full(1024, i, numpy.float32))
 """
 
 

@@ -124,7 +124,7 @@ CTX = mp.get_context("forkserver")
 # torch is imported once, by the forkserver, not by each writer. (Python < 3.12 does not give the
 # forkserver the test's sys.path, so it cannot preload tests/_nothing_lost_workers itself.)
 CTX.set_forkserver_preload(["torch", "numpy", "spillmerge"])
-N_FRAMES = 150  # frames of the killed rank (about 1.5 MB, 370 chunks)
+N_FRAMES = 60  # frames of the killed rank (about 0.6 MB, 150 chunks)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
