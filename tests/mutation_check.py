@@ -500,10 +500,12 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-text-batch-row-starts",
         "spillmerge/_merge/outputchunk.py",
-        "    return not np.any((whole[starts] & 0xC0) == 0x80)",
-        "    return True",
+        "    ends = np.append(starts, len(whole)).astype(np.int64)\n"
+        "    rows = pa.Array.from_buffers(pa.large_string(), len(starts),",
+        "    ends = np.array([0, len(whole)], dtype=np.int64)\n"
+        "    rows = pa.Array.from_buffers(pa.large_string(), 1,",
         (f"{H}::test_a_character_split_between_two_strings_is_refused",),
-        "a batch of strings checked in one decode still refuses a character split between two rows",
+        "a batch of strings checked at once still refuses a character split between two rows",
     ),
     Mutation(
         "g26-stale-root-at-merge",
@@ -1676,6 +1678,22 @@ MUTATIONS: list[Mutation] = [
         "            crc_a = t0[crc_a & 255] ^ t1[(crc_a >> 8) & 255] ^ t2[(crc_a >> 16) & 255]",
         ("tests/merge/test_copy_checks.py::test_crc32c_combine_matches_the_crc_of_the_joined_bytes",),
         "the output chunk's CRC-32C combined from its rows' is the CRC of its bytes",
+    ),
+    Mutation(
+        "gc-pause-restarts",
+        "spillmerge/_util/gcpause.py",
+        "    finally:\n        gc.enable()",
+        "    finally:\n        pass",
+        ("tests/read/test_gc_state.py",),
+        "the garbage collector runs again after a step that paused it",
+    ),
+    Mutation(
+        "gc-pause-keeps-disabled",
+        "spillmerge/_util/gcpause.py",
+        "    if not gc.isenabled():\n        return fn(*args)\n",
+        "",
+        ("tests/read/test_gc_state.py",),
+        "a caller who disabled the garbage collector finds it disabled after a call",
     ),
 ]
 
