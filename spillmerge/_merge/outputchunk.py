@@ -17,6 +17,7 @@ from .._errors import CorruptSpillError
 from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import crc as _crc
+from .._format import lists as _lists
 from .._format import spill as FS
 from .._spill.root import check_of, data_ranges, verify_block
 from .._storage import Storage
@@ -247,8 +248,8 @@ class OutputChunk:
         file, frame and leaf."""
         plan = self.plan
         seg = plan.segments[int(plan.seg[e])]
-        r = plan.top_row(self.col, r)
-        f = plan.file_of(r)
+        r = _lists.top_row({lst.path: lst.offsets for lst in plan.lists}, F.list_domain(self.col.leaf), r)
+        f = int(plan.file_offsets.searchsorted(r, side="right")) - 1
         row = f"{plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf {F.path_text(self.col.leaf)!r}"
         return seg, self.src.describe(f"{seg.seg.rel}/data"), row
 

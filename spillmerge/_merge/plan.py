@@ -93,20 +93,6 @@ class Plan:
     def n_frames(self) -> int:
         return len(self.frame_idx)
 
-    def top_row(self, col: PlannedColumn, r: int) -> int:
-        """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
-        offsets of its lists, innermost first), for messages naming a file and frame."""
-        offs = {lst.path: lst.offsets for lst in self.lists}
-        domain = F.list_domain(col.leaf)
-        for k in range(len(domain) - 1, -1, -1):
-            if domain[k] == F.ITEM:
-                r = int(offs[domain[: k + 1]].searchsorted(r, side="right")) - 1
-        return r
-
-    def file_of(self, r: int) -> int:
-        """The file of output row ``r``."""
-        return int(self.file_offsets.searchsorted(r, side="right")) - 1
-
 
 SMALL_PLAN_ROWS = 1 << 18
 """Index rows below which the sort runs on one thread: DuckDB's worker threads cost more to start
