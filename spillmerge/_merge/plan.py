@@ -82,8 +82,6 @@ class Plan:
     key_orders: dict[str, Any] | None = None
     """The output header's ``key_orders`` (``_format.keyorder.output_orders``): the dicts' key order,
     from the segments' layouts, kept with the plan so a stored plan carries it too."""
-    blocks: Any = None
-    """A stored plan's block cache (``_merge.planblocks.BlockCache``: what this process read of it), else None."""
 
     @property
     def n_files(self) -> int:

@@ -285,7 +285,7 @@ def load(
             names, arr("file_offsets", monotonic=True), arr("frame_idx"), arr("rank"), arr("copies"),
             arr("file_layout"), [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"),
             arr("nbytes"), arr("crc"), int(body["duplicates"]), int(body["total_bytes"]), lists,
-            body.get("key_orders"), blocks=cache,
+            body.get("key_orders"),
         )  # fmt: skip
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")
