@@ -262,12 +262,10 @@ def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
 def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:
     """A part failed before it had a plan: its failure record (of no plan) says so to ``status``
     and to whoever reruns it. Only into an output that is absent, empty or ours; best effort."""
-    try:
+    with contextlib.suppress(Exception):  # the original error matters more
         output = _output_storage(root, out, options)
         if not output.exists("") or not output.listdir("") or _output.is_ours(output):
             _parts.write_failure(output, part[0], part[1], "", None, options.run_id, exc)
-    except Exception:  # noqa: BLE001 - the original error matters more
-        pass
 
 
 def plan_options(job: Job) -> dict[str, Any]:

@@ -4,6 +4,7 @@ its plan (docs/FORMAT.md section 2, docs/GUARANTEES.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -41,10 +42,8 @@ def write_failure(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
-    try:
+    with contextlib.suppress(Exception):  # the original error matters more than this one
         put(output, FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id))
-    except Exception:  # noqa: BLE001 - the original error matters more than this one
-        pass
 
 
 def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:

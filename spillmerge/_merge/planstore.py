@@ -4,6 +4,7 @@ finalize read it, and a stored plan failing any digest is rebuilt, never trusted
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -203,10 +204,8 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         doc = {"kind": _KIND, "format_version": F.FORMAT_VERSION, "body": body, "digest": _body_digest(body)}
         output.put_atomic(MANIFEST, json.dumps(doc, sort_keys=True, ensure_ascii=True).encode("ascii"))
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):  # the original error matters more
             output.rm_tree(PLAN_DIR)
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
         raise
 
 
