@@ -102,15 +102,13 @@ def obtain(
             lease = _planner_lease(output)
             if lease is not None:
                 with lease:  # (stored while we took the lease?)
-                    return stored() or _build_and_store(output, lease, key, plan_here, settings, notes)
+                    return stored() or _build(output, lease, key, plan_here, settings, notes)
         elif not _lease.held(output, PLANNER):
             break  # nobody at it: plan here
         if waited >= timeout > 0:
             notes.append(f"no stored plan in {where} after waiting {timeout:.0f} s for the planner")
             break
-    plan, fp = plan_here()
-    notes.append("the plan was built here (not stored)")
-    return Obtained(plan, fp, notes)
+    return _build(output, None, key, plan_here, settings, notes)
 
 
 def rebuild(
@@ -120,14 +118,9 @@ def rebuild(
     """A stored plan found damaged while in use (a block failed its digest): built here from the
     spill root, and stored again in place of the damaged one when this process may store and no
     planner is at work."""
-    notes = [f"the stored plan was not used: {damage}"]
     lease = _planner_lease(output) if may_store else None
-    if lease is not None:
-        with lease:
-            return _build_and_store(output, lease, key, plan_here, settings, notes)
-    plan, fp = plan_here()
-    notes.append("the plan was built here (not stored)")
-    return Obtained(plan, fp, notes)
+    with lease or contextlib.nullcontext():
+        return _build(output, lease, key, plan_here, settings, [f"the stored plan was not used: {damage}"])
 
 
 def _planner_lease(output: Storage) -> _lease.Lease | None:
@@ -138,15 +131,18 @@ def _planner_lease(output: Storage) -> _lease.Lease | None:
         return None
 
 
-def _build_and_store(
-    output: Storage, lease: _lease.Lease, key: str, plan_here: Callable[[], tuple[Plan, str]],
+def _build(
+    output: Storage, lease: _lease.Lease | None, key: str, plan_here: Callable[[], tuple[Plan, str]],
     settings: dict[str, Any], notes: list[str],
 ) -> Obtained:  # fmt: skip
-    """Under the planner ``lease``: the plan built here and stored for the other parts."""
+    """The plan built here; under the planner ``lease`` (None: not held) stored for the other parts."""
     plan, fp = plan_here()
-    lease.check()
-    store(output, plan, key, fp, settings)
-    notes.append(f"the plan was built here and stored in {output.describe(PLAN_DIR)} for the other parts")
+    if lease is None:
+        notes.append("the plan was built here (not stored)")
+    else:
+        lease.check()
+        store(output, plan, key, fp, settings)
+        notes.append(f"the plan was built here and stored in {output.describe(PLAN_DIR)} for the other parts")
     return Obtained(plan, fp, notes)
 
 
