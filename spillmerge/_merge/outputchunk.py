@@ -429,7 +429,7 @@ class OutputChunk:
             count = 0
             if kind == "strlist":  # its layout's shape[0]
                 assert self.col.shapes is not None
-                count = int(self.col.shapes[r, 0])
+                count = int(self.col.shapes[r][0])
             bad = FS.text_problem(kind, count, row)
             if bad is not None:
                 self._corrupt(r, bad)
