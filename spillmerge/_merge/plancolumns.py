@@ -79,7 +79,7 @@ class PlannedColumn:
     @property
     def storage(self) -> str:
         """numpy dtype of ``values``: ``uint8`` (bytes) for the non-numeric kinds."""
-        if self.kind in ("str", "strlist", "bytes", "pickle"):
+        if self.kind not in FO.NUMERIC_KINDS:
             return "uint8"
         return F.DTYPES[self.dtype].storage
 
