@@ -391,16 +391,12 @@ def held(output: Storage, name: str) -> bool:
     local file systems without a working flock). Creates, locks for longer than a probe, or
     changes nothing; a lock file that is not a regular file counts as not held."""
     if output.local:
-        try:
+        # (no lock file, or no working flock here: such a holder has a lease object, below)
+        with contextlib.suppress(OSError):
             fd = os.open(output.path(f"{LEASE_DIR}/{name}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            fd = -1
-        if fd >= 0:
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode) and _locked(fd):
                     return True
-            except OSError:
-                pass  # no working flock here: such a holder has a lease object (below)
             finally:
                 os.close(fd)
     try:
