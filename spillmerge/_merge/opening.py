@@ -208,7 +208,7 @@ class Job:
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)
-            # a stored plan's block may yet fail its digest (a plan built here raises no DamagedPlan)
+            # a stored block may yet fail its digest (a plan built here raises no DamagedPlan)
             rebuild = functools.partial(_planstore.rebuild, output, key, plan_here, settings=settings,
                                         may_store=may_store)  # fmt: skip
         else:

@@ -242,7 +242,8 @@ class OutputChunk:
         file, frame and leaf."""
         plan = self.plan
         seg = plan.segments[int(plan.seg[e])]
-        r = _lists.top_row({lst.path: lst.offsets for lst in plan.lists}, F.list_domain(self.col.leaf), r)
+        offs = {lst.path: lst.offsets for lst in plan.lists}
+        r = _lists.top_row(offs, F.list_domain(self.col.leaf), r)
         f = int(plan.file_offsets.searchsorted(r, side="right")) - 1
         row = f"{plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf {F.path_text(self.col.leaf)!r}"
         return seg, self.src.describe(f"{seg.seg.rel}/data"), row

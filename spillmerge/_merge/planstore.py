@@ -118,9 +118,10 @@ def rebuild(
     """A stored plan found damaged while in use (a block failed its digest): built here from the
     spill root, and stored again in place of the damaged one when this process may store and no
     planner is at work."""
+    notes = [f"the stored plan was not used: {damage}"]
     lease = _planner_lease(output) if may_store else None
     with lease or contextlib.nullcontext():
-        return _build(output, lease, key, plan_here, settings, [f"the stored plan was not used: {damage}"])
+        return _build(output, lease, key, plan_here, settings, notes)
 
 
 def _planner_lease(output: Storage) -> _lease.Lease | None:
@@ -135,7 +136,7 @@ def _build(
     output: Storage, lease: _lease.Lease | None, key: str, plan_here: Callable[[], tuple[Plan, str]],
     settings: dict[str, Any], notes: list[str],
 ) -> Obtained:  # fmt: skip
-    """The plan built here; under the planner ``lease`` (None: not held) stored for the other parts."""
+    """The plan built here, and under the planner ``lease`` (if held) stored for the other parts."""
     plan, fp = plan_here()
     if lease is None:
         notes.append("the plan was built here (not stored)")
