@@ -5,6 +5,7 @@ Per-row work is vectorised; per-leaf and per-layout tables are small Python ones
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -96,10 +97,7 @@ class PlannedColumn:
     @property
     def unit_bytes(self) -> int:
         """Bytes of one unit of ``values`` (numeric kinds and bytes/pickle)."""
-        n = np.dtype(self.storage).itemsize
-        for d in self.unit_shape:
-            n *= d
-        return n
+        return np.dtype(self.storage).itemsize * math.prod(self.unit_shape)
 
     @property
     def n_units(self) -> int:
