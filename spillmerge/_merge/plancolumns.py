@@ -6,6 +6,7 @@ Per-row work is vectorised; per-leaf and per-layout tables are small Python ones
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -332,9 +333,7 @@ def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str
     """Column name of each group: the leaf's name (``column_names``), and, for a leaf split by
     dtype, that name ``.`` the dtype (hashed if it would equal another column's name)."""
     base = column_names(leaf_paths)
-    per_leaf: dict[int, int] = {}
-    for p, _ in groups:
-        per_leaf[p] = per_leaf.get(p, 0) + 1
+    per_leaf = Counter(p for p, _ in groups)
     out = [base[leaf_paths[p]] if per_leaf[p] == 1 else f"{base[leaf_paths[p]]}.{dt}" for p, dt in groups]
     taken = set(base.values())
     for g, (p, dt) in enumerate(groups):
