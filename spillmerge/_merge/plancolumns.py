@@ -446,6 +446,5 @@ def file_layouts_of(
     for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
         per_file[f].append(p)
     keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
-    inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
-    sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
-    return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]
+    inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int32)
+    return inverse, [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order
