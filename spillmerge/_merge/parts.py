@@ -186,18 +186,10 @@ def wait(
                 f"{output.describe()}: {len(missing)} of {parts} part(s) have no completion record: {names} "
                 f"(expected {output.describe(record_name(missing[0], parts))})"
             )
+            fields = {"path": output.describe(), "missing": missing, "parts": parts}
             if timeout > 0:
-                raise PartsTimeout(
-                    f"{msg} after waiting {waited:.1f} s; check those processes' logs and rerun the parts",
-                    path=output.describe(),
-                    missing=missing,
-                    parts=parts,
-                    waited_s=waited,
-                )
-            raise MissingPartsError(
-                f"{msg}; run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)",
-                path=output.describe(),
-                missing=missing,
-                parts=parts,
-            )
+                why = f"after waiting {waited:.1f} s; check those processes' logs and rerun the parts"
+                raise PartsTimeout(f"{msg} {why}", waited_s=waited, **fields)
+            why = f"run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)"
+            raise MissingPartsError(f"{msg}; {why}", **fields)
     raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover
