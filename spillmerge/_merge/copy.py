@@ -78,7 +78,7 @@ def copy_units(
     chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
 
     def chunk(u: Unit) -> OutputChunk:
-        return OutputChunk(src, plan, plan.columns[u.column], u, chunk_bytes, pending)
+        return OutputChunk(src, plan, u, chunk_bytes, pending)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight

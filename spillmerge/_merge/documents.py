@@ -68,13 +68,9 @@ def values_chunk(col: PlannedColumn, chunk_bytes: int) -> int:
     per = col.unit_bytes
     small = total / rows < SMALL_ROW_BYTES
     target = chunk_bytes // 4 if small else chunk_bytes
-    if small and col.kind in BYTE_KINDS:
+    if small and col.kind not in FO.NUMERIC_KINDS:  # stored as uint8 bytes + byte offsets
         target = min(target, BYTES_CHUNK_BYTES)
     return balanced(n, int(max(target, 1) // max(per, 1)))
-
-
-BYTE_KINDS = ("bytes", "pickle", "str", "strlist")
-"""Column kinds stored as uint8 bytes + byte offsets."""
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:

@@ -108,9 +108,8 @@ def share(chunks: Sequence[IndexChunk], part: int, parts: int) -> list[IndexChun
 
 def write(output: Storage, chunks: Sequence[IndexChunk], *, threads: int) -> None:
     """Write ``chunks`` (whole objects: a rerun rewrites them), ``threads`` at a time."""
-    folders = sorted({c.key.rsplit("/", 1)[0] for c in chunks})
-    for f in folders:
-        output.makedirs(f)
+    for folder in sorted({c.key.rsplit("/", 1)[0] for c in chunks}):
+        output.makedirs(folder)
 
     def put(c: IndexChunk) -> None:
         output.put(c.key, c.encode())  # type: ignore[arg-type]
@@ -120,5 +119,4 @@ def write(output: Storage, chunks: Sequence[IndexChunk], *, threads: int) -> Non
             put(c)
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-index") as pool:
-        for fut in [pool.submit(put, c) for c in chunks]:
-            fut.result()
+        list(pool.map(put, chunks))  # raises the first error, in chunk order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -192,10 +193,8 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
                 # The output is unusable without its completion marker anyway; removing what we
                 # wrote keeps the next merge (or a reader) from seeing half a store. Only while the
                 # lease is still ours: a merge that took over after it expired owns the output now.
-                try:
+                with contextlib.suppress(Exception):
                     _output.remove_ours(output, lease)
-                except Exception:  # noqa: BLE001
-                    pass
                 raise
     except BaseException:
         if created:  # leave no empty folder behind where there was none

@@ -4,6 +4,7 @@ local disks, conditional-PUT objects renewed by a heartbeat on object stores."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -344,20 +345,16 @@ class Lease:
             except OSError:
                 alone = False
             if alone:
-                try:
+                with contextlib.suppress(Exception):  # best effort: lock files are harmless
                     self.output.rm_tree(LEASE_DIR)
-                except Exception:  # noqa: BLE001 - best effort: lock files are harmless
-                    pass
         for fd in self._fds.values():
             os.close(fd)  # drops the flock
         self._fds.clear()
         for rel in self._objects:
-            try:
+            with contextlib.suppress(Exception):  # best effort: an unremoved lease expires by itself
                 current = self._read_object(rel)
                 if current is not None and current.owner == self.holder.owner:
                     self.output.rm_tree(rel)
-            except Exception:  # noqa: BLE001 - best effort: an unremoved lease expires by itself
-                pass
         self._objects.clear()
 
     def __enter__(self) -> Lease:
@@ -394,16 +391,12 @@ def held(output: Storage, name: str) -> bool:
     local file systems without a working flock). Creates, locks for longer than a probe, or
     changes nothing; a lock file that is not a regular file counts as not held."""
     if output.local:
-        try:
+        # (no lock file, or no working flock here: such a holder has a lease object, below)
+        with contextlib.suppress(OSError):
             fd = os.open(output.path(f"{LEASE_DIR}/{name}.lock"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            fd = -1
-        if fd >= 0:
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode) and _locked(fd):
                     return True
-            except OSError:
-                pass  # no working flock here: such a holder has a lease object (below)
             finally:
                 os.close(fd)
     try:

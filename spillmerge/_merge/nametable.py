@@ -64,9 +64,6 @@ class NameTable(Sequence[str]):
         lo = bisect.bisect_left(range(len(self)), key, key=self.raw)
         return lo if lo < len(self) and self.raw(lo) == key else -1
 
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self.search(name) >= 0
-
     def index_arrays(self, block: int) -> dict[str, np.ndarray]:
         """The output's ``index/filenames``, ``filename_offsets``, ``filename_heads`` and
         ``filename_head_offsets`` (the first name of every ``block``)."""

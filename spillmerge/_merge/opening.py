@@ -72,7 +72,7 @@ class Job:
     """A part's lease, taken before it plans (two runs of one part never plan or write at once)
     and held until :meth:`close`; None for a whole merge and the finalize."""
     rebuild: Callable[[BaseException], _planstore.Obtained] | None = None
-    """For a plan read from the store: builds it again from the spill root (:meth:`redone`)."""
+    """For a part or a finalize: builds the plan again from the spill root (:meth:`redone`)."""
 
     def redone(self, work: Callable[[], T]) -> T:
         """``work()``; when the stored plan this job reads fails a check while in use (a block
@@ -208,9 +208,9 @@ class Job:
             )  # fmt: skip
             plan, plan_id = got.plan, got.fingerprint
             notes.extend(got.notes)
-            if plan.blocks is not None:  # read from the store: a block may yet fail its digest
-                rebuild = functools.partial(_planstore.rebuild, output, key, plan_here, settings=settings,
-                                            may_store=may_store)  # fmt: skip
+            # a stored block may yet fail its digest (a plan built here raises no DamagedPlan)
+            rebuild = functools.partial(_planstore.rebuild, output, key, plan_here, settings=settings,
+                                        may_store=may_store)  # fmt: skip
         else:
             plan, plan_id = plan_here()
         phases["plan"] = time.perf_counter() - t - phases["load"]
@@ -262,12 +262,10 @@ def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
 def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:
     """A part failed before it had a plan: its failure record (of no plan) says so to ``status``
     and to whoever reruns it. Only into an output that is absent, empty or ours; best effort."""
-    try:
+    with contextlib.suppress(Exception):  # the original error matters more
         output = _output_storage(root, out, options)
         if not output.exists("") or not output.listdir("") or _output.is_ours(output):
             _parts.write_failure(output, part[0], part[1], "", None, options.run_id, exc)
-    except Exception:  # noqa: BLE001 - the original error matters more
-        pass
 
 
 def plan_options(job: Job) -> dict[str, Any]:

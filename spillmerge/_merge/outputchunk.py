@@ -17,10 +17,11 @@ from .._errors import CorruptSpillError
 from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import crc as _crc
+from .._format import lists as _lists
 from .._format import spill as FS
 from .._spill.root import check_of, data_ranges, verify_block
 from .._storage import Storage
-from .plan import Plan, PlannedColumn
+from .plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,37 +88,31 @@ class OutputChunk:
     """Builds and writes one output chunk."""
 
     def __init__(
-        self, src: Storage, plan: Plan, col: PlannedColumn, unit: Unit, chunk_bytes: np.ndarray,
-        pending: PendingBlocks,
-    ) -> None:  # fmt: skip
+        self, src: Storage, plan: Plan, unit: Unit, chunk_bytes: np.ndarray, pending: PendingBlocks
+    ) -> None:
         """``chunk_bytes``: each segment's data chunk size, by position in ``plan.segments``;
         ``pending``: shared by the chunks of one merge (a block checksum covers rows of many
         chunks), where rows checked by a block leave their CRC-32C."""
+        col = plan.columns[unit.column]
         self.src, self.plan, self.col, self.u, self.off = src, plan, col, unit, col.offsets
         self.chunk_bytes, self.pending, self.checked = chunk_bytes, pending, pending.checked
         self.crc: int | None = None
         """The CRC-32C of the chunk's bytes, when the copy derived it from its rows' (``_pieces``)."""
 
-    @property
-    def key(self) -> str:
-        return f"columns/{self.col.name}/values/c/{self.u.chunk}" + "/0" * len(self.col.unit_shape)
-
     def write(self, output: Storage, codec: str, fsync: bool = False) -> None:
         col = self.col
         buffers = self._numeric(raw=codec == "none")
-        itemsize = np.dtype(col.storage).itemsize
-        enc = _codecs.encoder(codec, itemsize)
+        enc = _codecs.encoder(codec, np.dtype(col.storage).itemsize)
         if enc is not None:
             whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
             buffers = [np.frombuffer(enc.encode(whole), dtype=np.uint8)]
-        out_crc = 0
         if enc is None and self.crc is not None:  # combined from the rows' CRCs: no second read
             out_crc = self.crc
         else:
-            for part in buffers:
-                out_crc = _crc.extend(out_crc, part)
-        output.makedirs(self.key.rsplit("/", 1)[0])
-        output.put(self.key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
+            out_crc = functools.reduce(_crc.extend, buffers, 0)
+        key = f"columns/{col.name}/values/c/{self.u.chunk}" + "/0" * len(col.unit_shape)
+        output.makedirs(key.rsplit("/", 1)[0])
+        output.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
 
     # -- reading source rows -----------------------------------------------------------------
 
@@ -247,8 +242,9 @@ class OutputChunk:
         file, frame and leaf."""
         plan = self.plan
         seg = plan.segments[int(plan.seg[e])]
-        r = plan.top_row(self.col, r)
-        f = plan.file_of(r)
+        offs = {lst.path: lst.offsets for lst in plan.lists}
+        r = _lists.top_row(offs, F.list_domain(self.col.leaf), r)
+        f = int(plan.file_offsets.searchsorted(r, side="right")) - 1
         row = f"{plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf {F.path_text(self.col.leaf)!r}"
         return seg, self.src.describe(f"{seg.seg.rel}/data"), row
 
@@ -428,7 +424,7 @@ class OutputChunk:
             count = 0
             if kind == "strlist":  # its layout's shape[0]
                 assert self.col.shapes is not None
-                count = int(self.col.shapes[r, 0])
+                count = int(self.col.shapes[r][0])
             bad = FS.text_problem(kind, count, row)
             if bad is not None:
                 self._corrupt(r, bad)

@@ -21,7 +21,7 @@ def overlaps(a: Storage, b: Storage) -> bool:
     return pa.startswith(pb) or pb.startswith(pa)
 
 
-OURS = ("zarr.json", "columns", "files", "index", _parts.PARTS_DIR, FO.COMPLETE_NAME)
+OURS = ("zarr.json", "columns", "files", "index", "lists", _parts.PARTS_DIR, FO.COMPLETE_NAME)
 """Top-level names a merge writes, the only ones it ever deletes (plus its temporary names)."""
 _TEMP = tuple(f"{name}.tmp-" for name in ("zarr.json", FO.COMPLETE_NAME))
 
@@ -93,9 +93,10 @@ def is_ours(output: Storage) -> bool:
 
 
 def refuse_links(output: Storage, overwrite: bool) -> None:
-    """Writing or deleting through a linked ``files/``, ``index/`` or ``spillmerge-parts/`` would
-    act on another folder: refuse it, or with ``overwrite`` remove the link (never its target)."""
-    for name in ("columns", "files", "index", _parts.PARTS_DIR):
+    """Writing or deleting through a linked ``columns/``, ``files/``, ``index/``, ``lists/`` or
+    ``spillmerge-parts/`` would act on another folder: refuse it, or with ``overwrite`` remove the
+    link (never its target)."""
+    for name in ("columns", "files", "index", "lists", _parts.PARTS_DIR):
         if output.is_link(name):
             if not overwrite:
                 raise UnsafePathError(

@@ -4,6 +4,7 @@ its plan (docs/FORMAT.md section 2, docs/GUARANTEES.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -41,10 +42,8 @@ def write_failure(
     output: Storage, part: int, parts: int, plan: str, rank: int | None, run_id: str | None, exc: BaseException
 ) -> None:
     """Best effort: a part that cannot write its failure record is found missing at the timeout."""
-    try:
+    with contextlib.suppress(Exception):  # the original error matters more than this one
         put(output, FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id))
-    except Exception:  # noqa: BLE001 - the original error matters more than this one
-        pass
 
 
 def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:
@@ -187,18 +186,10 @@ def wait(
                 f"{output.describe()}: {len(missing)} of {parts} part(s) have no completion record: {names} "
                 f"(expected {output.describe(record_name(missing[0], parts))})"
             )
+            fields = {"path": output.describe(), "missing": missing, "parts": parts}
             if timeout > 0:
-                raise PartsTimeout(
-                    f"{msg} after waiting {waited:.1f} s; check those processes' logs and rerun the parts",
-                    path=output.describe(),
-                    missing=missing,
-                    parts=parts,
-                    waited_s=waited,
-                )
-            raise MissingPartsError(
-                f"{msg}; run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)",
-                path=output.describe(),
-                missing=missing,
-                parts=parts,
-            )
+                why = f"after waiting {waited:.1f} s; check those processes' logs and rerun the parts"
+                raise PartsTimeout(f"{msg} {why}", waited_s=waited, **fields)
+            why = f"run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)"
+            raise MissingPartsError(f"{msg}; {why}", **fields)
     raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover

@@ -83,8 +83,6 @@ class Plan:
     key_orders: dict[str, Any] | None = None
     """The output header's ``key_orders`` (``_format.keyorder.output_orders``): the dicts' key order,
     from the segments' layouts, kept with the plan so a stored plan carries it too."""
-    blocks: Any = None
-    """A stored plan's block cache (``_merge.planblocks.BlockCache``: what this process read of it), else None."""
 
     @property
     def n_files(self) -> int:
@@ -93,20 +91,6 @@ class Plan:
     @property
     def n_frames(self) -> int:
         return len(self.frame_idx)
-
-    def top_row(self, col: PlannedColumn, r: int) -> int:
-        """The output row whose value holds row ``r`` of ``col`` (a list's item: through the
-        offsets of its lists, innermost first), for messages naming a file and frame."""
-        offs = {lst.path: lst.offsets for lst in self.lists}
-        domain = F.list_domain(col.leaf)
-        for k in range(len(domain) - 1, -1, -1):
-            if domain[k] == F.ITEM:
-                r = int(offs[domain[: k + 1]].searchsorted(r, side="right")) - 1
-        return r
-
-    def file_of(self, r: int) -> int:
-        """The file of output row ``r``."""
-        return int(self.file_offsets.searchsorted(r, side="right")) - 1
 
 
 SMALL_PLAN_ROWS = 1 << 18
@@ -253,7 +237,7 @@ def resolve_duplicates(
     same_bytes: SameBytes,
 ) -> tuple[np.ndarray, int]:
     """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order:
-    which to keep (one segment's per key, ``_keep``) and how many copies are dropped. Keys are
+    which to keep (one segment's per key) and how many copies are dropped. Keys are
     decided in order: the first whose copies differ raises under ``on_duplicate='error'``."""
     n = len(c["file"])
     new_key = np.ones(n, dtype=bool)
@@ -296,24 +280,20 @@ def resolve_duplicates(
                 frame_idx=frame,
                 ranks=ranks,
             )
-        chosen = _keep(segments, seg_ids, on_duplicate, identical=identical)
+        # Which copy the key's rows come from (docs/GUARANTEES.md, *Resuming a crashed job*).
+        # Identical copies: the lowest rank's, then its earliest segment — a rule of the spill
+        # root's contents alone, so ``frame_rank`` names the same rank whatever order the segments
+        # were started, listed or loaded in (DistributedSampler's padding always attributes to the
+        # lowest rank that wrote the frame). Different content: the policy picks by write order —
+        # ``first`` the earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids``
+        # are positions in ``segments``, which are in that order.
+        if identical:
+            chosen = min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
+        else:
+            chosen = seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
     return keep, duplicates
-
-
-def _keep(segments: Sequence[LoadedSegment], seg_ids: list[int], on_duplicate: str, *, identical: bool) -> int:
-    """Which copy of a duplicated (filename, frame) a row comes from (docs/GUARANTEES.md, *Resuming a crashed job*).
-
-    Identical copies (by bytes): the lowest rank's, then its earliest segment — a rule of the spill
-    root's contents alone, so ``frame_rank`` names the same rank whatever order the segments were
-    started, listed or loaded in (DistributedSampler's padding always attributes to the lowest
-    rank that wrote the frame). Different content: the policy picks by write order — ``first`` the
-    earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids`` are positions in
-    ``segments``, which are in that order."""
-    if identical:
-        return min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
-    return seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
 
 
 def fingerprint(plan: Plan, **settings: Any) -> str:

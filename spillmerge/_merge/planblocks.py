@@ -77,8 +77,8 @@ class BlockCache:
 
 class StoredArray:
     """One array of a stored plan, read a block at a time: ``len``, ``shape``, ``dtype``, indexing
-    by an int, a slice, an int or bool array (and a tuple whose first item is one of those), and
-    :meth:`searchsorted` on a sorted 1-d array (one block read). ``np.asarray`` reads it all."""
+    by an int, a slice, an int or bool array, and :meth:`searchsorted` on a sorted 1-d array (one
+    block read). ``np.asarray`` reads it all."""
 
     def __init__(
         self, output: Storage, rel: str, spec: dict[str, Any], cache: BlockCache,
@@ -138,10 +138,6 @@ class StoredArray:
         return block
 
     def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, tuple):
-            head = self[key[0]]
-            rest = key[1:]
-            return head[rest] if np.ndim(key[0]) == 0 and not isinstance(key[0], slice) else head[(slice(None), *rest)]
         n, rows = self.shape[0], self._rows
         if isinstance(key, (int, np.integer)):
             k = int(key) + n if int(key) < 0 else int(key)

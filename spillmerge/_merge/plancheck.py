@@ -11,9 +11,7 @@ import numpy as np
 
 from .._errors import CorruptSpillError
 from .._format import spill as FS
-
-BLOCK = 1 << 18
-"""File numbers looked at a time."""
+from .plancolumns import ROW_BLOCK
 
 DISTINCT = "catalog filenames must be distinct strings"
 
@@ -55,8 +53,8 @@ def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stam
         fid = file_ids[si]
         seen = 0
         unused: list[np.ndarray] = []
-        for a in range(0, len(fid), BLOCK):
-            f = np.asarray(fid[a : a + BLOCK])
+        for a in range(0, len(fid), ROW_BLOCK):
+            f = np.asarray(fid[a : a + ROW_BLOCK])
             u = np.flatnonzero(f < 0)
             if len(u):
                 unused.append(u + a)
@@ -75,7 +73,7 @@ def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stam
         if len(wanted) < len(ids):
             raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
         found = 0
-        for a in range(0, len(all_names), BLOCK):
-            found += int(pc.sum(pc.is_in(all_names.slice(a, BLOCK), value_set=wanted)).as_py() or 0)
+        for a in range(0, len(all_names), ROW_BLOCK):
+            found += int(pc.sum(pc.is_in(all_names.slice(a, ROW_BLOCK), value_set=wanted)).as_py() or 0)
         if found != len(ids):
             raise corrupt(s, DISTINCT, FS.CATALOG_NAME)

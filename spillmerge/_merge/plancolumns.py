@@ -5,6 +5,8 @@ Per-row work is vectorised; per-leaf and per-layout tables are small Python ones
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -79,7 +81,7 @@ class PlannedColumn:
     @property
     def storage(self) -> str:
         """numpy dtype of ``values``: ``uint8`` (bytes) for the non-numeric kinds."""
-        if self.kind in ("str", "strlist", "bytes", "pickle"):
+        if self.kind not in FO.NUMERIC_KINDS:
             return "uint8"
         return F.DTYPES[self.dtype].storage
 
@@ -96,10 +98,7 @@ class PlannedColumn:
     @property
     def unit_bytes(self) -> int:
         """Bytes of one unit of ``values`` (numeric kinds and bytes/pickle)."""
-        n = np.dtype(self.storage).itemsize
-        for d in self.unit_shape:
-            n *= d
-        return n
+        return np.dtype(self.storage).itemsize * math.prod(self.unit_shape)
 
     @property
     def n_units(self) -> int:
@@ -334,9 +333,7 @@ def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str
     """Column name of each group: the leaf's name (``column_names``), and, for a leaf split by
     dtype, that name ``.`` the dtype (hashed if it would equal another column's name)."""
     base = column_names(leaf_paths)
-    per_leaf: dict[int, int] = {}
-    for p, _ in groups:
-        per_leaf[p] = per_leaf.get(p, 0) + 1
+    per_leaf = Counter(p for p, _ in groups)
     out = [base[leaf_paths[p]] if per_leaf[p] == 1 else f"{base[leaf_paths[p]]}.{dt}" for p, dt in groups]
     taken = set(base.values())
     for g, (p, dt) in enumerate(groups):
@@ -449,6 +446,5 @@ def file_layouts_of(
     for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
         per_file[f].append(p)
     keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
-    inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int64)
-    sets = [[lp_names[b] for b in k] for k in sorted(keyed, key=keyed.__getitem__)]
-    return inverse.astype(np.int32).reshape(-1), [sorted(s) for s in sets]
+    inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int32)
+    return inverse, [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order

@@ -191,8 +191,8 @@ def sort_rows(
     order = lp_order()
     lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
     pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
-    if not n_files:
-        return _empty(n_names)
+    if not n_files:  # no rows: no names, every segment's filenames unnumbered
+        return _collect([], resolve, None, n_names)
     # Threads and memory in the connection's config: a connection made with defaults starts a
     # worker per core before any SET could say otherwise.
     limit = engine_memory(memory_limit)
@@ -226,13 +226,6 @@ def sort_rows(
         for name in os.listdir(folder):  # the sort's inputs; the folder keeps the maps' files
             if name.endswith(".parquet"):
                 os.unlink(os.path.join(folder, name))
-
-
-def _empty(n_names: list[int]) -> Sorted:
-    """No rows: no names, every segment's filenames unnumbered."""
-    ids = [np.full(n, -1, dtype=np.int64) for n in n_names]
-    names = NameTable(np.zeros(0, np.uint8), np.zeros(1, np.int64))
-    return Sorted(names, {k: np.zeros(0, np.int64) for k in COLUMNS}, np.zeros(0, np.int64), 0, ids)
 
 
 def _segment_rows(
@@ -526,7 +519,7 @@ def sort_rows_in_memory(
         if s.n_rows:
             parts.append(_index_columns(si, s.index, gmap, pmap))
     if not parts:
-        return _empty(n_names)
+        return _collect([], resolve, None, n_names)
     rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     distinct = sorted({name for names in encoded for name in names})
     rank_of = {name: i for i, name in enumerate(distinct)}

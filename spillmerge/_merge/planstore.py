@@ -4,6 +4,7 @@ finalize read it, and a stored plan failing any digest is rebuilt, never trusted
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -101,15 +102,13 @@ def obtain(
             lease = _planner_lease(output)
             if lease is not None:
                 with lease:  # (stored while we took the lease?)
-                    return stored() or _build_and_store(output, lease, key, plan_here, settings, notes)
+                    return stored() or _build(output, lease, key, plan_here, settings, notes)
         elif not _lease.held(output, PLANNER):
             break  # nobody at it: plan here
         if waited >= timeout > 0:
             notes.append(f"no stored plan in {where} after waiting {timeout:.0f} s for the planner")
             break
-    plan, fp = plan_here()
-    notes.append("the plan was built here (not stored)")
-    return Obtained(plan, fp, notes)
+    return _build(output, None, key, plan_here, settings, notes)
 
 
 def rebuild(
@@ -121,12 +120,8 @@ def rebuild(
     planner is at work."""
     notes = [f"the stored plan was not used: {damage}"]
     lease = _planner_lease(output) if may_store else None
-    if lease is not None:
-        with lease:
-            return _build_and_store(output, lease, key, plan_here, settings, notes)
-    plan, fp = plan_here()
-    notes.append("the plan was built here (not stored)")
-    return Obtained(plan, fp, notes)
+    with lease or contextlib.nullcontext():
+        return _build(output, lease, key, plan_here, settings, notes)
 
 
 def _planner_lease(output: Storage) -> _lease.Lease | None:
@@ -137,15 +132,18 @@ def _planner_lease(output: Storage) -> _lease.Lease | None:
         return None
 
 
-def _build_and_store(
-    output: Storage, lease: _lease.Lease, key: str, plan_here: Callable[[], tuple[Plan, str]],
+def _build(
+    output: Storage, lease: _lease.Lease | None, key: str, plan_here: Callable[[], tuple[Plan, str]],
     settings: dict[str, Any], notes: list[str],
 ) -> Obtained:  # fmt: skip
-    """Under the planner ``lease``: the plan built here and stored for the other parts."""
+    """The plan built here, and under the planner ``lease`` (if held) stored for the other parts."""
     plan, fp = plan_here()
-    lease.check()
-    store(output, plan, key, fp, settings)
-    notes.append(f"the plan was built here and stored in {output.describe(PLAN_DIR)} for the other parts")
+    if lease is None:
+        notes.append("the plan was built here (not stored)")
+    else:
+        lease.check()
+        store(output, plan, key, fp, settings)
+        notes.append(f"the plan was built here and stored in {output.describe(PLAN_DIR)} for the other parts")
     return Obtained(plan, fp, notes)
 
 
@@ -203,10 +201,8 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         doc = {"kind": _KIND, "format_version": F.FORMAT_VERSION, "body": body, "digest": _body_digest(body)}
         output.put_atomic(MANIFEST, json.dumps(doc, sort_keys=True, ensure_ascii=True).encode("ascii"))
     except BaseException:
-        try:
+        with contextlib.suppress(Exception):  # the original error matters more
             output.rm_tree(PLAN_DIR)
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
         raise
 
 
@@ -285,7 +281,7 @@ def load(
             names, arr("file_offsets", monotonic=True), arr("frame_idx"), arr("rank"), arr("copies"),
             arr("file_layout"), [list(x) for x in body["file_layouts"]], columns, segs, arr("seg"), arr("offset"),
             arr("nbytes"), arr("crc"), int(body["duplicates"]), int(body["total_bytes"]), lists,
-            body.get("key_orders"), blocks=cache,
+            body.get("key_orders"),
         )  # fmt: skip
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")

@@ -25,7 +25,7 @@ class MergeReport:
     out: str
     """Output path or URL."""
     n_files: int
-    """Filenames (arrays or groups under ``files/``) written."""
+    """Filenames written."""
     n_frames: int
     """Frames written."""
     nbytes: int
@@ -70,7 +70,7 @@ class MergeReport:
     ``dst``). A part plans every file, so ``n_files`` / ``n_frames`` are the whole merge's and
     ``nbytes`` the payload of the part's own output chunks. None for a whole merge or a finalize."""
     codec: str = "none"
-    """Output codec of the arrays under ``files/``."""
+    """Output codec of the arrays under ``columns/``."""
     transferred: dict[int, int] = field(default_factory=dict)
     """Rank → shard bytes moved to the merging rank over torch.distributed (node-local roots)."""
     transfer_senders: dict[int, list[int]] = field(default_factory=dict)

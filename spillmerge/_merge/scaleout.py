@@ -40,11 +40,9 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
     mine = [every[k] for k in split(job.plan, every, n)[i]]
     # Two runs of the same part never write at once: a part took its lease (in the output, which
     # it checked it may claim) before planning and keeps it until the job closes.
-    lease = job.lease
+    output, plan_id, overwrite, lease = job.output, job.fingerprint, job.options.overwrite, job.lease
     assert lease is not None
-    _output.claim(job.output, job.options.overwrite, lease)
-    overwrite = job.options.overwrite
-    output, plan_id = job.output, job.fingerprint
+    _output.claim(output, overwrite, lease)
     name = _parts.describe(i, n, rank)
     records = _parts.read_records(output)
     if not overwrite and any(

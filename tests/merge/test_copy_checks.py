@@ -79,6 +79,20 @@ def test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge
         spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=64 << 10, progress=False)
 
 
+def test_a_flipped_byte_in_a_list_item_names_its_frame_and_the_merge_leaves_nothing(tmp_path):
+    root = tmp_path / "root"
+    with spillmerge.SpillWriter(str(root), 0, 1, chunk_bytes=4096) as w:
+        for i in range(6):
+            w.write("f0", i, {"xs": [np.full(300, i, np.float64), np.full(200 + i, i, np.float64)]})
+    chunk = next(root.glob("rank-00000/seg-*/data/c/2"))
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0x01  # in frame 2's first item
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=r"for 'f0' frame 2 leaf 'xs/\[\*\]'"):
+        spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()  # lists/ too: a rerun may claim the folder
+
+
 def test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them(tmp_path):
     """Two ranks' single-leaf values whose names interleave: each rank's rows lie back to back in
     its data chunk, and go to every other place of the output."""
