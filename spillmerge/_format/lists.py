@@ -120,13 +120,6 @@ def expand(offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], per
     return per_row
 
 
-def top_row(offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], d: int) -> int:
-    """The output row whose value holds row ``d`` of ``domain``."""
-    for lst in reversed(chain(domain)):
-        d = int(np.searchsorted(offs[lst], d, side="right")) - 1
-    return d
-
-
 def positions(
     offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], r: int
 ) -> tuple[int, list[tuple[int, ...]]]:

@@ -13,7 +13,7 @@ from .._errors import ConfigError, SpillMergeError, require
 from .._format import spill as FS
 from .._spill.root import load_segment, scan
 from .._storage import Storage
-from .._util.frames import MAX_FRAME, first_missing, gap_runs, n_below, runs
+from .._util.frames import MAX_FRAME, gap_runs, n_below, runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +46,6 @@ class FileCoverage:
         """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)),
         from the gaps between present frames: O(frames) whatever the span."""
         return gap_runs(self.frames, self.span)
-
-    def missing(self, limit: int = 10_000) -> np.ndarray:
-        """The first ``limit`` absent frame indices below :attr:`span` (ascending); an explicit list
-        is capped, as ``MergeReport.frame_gaps`` is: :meth:`missing_runs` has them all."""
-        return np.asarray(first_missing(self.frames, self.span, limit), dtype=np.int64)
 
     def unexpected(self) -> np.ndarray:
         """Frames at or beyond the manifest's count (none without a manifest)."""
