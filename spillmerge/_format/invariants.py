@@ -116,18 +116,29 @@ def grid_problems(rel: str, arr: Any) -> list[Problem]:
 
 
 def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
-    """``offsets``: ``n + 1`` entries from 0, never decreasing, ending at ``rows`` (``of`` says
-    what ``rows`` counts, ``what`` what ``n`` counts)."""
+    """``offsets``: ``n + 1`` entries (``what`` says what ``n`` counts), then
+    :func:`offsets_block_problems` of them all, ending at ``rows``."""
     if len(offsets) != n + 1:
         return [(rel, f"{len(offsets)} entries for {n} {what} (must be {n + 1})")]
-    if offsets[0] != 0:
-        return [(rel, f"starts at {int(offsets[0])}, not 0")]
-    step = np.diff(offsets)
+    return offsets_block_problems(rel, offsets, 0, True, rows, of)
+
+
+def offsets_block_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[Problem]:
+    """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
+    when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
+    if not len(o):
+        return []
+    if first == 0 and int(o[0]) != 0:
+        return [(rel, f"starts at {int(o[0])}, not 0")]
+    step = np.diff(o)
     if np.any(step < 0):
-        i = int(np.flatnonzero(step < 0)[0])
-        return [(rel, f"decreases from {int(offsets[i])} to {int(offsets[i + 1])} at entry {i + 1}")]
-    if offsets[-1] != rows:
-        return [(rel, f"ends at {int(offsets[-1])}, but {of} has {rows} rows")]
+        j = int(np.flatnonzero(step < 0)[0])
+        return [(rel, f"decreases from {int(o[j])} to {int(o[j + 1])} at entry {first + j + 1}")]
+    if last and int(o[-1]) != n:
+        return [(rel, f"ends at {int(o[-1])}, but {of} has {n} rows")]
+    if int(o[0]) < 0 or int(o[-1]) > n:
+        j = 0 if int(o[0]) < 0 else len(o) - 1
+        return [(rel, f"entry {first + j} is {int(o[j])}, outside 0..{n} ({of} has {n} rows)")]
     return []
 
 

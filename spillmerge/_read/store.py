@@ -106,7 +106,7 @@ class OutputFiles:
 
         def offsets_check(c: int, arr: np.ndarray) -> None:
             last = c == fo_chunks - 1
-            raise_(LZ.offsets_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
+            raise_(V.offsets_block_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
 
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
         self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
