@@ -1028,8 +1028,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-key-order',
         "spillmerge/_format/keyorder.py",
-        "        rank = spec.get(path)\n",
-        "        rank = None\n",
+        "    rank = None if spec is None else spec.get(path) or spec.get(F.general_path(path)[0])\n",
+        "    rank = None\n",
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'dicts come back from the drop-ins with their key order',
     ),

@@ -314,13 +314,8 @@ class KeyOrders:
 def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[str, Any]]:
     """A dict node's (segment, child) pairs in the key order ``spec`` gives the dict at
     ``path`` (its exact path, else its list's ``ITEM`` path); sorted when it gives none."""
-    if spec is not None:
-        rank = spec.get(path)
-        if rank is None:
-            gen = F.general_path(path)[0]
-            if gen != path:
-                rank = spec.get(gen)
-        if rank is not None:
-            far = len(rank)
-            return sorted(kids.items(), key=lambda kv: (rank.get(kv[0], far), kv[0]))
+    rank = None if spec is None else spec.get(path) or spec.get(F.general_path(path)[0])
+    if rank:  # (an empty order sorts as sorted order does)
+        far = len(rank)
+        return sorted(kids.items(), key=lambda kv: (rank.get(kv[0], far), kv[0]))
     return sorted(kids.items())
