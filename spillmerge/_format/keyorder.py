@@ -195,7 +195,7 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
 
 def output_orders(
     filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray],
-    *, new: Alloc = _in_memory, block: int | None = None,
+    *, new: Alloc = _in_memory,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
@@ -203,18 +203,17 @@ def output_orders(
     segment, the position in ``filenames`` of each of its filenames (-1: none).
 
     Each file's layouts are walked in row order (:class:`_States`), a key's first position
-    winning. Rows and files go ``block`` at a time into arrays from ``new``."""
-    step = block or BLOCK
+    winning. Rows and files go :data:`BLOCK` at a time into arrays from ``new``."""
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)
     if not sigs or not n_files:
         return None
     walker = _States(sigs)
     states = new("key_states", n_files, np.int64)
-    for g, sg in _rows(segments, lay_sigs, file_ids, step):
+    for g, sg in _rows(segments, lay_sigs, file_ids, BLOCK):
         walker.walk(states, g, sg)
     runs: list[list[int]] = []
-    for a, b in _spans(n_files, step):
+    for a, b in _spans(n_files, BLOCK):
         st = np.asarray(states[a:b])
         files = np.flatnonzero(st)
         if not len(files):
