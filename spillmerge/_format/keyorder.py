@@ -32,16 +32,6 @@ def positions(path: Path, orders: dict[Path, dict[str, int]]) -> tuple[int, ...]
     return tuple(out) if hit else None
 
 
-def check_pos(pos: Any, leaf: Path, where: str) -> tuple[int, ...] | None:
-    """A catalog layout's ``pos`` as stored, checked: one int >= -1 per leaf segment."""
-    if pos is None:
-        return None
-    if not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf):
-        raise CorruptSpillError(f"{where}: layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}",
-                                path=where)  # fmt: skip
-    return tuple(pos)
-
-
 # --------------------------------------------------------------------------------------------
 # merge
 

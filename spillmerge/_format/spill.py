@@ -33,7 +33,6 @@ from .common import (
     str_list,
     str_or_none,
 )
-from .keyorder import check_pos
 
 RANK_PREFIX = "rank-"
 SEGMENT_PREFIX = "seg-"
@@ -289,7 +288,11 @@ class Layout:
         want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        lay = cls(tuple(leaf), dtype, tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
+        pos = obj.get("pos")
+        if pos is not None and (not int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
+            what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
+            raise CorruptSpillError(f"{path}: {what}", path=path)
+        lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
