@@ -435,7 +435,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-header-counts-vs-index",
-        "spillmerge/_format/indexinvariants.py",
+        "spillmerge/_format/invariants.py",
         "        if header.get(field) != want:",
         "        if False:",
         ("tests/project/test_guarded_checks.py::test_header_counts_that_disagree_with_the_index_are_refused",),
