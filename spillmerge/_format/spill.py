@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CorruptSpillError
+from . import crc as _crc
 from .common import (
     DTYPES,
     HARD_MAX_BYTES,
@@ -346,8 +347,6 @@ def encode_journal(
     chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray,
     check_base: int = 0, checks: np.ndarray | None = None,
 ) -> bytes:  # fmt: skip
-    from . import crc as _crc
-
     head: dict[str, Any] = {
         "chunk": chunk,
         "file_base": file_base,
@@ -388,8 +387,6 @@ class JournalEntry:
 
 
 def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
-    from . import crc as _crc
-
     if len(blob) < 12 or blob[:4] != JOURNAL_MAGIC:
         raise CorruptSpillError(f"{path}: not a journal entry", path=path)
     if _crc.value(blob[:-4]) != int.from_bytes(blob[-4:], "little"):
