@@ -75,10 +75,6 @@ class Coverage:
     def n_missing(self) -> int:
         return sum(f.n_missing for f in self.files)
 
-    @property
-    def n_duplicated(self) -> int:
-        return sum(int(np.count_nonzero(f.copies > 1)) for f in self.files)
-
     def to_json(self, max_files: int | None = None) -> dict[str, Any]:
         """Frame sets as inclusive ``[first, last]`` runs, so a million frames stay a few lines.
         ``max_files``: list at most that many files, those with missing, duplicated or unexpected
@@ -243,7 +239,7 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
     handles = [Patch(color=color[r], label=f"rank {r}") for r in ranks]
     handles.append(Patch(color="red", label=f"missing ({cov.n_missing})"))
-    handles.append(Patch(color="black", label=f"duplicated ({cov.n_duplicated})"))
+    handles.append(Patch(color="black", label=f"duplicated ({sum(len(f.duplicated()) for f in cov.files)})"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     more = f" (first {len(files)} of {len(cov.files)} files)" if len(cov.files) > len(files) else ""
     ax.set_title(f"{cov.kind} {cov.path}{more}", fontsize=8)
