@@ -51,10 +51,9 @@ def read_array(arr: Any, sel: Any = None) -> np.ndarray:
 
 def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``a .. b-1`` of ``arr``, read one chunk row at a time into the result on a local disk
-    (zarr holds every chunk of a selection and its decoded copy until the selection is filled:
-    a 64 MiB file of 16 MiB chunks peaked at ~170 MiB above the result; chunk by chunk it is one
-    chunk), four at a time on object stores, where requests in flight are what makes reads fast.
-    ``out`` (``b - a`` rows) receives them when given."""
+    (zarr holds every chunk of a selection and its decoded copy until the selection is filled),
+    four at a time on object stores, where requests in flight make reads fast. ``out`` (``b - a``
+    rows) receives them when given."""
     k = int(arr.chunks[0]) * (1 if getattr(arr.store, "local", False) else 4)
     if b - a <= k and out is None:
         return read_array(arr, slice(a, b))
