@@ -247,8 +247,8 @@ def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -
     rel = f"columns/{c.name}"
     out: list[Problem] = []
     a = c.arrays
-    compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
-    if c.kind in ("fixed", "str") and not compact and "offsets" not in a and a["values"].shape[0] != n_rows:
+    # (only a fixed column may lack offsets, read_columns checks: then it holds a value per row)
+    if "offsets" not in a and a["values"].shape[0] != n_rows:
         out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but {of} has {n_rows}"))
     for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
         if k in a and a[k].shape[0] != want:
@@ -421,7 +421,7 @@ def meta_problems(
     lengths: dict[str, int],
     header: dict[str, Any],
     columns: dict[str, StoredColumn],
-    lists: Any = None,
+    lists: tuple[dict[tuple[str, ...], Any], dict[tuple[str, ...], int]],
 ) -> list[Problem]:
     """What the header and the index arrays' lengths break, from metadata alone (``open``; the
     contents are checked block by block as they are read, ``_read.index``). ``lists``: (list
@@ -449,7 +449,7 @@ def meta_problems(
     for field, want in (("n_files", n), ("n_frames", rows)):
         if header.get(field) != want:
             out.append(("zarr.json", f"the header's {field} is {header.get(field)!r}, but the index holds {want}"))
-    groups, sizes = lists if lists is not None else ({}, {})
+    groups, sizes = lists
     for c in columns.values():
         domain = F.list_domain(c.leaf)
         if not domain:
