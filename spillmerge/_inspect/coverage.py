@@ -147,13 +147,10 @@ def _merged(storage: Storage) -> tuple[_PerFile, list[str]]:
     from .._read.store import MergedStore
 
     res = MergedStore(storage.url, storage.storage_options)
-    out: _PerFile = {}
-    # slice the index arrays: no lookup per file
-    names, off, all_frames, all_ranks, all_copies = res.index_arrays()
-    for i, name in enumerate(names):
-        a, b = int(off[i]), int(off[i + 1])
-        out[name] = (all_frames[a:b], all_ranks[a:b], all_copies[a:b])
-    return out, []
+    names, off, frames, ranks, copies = res.index_arrays()
+    e = off.tolist()  # each file's slices of the index arrays: no lookup per file
+    spans = zip(names, e[:-1], e[1:], strict=True)
+    return {name: (frames[a:b], ranks[a:b], copies[a:b]) for name, a, b in spans}, []
 
 
 def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
