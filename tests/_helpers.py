@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,11 @@ from spillmerge._spill.barrier import wait_for_commits
 from spillmerge._spill.lazy import load_all
 from spillmerge._spill.root import LoadedSegment, same_bytes
 from spillmerge._storage import Storage
+
+
+def is_safe_node_name(name: str) -> bool:
+    """A node name ``_format.common.node_names`` may give: a plain name, or a slug and its hash."""
+    return bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$|^[A-Za-z0-9._-]{0,60}~[0-9a-f]{16}$", name))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

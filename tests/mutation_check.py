@@ -435,7 +435,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "g26-header-counts-vs-index",
-        "spillmerge/_format/indexinvariants.py",
+        "spillmerge/_format/invariants.py",
         "        if header.get(field) != want:",
         "        if False:",
         ("tests/project/test_guarded_checks.py::test_header_counts_that_disagree_with_the_index_are_refused",),
@@ -1031,8 +1031,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-key-order',
         "spillmerge/_format/keyorder.py",
-        "        rank = spec.get(path)\n",
-        "        rank = None\n",
+        "    rank = None if spec is None else spec.get(path) or spec.get(F.general_path(path)[0])\n",
+        "    rank = None\n",
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'dicts come back from the drop-ins with their key order',
     ),

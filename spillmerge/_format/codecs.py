@@ -91,8 +91,7 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
         rest = rest[:-1]
     if first != "bytes" or len(rest) > 1 or (rest and rest[0] not in _COMPRESSORS):
         raise ValueError(
-            f"codec chain {names!r:.200} is not one spillmerge writes (bytes, then blosc or zstd, "
-            "then crc32c)"
+            f"codec chain {names!r:.200} is not one spillmerge writes (bytes, then blosc or zstd, then crc32c)"
         )
     return str(first), (str(rest[0]) if rest else None), crc
 

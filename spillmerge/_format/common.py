@@ -363,10 +363,6 @@ def column_name_choices(leaf: tuple[str, ...], dtype: str | None) -> set[str]:
     return out
 
 
-def is_safe_node_name(name: str) -> bool:
-    return bool(_SAFE_RE.match(name)) or bool(re.match(r"^[A-Za-z0-9._-]{0,60}~[0-9a-f]{16}$", name))
-
-
 # --------------------------------------------------------------------------------------------
 # what every record's reader checks (the records: _format_spill, _format_output)
 

@@ -1,6 +1,7 @@
-"""Invariants of a merged output's columns (docs/FORMAT.md, *Invariants*) and bounded reads of its
-arrays, shared by the reader and ``spillmerge verify``: each check returns vectorised
-``(path, what is wrong)`` pairs. The index's own invariants are ``_format.indexinvariants``."""
+"""Invariants of a merged output (docs/FORMAT.md, *Invariants*) and bounded reads of its arrays,
+shared by the reader and ``spillmerge verify``: its columns', and those of its index and header
+that ``open`` checks outside the row blocks of ``_read.index`` (filenames sorted, file layouts,
+the header's counts, the index arrays' lengths); each check returns ``(path, what is wrong)`` pairs."""
 
 from __future__ import annotations
 
@@ -50,10 +51,9 @@ def read_array(arr: Any, sel: Any = None) -> np.ndarray:
 
 def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``a .. b-1`` of ``arr``, read one chunk row at a time into the result on a local disk
-    (zarr holds every chunk of a selection and its decoded copy until the selection is filled:
-    a 64 MiB file of 16 MiB chunks peaked at ~170 MiB above the result; chunk by chunk it is one
-    chunk), four at a time on object stores, where requests in flight are what makes reads fast.
-    ``out`` (``b - a`` rows) receives them when given."""
+    (zarr holds every chunk of a selection and its decoded copy until the selection is filled),
+    four at a time on object stores, where requests in flight make reads fast. ``out`` (``b - a``
+    rows) receives them when given."""
     k = int(arr.chunks[0]) * (1 if getattr(arr.store, "local", False) else 4)
     if b - a <= k and out is None:
         return read_array(arr, slice(a, b))
@@ -116,18 +116,29 @@ def grid_problems(rel: str, arr: Any) -> list[Problem]:
 
 
 def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
-    """``offsets``: ``n + 1`` entries from 0, never decreasing, ending at ``rows`` (``of`` says
-    what ``rows`` counts, ``what`` what ``n`` counts)."""
+    """``offsets``: ``n + 1`` entries (``what`` says what ``n`` counts), then
+    :func:`offsets_block_problems` of them all, ending at ``rows``."""
     if len(offsets) != n + 1:
         return [(rel, f"{len(offsets)} entries for {n} {what} (must be {n + 1})")]
-    if offsets[0] != 0:
-        return [(rel, f"starts at {int(offsets[0])}, not 0")]
-    step = np.diff(offsets)
+    return offsets_block_problems(rel, offsets, 0, True, rows, of)
+
+
+def offsets_block_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[Problem]:
+    """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
+    when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
+    if not len(o):
+        return []
+    if first == 0 and int(o[0]) != 0:
+        return [(rel, f"starts at {int(o[0])}, not 0")]
+    step = np.diff(o)
     if np.any(step < 0):
-        i = int(np.flatnonzero(step < 0)[0])
-        return [(rel, f"decreases from {int(offsets[i])} to {int(offsets[i + 1])} at entry {i + 1}")]
-    if offsets[-1] != rows:
-        return [(rel, f"ends at {int(offsets[-1])}, but {of} has {rows} rows")]
+        j = int(np.flatnonzero(step < 0)[0])
+        return [(rel, f"decreases from {int(o[j])} to {int(o[j + 1])} at entry {first + j + 1}")]
+    if last and int(o[-1]) != n:
+        return [(rel, f"ends at {int(o[-1])}, but {of} has {n} rows")]
+    if int(o[0]) < 0 or int(o[-1]) > n:
+        j = 0 if int(o[0]) < 0 else len(o) - 1
+        return [(rel, f"entry {first + j} is {int(o[j])}, outside 0..{n} ({of} has {n} rows)")]
     return []
 
 
@@ -236,8 +247,8 @@ def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -
     rel = f"columns/{c.name}"
     out: list[Problem] = []
     a = c.arrays
-    compact = c.kind == "fixed" and "offsets" in a  # values hold only the rows with a value
-    if c.kind in ("fixed", "str") and not compact and "offsets" not in a and a["values"].shape[0] != n_rows:
+    # (only a fixed column may lack offsets, read_columns checks: then it holds a value per row)
+    if "offsets" not in a and a["values"].shape[0] != n_rows:
         out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but {of} has {n_rows}"))
     for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
         if k in a and a[k].shape[0] != want:
@@ -372,3 +383,105 @@ def records_problems(cols: dict[str, StoredColumn]) -> list[Problem]:
             out.append((f"columns/{h.name}", f"row {row} says its list of dicts at {F.path_text(p)!r} has {int(n[row])} "
                         f"items, but {problem}"))  # fmt: skip
     return out
+
+
+PROVENANCE = ("frame_rank", "frame_copies")
+"""Per-row provenance arrays under ``index/``: the rank a row came from, and its copies."""
+
+
+def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list[Problem]:
+    """``index/filenames`` strictly ascending in code point order (so distinct); ``filenames``
+    is an object array of ``str``."""
+    bad = np.flatnonzero(~(filenames[1:] > filenames[:-1]))
+    if not len(bad):
+        return []
+    i = int(bad[0])
+    a, b = filenames[i], filenames[i + 1]
+    if a == b:
+        return [(rel, f"{a!r:.200} is listed more than once")]
+    return [(rel, f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}")]
+
+
+def layout_problems(file_layout: np.ndarray, n_layouts: int, filenames: Any, first: int = 0) -> list[Problem]:
+    """The first entry of ``file_layout`` (entries ``first ..`` of the index's) that names no
+    position in the header's ``n_layouts`` file layouts."""
+    bad = np.flatnonzero((file_layout < 0) | (file_layout >= n_layouts))
+    if not len(bad):
+        return []
+    i = first + int(bad[0])
+    shown = str(filenames[i]) if i < len(filenames) else "?"
+    what = f"entry {i} ({shown!r:.200}) is {int(file_layout[bad[0]])}, not a position in the header's {n_layouts} file_layouts"
+    return [("index/file_layout", what)]
+
+
+def meta_problems(
+    filenames: Any,
+    n_offsets: int,
+    n_layout: int,
+    lengths: dict[str, int],
+    header: dict[str, Any],
+    columns: dict[str, StoredColumn],
+    lists: tuple[dict[tuple[str, ...], Any], dict[tuple[str, ...], int]],
+) -> list[Problem]:
+    """What the header and the index arrays' lengths break, from metadata alone (``open``; the
+    contents are checked block by block as they are read, ``_read.index``). ``lists``: (list
+    groups, domain sizes) from ``_format.lists``, for the lengths of columns of a list's items."""
+    out: list[Problem] = []
+    n, rows = len(filenames), lengths["frame_idx"]
+    if n_layout != n:
+        out.append(("index/file_layout", f"{n_layout} entries for {n} files in index/filenames"))
+    layouts = header.get("file_layouts")
+    if not isinstance(layouts, list) or not all(F.str_list(lay) for lay in layouts):
+        out.append(("zarr.json", f"the header's file_layouts {layouts!r:.200} is not a list of column-name lists"))
+    else:
+        for j, lay in enumerate(layouts):
+            gone = [c for c in lay if c not in columns]
+            if gone:
+                out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
+                break
+    if n_offsets != n + 1:
+        out.append(("index/frame_offsets", f"{n_offsets} entries for {n} files (must be {n + 1})"))
+    for name in PROVENANCE:
+        if name not in lengths:
+            out.append((f"index/{name}", "missing from the output's index"))
+        elif lengths[name] != rows:
+            out.append((f"index/{name}", f"{lengths[name]} rows, but index/frame_idx has {rows}"))
+    for field, want in (("n_files", n), ("n_frames", rows)):
+        if header.get(field) != want:
+            out.append(("zarr.json", f"the header's {field} is {header.get(field)!r}, but the index holds {want}"))
+    groups, sizes = lists
+    for c in columns.values():
+        domain = F.list_domain(c.leaf)
+        if not domain:
+            out.extend(column_problems(c, rows))
+        elif domain in sizes:
+            out.extend(column_problems(c, sizes[domain], f"lists/{groups[domain].name}/offsets"))
+        elif domain not in groups:
+            out.append((f"columns/{c.name}", f"its rows are the items of the list {list(domain)!r:.200}, "
+                        "which has no list group (lists/)"))  # fmt: skip
+    return out
+
+
+def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
+    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
+    out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
+    idx: Any = group["index"]
+    for name in PROVENANCE:
+        if name in idx:
+            out[name] = index_node(group, name, describe).shape[0]
+    return out
+
+
+def layout_rows(
+    frame_offsets: np.ndarray, file_layout: np.ndarray, layouts: list[list[str]]
+) -> Callable[[str], np.ndarray]:
+    """``in_layout(column)``: per row, whether its file's ``file_layouts`` entry lists the column
+    (offsets and file_layout already checked)."""
+    file_of_row = np.repeat(np.arange(len(file_layout), dtype=np.int64), np.diff(frame_offsets))
+    layout_of_row = file_layout[file_of_row]
+
+    def in_layout(name: str) -> np.ndarray:
+        listed = np.array([name in lay for lay in layouts], dtype=bool)
+        return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+
+    return in_layout

@@ -32,16 +32,6 @@ def positions(path: Path, orders: dict[Path, dict[str, int]]) -> tuple[int, ...]
     return tuple(out) if hit else None
 
 
-def check_pos(pos: Any, leaf: Path, where: str) -> tuple[int, ...] | None:
-    """A catalog layout's ``pos`` as stored, checked: one int >= -1 per leaf segment."""
-    if pos is None:
-        return None
-    if not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf):
-        raise CorruptSpillError(f"{where}: layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}",
-                                path=where)  # fmt: skip
-    return tuple(pos)
-
-
 # --------------------------------------------------------------------------------------------
 # merge
 
@@ -195,7 +185,7 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
 
 def output_orders(
     filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray],
-    *, new: Alloc = _in_memory, block: int | None = None,
+    *, new: Alloc = _in_memory,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
@@ -203,18 +193,17 @@ def output_orders(
     segment, the position in ``filenames`` of each of its filenames (-1: none).
 
     Each file's layouts are walked in row order (:class:`_States`), a key's first position
-    winning. Rows and files go ``block`` at a time into arrays from ``new``."""
-    step = block or BLOCK
+    winning. Rows and files go :data:`BLOCK` at a time into arrays from ``new``."""
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)
     if not sigs or not n_files:
         return None
     walker = _States(sigs)
     states = new("key_states", n_files, np.int64)
-    for g, sg in _rows(segments, lay_sigs, file_ids, step):
+    for g, sg in _rows(segments, lay_sigs, file_ids, BLOCK):
         walker.walk(states, g, sg)
     runs: list[list[int]] = []
-    for a, b in _spans(n_files, step):
+    for a, b in _spans(n_files, BLOCK):
         st = np.asarray(states[a:b])
         files = np.flatnonzero(st)
         if not len(files):
@@ -314,13 +303,8 @@ class KeyOrders:
 def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[str, Any]]:
     """A dict node's (segment, child) pairs in the key order ``spec`` gives the dict at
     ``path`` (its exact path, else its list's ``ITEM`` path); sorted when it gives none."""
-    if spec is not None:
-        rank = spec.get(path)
-        if rank is None:
-            gen = F.general_path(path)[0]
-            if gen != path:
-                rank = spec.get(gen)
-        if rank is not None:
-            far = len(rank)
-            return sorted(kids.items(), key=lambda kv: (rank.get(kv[0], far), kv[0]))
+    rank = None if spec is None else spec.get(path) or spec.get(F.general_path(path)[0])
+    if rank:  # (an empty order sorts as sorted order does)
+        far = len(rank)
+        return sorted(kids.items(), key=lambda kv: (rank.get(kv[0], far), kv[0]))
     return sorted(kids.items())

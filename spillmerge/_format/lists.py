@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import common as F
-from .invariants import Problem, grid_problems, offsets_problems, read_array
+from .invariants import Problem, grid_problems, offsets_block_problems, read_array
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ def domains(
             )
             continue
         o = np.asarray(read_array(lst.array), dtype=np.int64)
-        bad = offsets_problems(o, n_parent, int(o[-1]) if len(o) else 0, rel, "rows", rel)
+        bad = offsets_block_problems(rel, o, 0, False, int(o[-1]), rel)  # (its length: checked above)
         if not bad and int(o[-1]) > F.MAX_LEAF_BYTES:
             bad = [(rel, f"ends at {int(o[-1])} items, more than a reader accepts")]
         if bad:

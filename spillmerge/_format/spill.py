@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CorruptSpillError
+from . import crc as _crc
 from .common import (
     DTYPES,
     HARD_MAX_BYTES,
@@ -33,7 +34,6 @@ from .common import (
     str_list,
     str_or_none,
 )
-from .keyorder import check_pos
 
 RANK_PREFIX = "rank-"
 SEGMENT_PREFIX = "seg-"
@@ -289,7 +289,11 @@ class Layout:
         want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
-        lay = cls(tuple(leaf), dtype, tuple(shape), check_pos(obj.get("pos"), tuple(leaf), path))
+        pos = obj.get("pos")
+        if pos is not None and (not int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
+            what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
+            raise CorruptSpillError(f"{path}: {what}", path=path)
+        lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
         if lay.nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
@@ -343,8 +347,6 @@ def encode_journal(
     chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray,
     check_base: int = 0, checks: np.ndarray | None = None,
 ) -> bytes:  # fmt: skip
-    from . import crc as _crc
-
     head: dict[str, Any] = {
         "chunk": chunk,
         "file_base": file_base,
@@ -385,8 +387,6 @@ class JournalEntry:
 
 
 def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
-    from . import crc as _crc
-
     if len(blob) < 12 or blob[:4] != JOURNAL_MAGIC:
         raise CorruptSpillError(f"{path}: not a journal entry", path=path)
     if _crc.value(blob[:-4]) != int.from_bytes(blob[-4:], "little"):

@@ -11,9 +11,7 @@ from . import common as F
 from . import crc as _crc
 
 
-def array_meta(
-    shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, attributes: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def array_meta(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool) -> dict[str, Any]:
     """A Zarr v3 array ``zarr.json`` document (docs/FORMAT.md)."""
     codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if np.dtype(dtype).itemsize == 1:
@@ -31,7 +29,7 @@ def array_meta(
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
         "codecs": codecs,
-        "attributes": attributes or {},
+        "attributes": {},
     }
 
 

@@ -13,7 +13,7 @@ from .._errors import ConfigError, SpillMergeError, require
 from .._format import spill as FS
 from .._spill.root import load_segment, scan
 from .._storage import Storage
-from .._util.frames import MAX_FRAME, first_missing, gap_runs, n_below, runs
+from .._util.frames import MAX_FRAME, gap_runs, n_below, runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +47,6 @@ class FileCoverage:
         from the gaps between present frames: O(frames) whatever the span."""
         return gap_runs(self.frames, self.span)
 
-    def missing(self, limit: int = 10_000) -> np.ndarray:
-        """The first ``limit`` absent frame indices below :attr:`span` (ascending); an explicit list
-        is capped, as ``MergeReport.frame_gaps`` is: :meth:`missing_runs` has them all."""
-        return np.asarray(first_missing(self.frames, self.span, limit), dtype=np.int64)
-
     def unexpected(self) -> np.ndarray:
         """Frames at or beyond the manifest's count (none without a manifest)."""
         return self.frames[self.frames >= self.expected] if self.expected is not None else self.frames[:0]
@@ -79,10 +74,6 @@ class Coverage:
     @property
     def n_missing(self) -> int:
         return sum(f.n_missing for f in self.files)
-
-    @property
-    def n_duplicated(self) -> int:
-        return sum(int(np.count_nonzero(f.copies > 1)) for f in self.files)
 
     def to_json(self, max_files: int | None = None) -> dict[str, Any]:
         """Frame sets as inclusive ``[first, last]`` runs, so a million frames stay a few lines.
@@ -156,13 +147,10 @@ def _merged(storage: Storage) -> tuple[_PerFile, list[str]]:
     from .._read.store import MergedStore
 
     res = MergedStore(storage.url, storage.storage_options)
-    out: _PerFile = {}
-    # slice the index arrays: no lookup per file
-    names, off, all_frames, all_ranks, all_copies = res.index_arrays()
-    for i, name in enumerate(names):
-        a, b = int(off[i]), int(off[i + 1])
-        out[name] = (all_frames[a:b], all_ranks[a:b], all_copies[a:b])
-    return out, []
+    names, off, frames, ranks, copies = res.index_arrays()
+    e = off.tolist()  # each file's slices of the index arrays: no lookup per file
+    spans = zip(names, e[:-1], e[1:], strict=True)
+    return {name: (frames[a:b], ranks[a:b], copies[a:b]) for name, a, b in spans}, []
 
 
 def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
@@ -248,7 +236,7 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
     handles = [Patch(color=color[r], label=f"rank {r}") for r in ranks]
     handles.append(Patch(color="red", label=f"missing ({cov.n_missing})"))
-    handles.append(Patch(color="black", label=f"duplicated ({cov.n_duplicated})"))
+    handles.append(Patch(color="black", label=f"duplicated ({sum(len(f.duplicated()) for f in cov.files)})"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     more = f" (first {len(files)} of {len(cov.files)} files)" if len(cov.files) > len(files) else ""
     ax.set_title(f"{cov.kind} {cov.path}{more}", fontsize=8)

@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
@@ -78,7 +77,7 @@ class Names(Sequence[str]):
         raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
         raise_(problems)
-        raise_(IX.sorted_problems(heads, "index/filename_heads"))
+        raise_(V.sorted_problems(heads, "index/filename_heads"))
         self._heads: list[str] = heads.tolist()
         self._next = 0
         # block(j): the names of block j (files j*K .. (j+1)*K - 1), checked on first read, cached
@@ -107,7 +106,7 @@ class Names(Sequence[str]):
         raw = self._raw.span(lo, hi)
         names, problems = decode_names(raw, offs - lo, "index/filenames")
         self._raise(problems)
-        self._raise(IX.sorted_problems(names, "index/filenames"))
+        self._raise(V.sorted_problems(names, "index/filenames"))
         if len(names) and names[0] != self._heads[j]:
             what = f"entry {j} is {self._heads[j]!r:.200}, but block {j} starts with {names[0]!r:.200}"
             self._raise([("index/filename_heads", what)])

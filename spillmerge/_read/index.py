@@ -177,25 +177,6 @@ class LazyArray:
         return c * k + int(np.searchsorted(self.chunk(c), v, side=side))  # type: ignore[call-overload]
 
 
-def offsets_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[V.Problem]:
-    """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
-    when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
-    if not len(o):
-        return []
-    if first == 0 and int(o[0]) != 0:
-        return [(rel, f"starts at {int(o[0])}, not 0")]
-    step = np.diff(o)
-    if np.any(step < 0):
-        j = int(np.flatnonzero(step < 0)[0])
-        return [(rel, f"decreases from {int(o[j])} to {int(o[j + 1])} at entry {first + j + 1}")]
-    if last and int(o[-1]) != n:
-        return [(rel, f"ends at {int(o[-1])}, but {of} has {n} rows")]
-    if int(o[0]) < 0 or int(o[-1]) > n:
-        j = 0 if int(o[0]) < 0 else len(o) - 1
-        return [(rel, f"entry {first + j} is {int(o[j])}, outside 0..{n} ({of} has {n} rows)")]
-    return []
-
-
 class Found(Exception):
     """The problems (``args[0]``) found, raised by a ``raise_`` that collects them (``verify``)
     rather than refuses the output: :class:`IndexChecks` keeps them and goes on."""
@@ -350,7 +331,7 @@ def column_row_problems(
     out: list[V.Problem] = []
     if o is not None:
         vlen = int(info.arrays["values"].shape[0])
-        out += offsets_problems(f"{rel}/offsets", o, r0, last, vlen, f"{rel}/values")
+        out += V.offsets_block_problems(f"{rel}/offsets", o, r0, last, vlen, f"{rel}/values")
         step = np.diff(o)
         if info.kind == "fixed" and np.any(step > 1):
             r = int(np.flatnonzero(step > 1)[0])

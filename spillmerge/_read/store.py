@@ -11,7 +11,6 @@ import numpy as np
 
 from .._errors import CorruptSpillError, IncompleteOutputError, SpillStorageError, UnknownColumnError, UnknownFileError
 from .._format import common as F
-from .._format import indexinvariants as IX
 from .._format import invariants as V
 from .._format import lists as L
 from .._format import output as FO
@@ -85,7 +84,7 @@ class OutputFiles:
         # bytes + offsets, read block by block when asked for (_names)
         self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
-        lengths = IX.index_lengths(group, describe)
+        lengths = V.index_lengths(group, describe)
         n_rows = int(lengths["frame_idx"])
         # list offsets (their contents stay in memory, as list columns' offsets do)
         lists, list_problems = L.read_lists(group)
@@ -107,7 +106,7 @@ class OutputFiles:
 
         def offsets_check(c: int, arr: np.ndarray) -> None:
             last = c == fo_chunks - 1
-            raise_(LZ.offsets_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
+            raise_(V.offsets_block_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
 
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
         self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
@@ -115,17 +114,17 @@ class OutputFiles:
         fl_k = max(int(fl_node.chunks[0]), 1)
 
         def layout_check(c: int, arr: np.ndarray) -> None:
-            raise_(IX.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
+            raise_(V.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
 
         # int64 (n_files,): file i's entry of the header's file_layouts (checked as chunks are read)
         self.file_layout = lazy("index/file_layout", fl_node, check=layout_check)
-        meta = IX.meta_problems(
+        meta = V.meta_problems(
             self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
         self.frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
         self.prov: dict[str, LazyArray] = {
-            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in IX.PROVENANCE
+            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in V.PROVENANCE
         }
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
@@ -169,7 +168,7 @@ class OutputFiles:
         self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = IX.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
+            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
             for name, col in nested.items():
                 rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))

@@ -125,7 +125,8 @@ def test_key_orders_are_the_same_whatever_the_block_size(tmp_path, monkeypatch, 
     (tmp_path / "work").mkdir()
     new = functools.partial(_plansql.alloc, str(tmp_path / "work"))
     for block in (1, 2, 5):
-        assert _keyorder.output_orders(names, segments, file_ids, new=new, block=block) == whole, block
+        monkeypatch.setattr(_keyorder, "BLOCK", block)
+        assert _keyorder.output_orders(names, segments, file_ids, new=new) == whole, block
     assert any(p.suffix == ".bin" for p in (tmp_path / "work").iterdir())  # the states were maps
 
 

@@ -7,6 +7,7 @@ import posixpath
 
 import pytest
 import torch
+from _helpers import is_safe_node_name
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,7 +45,7 @@ def test_node_names_are_safe_unique_and_contained(filenames):
     keys = list(mapping.values())
     assert len({k.lower() for k in keys}) == len(keys)  # unique even on case-insensitive disks
     for k in keys:
-        assert F.is_safe_node_name(k), k
+        assert is_safe_node_name(k), k
         assert "/" not in k and k not in (".", "..") and not k.startswith((".", "__"))
         assert len(k.encode()) <= 100
     storage = Storage("/tmp/spillmerge-root")
