@@ -215,9 +215,7 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.ahead(r)
+        block = col.ahead(r)
         if block is not None:  # read in order
             return block[2][r - block[0]].copy()
         x = col.unit(r).copy()
@@ -348,9 +346,7 @@ class RaggedView(_OffsetView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.ahead(r)
+        block = col.ahead(r)
         x = None if block is None else block[2][r - block[0]]
         if x is not None:  # read in order (to_torch reads a row without a value too: read alone)
             return x.copy()
@@ -470,10 +466,7 @@ class TextView(BytesView):
     __slots__ = ()
 
     def at(self, r: int) -> Any:
-        col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.ahead(r)
+        block = self._col.ahead(r)
         return super().at(r) if block is None else block[2][r - block[0]]
 
     def _decode(self, r: int, raw: bytes) -> Any:
