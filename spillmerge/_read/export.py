@@ -1,6 +1,6 @@
-"""A merged output as Arrow: record batches streamed in row order, one table, or a Parquet file,
-all with the columns ``filename``, ``frame_idx``, ``rank`` and one per leaf column (``columns=``
-selects those); memory is one batch plus the chunk cache."""
+"""A merged output as Arrow: record batches streamed in row order (``to_arrow``: one batch of all)
+or a Parquet file, all with the columns ``filename``, ``frame_idx``, ``rank`` and one per leaf
+column (``columns=`` selects those); memory is one batch plus the chunk cache."""
 
 from __future__ import annotations
 
@@ -122,12 +122,6 @@ def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) 
     step = int(batch_size) if batch_size is not None else default_batch_rows(files, cols)
     for a in range(0, files.n_rows, step):
         yield batch(files, cols, a, min(a + step, files.n_rows))
-
-
-def to_arrow(files: Files, cols: dict[str, Column]) -> Any:
-    """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
-    pa = require_pyarrow("MergedStore.to_arrow()")
-    return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
 
 
 def to_parquet(

@@ -21,6 +21,7 @@ from .._storage import Storage
 from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
+from .arrowarrays import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .index import LazyArray
@@ -485,7 +486,9 @@ class MergedStore(Mapping[str, Any]):
           also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
         files = self._files
-        return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
+        cols = _export.select(files, columns, self.storage.describe())
+        pa = require_pyarrow("MergedStore.to_arrow()")
+        return pa.Table.from_batches([_export.batch(files, cols, 0, files.n_rows)])
 
     def cache_stats(self) -> CacheStats:
         """What the decoded-chunk cache holds now and its hits and misses (``open(cache_bytes=)``)."""
