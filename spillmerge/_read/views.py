@@ -275,6 +275,12 @@ class _OffsetView(LeafView):
         part = o[self._start : self._stop + 1]
         return part - part[0]
 
+    @property
+    def values(self) -> np.ndarray:
+        """Every row's values, concatenated: bytes (uint8), or a ragged leaf's elements ``(n,
+        *inner_shape)`` (flat ``(n,)`` where more than the first dimension varies) of the real dtype."""
+        return self._flat(self._start, self._stop).view(self._col.real)
+
     def _decode(self, r: int, raw: bytes) -> Any:
         """Row ``r``'s value from its bytes (the kinds stored as bytes: the one decoder of each)."""
         raise NotImplementedError
@@ -337,12 +343,6 @@ class RaggedView(_OffsetView):
     def shapes(self) -> np.ndarray:
         """int64 ``(rows, ndim)``: each row's shape (zero-size rows where absent)."""
         return self._shapes(self._start, self._stop)
-
-    @property
-    def values(self) -> np.ndarray:
-        """Every row's elements, concatenated: ``(n, *inner_shape)``, or flat ``(n,)`` where more
-        than the first dimension varies; of the real dtype."""
-        return self._flat(self._start, self._stop).view(self.dtype)
 
     def at(self, r: int) -> Any:
         col = self._col
@@ -413,10 +413,6 @@ class BytesView(_OffsetView):
     :attr:`values` (uint8) and :attr:`offsets`."""
 
     __slots__ = ()
-
-    @property
-    def values(self) -> np.ndarray:
-        return self._flat(self._start, self._stop)
 
     def _decode(self, r: int, raw: bytes) -> Any:
         return raw
