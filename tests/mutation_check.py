@@ -1409,8 +1409,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "records-display-key-order",
         "spillmerge/_read/rowvalue.py",
-        "    return [dict(zip(keys, row, strict=False)) for row in zip(*columns, strict=False)]",
-        "    return [dict(zip(sorted(keys), row, strict=False)) for row in zip(*columns, strict=False)]",
+        "    return _records_builder(n)(*keys)(columns)",
+        "    return _records_builder(n)(*sorted(keys))(columns)",
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         "a list of dicts comes back with each dict's keys in their order",
     ),
