@@ -32,7 +32,7 @@ class Node:
 
     __slots__ = ("cols", "each", "headers", "keys", "order", "path")
 
-    def __init__(self, path: tuple[str, ...], order: Spec | None = None) -> None:
+    def __init__(self, path: tuple[str, ...], order: Spec | None) -> None:
         self.path = path
         self.order = order
         """The output's dict key orders (``KeyOrders.overall``): struct fields follow them (flat
@@ -73,7 +73,7 @@ class Node:
         return bool(heads) or any(c.info.variant is not None for c in self.cols)
 
 
-def tree(cols: list[OpenColumn], order: Spec | None = None) -> Node:
+def tree(cols: list[OpenColumn], order: Spec | None) -> Node:
     root = Node((), order)
     for col in sorted(cols, key=lambda c: (c.info.leaf, c.info.dtype)):
         leaf = col.info.leaf
@@ -91,9 +91,9 @@ class Batch:
     the items of rows ``a .. b-1`` (``offs``: the list offsets), and row numbers passed for it
     are its own."""
 
-    def __init__(self, a: int, b: int, offs: dict[tuple[str, ...], np.ndarray] | None = None) -> None:
+    def __init__(self, a: int, b: int, offs: dict[tuple[str, ...], np.ndarray]) -> None:
         self.a, self.b = a, b
-        self.offs = offs or {}
+        self.offs = offs
         self._arrow: dict[int, Any] = {}
         self._lengths: dict[int, np.ndarray] = {}
         self._spans: dict[tuple[str, ...], tuple[int, int]] = {(): (a, b)}
@@ -377,7 +377,7 @@ def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError
 
 
 def top_columns(
-    root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray] | None = None
+    root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray]
 ) -> dict[str, Any]:
     """Column name -> what makes it: a structured node (``Node``) or a flat column (``OpenColumn``),
     in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: the list offsets."""
@@ -393,7 +393,7 @@ def top_columns(
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
             # the records' columns are inside its column: a key is a flat column too only where
             # other rows hold a dict with it
-            if not records or _outside(kid, records, offs or {}):
+            if not records or _outside(kid, records, offs):
                 walk(kid)
 
     walk(root)

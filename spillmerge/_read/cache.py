@@ -79,26 +79,22 @@ class ChunkCache:
         try:
             arr = load()
             arr.flags.writeable = False
-            self._put(key, arr)
+            size = cost(arr)
+            if size <= self.max_bytes:  # else it would evict everything and still not fit: uncached
+                with self._lock:
+                    old = self._chunks.pop(key, None)
+                    if old is not None:
+                        self._nbytes -= old[1]
+                    while self._chunks and self._nbytes + size > self.max_bytes:
+                        _, (_, dropped) = self._chunks.popitem(last=False)
+                        self._nbytes -= dropped
+                    self._chunks[key] = (arr, size)
+                    self._nbytes += size
             return arr
         finally:
             with self._lock:
                 del self._loading[key]
             mine.set()
-
-    def _put(self, key: Hashable, arr: np.ndarray) -> None:
-        size = cost(arr)
-        if size > self.max_bytes:  # would evict everything and still not fit: serve it uncached
-            return
-        with self._lock:
-            old = self._chunks.pop(key, None)
-            if old is not None:
-                self._nbytes -= old[1]
-            while self._chunks and self._nbytes + size > self.max_bytes:
-                _, (_, dropped) = self._chunks.popitem(last=False)
-                self._nbytes -= dropped
-            self._chunks[key] = (arr, size)
-            self._nbytes += size
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -76,7 +76,7 @@ class OpenColumn:
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
         """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
-        self.block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
+        self._block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
         self.offsets: Any = None
         """int64 ``(n_rows + 1,)`` (columns with offsets): a ``LazyArray`` set by the reader."""
@@ -115,10 +115,13 @@ class OpenColumn:
         return (x if self.native else x.view(self.real)).item()
 
     def ahead(self, r: int) -> tuple[int, int, list[Any]] | None:
-        """``(r, b, rows)``: rows ``r .. b-1`` decoded together by the column's view when row ``r``
-        comes right after row ``r - 1``, within :data:`ROW_BLOCK_ROWS` and
-        :data:`ROW_BLOCK_BYTES`, kept until the next block. None when not in order, row ``r``
-        alone exceeds a block, or a row of the block is damaged (each row is then read alone)."""
+        """``(a, b, rows)``: rows ``a .. b-1``, row ``r`` among them, decoded together by the column's
+        view: the block kept, else one from row ``r`` when it comes right after row ``r - 1`` (within
+        :data:`ROW_BLOCK_ROWS` and :data:`ROW_BLOCK_BYTES`); None when not in order, too large or
+        damaged (each row is then read alone)."""
+        block = self._block
+        if block is not None and block[0] <= r < block[1]:
+            return block
         sequential = r == self._next_row
         self._next_row = r + 1
         if not sequential:
@@ -137,7 +140,7 @@ class OpenColumn:
         if n < 1:
             return None
         try:
-            block = self.block = (r, r + n, self.view(r, r + n).to_list())
+            block = self._block = (r, r + n, self.view(r, r + n).to_list())
         except CorruptSpillError:
             return None
         return block

@@ -1,6 +1,6 @@
-"""A merged output as Arrow: record batches streamed in row order, one table, or a Parquet file,
-all with the columns ``filename``, ``frame_idx``, ``rank`` and one per leaf column (``columns=``
-selects those); memory is one batch plus the chunk cache."""
+"""A merged output as Arrow: record batches streamed in row order (``to_arrow``: one batch of all)
+or a Parquet file, all with the columns ``filename``, ``frame_idx``, ``rank`` and one per leaf
+column (``columns=`` selects those); memory is one batch plus the chunk cache."""
 
 from __future__ import annotations
 
@@ -32,23 +32,17 @@ MAX_BATCH_ROWS = 1 << 16
 """The most rows of a batch when ``batch_size`` is not given (small rows)."""
 
 
-def arrow_names(files: Files) -> dict[str, OpenColumn]:
-    """Leaf column name (as the Arrow forms name it) -> column, in output order."""
-    out: dict[str, OpenColumn] = {}
+def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
+    """The columns named in ``columns`` (all when None), in the order given: the names of the
+    default export, and each stored column's flat name (one variant of a union, one item of a
+    list)."""
+    names: dict[str, OpenColumn] = {}  # flat name -> stored column, in output order
     for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
         name = col.info.path or "value"
         if len(files.by_leaf.get(col.info.leaf, [])) > 1:  # one column per dtype: "logits:float16"
             # per variant where they differ in more than the dtype: "result:float32.2d", "result:str"
             name = f"{name}:{col.info.variant or col.info.dtype}"
-        out[name] = col
-    return out
-
-
-def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
-    """The columns named in ``columns`` (all when None), in the order given: the names of the
-    default export, and each stored column's flat name (:func:`arrow_names`: one variant of a
-    union, one item of a list)."""
-    names = arrow_names(files)
+        names[name] = col
     flat = {id(c): name for name, c in names.items()}
     root = T.tree(list(files.columns.values()), files.key_orders.overall())
     default = T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)  # (none named: these)
@@ -70,19 +64,6 @@ def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dic
             )
         out[name] = known[name]
     return out
-
-
-def default_batch_rows(files: Files, cols: dict[str, Column]) -> int:
-    """Rows per batch of about :data:`BATCH_BYTES` of payload (at most :data:`MAX_BATCH_ROWS`)."""
-    if files.n_rows == 0:
-        return 1
-    total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
-    for col in [x for c in cols.values() for x in ([c] if isinstance(c, OpenColumn) else c.stored())]:
-        v = col.values
-        item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
-        total += int(np.prod(v.shape, dtype=np.int64)) * item
-    per_row = max(total / files.n_rows, 1)
-    return int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
 
 
 def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
@@ -119,15 +100,17 @@ def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) 
     """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
         raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
-    step = int(batch_size) if batch_size is not None else default_batch_rows(files, cols)
+    if batch_size is None:  # about BATCH_BYTES of payload, at most MAX_BATCH_ROWS
+        total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
+        for col in [x for c in cols.values() for x in ([c] if isinstance(c, OpenColumn) else c.stored())]:
+            v = col.values
+            item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
+            total += int(np.prod(v.shape, dtype=np.int64)) * item
+        per_row = max(total / max(files.n_rows, 1), 1)
+        batch_size = int(max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // per_row)))
+    step = int(batch_size)
     for a in range(0, files.n_rows, step):
         yield batch(files, cols, a, min(a + step, files.n_rows))
-
-
-def to_arrow(files: Files, cols: dict[str, Column]) -> Any:
-    """Every row as one ``pyarrow.Table`` (one batch: the whole output in memory)."""
-    pa = require_pyarrow("MergedStore.to_arrow()")
-    return pa.Table.from_batches([batch(files, cols, 0, files.n_rows)])
 
 
 def to_parquet(

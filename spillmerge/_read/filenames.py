@@ -13,7 +13,7 @@ import numpy as np
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
-from .index import LazyArray, Raise
+from .index import LazyArray, Raise, offsets_problems
 
 
 def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:
@@ -95,13 +95,7 @@ class Names(Sequence[str]):
         k, n = self._k, self._n
         a, b = j * k, min((j + 1) * k, n)
         offs = self._offs.span(a, b + 1)
-        rel = "index/filename_offsets"
-        if j == 0 and int(offs[0]) != 0:
-            self._raise([(rel, f"starts at {int(offs[0])}, not 0")])
-        if np.any(np.diff(offs) < 0) or int(offs[0]) < 0 or int(offs[-1]) > self._nbytes:
-            self._raise([(rel, f"entries {a}..{b} decrease or point outside index/filenames ({self._nbytes} bytes)")])
-        if b == n and int(offs[-1]) != self._nbytes:
-            self._raise([(rel, f"ends at {int(offs[-1])}, but index/filenames has {self._nbytes} bytes")])
+        self._raise(offsets_problems("index/filename_offsets", offs, a, b == n, self._nbytes, "index/filenames"))
         lo, hi = int(offs[0]), int(offs[-1])
         raw = self._raw.span(lo, hi)
         names, problems = decode_names(raw, offs - lo, "index/filenames")

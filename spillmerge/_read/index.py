@@ -103,8 +103,7 @@ class LazyArray:
             a, b, step = sel.indices(self._n)
             if step == 1:
                 return self._serve(a, max(a, b))
-            lo, hi = (a, b) if step > 0 else (b + 1, a + 1)
-            return self._serve(lo, max(lo, hi))[slice(a - lo, (b - lo) if b - lo >= 0 else None, step)]
+            sel = np.arange(a, b, step)
         idx = np.asarray(sel)
         if idx.dtype == bool:
             idx = np.flatnonzero(idx)

@@ -45,12 +45,6 @@ class NoFillStore(WrapperStore[Store]):
     def _with_store(self, store: Store) -> NoFillStore:
         return type(self)(store, self._describe, self._storage)
 
-    def _is_chunk(self, key: str) -> bool:
-        return key.rsplit("/", 1)[-1] not in _METADATA_NAMES
-
-    def _array_of(self, key: str) -> str:
-        return key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
-
     async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
         """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
         buf = await self.get(rel, prototype)  # (a local disk reads no more than the limit)
@@ -67,7 +61,7 @@ class NoFillStore(WrapperStore[Store]):
     async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:
         """The bounds of chunk ``key`` (docs/FORMAT.md, *Size limits*), from its array's metadata
         checked against the format once per array: on every backend, before zarr decodes it."""
-        array = self._array_of(key)
+        array = key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
         limits = self._chunk_limits.get(array)
         if limits is None:
             doc = f"{array}/zarr.json" if array else "zarr.json"
@@ -79,7 +73,7 @@ class NoFillStore(WrapperStore[Store]):
         return limits
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
-        chunk = self._is_chunk(key)
+        chunk = key.rsplit("/", 1)[-1] not in _METADATA_NAMES
         limits = await self._limits(key, prototype) if chunk else None  # (refuses a sharded array)
         if byte_range is not None:  # zarr reads byte ranges of sharded arrays only
             raise ValueError(f"{self._describe(key)}: a byte range {byte_range!r}; an output is never sharded")

@@ -79,8 +79,6 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
     """Rows ``lo .. hi-1`` of ``col`` as the Python values ``value()`` gives for them (anything
     where ``ok`` says a row has no value), decoded by the column's leaf view from one read of
     their values; None when they hold more than :data:`BLOCK_BYTES` (read them one by one)."""
-    if hi <= lo:
-        return []
     o = col.offsets
     units = hi - lo if o is None else int(o[hi] - o[lo])  # of values: rows, or elements with offsets
     if units * col.unit_nbytes > BLOCK_BYTES:

@@ -21,6 +21,7 @@ from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
+from .arrowarrays import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .index import LazyArray
@@ -174,19 +175,16 @@ class OutputFiles:
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))
             valid = {name: col.valid for name, col in nested.items()}
             raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0))
-        # Per file layout, its columns and how a file's value is built from them (a file read is
-        # a few microseconds): None for plain tensor values (one view); (key, view class, column)
-        # for a dict of top-level leaves; an empty list for nested leaves.
-        self._layout_cols: list[tuple[list[OpenColumn], list[tuple[str, Any, OpenColumn]] | None]] = []
-        self._layout_paths: list[list[tuple[tuple[str, ...], OpenColumn]]] = []
+        # Per file layout, its columns and where each shows in a file's value: (dicts above it, key,
+        # view class, column, list domain); None for plain tensor values (one view).
+        self._layout_cols: list[list[OpenColumn]] = []
+        self._layout_paths: list[list[tuple[tuple[str, ...], str, Any, OpenColumn, tuple[str, ...]]] | None] = []
         for names in self._layouts:
             cols = [self.columns[name] for name in names]
-            paths = _view_paths(cols)
+            self._layout_cols.append(cols)
             plain = len(cols) == 1 and cols[0].info.leaf == ()
-            top = all(len(p) == 1 for p, _ in paths) and len(paths) == len(cols)
-            flat = [(p[0], c.view_cls, c) for p, c in paths] if top else []
-            self._layout_cols.append((cols, None if plain else flat))
-            self._layout_paths.append(paths)
+            paths = [(p[:-1], p[-1], c.view_cls, c, F.list_domain(c.info.leaf)) for p, c in _view_paths(cols)]
+            self._layout_paths.append(None if plain else paths)
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
         try:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
@@ -196,34 +194,34 @@ class OutputFiles:
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self.by_leaf.setdefault(c.info.leaf, []).append(c)
 
-    def value(self, i: int, filename: str | None = None) -> Any:
-        """File ``i``'s nested dict of leaf views (``filename``: its name, when the caller has it)."""
+    def value(self, i: int, filename: str) -> Any:
+        """File ``i``'s nested dict of leaf views (``filename``: its name)."""
         a, b = self.checks.file_rows(i)
         layout = self.file_layout.item(i)
-        cols, flat = self._layout_cols[layout]
-        if filename is None or type(filename) is not str:
-            filename = str(self.filenames[i])
-        if flat is None:  # plain tensor values
-            return cols[0].view_cls(cols[0], a, b, filename)
+        if type(filename) is not str:
+            filename = self.filenames[i]
+        paths = self._layout_paths[layout]
+        if paths is None:  # plain tensor values
+            col = self._layout_cols[layout][0]
+            return col.view_cls(col, a, b, filename)
         out = LeafDict.top(filename)
-        if flat:
-            for key, cls, col in flat:
+        for up, key, cls, col, domain in paths:
+            if not (up or domain):
                 out[key] = cls(col, a, b, filename)
-            return out
-        for path, col in self._layout_paths[layout]:
+                continue
             node = out
-            for k in path[:-1]:
+            for k in up:
                 node = node.child(k)
             # a list's items: the items of the file's rows, flattened
-            node[path[-1]] = col.view(*L.rows_of(self.list_offsets, F.list_domain(col.info.leaf), a, b), filename)
+            node[key] = cls(col, *L.rows_of(self.list_offsets, domain, a, b), filename)
         return out
 
-    def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str | None = None) -> Any:
-        """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name, when the caller
-        has it) as it was written (``_read.rowvalue``)."""
+    def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str) -> Any:
+        """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name) as it was written
+        (``_read.rowvalue``)."""
         a, b = self.checks.file_rows(i)
-        if filename is None or type(filename) is not str:
-            filename = str(self.filenames[i])
+        if type(filename) is not str:
+            filename = self.filenames[i]
         if b == a + 1 and self.frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
             return self._row_value(i, a, filename, as_torch)
         frames = self.frame_idx[a:b]
@@ -246,7 +244,7 @@ class OutputFiles:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
         plan = self._row_plans.get(layout)
         if plan is None:
-            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout][0], self.list_offsets)
+            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout], self.list_offsets)
         return plan
 
 
@@ -488,7 +486,9 @@ class MergedStore(Mapping[str, Any]):
           also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
         files = self._files
-        return _export.to_arrow(files, _export.select(files, columns, self.storage.describe()))
+        cols = _export.select(files, columns, self.storage.describe())
+        pa = require_pyarrow("MergedStore.to_arrow()")
+        return pa.Table.from_batches([_export.batch(files, cols, 0, files.n_rows)])
 
     def cache_stats(self) -> CacheStats:
         """What the decoded-chunk cache holds now and its hits and misses (``open(cache_bytes=)``)."""

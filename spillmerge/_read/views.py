@@ -215,9 +215,7 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.ahead(r)
+        block = col.ahead(r)
         if block is not None:  # read in order
             return block[2][r - block[0]].copy()
         x = col.unit(r).copy()
@@ -276,6 +274,12 @@ class _OffsetView(LeafView):
         assert o is not None
         part = o[self._start : self._stop + 1]
         return part - part[0]
+
+    @property
+    def values(self) -> np.ndarray:
+        """Every row's values, concatenated: bytes (uint8), or a ragged leaf's elements ``(n,
+        *inner_shape)`` (flat ``(n,)`` where more than the first dimension varies) of the real dtype."""
+        return self._flat(self._start, self._stop).view(self._col.real)
 
     def _decode(self, r: int, raw: bytes) -> Any:
         """Row ``r``'s value from its bytes (the kinds stored as bytes: the one decoder of each)."""
@@ -340,17 +344,9 @@ class RaggedView(_OffsetView):
         """int64 ``(rows, ndim)``: each row's shape (zero-size rows where absent)."""
         return self._shapes(self._start, self._stop)
 
-    @property
-    def values(self) -> np.ndarray:
-        """Every row's elements, concatenated: ``(n, *inner_shape)``, or flat ``(n,)`` where more
-        than the first dimension varies; of the real dtype."""
-        return self._flat(self._start, self._stop).view(self.dtype)
-
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.ahead(r)
+        block = col.ahead(r)
         x = None if block is None else block[2][r - block[0]]
         if x is not None:  # read in order (to_torch reads a row without a value too: read alone)
             return x.copy()
@@ -418,10 +414,6 @@ class BytesView(_OffsetView):
 
     __slots__ = ()
 
-    @property
-    def values(self) -> np.ndarray:
-        return self._flat(self._start, self._stop)
-
     def _decode(self, r: int, raw: bytes) -> Any:
         return raw
 
@@ -470,10 +462,7 @@ class TextView(BytesView):
     __slots__ = ()
 
     def at(self, r: int) -> Any:
-        col = self._col
-        block = col.block
-        if block is None or not block[0] <= r < block[1]:
-            block = col.ahead(r)
+        block = self._col.ahead(r)
         return super().at(r) if block is None else block[2][r - block[0]]
 
     def _decode(self, r: int, raw: bytes) -> Any:
