@@ -13,7 +13,7 @@ import numpy as np
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
-from .index import LazyArray, Raise, offsets_problems
+from .index import LazyArray, Raise
 
 
 def decode_names(raw: np.ndarray, offsets: np.ndarray, rel: str) -> tuple[np.ndarray, list[V.Problem]]:
@@ -95,7 +95,7 @@ class Names(Sequence[str]):
         k, n = self._k, self._n
         a, b = j * k, min((j + 1) * k, n)
         offs = self._offs.span(a, b + 1)
-        self._raise(offsets_problems("index/filename_offsets", offs, a, b == n, self._nbytes, "index/filenames"))
+        self._raise(V.offsets_block_problems("index/filename_offsets", offs, a, b == n, self._nbytes, "index/filenames"))
         lo, hi = int(offs[0]), int(offs[-1])
         raw = self._raw.span(lo, hi)
         names, problems = decode_names(raw, offs - lo, "index/filenames")
