@@ -22,7 +22,7 @@ from spillmerge._storage import Storage
 
 def is_safe_node_name(name: str) -> bool:
     """A node name ``_format.common.node_names`` may give: a plain name, or a slug and its hash."""
-    return bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$|^[A-Za-z0-9._-]{0,60}~[0-9a-f]{16}$", name))
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}|[A-Za-z0-9._-]{0,60}~[0-9a-f]{16}", name))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

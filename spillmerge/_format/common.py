@@ -300,14 +300,14 @@ def path_text(path: tuple[str, ...]) -> str:
 # --------------------------------------------------------------------------------------------
 # node names (docs/FORMAT.md "Node names")
 
-_SAFE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_SAFE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _SLUG_RE = re.compile(r"[^A-Za-z0-9._-]")
 # Names zarr uses itself ("zarr.json", "zarr.*.partial" temporaries) and names Windows reserves.
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
 
 
 def _plain_ok(name: str) -> bool:
-    if not _SAFE_RE.match(name):
+    if not _SAFE_RE.fullmatch(name):  # (re.match with "$" would take "abc\n")
         return False
     low = name.lower()
     return not low.startswith("zarr.") and low.split(".", 1)[0] not in _RESERVED

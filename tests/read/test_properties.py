@@ -34,6 +34,7 @@ hostile = st.sampled_from(
         "x" * 300,
         "\x00",
         "con",
+        "abc\n",
     ]
 )
 
@@ -52,6 +53,15 @@ def test_node_names_are_safe_unique_and_contained(filenames):
     for k in keys:
         p = storage.path(f"files/{k}")
         assert posixpath.commonpath([p, "/tmp/spillmerge-root"]) == "/tmp/spillmerge-root"
+
+
+def test_a_key_ending_in_a_newline_gets_a_hashed_node_name_and_reads_back(tmp_path):
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), 0, 1, fsync=False) as w:
+        w.write("img.jpg", 0, {"score\n": 0.5, "label": "cat"})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out"), progress=False, fsync=False)
+    names = os.listdir(tmp_path / "out" / "columns")
+    assert all(is_safe_node_name(n) for n in names) and "label" in names, names
+    assert spillmerge.open(str(tmp_path / "out")).value("img.jpg", 0) == {"score\n": 0.5, "label": "cat"}
 
 
 @given(st.text(max_size=60))
