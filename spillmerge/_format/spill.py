@@ -63,8 +63,8 @@ def journal_max_bytes(chunk_bytes: int) -> int:
     return min(HARD_MAX_BYTES // 2, (64 << 20) + INDEX_COLUMNS * 8 * chunk_bytes + 12)
 
 
-_RANK_RE = re.compile(r"^rank-(\d{5,})$")
-_SEGMENT_RE = re.compile(r"^seg-(\d{6,})-(\d{8}T\d{12}Z)-[0-9a-f]{8}$")
+_RANK_RE = re.compile(r"rank-(\d{5,})")
+_SEGMENT_RE = re.compile(r"seg-(\d{6,})-(\d{8}T\d{12}Z)-[0-9a-f]{8}")
 
 
 def rank_dirname(rank: int) -> str:
@@ -72,7 +72,7 @@ def rank_dirname(rank: int) -> str:
 
 
 def parse_rank_dirname(name: str) -> int | None:
-    m = _RANK_RE.match(name)
+    m = _RANK_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -87,14 +87,14 @@ def new_segment_name(existing: list[str]) -> str:
 
 def segment_sort_key(name: str) -> tuple[int, str]:
     """(sequence number, UTC time) of a segment name."""
-    m = _SEGMENT_RE.match(name)
+    m = _SEGMENT_RE.fullmatch(name)
     if not m:
         raise ValueError(name)
     return int(m.group(1)), m.group(2)
 
 
 def is_segment_name(name: str) -> bool:
-    return bool(_SEGMENT_RE.match(name))
+    return bool(_SEGMENT_RE.fullmatch(name))
 
 
 _LAYOUT_NDIM = {"str": 1, "bytes": 1, "pickle": 1, "strlist": 2, "none": 0}

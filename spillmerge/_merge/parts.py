@@ -16,7 +16,7 @@ from .._storage import Storage
 from .._util import poll as _poll
 
 PARTS_DIR = "spillmerge-parts"
-_NAME_RE = re.compile(r"^part-(\d{5,})-of-(\d{5,})(\.failed)?\.json$")
+_NAME_RE = re.compile(r"part-(\d{5,})-of-(\d{5,})(\.failed)?\.json")
 
 
 def record_name(part: int, parts: int, *, failed: bool = False) -> str:
@@ -52,7 +52,7 @@ def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:
 
 def _parse(output: Storage, name: str, raw: bytes) -> Record:
     where = output.describe(f"{PARTS_DIR}/{name}")
-    m = _NAME_RE.match(name)
+    m = _NAME_RE.fullmatch(name)
     assert m is not None
     part, parts = int(m.group(1)), int(m.group(2))
     if m.group(3) is not None:
@@ -71,7 +71,7 @@ def read_records(output: Storage, cache: dict[str, Record] | None = None) -> lis
     cache = {} if cache is None else cache
     out = []
     for name in output.listdir(PARTS_DIR):
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             continue  # temporaries of an atomic write in progress
         if name not in cache:
             limit = F.FAILURE_MAX_BYTES if name.endswith(".failed.json") else F.RECORD_MAX_BYTES
