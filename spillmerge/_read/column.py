@@ -69,7 +69,8 @@ class OpenColumn:
         """Bytes of one unit of ``values`` (a row, or an element of a column with offsets)."""
         # Chunk c of values (read-only), decoded once, then served from the cache; uncompressed
         # chunks straight from storage (one get + CRC-32C), others through zarr.
-        self.chunk = Chunks(cache, values.path, chunk_reader(values, storage))
+        self._read_chunk = chunk_reader(values, storage)
+        self.chunk = Chunks(cache, values.path, self._read_chunk)
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
@@ -157,6 +158,8 @@ class OpenColumn:
             base = c0 * k
             return self.chunk(c0)[lo - base : hi - base].copy()
         tail_whole = hi == min((c1 + 1) * k, n)
+        if c0 == c1:  # one whole chunk, past the cache (a small output's column): one read
+            return self._read_chunk(c0).copy()
         if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
             return read_rows(self.values, lo, hi)
         out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
