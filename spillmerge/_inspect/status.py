@@ -136,7 +136,7 @@ def status(
         ws = seg.world_size
         if ws is not None and 1 <= ws <= MAX_WORLD_SIZE:
             claims.append((r, ws, seg.commit is not None))
-            limit = max(ws for _, ws, _ in claims)
+            limit = ws if len(claims) == 1 else max(limit, ws)  # the largest claim so far
     world_size, notes = _agreed_world_size(claims)
     top = world_size if world_size is not None else limit
     outside = [r for r in found if r >= top]
