@@ -157,9 +157,10 @@ class OpenColumn:
         if c0 == c1 and not head_whole:  # part of one chunk: one row, the common case
             base = c0 * k
             return self.chunk(c0)[lo - base : hi - base].copy()
+        if c0 == c1:  # one whole chunk (a small output's column): one read, past the cache
+            arr = self._read_chunk(c0)
+            return arr if arr.flags.writeable else arr.copy()  # (a view of the fetched bytes is read-only)
         tail_whole = hi == min((c1 + 1) * k, n)
-        if c0 == c1:  # one whole chunk, past the cache (a small output's column): one read
-            return self._read_chunk(c0).copy()
         if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
             return read_rows(self.values, lo, hi)
         out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
