@@ -214,9 +214,10 @@ def worker(rank: int, world: int, port: int, base: str) -> None:
     run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
 
 
-def killed_sender(rank: int, world: int, port: int, base: str, result: str) -> None:
+def killed_sender(rank: int, world: int, port: int, base: str, result: str, late: bool = False) -> None:
     """Two ranks on two disks; rank 1 SIGKILLs itself after sending two pieces. Rank 0 must name
-    it within the transfer timeout."""
+    it within the transfer timeout. ``late``: rank 0 posts its next receive only once rank 1 is
+    dead (gloo then raises at the post, not at the wait)."""
     import torch.distributed as dist
 
     import spillmerge
@@ -242,6 +243,19 @@ def killed_sender(rank: int, world: int, port: int, base: str, result: str) -> N
 
             die.calls = 0  # type: ignore[attr-defined]
             _transfer._Link.send_bytes_piece = die  # type: ignore[method-assign]
+        elif late:
+            receive = _transfer._Link.recv_bytes_piece
+
+            def after_death(self: Any, *args: Any) -> Any:
+                after_death.calls += 1  # type: ignore[attr-defined]
+                if after_death.calls == 3:  # type: ignore[attr-defined]
+                    while not os.path.exists(f"{result}.killed"):
+                        time.sleep(0.05)
+                    time.sleep(1.0)  # the kill has landed and the connection is closed
+                return receive(self, *args)
+
+            after_death.calls = 0  # type: ignore[attr-defined]
+            _transfer._Link.recv_bytes_piece = after_death  # type: ignore[method-assign]
         t0 = time.time()
         try:
             w.merge(f"{base}/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, transfer_timeout=20.0, progress=False)

@@ -32,6 +32,7 @@ import json
 import os
 import posixpath
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,9 +88,11 @@ class _Link:
         self.dev = torch.empty(self.chunk, dtype=torch.uint8, device=self.device) if cuda else self.host
         self.piece = self.chunk // 2
 
-    def _wait(self, work: Any, what: str, peer: int, me: int) -> None:
+    def _wait(self, post: Callable[[], Any], what: str, peer: int, me: int) -> None:
+        """``post()`` (an isend / irecv) and its wait: a dead peer is a RuntimeError of either
+        (gloo raises at the post when the peer's connection is already closed)."""
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            post().wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
             raise RankFailedError(
                 f"rank {me}: {what} rank {peer} failed or timed out after {self.timeout:.0f} s: {exc}",
@@ -99,15 +102,14 @@ class _Link:
     def send(self, t: torch.Tensor, peer: int, me: int, what: str) -> None:
         import torch.distributed as dist
 
-        self._wait(
-            dist.isend(t.to(self.device, non_blocking=False), peer, group=self.group), f"sending {what} to", peer, me
-        )
+        buf = t.to(self.device, non_blocking=False)
+        self._wait(lambda: dist.isend(buf, peer, group=self.group), f"sending {what} to", peer, me)
 
     def recv(self, t: torch.Tensor, peer: int, me: int, what: str) -> torch.Tensor:
         import torch.distributed as dist
 
         buf = t if t.device == self.device else torch.empty_like(t, device=self.device)
-        self._wait(dist.irecv(buf, peer, group=self.group), f"receiving {what} from", peer, me)
+        self._wait(lambda: dist.irecv(buf, peer, group=self.group), f"receiving {what} from", peer, me)
         return buf if buf is t else buf.to("cpu")
 
     def send_ints(self, values: list[int], peer: int, me: int, what: str) -> None:

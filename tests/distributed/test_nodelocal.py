@@ -103,10 +103,11 @@ def test_a_piece_corrupted_in_flight_is_refused_by_name(ranks):
     assert not (base / "corrupt" / "out" / "spillmerge-complete.json").exists()
 
 
-def test_a_sender_killed_mid_transfer_is_named_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("late", [False, True], ids=["receiving", "posting-after-death"])
+def test_a_sender_killed_mid_transfer_is_named_within_the_timeout(tmp_path, late):
     ctx = rank_context()
     port, result = free_port(), str(tmp_path / "res")
-    procs = [ctx.Process(target=killed_sender, args=(r, 2, port, str(tmp_path), result)) for r in range(2)]
+    procs = [ctx.Process(target=killed_sender, args=(r, 2, port, str(tmp_path), result, late)) for r in range(2)]
     for p in procs:
         p.start()
     join_all(procs, timeout=150)
