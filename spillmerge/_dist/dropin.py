@@ -405,11 +405,8 @@ def _collective(
 ) -> None:
     rank, world, target = _ranks(group, dst, group_dst)
     reads = every_rank or rank == target  # this rank fills an output list
-    own = None  # a reader's own records back, converted while the other ranks still convert theirs
     try:
         pieces = gc_paused(records.encode, obj)
-        if pieces is not None and reads:
-            own = gc_paused(records.decode, b"".join(pieces), rank)
     except Exception:  # noqa: BLE001 - not records after all: the general way names what is wrong
         pieces = None
     # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
@@ -421,8 +418,8 @@ def _collective(
         _check_list(rank, target, world, object_list, every_rank)
         if direct and (every_rank or rank != target):  # dst's own file would be read by nobody
             info = _put_records(call, rank, pieces, storage_options)
-        if direct and reads:
-            object_list[rank] = own
+        if direct and reads:  # a copy, as the other ranks' objects are, made while they still write
+            object_list[rank] = gc_paused(records.decode, b"".join(pieces), rank)
         if not direct:
             # fsync=False here and in the merge: the call's folder is removed when the call
             # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a

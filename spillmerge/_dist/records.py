@@ -68,9 +68,12 @@ class Encoded:
         return self.buffer(ends if large else ends.astype(np.int32)), large
 
     def pieces(self, columns: dict[str, Any]) -> list[Any]:
-        """The bytes, as pieces to write back to back."""
+        """The bytes, as pieces to write back to back; ``_NotExact`` for a header larger than a
+        reader takes (a dict of very many keys)."""
         head = json.dumps({"container": self.container, "columns": columns}).encode()
         head += b" " * (-len(head) % 8)  # JSON's whitespace: the buffers start 8-byte aligned
+        if len(head) > _HEADER_MAX:
+            raise _NotExact
         return [len(head).to_bytes(8, "little"), head, *self.parts]
 
 
@@ -157,9 +160,9 @@ def encode(obj: Any) -> list[Any] | None:
         columns = {"v": _column(out, values)}
         if kind is dict:
             columns["k"] = _column(out, list(obj))
+        return out.pieces(columns)
     except (_NotExact, OverflowError, UnicodeError):
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
-    return out.pieces(columns)
 
 
 _CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}

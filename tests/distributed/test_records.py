@@ -112,6 +112,18 @@ def test_what_would_not_come_back_exactly_is_declined(obj):
     assert encode(obj) is None
 
 
+def test_records_whose_header_a_reader_would_refuse_are_declined(monkeypatch):
+    from spillmerge._dist import records
+
+    wide = [{f"key{i}": i for i in range(40)}]  # one struct field a key: the header grows with the keys
+    assert _same(_back(encode(wide)), wide)
+    monkeypatch.setattr(records, "_HEADER_MAX", 512)  # the readers' limit, as for a dict of ~300k keys
+    head = b'{"container": "list", "columns": {}}'.ljust(600)
+    with pytest.raises(CorruptSpillError, match="a header of 600 bytes"):
+        decode(len(head).to_bytes(8, "little") + head, 0)
+    assert encode(wide) is None  # the general way, not bytes the readers would refuse
+
+
 def test_the_workloads_people_gather_are_taken():
     llm = {
         f"prompt-{p}": {"text": "é" * p, "token_ids": list(range(p)), "logprob": -p / 3, "finish": "stop"}
