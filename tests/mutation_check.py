@@ -353,6 +353,22 @@ MUTATIONS: list[Mutation] = [
         "whole arrays are read chunk by chunk: a declared 2**40 rows allocates nothing",
     ),
     Mutation(
+        "empty-array-keeps-dtype",
+        "spillmerge/_merge/plancolumns.py",
+        "(lay.dtype in F.PY_SCALARS and 0 in lay.shape)",
+        "(F.DTYPES[lay.dtype].numeric and 0 in lay.shape)",
+        ("tests/write/test_values.py::test_an_empty_array_keeps_its_dtype_and_an_empty_list_stays_a_list",),
+        "an empty array keeps its dtype: it joins no other numeric variant of its leaf",
+    ),
+    Mutation(
+        "empty-list-joins-python-numbers",
+        "spillmerge/_merge/plancolumns.py",
+        'if s[0] == "num" and s[1] in F.PY_SCALARS and s[2] == nd]',
+        'if s[0] == "num" and s[2] == nd]',
+        ("tests/write/test_values.py::test_an_empty_array_keeps_its_dtype_and_an_empty_list_stays_a_list",),
+        "an empty Python list joins no array's variant: it reads back as [], not an empty array",
+    ),
+    Mutation(
         "writer-filename-limit",
         "spillmerge/_write/leaves.py",
         "    if n > FILENAME_MAX_BYTES:",

@@ -240,14 +240,16 @@ def variant_groups(
     one that is ``float16`` in some rows and a ``str`` or a 2-d ``float32`` in others makes one
     column per variant, each with the rows of its variant (the others absent):
     nothing is converted, and a row has a value in at most one of them. Rows that say nothing
-    about the variant (``None``, numeric rows of zero elements) join a compatible variant of their
-    file (the lowest), else of their leaf, else one of their own. Returns each entry's group and
-    the groups' (leaf path position, variant tag or None when the leaf has one column)."""
+    about the variant join a compatible variant of their file (the lowest), else of their leaf,
+    else one of their own: ``None`` any variant, an empty Python list (a ``py*`` row of zero
+    elements) a ``py*`` variant of its ndim or a list of strings, as it reads back the same from
+    each. An empty array keeps its dtype. Returns each entry's group and the groups' (leaf path
+    position, variant tag or None when the leaf has one column)."""
     sig_code: dict[tuple[str, str, int], int] = {}
     lcode = np.full(len(layouts), -1, dtype=np.int64)
     for g, lay in enumerate(layouts):
         dt = F.DTYPES[lay.dtype]
-        if dt.kind == "none" or (dt.numeric and 0 in lay.shape):
+        if dt.kind == "none" or (lay.dtype in F.PY_SCALARS and 0 in lay.shape):
             continue
         sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
         lcode[g] = sig_code.setdefault(sig, len(sig_code))
@@ -275,9 +277,9 @@ def variant_groups(
             rows = weak[weak_gl == g]
             if lay.dtype == "none":
                 ok = list(range(len(sigs)))
-            else:  # zero elements: the same ndim; ``[]`` is also an empty list of strings
+            else:  # an empty Python list: the same ndim; ``[]`` is also an empty list of strings
                 nd = len(lay.shape)
-                ok = [i for i, s in enumerate(sigs) if s[0] == "num" and s[2] == nd]
+                ok = [i for i, s in enumerate(sigs) if s[0] == "num" and s[1] in F.PY_SCALARS and s[2] == nd]
                 ok += [i for i, s in enumerate(sigs) if nd == 1 and s[0] == "strlist"]
             got = np.full(len(rows), -1, dtype=np.int64)
             for cand in ok:

@@ -396,6 +396,37 @@ def test_empty_rows_and_none_rows_take_any_dtype(tmp_path):
     ]
 
 
+def test_an_empty_array_keeps_its_dtype_and_an_empty_list_stays_a_list(tmp_path):
+    """Beside other variants of their leaf: an empty array is no other dtype's empty array and no
+    empty list; an empty list reads back as [] from a Python-number or string-list column."""
+    values = [
+        [],
+        np.arange(3, dtype=np.int8),
+        np.zeros(0, dtype=np.float32),
+        torch.zeros(0, dtype=torch.bool),
+        [1, 2],
+        None,
+        [[], []],
+        np.zeros((0, 4), dtype=np.float16),
+        ["a"],
+        [],
+    ]
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        for i, v in enumerate(values):
+            w.write("t", i, v)
+        w.write("u", 0, [])  # a list of strings elsewhere: [] joins it
+        w.write("u", 1, ["x", "y"])
+    spillmerge.merge(str(tmp_path / "s"), str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    want = [v.numpy() if isinstance(v, torch.Tensor) else v for v in values]
+    for i, v in enumerate(want):
+        got = res.value("t", i)
+        assert type(got) is type(v) and value_diffs(got, v) == [], (i, got)
+        if isinstance(v, np.ndarray):
+            assert got.dtype == v.dtype and got.shape == v.shape, (i, got)
+    assert [res.value("u", 0), res.value("u", 1)] == [[], ["x", "y"]]
+
+
 def test_a_rewrite_with_another_shape_is_not_identical(tmp_path):
     with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
         w.write("f", 0, torch.zeros(2, 3))
