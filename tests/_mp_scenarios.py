@@ -379,7 +379,7 @@ def check_with_plain_zarr(out: str, keys: list[tuple[str, int]]) -> None:
 
     g = zarr.open_group(out, mode="r")
     header = g.attrs["spillmerge"]
-    assert header["format_version"] == spillmerge.FORMAT_VERSION == 6 and header["kind"] == "merged"
+    assert header["format_version"] == spillmerge.FORMAT_VERSION == 7 and header["kind"] == "merged"
     names = zarr_filenames(g)
     offsets = np.asarray(g["index/frame_offsets"][:])
     frame_idx = np.asarray(g["index/frame_idx"][:])

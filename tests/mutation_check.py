@@ -353,6 +353,22 @@ MUTATIONS: list[Mutation] = [
         "whole arrays are read chunk by chunk: a declared 2**40 rows allocates nothing",
     ),
     Mutation(
+        "none-row-has-no-value",
+        "spillmerge/_read/index.py",
+        "    if none is not None and np.any(none & has):",
+        "    if False:",
+        ("tests/read/test_lazy_index.py::test_a_damaged_late_block_opens_and_is_refused_when_read",),
+        "a row marked None in a column's none array has no value there",
+    ),
+    Mutation(
+        "none-marks-none-rows",
+        "spillmerge/_merge/plan.py",
+        "srcs[g][db[m]] = np.where(none[m], NONE, a + m)",
+        "srcs[g][db[m]] = np.where(none[m], ABSENT, a + m)",
+        ("tests/format/test_lists.py::test_a_dict_that_lacks_keys_and_holds_none_reads_back_as_written",),
+        "a key holding None is told from a key the dict lacks",
+    ),
+    Mutation(
         "empty-array-keeps-dtype",
         "spillmerge/_merge/plancolumns.py",
         "(lay.dtype in F.PY_SCALARS and 0 in lay.shape)",
@@ -444,8 +460,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "g26-valid-without-has-valid",
         "spillmerge/_format/invariants.py",
-        '    if "valid" in a and not c.has_valid:',
-        "    if False:",
+        "        if k in a and not said:",
+        "        if False:",
         ("tests/project/test_guarded_checks.py::test_a_valid_array_the_header_does_not_declare_is_refused",),
         "a valid array where the column header says there is none is refused",
     ),
@@ -1384,14 +1400,6 @@ MUTATIONS: list[Mutation] = [
         "        new[1:] = ne.to_numpy(zero_copy_only=False)",
         ("tests/merge/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
         "a merge in a fresh process does not import pandas (a second spent on nothing the merge needs)",
-    ),
-    Mutation(
-        "absent-key-stops-at-a-list",
-        "spillmerge/_read/rowvalue.py",
-        '            if node.get("header", ("",))[0] in _SEQUENCES:',
-        "            if False:",
-        ("tests/format/test_lists.py::test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same_path",),
-        "a nested key of another frame's dict is no column of this frame's list of dicts at the same path",
     ),
     Mutation(
         "dropin-one-file-per-element",

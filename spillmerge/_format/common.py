@@ -19,7 +19,7 @@ import numpy as np
 
 from .._errors import CorruptSpillError, FormatVersionError
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 """The version of the outputs a merge writes, and the only one a reader reads."""
 SPILL_FORMAT_VERSION = 4
 """The version a writer's spill records carry, and the only one a merge reads. It counts apart

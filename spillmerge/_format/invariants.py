@@ -209,11 +209,13 @@ def _column_meta_problems(c: StoredColumn) -> list[Problem]:
     if (c.kind == "ragged" and c.inner_shape is None) or c.kind == "strlist":
         need.append("shapes")
     need += ["valid"] if c.has_valid else []
+    need += ["none"] if c.has_none else []
     out: list[Problem] = [(f"{rel}/{k}", f"missing from the {c.kind} column") for k in need if k not in a]
     if out:
         return out
-    if "valid" in a and not c.has_valid:
-        out.append((f"{rel}/valid", "present, but the column header's has_valid is false"))
+    for k, said in (("valid", c.has_valid), ("none", c.has_none)):
+        if k in a and not said:
+            out.append((f"{rel}/{k}", f"present, but the column header's has_{k} is false"))
     for k, arr in sorted(a.items()):
         out.extend(grid_problems(f"{rel}/{k}", arr))
     if out:
@@ -233,7 +235,7 @@ def _column_meta_problems(c: StoredColumn) -> list[Problem]:
         out.append((f"{rel}/values", f"shape {tuple(v.shape)} does not end in inner_shape {list(c.inner_shape)}"))
     if c.kind == "fixed" and v.ndim < 1:
         out.append((f"{rel}/values", "a fixed column's values need a row dimension"))
-    for k, kinds, ndim in (("offsets", "iu", 1), ("shapes", "iu", 2), ("valid", "b", 1)):
+    for k, kinds, ndim in (("offsets", "iu", 1), ("shapes", "iu", 2), ("valid", "b", 1), ("none", "b", 1)):
         if k in a and (a[k].dtype.kind not in kinds or a[k].ndim != ndim):
             out.append((f"{rel}/{k}", f"expected a {ndim}-d {'bool' if kinds == 'b' else 'int64'} array"))
     if "shapes" in a and a["shapes"].ndim == 2 and c.ndim is not None and a["shapes"].shape[1] != c.ndim:
@@ -250,7 +252,7 @@ def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -
     # (only a fixed column may lack offsets, read_columns checks: then it holds a value per row)
     if "offsets" not in a and a["values"].shape[0] != n_rows:
         out.append((f"{rel}/values", f"{a['values'].shape[0]} rows, but {of} has {n_rows}"))
-    for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows)):
+    for k, want in (("offsets", n_rows + 1), ("shapes", n_rows), ("valid", n_rows), ("none", n_rows)):
         if k in a and a[k].shape[0] != want:
             out.append((f"{rel}/{k}", f"{a[k].shape[0]} entries, but {of} has {n_rows} rows (must be {want})"))
     return out

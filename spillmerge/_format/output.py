@@ -283,12 +283,16 @@ class ColumnHeader:
     """Largest string chunk the merge wrote (string columns); read as None when not an int >= 0."""
     variant: str | None = None
     """The variant tag (``<col>.<variant>``) of a column of a leaf holding several kinds or dimensions."""
+    has_none: bool = False
+    """Some row holds ``None`` here: the group has a ``none`` array (a row lacking the leaf is neither)."""
 
     def to_obj(self) -> dict[str, Any]:
         inner = None if self.inner_shape is None else list(self.inner_shape)
         obj = asdict(self) | {"leaf": list(self.leaf), "inner_shape": inner}
         if self.variant is None:
             del obj["variant"]
+        if not self.has_none:
+            del obj["has_none"]
         return obj
 
     @classmethod
@@ -333,6 +337,7 @@ class ColumnHeader:
             has_valid=bool(obj.get("has_valid")),
             chunk_max_bytes=cmb if cmb is not None and cmb >= 0 else None,
             variant=variant,
+            has_none=bool(obj.get("has_none")),
         )
 
 

@@ -146,8 +146,9 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
                 (n_dom, col.ndim), (max(1, min(n_dom, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True
             )
             nodes[f"{base}/shapes"] = _array_doc(_dims(shp, [row, f"{col.name}.dims"]))
-        if col.has_valid:
-            nodes[f"{base}/valid"] = _array_doc(_dims(_rows_meta(n_dom, "bool"), [row]))
+        for flag, has in (("valid", col.has_valid), ("none", col.has_none)):
+            if has:
+                nodes[f"{base}/{flag}"] = _array_doc(_dims(_rows_meta(n_dom, "bool"), [row]))
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
     # create_hierarchy / consolidate_metadata cost one or more requests per node).

@@ -16,6 +16,7 @@ from .._storage import Storage
 from . import documents as Z
 from .nametable import table_of
 from .plan import Plan
+from .plancolumns import NONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +32,8 @@ class IndexChunk:
     """The chunk shape (the array's ``chunk_shape``)."""
     dtype: str
     source: Any
-    """The array the elements come from (only ``[lo, hi)`` is read); of a ``valid`` array, its
-    column's ``src`` (the elements: ``src >= 0``)."""
+    """The array the elements come from (only ``[lo, hi)`` is read); of a ``valid`` or ``none``
+    array, its column's ``src`` (the elements: ``src >= 0``, ``src == NONE``)."""
 
     @property
     def key(self) -> str:
@@ -40,7 +41,9 @@ class IndexChunk:
 
     def elements(self) -> np.ndarray:
         block = np.asarray(self.source[self.lo : self.hi])
-        return block >= 0 if self.path.endswith("/valid") else block
+        if self.path.endswith("/valid"):
+            return block >= 0
+        return block == NONE if self.path.endswith("/none") else block
 
     def encode(self) -> list[np.ndarray]:
         """The chunk object: the elements at the full chunk shape, then their CRC-32C."""
@@ -73,6 +76,8 @@ def _sources(plan: Plan) -> dict[str, Any]:
             out[f"{base}/shapes"] = col.shapes
         if col.has_valid:
             out[f"{base}/valid"] = col.src
+        if col.has_none:
+            out[f"{base}/none"] = col.src
     return out
 
 

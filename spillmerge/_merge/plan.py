@@ -26,6 +26,8 @@ from . import plansql as _plansql
 from .nametable import table_of
 from .options import DEFAULT_PLAN_BUDGET
 from .plancolumns import (
+    ABSENT,
+    NONE,
     ROW_BLOCK,
     Alloc,
     PlannedColumn,
@@ -201,15 +203,15 @@ def _assemble(
     group, groups = variant_groups(c, layouts, gpaths, new)
     names_of = group_names(groups, gpaths)
     is_none = np.array([F.DTYPES[lay.dtype].kind == "none" for lay in layouts], dtype=bool)
-    # every column's source rows in one pass over the entries (a value's entry, not a None's)
-    srcs = [new("src", sizes[F.list_domain(gpaths[p])], np.int64, -1) for p, _ in groups]
+    # every column's source rows in one pass over the entries: a value's entry, or NONE
+    srcs = [new("src", sizes[F.list_domain(gpaths[p])], np.int64, ABSENT) for p, _ in groups]
     for a, b in blocks(n_ent):
         gb = np.asarray(group[a:b])
-        ok = ~is_none[c["gl"][a:b]]
+        none = is_none[c["gl"][a:b]]
         db = np.asarray(drow[a:b])
-        for g in distinct(gb[ok]).tolist():
-            m = np.flatnonzero(ok & (gb == g))
-            srcs[g][db[m]] = a + m
+        for g in distinct(gb).tolist():
+            m = np.flatnonzero(gb == g)
+            srcs[g][db[m]] = np.where(none[m], NONE, a + m)
     columns = []
     for g, (p, tag) in enumerate(groups):
         n_dom = sizes[F.list_domain(gpaths[p])]

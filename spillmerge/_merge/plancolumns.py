@@ -62,7 +62,8 @@ class PlannedColumn:
     inner: tuple[int, ...] | None
     """``ragged``: the dimensions after the first when only the first varies, else None."""
     src: np.ndarray
-    """int64 (n_rows,): position in the plan's row table of each output row's bytes, -1 when absent."""
+    """int64 (n_rows,): position in the plan's row table of each output row's bytes; ``ABSENT``
+    when the row lacks the leaf, ``NONE`` when it holds None there."""
     offsets: np.ndarray | None
     """int64 (n_rows + 1,): row ``r``'s units of ``values`` are ``offsets[r] .. offsets[r+1]-1``,
     for ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
@@ -77,6 +78,8 @@ class PlannedColumn:
     variant: str | None = None
     """The variant tag of a leaf's column when the leaf has several variants that are not only
     numeric dtypes (``variant_groups``); None otherwise (the name carries at most the dtype)."""
+    has_none: bool = False
+    """Some row holds None here (a ``none`` array is written)."""
 
     @property
     def storage(self) -> str:
@@ -116,6 +119,7 @@ class PlannedColumn:
             has_valid=self.has_valid,
             chunk_max_bytes=None,
             variant=self.variant,
+            has_none=self.has_none,
         )
 
 
@@ -344,18 +348,26 @@ def group_names(groups: list[tuple[int, str | None]], leaf_paths: list[tuple[str
     return out
 
 
+ABSENT = -1
+"""``PlannedColumn.src`` of a row that lacks the column's leaf."""
+NONE = -2
+"""``PlannedColumn.src`` of a row whose value at the column's leaf is None (a row of no variant:
+``variant_groups`` gave it to this column)."""
+
+
 def plan_column(
     name: str, leaf: tuple[str, ...], src: np.ndarray, c: dict[str, np.ndarray], layouts: list[FS.Layout], n_rows: int,
     new: Alloc,
 ) -> PlannedColumn:  # fmt: skip
     """The column of one leaf path from the row table positions of its present rows (a block of
     rows at a time; per-row arrays from ``new``)."""
-    n_present = 0
+    n_present, has_none = 0, False
     lay_ids = np.zeros(0, np.int64)
     for a, b in blocks(n_rows):
         s = np.asarray(src[a:b])
         p = s >= 0
         n_present += int(np.count_nonzero(p))
+        has_none = has_none or bool((s == NONE).any())
         lay_ids = distinct(np.concatenate([lay_ids, distinct(c["gl"][s[p]])]))
     has_valid = n_present < n_rows
 
@@ -385,7 +397,7 @@ def plan_column(
             if strings is not None:
                 strings[a:b, 0][p] = n_of[gl]
         return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
-                             cumulate(offsets), strings, has_valid, n_present)  # fmt: skip
+                             cumulate(offsets), strings, has_valid, n_present, has_none=has_none)  # fmt: skip
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
@@ -396,7 +408,9 @@ def plan_column(
             for a, b, p, _ in each():
                 present[a + 1 : b + 1] = p
             cumulate(present)
-        return PlannedColumn(name, leaf, "fixed", dt.name, ndim, shape, None, src, present, None, has_valid, n_present)
+        return PlannedColumn(
+            name, leaf, "fixed", dt.name, ndim, shape, None, src, present, None, has_valid, n_present, has_none=has_none
+        )
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
@@ -407,14 +421,16 @@ def plan_column(
         for a, b, p, gl in each():
             offsets[a + 1 : b + 1][p] = table[gl, 0]
         return PlannedColumn(
-            name, leaf, "ragged", dt.name, ndim, None, inner, src, cumulate(offsets), None, has_valid, n_present
+            name, leaf, "ragged", dt.name, ndim, None, inner, src, cumulate(offsets), None, has_valid, n_present,
+            has_none=has_none,
         )
     row_shapes = new("shapes", (n_rows, ndim), np.int64)
     for a, b, p, gl in each():
         row_shapes[a:b][p] = table[gl]
         offsets[a + 1 : b + 1] = np.prod(row_shapes[a:b], axis=1, dtype=np.int64)
     return PlannedColumn(
-        name, leaf, "ragged", dt.name, ndim, None, None, src, cumulate(offsets), row_shapes, has_valid, n_present
+        name, leaf, "ragged", dt.name, ndim, None, None, src, cumulate(offsets), row_shapes, has_valid, n_present,
+        has_none=has_none,
     )
 
 

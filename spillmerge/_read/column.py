@@ -86,6 +86,9 @@ class OpenColumn:
         self.valid: Any = None
         """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``; whole for a
         list's items) set by the reader, or None when every row has a value."""
+        self.none: Any = None
+        """bool ``(n_rows,)``: rows that hold None here (they have no value), as ``valid``; None
+        when no row does."""
 
     @property
     def values(self) -> Any:

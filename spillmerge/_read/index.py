@@ -279,15 +279,17 @@ class IndexChecks:
         else:
             layout_of_row = np.zeros(0, dtype=np.int64)
         valid: dict[str, np.ndarray | None] = {}
+        none: dict[str, np.ndarray | None] = {}
         for name, col in self._cols.items():
             o = None if col.offsets is None else col.offsets.span(r0, r1 + 1)
             shapes = None if col.shapes is None else col.shapes.span(r0, r1)
             v = valid[name] = None if col.valid is None else np.asarray(col.valid.span(r0, r1), dtype=bool)
+            n = none[name] = None if col.none is None else np.asarray(col.none.span(r0, r1), dtype=bool)
             listed = self._listed[name]
             in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
-            for p in column_row_problems(col.info, o, shapes, v, in_layout, r0, r1 == self.n_rows):
+            for p in column_row_problems(col.info, o, shapes, v, in_layout, r0, r1 == self.n_rows, n):
                 self._fail(*p)
-        for p in variant_problems(self._variants, self._cols, valid, r0):
+        for p in variant_problems(self._variants, self._cols, valid, r0, none):
             self._fail(*p)
 
     def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
@@ -322,10 +324,12 @@ def column_row_problems(
     in_layout: np.ndarray,
     r0: int,
     last: bool,
+    none: Any = None,
 ) -> list[V.Problem]:
     """What rows ``r0 ..`` of column ``info`` break: their ``offsets`` ``o`` (one entry more;
-    ``last``: they end the column) and ``shapes`` against ``values``; a value only where the row's
-    file lists the column (``in_layout``); no values where a row has none (``v``, None: all have)."""
+    ``last``: they end the column) and ``shapes`` against ``values``; a value or a None only where
+    the row's file lists the column (``in_layout``); no values where a row has none (``v``, None:
+    all have); None only where a row has no value (``none``)."""
     rel, r1 = f"columns/{info.name}", r0 + len(in_layout)
     out: list[V.Problem] = []
     if o is not None:
@@ -338,11 +342,17 @@ def column_row_problems(
         if shapes is not None:
             out += _shapes_problems(info, shapes, step, r0)
     has = np.ones(r1 - r0, dtype=bool) if v is None else v
-    bad = np.flatnonzero(has & ~in_layout)
     within = f"in rows {r0}..{r1 - 1}"
-    if len(bad):
-        what = f"row {r0 + int(bad[0])} has a value, but its file's layout does not list this column"
-        out.append((f"{rel}/{'values' if v is None else 'valid'}", f"{what} ({len(bad)} such rows {within})"))
+    for arr, rel_arr, what in (
+        (has, f"{rel}/{'values' if v is None else 'valid'}", "has a value"), (none, f"{rel}/none", "holds None")
+    ):  # fmt: skip
+        bad = np.zeros(0, np.int64) if arr is None else np.flatnonzero(arr & ~in_layout)
+        if len(bad):
+            said = f"row {r0 + int(bad[0])} {what}, but its file's layout does not list this column"
+            out.append((rel_arr, f"{said} ({len(bad)} such rows {within})"))
+    if none is not None and np.any(none & has):
+        r = r0 + int(np.flatnonzero(none & has)[0])
+        out.append((f"{rel}/none", f"row {r} holds None and a value"))
     if o is not None and v is not None:
         bad = np.flatnonzero(~v & (step != 0))
         if len(bad):
@@ -388,9 +398,11 @@ def variant_groups(columns: dict[str, Any]) -> list[list[str]]:
 
 
 def variant_problems(
-    groups: list[list[str]], columns: dict[str, Any], valid: dict[str, np.ndarray | None], r0: int
-) -> list[V.Problem]:
-    """A row (of rows ``r0 ..``, ``valid`` each column's) has a value in one variant of its leaf at most."""
+    groups: list[list[str]], columns: dict[str, Any], valid: dict[str, np.ndarray | None], r0: int,
+    none: dict[str, Any] | None = None,
+) -> list[V.Problem]:  # fmt: skip
+    """A row (of rows ``r0 ..``, ``valid`` and ``none`` each column's) has a value or a None in
+    one variant of its leaf at most."""
     out: list[V.Problem] = []
     for group in groups:
         leaf = list(columns[group[0]].info.leaf)
@@ -400,6 +412,9 @@ def variant_problems(
             out.append((f"columns/{absent[0]}/valid", what))
             continue
         count = np.sum([np.asarray(valid[name]) for name in group], axis=0, dtype=np.int64)
+        for name in group:
+            if none is not None and none.get(name) is not None:
+                count += np.asarray(none[name], dtype=np.int64)
         if count.size and int(count.max()) > 1:
             r = r0 + int(np.argmax(count > 1))
             shown = ", ".join(f"columns/{n}" for n in group)

@@ -63,19 +63,25 @@ def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
     return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
 
 
+def _holds(col: Any, d: int, valid: Any, block: Any) -> bool | None:
+    """Whether row ``d`` of ``col`` has a value (True), holds None (None) or lacks the leaf (False)."""
+    if (valid is None or bool(valid[d])) if block is None else block.ok(col, d):
+        return True
+    return None if col.none is not None and col.none[d] else False
+
+
 def _entries(
     plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray], block: Any = None
-) -> list[tuple[tuple[str, ...], Any, int, int, bool]]:
+) -> list[tuple[tuple[str, ...], Any, int, int, bool | None]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
-    whether the row has a value there) of every value row ``r`` has in the plan's columns, less
-    the list items and headers it has no value in; a list's item rows get the positions their
-    lists' offsets say (``MARK`` + position)."""
+    True: a value there, None: None there) of every value and None row ``r`` has in the plan's
+    columns; a list's item rows get the positions their lists' offsets say (``MARK`` + position)."""
     out = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
         if not domain:
-            ok = (valid is None or bool(valid[r])) if block is None else block.ok(col, r)
-            if ok or not quiet:
+            ok = _holds(col, r, valid, block)
+            if ok is not False and (ok or not quiet):
                 out.append((leaf, col, r, -1 if lpath is None or not ok else _items(offs, lpath, r), ok))
             continue
         got = where.get(domain)
@@ -84,8 +90,8 @@ def _entries(
         lo, idx = got
         for j, ix in enumerate(idx):
             d = lo + j
-            ok = (valid is None or bool(valid[d])) if block is None else block.ok(col, d)
-            if not ok and quiet:
+            ok = _holds(col, d, valid, block)
+            if ok is False or (ok is None and quiet):  # (a None list item reads as None anyway)
                 continue
             segs = list(leaf)
             for k, pos in zip(at, ix, strict=True):
@@ -126,15 +132,9 @@ def row_value(
             return None
         return leaf_value(col, r, filename, as_torch)
     root: _Node = {"kids": {}}
-    absent: list[tuple[str, ...]] = []
-    inside: list[tuple[str, ...]] = []  # keys of dicts that are list items, absent or None
-    entries = _entries(plan, r, offs, block)
-    for leaf, col, d, items, ok in entries:
-        if not ok:  # (absent headers and list items say nothing: _entries left them out)
-            (inside if F.list_domain(col.info.leaf) else absent).append(leaf)
-            continue
+    for leaf, col, d, items, ok in _entries(plan, r, offs, block):
         dtype = col.info.dtype
-        head = dtype in F.PY_HEADERS  # a container's header: the node of its path, not of its leaf
+        head = ok and dtype in F.PY_HEADERS  # a container's header: the node of its path, not of its leaf
         node = root
         for seg in leaf[:-1] if head else leaf:
             kids = node["kids"]
@@ -142,10 +142,11 @@ def row_value(
             if nxt is None:
                 nxt = kids[seg] = {"kids": {}}
             node = nxt
-        if block is not None:  # already what value() returns for the leaf
-            got = block.get(col, d, filename)
-        else:
-            got = leaf_value(col, d, filename, as_torch)
+        if ok is None:
+            node["value"] = None
+            continue
+        # from the block: already what value() returns for the leaf
+        got = block.get(col, d, filename) if block is not None else leaf_value(col, d, filename, as_torch)
         if head:  # (0-d: a Python int)
             n = int(got)
             # a header is checked against its list offsets (none: no items), so a damaged (or
@@ -159,51 +160,9 @@ def row_value(
             node["header"] = (dtype, n)
         else:
             node["value"] = got
-    for leaf in absent:  # a leaf of the file no variant of which has a value here: None
-        # dict keys the file's other frames have: None here, as the leaf views say; inside a list
-        # only under a dict this row has (its header made the node)
-        node, structural = root, any(is_marker(s) for s in leaf)
-        for seg in leaf[:-1]:
-            if node.get("header", ("",))[0] in _SEQUENCES:
-                # a list here: its columns and items are lists, and a nested dict key of
-                # another frame's dict at this path is no column of it
-                break
-            nxt = node["kids"].get(seg)
-            if nxt is None:
-                if structural:
-                    break
-                nxt = node["kids"][seg] = {"kids": {}}
-            node = nxt
-        else:
-            if "value" not in node and leaf[-1] not in node["kids"]:
-                node["kids"][leaf[-1]] = {"kids": {}, "value": None}
-    _none_keys(root, inside)
     if not root["kids"] and "value" not in root and "header" not in root:
         return None  # the value itself was None (its leaf is ``[]``)
     return _build(root, (), order)
-
-
-_SEQUENCES = frozenset({"pylist", "pytuple", "pyrecords"})
-
-
-def _none_keys(root: _Node, leaves: list[tuple[str, ...]]) -> None:
-    """The keys of a dict inside a list that hold ``None`` (a row no column of the key
-    has a value in, like a key the dict lacks): its ``pydict`` header counts its keys, so the
-    keys it lacks of the ones its list's other dicts have are told from ``None`` ones. (When a
-    dict both lacks keys others have and holds ``None`` ones, which is which is not stored: the
-    first in key order read as ``None``; docs/FORMAT.md, *Lists*.)"""
-    by_dict: dict[tuple[str, ...], set[str]] = {}
-    for leaf in leaves:
-        by_dict.setdefault(leaf[:-1], set()).add(leaf[-1])
-    for path, keys in by_dict.items():
-        node: _Node | None = root
-        for seg in path:
-            node = node["kids"].get(seg) if node is not None else None
-        if node is None or "value" in node or node.get("header", ("", 0))[0] != "pydict":
-            continue
-        missing = node["header"][1] - len(node["kids"])
-        for key in sorted(k for k in keys if k not in node["kids"])[: max(missing, 0)]:
-            node["kids"][key] = {"kids": {}, "value": None}
 
 
 def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:

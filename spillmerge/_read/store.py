@@ -147,6 +147,8 @@ class OutputFiles:
                     col.shapes = array(info, "shapes", bool(domain))
             if info.has_valid:
                 col.valid = array(info, "valid", bool(domain), bool)
+            if info.has_none:
+                col.none = array(info, "none", bool(domain), bool)
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
@@ -161,8 +163,9 @@ class OutputFiles:
                 col.offsets.hook = self.checks.edges
             if col.shapes is not None:
                 col.shapes.hook = self.checks.rows
-            if col.valid is not None:
-                col.valid.hook = self.checks.rows
+            for flags in (col.valid, col.none):
+                if flags is not None:
+                    flags.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (_lazyindex).
         self.frame_offsets.span(0, 1)
@@ -172,9 +175,10 @@ class OutputFiles:
             in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
             for name, col in nested.items():
                 rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
-                raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))
+                raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True, col.none))
             valid = {name: col.valid for name, col in nested.items()}
-            raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0))
+            none = {name: col.none for name, col in nested.items()}
+            raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0, none))
         # Per file layout, its columns and where each shows in a file's value: (dicts above it, key,
         # view class, column, list domain); None for plain tensor values (one view).
         self._layout_cols: list[list[OpenColumn]] = []
@@ -370,9 +374,8 @@ class MergedStore(Mapping[str, Any]):
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
         tuples, Python scalars, ``str``, ``bytes`` and ``None`` as themselves, tensors and arrays
         as numpy arrays (``as_torch=True``: torch tensors, importing torch only then), pickled
-        objects unpickled (only under ``open(..., allow_pickle=True)``). A dict key some frames
-        of the file have and this one lacks reads as ``None`` (docs/FORMAT.md section 1, *Value
-        model*)."""
+        objects unpickled (only under ``open(..., allow_pickle=True)``); a dict key some frames
+        of the file have and this one lacks is absent here too."""
         i = self._index(filename)
         return self._files.row_value(i, frame_idx, as_torch, filename)
 

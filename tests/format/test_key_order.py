@@ -134,7 +134,7 @@ def test_spill_layouts_carry_pos_and_catalog_version(tmp_path):
     st = Storage(str(tmp_path / "spill"))
     (seg,) = R.scan(st)[0]
     loaded = R.load_segment(st, seg)
-    assert seg.header["format_version"] == F.SPILL_FORMAT_VERSION == 4 and F.FORMAT_VERSION == 6
+    assert seg.header["format_version"] == F.SPILL_FORMAT_VERSION == 4 and F.FORMAT_VERSION == 7
     assert {lay.leaf: lay.pos for lay in loaded.layouts} == {("a", "c"): (1, 1), ("a", "d"): (1, 0), ("b",): (0,)}
 
 

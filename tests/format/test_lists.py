@@ -116,12 +116,19 @@ def test_a_list_of_dicts_in_one_frame_and_a_dict_of_dicts_in_another_at_the_same
     assert [v for _, _, v in res.iter_values()] == [res.value("f", i) for i in range(len(frames))]
 
 
-def test_a_dict_item_that_lacks_keys_and_holds_none_reads_its_first_absent_keys_as_none(tmp_path):
-    """The one case the format does not store (docs/FORMAT.md, *Lists*): a dict inside a list
-    that both lacks keys other items have and holds None in others. Its key count says how many
-    of its absent keys are None, not which: the first in key order."""
-    out = _merge(tmp_path, [("d", 0, [{"a": 1, "b": 2, "c": 3}, {"c": None}])])
-    assert spillmerge.open(str(out)).value("d", 0) == [{"a": 1, "b": 2, "c": 3}, {"a": None}]
+def test_a_dict_that_lacks_keys_and_holds_none_reads_back_as_written(tmp_path):
+    """A key a dict lacks is told from one holding None, inside a list (where the other items'
+    dicts have it) and across the frames of a file (where other frames' dicts have it)."""
+    rows = [
+        ("d", 0, [{"a": 1, "b": 2, "c": 3}, {"c": None}, {}, {"x": None, "b": 1}]),
+        ("e", 0, {"a": 1, "b": None}),
+        ("e", 1, {"b": 2}),
+        ("e", 2, {}),
+        ("e", 3, {"a": None, "c": {"x": None}}),
+        ("e", 4, {"c": {"y": 1}}),
+    ]
+    res = _same(_merge(tmp_path, rows), rows)
+    assert [v for _, _, v in res.iter_values()] == [v for *_, v in rows]
 
 
 def test_a_list_mixing_tensors_and_str_is_a_union_of_its_items(tmp_path):
@@ -246,7 +253,7 @@ def test_spill_roots_written_before_format_4_merge_to_lists(tmp_path):
     assert header["attributes"]["spillmerge"]["format_version"] == 4
     spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
     res = _same(tmp_path / "out", rows)
-    assert res.format_version == 6 == spillmerge.FORMAT_VERSION
+    assert res.format_version == 7 == spillmerge.FORMAT_VERSION
 
 
 def _plant_list_group(out: Path, like: str, name: str, path: tuple[str, ...]) -> None:

@@ -38,7 +38,7 @@ def _value(i: int, f: int) -> dict[str, object]:
         "caption": f"file {i} frame {f}",
         "boxes": torch.ones(i % 3, 4) * f,  # ragged: offsets
         "mask": torch.ones(i % 2 + 1, f + 1, dtype=torch.uint8),  # every dimension varies: shapes
-        "maybe": None if (i + f) % 5 == 0 else 1.5,  # rows without a value: valid
+        "maybe": None if (i + f) % 5 == 0 else 1.5,  # rows without a value: valid; holding None: none
     }
 
 
@@ -68,7 +68,8 @@ CASES = [
     ("index/file_layout", LATE, 9, r"index/file_layout: entry 40 .* is 9"),
     ("columns/caption/offsets", 3 * LATE + 1, 0, r"columns/caption/offsets: decreases"),
     ("columns/mask/shapes", (3 * LATE, 1), 9, r"columns/mask/shapes: row 120 has shape"),
-    ("columns/maybe/valid", 3 * LATE, 1, r"columns/maybe/(valid|offsets): row 120"),
+    ("columns/maybe/valid", 3 * LATE, 1, r"columns/maybe/(valid|offsets|none): row 120"),
+    ("columns/maybe/none", 3 * LATE + 1, 1, r"columns/maybe/none: row 121 holds None and a value"),
 ]
 
 
