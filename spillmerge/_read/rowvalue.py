@@ -76,7 +76,7 @@ def _entries(
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     True: a value there, None: None there) of every value and None row ``r`` has in the plan's
     columns; a list's item rows get the positions their lists' offsets say (``MARK`` + position)."""
-    out = []
+    out: list[tuple[tuple[str, ...], Any, int, int, bool | None]] = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
         if not domain:
