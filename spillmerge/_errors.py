@@ -277,40 +277,5 @@ class ArrowUnionInParquetError(SpillMergeError, ValueError):
     columns: list[str]
 
 
-__all__ = [
-    "ArrowUnionInParquetError",
-    "CommitTimeout",
-    "ConfigError",
-    "CoordinationError",
-    "CorruptSpillError",
-    "DuplicateFrameError",
-    "FormatVersionError",
-    "IncompleteOutputError",
-    "IncompleteSpillError",
-    "LayoutMismatchError",
-    "LeaseLostError",
-    "MergeFailedError",
-    "MergeTimeout",
-    "MissingDependencyError",
-    "MissingPartsError",
-    "NotASpillRootError",
-    "NotAnOutputError",
-    "OutputBusyError",
-    "OutputExistsError",
-    "PartFailedError",
-    "PartsTimeout",
-    "PickleNotAllowedError",
-    "PlanMismatchError",
-    "RaggedShapeError",
-    "RankFailedError",
-    "SpillMergeError",
-    "SpillStorageError",
-    "SpillValueError",
-    "StaleSpillError",
-    "TruncatedObjectError",
-    "UnknownColumnError",
-    "UnknownFileError",
-    "UnknownLeafError",
-    "UnsafePathError",
-    "WriterClosedError",
-]
+# Every error class is public (spillmerge's ``__all__`` adds these names).
+__all__ = sorted(n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, SpillMergeError))
