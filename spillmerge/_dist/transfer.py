@@ -69,24 +69,17 @@ _MAX_RECORD = 1 << 20
 
 
 # -------------------------------------------------------------------------------- transport
-@dataclass
 class _Link:
     """A process group, the device its tensors live on, and the staging buffer: ``chunk`` bytes
     (on the device for NCCL, plus pinned host memory of the same size), used as two slots of
     ``piece = chunk // 2`` bytes so the receiver writes one piece while the next arrives."""
 
-    group: Any
-    device: torch.device
-    chunk: int
-    timeout: float
-    host: torch.Tensor = field(init=False)
-    dev: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        cuda = self.device.type == "cuda"
-        self.host = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=cuda)
-        self.dev = torch.empty(self.chunk, dtype=torch.uint8, device=self.device) if cuda else self.host
-        self.piece = self.chunk // 2
+    def __init__(self, group: Any, device: torch.device, chunk: int, timeout: float) -> None:
+        self.group, self.device, self.timeout = group, device, timeout
+        cuda = device.type == "cuda"
+        self.host = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.empty(chunk, dtype=torch.uint8, device=device) if cuda else self.host
+        self.piece = chunk // 2
 
     def _wait(self, post: Callable[[], Any], what: str, peer: int, me: int) -> None:
         """``post()`` (an isend / irecv) and its wait: a dead peer is a RuntimeError of either
