@@ -233,9 +233,7 @@ def _validate_rows(
 
 def lex_order(*keys: np.ndarray) -> np.ndarray:
     """``np.lexsort`` of int64 ``keys`` given most significant first: the same stable order, from
-    one stable sort of the keys packed into one int64 when their ranges fit in 63 bits (one sort
-    instead of one per key: the most frequent case, small frame numbers and few segments and
-    leaves per block of the plan)."""
+    one sort of the keys packed into one int64 when their ranges fit in 63 bits."""
     n = len(keys[0])
     if n == 0:
         return np.zeros(0, dtype=np.int64)
