@@ -270,10 +270,8 @@ def transfer_shards(
             )
         info.wait_seconds = time.perf_counter() - t0
         t_vis = time.perf_counter()
-        everyone = len(metas) == session.world_size
-        invisible = (
-            {} if transport == "storage" or not everyone else _invisible(session.storage, metas, VISIBILITY_GRACE)
-        )
+        everyone = len(metas) == session.world_size  # fewer: every commit record was on dst's storage
+        invisible = _invisible(session.storage, metas, VISIBILITY_GRACE) if everyone else {}
         info.visibility_seconds = time.perf_counter() - t_vis
         backend = choose_backend(transport) if invisible else ""
         # segments of those ranks dst has committed already: not sent again
