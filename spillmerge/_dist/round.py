@@ -168,11 +168,8 @@ def wait_complete(
         if complete_for(output, run_id, session):
             return
         raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
-        if raw is not None:
-            try:
-                rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME))
-            except CorruptSpillError:
-                rec = None
+        with contextlib.suppress(CorruptSpillError):  # a torn or foreign record: no failure of this round
+            rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME)) if raw else None
             if rec is not None and rec.run_id == run_id and rec.session == session:
                 _raise_failed(output, spill, rec.rank, rec.summary())
         if waited >= timeout:
