@@ -20,6 +20,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTimeout, SpillValueError
 from .._format import common as F
 from .._format import output as FO
@@ -106,8 +108,6 @@ def coordinated(session: Session) -> bool:
     """True when torch.distributed is initialised with this writer's rank and world size."""
     if session.world_size < 2 or not dist_initialized() or session.run_id is None:
         return False
-    import torch.distributed as dist
-
     return bool(dist.get_rank() == session.rank and dist.get_world_size() == session.world_size)
 
 

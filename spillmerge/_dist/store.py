@@ -23,6 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 from .._errors import CommitTimeout, CoordinationError, RankFailedError, SpillMergeError
 from .._util import poll as _poll
 
@@ -46,9 +49,6 @@ def _run_store(run_id: str | None) -> Any:
     id). Raises whatever the store raises."""
     if run_id is None:
         return None
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.PrefixStore(f"spillmerge/{run_id}/", distributed_c10d._get_default_store())
@@ -105,8 +105,6 @@ class Coord:
     an aborted merge ends every wait promptly and every wait ends by ``timeout``."""
 
     def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float, session: int = 0) -> None:
-        import torch.distributed as dist
-
         self.base = _run_store(run_id)
         self.session = session
         self.diagnose: Callable[[], dict[int, str]] = dict  # none known until the caller says

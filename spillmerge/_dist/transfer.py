@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .._errors import (
     ConfigError,
@@ -93,14 +94,10 @@ class _Link:
             ) from exc
 
     def send(self, t: torch.Tensor, peer: int, me: int, what: str) -> None:
-        import torch.distributed as dist
-
         buf = t.to(self.device, non_blocking=False)
         self._wait(lambda: dist.isend(buf, peer, group=self.group), f"sending {what} to", peer, me)
 
     def recv(self, t: torch.Tensor, peer: int, me: int, what: str) -> torch.Tensor:
-        import torch.distributed as dist
-
         buf = t if t.device == self.device else torch.empty_like(t, device=self.device)
         self._wait(lambda: dist.irecv(buf, peer, group=self.group), f"receiving {what} from", peer, me)
         return buf if buf is t else buf.to("cpu")
@@ -145,8 +142,6 @@ class _Link:
 
 def choose_backend(transport: str) -> str:
     """``nccl`` or ``gloo`` for ``transport``, checked against the default process group."""
-    import torch.distributed as dist
-
     default = str(dist.get_backend()).lower()
     has_nccl = "nccl" in default and torch.cuda.is_available()
     if transport == "auto":
@@ -163,8 +158,6 @@ def choose_backend(transport: str) -> str:
 def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
     """The process group and device for ``backend``. Every rank calls this (creating the gloo
     group is collective), participants or not."""
-    import torch.distributed as dist
-
     if backend == "nccl":
         return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
     return gloo_group(group_timeout), torch.device("cpu")
