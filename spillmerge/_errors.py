@@ -3,6 +3,7 @@ its data (the annotated attributes below), given as keywords after the message."
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Self
 
 
@@ -205,8 +206,6 @@ class MissingDependencyError(SpillMergeError, ImportError):
 
 def require(module: str, *, package: str, extra: str, feature: str):  # type: ignore[no-untyped-def]
     """Import an optional dependency, or raise :class:`MissingDependencyError` with the install hint."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:

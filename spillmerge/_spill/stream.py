@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,8 +170,6 @@ def _unescape(names: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nd
     """Names as their JSON string bodies (back to back, ``lengths`` bytes each), those with an
     escape decoded (rare: a name per element); :class:`Whole` when one is not valid JSON or holds
     a lone surrogate (``_format.common.loads`` refuses it)."""
-    import json
-
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     parts = np.split(names, starts[1:])
