@@ -22,13 +22,13 @@ if TYPE_CHECKING:
     from ._dist.gather import all_gather, gather
     from ._write.writer import SpillWriter
 
-# Public names whose modules import torch: (module, name). Loaded on first access.
+# Public names whose modules import torch: name -> its module. Loaded on first access.
 _NEEDS_TORCH = {
-    "SpillWriter": ("_write.writer", "SpillWriter"),
-    "gather": ("_dist.gather", "gather"),
-    "all_gather": ("_dist.gather", "all_gather"),
-    "gather_object": ("_dist.dropin", "gather_object"),
-    "all_gather_object": ("_dist.dropin", "all_gather_object"),
+    "SpillWriter": "_write.writer",
+    "gather": "_dist.gather",
+    "all_gather": "_dist.gather",
+    "gather_object": "_dist.dropin",
+    "all_gather_object": "_dist.dropin",
 }
 
 
@@ -42,11 +42,8 @@ def __getattr__(name: str) -> Any:
             except ModuleNotFoundError:
                 pass
         raise AttributeError(f"module 'spillmerge' has no attribute {name!r}")
-    from ._errors import require_torch
-
-    require_torch(f"spillmerge.{name}")  # a MissingDependencyError with the install hint, not a bare ImportError
-    module, attr = _NEEDS_TORCH[name]
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    _errors.require_torch(f"spillmerge.{name}")  # MissingDependencyError with the install hint, not ImportError
+    value = getattr(importlib.import_module(f"{__name__}.{_NEEDS_TORCH[name]}"), name)
     globals()[name] = value
     return value
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ._errors import ConfigError, SpillMergeError
 from ._format import spill as FS
@@ -62,8 +64,6 @@ def predict(cfg: DemoConfig, filename: str, frame: int) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, cfg: DemoConfig, rendezvous: str, result_path: str) -> None:
-    import torch.distributed as dist
-
     import spillmerge
 
     torch.set_num_threads(1)
@@ -93,8 +93,6 @@ def _rank_main(rank: int, cfg: DemoConfig, rendezvous: str, result_path: str) ->
 
 def run(cfg: DemoConfig) -> str:
     """Run the demo; returns the text report."""
-    import torch.multiprocessing as mp
-
     out = Path(cfg.out)
     spill = out / "spill"
     # Start from a clean spill root, but only delete what is recognisably ours.

@@ -3,6 +3,7 @@ its data (the annotated attributes below), given as keywords after the message."
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Self
 
 
@@ -205,8 +206,6 @@ class MissingDependencyError(SpillMergeError, ImportError):
 
 def require(module: str, *, package: str, extra: str, feature: str):  # type: ignore[no-untyped-def]
     """Import an optional dependency, or raise :class:`MissingDependencyError` with the install hint."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -277,40 +276,5 @@ class ArrowUnionInParquetError(SpillMergeError, ValueError):
     columns: list[str]
 
 
-__all__ = [
-    "ArrowUnionInParquetError",
-    "CommitTimeout",
-    "ConfigError",
-    "CoordinationError",
-    "CorruptSpillError",
-    "DuplicateFrameError",
-    "FormatVersionError",
-    "IncompleteOutputError",
-    "IncompleteSpillError",
-    "LayoutMismatchError",
-    "LeaseLostError",
-    "MergeFailedError",
-    "MergeTimeout",
-    "MissingDependencyError",
-    "MissingPartsError",
-    "NotASpillRootError",
-    "NotAnOutputError",
-    "OutputBusyError",
-    "OutputExistsError",
-    "PartFailedError",
-    "PartsTimeout",
-    "PickleNotAllowedError",
-    "PlanMismatchError",
-    "RaggedShapeError",
-    "RankFailedError",
-    "SpillMergeError",
-    "SpillStorageError",
-    "SpillValueError",
-    "StaleSpillError",
-    "TruncatedObjectError",
-    "UnknownColumnError",
-    "UnknownFileError",
-    "UnknownLeafError",
-    "UnsafePathError",
-    "WriterClosedError",
-]
+# Every error class is public (spillmerge's ``__all__`` adds these names).
+__all__ = sorted(n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, SpillMergeError))

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, SpillMergeError
+from ._errors import ConfigError, SpillMergeError, require_torch
 from ._merge import options as _options
 
 _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
@@ -320,8 +320,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._errors import require_torch
-
     require_torch("spillmerge demo")  # one line naming the install, not an import traceback
     from ._demo import DemoConfig, run
     from ._inspect.summary import format_text, summarize

@@ -18,6 +18,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 from .._errors import CoordinationError, MergeFailedError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
@@ -181,8 +183,6 @@ def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -
 
 
 def barrier(rank: int, timeout: float) -> None:
-    import torch.distributed as dist
-
     on_gloo(rank, timeout, "finished the call", dist.monitored_barrier, timeout=datetime.timedelta(seconds=timeout))
 
 

@@ -8,14 +8,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from .._errors import CoordinationError, SpillValueError
 
 
 def dist_initialized() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
     return bool(dist.is_available() and dist.is_initialized())
 
 
@@ -34,8 +32,6 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     else 0 and 1."""
     if rank is None or world_size is None:
         if dist_initialized():
-            import torch.distributed as dist
-
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
         else:
@@ -66,8 +62,6 @@ def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
     if slurm:
         return f"slurm-{slurm}"
     if dist_initialized():
-        import torch.distributed as dist
-
         try:
             group = gloo_group(timeout)
             obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
@@ -90,8 +84,6 @@ def gloo_group(timeout: float):  # type: ignore[no-untyped-def]
     seconds: one per default process group and timeout, so a call's own timeout bounds its waits
     whatever an earlier call passed. Every rank passes the same timeout, as with any collective's
     arguments: creating a group is itself a collective of all ranks."""
-    import torch.distributed as dist
-
     key = (id(dist.group.WORLD), float(timeout))
     if key not in _GLOO_GROUPS:
         _GLOO_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))

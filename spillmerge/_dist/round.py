@@ -20,6 +20,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTimeout, SpillValueError
 from .._format import common as F
 from .._format import output as FO
@@ -106,8 +108,6 @@ def coordinated(session: Session) -> bool:
     """True when torch.distributed is initialised with this writer's rank and world size."""
     if session.world_size < 2 or not dist_initialized() or session.run_id is None:
         return False
-    import torch.distributed as dist
-
     return bool(dist.get_rank() == session.rank and dist.get_world_size() == session.world_size)
 
 
@@ -168,11 +168,8 @@ def wait_complete(
         if complete_for(output, run_id, session):
             return
         raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
-        if raw is not None:
-            try:
-                rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME))
-            except CorruptSpillError:
-                rec = None
+        with contextlib.suppress(CorruptSpillError):  # a torn or foreign record: no failure of this round
+            rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME)) if raw else None
             if rec is not None and rec.run_id == run_id and rec.session == session:
                 _raise_failed(output, spill, rec.rank, rec.summary())
         if waited >= timeout:

@@ -23,6 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
 from .._errors import CommitTimeout, CoordinationError, RankFailedError, SpillMergeError
 from .._util import poll as _poll
 
@@ -46,9 +49,6 @@ def _run_store(run_id: str | None) -> Any:
     id). Raises whatever the store raises."""
     if run_id is None:
         return None
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.PrefixStore(f"spillmerge/{run_id}/", distributed_c10d._get_default_store())
@@ -105,11 +105,9 @@ class Coord:
     an aborted merge ends every wait promptly and every wait ends by ``timeout``."""
 
     def __init__(self, run_id: str, rank: int, world_size: int, dst: int, timeout: float, session: int = 0) -> None:
-        import torch.distributed as dist
-
         self.base = _run_store(run_id)
         self.session = session
-        self.diagnose: Callable[[], dict[int, str]] | None = None
+        self.diagnose: Callable[[], dict[int, str]] = dict  # none known until the caller says
         """Failure records of this run on storage (rank -> "Type: message"), for a lost store."""
         # One coordinated merge per writer session (later merges of a writer need none), so the
         # session number names this merge's keys alike on every rank, even where an earlier
@@ -126,7 +124,7 @@ class Coord:
     def _store_lost(self, what: str, exc: BaseException) -> SpillMergeError:
         """The store's host went away (rank 0 exited, usually because some rank failed): name the
         root cause from the failure records on storage when this rank can see them."""
-        failures = self.diagnose() if self.diagnose is not None else {}
+        failures = self.diagnose()
         lost = f"rank {self.rank}: lost the process group's store (hosted by rank 0) while {what} ({exc})"
         if failures:
             names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failures.items()))
@@ -158,12 +156,11 @@ class Coord:
                 for r in pending
                 if self.base.check([f"failed/{self.session}/{r}"])
             }
-            if failed and self.diagnose is not None:
+            if failed:
                 # Every rank whose failure record exists, not only those that reached the store
                 # first: two ranks failing together are both named.
                 for r, m in self.diagnose().items():
                     failed.setdefault(r, m)
-            if failed:
                 names = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
                 raise RankFailedError(f"rank(s) {sorted(failed)} failed before the merge ({names})", failures=failed)
         if self.store.check(["abort"]):

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .._errors import (
     ConfigError,
@@ -69,24 +70,17 @@ _MAX_RECORD = 1 << 20
 
 
 # -------------------------------------------------------------------------------- transport
-@dataclass
 class _Link:
     """A process group, the device its tensors live on, and the staging buffer: ``chunk`` bytes
     (on the device for NCCL, plus pinned host memory of the same size), used as two slots of
     ``piece = chunk // 2`` bytes so the receiver writes one piece while the next arrives."""
 
-    group: Any
-    device: torch.device
-    chunk: int
-    timeout: float
-    host: torch.Tensor = field(init=False)
-    dev: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        cuda = self.device.type == "cuda"
-        self.host = torch.empty(self.chunk, dtype=torch.uint8, pin_memory=cuda)
-        self.dev = torch.empty(self.chunk, dtype=torch.uint8, device=self.device) if cuda else self.host
-        self.piece = self.chunk // 2
+    def __init__(self, group: Any, device: torch.device, chunk: int, timeout: float) -> None:
+        self.group, self.device, self.timeout = group, device, timeout
+        cuda = device.type == "cuda"
+        self.host = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
+        self.dev = torch.empty(chunk, dtype=torch.uint8, device=device) if cuda else self.host
+        self.piece = chunk // 2
 
     def _wait(self, post: Callable[[], Any], what: str, peer: int, me: int) -> None:
         """``post()`` (an isend / irecv) and its wait: a dead peer is a RuntimeError of either
@@ -100,14 +94,10 @@ class _Link:
             ) from exc
 
     def send(self, t: torch.Tensor, peer: int, me: int, what: str) -> None:
-        import torch.distributed as dist
-
         buf = t.to(self.device, non_blocking=False)
         self._wait(lambda: dist.isend(buf, peer, group=self.group), f"sending {what} to", peer, me)
 
     def recv(self, t: torch.Tensor, peer: int, me: int, what: str) -> torch.Tensor:
-        import torch.distributed as dist
-
         buf = t if t.device == self.device else torch.empty_like(t, device=self.device)
         self._wait(lambda: dist.irecv(buf, peer, group=self.group), f"receiving {what} from", peer, me)
         return buf if buf is t else buf.to("cpu")
@@ -152,8 +142,6 @@ class _Link:
 
 def choose_backend(transport: str) -> str:
     """``nccl`` or ``gloo`` for ``transport``, checked against the default process group."""
-    import torch.distributed as dist
-
     default = str(dist.get_backend()).lower()
     has_nccl = "nccl" in default and torch.cuda.is_available()
     if transport == "auto":
@@ -170,8 +158,6 @@ def choose_backend(transport: str) -> str:
 def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
     """The process group and device for ``backend``. Every rank calls this (creating the gloo
     group is collective), participants or not."""
-    import torch.distributed as dist
-
     if backend == "nccl":
         return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
     return gloo_group(group_timeout), torch.device("cpu")
@@ -277,10 +263,8 @@ def transfer_shards(
             )
         info.wait_seconds = time.perf_counter() - t0
         t_vis = time.perf_counter()
-        everyone = len(metas) == session.world_size
-        invisible = (
-            {} if transport == "storage" or not everyone else _invisible(session.storage, metas, VISIBILITY_GRACE)
-        )
+        everyone = len(metas) == session.world_size  # fewer: every commit record was on dst's storage
+        invisible = _invisible(session.storage, metas, VISIBILITY_GRACE) if everyone else {}
         info.visibility_seconds = time.perf_counter() - t_vis
         backend = choose_backend(transport) if invisible else ""
         # segments of those ranks dst has committed already: not sent again

@@ -81,32 +81,21 @@ def assess(
     for rank in range(world_size):
         segs = segments.get(rank, [])
         state.committed.extend(s for s in segs if s.commit is not None)  # with a run id: earlier runs' too
-        if run_id is not None:
-            mine = [s for s in segs if s.run_id == run_id]
-            if any(s.commit is not None for s in mine):
-                continue
-            if any(s.failure is not None for s in mine):
-                state.failed[rank] = [s.failure for s in mine if s.failure is not None][-1]
-            else:
-                state.missing.append(rank)
-                if mine:
-                    state.incomplete[rank] = storage.describe(mine[-1].rel)
-            if mine:
-                state.partial[rank] = mine[-1]
+        if run_id is None:  # the newest segment is the run's; an uncommitted one before a commit is abandoned
+            last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
+            state.abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
+        mine = [s for s in segs if s.run_id == run_id] if run_id is not None else segs[-1:]
+        if any(s.commit is not None for s in mine):
             continue
-        if not segs:
+        failures = [s.failure for s in mine if s.failure is not None]
+        if failures:
+            state.failed[rank] = failures[-1]
+        else:
             state.missing.append(rank)
-            continue
-        newest = segs[-1]
-        if newest.commit is None:
-            state.partial[rank] = newest
-            if newest.failure is not None:
-                state.failed[rank] = newest.failure
-            else:
-                state.missing.append(rank)
-                state.incomplete[rank] = storage.describe(newest.rel)
-        last_commit = max((i for i, s in enumerate(segs) if s.commit is not None), default=-1)
-        state.abandoned.extend(s for s in segs[:last_commit] if s.commit is None)
+            if mine:
+                state.incomplete[rank] = storage.describe(mine[-1].rel)
+        if mine:
+            state.partial[rank] = mine[-1]
     return state
 
 
@@ -164,13 +153,12 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
     if state.missing:
         parts = []
         for r in state.missing:
-            where = state.incomplete.get(r)
-            if where and r in state.partial:
+            if r in state.incomplete:  # then its segment is state.partial[r]
                 journal = storage.listdir(f"{state.partial[r].rel}/{FS.JOURNAL_NAME}")
                 n = sum(name.isdigit() for name in journal)  # one entry per data chunk made durable
-                parts.append(f"rank {r} (uncommitted segment {where}, {n} chunk(s) flushed)")
+                parts.append(f"rank {r} (uncommitted segment {state.incomplete[r]}, {n} chunk(s) flushed)")
             else:
-                parts.append(f"rank {r} ({'uncommitted segment ' + where if where else 'no segment'})")
+                parts.append(f"rank {r} (no segment)")
         msg = (
             f"{storage.describe()}: {len(state.missing)} of {state.world_size} rank(s) have no commit "
             f"record: {', '.join(parts[:20])}{' ...' if len(parts) > 20 else ''}"

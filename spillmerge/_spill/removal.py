@@ -51,11 +51,9 @@ def lacking(seg: LoadedSegment, lookup: Lookup) -> int:
 
 def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> Removal:
     """After a complete merge of ``merged`` (the committed segments its plan was built from):
-    delete them, and the uncommitted segments that ended whose frames the output holds, then the
-    merge failure record (of a merge this one replaces), the rank folders left empty and the root
-    if nothing else is in it. What is found now and was not planned stays: a segment committed
-    after the plan, one still being written (or killed with no later session merged), one whose
-    frames the output lacks."""
+    delete them and the ended uncommitted segments whose frames the output holds (the module's
+    rule; ``_why_kept`` says why any other stays), then the merge failure record (of a merge this
+    one replaces), the rank folders left empty and the root if nothing else is in it."""
     planned = {s.rel for s in merged}
     newest: dict[int, tuple[int, str]] = {}  # rank -> sort key of its last merged segment
     for s in merged:

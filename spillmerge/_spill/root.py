@@ -3,6 +3,7 @@ because a spill root is untrusted input. The barrier on its commit records is ``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,8 +50,7 @@ class Segment:
         for src in (self.commit, self.failure):
             if src is not None:
                 return src.world_size
-        ws = (self.header or {}).get("world_size")
-        return ws if isinstance(ws, int) and not isinstance(ws, bool) else None
+        return F.int_or_none(self.header or {}, "world_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +91,10 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
     header = None
     raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
-        try:
+        with contextlib.suppress(CorruptSpillError, AttributeError):  # read leniently: no header then
             obj = F.loads(raw, path=storage.describe(f"{rel}/zarr.json"))
             h = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
             header = h if isinstance(h, dict) else None
-        except (CorruptSpillError, AttributeError):
-            header = None
     commit = failure = None
     raw = storage.get_or_none(f"{rel}/{FS.COMMIT_NAME}", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
@@ -233,9 +231,7 @@ def _validate_rows(
 
 def lex_order(*keys: np.ndarray) -> np.ndarray:
     """``np.lexsort`` of int64 ``keys`` given most significant first: the same stable order, from
-    one stable sort of the keys packed into one int64 when their ranges fit in 63 bits (one sort
-    instead of one per key: the most frequent case, small frame numbers and few segments and
-    leaves per block of the plan)."""
+    one sort of the keys packed into one int64 when their ranges fit in 63 bits."""
     n = len(keys[0])
     if n == 0:
         return np.zeros(0, dtype=np.int64)

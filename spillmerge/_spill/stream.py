@@ -1,20 +1,14 @@
 """A committed segment's catalog and index read a block of bytes at a time (:class:`Stream`), so
-what a merge holds of one segment does not grow with its size.
-
-The filenames go to two files of the caller's work folder (UTF-8 bytes back to back, int64
-offsets), mapped back as an Arrow binary array, each checked on the way (no control character,
-valid UTF-8, not too long); each index block is checked (``_spill.root.check_rows``) before it
-is used; both objects' CRC-32C are compared with the chunk's and the commit record's at the end.
-The checks that need a whole segment (no frame lists a leaf twice, distinct names) are the merge
-plan's (``_merge.plansql``). Anything else (a catalog not in the writer's form, a failed check)
-raises :class:`Whole`: the segment is then read whole by ``_spill.root.load_segment``, which
-raises a damaged segment's error.
+what a merge holds of one segment does not grow with its size. Every block is checked as it is
+read (the checks of a whole segment are the merge plan's, ``_merge.plansql``); anything unexpected
+raises :class:`Whole`, and ``_spill.root.load_segment`` then reads it whole and names the damage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -176,8 +170,6 @@ def _unescape(names: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nd
     """Names as their JSON string bodies (back to back, ``lengths`` bytes each), those with an
     escape decoded (rare: a name per element); :class:`Whole` when one is not valid JSON or holds
     a lone surrogate (``_format.common.loads`` refuses it)."""
-    import json
-
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     parts = np.split(names, starts[1:])

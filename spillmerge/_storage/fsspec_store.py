@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+from zarr.storage import FsspecStore
 
 from .._errors import SpillStorageError
 from .base import Storage
@@ -116,8 +117,6 @@ class FsspecStorage(Storage):
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
-        from zarr.storage import FsspecStore
-
         fs = self.fs
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
+from zarr.storage import LocalStore
 
 from .._errors import SpillStorageError, UnsafePathError
 from .._format.common import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
@@ -329,8 +330,6 @@ class LocalStorage(Storage):
 
     # ----------------------------------------------------------------------------------- zarr
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
-        from zarr.storage import LocalStore
-
         storage = self
 
         class RegularFilesOnly(LocalStore):

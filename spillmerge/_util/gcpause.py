@@ -10,11 +10,8 @@ from typing import Any
 def gc_paused(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with the cyclic garbage collector paused, restarted only when it was running.
 
-    For steps that build only new, acyclic dicts, lists and strings (parsed JSON, values read
-    back): each full collection meanwhile traverses every object of the process, the caller's
-    data included, and finds nothing here. Beside 20k generated LLM outputs a full pass takes
-    about 0.2 s; the merge and ``iter_values`` of them spent a third of their CPU in such passes
-    (benchmarks/RESULTS.md). Only bounded steps are paused, never a generator across a yield."""
+    For bounded steps that build only new, acyclic objects (parsed JSON, values read back): a
+    full collection meanwhile traverses every object of the process and finds nothing."""
     if not gc.isenabled():
         return fn(*args)
     gc.disable()

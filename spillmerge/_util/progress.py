@@ -66,10 +66,8 @@ class ProgressRecord:
                 type(v) in (int, float) for v in times.values()
             ):
                 return None
-            at = {k: float(v) for k, v in times.items()}
-            return cls(
-                segment=str(obj.get("segment")), updated=at["updated"], staged_updated=at["staged_updated"], **ints
-            )
+            at: dict[str, Any] = {k: float(v) for k, v in times.items()}  # updated, staged_updated
+            return cls(segment=str(obj.get("segment")), **ints, **at)
         except (KeyError, F.CorruptSpillError):
             return None
 
