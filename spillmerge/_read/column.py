@@ -23,10 +23,7 @@ def real_dtype(name: str) -> np.dtype[Any]:
     dt = F.DTYPES[name]
     if dt.native:
         return np.dtype(name)
-    try:
-        import ml_dtypes
-    except ImportError:  # a dependency; without it the raw bits are still exact
-        return np.dtype(dt.storage)
+    import ml_dtypes  # (a dependency, imported when a dtype needs it)
     ml = getattr(ml_dtypes, name, None)
     if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
         return np.dtype(ml)
