@@ -92,10 +92,6 @@ class LazyArray:
         return arr[i - c * self._k]
 
     def __getitem__(self, sel: Any) -> Any:
-        if isinstance(sel, tuple):  # (rows, dims...) of a 2-d array
-            head, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
-            got = self[head]
-            return got[rest] if isinstance(head, (int, np.integer)) else got[(slice(None), *rest)]
         if isinstance(sel, (int, np.integer)):
             i = int(sel)
             return self._one(i + self._n if i < 0 else i)

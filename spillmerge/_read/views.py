@@ -490,7 +490,7 @@ class TextListView(_OffsetView):
     def _decode(self, r: int, raw: bytes) -> Any:
         shapes = self._col.shapes
         assert shapes is not None
-        n = int(shapes[r, 0])
+        n = int(shapes[r][0])
         lens = np.frombuffer(raw, dtype="<u4", count=n).tolist()
         data = raw[4 * n :]
         if sum(lens) != len(data):
