@@ -287,7 +287,7 @@ class MergedStore(Mapping[str, Any]):
             )
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
-            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
+            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage)
             self.group = open_consolidated(store, self.storage)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
             raise CorruptSpillError(
