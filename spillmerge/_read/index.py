@@ -27,9 +27,10 @@ of elements now known checked (covering ``a .. b-1``)."""
 
 class LazyArray:
     """A 1-d (or rows x dims) index array read chunk by chunk through the output's chunk cache,
-    each chunk checked by ``check(c, chunk)`` when it is read, and every element served only after
-    ``hook`` checked its rows. Indexing as numpy for the forms the reader uses: an int (an
-    element, or a row of a 2-d array), a slice, an int array; ``np.asarray`` reads it whole."""
+    each chunk checked by ``check(first, chunk)`` (``first``: its first element) when read, and
+    every element served only after ``hook`` checked its rows. Indexing as numpy for the forms the
+    reader uses: an int (an element, or a row of a 2-d array), a slice, an int array;
+    ``np.asarray`` reads it whole."""
 
     def __init__(
         self,
@@ -59,7 +60,7 @@ class LazyArray:
     def _load(self, c: int) -> np.ndarray:
         arr = np.asarray(self._read(c)).astype(self.dtype, copy=False)
         if self._check is not None:
-            self._check(c, arr)
+            self._check(c * self._k, arr)
         return arr
 
     def span(self, lo: int, hi: int) -> np.ndarray:

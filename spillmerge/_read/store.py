@@ -102,23 +102,19 @@ class OutputFiles:
             return LazyArray(node, rel, cache, storage, dtype, check)
 
         fo_node = V.index_node(group, "frame_offsets", describe)
-        fo_k = max(int(fo_node.chunks[0]), 1)
-        fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
 
-        def offsets_check(c: int, arr: np.ndarray) -> None:
-            last = c == fo_chunks - 1
-            raise_(V.offsets_block_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
+        def offsets_check(first: int, arr: np.ndarray) -> None:
+            last = first + len(arr) == fo_node.shape[0]
+            raise_(V.offsets_block_problems("index/frame_offsets", arr, first, last, n_rows, "index/frame_idx"))
 
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
         self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
-        fl_node = V.index_node(group, "file_layout", describe)
-        fl_k = max(int(fl_node.chunks[0]), 1)
 
-        def layout_check(c: int, arr: np.ndarray) -> None:
-            raise_(V.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
+        def layout_check(first: int, arr: np.ndarray) -> None:
+            raise_(V.layout_problems(arr, n_layouts, self.filenames, first))
 
         # int64 (n_files,): file i's entry of the header's file_layouts (checked as chunks are read)
-        self.file_layout = lazy("index/file_layout", fl_node, check=layout_check)
+        self.file_layout = lazy("index/file_layout", V.index_node(group, "file_layout", describe), check=layout_check)
         meta = V.meta_problems(
             self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
