@@ -182,29 +182,15 @@ class IndexChecks:
     """The row-block checks of an open output (module docstring): :meth:`rows` before serving
     elements of a per-row array."""
 
-    def __init__(
-        self,
-        n_rows: int,
-        frame_offsets: LazyArray,
-        file_layout: LazyArray,
-        frame_idx: LazyArray,
-        prov: dict[str, LazyArray],
-        columns: dict[str, Any],
-        layouts: list[list[str]],
-        names: Any,
-        raise_: Raise,
-    ) -> None:
-        self.n_rows = n_rows
-        self._fo = frame_offsets
-        self._fl = file_layout
-        self._fi = frame_idx
-        self._prov = prov
+    def __init__(self, files: Any, columns: dict[str, Any], raise_: Raise) -> None:
+        self.n_rows = files.n_rows
+        self._files = files  # the reader's OutputFiles: its index arrays and filenames
+        self._fo: LazyArray = files.frame_offsets
         self._cols = columns  # name -> column.OpenColumn (offsets / shapes / valid: LazyArray)
-        self._names = names
         self._raise = raise_
         self.found: list[V.Problem] = []
         """The problems a collecting ``raise_`` (:class:`Found`) was given, the checks going on."""
-        self._listed = {name: np.array([name in lay for lay in layouts], dtype=bool) for name in columns}
+        self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in columns}
         self._done: set[int] = set()
         self._lock = threading.Lock()
         self._last_file = 0
@@ -249,7 +235,7 @@ class IndexChecks:
 
     def _where(self, r: int, f0: int, starts: np.ndarray) -> str:
         i = f0 + int(np.searchsorted(starts, r, side="right")) - 1
-        return f"row {r} (file {i}, {str(self._names[i])!r:.200})"
+        return f"row {r} (file {i}, {str(self._files.filenames[i])!r:.200})"
 
     def _check(self, j: int) -> None:
         r0, r1 = j * ROW_BLOCK, min((j + 1) * ROW_BLOCK, self.n_rows)
@@ -261,7 +247,7 @@ class IndexChecks:
         if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
             self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
         self._frames(r0, r1, f0, starts)
-        for name, arr in self._prov.items():
+        for name, arr in self._files.prov.items():
             least = 1 if name == "frame_copies" else 0
             vals = arr.span(r0, r1)
             bad = np.flatnonzero(vals < least)
@@ -272,7 +258,7 @@ class IndexChecks:
                 )
         if n_files:
             lens = np.diff(np.clip(starts, r0, r1))
-            layout_of_row = np.repeat(self._fl.span(f0, f1), lens)
+            layout_of_row = np.repeat(self._files.file_layout.span(f0, f1), lens)
         else:
             layout_of_row = np.zeros(0, dtype=np.int64)
         valid: dict[str, np.ndarray | None] = {}
@@ -288,9 +274,9 @@ class IndexChecks:
             self._fail(*p)
 
     def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
-        rel = self._fi.rel
+        rel = self._files.frame_idx.rel
         lo = r0 - 1 if r0 else r0  # the row before: a file across the blocks' edge ascends across it
-        fi_lo = self._fi.span(lo, r1)
+        fi_lo = self._files.frame_idx.span(lo, r1)
         fi = fi_lo[r0 - lo :]
         neg = np.flatnonzero(fi < 0)
         if len(neg):

@@ -95,8 +95,8 @@ class OutputFiles:
         raise_(list_problems)
         heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
         raise_(L.header_problems(lists, self.list_offsets, heads))
-        self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
-        n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
+        self.layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
+        n_layouts = len(self.layouts) if isinstance(self.layouts, list) else 0
 
         def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
             return LazyArray(node, rel, cache, storage, dtype, check)
@@ -146,10 +146,7 @@ class OutputFiles:
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
-        self.checks = LZ.IndexChecks(
-            n_rows, self.frame_offsets, self.file_layout, self.frame_idx, self.prov, root, self._layouts,
-            self.filenames, raise_,
-        )  # fmt: skip
+        self.checks = LZ.IndexChecks(self, root, raise_)
         for arr in (self.frame_idx, *self.prov.values()):
             arr.hook = self.checks.rows
         for col in root.values():
@@ -165,7 +162,7 @@ class OutputFiles:
         self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
+            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self.layouts)
             for name, col in nested.items():
                 rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True))
@@ -175,7 +172,7 @@ class OutputFiles:
         # view class, column, list domain); None for plain tensor values (one view).
         self._layout_cols: list[list[OpenColumn]] = []
         self._layout_paths: list[list[tuple[tuple[str, ...], str, Any, OpenColumn, tuple[str, ...]]] | None] = []
-        for names in self._layouts:
+        for names in self.layouts:
             cols = [self.columns[name] for name in names]
             self._layout_cols.append(cols)
             plain = len(cols) == 1 and cols[0].info.leaf == ()
