@@ -183,15 +183,6 @@ class Names(Sequence[str]):
         head = ", ".join(repr(x) for x in self[: min(n, 3)])
         return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
 
-    def near(self, name: str) -> list[str]:
-        """Filenames close to ``name`` in sort order (for "did you mean")."""
-        j = max(bisect.bisect_right(self._heads, name) - 1, 0)
-        if not self._heads:
-            return []
-        names = self.block(j)
-        p = int(np.searchsorted(names, name))
-        return names[max(0, p - 50) : p + 50].tolist()  # type: ignore[no-any-return]
-
 
 def close_matches(names: Names, name: object) -> list[str]:
     """At most 3 filenames a mistyped ``name`` was likely meant as, among its neighbours in sort
@@ -200,8 +191,11 @@ def close_matches(names: Names, name: object) -> list[str]:
     (``img_0.jpg`` and ``img_00039.jpg``) is not one; names over 256 characters get none."""
     if not isinstance(name, str) or not len(names) or len(name) > 256:
         return []
+    block = names.block(max(bisect.bisect_right(names._heads, name) - 1, 0))
+    p = int(np.searchsorted(block, name))
+    near = block[max(0, p - 50) : p + 50].tolist()
     limit = min(3, 1 + len(name) // 20)
-    scored = sorted((d, c) for c in names.near(name) if (d := _edits(name, c, limit)) <= limit)
+    scored = sorted((d, c) for c in near if (d := _edits(name, c, limit)) <= limit)
     return [c for d, c in scored[:3] if d == scored[0][0]]
 
 
