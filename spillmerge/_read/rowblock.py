@@ -40,8 +40,7 @@ class Block:
         self._cols: dict[int, tuple[int, list[bool] | None, list[Any] | None]] = {}
 
     def _load(self, col: OpenColumn) -> tuple[int, list[bool] | None, list[Any] | None]:
-        domain = F.list_domain(col.info.leaf)
-        lo, hi = (self.a, self.b) if not domain else L.rows_of(self.offs, domain, self.a, self.b)
+        lo, hi = L.rows_of(self.offs, F.list_domain(col.info.leaf), self.a, self.b)
         valid = col.valid
         ok = None if valid is None else np.asarray(valid[lo:hi], dtype=bool).tolist()
         got = self._cols[id(col)] = (lo, ok, gc_paused(column_rows, col, lo, hi, ok, self.as_torch))
