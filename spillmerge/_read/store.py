@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,9 +39,7 @@ def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColum
     a leaf with several variant columns as ``<key>.<variant>`` for each; the
     headers and items of lists that share a path with a value in other frames are left out (a
     dict cannot hold both: ``store.value()`` reads them)."""
-    count: dict[tuple[str, ...], int] = {}
-    for c in cols:
-        count[c.info.leaf] = count.get(c.info.leaf, 0) + 1
+    count = Counter(c.info.leaf for c in cols)
     out: list[tuple[tuple[str, ...], OpenColumn]] = []
     for c in cols:
         leaf = c.info.leaf or ("",)
