@@ -102,12 +102,12 @@ class LeafView:
             r = self._start + j
             col = self._col
             return None if col.valid is not None and not col.valid[r] else self.at(r)
+        if isinstance(sel, np.integer):
+            return self[int(sel)]
         return self._select(sel)
 
     def _select(self, sel: Any) -> Any:
-        """``view[sel]`` for any ``sel`` but a Python int."""
-        if isinstance(sel, np.integer):
-            return self[int(sel)]
+        """``view[sel]`` for any ``sel`` but an int."""
         if isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -222,8 +222,6 @@ class FixedView(LeafView):
         return x if col.native else x.view(col.real)
 
     def _select(self, sel: Any) -> Any:
-        if isinstance(sel, np.integer):
-            return self[int(sel)]
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
