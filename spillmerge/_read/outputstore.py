@@ -45,30 +45,23 @@ class NoFillStore(WrapperStore[Store]):
     def _with_store(self, store: Store) -> NoFillStore:
         return type(self)(store, self._storage)
 
-    async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
-        """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
-        buf = await self.get(rel, prototype)  # (a local disk reads no more than the limit)
-        if buf is None:
-            return None
-        raw = buf.to_bytes()
-        if len(raw) > F.ARRAY_DOC_MAX_BYTES:
-            path = self._describe(rel)
-            raise CorruptSpillError(
-                f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
-            )
-        return F.loads(raw, path=self._describe(rel))
-
     async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:
         """The bounds of chunk ``key`` (docs/FORMAT.md, *Size limits*), from its array's metadata
-        checked against the format once per array: on every backend, before zarr decodes it."""
+        (never read past :data:`F.ARRAY_DOC_MAX_BYTES`) checked against the format once per
+        array: on every backend, before zarr decodes it."""
         array = key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
         limits = self._chunk_limits.get(array)
         if limits is None:
             doc = f"{array}/zarr.json" if array else "zarr.json"
-            meta = await self._doc(doc, prototype)
-            if meta is None:
+            buf = await self.get(doc, prototype)  # (a local disk reads no more than the limit)
+            if buf is None:
                 raise missing_chunk(self._describe, key)
-            limits = FO.chunk_limits(meta, path=self._describe(doc))
+            raw, path = buf.to_bytes(), self._describe(doc)
+            if len(raw) > F.ARRAY_DOC_MAX_BYTES:
+                raise CorruptSpillError(
+                    f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
+                )
+            limits = FO.chunk_limits(F.loads(raw, path=path), path=path)
             self._chunk_limits[array] = limits
         return limits
 
