@@ -81,7 +81,6 @@ class OutputFiles:
         storage: Storage,
     ) -> None:
         self.storage, describe = storage, storage.describe
-        # bytes + offsets, read block by block when asked for (_names)
         self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
@@ -156,7 +155,7 @@ class OutputFiles:
             if col.valid is not None:
                 col.valid.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
-        # at open, as the names' first block is); the others as they are read (_lazyindex).
+        # at open, as the names' first block is); the others as they are read (``index.IndexChecks``).
         self.frame_offsets.span(0, 1)
         self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
