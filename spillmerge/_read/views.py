@@ -248,10 +248,9 @@ class FixedView(LeafView):
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
         raw = self._raw(slice(None))
-        inner = raw.reshape(-1) if raw.ndim > 1 else raw
         if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs
             raw = raw.view(raw.real.dtype).reshape(*raw.shape, 2)
-            inner = raw.reshape(-1)
+        inner = raw.reshape(-1)
         if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
             cell = int(np.prod(raw.shape[1:], dtype=np.int64))
             storage = with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
