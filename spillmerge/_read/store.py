@@ -287,9 +287,8 @@ class MergedStore(Mapping[str, Any]):
         header = self.group.attrs.get("spillmerge")
         if not isinstance(header, dict) or header.get("kind") != "merged":
             raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())
-        version = F.check_version(header, self.storage.describe(), spill=False)
         self.header: dict[str, Any] = header
-        self.format_version: int = version
+        self.format_version: int = F.check_version(header, self.storage.describe(), spill=False)
         """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
         self.allow_pickle = allow_pickle
         self._files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
