@@ -43,7 +43,6 @@ class LazyArray:
     ) -> None:
         self.rel = rel
         self.shape: tuple[int, ...] = tuple(int(d) for d in node.shape)
-        self.ndim = len(self.shape)
         self.dtype = np.dtype(dtype)
         self._n = self.shape[0]
         self._k = max(int(node.chunks[0]), 1)
