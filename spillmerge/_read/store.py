@@ -291,7 +291,8 @@ class MergedStore(Mapping[str, Any]):
         self.format_version: int = F.check_version(header, self.storage.describe(), spill=False)
         """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
         self.allow_pickle = allow_pickle
-        self._files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
+        self.files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
+        """The output's files and columns as the package's readers use them (inspect, datasets)."""
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -310,21 +311,21 @@ class MergedStore(Mapping[str, Any]):
     def filenames(self) -> Sequence[str]:
         """Original filenames, sorted: a sequence read block by block as it is used (``len``,
         ``names[i]``, slices, iteration, ``in``; no read of every filename to open or to find one)."""
-        return self._files.filenames
+        return self.files.filenames
 
     def __len__(self) -> int:
-        return len(self._files.filenames)
+        return len(self.files.filenames)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files.filenames)
+        return iter(self.files.filenames)
 
     def __contains__(self, filename: object) -> bool:
-        return filename in self._files.filenames
+        return filename in self.files.filenames
 
     def _index(self, filename: str) -> int:
         # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
         # another thread the search.)
-        names = self._files.filenames
+        names = self.files.filenames
         i = names.find(filename)
         if i is None:
             near = close_matches(names, filename)  # neighbours in sort order: no scan of every name
@@ -337,24 +338,24 @@ class MergedStore(Mapping[str, Any]):
 
     def _rows(self, filename: str, of: LazyArray) -> np.ndarray:
         """The entries of the per-row array ``of`` for ``filename``'s rows."""
-        a, b = self._files.checks.file_rows(self._index(filename))
+        a, b = self.files.checks.file_rows(self._index(filename))
         return of[a:b].copy()  # type: ignore[no-any-return]
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""
-        return self._rows(filename, self._files.frame_idx)
+        return self._rows(filename, self.files.frame_idx)
 
     def frame_ranks(self, filename: str) -> np.ndarray:
         """The rank each row of ``filename`` came from (int64, one per row; ``index/frame_rank``)."""
-        return self._rows(filename, self._files.prov["frame_rank"])
+        return self._rows(filename, self.files.prov["frame_rank"])
 
     def frame_copies(self, filename: str) -> np.ndarray:
         """How many spill segments held each row's frame (1, or more when duplicates were
         dropped; ``index/frame_copies``)."""
-        return self._rows(filename, self._files.prov["frame_copies"])
+        return self._rows(filename, self.files.prov["frame_copies"])
 
     def __getitem__(self, filename: str) -> Any:
-        return self._files.value(self._index(filename), filename)
+        return self.files.value(self._index(filename), filename)
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
@@ -364,7 +365,7 @@ class MergedStore(Mapping[str, Any]):
         of the file have and this one lacks reads as ``None`` (docs/FORMAT.md section 1, *Value
         model*)."""
         i = self._index(filename)
-        return self._files.row_value(i, frame_idx, as_torch, filename)
+        return self.files.row_value(i, frame_idx, as_torch, filename)
 
     def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
         """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
@@ -373,22 +374,17 @@ class MergedStore(Mapping[str, Any]):
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
         more than 32 MiB), whatever the output's size."""
-        return _rowblock.iter_values(self._files, as_torch)
+        return _rowblock.iter_values(self.files, as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
         (for coverage, which needs them whole)."""
-        files = self._files
+        files = self.files
         files.checks.rows(0, files.n_rows)
         return (
             files.filenames, files.frame_offsets.whole(), files.frame_idx.whole(), files.prov["frame_rank"].whole(),
             files.prov["frame_copies"].whole(),
         )  # fmt: skip
-
-    @property
-    def files(self) -> OutputFiles:
-        """The output's files and columns as the package's readers use them (inspect, datasets)."""
-        return self._files
 
     def column(self, path: str | tuple[str, ...] | list[str] | None = None, dtype: str | None = None) -> LeafView:
         """One leaf over every row of every file, in (filename, frame) order: ``"logits"``,
@@ -402,7 +398,7 @@ class MergedStore(Mapping[str, Any]):
             leaf = tuple(path.split("/")) if path else ()
         else:
             leaf = tuple(path)
-        where, cols = self.storage.describe(), self._files.by_leaf.get(leaf, [])
+        where, cols = self.storage.describe(), self.files.by_leaf.get(leaf, [])
         if dtype is not None:
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
         if len(cols) > 1:
@@ -415,7 +411,7 @@ class MergedStore(Mapping[str, Any]):
                 known=dts,
             )
         if not cols:
-            known = sorted(c.info.path or "<tensor> (None)" for c in self._files.columns.values())
+            known = sorted(c.info.path or "<tensor> (None)" for c in self.files.columns.values())
             shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
             raise UnknownColumnError(
                 f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
@@ -427,7 +423,7 @@ class MergedStore(Mapping[str, Any]):
     @property
     def columns(self) -> list[str]:
         """The leaf paths of the columns (``""`` for plain tensor values), sorted."""
-        return sorted({c.info.path for c in self._files.columns.values()})
+        return sorted({c.info.path for c in self.files.columns.values()})
 
     def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
         """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
@@ -435,7 +431,7 @@ class MergedStore(Mapping[str, Any]):
         ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
         MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
         the output's size; every chunk is decoded once."""
-        files = self._files
+        files = self.files
         return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
 
     def to_parquet(
@@ -451,7 +447,7 @@ class MergedStore(Mapping[str, Any]):
         polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
-        files = self._files
+        files = self.files
         cols = _export.select(files, columns, self.storage.describe())
         return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
 
@@ -475,7 +471,7 @@ class MergedStore(Mapping[str, Any]):
           ``large_list<struct>``. Dicts from the root stay flat columns (``"a/b"``); ``columns``
           also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
-        files = self._files
+        files = self.files
         cols = _export.select(files, columns, self.storage.describe())
         pa = require_pyarrow("MergedStore.to_arrow()")
         return pa.Table.from_batches([_export.batch(files, cols, 0, files.n_rows)])
