@@ -57,7 +57,8 @@ class OpenColumn:
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
         # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
-        values = info.arrays["values"]
+        self.values = values = info.arrays["values"]
+        """The column's ``values`` array (zarr)."""
         self.chunk_rows = max(int(values.chunks[0]), 1)
         self._n = int(values.shape[0])
         self.unit_shape = tuple(values.shape[1:])
@@ -83,10 +84,6 @@ class OpenColumn:
         self.valid: Any = None
         """bool ``(n_rows,)`` (a ``LazyArray``: ``v[r]``, ``v[a:b]``, ``np.asarray(v)``; whole for a
         list's items) set by the reader, or None when every row has a value."""
-
-    @property
-    def values(self) -> Any:
-        return self.info.arrays["values"]
 
     def damaged(self, what: str) -> CorruptSpillError:
         """The error for damage ``what`` found in this column's values."""
