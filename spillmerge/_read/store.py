@@ -60,16 +60,11 @@ def _dtype_choice(c: OpenColumn) -> str:
 
 
 class OutputFiles:
-    """The files of an output, for :class:`MergedStore`.
-
-    Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants*): the
-    header's ``file_layouts``, every column's header and array lengths are checked there; the
-    index arrays (``frame_offsets``, ``file_layout``, ``frame_idx``, provenance, every column's
-    ``offsets``, ``shapes`` and ``valid``) are read a chunk at a time and checked block by block
-    before anything is served from them (``_read.index``), so open costs the same at any size and
-    an output of one block is checked whole there. Column values are read only when asked for;
-    an absent chunk raises then (:class:`NoFillStore`). A filename is found by binary search in
-    the sorted filenames (their heads, then one block): no per-file dict is built."""
+    """The files of an output, for :class:`MergedStore`. Open reads metadata and bounded parts only
+    (docs/FORMAT.md, *Invariants*): the header, the columns' headers and the arrays' lengths are
+    checked there; the index arrays are read a chunk at a time and checked block by block before
+    anything is served from them (``_read.index``), so open costs the same at any size; column
+    values are read when asked for. A filename is found by bisecting the sorted names' blocks."""
 
     def __init__(
         self,
