@@ -500,8 +500,7 @@ class TextListView(_OffsetView):
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
-        rows = self._list(self._start, self._stop)
-        return pa.array(rows, type=pa.large_list(pa.large_string()))
+        return pa.array(self.to_list(), type=pa.large_list(pa.large_string()))
 
 
 OpenColumn.VIEWS.update(
