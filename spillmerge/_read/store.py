@@ -426,8 +426,7 @@ class MergedStore(Mapping[str, Any]):
         ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
         MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
         the output's size; every chunk is decoded once."""
-        files = self.files
-        return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
+        return _export.iter_batches(self.files, _export.select(self.files, columns), batch_size)
 
     def to_parquet(
         self,
@@ -442,9 +441,8 @@ class MergedStore(Mapping[str, Any]):
         polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
-        files = self.files
-        cols = _export.select(files, columns, self.storage.describe())
-        return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
+        cols = _export.select(self.files, columns)
+        return _export.to_parquet(self.files, cols, path, batch_size, storage_options, **parquet_options)
 
     def to_arrow(self, columns: Sequence[str] | str | None = None) -> Any:
         """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``), all in
@@ -467,7 +465,7 @@ class MergedStore(Mapping[str, Any]):
           also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
         files = self.files
-        cols = _export.select(files, columns, self.storage.describe())
+        cols = _export.select(files, columns)
         pa = require_pyarrow("MergedStore.to_arrow()")
         return pa.Table.from_batches([_export.batch(files, cols, 0, files.n_rows)])
 
