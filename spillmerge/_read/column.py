@@ -24,6 +24,7 @@ def real_dtype(name: str) -> np.dtype[Any]:
     if dt.native:
         return np.dtype(name)
     import ml_dtypes  # (a dependency, imported when a dtype needs it)
+
     ml = getattr(ml_dtypes, name, None)
     if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
         return np.dtype(ml)
