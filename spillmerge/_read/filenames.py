@@ -62,17 +62,17 @@ class Names(Sequence[str]):
         self._n = n_off - 1
         self._nbytes = int(self._bytes.shape[0])
         # read a chunk at a time through the cache (no row checks: a block's own checks are below)
-        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage)
-        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, dtype=np.uint8)
+        self._offs = LazyArray(self._off, cache, storage)
+        self._raw = LazyArray(self._bytes, cache, storage, dtype=np.uint8)
         heads_node = V.index_node(group, "filename_heads", describe)
         attrs = heads_node.attrs.get("spillmerge")
         k: Any = attrs.get("names_per_head") if isinstance(attrs, dict) else None  # names a block
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
             raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
         self._k: int = k
-        heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, dtype=np.uint8).whole()
+        heads_raw = LazyArray(heads_node, cache, storage, dtype=np.uint8).whole()
         rel = "index/filename_head_offsets"
-        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage).whole()
+        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), cache, storage).whole()
         n_blocks = -(-self._n // self._k)
         raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")

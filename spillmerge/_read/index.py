@@ -34,13 +34,12 @@ class LazyArray:
     def __init__(
         self,
         node: Any,
-        rel: str,
         cache: ChunkCache,
         storage: Storage,
         dtype: Any = np.int64,
         check: Callable[[int, np.ndarray], None] | None = None,
     ) -> None:
-        self.rel = rel
+        self.rel: str = node.path
         self.shape: tuple[int, ...] = tuple(int(d) for d in node.shape)
         self.dtype = np.dtype(dtype)
         self._n = self.shape[0]

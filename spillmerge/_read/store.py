@@ -91,8 +91,8 @@ class OutputFiles:
         self.layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self.layouts) if isinstance(self.layouts, list) else 0
 
-        def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
-            return LazyArray(node, rel, cache, storage, dtype, check)
+        def lazy(node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
+            return LazyArray(node, cache, storage, dtype, check)
 
         fo_node = V.index_node(group, "frame_offsets", describe)
 
@@ -101,21 +101,19 @@ class OutputFiles:
             raise_(V.offsets_block_problems("index/frame_offsets", arr, first, last, n_rows, "index/frame_idx"))
 
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
-        self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
+        self.frame_offsets = lazy(fo_node, check=offsets_check)
 
         def layout_check(first: int, arr: np.ndarray) -> None:
             raise_(V.layout_problems(arr, n_layouts, self.filenames, first))
 
         # int64 (n_files,): file i's entry of the header's file_layouts (checked as chunks are read)
-        self.file_layout = lazy("index/file_layout", V.index_node(group, "file_layout", describe), check=layout_check)
+        self.file_layout = lazy(V.index_node(group, "file_layout", describe), check=layout_check)
         meta = V.meta_problems(
             self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
-        self.frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
-        self.prov: dict[str, LazyArray] = {
-            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in V.PROVENANCE
-        }
+        self.frame_idx = lazy(V.index_node(group, "frame_idx", describe))
+        self.prov: dict[str, LazyArray] = {name: lazy(V.index_node(group, name, describe)) for name in V.PROVENANCE}
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
@@ -125,7 +123,7 @@ class OutputFiles:
             node = info.arrays[kind]
             if whole:
                 return np.asarray(V.read_array(node), dtype=dtype)
-            return lazy(f"columns/{info.name}/{kind}", node, dtype)
+            return lazy(node, dtype)
 
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
