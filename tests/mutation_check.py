@@ -1176,8 +1176,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "output-of-another-version-refused-at-open",
         "spillmerge/_read/store.py",
-        "        version = F.check_version(header, self.storage.describe(), spill=False)",
-        '        version = header.get("format_version")',
+        "        self.format_version: int = F.check_version(header, self.storage.describe(), spill=False)",
+        '        self.format_version: int = header.get("format_version")',
         ("tests/format/test_format_version.py::test_an_output_of_another_version_is_refused_naming_both_versions",),
         "an output of another format version is refused at open, naming both versions, never misread",
     ),

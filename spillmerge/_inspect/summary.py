@@ -363,7 +363,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     if not complete:
         rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
     try:
-        store = NoFillStore(storage.zarr_store(read_only=True), storage.describe, storage)
+        store = NoFillStore(storage.zarr_store(read_only=True), storage)
         group = zarr.open_group(store, mode="r")
     except Exception as exc:  # noqa: BLE001
         rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")

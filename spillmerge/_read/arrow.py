@@ -131,18 +131,16 @@ def combine(parts: list[_Part], n: int) -> Any:
     """One array of ``n`` slots from the parts (positions never shared): the one type when every
     part has it, else a dense union with a child per type (empty slots: nulls of the first)."""
     pa = require_pyarrow()
-    order: list[tuple[str, str]] = []
-    names: dict[tuple[str, str], str] = {}
+    names: dict[tuple[str, str], str] = {}  # each type's child name: its first part's
     for key, name, _, _ in parts:
-        if key not in names:
-            order.append(key)
-            names[key] = name
+        names.setdefault(key, name)
+    order = list(names)
     ids = np.full(n, -1, np.int64)
     offs = np.zeros(n, np.int64)
     children = []
     for c, key in enumerate(order):
         mine = [(pos, arr) for k, _, pos, arr in parts if k == key]
-        pos = np.concatenate([p for p, _ in mine]) if mine else np.empty(0, np.int64)
+        pos = np.concatenate([p for p, _ in mine])
         arr = pa.concat_arrays([x for _, x in mine]) if len(mine) > 1 else mine[0][1]
         if len(mine) > 1:  # several variants of one type: their rows in row order
             perm = np.argsort(pos, kind="stable")
@@ -402,12 +400,9 @@ def top_columns(
 
 def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:
     """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
-    inside = np.zeros(0, bool)
-    for head in records:
-        v = head.valid
-        if v is None:
-            return False  # every row holds one
-        inside = np.array(v) if not len(inside) else inside | np.asarray(v)
+    if any(head.valid is None for head in records):
+        return False  # every row holds one
+    inside = np.logical_or.reduce([np.asarray(head.valid) for head in records])
     for col in node.stored():
         v = col.valid
         domain = F.list_domain(col.info.leaf)

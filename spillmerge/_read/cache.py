@@ -81,10 +81,7 @@ class ChunkCache:
             arr.flags.writeable = False
             size = cost(arr)
             if size <= self.max_bytes:  # else it would evict everything and still not fit: uncached
-                with self._lock:
-                    old = self._chunks.pop(key, None)
-                    if old is not None:
-                        self._nbytes -= old[1]
+                with self._lock:  # (the key is not held: only this thread loads it)
                     while self._chunks and self._nbytes + size > self.max_bytes:
                         _, (_, dropped) = self._chunks.popitem(last=False)
                         self._nbytes -= dropped

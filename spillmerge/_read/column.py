@@ -23,10 +23,8 @@ def real_dtype(name: str) -> np.dtype[Any]:
     dt = F.DTYPES[name]
     if dt.native:
         return np.dtype(name)
-    try:
-        import ml_dtypes
-    except ImportError:  # a dependency; without it the raw bits are still exact
-        return np.dtype(dt.storage)
+    import ml_dtypes  # (a dependency, imported when a dtype needs it)
+
     ml = getattr(ml_dtypes, name, None)
     if ml is not None and np.dtype(ml).itemsize == dt.itemsize:
         return np.dtype(ml)
@@ -60,7 +58,8 @@ class OpenColumn:
         self.n_rows = n_rows
         self.allow_pickle = allow_pickle
         # Read once here: a row read is a few microseconds, and zarr's properties cost as much.
-        values = info.arrays["values"]
+        self.values = values = info.arrays["values"]
+        """The column's ``values`` array (zarr)."""
         self.chunk_rows = max(int(values.chunks[0]), 1)
         self._n = int(values.shape[0])
         self.unit_shape = tuple(values.shape[1:])
@@ -89,10 +88,6 @@ class OpenColumn:
         self.none: Any = None
         """bool ``(n_rows,)``: rows that hold None here (they have no value), as ``valid``; None
         when no row does."""
-
-    @property
-    def values(self) -> Any:
-        return self.info.arrays["values"]
 
     def damaged(self, what: str) -> CorruptSpillError:
         """The error for damage ``what`` found in this column's values."""

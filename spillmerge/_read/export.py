@@ -32,7 +32,7 @@ MAX_BATCH_ROWS = 1 << 16
 """The most rows of a batch when ``batch_size`` is not given (small rows)."""
 
 
-def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dict[str, Column]:
+def select(files: Files, columns: Sequence[str] | str | None) -> dict[str, Column]:
     """The columns named in ``columns`` (all when None), in the order given: the names of the
     default export, and each stored column's flat name (one variant of a union, one item of a
     list)."""
@@ -57,8 +57,8 @@ def select(files: Files, columns: Sequence[str] | str | None, where: str) -> dic
             continue  # always there
         if name not in known:
             raise UnknownColumnError(
-                f"{where} has no column {name!r}; its leaf columns: {', '.join(map(repr, known)) or 'none'} "
-                "(filename, frame_idx and rank are always exported)",
+                f"{files.storage.describe()} has no column {name!r}; its leaf columns: "
+                f"{', '.join(map(repr, known)) or 'none'} (filename, frame_idx and rank are always exported)",
                 column=name,
                 known=list(known),
             )

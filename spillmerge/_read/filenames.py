@@ -62,17 +62,17 @@ class Names(Sequence[str]):
         self._n = n_off - 1
         self._nbytes = int(self._bytes.shape[0])
         # read a chunk at a time through the cache (no row checks: a block's own checks are below)
-        self._offs = LazyArray(self._off, "index/filename_offsets", cache, storage)
-        self._raw = LazyArray(self._bytes, "index/filenames", cache, storage, dtype=np.uint8)
+        self._offs = LazyArray(self._off, cache, storage)
+        self._raw = LazyArray(self._bytes, cache, storage, dtype=np.uint8)
         heads_node = V.index_node(group, "filename_heads", describe)
         attrs = heads_node.attrs.get("spillmerge")
         k: Any = attrs.get("names_per_head") if isinstance(attrs, dict) else None  # names a block
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 1 << 20:
             raise_([("index/filename_heads", f"names_per_head {k!r:.50} is not an int from 1 to 2**20")])
         self._k: int = k
-        heads_raw = LazyArray(heads_node, "index/filename_heads", cache, storage, dtype=np.uint8).whole()
+        heads_raw = LazyArray(heads_node, cache, storage, dtype=np.uint8).whole()
         rel = "index/filename_head_offsets"
-        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), rel, cache, storage).whole()
+        hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), cache, storage).whole()
         n_blocks = -(-self._n // self._k)
         raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
@@ -183,15 +183,6 @@ class Names(Sequence[str]):
         head = ", ".join(repr(x) for x in self[: min(n, 3)])
         return f"[{head}{', ...' if n > 3 else ''}] ({n} filenames)"
 
-    def near(self, name: str) -> list[str]:
-        """Filenames close to ``name`` in sort order (for "did you mean")."""
-        j = max(bisect.bisect_right(self._heads, name) - 1, 0)
-        if not self._heads:
-            return []
-        names = self.block(j)
-        p = int(np.searchsorted(names, name))
-        return names[max(0, p - 50) : p + 50].tolist()  # type: ignore[no-any-return]
-
 
 def close_matches(names: Names, name: object) -> list[str]:
     """At most 3 filenames a mistyped ``name`` was likely meant as, among its neighbours in sort
@@ -200,8 +191,11 @@ def close_matches(names: Names, name: object) -> list[str]:
     (``img_0.jpg`` and ``img_00039.jpg``) is not one; names over 256 characters get none."""
     if not isinstance(name, str) or not len(names) or len(name) > 256:
         return []
+    block = names.block(max(bisect.bisect_right(names._heads, name) - 1, 0))
+    p = int(np.searchsorted(block, name))
+    near = block[max(0, p - 50) : p + 50].tolist()
     limit = min(3, 1 + len(name) // 20)
-    scored = sorted((d, c) for c in names.near(name) if (d := _edits(name, c, limit)) <= limit)
+    scored = sorted((d, c) for c in near if (d := _edits(name, c, limit)) <= limit)
     return [c for d, c in scored[:3] if d == scored[0][0]]
 
 

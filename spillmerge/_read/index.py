@@ -4,7 +4,6 @@ is served; ``spillmerge verify`` runs the same checks over every block."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,22 +26,21 @@ of elements now known checked (covering ``a .. b-1``)."""
 
 class LazyArray:
     """A 1-d (or rows x dims) index array read chunk by chunk through the output's chunk cache,
-    each chunk checked by ``check(c, chunk)`` when it is read, and every element served only after
-    ``hook`` checked its rows. Indexing as numpy for the forms the reader uses: an int (an
-    element, or a row of a 2-d array), a slice, an int array; ``np.asarray`` reads it whole."""
+    each chunk checked by ``check(first, chunk)`` (``first``: its first element) when read, and
+    every element served only after ``hook`` checked its rows. Indexing as numpy for the forms the
+    reader uses: an int (an element, or a row of a 2-d array), a slice, an int array;
+    ``np.asarray`` reads it whole."""
 
     def __init__(
         self,
         node: Any,
-        rel: str,
         cache: ChunkCache,
         storage: Storage,
         dtype: Any = np.int64,
         check: Callable[[int, np.ndarray], None] | None = None,
     ) -> None:
-        self.rel = rel
+        self.rel: str = node.path
         self.shape: tuple[int, ...] = tuple(int(d) for d in node.shape)
-        self.ndim = len(self.shape)
         self.dtype = np.dtype(dtype)
         self._n = self.shape[0]
         self._k = max(int(node.chunks[0]), 1)
@@ -59,7 +57,7 @@ class LazyArray:
     def _load(self, c: int) -> np.ndarray:
         arr = np.asarray(self._read(c)).astype(self.dtype, copy=False)
         if self._check is not None:
-            self._check(c, arr)
+            self._check(c * self._k, arr)
         return arr
 
     def span(self, lo: int, hi: int) -> np.ndarray:
@@ -92,10 +90,6 @@ class LazyArray:
         return arr[i - c * self._k]
 
     def __getitem__(self, sel: Any) -> Any:
-        if isinstance(sel, tuple):  # (rows, dims...) of a 2-d array
-            head, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
-            got = self[head]
-            return got[rest] if isinstance(head, (int, np.integer)) else got[(slice(None), *rest)]
         if isinstance(sel, (int, np.integer)):
             i = int(sel)
             return self._one(i + self._n if i < 0 else i)
@@ -185,31 +179,16 @@ class IndexChecks:
     """The row-block checks of an open output (module docstring): :meth:`rows` before serving
     elements of a per-row array."""
 
-    def __init__(
-        self,
-        n_rows: int,
-        frame_offsets: LazyArray,
-        file_layout: LazyArray,
-        frame_idx: LazyArray,
-        prov: dict[str, LazyArray],
-        columns: dict[str, Any],
-        layouts: list[list[str]],
-        names: Any,
-        raise_: Raise,
-    ) -> None:
-        self.n_rows = n_rows
-        self._fo = frame_offsets
-        self._fl = file_layout
-        self._fi = frame_idx
-        self._prov = prov
+    def __init__(self, files: Any, columns: dict[str, Any], raise_: Raise) -> None:
+        self.n_rows = files.n_rows
+        self._files = files  # the reader's OutputFiles: its index arrays and filenames
+        self._fo: LazyArray = files.frame_offsets
         self._cols = columns  # name -> column.OpenColumn (offsets / shapes / valid: LazyArray)
-        self._names = names
         self._raise = raise_
         self.found: list[V.Problem] = []
         """The problems a collecting ``raise_`` (:class:`Found`) was given, the checks going on."""
-        self._listed = {name: np.array([name in lay for lay in layouts], dtype=bool) for name in columns}
+        self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in columns}
         self._done: set[int] = set()
-        self._lock = threading.Lock()
         self._last_file = 0
         self._variants = variant_groups(columns)
 
@@ -227,8 +206,7 @@ class IndexChecks:
         for j in range(j0, j1 + 1):
             if j not in self._done:
                 self._check(j)
-                with self._lock:
-                    self._done.add(j)
+                self._done.add(j)  # (set.add is atomic: threads checking a block at once both pass)
         return j0 * ROW_BLOCK, min((j1 + 1) * ROW_BLOCK, self.n_rows)
 
     def edges(self, a: int, b: int) -> tuple[int, int]:
@@ -252,7 +230,7 @@ class IndexChecks:
 
     def _where(self, r: int, f0: int, starts: np.ndarray) -> str:
         i = f0 + int(np.searchsorted(starts, r, side="right")) - 1
-        return f"row {r} (file {i}, {str(self._names[i])!r:.200})"
+        return f"row {r} (file {i}, {str(self._files.filenames[i])!r:.200})"
 
     def _check(self, j: int) -> None:
         r0, r1 = j * ROW_BLOCK, min((j + 1) * ROW_BLOCK, self.n_rows)
@@ -264,7 +242,7 @@ class IndexChecks:
         if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
             self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
         self._frames(r0, r1, f0, starts)
-        for name, arr in self._prov.items():
+        for name, arr in self._files.prov.items():
             least = 1 if name == "frame_copies" else 0
             vals = arr.span(r0, r1)
             bad = np.flatnonzero(vals < least)
@@ -275,7 +253,7 @@ class IndexChecks:
                 )
         if n_files:
             lens = np.diff(np.clip(starts, r0, r1))
-            layout_of_row = np.repeat(self._fl.span(f0, f1), lens)
+            layout_of_row = np.repeat(self._files.file_layout.span(f0, f1), lens)
         else:
             layout_of_row = np.zeros(0, dtype=np.int64)
         valid: dict[str, np.ndarray | None] = {}
@@ -293,9 +271,9 @@ class IndexChecks:
             self._fail(*p)
 
     def _frames(self, r0: int, r1: int, f0: int, starts: np.ndarray) -> None:
-        rel = self._fi.rel
+        rel = self._files.frame_idx.rel
         lo = r0 - 1 if r0 else r0  # the row before: a file across the blocks' edge ascends across it
-        fi_lo = self._fi.span(lo, r1)
+        fi_lo = self._files.frame_idx.span(lo, r1)
         fi = fi_lo[r0 - lo :]
         neg = np.flatnonzero(fi < 0)
         if len(neg):

@@ -4,7 +4,7 @@ fill values, every object read within the format's size limits) and :func:`open_
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import zarr
@@ -28,47 +28,40 @@ class NoFillStore(WrapperStore[Store]):
     """A zarr store that raises :class:`CorruptSpillError` where the wrapped store has no chunk
     (zarr would read zeros; a merge writes every chunk, so an absent one is damage), and that checks
     every chunk against its array's ``_format.output.chunk_limits`` before zarr decodes it (a zstd
-    or blosc bomb is refused unread). Given a local ``storage``, every object is read through
-    :meth:`Storage.get`: regular files only, never past the format's size limits."""
+    or blosc bomb is refused unread). On a local ``storage`` (``store``: its zarr store) every
+    object is read through :meth:`Storage.get`: regular files only, within the format's size limits."""
 
-    def __init__(self, store: Store, describe: Callable[[str], str], storage: Storage | None = None) -> None:
+    def __init__(self, store: Store, storage: Storage) -> None:
         super().__init__(store)
-        self._describe = describe
-        self._storage = storage if storage is not None and storage.local else None
+        self._describe = storage.describe
+        self._storage = storage
         self._chunk_limits: dict[str, FO.ChunkLimits] = {}
 
     @property
     def local(self) -> bool:
         """Objects are read from a local disk (``_format.invariants.read_rows`` reads chunk by chunk)."""
-        return self._storage is not None
+        return self._storage.local
 
     def _with_store(self, store: Store) -> NoFillStore:
-        return type(self)(store, self._describe, self._storage)
-
-    async def _doc(self, rel: str, prototype: BufferPrototype) -> Any:
-        """A ``zarr.json`` document, never read past :data:`F.ARRAY_DOC_MAX_BYTES`; None if absent."""
-        buf = await self.get(rel, prototype)  # (a local disk reads no more than the limit)
-        if buf is None:
-            return None
-        raw = buf.to_bytes()
-        if len(raw) > F.ARRAY_DOC_MAX_BYTES:
-            path = self._describe(rel)
-            raise CorruptSpillError(
-                f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
-            )
-        return F.loads(raw, path=self._describe(rel))
+        return type(self)(store, self._storage)
 
     async def _limits(self, key: str, prototype: BufferPrototype) -> FO.ChunkLimits:
         """The bounds of chunk ``key`` (docs/FORMAT.md, *Size limits*), from its array's metadata
-        checked against the format once per array: on every backend, before zarr decodes it."""
+        (never read past :data:`F.ARRAY_DOC_MAX_BYTES`) checked against the format once per
+        array: on every backend, before zarr decodes it."""
         array = key.rpartition("/c/")[0] if "/c/" in key else key.rpartition("/")[0]
         limits = self._chunk_limits.get(array)
         if limits is None:
             doc = f"{array}/zarr.json" if array else "zarr.json"
-            meta = await self._doc(doc, prototype)
-            if meta is None:
+            buf = await self.get(doc, prototype)  # (a local disk reads no more than the limit)
+            if buf is None:
                 raise missing_chunk(self._describe, key)
-            limits = FO.chunk_limits(meta, path=self._describe(doc))
+            raw, path = buf.to_bytes(), self._describe(doc)
+            if len(raw) > F.ARRAY_DOC_MAX_BYTES:
+                raise CorruptSpillError(
+                    f"{path} is {len(raw)} bytes, more than the {F.ARRAY_DOC_MAX_BYTES} its format allows", path=path
+                )
+            limits = FO.chunk_limits(F.loads(raw, path=path), path=path)
             self._chunk_limits[array] = limits
         return limits
 
@@ -77,7 +70,7 @@ class NoFillStore(WrapperStore[Store]):
         limits = await self._limits(key, prototype) if chunk else None  # (refuses a sharded array)
         if byte_range is not None:  # zarr reads byte ranges of sharded arrays only
             raise ValueError(f"{self._describe(key)}: a byte range {byte_range!r}; an output is never sharded")
-        if self._storage is None:
+        if not self._storage.local:
             buf = await self._store.get(key, prototype)
         else:
             doc_limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES

@@ -13,7 +13,6 @@ from .._format import common as F
 from .._format import lists as L
 from .._util.gcpause import gc_paused
 from .rowvalue import ABSENT, RowPlan, leaf_value, records, row_value, static_builder, to_python
-from .views import PickleView
 
 if TYPE_CHECKING:
     from .views import OpenColumn
@@ -40,8 +39,7 @@ class Block:
         self._cols: dict[int, tuple[int, list[bool] | None, list[Any] | None]] = {}
 
     def _load(self, col: OpenColumn) -> tuple[int, list[bool] | None, list[Any] | None]:
-        domain = F.list_domain(col.info.leaf)
-        lo, hi = (self.a, self.b) if not domain else L.rows_of(self.offs, domain, self.a, self.b)
+        lo, hi = L.rows_of(self.offs, F.list_domain(col.info.leaf), self.a, self.b)
         valid = col.valid
         ok = None if valid is None else np.asarray(valid[lo:hi], dtype=bool).tolist()
         got = self._cols[id(col)] = (lo, ok, gc_paused(column_rows, col, lo, hi, ok, self.as_torch))
@@ -83,7 +81,7 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
     units = hi - lo if o is None else int(o[hi] - o[lo])  # of values: rows, or elements with offsets
     if units * col.unit_nbytes > BLOCK_BYTES:
         return _DIRECT
-    if col.view_cls is PickleView and not col.allow_pickle:
+    if col.info.kind == "pickle" and not col.allow_pickle:
         # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and
         # holds a pickled value, not for a block whose other rows hold the leaf's other variants
         return _DIRECT

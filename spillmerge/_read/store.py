@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,9 +39,7 @@ def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColum
     a leaf with several variant columns as ``<key>.<variant>`` for each; the
     headers and items of lists that share a path with a value in other frames are left out (a
     dict cannot hold both: ``store.value()`` reads them)."""
-    count: dict[tuple[str, ...], int] = {}
-    for c in cols:
-        count[c.info.leaf] = count.get(c.info.leaf, 0) + 1
+    count = Counter(c.info.leaf for c in cols)
     out: list[tuple[tuple[str, ...], OpenColumn]] = []
     for c in cols:
         leaf = c.info.leaf or ("",)
@@ -61,16 +60,11 @@ def _dtype_choice(c: OpenColumn) -> str:
 
 
 class OutputFiles:
-    """The files of an output, for :class:`MergedStore`.
-
-    Open reads metadata and bounded parts only (docs/FORMAT.md, *Invariants*): the
-    header's ``file_layouts``, every column's header and array lengths are checked there; the
-    index arrays (``frame_offsets``, ``file_layout``, ``frame_idx``, provenance, every column's
-    ``offsets``, ``shapes`` and ``valid``) are read a chunk at a time and checked block by block
-    before anything is served from them (``_read.index``), so open costs the same at any size and
-    an output of one block is checked whole there. Column values are read only when asked for;
-    an absent chunk raises then (:class:`NoFillStore`). A filename is found by binary search in
-    the sorted filenames (their heads, then one block): no per-file dict is built."""
+    """The files of an output, for :class:`MergedStore`. Open reads metadata and bounded parts only
+    (docs/FORMAT.md, *Invariants*): the header, the columns' headers and the arrays' lengths are
+    checked there; the index arrays are read a chunk at a time and checked block by block before
+    anything is served from them (``_read.index``), so open costs the same at any size; column
+    values are read when asked for. A filename is found by bisecting the sorted names' blocks."""
 
     def __init__(
         self,
@@ -82,7 +76,6 @@ class OutputFiles:
         storage: Storage,
     ) -> None:
         self.storage, describe = storage, storage.describe
-        # bytes + offsets, read block by block when asked for (_names)
         self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
         lengths = V.index_lengths(group, describe)
@@ -95,38 +88,32 @@ class OutputFiles:
         raise_(list_problems)
         heads = [(c, None, None) for c in infos.values() if c.dtype in ("pylist", "pytuple") and c.kind == "fixed"]
         raise_(L.header_problems(lists, self.list_offsets, heads))
-        self._layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
-        n_layouts = len(self._layouts) if isinstance(self._layouts, list) else 0
+        self.layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
+        n_layouts = len(self.layouts) if isinstance(self.layouts, list) else 0
 
-        def lazy(rel: str, node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
-            return LazyArray(node, rel, cache, storage, dtype, check)
+        def lazy(node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
+            return LazyArray(node, cache, storage, dtype, check)
 
         fo_node = V.index_node(group, "frame_offsets", describe)
-        fo_k = max(int(fo_node.chunks[0]), 1)
-        fo_chunks = -(-int(fo_node.shape[0]) // fo_k)
 
-        def offsets_check(c: int, arr: np.ndarray) -> None:
-            last = c == fo_chunks - 1
-            raise_(V.offsets_block_problems("index/frame_offsets", arr, c * fo_k, last, n_rows, "index/frame_idx"))
+        def offsets_check(first: int, arr: np.ndarray) -> None:
+            last = first + len(arr) == fo_node.shape[0]
+            raise_(V.offsets_block_problems("index/frame_offsets", arr, first, last, n_rows, "index/frame_idx"))
 
         # int64 (n_files + 1,): file i's rows are frame_offsets[i] .. frame_offsets[i + 1] - 1
-        self.frame_offsets = lazy("index/frame_offsets", fo_node, check=offsets_check)
-        fl_node = V.index_node(group, "file_layout", describe)
-        fl_k = max(int(fl_node.chunks[0]), 1)
+        self.frame_offsets = lazy(fo_node, check=offsets_check)
 
-        def layout_check(c: int, arr: np.ndarray) -> None:
-            raise_(V.layout_problems(arr, n_layouts, self.filenames, c * fl_k))
+        def layout_check(first: int, arr: np.ndarray) -> None:
+            raise_(V.layout_problems(arr, n_layouts, self.filenames, first))
 
         # int64 (n_files,): file i's entry of the header's file_layouts (checked as chunks are read)
-        self.file_layout = lazy("index/file_layout", fl_node, check=layout_check)
+        self.file_layout = lazy(V.index_node(group, "file_layout", describe), check=layout_check)
         meta = V.meta_problems(
             self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
-        self.frame_idx = lazy("index/frame_idx", V.index_node(group, "frame_idx", describe))
-        self.prov: dict[str, LazyArray] = {
-            name: lazy(f"index/{name}", V.index_node(group, name, describe)) for name in V.PROVENANCE
-        }
+        self.frame_idx = lazy(V.index_node(group, "frame_idx", describe))
+        self.prov: dict[str, LazyArray] = {name: lazy(V.index_node(group, name, describe)) for name in V.PROVENANCE}
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
@@ -136,7 +123,7 @@ class OutputFiles:
             node = info.arrays[kind]
             if whole:
                 return np.asarray(V.read_array(node), dtype=dtype)
-            return lazy(f"columns/{info.name}/{kind}", node, dtype)
+            return lazy(node, dtype)
 
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
@@ -152,10 +139,7 @@ class OutputFiles:
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
-        self.checks = LZ.IndexChecks(
-            n_rows, self.frame_offsets, self.file_layout, self.frame_idx, self.prov, root, self._layouts,
-            self.filenames, raise_,
-        )  # fmt: skip
+        self.checks = LZ.IndexChecks(self, root, raise_)
         for arr in (self.frame_idx, *self.prov.values()):
             arr.hook = self.checks.rows
         for col in root.values():
@@ -167,12 +151,12 @@ class OutputFiles:
                 if flags is not None:
                     flags.hook = self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
-        # at open, as the names' first block is); the others as they are read (_lazyindex).
+        # at open, as the names' first block is); the others as they are read (``index.IndexChecks``).
         self.frame_offsets.span(0, 1)
         self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self._layouts)
+            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self.layouts)
             for name, col in nested.items():
                 rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True, col.none))
@@ -183,7 +167,7 @@ class OutputFiles:
         # view class, column, list domain); None for plain tensor values (one view).
         self._layout_cols: list[list[OpenColumn]] = []
         self._layout_paths: list[list[tuple[tuple[str, ...], str, Any, OpenColumn, tuple[str, ...]]] | None] = []
-        for names in self._layouts:
+        for names in self.layouts:
             cols = [self.columns[name] for name in names]
             self._layout_cols.append(cols)
             plain = len(cols) == 1 and cols[0].info.leaf == ()
@@ -291,7 +275,7 @@ class MergedStore(Mapping[str, Any]):
             )
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
-            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage.describe, self.storage)
+            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage)
             self.group = open_consolidated(store, self.storage)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
             raise CorruptSpillError(
@@ -300,12 +284,12 @@ class MergedStore(Mapping[str, Any]):
         header = self.group.attrs.get("spillmerge")
         if not isinstance(header, dict) or header.get("kind") != "merged":
             raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())
-        version = F.check_version(header, self.storage.describe(), spill=False)
         self.header: dict[str, Any] = header
-        self.format_version: int = version
+        self.format_version: int = F.check_version(header, self.storage.describe(), spill=False)
         """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
         self.allow_pickle = allow_pickle
-        self._files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
+        self.files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
+        """The output's files and columns as the package's readers use them (inspect, datasets)."""
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
@@ -324,21 +308,21 @@ class MergedStore(Mapping[str, Any]):
     def filenames(self) -> Sequence[str]:
         """Original filenames, sorted: a sequence read block by block as it is used (``len``,
         ``names[i]``, slices, iteration, ``in``; no read of every filename to open or to find one)."""
-        return self._files.filenames
+        return self.files.filenames
 
     def __len__(self) -> int:
-        return len(self._files.filenames)
+        return len(self.files.filenames)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files.filenames)
+        return iter(self.files.filenames)
 
     def __contains__(self, filename: object) -> bool:
-        return filename in self._files.filenames
+        return filename in self.files.filenames
 
     def _index(self, filename: str) -> int:
         # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
         # another thread the search.)
-        names = self._files.filenames
+        names = self.files.filenames
         i = names.find(filename)
         if i is None:
             near = close_matches(names, filename)  # neighbours in sort order: no scan of every name
@@ -351,24 +335,24 @@ class MergedStore(Mapping[str, Any]):
 
     def _rows(self, filename: str, of: LazyArray) -> np.ndarray:
         """The entries of the per-row array ``of`` for ``filename``'s rows."""
-        a, b = self._files.checks.file_rows(self._index(filename))
+        a, b = self.files.checks.file_rows(self._index(filename))
         return of[a:b].copy()  # type: ignore[no-any-return]
 
     def frames(self, filename: str) -> np.ndarray:
         """Ascending int64 frame indices of ``filename``, one per row."""
-        return self._rows(filename, self._files.frame_idx)
+        return self._rows(filename, self.files.frame_idx)
 
     def frame_ranks(self, filename: str) -> np.ndarray:
         """The rank each row of ``filename`` came from (int64, one per row; ``index/frame_rank``)."""
-        return self._rows(filename, self._files.prov["frame_rank"])
+        return self._rows(filename, self.files.prov["frame_rank"])
 
     def frame_copies(self, filename: str) -> np.ndarray:
         """How many spill segments held each row's frame (1, or more when duplicates were
         dropped; ``index/frame_copies``)."""
-        return self._rows(filename, self._files.prov["frame_copies"])
+        return self._rows(filename, self.files.prov["frame_copies"])
 
     def __getitem__(self, filename: str) -> Any:
-        return self._files.value(self._index(filename), filename)
+        return self.files.value(self._index(filename), filename)
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
@@ -377,7 +361,7 @@ class MergedStore(Mapping[str, Any]):
         objects unpickled (only under ``open(..., allow_pickle=True)``); a dict key some frames
         of the file have and this one lacks is absent here too."""
         i = self._index(filename)
-        return self._files.row_value(i, frame_idx, as_torch, filename)
+        return self.files.row_value(i, frame_idx, as_torch, filename)
 
     def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
         """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as
@@ -386,22 +370,17 @@ class MergedStore(Mapping[str, Any]):
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
         more than 32 MiB), whatever the output's size."""
-        return _rowblock.iter_values(self._files, as_torch)
+        return _rowblock.iter_values(self.files, as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
         (for coverage, which needs them whole)."""
-        files = self._files
+        files = self.files
         files.checks.rows(0, files.n_rows)
         return (
             files.filenames, files.frame_offsets.whole(), files.frame_idx.whole(), files.prov["frame_rank"].whole(),
             files.prov["frame_copies"].whole(),
         )  # fmt: skip
-
-    @property
-    def files(self) -> OutputFiles:
-        """The output's files and columns as the package's readers use them (inspect, datasets)."""
-        return self._files
 
     def column(self, path: str | tuple[str, ...] | list[str] | None = None, dtype: str | None = None) -> LeafView:
         """One leaf over every row of every file, in (filename, frame) order: ``"logits"``,
@@ -415,7 +394,7 @@ class MergedStore(Mapping[str, Any]):
             leaf = tuple(path.split("/")) if path else ()
         else:
             leaf = tuple(path)
-        where, cols = self.storage.describe(), self._files.by_leaf.get(leaf, [])
+        where, cols = self.storage.describe(), self.files.by_leaf.get(leaf, [])
         if dtype is not None:
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
         if len(cols) > 1:
@@ -428,7 +407,7 @@ class MergedStore(Mapping[str, Any]):
                 known=dts,
             )
         if not cols:
-            known = sorted(c.info.path or "<tensor> (None)" for c in self._files.columns.values())
+            known = sorted(c.info.path or "<tensor> (None)" for c in self.files.columns.values())
             shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
             raise UnknownColumnError(
                 f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
@@ -440,7 +419,7 @@ class MergedStore(Mapping[str, Any]):
     @property
     def columns(self) -> list[str]:
         """The leaf paths of the columns (``""`` for plain tensor values), sorted."""
-        return sorted({c.info.path for c in self._files.columns.values()})
+        return sorted({c.info.path for c in self.files.columns.values()})
 
     def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
         """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the
@@ -448,8 +427,7 @@ class MergedStore(Mapping[str, Any]):
         ``frame_idx`` and ``rank`` always come). ``batch_size`` rows per batch (default: about 64
         MiB of payload, at most 65,536 rows). Memory is one batch plus the chunk cache, whatever
         the output's size; every chunk is decoded once."""
-        files = self._files
-        return _export.iter_batches(files, _export.select(files, columns, self.storage.describe()), batch_size)
+        return _export.iter_batches(self.files, _export.select(self.files, columns), batch_size)
 
     def to_parquet(
         self,
@@ -464,9 +442,8 @@ class MergedStore(Mapping[str, Any]):
         polars (``pl.scan_parquet``), DuckDB and Hugging Face ``datasets.load_dataset("parquet")``
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
-        files = self._files
-        cols = _export.select(files, columns, self.storage.describe())
-        return _export.to_parquet(files, cols, path, batch_size, storage_options, **parquet_options)
+        cols = _export.select(self.files, columns)
+        return _export.to_parquet(self.files, cols, path, batch_size, storage_options, **parquet_options)
 
     def to_arrow(self, columns: Sequence[str] | str | None = None) -> Any:
         """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``), all in
@@ -488,8 +465,8 @@ class MergedStore(Mapping[str, Any]):
           ``large_list<struct>``. Dicts from the root stay flat columns (``"a/b"``); ``columns``
           also takes a stored column's flat name (``"result:float32.2d"``: one variant).
         """
-        files = self._files
-        cols = _export.select(files, columns, self.storage.describe())
+        files = self.files
+        cols = _export.select(files, columns)
         pa = require_pyarrow("MergedStore.to_arrow()")
         return pa.Table.from_batches([_export.batch(files, cols, 0, files.n_rows)])
 

@@ -102,12 +102,12 @@ class LeafView:
             r = self._start + j
             col = self._col
             return None if col.valid is not None and not col.valid[r] else self.at(r)
+        if isinstance(sel, np.integer):
+            return self[int(sel)]
         return self._select(sel)
 
     def _select(self, sel: Any) -> Any:
-        """``view[sel]`` for any ``sel`` but a Python int."""
-        if isinstance(sel, np.integer):
-            return self[int(sel)]
+        """``view[sel]`` for any ``sel`` but an int."""
         if isinstance(sel, slice):
             a, b, step = sel.indices(len(self))
             if step == 1:
@@ -222,8 +222,6 @@ class FixedView(LeafView):
         return x if col.native else x.view(col.real)
 
     def _select(self, sel: Any) -> Any:
-        if isinstance(sel, np.integer):
-            return self[int(sel)]
         return self._raw(sel).view(self.dtype)
 
     def numpy(self) -> np.ndarray:
@@ -250,10 +248,9 @@ class FixedView(LeafView):
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
         raw = self._raw(slice(None))
-        inner = raw.reshape(-1) if raw.ndim > 1 else raw
         if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs
             raw = raw.view(raw.real.dtype).reshape(*raw.shape, 2)
-            inner = raw.reshape(-1)
+        inner = raw.reshape(-1)
         if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
             cell = int(np.prod(raw.shape[1:], dtype=np.int64))
             storage = with_nulls(pa.FixedSizeListArray.from_arrays(pa.array(inner), cell), self.valid)
@@ -490,7 +487,7 @@ class TextListView(_OffsetView):
     def _decode(self, r: int, raw: bytes) -> Any:
         shapes = self._col.shapes
         assert shapes is not None
-        n = int(shapes[r, 0])
+        n = int(shapes[r][0])
         lens = np.frombuffer(raw, dtype="<u4", count=n).tolist()
         data = raw[4 * n :]
         if sum(lens) != len(data):
@@ -503,8 +500,7 @@ class TextListView(_OffsetView):
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
-        rows = self._list(self._start, self._stop)
-        return pa.array(rows, type=pa.large_list(pa.large_string()))
+        return pa.array(self.to_list(), type=pa.large_list(pa.large_string()))
 
 
 OpenColumn.VIEWS.update(

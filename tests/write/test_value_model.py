@@ -116,7 +116,7 @@ def test_allow_pickle_applies_at_any_depth_and_only_to_other_objects(tmp_path: P
     res = _write_merge(tmp_path, {("f", 0): want, ("g", 0): Pred([1, 2], "n")}, allow_pickle=True)
     assert same(res.value("f"), want)
     assert res.value("g") == {"ids": [1, 2], "note": "n"}  # a dataclass reads as the dict of its fields
-    kinds = {c.info.dtype for c in res._files.columns.values()}
+    kinds = {c.info.dtype for c in res.files.columns.values()}
     assert "pickle" in kinds and "pyint" in kinds  # the int 1 and the list [1, 2] are not pickled
     closed = spillmerge.open(str(tmp_path / "o"))
     with pytest.raises(spillmerge.PickleNotAllowedError):
@@ -183,7 +183,7 @@ def test_a_damaged_list_length_is_refused_not_built(tmp_path: Path) -> None:
 
     res = _write_merge(tmp_path, {("f", 0): {"l": [1, "a"]}})
     assert res.value("f") == {"l": [1, "a"]}
-    header = next(c for c in res._files.columns.values() if c.info.dtype == "pylist")
+    header = next(c for c in res.files.columns.values() if c.info.dtype == "pylist")
     arr = zarr.open_array(str(tmp_path / "o" / "columns" / header.info.name / "values"), mode="r+")
     arr[:] = 10**9
     with pytest.raises(spillmerge.CorruptSpillError, match="has 1000000000 items"):
