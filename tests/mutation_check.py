@@ -711,7 +711,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flat-records-row-offsets",
-        "spillmerge/_write/stagebatch.py",
+        "spillmerge/_write/staging.py",
         "                cube[:, j, 4] = base + fill + lo\n",
         "                cube[:, j, 4] = base + fill\n",
         ("tests/write/test_write_batch.py::test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes",),
@@ -727,7 +727,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flat-records-direct-block-crc",
-        "spillmerge/_write/stagebatch.py",
+        "spillmerge/_write/staging.py",
         "                        value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None",
         "                        value = _crc.value(src[lo[r] : hi[s - 1] - 1]) if chunk.direct else None",
         ("tests/write/test_direct_chunks.py::test_direct_chunks_of_flat_record_batches_match_staged_ones_and_read_back",),

@@ -26,8 +26,9 @@ from .._format import spill as FS
 from .._storage import Storage
 from . import direct as D
 from .flush import BufferPool, Chunk, Flusher, completed_rows
-from .stagebatch import CHECK_BYTES, BatchSteps
 
+CHECK_BYTES = 1 << 20
+"""Largest block checksum (docs/FORMAT.md, ``checks``) ``add_frames`` makes, unless one row is larger."""
 COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 SIDE_STREAM_BYTES = 1 << 20
@@ -35,7 +36,7 @@ SIDE_STREAM_BYTES = 1 << 20
 producer's next kernels; a smaller one on the caller's stream (``Staging._prepare_cuda``)."""
 
 
-class Staging(BatchSteps):
+class Staging:
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
     :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
@@ -156,27 +157,15 @@ class Staging(BatchSteps):
         """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
         leaf would: when every leaf is on the host and the frame fits in the current chunk, in
         one step (no held list, no per-leaf call); otherwise through ``add``."""
-        total = 0
+        data, sizes = [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves]
+        total = sum(sizes)
         if self.direct is None:
-            self._decide(
-                sum(leaf.nbytes for leaf in leaves), not any(getattr(leaf.data, "is_cuda", False) for leaf in leaves)
-            )
-        for leaf in leaves:
-            if type(leaf.data) is not np.ndarray:
-                break
-            total += leaf.nbytes
-        else:
-            if total:
-                self.add_host_frame(
-                    row, file_id, frame, layout_ids, [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves],
-                    total,
-                )  # fmt: skip
-                return
+            self._decide(total, not any(getattr(d, "is_cuda", False) for d in data))
+        if total and set(map(type, data)) == {np.ndarray}:
+            self.add_host_frame(row, file_id, frame, layout_ids, data, sizes, total)
+            return
         self.frames += 1
-        held: list[Any] = []
-        last = len(leaves) - 1
-        for j, leaf in enumerate(leaves):
-            self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
+        self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
 
     def add_host_frame(
         self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
@@ -194,10 +183,7 @@ class Staging(BatchSteps):
             self._add_direct_frame(chunk, row, file_id, frame, layout_ids, data, sizes, total)
             return
         if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
-            held: list[Any] = []
-            last = len(data) - 1
-            for j, d in enumerate(data):
-                self.add(row + j, file_id, frame, layout_ids[j], d, sizes[j], held, j == last)
+            self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
             return
         host, fill = chunk.host_np, chunk.fill
         for d, n in zip(data, sizes, strict=True):
@@ -227,6 +213,90 @@ class Staging(BatchSteps):
             leaves.append(u8[at : at + n])
             at += n
         self.add_host_frame(row, file_id, frame, layout_ids, leaves, sizes, total)
+
+    def add_frames(
+        self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: np.ndarray,
+        sizes: np.ndarray, columns: list[np.ndarray],
+    ) -> None:  # fmt: skip
+        """Stage whole frames at once: frame ``i`` has index rows ``row + i * L + j`` for its
+        ``L`` leaves; leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some) of catalog layout
+        ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s rows back to back).
+        ``file_ids``: int64 per frame, or an int (frame ``i`` is file ``file_ids + i``);
+        ``frames``: int64 per frame, or None (frame 0 each). The
+        frames that fit whole in the current chunk are staged a leaf at a time, one copy per leaf
+        (its rows one byte range) and a block checksum per CHECK_BYTES of its rows; a frame
+        straddling two chunks goes through ``add`` (a CRC per row, as ``write`` does)."""
+        n, n_leaves = sizes.shape
+        ends = np.cumsum(sizes, axis=0)
+        starts = ends - sizes
+        frame_ends = np.cumsum(sizes.sum(axis=1))
+        gaps = (sizes == 0).any(axis=0).tolist()  # per leaf: a row of no bytes, in no block
+        if self.direct is None:
+            self._decide(int(frame_ends[0]), True)
+        self.frames += n
+        grid = np.arange(n * n_leaves, dtype=np.int64).reshape(n, n_leaves) + row
+        fids = np.arange(file_ids, file_ids + n, dtype=np.int64) if isinstance(file_ids, int) else file_ids
+        i = 0
+        while i < n:
+            chunk = self._current_chunk()
+            done = int(frame_ends[i - 1]) if i else 0
+            k = int(np.searchsorted(frame_ends, done + self.chunk_bytes - chunk.fill, side="right")) - i
+            fr = 0 if frames is None else int(frames[i])
+            if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
+                nbs = sizes[i].tolist()
+                pieces = [col[a : a + nb] for col, a, nb in zip(columns, starts[i].tolist(), nbs, strict=True)]
+                self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs)
+                i += 1
+                continue
+            self._open_block(chunk)
+            part = slice(i, i + k)
+            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
+            cube[:, :, 0] = grid[part]
+            cube[:, :, 1] = fids[part, None]
+            cube[:, :, 2] = 0 if frames is None else frames[part, None]
+            cube[:, :, 3] = layout_ids[part]
+            cube[:, :, 5] = sizes[part]
+            fill, base = chunk.fill, self.offset - chunk.fill
+            for j in range(n_leaves):
+                a, b = int(starts[i, j]), int(ends[i + k - 1, j])
+                lo, hi = starts[part, j] - a, ends[part, j] - a  # the rows' bytes in this block of the leaf
+                cube[:, j, 4] = base + fill + lo
+                if a == b:
+                    continue
+                src = columns[j][a:b]
+                if chunk.direct:
+                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
+                else:
+                    chunk.host_np[fill : fill + b - a] = src
+                r = 0
+                while r < k:  # block checksums of at most CHECK_BYTES (or one larger row)
+                    s = max(r + 1, int(np.searchsorted(hi, lo[r] + CHECK_BYTES, side="right")))
+                    rows = cube[r:s, j, 0][sizes[i + r : i + s, j] > 0] if gaps[j] else cube[r:s, j, 0]
+                    if len(rows):
+                        value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None
+                        self._block(chunk, fill + int(lo[r]), fill + int(hi[s - 1]), rows, value)
+                    r = s
+                fill += b - a
+            chunk.complete_block(cube.reshape(k * n_leaves, 6))
+            self.offset += fill - chunk.fill
+            chunk.fill = fill
+            i += k
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+
+    def _add_by_leaf(self, row: int, file_id: int, frame: int, layout_ids: Any, pieces: list[Any], sizes: Any) -> None:
+        """One frame through ``add``, a leaf at a time (rows ``row`` ...)."""
+        held: list[Any] = []
+        last = len(pieces) - 1
+        for j, (piece, nb) in enumerate(zip(pieces, sizes, strict=True)):
+            self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
+
+    def _open_block(self, chunk: Chunk) -> None:
+        """Make ``chunk`` ready for a block of whole frames copied in by ``add_frames``."""
+        if chunk.host_np is None and not chunk.direct:
+            chunk.host_np = chunk.host.numpy()
+        if chunk.run:
+            self._close_run(chunk)
 
     def _add_run(
         self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int
