@@ -687,7 +687,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flat-records-batch-repeating-a-file",
-        "spillmerge/_write/dense.py",
+        "spillmerge/_write/writer.py",
         "        if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:",
         "        if n < 2 or not self._file_ids.keys().isdisjoint(names):",
         ("tests/write/test_write_batch.py::test_duplicate_policies_apply_inside_a_batch_as_row_by_row",),
@@ -695,7 +695,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flat-records-others-checked-first",
-        "spillmerge/_write/dense.py",
+        "spillmerge/_write/writer.py",
         "            except SpillValueError as exc:\n                raise at_position(exc, i, n, names[i]) from None\n            others.append(",
         "            except SpillValueError as exc:\n                continue\n            others.append(",
         ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
@@ -703,7 +703,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "flat-records-kept-items-only",
-        "spillmerge/_write/dense.py",
+        "spillmerge/_write/writer.py",
         "            names, frames = [names[i] for i in kept], [frames[i] for i in kept]\n",
         "            pass\n",
         ("tests/write/test_write_batch.py::test_a_batch_is_stored_byte_for_byte_as_its_row_by_row_writes",),
