@@ -136,35 +136,27 @@ class SpillWriter(SegmentSteps, MergeSteps):
                 frame = frame_idx
             else:
                 frame = check_frame_idx(frame_idx, filename)
-            template = self._frame_template
-            if type(value) is dict and filename not in self._file_ids:
-                if template is not None:
-                    data = template.match(value)
-                    if data is not None:  # a new file of the last new file's structure
-                        t = template
-                        self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
-                        return
+            new_dict = type(value) is dict and filename not in self._file_ids
+            if new_dict:
+                t = self._frame_template
+                if t is not None and (data := t.match(value)) is not None:  # a new file of the last one's structure
+                    self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
+                    return
                 py = self._py_template
                 got = py.match(value, self._catalog) if py is not None else None
                 if got is not None:  # a new file of the last Python dict's structure
                     self._put_new(filename, frame, *got)  # type: ignore[union-attr]
                     return
-                leaves = flatten_dense(value)  # the common value, without the general walk
-                dense = leaves is not None
-                if leaves is None:
-                    leaves = flatten(value, filename, frame, self.allow_pickle)
-                layout_ids = self._put(filename, frame, leaves)
-                if layout_ids is not None:  # the next new file of this structure takes the template
-                    if dense:
-                        self._frame_template = FrameTemplate.of(leaves, layout_ids)
-                    else:
-                        self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
-                return
-            else:
-                leaves = flatten_dense(value)
+            leaves = flatten_dense(value)  # the common value, without the general walk
+            dense = leaves is not None
             if leaves is None:
                 leaves = flatten(value, filename, frame, self.allow_pickle)
-            self._put(filename, frame, leaves)
+            layout_ids = self._put(filename, frame, leaves)
+            if new_dict and layout_ids is not None:  # the next new file of this structure takes the template
+                if dense:
+                    self._frame_template = FrameTemplate.of(leaves, layout_ids)
+                else:
+                    self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
 
     def _put_new(
         self, filename: str, frame: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
@@ -416,13 +408,7 @@ class SpillWriter(SegmentSteps, MergeSteps):
                             else self._same_as_written(self._key_map()[key], leaves, layout_ids)
                         )
                         if not same:
-                            raise DuplicateFrameError(
-                                f"frame {frame} of {name!r:.200} was already written by rank {self.rank} "
-                                "(pass on_duplicate='first' or 'last' to allow rewrites)",
-                                filename=name,
-                                frame_idx=frame,
-                                ranks=[self.rank],
-                            )
+                            raise self._duplicate(name, frame)
                         out.append((name, frame, leaves, layouts))
                         continue
             except SpillValueError as exc:
@@ -455,13 +441,7 @@ class SpillWriter(SegmentSteps, MergeSteps):
                     self._identical_rewrites += 1
                     self._rewrites += 1
                     return None
-                raise DuplicateFrameError(
-                    f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
-                    "(pass on_duplicate='first' or 'last' to allow rewrites)",
-                    filename=filename,
-                    frame_idx=frame,
-                    ranks=[self.rank],
-                )
+                raise self._duplicate(filename, frame)
             self._dead_rows.append(prev)
             self._rewrites += 1  # "last": the earlier copy is dropped
         layout_ids = self._catalog.accept(layouts, layout_ids)
@@ -477,6 +457,15 @@ class SpillWriter(SegmentSteps, MergeSteps):
         else:
             self._keys[key] = (first_row, n_leaves)
         return layout_ids
+
+    def _duplicate(self, filename: str, frame: int) -> DuplicateFrameError:
+        return DuplicateFrameError(
+            f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
+            "(pass on_duplicate='first' or 'last' to allow rewrites)",
+            filename=filename,
+            frame_idx=frame,
+            ranks=[self.rank],
+        )
 
     def update(self, mapping: Mapping[str, Any]) -> None:
         """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
