@@ -114,14 +114,14 @@ class BufferPool:
     """At most ``n_buffers`` host buffers of ``chunk_bytes``, reused: ``acquire`` blocks while all
     of them wait for storage (backpressure), the flush thread ``release``s each after its upload
     and allocates the next one ahead (``prefault_spare``) so ``write()`` never pays for fresh
-    pages. Buffers are pinned once ``pin()`` was called (the first CUDA write)."""
+    pages. Buffers are pinned once ``pinned`` is set (the first CUDA write)."""
 
     def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
         self.chunk_bytes, self.n_buffers = chunk_bytes, n_buffers
         self.allocated = 0
         """Buffers allocated so far (at most ``n_buffers``)."""
         self.pinned = False
-        """True once CUDA tensors were written: new buffers are pinned."""
+        """True once CUDA tensors were written (``Staging._prepare_cuda``): new buffers are pinned."""
         self._lock = threading.Condition()
         self._free: list[torch.Tensor] = []
         self.retired = False
@@ -129,9 +129,6 @@ class BufferPool:
         self.wants_spare: Callable[[], None] | None = None
         """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
         thread then prefaults the next one while the caller fills this one."""
-
-    def pin(self) -> None:
-        self.pinned = True
 
     def retire(self) -> None:
         """No buffer is needed any more (the writer writes its chunks directly): drop the free
@@ -255,9 +252,9 @@ class Flusher(threading.Thread):
         finish out of order; this counts in order)."""
         self.written_cond = threading.Condition()
         self._synced = 0
+        """Chunks ``0 .. _synced-1`` are fsynced, their folder too (the journal thread's count)."""
         self.journaled = 0
         """Chunks ``0 .. journaled-1`` have their journal entry (a direct writer waits on it)."""
-        """Chunks ``0 .. _synced-1`` are fsynced, their folder too (the journal thread's count)."""
         self._unjournaled: collections.deque[Future[None]] = collections.deque()
         """Journal entries submitted, not yet written: at most ``flush_threads + n_buffers``
         chunks are written and not yet durable (the dirty pages a crash may lose)."""

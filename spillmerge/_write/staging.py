@@ -40,7 +40,7 @@ class Staging:
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
     :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
-    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index and :meth:`free`.
+    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then clears :attr:`pool`.
     Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
@@ -90,11 +90,6 @@ class Staging:
         self.flusher.progress.staged = lambda: (self.frames, self.offset)
         if not at_commit:
             self.flusher.start()
-
-    @property
-    def allocated(self) -> int:
-        """Staging buffers allocated so far."""
-        return self.pool.allocated
 
     # -------------------------------------------------------------------------------- copies
     def add(
@@ -380,8 +375,7 @@ class Staging:
         tensor in place, freeing it), with no cross-stream bookkeeping (each call into
         ``torch.cuda``'s stream helpers costs more than a small leaf's copy). A larger leaf is
         copied on the writer's own stream, so the producer's next kernels overlap it."""
-        if not self.pool.pinned:
-            self.pool.pin()
+        self.pool.pinned = True
         if nbytes < SIDE_STREAM_BYTES:
             return None
         current = torch.cuda.current_stream(data.device)
@@ -586,7 +580,3 @@ class Staging:
         m = min(n_rows, len(crc))
         out[:m] = crc[:m]
         return out
-
-    def free(self) -> None:
-        # The staging memory is only needed while writing; a merge on this rank follows.
-        self.pool.clear()
