@@ -18,9 +18,8 @@ import numpy as np
 from .._errors import SpillValueError
 from .._format.common import DTYPES, STRING_MAX_BYTES
 from .flatten import flatten
-from .leaves import UINT32_MAX, Leaf
+from .leaves import PY_NUMBERS, UINT32_MAX, Leaf
 
-_NUMBERS = {bool: "pybool", int: "pyint", float: "pyfloat"}
 _EMPTY = np.zeros(0, dtype=np.uint8)
 
 
@@ -185,7 +184,7 @@ def _numbers_leaf(numbers: Any, count: int, kind: Any, elems: Any, lengths: Any,
     """Append the leaf of the iterable ``numbers``, ``count`` Python numbers of type ``kind``,
     ``elems`` of them per item (None: one, a 0-d leaf), of first dimension ``lengths``; False
     for another type."""
-    name = _NUMBERS.get(kind)
+    name = PY_NUMBERS.get(kind)
     if name is None:
         return False
     storage = np.dtype(DTYPES[name].storage)

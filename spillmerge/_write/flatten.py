@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +32,7 @@ from .._format.common import (
 from .._format.keyorder import positions
 from .leaves import (
     MAX_DEPTH,
+    PY_PACK,
     Leaf,
     check_leaf_limits,
     host_array,
@@ -48,14 +48,9 @@ _EMPTY = np.zeros(0, dtype=np.uint8)
 _TORCH_NAMES: dict[torch.dtype, str] = {dt: n for n in DTYPES if isinstance(dt := getattr(torch, n, None), torch.dtype)}
 
 
-_PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
-"""The little-endian bytes of a 0-d ``py*`` leaf: one ``pack`` instead of three numpy calls (a
-value of tiny objects is mostly such leaves)."""
-
-
 def _scalar(path: tuple[str, ...], name: str, value: object) -> Leaf:
     """A Python scalar as a 0-d leaf of its ``py*`` dtype (read back as the same Python type)."""
-    pack = _PACK.get(name)
+    pack = PY_PACK.get(name)
     if pack is not None:
         data = np.frombuffer(pack.pack(value), dtype=np.uint8)
         return Leaf(path, name, (), pack.size, data)

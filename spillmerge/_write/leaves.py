@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -185,7 +186,10 @@ def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
     return None
 
 
-_PY_NUM = {bool: "pybool", int: "pyint", float: "pyfloat"}
+PY_NUMBERS = {bool: "pybool", int: "pyint", float: "pyfloat"}
+"""The Python number types a list of one of them is stored as (by exact type): their ``py*`` dtype."""
+PY_PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
+"""The little-endian bytes of a 0-d ``py*`` leaf: one ``pack`` instead of three numpy calls."""
 
 
 def pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None:
@@ -215,7 +219,7 @@ def pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None
         kind = names.pop() if names else "pyfloat"
         return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
     t = type(value[0])
-    name = _PY_NUM.get(t)
+    name = PY_NUMBERS.get(t)
     if name is None or (len(value) > 1 and set(map(type, value)) != {t}):  # the types, in C
         return None
     try:
@@ -236,7 +240,7 @@ def _flat_rows(value: list[Any]) -> tuple[str, np.ndarray] | None:
     kinds = set(map(type, itertools.chain.from_iterable(value)))
     if len(kinds) != 1:
         return None
-    name = _PY_NUM.get(kinds.pop())
+    name = PY_NUMBERS.get(kinds.pop())
     if name is None:
         return None
     try:

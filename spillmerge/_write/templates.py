@@ -33,7 +33,7 @@ import numpy as np
 
 from .._format import spill as FS
 from .._format.common import MARK, STRING_MAX_BYTES
-from .leaves import host_array
+from .leaves import PY_PACK, host_array
 
 if TYPE_CHECKING:
     from .layouts import LayoutCatalog
@@ -106,7 +106,6 @@ class DenseTemplate:
     """The layouts' catalog ids, once a batch of them was staged (ids in the catalog never change)."""
 
 
-_PY_PACK = {"pyint": struct.Struct("<q"), "pyfloat": struct.Struct("<d"), "pybool": struct.Struct("<?")}
 _PY_TYPES = {"pyint": int, "pyfloat": float, "pybool": bool}
 _PY_ARRAY = {"pyint": "q", "pyfloat": "d", "pybool": "b"}
 """``array.array`` type codes of the same bytes as the dtypes' storage on a little-endian host:
@@ -151,11 +150,9 @@ class PyTemplate:
                 kinds.append((_STR, str, None))
             elif dtype == "none" and v is None:
                 kinds.append((_NONE, type(None), None))
-            elif dtype in _PY_PACK and not leaf.shape and type(v) is _PY_TYPES[dtype]:
-                kinds.append((_SCALAR, _PY_TYPES[dtype], _PY_PACK[dtype]))
-            elif (
-                dtype in _PY_PACK and len(leaf.shape) == 1 and n and type(v) is list and type(v[0]) is _PY_TYPES[dtype]
-            ):
+            elif dtype in PY_PACK and not leaf.shape and type(v) is _PY_TYPES[dtype]:
+                kinds.append((_SCALAR, _PY_TYPES[dtype], PY_PACK[dtype]))
+            elif dtype in PY_PACK and len(leaf.shape) == 1 and n and type(v) is list and type(v[0]) is _PY_TYPES[dtype]:
                 kinds.append((_LIST, _PY_TYPES[dtype], _PY_ARRAY[dtype]))
             else:
                 return None
