@@ -333,24 +333,14 @@ class Staging:
     ) -> None:  # fmt: skip
         """``add_host_frame`` of a frame that fits in the direct chunk: its leaves written with
         one ``pwritev`` (before any bookkeeping: a failed write lists nothing), joining the open
-        block of whole frames, whose CRC-32C extends over them."""
-        fill, base = chunk.fill, self.offset - chunk.fill
-        D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], fill, self._path)
-        run, tail = chunk.run, chunk.tail
-        if not run:
-            chunk.run_start, chunk.run_crc = fill, 0
-        crc = chunk.run_crc
-        for j, d in enumerate(data):
-            n = sizes[j]
+        block of whole frames (``_add_run``), whose CRC-32C extends over them."""
+        D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill, self._path)
+        crc = chunk.run_crc if chunk.run else 0
+        for d, n in zip(data, sizes, strict=True):
             if n:
                 crc = _crc.extend(crc, d)
-                run.append(row + j)
-            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
-            fill += n
-        chunk.run_crc, chunk.fill = crc, fill
-        self.offset += total
-        if fill - chunk.run_start >= CHECK_BYTES:
-            self._close_run(chunk)
+        chunk.run_crc = crc
+        self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
 
     def _close_run(self, chunk: Chunk) -> None:
         """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
