@@ -1324,8 +1324,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "records-same-key-order",
         "spillmerge/_write/leaves.py",
-        "        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):",
-        "        if set(map(type, value)) != {dict}:",
+        "    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):",
+        "    if set(map(type, keys)) != {str}:",
         ("tests/write/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),

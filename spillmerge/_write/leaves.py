@@ -158,22 +158,29 @@ def records(value: list[Any]) -> dict[str, list[Any]] | None:
     -> the list of its values, in the dicts' key order); None for any other list. Plain dicts
     are checked and split by C-level passes (``map``, ``itemgetter``), not one Python step per
     dict: a COCO result list holds hundreds of thousands."""
-    first = value[0] if value else None
-    if type(first) is dict:
-        keys = tuple(first)
-        if not keys or not all(type(k) is str for k in keys):
-            return None
-        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):
-            return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
-        if len(keys) == 1:
-            return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
-        return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
-    return _mapping_records(value) if isinstance(first, Mapping) else None
+    keys = same_keys(value)
+    if keys is None:
+        return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
+    if len(keys) == 1:
+        return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
+    return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
+
+
+def same_keys(items: list[Any]) -> tuple[str, ...] | None:
+    """The keys of ``items`` when all are plain dicts of the same non-empty str keys in the same
+    order, checked by C-level passes; None otherwise."""
+    first = items[0] if items else None
+    if type(first) is not dict or not first or set(map(type, items)) != {dict}:
+        return None
+    keys = tuple(first)
+    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+        return None
+    return keys
 
 
 def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
     """``records`` of a list whose items are mappings of any type (TensorDict ...), item by item."""
-    first = value[0]
+    first = value[0] if value else None
     if not isinstance(first, Mapping):
         return None
     keys = list(first.keys())
