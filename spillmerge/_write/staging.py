@@ -93,9 +93,8 @@ class Staging:
 
     # -------------------------------------------------------------------------------- copies
     def add(
-        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int,
-        held: list[Any] | None = None, last: bool = True,
-    ) -> None:  # fmt: skip
+        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int, held: list[Any], last: bool
+    ) -> None:
         """Copy one leaf (index row ``row``; ``data`` a flat uint8 ndarray or contiguous tensor
         of ``nbytes``) into staging at :attr:`offset`. The rows of a frame's earlier leaves wait
         in ``held`` (``last=False``); with its ``last`` leaf they all go to the chunk holding the
@@ -128,25 +127,18 @@ class Staging:
             chunk.fill += n
             done += n
             self.offset += n
-            if done == nbytes:
-                entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
-                if not last:
-                    held.append(entry)  # type: ignore[union-attr]
-                else:
-                    for e in held or ():
-                        chunk.tail.extend(e)
-                    chunk.tail.extend(entry)
-            if chunk.fill == self.chunk_bytes:
+            if done < nbytes:  # the chunk is full: the rest goes to the next one
                 self.hand_off()
-        if nbytes == 0:
-            entry = (row, file_id, frame, layout_id, self.offset, 0)
-            if not last:
-                held.append(entry)  # type: ignore[union-attr]
-            else:
-                tail = self._current_chunk().tail
-                for e in held or ():
-                    tail.extend(e)
-                tail.extend(entry)
+        entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
+        if not last:
+            held.append(entry)
+            return
+        tail = (chunk if nbytes else self._current_chunk()).tail
+        for e in held:
+            tail.extend(e)
+        tail.extend(entry)
+        if nbytes and chunk.fill == self.chunk_bytes:
+            self.hand_off()
 
     def add_frame(self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], leaves: list[Any]) -> None:
         """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
