@@ -316,11 +316,7 @@ def as_rows(value: Any, n: int) -> np.ndarray:
     if arr is not None and arr.flags.c_contiguous:
         return arr.reshape(n, -1).view(np.uint8)
     if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
+        t = value.detach().resolve_conj().resolve_neg()  # each returns its tensor itself when it has no such bit
         return t.contiguous().reshape(n, -1).view(torch.uint8).numpy()
     arr = value
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):

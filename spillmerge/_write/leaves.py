@@ -114,12 +114,7 @@ def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
         if (
             frame_idx.ndim != 0
             or frame_idx.dtype.is_floating_point
-            or frame_idx.dtype
-            in (
-                torch.bool,
-                torch.complex64,
-                torch.complex128,
-            )
+            or frame_idx.dtype in (torch.bool, torch.complex64, torch.complex128)
         ):
             raise SpillValueError(
                 f"frame_idx must be a non-negative integer; got a tensor of shape "
