@@ -68,20 +68,16 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
     n = len(names)
     if frame_idx is None:
         return names, [0] * n
-    if isinstance(frame_idx, torch.Tensor):
-        if frame_idx.ndim != 1 or frame_idx.dtype.is_floating_point or frame_idx.dtype == torch.bool:
+    if isinstance(frame_idx, (torch.Tensor, np.ndarray)):
+        tensor = isinstance(frame_idx, torch.Tensor)
+        dtype: Any = frame_idx.dtype
+        ints = not (dtype.is_floating_point or dtype == torch.bool) if tensor else dtype.kind in "iu"
+        if frame_idx.ndim != 1 or not ints:
             raise SpillValueError(
-                f"write_batch: frame_idx must be a 1-d integer tensor (one per item), got shape "
-                f"{tuple(frame_idx.shape)} and dtype {frame_idx.dtype}"
+                f"write_batch: frame_idx must be a 1-d integer {'tensor' if tensor else 'array'} (one per item), "
+                f"got shape {tuple(frame_idx.shape)} and dtype {dtype}"
             )
         raw: list[Any] = frame_idx.tolist()
-    elif isinstance(frame_idx, np.ndarray):
-        if frame_idx.ndim != 1 or frame_idx.dtype.kind not in "iu":
-            raise SpillValueError(
-                f"write_batch: frame_idx must be a 1-d integer array (one per item), got shape "
-                f"{frame_idx.shape} and dtype {frame_idx.dtype}"
-            )
-        raw = frame_idx.tolist()
     elif isinstance(frame_idx, Sequence) and not isinstance(frame_idx, (str, bytes)):
         raw = list(frame_idx)
     else:
