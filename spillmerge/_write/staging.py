@@ -65,8 +65,6 @@ class Staging:
         self.direct: bool | None = None
         """Chunks are written straight into their files (``_write.direct``); None until the
         first frame decides (``_decide``)."""
-        self._row_crc = (-1, 0)
-        """(row, CRC-32C so far) of the last row a direct chunk took through ``add``."""
         self._sealed_rows: list[np.ndarray] = []
         """The rows of the chunks handed off since :meth:`take_rows` last took them."""
 
@@ -100,7 +98,7 @@ class Staging:
         in ``held`` (``last=False``); with its ``last`` leaf they all go to the chunk holding the
         frame's last byte, so the journal entry of that chunk lists the whole frame and a frame
         whose large leaf never became durable is never salvaged by halves."""
-        done = 0
+        done = crc = 0
         is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
         if self.direct is None:
             self._decide(nbytes, not is_cuda)
@@ -116,8 +114,11 @@ class Staging:
             n = min(nbytes - done, self.chunk_bytes - chunk.fill)
             if is_cuda:
                 self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
-            elif chunk.direct:
-                self._add_direct(chunk, row, data if n == nbytes else data[done : done + n])
+            elif chunk.direct:  # into its file; the row's CRC-32C extended from the caller's memory
+                piece = data if n == nbytes else data[done : done + n]
+                D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
+                crc = _crc.extend(crc, piece)  # a row may continue from the previous chunk
+                chunk.row_crcs.append((row, crc))
             else:
                 if chunk.host_np is None:
                     chunk.host_np = chunk.host.numpy()
@@ -235,7 +236,9 @@ class Staging:
                 self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs)
                 i += 1
                 continue
-            self._open_block(chunk)
+            if chunk.host_np is None and not chunk.direct:
+                chunk.host_np = chunk.host.numpy()
+            self._close_run(chunk)  # the open block of write()'s frames ends where this block starts
             part = slice(i, i + k)
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)
             cube[:, :, 0] = grid[part]
@@ -278,13 +281,6 @@ class Staging:
         for j, (piece, nb) in enumerate(zip(pieces, sizes, strict=True)):
             self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
 
-    def _open_block(self, chunk: Chunk) -> None:
-        """Make ``chunk`` ready for a block of whole frames copied in by ``add_frames``."""
-        if chunk.host_np is None and not chunk.direct:
-            chunk.host_np = chunk.host.numpy()
-        if chunk.run:
-            self._close_run(chunk)
-
     def _add_run(
         self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int
     ) -> None:
@@ -309,15 +305,6 @@ class Staging:
         self.direct = self._local and host and nbytes >= D.DIRECT_MIN_BYTES
         if self.direct:
             self.pool.retire()  # the spare the flush thread may have made ready goes
-
-    def _add_direct(self, chunk: Chunk, row: int, piece: Any) -> None:
-        """``add``'s bytes ``piece`` of row ``row`` into the direct chunk's file; the row's CRC-32C
-        extended from ``piece``'s memory (a row may continue from the previous chunk)."""
-        D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
-        last, crc = self._row_crc
-        crc = _crc.extend(crc if last == row else 0, piece)
-        self._row_crc = (row, crc)
-        chunk.row_crcs.append((row, crc))
 
     def _add_direct_frame(
         self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
