@@ -59,30 +59,30 @@ H = "tests/spill/test_hostile.py"
 U = "tests/storage/test_untrusted_storage.py"
 C = "tests/project/test_checks_tested.py"
 
-# The journal thread's group commit (spillmerge/_write/flush.py, ``_journal_durable``), then the
+# The journal thread's group commit (spillmerge/_write/flush.py, ``_journal``), then the
 # journal entry it makes safe to write: swapped, the entry lands before its chunks are durable.
 _GROUP_COMMIT = (
-    "        if self.fsync and chunk.number >= self._synced:\n"
-    "            # One group commit: every chunk written since the last one (this one included) and\n"
-    "            # their folder (their names), fsynced at once. A disk busy with one commit lets the\n"
-    "            # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.\n"
-    "            upto = self.written\n"
-    '            names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]\n'
-    "            self.storage.sync(names, up=False)\n"
-    "            self._synced = upto\n"
+    "            if self.fsync and chunk.number >= self._synced:\n"
+    "                # One group commit: every chunk written since the last one (this one included) and\n"
+    "                # their folder (their names), fsynced at once. A disk busy with one commit lets the\n"
+    "                # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.\n"
+    "                upto = self.written\n"
+    '                names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]\n'
+    "                self.storage.sync(names, up=False)\n"
+    "                self._synced = upto\n"
 )
 _JOURNAL_ENTRY = (
-    "        self.progress.durable(chunk.number, done)\n"
-    "        crc = self.crc\n"
-    '        rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")\n'
-    "        rows[:, : FS.COL_CRC] = done[:, 1:]\n"
-    "        rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))\n"
-    "        checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]\n"
-    "        entry = FS.encode_journal(\n"
-    "            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,\n"
-    "            chunk.check_base, checks,\n"
-    "        )  # fmt: skip\n"
-    '        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)\n'
+    "            self.progress.durable(chunk.number, done)\n"
+    "            crc = self.crc\n"
+    '            rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")\n'
+    "            rows[:, : FS.COL_CRC] = done[:, 1:]\n"
+    "            rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))\n"
+    "            checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]\n"
+    "            entry = FS.encode_journal(\n"
+    "                chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,\n"
+    "                chunk.check_base, checks,\n"
+    "            )  # fmt: skip\n"
+    '            self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)\n'
 )
 # The test that records the fsyncs, the chunk writes and the journal entries in the order they reach the disk.
 FSYNC_ORDER = (

@@ -424,32 +424,29 @@ class Flusher(threading.Thread):
         if self.error is not None:  # an earlier chunk may not be durable: name nothing after it
             return
         try:
-            self._journal_durable(chunk, done)
+            if self.fsync and chunk.number >= self._synced:
+                # One group commit: every chunk written since the last one (this one included) and
+                # their folder (their names), fsynced at once. A disk busy with one commit lets the
+                # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.
+                upto = self.written
+                names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]
+                self.storage.sync(names, up=False)
+                self._synced = upto
+            self.progress.durable(chunk.number, done)
+            crc = self.crc
+            rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
+            rows[:, : FS.COL_CRC] = done[:, 1:]
+            rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
+            checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
+            entry = FS.encode_journal(
+                chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
+                chunk.check_base, checks,
+            )  # fmt: skip
+            self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
+            with self.written_cond:
+                self.journaled = chunk.number + 1
+                self.written_cond.notify_all()
+            self.progress.maybe_write()
         except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
             self.error = self.error or exc
             raise
-
-    def _journal_durable(self, chunk: Chunk, done: np.ndarray) -> None:
-        if self.fsync and chunk.number >= self._synced:
-            # One group commit: every chunk written since the last one (this one included) and
-            # their folder (their names), fsynced at once. A disk busy with one commit lets the
-            # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.
-            upto = self.written
-            names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]
-            self.storage.sync(names, up=False)
-            self._synced = upto
-        self.progress.durable(chunk.number, done)
-        crc = self.crc
-        rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
-        rows[:, : FS.COL_CRC] = done[:, 1:]
-        rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
-        checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
-        entry = FS.encode_journal(
-            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
-            chunk.check_base, checks,
-        )  # fmt: skip
-        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
-        with self.written_cond:
-            self.journaled = chunk.number + 1
-            self.written_cond.notify_all()
-        self.progress.maybe_write()
