@@ -393,27 +393,21 @@ class SpillWriter(SegmentSteps, MergeSteps):
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
                 layouts = self._catalog.layouts_of(leaves)  # cached per frame shape, as _put's
-                layout_ids = self._catalog.ids(layouts)
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
                 # (a file the writer has not written yet has no key yet: no lookup)
-                if earlier is not None or (file_id < len(self._filenames) and key in self._key_map()):
-                    if self.on_duplicate == "first":
-                        out.append((name, frame, leaves, layouts))
-                        continue
-                    if self.on_duplicate == "error":
-                        same = (
-                            same_leaves(earlier, leaves)
-                            if earlier is not None
-                            else self._same_as_written(self._key_map()[key], leaves, layout_ids)
-                        )
-                        if not same:
-                            raise self._duplicate(name, frame)
-                        out.append((name, frame, leaves, layouts))
-                        continue
+                dup = earlier is not None or (file_id < len(self._filenames) and key in self._key_map())
+                if dup and self.on_duplicate == "error":
+                    if earlier is not None:
+                        same = same_leaves(earlier, leaves)
+                    else:
+                        same = self._same_as_written(self._key_map()[key], leaves, self._catalog.ids(layouts))
+                    if not same:
+                        raise self._duplicate(name, frame)
             except SpillValueError as exc:
                 raise at_position(exc, i, n, name) from None
-            in_batch[key] = leaves
+            if not dup or self.on_duplicate == "last":  # "first" and an identical copy keep the earlier one
+                in_batch[key] = leaves
             out.append((name, frame, leaves, layouts))
         return out
 
