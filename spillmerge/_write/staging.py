@@ -168,15 +168,22 @@ class Staging:
             self._decide(total, True)
         chunk = self._current
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
-            self._add_direct_frame(chunk, row, file_id, frame, layout_ids, data, sizes, total)
-            return
-        if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
+            # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
+            # nothing); the open block's CRC-32C extends over the leaves, from the caller's memory.
+            D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill, self._path)
+            crc = chunk.run_crc if chunk.run else 0
+            for d, n in zip(data, sizes, strict=True):
+                if n:
+                    crc = _crc.extend(crc, d)
+            chunk.run_crc = crc
+        elif chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
             self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
             return
-        host, fill = chunk.host_np, chunk.fill
-        for d, n in zip(data, sizes, strict=True):
-            host[fill : fill + n] = d
-            fill += n
+        else:
+            host, fill = chunk.host_np, chunk.fill
+            for d, n in zip(data, sizes, strict=True):
+                host[fill : fill + n] = d
+                fill += n
         self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
 
     def add_host_bytes(
@@ -305,21 +312,6 @@ class Staging:
         self.direct = self._local and host and nbytes >= D.DIRECT_MIN_BYTES
         if self.direct:
             self.pool.retire()  # the spare the flush thread may have made ready goes
-
-    def _add_direct_frame(
-        self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
-        sizes: Any, total: int,
-    ) -> None:  # fmt: skip
-        """``add_host_frame`` of a frame that fits in the direct chunk: its leaves written with
-        one ``pwritev`` (before any bookkeeping: a failed write lists nothing), joining the open
-        block of whole frames (``_add_run``), whose CRC-32C extends over them."""
-        D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill, self._path)
-        crc = chunk.run_crc if chunk.run else 0
-        for d, n in zip(data, sizes, strict=True):
-            if n:
-                crc = _crc.extend(crc, d)
-        chunk.run_crc = crc
-        self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
 
     def _close_run(self, chunk: Chunk) -> None:
         """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
