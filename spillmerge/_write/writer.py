@@ -218,7 +218,7 @@ class SpillWriter(SegmentSteps, MergeSteps):
             if dense is not None and self._put_dense(names, frames, dense):
                 return
             items = split_batch(batch, names)
-            if type(batch) is list and self._put_records(names, frames, frame_idx is None, items):
+            if type(batch) is list and self._put_records(names, frames, items):
                 return
             checked = self._check_batch(names, frames, items)
             for name, frame, leaves, layouts in checked:
@@ -281,7 +281,7 @@ class SpillWriter(SegmentSteps, MergeSteps):
         self._n_fresh_keys += n
         return row0
 
-    def _put_records(self, names: list[str], frames: list[int], zero: bool, items: list[Any]) -> bool:
+    def _put_records(self, names: list[str], frames: list[int], items: list[Any]) -> bool:
         """``write_batch`` of dicts into new files a column at a time (``_write.columns.flat_columns``):
         the first item taken is flattened and checked for all (the others' leaves differ from its
         leaves only in their first dimension), and each length's layout joins the catalog once.
@@ -320,8 +320,7 @@ class SpillWriter(SegmentSteps, MergeSteps):
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
         row0 = self._add_files(names, frames, len(leaves))
-        frame_arr = None if zero else _frame_array(frames)
-        self._staging.add_frames(row0, base, frame_arr, layout_ids, cols.sizes, cols.data)
+        self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, cols.sizes, cols.data)
         for name, frame, item_leaves, item_layouts in others:
             self._put(name, frame, item_leaves, item_layouts)
         return True
