@@ -212,11 +212,8 @@ def completed_rows(chunk: Chunk) -> np.ndarray:
     Joined once and kept as the chunk's one block: only the thread holding the chunk calls it (the
     writer's, until the hand-off; then the flush thread finds them joined)."""
     if chunk.tail or len(chunk.completed) != 1:
-        parts = chunk.completed
-        if chunk.tail:
-            parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
-        chunk.completed = [np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)]
-        chunk.tail = array.array("q")
+        chunk.complete_block(np.zeros((0, 6), dtype=np.int64))  # the tail joins the blocks
+        chunk.completed = [np.concatenate(chunk.completed)]
     return chunk.completed[0]
 
 
