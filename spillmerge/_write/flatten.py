@@ -254,13 +254,9 @@ def _walk(
             value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
         data = np.frombuffer(value, dtype=np.uint8)
         out.append(Leaf(path, "bytes", (data.size,), data.size, data))
-    elif value is None:
-        out.append(Leaf(path, "none", (), 0, _EMPTY))
     elif isinstance(value, np.generic):
         out.append(_from_numpy(np.asarray(value), path, filename, allow_pickle))
-    elif isinstance(value, bool):
-        out.append(_scalar(path, "pybool", value))
-    elif isinstance(value, int):
+    elif isinstance(value, int):  # (bool and None, which have no subclasses, took the shortcut)
         if not -(1 << 63) <= value < (1 << 63):
             if allow_pickle:  # gather_object's behaviour for what nothing else stores
                 out.append(_pickled(value, path, filename))
