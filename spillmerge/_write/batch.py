@@ -314,9 +314,7 @@ def as_rows(value: Any, n: int) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         t = value.detach().resolve_conj().resolve_neg()  # each returns its tensor itself when it has no such bit
         return t.contiguous().reshape(n, -1).view(torch.uint8).numpy()
-    arr = value
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = value.astype(value.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
     return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
 
 

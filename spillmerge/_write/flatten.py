@@ -77,8 +77,7 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
             f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
             "allow_pickle=True)",
         )
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
     shape = tuple(int(d) for d in arr.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
     flat = np.ascontiguousarray(arr).reshape(-1)
     return Leaf(path, name, shape, flat.nbytes, flat.view(np.uint8))
