@@ -68,20 +68,16 @@ def batch_keys(filenames: Any, frame_idx: Any) -> tuple[list[str], list[int]]:
     n = len(names)
     if frame_idx is None:
         return names, [0] * n
-    if isinstance(frame_idx, torch.Tensor):
-        if frame_idx.ndim != 1 or frame_idx.dtype.is_floating_point or frame_idx.dtype == torch.bool:
+    if isinstance(frame_idx, (torch.Tensor, np.ndarray)):
+        tensor = isinstance(frame_idx, torch.Tensor)
+        dtype: Any = frame_idx.dtype
+        ints = not (dtype.is_floating_point or dtype == torch.bool) if tensor else dtype.kind in "iu"
+        if frame_idx.ndim != 1 or not ints:
             raise SpillValueError(
-                f"write_batch: frame_idx must be a 1-d integer tensor (one per item), got shape "
-                f"{tuple(frame_idx.shape)} and dtype {frame_idx.dtype}"
+                f"write_batch: frame_idx must be a 1-d integer {'tensor' if tensor else 'array'} (one per item), "
+                f"got shape {tuple(frame_idx.shape)} and dtype {dtype}"
             )
         raw: list[Any] = frame_idx.tolist()
-    elif isinstance(frame_idx, np.ndarray):
-        if frame_idx.ndim != 1 or frame_idx.dtype.kind not in "iu":
-            raise SpillValueError(
-                f"write_batch: frame_idx must be a 1-d integer array (one per item), got shape "
-                f"{frame_idx.shape} and dtype {frame_idx.dtype}"
-            )
-        raw = frame_idx.tolist()
     elif isinstance(frame_idx, Sequence) and not isinstance(frame_idx, (str, bytes)):
         raw = list(frame_idx)
     else:
@@ -316,15 +312,9 @@ def as_rows(value: Any, n: int) -> np.ndarray:
     if arr is not None and arr.flags.c_contiguous:
         return arr.reshape(n, -1).view(np.uint8)
     if isinstance(value, torch.Tensor):
-        t = value.detach()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
+        t = value.detach().resolve_conj().resolve_neg()  # each returns its tensor itself when it has no such bit
         return t.contiguous().reshape(n, -1).view(torch.uint8).numpy()
-    arr = value
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = value.astype(value.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
     return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
 
 

@@ -18,9 +18,8 @@ import numpy as np
 from .._errors import SpillValueError
 from .._format.common import DTYPES, STRING_MAX_BYTES
 from .flatten import flatten
-from .leaves import UINT32_MAX, Leaf
+from .leaves import PY_NUMBERS, UINT32_MAX, Leaf, same_keys
 
-_NUMBERS = {bool: "pybool", int: "pyint", float: "pyfloat"}
 _EMPTY = np.zeros(0, dtype=np.uint8)
 
 
@@ -64,18 +63,6 @@ def first_leaves(
     return leaves if seen == want else None
 
 
-def _one_key_order(items: list[Any]) -> tuple[str, ...] | None:
-    """The keys of ``items`` when there are two or more and all are non-empty dicts of the same
-    str keys in the same order; None otherwise."""
-    first = items[0] if items else None
-    if len(items) < 2 or type(first) is not dict or not first or set(map(type, items)) != {dict}:
-        return None
-    keys = tuple(first)
-    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
-        return None
-    return keys
-
-
 @dataclass(slots=True)
 class FlatColumns:
     """A batch of dicts of one key order as one byte buffer per leaf: what ``flatten`` gives item
@@ -101,7 +88,7 @@ def flat_columns(items: list[Any]) -> FlatColumns | None:
     """``items`` as :class:`FlatColumns`, or None for any other batch and for what ``flatten``
     refuses or words itself (an int beyond int64, a lone surrogate, an over-long string, an
     item of no bytes): the item-by-item way handles those."""
-    keys = _one_key_order(items)
+    keys = same_keys(items) if len(items) >= 2 else None
     if keys is None:
         return None
     columns = [list(map(operator.itemgetter(k), items)) for k in sorted(keys)]
@@ -155,8 +142,8 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         numbers = itertools.chain.from_iterable(column)
         return len(inner) == 1 and _numbers_leaf(numbers, int(lens.sum()), inner.pop(), lens, lens, out)
     records = list(itertools.chain.from_iterable(column))
-    rkeys = tuple(records[0])
-    if not rkeys or set(map(type, rkeys)) != {str} or not all(map(rkeys.__eq__, map(tuple, records))):
+    rkeys = same_keys(records)
+    if rkeys is None:
         return False
     out.append((lens.astype("<i8").view(np.uint8), 8, -1, "pyrecords"))  # the header: how many records
     for k in sorted(rkeys):
@@ -185,7 +172,7 @@ def _numbers_leaf(numbers: Any, count: int, kind: Any, elems: Any, lengths: Any,
     """Append the leaf of the iterable ``numbers``, ``count`` Python numbers of type ``kind``,
     ``elems`` of them per item (None: one, a 0-d leaf), of first dimension ``lengths``; False
     for another type."""
-    name = _NUMBERS.get(kind)
+    name = PY_NUMBERS.get(kind)
     if name is None:
         return False
     storage = np.dtype(DTYPES[name].storage)

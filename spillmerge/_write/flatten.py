@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +32,7 @@ from .._format.common import (
 from .._format.keyorder import positions
 from .leaves import (
     MAX_DEPTH,
+    PY_PACK,
     Leaf,
     check_leaf_limits,
     host_array,
@@ -48,14 +48,9 @@ _EMPTY = np.zeros(0, dtype=np.uint8)
 _TORCH_NAMES: dict[torch.dtype, str] = {dt: n for n in DTYPES if isinstance(dt := getattr(torch, n, None), torch.dtype)}
 
 
-_PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
-"""The little-endian bytes of a 0-d ``py*`` leaf: one ``pack`` instead of three numpy calls (a
-value of tiny objects is mostly such leaves)."""
-
-
 def _scalar(path: tuple[str, ...], name: str, value: object) -> Leaf:
     """A Python scalar as a 0-d leaf of its ``py*`` dtype (read back as the same Python type)."""
-    pack = _PACK.get(name)
+    pack = PY_PACK.get(name)
     if pack is not None:
         data = np.frombuffer(pack.pack(value), dtype=np.uint8)
         return Leaf(path, name, (), pack.size, data)
@@ -82,8 +77,7 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
             f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
             "allow_pickle=True)",
         )
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
     shape = tuple(int(d) for d in arr.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
     flat = np.ascontiguousarray(arr).reshape(-1)
     return Leaf(path, name, shape, flat.nbytes, flat.view(np.uint8))
@@ -237,7 +231,7 @@ def _walk(
                 if leaf is not None:
                     out.append(leaf)
                     return
-            _guarded(value, path, filename, out, depth, allow_pickle, active, orders)
+            _container(value, path, filename, out, depth, allow_pickle, active, orders)
             return
         if kind == "none":
             out.append(Leaf(path, "none", (), 0, _EMPTY))
@@ -259,13 +253,9 @@ def _walk(
             value = value.cast("B") if value.c_contiguous and value.ndim else value.tobytes()
         data = np.frombuffer(value, dtype=np.uint8)
         out.append(Leaf(path, "bytes", (data.size,), data.size, data))
-    elif value is None:
-        out.append(Leaf(path, "none", (), 0, _EMPTY))
     elif isinstance(value, np.generic):
         out.append(_from_numpy(np.asarray(value), path, filename, allow_pickle))
-    elif isinstance(value, bool):
-        out.append(_scalar(path, "pybool", value))
-    elif isinstance(value, int):
+    elif isinstance(value, int):  # (bool and None, which have no subclasses, took the shortcut)
         if not -(1 << 63) <= value < (1 << 63):
             if allow_pickle:  # gather_object's behaviour for what nothing else stores
                 out.append(_pickled(value, path, filename))
@@ -277,7 +267,7 @@ def _walk(
     elif isinstance(value, complex):
         out.append(_scalar(path, "pycomplex", value))
     elif isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
-        _guarded(value, path, filename, out, depth, allow_pickle, active, orders)
+        _container(value, path, filename, out, depth, allow_pickle, active, orders)
     elif allow_pickle:
         out.append(_pickled(value, path, filename))
     else:
@@ -290,30 +280,19 @@ def _walk(
         )
 
 
-def _guarded(
-    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int],
-    orders: _Orders,
-) -> None:  # fmt: skip
-    """``_container`` of a value not already being walked (a value that contains itself is refused)."""
-    if id(value) in active:
-        raise leaf_error(path, filename, "the value contains itself (a cycle)")
-    active.add(id(value))
-    try:
-        _container(value, path, filename, out, depth, allow_pickle, active, orders)
-    finally:
-        active.discard(id(value))
-
-
 class _Orders(dict[tuple[str, ...], list[str]]):
     """The keys of every dict of a value in their order (dict path -> keys); ``odd``: whether
     one of them was not in sorted order (else the leaves carry no order)."""
 
     odd = False
 
-    def note(self, path: tuple[str, ...], keys: list[str], ordered: list[str]) -> None:
+    def note(self, path: tuple[str, ...], keys: list[str]) -> list[str]:
+        """Note the keys of the dict at ``path``; returns them sorted."""
+        ordered = sorted(keys)
         if ordered != keys:
             self.odd = True
         self[path] = keys
+        return ordered
 
     def positions(self) -> dict[tuple[str, ...], dict[str, int]]:
         """Dict path -> key segment -> its position."""
@@ -332,36 +311,41 @@ def _container(
     value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int],
     orders: _Orders,
 ) -> None:  # fmt: skip
-    """A mapping, dataclass, list or tuple: its children at their paths (``_walk``)."""
-    if isinstance(value, (list, tuple)):
-        _from_list(value, path, filename, out, depth, allow_pickle, active, orders)
-        return
-    if isinstance(value, Mapping):
-        keys = list(value.keys())
-        for k in keys:
-            if not isinstance(k, str):
-                raise SpillValueError(
-                    f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {path_text(path)!r}",
-                    filename=filename,
-                    leaf=path_text(path),
-                )
-        ordered = sorted(keys)
-        orders.note(path, keys, ordered)
-        items = [(k, value[k]) for k in ordered]
-    else:
-        # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
-        # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
-        # never imported here.
-        names = [f.name for f in dataclasses.fields(value)]
-        ordered = sorted(names)
-        orders.note(path, names, ordered)
-        items = [(k, getattr(value, k)) for k in ordered]
-    if not items or any(is_marker(seg) for seg in path):
-        # an empty dict has no leaf of its own, and a dict inside a list may hold only None: its
-        # header (the number of keys) says it is there
-        out.append(_header(path, "pydict", len(items)))
-    for k, v in items:
-        _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
+    """A mapping, dataclass, list or tuple: its children at their paths (``_walk``); a value that
+    contains itself is refused."""
+    if id(value) in active:
+        raise leaf_error(path, filename, "the value contains itself (a cycle)")
+    active.add(id(value))
+    try:
+        if isinstance(value, (list, tuple)):
+            _from_list(value, path, filename, out, depth, allow_pickle, active, orders)
+            return
+        if isinstance(value, Mapping):
+            keys = list(value.keys())
+            for k in keys:
+                if not isinstance(k, str):
+                    raise SpillValueError(
+                        f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {path_text(path)!r}",
+                        filename=filename,
+                        leaf=path_text(path),
+                    )
+            ordered = orders.note(path, keys)
+            items = [(k, value[k]) for k in ordered]
+        else:
+            # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
+            # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
+            # never imported here.
+            names = [f.name for f in dataclasses.fields(value)]
+            ordered = orders.note(path, names)
+            items = [(k, getattr(value, k)) for k in ordered]
+        if not items or any(is_marker(seg) for seg in path):
+            # an empty dict has no leaf of its own, and a dict inside a list may hold only None: its
+            # header (the number of keys) says it is there
+            out.append(_header(path, "pydict", len(items)))
+        for k, v in items:
+            _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
+    finally:
+        active.discard(id(value))
 
 
 def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
@@ -436,22 +420,15 @@ def _from_list(
     list of one Python number type (or of equally long such lists) → one ``py*`` array; a list of
     dicts with the same keys → a ``pyrecords`` header and the dict of their columns; anything
     else → a ``pylist`` / ``pytuple`` header and one path per item."""
-    if isinstance(value, tuple):
-        out.append(_header(path, "pytuple", len(value)))
-        for i, item in enumerate(value):
-            _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
-        return
-    leaf = plain_leaf(value, path, filename)
+    leaf = plain_leaf(value, path, filename) if isinstance(value, list) else None
     if leaf is not None:
         out.append(leaf)
         return
-    columns = records(value)
+    columns = records(value) if isinstance(value, list) else None
     if columns is not None:
         # COCO-style detection lists: one column per key, each stored as the list it makes.
-        keys = list(columns)
         out.append(_header(path, "pyrecords", len(value)))
-        ordered = sorted(keys)
-        orders.note(path, keys, ordered)  # every dict of the list has this order (checked in records)
+        ordered = orders.note(path, list(columns))  # every dict of the list has this order (checked in records)
         for k in ordered:
             column, kpath = columns[k], (*path, user_key(k))
             # a column of numbers or str is one leaf: made here, without the walk's dispatch
@@ -461,6 +438,6 @@ def _from_list(
             else:
                 _walk(column, kpath, filename, out, depth + 1, allow_pickle, active, orders)
         return
-    out.append(_header(path, "pylist", len(value)))
+    out.append(_header(path, "pytuple" if isinstance(value, tuple) else "pylist", len(value)))
     for i, item in enumerate(value):
         _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)

@@ -114,14 +114,14 @@ class BufferPool:
     """At most ``n_buffers`` host buffers of ``chunk_bytes``, reused: ``acquire`` blocks while all
     of them wait for storage (backpressure), the flush thread ``release``s each after its upload
     and allocates the next one ahead (``prefault_spare``) so ``write()`` never pays for fresh
-    pages. Buffers are pinned once ``pin()`` was called (the first CUDA write)."""
+    pages. Buffers are pinned once ``pinned`` is set (the first CUDA write)."""
 
     def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
         self.chunk_bytes, self.n_buffers = chunk_bytes, n_buffers
         self.allocated = 0
         """Buffers allocated so far (at most ``n_buffers``)."""
         self.pinned = False
-        """True once CUDA tensors were written: new buffers are pinned."""
+        """True once CUDA tensors were written (``Staging._prepare_cuda``): new buffers are pinned."""
         self._lock = threading.Condition()
         self._free: list[torch.Tensor] = []
         self.retired = False
@@ -129,9 +129,6 @@ class BufferPool:
         self.wants_spare: Callable[[], None] | None = None
         """Called when ``acquire`` took the last free buffer and more may be allocated: the flush
         thread then prefaults the next one while the caller fills this one."""
-
-    def pin(self) -> None:
-        self.pinned = True
 
     def retire(self) -> None:
         """No buffer is needed any more (the writer writes its chunks directly): drop the free
@@ -215,11 +212,8 @@ def completed_rows(chunk: Chunk) -> np.ndarray:
     Joined once and kept as the chunk's one block: only the thread holding the chunk calls it (the
     writer's, until the hand-off; then the flush thread finds them joined)."""
     if chunk.tail or len(chunk.completed) != 1:
-        parts = chunk.completed
-        if chunk.tail:
-            parts.append(np.frombuffer(chunk.tail, dtype=np.int64).reshape(-1, 6))
-        chunk.completed = [np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)]
-        chunk.tail = array.array("q")
+        chunk.complete_block(np.zeros((0, 6), dtype=np.int64))  # the tail joins the blocks
+        chunk.completed = [np.concatenate(chunk.completed)]
     return chunk.completed[0]
 
 
@@ -255,9 +249,9 @@ class Flusher(threading.Thread):
         finish out of order; this counts in order)."""
         self.written_cond = threading.Condition()
         self._synced = 0
+        """Chunks ``0 .. _synced-1`` are fsynced, their folder too (the journal thread's count)."""
         self.journaled = 0
         """Chunks ``0 .. journaled-1`` have their journal entry (a direct writer waits on it)."""
-        """Chunks ``0 .. _synced-1`` are fsynced, their folder too (the journal thread's count)."""
         self._unjournaled: collections.deque[Future[None]] = collections.deque()
         """Journal entries submitted, not yet written: at most ``flush_threads + n_buffers``
         chunks are written and not yet durable (the dirty pages a crash may lose)."""
@@ -427,32 +421,29 @@ class Flusher(threading.Thread):
         if self.error is not None:  # an earlier chunk may not be durable: name nothing after it
             return
         try:
-            self._journal_durable(chunk, done)
+            if self.fsync and chunk.number >= self._synced:
+                # One group commit: every chunk written since the last one (this one included) and
+                # their folder (their names), fsynced at once. A disk busy with one commit lets the
+                # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.
+                upto = self.written
+                names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]
+                self.storage.sync(names, up=False)
+                self._synced = upto
+            self.progress.durable(chunk.number, done)
+            crc = self.crc
+            rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
+            rows[:, : FS.COL_CRC] = done[:, 1:]
+            rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
+            checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
+            entry = FS.encode_journal(
+                chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
+                chunk.check_base, checks,
+            )  # fmt: skip
+            self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
+            with self.written_cond:
+                self.journaled = chunk.number + 1
+                self.written_cond.notify_all()
+            self.progress.maybe_write()
         except BaseException as exc:  # noqa: BLE001 - handed to the user's thread
             self.error = self.error or exc
             raise
-
-    def _journal_durable(self, chunk: Chunk, done: np.ndarray) -> None:
-        if self.fsync and chunk.number >= self._synced:
-            # One group commit: every chunk written since the last one (this one included) and
-            # their folder (their names), fsynced at once. A disk busy with one commit lets the
-            # next gather the chunks written meanwhile: fewer cache flushes than one a chunk.
-            upto = self.written
-            names = [f"{self.prefix}/{FS.DATA_NAME}/c/{c}" for c in range(self._synced, upto)]
-            self.storage.sync(names, up=False)
-            self._synced = upto
-        self.progress.durable(chunk.number, done)
-        crc = self.crc
-        rows = np.empty((len(done), FS.INDEX_COLUMNS), dtype="<i8")
-        rows[:, : FS.COL_CRC] = done[:, 1:]
-        rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
-        checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
-        entry = FS.encode_journal(
-            chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
-            chunk.check_base, checks,
-        )  # fmt: skip
-        self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
-        with self.written_cond:
-            self.journaled = chunk.number + 1
-            self.written_cond.notify_all()
-        self.progress.maybe_write()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import operator
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -113,12 +114,7 @@ def check_frame_idx(frame_idx: object, filename: str | None = None) -> int:
         if (
             frame_idx.ndim != 0
             or frame_idx.dtype.is_floating_point
-            or frame_idx.dtype
-            in (
-                torch.bool,
-                torch.complex64,
-                torch.complex128,
-            )
+            or frame_idx.dtype in (torch.bool, torch.complex64, torch.complex128)
         ):
             raise SpillValueError(
                 f"frame_idx must be a non-negative integer; got a tensor of shape "
@@ -157,22 +153,29 @@ def records(value: list[Any]) -> dict[str, list[Any]] | None:
     -> the list of its values, in the dicts' key order); None for any other list. Plain dicts
     are checked and split by C-level passes (``map``, ``itemgetter``), not one Python step per
     dict: a COCO result list holds hundreds of thousands."""
-    first = value[0] if value else None
-    if type(first) is dict:
-        keys = tuple(first)
-        if not keys or not all(type(k) is str for k in keys):
-            return None
-        if set(map(type, value)) != {dict} or not all(map(keys.__eq__, map(tuple, value))):
-            return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
-        if len(keys) == 1:
-            return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
-        return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
-    return _mapping_records(value) if isinstance(first, Mapping) else None
+    keys = same_keys(value)
+    if keys is None:
+        return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
+    if len(keys) == 1:
+        return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
+    return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
+
+
+def same_keys(items: list[Any]) -> tuple[str, ...] | None:
+    """The keys of ``items`` when all are plain dicts of the same non-empty str keys in the same
+    order, checked by C-level passes; None otherwise."""
+    first = items[0] if items else None
+    if type(first) is not dict or not first or set(map(type, items)) != {dict}:
+        return None
+    keys = tuple(first)
+    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+        return None
+    return keys
 
 
 def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
     """``records`` of a list whose items are mappings of any type (TensorDict ...), item by item."""
-    first = value[0]
+    first = value[0] if value else None
     if not isinstance(first, Mapping):
         return None
     keys = list(first.keys())
@@ -185,7 +188,10 @@ def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
     return None
 
 
-_PY_NUM = {bool: "pybool", int: "pyint", float: "pyfloat"}
+PY_NUMBERS = {bool: "pybool", int: "pyint", float: "pyfloat"}
+"""The Python number types a list of one of them is stored as (by exact type): their ``py*`` dtype."""
+PY_PACK = {"pyint": struct.Struct("<q"), "pybool": struct.Struct("<?"), "pyfloat": struct.Struct("<d")}
+"""The little-endian bytes of a 0-d ``py*`` leaf: one ``pack`` instead of three numpy calls."""
 
 
 def pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None:
@@ -215,7 +221,7 @@ def pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None
         kind = names.pop() if names else "pyfloat"
         return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
     t = type(value[0])
-    name = _PY_NUM.get(t)
+    name = PY_NUMBERS.get(t)
     if name is None or (len(value) > 1 and set(map(type, value)) != {t}):  # the types, in C
         return None
     try:
@@ -236,7 +242,7 @@ def _flat_rows(value: list[Any]) -> tuple[str, np.ndarray] | None:
     kinds = set(map(type, itertools.chain.from_iterable(value)))
     if len(kinds) != 1:
         return None
-    name = _PY_NUM.get(kinds.pop())
+    name = PY_NUMBERS.get(kinds.pop())
     if name is None:
         return None
     try:

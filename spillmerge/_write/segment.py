@@ -148,7 +148,7 @@ class SegmentSteps:
 
     def _free_buffers(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.
-        self._staging.free()
+        self._staging.pool.clear()
         self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     # --------------------------------------------------------------------------------- commit
@@ -308,7 +308,7 @@ class SegmentSteps:
             "rows": getattr(self, "_n_rows", 0),
             "bytes": self._staging.offset,
             "chunks": self._staging.n_chunks,
-            "staging_buffers": self._staging.allocated,
+            "staging_buffers": self._staging.pool.allocated,
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }

@@ -26,8 +26,9 @@ from .._format import spill as FS
 from .._storage import Storage
 from . import direct as D
 from .flush import BufferPool, Chunk, Flusher, completed_rows
-from .stagebatch import CHECK_BYTES, BatchSteps
 
+CHECK_BYTES = 1 << 20
+"""Largest block checksum (docs/FORMAT.md, ``checks``) ``add_frames`` makes, unless one row is larger."""
 COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
 SIDE_STREAM_BYTES = 1 << 20
@@ -35,11 +36,11 @@ SIDE_STREAM_BYTES = 1 << 20
 producer's next kernels; a smaller one on the caller's stream (``Staging._prepare_cuda``)."""
 
 
-class Staging(BatchSteps):
+class Staging:
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
     :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
-    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index and :meth:`free`.
+    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then clears :attr:`pool`.
     Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
@@ -64,8 +65,6 @@ class Staging(BatchSteps):
         self.direct: bool | None = None
         """Chunks are written straight into their files (``_write.direct``); None until the
         first frame decides (``_decide``)."""
-        self._row_crc = (-1, 0)
-        """(row, CRC-32C so far) of the last row a direct chunk took through ``add``."""
         self._sealed_rows: list[np.ndarray] = []
         """The rows of the chunks handed off since :meth:`take_rows` last took them."""
 
@@ -90,22 +89,16 @@ class Staging(BatchSteps):
         if not at_commit:
             self.flusher.start()
 
-    @property
-    def allocated(self) -> int:
-        """Staging buffers allocated so far."""
-        return self.pool.allocated
-
     # -------------------------------------------------------------------------------- copies
     def add(
-        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int,
-        held: list[Any] | None = None, last: bool = True,
-    ) -> None:  # fmt: skip
+        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int, held: list[Any], last: bool
+    ) -> None:
         """Copy one leaf (index row ``row``; ``data`` a flat uint8 ndarray or contiguous tensor
         of ``nbytes``) into staging at :attr:`offset`. The rows of a frame's earlier leaves wait
         in ``held`` (``last=False``); with its ``last`` leaf they all go to the chunk holding the
         frame's last byte, so the journal entry of that chunk lists the whole frame and a frame
         whose large leaf never became durable is never salvaged by halves."""
-        done = 0
+        done = crc = 0
         is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
         if self.direct is None:
             self._decide(nbytes, not is_cuda)
@@ -121,8 +114,11 @@ class Staging(BatchSteps):
             n = min(nbytes - done, self.chunk_bytes - chunk.fill)
             if is_cuda:
                 self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
-            elif chunk.direct:
-                self._add_direct(chunk, row, data if n == nbytes else data[done : done + n])
+            elif chunk.direct:  # into its file; the row's CRC-32C extended from the caller's memory
+                piece = data if n == nbytes else data[done : done + n]
+                D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
+                crc = _crc.extend(crc, piece)  # a row may continue from the previous chunk
+                chunk.row_crcs.append((row, crc))
             else:
                 if chunk.host_np is None:
                     chunk.host_np = chunk.host.numpy()
@@ -132,51 +128,32 @@ class Staging(BatchSteps):
             chunk.fill += n
             done += n
             self.offset += n
-            if done == nbytes:
-                entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
-                if not last:
-                    held.append(entry)  # type: ignore[union-attr]
-                else:
-                    for e in held or ():
-                        chunk.tail.extend(e)
-                    chunk.tail.extend(entry)
-            if chunk.fill == self.chunk_bytes:
+            if done < nbytes:  # the chunk is full: the rest goes to the next one
                 self.hand_off()
-        if nbytes == 0:
-            entry = (row, file_id, frame, layout_id, self.offset, 0)
-            if not last:
-                held.append(entry)  # type: ignore[union-attr]
-            else:
-                tail = self._current_chunk().tail
-                for e in held or ():
-                    tail.extend(e)
-                tail.extend(entry)
+        entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
+        if not last:
+            held.append(entry)
+            return
+        tail = (chunk if nbytes else self._current_chunk()).tail
+        for e in held:
+            tail.extend(e)
+        tail.extend(entry)
+        if nbytes and chunk.fill == self.chunk_bytes:
+            self.hand_off()
 
     def add_frame(self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], leaves: list[Any]) -> None:
         """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
         leaf would: when every leaf is on the host and the frame fits in the current chunk, in
         one step (no held list, no per-leaf call); otherwise through ``add``."""
-        total = 0
+        data, sizes = [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves]
+        total = sum(sizes)
         if self.direct is None:
-            self._decide(
-                sum(leaf.nbytes for leaf in leaves), not any(getattr(leaf.data, "is_cuda", False) for leaf in leaves)
-            )
-        for leaf in leaves:
-            if type(leaf.data) is not np.ndarray:
-                break
-            total += leaf.nbytes
-        else:
-            if total:
-                self.add_host_frame(
-                    row, file_id, frame, layout_ids, [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves],
-                    total,
-                )  # fmt: skip
-                return
+            self._decide(total, not any(getattr(d, "is_cuda", False) for d in data))
+        if total and set(map(type, data)) == {np.ndarray}:
+            self.add_host_frame(row, file_id, frame, layout_ids, data, sizes, total)
+            return
         self.frames += 1
-        held: list[Any] = []
-        last = len(leaves) - 1
-        for j, leaf in enumerate(leaves):
-            self.add(row + j, file_id, frame, layout_ids[j], leaf.data, leaf.nbytes, held, j == last)
+        self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
 
     def add_host_frame(
         self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
@@ -191,18 +168,22 @@ class Staging(BatchSteps):
             self._decide(total, True)
         chunk = self._current
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
-            self._add_direct_frame(chunk, row, file_id, frame, layout_ids, data, sizes, total)
+            # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
+            # nothing); the open block's CRC-32C extends over the leaves, from the caller's memory.
+            D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill, self._path)
+            crc = chunk.run_crc if chunk.run else 0
+            for d, n in zip(data, sizes, strict=True):
+                if n:
+                    crc = _crc.extend(crc, d)
+            chunk.run_crc = crc
+        elif chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
+            self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
             return
-        if chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
-            held: list[Any] = []
-            last = len(data) - 1
-            for j, d in enumerate(data):
-                self.add(row + j, file_id, frame, layout_ids[j], d, sizes[j], held, j == last)
-            return
-        host, fill = chunk.host_np, chunk.fill
-        for d, n in zip(data, sizes, strict=True):
-            host[fill : fill + n] = d
-            fill += n
+        else:
+            host, fill = chunk.host_np, chunk.fill
+            for d, n in zip(data, sizes, strict=True):
+                host[fill : fill + n] = d
+                fill += n
         self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
 
     def add_host_bytes(
@@ -227,6 +208,85 @@ class Staging(BatchSteps):
             leaves.append(u8[at : at + n])
             at += n
         self.add_host_frame(row, file_id, frame, layout_ids, leaves, sizes, total)
+
+    def add_frames(
+        self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: np.ndarray,
+        sizes: np.ndarray, columns: list[np.ndarray],
+    ) -> None:  # fmt: skip
+        """Stage whole frames at once: frame ``i`` has index rows ``row + i * L + j`` for its
+        ``L`` leaves; leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some) of catalog layout
+        ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s rows back to back).
+        ``file_ids``: int64 per frame, or an int (frame ``i`` is file ``file_ids + i``);
+        ``frames``: int64 per frame, or None (frame 0 each). The
+        frames that fit whole in the current chunk are staged a leaf at a time, one copy per leaf
+        (its rows one byte range) and a block checksum per CHECK_BYTES of its rows; a frame
+        straddling two chunks goes through ``add`` (a CRC per row, as ``write`` does)."""
+        n, n_leaves = sizes.shape
+        ends = np.cumsum(sizes, axis=0)
+        starts = ends - sizes
+        frame_ends = np.cumsum(sizes.sum(axis=1))
+        gaps = (sizes == 0).any(axis=0).tolist()  # per leaf: a row of no bytes, in no block
+        if self.direct is None:
+            self._decide(int(frame_ends[0]), True)
+        self.frames += n
+        grid = np.arange(n * n_leaves, dtype=np.int64).reshape(n, n_leaves) + row
+        fids = np.arange(file_ids, file_ids + n, dtype=np.int64) if isinstance(file_ids, int) else file_ids
+        i = 0
+        while i < n:
+            chunk = self._current_chunk()
+            done = int(frame_ends[i - 1]) if i else 0
+            k = int(np.searchsorted(frame_ends, done + self.chunk_bytes - chunk.fill, side="right")) - i
+            fr = 0 if frames is None else int(frames[i])
+            if k == 0:  # this frame straddles the chunk boundary: leaf by leaf, as write() does
+                nbs = sizes[i].tolist()
+                pieces = [col[a : a + nb] for col, a, nb in zip(columns, starts[i].tolist(), nbs, strict=True)]
+                self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs)
+                i += 1
+                continue
+            if chunk.host_np is None and not chunk.direct:
+                chunk.host_np = chunk.host.numpy()
+            self._close_run(chunk)  # the open block of write()'s frames ends where this block starts
+            part = slice(i, i + k)
+            cube = np.empty((k, n_leaves, 6), dtype=np.int64)
+            cube[:, :, 0] = grid[part]
+            cube[:, :, 1] = fids[part, None]
+            cube[:, :, 2] = 0 if frames is None else frames[part, None]
+            cube[:, :, 3] = layout_ids[part]
+            cube[:, :, 5] = sizes[part]
+            fill, base = chunk.fill, self.offset - chunk.fill
+            for j in range(n_leaves):
+                a, b = int(starts[i, j]), int(ends[i + k - 1, j])
+                lo, hi = starts[part, j] - a, ends[part, j] - a  # the rows' bytes in this block of the leaf
+                cube[:, j, 4] = base + fill + lo
+                if a == b:
+                    continue
+                src = columns[j][a:b]
+                if chunk.direct:
+                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
+                else:
+                    chunk.host_np[fill : fill + b - a] = src
+                r = 0
+                while r < k:  # block checksums of at most CHECK_BYTES (or one larger row)
+                    s = max(r + 1, int(np.searchsorted(hi, lo[r] + CHECK_BYTES, side="right")))
+                    rows = cube[r:s, j, 0][sizes[i + r : i + s, j] > 0] if gaps[j] else cube[r:s, j, 0]
+                    if len(rows):
+                        value = _crc.value(src[lo[r] : hi[s - 1]]) if chunk.direct else None
+                        self._block(chunk, fill + int(lo[r]), fill + int(hi[s - 1]), rows, value)
+                    r = s
+                fill += b - a
+            chunk.complete_block(cube.reshape(k * n_leaves, 6))
+            self.offset += fill - chunk.fill
+            chunk.fill = fill
+            i += k
+            if chunk.fill == self.chunk_bytes:
+                self.hand_off()
+
+    def _add_by_leaf(self, row: int, file_id: int, frame: int, layout_ids: Any, pieces: list[Any], sizes: Any) -> None:
+        """One frame through ``add``, a leaf at a time (rows ``row`` ...)."""
+        held: list[Any] = []
+        last = len(pieces) - 1
+        for j, (piece, nb) in enumerate(zip(pieces, sizes, strict=True)):
+            self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
 
     def _add_run(
         self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int
@@ -253,40 +313,6 @@ class Staging(BatchSteps):
         if self.direct:
             self.pool.retire()  # the spare the flush thread may have made ready goes
 
-    def _add_direct(self, chunk: Chunk, row: int, piece: Any) -> None:
-        """``add``'s bytes ``piece`` of row ``row`` into the direct chunk's file; the row's CRC-32C
-        extended from ``piece``'s memory (a row may continue from the previous chunk)."""
-        D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
-        last, crc = self._row_crc
-        crc = _crc.extend(crc if last == row else 0, piece)
-        self._row_crc = (row, crc)
-        chunk.row_crcs.append((row, crc))
-
-    def _add_direct_frame(
-        self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
-        sizes: Any, total: int,
-    ) -> None:  # fmt: skip
-        """``add_host_frame`` of a frame that fits in the direct chunk: its leaves written with
-        one ``pwritev`` (before any bookkeeping: a failed write lists nothing), joining the open
-        block of whole frames, whose CRC-32C extends over them."""
-        fill, base = chunk.fill, self.offset - chunk.fill
-        D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], fill, self._path)
-        run, tail = chunk.run, chunk.tail
-        if not run:
-            chunk.run_start, chunk.run_crc = fill, 0
-        crc = chunk.run_crc
-        for j, d in enumerate(data):
-            n = sizes[j]
-            if n:
-                crc = _crc.extend(crc, d)
-                run.append(row + j)
-            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
-            fill += n
-        chunk.run_crc, chunk.fill = crc, fill
-        self.offset += total
-        if fill - chunk.run_start >= CHECK_BYTES:
-            self._close_run(chunk)
-
     def _close_run(self, chunk: Chunk) -> None:
         """Close the open block of ``write``'s frames of ``chunk`` into a block checksum."""
         if chunk.run:
@@ -310,8 +336,7 @@ class Staging(BatchSteps):
         tensor in place, freeing it), with no cross-stream bookkeeping (each call into
         ``torch.cuda``'s stream helpers costs more than a small leaf's copy). A larger leaf is
         copied on the writer's own stream, so the producer's next kernels overlap it."""
-        if not self.pool.pinned:
-            self.pool.pin()
+        self.pool.pinned = True
         if nbytes < SIDE_STREAM_BYTES:
             return None
         current = torch.cuda.current_stream(data.device)
@@ -516,7 +541,3 @@ class Staging(BatchSteps):
         m = min(n_rows, len(crc))
         out[:m] = crc[:m]
         return out
-
-    def free(self) -> None:
-        # The staging memory is only needed while writing; a merge on this rank follows.
-        self.pool.clear()

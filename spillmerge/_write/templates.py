@@ -2,18 +2,10 @@
 
 A job writes millions of values of one structure (``{"logits": fp16[1000], "emb": fp16[512]}``
 per image). What ``_write.flatten.flatten`` checks and yields and the frame's catalog ids
-depend only on that structure, so the writer derives them once and keeps them here:
-
-- :class:`FrameTemplate` (``write``): the flat dict of host tensors / arrays of the last new
-  file written; a value of the same keys, dtypes and shapes, C-contiguous on the host, is staged
-  from it without ``flatten``, ``Leaf`` records or a catalog lookup per frame.
-- :class:`PyTemplate` (``write``): the flat dict of Python scalars, ``str`` and lists of one
-  Python number type of the last new file written the general way (an LLM output ``{text,
-  token_ids, logprob, finish_reason}``); a value of the same keys in the same order, each of
-  the same Python type, is converted leaf by leaf without the walk, its ragged shapes' catalog
-  ids looked up per leaf.
-- :class:`DenseTemplate` (``write_batch``): a dense batch's leaves by signature (paths, array
-  types, dtypes, item shapes), item 0 flattened and checked once for every later batch like it.
+depend only on that structure, so the writer derives them once and keeps them here: a new
+file's flat dict of host tensors / arrays (:class:`FrameTemplate`, ``write``) or of Python
+values (:class:`PyTemplate`, ``write``: an LLM output ``{text, token_ids, logprob,
+finish_reason}``), a dense batch's signature (:class:`DenseTemplate`, ``write_batch``).
 
 Protocol (writer): after a frame / batch of new files went the general way, build the template
 from what it derived (``FrameTemplate.of`` / ``DenseTemplate``); for the next value ``match``
@@ -33,7 +25,7 @@ import numpy as np
 
 from .._format import spill as FS
 from .._format.common import MARK, STRING_MAX_BYTES
-from .leaves import host_array
+from .leaves import PY_PACK, host_array
 
 if TYPE_CHECKING:
     from .layouts import LayoutCatalog
@@ -41,7 +33,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class FrameTemplate:
-    """The structure of a flat dict of host arrays that ``write()`` staged into a new file."""
+    """The structure of a flat dict of host arrays that ``write()`` staged into a new file: a
+    value that matches it is staged without ``flatten``, ``Leaf`` records or catalog lookups."""
 
     keys: tuple[str, ...]
     """The dict's keys, sorted (the order of its leaves and index rows)."""
@@ -106,7 +99,6 @@ class DenseTemplate:
     """The layouts' catalog ids, once a batch of them was staged (ids in the catalog never change)."""
 
 
-_PY_PACK = {"pyint": struct.Struct("<q"), "pyfloat": struct.Struct("<d"), "pybool": struct.Struct("<?")}
 _PY_TYPES = {"pyint": int, "pyfloat": float, "pybool": bool}
 _PY_ARRAY = {"pyint": "q", "pyfloat": "d", "pybool": "b"}
 """``array.array`` type codes of the same bytes as the dtypes' storage on a little-endian host:
@@ -151,11 +143,9 @@ class PyTemplate:
                 kinds.append((_STR, str, None))
             elif dtype == "none" and v is None:
                 kinds.append((_NONE, type(None), None))
-            elif dtype in _PY_PACK and not leaf.shape and type(v) is _PY_TYPES[dtype]:
-                kinds.append((_SCALAR, _PY_TYPES[dtype], _PY_PACK[dtype]))
-            elif (
-                dtype in _PY_PACK and len(leaf.shape) == 1 and n and type(v) is list and type(v[0]) is _PY_TYPES[dtype]
-            ):
+            elif dtype in PY_PACK and not leaf.shape and type(v) is _PY_TYPES[dtype]:
+                kinds.append((_SCALAR, _PY_TYPES[dtype], PY_PACK[dtype]))
+            elif dtype in PY_PACK and len(leaf.shape) == 1 and n and type(v) is list and type(v[0]) is _PY_TYPES[dtype]:
                 kinds.append((_LIST, _PY_TYPES[dtype], _PY_ARRAY[dtype]))
             else:
                 return None

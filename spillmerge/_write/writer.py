@@ -22,21 +22,20 @@ from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import spill as FS
 from .._storage import Storage
-from .batch import at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, split_batch
-from .columns import flatten_items
-from .dense import DenseSteps
+from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, nest, split_batch
+from .columns import first_leaves, flat_columns, flatten_items
 from .flatten import flatten, flatten_dense
 from .leaves import Leaf, check_filename, check_frame_idx, same_leaves
 from .lifecycle import MergeSteps, WriterState
 from .segment import SegmentSteps
 from .staging import Staging
-from .templates import FrameTemplate, PyTemplate
+from .templates import DenseTemplate, FrameTemplate, PyTemplate
 
 DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 
 
-class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
+class SpillWriter(SegmentSteps, MergeSteps):
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
 
     ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
@@ -137,35 +136,27 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 frame = frame_idx
             else:
                 frame = check_frame_idx(frame_idx, filename)
-            template = self._frame_template
-            if type(value) is dict and filename not in self._file_ids:
-                if template is not None:
-                    data = template.match(value)
-                    if data is not None:  # a new file of the last new file's structure
-                        t = template
-                        self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
-                        return
+            new_dict = type(value) is dict and filename not in self._file_ids
+            if new_dict:
+                t = self._frame_template
+                if t is not None and (data := t.match(value)) is not None:  # a new file of the last one's structure
+                    self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
+                    return
                 py = self._py_template
                 got = py.match(value, self._catalog) if py is not None else None
                 if got is not None:  # a new file of the last Python dict's structure
                     self._put_new(filename, frame, *got)  # type: ignore[union-attr]
                     return
-                leaves = flatten_dense(value)  # the common value, without the general walk
-                dense = leaves is not None
-                if leaves is None:
-                    leaves = flatten(value, filename, frame, self.allow_pickle)
-                layout_ids = self._put(filename, frame, leaves)
-                if layout_ids is not None:  # the next new file of this structure takes the template
-                    if dense:
-                        self._frame_template = FrameTemplate.of(leaves, layout_ids)
-                    else:
-                        self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
-                return
-            else:
-                leaves = flatten_dense(value)
+            leaves = flatten_dense(value)  # the common value, without the general walk
+            dense = leaves is not None
             if leaves is None:
                 leaves = flatten(value, filename, frame, self.allow_pickle)
-            self._put(filename, frame, leaves)
+            layout_ids = self._put(filename, frame, leaves)
+            if new_dict and layout_ids is not None:  # the next new file of this structure takes the template
+                if dense:
+                    self._frame_template = FrameTemplate.of(leaves, layout_ids)
+                else:
+                    self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
 
     def _put_new(
         self, filename: str, frame: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
@@ -227,11 +218,143 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
             if dense is not None and self._put_dense(names, frames, dense):
                 return
             items = split_batch(batch, names)
-            if type(batch) is list and self._put_records(names, frames, frame_idx is None, items):
+            if type(batch) is list and self._put_records(names, frames, items):
                 return
             checked = self._check_batch(names, frames, items)
             for name, frame, leaves, layouts in checked:
                 self._put(name, frame, leaves, layouts)
+
+    def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
+        """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
+        same layouts, so item 0 is flattened and checked for all, and the bytes and journal rows
+        of the frames are made a block at a time (``Staging.add_frames``), the same as
+        item-by-item writes make them. False (nothing done) when a key of the batch was written
+        before or repeats in it: the item-by-item path applies the duplicate policy."""
+        n = len(names)
+        base = len(self._filenames)
+        # The common batch: n files never written before, each once. Their ids are the next n and
+        # no key can repeat.
+        fresh = self._file_ids.keys().isdisjoint(names) and len(set(names)) == n
+        file_ids: list[int] = []
+        new_names: dict[str, int] = {}
+        if not fresh:
+            for name in names:
+                fid = self._file_ids.get(name)
+                file_ids.append(new_names.setdefault(name, base + len(new_names)) if fid is None else fid)
+            keys = list(zip(file_ids, frames, strict=True))
+            known = self._key_map()
+            if len(set(keys)) != n or (known and any(k in known for k in keys)):
+                return False
+        template = self._dense_template(names, frames, columns)
+        if template is None:
+            return False
+        rows = [as_rows(columns[path], n) for path in template.paths]
+        if template.ids is None:  # ids in the catalog never change: once per template
+            template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
+        n_leaves = len(rows)
+        layout_ids = np.tile(np.array(template.ids, dtype=np.int64), (n, 1))
+        sizes = np.tile(np.array([r.shape[1] for r in rows], dtype=np.int64), (n, 1))
+        data = [np.ascontiguousarray(r).reshape(-1) for r in rows]
+        if fresh:
+            row0 = self._add_files(names, frames, n_leaves)
+            self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, sizes, data)
+            return True
+        self._filenames.extend(new_names)
+        self._file_ids.update(new_names)
+        row0 = self._n_rows
+        self._n_rows = row0 + n * n_leaves
+        spans = zip(range(row0, self._n_rows, n_leaves), [n_leaves] * n, strict=True)
+        self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
+        fids = np.array(file_ids, dtype=np.int64)
+        self._staging.add_frames(row0, fids, _frame_array(frames), layout_ids, sizes, data)
+        return True
+
+    def _add_files(self, names: list[str], frames: list[int], n_leaves: int) -> int:
+        """File a checked batch's frames of new files, each once (ids from the next one, keys
+        in ``_fresh_keys``); returns their first row."""
+        base, n = len(self._filenames), len(names)
+        self._filenames.extend(names)
+        self._file_ids.update(zip(names, range(base, base + n), strict=True))
+        row0 = self._n_rows
+        self._n_rows += n * n_leaves
+        self._fresh_keys.append((base, frames, row0, n_leaves))
+        self._n_fresh_keys += n
+        return row0
+
+    def _put_records(self, names: list[str], frames: list[int], items: list[Any]) -> bool:
+        """``write_batch`` of dicts into new files a column at a time (``_write.columns.flat_columns``):
+        the first item taken is flattened and checked for all (the others' leaves differ from its
+        leaves only in their first dimension), and each length's layout joins the catalog once.
+        Items holding an empty list are checked before anything is staged and staged after, item
+        by item. False (nothing done) when a filename was written before or repeats, or the items
+        are not such dicts."""
+        n, base = len(names), len(self._filenames)
+        if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
+            return False
+        cols = flat_columns(items)
+        if cols is None:
+            return False
+        kept = cols.kept
+        leaves = first_leaves(cols, items, names, frames, self.allow_pickle)
+        if leaves is None:
+            return False  # the item-by-item way says what is wrong, naming the item
+        layouts = self._catalog.layouts_of(leaves)
+        others = []
+        for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
+            try:
+                item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
+            except SpillValueError as exc:
+                raise at_position(exc, i, n, names[i]) from None
+            others.append((names[i], frames[i], item_leaves, self._catalog.layouts_of(item_leaves)))
+        self._catalog.accept(layouts, self._catalog.ids(layouts))
+        layout_ids = np.empty_like(cols.lengths)
+        for j, lay in enumerate(layouts):
+            if lay.dtype == "strlist":  # shape (strings, bytes)
+                pairs = np.stack([cols.lengths[:, j], cols.sizes[:, j]], axis=1)
+                found, where = np.unique(pairs, axis=0, return_inverse=True)
+                ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos)) for m, nb in found.tolist()]
+            else:
+                found, where = np.unique(cols.lengths[:, j], return_inverse=True)
+                ids = self._catalog.length_ids(lay, found.tolist())
+            layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
+        if len(kept) < n:
+            names, frames = [names[i] for i in kept], [frames[i] for i in kept]
+        row0 = self._add_files(names, frames, len(leaves))
+        self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, cols.sizes, cols.data)
+        for name, frame, item_leaves, item_layouts in others:
+            self._put(name, frame, item_leaves, item_layouts)
+        return True
+
+    def _dense_template(
+        self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]
+    ) -> DenseTemplate | None:
+        """The leaves every item of a dense batch has (item 0 flattened and checked for all),
+        made once per distinct (leaf paths, array kinds, dtypes, item shapes): what ``flatten``
+        checks and yields depends on nothing else, so a batch like the previous one skips it.
+        None when the batch holds leaves the vectorised path does not stage."""
+        sig = tuple([(path, type(col), col.dtype, tuple(col.shape[1:])) for path, col in columns.items()])
+        template = self._dense_templates.get(sig)
+        if template is not None:
+            return template
+        n = len(names)
+        item0 = nest({path: col[0] for path, col in columns.items()})
+        try:
+            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, 0, n, names[0]) from None
+        if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
+            return None
+        by_leaf = {tuple([F.user_key(k) for k in path]): path for path in columns}  # keys as flatten escapes them
+        paths = [by_leaf.get(leaf.path) for leaf in leaves]
+        if None in paths:
+            return None
+        template = DenseTemplate(
+            tuple(paths),  # type: ignore[arg-type]
+            [FS.Layout(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves],
+        )
+        if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
+            self._dense_templates[sig] = template
+        return template
 
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
@@ -269,33 +392,21 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
                 layouts = self._catalog.layouts_of(leaves)  # cached per frame shape, as _put's
-                layout_ids = self._catalog.ids(layouts)
                 key = (file_id, frame)
                 earlier = in_batch.get(key)
                 # (a file the writer has not written yet has no key yet: no lookup)
-                if earlier is not None or (file_id < len(self._filenames) and key in self._key_map()):
-                    if self.on_duplicate == "first":
-                        out.append((name, frame, leaves, layouts))
-                        continue
-                    if self.on_duplicate == "error":
-                        same = (
-                            same_leaves(earlier, leaves)
-                            if earlier is not None
-                            else self._same_as_written(self._key_map()[key], leaves, layout_ids)
-                        )
-                        if not same:
-                            raise DuplicateFrameError(
-                                f"frame {frame} of {name!r:.200} was already written by rank {self.rank} "
-                                "(pass on_duplicate='first' or 'last' to allow rewrites)",
-                                filename=name,
-                                frame_idx=frame,
-                                ranks=[self.rank],
-                            )
-                        out.append((name, frame, leaves, layouts))
-                        continue
+                dup = earlier is not None or (file_id < len(self._filenames) and key in self._key_map())
+                if dup and self.on_duplicate == "error":
+                    if earlier is not None:
+                        same = same_leaves(earlier, leaves)
+                    else:
+                        same = self._same_as_written(self._key_map()[key], leaves, self._catalog.ids(layouts))
+                    if not same:
+                        raise self._duplicate(name, frame)
             except SpillValueError as exc:
                 raise at_position(exc, i, n, name) from None
-            in_batch[key] = leaves
+            if not dup or self.on_duplicate == "last":  # "first" and an identical copy keep the earlier one
+                in_batch[key] = leaves
             out.append((name, frame, leaves, layouts))
         return out
 
@@ -323,13 +434,7 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                     self._identical_rewrites += 1
                     self._rewrites += 1
                     return None
-                raise DuplicateFrameError(
-                    f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
-                    "(pass on_duplicate='first' or 'last' to allow rewrites)",
-                    filename=filename,
-                    frame_idx=frame,
-                    ranks=[self.rank],
-                )
+                raise self._duplicate(filename, frame)
             self._dead_rows.append(prev)
             self._rewrites += 1  # "last": the earlier copy is dropped
         layout_ids = self._catalog.accept(layouts, layout_ids)
@@ -345,6 +450,15 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
         else:
             self._keys[key] = (first_row, n_leaves)
         return layout_ids
+
+    def _duplicate(self, filename: str, frame: int) -> DuplicateFrameError:
+        return DuplicateFrameError(
+            f"frame {frame} of {filename!r:.200} was already written by rank {self.rank} "
+            "(pass on_duplicate='first' or 'last' to allow rewrites)",
+            filename=filename,
+            frame_idx=frame,
+            ranks=[self.rank],
+        )
 
     def update(self, mapping: Mapping[str, Any]) -> None:
         """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
@@ -378,3 +492,8 @@ class SpillWriter(SegmentSteps, MergeSteps, DenseSteps):
                 "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
             )
         self._staging.check()
+
+
+def _frame_array(frames: list[int]) -> np.ndarray | None:
+    """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
+    return np.array(frames, dtype=np.int64) if any(frames) else None
