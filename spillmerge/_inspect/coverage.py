@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ConfigError, SpillMergeError, require
+from .._errors import SpillMergeError, require
 from .._format import spill as FS
 from .._spill.root import load_segment, scan
 from .._storage import Storage
-from .._util.frames import MAX_FRAME, gap_runs, n_below, runs
+from .._util.frames import gap_runs, n_below, runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +121,10 @@ class Coverage:
 def coverage(
     path: str, storage_options: dict[str, Any] | None = None, *, expected: dict[str, int] | None = None
 ) -> Coverage:
-    """Coverage of a spill root (committed segments, as the merge would see them) or a merged output."""
+    """Coverage of a spill root (committed segments, as the merge would see them) or a merged output;
+    ``expected``: a manifest's counts as ``_util.frames.read_manifest`` reads and checks them."""
     from .summary import detect
 
-    for name, count in (expected or {}).items():
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_FRAME + 1:
-            raise ConfigError(f"expected[{name!r}] must be a frame count in [0, 2**63], got {count!r}", key="expected")
     storage = Storage(path, storage_options)
     kind = detect(storage)
     per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
