@@ -22,7 +22,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header, not_an_output, what_is
 from .._read.index import Found
-from .._spill.root import load_segment, scan
+from .._spill.root import data_ranges, load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
 
@@ -54,53 +54,47 @@ def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
 
 def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
     segments = scan(storage)
-    bar = progress_bar(sum(1 for segs in segments.values() for s in segs if s.commit), "inspect", "segment")
+    every = [s for segs in segments.values() for s in segs]
+    committed = [s.commit for s in every if s.commit is not None]
+    bar = progress_bar(len(committed), "inspect", "segment")
     ranks = []
     files: Counter[str] = Counter()
-    dtypes: Counter[str] = Counter()
-    total = {"frames": 0, "bytes": 0, "segments": 0}
-    world_sizes = set()
+    dtypes: set[str] = set()
     for rank, segs in segments.items():
         entries = []
         for s in segs:
             status = "committed" if s.commit else "failed" if s.failure else "incomplete"
             entry: dict[str, Any] = {"segment": s.name, "status": status}
-            if s.world_size is not None:
-                world_sizes.add(s.world_size)
             if s.commit is not None:
                 c = s.commit
                 entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
-                total["frames"] += c.n_frames
-                total["bytes"] += c.nbytes
                 try:
                     loaded = load_segment(storage, s)
                     # Frames, not index rows: a frame whose value is a dict has one row per leaf.
                     keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames))
-                    for fid, n in enumerate(per_file):
-                        if n:
-                            files[loaded.filenames[fid]] += int(n)
-                    for lay in loaded.layouts:
-                        dtypes[F.dtype_text(lay.dtype, len(lay.shape))] += 1
+                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
+                    files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
+                    dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
                 except SpillMergeError as exc:
                     entry["error"] = str(exc)
                 bar.update(1)
             if s.failure is not None:
                 entry["error"] = s.failure.summary()
             entries.append(entry)
-            total["segments"] += 1
         ranks.append({"rank": rank, "segments": entries})
     bar.close()
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
         "path": storage.describe(),
-        "world_size": sorted(world_sizes),
+        "world_size": sorted({s.world_size for s in every if s.world_size is not None}),
         "ranks": ranks,
         "n_files": len(files),
         "files": [{"filename": f, "frames": n} for f, n in top[:max_files]],
         "dtypes": sorted(dtypes),
-        **total,
+        "frames": sum(c.n_frames for c in committed),
+        "bytes": sum(c.nbytes for c in committed),
+        "segments": len(every),
     }
 
 
@@ -313,8 +307,7 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
         span = range(off // cb, (off + nb - 1) // cb + 1)
         if bad_chunks.intersection(span):
             return None
-        data = f"{seg.rel}/{FS.DATA_NAME}/c"
-        pieces = [(f"{data}/{c}", max(off - c * cb, 0), min(off + nb - c * cb, cb)) for c in span]
+        pieces = data_ranges(loaded, off, nb)
         buf = np.empty(nb, dtype=np.uint8)
         try:
             storage.read_into(pieces, buf.data)
@@ -394,7 +387,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)
     if complete:  # an interrupted merge may not have written its index yet
-        rep.problems.extend(_index_problems(storage, group, damaged))
+        rep.problems.extend(_index_problems(storage, group, header, damaged))
 
 
 MISSING_LISTED = 20
@@ -460,7 +453,7 @@ def _found(problems: list[V.Problem]) -> None:
         raise Found(problems)
 
 
-def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
+def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]) -> list[str]:
     """Every broken invariant of the output's index (docs/FORMAT.md) by the checks ``open`` makes
     (``_read.store.OutputFiles``), over every block of filenames and rows, then what is checked
     as values are read; not when an array those checks read was already reported damaged."""
@@ -471,12 +464,10 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     read_by_open = ("/offsets", "/shapes", "/valid")
     if any(p.startswith(("index/", "lists/")) or p.endswith(read_by_open) for p in damaged):
         return []
-    header = group.attrs.get("spillmerge")
-    header = header if isinstance(header, dict) else {}
     out: list[V.Problem] = []
     try:
         cache = ChunkCache(DEFAULT_CACHE_BYTES)
-        files = OutputFiles(group, header, _found, False, cache, storage)
+        files = OutputFiles(group, header if isinstance(header, dict) else {}, _found, False, cache, storage)
         steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
         steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
         for step in steps:
