@@ -37,15 +37,6 @@ def compressor_doc(codec: str, itemsize: int) -> dict[str, Any] | None:
     return None
 
 
-def with_codec(meta: dict[str, Any], codec: str, itemsize: int) -> dict[str, Any]:
-    """An array ``zarr.json`` document (bytes [+ crc32c]) with the compressor inserted after ``bytes``."""
-    doc = compressor_doc(codec, itemsize)
-    if doc is None:
-        return meta
-    codecs = list(meta["codecs"])
-    return {**meta, "codecs": [codecs[0], doc, *codecs[1:]]}
-
-
 @functools.lru_cache(maxsize=64)
 def encoder(codec: str, itemsize: int) -> Any:
     """A numcodecs codec whose ``encode`` matches :func:`compressor_doc` (None for ``none``).
