@@ -63,10 +63,6 @@ Sig = tuple[Path, tuple[int, ...]]
 """A positioned layout: its leaf path and ``pos``."""
 
 
-def _in_memory(name: str, shape: Any, dtype: Any) -> np.ndarray:
-    return np.zeros(shape, dtype=dtype)
-
-
 def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
     for a in range(0, n, block):
         yield a, min(n, a + block)
@@ -185,7 +181,7 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
 
 def output_orders(
     filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray],
-    *, new: Alloc = _in_memory,
+    *, new: Alloc,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
