@@ -157,10 +157,10 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
         (s for ss in scan(storage).values() for s in ss if s.commit is not None),
         key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name),
     )
-    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": [], "order": []}
+    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": []}
     gid: dict[str, int] = {}
     notes = []
-    for order, seg in enumerate(segs):
+    for seg in segs:
         try:
             loaded = load_segment(storage, seg)
         except SpillMergeError as exc:
@@ -171,24 +171,21 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
         cols["file"].append(fmap[keys[:, 0]])
         cols["frame"].append(keys[:, 1])
         cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
-        cols["order"].append(np.full(len(keys), order, np.int64))
-    by_id = {i: f for f, i in gid.items()}
-    out: _PerFile = {}
-    if not cols["file"]:
-        return out, notes
+    if not any(map(len, cols["file"])):  # (np.split of no rows gives one empty part)
+        return {}, notes
     c = {k: np.concatenate(v) for k, v in cols.items()}
-    srt = np.lexsort((c["order"], c["frame"], c["file"]))
+    srt = np.lexsort((c["frame"], c["file"]))  # stable: a key's copies stay in write order
     file_s, frame_s, rank_s = c["file"][srt], c["frame"][srt], c["rank"][srt]
     first = np.ones(len(srt), dtype=bool)
     first[1:] = (np.diff(file_s) != 0) | (np.diff(frame_s) != 0)
     starts = np.flatnonzero(first)
     copies = np.diff(np.append(starts, len(srt)))
-    kf, kframe, krank = file_s[starts], frame_s[starts], rank_s[starts]
+    kf = file_s[starts]
     bounds = np.flatnonzero(np.diff(kf)) + 1
-    for part in np.split(np.arange(len(kf)), bounds):
-        if len(part):
-            out[by_id[int(kf[part[0]])]] = (kframe[part], krank[part], copies[part])
-    return out, notes
+    kept = (frame_s[starts], rank_s[starts], copies)
+    parts = zip(kf[np.append(0, bounds)].tolist(), *(np.split(a, bounds) for a in kept), strict=True)
+    names = list(gid)  # by id: ids were given in insertion order
+    return {names[f]: (frames, ranks, n) for f, frames, ranks, n in parts}, notes
 
 
 def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
