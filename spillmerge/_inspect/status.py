@@ -263,10 +263,8 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
 
 
-def _dur(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
+def _dur(seconds: float) -> str:
+    s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
