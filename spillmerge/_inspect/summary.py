@@ -156,8 +156,7 @@ def _row_shape(arr: Any) -> list[int | None]:
             return [None] * arr.ndim
         same = (shapes == shapes[0]).all(axis=0)
         return [int(d) if ok else None for d, ok in zip(shapes[0], same, strict=True)]
-    shape = getattr(arr, "shape", None)
-    return list(shape[1:]) if shape is not None else []
+    return list(arr.shape[1:])  # (a numeric leaf not ragged: a FixedView)
 
 
 def _leaves(value: Any) -> list[Any]:
