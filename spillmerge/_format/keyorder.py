@@ -235,13 +235,12 @@ class KeyOrders:
     """The output header's ``key_orders``, checked at open: a file's spec by binary search of
     the runs."""
 
-    __slots__ = ("_ends", "_ids", "_specs", "_starts")
+    __slots__ = ("_runs", "_specs", "_starts")
 
     def __init__(self, obj: Any, n_files: int, where: str) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._ids: list[int] = []
+        self._runs: list[list[int]] = []  # [first file, end file, order id], ascending, disjoint
         self._specs: list[Spec] = []
+        self._starts: list[int] = []
         if obj is None:
             return
         bad = f"{where}: key_orders is malformed"
@@ -270,9 +269,8 @@ class KeyOrders:
             ):
                 raise CorruptSpillError(f"{bad} (run {run!r:.100})", path=where)
             end = run[1]
-            self._starts.append(run[0])
-            self._ends.append(run[1])
-            self._ids.append(run[2])
+        self._runs = obj["runs"]
+        self._starts = [run[0] for run in self._runs]
 
     def overall(self) -> Spec | None:
         """One order per dict path (list items as ``ITEM``) for a whole-output schema (Arrow's
@@ -281,7 +279,7 @@ class KeyOrders:
         if not self._specs:
             return None
         out: dict[Path, dict[str, int]] = {}
-        for oid in self._ids:
+        for _, _, oid in self._runs:
             for path, keys in self._specs[oid].items():
                 got = out.setdefault(F.general_path(path)[0], {})
                 for k, i in keys.items():
@@ -291,9 +289,9 @@ class KeyOrders:
     def of_file(self, i: int) -> Spec | None:
         """File ``i``'s key orders; None when its dicts are in sorted order."""
         k = bisect.bisect_right(self._starts, i) - 1
-        if k < 0 or i >= self._ends[k]:
+        if k < 0 or i >= self._runs[k][1]:
             return None
-        return self._specs[self._ids[k]]
+        return self._specs[self._runs[k][2]]
 
 
 def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[str, Any]]:
