@@ -63,11 +63,6 @@ Sig = tuple[Path, tuple[int, ...]]
 """A positioned layout: its leaf path and ``pos``."""
 
 
-def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, n, block):
-        yield a, min(n, a + block)
-
-
 class _States:
     """Files walked in row order: a file's state is its spec so far (a key's first position wins),
     numbered from 1 (0: no positioned row yet); each (state, layout) step is built once."""
@@ -175,8 +170,8 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
         return
     idx = s.index
     s.release()
-    for a, b in _spans(len(idx), step):
-        yield idx[a:b]
+    for a in range(0, len(idx), step):
+        yield idx[a : a + step]
 
 
 def output_orders(
@@ -186,10 +181,9 @@ def output_orders(
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
     None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
-    segment, the position in ``filenames`` of each of its filenames (-1: none).
-
-    Each file's layouts are walked in row order (:class:`_States`), a key's first position
-    winning. Rows and files go :data:`BLOCK` at a time into arrays from ``new``."""
+    segment, the position in ``filenames`` of each of its filenames (-1: none). Each file's layouts
+    are walked in row order (:class:`_States`), a key's first position winning, :data:`BLOCK`
+    rows and files at a time, into arrays from ``new``."""
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)
     if not sigs or not n_files:
@@ -199,8 +193,8 @@ def output_orders(
     for g, sg in _rows(segments, lay_sigs, file_ids, BLOCK):
         walker.walk(states, g, sg)
     runs: list[list[int]] = []
-    for a, b in _spans(n_files, BLOCK):
-        st = np.asarray(states[a:b])
+    for a in range(0, n_files, BLOCK):
+        st = np.asarray(states[a : a + BLOCK])
         files = np.flatnonzero(st)
         if not len(files):
             continue
