@@ -214,10 +214,9 @@ def _ranges(runs: list[list[int]], limit: int = 8) -> str:
 def format_coverage(cov: Any, max_files: int = 20) -> str:
     """Text coverage report: totals, then each file with missing, duplicated or unexpected frames."""
     j = cov.to_json(max_files=max_files)  # files with problems come first
-    present = j["present_frames"]
     against = f" against {j['manifest']}" if j["manifest"] else " (gaps below each file's highest frame)"
     lines = [
-        f"  coverage{against}: {present} frames present, {j['missing_frames']} missing"
+        f"  coverage{against}: {j['present_frames']} frames present, {j['missing_frames']} missing"
         f"{' (' + str(len(j['missing_files'])) + ' files entirely)' if j['missing_files'] else ''}, "
         f"{j['duplicated_frames']} written more than once"
         + (f", {len(j['unlisted_files'])} files not in the manifest" if j["unlisted_files"] else "")
@@ -278,8 +277,8 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
 
 
 def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
-    for rank in sorted(segments):
-        for seg in segments[rank]:
+    for segs in segments.values():  # (scan's order: ranks ascending)
+        for seg in segs:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
                 rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
@@ -289,9 +288,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[
             except SpillMergeError as exc:
                 rep.problems.append(str(exc))
                 continue
-            rep.checked_objects += 2
             _verify_segment(storage, rep, seg, loaded, bar)
-            rep.checked_objects += seg.commit.n_chunks
+            rep.checked_objects += 2 + seg.commit.n_chunks  # the index, the catalog, the data chunks
 
 
 def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, bar: Any) -> None:
@@ -323,7 +321,7 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
             return None
         return buf
 
-    for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
+    for off, nb, crc in [] if loaded.checks is None else loaded.checks.tolist():
         read(off, nb, crc)
     idx = loaded.index
     for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
@@ -394,10 +392,9 @@ MISSING_LISTED = 20
 
 
 def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, damaged: set[str]) -> None:
-    """Read every stored chunk of ``arr`` (decoding checks its CRC) and report the absent ones,
-    in time proportional to the chunks actually stored, not to the grid its metadata declares
-    (3,000,000 declared chunks of one row cost one listing): the array's chunks are listed
-    once, and the grid is walked only to name absent chunks when there are few."""
+    """Read every stored chunk of ``arr`` (decoding checks its CRC) and report the absent ones, in
+    time proportional to the chunks stored, not to the grid its metadata declares: the chunks are
+    listed once, and the grid is walked only to name absent chunks when there are few."""
     try:
         stored = storage.find(f"{name}/c")
     except SpillMergeError as exc:  # a link, FIFO or device among the chunks, named
