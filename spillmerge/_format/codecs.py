@@ -39,10 +39,9 @@ def compressor_doc(codec: str, itemsize: int) -> dict[str, Any] | None:
 
 @functools.lru_cache(maxsize=64)
 def encoder(codec: str, itemsize: int) -> Any:
-    """A numcodecs codec whose ``encode`` matches :func:`compressor_doc` (None for ``none``).
-
-    numcodecs codecs are safe to share between threads: Blosc compresses with a private context
-    off the main thread, Zstd with a context per call."""
+    """A numcodecs codec whose ``encode`` matches :func:`compressor_doc` (None for ``none``), safe
+    to share between threads: Blosc compresses with a private context off the main thread, Zstd
+    with a context per call."""
     if codec == "blosc-lz4":
         from numcodecs import Blosc
 

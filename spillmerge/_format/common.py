@@ -92,10 +92,9 @@ SHAPE_ELEMS_MAX = 1 << 62
 
 
 def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
-    """What is wrong with a leaf's shape by the format's bounds (None: nothing): its element
-    count past :data:`SHAPE_ELEMS_MAX`, or more than :data:`EMPTY_EXTENT_MAX` entries before a
-    zero dimension. Shared by the writer (which refuses such a value), the spill reader and the
-    output's invariants (``_format.invariants.shapes_problems``, the vectorised form)."""
+    """What is wrong with a leaf's shape by the format's bounds (None: nothing): more than
+    :data:`SHAPE_ELEMS_MAX` elements, or :data:`EMPTY_EXTENT_MAX` entries before a zero dimension.
+    Shared by the writer, the spill reader and ``_format.invariants.shape_products`` (vectorised)."""
     n = 1
     for d in shape:
         if d == 0:

@@ -1,7 +1,6 @@
 """Invariants of a merged output (docs/FORMAT.md, *Invariants*) and bounded reads of its arrays,
-shared by the reader and ``spillmerge verify``: its columns', and those of its index and header
-that ``open`` checks outside the row blocks of ``_read.index`` (filenames sorted, file layouts,
-the header's counts, the index arrays' lengths); each check returns ``(path, what is wrong)`` pairs."""
+shared by the reader and ``spillmerge verify``: its columns', its header's and its index's outside
+``_read.index``'s row blocks; each check returns ``(path, what is wrong)`` pairs."""
 
 from __future__ import annotations
 
@@ -27,12 +26,10 @@ def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpill
 
 
 def read_array(arr: Any, sel: Any = None) -> np.ndarray:
-    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array (an
-    absent one already is, from ``NoFillStore``). ``sel`` None: the whole array, read chunk row by
-    chunk row: zarr allocates a selection's result before it fetches a chunk, so reading the whole
-    of an array whose metadata declares ``2**40`` rows at once would allocate from metadata alone;
-    chunk by chunk, memory grows only with chunks that exist and decode (the chunk itself is
-    bounded by ``_format.output.chunk_limits``), and the first absent one ends the read."""
+    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array.
+    ``sel`` None: the whole array, a chunk row at a time: zarr allocates a selection's result
+    before it fetches a chunk, so ``2**40`` declared rows read at once would allocate from metadata
+    alone; chunk by chunk, memory grows only with chunks that exist, and an absent one ends it."""
     if sel is None:
         n = int(arr.shape[0]) if arr.ndim else 0
         k = int(arr.chunks[0]) if arr.ndim else 1

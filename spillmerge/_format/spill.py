@@ -211,10 +211,9 @@ class SegmentHeader:
 
 @dataclass(frozen=True, slots=True)
 class MergeFailureRecord(ProcessFailure):
-    """``ROOT/spillmerge-failed.json`` (in the spill root): the merge of ``SpillWriter.merge``
-    failed on the merging rank, so ranks waiting for the output (``wait=True``) raise at once
-    instead of at the timeout. Only its ``run_id``'s waiting ranks read it; a later failure
-    replaces it."""
+    """``ROOT/spillmerge-failed.json``: ``SpillWriter.merge`` failed on the merging rank, so ranks
+    waiting for the output (``wait=True``) raise at once, not at the timeout. Only its ``run_id``'s
+    waiting ranks read it; a later failure replaces it."""
 
     rank: int
     """The merging rank."""
