@@ -277,23 +277,18 @@ def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...
 def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:
     """The list whose items an output leaf path's rows are (its prefix up to its last ``ITEM``),
     ``()`` for a path whose rows are the output's rows."""
-    for k in range(len(path) - 1, -1, -1):
-        if path[k] == ITEM:
-            return path[: k + 1]
-    return ()
+    return path[: len(path) - path[::-1].index(ITEM)] if ITEM in path else ()
 
 
 def path_text(path: tuple[str, ...]) -> str:
     """A leaf path for messages: user keys joined by ``/``, list items as ``[i]``."""
-    if not path:
-        return "<value>"
-    parts = []
-    for seg in path:
-        if is_marker(seg):
-            parts.append("[*]" if seg == ITEM else f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
-        else:
-            parts.append(key_of(seg))
-    return "/".join(parts)
+
+    def text(seg: str) -> str:
+        if not is_marker(seg):
+            return key_of(seg)
+        return "[*]" if seg == ITEM else f"[{seg[1:]}]" if len(seg) > 1 else "<header>"
+
+    return "/".join(map(text, path)) if path else "<value>"
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,10 +351,9 @@ def column_name_choices(leaf: tuple[str, ...], dtype: str | None) -> set[str]:
     else:
         text = leaf_text(leaf)
         bases = {hashed_name(text), *([text] if _plain_ok(text) else [])}
-    out = set(bases)
     if dtype is not None:
-        out |= {f"{b}.{dtype}" for b in bases} | {split_column_name(b, dtype) for b in bases}
-    return out
+        bases |= {f"{b}.{dtype}" for b in bases} | {split_column_name(b, dtype) for b in bases}
+    return bases
 
 
 # --------------------------------------------------------------------------------------------
