@@ -190,7 +190,7 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     # A leaf may have one column per variant, never two of one variant.
     paths: dict[tuple[tuple[str, ...], str], str] = {}
     for c in out.values():
-        key = (c.leaf, c.variant or (c.dtype if c.kind in ("fixed", "ragged") else c.kind))
+        key = (c.leaf, c.variant or c.dtype)  # (the dtype of a column not numeric is its kind)
         if key in paths:
             problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[key]}"))
         paths[key] = c.name
