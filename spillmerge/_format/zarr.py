@@ -15,7 +15,7 @@ from . import crc as _crc
 def array_meta(
     shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, codec: str = "none"
 ) -> dict[str, Any]:
-    """A Zarr v3 array ``zarr.json`` (docs/FORMAT.md): ``bytes``, ``codec``'s compressor, ``crc32c``."""
+    """A Zarr v3 array ``zarr.json`` (docs/FORMAT.md): bytes, ``codec``'s compressor, crc32c."""
     dt = np.dtype(dtype)
     endian = {"configuration": {"endian": "little"}} if dt.itemsize > 1 else {}
     codecs: list[dict[str, Any]] = [{"name": "bytes", **endian}]
@@ -24,7 +24,7 @@ def array_meta(
         codecs.append(compressor)
     if crc:
         codecs.append({"name": "crc32c"})
-    fill: Any = False if dt.kind == "b" else [0.0, 0.0] if dt.kind == "c" else 0.0 if dt.kind == "f" else 0
+    fill: Any = {"b": False, "c": [0.0, 0.0], "f": 0.0}.get(dt.kind, 0)
     return {
         "zarr_format": 3,
         "node_type": "array",
