@@ -87,10 +87,9 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
 
 
 def decoded_size(compressor: str, data: memoryview) -> int:
-    """The bytes a ``compressor`` chunk decodes to, as its own header declares it (the decoder
-    allocates that much and refuses to write more): blosc's ``nbytes``; for zstd the sum of the
-    frames' content sizes. ``ValueError`` when the chunk declares none (a zstd frame without a
-    content size would be decoded by a growing buffer, with no bound) or is not such a chunk."""
+    """The bytes a ``compressor`` chunk decodes to, as its header declares it (the decoder allocates
+    that much and writes no more): blosc's ``nbytes``, the sum of zstd's frame content sizes;
+    ``ValueError`` when it declares none (a growing buffer, no bound) or is no such chunk."""
     if compressor == "blosc":
         if len(data) < 16:
             raise ValueError(f"a blosc chunk of {len(data)} bytes has no 16-byte header")

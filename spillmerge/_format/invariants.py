@@ -85,10 +85,9 @@ _LIMITS: dict[int, tuple[Any, FO.ChunkLimits]] = {}
 
 
 def array_limits(arr: Any, path: str) -> FO.ChunkLimits:
-    """``_format.output.chunk_limits`` of the zarr array ``arr``'s metadata (``path`` names it in
-    an error), worked out once per metadata object: an open checks each array's metadata where
-    it is looked up and again where its chunks are read, and zarr's ``to_dict`` of it is most
-    of the cost."""
+    """``_format.output.chunk_limits`` of the zarr array ``arr``'s metadata (``path`` names it in an
+    error), once per metadata object: an open checks it where the array is looked up and where its
+    chunks are read, and zarr's ``to_dict`` of it is most of the cost."""
     meta = arr.metadata
     hit = _LIMITS.get(id(meta))
     if hit is not None and hit[0] is meta:
@@ -101,10 +100,9 @@ def array_limits(arr: Any, path: str) -> FO.ChunkLimits:
 
 
 def grid_problems(rel: str, arr: Any) -> list[Problem]:
-    """What the array ``rel``'s metadata breaks of the format's chunk rules
-    (``_format.output.chunk_limits``: chunk shape within the array's, known codecs, bounded
-    chunk size, shapes without overflow), from its metadata alone; the same limits bound every
-    chunk read (``_read.outputstore.NoFillStore``)."""
+    """What the array ``rel``'s metadata alone breaks of the format's chunk rules
+    (``_format.output.chunk_limits``: chunk shape within the array's, known codecs, bounded chunk
+    size, shapes without overflow), the limits that bound every chunk read (``NoFillStore``)."""
     try:
         array_limits(arr, rel)
     except CorruptSpillError as exc:
@@ -254,10 +252,9 @@ def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -
 
 
 def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndarray, list[Problem]]:
-    """Elements per row of a non-negative ``(rows, ndim)`` shapes array, computed saturating at
-    ``F.SHAPE_ELEMS_MAX`` (never wrapping: ``[2**32, 2**32]`` is not 0 elements), and the rows
-    that break ``F.shape_problem``: more than 2**62 elements, or more than
-    ``F.EMPTY_EXTENT_MAX`` entries before a zero dimension (``[2**27, 0]``). Vectorised."""
+    """Elements per row of a non-negative ``(rows, ndim)`` shapes array, saturating at
+    ``F.SHAPE_ELEMS_MAX`` (``[2**32, 2**32]`` is not 0 elements), and the rows that break
+    ``F.shape_problem`` (too many elements, or entries before a zero dimension). Vectorised."""
     rows = shapes.shape[0]
     lead = np.ones(rows, dtype=np.int64)  # product of the dimensions before the first zero
     zero = np.zeros(rows, dtype=bool)
@@ -369,9 +366,8 @@ def records_problems(cols: dict[str, StoredColumn]) -> list[Problem]:
                 continue  # lengths against the rows: column_problems
             bad = np.flatnonzero(has & v & (got != n))
             if len(bad) and problem is None:
-                r = int(bad[0])
-                problem = f"key {F.path_text((k.leaf[len(p)],))!r} holds {int(got[r])}"
-                row = r
+                row = int(bad[0])
+                problem = f"key {F.path_text((k.leaf[len(p)],))!r} holds {int(got[row])}"
             held |= v
         if problem is None and np.any(has & ~held):
             row = int(np.flatnonzero(has & ~held)[0])

@@ -311,9 +311,8 @@ class Layout:
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:
     """What is wrong with the bytes of a ``str`` leaf (valid UTF-8) or a ``strlist`` leaf of
-    ``count`` strings (``count`` uint32 lengths adding up to its size, each string valid UTF-8):
-    docs/FORMAT.md section 1. None when sound. Shared by the merge's copy and ``verify``, so a
-    root ``verify`` calls sound never fails the merge."""
+    ``count`` strings (``count`` uint32 lengths adding up to its size, each string valid UTF-8);
+    None when sound. Shared by the merge's copy and ``verify``: a root verify calls sound merges."""
     buf = memoryview(row).cast("B") if not isinstance(row, np.ndarray) else row.view(np.uint8).reshape(-1)
     if kind == "strlist":
         n = len(buf)

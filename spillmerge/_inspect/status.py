@@ -106,10 +106,9 @@ def status(
     stall_after: float = DEFAULT_STALL_AFTER,
     storage_options: dict[str, Any] | None = None,
 ) -> JobStatus:
-    """The job writing to spill root ``root``, as storage shows it now. ``out``: also the merge's
-    progress into that output. ``expected``: frames the whole job writes (default: what the
-    writers recorded). Raises ``NotASpillRootError`` when ``root`` does not exist or holds no rank
-    folders (a mistyped path, a merged output)."""
+    """The job writing to spill root ``root``, as storage shows it now; ``out``: the merge's progress
+    into it too; ``expected``: frames the job writes (default: what the writers recorded). Raises
+    ``NotASpillRootError`` when ``root`` does not exist or holds no rank folders."""
     storage = Storage(root, storage_options)
     now = time.time()
     found = list_ranks(storage)

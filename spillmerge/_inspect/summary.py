@@ -289,7 +289,7 @@ def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[
                 rep.problems.append(str(exc))
                 continue
             _verify_segment(storage, rep, seg, loaded, bar)
-            rep.checked_objects += 2 + seg.commit.n_chunks  # the index, the catalog, the data chunks
+            rep.checked_objects += 2 + seg.commit.n_chunks  # index, catalog, data chunks
 
 
 def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, bar: Any) -> None:
