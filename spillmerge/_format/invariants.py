@@ -426,12 +426,10 @@ def meta_problems(
     layouts = header.get("file_layouts")
     if not isinstance(layouts, list) or not all(F.str_list(lay) for lay in layouts):
         out.append(("zarr.json", f"the header's file_layouts {layouts!r:.200} is not a list of column-name lists"))
-    else:
-        for j, lay in enumerate(layouts):
-            gone = [c for c in lay if c not in columns]
-            if gone:
-                out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
-                break
+    else:  # the first column a file layout names that is not one
+        gone = [(j, c) for j, lay in enumerate(layouts) for c in lay if c not in columns][:1]
+        for j, c in gone:
+            out.append(("zarr.json", f"file_layouts[{j}] names {c!r:.200}, which is not a column"))
     if n_offsets != n + 1:
         out.append(("index/frame_offsets", f"{n_offsets} entries for {n} files (must be {n + 1})"))
     for name in PROVENANCE:
