@@ -85,8 +85,7 @@ chunk of one row): the merge's ``chunk_bytes`` may not exceed it."""
 EMPTY_EXTENT_MAX = 1 << 16
 """A shape with a zero dimension may have at most this many entries before its first zero
 (``[65536, 0]`` yes, ``[2**27, 0]`` no): readers that build nested lists (Arrow) allocate that
-many list entries for an array of no element, so the count must be bounded by the format, not
-by the metadata."""
+many list entries for an array of no element, so the format bounds them."""
 SHAPE_ELEMS_MAX = 1 << 62
 """Products of dimensions are computed saturating at this bound (no int64 wrap-around to 0)."""
 
