@@ -266,19 +266,17 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
     kind = detect(storage)
     rep = VerifyReport(storage.describe(), kind)
     if kind == "spill":
-        segments = scan(storage)
-        nbytes = sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit)
-        with progress_bar(nbytes, "verify") as bar:
-            _verify_spill(storage, rep, segments, bar)
+        _verify_spill(storage, rep)
     else:
         _verify_merged(storage, rep)
     storage.close()
     return rep
 
 
-def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
-    for segs in segments.values():  # (scan's order: ranks ascending)
-        for seg in segs:
+def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
+    segments = [s for segs in scan(storage).values() for s in segs]  # (ranks ascending)
+    with progress_bar(sum(s.commit.nbytes for s in segments if s.commit), "verify") as bar:
+        for seg in segments:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
                 rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
