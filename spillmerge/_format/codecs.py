@@ -70,8 +70,7 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
     """(array-to-bytes codec, compressor or None, crc32c last) of an output array's ``codecs``
     list; ``ValueError`` for any chain the format does not write (sharding, transpose, gzip ...:
     codecs whose decoded size no header states)."""
-    if isinstance(codecs, tuple):  # zarr's own metadata objects give tuples, JSON lists
-        codecs = list(codecs)
+    codecs = list(codecs) if isinstance(codecs, tuple) else codecs  # (zarr's metadata gives tuples)
     if not isinstance(codecs, list) or not codecs:
         raise ValueError(f"codecs {codecs!r:.200} is not a non-empty list")
     names = [c.get("name") if isinstance(c, dict) else c for c in codecs]
