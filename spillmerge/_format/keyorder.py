@@ -145,11 +145,10 @@ def _rows(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """The index rows of positioned layouts and known files in merge order (segment by segment,
     then row order), ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
-    for si, s in enumerate(segments):
-        lay_sig = lay_sigs[si]
+    for s, lay_sig, ids in zip(segments, lay_sigs, file_ids, strict=True):
         if not (lay_sig >= 0).any() or not s.n_rows:
             continue  # no dict out of sorted order here: its index is not read
-        fmap = np.asarray(file_ids[si], dtype=np.int64)
+        fmap = np.asarray(ids, dtype=np.int64)
         ib: Any = None
         for ib in map(np.asarray, _index_blocks(s, step)):
             sig, g = lay_sig[ib[:, 2]], fmap[ib[:, 0]]  # COL_LAYOUT, COL_FILE
