@@ -37,21 +37,11 @@ def compressor_doc(codec: str, itemsize: int) -> dict[str, Any] | None:
     return None
 
 
-def with_codec(meta: dict[str, Any], codec: str, itemsize: int) -> dict[str, Any]:
-    """An array ``zarr.json`` document (bytes [+ crc32c]) with the compressor inserted after ``bytes``."""
-    doc = compressor_doc(codec, itemsize)
-    if doc is None:
-        return meta
-    codecs = list(meta["codecs"])
-    return {**meta, "codecs": [codecs[0], doc, *codecs[1:]]}
-
-
 @functools.lru_cache(maxsize=64)
 def encoder(codec: str, itemsize: int) -> Any:
-    """A numcodecs codec whose ``encode`` matches :func:`compressor_doc` (None for ``none``).
-
-    numcodecs codecs are safe to share between threads: Blosc compresses with a private context
-    off the main thread, Zstd with a context per call."""
+    """A numcodecs codec whose ``encode`` matches :func:`compressor_doc` (None for ``none``), safe
+    to share between threads: Blosc compresses with a private context off the main thread, Zstd
+    with a context per call."""
     if codec == "blosc-lz4":
         from numcodecs import Blosc
 
@@ -80,8 +70,7 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
     """(array-to-bytes codec, compressor or None, crc32c last) of an output array's ``codecs``
     list; ``ValueError`` for any chain the format does not write (sharding, transpose, gzip ...:
     codecs whose decoded size no header states)."""
-    if isinstance(codecs, tuple):  # zarr's own metadata objects give tuples, JSON lists
-        codecs = list(codecs)
+    codecs = list(codecs) if isinstance(codecs, tuple) else codecs  # (zarr's metadata gives tuples)
     if not isinstance(codecs, list) or not codecs:
         raise ValueError(f"codecs {codecs!r:.200} is not a non-empty list")
     names = [c.get("name") if isinstance(c, dict) else c for c in codecs]
@@ -97,10 +86,9 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
 
 
 def decoded_size(compressor: str, data: memoryview) -> int:
-    """The bytes a ``compressor`` chunk decodes to, as its own header declares it (the decoder
-    allocates that much and refuses to write more): blosc's ``nbytes``; for zstd the sum of the
-    frames' content sizes. ``ValueError`` when the chunk declares none (a zstd frame without a
-    content size would be decoded by a growing buffer, with no bound) or is not such a chunk."""
+    """The bytes a ``compressor`` chunk decodes to, as its header declares it (the decoder allocates
+    that much and writes no more): blosc's ``nbytes``, the sum of zstd's frame content sizes;
+    ``ValueError`` when it declares none (a growing buffer, no bound) or is no such chunk."""
     if compressor == "blosc":
         if len(data) < 16:
             raise ValueError(f"a blosc chunk of {len(data)} bytes has no 16-byte header")

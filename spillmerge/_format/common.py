@@ -85,17 +85,15 @@ chunk of one row): the merge's ``chunk_bytes`` may not exceed it."""
 EMPTY_EXTENT_MAX = 1 << 16
 """A shape with a zero dimension may have at most this many entries before its first zero
 (``[65536, 0]`` yes, ``[2**27, 0]`` no): readers that build nested lists (Arrow) allocate that
-many list entries for an array of no element, so the count must be bounded by the format, not
-by the metadata."""
+many list entries for an array of no element, so the format bounds them."""
 SHAPE_ELEMS_MAX = 1 << 62
 """Products of dimensions are computed saturating at this bound (no int64 wrap-around to 0)."""
 
 
 def shape_problem(shape: tuple[int, ...] | list[int]) -> str | None:
-    """What is wrong with a leaf's shape by the format's bounds (None: nothing): its element
-    count past :data:`SHAPE_ELEMS_MAX`, or more than :data:`EMPTY_EXTENT_MAX` entries before a
-    zero dimension. Shared by the writer (which refuses such a value), the spill reader and the
-    output's invariants (``_format.invariants.shapes_problems``, the vectorised form)."""
+    """What is wrong with a leaf's shape by the format's bounds (None: nothing): more than
+    :data:`SHAPE_ELEMS_MAX` elements, or :data:`EMPTY_EXTENT_MAX` entries before a zero dimension.
+    Shared by the writer, the spill reader and ``_format.invariants.shape_products`` (vectorised)."""
     n = 1
     for d in shape:
         if d == 0:
@@ -278,23 +276,18 @@ def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...
 def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:
     """The list whose items an output leaf path's rows are (its prefix up to its last ``ITEM``),
     ``()`` for a path whose rows are the output's rows."""
-    for k in range(len(path) - 1, -1, -1):
-        if path[k] == ITEM:
-            return path[: k + 1]
-    return ()
+    return path[: len(path) - path[::-1].index(ITEM)] if ITEM in path else ()
 
 
 def path_text(path: tuple[str, ...]) -> str:
     """A leaf path for messages: user keys joined by ``/``, list items as ``[i]``."""
-    if not path:
-        return "<value>"
-    parts = []
-    for seg in path:
-        if is_marker(seg):
-            parts.append("[*]" if seg == ITEM else f"[{seg[1:]}]" if len(seg) > 1 else "<header>")
-        else:
-            parts.append(key_of(seg))
-    return "/".join(parts)
+
+    def text(seg: str) -> str:
+        if not is_marker(seg):
+            return key_of(seg)
+        return "[*]" if seg == ITEM else f"[{seg[1:]}]" if len(seg) > 1 else "<header>"
+
+    return "/".join(map(text, path)) if path else "<value>"
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,10 +350,9 @@ def column_name_choices(leaf: tuple[str, ...], dtype: str | None) -> set[str]:
     else:
         text = leaf_text(leaf)
         bases = {hashed_name(text), *([text] if _plain_ok(text) else [])}
-    out = set(bases)
     if dtype is not None:
-        out |= {f"{b}.{dtype}" for b in bases} | {split_column_name(b, dtype) for b in bases}
-    return out
+        bases |= {f"{b}.{dtype}" for b in bases} | {split_column_name(b, dtype) for b in bases}
+    return bases
 
 
 # --------------------------------------------------------------------------------------------

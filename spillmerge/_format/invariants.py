@@ -1,7 +1,6 @@
 """Invariants of a merged output (docs/FORMAT.md, *Invariants*) and bounded reads of its arrays,
-shared by the reader and ``spillmerge verify``: its columns', and those of its index and header
-that ``open`` checks outside the row blocks of ``_read.index`` (filenames sorted, file layouts,
-the header's counts, the index arrays' lengths); each check returns ``(path, what is wrong)`` pairs."""
+shared by the reader and ``spillmerge verify``: its columns', its header's and its index's outside
+``_read.index``'s row blocks; each check returns ``(path, what is wrong)`` pairs."""
 
 from __future__ import annotations
 
@@ -27,12 +26,10 @@ def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpill
 
 
 def read_array(arr: Any, sel: Any = None) -> np.ndarray:
-    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array (an
-    absent one already is, from ``NoFillStore``). ``sel`` None: the whole array, read chunk row by
-    chunk row: zarr allocates a selection's result before it fetches a chunk, so reading the whole
-    of an array whose metadata declares ``2**40`` rows at once would allocate from metadata alone;
-    chunk by chunk, memory grows only with chunks that exist and decode (the chunk itself is
-    bounded by ``_format.output.chunk_limits``), and the first absent one ends the read."""
+    """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array.
+    ``sel`` None: the whole array, a chunk row at a time: zarr allocates a selection's result
+    before it fetches a chunk, so ``2**40`` declared rows read at once would allocate from metadata
+    alone; chunk by chunk, memory grows only with chunks that exist, and an absent one ends it."""
     if sel is None:
         n = int(arr.shape[0]) if arr.ndim else 0
         k = int(arr.chunks[0]) if arr.ndim else 1
@@ -88,10 +85,9 @@ _LIMITS: dict[int, tuple[Any, FO.ChunkLimits]] = {}
 
 
 def array_limits(arr: Any, path: str) -> FO.ChunkLimits:
-    """``_format.output.chunk_limits`` of the zarr array ``arr``'s metadata (``path`` names it in
-    an error), worked out once per metadata object: an open checks each array's metadata where
-    it is looked up and again where its chunks are read, and zarr's ``to_dict`` of it is most
-    of the cost."""
+    """``_format.output.chunk_limits`` of the zarr array ``arr``'s metadata (``path`` names it in an
+    error), once per metadata object: an open checks it where the array is looked up and where its
+    chunks are read, and zarr's ``to_dict`` of it is most of the cost."""
     meta = arr.metadata
     hit = _LIMITS.get(id(meta))
     if hit is not None and hit[0] is meta:
@@ -104,10 +100,9 @@ def array_limits(arr: Any, path: str) -> FO.ChunkLimits:
 
 
 def grid_problems(rel: str, arr: Any) -> list[Problem]:
-    """What the array ``rel``'s metadata breaks of the format's chunk rules
-    (``_format.output.chunk_limits``: chunk shape within the array's, known codecs, bounded
-    chunk size, shapes without overflow), from its metadata alone; the same limits bound every
-    chunk read (``_read.outputstore.NoFillStore``)."""
+    """What the array ``rel``'s metadata alone breaks of the format's chunk rules
+    (``_format.output.chunk_limits``: chunk shape within the array's, known codecs, bounded chunk
+    size, shapes without overflow), the limits that bound every chunk read (``NoFillStore``)."""
     try:
         array_limits(arr, rel)
     except CorruptSpillError as exc:
@@ -193,7 +188,7 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     # A leaf may have one column per variant, never two of one variant.
     paths: dict[tuple[tuple[str, ...], str], str] = {}
     for c in out.values():
-        key = (c.leaf, c.variant or (c.dtype if c.kind in ("fixed", "ragged") else c.kind))
+        key = (c.leaf, c.variant or c.dtype)  # (the dtype of a column not numeric is its kind)
         if key in paths:
             problems.append((f"columns/{c.name}", f"holds the leaf {list(c.leaf)!r:.200} of columns/{paths[key]}"))
         paths[key] = c.name
@@ -259,10 +254,9 @@ def column_problems(c: StoredColumn, n_rows: int, of: str = "index/frame_idx") -
 
 
 def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndarray, list[Problem]]:
-    """Elements per row of a non-negative ``(rows, ndim)`` shapes array, computed saturating at
-    ``F.SHAPE_ELEMS_MAX`` (never wrapping: ``[2**32, 2**32]`` is not 0 elements), and the rows
-    that break ``F.shape_problem``: more than 2**62 elements, or more than
-    ``F.EMPTY_EXTENT_MAX`` entries before a zero dimension (``[2**27, 0]``). Vectorised."""
+    """Elements per row of a non-negative ``(rows, ndim)`` shapes array, saturating at
+    ``F.SHAPE_ELEMS_MAX`` (``[2**32, 2**32]`` is not 0 elements), and the rows that break
+    ``F.shape_problem`` (too many elements, or entries before a zero dimension). Vectorised."""
     rows = shapes.shape[0]
     lead = np.ones(rows, dtype=np.int64)  # product of the dimensions before the first zero
     zero = np.zeros(rows, dtype=bool)
@@ -374,9 +368,8 @@ def records_problems(cols: dict[str, StoredColumn]) -> list[Problem]:
                 continue  # lengths against the rows: column_problems
             bad = np.flatnonzero(has & v & (got != n))
             if len(bad) and problem is None:
-                r = int(bad[0])
-                problem = f"key {F.path_text((k.leaf[len(p)],))!r} holds {int(got[r])}"
-                row = r
+                row = int(bad[0])
+                problem = f"key {F.path_text((k.leaf[len(p)],))!r} holds {int(got[row])}"
             held |= v
         if problem is None and np.any(has & ~held):
             row = int(np.flatnonzero(has & ~held)[0])
@@ -435,12 +428,10 @@ def meta_problems(
     layouts = header.get("file_layouts")
     if not isinstance(layouts, list) or not all(F.str_list(lay) for lay in layouts):
         out.append(("zarr.json", f"the header's file_layouts {layouts!r:.200} is not a list of column-name lists"))
-    else:
-        for j, lay in enumerate(layouts):
-            gone = [c for c in lay if c not in columns]
-            if gone:
-                out.append(("zarr.json", f"file_layouts[{j}] names {gone[0]!r:.200}, which is not a column"))
-                break
+    else:  # the first column a file layout names that is not one
+        gone = [(j, c) for j, lay in enumerate(layouts) for c in lay if c not in columns][:1]
+        for j, c in gone:
+            out.append(("zarr.json", f"file_layouts[{j}] names {c!r:.200}, which is not a column"))
     if n_offsets != n + 1:
         out.append(("index/frame_offsets", f"{n_offsets} entries for {n} files (must be {n + 1})"))
     for name in PROVENANCE:

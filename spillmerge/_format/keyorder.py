@@ -63,15 +63,6 @@ Sig = tuple[Path, tuple[int, ...]]
 """A positioned layout: its leaf path and ``pos``."""
 
 
-def _in_memory(name: str, shape: Any, dtype: Any) -> np.ndarray:
-    return np.zeros(shape, dtype=dtype)
-
-
-def _spans(n: int, block: int) -> Iterator[tuple[int, int]]:
-    for a in range(0, n, block):
-        yield a, min(n, a + block)
-
-
 class _States:
     """Files walked in row order: a file's state is its spec so far (a key's first position wins),
     numbered from 1 (0: no positioned row yet); each (state, layout) step is built once."""
@@ -154,11 +145,10 @@ def _rows(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """The index rows of positioned layouts and known files in merge order (segment by segment,
     then row order), ``step`` rows at a time: their files (``file_ids``) and layout numbers."""
-    for si, s in enumerate(segments):
-        lay_sig = lay_sigs[si]
+    for s, lay_sig, ids in zip(segments, lay_sigs, file_ids, strict=True):
         if not (lay_sig >= 0).any() or not s.n_rows:
             continue  # no dict out of sorted order here: its index is not read
-        fmap = np.asarray(file_ids[si], dtype=np.int64)
+        fmap = np.asarray(ids, dtype=np.int64)
         ib: Any = None
         for ib in map(np.asarray, _index_blocks(s, step)):
             sig, g = lay_sig[ib[:, 2]], fmap[ib[:, 0]]  # COL_LAYOUT, COL_FILE
@@ -179,21 +169,20 @@ def _index_blocks(s: Any, step: int) -> Iterator[np.ndarray]:
         return
     idx = s.index
     s.release()
-    for a, b in _spans(len(idx), step):
-        yield idx[a:b]
+    for a in range(0, len(idx), step):
+        yield idx[a : a + step]
 
 
 def output_orders(
     filenames: Sequence[str], segments: Sequence[Any], file_ids: Sequence[np.ndarray],
-    *, new: Alloc = _in_memory,
+    *, new: Alloc,
 ) -> dict[str, Any] | None:  # fmt: skip
     """The output header's ``key_orders`` for a merge of ``segments`` into files ``filenames``
     (sorted): ``{"orders": [spec, ...], "runs": [[first file, end file, order id], ...]}``;
     None when no layout carries a position (every dict was in sorted order). ``file_ids``: per
-    segment, the position in ``filenames`` of each of its filenames (-1: none).
-
-    Each file's layouts are walked in row order (:class:`_States`), a key's first position
-    winning. Rows and files go :data:`BLOCK` at a time into arrays from ``new``."""
+    segment, the position in ``filenames`` of each of its filenames (-1: none). Each file's layouts
+    are walked in row order (:class:`_States`), a key's first position winning, :data:`BLOCK`
+    rows and files at a time, into arrays from ``new``."""
     n_files = len(filenames)
     sigs, lay_sigs = _number_layouts(segments)
     if not sigs or not n_files:
@@ -203,8 +192,8 @@ def output_orders(
     for g, sg in _rows(segments, lay_sigs, file_ids, BLOCK):
         walker.walk(states, g, sg)
     runs: list[list[int]] = []
-    for a, b in _spans(n_files, BLOCK):
-        st = np.asarray(states[a:b])
+    for a in range(0, n_files, BLOCK):
+        st = np.asarray(states[a : a + BLOCK])
         files = np.flatnonzero(st)
         if not len(files):
             continue
@@ -239,13 +228,12 @@ class KeyOrders:
     """The output header's ``key_orders``, checked at open: a file's spec by binary search of
     the runs."""
 
-    __slots__ = ("_ends", "_ids", "_specs", "_starts")
+    __slots__ = ("_runs", "_specs", "_starts")
 
     def __init__(self, obj: Any, n_files: int, where: str) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._ids: list[int] = []
+        self._runs: list[list[int]] = []  # [first file, end file, order id], ascending, disjoint
         self._specs: list[Spec] = []
+        self._starts: list[int] = []
         if obj is None:
             return
         bad = f"{where}: key_orders is malformed"
@@ -274,9 +262,8 @@ class KeyOrders:
             ):
                 raise CorruptSpillError(f"{bad} (run {run!r:.100})", path=where)
             end = run[1]
-            self._starts.append(run[0])
-            self._ends.append(run[1])
-            self._ids.append(run[2])
+        self._runs = obj["runs"]
+        self._starts = [run[0] for run in self._runs]
 
     def overall(self) -> Spec | None:
         """One order per dict path (list items as ``ITEM``) for a whole-output schema (Arrow's
@@ -285,7 +272,7 @@ class KeyOrders:
         if not self._specs:
             return None
         out: dict[Path, dict[str, int]] = {}
-        for oid in self._ids:
+        for _, _, oid in self._runs:
             for path, keys in self._specs[oid].items():
                 got = out.setdefault(F.general_path(path)[0], {})
                 for k, i in keys.items():
@@ -295,9 +282,9 @@ class KeyOrders:
     def of_file(self, i: int) -> Spec | None:
         """File ``i``'s key orders; None when its dicts are in sorted order."""
         k = bisect.bisect_right(self._starts, i) - 1
-        if k < 0 or i >= self._ends[k]:
+        if k < 0 or i >= self._runs[k][1]:
             return None
-        return self._specs[self._ids[k]]
+        return self._specs[self._runs[k][2]]
 
 
 def ordered(kids: dict[str, Any], path: Path, spec: Spec | None) -> list[tuple[str, Any]]:

@@ -46,9 +46,8 @@ def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Prob
         if not F.str_list(path) or not path or path[-1] != F.ITEM:
             problems.append((rel, f"expected a list group whose header names a path ending in {F.ITEM!r}"))
             continue
-        arrays = {k: a for k, a in grp.members(max_depth=0) if isinstance(a, zarr.Array)}
-        arr = arrays.get("offsets")
-        if arr is None:
+        arr = dict(grp.members(max_depth=0)).get("offsets")
+        if not isinstance(arr, zarr.Array):
             problems.append((f"{rel}/offsets", "missing from the list group"))
             continue
         bad = grid_problems(f"{rel}/offsets", arr)

@@ -60,8 +60,7 @@ class ChunkLimits:
 
 
 def _ints(v: Any, what: str) -> list[int]:
-    if isinstance(v, tuple):  # zarr's own metadata objects give tuples, JSON lists
-        v = list(v)
+    v = list(v) if isinstance(v, tuple) else v  # (zarr's metadata objects give tuples)
     if not int_list(v, most=MAX_NDIM + 1):
         raise ValueError(f"{what} {v!r:.200} is not a list of at most {MAX_NDIM + 1} non-negative ints")
     return v

@@ -211,10 +211,9 @@ class SegmentHeader:
 
 @dataclass(frozen=True, slots=True)
 class MergeFailureRecord(ProcessFailure):
-    """``ROOT/spillmerge-failed.json`` (in the spill root): the merge of ``SpillWriter.merge``
-    failed on the merging rank, so ranks waiting for the output (``wait=True``) raise at once
-    instead of at the timeout. Only its ``run_id``'s waiting ranks read it; a later failure
-    replaces it."""
+    """``ROOT/spillmerge-failed.json``: ``SpillWriter.merge`` failed on the merging rank, so ranks
+    waiting for the output (``wait=True``) raise at once, not at the timeout. Only its ``run_id``'s
+    waiting ranks read it; a later failure replaces it."""
 
     rank: int
     """The merging rank."""
@@ -312,9 +311,8 @@ class Layout:
 
 def text_problem(kind: str, count: int, row: Any) -> str | None:
     """What is wrong with the bytes of a ``str`` leaf (valid UTF-8) or a ``strlist`` leaf of
-    ``count`` strings (``count`` uint32 lengths adding up to its size, each string valid UTF-8):
-    docs/FORMAT.md section 1. None when sound. Shared by the merge's copy and ``verify``, so a
-    root ``verify`` calls sound never fails the merge."""
+    ``count`` strings (``count`` uint32 lengths adding up to its size, each string valid UTF-8);
+    None when sound. Shared by the merge's copy and ``verify``: a root verify calls sound merges."""
     buf = memoryview(row).cast("B") if not isinstance(row, np.ndarray) else row.view(np.uint8).reshape(-1)
     if kind == "strlist":
         n = len(buf)

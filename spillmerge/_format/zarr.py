@@ -7,19 +7,24 @@ from typing import Any
 
 import numpy as np
 
+from . import codecs as _codecs
 from . import common as F
 from . import crc as _crc
 
 
-def array_meta(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool) -> dict[str, Any]:
-    """A Zarr v3 array ``zarr.json`` document (docs/FORMAT.md)."""
-    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if np.dtype(dtype).itemsize == 1:
-        codecs = [{"name": "bytes"}]
+def array_meta(
+    shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, *, crc: bool, codec: str = "none"
+) -> dict[str, Any]:
+    """A Zarr v3 array ``zarr.json`` (docs/FORMAT.md): bytes, ``codec``'s compressor, crc32c."""
+    dt = np.dtype(dtype)
+    endian = {"configuration": {"endian": "little"}} if dt.itemsize > 1 else {}
+    codecs: list[dict[str, Any]] = [{"name": "bytes", **endian}]
+    compressor = _codecs.compressor_doc(codec, dt.itemsize)
+    if compressor is not None:
+        codecs.append(compressor)
     if crc:
         codecs.append({"name": "crc32c"})
-    kind = np.dtype(dtype).kind
-    fill: Any = False if kind == "b" else [0.0, 0.0] if kind == "c" else 0.0 if kind == "f" else 0
+    fill: Any = {"b": False, "c": [0.0, 0.0], "f": 0.0}.get(dt.kind, 0)
     return {
         "zarr_format": 3,
         "node_type": "array",

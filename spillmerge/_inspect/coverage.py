@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ConfigError, SpillMergeError, require
+from .._errors import SpillMergeError, require
 from .._format import spill as FS
 from .._spill.root import load_segment, scan
 from .._storage import Storage
-from .._util.frames import MAX_FRAME, gap_runs, n_below, runs
+from .._util.frames import gap_runs, n_below, runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +121,10 @@ class Coverage:
 def coverage(
     path: str, storage_options: dict[str, Any] | None = None, *, expected: dict[str, int] | None = None
 ) -> Coverage:
-    """Coverage of a spill root (committed segments, as the merge would see them) or a merged output."""
+    """Coverage of a spill root (committed segments, as the merge would see them) or a merged output;
+    ``expected``: a manifest's counts as ``_util.frames.read_manifest`` reads and checks them."""
     from .summary import detect
 
-    for name, count in (expected or {}).items():
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_FRAME + 1:
-            raise ConfigError(f"expected[{name!r}] must be a frame count in [0, 2**63], got {count!r}", key="expected")
     storage = Storage(path, storage_options)
     kind = detect(storage)
     per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
@@ -159,10 +157,10 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
         (s for ss in scan(storage).values() for s in ss if s.commit is not None),
         key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name),
     )
-    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": [], "order": []}
+    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": []}
     gid: dict[str, int] = {}
     notes = []
-    for order, seg in enumerate(segs):
+    for seg in segs:
         try:
             loaded = load_segment(storage, seg)
         except SpillMergeError as exc:
@@ -173,24 +171,21 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
         cols["file"].append(fmap[keys[:, 0]])
         cols["frame"].append(keys[:, 1])
         cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
-        cols["order"].append(np.full(len(keys), order, np.int64))
-    by_id = {i: f for f, i in gid.items()}
-    out: _PerFile = {}
-    if not cols["file"]:
-        return out, notes
+    if not any(map(len, cols["file"])):  # (np.split of no rows gives one empty part)
+        return {}, notes
     c = {k: np.concatenate(v) for k, v in cols.items()}
-    srt = np.lexsort((c["order"], c["frame"], c["file"]))
+    srt = np.lexsort((c["frame"], c["file"]))  # stable: a key's copies stay in write order
     file_s, frame_s, rank_s = c["file"][srt], c["frame"][srt], c["rank"][srt]
     first = np.ones(len(srt), dtype=bool)
     first[1:] = (np.diff(file_s) != 0) | (np.diff(frame_s) != 0)
     starts = np.flatnonzero(first)
     copies = np.diff(np.append(starts, len(srt)))
-    kf, kframe, krank = file_s[starts], frame_s[starts], rank_s[starts]
+    kf = file_s[starts]
     bounds = np.flatnonzero(np.diff(kf)) + 1
-    for part in np.split(np.arange(len(kf)), bounds):
-        if len(part):
-            out[by_id[int(kf[part[0]])]] = (kframe[part], krank[part], copies[part])
-    return out, notes
+    kept = (frame_s[starts], rank_s[starts], copies)
+    parts = zip(kf[np.append(0, bounds)].tolist(), *(np.split(a, bounds) for a in kept), strict=True)
+    names = list(gid)  # by id: ids were given in insertion order
+    return {names[f]: (frames, ranks, n) for f, frames, ranks, n in parts}, notes
 
 
 def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:

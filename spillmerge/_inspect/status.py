@@ -106,10 +106,9 @@ def status(
     stall_after: float = DEFAULT_STALL_AFTER,
     storage_options: dict[str, Any] | None = None,
 ) -> JobStatus:
-    """The job writing to spill root ``root``, as storage shows it now. ``out``: also the merge's
-    progress into that output. ``expected``: frames the whole job writes (default: what the
-    writers recorded). Raises ``NotASpillRootError`` when ``root`` does not exist or holds no rank
-    folders (a mistyped path, a merged output)."""
+    """The job writing to spill root ``root``, as storage shows it now; ``out``: the merge's progress
+    into it too; ``expected``: frames the job writes (default: what the writers recorded). Raises
+    ``NotASpillRootError`` when ``root`` does not exist or holds no rank folders."""
     storage = Storage(root, storage_options)
     now = time.time()
     found = list_ranks(storage)
@@ -145,18 +144,11 @@ def status(
         shown = ", ".join(FS.rank_dirname(r) for r in outside[:3]) + (", ..." if len(outside) > 3 else "")
         of = f"world size {world_size}" if world_size is not None else "every world size recorded"
         notes.append(f"{len(outside)} rank folder(s) outside {of}, not read: {shown}")
-    recorded_expected: int | None = None
-    ranks: dict[int, RankStatus] = {}
-    for r in inside:
-        if r in broken:
-            ranks[r] = RankStatus(r, "unreadable", message=broken[r])
-        if r not in segs:  # (a rank folder without a segment: missing)
-            continue
-        seg = segs[r]
-        e = (seg.header or {}).get("expected")
-        if isinstance(e, int) and not isinstance(e, bool):
-            recorded_expected = max(recorded_expected or 0, e)
-        ranks[r] = _rank_status(storage, seg, now, iso_to_unix((seg.header or {}).get("started")), stall_after)
+    # (a rank folder without a segment is missing)
+    ranks = {r: RankStatus(r, "unreadable", message=broken[r]) for r in inside if r in broken}
+    ranks |= {r: _rank_status(storage, segs[r], now, stall_after) for r in inside if r in segs}
+    heads = [segs[r].header or {} for r in inside if r in segs]
+    recorded = [e for h in heads if type(e := h.get("expected")) is int]
     rows = [ranks[r] for r in sorted(ranks)]
     missing = 0
     if world_size is not None:
@@ -168,7 +160,7 @@ def status(
             notes.append(f"{missing} ranks missing, the first {LISTED_MISSING} listed")
     frames = sum(x.frames for x in rows)
     nbytes = sum(x.bytes for x in rows)
-    exp = expected if expected is not None else recorded_expected
+    exp = expected if expected is not None else max(0, *recorded) if recorded else None
     rate = sum(x.rate_fps or 0.0 for x in rows if x.state == "writing")
     eta = max(0.0, (exp - frames) / rate) if exp is not None and rate > 0 else None
     # (a missing rank is a row: the first of them is always listed)
@@ -215,7 +207,8 @@ def _not_a_spill_root(storage: Storage) -> NotASpillRootError:
     return NotASpillRootError(why, path=where, kind=kind)
 
 
-def _rank_status(storage: Storage, seg: Any, now: float, started: float | None, stall_after: float) -> RankStatus:
+def _rank_status(storage: Storage, seg: Any, now: float, stall_after: float) -> RankStatus:
+    started = iso_to_unix((seg.header or {}).get("started"))
     if seg.commit is not None:
         c = seg.commit
         end = iso_to_unix(c.finished)
@@ -263,10 +256,8 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
 
 
-def _dur(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
+def _dur(seconds: float) -> str:
+    s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 

@@ -22,7 +22,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header, not_an_output, what_is
 from .._read.index import Found
-from .._spill.root import load_segment, scan
+from .._spill.root import data_ranges, load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
 
@@ -54,53 +54,47 @@ def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
 
 def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
     segments = scan(storage)
-    bar = progress_bar(sum(1 for segs in segments.values() for s in segs if s.commit), "inspect", "segment")
+    every = [s for segs in segments.values() for s in segs]
+    committed = [s.commit for s in every if s.commit is not None]
+    bar = progress_bar(len(committed), "inspect", "segment")
     ranks = []
     files: Counter[str] = Counter()
-    dtypes: Counter[str] = Counter()
-    total = {"frames": 0, "bytes": 0, "segments": 0}
-    world_sizes = set()
+    dtypes: set[str] = set()
     for rank, segs in segments.items():
         entries = []
         for s in segs:
             status = "committed" if s.commit else "failed" if s.failure else "incomplete"
             entry: dict[str, Any] = {"segment": s.name, "status": status}
-            if s.world_size is not None:
-                world_sizes.add(s.world_size)
             if s.commit is not None:
                 c = s.commit
                 entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
-                total["frames"] += c.n_frames
-                total["bytes"] += c.nbytes
                 try:
                     loaded = load_segment(storage, s)
                     # Frames, not index rows: a frame whose value is a dict has one row per leaf.
                     keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames))
-                    for fid, n in enumerate(per_file):
-                        if n:
-                            files[loaded.filenames[fid]] += int(n)
-                    for lay in loaded.layouts:
-                        dtypes[F.dtype_text(lay.dtype, len(lay.shape))] += 1
+                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
+                    files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
+                    dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
                 except SpillMergeError as exc:
                     entry["error"] = str(exc)
                 bar.update(1)
             if s.failure is not None:
                 entry["error"] = s.failure.summary()
             entries.append(entry)
-            total["segments"] += 1
         ranks.append({"rank": rank, "segments": entries})
     bar.close()
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
         "path": storage.describe(),
-        "world_size": sorted(world_sizes),
+        "world_size": sorted({s.world_size for s in every if s.world_size is not None}),
         "ranks": ranks,
         "n_files": len(files),
         "files": [{"filename": f, "frames": n} for f, n in top[:max_files]],
         "dtypes": sorted(dtypes),
-        **total,
+        "frames": sum(c.n_frames for c in committed),
+        "bytes": sum(c.nbytes for c in committed),
+        "segments": len(every),
     }
 
 
@@ -162,8 +156,7 @@ def _row_shape(arr: Any) -> list[int | None]:
             return [None] * arr.ndim
         same = (shapes == shapes[0]).all(axis=0)
         return [int(d) if ok else None for d, ok in zip(shapes[0], same, strict=True)]
-    shape = getattr(arr, "shape", None)
-    return list(shape[1:]) if shape is not None else []
+    return list(arr.shape[1:])  # (a numeric leaf not ragged: a FixedView)
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -221,10 +214,9 @@ def _ranges(runs: list[list[int]], limit: int = 8) -> str:
 def format_coverage(cov: Any, max_files: int = 20) -> str:
     """Text coverage report: totals, then each file with missing, duplicated or unexpected frames."""
     j = cov.to_json(max_files=max_files)  # files with problems come first
-    present = j["present_frames"]
     against = f" against {j['manifest']}" if j["manifest"] else " (gaps below each file's highest frame)"
     lines = [
-        f"  coverage{against}: {present} frames present, {j['missing_frames']} missing"
+        f"  coverage{against}: {j['present_frames']} frames present, {j['missing_frames']} missing"
         f"{' (' + str(len(j['missing_files'])) + ' files entirely)' if j['missing_files'] else ''}, "
         f"{j['duplicated_frames']} written more than once"
         + (f", {len(j['unlisted_files'])} files not in the manifest" if j["unlisted_files"] else "")
@@ -274,19 +266,17 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
     kind = detect(storage)
     rep = VerifyReport(storage.describe(), kind)
     if kind == "spill":
-        segments = scan(storage)
-        nbytes = sum(s.commit.nbytes for segs in segments.values() for s in segs if s.commit)
-        with progress_bar(nbytes, "verify") as bar:
-            _verify_spill(storage, rep, segments, bar)
+        _verify_spill(storage, rep)
     else:
         _verify_merged(storage, rep)
     storage.close()
     return rep
 
 
-def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[Any]], bar: Any) -> None:
-    for rank in sorted(segments):
-        for seg in segments[rank]:
+def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
+    segments = [s for segs in scan(storage).values() for s in segs]  # (ranks ascending)
+    with progress_bar(sum(s.commit.nbytes for s in segments if s.commit), "verify") as bar:
+        for seg in segments:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
                 rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
@@ -296,9 +286,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport, segments: dict[int, list[
             except SpillMergeError as exc:
                 rep.problems.append(str(exc))
                 continue
-            rep.checked_objects += 2
             _verify_segment(storage, rep, seg, loaded, bar)
-            rep.checked_objects += seg.commit.n_chunks
+            rep.checked_objects += 2 + seg.commit.n_chunks  # index, catalog, data chunks
 
 
 def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, bar: Any) -> None:
@@ -313,8 +302,7 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
         span = range(off // cb, (off + nb - 1) // cb + 1)
         if bad_chunks.intersection(span):
             return None
-        data = f"{seg.rel}/{FS.DATA_NAME}/c"
-        pieces = [(f"{data}/{c}", max(off - c * cb, 0), min(off + nb - c * cb, cb)) for c in span]
+        pieces = data_ranges(loaded, off, nb)
         buf = np.empty(nb, dtype=np.uint8)
         try:
             storage.read_into(pieces, buf.data)
@@ -331,7 +319,7 @@ def _verify_segment(storage: Storage, rep: VerifyReport, seg: Any, loaded: Any, 
             return None
         return buf
 
-    for off, nb, crc in (loaded.checks if loaded.checks is not None else np.zeros((0, 3), np.int64)).tolist():
+    for off, nb, crc in [] if loaded.checks is None else loaded.checks.tolist():
         read(off, nb, crc)
     idx = loaded.index
     for row in idx[np.argsort(idx[:, FS.COL_OFFSET], kind="stable")]:
@@ -394,7 +382,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)
     if complete:  # an interrupted merge may not have written its index yet
-        rep.problems.extend(_index_problems(storage, group, damaged))
+        rep.problems.extend(_index_problems(storage, group, header, damaged))
 
 
 MISSING_LISTED = 20
@@ -402,10 +390,9 @@ MISSING_LISTED = 20
 
 
 def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, damaged: set[str]) -> None:
-    """Read every stored chunk of ``arr`` (decoding checks its CRC) and report the absent ones,
-    in time proportional to the chunks actually stored, not to the grid its metadata declares
-    (3,000,000 declared chunks of one row cost one listing): the array's chunks are listed
-    once, and the grid is walked only to name absent chunks when there are few."""
+    """Read every stored chunk of ``arr`` (decoding checks its CRC) and report the absent ones, in
+    time proportional to the chunks stored, not to the grid its metadata declares: the chunks are
+    listed once, and the grid is walked only to name absent chunks when there are few."""
     try:
         stored = storage.find(f"{name}/c")
     except SpillMergeError as exc:  # a link, FIFO or device among the chunks, named
@@ -460,7 +447,7 @@ def _found(problems: list[V.Problem]) -> None:
         raise Found(problems)
 
 
-def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str]:
+def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]) -> list[str]:
     """Every broken invariant of the output's index (docs/FORMAT.md) by the checks ``open`` makes
     (``_read.store.OutputFiles``), over every block of filenames and rows, then what is checked
     as values are read; not when an array those checks read was already reported damaged."""
@@ -471,12 +458,10 @@ def _index_problems(storage: Storage, group: Any, damaged: set[str]) -> list[str
     read_by_open = ("/offsets", "/shapes", "/valid")
     if any(p.startswith(("index/", "lists/")) or p.endswith(read_by_open) for p in damaged):
         return []
-    header = group.attrs.get("spillmerge")
-    header = header if isinstance(header, dict) else {}
     out: list[V.Problem] = []
     try:
         cache = ChunkCache(DEFAULT_CACHE_BYTES)
-        files = OutputFiles(group, header, _found, False, cache, storage)
+        files = OutputFiles(group, header if isinstance(header, dict) else {}, _found, False, cache, storage)
         steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
         steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
         for step in steps:

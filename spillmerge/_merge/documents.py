@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 from zarr.core.group import GroupMetadata
 from zarr.core.metadata import ArrayV3Metadata
 
-from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import output as FO
 from .._format.zarr import array_meta
@@ -133,8 +131,8 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         base = f"columns/{col.name}"
         unit = col.unit_shape
         n_dom, row = len(col.src), dim[F.list_domain(col.leaf)]
-        meta = array_meta((col.n_units, *unit), (k, *(max(d, 1) for d in unit)), col.storage, crc=True)
-        meta = _codecs.with_codec(meta, codec, np.dtype(col.storage).itemsize)
+        chunks = (k, *(max(d, 1) for d in unit))
+        meta = array_meta((col.n_units, *unit), chunks, col.storage, crc=True, codec=codec)
         first = row if col.offsets is None else f"{col.name}.elem"
         meta["dimension_names"] = [first] + [f"{col.name}.dim_{d}" for d in range(1, len(unit) + 1)]
         nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
