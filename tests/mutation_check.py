@@ -1316,8 +1316,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-partial-block-never-read",
         "spillmerge/_merge/outputchunk.py",
-        "            if (s, block) not in self.checked:\n                job.verify_block_local(s, block, r, e)",
-        "            if False:\n                job.verify_block_local(s, block, r, e)",
+        "            if (s, block) not in self.checked:\n                job.check_block(s, block, r, e)",
+        "            if False:\n                job.check_block(s, block, r, e)",
         ("tests/merge/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
         "a block whose rows are not all in the merge is read and checked once the copy is done",
     ),

@@ -156,12 +156,7 @@ class OutputChunk:
         for r, e_, s, n, crc in zip(rows.tolist(), ents, segs, sizes, crcs, strict=True):
             v = buf[pos : pos + n]
             if crc < 0:  # checked by its block: read and verify the block once per merge
-                if (s, crc) not in self.checked:
-                    try:
-                        verify_block(self.src, plan.segments[s], crc)
-                    except CorruptSpillError:
-                        self._mismatch(r, e_, crc)
-                    self.checked.add((s, crc))
+                self.check_block(s, crc, r, e_)
             elif _crc.value(v) != crc:
                 self._mismatch(r, e_)
             out.append(v)
@@ -201,19 +196,24 @@ class OutputChunk:
                 if v != crc:
                     self._mismatch(r, e)
             elif out_crcs is None:  # checked by its block: once per merge
-                self.verify_block_local(s, crc, r, e)
+                self.check_block(s, crc, r, e)
             elif (s, crc) not in self.checked:
                 self.pending.add(self, s, crc, r, e, off, v, n)
             out.append(row)
         return out
 
-    def verify_block_local(self, s: int, crc: int, r: int, e: int) -> None:
-        """Read and check block ``crc`` of segment ``s`` (local disk) unless checked already;
-        raise naming row ``r`` (plan entry ``e``) when it is short or does not match."""
+    def check_block(self, s: int, crc: int, r: int, e: int) -> None:
+        """Read and check block ``crc`` of segment ``s`` unless checked already; raise naming row
+        ``r`` (plan entry ``e``) when it does not match (on a local disk: or is short)."""
         if (s, crc) in self.checked:
             return
-        if not self._block_sound(s, crc):
-            seg = self.plan.segments[s]
+        seg = self.plan.segments[s]
+        if not self.src.local:
+            try:
+                verify_block(self.src, seg, crc)
+            except CorruptSpillError:
+                self._mismatch(r, e, crc)
+        elif not self._block_sound(s, crc):
             b_off, b_nb, _ = check_of(seg, crc)
             bc, b_lo = divmod(b_off, seg.chunk_bytes)
             self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
@@ -505,11 +505,11 @@ class PendingBlocks:
             if got == value and pos == b_off + b_nb:
                 self.checked.add(key)
                 return
-        job.verify_block_local(s, block, r, e)  # raises, naming the row, when the block is wrong
+        job.check_block(s, block, r, e)  # raises, naming the row, when the block is wrong
 
     def finish(self) -> None:
         """Check the blocks whose rows were not all copied by reading them."""
         for (s, block), (job, r, e, _, _) in sorted(self._blocks.items(), key=lambda kv: kv[0]):
             if (s, block) not in self.checked:
-                job.verify_block_local(s, block, r, e)
+                job.check_block(s, block, r, e)
         self._blocks.clear()
