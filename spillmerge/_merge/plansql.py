@@ -215,7 +215,7 @@ def sort_rows(
             f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
         ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
         try:
-            return _collect(reader, resolve, folder, n_names, segments)
+            return _collect(_from_arrow(reader), resolve, folder, n_names, segments)
         except (duckdb.OutOfMemoryException, OSError) as exc:
             # DuckDB's limit met while the Arrow reader pulls a batch comes as an OSError
             if not isinstance(exc, duckdb.OutOfMemoryException) and "Out of Memory" not in str(exc):
@@ -376,17 +376,34 @@ class _Spool:
             return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
 
 
+Batch = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]
+"""A block of sorted rows: which rows start a new filename, the new names' UTF-8 bytes and offsets,
+and the int64 columns (``COLUMNS`` but ``file``, and ``lf``: the row's file number in its segment)."""
+
+
+def _from_arrow(reader: Any) -> Iterator[Batch]:
+    """DuckDB's sorted Arrow batches as :func:`_collect` takes them (a batch's first name is
+    compared with the last one of the batch before)."""
+    last_name: bytes | None = None
+    for batch in reader:
+        if not batch.num_rows:
+            continue
+        col = batch.column(0)
+        data, off = _binary_parts(col)
+        new_name = _name_starts(col)
+        new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
+        last_name = data[int(off[-2]) : int(off[-1])].tobytes()
+        fdata, foff = _binary_parts(col.take(_i64(np.flatnonzero(new_name))))
+        yield new_name, fdata, foff, {k: _ints(batch.column(j)) for j, k in enumerate((*COLUMNS[1:], "lf"), 1)}
+
+
 def _collect(
-    reader: Any, resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = (),
-    new_names: np.ndarray | None = None,
-) -> Sorted:  # fmt: skip
+    batches: Iterable[Batch], resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = ()
+) -> Sorted:
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
     names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
     filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
-    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``).
-    ``new_names``: for one batch, which rows start a new name, known already (the in-memory
-    sort), so no Arrow kernel compares them."""
-
+    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
     np.cumsum(n_names, out=base[1:])
     file_ids = alloc(folder, "file_ids", int(base[-1]), np.int64, fill=-1)
@@ -394,7 +411,6 @@ def _collect(
     n_distinct = 0  # names spooled so far
     spool.append("name_off", np.zeros(1, np.int64))
     name_bytes = 0
-    last_name: bytes | None = None
     carry: dict[str, np.ndarray] | None = None
     n_kept = duplicates = 0
 
@@ -432,29 +448,12 @@ def _collect(
         n_kept += len(copies)
         return rest
 
-    for batch in reader:
-        if not batch.num_rows:
-            continue
-        col = batch.column(0)
-        data, off = _binary_parts(col)
-        new_name = _name_starts(col) if new_names is None else new_names
-        new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
-        starts = np.flatnonzero(new_name)
-        if len(starts):
-            if new_names is not None:  # one batch of few rows: sliced by numpy
-                fdata, foff = _slices(data, off, starts)
-            else:
-                fdata, foff = _binary_parts(col.take(_i64(starts)))
-            spool.append("names.u8", fdata)
-            spool.append("name_off", name_bytes + foff[1:])
-            name_bytes += int(foff[-1])
-        first = n_distinct
-        n_distinct += len(starts)
-        last_name = data[int(off[-2]) : int(off[-1])].tobytes()
-        c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
-        for j, k in enumerate(COLUMNS[1:], start=1):
-            c[k] = _ints(batch.column(j))
-        c["lf"] = _ints(batch.column(len(COLUMNS)))
+    for new_name, fdata, foff, cols in batches:
+        spool.append("names.u8", fdata)
+        spool.append("name_off", name_bytes + foff[1:])
+        name_bytes += int(foff[-1])
+        c = {"file": n_distinct - 1 + np.cumsum(new_name, dtype=np.int64), **cols}
+        n_distinct += len(foff) - 1
         file_ids[base[c["seg"]] + c["lf"]] = c["file"]
         if carry is not None:
             c = {k: np.concatenate([carry[k], c[k]]) for k in c}
@@ -493,10 +492,8 @@ def sort_rows_in_memory(
 ) -> Sorted:
     """:func:`sort_rows` for few rows (:func:`in_memory`): the same order
     (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
-    by a numpy ``lexsort``, collected the same way, into arrays in memory, with no Arrow compute
-    kernel (whose import is slow). Memory: the rows, a few times over."""
-    import pyarrow as pa
-
+    by a numpy ``lexsort``, collected the same way into arrays in memory, without Arrow (whose
+    compute kernels are slow to import). Memory: the rows, a few times over."""
     n_names: list[int] = []
     parts: list[dict[str, np.ndarray]] = []
     encoded: list[list[bytes]] = []
@@ -518,22 +515,11 @@ def sort_rows_in_memory(
     lp = lp_order()[rows["rlp"]]
     order = np.lexsort((lp, rows["seg"], rows["frame"], rank))  # stable: ties keep their order
     rank = rank[order]
-    lengths = np.array([len(n) for n in distinct], dtype=np.int64)[rank]
-    offsets = np.zeros(len(rank) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    data = b"".join([distinct[r] for r in rank.tolist()])
-    fname = pa.Array.from_buffers(pa.large_binary(), len(rank), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    new_name = np.ones(len(rank), dtype=bool)
+    new_name[1:] = rank[1:] != rank[:-1]
+    names = [distinct[r] for r in rank[new_name].tolist()]
+    foff = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum([len(n) for n in names], out=foff[1:])
     rows["lp"] = lp
-    cols = [*COLUMNS[1:], "lf"]
-    batch = pa.RecordBatch.from_arrays([fname, *(_i64(rows[k][order]) for k in cols)], names=["fname", *cols])
-    new_names = np.ones(len(rank), dtype=bool)
-    new_names[1:] = rank[1:] != rank[:-1]
-    return _collect([batch], resolve, None, n_names, new_names=new_names)
-
-
-def _slices(data: np.ndarray, off: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes and offsets of items ``which`` of the byte strings ``data`` / ``off``."""
-    lo, lengths = off[which], off[which + 1] - off[which]
-    out_off = np.zeros(len(which) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out_off[1:])
-    return data[np.repeat(lo - out_off[:-1], lengths) + np.arange(out_off[-1])], out_off
+    cols = {k: rows[k][order] for k in (*COLUMNS[1:], "lf")}
+    return _collect([(new_name, np.frombuffer(b"".join(names), np.uint8), foff, cols)], resolve, None, n_names)
