@@ -16,7 +16,7 @@ from . import opening as _opening
 from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
-from .copy import split, units
+from .copy import copy_units, split, units
 from .plan import fingerprint
 from .report import MergeReport
 
@@ -76,7 +76,7 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_merge.index``); the documents are the finalizer's.
         with job.phase("copy"):
-            _opening.copy(job, mine)
+            copy_units(job, mine)
         with job.phase("index"):
             share = _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
             _indexchunks.write(output, share, threads=job.threads)
