@@ -92,7 +92,7 @@ FSYNC_ORDER = (
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
-        # The columnar copy checks every local row in one place (OutputChunk._local_rows), whatever the
+        # The columnar copy checks every local row in one place (OutputChunk._rows), whatever the
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_merge/outputchunk.py",
@@ -186,8 +186,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-crc-object-store",
         "spillmerge/_merge/outputchunk.py",
-        "            elif _crc.value(v) != crc:",
-        "            elif False:",
+        "                elif _crc.value(row) != crc:",
+        "                elif False:",
         (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
         "a corrupt frame read by range GETs never reaches the output",
     ),
