@@ -65,9 +65,9 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
         )
     lease.check()
     for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
-        _parts.remove(output, r.part, r.parts, failed=False)
-    _parts.remove(output, i, n, failed=False)
-    _parts.remove(output, i, n, failed=True)  # a failure record of an earlier attempt of this part
+        output.rm_tree(_parts.record_name(r.part, r.parts))
+    output.rm_tree(_parts.record_name(i, n))
+    output.rm_tree(_parts.record_name(i, n, failed=True))  # a failure record of an earlier attempt of this part
     try:
         with job.phase("metadata"):
             docs = job.docs()
