@@ -128,15 +128,6 @@ class Lease:
             )
         return fd
 
-    def _make_lease_dir(self) -> None:
-        try:
-            os.makedirs(self.output.path(LEASE_DIR), exist_ok=True)
-        except FileExistsError:
-            pass  # made, then tidied away by a finishing holder between two steps of makedirs: retried
-        except OSError as exc:
-            where = self.output.describe(LEASE_DIR)
-            raise SpillStorageError(f"cannot create {where}: {exc.strerror}", path=where) from exc
-
     def _acquire_flock(self) -> bool:
         """Local disks: flock the holder's own file, then the output's. False when the filesystem
         has no working flock (the caller falls back to lease objects).
@@ -149,7 +140,13 @@ class Lease:
         for attempt in range(_ATTEMPTS):
             if attempt:
                 time.sleep(min(0.005 * attempt, 0.05))
-            self._make_lease_dir()
+            try:
+                os.makedirs(self.output.path(LEASE_DIR), exist_ok=True)
+            except FileExistsError:
+                pass  # made, then tidied away by a finishing holder between two steps of makedirs: retried
+            except OSError as exc:
+                where = self.output.describe(LEASE_DIR)
+                raise SpillStorageError(f"cannot create {where}: {exc.strerror}", path=where) from exc
             outcome = self._flock_all()
             if outcome is False:
                 return False
