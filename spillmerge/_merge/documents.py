@@ -183,9 +183,11 @@ def _array_doc(meta: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _rows_meta(n: int, dtype: str, dims: list[str], chunk: int = INDEX_ROWS_PER_CHUNK) -> dict[str, Any]:
-    """A 1-d array of ``n`` elements, ``chunk`` a chunk, its dimension named ``dims``."""
-    return {**array_meta((n,), (max(1, min(n, chunk)),), dtype, crc=True), "dimension_names": dims}
+def _rows_meta(n: int, dtype: str, dims: list[str], chunk: int | None = None) -> dict[str, Any]:
+    """A 1-d array of ``n`` elements, ``chunk`` (default ``INDEX_ROWS_PER_CHUNK``, read when called) a
+    chunk, its dimension named ``dims``."""
+    k = max(1, min(n, chunk or INDEX_ROWS_PER_CHUNK))
+    return {**array_meta((n,), (k,), dtype, crc=True), "dimension_names": dims}
 
 
 def json_doc(doc: dict[str, Any]) -> bytes:
