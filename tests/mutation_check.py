@@ -92,7 +92,7 @@ FSYNC_ORDER = (
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
-        # The columnar copy checks every local row in one place (OutputChunk._local_rows), whatever the
+        # The columnar copy checks every local row in one place (OutputChunk._rows), whatever the
         # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
         "copy-crc-local",
         "spillmerge/_merge/outputchunk.py",
@@ -186,8 +186,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-crc-object-store",
         "spillmerge/_merge/outputchunk.py",
-        "            elif _crc.value(v) != crc:",
-        "            elif False:",
+        "                elif _crc.value(row) != crc:",
+        "                elif False:",
         (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
         "a corrupt frame read by range GETs never reaches the output",
     ),
@@ -266,7 +266,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "merge-memory-budget-ignored",
         "spillmerge/_merge/copy.py",
-        "                    while in_flight and in_flight + size > memory_budget and not errors:",
+        "                    while in_flight and in_flight + size > o.memory_budget and not errors:",
         "                    while False:",
         (f"{G}::test_merge_keeps_at_most_its_memory_budget_of_stripes_in_flight",),
         "the merge keeps at most memory_budget bytes of stripes in flight",
@@ -1340,8 +1340,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "copy-partial-block-never-read",
         "spillmerge/_merge/outputchunk.py",
-        "            if (s, block) not in self.checked:\n                job.verify_block_local(s, block, r, e)",
-        "            if False:\n                job.verify_block_local(s, block, r, e)",
+        "            if (s, block) not in self.checked:\n                job.check_block(s, block, r, e)",
+        "            if False:\n                job.check_block(s, block, r, e)",
         ("tests/merge/test_copy_checks.py::test_a_flipped_byte_in_a_block_whose_rows_are_not_all_merged_fails_the_merge",),
         "a block whose rows are not all in the merge is read and checked once the copy is done",
     ),

@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .._storage import Storage
 from .documents import values_chunk
+from .opening import Job, copy_threads
 from .outputchunk import OutputChunk, PendingBlocks, Unit
 from .plan import Plan
 
@@ -54,15 +54,13 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
     return [sorted(ks) for ks in out]
 
 
-def copy_units(
-    src: Storage, output: Storage, plan: Plan, todo: list[Unit], *, codec: str, memory_budget: int, threads: int,
-    progress: bool | None, fsync: bool = False,
-) -> None:  # fmt: skip
-    """Write the output chunks ``todo`` (``codec``), at most ``memory_budget`` bytes of chunks in
-    flight over ``threads`` threads; a progress bar when ``progress`` (None: on a terminal).
+def copy_units(job: Job, todo: list[Unit]) -> None:
+    """Write the output chunks ``todo`` of ``job``, at most its ``memory_budget`` bytes of chunks in
+    flight over ``copy_threads`` threads; a progress bar when ``progress`` (None: on a terminal).
     ``fsync``: each chunk is fsynced by the thread that wrote it, overlapping the other copies
     (the merge's final ``fsync_tree`` then only syncs the folders and documents)."""
-    show = sys.stderr.isatty() if progress is None else progress
+    o, threads = job.options, copy_threads(job, todo)
+    show = sys.stderr.isatty() if o.progress is None else o.progress
     bar = None
     if show:
         from tqdm.auto import tqdm
@@ -75,10 +73,10 @@ def copy_units(
     in_flight = 0
     errors: list[BaseException] = []
     pending = PendingBlocks()
-    chunk_bytes = np.array([s.chunk_bytes for s in plan.segments], dtype=np.int64)
+    chunk_bytes = np.array([s.chunk_bytes for s in job.plan.segments], dtype=np.int64)
 
     def chunk(u: Unit) -> OutputChunk:
-        return OutputChunk(src, plan, u, chunk_bytes, pending)
+        return OutputChunk(job.src, job.plan, u, chunk_bytes, pending)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -94,7 +92,7 @@ def copy_units(
     try:
         if threads <= 1:  # one chunk at a time in this thread: a small merge starts no pool
             for u in todo:
-                chunk(u).write(output, codec)
+                chunk(u).write(job.output, o.codec)
                 if bar is not None:
                     bar.update(u.nbytes)
             pending.finish()
@@ -104,12 +102,12 @@ def copy_units(
                 size = u.nbytes
                 with cond:
                     # Bounded memory: wait until this chunk fits in the budget (one chunk always may run).
-                    while in_flight and in_flight + size > memory_budget and not errors:
+                    while in_flight and in_flight + size > o.memory_budget and not errors:
                         cond.wait()
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(chunk(u).write, output, codec, fsync)
+                fut = pool.submit(chunk(u).write, job.output, o.codec, o.fsync)
                 fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:

@@ -99,20 +99,20 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         # Filenames as UTF-8 bytes + int64 offsets (Arrow's large_string layout): every Zarr v3
         # implementation reads uint8 and int64 (tensorstore has no string type). Small chunks and
         # the first filename of every block (heads) make a lookup one block read.
-        "filenames": _dims(array_meta((name_bytes,), (max(1, min(name_bytes, NAME_CHUNK_BYTES)),), "uint8", crc=True), ["filename_byte"]),
-        "filename_offsets": _dims(array_meta((n + 1,), (min(n + 1, NAME_OFFSETS_CHUNK),), "int64", crc=True), ["file_edge"]),
+        "filenames": _rows_meta(name_bytes, "uint8", ["filename_byte"], NAME_CHUNK_BYTES),
+        "filename_offsets": _rows_meta(n + 1, "int64", ["file_edge"], NAME_OFFSETS_CHUNK),
         "filename_heads": {
-            **_dims(_rows_meta(head_bytes, "uint8"), ["filename_head_byte"]),
+            **_rows_meta(head_bytes, "uint8", ["filename_head_byte"]),
             "attributes": {"spillmerge": {"names_per_head": NAME_BLOCK}},
         },
-        "filename_head_offsets": _dims(_rows_meta(n_heads + 1, "int64"), ["filename_head_edge"]),
-        "frame_offsets": _dims(_rows_meta(n + 1, "int64"), ["file_edge"]),
-        "file_layout": _dims(_rows_meta(n, "int32"), ["file"]),
-        "frame_idx": _dims(_rows_meta(rows, "int64"), ["row"]),
+        "filename_head_offsets": _rows_meta(n_heads + 1, "int64", ["filename_head_edge"]),
+        "frame_offsets": _rows_meta(n + 1, "int64", ["file_edge"]),
+        "file_layout": _rows_meta(n, "int32", ["file"]),
+        "frame_idx": _rows_meta(rows, "int64", ["row"]),
         # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
         # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).
-        "frame_rank": _dims(_rows_meta(rows, "int32"), ["row"]),
-        "frame_copies": _dims(_rows_meta(rows, "int32"), ["row"]),
+        "frame_rank": _rows_meta(rows, "int32", ["row"]),
+        "frame_copies": _rows_meta(rows, "int32", ["row"]),
     }  # fmt: skip
     for name, meta in index_meta.items():
         nodes[f"index/{name}"] = _array_doc(meta)
@@ -125,7 +125,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         dim[lst.path] = f"{lst.name}.item"
         nodes[f"lists/{lst.name}"] = GroupMetadata(attributes={"spillmerge": {"list": list(lst.path)}})
         edge = f"{dim[F.list_domain(lst.path[:-1])]}_edge"  # the list whose items hold these lists
-        nodes[f"lists/{lst.name}/offsets"] = _array_doc(_dims(_rows_meta(len(lst.offsets), "int64"), [edge]))
+        nodes[f"lists/{lst.name}/offsets"] = _array_doc(_rows_meta(len(lst.offsets), "int64", [edge]))
     for col in plan.columns:
         k = values_chunk(col, chunk_bytes)
         base = f"columns/{col.name}"
@@ -138,15 +138,15 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         nodes[base] = GroupMetadata(attributes={"spillmerge": col.header().to_obj()})
         nodes[f"{base}/values"] = _array_doc(meta)
         if col.offsets is not None:
-            nodes[f"{base}/offsets"] = _array_doc(_dims(_rows_meta(n_dom + 1, "int64"), [f"{row}_edge"]))
+            nodes[f"{base}/offsets"] = _array_doc(_rows_meta(n_dom + 1, "int64", [f"{row}_edge"]))
         if col.shapes is not None:
             shp = array_meta(
                 (n_dom, col.ndim), (max(1, min(n_dom, INDEX_ROWS_PER_CHUNK)), max(col.ndim, 1)), "int64", crc=True
             )
-            nodes[f"{base}/shapes"] = _array_doc(_dims(shp, [row, f"{col.name}.dims"]))
+            nodes[f"{base}/shapes"] = _array_doc({**shp, "dimension_names": [row, f"{col.name}.dims"]})
         for flag, has in (("valid", col.has_valid), ("none", col.has_none)):
             if has:
-                nodes[f"{base}/{flag}"] = _array_doc(_dims(_rows_meta(n_dom, "bool"), [row]))
+                nodes[f"{base}/{flag}"] = _array_doc(_rows_meta(n_dom, "bool", [row]))
     # Every node's zarr.json is built here and written in one concurrent batch; the consolidated
     # metadata is assembled from the same documents, so nothing is read back (zarr's own
     # create_hierarchy / consolidate_metadata cost one or more requests per node).
@@ -182,12 +182,11 @@ def _array_doc(meta: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _rows_meta(n: int, dtype: str) -> dict[str, Any]:
-    return array_meta((n,), (max(1, min(n, INDEX_ROWS_PER_CHUNK)),), dtype, crc=True)
-
-
-def _dims(meta: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    return {**meta, "dimension_names": names}
+def _rows_meta(n: int, dtype: str, dims: list[str], chunk: int | None = None) -> dict[str, Any]:
+    """A 1-d array of ``n`` elements, ``chunk`` (default ``INDEX_ROWS_PER_CHUNK``, read when called) a
+    chunk, its dimension named ``dims``."""
+    k = max(1, min(n, chunk or INDEX_ROWS_PER_CHUNK))
+    return {**array_meta((n,), (k,), dtype, crc=True), "dimension_names": dims}
 
 
 def json_doc(doc: dict[str, Any]) -> bytes:

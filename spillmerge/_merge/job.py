@@ -17,7 +17,7 @@ from . import lease as _lease
 from . import opening as _opening
 from . import ownership as _output
 from . import scaleout as _scaleout
-from .copy import units
+from .copy import copy_units, units
 from .options import DEFAULT_MEMORY_BUDGET, DEFAULT_PLAN_BUDGET, MergeOptions
 from .report import MergeReport, plan_lookup
 
@@ -184,7 +184,7 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
                     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
                 with job.phase("copy"):
                     todo = units(job.plan, job.options.chunk_bytes)
-                    _opening.copy(job, todo)
+                    copy_units(job, todo)
                 with job.phase("index"):
                     chunks = _indexchunks.index_chunks(job.plan, docs)
                     _indexchunks.write(job.output, chunks, threads=_opening.copy_threads(job, todo))

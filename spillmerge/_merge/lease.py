@@ -80,9 +80,11 @@ def _locked(fd: int) -> bool:
 
 
 class Lease:
-    """A held lease on an output; see the module docstring. Use :meth:`acquire`."""
+    """A held lease on an output; see the module docstring."""
 
-    def __init__(self, output: Storage, name: str, role: str, exclusive: bool, ttl: float) -> None:
+    def __init__(self, output: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> None:
+        """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
+        :class:`OutputBusyError` naming every holder in the way."""
         self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, ttl
         self.holder = Holder(
             owner=uuid.uuid4().hex,
@@ -97,19 +99,11 @@ class Lease:
         self._lost: str | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        if not (output.local and self._acquire_flock()):
+            output.makedirs(LEASE_DIR)
+            self._acquire_object()
 
     # ------------------------------------------------------------------------------ acquire
-    @classmethod
-    def acquire(cls, output: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> Lease:
-        """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
-        :class:`OutputBusyError` naming every holder in the way."""
-        lease = cls(output, name, role, exclusive, ttl)
-        if output.local and lease._acquire_flock():
-            return lease
-        output.makedirs(LEASE_DIR)
-        lease._acquire_object()
-        return lease
-
     def _rel(self, name: str, ext: str) -> str:
         return f"{LEASE_DIR}/{name}.{ext}"
 
@@ -134,15 +128,6 @@ class Lease:
             )
         return fd
 
-    def _make_lease_dir(self) -> None:
-        try:
-            os.makedirs(self.output.path(LEASE_DIR), exist_ok=True)
-        except FileExistsError:
-            pass  # made, then tidied away by a finishing holder between two steps of makedirs: retried
-        except OSError as exc:
-            where = self.output.describe(LEASE_DIR)
-            raise SpillStorageError(f"cannot create {where}: {exc.strerror}", path=where) from exc
-
     def _acquire_flock(self) -> bool:
         """Local disks: flock the holder's own file, then the output's. False when the filesystem
         has no working flock (the caller falls back to lease objects).
@@ -155,7 +140,13 @@ class Lease:
         for attempt in range(_ATTEMPTS):
             if attempt:
                 time.sleep(min(0.005 * attempt, 0.05))
-            self._make_lease_dir()
+            try:
+                os.makedirs(self.output.path(LEASE_DIR), exist_ok=True)
+            except FileExistsError:
+                pass  # made, then tidied away by a finishing holder between two steps of makedirs: retried
+            except OSError as exc:
+                where = self.output.describe(LEASE_DIR)
+                raise SpillStorageError(f"cannot create {where}: {exc.strerror}", path=where) from exc
             outcome = self._flock_all()
             if outcome is False:
                 return False
@@ -372,7 +363,7 @@ _MERGE = "merge"
 
 def whole(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of a one-process merge: exclusive."""
-    return Lease.acquire(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
+    return Lease(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
 
 
 def part_name(i: int, n: int) -> str:
@@ -382,7 +373,7 @@ def part_name(i: int, n: int) -> str:
 
 def part(output: Storage, i: int, n: int, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of part ``i`` of ``n``: shared with other parts and finalize, exclusive by name."""
-    return Lease.acquire(output, name=part_name(i, n), role=f"part {i}/{n}", exclusive=False, ttl=ttl)
+    return Lease(output, name=part_name(i, n), role=f"part {i}/{n}", exclusive=False, ttl=ttl)
 
 
 def held(output: Storage, name: str) -> bool:
@@ -409,4 +400,4 @@ def held(output: Storage, name: str) -> bool:
 
 def finalize(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
     """The lease of a finalize: shared with parts, exclusive with another finalize."""
-    return Lease.acquire(output, name="finalize", role="finalize", exclusive=False, ttl=ttl)
+    return Lease(output, name="finalize", role="finalize", exclusive=False, ttl=ttl)

@@ -27,7 +27,6 @@ from . import lease as _lease
 from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
-from .copy import copy_units
 from .options import MergeOptions
 from .outputchunk import Unit
 from .plan import Plan, build, fingerprint
@@ -287,13 +286,6 @@ def copy_threads(job: Job, todo: list[Unit]) -> int:
     """The copy and index threads for ``todo``: 1 for a small merge between local storages."""
     small = job.src.local and job.output.local and sum(u.nbytes for u in todo) <= SMALL_MERGE_BYTES
     return 1 if small else job.threads
-
-
-def copy(job: Job, todo: list[Unit]) -> None:
-    copy_units(
-        job.src, job.output, job.plan, todo, codec=job.options.codec, memory_budget=job.options.memory_budget,
-        threads=copy_threads(job, todo), progress=job.options.progress, fsync=job.options.fsync,
-    )  # fmt: skip
 
 
 def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> None:

@@ -135,51 +135,37 @@ class OutputChunk:
         return _Touched(rows, first - a, stop - a, (first - lo) * ub)
 
     def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
-        """The whole stored bytes of each of ``rows`` as uint8 arrays (views of the page cache on
-        local disks, else one batched read into a scratch buffer), each checked against its
+        """The whole stored bytes of each of ``rows`` as uint8 arrays, each checked against its
         CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers.
-        ``crcs_out`` (local disks): filled with each row's CRC-32C, computed once, for the check and
-        for the output chunk's CRC alike."""
+        On a local disk each data chunk object is mapped once per output chunk and a row within one
+        object is a slice of it (the many-keys case: millions of small rows, where a lookup per row
+        would dominate), and ``crcs_out`` is filled with each row's CRC-32C, computed once, for the
+        check and for the output chunk's CRC alike (a row checked by a block then goes to
+        ``pending`` instead of reading its block). Elsewhere: one batched read into a scratch buffer."""
         plan = self.plan
-        e = np.asarray(self.col.src[rows], dtype=np.int64)
+        ent = np.asarray(self.col.src[rows], dtype=np.int64)
         ents, segs, offs, sizes, crcs = (
-            x.tolist() for x in (e, plan.seg[e], plan.offset[e], plan.nbytes[e], plan.crc[e])
+            x.tolist() for x in (ent, plan.seg[ent], plan.offset[ent], plan.nbytes[ent], plan.crc[ent])
         )
-        if self.src.local:
-            return self._local_rows(rows.tolist(), ents, segs, offs, sizes, crcs, out_crcs=crcs_out)
-        buf = _scratch(sum(sizes), "rows")
-        pieces = []
-        for s, off, n in zip(segs, offs, sizes, strict=True):
-            pieces.extend(data_ranges(plan.segments[s], off, n))
-        self.src.read_into(pieces, buf.data)
-        out, pos = [], 0
-        for r, e_, s, n, crc in zip(rows.tolist(), ents, segs, sizes, crcs, strict=True):
-            v = buf[pos : pos + n]
-            if crc < 0:  # checked by its block: read and verify the block once per merge
-                if (s, crc) not in self.checked:
-                    try:
-                        verify_block(self.src, plan.segments[s], crc)
-                    except CorruptSpillError:
-                        self._mismatch(r, e_, crc)
-                    self.checked.add((s, crc))
-            elif _crc.value(v) != crc:
-                self._mismatch(r, e_)
-            out.append(v)
-            pos += n
-        return out
-
-    def _local_rows(
-        self, rows: list[int], ents: list[int], segs: list[int], offs: list[int], sizes: list[int], crcs: list[int],
-        out_crcs: list[int] | None = None,
-    ) -> list[np.ndarray]:  # fmt: skip
-        """:meth:`_rows` on a local disk: each data chunk object is mapped once per output chunk
-        and a row within one object is a slice of it (the many-keys case: millions of small
-        rows, where a lookup per row would dominate). ``out_crcs``: see :meth:`_rows`; a row
-        checked by a block then goes to ``pending`` instead of reading its block."""
-        plan = self.plan
-        maps: dict[tuple[int, int], np.ndarray] = {}
         out = []
-        for r, e, s, off, n, crc in zip(rows, ents, segs, offs, sizes, crcs, strict=True):
+        if not self.src.local:
+            buf = _scratch(sum(sizes), "rows")
+            pieces = []
+            for s, off, n in zip(segs, offs, sizes, strict=True):
+                pieces.extend(data_ranges(plan.segments[s], off, n))
+            self.src.read_into(pieces, buf.data)
+            pos = 0
+            for r, e, s, n, crc in zip(rows.tolist(), ents, segs, sizes, crcs, strict=True):
+                row = buf[pos : pos + n]
+                if crc < 0:  # checked by its block: read and verify the block once per merge
+                    self.check_block(s, crc, r, e)
+                elif _crc.value(row) != crc:
+                    self._mismatch(r, e)
+                out.append(row)
+                pos += n
+            return out
+        maps: dict[tuple[int, int], np.ndarray] = {}
+        for r, e, s, off, n, crc in zip(rows.tolist(), ents, segs, offs, sizes, crcs, strict=True):
             seg = plan.segments[s]
             cb = seg.chunk_bytes
             c = off // cb
@@ -194,26 +180,31 @@ class OutputChunk:
                 row = whole[lo : lo + n]
                 if len(row) != n:  # the object is shorter than the index says
                     self.src.view(f"{seg.seg.rel}/data/c/{c}", lo, lo + n)  # raises TruncatedObjectError
-            v = _crc.value(row) if out_crcs is not None or crc >= 0 else 0
-            if out_crcs is not None:  # one CRC of the row: its check and the output's CRC
-                out_crcs.append(v)
+            v = _crc.value(row) if crcs_out is not None or crc >= 0 else 0
+            if crcs_out is not None:  # one CRC of the row: its check and the output's CRC
+                crcs_out.append(v)
             if crc >= 0:
                 if v != crc:
                     self._mismatch(r, e)
-            elif out_crcs is None:  # checked by its block: once per merge
-                self.verify_block_local(s, crc, r, e)
+            elif crcs_out is None:  # checked by its block: once per merge
+                self.check_block(s, crc, r, e)
             elif (s, crc) not in self.checked:
                 self.pending.add(self, s, crc, r, e, off, v, n)
             out.append(row)
         return out
 
-    def verify_block_local(self, s: int, crc: int, r: int, e: int) -> None:
-        """Read and check block ``crc`` of segment ``s`` (local disk) unless checked already;
-        raise naming row ``r`` (plan entry ``e``) when it is short or does not match."""
+    def check_block(self, s: int, crc: int, r: int, e: int) -> None:
+        """Read and check block ``crc`` of segment ``s`` unless checked already; raise naming row
+        ``r`` (plan entry ``e``) when it does not match (on a local disk: or is short)."""
         if (s, crc) in self.checked:
             return
-        if not self._block_sound(s, crc):
-            seg = self.plan.segments[s]
+        seg = self.plan.segments[s]
+        if not self.src.local:
+            try:
+                verify_block(self.src, seg, crc)
+            except CorruptSpillError:
+                self._mismatch(r, e, crc)
+        elif not self._block_sound(s, crc):
             b_off, b_nb, _ = check_of(seg, crc)
             bc, b_lo = divmod(b_off, seg.chunk_bytes)
             self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
@@ -505,11 +496,11 @@ class PendingBlocks:
             if got == value and pos == b_off + b_nb:
                 self.checked.add(key)
                 return
-        job.verify_block_local(s, block, r, e)  # raises, naming the row, when the block is wrong
+        job.check_block(s, block, r, e)  # raises, naming the row, when the block is wrong
 
     def finish(self) -> None:
         """Check the blocks whose rows were not all copied by reading them."""
         for (s, block), (job, r, e, _, _) in sorted(self._blocks.items(), key=lambda kv: kv[0]):
             if (s, block) not in self.checked:
-                job.verify_block_local(s, block, r, e)
+                job.check_block(s, block, r, e)
         self._blocks.clear()

@@ -46,10 +46,6 @@ def write_failure(
         put(output, FO.PartFailureRecord.of(exc, part=part, parts=parts, plan=plan, rank=rank, run_id=run_id))
 
 
-def remove(output: Storage, part: int, parts: int, *, failed: bool) -> None:
-    output.rm_tree(record_name(part, parts, failed=failed))
-
-
 def _parse(output: Storage, name: str, raw: bytes) -> Record:
     where = output.describe(f"{PARTS_DIR}/{name}")
     m = _NAME_RE.fullmatch(name)

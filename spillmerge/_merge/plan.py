@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,28 +94,20 @@ class Plan:
         return len(self.frame_idx)
 
 
-SMALL_PLAN_ROWS = 1 << 18
-"""Index rows below which the sort runs on one thread: DuckDB's worker threads cost more to start
-than a small sort gains from them."""
-
-
 def build(
     segments: Iterable[LoadedSegment], on_duplicate: str = "error", *, same_bytes: SameBytes,
-    work_dir: str | None = None, memory_limit: int = DEFAULT_PLAN_BUDGET, threads: int | None = None,
+    work_dir: str | None = None, memory_limit: int = DEFAULT_PLAN_BUDGET,
 ) -> Plan:  # fmt: skip
     """The plan for ``segments`` (in write order). ``same_bytes`` is asked, only for duplicate keys
     whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
     ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
-    (``_merge.plansql``) under half of it (``_merge.plansql.engine_memory``), or in memory when
-    few (``_merge.plansql.in_memory``: starting DuckDB would cost more than the sort), with
-    ``threads`` threads (default: one for a small plan, else up to 4) and its temporary files in a
-    work folder under ``work_dir`` (default: the system's temporary folder), removed before this
-    returns. The other half: one segment's rows while it is inserted, one sorted batch, the small tables
-    (layouts, leaf paths, the distinct filenames); then the per-row arrays of the plan (maps of
-    files, not anonymous memory, beyond ``_merge.plansql.MAPPED_ROWS`` rows) and the numpy temporaries
-    of the steps below, which are per-row (a few int64 arrays of the plan's rows at a time)."""
+    (``_merge.plansql``) under half of it, or in memory when few (``_merge.plansql.in_memory``),
+    its temporary files in a work folder under ``work_dir`` (default: the system's temporary
+    folder), removed before this returns. The other half: one segment's rows, one sorted batch, the
+    small tables; then the plan's per-row arrays (maps of files beyond
+    ``_merge.plansql.MAPPED_ROWS`` rows) and the per-row numpy temporaries of the steps below."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     segments = list(segments)
@@ -141,18 +132,16 @@ def build(
         pos = {p: i for i, p in enumerate(leaf_paths)}
         return np.array([pos[p] for p in raw_lp], dtype=np.int64)
 
-    def resolve(rows: dict[str, np.ndarray], names: Sequence[str]) -> tuple[np.ndarray, int]:
-        return resolve_duplicates(rows, names, segments, on_duplicate, same_bytes)
+    def resolve(rows: dict[str, np.ndarray], name_of: Callable[[int], str]) -> tuple[np.ndarray, int]:
+        return resolve_duplicates(rows, name_of, segments, on_duplicate, same_bytes)
 
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
         if _plansql.in_memory(n_index, memory_limit):
             srt = gc_paused(_plansql.sort_rows_in_memory, segments, layout_ids, lp_order, resolve)
         else:
-            if threads is None:
-                threads = 1 if n_index < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
             srt = _plansql.sort_rows(
-                segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, threads=threads, folder=folder()
+                segments, layout_ids, lp_order, resolve, memory_limit=memory_limit, folder=folder()
             )
         return _assemble(srt, segments, layouts, leaf_paths, functools.partial(_plansql.alloc, folder))
 
@@ -233,7 +222,7 @@ def _assemble(
 
 def resolve_duplicates(
     c: dict[str, np.ndarray],
-    names: Sequence[str],
+    name_of: Callable[[int], str],
     segments: list[LoadedSegment],
     on_duplicate: str,
     same_bytes: SameBytes,
@@ -270,7 +259,7 @@ def resolve_duplicates(
             }
             identical = all(same_bytes(ext[seg_ids[0]], ext[s]) for s in seg_ids[1:])
         if not identical and on_duplicate == "error":
-            fname, frame = names[int(c["file"][a])], int(c["frame"][a])
+            fname, frame = name_of(int(c["file"][a])), int(c["frame"][a])
             ranks = sorted({segments[s].seg.rank for s in seg_ids})
             raise DuplicateFrameError(
                 f"frame {frame} of {fname!r:.200} was written with different content by rank(s) {ranks} "

@@ -4,7 +4,7 @@ by side. The errors are those ``_spill.root.load_segment`` gives a segment read 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ def corrupt(s: Any, msg: str, rel: str) -> CorruptSpillError:
     return CorruptSpillError(f"{s.seg.rel}/{rel}: {msg}", rank=s.seg.rank)
 
 
-def twice(c: dict[str, np.ndarray], segments: Sequence[Any], names: Sequence[str]) -> None:
+def twice(c: dict[str, np.ndarray], segments: Sequence[Any], name_of: Callable[[int], str]) -> None:
     """Sorted rows ``c`` (file, frame, segment, leaf path, and ``lf``: the row's file number in
     its segment's catalog): two rows of one segment with the same key and leaf are a frame the
     index lists twice, or, when their catalog numbers differ, a name the catalog lists twice."""
@@ -36,7 +36,7 @@ def twice(c: dict[str, np.ndarray], segments: Sequence[Any], names: Sequence[str
     s = segments[int(sg[i])]
     if c["lf"][i] != c["lf"][i + 1]:
         raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
-    raise corrupt(s, f"index lists frame {int(fr[i])} of {names[int(f[i])]!r:.200} twice", FS.INDEX_NAME)
+    raise corrupt(s, f"index lists frame {int(fr[i])} of {name_of(int(f[i]))!r:.200} twice", FS.INDEX_NAME)
 
 
 def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stamp: np.ndarray) -> None:

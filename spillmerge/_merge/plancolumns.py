@@ -265,6 +265,7 @@ def variant_groups(
         weak_parts.append(a + np.flatnonzero(cb < 0))
     weak = np.concatenate(weak_parts)
     del weak_parts
+    sigs = sorted(sig_code, key=sig_code.__getitem__)  # kept in step with sig_code below
     if len(weak):
         n_lp, n_sig = len(leaf_paths), max(len(sig_code), 1)
         definite = code >= 0
@@ -273,7 +274,6 @@ def variant_groups(
         leaf_codes: dict[int, set[int]] = {}
         for k in distinct(c["lp"][definite] * n_sig + code[definite]).tolist():
             leaf_codes.setdefault(k // n_sig, set()).add(k % n_sig)
-        sigs = sorted(sig_code, key=sig_code.__getitem__)
         weak_gl = c["gl"][weak]
         # empty numeric rows first: a leaf whose only variant is theirs then takes its None rows too
         for g in sorted(distinct(weak_gl).tolist(), key=lambda g: layouts[g].dtype == "none"):
@@ -319,12 +319,11 @@ def variant_groups(
         group[a:b] = number[c["lp"][a:b] * n_codes + code[a:b]]
     del seen, number
     by_leaf: dict[int, list[tuple[str, str, int]]] = {}
-    sigs_all = sorted(sig_code, key=sig_code.__getitem__)
     for k in uniq.tolist():
-        by_leaf.setdefault(k // n_codes, []).append(sigs_all[k % n_codes])
+        by_leaf.setdefault(k // n_codes, []).append(sigs[k % n_codes])
     groups: list[tuple[int, str | None]] = []
     for k in uniq.tolist():
-        p, sig = k // n_codes, sigs_all[k % n_codes]
+        p, sig = k // n_codes, sigs[k % n_codes]
         variants = by_leaf[p]
         if len(variants) == 1:
             groups.append((p, None))
@@ -361,15 +360,6 @@ def plan_column(
 ) -> PlannedColumn:  # fmt: skip
     """The column of one leaf path from the row table positions of its present rows (a block of
     rows at a time; per-row arrays from ``new``)."""
-    n_present, has_none = 0, False
-    lay_ids = np.zeros(0, np.int64)
-    for a, b in blocks(n_rows):
-        s = np.asarray(src[a:b])
-        p = s >= 0
-        n_present += int(np.count_nonzero(p))
-        has_none = has_none or bool((s == NONE).any())
-        lay_ids = distinct(np.concatenate([lay_ids, distinct(c["gl"][s[p]])]))
-    has_valid = n_present < n_rows
 
     def each() -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
         """Per block of rows: its bounds, which rows are present and their layouts."""
@@ -378,6 +368,13 @@ def plan_column(
             p = s >= 0
             yield a, b, p, c["gl"][s[p]]
 
+    n_present = 0
+    lay_ids = np.zeros(0, np.int64)
+    for _, _, p, gl in each():
+        n_present += int(np.count_nonzero(p))
+        lay_ids = distinct(np.concatenate([lay_ids, distinct(gl)]))
+    has_valid = n_present < n_rows
+    has_none = has_valid and any(bool((np.asarray(src[a:b]) == NONE).any()) for a, b in blocks(n_rows))
     lays = [layouts[int(g)] for g in lay_ids]
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]

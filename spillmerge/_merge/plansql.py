@@ -39,6 +39,10 @@ THREAD_MEMORY = 128 << 20
 """DuckDB's memory limit per sort thread, at the least: each thread's sort buffers come beside the
 limit."""
 
+SMALL_PLAN_ROWS = 1 << 18
+"""Index rows below which the sort runs on one thread: DuckDB's worker threads cost more to start
+than a small sort gains from them."""
+
 ENGINE_SHARE = 2
 """DuckDB's memory limit is the plan budget divided by this: the rest holds what Python keeps
 beside the engine (the sorted batch, the filenames, the plan's per-row steps after the sort)."""
@@ -65,9 +69,9 @@ COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
 """The row table's int64 columns (``_merge.plan``'s names): file number, frame, leaf path, global
 layout, segment, byte offset, byte length, CRC-32C."""
 
-Resolve = Callable[[dict[str, np.ndarray], Sequence[str]], tuple[np.ndarray, int]]
-"""``resolve(rows, names)``: the rows (sorted) of keys held by several segments and the names so
-far; returns which rows to keep and the copies dropped."""
+Resolve = Callable[[dict[str, np.ndarray], Callable[[int], str]], tuple[np.ndarray, int]]
+"""``resolve(rows, name_of)``: the rows (sorted) of keys held by several segments and the name of a
+file number so far; returns which rows to keep and the copies dropped."""
 
 
 @dataclass
@@ -152,11 +156,11 @@ def sort_rows(
     resolve: Resolve,
     *,
     memory_limit: int,
-    threads: int,
     folder: str,
 ) -> Sorted:
     """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
-    whose memory limit is ``engine_memory(memory_limit)``.
+    whose memory limit is ``engine_memory(memory_limit)``, on one thread for a small plan
+    (:data:`SMALL_PLAN_ROWS`), else up to 4.
 
     ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
     layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
@@ -196,7 +200,8 @@ def sort_rows(
     # Threads and memory in the connection's config: a connection made with defaults starts a
     # worker per core before any SET could say otherwise.
     limit = engine_memory(memory_limit)
-    threads = max(1, min(int(threads), limit // THREAD_MEMORY))
+    threads = 1 if sum(s.n_rows for s in segments) < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
+    threads = max(1, min(threads, limit // THREAD_MEMORY))
     con = duckdb.connect(config={"threads": threads, "memory_limit": f"{limit}B"})
     try:
         con.execute(f"SET temp_directory = '{_quoted(os.path.join(folder, 'tmp'))}'")
@@ -210,7 +215,7 @@ def sort_rows(
             f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
         ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
         try:
-            return _collect(reader, resolve, folder, n_names, segments)
+            return _collect(_from_arrow(reader), resolve, folder, n_names, segments)
         except (duckdb.OutOfMemoryException, OSError) as exc:
             # DuckDB's limit met while the Arrow reader pulls a batch comes as an OSError
             if not isinstance(exc, duckdb.OutOfMemoryException) and "Out of Memory" not in str(exc):
@@ -232,7 +237,7 @@ def _segment_rows(
     si: int, s: LoadedSegment, layout_ids: Callable[[LoadedSegment], tuple[np.ndarray, np.ndarray]],
     st: Any = None,
 ) -> Iterator[Any]:  # fmt: skip
-    """Segment number ``si``'s index rows as the Arrow tables both sorts take, :data:`BATCH` rows
+    """Segment number ``si``'s index rows as the Arrow tables DuckDB sorts, :data:`BATCH` rows
     at a time (none when it has none): name bytes, frame, raw leaf path, global layout, segment,
     extent, local file number. ``layout_ids`` is called for every segment, an empty one too.
     A batch at a time: the columns of every row of a large segment (~70 B a row beside its
@@ -248,7 +253,8 @@ def _segment_rows(
         batches = s.rows(BATCH)  # type: ignore[attr-defined]
     else:
         idx = s.index
-        names = _names_array(s.filenames)
+        t = table_of(s.filenames)  # the names' UTF-8 bytes (``surrogatepass``)
+        names = pa.Array.from_buffers(pa.large_binary(), len(t), [None, pa.py_buffer(t.offsets), pa.py_buffer(t.data)])
         batches = (idx[a : a + BATCH] for a in range(0, len(idx), BATCH))
     for ib in batches:
         cols = {"fname": names.take(_i64(ib[:, FS.COL_FILE]))}
@@ -280,14 +286,6 @@ def _i64(a: np.ndarray) -> Any:
 
     a = np.ascontiguousarray(a, dtype=np.int64)
     return pa.Array.from_buffers(pa.int64(), len(a), [None, pa.py_buffer(a)])
-
-
-def _names_array(names: list[str]) -> Any:
-    """The Arrow binary array of ``names``' UTF-8 bytes (``surrogatepass``)."""
-    import pyarrow as pa
-
-    t = table_of(names)
-    return pa.Array.from_buffers(pa.large_binary(), len(t), [None, pa.py_buffer(t.offsets), pa.py_buffer(t.data)])
 
 
 def _binary_parts(col: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -364,49 +362,55 @@ class _Spool:
         # unlinked with the folder, its pages stay file-backed while the map lives
         return np.memmap(self._path(name), dtype=dtype, mode="r" if dtype == np.uint8 else "c", shape=(n,))
 
-
-class _SpooledNames(Sequence[str]):
-    """The names spooled so far, for a message about a duplicated key (read back from the files)."""
-
-    def __init__(self, spool: _Spool) -> None:
-        self.spool = spool
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: Any) -> Any:
-        if self.spool.folder is None:
-            off = np.concatenate(self.spool.parts["name_off"])[int(i) : int(i) + 2]
-            data = np.concatenate(self.spool.parts["names.u8"])
+    def name(self, i: int) -> str:
+        """Name ``i`` of those spooled so far, for a message about a duplicated key (read back)."""
+        if self.folder is None:
+            off = np.concatenate(self.parts["name_off"])[i : i + 2]
+            data = np.concatenate(self.parts["names.u8"])
             return data[int(off[0]) : int(off[1])].tobytes().decode("utf-8", "surrogatepass")
-        for f in self.spool.files.values():
+        for f in self.files.values():
             f.flush()
-        off = np.fromfile(os.path.join(self.spool.folder, "name_off.i8"), dtype=np.int64, count=2, offset=8 * int(i))
-        with open(os.path.join(self.spool.folder, "names.u8"), "rb") as f:
+        off = np.fromfile(self._path("name_off"), dtype=np.int64, count=2, offset=8 * i)
+        with open(self._path("names.u8"), "rb") as f:
             f.seek(int(off[0]))
             return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
 
 
+Batch = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]
+"""A block of sorted rows: which rows start a new filename, the new names' UTF-8 bytes and offsets,
+and the int64 columns (``COLUMNS`` but ``file``, and ``lf``: the row's file number in its segment)."""
+
+
+def _from_arrow(reader: Any) -> Iterator[Batch]:
+    """DuckDB's sorted Arrow batches as :func:`_collect` takes them (a batch's first name is
+    compared with the last one of the batch before)."""
+    last_name: bytes | None = None
+    for batch in reader:
+        if not batch.num_rows:
+            continue
+        col = batch.column(0)
+        data, off = _binary_parts(col)
+        new_name = _name_starts(col)
+        new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
+        last_name = data[int(off[-2]) : int(off[-1])].tobytes()
+        fdata, foff = _binary_parts(col.take(_i64(np.flatnonzero(new_name))))
+        yield new_name, fdata, foff, {k: _ints(batch.column(j)) for j, k in enumerate((*COLUMNS[1:], "lf"), 1)}
+
+
 def _collect(
-    reader: Any, resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = (),
-    new_names: np.ndarray | None = None,
-) -> Sorted:  # fmt: skip
+    batches: Iterable[Batch], resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = ()
+) -> Sorted:
     """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
     names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
     filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
-    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``).
-    ``new_names``: for one batch, which rows start a new name, known already (the in-memory
-    sort), so no Arrow kernel compares them."""
-
+    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
     np.cumsum(n_names, out=base[1:])
     file_ids = alloc(folder, "file_ids", int(base[-1]), np.int64, fill=-1)
     spool = _Spool(folder)
-    names = _SpooledNames(spool)
+    n_distinct = 0  # names spooled so far
     spool.append("name_off", np.zeros(1, np.int64))
     name_bytes = 0
-    last_name: bytes | None = None
     carry: dict[str, np.ndarray] | None = None
     n_kept = duplicates = 0
 
@@ -432,7 +436,7 @@ def _collect(
         dup = copies > 1
         if dup.any():
             rows = np.flatnonzero(dup)
-            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, names)
+            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, spool.name)
             duplicates += dropped
             keep = np.ones(n, dtype=bool)
             keep[rows] = keep_dup
@@ -444,42 +448,25 @@ def _collect(
         n_kept += len(copies)
         return rest
 
-    for batch in reader:
-        if not batch.num_rows:
-            continue
-        col = batch.column(0)
-        data, off = _binary_parts(col)
-        new_name = _name_starts(col) if new_names is None else new_names
-        new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
-        starts = np.flatnonzero(new_name)
-        if len(starts):
-            if new_names is not None:  # one batch of few rows: sliced by numpy
-                fdata, foff = _slices(data, off, starts)
-            else:
-                fdata, foff = _binary_parts(col.take(_i64(starts)))
-            spool.append("names.u8", fdata)
-            spool.append("name_off", name_bytes + foff[1:])
-            name_bytes += int(foff[-1])
-        first = names.n
-        names.n += len(starts)
-        last_name = data[int(off[-2]) : int(off[-1])].tobytes()
-        c = {"file": first - 1 + np.cumsum(new_name, dtype=np.int64)}
-        for j, k in enumerate(COLUMNS[1:], start=1):
-            c[k] = _ints(batch.column(j))
-        c["lf"] = _ints(batch.column(len(COLUMNS)))
+    for new_name, fdata, foff, cols in batches:
+        spool.append("names.u8", fdata)
+        spool.append("name_off", name_bytes + foff[1:])
+        name_bytes += int(foff[-1])
+        c = {"file": n_distinct - 1 + np.cumsum(new_name, dtype=np.int64), **cols}
+        n_distinct += len(foff) - 1
         file_ids[base[c["seg"]] + c["lf"]] = c["file"]
         if carry is not None:
             c = {k: np.concatenate([carry[k], c[k]]) for k in c}
         if segments:
-            plancheck.twice(c, segments, names)
+            plancheck.twice(c, segments, spool.name)
         carry = flush(c, final=False)
     if carry is not None and len(carry["file"]):
         flush(carry, final=True)
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
     if any(getattr(s, "stream", None) is not None for s in segments):
-        plancheck.distinct_names(segments, ids, alloc(folder, "stamp", names.n, np.int32, fill=-1))
-    table = NameTable(spool.done("names.u8", name_bytes), spool.done("name_off", names.n + 1))
+        plancheck.distinct_names(segments, ids, alloc(folder, "stamp", n_distinct, np.int32, fill=-1))
+    table = NameTable(spool.done("names.u8", name_bytes), spool.done("name_off", n_distinct + 1))
     return Sorted(table, rows, spool.done("copies", n_kept), duplicates, ids)
 
 
@@ -505,10 +492,8 @@ def sort_rows_in_memory(
 ) -> Sorted:
     """:func:`sort_rows` for few rows (:func:`in_memory`): the same order
     (names as UTF-8 bytes in byte order, as DuckDB sorts them; then frame, segment, leaf path)
-    by a numpy ``lexsort``, collected the same way, into arrays in memory, with no Arrow compute
-    kernel (whose import is slow). Memory: the rows, a few times over."""
-    import pyarrow as pa
-
+    by a numpy ``lexsort``, collected the same way into arrays in memory, without Arrow (whose
+    compute kernels are slow to import). Memory: the rows, a few times over."""
     n_names: list[int] = []
     parts: list[dict[str, np.ndarray]] = []
     encoded: list[list[bytes]] = []
@@ -530,22 +515,11 @@ def sort_rows_in_memory(
     lp = lp_order()[rows["rlp"]]
     order = np.lexsort((lp, rows["seg"], rows["frame"], rank))  # stable: ties keep their order
     rank = rank[order]
-    lengths = np.array([len(n) for n in distinct], dtype=np.int64)[rank]
-    offsets = np.zeros(len(rank) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    data = b"".join([distinct[r] for r in rank.tolist()])
-    fname = pa.Array.from_buffers(pa.large_binary(), len(rank), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    new_name = np.ones(len(rank), dtype=bool)
+    new_name[1:] = rank[1:] != rank[:-1]
+    names = [distinct[r] for r in rank[new_name].tolist()]
+    foff = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum([len(n) for n in names], out=foff[1:])
     rows["lp"] = lp
-    cols = [*COLUMNS[1:], "lf"]
-    batch = pa.RecordBatch.from_arrays([fname, *(_i64(rows[k][order]) for k in cols)], names=["fname", *cols])
-    new_names = np.ones(len(rank), dtype=bool)
-    new_names[1:] = rank[1:] != rank[:-1]
-    return _collect([batch], resolve, None, n_names, new_names=new_names)
-
-
-def _slices(data: np.ndarray, off: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes and offsets of items ``which`` of the byte strings ``data`` / ``off``."""
-    lo, lengths = off[which], off[which + 1] - off[which]
-    out_off = np.zeros(len(which) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out_off[1:])
-    return data[np.repeat(lo - out_off[:-1], lengths) + np.arange(out_off[-1])], out_off
+    cols = {k: rows[k][order] for k in (*COLUMNS[1:], "lf")}
+    return _collect([(new_name, np.frombuffer(b"".join(names), np.uint8), foff, cols)], resolve, None, n_names)

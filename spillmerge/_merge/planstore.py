@@ -127,7 +127,7 @@ def rebuild(
 def _planner_lease(output: Storage) -> _lease.Lease | None:
     """The ``planner`` lease, or None while another process holds it."""
     try:
-        return _lease.Lease.acquire(output, name=PLANNER, role="planner", exclusive=False)
+        return _lease.Lease(output, name=PLANNER, role="planner", exclusive=False)
     except OutputBusyError:
         return None
 

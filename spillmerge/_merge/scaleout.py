@@ -16,7 +16,7 @@ from . import opening as _opening
 from . import ownership as _output
 from . import parts as _parts
 from . import planstore as _planstore
-from .copy import split, units
+from .copy import copy_units, split, units
 from .plan import fingerprint
 from .report import MergeReport
 
@@ -65,9 +65,9 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
         )
     lease.check()
     for r in foreign:  # overwrite: an older merge's records; its arrays are replaced or pruned at finalize
-        _parts.remove(output, r.part, r.parts, failed=False)
-    _parts.remove(output, i, n, failed=False)
-    _parts.remove(output, i, n, failed=True)  # a failure record of an earlier attempt of this part
+        output.rm_tree(_parts.record_name(r.part, r.parts))
+    output.rm_tree(_parts.record_name(i, n))
+    output.rm_tree(_parts.record_name(i, n, failed=True))  # a failure record of an earlier attempt of this part
     try:
         with job.phase("metadata"):
             docs = job.docs()
@@ -76,7 +76,7 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
         # Chunks an earlier attempt of this part left are rewritten whole below, values and this
         # part's share of the index chunks (``_merge.index``); the documents are the finalizer's.
         with job.phase("copy"):
-            _opening.copy(job, mine)
+            copy_units(job, mine)
         with job.phase("index"):
             share = _indexchunks.share(_indexchunks.index_chunks(job.plan, docs), i, n)
             _indexchunks.write(output, share, threads=job.threads)

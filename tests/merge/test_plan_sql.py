@@ -61,7 +61,7 @@ def test_a_plan_larger_than_its_memory_limit_is_built_out_of_core_and_equals_the
         return collect(batches(), resolve, folder, n_names, *rest)
 
     monkeypatch.setattr(_plansql, "_collect", watched)
-    small = plan_of(tmp_path / "s", memory_limit=32 << 20, threads=1, work_dir=str(tmp_path / "w"))
+    small = plan_of(tmp_path / "s", memory_limit=32 << 20, work_dir=str(tmp_path / "w"))
     assert any("storage" in name for name in spilled), spilled  # the sort went out of core
     monkeypatch.setattr(_plansql, "_collect", collect)
     large = plan_of(tmp_path / "s", memory_limit=1 << 30)
