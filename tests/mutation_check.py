@@ -345,6 +345,14 @@ MUTATIONS: list[Mutation] = [
         "whole arrays are read chunk by chunk: a declared 2**40 rows allocates nothing",
     ),
     Mutation(
+        "duplicates-compare-layouts",
+        "spillmerge/_merge/plan.py",
+        '(int(c["lp"][r]), int(c["nb"][r]), layouts[c["gl"][r]].dtype, layouts[c["gl"][r]].shape)',
+        '(int(c["lp"][r]), int(c["nb"][r]))',
+        ("tests/merge/test_duplicate_attribution.py::test_copies_of_the_same_bytes_but_another_dtype_shape_or_kind_are_different_content",),
+        "copies of a frame with the same bytes but another dtype, shape or kind are different content",
+    ),
+    Mutation(
         "none-row-has-no-value",
         "spillmerge/_read/index.py",
         "    if none is not None and np.any(none & has):",

@@ -133,7 +133,7 @@ def build(
         return np.array([pos[p] for p in raw_lp], dtype=np.int64)
 
     def resolve(rows: dict[str, np.ndarray], name_of: Callable[[int], str]) -> tuple[np.ndarray, int]:
-        return resolve_duplicates(rows, name_of, segments, on_duplicate, same_bytes)
+        return resolve_duplicates(rows, name_of, segments, on_duplicate, same_bytes, layouts)
 
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
@@ -226,10 +226,13 @@ def resolve_duplicates(
     segments: list[LoadedSegment],
     on_duplicate: str,
     same_bytes: SameBytes,
+    layouts: Sequence[FS.Layout],
 ) -> tuple[np.ndarray, int]:
     """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order:
     which to keep (one segment's per key) and how many copies are dropped. Keys are
-    decided in order: the first whose copies differ raises under ``on_duplicate='error'``."""
+    decided in order: the first whose copies differ raises under ``on_duplicate='error'``.
+    Copies are identical when their leaves have the same dtypes, shapes and bytes (``layouts``:
+    by global layout id; a dict's key order aside, as ``==`` has it)."""
     n = len(c["file"])
     new_key = np.ones(n, dtype=bool)
     new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
@@ -246,7 +249,10 @@ def resolve_duplicates(
         # A negative CRC names a block checksum, not the bytes: a leaf whose copies mix a row CRC
         # and a block pointer (write() and write_batch(), or one copy in a block of frames) is
         # compared by bytes; two row CRCs that differ prove different bytes.
-        sigs = {tuple((int(c["lp"][r]), int(c["nb"][r])) for r in rows) for rows in groups.values()}
+        sigs = {
+            tuple((int(c["lp"][r]), int(c["nb"][r]), layouts[c["gl"][r]].dtype, layouts[c["gl"][r]].shape) for r in rows)
+            for rows in groups.values()
+        }
         identical = len(sigs) == 1
         if identical:
             crcs = np.array([[int(c["crc"][r]) for r in rows] for rows in groups.values()], dtype=np.int64)

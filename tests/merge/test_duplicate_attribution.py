@@ -6,6 +6,8 @@ are listed in."""
 from __future__ import annotations
 
 import fsspec
+import numpy as np
+import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DistributedSampler
@@ -77,3 +79,29 @@ def test_different_content_follows_the_policy_in_write_order(tmp_path):
         res = spillmerge.open(str(tmp_path / policy))
         assert res.frame_ranks("a.png").tolist() == [rank], policy
         assert res["a.png"][0].tolist() == [float(rank)] * 2, policy
+
+
+def test_copies_of_the_same_bytes_but_another_dtype_shape_or_kind_are_different_content(tmp_path):
+    """Two ranks' copies of a frame are identical only when their leaves agree in dtype and shape
+    as well as bytes: zeros of float32 and of float64, a (4,) and a (2, 2) array, a str and its
+    bytes, None and [] are different content, refused under on_duplicate='error'; the same dict in
+    another key order is the same content (``==`` holds), merged as one copy."""
+    pairs = [
+        ({"a": np.zeros(2, np.float32)}, {"a": np.zeros(1, np.float64)}),
+        ({"a": np.zeros(4, np.uint8)}, {"a": np.zeros((2, 2), np.uint8)}),
+        ({"a": "ab"}, {"a": b"ab"}),
+        ({"a": None}, {"a": []}),
+    ]
+    for i, (first, second) in enumerate([*pairs, ({"a": 1, "b": "x"}, {"b": "x", "a": 1})]):
+        root, out = str(tmp_path / f"s{i}"), str(tmp_path / f"o{i}")
+        for rank, value in enumerate((first, second)):
+            with spillmerge.SpillWriter(root, rank=rank, world_size=2) as w:
+                w.write("f", 0, value)
+        if i < len(pairs):
+            with pytest.raises(spillmerge.DuplicateFrameError, match="frame 0 of 'f' was written with different"):
+                spillmerge.merge(root, out, progress=False)
+            rep = spillmerge.merge(root, out, on_duplicate="last", progress=False)
+            assert rep.n_frames == 1 and repr(spillmerge.open(out).value("f", 0)) == repr(second)
+        else:
+            spillmerge.merge(root, out, progress=False)
+            assert spillmerge.open(out).value("f", 0) == first
