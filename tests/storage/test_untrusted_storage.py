@@ -58,6 +58,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "ragged column offsets": ("out", "columns/m/offsets/c/0"),
     "ragged column shapes": ("out", "columns/m/shapes/c/0/0"),
     "column valid": ("out", "columns/o/valid/c/0"),
+    "column none": ("out", "columns/o/none/c/0"),
     "fixed column offsets": ("out", "columns/o/offsets/c/0"),
     "string column values": ("out", "columns/t/values/c/0"),
     "union type ids": ("out", "columns/u.str/valid/c/0"),
@@ -169,7 +170,7 @@ def _frame(i: int) -> dict[str, Any]:
     """Frame ``i``: every kind of column object of format 2 (docs/FORMAT.md section 2) — ``x`` and
     ``s`` fixed (``values`` only), ``m`` ragged in both dimensions (``values``, ``offsets``,
     ``shapes``), ``o`` fixed with absent rows (``values`` of the present rows, ``offsets``,
-    ``valid``), ``t`` a string column (vlen-utf8 ``values``); format 3: ``u`` a tensor or a str
+    ``valid``, and ``none`` for its None rows), ``t`` a string column (vlen-utf8 ``values``); format 3: ``u`` a tensor or a str
     (two variant columns whose ``valid`` are the type ids), ``l`` a mixed list (a ``pylist``
     header column; format 4: its list offsets, and its items' path, one column per variant)."""
     return {
@@ -333,7 +334,7 @@ def test_refusals_name_the_object(outcomes: dict[str, Any]) -> None:
 
 
 OUTPUT_ARRAYS = [kind for kind, (tree, pattern) in KINDS.items() if tree == "out" and "/c/" in pattern]
-"""The chunk kinds of a merged output: its index arrays and its columns' values, offsets, shapes, valid."""
+"""The chunk kinds of a merged output: its index arrays and its columns' values, offsets, shapes, valid, none."""
 
 
 def test_output_chunks_are_refused_naming_the_object(outcomes: dict[str, Any]) -> None:
@@ -351,7 +352,7 @@ def test_output_chunks_are_refused_naming_the_object(outcomes: dict[str, Any]) -
         "junk": "checksum do not match",
     }
     assert set(says) == set(ATTACKS)
-    assert {"index file_layout", "ragged column offsets", "ragged column shapes", "column valid",
+    assert {"index file_layout", "ragged column offsets", "ragged column shapes", "column valid", "column none",
             "fixed column offsets", "string column values"} <= set(OUTPUT_ARRAYS)  # fmt: skip
     bad = []
     for kind in OUTPUT_ARRAYS:
