@@ -177,7 +177,7 @@ class SegmentSteps:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
                 raise self._vanished(f"data chunk {c} {state}")
 
-    def _write_index(self) -> tuple[FS.CommitRecord, np.ndarray]:
+    def _write_index(self) -> FS.CommitRecord:
         self._check_segment()
         self._sync_rows()
         rows = self._rows[: self._n_rows]  # the writer takes no more rows: filled in place
@@ -226,7 +226,7 @@ class SegmentSteps:
             checks_crc32c=_crc.value(checks_bytes),
             finished=F.utcnow(),
         )
-        return record, rows
+        return record
 
     def close(self) -> None:
         """Flush everything and write the commit record. Idempotent."""
@@ -238,7 +238,7 @@ class SegmentSteps:
             self._state = WriterState.CLOSING
             try:
                 self._staging.finish()
-                record, _ = self._write_index()
+                record = self._write_index()
                 # Last look before the commit record vouches for the chunks: are they all still there?
                 self._check_segment(record.n_chunks, record.chunk_bytes)
                 self.storage.put_atomic(self._rel(FS.COMMIT_NAME), record.to_json())
