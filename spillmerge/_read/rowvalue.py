@@ -204,29 +204,13 @@ def _records(n: int, columns: list[tuple[str, Any]]) -> list[dict[str, Any]]:
 
 def records(keys: list[str], columns: list[Any]) -> list[dict[str, Any]]:
     """The dicts ``{keys[0]: columns[0][i], ...}`` for each row ``i``, in the keys' order (the
-    columns are equally long)."""
-    n = len(keys)
-    if not 0 < n <= _RECORD_KEYS:
-        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
-    return _records_builder(n)(*keys)(columns)  # type: ignore[no-any-return]
-
-
-_RECORD_KEYS = 64
-"""Records of at most this many keys are built by a dict display made for their key count."""
-
-
-@functools.lru_cache(maxsize=_RECORD_KEYS)
-def _records_builder(n: int) -> Any:
-    """``keys -> columns -> dicts`` for ``n`` keys: a comprehension of one dict display (``{k0:
-    v0, k1: v1, ...}``), faster than ``dict(zip(keys, row))``. The source holds only names made
-    from ``n``; the keys are bound as arguments, never written into it."""
-    ks = [f"k{i}" for i in range(n)]
-    vs = [f"v{i}" for i in range(n)]
-    display = ", ".join(f"{k}: {v}" for k, v in zip(ks, vs, strict=True))
-    src = f"def make({', '.join(ks)}):\n    return lambda columns: [{{{display}}} for {', '.join(vs)}, in zip(*columns)]\n"
-    space: dict[str, Any] = {}
-    exec(compile(src, f"<records of {n} keys>", "exec"), space)  # noqa: S102 - the source is made from n alone
-    return space["make"]
+    columns are equally long). Filled a column at a time: about twice as fast as
+    ``dict(zip(keys, row))`` a row at a time."""
+    rows: list[dict[str, Any]] = [{} for _ in columns[0]] if columns else []
+    for key, column in zip(keys, columns, strict=True):
+        for row, value in zip(rows, column, strict=True):
+            row[key] = value
+    return rows
 
 
 def static_builder(plan: RowPlan, order: Spec | None) -> Any:
