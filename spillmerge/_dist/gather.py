@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .._errors import CoordinationError, MergeFailedError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
+from .._util.gcpause import gc_paused
 from .._util.poll import poll
 from .._write.batch import mapping_items
 from .._write.writer import SpillWriter
@@ -96,7 +97,7 @@ def gather(
     # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
     opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
     with CallWriter(spill, rank, world_size, storage_options, **opts) as w:
-        _write_all(w, preds)
+        gc_paused(_write_all, w, preds)  # builds only acyclic lists and buffers
     # dst removes exactly the segments the output was merged from inside its merge (a segment of
     # a later call is never among them), before it tells the waiting ranks how the merge ended.
     merge_options = {"remove_spill": not keep_spill, **merge_options}

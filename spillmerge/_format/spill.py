@@ -341,6 +341,11 @@ def journal_name(chunk: int) -> str:
     return f"{JOURNAL_NAME}/{chunk:06d}"
 
 
+def encode_catalog(filenames: list[str], layouts: list[Layout]) -> bytes:
+    """A segment's catalog (docs/FORMAT.md "catalog")."""
+    return dumps({"filenames": filenames, "layouts": [lay.to_obj() for lay in layouts]})
+
+
 def encode_journal(
     chunk: int, file_base: int, files: list[str], layout_base: int, layouts: list[Layout], rows: np.ndarray,
     check_base: int = 0, checks: np.ndarray | None = None,

@@ -32,6 +32,7 @@ import torch
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
+from .._util.gcpause import gc_paused
 from .._util.progress import ProgressWriter
 
 
@@ -435,9 +436,9 @@ class Flusher(threading.Thread):
             rows[:, : FS.COL_CRC] = done[:, 1:]
             rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))
             checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]
-            entry = FS.encode_journal(
-                chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,
-                chunk.check_base, checks,
+            entry = gc_paused(
+                FS.encode_journal, chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base,
+                chunk.new_layouts, rows, chunk.check_base, checks,
             )  # fmt: skip
             self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)
             with self.written_cond:

@@ -21,6 +21,7 @@ from .._format.zarr import array_meta, array_objects
 from .._spill.barrier import check_not_stale
 from .._spill.root import load_committed_keys
 from .._storage import Storage
+from .._util.gcpause import gc_paused
 from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
 from .lifecycle import WriterState
@@ -195,7 +196,7 @@ class SegmentSteps:
         index_bytes = rows.astype("<i8").tobytes()
         checks = self._staging.checks()
         checks_bytes = checks.astype("<i8").tobytes()
-        catalog = F.dumps({"filenames": self._filenames, "layouts": [lay.to_obj() for lay in self._catalog.layouts]})
+        catalog = gc_paused(FS.encode_catalog, self._filenames, self._catalog.layouts)
         # A few small objects, written concurrently on object stores (one round trip, not one each).
         objects = {self._rel(f"{FS.DATA_NAME}/zarr.json"): F.dumps(data_meta)}
         objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
