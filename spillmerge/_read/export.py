@@ -15,7 +15,7 @@ from .._errors import ArrowUnionInParquetError, UnknownColumnError
 from .._format import common as F
 from .._format import lists as L
 from . import arrow as T
-from .arrowarrays import require_pyarrow, untensor
+from .arrow import require_pyarrow, untensor
 from .column import OpenColumn
 
 Column = OpenColumn | T.Node

@@ -22,7 +22,7 @@ from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
-from .arrowarrays import require_pyarrow
+from .arrow import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .index import LazyArray

@@ -12,7 +12,7 @@ import numpy as np
 from .._errors import PickleNotAllowedError, RaggedShapeError, require_torch
 from .._format import common as F
 from .._format.invariants import StoredColumn
-from .arrowarrays import nest, require_pyarrow, with_nulls
+from .arrow import nest, require_pyarrow, with_nulls
 from .column import OpenColumn
 
 if TYPE_CHECKING:
