@@ -12,7 +12,7 @@ import numpy as np
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
-from .rawchunk import chunk_reader
+from .outputstore import chunk_reader
 
 ROW_BLOCK = 1 << 14
 """Rows checked together (and at open, the first block): the unit of the lazy checks, a quarter of
