@@ -110,14 +110,6 @@ def grid_problems(rel: str, arr: Any) -> list[Problem]:
     return []
 
 
-def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
-    """``offsets``: ``n + 1`` entries (``what`` says what ``n`` counts), then
-    :func:`offsets_block_problems` of them all, ending at ``rows``."""
-    if len(offsets) != n + 1:
-        return [(rel, f"{len(offsets)} entries for {n} {what} (must be {n + 1})")]
-    return offsets_block_problems(rel, offsets, 0, True, rows, of)
-
-
 def offsets_block_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[Problem]:
     """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
     when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
@@ -452,16 +444,6 @@ def meta_problems(
         elif domain not in groups:
             out.append((f"columns/{c.name}", f"its rows are the items of the list {list(domain)!r:.200}, "
                         "which has no list group (lists/)"))  # fmt: skip
-    return out
-
-
-def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
-    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
-    out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
-    idx: Any = group["index"]
-    for name in PROVENANCE:
-        if name in idx:
-            out[name] = index_node(group, name, describe).shape[0]
     return out
 
 

@@ -78,8 +78,10 @@ class OutputFiles:
         self.storage, describe = storage, storage.describe
         self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
-        lengths = V.index_lengths(group, describe)
-        n_rows = int(lengths["frame_idx"])
+        index = {"frame_idx": V.index_node(group, "frame_idx", describe)}
+        index |= {name: V.index_node(group, name, describe) for name in V.PROVENANCE if name in group["index"]}
+        lengths = {name: int(node.shape[0]) for name, node in index.items()}
+        n_rows = lengths["frame_idx"]
         # list offsets (their contents stay in memory, as list columns' offsets do)
         lists, list_problems = L.read_lists(group)
         raise_(problems + list_problems)
@@ -112,8 +114,8 @@ class OutputFiles:
             self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
-        self.frame_idx = lazy(V.index_node(group, "frame_idx", describe))
-        self.prov: dict[str, LazyArray] = {name: lazy(V.index_node(group, name, describe)) for name in V.PROVENANCE}
+        self.frame_idx = lazy(index["frame_idx"])
+        self.prov: dict[str, LazyArray] = {name: lazy(index[name]) for name in V.PROVENANCE}  # (all: meta checked)
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
