@@ -119,25 +119,17 @@ class OutputFiles:
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
-
-        def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
-            """Whole for a list's items (checked at open, as their lists are), else a ``LazyArray``."""
-            node = info.arrays[kind]
-            if whole:
-                return np.asarray(V.read_array(node), dtype=dtype)
-            return lazy(node, dtype)
-
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
             col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
-            if "offsets" in info.arrays:
-                col.offsets = array(info, "offsets", bool(domain))
-                if "shapes" in info.arrays:
-                    col.shapes = array(info, "shapes", bool(domain))
-            if info.has_valid:
-                col.valid = array(info, "valid", bool(domain), bool)
-            if info.has_none:
-                col.none = array(info, "none", bool(domain), bool)
+            # (valid and none are there as the header says: read_columns checked it)
+            for kind in ("offsets", "shapes", "valid", "none"):
+                node = info.arrays.get(kind)
+                if node is None or (kind == "shapes" and col.offsets is None):
+                    continue
+                dtype = bool if kind in ("valid", "none") else np.int64
+                # whole for a list's items (checked at open, as their lists are), else lazy
+                setattr(col, kind, np.asarray(V.read_array(node), dtype=dtype) if domain else lazy(node, dtype))
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
@@ -145,13 +137,9 @@ class OutputFiles:
         for arr in (self.frame_idx, *self.prov.values()):
             arr.hook = self.checks.rows
         for col in root.values():
-            if col.offsets is not None:
-                col.offsets.hook = self.checks.edges
-            if col.shapes is not None:
-                col.shapes.hook = self.checks.rows
-            for flags in (col.valid, col.none):
-                if flags is not None:
-                    flags.hook = self.checks.rows
+            for arr in (col.offsets, col.shapes, col.valid, col.none):
+                if arr is not None:
+                    arr.hook = self.checks.edges if arr is col.offsets else self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (``index.IndexChecks``).
         self.frame_offsets.span(0, 1)
