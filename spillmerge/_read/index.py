@@ -302,7 +302,7 @@ def column_row_problems(
     in_layout: np.ndarray,
     r0: int,
     last: bool,
-    none: Any = None,
+    none: np.ndarray | None,
 ) -> list[V.Problem]:
     """What rows ``r0 ..`` of column ``info`` break: their ``offsets`` ``o`` (one entry more;
     ``last``: they end the column) and ``shapes`` against ``values``; a value or a None only where
@@ -377,7 +377,7 @@ def variant_groups(columns: dict[str, Any]) -> list[list[str]]:
 
 def variant_problems(
     groups: list[list[str]], columns: dict[str, Any], valid: dict[str, np.ndarray | None], r0: int,
-    none: dict[str, Any] | None = None,
+    none: dict[str, np.ndarray | None],
 ) -> list[V.Problem]:  # fmt: skip
     """A row (of rows ``r0 ..``, ``valid`` and ``none`` each column's) has a value or a None in
     one variant of its leaf at most."""
@@ -389,10 +389,8 @@ def variant_problems(
             what = f"missing: leaf {leaf!r:.200} has {len(group)} variant columns, so each has rows without a value"
             out.append((f"columns/{absent[0]}/valid", what))
             continue
-        count = np.sum([np.asarray(valid[name]) for name in group], axis=0, dtype=np.int64)
-        for name in group:
-            if none is not None and none.get(name) is not None:
-                count += np.asarray(none[name], dtype=np.int64)
+        flags = [valid[name] for name in group] + [none[name] for name in group if none[name] is not None]
+        count = np.sum([np.asarray(f) for f in flags], axis=0, dtype=np.int64)
         if count.size and int(count.max()) > 1:
             r = r0 + int(np.argmax(count > 1))
             shown = ", ".join(f"columns/{n}" for n in group)
