@@ -99,8 +99,6 @@ class LazyArray:
                 return self._serve(a, max(a, b))
             sel = np.arange(a, b, step)
         idx = np.asarray(sel)
-        if idx.dtype == bool:
-            idx = np.flatnonzero(idx)
         idx = np.where(idx < 0, idx + self._n, idx).astype(np.int64)
         if not idx.size:
             return np.empty((*idx.shape, *self.shape[1:]), dtype=self.dtype)
