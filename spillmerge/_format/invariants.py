@@ -445,18 +445,3 @@ def meta_problems(
             out.append((f"columns/{c.name}", f"its rows are the items of the list {list(domain)!r:.200}, "
                         "which has no list group (lists/)"))  # fmt: skip
     return out
-
-
-def layout_rows(
-    frame_offsets: np.ndarray, file_layout: np.ndarray, layouts: list[list[str]]
-) -> Callable[[str], np.ndarray]:
-    """``in_layout(column)``: per row, whether its file's ``file_layouts`` entry lists the column
-    (offsets and file_layout already checked)."""
-    file_of_row = np.repeat(np.arange(len(file_layout), dtype=np.int64), np.diff(frame_offsets))
-    layout_of_row = file_layout[file_of_row]
-
-    def in_layout(name: str) -> np.ndarray:
-        listed = np.array([name in lay for lay in layouts], dtype=bool)
-        return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
-
-    return in_layout

@@ -185,7 +185,7 @@ class IndexChecks:
         self._raise = raise_
         self.found: list[V.Problem] = []
         """The problems a collecting ``raise_`` (:class:`Found`) was given, the checks going on."""
-        self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in columns}
+        self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in files.columns}
         self._done: set[int] = set()
         self._last_file = 0
         self._variants = variant_groups(columns)
@@ -226,6 +226,11 @@ class IndexChecks:
                 self.rows(a, b)
         return a, b
 
+    def in_layout(self, name: str, layout_of_row: np.ndarray) -> np.ndarray:
+        """Per row (``layout_of_row``: its file's layout), whether the layout lists column ``name``."""
+        listed = self._listed[name]
+        return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+
     def _where(self, r: int, f0: int, starts: np.ndarray) -> str:
         i = f0 + int(np.searchsorted(starts, r, side="right")) - 1
         return f"row {r} (file {i}, {str(self._files.filenames[i])!r:.200})"
@@ -261,8 +266,7 @@ class IndexChecks:
             shapes = None if col.shapes is None else col.shapes.span(r0, r1)
             v = valid[name] = None if col.valid is None else np.asarray(col.valid.span(r0, r1), dtype=bool)
             n = none[name] = None if col.none is None else np.asarray(col.none.span(r0, r1), dtype=bool)
-            listed = self._listed[name]
-            in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+            in_layout = self.in_layout(name, layout_of_row)
             for p in column_row_problems(col.info, o, shapes, v, in_layout, r0, r1 == self.n_rows, n):
                 self._fail(*p)
         for p in variant_problems(self._variants, self._cols, valid, r0, none):

@@ -146,9 +146,10 @@ class OutputFiles:
         self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self.layouts)
+            layout_of_row = np.repeat(self.file_layout.whole(), np.diff(self.frame_offsets.whole()))
             for name, col in nested.items():
-                rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
+                in_layout = self.checks.in_layout(name, layout_of_row)
+                rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout)
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True, col.none))
             valid = {name: col.valid for name, col in nested.items()}
             none = {name: col.none for name, col in nested.items()}
