@@ -9,6 +9,7 @@ from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
 
 import numpy as np
+import zarr
 
 from .._errors import CorruptSpillError, SpillMergeError
 from . import common as F
@@ -65,8 +66,6 @@ def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.nda
 
 
 def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
-    import zarr
-
     rel = f"index/{name}"
     try:
         node = group[rel]
@@ -150,8 +149,6 @@ class StoredColumn(FO.ColumnHeader):
 def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     """Every column group's header and arrays (metadata only: consolidated, no chunk read), and
     what they break of the invariants that need no data."""
-    import zarr
-
     out: dict[str, StoredColumn] = {}
     problems: list[Problem] = []
     try:
