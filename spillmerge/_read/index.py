@@ -116,15 +116,6 @@ class LazyArray:
             return hot[3].item(i - hot[2])
         return self[i].item()
 
-    def pair(self, i: int) -> tuple[Any, Any]:
-        """Elements ``i`` and ``i + 1`` of a 1-d array as Python scalars: a row's bounds in a
-        column's ``offsets`` (one call per row read)."""
-        hot = self._hot
-        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
-            arr, j = hot[3], i - hot[2]
-            return arr.item(j), arr.item(j + 1)
-        return self.item(i), self.item(i + 1)
-
     def whole(self) -> np.ndarray:
         """Every element (checked): for work over the whole output (coverage, ``index_arrays``)."""
         return self._serve(0, self._n)
@@ -216,7 +207,8 @@ class IndexChecks:
 
     def file_rows(self, i: int) -> tuple[int, int]:
         """Rows ``a, b`` of file ``i``, its blocks checked."""
-        a, b = self._fo.pair(i)  # no row hook: each chunk is checked when first read
+        fo = self._fo  # (no row hook: each chunk is checked when first read)
+        a, b = fo.item(i), fo.item(i + 1)
         if not 0 <= a <= b <= self.n_rows:
             self._fail(self._fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
         self._last_file = i
