@@ -26,10 +26,9 @@ from .arrow import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .index import LazyArray
-from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
 from .rowvalue import RowPlan, row_value
-from .views import LeafView, OpenColumn
+from .views import LeafDict, LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
 
