@@ -221,15 +221,11 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     out: list[_Part] = []
     # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` too): where
     # the path also holds lists of other items, its rows are lists of that column, items and all.
-    as_list = [c for c in node.cols if c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
-    if not any(h.info.dtype == "pylist" for h in node.headers):
-        as_list = []
-    for col in node.cols:
-        if col in as_list:
-            continue
-        full = b.arrow(col)
+    lists = any(h.info.dtype == "pylist" for h in node.headers)
+    as_list = [c for c in node.cols if lists and c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
+    for col in (c for c in node.cols if c not in as_list):
         pos = np.flatnonzero(b.valid(col, rows))
-        arr = full.take(pa.array(rows[pos] - b.base(col)))
+        arr = b.arrow(col).take(pa.array(rows[pos] - b.base(col)))
         info = col.info
         tag = f"{info.dtype}.{info.ndim}d" if info.kind in ("fixed", "ragged") else info.kind
         out.append((("col", str(arr.type)), info.variant if info.variant is not None else tag, pos, arr))
