@@ -149,12 +149,8 @@ class NoFillStore(WrapperStore[Store]):
             buf = await self._store.get(key, prototype)
         else:
             doc_limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES
-            try:
-                raw = await asyncio.to_thread(
-                    self._storage.get, key, max_bytes=limits.object_bytes if limits else doc_limit
-                )
-            except FileNotFoundError:
-                raw = None
+            limit = limits.object_bytes if limits else doc_limit
+            raw = await asyncio.to_thread(self._storage.get_or_none, key, max_bytes=limit)
             buf = None if raw is None else prototype.buffer.from_bytes(raw)
         if buf is None and chunk:
             raise missing_chunk(self._describe, key)
