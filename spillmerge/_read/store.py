@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -92,9 +93,7 @@ class OutputFiles:
         self.layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self.layouts) if isinstance(self.layouts, list) else 0
 
-        def lazy(node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
-            return LazyArray(node, cache, storage, dtype, check)
-
+        lazy = partial(LazyArray, cache=cache, storage=storage)
         fo_node = V.index_node(group, "frame_offsets", describe)
 
         def offsets_check(first: int, arr: np.ndarray) -> None:
@@ -128,7 +127,7 @@ class OutputFiles:
                     continue
                 dtype = bool if kind in ("valid", "none") else np.int64
                 # whole for a list's items (checked at open, as their lists are), else lazy
-                setattr(col, kind, np.asarray(V.read_array(node), dtype=dtype) if domain else lazy(node, dtype))
+                setattr(col, kind, np.asarray(V.read_array(node), dtype=dtype) if domain else lazy(node, dtype=dtype))
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
