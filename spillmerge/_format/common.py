@@ -299,17 +299,19 @@ _SLUG_RE = re.compile(r"[^A-Za-z0-9._-]")
 _RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(10)), *(f"lpt{i}" for i in range(10))}
 
 
-def _plain_ok(name: str) -> bool:
-    if not _SAFE_RE.fullmatch(name):  # (re.match with "$" would take "abc\n")
-        return False
+def _reserved(name: str) -> bool:
     low = name.lower()
-    return not low.startswith("zarr.") and low.split(".", 1)[0] not in _RESERVED
+    return low.startswith("zarr.") or low.split(".", 1)[0] in _RESERVED
+
+
+def _plain_ok(name: str) -> bool:
+    return bool(_SAFE_RE.fullmatch(name)) and not _reserved(name)  # (not re.match: "$" takes "abc\n")
 
 
 def hashed_name(name: str) -> str:
     digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     slug = _SLUG_RE.sub("_", name).lstrip("._")[:60]
-    if slug.lower().startswith("zarr.") or slug.lower().split(".", 1)[0] in _RESERVED:
+    if _reserved(slug):
         slug = "_" + slug[:59]
     return f"{slug}~{digest}"
 

@@ -9,6 +9,7 @@ from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
 
 import numpy as np
+import zarr
 
 from .._errors import CorruptSpillError, SpillMergeError
 from . import common as F
@@ -65,8 +66,6 @@ def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.nda
 
 
 def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
-    import zarr
-
     rel = f"index/{name}"
     try:
         node = group[rel]
@@ -110,14 +109,6 @@ def grid_problems(rel: str, arr: Any) -> list[Problem]:
     return []
 
 
-def offsets_problems(offsets: np.ndarray, n: int, rows: int, rel: str, what: str, of: str) -> list[Problem]:
-    """``offsets``: ``n + 1`` entries (``what`` says what ``n`` counts), then
-    :func:`offsets_block_problems` of them all, ending at ``rows``."""
-    if len(offsets) != n + 1:
-        return [(rel, f"{len(offsets)} entries for {n} {what} (must be {n + 1})")]
-    return offsets_block_problems(rel, offsets, 0, True, rows, of)
-
-
 def offsets_block_problems(rel: str, o: np.ndarray, first: int, last: bool, n: int, of: str) -> list[Problem]:
     """What entries ``first ..`` of the offsets array ``rel`` into ``of`` (``n`` rows) break: from 0
     when ``first`` is 0, never decreasing, within ``0 .. n``, ending at ``n`` when ``last``."""
@@ -158,8 +149,6 @@ class StoredColumn(FO.ColumnHeader):
 def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     """Every column group's header and arrays (metadata only: consolidated, no chunk read), and
     what they break of the invariants that need no data."""
-    import zarr
-
     out: dict[str, StoredColumn] = {}
     problems: list[Problem] = []
     try:
@@ -453,28 +442,3 @@ def meta_problems(
             out.append((f"columns/{c.name}", f"its rows are the items of the list {list(domain)!r:.200}, "
                         "which has no list group (lists/)"))  # fmt: skip
     return out
-
-
-def index_lengths(group: Any, describe: Callable[[str], str]) -> dict[str, int]:
-    """Rows of ``frame_idx`` and of the provenance arrays present, from their metadata alone."""
-    out = {"frame_idx": index_node(group, "frame_idx", describe).shape[0]}
-    idx: Any = group["index"]
-    for name in PROVENANCE:
-        if name in idx:
-            out[name] = index_node(group, name, describe).shape[0]
-    return out
-
-
-def layout_rows(
-    frame_offsets: np.ndarray, file_layout: np.ndarray, layouts: list[list[str]]
-) -> Callable[[str], np.ndarray]:
-    """``in_layout(column)``: per row, whether its file's ``file_layouts`` entry lists the column
-    (offsets and file_layout already checked)."""
-    file_of_row = np.repeat(np.arange(len(file_layout), dtype=np.int64), np.diff(frame_offsets))
-    layout_of_row = file_layout[file_of_row]
-
-    def in_layout(name: str) -> np.ndarray:
-        listed = np.array([name in lay for lay in layouts], dtype=bool)
-        return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
-
-    return in_layout

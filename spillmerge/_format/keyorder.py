@@ -237,21 +237,15 @@ class KeyOrders:
         if obj is None:
             return
         bad = f"{where}: key_orders is malformed"
-        if (
-            not isinstance(obj, dict)
-            or not isinstance(obj.get("orders"), list)
-            or not isinstance(obj.get("runs"), list)
-        ):
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), list) for k in ("orders", "runs")):
             raise CorruptSpillError(bad, path=where)
-        for entry in obj["orders"]:
-            spec: Spec = {}
-            if not isinstance(entry, list):
+        for entry in obj["orders"]:  # [[dict path, [keys in order]], ...]
+            ok = isinstance(entry, list) and all(
+                isinstance(item, list) and len(item) == 2 and all(F.str_list(x) for x in item) for item in entry
+            )
+            if not ok:
                 raise CorruptSpillError(bad, path=where)
-            for item in entry:
-                if not isinstance(item, list) or len(item) != 2 or not all(F.str_list(x) for x in item):
-                    raise CorruptSpillError(bad, path=where)
-                spec[tuple(item[0])] = {k: i for i, k in enumerate(item[1])}
-            self._specs.append(spec)
+            self._specs.append({tuple(path): {k: i for i, k in enumerate(keys)} for path, keys in entry})
         end = 0
         for run in obj["runs"]:
             if (

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import zarr
 
 from . import common as F
 from .invariants import Problem, grid_problems, offsets_block_problems, read_array
@@ -28,8 +29,6 @@ class StoredList:
 
 def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Problem]]:
     """Every list group of an output (metadata only), and what is wrong with them."""
-    import zarr
-
     out: dict[tuple[str, ...], StoredList] = {}
     problems: list[Problem] = []
     try:

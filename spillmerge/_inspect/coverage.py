@@ -11,9 +11,11 @@ import numpy as np
 
 from .._errors import SpillMergeError, require
 from .._format import spill as FS
+from .._read.store import MergedStore
 from .._spill.root import load_segment, scan
 from .._storage import Storage
 from .._util.frames import gap_runs, n_below, runs
+from .summary import detect
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +125,6 @@ def coverage(
 ) -> Coverage:
     """Coverage of a spill root (committed segments, as the merge would see them) or a merged output;
     ``expected``: a manifest's counts as ``_util.frames.read_manifest`` reads and checks them."""
-    from .summary import detect
-
     storage = Storage(path, storage_options)
     kind = detect(storage)
     per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
@@ -142,8 +142,6 @@ _PerFile = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def _merged(storage: Storage) -> tuple[_PerFile, list[str]]:
-    from .._read.store import MergedStore
-
     res = MergedStore(storage.url, storage.storage_options)
     names, off, frames, ranks, copies = res.index_arrays()
     e = off.tolist()  # each file's slices of the index arrays: no lookup per file

@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import zarr
 
 from .._errors import SpillMergeError
 from .._format import common as F
@@ -21,7 +22,12 @@ from .._format import lists as L
 from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header, not_an_output, what_is
+from .._read import index as LZ
+from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from .._read.index import Found
+from .._read.outputstore import NoFillStore
+from .._read.store import MergedStore, OutputFiles
+from .._read.views import RaggedView
 from .._spill.root import data_ranges, load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
@@ -99,8 +105,6 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 
 
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
-    from .._read.store import MergedStore
-
     if not storage.exists(FO.COMPLETE_NAME):
         return {"kind": "merged", "path": storage.describe(), "complete": False, **(header(storage) or {})}
     res = MergedStore(storage.url, storage.storage_options)
@@ -145,8 +149,6 @@ def _leaf(arr: Any) -> dict[str, Any]:
 def _row_shape(arr: Any) -> list[int | None]:
     """The shape of one row of a leaf: ``None`` for a dimension that varies (ragged leaves), ``[]``
     for strings, bytes and lists of strings, Python values and containers."""
-    from .._read.views import RaggedView
-
     info = arr.info
     if info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS or not F.DTYPES[info.dtype].numeric:
         return []
@@ -343,10 +345,6 @@ def _frame_text(loaded: Any, row: np.ndarray) -> str:
 
 
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
-    import zarr
-
-    from .._read.outputstore import NoFillStore
-
     complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
         rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
@@ -451,10 +449,6 @@ def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]
     """Every broken invariant of the output's index (docs/FORMAT.md) by the checks ``open`` makes
     (``_read.store.OutputFiles``), over every block of filenames and rows, then what is checked
     as values are read; not when an array those checks read was already reported damaged."""
-    from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
-    from .._read.index import ROW_BLOCK
-    from .._read.store import OutputFiles
-
     read_by_open = ("/offsets", "/shapes", "/valid")
     if any(p.startswith(("index/", "lists/")) or p.endswith(read_by_open) for p in damaged):
         return []
@@ -463,7 +457,7 @@ def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]
         cache = ChunkCache(DEFAULT_CACHE_BYTES)
         files = OutputFiles(group, header if isinstance(header, dict) else {}, _found, False, cache, storage)
         steps: list[Callable[[], object]] = [lambda: list(files.filenames)]
-        steps += [partial(files.checks.rows, r, r + 1) for r in range(ROW_BLOCK, files.n_rows, ROW_BLOCK)]
+        steps += [partial(files.checks.rows, r, r + 1) for r in range(LZ.ROW_BLOCK, files.n_rows, LZ.ROW_BLOCK)]
         for step in steps:
             try:
                 step()

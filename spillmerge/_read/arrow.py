@@ -1,6 +1,7 @@
 """An output's values as Arrow types (``MergedStore.to_arrow`` / ``iter_batches`` / ``to_parquet``):
 the leaf columns put back into their paths' tree, each node's rows of a batch one Arrow array built
-by pyarrow's constructors (unions for variants, ``large_list`` for lists, ``struct`` for dicts)."""
+by pyarrow's constructors (unions for variants, ``large_list`` for lists, ``struct`` for dicts); the
+numpy → Arrow helpers the leaf views share (nulls, nested fixed-size lists, a tensor array undone)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,56 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError, SpillMergeError
+from .._errors import CorruptSpillError, SpillMergeError, require
 from .._format import common as F
 from .._format import lists as L
 from .._format.common import MARK
 from .._format.keyorder import Spec, ordered
-from .arrowarrays import require_pyarrow, untensor
 from .column import OpenColumn
+
+
+def require_pyarrow(feature: str = "MergedStore.to_arrow()") -> Any:
+    return require("pyarrow", package="pyarrow", extra="arrow", feature=feature)
+
+
+def with_nulls(arr: Any, valid: np.ndarray | None) -> Any:
+    """``arr`` with nulls where ``valid`` is False."""
+    if valid is None or valid.all():
+        return arr
+    import pyarrow.compute as pc
+
+    pa = require_pyarrow()
+    return pc.if_else(pa.array(valid), arr, pa.nulls(len(arr), arr.type))
+
+
+def nest(flat: Any, shape: tuple[int, ...]) -> Any:
+    """``flat`` (every element) as ``shape[0]`` rows of ``fixed_size_list`` one level per later
+    dimension; a dimension of size 0 is a ``large_list`` of empty lists (Arrow refuses a
+    ``fixed_size_list`` of size 0)."""
+    pa = require_pyarrow()
+    arr = flat
+    for level in range(len(shape) - 1, 0, -1):
+        d = int(shape[level])
+        if d:
+            arr = pa.FixedSizeListArray.from_arrays(arr, d)
+        else:
+            count = int(np.prod(shape[:level], dtype=np.int64))
+            arr = pa.LargeListArray.from_arrays(pa.array(np.zeros(count + 1, np.int64)), arr)
+    return arr
+
+
+def untensor(arr: Any) -> Any:
+    """An ``arrow.fixed_shape_tensor`` array as the nested ``fixed_size_list`` of its storage
+    (what readers without the extension type, Parquet's among them, see with its shape)."""
+    pa = require_pyarrow()
+    if not isinstance(arr.type, pa.FixedShapeTensorType):
+        return arr
+    storage = arr.storage
+    k = storage.type.list_size
+    flat = storage.values.slice(storage.offset * k, len(storage) * k)
+    valid = None if storage.null_count == 0 else storage.is_valid().to_numpy(zero_copy_only=False)
+    return with_nulls(nest(flat, (len(storage), *arr.type.shape)), valid)
+
 
 _Part = tuple[tuple[str, str], str, np.ndarray, Any]
 """One variant's share of a node's rows: (key, union child name, positions among the rows, the
@@ -177,15 +221,11 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     out: list[_Part] = []
     # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` too): where
     # the path also holds lists of other items, its rows are lists of that column, items and all.
-    as_list = [c for c in node.cols if c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
-    if not any(h.info.dtype == "pylist" for h in node.headers):
-        as_list = []
-    for col in node.cols:
-        if col in as_list:
-            continue
-        full = b.arrow(col)
+    lists = any(h.info.dtype == "pylist" for h in node.headers)
+    as_list = [c for c in node.cols if lists and c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
+    for col in (c for c in node.cols if c not in as_list):
         pos = np.flatnonzero(b.valid(col, rows))
-        arr = full.take(pa.array(rows[pos] - b.base(col)))
+        arr = b.arrow(col).take(pa.array(rows[pos] - b.base(col)))
         info = col.info
         tag = f"{info.dtype}.{info.ndim}d" if info.kind in ("fixed", "ragged") else info.kind
         out.append((("col", str(arr.type)), info.variant if info.variant is not None else tag, pos, arr))

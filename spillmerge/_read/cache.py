@@ -33,16 +33,6 @@ class CacheStats:
     """Reads that decoded a chunk."""
 
 
-def cost(arr: np.ndarray) -> int:
-    """The memory a decoded chunk holds: its buffer, plus for strings their characters (numpy's
-    ``StringDType`` keeps them outside the array's buffer; 4 bytes per character is the most
-    UTF-32 would take, an upper bound of numpy's UTF-8 arena)."""
-    n = int(arr.nbytes)
-    if arr.dtype.kind in ("T", "O", "U") and arr.size:
-        n += 4 * int(np.strings.str_len(arr.astype(np.dtypes.StringDType(), copy=False)).sum())
-    return n
-
-
 class ChunkCache:
     """A thread-safe LRU of decoded chunks, bounded by bytes (``max_bytes``; 0 keeps nothing).
 
@@ -79,7 +69,11 @@ class ChunkCache:
         try:
             arr = load()
             arr.flags.writeable = False
-            size = cost(arr)
+            # The memory it holds: for strings their characters too (numpy's StringDType keeps them
+            # outside the buffer; 4 bytes a character, UTF-32's most, bounds numpy's UTF-8 arena).
+            size = int(arr.nbytes)
+            if arr.dtype.kind in ("T", "O", "U") and arr.size:
+                size += 4 * int(np.strings.str_len(arr.astype(np.dtypes.StringDType(), copy=False)).sum())
             if size <= self.max_bytes:  # else it would evict everything and still not fit: uncached
                 with self._lock:  # (the key is not held: only this thread loads it)
                     while self._chunks and self._nbytes + size > self.max_bytes:

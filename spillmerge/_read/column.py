@@ -13,7 +13,7 @@ from .._format.invariants import StoredColumn, read_rows
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
 from .index import ROW_BLOCK
-from .rawchunk import chunk_reader
+from .outputstore import chunk_reader
 
 
 def real_dtype(name: str) -> np.dtype[Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .store import MergedStore
 from .views import tensor
 
 
@@ -21,18 +22,13 @@ class OutputDataset:
 
     def __init__(self, path: str, columns: list[str] | None = None, storage_options: dict[str, Any] | None = None):
         self.path, self.storage_options = path, storage_options
-        store = self._open()
+        store = MergedStore(path, storage_options)
         self.columns = sorted(store.columns) if columns is None else list(columns)
         for name in self.columns:
             store.column(name)  # raises UnknownColumnError, naming the columns there are
         self._n = len(store.index_arrays()[2])
         self._store: Any = store
         self._views: list[tuple[str, Any]] | None = None
-
-    def _open(self) -> Any:
-        from .store import open as open_store
-
-        return open_store(self.path, storage_options=self.storage_options)
 
     def __len__(self) -> int:
         return self._n
@@ -46,7 +42,7 @@ class OutputDataset:
             raise IndexError(f"row {i} out of range for {self._n} rows of {self.path}")
         i %= self._n
         if self._store is None:
-            self._store = self._open()
+            self._store = MergedStore(self.path, self.storage_options)
         if self._views is None:
             self._views = [(name, self._store.column(name)) for name in self.columns]
             self._index = self._store.index_arrays()[:3]

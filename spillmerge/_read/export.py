@@ -4,6 +4,7 @@ column (``columns=`` selects those); memory is one batch plus the chunk cache.""
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,7 @@ from .._errors import ArrowUnionInParquetError, UnknownColumnError
 from .._format import common as F
 from .._format import lists as L
 from . import arrow as T
-from .arrowarrays import require_pyarrow, untensor
+from .arrow import require_pyarrow, untensor
 from .column import OpenColumn
 
 Column = OpenColumn | T.Node
@@ -133,32 +134,22 @@ def to_parquet(
         target = target.removeprefix("file://")
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     rows = 0
-    writer = None
     try:
         if local:
-            sink: Any = open(tmp, "wb")  # noqa: SIM115 - closed in finally
+            sink: Any = open(tmp, "wb")  # noqa: SIM115 - closed by the with below
         else:
             import fsspec
 
             sink = fsspec.open(target, "wb", **(storage_options or {})).open()
-        try:
-            for rb in iter_batches(files, cols, batch_size):
-                rb = _parquet_form(rb)
-                if writer is None:
-                    _refuse_unions(rb.schema, target)
-                    writer = pq.ParquetWriter(sink, rb.schema, **parquet)
-                writer.write_batch(rb)
-                rows += rb.num_rows
-            if writer is None:  # no rows: still a valid file with the columns
-                schema = _parquet_form(batch(files, cols, 0, 0)).schema
-                _refuse_unions(schema, target)
-                writer = pq.ParquetWriter(sink, schema, **parquet)
-            writer.close()
-            writer = None
-        finally:
-            if writer is not None:
-                writer.close()
-            sink.close()
+        with sink:  # (the writer closes first, then the file, also on an error)
+            batches = map(_parquet_form, iter_batches(files, cols, batch_size))
+            first = next(batches, None)  # None: no rows, still a valid file with the columns
+            schema = _parquet_form(batch(files, cols, 0, 0)).schema if first is None else first.schema
+            _refuse_unions(schema, target)
+            with pq.ParquetWriter(sink, schema, **parquet) as writer:
+                for rb in itertools.chain([] if first is None else [first], batches):
+                    writer.write_batch(rb)
+                    rows += rb.num_rows
         if local:
             os.replace(tmp, target)
     except BaseException:

@@ -74,7 +74,9 @@ class Names(Sequence[str]):
         rel = "index/filename_head_offsets"
         hoff = LazyArray(V.index_node(group, "filename_head_offsets", describe), cache, storage).whole()
         n_blocks = -(-self._n // self._k)
-        raise_(V.offsets_problems(hoff, n_blocks, len(heads_raw), rel, "blocks of filenames", "index/filename_heads"))
+        if len(hoff) != n_blocks + 1:
+            raise_([(rel, f"{len(hoff)} entries for {n_blocks} blocks of filenames (must be {n_blocks + 1})")])
+        raise_(V.offsets_block_problems(rel, hoff, 0, True, len(heads_raw), "index/filename_heads"))
         heads, problems = decode_names(heads_raw, hoff, "index/filename_heads")
         raise_(problems)
         raise_(V.sorted_problems(heads, "index/filename_heads"))

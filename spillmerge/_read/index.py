@@ -12,7 +12,7 @@ import numpy as np
 from .._format import invariants as V
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
-from .rawchunk import chunk_reader
+from .outputstore import chunk_reader
 
 ROW_BLOCK = 1 << 14
 """Rows checked together (and at open, the first block): the unit of the lazy checks, a quarter of
@@ -99,8 +99,6 @@ class LazyArray:
                 return self._serve(a, max(a, b))
             sel = np.arange(a, b, step)
         idx = np.asarray(sel)
-        if idx.dtype == bool:
-            idx = np.flatnonzero(idx)
         idx = np.where(idx < 0, idx + self._n, idx).astype(np.int64)
         if not idx.size:
             return np.empty((*idx.shape, *self.shape[1:]), dtype=self.dtype)
@@ -117,15 +115,6 @@ class LazyArray:
         if hot is not None and hot[0] <= i < hot[1]:
             return hot[3].item(i - hot[2])
         return self[i].item()
-
-    def pair(self, i: int) -> tuple[Any, Any]:
-        """Elements ``i`` and ``i + 1`` of a 1-d array as Python scalars: a row's bounds in a
-        column's ``offsets`` (one call per row read)."""
-        hot = self._hot
-        if hot is not None and hot[0] <= i and i + 1 < hot[1]:
-            arr, j = hot[3], i - hot[2]
-            return arr.item(j), arr.item(j + 1)
-        return self.item(i), self.item(i + 1)
 
     def whole(self) -> np.ndarray:
         """Every element (checked): for work over the whole output (coverage, ``index_arrays``)."""
@@ -187,7 +176,7 @@ class IndexChecks:
         self._raise = raise_
         self.found: list[V.Problem] = []
         """The problems a collecting ``raise_`` (:class:`Found`) was given, the checks going on."""
-        self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in columns}
+        self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in files.columns}
         self._done: set[int] = set()
         self._last_file = 0
         self._variants = variant_groups(columns)
@@ -218,7 +207,8 @@ class IndexChecks:
 
     def file_rows(self, i: int) -> tuple[int, int]:
         """Rows ``a, b`` of file ``i``, its blocks checked."""
-        a, b = self._fo.pair(i)  # no row hook: each chunk is checked when first read
+        fo = self._fo  # (no row hook: each chunk is checked when first read)
+        a, b = fo.item(i), fo.item(i + 1)
         if not 0 <= a <= b <= self.n_rows:
             self._fail(self._fo.rel, f"entries {i}..{i + 1} are {a}, {b}: decreasing or outside 0..{self.n_rows}")
         self._last_file = i
@@ -227,6 +217,11 @@ class IndexChecks:
             if j != (b - 1) // ROW_BLOCK or j not in self._done:  # (the common case: a block checked before)
                 self.rows(a, b)
         return a, b
+
+    def in_layout(self, name: str, layout_of_row: np.ndarray) -> np.ndarray:
+        """Per row (``layout_of_row``: its file's layout), whether the layout lists column ``name``."""
+        listed = self._listed[name]
+        return listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
 
     def _where(self, r: int, f0: int, starts: np.ndarray) -> str:
         i = f0 + int(np.searchsorted(starts, r, side="right")) - 1
@@ -263,8 +258,7 @@ class IndexChecks:
             shapes = None if col.shapes is None else col.shapes.span(r0, r1)
             v = valid[name] = None if col.valid is None else np.asarray(col.valid.span(r0, r1), dtype=bool)
             n = none[name] = None if col.none is None else np.asarray(col.none.span(r0, r1), dtype=bool)
-            listed = self._listed[name]
-            in_layout = listed[layout_of_row] if len(listed) else np.zeros(len(layout_of_row), dtype=bool)
+            in_layout = self.in_layout(name, layout_of_row)
             for p in column_row_problems(col.info, o, shapes, v, in_layout, r0, r1 == self.n_rows, n):
                 self._fail(*p)
         for p in variant_problems(self._variants, self._cols, valid, r0, none):
@@ -302,7 +296,7 @@ def column_row_problems(
     in_layout: np.ndarray,
     r0: int,
     last: bool,
-    none: Any = None,
+    none: np.ndarray | None,
 ) -> list[V.Problem]:
     """What rows ``r0 ..`` of column ``info`` break: their ``offsets`` ``o`` (one entry more;
     ``last``: they end the column) and ``shapes`` against ``values``; a value or a None only where
@@ -377,7 +371,7 @@ def variant_groups(columns: dict[str, Any]) -> list[list[str]]:
 
 def variant_problems(
     groups: list[list[str]], columns: dict[str, Any], valid: dict[str, np.ndarray | None], r0: int,
-    none: dict[str, Any] | None = None,
+    none: dict[str, np.ndarray | None],
 ) -> list[V.Problem]:  # fmt: skip
     """A row (of rows ``r0 ..``, ``valid`` and ``none`` each column's) has a value or a None in
     one variant of its leaf at most."""
@@ -389,10 +383,8 @@ def variant_problems(
             what = f"missing: leaf {leaf!r:.200} has {len(group)} variant columns, so each has rows without a value"
             out.append((f"columns/{absent[0]}/valid", what))
             continue
-        count = np.sum([np.asarray(valid[name]) for name in group], axis=0, dtype=np.int64)
-        for name in group:
-            if none is not None and none.get(name) is not None:
-                count += np.asarray(none[name], dtype=np.int64)
+        flags = [valid[name] for name in group] + [none[name] for name in group if none[name] is not None]
+        count = np.sum([np.asarray(f) for f in flags], axis=0, dtype=np.int64)
         if count.size and int(count.max()) > 1:
             r = r0 + int(np.argmax(count > 1))
             shown = ", ".join(f"columns/{n}" for n in group)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -22,14 +23,13 @@ from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
 from . import rowblock as _rowblock
-from .arrowarrays import require_pyarrow
+from .arrow import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .index import LazyArray
-from .leafdict import LeafDict
 from .outputstore import NoFillStore, open_consolidated
 from .rowvalue import RowPlan, row_value
-from .views import LeafView, OpenColumn
+from .views import LeafDict, LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
 
@@ -78,8 +78,10 @@ class OutputFiles:
         self.storage, describe = storage, storage.describe
         self.filenames = Names(group, cache, raise_, storage)
         infos, problems = V.read_columns(group)
-        lengths = V.index_lengths(group, describe)
-        n_rows = int(lengths["frame_idx"])
+        index = {"frame_idx": V.index_node(group, "frame_idx", describe)}
+        index |= {name: V.index_node(group, name, describe) for name in V.PROVENANCE if name in group["index"]}
+        lengths = {name: int(node.shape[0]) for name, node in index.items()}
+        n_rows = lengths["frame_idx"]
         # list offsets (their contents stay in memory, as list columns' offsets do)
         lists, list_problems = L.read_lists(group)
         raise_(problems + list_problems)
@@ -91,9 +93,7 @@ class OutputFiles:
         self.layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self.layouts) if isinstance(self.layouts, list) else 0
 
-        def lazy(node: Any, dtype: Any = np.int64, check: Any = None) -> LazyArray:
-            return LazyArray(node, cache, storage, dtype, check)
-
+        lazy = partial(LazyArray, cache=cache, storage=storage)
         fo_node = V.index_node(group, "frame_offsets", describe)
 
         def offsets_check(first: int, arr: np.ndarray) -> None:
@@ -112,30 +112,22 @@ class OutputFiles:
             self.filenames, len(self.frame_offsets), len(self.file_layout), lengths, header, infos, (lists, sizes)
         )
         raise_(meta)
-        self.frame_idx = lazy(V.index_node(group, "frame_idx", describe))
-        self.prov: dict[str, LazyArray] = {name: lazy(V.index_node(group, name, describe)) for name in V.PROVENANCE}
+        self.frame_idx = lazy(index["frame_idx"])
+        self.prov: dict[str, LazyArray] = {name: lazy(index[name]) for name in V.PROVENANCE}  # (all: meta checked)
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
-
-        def array(info: V.StoredColumn, kind: str, whole: bool, dtype: Any = np.int64) -> Any:
-            """Whole for a list's items (checked at open, as their lists are), else a ``LazyArray``."""
-            node = info.arrays[kind]
-            if whole:
-                return np.asarray(V.read_array(node), dtype=dtype)
-            return lazy(node, dtype)
-
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
             col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
-            if "offsets" in info.arrays:
-                col.offsets = array(info, "offsets", bool(domain))
-                if "shapes" in info.arrays:
-                    col.shapes = array(info, "shapes", bool(domain))
-            if info.has_valid:
-                col.valid = array(info, "valid", bool(domain), bool)
-            if info.has_none:
-                col.none = array(info, "none", bool(domain), bool)
+            # (valid and none are there as the header says: read_columns checked it)
+            for kind in ("offsets", "shapes", "valid", "none"):
+                node = info.arrays.get(kind)
+                if node is None or (kind == "shapes" and col.offsets is None):
+                    continue
+                dtype = bool if kind in ("valid", "none") else np.int64
+                # whole for a list's items (checked at open, as their lists are), else lazy
+                setattr(col, kind, np.asarray(V.read_array(node), dtype=dtype) if domain else lazy(node, dtype=dtype))
             if domain:
                 nested[name] = col
         root = {name: col for name, col in self.columns.items() if name not in nested}
@@ -143,22 +135,19 @@ class OutputFiles:
         for arr in (self.frame_idx, *self.prov.values()):
             arr.hook = self.checks.rows
         for col in root.values():
-            if col.offsets is not None:
-                col.offsets.hook = self.checks.edges
-            if col.shapes is not None:
-                col.shapes.hook = self.checks.rows
-            for flags in (col.valid, col.none):
-                if flags is not None:
-                    flags.hook = self.checks.rows
+            for arr in (col.offsets, col.shapes, col.valid, col.none):
+                if arr is not None:
+                    arr.hook = self.checks.edges if arr is col.offsets else self.checks.rows
         # The first chunk of files and block of rows now (an output of one block is checked whole
         # at open, as the names' first block is); the others as they are read (``index.IndexChecks``).
         self.frame_offsets.span(0, 1)
         self.file_layout.span(0, 1)
         self.checks.rows(0, 0)
         if nested:  # a list item has a value only where its row's file lists the column: whole
-            in_layout = V.layout_rows(self.frame_offsets.whole(), self.file_layout.whole(), self.layouts)
+            layout_of_row = np.repeat(self.file_layout.whole(), np.diff(self.frame_offsets.whole()))
             for name, col in nested.items():
-                rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout(name))
+                in_layout = self.checks.in_layout(name, layout_of_row)
+                rows = L.expand(self.list_offsets, F.list_domain(col.info.leaf), in_layout)
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True, col.none))
             valid = {name: col.valid for name, col in nested.items()}
             none = {name: col.none for name, col in nested.items()}

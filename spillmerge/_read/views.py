@@ -1,5 +1,6 @@
 """Leaf views of an output: one leaf column over the rows of one file or of every file, one class
-per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`."""
+per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`; a file's views by leaf path
+(:class:`LeafDict`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import PickleNotAllowedError, RaggedShapeError, require_torch
+from .._errors import PickleNotAllowedError, RaggedShapeError, UnknownLeafError, require_torch
 from .._format import common as F
 from .._format.invariants import StoredColumn
-from .arrowarrays import nest, require_pyarrow, with_nulls
+from .arrow import nest, require_pyarrow, with_nulls
 from .column import OpenColumn
 
 if TYPE_CHECKING:
@@ -501,6 +502,45 @@ class TextListView(_OffsetView):
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
         return pa.array(self.to_list(), type=pa.large_list(pa.large_string()))
+
+
+class LeafDict(dict[str, Any]):
+    """One level of the nested dict a file's value reads as (``store[filename]``); ``prefix`` is
+    the leaf path down to it (``()`` at the top). A missing key raises :class:`UnknownLeafError`
+    naming the file, the leaf and the leaves it has (a ``KeyError`` still: ``in`` and ``.get`` work)."""
+
+    # Slots: no per-instance __dict__ to allocate, one LeafDict per file read in order.
+    __slots__ = ("filename", "prefix")
+    filename: str
+    prefix: tuple[str, ...]
+
+    @classmethod
+    def top(cls, filename: str, prefix: tuple[str, ...] = ()) -> LeafDict:
+        """The level ``prefix`` (``()``: the top) of ``filename``'s value (a ``str``: a numpy str's
+        repr would show in messages), made without a Python ``__init__``: one per file read, so it
+        counts when files are read in order."""
+        out = cls.__new__(cls)
+        out.filename = filename
+        out.prefix = prefix
+        return out
+
+    def child(self, key: str) -> LeafDict:
+        """The level below ``key``, created when absent."""
+        node = self.get(key)
+        if node is None:
+            node = self[key] = LeafDict.top(self.filename, (*self.prefix, key))
+        return node  # type: ignore[no-any-return]
+
+    def __missing__(self, key: object) -> Any:
+        leaf = "/".join((*self.prefix, str(key)))
+        known = ["/".join((*self.prefix, k)) for k in sorted(self)]
+        where = f"; leaves under {'/'.join(self.prefix)!r}" if self.prefix else "; its leaves"
+        raise UnknownLeafError(
+            f"{self.filename!r} has no leaf {leaf!r}{where}: {', '.join(map(repr, known)) or 'none'}",
+            filename=self.filename,
+            leaf=leaf,
+            known=known,
+        )
 
 
 OpenColumn.VIEWS.update(
