@@ -10,7 +10,7 @@ Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
                      durable (one group commit: the chunks written since its last one and their
                      folder, fsynced together) and writes ``journal/N`` (entries in chunk
                      order); ``None`` on the queue ends it. A direct chunk
-                     (``_write.direct``: the caller wrote its file) skips the worker: it is
+                     (``_write.staging``: the caller wrote its file) skips the worker: it is
                      written already, only made durable and journaled in order.
 """
 
@@ -88,7 +88,7 @@ class Chunk:
     new_layouts: list[FS.Layout] = field(default_factory=list)
     """Layouts registered since the previous chunk was handed off."""
     direct: bool = False
-    """Written by the caller straight into its chunk file (``_write.direct``), no staging buffer:
+    """Written by the caller straight into its chunk file (``_write.staging``), no staging buffer:
     handed off whole, closed, padded; the flush thread only makes it durable and journals it."""
     fd: int = -1
     """The open chunk file of a direct chunk, until its hand-off."""
