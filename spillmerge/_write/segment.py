@@ -30,7 +30,7 @@ from .templates import DenseTemplate, FrameTemplate, PyTemplate
 
 class SegmentSteps:
     """``SpillWriter``'s methods that open and end a segment (commit, abort) and read earlier
-    sessions' commits; they use the writer's state declared here."""
+    sessions' commits; they use the writer's state declared here or set by :meth:`_open`."""
 
     rank: int
     world_size: int
@@ -43,19 +43,9 @@ class SegmentSteps:
     flush_threads: int
     expected: int | None
     _run_id_arg: str | None
-    commit_record: FS.CommitRecord
-    _prefix: str
-    _session_number: int
     _state: WriterState
     _staging: Staging
     _lock: threading.Lock
-    _filenames: list[str]
-    _catalog: LayoutCatalog
-    _rows: np.ndarray
-    _n_rows: int
-    _dead_rows: list[tuple[int, int]]
-    _rewrites: int
-    _committed_keys: dict[str, set[int]] | None
     _flush_at_commit: bool
 
     if TYPE_CHECKING:
