@@ -198,7 +198,7 @@ class SegmentSteps:
             # (the data chunks were fsynced by the flush workers: here only their folders)
             chunks = [self._rel(f"{FS.DATA_NAME}/c/{c}") for c in range(n_chunks)]
             self.storage.sync([*objects, *chunks])
-        record = FS.CommitRecord(
+        return FS.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
@@ -216,7 +216,6 @@ class SegmentSteps:
             checks_crc32c=_crc.value(checks_bytes),
             finished=F.utcnow(),
         )
-        return record
 
     def close(self) -> None:
         """Flush everything and write the commit record. Idempotent."""
