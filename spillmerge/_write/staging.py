@@ -208,10 +208,7 @@ class Staging:
             memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data
             self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
             return
-        u8, at, leaves = np.frombuffer(data, dtype=np.uint8), 0, []
-        for n in sizes:
-            leaves.append(u8[at : at + n])
-            at += n
+        leaves = np.split(np.frombuffer(data, dtype=np.uint8), np.cumsum(sizes[:-1]))
         self.add_host_frame(row, file_id, frame, layout_ids, leaves, sizes, total)
 
     def add_frames(
