@@ -131,8 +131,8 @@ class BufferPool:
         thread then prefaults the next one while the caller fills this one."""
 
     def retire(self) -> None:
-        """No buffer is needed any more (the writer writes its chunks directly): drop the free
-        ones, prefault no spare, keep none given back."""
+        """No buffer is needed any more (the writer writes its chunks directly, or takes no more
+        writes): drop the free ones, prefault no spare, keep none given back."""
         with self._lock:
             self.retired = True
             self._free.clear()
@@ -183,11 +183,6 @@ class BufferPool:
             if not self.retired:
                 self._free.append(buf)
             self._lock.notify()
-
-    def clear(self) -> None:
-        """Drop the free buffers (the staging memory is only needed while writing)."""
-        with self._lock:
-            self._free.clear()
 
 
 class _HereExecutor:

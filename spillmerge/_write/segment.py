@@ -138,7 +138,7 @@ class SegmentSteps:
 
     def _free_buffers(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.
-        self._staging.pool.clear()
+        self._staging.pool.retire()
         self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     # --------------------------------------------------------------------------------- commit
