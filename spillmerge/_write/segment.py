@@ -7,7 +7,7 @@ from __future__ import annotations
 import array
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import numpy as np
 
@@ -47,13 +47,6 @@ class SegmentSteps:
     _staging: Staging
     _lock: threading.Lock
     _flush_at_commit: bool
-
-    if TYPE_CHECKING:
-
-        @property
-        def _n_frames(self) -> int: ...
-
-        def _sync_rows(self) -> None: ...
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -166,6 +159,22 @@ class SegmentSteps:
             if got != size:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
                 raise self._vanished(f"data chunk {c} {state}")
+
+    def _sync_rows(self) -> None:
+        """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
+        staging hands the journal); only a rewrite of a key and the commit read them."""
+        if len(self._rows) < self._n_rows:
+            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
+            grown[: len(self._rows)] = self._rows
+            self._rows = grown
+        parts = self._staging.take_rows()
+        while parts:
+            part = parts.pop()
+            self._rows[part[:, 0], : FS.COL_CRC] = part[:, 1:]
+
+    @property
+    def _n_frames(self) -> int:
+        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
 
     def _write_index(self) -> FS.CommitRecord:
         self._check_segment()

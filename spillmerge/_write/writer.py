@@ -176,18 +176,6 @@ class SpillWriter(SegmentSteps, MergeSteps):
             self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
 
-    def _sync_rows(self) -> None:
-        """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
-        staging hands the journal); only a rewrite of a key and the commit read them."""
-        if len(self._rows) < self._n_rows:
-            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[: len(self._rows)] = self._rows
-            self._rows = grown
-        parts = self._staging.take_rows()
-        while parts:
-            part = parts.pop()
-            self._rows[part[:, 0], : FS.COL_CRC] = part[:, 1:]
-
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
         """Append one frame per item of a batched output: item ``i`` is stored exactly as
         ``write(filenames[i], frame_idx[i], item_i)`` would store it.
@@ -369,10 +357,6 @@ class SpillWriter(SegmentSteps, MergeSteps):
             self._keys.update(((f, fr), (r, n)) for f, fr, r, n in log)
             self._new_keys = array.array("q")
         return self._keys
-
-    @property
-    def _n_frames(self) -> int:
-        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
 
     def _check_batch(
         self, names: list[str], frames: list[int], items: list[Any]
