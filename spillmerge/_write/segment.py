@@ -1,10 +1,12 @@
-"""A SpillWriter's segment opened (header, folders, the flush thread), committed (index, catalog
-and block checksums durable before the commit record, written last) or aborted (the failure
-record); the resume helpers that read what earlier sessions committed."""
+"""A SpillWriter's lifecycle (:class:`WriterState`): its segment opened (header, folders, the flush
+thread), committed (index, catalog and block checksums durable before the commit record, written
+last) or aborted (the failure record); the resume helpers that read what earlier sessions
+committed."""
 
 from __future__ import annotations
 
 import array
+import enum
 import threading
 from types import TracebackType
 from typing import Any, Self
@@ -23,9 +25,21 @@ from .._spill.root import load_committed_keys
 from .._storage import Storage
 from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
-from .lifecycle import WriterState
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate, PyTemplate
+
+
+class WriterState(enum.StrEnum):
+    """A writer's lifecycle: ``NEW`` → ``open()`` → ``OPEN`` (writes) → ``close()`` → ``CLOSING``
+    → ``COMMITTED``; an exception in the ``with`` block (or a failed commit, which passes back
+    through ``OPEN``) → ``abort()`` → ``ABORTING`` → ``FAILED``. ``merge()`` needs ``COMMITTED``."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    ABORTING = "aborting"
+    COMMITTED = "committed"
+    FAILED = "failed"
 
 
 class SegmentSteps:

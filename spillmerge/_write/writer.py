@@ -26,8 +26,8 @@ from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns
 from .columns import first_leaves, flat_columns, flatten_items
 from .flatten import flatten, flatten_dense
 from .leaves import Leaf, check_filename, check_frame_idx, same_leaves
-from .lifecycle import MergeSteps, WriterState
-from .segment import SegmentSteps
+from .lifecycle import MergeSteps
+from .segment import WriterState
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate, PyTemplate
 
@@ -35,7 +35,7 @@ DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 
 
-class SpillWriter(SegmentSteps, MergeSteps):
+class SpillWriter(MergeSteps):
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
 
     ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
