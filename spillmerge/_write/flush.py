@@ -32,7 +32,7 @@ import torch
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from .._util.progress import ProgressWriter
+from .._util.progress import PROGRESS_INTERVAL, ProgressWriter
 
 
 @dataclass(slots=True)
@@ -275,7 +275,7 @@ class Flusher(threading.Thread):
                 self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
             while True:
                 try:
-                    chunk = self.q.get(timeout=self.progress.interval)
+                    chunk = self.q.get(timeout=PROGRESS_INTERVAL)
                 except queue.Empty:  # idle: the progress record catches up with the last chunks
                     if self.progress.behind():
                         self._journals.append(self._pool.submit(self.progress.maybe_write, trailing=True))
