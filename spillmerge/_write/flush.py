@@ -44,7 +44,8 @@ class Chunk:
     host: torch.Tensor
     """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
     host_np: Any = None
-    """``host.numpy()``, made once: host-side copies slice it (cheaper per call than torch)."""
+    """``host.numpy()`` (None for a direct chunk): host-side copies slice it (cheaper per call
+    than torch)."""
     fill: int = 0
     """Bytes used."""
     pieces: list[tuple[int, int, int]] = field(default_factory=list)

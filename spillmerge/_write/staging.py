@@ -125,8 +125,6 @@ class Staging:
                 crc = _crc.extend(crc, piece)  # a row may continue from the previous chunk
                 chunk.row_crcs.append((row, crc))
             else:
-                if chunk.host_np is None:
-                    chunk.host_np = chunk.host.numpy()
                 chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
             if not chunk.direct:  # a direct chunk's rows were checksummed as written
                 chunk.pieces.append((row, chunk.fill, chunk.fill + n))
@@ -198,12 +196,7 @@ class Staging:
         """``add_host_frame`` of a frame whose leaves' bytes are ``data``, back to back: one copy
         when it fits in the current staged chunk."""
         chunk = self._current
-        if (
-            self.direct is False
-            and chunk is not None
-            and chunk.host_np is not None
-            and chunk.fill + total < self.chunk_bytes
-        ):
+        if self.direct is False and chunk is not None and chunk.fill + total < self.chunk_bytes:
             self.frames += 1
             memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data
             self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
@@ -245,8 +238,6 @@ class Staging:
                 self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs)
                 i += 1
                 continue
-            if chunk.host_np is None and not chunk.direct:
-                chunk.host_np = chunk.host.numpy()
             self._close_run(chunk)  # the open block of write()'s frames ends where this block starts
             part = slice(i, i + k)
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)
@@ -406,7 +397,8 @@ class Staging:
                     chunk.fd = os.open(self._storage.path(rel), flags, 0o644)
                 self._current = chunk
             else:
-                self._current = Chunk(self.n_chunks, self.pool.acquire(self.check), check_base=self.n_checks)
+                buf = self.pool.acquire(self.check)
+                self._current = Chunk(self.n_chunks, buf, buf.numpy(), check_base=self.n_checks)
             self.n_chunks += 1
         return self._current
 
