@@ -265,15 +265,15 @@ class Flusher(threading.Thread):
     def run_here(self) -> None:
         """:meth:`run` in the calling thread, the uploads and journal entries too (one after
         another, in chunk order), once the queue holds every chunk and the final ``None``; no
-        thread starts and no spare buffer is prefaulted (no write follows)."""
+        thread starts."""
         self.inline = True
+        self.pool.retire()  # no spare buffer, none kept: no write follows
         self._pool = self._journal_pool = _HereExecutor()  # type: ignore[assignment]
         self.run()
 
     def run(self) -> None:
         try:
-            if not self.inline:
-                self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
+            self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
             while True:
                 try:
                     chunk = self.q.get(timeout=PROGRESS_INTERVAL)
@@ -287,8 +287,7 @@ class Flusher(threading.Thread):
                     self._retire(block=False)
                     continue
                 if chunk is _SPARE:  # the caller took the prefaulted buffer: ready the next one
-                    if not self.inline:
-                        self.pool.prefault_spare()
+                    self.pool.prefault_spare()
                     continue
                 if self.error is not None:
                     self._release(chunk)
@@ -301,8 +300,7 @@ class Flusher(threading.Thread):
                         self._pending.append((chunk, done))
                         self._retire(block=False)
                         continue
-                    if not self.inline:
-                        self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
+                    self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
                     self._checksum(chunk)
                     self._bound_unsynced()
                     fut = self._pool.submit(self._upload, chunk)
