@@ -66,8 +66,6 @@ class Staging:
         self._current: Chunk | None = None
         self._cuda_stream: Any = None
         self._closing = False
-        self._path = ""
-        self._local = False
         self.direct: bool | None = None
         """Chunks are written straight into their files; None until the first frame decides."""
         self._sealed_rows: list[np.ndarray] = []
@@ -83,7 +81,6 @@ class Staging:
         (or :meth:`stop`) in the writer's thread, no thread started (a short-lived writer: no
         progress record is written before that)."""
         self._storage, self._prefix, self._path = storage, prefix, storage.describe(prefix)
-        self._local = storage.local
         self._filenames, self._layouts = filenames, layouts
         self._journaled_files = self._journaled_layouts = 0
         self.flusher = Flusher(
@@ -319,7 +316,7 @@ class Staging:
 
     def _decide(self, nbytes: int, host: bool) -> None:
         """Write directly or stage, for good: by the writer's first frame."""
-        self.direct = self._local and host and nbytes >= DIRECT_MIN_BYTES
+        self.direct = self._storage.local and host and nbytes >= DIRECT_MIN_BYTES
         if self.direct:
             self.pool.retire()  # the spare the flush thread may have made ready goes
 
