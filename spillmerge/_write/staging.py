@@ -46,7 +46,7 @@ class Staging:
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
     :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
-    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then clears :attr:`pool`.
+    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then retires :attr:`pool`.
     Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
@@ -209,10 +209,10 @@ class Staging:
         ``L`` leaves; leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some) of catalog layout
         ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s rows back to back).
         ``file_ids``: int64 per frame, or an int (frame ``i`` is file ``file_ids + i``);
-        ``frames``: int64 per frame, or None (frame 0 each). The
-        frames that fit whole in the current chunk are staged a leaf at a time, one copy per leaf
-        (its rows one byte range) and a block checksum per CHECK_BYTES of its rows; a frame
-        straddling two chunks goes through ``add`` (a CRC per row, as ``write`` does)."""
+        ``frames``: int64 per frame, or None (frame 0 each). The frames that fit whole in the
+        current chunk are staged a leaf at a time, one copy per leaf (its rows one byte range) and
+        a block checksum per CHECK_BYTES of its rows; a frame straddling two chunks goes through
+        ``add`` (a CRC per row, as ``write`` does)."""
         n, n_leaves = sizes.shape
         ends = np.cumsum(sizes, axis=0)
         starts = ends - sizes
