@@ -159,7 +159,7 @@ def flatten_dense(value: object) -> list[Leaf] | None:
             out.append(leaf)
         if keys != given and out:  # the user's key order, on each leaf's layout
             where = {k: i for i, k in enumerate(given)}
-            out = [dataclasses.replace(leaf, pos=(where[leaf.path[0]],)) for leaf in out]
+            out = [_with_pos(leaf, (where[leaf.path[0]],)) for leaf in out]
         return out or None
     leaf = _dense_leaf(value, ())
     return None if leaf is None else [leaf]
