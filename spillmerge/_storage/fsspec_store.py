@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import posixpath
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from zarr.storage import FsspecStore
@@ -17,8 +17,6 @@ from .base import Storage
 
 class FsspecStorage(Storage):
     """A prefix of an fsspec filesystem (``s3://bucket/key``, ``memory://x`` ...)."""
-
-    local: ClassVar[bool] = False
 
     @staticmethod
     def _resolve_root(root: str) -> str:

@@ -74,13 +74,12 @@ class ProgressRecord:
 
 class ProgressWriter:
     """Counts what becomes durable (called by the flush thread, in chunk order) and rewrites the
-    progress record at most every ``interval`` seconds. Never raises: a progress record that
+    progress record at most every :data:`PROGRESS_INTERVAL` seconds. Never raises: a progress record that
     cannot be written must not fail or slow the spill (status then shows older counts)."""
 
-    def __init__(self, storage: Storage, prefix: str, *, rank: int, interval: float = PROGRESS_INTERVAL) -> None:
+    def __init__(self, storage: Storage, prefix: str, *, rank: int) -> None:
         self.storage, self.rel, self.rank = storage, f"{prefix}/{PROGRESS_NAME}", rank
         self.segment = prefix.rsplit("/", 1)[-1]
-        self.interval = interval
         self._lock = threading.Lock()  # counters (flush thread) vs. snapshots (upload threads)
         self._put_lock = threading.Lock()  # one PUT at a time, newest wins
         self._frames = self._rows = self._bytes = self._chunks = 0
@@ -122,12 +121,12 @@ class ProgressWriter:
             return self._seq != self._written_seq
 
     def maybe_write(self, *, trailing: bool = False) -> None:
-        """Rewrite the record if something new is durable and ``interval`` has passed since the
+        """Rewrite the record if something new is durable and the interval has passed since the
         last rewrite (``trailing``: the flush thread is idle, write what is left now)."""
         now = time.monotonic()
         with self._lock:
             self._poll_staged()
-            if self._seq == self._written_seq or (not trailing and now - self._last_put < self.interval):
+            if self._seq == self._written_seq or (not trailing and now - self._last_put < PROGRESS_INTERVAL):
                 return
             seq, rec = self._seq, self._snapshot()
             self._last_put = now

@@ -17,10 +17,8 @@ import numpy as np
 
 from .._errors import SpillValueError
 from .._format.common import DTYPES, STRING_MAX_BYTES
-from .flatten import flatten
+from .flatten import EMPTY, flatten
 from .leaves import PY_NUMBERS, UINT32_MAX, Leaf, same_keys
-
-_EMPTY = np.zeros(0, dtype=np.uint8)
 
 
 def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None:
@@ -130,7 +128,7 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         out.append((np.frombuffer(b"".join(raw), dtype=np.uint8), sizes, sizes, "str"))
         return True
     if kind is type(None):
-        out.append((_EMPTY, 0, -1, "none"))
+        out.append((EMPTY, 0, -1, "none"))
         return True
     if kind is not list:
         return _numbers_leaf(column, n, kind, None, None, out)

@@ -41,7 +41,7 @@ from .leaves import (
     records,
 )
 
-_EMPTY = np.zeros(0, dtype=np.uint8)
+EMPTY = np.zeros(0, dtype=np.uint8)
 
 
 # torch dtype -> format name, for the dtypes this torch has (write() is per frame: one dict lookup).
@@ -99,10 +99,7 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
         raise leaf_error(path, filename, f"torch dtype {t.dtype} is not supported")
     if t.requires_grad:
         t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
+    t = t.resolve_conj().resolve_neg()  # each returns the tensor itself when it has no such bit
     if device not in ("cpu", "cuda"):
         t, device = t.to("cpu"), "cpu"
     if not t.is_contiguous():
@@ -162,7 +159,7 @@ def flatten_dense(value: object) -> list[Leaf] | None:
             out.append(leaf)
         if keys != given and out:  # the user's key order, on each leaf's layout
             where = {k: i for i, k in enumerate(given)}
-            out = [dataclasses.replace(leaf, pos=(where[leaf.path[0]],)) for leaf in out]
+            out = [_with_pos(leaf, (where[leaf.path[0]],)) for leaf in out]
         return out or None
     leaf = _dense_leaf(value, ())
     return None if leaf is None else [leaf]
@@ -234,7 +231,7 @@ def _walk(
             _container(value, path, filename, out, depth, allow_pickle, active, orders)
             return
         if kind == "none":
-            out.append(Leaf(path, "none", (), 0, _EMPTY))
+            out.append(Leaf(path, "none", (), 0, EMPTY))
             return
         if kind != "pyint" or -(1 << 63) <= value < (1 << 63):  # type: ignore[operator]
             out.append(_scalar(path, kind, value))

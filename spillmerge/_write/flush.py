@@ -10,7 +10,7 @@ Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
                      durable (one group commit: the chunks written since its last one and their
                      folder, fsynced together) and writes ``journal/N`` (entries in chunk
                      order); ``None`` on the queue ends it. A direct chunk
-                     (``_write.direct``: the caller wrote its file) skips the worker: it is
+                     (``_write.staging``: the caller wrote its file) skips the worker: it is
                      written already, only made durable and journaled in order.
 """
 
@@ -33,7 +33,7 @@ from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
 from .._util.gcpause import gc_paused
-from .._util.progress import ProgressWriter
+from .._util.progress import PROGRESS_INTERVAL, ProgressWriter
 
 
 @dataclass(slots=True)
@@ -45,7 +45,8 @@ class Chunk:
     host: torch.Tensor
     """uint8 host buffer of ``chunk_bytes`` (pinned when CUDA tensors were written)."""
     host_np: Any = None
-    """``host.numpy()``, made once: host-side copies slice it (cheaper per call than torch)."""
+    """``host.numpy()`` (None for a direct chunk): host-side copies slice it (cheaper per call
+    than torch)."""
     fill: int = 0
     """Bytes used."""
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
@@ -89,7 +90,7 @@ class Chunk:
     new_layouts: list[FS.Layout] = field(default_factory=list)
     """Layouts registered since the previous chunk was handed off."""
     direct: bool = False
-    """Written by the caller straight into its chunk file (``_write.direct``), no staging buffer:
+    """Written by the caller straight into its chunk file (``_write.staging``), no staging buffer:
     handed off whole, closed, padded; the flush thread only makes it durable and journals it."""
     fd: int = -1
     """The open chunk file of a direct chunk, until its hand-off."""
@@ -132,8 +133,8 @@ class BufferPool:
         thread then prefaults the next one while the caller fills this one."""
 
     def retire(self) -> None:
-        """No buffer is needed any more (the writer writes its chunks directly): drop the free
-        ones, prefault no spare, keep none given back."""
+        """No buffer is needed any more (the writer writes its chunks directly, or takes no more
+        writes): drop the free ones, prefault no spare, keep none given back."""
         with self._lock:
             self.retired = True
             self._free.clear()
@@ -184,11 +185,6 @@ class BufferPool:
             if not self.retired:
                 self._free.append(buf)
             self._lock.notify()
-
-    def clear(self) -> None:
-        """Drop the free buffers (the staging memory is only needed while writing)."""
-        with self._lock:
-            self._free.clear()
 
 
 class _HereExecutor:
@@ -270,18 +266,18 @@ class Flusher(threading.Thread):
     def run_here(self) -> None:
         """:meth:`run` in the calling thread, the uploads and journal entries too (one after
         another, in chunk order), once the queue holds every chunk and the final ``None``; no
-        thread starts and no spare buffer is prefaulted (no write follows)."""
+        thread starts."""
         self.inline = True
+        self.pool.retire()  # no spare buffer, none kept: no write follows
         self._pool = self._journal_pool = _HereExecutor()  # type: ignore[assignment]
         self.run()
 
     def run(self) -> None:
         try:
-            if not self.inline:
-                self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
+            self.pool.prefault_spare()  # the first chunk's buffer, while the caller is still computing
             while True:
                 try:
-                    chunk = self.q.get(timeout=self.progress.interval)
+                    chunk = self.q.get(timeout=PROGRESS_INTERVAL)
                 except queue.Empty:  # idle: the progress record catches up with the last chunks
                     if self.progress.behind():
                         self._journals.append(self._pool.submit(self.progress.maybe_write, trailing=True))
@@ -292,8 +288,7 @@ class Flusher(threading.Thread):
                     self._retire(block=False)
                     continue
                 if chunk is _SPARE:  # the caller took the prefaulted buffer: ready the next one
-                    if not self.inline:
-                        self.pool.prefault_spare()
+                    self.pool.prefault_spare()
                     continue
                 if self.error is not None:
                     self._release(chunk)
@@ -306,8 +301,7 @@ class Flusher(threading.Thread):
                         self._pending.append((chunk, done))
                         self._retire(block=False)
                         continue
-                    if not self.inline:
-                        self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
+                    self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
                     self._checksum(chunk)
                     self._bound_unsynced()
                     fut = self._pool.submit(self._upload, chunk)

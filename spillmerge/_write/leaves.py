@@ -268,10 +268,7 @@ def strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename:
     lens = np.fromiter(map(len, enc), dtype=np.int64, count=n)
     if n and int(lens.max()) > UINT32_MAX:
         raise leaf_error(path, filename, "a string of a list is 4 GiB or longer (store it as a str leaf of its own)")
-    body = b"".join(enc)
-    data = np.empty(4 * n + len(body), dtype=np.uint8)
-    data[: 4 * n] = lens.astype("<u4").view(np.uint8)
-    data[4 * n :] = np.frombuffer(body, dtype=np.uint8)
+    data = np.frombuffer(b"".join([lens.astype("<u4").tobytes(), *enc]), dtype=np.uint8)
     return Leaf(path, "strlist", (n, data.size), data.size, data)
 
 

@@ -1,10 +1,8 @@
-"""A SpillWriter's lifecycle (:class:`WriterState`) and its steps after the ``with`` block: the
-collective merge round (``merge``, ``session``) and ``remove_spill`` once the output holds the
-segment."""
+"""A SpillWriter's steps after the ``with`` block: the collective merge round (``merge``,
+``session``) and ``remove_spill`` once the output holds the segment."""
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Any
 
 import fsspec
@@ -17,37 +15,15 @@ from .._format import spill as FS
 from .._spill.removal import remove_listed
 from .._spill.root import list_ranks
 from .._storage import Storage
+from .segment import SegmentSteps, WriterState
 
 if TYPE_CHECKING:
     from .._merge.report import MergeReport
 
 
-class WriterState(enum.StrEnum):
-    """A writer's lifecycle: ``NEW`` → ``open()`` → ``OPEN`` (writes) → ``close()`` → ``CLOSING``
-    → ``COMMITTED``; an exception in the ``with`` block (or a failed commit, which passes back
-    through ``OPEN``) → ``abort()`` → ``ABORTING`` → ``FAILED``. ``merge()`` needs ``COMMITTED``."""
+class MergeSteps(SegmentSteps):
+    """``SpillWriter``'s methods for the merge round and what follows it, after its segment's."""
 
-    NEW = "new"
-    OPEN = "open"
-    CLOSING = "closing"
-    ABORTING = "aborting"
-    COMMITTED = "committed"
-    FAILED = "failed"
-
-
-class MergeSteps:
-    """``SpillWriter``'s methods for the merge round and what follows it; they read the writer's
-    rank, storage, segment and lifecycle state declared here."""
-
-    rank: int
-    world_size: int
-    run_id: str | None
-    storage: Storage
-    root: str
-    segment: str | None
-    _prefix: str
-    _session_number: int
-    _state: WriterState
     _rounds: Rounds
 
     @property

@@ -1,13 +1,15 @@
-"""A SpillWriter's segment opened (header, folders, the flush thread), committed (index, catalog
-and block checksums durable before the commit record, written last) or aborted (the failure
-record); the resume helpers that read what earlier sessions committed."""
+"""A SpillWriter's lifecycle (:class:`WriterState`): its segment opened (header, folders, the flush
+thread), committed (index, catalog and block checksums durable before the commit record, written
+last) or aborted (the failure record); the resume helpers that read what earlier sessions
+committed."""
 
 from __future__ import annotations
 
 import array
+import enum
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import numpy as np
 
@@ -24,14 +26,26 @@ from .._storage import Storage
 from .._util.gcpause import gc_paused
 from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
-from .lifecycle import WriterState
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate, PyTemplate
 
 
+class WriterState(enum.StrEnum):
+    """A writer's lifecycle: ``NEW`` → ``open()`` → ``OPEN`` (writes) → ``close()`` → ``CLOSING``
+    → ``COMMITTED``; an exception in the ``with`` block (or a failed commit, which passes back
+    through ``OPEN``) → ``abort()`` → ``ABORTING`` → ``FAILED``. ``merge()`` needs ``COMMITTED``."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    ABORTING = "aborting"
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
 class SegmentSteps:
     """``SpillWriter``'s methods that open and end a segment (commit, abort) and read earlier
-    sessions' commits; they use the writer's state declared here."""
+    sessions' commits; they use the writer's state declared here or set by :meth:`_open`."""
 
     rank: int
     world_size: int
@@ -44,27 +58,10 @@ class SegmentSteps:
     flush_threads: int
     expected: int | None
     _run_id_arg: str | None
-    commit_record: FS.CommitRecord
-    _prefix: str
-    _session_number: int
     _state: WriterState
     _staging: Staging
     _lock: threading.Lock
-    _filenames: list[str]
-    _catalog: LayoutCatalog
-    _rows: np.ndarray
-    _n_rows: int
-    _dead_rows: list[tuple[int, int]]
-    _rewrites: int
-    _committed_keys: dict[str, set[int]] | None
     _flush_at_commit: bool
-
-    if TYPE_CHECKING:
-
-        @property
-        def _n_frames(self) -> int: ...
-
-        def _sync_rows(self) -> None: ...
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -149,7 +146,7 @@ class SegmentSteps:
 
     def _free_buffers(self) -> None:
         # The staging memory is only needed while writing; a merge on this rank follows.
-        self._staging.pool.clear()
+        self._staging.pool.retire()
         self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     # --------------------------------------------------------------------------------- commit
@@ -177,6 +174,22 @@ class SegmentSteps:
             if got != size:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
                 raise self._vanished(f"data chunk {c} {state}")
+
+    def _sync_rows(self) -> None:
+        """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
+        staging hands the journal); only a rewrite of a key and the commit read them."""
+        if len(self._rows) < self._n_rows:
+            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
+            grown[: len(self._rows)] = self._rows
+            self._rows = grown
+        parts = self._staging.take_rows()
+        while parts:
+            part = parts.pop()
+            self._rows[part[:, 0], : FS.COL_CRC] = part[:, 1:]
+
+    @property
+    def _n_frames(self) -> int:
+        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
 
     def _write_index(self) -> FS.CommitRecord:
         self._check_segment()
@@ -209,7 +222,7 @@ class SegmentSteps:
             # (the data chunks were fsynced by the flush workers: here only their folders)
             chunks = [self._rel(f"{FS.DATA_NAME}/c/{c}") for c in range(n_chunks)]
             self.storage.sync([*objects, *chunks])
-        record = FS.CommitRecord(
+        return FS.CommitRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
@@ -227,7 +240,6 @@ class SegmentSteps:
             checks_crc32c=_crc.value(checks_bytes),
             finished=F.utcnow(),
         )
-        return record
 
     def close(self) -> None:
         """Flush everything and write the commit record. Idempotent."""

@@ -7,14 +7,17 @@ Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Me
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
   (flush thread)     ``_write.flush.Flusher``: checksums, writes and fsyncs the chunk, journals
                      it in chunk order, gives its buffer back.
-A direct writer (``_write.direct``: local disk, large host frames) writes each chunk's bytes into
-its file in ``add`` / ``add_host_frame`` / ``add_frames`` instead of copying them, the checksums
-from the caller's memory; ``hand_off`` closes the file and queues the chunk the same way.
+A direct writer (a local disk, and a first frame on the host of at least :data:`DIRECT_MIN_BYTES`:
+a smaller one costs less copied than written by a system call) writes each chunk's bytes into its
+file in ``add`` / ``add_host_frame`` / ``add_frames`` instead of copying them, the bytes and layout
+of a staged chunk, the checksums from the caller's memory; ``hand_off`` closes the file and queues
+the chunk, which the flush thread only makes durable and journals.
 """
 
 from __future__ import annotations
 
 import array
+import os
 from typing import Any
 
 import numpy as np
@@ -24,13 +27,16 @@ from .._errors import SpillMergeError, SpillStorageError
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from . import direct as D
 from .flush import BufferPool, Chunk, Flusher, completed_rows
 
 CHECK_BYTES = 1 << 20
 """Largest block checksum (docs/FORMAT.md, ``checks``) ``add_frames`` makes, unless one row is larger."""
 COMPARE_WINDOW = 1 << 20
 """Bytes compared at a time when a key is written again (bounded memory for any frame size)."""
+DIRECT_MIN_BYTES = 64 << 10
+"""Smallest first frame (bytes, all leaves) that makes a local-disk writer write directly."""
+NO_BUFFER = torch.empty(0, dtype=torch.uint8)
+"""The ``Chunk.host`` of a direct chunk: it has no staging buffer."""
 SIDE_STREAM_BYTES = 1 << 20
 """A CUDA leaf of at least this many bytes is copied on the writer's own stream, overlapping the
 producer's next kernels; a smaller one on the caller's stream (``Staging._prepare_cuda``)."""
@@ -40,7 +46,7 @@ class Staging:
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
     :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
-    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then clears :attr:`pool`.
+    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then retires :attr:`pool`.
     Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
@@ -60,11 +66,8 @@ class Staging:
         self._current: Chunk | None = None
         self._cuda_stream: Any = None
         self._closing = False
-        self._path = ""
-        self._local = False
         self.direct: bool | None = None
-        """Chunks are written straight into their files (``_write.direct``); None until the
-        first frame decides (``_decide``)."""
+        """Chunks are written straight into their files; None until the first frame decides."""
         self._sealed_rows: list[np.ndarray] = []
         """The rows of the chunks handed off since :meth:`take_rows` last took them."""
 
@@ -78,7 +81,6 @@ class Staging:
         (or :meth:`stop`) in the writer's thread, no thread started (a short-lived writer: no
         progress record is written before that)."""
         self._storage, self._prefix, self._path = storage, prefix, storage.describe(prefix)
-        self._local = storage.local
         self._filenames, self._layouts = filenames, layouts
         self._journaled_files = self._journaled_layouts = 0
         self.flusher = Flusher(
@@ -116,12 +118,10 @@ class Staging:
                 self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
             elif chunk.direct:  # into its file; the row's CRC-32C extended from the caller's memory
                 piece = data if n == nbytes else data[done : done + n]
-                D.write_parts(self._storage, chunk.fd, [piece], chunk.fill, self._path)
+                self._write_parts(chunk.fd, [piece], chunk.fill)
                 crc = _crc.extend(crc, piece)  # a row may continue from the previous chunk
                 chunk.row_crcs.append((row, crc))
             else:
-                if chunk.host_np is None:
-                    chunk.host_np = chunk.host.numpy()
                 chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
             if not chunk.direct:  # a direct chunk's rows were checksummed as written
                 chunk.pieces.append((row, chunk.fill, chunk.fill + n))
@@ -170,7 +170,7 @@ class Staging:
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
             # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
             # nothing); the open block's CRC-32C extends over the leaves, from the caller's memory.
-            D.write_parts(self._storage, chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill, self._path)
+            self._write_parts(chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill)
             crc = chunk.run_crc if chunk.run else 0
             for d, n in zip(data, sizes, strict=True):
                 if n:
@@ -193,20 +193,12 @@ class Staging:
         """``add_host_frame`` of a frame whose leaves' bytes are ``data``, back to back: one copy
         when it fits in the current staged chunk."""
         chunk = self._current
-        if (
-            self.direct is False
-            and chunk is not None
-            and chunk.host_np is not None
-            and chunk.fill + total < self.chunk_bytes
-        ):
+        if self.direct is False and chunk is not None and chunk.fill + total < self.chunk_bytes:
             self.frames += 1
             memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data
             self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
             return
-        u8, at, leaves = np.frombuffer(data, dtype=np.uint8), 0, []
-        for n in sizes:
-            leaves.append(u8[at : at + n])
-            at += n
+        leaves = np.split(np.frombuffer(data, dtype=np.uint8), np.cumsum(sizes[:-1]))
         self.add_host_frame(row, file_id, frame, layout_ids, leaves, sizes, total)
 
     def add_frames(
@@ -217,10 +209,10 @@ class Staging:
         ``L`` leaves; leaf ``j`` is ``sizes[i, j]`` bytes (every frame has some) of catalog layout
         ``layout_ids[i, j]``, the next bytes of ``columns[j]`` (leaf ``j``'s rows back to back).
         ``file_ids``: int64 per frame, or an int (frame ``i`` is file ``file_ids + i``);
-        ``frames``: int64 per frame, or None (frame 0 each). The
-        frames that fit whole in the current chunk are staged a leaf at a time, one copy per leaf
-        (its rows one byte range) and a block checksum per CHECK_BYTES of its rows; a frame
-        straddling two chunks goes through ``add`` (a CRC per row, as ``write`` does)."""
+        ``frames``: int64 per frame, or None (frame 0 each). The frames that fit whole in the
+        current chunk are staged a leaf at a time, one copy per leaf (its rows one byte range) and
+        a block checksum per CHECK_BYTES of its rows; a frame straddling two chunks goes through
+        ``add`` (a CRC per row, as ``write`` does)."""
         n, n_leaves = sizes.shape
         ends = np.cumsum(sizes, axis=0)
         starts = ends - sizes
@@ -243,8 +235,6 @@ class Staging:
                 self._add_by_leaf(int(grid[i, 0]), int(fids[i]), fr, layout_ids[i].tolist(), pieces, nbs)
                 i += 1
                 continue
-            if chunk.host_np is None and not chunk.direct:
-                chunk.host_np = chunk.host.numpy()
             self._close_run(chunk)  # the open block of write()'s frames ends where this block starts
             part = slice(i, i + k)
             cube = np.empty((k, n_leaves, 6), dtype=np.int64)
@@ -262,7 +252,7 @@ class Staging:
                     continue
                 src = columns[j][a:b]
                 if chunk.direct:
-                    D.write_parts(self._storage, chunk.fd, [src], fill, self._path)
+                    self._write_parts(chunk.fd, [src], fill)
                 else:
                     chunk.host_np[fill : fill + b - a] = src
                 r = 0
@@ -307,9 +297,26 @@ class Staging:
         if fill - chunk.run_start >= CHECK_BYTES:
             self._close_run(chunk)
 
+    def _write_parts(self, fd: int, parts: list[Any], at: int) -> None:
+        """Write ``parts`` (host buffers) back to back at byte ``at`` of the direct chunk file
+        ``fd``: one ``pwritev`` for them all, then the rest of a short write one part at a time.
+        At an explicit offset, so a write that failed half way leaves the next one in its place."""
+        with self._storage.storage_errors("write", self._path):
+            views = [memoryview(p).cast("B") for p in parts]
+            done = os.pwritev(fd, views, at)
+            for v in views:
+                at += len(v)
+                if done >= len(v):
+                    done -= len(v)
+                    continue
+                v, pos, done = v[done:], at - len(v) + done, 0
+                while v:
+                    n = os.pwrite(fd, v, pos)
+                    v, pos = v[n:], pos + n
+
     def _decide(self, nbytes: int, host: bool) -> None:
-        """Write directly (``_write.direct``) or stage, for good: by the writer's first frame."""
-        self.direct = self._local and host and nbytes >= D.DIRECT_MIN_BYTES
+        """Write directly or stage, for good: by the writer's first frame."""
+        self.direct = self._storage.local and host and nbytes >= DIRECT_MIN_BYTES
         if self.direct:
             self.pool.retire()  # the spare the flush thread may have made ready goes
 
@@ -378,11 +385,17 @@ class Staging:
         if self._current is None:
             if self.direct:
                 self._wait_journaled()
-                chunk = Chunk(self.n_chunks, D.NO_BUFFER, check_base=self.n_checks, direct=True)
-                chunk.fd = D.open_chunk(self._storage, self._prefix, self.n_chunks)
+                chunk = Chunk(self.n_chunks, NO_BUFFER, check_base=self.n_checks, direct=True)
+                # Created (or truncated) under its final name, as ``put`` does: a journal entry
+                # names it only once durable.
+                rel = f"{self._prefix}/{FS.DATA_NAME}/c/{self.n_chunks}"
+                with self._storage.storage_errors("write", rel):
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                    chunk.fd = os.open(self._storage.path(rel), flags, 0o644)
                 self._current = chunk
             else:
-                self._current = Chunk(self.n_chunks, self.pool.acquire(self.check), check_base=self.n_checks)
+                buf = self.pool.acquire(self.check)
+                self._current = Chunk(self.n_chunks, buf, buf.numpy(), check_base=self.n_checks)
             self.n_chunks += 1
         return self._current
 
@@ -404,9 +417,14 @@ class Staging:
         chunk, self._current = self._current, None
         if chunk is not None:
             self._close_run(chunk)
-            if chunk.fd >= 0:
-                fd, chunk.fd = chunk.fd, -1
-                D.close_chunk(self._storage, fd, chunk.fill, self._object_size(chunk), self._path)
+            if chunk.fd >= 0:  # a direct chunk: padded with zeros to its object size, as a staged one
+                fd, chunk.fd, size = chunk.fd, -1, self._object_size(chunk)
+                with self._storage.storage_errors("write", self._path):
+                    try:
+                        if chunk.fill < size:
+                            os.ftruncate(fd, size)
+                    finally:
+                        os.close(fd)
             chunk.file_base, chunk.new_files = self._journaled_files, self._filenames[self._journaled_files :]
             chunk.layout_base, chunk.new_layouts = self._journaled_layouts, self._layouts[self._journaled_layouts :]
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)

@@ -25,7 +25,7 @@ import numpy as np
 
 from .._format import spill as FS
 from .._format.common import MARK, STRING_MAX_BYTES
-from .leaves import PY_PACK, host_array
+from .leaves import PY_NUMBERS, PY_PACK, host_array
 
 if TYPE_CHECKING:
     from .layouts import LayoutCatalog
@@ -99,7 +99,7 @@ class DenseTemplate:
     """The layouts' catalog ids, once a batch of them was staged (ids in the catalog never change)."""
 
 
-_PY_TYPES = {"pyint": int, "pyfloat": float, "pybool": bool}
+_PY_TYPES = {name: t for t, name in PY_NUMBERS.items()}
 _PY_ARRAY = {"pyint": "q", "pyfloat": "d", "pybool": "b"}
 """``array.array`` type codes of the same bytes as the dtypes' storage on a little-endian host:
 a list converts in a third of ``np.array``'s time."""

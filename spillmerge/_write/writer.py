@@ -26,8 +26,8 @@ from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns
 from .columns import first_leaves, flat_columns, flatten_items
 from .flatten import flatten, flatten_dense
 from .leaves import Leaf, check_filename, check_frame_idx, same_leaves
-from .lifecycle import MergeSteps, WriterState
-from .segment import SegmentSteps
+from .lifecycle import MergeSteps
+from .segment import WriterState
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate, PyTemplate
 
@@ -35,7 +35,7 @@ DuplicatePolicy = Literal["error", "first", "last"]
 _POLICIES = ("error", "first", "last")
 
 
-class SpillWriter(SegmentSteps, MergeSteps):
+class SpillWriter(MergeSteps):
     """Append ``(filename, frame_idx) -> value`` predictions of one rank to a spill root.
 
     ``root`` is a local path or an fsspec URL; every rank of a job uses the same root and writes
@@ -175,18 +175,6 @@ class SpillWriter(SegmentSteps, MergeSteps):
         else:
             self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
-
-    def _sync_rows(self) -> None:
-        """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
-        staging hands the journal); only a rewrite of a key and the commit read them."""
-        if len(self._rows) < self._n_rows:
-            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[: len(self._rows)] = self._rows
-            self._rows = grown
-        parts = self._staging.take_rows()
-        while parts:
-            part = parts.pop()
-            self._rows[part[:, 0], : FS.COL_CRC] = part[:, 1:]
 
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
         """Append one frame per item of a batched output: item ``i`` is stored exactly as
@@ -369,10 +357,6 @@ class SpillWriter(SegmentSteps, MergeSteps):
             self._keys.update(((f, fr), (r, n)) for f, fr, r, n in log)
             self._new_keys = array.array("q")
         return self._keys
-
-    @property
-    def _n_frames(self) -> int:
-        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
 
     def _check_batch(
         self, names: list[str], frames: list[int], items: list[Any]

@@ -1,5 +1,5 @@
 """A writer on a local disk whose frames are large writes them from the caller's thread straight
-into their chunk files (``_write.direct``): the same bytes, journal and checks as a staged chunk,
+into their chunk files (``_write.staging``): the same bytes, journal and checks as a staged chunk,
 the same crash safety (an entry names only chunks fsynced after their last write, with their
 folder), the same checks at merge, and ``write()`` still leaves the caller free to reuse its
 tensor."""
