@@ -1,0 +1,51 @@
+"""A damaged spill root (a byte flipped, an object truncated or gone): ``remove_spill`` never
+deletes a segment whose damage hides what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import spillmerge
+
+
+def _value(k: int) -> dict[str, object]:
+    return {"x": torch.full((200,), float(k)), "s": f"frame {k}"}
+
+
+def _segments(root: Path, rank: int) -> list[Path]:
+    return sorted((root / f"rank-{rank:05d}").glob("seg-*"))
+
+
+def _damage(obj: Path, how: str) -> None:
+    raw = obj.read_bytes()
+    if how == "flipped":
+        obj.write_bytes(raw[:8] + bytes([raw[8] ^ 0x40]) + raw[9:])
+    elif how == "truncated":
+        obj.write_bytes(raw[: len(raw) // 2])
+    else:
+        obj.unlink()
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "deleted"])
+def test_remove_spill_keeps_an_ended_segment_whose_journal_is_damaged(tmp_path, how):
+    """A failed session's frames stay while the output lacks them; its first journal entry
+    damaged, the frames its later entries and data chunks hold must not be deleted either."""
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    with pytest.raises(RuntimeError), spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
+        for k in range(10):
+            w.write("a.mp4", k, _value(k))
+        raise RuntimeError("the job died")
+    (failed,) = _segments(root, 0)
+    journal = sorted((failed / "journal").iterdir())
+    assert len(journal) >= 2, journal
+    with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:  # the job run again
+        w.write("b.mp4", 0, _value(0))
+    _damage(journal[0], how)
+    rep = spillmerge.merge(str(root), str(out), remove_spill=True, progress=False)
+    assert failed.is_dir() and (failed / "journal" / journal[-1].name).is_file()
+    why = rep.kept_segments[str(failed)]
+    assert "journal" in why and "000000" in why, why
+
