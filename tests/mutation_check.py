@@ -1735,6 +1735,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/spill/test_damaged_spill.py::test_remove_spill_keeps_an_ended_segment_whose_journal_is_damaged",),
         "a journal entry missing before later ones is damage, not the journal's end",
     ),
+    Mutation(
+        "commit-world-size-matches-header",
+        "spillmerge/_spill/root.py",
+        "        if said is not None and said != commit.world_size:",
+        "        if False:",
+        ("tests/spill/test_damaged_spill.py::test_a_commit_record_contradicting_its_header_is_named_as_corrupt",),
+        "a commit record whose world size its header contradicts is named as damaged, never called stale",
+    ),
 ]
 
 

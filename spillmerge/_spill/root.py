@@ -107,6 +107,16 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
                 path=path,
                 rank=rank,
             )
+        # One writer wrote both: a record that disagrees with its header is damaged, never a
+        # segment of another run (which the barrier would call stale, naming the intact ones).
+        said = F.int_or_none(header or {}, "world_size")
+        if said is not None and said != commit.world_size:
+            raise CorruptSpillError(
+                f"{path}: commit record says world_size {commit.world_size}, but the segment's header "
+                f"{storage.describe(f'{rel}/zarr.json')} says {said}: one of them is damaged",
+                path=path,
+                rank=rank,
+            )
     raw = storage.get_or_none(f"{rel}/{FS.FAILURE_NAME}", max_bytes=F.FAILURE_MAX_BYTES)
     if raw is not None:
         failure = FS.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{FS.FAILURE_NAME}"))

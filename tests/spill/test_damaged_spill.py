@@ -1,8 +1,9 @@
-"""A damaged spill root (a byte flipped, an object truncated or gone): ``remove_spill`` never
-deletes a segment whose damage hides what it holds."""
+"""A damaged spill root (a byte flipped, an object truncated or gone) is refused naming the damaged
+object, and ``remove_spill`` never deletes a segment whose damage hides what it holds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,30 @@ def test_remove_spill_keeps_an_ended_segment_whose_journal_is_damaged(tmp_path, 
     why = rep.kept_segments[str(failed)]
     assert "journal" in why and "000000" in why, why
 
+
+def _commit_world_size(seg: Path, world_size: int) -> None:
+    """The commit record of ``seg`` with its world size changed (a flipped digit: the record
+    carries no checksum of its own)."""
+    record = json.loads((seg / "commit.json").read_text())
+    record["world_size"] = world_size
+    (seg / "commit.json").write_text(json.dumps(record, sort_keys=True))
+
+
+@pytest.mark.parametrize("damaged", [0, 1])
+def test_a_commit_record_contradicting_its_header_is_named_as_corrupt(tmp_path, damaged):
+    """Not ``StaleSpillError`` naming the other rank's intact segment ("nothing is corrupt ...
+    remove those segments"): the damaged record is named, and no removal is advised."""
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    for rank in range(2):
+        with spillmerge.SpillWriter(root, rank=rank, world_size=2, chunk_bytes=4096) as w:
+            w.write(f"r{rank}.mp4", 0, _value(rank))
+    (seg,) = _segments(root, damaged)
+    _commit_world_size(seg, 3)
+    for call in (
+        lambda: spillmerge.merge(str(root), str(out), progress=False),
+        lambda: spillmerge.SpillWriter(root, rank=damaged, world_size=2).open(),
+    ):
+        with pytest.raises(spillmerge.CorruptSpillError) as err:
+            call()
+        assert str(seg / "commit.json") in str(err.value) and "remove" not in str(err.value), err.value
+    assert not out.exists()
