@@ -371,7 +371,8 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         blob = storage.get_or_none(rel, max_bytes=FS.journal_max_bytes(chunk_bytes))
         if blob is None:
             # Entries land in chunk order: a later one without this one is damage, not the end.
-            later = [e for e in storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}") if e.isdigit() and int(e) > n]
+            names = storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}")
+            later = [e for e in names if e.isascii() and e.isdigit() and int(e) > n]  # '²' is a digit to isdigit
             if later:
                 problems.append(f"{storage.describe(rel)}: journal entry missing, but {len(later)} later one(s) exist")
             break

@@ -20,6 +20,16 @@ def _segments(root: Path, rank: int) -> list[Path]:
     return sorted((root / f"rank-{rank:05d}").glob("seg-*"))
 
 
+def _failed_session(root: Path) -> tuple[Path, list[Path]]:
+    """A session of rank 0 (of 1) that wrote 10 frames and failed: its segment and journal entries."""
+    with pytest.raises(RuntimeError), spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
+        for k in range(10):
+            w.write("a.mp4", k, _value(k))
+        raise RuntimeError("the job died")
+    (failed,) = _segments(root, 0)
+    return failed, sorted((failed / "journal").iterdir())
+
+
 def _damage(obj: Path, how: str) -> None:
     raw = obj.read_bytes()
     if how == "flipped":
@@ -35,12 +45,7 @@ def test_remove_spill_keeps_an_ended_segment_whose_journal_is_damaged(tmp_path, 
     """A failed session's frames stay while the output lacks them; its first journal entry
     damaged, the frames its later entries and data chunks hold must not be deleted either."""
     root, out = tmp_path / "spill", tmp_path / "out.zarr"
-    with pytest.raises(RuntimeError), spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
-        for k in range(10):
-            w.write("a.mp4", k, _value(k))
-        raise RuntimeError("the job died")
-    (failed,) = _segments(root, 0)
-    journal = sorted((failed / "journal").iterdir())
+    failed, journal = _failed_session(root)
     assert len(journal) >= 2, journal
     with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:  # the job run again
         w.write("b.mp4", 0, _value(0))
@@ -77,3 +82,16 @@ def test_a_commit_record_contradicting_its_header_is_named_as_corrupt(tmp_path, 
             call()
         assert str(seg / "commit.json") in str(err.value) and "remove" not in str(err.value), err.value
     assert not out.exists()
+
+
+def test_a_salvage_names_a_missing_journal_entry_before_later_ones(tmp_path):
+    """Entries land in chunk order: one missing before later ones is damage the report names, not
+    the journal's end; a planted name that is no entry (``²`` is a digit to ``str.isdigit``) is not
+    one."""
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    failed, journal = _failed_session(root)
+    journal[0].unlink()
+    (failed / "journal" / "\u00b2").write_bytes(b"planted")
+    rep = spillmerge.merge(str(root), str(out), allow_partial=True, progress=False)
+    assert rep.salvaged_frames == {} and rep.missing_ranks == [0]
+    assert any(f"{journal[0]}: journal entry missing, but {len(journal) - 1} later" in n for n in rep.notes), rep.notes
