@@ -1719,6 +1719,30 @@ MUTATIONS: list[Mutation] = [
         ("tests/read/test_gc_state.py",),
         "a caller who disabled the garbage collector finds it disabled after a call",
     ),
+    Mutation(
+        "removal-keeps-damaged-journal",
+        "spillmerge/_spill/removal.py",
+        "    if problems and src.listdir(",
+        "    if False and src.listdir(",
+        ("tests/spill/test_damaged_spill.py::test_remove_spill_keeps_an_ended_segment_whose_journal_is_damaged",),
+        "remove_spill never deletes an ended segment whose damaged journal hides what its data holds",
+    ),
+    Mutation(
+        "journal-gap-is-damage",
+        "spillmerge/_spill/root.py",
+        "            if later:\n                problems.append(",
+        "            if False:\n                problems.append(",
+        ("tests/spill/test_damaged_spill.py::test_remove_spill_keeps_an_ended_segment_whose_journal_is_damaged",),
+        "a journal entry missing before later ones is damage, not the journal's end",
+    ),
+    Mutation(
+        "commit-world-size-matches-header",
+        "spillmerge/_spill/root.py",
+        "        if said is not None and said != commit.world_size:",
+        "        if False:",
+        ("tests/spill/test_damaged_spill.py::test_a_commit_record_contradicting_its_header_is_named_as_corrupt",),
+        "a commit record whose world size its header contradicts is named as damaged, never called stale",
+    ),
 ]
 
 

@@ -2,8 +2,8 @@
 
 A segment goes only when the output holds it: a committed segment the merge planned (never one
 committed after the plan was made), or an uncommitted segment that ended (a failure record, or a
-later committed session of its rank was merged) whose every frame its journal proves durable is
-in the output. Everything else stays, with the reason (:class:`Removal`). A rank folder and the
+later committed session of its rank was merged) whose journal is undamaged and whose every frame
+it proves durable is in the output. Everything else stays, with the reason (:class:`Removal`). A rank folder and the
 root go only when they end up empty; files that are not segments are never touched.
 """
 
@@ -110,9 +110,11 @@ def _why_kept(src: Storage, rank: int, name: str, newest_merged: tuple[int, str]
     if seg.failure is None and not superseded:
         return "no commit or failure record: still being written, or its writer was killed"
     try:
-        flushed, _ = load_flushed(src, seg)
+        flushed, problems = load_flushed(src, seg)
     except SpillMergeError as exc:
         return f"uncommitted and its journal is unreadable ({exc})"
+    if problems and src.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"):  # what its data holds is unknown
+        return f"uncommitted and its journal is damaged ({'; '.join(problems)})"
     missing = lacking(flushed, lookup)
     if missing:
         return (

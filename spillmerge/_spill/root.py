@@ -107,6 +107,16 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
                 path=path,
                 rank=rank,
             )
+        # One writer wrote both: a record that disagrees with its header is damaged, never a
+        # segment of another run (which the barrier would call stale, naming the intact ones).
+        said = F.int_or_none(header or {}, "world_size")
+        if said is not None and said != commit.world_size:
+            raise CorruptSpillError(
+                f"{path}: commit record says world_size {commit.world_size}, but the segment's header "
+                f"{storage.describe(f'{rel}/zarr.json')} says {said}: one of them is damaged",
+                path=path,
+                rank=rank,
+            )
     raw = storage.get_or_none(f"{rel}/{FS.FAILURE_NAME}", max_bytes=F.FAILURE_MAX_BYTES)
     if raw is not None:
         failure = FS.FailureRecord.from_json(raw, path=storage.describe(f"{rel}/{FS.FAILURE_NAME}"))
@@ -360,6 +370,11 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         rel = f"{seg.rel}/{FS.journal_name(n)}"
         blob = storage.get_or_none(rel, max_bytes=FS.journal_max_bytes(chunk_bytes))
         if blob is None:
+            # Entries land in chunk order: a later one without this one is damage, not the end.
+            names = storage.listdir(f"{seg.rel}/{FS.JOURNAL_NAME}")
+            later = [e for e in names if e.isascii() and e.isdigit() and int(e) > n]  # '²' is a digit to isdigit
+            if later:
+                problems.append(f"{storage.describe(rel)}: journal entry missing, but {len(later)} later one(s) exist")
             break
         try:
             entry = FS.decode_journal(blob, path=storage.describe(rel))
