@@ -1442,6 +1442,14 @@ MUTATIONS: list[Mutation] = [
         "a list of dicts comes back with each dict's keys in their order",
     ),
     Mutation(
+        "overwrite-checks-the-spill-first",
+        "spillmerge/_merge/job.py",
+        "            if job.options.overwrite and output.exists(FO.COMPLETE_NAME):",
+        "            if False:",
+        ("tests/merge/test_nothing_lost_output.py::test_an_overwrite_that_meets_a_corrupt_spill_keeps_the_complete_output",),
+        "a complete output is replaced only after the spill's rows replacing it have been checked",
+    ),
+    Mutation(
         "copy-runs-destination",
         "spillmerge/_merge/outputchunk.py",
         " | (dst[1:] != dst[:-1] + m[:-1])) + 1",

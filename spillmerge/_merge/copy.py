@@ -54,9 +54,10 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
     return [sorted(ks) for ks in out]
 
 
-def copy_units(job: Job, todo: list[Unit]) -> None:
+def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
     """Write the output chunks ``todo`` of ``job``, at most its ``memory_budget`` bytes of chunks in
     flight over ``copy_threads`` threads; a progress bar when ``progress`` (None: on a terminal).
+    ``check``: only read and check their source rows (before a complete output is replaced).
     ``fsync``: each chunk is fsynced by the thread that wrote it, overlapping the other copies
     (the merge's final ``fsync_tree`` then only syncs the folders and documents)."""
     o, threads = job.options, copy_threads(job, todo)
@@ -66,7 +67,8 @@ def copy_units(job: Job, todo: list[Unit]) -> None:
         from tqdm.auto import tqdm
 
         bar = tqdm(
-            total=sum(u.nbytes for u in todo), unit="B", unit_scale=True, unit_divisor=1024, desc="merge",
+            total=sum(u.nbytes for u in todo), unit="B", unit_scale=True, unit_divisor=1024,
+            desc="check" if check else "merge",
             file=sys.stderr,
         )  # fmt: skip
     cond = threading.Condition()
@@ -75,8 +77,9 @@ def copy_units(job: Job, todo: list[Unit]) -> None:
     pending = PendingBlocks()
     chunk_bytes = np.array([s.chunk_bytes for s in job.plan.segments], dtype=np.int64)
 
-    def chunk(u: Unit) -> OutputChunk:
-        return OutputChunk(job.src, job.plan, u, chunk_bytes, pending)
+    def run(u: Unit) -> None:
+        chunk = OutputChunk(job.src, job.plan, u, chunk_bytes, pending)
+        chunk.check() if check else chunk.write(job.output, o.codec, o.fsync)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -92,7 +95,7 @@ def copy_units(job: Job, todo: list[Unit]) -> None:
     try:
         if threads <= 1:  # one chunk at a time in this thread: a small merge starts no pool
             for u in todo:
-                chunk(u).write(job.output, o.codec)
+                run(u)
                 if bar is not None:
                     bar.update(u.nbytes)
             pending.finish()
@@ -107,7 +110,7 @@ def copy_units(job: Job, todo: list[Unit]) -> None:
                     if errors:
                         break
                     in_flight += size
-                fut = pool.submit(chunk(u).write, job.output, o.codec, o.fsync)
+                fut = pool.submit(run, u)
                 fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:

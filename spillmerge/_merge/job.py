@@ -174,6 +174,11 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
     output.makedirs("")
     try:
         with _lease.whole(output) as lease:  # before any change: one merge per output
+            if job.options.overwrite and output.exists(FO.COMPLETE_NAME):
+                # A complete output goes only once every source row of its replacement has been read
+                # and checked: a spill byte that rotted must not cost the output that holds it whole.
+                with job.phase("check"):
+                    copy_units(job, units(job.plan, job.options.chunk_bytes), check=True)
             _output.prepare(output, job.options.overwrite, lease)
             try:
                 with job.phase("metadata"):

@@ -114,6 +114,10 @@ class OutputChunk:
         output.makedirs(key.rsplit("/", 1)[0])
         output.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
 
+    def check(self) -> None:
+        """Read and check the chunk's source rows as ``write`` does, writing nothing."""
+        self._numeric(raw=False)
+
     # -- reading source rows -----------------------------------------------------------------
 
     def _touched(self) -> _Touched:

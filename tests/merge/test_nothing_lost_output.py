@@ -432,3 +432,20 @@ def test_cli_entry_point_reports_busy_output(tmp_path):
         p = run("merge", str(root), "--out", str(out), "--finalize")
         assert_one_line_error(p, "is being written by finalize (pid")
     assert os.path.exists(EXE) or EXE == "spillmerge"
+
+
+def test_an_overwrite_that_meets_a_corrupt_spill_keeps_the_complete_output(tmp_path, sentinel):
+    # The output may hold the only sound copy of a frame whose spill bytes rotted: it goes only
+    # once every source row of its replacement has been read and checked.
+    root, out = tmp_path / "s", tmp_path / "o.zarr"
+    exp = _spill(root, 7)
+    spillmerge.merge(str(root), str(out))
+    chunk = sorted(root.glob("rank-00001/*/data/c/0"))[0]
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    chunk.write_bytes(bytes(raw))
+    before = _tree(out)
+    with pytest.raises(spillmerge.CorruptSpillError, match="rank 1"):
+        spillmerge.merge(str(root), str(out), overwrite=True)
+    assert _tree(out) == before
+    _assert_holds(out, exp)
