@@ -1567,7 +1567,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "segments-kept-within-budget",
         "spillmerge/_spill/lazy.py",
-        "        if cost <= self._kept.left:",
+        "        if cost <= self._kept[0]:",
         "        if False:",
         ("tests/merge/test_plan_sql.py::test_a_small_merge_reads_each_segment_once_a_large_one_again_for_each_pass",),
         "a small merge keeps each segment it read for the sort loaded for the key-order pass",
