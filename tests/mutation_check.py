@@ -1216,7 +1216,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------- the stored plan of a merge in parts
     Mutation(
         "stored-plan-array-digest-checked",
-        "spillmerge/_merge/planblocks.py",
+        "spillmerge/_merge/planstore.py",
         "        if len(data) != nbytes or digest(data) != self._digests[k]:",
         "        if len(data) != nbytes:",
         ("tests/merge/test_scaleout.py::test_a_stored_plan_pointing_out_of_range_is_never_used",),
@@ -1518,7 +1518,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "stored-plan-block-offsets-rise",
-        "spillmerge/_merge/planblocks.py",
+        "spillmerge/_merge/planstore.py",
         "        if self._monotonic and n > 1 and bool(np.any(block[1:] < block[:-1])):",
         "        if False:",
         ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
@@ -1526,7 +1526,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "stored-plan-block-first-element",
-        "spillmerge/_merge/planblocks.py",
+        "spillmerge/_merge/planstore.py",
         "        if self._first is not None and n and int(block[0]) != self._first[k]:",
         "        if False:",
         ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
@@ -1534,7 +1534,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "stored-plan-block-size-bounded",
-        "spillmerge/_merge/planblocks.py",
+        "spillmerge/_merge/planstore.py",
         "        if self._rows * self._row_bytes > max(BLOCK_BYTES, self._row_bytes) or self._row_bytes > BLOCK_BYTES:",
         "        if False:",
         ("tests/merge/test_scaleout.py::test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block",),
