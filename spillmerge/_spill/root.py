@@ -444,12 +444,12 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
     if _crc.value(buf) != value:
-        where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
-        raise CorruptSpillError(
-            f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
+        raise corrupt(
+            storage,
+            seg.seg,
+            f"checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
             f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            path=where,
-            rank=seg.seg.rank,
+            FS.DATA_NAME,
         )
 
 
@@ -481,13 +481,12 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
                 if e.crc < 0:  # checked by a block checksum: check the whole block
                     verify_block(reader, e.segment, e.crc)
                 elif got != e.crc:
-                    seg = e.segment.seg
-                    where = storage.describe(f"{seg.rel}/{FS.DATA_NAME}")
-                    raise CorruptSpillError(
-                        f"{where}: checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {seg.rank}): "
+                    raise corrupt(
+                        storage,
+                        e.segment.seg,
+                        f"checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {e.segment.seg.rank}): "
                         "the spill is corrupt; run `spillmerge verify` on the root",
-                        path=where,
-                        rank=seg.rank,
+                        FS.DATA_NAME,
                     )
     finally:
         reader.close()
