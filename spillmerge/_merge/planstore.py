@@ -1,8 +1,6 @@
 """A merge in parts plans once: the planner (under the ``planner`` lease) stores the plan under
-``OUT/spillmerge-parts/plan/``, its arrays in blocks of about :data:`BLOCK_BYTES` with their
-BLAKE2b in ``plan.json`` (written last); every other part and the finalize read it, a block when an
-index first touches it (cached, bounded), and a stored plan failing any digest is rebuilt, never
-trusted (docs/SCALE.md)."""
+``OUT/spillmerge-parts/plan/`` in digested blocks, ``plan.json`` last; the others read a block when
+they first touch it, and a stored plan failing any digest is rebuilt, never trusted (docs/SCALE.md)."""
 
 from __future__ import annotations
 
