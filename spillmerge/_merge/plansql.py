@@ -135,8 +135,7 @@ def alloc(
 ) -> np.ndarray:
     """A new array of ``shape``: in memory up to ``MAPPED_ROWS`` rows (or with no ``folder``),
     else a shared map of a new file of ``folder`` (a path, or a call that gives one: its pages
-    file-backed, written back, not anonymous memory), filled with ``fill`` a block at a time
-    (None: zeros)."""
+    file-backed, written back, not anonymous memory), filled with ``fill`` (None: zeros)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if shape[0] <= MAPPED_ROWS or folder is None:
         return np.full(shape, 0 if fill is None else fill, dtype=dtype)
@@ -144,8 +143,7 @@ def alloc(
     path = os.path.join(folder, f"{name}-{len(os.listdir(folder))}.bin")
     a = np.memmap(path, dtype=dtype, mode="w+", shape=shape)  # a sparse file: zeros
     if fill:
-        for i in range(0, shape[0], MAPPED_ROWS):
-            a[i : i + MAPPED_ROWS] = fill
+        a[:] = fill  # a scalar: no temporary, the pages file-backed
     return a
 
 
