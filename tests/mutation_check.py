@@ -1398,8 +1398,8 @@ MUTATIONS: list[Mutation] = [
         "spillmerge/_merge/plansql.py",
         '            new_name[1:] = np.unpackbits(bits, count=ne.offset + n - 1, bitorder="little")[ne.offset :]',
         "            new_name[1:] = ne.to_numpy(zero_copy_only=False)",
-        ("tests/merge/test_plan_in_memory.py::test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool",),
-        "a merge in a fresh process does not import pandas (a second spent on nothing the merge needs)",
+        ("tests/merge/test_plan_in_memory.py::test_a_merge_sorted_by_duckdb_imports_no_pandas",),
+        "a merge sorted by DuckDB in a fresh process does not import pandas (a second spent on nothing the merge needs)",
     ),
     Mutation(
         "dropin-one-file-per-element",
