@@ -39,7 +39,7 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
     the chunks in key order (by where each starts in its column, as a fraction of the column,
     then by column) cut into ``parts`` runs of about equal bytes. A part's chunks then cover one
     range of the keys in every column, so it reads only that range of a stored plan
-    (``_merge.planblocks``). A unit is one whole chunk, so no two processes ever write the same
+    (``_merge.planstore``). A unit is one whole chunk, so no two processes ever write the same
     object (zarr-python#3682 loses rows when processes share a chunk); every process computes the
     same split from the same plan."""
     size = [max(plan.columns[c].n_units, 1) for c in range(len(plan.columns))]

@@ -56,36 +56,30 @@ class IndexChunk:
         return [raw, np.frombuffer(np.uint32(_crc.value(raw)).astype("<u4").tobytes(), np.uint8)]
 
 
-def _sources(plan: Plan) -> dict[str, Any]:
-    """Each index array's path and the array its elements come from (``IndexChunk.source``):
-    the arrays ``_merge.documents.output_docs`` describes under ``index/``, ``lists/`` and ``columns/``
-    (but ``values``)."""
+def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk]:
+    """Every chunk of every index array of the output whose documents are ``docs``
+    (``_merge.documents.output_docs``: the arrays under ``index/``, ``lists/`` and ``columns/``
+    but ``values``), in the order the shares are dealt."""
     index = {
         **table_of(plan.filenames).index_arrays(Z.NAME_BLOCK),  # a plan's NameTable as it is: no str per name
         "file_layout": plan.file_layout, "frame_offsets": plan.file_offsets, "frame_idx": plan.frame_idx,
         "frame_rank": plan.rank, "frame_copies": plan.copies,
     }  # fmt: skip
-    out: dict[str, Any] = {f"index/{k}": v for k, v in index.items()}
+    sources: dict[str, Any] = {f"index/{k}": v for k, v in index.items()}
     for lst in plan.lists:
-        out[f"lists/{lst.name}/offsets"] = lst.offsets
+        sources[f"lists/{lst.name}/offsets"] = lst.offsets
     for col in plan.columns:
         base = f"columns/{col.name}"
         if col.offsets is not None:
-            out[f"{base}/offsets"] = col.offsets
+            sources[f"{base}/offsets"] = col.offsets
         if col.shapes is not None:
-            out[f"{base}/shapes"] = col.shapes
+            sources[f"{base}/shapes"] = col.shapes
         if col.has_valid:
-            out[f"{base}/valid"] = col.src
+            sources[f"{base}/valid"] = col.src
         if col.has_none:
-            out[f"{base}/none"] = col.src
-    return out
-
-
-def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk]:
-    """Every chunk of every index array of the output whose documents are ``docs``
-    (``_merge.documents.output_docs``), in the order the shares are dealt."""
+            sources[f"{base}/none"] = col.src
     out = []
-    for path, source in _sources(plan).items():
+    for path, source in sources.items():
         doc = docs[path]
         shape = tuple(int(d) for d in doc["shape"])
         chunks = tuple(int(d) for d in doc["chunk_grid"]["configuration"]["chunk_shape"])

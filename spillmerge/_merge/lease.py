@@ -371,9 +371,9 @@ def part_name(i: int, n: int) -> str:
     return f"part-{i:05d}-of-{n:05d}"
 
 
-def part(output: Storage, i: int, n: int, ttl: float = DEFAULT_TTL) -> Lease:
+def part(output: Storage, i: int, n: int) -> Lease:
     """The lease of part ``i`` of ``n``: shared with other parts and finalize, exclusive by name."""
-    return Lease(output, name=part_name(i, n), role=f"part {i}/{n}", exclusive=False, ttl=ttl)
+    return Lease(output, name=part_name(i, n), role=f"part {i}/{n}", exclusive=False)
 
 
 def held(output: Storage, name: str) -> bool:
@@ -398,6 +398,6 @@ def held(output: Storage, name: str) -> bool:
     return holder is not None and holder.expires > time.time()
 
 
-def finalize(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+def finalize(output: Storage) -> Lease:
     """The lease of a finalize: shared with parts, exclusive with another finalize."""
-    return Lease(output, name="finalize", role="finalize", exclusive=False, ttl=ttl)
+    return Lease(output, name="finalize", role="finalize", exclusive=False)

@@ -69,10 +69,8 @@ class NameTable(Sequence[str]):
         ``filename_head_offsets`` (the first name of every ``block``)."""
         known = self._heads.get(block)
         if known is None:
-            heads = [self.raw(k) for k in range(0, len(self), block)]
-            hoff = np.zeros(len(heads) + 1, dtype=np.int64)
-            np.cumsum([len(h) for h in heads], out=hoff[1:])
-            known = (np.frombuffer(b"".join(heads), dtype=np.uint8), hoff)
+            heads = table_of([self[k] for k in range(0, len(self), block)])
+            known = (heads.data, heads.offsets)
         return {"filenames": self.data, "filename_offsets": self.offsets, "filename_heads": known[0],
                 "filename_head_offsets": known[1]}  # fmt: skip
 

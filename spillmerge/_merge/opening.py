@@ -30,7 +30,7 @@ from . import planstore as _planstore
 from .options import MergeOptions
 from .outputchunk import Unit
 from .plan import Plan, build, fingerprint
-from .planblocks import DamagedPlan
+from .planstore import DamagedPlan
 from .report import MergeReport, gaps
 
 T = TypeVar("T")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +18,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import lists as _lists
 from .._format import spill as FS
-from .._spill.root import check_of, data_ranges, verify_block
+from .._spill.root import check_of, corrupt, data_ranges, verify_block
 from .._storage import Storage
 from .plan import Plan
 
@@ -219,29 +218,28 @@ class OutputChunk:
         """Raise for output row ``r`` (plan entry ``e``) whose bytes, or whose block's bytes
         (``block``: the row's negative CRC), fail their checksum."""
         plan = self.plan
-        seg, where, row = self._row_where(r, e)
+        seg, row = self._row_where(r, e)
         in_block = ""
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
-        raise CorruptSpillError(
-            f"{where}: checksum mismatch for {row} at bytes "
-            f"{int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+        raise corrupt(
+            self.src,
+            seg.seg,
+            f"checksum mismatch for {row} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
             f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            path=where,
-            rank=seg.seg.rank,
+            FS.DATA_NAME,
         )
 
-    def _row_where(self, r: int, e: int) -> tuple[Any, str, str]:
-        """For a message about row ``r`` (plan entry ``e``): its segment, its data folder, and its
-        file, frame and leaf."""
+    def _row_where(self, r: int, e: int) -> tuple[Any, str]:
+        """For a message about row ``r`` (plan entry ``e``): its segment, and its file, frame and leaf."""
         plan = self.plan
         seg = plan.segments[int(plan.seg[e])]
         offs = {lst.path: lst.offsets for lst in plan.lists}
         r = _lists.top_row(offs, F.list_domain(self.col.leaf), r)
         f = int(plan.file_offsets.searchsorted(r, side="right")) - 1
         row = f"{plan.filenames[f]!r:.200} frame {int(plan.frame_idx[r])} leaf {F.path_text(self.col.leaf)!r}"
-        return seg, self.src.describe(f"{seg.seg.rel}/data"), row
+        return seg, row
 
     # -- numeric and byte columns -------------------------------------------------------------
 
@@ -263,7 +261,12 @@ class OutputChunk:
         out = _scratch(full)
         pos = 0  # bytes of the chunk produced so far
         text = col.kind in ("str", "strlist")
-        for t in self._touched_batches():
+        if self.off is not None:
+            touched = self._touched()
+            batches = (touched[i : i + COPY_ROWS] for i in range(0, len(touched.rows), COPY_ROWS))
+        else:  # built a batch at a time
+            batches = (self._present(lo, min(lo + COPY_ROWS, u.hi)) for lo in range(u.lo, u.hi, COPY_ROWS))
+        for t in batches:
             if self.src.local and col.kind != "strlist":
                 placed = self._place_local(t, out, pos)
                 if placed is not None:
@@ -386,17 +389,6 @@ class OutputChunk:
         self.crc = out_crc
         return buffers
 
-    def _touched_batches(self) -> Iterator[_Touched]:
-        """:meth:`_touched` in batches of at most :data:`COPY_ROWS` rows (columns without offsets:
-        built a batch at a time)."""
-        if self.off is not None:
-            touched = self._touched()
-            for i in range(0, len(touched.rows), COPY_ROWS):
-                yield touched[i : i + COPY_ROWS]
-            return
-        for lo in range(self.u.lo, self.u.hi, COPY_ROWS):
-            yield self._present(lo, min(lo + COPY_ROWS, self.u.hi))
-
     def _present(self, lo: int, hi: int) -> _Touched:
         """Rows ``[lo, hi)`` of a column without offsets that have a value, each one unit."""
         rows = np.arange(lo, hi, dtype=np.int64)
@@ -422,15 +414,9 @@ class OutputChunk:
                 count = int(self.col.shapes[r][0])
             bad = FS.text_problem(kind, count, row)
             if bad is not None:
-                self._corrupt(r, bad)
-
-    def _corrupt(self, r: int, what: str) -> None:
-        seg, where, row = self._row_where(r, int(self.col.src[r]))
-        raise CorruptSpillError(
-            f"{where}: {row} (rank {seg.seg.rank}) holds {what}: the spill is corrupt",
-            path=where,
-            rank=seg.seg.rank,
-        )
+                seg, what = self._row_where(r, int(self.col.src[r]))
+                msg = f"{what} (rank {seg.seg.rank}) holds {bad}: the spill is corrupt"
+                raise corrupt(self.src, seg.seg, msg, FS.DATA_NAME)
 
 
 def _runs(src: np.ndarray, n: np.ndarray, dst: np.ndarray, m: np.ndarray) -> Any:

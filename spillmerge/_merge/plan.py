@@ -239,9 +239,7 @@ def resolve_duplicates(
     key_start = np.flatnonzero(new_key)
     keep = np.ones(n, dtype=bool)
     duplicates = 0
-    key_end = np.append(key_start[1:], n)
-    for k in range(len(key_start)):
-        a, b = int(key_start[k]), int(key_end[k])
+    for a, b in zip(key_start.tolist(), [*key_start[1:].tolist(), n], strict=True):
         groups: dict[int, list[int]] = {}
         for r in range(a, b):  # rows of one key: by segment, then leaf
             groups.setdefault(int(c["seg"][r]), []).append(r)

@@ -5,6 +5,7 @@ Per-row work is vectorised; per-leaf and per-layout tables are small Python ones
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -375,6 +376,9 @@ def plan_column(
         lay_ids = distinct(np.concatenate([lay_ids, distinct(gl)]))
     has_valid = n_present < n_rows
     has_none = has_valid and any(bool((np.asarray(src[a:b]) == NONE).any()) for a, b in blocks(n_rows))
+    column = functools.partial(
+        PlannedColumn, name, leaf, src=src, has_valid=has_valid, n_present=n_present, has_none=has_none
+    )
     lays = [layouts[int(g)] for g in lay_ids]
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
     dt = F.DTYPES[(non_empty or lays)[0].dtype] if lays else F.DTYPES["float64"]
@@ -393,8 +397,7 @@ def plan_column(
             offsets[a + 1 : b + 1][p] = c["nb"][s[p]]
             if strings is not None:
                 strings[a:b, 0][p] = n_of[gl]
-        return PlannedColumn(name, leaf, kind, kind, 1 if kind == "strlist" else 0, None, None, src,
-                             cumulate(offsets), strings, has_valid, n_present, has_none=has_none)  # fmt: skip
+        return column(kind, kind, 1 if kind == "strlist" else 0, None, None, offsets=cumulate(offsets), shapes=strings)
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
@@ -405,9 +408,7 @@ def plan_column(
             for a, b, p, _ in each():
                 present[a + 1 : b + 1] = p
             cumulate(present)
-        return PlannedColumn(
-            name, leaf, "fixed", dt.name, ndim, shape, None, src, present, None, has_valid, n_present, has_none=has_none
-        )
+        return column("fixed", dt.name, ndim, shape, None, offsets=present, shapes=None)
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
@@ -417,18 +418,12 @@ def plan_column(
         inner = next(iter(inner_set))
         for a, b, p, gl in each():
             offsets[a + 1 : b + 1][p] = table[gl, 0]
-        return PlannedColumn(
-            name, leaf, "ragged", dt.name, ndim, None, inner, src, cumulate(offsets), None, has_valid, n_present,
-            has_none=has_none,
-        )
+        return column("ragged", dt.name, ndim, None, inner, offsets=cumulate(offsets), shapes=None)
     row_shapes = new("shapes", (n_rows, ndim), np.int64)
     for a, b, p, gl in each():
         row_shapes[a:b][p] = table[gl]
         offsets[a + 1 : b + 1] = np.prod(row_shapes[a:b], axis=1, dtype=np.int64)
-    return PlannedColumn(
-        name, leaf, "ragged", dt.name, ndim, None, None, src, cumulate(offsets), row_shapes, has_valid, n_present,
-        has_none=has_none,
-    )
+    return column("ragged", dt.name, ndim, None, None, offsets=cumulate(offsets), shapes=row_shapes)
 
 
 def file_layouts_of(
@@ -457,9 +452,7 @@ def file_layouts_of(
     # more column sets than bits: the distinct (file, column) pairs, sorted (a whole array)
     pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
     pf, pl = pairs // len(lp_names), pairs % len(lp_names)
-    per_file: list[list[int]] = [[] for _ in range(n_files)]
-    for f, p in zip(pf.tolist(), pl.tolist(), strict=True):
-        per_file[f].append(p)
-    keyed = {tuple(v): i for i, v in enumerate(sorted({tuple(v) for v in per_file}))}
-    inverse = np.array([keyed[tuple(v)] for v in per_file], dtype=np.int32)
+    per_file = [tuple(v.tolist()) for v in np.split(pl, np.searchsorted(pf, np.arange(1, n_files)))]
+    keyed = {v: i for i, v in enumerate(sorted(set(per_file)))}
+    inverse = np.array([keyed[v] for v in per_file], dtype=np.int32)
     return inverse, [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order

@@ -135,8 +135,7 @@ def alloc(
 ) -> np.ndarray:
     """A new array of ``shape``: in memory up to ``MAPPED_ROWS`` rows (or with no ``folder``),
     else a shared map of a new file of ``folder`` (a path, or a call that gives one: its pages
-    file-backed, written back, not anonymous memory), filled with ``fill`` a block at a time
-    (None: zeros)."""
+    file-backed, written back, not anonymous memory), filled with ``fill`` (None: zeros)."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if shape[0] <= MAPPED_ROWS or folder is None:
         return np.full(shape, 0 if fill is None else fill, dtype=dtype)
@@ -144,8 +143,7 @@ def alloc(
     path = os.path.join(folder, f"{name}-{len(os.listdir(folder))}.bin")
     a = np.memmap(path, dtype=dtype, mode="w+", shape=shape)  # a sparse file: zeros
     if fill:
-        for i in range(0, shape[0], MAPPED_ROWS):
-            a[i : i + MAPPED_ROWS] = fill
+        a[:] = fill  # a scalar: no temporary, the pages file-backed
     return a
 
 
@@ -306,21 +304,6 @@ def _ints(col: Any) -> np.ndarray:
     return np.frombuffer(col.buffers()[1], dtype=dt)[col.offset : col.offset + len(col)].astype(np.int64)
 
 
-def _name_starts(col: Any) -> np.ndarray:
-    """For each name of a sorted Arrow binary array: does it differ from the one before it (the
-    first: True)? Compared by Arrow's kernel: a bool per name, no per-byte temporaries."""
-    import pyarrow.compute as pc
-
-    n = len(col)
-    new = np.ones(n, dtype=bool)
-    if n >= 2:
-        ne = pc.not_equal(col[1:], col[:-1])  # names are never null: its bitmap is the answer
-        # unpacked by numpy: a boolean array's to_numpy() imports pandas (~1 s of a fresh merge)
-        bits = np.frombuffer(ne.buffers()[1], np.uint8)
-        new[1:] = np.unpackbits(bits, count=ne.offset + n - 1, bitorder="little")[ne.offset :]
-    return new
-
-
 class _Spool:
     """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, mapped (or
     read) when done; in memory when there is no folder (a sort of few rows, :func:`in_memory`)."""
@@ -382,15 +365,24 @@ and the int64 columns (``COLUMNS`` but ``file``, and ``lf``: the row's file numb
 
 
 def _from_arrow(reader: Any) -> Iterator[Batch]:
-    """DuckDB's sorted Arrow batches as :func:`_collect` takes them (a batch's first name is
-    compared with the last one of the batch before)."""
+    """DuckDB's sorted Arrow batches as :func:`_collect` takes them: which rows start a name is
+    compared by Arrow's kernel (a bool per name, no per-byte temporaries), a batch's first name
+    with the last one of the batch before."""
+    import pyarrow.compute as pc
+
     last_name: bytes | None = None
     for batch in reader:
-        if not batch.num_rows:
+        n = batch.num_rows
+        if not n:
             continue
         col = batch.column(0)
         data, off = _binary_parts(col)
-        new_name = _name_starts(col)
+        new_name = np.ones(n, dtype=bool)
+        if n >= 2:
+            ne = pc.not_equal(col[1:], col[:-1])  # names are never null: its bitmap is the answer
+            # unpacked by numpy: a boolean array's to_numpy() imports pandas (~1 s of a fresh merge)
+            bits = np.frombuffer(ne.buffers()[1], np.uint8)
+            new_name[1:] = np.unpackbits(bits, count=ne.offset + n - 1, bitorder="little")[ne.offset :]
         new_name[0] = last_name is None or data[: int(off[1])].tobytes() != last_name
         last_name = data[int(off[-2]) : int(off[-1])].tobytes()
         fdata, foff = _binary_parts(col.take(_i64(np.flatnonzero(new_name))))
@@ -496,22 +488,21 @@ def sort_rows_in_memory(
     compute kernels are slow to import). Memory: the rows, a few times over."""
     n_names: list[int] = []
     parts: list[dict[str, np.ndarray]] = []
-    encoded: list[list[bytes]] = []
+    encoded: list[bytes] = []  # every segment's names, back to back
     for si, s in enumerate(segments):
         n_names.append(len(s.filenames))
-        encoded.append([f.encode("utf-8", "surrogatepass") for f in s.filenames])
+        encoded.extend(f.encode("utf-8", "surrogatepass") for f in s.filenames)
         gmap, pmap = layout_ids(s)
         if s.n_rows:
             parts.append(_index_columns(si, s.index, gmap, pmap))
     if not parts:
         return _collect([], resolve, None, n_names)
     rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    distinct = sorted({name for names in encoded for name in names})
+    distinct = sorted(set(encoded))
     rank_of = {name: i for i, name in enumerate(distinct)}
-    ranks = [np.array([rank_of[n] for n in names], dtype=np.int64) for names in encoded]
-    base = np.zeros(len(ranks) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in ranks], out=base[1:])
-    rank = np.concatenate(ranks)[base[rows["seg"]] + rows["lf"]]
+    base = np.zeros(len(n_names) + 1, dtype=np.int64)
+    np.cumsum(n_names, out=base[1:])
+    rank = np.array([rank_of[n] for n in encoded], dtype=np.int64)[base[rows["seg"]] + rows["lf"]]
     lp = lp_order()[rows["rlp"]]
     order = np.lexsort((lp, rows["seg"], rows["frame"], rank))  # stable: ties keep their order
     rank = rank[order]

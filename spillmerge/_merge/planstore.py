@@ -1,32 +1,33 @@
 """A merge in parts plans once: the planner (under the ``planner`` lease) stores the plan under
-``OUT/spillmerge-parts/plan/`` in digested blocks, ``plan.json`` last; every other part and the
-finalize read it, and a stored plan failing any digest is rebuilt, never trusted (docs/SCALE.md)."""
+``OUT/spillmerge-parts/plan/`` in digested blocks, ``plan.json`` last; the others read a block when
+they first touch it, and a stored plan failing any digest is rebuilt, never trusted (docs/SCALE.md)."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._errors import OutputBusyError, SpillMergeError
+from .._errors import CorruptSpillError, OutputBusyError, SpillMergeError
 from .._format import common as F
 from .._spill.root import LoadedSegment, Segment
 from .._storage import Storage
 from .._util.poll import poll
 from . import lease as _lease
 from . import plan as _plan
-from . import planblocks as _blocks
 from .documents import NAME_BLOCK
 from .nametable import NameTable, table_of
 from .parts import PARTS_DIR
 from .plan import Plan, PlannedColumn, PlannedList
-from .planblocks import DamagedPlan
 
 PLAN_DIR = f"{PARTS_DIR}/plan"
 MANIFEST = f"{PLAN_DIR}/plan.json"
@@ -42,6 +43,12 @@ _COLUMN_FIELDS: dict[str, Callable[[Any], Any] | None] = {
 """A :class:`PlannedColumn`'s fields ``plan.json`` holds, and how each is read back (its arrays are stored apart)."""
 READ = "was read, not rebuilt"
 """In the report's note of a process that read the stored plan."""
+BLOCK_BYTES = 4 << 20
+"""About the bytes of one stored block (whole rows of the array)."""
+
+
+class DamagedPlan(CorruptSpillError):
+    """A stored plan file fails its digest or does not parse (the caller plans again)."""
 
 
 def source_key(segments: Sequence[Segment], on_duplicate: str) -> str:
@@ -150,12 +157,36 @@ def _build(
 # -- storing ---------------------------------------------------------------------------------------
 
 
+def digest(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def put_blocks(output: Storage, rel: str, a: np.ndarray) -> dict[str, Any]:
+    """Write ``a`` as blocks ``rel.0``, ``rel.1``, ...; the spec ``plan.json`` keeps for it: dtype,
+    shape, rows per block, each block's digest and (1-d integers) each block's first element."""
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    row_bytes = dt.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+    rows = max(1, BLOCK_BYTES // max(row_bytes, 1))
+    digests, firsts = [], []
+    for k, lo in enumerate(range(0, len(a), rows)):
+        block = np.ascontiguousarray(a[lo : lo + rows], dtype=dt)
+        raw = block.reshape(-1).view(np.uint8).data
+        output.put(f"{rel}.{k}", raw)
+        digests.append(digest(raw))
+        if block.ndim == 1 and dt.kind in "iu":
+            firsts.append(int(block[0]))
+    spec: dict[str, Any] = {"dtype": dt.str, "shape": [int(d) for d in a.shape], "rows": rows, "blake2b": digests}
+    if a.ndim == 1 and dt.kind in "iu":
+        spec["first"] = firsts
+    return spec
+
+
 def _body_digest(body: dict[str, Any]) -> str:
-    return _blocks.digest(json.dumps(body, sort_keys=True, ensure_ascii=True).encode("ascii"))
+    return digest(json.dumps(body, sort_keys=True, ensure_ascii=True).encode("ascii"))
 
 
 def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dict[str, Any]) -> None:
-    """Write ``plan`` under ``PLAN_DIR``, every array in blocks (``_merge.planblocks``) and
+    """Write ``plan`` under ``PLAN_DIR``, every array in blocks (:func:`put_blocks`) and
     ``plan.json`` last and atomically; on an exception remove what was written (without
     ``plan.json`` nobody reads it anyway)."""
     output.rm_tree(PLAN_DIR)  # another key's plan, or a damaged or half-written one
@@ -164,7 +195,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
         arrays: dict[str, dict[str, Any]] = {}
 
         def put(name: str, a: np.ndarray) -> str:
-            arrays[name] = _blocks.put_blocks(output, f"{PLAN_DIR}/{name}", a)
+            arrays[name] = put_blocks(output, f"{PLAN_DIR}/{name}", a)
             return name
 
         table = table_of(plan.filenames)
@@ -209,11 +240,152 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
 # -- reading ---------------------------------------------------------------------------------------
 
 
+class BlockCache:
+    """The blocks a stored plan holds in memory, least recently used evicted beyond ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._blocks: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> np.ndarray | None:
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                self._blocks.move_to_end(key)
+            return block
+
+    def put(self, key: tuple[str, int], block: np.ndarray) -> None:
+        with self._lock:
+            if key in self._blocks:
+                return
+            self._blocks[key] = block
+            self.bytes += block.nbytes
+            while self.bytes > self.limit and len(self._blocks) > 1:
+                _, old = self._blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+
+
+class StoredArray:
+    """One array of a stored plan, read a block at a time: ``len``, ``shape``, ``dtype``, indexing
+    by an int, a slice, an int or bool array, and :meth:`searchsorted` on a sorted 1-d array (one
+    block read). ``np.asarray`` reads it all."""
+
+    def __init__(
+        self, output: Storage, rel: str, spec: dict[str, Any], cache: BlockCache,
+        bad: Callable[[str, str], DamagedPlan], *, monotonic: bool = False,
+    ) -> None:  # fmt: skip
+        self._output, self._rel, self._cache, self._bad = output, rel, cache, bad
+        self.dtype = np.dtype(spec["dtype"])
+        self.shape = tuple(int(d) for d in spec["shape"])
+        if not self.shape or any(d < 0 for d in self.shape):
+            raise bad(rel, f"a bad shape {self.shape}")
+        self.ndim = len(self.shape)
+        self._rows = int(spec["rows"])
+        self._digests = [str(d) for d in spec["blake2b"]]
+        n_blocks = -(-self.shape[0] // self._rows) if self._rows > 0 else -1
+        if self._rows < 1 or len(self._digests) != n_blocks:
+            raise bad(rel, f"{len(self._digests)} block digests for {self.shape[0]} rows of {self._rows}")
+        self._row_bytes = self.dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
+        if self._rows * self._row_bytes > max(BLOCK_BYTES, self._row_bytes) or self._row_bytes > BLOCK_BYTES:
+            # what a block (and an index into it) may allocate is bounded before anything is read
+            raise bad(rel, f"blocks of {self._rows} rows of {self._row_bytes} bytes: more than a block holds")
+        first = spec.get("first")
+        self._first = None if first is None else [int(x) for x in first]
+        if self._first is not None and len(self._first) != n_blocks:
+            raise bad(rel, "a first element per block is missing")
+        self._monotonic = monotonic
+        if monotonic and (
+            self._first is None or any(b < a for a, b in zip(self._first, self._first[1:], strict=False))
+        ):
+            raise bad(rel, "offsets that do not rise")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def block(self, k: int) -> np.ndarray:
+        """Block ``k``, checked against its digest (and, for offsets, rising)."""
+        key = (self._rel, k)
+        got = self._cache.get(key)
+        if got is not None:
+            return got
+        rel = f"{self._rel}.{k}"
+        n = min(self._rows, self.shape[0] - k * self._rows)
+        nbytes = n * self._row_bytes
+        try:
+            data = self._output.get(rel, max_bytes=nbytes)
+        except FileNotFoundError:
+            raise self._bad(rel, "missing") from None
+        except SpillMergeError as exc:
+            raise self._bad(rel, str(exc)) from None
+        if len(data) != nbytes or digest(data) != self._digests[k]:
+            raise self._bad(rel, "fails its digest in plan.json: the stored plan is damaged")
+        block = np.frombuffer(data, dtype=self.dtype).reshape((n, *self.shape[1:]))
+        if self._first is not None and n and int(block[0]) != self._first[k]:
+            raise self._bad(rel, "its first element is not the one plan.json names")
+        if self._monotonic and n > 1 and bool(np.any(block[1:] < block[:-1])):
+            raise self._bad(rel, "offsets that do not rise")
+        self._cache.put(key, block)
+        return block
+
+    def __getitem__(self, key: Any) -> Any:
+        n, rows = self.shape[0], self._rows
+        if isinstance(key, (int, np.integer)):
+            k = int(key) + n if int(key) < 0 else int(key)
+            if not 0 <= k < n:
+                raise IndexError(f"index {key} out of {n} rows of {self._rel}")
+            return self.block(k // rows)[k % rows]
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step != 1:
+                return self[np.arange(start, stop, step, dtype=np.int64)]
+            if stop <= start:
+                return np.zeros((0, *self.shape[1:]), dtype=self.dtype)
+            k0, k1 = start // rows, (stop - 1) // rows
+            pieces = [self.block(k)[max(start - k * rows, 0) : stop - k * rows] for k in range(k0, k1 + 1)]
+            return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        idx = np.asarray(key)
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64, copy=False)
+        out = np.empty((*idx.shape, *self.shape[1:]), dtype=self.dtype)
+        if not idx.size:
+            return out
+        flat = np.where(idx < 0, idx + n, idx).reshape(-1)
+        if int(flat.min()) < 0 or int(flat.max()) >= n:
+            raise IndexError(f"index out of {n} rows of {self._rel}")
+        dest = out.reshape((-1, *self.shape[1:]))
+        which = flat // rows
+        k0, k1 = int(which.min()), int(which.max())
+        if k0 == k1:  # (nearly always: a chunk's rows lie in one block; no sort of the indices)
+            dest[:] = self.block(k0)[flat - k0 * rows]
+        else:
+            for k in np.unique(which).tolist():
+                m = which == k
+                dest[m] = self.block(k)[flat[m] - k * rows]
+        return out
+
+    def searchsorted(self, v: int, side: str = "left") -> int:
+        """``ndarray.searchsorted`` of a rising 1-d integer array, reading one block."""
+        if self._first is None:
+            raise TypeError(f"{self._rel} is not a stored 1-d integer array")
+        find = bisect.bisect_left if side == "left" else bisect.bisect_right
+        k = find(self._first, int(v)) - 1
+        if k < 0:
+            return 0
+        return k * self._rows + int(np.searchsorted(self.block(k), v, side=side))  # type: ignore[call-overload]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
 def load(
     output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int
 ) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
-    there is none (or one of another key). Its arrays are :class:`~spillmerge._merge.planblocks.StoredArray`:
+    there is none (or one of another key). Its arrays are :class:`StoredArray`:
     a block is read, and checked against its digest, when an index first touches it.
     :class:`DamagedPlan` naming the file when ``plan.json`` or a block read here is missing,
     fails its digest or does not parse; a block read later raises it where it is read. At most
@@ -241,10 +413,10 @@ def load(
         return None  # another spill root's (or policy's) plan: replaced by the next planner
     try:
         specs = body["arrays"]
-        cache = _blocks.BlockCache(memory_limit)
+        cache = BlockCache(memory_limit)
 
         def arr(name: str, *, monotonic: bool = False) -> Any:
-            return _blocks.StoredArray(output, f"{PLAN_DIR}/{name}", specs[name], cache, bad, monotonic=monotonic)
+            return StoredArray(output, f"{PLAN_DIR}/{name}", specs[name], cache, bad, monotonic=monotonic)
 
         by_rel = {s.rel: s for s in segments}
         checks = np.asarray(arr("checks")[:])  # a few rows per data block of the spill: read whole

@@ -28,25 +28,19 @@ STREAM_BYTES = 8 << 20
 bounded (``_spill.stream``)."""
 
 
-class _Kept:
-    """What is left of :data:`KEEP_BYTES` for the segments of one :func:`load_all`."""
-
-    def __init__(self, budget: int) -> None:
-        self.left = budget
-
-
 class LazySegment:
     """A committed segment read as :class:`LoadedSegment` is (:func:`load_segment`, with its
     checks) when its catalog or index is first used: a merge plans from the segments one at a
     time, never holding every segment's filenames and index at once (docs/SCALE.md)."""
 
-    def __init__(self, storage: Storage, seg: Segment, kept: _Kept) -> None:
+    def __init__(self, storage: Storage, seg: Segment, kept: list[int]) -> None:
         assert seg.commit is not None
         self.seg, self.chunk_bytes, self.n_rows, self.salvaged = seg, seg.commit.chunk_bytes, seg.commit.n_rows, False
         self._storage = storage
         self._whole: LoadedSegment | None = None
         self._small: tuple[list[FS.Layout], np.ndarray | None] | None = None
         self._kept = kept
+        """What is left of :data:`KEEP_BYTES` for the segments of one :func:`load_all` (one int, shared)."""
         self._held = False
         """Kept loaded within the merge's budget: never let go."""
         self.stream: Stream | None = None
@@ -71,16 +65,11 @@ class LazySegment:
         return st
 
     def rows(self, step: int) -> Iterator[np.ndarray]:
-        """The index, at most ``step`` rows at a time: read a block at a time (and checked
-        again) once :meth:`open_stream` gave a stream, else slices of the whole index."""
-        st = self.stream
-        if st is None:
-            idx = self.index
-            for a in range(0, len(idx), step):
-                yield idx[a : a + step]
-            return
+        """The index, at most ``step`` rows at a time, read a block at a time (and checked again)
+        from the stream :meth:`open_stream` gave."""
+        assert self.stream is not None
         try:
-            yield from st.rows(step)
+            yield from self.stream.rows(step)
         except Whole:
             self._load()  # raises the segment's error
             raise self.corrupt("index changed while it was read", FS.INDEX_NAME) from None
@@ -120,8 +109,8 @@ class LazySegment:
         commit = self.seg.commit
         assert commit is not None
         cost = self.n_rows * FS.INDEX_COLUMNS * 8 + commit.n_files * 128  # the index, the names
-        if cost <= self._kept.left:
-            self._kept.left -= cost
+        if cost <= self._kept[0]:
+            self._kept[0] -= cost
             self._held = True
             return
         self._whole = None
@@ -130,5 +119,5 @@ class LazySegment:
 def load_all(storage: Storage, segments: list[Segment]) -> list[LoadedSegment]:
     """Every segment, each read when first used (:class:`LazySegment`: duck-typed as a
     :class:`LoadedSegment`, which is what the planner takes)."""
-    kept = _Kept(KEEP_BYTES)
+    kept = [KEEP_BYTES]
     return [cast(LoadedSegment, LazySegment(storage, seg, kept)) for seg in segments]

@@ -185,13 +185,13 @@ def _load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     # thing a merge loads (a segment at a time, docs/SCALE.md).
     index = np.frombuffer(raw_idx, dtype="<i8").reshape(commit.n_rows, FS.INDEX_COLUMNS).astype(np.int64, copy=False)
 
-    checks = read_checks(storage, seg, bad)
+    checks = read_checks(storage, seg)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
-    check_chunks(storage, seg, bad)
+    check_chunks(storage, seg)
     return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
 
 
-def read_checks(storage: Storage, seg: Segment, bad: Any) -> np.ndarray | None:
+def read_checks(storage: Storage, seg: Segment) -> np.ndarray | None:
     """A committed segment's block checksums, checked against its commit record (None: it has none)."""
     commit = seg.commit
     assert commit is not None
@@ -202,21 +202,21 @@ def read_checks(storage: Storage, seg: Segment, bad: Any) -> np.ndarray | None:
         storage, seg, FS.CHECKS_NAME, max_bytes=want, expect_shape=[commit.n_checks, FS.CHECK_COLUMNS]
     )
     if len(raw) != want or crc != commit.checks_crc32c:
-        raise bad("checks do not match the commit record", FS.CHECKS_NAME)
+        raise corrupt(storage, seg, "checks do not match the commit record", FS.CHECKS_NAME)
     return np.frombuffer(raw, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
 
 
-def check_chunks(storage: Storage, seg: Segment, bad: Any) -> None:
+def check_chunks(storage: Storage, seg: Segment) -> None:
     """Every data chunk a committed segment's commit record promises exists: this also bounds
     what a hostile record can make the merge allocate by what is really on storage."""
     commit = seg.commit
     assert commit is not None
     if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
-        raise bad("commit record's chunks cannot hold its bytes")
+        raise corrupt(storage, seg, "commit record's chunks cannot hold its bytes")
     present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
     for c in range(commit.n_chunks):
         if str(c) not in present:
-            raise bad(f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
+            raise corrupt(storage, seg, f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
 
 
 def _validate_rows(
@@ -459,25 +459,25 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
     if _crc.value(buf) != value:
-        where = storage.describe(f"{seg.seg.rel}/{FS.DATA_NAME}")
-        raise CorruptSpillError(
-            f"{where}: checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
+        raise corrupt(
+            storage,
+            seg.seg,
+            f"checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
             f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            path=where,
-            rank=seg.seg.rank,
+            FS.DATA_NAME,
         )
 
 
-def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, window: int = _COMPARE_WINDOW) -> bool:
+def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bool:
     """True when two stored copies of a frame (their leaves, in the same order) hold the same
     bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
     merge calls this for duplicates whose sizes and checksums agree. Both copies are read
-    ``window`` bytes at a time, so memory stays bounded whatever the frame size; each leaf's
-    CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
+    ``_COMPARE_WINDOW`` bytes at a time, so memory stays bounded whatever the frame size; each
+    leaf's CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
     different content."""
     if len(a) != len(b) or any(x.nbytes != y.nbytes for x, y in zip(a, b, strict=True)):
         return False
-    size = min(window, max((x.nbytes for x in a), default=0))
+    size = min(_COMPARE_WINDOW, max((x.nbytes for x in a), default=0))
     buf_a, buf_b = np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.uint8)
     # A handle cache of its own: the caller's storage may never be closed if the plan raises.
     reader = Storage(storage.url, storage.storage_options)
@@ -485,8 +485,8 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
     try:
         for x, y in zip(a, b, strict=True):
             crc_x = crc_y = 0
-            for start in range(0, x.nbytes, window):
-                n = min(window, x.nbytes - start)
+            for start in range(0, x.nbytes, _COMPARE_WINDOW):
+                n = min(_COMPARE_WINDOW, x.nbytes - start)
                 reader.read_into(data_ranges(x.segment, x.offset + start, n), buf_a[:n].data)
                 reader.read_into(data_ranges(y.segment, y.offset + start, n), buf_b[:n].data)
                 crc_x = _crc.extend(crc_x, buf_a[:n])
@@ -496,13 +496,12 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent], *, wi
                 if e.crc < 0:  # checked by a block checksum: check the whole block
                     verify_block(reader, e.segment, e.crc)
                 elif got != e.crc:
-                    seg = e.segment.seg
-                    where = storage.describe(f"{seg.rel}/{FS.DATA_NAME}")
-                    raise CorruptSpillError(
-                        f"{where}: checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {seg.rank}): "
+                    raise corrupt(
+                        storage,
+                        e.segment.seg,
+                        f"checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {e.segment.seg.rank}): "
                         "the spill is corrupt; run `spillmerge verify` on the root",
-                        path=where,
-                        rank=seg.rank,
+                        FS.DATA_NAME,
                     )
     finally:
         reader.close()

@@ -197,10 +197,9 @@ class Stream:
         self.n_files = 0
         self.name_bytes = 0
         self._catalog()
-        bad = functools.partial(corrupt, storage, seg)
         with _whole_on(CorruptSpillError):  # the block checksums (small: read whole), the chunks promised
-            self.checks: np.ndarray | None = read_checks(storage, seg, bad)
-            check_chunks(storage, seg, bad)
+            self.checks: np.ndarray | None = read_checks(storage, seg)
+            check_chunks(storage, seg)
 
     def _catalog(self) -> None:
         rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"

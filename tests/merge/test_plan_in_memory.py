@@ -92,6 +92,25 @@ def test_a_small_merge_starts_neither_duckdb_nor_a_thread_pool(tmp_path):
     assert r.stdout.split("\n")[:4] == ["False", "[]", "False", "False"], r.stdout
 
 
+def test_a_merge_sorted_by_duckdb_imports_no_pandas(tmp_path):
+    """The DuckDB sort's batches are read by numpy (a boolean Arrow array's to_numpy() imports
+    pandas: a second of a fresh process)."""
+    script = textwrap.dedent(f"""
+        import sys, spillmerge
+        from spillmerge._merge import plansql
+        plansql.in_memory = lambda n, limit: False
+        with spillmerge.SpillWriter({str(tmp_path / "spill")!r}, rank=0, world_size=1) as w:
+            w.write_batch([f"k{{i % 300}}" for i in range(1000)], [{{"a": i}} for i in range(1000)],
+                          frame_idx=[i // 300 for i in range(1000)])
+        w.merge({str(tmp_path / "out.zarr")!r}, progress=False)
+        assert spillmerge.open({str(tmp_path / "out.zarr")!r}).value("k7", 1) == {{"a": 307}}
+        print("duckdb" in sys.modules, "pandas" in sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[0] == "True False", r.stdout
+
+
 def test_the_plan_is_sorted_in_memory_while_the_budget_holds_its_rows():
     """Up to plan_budget / 2 KiB rows (256k under the default 512 MiB) the rows are sorted in
     memory: no DuckDB to start; a smaller budget sends them to DuckDB, which sorts within it."""

@@ -252,9 +252,7 @@ def test_each_part_reads_its_share_of_the_stored_plan_and_the_finalize_almost_no
     parts fetches about a quarter of the row table's and the index arrays' blocks, every block
     is fetched about once over all the parts, the finalize fetches a few, and the output is a
     whole merge's bytes."""
-    from spillmerge._merge import planblocks
-
-    monkeypatch.setattr(planblocks, "BLOCK_BYTES", 512)
+    monkeypatch.setattr(_planstore, "BLOCK_BYTES", 512)
     root, one, out = tmp_path / "spill", tmp_path / "one", tmp_path / "out"
     n, world = 6000, 2
     for r in range(world):
@@ -266,14 +264,14 @@ def test_each_part_reads_its_share_of_the_stored_plan_and_the_finalize_almost_no
             )
     spillmerge.merge(str(root), str(one), **OPTS)  # type: ignore[arg-type]
     fetched: dict[str, list[tuple[str, int]]] = {}
-    block = planblocks.StoredArray.block
+    block = _planstore.StoredArray.block
 
     def spy(self, k):
         if self._cache.get((self._rel, k)) is None:
             fetched.setdefault(who, []).append((self._rel.rsplit("/", 1)[1], k))
         return block(self, k)
 
-    monkeypatch.setattr(planblocks.StoredArray, "block", spy)
+    monkeypatch.setattr(_planstore.StoredArray, "block", spy)
     for i in (1, 0, 2, 3):  # part 1 builds and stores the plan; the others read it
         who = f"part {i}"
         rep = spillmerge.merge(str(root), str(out), part=(i, 4), **OPTS)  # type: ignore[arg-type]

@@ -272,7 +272,7 @@ def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(af
     # plan.json's digests are not a signature: a block rewritten with its digest (and plan.json's
     # own) recomputed still meets the checks a part makes as it reads: offsets rise, a block
     # starts with the element plan.json names, a block holds no more than a block's bytes.
-    from spillmerge._merge import planblocks, planstore
+    from spillmerge._merge import planstore
 
     root, whole, out = _after_part_0(after_part_0, tmp_path)
     folder = out / "spillmerge-parts" / "plan"
@@ -280,7 +280,7 @@ def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(af
     name, _ = victim.rsplit(".", 1)
     spec = doc["body"]["arrays"][name]
     if why == "more than a block holds":
-        spec["rows"] = planblocks.BLOCK_BYTES  # int64 rows: 8x a block
+        spec["rows"] = planstore.BLOCK_BYTES  # int64 rows: 8x a block
     else:
         a = np.frombuffer((folder / victim).read_bytes(), dtype=spec["dtype"]).copy()
         if name == "name_offsets":
@@ -288,7 +288,7 @@ def test_a_stored_plan_forged_with_matching_digests_is_checked_block_by_block(af
         else:
             a[0] = a[0] + 1  # another segment, valid, not the first element plan.json names
         (folder / victim).write_bytes(a.tobytes())
-        spec["blake2b"][0] = planblocks.digest(a.tobytes())
+        spec["blake2b"][0] = planstore.digest(a.tobytes())
     doc["digest"] = planstore._body_digest(doc["body"])
     (folder / "plan.json").write_text(json.dumps(doc, sort_keys=True))
     rep = spillmerge.merge(str(root), str(out), part=(1, 2), **OPTS)  # type: ignore[arg-type]
