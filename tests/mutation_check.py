@@ -78,9 +78,9 @@ _JOURNAL_ENTRY = (
     "            rows[:, : FS.COL_CRC] = done[:, 1:]\n"
     "            rows[:, FS.COL_CRC] = crc[np.minimum(done[:, 0], len(crc) - 1)] * (done[:, 0] < len(crc))\n"
     "            checks = self.checks[chunk.check_base : chunk.check_base + len(chunk.blocks)]\n"
-    "            entry = FS.encode_journal(\n"
-    "                chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base, chunk.new_layouts, rows,\n"
-    "                chunk.check_base, checks,\n"
+    "            entry = gc_paused(\n"
+    "                FS.encode_journal, chunk.number, chunk.file_base, chunk.new_files, chunk.layout_base,\n"
+    "                chunk.new_layouts, rows, chunk.check_base, checks,\n"
     "            )  # fmt: skip\n"
     '            self.storage.put(f"{self.prefix}/{FS.journal_name(chunk.number)}", entry)\n'
 )
