@@ -21,7 +21,7 @@ def overlaps(a: Storage, b: Storage) -> bool:
     return pa.startswith(pb) or pb.startswith(pa)
 
 
-OURS = ("zarr.json", "columns", "files", "index", "lists", _parts.PARTS_DIR, FO.COMPLETE_NAME)
+OURS = ("zarr.json", "columns", "index", "lists", _parts.PARTS_DIR, FO.COMPLETE_NAME)
 """Top-level names a merge writes, the only ones it ever deletes (plus its temporary names)."""
 _TEMP = tuple(f"{name}.tmp-" for name in ("zarr.json", FO.COMPLETE_NAME))
 
@@ -48,7 +48,7 @@ def prepare(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
 
 def remove_ours(output: Storage, lease: _lease.Lease) -> None:
     """Delete what a merge wrote into ``output``, nothing else: not the lease folder, not a file the
-    user put there, never through a symbolic link (a linked ``files/`` loses the link only)."""
+    user put there, never through a symbolic link (a linked ``columns/`` loses the link only)."""
     lease.check()
     for name in output.listdir(""):
         if _is_ours_name(name):
@@ -93,10 +93,10 @@ def is_ours(output: Storage) -> bool:
 
 
 def refuse_links(output: Storage, overwrite: bool) -> None:
-    """Writing or deleting through a linked ``columns/``, ``files/``, ``index/``, ``lists/`` or
+    """Writing or deleting through a linked ``columns/``, ``index/``, ``lists/`` or
     ``spillmerge-parts/`` would act on another folder: refuse it, or with ``overwrite`` remove the
     link (never its target)."""
-    for name in ("columns", "files", "index", "lists", _parts.PARTS_DIR):
+    for name in ("columns", "index", "lists", _parts.PARTS_DIR):
         if output.is_link(name):
             if not overwrite:
                 raise UnsafePathError(

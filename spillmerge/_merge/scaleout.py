@@ -113,7 +113,7 @@ def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) 
             parts=parts or 0,
         )
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
-        _output.refuse_links(output, overwrite=False)  # pruning through a linked files/ deletes elsewhere
+        _output.refuse_links(output, overwrite=False)  # pruning through a linked folder deletes elsewhere
         return job.redone(lambda: _finalize_locked(job, parts, collective, lease))
 
 
@@ -166,8 +166,6 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
             for name in output.listdir(folder) if output.exists(folder) else ():
                 if name not in keep and name != "zarr.json":  # left by an older merge into this output
                     output.rm_tree(f"{folder}/{name}")
-        if output.exists("files"):  # an older (format 1) merge into this output
-            output.rm_tree("files")
         docs = job.docs()
         output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
     with job.phase("index"):

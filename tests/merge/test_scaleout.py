@@ -461,17 +461,14 @@ def test_parts_of_different_plans_never_mix(tmp_path):
     with pytest.raises(spillmerge.PlanMismatchError):
         spillmerge.merge(str(root), str(out), part=(0, 2), **OPTS)  # type: ignore[arg-type]
     # overwrite: the new plan's parts replace the old records; finalize prunes the columns the new
-    # plan does not have (an older merge's, and the old plan's own `_value`, now split by dtype)
-    # and a format-1 files/ folder.
+    # plan does not have (an older merge's, and the old plan's own `_value`, now split by dtype).
     (out / "columns" / "leftover").mkdir()
     (out / "columns" / "leftover" / "zarr.json").write_text("{}")
-    (out / "files" / "old").mkdir(parents=True)
-    (out / "files" / "old" / "zarr.json").write_text("{}")
     old_columns = set(os.listdir(out / "columns"))
     _parts(root, out, 3, overwrite=True)
     assert sorted(os.listdir(out / "spillmerge-parts")) == [f"part-0000{i}-of-00003.json" for i in range(3)] + ["plan"]
     spillmerge.merge(str(root), str(out), finalize=True, **OPTS)  # type: ignore[arg-type]
-    assert not (out / "columns" / "leftover").exists() and not (out / "files").exists()
+    assert not (out / "columns" / "leftover").exists()
     spillmerge.merge(str(root), str(tmp_path / "one"), **OPTS)  # type: ignore[arg-type]
     assert set(os.listdir(out / "columns")) == set(os.listdir(tmp_path / "one" / "columns"))
     assert "_value" in old_columns and not (out / "columns" / "_value").exists()
