@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .._errors import CoordinationError, MergeFailedError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
+from .._storage import output_options
 from .._util.gcpause import gc_paused
 from .._util.poll import poll
 from .._write.batch import mapping_items
@@ -105,7 +106,7 @@ def gather(
     finish_call(w, dst, keep_spill, timeout)
     if w.rank != dst:
         return None
-    out_options = merge_options.get("out_storage_options", storage_options)
+    out_options = output_options(spill, out, storage_options, merge_options.get("out_storage_options"))
     return open_store(out, storage_options=out_options, allow_pickle=allow_pickle)
 
 
@@ -135,7 +136,8 @@ def all_gather(
         allow_pickle=allow_pickle, **merge_options,
     )  # fmt: skip
     if store is None:  # a rank other than dst, once the output is complete
-        out_options = merge_options.get("out_storage_options", storage_options)
+        spill = os.fspath(root) if root is not None else default_root(out)
+        out_options = output_options(spill, os.fspath(out), storage_options, merge_options.get("out_storage_options"))
         store = open_store(os.fspath(out), storage_options=out_options, allow_pickle=allow_pickle)
     return store
 

@@ -28,7 +28,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._merge.job import merge, merge_parallel
 from .._merge.report import MergeReport
-from .._storage import Storage
+from .._storage import Storage, output_options
 from .._util import poll as _poll
 from .rank import dist_initialized
 from .store import OutcomeWatch, publish_merge_outcome
@@ -124,7 +124,10 @@ def _merge_on_dst(
     n = session.number
     if session.rank != dst:
         if wait:
-            output = Storage(out, kwargs.get("out_storage_options", kwargs.get("storage_options")))
+            opts = output_options(
+                session.storage.url, out, kwargs["storage_options"], kwargs.get("out_storage_options")
+            )
+            output = Storage(out, opts)
             wait_complete(
                 output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"])
             )

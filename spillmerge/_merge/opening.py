@@ -10,8 +10,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import fsspec
-
 from .._errors import OutputBusyError, SpillMergeError, SpillStorageError, SpillValueError
 from .._format import codecs as _codecs
 from .._format import common as F
@@ -20,7 +18,7 @@ from .._format import spill as FS
 from .._spill.barrier import wait_for_commits
 from .._spill.lazy import load_all
 from .._spill.root import load_flushed, same_bytes
-from .._storage import Storage
+from .._storage import Storage, output_options
 from .._util.frames import check_expected
 from . import documents as Z
 from . import lease as _lease
@@ -251,11 +249,7 @@ class Job:
 
 
 def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:
-    out_storage_options = options.out_storage_options
-    if out_storage_options is None:  # the same credentials serve both ends when they share a protocol
-        same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
-        out_storage_options = options.storage_options if same else None
-    return Storage(out, out_storage_options)
+    return Storage(out, output_options(root, out, options.storage_options, options.out_storage_options))
 
 
 def _plan_failed(root: str, out: str, options: MergeOptions, part: tuple[int, int], exc: BaseException) -> None:

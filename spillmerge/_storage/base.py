@@ -292,3 +292,14 @@ class Storage:
     def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
         """A zarr store rooted at ``rel``."""
         raise NotImplementedError
+
+
+def output_options(
+    root: str, out: str, storage_options: dict[str, Any] | None, out_storage_options: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """A merge output's storage options: ``out_storage_options``, else the spill root's
+    ``storage_options`` when both share a protocol (the same credentials serve both ends)."""
+    if out_storage_options is not None:
+        return out_storage_options
+    same = fsspec.core.split_protocol(str(root))[0] == fsspec.core.split_protocol(str(out))[0]
+    return storage_options if same else None

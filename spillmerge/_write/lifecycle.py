@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import fsspec
-
 from .._dist.round import Rounds, complete_for
 from .._dist.transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
 from .._errors import IncompleteOutputError, WriterClosedError
@@ -14,7 +12,7 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._spill.removal import remove_listed
 from .._spill.root import list_ranks
-from .._storage import Storage
+from .._storage import Storage, output_options
 from .segment import SegmentSteps, WriterState
 
 if TYPE_CHECKING:
@@ -141,7 +139,13 @@ class MergeSteps(SegmentSteps):
             self.session(), out, dst, wait=wait, parallel=parallel, transport=transport,
             transfer_chunk_bytes=transfer_chunk_bytes, transfer_timeout=transfer_timeout, **kwargs,
         )  # fmt: skip
-        self._merged_into = (out, _out_options(self.root, out, kwargs, self.storage.storage_options), report)
+        opts = output_options(
+            self.root,
+            out,
+            kwargs.get("storage_options", self.storage.storage_options),
+            kwargs.get("out_storage_options"),
+        )
+        self._merged_into = (out, opts, report)
         return report
 
     def session(self) -> Session:
@@ -152,12 +156,3 @@ class MergeSteps(SegmentSteps):
         return Session(
             self.rank, self.world_size, self.run_id, self.storage, self._prefix, self.state, self._session_number
         )
-
-
-def _out_options(root: str, out: str, kwargs: dict[str, Any], default: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The storage options the merge used for ``out`` (its ``out_storage_options``, else the spill
-    root's when both share a protocol)."""
-    if kwargs.get("out_storage_options") is not None:
-        return kwargs["out_storage_options"]  # type: ignore[no-any-return]
-    same = fsspec.core.split_protocol(root)[0] == fsspec.core.split_protocol(str(out))[0]
-    return kwargs.get("storage_options", default) if same else None
