@@ -4,6 +4,7 @@ by pyarrow's constructors (unions for variants, ``large_list`` for lists, ``stru
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -383,10 +384,10 @@ def top_columns(
 
     def walk(node: Node) -> None:
         if node.structured:
-            out["/".join(node.path) or "value"] = node
+            out[unique_name(out, "/".join(node.path) or "value", node.path)] = node
         else:
             for col in node.cols:
-                out[name_of(col)] = col
+                out[unique_name(out, name_of(col), col.info.leaf)] = col
         records = [h for h in node.headers if h.info.dtype == "pyrecords"]
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
             # the records' columns are inside its column: a key is a flat column too only where
@@ -396,6 +397,15 @@ def top_columns(
 
     walk(root)
     return out
+
+
+def unique_name(taken: dict[str, Any], name: str, leaf: tuple[str, ...]) -> str:
+    """``name``, or when another leaf path took it (a key holding ``/`` beside nested dicts, an
+    empty key or a key ``value`` beside plain values) the path as JSON, ``["a/b"]``, and what
+    ``name`` adds to the path (``:float16``)."""
+    if name not in taken:
+        return name
+    return json.dumps(list(leaf), ensure_ascii=False) + name[len("/".join(leaf) or "value") :]
 
 
 def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:
