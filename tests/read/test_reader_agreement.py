@@ -94,7 +94,9 @@ VALUES = st.recursive(
 )
 HOW = st.sampled_from(["write", "write_batch", "update"])
 ROWS = st.lists(
-    st.tuples(st.sampled_from(["f", "g/h", "é", "z\x00"]), st.integers(0, 3), VALUES, HOW), min_size=1, max_size=6
+    st.tuples(st.sampled_from(["f", "g/h", "é", "z\x00"]), st.integers(0, 3), ARRAYS | VALUES, HOW),
+    min_size=1,
+    max_size=6,
 )
 
 
@@ -346,6 +348,7 @@ def test_every_reader_gives_the_values_written(tmp_path_factory, rows, batch_siz
 
     # value() and iter_values(), of the one-process merge and of the merge in parts
     assert {(n, f): canon(res.value(n, f)) for n, f in want} == expect
+    assert {(n, f): canon(_np(res.value(n, f, as_torch=True))) for n, f in want} == expect
     assert [k for k in ((n, f) for n, f, _ in res.iter_values())] == sorted(want)
     assert {(n, f): canon(v) for n, f, v in res.iter_values()} == expect
     assert {(n, f): canon(v) for n, f, v in spillmerge.open(split).iter_values()} == expect
@@ -377,6 +380,41 @@ def test_every_reader_gives_the_values_written(tmp_path_factory, rows, batch_siz
         back = pq.read_table(base / target)
         assert back.column_names == table.column_names
         assert _table_rows(back) == arrow_want, target
+
+
+LEAVES = st.one_of(
+    st.sampled_from([0, 7, 2**63 - 1, 1.5, NAN, True, "", "é", None, b"", [1, 2], [2.5], [True], ["x", ""]]),
+    st.builds(np.full, st.sampled_from([(3,), (2, 2)]), st.integers(0, 9), st.sampled_from(["float32", "int8"])),
+    st.builds(torch.full, st.sampled_from([(3,), ()]), st.floats(-9, 9), dtype=st.sampled_from([torch.bfloat16])),
+    SCALARS,
+    ARRAYS,
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+    st.lists(st.floats(), max_size=3),
+    st.lists(st.booleans(), max_size=3),
+    st.lists(TEXT, max_size=3),
+)
+RECORD = st.fixed_dictionaries({"a": LEAVES, "b": LEAVES, "c": LEAVES})
+RECORDS = st.tuples(
+    RECORD,
+    st.lists(st.tuples(st.dictionaries(st.sampled_from("abc"), LEAVES, max_size=1), HOW), min_size=1, max_size=10),
+)
+
+
+@given(RECORDS)
+def test_frames_of_one_structure_read_back_as_written(tmp_path_factory, records):
+    """New files of one dict structure (a first one, each next one with at most one leaf of
+    another value) take the writers' templates and the batches' column-wise path until a leaf's
+    kind, dtype, shape or layout differs: each reads back as written."""
+    base = tmp_path_factory.mktemp("same")
+    root, out = str(base / "s"), str(base / "o")
+    first, changes = records
+    rows = [(f"file-{i:02d}", 0, {**first, **change}, how) for i, (change, how) in enumerate(changes)]
+    want = _write(root, rows)
+    spillmerge.merge(root, out, progress=False, fsync=False)
+    res = spillmerge.open(out)
+    expect = {key: canon(_np(v)) for key, v in want.items()}
+    assert {(n, f): canon(v) for n, f, v in res.iter_values()} == expect
+    assert {(n, f): canon(res.value(n, f)) for n, f in want} == expect
 
 
 @pytest.mark.xfail(strict=True, raises=pa.ArrowNotImplementedError, reason="struct<> reaches pyarrow's Parquet writer")
