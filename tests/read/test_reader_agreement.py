@@ -107,7 +107,8 @@ def _np(v: Any) -> Any:
         name = str(v.dtype).removeprefix("torch.")
         if name not in RAW_BITS:
             return v.numpy()
-        return v.contiguous().reshape(-1).view(torch.uint8).numpy().view(getattr(ml_dtypes, name)).reshape(v.shape)
+        bits = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}[v.element_size()]  # a view of any shape
+        return v.view(bits).numpy().view(getattr(ml_dtypes, name))
     if isinstance(v, np.ndarray):
         return v.astype(v.dtype.newbyteorder("<"))
     if isinstance(v, dict):
