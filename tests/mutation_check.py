@@ -1751,6 +1751,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/spill/test_damaged_spill.py::test_a_commit_record_contradicting_its_header_is_named_as_corrupt",),
         "a commit record whose world size its header contradicts is named as damaged, never called stale",
     ),
+    Mutation(
+        "dataset-list-items-by-row",
+        "spillmerge/_read/dataset.py",
+        "            if domain:  # the items of lists",
+        "            if False:  # the items of lists",
+        ("tests/read/test_dataset.py::test_a_list_column_gives_each_row_its_own_items",),
+        "OutputDataset gives a list's items column row i's items, not the i-th item of every row",
+    ),
+    Mutation(
+        "export-distinct-column-names",
+        "spillmerge/_read/export.py",
+        "        names[T.unique_name(names, name, col.info.leaf)] = col",
+        "        names[name] = col",
+        ("tests/read/test_reader_agreement.py::test_keys_naming_one_column_export_as_distinct_columns",),
+        "a key naming another leaf's export column gets a column of its own",
+    ),
 ]
 
 

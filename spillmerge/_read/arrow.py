@@ -5,6 +5,7 @@ numpy → Arrow helpers the leaf views share (nulls, nested fixed-size lists, a 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -423,10 +424,10 @@ def top_columns(
 
     def walk(node: Node) -> None:
         if node.structured:
-            out["/".join(node.path) or "value"] = node
+            out[unique_name(out, "/".join(node.path) or "value", node.path)] = node
         else:
             for col in node.cols:
-                out[name_of(col)] = col
+                out[unique_name(out, name_of(col), col.info.leaf)] = col
         records = [h for h in node.headers if h.info.dtype == "pyrecords"]
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
             # the records' columns are inside its column: a key is a flat column too only where
@@ -436,6 +437,15 @@ def top_columns(
 
     walk(root)
     return out
+
+
+def unique_name(taken: dict[str, Any], name: str, leaf: tuple[str, ...]) -> str:
+    """``name``, or when another leaf path took it (a key holding ``/`` beside nested dicts, an
+    empty key or a key ``value`` beside plain values) the path as JSON, ``["a/b"]``, and what
+    ``name`` adds to the path (``:float16``)."""
+    if name not in taken:
+        return name
+    return json.dumps(list(leaf), ensure_ascii=False) + name[len("/".join(leaf) or "value") :]
 
 
 def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from .._format import common as F
+from .._format import lists as L
 from .store import MergedStore
 from .views import tensor
 
@@ -28,7 +30,7 @@ class OutputDataset:
             store.column(name)  # raises UnknownColumnError, naming the columns there are
         self._n = len(store.index_arrays()[2])
         self._store: Any = store
-        self._views: list[tuple[str, Any]] | None = None
+        self._views: list[tuple[Any, tuple[str, ...]]] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -44,14 +46,17 @@ class OutputDataset:
         if self._store is None:
             self._store = MergedStore(self.path, self.storage_options)
         if self._views is None:
-            self._views = [(name, self._store.column(name)) for name in self.columns]
+            self._views = [(self._store.column(name), F.list_domain(tuple(name.split("/")))) for name in self.columns]
             self._index = self._store.index_arrays()[:3]
         names, offsets, frames = self._index
         f = int(np.searchsorted(offsets, i, side="right")) - 1
         row: dict[str, Any] = {"filename": names[f], "frame_idx": int(frames[i])}
-        for name, view in self._views:
-            x = view[i]  # (None where the row has no value)
-            row[name] = tensor(x, view.dtype_name) if x is not None and view.kind in ("fixed", "ragged") else x
+        for name, (view, domain) in zip(self.columns, self._views, strict=True):
+            if domain:  # the items of lists (the view's rows are every row's items): this row's, as a list
+                a, b = L.rows_of(self._store.files.list_offsets, domain, i, i + 1)
+                row[name] = [_item(view, k) for k in range(a, b)]
+            else:
+                row[name] = _item(view, i)
         return row
 
     def __getstate__(self) -> dict[str, Any]:
@@ -63,3 +68,9 @@ class OutputDataset:
 
     def __repr__(self) -> str:
         return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"
+
+
+def _item(view: Any, k: int) -> Any:
+    """Row ``k`` of a column's view: a numeric one as a tensor, None where it has no value."""
+    x = view[k]
+    return tensor(x, view.dtype_name) if x is not None and view.kind in ("fixed", "ragged") else x

@@ -38,12 +38,14 @@ def select(files: Files, columns: Sequence[str] | str | None) -> dict[str, Colum
     default export, and each stored column's flat name (one variant of a union, one item of a
     list)."""
     names: dict[str, OpenColumn] = {}  # flat name -> stored column, in output order
-    for col in sorted(files.columns.values(), key=lambda c: (c.info.path, c.info.dtype)):
+    # a leaf whose keys join to another's path ({"a/b": 1} beside {"a": {"b": 2}}) sorts after it
+    # and is named by its path as JSON: the plain name is the nested path's
+    for col in sorted(files.columns.values(), key=lambda c: (c.info.path, _joined(c.info.leaf), c.info.dtype)):
         name = col.info.path or "value"
         if len(files.by_leaf.get(col.info.leaf, [])) > 1:  # one column per dtype: "logits:float16"
             # per variant where they differ in more than the dtype: "result:float32.2d", "result:str"
             name = f"{name}:{col.info.variant or col.info.dtype}"
-        names[name] = col
+        names[T.unique_name(names, name, col.info.leaf)] = col
     flat = {id(c): name for name, c in names.items()}
     root = T.tree(list(files.columns.values()), files.key_orders.overall())
     default = T.top_columns(root, lambda c: flat[id(c)], files.list_offsets)  # (none named: these)
@@ -65,6 +67,11 @@ def select(files: Files, columns: Sequence[str] | str | None) -> dict[str, Colum
             )
         out[name] = known[name]
     return out
+
+
+def _joined(leaf: tuple[str, ...]) -> bool:
+    """Whether ``leaf`` has a key that holds ``/`` or is empty (its path reads as another's)."""
+    return any(not k or "/" in k for k in leaf)
 
 
 def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:

@@ -24,6 +24,7 @@ from .._format.common import (
     DTYPES,
     MARK,
     MAX_NDIM,
+    RAW_BITS,
     is_marker,
     path_text,
     shape_problem,
@@ -66,7 +67,9 @@ def _header(path: tuple[str, ...], name: str, n: int) -> Leaf:
 
 def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pickle: bool = False) -> Leaf:
     name = arr.dtype.name
-    if arr.dtype.kind not in "biufc" or name not in DTYPES:
+    dt = DTYPES.get(name)
+    raw = name in RAW_BITS  # an ml_dtypes array (bfloat16, float8 ...): stored as its bits, as torch's
+    if dt is None or not (arr.dtype.kind in "biufc" or raw) or arr.dtype.itemsize != dt.itemsize:
         if allow_pickle:
             return _pickled(arr, path, filename)
         hint = "; for text pass a list of str (arr.tolist())" if arr.dtype.kind in "USO" else ""
@@ -77,6 +80,8 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
             f"without pickle (use bool, int, uint, float or complex{hint}; or open the writer with "
             "allow_pickle=True)",
         )
+    if raw:
+        arr = arr.view(dt.storage)
     arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
     shape = tuple(int(d) for d in arr.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
     flat = np.ascontiguousarray(arr).reshape(-1)

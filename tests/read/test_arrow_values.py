@@ -66,14 +66,16 @@ def write_merge(tmp_path: Path, ranks: list[dict[tuple[str, int], Any]]) -> Any:
 
 def py(s: Any) -> Any:
     """An Arrow scalar as Python, led by its type: a union's value as its child's, a tensor
-    (``arrow.fixed_shape_tensor``, whose ``as_py`` is flat) as nested lists of its shape."""
+    (``arrow.fixed_shape_tensor``, whose ``as_py`` is flat) as nested lists of its shape, from its
+    storage (pyarrow makes no numpy array of a bool tensor)."""
     if not s.is_valid:
         return None
     t = s.type
     if pa.types.is_union(t):
         return py(s.value)
     if isinstance(t, pa.FixedShapeTensorType):
-        return s.to_numpy().tolist()
+        flat = [py(x) for x in s.value.values]
+        return np.array([*flat, None], dtype=object)[:-1].reshape(t.shape).tolist()
     if pa.types.is_large_list(t) or pa.types.is_list(t) or pa.types.is_fixed_size_list(t):
         return [py(x) for x in s.values]
     if pa.types.is_struct(t):

@@ -76,3 +76,35 @@ def test_a_dataloader_reads_every_row_once_in_the_main_process_and_in_workers(ou
     assert len(got) == N
     for name, boxes in got.items():
         assert np.array_equal(boxes.numpy(), _value(int(name[4:7]))["boxes"].numpy())
+
+
+def test_a_list_column_gives_each_row_its_own_items(tmp_path: Any) -> None:
+    # A list of tensors is a header column ("l/\x1f") and one column of every row's items
+    # ("l/\x1f*"): row i's entry of the items column is the list of row i's items, not item i.
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, fsync=False) as w:
+        w.write("a", 0, {"l": [np.full(2, 1.0), np.full(3, 2.0)], "x": 1})
+        w.write("b", 0, {"l": [np.full(1, 3.0)], "x": 2})
+        w.write("c", 0, {"x": 3})
+    spillmerge.merge(root, out, progress=False, fsync=False)
+    ds = spillmerge.OutputDataset(out)
+    assert ds.columns == ["l/\x1f", "l/\x1f*", "x"]
+    got = [[t.tolist() for t in ds[i]["l/\x1f*"]] for i in range(3)]
+    assert got == [[[1.0, 1.0], [2.0, 2.0, 2.0]], [[3.0]], []]
+    assert ds[2]["l/\x1f"] is None and [int(ds[i]["l/\x1f"]) for i in range(2)] == [2, 1]
+    nested = spillmerge.OutputDataset(out, columns=["l/\x1f*"])
+    assert [len(nested[i]["l/\x1f*"]) for i in range(3)] == [2, 1, 0]
+
+
+@pytest.mark.xfail(strict=True, raises=spillmerge.UnknownColumnError, reason="columns=None asks column() for a split leaf")
+def test_every_column_by_default_includes_a_leaf_whose_kind_differs_between_files(tmp_path: Any) -> None:
+    # columns=None means every column; a leaf that holds an int in one file and a str in another
+    # is two stored columns, and OutputDataset(out) raises UnknownColumnError ("pass dtype=")
+    # instead of reading them (the export names them "x:pyint", "x:str").
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, fsync=False) as w:
+        w.write("a", 0, {"x": 1})
+        w.write("b", 0, {"x": "one"})
+    spillmerge.merge(root, out, progress=False, fsync=False)
+    ds = spillmerge.OutputDataset(out)
+    assert [ds[i]["filename"] for i in range(len(ds))] == ["a", "b"]

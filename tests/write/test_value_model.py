@@ -97,6 +97,32 @@ def test_value_as_torch_gives_tensors(tmp_path: Path) -> None:
     assert got["x"][1].dtype == torch.bfloat16 and torch.equal(got["x"][1], want["x"][1])
 
 
+def test_ml_dtypes_arrays_are_stored_as_the_torch_dtype_of_their_name(tmp_path: Path) -> None:
+    # What value() returns for a bfloat16 / float8 tensor (an ml_dtypes array) is a value too:
+    # write() and write_batch() store it as the tensor's bits, not refuse it for its numpy kind.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bits = np.array([0x3FC0, 0x8000, 0x7FC1, 0xFF80], dtype=np.uint16)  # 1.5, -0.0, a NaN payload, -inf
+    arrays = {
+        "bfloat16": bits.view(ml_dtypes.bfloat16),
+        "float8_e4m3fn": np.array([0x3C, 0x80, 0x7F], np.uint8).view(ml_dtypes.float8_e4m3fn),
+        "float8_e5m2": np.array([0x3C, 0x80, 0x7F], np.uint8).view(ml_dtypes.float8_e5m2),
+    }
+    want = {"zero-d": np.array(1.5, ml_dtypes.bfloat16), "strided": bits.view(ml_dtypes.bfloat16)[::2], **arrays}
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, fsync=False) as w:
+        for name, arr in want.items():
+            w.write(name, 0, arr)
+        w.write_batch(["batch"], [{"x": arrays["bfloat16"]}])
+        w.write("tensor", 0, torch.from_numpy(bits).view(torch.bfloat16))
+    spillmerge.merge(root, out, progress=False, fsync=False)
+    res = spillmerge.open(out)
+    for name, arr in [*want.items(), ("batch", arrays["bfloat16"]), ("tensor", arrays["bfloat16"])]:
+        got = res.value(name)
+        got = got["x"] if name == "batch" else got
+        assert got.dtype == arr.dtype and got.shape == arr.shape and got.tobytes() == arr.tobytes(), name
+    assert res.value("tensor", as_torch=True).dtype == torch.bfloat16
+
+
 class Opaque:
     def __init__(self, n: int) -> None:
         self.n = n
