@@ -270,10 +270,15 @@ class StaleSpillError(SpillMergeError, ValueError):
     stale: dict[str, int]
 
 
-class ArrowUnionInParquetError(SpillMergeError, ValueError):
-    """``to_parquet`` was asked for ``columns`` that hold an Arrow union, which Parquet lacks."""
+class ParquetTypeError(SpillMergeError, ValueError):
+    """``to_parquet`` was asked for ``columns`` of an Arrow type Parquet lacks (a struct without
+    fields: an empty dict where no row has keys)."""
 
     columns: list[str]
+
+
+class ArrowUnionInParquetError(ParquetTypeError):
+    """``to_parquet`` was asked for ``columns`` that hold an Arrow union, which Parquet lacks."""
 
 
 # Every error class is public (spillmerge's ``__all__`` adds these names).

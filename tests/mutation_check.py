@@ -1450,6 +1450,14 @@ MUTATIONS: list[Mutation] = [
         "a complete output is replaced only after the spill's rows replacing it have been checked",
     ),
     Mutation(
+        "parquet-refuses-empty-structs",
+        "spillmerge/_read/export.py",
+        "    if empty:\n        raise ParquetTypeError(",
+        "    if False:\n        raise ParquetTypeError(",
+        ("tests/read/test_reader_agreement.py::test_to_parquet_of_an_empty_dict_is_refused_by_name",),
+        "to_parquet refuses a column of only empty dicts by name before writing, not with pyarrow's error",
+    ),
+    Mutation(
         "copy-runs-destination",
         "spillmerge/_merge/outputchunk.py",
         " | (dst[1:] != dst[:-1] + m[:-1])) + 1",

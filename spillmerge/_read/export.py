@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ArrowUnionInParquetError, UnknownColumnError
+from .._errors import ArrowUnionInParquetError, ParquetTypeError, UnknownColumnError
 from .._format import common as F
 from .._format import lists as L
 from . import arrow as T
@@ -152,7 +152,7 @@ def to_parquet(
             batches = map(_parquet_form, iter_batches(files, cols, batch_size))
             first = next(batches, None)  # None: no rows, still a valid file with the columns
             schema = _parquet_form(batch(files, cols, 0, 0)).schema if first is None else first.schema
-            _refuse_unions(schema, target)
+            _refuse_types(schema, target)
             with pq.ParquetWriter(sink, schema, **parquet) as writer:
                 for rb in itertools.chain([] if first is None else [first], batches):
                     writer.write_batch(rb)
@@ -166,9 +166,11 @@ def to_parquet(
     return rows
 
 
-def _refuse_unions(schema: Any, target: str) -> None:
-    """Parquet has no union type: name the columns that hold one, and the ways out."""
-    bad = [f.name for f in schema if T.has_union(f.type)]
+def _refuse_types(schema: Any, target: str) -> None:
+    """Parquet has no union type and no struct without fields: name the columns that hold one,
+    and the ways out."""
+    types = T.pa_types()
+    bad = [f.name for f in schema if T.has_type(f.type, types.is_union)]
     if bad:
         raise ArrowUnionInParquetError(
             f"to_parquet({target!r}): column(s) {', '.join(map(repr, bad))} hold values of several kinds (an Arrow "
@@ -176,6 +178,14 @@ def _refuse_unions(schema: Any, target: str) -> None:
             "column (MergedStore.to_arrow(columns=...) names them, e.g. 'result:float32'), or use to_arrow() / "
             "iter_batches(), which keep the union",
             columns=bad,
+        )
+    empty = [f.name for f in schema if T.has_type(f.type, lambda t: types.is_struct(t) and not t.num_fields)]
+    if empty:
+        raise ParquetTypeError(
+            f"to_parquet({target!r}): column(s) {', '.join(map(repr, empty))} hold only empty dicts (an Arrow "
+            "struct without fields), which Parquet cannot store; pass columns= naming the others, or use "
+            "to_arrow() / iter_batches()",
+            columns=empty,
         )
 
 

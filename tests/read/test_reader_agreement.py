@@ -373,8 +373,10 @@ def test_every_reader_gives_the_values_written(tmp_path_factory, rows, batch_siz
         with pytest.raises(spillmerge.ArrowUnionInParquetError):
             res.to_parquet(base / "t.parquet")
         return
-    if any(_no_parquet_type(f.type) for f in table.schema):
-        return  # an empty dict: test_to_parquet_of_an_empty_dict_is_written_or_refused_by_name
+    if any(_no_parquet_type(f.type) for f in table.schema):  # an empty dict where no row has keys
+        with pytest.raises(spillmerge.ParquetTypeError):
+            res.to_parquet(base / "t.parquet")
+        return
     res.to_parquet(base / "t.parquet")
     assert cli.main(["export", out, "--parquet", str(base / "c.parquet")]) == 0
     for target in ("t.parquet", "c.parquet"):
@@ -418,11 +420,10 @@ def test_frames_of_one_structure_read_back_as_written(tmp_path_factory, records)
     assert {(n, f): canon(res.value(n, f)) for n, f in want} == expect
 
 
-@pytest.mark.xfail(strict=True, raises=pa.ArrowNotImplementedError, reason="struct<> reaches pyarrow's Parquet writer")
-def test_to_parquet_of_an_empty_dict_is_written_or_refused_by_name(tmp_path):
+def test_to_parquet_of_an_empty_dict_is_refused_by_name(tmp_path):
     # An empty dict at a path no row has keys at is an Arrow struct<>, which Parquet cannot
-    # store: to_parquet (and the CLI's export) must write it or refuse it as it refuses a union
-    # (a SpillMergeError naming the column, before writing), not pass pyarrow's error on.
+    # store: to_parquet (and the CLI's export) refuse it as they refuse a union, naming the
+    # column, before writing.
     root, out, target = str(tmp_path / "s"), str(tmp_path / "o"), tmp_path / "t.parquet"
     with spillmerge.SpillWriter(root, fsync=False) as w:
         w.write("a.jpg", 0, {"x": 1, "extra": {}})
@@ -430,12 +431,10 @@ def test_to_parquet_of_an_empty_dict_is_written_or_refused_by_name(tmp_path):
     spillmerge.merge(root, out, progress=False, fsync=False)
     res = spillmerge.open(out)
     assert res.to_arrow().schema.field("extra").type == pa.struct([])
-    try:
+    with pytest.raises(spillmerge.ParquetTypeError, match="'extra'") as info:
         res.to_parquet(target)
-    except spillmerge.SpillMergeError as e:
-        assert "'extra'" in str(e) and not target.exists() and not list(tmp_path.glob("t.parquet.tmp-*"))
-    else:
-        assert pq.read_table(target).column("extra").to_pylist() == [{}, None]
+    assert info.value.columns == ["extra"] and not target.exists() and not list(tmp_path.glob("t.parquet.tmp-*"))
+    assert cli.main(["export", out, "--parquet", str(target)]) == 1 and not target.exists()
 
 
 @pytest.mark.parametrize(
