@@ -1458,6 +1458,14 @@ MUTATIONS: list[Mutation] = [
         "to_parquet refuses a column of only empty dicts by name before writing, not with pyarrow's error",
     ),
     Mutation(
+        "dataset-reads-every-variant",
+        "spillmerge/_read/dataset.py",
+        "    return [col.view(0, col.n_rows) for col in cols]",
+        "    return [col.view(0, col.n_rows) for col in cols[:1]]",
+        ("tests/read/test_dataset.py::test_every_column_by_default_includes_a_leaf_whose_kind_differs_between_files",),
+        "OutputDataset gives a row the value of whichever of a leaf's variants holds it",
+    ),
+    Mutation(
         "copy-runs-destination",
         "spillmerge/_merge/outputchunk.py",
         " | (dst[1:] != dst[:-1] + m[:-1])) + 1",

@@ -18,7 +18,8 @@ class OutputDataset:
     """Rows of the merged output at ``path`` as dicts (see the module docstring).
 
     ``columns``: the leaf columns to read (names as :meth:`MergedStore.columns` lists them, e.g.
-    ``"logits"`` or ``"meta/score"``); None: every column. ``storage_options``: as for
+    ``"logits"`` or ``"meta/score"``); None: every column. A leaf whose dtype or kind differs
+    between files gives each row the value of the variant that holds it. ``storage_options``: as for
     :func:`spillmerge.open`. Reading rows in order decodes each chunk once (the store's chunk
     cache); a shuffled sampler decodes a chunk per row at worst."""
 
@@ -27,10 +28,10 @@ class OutputDataset:
         store = MergedStore(path, storage_options)
         self.columns = sorted(store.columns) if columns is None else list(columns)
         for name in self.columns:
-            store.column(name)  # raises UnknownColumnError, naming the columns there are
+            _variants(store, name)  # raises UnknownColumnError, naming the columns there are
         self._n = len(store.index_arrays()[2])
         self._store: Any = store
-        self._views: list[tuple[Any, tuple[str, ...]]] | None = None
+        self._views: list[tuple[list[Any], tuple[str, ...]]] | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -46,17 +47,19 @@ class OutputDataset:
         if self._store is None:
             self._store = MergedStore(self.path, self.storage_options)
         if self._views is None:
-            self._views = [(self._store.column(name), F.list_domain(tuple(name.split("/")))) for name in self.columns]
+            self._views = [
+                (_variants(self._store, name), F.list_domain(tuple(name.split("/")))) for name in self.columns
+            ]
             self._index = self._store.index_arrays()[:3]
         names, offsets, frames = self._index
         f = int(np.searchsorted(offsets, i, side="right")) - 1
         row: dict[str, Any] = {"filename": names[f], "frame_idx": int(frames[i])}
-        for name, (view, domain) in zip(self.columns, self._views, strict=True):
-            if domain:  # the items of lists (the view's rows are every row's items): this row's, as a list
+        for name, (views, domain) in zip(self.columns, self._views, strict=True):
+            if domain:  # the items of lists (the views' rows are every row's items): this row's, as a list
                 a, b = L.rows_of(self._store.files.list_offsets, domain, i, i + 1)
-                row[name] = [_item(view, k) for k in range(a, b)]
+                row[name] = [_item(views, k) for k in range(a, b)]
             else:
-                row[name] = _item(view, i)
+                row[name] = _item(views, i)
         return row
 
     def __getstate__(self) -> dict[str, Any]:
@@ -70,7 +73,19 @@ class OutputDataset:
         return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"
 
 
-def _item(view: Any, k: int) -> Any:
-    """Row ``k`` of a column's view: a numeric one as a tensor, None where it has no value."""
-    x = view[k]
-    return tensor(x, view.dtype_name) if x is not None and view.kind in ("fixed", "ragged") else x
+def _variants(store: MergedStore, name: str) -> list[Any]:
+    """The views of leaf ``name``'s columns: one, or one per dtype or kind the files disagreed on."""
+    cols = store.files.by_leaf.get(tuple(name.split("/")) if name else (), [])
+    if not cols:
+        store.column(name)  # raises UnknownColumnError, naming the columns there are
+    return [col.view(0, col.n_rows) for col in cols]
+
+
+def _item(views: list[Any], k: int) -> Any:
+    """Row ``k`` of a leaf's columns: the value of the one holding it (a numeric one as a
+    tensor), None where none has a value."""
+    for view in views:
+        x = view[k]
+        if x is not None:
+            return tensor(x, view.dtype_name) if view.kind in ("fixed", "ragged") else x
+    return None

@@ -96,15 +96,16 @@ def test_a_list_column_gives_each_row_its_own_items(tmp_path: Any) -> None:
     assert [len(nested[i]["l/\x1f*"]) for i in range(3)] == [2, 1, 0]
 
 
-@pytest.mark.xfail(strict=True, raises=spillmerge.UnknownColumnError, reason="columns=None asks column() for a split leaf")
 def test_every_column_by_default_includes_a_leaf_whose_kind_differs_between_files(tmp_path: Any) -> None:
-    # columns=None means every column; a leaf that holds an int in one file and a str in another
-    # is two stored columns, and OutputDataset(out) raises UnknownColumnError ("pass dtype=")
-    # instead of reading them (the export names them "x:pyint", "x:str").
+    # A leaf that holds an int in one file and a str in another is two stored columns: each row
+    # gets the value of the one holding it, by default and when the leaf is named.
     root, out = str(tmp_path / "s"), str(tmp_path / "o")
     with spillmerge.SpillWriter(root, fsync=False) as w:
         w.write("a", 0, {"x": 1})
         w.write("b", 0, {"x": "one"})
     spillmerge.merge(root, out, progress=False, fsync=False)
-    ds = spillmerge.OutputDataset(out)
-    assert [ds[i]["filename"] for i in range(len(ds))] == ["a", "b"]
+    for ds in (spillmerge.OutputDataset(out), spillmerge.OutputDataset(out, columns=["x"])):
+        assert ds.columns == ["x"]
+        rows = [ds[i] for i in range(len(ds))]
+        assert [r["filename"] for r in rows] == ["a", "b"]
+        assert int(rows[0]["x"]) == 1 and rows[1]["x"] == "one"
