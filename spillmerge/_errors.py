@@ -41,7 +41,7 @@ class DuplicateFrameError(SpillValueError):
 
 
 class LayoutMismatchError(SpillValueError):
-    """A leaf changed dtype or shape between frames of one filename (``ranks`` name the writers)."""
+    """Two leaf paths would share an output column (``ranks`` name the writers)."""
 
     ranks: list[int]
 
