@@ -471,11 +471,6 @@ def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
     return combine(ps, len(rows)), meta
 
 
-def pa_types() -> Any:
-    """``pyarrow.types``."""
-    return require_pyarrow().types
-
-
 def has_type(t: Any, test: Any) -> bool:
     """Whether ``test`` holds for Arrow type ``t`` or a type nested in it."""
     return bool(test(t)) or any(has_type(t.field(i).type, test) for i in range(t.num_fields))

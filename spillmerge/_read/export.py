@@ -169,7 +169,7 @@ def to_parquet(
 def _refuse_types(schema: Any, target: str) -> None:
     """Parquet has no union type and no struct without fields: name the columns that hold one,
     and the ways out."""
-    types = T.pa_types()
+    types = require_pyarrow().types
     bad = [f.name for f in schema if T.has_type(f.type, types.is_union)]
     if bad:
         raise ArrowUnionInParquetError(
