@@ -712,8 +712,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-crc-object-store",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(buf) != value:\n        raise corrupt(",
-        "    if False:\n        raise corrupt(",
+        "    if _crc.value(buf) != value:\n        raise mismatch(",
+        "    if False:\n        raise mismatch(",
         (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
         "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",
     ),

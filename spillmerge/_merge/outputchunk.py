@@ -18,7 +18,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import lists as _lists
 from .._format import spill as FS
-from .._spill.root import check_of, corrupt, data_ranges, verify_block
+from .._spill.root import check_of, corrupt, data_ranges, mismatch, verify_block
 from .._storage import Storage
 from .plan import Plan
 
@@ -223,13 +223,8 @@ class OutputChunk:
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
-        raise corrupt(
-            self.src,
-            seg.seg,
-            f"checksum mismatch for {row} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
-            f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            FS.DATA_NAME,
-        )
+        at = f"{int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+        raise mismatch(self.src, seg.seg, f"for {row} at bytes {at}{in_block}")
 
     def _row_where(self, r: int, e: int) -> tuple[Any, str]:
         """For a message about row ``r`` (plan entry ``e``): its segment, and its file, frame and leaf."""

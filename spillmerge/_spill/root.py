@@ -139,6 +139,12 @@ def corrupt(storage: Storage, seg: Segment, msg: str, rel: str = "") -> CorruptS
     return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
 
 
+def mismatch(storage: Storage, seg: Segment, what: str, note: str = "") -> CorruptSpillError:
+    """The error for data bytes ``what`` (``at bytes a..b``) that fail their checksum."""
+    msg = f"checksum mismatch {what} ({note}rank {seg.rank}): the spill is corrupt; run `spillmerge verify` on the root"
+    return corrupt(storage, seg, msg, FS.DATA_NAME)
+
+
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     """Read and validate a committed segment's catalog and index against its commit record."""
     return gc_paused(_load_segment, storage, seg)  # type: ignore[no-any-return]  # (a catalog: many small objects)
@@ -459,13 +465,7 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
     if _crc.value(buf) != value:
-        raise corrupt(
-            storage,
-            seg.seg,
-            f"checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
-            f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            FS.DATA_NAME,
-        )
+        raise mismatch(storage, seg.seg, f"for the block at bytes {off}..{off + nb}", f"block checksum {-1 - crc}, ")
 
 
 def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bool:
@@ -496,13 +496,7 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bo
                 if e.crc < 0:  # checked by a block checksum: check the whole block
                     verify_block(reader, e.segment, e.crc)
                 elif got != e.crc:
-                    raise corrupt(
-                        storage,
-                        e.segment.seg,
-                        f"checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {e.segment.seg.rank}): "
-                        "the spill is corrupt; run `spillmerge verify` on the root",
-                        FS.DATA_NAME,
-                    )
+                    raise mismatch(storage, e.segment.seg, f"at bytes {e.offset}..{e.offset + e.nbytes}")
     finally:
         reader.close()
     return equal
