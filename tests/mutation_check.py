@@ -1289,8 +1289,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "plan-sort-memory-floor",
         "spillmerge/_merge/plansql.py",
-        "    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)",
-        "    return max(int(budget) // ENGINE_SHARE, 1 << 20)",
+        "    limit = max(int(memory_limit) // ENGINE_SHARE, MIN_SORT_MEMORY)",
+        "    limit = max(int(memory_limit) // ENGINE_SHARE, 1 << 20)",
         ("tests/merge/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),
