@@ -73,14 +73,10 @@ def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
     return buf[:nbytes]
 
 
-def _zeros(n: int) -> np.ndarray:
-    return np.zeros(n, dtype=np.uint8)
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros_crc(n: int) -> int:
     """The CRC-32C of ``n`` zero bytes (the padding between and after rows: a few sizes)."""
-    return int(_crc.value(_zeros(n)))
+    return int(_crc.value(np.zeros(n, dtype=np.uint8)))
 
 
 class OutputChunk:
@@ -370,7 +366,7 @@ class OutputChunk:
             touched.start.tolist(), touched.a.tolist(), touched.b.tolist(), data, crcs, strict=True
         ):  # fmt: skip
             if start > pos:  # rows without a value read as zeros
-                buffers.append(_zeros(start - pos))
+                buffers.append(np.zeros(start - pos, dtype=np.uint8))
                 out_crc = _crc.combine(out_crc, _zeros_crc(start - pos), start - pos)
             piece = row if self.off is None else row[a * ub : b * ub]
             if len(piece) != len(row):
@@ -379,7 +375,7 @@ class OutputChunk:
             out_crc = _crc.combine(out_crc, row_crc, len(piece))
             pos = start + len(piece)
         if pos < full:
-            buffers.append(_zeros(full - pos))
+            buffers.append(np.zeros(full - pos, dtype=np.uint8))
             out_crc = _crc.combine(out_crc, _zeros_crc(full - pos), full - pos)
         self.crc = out_crc
         return buffers
