@@ -132,9 +132,8 @@ def build(
         pos = {p: i for i, p in enumerate(leaf_paths)}
         return np.array([pos[p] for p in raw_lp], dtype=np.int64)
 
-    def resolve(rows: dict[str, np.ndarray], name_of: Callable[[int], str]) -> tuple[np.ndarray, int]:
-        return resolve_duplicates(rows, name_of, segments, on_duplicate, same_bytes, layouts)
-
+    resolve = functools.partial(resolve_duplicates, segments=segments, on_duplicate=on_duplicate,
+                                same_bytes=same_bytes, layouts=layouts)  # fmt: skip
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
         if _plansql.in_memory(n_index, memory_limit):
