@@ -82,10 +82,10 @@ def _locked(fd: int) -> bool:
 class Lease:
     """A held lease on an output; see the module docstring."""
 
-    def __init__(self, output: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> None:
+    def __init__(self, output: Storage, *, name: str, role: str, exclusive: bool) -> None:
         """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
         :class:`OutputBusyError` naming every holder in the way."""
-        self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, ttl
+        self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, DEFAULT_TTL
         self.holder = Holder(
             owner=uuid.uuid4().hex,
             role=role,
@@ -361,9 +361,9 @@ _MERGE = "merge"
 """The lease name of a whole (one-process) merge."""
 
 
-def whole(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+def whole(output: Storage) -> Lease:
     """The lease of a one-process merge: exclusive."""
-    return Lease(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
+    return Lease(output, name=_MERGE, role="merge", exclusive=True)
 
 
 def part_name(i: int, n: int) -> str:
