@@ -38,10 +38,9 @@ class Segment:
 
     @property
     def run_id(self) -> str | None:
-        if self.commit is not None:
-            return self.commit.run_id
-        if self.failure is not None:
-            return self.failure.run_id
+        for src in (self.commit, self.failure):
+            if src is not None:
+                return src.run_id
         rid = (self.header or {}).get("run_id")
         return rid if isinstance(rid, str) else None
 
