@@ -224,8 +224,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
             "file_layouts": plan.file_layouts, "columns": columns, "lists": lists, "arrays": arrays,
             "key_orders": plan.key_orders, "total_bytes": plan.total_bytes, "names_per_head": NAME_BLOCK,
             "segments": [
-                {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "salvaged": s.salvaged,
-                 "n_checks": 0 if s.checks is None else len(s.checks)}
+                {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "n_checks": 0 if s.checks is None else len(s.checks)}
                 for s in plan.segments
             ],
         }  # fmt: skip
@@ -425,11 +424,8 @@ def load(
             if s["rel"] not in by_rel:
                 raise bad(MANIFEST, f"segment {s['rel']!r} is not committed")
             n = int(s["n_checks"])
-            seg = LoadedSegment(
-                by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), bool(s["salvaged"]),
-                checks=np.asarray(checks[c0 : c0 + n]) if n else None,
-            )  # fmt: skip
-            segs.append(seg)
+            own = np.asarray(checks[c0 : c0 + n]) if n else None
+            segs.append(LoadedSegment(by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), own))
             c0 += n
         columns = []
         for c in body["columns"]:

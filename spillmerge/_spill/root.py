@@ -66,8 +66,6 @@ class LoadedSegment:
     """int64 (n_rows, 6) index, validated against the commit record."""
     chunk_bytes: int
     """Chunk size of the segment's ``data``."""
-    salvaged: bool = False
-    """True when rebuilt from the journal of an uncommitted segment (``allow_partial``)."""
     checks: np.ndarray | None = None
     """int64 (n, 3) block checksums (offset, nbytes, CRC-32C) that rows with a negative CRC
     point at (``-1 - id``), validated; None when the segment has none."""
@@ -358,7 +356,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
             "its segment was set up); nothing to salvage from it"
         )
         empty = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
-        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
+        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES), [note]
     header = seg.header or {}
     if seg.header is not None:  # never misread another format
         F.check_version(header, storage.describe(f"{seg.rel}/zarr.json"), spill=True)
@@ -416,7 +414,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         raise bad("journal lists a filename twice")
     checks = np.concatenate(check_parts) if check_parts else None
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes, checks, chunk_bytes)
-    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True, checks=checks), problems
+    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, checks=checks), problems
 
 
 @dataclass(frozen=True, slots=True)
