@@ -134,13 +134,11 @@ class OutputChunk:
         return _Touched(rows, first - a, stop - a, (first - lo) * ub)
 
     def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
-        """The whole stored bytes of each of ``rows`` as uint8 arrays, each checked against its
-        CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers.
-        On a local disk each data chunk object is mapped once per output chunk and a row within one
-        object is a slice of it (the many-keys case: millions of small rows, where a lookup per row
-        would dominate), and ``crcs_out`` is filled with each row's CRC-32C, computed once, for the
-        check and for the output chunk's CRC alike (a row checked by a block then goes to
-        ``pending`` instead of reading its block). Elsewhere: one batched read into a scratch buffer."""
+        """The whole stored bytes of each of ``rows`` as uint8 arrays (the CRC-32C extension takes
+        no memoryview), each checked against its CRC-32C. On a local disk a row is a slice of its
+        data chunk object, mapped once per output chunk (millions of small rows: no lookup per row),
+        and ``crcs_out`` gets each row's CRC-32C, computed once for the check and the chunk's CRC (a
+        row checked by a block then goes to ``pending``). Elsewhere: one batched read."""
         plan = self.plan
         ent = np.asarray(self.col.src[rows], dtype=np.int64)
         ents, segs, offs, sizes, crcs = (
@@ -278,12 +276,11 @@ class OutputChunk:
 
     def _place_local(self, t: _Touched, out: np.ndarray, pos: int) -> int | None:
         """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
-        between) with numpy, not row by row: the rows of one data chunk object are checked
-        (checksums, text) as a group and copied a run of back-to-back rows at a time. Returns the new ``pos``; None when the batch goes the
-        row-by-row way: a row larger than :data:`PIECE_BYTES` (a row cut by the chunk's edges is
-        read whole: a view, not a copy, of a large one), or a row that crosses data chunk objects,
-        an object shorter than the index says, a checksum or a string that is wrong (that path
-        raises the precise error)."""
+        between) with numpy: the rows of one data chunk object are checked (checksums, text) as a
+        group and copied a run of back-to-back rows at a time. Returns the new ``pos``; None when
+        the batch goes the row-by-row way, which raises the precise error: a row larger than
+        :data:`PIECE_BYTES` (read whole as a view, never copied), one that crosses data chunk
+        objects, an object shorter than the index says, a wrong checksum or string."""
         plan, col = self.plan, self.col
         n = len(t.rows)
         if n == 0:

@@ -232,10 +232,8 @@ def _segment_rows(
 ) -> Iterator[Any]:  # fmt: skip
     """Segment number ``si``'s index rows as the Arrow tables DuckDB sorts, :data:`BATCH` rows
     at a time (none when it has none): name bytes, frame, raw leaf path, global layout, segment,
-    extent, local file number. ``layout_ids`` is called for every segment, an empty one too.
-    A batch at a time: the columns of every row of a large segment (~70 B a row beside its
-    index) are never held at once; with ``st`` (``_spill.stream.Stream``) neither are its index
-    nor its filenames (mapped from the work folder's files)."""
+    extent, local file number (``layout_ids`` is called for an empty segment too). With ``st``
+    (``_spill.stream.Stream``) neither the index nor the filenames are ever held whole."""
     import pyarrow as pa
 
     gmap, pmap = layout_ids(s)

@@ -78,11 +78,10 @@ def obtain(
     output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]], *,
     settings: dict[str, Any], timeout: float, may_store: bool, memory_limit: int,
 ) -> Obtained:  # fmt: skip
-    """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
-    plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
-    ``planner`` lease.
-    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
-    ``memory_limit``: the blocks of a stored plan kept in memory at most."""
+    """The plan of ``key``: read from the store, or built by ``plan_here`` (the plan and its
+    fingerprint for ``settings``) and, with ``may_store``, stored under the ``planner`` lease.
+    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive);
+    ``memory_limit`` the blocks of a stored plan kept in memory."""
     notes: list[str] = []
     where = output.describe(PLAN_DIR)
 
@@ -384,11 +383,9 @@ def load(
     output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int
 ) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
-    there is none (or one of another key). Its arrays are :class:`StoredArray`:
-    a block is read, and checked against its digest, when an index first touches it.
-    :class:`DamagedPlan` naming the file when ``plan.json`` or a block read here is missing,
-    fails its digest or does not parse; a block read later raises it where it is read. At most
-    ``memory_limit`` bytes of blocks are kept in memory."""
+    there is none (or one of another key). Its arrays are :class:`StoredArray` (at most
+    ``memory_limit`` bytes of blocks kept). :class:`DamagedPlan` naming the file when ``plan.json``
+    or a block is missing, fails its digest or does not parse, raised where it is read."""
     try:
         raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
     except SpillMergeError as exc:

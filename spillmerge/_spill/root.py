@@ -467,11 +467,9 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
 
 def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bool:
     """True when two stored copies of a frame (their leaves, in the same order) hold the same
-    bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
-    merge calls this for duplicates whose sizes and checksums agree. Both copies are read
-    ``_COMPARE_WINDOW`` bytes at a time, so memory stays bounded whatever the frame size; each
-    leaf's CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
-    different content."""
+    bytes, which equal checksums do not prove (CRC-32C collides). Both are read
+    ``_COMPARE_WINDOW`` bytes at a time, each leaf's CRC-32C checked on the way: a corrupt copy
+    is reported as corrupt, not as different content."""
     if len(a) != len(b) or any(x.nbytes != y.nbytes for x, y in zip(a, b, strict=True)):
         return False
     size = min(_COMPARE_WINDOW, max((x.nbytes for x in a), default=0))
@@ -500,11 +498,9 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bo
 
 
 def _last_writes(index: np.ndarray, layouts: list[FS.Layout]) -> np.ndarray:
-    """Keep only the rows of the last write of each ``(file, frame)`` of a journal.
-
-    A frame's rows are contiguous (listed together in one entry) with strictly
-    increasing leaf paths, so a write starts where the key changes or a leaf path does not
-    increase. The layout is no key here: a rewrite may have other shapes or other leaves."""
+    """Keep only the rows of the last write of each ``(file, frame)`` of a journal: a write's rows
+    are contiguous with strictly increasing leaf paths, so one starts where the key changes or a
+    leaf path does not increase (a rewrite may have other shapes or other leaves)."""
     lid = index[:, FS.COL_LAYOUT]
     if lid.min() < 0 or lid.max() >= len(layouts):
         return index  # _validate_rows names the bad row
