@@ -712,8 +712,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "block-crc-object-store",
         "spillmerge/_spill/root.py",
-        "    if _crc.value(buf) != value:\n        raise corrupt(",
-        "    if False:\n        raise corrupt(",
+        "    if _crc.value(buf) != value:\n        raise mismatch(",
+        "    if False:\n        raise mismatch(",
         (f"{C}::test_a_corrupt_block_on_an_object_store_fails_the_merge",),
         "a corrupt block of write_batch rows never reaches the output (spill root on an object store)",
     ),
@@ -1289,8 +1289,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "plan-sort-memory-floor",
         "spillmerge/_merge/plansql.py",
-        "    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)",
-        "    return max(int(budget) // ENGINE_SHARE, 1 << 20)",
+        "    limit = max(int(memory_limit) // ENGINE_SHARE, MIN_SORT_MEMORY)",
+        "    limit = max(int(memory_limit) // ENGINE_SHARE, 1 << 20)",
         ("tests/merge/test_plan_sql.py::test_a_plan_budget_below_what_the_sort_needs_is_raised_to_it",),
         "a plan_budget below what DuckDB can sort in is raised to the floor, not an out-of-memory failure",
     ),

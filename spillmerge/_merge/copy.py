@@ -36,12 +36,10 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
 
 def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
     """Positions in ``every`` (:func:`units`) of the output chunks each of ``parts`` parts writes:
-    the chunks in key order (by where each starts in its column, as a fraction of the column,
-    then by column) cut into ``parts`` runs of about equal bytes. A part's chunks then cover one
-    range of the keys in every column, so it reads only that range of a stored plan
-    (``_merge.planstore``). A unit is one whole chunk, so no two processes ever write the same
-    object (zarr-python#3682 loses rows when processes share a chunk); every process computes the
-    same split from the same plan."""
+    the chunks in key order (where each starts in its column, as a fraction of it, then column)
+    cut into ``parts`` runs of about equal bytes, so a part reads one range of a stored plan. A
+    unit is one whole chunk: no two processes write one object (zarr-python#3682 loses rows when
+    processes share a chunk), and every process computes the same split from the same plan."""
     size = [max(plan.columns[c].n_units, 1) for c in range(len(plan.columns))]
     order = sorted(range(len(every)), key=lambda k: (every[k].lo / size[every[k].column], every[k].column))
     total = sum(u.nbytes for u in every)
@@ -56,10 +54,9 @@ def split(plan: Plan, every: Sequence[Unit], parts: int) -> list[list[int]]:
 
 def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
     """Write the output chunks ``todo`` of ``job``, at most its ``memory_budget`` bytes of chunks in
-    flight over ``copy_threads`` threads; a progress bar when ``progress`` (None: on a terminal).
-    ``check``: only read and check their source rows (before a complete output is replaced).
-    ``fsync``: each chunk is fsynced by the thread that wrote it, overlapping the other copies
-    (the merge's final ``fsync_tree`` then only syncs the folders and documents)."""
+    flight over ``copy_threads`` threads, each fsynced (``fsync``) by the thread that wrote it; a
+    progress bar when ``progress`` (None: on a terminal). ``check``: only read and check their
+    source rows (before a complete output is replaced)."""
     o, threads = job.options, copy_threads(job, todo)
     show = sys.stderr.isatty() if o.progress is None else o.progress
     bar = None

@@ -53,13 +53,10 @@ whole chunk (and checks its CRC)."""
 
 
 def values_chunk(col: PlannedColumn, chunk_bytes: int) -> int:
-    """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2).
-
-    A chunk is what a reader reads (and checksums) to get one row. Columns of small rows are the
-    many-keys case, read one key at a time: their chunks are a quarter of ``chunk_bytes``, and
-    byte-stored ones (``bytes``, ``pickle``, ``str``, list of ``str``) at most
-    :data:`BYTES_CHUNK_BYTES`. Columns of large rows (video frames) keep whole ``chunk_bytes``
-    chunks, which write fastest."""
+    """Units (first-dimension entries) per chunk of a column's ``values`` (docs/FORMAT.md section 2):
+    a reader reads a whole chunk for one row, so columns of small rows (read a key at a time) get
+    a quarter of ``chunk_bytes``, byte-stored ones at most :data:`BYTES_CHUNK_BYTES`; columns of
+    large rows keep whole ``chunk_bytes`` chunks, which write fastest."""
     n = col.n_units
     rows = max(col.n_present, 1)
     total = n * col.unit_bytes

@@ -82,10 +82,10 @@ def _locked(fd: int) -> bool:
 class Lease:
     """A held lease on an output; see the module docstring."""
 
-    def __init__(self, output: Storage, *, name: str, role: str, exclusive: bool, ttl: float = DEFAULT_TTL) -> None:
+    def __init__(self, output: Storage, *, name: str, role: str, exclusive: bool) -> None:
         """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
         :class:`OutputBusyError` naming every holder in the way."""
-        self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, ttl
+        self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, DEFAULT_TTL
         self.holder = Holder(
             owner=uuid.uuid4().hex,
             role=role,
@@ -104,9 +104,6 @@ class Lease:
             self._acquire_object()
 
     # ------------------------------------------------------------------------------ acquire
-    def _rel(self, name: str, ext: str) -> str:
-        return f"{LEASE_DIR}/{name}.{ext}"
-
     def _open_lock(self, rel: str) -> int | None:
         """An fd of the lock file ``rel`` (created if absent), or None when its folder is gone: a
         finishing holder tidied the lease folder away just now (the caller starts over)."""
@@ -167,7 +164,7 @@ class Lease:
     def _flock_all(self) -> bool | list[Holder] | None:
         """True: both locks held. False: no working flock here. A list: blocked, by these holders
         (empty: by none that says so). None: a lock file vanished under us (retry)."""
-        mine, shared = self._rel(self.name, "lock"), self._rel(_OUTPUT, "lock")
+        mine, shared = f"{LEASE_DIR}/{self.name}.lock", f"{LEASE_DIR}/{_OUTPUT}.lock"
         for rel, exclusive in ((mine, True), (shared, self.exclusive)):
             fd = self._open_lock(rel)
             if fd is None:
@@ -229,7 +226,7 @@ class Lease:
     def _acquire_object(self) -> None:
         """Object stores: create our lease object conditionally, then look for holders it
         conflicts with; on a conflict remove ours again (both may back off; neither proceeds)."""
-        rel = self._rel(self.name, "json")
+        rel = f"{LEASE_DIR}/{self.name}.json"
         self.holder = replace(self.holder, expires=time.time() + self.ttl)
         if not self.output.create(rel, self.holder.to_json()):
             old = self._read_object(rel)
@@ -328,7 +325,7 @@ class Lease:
         self._stop.set()
         if self._beat is not None and self._beat is not threading.current_thread():
             self._beat.join()
-        shared = self._rel(_OUTPUT, "lock")
+        shared = f"{LEASE_DIR}/{_OUTPUT}.lock"
         if tidy and shared in self._fds and self._still_linked() is None:
             try:
                 fcntl.flock(self._fds[shared], fcntl.LOCK_EX | fcntl.LOCK_NB)  # alone? (SH -> EX)
@@ -361,9 +358,9 @@ _MERGE = "merge"
 """The lease name of a whole (one-process) merge."""
 
 
-def whole(output: Storage, ttl: float = DEFAULT_TTL) -> Lease:
+def whole(output: Storage) -> Lease:
     """The lease of a one-process merge: exclusive."""
-    return Lease(output, name=_MERGE, role="merge", exclusive=True, ttl=ttl)
+    return Lease(output, name=_MERGE, role="merge", exclusive=True)
 
 
 def part_name(i: int, n: int) -> str:

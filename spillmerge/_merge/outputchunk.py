@@ -18,7 +18,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import lists as _lists
 from .._format import spill as FS
-from .._spill.root import check_of, corrupt, data_ranges, verify_block
+from .._spill.root import check_of, corrupt, data_ranges, mismatch, verify_block
 from .._storage import Storage
 from .plan import Plan
 
@@ -73,14 +73,10 @@ def _scratch(nbytes: int, slot: str = "buf") -> np.ndarray:
     return buf[:nbytes]
 
 
-def _zeros(n: int) -> np.ndarray:
-    return np.zeros(n, dtype=np.uint8)
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros_crc(n: int) -> int:
     """The CRC-32C of ``n`` zero bytes (the padding between and after rows: a few sizes)."""
-    return int(_crc.value(_zeros(n)))
+    return int(_crc.value(np.zeros(n, dtype=np.uint8)))
 
 
 class OutputChunk:
@@ -138,13 +134,11 @@ class OutputChunk:
         return _Touched(rows, first - a, stop - a, (first - lo) * ub)
 
     def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
-        """The whole stored bytes of each of ``rows`` as uint8 arrays, each checked against its
-        CRC-32C. Arrays, not memoryviews: the CRC-32C extension takes only read-only buffers.
-        On a local disk each data chunk object is mapped once per output chunk and a row within one
-        object is a slice of it (the many-keys case: millions of small rows, where a lookup per row
-        would dominate), and ``crcs_out`` is filled with each row's CRC-32C, computed once, for the
-        check and for the output chunk's CRC alike (a row checked by a block then goes to
-        ``pending`` instead of reading its block). Elsewhere: one batched read into a scratch buffer."""
+        """The whole stored bytes of each of ``rows`` as uint8 arrays (the CRC-32C extension takes
+        no memoryview), each checked against its CRC-32C. On a local disk a row is a slice of its
+        data chunk object, mapped once per output chunk (millions of small rows: no lookup per row),
+        and ``crcs_out`` gets each row's CRC-32C, computed once for the check and the chunk's CRC (a
+        row checked by a block then goes to ``pending``). Elsewhere: one batched read."""
         plan = self.plan
         ent = np.asarray(self.col.src[rows], dtype=np.int64)
         ents, segs, offs, sizes, crcs = (
@@ -223,13 +217,8 @@ class OutputChunk:
         if block is not None:
             b_off, b_nb, _ = check_of(seg, block)
             in_block = f" (in the block at bytes {b_off}..{b_off + b_nb}, checked as one)"
-        raise corrupt(
-            self.src,
-            seg.seg,
-            f"checksum mismatch for {row} at bytes {int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
-            f"{in_block} (rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            FS.DATA_NAME,
-        )
+        at = f"{int(plan.offset[e])}..{int(plan.offset[e] + plan.nbytes[e])}"
+        raise mismatch(self.src, seg.seg, f"for {row} at bytes {at}{in_block}")
 
     def _row_where(self, r: int, e: int) -> tuple[Any, str]:
         """For a message about row ``r`` (plan entry ``e``): its segment, and its file, frame and leaf."""
@@ -287,12 +276,11 @@ class OutputChunk:
 
     def _place_local(self, t: _Touched, out: np.ndarray, pos: int) -> int | None:
         """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
-        between) with numpy, not row by row: the rows of one data chunk object are checked
-        (checksums, text) as a group and copied a run of back-to-back rows at a time. Returns the new ``pos``; None when the batch goes the
-        row-by-row way: a row larger than :data:`PIECE_BYTES` (a row cut by the chunk's edges is
-        read whole: a view, not a copy, of a large one), or a row that crosses data chunk objects,
-        an object shorter than the index says, a checksum or a string that is wrong (that path
-        raises the precise error)."""
+        between) with numpy: the rows of one data chunk object are checked (checksums, text) as a
+        group and copied a run of back-to-back rows at a time. Returns the new ``pos``; None when
+        the batch goes the row-by-row way, which raises the precise error: a row larger than
+        :data:`PIECE_BYTES` (read whole as a view, never copied), one that crosses data chunk
+        objects, an object shorter than the index says, a wrong checksum or string."""
         plan, col = self.plan, self.col
         n = len(t.rows)
         if n == 0:
@@ -375,7 +363,7 @@ class OutputChunk:
             touched.start.tolist(), touched.a.tolist(), touched.b.tolist(), data, crcs, strict=True
         ):  # fmt: skip
             if start > pos:  # rows without a value read as zeros
-                buffers.append(_zeros(start - pos))
+                buffers.append(np.zeros(start - pos, dtype=np.uint8))
                 out_crc = _crc.combine(out_crc, _zeros_crc(start - pos), start - pos)
             piece = row if self.off is None else row[a * ub : b * ub]
             if len(piece) != len(row):
@@ -384,7 +372,7 @@ class OutputChunk:
             out_crc = _crc.combine(out_crc, row_crc, len(piece))
             pos = start + len(piece)
         if pos < full:
-            buffers.append(_zeros(full - pos))
+            buffers.append(np.zeros(full - pos, dtype=np.uint8))
             out_crc = _crc.combine(out_crc, _zeros_crc(full - pos), full - pos)
         self.crc = out_crc
         return buffers

@@ -102,12 +102,10 @@ def build(
     whose leaves, sizes and checksums all agree, whether the copies' bytes are the same; copies
     that differ go to the ``on_duplicate`` policy, whatever their checksums say.
 
-    ``memory_limit`` is the plan's budget: the index rows are sorted out of core by DuckDB
-    (``_merge.plansql``) under half of it, or in memory when few (``_merge.plansql.in_memory``),
-    its temporary files in a work folder under ``work_dir`` (default: the system's temporary
-    folder), removed before this returns. The other half: one segment's rows, one sorted batch, the
-    small tables; then the plan's per-row arrays (maps of files beyond
-    ``_merge.plansql.MAPPED_ROWS`` rows) and the per-row numpy temporaries of the steps below."""
+    ``memory_limit``: DuckDB sorts the index rows out of core under half of it (or numpy in memory
+    when few, ``_merge.plansql.in_memory``), in a work folder under ``work_dir`` (default: the
+    system's temporary folder) removed before this returns. The other half holds one segment's rows,
+    one sorted batch, the small tables, then the per-row arrays and temporaries of the steps below."""
     if on_duplicate not in ("error", "first", "last"):
         raise SpillValueError(f"on_duplicate must be 'error', 'first' or 'last', got {on_duplicate!r}")
     segments = list(segments)
@@ -132,9 +130,8 @@ def build(
         pos = {p: i for i, p in enumerate(leaf_paths)}
         return np.array([pos[p] for p in raw_lp], dtype=np.int64)
 
-    def resolve(rows: dict[str, np.ndarray], name_of: Callable[[int], str]) -> tuple[np.ndarray, int]:
-        return resolve_duplicates(rows, name_of, segments, on_duplicate, same_bytes, layouts)
-
+    resolve = functools.partial(resolve_duplicates, segments=segments, on_duplicate=on_duplicate,
+                                same_bytes=same_bytes, layouts=layouts)  # fmt: skip
     n_index = sum(s.n_rows for s in segments)  # from the commit records: nothing read yet
     with _plansql.workspace(work_dir) as folder:  # made only if the sort or an array needs it
         if _plansql.in_memory(n_index, memory_limit):

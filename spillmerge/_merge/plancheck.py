@@ -9,19 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError
 from .._format import spill as FS
 from .plancolumns import ROW_BLOCK
 
 DISTINCT = "catalog filenames must be distinct strings"
-
-
-def corrupt(s: Any, msg: str, rel: str) -> CorruptSpillError:
-    """The error naming segment ``s``'s object ``rel``."""
-    make = getattr(s, "corrupt", None)
-    if make is not None:
-        return make(msg, rel)  # type: ignore[no-any-return]
-    return CorruptSpillError(f"{s.seg.rel}/{rel}: {msg}", rank=s.seg.rank)
 
 
 def twice(c: dict[str, np.ndarray], segments: Sequence[Any], name_of: Callable[[int], str]) -> None:
@@ -33,10 +24,10 @@ def twice(c: dict[str, np.ndarray], segments: Sequence[Any], name_of: Callable[[
     if not same.any():
         return
     i = int(np.argmax(same))
-    s = segments[int(sg[i])]
+    s = segments[int(sg[i])]  # a segment read a block at a time: one read whole was checked at load
     if c["lf"][i] != c["lf"][i + 1]:
-        raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
-    raise corrupt(s, f"index lists frame {int(fr[i])} of {name_of(int(f[i]))!r:.200} twice", FS.INDEX_NAME)
+        raise s.corrupt(DISTINCT, FS.CATALOG_NAME)
+    raise s.corrupt(f"index lists frame {int(fr[i])} of {name_of(int(f[i]))!r:.200} twice", FS.INDEX_NAME)
 
 
 def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stamp: np.ndarray) -> None:
@@ -60,20 +51,20 @@ def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stam
                 unused.append(u + a)
             f = f[f >= 0]
             if len(f) and np.any(stamp[f] == si):
-                raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+                raise s.corrupt(DISTINCT, FS.CATALOG_NAME)
             stamp[f] = si
             seen += len(f)
         if seen and int(np.count_nonzero(np.asarray(stamp) == si)) != seen:
-            raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+            raise s.corrupt(DISTINCT, FS.CATALOG_NAME)
         if not unused:
             continue
         ids = np.concatenate(unused)
         all_names = st.names()
         wanted = pa.array(sorted({all_names[int(i)].as_py() for i in ids}), type=pa.large_binary())
         if len(wanted) < len(ids):
-            raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+            raise s.corrupt(DISTINCT, FS.CATALOG_NAME)
         found = 0
         for a in range(0, len(all_names), ROW_BLOCK):
             found += int(pc.sum(pc.is_in(all_names.slice(a, ROW_BLOCK), value_set=wanted)).as_py() or 0)
         if found != len(ids):
-            raise corrupt(s, DISTINCT, FS.CATALOG_NAME)
+            raise s.corrupt(DISTINCT, FS.CATALOG_NAME)

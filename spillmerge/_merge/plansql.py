@@ -48,11 +48,6 @@ ENGINE_SHARE = 2
 beside the engine (the sorted batch, the filenames, the plan's per-row steps after the sort)."""
 
 
-def engine_memory(budget: int) -> int:
-    """DuckDB's memory limit under a plan budget of ``budget`` bytes (at least ``MIN_SORT_MEMORY``)."""
-    return max(int(budget) // ENGINE_SHARE, MIN_SORT_MEMORY)
-
-
 PARQUET: dict[str, Any] = {
     "compression": "none",
     "use_dictionary": ["frame", "rlp", "gl", "seg", "nb"],
@@ -157,8 +152,8 @@ def sort_rows(
     folder: str,
 ) -> Sorted:
     """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
-    whose memory limit is ``engine_memory(memory_limit)``, on one thread for a small plan
-    (:data:`SMALL_PLAN_ROWS`), else up to 4.
+    whose memory limit is ``memory_limit / ENGINE_SHARE`` (at least ``MIN_SORT_MEMORY``), on one
+    thread for a small plan (:data:`SMALL_PLAN_ROWS`), else up to 4.
 
     ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
     layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
@@ -197,7 +192,7 @@ def sort_rows(
         return _collect([], resolve, None, n_names)
     # Threads and memory in the connection's config: a connection made with defaults starts a
     # worker per core before any SET could say otherwise.
-    limit = engine_memory(memory_limit)
+    limit = max(int(memory_limit) // ENGINE_SHARE, MIN_SORT_MEMORY)
     threads = 1 if sum(s.n_rows for s in segments) < SMALL_PLAN_ROWS else min(4, os.cpu_count() or 1)
     threads = max(1, min(threads, limit // THREAD_MEMORY))
     con = duckdb.connect(config={"threads": threads, "memory_limit": f"{limit}B"})
@@ -237,10 +232,8 @@ def _segment_rows(
 ) -> Iterator[Any]:  # fmt: skip
     """Segment number ``si``'s index rows as the Arrow tables DuckDB sorts, :data:`BATCH` rows
     at a time (none when it has none): name bytes, frame, raw leaf path, global layout, segment,
-    extent, local file number. ``layout_ids`` is called for every segment, an empty one too.
-    A batch at a time: the columns of every row of a large segment (~70 B a row beside its
-    index) are never held at once; with ``st`` (``_spill.stream.Stream``) neither are its index
-    nor its filenames (mapped from the work folder's files)."""
+    extent, local file number (``layout_ids`` is called for an empty segment too). With ``st``
+    (``_spill.stream.Stream``) neither the index nor the filenames are ever held whole."""
     import pyarrow as pa
 
     gmap, pmap = layout_ids(s)

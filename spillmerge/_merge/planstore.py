@@ -78,11 +78,10 @@ def obtain(
     output: Storage, key: str, segments: Sequence[Segment], plan_here: Callable[[], tuple[Plan, str]], *,
     settings: dict[str, Any], timeout: float, may_store: bool, memory_limit: int,
 ) -> Obtained:  # fmt: skip
-    """The plan of ``key``: read from the store, or built by ``plan_here`` (which returns the
-    plan and its fingerprint for ``settings``) and, with ``may_store``, stored under the
-    ``planner`` lease.
-    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive).
-    ``memory_limit``: the blocks of a stored plan kept in memory at most."""
+    """The plan of ``key``: read from the store, or built by ``plan_here`` (the plan and its
+    fingerprint for ``settings``) and, with ``may_store``, stored under the ``planner`` lease.
+    ``timeout`` > 0 bounds the wait for a planner at work (0: as long as it is alive);
+    ``memory_limit`` the blocks of a stored plan kept in memory."""
     notes: list[str] = []
     where = output.describe(PLAN_DIR)
 
@@ -224,8 +223,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
             "file_layouts": plan.file_layouts, "columns": columns, "lists": lists, "arrays": arrays,
             "key_orders": plan.key_orders, "total_bytes": plan.total_bytes, "names_per_head": NAME_BLOCK,
             "segments": [
-                {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "salvaged": s.salvaged,
-                 "n_checks": 0 if s.checks is None else len(s.checks)}
+                {"rel": s.seg.rel, "chunk_bytes": s.chunk_bytes, "n_checks": 0 if s.checks is None else len(s.checks)}
                 for s in plan.segments
             ],
         }  # fmt: skip
@@ -385,11 +383,9 @@ def load(
     output: Storage, key: str, segments: Sequence[Segment], *, memory_limit: int
 ) -> tuple[Plan, str, dict[str, Any]] | None:
     """The stored plan of ``key``, its fingerprint and the settings it was computed for; None when
-    there is none (or one of another key). Its arrays are :class:`StoredArray`:
-    a block is read, and checked against its digest, when an index first touches it.
-    :class:`DamagedPlan` naming the file when ``plan.json`` or a block read here is missing,
-    fails its digest or does not parse; a block read later raises it where it is read. At most
-    ``memory_limit`` bytes of blocks are kept in memory."""
+    there is none (or one of another key). Its arrays are :class:`StoredArray` (at most
+    ``memory_limit`` bytes of blocks kept). :class:`DamagedPlan` naming the file when ``plan.json``
+    or a block is missing, fails its digest or does not parse, raised where it is read."""
     try:
         raw = output.get_or_none(MANIFEST, max_bytes=MANIFEST_MAX_BYTES)
     except SpillMergeError as exc:
@@ -425,11 +421,8 @@ def load(
             if s["rel"] not in by_rel:
                 raise bad(MANIFEST, f"segment {s['rel']!r} is not committed")
             n = int(s["n_checks"])
-            seg = LoadedSegment(
-                by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), bool(s["salvaged"]),
-                checks=np.asarray(checks[c0 : c0 + n]) if n else None,
-            )  # fmt: skip
-            segs.append(seg)
+            own = np.asarray(checks[c0 : c0 + n]) if n else None
+            segs.append(LoadedSegment(by_rel[s["rel"]], [], [], np.zeros((0, 6), np.int64), int(s["chunk_bytes"]), own))
             c0 += n
         columns = []
         for c in body["columns"]:

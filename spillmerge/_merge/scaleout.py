@@ -23,12 +23,9 @@ from .report import MergeReport
 
 def merge_part(job: _opening.Job, *, rank: int | None) -> MergeReport:
     """Part ``i`` of ``n`` (``job.options.part``): the output chunks ``split`` gives it, then its
-    part record.
-
-    Touches nothing another part of the same plan owns: the shared nodes (index, groups,
-    consolidated root, marker) are the finalizer's, and a part only ever deletes its own nodes,
-    its own records, a completion marker (``overwrite``) and records of another plan
-    (``overwrite``). A stored plan that fails a check while in use is built again and the part
+    part record. It deletes only its own nodes and records, and with ``overwrite`` a completion
+    marker and records of another plan; the shared nodes (index, groups, consolidated root,
+    marker) are the finalizer's. A stored plan that fails a check in use is rebuilt and the part
     redone (``Job.redone``)."""
     return job.redone(lambda: _write_part(job, rank))
 

@@ -35,7 +35,7 @@ class LazySegment:
 
     def __init__(self, storage: Storage, seg: Segment, kept: list[int]) -> None:
         assert seg.commit is not None
-        self.seg, self.chunk_bytes, self.n_rows, self.salvaged = seg, seg.commit.chunk_bytes, seg.commit.n_rows, False
+        self.seg, self.chunk_bytes, self.n_rows = seg, seg.commit.chunk_bytes, seg.commit.n_rows
         self._storage = storage
         self._whole: LoadedSegment | None = None
         self._small: tuple[list[FS.Layout], np.ndarray | None] | None = None

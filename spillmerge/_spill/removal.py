@@ -3,8 +3,8 @@
 A segment goes only when the output holds it: a committed segment the merge planned (never one
 committed after the plan was made), or an uncommitted segment that ended (a failure record, or a
 later committed session of its rank was merged) whose journal is undamaged and whose every frame
-it proves durable is in the output. Everything else stays, with the reason (:class:`Removal`). A rank folder and the
-root go only when they end up empty; files that are not segments are never touched.
+it proves durable is in the output. Everything else stays, with the reason (:class:`Removal`).
+A rank folder and the root go only when left empty; files that are not segments are never touched.
 """
 
 from __future__ import annotations

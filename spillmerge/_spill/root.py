@@ -38,10 +38,9 @@ class Segment:
 
     @property
     def run_id(self) -> str | None:
-        if self.commit is not None:
-            return self.commit.run_id
-        if self.failure is not None:
-            return self.failure.run_id
+        for src in (self.commit, self.failure):
+            if src is not None:
+                return src.run_id
         rid = (self.header or {}).get("run_id")
         return rid if isinstance(rid, str) else None
 
@@ -67,8 +66,6 @@ class LoadedSegment:
     """int64 (n_rows, 6) index, validated against the commit record."""
     chunk_bytes: int
     """Chunk size of the segment's ``data``."""
-    salvaged: bool = False
-    """True when rebuilt from the journal of an uncommitted segment (``allow_partial``)."""
     checks: np.ndarray | None = None
     """int64 (n, 3) block checksums (offset, nbytes, CRC-32C) that rows with a negative CRC
     point at (``-1 - id``), validated; None when the segment has none."""
@@ -137,6 +134,12 @@ def corrupt(storage: Storage, seg: Segment, msg: str, rel: str = "") -> CorruptS
     """The error naming segment ``seg`` (or its object ``rel``)."""
     path = storage.describe(f"{seg.rel}/{rel}" if rel else seg.rel)
     return CorruptSpillError(f"{path}: {msg}", path=path, rank=seg.rank)
+
+
+def mismatch(storage: Storage, seg: Segment, what: str, note: str = "") -> CorruptSpillError:
+    """The error for data bytes ``what`` (``at bytes a..b``) that fail their checksum."""
+    msg = f"checksum mismatch {what} ({note}rank {seg.rank}): the spill is corrupt; run `spillmerge verify` on the root"
+    return corrupt(storage, seg, msg, FS.DATA_NAME)
 
 
 def load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
@@ -353,7 +356,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
             "its segment was set up); nothing to salvage from it"
         )
         empty = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
-        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES, salvaged=True), [note]
+        return LoadedSegment(seg, [], [], empty, F.DEFAULT_CHUNK_BYTES), [note]
     header = seg.header or {}
     if seg.header is not None:  # never misread another format
         F.check_version(header, storage.describe(f"{seg.rel}/zarr.json"), spill=True)
@@ -411,7 +414,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         raise bad("journal lists a filename twice")
     checks = np.concatenate(check_parts) if check_parts else None
     _validate_rows(bad, filenames, layouts, index, n * chunk_bytes, checks, chunk_bytes)
-    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, salvaged=True, checks=checks), problems
+    return LoadedSegment(seg, filenames, layouts, index, chunk_bytes, checks=checks), problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,22 +462,14 @@ def verify_block(storage: Storage, seg: LoadedSegment, crc: int) -> None:
     buf = np.empty(nb, dtype=np.uint8)
     storage.read_into(data_ranges(seg, off, nb), buf.data)
     if _crc.value(buf) != value:
-        raise corrupt(
-            storage,
-            seg.seg,
-            f"checksum mismatch for the block at bytes {off}..{off + nb} (block checksum {-1 - crc}, "
-            f"rank {seg.seg.rank}): the spill is corrupt; run `spillmerge verify` on the root",
-            FS.DATA_NAME,
-        )
+        raise mismatch(storage, seg.seg, f"for the block at bytes {off}..{off + nb}", f"block checksum {-1 - crc}, ")
 
 
 def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bool:
     """True when two stored copies of a frame (their leaves, in the same order) hold the same
-    bytes. Equal checksums do not prove it (CRC-32C collides by chance, or on purpose), so the
-    merge calls this for duplicates whose sizes and checksums agree. Both copies are read
-    ``_COMPARE_WINDOW`` bytes at a time, so memory stays bounded whatever the frame size; each
-    leaf's CRC-32C is checked on the way, so a corrupt copy is reported as corrupt rather than as
-    different content."""
+    bytes, which equal checksums do not prove (CRC-32C collides). Both are read
+    ``_COMPARE_WINDOW`` bytes at a time, each leaf's CRC-32C checked on the way: a corrupt copy
+    is reported as corrupt, not as different content."""
     if len(a) != len(b) or any(x.nbytes != y.nbytes for x, y in zip(a, b, strict=True)):
         return False
     size = min(_COMPARE_WINDOW, max((x.nbytes for x in a), default=0))
@@ -496,24 +491,16 @@ def same_bytes(storage: Storage, a: Sequence[Extent], b: Sequence[Extent]) -> bo
                 if e.crc < 0:  # checked by a block checksum: check the whole block
                     verify_block(reader, e.segment, e.crc)
                 elif got != e.crc:
-                    raise corrupt(
-                        storage,
-                        e.segment.seg,
-                        f"checksum mismatch at bytes {e.offset}..{e.offset + e.nbytes} (rank {e.segment.seg.rank}): "
-                        "the spill is corrupt; run `spillmerge verify` on the root",
-                        FS.DATA_NAME,
-                    )
+                    raise mismatch(storage, e.segment.seg, f"at bytes {e.offset}..{e.offset + e.nbytes}")
     finally:
         reader.close()
     return equal
 
 
 def _last_writes(index: np.ndarray, layouts: list[FS.Layout]) -> np.ndarray:
-    """Keep only the rows of the last write of each ``(file, frame)`` of a journal.
-
-    A frame's rows are contiguous (listed together in one entry) with strictly
-    increasing leaf paths, so a write starts where the key changes or a leaf path does not
-    increase. The layout is no key here: a rewrite may have other shapes or other leaves."""
+    """Keep only the rows of the last write of each ``(file, frame)`` of a journal: a write's rows
+    are contiguous with strictly increasing leaf paths, so one starts where the key changes or a
+    leaf path does not increase (a rewrite may have other shapes or other leaves)."""
     lid = index[:, FS.COL_LAYOUT]
     if lid.min() < 0 or lid.max() >= len(layouts):
         return index  # _validate_rows names the bad row

@@ -241,7 +241,7 @@ def test_object_store_lease_conditional_create_expiry_and_takeover(backend):
     if backend.name == "local":
         pytest.skip("local disks use flock; covered above")
     dst = Storage(backend.url("out.zarr"), backend.options)
-    first = _lease.whole(dst, ttl=30)
+    first = _lease.whole(dst)
     try:
         with pytest.raises(spillmerge.OutputBusyError, match="expires in"):
             _lease.whole(dst)
