@@ -63,10 +63,9 @@ def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.nda
 def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
     rel = f"index/{name}"
     path = describe(rel)
-    try:
-        node = group[rel]
-    except KeyError:
-        raise CorruptSpillError(f"{path}: missing from the output's index", path=path) from None
+    node = group.get(rel)
+    if node is None:
+        raise CorruptSpillError(f"{path}: missing from the output's index", path=path)
     if not isinstance(node, zarr.Array) or node.ndim != 1:
         raise CorruptSpillError(f"{path}: expected a 1-d array", path=path)
     bad = grid_problems(rel, node)
@@ -147,9 +146,8 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     what they break of the invariants that need no data."""
     out: dict[str, StoredColumn] = {}
     problems: list[Problem] = []
-    try:
-        cols = group["columns"]
-    except KeyError:
+    cols = group.get("columns")
+    if cols is None:
         return out, [("columns", "missing from the output")]
     if not isinstance(cols, zarr.Group):
         return out, [("columns", "expected a group")]
