@@ -128,12 +128,10 @@ def coverage(
     storage = Storage(path, storage_options)
     kind = detect(storage)
     per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
-    names = sorted(set(per_file) | set(expected or {}))
+    want = expected or {}  # (None: no manifest, so no file's count)
+    names = sorted(set(per_file) | set(want))
     empty = np.zeros(0, dtype=np.int64)
-    files = []
-    for name in names:
-        frames, ranks, copies = per_file.get(name, (empty, empty, empty))
-        files.append(FileCoverage(name, frames, ranks, copies, None if expected is None else expected.get(name)))
+    files = [FileCoverage(name, *per_file.get(name, (empty,) * 3), want.get(name)) for name in names]
     unlisted = [] if expected is None else [n for n in names if n not in expected]
     return Coverage(storage.describe(), kind, files, notes=notes, unlisted=unlisted)
 
