@@ -21,11 +21,6 @@ Problem = tuple[str, str]
 STRING_KINDS = frozenset({"str", "strlist"})
 
 
-def corrupt(describe: Callable[[str], str], rel: str, what: str) -> CorruptSpillError:
-    path = describe(rel)
-    return CorruptSpillError(f"{path}: {what}", path=path)
-
-
 def read_array(arr: Any, sel: Any = None) -> np.ndarray:
     """``arr[sel]`` as numpy; a damaged chunk is a :class:`CorruptSpillError` naming the array.
     ``sel`` None: the whole array, a chunk row at a time: zarr allocates a selection's result
@@ -67,15 +62,15 @@ def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.nda
 
 def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
     rel = f"index/{name}"
-    try:
-        node = group[rel]
-    except KeyError:
-        raise corrupt(describe, rel, "missing from the output's index") from None
+    path = describe(rel)
+    node = group.get(rel)
+    if node is None:
+        raise CorruptSpillError(f"{path}: missing from the output's index", path=path)
     if not isinstance(node, zarr.Array) or node.ndim != 1:
-        raise corrupt(describe, rel, "expected a 1-d array")
+        raise CorruptSpillError(f"{path}: expected a 1-d array", path=path)
     bad = grid_problems(rel, node)
     if bad:
-        raise corrupt(describe, rel, bad[0][1])
+        raise CorruptSpillError(f"{path}: {bad[0][1]}", path=path)
     return node
 
 
@@ -151,9 +146,8 @@ def read_columns(group: Any) -> tuple[dict[str, StoredColumn], list[Problem]]:
     what they break of the invariants that need no data."""
     out: dict[str, StoredColumn] = {}
     problems: list[Problem] = []
-    try:
-        cols = group["columns"]
-    except KeyError:
+    cols = group.get("columns")
+    if cols is None:
         return out, [("columns", "missing from the output")]
     if not isinstance(cols, zarr.Group):
         return out, [("columns", "expected a group")]

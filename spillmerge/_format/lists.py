@@ -31,9 +31,8 @@ def read_lists(group: Any) -> tuple[dict[tuple[str, ...], StoredList], list[Prob
     """Every list group of an output (metadata only), and what is wrong with them."""
     out: dict[tuple[str, ...], StoredList] = {}
     problems: list[Problem] = []
-    try:
-        node = group["lists"]
-    except KeyError:
+    node = group.get("lists")
+    if node is None:
         return out, problems
     if not isinstance(node, zarr.Group):
         return out, [("lists", "expected a group")]

@@ -128,12 +128,10 @@ def coverage(
     storage = Storage(path, storage_options)
     kind = detect(storage)
     per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
-    names = sorted(set(per_file) | set(expected or {}))
+    want = expected or {}  # (None: no manifest, so no file's count)
+    names = sorted(set(per_file) | set(want))
     empty = np.zeros(0, dtype=np.int64)
-    files = []
-    for name in names:
-        frames, ranks, copies = per_file.get(name, (empty, empty, empty))
-        files.append(FileCoverage(name, frames, ranks, copies, None if expected is None else expected.get(name)))
+    files = [FileCoverage(name, *per_file.get(name, (empty,) * 3), want.get(name)) for name in names]
     unlisted = [] if expected is None else [n for n in names if n not in expected]
     return Coverage(storage.describe(), kind, files, notes=notes, unlisted=unlisted)
 
@@ -201,9 +199,8 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     # tab10 without its red (index 3), which is reserved for missing frames; viridis past 9 ranks.
     tab = [plt.get_cmap("tab10")(i) for i in range(10) if i != 3]
     many = plt.get_cmap("viridis")
-    color: dict[int, Any] = {}
-    for i, r in enumerate(ranks):
-        color[r] = tab[i] if len(ranks) <= len(tab) else many(i / max(len(ranks) - 1, 1))
+    few = len(ranks) <= len(tab)
+    color = {r: tab[i] if few else many(i / max(len(ranks) - 1, 1)) for i, r in enumerate(ranks)}
     # Runs, not frames: one bar collection per colour and file, so drawing costs O(frames) whatever
     # the span of frame indices. Bars are at least ~1 pixel wide, so an isolated frame stays
     # visible next to a gap of billions; missing runs go below the present ones.

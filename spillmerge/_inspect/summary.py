@@ -267,10 +267,7 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
     storage = Storage(path, storage_options)
     kind = detect(storage)
     rep = VerifyReport(storage.describe(), kind)
-    if kind == "spill":
-        _verify_spill(storage, rep)
-    else:
-        _verify_merged(storage, rep)
+    (_verify_spill if kind == "spill" else _verify_merged)(storage, rep)
     storage.close()
     return rep
 

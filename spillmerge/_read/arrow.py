@@ -97,13 +97,8 @@ class Node:
 
     def stored(self) -> list[OpenColumn]:
         """The columns and headers of this node and of every node under it."""
-        out: list[OpenColumn] = []
-        stack = [self]
-        while stack:
-            n = stack.pop()
-            out += n.cols + n.headers
-            stack += [*n.keys.values(), *([n.each] if n.each is not None else [])]
-        return out
+        kids = [*self.keys.values(), *([self.each] if self.each is not None else [])]
+        return self.cols + self.headers + [c for kid in kids for c in kid.stored()]
 
     def sorted_keys(self) -> list[tuple[str, Node]]:
         """The dict keys here, in the key order the output holds for this path (else sorted)."""

@@ -92,14 +92,12 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     stored = T.Batch(a, b, files.list_offsets)
     for name, col in cols.items():
         if isinstance(col, OpenColumn):
-            arr = stored.arrow(col)
-            domain = F.list_domain(col.info.leaf)
-            if domain:  # a list's items by their flat name: each row's items as a list
-                arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
-            fields.append(pa.field(name, arr.type))
+            arr, meta, domain = stored.arrow(col), None, F.list_domain(col.info.leaf)
         else:
-            arr, meta = T.node_array(col, stored)
-            fields.append(pa.field(name, arr.type, metadata=meta))
+            (arr, meta), domain = T.node_array(col, stored), ()
+        if domain:  # a list's items by their flat name: each row's items as a list
+            arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
+        fields.append(pa.field(name, arr.type, metadata=meta))
         arrays[name] = arr
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
 

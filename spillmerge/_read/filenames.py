@@ -39,13 +39,7 @@ class Names(Sequence[str]):
     ``names[i]``, ``names[a:b]`` (a list), iteration in order, ``in``, and :meth:`find` (a
     position or None). Equal to any sequence of the same names."""
 
-    def __init__(
-        self,
-        group: Any,
-        cache: ChunkCache,
-        raise_: Raise,
-        storage: Storage,
-    ) -> None:
+    def __init__(self, group: Any, cache: ChunkCache, raise_: Raise, storage: Storage) -> None:
         describe = storage.describe
         self._raise = raise_
         self._bytes = V.index_node(group, "filenames", describe)

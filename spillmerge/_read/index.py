@@ -242,10 +242,8 @@ class IndexChecks:
             vals = arr.span(r0, r1)
             bad = np.flatnonzero(vals < least)
             if len(bad):
-                self._fail(
-                    arr.rel,
-                    f"row {r0 + int(bad[0])} holds {int(vals[bad[0]])} < {least} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-                )
+                what = f"row {r0 + int(bad[0])} holds {int(vals[bad[0]])} < {least}"
+                self._fail(arr.rel, f"{what} ({len(bad)} such rows in rows {r0}..{r1 - 1})")
         if n_files:
             lens = np.diff(np.clip(starts, r0, r1))
             layout_of_row = np.repeat(self._files.file_layout.span(f0, f1), lens)
@@ -271,21 +269,17 @@ class IndexChecks:
         fi = fi_lo[r0 - lo :]
         neg = np.flatnonzero(fi < 0)
         if len(neg):
-            r = r0 + int(neg[0])
-            self._fail(
-                rel,
-                f"{self._where(r, f0, starts)} holds frame index {int(fi[neg[0]])} < 0 ({len(neg)} negative in rows {r0}..{r1 - 1})",
-            )
+            what = f"{self._where(r0 + int(neg[0]), f0, starts)} holds frame index {int(fi[neg[0]])} < 0"
+            self._fail(rel, f"{what} ({len(neg)} negative in rows {r0}..{r1 - 1})")
         step_ok = np.diff(fi_lo) > 0
         inner = starts[(starts > lo) & (starts < r1)]
         step_ok[inner - lo - 1] = True  # a file's first row may be below the previous file's last
         bad = np.flatnonzero(~step_ok)
         if len(bad):
             r = lo + int(bad[0]) + 1
-            self._fail(
-                rel,
-                f"frame indices are not strictly ascending within a file: {self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])} ({len(bad)} such rows in rows {r0}..{r1 - 1})",
-            )
+            at = f"{self._where(r, f0, starts)} holds {int(fi_lo[r - lo])} after {int(fi_lo[r - lo - 1])}"
+            what = f"frame indices are not strictly ascending within a file: {at}"
+            self._fail(rel, f"{what} ({len(bad)} such rows in rows {r0}..{r1 - 1})")
 
 
 def column_row_problems(

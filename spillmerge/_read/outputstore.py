@@ -36,16 +36,15 @@ def missing_chunk(describe: Callable[[str], str], key: str) -> CorruptSpillError
     )
 
 
-def _plain(arr: Any) -> bool:
-    """``arr`` is stored as raw little-endian chunks + CRC-32C, chunked along its first dimension."""
+def _plain(arr: Any, limits: FO.ChunkLimits) -> bool:
+    """``arr`` is stored as raw little-endian chunks + CRC-32C (``limits``: its codecs are ``bytes``
+    and ``crc32c``), chunked along its first dimension."""
     m = arr.metadata
-    codecs: tuple[Any, ...] = tuple(getattr(m, "codecs", ()))
     enc = getattr(m, "chunk_key_encoding", None)
     return (
-        len(codecs) == 2
-        and type(codecs[0]).__name__ == "BytesCodec"
-        and str(getattr(codecs[0], "endian", None) or "little").endswith("little")
-        and type(codecs[1]).__name__ == "Crc32cCodec"
+        limits.compressor is None
+        and limits.crc
+        and str(getattr(m.codecs[0], "endian", None) or "little").endswith("little")
         and type(enc).__name__ == "DefaultChunkKeyEncoding"
         and getattr(enc, "separator", None) == "/"
         and arr.dtype.kind in "biuf"
@@ -61,16 +60,16 @@ def chunk_reader(arr: Any, storage: Storage) -> Callable[[int], np.ndarray]:
     if 0 in tuple(arr.shape):  # no element: zarr stores no chunk, and a read needs none
         rest = tuple(int(d) for d in arr.shape[1:])
         return lambda c: np.empty((max(0, min(k, n - c * k)), *rest), dtype=arr.dtype)
-    if not _plain(arr):
+    path, describe = arr.path, storage.describe
+    limits = array_limits(arr, describe(f"{path}/zarr.json"))
+    if not _plain(arr, limits):
         return lambda c: read_array(arr, slice(c * k, min((c + 1) * k, n)))
     inner = tuple(int(d) for d in arr.chunks[1:])
     dtype = arr.dtype.newbyteorder("<")
     count = k * int(np.prod(inner, dtype=np.int64))
     size = count * dtype.itemsize + 4
     suffix = "/0" * len(inner)
-    path = arr.path
-    describe = storage.describe
-    limit = array_limits(arr, describe(f"{path}/zarr.json")).object_bytes
+    limit = limits.object_bytes
 
     def read(c: int) -> np.ndarray:
         rel = f"{path}/c/{c}{suffix}"

@@ -12,7 +12,7 @@ import numpy as np
 from .._format import common as F
 from .._format import lists as L
 from .._util.gcpause import gc_paused
-from .rowvalue import ABSENT, RowPlan, leaf_value, records, row_value, static_builder, to_python
+from .rowvalue import ABSENT, leaf_value, records, row_value, static_builder, to_python
 
 if TYPE_CHECKING:
     from .views import OpenColumn
@@ -109,7 +109,6 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
     (module docstring)."""
     n_files = len(files.filenames)
     offs = files.list_offsets
-    plans: dict[int, RowPlan] = {}
     builders: dict[tuple[int, int], Any] = {}  # (layout, id of the file's key orders) -> static_builder
     for i0 in range(0, n_files, BLOCK_FILES):
         i1 = min(i0 + BLOCK_FILES, n_files)
@@ -131,9 +130,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 while starts[f + 1] <= r:
                     f += 1
                 layout = layouts[f]
-                plan = plans.get(layout)
-                if plan is None:
-                    plan = plans[layout] = files.row_plan(layout)
+                plan = files.row_plan(layout)
                 name = names[f]
                 order = files.key_orders.of_file(i0 + f)
                 key = (layout, id(order))  # (a file's orders are the store's objects: alive, one per order)

@@ -3,7 +3,6 @@ of ``_write.flatten.flatten`` (docs/FORMAT.md section 1, *Value model*)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ class RowPlan:
         ] = []
         for col in cols:
             leaf: tuple[str, ...] = col.info.leaf
-            domain, at = _shape_of(leaf)
+            domain, at = F.list_domain(leaf), tuple(k for k, seg in enumerate(leaf) if seg == F.ITEM)
             head = col.info.dtype in ("pylist", "pytuple") and bool(offs)
             lpath = (*leaf[:-1], F.ITEM) if head else None
             self.leaves.append((col, leaf, domain, at, lpath, col.valid, not leaf or is_marker(leaf[-1])))
@@ -98,12 +97,6 @@ def _entries(
                 segs[k] = f"{MARK}{pos}"
             out.append((tuple(segs), col, d, -1 if lpath is None or not ok else _items(offs, lpath, d), ok))
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _shape_of(leaf: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """A leaf path's domain and the places of its item segments (once per path, not per row)."""
-    return F.list_domain(leaf), tuple(k for k, seg in enumerate(leaf) if seg == F.ITEM)
 
 
 def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: int) -> int:

@@ -154,14 +154,13 @@ class OutputFiles:
             raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0, none))
         # Per file layout, its columns and where each shows in a file's value: (dicts above it, key,
         # view class, column, list domain); None for plain tensor values (one view).
-        self._layout_cols: list[list[OpenColumn]] = []
-        self._layout_paths: list[list[tuple[tuple[str, ...], str, Any, OpenColumn, tuple[str, ...]]] | None] = []
-        for names in self.layouts:
-            cols = [self.columns[name] for name in names]
-            self._layout_cols.append(cols)
-            plain = len(cols) == 1 and cols[0].info.leaf == ()
-            paths = [(p[:-1], p[-1], c.view_cls, c, F.list_domain(c.info.leaf)) for p, c in _view_paths(cols)]
-            self._layout_paths.append(None if plain else paths)
+        self._layout_cols = [[self.columns[name] for name in names] for names in self.layouts]
+        self._layout_paths = [
+            None
+            if len(cols) == 1 and cols[0].info.leaf == ()
+            else [(p[:-1], p[-1], c.view_cls, c, F.list_domain(c.info.leaf)) for p, c in _view_paths(cols)]
+            for cols in self._layout_cols
+        ]
         self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
         try:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")

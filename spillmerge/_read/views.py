@@ -369,16 +369,11 @@ class RaggedView(_OffsetView):
     def _list(self, a: int, b: int) -> list[Any]:
         vals, bounds = self._span(a, b)
         flat = vals.view(self.dtype)
-        shapes = None if self._col.info.inner_shape is not None else self._shapes(a, b).tolist()
+        rows = [flat[bounds[j] : bounds[j + 1]] for j in range(b - a)]
+        if self._col.info.inner_shape is None:
+            rows = [x.reshape(shape) for x, shape in zip(rows, self._shapes(a, b).tolist(), strict=True)]
         ok = self._ok(a, b)
-        out: list[Any] = []
-        for j in range(b - a):
-            if ok is not None and not ok[j]:
-                out.append(None)
-            else:
-                x = flat[bounds[j] : bounds[j + 1]]
-                out.append(x if shapes is None else x.reshape(shapes[j]))
-        return out
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
 
     def to_torch(self, i: int) -> torch.Tensor:
         """Row ``i`` as a CPU tensor of the real dtype."""
