@@ -249,9 +249,9 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "received-commit-record-not-held-back",
-        "spillmerge/_dist/transfer.py",
-        '    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel',
-        "    target = rel",
+        "spillmerge/_storage/local.py",
+        "                if ok:\n                    os.replace(self._tmp, self.path)",
+        "                if True:\n                    os.replace(self._tmp, self.path)",
         (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
         "a half-received rank never looks committed",
     ),
