@@ -1249,7 +1249,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "key-order-written-on-layouts",
         "spillmerge/_write/flatten.py",
-        "    if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order",
+        "    if w.odd:  # some dict was not in sorted key order: the leaves carry every dict's order",
         "    if False:",
         ("tests/format/test_key_order.py::test_value_and_iter_values_keep_key_order",),
         "a dict's key order reaches the spill layouts (pos) and comes back from value()",
