@@ -69,7 +69,8 @@ class Staging:
         self._cuda_stream: Any = None
         self._closing = False
         self.direct: bool | None = None
-        """Chunks are written straight into their files; None until the first frame decides."""
+        """Chunks are written straight into their files; None until the first frame decides (in
+        ``add_frame`` or ``add_frames``: a template's frames follow a frame staged by them)."""
         self._sealed_rows: list[np.ndarray] = []
         """The rows of the chunks handed off since :meth:`take_rows` last took them."""
 
@@ -104,8 +105,6 @@ class Staging:
         whose large leaf never became durable is never salvaged by halves."""
         done = crc = 0
         is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
-        if self.direct is None:
-            self._decide(nbytes, not is_cuda)
         if self.direct:
             data, is_cuda = data.cpu().numpy() if isinstance(data, torch.Tensor) else data, False
         if is_cuda:
@@ -166,8 +165,6 @@ class Staging:
         held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
         otherwise leaf by leaf through ``add``."""
         self.frames += 1
-        if self.direct is None:
-            self._decide(total, True)
         chunk = self._current
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
             # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
