@@ -249,9 +249,9 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "received-commit-record-not-held-back",
-        "spillmerge/_dist/transfer.py",
-        '    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel',
-        "    target = rel",
+        "spillmerge/_storage/local.py",
+        "                if ok:\n                    os.replace(self._tmp, self.path)",
+        "                if True:\n                    os.replace(self._tmp, self.path)",
         (f"{G}::test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible",),
         "a half-received rank never looks committed",
     ),
@@ -1249,7 +1249,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "key-order-written-on-layouts",
         "spillmerge/_write/flatten.py",
-        "    if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order",
+        "    if w.odd:  # some dict was not in sorted key order: the leaves carry every dict's order",
         "    if False:",
         ("tests/format/test_key_order.py::test_value_and_iter_values_keep_key_order",),
         "a dict's key order reaches the spill layouts (pos) and comes back from value()",

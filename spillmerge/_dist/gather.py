@@ -150,8 +150,24 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
     completion marker; dst never deletes a segment of the next call, which it did not merge."""
     session = w.session()
     together = coordinated(session)
-    if together and w.rank != dst:
-        _await_outcome(session.run_id, session.number, dst, timeout)
+    if together and w.rank != dst:  # dst's merge outcome, in the process group's store
+        watch = OutcomeWatch(session.run_id, session.number)
+        for waited in poll(timeout, first=0.002, cap=0.25, factor=1.25):
+            told = watch.poll()
+            if told is not None:
+                if not told.get("ok"):
+                    raise MergeFailedError(
+                        f"the merge on rank {dst} failed after the output was complete: {told.get('error')}",
+                        rank=dst,
+                        failures={dst: str(told.get("error"))},
+                    )
+                break
+            if watch.store is None or waited >= timeout:
+                raise CoordinationError(
+                    f"rank {dst} completed the output but did not say within {timeout:.0f} s that it removed the "
+                    f"spill (lost the process group's store, or rank {dst} exited)",
+                    rank=dst,
+                )
     error: BaseException | None = None
     if not keep_spill and w.rank != dst:  # dst's merge removed what it merged, its own segment included
         try:
@@ -162,27 +178,6 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
         barrier(w.rank, timeout)
     if error is not None:
         raise error
-
-
-def _await_outcome(run_id: str | None, session: int, dst: int, timeout: float) -> None:
-    """A rank other than ``dst``: wait for dst's merge outcome in the process group's store."""
-    watch = OutcomeWatch(run_id, session)
-    for waited in poll(timeout, first=0.002, cap=0.25, factor=1.25):
-        told = watch.poll()
-        if told is not None:
-            if not told.get("ok"):
-                raise MergeFailedError(
-                    f"the merge on rank {dst} failed after the output was complete: {told.get('error')}",
-                    rank=dst,
-                    failures={dst: str(told.get("error"))},
-                )
-            return
-        if watch.store is None or waited >= timeout:
-            raise CoordinationError(
-                f"rank {dst} completed the output but did not say within {timeout:.0f} s that it removed the "
-                f"spill (lost the process group's store, or rank {dst} exited)",
-                rank=dst,
-            )
 
 
 def barrier(rank: int, timeout: float) -> None:

@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import functools
 import json
-import os
 import posixpath
 import time
 from collections.abc import Callable
@@ -425,40 +424,22 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
     for rel, n in objects:
         if n < 0 or (rel.endswith("/" + FS.COMMIT_NAME) and n > _MAX_RECORD):
             raise CorruptSpillError(f"rank {sender} announced {rel} with {n} bytes", rank=sender)
-        crc = _receive_object(storage, link, me, sender, rel, n)
-        (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
-        ok = crc == want
-        link.send_ints([0 if ok else 1], sender, me, f"the acknowledgement of {rel}")
-        if not ok:
-            raise CorruptSpillError(
-                f"{storage.describe(rel)}: received from rank {sender} with CRC-32C {crc:08x}, "
-                f"sent as {want:08x}; transfer stopped",
-                path=storage.describe(rel),
-                rank=sender,
-            )
-        if rel.endswith("/" + FS.COMMIT_NAME):  # verified: now under its own name
-            tmp = _pending_name(rel)
-            storage.put_atomic(rel, storage.get(tmp, max_bytes=_MAX_RECORD))
-            storage.rm_tree(tmp)
+        _receive_object(storage, link, me, sender, rel, n)
         q = FS.parse_rank_dirname(rel.split("/", 1)[0])
         received[int(q or 0)] = received.get(int(q or 0), 0) + n
     return received
 
 
-def _pending_name(rel: str) -> str:
-    return f"{rel}.transfer-{os.getpid()}"
-
-
-def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: str, size: int) -> int:
-    """Stream one object into ``storage``; its CRC-32C. Pieces alternate between the two staging
-    slots: one is written to storage by a helper thread while the next arrives in the other.
-    Commit records land under a temporary name and are renamed (or re-put) only once verified,
-    so a half-received rank never looks committed."""
-    target = _pending_name(rel) if rel.endswith("/" + FS.COMMIT_NAME) else rel
-    storage.makedirs(posixpath.dirname(target))
+def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: str, size: int) -> None:
+    """Stream one object into ``storage``, checked against the CRC-32C its sender sends after it.
+    Pieces alternate between the two staging slots: one is written to storage by a helper thread
+    while the next arrives in the other. The check is made before the sink closes, so an object
+    appears under its name only once verified: a half-received rank never looks committed."""
+    storage.makedirs(posixpath.dirname(rel))
     crc = 0
     writes: list[Future[None] | None] = [None, None]
-    with ThreadPoolExecutor(1, thread_name_prefix="spillmerge-recv") as pool, storage.open_write(target) as sink:
+    target = storage.open_write(rel, durable=rel.endswith("/" + FS.COMMIT_NAME))  # a commit record: as put_atomic
+    with ThreadPoolExecutor(1, thread_name_prefix="spillmerge-recv") as pool, target as sink:
         try:
             for k, start in enumerate(range(0, size, link.piece)):
                 slot = k % 2
@@ -472,7 +453,16 @@ def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: st
             for fut in writes:  # surface a write error; never leave a write running on a slot
                 if fut is not None:
                     fut.result()
-    return crc
+        (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
+        ok = crc == want
+        link.send_ints([0 if ok else 1], sender, me, f"the acknowledgement of {rel}")
+        if not ok:  # inside the sink: it drops the object
+            raise CorruptSpillError(
+                f"{storage.describe(rel)}: received from rank {sender} with CRC-32C {crc:08x}, "
+                f"sent as {want:08x}; transfer stopped",
+                path=storage.describe(rel),
+                rank=sender,
+            )
 
 
 def check_options(transport: str, transfer_chunk_bytes: int, transfer_timeout: float) -> None:

@@ -260,9 +260,11 @@ class Storage:
         ``up``: and every folder above, up to the root), so the names survive a power loss too.
         A no-op on object stores."""
 
-    def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
-        """Write many small objects; concurrently on object stores."""
-        raise NotImplementedError
+    def put_many(self, objects: dict[str, bytes]) -> None:
+        """Write many small objects (each folder made first); concurrently on object stores."""
+        for rel, data in objects.items():
+            self.makedirs(posixpath.dirname(rel))
+            self.put(rel, data)
 
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write ``rel`` so that readers see either nothing or the whole object, durably: a

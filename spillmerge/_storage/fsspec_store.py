@@ -92,11 +92,11 @@ class FsspecStorage(Storage):
     def open_write(self, rel: str, *, durable: bool = False) -> _FsspecSink:
         return _FsspecSink(self, rel)
 
-    def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
+    def put_many(self, objects: dict[str, bytes]) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
         with self.storage_errors("write metadata under"):
             if getattr(self.fs, "async_impl", False):
-                self.fs.pipe(paths, batch_size=batch)
+                self.fs.pipe(paths, batch_size=64)
             else:
                 self.fs.pipe(paths)
 

@@ -287,11 +287,6 @@ class LocalStorage(Storage):
                 d = posixpath.dirname(d)
         return out
 
-    def put_many(self, objects: dict[str, bytes], *, batch: int = 64) -> None:
-        for rel, data in objects.items():
-            self.makedirs(posixpath.dirname(rel))
-            self.put(rel, data)
-
     def put_atomic(self, rel: str, data: bytes) -> None:
         with self.open_write(rel, durable=True) as sink:
             sink.write(data)

@@ -175,16 +175,16 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
 
     ``allow_pickle``: store objects of no other kind as ``pickle`` leaves instead of refusing
     them (the writer's opt-in; a reader must opt in too)."""
-    out: list[Leaf] = []
-    orders = _Orders()
+    w = _Walk(filename, allow_pickle)
     try:
-        _walk(value, (), filename, out, 0, allow_pickle, set(), orders)
+        _walk(value, (), 0, w)
     except SpillValueError as exc:
         if exc.frame_idx is not None or type(exc) is not SpillValueError:
             raise
         msg, name = str(exc), f"{filename!r:.200}"
         msg = msg.replace(name, f"{name} frame {frame_idx}", 1) if name in msg else f"{msg} (frame {frame_idx})"
         raise SpillValueError(msg, filename=exc.filename, frame_idx=frame_idx, leaf=exc.leaf) from None
+    out = w.out
     for leaf in out:
         check_leaf_limits(leaf, filename)
         if len(leaf.shape) > MAX_NDIM:
@@ -193,8 +193,8 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
                 filename=filename,
                 leaf=path_text(leaf.path),
             )
-    if orders.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
-        where = orders.positions()
+    if w.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
+        where = w.positions()
         out = [leaf if (p := positions(leaf.path, where)) is None else _with_pos(leaf, p) for leaf in out]
     return out
 
@@ -204,20 +204,12 @@ def _with_pos(leaf: Leaf, pos: tuple[int, ...]) -> Leaf:
     return Leaf(leaf.path, leaf.dtype, leaf.shape, leaf.nbytes, leaf.data, pos)
 
 
-def _walk(
-    value: object,
-    path: tuple[str, ...],
-    filename: str,
-    out: list[Leaf],
-    depth: int,
-    allow_pickle: bool,
-    active: set[int],
-    orders: _Orders,
-) -> None:
+def _walk(value: object, path: tuple[str, ...], depth: int, w: _Walk) -> None:
+    out = w.out
     if depth > MAX_DEPTH:
         raise SpillValueError(
-            f"value for {filename!r:.200} is nested deeper than {MAX_DEPTH} at {path_text(path)!r}",
-            filename=filename,
+            f"value for {w.filename!r:.200} is nested deeper than {MAX_DEPTH} at {path_text(path)!r}",
+            filename=w.filename,
             leaf=path_text(path),
         )
     # Plain Python values by their exact type first (one dict lookup, not a chain of isinstance
@@ -225,15 +217,15 @@ def _walk(
     kind = _EXACT.get(type(value))
     if kind is not None:
         if kind == "str":
-            out.append(Leaf(path, "str", *utf8(value, path, filename)))  # type: ignore[arg-type]
+            out.append(Leaf(path, "str", *utf8(value, path, w.filename)))  # type: ignore[arg-type]
             return
         if kind == "container":
             if type(value) is list:  # a list of numbers or str: its one leaf, without the walk
-                leaf = plain_leaf(value, path, filename)  # type: ignore[arg-type]
+                leaf = plain_leaf(value, path, w.filename)  # type: ignore[arg-type]
                 if leaf is not None:
                     out.append(leaf)
                     return
-            _container(value, path, filename, out, depth, allow_pickle, active, orders)
+            _container(value, path, depth, w)
             return
         if kind == "none":
             out.append(Leaf(path, "none", (), 0, EMPTY))
@@ -243,11 +235,11 @@ def _walk(
             return
     # Tensors first: write() runs once per frame and a tensor is the common value.
     if isinstance(value, torch.Tensor):
-        out.append(_from_tensor(value, path, filename))
+        out.append(_from_tensor(value, path, w.filename))
     elif isinstance(value, np.ndarray):
-        out.append(_from_numpy(value, path, filename, allow_pickle))
+        out.append(_from_numpy(value, path, w.filename, w.allow_pickle))
     elif isinstance(value, str):  # before np.generic: np.str_ is a str
-        out.append(Leaf(path, "str", *utf8(value, path, filename)))
+        out.append(Leaf(path, "str", *utf8(value, path, w.filename)))
     elif isinstance(value, (bytes, bytearray, memoryview)):  # np.bytes_ is a bytes
         # a flat uint8 view, copied only when not contiguous (write() copies it into staging
         # before returning, so a view of the caller's buffer is safe)
@@ -256,37 +248,44 @@ def _walk(
         data = np.frombuffer(value, dtype=np.uint8)
         out.append(Leaf(path, "bytes", (data.size,), data.size, data))
     elif isinstance(value, np.generic):
-        out.append(_from_numpy(np.asarray(value), path, filename, allow_pickle))
+        out.append(_from_numpy(np.asarray(value), path, w.filename, w.allow_pickle))
     elif isinstance(value, int):  # (bool and None, which have no subclasses, took the shortcut)
         if not -(1 << 63) <= value < (1 << 63):
-            if allow_pickle:  # gather_object's behaviour for what nothing else stores
-                out.append(_pickled(value, path, filename))
+            if w.allow_pickle:  # gather_object's behaviour for what nothing else stores
+                out.append(_pickled(value, path, w.filename))
                 return
-            raise leaf_error(path, filename, f"{value} does not fit int64")
+            raise leaf_error(path, w.filename, f"{value} does not fit int64")
         out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
         out.append(_scalar(path, "pyfloat", value))
     elif isinstance(value, complex):
         out.append(_scalar(path, "pycomplex", value))
     elif isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
-        _container(value, path, filename, out, depth, allow_pickle, active, orders)
-    elif allow_pickle:
-        out.append(_pickled(value, path, filename))
+        _container(value, path, depth, w)
+    elif w.allow_pickle:
+        out.append(_pickled(value, path, w.filename))
     else:
         raise leaf_error(
             path,
-            filename,
+            w.filename,
             f"cannot store a {type(value).__name__} "
             "without pickle (use a tensor, numpy array, Python scalar, str, bytes, list of numbers or str, "
             "None, or a dict, TensorDict or dataclass of those; or open the writer with allow_pickle=True)",
         )
 
 
-class _Orders(dict[tuple[str, ...], list[str]]):
-    """The keys of every dict of a value in their order (dict path -> keys); ``odd``: whether
+class _Walk(dict[tuple[str, ...], list[str]]):
+    """One value's walk: its leaves so far (``out``), the ids of the containers being walked
+    (``active``) and the keys of every dict in their order (dict path -> keys); ``odd``: whether
     one of them was not in sorted order (else the leaves carry no order)."""
 
-    odd = False
+    __slots__ = ("filename", "allow_pickle", "out", "active", "odd")
+
+    def __init__(self, filename: str, allow_pickle: bool) -> None:
+        super().__init__()
+        self.filename, self.allow_pickle, self.odd = filename, allow_pickle, False
+        self.out: list[Leaf] = []
+        self.active: set[int] = set()
 
     def note(self, path: tuple[str, ...], keys: list[str]) -> list[str]:
         """Note the keys of the dict at ``path``; returns them sorted."""
@@ -309,45 +308,42 @@ _EXACT: dict[type, str] = {
 takes the general chain, which pickles or refuses it)."""
 
 
-def _container(
-    value: Any, path: tuple[str, ...], filename: str, out: list[Leaf], depth: int, allow_pickle: bool, active: set[int],
-    orders: _Orders,
-) -> None:  # fmt: skip
+def _container(value: Any, path: tuple[str, ...], depth: int, w: _Walk) -> None:
     """A mapping, dataclass, list or tuple: its children at their paths (``_walk``); a value that
     contains itself is refused."""
-    if id(value) in active:
-        raise leaf_error(path, filename, "the value contains itself (a cycle)")
-    active.add(id(value))
+    if id(value) in w.active:
+        raise leaf_error(path, w.filename, "the value contains itself (a cycle)")
+    w.active.add(id(value))
     try:
         if isinstance(value, (list, tuple)):
-            _from_list(value, path, filename, out, depth, allow_pickle, active, orders)
+            _from_list(value, path, depth, w)
             return
         if isinstance(value, Mapping):
             keys = list(value.keys())
             for k in keys:
                 if not isinstance(k, str):
                     raise SpillValueError(
-                        f"dict keys must be str; {filename!r:.200} has key {k!r:.80} at {path_text(path)!r}",
-                        filename=filename,
+                        f"dict keys must be str; {w.filename!r:.200} has key {k!r:.80} at {path_text(path)!r}",
+                        filename=w.filename,
                         leaf=path_text(path),
                     )
-            ordered = orders.note(path, keys)
+            ordered = w.note(path, keys)
             items = [(k, value[k]) for k in ordered]
         else:
             # A dataclass of tensors (tensordict's @tensorclass included) is stored like the dict of
             # its fields; TensorDict itself is a Mapping and takes the branch above, so tensordict is
             # never imported here.
             names = [f.name for f in dataclasses.fields(value)]
-            ordered = orders.note(path, names)
+            ordered = w.note(path, names)
             items = [(k, getattr(value, k)) for k in ordered]
         if not items or any(is_marker(seg) for seg in path):
             # an empty dict has no leaf of its own, and a dict inside a list may hold only None: its
             # header (the number of keys) says it is there
-            out.append(_header(path, "pydict", len(items)))
+            w.out.append(_header(path, "pydict", len(items)))
         for k, v in items:
-            _walk(v, (*path, user_key(k)), filename, out, depth + 1, allow_pickle, active, orders)
+            _walk(v, (*path, user_key(k)), depth + 1, w)
     finally:
-        active.discard(id(value))
+        w.active.discard(id(value))
 
 
 def utf8(text: str, path: tuple[str, ...], filename: str) -> tuple[tuple[int], int, np.ndarray]:
@@ -414,14 +410,12 @@ def _pickled(value: object, path: tuple[str, ...], filename: str) -> Leaf:
     return Leaf(path, "pickle", (data.size,), data.size, data)
 
 
-def _from_list(
-    value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str, out: list[Leaf], depth: int,
-    allow_pickle: bool, active: set[int], orders: _Orders,
-) -> None:  # fmt: skip
+def _from_list(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], depth: int, w: _Walk) -> None:
     """A list or tuple (docs/FORMAT.md, *Value model*): a list of ``str`` → a ``strlist`` leaf; a
     list of one Python number type (or of equally long such lists) → one ``py*`` array; a list of
     dicts with the same keys → a ``pyrecords`` header and the dict of their columns; anything
     else → a ``pylist`` / ``pytuple`` header and one path per item."""
+    filename, out = w.filename, w.out
     leaf = plain_leaf(value, path, filename) if isinstance(value, list) else None
     if leaf is not None:
         out.append(leaf)
@@ -430,7 +424,7 @@ def _from_list(
     if columns is not None:
         # COCO-style detection lists: one column per key, each stored as the list it makes.
         out.append(_header(path, "pyrecords", len(value)))
-        ordered = orders.note(path, list(columns))  # every dict of the list has this order (checked in records)
+        ordered = w.note(path, list(columns))  # every dict of the list has this order (checked in records)
         for k in ordered:
             column, kpath = columns[k], (*path, user_key(k))
             # a column of numbers or str is one leaf: made here, without the walk's dispatch
@@ -438,8 +432,8 @@ def _from_list(
             if leaf is not None:
                 out.append(leaf)
             else:
-                _walk(column, kpath, filename, out, depth + 1, allow_pickle, active, orders)
+                _walk(column, kpath, depth + 1, w)
         return
     out.append(_header(path, "pytuple" if isinstance(value, tuple) else "pylist", len(value)))
     for i, item in enumerate(value):
-        _walk(item, (*path, f"{MARK}{i}"), filename, out, depth + 1, allow_pickle, active, orders)
+        _walk(item, (*path, f"{MARK}{i}"), depth + 1, w)

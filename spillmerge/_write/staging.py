@@ -50,6 +50,9 @@ class Staging:
     Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
+    flusher: Flusher
+    """The flush thread, made by :meth:`start`."""
+
     def __init__(self, chunk_bytes: int, n_buffers: int) -> None:
         self.chunk_bytes = chunk_bytes
         self.pool = BufferPool(chunk_bytes, n_buffers)
@@ -62,12 +65,12 @@ class Staging:
         self.frames = 0
         """Frames staged so far (rewrites of a key included): the progress record's count of
         what the writer has taken, durable or not yet (one int, read by the flush thread)."""
-        self.flusher: Flusher | None = None
         self._current: Chunk | None = None
         self._cuda_stream: Any = None
         self._closing = False
         self.direct: bool | None = None
-        """Chunks are written straight into their files; None until the first frame decides."""
+        """Chunks are written straight into their files; None until the first frame decides (in
+        ``add_frame`` or ``add_frames``: a template's frames follow a frame staged by them)."""
         self._sealed_rows: list[np.ndarray] = []
         """The rows of the chunks handed off since :meth:`take_rows` last took them."""
 
@@ -102,8 +105,6 @@ class Staging:
         whose large leaf never became durable is never salvaged by halves."""
         done = crc = 0
         is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
-        if self.direct is None:
-            self._decide(nbytes, not is_cuda)
         if self.direct:
             data, is_cuda = data.cpu().numpy() if isinstance(data, torch.Tensor) else data, False
         if is_cuda:
@@ -164,8 +165,6 @@ class Staging:
         held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
         otherwise leaf by leaf through ``add``."""
         self.frames += 1
-        if self.direct is None:
-            self._decide(total, True)
         chunk = self._current
         if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
             # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
@@ -403,7 +402,7 @@ class Staging:
         """Backpressure of a direct writer, as the staging buffers give a staged one: at most
         ``n_buffers`` chunk files not yet journaled, the one being written included (the bytes
         a crash may lose)."""
-        fl = self._fl
+        fl = self.flusher
         if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:
             return
         with fl.written_cond:
@@ -430,9 +429,9 @@ class Staging:
             self._journaled_files, self._journaled_layouts = len(self._filenames), len(self._layouts)
             self.seal(chunk)
             self._sealed_rows.append(completed_rows(chunk))
-            if not self._closing and self._fl.ident is None:
-                self._fl.start()  # at_commit, and a chunk filled: the flush thread takes over
-            self._fl.q.put(chunk)
+            if not self._closing and self.flusher.ident is None:
+                self.flusher.start()  # at_commit, and a chunk filled: the flush thread takes over
+            self.flusher.q.put(chunk)
 
     def take_rows(self) -> list[np.ndarray]:
         """The index rows staged since the last call, as int64 ``(n, 6)`` parts (row, file,
@@ -492,7 +491,7 @@ class Staging:
     def _wait_written(self, chunk: int) -> None:
         """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
         background); raise the flush thread's error if it failed instead."""
-        fl = self._fl
+        fl = self.flusher
         with fl.written_cond:
             while fl.written <= chunk and fl.error is None and fl.is_alive():
                 fl.written_cond.wait(0.5)
@@ -501,15 +500,9 @@ class Staging:
             raise SpillStorageError(f"data chunk {chunk} of {self._path} was never written", path=self._path)
 
     # ------------------------------------------------------------------------------ the end
-    @property
-    def _fl(self) -> Flusher:
-        if self.flusher is None:  # pragma: no cover - the writer starts staging at open()
-            raise RuntimeError("staging was never started")
-        return self.flusher
-
     def check(self) -> None:
         """Raise the flush thread's error, if it failed."""
-        err = self.flusher.error if self.flusher is not None else None
+        err = self.flusher.error
         if err is not None:
             if isinstance(err, SpillMergeError):
                 raise err
@@ -528,7 +521,7 @@ class Staging:
 
     def _end(self) -> None:
         """The final ``None`` to the flusher; wait for it, or run it here if it never started."""
-        fl = self._fl
+        fl = self.flusher
         fl.q.put(None)
         if fl.ident is None:
             fl.run_here()
@@ -539,7 +532,7 @@ class Staging:
         """Abort: flush what was staged (so it stays readable) if the flush thread still runs;
         True when the flush thread never failed (what it wrote can be indexed)."""
         self._closing = True
-        fl = self._fl
+        fl = self.flusher
         if fl.is_alive() or (fl.ident is None and not fl.inline):  # not yet ended
             self.hand_off()
             self._end()
@@ -548,13 +541,13 @@ class Staging:
     def checks(self) -> np.ndarray:
         """The int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) the index's negative
         CRCs point at (complete once :meth:`finish` returned)."""
-        fl = self._fl
+        fl = self.flusher
         return fl.checks[: fl.n_checks].copy()
 
     def row_crcs(self, n_rows: int) -> np.ndarray:
         """The CRC-32C of the bytes of index rows ``0 .. n_rows-1`` (complete once :meth:`finish`
         returned)."""
-        crc = self._fl.crc
+        crc = self.flusher.crc
         out = np.zeros(n_rows, dtype=np.int64)
         m = min(n_rows, len(crc))
         out[:m] = crc[:m]
