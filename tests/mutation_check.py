@@ -1783,6 +1783,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/read/test_reader_agreement.py::test_keys_naming_one_column_export_as_distinct_columns",),
         "a key naming another leaf's export column gets a column of its own",
     ),
+    Mutation(
+        "transfer-outside-dsts-outcome",
+        "spillmerge/_dist/round.py",
+        "        if session.rank != dst:\n            transfer()\n",
+        "        transfer()\n",
+        ("tests/distributed/test_round_failures.py::test_a_transfer_failing_on_dst_is_told_at_once_to_every_waiting_rank",),
+        "a transfer failing on dst is told to every rank waiting for the output, not left to its timeout",
+    ),
 ]
 
 

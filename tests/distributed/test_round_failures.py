@@ -1,0 +1,55 @@
+"""The merge round across 3 real gloo ranks when one goes wrong: a transfer that fails on the
+merging rank is told to every waiting rank at once; a writer's second round over gloo merges;
+a call after each failure works."""
+
+from __future__ import annotations
+
+import pytest
+from _procs import ranks_fixture
+from _round_workers import SHORT, TIMEOUT, WORLD, worker
+
+ranks = ranks_fixture(worker, WORLD, "round_failures", timeout=240.0)
+
+
+def _all(tag: str) -> dict[str, list[int]]:
+    return {f"{tag}-r{r}.mp4": [0, 1, 2, 3] for r in range(WORLD)}
+
+
+def test_a_transfer_failing_on_dst_is_told_at_once_to_every_waiting_rank(ranks):
+    _, results = ranks
+    res = {r: results[r]["transfer_fails_on_dst"] for r in range(WORLD)}
+    assert res[0]["failed"]["error"]["type"] == "CorruptSpillError", res[0]
+    assert res[2]["failed"]["error"]["type"] == "CorruptSpillError", res[2]  # the sender, told by the ack
+    told = res[1]["failed"]  # its shards had moved: it waits for the output
+    assert told["error"] is not None and told["error"]["type"] == "MergeFailedError", told
+    assert told["rank_attr"] == 0 and "failed on rank 0" in told["error"]["msg"], told
+    assert "CorruptSpillError" in told["error"]["msg"] and told["seconds"] < TIMEOUT / 2, told
+    for r in range(WORLD):
+        assert res[r]["after"]["error"] is None and res[r]["after"]["got"] == _all("corrupt_again"), res[r]
+
+
+def test_a_writers_second_round_over_gloo_merges_like_the_first(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r]["second_round_over_gloo"]
+        assert res["first"]["error"] is None and res["second"]["error"] is None, (r, res)
+    assert results[0]["second_round_over_gloo"]["second"]["frames"] == _all("again")
+
+
+@pytest.mark.xfail(strict=True, reason="_dist/dropin.py does not compare dst across ranks (reported, not fixed here)")
+def test_dropin_a_rank_passing_another_dst_is_named_on_every_rank(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        err = results[r]["dropin_other_dst"]["error"]
+        assert err is not None and "rank 2" in err["msg"] and "dst" in err["msg"], (r, err)
+
+
+@pytest.mark.xfail(strict=True, reason="_dist/dropin.py does not compare root= across ranks (reported, not fixed here)")
+def test_dropin_roots_that_differ_are_named_at_once_and_nothing_is_left(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r]["dropin_other_root"]
+        for step in ("records", "general"):
+            err = res[step]["error"]
+            assert err is not None and "root" in err["msg"] and res[step]["seconds"] < SHORT, (r, step, res[step])
+        assert res["left"] == [], (r, res["left"])
