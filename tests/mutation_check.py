@@ -1791,6 +1791,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/distributed/test_round_failures.py::test_a_transfer_failing_on_dst_is_told_at_once_to_every_waiting_rank",),
         "a transfer failing on dst is told to every rank waiting for the output, not left to its timeout",
     ),
+    Mutation(
+        "merge-arguments-not-compared",
+        "spillmerge/_dist/transfer.py",
+        "    if odd:\n        names = ",
+        "    if False:\n        names = ",
+        ("tests/distributed/test_round_failures.py::test_a_rank_passing_other_arguments_is_named_on_every_rank",),
+        "a rank passing merge() another out or dst than the merging rank is named on every rank",
+    ),
 ]
 
 

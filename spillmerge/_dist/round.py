@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,7 @@ class Rounds:
         kwargs.setdefault("session", session.number)  # names this round in the completion marker
         network = transport in ("nccl", "gloo")
         root = session.storage.url
+        where = os.path.abspath(out) if "://" not in out else out.rstrip("/")  # one spelling, to compare
         if parallel:  # every rank writes a part; dst finalizes
             if network:
                 raise ConfigError(
@@ -96,7 +98,7 @@ class Rounds:
                 return None
             info = transfer_shards(
                 session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
-                progress=kwargs.get("progress"),
+                progress=kwargs.get("progress"), out=where if wait or session.rank == dst else None,
             )  # fmt: skip
             self.shards_here = True
             return info

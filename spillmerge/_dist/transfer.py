@@ -2,11 +2,14 @@
 
 Used by the merge round (``_dist.round``) only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
 
-1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
-   key-value store (the TCPStore every process group already has; no collective, no GPU).
-2. ``dst`` waits for all metas, checks which ranks' commit records it cannot see under its own
-   root, and publishes ``plan`` = those ranks and the backend. Nothing invisible: every other rank
-   returns and ``dst`` merges from storage as usual.
+1. Every rank publishes ``meta/R`` (its segment, committed or not; the ``dst`` it passed and the
+   output it waits for) in torch.distributed's key-value store (the TCPStore every process group
+   already has; no collective, no GPU).
+2. ``dst`` waits for all metas, stops the round if a rank passed another ``dst`` or waits for
+   another output, checks which ranks' commit records it cannot see under its own root, and
+   publishes ``plan`` = those ranks and the backend (and its ``dst`` and output, which a rank
+   arriving late checks). Nothing invisible: every other rank returns and ``dst`` merges from
+   storage as usual.
 3. Every rank reports which of those ranks' commit records *it* can see (``sees/R``); ``dst``
    picks one sender per group of ranks that share storage (the lowest rank that sees them: one
    sender per node) and publishes ``senders``.
@@ -224,18 +227,26 @@ def transfer_shards(
     transfer_timeout: float,
     timeout: float,
     progress: bool | None = None,
+    out: str | None = None,
 ) -> TransferInfo | None:
     """Every rank: coordinate through the process group's store and move the committed shards
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
     from its root), ``None`` on the other ranks once they have sent what they had to. Unless
-    ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``)."""
+    ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``).
+    ``out``: the output this rank merges into or waits for (None: a rank that does not wait);
+    a rank whose ``dst`` or ``out`` is not the merging rank's is named on every rank."""
     assert session.run_id is not None  # the store's keys are named by it: round.coordinated() checked it
     coord = Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
     coord.diagnose = functools.partial(_failures_on_storage, session)
     me = session.rank
-    coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})
+    coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state, "dst": dst, "out": out})
     if me != dst:
         plan = coord.wait_one("plan", "waiting for the merging rank's plan")
+        try:  # a rank arriving after dst compared the metas
+            _check_alike({me: {"dst": dst, "out": out}}, plan["dst"], plan["out"], me)
+        except CoordinationError as exc:
+            coord.abort(exc)  # dst may be waiting for what this rank sees
+            raise
         if not plan["invisible"]:
             return None
         invisible = {int(q): s for q, s in plan["invisible"].items()}
@@ -254,6 +265,7 @@ def transfer_shards(
         # commit record is on storage dst can read: then dst stops waiting for it.
         watch = _CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False))
         metas = coord.collect("meta", "waiting for every rank to reach merge()", done=watch)
+        _check_alike(metas, dst, out, me)
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
             raise RankFailedError(
@@ -274,6 +286,8 @@ def transfer_shards(
             "backend": backend,
             "have": have,
             "chunk": transfer_chunk_bytes,  # the merging rank's staging size applies to every sender
+            "dst": dst,
+            "out": out,
         }
         coord.put("plan", plan)
         if invisible:
@@ -322,6 +336,23 @@ class TransferInfo:
             transferred=self.received,
             transfer_senders=self.senders,
             phases=phases,
+        )
+
+
+def _check_alike(metas: dict[int, Any], dst: int, out: str | None, me: int) -> None:
+    """Raise naming the ranks of ``metas`` that passed another ``dst`` than the merging rank's,
+    or wait for another output than its ``out``: the collectives' rule, all ranks alike."""
+    odd = {
+        r: m
+        for r, m in metas.items()
+        if m["dst"] != dst or (m["out"] is not None and out is not None and m["out"] != out)
+    }
+    if odd:
+        names = "; ".join(f"rank {r}: dst={m['dst']}, out={m['out']!r}" for r, m in sorted(odd.items()))
+        raise CoordinationError(
+            f"rank {me}: rank(s) {sorted(odd)} called merge() with another dst or out than the merging rank "
+            f"{dst} (dst={dst}, out={out!r}); every rank must pass the same ({names})",
+            rank=me,
         )
 
 

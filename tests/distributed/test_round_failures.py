@@ -1,6 +1,7 @@
 """The merge round across 3 real gloo ranks when one goes wrong: a transfer that fails on the
-merging rank is told to every waiting rank at once; a writer's second round over gloo merges;
-a call after each failure works."""
+merging rank is told to every waiting rank at once; a rank passing another output or ``dst`` is
+named on every rank instead of returning what it did not ask for; a writer's second round over
+gloo merges; a call after each failure works."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def test_a_transfer_failing_on_dst_is_told_at_once_to_every_waiting_rank(ranks):
     assert "CorruptSpillError" in told["error"]["msg"] and told["seconds"] < TIMEOUT / 2, told
     for r in range(WORLD):
         assert res[r]["after"]["error"] is None and res[r]["after"]["got"] == _all("corrupt_again"), res[r]
+
+
+@pytest.mark.parametrize(("scenario", "culprit", "what"), [("other_out", 1, "out"), ("other_dst", 2, "dst")])
+def test_a_rank_passing_other_arguments_is_named_on_every_rank(ranks, scenario, culprit, what):
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r][scenario]
+        err = res["result"]["error"]
+        assert err is not None and err["is_spillmerge_error"], (r, res["result"])
+        assert f"rank {culprit}" in err["msg"] and what in err["msg"], (r, err)
+        assert res["result"]["seconds"] < TIMEOUT / 2, (r, res["result"])
+        tag = "out_args_again" if scenario == "other_out" else "dst_args_again"
+        assert res["after"]["error"] is None and res["after"]["got"] == _all(tag), (r, res["after"])
 
 
 def test_a_writers_second_round_over_gloo_merges_like_the_first(ranks):
