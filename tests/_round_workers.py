@@ -67,6 +67,30 @@ def transfer_fails_on_dst(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"failed": failed, "after": all_gather(rank, "corrupt_again", base)}
 
 
+def sender_cannot_read(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Every rank on its own disk; rank 2 cannot read its second piece of a shard while sending
+    it: rank 2 raises its error, rank 0 names rank 2 and the cause at once (not after the
+    transfer timeout), rank 1 hears it from rank 0. Then the same call succeeds."""
+    from spillmerge._storage import LocalStorage
+
+    original = LocalStorage.read_into
+    if rank == 2:
+        calls = [0]
+
+        def fail(self: Any, pieces: Any, out: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError("rank 2's disk went away")
+            original(self, pieces, out)
+
+        LocalStorage.read_into = fail  # type: ignore[method-assign]
+    try:
+        failed = all_gather(rank, "unread", base, transfer_timeout=TIMEOUT)
+    finally:
+        LocalStorage.read_into = original  # type: ignore[method-assign]
+    return {"failed": failed, "after": all_gather(rank, "unread_again", base)}
+
+
 def other_out(rank: int, world: int, base: str) -> dict[str, Any]:
     """Rank 1 passes another output path: every rank raises naming it, none returns a store that
     lacks its data or a path that holds no output."""
@@ -125,6 +149,7 @@ def dropin_other_root(rank: int, world: int, base: str) -> dict[str, Any]:
 
 SCENARIOS = {
     "transfer_fails_on_dst": transfer_fails_on_dst,
+    "sender_cannot_read": sender_cannot_read,
     "other_out": other_out,
     "other_dst": other_dst,
     "second_round_over_gloo": second_round_over_gloo,

@@ -1799,6 +1799,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/distributed/test_round_failures.py::test_a_rank_passing_other_arguments_is_named_on_every_rank",),
         "a rank passing merge() another out or dst than the merging rank is named on every rank",
     ),
+    Mutation(
+        "transfer-sender-failure-not-told",
+        "spillmerge/_dist/transfer.py",
+        "                failed = exc\n",
+        "                raise\n",
+        ("tests/distributed/test_round_failures.py::test_a_sender_that_cannot_read_its_shard_is_named_at_once_on_every_rank",),
+        "a sender that cannot read its shard tells dst in-band: every rank names it at once, not after the timeout",
+    ),
 ]
 
 

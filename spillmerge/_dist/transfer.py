@@ -15,7 +15,9 @@ Used by the merge round (``_dist.round``) only. Protocol (every rank runs :func:
    sender per node) and publishes ``senders``.
 4. Senders take turns (``dst`` says ``go/S``). Per turn: a manifest (object names and sizes),
    then every object in fixed-size pieces through one staging buffer, a CRC-32C trailer and an
-   acknowledgement from ``dst``; commit records go last. ``dst`` writes the pieces straight into
+   acknowledgement from ``dst``; commit records go last. A sender that cannot read an object
+   sends its remaining pieces zeroed, ``SENDER_FAILED`` as the trailer and its error, so ``dst``
+   stops at once naming it. ``dst`` writes the pieces straight into
    its own root under the sender's prefix, so both sides hold one staging buffer whatever the
    payload. Every send and receive waits at most ``transfer_timeout`` seconds.
 5. ``dst`` runs the normal merge.
@@ -70,6 +72,9 @@ VISIBILITY_GRACE = 5.0
 network (a shared filesystem's directory cache can hide a new file for a moment)."""
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
+SENDER_FAILED = -1
+_MAX_ERROR = 4000
+"""The trailer in place of an object's CRC-32C (never negative) when its sender could not read it."""
 
 
 # -------------------------------------------------------------------------------- transport
@@ -415,11 +420,24 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
     host = link.host.numpy()
     for rel, size in objects:
         crc = 0
+        failed: BaseException | None = None
         for start in range(0, size, link.piece):
             n = min(link.piece, size - start)
-            storage.read_into([(rel, start, start + n)], host.data[:n])
-            crc = _crc.extend(crc, host[:n])
+            try:
+                if failed is None:
+                    storage.read_into([(rel, start, start + n)], host.data[:n])
+                    crc = _crc.extend(crc, host[:n])
+            except Exception as exc:  # noqa: BLE001 - dst is told in-band just below, then it is raised
+                failed = exc
+            if failed is not None:
+                host[:n] = 0  # dst expects every piece announced
             link.send_bytes_piece(n, dst, me, f"{storage.describe(rel)}")
+        if failed is not None:
+            why = f"rank {me} could not read {storage.describe(rel)}: {type(failed).__name__}: {failed}".encode()
+            link.send_ints([SENDER_FAILED], dst, me, f"the checksum of {rel}")
+            link.send_ints([len(why[:_MAX_ERROR])], dst, me, "its error's size")
+            link.send_blob(why[:_MAX_ERROR], dst, me, "its error")
+            raise failed
         link.send_ints([crc], dst, me, f"the checksum of {rel}")
         status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
         if status != 0:
@@ -458,6 +476,12 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
             raise CorruptSpillError(f"rank {sender} announced {rel} with {n} bytes", rank=sender)
         crc = _receive_object(storage, link, me, sender, rel, n)
         (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
+        if want == SENDER_FAILED:
+            (size,) = link.recv_ints(1, sender, me, "its error's size")
+            if not 0 <= size <= _MAX_ERROR:
+                raise CorruptSpillError(f"rank {sender} announced an error of {size} bytes", rank=sender)
+            why = link.recv_blob(size, sender, me, "its error").decode(errors="replace")
+            raise RankFailedError(f"rank {me}: rank {sender} stopped sending its shards: {why}", failures={sender: why})
         ok = crc == want
         link.send_ints([0 if ok else 1], sender, me, f"the acknowledgement of {rel}")
         if not ok:

@@ -1,7 +1,7 @@
 """The merge round across 3 real gloo ranks when one goes wrong: a transfer that fails on the
-merging rank is told to every waiting rank at once; a rank passing another output or ``dst`` is
-named on every rank instead of returning what it did not ask for; a writer's second round over
-gloo merges; a call after each failure works."""
+merging rank, or a sender that cannot read its shard, is told to every waiting rank at once; a
+rank passing another output or ``dst`` is named on every rank instead of returning what it did
+not ask for; a writer's second round over gloo merges; a call after each failure works."""
 
 from __future__ import annotations
 
@@ -27,6 +27,21 @@ def test_a_transfer_failing_on_dst_is_told_at_once_to_every_waiting_rank(ranks):
     assert "CorruptSpillError" in told["error"]["msg"] and told["seconds"] < TIMEOUT / 2, told
     for r in range(WORLD):
         assert res[r]["after"]["error"] is None and res[r]["after"]["got"] == _all("corrupt_again"), res[r]
+
+
+def test_a_sender_that_cannot_read_its_shard_is_named_at_once_on_every_rank(ranks):
+    _, results = ranks
+    res = {r: results[r]["sender_cannot_read"] for r in range(WORLD)}
+    assert res[2]["failed"]["error"] is not None and "disk went away" in res[2]["failed"]["error"]["msg"], res[2]
+    dst = res[0]["failed"]
+    assert dst["error"] is not None and dst["error"]["type"] == "RankFailedError", dst
+    assert list(dst["error"]["failures"]) == ["2"] and "rank 2 could not read" in dst["error"]["msg"], dst
+    told = res[1]["failed"]
+    assert told["error"] is not None and told["error"]["type"] == "MergeFailedError" and told["rank_attr"] == 0, told
+    assert "rank 2 could not read" in told["error"]["msg"], told
+    for r in range(WORLD):
+        assert res[r]["failed"]["seconds"] < TIMEOUT / 2, (r, res[r]["failed"])
+        assert res[r]["after"]["error"] is None and res[r]["after"]["got"] == _all("unread_again"), res[r]
 
 
 @pytest.mark.parametrize(("scenario", "culprit", "what"), [("other_out", 1, "out"), ("other_dst", 2, "dst")])
