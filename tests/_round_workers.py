@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,7 +113,7 @@ def second_round_over_gloo(rank: int, world: int, base: str) -> dict[str, Any]:
     with spillmerge.SpillWriter(f"{base}/again/disk{rank}") as w:
         w.update(preds(rank, "again"))
     kw: dict[str, Any] = {"transport": "gloo", "timeout": TIMEOUT, "progress": False, "wait": True}
-    first = attempt(lambda: w.merge(f"{base}/again/one", **kw) and None)
+    first = attempt(lambda: w.merge(Path(base, "again", "one"), **kw) and None)  # a path object, as often
     second = attempt(lambda: w.merge(f"{base}/again/two", **kw) and None)
     if rank == 0 and second["error"] is None:
         second["frames"] = frames(spillmerge.open(f"{base}/again/two"))

@@ -69,7 +69,6 @@ class Rounds:
         kwargs.setdefault("session", session.number)  # names this round in the completion marker
         network = transport in ("nccl", "gloo")
         root = session.storage.url
-        where = os.path.abspath(out) if "://" not in out else out.rstrip("/")  # one spelling, to compare
         if parallel:  # every rank writes a part; dst finalizes
             if network:
                 raise ConfigError(
@@ -98,7 +97,7 @@ class Rounds:
                 return None
             info = transfer_shards(
                 session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
-                progress=kwargs.get("progress"), out=where if wait or session.rank == dst else None,
+                progress=kwargs.get("progress"), out=_spelling(out) if wait or session.rank == dst else None,
             )  # fmt: skip
             self.shards_here = True
             return info
@@ -111,6 +110,12 @@ class Rounds:
         if session.rank != dst:
             transfer()
         return _merge_on_dst(session, out, dst, wait, kwargs, run)
+
+
+def _spelling(out: str | os.PathLike[str]) -> str:
+    """One spelling of an output path, to compare the ranks' (absolute; a URL without a final /)."""
+    text = os.fspath(out)
+    return os.path.abspath(text) if "://" not in text else text.rstrip("/")
 
 
 def coordinated(session: Session) -> bool:
