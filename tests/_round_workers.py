@@ -92,6 +92,19 @@ def sender_cannot_read(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"failed": failed, "after": all_gather(rank, "unread_again", base)}
 
 
+def writer_refused_under_a_launcher_run_id(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Under a launcher (one run id for every call, as torchrun gives), rank 1's writer of a call
+    is refused (a bad option) before it opens: the others name rank 1 at once, and the next
+    call on every rank merges (the ranks still count the run's writer sessions alike)."""
+    os.environ["TORCHELASTIC_RUN_ID"] = "refused"
+    try:
+        refused = all_gather(rank, "refused", base, writer_options={"chunk_bytes": "bad"} if rank == 1 else None)
+        after = all_gather(rank, "refused_again", base)
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
+    return {"refused": refused, "after": after}
+
+
 def other_out(rank: int, world: int, base: str) -> dict[str, Any]:
     """Rank 1 passes another output path: every rank raises naming it, none returns a store that
     lacks its data or a path that holds no output."""
@@ -151,6 +164,7 @@ def dropin_other_root(rank: int, world: int, base: str) -> dict[str, Any]:
 SCENARIOS = {
     "transfer_fails_on_dst": transfer_fails_on_dst,
     "sender_cannot_read": sender_cannot_read,
+    "writer_refused_under_a_launcher_run_id": writer_refused_under_a_launcher_run_id,
     "other_out": other_out,
     "other_dst": other_dst,
     "second_round_over_gloo": second_round_over_gloo,

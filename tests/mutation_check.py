@@ -1807,6 +1807,17 @@ MUTATIONS: list[Mutation] = [
         ("tests/distributed/test_round_failures.py::test_a_sender_that_cannot_read_its_shard_is_named_at_once_on_every_rank",),
         "a sender that cannot read its shard tells dst in-band: every rank names it at once, not after the timeout",
     ),
+    Mutation(
+        "gather-refused-writer-uncounted",
+        "spillmerge/_dist/gather.py",
+        '        _refused(opts["run_id"], rank, world_size, exc)\n',
+        "        pass\n",
+        (
+            "tests/distributed/test_round_failures.py::"
+            "test_a_rank_whose_writer_is_refused_is_named_at_once_and_the_next_call_merges",
+        ),
+        "a rank whose gather writer is refused is named at once, and the ranks' session counts stay alike",
+    ),
 ]
 
 

@@ -1,7 +1,8 @@
 """The merge round across 3 real gloo ranks when one goes wrong: a transfer that fails on the
-merging rank, or a sender that cannot read its shard, is told to every waiting rank at once; a
-rank passing another output or ``dst`` is named on every rank instead of returning what it did
-not ask for; a writer's second round over gloo merges; a call after each failure works."""
+merging rank, a sender that cannot read its shard or a rank whose writer is refused is told to
+every waiting rank at once; a rank passing another output or ``dst`` is named on every rank
+instead of returning what it did not ask for; a writer's second round over gloo merges; a call
+after each failure works."""
 
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def test_a_sender_that_cannot_read_its_shard_is_named_at_once_on_every_rank(rank
     for r in range(WORLD):
         assert res[r]["failed"]["seconds"] < TIMEOUT / 2, (r, res[r]["failed"])
         assert res[r]["after"]["error"] is None and res[r]["after"]["got"] == _all("unread_again"), res[r]
+
+
+def test_a_rank_whose_writer_is_refused_is_named_at_once_and_the_next_call_merges(ranks):
+    _, results = ranks
+    res = {r: results[r]["writer_refused_under_a_launcher_run_id"] for r in range(WORLD)}
+    assert res[1]["refused"]["error"]["type"] == "SpillValueError", res[1]
+    for r in (0, 2):
+        err = res[r]["refused"]["error"]
+        assert err is not None and err["type"] == "RankFailedError" and err["failures"] == {"1": err["failures"]["1"]}
+        assert "rank 1" in err["msg"] and "chunk_bytes" in err["msg"], (r, err)
+        assert res[r]["refused"]["seconds"] < TIMEOUT / 2, (r, res[r]["refused"])
+    for r in range(WORLD):
+        assert res[r]["after"]["error"] is None and res[r]["after"]["got"] == _all("refused_again"), (r, res[r])
 
 
 @pytest.mark.parametrize(("scenario", "culprit", "what"), [("other_out", 1, "out"), ("other_dst", 2, "dst")])
