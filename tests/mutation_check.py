@@ -1783,6 +1783,41 @@ MUTATIONS: list[Mutation] = [
         ("tests/read/test_reader_agreement.py::test_keys_naming_one_column_export_as_distinct_columns",),
         "a key naming another leaf's export column gets a column of its own",
     ),
+    Mutation(
+        "transfer-outside-dsts-outcome",
+        "spillmerge/_dist/round.py",
+        "        if session.rank != dst:\n            transfer()\n",
+        "        transfer()\n",
+        ("tests/distributed/test_round_failures.py::test_a_transfer_failing_on_dst_is_told_at_once_to_every_waiting_rank",),
+        "a transfer failing on dst is told to every rank waiting for the output, not left to its timeout",
+    ),
+    Mutation(
+        "merge-arguments-not-compared",
+        "spillmerge/_dist/transfer.py",
+        "    if odd:\n        names = ",
+        "    if False:\n        names = ",
+        ("tests/distributed/test_round_failures.py::test_a_rank_passing_other_arguments_is_named_on_every_rank",),
+        "a rank passing merge() another out or dst than the merging rank is named on every rank",
+    ),
+    Mutation(
+        "transfer-sender-failure-not-told",
+        "spillmerge/_dist/transfer.py",
+        "                failed = exc\n",
+        "                raise\n",
+        ("tests/distributed/test_round_failures.py::test_a_sender_that_cannot_read_its_shard_is_named_at_once_on_every_rank",),
+        "a sender that cannot read its shard tells dst in-band: every rank names it at once, not after the timeout",
+    ),
+    Mutation(
+        "gather-refused-writer-uncounted",
+        "spillmerge/_dist/gather.py",
+        '        _refused(opts["run_id"], rank, world_size, exc)\n',
+        "        pass\n",
+        (
+            "tests/distributed/test_round_failures.py::"
+            "test_a_rank_whose_writer_is_refused_is_named_at_once_and_the_next_call_merges",
+        ),
+        "a rank whose gather writer is refused is named at once, and the ranks' session counts stay alike",
+    ),
 ]
 
 

@@ -12,6 +12,7 @@ Protocol (every rank calls the same function, like the torch collectives):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CoordinationError, MergeFailedError
+from .._errors import CoordinationError, MergeFailedError, SpillMergeError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import output_options
@@ -28,9 +29,9 @@ from .._util.gcpause import gc_paused
 from .._util.poll import poll
 from .._write.batch import mapping_items
 from .._write.writer import SpillWriter
-from .rank import on_gloo, resolve_run_id
+from .rank import on_gloo, resolve_rank, resolve_run_id
 from .round import coordinated
-from .store import OutcomeWatch
+from .store import OutcomeWatch, next_session, publish_failure
 
 CHUNK_BYTES = 4 << 20
 """The chunk (and staging buffer) size of a call's writer: every prediction is in memory already
@@ -97,7 +98,12 @@ def gather(
     # The run id is agreed on here, within the call's timeout: the writer's own agreement sets
     # up a process group (dist.new_group) that would wait 300 s for a rank that exited.
     opts["run_id"] = resolve_run_id(opts.get("run_id"), timeout)
-    with CallWriter(spill, rank, world_size, storage_options, **opts) as w:
+    try:
+        writer = CallWriter(spill, rank, world_size, storage_options, **opts)
+    except Exception as exc:
+        _refused(opts["run_id"], rank, world_size, exc)
+        raise
+    with writer as w:
         gc_paused(_write_all, w, preds)  # builds only acyclic lists and buffers
     # dst removes exactly the segments the output was merged from inside its merge (a segment of
     # a later call is never among them), before it tells the waiting ranks how the merge ended.
@@ -140,6 +146,14 @@ def all_gather(
         out_options = output_options(spill, os.fspath(out), storage_options, merge_options.get("out_storage_options"))
         store = open_store(os.fspath(out), storage_options=out_options, allow_pickle=allow_pickle)
     return store
+
+
+def _refused(run_id: str | None, rank: int | None, world_size: int | None, exc: Exception) -> None:
+    """This rank's writer of the call could not be created: count its session as the other ranks'
+    writers do (a later call keeps one number on every rank) and tell them at once."""
+    session = next_session(run_id)
+    with contextlib.suppress(SpillMergeError):  # its rank may be what is wrong: then only the count
+        publish_failure(run_id, resolve_rank(rank, world_size)[0], f"{type(exc).__name__}: {exc}", session=session)
 
 
 def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:

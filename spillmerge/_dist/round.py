@@ -5,7 +5,8 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
   (every rank)    check the options alike; when torch.distributed is initialised with the writer's
                   rank and world size (:func:`coordinated`) and ``transport`` is not ``"storage"``,
                   the first round of a writer session runs ``_dist.transfer.transfer_shards`` so ``dst``
-                  can read every committed shard under its own root
+                  can read every committed shard under its own root (on ``dst`` as the first step
+                  of its merge: a failed transfer is the round's outcome, told to waiting ranks)
   (dst)           ``_merge.job.merge`` (``parallel``: every rank runs ``_merge.job.merge_parallel`` and
                   ``dst`` finalizes), then ``_dist.store.publish_merge_outcome``; a failure is also
                   recorded in the spill root when the others wait
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -81,27 +83,39 @@ class Rounds:
             if session.rank != dst:
                 part()  # dst's own part runs in its merge_parallel call, which then finalizes
             return _merge_on_dst(session, out, dst, wait, kwargs, part)
-        info: TransferInfo | None = None
-        if transport != "storage" and coordinated(session) and not self.shards_here:
-            # The first merge of a job gathers every shard where dst can read it; a later merge
-            # of the same writer (another output or duplicate policy) needs no coordination.
-            info = transfer_shards(
-                session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
-                progress=kwargs.get("progress"),
-            )  # fmt: skip
-            self.shards_here = True
-        elif network:
+        if network and not coordinated(session):
             raise ConfigError(
                 f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
                 f"{session.rank} and world_size {session.world_size}",
                 key="transport",
             )
 
+        def transfer() -> TransferInfo | None:
+            """The first merge of a job gathers every shard where dst can read it; a later merge
+            of the same writer (another output or duplicate policy) needs no coordination."""
+            if transport == "storage" or not coordinated(session) or self.shards_here:
+                return None
+            info = transfer_shards(
+                session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
+                progress=kwargs.get("progress"), out=_spelling(out) if wait or session.rank == dst else None,
+            )  # fmt: skip
+            self.shards_here = True
+            return info
+
         def run() -> MergeReport | None:
+            info = transfer()  # on dst, inside the round: a failed transfer is told to the waiting ranks
             report = merge(root, out, world_size=session.world_size, run_id=session.run_id, **kwargs)
             return report if info is None else info.add_to(report)
 
+        if session.rank != dst:
+            transfer()
         return _merge_on_dst(session, out, dst, wait, kwargs, run)
+
+
+def _spelling(out: str | os.PathLike[str]) -> str:
+    """One spelling of an output path, to compare the ranks' (absolute; a URL without a final /)."""
+    text = os.fspath(out)
+    return os.path.abspath(text) if "://" not in text else text.rstrip("/")
 
 
 def coordinated(session: Session) -> bool:

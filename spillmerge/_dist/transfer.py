@@ -2,17 +2,22 @@
 
 Used by the merge round (``_dist.round``) only. Protocol (every rank runs :func:`transfer_shards`, then ``dst`` merges from its own root):
 
-1. Every rank publishes ``meta/R`` (its segment, committed or not) in torch.distributed's
-   key-value store (the TCPStore every process group already has; no collective, no GPU).
-2. ``dst`` waits for all metas, checks which ranks' commit records it cannot see under its own
-   root, and publishes ``plan`` = those ranks and the backend. Nothing invisible: every other rank
-   returns and ``dst`` merges from storage as usual.
+1. Every rank publishes ``meta/R`` (its segment, committed or not; the ``dst`` it passed and the
+   output it waits for) in torch.distributed's key-value store (the TCPStore every process group
+   already has; no collective, no GPU).
+2. ``dst`` waits for all metas, stops the round if a rank passed another ``dst`` or waits for
+   another output, checks which ranks' commit records it cannot see under its own root, and
+   publishes ``plan`` = those ranks and the backend (and its ``dst`` and output, which a rank
+   arriving late checks). Nothing invisible: every other rank returns and ``dst`` merges from
+   storage as usual.
 3. Every rank reports which of those ranks' commit records *it* can see (``sees/R``); ``dst``
    picks one sender per group of ranks that share storage (the lowest rank that sees them: one
    sender per node) and publishes ``senders``.
 4. Senders take turns (``dst`` says ``go/S``). Per turn: a manifest (object names and sizes),
    then every object in fixed-size pieces through one staging buffer, a CRC-32C trailer and an
-   acknowledgement from ``dst``; commit records go last. ``dst`` writes the pieces straight into
+   acknowledgement from ``dst``; commit records go last. A sender that cannot read an object
+   sends its remaining pieces zeroed, ``SENDER_FAILED`` as the trailer and its error, so ``dst``
+   stops at once naming it. ``dst`` writes the pieces straight into
    its own root under the sender's prefix, so both sides hold one staging buffer whatever the
    payload. Every send and receive waits at most ``transfer_timeout`` seconds.
 5. ``dst`` runs the normal merge.
@@ -66,6 +71,9 @@ VISIBILITY_GRACE = 5.0
 network (a shared filesystem's directory cache can hide a new file for a moment)."""
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
+SENDER_FAILED = -1
+_MAX_ERROR = 4000
+"""The trailer in place of an object's CRC-32C (never negative) when its sender could not read it."""
 
 
 # -------------------------------------------------------------------------------- transport
@@ -223,18 +231,26 @@ def transfer_shards(
     transfer_timeout: float,
     timeout: float,
     progress: bool | None = None,
+    out: str | None = None,
 ) -> TransferInfo | None:
     """Every rank: coordinate through the process group's store and move the committed shards
     ``dst`` cannot see under its own root to it. Returns what moved on ``dst`` (which then merges
     from its root), ``None`` on the other ranks once they have sent what they had to. Unless
-    ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``)."""
+    ``progress`` is False, ``dst`` names on stderr the ranks it waits for (``WaitNotices``).
+    ``out``: the output this rank merges into or waits for (None: a rank that does not wait);
+    a rank whose ``dst`` or ``out`` is not the merging rank's is named on every rank."""
     assert session.run_id is not None  # the store's keys are named by it: round.coordinated() checked it
     coord = Coord(session.run_id, session.rank, session.world_size, dst, timeout, session.number)
     coord.diagnose = functools.partial(_failures_on_storage, session)
     me = session.rank
-    coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state})
+    coord.put(f"meta/{me}", {"segment": session.segment, "state": session.state, "dst": dst, "out": out})
     if me != dst:
         plan = coord.wait_one("plan", "waiting for the merging rank's plan")
+        try:  # a rank arriving after dst compared the metas
+            _check_alike({me: {"dst": dst, "out": out}}, plan["dst"], plan["out"], me)
+        except CoordinationError as exc:
+            coord.abort(exc)  # dst may be waiting for what this rank sees
+            raise
         if not plan["invisible"]:
             return None
         invisible = {int(q): s for q, s in plan["invisible"].items()}
@@ -253,6 +269,7 @@ def transfer_shards(
         # commit record is on storage dst can read: then dst stops waiting for it.
         watch = _CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False))
         metas = coord.collect("meta", "waiting for every rank to reach merge()", done=watch)
+        _check_alike(metas, dst, out, me)
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
         if not_committed:
             raise RankFailedError(
@@ -273,6 +290,8 @@ def transfer_shards(
             "backend": backend,
             "have": have,
             "chunk": transfer_chunk_bytes,  # the merging rank's staging size applies to every sender
+            "dst": dst,
+            "out": out,
         }
         coord.put("plan", plan)
         if invisible:
@@ -321,6 +340,23 @@ class TransferInfo:
             transferred=self.received,
             transfer_senders=self.senders,
             phases=phases,
+        )
+
+
+def _check_alike(metas: dict[int, Any], dst: int, out: str | None, me: int) -> None:
+    """Raise naming the ranks of ``metas`` that passed another ``dst`` than the merging rank's,
+    or wait for another output than its ``out``: the collectives' rule, all ranks alike."""
+    odd = {
+        r: m
+        for r, m in metas.items()
+        if m["dst"] != dst or (m["out"] is not None and out is not None and m["out"] != out)
+    }
+    if odd:
+        names = "; ".join(f"rank {r}: dst={m['dst']}, out={m['out']!r}" for r, m in sorted(odd.items()))
+        raise CoordinationError(
+            f"rank {me}: rank(s) {sorted(odd)} called merge() with another dst or out than the merging rank "
+            f"{dst} (dst={dst}, out={out!r}); every rank must pass the same ({names})",
+            rank=me,
         )
 
 
@@ -383,11 +419,24 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
     host = link.host.numpy()
     for rel, size in objects:
         crc = 0
+        failed: BaseException | None = None
         for start in range(0, size, link.piece):
             n = min(link.piece, size - start)
-            storage.read_into([(rel, start, start + n)], host.data[:n])
-            crc = _crc.extend(crc, host[:n])
+            try:
+                if failed is None:
+                    storage.read_into([(rel, start, start + n)], host.data[:n])
+                    crc = _crc.extend(crc, host[:n])
+            except Exception as exc:  # noqa: BLE001 - dst is told in-band just below, then it is raised
+                failed = exc
+            if failed is not None:
+                host[:n] = 0  # dst expects every piece announced
             link.send_bytes_piece(n, dst, me, f"{storage.describe(rel)}")
+        if failed is not None:
+            why = f"rank {me} could not read {storage.describe(rel)}: {type(failed).__name__}: {failed}".encode()
+            link.send_ints([SENDER_FAILED], dst, me, f"the checksum of {rel}")
+            link.send_ints([len(why[:_MAX_ERROR])], dst, me, "its error's size")
+            link.send_blob(why[:_MAX_ERROR], dst, me, "its error")
+            raise failed
         link.send_ints([crc], dst, me, f"the checksum of {rel}")
         status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
         if status != 0:
@@ -454,6 +503,12 @@ def _receive_object(storage: Storage, link: _Link, me: int, sender: int, rel: st
                 if fut is not None:
                     fut.result()
         (want,) = link.recv_ints(1, sender, me, f"the checksum of {rel}")
+        if want == SENDER_FAILED:  # inside the sink: it drops the object
+            (length,) = link.recv_ints(1, sender, me, "its error's size")
+            if not 0 <= length <= _MAX_ERROR:
+                raise CorruptSpillError(f"rank {sender} announced an error of {length} bytes", rank=sender)
+            why = link.recv_blob(length, sender, me, "its error").decode(errors="replace")
+            raise RankFailedError(f"rank {me}: rank {sender} stopped sending its shards: {why}", failures={sender: why})
         ok = crc == want
         link.send_ints([0 if ok else 1], sender, me, f"the acknowledgement of {rel}")
         if not ok:  # inside the sink: it drops the object

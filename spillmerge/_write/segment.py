@@ -15,7 +15,7 @@ import numpy as np
 
 from .._dist.rank import resolve_run_id
 from .._dist.store import next_session, publish_failure
-from .._errors import SpillStorageError, WriterClosedError
+from .._errors import SpillMergeError, SpillStorageError, WriterClosedError
 from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
@@ -87,11 +87,17 @@ class SegmentSteps:
     def _open(self) -> None:
         if self._state is not WriterState.NEW:
             raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
+        self.run_id = resolve_run_id(self._run_id_arg)
+        # Counted before anything that may fail on one rank only, as every rank counts it: the
+        # next session of the run has the same number on every rank.
+        self._session_number = next_session(self.run_id)
         # Before any compute: a root left by a run of another world size cannot be merged with
         # this one (every rank checks, so every rank fails here, not only the merging one).
-        check_not_stale(self.storage, self.rank, self.world_size)
-        self.run_id = resolve_run_id(self._run_id_arg)
-        self._session_number = next_session(self.run_id)
+        try:
+            check_not_stale(self.storage, self.rank, self.world_size)
+        except SpillMergeError as exc:
+            publish_failure(self.run_id, self.rank, f"{type(exc).__name__}: {exc}", session=self._session_number)
+            raise
         self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
         self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
         self._filenames: list[str] = []

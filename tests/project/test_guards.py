@@ -303,6 +303,34 @@ def test_receiver_refuses_negative_sizes_and_huge_commit_records(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+class _FailingSender(_ScriptedLink):
+    """A sender that could not read its first object: zeroed pieces, the failure trailer, its error."""
+
+    why = b"rank 1 could not read x: OSError: gone"
+
+    def __init__(self, rel: str, size: int) -> None:
+        super().__init__(_manifest([(f"{rel}/data/c/0", 5), (f"{rel}/commit.json", 2)]), [bytes(5)])
+        self.ints[-1] = [_transfer.SENDER_FAILED]
+        self.ints.append([size])
+
+    def recv_blob(self, size: int, peer: int, me: int, what: str) -> bytes:
+        return super().recv_blob(size, peer, me, what) if what == "the manifest" else self.why[:size]
+
+
+def test_receiver_names_a_sender_that_could_not_read_and_refuses_an_oversized_error(tmp_path):
+    rel = "rank-00002/seg-x"
+    link = _FailingSender(rel, len(_FailingSender.why))
+    with pytest.raises(
+        spillmerge.RankFailedError, match="rank 1 stopped sending its shards: rank 1 could not read x"
+    ) as info:
+        _receive(tmp_path / "dst", link)
+    assert info.value.failures == {1: _FailingSender.why.decode()} and link.acks == []
+    link = _FailingSender(rel, _transfer._MAX_ERROR + 1)
+    with pytest.raises(spillmerge.CorruptSpillError, match=f"announced an error of {_transfer._MAX_ERROR + 1} bytes"):
+        _receive(tmp_path / "dst", link)
+    assert not list((tmp_path / "dst").rglob("commit.json*"))
+
+
 def test_receiver_keeps_a_commit_record_with_a_bad_checksum_invisible(tmp_path):
     rel = "rank-00002/seg-x"
     link = _ScriptedLink(

@@ -183,6 +183,12 @@ def test_duplicate_policies_on_one_rank(tmp_path):
             w.write("f", 0, torch.tensor(2.0))
 
 
+def test_merge_takes_an_output_path_object(tmp_path):
+    with spillmerge.SpillWriter(tmp_path / "spill", rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, 1.5)
+    assert w.merge(tmp_path / "out", wait=True, progress=False).n_frames == 1
+
+
 def test_writer_lifecycle_errors(tmp_path):
     w = spillmerge.SpillWriter(str(tmp_path / "s"))
     with pytest.raises(spillmerge.WriterClosedError):
