@@ -310,11 +310,15 @@ def _status(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from ._read.store import open as open_store
+    from ._storage import output_options
 
     so = _storage_options(args.storage_option) or None
     store = open_store(args.path, so)
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
-    rows = store.to_parquet(args.parquet, columns=columns, batch_size=args.batch_size, compression=args.compression)
+    rows = store.to_parquet(
+        args.parquet, columns=columns, batch_size=args.batch_size, compression=args.compression,
+        storage_options=output_options(args.path, args.parquet, so, None),  # the same credentials, one protocol
+    )  # fmt: skip
     print(f"{args.parquet}: {rows} rows from {args.path}")
     return 0
 

@@ -1,0 +1,81 @@
+"""The CLI as a user types it, with wrong paths and options out of range: one line naming the path
+or option, exit 1, and nothing the command reads changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import assert_one_line_error, cli_run
+
+import spillmerge
+from spillmerge import SpillMergeError
+from spillmerge._storage import Storage
+
+
+def _output(tmp_path: Path) -> tuple[Path, Path]:
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    for r in range(2):
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=2) as w:
+            for f in range(r, 6, 2):
+                w.write("clip a.mp4", f, {"mask": torch.full((4, 4), float(f)), "score": f / 10})
+    spillmerge.merge(str(root), str(out), progress=False)
+    return root, out
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_export_into_the_output_it_reads_is_refused_and_the_output_stays_whole(tmp_path):
+    _, out = _output(tmp_path)
+    before = _tree(out)
+    for target in (out / "zarr.json", out / "columns" / "x.parquet", out, tmp_path / "x" / ".." / "out.zarr" / "p"):
+        assert_one_line_error(cli_run("export", str(out), "--parquet", str(target)), "would write into the output")
+    with pytest.raises(SpillMergeError, match="would write into the output"):
+        spillmerge.open(str(out)).to_parquet(f"file://{out}/index/x.parquet")
+    assert _tree(out) == before
+    assert cli_run("verify", str(out)).returncode == 0
+
+
+def test_export_errors_name_the_parquet_path_not_a_temporary_one(tmp_path):
+    _, out = _output(tmp_path)
+    (tmp_path / "a-dir").mkdir()
+    for target in (tmp_path / "a-dir", tmp_path / "no" / "such" / "x.parquet"):
+        p = cli_run("export", str(out), "--parquet", str(target))
+        assert_one_line_error(p, f"cannot write {target}:")
+        assert ".tmp-" not in p.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["a-dir", "out.zarr", "spill"]
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_export_batch_size_out_of_range_is_one_line(tmp_path, size):
+    _, out = _output(tmp_path)
+    p = cli_run("export", str(out), "--parquet", str(tmp_path / "x.parquet"), "--batch-size", size)
+    assert_one_line_error(p, "batch_size must be a positive number of rows", size)
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def _s3_flags(flag: str, endpoint: str) -> list[str]:
+    client = json.dumps({"endpoint_url": endpoint, "region_name": "us-east-1"})
+    return [f"{flag}={k}={v}" for k, v in (("key", "test"), ("secret", "test"), ("client_kwargs", client))]
+
+
+def test_export_to_s3_gets_the_storage_options_given(s3, tmp_path):
+    import pyarrow.parquet as pq
+    from _s3 import storage_options
+
+    _output(tmp_path)
+    out, flags = "s3://test/run/out.zarr", _s3_flags("--storage-option", s3.endpoint)
+    p = cli_run("merge", str(tmp_path / "spill"), "--out", out, *_s3_flags("--out-storage-option", s3.endpoint))
+    assert p.returncode == 0, p.stderr
+    p = cli_run("export", out, "--parquet", "s3://test/run/preds.parquet", *flags)
+    assert p.returncode == 0, p.stderr
+    with Storage("s3://test/run", storage_options(s3.endpoint)).fs.open("test/run/preds.parquet", "rb") as f:
+        assert pq.read_table(f).num_rows == 6
+    assert_one_line_error(
+        cli_run("export", out, "--parquet", f"{out}/zarr.json", *flags), "would write into the output"
+    )
+    assert cli_run("verify", out, *flags).returncode == 0
