@@ -249,6 +249,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from ._inspect.summary import format_coverage, format_text, summarize
     from ._util.frames import read_manifest
 
+    if args.max_files < 0:
+        raise ConfigError(f"--max-files must be 0 or more, got {args.max_files}", key="max_files")
     so = _storage_options(args.storage_option) or None
     expected = read_manifest(args.expected) if args.expected else None
     s = summarize(args.path, so, max_files=args.max_files)
@@ -292,6 +294,8 @@ def _status(args: argparse.Namespace) -> int:
 
     from ._inspect.status import format_status, status
 
+    if not args.interval > 0:  # NaN too
+        raise ConfigError(f"--interval must be a number of seconds above 0, got {args.interval}", key="interval")
     opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
             "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
     tty = sys.stdout.isatty()

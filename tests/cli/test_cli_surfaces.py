@@ -79,3 +79,17 @@ def test_export_to_s3_gets_the_storage_options_given(s3, tmp_path):
         cli_run("export", out, "--parquet", f"{out}/zarr.json", *flags), "would write into the output"
     )
     assert cli_run("verify", out, *flags).returncode == 0
+
+
+def test_options_out_of_range_are_one_line_errors(tmp_path):
+    root, out = _output(tmp_path)
+    before = _tree(out)
+    for n in ("-1", "-5"):
+        assert_one_line_error(cli_run("inspect", str(out), "--max-files", n), "--max-files", n)
+    for s in ("-1", "0", "nan"):
+        assert_one_line_error(cli_run("status", str(root), "--watch", "--interval", s), "--interval", s)
+    assert_one_line_error(cli_run("status", str(root), "--expected", "-5"), "expected", "-5")
+    for s in ("-5", "nan"):
+        assert_one_line_error(cli_run("status", str(root), "--stall-after", s), "stall_after", s)
+    assert _tree(out) == before
+    assert "0 missing" in cli_run("inspect", str(out), "--max-files", "0").stdout
