@@ -348,6 +348,11 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
         rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+    else:  # read as open() reads it: a torn or planted marker is a problem, not "OK"
+        try:
+            F.loads(storage.get(FO.COMPLETE_NAME), path=storage.describe(FO.COMPLETE_NAME))
+        except SpillMergeError as exc:
+            rep.problems.append(str(exc))
     try:
         store = NoFillStore(storage.zarr_store(read_only=True), storage)
         group = zarr.open_group(store, mode="r")

@@ -1,0 +1,46 @@
+"""``verify``, ``inspect`` and ``status`` on damaged, partial and empty outputs: no traceback, no
+false "OK", no false "corrupt"."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import cli_run
+
+import spillmerge
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("out")
+    root, out = base / "spill", base / "out.zarr"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for f in range(4):
+            w.write("clip a.mp4", f, {"mask": torch.full((4, 4), float(f))})
+    spillmerge.merge(str(root), str(out), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("marker", ["{", "", None])
+def test_verify_reads_the_completion_marker_as_open_does(output, tmp_path, marker):
+    out = tmp_path / "out.zarr"
+    shutil.copytree(output, out)
+    done = out / "spillmerge-complete.json"
+    done.unlink()
+    if marker is None:  # a folder where the marker should be
+        (done / "x").mkdir(parents=True)
+    else:
+        done.write_text(marker)
+    with pytest.raises(spillmerge.SpillMergeError):
+        spillmerge.open(str(out))
+    p = cli_run("verify", str(out))
+    assert p.returncode == 1 and "OK" not in p.stdout, p.stdout
+    assert f"CORRUPT {done}" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_verify_of_a_whole_output_is_ok(output):
+    p = cli_run("verify", str(output))
+    assert p.returncode == 0 and "OK" in p.stdout and "CORRUPT" not in p.stdout
