@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import cli_run
+from test_cli import assert_one_line_error, cli_run
 
 import spillmerge
 
@@ -44,3 +44,14 @@ def test_verify_reads_the_completion_marker_as_open_does(output, tmp_path, marke
 def test_verify_of_a_whole_output_is_ok(output):
     p = cli_run("verify", str(output))
     assert p.returncode == 0 and "OK" in p.stdout and "CORRUPT" not in p.stdout
+
+
+@pytest.mark.parametrize("doc", ["{", '{"zarr_format": 3, "node_type": "group", "attributes": {}}'])
+def test_a_folder_whose_zarr_json_is_not_ours_is_named_so_not_said_to_lack_one(output, tmp_path, doc):
+    out = tmp_path / "out.zarr"
+    shutil.copytree(output, out)
+    (out / "zarr.json").write_text(doc)
+    for cmd in ("inspect", "verify"):
+        p = cli_run(cmd, str(out))
+        assert_one_line_error(p, f"{out / 'zarr.json'} is no spillmerge output's root document")
+        assert "no zarr.json" not in p.stderr
