@@ -247,11 +247,14 @@ def _merge(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from ._inspect.coverage import coverage, plot
     from ._inspect.summary import format_coverage, format_text, summarize
+    from ._storage import Storage, overlaps
     from ._util.frames import read_manifest
 
     if args.max_files < 0:
         raise ConfigError(f"--max-files must be 0 or more, got {args.max_files}", key="max_files")
     so = _storage_options(args.storage_option) or None
+    if args.plot and overlaps(Storage(args.path, so), Storage(args.plot)):
+        raise ConfigError(f"--plot {args.plot} lies inside {args.path}, which inspect only reads", key="plot")
     expected = read_manifest(args.expected) if args.expected else None
     s = summarize(args.path, so, max_files=args.max_files)
     cov = None

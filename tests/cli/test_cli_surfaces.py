@@ -93,3 +93,15 @@ def test_options_out_of_range_are_one_line_errors(tmp_path):
         assert_one_line_error(cli_run("status", str(root), "--stall-after", s), "stall_after", s)
     assert _tree(out) == before
     assert "0 missing" in cli_run("inspect", str(out), "--max-files", "0").stdout
+
+
+def test_inspect_never_draws_its_plot_into_what_it_reads(tmp_path):
+    pytest.importorskip("matplotlib")
+    root, out = _output(tmp_path)
+    trees = {p: _tree(p) for p in (root, out)}
+    commit = next(root.rglob("commit.json"))
+    for path, plot in ((out, out / "zarr.json"), (out, out / "x.png"), (root, commit), (root, root / "c.png")):
+        assert_one_line_error(cli_run("inspect", str(path), "--plot", str(plot)), f"--plot {plot} lies inside")
+    assert {p: _tree(p) for p in (root, out)} == trees
+    assert cli_run("inspect", str(out), "--plot", str(tmp_path / "c.png")).returncode == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
