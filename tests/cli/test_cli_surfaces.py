@@ -4,6 +4,7 @@ or option, exit 1, and nothing the command reads changed."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,16 @@ def test_inspect_never_draws_its_plot_into_what_it_reads(tmp_path):
     assert {p: _tree(p) for p in (root, out)} == trees
     assert cli_run("inspect", str(out), "--plot", str(tmp_path / "c.png")).returncode == 0
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_demo_never_replaces_a_spill_root_or_output_it_did_not_write(tmp_path):
+    root, out = _output(tmp_path)  # a user's job: tmp_path/spill, and its output
+    trees = {p: _tree(p) for p in (root, out)}
+    p = cli_run("demo", "--out", str(tmp_path), "--ranks", "1", "--files", "1")
+    assert_one_line_error(p, str(root), "'clip a.mp4'", "choose another --out")
+    assert _tree(root) == trees[root]
+    shutil.move(out, tmp_path / "merged.zarr")
+    shutil.rmtree(root)
+    p = cli_run("demo", "--out", str(tmp_path), "--ranks", "1", "--files", "1")
+    assert_one_line_error(p, str(tmp_path / "merged.zarr"), "'clip a.mp4'", "choose another --out")
+    assert _tree(tmp_path / "merged.zarr") == trees[out]
