@@ -119,3 +119,10 @@ def test_demo_never_replaces_a_spill_root_or_output_it_did_not_write(tmp_path):
     p = cli_run("demo", "--out", str(tmp_path), "--ranks", "1", "--files", "1")
     assert_one_line_error(p, str(tmp_path / "merged.zarr"), "'clip a.mp4'", "choose another --out")
     assert _tree(tmp_path / "merged.zarr") == trees[out]
+
+
+def test_an_output_given_as_the_spill_root_is_named_so(tmp_path):
+    _, out = _output(tmp_path)
+    p = cli_run("merge", str(out), "--out", str(tmp_path / "again"))
+    assert_one_line_error(p, str(out), "it is a merged output, not a spill root")
+    assert not (tmp_path / "again").exists()
