@@ -276,7 +276,7 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
 
 
 def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
-    segments = [s for segs in scan(storage).values() for s in segs]  # (ranks ascending)
+    segments = [s for segs in scan(storage, rep.problems).values() for s in segs]  # (ranks ascending)
     with progress_bar(sum(s.commit.nbytes for s in segments if s.commit), "verify") as bar:
         for seg in segments:
             if seg.commit is None:

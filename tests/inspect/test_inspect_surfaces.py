@@ -55,3 +55,19 @@ def test_a_folder_whose_zarr_json_is_not_ours_is_named_so_not_said_to_lack_one(o
         p = cli_run(cmd, str(out))
         assert_one_line_error(p, f"{out / 'zarr.json'} is no spillmerge output's root document")
         assert "no zarr.json" not in p.stderr
+
+
+def test_verify_lists_every_damaged_commit_record_and_checks_the_rest(tmp_path):
+    root = tmp_path / "spill"
+    for r in range(3):
+        with spillmerge.SpillWriter(str(root), rank=r, world_size=3) as w:
+            w.write(f"clip {r}.mp4", 0, torch.full((2,), float(r)))
+    torn = sorted(root.glob("rank-0000[02]/*/commit.json"))
+    for c in torn:
+        c.write_text("{")
+    p = cli_run("verify", str(root))
+    assert p.returncode == 1 and not p.stderr, p.stderr
+    assert [ln.split(":")[0] for ln in p.stdout.splitlines() if ln.startswith("CORRUPT")] == [
+        f"CORRUPT {c}" for c in torn
+    ]
+    assert f"spill {root}: 2 problem(s); 3 objects, 8 B of payload verified" in p.stdout  # rank 1 checked
