@@ -126,3 +126,12 @@ def test_an_output_given_as_the_spill_root_is_named_so(tmp_path):
     p = cli_run("merge", str(out), "--out", str(tmp_path / "again"))
     assert_one_line_error(p, str(out), "it is a merged output, not a spill root")
     assert not (tmp_path / "again").exists()
+
+
+def test_a_manifest_saved_with_a_byte_order_mark_is_read(tmp_path):
+    _, out = _output(tmp_path)
+    manifest = tmp_path / "m.csv"
+    manifest.write_bytes("filename,n_frames\r\nclip a.mp4,8\r\n".encode("utf-8-sig"))  # Excel's "CSV UTF-8"
+    p = cli_run("inspect", str(out), "--expected", str(manifest))
+    assert p.returncode == 1 and not p.stderr, p.stderr  # frames 6 and 7 are missing
+    assert "2 missing" in p.stdout
