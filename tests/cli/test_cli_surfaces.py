@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,16 @@ def test_a_manifest_saved_with_a_byte_order_mark_is_read(tmp_path):
     p = cli_run("inspect", str(out), "--expected", str(manifest))
     assert p.returncode == 1 and not p.stderr, p.stderr  # frames 6 and 7 are missing
     assert "2 missing" in p.stdout
+
+
+def test_a_nan_timeout_is_refused_not_waited_on_forever(tmp_path):
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=2) as w:  # rank 1 never commits
+        w.write("clip a.mp4", 0, torch.zeros(2))
+    ran: list = []
+    t = threading.Thread(target=lambda: ran.append(cli_run("merge", str(root), "--out", str(tmp_path / "o"),
+                                                           "--timeout", "nan")), daemon=True)  # fmt: skip
+    t.start()
+    t.join(30)
+    assert ran, "merge --timeout nan still polling after 30 s"
+    assert_one_line_error(ran[0], "timeout must be a number of seconds", "nan")
