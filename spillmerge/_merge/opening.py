@@ -143,6 +143,8 @@ class Job:
             threads = 4 if src.local and output.local else 16
         if not isinstance(threads, int) or threads < 1:
             raise SpillValueError(f"threads must be a positive int, got {threads!r}")
+        if options.world_size is not None and options.world_size < 1:
+            raise SpillValueError(f"world_size must be a positive int, got {options.world_size!r}")
         if not src.exists(""):
             raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
         if overlaps(src, output):

@@ -93,6 +93,10 @@ def test_options_out_of_range_are_one_line_errors(tmp_path):
     assert_one_line_error(cli_run("status", str(root), "--expected", "-5"), "expected", "-5")
     for s in ("-5", "nan"):
         assert_one_line_error(cli_run("status", str(root), "--stall-after", s), "stall_after", s)
+    for n in ("0", "-1"):
+        p = cli_run("merge", str(root), "--out", str(tmp_path / "again"), "--world-size", n)
+        assert_one_line_error(p, "world_size must be a positive int", n)
+    assert not (tmp_path / "again").exists()
     assert _tree(out) == before
     assert "0 missing" in cli_run("inspect", str(out), "--max-files", "0").stdout
 
