@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ._errors import ConfigError, SpillMergeError
+from ._format import output as FO
 from ._format import spill as FS
+from ._read.store import open as open_output
+from ._spill.root import committed_keys
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,21 @@ def _rank_main(rank: int, cfg: DemoConfig, rendezvous: str, result_path: str) ->
         dist.destroy_process_group()
 
 
+_DEMO_FILENAME = re.compile(r"(videos/clip |video_)\d{3,}\.mp4")
+"""The filenames :func:`workload` writes."""
+
+
+def _refuse_foreign(path: Path, filenames: Iterable[str]) -> None:
+    """Refuse to replace a spill root or an output holding a file the demo does not write."""
+    other = next((f for f in filenames if not _DEMO_FILENAME.fullmatch(f)), None)
+    if other is not None:
+        raise ConfigError(
+            f"{path} holds {other!r}, which the demo does not write: it is not the demo's to replace; "
+            "choose another --out",
+            key="out",
+        )
+
+
 def run(cfg: DemoConfig) -> str:
     """Run the demo; returns the text report."""
     out = Path(cfg.out)
@@ -100,6 +120,11 @@ def run(cfg: DemoConfig) -> str:
         names = os.listdir(spill)
         if names and not all(FS.parse_rank_dirname(n) is not None for n in names):
             raise ConfigError(f"{spill} exists and is not a spill root; choose another --out", key="out")
+        _refuse_foreign(spill, committed_keys(str(spill)))
+    merged = out / "merged.zarr"
+    if (merged / FO.COMPLETE_NAME).exists():  # the demo's merge replaces it (an interrupted one is rebuilt)
+        _refuse_foreign(merged, open_output(str(merged)).filenames)
+    if spill.exists():
         shutil.rmtree(spill)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

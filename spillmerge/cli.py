@@ -247,9 +247,14 @@ def _merge(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from ._inspect.coverage import coverage, plot
     from ._inspect.summary import format_coverage, format_text, summarize
+    from ._storage import Storage, overlaps
     from ._util.frames import read_manifest
 
+    if args.max_files < 0:
+        raise ConfigError(f"--max-files must be 0 or more, got {args.max_files}", key="max_files")
     so = _storage_options(args.storage_option) or None
+    if args.plot and overlaps(Storage(args.path, so), Storage(args.plot)):
+        raise ConfigError(f"--plot {args.plot} lies inside {args.path}, which inspect only reads", key="plot")
     expected = read_manifest(args.expected) if args.expected else None
     s = summarize(args.path, so, max_files=args.max_files)
     cov = None
@@ -292,6 +297,8 @@ def _status(args: argparse.Namespace) -> int:
 
     from ._inspect.status import format_status, status
 
+    if not args.interval > 0:  # NaN too
+        raise ConfigError(f"--interval must be a number of seconds above 0, got {args.interval}", key="interval")
     opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
             "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
     tty = sys.stdout.isatty()
@@ -310,11 +317,15 @@ def _status(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from ._read.store import open as open_store
+    from ._storage import output_options
 
     so = _storage_options(args.storage_option) or None
     store = open_store(args.path, so)
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
-    rows = store.to_parquet(args.parquet, columns=columns, batch_size=args.batch_size, compression=args.compression)
+    rows = store.to_parquet(
+        args.parquet, columns=columns, batch_size=args.batch_size, compression=args.compression,
+        storage_options=output_options(args.path, args.parquet, so, None),  # the same credentials, one protocol
+    )  # fmt: skip
     print(f"{args.parquet}: {rows} rows from {args.path}")
     return 0
 

@@ -395,6 +395,13 @@ def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError
     """The error for opening, inspecting or verifying something that is no output, naming what it is."""
     kind = kind or what_is(storage)
     where = storage.describe()
+    if kind == "other" and storage.exists("zarr.json"):  # torn, or another tool's
+        return NotAnOutputError(
+            f"{where} is not a spillmerge output ({storage.describe('zarr.json')} is no spillmerge output's root "
+            "document) nor a spill root (no rank-NNNNN folders)",
+            path=where,
+            kind=kind,
+        )
     why = {
         "missing": f"{where} does not exist",
         "file": f"{where} is a file, not a spillmerge output (a folder)",

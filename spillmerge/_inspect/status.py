@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from .._errors import NotASpillRootError, SpillMergeError
+from .._errors import ConfigError, NotASpillRootError, SpillMergeError
 from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header as output_header
@@ -109,6 +109,10 @@ def status(
     """The job writing to spill root ``root``, as storage shows it now; ``out``: the merge's progress
     into it too; ``expected``: frames the job writes (default: what the writers recorded). Raises
     ``NotASpillRootError`` when ``root`` does not exist or holds no rank folders."""
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, int) or expected < 0):
+        raise ConfigError(f"expected must be a number of frames >= 0, got {expected!r}", key="expected")
+    if not stall_after >= 0:  # NaN too
+        raise ConfigError(f"stall_after must be a number of seconds >= 0, got {stall_after!r}", key="stall_after")
     storage = Storage(root, storage_options)
     now = time.time()
     found = list_ranks(storage)

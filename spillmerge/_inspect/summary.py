@@ -273,7 +273,7 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
 
 
 def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
-    segments = [s for segs in scan(storage).values() for s in segs]  # (ranks ascending)
+    segments = [s for segs in scan(storage, rep.problems).values() for s in segs]  # (ranks ascending)
     with progress_bar(sum(s.commit.nbytes for s in segments if s.commit), "verify") as bar:
         for seg in segments:
             if seg.commit is None:
@@ -345,6 +345,11 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
         rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+    else:  # read as open() reads it: a torn or planted marker is a problem, not "OK"
+        try:
+            F.loads(storage.get(FO.COMPLETE_NAME), path=storage.describe(FO.COMPLETE_NAME))
+        except SpillMergeError as exc:
+            rep.problems.append(str(exc))
     try:
         store = NoFillStore(storage.zarr_store(read_only=True), storage)
         group = zarr.open_group(store, mode="r")

@@ -18,7 +18,7 @@ from .._format import spill as FS
 from .._spill.barrier import wait_for_commits
 from .._spill.lazy import load_all
 from .._spill.root import load_flushed, same_bytes
-from .._storage import Storage, output_options
+from .._storage import Storage, output_options, overlaps
 from .._util.frames import check_expected
 from . import documents as Z
 from . import lease as _lease
@@ -143,9 +143,11 @@ class Job:
             threads = 4 if src.local and output.local else 16
         if not isinstance(threads, int) or threads < 1:
             raise SpillValueError(f"threads must be a positive int, got {threads!r}")
+        if options.world_size is not None and options.world_size < 1:
+            raise SpillValueError(f"world_size must be a positive int, got {options.world_size!r}")
         if not src.exists(""):
             raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
-        if _output.overlaps(src, output):
+        if overlaps(src, output):
             raise SpillValueError(
                 f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
             )

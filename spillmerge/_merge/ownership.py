@@ -10,17 +10,6 @@ from .._storage import Storage
 from . import lease as _lease
 from . import parts as _parts
 
-
-def overlaps(a: Storage, b: Storage) -> bool:
-    """True when one storage root is, contains or lies inside the other on the same filesystem.
-    Roots are resolved first (``Storage``: ``..``, ``.``, ``//``, ``file://``, relative paths and
-    symbolic links), so every spelling of one folder compares equal."""
-    if type(a.fs) is not type(b.fs):
-        return False
-    pa, pb = a.root.rstrip("/") + "/", b.root.rstrip("/") + "/"
-    return pa.startswith(pb) or pb.startswith(pa)
-
-
 OURS = ("zarr.json", "columns", "index", "lists", _parts.PARTS_DIR, FO.COMPLETE_NAME)
 """Top-level names a merge writes, the only ones it ever deletes (plus its temporary names)."""
 _TEMP = tuple(f"{name}.tmp-" for name in ("zarr.json", FO.COMPLETE_NAME))

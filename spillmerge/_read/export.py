@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ArrowUnionInParquetError, ParquetTypeError, UnknownColumnError
+from .._errors import ArrowUnionInParquetError, ConfigError, ParquetTypeError, SpillValueError, UnknownColumnError
 from .._format import common as F
 from .._format import lists as L
+from .._storage import Storage, overlaps
 from . import arrow as T
 from .arrow import require_pyarrow, untensor
 from .column import OpenColumn
@@ -105,7 +106,7 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
 def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
     """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
-        raise ValueError(f"batch_size must be a positive number of rows, got {batch_size!r}")
+        raise ConfigError(f"batch_size must be a positive number of rows, got {batch_size!r}", key="batch_size")
     if batch_size is None:  # about BATCH_BYTES of payload, at most MAX_BATCH_ROWS
         total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
         for col in [x for c in cols.values() for x in ([c] if isinstance(c, OpenColumn) else c.stored())]:
@@ -122,6 +123,7 @@ def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) 
 def to_parquet(
     files: Files,
     cols: dict[str, Column],
+    source: Storage,
     path: str | os.PathLike[str],
     batch_size: int | None,
     storage_options: dict[str, Any] | None,
@@ -134,29 +136,30 @@ def to_parquet(
     import pyarrow.parquet as pq
 
     target = os.fspath(path)
-    local = "://" not in target or target.startswith("file://")
+    dest = Storage(target, storage_options)
+    if overlaps(source, dest):
+        raise SpillValueError(
+            f"to_parquet({target!r}) would write into the output {source.describe()} it reads; choose a path outside it"
+        )
+    local = dest.local
     if local:
         target = target.removeprefix("file://")
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     rows = 0
     try:
-        if local:
-            sink: Any = open(tmp, "wb")  # noqa: SIM115 - closed by the with below
-        else:
-            import fsspec
-
-            sink = fsspec.open(target, "wb", **(storage_options or {})).open()
-        with sink:  # (the writer closes first, then the file, also on an error)
-            batches = map(_parquet_form, iter_batches(files, cols, batch_size))
-            first = next(batches, None)  # None: no rows, still a valid file with the columns
-            schema = _parquet_form(batch(files, cols, 0, 0)).schema if first is None else first.schema
-            _refuse_types(schema, target)
-            with pq.ParquetWriter(sink, schema, **parquet) as writer:
-                for rb in itertools.chain([] if first is None else [first], batches):
-                    writer.write_batch(rb)
-                    rows += rb.num_rows
-        if local:
-            os.replace(tmp, target)
+        with dest.storage_errors("write"):  # the error names the file the caller gave
+            sink: Any = open(tmp, "wb") if local else dest.fs.open(dest.root, "wb")  # noqa: SIM115 - closed below
+            with sink:  # (the writer closes first, then the file, also on an error)
+                batches = map(_parquet_form, iter_batches(files, cols, batch_size))
+                first = next(batches, None)  # None: no rows, still a valid file with the columns
+                schema = _parquet_form(batch(files, cols, 0, 0)).schema if first is None else first.schema
+                _refuse_types(schema, target)
+                with pq.ParquetWriter(sink, schema, **parquet) as writer:
+                    for rb in itertools.chain([] if first is None else [first], batches):
+                        writer.write_batch(rb)
+                        rows += rb.num_rows
+            if local:
+                os.replace(tmp, target)
     except BaseException:
         if local and os.path.exists(tmp):  # a half-written file must not be taken for an export
             os.remove(tmp)

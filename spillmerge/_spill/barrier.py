@@ -17,6 +17,7 @@ from .._errors import (
     StaleSpillError,
 )
 from .._format import spill as FS
+from .._format.output import header
 from .._storage import Storage
 from .._util import poll as _poll
 from .._util import progress as _progress
@@ -54,9 +55,9 @@ def assess(
         sizes = {s.commit.world_size for segs in segments.values() for s in segs if s.commit is not None}
         sizes = sizes or {s.world_size for segs in segments.values() for s in segs if s.world_size is not None}
         if not sizes:
-            raise IncompleteSpillError(
-                f"{storage.describe()}: no spill segments found (is this a spill root?)", missing=[]
-            )
+            output = storage.exists("zarr.json") and header(storage) is not None
+            hint = "it is a merged output, not a spill root" if output else "is this a spill root?"
+            raise IncompleteSpillError(f"{storage.describe()}: no spill segments found ({hint})", missing=[])
         if len(sizes) > 1:
             # The newest committed segment's run is taken as the one to merge; the others are stale.
             newest = max(

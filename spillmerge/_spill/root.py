@@ -120,14 +120,24 @@ def read_segment(storage: Storage, rank: int, name: str) -> Segment:
     return Segment(rank, name, rel, header, commit, failure)
 
 
-def list_segments(storage: Storage, rank: int) -> list[Segment]:
+def list_segments(storage: Storage, rank: int, problems: list[str] | None = None) -> list[Segment]:
+    """A rank's segments in order; with ``problems``, one whose records are damaged is listed
+    there and left out instead of raising."""
     names = [n for n in storage.listdir(FS.rank_dirname(rank)) if FS.is_segment_name(n)]
-    return [read_segment(storage, rank, n) for n in sorted(names, key=FS.segment_sort_key)]
+    out = []
+    for name in sorted(names, key=FS.segment_sort_key):
+        try:
+            out.append(read_segment(storage, rank, name))
+        except CorruptSpillError as exc:
+            if problems is None:
+                raise
+            problems.append(str(exc))
+    return out
 
 
-def scan(storage: Storage) -> dict[int, list[Segment]]:
-    """Every rank folder and its segments, in natural order."""
-    return {r: list_segments(storage, r) for r in list_ranks(storage)}
+def scan(storage: Storage, problems: list[str] | None = None) -> dict[int, list[Segment]]:
+    """Every rank folder and its segments, in natural order (``problems``: see :func:`list_segments`)."""
+    return {r: list_segments(storage, r, problems) for r in list_ranks(storage)}
 
 
 def corrupt(storage: Storage, seg: Segment, msg: str, rel: str = "") -> CorruptSpillError:

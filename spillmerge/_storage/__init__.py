@@ -2,8 +2,8 @@
 ``pathlib.Path`` returns a ``PosixPath``: :class:`LocalStorage` for local paths and ``file://``,
 :class:`FsspecStorage` for every other fsspec protocol. Callers type against :class:`Storage`."""
 
-from .base import Sink, Storage, output_options
+from .base import Sink, Storage, output_options, overlaps
 from .fsspec_store import FsspecStorage
 from .local import LocalStorage
 
-__all__ = ["FsspecStorage", "LocalStorage", "Sink", "Storage", "output_options"]
+__all__ = ["FsspecStorage", "LocalStorage", "Sink", "Storage", "output_options", "overlaps"]

@@ -296,6 +296,16 @@ class Storage:
         raise NotImplementedError
 
 
+def overlaps(a: Storage, b: Storage) -> bool:
+    """True when one storage root is, contains or lies inside the other on the same filesystem.
+    Roots are resolved first (``Storage``: ``..``, ``.``, ``//``, ``file://``, relative paths and
+    symbolic links), so every spelling of one folder compares equal."""
+    if type(a.fs) is not type(b.fs):
+        return False
+    pa, pb = a.root.rstrip("/") + "/", b.root.rstrip("/") + "/"
+    return pa.startswith(pb) or pb.startswith(pa)
+
+
 def output_options(
     root: str, out: str, storage_options: dict[str, Any] | None, out_storage_options: dict[str, Any] | None
 ) -> dict[str, Any] | None:

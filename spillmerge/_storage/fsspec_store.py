@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from zarr.storage import FsspecStore
 
-from .._errors import SpillStorageError
+from .._errors import SpillStorageError, UnsafePathError
 from .base import Storage
 
 
@@ -28,6 +28,25 @@ class FsspecStorage(Storage):
         if not sep:
             return posixpath.normpath(root)
         return f"{proto}://{posixpath.normpath(rest)}" if rest else root
+
+    def _setup(self) -> None:
+        # s3fs reads `?versionId=` in a path as an object's version: every name below such a root
+        # would be one object outside it, the key before the `?`.
+        split = getattr(self.fs, "split_path", None)
+        if split is None or self.root in ("", "/"):
+            return
+        probe = f"{self.root}/x"
+        try:
+            bucket, key = split(probe)[:2]
+        except Exception:  # noqa: BLE001 - a backend whose split_path means something else
+            return
+        if f"{bucket}/{key}" != probe.lstrip("/"):
+            raise UnsafePathError(
+                f"{self.url}: the backend reads part of this path as an object version, so every object below it "
+                f"would be written to the one key {bucket}/{key.removesuffix('/x')}, outside it; give a bucket "
+                "and prefix without ?versionId=",
+                path=self.url,
+            )
 
     # ---------------------------------------------------------------------------------- reads
     def _read_bounded(self, rel: str, max_bytes: int) -> bytes:

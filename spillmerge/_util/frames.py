@@ -51,7 +51,8 @@ def gap_runs(frames: np.ndarray, span: int) -> np.ndarray:
 def read_manifest(path: str) -> dict[str, int]:
     """``filename,n_frames`` CSV (header required; other columns ignored) → filename → count."""
     try:
-        f = open(path, newline="", encoding="utf-8")  # noqa: SIM115 - closed below
+        # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is no part of the first column's name
+        f = open(path, newline="", encoding="utf-8-sig")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise ConfigError(f"manifest {path}: cannot read it ({exc.strerror or exc})", key="expected") from None
     out: dict[str, int] = {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from .._errors import ConfigError
+
 
 def poll(timeout: float, *, first: float, cap: float, factor: float = 1.5) -> Iterator[float]:
     """Yield the seconds waited so far: at once, then after sleeps of ``first`` seconds growing by
@@ -19,6 +21,8 @@ def poll(timeout: float, *, first: float, cap: float, factor: float = 1.5) -> It
             if waited >= timeout:
                 raise SomeTimeout(waited)
     """
+    if timeout != timeout:  # NaN: no deadline is ever reached, and every sleep would be 0 s
+        raise ConfigError(f"timeout must be a number of seconds (inf: no limit), got {timeout!r}", key="timeout")
     start = time.monotonic()
     delay = first
     while True:
