@@ -42,9 +42,7 @@ def test_two_hosts_one_sender_each_bit_exact_against_shared_root(ranks):
         )
         for rel in on_b:
             assert (base / "two" / "hostA" / rel).read_bytes() == (base / "two" / "hostB" / rel).read_bytes(), rel
-    assert not list((base / "two" / "hostA").rglob("*.tmp-*")) and not list(
-        (base / "two" / "hostA").rglob("*.part-*")
-    )
+    assert not [p for pattern in ("*.tmp-*", "*.part-*") for p in (base / "two" / "hostA").rglob(pattern)]
     assert spillmerge.verify(str(base / "two" / "out")).ok
 
 
