@@ -1818,6 +1818,17 @@ MUTATIONS: list[Mutation] = [
         ),
         "a rank whose gather writer is refused is named at once, and the ranks' session counts stay alike",
     ),
+    Mutation(
+        "dropin-arguments-not-compared",
+        "spillmerge/_dist/dropin.py",
+        "    if odd:\n        who = ",
+        "    if False:\n        who = ",
+        (
+            "tests/distributed/test_round_failures.py::test_dropin_a_rank_passing_another_dst_is_named_on_every_rank",
+            "tests/distributed/test_round_failures.py::test_dropin_roots_that_differ_are_named_at_once_and_nothing_is_left",
+        ),
+        "a rank passing a drop-in another dst or root is named on every rank before anything is written",
+    ),
 ]
 
 

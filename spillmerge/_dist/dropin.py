@@ -20,6 +20,7 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -103,13 +104,28 @@ def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
     return got
 
 
-def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float, records: bool) -> tuple[str, bool, bool]:
+def _alike(rank: int, values: list[Any], name: str, error: type[SpillMergeError], **fields: Any) -> None:
+    """Raise ``error`` naming the ranks whose ``name`` is not the most common one (every rank
+    raises alike: ``values`` came from one all-gather)."""
+    common = collections.Counter(values).most_common(1)[0][0]
+    odd = [r for r, v in enumerate(values) if v != common]
+    if odd:
+        who = "; ".join(f"rank {r}: {name}={values[r]!r}" for r in odd[:8]) + (" ..." if len(odd) > 8 else "")
+        raise error(f"rank {rank}: every rank must pass the same {name}, but {who} (the others {common!r})", **fields)
+
+
+def _agree(
+    rank: int, dst: int, root: str | os.PathLike[str] | None, timeout: float, records: bool
+) -> tuple[str, bool, bool]:
     """The call's folder, rank 0's fresh id under the root; whether every rank runs on this host
     (the default root is node-local); whether every rank's object is ``records``: from one
-    all-gather."""
-    got = _exchange(rank, (socket.gethostname(), uuid.uuid4().hex, records), timeout, "entered the call")
+    all-gather, which also checks that every rank passed the same ``dst`` and root."""
     where = os.fspath(root) if root is not None else os.environ.get(ROOT_ENV) or None
-    hosts = sorted({h for h, _, _ in got})
+    mine = (socket.gethostname(), uuid.uuid4().hex, records, dst, where)
+    got = _exchange(rank, mine, timeout, "entered the call")
+    _alike(rank, [g[3] for g in got], "dst", DropInArgumentError)
+    _alike(rank, [g[4] for g in got], "root", ConfigError, key=ROOT_ENV)
+    hosts = sorted({g[0] for g in got})
     if where is None and len(hosts) > 1:
         raise ConfigError(
             f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}) and "
@@ -117,7 +133,7 @@ def _agree(rank: int, root: str | os.PathLike[str] | None, timeout: float, recor
             "every rank sees",
             key=ROOT_ENV,
         )
-    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(r for *_, r in got)
+    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
 
 
 def _settle(
@@ -410,7 +426,7 @@ def _collective(
     except Exception:  # noqa: BLE001 - not records after all: the general way names what is wrong
         pieces = None
     # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
-    call, one_host, direct = _agree(rank, root, timeout, pieces is not None)
+    call, one_host, direct = _agree(rank, target, root, timeout, pieces is not None)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
     info = None

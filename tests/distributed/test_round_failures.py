@@ -79,7 +79,6 @@ def test_a_writers_second_round_over_gloo_merges_like_the_first(ranks):
     assert results[0]["second_round_over_gloo"]["second"]["frames"] == _all("again")
 
 
-@pytest.mark.xfail(strict=True, reason="_dist/dropin.py does not compare dst across ranks (reported, not fixed here)")
 def test_dropin_a_rank_passing_another_dst_is_named_on_every_rank(ranks):
     _, results = ranks
     for r in range(WORLD):
@@ -87,7 +86,6 @@ def test_dropin_a_rank_passing_another_dst_is_named_on_every_rank(ranks):
         assert err is not None and "rank 2" in err["msg"] and "dst" in err["msg"], (r, err)
 
 
-@pytest.mark.xfail(strict=True, reason="_dist/dropin.py does not compare root= across ranks (reported, not fixed here)")
 def test_dropin_roots_that_differ_are_named_at_once_and_nothing_is_left(ranks):
     _, results = ranks
     for r in range(WORLD):
