@@ -161,9 +161,9 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import spillmerge
-    from spillmerge._dist.dropin import default_root
+    from spillmerge._dist.dropin import node_local_root
 
-    before = _leftovers(default_root())
+    before = _leftovers(node_local_root())
     dist.barrier()
     first: list[Any] = [None] * world
     second: list[Any] = [None] * world
@@ -180,7 +180,7 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
     # Other tests' calls may run beside this one (pytest workers) and share the default root:
     # their folders come and go; one of ours would stay.
     deadline = time.monotonic() + 20
-    while set(after := _leftovers(default_root())) - set(before) and time.monotonic() < deadline:
+    while set(after := _leftovers(node_local_root())) - set(before) and time.monotonic() < deadline:
         time.sleep(0.2)
     env_root = f"{base}/envroot"
     os.makedirs(env_root, exist_ok=True)

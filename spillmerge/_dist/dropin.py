@@ -64,7 +64,7 @@ def _name(rank: int) -> str:
     return f"{rank:08d}"  # zero-padded: files sort in rank order
 
 
-def default_root() -> str:
+def node_local_root() -> str:
     """``/dev/shm`` when present and writable (nothing reaches a disk), else the temp dir."""
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
@@ -129,11 +129,11 @@ def _agree(
     if where is None and len(hosts) > 1:
         raise ConfigError(
             f"the ranks run on {len(hosts)} hosts ({', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}) and "
-            f"the default root ({default_root()}) is node-local: set {ROOT_ENV} (or pass root=) to a folder "
+            f"the default root ({node_local_root()}) is node-local: set {ROOT_ENV} (or pass root=) to a folder "
             "every rank sees",
             key=ROOT_ENV,
         )
-    return f"{(where or default_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
+    return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
 
 
 def _settle(
