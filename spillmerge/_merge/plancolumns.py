@@ -243,10 +243,9 @@ def variant_groups(
     """Which column each stored leaf row goes to: one per leaf path and *variant* (kind, dtype,
     ndim; docs/FORMAT.md, *Value model*). A leaf that holds one variant everywhere is one column;
     one that is ``float16`` in some rows and a ``str`` or a 2-d ``float32`` in others makes one
-    column per variant, each with the rows of its variant (the others absent):
-    nothing is converted, and a row has a value in at most one of them. Rows that say nothing
-    about the variant join a compatible variant of their file (the lowest), else of their leaf,
-    else one of their own: ``None`` any variant, an empty Python list (a ``py*`` row of zero
+    column per variant, each with the rows of its variant: nothing is converted. Rows that say
+    nothing about the variant join a compatible variant of their file (the lowest), else of their
+    leaf, else one of their own: ``None`` any variant, an empty Python list (a ``py*`` row of zero
     elements) a ``py*`` variant of its ndim or a list of strings, as it reads back the same from
     each. An empty array keeps its dtype. Returns each entry's group and the groups' (leaf path
     position, variant tag or None when the leaf has one column)."""

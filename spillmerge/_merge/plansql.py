@@ -153,12 +153,10 @@ def sort_rows(
 ) -> Sorted:
     """Sort the index rows of ``segments`` (in write order; ``seg`` numbers them) with DuckDB,
     whose memory limit is ``memory_limit / ENGINE_SHARE`` (at least ``MIN_SORT_MEMORY``), on one
-    thread for a small plan (:data:`SMALL_PLAN_ROWS`), else up to 4.
-
-    ``layout_ids(s)``: the global layout and raw leaf-path number of each of ``s``'s catalog
-    layouts (called once per segment, in order, also for an empty one); ``lp_order()`` then maps
-    a raw leaf-path number to its position in the sorted leaf paths. ``folder``: the caller's
-    :func:`workspace`, which keeps the maps' files."""
+    thread for a small plan (:data:`SMALL_PLAN_ROWS`), else up to 4. ``layout_ids(s)``: the global
+    layout and raw leaf-path number of each of ``s``'s catalog layouts (called once per segment,
+    in order, an empty one too); ``lp_order()`` then maps a raw leaf-path number to its position
+    in the sorted leaf paths. ``folder``: the caller's :func:`workspace`, which keeps the maps' files."""
     import duckdb  # a dependency of merging only: reading never imports it
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -214,12 +214,10 @@ def wait_for_commits(
 
 
 class WaitNotices:
-    """What a merge waiting for commit records says on stderr, so that a long wait is never
-    silent: after ``WAIT_NOTICE_FIRST`` seconds, then every ``WAIT_NOTICE_EVERY``, one line
-    naming each missing rank (up to 8) and what storage shows of it: no segment, or writing, with
-    the frames its flush thread made durable and the age of the last one (``progress.json``).
-    Printed whatever stderr is (a batch job's log is where a hung merge is looked for); ``quiet``
-    (``progress=False``) prints nothing."""
+    """What a merge waiting for commit records says on stderr (a batch job's log too: where a hung
+    merge is looked for), unless ``quiet``: after ``WAIT_NOTICE_FIRST`` seconds, then every
+    ``WAIT_NOTICE_EVERY``, one line naming each missing rank (up to 8) and what storage shows of
+    it: no segment, or writing, with the frames flushed and the age of the last (``progress.json``)."""
 
     def __init__(self, storage: Storage, timeout: float, *, quiet: bool = False) -> None:
         self.storage, self.timeout, self.quiet = storage, timeout, quiet
