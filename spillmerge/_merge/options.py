@@ -75,14 +75,14 @@ class MergeOptions:
         config=float,
         flag=Flag(
             "--timeout",
-            "seconds to wait for missing commit records, and in a part for part 0's plan (default 0: check "
-            "once; a part still waits for the plan while part 0 is at work on it)",
+            "seconds to wait for missing commit records, and in a part for the stored plan (default 0: check "
+            "once; a part still waits for the plan while the part building it is alive)",
             {"type": float},
         ),
     )
-    """Seconds to wait for missing commit records (0: check once), in parts 1..n-1 and the finalize
-    for the plan part 0 publishes (then they plan themselves; with 0, parts 1..n-1 wait while part 0
-    holds its lease), and for missing parts at finalize."""
+    """Seconds to wait for missing commit records (0: check once), in a part for the plan the part
+    holding the ``planner`` lease stores (then it plans itself; with 0 it waits while that holder is
+    alive), and for missing parts at finalize."""
     allow_partial: bool = _option(
         False,
         config=bool,
