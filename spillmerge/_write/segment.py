@@ -265,7 +265,6 @@ class SegmentSteps:
                 self._state = WriterState.OPEN
                 self._abort(exc)
                 raise
-            self.commit_record = record
             self._state = WriterState.COMMITTED
             self._free_buffers()
 
