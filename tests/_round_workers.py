@@ -161,6 +161,39 @@ def dropin_other_root(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"records": records, "general": general, "left": os.listdir(root)}
 
 
+def dropin_read_fails(rank: int, world: int, base: str) -> dict[str, Any]:
+    """``all_gather_object`` where rank 1 cannot read the others' objects back (a fault injected
+    into its reading step, records and the general way): every rank raises naming rank 1 at once,
+    nothing is left, and the next call works."""
+    import torch.distributed as dist
+
+    import spillmerge
+    from spillmerge._dist import dropin
+
+    def broken(*args: Any) -> None:
+        raise spillmerge.CorruptSpillError("disk read back garbage")
+
+    root = f"{base}/readfail"
+    os.makedirs(root, exist_ok=True)
+    saved = dropin._get_records, dropin._read
+    if rank == 1:
+        dropin._get_records = dropin._read = broken
+    try:
+        records = attempt(
+            lambda: spillmerge.all_gather_object([None] * world, [{"a": rank}], root=root, timeout=TIMEOUT)
+        )
+        general = attempt(
+            lambda: spillmerge.all_gather_object([None] * world, {"k": (rank,)}, root=root, timeout=TIMEOUT)
+        )
+    finally:
+        dropin._get_records, dropin._read = saved
+    got: list[Any] = [None] * world
+    after = attempt(lambda: spillmerge.all_gather_object(got, {"k": (rank,)}, root=root, timeout=TIMEOUT))
+    after["exact"] = [(type(g), type(g["k"]), g["k"]) for g in got] == [(dict, tuple, (q,)) for q in range(world)]
+    dist.barrier()  # dst removes the call's folder once every rank has read: after its return here
+    return {"records": records, "general": general, "after": after, "left": os.listdir(root)}
+
+
 SCENARIOS = {
     "transfer_fails_on_dst": transfer_fails_on_dst,
     "sender_cannot_read": sender_cannot_read,
@@ -170,6 +203,7 @@ SCENARIOS = {
     "second_round_over_gloo": second_round_over_gloo,
     "dropin_other_dst": dropin_other_dst,
     "dropin_other_root": dropin_other_root,
+    "dropin_read_fails": dropin_read_fails,
 }
 
 

@@ -1047,8 +1047,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-rank-named',
         "spillmerge/_dist/dropin.py",
-        'error = exc.prefixed(f"rank {rank}")',
-        'error = exc',
+        'errors do\n        error = exc.prefixed(f"rank {rank}")',
+        'errors do\n        error = exc',
         ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "the rank whose object cannot be stored names itself, as the other ranks' errors do",
     ),
@@ -1828,6 +1828,14 @@ MUTATIONS: list[Mutation] = [
             "tests/distributed/test_round_failures.py::test_dropin_roots_that_differ_are_named_at_once_and_nothing_is_left",
         ),
         "a rank passing a drop-in another dst or root is named on every rank before anything is written",
+    ),
+    Mutation(
+        "dropin-read-back-failure-untold",
+        "spillmerge/_dist/dropin.py",
+        '            _settle(rank, target, call, storage_options, error, timeout, "reading back")\n',
+        "            pass\n",
+        ("tests/distributed/test_round_failures.py::test_dropin_a_rank_failing_to_read_back_is_named_on_every_rank",),
+        "a rank that cannot read all_gather_object's result back is named on every rank",
     ),
 ]
 

@@ -15,6 +15,7 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 all-gather of how that went, as above; dst merges (``SpillWriter.merge``, the
                 shards read where they lie on one host), an all-gather of how that went; the
                 readers read every rank's object back into the caller's list (``_read``)
+  (all_gather_object) an all-gather of how reading back went: a rank that failed is named on every rank
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
 """
 
@@ -43,7 +44,7 @@ from .._storage import Storage
 from .._util.gcpause import gc_paused
 from .._write.writer import SpillWriter
 from . import records
-from .gather import CHUNK_BYTES, CallWriter, barrier
+from .gather import CHUNK_BYTES, CallWriter
 from .rank import on_gloo
 
 ROOT_ENV = "SPILLMERGE_ROOT"
@@ -462,8 +463,6 @@ def _collective(
         except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
             error = exc
         _settle(rank, target, call, storage_options, error, timeout, "the merge")
-    # From here a failure is this rank's own (reading back): the others are not told, so each
-    # rank still meets the barrier and dst still removes the folder, whatever happened here.
     try:
         if reads and direct:
             gc_paused(_get_records, call, sizes, storage_options, object_list, rank)  # builds only acyclic objects
@@ -472,11 +471,18 @@ def _collective(
                 out, storage_options=storage_options, allow_pickle=allow_pickle, cache_bytes=READ_CACHE_BYTES
             )
             gc_paused(_read, store, world, object_list)  # builds only acyclic lists and dicts
+    except SpillMergeError as exc:
+        error = exc.prefixed(f"rank {rank}")
+    except Exception as exc:  # noqa: BLE001 - told to every reading rank just below, then raised here
+        error = exc
+    try:
+        if every_rank:  # every rank has read the output before dst removes it, and knows who failed
+            _settle(rank, target, call, storage_options, error, timeout, "reading back")
     finally:
-        if every_rank:
-            barrier(rank, timeout)  # every rank has read the output before dst removes it
         if rank == target:  # every rank is done with the call's folder
             _remove(call, storage_options)
+    if error is not None:  # gather_object: only dst reads, as in torch
+        raise error
 
 
 def gather_object(

@@ -94,3 +94,16 @@ def test_dropin_roots_that_differ_are_named_at_once_and_nothing_is_left(ranks):
             err = res[step]["error"]
             assert err is not None and "root" in err["msg"] and res[step]["seconds"] < SHORT, (r, step, res[step])
         assert res["left"] == [], (r, res["left"])
+
+
+def test_dropin_a_rank_failing_to_read_back_is_named_on_every_rank(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r]["dropin_read_fails"]
+        for step in ("records", "general"):
+            err = res[step]["error"]
+            assert err is not None and err["is_spillmerge_error"], (r, step, res[step])
+            assert "rank 1" in err["msg"] and "disk read back garbage" in err["msg"], (r, step, err)
+            assert res[step]["seconds"] < TIMEOUT / 2, (r, step, res[step])
+        assert res["after"]["error"] is None and res["after"]["exact"], (r, res["after"])
+        assert res["left"] == [], (r, res["left"])
