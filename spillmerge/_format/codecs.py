@@ -66,10 +66,10 @@ def encoder(codec: str, itemsize: int) -> Any:
 _COMPRESSORS = ("blosc", "zstd")
 
 
-def chain(codecs: object) -> tuple[str, str | None, bool]:
-    """(array-to-bytes codec, compressor or None, crc32c last) of an output array's ``codecs``
-    list; ``ValueError`` for any chain the format does not write (sharding, transpose, gzip ...:
-    codecs whose decoded size no header states)."""
+def chain(codecs: object) -> tuple[str | None, bool]:
+    """(compressor or None, crc32c last) of an output array's ``codecs`` list, which starts with
+    ``bytes``; ``ValueError`` for any chain the format does not write (sharding, transpose, gzip
+    ...: codecs whose decoded size no header states)."""
     codecs = list(codecs) if isinstance(codecs, tuple) else codecs  # (zarr's metadata gives tuples)
     if not isinstance(codecs, list) or not codecs:
         raise ValueError(f"codecs {codecs!r:.200} is not a non-empty list")
@@ -82,7 +82,7 @@ def chain(codecs: object) -> tuple[str, str | None, bool]:
         raise ValueError(
             f"codec chain {names!r:.200} is not one spillmerge writes (bytes, then blosc or zstd, then crc32c)"
         )
-    return str(first), (str(rest[0]) if rest else None), crc
+    return (str(rest[0]) if rest else None), crc
 
 
 def decoded_size(compressor: str, data: memoryview) -> int:

@@ -74,14 +74,12 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         if not isinstance(meta, dict):
             raise ValueError("not a JSON object")
         shape = _ints(meta.get("shape"), "shape")
-        grid = meta.get("chunk_grid")
-        if (
-            not isinstance(grid, dict)
-            or grid.get("name") != "regular"
-            or not isinstance(grid.get("configuration"), dict)
-        ):
+        grid: Any = meta.get("chunk_grid")
+        regular = isinstance(grid, dict) and grid.get("name") == "regular"
+        config = grid.get("configuration") if regular else None
+        if not isinstance(config, dict):
             raise ValueError(f"chunk grid {grid!r:.200} is not a regular grid")
-        chunks = _ints(grid["configuration"].get("chunk_shape"), "chunk shape")
+        chunks = _ints(config.get("chunk_shape"), "chunk shape")
         if len(chunks) != len(shape) or 0 in chunks:
             raise ValueError(f"chunk shape {chunks} does not fit shape {shape}")
         big = [d for d, (c, s) in enumerate(zip(chunks, shape, strict=True)) if c > max(s, 1)]
@@ -90,9 +88,9 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         bad = shape_problem(shape[1:])
         if bad is not None:
             raise ValueError(f"a row's {bad}")
-        first, compressor, crc = _codecs.chain(meta.get("codecs"))
+        compressor, crc = _codecs.chain(meta.get("codecs"))
         dt = meta.get("data_type")
-        if first != "bytes" or not isinstance(dt, str):
+        if not isinstance(dt, str):
             raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
         row = np.dtype(dt).itemsize * math.prod(chunks[1:])
         decoded = row * chunks[0]
