@@ -1837,6 +1837,22 @@ MUTATIONS: list[Mutation] = [
         ("tests/distributed/test_round_failures.py::test_dropin_a_rank_failing_to_read_back_is_named_on_every_rank",),
         "a rank that cannot read all_gather_object's result back is named on every rank",
     ),
+    Mutation(
+        "write-one-element-any-stride",
+        "spillmerge/_write/flatten.py",
+        "    if t.numel() == 1 and flat.stride(0) != 1:",
+        "    if False:",
+        ("tests/write/test_write_batch.py::test_one_element_tensors_of_any_stride_are_written",),
+        "write() of a one-element bfloat16 tensor of any stride stores its bytes",
+    ),
+    Mutation(
+        "write-batch-one-element-rows-any-stride",
+        "spillmerge/_write/batch.py",
+        "        if rows.shape[1] == 1 and rows.stride(1) != 1:",
+        "        if False:",
+        ("tests/write/test_write_batch.py::test_one_element_tensors_of_any_stride_are_written",),
+        "write_batch() of rows of one bfloat16 element of any stride stores their bytes",
+    ),
 ]
 
 

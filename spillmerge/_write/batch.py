@@ -313,7 +313,10 @@ def as_rows(value: Any, n: int) -> np.ndarray:
         return arr.reshape(n, -1).view(np.uint8)
     if isinstance(value, torch.Tensor):
         t = value.detach().resolve_conj().resolve_neg()  # each returns its tensor itself when it has no such bit
-        return t.contiguous().reshape(n, -1).view(torch.uint8).numpy()
+        rows = t.contiguous().reshape(n, -1)
+        if rows.shape[1] == 1 and rows.stride(1) != 1:  # "contiguous" whatever its stride: a byte view needs 1
+            rows = rows.clone(memory_format=torch.contiguous_format)
+        return rows.view(torch.uint8).numpy()
     arr = value.astype(value.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
     return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
 

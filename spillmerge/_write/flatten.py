@@ -116,7 +116,10 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
         flat_np = t.numpy().reshape(-1).view(np.uint8)
         return Leaf(path, name, shape, flat_np.nbytes, flat_np)
     nbytes = t.numel() * t.element_size()
-    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    flat = t.reshape(-1)
+    if t.numel() == 1 and flat.stride(0) != 1:  # "contiguous" whatever its stride: a byte view needs 1
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    flat = flat.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
     if device == "cpu":
         return Leaf(path, name, shape, nbytes, flat.numpy())
     return Leaf(path, name, shape, nbytes, flat)

@@ -183,6 +183,30 @@ def test_frame_idx_none_writes_frame_0_and_a_tensor_batch_reads_back(tmp_path):
     assert res["c.jpg"][0].tolist() == [6.0, 7.0, 8.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_one_element_tensors_of_any_stride_are_written(tmp_path, dtype):
+    """torch calls a tensor of one element contiguous whatever its stride (``scores[i, :1]``); its
+    bytes are what it holds, by ``write`` and ``write_batch`` alike."""
+    base = torch.arange(8, dtype=torch.float32).reshape(2, 4).to(dtype)
+    one = base.t()[2, 1:2]  # base[1, 2], shape (1,), stride 4
+    with spillmerge.SpillWriter(str(tmp_path / "s"), 0, 1) as w:
+        w.write("one", 0, one)
+        w.write("dict", 0, {"x": one, "y": base[1, 2:3]})
+        w.write_batch(["b0"], base.t()[2:3, 1:2])  # a batch of one item: base[1, 2], strides (1, 4)
+        w.write_batch(["c0", "c1"], base[:, 1:2].t().contiguous().t())  # base[0, 1] and base[1, 1], strides (1, 2)
+    w.merge(str(tmp_path / "o"))
+    res = spillmerge.open(str(tmp_path / "o"))
+    want = base.float()
+    assert res.value("one", 0, as_torch=True).float().tolist() == [want[1, 2].item()]
+    got = res.value("dict", 0, as_torch=True)
+    assert got["x"].float().tolist() == [want[1, 2].item()] and got["y"].float().tolist() == [want[1, 2].item()]
+    assert res.value("b0", 0, as_torch=True).float().tolist() == [want[1, 2].item()]
+    assert [res.value(f"c{i}", 0, as_torch=True).float().tolist() for i in (0, 1)] == [
+        [want[0, 1].item()],
+        [want[1, 1].item()],
+    ]
+
+
 _GOOD = {"logits": torch.ones(2, 3), "name": ["p", "q"]}
 
 
