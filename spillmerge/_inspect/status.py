@@ -13,6 +13,8 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header as output_header
 from .._format.output import what_is
+from .._merge import lease as _lease
+from .._merge import ownership as _ownership
 from .._merge import parts as _parts
 from .._spill.root import list_ranks, read_segment
 from .._storage import Storage
@@ -62,7 +64,9 @@ class MergeStatus:
     """The merge into ``out``, when an output was named."""
 
     out: str
-    state: Literal["not-started", "running", "complete", "failed"]
+    state: Literal["not-started", "running", "interrupted", "complete", "failed", "not-an-output"]
+    """``interrupted``: written in part, no completion marker, and no process holds its lease;
+    ``not-an-output``: a file, a spill root or a folder of other files (``message`` says which)."""
     parts_done: int
     parts_failed: int
     parts: int | None
@@ -242,6 +246,12 @@ def _age(now: float, t: float | None) -> float | None:
 
 def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStatus:
     output = Storage(out, storage_options)
+    kind = what_is(output)
+    if kind == "missing" or kind == "other" and not output.listdir(""):
+        return MergeStatus(output.url, "not-started", 0, 0, None, None)
+    if kind != "other" or not _ownership.is_ours(output):
+        what = {"file": "a file", "spill": "a spill root"}.get(kind, "a folder spillmerge did not write")
+        return MergeStatus(output.url, "not-an-output", 0, 0, None, f"{output.describe()} is {what}, no merge output")
     if output.exists(FO.COMPLETE_NAME):
         return MergeStatus(output.url, "complete", 0, 0, None, None)
     try:
@@ -251,12 +261,16 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
     failed = [r for r in records if isinstance(r, FO.PartFailureRecord)]
     done = [r for r in records if isinstance(r, FO.PartDoneRecord)]
     parts = max((r.parts for r in records), default=None)
+    state: Any = "running"
+    msg = None
     if failed:
-        state: Any = "failed"
+        state = "failed"
         msg = "; ".join(f"{_parts.describe(r.part, r.parts, r.rank)}: {r.summary()}" for r in failed)
-    else:
-        state = "running" if records or output.exists("zarr.json") else "not-started"
-        msg = None
+    elif not _lease.any_held(output):
+        if output.exists(FO.COMPLETE_NAME):  # finished since we looked
+            return MergeStatus(output.url, "complete", 0, 0, None, None)
+        state = "interrupted"
+        msg = "no process holds its lease: run the merge again (in parts: the parts not done, then --finalize)"
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
 
 

@@ -1,0 +1,55 @@
+"""The CLI says what a thing is: an interrupted merge, an ``--out`` that is no output, a URL
+without a bucket, an unfinished segment (not corruption); it refuses a negative budget, a watch
+interval ``time.sleep`` cannot take and an existing ``--parquet`` it was not told to replace;
+``--storage-option`` secrets stay strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import spillmerge
+from spillmerge import cli
+from spillmerge._merge import lease as _lease
+from spillmerge._storage import Storage
+
+
+def _spill(root: Path) -> None:
+    with spillmerge.SpillWriter(str(root), rank=0, world_size=1) as w:
+        for f in range(3):
+            w.write(f"clip {f}.mp4", 0, torch.full((4,), float(f)))
+
+
+@pytest.fixture
+def merged(tmp_path: Path) -> tuple[Path, Path]:
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    _spill(root)
+    spillmerge.merge(str(root), str(out), progress=False)
+    return root, out
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert cli.main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def test_status_names_an_interrupted_merge_and_an_out_that_is_no_output(merged, tmp_path):
+    root, out = merged
+    (out / "spillmerge-complete.json").unlink()  # the merge died before its marker
+    js = spillmerge.status(str(root), out=str(out))
+    assert js.merge is not None and js.merge.state == "interrupted", js.merge
+    assert "run the merge again" in (js.merge.message or "")
+    with _lease.whole(Storage(str(out))):  # a live merge holds the lease: running
+        assert spillmerge.status(str(root), out=str(out)).merge.state == "running"  # type: ignore[union-attr]
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    for where, what in [(root, "a spill root"), (tmp_path / "file", "a file"), (tmp_path / "other", "a folder")]:
+        m = spillmerge.status(str(root), out=str(where)).merge
+        assert m is not None and m.state == "not-an-output" and f"{where} is {what}" in (m.message or ""), m
+    m = spillmerge.status(str(root), out=str(tmp_path / "new.zarr")).merge
+    assert m is not None and m.state == "not-started"
