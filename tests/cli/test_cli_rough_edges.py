@@ -53,3 +53,11 @@ def test_status_names_an_interrupted_merge_and_an_out_that_is_no_output(merged, 
         assert m is not None and m.state == "not-an-output" and f"{where} is {what}" in (m.message or ""), m
     m = spillmerge.status(str(root), out=str(tmp_path / "new.zarr")).merge
     assert m is not None and m.state == "not-started"
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///"])
+def test_an_object_store_url_without_a_bucket_is_named_as_typed(url, capsys):
+    for cmd in ("inspect", "status", "verify"):
+        line = _error(capsys, [cmd, url, "--storage-option", "anon=true"])
+        assert f"{url!r} names no bucket: give s3://BUCKET/PATH" in line, line
+    assert Storage("memory://").describe("zarr.json") == "memory://zarr.json"
