@@ -61,3 +61,15 @@ def test_an_object_store_url_without_a_bucket_is_named_as_typed(url, capsys):
         line = _error(capsys, [cmd, url, "--storage-option", "anon=true"])
         assert f"{url!r} names no bucket: give s3://BUCKET/PATH" in line, line
     assert Storage("memory://").describe("zarr.json") == "memory://zarr.json"
+
+
+@pytest.mark.parametrize("flag", ["--memory-budget", "--plan-budget"])
+def test_a_negative_budget_is_a_config_error_naming_the_option(merged, tmp_path, capsys, flag):
+    root, _ = merged
+    line = _error(capsys, ["merge", str(root), "--out", str(tmp_path / "o.zarr"), flag, "-1"])
+    assert f"({flag}) must be a number of bytes >= 0, got -1" in line, line
+    assert not (tmp_path / "o.zarr").exists()
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(spillmerge.ConfigError) as info:
+        spillmerge.merge(str(root), str(tmp_path / "o.zarr"), **{name: -5})
+    assert info.value.key == name
