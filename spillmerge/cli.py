@@ -284,7 +284,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     rep = verify(args.path, _storage_options(args.storage_option) or None)
     for problem in rep.problems:
-        print(f"CORRUPT {problem}")
+        print(f"{'UNFINISHED' if problem in rep.unfinished else 'CORRUPT'} {problem}")
     status = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
     print(
         f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {size_text(rep.checked_bytes)} of payload verified"

@@ -255,6 +255,9 @@ class VerifyReport:
     """Payload bytes verified."""
     problems: list[str] = field(default_factory=list)
     """One line per corrupt or missing object, naming its path."""
+    unfinished: list[str] = field(default_factory=list)
+    """Those of ``problems`` that are no corruption: a segment without a commit record (a rank still
+    writing, failed or killed), an output whose merge did not finish."""
 
     @property
     def ok(self) -> bool:
@@ -278,7 +281,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
         for seg in segments:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
-                rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
+                rep.unfinished.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
+                rep.problems.append(rep.unfinished[-1])
                 continue
             try:
                 loaded = load_segment(storage, seg)
@@ -344,7 +348,8 @@ def _frame_text(loaded: Any, row: np.ndarray) -> str:
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
-        rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+        rep.unfinished.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+        rep.problems.append(rep.unfinished[-1])
     else:  # read as open() reads it: a torn or planted marker is a problem, not "OK"
         try:
             F.loads(storage.get(FO.COMPLETE_NAME), path=storage.describe(FO.COMPLETE_NAME))

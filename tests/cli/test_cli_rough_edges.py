@@ -5,6 +5,7 @@ interval ``time.sleep`` cannot take and an existing ``--parquet`` it was not tol
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,25 @@ def test_an_object_store_url_without_a_bucket_is_named_as_typed(url, capsys):
         line = _error(capsys, [cmd, url, "--storage-option", "anon=true"])
         assert f"{url!r} names no bucket: give s3://BUCKET/PATH" in line, line
     assert Storage("memory://").describe("zarr.json") == "memory://zarr.json"
+
+
+def test_verify_says_unfinished_not_corrupt_for_a_live_rank_and_an_unfinished_merge(merged, tmp_path, capsys):
+    root, out = merged
+    with spillmerge.SpillWriter(str(tmp_path / "live"), rank=0, world_size=1) as live:
+        live.write("a.mp4", 0, torch.ones(4))
+        assert cli.main(["verify", str(tmp_path / "live")]) == 1  # the documented exit status stays
+        printed = capsys.readouterr().out
+        assert "UNFINISHED " in printed and "incomplete segment (no commit record)" in printed, printed
+        assert "CORRUPT" not in printed
+    torn = tmp_path / "torn.zarr"
+    shutil.copytree(out, torn)
+    (torn / "spillmerge-complete.json").unlink()
+    assert cli.main(["verify", str(torn)]) == 1
+    printed = capsys.readouterr().out
+    assert f"UNFINISHED {torn}: no spillmerge-complete.json; the merge did not finish" in printed, printed
+    assert "CORRUPT" not in printed
+    rep = spillmerge.verify(str(torn))
+    assert rep.unfinished == rep.problems and not rep.ok
 
 
 @pytest.mark.parametrize("flag", ["--memory-budget", "--plan-budget"])
