@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, SpillMergeError, require_torch
+from ._errors import ConfigError, OutputExistsError, SpillMergeError, require_torch
 from ._merge import options as _options
 
 _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--columns", metavar="A,B", help="leaf columns to export, comma-separated (default: all; the keys always)"
     )
     e.add_argument("--batch-size", type=int, help="rows per batch and row group (default: about 64 MiB of payload)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --parquet file")
     e.add_argument(
         "--compression", default="snappy", choices=["none", "snappy", "zstd", "gzip", "lz4", "brotli"],
         help="Parquet compression (default snappy)",
@@ -316,15 +317,22 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ._format.output import what_is
     from ._read.store import open as open_store
-    from ._storage import output_options
+    from ._storage import Storage, output_options, overlaps
 
     so = _storage_options(args.storage_option) or None
     store = open_store(args.path, so)
+    dest_options = output_options(args.path, args.parquet, so, None)  # the same credentials, one protocol
+    dest = Storage(args.parquet, dest_options)
+    # (a path inside the output is refused by to_parquet, whatever is there)
+    if not args.overwrite and not overlaps(store.storage, dest) and what_is(dest) == "file":
+        where = dest.describe()
+        raise OutputExistsError(f"--parquet {where} exists; pass --overwrite to replace it", path=where)
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     rows = store.to_parquet(
         args.parquet, columns=columns, batch_size=args.batch_size, compression=args.compression,
-        storage_options=output_options(args.path, args.parquet, so, None),  # the same credentials, one protocol
+        storage_options=dest_options,
     )  # fmt: skip
     print(f"{args.parquet}: {rows} rows from {args.path}")
     return 0

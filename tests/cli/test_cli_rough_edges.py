@@ -64,6 +64,26 @@ def test_an_object_store_url_without_a_bucket_is_named_as_typed(url, capsys):
     assert Storage("memory://").describe("zarr.json") == "memory://zarr.json"
 
 
+def test_export_replaces_an_existing_parquet_only_with_overwrite(merged, tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    _, out = merged
+    target = tmp_path / "preds.parquet"
+    target.write_bytes(b"keep me")
+    line = _error(capsys, ["export", str(out), "--parquet", str(target)])
+    assert f"--parquet {target} exists; pass --overwrite to replace it" in line, line
+    assert target.read_bytes() == b"keep me"
+    assert cli.main(["export", str(out), "--parquet", str(target), "--overwrite"]) == 0
+    assert target.read_bytes()[:4] == b"PAR1"
+
+
+def test_export_refuses_a_parquet_inside_the_spill_root_the_output_came_from(merged, capsys):
+    pytest.importorskip("pyarrow")
+    root, out = merged
+    line = _error(capsys, ["export", str(out), "--parquet", str(root / "preds.parquet")])
+    assert f"would write into the spill root {root} the output {out} was merged from" in line, line
+    assert not (root / "preds.parquet").exists()
+
+
 def test_verify_says_unfinished_not_corrupt_for_a_live_rank_and_an_unfinished_merge(merged, tmp_path, capsys):
     root, out = merged
     with spillmerge.SpillWriter(str(tmp_path / "live"), rank=0, world_size=1) as live:
