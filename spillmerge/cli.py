@@ -18,6 +18,9 @@ from ._merge import options as _options
 
 _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
 """The ``[merge]`` table of a config file: the spill root, the output and every option with a config key."""
+_STORAGE_OPTION_HELP = (
+    'fsspec option (repeatable); VALUE is a string, or JSON when true, false, null, {...}, [...] or "..."'
+)
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
 
@@ -53,15 +56,17 @@ def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dic
 
 
 def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs: VALUE is a string (a secret of digits stays one), except ``true``,
+    ``false``, ``null``, a JSON object or list (``client_kwargs={...}``) or a quoted string: JSON."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise ConfigError(f"--storage-option expects KEY=VALUE, got {pair!r}", key="storage_option")
         k, v = pair.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
+        out[k] = v
+        if v in ("true", "false", "null") or v.startswith(("{", "[", '"')):
+            with contextlib.suppress(json.JSONDecodeError):
+                out[k] = json.loads(v)
     return out
 
 
@@ -90,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=summary, description=description, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         if name not in ("merge", "demo"):
-            c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+            c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help=_STORAGE_OPTION_HELP)
         return c
 
     m = command(

@@ -84,6 +84,14 @@ def test_export_refuses_a_parquet_inside_the_spill_root_the_output_came_from(mer
     assert not (root / "preds.parquet").exists()
 
 
+def test_storage_option_values_stay_strings_unless_json_literals_or_containers():
+    got = cli._storage_options(
+        ["secret=123456", "key=1e5", "anon=true", "token=null", 'client_kwargs={"region_name": "x"}', 'p="7"', "k=a=b"]
+    )
+    assert got == {"secret": "123456", "key": "1e5", "anon": True, "token": None,
+                   "client_kwargs": {"region_name": "x"}, "p": "7", "k": "a=b"}  # fmt: skip
+
+
 def test_verify_says_unfinished_not_corrupt_for_a_live_rank_and_an_unfinished_merge(merged, tmp_path, capsys):
     root, out = merged
     with spillmerge.SpillWriter(str(tmp_path / "live"), rank=0, world_size=1) as live:
