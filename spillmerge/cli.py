@@ -21,6 +21,8 @@ _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
 _STORAGE_OPTION_HELP = (
     'fsspec option (repeatable); VALUE is a string, or JSON when true, false, null, {...}, [...] or "..."'
 )
+MAX_INTERVAL = 86400
+"""The longest ``status --watch --interval`` (seconds): ``time.sleep`` overflows a few orders above."""
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
 
@@ -303,8 +305,11 @@ def _status(args: argparse.Namespace) -> int:
 
     from ._inspect.status import format_status, status
 
-    if not args.interval > 0:  # NaN too
-        raise ConfigError(f"--interval must be a number of seconds above 0, got {args.interval}", key="interval")
+    if not 0 < args.interval <= MAX_INTERVAL:  # NaN and inf too (time.sleep overflows)
+        raise ConfigError(
+            f"--interval must be a number of seconds above 0, at most {MAX_INTERVAL} (a day), got {args.interval}",
+            key="interval",
+        )
     opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
             "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
     tty = sys.stdout.isatty()

@@ -121,3 +121,19 @@ def test_a_negative_budget_is_a_config_error_naming_the_option(merged, tmp_path,
     with pytest.raises(spillmerge.ConfigError) as info:
         spillmerge.merge(str(root), str(tmp_path / "o.zarr"), **{name: -5})
     assert info.value.key == name
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e10"])
+def test_a_watch_interval_time_sleep_cannot_take_is_a_config_error(merged, capsys, interval):
+    root, _ = merged
+    line = _error(capsys, ["status", str(root), "--watch", "--interval", interval])
+    assert f"--interval must be a number of seconds above 0, at most 86400 (a day), got {float(interval)}" in line
+
+
+def test_a_short_manifest_row_names_the_expected_option(tmp_path):
+    from spillmerge._util.frames import read_manifest
+
+    (tmp_path / "m.csv").write_text("filename,n_frames\na.mp4\n")
+    with pytest.raises(spillmerge.ConfigError, match="line 2: expected filename,n_frames") as info:
+        read_manifest(str(tmp_path / "m.csv"))
+    assert info.value.key == "expected"
