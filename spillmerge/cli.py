@@ -271,8 +271,9 @@ def _inspect(args: argparse.Namespace) -> int:
         cov.manifest = args.expected
         if args.json:  # the text report builds only what it prints
             s["coverage"] = cov.to_json(max_files=args.max_files)
-    elif expected is not None:
-        raise ConfigError(f"{args.path} is an interrupted merge; --expected needs a complete output", key="expected")
+    elif expected is not None or args.plot:
+        flag = "--expected" if expected is not None else "--plot"
+        raise ConfigError(f"{args.path} is an interrupted merge; {flag} needs a complete output", key=flag[2:])
     if args.plot and cov is not None:
         plot(cov, args.plot)
     if args.json:

@@ -1,7 +1,7 @@
 """The CLI says what a thing is: an interrupted merge, an ``--out`` that is no output, a URL
 without a bucket, an unfinished segment (not corruption); it refuses a negative budget, a watch
-interval ``time.sleep`` cannot take and an existing ``--parquet`` it was not told to replace;
-``--storage-option`` secrets stay strings."""
+interval ``time.sleep`` cannot take, a plot of an interrupted merge and an existing ``--parquet``
+it was not told to replace; ``--storage-option`` secrets stay strings."""
 
 from __future__ import annotations
 
@@ -137,3 +137,10 @@ def test_a_short_manifest_row_names_the_expected_option(tmp_path):
     with pytest.raises(spillmerge.ConfigError, match="line 2: expected filename,n_frames") as info:
         read_manifest(str(tmp_path / "m.csv"))
     assert info.value.key == "expected"
+
+
+def test_a_plot_of_an_interrupted_merge_is_refused_not_skipped(merged, tmp_path, capsys):
+    _, out = merged
+    (out / "spillmerge-complete.json").unlink()
+    line = _error(capsys, ["inspect", str(out), "--plot", str(tmp_path / "p.png")])
+    assert f"{out} is an interrupted merge; --plot needs a complete output" in line, line
