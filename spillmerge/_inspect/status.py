@@ -21,6 +21,7 @@ from .._storage import Storage
 from .._util.progress import iso_to_unix
 from .._util.progress import read as read_progress
 from .._util.units import size_text as _size
+from .summary import one_line
 
 RankState = Literal["writing", "committed", "failed", "missing", "unreadable"]
 DEFAULT_STALL_AFTER = 120.0
@@ -285,7 +286,7 @@ def format_status(js: JobStatus) -> str:
     lines.append(f"{'rank':>5}  {'state':<10}  {'frames':>9}  {'durable':>9}  {'bytes':>10}  {'rate/s':>8}  "
                  f"{'last write':>10}  note")  # fmt: skip
     for r in js.ranks:
-        note = " ".join(x for x in ("STALLED" if r.stalled else "", r.message or "") if x)
+        note = " ".join(x for x in ("STALLED" if r.stalled else "", one_line(r.message or "")) if x)
         rate = f"{r.rate_fps:.1f}" if r.rate_fps is not None else "-"
         age = _dur(r.last_write_age_s) + " ago" if r.last_write_age_s is not None else "-"
         lines.append(f"{r.rank:>5}  {r.state:<10}  {r.frames:>9}  {r.durable:>9}  {_size(r.bytes):>10}  {rate:>8}  "
@@ -303,6 +304,6 @@ def format_status(js: JobStatus) -> str:
     if js.merge is not None:
         m = js.merge
         parts = f", parts {m.parts_done}/{m.parts}" if m.parts else ""
-        lines.append(f"merge into {m.out}: {m.state}{parts}" + (f" — {m.message}" if m.message else ""))
+        lines.append(f"merge into {m.out}: {m.state}{parts}" + (f" — {one_line(m.message)}" if m.message else ""))
     lines += [f"note: {n}" for n in js.notes]
     return "\n".join(lines)

@@ -170,6 +170,12 @@ def _frames(n: int) -> str:
     return f"{n} frame" if n == 1 else f"{n} frames"
 
 
+def one_line(text: str) -> str:
+    """``text`` as one printable line: a message read from storage (a failure record) neither breaks
+    a table's row nor sends control characters to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_text(s: dict[str, Any]) -> str:
     lines = []
     if s["kind"] == "spill":
@@ -183,7 +189,7 @@ def format_text(s: dict[str, Any]) -> str:
             for e in r["segments"]:
                 done = e["status"] == "committed"  # (a committed entry has the counts)
                 extra = f"{e['frames']} frames, {e['files']} files, {_human(e['bytes'])}" if done else ""
-                err = f"  ERROR: {e['error']}" if "error" in e else ""
+                err = f"  ERROR: {one_line(e['error'])}" if "error" in e else ""
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
             lines.append("  files (most frames first):")
