@@ -106,7 +106,8 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     if not storage.exists(FO.COMPLETE_NAME):
-        return {"kind": "merged", "path": storage.describe(), "complete": False, **(header(storage) or {})}
+        # (the header is read from storage: none of its keys stands in for what we found)
+        return {**(header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
