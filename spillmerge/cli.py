@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         "check every checksum of a spill root or merged store",
         "Verify the CRC-32C of every index, catalog and frame of a spill root, or of every "
-        "chunk of a merged store. Lists each corrupt or missing object; exits 1 if there is any.",
+        "chunk of a merged store. Lists each corrupt or missing object (CORRUPT) and each segment or merge "
+        "that did not finish (UNFINISHED); exits 1 if there is any.",
         "Example:\n  spillmerge verify ./spill\n  spillmerge verify ./merged.zarr",
     )
     v.add_argument("path", help="spill root or merged output")

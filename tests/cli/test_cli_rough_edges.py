@@ -109,6 +109,9 @@ def test_verify_says_unfinished_not_corrupt_for_a_live_rank_and_an_unfinished_me
     assert "CORRUPT" not in printed
     rep = spillmerge.verify(str(torn))
     assert rep.unfinished == rep.problems and not rep.ok
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--help"])
+    assert "(UNFINISHED); exits 1 if there is any" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("flag", ["--memory-budget", "--plan-budget"])
