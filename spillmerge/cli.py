@@ -13,11 +13,16 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, SpillMergeError, require_torch
+from ._errors import ConfigError, OutputExistsError, SpillMergeError, require_torch
 from ._merge import options as _options
 
 _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
 """The ``[merge]`` table of a config file: the spill root, the output and every option with a config key."""
+_STORAGE_OPTION_HELP = (
+    'fsspec option (repeatable); VALUE is a string, or JSON when true, false, null, {...}, [...] or "..."'
+)
+MAX_INTERVAL = 86400
+"""The longest ``status --watch --interval`` (seconds): ``time.sleep`` overflows a few orders above."""
 _DEMO_KEYS = {"ranks": int, "files": int, "frames_per_file": int, "frame_shape": list, "out": str, "seed": int}
 
 
@@ -53,15 +58,17 @@ def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dic
 
 
 def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs: VALUE is a string (a secret of digits stays one), except ``true``,
+    ``false``, ``null``, a JSON object or list (``client_kwargs={...}``) or a quoted string: JSON."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise ConfigError(f"--storage-option expects KEY=VALUE, got {pair!r}", key="storage_option")
         k, v = pair.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
+        out[k] = v
+        if v in ("true", "false", "null") or v.startswith(("{", "[", '"')):
+            with contextlib.suppress(json.JSONDecodeError):
+                out[k] = json.loads(v)
     return out
 
 
@@ -90,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=summary, description=description, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         if name not in ("merge", "demo"):
-            c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option (repeatable)")
+            c.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help=_STORAGE_OPTION_HELP)
         return c
 
     m = command(
@@ -152,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         "check every checksum of a spill root or merged store",
         "Verify the CRC-32C of every index, catalog and frame of a spill root, or of every "
-        "chunk of a merged store. Lists each corrupt or missing object; exits 1 if there is any.",
+        "chunk of a merged store. Lists each corrupt or missing object (CORRUPT) and each segment or merge "
+        "that did not finish (UNFINISHED); exits 1 if there is any.",
         "Example:\n  spillmerge verify ./spill\n  spillmerge verify ./merged.zarr",
     )
     v.add_argument("path", help="spill root or merged output")
@@ -200,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--columns", metavar="A,B", help="leaf columns to export, comma-separated (default: all; the keys always)"
     )
     e.add_argument("--batch-size", type=int, help="rows per batch and row group (default: about 64 MiB of payload)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --parquet file")
     e.add_argument(
         "--compression", default="snappy", choices=["none", "snappy", "zstd", "gzip", "lz4", "brotli"],
         help="Parquet compression (default snappy)",
@@ -263,8 +272,9 @@ def _inspect(args: argparse.Namespace) -> int:
         cov.manifest = args.expected
         if args.json:  # the text report builds only what it prints
             s["coverage"] = cov.to_json(max_files=args.max_files)
-    elif expected is not None:
-        raise ConfigError(f"{args.path} is an interrupted merge; --expected needs a complete output", key="expected")
+    elif expected is not None or args.plot:
+        flag = "--expected" if expected is not None else "--plot"
+        raise ConfigError(f"{args.path} is an interrupted merge; {flag} needs a complete output", key=flag[2:])
     if args.plot and cov is not None:
         plot(cov, args.plot)
     if args.json:
@@ -284,7 +294,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     rep = verify(args.path, _storage_options(args.storage_option) or None)
     for problem in rep.problems:
-        print(f"CORRUPT {problem}")
+        print(f"{'UNFINISHED' if problem in rep.unfinished else 'CORRUPT'} {problem}")
     status = "OK" if rep.ok else f"{len(rep.problems)} problem(s)"
     print(
         f"{rep.kind} {rep.path}: {status}; {rep.checked_objects} objects, {size_text(rep.checked_bytes)} of payload verified"
@@ -297,8 +307,11 @@ def _status(args: argparse.Namespace) -> int:
 
     from ._inspect.status import format_status, status
 
-    if not args.interval > 0:  # NaN too
-        raise ConfigError(f"--interval must be a number of seconds above 0, got {args.interval}", key="interval")
+    if not 0 < args.interval <= MAX_INTERVAL:  # NaN and inf too (time.sleep overflows)
+        raise ConfigError(
+            f"--interval must be a number of seconds above 0, at most {MAX_INTERVAL} (a day), got {args.interval}",
+            key="interval",
+        )
     opts = {"out": args.out, "expected": args.expected, "stall_after": args.stall_after,
             "storage_options": _storage_options(args.storage_option) or None}  # fmt: skip
     tty = sys.stdout.isatty()
@@ -316,15 +329,22 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ._format.output import what_is
     from ._read.store import open as open_store
-    from ._storage import output_options
+    from ._storage import Storage, output_options, overlaps
 
     so = _storage_options(args.storage_option) or None
     store = open_store(args.path, so)
+    dest_options = output_options(args.path, args.parquet, so, None)  # the same credentials, one protocol
+    dest = Storage(args.parquet, dest_options)
+    # (a path inside the output is refused by to_parquet, whatever is there)
+    if not args.overwrite and not overlaps(store.storage, dest) and what_is(dest) == "file":
+        where = dest.describe()
+        raise OutputExistsError(f"--parquet {where} exists; pass --overwrite to replace it", path=where)
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     rows = store.to_parquet(
         args.parquet, columns=columns, batch_size=args.batch_size, compression=args.compression,
-        storage_options=output_options(args.path, args.parquet, so, None),  # the same credentials, one protocol
+        storage_options=dest_options,
     )  # fmt: skip
     print(f"{args.parquet}: {rows} rows from {args.path}")
     return 0

@@ -13,12 +13,15 @@ from .._format import output as FO
 from .._format import spill as FS
 from .._format.output import header as output_header
 from .._format.output import what_is
+from .._merge import lease as _lease
+from .._merge import ownership as _ownership
 from .._merge import parts as _parts
 from .._spill.root import list_ranks, read_segment
 from .._storage import Storage
 from .._util.progress import iso_to_unix
 from .._util.progress import read as read_progress
 from .._util.units import size_text as _size
+from .summary import one_line
 
 RankState = Literal["writing", "committed", "failed", "missing", "unreadable"]
 DEFAULT_STALL_AFTER = 120.0
@@ -62,7 +65,9 @@ class MergeStatus:
     """The merge into ``out``, when an output was named."""
 
     out: str
-    state: Literal["not-started", "running", "complete", "failed"]
+    state: Literal["not-started", "running", "interrupted", "complete", "failed", "not-an-output"]
+    """``interrupted``: written in part, no completion marker, and no process holds its lease;
+    ``not-an-output``: a file, a spill root or a folder of other files (``message`` says which)."""
     parts_done: int
     parts_failed: int
     parts: int | None
@@ -242,6 +247,12 @@ def _age(now: float, t: float | None) -> float | None:
 
 def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStatus:
     output = Storage(out, storage_options)
+    kind = what_is(output)
+    if kind == "missing" or kind == "other" and not output.listdir(""):
+        return MergeStatus(output.url, "not-started", 0, 0, None, None)
+    if kind != "other" or not _ownership.is_ours(output):
+        what = {"file": "a file", "spill": "a spill root"}.get(kind, "a folder spillmerge did not write")
+        return MergeStatus(output.url, "not-an-output", 0, 0, None, f"{output.describe()} is {what}, no merge output")
     if output.exists(FO.COMPLETE_NAME):
         return MergeStatus(output.url, "complete", 0, 0, None, None)
     try:
@@ -251,12 +262,16 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
     failed = [r for r in records if isinstance(r, FO.PartFailureRecord)]
     done = [r for r in records if isinstance(r, FO.PartDoneRecord)]
     parts = max((r.parts for r in records), default=None)
+    state: Any = "running"
+    msg = None
     if failed:
-        state: Any = "failed"
+        state = "failed"
         msg = "; ".join(f"{_parts.describe(r.part, r.parts, r.rank)}: {r.summary()}" for r in failed)
-    else:
-        state = "running" if records or output.exists("zarr.json") else "not-started"
-        msg = None
+    elif not _lease.any_held(output):
+        if output.exists(FO.COMPLETE_NAME):  # finished since we looked
+            return MergeStatus(output.url, "complete", 0, 0, None, None)
+        state = "interrupted"
+        msg = "no process holds its lease: run the merge again (in parts: the parts not done, then --finalize)"
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
 
 
@@ -271,7 +286,7 @@ def format_status(js: JobStatus) -> str:
     lines.append(f"{'rank':>5}  {'state':<10}  {'frames':>9}  {'durable':>9}  {'bytes':>10}  {'rate/s':>8}  "
                  f"{'last write':>10}  note")  # fmt: skip
     for r in js.ranks:
-        note = " ".join(x for x in ("STALLED" if r.stalled else "", r.message or "") if x)
+        note = " ".join(x for x in ("STALLED" if r.stalled else "", one_line(r.message or "")) if x)
         rate = f"{r.rate_fps:.1f}" if r.rate_fps is not None else "-"
         age = _dur(r.last_write_age_s) + " ago" if r.last_write_age_s is not None else "-"
         lines.append(f"{r.rank:>5}  {r.state:<10}  {r.frames:>9}  {r.durable:>9}  {_size(r.bytes):>10}  {rate:>8}  "
@@ -289,6 +304,6 @@ def format_status(js: JobStatus) -> str:
     if js.merge is not None:
         m = js.merge
         parts = f", parts {m.parts_done}/{m.parts}" if m.parts else ""
-        lines.append(f"merge into {m.out}: {m.state}{parts}" + (f" — {m.message}" if m.message else ""))
+        lines.append(f"merge into {m.out}: {m.state}{parts}" + (f" — {one_line(m.message)}" if m.message else ""))
     lines += [f"note: {n}" for n in js.notes]
     return "\n".join(lines)

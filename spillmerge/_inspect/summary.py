@@ -106,7 +106,8 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     if not storage.exists(FO.COMPLETE_NAME):
-        return {"kind": "merged", "path": storage.describe(), "complete": False, **(header(storage) or {})}
+        # (the header is read from storage: none of its keys stands in for what we found)
+        return {**(header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
@@ -170,6 +171,12 @@ def _frames(n: int) -> str:
     return f"{n} frame" if n == 1 else f"{n} frames"
 
 
+def one_line(text: str) -> str:
+    """``text`` as one printable line: a message read from storage (a failure record) neither breaks
+    a table's row nor sends control characters to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_text(s: dict[str, Any]) -> str:
     lines = []
     if s["kind"] == "spill":
@@ -183,7 +190,7 @@ def format_text(s: dict[str, Any]) -> str:
             for e in r["segments"]:
                 done = e["status"] == "committed"  # (a committed entry has the counts)
                 extra = f"{e['frames']} frames, {e['files']} files, {_human(e['bytes'])}" if done else ""
-                err = f"  ERROR: {e['error']}" if "error" in e else ""
+                err = f"  ERROR: {one_line(e['error'])}" if "error" in e else ""
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
             lines.append("  files (most frames first):")
@@ -255,6 +262,9 @@ class VerifyReport:
     """Payload bytes verified."""
     problems: list[str] = field(default_factory=list)
     """One line per corrupt or missing object, naming its path."""
+    unfinished: list[str] = field(default_factory=list)
+    """Those of ``problems`` that are no corruption: a segment without a commit record (a rank still
+    writing, failed or killed), an output whose merge did not finish."""
 
     @property
     def ok(self) -> bool:
@@ -278,7 +288,8 @@ def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
         for seg in segments:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
-                rep.problems.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
+                rep.unfinished.append(f"{storage.describe(seg.rel)}: {what} segment (no commit record)")
+                rep.problems.append(rep.unfinished[-1])
                 continue
             try:
                 loaded = load_segment(storage, seg)
@@ -344,7 +355,8 @@ def _frame_text(loaded: Any, row: np.ndarray) -> str:
 def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
     complete = storage.exists(FO.COMPLETE_NAME)
     if not complete:
-        rep.problems.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+        rep.unfinished.append(f"{storage.describe()}: no {FO.COMPLETE_NAME}; the merge did not finish")
+        rep.problems.append(rep.unfinished[-1])
     else:  # read as open() reads it: a torn or planted marker is a problem, not "OK"
         try:
             F.loads(storage.get(FO.COMPLETE_NAME), path=storage.describe(FO.COMPLETE_NAME))

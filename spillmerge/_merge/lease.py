@@ -395,6 +395,12 @@ def held(output: Storage, name: str) -> bool:
     return holder is not None and holder.expires > time.time()
 
 
+def any_held(output: Storage) -> bool:
+    """Whether a live process holds any lease on ``output`` (a merge, a part, a finalize), as :func:`held` sees it."""
+    names = {n.rsplit(".", 1)[0] for n in output.listdir(LEASE_DIR) if n.endswith((".lock", ".json"))}
+    return any(held(output, name) for name in sorted(names))
+
+
 def finalize(output: Storage) -> Lease:
     """The lease of a finalize: shared with parts, exclusive with another finalize."""
     return Lease(output, name="finalize", role="finalize", exclusive=False)

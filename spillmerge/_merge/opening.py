@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from .._errors import OutputBusyError, SpillMergeError, SpillStorageError, SpillValueError
+from .._errors import ConfigError, OutputBusyError, SpillMergeError, SpillStorageError, SpillValueError
 from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import output as FO
@@ -135,6 +135,11 @@ class Job:
         if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
             # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md, *Size limits*)
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
+        for name in ("memory_budget", "plan_budget"):
+            budget = getattr(options, name)
+            if isinstance(budget, (int, float)) and not budget >= 0:  # NaN too
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{name} ({flag}) must be a number of bytes >= 0, got {budget!r}", key=name)
         codec = _codecs.check(options.codec)
         manifest = check_expected(options.expected)
         src = Storage(root, options.storage_options)

@@ -187,7 +187,8 @@ class MergeOptions:
         config=dict,
         flag=Flag(
             "--storage-option",
-            "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol)",
+            "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol); VALUE is a "
+            'string, or JSON when true, false, null, {...}, [...] or "..."',
             {"action": "append", "metavar": "KEY=VALUE"},
         ),
     )
@@ -195,7 +196,9 @@ class MergeOptions:
         None,
         config=dict,
         flag=Flag(
-            "--out-storage-option", "fsspec option for OUT (repeatable)", {"action": "append", "metavar": "KEY=VALUE"}
+            "--out-storage-option",
+            "fsspec option for OUT (repeatable; VALUE as for --storage-option)",
+            {"action": "append", "metavar": "KEY=VALUE"},
         ),
     )
     remove_spill: bool = _option(

@@ -12,9 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ArrowUnionInParquetError, ConfigError, ParquetTypeError, SpillValueError, UnknownColumnError
+from .._errors import (
+    ArrowUnionInParquetError,
+    ConfigError,
+    ParquetTypeError,
+    SpillMergeError,
+    SpillValueError,
+    UnknownColumnError,
+)
 from .._format import common as F
 from .._format import lists as L
+from .._format import output as FO
 from .._storage import Storage, overlaps
 from . import arrow as T
 from .arrow import require_pyarrow, untensor
@@ -141,6 +149,12 @@ def to_parquet(
         raise SpillValueError(
             f"to_parquet({target!r}) would write into the output {source.describe()} it reads; choose a path outside it"
         )
+    spill = _spill_root(source, storage_options)
+    if spill is not None and overlaps(spill, dest):
+        raise SpillValueError(
+            f"to_parquet({target!r}) would write into the spill root {spill.describe()} the output "
+            f"{source.describe()} was merged from; choose a path outside it"
+        )
     local = dest.local
     if local:
         target = target.removeprefix("file://")
@@ -165,6 +179,19 @@ def to_parquet(
             os.remove(tmp)
         raise
     return rows
+
+
+def _spill_root(source: Storage, storage_options: dict[str, Any] | None) -> Storage | None:
+    """The spill root the completion marker names, when it names it absolutely (a relative path
+    was relative to the merging process's working folder: not knowable here)."""
+    try:
+        raw = source.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        root = F.loads(raw, path=source.describe(FO.COMPLETE_NAME)).get("spill_root") if raw else None
+        if isinstance(root, str) and (os.path.isabs(root) or "://" in root):
+            return Storage(root, storage_options)
+    except (SpillMergeError, AttributeError):  # the reader checked the marker; what it names is advisory
+        pass
+    return None
 
 
 def _refuse_types(schema: Any, target: str) -> None:

@@ -89,6 +89,9 @@ class Storage:
         text = os.fspath(url)
         options = dict(storage_options or {})
         fs, root = _url_to_fs(text, options)
+        protocol = text.split("://", 1)[0] if "://" in text else ""
+        if protocol in _BACKENDS and not root.strip("/"):
+            raise SpillStorageError(f"{text!r} names no bucket: give {protocol}://BUCKET/PATH", path=text)
         # The backends are Storage's subclasses (spillmerge/_storage/__init__.py imports each one):
         # the one whose `local` says whether the filesystem is the local disk serves it.
         backend = next(b for b in Storage.__subclasses__() if b.local == isinstance(fs, LocalFileSystem))
@@ -123,7 +126,8 @@ class Storage:
 
     def describe(self, rel: str = "") -> str:
         """A user-facing name of ``rel`` (the URL the user gave, joined)."""
-        return self.url.rstrip("/") + ("/" + rel if rel else "")
+        base = self.url if self.url.endswith("://") else self.url.rstrip("/")  # memory:// keeps its //
+        return base + (("" if base.endswith("/") else "/") + rel if rel else "")
 
     @contextlib.contextmanager
     def storage_errors(

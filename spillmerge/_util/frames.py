@@ -72,7 +72,9 @@ def read_manifest(path: str) -> dict[str, int]:
                 if not row or all(not c.strip() for c in row):
                     continue
                 if len(row) <= max(fi, ni):
-                    raise ConfigError(f"manifest {path} line {line}: expected filename,n_frames, got {row!r}")
+                    raise ConfigError(
+                        f"manifest {path} line {line}: expected filename,n_frames, got {row!r}", key="expected"
+                    )
                 name, raw = row[fi], row[ni].strip()
                 try:
                     n = int(raw)
