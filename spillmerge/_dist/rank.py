@@ -46,21 +46,28 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
-    """The id shared by all ranks of one job run.
-
-    Explicit argument, else the launcher's (torchrun's TORCHELASTIC_RUN_ID, SLURM's job id),
-    else, when torch.distributed is initialised, rank 0's fresh id broadcast over a gloo group
-    (CPU only), else None (the merge then waits on each rank's newest segment).
-    """
+def launcher_run_id(run_id: str | None) -> str | None:
+    """The run id known without asking the other ranks: the explicit argument, else the
+    launcher's (torchrun's TORCHELASTIC_RUN_ID, SLURM's job id), else None."""
     if run_id is not None:
         return str(run_id)
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
         return f"torchelastic-{elastic}"
     slurm = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if slurm:
-        return f"slurm-{slurm}"
+    return f"slurm-{slurm}" if slurm else None
+
+
+def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
+    """The id shared by all ranks of one job run.
+
+    :func:`launcher_run_id`, else, when torch.distributed is initialised, rank 0's fresh id
+    broadcast over a gloo group (CPU only), else None (the merge then waits on each rank's
+    newest segment).
+    """
+    known = launcher_run_id(run_id)
+    if known is not None:
+        return known
     if dist_initialized():
         try:
             group = gloo_group(timeout)
@@ -99,3 +106,4 @@ def on_gloo(rank: int, timeout: float, what: str, collective: Callable[..., Any]
         raise CoordinationError(
             f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
         ) from exc
+
