@@ -1819,6 +1819,17 @@ MUTATIONS: list[Mutation] = [
         "a rank whose gather writer is refused is named at once, and the ranks' session counts stay alike",
     ),
     Mutation(
+        "parallel-part-failure-untold",
+        "spillmerge/_dist/round.py",
+        "                    publish_part_failure(session.run_id, session.number, self.calls, session.rank, exc)\n",
+        "                    pass\n",
+        (
+            "tests/distributed/test_round_waits.py::"
+            "test_a_part_failing_before_it_opens_is_named_at_once_and_the_next_call_merges",
+        ),
+        "a rank whose part of merge(parallel=True) fails before it opens is named by dst at once",
+    ),
+    Mutation(
         "dropin-arguments-not-compared",
         "spillmerge/_dist/dropin.py",
         "    if odd:\n        who = ",

@@ -165,7 +165,7 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
     session = w.session()
     together = coordinated(session)
     if together and w.rank != dst:  # dst's merge outcome, in the process group's store
-        watch = OutcomeWatch(session.run_id, session.number)
+        watch = OutcomeWatch(session.run_id, session.number, 1)  # a call's writer merges once
         for waited in poll(timeout, first=0.002, cap=0.25, factor=1.25):
             told = watch.poll()
             if told is not None:

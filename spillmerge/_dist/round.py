@@ -8,7 +8,7 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
                   can read every committed shard under its own root (on ``dst`` as the first step
                   of its merge: a failed transfer is the round's outcome, told to waiting ranks)
   (dst)           ``_merge.job.merge`` (``parallel``: every rank runs ``_merge.job.merge_parallel`` and
-                  ``dst`` finalizes), then ``_dist.store.publish_merge_outcome``; a failure is also
+                  ``dst`` finalizes; a part that fails tells it through the store), then ``_dist.store.publish_merge_outcome``; a failure is also
                   recorded in the spill root when the others wait
   (other ranks)   return ``None``, or with ``wait`` :func:`wait_complete`: this round's completion
                   marker in the output, ``dst``'s outcome in the store, or its failure record
@@ -33,7 +33,7 @@ from .._merge.report import MergeReport
 from .._storage import Storage, output_options
 from .._util import poll as _poll
 from .rank import dist_initialized
-from .store import OutcomeWatch, publish_merge_outcome
+from .store import OutcomeWatch, part_failures, publish_merge_outcome, publish_part_failure
 from .transfer import Session, TransferInfo, check_options, transfer_shards
 
 
@@ -45,6 +45,8 @@ class Rounds:
     def __init__(self) -> None:
         self.shards_here = False
         """Set by a completed coordinated round: ``dst``'s root holds every committed shard."""
+        self.calls = 0
+        """This session's rounds so far: every rank calls ``merge`` alike, so it names a round's keys."""
 
     def merge(
         self,
@@ -61,6 +63,7 @@ class Rounds:
         **kwargs: Any,
     ) -> MergeReport | None:
         """One round, on this rank (``SpillWriter.merge`` documents the arguments)."""
+        self.calls += 1
         if not 0 <= dst < session.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {session.world_size}")
         check_options(transport, transfer_chunk_bytes, transfer_timeout)
@@ -76,13 +79,18 @@ class Rounds:
                     f"transport={transport!r}",
                     key="transport",
                 )
+            told = part_failures(session.run_id, session.number, self.calls)
             part = functools.partial(
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
-                run_id=session.run_id, **kwargs,
+                run_id=session.run_id, told=told, **kwargs,
             )  # fmt: skip
             if session.rank != dst:
-                part()  # dst's own part runs in its merge_parallel call, which then finalizes
-            return _merge_on_dst(session, out, dst, wait, kwargs, part)
+                try:  # dst's own part runs in its merge_parallel call, which then finalizes
+                    part()
+                except BaseException as exc:  # told to dst at once, also before the part had a plan
+                    publish_part_failure(session.run_id, session.number, self.calls, session.rank, exc)
+                    raise
+            return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, part)
         if network and not coordinated(session):
             raise ConfigError(
                 f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
@@ -109,7 +117,7 @@ class Rounds:
 
         if session.rank != dst:
             transfer()
-        return _merge_on_dst(session, out, dst, wait, kwargs, run)
+        return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, run)
 
 
 def _spelling(out: str | os.PathLike[str]) -> str:
@@ -127,6 +135,7 @@ def coordinated(session: Session) -> bool:
 
 def _merge_on_dst(
     session: Session,
+    round_: int,
     out: str,
     dst: int,
     wait: bool,
@@ -143,8 +152,9 @@ def _merge_on_dst(
             )
             output = Storage(out, opts)
             wait_complete(
-                output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"])
-            )
+                output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"]),
+                round_=round_,
+            )  # fmt: skip
         return None
     try:
         report = run()
@@ -155,9 +165,11 @@ def _merge_on_dst(
             with contextlib.suppress(Exception):  # the merge's own error matters more
                 record = FS.MergeFailureRecord.of(exc, rank=session.rank, run_id=session.run_id, session=n)
                 session.storage.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
-        publish_merge_outcome(session.run_id, n, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+        publish_merge_outcome(
+            session.run_id, n, round_, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        )
         raise
-    publish_merge_outcome(session.run_id, n, {"ok": True})
+    publish_merge_outcome(session.run_id, n, round_, {"ok": True})
     return report
 
 
@@ -169,13 +181,16 @@ def wait_complete(
     session: int,
     dst: int,
     timeout: float,
+    round_: int = 1,
 ) -> None:
     """A rank other than ``dst``: return once the output holds a completion marker of this run
     (``run_id``), or the process group's store says the merge succeeded (:class:`OutcomeWatch`); raise
     :class:`MergeFailedError` naming ``dst`` as soon as its merge is known to have failed (the
     store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
-    ``timeout`` seconds."""
-    outcome = OutcomeWatch(run_id, session)
+    ``timeout`` seconds. ``round_``: which merge round of the writer session this is (1, 2, ...).
+    While the store answers, it alone tells a failure: the spill root's failure record may be an
+    earlier round's of the same session."""
+    outcome = OutcomeWatch(run_id, session, round_)
     for waited in _poll.poll(timeout, first=0.002, cap=1.0, factor=1.25):  # a small merge takes ms
         told = outcome.poll()
         if told is not None:
@@ -184,7 +199,7 @@ def wait_complete(
             _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
         if complete_for(output, run_id, session):
             return
-        raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
+        raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20) if outcome.store is None else None
         with contextlib.suppress(CorruptSpillError):  # a torn or foreign record: no failure of this round
             rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME)) if raw else None
             if rec is not None and rec.run_id == run_id and rec.session == session:
