@@ -1,8 +1,10 @@
 """Rank bodies for tests/distributed/test_round_waits.py: a rank that fails before its part of
-``merge(parallel=True)`` opens, in 3 gloo ranks; every scenario runs in the same processes."""
+``merge(parallel=True)`` opens, and a rank whose ``SpillWriter`` is refused under a launcher's run
+id, in 3 gloo ranks; every scenario runs in the same processes."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -39,8 +41,33 @@ def part_fails_before_it_opens(rank: int, world: int, base: str) -> dict[str, An
     return {"failed": failed, "after": after}
 
 
+def direct_writer_refused(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Under a launcher's run id, rank 1's ``SpillWriter(...)`` raises (a bad option): the others'
+    merge names rank 1 at once, and the next round, whose writers every rank creates, merges
+    every rank's frames (rank 1 did not fall one writer session behind)."""
+    import spillmerge
+
+    os.environ["TORCHELASTIC_RUN_ID"] = "direct-refused"
+    kw: dict[str, Any] = {"wait": True, "timeout": TIMEOUT, "progress": False}
+    try:
+        if rank == 1:
+            refused = attempt(lambda: spill(f"{base}/direct/one", rank, "one", on_duplicate="bogus") and None)
+        else:
+            one = spill(f"{base}/direct/one", rank, "one")
+            refused = attempt(lambda: one.merge(f"{base}/direct/one.out", **kw) and None)
+        dist.barrier()  # rank 1's next writer starts only once the others' round ended
+        w = spill(f"{base}/direct/two", rank, "two")
+        after = attempt(lambda: w.merge(f"{base}/direct/two.out", **kw) and None)
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
+    if rank == 0 and after["error"] is None:
+        after["got"] = frames(spillmerge.open(f"{base}/direct/two.out"))
+    return {"refused": refused, "after": after}
+
+
 SCENARIOS = {
     "part_fails_before_it_opens": part_fails_before_it_opens,
+    "direct_writer_refused": direct_writer_refused,
 }
 
 

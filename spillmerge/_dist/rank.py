@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import uuid
@@ -10,7 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CoordinationError, SpillValueError
+from .._errors import CoordinationError, SpillMergeError, SpillValueError
+from .store import next_session, publish_failure
 
 
 def dist_initialized() -> bool:
@@ -107,3 +109,10 @@ def on_gloo(rank: int, timeout: float, what: str, collective: Callable[..., Any]
             f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
         ) from exc
 
+
+def refused(run_id: str | None, rank: int | None, world_size: int | None, exc: Exception) -> None:
+    """This rank's writer could not be created: count its session as the other ranks' writers do
+    (a later writer keeps one number on every rank) and tell them at once."""
+    session = next_session(run_id)
+    with contextlib.suppress(SpillMergeError):  # its rank may be what is wrong: then only the count
+        publish_failure(run_id, resolve_rank(rank, world_size)[0], f"{type(exc).__name__}: {exc}", session=session)

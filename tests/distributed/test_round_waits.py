@@ -1,6 +1,7 @@
 """Nobody waits out a timeout for a failure already known, across 3 real gloo ranks: a rank whose
-part of ``merge(parallel=True)`` fails before it opens is named by ``dst`` at once, and the same
-writers' next call is not ended by the first call's outcome."""
+part of ``merge(parallel=True)`` fails before it opens is named by ``dst`` at once, and a rank
+whose ``SpillWriter`` is refused under a launcher's run id is named at once and keeps counting
+its writer sessions with the others (its next round pairs with theirs)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,17 @@ def test_a_part_failing_before_it_opens_is_named_at_once_and_the_next_call_merge
         assert res[r]["failed"]["seconds"] < TIMEOUT / 2, (r, res[r]["failed"])
         assert res[r]["after"]["error"] is None, (r, res[r]["after"])
     assert res[0]["after"]["got"] == {f"par-r{r}.mp4": [0, 1, 2, 3] for r in range(WORLD)}
+
+
+def test_a_direct_writer_refused_under_a_launcher_run_id_is_named_at_once_and_the_next_round_merges(ranks):
+    _, results = ranks
+    res = {r: results[r]["direct_writer_refused"] for r in range(WORLD)}
+    assert res[1]["refused"]["error"]["type"] == "SpillValueError", res[1]
+    for r in (0, 2):
+        err = res[r]["refused"]["error"]
+        assert err is not None and err["type"] == "RankFailedError" and list(err["failures"]) == ["1"], (r, err)
+        assert "rank 1" in err["msg"] and "on_duplicate" in err["msg"], (r, err)
+        assert res[r]["refused"]["seconds"] < TIMEOUT / 2, (r, res[r]["refused"])
+    for r in range(WORLD):
+        assert res[r]["after"]["error"] is None, (r, res[r]["after"])
+    assert res[0]["after"]["got"] == {f"two-r{r}.mp4": [0, 1, 2, 3] for r in range(WORLD)}
