@@ -1841,6 +1841,17 @@ MUTATIONS: list[Mutation] = [
         "a rank whose part of merge(parallel=True) fails before it opens is named by dst at once",
     ),
     Mutation(
+        "coord-timeout-blames-dst",
+        "spillmerge/_dist/store.py",
+        "                    missing = absent\n",
+        "                    pass\n",
+        (
+            "tests/distributed/test_round_kills.py::"
+            "test_a_rank_killed_in_each_phase_is_named_by_every_survivor_and_a_rerun_merges[gather]",
+        ),
+        "a rank waiting for dst's plan names, at its timeout, the ranks dst itself waits for",
+    ),
+    Mutation(
         "dropin-arguments-not-compared",
         "spillmerge/_dist/dropin.py",
         "    if odd:\n        who = ",

@@ -8,8 +8,9 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
                   can read every committed shard under its own root (on ``dst`` as the first step
                   of its merge: a failed transfer is the round's outcome, told to waiting ranks)
   (dst)           ``_merge.job.merge`` (``parallel``: every rank runs ``_merge.job.merge_parallel`` and
-                  ``dst`` finalizes; a part that fails tells it through the store), then ``_dist.store.publish_merge_outcome``; a failure is also
-                  recorded in the spill root when the others wait
+                  ``dst`` finalizes; a part that fails tells it through the store), then
+                  ``_dist.store.publish_merge_outcome``; a failure is also recorded in the spill
+                  root when the others wait
   (other ranks)   return ``None``, or with ``wait`` :func:`wait_complete`: this round's completion
                   marker in the output, ``dst``'s outcome in the store, or its failure record
 """
@@ -28,6 +29,7 @@ from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTim
 from .._format import common as F
 from .._format import output as FO
 from .._format import spill as FS
+from .._merge import parts as _parts
 from .._merge.job import merge, merge_parallel
 from .._merge.report import MergeReport
 from .._storage import Storage, output_options
@@ -90,7 +92,7 @@ class Rounds:
                 except BaseException as exc:  # told to dst at once, also before the part had a plan
                     publish_part_failure(session.run_id, session.number, self.calls, session.rank, exc)
                     raise
-            return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, part)
+            return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, part, parts=True)
         if network and not coordinated(session):
             raise ConfigError(
                 f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
@@ -141,6 +143,8 @@ def _merge_on_dst(
     wait: bool,
     kwargs: dict[str, Any],
     run: Callable[[], MergeReport | None],
+    *,
+    parts: bool = False,
 ) -> MergeReport | None:
     """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root); the
     others wait for the output when ``wait``, else return None."""
@@ -153,7 +157,7 @@ def _merge_on_dst(
             output = Storage(out, opts)
             wait_complete(
                 output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"]),
-                round_=round_,
+                round_=round_, detail=functools.partial(_missing_parts, output, session.world_size) if parts else None,
             )  # fmt: skip
         return None
     try:
@@ -182,6 +186,7 @@ def wait_complete(
     dst: int,
     timeout: float,
     round_: int = 1,
+    detail: Callable[[], str] | None = None,
 ) -> None:
     """A rank other than ``dst``: return once the output holds a completion marker of this run
     (``run_id``), or the process group's store says the merge succeeded (:class:`OutcomeWatch`); raise
@@ -189,7 +194,7 @@ def wait_complete(
     store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
     ``timeout`` seconds. ``round_``: which merge round of the writer session this is (1, 2, ...).
     While the store answers, it alone tells a failure: the spill root's failure record may be an
-    earlier round's of the same session."""
+    earlier round's of the same session. ``detail()``: what the timeout's message adds."""
     outcome = OutcomeWatch(run_id, session, round_)
     for waited in _poll.poll(timeout, first=0.002, cap=1.0, factor=1.25):  # a small merge takes ms
         told = outcome.poll()
@@ -205,13 +210,27 @@ def wait_complete(
             if rec is not None and rec.run_id == run_id and rec.session == session:
                 _raise_failed(output, spill, rec.rank, rec.summary())
         if waited >= timeout:
+            known = detail() if detail is not None else ""
             raise MergeTimeout(
                 f"waited {waited:.0f} s for rank {dst} to complete the merge into {output.describe()}; it neither "
-                f"finished nor recorded a failure there. Check rank {dst}'s log (was it killed?), and that every rank "
-                "sees the output (wait=True needs shared storage for the output)",
+                f"finished nor recorded a failure there{known}. Check rank {dst}'s log (was it killed?), and that "
+                "every rank sees the output (wait=True needs shared storage for the output)",
                 path=output.describe(),
                 waited_s=waited,
             )
+
+
+def _missing_parts(output: Storage, n: int) -> str:
+    """For a waiting rank's timeout in a merge in parts: the parts (part ``i`` is rank ``i``) that
+    have no completion record of ``n`` parts, or nothing when that cannot be told."""
+    try:
+        done = {r.part for r in _parts.read_records(output) if isinstance(r, FO.PartDoneRecord) and r.parts == n}
+    except Exception:  # noqa: BLE001 - only the message's detail is lost
+        return ""
+    missing = [_parts.describe(p, n, p) for p in range(n) if p not in done]
+    if not missing:
+        return ""
+    return f" (no completion record from {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''})"
 
 
 def complete_for(output: Storage, run_id: str | None, session: int) -> bool:

@@ -203,6 +203,13 @@ class Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
+    def _absent(self) -> list[int]:
+        """The ranks that never posted ``meta`` (never reached the merge round); none once the store is gone."""
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([f"meta/{r}"])]
+        except RuntimeError:
+            return []
+
     def collect(self, prefix: str, what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
         """Wait for ``prefix/R`` from every rank R, or until ``done()`` (asked after 1 s, then
         less and less often, at most every 10 s: it may list storage) says waiting is no longer
@@ -237,6 +244,10 @@ class Coord:
                 raise self._store_lost(what, exc) from exc
             if waited >= self.timeout:
                 missing = sorted(pending)
+                absent = self._absent() if missing == [self.dst] and self.rank != self.dst else []
+                if absent and absent != missing:  # dst is there, itself waiting for them
+                    what = f"{what}; rank {self.dst} waits for them"
+                    missing = absent
                 raise CommitTimeout(
                     f"rank {self.rank}: rank(s) {missing} did not arrive within {self.timeout:.0f} s "
                     f"({what}); did they crash, or not call SpillWriter.merge()?",
