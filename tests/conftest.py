@@ -113,7 +113,7 @@ TIERS: dict[str, str] = {
     "multiprocess": (
         "test_dropin test_failures test_gather test_guards_multirank test_multirank test_nodelocal "
         "test_object_collectives test_torchrun test_status test_waits test_s3 test_untrusted_storage test_stale_root "
-        "test_round_failures"
+        "test_round_failures test_round_waits test_round_kills"
     ),
     "framework": "test_integrations test_examples",
     "model": "test_model_outputs",

@@ -1810,13 +1810,46 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "gather-refused-writer-uncounted",
         "spillmerge/_dist/gather.py",
-        '        _refused(opts["run_id"], rank, world_size, exc)\n',
+        '        refused(opts["run_id"], rank, world_size, exc)\n',
         "        pass\n",
         (
             "tests/distributed/test_round_failures.py::"
             "test_a_rank_whose_writer_is_refused_is_named_at_once_and_the_next_call_merges",
         ),
         "a rank whose gather writer is refused is named at once, and the ranks' session counts stay alike",
+    ),
+    Mutation(
+        "writer-refused-uncounted",
+        "spillmerge/_write/writer.py",
+        "                refused(launcher_run_id(run_id), rank, world_size, exc)\n",
+        "                pass\n",
+        (
+            "tests/distributed/test_round_waits.py::"
+            "test_a_direct_writer_refused_under_a_launcher_run_id_is_named_at_once_and_the_next_round_merges",
+        ),
+        "a rank whose SpillWriter is refused under a launcher's run id is named at once, and its session count stays",
+    ),
+    Mutation(
+        "parallel-part-failure-untold",
+        "spillmerge/_dist/round.py",
+        "                    publish_part_failure(session.run_id, session.number, self.calls, session.rank, exc)\n",
+        "                    pass\n",
+        (
+            "tests/distributed/test_round_waits.py::"
+            "test_a_part_failing_before_it_opens_is_named_at_once_and_the_next_call_merges",
+        ),
+        "a rank whose part of merge(parallel=True) fails before it opens is named by dst at once",
+    ),
+    Mutation(
+        "coord-timeout-blames-dst",
+        "spillmerge/_dist/store.py",
+        "                    missing = absent\n",
+        "                    pass\n",
+        (
+            "tests/distributed/test_round_kills.py::"
+            "test_a_rank_killed_in_each_phase_is_named_by_every_survivor_and_a_rerun_merges[gather]",
+        ),
+        "a rank waiting for dst's plan names, at its timeout, the ranks dst itself waits for",
     ),
     Mutation(
         "dropin-arguments-not-compared",

@@ -12,7 +12,6 @@ Protocol (every rank calls the same function, like the torch collectives):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import os
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CoordinationError, MergeFailedError, SpillMergeError
+from .._errors import CoordinationError, MergeFailedError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import output_options
@@ -29,9 +28,9 @@ from .._util.gcpause import gc_paused
 from .._util.poll import poll
 from .._write.batch import mapping_items
 from .._write.writer import SpillWriter
-from .rank import on_gloo, resolve_rank, resolve_run_id
+from .rank import on_gloo, refused, resolve_run_id
 from .round import coordinated
-from .store import OutcomeWatch, next_session, publish_failure
+from .store import OutcomeWatch
 
 CHUNK_BYTES = 4 << 20
 """The chunk (and staging buffer) size of a call's writer: every prediction is in memory already
@@ -45,6 +44,7 @@ class CallWriter(SpillWriter):
     buffer prefaulted)."""
 
     _flush_at_commit = True
+    _counts_refusal = False  # gather counts a refused writer, a bad option name included
 
     def __init__(self, *args: Any, chunk_bytes: int = CHUNK_BYTES, staging_bytes: int = 2 * CHUNK_BYTES, **kw: Any):
         super().__init__(*args, chunk_bytes=chunk_bytes, staging_bytes=staging_bytes, **kw)
@@ -101,7 +101,7 @@ def gather(
     try:
         writer = CallWriter(spill, rank, world_size, storage_options, **opts)
     except Exception as exc:
-        _refused(opts["run_id"], rank, world_size, exc)
+        refused(opts["run_id"], rank, world_size, exc)
         raise
     with writer as w:
         gc_paused(_write_all, w, preds)  # builds only acyclic lists and buffers
@@ -148,14 +148,6 @@ def all_gather(
     return store
 
 
-def _refused(run_id: str | None, rank: int | None, world_size: int | None, exc: Exception) -> None:
-    """This rank's writer of the call could not be created: count its session as the other ranks'
-    writers do (a later call keeps one number on every rank) and tell them at once."""
-    session = next_session(run_id)
-    with contextlib.suppress(SpillMergeError):  # its rank may be what is wrong: then only the count
-        publish_failure(run_id, resolve_rank(rank, world_size)[0], f"{type(exc).__name__}: {exc}", session=session)
-
-
 def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> None:
     """Return only once this call's spill is gone (unless ``keep_spill``), on every rank (the
     module docstring's last steps): the ranks call again with the same ``out`` right after, and a
@@ -165,7 +157,7 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
     session = w.session()
     together = coordinated(session)
     if together and w.rank != dst:  # dst's merge outcome, in the process group's store
-        watch = OutcomeWatch(session.run_id, session.number)
+        watch = OutcomeWatch(session.run_id, session.number, 1)  # a call's writer merges once
         for waited in poll(timeout, first=0.002, cap=0.25, factor=1.25):
             told = watch.poll()
             if told is not None:

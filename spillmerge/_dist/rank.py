@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import uuid
@@ -10,7 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CoordinationError, SpillValueError
+from .._errors import CoordinationError, SpillMergeError, SpillValueError
+from .store import next_session, publish_failure
 
 
 def dist_initialized() -> bool:
@@ -46,21 +48,28 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
-def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
-    """The id shared by all ranks of one job run.
-
-    Explicit argument, else the launcher's (torchrun's TORCHELASTIC_RUN_ID, SLURM's job id),
-    else, when torch.distributed is initialised, rank 0's fresh id broadcast over a gloo group
-    (CPU only), else None (the merge then waits on each rank's newest segment).
-    """
+def launcher_run_id(run_id: str | None) -> str | None:
+    """The run id known without asking the other ranks: the explicit argument, else the
+    launcher's (torchrun's TORCHELASTIC_RUN_ID, SLURM's job id), else None."""
     if run_id is not None:
         return str(run_id)
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
         return f"torchelastic-{elastic}"
     slurm = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-    if slurm:
-        return f"slurm-{slurm}"
+    return f"slurm-{slurm}" if slurm else None
+
+
+def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
+    """The id shared by all ranks of one job run.
+
+    :func:`launcher_run_id`, else, when torch.distributed is initialised, rank 0's fresh id
+    broadcast over a gloo group (CPU only), else None (the merge then waits on each rank's
+    newest segment).
+    """
+    known = launcher_run_id(run_id)
+    if known is not None:
+        return known
     if dist_initialized():
         try:
             group = gloo_group(timeout)
@@ -99,3 +108,11 @@ def on_gloo(rank: int, timeout: float, what: str, collective: Callable[..., Any]
         raise CoordinationError(
             f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
         ) from exc
+
+
+def refused(run_id: str | None, rank: int | None, world_size: int | None, exc: Exception) -> None:
+    """This rank's writer could not be created: count its session as the other ranks' writers do
+    (a later writer keeps one number on every rank) and tell them at once."""
+    session = next_session(run_id)
+    with contextlib.suppress(SpillMergeError):  # its rank may be what is wrong: then only the count
+        publish_failure(run_id, resolve_rank(rank, world_size)[0], f"{type(exc).__name__}: {exc}", session=session)

@@ -8,8 +8,9 @@ Protocol (every rank calls :meth:`Rounds.merge` through ``SpillWriter.merge``):
                   can read every committed shard under its own root (on ``dst`` as the first step
                   of its merge: a failed transfer is the round's outcome, told to waiting ranks)
   (dst)           ``_merge.job.merge`` (``parallel``: every rank runs ``_merge.job.merge_parallel`` and
-                  ``dst`` finalizes), then ``_dist.store.publish_merge_outcome``; a failure is also
-                  recorded in the spill root when the others wait
+                  ``dst`` finalizes; a part that fails tells it through the store), then
+                  ``_dist.store.publish_merge_outcome``; a failure is also recorded in the spill
+                  root when the others wait
   (other ranks)   return ``None``, or with ``wait`` :func:`wait_complete`: this round's completion
                   marker in the output, ``dst``'s outcome in the store, or its failure record
 """
@@ -28,12 +29,13 @@ from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTim
 from .._format import common as F
 from .._format import output as FO
 from .._format import spill as FS
+from .._merge import parts as _parts
 from .._merge.job import merge, merge_parallel
 from .._merge.report import MergeReport
 from .._storage import Storage, output_options
 from .._util import poll as _poll
 from .rank import dist_initialized
-from .store import OutcomeWatch, publish_merge_outcome
+from .store import OutcomeWatch, part_failures, publish_merge_outcome, publish_part_failure
 from .transfer import Session, TransferInfo, check_options, transfer_shards
 
 
@@ -45,6 +47,8 @@ class Rounds:
     def __init__(self) -> None:
         self.shards_here = False
         """Set by a completed coordinated round: ``dst``'s root holds every committed shard."""
+        self.calls = 0
+        """This session's rounds so far: every rank calls ``merge`` alike, so it names a round's keys."""
 
     def merge(
         self,
@@ -61,6 +65,7 @@ class Rounds:
         **kwargs: Any,
     ) -> MergeReport | None:
         """One round, on this rank (``SpillWriter.merge`` documents the arguments)."""
+        self.calls += 1
         if not 0 <= dst < session.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {session.world_size}")
         check_options(transport, transfer_chunk_bytes, transfer_timeout)
@@ -76,13 +81,18 @@ class Rounds:
                     f"transport={transport!r}",
                     key="transport",
                 )
+            told = part_failures(session.run_id, session.number, self.calls)
             part = functools.partial(
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
-                run_id=session.run_id, **kwargs,
+                run_id=session.run_id, told=told, **kwargs,
             )  # fmt: skip
             if session.rank != dst:
-                part()  # dst's own part runs in its merge_parallel call, which then finalizes
-            return _merge_on_dst(session, out, dst, wait, kwargs, part)
+                try:  # dst's own part runs in its merge_parallel call, which then finalizes
+                    part()
+                except BaseException as exc:  # told to dst at once, also before the part had a plan
+                    publish_part_failure(session.run_id, session.number, self.calls, session.rank, exc)
+                    raise
+            return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, part, parts=True)
         if network and not coordinated(session):
             raise ConfigError(
                 f"transport={transport!r} needs torch.distributed initialised with this writer's rank "
@@ -109,7 +119,7 @@ class Rounds:
 
         if session.rank != dst:
             transfer()
-        return _merge_on_dst(session, out, dst, wait, kwargs, run)
+        return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, run)
 
 
 def _spelling(out: str | os.PathLike[str]) -> str:
@@ -127,11 +137,14 @@ def coordinated(session: Session) -> bool:
 
 def _merge_on_dst(
     session: Session,
+    round_: int,
     out: str,
     dst: int,
     wait: bool,
     kwargs: dict[str, Any],
     run: Callable[[], MergeReport | None],
+    *,
+    parts: bool = False,
 ) -> MergeReport | None:
     """``dst`` runs ``run()`` and tells waiting ranks how it ended (store and spill root); the
     others wait for the output when ``wait``, else return None."""
@@ -143,8 +156,9 @@ def _merge_on_dst(
             )
             output = Storage(out, opts)
             wait_complete(
-                output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"])
-            )
+                output, session.storage, run_id=session.run_id, session=n, dst=dst, timeout=float(kwargs["timeout"]),
+                round_=round_, detail=functools.partial(_missing_parts, output, session.world_size) if parts else None,
+            )  # fmt: skip
         return None
     try:
         report = run()
@@ -155,9 +169,11 @@ def _merge_on_dst(
             with contextlib.suppress(Exception):  # the merge's own error matters more
                 record = FS.MergeFailureRecord.of(exc, rank=session.rank, run_id=session.run_id, session=n)
                 session.storage.put_atomic(FS.MERGE_FAILED_NAME, record.to_json())
-        publish_merge_outcome(session.run_id, n, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+        publish_merge_outcome(
+            session.run_id, n, round_, {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        )
         raise
-    publish_merge_outcome(session.run_id, n, {"ok": True})
+    publish_merge_outcome(session.run_id, n, round_, {"ok": True})
     return report
 
 
@@ -169,13 +185,17 @@ def wait_complete(
     session: int,
     dst: int,
     timeout: float,
+    round_: int = 1,
+    detail: Callable[[], str] | None = None,
 ) -> None:
     """A rank other than ``dst``: return once the output holds a completion marker of this run
     (``run_id``), or the process group's store says the merge succeeded (:class:`OutcomeWatch`); raise
     :class:`MergeFailedError` naming ``dst`` as soon as its merge is known to have failed (the
     store, or a failure record of this run in the spill root); :class:`MergeTimeout` after
-    ``timeout`` seconds."""
-    outcome = OutcomeWatch(run_id, session)
+    ``timeout`` seconds. ``round_``: which merge round of the writer session this is (1, 2, ...).
+    While the store answers, it alone tells a failure: the spill root's failure record may be an
+    earlier round's of the same session. ``detail()``: what the timeout's message adds."""
+    outcome = OutcomeWatch(run_id, session, round_)
     for waited in _poll.poll(timeout, first=0.002, cap=1.0, factor=1.25):  # a small merge takes ms
         told = outcome.poll()
         if told is not None:
@@ -184,19 +204,33 @@ def wait_complete(
             _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
         if complete_for(output, run_id, session):
             return
-        raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20)
+        raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20) if outcome.store is None else None
         with contextlib.suppress(CorruptSpillError):  # a torn or foreign record: no failure of this round
             rec = FS.MergeFailureRecord.from_json(raw, path=spill.describe(FS.MERGE_FAILED_NAME)) if raw else None
             if rec is not None and rec.run_id == run_id and rec.session == session:
                 _raise_failed(output, spill, rec.rank, rec.summary())
         if waited >= timeout:
+            known = detail() if detail is not None else ""
             raise MergeTimeout(
                 f"waited {waited:.0f} s for rank {dst} to complete the merge into {output.describe()}; it neither "
-                f"finished nor recorded a failure there. Check rank {dst}'s log (was it killed?), and that every rank "
-                "sees the output (wait=True needs shared storage for the output)",
+                f"finished nor recorded a failure there{known}. Check rank {dst}'s log (was it killed?), and that "
+                "every rank sees the output (wait=True needs shared storage for the output)",
                 path=output.describe(),
                 waited_s=waited,
             )
+
+
+def _missing_parts(output: Storage, n: int) -> str:
+    """For a waiting rank's timeout in a merge in parts: the parts (part ``i`` is rank ``i``) that
+    have no completion record of ``n`` parts, or nothing when that cannot be told."""
+    try:
+        done = {r.part for r in _parts.read_records(output) if isinstance(r, FO.PartDoneRecord) and r.parts == n}
+    except Exception:  # noqa: BLE001 - only the message's detail is lost
+        return ""
+    missing = [_parts.describe(p, n, p) for p in range(n) if p not in done]
+    if not missing:
+        return ""
+    return f" (no completion record from {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''})"
 
 
 def complete_for(output: Storage, run_id: str | None, session: int) -> bool:

@@ -5,8 +5,10 @@ carries, under ``spillmerge/RUN_ID/``:
 
 - ``failed/A/R`` (and the counter ``failed/A``): rank R's A-th writer session of the run failed
   (:func:`publish_failure`, written by ``SpillWriter.abort``; read by :class:`Coord` waits);
-- ``merge-outcome/A``: how ``dst``'s merge of session A ended (:func:`publish_merge_outcome`;
-  ranks waiting for the output watch it with :class:`OutcomeWatch`);
+- ``merge-outcome/A/M``: how ``dst``'s M-th merge round of session A ended
+  (:func:`publish_merge_outcome`; ranks waiting for the output watch it with :class:`OutcomeWatch`);
+- ``part-failed/A/M/R``: rank R's part of the M-th round (``merge(parallel=True)``) of session A
+  failed (:func:`publish_part_failure`; ``dst``'s finalize asks :func:`part_failures`);
 - ``merge-A/...``: the JSON messages of one coordinated merge (:class:`Coord`: ``meta``,
   ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_dist.transfer.transfer_shards``).
 
@@ -63,14 +65,45 @@ def publish_failure(run_id: str | None, rank: int, message: str, *, session: int
             store.add(f"failed/{session}", 1)
 
 
-def publish_merge_outcome(run_id: str | None, session: int, outcome: dict[str, Any]) -> None:
+def publish_merge_outcome(run_id: str | None, session: int, round_: int, outcome: dict[str, Any]) -> None:
     """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
     merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
     waiting ranks also watch storage)."""
     with contextlib.suppress(Exception):  # storage still carries the outcome
         store = _run_store(run_id)
         if store is not None:
-            store.set(f"merge-outcome/{session}", json.dumps(outcome)[:8000])
+            store.set(f"merge-outcome/{session}/{round_}", json.dumps(outcome)[:8000])
+
+
+def publish_part_failure(run_id: str | None, session: int, round_: int, rank: int, exc: BaseException) -> None:
+    """Tell ``dst``'s finalize at once that this rank's part failed, also before the part knew its
+    plan (its failure record under the output counts only for a plan). Best effort."""
+    with contextlib.suppress(Exception):  # the part's own error matters more
+        store = _run_store(run_id)
+        if store is not None:
+            store.set(f"part-failed/{session}/{round_}/{rank}", f"{type(exc).__name__}: {exc}"[:4000])
+
+
+def part_failures(run_id: str | None, session: int, round_: int) -> Callable[[list[int]], dict[int, str]]:
+    """``dst``'s check for :func:`publish_part_failure`: ranks → "Type: message" among those asked
+    about; nothing once the store is gone (the part records on storage remain)."""
+    try:
+        store: Any = _run_store(run_id)
+    except Exception:  # noqa: BLE001 - no store: storage only
+        store = None
+
+    def told(ranks: list[int]) -> dict[int, str]:
+        nonlocal store
+        if store is None:
+            return {}
+        try:
+            keys = {r: f"part-failed/{session}/{round_}/{r}" for r in ranks}
+            return {r: store.get(k).decode(errors="replace") for r, k in keys.items() if store.check([k])}
+        except Exception:  # noqa: BLE001 - the store's host went away: storage only from now on
+            store = None
+            return {}
+
+    return told
 
 
 class OutcomeWatch:
@@ -78,8 +111,8 @@ class OutcomeWatch:
     the outcome once published, else None; once the store is gone (its host process, usually
     rank 0, exited) it stays None and the caller relies on storage."""
 
-    def __init__(self, run_id: str | None, session: int) -> None:
-        self.key = f"merge-outcome/{session}"
+    def __init__(self, run_id: str | None, session: int, round_: int) -> None:
+        self.key = f"merge-outcome/{session}/{round_}"  # an earlier round's outcome is not this one's
         try:
             self.store: Any = _run_store(run_id)
         except Exception:  # noqa: BLE001 - no store: storage only
@@ -170,6 +203,13 @@ class Coord:
                 raise RankFailedError(msg, failures={int(k): v for k, v in doc["failures"].items()})
             raise CoordinationError(msg, rank=self.rank)
 
+    def _absent(self) -> list[int]:
+        """The ranks that never posted ``meta`` (never reached the merge round); none once the store is gone."""
+        try:
+            return [r for r in range(self.world_size) if not self.store.check([f"meta/{r}"])]
+        except RuntimeError:
+            return []
+
     def collect(self, prefix: str, what: str, done: Callable[[], bool] | None = None) -> dict[int, Any]:
         """Wait for ``prefix/R`` from every rank R, or until ``done()`` (asked after 1 s, then
         less and less often, at most every 10 s: it may list storage) says waiting is no longer
@@ -204,6 +244,10 @@ class Coord:
                 raise self._store_lost(what, exc) from exc
             if waited >= self.timeout:
                 missing = sorted(pending)
+                absent = self._absent() if missing == [self.dst] and self.rank != self.dst else []
+                if absent and absent != missing:  # dst is there, itself waiting for them
+                    what = f"{what}; rank {self.dst} waits for them"
+                    missing = absent
                 raise CommitTimeout(
                     f"rank {self.rank}: rank(s) {missing} did not arrive within {self.timeout:.0f} s "
                     f"({what}); did they crash, or not call SpillWriter.merge()?",

@@ -106,11 +106,12 @@ def merge(
 
 def merge_parallel(
     root: str, out: str, *, rank: int, world_size: int, dst: int, run_id: str | None, timeout: float,
-    overwrite: bool = False, **kwargs: Any,
+    overwrite: bool = False, told: _scaleout.Told | None = None, **kwargs: Any,
 ) -> MergeReport | None:  # fmt: skip
     """``SpillWriter.merge(parallel=True)``: every rank writes part ``rank`` of ``world_size``;
     rank ``dst`` then waits on storage (not on a collective) for every part record, up to
-    ``timeout`` seconds, and finalizes. Returns the report on ``dst``, None elsewhere."""
+    ``timeout`` seconds, or until ``told`` names a failed part, and finalizes. Returns the report
+    on ``dst``, None elsewhere."""
     for key in ("part", "finalize"):
         if key in kwargs:
             raise SpillValueError(f"{key}= cannot be combined with parallel=True (every rank is one part)")
@@ -124,7 +125,7 @@ def merge_parallel(
         _scaleout.merge_part(job, rank=rank)
         if rank != dst:
             return None
-        return _remove_spill(job, _scaleout.finalize(job, world_size, collective=True))
+        return _remove_spill(job, _scaleout.finalize(job, world_size, collective=True, told=told))
     finally:
         job.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import CorruptSpillError, MissingPartsError, PartFailedError, PartsTimeout, PlanMismatchError
@@ -142,12 +143,14 @@ def wait(
     collective: bool = False,
     run_id: str | None = None,
     options: dict[str, Any] | None = None,
+    told: Callable[[list[int]], dict[int, str]] | None = None,
 ) -> list[FO.PartDoneRecord]:
     """The finalizer's barrier: every part's completion record with this plan, else a clear error
     naming the parts (failed at once, missing after ``timeout`` seconds, other plans at once).
     ``collective``: part ``i`` is rank ``i`` (``SpillWriter.merge(parallel=True)``), and messages say
     so. Failure records count only for this plan (and ``run_id`` when given): an earlier attempt's
-    stays on storage until its part runs again, and must not fail this one."""
+    stays on storage until its part runs again, and must not fail this one. ``told(parts)``: the
+    failures of those parts known elsewhere (the process group's store), as "Type: message"."""
     cache: dict[str, Record] = {}
     for waited in _poll.poll(timeout, first=0.05, cap=2.0):
         records = read_records(output, cache)
@@ -161,18 +164,19 @@ def wait(
             if isinstance(r, FO.PartFailureRecord) and r.parts == parts and r.plan == plan and r.part not in done
             and (run_id is None or r.run_id == run_id)
         }  # fmt: skip
-        if failed:
-            failures = {p: r.summary() for p, r in sorted(failed.items())}
-            detail = "; ".join(
-                f"{describe(p, parts, p if collective else r.rank)}: {r.summary()}" for p, r in sorted(failed.items())
-            )
+        missing = [p for p in range(parts) if p not in done]
+        failures = {p: r.summary() for p, r in sorted(failed.items())}
+        if not failures and missing and told is not None:  # collective: part p is rank p
+            failures = told(missing)
+        if failures:
+            rank = {p: p if collective else failed[p].rank for p in failures}
+            detail = "; ".join(f"{describe(p, parts, rank[p])}: {why}" for p, why in failures.items())
             raise PartFailedError(
-                f"{len(failed)} of {parts} part(s) of the merge into {output.describe()} failed: {detail}; "
+                f"{len(failures)} of {parts} part(s) of the merge into {output.describe()} failed: {detail}; "
                 f"rerun them (records under {output.describe(PARTS_DIR)})",
                 failures=failures,
                 path=output.describe(),
             )
-        missing = [p for p in range(parts) if p not in done]
         if not missing:
             return [done[p] for p in range(parts)]
         if waited >= timeout:

@@ -3,6 +3,7 @@ checks every record and writes the shared documents, index and completion marker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from .._errors import MissingPartsError, SpillMergeError
@@ -94,7 +95,13 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
     return job.report(todo=mine, parts=n, part=i)
 
 
-def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) -> MergeReport:
+Told = Callable[[list[int]], dict[int, str]]
+"""Failures of these parts known outside the output (``_merge.parts.wait``'s ``told``)."""
+
+
+def finalize(
+    job: _opening.Job, parts: int | None, *, collective: bool = False, told: Told | None = None
+) -> MergeReport:
     """After every part: check the part records (present, same plan), then index, consolidated
     metadata and completion marker — the same documents a one-process merge writes."""
     output = job.output
@@ -111,7 +118,7 @@ def finalize(job: _opening.Job, parts: int | None, *, collective: bool = False) 
         )
     with _lease.finalize(output) as lease:  # shared with parts; exclusive with a whole merge
         _output.refuse_links(output, overwrite=False)  # pruning through a linked folder deletes elsewhere
-        return job.redone(lambda: _finalize_locked(job, parts, collective, lease))
+        return job.redone(lambda: _finalize_locked(job, parts, collective, lease, told))
 
 
 def _await_a_part(output: Storage, timeout: float) -> None:
@@ -127,7 +134,9 @@ def _await_a_part(output: Storage, timeout: float) -> None:
             return
 
 
-def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lease: _lease.Lease) -> MergeReport:
+def _finalize_locked(
+    job: _opening.Job, parts: int | None, collective: bool, lease: _lease.Lease, told: Told | None
+) -> MergeReport:
     output = job.output
     complete = output.exists(FO.COMPLETE_NAME)
     if complete and not job.options.overwrite:
@@ -151,6 +160,7 @@ def _finalize_locked(job: _opening.Job, parts: int | None, collective: bool, lea
             collective=collective,
             run_id=job.options.run_id if collective else None,
             options=_opening.plan_options(job),
+            told=told,
         )
     with job.phase("metadata"):
         lease.check()

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._dist.rank import resolve_rank
+from .._dist.rank import launcher_run_id, refused, resolve_rank
 from .._dist.round import Rounds
 from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
@@ -77,6 +77,9 @@ class SpillWriter(MergeSteps):
     _flush_at_commit = False
     """Start the flush thread only once a chunk fills (``Staging.start``'s ``at_commit``): a
     subclass for short-lived writers (the drop-ins) whose bytes usually fit in one chunk."""
+    _counts_refusal = True
+    """A constructor that raises counts this rank's writer session and tells the others, as
+    :meth:`open` would have (``_dist.rank.refused``); ``gather`` does it itself, a bad option name included."""
 
     def __init__(
         self,
@@ -94,34 +97,39 @@ class SpillWriter(MergeSteps):
         allow_pickle: bool = False,
         expected: int | None = None,
     ) -> None:
-        if on_duplicate not in _POLICIES:
-            raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
-        if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= (1 << 32):
-            raise SpillValueError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        self.storage = Storage(root, storage_options)
-        self.root = self.storage.url
-        self.chunk_bytes = chunk_bytes
-        self.flush_threads = flush_threads or (2 if self.storage.local else 4)
-        if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
-            raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
-        staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
-        self.n_buffers = max(2, -(-staging // chunk_bytes))
-        self.on_duplicate: DuplicatePolicy = on_duplicate
-        self.fsync = fsync
-        self.allow_pickle = bool(allow_pickle)
-        if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
-            raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
-        self.expected = expected
-        self._run_id_arg = run_id
-        self.run_id: str | None = None
-        self.segment: str | None = None
-        self._state = WriterState.NEW
-        self._staging = Staging(chunk_bytes, self.n_buffers)
-        self._rounds = Rounds()
-        self._lock = threading.Lock()
-        """Held by every call that changes the segment (open, write, write_batch, close, abort):
-        threads sharing the writer take turns, a call at a time."""
+        try:
+            if on_duplicate not in _POLICIES:
+                raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
+            if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= (1 << 32):
+                raise SpillValueError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
+            self.rank, self.world_size = resolve_rank(rank, world_size)
+            self.storage = Storage(root, storage_options)
+            self.root = self.storage.url
+            self.chunk_bytes = chunk_bytes
+            self.flush_threads = flush_threads or (2 if self.storage.local else 4)
+            if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
+                raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
+            staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
+            self.n_buffers = max(2, -(-staging // chunk_bytes))
+            self.on_duplicate: DuplicatePolicy = on_duplicate
+            self.fsync = fsync
+            self.allow_pickle = bool(allow_pickle)
+            if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
+                raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
+            self.expected = expected
+            self._run_id_arg = run_id
+            self.run_id: str | None = None
+            self.segment: str | None = None
+            self._state = WriterState.NEW
+            self._staging = Staging(chunk_bytes, self.n_buffers)
+            self._rounds = Rounds()
+            self._lock = threading.Lock()
+            """Held by every call that changes the segment (open, write, write_batch, close, abort):
+            threads sharing the writer take turns, a call at a time."""
+        except Exception as exc:
+            if self._counts_refusal:  # without a run id from the launcher or the caller, only the count
+                refused(launcher_run_id(run_id), rank, world_size, exc)
+            raise
 
     # ---------------------------------------------------------------------------------- write
     def write(self, filename: str, frame_idx: int, value: Any) -> None:
