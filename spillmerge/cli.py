@@ -19,7 +19,8 @@ from ._merge import options as _options
 _MERGE_KEYS = {"root": str, "out": str, **_options.config_keys()}
 """The ``[merge]`` table of a config file: the spill root, the output and every option with a config key."""
 _STORAGE_OPTION_HELP = (
-    'fsspec option (repeatable); VALUE is a string, or JSON when true, false, null, {...}, [...] or "..."'
+    "fsspec option (repeatable); VALUE is read as JSON where it is JSON (a number, true, {...}), else as a "
+    """string: quote a string that looks like JSON (secret='"123456"')"""
 )
 MAX_INTERVAL = 86400
 """The longest ``status --watch --interval`` (seconds): ``time.sleep`` overflows a few orders above."""
@@ -58,17 +59,17 @@ def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dic
 
 
 def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs: VALUE is a string (a secret of digits stays one), except ``true``,
-    ``false``, ``null``, a JSON object or list (``client_kwargs={...}``) or a quoted string: JSON."""
+    """``KEY=VALUE`` pairs: VALUE as JSON where it is JSON (numbers such as a block size, true,
+    false, null, ``client_kwargs={...}``, a quoted string), else the string itself."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
         if "=" not in pair:
             raise ConfigError(f"--storage-option expects KEY=VALUE, got {pair!r}", key="storage_option")
         k, v = pair.split("=", 1)
-        out[k] = v
-        if v in ("true", "false", "null") or v.startswith(("{", "[", '"')):
-            with contextlib.suppress(json.JSONDecodeError):
-                out[k] = json.loads(v)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
     return out
 
 

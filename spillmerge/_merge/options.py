@@ -187,8 +187,8 @@ class MergeOptions:
         config=dict,
         flag=Flag(
             "--storage-option",
-            "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol); VALUE is a "
-            'string, or JSON when true, false, null, {...}, [...] or "..."',
+            "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol); VALUE is read "
+            """as JSON where it is JSON (a number, true, {...}), else as a string (quote one: secret='"123"')""",
             {"action": "append", "metavar": "KEY=VALUE"},
         ),
     )

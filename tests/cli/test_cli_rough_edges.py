@@ -1,7 +1,7 @@
 """The CLI says what a thing is: an interrupted merge, an ``--out`` that is no output, a URL
 without a bucket, an unfinished segment (not corruption); it refuses a negative budget, a watch
 interval ``time.sleep`` cannot take, a plot of an interrupted merge and an existing ``--parquet``
-it was not told to replace; ``--storage-option`` secrets stay strings."""
+it was not told to replace; a quoted ``--storage-option`` value stays a string."""
 
 from __future__ import annotations
 
@@ -84,12 +84,13 @@ def test_export_refuses_a_parquet_inside_the_spill_root_the_output_came_from(mer
     assert not (root / "preds.parquet").exists()
 
 
-def test_storage_option_values_stay_strings_unless_json_literals_or_containers():
+def test_storage_option_values_are_json_where_json_and_a_quoted_secret_stays_a_string():
     got = cli._storage_options(
-        ["secret=123456", "key=1e5", "anon=true", "token=null", 'client_kwargs={"region_name": "x"}', 'p="7"', "k=a=b"]
-    )
-    assert got == {"secret": "123456", "key": "1e5", "anon": True, "token": None,
-                   "client_kwargs": {"region_name": "x"}, "p": "7", "k": "a=b"}  # fmt: skip
+        ['secret="123456"', "default_block_size=5242880", "anon=true", "token=null", 'client_kwargs={"region_name": "x"}',
+         "key=AKIA1", "k=a=b"]
+    )  # fmt: skip
+    assert got == {"secret": "123456", "default_block_size": 5242880, "anon": True, "token": None,
+                   "client_kwargs": {"region_name": "x"}, "key": "AKIA1", "k": "a=b"}  # fmt: skip
 
 
 def test_verify_says_unfinished_not_corrupt_for_a_live_rank_and_an_unfinished_merge(merged, tmp_path, capsys):
