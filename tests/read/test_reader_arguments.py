@@ -1,0 +1,44 @@
+"""The reader's API with unusual arguments: a frame index that is no integer raises the documented
+error naming what was asked, not a bare numpy ``TypeError``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import spillmerge
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("args")
+    with spillmerge.SpillWriter(str(tmp / "spill"), rank=0, world_size=1) as w:
+        for f in range(3):
+            w.write("a.mp4", f, {"logits": torch.full((2,), float(f)), "caption": f"c{f}"})
+        w.write("b.mp4", 7, {"logits": torch.zeros(2), "caption": "only"})  # a file of one frame
+    spillmerge.merge(str(tmp / "spill"), str(tmp / "out.zarr"))
+    return str(Path(tmp / "out.zarr"))
+
+
+@pytest.mark.parametrize("filename", ["a.mp4", "b.mp4"])
+@pytest.mark.parametrize(("frame", "shown"), [(None, "no frame None "), ("2", "no frame '2' "), ([2], "no frame [2] ")])
+def test_a_frame_index_that_is_no_integer_is_an_unknown_frame(
+    out: str, filename: str, frame: object, shown: str
+) -> None:
+    res = spillmerge.open(out)
+    with pytest.raises(spillmerge.UnknownFileError, match=re.escape(shown)) as err:
+        res.value(filename, frame)  # type: ignore[arg-type]
+    assert isinstance(err.value, KeyError) and err.value.filename == filename
+    with pytest.raises(spillmerge.UnknownFileError, match=re.escape("no frame [7] (its frames: 7)")):
+        res.value("b.mp4", [7])  # type: ignore[arg-type]  # (a file of one frame: its row was returned)
+
+
+def test_numpy_and_negative_frame_indices(out: str) -> None:
+    np = pytest.importorskip("numpy")
+    res = spillmerge.open(out)
+    assert res.value("a.mp4", np.int32(2))["caption"] == "c2" and res.value("b.mp4", np.int64(7))["caption"] == "only"
+    with pytest.raises(spillmerge.UnknownFileError, match=r"has no frame -1 \(its frames: 0, 1, 2\)"):
+        res.value("a.mp4", -1)
