@@ -387,8 +387,16 @@ class MergedStore(Mapping[str, Any]):
         else:
             leaf = tuple(path)
         where, cols = self.storage.describe(), self.files.by_leaf.get(leaf, [])
-        if dtype is not None:
+        if dtype is not None and cols:
+            dts = [_dtype_choice(c) for c in cols]
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
+            if not cols:
+                raise UnknownColumnError(
+                    f"{where}: leaf {'/'.join(leaf) or None!r} has no column of dtype {dtype!r}; its dtypes: "
+                    f"{', '.join(map(repr, dts))}",
+                    column="/".join(leaf),
+                    known=dts,
+                )
         if len(cols) > 1:
             shown = "/".join(leaf) or "None (the plain tensor values)"
             dts = [_dtype_choice(c) for c in cols]

@@ -1,5 +1,6 @@
-"""The reader's API with unusual arguments: a frame index that is no integer raises the documented
-error naming what was asked, not a bare numpy ``TypeError``."""
+"""The reader's API with unusual arguments: a frame index that is no integer and a ``dtype=`` no
+column of the leaf has raise the documented error naming what was asked, not a bare numpy
+``TypeError`` or a message saying the leaf is missing."""
 
 from __future__ import annotations
 
@@ -42,3 +43,13 @@ def test_numpy_and_negative_frame_indices(out: str) -> None:
     assert res.value("a.mp4", np.int32(2))["caption"] == "c2" and res.value("b.mp4", np.int64(7))["caption"] == "only"
     with pytest.raises(spillmerge.UnknownFileError, match=r"has no frame -1 \(its frames: 0, 1, 2\)"):
         res.value("a.mp4", -1)
+
+
+def test_a_dtype_the_leaf_lacks_names_the_leaf_and_its_dtypes(out: str) -> None:
+    res = spillmerge.open(out)
+    with pytest.raises(spillmerge.UnknownColumnError, match="leaf 'logits' has no column of dtype 'int8'") as err:
+        res.column("logits", dtype="int8")
+    assert err.value.known == ["float32"] and err.value.column == "logits" and isinstance(err.value, KeyError)
+    with pytest.raises(spillmerge.UnknownColumnError, match="has no leaf column 'nope'"):
+        res.column("nope", dtype="float32")  # no such leaf at all: the message as before
+    assert res.column("logits", dtype="float32")[3].tolist() == [0.0, 0.0]
