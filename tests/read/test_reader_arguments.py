@@ -1,6 +1,6 @@
-"""The reader's API with unusual arguments: a frame index that is no integer and a ``dtype=`` no
-column of the leaf has raise the documented error naming what was asked, not a bare numpy
-``TypeError`` or a message saying the leaf is missing."""
+"""The reader's API with unusual arguments: a frame index that is no integer, a ``dtype=`` no
+column of the leaf has and an unknown leaf raise the documented error naming what was asked and
+what there is (each leaf once), not a bare numpy ``TypeError`` or a message saying the leaf is missing."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ def test_a_dtype_the_leaf_lacks_names_the_leaf_and_its_dtypes(out: str) -> None:
     with pytest.raises(spillmerge.UnknownColumnError, match="has no leaf column 'nope'"):
         res.column("nope", dtype="float32")  # no such leaf at all: the message as before
     assert res.column("logits", dtype="float32")[3].tolist() == [0.0, 0.0]
+
+
+def test_an_unknown_leaf_lists_a_leaf_split_by_dtype_once(tmp_path: Path) -> None:
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        for i, dtype in enumerate((torch.float16, torch.float32, torch.int64)):
+            w.write(f"f{i}", 0, {"x": torch.ones(2, dtype=dtype), "y": i})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"))
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    with pytest.raises(spillmerge.UnknownColumnError, match=r"its columns: 'x', 'y'$") as err:
+        res.column("nope")
+    assert err.value.known == ["x", "y"]
+    with pytest.raises(spillmerge.UnknownColumnError, match=r"its columns: 'x', 'y'$"):
+        spillmerge.OutputDataset(str(tmp_path / "out.zarr"), columns=["nope"])
