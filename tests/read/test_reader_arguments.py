@@ -5,6 +5,7 @@ what there is (each leaf once), not a bare numpy ``TypeError`` or a message sayi
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,33 @@ def test_an_unknown_leaf_lists_a_leaf_split_by_dtype_once(tmp_path: Path) -> Non
     assert err.value.known == ["x", "y"]
     with pytest.raises(spillmerge.UnknownColumnError, match=r"its columns: 'x', 'y'$"):
         spillmerge.OutputDataset(str(tmp_path / "out.zarr"), columns=["nope"])
+
+
+@pytest.mark.parametrize("cache_bytes", [-1, None, "64MiB"])
+def test_a_cache_bound_that_is_no_byte_count_is_a_config_error(out: str, cache_bytes: object) -> None:
+    with pytest.raises(
+        spillmerge.ConfigError, match=re.escape(f"cache_bytes must be >= 0 (bytes), got {cache_bytes!r}")
+    ):
+        spillmerge.open(out, cache_bytes=cache_bytes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1, 1000])
+def test_no_cache_and_a_tiny_one_read_the_same_under_threads(out: str, cache_bytes: int) -> None:
+    res = spillmerge.open(out, cache_bytes=cache_bytes)
+    want = [(f, i, v["caption"]) for f, i, v in spillmerge.open(out).iter_values()]
+    got: list[object] = []
+
+    def read() -> None:
+        got.append([(f, i, res.value(f, i)["caption"]) for f, i in zip(*_rows(res), strict=True)])
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 3 and res.cache_stats().nbytes <= cache_bytes
+
+
+def _rows(res: spillmerge.MergedStore) -> tuple[list[str], list[int]]:
+    names = [f for f in res.filenames for _ in res.frames(f)]
+    return names, [int(i) for f in res.filenames for i in res.frames(f)]
