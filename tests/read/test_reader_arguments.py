@@ -97,3 +97,13 @@ def test_no_cache_and_a_tiny_one_read_the_same_under_threads(out: str, cache_byt
 def _rows(res: spillmerge.MergedStore) -> tuple[list[str], list[int]]:
     names = [f for f in res.filenames for _ in res.frames(f)]
     return names, [int(i) for f in res.filenames for i in res.frames(f)]
+
+
+@pytest.mark.parametrize("batch_size", ["x", [4], {"rows": 4}])
+def test_a_batch_size_that_is_no_number_is_a_config_error(out: str, batch_size: object) -> None:
+    res = spillmerge.open(out)
+    with pytest.raises(
+        spillmerge.ConfigError, match=re.escape(f"batch_size must be a positive number of rows, got {batch_size!r}")
+    ):
+        next(res.iter_batches(batch_size=batch_size))  # type: ignore[arg-type]
+    assert [b.num_rows for b in res.iter_batches(batch_size=3)] == [3, 1]
