@@ -107,3 +107,33 @@ def test_a_batch_size_that_is_no_number_is_a_config_error(out: str, batch_size: 
     ):
         next(res.iter_batches(batch_size=batch_size))  # type: ignore[arg-type]
     assert [b.num_rows for b in res.iter_batches(batch_size=3)] == [3, 1]
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """File ``a``: ``x`` in frames 0, 3, 6 of 8 (a fixed column holding only those rows: it has
+    offsets) and ``y`` in every frame (a plain fixed column)."""
+    tmp = tmp_path_factory.mktemp("sparse")
+    with spillmerge.SpillWriter(str(tmp / "spill"), rank=0, world_size=1) as w:
+        for f in range(8):
+            w.write(
+                "a", f, {"y": torch.full((2,), float(f))} | ({"x": torch.full((2,), float(f))} if f % 3 == 0 else {})
+            )
+    spillmerge.merge(str(tmp / "spill"), str(tmp / "out.zarr"))
+    return str(tmp / "out.zarr")
+
+
+@pytest.mark.parametrize("leaf", ["x", "y"])
+def test_fancy_indices_of_a_fixed_leaf_are_checked_as_numpy_checks_them(sparse: str, leaf: str) -> None:
+    np = pytest.importorskip("numpy")
+    view = spillmerge.open(sparse)["a"][leaf]
+    want = np.asarray(view)
+    assert (view[[7, -8, 3]] == want[[7, -8, 3]]).all() and view[[]].shape == (0, 2)
+    mask = np.arange(8) % 2 == 0
+    assert (view[mask] == want[mask]).all() and (view[::-3] == want[::-3]).all()
+    with pytest.raises(IndexError, match="row 8 out of range for 8 rows"):
+        view[[0, 8]]
+    with pytest.raises(IndexError, match=re.escape("a boolean mask of shape (2,) does not select among 8 rows")):
+        view[np.array([True, False])]  # was: row 0 alone, silently
+    with pytest.raises(IndexError, match="rows are selected by integers, a slice or a boolean mask, not float64"):
+        view[[0.5]]  # was: row 0, silently
