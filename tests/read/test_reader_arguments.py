@@ -137,3 +137,15 @@ def test_fancy_indices_of_a_fixed_leaf_are_checked_as_numpy_checks_them(sparse: 
         view[np.array([True, False])]  # was: row 0 alone, silently
     with pytest.raises(IndexError, match="rows are selected by integers, a slice or a boolean mask, not float64"):
         view[[0.5]]  # was: row 0, silently
+
+
+def test_filenames_are_indexed_by_position_only(out: str) -> None:
+    names = spillmerge.open(out).filenames
+    assert (names[-1], names[1:], names[::-1], names.index("b.mp4")) == ("b.mp4", ["b.mp4"], ["b.mp4", "a.mp4"], 1)
+    with pytest.raises(IndexError, match="filename -3 of 2"):
+        names[-3]
+    for bad in ("1", 1.5, [0, 1]):  # a str that int() reads was a position: "1" gave "b.mp4"
+        with pytest.raises(
+            TypeError, match=re.escape(f"filenames are indexed by an int or a slice, not {type(bad).__name__}")
+        ):
+            names[bad]  # type: ignore[index]
