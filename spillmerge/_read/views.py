@@ -4,6 +4,7 @@ per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`; a file'
 
 from __future__ import annotations
 
+import operator
 import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -82,7 +83,10 @@ class LeafView:
     def _row(self, i: Any) -> int:
         """Absolute row of index ``i`` (negative counts from the end)."""
         n = self._stop - self._start
-        j = i if type(i) is int else int(i)
+        try:
+            j = i if type(i) is int else operator.index(i)
+        except TypeError:
+            raise TypeError(f"{type(self).__name__} rows are numbered by an int, not {type(i).__name__} {i!r}") from None
         if j < 0:
             j += n
         if not 0 <= j < n:

@@ -149,3 +149,15 @@ def test_filenames_are_indexed_by_position_only(out: str) -> None:
             TypeError, match=re.escape(f"filenames are indexed by an int or a slice, not {type(bad).__name__}")
         ):
             names[bad]  # type: ignore[index]
+
+
+def test_a_ragged_row_is_numbered_by_an_integer(tmp_path: Path) -> None:
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        for f in range(3):
+            w.write("a", f, {"boxes": torch.full((f, 4), float(f))})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"))
+    boxes = spillmerge.open(str(tmp_path / "out.zarr"))["a"]["boxes"]
+    assert boxes.to_torch(-1).shape == (2, 4) and boxes.to_torch(pytest.importorskip("numpy").int64(1)).shape == (1, 4)
+    for bad in (1.5, slice(0, 2)):  # 1.5 was row 1
+        with pytest.raises(TypeError, match=f"RaggedView rows are numbered by an int, not {type(bad).__name__}"):
+            boxes.to_torch(bad)  # type: ignore[arg-type]
