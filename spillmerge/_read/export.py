@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from .._errors import ArrowUnionInParquetError, ConfigError, ParquetTypeError, SpillValueError, UnknownColumnError
+from .._errors import (
+    ArrowUnionInParquetError,
+    ConfigError,
+    ParquetTypeError,
+    SpillStorageError,
+    SpillValueError,
+    UnknownColumnError,
+)
 from .._format import common as F
 from .._format import lists as L
 from .._storage import Storage, overlaps
@@ -152,6 +160,12 @@ def to_parquet(
     local = dest.local
     if local:
         target = target.removeprefix("file://")
+        if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):
+            raise SpillStorageError(
+                f"cannot write {target}: it exists and is no regular file (a folder, link, device or pipe), which "
+                "to_parquet would replace with the finished file; choose a file's path",
+                path=target,
+            )
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     rows = 0
     try:

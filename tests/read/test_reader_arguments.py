@@ -4,7 +4,9 @@ what there is (each leaf once), not a bare numpy ``TypeError`` or a message sayi
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -161,3 +163,25 @@ def test_a_ragged_row_is_numbered_by_an_integer(tmp_path: Path) -> None:
     for bad in (1.5, slice(0, 2)):  # 1.5 was row 1
         with pytest.raises(TypeError, match=f"RaggedView rows are numbered by an int, not {type(bad).__name__}"):
             boxes.to_torch(bad)  # type: ignore[arg-type]
+
+
+def test_to_parquet_replaces_no_link_pipe_or_folder(out: str, tmp_path: Path) -> None:
+    # (a device such as /dev/null, as root, was replaced by the finished file too)
+    res = spillmerge.open(out)
+    (tmp_path / "real.parquet").write_bytes(b"keep")
+    (tmp_path / "link.parquet").symlink_to(tmp_path / "real.parquet")
+    os.mkfifo(tmp_path / "pipe.parquet")
+    (tmp_path / "folder.parquet").mkdir()
+    for name in ("link.parquet", "pipe.parquet", "folder.parquet"):
+        with pytest.raises(spillmerge.SpillStorageError, match="it exists and is no regular file") as err:
+            res.to_parquet(tmp_path / name)
+        assert err.value.path == str(tmp_path / name)
+    assert (tmp_path / "link.parquet").is_symlink() and (tmp_path / "real.parquet").read_bytes() == b"keep"
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe.parquet").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "folder.parquet",
+        "link.parquet",
+        "pipe.parquet",
+        "real.parquet",
+    ]
+    assert res.to_parquet(tmp_path / "real.parquet") == 4  # a file is replaced
