@@ -407,7 +407,7 @@ class MergedStore(Mapping[str, Any]):
                 known=dts,
             )
         if not cols:
-            known = sorted({c.info.path or "<tensor> (None)" for c in self.files.columns.values()})
+            known = sorted({c.info.path if c.info.leaf else "<tensor> (None)" for c in self.files.columns.values()})
             shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
             raise UnknownColumnError(
                 f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",

@@ -185,3 +185,15 @@ def test_to_parquet_replaces_no_link_pipe_or_folder(out: str, tmp_path: Path) ->
         "real.parquet",
     ]
     assert res.to_parquet(tmp_path / "real.parquet") == 4  # a file is replaced
+
+
+def test_an_empty_key_is_not_listed_as_the_plain_values(tmp_path: Path) -> None:
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        w.write("a", 0, {"": 1, "x": 2})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"))
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    with pytest.raises(
+        spillmerge.UnknownColumnError, match=r"no leaf column 'None \(the plain tensor values\)'"
+    ) as err:
+        res.column(None)  # the output has a key "", not plain values
+    assert err.value.known == ["", "x"] and res.column(("",))[0] == 1
