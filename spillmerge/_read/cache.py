@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._errors import ConfigError
+
 DEFAULT_CACHE_BYTES = 64 << 20
 """Default bound of one open output's decoded chunks: four 16 MiB chunks of large rows, or
 sixteen 4 MiB chunks of small ones (docs/FORMAT.md section 2, *Chunks*)."""
@@ -40,8 +42,8 @@ class ChunkCache:
     arrays it returns are read-only (they are shared between readers): take a copy to write."""
 
     def __init__(self, max_bytes: int) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {max_bytes}")
+        if not isinstance(max_bytes, int | float | np.integer) or max_bytes < 0:
+            raise ConfigError(f"cache_bytes must be >= 0 (bytes), got {max_bytes!r}", key="cache_bytes")
         self.max_bytes = int(max_bytes)
         self._lock = threading.Lock()
         self._chunks: OrderedDict[Hashable, tuple[np.ndarray, int]] = OrderedDict()

@@ -10,6 +10,7 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
+from .arrow import unique_name
 from .store import MergedStore
 from .views import tensor
 
@@ -18,17 +19,19 @@ class OutputDataset:
     """Rows of the merged output at ``path`` as dicts (see the module docstring).
 
     ``columns``: the leaf columns to read (names as :meth:`MergedStore.columns` lists them, e.g.
-    ``"logits"`` or ``"meta/score"``); None: every column. A leaf whose dtype or kind differs
-    between files gives each row the value of the variant that holds it. ``storage_options``: as for
+    ``"logits"`` or ``"meta/score"``; a path that reads as another's as JSON, ``'["a/b"]'``);
+    None: every column. A leaf whose dtype or kind differs between files gives each row the
+    value of the variant that holds it. ``storage_options``: as for
     :func:`spillmerge.open`. Reading rows in order decodes each chunk once (the store's chunk
     cache); a shuffled sampler decodes a chunk per row at worst."""
 
     def __init__(self, path: str, columns: list[str] | None = None, storage_options: dict[str, Any] | None = None):
         self.path, self.storage_options = path, storage_options
         store = MergedStore(path, storage_options)
-        self.columns = sorted(store.columns) if columns is None else list(columns)
+        self._leaves = _leaves(store)
+        self.columns = sorted(self._leaves) if columns is None else list(columns)
         for name in self.columns:
-            _variants(store, name)  # raises UnknownColumnError, naming the columns there are
+            _variants(store, name, self._leaves)  # raises UnknownColumnError, naming the columns there are
         self._n = len(store.index_arrays()[2])
         self._store: Any = store
         self._views: list[tuple[list[Any], tuple[str, ...]]] | None = None
@@ -48,7 +51,8 @@ class OutputDataset:
             self._store = MergedStore(self.path, self.storage_options)
         if self._views is None:
             self._views = [
-                (_variants(self._store, name), F.list_domain(tuple(name.split("/")))) for name in self.columns
+                (_variants(self._store, name, self._leaves), F.list_domain(_leaf(name, self._leaves)))
+                for name in self.columns
             ]
             self._index = self._store.index_arrays()[:3]
         names, offsets, frames = self._index
@@ -73,9 +77,22 @@ class OutputDataset:
         return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"
 
 
-def _variants(store: MergedStore, name: str) -> list[Any]:
+def _leaves(store: MergedStore) -> dict[str, tuple[str, ...]]:
+    """Each leaf's column name: its path (``""`` for plain values), or, where another leaf's path
+    reads the same (a key holding ``/`` beside nested dicts, an empty key), the path as JSON."""
+    names: dict[str, tuple[str, ...]] = {}
+    for leaf in sorted(store.files.by_leaf, key=lambda p: ("/".join(p), any(not k or "/" in k for k in p))):
+        names[unique_name(names, "/".join(leaf), leaf)] = leaf
+    return names
+
+
+def _leaf(name: str, leaves: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    return leaves.get(name, tuple(name.split("/")) if name else ())
+
+
+def _variants(store: MergedStore, name: str, leaves: dict[str, tuple[str, ...]]) -> list[Any]:
     """The views of leaf ``name``'s columns: one, or one per dtype or kind the files disagreed on."""
-    cols = store.files.by_leaf.get(tuple(name.split("/")) if name else (), [])
+    cols = store.files.by_leaf.get(_leaf(name, leaves), [])
     if not cols:
         store.column(name)  # raises UnknownColumnError, naming the columns there are
     return [col.view(0, col.n_rows) for col in cols]

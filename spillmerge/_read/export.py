@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from .._errors import (
     ConfigError,
     ParquetTypeError,
     SpillMergeError,
+    SpillStorageError,
     SpillValueError,
     UnknownColumnError,
 )
@@ -111,9 +113,17 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
 
 
+def _rows(batch_size: Any) -> int:
+    """``batch_size`` as a number of rows; 0 (refused) where it is no number."""
+    try:
+        return int(batch_size)
+    except (TypeError, ValueError):
+        return 0
+
+
 def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) -> Iterator[Any]:
     """Every row, ``batch_size`` rows per batch (the last may be shorter), in (filename, frame) order."""
-    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
+    if batch_size is not None and (isinstance(batch_size, bool) or _rows(batch_size) < 1):
         raise ConfigError(f"batch_size must be a positive number of rows, got {batch_size!r}", key="batch_size")
     if batch_size is None:  # about BATCH_BYTES of payload, at most MAX_BATCH_ROWS
         total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
@@ -158,6 +168,12 @@ def to_parquet(
     local = dest.local
     if local:
         target = target.removeprefix("file://")
+        if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):
+            raise SpillStorageError(
+                f"cannot write {target}: it exists and is no regular file (a folder, link, device or pipe), which "
+                "to_parquet would replace with the finished file; choose a file's path",
+                path=target,
+            )
         tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     rows = 0
     try:

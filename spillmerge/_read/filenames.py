@@ -5,6 +5,7 @@ checked (offsets, UTF-8, strictly ascending, bounded by its heads) when it is fi
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -116,12 +117,18 @@ class Names(Sequence[str]):
             for j in range(a // k, (b - 1) // k + 1 if b > a else a // k):
                 out.extend(self.block(j)[max(a - j * k, 0) : b - j * k].tolist())
             return out
-        i = int(i)
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
+        try:
+            at = operator.index(i)
+        except TypeError:
+            raise TypeError(
+                f"filenames are indexed by an int or a slice, not {type(i).__name__} {i!r} (find a filename's "
+                "position with .index(name), or test it with `name in filenames`)"
+            ) from None
+        if at < 0:
+            at += self._n
+        if not 0 <= at < self._n:
             raise IndexError(f"filename {i} of {self._n}")
-        j, r = divmod(i, self._k)
+        j, r = divmod(at, self._k)
         hot = self._in_order
         return hot[1][r] if hot[0] == j else str(self.block(j)[r])
 

@@ -198,14 +198,18 @@ class OutputFiles:
         a, b = self.checks.file_rows(i)
         if type(filename) is not str:
             filename = self.filenames[i]
-        if b == a + 1 and self.frame_idx[a] == frame_idx:  # a file of one frame: nothing to search
+        if b == a + 1 and int(self.frame_idx[a]) == frame_idx:  # a file of one frame: nothing to search
             return self._row_value(i, a, filename, as_torch)
         frames = self.frame_idx[a:b]
-        j = int(np.searchsorted(frames, frame_idx))
+        try:
+            j = int(np.searchsorted(frames, frame_idx))
+        except TypeError:  # no frame index (None, a list ...): not found, as "2" is
+            j = len(frames)
         if j >= len(frames) or frames[j] != frame_idx:
             shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
+            asked = frame_idx if isinstance(frame_idx, (int, np.integer)) else repr(frame_idx)
             raise UnknownFileError(
-                f"{filename!r} of {self.storage.describe()} has no frame {frame_idx} (its frames: {shown})",
+                f"{filename!r} of {self.storage.describe()} has no frame {asked} (its frames: {shown})",
                 filename=filename,
             )
         return self._row_value(i, a + j, filename, as_torch)
@@ -383,8 +387,16 @@ class MergedStore(Mapping[str, Any]):
         else:
             leaf = tuple(path)
         where, cols = self.storage.describe(), self.files.by_leaf.get(leaf, [])
-        if dtype is not None:
+        if dtype is not None and cols:
+            dts = [_dtype_choice(c) for c in cols]
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
+            if not cols:
+                raise UnknownColumnError(
+                    f"{where}: leaf {'/'.join(leaf) or None!r} has no column of dtype {dtype!r}; its dtypes: "
+                    f"{', '.join(map(repr, dts))}",
+                    column="/".join(leaf),
+                    known=dts,
+                )
         if len(cols) > 1:
             shown = "/".join(leaf) or "None (the plain tensor values)"
             dts = [_dtype_choice(c) for c in cols]
@@ -395,7 +407,7 @@ class MergedStore(Mapping[str, Any]):
                 known=dts,
             )
         if not cols:
-            known = sorted(c.info.path or "<tensor> (None)" for c in self.files.columns.values())
+            known = sorted({c.info.path if c.info.leaf else "<tensor> (None)" for c in self.files.columns.values()})
             shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
             raise UnknownColumnError(
                 f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",

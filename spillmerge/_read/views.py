@@ -4,6 +4,7 @@ per kind of column (docs/FORMAT.md section 2), all on :class:`LeafView`; a file'
 
 from __future__ import annotations
 
+import operator
 import pickle
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -82,7 +83,10 @@ class LeafView:
     def _row(self, i: Any) -> int:
         """Absolute row of index ``i`` (negative counts from the end)."""
         n = self._stop - self._start
-        j = i if type(i) is int else int(i)
+        try:
+            j = i if type(i) is int else operator.index(i)
+        except TypeError:
+            raise TypeError(f"{type(self).__name__} rows are numbered by an int, not {type(i).__name__} {i!r}") from None
         if j < 0:
             j += n
         if not 0 <= j < n:
@@ -189,10 +193,7 @@ class FixedView(LeafView):
             else:  # read the file's rows, then step through them
                 arr = self._col.rows(self._start, self._stop)[sel]
         else:
-            idx = np.asarray(sel)
-            if idx.dtype == bool:
-                idx = np.flatnonzero(idx)
-            rows = np.asarray([self._row(i) for i in idx.ravel()], dtype=np.int64).reshape(idx.shape)
+            rows = self._picked(sel)
             if rows.size:
                 lo = int(rows.min())
                 arr = self._col.rows(lo, int(rows.max()) + 1)[rows - lo]
@@ -200,13 +201,24 @@ class FixedView(LeafView):
                 arr = self._col.rows(0, 0)
         return arr[(slice(None), *rest)] if rest and arr.ndim > len(self.shape) - 1 else arr[rest] if rest else arr
 
+    def _picked(self, sel: Any) -> np.ndarray:
+        """The absolute rows an index array or a boolean mask over the view's rows selects."""
+        idx, n = np.asarray(sel), len(self)
+        if idx.dtype == bool:
+            if idx.shape != (n,):
+                raise IndexError(f"a boolean mask of shape {idx.shape} does not select among {n} rows")
+            idx = np.flatnonzero(idx)
+        elif idx.size and idx.dtype.kind not in "iu":
+            raise IndexError(f"rows are selected by integers, a slice or a boolean mask, not {idx.dtype} {sel!r}")
+        return np.asarray([self._row(i) for i in idx.ravel()], dtype=np.int64).reshape(idx.shape)
+
     def _compact(self, sel: Any) -> np.ndarray:
         """Rows ``sel`` of a fixed column whose ``values`` hold only the rows with a value (it has
         ``offsets``, steps 0 or 1): the others read as zeros."""
         col = self._col
         o = col.offsets
         assert o is not None
-        rows = np.arange(self._start, self._stop)[sel]
+        rows = np.arange(self._start, self._stop)[sel] if isinstance(sel, slice) else self._picked(sel)
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
         has = o[rows + 1] > o[rows]

@@ -109,3 +109,18 @@ def test_every_column_by_default_includes_a_leaf_whose_kind_differs_between_file
         rows = [ds[i] for i in range(len(ds))]
         assert [r["filename"] for r in rows] == ["a", "b"]
         assert int(rows[0]["x"]) == 1 and rows[1]["x"] == "one"
+
+
+def test_leaves_whose_paths_read_alike_are_each_a_column(tmp_path: Any) -> None:
+    # an empty key, and a key holding "/" beside nested dicts of the same path: the dataset failed
+    # to open (no leaf ''), and the "a/b" key's leaf was dropped
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        w.write("x.png", 0, {"a/b": 1, "a": {"b": 2}, "": 3, "k": {"": 4}})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"))
+    ds = spillmerge.OutputDataset(str(tmp_path / "out.zarr"))
+    assert ds.columns == ["", '["a/b"]', "a/b", "k/"]
+    row = ds[0]
+    assert {k: int(v) for k, v in row.items() if k not in ("filename", "frame_idx")} == {
+        "": 3, '["a/b"]': 1, "a/b": 2, "k/": 4
+    }  # fmt: skip
+    assert spillmerge.OutputDataset(str(tmp_path / "out.zarr"), columns=['["a/b"]'])[0]['["a/b"]'] == 1
