@@ -9,9 +9,10 @@ Protocol:
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -129,8 +130,7 @@ class SpillWriter(MergeSteps):
         frames straight into their chunk file) and returns: the caller may change the value at
         once. Blocks only while every staging buffer (or as many chunk files) waits for storage.
         A batch of items goes faster through :meth:`write_batch`."""
-        with self._lock:  # one call at a time: the writer may be shared by threads
-            self._check_open()
+        with self._writing():
             filename = check_filename(filename)
             if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
                 frame = frame_idx
@@ -157,6 +157,21 @@ class SpillWriter(MergeSteps):
                     self._frame_template = FrameTemplate.of(leaves, layout_ids)
                 else:
                     self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One write call, under the lock (the writer may be shared by threads). A call that fails
+        after it took index rows (its bytes half staged: a full disk, an interrupt) fails the
+        writer at once: its index would not match its bytes, so the segment must never commit."""
+        with self._lock:
+            self._check_open()
+            rows = self._n_rows
+            try:
+                yield
+            except BaseException as exc:
+                if self._n_rows != rows:
+                    self._abort(exc)
+                raise
 
     def _put_new(
         self, filename: str, frame: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
@@ -197,8 +212,7 @@ class SpillWriter(MergeSteps):
         time and waited for, as ``.cpu()`` would; a larger one is copied item by item, without
         waiting (see ``_write.batch.cuda_to_host``).
         """
-        with self._lock:  # one call at a time: the writer may be shared by threads
-            self._check_open()
+        with self._writing():
             names, frames = batch_keys(filenames, frame_idx)
             n = len(names)
             batch = cuda_to_host(batch)
