@@ -103,9 +103,11 @@ class SpillWriter(MergeSteps):
         self.storage = Storage(root, storage_options)
         self.root = self.storage.url
         self.chunk_bytes = chunk_bytes
-        self.flush_threads = flush_threads or (2 if self.storage.local else 4)
-        if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
+        self.flush_threads = flush_threads if flush_threads is not None else (2 if self.storage.local else 4)
+        if not _positive_int(self.flush_threads):
             raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
+        if staging_bytes is not None and not _positive_int(staging_bytes):
+            raise SpillValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
         staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
         self.n_buffers = max(2, -(-staging // chunk_bytes))
         self.on_duplicate: DuplicatePolicy = on_duplicate
@@ -495,3 +497,7 @@ class SpillWriter(MergeSteps):
 def _frame_array(frames: list[int]) -> np.ndarray | None:
     """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
     return np.array(frames, dtype=np.int64) if any(frames) else None
+
+
+def _positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
