@@ -132,7 +132,12 @@ class SpillWriter(MergeSteps):
         frames straight into their chunk file) and returns: the caller may change the value at
         once. Blocks only while every staging buffer (or as many chunk files) waits for storage.
         A batch of items goes faster through :meth:`write_batch`."""
-        with self._writing():
+        with self._lock:  # one call at a time: the writer may be shared by threads
+            self._write(filename, frame_idx, value)
+
+    def _write(self, filename: str, frame_idx: int, value: Any) -> None:
+        """``write``, the lock held."""
+        with self._staging_rows():
             filename = check_filename(filename)
             if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
                 frame = frame_idx
@@ -161,19 +166,18 @@ class SpillWriter(MergeSteps):
                     self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
 
     @contextlib.contextmanager
-    def _writing(self) -> Iterator[None]:
-        """One write call, under the lock (the writer may be shared by threads). A call that fails
-        after it took index rows (its bytes half staged: a full disk, an interrupt) fails the
-        writer at once: its index would not match its bytes, so the segment must never commit."""
-        with self._lock:
-            self._check_open()
-            rows = self._n_rows
-            try:
-                yield
-            except BaseException as exc:
-                if self._n_rows != rows:
-                    self._abort(exc)
-                raise
+    def _staging_rows(self) -> Iterator[None]:
+        """Stage frames of an open writer, the lock held. A failure after they took index rows
+        (their bytes half staged: a full disk, an interrupt) fails the writer at once: its index
+        would not match its bytes, so the segment must never commit."""
+        self._check_open()
+        rows = self._n_rows
+        try:
+            yield
+        except BaseException as exc:
+            if self._n_rows != rows:
+                self._abort(exc)
+            raise
 
     def _put_new(
         self, filename: str, frame: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
@@ -214,7 +218,7 @@ class SpillWriter(MergeSteps):
         time and waited for, as ``.cpu()`` would; a larger one is copied item by item, without
         waiting (see ``_write.batch.cuda_to_host``).
         """
-        with self._writing():
+        with self._lock, self._staging_rows():  # one call at a time: the writer may be shared by threads
             names, frames = batch_keys(filenames, frame_idx)
             n = len(names)
             batch = cuda_to_host(batch)
@@ -461,9 +465,11 @@ class SpillWriter(MergeSteps):
         )
 
     def update(self, mapping: Mapping[str, Any]) -> None:
-        """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
-        for filename, frame_idx, value in mapping_items(mapping):
-            self.write(filename, frame_idx, value)
+        """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``,
+        each as :meth:`write` would, in one call (other threads' calls wait for it)."""
+        with self._lock:
+            for filename, frame_idx, value in mapping_items(mapping):
+                self._write(filename, frame_idx, value)
 
     def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes (and layouts) as the frame already written at rows

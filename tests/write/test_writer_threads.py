@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -97,3 +98,40 @@ def test_a_thread_writing_after_another_committed_is_told_and_the_commit_stays_w
     n = len(frames)
     assert n == w.stats()["frames"] > 0  # what the commit vouches for is what was written before it
     assert all(float(frames[i][0]) == i for i in range(n))
+
+
+def test_an_update_is_one_call_that_other_threads_wait_for(tmp_path):
+    root, out = str(tmp_path / "spill"), str(tmp_path / "out")
+    w = spillmerge.SpillWriter(root, rank=0, world_size=1, on_duplicate="last")
+    w.open()
+    started, gate = threading.Event(), threading.Event()
+
+    class Frames(Mapping):  # {0: value}, pausing while update() goes through it
+        def __iter__(self):
+            started.set()
+            gate.wait(10)
+            yield 0
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, frame: int) -> torch.Tensor:
+            return torch.tensor([1.0])
+
+    first = threading.Thread(target=w.update, args=({"a.mp4": (0, torch.tensor([1.0])), "b.mp4": Frames()},))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(
+        target=w.update, args=({"a.mp4": (0, torch.tensor([2.0])), "b.mp4": (0, torch.tensor([2.0]))},)
+    )
+    second.start()
+    second.join(0.3)
+    waited = second.is_alive()  # for the first update, a call of the writer as a whole
+    gate.set()
+    first.join(10)
+    second.join(10)
+    w.close()
+    spillmerge.merge(root, out)
+    res = spillmerge.open(out)
+    assert {name: float(res.value(name)[0]) for name in ("a.mp4", "b.mp4")} == {"a.mp4": 2.0, "b.mp4": 2.0}
+    assert waited
