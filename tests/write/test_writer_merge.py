@@ -126,6 +126,8 @@ def _cycle() -> list[object]:
         ({1: torch.zeros(1)}, "dict keys must be str"),
         (2**70, "int64"),
         (torch.zeros(2).to_sparse(), "dense"),
+        (torch.nested.nested_tensor([torch.zeros(1), torch.zeros(2)]), r"dense .*got a nested tensor"),
+        (torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8), r"dense .*got a quantized tensor"),
     ],
 )
 def test_unstorable_values_name_the_problem(tmp_path, value, match):
