@@ -35,3 +35,9 @@ def test_committed_keys_can_be_asked_before_the_writer_opens(tmp_path):
     assert later.is_committed("a.mp4", 3) and not later.is_committed("a.mp4", 4)
     with later:  # what the previous session committed stays visible once open
         assert later.is_committed("a.mp4", 3)
+
+
+@pytest.mark.parametrize("root", [None, "", b"/tmp/spill", 5])
+def test_a_root_that_is_no_location_is_refused(root):
+    with pytest.raises(spillmerge.SpillStorageError, match="a location is a local path or an fsspec URL"):
+        spillmerge.SpillWriter(root, rank=0, world_size=1)
