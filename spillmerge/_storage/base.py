@@ -86,7 +86,9 @@ class Storage:
     """The backend path of the root, resolved (see :meth:`_resolve_root`), without a trailing ``/``."""
 
     def __new__(cls, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
-        text = os.fspath(url)
+        text = os.fspath(url) if isinstance(url, (str, os.PathLike)) else None
+        if not isinstance(text, str) or not text:  # None, bytes, "" (an unset variable, not the current folder)
+            raise SpillStorageError(f"a location is a local path or an fsspec URL (a non-empty str), got {url!r:.200}")
         options = dict(storage_options or {})
         fs, root = _url_to_fs(text, options)
         protocol = text.split("://", 1)[0] if "://" in text else ""

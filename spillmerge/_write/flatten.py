@@ -89,13 +89,10 @@ def _from_numpy(arr: np.ndarray, path: tuple[str, ...], filename: str, allow_pic
 
 
 def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
-    if t.layout != torch.strided or t.is_quantized or getattr(t, "is_nested", False):
-        raise leaf_error(
-            path,
-            filename,
-            "only dense (strided) tensors can be stored, "
-            f"got layout {t.layout}{' (quantized)' if t.is_quantized else ''}",
-        )
+    nested = getattr(t, "is_nested", False)
+    if t.layout != torch.strided or t.is_quantized or nested:
+        kind = "a quantized tensor" if t.is_quantized else "a nested tensor" if nested else f"layout {t.layout}"
+        raise leaf_error(path, filename, f"only dense (strided) tensors can be stored, got {kind}")
     device = t.device.type
     if device == "meta":
         raise leaf_error(path, filename, "meta tensors have no data")

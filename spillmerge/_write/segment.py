@@ -62,6 +62,7 @@ class SegmentSteps:
     _staging: Staging
     _lock: threading.Lock
     _flush_at_commit: bool
+    _committed_keys: dict[str, set[int]] | None = None  # read once, when first asked
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -121,7 +122,7 @@ class SegmentSteps:
         self._rewrites = 0  # writes of a key already written, whatever the policy kept
         self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
-        self._committed_keys: dict[str, set[int]] | None = None
+        self._committed_keys = None
         header = FS.SegmentHeader(
             rank=self.rank,
             world_size=self.world_size,

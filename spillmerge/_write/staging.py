@@ -300,7 +300,7 @@ class Staging:
         """Write ``parts`` (host buffers) back to back at byte ``at`` of the direct chunk file
         ``fd``: one ``pwritev`` for them all, then the rest of a short write one part at a time.
         At an explicit offset, so a write that failed half way leaves the next one in its place."""
-        with self._storage.storage_errors("write", self._path):
+        with self._storage.storage_errors("write", self._prefix):
             views = [memoryview(p).cast("B") for p in parts]
             done = os.pwritev(fd, views, at)
             for v in views:
@@ -418,7 +418,7 @@ class Staging:
             self._close_run(chunk)
             if chunk.fd >= 0:  # a direct chunk: padded with zeros to its object size, as a staged one
                 fd, chunk.fd, size = chunk.fd, -1, self._object_size(chunk)
-                with self._storage.storage_errors("write", self._path):
+                with self._storage.storage_errors("write", self._prefix):
                     try:
                         if chunk.fill < size:
                             os.ftruncate(fd, size)

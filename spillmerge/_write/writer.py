@@ -9,9 +9,10 @@ Protocol:
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -106,9 +107,11 @@ class SpillWriter(MergeSteps):
             self.storage = Storage(root, storage_options)
             self.root = self.storage.url
             self.chunk_bytes = chunk_bytes
-            self.flush_threads = flush_threads or (2 if self.storage.local else 4)
-            if not isinstance(self.flush_threads, int) or self.flush_threads < 1:
+            self.flush_threads = flush_threads if flush_threads is not None else (2 if self.storage.local else 4)
+            if not _positive_int(self.flush_threads):
                 raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
+            if staging_bytes is not None and not _positive_int(staging_bytes):
+                raise SpillValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
             staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
             self.n_buffers = max(2, -(-staging // chunk_bytes))
             self.on_duplicate: DuplicatePolicy = on_duplicate
@@ -138,7 +141,11 @@ class SpillWriter(MergeSteps):
         once. Blocks only while every staging buffer (or as many chunk files) waits for storage.
         A batch of items goes faster through :meth:`write_batch`."""
         with self._lock:  # one call at a time: the writer may be shared by threads
-            self._check_open()
+            self._write(filename, frame_idx, value)
+
+    def _write(self, filename: str, frame_idx: int, value: Any) -> None:
+        """``write``, the lock held."""
+        with self._staging_rows():
             filename = check_filename(filename)
             if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
                 frame = frame_idx
@@ -165,6 +172,20 @@ class SpillWriter(MergeSteps):
                     self._frame_template = FrameTemplate.of(leaves, layout_ids)
                 else:
                     self._py_template = PyTemplate.of(value, leaves, layout_ids) or self._py_template
+
+    @contextlib.contextmanager
+    def _staging_rows(self) -> Iterator[None]:
+        """Stage frames of an open writer, the lock held. A failure after they took index rows
+        (their bytes half staged: a full disk, an interrupt) fails the writer at once: its index
+        would not match its bytes, so the segment must never commit."""
+        self._check_open()
+        rows = self._n_rows
+        try:
+            yield
+        except BaseException as exc:
+            if self._n_rows != rows:
+                self._abort(exc)
+            raise
 
     def _put_new(
         self, filename: str, frame: int, data: bytes | list[np.ndarray], sizes: Any, total: int,
@@ -205,8 +226,7 @@ class SpillWriter(MergeSteps):
         time and waited for, as ``.cpu()`` would; a larger one is copied item by item, without
         waiting (see ``_write.batch.cuda_to_host``).
         """
-        with self._lock:  # one call at a time: the writer may be shared by threads
-            self._check_open()
+        with self._lock, self._staging_rows():  # one call at a time: the writer may be shared by threads
             names, frames = batch_keys(filenames, frame_idx)
             n = len(names)
             batch = cuda_to_host(batch)
@@ -453,9 +473,11 @@ class SpillWriter(MergeSteps):
         )
 
     def update(self, mapping: Mapping[str, Any]) -> None:
-        """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``."""
-        for filename, frame_idx, value in mapping_items(mapping):
-            self.write(filename, frame_idx, value)
+        """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``,
+        each as :meth:`write` would, in one call (other threads' calls wait for it)."""
+        with self._lock:
+            for filename, frame_idx, value in mapping_items(mapping):
+                self._write(filename, frame_idx, value)
 
     def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes (and layouts) as the frame already written at rows
@@ -489,3 +511,7 @@ class SpillWriter(MergeSteps):
 def _frame_array(frames: list[int]) -> np.ndarray | None:
     """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
     return np.array(frames, dtype=np.int64) if any(frames) else None
+
+
+def _positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0

@@ -136,6 +136,18 @@ def test_unstorable_values_name_the_problem(tmp_path, value, match):
             w.write(b"bytes-name", 0, torch.zeros(1))
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # both kinds are prototypes or deprecated in torch
+def test_nested_and_quantized_tensors_are_refused_as_such(tmp_path):
+    values = {
+        "nested": torch.nested.nested_tensor([torch.zeros(1), torch.zeros(2)]),
+        "quantized": torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8),
+    }
+    with spillmerge.SpillWriter(str(tmp_path / "s")) as w:
+        for kind, value in values.items():
+            with pytest.raises(spillmerge.SpillValueError, match=f"only dense .*, got a {kind} tensor"):
+                w.write("f", 0, value)
+
+
 def test_a_layout_change_on_one_rank_is_another_variant(tmp_path):
     """Version 3: a leaf's dtype, ndim or kind may change between frames of a file; each frame
     reads back as it was written, and the leaf views show one view per variant."""

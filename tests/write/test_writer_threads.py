@@ -3,9 +3,11 @@ and a thread that writes after another committed gets a clear error, not a damag
 
 from __future__ import annotations
 
+import random
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -97,3 +99,101 @@ def test_a_thread_writing_after_another_committed_is_told_and_the_commit_stays_w
     n = len(frames)
     assert n == w.stats()["frames"] > 0  # what the commit vouches for is what was written before it
     assert all(float(frames[i][0]) == i for i in range(n))
+
+
+def test_an_update_is_one_call_that_other_threads_wait_for(tmp_path):
+    root, out = str(tmp_path / "spill"), str(tmp_path / "out")
+    w = spillmerge.SpillWriter(root, rank=0, world_size=1, on_duplicate="last")
+    w.open()
+    started, gate = threading.Event(), threading.Event()
+
+    class Frames(Mapping):  # {0: value}, pausing while update() goes through it
+        def __iter__(self):
+            started.set()
+            gate.wait(10)
+            yield 0
+
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, frame: int) -> torch.Tensor:
+            return torch.tensor([1.0])
+
+    first = threading.Thread(target=w.update, args=({"a.mp4": (0, torch.tensor([1.0])), "b.mp4": Frames()},))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(
+        target=w.update, args=({"a.mp4": (0, torch.tensor([2.0])), "b.mp4": (0, torch.tensor([2.0]))},)
+    )
+    second.start()
+    second.join(0.3)
+    waited = second.is_alive()  # for the first update, a call of the writer as a whole
+    gate.set()
+    first.join(10)
+    second.join(10)
+    w.close()
+    spillmerge.merge(root, out)
+    res = spillmerge.open(out)
+    assert {name: float(res.value(name)[0]) for name in ("a.mp4", "b.mp4")} == {"a.mp4": 2.0, "b.mp4": 2.0}
+    assert waited
+
+
+@pytest.mark.parametrize("policy", ["error", "first", "last"])
+def test_threads_writing_the_same_keys_every_way_keep_each_key_once_whole(tmp_path, switch_often, policy):
+    """write, update and both write_batch paths of shared keys from four threads: each key merges
+    once, whole, with a value one of its writers wrote (under "error" all write the same
+    content), and every other copy is counted as a rewrite."""
+    root, out = str(tmp_path / "spill"), str(tmp_path / "out")
+    w = spillmerge.SpillWriter(
+        root, rank=0, world_size=1, chunk_bytes=4096, staging_bytes=3 * 4096, on_duplicate=policy
+    )
+    w.open()
+    written: list[tuple[tuple[str, int], int]] = []
+    errors: list[BaseException] = []
+
+    def value(key: tuple[str, int], t: int) -> dict[str, torch.Tensor]:
+        v = (0 if policy == "error" else 1000 * t) + 7 * int(key[0][1:]) + key[1]
+        return {"x": torch.full((50,), float(v)), "n": torch.tensor([v])}
+
+    def work(t: int) -> None:
+        rnd = random.Random(t)
+        try:
+            for i in range(40):
+                keys = list(
+                    dict.fromkeys((f"f{rnd.randrange(12)}", rnd.randrange(3)) for _ in range(rnd.randrange(1, 5)))
+                )
+                vals = [value(k, t) for k in keys]
+                if i % 4 == 0:
+                    for k, v in zip(keys, vals, strict=True):
+                        w.write(k[0], k[1], v)
+                elif i % 4 == 1:
+                    mapping = {k[0]: (k[1], v) for k, v in zip(keys, vals, strict=True)}
+                    keys = [(name, frame) for name, (frame, _) in mapping.items()]
+                    w.update(mapping)
+                elif i % 4 == 2:
+                    dense = {leaf: torch.stack([v[leaf] for v in vals]) for leaf in ("x", "n")}
+                    w.write_batch([k[0] for k in keys], dense, [k[1] for k in keys])
+                else:
+                    w.write_batch([k[0] for k in keys], vals, [k[1] for k in keys])
+                written.extend((k, t) for k in keys)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(4)]
+    for th in workers:
+        th.start()
+    for th in workers:
+        th.join(timeout=60)
+    assert errors == []
+    w.close()
+    report = spillmerge.merge(root, out)
+    got = {(name, frame): v for name, frame, v in spillmerge.open(out).iter_values()}
+    writers: dict[tuple[str, int], set[int]] = {}
+    for key, t in written:
+        writers.setdefault(key, set()).add(t)
+    assert got.keys() == writers.keys()
+    for key, v in got.items():
+        n = int(v["n"][0])
+        assert (v["x"] == n).all(), key
+        assert n in {int(value(key, t)["n"][0]) for t in writers[key]}, key
+    assert report.rewrites == w.stats()["rewrites"] == len(written) - len(writers)
