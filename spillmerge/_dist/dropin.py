@@ -15,7 +15,7 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 all-gather of how that went, as above; dst merges (``SpillWriter.merge``, the
                 shards read where they lie on one host), an all-gather of how that went; the
                 readers read every rank's object back into the caller's list (``_read``)
-  (all_gather_object) an all-gather of how reading back went: a rank that failed is named on every rank
+  (all_gather_object) an all-reduce of whether reading back failed; if so an all-gather names the rank
   (dst)         removes the call's folder once every reader is done: nothing stays on storage
 """
 
@@ -477,7 +477,12 @@ def _collective(
         error = exc
     try:
         if every_rank:  # every rank has read the output before dst removes it, and knows who failed
-            _settle(rank, target, call, storage_options, error, timeout, "reading back")
+            import torch.distributed as dist
+
+            failed = torch.tensor([error is not None], dtype=torch.int32)
+            on_gloo(rank, timeout, "finished reading back", dist.all_reduce, failed)
+            if failed.item():  # one round of one int when all went well; a second names who failed
+                _settle(rank, target, call, storage_options, error, timeout, "reading back")
     finally:
         if rank == target:  # every rank is done with the call's folder
             _remove(call, storage_options)
