@@ -21,13 +21,19 @@ class OutputDataset:
     ``columns``: the leaf columns to read (names as :meth:`MergedStore.columns` lists them, e.g.
     ``"logits"`` or ``"meta/score"``; a path that reads as another's as JSON, ``'["a/b"]'``);
     None: every column. A leaf whose dtype or kind differs between files gives each row the
-    value of the variant that holds it. ``storage_options``: as for
+    value of the variant that holds it. ``storage_options`` and ``allow_pickle``: as for
     :func:`spillmerge.open`. Reading rows in order decodes each chunk once (the store's chunk
     cache); a shuffled sampler decodes a chunk per row at worst."""
 
-    def __init__(self, path: str, columns: list[str] | None = None, storage_options: dict[str, Any] | None = None):
-        self.path, self.storage_options = path, storage_options
-        store = MergedStore(path, storage_options)
+    def __init__(
+        self,
+        path: str,
+        columns: list[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+    ):
+        self.path, self.storage_options, self.allow_pickle = path, storage_options, allow_pickle
+        store = MergedStore(path, storage_options, allow_pickle)
         self._leaves = _leaves(store)
         self.columns = sorted(self._leaves) if columns is None else list(columns)
         for name in self.columns:
@@ -48,7 +54,7 @@ class OutputDataset:
             raise IndexError(f"row {i} out of range for {self._n} rows of {self.path}")
         i %= self._n
         if self._store is None:
-            self._store = MergedStore(self.path, self.storage_options)
+            self._store = MergedStore(self.path, self.storage_options, self.allow_pickle)
         if self._views is None:
             self._views = [
                 (_variants(self._store, name, self._leaves), F.list_domain(_leaf(name, self._leaves)))

@@ -446,7 +446,8 @@ class PickleView(BytesView):
             raise PickleNotAllowedError(
                 f"{self!r}: this leaf holds pickled objects; unpickling runs code from the output, so "
                 "spillmerge never does it by default: open the output with spillmerge.open(out, "
-                "allow_pickle=True) if you trust it (.values / .offsets give the pickled bytes)",
+                "allow_pickle=True) (a dataset: OutputDataset(path, allow_pickle=True)) if you trust it "
+                "(.values / .offsets give the pickled bytes)",
                 leaf="/".join(self.leaf),
             )
         return pickle.loads(raw)  # noqa: S301 - the reader opted in (allow_pickle=True)
