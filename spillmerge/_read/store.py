@@ -384,8 +384,10 @@ class MergedStore(Mapping[str, Any]):
             leaf: tuple[str, ...] = ()
         elif isinstance(path, str):
             leaf = tuple(path.split("/")) if path else ()
-        else:
+        elif isinstance(path, tuple | list) and all(isinstance(k, str) for k in path):
             leaf = tuple(path)
+        else:
+            raise TypeError(f"column() takes path as a str, a tuple or list of str, or None, not {path!r}")
         where, cols = self.storage.describe(), self.files.by_leaf.get(leaf, [])
         if dtype is not None and cols:
             dts = [_dtype_choice(c) for c in cols]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import spillmerge
 
@@ -30,3 +31,10 @@ def test_a_dataset_unpickles_only_when_asked_and_its_error_names_its_own_keyword
         spillmerge.OutputDataset(out)[0]
     ds = spillmerge.OutputDataset(out, allow_pickle=True)
     assert [ds[i]["obj"].x for i in range(len(ds))] == [1, 2]
+
+
+@pytest.mark.parametrize("path", [3, 1.5, ("a", 3)])
+def test_a_leaf_named_by_no_str_is_a_type_error_naming_the_argument(tmp_path: Path, path: object) -> None:
+    res = spillmerge.open(_merged(tmp_path, [{"a": torch.zeros(2)}]))
+    with pytest.raises(TypeError, match=r"column\(\) takes path as a str, .*, not "):
+        res.column(path)  # type: ignore[arg-type]
