@@ -38,3 +38,11 @@ def test_a_leaf_named_by_no_str_is_a_type_error_naming_the_argument(tmp_path: Pa
     res = spillmerge.open(_merged(tmp_path, [{"a": torch.zeros(2)}]))
     with pytest.raises(TypeError, match=r"column\(\) takes path as a str, .*, not "):
         res.column(path)  # type: ignore[arg-type]
+
+
+def test_rows_read_in_order_from_a_held_chunk_count_as_cache_hits(tmp_path: Path) -> None:
+    res = spillmerge.open(_merged(tmp_path, [{"emb": torch.rand(4)} for _ in range(2000)]))
+    for f in res.filenames:
+        res[f]["emb"][0]
+    stats = res.cache_stats()
+    assert stats.misses >= 1 and stats.hits > stats.misses
