@@ -323,7 +323,8 @@ class _OffsetView(LeafView):
 class RaggedView(_OffsetView):
     """A numeric leaf whose shape varies between rows. ``view[i]`` is row ``i``'s array; the flat
     form is :attr:`values` (every row's elements, first dimension concatenated), :attr:`offsets`
-    and :attr:`shapes`; ``view[a:b]`` stacks rows of one shape and refuses others."""
+    and :attr:`shapes`; ``view[a:b]`` stacks rows of one shape and refuses others (no rows:
+    ``(0, 0, *inner_shape)``, or all zeros where more than the first dimension varies)."""
 
     __slots__ = ()
 
@@ -375,7 +376,11 @@ class RaggedView(_OffsetView):
                 f"{tuple(shapes[i].tolist())}, so they do not stack; use .to_list() (one array per row) or "
                 ".values / .offsets / .shapes (the flat form)"
             )
-        shape = tuple(shapes[0].tolist()) if len(shapes) else (0,) * self.ndim
+        if len(shapes):
+            shape = tuple(shapes[0].tolist())
+        else:  # no rows: 0 for the dimensions that vary, the others as stored
+            inner = self._col.info.inner_shape
+            shape = (0,) * self.ndim if inner is None else (0, *inner)
         return self._flat(a, b).view(self.dtype).reshape((b - a, *shape))
 
     def _list(self, a: int, b: int) -> list[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,3 +47,11 @@ def test_rows_read_in_order_from_a_held_chunk_count_as_cache_hits(tmp_path: Path
         res[f]["emb"][0]
     stats = res.cache_stats()
     assert stats.misses >= 1 and stats.hits > stats.misses
+
+
+def test_no_rows_of_a_ragged_leaf_stack_to_the_shape_of_its_known_dimensions(tmp_path: Path) -> None:
+    res = spillmerge.open(_merged(tmp_path, [{"boxes": torch.rand(i, 4), "m": torch.rand(i, i)} for i in (1, 2, 3)]))
+    view = res.column("boxes")
+    assert view[1:1].shape == (0, 0, 4) and view[1:1].dtype == np.float32
+    assert view[0:1].shape == (1, 1, 4)
+    assert res.column("m")[1:1].shape == (0, 0, 0)  # no dimension but the row count is known
