@@ -1,0 +1,32 @@
+"""Option combinations of one-process ``spillmerge.merge``: values read back as written, or a
+``SpillMergeError`` naming the option."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import spillmerge
+
+
+@pytest.mark.parametrize("world_size", ["2", 2.0, np.int64(2), True])
+def test_a_world_size_that_is_no_int_is_refused_naming_the_option(tmp_path, world_size):
+    root = tmp_path / "spill"
+    for rank in range(2):
+        with spillmerge.SpillWriter(root, rank=rank, world_size=2) as w:
+            w.write("a.png", rank, torch.ones(2))
+    with pytest.raises(spillmerge.SpillMergeError, match=r"world_size must be a positive int, got "):
+        spillmerge.merge(str(root), str(tmp_path / "out"), world_size=world_size, progress=False)
+    assert not (tmp_path / "out").exists()
+    rep = spillmerge.merge(str(root), str(tmp_path / "out"), world_size=2, progress=False)
+    assert (rep.n_frames, rep.missing_ranks) == (2, [])
+
+
+@pytest.mark.parametrize("option", ["chunk_bytes", "threads"])
+def test_true_is_no_count_of_bytes_or_threads(tmp_path, option):
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(root) as w:
+        w.write("a.png", 0, torch.ones(2))
+    with pytest.raises(spillmerge.SpillMergeError, match=rf"^{option} must be .*, got True$"):
+        spillmerge.merge(str(root), str(tmp_path / "out"), progress=False, **{option: True})
