@@ -30,3 +30,22 @@ def test_true_is_no_count_of_bytes_or_threads(tmp_path, option):
         w.write("a.png", 0, torch.ones(2))
     with pytest.raises(spillmerge.SpillMergeError, match=rf"^{option} must be .*, got True$"):
         spillmerge.merge(str(root), str(tmp_path / "out"), progress=False, **{option: True})
+
+
+def test_a_partial_merge_with_remove_spill_lists_the_salvaged_segment_as_kept(tmp_path):
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(root, rank=0, world_size=2) as w:
+        w.write("a.png", 0, torch.zeros(3))
+    with pytest.raises(RuntimeError), spillmerge.SpillWriter(root, rank=1, world_size=2, chunk_bytes=4096) as w:
+        w.write("a.png", 1, torch.ones(4))
+        w.write("b.png", 0, torch.ones(5))
+        raise RuntimeError("rank 1 died")
+    rep = spillmerge.merge(
+        str(root), str(tmp_path / "out"), allow_partial=True, expected={"a.png": 3}, remove_spill=True, progress=False
+    )
+    assert (rep.n_frames, rep.salvaged_frames, rep.missing_ranks, rep.frame_gaps) == (3, {1: 2}, [1], {"a.png": [2]})
+    segments = sorted(str(s) for s in root.glob("rank-*/seg-*"))
+    assert len(segments) == 2 and not rep.removed_segments
+    assert sorted(rep.kept_segments) == segments and set(rep.kept_segments.values()) == {"ranks [1] are missing"}
+    store = spillmerge.open(str(tmp_path / "out"))
+    assert store.value("a.png", 1).tolist() == [1.0] * 4 and store.value("b.png", 0).tolist() == [1.0] * 5
