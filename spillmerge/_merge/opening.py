@@ -137,7 +137,7 @@ class Job:
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         for name in ("memory_budget", "plan_budget"):
             budget = getattr(options, name)
-            if isinstance(budget, (int, float)) and not budget >= 0:  # NaN too
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:  # NaN too
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{name} ({flag}) must be a number of bytes >= 0, got {budget!r}", key=name)
         codec = _codecs.check(options.codec)

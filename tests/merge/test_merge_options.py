@@ -49,3 +49,15 @@ def test_a_partial_merge_with_remove_spill_lists_the_salvaged_segment_as_kept(tm
     assert sorted(rep.kept_segments) == segments and set(rep.kept_segments.values()) == {"ranks [1] are missing"}
     store = spillmerge.open(str(tmp_path / "out"))
     assert store.value("a.png", 1).tolist() == [1.0] * 4 and store.value("b.png", 0).tolist() == [1.0] * 5
+
+
+@pytest.mark.parametrize("budget", [None, "256MiB", True])
+@pytest.mark.parametrize("option", ["memory_budget", "plan_budget"])
+def test_a_budget_that_is_no_number_is_refused_naming_the_option(tmp_path, option, budget):
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(root) as w:
+        for i in range(3):
+            w.write(f"f{i}.png", 0, torch.ones(2))
+    with pytest.raises(spillmerge.ConfigError, match=rf"^{option} \(--.*\) must be a number of bytes >= 0, got "):
+        spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=8, progress=False, **{option: budget})
+    assert not (tmp_path / "out").exists()
