@@ -61,3 +61,14 @@ def test_a_budget_that_is_no_number_is_refused_naming_the_option(tmp_path, optio
     with pytest.raises(spillmerge.ConfigError, match=rf"^{option} \(--.*\) must be a number of bytes >= 0, got "):
         spillmerge.merge(str(root), str(tmp_path / "out"), chunk_bytes=8, progress=False, **{option: budget})
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("timeout", [None, "10", True])
+def test_a_timeout_that_is_no_number_is_refused_naming_the_option(tmp_path, timeout):
+    root = tmp_path / "spill"
+    with spillmerge.SpillWriter(root, rank=0, world_size=2) as w:
+        w.write("a.png", 0, torch.ones(2))
+    with pytest.raises(spillmerge.ConfigError, match=r"^timeout must be a number of seconds \(inf: no limit\), got "):
+        spillmerge.merge(str(root), str(tmp_path / "out"), timeout=timeout, progress=False)
+    rep = spillmerge.merge(str(root), str(tmp_path / "out"), timeout=np.float64(0), allow_partial=True, progress=False)
+    assert (rep.n_frames, rep.missing_ranks) == (1, [1])
