@@ -69,6 +69,9 @@ class Rounds:
         if not 0 <= dst < session.world_size:
             raise SpillValueError(f"dst={dst} is not a rank of world_size {session.world_size}")
         check_options(transport, transfer_chunk_bytes, transfer_timeout)
+        for key in ("world_size", "run_id"):
+            if key in kwargs:
+                raise SpillValueError(f"{key}= cannot be passed to SpillWriter.merge: the merge takes the writer's own")
         kwargs.setdefault("timeout", 1800.0)
         kwargs.setdefault("storage_options", session.storage.storage_options)
         kwargs.setdefault("session", session.number)  # names this round in the completion marker

@@ -144,7 +144,8 @@ def _remove_spill(job: _opening.Job, report: MergeReport) -> MergeReport:
         why = f"frames are missing in {len(report.frame_gaps)} file(s)"
     if why is not None:
         report.notes.append(f"spill root {job.src.url} kept: {why}")
-        report.kept_segments.update({job.src.describe(s.rel): why for s in job.segments})
+        read = [*job.segments, *job.state.partial.values()]  # the salvaged journals too
+        report.kept_segments.update({job.src.describe(s.rel): why for s in read})
         return report
     done = remove_merged(job.src, job.segments, plan_lookup(job.plan))
     report.removed_segments.extend(done.removed)

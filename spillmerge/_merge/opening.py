@@ -8,7 +8,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from .._errors import ConfigError, OutputBusyError, SpillMergeError, SpillStorageError, SpillValueError
 from .._format import codecs as _codecs
@@ -132,12 +132,12 @@ class Job:
         t0 = time.perf_counter()
         part = options.part
         chunk_bytes, threads = options.chunk_bytes, options.threads
-        if not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
+        if not _is_int(chunk_bytes) or not 1 <= chunk_bytes <= F.MAX_CHUNK_BYTES:
             # readers refuse a chunk of several rows decoding to more (docs/FORMAT.md, *Size limits*)
             raise SpillValueError(f"chunk_bytes must be an int in [1, {F.MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         for name in ("memory_budget", "plan_budget"):
             budget = getattr(options, name)
-            if isinstance(budget, (int, float)) and not budget >= 0:  # NaN too
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:  # NaN too
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{name} ({flag}) must be a number of bytes >= 0, got {budget!r}", key=name)
         codec = _codecs.check(options.codec)
@@ -146,9 +146,9 @@ class Job:
         output = _output_storage(root, out, options)
         if threads is None:  # object stores need many requests in flight; local disks do not
             threads = 4 if src.local and output.local else 16
-        if not isinstance(threads, int) or threads < 1:
+        if not _is_int(threads) or threads < 1:
             raise SpillValueError(f"threads must be a positive int, got {threads!r}")
-        if options.world_size is not None and options.world_size < 1:
+        if options.world_size is not None and not (_is_int(options.world_size) and options.world_size >= 1):
             raise SpillValueError(f"world_size must be a positive int, got {options.world_size!r}")
         if not src.exists(""):
             raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
@@ -253,6 +253,11 @@ class Job:
             part=part,
             codec=self.options.codec,
         )
+
+
+def _is_int(x: object) -> TypeGuard[int]:
+    """An int, not a bool (``True`` is no count); a float or numpy int would reach the JSON records."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _output_storage(root: str, out: str, options: MergeOptions) -> Storage:

@@ -3,6 +3,7 @@ records, the process group's store, commit-record visibility)."""
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator
 
@@ -21,7 +22,8 @@ def poll(timeout: float, *, first: float, cap: float, factor: float = 1.5) -> It
             if waited >= timeout:
                 raise SomeTimeout(waited)
     """
-    if timeout != timeout:  # NaN: no deadline is ever reached, and every sleep would be 0 s
+    # NaN: no deadline is ever reached, and every sleep would be 0 s
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
         raise ConfigError(f"timeout must be a number of seconds (inf: no limit), got {timeout!r}", key="timeout")
     start = time.monotonic()
     delay = first

@@ -201,6 +201,17 @@ def test_merge_takes_an_output_path_object(tmp_path):
     assert w.merge(tmp_path / "out", wait=True, progress=False).n_frames == 1
 
 
+@pytest.mark.parametrize("option", [{"world_size": 1}, {"run_id": "other"}])
+def test_merge_refuses_the_writers_own_world_size_and_run_id_naming_them(tmp_path, option):
+    with spillmerge.SpillWriter(tmp_path / "spill", rank=0, world_size=1) as w:
+        w.write("a.mp4", 0, 1.5)
+    (key,) = option
+    with pytest.raises(spillmerge.SpillMergeError, match=rf"^{key}= cannot be passed to SpillWriter.merge"):
+        w.merge(tmp_path / "out", progress=False, **option)
+    assert not (tmp_path / "out").exists()
+    assert w.merge(tmp_path / "out", progress=False, codec="zstd").n_frames == 1
+
+
 def test_writer_lifecycle_errors(tmp_path):
     w = spillmerge.SpillWriter(str(tmp_path / "s"))
     with pytest.raises(spillmerge.WriterClosedError):
