@@ -401,18 +401,17 @@ class RaggedView(_OffsetView):
         first dimension varies, else nested ``large_list`` one level per dimension."""
         pa = require_pyarrow()
         raw = self._flat(self._start, self._stop)
-        o = self.offsets
-        info = self._col.info
-        if info.inner_shape is not None:
-            arr = nest(pa.array(raw.reshape(-1)), raw.shape)
-            return with_nulls(pa.LargeListArray.from_arrays(pa.array(o, pa.int64()), arr), self.valid)
+        if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs, as fixed leaves give
+            raw = raw.view(raw.real.dtype).reshape(*raw.shape, 2)
+        arr = nest(pa.array(raw.reshape(-1)), raw.shape)
+        if self._col.info.inner_shape is not None:
+            return with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), arr), self.valid)
         shapes = self.shapes
         levels = []
         for j in range(shapes.shape[1]):
             reps = np.prod(shapes[:, :j], axis=1, dtype=np.int64) if j else np.ones(len(shapes), np.int64)
             lengths = np.repeat(shapes[:, j], reps)
             levels.append(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-        arr = pa.array(raw)
         for off in reversed(levels):
             arr = pa.LargeListArray.from_arrays(pa.array(off, pa.int64()), arr)
         return with_nulls(arr, self.valid)

@@ -55,3 +55,16 @@ def test_no_rows_of_a_ragged_leaf_stack_to_the_shape_of_its_known_dimensions(tmp
     assert view[1:1].shape == (0, 0, 4) and view[1:1].dtype == np.float32
     assert view[0:1].shape == (1, 1, 4)
     assert res.column("m")[1:1].shape == (0, 0, 0)  # no dimension but the row count is known
+
+
+def test_a_ragged_complex_leaf_exports_to_arrow_as_real_imag_pairs(tmp_path):
+    """Arrow has no complex type: a ragged complex leaf exports as a fixed leaf does, (real, imag)
+    pairs, whether only the first dimension varies or the whole shape does."""
+    rows = [
+        {"z": np.array([1 + 2j, 3 - 4j], np.complex64), "w": np.zeros((1, 2), np.complex128)},
+        {"z": np.array([], np.complex64), "w": np.full((2, 1), 5j)},
+        {"z": np.array(7j, np.complex64).reshape(1), "w": np.ones((0, 3), np.complex128)},
+    ]
+    table = spillmerge.open(_merged(tmp_path, rows)).to_arrow()
+    assert table.column("z").to_pylist() == [[[1.0, 2.0], [3.0, -4.0]], [], [[0.0, 7.0]]]
+    assert table.column("w").to_pylist() == [[[[0.0, 0.0], [0.0, 0.0]]], [[[0.0, 5.0]], [[0.0, 5.0]]], []]
