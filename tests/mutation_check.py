@@ -1886,6 +1886,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/write/test_write_batch.py::test_one_element_tensors_of_any_stride_are_written",),
         "write_batch() of rows of one bfloat16 element of any stride stores their bytes",
     ),
+    Mutation(
+        "ragged-complex-to-arrow",
+        "spillmerge/_read/views.py",
+        'if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs, as fixed leaves give',
+        "if False:",
+        ("tests/read/test_reader_edges.py::test_a_ragged_complex_leaf_exports_to_arrow_as_real_imag_pairs",),
+        "a ragged complex leaf exports to Arrow as (real, imag) pairs",
+    ),
 ]
 
 
