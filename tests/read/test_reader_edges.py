@@ -68,3 +68,14 @@ def test_a_ragged_complex_leaf_exports_to_arrow_as_real_imag_pairs(tmp_path):
     table = spillmerge.open(_merged(tmp_path, rows)).to_arrow()
     assert table.column("z").to_pylist() == [[[1.0, 2.0], [3.0, -4.0]], [], [[0.0, 7.0]]]
     assert table.column("w").to_pylist() == [[[[0.0, 0.0], [0.0, 0.0]]], [[[0.0, 5.0]], [[0.0, 5.0]]], []]
+
+
+@pytest.mark.xfail(
+    strict=True, reason="export reads a records row's column leaf 'a' as a top-level column (not fixed yet)"
+)
+def test_a_records_row_beside_a_dict_row_exports_without_a_leaked_column(tmp_path):
+    """``[{"a": 1}]`` is stored as a ``pyrecords`` header and the column ``a``: beside a frame
+    ``{"a": False}`` both hold leaf ``a``, and the records row must not show it as a column."""
+    table = spillmerge.open(_merged(tmp_path, [[{"a": 1}], {"a": False}])).to_arrow()
+    rows = table.select(["value", "a"]).to_pylist()
+    assert rows == [{"value": [{"a": 1}], "a": None}, {"value": None, "a": False}]
