@@ -133,6 +133,22 @@ def second_round_over_gloo(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"first": first, "second": second}
 
 
+def second_round_into_the_same_output(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A writer's second round into the output of its first (``overwrite=True``): a waiting rank
+    returns once this round's merge is done, not on the first round's completion marker."""
+    import spillmerge
+
+    with spillmerge.SpillWriter(f"{base}/same/spill") as w:
+        w.update(preds(rank, "same"))
+    kw: dict[str, Any] = {"timeout": TIMEOUT, "progress": False, "wait": True}
+    first = attempt(lambda: w.merge(f"{base}/same/out", **kw) and None)
+    if rank == 0:
+        time.sleep(1.5)  # the others wait in the second round meanwhile, the first round's marker in sight
+    started = time.time()
+    second = attempt(lambda: w.merge(f"{base}/same/out", overwrite=True, **kw) and None)
+    return {"first": first, "second": second, "started": started, "returned": time.time()}
+
+
 def dropin_other_dst(rank: int, world: int, base: str) -> dict[str, Any]:
     """``gather_object`` where rank 2 passes dst=2 (and its list), the others dst=0."""
     import spillmerge
@@ -201,6 +217,7 @@ SCENARIOS = {
     "other_out": other_out,
     "other_dst": other_dst,
     "second_round_over_gloo": second_round_over_gloo,
+    "second_round_into_the_same_output": second_round_into_the_same_output,
     "dropin_other_dst": dropin_other_dst,
     "dropin_other_root": dropin_other_root,
     "dropin_read_fails": dropin_read_fails,

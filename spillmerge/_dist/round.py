@@ -205,7 +205,9 @@ def wait_complete(
             if told.get("ok"):
                 return
             _raise_failed(output, spill, dst, str(told.get("error", "unknown error")))
-        if complete_for(output, run_id, session):
+        # A later round of one writer session into the same output finds the earlier round's
+        # marker (it names run and session only): while the store answers, it alone tells.
+        if (round_ == 1 or outcome.store is None) and complete_for(output, run_id, session):
             return
         raw = spill.get_or_none(FS.MERGE_FAILED_NAME, max_bytes=1 << 20) if outcome.store is None else None
         with contextlib.suppress(CorruptSpillError):  # a torn or foreign record: no failure of this round

@@ -107,3 +107,12 @@ def test_dropin_a_rank_failing_to_read_back_is_named_on_every_rank(ranks):
             assert res[step]["seconds"] < TIMEOUT / 2, (r, step, res[step])
         assert res["after"]["error"] is None and res["after"]["exact"], (r, res["after"])
         assert res["left"] == [], (r, res["left"])
+
+
+def test_a_second_round_into_the_same_output_waits_for_its_own_merge(ranks):
+    _, results = ranks
+    res = {r: results[r]["second_round_into_the_same_output"] for r in range(WORLD)}
+    for r in range(WORLD):
+        assert res[r]["first"]["error"] is None and res[r]["second"]["error"] is None, (r, res[r])
+    for r in range(1, WORLD):  # not on the first round's marker, before dst even began the second
+        assert res[r]["returned"] > res[0]["started"], (r, res[r], res[0])
