@@ -22,13 +22,12 @@ from .._storage import Storage
 from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
-from . import rowblock as _rowblock
+from . import values as _values
 from .arrow import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .index import LazyArray
 from .outputstore import NoFillStore, open_consolidated
-from .rowvalue import RowPlan, row_value
 from .views import LeafDict, LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
@@ -161,7 +160,7 @@ class OutputFiles:
             else [(p[:-1], p[-1], c.view_cls, c, F.list_domain(c.info.leaf)) for p, c in _view_paths(cols)]
             for cols in self._layout_cols
         ]
-        self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
+        self._row_plans: dict[int, _values.RowPlan] = {}  # per file layout, made at its first value() read
         try:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
@@ -194,7 +193,7 @@ class OutputFiles:
 
     def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name) as it was written
-        (``_read.rowvalue``)."""
+        (``_read.values``)."""
         a, b = self.checks.file_rows(i)
         if type(filename) is not str:
             filename = self.filenames[i]
@@ -216,15 +215,15 @@ class OutputFiles:
 
     def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
         plan = self.row_plan(self.file_layout.item(i))
-        block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
+        block = _values.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
         order = self.key_orders.of_file(i)
-        return gc_paused(row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
+        return gc_paused(_values.row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
 
-    def row_plan(self, layout: int) -> RowPlan:
+    def row_plan(self, layout: int) -> _values.RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
         plan = self._row_plans.get(layout)
         if plan is None:
-            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout], self.list_offsets)
+            plan = self._row_plans[layout] = _values.RowPlan(self._layout_cols[layout], self.list_offsets)
         return plan
 
 
@@ -362,7 +361,7 @@ class MergedStore(Mapping[str, Any]):
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
         more than 32 MiB), whatever the output's size."""
-        return _rowblock.iter_values(self.files, as_torch)
+        return _values.iter_values(self.files, as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
