@@ -217,7 +217,7 @@ class OutputFiles:
         plan = self.row_plan(self.file_layout.item(i))
         block = _values.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
         order = self.key_orders.of_file(i)
-        return gc_paused(_values.row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
+        return gc_paused(_values.row_value, plan, r, filename, as_torch, block, order)
 
     def row_plan(self, layout: int) -> _values.RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""

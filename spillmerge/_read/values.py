@@ -35,12 +35,14 @@ def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
 
 class RowPlan:
     """What ``row_value`` needs of one file layout's columns, derived once per layout: each
-    column's leaf, list domain, item segments and header rule, and the one column of a layout
-    whose values are plain leaves at the root (``single``: read without a tree)."""
+    column's leaf, list domain, item segments and header rule, the list offsets (``offs``), and
+    the one column of a layout whose values are plain leaves at the root (``single``: read
+    without a tree)."""
 
-    __slots__ = ("leaves", "lists", "single")
+    __slots__ = ("leaves", "lists", "offs", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
+        self.offs = offs
         # (column, leaf, domain, item segments, list path of a header's items or None, its
         # ``valid`` or None, whether a row without a value there says nothing: a list item or a
         # header, which row_value skips, so _entries does not make their paths)
@@ -73,12 +75,11 @@ def _holds(col: Any, d: int, valid: Any, block: Any) -> bool | None:
     return None if col.none is not None and col.none[d] else False
 
 
-def _entries(
-    plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray], block: Any = None
-) -> list[tuple[tuple[str, ...], Any, int, int, bool | None]]:
+def _entries(plan: RowPlan, r: int, block: Any) -> list[tuple[tuple[str, ...], Any, int, int, bool | None]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     True: a value there, None: None there) of every value and None row ``r`` has in the plan's
     columns; a list's item rows get the positions their lists' offsets say (``MARK`` + position)."""
+    offs = plan.offs
     out: list[tuple[tuple[str, ...], Any, int, int, bool | None]] = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
@@ -108,28 +109,18 @@ def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: i
     return 0 if o is None else int(o[d + 1] - o[d])
 
 
-def row_value(
-    plan: RowPlan,
-    r: int,
-    filename: str,
-    as_torch: bool,
-    offs: dict[tuple[str, ...], np.ndarray],
-    block: Any,
-    order: Spec | None,
-) -> Any:
-    """The value of row ``r`` from the plan of its file's columns; ``offs``: the list offsets;
-    ``block``: a :class:`Block` of rows around ``r`` whose columns' rows it reads (else
-    each leaf's row is read here); ``order``: the file's dict key orders, None for sorted keys."""
+def row_value(plan: RowPlan, r: int, filename: str, as_torch: bool, block: Any, order: Spec | None) -> Any:
+    """The value of row ``r`` from the plan of its file's columns; ``block``: a :class:`Block` of
+    rows around ``r`` whose columns' rows it reads (else each leaf's row is read here);
+    ``order``: the file's dict key orders, None for sorted keys."""
     col = plan.single
-    if col is not None and block is not None:
-        return block.get(col, r, filename) if block.ok(col, r) else None
-    if col is not None:  # the value is one leaf at the root: no tree to build
+    if col is not None and block is None:  # the value is one leaf at the root: no tree to build
         valid = col.valid
         if valid is not None and not valid[r]:
             return None
         return leaf_value(col, r, filename, as_torch)
     root: _Node = {"kids": {}}
-    for leaf, col, d, items, ok in _entries(plan, r, offs, block):
+    for leaf, col, d, items, ok in _entries(plan, r, block):
         dtype = col.info.dtype
         head = ok and dtype in F.PY_HEADERS  # a container's header: the node of its path, not of its leaf
         node = root
@@ -216,7 +207,7 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
     made once here (its dicts' keys in ``order``) and the row only reads its leaves from the
     block, as ``row_value`` with that block gives them; :data:`ABSENT` for a row without a value
     in some column (``row_value`` builds it). None for any other layout."""
-    if plan.lists or plan.single is not None:
+    if plan.lists:
         return None
     root: _Node = {"kids": {}}
     maybe = []  # the columns with rows without a value
@@ -233,7 +224,7 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
             node["header"] = (col.info.dtype, col)
         else:
             node["col"] = col
-    if not root["kids"] and "header" not in root:
+    if root == {"kids": {}}:
         return None
     build = _compile(root, (), order)
     if not maybe:
@@ -424,6 +415,6 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
                 if build is not None:
                     value = gc_paused(build, block, r, name)
                 if value is ABSENT:
-                    value = gc_paused(row_value, plan, r, name, as_torch, offs, block, order)
+                    value = gc_paused(row_value, plan, r, name, as_torch, block, order)
                 yield name, frames[r - ra], value
                 r += 1
