@@ -228,9 +228,9 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.ahead(r)
-        if block is not None:  # read in order
-            return block[2][r - block[0]].copy()
+        x = col.ahead(r)
+        if x is not None:  # read in order
+            return x.copy()
         x = col.unit(r).copy()
         return x if col.native else x.view(col.real)
 
@@ -357,8 +357,7 @@ class RaggedView(_OffsetView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.ahead(r)
-        x = None if block is None else block[2][r - block[0]]
+        x = col.ahead(r)
         if x is not None:  # read in order (to_torch reads a row without a value too: read alone)
             return x.copy()
         flat = self._flat(r, r + 1).view(col.real)
@@ -472,8 +471,8 @@ class TextView(BytesView):
     __slots__ = ()
 
     def at(self, r: int) -> Any:
-        block = self._col.ahead(r)
-        return super().at(r) if block is None else block[2][r - block[0]]
+        x = self._col.ahead(r)
+        return super().at(r) if x is None else x
 
     def _decode(self, r: int, raw: bytes) -> Any:
         try:  # (no call to utf8_text for a valid row: rows read in order are decoded here)
