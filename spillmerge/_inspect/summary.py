@@ -21,10 +21,8 @@ from .._format import invariants as V
 from .._format import lists as L
 from .._format import output as FO
 from .._format import spill as FS
-from .._format.output import header, not_an_output, what_is
 from .._read import index as LZ
 from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from .._read.index import Found
 from .._read.outputstore import NoFillStore
 from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
@@ -35,12 +33,12 @@ from .._util.units import size_text as _human
 
 def detect(storage: Storage) -> str:
     """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
-    kind = what_is(storage)
-    if kind not in ("missing", "file") and header(storage) is not None:
+    kind = FO.what_is(storage)
+    if kind not in ("missing", "file") and FO.header(storage) is not None:
         return "merged"
     if kind == "spill":
         return "spill"
-    raise not_an_output(storage, kind)
+    raise FO.not_an_output(storage, kind)
 
 
 def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:
@@ -107,7 +105,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     if not storage.exists(FO.COMPLETE_NAME):
         # (the header is read from storage: none of its keys stands in for what we found)
-        return {**(header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
+        return {**(FO.header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
@@ -456,7 +454,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
 
 def _found(problems: list[V.Problem]) -> None:
     if problems:
-        raise Found(problems)
+        raise LZ.Found(problems)
 
 
 def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]) -> list[str]:
@@ -475,11 +473,11 @@ def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]
         for step in steps:
             try:
                 step()
-            except Found as exc:
+            except LZ.Found as exc:
                 out.extend(exc.args[0])
         out = list(dict.fromkeys(files.checks.found + out))
         out = out or _value_problems(group, files.columns, files.list_offsets, damaged)
-    except Found as exc:
+    except LZ.Found as exc:
         out = exc.args[0]
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]
