@@ -195,23 +195,21 @@ class OutputFiles:
         a, b = self.checks.file_rows(i)
         if type(filename) is not str:
             filename = self.filenames[i]
-        if b == a + 1 and int(self.frame_idx[a]) == frame_idx:  # a file of one frame: nothing to search
-            return self._row_value(i, a, filename, as_torch)
-        frames = self.frame_idx[a:b]
-        try:
-            j = int(np.searchsorted(frames, frame_idx))
-        except TypeError:  # no frame index (None, a list ...): not found, as "2" is
-            j = len(frames)
-        if j >= len(frames) or frames[j] != frame_idx:
-            shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
-            asked = frame_idx if isinstance(frame_idx, (int, np.integer)) else repr(frame_idx)
-            raise UnknownFileError(
-                f"{filename!r} of {self.storage.describe()} has no frame {asked} (its frames: {shown})",
-                filename=filename,
-            )
-        return self._row_value(i, a + j, filename, as_torch)
-
-    def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
+        r = a  # (a file of one frame: nothing to search)
+        if b != a + 1 or int(self.frame_idx[a]) != frame_idx:
+            frames = self.frame_idx[a:b]
+            try:
+                j = int(np.searchsorted(frames, frame_idx))
+            except TypeError:  # no frame index (None, a list ...): not found, as "2" is
+                j = len(frames)
+            if j >= len(frames) or frames[j] != frame_idx:
+                shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
+                asked = frame_idx if isinstance(frame_idx, (int, np.integer)) else repr(frame_idx)
+                raise UnknownFileError(
+                    f"{filename!r} of {self.storage.describe()} has no frame {asked} (its frames: {shown})",
+                    filename=filename,
+                )
+            r = a + j
         plan = self.row_plan(self.file_layout.item(i))
         block = _values.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
         order = self.key_orders.of_file(i)

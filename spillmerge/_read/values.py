@@ -363,7 +363,6 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
     """(filename, frame_idx, value) of every row of ``files`` (the reader's ``OutputFiles``) in order:
     the index read a block of files at a time, each column's rows of a block decoded once."""
     n_files = len(files.filenames)
-    offs = files.list_offsets
     builders: dict[tuple[int, int], Any] = {}  # (layout, id of the file's key orders) -> static_builder
     for i0 in range(0, n_files, BLOCK_FILES):
         i1 = min(i0 + BLOCK_FILES, n_files)
@@ -379,7 +378,7 @@ def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
         for ra in range(a, b, BLOCK_ROWS):
             rb = min(ra + BLOCK_ROWS, b)
             frames = np.asarray(files.frame_idx[ra:rb]).tolist()  # (checks the rows' index block)
-            block = Block(ra, rb, offs, as_torch)
+            block = Block(ra, rb, files.list_offsets, as_torch)
             r = ra
             while r < rb:
                 while starts[f + 1] <= r:
