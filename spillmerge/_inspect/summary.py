@@ -60,33 +60,32 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
     segments = scan(storage)
     every = [s for segs in segments.values() for s in segs]
     committed = [s.commit for s in every if s.commit is not None]
-    bar = progress_bar(len(committed), "inspect", "segment")
     ranks = []
     files: Counter[str] = Counter()
     dtypes: set[str] = set()
-    for rank, segs in segments.items():
-        entries = []
-        for s in segs:
-            status = "committed" if s.commit else "failed" if s.failure else "incomplete"
-            entry: dict[str, Any] = {"segment": s.name, "status": status}
-            if s.commit is not None:
-                c = s.commit
-                entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
-                try:
-                    loaded = load_segment(storage, s)
-                    # Frames, not index rows: a frame whose value is a dict has one row per leaf.
-                    keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
-                    files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
-                    dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
-                except SpillMergeError as exc:
-                    entry["error"] = str(exc)
-                bar.update(1)
-            if s.failure is not None:
-                entry["error"] = s.failure.summary()
-            entries.append(entry)
-        ranks.append({"rank": rank, "segments": entries})
-    bar.close()
+    with progress_bar(len(committed), "inspect", "segment") as bar:
+        for rank, segs in segments.items():
+            entries = []
+            for s in segs:
+                status = "committed" if s.commit else "failed" if s.failure else "incomplete"
+                entry: dict[str, Any] = {"segment": s.name, "status": status}
+                if s.commit is not None:
+                    c = s.commit
+                    entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
+                    try:
+                        loaded = load_segment(storage, s)
+                        # Frames, not index rows: a frame whose value is a dict has one row per leaf.
+                        keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
+                        per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
+                        files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
+                        dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
+                    except SpillMergeError as exc:
+                        entry["error"] = str(exc)
+                    bar.update(1)
+                if s.failure is not None:
+                    entry["error"] = s.failure.summary()
+                entries.append(entry)
+            ranks.append({"rank": rank, "segments": entries})
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
@@ -192,8 +191,7 @@ def format_text(s: dict[str, Any]) -> str:
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
             lines.append("  files (most frames first):")
-            for f in s["files"]:
-                lines.append(f"    {f['filename']!r}: {_frames(f['frames'])}")
+            lines += [f"    {f['filename']!r}: {_frames(f['frames'])}" for f in s["files"]]
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
     else:
