@@ -74,7 +74,7 @@ class OpenColumn:
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
-        """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
+        """Rows read as Python scalars (``values.leaf_value``): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
         self._block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
@@ -106,12 +106,6 @@ class OpenColumn:
             r = lo
         c, i = divmod(r, self.chunk_rows)
         return self.chunk(c)[i]  # type: ignore[no-any-return]
-
-    def scalar(self, r: int) -> Any:
-        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
-        read of a ``py*`` leaf or a container header: no view, no 0-d array)."""
-        x = self.unit(r)
-        return (x if self.native else x.view(self.real)).item()
 
     def ahead(self, r: int) -> Any:
         """Row ``r`` as the column's view decodes it (None for a row without a value) from rows

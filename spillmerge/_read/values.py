@@ -63,8 +63,9 @@ class RowPlan:
 
 def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
     """Row ``d`` of ``col``, known to have a value, as ``value()`` returns it."""
-    if col.py_scalar:
-        return col.scalar(d)
+    if col.py_scalar:  # a Python scalar read straight from its unit: no view, no 0-d array
+        x = col.unit(d)
+        return (x if col.native else x.view(col.real)).item()
     return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
 
 
