@@ -180,15 +180,11 @@ def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
 def _records(n: int, columns: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     """A list of ``n`` dicts from its keys' columns (``(key, list of n values)``; a column of
     None: a key no dict of the list has), each column checked to hold ``n`` values."""
-    keys, values = [], []
-    for k, v in columns:
-        if v is None:
-            continue
+    kept = [(k, v) for k, v in columns if v is not None]
+    for k, v in kept:
         if not isinstance(v, (list, tuple)) or len(v) != n:
             raise CorruptSpillError(f"a list of {n} dicts whose column {k!r:.100} is not a list of {n}")
-        keys.append(k)
-        values.append(v)
-    return records(keys, values)
+    return records([k for k, _ in kept], [v for _, v in kept])
 
 
 def records(keys: list[str], columns: list[Any]) -> list[dict[str, Any]]:
