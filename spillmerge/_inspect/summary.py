@@ -203,9 +203,8 @@ def format_text(s: dict[str, Any]) -> str:
             )
             for f in s["files"]:
                 leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape'] or ''}" for x in f["leaves"])
-                lines.append(
-                    f"    {f['filename']!r}: {_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]  {leaves}"
-                )
+                frames = f"{_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]"
+                lines.append(f"    {f['filename']!r}: {frames}  {leaves}")
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
     return "\n".join(lines)
@@ -438,8 +437,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
     for coords in present:
         sel = tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, arr.chunks, strict=True))
         try:
-            block = arr[sel]
-            rep.checked_bytes += int(np.asarray(block).nbytes)
+            rep.checked_bytes += int(np.asarray(arr[sel]).nbytes)
             rep.checked_objects += 1
         except SpillMergeError as exc:
             rep.problems.append(str(exc))
