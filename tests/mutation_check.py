@@ -799,7 +799,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "iter-values-checks-frame-offsets-first",
-        "spillmerge/_read/rowblock.py",
+        "spillmerge/_read/values.py",
         "        if len(fo) != i1 - i0 + 1 or fo[0] < 0 or fo[-1] > files.n_rows or np.any(fo[1:] < fo[:-1]):",
         "        if False:",
         ("tests/read/test_lazy_index.py::test_iter_values_names_frame_offsets_decreasing_across_chunks",),
@@ -815,7 +815,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "list-header-agrees-with-its-list-offsets",
-        "spillmerge/_read/rowvalue.py",
+        "spillmerge/_read/values.py",
         'if dtype in ("pylist", "pytuple") and n != max(items, 0):',
         'if dtype in ("pylist", "pytuple") and n < 0:',
         ("tests/format/test_lists.py::test_damaged_list_offsets_are_refused_naming_the_array",),
@@ -1419,7 +1419,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "static-tree-absent-column",
-        "spillmerge/_read/rowvalue.py",
+        "spillmerge/_read/values.py",
         "                return ABSENT",
         "                pass",
         ("tests/read/test_reading.py::test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_gives",),
@@ -1427,7 +1427,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "static-tree-key-order",
-        "spillmerge/_read/rowvalue.py",
+        "spillmerge/_read/values.py",
         "kid_nodes = list(ordered(node[\"kids\"], path, order))",
         "kid_nodes = sorted(node[\"kids\"].items())",
         ("tests/read/test_reading.py::test_iter_values_gives_what_value_gives_in_key_order_whatever_the_layouts",),
@@ -1435,7 +1435,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "records-display-key-order",
-        "spillmerge/_read/rowvalue.py",
+        "spillmerge/_read/values.py",
         "    for key, column in zip(keys, columns, strict=True):",
         "    for key, column in zip(sorted(keys), columns, strict=True):",
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1582,7 +1582,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "iter-values-run-key-order",
-        "spillmerge/_read/rowblock.py",
+        "spillmerge/_read/values.py",
         "                        and files.key_orders.of_file(i0 + g + 1) is order\n",
         "",
         ("tests/read/test_reading.py::test_iter_values_of_flat_dicts_in_runs_is_what_value_gives",),

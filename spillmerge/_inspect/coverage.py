@@ -153,7 +153,7 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
         (s for ss in scan(storage).values() for s in ss if s.commit is not None),
         key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name),
     )
-    cols: dict[str, list[np.ndarray]] = {"file": [], "frame": [], "rank": []}
+    rows: list[np.ndarray] = []  # (file id, frame, rank) of each segment's frames
     gid: dict[str, int] = {}
     notes = []
     for seg in segs:
@@ -164,18 +164,16 @@ def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
             continue
         fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
         keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-        cols["file"].append(fmap[keys[:, 0]])
-        cols["frame"].append(keys[:, 1])
-        cols["rank"].append(np.full(len(keys), seg.rank, np.int64))
-    if not any(map(len, cols["file"])):  # (np.split of no rows gives one empty part)
+        ids = fmap[keys[:, 0]]
+        rows.append(np.column_stack([ids, keys[:, 1], np.full(len(keys), seg.rank, np.int64)]))
+    if not any(map(len, rows)):  # (np.split of no rows gives one empty part)
         return {}, notes
-    c = {k: np.concatenate(v) for k, v in cols.items()}
-    srt = np.lexsort((c["frame"], c["file"]))  # stable: a key's copies stay in write order
-    file_s, frame_s, rank_s = c["file"][srt], c["frame"][srt], c["rank"][srt]
-    first = np.ones(len(srt), dtype=bool)
+    c = np.concatenate(rows)
+    file_s, frame_s, rank_s = c[np.lexsort((c[:, 1], c[:, 0]))].T  # stable: copies stay in write order
+    first = np.ones(len(c), dtype=bool)
     first[1:] = (np.diff(file_s) != 0) | (np.diff(frame_s) != 0)
     starts = np.flatnonzero(first)
-    copies = np.diff(np.append(starts, len(srt)))
+    copies = np.diff(np.append(starts, len(c)))
     kf = file_s[starts]
     bounds = np.flatnonzero(np.diff(kf)) + 1
     kept = (frame_s[starts], rank_s[starts], copies)

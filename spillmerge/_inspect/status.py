@@ -11,8 +11,6 @@ from typing import Any, Literal
 from .._errors import ConfigError, NotASpillRootError, SpillMergeError
 from .._format import output as FO
 from .._format import spill as FS
-from .._format.output import header as output_header
-from .._format.output import what_is
 from .._merge import lease as _lease
 from .._merge import ownership as _ownership
 from .._merge import parts as _parts
@@ -202,8 +200,8 @@ def _agreed_world_size(claims: list[tuple[int, int, bool]]) -> tuple[int | None,
 
 def _not_a_spill_root(storage: Storage) -> NotASpillRootError:
     where = storage.describe()
-    kind = what_is(storage)
-    if kind == "other" and output_header(storage) is not None:
+    kind = FO.what_is(storage)
+    if kind == "other" and FO.header(storage) is not None:
         kind = "output"
     why = {
         "missing": f"{where} does not exist (a mistyped path, or no rank has opened its writer yet)",
@@ -247,7 +245,7 @@ def _age(now: float, t: float | None) -> float | None:
 
 def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStatus:
     output = Storage(out, storage_options)
-    kind = what_is(output)
+    kind = FO.what_is(output)
     if kind == "missing" or kind == "other" and not output.listdir(""):
         return MergeStatus(output.url, "not-started", 0, 0, None, None)
     if kind != "other" or not _ownership.is_ours(output):

@@ -21,10 +21,8 @@ from .._format import invariants as V
 from .._format import lists as L
 from .._format import output as FO
 from .._format import spill as FS
-from .._format.output import header, not_an_output, what_is
 from .._read import index as LZ
 from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
-from .._read.index import Found
 from .._read.outputstore import NoFillStore
 from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
@@ -35,12 +33,12 @@ from .._util.units import size_text as _human
 
 def detect(storage: Storage) -> str:
     """``"merged"``, ``"spill"``; raises when ``path`` is neither."""
-    kind = what_is(storage)
-    if kind not in ("missing", "file") and header(storage) is not None:
+    kind = FO.what_is(storage)
+    if kind not in ("missing", "file") and FO.header(storage) is not None:
         return "merged"
     if kind == "spill":
         return "spill"
-    raise not_an_output(storage, kind)
+    raise FO.not_an_output(storage, kind)
 
 
 def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:
@@ -62,33 +60,32 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
     segments = scan(storage)
     every = [s for segs in segments.values() for s in segs]
     committed = [s.commit for s in every if s.commit is not None]
-    bar = progress_bar(len(committed), "inspect", "segment")
     ranks = []
     files: Counter[str] = Counter()
     dtypes: set[str] = set()
-    for rank, segs in segments.items():
-        entries = []
-        for s in segs:
-            status = "committed" if s.commit else "failed" if s.failure else "incomplete"
-            entry: dict[str, Any] = {"segment": s.name, "status": status}
-            if s.commit is not None:
-                c = s.commit
-                entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
-                try:
-                    loaded = load_segment(storage, s)
-                    # Frames, not index rows: a frame whose value is a dict has one row per leaf.
-                    keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
-                    per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
-                    files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
-                    dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
-                except SpillMergeError as exc:
-                    entry["error"] = str(exc)
-                bar.update(1)
-            if s.failure is not None:
-                entry["error"] = s.failure.summary()
-            entries.append(entry)
-        ranks.append({"rank": rank, "segments": entries})
-    bar.close()
+    with progress_bar(len(committed), "inspect", "segment") as bar:
+        for rank, segs in segments.items():
+            entries = []
+            for s in segs:
+                status = "committed" if s.commit else "failed" if s.failure else "incomplete"
+                entry: dict[str, Any] = {"segment": s.name, "status": status}
+                if s.commit is not None:
+                    c = s.commit
+                    entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
+                    try:
+                        loaded = load_segment(storage, s)
+                        # Frames, not index rows: a frame whose value is a dict has one row per leaf.
+                        keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
+                        per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
+                        files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
+                        dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
+                    except SpillMergeError as exc:
+                        entry["error"] = str(exc)
+                    bar.update(1)
+                if s.failure is not None:
+                    entry["error"] = s.failure.summary()
+                entries.append(entry)
+            ranks.append({"rank": rank, "segments": entries})
     top = sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "kind": "spill",
@@ -107,7 +104,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
 def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     if not storage.exists(FO.COMPLETE_NAME):
         # (the header is read from storage: none of its keys stands in for what we found)
-        return {**(header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
+        return {**(FO.header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
@@ -194,8 +191,7 @@ def format_text(s: dict[str, Any]) -> str:
                 lines.append(f"  rank {r['rank']:>4}  {e['segment']}  {e['status']:<10} {extra}{err}")
         if s["files"]:
             lines.append("  files (most frames first):")
-            for f in s["files"]:
-                lines.append(f"    {f['filename']!r}: {_frames(f['frames'])}")
+            lines += [f"    {f['filename']!r}: {_frames(f['frames'])}" for f in s["files"]]
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
     else:
@@ -207,9 +203,8 @@ def format_text(s: dict[str, Any]) -> str:
             )
             for f in s["files"]:
                 leaves = "; ".join(f"{x['leaf']}: {x['dtype']}{x['shape'] or ''}" for x in f["leaves"])
-                lines.append(
-                    f"    {f['filename']!r}: {_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]  {leaves}"
-                )
+                frames = f"{_frames(f['frames'])} [{f['first_frame']}..{f['last_frame']}]"
+                lines.append(f"    {f['filename']!r}: {frames}  {leaves}")
             if s["n_files"] > len(s["files"]):
                 lines.append(f"    ... and {s['n_files'] - len(s['files'])} more")
     return "\n".join(lines)
@@ -442,8 +437,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
     for coords in present:
         sel = tuple(slice(c * k, (c + 1) * k) for c, k in zip(coords, arr.chunks, strict=True))
         try:
-            block = arr[sel]
-            rep.checked_bytes += int(np.asarray(block).nbytes)
+            rep.checked_bytes += int(np.asarray(arr[sel]).nbytes)
             rep.checked_objects += 1
         except SpillMergeError as exc:
             rep.problems.append(str(exc))
@@ -456,7 +450,7 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
 
 def _found(problems: list[V.Problem]) -> None:
     if problems:
-        raise Found(problems)
+        raise LZ.Found(problems)
 
 
 def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]) -> list[str]:
@@ -475,11 +469,11 @@ def _index_problems(storage: Storage, group: Any, header: Any, damaged: set[str]
         for step in steps:
             try:
                 step()
-            except Found as exc:
+            except LZ.Found as exc:
                 out.extend(exc.args[0])
         out = list(dict.fromkeys(files.checks.found + out))
         out = out or _value_problems(group, files.columns, files.list_offsets, damaged)
-    except Found as exc:
+    except LZ.Found as exc:
         out = exc.args[0]
     except SpillMergeError as exc:  # an index array is absent or unreadable: nothing to check against
         return [str(exc)]

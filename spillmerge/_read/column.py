@@ -74,7 +74,7 @@ class OpenColumn:
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
-        """Whether rows are read as Python scalars (:meth:`scalar`): ``py*`` leaves and container headers."""
+        """Rows read as Python scalars (``values.leaf_value``): ``py*`` leaves and container headers."""
         self.view_cls = self.VIEWS[info.kind]
         self._block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
@@ -107,20 +107,14 @@ class OpenColumn:
         c, i = divmod(r, self.chunk_rows)
         return self.chunk(c)[i]  # type: ignore[no-any-return]
 
-    def scalar(self, r: int) -> Any:
-        """Row ``r`` (one with a value) of a 0-d fixed column as a Python scalar (``value()``'s
-        read of a ``py*`` leaf or a container header: no view, no 0-d array)."""
-        x = self.unit(r)
-        return (x if self.native else x.view(self.real)).item()
-
-    def ahead(self, r: int) -> tuple[int, int, list[Any]] | None:
-        """``(a, b, rows)``: rows ``a .. b-1``, row ``r`` among them, decoded together by the column's
-        view: the block kept, else one from row ``r`` when it comes right after row ``r - 1`` (within
-        :data:`ROW_BLOCK_ROWS` and :data:`ROW_BLOCK_BYTES`); None when not in order, too large or
-        damaged (each row is then read alone)."""
+    def ahead(self, r: int) -> Any:
+        """Row ``r`` as the column's view decodes it (None for a row without a value) from rows
+        decoded together: the block kept, else one from row ``r`` when it comes right after row
+        ``r - 1`` (within :data:`ROW_BLOCK_ROWS` and :data:`ROW_BLOCK_BYTES`); None when not in
+        order, too large or damaged (each row is then read alone)."""
         block = self._block
         if block is not None and block[0] <= r < block[1]:
-            return block
+            return block[2][r - block[0]]
         sequential = r == self._next_row
         self._next_row = r + 1
         if not sequential:
@@ -139,10 +133,10 @@ class OpenColumn:
         if n < 1:
             return None
         try:
-            block = self._block = (r, r + n, self.view(r, r + n).to_list())
+            self._block = (r, r + n, self.view(r, r + n).to_list())
         except CorruptSpillError:
             return None
-        return block
+        return self._block[2][0]
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
         """Units ``lo .. hi-1`` of ``values`` (rows, or elements with offsets), a new array: chunks

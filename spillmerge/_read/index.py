@@ -128,9 +128,7 @@ class LazyArray:
         """Where ``v`` goes in this sorted 1-d array (numpy's ``searchsorted``), reading the chunks
         a bisection over chunk starts needs (from chunk ``hint`` first when given); no row hook."""
         k = self._k
-        m = -(-self._n // k)  # chunks
-        if m == 0:
-            return 0
+        m = -(-self._n // k)  # chunks (none: lo = hi = 0, so 0)
 
         def before(c: int) -> bool:  # chunk c starts before v's position
             x = int(self.chunk(c)[0])
@@ -232,7 +230,7 @@ class IndexChecks:
         fo, n_files = self._fo, len(self._fo) - 1
         hint = self._last_file // fo._k
         f0 = max(fo.searchsorted(r0, "right", hint) - 1, 0)
-        f1 = min(max(fo.searchsorted(r1, "left", hint), f0 + 1), n_files) if n_files else 0
+        f1 = min(max(fo.searchsorted(r1, "left", hint), f0 + 1), n_files)
         starts = fo.span(f0, f1 + 1)
         if len(starts) and (np.any(np.diff(starts) < 0) or int(starts[0]) > r0 or int(starts[-1]) < r1):
             self._raise([(fo.rel, f"entries {f0}..{f1} decrease or do not cover rows {r0}..{r1 - 1}")])
@@ -244,11 +242,8 @@ class IndexChecks:
             if len(bad):
                 what = f"row {r0 + int(bad[0])} holds {int(vals[bad[0]])} < {least}"
                 self._fail(arr.rel, f"{what} ({len(bad)} such rows in rows {r0}..{r1 - 1})")
-        if n_files:
-            lens = np.diff(np.clip(starts, r0, r1))
-            layout_of_row = np.repeat(self._files.file_layout.span(f0, f1), lens)
-        else:
-            layout_of_row = np.zeros(0, dtype=np.int64)
+        lens = np.diff(np.clip(starts, r0, r1))  # (no files: no rows, no layouts)
+        layout_of_row = np.repeat(self._files.file_layout.span(f0, f1), lens)
         valid: dict[str, np.ndarray | None] = {}
         none: dict[str, np.ndarray | None] = {}
         for name, col in self._cols.items():

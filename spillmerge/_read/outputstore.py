@@ -109,12 +109,9 @@ class NoFillStore(WrapperStore[Store]):
         super().__init__(store)
         self._describe = storage.describe
         self._storage = storage
-        self._chunk_limits: dict[str, FO.ChunkLimits] = {}
-
-    @property
-    def local(self) -> bool:
+        self.local = storage.local
         """Objects are read from a local disk (``_format.invariants.read_rows`` reads chunk by chunk)."""
-        return self._storage.local
+        self._chunk_limits: dict[str, FO.ChunkLimits] = {}
 
     def _with_store(self, store: Store) -> NoFillStore:
         return type(self)(store, self._storage)
@@ -144,7 +141,7 @@ class NoFillStore(WrapperStore[Store]):
         limits = await self._limits(key, prototype) if chunk else None  # (refuses a sharded array)
         if byte_range is not None:  # zarr reads byte ranges of sharded arrays only
             raise ValueError(f"{self._describe(key)}: a byte range {byte_range!r}; an output is never sharded")
-        if not self._storage.local:
+        if not self.local:
             buf = await self._store.get(key, prototype)
         else:
             doc_limit = F.ROOT_DOC_MAX_BYTES if "/" not in key else F.ARRAY_DOC_MAX_BYTES

@@ -17,18 +17,15 @@ from .._format import invariants as V
 from .._format import lists as L
 from .._format import output as FO
 from .._format.keyorder import KeyOrders
-from .._format.output import not_an_output, what_is
 from .._storage import Storage
 from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
-from . import rowblock as _rowblock
+from . import values as _values
 from .arrow import require_pyarrow
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
-from .index import LazyArray
 from .outputstore import NoFillStore, open_consolidated
-from .rowvalue import RowPlan, row_value
 from .views import LeafDict, LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
@@ -93,7 +90,7 @@ class OutputFiles:
         self.layouts: list[list[str]] = header.get("file_layouts")  # type: ignore[assignment]
         n_layouts = len(self.layouts) if isinstance(self.layouts, list) else 0
 
-        lazy = partial(LazyArray, cache=cache, storage=storage)
+        lazy = partial(LZ.LazyArray, cache=cache, storage=storage)
         fo_node = V.index_node(group, "frame_offsets", describe)
 
         def offsets_check(first: int, arr: np.ndarray) -> None:
@@ -113,7 +110,7 @@ class OutputFiles:
         )
         raise_(meta)
         self.frame_idx = lazy(index["frame_idx"])
-        self.prov: dict[str, LazyArray] = {name: lazy(index[name]) for name in V.PROVENANCE}  # (all: meta checked)
+        self.prov: dict[str, LZ.LazyArray] = {name: lazy(index[name]) for name in V.PROVENANCE}  # (all: meta checked)
         self.n_rows = n_rows
         self.columns: dict[str, OpenColumn] = {}
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
@@ -161,7 +158,7 @@ class OutputFiles:
             else [(p[:-1], p[-1], c.view_cls, c, F.list_domain(c.info.leaf)) for p, c in _view_paths(cols)]
             for cols in self._layout_cols
         ]
-        self._row_plans: dict[int, RowPlan] = {}  # per file layout, made at its first value() read
+        self._row_plans: dict[int, _values.RowPlan] = {}  # per file layout, made at its first value() read
         try:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
@@ -194,37 +191,35 @@ class OutputFiles:
 
     def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name) as it was written
-        (``_read.rowvalue``)."""
+        (``_read.values``)."""
         a, b = self.checks.file_rows(i)
         if type(filename) is not str:
             filename = self.filenames[i]
-        if b == a + 1 and int(self.frame_idx[a]) == frame_idx:  # a file of one frame: nothing to search
-            return self._row_value(i, a, filename, as_torch)
-        frames = self.frame_idx[a:b]
-        try:
-            j = int(np.searchsorted(frames, frame_idx))
-        except TypeError:  # no frame index (None, a list ...): not found, as "2" is
-            j = len(frames)
-        if j >= len(frames) or frames[j] != frame_idx:
-            shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
-            asked = frame_idx if isinstance(frame_idx, (int, np.integer)) else repr(frame_idx)
-            raise UnknownFileError(
-                f"{filename!r} of {self.storage.describe()} has no frame {asked} (its frames: {shown})",
-                filename=filename,
-            )
-        return self._row_value(i, a + j, filename, as_torch)
-
-    def _row_value(self, i: int, r: int, filename: str, as_torch: bool) -> Any:
+        r = a  # (a file of one frame: nothing to search)
+        if b != a + 1 or int(self.frame_idx[a]) != frame_idx:
+            frames = self.frame_idx[a:b]
+            try:
+                j = int(np.searchsorted(frames, frame_idx))
+            except TypeError:  # no frame index (None, a list ...): not found, as "2" is
+                j = len(frames)
+            if j >= len(frames) or frames[j] != frame_idx:
+                shown = ", ".join(map(str, frames[:10].tolist())) + (" ..." if len(frames) > 10 else "")
+                asked = frame_idx if isinstance(frame_idx, (int, np.integer)) else repr(frame_idx)
+                raise UnknownFileError(
+                    f"{filename!r} of {self.storage.describe()} has no frame {asked} (its frames: {shown})",
+                    filename=filename,
+                )
+            r = a + j
         plan = self.row_plan(self.file_layout.item(i))
-        block = _rowblock.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
+        block = _values.Block(r, r + 1, self.list_offsets, as_torch) if plan.lists else None
         order = self.key_orders.of_file(i)
-        return gc_paused(row_value, plan, r, filename, as_torch, self.list_offsets, block, order)
+        return gc_paused(_values.row_value, plan, r, filename, as_torch, block, order)
 
-    def row_plan(self, layout: int) -> RowPlan:
+    def row_plan(self, layout: int) -> _values.RowPlan:
         """How a value of file layout ``layout`` is built from its columns (made at its first read)."""
         plan = self._row_plans.get(layout)
         if plan is None:
-            plan = self._row_plans[layout] = RowPlan(self._layout_cols[layout], self.list_offsets)
+            plan = self._row_plans[layout] = _values.RowPlan(self._layout_cols[layout], self.list_offsets)
         return plan
 
 
@@ -251,31 +246,27 @@ class MergedStore(Mapping[str, Any]):
     ) -> None:
         self.cache = ChunkCache(cache_bytes)
         self.storage = Storage(out, storage_options)
+        where = self.storage.describe()
         try:
             marker = self.storage.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
         except SpillStorageError:
-            if what_is(self.storage) == "file":  # reading below a file fails with "Not a directory"
-                raise not_an_output(self.storage, "file") from None
+            if FO.what_is(self.storage) == "file":  # reading below a file fails with "Not a directory"
+                raise FO.not_an_output(self.storage, "file") from None
             raise
         if marker is None:
             if not self.storage.exists("zarr.json"):
-                raise not_an_output(self.storage)
-            raise IncompleteOutputError(
-                f"{self.storage.describe()} is incomplete (no {FO.COMPLETE_NAME}): the merge that wrote it "
-                "did not finish; run the merge again",
-                path=self.storage.describe(),
-            )
+                raise FO.not_an_output(self.storage)
+            what = f"is incomplete (no {FO.COMPLETE_NAME}): the merge that wrote it did not finish"
+            raise IncompleteOutputError(f"{where} {what}; run the merge again", path=where)
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
             store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage)
             self.group = open_consolidated(store, self.storage)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
-            raise CorruptSpillError(
-                f"{self.storage.describe()}: cannot open as zarr: {exc}", path=self.storage.describe()
-            ) from exc
+            raise CorruptSpillError(f"{where}: cannot open as zarr: {exc}", path=where) from exc
         header = self.group.attrs.get("spillmerge")
         if not isinstance(header, dict) or header.get("kind") != "merged":
-            raise CorruptSpillError(f"{self.storage.describe()}: not a spillmerge output", path=self.storage.describe())
+            raise CorruptSpillError(f"{where}: not a spillmerge output", path=where)
         self.header: dict[str, Any] = header
         self.format_version: int = F.check_version(header, self.storage.describe(), spill=False)
         """The output's format version (:data:`~spillmerge.FORMAT_VERSION`: no other is opened)."""
@@ -325,7 +316,7 @@ class MergedStore(Mapping[str, Any]):
             )
         return i
 
-    def _rows(self, filename: str, of: LazyArray) -> np.ndarray:
+    def _rows(self, filename: str, of: LZ.LazyArray) -> np.ndarray:
         """The entries of the per-row array ``of`` for ``filename``'s rows."""
         a, b = self.files.checks.file_rows(self._index(filename))
         return of[a:b].copy()  # type: ignore[no-any-return]
@@ -362,7 +353,7 @@ class MergedStore(Mapping[str, Any]):
         value, e.g. the list ``gather_object`` gives (``[v for _, _, v in res.iter_values()]``).
         Memory is one block of rows (4,096 rows, a column's rows read one by one where they hold
         more than 32 MiB), whatever the output's size."""
-        return _rowblock.iter_values(self.files, as_torch)
+        return _values.iter_values(self.files, as_torch)
 
     def index_arrays(self) -> tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(filenames, frame_offsets, frame_idx, frame_rank, frame_copies), as checked at open
@@ -388,34 +379,24 @@ class MergedStore(Mapping[str, Any]):
             leaf = tuple(path)
         else:
             raise TypeError(f"column() takes path as a str, a tuple or list of str, or None, not {path!r}")
-        where, cols = self.storage.describe(), self.files.by_leaf.get(leaf, [])
+        where, name, cols = self.storage.describe(), "/".join(leaf), self.files.by_leaf.get(leaf, [])
         if dtype is not None and cols:
             dts = [_dtype_choice(c) for c in cols]
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
             if not cols:
-                raise UnknownColumnError(
-                    f"{where}: leaf {'/'.join(leaf) or None!r} has no column of dtype {dtype!r}; its dtypes: "
-                    f"{', '.join(map(repr, dts))}",
-                    column="/".join(leaf),
-                    known=dts,
-                )
+                what = f"has no column of dtype {dtype!r}; its dtypes: {', '.join(map(repr, dts))}"
+                raise UnknownColumnError(f"{where}: leaf {name or None!r} {what}", column=name, known=dts)
         if len(cols) > 1:
-            shown = "/".join(leaf) or "None (the plain tensor values)"
             dts = [_dtype_choice(c) for c in cols]
-            raise UnknownColumnError(
-                f"{where}: leaf {shown!r} has one column per dtype or kind ({', '.join(dts)}: files disagreed on "
-                f"it); pass dtype=, e.g. column({'/'.join(leaf) or None!r}, dtype={dts[0]!r})",
-                column="/".join(leaf),
-                known=dts,
-            )
+            what = f"has one column per dtype or kind ({', '.join(dts)}: files disagreed on it)"
+            hint = f"pass dtype=, e.g. column({name or None!r}, dtype={dts[0]!r})"
+            shown = name or "None (the plain tensor values)"
+            raise UnknownColumnError(f"{where}: leaf {shown!r} {what}; {hint}", column=name, known=dts)
         if not cols:
             known = sorted({c.info.path if c.info.leaf else "<tensor> (None)" for c in self.files.columns.values()})
-            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
-            raise UnknownColumnError(
-                f"{where} has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}",
-                column="/".join(leaf),
-                known=known,
-            )
+            shown = name if leaf else "None (the plain tensor values)"
+            what = f"has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}"
+            raise UnknownColumnError(f"{where} {what}", column=name, known=known)
         return cols[0].view(0, cols[0].n_rows)
 
     @property

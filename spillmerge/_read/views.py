@@ -228,9 +228,9 @@ class FixedView(LeafView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.ahead(r)
-        if block is not None:  # read in order
-            return block[2][r - block[0]].copy()
+        x = col.ahead(r)
+        if x is not None:  # read in order
+            return x.copy()
         x = col.unit(r).copy()
         return x if col.native else x.view(col.real)
 
@@ -357,8 +357,7 @@ class RaggedView(_OffsetView):
 
     def at(self, r: int) -> Any:
         col = self._col
-        block = col.ahead(r)
-        x = None if block is None else block[2][r - block[0]]
+        x = col.ahead(r)
         if x is not None:  # read in order (to_torch reads a row without a value too: read alone)
             return x.copy()
         flat = self._flat(r, r + 1).view(col.real)
@@ -422,21 +421,18 @@ class BytesView(_OffsetView):
     :attr:`values` (uint8) and :attr:`offsets`."""
 
     __slots__ = ()
+    _ARROW = "large_binary"
+    """The Arrow type of the rows (a pyarrow factory's name): the bytes and offsets as stored."""
 
     def _decode(self, r: int, raw: bytes) -> Any:
         return raw
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
-        return self._arrow(pa.large_binary())
-
-    def _arrow(self, typ: Any) -> Any:
-        """These rows as an Arrow array of ``typ`` over their bytes and offsets, as stored."""
-        pa = require_pyarrow()
         raw, valid = self._flat(self._start, self._stop), self.valid
         bitmap = None if valid is None else pa.py_buffer(np.packbits(valid.astype(bool), bitorder="little"))
         bufs = [bitmap, pa.py_buffer(self.offsets.astype(np.int64)), pa.py_buffer(raw)]
-        return pa.Array.from_buffers(typ, len(self), bufs)
+        return pa.Array.from_buffers(getattr(pa, self._ARROW)(), len(self), bufs)
 
 
 class PickleView(BytesView):
@@ -470,10 +466,11 @@ class TextView(BytesView):
     ``view[a:b]`` a list; :attr:`values` (uint8) and :attr:`offsets` are the flat form."""
 
     __slots__ = ()
+    _ARROW = "large_string"
 
     def at(self, r: int) -> Any:
-        block = self._col.ahead(r)
-        return super().at(r) if block is None else block[2][r - block[0]]
+        x = self._col.ahead(r)
+        return super().at(r) if x is None else x
 
     def _decode(self, r: int, raw: bytes) -> Any:
         try:  # (no call to utf8_text for a valid row: rows read in order are decoded here)
@@ -482,11 +479,10 @@ class TextView(BytesView):
             return utf8_text(self._col, r, raw)  # raises, naming the row
 
     def to_arrow(self) -> Any:
-        pa = require_pyarrow()
-        arr = self._arrow(pa.large_string())
+        arr = super().to_arrow()
         try:
             arr.validate(full=True)  # UTF-8 of every row
-        except pa.ArrowInvalid as exc:
+        except require_pyarrow().ArrowInvalid as exc:
             raise self._col.damaged(str(exc)) from None
         return arr
 

@@ -1,8 +1,10 @@
-"""One row of an output as the Python object that was written (``MergedStore.value``): the inverse
-of ``_write.flatten.flatten`` (docs/FORMAT.md section 1, *Value model*)."""
+"""Rows of an output as the Python objects that were written: one row (``MergedStore.value``), or
+every row in order a block at a time (``iter_values``); the inverse of ``_write.flatten.flatten``
+(docs/FORMAT.md section 1, *Value model*)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -12,6 +14,8 @@ from .._format import common as F
 from .._format import lists as L
 from .._format.common import MARK, is_marker, key_of
 from .._format.keyorder import Spec, ordered
+from .._util.gcpause import gc_paused
+from .column import OpenColumn
 from .views import tensor
 
 _Node = dict[str, Any]
@@ -31,12 +35,14 @@ def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
 
 class RowPlan:
     """What ``row_value`` needs of one file layout's columns, derived once per layout: each
-    column's leaf, list domain, item segments and header rule, and the one column of a layout
-    whose values are plain leaves at the root (``single``: read without a tree)."""
+    column's leaf, list domain, item segments and header rule, the list offsets (``offs``), and
+    the one column of a layout whose values are plain leaves at the root (``single``: read
+    without a tree)."""
 
-    __slots__ = ("leaves", "lists", "single")
+    __slots__ = ("leaves", "lists", "offs", "single")
 
     def __init__(self, cols: list[Any], offs: dict[tuple[str, ...], np.ndarray]) -> None:
+        self.offs = offs
         # (column, leaf, domain, item segments, list path of a header's items or None, its
         # ``valid`` or None, whether a row without a value there says nothing: a list item or a
         # header, which row_value skips, so _entries does not make their paths)
@@ -57,8 +63,9 @@ class RowPlan:
 
 def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
     """Row ``d`` of ``col``, known to have a value, as ``value()`` returns it."""
-    if col.py_scalar:
-        return col.scalar(d)
+    if col.py_scalar:  # a Python scalar read straight from its unit: no view, no 0-d array
+        x = col.unit(d)
+        return (x if col.native else x.view(col.real)).item()
     return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
 
 
@@ -69,12 +76,11 @@ def _holds(col: Any, d: int, valid: Any, block: Any) -> bool | None:
     return None if col.none is not None and col.none[d] else False
 
 
-def _entries(
-    plan: RowPlan, r: int, offs: dict[tuple[str, ...], np.ndarray], block: Any = None
-) -> list[tuple[tuple[str, ...], Any, int, int, bool | None]]:
+def _entries(plan: RowPlan, r: int, block: Any) -> list[tuple[tuple[str, ...], Any, int, int, bool | None]]:
     """(leaf path with item positions, column, row of the column, items of its list or -1,
     True: a value there, None: None there) of every value and None row ``r`` has in the plan's
     columns; a list's item rows get the positions their lists' offsets say (``MARK`` + position)."""
+    offs = plan.offs
     out: list[tuple[tuple[str, ...], Any, int, int, bool | None]] = []
     where: dict[tuple[str, ...], tuple[int, list[tuple[int, ...]]]] = {}  # a domain's rows, once per row
     for col, leaf, domain, at, lpath, valid, quiet in plan.leaves:
@@ -104,28 +110,18 @@ def _items(offs: dict[tuple[str, ...], np.ndarray], lpath: tuple[str, ...], d: i
     return 0 if o is None else int(o[d + 1] - o[d])
 
 
-def row_value(
-    plan: RowPlan,
-    r: int,
-    filename: str,
-    as_torch: bool,
-    offs: dict[tuple[str, ...], np.ndarray],
-    block: Any,
-    order: Spec | None,
-) -> Any:
-    """The value of row ``r`` from the plan of its file's columns; ``offs``: the list offsets;
-    ``block``: a ``_read.rowblock.Block`` of rows around ``r`` whose columns' rows it reads (else
-    each leaf's row is read here); ``order``: the file's dict key orders, None for sorted keys."""
+def row_value(plan: RowPlan, r: int, filename: str, as_torch: bool, block: Any, order: Spec | None) -> Any:
+    """The value of row ``r`` from the plan of its file's columns; ``block``: a :class:`Block` of
+    rows around ``r`` whose columns' rows it reads (else each leaf's row is read here);
+    ``order``: the file's dict key orders, None for sorted keys."""
     col = plan.single
-    if col is not None and block is not None:
-        return block.get(col, r, filename) if block.ok(col, r) else None
-    if col is not None:  # the value is one leaf at the root: no tree to build
+    if col is not None and block is None:  # the value is one leaf at the root: no tree to build
         valid = col.valid
         if valid is not None and not valid[r]:
             return None
         return leaf_value(col, r, filename, as_torch)
     root: _Node = {"kids": {}}
-    for leaf, col, d, items, ok in _entries(plan, r, offs, block):
+    for leaf, col, d, items, ok in _entries(plan, r, block):
         dtype = col.info.dtype
         head = ok and dtype in F.PY_HEADERS  # a container's header: the node of its path, not of its leaf
         node = root
@@ -184,15 +180,11 @@ def _build(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
 def _records(n: int, columns: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     """A list of ``n`` dicts from its keys' columns (``(key, list of n values)``; a column of
     None: a key no dict of the list has), each column checked to hold ``n`` values."""
-    keys, values = [], []
-    for k, v in columns:
-        if v is None:
-            continue
+    kept = [(k, v) for k, v in columns if v is not None]
+    for k, v in kept:
         if not isinstance(v, (list, tuple)) or len(v) != n:
             raise CorruptSpillError(f"a list of {n} dicts whose column {k!r:.100} is not a list of {n}")
-        keys.append(k)
-        values.append(v)
-    return records(keys, values)
+    return records([k for k, _ in kept], [v for _, v in kept])
 
 
 def records(keys: list[str], columns: list[Any]) -> list[dict[str, Any]]:
@@ -212,7 +204,7 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
     made once here (its dicts' keys in ``order``) and the row only reads its leaves from the
     block, as ``row_value`` with that block gives them; :data:`ABSENT` for a row without a value
     in some column (``row_value`` builds it). None for any other layout."""
-    if plan.lists or plan.single is not None:
+    if plan.lists:
         return None
     root: _Node = {"kids": {}}
     maybe = []  # the columns with rows without a value
@@ -229,7 +221,7 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
             node["header"] = (col.info.dtype, col)
         else:
             node["col"] = col
-    if not root["kids"] and "header" not in root:
+    if root == {"kids": {}}:
         return None
     build = _compile(root, (), order)
     if not maybe:
@@ -275,3 +267,150 @@ def _compile(node: _Node, path: tuple[str, ...], order: Spec | None) -> Any:
         return _records(int(block.get(head, r, filename)), [(k, b(block, r, filename)) for k, b in items])
 
     return build_records
+
+
+BLOCK_FILES = 1024
+"""Files whose index entries are read at a time (the filenames' block size)."""
+BLOCK_ROWS = 4096
+"""Rows whose column values are decoded at a time."""
+BLOCK_BYTES = 32 << 20
+"""A column's payload in one block above which its rows are read one by one (large tensors): the
+block's memory stays bounded whatever the rows hold."""
+
+_DIRECT = None  # a column read row by row (its rows in the block are too large to hold at once)
+
+
+class Block:
+    """Rows ``a .. b-1`` of an output: each column's rows (``lo``, validity, Python values) read
+    once, when a row first needs them (``row_value``'s ``block``)."""
+
+    __slots__ = ("_cols", "a", "as_torch", "b", "offs")
+
+    def __init__(self, a: int, b: int, offs: dict[tuple[str, ...], np.ndarray], as_torch: bool) -> None:
+        self.a, self.b, self.offs, self.as_torch = a, b, offs, as_torch
+        self._cols: dict[int, tuple[int, list[bool] | None, list[Any] | None]] = {}
+
+    def _load(self, col: OpenColumn) -> tuple[int, list[bool] | None, list[Any] | None]:
+        lo, hi = L.rows_of(self.offs, F.list_domain(col.info.leaf), self.a, self.b)
+        valid = col.valid
+        ok = None if valid is None else np.asarray(valid[lo:hi], dtype=bool).tolist()
+        got = self._cols[id(col)] = (lo, ok, gc_paused(column_rows, col, lo, hi, ok, self.as_torch))
+        return got
+
+    def ok(self, col: OpenColumn, d: int) -> bool:
+        """Whether row ``d`` of ``col`` has a value."""
+        got = self._cols.get(id(col))
+        lo, ok, _ = got if got is not None else self._load(col)
+        return ok is None or ok[d - lo]
+
+    def run(self, flat: list[tuple[str, OpenColumn]], r0: int, r1: int) -> list[dict[str, Any]] | None:
+        """Rows ``r0 .. r1-1`` of a layout whose value is a flat dict (key, column): the dicts, in
+        one ``records`` pass over the columns' decoded rows; None when a column of them is read
+        row by row or a row lacks a value (the row-by-row way)."""
+        slices = []
+        for _, col in flat:
+            got = self._cols.get(id(col))
+            lo, ok, vals = got if got is not None else self._load(col)
+            if vals is _DIRECT or (ok is not None and not all(ok[r0 - lo : r1 - lo])):
+                return None
+            slices.append(vals[r0 - lo : r1 - lo])
+        return gc_paused(records, [k for k, _ in flat], slices)  # type: ignore[no-any-return]
+
+    def get(self, col: OpenColumn, d: int, filename: str) -> Any:
+        """Row ``d`` of ``col`` (one with a value) as ``value()`` returns it."""
+        got = self._cols.get(id(col))
+        lo, _, vals = got if got is not None else self._load(col)
+        if vals is _DIRECT:  # as value() reads it
+            return leaf_value(col, d, filename, self.as_torch)
+        return vals[d - lo]
+
+
+def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_torch: bool) -> list[Any] | None:
+    """Rows ``lo .. hi-1`` of ``col`` as the Python values ``value()`` gives for them (anything
+    where ``ok`` says a row has no value), decoded by the column's leaf view from one read of
+    their values; None when they hold more than :data:`BLOCK_BYTES` (read them one by one)."""
+    o = col.offsets
+    units = hi - lo if o is None else int(o[hi] - o[lo])  # of values: rows, or elements with offsets
+    if units * col.unit_nbytes > BLOCK_BYTES:
+        return _DIRECT
+    if col.info.kind == "pickle" and not col.allow_pickle:
+        # row by row, as value() reads it: PickleNotAllowedError only for a row that is read and
+        # holds a pickled value, not for a block whose other rows hold the leaf's other variants
+        return _DIRECT
+    info = col.info
+    view = col.view(lo, hi)
+    if info.kind == "fixed" and (info.dtype in F.PY_SCALARS or info.dtype in F.PY_HEADERS):
+        # py* scalars, lists of them and container headers: one tolist() for the block
+        rows: list[Any] = view[:].tolist()
+        return rows if ok is None else [x if has else None for x, has in zip(rows, ok, strict=True)]
+    if info.kind == "ragged" and info.dtype in F.PY_SCALARS and info.inner_shape is not None:
+        # lists of Python numbers (token ids, COCO boxes): one tolist() sliced per row
+        flat, bounds = view.values.tolist(), view.offsets.tolist()
+        return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
+    rows = view.to_list()
+    if info.kind in ("fixed", "ragged"):
+        dtype, kind = info.dtype, info.kind
+        # (a fixed view's rows are views of one array: each gets its own, as value() returns)
+        own = info.kind == "fixed"
+        return [None if x is None else to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
+    return rows
+
+
+def iter_values(files: Any, as_torch: bool) -> Iterator[tuple[str, int, Any]]:
+    """(filename, frame_idx, value) of every row of ``files`` (the reader's ``OutputFiles``) in order:
+    the index read a block of files at a time, each column's rows of a block decoded once."""
+    n_files = len(files.filenames)
+    builders: dict[tuple[int, int], Any] = {}  # (layout, id of the file's key orders) -> static_builder
+    for i0 in range(0, n_files, BLOCK_FILES):
+        i1 = min(i0 + BLOCK_FILES, n_files)
+        fo = np.asarray(files.frame_offsets[i0 : i1 + 1], dtype=np.int64)
+        if len(fo) != i1 - i0 + 1 or fo[0] < 0 or fo[-1] > files.n_rows or np.any(fo[1:] < fo[:-1]):
+            for i in range(i0, i1):  # the per-file check names the entry
+                files.checks.file_rows(i)
+        starts = fo.tolist()
+        layouts = files.file_layout[i0:i1].tolist()
+        names = files.filenames[i0:i1]
+        a, b = starts[0], starts[-1]
+        f = 0
+        for ra in range(a, b, BLOCK_ROWS):
+            rb = min(ra + BLOCK_ROWS, b)
+            frames = np.asarray(files.frame_idx[ra:rb]).tolist()  # (checks the rows' index block)
+            block = Block(ra, rb, files.list_offsets, as_torch)
+            r = ra
+            while r < rb:
+                while starts[f + 1] <= r:
+                    f += 1
+                layout = layouts[f]
+                plan = files.row_plan(layout)
+                name = names[f]
+                order = files.key_orders.of_file(i0 + f)
+                key = (layout, id(order))  # (a file's orders are the store's objects: alive, one per order)
+                if key not in builders:
+                    builders[key] = static_builder(plan, order)
+                build, value = builders[key], ABSENT
+                flat = getattr(build, "flat", None)
+                if flat is not None:  # a flat dict: the run of rows of this layout and order at once
+                    g = f
+                    while (
+                        starts[g + 1] < rb
+                        and layouts[g + 1] == layout
+                        and files.key_orders.of_file(i0 + g + 1) is order
+                    ):
+                        g += 1
+                    r1 = min(starts[g + 1], rb)
+                    run = block.run(flat, r, r1)
+                    if run is not None:
+                        if starts[f : g + 2] == list(range(r, r1 + 1)):  # one row a file (an LLM output each)
+                            yield from zip(names[f : g + 1], frames[r - ra : r1 - ra], run, strict=True)
+                        else:
+                            for h in range(f, g + 1):
+                                for q in range(max(r, starts[h]), min(starts[h + 1], r1)):
+                                    yield names[h], frames[q - ra], run[q - r]
+                        r = r1
+                        continue
+                if build is not None:
+                    value = gc_paused(build, block, r, name)
+                if value is ABSENT:
+                    value = gc_paused(row_value, plan, r, name, as_torch, block, order)
+                yield name, frames[r - ra], value
+                r += 1
