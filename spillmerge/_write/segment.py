@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import enum
 import threading
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -105,10 +106,10 @@ class SegmentSteps:
         self._file_ids: dict[str, int] = {}
         self._catalog = LayoutCatalog()
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
-        self._fresh_keys: list[tuple[int, list[int], int, int]] = []
-        """Keys of write_batch's batches of new files not yet in ``_keys`` (first file id, frames,
-        first row, rows per frame): only a write to a file already written looks keys up, so a
-        job of new files never builds the two tuples per key (:meth:`_key_map`)."""
+        self._fresh_keys: list[tuple[Sequence[int], list[int], int, int]] = []
+        """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
+        per frame): only a write to a file already written looks keys up, so a job of new files
+        never builds the two tuples per key (:meth:`_key_map`)."""
         self._n_fresh_keys = 0
         self._new_keys = array.array("q")
         """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per

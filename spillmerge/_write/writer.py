@@ -272,29 +272,24 @@ class SpillWriter(MergeSteps):
         sizes = np.tile(np.array([r.shape[1] for r in rows], dtype=np.int64), (n, 1))
         data = [np.ascontiguousarray(r).reshape(-1) for r in rows]
         if fresh:
-            row0 = self._add_files(names, frames, n_leaves)
+            row0 = self._add_keys(names, range(base, base + n), frames, n_leaves)
             self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, sizes, data)
             return True
-        self._filenames.extend(new_names)
-        self._file_ids.update(new_names)
-        row0 = self._n_rows
-        self._n_rows = row0 + n * n_leaves
-        spans = zip(range(row0, self._n_rows, n_leaves), [n_leaves] * n, strict=True)
-        self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
+        row0 = self._add_keys(list(new_names), file_ids, frames, n_leaves)
         fids = np.array(file_ids, dtype=np.int64)
         self._staging.add_frames(row0, fids, _frame_array(frames), layout_ids, sizes, data)
         return True
 
-    def _add_files(self, names: list[str], frames: list[int], n_leaves: int) -> int:
-        """File a checked batch's frames of new files, each once (ids from the next one, keys
-        in ``_fresh_keys``); returns their first row."""
-        base, n = len(self._filenames), len(names)
-        self._filenames.extend(names)
-        self._file_ids.update(zip(names, range(base, base + n), strict=True))
+    def _add_keys(self, new: list[str], file_ids: Sequence[int], frames: list[int], n_leaves: int) -> int:
+        """File a checked batch's frames of new keys (``new``: its filenames not written before,
+        ids from the next one; the keys go to ``_fresh_keys``); returns their first row."""
+        base = len(self._filenames)
+        self._filenames.extend(new)
+        self._file_ids.update(zip(new, range(base, base + len(new)), strict=True))
         row0 = self._n_rows
-        self._n_rows += n * n_leaves
-        self._fresh_keys.append((base, frames, row0, n_leaves))
-        self._n_fresh_keys += n
+        self._n_rows += len(frames) * n_leaves
+        self._fresh_keys.append((file_ids, frames, row0, n_leaves))
+        self._n_fresh_keys += len(frames)
         return row0
 
     def _put_records(self, names: list[str], frames: list[int], items: list[Any]) -> bool:
@@ -335,7 +330,7 @@ class SpillWriter(MergeSteps):
             layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
-        row0 = self._add_files(names, frames, len(leaves))
+        row0 = self._add_keys(names, range(base, base + len(names)), frames, len(leaves))
         self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, cols.sizes, cols.data)
         for name, frame, item_leaves, item_layouts in others:
             self._put(name, frame, item_leaves, item_layouts)
@@ -374,10 +369,10 @@ class SpillWriter(MergeSteps):
 
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
-        for base, frames, row0, n_leaves in self._fresh_keys:
+        for file_ids, frames, row0, n_leaves in self._fresh_keys:
             n = len(frames)
             spans = zip(range(row0, row0 + n * n_leaves, n_leaves), [n_leaves] * n, strict=True)
-            self._keys.update(zip(zip(range(base, base + n), frames, strict=True), spans, strict=True))
+            self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         self._fresh_keys.clear()
         self._n_fresh_keys = 0
         if self._new_keys:
