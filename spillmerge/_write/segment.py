@@ -25,6 +25,7 @@ from .._spill.barrier import check_not_stale
 from .._spill.root import load_committed_keys
 from .._storage import Storage
 from .._util.gcpause import gc_paused
+from .flush import grown
 from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
 from .staging import Staging
@@ -186,10 +187,7 @@ class SegmentSteps:
     def _sync_rows(self) -> None:
         """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
         staging hands the journal); only a rewrite of a key and the commit read them."""
-        if len(self._rows) < self._n_rows:
-            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[: len(self._rows)] = self._rows
-            self._rows = grown
+        self._rows = grown(self._rows, self._n_rows)
         parts = self._staging.take_rows()
         while parts:
             part = parts.pop()
