@@ -1666,8 +1666,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "direct-writer-unbounded",
         "spillmerge/_write/staging.py",
-        "        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:",
-        "        if True:",
+        "        if self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.ident is not None:",
+        "        if False:",
         ("tests/write/test_direct_chunks.py::test_a_direct_writer_waits_while_its_bound_of_chunks_awaits_the_journal",),
         "a direct writer opens a new chunk file only while fewer than n_buffers await their journal entry",
     ),

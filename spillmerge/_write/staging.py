@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -403,10 +404,15 @@ class Staging:
         ``n_buffers`` chunk files not yet journaled, the one being written included (the bytes
         a crash may lose)."""
         fl = self.flusher
-        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:
-            return
+        if self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.ident is not None:
+            self._wait(lambda: self.n_chunks - fl.journaled < self.pool.n_buffers)
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Block until ``done()`` (the flush thread notifies its progress), or the flush thread
+        failed (its error raised here) or ended."""
+        fl = self.flusher
         with fl.written_cond:
-            while self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.error is None and fl.is_alive():
+            while not done() and fl.error is None and fl.is_alive():
                 fl.written_cond.wait(0.5)
         self.check()
 
@@ -492,10 +498,7 @@ class Staging:
         """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
         background); raise the flush thread's error if it failed instead."""
         fl = self.flusher
-        with fl.written_cond:
-            while fl.written <= chunk and fl.error is None and fl.is_alive():
-                fl.written_cond.wait(0.5)
-        self.check()
+        self._wait(lambda: fl.written > chunk)
         if fl.written <= chunk:  # pragma: no cover - the flush thread ended without an error
             raise SpillStorageError(f"data chunk {chunk} of {self._path} was never written", path=self._path)
 
