@@ -224,11 +224,10 @@ class Stream:
                 used = names.feed(buf)
                 if names.done:
                     rest += buf[used:].tobytes()
-                    left = np.zeros(0, dtype=np.uint8)
-                else:
-                    left = buf[used:].copy()
-                    if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
-                        raise Whole
+                    continue
+                left = buf[used:].copy()
+                if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
+                    raise Whole
         if not names.done:
             raise Whole
         with _whole_on(CorruptSpillError):
