@@ -124,7 +124,6 @@ class SegmentSteps:
         self._rewrites = 0  # writes of a key already written, whatever the policy kept
         self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
-        self._committed_keys = None
         header = FS.SegmentHeader(
             rank=self.rank,
             world_size=self.world_size,
@@ -201,7 +200,7 @@ class SegmentSteps:
         self._check_segment()
         self._sync_rows()
         rows = self._rows[: self._n_rows]  # the writer takes no more rows: filled in place
-        rows[:, FS.COL_CRC] = self._staging.row_crcs(len(rows))
+        checks = self._staging.checksums(rows)
         if self._dead_rows:
             keep = np.ones(len(rows), dtype=bool)
             for first, n in self._dead_rows:
@@ -209,11 +208,9 @@ class SegmentSteps:
             rows = rows[keep]
         rows = np.ascontiguousarray(rows)
         nbytes, n_chunks = self._staging.offset, self._staging.n_chunks
-        single = n_chunks == 1 and nbytes <= self.chunk_bytes
-        chunk = max(nbytes, 1) if single else self.chunk_bytes
+        chunk = max(nbytes, 1) if n_chunks == 1 else self.chunk_bytes  # one chunk: stored exactly sized
         data_meta = array_meta((nbytes,), (chunk,), "uint8", crc=False)
         index_bytes = rows.astype("<i8").tobytes()
-        checks = self._staging.checks()
         checks_bytes = checks.astype("<i8").tobytes()
         catalog = gc_paused(FS.encode_catalog, self._filenames, self._catalog.layouts)
         # A few small objects, written concurrently on object stores (one round trip, not one each).

@@ -541,17 +541,10 @@ class Staging:
             self._end()
         return fl.error is None
 
-    def checks(self) -> np.ndarray:
-        """The int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) the index's negative
-        CRCs point at (complete once :meth:`finish` returned)."""
+    def checksums(self, rows: np.ndarray) -> np.ndarray:
+        """Set the CRC column of the index rows ``rows`` (every row staged, in order; 0 there
+        before) and return the int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) their
+        negative CRCs point at (complete once :meth:`finish` returned)."""
         fl = self.flusher
+        rows[: len(fl.crc), FS.COL_CRC] = fl.crc[: len(rows)]
         return fl.checks[: fl.n_checks].copy()
-
-    def row_crcs(self, n_rows: int) -> np.ndarray:
-        """The CRC-32C of the bytes of index rows ``0 .. n_rows-1`` (complete once :meth:`finish`
-        returned)."""
-        crc = self.flusher.crc
-        out = np.zeros(n_rows, dtype=np.int64)
-        m = min(n_rows, len(crc))
-        out[:m] = crc[:m]
-        return out
