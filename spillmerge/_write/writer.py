@@ -147,10 +147,8 @@ class SpillWriter(MergeSteps):
         """``write``, the lock held."""
         with self._staging_rows():
             filename = check_filename(filename)
-            if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
-                frame = frame_idx
-            else:
-                frame = check_frame_idx(frame_idx, filename)
+            common = type(frame_idx) is int and 0 <= frame_idx < (1 << 63)  # needs no general check
+            frame = frame_idx if common else check_frame_idx(frame_idx, filename)
             new_dict = type(value) is dict and filename not in self._file_ids
             if new_dict:
                 t = self._frame_template
@@ -423,9 +421,7 @@ class SpillWriter(MergeSteps):
         """Stage one checked frame: the duplicate policy, then its rows. Returns
         the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
         ``layouts``: the leaves' ``LayoutCatalog.layouts_of``, when the caller has them."""
-        file_id = self._file_ids.get(filename)
-        if file_id is None:
-            file_id = len(self._filenames)
+        file_id = self._file_ids.get(filename, len(self._filenames))
         if layouts is None:
             layouts = self._catalog.layouts_of(leaves)
         layout_ids = self._catalog.ids(layouts)  # -1: not in the catalog yet
