@@ -197,10 +197,7 @@ class SpillWriter(MergeSteps):
         self._file_ids[filename] = file_id
         first_row = self._n_rows
         self._n_rows = first_row + len(sizes)
-        if isinstance(data, bytes):
-            self._staging.add_host_bytes(first_row, file_id, frame, layout_ids, data, sizes, total)
-        else:
-            self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
+        self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
 
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
