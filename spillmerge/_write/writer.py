@@ -426,17 +426,14 @@ class SpillWriter(MergeSteps):
         # A file never written has no key yet (its id is the next one).
         prev = self._key_map().get(key) if file_id < len(self._filenames) else None
         if prev is not None:
-            if self.on_duplicate == "first":
-                self._rewrites += 1
-                return None
             if self.on_duplicate == "error":
-                if self._same_as_written(prev, leaves, layout_ids):  # identical content is never an error
-                    self._identical_rewrites += 1
-                    self._rewrites += 1
-                    return None
-                raise self._duplicate(filename, frame)
-            self._dead_rows.append(prev)
-            self._rewrites += 1  # "last": the earlier copy is dropped
+                if not self._same_as_written(prev, leaves, layout_ids):
+                    raise self._duplicate(filename, frame)
+                self._identical_rewrites += 1  # identical content is never an error
+            self._rewrites += 1  # whatever the policy keeps
+            if self.on_duplicate != "last":  # "first", and an identical copy: the earlier one stays
+                return None
+            self._dead_rows.append(prev)  # "last": the earlier copy is dropped
         layout_ids = self._catalog.accept(layouts, layout_ids)
         new_file = file_id == len(self._filenames)
         if new_file:
