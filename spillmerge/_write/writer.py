@@ -307,10 +307,7 @@ class SpillWriter(MergeSteps):
         layouts = self._catalog.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
-            try:
-                item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
-            except SpillValueError as exc:
-                raise at_position(exc, i, n, names[i]) from None
+            item_leaves = self._item_leaves(items[i], i, names, frames)
             others.append((names[i], frames[i], item_leaves, self._catalog.layouts_of(item_leaves)))
         self._catalog.accept(layouts, self._catalog.ids(layouts))
         layout_ids = np.empty_like(cols.lengths)
@@ -342,12 +339,8 @@ class SpillWriter(MergeSteps):
         template = self._dense_templates.get(sig)
         if template is not None:
             return template
-        n = len(names)
         item0 = nest({path: col[0] for path, col in columns.items()})
-        try:
-            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
-        except SpillValueError as exc:
-            raise at_position(exc, 0, n, names[0]) from None
+        leaves = self._item_leaves(item0, 0, names, frames)
         if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
             return None
         by_leaf = {tuple([F.user_key(k) for k in path]): path for path in columns}  # keys as flatten escapes them
@@ -361,6 +354,13 @@ class SpillWriter(MergeSteps):
         if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
             self._dense_templates[sig] = template
         return template
+
+    def _item_leaves(self, item: Any, i: int, names: list[str], frames: list[int]) -> list[Leaf]:
+        """``flatten`` of item ``i`` of a batch, whose error names the item's position."""
+        try:
+            return flatten(item, names[i], frames[i], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, i, len(names), names[i]) from None
 
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
