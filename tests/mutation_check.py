@@ -728,8 +728,9 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "flat-records-others-checked-first",
         "spillmerge/_write/writer.py",
-        "            except SpillValueError as exc:\n                raise at_position(exc, i, n, names[i]) from None\n            others.append(",
-        "            except SpillValueError as exc:\n                continue\n            others.append(",
+        "            item_leaves = self._item_leaves(items[i], i, names, frames)\n            others.append(",
+        "            try:\n                item_leaves = self._item_leaves(items[i], i, names, frames)\n"
+        "            except SpillValueError:\n                continue\n            others.append(",
         ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
         "a batch of records whose bad item holds an empty list is refused whole, naming that item",
     ),
@@ -1666,8 +1667,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "direct-writer-unbounded",
         "spillmerge/_write/staging.py",
-        "        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:",
-        "        if True:",
+        "        if self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.ident is not None:",
+        "        if False:",
         ("tests/write/test_direct_chunks.py::test_a_direct_writer_waits_while_its_bound_of_chunks_awaits_the_journal",),
         "a direct writer opens a new chunk file only while fewer than n_buffers await their journal entry",
     ),

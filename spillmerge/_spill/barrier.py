@@ -40,8 +40,6 @@ class SpillState:
     """Ranks whose newest relevant segment failed."""
     missing: list[int]
     """Ranks with no usable commit."""
-    incomplete: dict[int, str]
-    """Rank → path of its newest segment that has neither commit nor failure record."""
     abandoned: list[Segment]
     """Uncommitted segments superseded by a later commit of the same rank (ignored)."""
     partial: dict[int, Segment]
@@ -68,7 +66,7 @@ def assess(
             world_size = newest.commit.world_size if newest is not None and newest.commit else max(sizes)
             raise stale_error(storage, stale_segments(storage, segments, world_size), world_size)
         world_size = sizes.pop()
-    state = SpillState(world_size, committed=[], failed={}, missing=[], incomplete={}, abandoned=[], partial={})
+    state = SpillState(world_size, committed=[], failed={}, missing=[], abandoned=[], partial={})
     stale = stale_segments(storage, segments, world_size)
     if stale:
         raise stale_error(storage, stale, world_size)
@@ -93,8 +91,6 @@ def assess(
             state.failed[rank] = failures[-1]
         else:
             state.missing.append(rank)
-            if mine:
-                state.incomplete[rank] = storage.describe(mine[-1].rel)
         if mine:
             state.partial[rank] = mine[-1]
     return state
@@ -152,12 +148,14 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
             failures=failures,
         )
     if state.missing:
+        # rank -> path of its newest segment, which has neither commit nor failure record
+        incomplete = {r: storage.describe(state.partial[r].rel) for r in state.missing if r in state.partial}
         parts = []
         for r in state.missing:
-            if r in state.incomplete:  # then its segment is state.partial[r]
+            if r in incomplete:
                 journal = storage.listdir(f"{state.partial[r].rel}/{FS.JOURNAL_NAME}")
                 n = sum(name.isdigit() for name in journal)  # one entry per data chunk made durable
-                parts.append(f"rank {r} (uncommitted segment {state.incomplete[r]}, {n} chunk(s) flushed)")
+                parts.append(f"rank {r} (uncommitted segment {incomplete[r]}, {n} chunk(s) flushed)")
             else:
                 parts.append(f"rank {r} (no segment)")
         msg = (
@@ -169,13 +167,13 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
                 f"{msg} after waiting {waited_s:.1f} s; check those ranks' logs, or merge what is "
                 "committed with allow_partial=True (--allow-partial)",
                 missing=state.missing,
-                incomplete=state.incomplete,
+                incomplete=incomplete,
                 waited_s=waited_s,
             )
         raise IncompleteSpillError(
             f"{msg}; wait for them (timeout=...) or merge what is committed with allow_partial=True (--allow-partial)",
             missing=state.missing,
-            incomplete=state.incomplete,
+            incomplete=incomplete,
         )
 
 

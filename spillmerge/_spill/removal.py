@@ -80,12 +80,10 @@ def remove_listed(src: Storage, rels: Collection[str], *, failure_record: bool) 
     folders left empty and the root if nothing else is in it (and the merge failure record when
     ``failure_record``). The caller has checked that the output holds each of them."""
     out = Removal()
-    ranks = set()
     for rel in sorted(rels):
         if src.exists(rel):
             _remove(src, rel, out)
-        ranks.add(rel.split("/")[0])
-    for folder in sorted(ranks):
+    for folder in sorted({rel.split("/")[0] for rel in rels}):
         src.remove_empty_dir(folder)
     if failure_record:
         src.rm_tree(FS.MERGE_FAILED_NAME)

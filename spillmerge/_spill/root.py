@@ -239,8 +239,6 @@ def _validate_rows(
     """Check every index row against the catalog and the data size, and every block checksum
     against the data and the rows that point at it (untrusted input)."""
     check_rows(bad, len(filenames), layouts, list(index.T), data_nbytes, checks, chunk_bytes)
-    if not len(index):
-        return
     fid, frame, lid = index[:, FS.COL_FILE], index[:, FS.COL_FRAME], index[:, FS.COL_LAYOUT]
     # A frame's leaves share (file, frame); the same leaf of a frame may not appear twice, not
     # even with two shapes (each shape has a layout of its own): compare leaf paths.

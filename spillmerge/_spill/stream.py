@@ -193,15 +193,13 @@ class Stream:
         commit = seg.commit
         assert commit is not None
         self.storage, self.seg, self.commit, self.stem = storage, seg, commit, stem
-        self.layouts: list[FS.Layout] = []
-        self.n_files = 0
-        self.name_bytes = 0
-        self._catalog()
+        self.layouts, self.n_files, self.name_bytes = self._catalog()
         with _whole_on(CorruptSpillError):  # the block checksums (small: read whole), the chunks promised
             self.checks: np.ndarray | None = read_checks(storage, seg)
             check_chunks(storage, seg)
 
-    def _catalog(self) -> None:
+    def _catalog(self) -> tuple[list[FS.Layout], int, int]:
+        """The catalog's layouts, number of filenames and their bytes (the names to the files)."""
         rel = f"{self.seg.rel}/{FS.CATALOG_NAME}"
         limit = FS.catalog_max_bytes(self.commit.n_files, self.commit.n_rows)
         key, n = _object(self.storage, rel, None, None, limit)
@@ -224,11 +222,10 @@ class Stream:
                 used = names.feed(buf)
                 if names.done:
                     rest += buf[used:].tobytes()
-                    left = np.zeros(0, dtype=np.uint8)
-                else:
-                    left = buf[used:].copy()
-                    if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
-                        raise Whole
+                    continue
+                left = buf[used:].copy()
+                if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
+                    raise Whole
         if not names.done:
             raise Whole
         with _whole_on(CorruptSpillError):
@@ -236,8 +233,8 @@ class Stream:
         if not isinstance(obj, dict) or obj.get("filenames") != [] or not isinstance(obj.get("layouts"), list):
             raise Whole
         with _whole_on(CorruptSpillError):
-            self.layouts = [FS.Layout.from_obj(o, path=self.storage.describe(rel)) for o in obj["layouts"]]
-        self.n_files, self.name_bytes = names.n, names.nbytes
+            layouts = [FS.Layout.from_obj(o, path=self.storage.describe(rel)) for o in obj["layouts"]]
+        return layouts, names.n, names.nbytes
 
     def names(self) -> Any:
         """The catalog's filenames as an Arrow ``large_binary`` array over maps of the files."""

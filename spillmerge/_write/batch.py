@@ -228,7 +228,7 @@ def _cuda_leaves(value: Any, found: list[torch.Tensor], depth: int, item: bool =
     the copy could not keep."""
     if isinstance(value, torch.Tensor):
         if value.is_cuda:
-            if value.layout != torch.strided or value.is_quantized or value.is_nested:
+            if not _strided(value):
                 return False
             found.append(value)
         return True
@@ -243,6 +243,11 @@ def _cuda_leaves(value: Any, found: list[torch.Tensor], depth: int, item: bool =
     if isinstance(value, (list, tuple)):
         return type(value) in (list, tuple) and all(_cuda_leaves(v, found, depth + 1, True) for v in value)
     return not (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+def _strided(t: torch.Tensor) -> bool:
+    """A dense tensor: strided, neither quantized nor nested."""
+    return t.layout == torch.strided and not t.is_quantized and not t.is_nested
 
 
 def _replace(value: Any, host: dict[int, torch.Tensor]) -> Any:
@@ -263,33 +268,14 @@ def dense_columns(batch: Any, n: int) -> dict[tuple[str, ...], Any] | None:
     """The leaves of a batch that is only host tensors / numeric arrays with ``n`` items each
     (a dict, TensorDict or dataclass of them, or one of them), by leaf path; None for any other
     batch (lists, CUDA, a wrong length ...: the item-by-item path handles and names it)."""
-    if type(batch) is dict and n:  # the common batch, a flat dict of host tensors: no walk
-        flat: dict[tuple[str, ...], Any] = {}
-        for k, v in batch.items():
-            if type(k) is not str or type(v) is not torch.Tensor or not _dense_tensor(v, n):
-                break
-            flat[(k,)] = v
-        else:
-            return flat or None
     out: dict[tuple[str, ...], Any] = {}
     return out if n and _dense(batch, (), n, out, 0) else None
 
 
-def _dense_tensor(value: torch.Tensor, n: int) -> bool:
-    return (
-        value.device.type == "cpu"
-        and value.layout == torch.strided
-        and not value.is_quantized
-        and not value.is_nested
-        and value.ndim > 0
-        and value.shape[0] == n
-        and value.numel() > 0  # n > 0: every item holds something
-    )
-
-
 def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...], Any], depth: int) -> bool:
     if isinstance(value, torch.Tensor):
-        ok = _dense_tensor(value, n)
+        ok = value.device.type == "cpu" and _strided(value) and value.ndim > 0
+        ok = ok and value.shape[0] == n and value.numel() > 0  # n > 0: every item holds something
     elif isinstance(value, np.ndarray):
         ok = value.dtype.kind in "biufc" and value.ndim > 0 and len(value) == n and value[0].size > 0
     elif isinstance(value, Mapping) and depth < 32:

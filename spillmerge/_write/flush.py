@@ -214,6 +214,16 @@ def completed_rows(chunk: Chunk) -> np.ndarray:
     return chunk.completed[0]
 
 
+def grown(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` when it has ``n`` rows, else a copy padded with zeros to at least twice its rows (a
+    reader of ``a`` still sees every value set before it grew)."""
+    if n <= len(a):
+        return a
+    out = np.zeros((max(n, 2 * len(a)), *a.shape[1:]), dtype=a.dtype)
+    out[: len(a)] = a
+    return out
+
+
 class Flusher(threading.Thread):
     """Background thread: waits for a chunk's device copies, checksums its rows, uploads it whole
     (``flush_threads`` uploads at a time), and writes each chunk's journal entry once that chunk
@@ -333,11 +343,7 @@ class Flusher(threading.Thread):
             [p[0] for p in chunk.pieces[-1:]] + [r for r, _ in chunk.row_crcs[-1:]] + [int(b[3][-1]) for b in chunk.blocks],
             default=-1,
         )  # fmt: skip
-        if top >= len(self.crc):
-            grown = np.zeros(max(top + 1, 2 * len(self.crc)), dtype=np.int64)
-            grown[: len(self.crc)] = self.crc
-            self.crc = grown
-        crc = self.crc
+        crc = self.crc = grown(self.crc, top + 1)
         for row, start, stop in chunk.pieces:
             crc[row] = _crc.extend(int(crc[row]), buf[start:stop])
         for row, value in chunk.row_crcs:
@@ -345,10 +351,7 @@ class Flusher(threading.Thread):
         if not chunk.blocks:
             return
         need = chunk.check_base + len(chunk.blocks)
-        if need > len(self.checks):
-            more = np.zeros((max(need, 2 * len(self.checks)), FS.CHECK_COLUMNS), dtype=np.int64)
-            more[: len(self.checks)] = self.checks
-            self.checks = more
+        self.checks = grown(self.checks, need)
         # The caller computed each block's CRC-32C (``Staging._block``); its rows point at it by id.
         base = chunk.number * self.pool.chunk_bytes
         for check, start, stop, rows, value in chunk.blocks:

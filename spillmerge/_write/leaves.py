@@ -203,52 +203,44 @@ def pynumeric(value: list[Any], depth: int = 0) -> tuple[str, np.ndarray] | None
     if type(value[0]) is list:
         if depth >= MAX_DEPTH:  # too deep (or a cycle): the item walk names it
             return None
-        flat = _flat_rows(value)
-        if flat is not None:
-            return flat
-        rows = []
-        for item in value:
-            if type(item) is not list:
+        name = _rows_kind(value)
+        if name is None:  # not one array of one pass: row by row
+            rows = []
+            for item in value:
+                if type(item) is not list:
+                    return None
+                row = pynumeric(item, depth + 1)
+                if row is None:
+                    return None
+                rows.append(row)
+            names = {n for n, a in rows if a.size}
+            shapes = {a.shape for _, a in rows}
+            if len(names) > 1 or len(shapes) != 1:
                 return None
-            row = pynumeric(item, depth + 1)
-            if row is None:
-                return None
-            rows.append(row)
-        names = {n for n, a in rows if a.size}
-        shapes = {a.shape for _, a in rows}
-        if len(names) > 1 or len(shapes) != 1:
+            kind = names.pop() if names else "pyfloat"
+            return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
+    else:
+        t = type(value[0])
+        name = PY_NUMBERS.get(t)
+        if name is None or (len(value) > 1 and set(map(type, value)) != {t}):  # the types, in C
             return None
-        kind = names.pop() if names else "pyfloat"
-        return kind, np.stack([a.astype(DTYPES[kind].storage, copy=False) for _, a in rows])
-    t = type(value[0])
-    name = PY_NUMBERS.get(t)
-    if name is None or (len(value) > 1 and set(map(type, value)) != {t}):  # the types, in C
-        return None
     try:
         return name, np.array(value, dtype=DTYPES[name].storage)
     except OverflowError:  # an int beyond int64: the items are stored one by one (or refused there)
         return None
 
 
-def _flat_rows(value: list[Any]) -> tuple[str, np.ndarray] | None:
-    """``pynumeric`` of a list of equally long non-empty lists of one Python number type
-    (COCO boxes: a list of ``[4 floats]``) in a few C-level passes instead of one array per
-    row; None for anything else (the row-by-row way decides)."""
+def _rows_kind(value: list[Any]) -> str | None:
+    """The ``py*`` dtype of a list of equally long non-empty lists of one Python number type
+    (COCO boxes: a list of ``[4 floats]``), found in a few C-level passes, which ``np.array``
+    then converts at once; None for anything else (the row-by-row way decides)."""
     if set(map(type, value)) != {list}:
         return None
     lengths = set(map(len, value))
     if len(lengths) != 1 or 0 in lengths:
         return None
     kinds = set(map(type, itertools.chain.from_iterable(value)))
-    if len(kinds) != 1:
-        return None
-    name = PY_NUMBERS.get(kinds.pop())
-    if name is None:
-        return None
-    try:
-        return name, np.array(value, dtype=DTYPES[name].storage)
-    except OverflowError:  # an int beyond int64
-        return None
+    return PY_NUMBERS.get(kinds.pop()) if len(kinds) == 1 else None
 
 
 def strlist(value: list[Any] | tuple[Any, ...], path: tuple[str, ...], filename: str) -> Leaf:

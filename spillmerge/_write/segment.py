@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import enum
 import threading
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -24,6 +25,7 @@ from .._spill.barrier import check_not_stale
 from .._spill.root import load_committed_keys
 from .._storage import Storage
 from .._util.gcpause import gc_paused
+from .flush import grown
 from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
 from .staging import Staging
@@ -105,10 +107,10 @@ class SegmentSteps:
         self._file_ids: dict[str, int] = {}
         self._catalog = LayoutCatalog()
         self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
-        self._fresh_keys: list[tuple[int, list[int], int, int]] = []
-        """Keys of write_batch's batches of new files not yet in ``_keys`` (first file id, frames,
-        first row, rows per frame): only a write to a file already written looks keys up, so a
-        job of new files never builds the two tuples per key (:meth:`_key_map`)."""
+        self._fresh_keys: list[tuple[Sequence[int], list[int], int, int]] = []
+        """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
+        per frame): only a write to a file already written looks keys up, so a job of new files
+        never builds the two tuples per key (:meth:`_key_map`)."""
         self._n_fresh_keys = 0
         self._new_keys = array.array("q")
         """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
@@ -122,7 +124,6 @@ class SegmentSteps:
         self._rewrites = 0  # writes of a key already written, whatever the policy kept
         self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
         self._n_rows = 0
-        self._committed_keys = None
         header = FS.SegmentHeader(
             rank=self.rank,
             world_size=self.world_size,
@@ -185,10 +186,7 @@ class SegmentSteps:
     def _sync_rows(self) -> None:
         """Bring ``_rows`` up to every frame staged (file, frame, layout, offset, nbytes: the rows
         staging hands the journal); only a rewrite of a key and the commit read them."""
-        if len(self._rows) < self._n_rows:
-            grown = np.zeros((max(self._n_rows, 2 * len(self._rows)), FS.INDEX_COLUMNS), dtype=np.int64)
-            grown[: len(self._rows)] = self._rows
-            self._rows = grown
+        self._rows = grown(self._rows, self._n_rows)
         parts = self._staging.take_rows()
         while parts:
             part = parts.pop()
@@ -202,7 +200,7 @@ class SegmentSteps:
         self._check_segment()
         self._sync_rows()
         rows = self._rows[: self._n_rows]  # the writer takes no more rows: filled in place
-        rows[:, FS.COL_CRC] = self._staging.row_crcs(len(rows))
+        checks = self._staging.checksums(rows)
         if self._dead_rows:
             keep = np.ones(len(rows), dtype=bool)
             for first, n in self._dead_rows:
@@ -210,11 +208,9 @@ class SegmentSteps:
             rows = rows[keep]
         rows = np.ascontiguousarray(rows)
         nbytes, n_chunks = self._staging.offset, self._staging.n_chunks
-        single = n_chunks == 1 and nbytes <= self.chunk_bytes
-        chunk = max(nbytes, 1) if single else self.chunk_bytes
+        chunk = max(nbytes, 1) if n_chunks == 1 else self.chunk_bytes  # one chunk: stored exactly sized
         data_meta = array_meta((nbytes,), (chunk,), "uint8", crc=False)
         index_bytes = rows.astype("<i8").tobytes()
-        checks = self._staging.checks()
         checks_bytes = checks.astype("<i8").tobytes()
         catalog = gc_paused(FS.encode_catalog, self._filenames, self._catalog.layouts)
         # A few small objects, written concurrently on object stores (one round trip, not one each).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -157,48 +158,37 @@ class Staging:
         self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
 
     def add_host_frame(
-        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray],
+        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: list[np.ndarray] | bytes,
         sizes: Any, total: int,
     ) -> None:  # fmt: skip
         """``add_frame`` of a frame whose leaves are host uint8 arrays ``data`` of ``sizes``
-        bytes (``total`` > 0 in all): in one step when the frame fits in the current chunk (no
-        held list, no per-leaf call), its rows joining the chunk's open block of whole frames;
-        otherwise leaf by leaf through ``add``."""
+        bytes (or those bytes back to back, one copy), ``total`` > 0 in all: in one step when the
+        frame fits in the current chunk (no held list, no per-leaf call), its rows joining the
+        chunk's open block of whole frames; otherwise leaf by leaf through ``add``."""
         self.frames += 1
         chunk = self._current
-        if self.direct and chunk is not None and chunk.fill + total < self.chunk_bytes:
-            # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
-            # nothing); the open block's CRC-32C extends over the leaves, from the caller's memory.
-            self._write_parts(chunk.fd, [d for j, d in enumerate(data) if sizes[j]], chunk.fill)
-            crc = chunk.run_crc if chunk.run else 0
-            for d, n in zip(data, sizes, strict=True):
-                if n:
-                    crc = _crc.extend(crc, d)
-            chunk.run_crc = crc
-        elif chunk is None or chunk.host_np is None or chunk.fill + total >= self.chunk_bytes:
+        if chunk is None or chunk.fill + total >= self.chunk_bytes:
+            if isinstance(data, bytes):
+                data = np.split(np.frombuffer(data, dtype=np.uint8), np.cumsum(sizes[:-1]))
             self._add_by_leaf(row, file_id, frame, layout_ids, data, sizes)
             return
+        if chunk.direct:
+            # Into the direct chunk with one pwritev, before any bookkeeping (a failed write lists
+            # nothing); the open block's CRC-32C extends over the leaves, from the caller's memory.
+            parts = [data] if isinstance(data, bytes) else [d for d, n in zip(data, sizes, strict=True) if n]
+            self._write_parts(chunk.fd, parts, chunk.fill)
+            crc = chunk.run_crc if chunk.run else 0
+            for d in parts:
+                crc = _crc.extend(crc, d)
+            chunk.run_crc = crc
+        elif isinstance(data, bytes):
+            memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data
         else:
             host, fill = chunk.host_np, chunk.fill
             for d, n in zip(data, sizes, strict=True):
                 host[fill : fill + n] = d
                 fill += n
         self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
-
-    def add_host_bytes(
-        self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], data: bytes, sizes: list[int],
-        total: int,
-    ) -> None:  # fmt: skip
-        """``add_host_frame`` of a frame whose leaves' bytes are ``data``, back to back: one copy
-        when it fits in the current staged chunk."""
-        chunk = self._current
-        if self.direct is False and chunk is not None and chunk.fill + total < self.chunk_bytes:
-            self.frames += 1
-            memoryview(chunk.host_np)[chunk.fill : chunk.fill + total] = data
-            self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
-            return
-        leaves = np.split(np.frombuffer(data, dtype=np.uint8), np.cumsum(sizes[:-1]))
-        self.add_host_frame(row, file_id, frame, layout_ids, leaves, sizes, total)
 
     def add_frames(
         self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: np.ndarray,
@@ -403,10 +393,15 @@ class Staging:
         ``n_buffers`` chunk files not yet journaled, the one being written included (the bytes
         a crash may lose)."""
         fl = self.flusher
-        if self.n_chunks - fl.journaled < self.pool.n_buffers or fl.ident is None:
-            return
+        if self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.ident is not None:
+            self._wait(lambda: self.n_chunks - fl.journaled < self.pool.n_buffers)
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Block until ``done()`` (the flush thread notifies its progress), or the flush thread
+        failed (its error raised here) or ended."""
+        fl = self.flusher
         with fl.written_cond:
-            while self.n_chunks - fl.journaled >= self.pool.n_buffers and fl.error is None and fl.is_alive():
+            while not done() and fl.error is None and fl.is_alive():
                 fl.written_cond.wait(0.5)
         self.check()
 
@@ -492,10 +487,7 @@ class Staging:
         """Block until data chunk ``chunk`` is on storage (the flush thread uploads in the
         background); raise the flush thread's error if it failed instead."""
         fl = self.flusher
-        with fl.written_cond:
-            while fl.written <= chunk and fl.error is None and fl.is_alive():
-                fl.written_cond.wait(0.5)
-        self.check()
+        self._wait(lambda: fl.written > chunk)
         if fl.written <= chunk:  # pragma: no cover - the flush thread ended without an error
             raise SpillStorageError(f"data chunk {chunk} of {self._path} was never written", path=self._path)
 
@@ -538,17 +530,10 @@ class Staging:
             self._end()
         return fl.error is None
 
-    def checks(self) -> np.ndarray:
-        """The int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) the index's negative
-        CRCs point at (complete once :meth:`finish` returned)."""
+    def checksums(self, rows: np.ndarray) -> np.ndarray:
+        """Set the CRC column of the index rows ``rows`` (every row staged, in order; 0 there
+        before) and return the int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) their
+        negative CRCs point at (complete once :meth:`finish` returned)."""
         fl = self.flusher
+        rows[: len(fl.crc), FS.COL_CRC] = fl.crc[: len(rows)]
         return fl.checks[: fl.n_checks].copy()
-
-    def row_crcs(self, n_rows: int) -> np.ndarray:
-        """The CRC-32C of the bytes of index rows ``0 .. n_rows-1`` (complete once :meth:`finish`
-        returned)."""
-        crc = self.flusher.crc
-        out = np.zeros(n_rows, dtype=np.int64)
-        m = min(n_rows, len(crc))
-        out[:m] = crc[:m]
-        return out

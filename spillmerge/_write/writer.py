@@ -147,10 +147,8 @@ class SpillWriter(MergeSteps):
         """``write``, the lock held."""
         with self._staging_rows():
             filename = check_filename(filename)
-            if type(frame_idx) is int and 0 <= frame_idx < (1 << 63):  # the common index, without the general check
-                frame = frame_idx
-            else:
-                frame = check_frame_idx(frame_idx, filename)
+            common = type(frame_idx) is int and 0 <= frame_idx < (1 << 63)  # needs no general check
+            frame = frame_idx if common else check_frame_idx(frame_idx, filename)
             new_dict = type(value) is dict and filename not in self._file_ids
             if new_dict:
                 t = self._frame_template
@@ -199,10 +197,7 @@ class SpillWriter(MergeSteps):
         self._file_ids[filename] = file_id
         first_row = self._n_rows
         self._n_rows = first_row + len(sizes)
-        if isinstance(data, bytes):
-            self._staging.add_host_bytes(first_row, file_id, frame, layout_ids, data, sizes, total)
-        else:
-            self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
+        self._staging.add_host_frame(first_row, file_id, frame, layout_ids, data, sizes, total)
         self._new_keys.extend((file_id, frame, first_row, len(sizes)))
 
     def write_batch(self, filenames: Sequence[str], batch: Any, frame_idx: Any = None) -> None:
@@ -272,29 +267,24 @@ class SpillWriter(MergeSteps):
         sizes = np.tile(np.array([r.shape[1] for r in rows], dtype=np.int64), (n, 1))
         data = [np.ascontiguousarray(r).reshape(-1) for r in rows]
         if fresh:
-            row0 = self._add_files(names, frames, n_leaves)
+            row0 = self._add_keys(names, range(base, base + n), frames, n_leaves)
             self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, sizes, data)
             return True
-        self._filenames.extend(new_names)
-        self._file_ids.update(new_names)
-        row0 = self._n_rows
-        self._n_rows = row0 + n * n_leaves
-        spans = zip(range(row0, self._n_rows, n_leaves), [n_leaves] * n, strict=True)
-        self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
+        row0 = self._add_keys(list(new_names), file_ids, frames, n_leaves)
         fids = np.array(file_ids, dtype=np.int64)
         self._staging.add_frames(row0, fids, _frame_array(frames), layout_ids, sizes, data)
         return True
 
-    def _add_files(self, names: list[str], frames: list[int], n_leaves: int) -> int:
-        """File a checked batch's frames of new files, each once (ids from the next one, keys
-        in ``_fresh_keys``); returns their first row."""
-        base, n = len(self._filenames), len(names)
-        self._filenames.extend(names)
-        self._file_ids.update(zip(names, range(base, base + n), strict=True))
+    def _add_keys(self, new: list[str], file_ids: Sequence[int], frames: list[int], n_leaves: int) -> int:
+        """File a checked batch's frames of new keys (``new``: its filenames not written before,
+        ids from the next one; the keys go to ``_fresh_keys``); returns their first row."""
+        base = len(self._filenames)
+        self._filenames.extend(new)
+        self._file_ids.update(zip(new, range(base, base + len(new)), strict=True))
         row0 = self._n_rows
-        self._n_rows += n * n_leaves
-        self._fresh_keys.append((base, frames, row0, n_leaves))
-        self._n_fresh_keys += n
+        self._n_rows += len(frames) * n_leaves
+        self._fresh_keys.append((file_ids, frames, row0, n_leaves))
+        self._n_fresh_keys += len(frames)
         return row0
 
     def _put_records(self, names: list[str], frames: list[int], items: list[Any]) -> bool:
@@ -317,10 +307,7 @@ class SpillWriter(MergeSteps):
         layouts = self._catalog.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
-            try:
-                item_leaves = flatten(items[i], names[i], frames[i], self.allow_pickle)
-            except SpillValueError as exc:
-                raise at_position(exc, i, n, names[i]) from None
+            item_leaves = self._item_leaves(items[i], i, names, frames)
             others.append((names[i], frames[i], item_leaves, self._catalog.layouts_of(item_leaves)))
         self._catalog.accept(layouts, self._catalog.ids(layouts))
         layout_ids = np.empty_like(cols.lengths)
@@ -335,7 +322,7 @@ class SpillWriter(MergeSteps):
             layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
-        row0 = self._add_files(names, frames, len(leaves))
+        row0 = self._add_keys(names, range(base, base + len(names)), frames, len(leaves))
         self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, cols.sizes, cols.data)
         for name, frame, item_leaves, item_layouts in others:
             self._put(name, frame, item_leaves, item_layouts)
@@ -352,12 +339,8 @@ class SpillWriter(MergeSteps):
         template = self._dense_templates.get(sig)
         if template is not None:
             return template
-        n = len(names)
         item0 = nest({path: col[0] for path, col in columns.items()})
-        try:
-            leaves = flatten(item0, names[0], frames[0], self.allow_pickle)
-        except SpillValueError as exc:
-            raise at_position(exc, 0, n, names[0]) from None
+        leaves = self._item_leaves(item0, 0, names, frames)
         if len(leaves) != len(columns) or any(leaf.dtype in ("pickle", "str", "bytes") for leaf in leaves):
             return None
         by_leaf = {tuple([F.user_key(k) for k in path]): path for path in columns}  # keys as flatten escapes them
@@ -372,12 +355,19 @@ class SpillWriter(MergeSteps):
             self._dense_templates[sig] = template
         return template
 
+    def _item_leaves(self, item: Any, i: int, names: list[str], frames: list[int]) -> list[Leaf]:
+        """``flatten`` of item ``i`` of a batch, whose error names the item's position."""
+        try:
+            return flatten(item, names[i], frames[i], self.allow_pickle)
+        except SpillValueError as exc:
+            raise at_position(exc, i, len(names), names[i]) from None
+
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
-        for base, frames, row0, n_leaves in self._fresh_keys:
+        for file_ids, frames, row0, n_leaves in self._fresh_keys:
             n = len(frames)
             spans = zip(range(row0, row0 + n * n_leaves, n_leaves), [n_leaves] * n, strict=True)
-            self._keys.update(zip(zip(range(base, base + n), frames, strict=True), spans, strict=True))
+            self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         self._fresh_keys.clear()
         self._n_fresh_keys = 0
         if self._new_keys:
@@ -428,9 +418,7 @@ class SpillWriter(MergeSteps):
         """Stage one checked frame: the duplicate policy, then its rows. Returns
         the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
         ``layouts``: the leaves' ``LayoutCatalog.layouts_of``, when the caller has them."""
-        file_id = self._file_ids.get(filename)
-        if file_id is None:
-            file_id = len(self._filenames)
+        file_id = self._file_ids.get(filename, len(self._filenames))
         if layouts is None:
             layouts = self._catalog.layouts_of(leaves)
         layout_ids = self._catalog.ids(layouts)  # -1: not in the catalog yet
@@ -438,17 +426,14 @@ class SpillWriter(MergeSteps):
         # A file never written has no key yet (its id is the next one).
         prev = self._key_map().get(key) if file_id < len(self._filenames) else None
         if prev is not None:
-            if self.on_duplicate == "first":
-                self._rewrites += 1
-                return None
             if self.on_duplicate == "error":
-                if self._same_as_written(prev, leaves, layout_ids):  # identical content is never an error
-                    self._identical_rewrites += 1
-                    self._rewrites += 1
-                    return None
-                raise self._duplicate(filename, frame)
-            self._dead_rows.append(prev)
-            self._rewrites += 1  # "last": the earlier copy is dropped
+                if not self._same_as_written(prev, leaves, layout_ids):
+                    raise self._duplicate(filename, frame)
+                self._identical_rewrites += 1  # identical content is never an error
+            self._rewrites += 1  # whatever the policy keeps
+            if self.on_duplicate != "last":  # "first", and an identical copy: the earlier one stays
+                return None
+            self._dead_rows.append(prev)  # "last": the earlier copy is dropped
         layout_ids = self._catalog.accept(layouts, layout_ids)
         new_file = file_id == len(self._filenames)
         if new_file:
