@@ -35,7 +35,7 @@ from .._merge.report import MergeReport
 from .._storage import Storage, output_options
 from .._util import poll as _poll
 from .rank import dist_initialized
-from .store import OutcomeWatch, part_failures, publish_merge_outcome, publish_part_failure
+from .store import OutcomeWatch, PartFailures, publish_merge_outcome, publish_part_failure
 from .transfer import Session, TransferInfo, check_options, transfer_shards
 
 
@@ -84,7 +84,7 @@ class Rounds:
                     f"transport={transport!r}",
                     key="transport",
                 )
-            told = part_failures(session.run_id, session.number, self.calls)
+            told = PartFailures(session.run_id, session.number, self.calls)
             part = functools.partial(
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
                 run_id=session.run_id, told=told, **kwargs,
