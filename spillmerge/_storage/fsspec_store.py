@@ -133,7 +133,7 @@ class FsspecStorage(Storage):
         return False
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
+    def zarr_store(self, *, read_only: bool = False) -> Any:
         fs = self.fs
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -142,7 +142,7 @@ class FsspecStorage(Storage):
         elif not getattr(fs, "asynchronous", False):
             # zarr drives the filesystem from its own event loop: it needs an asynchronous instance.
             fs = type(fs)(**{**fs.storage_options, "asynchronous": True})
-        return FsspecStore(fs, path=self.path(rel), read_only=read_only)
+        return FsspecStore(fs, path=self.root, read_only=read_only)
 
 
 class _FsspecSink:
