@@ -34,8 +34,7 @@ from .._merge.job import merge, merge_parallel
 from .._merge.report import MergeReport
 from .._storage import Storage, output_options
 from .._util import poll as _poll
-from .rank import dist_initialized
-from .store import OutcomeWatch, PartFailures, publish_merge_outcome, publish_part_failure
+from .store import OutcomeWatch, PartFailures, dist_initialized, publish_merge_outcome, publish_part_failure
 from .transfer import Session, TransferInfo, check_options, transfer_shards
 
 
@@ -103,6 +102,9 @@ class Rounds:
                 key="transport",
             )
 
+        # one spelling of the output, to compare the ranks' (absolute; a URL without a final /)
+        spelling = os.path.abspath(out) if "://" not in os.fspath(out) else os.fspath(out).rstrip("/")
+
         def transfer() -> TransferInfo | None:
             """The first merge of a job gathers every shard where dst can read it; a later merge
             of the same writer (another output or duplicate policy) needs no coordination."""
@@ -110,7 +112,7 @@ class Rounds:
                 return None
             info = transfer_shards(
                 session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
-                progress=kwargs.get("progress"), out=_spelling(out) if wait or session.rank == dst else None,
+                progress=kwargs.get("progress"), out=spelling if wait or session.rank == dst else None,
             )  # fmt: skip
             self.shards_here = True
             return info
@@ -123,12 +125,6 @@ class Rounds:
         if session.rank != dst:
             transfer()
         return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, run)
-
-
-def _spelling(out: str | os.PathLike[str]) -> str:
-    """One spelling of an output path, to compare the ranks' (absolute; a URL without a final /)."""
-    text = os.fspath(out)
-    return os.path.abspath(text) if "://" not in text else text.rstrip("/")
 
 
 def coordinated(session: Session) -> bool:

@@ -46,12 +46,14 @@ def next_session(run_id: str | None) -> int:
     return next(_SESSIONS.setdefault(run_id or "", itertools.count()))
 
 
+def dist_initialized() -> bool:
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def _run_store(run_id: str | None) -> Any:
     """This run's keys in the process group's store, or None without torch.distributed (or a run
     id). Raises whatever the store raises."""
-    if run_id is None:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if run_id is None or not dist_initialized():
         return None
     return dist.PrefixStore(f"spillmerge/{run_id}/", distributed_c10d._get_default_store())
 
