@@ -113,11 +113,9 @@ class FsspecStorage(Storage):
 
     def put_many(self, objects: dict[str, bytes]) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
+        batch = {"batch_size": 64} if getattr(self.fs, "async_impl", False) else {}  # (a sync pipe takes none)
         with self.storage_errors("write metadata under"):
-            if getattr(self.fs, "async_impl", False):
-                self.fs.pipe(paths, batch_size=64)
-            else:
-                self.fs.pipe(paths)
+            self.fs.pipe(paths, **batch)
 
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
