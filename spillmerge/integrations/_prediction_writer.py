@@ -21,9 +21,7 @@ KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
 """``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
 
 
-def batch_names(
-    batch: Any, batch_idx: int, filename_key: str = "filename", frame_key: str = "frame_idx"
-) -> tuple[Any, Any]:
+def batch_names(batch: Any, batch_idx: int, filename_key: str, frame_key: str) -> tuple[Any, Any]:
     """The filenames (``batch[filename_key]``) and frame indices (``batch[frame_key]``, or None
     when the batch has none: an image needs no frame index, each sample is frame 0) of a batch."""
     if not isinstance(batch, Mapping):
