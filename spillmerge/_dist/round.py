@@ -26,7 +26,6 @@ from typing import Any
 import torch.distributed as dist
 
 from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTimeout, SpillValueError
-from .._format import common as F
 from .._format import output as FO
 from .._format import spill as FS
 from .._merge import parts as _parts
@@ -233,13 +232,7 @@ def _missing_parts(output: Storage, n: int) -> str:
 
 
 def complete_for(output: Storage, run_id: str | None, session: int) -> bool:
-    raw = output.get_or_none(FO.COMPLETE_NAME, max_bytes=1 << 20)
-    if raw is None:
-        return False
-    try:
-        obj = F.loads(raw, path=output.describe(FO.COMPLETE_NAME))
-    except CorruptSpillError:
-        return False
+    obj = FO.json_or_none(output, FO.COMPLETE_NAME, 1 << 20)
     return isinstance(obj, dict) and obj.get("run_id") == run_id and obj.get("session") == session
 
 
