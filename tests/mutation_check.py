@@ -137,8 +137,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "publish-failure-disabled",
         "spillmerge/_dist/store.py",
-        '        store.set(f"failed/{session}/{rank}", message[:4000])',
-        "        return",
+        '    _publish(run_id, f"failed/{session}/{rank}", message[:4000], f"failed/{session}")',
+        "    return",
         ("tests/distributed/test_guards_multirank.py::test_failure_key_alone_names_the_rank",),
         "dst hears of a failed rank through the store when it cannot see its failure record",
     ),

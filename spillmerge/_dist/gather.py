@@ -181,13 +181,10 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
         except BaseException as exc:  # noqa: BLE001 - raised after the barrier, so no rank waits for this one
             error = exc
     if together:
-        barrier(w.rank, timeout)
+        limit = datetime.timedelta(seconds=timeout)
+        on_gloo(w.rank, timeout, "finished the call", dist.monitored_barrier, timeout=limit)
     if error is not None:
         raise error
-
-
-def barrier(rank: int, timeout: float) -> None:
-    on_gloo(rank, timeout, "finished the call", dist.monitored_barrier, timeout=datetime.timedelta(seconds=timeout))
 
 
 GATHER_BATCH = 256

@@ -12,17 +12,13 @@ from typing import Any
 import torch.distributed as dist
 
 from .._errors import CoordinationError, SpillMergeError, SpillValueError
-from .store import next_session, publish_failure
+from .store import dist_initialized, next_session, publish_failure
 
 
-def dist_initialized() -> bool:
-    return bool(dist.is_available() and dist.is_initialized())
-
-
-def _env_int(name: str) -> int | None:
+def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
+    if not raw:
+        return default
     try:
         return int(raw)
     except ValueError:
@@ -37,9 +33,9 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
         else:
-            env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
-            rank = (env_rank if env_rank is not None else 0) if rank is None else rank
-            world_size = (env_world if env_world is not None else 1) if world_size is None else world_size
+            env_rank, env_world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+            rank = env_rank if rank is None else rank
+            world_size = env_world if world_size is None else world_size
     for name, v in (("rank", rank), ("world_size", world_size)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise SpillValueError(f"{name} must be an int, got {v!r}")

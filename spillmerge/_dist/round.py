@@ -26,7 +26,6 @@ from typing import Any
 import torch.distributed as dist
 
 from .._errors import ConfigError, CorruptSpillError, MergeFailedError, MergeTimeout, SpillValueError
-from .._format import common as F
 from .._format import output as FO
 from .._format import spill as FS
 from .._merge import parts as _parts
@@ -34,8 +33,7 @@ from .._merge.job import merge, merge_parallel
 from .._merge.report import MergeReport
 from .._storage import Storage, output_options
 from .._util import poll as _poll
-from .rank import dist_initialized
-from .store import OutcomeWatch, part_failures, publish_merge_outcome, publish_part_failure
+from .store import OutcomeWatch, PartFailures, dist_initialized, publish_merge_outcome, publish_part_failure
 from .transfer import Session, TransferInfo, check_options, transfer_shards
 
 
@@ -84,7 +82,7 @@ class Rounds:
                     f"transport={transport!r}",
                     key="transport",
                 )
-            told = part_failures(session.run_id, session.number, self.calls)
+            told = PartFailures(session.run_id, session.number, self.calls)
             part = functools.partial(
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
                 run_id=session.run_id, told=told, **kwargs,
@@ -103,6 +101,9 @@ class Rounds:
                 key="transport",
             )
 
+        # one spelling of the output, to compare the ranks' (absolute; a URL without a final /)
+        spelling = os.path.abspath(out) if "://" not in os.fspath(out) else os.fspath(out).rstrip("/")
+
         def transfer() -> TransferInfo | None:
             """The first merge of a job gathers every shard where dst can read it; a later merge
             of the same writer (another output or duplicate policy) needs no coordination."""
@@ -110,7 +111,7 @@ class Rounds:
                 return None
             info = transfer_shards(
                 session, dst, transport, transfer_chunk_bytes, transfer_timeout, float(kwargs["timeout"]),
-                progress=kwargs.get("progress"), out=_spelling(out) if wait or session.rank == dst else None,
+                progress=kwargs.get("progress"), out=spelling if wait or session.rank == dst else None,
             )  # fmt: skip
             self.shards_here = True
             return info
@@ -123,12 +124,6 @@ class Rounds:
         if session.rank != dst:
             transfer()
         return _merge_on_dst(session, self.calls, out, dst, wait, kwargs, run)
-
-
-def _spelling(out: str | os.PathLike[str]) -> str:
-    """One spelling of an output path, to compare the ranks' (absolute; a URL without a final /)."""
-    text = os.fspath(out)
-    return os.path.abspath(text) if "://" not in text else text.rstrip("/")
 
 
 def coordinated(session: Session) -> bool:
@@ -239,13 +234,7 @@ def _missing_parts(output: Storage, n: int) -> str:
 
 
 def complete_for(output: Storage, run_id: str | None, session: int) -> bool:
-    raw = output.get_or_none(FO.COMPLETE_NAME, max_bytes=1 << 20)
-    if raw is None:
-        return False
-    try:
-        obj = F.loads(raw, path=output.describe(FO.COMPLETE_NAME))
-    except CorruptSpillError:
-        return False
+    obj = FO.json_or_none(output, FO.COMPLETE_NAME, 1 << 20)
     return isinstance(obj, dict) and obj.get("run_id") == run_id and obj.get("session") == session
 
 

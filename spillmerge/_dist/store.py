@@ -8,7 +8,7 @@ carries, under ``spillmerge/RUN_ID/``:
 - ``merge-outcome/A/M``: how ``dst``'s M-th merge round of session A ended
   (:func:`publish_merge_outcome`; ranks waiting for the output watch it with :class:`OutcomeWatch`);
 - ``part-failed/A/M/R``: rank R's part of the M-th round (``merge(parallel=True)``) of session A
-  failed (:func:`publish_part_failure`; ``dst``'s finalize asks :func:`part_failures`);
+  failed (:func:`publish_part_failure`; ``dst``'s finalize asks :class:`PartFailures`);
 - ``merge-A/...``: the JSON messages of one coordinated merge (:class:`Coord`: ``meta``,
   ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_dist.transfer.transfer_shards``).
 
@@ -46,89 +46,92 @@ def next_session(run_id: str | None) -> int:
     return next(_SESSIONS.setdefault(run_id or "", itertools.count()))
 
 
+def dist_initialized() -> bool:
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def _run_store(run_id: str | None) -> Any:
     """This run's keys in the process group's store, or None without torch.distributed (or a run
     id). Raises whatever the store raises."""
-    if run_id is None:
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if run_id is None or not dist_initialized():
         return None
     return dist.PrefixStore(f"spillmerge/{run_id}/", distributed_c10d._get_default_store())
 
 
-def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
-    """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed (best effort)."""
-    with contextlib.suppress(Exception):  # the writer's own error matters more
+def _publish(run_id: str | None, key: str, value: str, count: str | None = None) -> None:
+    """Set ``key`` in the run's store (and add 1 to ``count``). Best effort: the caller's own error
+    matters more, and the waiting ranks also watch storage."""
+    with contextlib.suppress(Exception):
         store = _run_store(run_id)
         if store is not None:
-            store.set(f"failed/{session}/{rank}", message[:4000])
-            store.add(f"failed/{session}", 1)
+            store.set(key, value)
+            if count is not None:
+                store.add(count, 1)
+
+
+def publish_failure(run_id: str | None, rank: int, message: str, *, session: int = 0) -> None:
+    """Tell a waiting ``dst`` at once that this rank's ``session``-th writer failed."""
+    _publish(run_id, f"failed/{session}/{rank}", message[:4000], f"failed/{session}")
 
 
 def publish_merge_outcome(run_id: str | None, session: int, round_: int, outcome: dict[str, Any]) -> None:
     """``dst``: tell ranks waiting for the output (``SpillWriter.merge(wait=True)``) how the
-    merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}`` (best effort: the
-    waiting ranks also watch storage)."""
-    with contextlib.suppress(Exception):  # storage still carries the outcome
-        store = _run_store(run_id)
-        if store is not None:
-            store.set(f"merge-outcome/{session}/{round_}", json.dumps(outcome)[:8000])
+    merge ended: ``{"ok": true}`` or ``{"ok": false, "error": "Type: message"}``."""
+    _publish(run_id, f"merge-outcome/{session}/{round_}", json.dumps(outcome)[:8000])
 
 
 def publish_part_failure(run_id: str | None, session: int, round_: int, rank: int, exc: BaseException) -> None:
     """Tell ``dst``'s finalize at once that this rank's part failed, also before the part knew its
-    plan (its failure record under the output counts only for a plan). Best effort."""
-    with contextlib.suppress(Exception):  # the part's own error matters more
-        store = _run_store(run_id)
-        if store is not None:
-            store.set(f"part-failed/{session}/{round_}/{rank}", f"{type(exc).__name__}: {exc}"[:4000])
+    plan (its failure record under the output counts only for a plan)."""
+    _publish(run_id, f"part-failed/{session}/{round_}/{rank}", f"{type(exc).__name__}: {exc}"[:4000])
 
 
-def part_failures(run_id: str | None, session: int, round_: int) -> Callable[[list[int]], dict[int, str]]:
-    """``dst``'s check for :func:`publish_part_failure`: ranks → "Type: message" among those asked
-    about; nothing once the store is gone (the part records on storage remain)."""
-    try:
-        store: Any = _run_store(run_id)
-    except Exception:  # noqa: BLE001 - no store: storage only
-        store = None
+class _StoreView:
+    """The run's store as a waiting rank reads it: once the store is gone (its host process,
+    usually rank 0, exited) every answer is None and the caller relies on storage alone."""
 
-    def told(ranks: list[int]) -> dict[int, str]:
-        nonlocal store
-        if store is None:
-            return {}
-        try:
-            keys = {r: f"part-failed/{session}/{round_}/{r}" for r in ranks}
-            return {r: store.get(k).decode(errors="replace") for r, k in keys.items() if store.check([k])}
-        except Exception:  # noqa: BLE001 - the store's host went away: storage only from now on
-            store = None
-            return {}
-
-    return told
-
-
-class OutcomeWatch:
-    """A waiting rank's view of ``merge-outcome`` in the process group's store: ``poll()`` returns
-    the outcome once published, else None; once the store is gone (its host process, usually
-    rank 0, exited) it stays None and the caller relies on storage."""
-
-    def __init__(self, run_id: str | None, session: int, round_: int) -> None:
-        self.key = f"merge-outcome/{session}/{round_}"  # an earlier round's outcome is not this one's
+    def __init__(self, run_id: str | None) -> None:
         try:
             self.store: Any = _run_store(run_id)
         except Exception:  # noqa: BLE001 - no store: storage only
             self.store = None
 
-    def poll(self) -> dict[str, Any] | None:
+    def _ask(self, question: Callable[[Any], Any]) -> Any:
         if self.store is None:
             return None
         try:
-            if not self.store.check([self.key]):
-                return None
-            got = json.loads(self.store.get(self.key))
-            return got if isinstance(got, dict) else None
+            return question(self.store)
         except Exception:  # noqa: BLE001 - the store's host went away: storage only from now on
             self.store = None
             return None
+
+
+class PartFailures(_StoreView):
+    """``dst``'s check for :func:`publish_part_failure`: ``told(ranks)`` maps those of ``ranks``
+    whose part failed to "Type: message"; nothing once the store is gone (the part records on
+    storage remain)."""
+
+    def __init__(self, run_id: str | None, session: int, round_: int) -> None:
+        super().__init__(run_id)
+        self.prefix = f"part-failed/{session}/{round_}"
+
+    def __call__(self, ranks: list[int]) -> dict[int, str]:
+        keys = {r: f"{self.prefix}/{r}" for r in ranks}
+        got = self._ask(lambda s: {r: s.get(k).decode(errors="replace") for r, k in keys.items() if s.check([k])})
+        return got or {}
+
+
+class OutcomeWatch(_StoreView):
+    """A waiting rank's view of ``merge-outcome`` in the process group's store: ``poll()`` returns
+    the outcome once published, else None."""
+
+    def __init__(self, run_id: str | None, session: int, round_: int) -> None:
+        super().__init__(run_id)
+        self.key = f"merge-outcome/{session}/{round_}"  # an earlier round's outcome is not this one's
+
+    def poll(self) -> dict[str, Any] | None:
+        got = self._ask(lambda s: json.loads(s.get(self.key)) if s.check([self.key]) else None)
+        return got if isinstance(got, dict) else None
 
 
 # ------------------------------------------------------------------------------ coordination

@@ -407,19 +407,25 @@ def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> tuple[
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ProcessFailure:
-    """What every record of a failed merge process carries (a part's, the collective merge's):
-    the exception and the process, from :func:`failure_now` / :func:`failure_read`."""
+class ExceptionRecord:
+    """What every failure record carries: the exception (:func:`exception_fields`) and when."""
 
     error_type: str
     message: str
     traceback: str
     time: str
-    host: str
-    pid: int
 
     def summary(self) -> str:
         return f"{self.error_type}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessFailure(ExceptionRecord):
+    """What every record of a failed merge process carries (a part's, the collective merge's):
+    the exception and the process, from :func:`failure_now` / :func:`failure_read`."""
+
+    host: str
+    pid: int
 
 
 def failure_now(exc: BaseException, *, message_chars: int) -> dict[str, Any]:

@@ -360,17 +360,20 @@ class CompletionMarker:
         return dumps({"format_version": FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})
 
 
+def json_or_none(storage: Storage, rel: str, max_bytes: int) -> Any:
+    """The JSON object ``rel``; None when absent or no JSON (torn, or another tool's)."""
+    raw = storage.get_or_none(rel, max_bytes=max_bytes)
+    try:
+        return None if raw is None else loads(raw, path=storage.describe(rel))
+    except CorruptSpillError:
+        return None
+
+
 def header(storage: Storage) -> dict[str, Any] | None:
     """The output header (root ``zarr.json`` attributes ``spillmerge``) when ``storage`` holds a
     merged output's root document, else None (absent, torn or not ours). The one reader of
     "is this a merged output?" for the merge, ``inspect`` and ``open``."""
-    raw = storage.get_or_none("zarr.json", max_bytes=ROOT_DOC_MAX_BYTES)
-    if raw is None:
-        return None
-    try:
-        obj = loads(raw, path=storage.describe("zarr.json"))
-    except CorruptSpillError:
-        return None
+    obj = json_or_none(storage, "zarr.json", ROOT_DOC_MAX_BYTES)
     attrs = obj.get("attributes") if isinstance(obj, dict) else None
     head = attrs.get("spillmerge") if isinstance(attrs, dict) else None
     return head if isinstance(head, dict) and head.get("kind") == "merged" else None

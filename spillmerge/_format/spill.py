@@ -21,6 +21,7 @@ from .common import (
     MAX_NDIM,
     SPILL_FORMAT_VERSION,
     STRING_MAX_BYTES,
+    ExceptionRecord,
     ProcessFailure,
     check_header,
     dumps,
@@ -154,17 +155,13 @@ _COMMIT_INTS = {
 
 
 @dataclass(frozen=True, slots=True)
-class FailureRecord:
+class FailureRecord(ExceptionRecord):
     """Contents of ``failed.json``: the writer session ended on an exception."""
 
     rank: int
     world_size: int
     segment: str
     run_id: str | None
-    error_type: str
-    message: str
-    traceback: str
-    time: str
 
     def to_json(self) -> bytes:
         return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
@@ -181,9 +178,6 @@ class FailureRecord:
             traceback=str(obj.get("traceback"))[:20000],
             time=str(obj.get("time")),
         )
-
-    def summary(self) -> str:
-        return f"{self.error_type}: {self.message}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -297,8 +297,8 @@ class Storage:
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
-        """A zarr store rooted at ``rel``."""
+    def zarr_store(self, *, read_only: bool = False) -> Any:
+        """A zarr store of the root."""
         raise NotImplementedError
 
 

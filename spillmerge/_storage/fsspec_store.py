@@ -113,11 +113,9 @@ class FsspecStorage(Storage):
 
     def put_many(self, objects: dict[str, bytes]) -> None:
         paths = {self.path(rel): data for rel, data in objects.items()}
+        batch = {"batch_size": 64} if getattr(self.fs, "async_impl", False) else {}  # (a sync pipe takes none)
         with self.storage_errors("write metadata under"):
-            if getattr(self.fs, "async_impl", False):
-                self.fs.pipe(paths, batch_size=64)
-            else:
-                self.fs.pipe(paths)
+            self.fs.pipe(paths, **batch)
 
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
@@ -133,7 +131,7 @@ class FsspecStorage(Storage):
         return False
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
+    def zarr_store(self, *, read_only: bool = False) -> Any:
         fs = self.fs
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -142,7 +140,7 @@ class FsspecStorage(Storage):
         elif not getattr(fs, "asynchronous", False):
             # zarr drives the filesystem from its own event loop: it needs an asynchronous instance.
             fs = type(fs)(**{**fs.storage_options, "asynchronous": True})
-        return FsspecStore(fs, path=self.path(rel), read_only=read_only)
+        return FsspecStore(fs, path=self.root, read_only=read_only)
 
 
 class _FsspecSink:

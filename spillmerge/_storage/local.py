@@ -324,7 +324,7 @@ class LocalStorage(Storage):
         return False
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, rel: str = "", *, read_only: bool = False) -> Any:
+    def zarr_store(self, *, read_only: bool = False) -> Any:
         storage = self
 
         class RegularFilesOnly(LocalStore):
@@ -332,16 +332,16 @@ class LocalStorage(Storage):
             and any object below a linked folder: zarr would follow or block on them."""
 
             async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
-                storage._check_zarr_get(f"{rel}/{key}" if rel else key)
+                storage._check_zarr_get(key)
                 return await super().get(key, prototype, byte_range)
 
             async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
                 key_ranges = list(key_ranges)
                 for key, _ in key_ranges:
-                    storage._check_regular(f"{rel}/{key}" if rel else key)
+                    storage._check_regular(key)
                 return await super().get_partial_values(prototype, key_ranges)
 
-        return RegularFilesOnly(self.path(rel), read_only=read_only)
+        return RegularFilesOnly(self.root, read_only=read_only)
 
     def _check_zarr_get(self, where: str) -> None:
         """What :meth:`zarr_store` checks before zarr reads ``where`` whole: a regular file reached

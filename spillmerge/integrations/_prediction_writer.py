@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._errors import SpillValueError
+from .._format.common import RECORD_MAX_BYTES
+from .._format.output import json_or_none
 from .._merge.report import MergeReport
 from .._storage import Storage
 from .._write import batch as _batch
@@ -21,9 +23,7 @@ KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
 """``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
 
 
-def batch_names(
-    batch: Any, batch_idx: int, filename_key: str = "filename", frame_key: str = "frame_idx"
-) -> tuple[Any, Any]:
+def batch_names(batch: Any, batch_idx: int, filename_key: str, frame_key: str) -> tuple[Any, Any]:
     """The filenames (``batch[filename_key]``) and frame indices (``batch[frame_key]``, or None
     when the batch has none: an image needs no frame index, each sample is frame 0) of a batch."""
     if not isinstance(batch, Mapping):
@@ -103,9 +103,8 @@ class SpillPredictionWriterMixin:
         rank writes. None on the other ranks, and before a merge of this callback's run."""
         if self._report is not None or self.writer is not None or self.out is None:
             return self._report
-        raw = Storage(self.root, self.storage_options).get_or_none(REPORT_NAME)
+        obj = json_or_none(Storage(self.root, self.storage_options), REPORT_NAME, RECORD_MAX_BYTES)
         try:
-            obj = json.loads(raw) if raw is not None else None
             if obj is not None and float(obj["written"]) >= self._created:
                 self._report = MergeReport.from_json(json.dumps(obj["report"]))
         except (ValueError, KeyError, TypeError):  # a torn or foreign file: no report, not a crash
