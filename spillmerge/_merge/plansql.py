@@ -5,6 +5,7 @@ whose byte order is ``str``'s; a killed process's folder is removed by the next 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shutil
@@ -296,58 +297,54 @@ def _ints(col: Any) -> np.ndarray:
 
 
 class _Spool:
-    """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, mapped (or
-    read) when done; in memory when there is no folder (a sort of few rows, :func:`in_memory`)."""
+    """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, read (or
+    mapped) when done; in memory buffers when there is no folder (a sort of few rows,
+    :func:`in_memory`)."""
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
         self.files: dict[str, Any] = {}
-        self.parts: dict[str, list[np.ndarray]] = {}
 
-    def _path(self, name: str) -> str:
-        assert self.folder is not None
-        return os.path.join(self.folder, name if name.endswith(".u8") else f"{name}.i8")
-
-    def append(self, name: str, a: np.ndarray) -> None:
-        dtype = np.uint8 if name.endswith(".u8") else np.int64
-        if self.folder is None:
-            self.parts.setdefault(name, []).append(np.array(a, dtype=dtype))
-            return
+    def _file(self, name: str) -> Any:
         f = self.files.get(name)
         if f is None:
-            f = self.files[name] = open(self._path(name), "wb")  # noqa: SIM115 - done()
-        f.write(np.ascontiguousarray(a, dtype=dtype).data)
+            path = None if self.folder is None else os.path.join(self.folder, f"{name}.spool")
+            f = self.files[name] = io.BytesIO() if path is None else open(path, "w+b")  # noqa: SIM115 - done()
+        return f
+
+    def append(self, name: str, a: np.ndarray) -> None:
+        self._file(name).write(np.ascontiguousarray(a, dtype=_dtype(name)).data)
 
     def done(self, name: str, n: int) -> np.ndarray:
         """The ``n`` elements appended to ``name``: read, or a map beyond ``MAPPED_ROWS`` int64s'
         worth of bytes."""
-        dtype = np.dtype(np.uint8 if name.endswith(".u8") else np.int64)
-        if self.folder is None:
-            parts = self.parts.pop(name, [])
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-        f = self.files.pop(name, None)
-        if f is not None:
+        dtype, f = _dtype(name), self._file(name)
+        if self.folder is not None and n * dtype.itemsize > MAPPED_ROWS * 8:
             f.close()
-        if n == 0:
-            return np.zeros(0, dtype=dtype)
-        if n * dtype.itemsize <= MAPPED_ROWS * 8:
-            return np.fromfile(self._path(name), dtype=dtype)
-        # int64: a copy-on-write map (the plan may rewrite a column in place); the file is
-        # unlinked with the folder, its pages stay file-backed while the map lives
-        return np.memmap(self._path(name), dtype=dtype, mode="r" if dtype == np.uint8 else "c", shape=(n,))
+            # int64: a copy-on-write map (the plan may rewrite a column in place); the file is
+            # unlinked with the folder, its pages stay file-backed while the map lives
+            return np.memmap(f.name, dtype=dtype, mode="r" if dtype == np.uint8 else "c", shape=(n,))
+        out = np.empty(n, dtype=dtype)
+        f.seek(0)
+        f.readinto(out.data)
+        f.close()
+        return out
 
     def name(self, i: int) -> str:
         """Name ``i`` of those spooled so far, for a message about a duplicated key (read back)."""
-        if self.folder is None:
-            off = np.concatenate(self.parts["name_off"])[i : i + 2]
-            data = np.concatenate(self.parts["names.u8"])
-            return data[int(off[0]) : int(off[1])].tobytes().decode("utf-8", "surrogatepass")
-        for f in self.files.values():
-            f.flush()
-        off = np.fromfile(self._path("name_off"), dtype=np.int64, count=2, offset=8 * i)
-        with open(self._path("names.u8"), "rb") as f:
-            f.seek(int(off[0]))
-            return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
+        off = np.frombuffer(self._read("name_off", 8 * i, 16), np.int64)
+        return self._read("names.u8", int(off[0]), int(off[1] - off[0])).decode("utf-8", "surrogatepass")
+
+    def _read(self, name: str, pos: int, n: int) -> bytes:
+        f = self.files[name]
+        f.seek(pos)
+        data: bytes = f.read(n)
+        f.seek(0, os.SEEK_END)  # appends go on at the end
+        return data
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(np.uint8 if name.endswith(".u8") else np.int64)
 
 
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]
