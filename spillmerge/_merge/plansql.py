@@ -78,8 +78,13 @@ class Sorted:
     """The distinct filenames, sorted; ``file`` numbers them."""
     rows: dict[str, np.ndarray]
     """``COLUMNS`` of every kept row."""
-    copies: np.ndarray
-    """int64: segments that held each kept row's key."""
+    row_of: np.ndarray
+    """int64: each kept row's key's number (its output row)."""
+    keys: dict[str, np.ndarray]
+    """int64, per key: its ``frame_idx``, the segment it is kept from (``key_seg``) and the
+    segments that held it (``copies``)."""
+    file_offsets: np.ndarray
+    """int64 (n_files + 1,): the first key of each file, then the number of keys."""
     duplicates: int
     """Copies dropped."""
     file_ids: list[np.ndarray]
@@ -380,9 +385,9 @@ def _from_arrow(reader: Any) -> Iterator[Batch]:
 def _collect(
     batches: Iterable[Batch], resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = ()
 ) -> Sorted:
-    """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
-    names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
-    filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
+    """The sorted batches: file numbers, duplicates resolved, kept rows and their keys (the
+    output rows, each file's first) spooled; the distinct names spooled as UTF-8 bytes and
+    offsets (no Python string per name); each segment's filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
     ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
     np.cumsum(n_names, out=base[1:])
@@ -392,11 +397,12 @@ def _collect(
     spool.append("name_off", np.zeros(1, np.int64))
     name_bytes = 0
     carry: dict[str, np.ndarray] | None = None
-    n_kept = duplicates = 0
+    n_kept = n_keys = duplicates = 0
+    last_file = -1
 
     def flush(c: dict[str, np.ndarray], final: bool) -> dict[str, np.ndarray] | None:
         """Resolve and spool the whole keys of ``c``; return the rows of its last key unless final."""
-        nonlocal n_kept, duplicates
+        nonlocal n_kept, n_keys, duplicates, last_file
         n = len(c["file"])
         new_key = np.ones(n, dtype=bool)
         new_key[1:] = (c["file"][1:] != c["file"][:-1]) | (c["frame"][1:] != c["frame"][:-1])
@@ -424,8 +430,16 @@ def _collect(
             copies = copies[keep]
         for k in COLUMNS:
             spool.append(k, c[k])
-        spool.append("copies", copies)
         n_kept += len(copies)
+        starts = np.ones(len(copies), dtype=bool)  # the kept rows that start a key (a batch starts one)
+        starts[1:] = (c["file"][1:] != c["file"][:-1]) | (c["frame"][1:] != c["frame"][:-1])
+        spool.append("row_of", n_keys - 1 + np.cumsum(starts))
+        ks = np.flatnonzero(starts)
+        for k, v in (("frame_idx", c["frame"]), ("key_seg", c["seg"]), ("copies", copies)):
+            spool.append(k, v[ks])
+        files = c["file"][ks]  # each file's keys follow each other, its first may end the batch before
+        spool.append("file_offsets", n_keys + np.flatnonzero(files != np.append(last_file, files[:-1])))
+        n_keys, last_file = n_keys + len(ks), int(files[-1])
         return rest
 
     for new_name, fdata, foff, cols in batches:
@@ -443,11 +457,14 @@ def _collect(
     if carry is not None and len(carry["file"]):
         flush(carry, final=True)
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
+    spool.append("file_offsets", np.array([n_keys]))
+    keys = {k: spool.done(k, n_keys) for k in ("frame_idx", "key_seg", "copies")}
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
     if any(getattr(s, "stream", None) is not None for s in segments):
         plancheck.distinct_names(segments, ids, alloc(folder, "stamp", n_distinct, np.int32, fill=-1))
     table = NameTable(spool.done("names.u8", name_bytes), spool.done("name_off", n_distinct + 1))
-    return Sorted(table, rows, spool.done("copies", n_kept), duplicates, ids)
+    file_offsets = spool.done("file_offsets", n_distinct + 1)
+    return Sorted(table, rows, spool.done("row_of", n_kept), keys, file_offsets, duplicates, ids)
 
 
 IN_MEMORY_ROWS = 1 << 16
