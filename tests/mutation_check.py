@@ -1444,8 +1444,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "overwrite-checks-the-spill-first",
         "spillmerge/_merge/job.py",
-        "            if job.options.overwrite and output.exists(FO.COMPLETE_NAME):",
-        "            if False:",
+        "                    copy_units(job, todo, check=True)",
+        "                    pass",
         ("tests/merge/test_nothing_lost_output.py::test_an_overwrite_that_meets_a_corrupt_spill_keeps_the_complete_output",),
         "a complete output is replaced only after the spill's rows replacing it have been checked",
     ),
