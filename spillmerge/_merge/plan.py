@@ -119,11 +119,9 @@ def build(
         pmap = np.array([raw_lp.setdefault(lay.leaf, len(raw_lp)) for lay in s.layouts], dtype=np.int64)
         if not s.n_rows:  # from the commit record: the index is not read here
             return np.zeros(0, np.int64), pmap
-        for lay in s.layouts:
-            if lay not in gl_id:
-                gl_id[lay] = len(layouts)
-                layouts.append(lay)
-        return np.array([gl_id[lay] for lay in s.layouts], dtype=np.int64), pmap
+        ids = np.array([gl_id.setdefault(lay, len(gl_id)) for lay in s.layouts], dtype=np.int64)
+        layouts.extend(list(gl_id)[len(layouts) :])  # in step with gl_id (``resolve`` reads it)
+        return ids, pmap
 
     def lp_order() -> np.ndarray:
         leaf_paths.extend(sorted(raw_lp))

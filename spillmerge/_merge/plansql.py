@@ -417,9 +417,8 @@ def _collect(
                 return rest
         new_seg = new_key[:n].copy()
         new_seg[1:] |= c["seg"][1:] != c["seg"][:-1]
-        segs_per_key = np.add.reduceat(new_seg.astype(np.int64), key_start)
-        copies = np.repeat(segs_per_key, np.diff(np.append(key_start, n)))
-        dup = copies > 1
+        copies = np.add.reduceat(new_seg.astype(np.int64), key_start)  # per key
+        dup = np.repeat(copies > 1, np.diff(np.append(key_start, n)))
         if dup.any():
             rows = np.flatnonzero(dup)
             keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, spool.name)
@@ -427,16 +426,16 @@ def _collect(
             keep = np.ones(n, dtype=bool)
             keep[rows] = keep_dup
             c = {k: v[keep] for k, v in c.items()}
-            copies = copies[keep]
         for k in COLUMNS:
             spool.append(k, c[k])
-        n_kept += len(copies)
-        starts = np.ones(len(copies), dtype=bool)  # the kept rows that start a key (a batch starts one)
+        n_kept += len(c["file"])
+        starts = np.ones(len(c["file"]), dtype=bool)  # the kept rows that start a key (a batch starts one)
         starts[1:] = (c["file"][1:] != c["file"][:-1]) | (c["frame"][1:] != c["frame"][:-1])
         spool.append("row_of", n_keys - 1 + np.cumsum(starts))
         ks = np.flatnonzero(starts)
-        for k, v in (("frame_idx", c["frame"]), ("key_seg", c["seg"]), ("copies", copies)):
-            spool.append(k, v[ks])
+        spool.append("frame_idx", c["frame"][ks])
+        spool.append("key_seg", c["seg"][ks])
+        spool.append("copies", copies)  # each key keeps one segment's rows, at least one
         files = c["file"][ks]  # each file's keys follow each other, its first may end the batch before
         spool.append("file_offsets", n_keys + np.flatnonzero(files != np.append(last_file, files[:-1])))
         n_keys, last_file = n_keys + len(ks), int(files[-1])
