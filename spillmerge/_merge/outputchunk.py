@@ -343,7 +343,7 @@ class OutputChunk:
         b_off, b_nb, value = check_of(segment, crc)
         bc, b_lo = divmod(b_off, segment.chunk_bytes)
         rel = f"{segment.seg.rel}/data/c/{bc}"
-        block = self.src.view(rel, b_lo, b_lo + b_nb) if strict else self.src.view(rel, 0, None)[b_lo : b_lo + b_nb]
+        block = self.src.view(rel, b_lo, b_lo + b_nb) if strict else self.src.view(rel, 0, None)[b_lo:][:b_nb]
         return len(block) == b_nb and _crc.value(block) == value
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:

@@ -146,9 +146,9 @@ def _assemble(
     leaf_paths: list[tuple[str, ...]], new: Alloc,
 ) -> Plan:  # fmt: skip
     """The plan from the sorted kept rows and keys (the output rows): ranks, lists, variants,
-    columns and each file's column set, a block of rows at a time; every per-row array from ``new`` (a map of a file of
-    the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS`` rows), so what the plan holds in
-    anonymous memory does not grow with its rows."""
+    columns and each file's column set, a block of rows at a time; every per-row array it makes
+    from ``new`` (a map of a file of the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS``
+    rows), so what the plan holds in anonymous memory does not grow with its rows."""
     names, c, n_rows = srt.names, srt.rows, len(srt.keys["frame_idx"])
     seg_rank = np.array([s.seg.rank for s in segments], dtype=np.int32)
     rank, copies = new("rank", n_rows, np.int32), new("copies", n_rows, np.int32)

@@ -387,8 +387,9 @@ def _collect(
 ) -> Sorted:
     """The sorted batches: file numbers, duplicates resolved, kept rows and their keys (the
     output rows, each file's first) spooled; the distinct names spooled as UTF-8 bytes and
-    offsets (no Python string per name); each segment's filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
-    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
+    offsets (no Python string per name); each segment's filenames numbered (``Sorted.file_ids``,
+    a map of a file beyond ``MAPPED_ROWS``). With ``segments``, the checks of a whole segment are
+    made on the way (``_merge.plancheck``)."""
     base = np.zeros(len(n_names) + 1, dtype=np.int64)
     np.cumsum(n_names, out=base[1:])
     file_ids = alloc(folder, "file_ids", int(base[-1]), np.int64, fill=-1)
