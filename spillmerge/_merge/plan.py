@@ -192,21 +192,19 @@ def _assemble(
 
 def resolve_duplicates(
     c: dict[str, np.ndarray],
+    key_start: np.ndarray,
     name_of: Callable[[int], str],
     segments: list[LoadedSegment],
     on_duplicate: str,
     same_bytes: SameBytes,
     layouts: Sequence[FS.Layout],
 ) -> tuple[np.ndarray, int]:
-    """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order:
-    which to keep (one segment's per key) and how many copies are dropped. Keys are
+    """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order, each
+    key's first at ``key_start``: which to keep (one segment's per key) and how many copies are dropped. Keys are
     decided in order: the first whose copies differ raises under ``on_duplicate='error'``.
     Copies are identical when their leaves have the same dtypes, shapes and bytes (``layouts``:
     by global layout id; a dict's key order aside, as ``==`` has it)."""
     n = len(c["file"])
-    new_key = np.ones(n, dtype=bool)
-    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
-    key_start = np.flatnonzero(new_key)
     keep = np.ones(n, dtype=bool)
     duplicates = 0
     for a, b in zip(key_start.tolist(), [*key_start[1:].tolist(), n], strict=True):

@@ -65,9 +65,10 @@ COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
 """The row table's int64 columns (``_merge.plan``'s names): file number, frame, leaf path, global
 layout, segment, byte offset, byte length, CRC-32C."""
 
-Resolve = Callable[[dict[str, np.ndarray], Callable[[int], str]], tuple[np.ndarray, int]]
-"""``resolve(rows, name_of)``: the rows (sorted) of keys held by several segments and the name of a
-file number so far; returns which rows to keep and the copies dropped."""
+Resolve = Callable[[dict[str, np.ndarray], np.ndarray, Callable[[int], str]], tuple[np.ndarray, int]]
+"""``resolve(rows, key_start, name_of)``: the rows (sorted) of keys held by several segments, where
+each key starts in them, and the name of a file number so far; returns which rows to keep and the
+copies dropped."""
 
 
 @dataclass
@@ -422,7 +423,7 @@ def _collect(
         dup = np.repeat(copies > 1, np.diff(np.append(key_start, n)))
         if dup.any():
             rows = np.flatnonzero(dup)
-            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, spool.name)
+            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, np.flatnonzero(new_key[rows]), spool.name)
             duplicates += dropped
             keep = np.ones(n, dtype=bool)
             keep[rows] = keep_dup
