@@ -391,8 +391,7 @@ def _collect(
     offsets (no Python string per name); each segment's filenames numbered (``Sorted.file_ids``,
     a map of a file beyond ``MAPPED_ROWS``). With ``segments``, the checks of a whole segment are
     made on the way (``_merge.plancheck``)."""
-    base = np.zeros(len(n_names) + 1, dtype=np.int64)
-    np.cumsum(n_names, out=base[1:])
+    base = np.cumsum([0, *n_names], dtype=np.int64)
     file_ids = alloc(folder, "file_ids", int(base[-1]), np.int64, fill=-1)
     spool = _Spool(folder)
     n_distinct = 0  # names spooled so far
@@ -506,8 +505,7 @@ def sort_rows_in_memory(
     rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     distinct = sorted(set(encoded))
     rank_of = {name: i for i, name in enumerate(distinct)}
-    base = np.zeros(len(n_names) + 1, dtype=np.int64)
-    np.cumsum(n_names, out=base[1:])
+    base = np.cumsum([0, *n_names], dtype=np.int64)
     rank = np.array([rank_of[n] for n in encoded], dtype=np.int64)[base[rows["seg"]] + rows["lf"]]
     lp = lp_order()[rows["rlp"]]
     order = np.lexsort((lp, rows["seg"], rows["frame"], rank))  # stable: ties keep their order
@@ -515,8 +513,7 @@ def sort_rows_in_memory(
     new_name = np.ones(len(rank), dtype=bool)
     new_name[1:] = rank[1:] != rank[:-1]
     names = [distinct[r] for r in rank[new_name].tolist()]
-    foff = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum([len(n) for n in names], out=foff[1:])
+    foff = np.cumsum([0, *map(len, names)], dtype=np.int64)
     rows["lp"] = lp
     cols = {k: rows[k][order] for k in (*COLUMNS[1:], "lf")}
     return _collect([(new_name, np.frombuffer(b"".join(names), np.uint8), foff, cols)], resolve, None, n_names)
