@@ -52,8 +52,10 @@ def build(out: Path, n: int) -> None:
     ones = np.ones(n, dtype=np.int64)
     rows = np.arange(n, dtype=np.int64)
     cap_off = np.concatenate([[0], np.cumsum(cap_len)])
-    label = PlannedColumn("label", ("label",), "fixed", "int64", 0, (), None, rows, None, None, False, n)
-    caption = PlannedColumn("caption", ("caption",), "str", "str", 0, None, None, n + rows, cap_off, None, False, n)
+    label = PlannedColumn(("label",), "fixed", "int64", 0, None, False, name="label", src=rows, n_present=n, shape=())
+    caption = PlannedColumn(
+        ("caption",), "str", "str", 0, None, False, name="caption", src=n + rows, n_present=n, offsets=cap_off
+    )
     plan = Plan(
         filenames=names, file_offsets=np.arange(n + 1, dtype=np.int64), frame_idx=np.zeros(n, np.int64),
         rank=np.zeros(n, np.int32), copies=np.ones(n, np.int32), file_layout=np.zeros(n, np.int32),

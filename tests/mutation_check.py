@@ -1380,11 +1380,11 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "s45-plan-file-goes-on-across-blocks",
-        "spillmerge/_merge/plan.py",
-        '            new_file[0] = f[0] != c["file"][a - 1]',
-        "            new_file[0] = True",
+        "spillmerge/_merge/plansql.py",
+        "files != np.append(last_file, files[:-1])",
+        "files != np.append(-1, files[:-1])",
         ("tests/merge/test_plan_blocks.py::test_the_plan_is_the_same_whatever_the_block_size_and_with_maps",),
-        "a file whose rows go on from one block of the plan's rows to the next is one file (its offsets, its layouts)",
+        "a file whose keys go on from one sorted batch of the plan's rows to the next is one file (its offsets)",
     ),
     Mutation(
         "s45-list-offsets-over-blocks",
@@ -1445,8 +1445,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "overwrite-checks-the-spill-first",
         "spillmerge/_merge/job.py",
-        "            if job.options.overwrite and output.exists(FO.COMPLETE_NAME):",
-        "            if False:",
+        "                    copy_units(job, todo, check=True)",
+        "                    pass",
         ("tests/merge/test_nothing_lost_output.py::test_an_overwrite_that_meets_a_corrupt_spill_keeps_the_complete_output",),
         "a complete output is replaced only after the spill's rows replacing it have been checked",
     ),

@@ -176,12 +176,15 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
     output.makedirs("")
     try:
         with _lease.whole(output) as lease:  # before any change: one merge per output
-            if job.options.overwrite and output.exists(FO.COMPLETE_NAME):
+            todo = units(job.plan, job.options.chunk_bytes)
+            if output.exists(FO.COMPLETE_NAME):
+                if not job.options.overwrite:
+                    raise _output.complete_error(output, "replace it")
                 # A complete output goes only once every source row of its replacement has been read
                 # and checked: a spill byte that rotted must not cost the output that holds it whole.
                 with job.phase("check"):
-                    copy_units(job, units(job.plan, job.options.chunk_bytes), check=True)
-            _output.prepare(output, job.options.overwrite, lease)
+                    copy_units(job, todo, check=True)
+            _output.remove_ours(output, lease)  # an interrupted merge, or an overwrite: from scratch
             try:
                 with job.phase("metadata"):
                     docs = job.docs()
@@ -190,7 +193,6 @@ def _merge_whole(job: _opening.Job) -> MergeReport:
                     output.put_atomic("zarr.json", Z.json_doc(docs[""]))
                     output.put_many({f"{path}/zarr.json": Z.json_doc(doc) for path, doc in docs.items() if path})
                 with job.phase("copy"):
-                    todo = units(job.plan, job.options.chunk_bytes)
                     copy_units(job, todo)
                 with job.phase("index"):
                     chunks = _indexchunks.index_chunks(job.plan, docs)

@@ -80,6 +80,5 @@ def table_of(names: Sequence[str] | Any) -> NameTable:
     if isinstance(names, NameTable):
         return names
     enc = [f.encode("utf-8", "surrogatepass") for f in names]
-    offsets = np.zeros(len(enc) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in enc], out=offsets[1:])
+    offsets = np.cumsum([0, *map(len, enc)], dtype=np.int64)
     return NameTable(np.frombuffer(b"".join(enc), dtype=np.uint8), offsets)

@@ -195,16 +195,12 @@ class OutputChunk:
         ``r`` (plan entry ``e``) when it does not match (on a local disk: or is short)."""
         if (s, crc) in self.checked:
             return
-        seg = self.plan.segments[s]
         if not self.src.local:
             try:
-                verify_block(self.src, seg, crc)
+                verify_block(self.src, self.plan.segments[s], crc)
             except CorruptSpillError:
                 self._mismatch(r, e, crc)
-        elif not self._block_sound(s, crc):
-            b_off, b_nb, _ = check_of(seg, crc)
-            bc, b_lo = divmod(b_off, seg.chunk_bytes)
-            self.src.view(f"{seg.seg.rel}/data/c/{bc}", b_lo, b_lo + b_nb)  # raises when short
+        elif not self._block_sound(s, crc, strict=True):
             self._mismatch(r, e, crc)
         self.checked.add((s, crc))
 
@@ -338,14 +334,16 @@ class OutputChunk:
             out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
         return int(ends[-1])
 
-    def _block_sound(self, s: int, crc: int) -> bool:
+    def _block_sound(self, s: int, crc: int, strict: bool = False) -> bool:
         """Whether the block checksum ``crc`` (negative: a block of rows) of segment ``s`` holds
         on a local spill root: its bytes, a view of their data chunk object, all there and
-        matching. The caller says what is wrong when not."""
+        matching. The caller says what is wrong when not; ``strict``: a data chunk object shorter
+        than the block raises ``TruncatedObjectError``."""
         segment = self.plan.segments[s]
         b_off, b_nb, value = check_of(segment, crc)
         bc, b_lo = divmod(b_off, segment.chunk_bytes)
-        block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo : b_lo + b_nb]
+        rel = f"{segment.seg.rel}/data/c/{bc}"
+        block = self.src.view(rel, b_lo, b_lo + b_nb) if strict else self.src.view(rel, 0, None)[b_lo:][:b_nb]
         return len(block) == b_nb and _crc.value(block) == value
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:

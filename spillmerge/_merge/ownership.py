@@ -26,15 +26,6 @@ def check_claimable(output: Storage) -> None:
         raise not_ours(output)
 
 
-def prepare(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
-    """A whole merge's start, under its lease (taken after ``check_claimable``): an interrupted
-    output is cleared of what an earlier merge wrote; a complete one only with ``overwrite``."""
-    if output.exists(FO.COMPLETE_NAME) and not overwrite:
-        raise complete_error(output, "replace it")
-    # An interrupted merge (no completion marker) or an explicit overwrite: start from scratch.
-    remove_ours(output, lease)
-
-
 def remove_ours(output: Storage, lease: _lease.Lease) -> None:
     """Delete what a merge wrote into ``output``, nothing else: not the lease folder, not a file the
     user put there, never through a symbolic link (a linked ``columns/`` loses the link only)."""
@@ -98,7 +89,7 @@ def refuse_links(output: Storage, overwrite: bool) -> None:
 
 
 def claim(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
-    """A part's ``prepare``, under its lease (taken after ``check_claimable``): never delete
+    """A part's start, under its lease (taken after ``check_claimable``): never delete
     anything but the completion marker (``overwrite``), because other parts may be writing next
     to us."""
     lease.check()

@@ -119,11 +119,9 @@ def build(
         pmap = np.array([raw_lp.setdefault(lay.leaf, len(raw_lp)) for lay in s.layouts], dtype=np.int64)
         if not s.n_rows:  # from the commit record: the index is not read here
             return np.zeros(0, np.int64), pmap
-        for lay in s.layouts:
-            if lay not in gl_id:
-                gl_id[lay] = len(layouts)
-                layouts.append(lay)
-        return np.array([gl_id[lay] for lay in s.layouts], dtype=np.int64), pmap
+        ids = np.array([gl_id.setdefault(lay, len(gl_id)) for lay in s.layouts], dtype=np.int64)
+        layouts.extend(list(gl_id)[len(layouts) :])  # in step with gl_id (``resolve`` reads it)
+        return ids, pmap
 
     def lp_order() -> np.ndarray:
         leaf_paths.extend(sorted(raw_lp))
@@ -147,51 +145,26 @@ def _assemble(
     srt: _plansql.Sorted, segments: list[LoadedSegment], layouts: list[FS.Layout],
     leaf_paths: list[tuple[str, ...]], new: Alloc,
 ) -> Plan:  # fmt: skip
-    """The plan from the sorted kept rows: output rows, lists, variants, columns and each file's
-    column set, a block of rows at a time; every per-row array from ``new`` (a map of a file of
-    the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS`` rows), so what the plan holds in
-    anonymous memory does not grow with its rows."""
-    names, c, copies, duplicates = srt.names, srt.rows, srt.copies, srt.duplicates
-    # Rows: distinct (file, frame), in order (the sort's); every entry's row number; each row's
-    # frame, rank and copies; each file's first row.
-    n_ent = len(c["file"])
-    row_of = new("row_of", n_ent, np.int64)
-    frame_idx = new("frame_idx", n_ent, np.int64)  # the first n_rows are the rows'
-    rank = new("rank", n_ent, np.int32)
-    row_copies = new("copies", n_ent, np.int32)
-    file_offsets = new("file_offsets", len(names) + 1, np.int64)
+    """The plan from the sorted kept rows and keys (the output rows): ranks, lists, variants,
+    columns and each file's column set, a block of rows at a time; every per-row array it makes
+    from ``new`` (a map of a file of the plan's work folder beyond ``_merge.plansql.MAPPED_ROWS``
+    rows), so what the plan holds in anonymous memory does not grow with its rows."""
+    names, c, n_rows = srt.names, srt.rows, len(srt.keys["frame_idx"])
     seg_rank = np.array([s.seg.rank for s in segments], dtype=np.int32)
-    n_rows = 0
-    for a, b in blocks(n_ent):
-        f, fr = np.asarray(c["file"][a:b]), np.asarray(c["frame"][a:b])
-        new_file = np.ones(b - a, dtype=bool)
-        new_file[1:] = f[1:] != f[:-1]
-        new_key = new_file.copy()
-        new_key[1:] |= fr[1:] != fr[:-1]
-        if a:
-            new_file[0] = f[0] != c["file"][a - 1]
-            new_key[0] = new_file[0] or fr[0] != c["frame"][a - 1]
-        r = n_rows - 1 + np.cumsum(new_key)
-        row_of[a:b] = r
-        ks = np.flatnonzero(new_key)
-        end = n_rows + len(ks)
-        frame_idx[n_rows:end] = fr[ks]
-        rank[n_rows:end] = seg_rank[c["seg"][a + ks]]
-        row_copies[n_rows:end] = copies[a + ks]
-        fs = np.flatnonzero(new_file)
-        file_offsets[f[fs]] = r[fs]
-        n_rows = end
-    file_offsets[len(names)] = n_rows
+    rank, copies = new("rank", n_rows, np.int32), new("copies", n_rows, np.int32)
+    for a, b in blocks(n_rows):  # int32, as the output's index arrays hold them
+        rank[a:b] = seg_rank[srt.keys["key_seg"][a:b]]
+        copies[a:b] = srt.keys["copies"][a:b]
 
     heads = {lay.leaf for lay in layouts if lay.dtype in ("pylist", "pytuple")}
-    gpaths, gp, drow, lists, sizes = list_domains(c["lp"], row_of, leaf_paths, n_rows, heads, new)
+    gpaths, gp, drow, lists, sizes = list_domains(c["lp"], srt.row_of, leaf_paths, n_rows, heads, new)
     c["lp"] = gp  # from here on a column's path: every item position of a list is one child path
     group, groups = variant_groups(c, layouts, gpaths, new)
     names_of = group_names(groups, gpaths)
     is_none = np.array([F.DTYPES[lay.dtype].kind == "none" for lay in layouts], dtype=bool)
     # every column's source rows in one pass over the entries: a value's entry, or NONE
     srcs = [new("src", sizes[F.list_domain(gpaths[p])], np.int64, ABSENT) for p, _ in groups]
-    for a, b in blocks(n_ent):
+    for a, b in blocks(len(c["file"])):
         gb = np.asarray(group[a:b])
         none = is_none[c["gl"][a:b]]
         db = np.asarray(drow[a:b])
@@ -211,29 +184,27 @@ def _assemble(
 
     file_layout, file_layouts = file_layouts_of(c["file"], group, len(names), names_of, new)
     return Plan(
-        names, file_offsets, frame_idx[:n_rows], rank[:n_rows], row_copies[:n_rows], file_layout, file_layouts,
-        columns, segments, c["seg"], c["off"], c["nb"], c["crc"], duplicates, total, lists,
+        names, srt.file_offsets, srt.keys["frame_idx"], rank, copies, file_layout, file_layouts, columns, segments,
+        c["seg"], c["off"], c["nb"], c["crc"], srt.duplicates, total, lists,
         output_orders(names, segments, srt.file_ids, new=new),
     )  # fmt: skip
 
 
 def resolve_duplicates(
     c: dict[str, np.ndarray],
+    key_start: np.ndarray,
     name_of: Callable[[int], str],
     segments: list[LoadedSegment],
     on_duplicate: str,
     same_bytes: SameBytes,
     layouts: Sequence[FS.Layout],
 ) -> tuple[np.ndarray, int]:
-    """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order:
-    which to keep (one segment's per key) and how many copies are dropped. Keys are
+    """The rows ``c`` of keys held by several segments, in (file, frame, segment, leaf) order, each
+    key's first at ``key_start``: which to keep (one segment's per key) and how many copies are dropped. Keys are
     decided in order: the first whose copies differ raises under ``on_duplicate='error'``.
     Copies are identical when their leaves have the same dtypes, shapes and bytes (``layouts``:
     by global layout id; a dict's key order aside, as ``==`` has it)."""
     n = len(c["file"])
-    new_key = np.ones(n, dtype=bool)
-    new_key[1:] = (np.diff(c["file"]) != 0) | (np.diff(c["frame"]) != 0)
-    key_start = np.flatnonzero(new_key)
     keep = np.ones(n, dtype=bool)
     duplicates = 0
     for a, b in zip(key_start.tolist(), [*key_start[1:].tolist(), n], strict=True):

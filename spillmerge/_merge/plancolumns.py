@@ -9,7 +9,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 
 import numpy as np
 
@@ -44,43 +44,33 @@ def cumulate(a: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
-class PlannedColumn:
-    """The plan of one leaf column of the output, ``columns/<name>/``: where each row's bytes come
+class PlannedColumn(FO.ColumnHeader):
+    """The plan of one leaf column of the output, ``columns/<name>/``: its header (the fields of
+    :class:`~spillmerge._format.output.ColumnHeader`: ``variant`` set when the leaf has several
+    variants that are not only numeric dtypes, ``variant_groups``) and where each row's bytes come
     from (the merge side; the reader's is ``_read.column.OpenColumn``)."""
 
-    name: str
-    """Node name under ``columns/``."""
-    leaf: tuple[str, ...]
-    """Dict keys from the frame value to the leaf."""
-    kind: str
-    """``fixed``, ``ragged``, ``str``, ``bytes``, ``pickle`` or ``strlist``."""
-    dtype: str
-    """Dtype name (numeric kinds) or the kind."""
     ndim: int
     """Dimensions of one row's value (0 for str, bytes, pickle; 1 for strlist)."""
-    shape: tuple[int, ...] | None
-    """``fixed``: the shape of every row's value."""
-    inner: tuple[int, ...] | None
-    """``ragged``: the dimensions after the first when only the first varies, else None."""
+    chunk_max_bytes: int | None = None
+    """Not planned: None."""
+    _: KW_ONLY
+    name: str
+    """Node name under ``columns/``."""
     src: np.ndarray
     """int64 (n_rows,): position in the plan's row table of each output row's bytes; ``ABSENT``
     when the row lacks the leaf, ``NONE`` when it holds None there."""
-    offsets: np.ndarray | None
+    n_present: int
+    """Rows that have a value."""
+    shape: tuple[int, ...] | None = None
+    """``fixed``: the shape of every row's value."""
+    offsets: np.ndarray | None = None
     """int64 (n_rows + 1,): row ``r``'s units of ``values`` are ``offsets[r] .. offsets[r+1]-1``,
     for ragged, bytes, pickle and strlist columns, and fixed columns with absent rows (whose
     ``values`` hold only the rows that have a value: no zeros are stored for the others)."""
-    shapes: np.ndarray | None
-    """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner``; of a list-of-str
-    column, (n_rows, 1): the strings in each row."""
-    has_valid: bool
-    """Some row lacks the leaf (a ``valid`` array is written)."""
-    n_present: int
-    """Rows that have a value."""
-    variant: str | None = None
-    """The variant tag of a leaf's column when the leaf has several variants that are not only
-    numeric dtypes (``variant_groups``); None otherwise (the name carries at most the dtype)."""
-    has_none: bool = False
-    """Some row holds None here (a ``none`` array is written)."""
+    shapes: np.ndarray | None = None
+    """int64 (n_rows, ndim): per-row shapes of a ragged column without ``inner_shape``; of a
+    list-of-str column, (n_rows, 1): the strings in each row."""
 
     @property
     def storage(self) -> str:
@@ -95,8 +85,8 @@ class PlannedColumn:
         if self.kind == "fixed":
             assert self.shape is not None
             return self.shape
-        if self.kind == "ragged" and self.inner is not None:
-            return self.inner
+        if self.kind == "ragged" and self.inner_shape is not None:
+            return self.inner_shape
         return ()
 
     @property
@@ -111,17 +101,7 @@ class PlannedColumn:
 
     def header(self) -> FO.ColumnHeader:
         """The column group's ``spillmerge`` attributes (docs/FORMAT.md section 2, *Columns*)."""
-        return FO.ColumnHeader(
-            leaf=self.leaf,
-            kind=self.kind,
-            dtype=self.dtype,
-            ndim=self.ndim,
-            inner_shape=self.inner,
-            has_valid=self.has_valid,
-            chunk_max_bytes=None,
-            variant=self.variant,
-            has_none=self.has_none,
-        )
+        return FO.ColumnHeader(*(getattr(self, f.name) for f in fields(FO.ColumnHeader)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,7 +356,7 @@ def plan_column(
     has_valid = n_present < n_rows
     has_none = has_valid and any(bool((np.asarray(src[a:b]) == NONE).any()) for a, b in blocks(n_rows))
     column = functools.partial(
-        PlannedColumn, name, leaf, src=src, has_valid=has_valid, n_present=n_present, has_none=has_none
+        PlannedColumn, leaf, name=name, src=src, has_valid=has_valid, n_present=n_present, has_none=has_none
     )
     lays = [layouts[int(g)] for g in lay_ids]
     non_empty = [lay for lay in lays if not (F.DTYPES[lay.dtype].numeric and 0 in lay.shape)]
@@ -396,7 +376,7 @@ def plan_column(
             offsets[a + 1 : b + 1][p] = c["nb"][s[p]]
             if strings is not None:
                 strings[a:b, 0][p] = n_of[gl]
-        return column(kind, kind, 1 if kind == "strlist" else 0, None, None, offsets=cumulate(offsets), shapes=strings)
+        return column(kind, kind, 1 if kind == "strlist" else 0, None, offsets=cumulate(offsets), shapes=strings)
     ndim = len(lays[0].shape) if lays else 0
     shapes = {lay.shape for lay in lays}
     if len(shapes) <= 1:
@@ -407,7 +387,7 @@ def plan_column(
             for a, b, p, _ in each():
                 present[a + 1 : b + 1] = p
             cumulate(present)
-        return column("fixed", dt.name, ndim, shape, None, offsets=present, shapes=None)
+        return column("fixed", dt.name, ndim, None, shape=shape, offsets=present)
     table = np.zeros((len(layouts), ndim), dtype=np.int64)
     for g in lay_ids:
         table[int(g)] = layouts[int(g)].shape
@@ -417,12 +397,12 @@ def plan_column(
         inner = next(iter(inner_set))
         for a, b, p, gl in each():
             offsets[a + 1 : b + 1][p] = table[gl, 0]
-        return column("ragged", dt.name, ndim, None, inner, offsets=cumulate(offsets), shapes=None)
+        return column("ragged", dt.name, ndim, inner, offsets=cumulate(offsets))
     row_shapes = new("shapes", (n_rows, ndim), np.int64)
     for a, b, p, gl in each():
         row_shapes[a:b][p] = table[gl]
         offsets[a + 1 : b + 1] = np.prod(row_shapes[a:b], axis=1, dtype=np.int64)
-    return column("ragged", dt.name, ndim, None, None, offsets=cumulate(offsets), shapes=row_shapes)
+    return column("ragged", dt.name, ndim, None, offsets=cumulate(offsets), shapes=row_shapes)
 
 
 def file_layouts_of(

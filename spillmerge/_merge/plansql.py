@@ -5,6 +5,7 @@ whose byte order is ``str``'s; a killed process's folder is removed by the next 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shutil
@@ -64,9 +65,10 @@ COLUMNS = ("file", "frame", "lp", "gl", "seg", "off", "nb", "crc")
 """The row table's int64 columns (``_merge.plan``'s names): file number, frame, leaf path, global
 layout, segment, byte offset, byte length, CRC-32C."""
 
-Resolve = Callable[[dict[str, np.ndarray], Callable[[int], str]], tuple[np.ndarray, int]]
-"""``resolve(rows, name_of)``: the rows (sorted) of keys held by several segments and the name of a
-file number so far; returns which rows to keep and the copies dropped."""
+Resolve = Callable[[dict[str, np.ndarray], np.ndarray, Callable[[int], str]], tuple[np.ndarray, int]]
+"""``resolve(rows, key_start, name_of)``: the rows (sorted) of keys held by several segments, where
+each key starts in them, and the name of a file number so far; returns which rows to keep and the
+copies dropped."""
 
 
 @dataclass
@@ -77,8 +79,13 @@ class Sorted:
     """The distinct filenames, sorted; ``file`` numbers them."""
     rows: dict[str, np.ndarray]
     """``COLUMNS`` of every kept row."""
-    copies: np.ndarray
-    """int64: segments that held each kept row's key."""
+    row_of: np.ndarray
+    """int64: each kept row's key's number (its output row)."""
+    keys: dict[str, np.ndarray]
+    """int64, per key: its ``frame_idx``, the segment it is kept from (``key_seg``) and the
+    segments that held it (``copies``)."""
+    file_offsets: np.ndarray
+    """int64 (n_files + 1,): the first key of each file, then the number of keys."""
     duplicates: int
     """Copies dropped."""
     file_ids: list[np.ndarray]
@@ -296,58 +303,54 @@ def _ints(col: Any) -> np.ndarray:
 
 
 class _Spool:
-    """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, mapped (or
-    read) when done; in memory when there is no folder (a sort of few rows, :func:`in_memory`)."""
+    """Append-only int64 (or uint8: ``.u8`` names) arrays in files of the work folder, read (or
+    mapped) when done; in memory buffers when there is no folder (a sort of few rows,
+    :func:`in_memory`)."""
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
         self.files: dict[str, Any] = {}
-        self.parts: dict[str, list[np.ndarray]] = {}
 
-    def _path(self, name: str) -> str:
-        assert self.folder is not None
-        return os.path.join(self.folder, name if name.endswith(".u8") else f"{name}.i8")
-
-    def append(self, name: str, a: np.ndarray) -> None:
-        dtype = np.uint8 if name.endswith(".u8") else np.int64
-        if self.folder is None:
-            self.parts.setdefault(name, []).append(np.array(a, dtype=dtype))
-            return
+    def _file(self, name: str) -> Any:
         f = self.files.get(name)
         if f is None:
-            f = self.files[name] = open(self._path(name), "wb")  # noqa: SIM115 - done()
-        f.write(np.ascontiguousarray(a, dtype=dtype).data)
+            path = None if self.folder is None else os.path.join(self.folder, f"{name}.spool")
+            f = self.files[name] = io.BytesIO() if path is None else open(path, "w+b")  # noqa: SIM115 - done()
+        return f
+
+    def append(self, name: str, a: np.ndarray) -> None:
+        self._file(name).write(np.ascontiguousarray(a, dtype=_dtype(name)).data)
 
     def done(self, name: str, n: int) -> np.ndarray:
         """The ``n`` elements appended to ``name``: read, or a map beyond ``MAPPED_ROWS`` int64s'
         worth of bytes."""
-        dtype = np.dtype(np.uint8 if name.endswith(".u8") else np.int64)
-        if self.folder is None:
-            parts = self.parts.pop(name, [])
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-        f = self.files.pop(name, None)
-        if f is not None:
+        dtype, f = _dtype(name), self._file(name)
+        if self.folder is not None and n * dtype.itemsize > MAPPED_ROWS * 8:
             f.close()
-        if n == 0:
-            return np.zeros(0, dtype=dtype)
-        if n * dtype.itemsize <= MAPPED_ROWS * 8:
-            return np.fromfile(self._path(name), dtype=dtype)
-        # int64: a copy-on-write map (the plan may rewrite a column in place); the file is
-        # unlinked with the folder, its pages stay file-backed while the map lives
-        return np.memmap(self._path(name), dtype=dtype, mode="r" if dtype == np.uint8 else "c", shape=(n,))
+            # int64: a copy-on-write map (the plan may rewrite a column in place); the file is
+            # unlinked with the folder, its pages stay file-backed while the map lives
+            return np.memmap(f.name, dtype=dtype, mode="r" if dtype == np.uint8 else "c", shape=(n,))
+        out = np.empty(n, dtype=dtype)
+        f.seek(0)
+        f.readinto(out.data)
+        f.close()
+        return out
 
     def name(self, i: int) -> str:
         """Name ``i`` of those spooled so far, for a message about a duplicated key (read back)."""
-        if self.folder is None:
-            off = np.concatenate(self.parts["name_off"])[i : i + 2]
-            data = np.concatenate(self.parts["names.u8"])
-            return data[int(off[0]) : int(off[1])].tobytes().decode("utf-8", "surrogatepass")
-        for f in self.files.values():
-            f.flush()
-        off = np.fromfile(self._path("name_off"), dtype=np.int64, count=2, offset=8 * i)
-        with open(self._path("names.u8"), "rb") as f:
-            f.seek(int(off[0]))
-            return f.read(int(off[1] - off[0])).decode("utf-8", "surrogatepass")
+        off = np.frombuffer(self._read("name_off", 8 * i, 16), np.int64)
+        return self._read("names.u8", int(off[0]), int(off[1] - off[0])).decode("utf-8", "surrogatepass")
+
+    def _read(self, name: str, pos: int, n: int) -> bytes:
+        f = self.files[name]
+        f.seek(pos)
+        data: bytes = f.read(n)
+        f.seek(0, os.SEEK_END)  # appends go on at the end
+        return data
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(np.uint8 if name.endswith(".u8") else np.int64)
 
 
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]
@@ -383,23 +386,24 @@ def _from_arrow(reader: Any) -> Iterator[Batch]:
 def _collect(
     batches: Iterable[Batch], resolve: Resolve, folder: str | None, n_names: list[int], segments: Sequence[Any] = ()
 ) -> Sorted:
-    """The sorted batches: file numbers, duplicates resolved, kept rows spooled; the distinct
-    names spooled as UTF-8 bytes and offsets (no Python string per name); each segment's
-    filenames numbered (``Sorted.file_ids``, a map of a file beyond ``MAPPED_ROWS``). With
-    ``segments``, the checks of a whole segment are made on the way (``_merge.plancheck``)."""
-    base = np.zeros(len(n_names) + 1, dtype=np.int64)
-    np.cumsum(n_names, out=base[1:])
+    """The sorted batches: file numbers, duplicates resolved, kept rows and their keys (the
+    output rows, each file's first) spooled; the distinct names spooled as UTF-8 bytes and
+    offsets (no Python string per name); each segment's filenames numbered (``Sorted.file_ids``,
+    a map of a file beyond ``MAPPED_ROWS``). With ``segments``, the checks of a whole segment are
+    made on the way (``_merge.plancheck``)."""
+    base = np.cumsum([0, *n_names], dtype=np.int64)
     file_ids = alloc(folder, "file_ids", int(base[-1]), np.int64, fill=-1)
     spool = _Spool(folder)
     n_distinct = 0  # names spooled so far
     spool.append("name_off", np.zeros(1, np.int64))
     name_bytes = 0
     carry: dict[str, np.ndarray] | None = None
-    n_kept = duplicates = 0
+    n_kept = n_keys = duplicates = 0
+    last_file = -1
 
     def flush(c: dict[str, np.ndarray], final: bool) -> dict[str, np.ndarray] | None:
         """Resolve and spool the whole keys of ``c``; return the rows of its last key unless final."""
-        nonlocal n_kept, duplicates
+        nonlocal n_kept, n_keys, duplicates, last_file
         n = len(c["file"])
         new_key = np.ones(n, dtype=bool)
         new_key[1:] = (c["file"][1:] != c["file"][:-1]) | (c["frame"][1:] != c["frame"][:-1])
@@ -414,21 +418,28 @@ def _collect(
                 return rest
         new_seg = new_key[:n].copy()
         new_seg[1:] |= c["seg"][1:] != c["seg"][:-1]
-        segs_per_key = np.add.reduceat(new_seg.astype(np.int64), key_start)
-        copies = np.repeat(segs_per_key, np.diff(np.append(key_start, n)))
-        dup = copies > 1
+        copies = np.add.reduceat(new_seg.astype(np.int64), key_start)  # per key
+        dup = np.repeat(copies > 1, np.diff(np.append(key_start, n)))
         if dup.any():
             rows = np.flatnonzero(dup)
-            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, spool.name)
+            keep_dup, dropped = resolve({k: v[rows] for k, v in c.items()}, np.flatnonzero(new_key[rows]), spool.name)
             duplicates += dropped
             keep = np.ones(n, dtype=bool)
             keep[rows] = keep_dup
             c = {k: v[keep] for k, v in c.items()}
-            copies = copies[keep]
         for k in COLUMNS:
             spool.append(k, c[k])
-        spool.append("copies", copies)
-        n_kept += len(copies)
+        n_kept += len(c["file"])
+        starts = np.ones(len(c["file"]), dtype=bool)  # the kept rows that start a key (a batch starts one)
+        starts[1:] = (c["file"][1:] != c["file"][:-1]) | (c["frame"][1:] != c["frame"][:-1])
+        spool.append("row_of", n_keys - 1 + np.cumsum(starts))
+        ks = np.flatnonzero(starts)
+        spool.append("frame_idx", c["frame"][ks])
+        spool.append("key_seg", c["seg"][ks])
+        spool.append("copies", copies)  # each key keeps one segment's rows, at least one
+        files = c["file"][ks]  # each file's keys follow each other, its first may end the batch before
+        spool.append("file_offsets", n_keys + np.flatnonzero(files != np.append(last_file, files[:-1])))
+        n_keys, last_file = n_keys + len(ks), int(files[-1])
         return rest
 
     for new_name, fdata, foff, cols in batches:
@@ -446,11 +457,14 @@ def _collect(
     if carry is not None and len(carry["file"]):
         flush(carry, final=True)
     rows = {k: spool.done(k, n_kept) for k in COLUMNS}
+    spool.append("file_offsets", np.array([n_keys]))
+    keys = {k: spool.done(k, n_keys) for k in ("frame_idx", "key_seg", "copies")}
     ids = [file_ids[int(base[i]) : int(base[i + 1])] for i in range(len(n_names))]
     if any(getattr(s, "stream", None) is not None for s in segments):
         plancheck.distinct_names(segments, ids, alloc(folder, "stamp", n_distinct, np.int32, fill=-1))
     table = NameTable(spool.done("names.u8", name_bytes), spool.done("name_off", n_distinct + 1))
-    return Sorted(table, rows, spool.done("copies", n_kept), duplicates, ids)
+    file_offsets = spool.done("file_offsets", n_distinct + 1)
+    return Sorted(table, rows, spool.done("row_of", n_kept), keys, file_offsets, duplicates, ids)
 
 
 IN_MEMORY_ROWS = 1 << 16
@@ -491,8 +505,7 @@ def sort_rows_in_memory(
     rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     distinct = sorted(set(encoded))
     rank_of = {name: i for i, name in enumerate(distinct)}
-    base = np.zeros(len(n_names) + 1, dtype=np.int64)
-    np.cumsum(n_names, out=base[1:])
+    base = np.cumsum([0, *n_names], dtype=np.int64)
     rank = np.array([rank_of[n] for n in encoded], dtype=np.int64)[base[rows["seg"]] + rows["lf"]]
     lp = lp_order()[rows["rlp"]]
     order = np.lexsort((lp, rows["seg"], rows["frame"], rank))  # stable: ties keep their order
@@ -500,8 +513,7 @@ def sort_rows_in_memory(
     new_name = np.ones(len(rank), dtype=bool)
     new_name[1:] = rank[1:] != rank[:-1]
     names = [distinct[r] for r in rank[new_name].tolist()]
-    foff = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum([len(n) for n in names], out=foff[1:])
+    foff = np.cumsum([0, *map(len, names)], dtype=np.int64)
     rows["lp"] = lp
     cols = {k: rows[k][order] for k in (*COLUMNS[1:], "lf")}
     return _collect([(new_name, np.frombuffer(b"".join(names), np.uint8), foff, cols)], resolve, None, n_names)

@@ -37,7 +37,7 @@ PLANNER = "planner"
 """The lease a part holds while it builds and stores the plan."""
 _KIND = "merge-plan"
 _COLUMN_FIELDS: dict[str, Callable[[Any], Any] | None] = {
-    "name": None, "leaf": tuple, "kind": None, "dtype": None, "ndim": int, "shape": tuple, "inner": tuple,
+    "name": None, "leaf": tuple, "kind": None, "dtype": None, "ndim": int, "shape": tuple, "inner_shape": tuple,
     "has_valid": bool, "variant": None, "has_none": bool,
 }  # fmt: skip
 """A :class:`PlannedColumn`'s fields ``plan.json`` holds, and how each is read back (its arrays are stored apart)."""

@@ -73,6 +73,8 @@ def test_the_plan_is_the_same_whatever_the_block_size_and_with_maps(tmp_path, mo
     assert list(cut.filenames) == sorted(NAMES, key=lambda n: n.encode("utf-8")) == list(whole.filenames)
     assert cut.filenames.search(NAMES[3]) == list(cut.filenames).index(NAMES[3])
     assert cut.filenames.search("no such file") == -1
+    frames = {name: 1 + i % 3 for i, name in enumerate(NAMES)}  # each file's rows are its frames
+    assert np.diff(cut.file_offsets).tolist() == [frames[name] for name in cut.filenames]
     assert cut.duplicates == whole.duplicates > 0 and cut.lists and cut.key_orders is not None
     assert {c.variant for c in cut.columns} != {None}  # the str / float16 leaf is two columns
     assert [c.header().to_obj() for c in cut.columns] == [c.header().to_obj() for c in whole.columns]
