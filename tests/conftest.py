@@ -159,7 +159,8 @@ TIERS: dict[str, str] = {
 FIRST = (
     "test_model_outputs test_untrusted_storage test_examples test_plan_sql test_torchrun "
     "test_object_collectives test_integrations test_s3 test_gather test_failures test_nodelocal test_s3_outage "
-    "test_dropin test_waits test_guards_multirank test_multirank test_status test_stale_root test_every_value "
+    "test_dropin test_round_failures test_waits test_guards_multirank test_multirank test_round_kills test_status "
+    "test_stale_root test_round_waits test_every_value "
     "test_nothing_lost_writer test_scaleout test_planstore test_nothing_lost_reader test_nothing_lost_output "
     "test_arrow_values test_properties test_backends test_duplicate_attribution test_no_torch test_cli"
 )
