@@ -104,10 +104,8 @@ def flat_columns(items: list[Any]) -> FlatColumns | None:
             return None
     except (OverflowError, UnicodeEncodeError):
         return None
-    sizes = np.empty((n, len(leaves)), dtype=np.int64)
-    lengths = np.empty((n, len(leaves)), dtype=np.int64)
-    for j, (_, size, length, _) in enumerate(leaves):
-        sizes[:, j], lengths[:, j] = size, length
+    sizes = np.stack([np.broadcast_to(leaf[1], n) for leaf in leaves], axis=1, dtype=np.int64)
+    lengths = np.stack([np.broadcast_to(leaf[2], n) for leaf in leaves], axis=1, dtype=np.int64)
     if not sizes.sum(axis=1).all():
         return None
     return FlatColumns([leaf[0] for leaf in leaves], sizes, lengths, [leaf[3] for leaf in leaves], kept)

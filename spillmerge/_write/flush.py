@@ -3,7 +3,7 @@ storage (:class:`Chunk`), and the :class:`Flusher` thread with its upload worker
 journal thread.
 
 Protocol (``_write.staging.Staging`` hands full chunks to the flusher's queue):
-  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``add`` staged
+  (flush thread)     wait for the chunk's CUDA copies → CRC-32C of the rows ``_add_by_leaf`` staged
                      one by one → a flush worker writes it whole and gives its buffer back
                      (``BufferPool.release``; ``flush_threads`` in flight, finishing in any
                      order) → once chunks ``0..N`` are written, the journal thread makes them
@@ -51,7 +51,7 @@ class Chunk:
     """Bytes used."""
     pieces: list[tuple[int, int, int]] = field(default_factory=list)
     """(row, start, stop) byte ranges of index rows inside this chunk, for the checksums (rows
-    staged by ``Staging.add``; a row may continue in the next chunk)."""
+    staged by ``Staging._add_by_leaf``; a row may continue in the next chunk)."""
     blocks: list[tuple[int, int, int, np.ndarray, int]] = field(default_factory=list)
     """(check id, start, stop, rows, CRC-32C) of every block checksum of this chunk: bytes
     ``start:stop`` hold the rows ``rows`` (int64) back to back (one leaf of a block of
@@ -67,7 +67,7 @@ class Chunk:
     """Where the open block starts in this chunk."""
     streams: dict[int, int] = field(default_factory=dict)
     """The CUDA streams that copied into this buffer (raw handle -> device index): small leaves
-    are copied on the caller's stream, large ones on the writer's own (``Staging.add``)."""
+    are copied on the caller's stream, large ones on the writer's own (``Staging._add_by_leaf``)."""
     events: list[Any] = field(default_factory=list)
     """CUDA events recorded on each of ``streams`` after their copies (``Staging.seal``), when the
     chunk leaves the writer's hands: whoever reads ``host`` waits for them first."""
@@ -76,8 +76,8 @@ class Chunk:
     is in this chunk, in order, as int64 ``(n, 6)`` arrays: a block of ``Staging.add_frames``, or
     the rows ``tail`` collected before it. A journal entry lists whole frames only."""
     tail: array.array[int] = field(default_factory=lambda: array.array("q"))
-    """The rows completed one by one (``Staging.add``, ``add_frame``) since the last block of
-    ``completed``, six int64 each, not a tuple per row (a chunk of tiny rows holds up to a million
+    """The rows completed one by one (``Staging._add_by_leaf``, ``add_frame``) since the last block
+    of ``completed``, six int64 each, not a tuple per row (a chunk of tiny rows holds up to a million
     of them)."""
     file_base: int = 0
     """Catalog id of ``new_files[0]``."""
@@ -96,7 +96,7 @@ class Chunk:
     """The open chunk file of a direct chunk, until its hand-off."""
     row_crcs: list[tuple[int, int]] = field(default_factory=list)
     """(row, CRC-32C of its bytes so far) of the rows a direct chunk took one by one
-    (``Staging.add``), computed by the caller from its memory; the last one of a row counts."""
+    (``Staging._add_by_leaf``), computed by the caller from its memory; the last one counts."""
     run_crc: int = 0
     """CRC-32C of the open block of whole frames of a direct chunk (``run_start`` to ``fill``)."""
 

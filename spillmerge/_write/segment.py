@@ -6,6 +6,7 @@ committed."""
 from __future__ import annotations
 
 import array
+import contextlib
 import enum
 import threading
 from collections.abc import Sequence
@@ -275,11 +276,9 @@ class SegmentSteps:
         if self._state not in (WriterState.OPEN, WriterState.CLOSING):
             return
         self._state = WriterState.ABORTING
-        try:
+        with contextlib.suppress(BaseException):  # the original exception matters more
             if self._staging.stop():
                 self._write_index()
-        except BaseException:  # noqa: BLE001 - the original exception matters more
-            pass
         error_type, message, tb = F.exception_fields(exc)
         record = FS.FailureRecord(
             rank=self.rank,
@@ -291,10 +290,8 @@ class SegmentSteps:
             traceback=tb,
             time=F.utcnow(),
         )
-        try:
+        with contextlib.suppress(BaseException):  # storage may be what failed
             self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
-        except BaseException:  # noqa: BLE001 - storage may be what failed
-            pass
         publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
         self._state = WriterState.FAILED
         self._free_buffers()

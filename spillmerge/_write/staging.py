@@ -1,7 +1,7 @@
 """Staging: the host buffers a writer copies frames into (the flush side: ``_write.flush``).
 
 Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Memory*):
-  (caller's thread)  ``Staging.add``: ``BufferPool.acquire`` → fill a :class:`Chunk` (the
+  (caller's thread)  ``Staging.add_frame``: ``BufferPool.acquire`` → fill a :class:`Chunk` (the
                      CRC-32C of each block of host rows right after its copy: ``add_frames``
                      one per leaf per block, ``add_frame`` one per run of whole frames) →
                      ``Staging.hand_off``: ``Flusher.q.put(chunk)``
@@ -9,9 +9,9 @@ Protocol (the writer drives it through :class:`Staging`; docs/GUARANTEES.md, *Me
                      it in chunk order, gives its buffer back.
 A direct writer (a local disk, and a first frame on the host of at least :data:`DIRECT_MIN_BYTES`:
 a smaller one costs less copied than written by a system call) writes each chunk's bytes into its
-file in ``add`` / ``add_host_frame`` / ``add_frames`` instead of copying them, the bytes and layout
-of a staged chunk, the checksums from the caller's memory; ``hand_off`` closes the file and queues
-the chunk, which the flush thread only makes durable and journals.
+file in ``_add_by_leaf`` / ``add_host_frame`` / ``add_frames`` instead of copying them, the bytes
+and layout of a staged chunk, the checksums from the caller's memory; ``hand_off`` closes the file
+and queues the chunk, which the flush thread only makes durable and journals.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ producer's next kernels; a smaller one on the caller's stream (``Staging._prepar
 class Staging:
     """The writer's side of staging: the only object that touches the staging chunks, the
     buffer pool and the flush thread. The writer calls, in order: :meth:`start` (at open),
-    :meth:`add` per leaf (copies its bytes; host or CUDA), then :meth:`finish` (commit) or
-    :meth:`stop` (abort), :meth:`take_rows` and :meth:`row_crcs` for the index, then retires :attr:`pool`.
+    :meth:`add_frame` / :meth:`add_frames` (copies the bytes; host or CUDA), then :meth:`finish`
+    (commit) or :meth:`stop` (abort), :meth:`take_rows` and :meth:`checksums` for the index, then
+    retires :attr:`pool`.
     Full chunks go to the :class:`Flusher` on their own; each carries the catalog entries (filenames, layouts) added
     since the previous one, read from the two append-only lists given to :meth:`start`."""
 
@@ -96,57 +97,10 @@ class Staging:
             self.flusher.start()
 
     # -------------------------------------------------------------------------------- copies
-    def add(
-        self, row: int, file_id: int, frame: int, layout_id: int, data: Any, nbytes: int, held: list[Any], last: bool
-    ) -> None:
-        """Copy one leaf (index row ``row``; ``data`` a flat uint8 ndarray or contiguous tensor
-        of ``nbytes``) into staging at :attr:`offset`. The rows of a frame's earlier leaves wait
-        in ``held`` (``last=False``); with its ``last`` leaf they all go to the chunk holding the
-        frame's last byte, so the journal entry of that chunk lists the whole frame and a frame
-        whose large leaf never became durable is never salvaged by halves."""
-        done = crc = 0
-        is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
-        if self.direct:
-            data, is_cuda = data.cpu().numpy() if isinstance(data, torch.Tensor) else data, False
-        if is_cuda:
-            stream = self._prepare_cuda(data, nbytes)
-            device = data.get_device()
-        while done < nbytes:
-            chunk = self._current_chunk()
-            if chunk.run:  # the open block of whole frames ends where these bytes start
-                self._close_run(chunk)
-            n = min(nbytes - done, self.chunk_bytes - chunk.fill)
-            if is_cuda:
-                self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
-            elif chunk.direct:  # into its file; the row's CRC-32C extended from the caller's memory
-                piece = data if n == nbytes else data[done : done + n]
-                self._write_parts(chunk.fd, [piece], chunk.fill)
-                crc = _crc.extend(crc, piece)  # a row may continue from the previous chunk
-                chunk.row_crcs.append((row, crc))
-            else:
-                chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
-            if not chunk.direct:  # a direct chunk's rows were checksummed as written
-                chunk.pieces.append((row, chunk.fill, chunk.fill + n))
-            chunk.fill += n
-            done += n
-            self.offset += n
-            if done < nbytes:  # the chunk is full: the rest goes to the next one
-                self.hand_off()
-        entry = (row, file_id, frame, layout_id, self.offset - nbytes, nbytes)
-        if not last:
-            held.append(entry)
-            return
-        tail = (chunk if nbytes else self._current_chunk()).tail
-        for e in held:
-            tail.extend(e)
-        tail.extend(entry)
-        if nbytes and chunk.fill == self.chunk_bytes:
-            self.hand_off()
-
     def add_frame(self, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], leaves: list[Any]) -> None:
-        """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``add`` leaf by
-        leaf would: when every leaf is on the host and the frame fits in the current chunk, in
-        one step (no held list, no per-leaf call); otherwise through ``add``."""
+        """Stage one frame's leaves (index rows ``row``, ``row + 1`` ...) exactly as ``_add_by_leaf``
+        would: when every leaf is on the host and the frame fits in the current chunk, in
+        one step (no held list, no per-leaf call); otherwise through ``_add_by_leaf``."""
         data, sizes = [leaf.data for leaf in leaves], [leaf.nbytes for leaf in leaves]
         total = sum(sizes)
         if self.direct is None:
@@ -164,7 +118,7 @@ class Staging:
         """``add_frame`` of a frame whose leaves are host uint8 arrays ``data`` of ``sizes``
         bytes (or those bytes back to back, one copy), ``total`` > 0 in all: in one step when the
         frame fits in the current chunk (no held list, no per-leaf call), its rows joining the
-        chunk's open block of whole frames; otherwise leaf by leaf through ``add``."""
+        chunk's open block of whole frames; otherwise leaf by leaf through ``_add_by_leaf``."""
         self.frames += 1
         chunk = self._current
         if chunk is None or chunk.fill + total >= self.chunk_bytes:
@@ -201,7 +155,7 @@ class Staging:
         ``frames``: int64 per frame, or None (frame 0 each). The frames that fit whole in the
         current chunk are staged a leaf at a time, one copy per leaf (its rows one byte range) and
         a block checksum per CHECK_BYTES of its rows; a frame straddling two chunks goes through
-        ``add`` (a CRC per row, as ``write`` does)."""
+        ``_add_by_leaf`` (a CRC per row, as ``write`` does)."""
         n, n_leaves = sizes.shape
         ends = np.cumsum(sizes, axis=0)
         starts = ends - sizes
@@ -261,11 +215,47 @@ class Staging:
                 self.hand_off()
 
     def _add_by_leaf(self, row: int, file_id: int, frame: int, layout_ids: Any, pieces: list[Any], sizes: Any) -> None:
-        """One frame through ``add``, a leaf at a time (rows ``row`` ...)."""
+        """Copy one frame (index rows ``row`` ...; at least one leaf) into staging at
+        :attr:`offset`, a leaf at a time: ``pieces[j]`` a flat uint8 ndarray or contiguous tensor
+        of ``sizes[j]`` bytes. The rows wait in ``held`` until the last leaf is copied: they all go
+        to the chunk holding the frame's last byte, so the journal entry of that chunk lists the
+        whole frame and a frame whose large leaf never became durable is never salvaged by halves."""
         held: list[Any] = []
-        last = len(pieces) - 1
-        for j, (piece, nb) in enumerate(zip(pieces, sizes, strict=True)):
-            self.add(row + j, file_id, frame, int(layout_ids[j]), piece, nb, held, j == last)
+        for j, (data, nbytes) in enumerate(zip(pieces, sizes, strict=True)):
+            done = crc = 0
+            is_cuda = isinstance(data, torch.Tensor) and data.is_cuda
+            if self.direct:
+                data, is_cuda = data.cpu().numpy() if isinstance(data, torch.Tensor) else data, False
+            if is_cuda:
+                stream = self._prepare_cuda(data, nbytes)
+                device = data.get_device()
+            while done < nbytes:
+                chunk = self._current_chunk()
+                if chunk.run:  # the open block of whole frames ends where these bytes start
+                    self._close_run(chunk)
+                n = min(nbytes - done, self.chunk_bytes - chunk.fill)
+                if is_cuda:
+                    self._copy_cuda(chunk, data if n == nbytes else data[done : done + n], n, stream, device)
+                elif chunk.direct:  # into its file; the row's CRC-32C extended from the caller's memory
+                    piece = data if n == nbytes else data[done : done + n]
+                    self._write_parts(chunk.fd, [piece], chunk.fill)
+                    crc = _crc.extend(crc, piece)  # a row may continue from the previous chunk
+                    chunk.row_crcs.append((row + j, crc))
+                else:
+                    chunk.host_np[chunk.fill : chunk.fill + n] = data[done : done + n]
+                if not chunk.direct:  # a direct chunk's rows were checksummed as written
+                    chunk.pieces.append((row + j, chunk.fill, chunk.fill + n))
+                chunk.fill += n
+                done += n
+                self.offset += n
+                if done < nbytes:  # the chunk is full: the rest goes to the next one
+                    self.hand_off()
+            held.append((row + j, file_id, frame, int(layout_ids[j]), self.offset - nbytes, nbytes))
+        tail = (chunk if nbytes else self._current_chunk()).tail  # the last leaf's chunk
+        for e in held:
+            tail.extend(e)
+        if nbytes and chunk.fill == self.chunk_bytes:
+            self.hand_off()
 
     def _add_run(
         self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int
