@@ -8,6 +8,8 @@ from __future__ import annotations
 import array
 import enum
 import threading
+import warnings
+import weakref
 from types import TracebackType
 from typing import Any, Self
 
@@ -63,6 +65,8 @@ class SegmentSteps:
     _lock: threading.Lock
     _flush_at_commit: bool
     _committed_keys: dict[str, set[int]] | None = None  # read once, when first asked
+    _finalizer: weakref.finalize
+    """Ends the flush thread of a writer garbage-collected while open (``_never_closed``)."""
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -141,6 +145,8 @@ class SegmentSteps:
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
             filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
         )  # fmt: skip
+        self._finalizer = weakref.finalize(self, _never_closed, self._staging, self.rank, self.segment_path)
+        self._finalizer.atexit = False  # at exit the daemon threads just stop, as a killed writer's
         self._state = WriterState.OPEN
 
     def _rel(self, name: str) -> str:
@@ -267,6 +273,7 @@ class SegmentSteps:
                 self._abort(exc)
                 raise
             self._state = WriterState.COMMITTED
+            self._finalizer.detach()
             self._free_buffers()
 
     def abort(self, exc: BaseException) -> None:
@@ -301,6 +308,7 @@ class SegmentSteps:
             pass
         publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
         self._state = WriterState.FAILED
+        self._finalizer.detach()
         self._free_buffers()
 
     # --------------------------------------------------------------------------------- resume
@@ -331,3 +339,14 @@ class SegmentSteps:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
+
+
+def _never_closed(staging: Staging, rank: int, segment: str) -> None:
+    """A writer garbage-collected while open: its threads and memory go; nothing is committed."""
+    warnings.warn(
+        f"SpillWriter for rank {rank} was never closed: {segment} stays uncommitted (leave the `with` "
+        "block or call close() to commit it)",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    staging.abandon()
