@@ -728,7 +728,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "flat-records-others-checked-first",
         "spillmerge/_write/writer.py",
-        "            except SpillValueError as exc:\n                raise at_position(exc, i, n, names[i]) from None\n            others.append(",
+        "            except SpillValueError as exc:\n                raise at_position(exc, i, n, names[i]) if positions else exc from None\n            others.append(",
         "            except SpillValueError as exc:\n                continue\n            others.append(",
         ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
         "a batch of records whose bad item holds an empty list is refused whole, naming that item",
