@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("root", nargs="?", help="spill root (path or fsspec URL)")
     m.add_argument("--out", help="output store (path or fsspec URL)")
-    m.add_argument("--config", help="TOML file with a [merge] table; flags override it")
+    m.add_argument(
+        "--config", help="TOML file with a [merge] table (a relative expected = path lies beside it); flags override it"
+    )
     exclusive: dict[str, Any] = {}
     for name, flag in _options.flags().items():
         if flag.exclusive is not None and flag.exclusive not in exclusive:
@@ -236,6 +238,8 @@ def _merge(args: argparse.Namespace) -> int:
     from ._merge.job import merge
 
     opts = _load_config(args.config, "merge", _MERGE_KEYS)
+    if "expected" in opts:  # a manifest named in a config file lies beside it
+        opts["expected"] = os.path.join(os.path.dirname(args.config), opts["expected"])
     for name in ("root", "out", *_options.flags()):  # a flag given overrides the config file
         given = getattr(args, name)
         if _MERGE_KEYS.get(name) is dict:  # repeatable KEY=VALUE flags update the config's table

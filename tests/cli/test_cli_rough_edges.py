@@ -148,3 +148,21 @@ def test_a_plot_of_an_interrupted_merge_is_refused_not_skipped(merged, tmp_path,
     (out / "spillmerge-complete.json").unlink()
     line = _error(capsys, ["inspect", str(out), "--plot", str(tmp_path / "p.png")])
     assert f"{out} is an interrupted merge; --plot needs a complete output" in line, line
+
+
+def test_a_relative_manifest_in_a_config_file_is_found_next_to_it(merged, tmp_path, monkeypatch, capsys):
+    """``expected = "manifest.csv"`` in a config file names the file beside the config, wherever
+    the command runs; ``--expected`` on the command line stays relative to the working folder."""
+    root, _ = merged
+    cfg = tmp_path / "job" / "merge.toml"
+    cfg.parent.mkdir()
+    (cfg.parent / "manifest.csv").write_text("filename,n_frames\nclip 0.mp4,1\nclip 1.mp4,1\nclip 2.mp4,3\n")
+    cfg.write_text(f'[merge]\nroot = "{root}"\nout = "{tmp_path / "o.zarr"}"\nexpected = "manifest.csv"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["merge", "--config", str(cfg), "--no-progress"]) == 1  # clip 2.mp4 lacks frames 1 and 2
+    captured = capsys.readouterr()
+    assert "clip 2.mp4" in captured.out and "error" not in captured.err, captured
+    line = _error(capsys, ["merge", "--config", str(cfg), "--overwrite", "--expected", "manifest.csv"])
+    assert "manifest manifest.csv: cannot read it" in line, line
