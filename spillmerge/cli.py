@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw which frames of which file came from which rank, and the missing / duplicated ones "
         "(needs matplotlib: pip install 'spillmerge[plot]')",
     )
+    i.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     i.add_argument(
         "--max-files", "--files", type=int, default=20, metavar="N",
         help="files listed, in the text and in --json (default 20; those with problems first); totals count all",
@@ -269,6 +270,8 @@ def _inspect(args: argparse.Namespace) -> int:
     so = _storage_options(args.storage_option) or None
     if args.plot and overlaps(Storage(args.path, so), Storage(args.plot)):
         raise ConfigError(f"--plot {args.plot} lies inside {args.path}, which inspect only reads", key="plot")
+    if args.plot and not args.overwrite and os.path.lexists(args.plot):
+        raise OutputExistsError(f"--plot {args.plot} exists; pass --overwrite to replace it", path=args.plot)
     expected = read_manifest(args.expected) if args.expected else None
     s = summarize(args.path, so, max_files=args.max_files)
     cov = None

@@ -1,7 +1,8 @@
 """The CLI says what a thing is: an interrupted merge, an ``--out`` that is no output, a URL
 without a bucket, an unfinished segment (not corruption); it refuses a negative budget, a watch
 interval ``time.sleep`` cannot take, a plot of an interrupted merge and an existing ``--parquet``
-it was not told to replace; a quoted ``--storage-option`` value stays a string."""
+or ``--plot`` it was not told to replace; a quoted ``--storage-option`` value stays a string;
+a manifest named in a config file is read beside it."""
 
 from __future__ import annotations
 
@@ -64,16 +65,20 @@ def test_an_object_store_url_without_a_bucket_is_named_as_typed(url, capsys):
     assert Storage("memory://").describe("zarr.json") == "memory://zarr.json"
 
 
-def test_export_replaces_an_existing_parquet_only_with_overwrite(merged, tmp_path, capsys):
-    pytest.importorskip("pyarrow")
+@pytest.mark.parametrize(
+    "cmd, flag, needs, magic",
+    [("export", "--parquet", "pyarrow", b"PAR1"), ("inspect", "--plot", "matplotlib", b"\x89PNG\r\n\x1a\n")],
+)
+def test_an_existing_parquet_or_plot_is_replaced_only_with_overwrite(merged, tmp_path, capsys, cmd, flag, needs, magic):
+    pytest.importorskip(needs)
     _, out = merged
-    target = tmp_path / "preds.parquet"
+    target = tmp_path / "target"
     target.write_bytes(b"keep me")
-    line = _error(capsys, ["export", str(out), "--parquet", str(target)])
-    assert f"--parquet {target} exists; pass --overwrite to replace it" in line, line
+    line = _error(capsys, [cmd, str(out), flag, str(target)])
+    assert f"{flag} {target} exists; pass --overwrite to replace it" in line, line
     assert target.read_bytes() == b"keep me"
-    assert cli.main(["export", str(out), "--parquet", str(target), "--overwrite"]) == 0
-    assert target.read_bytes()[:4] == b"PAR1"
+    assert cli.main([cmd, str(out), flag, str(target), "--overwrite"]) == 0
+    assert target.read_bytes()[: len(magic)] == magic
 
 
 def test_export_refuses_a_parquet_inside_the_spill_root_the_output_came_from(merged, capsys):
