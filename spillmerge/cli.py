@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("root", help="spill root (path or fsspec URL)")
     st.add_argument("--out", help="the merge's output: show its parts and progress too")
     st.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    st.add_argument("--watch", action="store_true", help="redraw until every rank has committed or failed")
+    st.add_argument(
+        "--watch", action="store_true", help="redraw until every rank has committed, failed or has unreadable records"
+    )
     st.add_argument("--interval", type=float, default=3.0, help="seconds between redraws with --watch (default 3)")
     st.add_argument(
         "--expected", type=int, metavar="N", help="frames the whole job writes (default: what the writers recorded)"
@@ -331,7 +333,9 @@ def _status(args: argparse.Namespace) -> int:
             if args.watch and tty:
                 print("\x1b[H\x1b[2J", end="")  # redraw in place on a terminal
             print(format_status(js), flush=True)
-        if not args.watch or js.done:
+        # (records that cannot be read do not mend by waiting: such a rank has ended too)
+        ended = js.world_size is not None and all(r.state in ("committed", "failed", "unreadable") for r in js.ranks)
+        if not args.watch or ended:
             return 1 if any(r.state in ("failed", "unreadable") for r in js.ranks) else 0
         time.sleep(args.interval)
 
