@@ -6,6 +6,7 @@ a manifest named in a config file is read beside it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -171,3 +172,22 @@ def test_a_relative_manifest_in_a_config_file_is_found_next_to_it(merged, tmp_pa
     assert "clip 2.mp4" in captured.out and "error" not in captured.err, captured
     line = _error(capsys, ["merge", "--config", str(cfg), "--overwrite", "--expected", "manifest.csv"])
     assert "manifest manifest.csv: cannot read it" in line, line
+
+
+def test_a_plot_is_never_written_through_a_link_or_into_a_pipe(merged, tmp_path, capsys):
+    """``--plot`` at a link, a folder or a pipe is refused even with ``--overwrite`` (as export's
+    ``--parquet`` is): the file a link points at keeps its bytes, and a pipe blocks nothing."""
+    pytest.importorskip("matplotlib")
+    _, out = merged
+    mine = tmp_path / "notes.txt"
+    mine.write_text("keep me")
+    (tmp_path / "link.png").symlink_to(mine)
+    (tmp_path / "folder.png").mkdir()
+    os.mkfifo(tmp_path / "pipe.png")
+    for name in ("link.png", "folder.png", "pipe.png"):
+        target = tmp_path / name
+        line = _error(capsys, ["inspect", str(out), "--plot", str(target), "--overwrite"])
+        assert f"cannot write the plot to {target}: it exists and is no regular file" in line, line
+    assert mine.read_text() == "keep me" and (tmp_path / "link.png").is_symlink()
+    names = ["folder.png", "link.png", "notes.txt", "out.zarr", "pipe.png", "spill"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary file left
