@@ -241,7 +241,7 @@ def _merge(args: argparse.Namespace) -> int:
     from ._merge.job import merge
 
     opts = _load_config(args.config, "merge", _MERGE_KEYS)
-    if "expected" in opts:  # a manifest named in a config file lies beside it
+    if opts.get("expected"):  # a manifest named in a config file lies beside it
         opts["expected"] = os.path.join(os.path.dirname(args.config), opts["expected"])
     for name in ("root", "out", *_options.flags()):  # a flag given overrides the config file
         given = getattr(args, name)
