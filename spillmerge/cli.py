@@ -52,7 +52,8 @@ def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dic
             ok, value = True, float(value)
         if not ok:
             raise ConfigError(
-                f"{path}: {section}.{key} must be a {want.__name__}, got {value!r}", key=f"{section}.{key}"
+                f"{path}: {section}.{key} must be {'an' if want is int else 'a'} {want.__name__}, got {value!r}",
+                key=f"{section}.{key}",
             )
         out[key] = value
     return out

@@ -191,3 +191,11 @@ def test_a_plot_is_never_written_through_a_link_or_into_a_pipe(merged, tmp_path,
     assert mine.read_text() == "keep me" and (tmp_path / "link.png").is_symlink()
     names = ["folder.png", "link.png", "notes.txt", "out.zarr", "pipe.png", "spill"]
     assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary file left
+
+
+def test_a_config_value_of_the_wrong_type_names_the_type_it_needs(merged, tmp_path, capsys):
+    root, _ = merged
+    cfg = tmp_path / "merge.toml"
+    cfg.write_text(f'[merge]\nroot = "{root}"\nout = "{tmp_path / "o.zarr"}"\nmemory_budget = "1GiB"\n')
+    line = _error(capsys, ["merge", "--config", str(cfg)])
+    assert f"{cfg}: merge.memory_budget must be an int, got '1GiB'" in line, line
