@@ -52,7 +52,8 @@ def _load_config(path: str | None, section: str, schema: dict[str, type]) -> dic
             ok, value = True, float(value)
         if not ok:
             raise ConfigError(
-                f"{path}: {section}.{key} must be a {want.__name__}, got {value!r}", key=f"{section}.{key}"
+                f"{path}: {section}.{key} must be {'an' if want is int else 'a'} {want.__name__}, got {value!r}",
+                key=f"{section}.{key}",
             )
         out[key] = value
     return out
@@ -120,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("root", nargs="?", help="spill root (path or fsspec URL)")
     m.add_argument("--out", help="output store (path or fsspec URL)")
-    m.add_argument("--config", help="TOML file with a [merge] table; flags override it")
+    m.add_argument(
+        "--config", help="TOML file with a [merge] table (a relative expected = path lies beside it); flags override it"
+    )
     exclusive: dict[str, Any] = {}
     for name, flag in _options.flags().items():
         if flag.exclusive is not None and flag.exclusive not in exclusive:
@@ -151,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw which frames of which file came from which rank, and the missing / duplicated ones "
         "(needs matplotlib: pip install 'spillmerge[plot]')",
     )
+    i.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     i.add_argument(
         "--max-files", "--files", type=int, default=20, metavar="N",
         help="files listed, in the text and in --json (default 20; those with problems first); totals count all",
@@ -182,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("root", help="spill root (path or fsspec URL)")
     st.add_argument("--out", help="the merge's output: show its parts and progress too")
     st.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    st.add_argument("--watch", action="store_true", help="redraw until every rank has committed or failed")
+    st.add_argument(
+        "--watch", action="store_true", help="redraw until every rank has committed, failed or has unreadable records"
+    )
     st.add_argument("--interval", type=float, default=3.0, help="seconds between redraws with --watch (default 3)")
     st.add_argument(
         "--expected", type=int, metavar="N", help="frames the whole job writes (default: what the writers recorded)"
@@ -236,6 +242,8 @@ def _merge(args: argparse.Namespace) -> int:
     from ._merge.job import merge
 
     opts = _load_config(args.config, "merge", _MERGE_KEYS)
+    if opts.get("expected"):  # a manifest named in a config file lies beside it
+        opts["expected"] = os.path.join(os.path.dirname(args.config), opts["expected"])
     for name in ("root", "out", *_options.flags()):  # a flag given overrides the config file
         given = getattr(args, name)
         if _MERGE_KEYS.get(name) is dict:  # repeatable KEY=VALUE flags update the config's table
@@ -265,6 +273,8 @@ def _inspect(args: argparse.Namespace) -> int:
     so = _storage_options(args.storage_option) or None
     if args.plot and overlaps(Storage(args.path, so), Storage(args.plot)):
         raise ConfigError(f"--plot {args.plot} lies inside {args.path}, which inspect only reads", key="plot")
+    if args.plot and not args.overwrite and os.path.lexists(args.plot):
+        raise OutputExistsError(f"--plot {args.plot} exists; pass --overwrite to replace it", path=args.plot)
     expected = read_manifest(args.expected) if args.expected else None
     s = summarize(args.path, so, max_files=args.max_files)
     cov = None
@@ -324,7 +334,9 @@ def _status(args: argparse.Namespace) -> int:
             if args.watch and tty:
                 print("\x1b[H\x1b[2J", end="")  # redraw in place on a terminal
             print(format_status(js), flush=True)
-        if not args.watch or js.done:
+        # (records that cannot be read do not mend by waiting: such a rank has ended too)
+        ended = js.world_size is not None and all(r.state in ("committed", "failed", "unreadable") for r in js.ranks)
+        if not args.watch or ended:
             return 1 if any(r.state in ("failed", "unreadable") for r in js.ranks) else 0
         time.sleep(args.interval)
 

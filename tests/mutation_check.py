@@ -728,8 +728,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "flat-records-others-checked-first",
         "spillmerge/_write/writer.py",
-        "            item_leaves = self._item_leaves(items[i], i, names, frames)\n            others.append(",
-        "            try:\n                item_leaves = self._item_leaves(items[i], i, names, frames)\n"
+        "            item_leaves = self._item_leaves(items[i], i, names, frames, positions)\n            others.append(",
+        "            try:\n                item_leaves = self._item_leaves(items[i], i, names, frames, positions)\n"
         "            except SpillValueError:\n                continue\n            others.append(",
         ("tests/write/test_write_batch.py::test_a_bad_batch_raises_naming_the_leaf_and_position_and_writes_nothing",),
         "a batch of records whose bad item holds an empty list is refused whole, naming that item",
@@ -1894,6 +1894,31 @@ MUTATIONS: list[Mutation] = [
         "if False:",
         ("tests/read/test_reader_edges.py::test_a_ragged_complex_leaf_exports_to_arrow_as_real_imag_pairs",),
         "a ragged complex leaf exports to Arrow as (real, imag) pairs",
+    ),
+    Mutation(
+        "update-checked-whole-first",
+        "spillmerge/_write/writer.py",
+        "            self._put_items(names, frames, values, records=True, positions=False)\n",
+        "            for name, frame, value in zip(names, frames, values, strict=True):\n"
+        "                self._write(name, frame, value)\n",
+        ("tests/write/test_writer_merge.py::test_update_is_all_or_nothing",),
+        "update() checks the whole call before it stages a frame: a refused call stages nothing",
+    ),
+    Mutation(
+        "plot-never-through-a-link",
+        "spillmerge/_inspect/coverage.py",
+        "    if os.path.lexists(png) and not stat.S_ISREG(os.lstat(png).st_mode):",
+        "    if False:",
+        ("tests/cli/test_cli_rough_edges.py::test_a_plot_is_never_written_through_a_link_or_into_a_pipe",),
+        "inspect --plot refuses a link, a folder or a pipe at its path, even with --overwrite",
+    ),
+    Mutation(
+        "writer-finalizer-ends-the-flush-thread",
+        "spillmerge/_write/staging.py",
+        "        self.flusher.q.put(None)\n        chunk = self._current\n",
+        "        chunk = self._current\n",
+        ("tests/write/test_writer_threads.py::test_a_writer_dropped_while_open_ends_its_threads_and_commits_nothing",),
+        "an open writer garbage-collected without close() ends its flush thread",
     ),
 ]
 

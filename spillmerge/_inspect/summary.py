@@ -110,6 +110,8 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
     # disagreed on has one per dtype or kind)
     dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.files.columns.values()}
+    # leaves whose paths read alike (a key holding "/" beside nested dicts) by their column names
+    renamed = {leaf: n for n, leaf in res.files.leaf_names.items() if n != "/".join(leaf)}
     for name in res.filenames[:max_files]:
         frames = res.frames(name)
         files.append(
@@ -118,7 +120,7 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
                 "frames": int(len(frames)),
                 "first_frame": int(frames[0]) if len(frames) else None,
                 "last_frame": int(frames[-1]) if len(frames) else None,
-                "leaves": [_leaf(arr) for arr in _leaves(res[name])],
+                "leaves": [_leaf(arr, renamed) for arr in _leaves(res[name])],
             }
         )
     h = res.header
@@ -136,12 +138,14 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
     }
 
 
-def _leaf(arr: Any) -> dict[str, Any]:
-    """A leaf as a listing shows it: its dict keys joined by ``/``, a list's items as ``[*]``, a
-    container (its header) by its own path, ``<value>`` for the value itself; dtype; row shape."""
+def _leaf(arr: Any, renamed: dict[tuple[str, ...], str]) -> dict[str, Any]:
+    """A leaf as a listing shows it: its dict keys joined by ``/`` (or its ``renamed`` column name),
+    a list's items as ``[*]``, a container (its header) by its own path, ``<value>`` for the value
+    itself; dtype; row shape."""
     info = arr.info
     leaf = info.leaf[:-1] if info.leaf and info.leaf[-1] == F.MARK else info.leaf
-    return {"leaf": F.path_text(leaf), "dtype": F.dtype_text(info.dtype, info.ndim), "shape": _row_shape(arr)}
+    text = renamed.get(info.leaf) or F.path_text(leaf)
+    return {"leaf": text, "dtype": F.dtype_text(info.dtype, info.ndim), "shape": _row_shape(arr)}
 
 
 def _row_shape(arr: Any) -> list[int | None]:

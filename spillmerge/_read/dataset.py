@@ -10,7 +10,6 @@ import numpy as np
 
 from .._format import common as F
 from .._format import lists as L
-from .arrow import unique_name
 from .store import MergedStore
 from .views import tensor
 
@@ -34,7 +33,7 @@ class OutputDataset:
     ):
         self.path, self.storage_options, self.allow_pickle = path, storage_options, allow_pickle
         store = MergedStore(path, storage_options, allow_pickle)
-        self._leaves = _leaves(store)
+        self._leaves = store.files.leaf_names
         self.columns = sorted(self._leaves) if columns is None else list(columns)
         for name in self.columns:
             _variants(store, name, self._leaves)  # raises UnknownColumnError, naming the columns there are
@@ -81,15 +80,6 @@ class OutputDataset:
 
     def __repr__(self) -> str:
         return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"
-
-
-def _leaves(store: MergedStore) -> dict[str, tuple[str, ...]]:
-    """Each leaf's column name: its path (``""`` for plain values), or, where another leaf's path
-    reads the same (a key holding ``/`` beside nested dicts, an empty key), the path as JSON."""
-    names: dict[str, tuple[str, ...]] = {}
-    for leaf in sorted(store.files.by_leaf, key=lambda p: ("/".join(p), any(not k or "/" in k for k in p))):
-        names[unique_name(names, "/".join(leaf), leaf)] = leaf
-    return names
 
 
 def _leaf(name: str, leaves: dict[str, tuple[str, ...]]) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from .._util.gcpause import gc_paused
 from . import export as _export
 from . import index as LZ
 from . import values as _values
-from .arrow import require_pyarrow
+from .arrow import require_pyarrow, unique_name
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .outputstore import NoFillStore, open_consolidated
@@ -166,6 +166,12 @@ class OutputFiles:
         self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
         for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
             self.by_leaf.setdefault(c.info.leaf, []).append(c)
+        self.leaf_names: dict[str, tuple[str, ...]] = {}
+        """Each leaf's column name, as ``to_arrow`` names it: its path (``""`` for plain values), or,
+        where another leaf's path reads the same (a key holding ``/`` beside nested dicts, an empty
+        key), the path as JSON."""
+        for leaf in sorted(self.by_leaf, key=lambda p: ("/".join(p), any(not k or "/" in k for k in p))):
+            self.leaf_names[unique_name(self.leaf_names, "/".join(leaf), leaf)] = leaf
 
     def value(self, i: int, filename: str) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name)."""
@@ -374,7 +380,7 @@ class MergedStore(Mapping[str, Any]):
         if path is None:
             leaf: tuple[str, ...] = ()
         elif isinstance(path, str):
-            leaf = tuple(path.split("/")) if path else ()
+            leaf = self.files.leaf_names.get(path, tuple(path.split("/")) if path else ())
         elif isinstance(path, tuple | list) and all(isinstance(k, str) for k in path):
             leaf = tuple(path)
         else:
@@ -393,16 +399,18 @@ class MergedStore(Mapping[str, Any]):
             shown = name or "None (the plain tensor values)"
             raise UnknownColumnError(f"{where}: leaf {shown!r} {what}; {hint}", column=name, known=dts)
         if not cols:
-            known = sorted({c.info.path if c.info.leaf else "<tensor> (None)" for c in self.files.columns.values()})
-            shown = name if leaf else "None (the plain tensor values)"
+            known = sorted(name if leaf else "<tensor> (None)" for name, leaf in self.files.leaf_names.items())
+            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
             what = f"has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}"
-            raise UnknownColumnError(f"{where} {what}", column=name, known=known)
+            raise UnknownColumnError(f"{where} {what}", column="/".join(leaf), known=known)
         return cols[0].view(0, cols[0].n_rows)
 
     @property
     def columns(self) -> list[str]:
-        """The leaf paths of the columns (``""`` for plain tensor values), sorted."""
-        return sorted({c.info.path for c in self.files.columns.values()})
+        """The leaf columns' names, sorted: each leaf's path (``""`` for plain tensor values), or where
+        two paths read the same (a key holding ``/`` beside nested dicts, an empty key) the path as
+        JSON (``'["a/b"]'``), as :meth:`to_arrow` names them; :meth:`column` takes each."""
+        return sorted(self.files.leaf_names)
 
     def iter_batches(self, columns: Sequence[str] | str | None = None, batch_size: int | None = None) -> Iterator[Any]:
         """Every row as ``pyarrow.RecordBatch`` es, streamed in (filename, frame) order: the

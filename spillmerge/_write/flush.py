@@ -241,7 +241,8 @@ class Flusher(threading.Thread):
         super().__init__(name=f"spillmerge-flush-r{rank}", daemon=True)
         self.pool, self.storage, self.prefix, self.fsync = pool, storage, prefix, fsync
         self.flush_threads, self.object_size = flush_threads, object_size
-        self.q: queue.Queue[Any] = queue.Queue()
+        self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        """Chunks to write, then ``None``; a SimpleQueue, whose ``put`` a finalizer may call at any moment."""
         self.crc = np.zeros(1024, dtype=np.int64)
         """Index row -> CRC-32C of its bytes (rows without bytes: 0, the CRC of nothing), or
         ``-1 - id`` of the block checksum covering it. Only this thread writes it; it grows by

@@ -9,6 +9,8 @@ import array
 import contextlib
 import enum
 import threading
+import warnings
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -66,6 +68,8 @@ class SegmentSteps:
     _lock: threading.Lock
     _flush_at_commit: bool
     _committed_keys: dict[str, set[int]] | None = None  # read once, when first asked
+    _finalizer: weakref.finalize
+    """Ends the flush thread of a writer garbage-collected while open (``_never_closed``)."""
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -143,6 +147,8 @@ class SegmentSteps:
             self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
             filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
         )  # fmt: skip
+        self._finalizer = weakref.finalize(self, _never_closed, self._staging, self.rank, self.segment_path)
+        self._finalizer.atexit = False  # at exit the daemon threads just stop, as a killed writer's
         self._state = WriterState.OPEN
 
     def _rel(self, name: str) -> str:
@@ -264,6 +270,7 @@ class SegmentSteps:
                 self._abort(exc)
                 raise
             self._state = WriterState.COMMITTED
+            self._finalizer.detach()
             self._free_buffers()
 
     def abort(self, exc: BaseException) -> None:
@@ -294,6 +301,7 @@ class SegmentSteps:
             self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
         publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
         self._state = WriterState.FAILED
+        self._finalizer.detach()
         self._free_buffers()
 
     # --------------------------------------------------------------------------------- resume
@@ -324,3 +332,14 @@ class SegmentSteps:
             "identical_rewrites": getattr(self, "_identical_rewrites", 0),
             "rewrites": getattr(self, "_rewrites", 0),
         }
+
+
+def _never_closed(staging: Staging, rank: int, segment: str) -> None:
+    """A writer garbage-collected while open: its threads and memory go; nothing is committed."""
+    warnings.warn(
+        f"SpillWriter for rank {rank} was never closed: {segment} stays uncommitted (leave the `with` "
+        "block or call close() to commit it)",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    staging.abandon()

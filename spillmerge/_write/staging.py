@@ -520,6 +520,16 @@ class Staging:
             self._end()
         return fl.error is None
 
+    def abandon(self) -> None:
+        """The writer was dropped while open: the flush thread ends once the chunks handed to it
+        are written and journaled (as a killed writer's: no record), the open chunk file is closed.
+        Waits for nothing: the garbage collector may call it on any thread."""
+        self.flusher.q.put(None)
+        chunk = self._current
+        if chunk is not None and chunk.fd >= 0:
+            fd, chunk.fd = chunk.fd, -1
+            os.close(fd)
+
     def checksums(self, rows: np.ndarray) -> np.ndarray:
         """Set the CRC column of the index rows ``rows`` (every row staged, in order; 0 there
         before) and return the int64 ``(n, 3)`` block checksums (offset, nbytes, CRC-32C) their

@@ -23,6 +23,7 @@ from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import spill as FS
 from .._storage import Storage
+from .._util.gcpause import gc_paused
 from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, nest, split_batch
 from .columns import first_leaves, flat_columns, flatten_items
 from .flatten import flatten, flatten_dense
@@ -228,12 +229,18 @@ class SpillWriter(MergeSteps):
             dense = dense_columns(batch, n)
             if dense is not None and self._put_dense(names, frames, dense):
                 return
-            items = split_batch(batch, names)
-            if type(batch) is list and self._put_records(names, frames, items):
-                return
-            checked = self._check_batch(names, frames, items)
-            for name, frame, leaves, layouts in checked:
-                self._put(name, frame, leaves, layouts)
+            self._put_items(names, frames, split_batch(batch, names), records=type(batch) is list)
+
+    def _put_items(
+        self, names: list[str], frames: list[int], items: list[Any], *, records: bool, positions: bool = True
+    ) -> None:
+        """Stage the values ``items`` (``write_batch``'s split batch, ``update``'s values), the
+        whole call checked first; ``records``: try the dict-records path first. ``positions``: an
+        error names the item's batch position (``update``'s say what ``write``'s say)."""
+        if records and self._put_records(names, frames, items, positions):
+            return
+        for name, frame, leaves, layouts in gc_paused(self._check_batch, names, frames, items, positions):
+            self._put(name, frame, leaves, layouts)
 
     def _put_dense(self, names: list[str], frames: list[int], columns: dict[tuple[str, ...], Any]) -> bool:
         """The vectorised ``write_batch`` of a batch of host tensors / arrays: every item has the
@@ -287,7 +294,7 @@ class SpillWriter(MergeSteps):
         self._n_fresh_keys += len(frames)
         return row0
 
-    def _put_records(self, names: list[str], frames: list[int], items: list[Any]) -> bool:
+    def _put_records(self, names: list[str], frames: list[int], items: list[Any], positions: bool) -> bool:
         """``write_batch`` of dicts into new files a column at a time (``_write.columns.flat_columns``):
         the first item taken is flattened and checked for all (the others' leaves differ from its
         leaves only in their first dimension), and each length's layout joins the catalog once.
@@ -307,7 +314,7 @@ class SpillWriter(MergeSteps):
         layouts = self._catalog.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
-            item_leaves = self._item_leaves(items[i], i, names, frames)
+            item_leaves = self._item_leaves(items[i], i, names, frames, positions)
             others.append((names[i], frames[i], item_leaves, self._catalog.layouts_of(item_leaves)))
         self._catalog.accept(layouts, self._catalog.ids(layouts))
         layout_ids = np.empty_like(cols.lengths)
@@ -355,12 +362,15 @@ class SpillWriter(MergeSteps):
             self._dense_templates[sig] = template
         return template
 
-    def _item_leaves(self, item: Any, i: int, names: list[str], frames: list[int]) -> list[Leaf]:
-        """``flatten`` of item ``i`` of a batch, whose error names the item's position."""
+    def _item_leaves(
+        self, item: Any, i: int, names: list[str], frames: list[int], positions: bool = True
+    ) -> list[Leaf]:
+        """``flatten`` of item ``i`` of a batch, whose error names the item's position (with
+        ``positions``: ``update()``'s keep ``write()``'s words)."""
         try:
             return flatten(item, names[i], frames[i], self.allow_pickle)
         except SpillValueError as exc:
-            raise at_position(exc, i, len(names), names[i]) from None
+            raise at_position(exc, i, len(names), names[i]) if positions else exc from None
 
     def _key_map(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Every key written so far -> (first row, n rows)."""
@@ -377,7 +387,7 @@ class SpillWriter(MergeSteps):
         return self._keys
 
     def _check_batch(
-        self, names: list[str], frames: list[int], items: list[Any]
+        self, names: list[str], frames: list[int], items: list[Any], positions: bool
     ) -> list[tuple[str, int, list[Leaf], list[FS.Layout]]]:
         """Flatten every item and run what ``_put`` would check (the duplicate policy), in
         batch order, against the writer's state as the earlier items of the batch
@@ -389,7 +399,10 @@ class SpillWriter(MergeSteps):
         by_column = flatten_items(items, names)  # items of one structure: a column at a time
         for i, (name, frame, item) in enumerate(zip(names, frames, items, strict=True)):
             try:
-                leaves = by_column[i] if by_column is not None else flatten(item, name, frame, self.allow_pickle)
+                if by_column is not None:
+                    leaves = by_column[i]
+                else:  # the common value without the general walk, as write()'s
+                    leaves = flatten_dense(item) or flatten(item, name, frame, self.allow_pickle)
                 file_id = self._file_ids.get(name)
                 if file_id is None:
                     file_id = new_ids.setdefault(name, len(self._filenames) + len(new_ids))
@@ -406,7 +419,7 @@ class SpillWriter(MergeSteps):
                     if not same:
                         raise self._duplicate(name, frame)
             except SpillValueError as exc:
-                raise at_position(exc, i, n, name) from None
+                raise at_position(exc, i, n, name) if positions else exc from None
             if not dup or self.on_duplicate == "last":  # "first" and an identical copy keep the earlier one
                 in_batch[key] = leaves
             out.append((name, frame, leaves, layouts))
@@ -459,10 +472,16 @@ class SpillWriter(MergeSteps):
 
     def update(self, mapping: Mapping[str, Any]) -> None:
         """Write many frames: ``{filename: (frame_idx, value)}`` or ``{filename: {frame_idx: value}}``,
-        each as :meth:`write` would, in one call (other threads' calls wait for it)."""
-        with self._lock:
-            for filename, frame_idx, value in mapping_items(mapping):
-                self._write(filename, frame_idx, value)
+        each as :meth:`write` would, in one call (other threads' calls wait for it). The whole
+        call is checked before any frame of it is staged, as :meth:`write_batch`'s: a bad key or
+        value, or a duplicate the policy refuses, raises the error :meth:`write` would, and nothing
+        of that call is written; everything written before it is kept."""
+        with self._lock, self._staging_rows():
+            keys = list(mapping_items(mapping))
+            names = [check_filename(name) for name, _, _ in keys]
+            frames = [check_frame_idx(frame, name) for name, (_, frame, _) in zip(names, keys, strict=True)]
+            values = [value for _, _, value in keys]
+            self._put_items(names, frames, values, records=True, positions=False)
 
     def _same_as_written(self, prev: tuple[int, int], leaves: list[Leaf], layout_ids: tuple[int, ...]) -> bool:
         """Do ``leaves`` hold the same bytes (and layouts) as the frame already written at rows

@@ -1,10 +1,12 @@
 """The CLI says what a thing is: an interrupted merge, an ``--out`` that is no output, a URL
 without a bucket, an unfinished segment (not corruption); it refuses a negative budget, a watch
 interval ``time.sleep`` cannot take, a plot of an interrupted merge and an existing ``--parquet``
-it was not told to replace; a quoted ``--storage-option`` value stays a string."""
+or ``--plot`` it was not told to replace; a quoted ``--storage-option`` value stays a string;
+a manifest named in a config file is read beside it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -64,16 +66,20 @@ def test_an_object_store_url_without_a_bucket_is_named_as_typed(url, capsys):
     assert Storage("memory://").describe("zarr.json") == "memory://zarr.json"
 
 
-def test_export_replaces_an_existing_parquet_only_with_overwrite(merged, tmp_path, capsys):
-    pytest.importorskip("pyarrow")
+@pytest.mark.parametrize(
+    "cmd, flag, needs, magic",
+    [("export", "--parquet", "pyarrow", b"PAR1"), ("inspect", "--plot", "matplotlib", b"\x89PNG\r\n\x1a\n")],
+)
+def test_an_existing_parquet_or_plot_is_replaced_only_with_overwrite(merged, tmp_path, capsys, cmd, flag, needs, magic):
+    pytest.importorskip(needs)
     _, out = merged
-    target = tmp_path / "preds.parquet"
+    target = tmp_path / "target"
     target.write_bytes(b"keep me")
-    line = _error(capsys, ["export", str(out), "--parquet", str(target)])
-    assert f"--parquet {target} exists; pass --overwrite to replace it" in line, line
+    line = _error(capsys, [cmd, str(out), flag, str(target)])
+    assert f"{flag} {target} exists; pass --overwrite to replace it" in line, line
     assert target.read_bytes() == b"keep me"
-    assert cli.main(["export", str(out), "--parquet", str(target), "--overwrite"]) == 0
-    assert target.read_bytes()[:4] == b"PAR1"
+    assert cli.main([cmd, str(out), flag, str(target), "--overwrite"]) == 0
+    assert target.read_bytes()[: len(magic)] == magic
 
 
 def test_export_refuses_a_parquet_inside_the_spill_root_the_output_came_from(merged, capsys):
@@ -148,3 +154,48 @@ def test_a_plot_of_an_interrupted_merge_is_refused_not_skipped(merged, tmp_path,
     (out / "spillmerge-complete.json").unlink()
     line = _error(capsys, ["inspect", str(out), "--plot", str(tmp_path / "p.png")])
     assert f"{out} is an interrupted merge; --plot needs a complete output" in line, line
+
+
+def test_a_relative_manifest_in_a_config_file_is_found_next_to_it(merged, tmp_path, monkeypatch, capsys):
+    """``expected = "manifest.csv"`` in a config file names the file beside the config, wherever
+    the command runs; ``--expected`` on the command line stays relative to the working folder."""
+    root, _ = merged
+    cfg = tmp_path / "job" / "merge.toml"
+    cfg.parent.mkdir()
+    (cfg.parent / "manifest.csv").write_text("filename,n_frames\nclip 0.mp4,1\nclip 1.mp4,1\nclip 2.mp4,3\n")
+    cfg.write_text(f'[merge]\nroot = "{root}"\nout = "{tmp_path / "o.zarr"}"\nexpected = "manifest.csv"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["merge", "--config", str(cfg), "--no-progress"]) == 1  # clip 2.mp4 lacks frames 1 and 2
+    captured = capsys.readouterr()
+    assert "clip 2.mp4" in captured.out and "error" not in captured.err, captured
+    line = _error(capsys, ["merge", "--config", str(cfg), "--overwrite", "--expected", "manifest.csv"])
+    assert "manifest manifest.csv: cannot read it" in line, line
+
+
+def test_a_plot_is_never_written_through_a_link_or_into_a_pipe(merged, tmp_path, capsys):
+    """``--plot`` at a link, a folder or a pipe is refused even with ``--overwrite`` (as export's
+    ``--parquet`` is): the file a link points at keeps its bytes, and a pipe blocks nothing."""
+    pytest.importorskip("matplotlib")
+    _, out = merged
+    mine = tmp_path / "notes.txt"
+    mine.write_text("keep me")
+    (tmp_path / "link.png").symlink_to(mine)
+    (tmp_path / "folder.png").mkdir()
+    os.mkfifo(tmp_path / "pipe.png")
+    for name in ("link.png", "folder.png", "pipe.png"):
+        target = tmp_path / name
+        line = _error(capsys, ["inspect", str(out), "--plot", str(target), "--overwrite"])
+        assert f"cannot write the plot to {target}: it exists and is no regular file" in line, line
+    assert mine.read_text() == "keep me" and (tmp_path / "link.png").is_symlink()
+    names = ["folder.png", "link.png", "notes.txt", "out.zarr", "pipe.png", "spill"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no temporary file left
+
+
+def test_a_config_value_of_the_wrong_type_names_the_type_it_needs(merged, tmp_path, capsys):
+    root, _ = merged
+    cfg = tmp_path / "merge.toml"
+    cfg.write_text(f'[merge]\nroot = "{root}"\nout = "{tmp_path / "o.zarr"}"\nmemory_budget = "1GiB"\n')
+    line = _error(capsys, ["merge", "--config", str(cfg)])
+    assert f"{cfg}: merge.memory_budget must be an int, got '1GiB'" in line, line

@@ -71,3 +71,15 @@ def test_verify_lists_every_damaged_commit_record_and_checks_the_rest(tmp_path):
         f"CORRUPT {c}" for c in torn
     ]
     assert f"spill {root}: 2 problem(s); 3 objects, 8 B of payload verified" in p.stdout  # rank 1 checked
+
+
+def test_inspect_names_leaves_whose_paths_read_alike_apart(tmp_path):
+    """A key holding ``/`` beside nested dicts of that path: each file's leaves are listed by the
+    names ``MergedStore.columns`` gives them, not both as ``a/b``."""
+    from spillmerge._inspect.summary import summarize
+
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        w.write("x.png", 0, {"a/b": 1, "a": {"b": torch.ones(2)}})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"), progress=False)
+    (f,) = summarize(str(tmp_path / "out.zarr"))["files"]
+    assert sorted(x["leaf"] for x in f["leaves"]) == ['["a/b"]', "a/b"]

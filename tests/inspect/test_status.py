@@ -123,6 +123,28 @@ def test_watch_ends_when_every_rank_has_ended_and_shows_the_merge(tmp_path, caps
     assert js.done and js.merge is not None and js.merge.state == "complete" and js.frames == 10
 
 
+def test_watch_ends_when_the_ranks_left_have_unreadable_records(tmp_path, capsys, monkeypatch):
+    """A rank whose commit record cannot be read never mends by waiting: ``--watch`` ends once
+    every other rank has ended, naming it, with exit status 1 (not a redraw forever)."""
+    root = tmp_path / "spill"
+    for rank in range(2):
+        with spillmerge.SpillWriter(root, rank=rank, world_size=2, chunk_bytes=4096) as w:
+            w.write("a.mp4", rank, __import__("torch").ones(8))
+    (_seg(root, 1) / "commit.json").write_bytes(b"not a record")
+    redraws = []
+
+    def sleep(seconds: float) -> None:
+        redraws.append(seconds)
+        assert len(redraws) < 5, "status --watch keeps redrawing a job that has ended"
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    capsys.readouterr()
+    rc = cli.main(["status", str(root), "--watch", "--interval", "0.1"])
+    printed = capsys.readouterr()
+    assert rc == 1 and redraws == [], printed
+    assert "unreadable" in printed.out and "commit.json" in printed.out, printed.out
+
+
 # --- bounded reads, a bad advisory record, what is written before a chunk fills -------------------
 
 

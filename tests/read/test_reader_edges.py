@@ -79,3 +79,21 @@ def test_a_records_row_beside_a_dict_row_exports_without_a_leaked_column(tmp_pat
     table = spillmerge.open(_merged(tmp_path, [[{"a": 1}], {"a": False}])).to_arrow()
     rows = table.select(["value", "a"]).to_pylist()
     assert rows == [{"value": [{"a": 1}], "a": None}, {"value": None, "a": False}]
+
+
+def test_columns_name_leaves_whose_paths_read_alike_apart_and_each_name_reads_its_leaf(tmp_path):
+    """A key holding ``/`` beside nested dicts of that path (legal: docs/FORMAT.md, *Value model*)
+    and an empty key: ``columns`` lists each leaf once, by the name ``to_arrow`` gives it (the
+    colliding path as JSON), and ``column(name)`` reads that leaf."""
+    with spillmerge.SpillWriter(str(tmp_path / "spill"), rank=0, world_size=1) as w:
+        w.write("x.png", 0, {"a/b": 1, "a": {"b": 2}, "": 3, "k": {"": 4}})
+    spillmerge.merge(str(tmp_path / "spill"), str(tmp_path / "out.zarr"), progress=False)
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    assert res.columns == ["", '["a/b"]', "a/b", "k/"]
+    assert {name: res.column(name)[0].item() for name in res.columns} == {"": 3, '["a/b"]': 1, "a/b": 2, "k/": 4}
+    assert res.column(("a/b",))[0].item() == 1 and res.column(["a", "b"])[0].item() == 2
+    with pytest.raises(spillmerge.UnknownColumnError) as info:
+        res.column("nope")
+    assert info.value.known == ["", '["a/b"]', "a/b", "k/"]
+    pytest.importorskip("pyarrow")
+    assert {'["a/b"]', "a/b", "k/"} <= set(res.to_arrow().column_names)

@@ -98,6 +98,32 @@ def test_update_shapes_and_frame_order_across_sessions(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "bad, error",
+    [
+        ({"late.mp4": (0, object())}, "late.mp4"),  # a value the writer refuses
+        ({"late.mp4": (-1, torch.zeros(3))}, "frame_idx"),  # a bad frame index
+        ({"late.mp4": 7}, "must be a \\(frame_idx, value\\) tuple"),  # a bad item shape
+        ({"kept.mp4": (0, torch.ones(3))}, "already written"),  # a duplicate of other content
+    ],
+    ids=["value", "frame", "shape", "duplicate"],
+)
+def test_update_is_all_or_nothing(tmp_path, bad, error):
+    """A bad item anywhere in an update() raises what write() would and stages nothing of the
+    call (as write_batch); what was written before stays and the writer goes on."""
+    root, out = str(tmp_path / "s"), str(tmp_path / "o")
+    with spillmerge.SpillWriter(root, rank=0, world_size=1) as w:
+        w.write("kept.mp4", 0, torch.zeros(3))
+        good = {f"f{i}.mp4": {0: torch.full((3,), float(i)), 1: {"x": i}} for i in range(3)}
+        with pytest.raises(spillmerge.SpillValueError, match=error) as info:
+            w.update({**good, **bad})
+        assert not str(info.value).startswith("write_batch item")  # write()'s words, not a batch position
+        assert w.stats()["frames"] == 1 and w.stats()["rows"] == 1
+        w.update({"after.mp4": (2, torch.ones(2))})
+    spillmerge.merge(root, out, progress=False)
+    assert sorted(spillmerge.open(out).filenames) == ["after.mp4", "kept.mp4"]
+
+
+@pytest.mark.parametrize(
     "frame_idx",
     [-1, 1.5, True, "3", None, torch.tensor(1.0), torch.tensor([1, 2]), np.float64(2), 2**63],
 )

@@ -3,10 +3,13 @@ and a thread that writes after another committed gets a clear error, not a damag
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 
 import pytest
@@ -197,3 +200,39 @@ def test_threads_writing_the_same_keys_every_way_keep_each_key_once_whole(tmp_pa
         assert (v["x"] == n).all(), key
         assert n in {int(value(key, t)["n"][0]) for t in writers[key]}, key
     assert report.rewrites == w.stats()["rewrites"] == len(written) - len(writers)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _threads() -> int:
+    """Threads running, but the fsync pool every local sync shares (started once per process)."""
+    return sum(not t.name.startswith("spillmerge-fsync") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("frame_bytes", [1200, 1 << 16], ids=["staged", "direct"])
+def test_a_writer_dropped_while_open_ends_its_threads_and_commits_nothing(tmp_path, frame_bytes):
+    """An open writer garbage-collected without close() lets its flush thread, upload and journal
+    workers, staging buffers and chunk file go (a ResourceWarning says so); its segment stays
+    uncommitted, as a killed writer's: no commit record, no failure record."""
+    root = tmp_path / "spill"
+    threads, fds = _threads(), _fds()
+    w = spillmerge.SpillWriter(str(root), rank=0, world_size=1, chunk_bytes=1 << 17)
+    w.open()
+    for i in range(9):  # chunks handed to the flush thread, and one left open
+        w.write(f"f{i}.mp4", 0, torch.full((frame_bytes // 4,), float(i)))
+    assert _threads() > threads
+    staging = weakref.ref(w._staging)  # the staging buffers' owner
+    with pytest.warns(ResourceWarning, match="rank 0 was never closed"):
+        del w
+        gc.collect()
+    deadline = time.monotonic() + 10
+    while _threads() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _threads() == threads, [t.name for t in threading.enumerate()]
+    assert _fds() == fds
+    gc.collect()
+    assert staging() is None
+    (segment,) = (root / "rank-00000").iterdir()
+    assert not (segment / "commit.json").exists() and not (segment / "failed.json").exists()
