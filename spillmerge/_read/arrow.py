@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,7 @@ class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
     (``headers``), its list items (one node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("cols", "each", "headers", "keys", "order", "path")
+    __slots__ = ("_dicts", "cols", "each", "headers", "keys", "order", "path")
 
     def __init__(self, path: tuple[str, ...], order: Spec | None) -> None:
         self.path = path
@@ -87,6 +88,7 @@ class Node:
         self.keys: dict[str, Node] = {}
         self.each: Node | None = None
         """The items of the lists here, one node whose rows are all of them."""
+        self._dicts: bool | None = None
 
     def child(self, seg: str) -> Node:
         if seg == F.ITEM:
@@ -99,6 +101,27 @@ class Node:
         """The columns and headers of this node and of every node under it."""
         kids = [*self.keys.values(), *([self.each] if self.each is not None else [])]
         return self.cols + self.headers + [c for kid in kids for c in kid.stored()]
+
+    def records(self) -> list[OpenColumn]:
+        """The ``pyrecords`` headers here: in their rows the keys are a list of dicts' columns."""
+        return [h for h in self.headers if h.info.dtype == "pyrecords"]
+
+    def inside(self) -> np.ndarray | None:
+        """Per row of this path's domain: whether it holds a list of dicts; None when none does."""
+        heads = self.records()
+        return np.logical_or.reduce([_rows(h) for h in heads]) if heads else None
+
+    def holds_dicts(self, offs: dict[tuple[str, ...], np.ndarray]) -> bool:
+        """Whether a row of the whole output holds a dict here (an empty one, or a value of a key
+        outside the rows that hold a list of dicts): decided once, so every batch has its type."""
+        if self._dicts is None:
+            domain = F.list_domain(self.path)
+            held = [_valued(kid, offs, domain) for kid in self.keys.values()]
+            held += [_rows(h) for h in self.headers if h.info.dtype == "pydict"]
+            rows = np.logical_or.reduce([h for h in held if h is not None], initial=False)
+            inside = self.inside()
+            self._dicts = bool((rows if inside is None else rows & ~inside).any())
+        return self._dicts
 
     def sorted_keys(self) -> list[tuple[str, Node]]:
         """The dict keys here, in the key order the output holds for this path (else sorted)."""
@@ -249,16 +272,16 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         else:  # pydict: an empty dict
             arr = pa.array([{}] * len(pos), type=pa.struct([]))
             out.append((("dict", "struct<>"), "dict", pos, arr))
-    records = [h for h in node.headers if h.info.dtype == "pyrecords"]
     if with_keys and node.keys:
         arr, present = _struct(node, b, rows)
         for head in node.headers:
             if head.info.dtype == "pydict":
                 present |= b.valid(head, rows)
+        records = node.records()
         for head in records:  # a list of dicts' keys are its columns, not a dict of their own
             present &= ~b.valid(head, rows)
-        pos = np.flatnonzero(present)
-        if len(pos) or not records:
+        if not records or node.holds_dicts(b.offs):
+            pos = np.flatnonzero(present)
             arr = arr.take(pa.array(pos))
             out.append((("dict", str(arr.type)), "dict", pos, arr))
     return out
@@ -401,7 +424,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
 
 
 def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError:
-    head = next((h for h in node.headers if h.info.dtype == "pyrecords"), None)
+    head = next(iter(node.records()), None)
     where = f"columns/{head.info.name}" if head is not None else F.path_text(node.path)
     return CorruptSpillError(
         f"{where}: row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items, but {what}; "
@@ -410,27 +433,42 @@ def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Hidden:
+    """A top-level column below a path that holds a list of dicts in some rows: null in those."""
+
+    column: OpenColumn | Node
+    rows: np.ndarray
+    """bool per output row: the rows whose value at an enclosing path is a list of dicts."""
+
+
 def top_columns(
     root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray]
 ) -> dict[str, Any]:
     """Column name -> what makes it: a structured node (``Node``) or a flat column (``OpenColumn``),
-    in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: the list offsets."""
+    either ``Hidden`` in rows an enclosing list of dicts holds, in output order. Dicts from the
+    root stay flat (``"a/b"``). ``offs``: the list offsets."""
     out: dict[str, Any] = {}
 
-    def walk(node: Node) -> None:
+    def add(name: str, leaf: tuple[str, ...], what: OpenColumn | Node, hidden: np.ndarray | None) -> None:
+        out[unique_name(out, name, leaf)] = what if hidden is None else Hidden(what, hidden)
+
+    def walk(node: Node, hidden: np.ndarray | None) -> None:
         if node.structured:
-            out[unique_name(out, "/".join(node.path) or "value", node.path)] = node
+            add("/".join(node.path) or "value", node.path, node, hidden)
         else:
             for col in node.cols:
-                out[unique_name(out, name_of(col), col.info.leaf)] = col
-        records = [h for h in node.headers if h.info.dtype == "pyrecords"]
+                add(name_of(col), col.info.leaf, col, hidden)
+        inside = node.inside()  # its records' columns are inside its column, not dicts' keys
+        if inside is not None:
+            hidden = inside if hidden is None else hidden | inside
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
-            # the records' columns are inside its column: a key is a flat column too only where
-            # other rows hold a dict with it
-            if not records or _outside(kid, records, offs):
-                walk(kid)
+            # a key is a flat column only where some row holds a dict with it
+            valued = _valued(kid, offs, ())
+            if hidden is None or valued is None or (valued & ~hidden).any():
+                walk(kid, hidden)
 
-    walk(root)
+    walk(root, None)
     return out
 
 
@@ -443,19 +481,16 @@ def unique_name(taken: dict[str, Any], name: str, leaf: tuple[str, ...]) -> str:
     return json.dumps(list(leaf), ensure_ascii=False) + name[len("/".join(leaf) or "value") :]
 
 
-def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:
-    """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
-    if any(head.valid is None for head in records):
-        return False  # every row holds one
-    inside = np.logical_or.reduce([np.asarray(head.valid) for head in records])
-    for col in node.stored():
-        v = col.valid
-        domain = F.list_domain(col.info.leaf)
-        if domain:  # a list's items: the rows that hold one
-            v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
-        if v is None or bool((np.asarray(v) & ~inside).any()):
-            return True
-    return False
+def _rows(col: OpenColumn) -> np.ndarray:
+    """Per row of ``col``'s domain: whether it has a value."""
+    return np.ones(col.n_rows, bool) if col.valid is None else np.asarray(col.valid, dtype=bool)
+
+
+def _valued(node: Node, offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]) -> np.ndarray | None:
+    """Per row of ``domain`` (``node``'s or one it lies in): whether a column under ``node`` has a
+    value there; None when no column is under it."""
+    got = [L.any_per_row(offs, F.list_domain(c.info.leaf), _rows(c), domain) for c in node.stored()]
+    return np.logical_or.reduce(got) if got else None
 
 
 def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
