@@ -76,7 +76,7 @@ class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
     (``headers``), its list items (one node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("_dicts", "cols", "each", "headers", "keys", "order", "path")
+    __slots__ = ("_sides", "cols", "each", "headers", "keys", "order", "path")
 
     def __init__(self, path: tuple[str, ...], order: Spec | None) -> None:
         self.path = path
@@ -88,7 +88,7 @@ class Node:
         self.keys: dict[str, Node] = {}
         self.each: Node | None = None
         """The items of the lists here, one node whose rows are all of them."""
-        self._dicts: bool | None = None
+        self._sides: dict[bool, list[tuple[str, Node]]] = {}
 
     def child(self, seg: str) -> Node:
         if seg == F.ITEM:
@@ -111,17 +111,25 @@ class Node:
         heads = self.records()
         return np.logical_or.reduce([_rows(h) for h in heads]) if heads else None
 
-    def holds_dicts(self, offs: dict[tuple[str, ...], np.ndarray]) -> bool:
-        """Whether a row of the whole output holds a dict here (an empty one, or a value of a key
-        outside the rows that hold a list of dicts): decided once, so every batch has its type."""
-        if self._dicts is None:
-            domain = F.list_domain(self.path)
-            held = [_valued(kid, offs, domain) for kid in self.keys.values()]
-            held += [_rows(h) for h in self.headers if h.info.dtype == "pydict"]
-            rows = np.logical_or.reduce([h for h in held if h is not None], initial=False)
+    def keys_in(self, offs: dict[tuple[str, ...], np.ndarray], records: bool) -> list[tuple[str, Node]]:
+        """The keys here (``sorted_keys``) that hold a value in a row of the whole output whose value
+        here is a list of dicts (``records``: its columns) or is none (a dict's keys): decided once,
+        so every batch has the same fields."""
+        got = self._sides.get(records)
+        if got is None:
             inside = self.inside()
-            self._dicts = bool((rows if inside is None else rows & ~inside).any())
-        return self._dicts
+            if inside is None:
+                got = [] if records else self.sorted_keys()
+            else:
+                rows = inside if records else ~inside
+                domain = F.list_domain(self.path)
+                got = [(seg, kid) for seg, kid in self.sorted_keys() if _meets(_valued(kid, offs, domain), rows)]
+            self._sides[records] = got
+        return got
+
+    def holds_dicts(self, offs: dict[tuple[str, ...], np.ndarray]) -> bool:
+        """Whether a row of the whole output holds a dict here: an empty one, or a key's value."""
+        return bool(self.keys_in(offs, False)) or any(_rows(h).any() for h in self.headers if h.info.dtype == "pydict")
 
     def sorted_keys(self) -> list[tuple[str, Node]]:
         """The dict keys here, in the key order the output holds for this path (else sorted)."""
@@ -272,18 +280,17 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         else:  # pydict: an empty dict
             arr = pa.array([{}] * len(pos), type=pa.struct([]))
             out.append((("dict", "struct<>"), "dict", pos, arr))
-    if with_keys and node.keys:
+    records = node.records()
+    if with_keys and node.keys and (not records or node.holds_dicts(b.offs)):
         arr, present = _struct(node, b, rows)
         for head in node.headers:
             if head.info.dtype == "pydict":
                 present |= b.valid(head, rows)
-        records = node.records()
         for head in records:  # a list of dicts' keys are its columns, not a dict of their own
             present &= ~b.valid(head, rows)
-        if not records or node.holds_dicts(b.offs):
-            pos = np.flatnonzero(present)
-            arr = arr.take(pa.array(pos))
-            out.append((("dict", str(arr.type)), "dict", pos, arr))
+        pos = np.flatnonzero(present)
+        arr = arr.take(pa.array(pos))
+        out.append((("dict", str(arr.type)), "dict", pos, arr))
     return out
 
 
@@ -369,12 +376,14 @@ def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
     pa = require_pyarrow()
     fields, names = [], []
     present = np.zeros(len(rows), bool)
-    for seg, kid in node.sorted_keys():
+    for seg, kid in node.keys_in(b.offs, records=False):
         ps = parts(kid, b, rows, with_keys=True)
         for _, _, pos, _ in ps:
             present[pos] = True
         fields.append(combine(ps, len(rows)))
         names.append(F.key_of(seg))
+    if not fields:  # only empty dicts
+        return pa.array([{}] * len(rows), type=pa.struct([])), present
     return pa.StructArray.from_arrays(fields, names), present
 
 
@@ -389,7 +398,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     # by the headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
     held = np.zeros(len(rows), bool)
     keyed: list[tuple[str, list[_Part]]] = []
-    for seg, kid in node.sorted_keys():
+    for seg, kid in node.keys_in(b.offs, records=True):
         elems: list[_Part] = []
         for _, name, pos, arr in parts(kid, b, rows, with_keys=True):
             arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
@@ -463,9 +472,7 @@ def top_columns(
         if inside is not None:
             hidden = inside if hidden is None else hidden | inside
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
-            # a key is a flat column only where some row holds a dict with it
-            valued = _valued(kid, offs, ())
-            if hidden is None or valued is None or (valued & ~hidden).any():
+            if hidden is None or _meets(_valued(kid, offs, ()), ~hidden):  # some row's dict holds it
                 walk(kid, hidden)
 
     walk(root, None)
@@ -484,6 +491,11 @@ def unique_name(taken: dict[str, Any], name: str, leaf: tuple[str, ...]) -> str:
 def _rows(col: OpenColumn) -> np.ndarray:
     """Per row of ``col``'s domain: whether it has a value."""
     return np.ones(col.n_rows, bool) if col.valid is None else np.asarray(col.valid, dtype=bool)
+
+
+def _meets(valued: np.ndarray | None, rows: np.ndarray) -> bool:
+    """Whether ``valued`` (``_valued``'s answer) has a value in one of ``rows``."""
+    return valued is None or bool((valued & rows).any())
 
 
 def _valued(node: Node, offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]) -> np.ndarray | None:

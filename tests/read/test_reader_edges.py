@@ -74,12 +74,16 @@ def test_a_ragged_complex_leaf_exports_to_arrow_as_real_imag_pairs(tmp_path):
 def test_a_records_row_beside_a_dict_row_exports_without_a_leaked_column(tmp_path):
     """``[{"a": 1}]`` is stored as a ``pyrecords`` header and the column ``a``: beside a frame
     ``{"a": False}`` both hold leaf ``a``, and the records row must not show it as a column."""
-    res = spillmerge.open(_merged(tmp_path / "top", [[{"a": 1}], {"a": False}]))
+    res = spillmerge.open(_merged(tmp_path, [[{"a": 1}], {"a": False}, {"x": [{"a": 2}]}, {"x": {"a": 3}}]))
     table = res.to_arrow()
-    assert table.select(["value", "a"]).to_pylist() == [{"value": [{"a": 1}], "a": None}, {"value": None, "a": False}]
+    # (the lists of dicts have no key "x": the dicts' key "x" is no field of theirs)
+    assert table.select(["value", "a", "x", "x/a"]).to_pylist() == [
+        {"value": [{"a": 1}], "a": None, "x": None, "x/a": None},
+        {"value": None, "a": False, "x": None, "x/a": None},
+        {"value": None, "a": None, "x": [{"a": 2}], "x/a": None},
+        {"value": None, "a": None, "x": None, "x/a": 3},
+    ]
     assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
-    nested = spillmerge.open(_merged(tmp_path / "nested", [{"x": [{"a": 2}]}, {"x": {"a": 3}}])).to_arrow()
-    assert nested.select(["x", "x/a"]).to_pylist() == [{"x": [{"a": 2}], "x/a": None}, {"x": None, "x/a": 3}]
 
 
 def test_a_list_of_dicts_beside_an_empty_dict_in_lists_has_one_schema_in_every_batch(tmp_path):
@@ -97,5 +101,5 @@ def test_a_list_of_dicts_beside_an_empty_dict_in_lists_has_one_schema_in_every_b
     assert [b.schema for b in batches] == [table.schema] * 3
     assert pa.Table.from_batches(batches).equals(table)
     assert [res.value(name, frame) for name, frame, _ in rows[1:]] == [[{}], (None, [{"a": None}])]
-    # value()'s rows as Arrow: a tuple as a list, an empty dict beside dicts with "a" as a null "a"
-    assert table.column("value").to_pylist() == [True, [{"a": None}], [None, [{"a": None}]]]
+    # value()'s rows as Arrow (a tuple as a list); "a" is a key of the list of dicts only
+    assert table.column("value").to_pylist() == [True, [{}], [None, [{"a": None}]]]
