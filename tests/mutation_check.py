@@ -1785,6 +1785,22 @@ MUTATIONS: list[Mutation] = [
         "a key naming another leaf's export column gets a column of its own",
     ),
     Mutation(
+        "export-records-rows-hide-dict-columns",
+        "spillmerge/_read/export.py",
+        "        if hidden is not None and hidden.any():",
+        "        if False:",
+        ("tests/read/test_reader_edges.py::test_a_records_row_beside_a_dict_row_exports_without_a_leaked_column",),
+        "a column below a path that holds a list of dicts in a row is null there, not the records' column",
+    ),
+    Mutation(
+        "arrow-dict-child-from-the-whole-output",
+        "spillmerge/_read/arrow.py",
+        "        return bool(self.keys_in(offs, False)) or any(",
+        "        return bool(self.keys_in(offs, False)) and any(",
+        ("tests/read/test_reader_edges.py::test_a_list_of_dicts_beside_an_empty_dict_in_lists_has_one_schema_in_every_batch",),
+        "whether a list's items have a dict child is decided from the whole output: every batch has one schema",
+    ),
+    Mutation(
         "transfer-outside-dsts-outcome",
         "spillmerge/_dist/round.py",
         "        if session.rank != dst:\n            transfer()\n",

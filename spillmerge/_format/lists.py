@@ -183,9 +183,12 @@ def item_offsets(offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...
     return o - o[0]
 
 
-def any_per_row(offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], mask: np.ndarray) -> np.ndarray:
-    """Per output row: whether any of its rows of ``domain`` is set in ``mask``."""
-    for lst in reversed(chain(domain)):
+def any_per_row(
+    offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...], mask: np.ndarray, to: tuple[str, ...] = ()
+) -> np.ndarray:
+    """Per row of domain ``to`` (``()``: the output's rows; ``domain`` or one it lies in): whether
+    any of its rows of ``domain`` is set in ``mask``."""
+    for lst in reversed(chain(domain)[len(chain(to)) :]):
         o = offs[lst]
         parent = np.repeat(np.arange(len(o) - 1, dtype=np.int64), np.diff(o))
         out = np.zeros(len(o) - 1, dtype=bool)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,7 @@ class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
     (``headers``), its list items (one node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("cols", "each", "headers", "keys", "order", "path")
+    __slots__ = ("_sides", "cols", "each", "headers", "keys", "order", "path")
 
     def __init__(self, path: tuple[str, ...], order: Spec | None) -> None:
         self.path = path
@@ -87,6 +88,7 @@ class Node:
         self.keys: dict[str, Node] = {}
         self.each: Node | None = None
         """The items of the lists here, one node whose rows are all of them."""
+        self._sides: dict[bool, list[tuple[str, Node]]] = {}
 
     def child(self, seg: str) -> Node:
         if seg == F.ITEM:
@@ -99,6 +101,35 @@ class Node:
         """The columns and headers of this node and of every node under it."""
         kids = [*self.keys.values(), *([self.each] if self.each is not None else [])]
         return self.cols + self.headers + [c for kid in kids for c in kid.stored()]
+
+    def records(self) -> list[OpenColumn]:
+        """The ``pyrecords`` headers here: in their rows the keys are a list of dicts' columns."""
+        return [h for h in self.headers if h.info.dtype == "pyrecords"]
+
+    def inside(self) -> np.ndarray | None:
+        """Per row of this path's domain: whether it holds a list of dicts; None when none does."""
+        heads = self.records()
+        return np.logical_or.reduce([_rows(h) for h in heads]) if heads else None
+
+    def keys_in(self, offs: dict[tuple[str, ...], np.ndarray], records: bool) -> list[tuple[str, Node]]:
+        """The keys here (``sorted_keys``) that hold a value in a row of the whole output whose value
+        here is a list of dicts (``records``: its columns) or is none (a dict's keys): decided once,
+        so every batch has the same fields."""
+        got = self._sides.get(records)
+        if got is None:
+            inside = self.inside()
+            if inside is None:
+                got = [] if records else self.sorted_keys()
+            else:
+                rows = inside if records else ~inside
+                domain = F.list_domain(self.path)
+                got = [(seg, kid) for seg, kid in self.sorted_keys() if _meets(_valued(kid, offs, domain), rows)]
+            self._sides[records] = got
+        return got
+
+    def holds_dicts(self, offs: dict[tuple[str, ...], np.ndarray]) -> bool:
+        """Whether a row of the whole output holds a dict here: an empty one, or a key's value."""
+        return bool(self.keys_in(offs, False)) or any(_rows(h).any() for h in self.headers if h.info.dtype == "pydict")
 
     def sorted_keys(self) -> list[tuple[str, Node]]:
         """The dict keys here, in the key order the output holds for this path (else sorted)."""
@@ -249,8 +280,8 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         else:  # pydict: an empty dict
             arr = pa.array([{}] * len(pos), type=pa.struct([]))
             out.append((("dict", "struct<>"), "dict", pos, arr))
-    records = [h for h in node.headers if h.info.dtype == "pyrecords"]
-    if with_keys and node.keys:
+    records = node.records()
+    if with_keys and node.keys and (not records or node.holds_dicts(b.offs)):
         arr, present = _struct(node, b, rows)
         for head in node.headers:
             if head.info.dtype == "pydict":
@@ -258,9 +289,8 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         for head in records:  # a list of dicts' keys are its columns, not a dict of their own
             present &= ~b.valid(head, rows)
         pos = np.flatnonzero(present)
-        if len(pos) or not records:
-            arr = arr.take(pa.array(pos))
-            out.append((("dict", str(arr.type)), "dict", pos, arr))
+        arr = arr.take(pa.array(pos))
+        out.append((("dict", str(arr.type)), "dict", pos, arr))
     return out
 
 
@@ -346,12 +376,14 @@ def _struct(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, np.ndarray]:
     pa = require_pyarrow()
     fields, names = [], []
     present = np.zeros(len(rows), bool)
-    for seg, kid in node.sorted_keys():
+    for seg, kid in node.keys_in(b.offs, records=False):
         ps = parts(kid, b, rows, with_keys=True)
         for _, _, pos, _ in ps:
             present[pos] = True
         fields.append(combine(ps, len(rows)))
         names.append(F.key_of(seg))
+    if not fields:  # only empty dicts
+        return pa.array([{}] * len(rows), type=pa.struct([])), present
     return pa.StructArray.from_arrays(fields, names), present
 
 
@@ -366,7 +398,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
     # by the headers (a damaged or hostile header of 2**40 would size an 8 TiB array).
     held = np.zeros(len(rows), bool)
     keyed: list[tuple[str, list[_Part]]] = []
-    for seg, kid in node.sorted_keys():
+    for seg, kid in node.keys_in(b.offs, records=True):
         elems: list[_Part] = []
         for _, name, pos, arr in parts(kid, b, rows, with_keys=True):
             arr = untensor(arr)  # a key's column of tensors: each item one tensor, as nested lists
@@ -401,7 +433,7 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
 
 
 def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError:
-    head = next((h for h in node.headers if h.info.dtype == "pyrecords"), None)
+    head = next(iter(node.records()), None)
     where = f"columns/{head.info.name}" if head is not None else F.path_text(node.path)
     return CorruptSpillError(
         f"{where}: row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items, but {what}; "
@@ -410,27 +442,40 @@ def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Hidden:
+    """A top-level column below a path that holds a list of dicts in some rows: null in those."""
+
+    column: OpenColumn | Node
+    rows: np.ndarray
+    """bool per output row: the rows whose value at an enclosing path is a list of dicts."""
+
+
 def top_columns(
     root: Node, name_of: Callable[[OpenColumn], str], offs: dict[tuple[str, ...], np.ndarray]
 ) -> dict[str, Any]:
     """Column name -> what makes it: a structured node (``Node``) or a flat column (``OpenColumn``),
-    in output order. Dicts from the root stay flat (``"a/b"``). ``offs``: the list offsets."""
+    either ``Hidden`` in rows an enclosing list of dicts holds, in output order. Dicts from the
+    root stay flat (``"a/b"``). ``offs``: the list offsets."""
     out: dict[str, Any] = {}
 
-    def walk(node: Node) -> None:
+    def add(name: str, leaf: tuple[str, ...], what: OpenColumn | Node, hidden: np.ndarray | None) -> None:
+        out[unique_name(out, name, leaf)] = what if hidden is None else Hidden(what, hidden)
+
+    def walk(node: Node, hidden: np.ndarray | None) -> None:
         if node.structured:
-            out[unique_name(out, "/".join(node.path) or "value", node.path)] = node
+            add("/".join(node.path) or "value", node.path, node, hidden)
         else:
             for col in node.cols:
-                out[unique_name(out, name_of(col), col.info.leaf)] = col
-        records = [h for h in node.headers if h.info.dtype == "pyrecords"]
+                add(name_of(col), col.info.leaf, col, hidden)
+        inside = node.inside()  # its records' columns are inside its column, not dicts' keys
+        if inside is not None:
+            hidden = inside if hidden is None else hidden | inside
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
-            # the records' columns are inside its column: a key is a flat column too only where
-            # other rows hold a dict with it
-            if not records or _outside(kid, records, offs):
-                walk(kid)
+            if hidden is None or _meets(_valued(kid, offs, ()), ~hidden):  # some row's dict holds it
+                walk(kid, hidden)
 
-    walk(root)
+    walk(root, None)
     return out
 
 
@@ -443,19 +488,21 @@ def unique_name(taken: dict[str, Any], name: str, leaf: tuple[str, ...]) -> str:
     return json.dumps(list(leaf), ensure_ascii=False) + name[len("/".join(leaf) or "value") :]
 
 
-def _outside(node: Node, records: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray]) -> bool:
-    """Whether a column under ``node`` has a value in a row that holds no list of dicts."""
-    if any(head.valid is None for head in records):
-        return False  # every row holds one
-    inside = np.logical_or.reduce([np.asarray(head.valid) for head in records])
-    for col in node.stored():
-        v = col.valid
-        domain = F.list_domain(col.info.leaf)
-        if domain:  # a list's items: the rows that hold one
-            v = L.any_per_row(offs, domain, np.ones(col.n_rows, bool) if v is None else np.asarray(v))
-        if v is None or bool((np.asarray(v) & ~inside).any()):
-            return True
-    return False
+def _rows(col: OpenColumn) -> np.ndarray:
+    """Per row of ``col``'s domain: whether it has a value."""
+    return np.ones(col.n_rows, bool) if col.valid is None else np.asarray(col.valid, dtype=bool)
+
+
+def _meets(valued: np.ndarray | None, rows: np.ndarray) -> bool:
+    """Whether ``valued`` (``_valued``'s answer) has a value in one of ``rows``."""
+    return valued is None or bool((valued & rows).any())
+
+
+def _valued(node: Node, offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]) -> np.ndarray | None:
+    """Per row of ``domain`` (``node``'s or one it lies in): whether a column under ``node`` has a
+    value there; None when no column is under it."""
+    got = [L.any_per_row(offs, F.list_domain(c.info.leaf), _rows(c), domain) for c in node.stored()]
+    return np.logical_or.reduce(got) if got else None
 
 
 def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:

@@ -30,9 +30,9 @@ from . import arrow as T
 from .arrow import require_pyarrow, untensor
 from .column import OpenColumn
 
-Column = OpenColumn | T.Node
+Column = OpenColumn | T.Node | T.Hidden
 """What makes an exported column: one stored column (flat) or a node of the
-value tree (``_read.arrow``: unions, lists, records)."""
+value tree (``_read.arrow``: unions, lists, records), either null in the rows ``Hidden`` names."""
 
 Files = Any
 """``_read.store.OutputFiles`` (which calls this module: named here, not imported, so no import circle)."""
@@ -102,12 +102,18 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
     fields = [pa.field(k, v.type) for k, v in arrays.items()]
     stored = T.Batch(a, b, files.list_offsets)
     for name, col in cols.items():
+        hidden = None
+        if isinstance(col, T.Hidden):
+            hidden = col.rows[a:b]
+            col = col.column
         if isinstance(col, OpenColumn):
             arr, meta, domain = stored.arrow(col), None, F.list_domain(col.info.leaf)
         else:
             (arr, meta), domain = T.node_array(col, stored), ()
         if domain:  # a list's items by their flat name: each row's items as a list
             arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
+        if hidden is not None and hidden.any():  # rows whose value there is a list of dicts' column
+            arr = arr.take(pa.array(np.arange(b - a), mask=hidden))
         fields.append(pa.field(name, arr.type, metadata=meta))
         arrays[name] = arr
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))
@@ -127,7 +133,8 @@ def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) 
         raise ConfigError(f"batch_size must be a positive number of rows, got {batch_size!r}", key="batch_size")
     if batch_size is None:  # about BATCH_BYTES of payload, at most MAX_BATCH_ROWS
         total = 48 * files.n_rows  # filename, frame_idx, rank and offsets
-        for col in [x for c in cols.values() for x in ([c] if isinstance(c, OpenColumn) else c.stored())]:
+        made = [c.column if isinstance(c, T.Hidden) else c for c in cols.values()]
+        for col in [x for c in made for x in ([c] if isinstance(c, OpenColumn) else c.stored())]:
             v = col.values
             item = 16 if v.dtype.kind == "T" else v.dtype.itemsize  # strings: a guess, their size is not stored
             total += int(np.prod(v.shape, dtype=np.int64)) * item
