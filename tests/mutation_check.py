@@ -638,6 +638,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/storage/test_s3.py::test_a_commit_record_that_is_a_folder_or_oversized_is_refused_by_name",),
         "on an object store, a prefix in place of an object is refused as a folder, naming it",
     ),
+    Mutation(
+        "fsspec-rm-never-a-glob",
+        "spillmerge/_storage/fsspec_store.py",
+        "            plain = [q for q in found if not _GLOB_CHARS.intersection(q)]",
+        "            plain = found",
+        ("tests/storage/test_backends.py::test_glob_characters_in_a_name_delete_that_name_and_nothing_beside_it",),
+        "an object store's path holding * ? [ is deleted by name, never expanded as a glob pattern",
+    ),
     # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
     # JSON loader's own size check too (the mutation survives test_s3's oversized case).
     # Not listed: remove_spill's "no completion marker" condition: both merge paths write the marker

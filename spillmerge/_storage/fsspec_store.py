@@ -120,8 +120,16 @@ class FsspecStorage(Storage):
     def rm_tree(self, rel: str = "") -> None:
         p = self.path(rel)
         with self.storage_errors("remove", rel, ignore=(FileNotFoundError,)):
-            if self.fs.exists(p):
-                self.fs.rm(p, recursive=True)
+            self.fs.invalidate_cache(p)
+            found = self.fs.find(p)  # the objects below p, or p itself (never a pattern)
+            # fsspec's rm reads `*`, `?` and `[` in a path as a glob pattern: it would delete what the
+            # pattern matches beside the root (s3://b/out[12] -> out1, out2), not the object itself.
+            plain = [q for q in found if not _GLOB_CHARS.intersection(q)]
+            if plain:
+                self.fs.rm(plain)  # deletes in batches of 1,000 on S3
+            for q in found:
+                if _GLOB_CHARS.intersection(q):
+                    self.fs.rm_file(q)
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
@@ -177,6 +185,8 @@ class _FsspecSink:
             if ok:
                 raise
 
+
+_GLOB_CHARS = frozenset("*?[")
 
 COALESCE_GAP = 64 << 10
 """Bytes between two pieces of one object read in one GET rather than two: a request costs about

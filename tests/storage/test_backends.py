@@ -110,6 +110,25 @@ def test_output_is_protected_and_interrupted_merges_rebuild(backend):
     assert spillmerge.open(out, storage_options=backend.options).frames("other.mp4").tolist() == [0, 1, 2]
 
 
+def test_glob_characters_in_a_name_delete_that_name_and_nothing_beside_it(backend):
+    """fsspec's rm reads ``*?[`` as a glob pattern: an output named ``res[12]`` replaced, and its
+    spill root ``sp[1]`` removed, delete their own objects (the lease released too), never the
+    complete output ``res1`` that the pattern matches beside them."""
+    root, out, other = backend.url("sp[1]"), backend.url("res[12]"), backend.url("res1")
+    _spill(backend, root, world=1, frames=2)
+    spillmerge.merge(root, other, storage_options=backend.options)
+    fs, path = fsspec.core.url_to_fs(other, **backend.options)
+    before = sorted(fs.find(path))
+    spillmerge.merge(root, out, storage_options=backend.options)
+    rep = spillmerge.merge(root, out, storage_options=backend.options, overwrite=True, remove_spill=True)
+    assert rep.n_frames == 4
+    fs.invalidate_cache()
+    assert sorted(fs.find(path)) == before
+    assert fs.find(fsspec.core.url_to_fs(root, **backend.options)[1]) == []
+    assert spillmerge.open(out, storage_options=backend.options).frames("other.mp4").tolist() == [0, 1]
+    assert spillmerge.open(other, storage_options=backend.options).frames("other.mp4").tolist() == [0, 1]
+
+
 def test_resume_sees_committed_keys(backend):
     root = backend.url("spill")
     _spill(backend, root, world=2, frames=4)
