@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._errors import SpillValueError
+from .._errors import ConfigError, SpillValueError
 from .._format.common import RECORD_MAX_BYTES
 from .._format.output import json_or_none
 from .._merge.report import MergeReport
@@ -112,6 +112,14 @@ class SpillPredictionWriterMixin:
         return self._report
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.writer is not None and self.writer.state == "committed":
+            # every rank's callback has the same history: each refuses, none waits for the others
+            raise ConfigError(
+                f"this SpillPredictionWriter already committed a predict run to {self.root}: a second "
+                "trainer.predict would merge both runs' predictions into one output. Pass a new "
+                "SpillPredictionWriter with another root for each predict call",
+                key="root",
+            )
         self._report = None
         self.writer = SpillWriter(
             self.root, trainer.global_rank, trainer.world_size, self.storage_options, **self.writer_options

@@ -379,6 +379,10 @@ def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):
     assert all(res.frames(f).tolist() == [0] for f in res.filenames)
     dets = res["img/05.jpg"]["dets"]
     assert dets["label"][0] == "c5" and dets["boxes"][0].shape == (2, 4) and res["img/05.jpg"]["logits"][0][0] == 4.0
+    # a second predict through the same callback would mix both runs in one output: refused at its start
+    with pytest.raises(spillmerge.ConfigError, match="already committed a predict run"):
+        predict(writer, Model())
+    assert spillmerge.open(str(tmp_path / "out.zarr")).filenames == res.filenames
 
     bad = Model()
     bad.bad_batch = 1
