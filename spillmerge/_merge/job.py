@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from .._errors import SpillValueError
+from .._errors import SpillStorageError, SpillValueError
 from .._format import common as F
 from .._format import output as FO
 from .._spill.removal import remove_merged
@@ -147,7 +147,13 @@ def _remove_spill(job: _opening.Job, report: MergeReport) -> MergeReport:
         read = [*job.segments, *job.state.partial.values()]  # the salvaged journals too
         report.kept_segments.update({job.src.describe(s.rel): why for s in read})
         return report
-    done = remove_merged(job.src, job.segments, plan_lookup(job.plan))
+    try:
+        done = remove_merged(job.src, job.segments, plan_lookup(job.plan))
+    except SpillStorageError as exc:  # e.g. a read-only credential: the output is whole all the same
+        raise exc.prefixed(
+            f"the merge into {job.output.describe()} is complete, but removing the spill it was merged "
+            f"from failed (what was not removed stays in {job.src.url})"
+        ) from None
     report.removed_segments.extend(done.removed)
     report.kept_segments.update(done.kept)
     if not job.src.exists(""):

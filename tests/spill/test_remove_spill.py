@@ -313,3 +313,21 @@ def test_writer_remove_spill_everything_takes_only_what_the_output_holds(tmp_pat
     assert (Path(late.segment_path) / "commit.json").is_file()
     with pytest.raises(spillmerge.WriterClosedError, match="for the rank that merged"):
         late.remove_spill(everything=True)
+
+
+def test_a_removal_that_fails_says_the_output_is_complete(tmp_path, monkeypatch):
+    """Storage that refuses deletes (a read-only credential): the merge raises a storage error
+    saying the output is complete, which it is; the spill stays whole."""
+    from spillmerge._storage.local import LocalStorage
+
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    _spill(root, [0, 1])
+
+    def refuse(self: Any, rel: str) -> None:
+        raise spillmerge.SpillStorageError(f"cannot remove {self.describe(rel)}: Access Denied")
+
+    monkeypatch.setattr(LocalStorage, "rm_tree", refuse)
+    with pytest.raises(spillmerge.SpillStorageError, match=r"is complete, but removing the spill .* Access Denied"):
+        spillmerge.merge(str(root), str(out), remove_spill=True, progress=False)
+    assert spillmerge.open(str(out)).frames("a.mp4").tolist() == list(range(12))
+    assert len(list(root.glob("rank-*/*"))) == 2
