@@ -27,11 +27,13 @@ class SpillMergeError(Exception):
 
 class SpillValueError(SpillMergeError, ValueError):
     """A value, filename or frame index given to the writer cannot be stored; ``filename``,
-    ``frame_idx`` and ``leaf`` name the offending item when known."""
+    ``frame_idx`` and ``leaf`` name the offending item when known, ``batch_index`` its place in
+    a ``write_batch`` batch."""
 
     filename: str | None = None
     frame_idx: int | None = None
     leaf: str | None = None
+    batch_index: int | None = None
 
 
 class DuplicateFrameError(SpillValueError):

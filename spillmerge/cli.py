@@ -1,6 +1,6 @@
-"""Command line: ``spillmerge merge | inspect | verify | demo``. A thin shell over the library:
-library errors become one-line messages and a non-zero exit code; a reader of stdout that goes
-away (``| head``) ends the command quietly, with status 141 as for SIGPIPE."""
+"""Command line: ``spillmerge merge | inspect | verify | status | export | demo``. A thin shell
+over the library: library errors become one-line messages and a non-zero exit code; a reader of
+stdout that goes away (``| head``) ends the command quietly, with status 141 as for SIGPIPE."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import require_torch
 from .._format import common as F
 from .._format import lists as L
 from .store import MergedStore
@@ -55,6 +56,7 @@ class OutputDataset:
         if self._store is None:
             self._store = MergedStore(self.path, self.storage_options, self.allow_pickle)
         if self._views is None:
+            require_torch("spillmerge.OutputDataset")  # its rows hold tensors
             self._views = [
                 (_variants(self._store, name, self._leaves), F.list_domain(_leaf(name, self._leaves)))
                 for name in self.columns

@@ -112,7 +112,7 @@ def at_position(exc: SpillValueError, i: int, n: int, filename: str | None) -> S
     same exception object is returned, so its class and attributes (``leaf`` ...) stay as the
     per-item check set them; ``batch_index`` is added."""
     exc.prefixed(f"write_batch item {i} of {n}" + (f" ({filename!r:.200})" if filename is not None else ""))
-    exc.batch_index = i  # type: ignore[attr-defined]
+    exc.batch_index = i
     if exc.filename is None and filename is not None:
         exc.filename = filename
     return exc

@@ -123,6 +123,15 @@ def test_user_errors_are_one_line(tmp_path, run):
     assert_one_line_error(run("demo", "--out", str(tmp_path / "a-file" / "d")), "a-file")
 
 
+
+def test_a_mistyped_flag_or_command_is_argparses_usage_error_exit_2(tmp_path, run):
+    """README: errors exit 1, a usage error exits 2 with argparse's message."""
+    for args in (["merge", str(tmp_path), "--out", str(tmp_path / "o"), "--bogus"], ["bogus"], ["export", "x"]):
+        p = run(*args)
+        assert p.returncode == 2 and p.stderr.startswith("usage: spillmerge"), (args, p.stderr)
+        assert "error:" in p.stderr.splitlines()[-1]
+
+
 def test_incomplete_spill_names_the_rank(tmp_path, run):
     root = tmp_path / "spill"
     _spill(root, world_size=3, ranks=[0, 2])

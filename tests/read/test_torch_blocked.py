@@ -1,7 +1,8 @@
 """Reading in this environment with ``import torch`` made to fail (a meta path hook in a fresh
 process): ``open``, ``value``, ``iter_values``, ``iter_batches``, ``verify`` and the CLI's
-``inspect`` work and import no torch; ``value(as_torch=True)`` says torch is missing. (The
-``slow`` test in test_no_torch.py does the same in an environment built without torch.)"""
+``inspect`` work and import no torch; ``value(as_torch=True)`` and ``OutputDataset``'s rows say
+torch is missing. (The ``slow`` test in test_no_torch.py does the same in an environment built
+without torch.)"""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ except spillmerge.MissingDependencyError as exc:
     assert "pip install 'spillmerge[torch]'" in str(exc), exc
 else:
     raise AssertionError("as_torch=True worked without torch")
+ds = spillmerge.OutputDataset(out)  # built without torch; its rows need it
+try:
+    ds[0]
+except spillmerge.MissingDependencyError as exc:
+    assert "spillmerge.OutputDataset needs torch" in str(exc), exc
+else:
+    raise AssertionError("OutputDataset rows were read without torch")
 for cmd in (["inspect", out], ["verify", out]):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
