@@ -734,6 +734,14 @@ MUTATIONS: list[Mutation] = [
         "a batch of flat records naming one file twice applies the duplicate policy as row-by-row writes do",
     ),
     Mutation(
+        "empty-list-joins-the-lists-beside-it",
+        "spillmerge/_read/arrow.py",
+        '    return col.info.dtype == "pyfloat" and col.info.ndim == 1 and 0 in (col.n_units, *col.unit_shape)\n',
+        "    return False\n",
+        ("tests/read/test_reader_edges.py::test_an_empty_list_beside_lists_of_dicts_or_tensors_exports_as_an_empty_list",),
+        "an empty list beside lists of dicts or tensors exports as their list type, not a union Parquet refuses",
+    ),
+    Mutation(
         "flat-records-others-checked-first",
         "spillmerge/_write/writer.py",
         "            item_leaves = self._item_leaves(items[i], i, names, frames, positions)\n            others.append(",

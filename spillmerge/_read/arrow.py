@@ -250,7 +250,10 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     # the path also holds lists of other items, its rows are lists of that column, items and all.
     lists = any(h.info.dtype == "pylist" for h in node.headers)
     as_list = [c for c in node.cols if lists and c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
-    for col in (c for c in node.cols if c not in as_list):
+    # ``[]`` (a ``pyfloat`` column of no item in the whole output) beside lists of dicts: empty
+    # lists of dicts, not a union of two list types (which Parquet cannot hold)
+    empty = [c for c in node.cols if node.records() and _only_empty_lists(c)]
+    for col in (c for c in node.cols if c not in as_list and c not in empty):
         pos = np.flatnonzero(b.valid(col, rows))
         arr = b.arrow(col).take(pa.array(rows[pos] - b.base(col)))
         info = col.info
@@ -275,6 +278,10 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         elif kind == "pyrecords":
             arr = _records(node, b, rows[pos], lengths, starts)
             out.append((("records", str(arr.type)), "records", pos, arr))
+            for col in empty:
+                none = np.flatnonzero(b.valid(col, rows))
+                out.append((("records", str(arr.type)), "records", none, pa.array([[]] * len(none), type=arr.type)))
+            empty = []
         elif with_keys and node.keys:
             continue  # a dict whose keys some rows have: the struct of them below, null fields here
         else:  # pydict: an empty dict
@@ -351,9 +358,16 @@ def _merged_lists(
     start_of[pos] = starts[:-1]
     ps = _item_parts(node, b, rows[hpos], hlen, start_of[hpos])
     for col, cpos, carr, clen in got:
+        if _only_empty_lists(col) and ps:  # ``[]`` beside lists of other items: no union child of its own
+            continue
         flat = pc.list_flatten(carr)
         ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", _spread(start_of[cpos], clen), flat))
     return pos, starts, combine(ps, int(starts[-1]))
+
+
+def _only_empty_lists(col: OpenColumn) -> bool:
+    """Whether ``col`` holds ``[]`` in every row that has it (FORMAT.md: ``[]`` is ``pyfloat (0,)``)."""
+    return col.info.dtype == "pyfloat" and col.info.ndim == 1 and 0 in (col.n_units, *col.unit_shape)
 
 
 def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:

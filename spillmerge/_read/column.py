@@ -61,7 +61,7 @@ class OpenColumn:
         self.values = values = info.arrays["values"]
         """The column's ``values`` array (zarr)."""
         self.chunk_rows = max(int(values.chunks[0]), 1)
-        self._n = int(values.shape[0])
+        self.n_units = int(values.shape[0])  # over every row: a ragged leaf's items
         self.unit_shape = tuple(values.shape[1:])
         self.stored_dtype = values.dtype
         self.unit_nbytes = int(np.prod(self.unit_shape, dtype=np.int64)) * self.stored_dtype.itemsize
@@ -141,7 +141,7 @@ class OpenColumn:
     def rows(self, lo: int, hi: int) -> np.ndarray:
         """Units ``lo .. hi-1`` of ``values`` (rows, or elements with offsets), a new array: chunks
         the read covers partly go through the cache, chunks it covers whole straight into the result."""
-        k, n = self.chunk_rows, self._n
+        k, n = self.chunk_rows, self.n_units
         if hi <= lo:
             return np.empty((0, *self.unit_shape), dtype=self.stored_dtype)
         c0, c1 = lo // k, (hi - 1) // k

@@ -121,3 +121,21 @@ def test_columns_name_leaves_whose_paths_read_alike_apart_and_each_name_reads_it
     assert info.value.known == ["", '["a/b"]', "a/b", "k/"]
     pytest.importorskip("pyarrow")
     assert {'["a/b"]', "a/b", "k/"} <= set(res.to_arrow().column_names)
+
+
+def test_an_empty_list_beside_lists_of_dicts_or_tensors_exports_as_an_empty_list(tmp_path):
+    """``[]`` (stored as ``pyfloat (0,)``) in rows beside lists of dicts (COCO detections of an
+    image with none) or lists of tensors: the same list type, no union, so Parquet takes it."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    det = {"box": [1.0, 2.0], "score": 0.5}
+    rows = [{"dets": [det], "t": [torch.ones(2)]}, {"dets": [], "t": []}, {"dets": [det, det], "t": []}]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow()
+    assert pa.types.is_large_list(table.schema.field("dets").type)
+    assert pa.types.is_struct(table.schema.field("dets").type.value_type)
+    assert table.schema.field("t").type.value_type == pa.list_(pa.float32(), 2)
+    assert table.column("dets").to_pylist() == [[det], [], [det, det]]
+    assert table.column("t").to_pylist() == [[[1.0, 1.0]], [], []]
+    assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
+    res.to_parquet(str(tmp_path / "x.parquet"))
+    assert pq.read_table(str(tmp_path / "x.parquet")).column("dets").to_pylist() == [[det], [], [det, det]]
