@@ -362,7 +362,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
         except SpillMergeError as exc:
             rep.problems.append(str(exc))
     try:
-        store = NoFillStore(storage.zarr_store(read_only=True), storage)
+        store = NoFillStore(storage.zarr_store(), storage)
         group = zarr.open_group(store, mode="r")
     except Exception as exc:  # noqa: BLE001
         rep.problems.append(f"{storage.describe()}: cannot open as zarr: {exc}")

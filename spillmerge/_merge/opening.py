@@ -300,7 +300,7 @@ def finish(job: Job, docs: dict[str, dict[str, Any]], lease: _lease.Lease) -> No
     root = Z.consolidated_root(docs)
     with job.phase("sync"):
         if job.options.fsync:  # every chunk and document is durable before the root and the marker vouch for them
-            output.fsync_tree("")
+            output.fsync_tree()
     with job.phase("finish"):
         lease.check()  # a merge that lost its lease must not vouch for an output another one writes
         output.put_atomic("zarr.json", Z.json_doc(root))

@@ -80,7 +80,7 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
             _indexchunks.write(output, share, threads=job.threads)
         with job.phase("sync"):
             if job.options.fsync:  # the part record vouches for every chunk of the part
-                output.fsync_tree("")
+                output.fsync_tree()
             lease.check()
             done = FO.PartDoneRecord.now(
                 part=i, parts=n, plan=plan_id, rank=rank, run_id=job.options.run_id, n_files=job.plan.n_files,

@@ -266,7 +266,7 @@ class MergedStore(Mapping[str, Any]):
             raise IncompleteOutputError(f"{where} {what}; run the merge again", path=where)
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
         try:
-            store = NoFillStore(self.storage.zarr_store(read_only=True), self.storage)
+            store = NoFillStore(self.storage.zarr_store(), self.storage)
             self.group = open_consolidated(store, self.storage)
         except Exception as exc:  # noqa: BLE001 - zarr raises many kinds
             raise CorruptSpillError(f"{where}: cannot open as zarr: {exc}", path=where) from exc

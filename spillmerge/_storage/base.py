@@ -254,8 +254,8 @@ class Storage:
         renamed; ``durable``: fsync of the file before and of its folder after the rename)."""
         raise NotImplementedError
 
-    def fsync_tree(self, rel: str = "") -> None:
-        """Make every file below ``rel`` (and the folders holding them, up to the root) durable
+    def fsync_tree(self) -> None:
+        """Make every file below the root (and the folders holding them) durable
         on a local disk: an fsync of each, many in flight, skipping the files this handle already
         fsynced (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it
         returns."""
@@ -297,8 +297,8 @@ class Storage:
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, *, read_only: bool = False) -> Any:
-        """A zarr store of the root."""
+    def zarr_store(self) -> Any:
+        """A read-only zarr store of the root."""
         raise NotImplementedError
 
 

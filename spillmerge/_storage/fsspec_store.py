@@ -139,7 +139,7 @@ class FsspecStorage(Storage):
         return False
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, *, read_only: bool = False) -> Any:
+    def zarr_store(self) -> Any:
         fs = self.fs
         if not getattr(fs, "async_impl", False):
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
@@ -148,7 +148,7 @@ class FsspecStorage(Storage):
         elif not getattr(fs, "asynchronous", False):
             # zarr drives the filesystem from its own event loop: it needs an asynchronous instance.
             fs = type(fs)(**{**fs.storage_options, "asynchronous": True})
-        return FsspecStore(fs, path=self.root, read_only=read_only)
+        return FsspecStore(fs, path=self.root, read_only=True)
 
 
 class _FsspecSink:

@@ -246,10 +246,10 @@ class LocalStorage(Storage):
     def open_write(self, rel: str, *, durable: bool = False) -> _LocalSink:
         return _LocalSink(self, rel, durable)
 
-    def fsync_tree(self, rel: str = "") -> None:
+    def fsync_tree(self) -> None:
         # An fsync of each of our files and folders, never syncfs(2): that flushes every dirty
         # page of the whole filesystem, other jobs' too, and each commit would wait for them.
-        top, base = self.path(rel), self._below_root()
+        top, base = self.path(""), self._below_root()
         files = [
             os.path.join(dirpath, n)[len(base) :] for dirpath, _dirs, names in os.walk(top) for n in names
         ]  # fmt: skip
@@ -324,7 +324,7 @@ class LocalStorage(Storage):
         return False
 
     # ----------------------------------------------------------------------------------- zarr
-    def zarr_store(self, *, read_only: bool = False) -> Any:
+    def zarr_store(self) -> Any:
         storage = self
 
         class RegularFilesOnly(LocalStore):
@@ -341,7 +341,7 @@ class LocalStorage(Storage):
                     storage._check_regular(key)
                 return await super().get_partial_values(prototype, key_ranges)
 
-        return RegularFilesOnly(self.root, read_only=read_only)
+        return RegularFilesOnly(self.root, read_only=True)
 
     def _check_zarr_get(self, where: str) -> None:
         """What :meth:`zarr_store` checks before zarr reads ``where`` whole: a regular file reached

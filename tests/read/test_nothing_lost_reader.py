@@ -413,7 +413,7 @@ def test_a_whole_array_read_ends_at_its_first_absent_chunk(tmp_path):
 
     zarr.create_array(store=str(tmp_path / "a"), shape=(1 << 48,), chunks=(1 << 16,), dtype="int64")[: 1 << 16] = 1
     st = Storage(str(tmp_path))
-    arr = zarr.open_array(NoFillStore(st.zarr_store(read_only=True), st), path="a", mode="r")
+    arr = zarr.open_array(NoFillStore(st.zarr_store(), st), path="a", mode="r")
     with pytest.raises(spillmerge.CorruptSpillError, match="chunk 1 of a is missing"):
         read_array(arr)
 

@@ -148,7 +148,7 @@ def test_syncing_an_output_tree_skips_a_file_another_part_renamed_away(tmp_path)
     out = Storage(str(tmp_path / "out"))
     out.put("kept.json", b"{}")
     out.sync(["gone.json.tmp-1"], missing_ok=True)  # listed by the walk, renamed away since
-    out.fsync_tree("")
+    out.fsync_tree()
     with pytest.raises(spillmerge.SpillStorageError, match="gone.json"):
         out.sync(["gone.json"])
 
