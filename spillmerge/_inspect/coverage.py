@@ -48,11 +48,6 @@ class FileCoverage:
         """How many frames below :attr:`span` are absent (arithmetic, whatever the span)."""
         return self.span - n_below(self.frames, self.span)
 
-    def missing_runs(self) -> np.ndarray:
-        """Absent frames below :attr:`span` as inclusive ``[first, last]`` rows (int64, shape (k, 2)),
-        from the gaps between present frames: O(frames) whatever the span."""
-        return gap_runs(self.frames, self.span)
-
     def unexpected(self) -> np.ndarray:
         """Frames at or beyond the manifest's count (none without a manifest)."""
         return self.frames[self.frames >= self.expected] if self.expected is not None else self.frames[:0]
@@ -94,7 +89,7 @@ class Coverage:
             n_missing, n_dup, present = n_missing + m, n_dup + d, present + len(f.frames)
             bad = m or d or f.filename in unlisted or (f.expected is not None and len(f.unexpected()))
             (problem if bad else clean).append(f)
-        listed = (problem + clean)[:max_files] if max_files is not None else problem + clean
+        listed = (problem + clean)[:max_files]  # (None: every file)
         files = []
         for f in listed:
             entry: dict[str, Any] = {
@@ -102,7 +97,7 @@ class Coverage:
                 "frames": len(f.frames),
                 "expected": f.expected,
                 "by_rank": [[a, b, r] for a, b, r in runs(f.frames, f.ranks)],
-                "missing": f.missing_runs().tolist(),
+                "missing": gap_runs(f.frames, f.span).tolist(),
                 "duplicated": [[a, b] for a, b, _ in runs(f.duplicated())],
             }
             if f.expected is not None:
@@ -215,7 +210,7 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     width = max((f.span for f in files), default=1)
     least = max(width, 1) / 500
     for y, f in enumerate(files):
-        gaps = f.missing_runs()
+        gaps = gap_runs(f.frames, f.span)
         if len(gaps):
             bars = [(a - 0.5, max(b - a + 1, least)) for a, b in gaps.tolist()]
             ax.broken_barh(bars, (y - 0.4, 0.8), facecolors="red", linewidth=0)
