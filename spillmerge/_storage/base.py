@@ -255,10 +255,9 @@ class Storage:
         raise NotImplementedError
 
     def fsync_tree(self) -> None:
-        """Make every file below the root (and the folders holding them) durable
-        on a local disk: an fsync of each, many in flight, skipping the files this handle already
-        fsynced (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it
-        returns."""
+        """Make every file below the root, and the folders holding them, durable on a local disk:
+        an fsync of each, many in flight, skipping the files this handle already fsynced
+        (``put(fsync=True)``). A no-op on object stores, where a PUT is durable when it returns."""
 
     def sync(self, rels: Sequence[str], *, up: bool = True) -> None:
         """Make the objects ``rels`` (written already) durable on a local disk: an fsync of each
