@@ -92,14 +92,17 @@ FSYNC_ORDER = (
 MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ the 8 of issue 16
     Mutation(
-        # The columnar copy checks every local row in one place (OutputChunk._rows), whatever the
-        # codec: the former "-codec" and "-page-cache" checks are this one since format 2.
-        "copy-crc-local",
+        # The columnar copy checks every row read row by row in one place (OutputChunk._rows),
+        # local or read by range GETs, whatever the codec.
+        "copy-crc",
         "spillmerge/_merge/outputchunk.py",
         "                if v != crc:\n                    self._mismatch(r, e)",
         "                if False:\n                    self._mismatch(r, e)",
-        (f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",),
-        "a corrupt frame never reaches the output (local spill root, compressed or not)",
+        (
+            f"{G}::test_a_flipped_data_byte_fails_the_merge_with_every_codec",
+            f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",
+        ),
+        "a corrupt frame never reaches the output (local or object store, compressed or not)",
     ),
     Mutation(
         "copy-block-crc-local",
@@ -183,14 +186,6 @@ MUTATIONS: list[Mutation] = [
         "salvage replays journal entries in order and stops at the first that is out of place",
     ),
     # ---------------------------------------------------------------------------- others
-    Mutation(
-        "copy-crc-object-store",
-        "spillmerge/_merge/outputchunk.py",
-        "                elif _crc.value(row) != crc:",
-        "                elif False:",
-        (f"{G}::test_a_flipped_data_byte_on_an_object_store_fails_the_merge",),
-        "a corrupt frame read by range GETs never reaches the output",
-    ),
     Mutation(
         "index-crc-vs-commit-record",
         "spillmerge/_spill/root.py",
