@@ -40,7 +40,12 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
     # it checked it may claim) before planning and keeps it until the job closes.
     output, plan_id, overwrite, lease = job.output, job.fingerprint, job.options.overwrite, job.lease
     assert lease is not None
-    _output.claim(output, overwrite, lease)
+    lease.check()
+    _output.refuse_links(output, overwrite)
+    if output.exists(FO.COMPLETE_NAME):  # only the marker goes: other parts may be writing beside us
+        if not overwrite:
+            raise _output.complete_error(output, "rebuild it (every part, then finalize)")
+        output.rm_tree(FO.COMPLETE_NAME)  # from here on the output is incomplete until finalized
     name = _parts.describe(i, n, rank)
     records = _parts.read_records(output)
     if not overwrite and any(
