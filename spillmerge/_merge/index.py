@@ -47,10 +47,7 @@ class IndexChunk:
 
     def encode(self) -> list[np.ndarray]:
         """The chunk object: the elements at the full chunk shape, then their CRC-32C."""
-        dt = np.dtype(self.dtype)
-        if dt.itemsize > 1:
-            dt = dt.newbyteorder("<")
-        out = np.zeros(self.shape, dtype=dt)
+        out = np.zeros(self.shape, dtype=np.dtype(self.dtype).newbyteorder("<"))  # (a byte has no order)
         out[: self.hi - self.lo] = self.elements()
         raw = out.reshape(-1).view(np.uint8)
         return [raw, np.frombuffer(np.uint32(_crc.value(raw)).astype("<u4").tobytes(), np.uint8)]
