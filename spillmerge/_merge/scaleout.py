@@ -129,14 +129,12 @@ def finalize(
 def _await_a_part(output: Storage, timeout: float) -> None:
     """A finalize started with the parts (a SLURM array's last task): up to ``timeout`` seconds for
     the first part record, which tells it the part count; the records' own wait follows."""
-    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
+    for _ in _poll.poll(timeout, first=0.05, cap=2.0):  # (it ends after the check at the deadline)
         try:
             if output.exists(_parts.PARTS_DIR) and _parts.read_records(output):
                 return
         except SpillMergeError:
             return  # a damaged record: the finalize names it
-        if waited >= timeout:
-            return
 
 
 def _finalize_locked(
