@@ -29,8 +29,7 @@ def units(plan: Plan, chunk_bytes: int) -> list[Unit]:
         k = values_chunk(col, chunk_bytes)
         for j, lo in enumerate(range(0, n, k)):
             hi = min(lo + k, n)
-            size = (hi - lo) * col.unit_bytes
-            out.append(Unit(ci, j, lo, hi, k, max(size, 1)))
+            out.append(Unit(ci, j, lo, hi, k, max((hi - lo) * col.unit_bytes, 1)))
     return out
 
 
@@ -77,6 +76,8 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
     def run(u: Unit) -> None:
         chunk = OutputChunk(job.src, job.plan, u, chunk_bytes, pending)
         chunk.check() if check else chunk.write(job.output, o.codec, o.fsync)
+        if bar is not None:
+            bar.update(u.nbytes)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -86,29 +87,24 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
             if exc is not None:
                 errors.append(exc)
             cond.notify_all()
-        if bar is not None and exc is None:
-            bar.update(size)
 
     try:
         if threads <= 1:  # one chunk at a time in this thread: a small merge starts no pool
             for u in todo:
                 run(u)
-                if bar is not None:
-                    bar.update(u.nbytes)
-            pending.finish()
-            return
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
-            for u in todo:
-                size = u.nbytes
-                with cond:
-                    # Bounded memory: wait until this chunk fits in the budget (one chunk always may run).
-                    while in_flight and in_flight + size > o.memory_budget and not errors:
-                        cond.wait()
-                    if errors:
-                        break
-                    in_flight += size
-                fut = pool.submit(run, u)
-                fut.add_done_callback(functools.partial(done, size=size))
+        else:
+            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
+                for u in todo:
+                    size = u.nbytes
+                    with cond:
+                        # Bounded memory: wait until this chunk fits in the budget (one chunk always may run).
+                        while in_flight and in_flight + size > o.memory_budget and not errors:
+                            cond.wait()
+                        if errors:
+                            break
+                        in_flight += size
+                    fut = pool.submit(run, u)
+                    fut.add_done_callback(functools.partial(done, size=size))
     finally:
         if bar is not None:
             bar.close()

@@ -57,15 +57,11 @@ def values_chunk(col: PlannedColumn, chunk_bytes: int) -> int:
     a reader reads a whole chunk for one row, so columns of small rows (read a key at a time) get
     a quarter of ``chunk_bytes``, byte-stored ones at most :data:`BYTES_CHUNK_BYTES`; columns of
     large rows keep whole ``chunk_bytes`` chunks, which write fastest."""
-    n = col.n_units
-    rows = max(col.n_present, 1)
-    total = n * col.unit_bytes
-    per = col.unit_bytes
-    small = total / rows < SMALL_ROW_BYTES
+    small = col.n_units * col.unit_bytes / max(col.n_present, 1) < SMALL_ROW_BYTES
     target = chunk_bytes // 4 if small else chunk_bytes
     if small and col.kind not in FO.NUMERIC_KINDS:  # stored as uint8 bytes + byte offsets
         target = min(target, BYTES_CHUNK_BYTES)
-    return balanced(n, int(max(target, 1) // max(per, 1)))
+    return balanced(col.n_units, int(max(target, 1) // max(col.unit_bytes, 1)))
 
 
 def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> dict[str, dict[str, Any]]:

@@ -47,10 +47,7 @@ class IndexChunk:
 
     def encode(self) -> list[np.ndarray]:
         """The chunk object: the elements at the full chunk shape, then their CRC-32C."""
-        dt = np.dtype(self.dtype)
-        if dt.itemsize > 1:
-            dt = dt.newbyteorder("<")
-        out = np.zeros(self.shape, dtype=dt)
+        out = np.zeros(self.shape, dtype=np.dtype(self.dtype).newbyteorder("<"))  # (a byte has no order)
         out[: self.hi - self.lo] = self.elements()
         raw = out.reshape(-1).view(np.uint8)
         return [raw, np.frombuffer(np.uint32(_crc.value(raw)).astype("<u4").tobytes(), np.uint8)]
@@ -66,21 +63,16 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
         "frame_rank": plan.rank, "frame_copies": plan.copies,
     }  # fmt: skip
     sources: dict[str, Any] = {f"index/{k}": v for k, v in index.items()}
-    for lst in plan.lists:
-        sources[f"lists/{lst.name}/offsets"] = lst.offsets
-    for col in plan.columns:
-        base = f"columns/{col.name}"
-        if col.offsets is not None:
-            sources[f"{base}/offsets"] = col.offsets
-        if col.shapes is not None:
-            sources[f"{base}/shapes"] = col.shapes
-        if col.has_valid:
-            sources[f"{base}/valid"] = col.src
-        if col.has_none:
-            sources[f"{base}/none"] = col.src
+    sources |= {f"lists/{lst.name}/offsets": lst.offsets for lst in plan.lists}
+    columns = {f"columns/{col.name}": col for col in plan.columns}
     out = []
-    for path, source in sources.items():
-        doc = docs[path]
+    for path, doc in docs.items():
+        base, _, name = path.rpartition("/")
+        if doc["node_type"] != "array" or name == "values":
+            continue  # a group, or a column's values (the copy's)
+        source = sources.get(path)
+        if source is None:  # a column's offsets, shapes, or ``valid`` / ``none`` from its ``src``
+            source = getattr(columns[base], "src" if name in ("valid", "none") else name)
         shape = tuple(int(d) for d in doc["shape"])
         chunks = tuple(int(d) for d in doc["chunk_grid"]["configuration"]["chunk_shape"])
         n, k = shape[0], chunks[0]

@@ -69,6 +69,12 @@ class Holder:
             return None
 
 
+def _read_holder(output: Storage, rel: str) -> Holder | None:
+    """The holder the lease object ``rel`` names; None when it is absent, empty or torn."""
+    raw = output.get_or_none(rel, max_bytes=_MAX_RECORD)
+    return None if raw is None else Holder.from_json(raw)
+
+
 def _locked(fd: int) -> bool:
     """Whether another process holds a lock on ``fd`` (probed with a shared lock, dropped at once)."""
     try:
@@ -85,7 +91,7 @@ class Lease:
     def __init__(self, output: Storage, *, name: str, role: str, exclusive: bool) -> None:
         """Take the lease ``name`` (``merge``, ``part-00001-of-00004``, ``finalize``) or raise
         :class:`OutputBusyError` naming every holder in the way."""
-        self.output, self.name, self.exclusive, self.ttl = output, name, exclusive, DEFAULT_TTL
+        self.output, self.name, self.exclusive = output, name, exclusive
         self.holder = Holder(
             owner=uuid.uuid4().hex,
             role=role,
@@ -227,9 +233,9 @@ class Lease:
         """Object stores: create our lease object conditionally, then look for holders it
         conflicts with; on a conflict remove ours again (both may back off; neither proceeds)."""
         rel = f"{LEASE_DIR}/{self.name}.json"
-        self.holder = replace(self.holder, expires=time.time() + self.ttl)
+        self.holder = replace(self.holder, expires=time.time() + DEFAULT_TTL)
         if not self.output.create(rel, self.holder.to_json()):
-            old = self._read_object(rel)
+            old = _read_holder(self.output, rel)
             if old is None:  # being written this instant (a local O_EXCL create) or damaged by hand
                 raise self._busy([])
             if old.expires > time.time():
@@ -237,7 +243,7 @@ class Lease:
             # Expired: its holder died or hung. Take it over (of two takers, create lets one win).
             self.output.rm_tree(rel)
             if not self.output.create(rel, self.holder.to_json()):
-                raise self._busy([h for h in [self._read_object(rel)] if h is not None])
+                raise self._busy([h for h in [_read_holder(self.output, rel)] if h is not None])
         self._objects.append(rel)
         blocking = []
         for fname in self.output.listdir(LEASE_DIR):
@@ -246,7 +252,7 @@ class Lease:
                 continue
             if not self.exclusive and fname != f"{_MERGE}.json":
                 continue  # parts and finalize share the output
-            holder = self._read_object(other)
+            holder = _read_holder(self.output, other)
             if holder is not None and holder.expires > time.time():
                 blocking.append(holder)
         if blocking:
@@ -255,25 +261,21 @@ class Lease:
         self._beat = threading.Thread(target=self._heartbeat, name="spillmerge-lease", daemon=True)
         self._beat.start()
 
-    def _read_object(self, rel: str) -> Holder | None:
-        raw = self.output.get_or_none(rel, max_bytes=_MAX_RECORD)
-        return None if raw is None else Holder.from_json(raw)
-
     def _object_lost(self) -> str | None:
         """Why our lease object is no longer ours, or None while it is."""
-        current = self._read_object(self._objects[0])
+        current = _read_holder(self.output, self._objects[0])
         if current is None or current.owner != self.holder.owner:
             return "it was removed" if current is None else f"it was taken over by {current.describe()}"
         return None
 
     def _heartbeat(self) -> None:
         rel = self._objects[0]
-        while not self._stop.wait(self.ttl / 4):
+        while not self._stop.wait(DEFAULT_TTL / 4):
             try:
                 self._lost = self._object_lost()
                 if self._lost is not None:
                     return
-                self.holder = replace(self.holder, expires=time.time() + self.ttl)
+                self.holder = replace(self.holder, expires=time.time() + DEFAULT_TTL)
                 self.output.put_atomic(rel, self.holder.to_json())  # never torn for a reader
             except Exception:  # noqa: BLE001 - a transient failure: the next beat retries
                 continue
@@ -340,7 +342,7 @@ class Lease:
         self._fds.clear()
         for rel in self._objects:
             with contextlib.suppress(Exception):  # best effort: an unremoved lease expires by itself
-                current = self._read_object(rel)
+                current = _read_holder(self.output, rel)
                 if current is not None and current.owner == self.holder.owner:
                     self.output.rm_tree(rel)
         self._objects.clear()
@@ -388,10 +390,9 @@ def held(output: Storage, name: str) -> bool:
             finally:
                 os.close(fd)
     try:
-        raw = output.get_or_none(f"{LEASE_DIR}/{name}.json", max_bytes=_MAX_RECORD)
+        holder = _read_holder(output, f"{LEASE_DIR}/{name}.json")
     except (OSError, SpillStorageError, CorruptSpillError):
         return False
-    holder = None if raw is None else Holder.from_json(raw)
     return holder is not None and holder.expires > time.time()
 
 

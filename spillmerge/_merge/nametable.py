@@ -5,7 +5,7 @@ asked for; the arrays may be maps of files, so a plan of 10^9 names holds none i
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -47,15 +47,6 @@ class NameTable(Sequence[str]):
         if not 0 <= k < n:
             raise IndexError(f"filename {i} of {n}")
         return self.raw(k).decode("utf-8", "surrogatepass")
-
-    def __iter__(self) -> Iterator[str]:
-        step = 1 << 16  # decoded a block at a time
-        for a in range(0, len(self), step):
-            off = np.asarray(self.offsets[a : a + step + 1])
-            blob = bytes(self.data[int(off[0]) : int(off[-1])])
-            bounds = (off - off[0]).tolist()
-            for x, y in zip(bounds[:-1], bounds[1:], strict=True):
-                yield blob[x:y].decode("utf-8", "surrogatepass")
 
     def search(self, name: str) -> int:
         """The position of ``name``, or -1 (a binary search on the bytes: their order is the

@@ -162,13 +162,12 @@ class Job:
             _output.check_claimable(output)
             output.makedirs("")
             held.append(_lease.part(output, part[0], part[1]))
-        allow_partial = options.allow_partial
         state = wait_for_commits(
             src,
             world_size=options.world_size,
             run_id=options.run_id,
             timeout=options.timeout,
-            allow_partial=allow_partial,
+            allow_partial=options.allow_partial,
             progress=options.progress,
         )
         phases: dict[str, float] = {"wait": time.perf_counter() - t0}
@@ -178,7 +177,7 @@ class Job:
         salvaged: dict[int, int] = {}
         notes: list[str] = []
         extra = []
-        if allow_partial:
+        if options.allow_partial:
             # Uncommitted segments of missing or failed ranks: merge what their journal proves durable.
             for rank, seg in sorted(state.partial.items()):
                 flushed, problems = load_flushed(src, seg)
@@ -186,20 +185,19 @@ class Job:
                 if len(flushed.index):
                     extra.append(flushed)
                     salvaged[rank] = len({(int(r[0]), int(r[1])) for r in flushed.index[:, :2]})
-        compare = functools.partial(same_bytes, src)
 
         def plan_here() -> tuple[Plan, str]:
             """Load every segment's catalog and index, then plan (and fingerprint) here."""
             t_load = time.perf_counter()
             loaded = load_all(src, segments) + extra
             phases["load"] = time.perf_counter() - t_load
-            plan = build(loaded, options.on_duplicate, same_bytes=compare, work_dir=options.plan_dir,
-                         memory_limit=options.plan_budget)  # fmt: skip
+            plan = build(loaded, options.on_duplicate, same_bytes=functools.partial(same_bytes, src),
+                         work_dir=options.plan_dir, memory_limit=options.plan_budget)  # fmt: skip
             return plan, fingerprint(plan, chunk_bytes=chunk_bytes, codec=codec)
 
         phases["load"] = 0.0
         rebuild = None
-        if (part is not None or options.finalize) and not allow_partial:
+        if (part is not None or options.finalize) and not options.allow_partial:
             # One process plans and stores the plan; the others read it. Salvaged journals
             # (``allow_partial``) are read by every process, which then plans itself.
             key = _planstore.source_key(segments, options.on_duplicate)

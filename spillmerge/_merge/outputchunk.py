@@ -145,28 +145,21 @@ class OutputChunk:
             x.tolist() for x in (ent, plan.seg[ent], plan.offset[ent], plan.nbytes[ent], plan.crc[ent])
         )
         out = []
-        if not self.src.local:
+        remote, pos = not self.src.local, 0
+        if remote:  # the rows are slices of one batched read
             buf = _scratch(sum(sizes), "rows")
             pieces = []
             for s, off, n in zip(segs, offs, sizes, strict=True):
                 pieces.extend(data_ranges(plan.segments[s], off, n))
             self.src.read_into(pieces, buf.data)
-            pos = 0
-            for r, e, s, n, crc in zip(rows.tolist(), ents, segs, sizes, crcs, strict=True):
-                row = buf[pos : pos + n]
-                if crc < 0:  # checked by its block: read and verify the block once per merge
-                    self.check_block(s, crc, r, e)
-                elif _crc.value(row) != crc:
-                    self._mismatch(r, e)
-                out.append(row)
-                pos += n
-            return out
         maps: dict[tuple[int, int], np.ndarray] = {}
         for r, e, s, off, n, crc in zip(rows.tolist(), ents, segs, offs, sizes, crcs, strict=True):
             seg = plan.segments[s]
             cb = seg.chunk_bytes
             c = off // cb
-            if n and (off + n - 1) // cb != c:  # the row crosses data chunk objects
+            if remote:
+                row, pos = buf[pos : pos + n], pos + n
+            elif n and (off + n - 1) // cb != c:  # the row crosses data chunk objects
                 views = [self.src.view(rel, a, b) for rel, a, b in data_ranges(seg, off, n)]
                 row = np.concatenate(views)
             else:

@@ -86,15 +86,3 @@ def refuse_links(output: Storage, overwrite: bool) -> None:
                     path=output.describe(name),
                 )
             output.rm_tree(name)
-
-
-def claim(output: Storage, overwrite: bool, lease: _lease.Lease) -> None:
-    """A part's start, under its lease (taken after ``check_claimable``): never delete
-    anything but the completion marker (``overwrite``), because other parts may be writing next
-    to us."""
-    lease.check()
-    refuse_links(output, overwrite)
-    if output.exists(FO.COMPLETE_NAME):
-        if not overwrite:
-            raise complete_error(output, "rebuild it (every part, then finalize)")
-        output.rm_tree(FO.COMPLETE_NAME)  # from here on the output is incomplete until finalized

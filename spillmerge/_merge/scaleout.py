@@ -40,7 +40,12 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
     # it checked it may claim) before planning and keeps it until the job closes.
     output, plan_id, overwrite, lease = job.output, job.fingerprint, job.options.overwrite, job.lease
     assert lease is not None
-    _output.claim(output, overwrite, lease)
+    lease.check()
+    _output.refuse_links(output, overwrite)
+    if output.exists(FO.COMPLETE_NAME):  # only the marker goes: other parts may be writing beside us
+        if not overwrite:
+            raise _output.complete_error(output, "rebuild it (every part, then finalize)")
+        output.rm_tree(FO.COMPLETE_NAME)  # from here on the output is incomplete until finalized
     name = _parts.describe(i, n, rank)
     records = _parts.read_records(output)
     if not overwrite and any(
@@ -124,14 +129,12 @@ def finalize(
 def _await_a_part(output: Storage, timeout: float) -> None:
     """A finalize started with the parts (a SLURM array's last task): up to ``timeout`` seconds for
     the first part record, which tells it the part count; the records' own wait follows."""
-    for waited in _poll.poll(timeout, first=0.05, cap=2.0):
+    for _ in _poll.poll(timeout, first=0.05, cap=2.0):  # (it ends after the check at the deadline)
         try:
             if output.exists(_parts.PARTS_DIR) and _parts.read_records(output):
                 return
         except SpillMergeError:
             return  # a damaged record: the finalize names it
-        if waited >= timeout:
-            return
 
 
 def _finalize_locked(
