@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .._errors import ConfigError, CorruptSpillError, RankFailedError, SpillMergeError
 from .._format import crc
@@ -75,8 +76,6 @@ def node_local_root() -> str:
 
 def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int, int]:
     """(this rank, world size, destination) in the default group; ``group`` must be it."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise DropInArgumentError("the default process group is not initialized (call init_process_group first)")
     if (
@@ -98,8 +97,6 @@ def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int
 
 def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
     """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
-    import torch.distributed as dist
-
     got: list[Any] = [None] * dist.get_world_size()
     on_gloo(rank, timeout, what, dist.all_gather_object, got, mine)
     return got
@@ -477,8 +474,6 @@ def _collective(
         error = exc
     try:
         if every_rank:  # every rank has read the output before dst removes it, and knows who failed
-            import torch.distributed as dist
-
             failed = torch.tensor([error is not None], dtype=torch.int32)
             on_gloo(rank, timeout, "finished reading back", dist.all_reduce, failed)
             if failed.item():  # one round of one int when all went well; a second names who failed
