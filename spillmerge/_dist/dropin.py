@@ -331,10 +331,6 @@ def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
     """Every rank's object, from one pass over the output's rows in filename order (a rank's
     files sort together, its elements in order): tensors as torch tensors on the CPU, the paths
     its header names turned back (numpy arrays, pickled objects)."""
-    if len(store) == world:  # every rank wrote one file and no header: its object is that file's value
-        for r in range(world):
-            object_list[r] = store.value(_name(r), 0, as_torch=True)
-        return
     items: list[list[Any]] = [[] for _ in range(world)]
     headers: list[Any] = [None] * world
     for name, _, value in store.iter_values(as_torch=True):
