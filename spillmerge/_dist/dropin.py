@@ -229,11 +229,11 @@ class _Shape:
         self.whole.append(path)
         return _Whole(obj)
 
-    def dumps(self) -> str | None:
-        """The paths to turn back, as JSON; None when there are none (nothing to store)."""
+    def paths(self) -> dict[str, list[list[Any]]] | None:
+        """The paths to turn back; None when there are none (nothing to store)."""
         if not (self.numpy or self.scalars or self.whole):
             return None
-        return json.dumps({"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole})
+        return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole}
 
 
 _FIXES: dict[str, Any] = {
@@ -311,7 +311,7 @@ def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_
         return
     shape = _Shape(obj, allow_pickle)
     obj = shape.obj
-    header: dict[str, Any] = {"shape": shape.dumps()}
+    header: dict[str, Any] = {"shape": shape.paths()}
     if _split(obj):
         kind = type(obj)
         header["kind"], header["n"] = kind.__name__, len(obj)
@@ -357,10 +357,9 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
             raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
         value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
         value = tuple(value) if kind == "tuple" else value
-    if header["shape"] is not None:  # what ``_Shape.dumps`` says storage did not keep
-        shape = json.loads(header["shape"])
+    if header["shape"] is not None:  # what ``_Shape.paths`` says storage did not keep
         for key, fix in _FIXES.items():  # in this order: a pickled whole may hold numpy arrays
-            for path in shape[key]:
+            for path in header["shape"][key]:
                 value = _at(value, path, fix)
     return value
 

@@ -71,8 +71,8 @@ VISIBILITY_GRACE = 5.0
 network (a shared filesystem's directory cache can hide a new file for a moment)."""
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
-SENDER_FAILED = -1
 _MAX_ERROR = 4000
+SENDER_FAILED = -1
 """The trailer in place of an object's CRC-32C (never negative) when its sender could not read it."""
 
 
