@@ -1,7 +1,7 @@
 """Rank bodies for tests/distributed/test_guards_multirank.py (spawned: importable on their own, no pytest).
 
 The collective merge learns of a failed rank in two ways: its failure record on storage (dst's
-``_CommitWatch``) and its failure key in the process group's store (``publish_failure``). Each
+``_commit_watch``) and its failure key in the process group's store (``publish_failure``). Each
 scenario disables one, so the other alone must name the rank, long before the merge's timeout.
 """
 

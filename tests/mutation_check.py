@@ -977,7 +977,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "wait-notices-coordinated",
         "spillmerge/_dist/transfer.py",
-        "            self.notices(state, self.segments, self.session.run_id, away)\n",
+        "            notices(state, segments, session.run_id, away)\n",
         "            pass\n",
         ("tests/spill/test_waits.py::test_a_coordinated_merge_names_the_rank_still_writing",),
         "a merge under torch.distributed names on stderr the ranks it waits for",

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .._errors import ConfigError, CorruptSpillError, RankFailedError, SpillMergeError
 from .._format import crc
@@ -75,8 +76,6 @@ def node_local_root() -> str:
 
 def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int, int]:
     """(this rank, world size, destination) in the default group; ``group`` must be it."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise DropInArgumentError("the default process group is not initialized (call init_process_group first)")
     if (
@@ -98,8 +97,6 @@ def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int
 
 def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
     """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
-    import torch.distributed as dist
-
     got: list[Any] = [None] * dist.get_world_size()
     on_gloo(rank, timeout, what, dist.all_gather_object, got, mine)
     return got
@@ -232,11 +229,11 @@ class _Shape:
         self.whole.append(path)
         return _Whole(obj)
 
-    def dumps(self) -> str | None:
-        """The paths to turn back, as JSON; None when there are none (nothing to store)."""
+    def paths(self) -> dict[str, list[list[Any]]] | None:
+        """The paths to turn back; None when there are none (nothing to store)."""
         if not (self.numpy or self.scalars or self.whole):
             return None
-        return json.dumps({"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole})
+        return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole}
 
 
 _FIXES: dict[str, Any] = {
@@ -314,7 +311,7 @@ def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_
         return
     shape = _Shape(obj, allow_pickle)
     obj = shape.obj
-    header: dict[str, Any] = {"shape": shape.dumps()}
+    header: dict[str, Any] = {"shape": shape.paths()}
     if _split(obj):
         kind = type(obj)
         header["kind"], header["n"] = kind.__name__, len(obj)
@@ -334,10 +331,6 @@ def _read(store: MergedStore, world: int, object_list: list[Any]) -> None:
     """Every rank's object, from one pass over the output's rows in filename order (a rank's
     files sort together, its elements in order): tensors as torch tensors on the CPU, the paths
     its header names turned back (numpy arrays, pickled objects)."""
-    if len(store) == world:  # every rank wrote one file and no header: its object is that file's value
-        for r in range(world):
-            object_list[r] = store.value(_name(r), 0, as_torch=True)
-        return
     items: list[list[Any]] = [[] for _ in range(world)]
     headers: list[Any] = [None] * world
     for name, _, value in store.iter_values(as_torch=True):
@@ -364,10 +357,9 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
             raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
         value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
         value = tuple(value) if kind == "tuple" else value
-    if header["shape"] is not None:  # what ``_Shape.dumps`` says storage did not keep
-        shape = json.loads(header["shape"])
+    if header["shape"] is not None:  # what ``_Shape.paths`` says storage did not keep
         for key, fix in _FIXES.items():  # in this order: a pickled whole may hold numpy arrays
-            for path in shape[key]:
+            for path in header["shape"][key]:
                 value = _at(value, path, fix)
     return value
 
@@ -477,8 +469,6 @@ def _collective(
         error = exc
     try:
         if every_rank:  # every rank has read the output before dst removes it, and knows who failed
-            import torch.distributed as dist
-
             failed = torch.tensor([error is not None], dtype=torch.int32)
             on_gloo(rank, timeout, "finished reading back", dist.all_reduce, failed)
             if failed.item():  # one round of one int when all went well; a second names who failed

@@ -28,14 +28,10 @@ def _env_int(name: str, default: int) -> int:
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     """Explicit arguments, else torch.distributed when initialised, else env RANK/WORLD_SIZE,
     else 0 and 1."""
-    if rank is None or world_size is None:
-        if dist_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-        else:
-            env_rank, env_world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-            rank = env_rank if rank is None else rank
-            world_size = env_world if world_size is None else world_size
+    if rank is None:
+        rank = dist.get_rank() if dist_initialized() else _env_int("RANK", 0)
+    if world_size is None:
+        world_size = dist.get_world_size() if dist_initialized() else _env_int("WORLD_SIZE", 1)
     for name, v in (("rank", rank), ("world_size", world_size)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise SpillValueError(f"{name} must be an int, got {v!r}")

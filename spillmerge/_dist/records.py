@@ -44,8 +44,7 @@ class _NotExact(Exception):
 class Encoded:
     """An object's records as the header and buffers of its bytes."""
 
-    def __init__(self, container: str) -> None:
-        self.container = container
+    def __init__(self) -> None:
         self.parts: list[Any] = []
         self.size = 0
 
@@ -67,10 +66,10 @@ class Encoded:
         large = bool(ends[-1] > np.iinfo(np.int32).max)
         return self.buffer(ends if large else ends.astype(np.int32)), large
 
-    def pieces(self, columns: dict[str, Any]) -> list[Any]:
+    def pieces(self, container: str, columns: dict[str, Any]) -> list[Any]:
         """The bytes, as pieces to write back to back; ``_NotExact`` for a header larger than a
         reader takes (a dict of very many keys)."""
-        head = json.dumps({"container": self.container, "columns": columns}).encode()
+        head = json.dumps({"container": container, "columns": columns}).encode()
         head += b" " * (-len(head) % 8)  # JSON's whitespace: the buffers start 8-byte aligned
         if len(head) > _HEADER_MAX:
             raise _NotExact
@@ -146,7 +145,7 @@ def encode(obj: Any) -> list[Any] | None:
     exactly (the module docstring), else None."""
     kind = type(obj)
     if kind is dict:
-        if not obj or not all(type(k) is str for k in obj):
+        if not all(type(k) is str for k in obj):  # an empty dict: no values, below
             return None
         values = list(obj.values())
     elif kind is list or kind is tuple:
@@ -155,12 +154,12 @@ def encode(obj: Any) -> list[Any] | None:
         return None
     if not values or set(map(type, values)) != {dict} or not values[0]:
         return None
-    out = Encoded(kind.__name__)
+    out = Encoded()
     try:
         columns = {"v": _column(out, values)}
         if kind is dict:
             columns["k"] = _column(out, list(obj))
-        return out.pieces(columns)
+        return out.pieces(kind.__name__, columns)
     except (_NotExact, OverflowError, UnicodeError):
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
 

@@ -104,9 +104,7 @@ class Rounds:
         # one spelling of the output, to compare the ranks' (absolute; a URL without a final /)
         spelling = os.path.abspath(out) if "://" not in os.fspath(out) else os.fspath(out).rstrip("/")
 
-        def transfer() -> TransferInfo | None:
-            """The first merge of a job gathers every shard where dst can read it; a later merge
-            of the same writer (another output or duplicate policy) needs no coordination."""
+        def transfer() -> TransferInfo | None:  # the class docstring says when
             if transport == "storage" or not coordinated(session) or self.shards_here:
                 return None
             info = transfer_shards(

@@ -56,7 +56,7 @@ from .._errors import (
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._merge.report import MergeReport
-from .._spill.barrier import WaitNotices, assess, raise_for_state
+from .._spill.barrier import WaitNotices, assess, commit_looks, raise_for_state
 from .._spill.root import list_segments, scan
 from .._storage import Storage
 from .._util import poll as _poll
@@ -71,8 +71,8 @@ VISIBILITY_GRACE = 5.0
 network (a shared filesystem's directory cache can hide a new file for a moment)."""
 _MAX_MANIFEST = 64 << 20
 _MAX_RECORD = 1 << 20
-SENDER_FAILED = -1
 _MAX_ERROR = 4000
+SENDER_FAILED = -1
 """The trailer in place of an object's CRC-32C (never negative) when its sender could not read it."""
 
 
@@ -267,7 +267,7 @@ def transfer_shards(
     try:
         # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
         # commit record is on storage dst can read: then dst stops waiting for it.
-        watch = _CommitWatch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False))
+        watch = _commit_watch(session, coord, WaitNotices(session.storage, timeout, quiet=progress is False))
         metas = coord.collect("meta", "waiting for every rank to reach merge()", done=watch)
         _check_alike(metas, dst, out, me)
         not_committed = {r: m["state"] for r, m in metas.items() if m["state"] != "committed"}
@@ -369,32 +369,22 @@ def _failures_on_storage(session: Session) -> dict[int, str]:
     return {r: rec.summary() for r, rec in state.failed.items()}
 
 
-class _CommitWatch:
+def _commit_watch(session: Session, coord: Coord, notices: WaitNotices) -> Callable[[], bool]:
     """Called by ``dst`` now and then while it waits for ranks to reach merge(): True once every
     rank's commit record of this run is on ``dst``'s storage (fails fast on a failure record
-    there). The first call lists the whole root, later ones only the ranks still missing. The
-    ranks neither committed there nor at merge() are named on stderr (``WaitNotices``)."""
+    there). The ranks neither committed there nor at merge() are named on stderr."""
+    looks = commit_looks(session.storage, session.world_size, session.run_id)
 
-    def __init__(self, session: Session, coord: Coord, notices: WaitNotices) -> None:
-        self.session, self.coord, self.notices = session, coord, notices
-        self.segments: dict[int, list[Any]] | None = None
-        self.missing: list[int] = []
-
-    def __call__(self) -> bool:
-        storage = self.session.storage
-        if self.segments is None:
-            self.segments = scan(storage)
-        else:
-            for rank in self.missing:
-                self.segments[rank] = list_segments(storage, rank)
-        state = assess(storage, self.segments, self.session.world_size, self.session.run_id)
+    def done() -> bool:
+        state, segments = next(looks)
         if state.failed:
-            raise_for_state(storage, state)
-        self.missing = list(state.missing)
-        if self.missing and self.notices.due():
-            away = [r for r in self.missing if not self.coord.store.check([f"meta/{r}"])]
-            self.notices(state, self.segments, self.session.run_id, away)
-        return not self.missing
+            raise_for_state(session.storage, state)
+        if state.missing and notices.due():
+            away = [r for r in state.missing if not coord.store.check([f"meta/{r}"])]
+            notices(state, segments, session.run_id, away)
+        return not state.missing
+
+    return done
 
 
 # ------------------------------------------------------------------------------------- sender

@@ -1,11 +1,12 @@
 """The commit barrier on a spill root: what its records say of every rank (:class:`SpillState`),
 stale segments of an earlier job, and the wait for every rank's commit record
-(:func:`wait_for_commits`), which says on stderr whom it waits for (:class:`WaitNotices`)."""
+(:func:`wait_for_commits`, :func:`commit_looks`), which says on stderr whom it waits for (:class:`WaitNotices`)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .._errors import (
@@ -177,6 +178,19 @@ def raise_for_state(storage: Storage, state: SpillState, *, waited_s: float | No
         )
 
 
+def commit_looks(
+    storage: Storage, world_size: int | None, run_id: str | None
+) -> Iterator[tuple[SpillState, dict[int, list[Segment]]]]:
+    """Every rank's state (and the segments it was assessed from) at each ``next()``: the first
+    look lists the whole root, later ones only the ranks still missing."""
+    segments = scan(storage)
+    while True:
+        state = assess(storage, segments, world_size, run_id)
+        yield state, segments
+        for rank in state.missing:
+            segments[rank] = list_segments(storage, rank)
+
+
 def wait_for_commits(
     storage: Storage,
     *,
@@ -190,14 +204,10 @@ def wait_for_commits(
     has committed; fail fast on a failure record; time out naming the missing ranks. Unless
     ``progress`` is False, a line on stderr says which ranks it waits for and what each is doing
     (:class:`WaitNotices`)."""
-    segments = scan(storage)
-    missing: list[int] = []
+    looks = commit_looks(storage, world_size, run_id)
     notices = WaitNotices(storage, timeout, quiet=progress is False)
     for waited in _poll.poll(timeout, first=0.05, cap=2.0):
-        for rank in missing:  # after the first look, only the ranks still outstanding are listed again
-            segments[rank] = list_segments(storage, rank)
-        state = assess(storage, segments, world_size, run_id)
-        missing = list(state.missing)
+        state, segments = next(looks)
         if state.failed or not state.missing:
             break
         if waited < timeout:
