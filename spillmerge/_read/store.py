@@ -127,6 +127,11 @@ class OutputFiles:
                 setattr(col, kind, np.asarray(V.read_array(node), dtype=dtype) if domain else lazy(node, dtype=dtype))
             if domain:
                 nested[name] = col
+        self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
+        for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
+            self.by_leaf.setdefault(c.info.leaf, []).append(c)
+        self.variants = [sorted(c.info.name for c in cs) for _, cs in sorted(self.by_leaf.items()) if len(cs) > 1]
+        """The names of each leaf's columns, for the leaves with several (one per variant)."""
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(self, root, raise_)
         for arr in (self.frame_idx, *self.prov.values()):
@@ -148,7 +153,7 @@ class OutputFiles:
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True, col.none))
             valid = {name: col.valid for name, col in nested.items()}
             none = {name: col.none for name, col in nested.items()}
-            raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0, none))
+            raise_(LZ.variant_problems([g for g in self.variants if g[0] in nested], nested, valid, 0, none))
         # Per file layout, its columns and where each shows in a file's value: (dicts above it, key,
         # view class, column, list domain); None for plain tensor values (one view).
         self._layout_cols = [[self.columns[name] for name in names] for names in self.layouts]
@@ -163,9 +168,6 @@ class OutputFiles:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
-        self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
-        for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
-            self.by_leaf.setdefault(c.info.leaf, []).append(c)
         self.leaf_names: dict[str, tuple[str, ...]] = {}
         """Each leaf's column name, as ``to_arrow`` names it: its path (``""`` for plain values), or,
         where another leaf's path reads the same (a key holding ``/`` beside nested dicts, an empty
