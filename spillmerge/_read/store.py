@@ -175,6 +175,10 @@ class OutputFiles:
         for leaf in sorted(self.by_leaf, key=lambda p: ("/".join(p), any(not k or "/" in k for k in p))):
             self.leaf_names[unique_name(self.leaf_names, "/".join(leaf), leaf)] = leaf
 
+    def leaf(self, name: str) -> tuple[str, ...]:
+        """The leaf of column ``name`` as :attr:`leaf_names` names it, else its keys split at ``/``."""
+        return self.leaf_names.get(name, tuple(name.split("/")) if name else ())
+
     def value(self, i: int, filename: str) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name)."""
         a, b = self.checks.file_rows(i)
@@ -382,7 +386,7 @@ class MergedStore(Mapping[str, Any]):
         if path is None:
             leaf: tuple[str, ...] = ()
         elif isinstance(path, str):
-            leaf = self.files.leaf_names.get(path, tuple(path.split("/")) if path else ())
+            leaf = self.files.leaf(path)
         elif isinstance(path, tuple | list) and all(isinstance(k, str) for k in path):
             leaf = tuple(path)
         else:
