@@ -392,6 +392,7 @@ class MergedStore(Mapping[str, Any]):
         else:
             raise TypeError(f"column() takes path as a str, a tuple or list of str, or None, not {path!r}")
         where, name, cols = self.storage.describe(), "/".join(leaf), self.files.by_leaf.get(leaf, [])
+        shown = name or "None (the plain tensor values)"
         if dtype is not None and cols:
             dts = [_dtype_choice(c) for c in cols]
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
@@ -402,13 +403,11 @@ class MergedStore(Mapping[str, Any]):
             dts = [_dtype_choice(c) for c in cols]
             what = f"has one column per dtype or kind ({', '.join(dts)}: files disagreed on it)"
             hint = f"pass dtype=, e.g. column({name or None!r}, dtype={dts[0]!r})"
-            shown = name or "None (the plain tensor values)"
             raise UnknownColumnError(f"{where}: leaf {shown!r} {what}; {hint}", column=name, known=dts)
         if not cols:
-            known = sorted(name if leaf else "<tensor> (None)" for name, leaf in self.files.leaf_names.items())
-            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
+            known = sorted(n if lf else "<tensor> (None)" for n, lf in self.files.leaf_names.items())
             what = f"has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}"
-            raise UnknownColumnError(f"{where} {what}", column="/".join(leaf), known=known)
+            raise UnknownColumnError(f"{where} {what}", column=name, known=known)
         return cols[0].view(0, cols[0].n_rows)
 
     @property
