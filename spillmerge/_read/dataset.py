@@ -34,10 +34,9 @@ class OutputDataset:
     ):
         self.path, self.storage_options, self.allow_pickle = path, storage_options, allow_pickle
         store = MergedStore(path, storage_options, allow_pickle)
-        self._leaves = store.files.leaf_names
-        self.columns = sorted(self._leaves) if columns is None else list(columns)
+        self.columns = store.columns if columns is None else list(columns)
         for name in self.columns:
-            _variants(store, name, self._leaves)  # raises UnknownColumnError, naming the columns there are
+            _variants(store, name)  # raises UnknownColumnError, naming the columns there are
         self._n = len(store.index_arrays()[2])
         self._store: Any = store
         self._views: list[tuple[list[Any], tuple[str, ...]]] | None = None
@@ -58,7 +57,7 @@ class OutputDataset:
         if self._views is None:
             require_torch("spillmerge.OutputDataset")  # its rows hold tensors
             self._views = [
-                (_variants(self._store, name, self._leaves), F.list_domain(_leaf(name, self._leaves)))
+                (_variants(self._store, name), F.list_domain(self._store.files.leaf(name)))
                 for name in self.columns
             ]
             self._index = self._store.index_arrays()[:3]
@@ -84,13 +83,9 @@ class OutputDataset:
         return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"
 
 
-def _leaf(name: str, leaves: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
-    return leaves.get(name, tuple(name.split("/")) if name else ())
-
-
-def _variants(store: MergedStore, name: str, leaves: dict[str, tuple[str, ...]]) -> list[Any]:
+def _variants(store: MergedStore, name: str) -> list[Any]:
     """The views of leaf ``name``'s columns: one, or one per dtype or kind the files disagreed on."""
-    cols = store.files.by_leaf.get(_leaf(name, leaves), [])
+    cols = store.files.by_leaf.get(store.files.leaf(name), [])
     if not cols:
         store.column(name)  # raises UnknownColumnError, naming the columns there are
     return [col.view(0, col.n_rows) for col in cols]

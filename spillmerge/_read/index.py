@@ -177,7 +177,7 @@ class IndexChecks:
         self._listed = {name: np.array([name in lay for lay in files.layouts], dtype=bool) for name in files.columns}
         self._done: set[int] = set()
         self._last_file = 0
-        self._variants = variant_groups(columns)
+        self._variants = [g for g in files.variants if g[0] in columns]
 
     def _fail(self, rel: str, problem: str) -> None:
         """Refuse the output for one problem of the array ``rel`` (or, with a collecting
@@ -348,14 +348,6 @@ def _shapes_problems(info: Any, shapes: np.ndarray, step: np.ndarray, r0: int) -
         what = f"row {r0 + r} has shape {shapes[r].tolist()}, but its offsets span {int(step[r])}"
         out.append((rel, f"{what} ({len(bad)} such rows)"))
     return out
-
-
-def variant_groups(columns: dict[str, Any]) -> list[list[str]]:
-    """The names of each leaf's columns, for the leaves with several (one per variant)."""
-    by_leaf: dict[tuple[str, ...], list[str]] = {}
-    for name, col in columns.items():
-        by_leaf.setdefault(col.info.leaf, []).append(name)
-    return [names for _, names in sorted(by_leaf.items()) if len(names) > 1]
 
 
 def variant_problems(

@@ -127,6 +127,11 @@ class OutputFiles:
                 setattr(col, kind, np.asarray(V.read_array(node), dtype=dtype) if domain else lazy(node, dtype=dtype))
             if domain:
                 nested[name] = col
+        self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
+        for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
+            self.by_leaf.setdefault(c.info.leaf, []).append(c)
+        self.variants = [sorted(c.info.name for c in cs) for _, cs in sorted(self.by_leaf.items()) if len(cs) > 1]
+        """The names of each leaf's columns, for the leaves with several (one per variant)."""
         root = {name: col for name, col in self.columns.items() if name not in nested}
         self.checks = LZ.IndexChecks(self, root, raise_)
         for arr in (self.frame_idx, *self.prov.values()):
@@ -148,7 +153,7 @@ class OutputFiles:
                 raise_(LZ.column_row_problems(col.info, col.offsets, col.shapes, col.valid, rows, 0, True, col.none))
             valid = {name: col.valid for name, col in nested.items()}
             none = {name: col.none for name, col in nested.items()}
-            raise_(LZ.variant_problems(LZ.variant_groups(nested), nested, valid, 0, none))
+            raise_(LZ.variant_problems([g for g in self.variants if g[0] in nested], nested, valid, 0, none))
         # Per file layout, its columns and where each shows in a file's value: (dicts above it, key,
         # view class, column, list domain); None for plain tensor values (one view).
         self._layout_cols = [[self.columns[name] for name in names] for names in self.layouts]
@@ -163,15 +168,16 @@ class OutputFiles:
             self.key_orders = KeyOrders(header.get("key_orders"), len(self.filenames), "zarr.json")
         except CorruptSpillError as exc:
             raise_([("zarr.json", str(exc))])
-        self.by_leaf: dict[tuple[str, ...], list[OpenColumn]] = {}
-        for c in sorted(self.columns.values(), key=lambda c: c.info.dtype):
-            self.by_leaf.setdefault(c.info.leaf, []).append(c)
         self.leaf_names: dict[str, tuple[str, ...]] = {}
         """Each leaf's column name, as ``to_arrow`` names it: its path (``""`` for plain values), or,
         where another leaf's path reads the same (a key holding ``/`` beside nested dicts, an empty
         key), the path as JSON."""
         for leaf in sorted(self.by_leaf, key=lambda p: ("/".join(p), any(not k or "/" in k for k in p))):
             self.leaf_names[unique_name(self.leaf_names, "/".join(leaf), leaf)] = leaf
+
+    def leaf(self, name: str) -> tuple[str, ...]:
+        """The leaf of column ``name`` as :attr:`leaf_names` names it, else its keys split at ``/``."""
+        return self.leaf_names.get(name, tuple(name.split("/")) if name else ())
 
     def value(self, i: int, filename: str) -> Any:
         """File ``i``'s nested dict of leaf views (``filename``: its name)."""
@@ -380,12 +386,13 @@ class MergedStore(Mapping[str, Any]):
         if path is None:
             leaf: tuple[str, ...] = ()
         elif isinstance(path, str):
-            leaf = self.files.leaf_names.get(path, tuple(path.split("/")) if path else ())
+            leaf = self.files.leaf(path)
         elif isinstance(path, tuple | list) and all(isinstance(k, str) for k in path):
             leaf = tuple(path)
         else:
             raise TypeError(f"column() takes path as a str, a tuple or list of str, or None, not {path!r}")
         where, name, cols = self.storage.describe(), "/".join(leaf), self.files.by_leaf.get(leaf, [])
+        shown = name or "None (the plain tensor values)"
         if dtype is not None and cols:
             dts = [_dtype_choice(c) for c in cols]
             cols = [c for c in cols if dtype in (c.info.dtype, c.info.variant, _dtype_choice(c))]
@@ -396,13 +403,11 @@ class MergedStore(Mapping[str, Any]):
             dts = [_dtype_choice(c) for c in cols]
             what = f"has one column per dtype or kind ({', '.join(dts)}: files disagreed on it)"
             hint = f"pass dtype=, e.g. column({name or None!r}, dtype={dts[0]!r})"
-            shown = name or "None (the plain tensor values)"
             raise UnknownColumnError(f"{where}: leaf {shown!r} {what}; {hint}", column=name, known=dts)
         if not cols:
-            known = sorted(name if leaf else "<tensor> (None)" for name, leaf in self.files.leaf_names.items())
-            shown = "/".join(leaf) if leaf else "None (the plain tensor values)"
+            known = sorted(n if lf else "<tensor> (None)" for n, lf in self.files.leaf_names.items())
             what = f"has no leaf column {shown!r}; its columns: {', '.join(map(repr, known)) or 'none'}"
-            raise UnknownColumnError(f"{where} {what}", column="/".join(leaf), known=known)
+            raise UnknownColumnError(f"{where} {what}", column=name, known=known)
         return cols[0].view(0, cols[0].n_rows)
 
     @property

@@ -182,23 +182,14 @@ class FixedView(LeafView):
             sel, rest = (sel[0], sel[1:]) if sel else (slice(None), ())
         if sel is Ellipsis:
             sel = slice(None)
+        col = self._col
         if isinstance(sel, (int, np.integer)):
-            arr = self._col.unit(self._row(sel)).copy()
-        elif self._col.offsets is not None:
-            arr = self._compact(sel)
-        elif isinstance(sel, slice):
-            a, b, step = sel.indices(len(self))
-            if step == 1:
-                arr = self._col.rows(self._start + a, self._start + max(a, b))
-            else:  # read the file's rows, then step through them
-                arr = self._col.rows(self._start, self._stop)[sel]
+            arr = col.unit(self._row(sel)).copy()
+        elif isinstance(sel, slice) and sel.step in (None, 1) and col.offsets is None:
+            a, b, _ = sel.indices(len(self))
+            arr = col.rows(self._start + a, self._start + max(a, b))
         else:
-            rows = self._picked(sel)
-            if rows.size:
-                lo = int(rows.min())
-                arr = self._col.rows(lo, int(rows.max()) + 1)[rows - lo]
-            else:
-                arr = self._col.rows(0, 0)
+            arr = self._take(np.arange(self._start, self._stop)[sel] if isinstance(sel, slice) else self._picked(sel))
         return arr[(slice(None), *rest)] if rest and arr.ndim > len(self.shape) - 1 else arr[rest] if rest else arr
 
     def _picked(self, sel: Any) -> np.ndarray:
@@ -212,13 +203,14 @@ class FixedView(LeafView):
             raise IndexError(f"rows are selected by integers, a slice or a boolean mask, not {idx.dtype} {sel!r}")
         return np.asarray([self._row(i) for i in idx.ravel()], dtype=np.int64).reshape(idx.shape)
 
-    def _compact(self, sel: Any) -> np.ndarray:
-        """Rows ``sel`` of a fixed column whose ``values`` hold only the rows with a value (it has
-        ``offsets``, steps 0 or 1): the others read as zeros."""
-        col = self._col
-        o = col.offsets
-        assert o is not None
-        rows = np.arange(self._start, self._stop)[sel] if isinstance(sel, slice) else self._picked(sel)
+    def _take(self, rows: np.ndarray) -> np.ndarray:
+        """Absolute rows ``rows`` from one read of the values from the first to the last; a compact
+        column's ``values`` hold only the rows with a value (``offsets`` of steps 0 or 1): the
+        others read as zeros."""
+        col, o = self._col, self._col.offsets
+        if o is None:
+            lo, hi = (int(rows.min()), int(rows.max()) + 1) if rows.size else (0, 0)
+            return col.rows(lo, hi)[rows - lo]
         lo, hi = (int(o[rows.min()]), int(o[rows.max() + 1])) if rows.size else (0, 0)
         vals = col.rows(lo, hi)
         has = o[rows + 1] > o[rows]
