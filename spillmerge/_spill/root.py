@@ -38,18 +38,14 @@ class Segment:
 
     @property
     def run_id(self) -> str | None:
-        for src in (self.commit, self.failure):
-            if src is not None:
-                return src.run_id
-        rid = (self.header or {}).get("run_id")
+        rec = self.commit or self.failure
+        rid = rec.run_id if rec is not None else (self.header or {}).get("run_id")
         return rid if isinstance(rid, str) else None
 
     @property
     def world_size(self) -> int | None:
-        for src in (self.commit, self.failure):
-            if src is not None:
-                return src.world_size
-        return F.int_or_none(self.header or {}, "world_size")
+        rec = self.commit or self.failure
+        return rec.world_size if rec is not None else F.int_or_none(self.header or {}, "world_size")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import torch
 
 from .._errors import SpillValueError
 from .._format.common import FILENAME_MAX_BYTES
-from .leaves import check_filename, check_frame_idx, host_array
+from .leaves import check_filename, check_frame_idx
 
 
 def mapping_items(mapping: Any) -> Iterator[tuple[Any, Any, Any]]:
@@ -289,22 +289,6 @@ def _dense(value: Any, path: tuple[str, ...], n: int, out: dict[tuple[str, ...],
     if ok:
         out[path] = value
     return ok
-
-
-def as_rows(value: Any, n: int) -> np.ndarray:
-    """A dense leaf of ``n`` items as host bytes, one row of ``(n, item bytes)`` per item: the
-    bytes ``_write.flatten.flatten`` gives item ``i`` (little-endian, C order)."""
-    arr = host_array(value) if type(value) is torch.Tensor else None  # the common leaf
-    if arr is not None and arr.flags.c_contiguous:
-        return arr.reshape(n, -1).view(np.uint8)
-    if isinstance(value, torch.Tensor):
-        t = value.detach().resolve_conj().resolve_neg()  # each returns its tensor itself when it has no such bit
-        rows = t.contiguous().reshape(n, -1)
-        if rows.shape[1] == 1 and rows.stride(1) != 1:  # "contiguous" whatever its stride: a byte view needs 1
-            rows = rows.clone(memory_format=torch.contiguous_format)
-        return rows.view(torch.uint8).numpy()
-    arr = value.astype(value.dtype.newbyteorder("<"), copy=False)  # swapped only when not little-endian
-    return np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
 
 
 def nest(by_path: dict[tuple[str, ...], Any]) -> Any:

@@ -24,9 +24,9 @@ from .._format import common as F
 from .._format import spill as FS
 from .._storage import Storage
 from .._util.gcpause import gc_paused
-from .batch import as_rows, at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, nest, split_batch
+from .batch import at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, nest, split_batch
 from .columns import first_leaves, flat_columns, flatten_items
-from .flatten import flatten, flatten_dense
+from .flatten import array_bytes, flatten, flatten_dense
 from .leaves import Leaf, check_filename, check_frame_idx, same_leaves
 from .lifecycle import MergeSteps
 from .segment import WriterState
@@ -266,13 +266,12 @@ class SpillWriter(MergeSteps):
         template = self._dense_template(names, frames, columns)
         if template is None:
             return False
-        rows = [as_rows(columns[path], n) for path in template.paths]
+        data = [array_bytes(columns[path]) for path in template.paths]  # each leaf's items back to back
         if template.ids is None:  # ids in the catalog never change: once per template
             template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
-        n_leaves = len(rows)
+        n_leaves = len(data)
         layout_ids = np.tile(np.array(template.ids, dtype=np.int64), (n, 1))
-        sizes = np.tile(np.array([r.shape[1] for r in rows], dtype=np.int64), (n, 1))
-        data = [np.ascontiguousarray(r).reshape(-1) for r in rows]
+        sizes = np.tile(np.array([len(d) // n for d in data], dtype=np.int64), (n, 1))
         if fresh:
             row0 = self._add_keys(names, range(base, base + n), frames, n_leaves)
             self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, sizes, data)
