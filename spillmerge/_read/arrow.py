@@ -290,9 +290,11 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         elif kind == "pyrecords":
             arr = _records(node, b, rows[pos], lengths, starts)
             out.append((("records", str(arr.type)), "records", pos, arr))
-            for col in empty:
+            for col in empty:  # (from arrays: pyarrow makes no tensor or union of Python lists)
                 none = np.flatnonzero(b.valid(col, rows))
-                out.append((("records", str(arr.type)), "records", none, pa.array([[]] * len(none), type=arr.type)))
+                nil = pa.array(np.zeros(len(none) + 1, np.int64))
+                lists = pa.LargeListArray.from_arrays(nil, arr.values.slice(0, 0), type=arr.type)
+                out.append((("records", str(arr.type)), "records", none, lists))
             empty = []
         elif with_keys and node.keys:
             continue  # a dict whose keys some rows have: the struct of them below, null fields here

@@ -170,3 +170,21 @@ def test_a_column_beside_lists_of_dicts_has_no_union_child_only_their_rows_hold(
     assert pq.read_table(str(tmp_path / "x.parquet")).drop(["filename", "frame_idx", "rank"]).to_pylist() == (
         table.drop(["filename", "frame_idx", "rank"]).to_pylist()
     )
+
+
+def test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports(tmp_path):
+    """``[]`` beside lists of dicts whose keys hold tensors (a mask per detection) or values of
+    several kinds: its empty lists were made from Python lists, which pyarrow refuses for a tensor
+    or a union (ArrowNotImplementedError from to_arrow)."""
+    mask = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    rows = [
+        {"dets": [{"mask": mask}], "kp": [{"p": [{"x": 1}]}]},
+        {"dets": [], "kp": [{"p": []}]},
+        {"dets": [{"mask": -mask}, {"mask": mask}], "kp": []},
+    ]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow()
+    got = [[d["mask"].to_numpy().tolist() for d in r.values] for r in table.column("dets")]
+    assert got == [[mask.tolist()], [], [(-mask).tolist(), mask.tolist()]]
+    assert [len(r.values) for r in table.column("kp")] == [1, 1, 0]
+    assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
