@@ -737,6 +737,22 @@ MUTATIONS: list[Mutation] = [
         "an empty list beside lists of dicts or tensors exports as their list type, not a union Parquet refuses",
     ),
     Mutation(
+        "exported-node-pruned-to-its-rows",
+        "spillmerge/_read/arrow.py",
+        "            kept = node.pruned(lambda c: bool(L.any_per_row(offs, F.list_domain(c.info.leaf), _held(c))[own].any()))\n",
+        "            kept = node.pruned(lambda c: True)\n",
+        ("tests/read/test_reader_edges.py::test_a_column_beside_lists_of_dicts_has_no_union_child_only_their_rows_hold",),
+        "a top-level Arrow column has no union child or field only rows it does not show hold",
+    ),
+    Mutation(
+        "empty-records-lists-from-arrays",
+        "spillmerge/_read/arrow.py",
+        "                lists = pa.LargeListArray.from_arrays(nil, arr.values.slice(0, 0), type=arr.type)\n",
+        "                lists = pa.array([[]] * len(none), type=arr.type)\n",
+        ("tests/read/test_reader_edges.py::test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports",),
+        "an empty list beside lists of dicts holding tensors or unions exports (no Python lists of those types)",
+    ),
+    Mutation(
         "flat-records-others-checked-first",
         "spillmerge/_write/writer.py",
         "            item_leaves = self._item_leaves(items[i], i, names, frames, positions)\n            others.append(",

@@ -102,6 +102,18 @@ class Node:
         kids = [*self.keys.values(), *([self.each] if self.each is not None else [])]
         return self.cols + self.headers + [c for kid in kids for c in kid.stored()]
 
+    def pruned(self, keep: Callable[[OpenColumn], bool]) -> Node | None:
+        """A copy with the columns ``keep`` takes and the nodes left holding one; None if none is left."""
+        out = Node(self.path, self.order)
+        out.cols = [c for c in self.cols if keep(c)]
+        out.headers = [h for h in self.headers if keep(h)]
+        for seg, kid in self.keys.items():
+            got = kid.pruned(keep)
+            if got is not None:
+                out.keys[seg] = got
+        out.each = None if self.each is None else self.each.pruned(keep)
+        return out if out.cols or out.headers or out.keys or out.each else None
+
     def records(self) -> list[OpenColumn]:
         """The ``pyrecords`` headers here: in their rows the keys are a list of dicts' columns."""
         return [h for h in self.headers if h.info.dtype == "pyrecords"]
@@ -278,9 +290,11 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
         elif kind == "pyrecords":
             arr = _records(node, b, rows[pos], lengths, starts)
             out.append((("records", str(arr.type)), "records", pos, arr))
-            for col in empty:
+            for col in empty:  # (from arrays: pyarrow makes no tensor or union of Python lists)
                 none = np.flatnonzero(b.valid(col, rows))
-                out.append((("records", str(arr.type)), "records", none, pa.array([[]] * len(none), type=arr.type)))
+                nil = pa.array(np.zeros(len(none) + 1, np.int64))
+                lists = pa.LargeListArray.from_arrays(nil, arr.values.slice(0, 0), type=arr.type)
+                out.append((("records", str(arr.type)), "records", none, lists))
             empty = []
         elif with_keys and node.keys:
             continue  # a dict whose keys some rows have: the struct of them below, null fields here
@@ -458,11 +472,12 @@ def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError
 
 @dataclass(frozen=True, slots=True)
 class Hidden:
-    """A top-level column below a path that holds a list of dicts in some rows: null in those."""
+    """A top-level column null in some rows: a structured node's where it holds no value of its
+    own, any column's where an enclosing path holds a list of dicts."""
 
     column: OpenColumn | Node
     rows: np.ndarray
-    """bool per output row: the rows whose value at an enclosing path is a list of dicts."""
+    """bool per output row: the rows where the column is null."""
 
 
 def top_columns(
@@ -478,7 +493,14 @@ def top_columns(
 
     def walk(node: Node, hidden: np.ndarray | None) -> None:
         if node.structured:
-            add("/".join(node.path) or "value", node.path, node, hidden)
+            # its own rows (not its keys' dicts, not an enclosing list of dicts'): the union
+            # children and fields of columns that hold no value in them go (Parquet refuses a union)
+            own = np.logical_or.reduce([_rows(c) for c in node.cols + node.headers])
+            if hidden is not None:
+                own &= ~hidden
+            kept = node.pruned(lambda c: bool(L.any_per_row(offs, F.list_domain(c.info.leaf), _held(c))[own].any()))
+            if kept is not None:
+                add("/".join(node.path) or "value", node.path, kept, ~own)
         else:
             for col in node.cols:
                 add(name_of(col), col.info.leaf, col, hidden)
@@ -507,6 +529,11 @@ def _rows(col: OpenColumn) -> np.ndarray:
     return np.ones(col.n_rows, bool) if col.valid is None else np.asarray(col.valid, dtype=bool)
 
 
+def _held(col: OpenColumn) -> np.ndarray:
+    """Per row of ``col``'s domain: whether it has a value or holds None there."""
+    return _rows(col) if col.none is None else _rows(col) | np.asarray(col.none, dtype=bool)
+
+
 def _meets(valued: np.ndarray | None, rows: np.ndarray) -> bool:
     """Whether ``valued`` (``_valued``'s answer) has a value in one of ``rows``."""
     return valued is None or bool((valued & rows).any())
@@ -519,9 +546,8 @@ def _valued(node: Node, offs: dict[tuple[str, ...], np.ndarray], domain: tuple[s
     return np.logical_or.reduce(got) if got else None
 
 
-def node_array(node: Node, b: Batch) -> tuple[Any, dict[bytes, bytes] | None]:
-    """The structured column of ``node`` for the batch's rows, and its field metadata."""
-    rows = np.arange(b.a, b.b, dtype=np.int64)
+def node_array(node: Node, b: Batch, rows: np.ndarray) -> tuple[Any, dict[bytes, bytes] | None]:
+    """The structured column of ``node`` in ``rows`` (of the batch), and its field metadata."""
     ps = parts(node, b, rows, with_keys=False)
     meta = TUPLE_META if ps and all(k[0] == "pytuple" for k, _, _, _ in ps) else None
     return combine(ps, len(rows)), meta

@@ -107,13 +107,15 @@ def batch(files: Files, cols: dict[str, Column], a: int, b: int) -> Any:
             hidden = col.rows[a:b]
             col = col.column
         if isinstance(col, OpenColumn):
-            arr, meta, domain = stored.arrow(col), None, F.list_domain(col.info.leaf)
-        else:
-            (arr, meta), domain = T.node_array(col, stored), ()
+            arr, meta, domain, at = stored.arrow(col), None, F.list_domain(col.info.leaf), np.arange(b - a)
+        else:  # a node over the rows it shows only: a pruned one cannot read the others
+            shown = np.ones(b - a, bool) if hidden is None else ~hidden
+            (arr, meta), domain = T.node_array(col, stored, a + np.flatnonzero(shown)), ()
+            at = np.cumsum(shown) - 1
         if domain:  # a list's items by their flat name: each row's items as a list
             arr = pa.LargeListArray.from_arrays(pa.array(L.item_offsets(files.list_offsets, domain, a, b)), arr)
-        if hidden is not None and hidden.any():  # rows whose value there is a list of dicts' column
-            arr = arr.take(pa.array(np.arange(b - a), mask=hidden))
+        if hidden is not None and hidden.any():
+            arr = arr.take(pa.array(at, mask=hidden))
         fields.append(pa.field(name, arr.type, metadata=meta))
         arrays[name] = arr
     return pa.RecordBatch.from_arrays(list(arrays.values()), schema=pa.schema(fields))

@@ -139,3 +139,52 @@ def test_an_empty_list_beside_lists_of_dicts_or_tensors_exports_as_an_empty_list
     assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
     res.to_parquet(str(tmp_path / "x.parquet"))
     assert pq.read_table(str(tmp_path / "x.parquet")).column("dets").to_pylist() == [[det], [], [det, det]]
+
+
+def test_a_column_beside_lists_of_dicts_has_no_union_child_only_their_rows_hold(tmp_path):
+    """``[{"a": 1}]`` stores column ``a`` as ``[1]``: beside ``{"a": False}`` the column ``a``
+    (and ``x/a``, and the items of ``y/b``) were unions whose list child was null in every row
+    they show, so to_parquet refused them; each column keeps the types of the rows it shows."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [
+        [{"a": 1}],
+        {"a": False},
+        {"x": [{"a": 2}], "y": [{"b": [torch.ones(2)]}]},
+        {"x": {"a": 3}, "y": {"b": [torch.zeros(3), torch.zeros(1)]}},
+    ]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow()
+    types = {f.name: f.type for f in table.schema}
+    assert (types["a"], types["x/a"]) == (pa.bool_(), pa.int64())
+    assert types["y/b"] == pa.large_list(pa.large_list(pa.float32()))
+    assert types["y"].value_type.field("b").type == pa.large_list(pa.list_(pa.float32(), 2))
+    assert table.select(["value", "a", "x", "x/a", "y", "y/b"]).to_pylist() == [
+        {"value": [{"a": 1}], "a": None, "x": None, "x/a": None, "y": None, "y/b": None},
+        {"value": None, "a": False, "x": None, "x/a": None, "y": None, "y/b": None},
+        {"value": None, "a": None, "x": [{"a": 2}], "x/a": None, "y": [{"b": [[1.0, 1.0]]}], "y/b": None},
+        {"value": None, "a": None, "x": None, "x/a": 3, "y": None, "y/b": [[0.0] * 3, [0.0]]},
+    ]
+    for size in (1, 3):
+        assert [b.schema for b in res.iter_batches(batch_size=size)] == [table.schema] * -(-4 // size)
+    res.to_parquet(str(tmp_path / "x.parquet"))
+    assert pq.read_table(str(tmp_path / "x.parquet")).drop(["filename", "frame_idx", "rank"]).to_pylist() == (
+        table.drop(["filename", "frame_idx", "rank"]).to_pylist()
+    )
+
+
+def test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports(tmp_path):
+    """``[]`` beside lists of dicts whose keys hold tensors (a mask per detection) or values of
+    several kinds: its empty lists were made from Python lists, which pyarrow refuses for a tensor
+    or a union (ArrowNotImplementedError from to_arrow)."""
+    mask = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    rows = [
+        {"dets": [{"mask": mask}], "kp": [{"p": [{"x": 1}]}]},
+        {"dets": [], "kp": [{"p": []}]},
+        {"dets": [{"mask": -mask}, {"mask": mask}], "kp": []},
+    ]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow()
+    got = [[d["mask"].to_numpy().tolist() for d in r.values] for r in table.column("dets")]
+    assert got == [[mask.tolist()], [], [(-mask).tolist(), mask.tolist()]]
+    assert [len(r.values) for r in table.column("kp")] == [1, 1, 0]
+    assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
