@@ -196,14 +196,21 @@ def _load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
 
     checks = read_checks(storage, seg)
     _validate_rows(bad, filenames, layouts, index, commit.nbytes, checks, commit.chunk_bytes)
-    check_chunks(storage, seg)
     return LoadedSegment(seg, filenames, layouts, index, commit.chunk_bytes, checks=checks)
 
 
 def read_checks(storage: Storage, seg: Segment) -> np.ndarray | None:
-    """A committed segment's block checksums, checked against its commit record (None: it has none)."""
+    """A committed segment's block checksums, checked against its commit record (None: it has
+    none), once every data chunk the record promises is found: this also bounds what a hostile
+    record can make the merge allocate by what is really on storage."""
     commit = seg.commit
     assert commit is not None
+    if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
+        raise corrupt(storage, seg, "commit record's chunks cannot hold its bytes")
+    present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
+    for c in range(commit.n_chunks):
+        if str(c) not in present:
+            raise corrupt(storage, seg, f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
     if not commit.n_checks:
         return None
     want = commit.n_checks * FS.CHECK_COLUMNS * 8
@@ -213,19 +220,6 @@ def read_checks(storage: Storage, seg: Segment) -> np.ndarray | None:
     if len(raw) != want or crc != commit.checks_crc32c:
         raise corrupt(storage, seg, "checks do not match the commit record", FS.CHECKS_NAME)
     return np.frombuffer(raw, dtype="<i8").reshape(commit.n_checks, FS.CHECK_COLUMNS).astype(np.int64)
-
-
-def check_chunks(storage: Storage, seg: Segment) -> None:
-    """Every data chunk a committed segment's commit record promises exists: this also bounds
-    what a hostile record can make the merge allocate by what is really on storage."""
-    commit = seg.commit
-    assert commit is not None
-    if commit.n_chunks * commit.chunk_bytes < commit.nbytes:
-        raise corrupt(storage, seg, "commit record's chunks cannot hold its bytes")
-    present = set(storage.listdir(f"{seg.rel}/{FS.DATA_NAME}/c"))
-    for c in range(commit.n_chunks):
-        if str(c) not in present:
-            raise corrupt(storage, seg, f"data chunk {c} is missing", f"{FS.DATA_NAME}/c/{c}")
 
 
 def _validate_rows(

@@ -19,7 +19,7 @@ from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
 from .._storage import Storage
-from .root import Segment, check_chunks, check_rows, corrupt, read_checks
+from .root import Segment, check_rows, corrupt, read_checks
 
 BLOCK = 4 << 20
 """Bytes of a catalog or index read at a time."""
@@ -194,9 +194,8 @@ class Stream:
         assert commit is not None
         self.storage, self.seg, self.commit, self.stem = storage, seg, commit, stem
         self.layouts, self.n_files, self.name_bytes = self._catalog()
-        with _whole_on(CorruptSpillError):  # the block checksums (small: read whole), the chunks promised
+        with _whole_on(CorruptSpillError):  # the chunks promised, the block checksums (small: read whole)
             self.checks: np.ndarray | None = read_checks(storage, seg)
-            check_chunks(storage, seg)
 
     def _catalog(self) -> tuple[list[FS.Layout], int, int]:
         """The catalog's layouts, number of filenames and their bytes (the names to the files)."""

@@ -156,9 +156,7 @@ def records(value: list[Any]) -> dict[str, list[Any]] | None:
     keys = same_keys(value)
     if keys is None:
         return _mapping_records(value)  # (mappings of other types, or other keys: refused there)
-    if len(keys) == 1:
-        return {keys[0]: list(map(operator.itemgetter(keys[0]), value))}
-    return dict(zip(keys, map(list, zip(*map(operator.itemgetter(*keys), value), strict=True)), strict=True))
+    return {k: list(map(operator.itemgetter(k), value)) for k in keys}
 
 
 def same_keys(items: list[Any]) -> tuple[str, ...] | None:
