@@ -263,8 +263,8 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from ._inspect.coverage import coverage, plot
-    from ._inspect.summary import format_coverage, format_text, summarize
+    from ._inspect.coverage import cover, plot
+    from ._inspect.summary import format_coverage, format_text, summarize_read
     from ._storage import Storage, overlaps
     from ._util.frames import read_manifest
 
@@ -276,10 +276,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.plot and not args.overwrite and os.path.lexists(args.plot):
         raise OutputExistsError(f"--plot {args.plot} exists; pass --overwrite to replace it", path=args.plot)
     expected = read_manifest(args.expected) if args.expected else None
-    s = summarize(args.path, so, max_files=args.max_files)
+    storage = Storage(args.path, so)
+    s, read = summarize_read(storage, args.max_files)  # each segment loaded, the output opened, once
     cov = None
-    if s["kind"] == "spill" or s.get("complete"):  # an interrupted merge has no index to cover
-        cov = coverage(args.path, so, expected=expected)
+    if read is not None:  # an interrupted merge has no index to cover
+        cov = cover(storage, read, expected)
         cov.manifest = args.expected
         if args.json:  # the text report builds only what it prints
             s["coverage"] = cov.to_json(max_files=args.max_files)

@@ -16,10 +16,10 @@ import numpy as np
 from .._errors import SpillMergeError, SpillStorageError, require
 from .._format import spill as FS
 from .._read.store import MergedStore
-from .._spill.root import load_segment, scan
+from .._spill.root import Segment
 from .._storage import Storage
 from .._util.frames import gap_runs, n_below, runs
-from .summary import detect
+from .summary import summarize_read
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +125,15 @@ def coverage(
     """Coverage of a spill root (committed segments, as the merge would see them) or a merged output;
     ``expected``: a manifest's counts as ``_util.frames.read_manifest`` reads and checks them."""
     storage = Storage(path, storage_options)
-    kind = detect(storage)
-    per_file, notes = _merged(storage) if kind == "merged" else _spill(storage)
+    read = summarize_read(storage, 0)[1]  # None: an interrupted merge, which MergedStore refuses by name
+    return cover(storage, MergedStore(storage.url, storage.storage_options) if read is None else read, expected)
+
+
+def cover(storage: Storage, read: Any, expected: dict[str, int] | None) -> Coverage:
+    """:func:`coverage` from what ``summary.summarize_read`` read: a :class:`MergedStore`, or the
+    committed segments' keys."""
+    kind = "merged" if isinstance(read, MergedStore) else "spill"
+    per_file, notes = _merged(read) if kind == "merged" else _spill(read)
     want = expected or {}  # (None: no manifest, so no file's count)
     names = sorted(set(per_file) | set(want))
     empty = np.zeros(0, dtype=np.int64)
@@ -138,31 +145,24 @@ def coverage(
 _PerFile = dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _merged(storage: Storage) -> tuple[_PerFile, list[str]]:
-    res = MergedStore(storage.url, storage.storage_options)
+def _merged(res: MergedStore) -> tuple[_PerFile, list[str]]:
     names, off, frames, ranks, copies = res.index_arrays()
     e = off.tolist()  # each file's slices of the index arrays: no lookup per file
     spans = zip(names, e[:-1], e[1:], strict=True)
     return {name: (frames[a:b], ranks[a:b], copies[a:b]) for name, a, b in spans}, []
 
 
-def _spill(storage: Storage) -> tuple[_PerFile, list[str]]:
-    # Write order, as the merge's duplicate policy sees it: segment start time, then rank.
-    segs = sorted(
-        (s for ss in scan(storage).values() for s in ss if s.commit is not None),
-        key=lambda s: (FS.segment_sort_key(s.name)[1], s.rank, s.name),
-    )
+def _spill(read: list[tuple[Segment, Any]]) -> tuple[_PerFile, list[str]]:
     rows: list[np.ndarray] = []  # (file id, frame, rank) of each segment's frames
     gid: dict[str, int] = {}
     notes = []
-    for seg in segs:
-        try:
-            loaded = load_segment(storage, seg)
-        except SpillMergeError as exc:
-            notes.append(str(exc))
+    # Write order, as the merge's duplicate policy sees it: segment start time, then rank.
+    for seg, got in sorted(read, key=lambda r: (FS.segment_sort_key(r[0].name)[1], r[0].rank, r[0].name)):
+        if isinstance(got, str):  # the segment's error
+            notes.append(got)
             continue
-        fmap = np.array([gid.setdefault(f, len(gid)) for f in loaded.filenames], dtype=np.int64)
-        keys = np.unique(loaded.index[:, [FS.COL_FILE, FS.COL_FRAME]], axis=0)
+        filenames, keys = got
+        fmap = np.array([gid.setdefault(f, len(gid)) for f in filenames], dtype=np.int64)
         ids = fmap[keys[:, 0]]
         rows.append(np.column_stack([ids, keys[:, 1], np.full(len(keys), seg.rank, np.int64)]))
     if not any(map(len, rows)):  # (np.split of no rows gives one empty part)

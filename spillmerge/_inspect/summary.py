@@ -26,7 +26,7 @@ from .._read.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from .._read.outputstore import NoFillStore
 from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
-from .._spill.root import data_ranges, load_segment, scan
+from .._spill.root import Segment, data_ranges, load_segment, scan
 from .._storage import Storage
 from .._util.units import size_text as _human
 
@@ -42,9 +42,13 @@ def detect(storage: Storage) -> str:
 
 
 def summarize(path: str, storage_options: dict[str, Any] | None = None, *, max_files: int = 20) -> dict[str, Any]:
-    storage = Storage(path, storage_options)
-    kind = detect(storage)
-    return _summarize_merged(storage, max_files) if kind == "merged" else _summarize_spill(storage, max_files)
+    return summarize_read(Storage(path, storage_options), max_files)[0]
+
+
+def summarize_read(storage: Storage, max_files: int) -> tuple[dict[str, Any], Any]:
+    """The summary, and what it read for ``coverage.cover``: the output opened (None when its merge
+    did not finish), or each committed segment with its filenames and (file, frame) keys, or its error."""
+    return (_summarize_merged if detect(storage) == "merged" else _summarize_spill)(storage, max_files)
 
 
 def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
@@ -56,10 +60,11 @@ def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
     return tqdm(total=total, desc=desc, unit=unit, **kw)
 
 
-def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
+def _summarize_spill(storage: Storage, max_files: int) -> tuple[dict[str, Any], list[tuple[Segment, Any]]]:
     segments = scan(storage)
     every = [s for segs in segments.values() for s in segs]
     committed = [s.commit for s in every if s.commit is not None]
+    read: list[tuple[Segment, Any]] = []
     ranks = []
     files: Counter[str] = Counter()
     dtypes: set[str] = set()
@@ -79,8 +84,10 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
                         per_file = np.bincount(keys[:, 0], minlength=len(loaded.filenames)).tolist()
                         files.update({f: n for f, n in zip(loaded.filenames, per_file, strict=True) if n})
                         dtypes.update(F.dtype_text(lay.dtype, len(lay.shape)) for lay in loaded.layouts)
+                        read.append((s, (loaded.filenames, keys)))
                     except SpillMergeError as exc:
                         entry["error"] = str(exc)
+                        read.append((s, entry["error"]))
                     bar.update(1)
                 if s.failure is not None:
                     entry["error"] = s.failure.summary()
@@ -98,13 +105,13 @@ def _summarize_spill(storage: Storage, max_files: int) -> dict[str, Any]:
         "frames": sum(c.n_frames for c in committed),
         "bytes": sum(c.nbytes for c in committed),
         "segments": len(every),
-    }
+    }, read
 
 
-def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
+def _summarize_merged(storage: Storage, max_files: int) -> tuple[dict[str, Any], MergedStore | None]:
     if not storage.exists(FO.COMPLETE_NAME):
         # (the header is read from storage: none of its keys stands in for what we found)
-        return {**(FO.header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}
+        return {**(FO.header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}, None
     res = MergedStore(storage.url, storage.storage_options)
     files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
@@ -135,7 +142,7 @@ def _summarize_merged(storage: Storage, max_files: int) -> dict[str, Any]:
         "segments": h.get("segments"),
         "dtypes": sorted(dtypes),
         "files": files,
-    }
+    }, res
 
 
 def _leaf(arr: Any, renamed: dict[tuple[str, ...], str]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import re
 import struct
 import termios
 import threading
+from collections import Counter
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 
 import spillmerge
 import spillmerge.cli
+from spillmerge._storage import LocalStorage
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -52,6 +54,30 @@ def test_json_lists_at_most_max_files_and_counts_all(tmp_path, capsys):
         j = json.loads(_cli(capsys, "inspect", str(path), "--json", "--files", "2")[1])
         assert len(j["files"]) == 2 and len(j["coverage"]["files"]) == 2
         assert j["n_files"] == 5 and j["coverage"]["n_files"] == 5 and j["coverage"]["present_frames"] == 5
+
+
+def test_inspect_reads_each_object_once(tmp_path, capsys, monkeypatch):
+    """The summary and the coverage come from one pass: each segment's commit record, catalog and
+    index (checked against their CRCs) are read once, and the output is opened once."""
+    root, out = tmp_path / "spill", tmp_path / "out.zarr"
+    for rank in (0, 1):
+        with spillmerge.SpillWriter(root, rank=rank, world_size=2) as w:
+            w.write(f"f{rank}.mp4", 0, torch.ones(2))
+    spillmerge.merge(str(root), str(out))
+    reads: Counter[str] = Counter()
+    real_get = LocalStorage.get
+
+    def get(self: LocalStorage, rel: str, **kw: int) -> bytes:
+        reads[rel] += 1
+        return real_get(self, rel, **kw)
+
+    monkeypatch.setattr(LocalStorage, "get", get)
+    # (an output's root document is read to tell what the path is, then by open)
+    for path, index, n, twice in ((root, "/index/c/0/0", 2, {}), (out, "index/frame_rank/c/0", 1, {"zarr.json": 2})):
+        reads.clear()
+        assert _cli(capsys, "inspect", str(path))[0] == 0
+        assert sum(rel.endswith(index) for rel in reads) == n  # a spill root's two segments; the output
+        assert {rel: k for rel, k in reads.items() if k > 1} == twice, path
 
 
 def _on_a_terminal(args: list[str]) -> str:
