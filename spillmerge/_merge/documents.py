@@ -99,8 +99,8 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
             "attributes": {"spillmerge": {"names_per_head": NAME_BLOCK}},
         },
         "filename_head_offsets": _rows_meta(n_heads + 1, "int64", ["filename_head_edge"]),
-        "frame_offsets": _rows_meta(n + 1, "int64", ["file_edge"]),
         "file_layout": _rows_meta(n, "int32", ["file"]),
+        "frame_offsets": _rows_meta(n + 1, "int64", ["file_edge"]),
         "frame_idx": _rows_meta(rows, "int64", ["row"]),
         # Provenance per output row, for coverage reports (`spillmerge inspect --plot`): the rank whose
         # segment the row came from, and how many segments held that frame (>1: a duplicate was dropped).

@@ -365,14 +365,9 @@ def whole(output: Storage) -> Lease:
     return Lease(output, name=_MERGE, role="merge", exclusive=True)
 
 
-def part_name(i: int, n: int) -> str:
-    """The lease name of part ``i`` of ``n``."""
-    return f"part-{i:05d}-of-{n:05d}"
-
-
 def part(output: Storage, i: int, n: int) -> Lease:
     """The lease of part ``i`` of ``n``: shared with other parts and finalize, exclusive by name."""
-    return Lease(output, name=part_name(i, n), role=f"part {i}/{n}", exclusive=False)
+    return Lease(output, name=f"part-{i:05d}-of-{n:05d}", role=f"part {i}/{n}", exclusive=False)
 
 
 def held(output: Storage, name: str) -> bool:

@@ -238,7 +238,6 @@ class OutputChunk:
         # a time, so the per-row views never exceed COPY_ROWS.
         out = _scratch(full)
         pos = 0  # bytes of the chunk produced so far
-        text = col.kind in ("str", "strlist")
         if self.off is not None:
             touched = self._touched()
             batches = (touched[i : i + COPY_ROWS] for i in range(0, len(touched.rows), COPY_ROWS))
@@ -251,8 +250,7 @@ class OutputChunk:
                     pos = placed
                     continue
             data = self._rows(t.rows)  # row by row: the path that says exactly what is wrong
-            if text:  # text is checked where it becomes output text
-                self._texts(t.rows, data)
+            self._texts(t.rows, data)
             for start, a, b, row in zip(t.start.tolist(), t.a.tolist(), t.b.tolist(), data, strict=True):
                 if start > pos:  # rows without a value read as zeros
                     out[pos:start] = 0
@@ -345,8 +343,7 @@ class OutputChunk:
         are checksummed themselves)."""
         col = self.col
         ub = col.unit_bytes
-        if col.kind in ("str", "strlist"):  # text is checked where it becomes output text
-            self._texts(touched.rows, data)
+        self._texts(touched.rows, data)
         buffers: list[Any] = []
         pos = 0  # bytes of the chunk produced so far
         out_crc = 0
@@ -379,8 +376,11 @@ class OutputChunk:
 
     def _texts(self, rows: np.ndarray, data: list[np.ndarray]) -> None:
         """Each row of a ``str`` column is valid UTF-8; of a list-of-``str`` column, ``n`` uint32
-        lengths that add up to its size, each string valid UTF-8 (``_format.spill.text_problem``)."""
+        lengths that add up to its size, each string valid UTF-8 (``_format.spill.text_problem``).
+        Text is checked where it becomes output text; other kinds have nothing to check here."""
         kind = self.col.kind
+        if kind not in ("str", "strlist"):
+            return
         if kind == "str" and data:  # one decode of all rows; row by row (to say which) if it fails
             lens = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
             whole = np.concatenate(data) if len(data) > 1 else data[0]

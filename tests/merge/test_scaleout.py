@@ -750,7 +750,7 @@ def test_the_part_0_probe_reads_only_a_live_holder_and_is_not_fooled_by_hostile_
     out = tmp_path / "out"
     out.mkdir()
     storage = Storage(str(out))
-    name = _lease.part_name(0, 2)
+    name = "part-00000-of-00002"  # part 0 of 2's lease
     assert not _lease.held(storage, name)
     with _lease.part(storage, 0, 2):
         assert _lease.held(storage, name)
