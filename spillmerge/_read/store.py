@@ -26,7 +26,7 @@ from .arrow import require_pyarrow, unique_name
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .outputstore import NoFillStore, open_consolidated
-from .views import LeafDict, LeafView, OpenColumn
+from .views import VIEWS, LeafDict, LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
 
@@ -116,7 +116,7 @@ class OutputFiles:
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
-            col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
+            col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage, VIEWS[info.kind])
             # (valid and none are there as the header says: read_columns checked it)
             for kind in ("offsets", "shapes", "valid", "none"):
                 node = info.arrays.get(kind)
