@@ -3,7 +3,7 @@ output's chunk cache, rows read in order in blocks, and the dtype rows are retur
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +43,6 @@ class OpenColumn:
     checked block by block before a row of them is served). Its ``values`` are read through the
     output's :class:`~spillmerge._read.cache.ChunkCache` (:meth:`rows`)."""
 
-    VIEWS: ClassVar[dict[str, Any]] = {}
-    """Column kind → its leaf view class (``_read.views`` fills it: the views build on this class)."""
-
     def __init__(
         self,
         info: StoredColumn,
@@ -53,6 +50,7 @@ class OpenColumn:
         allow_pickle: bool,
         cache: ChunkCache,
         storage: Storage,
+        view_cls: Any,
     ) -> None:
         self.info = info
         self.n_rows = n_rows
@@ -75,7 +73,8 @@ class OpenColumn:
         self.native = self.real == self.stored_dtype
         self.py_scalar = info.kind == "fixed" and info.ndim == 0 and info.dtype in (*F.PY_SCALARS, *F.PY_HEADERS)
         """Rows read as Python scalars (``values.leaf_value``): ``py*`` leaves and container headers."""
-        self.view_cls = self.VIEWS[info.kind]
+        self.view_cls = view_cls
+        """The leaf view class of the column's kind (``_read.views.VIEWS``)."""
         self._block: tuple[int, int, list[Any]] | None = None  # rows read in order (ahead)
         self._next_row = -1
         self.offsets: Any = None

@@ -57,8 +57,7 @@ class OutputDataset:
         if self._views is None:
             require_torch("spillmerge.OutputDataset")  # its rows hold tensors
             self._views = [
-                (_variants(self._store, name), F.list_domain(self._store.files.leaf(name)))
-                for name in self.columns
+                (_variants(self._store, name), F.list_domain(self._store.files.leaf(name))) for name in self.columns
             ]
             self._index = self._store.index_arrays()[:3]
         names, offsets, frames = self._index

@@ -19,9 +19,6 @@ ROW_BLOCK = 1 << 14
 an index chunk."""
 
 Raise = Callable[[list[V.Problem]], None]
-Hook = Callable[[int, int], tuple[int, int]]
-"""``hook(a, b)``: make elements ``a .. b-1`` safe to serve (check their rows); returns the range
-of elements now known checked (covering ``a .. b-1``)."""
 
 
 class LazyArray:
@@ -48,7 +45,9 @@ class LazyArray:
         self.chunk = Chunks(cache, node.path, self._load)
         """``chunk(c)``: chunk ``c`` (read-only), checked by ``check`` on its first read; no row hook."""
         self._check = check
-        self.hook: Hook | None = None
+        self.hook: Callable[[int, int], tuple[int, int]] | None = None
+        """``hook(a, b)``: make elements ``a .. b-1`` safe to serve (check their rows); returns the
+        range of elements now known checked (covering ``a .. b-1``)."""
         self._hot: tuple[int, int, int, np.ndarray] | None = None  # (lo, hi, chunk start, chunk)
 
     def __len__(self) -> int:

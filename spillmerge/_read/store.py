@@ -26,7 +26,7 @@ from .arrow import require_pyarrow, unique_name
 from .cache import DEFAULT_CACHE_BYTES, CacheStats, ChunkCache
 from .filenames import Names, close_matches
 from .outputstore import NoFillStore, open_consolidated
-from .views import LeafDict, LeafView, OpenColumn
+from .views import VIEWS, LeafDict, LeafView, OpenColumn
 
 __all__ = ["LeafView", "MergedStore", "open"]
 
@@ -116,7 +116,7 @@ class OutputFiles:
         nested: dict[str, OpenColumn] = {}  # columns whose rows are a list's items
         for name, info in infos.items():
             domain = F.list_domain(info.leaf)
-            col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage)
+            col = self.columns[name] = OpenColumn(info, sizes[domain], allow_pickle, cache, storage, VIEWS[info.kind])
             # (valid and none are there as the header says: read_columns checked it)
             for kind in ("offsets", "shapes", "valid", "none"):
                 node = info.arrays.get(kind)
@@ -183,8 +183,6 @@ class OutputFiles:
         """File ``i``'s nested dict of leaf views (``filename``: its name)."""
         a, b = self.checks.file_rows(i)
         layout = self.file_layout.item(i)
-        if type(filename) is not str:
-            filename = self.filenames[i]
         paths = self._layout_paths[layout]
         if paths is None:  # plain tensor values
             col = self._layout_cols[layout][0]
@@ -201,12 +199,10 @@ class OutputFiles:
             node[key] = cls(col, *L.rows_of(self.list_offsets, domain, a, b), filename)
         return out
 
-    def row_value(self, i: int, frame_idx: int, as_torch: bool, filename: str) -> Any:
+    def row_value(self, i: int, filename: str, frame_idx: int, as_torch: bool) -> Any:
         """The value of frame ``frame_idx`` of file ``i`` (``filename``: its name) as it was written
         (``_read.values``)."""
         a, b = self.checks.file_rows(i)
-        if type(filename) is not str:
-            filename = self.filenames[i]
         r = a  # (a file of one frame: nothing to search)
         if b != a + 1 or int(self.frame_idx[a]) != frame_idx:
             frames = self.frame_idx[a:b]
@@ -314,7 +310,8 @@ class MergedStore(Mapping[str, Any]):
     def __contains__(self, filename: object) -> bool:
         return filename in self.files.filenames
 
-    def _index(self, filename: str) -> int:
+    def _index(self, filename: str) -> tuple[int, str]:
+        """The file's position and its name as a ``str`` (a numpy str's repr would show in messages)."""
         # (find's in-order hint is a plain hint, not a lock: a racing thread at worst costs
         # another thread the search.)
         names = self.files.filenames
@@ -326,11 +323,11 @@ class MergedStore(Mapping[str, Any]):
                 f"{filename!r} is not a filename of {self.storage.describe()} ({len(names)} files){hint}",
                 filename=filename,
             )
-        return i
+        return i, filename if type(filename) is str else names[i]
 
     def _rows(self, filename: str, of: LZ.LazyArray) -> np.ndarray:
         """The entries of the per-row array ``of`` for ``filename``'s rows."""
-        a, b = self.files.checks.file_rows(self._index(filename))
+        a, b = self.files.checks.file_rows(self._index(filename)[0])
         return of[a:b].copy()  # type: ignore[no-any-return]
 
     def frames(self, filename: str) -> np.ndarray:
@@ -347,7 +344,7 @@ class MergedStore(Mapping[str, Any]):
         return self._rows(filename, self.files.prov["frame_copies"])
 
     def __getitem__(self, filename: str) -> Any:
-        return self.files.value(self._index(filename), filename)
+        return self.files.value(*self._index(filename))
 
     def value(self, filename: str, frame_idx: int = 0, *, as_torch: bool = False) -> Any:
         """The value of one row (``filename``, ``frame_idx``) as it was written: dicts, lists,
@@ -355,8 +352,7 @@ class MergedStore(Mapping[str, Any]):
         as numpy arrays (``as_torch=True``: torch tensors, importing torch only then), pickled
         objects unpickled (only under ``open(..., allow_pickle=True)``); a dict key some frames
         of the file have and this one lacks is absent here too."""
-        i = self._index(filename)
-        return self.files.row_value(i, frame_idx, as_torch, filename)
+        return self.files.row_value(*self._index(filename), frame_idx, as_torch)
 
     def iter_values(self, *, as_torch: bool = False) -> Iterator[tuple[str, int, Any]]:
         """Every row as ``(filename, frame_idx, value)``, in (filename, frame) order: ``value`` as

@@ -23,14 +23,14 @@ _Node = dict[str, Any]
 ``header`` (a container header: (dtype, length))."""
 
 
-def to_python(dtype: str, kind: str, v: Any, as_torch: bool) -> Any:
-    """A leaf view's row value as what was written."""
-    if kind not in ("fixed", "ragged"):
+def to_python(info: Any, v: Any, as_torch: bool) -> Any:
+    """A leaf view's row value (of column ``info``) as what was written."""
+    if info.kind not in ("fixed", "ragged"):
         return v  # str, bytes, list of str, unpickled object: already what was written
     arr = np.asarray(v)
-    if dtype in F.PY_SCALARS:
+    if info.dtype in F.PY_SCALARS:
         return arr.item() if arr.ndim == 0 else arr.tolist()
-    return tensor(arr, dtype) if as_torch else arr
+    return tensor(arr, info.dtype) if as_torch else arr
 
 
 class RowPlan:
@@ -66,7 +66,7 @@ def leaf_value(col: Any, d: int, filename: str, as_torch: bool) -> Any:
     if col.py_scalar:  # a Python scalar read straight from its unit: no view, no 0-d array
         x = col.unit(d)
         return (x if col.native else x.view(col.real)).item()
-    return to_python(col.info.dtype, col.info.kind, col.view(d, d + 1, filename).at(d), as_torch)
+    return to_python(col.info, col.view(d, d + 1, filename).at(d), as_torch)
 
 
 def _holds(col: Any, d: int, valid: Any, block: Any) -> bool | None:
@@ -349,10 +349,9 @@ def column_rows(col: OpenColumn, lo: int, hi: int, ok: list[bool] | None, as_tor
         return [None if ok is not None and not ok[j] else flat[bounds[j] : bounds[j + 1]] for j in range(hi - lo)]
     rows = view.to_list()
     if info.kind in ("fixed", "ragged"):
-        dtype, kind = info.dtype, info.kind
         # (a fixed view's rows are views of one array: each gets its own, as value() returns)
         own = info.kind == "fixed"
-        return [None if x is None else to_python(dtype, kind, x.copy() if own else x, as_torch) for x in rows]
+        return [None if x is None else to_python(info, x.copy() if own else x, as_torch) for x in rows]
     return rows
 
 

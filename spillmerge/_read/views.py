@@ -543,13 +543,12 @@ class LeafDict(dict[str, Any]):
         )
 
 
-OpenColumn.VIEWS.update(
-    {
-        "fixed": FixedView,
-        "ragged": RaggedView,
-        "str": TextView,
-        "bytes": BytesView,
-        "pickle": PickleView,
-        "strlist": TextListView,
-    }
-)
+VIEWS: dict[str, type[LeafView]] = {
+    "fixed": FixedView,
+    "ragged": RaggedView,
+    "str": TextView,
+    "bytes": BytesView,
+    "pickle": PickleView,
+    "strlist": TextListView,
+}
+"""Column kind → its leaf view class (``OpenColumn.view_cls``)."""
