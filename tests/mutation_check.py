@@ -753,6 +753,14 @@ MUTATIONS: list[Mutation] = [
         "an empty list beside lists of dicts holding tensors or unions exports (no Python lists of those types)",
     ),
     Mutation(
+        "parquet-untensors-nested-tensors",
+        "spillmerge/_read/export.py",
+        "        return pa.StructArray.from_arrays(kids, fields=fields, mask=nulls)\n",
+        "        return arr\n",
+        ("tests/read/test_reader_edges.py::test_tensors_inside_lists_of_dicts_keep_their_shape_in_parquet",),
+        "a tensor inside a list of dicts goes to Parquet as nested lists of its shape, not flat",
+    ),
+    Mutation(
         "flat-records-others-checked-first",
         "spillmerge/_write/writer.py",
         "            item_leaves = self._item_leaves(items[i], i, names, frames, positions)\n            others.append(",

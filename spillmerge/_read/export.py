@@ -247,8 +247,34 @@ def _parquet_form(rb: Any) -> Any:
     polars and DuckDB read the extension type's flat storage without its shape, the nested lists
     with it."""
     pa = require_pyarrow("MergedStore.to_parquet()")
-    if not any(isinstance(f.type, pa.FixedShapeTensorType) for f in rb.schema):
+    if not any(T.has_type(f.type, _is_tensor) for f in rb.schema):
         return rb
-    arrays = [untensor(c) for c in rb.columns]
+    arrays = [_untensored(c) for c in rb.columns]
     fields = [pa.field(f.name, a.type, metadata=f.metadata) for f, a in zip(rb.schema, arrays, strict=True)]
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _is_tensor(t: Any) -> bool:
+    return isinstance(t, require_pyarrow().FixedShapeTensorType)
+
+
+def _untensored(arr: Any) -> Any:
+    """``arr`` with its tensors as nested ``fixed_size_list``, those in lists and structs too."""
+    pa = require_pyarrow("MergedStore.to_parquet()")
+    t = arr.type
+    if _is_tensor(t) or not T.has_type(t, _is_tensor):
+        return untensor(arr)
+    nulls = arr.is_null() if arr.null_count else None
+    if pa.types.is_struct(t):
+        kids = [_untensored(arr.field(i)) for i in range(t.num_fields)]
+        fields = [pa.field(t.field(i).name, k.type, metadata=t.field(i).metadata) for i, k in enumerate(kids)]
+        return pa.StructArray.from_arrays(kids, fields=fields, mask=nulls)
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        values = _untensored(arr.values)
+        field = pa.field(t.value_field.name, values.type, metadata=t.value_field.metadata)
+        kind = pa.large_list if pa.types.is_large_list(t) else pa.list_
+        return type(arr).from_arrays(arr.offsets, values, type=kind(field), mask=nulls)
+    if pa.types.is_fixed_size_list(t):
+        flat = arr.values.slice(arr.offset * t.list_size, len(arr) * t.list_size)
+        return pa.FixedSizeListArray.from_arrays(_untensored(flat), t.list_size, mask=nulls)
+    return arr  # a union: to_parquet refuses it by name

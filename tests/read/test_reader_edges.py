@@ -188,3 +188,21 @@ def test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports(tmp_pa
     assert got == [[mask.tolist()], [], [(-mask).tolist(), mask.tolist()]]
     assert [len(r.values) for r in table.column("kp")] == [1, 1, 0]
     assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
+
+
+def test_tensors_inside_lists_of_dicts_keep_their_shape_in_parquet(tmp_path):
+    """A mask per detection (a list of dicts of 2-d tensors): Parquet got the tensor extension type
+    nested in the struct, which polars and DuckDB read as flat values; it gets nested lists, as
+    top-level tensor columns do (docs/READING.md)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    mask = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    rows = [{"dets": [{"box": torch.ones(4), "mask": mask}]}, {"dets": [{"box": torch.zeros(4), "mask": -mask}] * 2}]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    res.to_parquet(str(tmp_path / "x.parquet"), batch_size=1)
+    back = pq.read_table(str(tmp_path / "x.parquet"))
+    assert back.schema.field("dets").type.value_type.field("mask").type == pa.list_(pa.list_(pa.float32(), 3), 2)
+    m, neg = mask.tolist(), (-mask).tolist()
+    assert back.column("dets").to_pylist() == [
+        [{"box": [1.0] * 4, "mask": m}],
+        [{"box": [0.0] * 4, "mask": neg}, {"box": [0.0] * 4, "mask": neg}],
+    ]
