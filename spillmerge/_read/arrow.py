@@ -76,7 +76,7 @@ class Node:
     """One path of the value tree: the columns of its leaf (``cols``), its container headers
     (``headers``), its list items (one node) and its dict keys (segment -> node)."""
 
-    __slots__ = ("_sides", "cols", "each", "headers", "keys", "order", "path")
+    __slots__ = ("_dicts", "_sides", "cols", "each", "headers", "keys", "order", "path")
 
     def __init__(self, path: tuple[str, ...], order: Spec | None) -> None:
         self.path = path
@@ -89,6 +89,7 @@ class Node:
         self.each: Node | None = None
         """The items of the lists here, one node whose rows are all of them."""
         self._sides: dict[bool, list[tuple[str, Node]]] = {}
+        self._dicts: bool | None = None
 
     def child(self, seg: str) -> Node:
         if seg == F.ITEM:
@@ -140,8 +141,12 @@ class Node:
         return got
 
     def holds_dicts(self, offs: dict[tuple[str, ...], np.ndarray]) -> bool:
-        """Whether a row of the whole output holds a dict here: an empty one, or a key's value."""
-        return bool(self.keys_in(offs, False)) or any(_rows(h).any() for h in self.headers if h.info.dtype == "pydict")
+        """Whether a row of the whole output holds a dict here: an empty one, or a key's value
+        (decided once: it reads every row's validity)."""
+        if self._dicts is None:
+            heads = [h for h in self.headers if h.info.dtype == "pydict"]
+            self._dicts = bool(self.keys_in(offs, False)) or any(_rows(h).any() for h in heads)
+        return self._dicts
 
     def sorted_keys(self) -> list[tuple[str, Node]]:
         """The dict keys here, in the key order the output holds for this path (else sorted)."""
