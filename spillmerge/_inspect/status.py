@@ -24,8 +24,6 @@ from .summary import one_line
 
 RankState = Literal["writing", "committed", "failed", "missing", "unreadable"]
 DEFAULT_STALL_AFTER = 120.0
-MAX_WORLD_SIZE = 1 << 24
-"""The largest world size a record may give (docs/FORMAT.md): rank folders above are not read."""
 LISTED_MISSING = 1000
 """Missing ranks listed one by one; beyond, ``JobStatus.missing`` counts them (a world size of
 millions must not cost a row each)."""
@@ -125,7 +123,7 @@ def status(
     segs: dict[int, Any] = {}
     broken: dict[int, str] = {}
     claims: list[tuple[int, int, bool]] = []  # (rank, world size, from a commit record)
-    limit = MAX_WORLD_SIZE
+    limit = FS.MAX_WORLD_SIZE  # rank folders above are not read
     for r in found:
         # Ranks ascend: a folder at or above every world size read so far is outside the run
         # (a planted rank-1000000000000 is never read, nor allocated for, whatever its number).
@@ -141,7 +139,7 @@ def status(
             continue
         segs[r] = seg
         ws = seg.world_size
-        if ws is not None and 1 <= ws <= MAX_WORLD_SIZE:
+        if ws is not None and 1 <= ws <= FS.MAX_WORLD_SIZE:
             claims.append((r, ws, seg.commit is not None))
             limit = ws if len(claims) == 1 else max(limit, ws)  # the largest claim so far
     world_size, notes = _agreed_world_size(claims)
