@@ -217,9 +217,8 @@ class Job:
             plan, plan_id = plan_here()
         phases["plan"] = time.perf_counter() - t - phases["load"]
         options = replace(options, codec=codec)
-        job = cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
-        job.rebuild = rebuild
-        return job
+        return cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0,
+                   rebuild=rebuild)  # fmt: skip
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan
