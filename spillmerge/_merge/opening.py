@@ -106,6 +106,12 @@ class Job:
             if self.lease is not None:
                 self.lease.release(tidy=True)
 
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @classmethod
     def open(cls, root: str, out: str, options: MergeOptions) -> Job:
         """Barrier → load → plan: everything before the first byte of output. A part and a
