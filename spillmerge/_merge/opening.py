@@ -41,7 +41,6 @@ class Job:
     src: Storage
     """The spill root."""
     output: Storage
-    """The output folder."""
     options: MergeOptions
     """The call's options, ``codec`` checked (finalize takes ``codec`` and ``chunk_bytes`` from
     the part records)."""
@@ -52,13 +51,11 @@ class Job:
     segments: list[Any]
     """Committed segments, in write order."""
     plan: Plan
-    """The merge plan."""
     fingerprint: str
     """``_merge.plan.fingerprint`` of the plan and the output settings."""
     salvaged: dict[int, int]
     """Rank → frames salvaged from journals."""
     notes: list[str]
-    """Report notes."""
     manifest: dict[str, int] | None
     """Filename → expected frame count (``options.expected`` read), for the report (None: not given)."""
     phases: dict[str, float]

@@ -53,7 +53,6 @@ class LoadedSegment:
     """A committed segment with its validated catalog and index."""
 
     seg: Segment
-    """Where it lives."""
     filenames: list[str]
     """Catalog filenames (position = file_id)."""
     layouts: list[FS.Layout]
@@ -421,7 +420,6 @@ class Extent:
     offset: int
     """Byte offset in that ``data``."""
     nbytes: int
-    """Byte length."""
     crc: int
     """CRC-32C the index gives for them."""
 
