@@ -270,13 +270,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if args.max_files < 0:
         raise ConfigError(f"--max-files must be 0 or more, got {args.max_files}", key="max_files")
-    so = _storage_options(args.storage_option) or None
-    if args.plot and overlaps(Storage(args.path, so), Storage(args.plot)):
+    storage = Storage(args.path, _storage_options(args.storage_option) or None)
+    if args.plot and overlaps(storage, Storage(args.plot)):
         raise ConfigError(f"--plot {args.plot} lies inside {args.path}, which inspect only reads", key="plot")
     if args.plot and not args.overwrite and os.path.lexists(args.plot):
         raise OutputExistsError(f"--plot {args.plot} exists; pass --overwrite to replace it", path=args.plot)
     expected = read_manifest(args.expected) if args.expected else None
-    storage = Storage(args.path, so)
     s, read = summarize_read(storage, args.max_files)  # each segment loaded, the output opened, once
     cov = None
     if read is not None:  # an interrupted merge has no index to cover
@@ -369,9 +368,8 @@ def _demo(args: argparse.Namespace) -> int:
     from ._demo import DemoConfig, run
     from ._inspect.summary import format_text, summarize
 
-    cfg = _load_config(args.config, "demo", _DEMO_KEYS)
-    flags = {key: getattr(args, key) for key in _DEMO_KEYS}
-    opts = {**cfg, **{k: v for k, v in flags.items() if v is not None}}
+    opts = _load_config(args.config, "demo", _DEMO_KEYS)
+    opts |= {key: getattr(args, key) for key in _DEMO_KEYS if getattr(args, key) is not None}
     if "frame_shape" in opts:
         shape = opts["frame_shape"]
         if len(shape) < 2 or not all(isinstance(x, int) and x >= 1 for x in shape):

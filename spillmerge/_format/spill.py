@@ -144,7 +144,9 @@ class CommitRecord:
         return cls(segment=segment, run_id=run_id, finished=finished, **int_fields(obj, path, _COMMIT_INTS))
 
 
-_RANK_INTS = {"rank": (0, 1 << 24), "world_size": (1, 1 << 24)}
+MAX_WORLD_SIZE = 1 << 24
+"""The largest world size a record may give (docs/FORMAT.md)."""
+_RANK_INTS = {"rank": (0, MAX_WORLD_SIZE), "world_size": (1, MAX_WORLD_SIZE)}
 _COMMIT_INTS = {
     **_RANK_INTS,
     **dict.fromkeys(("n_rows", "n_frames", "n_files", "n_chunks", "rewrites", "n_checks"), (0, 1 << 40)),
@@ -227,7 +229,7 @@ class MergeFailureRecord(ProcessFailure):
     def from_json(cls, data: bytes, *, path: str) -> MergeFailureRecord:
         obj = check_header(loads(data, path=path), "merge-failure", path)
         return cls(
-            rank=int_field(obj, "rank", path, hi=1 << 24),
+            rank=int_field(obj, "rank", path, hi=MAX_WORLD_SIZE),
             run_id=str_or_none(obj, "run_id", path),
             session=int_field(obj, "session", path, hi=1 << 40),
             **failure_read(obj, message_chars=2000, missing=None, missing_type=None),

@@ -18,13 +18,12 @@ from .._spill.root import list_ranks, read_segment
 from .._storage import Storage
 from .._util.progress import iso_to_unix
 from .._util.progress import read as read_progress
+from .._util.units import duration_text as _duration
 from .._util.units import size_text as _size
 from .summary import one_line
 
 RankState = Literal["writing", "committed", "failed", "missing", "unreadable"]
 DEFAULT_STALL_AFTER = 120.0
-MAX_WORLD_SIZE = 1 << 24
-"""The largest world size a record may give (docs/FORMAT.md): rank folders above are not read."""
 LISTED_MISSING = 1000
 """Missing ranks listed one by one; beyond, ``JobStatus.missing`` counts them (a world size of
 millions must not cost a row each)."""
@@ -124,7 +123,7 @@ def status(
     segs: dict[int, Any] = {}
     broken: dict[int, str] = {}
     claims: list[tuple[int, int, bool]] = []  # (rank, world size, from a commit record)
-    limit = MAX_WORLD_SIZE
+    limit = FS.MAX_WORLD_SIZE  # rank folders above are not read
     for r in found:
         # Ranks ascend: a folder at or above every world size read so far is outside the run
         # (a planted rank-1000000000000 is never read, nor allocated for, whatever its number).
@@ -140,7 +139,7 @@ def status(
             continue
         segs[r] = seg
         ws = seg.world_size
-        if ws is not None and 1 <= ws <= MAX_WORLD_SIZE:
+        if ws is not None and 1 <= ws <= FS.MAX_WORLD_SIZE:
             claims.append((r, ws, seg.commit is not None))
             limit = ws if len(claims) == 1 else max(limit, ws)  # the largest claim so far
     world_size, notes = _agreed_world_size(claims)
@@ -273,11 +272,6 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
 
 
-def _dur(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 def format_status(js: JobStatus) -> str:
     """The text table of ``spillmerge status``."""
     lines = [f"spill root {js.root}: world size {js.world_size if js.world_size is not None else '?'}"]
@@ -286,7 +280,7 @@ def format_status(js: JobStatus) -> str:
     for r in js.ranks:
         note = " ".join(x for x in ("STALLED" if r.stalled else "", one_line(r.message or "")) if x)
         rate = f"{r.rate_fps:.1f}" if r.rate_fps is not None else "-"
-        age = _dur(r.last_write_age_s) + " ago" if r.last_write_age_s is not None else "-"
+        age = _duration(r.last_write_age_s) + " ago" if r.last_write_age_s is not None else "-"
         lines.append(f"{r.rank:>5}  {r.state:<10}  {r.frames:>9}  {r.durable:>9}  {_size(r.bytes):>10}  {rate:>8}  "
                      f"{age:>10}  {note}")  # fmt: skip
     states = ("writing", "committed", "failed", "unreadable")
@@ -295,7 +289,7 @@ def format_status(js: JobStatus) -> str:
     if js.expected:
         total += f" of {js.expected} expected ({100 * js.frames / js.expected:.1f}%)"
         if js.eta_s is not None and not js.done:
-            total += f", about {_dur(js.eta_s)} left"
+            total += f", about {_duration(js.eta_s)} left"
     stalled = sum(1 for r in js.ranks if r.stalled)
     counted = ", ".join(f"{v} {k}" for k, v in counts.items() if v) + (f", {stalled} stalled" if stalled else "")
     lines.append(f"total: {total}; {counted}")

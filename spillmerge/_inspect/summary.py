@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from .._read.store import MergedStore, OutputFiles
 from .._read.views import RaggedView
 from .._spill.root import Segment, data_ranges, load_segment, scan
 from .._storage import Storage
+from .._util.progress import bar as _bar
 from .._util.units import size_text as _human
 
 
@@ -51,15 +51,6 @@ def summarize_read(storage: Storage, max_files: int) -> tuple[dict[str, Any], An
     return (_summarize_merged if detect(storage) == "merged" else _summarize_spill)(storage, max_files)
 
 
-def progress_bar(total: int, desc: str, unit: str = "B") -> Any:
-    """A tqdm bar on stderr, shown only when it is a terminal (as the merge's): piped output and
-    logs stay free of carriage returns."""
-    from tqdm.auto import tqdm
-
-    kw = {"unit_scale": True, "file": sys.stderr, "leave": False, "disable": not sys.stderr.isatty()}
-    return tqdm(total=total, desc=desc, unit=unit, **kw)
-
-
 def _summarize_spill(storage: Storage, max_files: int) -> tuple[dict[str, Any], list[tuple[Segment, Any]]]:
     segments = scan(storage)
     every = [s for segs in segments.values() for s in segs]
@@ -68,7 +59,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> tuple[dict[str, Any], 
     ranks = []
     files: Counter[str] = Counter()
     dtypes: set[str] = set()
-    with progress_bar(len(committed), "inspect", "segment") as bar:
+    with _bar(len(committed), "inspect", "segment", leave=False) as bar:
         for rank, segs in segments.items():
             entries = []
             for s in segs:
@@ -290,7 +281,7 @@ def verify(path: str, storage_options: dict[str, Any] | None = None) -> VerifyRe
 
 def _verify_spill(storage: Storage, rep: VerifyReport) -> None:
     segments = [s for segs in scan(storage, rep.problems).values() for s in segs]  # (ranks ascending)
-    with progress_bar(sum(s.commit.nbytes for s in segments if s.commit), "verify") as bar:
+    with _bar(sum(s.commit.nbytes for s in segments if s.commit), "verify", leave=False) as bar:
         for seg in segments:
             if seg.commit is None:
                 what = "failed" if seg.failure else "incomplete"
@@ -395,7 +386,7 @@ def _verify_merged(storage: Storage, rep: VerifyReport) -> None:
             damaged.add(name)
         elif arr.size:
             arrays.append((name, arr))
-    with progress_bar(len(arrays), "verify", "array") as bar:
+    with _bar(len(arrays), "verify", "array", leave=False) as bar:
         for name, arr in arrays:
             _verify_array(storage, rep, name, arr, damaged)
             bar.update(1)

@@ -6,13 +6,13 @@ two processes ever write the same object. One chunk's copy is ``_merge.outputchu
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from .._util.progress import bar as progress_bar
 from .documents import values_chunk
 from .opening import Job, copy_threads
 from .outputchunk import OutputChunk, PendingBlocks, Unit
@@ -57,27 +57,18 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
     progress bar when ``progress`` (None: on a terminal). ``check``: only read and check their
     source rows (before a complete output is replaced)."""
     o, threads = job.options, copy_threads(job, todo)
-    show = sys.stderr.isatty() if o.progress is None else o.progress
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            total=sum(u.nbytes for u in todo), unit="B", unit_scale=True, unit_divisor=1024,
-            desc="check" if check else "merge",
-            file=sys.stderr,
-        )  # fmt: skip
     cond = threading.Condition()
     in_flight = 0
     errors: list[BaseException] = []
     pending = PendingBlocks()
     chunk_bytes = np.array([s.chunk_bytes for s in job.plan.segments], dtype=np.int64)
+    total, desc = sum(u.nbytes for u in todo), "check" if check else "merge"
+    bar = progress_bar(total, desc, show=o.progress, unit_divisor=1024)
 
     def run(u: Unit) -> None:
         chunk = OutputChunk(job.src, job.plan, u, chunk_bytes, pending)
         chunk.check() if check else chunk.write(job.output, o.codec, o.fsync)
-        if bar is not None:
-            bar.update(u.nbytes)
+        bar.update(u.nbytes)
 
     def done(fut: Future[None], size: int) -> None:
         nonlocal in_flight
@@ -88,7 +79,7 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
                 errors.append(exc)
             cond.notify_all()
 
-    try:
+    with bar:
         if threads <= 1:  # one chunk at a time in this thread: a small merge starts no pool
             for u in todo:
                 run(u)
@@ -105,9 +96,6 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
                         in_flight += size
                     fut = pool.submit(run, u)
                     fut.add_done_callback(functools.partial(done, size=size))
-    finally:
-        if bar is not None:
-            bar.close()
     if errors:
         raise errors[0]
     pending.finish()

@@ -93,15 +93,12 @@ def merge(
         raise SpillValueError("pass either part=(i, n) or finalize=True, not both")
     if part is not None:
         options = replace(options, part=_check_part(part))
-    job = _opening.Job.open(root, out, options)
-    try:
+    with _opening.Job.open(root, out, options) as job:
         if finalize:
             return _remove_spill(job, _scaleout.finalize(job, None))
         if options.part is not None:
             return _scaleout.merge_part(job, rank=None)
         return _remove_spill(job, _merge_whole(job))
-    finally:
-        job.close()
 
 
 def merge_parallel(
@@ -120,14 +117,11 @@ def merge_parallel(
     options = MergeOptions(
         world_size=world_size, run_id=run_id, timeout=timeout, overwrite=overwrite, part=(rank, world_size), **kwargs
     )
-    job = _opening.Job.open(root, out, options)
-    try:
+    with _opening.Job.open(root, out, options) as job:
         _scaleout.merge_part(job, rank=rank)
         if rank != dst:
             return None
         return _remove_spill(job, _scaleout.finalize(job, world_size, collective=True, told=told))
-    finally:
-        job.close()
 
 
 def _remove_spill(job: _opening.Job, report: MergeReport) -> MergeReport:

@@ -41,7 +41,6 @@ class Job:
     src: Storage
     """The spill root."""
     output: Storage
-    """The output folder."""
     options: MergeOptions
     """The call's options, ``codec`` checked (finalize takes ``codec`` and ``chunk_bytes`` from
     the part records)."""
@@ -52,13 +51,11 @@ class Job:
     segments: list[Any]
     """Committed segments, in write order."""
     plan: Plan
-    """The merge plan."""
     fingerprint: str
     """``_merge.plan.fingerprint`` of the plan and the output settings."""
     salvaged: dict[int, int]
     """Rank → frames salvaged from journals."""
     notes: list[str]
-    """Report notes."""
     manifest: dict[str, int] | None
     """Filename → expected frame count (``options.expected`` read), for the report (None: not given)."""
     phases: dict[str, float]
@@ -105,6 +102,12 @@ class Job:
         finally:
             if self.lease is not None:
                 self.lease.release(tidy=True)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def open(cls, root: str, out: str, options: MergeOptions) -> Job:
@@ -217,9 +220,8 @@ class Job:
             plan, plan_id = plan_here()
         phases["plan"] = time.perf_counter() - t - phases["load"]
         options = replace(options, codec=codec)
-        job = cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0)
-        job.rebuild = rebuild
-        return job
+        return cls(src, output, options, threads, state, segments, plan, plan_id, salvaged, notes, manifest, phases, t0,
+                   rebuild=rebuild)  # fmt: skip
 
     def report(self, *, todo: list[Unit] | None = None, parts: int = 1, part: int | None = None) -> MergeReport:
         plan = self.plan

@@ -22,6 +22,7 @@ from .._format.output import header
 from .._storage import Storage
 from .._util import poll as _poll
 from .._util import progress as _progress
+from .._util.units import duration_text as _duration
 from .root import Segment, list_ranks, list_segments, scan
 
 WAIT_NOTICE_FIRST, WAIT_NOTICE_EVERY = 2.0, 30.0
@@ -270,12 +271,7 @@ class WaitNotices:
             rec = None
         now = time.time()
         if rec is not None and rec.frames:
-            return f"rank {rank} (writing, {rec.frames} frames flushed, last write {_age(now - rec.updated)} ago)"
+            return f"rank {rank} (writing, {rec.frames} frames flushed, last write {_duration(now - rec.updated)} ago)"
         started = _progress.iso_to_unix((seg.header or {}).get("started"))
-        since = f" for {_age(now - started)}" if started is not None else ""
+        since = f" for {_duration(now - started)}" if started is not None else ""
         return f"rank {rank} (writing{since}, nothing flushed yet)"
-
-
-def _age(seconds: float) -> str:
-    s = max(0, int(seconds))
-    return f"{s} s" if s < 120 else f"{s // 60} min" if s < 7200 else f"{s // 3600} h"

@@ -1,11 +1,6 @@
-"""``remove_spill``: delete exactly the spill segments an output was merged from.
-
-A segment goes only when the output holds it: a committed segment the merge planned (never one
-committed after the plan was made), or an uncommitted segment that ended (a failure record, or a
-later committed session of its rank was merged) whose journal is undamaged and whose every frame
-it proves durable is in the output. Everything else stays, with the reason (:class:`Removal`).
-A rank folder and the root go only when left empty; files that are not segments are never touched.
-"""
+"""``remove_spill``: delete exactly the segments an output holds: those the merge planned, and
+ended uncommitted ones (a failure record, or a later session merged) whose every journaled frame
+is in it (:func:`remove_merged`); rank folders and the root only when left empty, nothing else."""
 
 from __future__ import annotations
 

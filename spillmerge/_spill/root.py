@@ -3,7 +3,6 @@ because a spill root is untrusted input. The barrier on its commit records is ``
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import numpy as np
 from .._errors import CorruptSpillError
 from .._format import common as F
 from .._format import crc as _crc
+from .._format import output as FO
 from .._format import spill as FS
 from .._storage import Storage
 from .._util.gcpause import gc_paused
@@ -53,7 +53,6 @@ class LoadedSegment:
     """A committed segment with its validated catalog and index."""
 
     seg: Segment
-    """Where it lives."""
     filenames: list[str]
     """Catalog filenames (position = file_id)."""
     layouts: list[FS.Layout]
@@ -81,13 +80,10 @@ def list_ranks(storage: Storage) -> list[int]:
 
 def read_segment(storage: Storage, rank: int, name: str) -> Segment:
     rel = f"{FS.rank_dirname(rank)}/{name}"
-    header = None
-    raw = storage.get_or_none(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES)
-    if raw is not None:
-        with contextlib.suppress(CorruptSpillError, AttributeError):  # read leniently: no header then
-            obj = F.loads(raw, path=storage.describe(f"{rel}/zarr.json"))
-            h = obj.get("attributes", {}).get("spillmerge") if isinstance(obj, dict) else None
-            header = h if isinstance(h, dict) else None
+    obj = FO.json_or_none(storage, f"{rel}/zarr.json", F.RECORD_MAX_BYTES)  # read leniently: no header then
+    attrs = obj.get("attributes") if isinstance(obj, dict) else None
+    header = attrs.get("spillmerge") if isinstance(attrs, dict) else None
+    header = header if isinstance(header, dict) else None
     commit = failure = None
     raw = storage.get_or_none(f"{rel}/{FS.COMMIT_NAME}", max_bytes=F.RECORD_MAX_BYTES)
     if raw is not None:
@@ -424,7 +420,6 @@ class Extent:
     offset: int
     """Byte offset in that ``data``."""
     nbytes: int
-    """Byte length."""
     crc: int
     """CRC-32C the index gives for them."""
 

@@ -1,10 +1,12 @@
 """The segment's progress record (``progress.json``): what the flush thread has made durable so
 far, rewritten at most every few seconds so that ``spillmerge status`` reads one small object per
-rank instead of listing and replaying the journal (docs/FORMAT.md, *progress.json*)."""
+rank instead of listing and replaying the journal (docs/FORMAT.md, *progress.json*); the progress
+bar of merge, inspect and verify."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -165,3 +167,26 @@ def iso_to_unix(text: Any) -> float | None:
     except ValueError:
         return None
     return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
+
+
+class _NoBar:
+    """The bar of a run nobody watches: tqdm is not even imported."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+
+def bar(total: int, desc: str, unit: str = "B", *, show: bool | None = None, **kw: Any) -> Any:
+    """A tqdm bar on stderr when ``show`` (None: only on a terminal, so piped output and logs stay
+    free of carriage returns), used as a context manager; else one that draws nothing."""
+    if not (sys.stderr.isatty() if show is None else show):
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr, **kw)
