@@ -399,11 +399,12 @@ def str_or_none(obj: dict[str, Any], key: str, path: str) -> str | None:
     return v
 
 
-def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> tuple[str, str, str]:
-    """``(error_type, message, traceback)`` of a failure record, each bounded in size (every
-    failure record is built from these)."""
+def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> dict[str, Any]:
+    """The :class:`ExceptionRecord` fields of ``exc``, now, each bounded in size (every failure
+    record is built from these)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return type(exc).__name__, str(exc)[:message_chars], tb[-20000:]
+    fields = {"error_type": type(exc).__name__, "message": str(exc)[:message_chars], "traceback": tb[-20000:]}
+    return fields | {"time": utcnow()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -430,22 +431,24 @@ class ProcessFailure(ExceptionRecord):
 
 def failure_now(exc: BaseException, *, message_chars: int) -> dict[str, Any]:
     """The fields a process failure record (part or merge) takes from ``exc`` and this process."""
-    error_type, message, tb = exception_fields(exc, message_chars=message_chars)
-    fields = {"error_type": error_type, "message": message, "traceback": tb}
-    return fields | {"time": utcnow(), "host": socket.gethostname(), "pid": os.getpid()}
+    return exception_fields(exc, message_chars=message_chars) | {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def failure_read(obj: dict[str, Any], *, message_chars: int, missing: Any, missing_type: Any) -> dict[str, Any]:
-    """The same fields read back from a record's JSON object, bounded (``missing_type`` stands in
-    for an absent error type, ``missing`` for an absent message or traceback)."""
+def exception_read(obj: dict[str, Any], *, message_chars: int, missing: Any, missing_type: Any) -> dict[str, Any]:
+    """The :class:`ExceptionRecord` fields read back from a record's JSON object, bounded
+    (``missing_type`` stands in for an absent error type, ``missing`` for an absent message or
+    traceback)."""
     return {
         "error_type": str(obj.get("error_type", missing_type))[:200],
         "message": str(obj.get("message", missing))[:message_chars],
         "traceback": str(obj.get("traceback", missing))[-20000:],
         "time": str(obj.get("time")),
-        "host": str(obj.get("host"))[:256],
-        "pid": int_or_none(obj, "pid") or 0,
     }
+
+
+def failure_read(obj: dict[str, Any], **bounds: Any) -> dict[str, Any]:
+    """The :class:`ProcessFailure` fields read back (``bounds``: :func:`exception_read`'s)."""
+    return exception_read(obj, **bounds) | {"host": str(obj.get("host"))[:256], "pid": int_or_none(obj, "pid") or 0}
 
 
 def int_or_none(obj: dict[str, Any], key: str) -> int | None:

@@ -25,6 +25,7 @@ from .common import (
     ProcessFailure,
     check_header,
     dumps,
+    exception_read,
     failure_now,
     failure_read,
     int_field,
@@ -169,14 +170,13 @@ class FailureRecord(ExceptionRecord):
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> FailureRecord:
         obj = check_header(loads(data, path=path), "spill-failure", path)
+        ints = int_fields(obj, path, _RANK_INTS)
         return cls(
-            **int_fields(obj, path, _RANK_INTS),
+            rank=ints["rank"],
+            world_size=ints["world_size"],
             segment=str(obj.get("segment")),
             run_id=str_or_none(obj, "run_id", path),
-            error_type=str(obj.get("error_type"))[:200],
-            message=str(obj.get("message"))[:2000],
-            traceback=str(obj.get("traceback"))[:20000],
-            time=str(obj.get("time")),
+            **exception_read(obj, message_chars=2000, missing=None, missing_type=None),
         )
 
 

@@ -286,20 +286,16 @@ class SegmentSteps:
         with contextlib.suppress(BaseException):  # the original exception matters more
             if self._staging.stop():
                 self._write_index()
-        error_type, message, tb = F.exception_fields(exc)
         record = FS.FailureRecord(
             rank=self.rank,
             world_size=self.world_size,
             segment=str(self.segment),
             run_id=self.run_id,
-            error_type=error_type,
-            message=message,
-            traceback=tb,
-            time=F.utcnow(),
+            **F.exception_fields(exc),
         )
         with contextlib.suppress(BaseException):  # storage may be what failed
             self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
-        publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
+        publish_failure(self.run_id, self.rank, record.summary(), session=self._session_number)
         self._state = WriterState.FAILED
         self._finalizer.detach()
         self._free_buffers()
