@@ -310,12 +310,13 @@ def text_problem(kind: str, count: int, row: Any) -> str | None:
     buf = memoryview(row).cast("B") if not isinstance(row, np.ndarray) else row.view(np.uint8).reshape(-1)
     if kind == "strlist":
         n = len(buf)
+        uneven = f"a list of {count} strings whose lengths do not add up to its {n} bytes"
         if 4 * count > n:
-            return "a list of strings whose lengths do not add up to its size"
+            return uneven
         lens = np.frombuffer(buf, dtype="<u4", count=count)
         ends = 4 * count + np.cumsum(lens, dtype=np.int64)
         if (int(ends[-1]) if count else 0) != n:
-            return "a list of strings whose lengths do not add up to its size"
+            return uneven
         pieces = [buf[s:e] for s, e in zip((ends - lens).tolist(), ends.tolist(), strict=True)]
     else:
         pieces = [buf]
@@ -323,7 +324,7 @@ def text_problem(kind: str, count: int, row: Any) -> str | None:
         try:
             bytes(b).decode("utf-8")
         except UnicodeDecodeError as exc:
-            return f"a string is not valid UTF-8 ({exc.reason})"
+            return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
     return None
 
 
