@@ -186,25 +186,21 @@ _RAW = {
     "bits16": "uint16",
 }
 
-DTYPES: dict[str, DType] = {}
 RAW_BITS = frozenset(_RAW)
 """Dtypes stored as raw bits of an unsigned type (read back through ``ml_dtypes`` / torch views)."""
-for _n, _s in {**{n: n for n in _NATIVE}, **_RAW}.items():
-    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, _n == _s)
-#: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
-#: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
-#: ``[]`` for ``none``).
-NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
-for _n in NON_NUMERIC:
-    DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
 #: Python scalars (and lists of one scalar type) keep their Python type: stored as the
 #: numeric dtype ``storage`` and read back as ``int`` / ``float`` / ``bool`` / ``complex`` (0-d) or
 #: nested lists of them; and the headers of Python containers (docs/FORMAT.md, *Value model*),
 #: int64 0-d values holding a container's length.
 PY_SCALARS = {"pybool": "bool", "pyint": "int64", "pyfloat": "float64", "pycomplex": "complex128"}
 PY_HEADERS = ("pylist", "pytuple", "pydict", "pyrecords")
-for _n, _s in {**PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}.items():
-    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+_STORED_AS = {**{n: n for n in _NATIVE}, **_RAW, **PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}
+DTYPES: dict[str, DType] = {n: DType(n, np.dtype(s).itemsize, s, n == s) for n, s in _STORED_AS.items()}
+#: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
+#: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
+#: ``[]`` for ``none``).
+NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
+DTYPES |= {n: DType(n, 0 if n == "none" else 1, "uint8", False, n) for n in NON_NUMERIC}
 
 
 _SHOWN = {"pybool": "bool", "pyint": "int", "pyfloat": "float", "pycomplex": "complex"}
