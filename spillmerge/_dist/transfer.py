@@ -428,8 +428,7 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
             link.send_blob(why[:_MAX_ERROR], dst, me, "its error")
             raise failed
         link.send_ints([crc], dst, me, f"the checksum of {rel}")
-        status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
-        if status != 0:
+        if link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0] != 0:
             raise CorruptSpillError(
                 f"rank {dst} received {storage.describe(rel)} from rank {me} with a bad checksum; transfer stopped",
                 path=storage.describe(rel),
