@@ -61,8 +61,7 @@ class Encoded:
 
     def offsets(self, lengths: np.ndarray) -> tuple[list[int], bool]:
         """Arrow offsets of items of ``lengths`` as a buffer, and whether they need 64 bits."""
-        ends = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=ends[1:])
+        ends = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
         large = bool(ends[-1] > np.iinfo(np.int32).max)
         return self.buffer(ends if large else ends.astype(np.int32)), large
 
@@ -102,13 +101,8 @@ def _column(out: Encoded, column: Sequence[Any], depth: int = 0) -> dict[str, An
     if kind is dict:  # one key order of str keys in every dict
         if not all(type(k) is str for k in keys) or not all(map(keys.__eq__, map(tuple, present))):
             raise _NotExact
-        # every dict's values as a tuple, then a column a key: two passes in C
-        get = operator.itemgetter(*keys) if keys else None
-        if get is None:
-            columns: list[Any] = []
-        else:
-            columns = list(zip(*map(get, column), strict=True)) if len(keys) > 1 else [list(map(get, column))]
-        children = [_column(out, c, depth + 1) for c in columns]
+        # a column a key, each one C-level pass over the dicts
+        children = [_column(out, list(map(operator.itemgetter(k), column)), depth + 1) for k in keys]
         return {"t": "struct", "n": n, "b": [validity], "c": children, "f": list(keys)}
     if kind is list:
         offsets, large = out.offsets(np.fromiter(map(len, column), dtype=np.int64, count=n))

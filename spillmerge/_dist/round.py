@@ -33,7 +33,7 @@ from .._merge.job import merge, merge_parallel
 from .._merge.report import MergeReport
 from .._storage import Storage, output_options
 from .._util import poll as _poll
-from .store import OutcomeWatch, PartFailures, dist_initialized, publish_merge_outcome, publish_part_failure
+from .store import OutcomeWatch, dist_initialized, part_failures, publish_merge_outcome, publish_part_failure
 from .transfer import Session, TransferInfo, check_options, transfer_shards
 
 
@@ -82,7 +82,7 @@ class Rounds:
                     f"transport={transport!r}",
                     key="transport",
                 )
-            told = PartFailures(session.run_id, session.number, self.calls)
+            told = part_failures(session.run_id, session.number, self.calls)
             part = functools.partial(
                 merge_parallel, root, out, rank=session.rank, world_size=session.world_size, dst=dst,
                 run_id=session.run_id, told=told, **kwargs,

@@ -8,7 +8,7 @@ carries, under ``spillmerge/RUN_ID/``:
 - ``merge-outcome/A/M``: how ``dst``'s M-th merge round of session A ended
   (:func:`publish_merge_outcome`; ranks waiting for the output watch it with :class:`OutcomeWatch`);
 - ``part-failed/A/M/R``: rank R's part of the M-th round (``merge(parallel=True)``) of session A
-  failed (:func:`publish_part_failure`; ``dst``'s finalize asks :class:`PartFailures`);
+  failed (:func:`publish_part_failure`; ``dst``'s finalize asks :func:`part_failures`);
 - ``merge-A/...``: the JSON messages of one coordinated merge (:class:`Coord`: ``meta``,
   ``plan``, ``sees``, ``senders``, ``go``, ``abort``; see ``_dist.transfer.transfer_shards``).
 
@@ -106,19 +106,18 @@ class _StoreView:
             return None
 
 
-class PartFailures(_StoreView):
+def part_failures(run_id: str | None, session: int, round_: int) -> Callable[[list[int]], dict[int, str]]:
     """``dst``'s check for :func:`publish_part_failure`: ``told(ranks)`` maps those of ``ranks``
     whose part failed to "Type: message"; nothing once the store is gone (the part records on
     storage remain)."""
+    view, prefix = _StoreView(run_id), f"part-failed/{session}/{round_}"
 
-    def __init__(self, run_id: str | None, session: int, round_: int) -> None:
-        super().__init__(run_id)
-        self.prefix = f"part-failed/{session}/{round_}"
-
-    def __call__(self, ranks: list[int]) -> dict[int, str]:
-        keys = {r: f"{self.prefix}/{r}" for r in ranks}
-        got = self._ask(lambda s: {r: s.get(k).decode(errors="replace") for r, k in keys.items() if s.check([k])})
+    def told(ranks: list[int]) -> dict[int, str]:
+        keys = {r: f"{prefix}/{r}" for r in ranks}
+        got = view._ask(lambda s: {r: s.get(k).decode(errors="replace") for r, k in keys.items() if s.check([k])})
         return got or {}
+
+    return told
 
 
 class OutcomeWatch(_StoreView):

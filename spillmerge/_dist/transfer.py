@@ -36,6 +36,7 @@ import functools
 import json
 import posixpath
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -304,8 +305,7 @@ def transfer_shards(
             coord.put("senders", {str(s): qs for s, qs in info.senders.items()})
             for s in sorted(info.senders):
                 coord.put(f"go/{s}", True)
-                for q, n in _receive(session.storage, link, me, s, info.senders[s]).items():
-                    info.received[q] = info.received.get(q, 0) + n
+                info.received.update(_receive(session.storage, link, me, s, info.senders[s]))  # (one sender a rank)
             info.transfer_seconds = time.perf_counter() - t1
     except BaseException as exc:
         coord.abort(exc)
@@ -428,8 +428,7 @@ def _send(storage: Storage, link: _Link, me: int, dst: int, ranks: list[int], ha
             link.send_blob(why[:_MAX_ERROR], dst, me, "its error")
             raise failed
         link.send_ints([crc], dst, me, f"the checksum of {rel}")
-        status = link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0]
-        if status != 0:
+        if link.recv_ints(1, dst, me, f"the acknowledgement of {rel}")[0] != 0:
             raise CorruptSpillError(
                 f"rank {dst} received {storage.describe(rel)} from rank {me} with a bad checksum; transfer stopped",
                 path=storage.describe(rel),
@@ -459,13 +458,12 @@ def _receive(storage: Storage, link: _Link, me: int, sender: int, ranks: list[in
         objects = [(_check_rel(rel, ranks, sender), int(n)) for rel, n in manifest["objects"]]
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptSpillError(f"rank {sender} sent a malformed manifest: {exc}", rank=sender) from exc
-    received: dict[int, int] = {}
+    received: Counter[int] = Counter()
     for rel, n in objects:
         if n < 0 or (rel.endswith("/" + FS.COMMIT_NAME) and n > _MAX_RECORD):
             raise CorruptSpillError(f"rank {sender} announced {rel} with {n} bytes", rank=sender)
         _receive_object(storage, link, me, sender, rel, n)
-        q = FS.parse_rank_dirname(rel.split("/", 1)[0])
-        received[int(q or 0)] = received.get(int(q or 0), 0) + n
+        received[FS.parse_rank_dirname(rel.split("/", 1)[0]) or 0] += n
     return received
 
 

@@ -186,25 +186,21 @@ _RAW = {
     "bits16": "uint16",
 }
 
-DTYPES: dict[str, DType] = {}
 RAW_BITS = frozenset(_RAW)
 """Dtypes stored as raw bits of an unsigned type (read back through ``ml_dtypes`` / torch views)."""
-for _n, _s in {**{n: n for n in _NATIVE}, **_RAW}.items():
-    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, _n == _s)
-#: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
-#: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
-#: ``[]`` for ``none``).
-NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
-for _n in NON_NUMERIC:
-    DTYPES[_n] = DType(_n, 0 if _n == "none" else 1, "uint8", False, _n)
 #: Python scalars (and lists of one scalar type) keep their Python type: stored as the
 #: numeric dtype ``storage`` and read back as ``int`` / ``float`` / ``bool`` / ``complex`` (0-d) or
 #: nested lists of them; and the headers of Python containers (docs/FORMAT.md, *Value model*),
 #: int64 0-d values holding a container's length.
 PY_SCALARS = {"pybool": "bool", "pyint": "int64", "pyfloat": "float64", "pycomplex": "complex128"}
 PY_HEADERS = ("pylist", "pytuple", "pydict", "pyrecords")
-for _n, _s in {**PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}.items():
-    DTYPES[_n] = DType(_n, np.dtype(_s).itemsize, _s, False)
+_STORED_AS = {**{n: n for n in _NATIVE}, **_RAW, **PY_SCALARS, **dict.fromkeys(PY_HEADERS, "int64")}
+DTYPES: dict[str, DType] = {n: DType(n, np.dtype(s).itemsize, s, n == s) for n, s in _STORED_AS.items()}
+#: Non-numeric kinds: bytes in ``data`` as docs/FORMAT.md section 1 says; itemsize 1
+#: (a byte), ``none`` 0. Their layout shape is ``[n_bytes]`` (``[n, n_bytes]`` for ``strlist``,
+#: ``[]`` for ``none``).
+NON_NUMERIC = ("str", "bytes", "pickle", "strlist", "none")
+DTYPES |= {n: DType(n, 0 if n == "none" else 1, "uint8", False, n) for n in NON_NUMERIC}
 
 
 _SHOWN = {"pybool": "bool", "pyint": "int", "pyfloat": "float", "pycomplex": "complex"}
@@ -399,12 +395,12 @@ def str_or_none(obj: dict[str, Any], key: str, path: str) -> str | None:
     return v
 
 
-def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> dict[str, str]:
-    """The fields of :class:`ExceptionRecord` for ``exc`` now, each bounded in size (every failure
+def exception_fields(exc: BaseException, *, message_chars: int = 2000) -> dict[str, Any]:
+    """The :class:`ExceptionRecord` fields of ``exc``, now, each bounded in size (every failure
     record is built from these)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {"error_type": type(exc).__name__, "message": str(exc)[:message_chars], "traceback": tb[-20000:],
-            "time": utcnow()}  # fmt: skip
+    fields = {"error_type": type(exc).__name__, "message": str(exc)[:message_chars], "traceback": tb[-20000:]}
+    return fields | {"time": utcnow()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -434,17 +430,21 @@ def failure_now(exc: BaseException, *, message_chars: int) -> dict[str, Any]:
     return exception_fields(exc, message_chars=message_chars) | {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def failure_read(obj: dict[str, Any], *, message_chars: int, missing: Any, missing_type: Any) -> dict[str, Any]:
-    """The same fields read back from a record's JSON object, bounded (``missing_type`` stands in
-    for an absent error type, ``missing`` for an absent message or traceback)."""
+def exception_read(obj: dict[str, Any], *, message_chars: int, missing: Any, missing_type: Any) -> dict[str, Any]:
+    """The :class:`ExceptionRecord` fields read back from a record's JSON object, bounded
+    (``missing_type`` stands in for an absent error type, ``missing`` for an absent message or
+    traceback)."""
     return {
         "error_type": str(obj.get("error_type", missing_type))[:200],
         "message": str(obj.get("message", missing))[:message_chars],
         "traceback": str(obj.get("traceback", missing))[-20000:],
         "time": str(obj.get("time")),
-        "host": str(obj.get("host"))[:256],
-        "pid": int_or_none(obj, "pid") or 0,
     }
+
+
+def failure_read(obj: dict[str, Any], **bounds: Any) -> dict[str, Any]:
+    """The :class:`ProcessFailure` fields read back (``bounds``: :func:`exception_read`'s)."""
+    return exception_read(obj, **bounds) | {"host": str(obj.get("host"))[:256], "pid": int_or_none(obj, "pid") or 0}
 
 
 def int_or_none(obj: dict[str, Any], key: str) -> int | None:

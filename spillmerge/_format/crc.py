@@ -43,8 +43,7 @@ def _square(mat: list[int]) -> list[int]:
 def _zero_bytes_power(k: int) -> tuple[int, ...]:
     """The matrix of ``2**k`` zero bytes appended."""
     if k == 0:
-        bit = [POLY] + [1 << i for i in range(31)]  # one zero bit
-        m = bit
+        m = [POLY] + [1 << i for i in range(31)]  # one zero bit
         for _ in range(3):  # 2, 4, 8 bits
             m = _square(m)
         return tuple(m)

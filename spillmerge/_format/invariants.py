@@ -14,6 +14,7 @@ import zarr
 from .._errors import CorruptSpillError, SpillMergeError
 from . import common as F
 from . import output as FO
+from . import spill as FS
 
 Problem = tuple[str, str]
 """(path relative to the output, what is wrong): one broken invariant of an output."""
@@ -68,9 +69,7 @@ def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
         raise CorruptSpillError(f"{path}: missing from the output's index", path=path)
     if not isinstance(node, zarr.Array) or node.ndim != 1:
         raise CorruptSpillError(f"{path}: expected a 1-d array", path=path)
-    bad = grid_problems(rel, node)
-    if bad:
-        raise CorruptSpillError(f"{path}: {bad[0][1]}", path=path)
+    array_limits(node, path)  # its metadata within the format's chunk rules
     return node
 
 
@@ -262,23 +261,17 @@ def shape_products(shapes: np.ndarray, rel: str, base: int = 0) -> tuple[np.ndar
 
 
 def text_problems(c: StoredColumn, values: np.ndarray, offsets: np.ndarray, shapes: np.ndarray | None) -> list[Problem]:
-    """Every string of a ``str`` / list-of-``str`` column valid UTF-8, and
-    a list row's ``n`` uint32 lengths adding up to its bytes (offsets already checked)."""
+    """Every string of a ``str`` / list-of-``str`` column valid UTF-8, and a list row's ``n``
+    uint32 lengths adding up to its bytes (``_format.spill.text_problem``; offsets already checked)."""
     rel = f"columns/{c.name}/values"
-    if c.kind == "str":
-        starts = offsets[:-1][np.diff(offsets) > 0]
-    else:
+    if c.kind == "strlist":  # a row at a time, as the merge's copy checks it
         assert shapes is not None
-        values = values.copy()
-        found = []
         for r, (a, b) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
-            n = int(shapes[r, 0])
-            lens = np.frombuffer(values[a : a + 4 * n].tobytes(), dtype="<u4").astype(np.int64)
-            if a + 4 * n + int(lens.sum()) != b:
-                return [(rel, f"row {r}'s {n} string lengths do not add up to its {b - a} bytes")]
-            values[a : a + 4 * n] = 0  # the length prefixes are no text: NULs (valid UTF-8) in their place
-            found.append((a + 4 * n + np.cumsum(lens) - lens)[lens > 0])
-        starts = np.concatenate(found) if found else np.zeros(0, np.int64)
+            bad = FS.text_problem("strlist", int(shapes[r, 0]), values[a:b])
+            if bad is not None:
+                return [(rel, f"row {r} holds {bad}")]
+        return []
+    starts = offsets[:-1][np.diff(offsets) > 0]
     try:
         values.tobytes().decode("utf-8")
     except UnicodeDecodeError as exc:

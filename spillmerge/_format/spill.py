@@ -25,6 +25,7 @@ from .common import (
     ProcessFailure,
     check_header,
     dumps,
+    exception_read,
     failure_now,
     failure_read,
     int_field,
@@ -171,14 +172,13 @@ class FailureRecord(ExceptionRecord):
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> FailureRecord:
         obj = check_header(loads(data, path=path), "spill-failure", path)
+        ints = int_fields(obj, path, _RANK_INTS)
         return cls(
-            **int_fields(obj, path, _RANK_INTS),
+            rank=ints["rank"],
+            world_size=ints["world_size"],
             segment=str(obj.get("segment")),
             run_id=str_or_none(obj, "run_id", path),
-            error_type=str(obj.get("error_type"))[:200],
-            message=str(obj.get("message"))[:2000],
-            traceback=str(obj.get("traceback"))[:20000],
-            time=str(obj.get("time")),
+            **exception_read(obj, message_chars=2000, missing=None, missing_type=None),
         )
 
 
@@ -312,12 +312,13 @@ def text_problem(kind: str, count: int, row: Any) -> str | None:
     buf = memoryview(row).cast("B") if not isinstance(row, np.ndarray) else row.view(np.uint8).reshape(-1)
     if kind == "strlist":
         n = len(buf)
+        uneven = f"a list of {count} strings whose lengths do not add up to its {n} bytes"
         if 4 * count > n:
-            return "a list of strings whose lengths do not add up to its size"
+            return uneven
         lens = np.frombuffer(buf, dtype="<u4", count=count)
         ends = 4 * count + np.cumsum(lens, dtype=np.int64)
         if (int(ends[-1]) if count else 0) != n:
-            return "a list of strings whose lengths do not add up to its size"
+            return uneven
         pieces = [buf[s:e] for s, e in zip((ends - lens).tolist(), ends.tolist(), strict=True)]
     else:
         pieces = [buf]
@@ -325,7 +326,7 @@ def text_problem(kind: str, count: int, row: Any) -> str | None:
         try:
             bytes(b).decode("utf-8")
         except UnicodeDecodeError as exc:
-            return f"a string is not valid UTF-8 ({exc.reason})"
+            return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
     return None
 
 

@@ -44,6 +44,5 @@ def array_objects(rel: str, raw: bytes, shape: tuple[int, ...], dtype: str) -> d
     chunks = tuple(max(d, 1) for d in shape)
     out = {f"{rel}/zarr.json": F.dumps(array_meta(shape, chunks, dtype, crc=True))}
     if all(d > 0 for d in shape):
-        crc = np.uint32(_crc.value(raw)).astype("<u4").tobytes()
-        out[f"{rel}/c/" + "/".join("0" * len(shape))] = raw + crc
+        out[f"{rel}/c/" + "/".join("0" * len(shape))] = raw + _crc.value(raw).to_bytes(4, "little")
     return out

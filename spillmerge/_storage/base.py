@@ -97,8 +97,6 @@ class Storage:
         # The backends are Storage's subclasses (spillmerge/_storage/__init__.py imports each one):
         # the one whose `local` says whether the filesystem is the local disk serves it.
         backend = next(b for b in Storage.__subclasses__() if b.local == isinstance(fs, LocalFileSystem))
-        if not issubclass(backend, cls):
-            raise SpillStorageError(f"{text!r} is not a {cls.__name__} location", path=text)
         self = super().__new__(backend)
         self.url, self.storage_options, self.fs = text, options, fs
         root = backend._resolve_root(root)

@@ -177,10 +177,8 @@ class _FsspecSink:
             with self.storage.storage_errors("write", self.rel):
                 if ok:
                     self._fh.close()
-                else:
-                    discard = getattr(self._fh, "discard", None)
-                    if discard is not None:
-                        discard()
+                else:  # s3fs abandons the multipart upload; a file without discard() is left as it is
+                    getattr(self._fh, "discard", lambda: None)()
         except BaseException:
             if ok:
                 raise

@@ -232,14 +232,7 @@ class LocalStorage(Storage):
         parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
         p = self.path(rel)
         with self.storage_errors("write", rel):
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for part in parts:
-                    _write_all(fd, part)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_file(p, parts, os.O_TRUNC, fsync=fsync)
         if fsync:
             self._synced.add(rel)
 
@@ -314,12 +307,7 @@ class LocalStorage(Storage):
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
         with self.storage_errors("create", rel, ignore=(FileExistsError,)):
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_file(p, [data], os.O_EXCL | os.O_NOFOLLOW, fsync=True)
             return True
         return False
 
@@ -398,6 +386,19 @@ class _LocalSink:
         if not ok:  # the caller's error is the one raised; a failed close adds nothing to it
             with contextlib.suppress(OSError):
                 os.unlink(self._tmp)
+
+
+def _write_file(path: str, parts: Sequence[bytes | memoryview], flags: int, *, fsync: bool) -> None:
+    """Create or open ``path`` for writing (``flags`` added), write ``parts`` back to back, with
+    ``fsync`` make them durable, close it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    try:
+        for part in parts:
+            _write_all(fd, part)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview | np.ndarray) -> None:

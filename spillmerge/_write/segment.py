@@ -292,7 +292,7 @@ class SegmentSteps:
         )  # fmt: skip
         with contextlib.suppress(BaseException):  # storage may be what failed
             self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
-        publish_failure(self.run_id, self.rank, f"{record.error_type}: {record.message}", session=self._session_number)
+        publish_failure(self.run_id, self.rank, record.summary(), session=self._session_number)
         self._state = WriterState.FAILED
         self._finalizer.detach()
         self._free_buffers()
