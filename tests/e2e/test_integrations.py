@@ -393,3 +393,25 @@ def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):
         predict(writer, bad)
     # batch 0's four samples were written; nothing of batch 1 was
     assert writer.writer is not None and writer.writer.stats()["frames"] == 4 and writer.writer.state == "failed"
+
+
+def test_lightning_callback_with_remove_spill_leaves_no_spill_root(tmp_path):
+    """``merge_options={"remove_spill": True}``: the spill root is gone after predict (the
+    callback's report file does not bring it back) and the report is on the merging rank."""
+    L = pytest.importorskip("lightning.pytorch")
+    from spillmerge.integrations.lightning import SpillPredictionWriter
+
+    class Model(L.LightningModule):
+        def predict_step(self, batch, batch_idx):
+            return batch["x"] * 2
+
+    data = [{"filename": f"img/{i}.jpg", "x": torch.full((2,), float(i))} for i in range(6)]
+    writer = SpillPredictionWriter(
+        str(tmp_path / "spill"), str(tmp_path / "out.zarr"), merge_options={"remove_spill": True}
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[writer], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
+    trainer.predict(Model(), dataloaders=torch.utils.data.DataLoader(data, batch_size=4), return_predictions=False)
+    assert writer.report is not None and writer.report.n_frames == 6
+    assert not (tmp_path / "spill").exists()
+    assert spillmerge.open(str(tmp_path / "out.zarr"))["img/5.jpg"][0].tolist() == [10.0, 10.0]
