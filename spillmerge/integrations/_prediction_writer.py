@@ -144,6 +144,9 @@ class SpillPredictionWriterMixin:
                 self.writer.write(filename, frame_idx, value)
             return
         names, frames = batch_names(batch, batch_idx, self.filename_key, self.frame_key)
+        if len(trainer.num_predict_batches) > 1 and isinstance(names, (list, tuple)):
+            # several dataloaders may yield one name: each keeps its own rows (a str is checked below)
+            names = [f"dataloader_{dataloader_idx}/{n}" if isinstance(n, str) else n for n in names]
         try:
             self.writer.write_batch(names, prediction, frames)  # checked whole: a bad batch writes nothing
         except SpillValueError as exc:

@@ -395,23 +395,28 @@ def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):
     assert writer.writer is not None and writer.writer.stats()["frames"] == 4 and writer.writer.state == "failed"
 
 
-def test_lightning_callback_with_remove_spill_leaves_no_spill_root(tmp_path):
-    """``merge_options={"remove_spill": True}``: the spill root is gone after predict (the
-    callback's report file does not bring it back) and the report is on the merging rank."""
+def test_lightning_callback_keeps_predict_dataloaders_apart_and_leaves_no_spill_root(tmp_path):
+    """Two predict dataloaders that yield the same filenames: each filename is written under its
+    dataloader's index, so neither's rows collide with the other's. With ``remove_spill`` the
+    spill root is gone after predict (the report file does not bring it back)."""
     L = pytest.importorskip("lightning.pytorch")
     from spillmerge.integrations.lightning import SpillPredictionWriter
 
     class Model(L.LightningModule):
-        def predict_step(self, batch, batch_idx):
-            return batch["x"] * 2
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            return batch["x"] + 100 * dataloader_idx
 
-    data = [{"filename": f"img/{i}.jpg", "x": torch.full((2,), float(i))} for i in range(6)]
+    data = [{"filename": f"img/{i}.jpg", "x": torch.full((2,), float(i))} for i in range(3)]
+    loaders = [torch.utils.data.DataLoader(data, batch_size=2) for _ in range(2)]
     writer = SpillPredictionWriter(
         str(tmp_path / "spill"), str(tmp_path / "out.zarr"), merge_options={"remove_spill": True}
     )
     trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[writer], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
-    trainer.predict(Model(), dataloaders=torch.utils.data.DataLoader(data, batch_size=4), return_predictions=False)
+    trainer.predict(Model(), dataloaders=loaders, return_predictions=False)
     assert writer.report is not None and writer.report.n_frames == 6
     assert not (tmp_path / "spill").exists()
-    assert spillmerge.open(str(tmp_path / "out.zarr"))["img/5.jpg"][0].tolist() == [10.0, 10.0]
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    assert res.filenames == [f"dataloader_{d}/img/{i}.jpg" for d in range(2) for i in range(3)]
+    assert res["dataloader_1/img/2.jpg"][0].tolist() == [102.0, 102.0]
+    assert res["dataloader_0/img/2.jpg"][0].tolist() == [2.0, 2.0]
