@@ -243,6 +243,39 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+LATE_TIMEOUT = 4.0
+
+
+def after_a_timeout(rank: int, world: int, base: str) -> dict[str, Any]:
+    """A call the last rank joins only after the others timed out, then a call of the same
+    timeout on every rank: it works (the group the first call broke is not used again)."""
+    import spillmerge
+
+    def wait_for(*names: str) -> None:
+        while not all(os.path.exists(f"{base}/{n}") for n in names):
+            time.sleep(0.05)
+
+    out: dict[str, Any] = {}
+    warm: list[Any] = [None] * world  # the group of this timeout exists and works
+    spillmerge.all_gather_object(warm, rank, timeout=LATE_TIMEOUT)
+    if rank == world - 1:
+        wait_for(*(f"late-timed-out-{r}" for r in range(world - 1)))
+    try:
+        spillmerge.all_gather_object([None] * world, rank, timeout=LATE_TIMEOUT)
+        out["late"] = None
+    except spillmerge.SpillMergeError as exc:
+        out["late"] = {"type": type(exc).__name__, "msg": str(exc)}
+    open(f"{base}/late-timed-out-{rank}", "w").close()
+    wait_for(*(f"late-timed-out-{r}" for r in range(world)))
+    again: list[Any] = [None] * world
+    try:
+        spillmerge.all_gather_object(again, rank, timeout=LATE_TIMEOUT)
+        out["again"] = again
+    except spillmerge.SpillMergeError as exc:
+        out["again"] = {"type": type(exc).__name__, "msg": str(exc)}
+    return out
+
+
 NEVER_TIMEOUT = 3.0
 
 
@@ -270,6 +303,7 @@ SCENARIOS = {
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,
+    "after_a_timeout": after_a_timeout,
     "never_called": never_called,
 }
 

@@ -1963,6 +1963,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/write/test_writer_threads.py::test_a_writer_dropped_while_open_ends_its_threads_and_commits_nothing",),
         "an open writer garbage-collected without close() ends its flush thread",
     ),
+    Mutation(
+        "reader-refuses-a-replaced-output",
+        "spillmerge/_read/store.py",
+        "        if self._marker_identity() != self._marker:",
+        "        if False:",
+        ("tests/read/test_replaced_output.py::test_a_cached_chunk_is_not_mixed_with_the_replacement",),
+        "a store opened before an overwrite never serves its cached chunks beside the replacement's",
+    ),
 ]
 
 

@@ -68,6 +68,7 @@ def resolve_run_id(run_id: str | None, timeout: float = 300.0) -> str | None:
             obj = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(obj, src=0, group=group)
         except RuntimeError as exc:  # gloo reports timeouts and dead peers as RuntimeError
+            _drop_gloo_group(timeout)
             raise CoordinationError(
                 f"rank {dist.get_rank()}: agreeing on a run id with the other ranks failed within "
                 f"{timeout:.0f} s ({exc}); every rank must create its SpillWriter, or pass run_id=...",
@@ -91,12 +92,20 @@ def gloo_group(timeout: float):  # type: ignore[no-untyped-def]
     return _GLOO_GROUPS[key]
 
 
+def _drop_gloo_group(timeout: float) -> None:
+    """Forget the group of ``timeout`` after a collective on it failed: gloo closes the
+    connections of a timed-out operation for good, so the next call builds a new group (every
+    rank of a failed collective fails too, and drops its own)."""
+    _GLOO_GROUPS.pop((id(dist.group.WORLD), float(timeout)), None)
+
+
 def on_gloo(rank: int, timeout: float, what: str, collective: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
     """``collective(*args, group=gloo_group(timeout), **kwargs)``; a timeout or a dead peer (gloo
     raises RuntimeError) as a :class:`CoordinationError` saying not every rank ``what``."""
     try:
         collective(*args, group=gloo_group(timeout), **kwargs)
     except RuntimeError as exc:
+        _drop_gloo_group(timeout)
         raise CoordinationError(
             f"rank {rank}: not every rank {what} within {timeout:.0f} s ({exc})", rank=rank
         ) from exc

@@ -287,7 +287,7 @@ class Lease:
         )
         return OutputBusyError(
             f"{self.output.describe()} is being written by {who}: one merge per output. Wait for it to finish, or "
-            "choose another --out"
+            "choose another out= (--out)"
             + (" (a lease of a process that died expires by itself)" if not self.output.local else ""),
             path=self.output.describe(),
             holders=[h.describe() for h in holders],

@@ -157,7 +157,7 @@ class Job:
             raise SpillStorageError(f"spill root {src.describe()} does not exist", path=src.describe())
         if overlaps(src, output):
             raise SpillValueError(
-                f"output {output.describe()} and spill root {src.describe()} overlap; choose another --out"
+                f"output {output.describe()} and spill root {src.describe()} overlap; choose another out= (--out)"
             )
         if part is not None:
             # A part holds its lease from here, while it plans: two runs of one part never plan

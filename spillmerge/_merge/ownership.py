@@ -46,7 +46,7 @@ def complete_error(output: Storage, to: str) -> OutputExistsError:
 def not_ours(output: Storage) -> OutputExistsError:
     what = {"file": "a file", "spill": "a spill root"}.get(what_is(output), "a folder")
     return OutputExistsError(
-        f"{output.describe()} exists and is {what}, not a spillmerge output; choose another --out "
+        f"{output.describe()} exists and is {what}, not a spillmerge output; choose another out= (--out) "
         "(spillmerge never deletes a folder it did not write)",
         path=output.describe(),
     )

@@ -63,7 +63,7 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
             foreign,
             n,
             plan_id,
-            hint="rerun every part with overwrite=True (--overwrite), or choose another --out",
+            hint="rerun every part with overwrite=True (--overwrite), or choose another out= (--out)",
             options=_opening.plan_options(job),
         )
     lease.check()

@@ -40,12 +40,16 @@ class ChunkCache:
     """A thread-safe LRU of decoded chunks, bounded by bytes (``max_bytes``; 0 keeps nothing).
 
     :meth:`get` returns the chunk under ``key``, calling ``load`` to decode it on a miss; the
-    arrays it returns are read-only (they are shared between readers): take a copy to write."""
+    arrays it returns are read-only (they are shared between readers): take a copy to write.
+    ``same_output()`` raises when the output was replaced: called after a read from storage
+    (:meth:`read_from_storage`) while chunks read before are held, so none is served beside
+    another merge's."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, same_output: Callable[[], None] | None = None) -> None:
         if not isinstance(max_bytes, int | float | np.integer) or max_bytes < 0:
             raise ConfigError(f"cache_bytes must be >= 0 (bytes), got {max_bytes!r}", key="cache_bytes")
         self.max_bytes = int(max_bytes)
+        self._same_output = same_output
         self._lock = threading.Lock()
         self._chunks: OrderedDict[Hashable, tuple[np.ndarray, int]] = OrderedDict()
         self._nbytes = 0
@@ -71,6 +75,7 @@ class ChunkCache:
             pending.wait()
         try:
             arr = load()
+            self.read_from_storage()
             arr.flags.writeable = False
             # The memory it holds: for strings their characters too (numpy's StringDType keeps them
             # outside the buffer; 4 bytes a character, UTF-32's most, bounds numpy's UTF-8 arena).
@@ -89,6 +94,12 @@ class ChunkCache:
             with self._lock:
                 del self._loading[key]
             mine.set()
+
+    def read_from_storage(self) -> None:
+        """A chunk was just read from storage: check that the output is the one opened when
+        chunks read earlier are held (with nothing held, nothing older can be mixed in)."""
+        if self._chunks and self._same_output is not None:
+            self._same_output()
 
     def stats(self) -> CacheStats:
         with self._lock:

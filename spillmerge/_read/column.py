@@ -68,6 +68,7 @@ class OpenColumn:
         # chunks straight from storage (one get + CRC-32C), others through zarr.
         self._read_chunk = chunk_reader(values, storage)
         self.chunk = Chunks(cache, values.path, self._read_chunk)
+        self._read_past_cache = cache.read_from_storage
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
@@ -150,10 +151,13 @@ class OpenColumn:
             return self.chunk(c0)[lo - base : hi - base].copy()
         if c0 == c1:  # one whole chunk (a small output's column): one read, past the cache
             arr = self._read_chunk(c0)
+            self._read_past_cache()
             return arr if arr.flags.writeable else arr.copy()  # (a view of the fetched bytes is read-only)
         tail_whole = hi == min((c1 + 1) * k, n)
         if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
-            return read_rows(self.values, lo, hi)
+            arr = read_rows(self.values, lo, hi)
+            self._read_past_cache()
+            return arr
         out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
         pos = lo
         if not head_whole:
@@ -163,6 +167,7 @@ class OpenColumn:
         straight_end = hi if tail_whole else c1 * k
         if straight_end > pos:
             read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
+            self._read_past_cache()
             pos = straight_end
         if pos < hi:
             out[pos - lo :] = self.chunk(c1)[pos - c1 * k : hi - c1 * k]

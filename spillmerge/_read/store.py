@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
@@ -11,7 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError, IncompleteOutputError, SpillStorageError, UnknownColumnError, UnknownFileError
+from .._errors import (
+    CorruptSpillError,
+    IncompleteOutputError,
+    SpillMergeError,
+    SpillStorageError,
+    UnknownColumnError,
+    UnknownFileError,
+)
 from .._format import common as F
 from .._format import invariants as V
 from .._format import lists as L
@@ -231,6 +239,11 @@ class OutputFiles:
         return plan
 
 
+REMOTE_LOOK_S = 1.0
+"""On an object store a look at the completion marker is a request: an open store looks at most
+once in this many seconds whether its output was replaced (on a local disk, a stat at every read)."""
+
+
 class MergedStore(Mapping[str, Any]):
     """A merged output (of :data:`~spillmerge.FORMAT_VERSION`, the one version this spillmerge reads).
 
@@ -243,6 +256,9 @@ class MergedStore(Mapping[str, Any]):
     The index is checked before anything is returned from it (docs/FORMAT.md,
     *Invariants*); every failure is a :class:`CorruptSpillError` naming the object and what is wrong.
     Chunks are never read to check; an absent chunk raises when it is read (:class:`NoFillStore`).
+    A chunk read from storage while chunks read earlier are cached raises a :class:`SpillMergeError`
+    when the output was replaced since it was opened (on an object store, one noticed within
+    :data:`REMOTE_LOOK_S` of the store's last look).
     """
 
     def __init__(
@@ -252,7 +268,8 @@ class MergedStore(Mapping[str, Any]):
         allow_pickle: bool = False,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
-        self.cache = ChunkCache(cache_bytes)
+        self.cache = ChunkCache(cache_bytes, self._same_output)
+        self._looked = float("inf")  # an object store is not looked at again while it opens
         self.storage = Storage(out, storage_options)
         where = self.storage.describe()
         try:
@@ -267,6 +284,7 @@ class MergedStore(Mapping[str, Any]):
             what = f"is incomplete (no {FO.COMPLETE_NAME}): the merge that wrote it did not finish"
             raise IncompleteOutputError(f"{where} {what}; run the merge again", path=where)
         F.loads(marker, path=self.storage.describe(FO.COMPLETE_NAME))
+        self._marker = self._marker_identity(marker)
         try:
             store = NoFillStore(self.storage.zarr_store(), self.storage)
             self.group = open_consolidated(store, self.storage)
@@ -281,6 +299,33 @@ class MergedStore(Mapping[str, Any]):
         self.allow_pickle = allow_pickle
         self.files = OutputFiles(self.group, header, self._raise, allow_pickle, self.cache, self.storage)
         """The output's files and columns as the package's readers use them (inspect, datasets)."""
+        self._looked = time.monotonic()
+
+    def _marker_identity(self, marker: bytes | None = None) -> Any:
+        """What tells this output's completion marker from another merge's: on a local disk its
+        file's identity (a stat, no read), elsewhere its bytes (the finish time, the lease token)."""
+        if not self.storage.local:
+            return marker or self.storage.get_or_none(FO.COMPLETE_NAME, max_bytes=F.RECORD_MAX_BYTES)
+        try:
+            st = os.stat(self.storage.path(FO.COMPLETE_NAME), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def _same_output(self) -> None:
+        """Raise unless the output still holds the completion marker it held at open: every merge
+        writes its own, last, and an overwrite deletes the old one before it writes a chunk."""
+        now = time.monotonic()
+        if not self.storage.local and now - self._looked < REMOTE_LOOK_S:
+            return
+        if self._marker_identity() != self._marker:
+            where = self.storage.describe()
+            raise SpillMergeError(
+                f"{where} was replaced by another merge (or is being replaced) since this store opened it: "
+                f"rows read now could mix both outputs; open it again",
+                path=where,
+            )
+        self._looked = now
 
     def _raise(self, problems: list[V.Problem]) -> None:
         """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""

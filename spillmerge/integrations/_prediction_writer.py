@@ -17,7 +17,7 @@ from .._write.writer import SpillWriter
 
 REPORT_NAME = "spillmerge-report.json"
 """In the spill root: the merging rank's :class:`MergeReport`, for a launching process that ran
-no hook itself (``ddp_spawn``)."""
+no hook itself (``ddp_spawn``); not written where ``remove_spill`` took the root away."""
 
 KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
 """``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
@@ -100,7 +100,8 @@ class SpillPredictionWriterMixin:
         """The :class:`~spillmerge.MergeReport` after ``predict`` on the merging rank (global rank
         0 by default), and in the process that launched the ranks when it ran no prediction itself
         (``ddp_spawn``): there it is read from ``ROOT/spillmerge-report.json``, which the merging
-        rank writes. None on the other ranks, and before a merge of this callback's run."""
+        rank writes (unless ``remove_spill`` left no spill root to write it in). None on the
+        other ranks, and before a merge of this callback's run."""
         if self._report is not None or self.writer is not None or self.out is None:
             return self._report
         obj = json_or_none(Storage(self.root, self.storage_options), REPORT_NAME, RECORD_MAX_BYTES)
@@ -143,6 +144,9 @@ class SpillPredictionWriterMixin:
                 self.writer.write(filename, frame_idx, value)
             return
         names, frames = batch_names(batch, batch_idx, self.filename_key, self.frame_key)
+        if len(trainer.num_predict_batches) > 1 and isinstance(names, (list, tuple)):
+            # several dataloaders may yield one name: each keeps its own rows (a str is checked below)
+            names = [f"dataloader_{dataloader_idx}/{n}" if isinstance(n, str) else n for n in names]
         try:
             self.writer.write_batch(names, prediction, frames)  # checked whole: a bad batch writes nothing
         except SpillValueError as exc:
@@ -155,7 +159,9 @@ class SpillPredictionWriterMixin:
         w.close()  # the commit record: this rank is done
         if self.out is not None:
             self._report = w.merge(self.out, **self.merge_options)
-            if self._report is not None:  # for a launching process that ran no hook (ddp_spawn)
+            # For a launching process that ran no hook (ddp_spawn); never re-creating a spill root
+            # that remove_spill deleted.
+            if self._report is not None and w.storage.exists(""):
                 doc = {"written": time.time(), "report": json.loads(self._report.to_json())}
                 w.storage.put_atomic(REPORT_NAME, json.dumps(doc).encode())
 

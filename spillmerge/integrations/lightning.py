@@ -46,7 +46,10 @@ class SpillPredictionWriter(SpillPredictionWriterMixin, _callbacks.BasePredictio
             ``frame_key`` entry (absent: every sample is frame 0, as for an image dataset); the
             prediction is written whole with :meth:`spillmerge.SpillWriter.write_batch` (item
             ``j`` of a tensor, list, or dict / TensorDict / dataclass of those belongs to sample
-            ``j``), and a bad batch writes nothing of itself.
+            ``j``), and a bad batch writes nothing of itself. With several predict dataloaders,
+            which may yield the same filenames, each filename is written as
+            ``"dataloader_{dataloader_idx}/{filename}"`` so that no dataloader's rows replace or
+            collide with another's (a ``key_fn`` keeps them apart itself).
         storage_options: fsspec options for ``root`` (and ``out`` on the same protocol).
         writer_options: more :class:`~spillmerge.SpillWriter` arguments (``chunk_bytes``,
             ``on_duplicate`` ...).

@@ -77,6 +77,16 @@ def test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang(ranks):
     assert_timed_out(results, "never_called", NEVER_TIMEOUT, range(WORLD - 1))
 
 
+def test_a_call_after_a_timed_out_call_works(ranks):
+    """A timeout leaves gloo's group broken (its connections closed): the next call of the same
+    timeout builds a new group instead of failing on the old one."""
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r]["after_a_timeout"]
+        assert res["late"] is not None and res["late"]["type"] == "CoordinationError", (r, res)
+        assert res["again"] == list(range(WORLD)), (r, res)
+
+
 def test_value_keeps_dict_key_order(tmp_path):
     import spillmerge
 

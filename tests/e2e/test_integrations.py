@@ -393,3 +393,30 @@ def test_lightning_callback_writes_an_image_dataset_a_batch_at_a_time(tmp_path):
         predict(writer, bad)
     # batch 0's four samples were written; nothing of batch 1 was
     assert writer.writer is not None and writer.writer.stats()["frames"] == 4 and writer.writer.state == "failed"
+
+
+def test_lightning_callback_keeps_predict_dataloaders_apart_and_leaves_no_spill_root(tmp_path):
+    """Two predict dataloaders that yield the same filenames: each filename is written under its
+    dataloader's index, so neither's rows collide with the other's. With ``remove_spill`` the
+    spill root is gone after predict (the report file does not bring it back)."""
+    L = pytest.importorskip("lightning.pytorch")
+    from spillmerge.integrations.lightning import SpillPredictionWriter
+
+    class Model(L.LightningModule):
+        def predict_step(self, batch, batch_idx, dataloader_idx=0):
+            return batch["x"] + 100 * dataloader_idx
+
+    data = [{"filename": f"img/{i}.jpg", "x": torch.full((2,), float(i))} for i in range(3)]
+    loaders = [torch.utils.data.DataLoader(data, batch_size=2) for _ in range(2)]
+    writer = SpillPredictionWriter(
+        str(tmp_path / "spill"), str(tmp_path / "out.zarr"), merge_options={"remove_spill": True}
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=1, callbacks=[writer], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
+    trainer.predict(Model(), dataloaders=loaders, return_predictions=False)
+    assert writer.report is not None and writer.report.n_frames == 6
+    assert not (tmp_path / "spill").exists()
+    res = spillmerge.open(str(tmp_path / "out.zarr"))
+    assert res.filenames == [f"dataloader_{d}/img/{i}.jpg" for d in range(2) for i in range(3)]
+    assert res["dataloader_1/img/2.jpg"][0].tolist() == [102.0, 102.0]
+    assert res["dataloader_0/img/2.jpg"][0].tolist() == [2.0, 2.0]

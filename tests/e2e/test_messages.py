@@ -146,4 +146,4 @@ def test_cli_merge_out_says_what_is_there(outputs, tmp_path, what, needle):
         with spillmerge.SpillWriter(str(out)) as w:
             w.write("x.png", 0, torch.ones(1))
     p = run("merge", str(outputs["spill"]), "--out", str(out))
-    assert_one_line_error(p, needle, "not a spillmerge output", "choose another --out")
+    assert_one_line_error(p, needle, "not a spillmerge output", "(--out)")

@@ -370,10 +370,11 @@ def test_output_protection_and_interrupted_merge(tmp_path):
     # Never delete what is not ours, never overlap the spill root.
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("precious")
-    with pytest.raises(spillmerge.OutputExistsError, match="not a spillmerge output"):
+    # (the messages name the Python argument, out=, and the CLI's flag)
+    with pytest.raises(spillmerge.OutputExistsError, match=r"not a spillmerge output; choose another out= \(--out\)"):
         spillmerge.merge(root, str(tmp_path / "mine"), overwrite=True)
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
-    with pytest.raises(spillmerge.SpillValueError, match="overlap"):
+    with pytest.raises(spillmerge.SpillValueError, match=r"overlap; choose another out= \(--out\)"):
         spillmerge.merge(root, root + "/merged")
 
 
