@@ -164,6 +164,26 @@ def encode(obj: Any) -> list[Any] | None:
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
 
 
+def copy(obj: Any) -> Any:
+    """A deep copy of records ``encode`` took, equal to what ``decode`` returns: new dicts and
+    lists, the str, bytes and numbers in them shared (immutable, as ``copy.deepcopy`` shares them)."""
+    return tuple(map(_copy, obj)) if type(obj) is tuple else _copy(obj)
+
+
+_NESTED = frozenset({list, dict})
+
+
+def _copy(value: Any) -> Any:
+    if type(value) is dict:
+        return {k: _copy(v) if type(v) in _NESTED else v for k, v in value.items()}
+    for first in value:  # a list's items are of one kind, or None (``encode`` checked them)
+        if first is not None:
+            if type(first) in _NESTED:
+                return [None if v is None else _copy(v) for v in value]
+            break
+    return value.copy()
+
+
 _CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}
 
 
