@@ -167,18 +167,37 @@ def encode(obj: Any) -> list[Any] | None:
 def copy(obj: Any) -> Any:
     """A deep copy of records ``encode`` took, equal to what ``decode`` returns: new dicts and
     lists, the str, bytes and numbers in them shared (immutable, as ``copy.deepcopy`` shares them)."""
-    return tuple(map(_copy, obj)) if type(obj) is tuple else _copy(obj)
+    if type(obj) is dict:
+        return dict(zip(obj, _dicts(list(obj.values())), strict=True))
+    return tuple(_dicts(obj)) if type(obj) is tuple else _dicts(obj)
 
 
 _NESTED = frozenset({list, dict})
 
 
+def _dicts(rows: Any) -> list[Any]:
+    """Dicts of one key order, or None, copied: each dict in C, then the lists and dicts under a
+    key a column at a time (a key's values are of one kind, or None: ``encode`` checked)."""
+    out = [None if d is None else d.copy() for d in rows]
+    present = [d for d in out if d is not None]
+    for k in present[0]:
+        first = next((d[k] for d in present if d[k] is not None), None)
+        if type(first) in _NESTED:
+            for d in present:
+                if d[k] is not None:
+                    d[k] = _copy(d[k])
+    return out
+
+
 def _copy(value: Any) -> Any:
+    """A list or dict in records copied."""
     if type(value) is dict:
-        return {k: _copy(v) if type(v) in _NESTED else v for k, v in value.items()}
-    for first in value:  # a list's items are of one kind, or None (``encode`` checked them)
+        return _dicts([value])[0]
+    for first in value:  # a list's items are of one kind, or None
         if first is not None:
-            if type(first) in _NESTED:
+            if type(first) is dict:
+                return _dicts(value)
+            if type(first) is list:
                 return [None if v is None else _copy(v) for v in value]
             break
     return value.copy()
