@@ -16,6 +16,7 @@
   list[int], logprob, finish_reason}`` keyed by prompt id, ``gather_object`` to rank 0.
 - ``megatron``: Megatron-LM ``GPTDataset`` samples: 8,883 dicts ``{tokens, labels, position_ids:
   int64[L], loss_mask: float32[L]}`` of ragged lengths, 256 MiB in all, ``all_gather_object``.
+  ``--collective all_gather_object`` (or ``gather_object``) runs a workload through the other one.
 
 For these the methods are torch's collective, the drop-in (``dropin``: the same call with
 ``spillmerge.``), and ``gather`` / ``all_gather`` (one file per image, prompt or sample, then
@@ -163,7 +164,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     workload = cfg["workload"]
-    coll = WORKLOADS[workload][0]
+    coll = cfg.get("collective") or WORKLOADS[workload][0]
     obj = workload_obj(workload, rank, world)
     files = as_files(workload, obj)
     if workload == "megatron":  # sample indices over all ranks, in rank order
@@ -172,7 +173,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
     out_path = f"{cfg['work']}/out.zarr"
     dist.barrier()
     mem = PeakMemory()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     got: list[Any] | None = None
     if method in ("gather", "all_gather"):
         fn = spillmerge.gather if method == "gather" else spillmerge.all_gather
@@ -189,7 +190,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
             parts = [None] * world
             lib.all_gather_object(parts, obj)
         got = parts
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = mem.stop()
     n = 0 if got is None else len(got)
     if got is not None and cfg.get("check"):  # outside the timed part: what came back is what went in
@@ -198,7 +199,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
             want = [v for w in want for _, (_, v) in sorted(as_files(workload, w).items())]
         _check_equal(got, want)
     with open(f"{result}.{rank}", "w") as fh:
-        json.dump({"wall_s": wall, "anon": peak["anon"], "values": n}, fh)
+        json.dump({"wall_s": wall, "cpu_s": cpu, "anon": peak["anon"], "values": n}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -311,29 +312,37 @@ def run_method(method: str, world: int, cfg: dict[str, Any]) -> list[dict[str, A
     return run_ranks(workload_main if cfg.get("workload") else rank_main, method, world, cfg)
 
 
-def workload_report(workload: str, world: int, repeats: int, rows: dict[str, list[list[dict[str, Any]]]]) -> None:
-    coll, _, ours, _ = WORKLOADS[workload]
-    print(f"\nW={world} gloo ranks, {workload}, median of {repeats} (methods alternated), "
+def workload_report(
+    workload: str, coll: str, world: int, repeats: int, rows: dict[str, list[list[dict[str, Any]]]]
+) -> None:
+    ours = "all_gather" if coll == "all_gather_object" else "gather"
+    print(f"\nW={world} gloo ranks, {workload} through {coll}, median of {repeats} (methods alternated), "
           f"load {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| method | slowest rank's wall (median) | runs | rank 0 peak extra anon | other ranks' (max) | values |")
-    print("|---|---|---|---|---|---|")
+    print("| method | slowest rank's wall (median) | runs | rank 0 CPU (median) | other ranks' (max) "
+          "| rank 0 peak extra anon | other ranks' (max) | values |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     med: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     recv: dict[str, int] = {}
     send: dict[str, int] = {}
     for m, runs in rows.items():
         ok = [r for r in runs if "error" not in r[0]]
         walls = [max(x["wall_s"] for x in r) for r in ok]
         med[m] = statistics.median(walls) if walls else float("nan")
+        cpu[m] = statistics.median(r[0]["cpu_s"] for r in ok) if ok else float("nan")
+        cpu_send = max((x["cpu_s"] for r in ok for x in r[1:]), default=float("nan"))
         recv[m] = max((r[0]["anon"] for r in ok), default=0)
         send[m] = max((x["anon"] for r in ok for x in r[1:]), default=0)
         n = max((x["values"] for r in ok for x in r), default=0)
         errs = [r[0]["error"] for r in runs if "error" in r[0]]
-        print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {recv[m] / MiB:.0f} MiB | "
+        print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {cpu[m]:.2f} s | {cpu_send:.2f} s "
+              f"| {recv[m] / MiB:.0f} MiB | "
               f"{send[m] / MiB:.0f} MiB | {n} |{' ' + errs[0] if errs else ''}")  # fmt: skip
     print()
     for m in (ours, "dropin"):
         if m in med and coll in med:
-            print(f"{m} / {coll}: time {med[m] / med[coll]:.2f}x, rank 0 memory {recv[m] / max(recv[coll], 1):.2f}x, "
+            print(f"{m} / {coll}: time {med[m] / med[coll]:.2f}x, rank 0 CPU {cpu[m] / cpu[coll]:.2f}x, "
+                  f"rank 0 memory {recv[m] / max(recv[coll], 1):.2f}x, "
                   f"other ranks {send[m] / max(send[coll], 1):.2f}x")  # fmt: skip
 
 
@@ -347,6 +356,8 @@ def main() -> None:
     ap.add_argument("--workload", default="testlist", choices=["testlist", *WORKLOADS])
     ap.add_argument("--floor", action="store_true", help="one process: pickle against write + merge + iter_values")
     ap.add_argument("--check", action="store_true", help="check every value that came back (outside the timing)")
+    ap.add_argument("--collective", choices=["gather_object", "all_gather_object"], default=None,
+                    help="for a --workload: the collective, instead of the one its project calls")  # fmt: skip
     args = ap.parse_args()
     if args.workload != "testlist":
         workdir = args.workdir or tempfile.mkdtemp(prefix="spillmerge-objects-")
@@ -355,11 +366,12 @@ def main() -> None:
             if args.floor:
                 floor_main(args.workload, args.world, args.repeats, workdir)
                 return
-            coll, dropin, ours, _ = WORKLOADS[args.workload]
-            wl_methods = [coll, dropin, ours]
+            coll = args.collective or WORKLOADS[args.workload][0]
+            ours = "all_gather" if coll == "all_gather_object" else "gather"
+            wl_methods = [coll, "dropin", ours]
             if args.methods != ",".join(METHODS):
                 wl_methods = [m for m in wl_methods if m in args.methods.split(",")]
-            cfg = {"workload": args.workload, "workdir": workdir, "check": args.check}
+            cfg = {"workload": args.workload, "collective": coll, "workdir": workdir, "check": args.check}
             got: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in wl_methods}
             for rep in range(args.repeats):
                 k = rep % len(wl_methods)
@@ -368,7 +380,7 @@ def main() -> None:
                     got[m].append(res)
                     wall = max(r.get("wall_s", float("nan")) for r in res)
                     print(f"  repeat {rep + 1} {m}: {wall:.2f} s {res[0].get('error', '')}", file=sys.stderr)
-            workload_report(args.workload, args.world, args.repeats, got)
+            workload_report(args.workload, coll, args.world, args.repeats, got)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return

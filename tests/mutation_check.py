@@ -1041,6 +1041,14 @@ MUTATIONS: list[Mutation] = [
     ),
     # Issue 40: the drop-ins gather_object / all_gather_object (spillmerge/_dist/dropin.py)
     Mutation(
+        'records-copy-is-deep',
+        "spillmerge/_dist/records.py",
+        "                    d[k] = _copy(d[k])",
+        "                    d[k] = d[k]",
+        ("tests/distributed/test_records.py::test_records_of_one_kind_a_key_are_taken_and_come_back_exactly",),
+        "the destination's own records come back as a deep copy: no list or dict shared with what it passed",
+    ),
+    Mutation(
         'i40-dropin-list-off-dst',
         "spillmerge/_dist/dropin.py",
         '        if object_list:\n            raise DropInArgumentError(',

@@ -428,7 +428,7 @@ def _collective(
         if direct and (every_rank or rank != target):  # dst's own file would be read by nobody
             info = _put_records(call, rank, pieces, storage_options)
         if direct and reads:  # a copy, as the other ranks' objects are, made while they still write
-            object_list[rank] = gc_paused(records.decode, b"".join(pieces), rank)
+            object_list[rank] = gc_paused(records.copy, obj)
         if not direct:
             # fsync=False here and in the merge: the call's folder is removed when the call
             # returns, so nothing in it has to outlive a crash (a syncfs per call was most of a

@@ -128,10 +128,12 @@ def _numbers(out: Encoded, kind: type, values: Any, n: int, validity: list[int] 
 def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, Any]:
     """The items of ``lists`` as one column's node. Numbers of one kind without None go straight
     from the lists into their buffer (no list of every item: 8 bytes an item more of peak)."""
-    kinds = set(map(type, itertools.chain.from_iterable(lists)))
-    if len(kinds) == 1 and depth <= _MAX_DEPTH and (kind := kinds.pop()) in (int, float):
-        return _numbers(out, kind, itertools.chain.from_iterable(lists), sum(map(len, lists)), None)
-    return _column(out, list(itertools.chain.from_iterable(lists)), depth)
+    items = itertools.chain.from_iterable
+    n, kind = sum(map(len, lists)), type(next(items(lists), None))
+    # every item's type counted in C, faster than collected into a set: exactly int (no bool) or float
+    if (kind is int or kind is float) and depth <= _MAX_DEPTH and operator.countOf(map(type, items(lists)), kind) == n:
+        return _numbers(out, kind, items(lists), n, None)
+    return _column(out, list(items(lists)), depth)
 
 
 def encode(obj: Any) -> list[Any] | None:
@@ -156,6 +158,45 @@ def encode(obj: Any) -> list[Any] | None:
         return out.pieces(kind.__name__, columns)
     except (_NotExact, OverflowError, UnicodeError):
         return None  # mixed kinds, an int past 64 bits, a str that is no UTF-8: the general way
+
+
+def copy(obj: Any) -> Any:
+    """A deep copy of records ``encode`` took, equal to what ``decode`` returns: new dicts and
+    lists, the str, bytes and numbers in them shared (immutable, as ``copy.deepcopy`` shares them)."""
+    if type(obj) is dict:
+        return dict(zip(obj, _dicts(list(obj.values())), strict=True))
+    return tuple(_dicts(obj)) if type(obj) is tuple else _dicts(obj)
+
+
+_NESTED = frozenset({list, dict})
+
+
+def _dicts(rows: Any) -> list[Any]:
+    """Dicts of one key order, or None, copied: each dict in C, then the lists and dicts under a
+    key a column at a time (a key's values are of one kind, or None: ``encode`` checked)."""
+    out = [None if d is None else d.copy() for d in rows]
+    present = [d for d in out if d is not None]
+    for k in present[0]:
+        first = next((d[k] for d in present if d[k] is not None), None)
+        if type(first) in _NESTED:
+            for d in present:
+                if d[k] is not None:
+                    d[k] = _copy(d[k])
+    return out
+
+
+def _copy(value: Any) -> Any:
+    """A list or dict in records copied."""
+    if type(value) is dict:
+        return _dicts([value])[0]
+    for first in value:  # a list's items are of one kind, or None
+        if first is not None:
+            if type(first) is dict:
+                return _dicts(value)
+            if type(first) is list:
+                return [None if v is None else _copy(v) for v in value]
+            break
+    return value.copy()
 
 
 _CONTAINERS = {"dict": dict, "list": list, "tuple": tuple}

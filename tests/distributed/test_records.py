@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from spillmerge import CorruptSpillError
 from spillmerge._dist.dropin import _get_records, _put_records
-from spillmerge._dist.records import decode, encode
+from spillmerge._dist.records import copy, decode, encode
 
 KEYS = st.sampled_from(["score", "bbox", "a", "", "é"])
 SCALARS = st.one_of(
@@ -48,6 +48,22 @@ def _same(got, want) -> bool:
     return got == want
 
 
+def _fresh(got, want) -> bool:
+    """No dict or list of ``got`` is one of ``want``'s (a deep copy)."""
+    if isinstance(want, (dict, list, tuple)):
+        if got is want and not isinstance(want, tuple):
+            return False
+        pairs = (got.values(), want.values()) if isinstance(want, dict) else (got, want)
+        return all(_fresh(g, w) for g, w in zip(*pairs, strict=True))
+    return True
+
+
+def _copied(obj) -> bool:
+    """What ``copy`` makes of records ``encode`` took is ``decode``'s result, sharing no list or dict."""
+    got = copy(obj)
+    return _same(got, obj) and _fresh(got, obj)
+
+
 @given(
     st.lists(st.dictionaries(KEYS, VALUES, min_size=1, max_size=4), min_size=1, max_size=6),
     st.sampled_from([list, tuple, dict]),
@@ -56,7 +72,7 @@ def test_what_it_takes_comes_back_exactly(rows, container):
     obj = {f"k{i}": r for i, r in enumerate(rows)} if container is dict else container(rows)
     encoded = encode(obj)
     if encoded is not None:
-        assert _same(_back(encoded), obj)
+        assert _same(_back(encoded), obj) and _copied(obj)
 
 
 KINDS = [
@@ -84,7 +100,7 @@ def test_records_of_one_kind_a_key_are_taken_and_come_back_exactly(rows, contain
     obj = {f"k{i}": r for i, r in enumerate(rows)} if container is dict else container(rows)
     encoded = encode(obj)
     assert encoded is not None
-    assert _same(_back(encoded), obj)
+    assert _same(_back(encoded), obj) and _copied(obj)
 
 
 @pytest.mark.parametrize(
@@ -132,7 +148,7 @@ def test_the_workloads_people_gather_are_taken():
     coco = [{"image_id": i, "instances": [{"bbox": [1.0, 2.0, 3.0, 4.0], "score": 0.5}] * i} for i in range(3)]
     for obj in (llm, coco, tuple(coco)):
         encoded = encode(obj)
-        assert encoded is not None and _same(_back(encoded), obj)
+        assert encoded is not None and _same(_back(encoded), obj) and _copied(obj)
 
 
 def test_bytes_that_are_not_the_records_are_refused_naming_the_rank():
