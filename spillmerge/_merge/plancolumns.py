@@ -229,14 +229,20 @@ def variant_groups(
     elements) a ``py*`` variant of its ndim or a list of strings, as it reads back the same from
     each. An empty array keeps its dtype. Returns each entry's group and the groups' (leaf path
     position, variant tag or None when the leaf has one column)."""
-    sig_code: dict[tuple[str, str, int], int] = {}
-    lcode = np.full(len(layouts), -1, dtype=np.int64)
+    lsig: dict[int, tuple[str, str, int]] = {}
     for g, lay in enumerate(layouts):
         dt = F.DTYPES[lay.dtype]
         if dt.kind == "none" or (lay.dtype in F.PY_SCALARS and 0 in lay.shape):
             continue
-        sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
-        lcode[g] = sig_code.setdefault(sig, len(sig_code))
+        lsig[g] = (
+            ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
+        )
+    # variants numbered in sorted order, not in the order the writers met them: "the lowest" below
+    # is then the same however the frames were written (row by row or in batches)
+    sig_code = {sig: i for i, sig in enumerate(sorted(set(lsig.values())))}
+    lcode = np.full(len(layouts), -1, dtype=np.int64)
+    for g, sig in lsig.items():
+        lcode[g] = sig_code[sig]
     n = len(c["gl"])
     code = new("code", n, np.int64)
     weak_parts = [np.zeros(0, np.int64)]
@@ -255,8 +261,10 @@ def variant_groups(
         for k in distinct(c["lp"][definite] * n_sig + code[definite]).tolist():
             leaf_codes.setdefault(k // n_sig, set()).add(k % n_sig)
         weak_gl = c["gl"][weak]
-        # empty numeric rows first: a leaf whose only variant is theirs then takes its None rows too
-        for g in sorted(distinct(weak_gl).tolist(), key=lambda g: layouts[g].dtype == "none"):
+        # empty numeric rows first (by dtype and shape, not by when the writers met them): a leaf
+        # whose only variant is theirs then takes its None rows too
+        weak_layouts = distinct(weak_gl).tolist()
+        for g in sorted(weak_layouts, key=lambda g: (layouts[g].dtype == "none", layouts[g].dtype, layouts[g].shape)):
             lay = layouts[g]
             rows = weak[weak_gl == g]
             if lay.dtype == "none":
@@ -411,7 +419,7 @@ def file_layouts_of(
     # file_of: each entry's file, ascending (the plan's rows are sorted by file); lp_of / lp_names:
     # each entry's column group and the groups' names.
     """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
-    a position in the list of distinct sets."""
+    a position in the list of distinct sets, sorted by their names."""
     n = len(file_of)
     if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised, a block of rows at a time
         masks = new("masks", n_files, np.int64)
@@ -426,12 +434,18 @@ def file_layouts_of(
         inverse = new("file_layout", n_files, np.int32)
         for a, b in blocks(n_files):
             inverse[a:b] = np.searchsorted(uniq, masks[a:b])
-        sets = [[lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1] for m in uniq]
-        return inverse, [sorted(s) for s in sets]
-    # more column sets than bits: the distinct (file, column) pairs, sorted (a whole array)
-    pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
-    pf, pl = pairs // len(lp_names), pairs % len(lp_names)
-    per_file = [tuple(v.tolist()) for v in np.split(pl, np.searchsorted(pf, np.arange(1, n_files)))]
-    keyed = {v: i for i, v in enumerate(sorted(set(per_file)))}
-    inverse = np.array([keyed[v] for v in per_file], dtype=np.int32)
-    return inverse, [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order
+        sets = [sorted(lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1) for m in uniq]
+    else:  # more column sets than bits: the distinct (file, column) pairs, sorted (a whole array)
+        pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
+        pf, pl = pairs // len(lp_names), pairs % len(lp_names)
+        per_file = [tuple(v.tolist()) for v in np.split(pl, np.searchsorted(pf, np.arange(1, n_files)))]
+        keyed = {v: i for i, v in enumerate(sorted(set(per_file)))}
+        inverse = np.array([keyed[v] for v in per_file], dtype=np.int32)
+        sets = [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order
+    # the groups' numbers follow the order the writers met the layouts in; the names do not
+    order = sorted(range(len(sets)), key=sets.__getitem__)
+    renumber = np.empty(len(sets), np.int32)
+    renumber[order] = np.arange(len(sets), dtype=np.int32)
+    for a, b in blocks(n_files):
+        inverse[a:b] = renumber[inverse[a:b]]
+    return inverse, [sets[j] for j in order]
