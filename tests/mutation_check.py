@@ -731,10 +731,21 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "empty-list-joins-the-lists-beside-it",
         "spillmerge/_read/arrow.py",
-        '    return col.info.dtype == "pyfloat" and col.info.ndim == 1 and 0 in (col.n_units, *col.unit_shape)\n',
+        '    return col.info.dtype == "pyfloat" and bool(col.info.ndim) and 0 in (col.n_units, *col.unit_shape)\n',
         "    return False\n",
         ("tests/read/test_reader_edges.py::test_an_empty_list_beside_lists_of_dicts_or_tensors_exports_as_an_empty_list",),
         "an empty list beside lists of dicts or tensors exports as their list type, not a union Parquet refuses",
+    ),
+    Mutation(
+        "empty-nested-lists-take-the-items-type",
+        "spillmerge/_read/arrow.py",
+        "            if like is not None:\n",
+        "            if False:\n",
+        (
+            "tests/read/test_reader_edges.py::"
+            "test_empty_nested_lists_beside_deeper_lists_of_dicts_or_tensors_export_as_their_list_type",
+        ),
+        "[[]] beside lists of lists of dicts or tensors exports as their list type, not a union Parquet refuses",
     ),
     Mutation(
         "exported-node-pruned-to-its-rows",

@@ -263,13 +263,17 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     columns, its containers, and (``with_keys``: inside a list) the dict of its keys."""
     pa = require_pyarrow()
     out: list[_Part] = []
-    # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` too): where
-    # the path also holds lists of other items, its rows are lists of that column, items and all.
+    # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` and ``[[]]``
+    # too): where the path also holds lists of other items, its rows are lists of that column,
+    # items and all.
     lists = any(h.info.dtype == "pylist" for h in node.headers)
-    as_list = [c for c in node.cols if lists and c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
+    as_list = [
+        c for c in node.cols
+        if lists and c.info.dtype in F.PY_SCALARS and (c.info.ndim == 1 or _only_empty_lists(c))
+    ]  # fmt: skip
     # ``[]`` (a ``pyfloat`` column of no item in the whole output) beside lists of dicts: empty
     # lists of dicts, not a union of two list types (which Parquet cannot hold)
-    empty = [c for c in node.cols if node.records() and _only_empty_lists(c)]
+    empty = [c for c in node.cols if node.records() and c.info.ndim == 1 and _only_empty_lists(c)]
     for col in (c for c in node.cols if c not in as_list and c not in empty):
         pos = np.flatnonzero(b.valid(col, rows))
         arr = b.arrow(col).take(pa.array(rows[pos] - b.base(col)))
@@ -377,16 +381,44 @@ def _merged_lists(
     start_of[pos] = starts[:-1]
     ps = _item_parts(node, b, rows[hpos], hlen, start_of[hpos])
     for col, cpos, carr, clen in got:
-        if _only_empty_lists(col) and ps:  # ``[]`` beside lists of other items: no union child of its own
-            continue
-        flat = pc.list_flatten(carr)
-        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", _spread(start_of[cpos], clen), flat))
+        flat, at = pc.list_flatten(carr), _spread(start_of[cpos], clen)
+        if _only_empty_lists(col) and ps:  # ``[]``, ``[[]]`` beside lists of other items: no union child of their own
+            if col.info.ndim == 1:
+                continue  # no item
+            # ``[[]]``: its items are empty lists of the first type of the other items that has
+            # their levels of lists (decided by the types alone: the same in every batch)
+            levels = (col.info.ndim or 1) - 1
+            like = next((p for p in ps if p[0][0] != "pytuple" and _list_levels(p[3].type) >= levels), None)
+            if like is not None:
+                ps.append((like[0], like[1], at, _emptied(flat, like[3])))
+                continue
+        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", at, flat))
     return pos, starts, combine(ps, int(starts[-1]))
 
 
 def _only_empty_lists(col: OpenColumn) -> bool:
-    """Whether ``col`` holds ``[]`` in every row that has it (FORMAT.md: ``[]`` is ``pyfloat (0,)``)."""
-    return col.info.dtype == "pyfloat" and col.info.ndim == 1 and 0 in (col.n_units, *col.unit_shape)
+    """Whether ``col``'s rows are lists with no number at any level, ``[]``, ``[[]]`` ... (FORMAT.md:
+    ``[]`` is ``pyfloat (0,)``)."""
+    return col.info.dtype == "pyfloat" and bool(col.info.ndim) and 0 in (col.n_units, *col.unit_shape)
+
+
+def _list_levels(t: Any) -> int:
+    """How many levels of ``large_list`` Arrow type ``t`` begins with."""
+    pa = require_pyarrow()
+    return 1 + _list_levels(t.value_type) if pa.types.is_large_list(t) else 0
+
+
+def _emptied(arr: Any, like: Any) -> Any:
+    """``arr`` (lists of lists ... with no item at the bottom, at most ``_list_levels`` of
+    ``like``'s type deep) as an array of ``like``'s type."""
+    pa = require_pyarrow()
+    import pyarrow.compute as pc
+
+    if not len(arr):
+        return like.slice(0, 0)  # (pyarrow makes no empty array of an extension or union type)
+    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]))
+    return pa.LargeListArray.from_arrays(offsets, _emptied(pc.list_flatten(arr), like.values), type=like.type)
 
 
 def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:

@@ -190,6 +190,31 @@ def test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports(tmp_pa
     assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
 
 
+def test_empty_nested_lists_beside_deeper_lists_of_dicts_or_tensors_export_as_their_list_type(tmp_path):
+    """``[[]]`` and ``[[], []]`` (stored as ``pyfloat`` of shape ``(n, 0)``) beside lists of lists of
+    dicts or of tensors: lists of empty lists of that type, no union, so Parquet takes them; a
+    ``[[[]]]`` beside lists of dicts holds a list where they hold dicts, a union still."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    det = {"box": [1.0, 2.0], "score": 0.5}
+    rows = [
+        {"dets": [[det]], "t": [[torch.ones(2)]], "deep": [[{"k": 1}]]},
+        {"dets": [[]], "t": [[]], "deep": [[[]]]},
+        {"dets": [[], []], "t": [[], [torch.zeros(2)]]},
+        {"dets": [[det, det], []], "t": [[]]},
+    ]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow()
+    assert pa.types.is_struct(table.schema.field("dets").type.value_type.value_type)
+    assert table.schema.field("t").type.value_type.value_type == pa.list_(pa.float32(), 2)
+    assert table.column("dets").to_pylist() == [r["dets"] for r in rows]
+    assert table.column("t").to_pylist() == [[[[1.0, 1.0]]], [[]], [[], [[0.0, 0.0]]], [[]]]
+    assert pa.types.is_union(table.schema.field("deep").type.value_type)
+    assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
+    assert table.column("deep").to_pylist() == [[[{"k": 1}]], [[[]]], None, None]
+    res.to_parquet(str(tmp_path / "x.parquet"), columns=["dets", "t"])
+    assert pq.read_table(str(tmp_path / "x.parquet")).column("dets").to_pylist() == [r["dets"] for r in rows]
+
+
 def test_tensors_inside_lists_of_dicts_keep_their_shape_in_parquet(tmp_path):
     """A mask per detection (a list of dicts of 2-d tensors): Parquet got the tensor extension type
     nested in the struct, which polars and DuckDB read as flat values; it gets nested lists, as
