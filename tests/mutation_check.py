@@ -1841,8 +1841,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "arrow-dict-child-from-the-whole-output",
         "spillmerge/_read/arrow.py",
-        "        return bool(self.keys_in(offs, False)) or any(",
-        "        return bool(self.keys_in(offs, False)) and any(",
+        "            self._dicts = bool(self.keys_in(offs, False)) or any(",
+        "            self._dicts = bool(self.keys_in(offs, False)) and any(",
         ("tests/read/test_reader_edges.py::test_a_list_of_dicts_beside_an_empty_dict_in_lists_has_one_schema_in_every_batch",),
         "whether a list's items have a dict child is decided from the whole output: every batch has one schema",
     ),
