@@ -737,6 +737,14 @@ MUTATIONS: list[Mutation] = [
         "an empty list beside lists of dicts or tensors exports as their list type, not a union Parquet refuses",
     ),
     Mutation(
+        "no-flat-column-only-lists-of-dicts-hold",
+        "spillmerge/_read/arrow.py",
+        "                if hidden is None or _meets(_valued([col], offs, ()), ~hidden):\n",
+        "                if True:\n",
+        ("tests/read/test_reader_edges.py::test_a_key_only_lists_of_dicts_hold_makes_no_flat_column_of_nulls",),
+        "a key whose only values are inside lists of dicts makes no exported column of nulls beside them",
+    ),
+    Mutation(
         "empty-nested-lists-take-the-items-type",
         "spillmerge/_read/arrow.py",
         "            if like is not None:\n",

@@ -136,7 +136,9 @@ class Node:
             else:
                 rows = inside if records else ~inside
                 domain = F.list_domain(self.path)
-                got = [(seg, kid) for seg, kid in self.sorted_keys() if _meets(_valued(kid, offs, domain), rows)]
+                got = [
+                    (seg, kid) for seg, kid in self.sorted_keys() if _meets(_valued(kid.stored(), offs, domain), rows)
+                ]
             self._sides[records] = got
         return got
 
@@ -538,14 +540,15 @@ def top_columns(
             kept = node.pruned(lambda c: bool(L.any_per_row(offs, F.list_domain(c.info.leaf), _held(c))[own].any()))
             if kept is not None:
                 add("/".join(node.path) or "value", node.path, kept, ~own)
-        else:
+        else:  # not a column only an enclosing list of dicts holds (its rows are inside that one)
             for col in node.cols:
-                add(name_of(col), col.info.leaf, col, hidden)
+                if hidden is None or _meets(_valued([col], offs, ()), ~hidden):
+                    add(name_of(col), col.info.leaf, col, hidden)
         inside = node.inside()  # its records' columns are inside its column, not dicts' keys
         if inside is not None:
             hidden = inside if hidden is None else hidden | inside
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
-            if hidden is None or _meets(_valued(kid, offs, ()), ~hidden):  # some row's dict holds it
+            if hidden is None or _meets(_valued(kid.stored(), offs, ()), ~hidden):  # some row's dict holds it
                 walk(kid, hidden)
 
     walk(root, None)
@@ -576,10 +579,12 @@ def _meets(valued: np.ndarray | None, rows: np.ndarray) -> bool:
     return valued is None or bool((valued & rows).any())
 
 
-def _valued(node: Node, offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]) -> np.ndarray | None:
-    """Per row of ``domain`` (``node``'s or one it lies in): whether a column under ``node`` has a
-    value there; None when no column is under it."""
-    got = [L.any_per_row(offs, F.list_domain(c.info.leaf), _rows(c), domain) for c in node.stored()]
+def _valued(
+    cols: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]
+) -> np.ndarray | None:
+    """Per row of ``domain`` (the columns' or one they lie in): whether one of ``cols`` has a value
+    there; None when ``cols`` is empty."""
+    got = [L.any_per_row(offs, F.list_domain(c.info.leaf), _rows(c), domain) for c in cols]
     return np.logical_or.reduce(got) if got else None
 
 
