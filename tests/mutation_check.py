@@ -372,6 +372,14 @@ MUTATIONS: list[Mutation] = [
         "an empty array keeps its dtype: it joins no other numeric variant of its leaf",
     ),
     Mutation(
+        "variants-numbered-in-sorted-order",
+        "spillmerge/_merge/plancolumns.py",
+        "    sig_code = {sig: i for i, sig in enumerate(sorted(set(lsig.values())))}\n",
+        "    sig_code = {sig: i for i, sig in enumerate(dict.fromkeys(lsig.values()))}\n",
+        ("tests/write/test_write_batch.py::test_batches_of_flat_records_are_stored_as_row_by_row_writes_or_refused_alike",),
+        "write_batch and row-by-row writes of the same values give byte-identical outputs (the variant [] joins)",
+    ),
+    Mutation(
         "empty-list-joins-python-numbers",
         "spillmerge/_merge/plancolumns.py",
         'if s[0] == "num" and s[1] in F.PY_SCALARS and s[2] == nd]',

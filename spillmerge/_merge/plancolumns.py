@@ -261,10 +261,8 @@ def variant_groups(
         for k in distinct(c["lp"][definite] * n_sig + code[definite]).tolist():
             leaf_codes.setdefault(k // n_sig, set()).add(k % n_sig)
         weak_gl = c["gl"][weak]
-        # empty numeric rows first (by dtype and shape, not by when the writers met them): a leaf
-        # whose only variant is theirs then takes its None rows too
-        weak_layouts = distinct(weak_gl).tolist()
-        for g in sorted(weak_layouts, key=lambda g: (layouts[g].dtype == "none", layouts[g].dtype, layouts[g].shape)):
+        # empty numeric rows first: a leaf whose only variant is theirs then takes its None rows too
+        for g in sorted(distinct(weak_gl).tolist(), key=lambda g: layouts[g].dtype == "none"):
             lay = layouts[g]
             rows = weak[weak_gl == g]
             if lay.dtype == "none":
@@ -419,7 +417,7 @@ def file_layouts_of(
     # file_of: each entry's file, ascending (the plan's rows are sorted by file); lp_of / lp_names:
     # each entry's column group and the groups' names.
     """Each file's set of columns (a leaf counts when any frame has a value or ``None`` for it), as
-    a position in the list of distinct sets, sorted by their names."""
+    a position in the list of distinct sets."""
     n = len(file_of)
     if len(lp_names) <= 62:  # one int64 bit mask per file: vectorised, a block of rows at a time
         masks = new("masks", n_files, np.int64)
@@ -434,18 +432,12 @@ def file_layouts_of(
         inverse = new("file_layout", n_files, np.int32)
         for a, b in blocks(n_files):
             inverse[a:b] = np.searchsorted(uniq, masks[a:b])
-        sets = [sorted(lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1) for m in uniq]
-    else:  # more column sets than bits: the distinct (file, column) pairs, sorted (a whole array)
-        pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
-        pf, pl = pairs // len(lp_names), pairs % len(lp_names)
-        per_file = [tuple(v.tolist()) for v in np.split(pl, np.searchsorted(pf, np.arange(1, n_files)))]
-        keyed = {v: i for i, v in enumerate(sorted(set(per_file)))}
-        inverse = np.array([keyed[v] for v in per_file], dtype=np.int32)
-        sets = [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order
-    # the groups' numbers follow the order the writers met the layouts in; the names do not
-    order = sorted(range(len(sets)), key=sets.__getitem__)
-    renumber = np.empty(len(sets), np.int32)
-    renumber[order] = np.arange(len(sets), dtype=np.int32)
-    for a, b in blocks(n_files):
-        inverse[a:b] = renumber[inverse[a:b]]
-    return inverse, [sets[j] for j in order]
+        sets = [[lp_names[b] for b in range(len(lp_names)) if (int(m) >> b) & 1] for m in uniq]
+        return inverse, [sorted(s) for s in sets]
+    # more column sets than bits: the distinct (file, column) pairs, sorted (a whole array)
+    pairs = np.unique(np.asarray(file_of, dtype=np.int64) * len(lp_names) + lp_of)
+    pf, pl = pairs // len(lp_names), pairs % len(lp_names)
+    per_file = [tuple(v.tolist()) for v in np.split(pl, np.searchsorted(pf, np.arange(1, n_files)))]
+    keyed = {v: i for i, v in enumerate(sorted(set(per_file)))}
+    inverse = np.array([keyed[v] for v in per_file], dtype=np.int32)
+    return inverse, [sorted(lp_names[b] for b in k) for k in keyed]  # keyed is in its numbers' order
