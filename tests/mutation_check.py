@@ -372,6 +372,14 @@ MUTATIONS: list[Mutation] = [
         "an empty array keeps its dtype: it joins no other numeric variant of its leaf",
     ),
     Mutation(
+        "variants-numbered-in-sorted-order",
+        "spillmerge/_merge/plancolumns.py",
+        "    sig_code = {sig: i for i, sig in enumerate(sorted(set(lsig.values())))}\n",
+        "    sig_code = {sig: i for i, sig in enumerate(dict.fromkeys(lsig.values()))}\n",
+        ("tests/write/test_write_batch.py::test_batches_of_flat_records_are_stored_as_row_by_row_writes_or_refused_alike",),
+        "write_batch and row-by-row writes of the same values give byte-identical outputs (the variant [] joins)",
+    ),
+    Mutation(
         "empty-list-joins-python-numbers",
         "spillmerge/_merge/plancolumns.py",
         'if s[0] == "num" and s[1] in F.PY_SCALARS and s[2] == nd]',
@@ -731,10 +739,29 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "empty-list-joins-the-lists-beside-it",
         "spillmerge/_read/arrow.py",
-        '    return col.info.dtype == "pyfloat" and col.info.ndim == 1 and 0 in (col.n_units, *col.unit_shape)\n',
+        '    return col.info.dtype == "pyfloat" and bool(col.info.ndim) and 0 in (col.n_units, *col.unit_shape)\n',
         "    return False\n",
         ("tests/read/test_reader_edges.py::test_an_empty_list_beside_lists_of_dicts_or_tensors_exports_as_an_empty_list",),
         "an empty list beside lists of dicts or tensors exports as their list type, not a union Parquet refuses",
+    ),
+    Mutation(
+        "no-flat-column-only-lists-of-dicts-hold",
+        "spillmerge/_read/arrow.py",
+        "                if hidden is None or _meets(_valued([col], offs, ()), ~hidden):\n",
+        "                if True:\n",
+        ("tests/read/test_reader_edges.py::test_a_key_only_lists_of_dicts_hold_makes_no_flat_column_of_nulls",),
+        "a key whose only values are inside lists of dicts makes no exported column of nulls beside them",
+    ),
+    Mutation(
+        "empty-nested-lists-take-the-items-type",
+        "spillmerge/_read/arrow.py",
+        "            if like is not None:\n",
+        "            if False:\n",
+        (
+            "tests/read/test_reader_edges.py::"
+            "test_empty_nested_lists_beside_deeper_lists_of_dicts_or_tensors_export_as_their_list_type",
+        ),
+        "[[]] beside lists of lists of dicts or tensors exports as their list type, not a union Parquet refuses",
     ),
     Mutation(
         "exported-node-pruned-to-its-rows",
@@ -1838,8 +1865,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "arrow-dict-child-from-the-whole-output",
         "spillmerge/_read/arrow.py",
-        "self._dicts = bool(self.keys_in(offs, False)) or any(",
-        "self._dicts = bool(self.keys_in(offs, False)) and any(",
+        "            self._dicts = bool(self.keys_in(offs, False)) or any(",
+        "            self._dicts = bool(self.keys_in(offs, False)) and any(",
         ("tests/read/test_reader_edges.py::test_a_list_of_dicts_beside_an_empty_dict_in_lists_has_one_schema_in_every_batch",),
         "whether a list's items have a dict child is decided from the whole output: every batch has one schema",
     ),

@@ -229,14 +229,20 @@ def variant_groups(
     elements) a ``py*`` variant of its ndim or a list of strings, as it reads back the same from
     each. An empty array keeps its dtype. Returns each entry's group and the groups' (leaf path
     position, variant tag or None when the leaf has one column)."""
-    sig_code: dict[tuple[str, str, int], int] = {}
-    lcode = np.full(len(layouts), -1, dtype=np.int64)
+    lsig: dict[int, tuple[str, str, int]] = {}
     for g, lay in enumerate(layouts):
         dt = F.DTYPES[lay.dtype]
         if dt.kind == "none" or (lay.dtype in F.PY_SCALARS and 0 in lay.shape):
             continue
-        sig = ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
-        lcode[g] = sig_code.setdefault(sig, len(sig_code))
+        lsig[g] = (
+            ("num", lay.dtype, len(lay.shape)) if dt.numeric else (dt.kind, dt.kind, 1 if dt.kind == "strlist" else 0)
+        )
+    # variants numbered in sorted order, not in the order the writers met them: "the lowest" below
+    # is then the same however the frames were written (row by row or in batches)
+    sig_code = {sig: i for i, sig in enumerate(sorted(set(lsig.values())))}
+    lcode = np.full(len(layouts), -1, dtype=np.int64)
+    for g, sig in lsig.items():
+        lcode[g] = sig_code[sig]
     n = len(c["gl"])
     code = new("code", n, np.int64)
     weak_parts = [np.zeros(0, np.int64)]

@@ -136,7 +136,9 @@ class Node:
             else:
                 rows = inside if records else ~inside
                 domain = F.list_domain(self.path)
-                got = [(seg, kid) for seg, kid in self.sorted_keys() if _meets(_valued(kid, offs, domain), rows)]
+                got = [
+                    (seg, kid) for seg, kid in self.sorted_keys() if _meets(_valued(kid.stored(), offs, domain), rows)
+                ]
             self._sides[records] = got
         return got
 
@@ -263,13 +265,17 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     columns, its containers, and (``with_keys``: inside a list) the dict of its keys."""
     pa = require_pyarrow()
     out: list[_Part] = []
-    # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` too): where
-    # the path also holds lists of other items, its rows are lists of that column, items and all.
+    # A list of numbers of one type is one numeric leaf at the list's own path (``[]`` and ``[[]]``
+    # too): where the path also holds lists of other items, its rows are lists of that column,
+    # items and all.
     lists = any(h.info.dtype == "pylist" for h in node.headers)
-    as_list = [c for c in node.cols if lists and c.info.dtype in F.PY_SCALARS and c.info.ndim == 1]
+    as_list = [
+        c for c in node.cols
+        if lists and c.info.dtype in F.PY_SCALARS and (c.info.ndim == 1 or _only_empty_lists(c))
+    ]  # fmt: skip
     # ``[]`` (a ``pyfloat`` column of no item in the whole output) beside lists of dicts: empty
     # lists of dicts, not a union of two list types (which Parquet cannot hold)
-    empty = [c for c in node.cols if node.records() and _only_empty_lists(c)]
+    empty = [c for c in node.cols if node.records() and c.info.ndim == 1 and _only_empty_lists(c)]
     for col in (c for c in node.cols if c not in as_list and c not in empty):
         pos = np.flatnonzero(b.valid(col, rows))
         arr = b.arrow(col).take(pa.array(rows[pos] - b.base(col)))
@@ -377,16 +383,44 @@ def _merged_lists(
     start_of[pos] = starts[:-1]
     ps = _item_parts(node, b, rows[hpos], hlen, start_of[hpos])
     for col, cpos, carr, clen in got:
-        if _only_empty_lists(col) and ps:  # ``[]`` beside lists of other items: no union child of its own
-            continue
-        flat = pc.list_flatten(carr)
-        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", _spread(start_of[cpos], clen), flat))
+        flat, at = pc.list_flatten(carr), _spread(start_of[cpos], clen)
+        if _only_empty_lists(col) and ps:  # ``[]``, ``[[]]`` beside lists of other items: no union child of their own
+            if col.info.ndim == 1:
+                continue  # no item
+            # ``[[]]``: its items are empty lists of the first type of the other items that has
+            # their levels of lists (decided by the types alone: the same in every batch)
+            levels = (col.info.ndim or 1) - 1
+            like = next((p for p in ps if p[0][0] != "pytuple" and _list_levels(p[3].type) >= levels), None)
+            if like is not None:
+                ps.append((like[0], like[1], at, _emptied(flat, like[3])))
+                continue
+        ps.append((("col", str(flat.type)), f"{col.info.dtype}.0d", at, flat))
     return pos, starts, combine(ps, int(starts[-1]))
 
 
 def _only_empty_lists(col: OpenColumn) -> bool:
-    """Whether ``col`` holds ``[]`` in every row that has it (FORMAT.md: ``[]`` is ``pyfloat (0,)``)."""
-    return col.info.dtype == "pyfloat" and col.info.ndim == 1 and 0 in (col.n_units, *col.unit_shape)
+    """Whether ``col``'s rows are lists with no number at any level, ``[]``, ``[[]]`` ... (FORMAT.md:
+    ``[]`` is ``pyfloat (0,)``)."""
+    return col.info.dtype == "pyfloat" and bool(col.info.ndim) and 0 in (col.n_units, *col.unit_shape)
+
+
+def _list_levels(t: Any) -> int:
+    """How many levels of ``large_list`` Arrow type ``t`` begins with."""
+    pa = require_pyarrow()
+    return 1 + _list_levels(t.value_type) if pa.types.is_large_list(t) else 0
+
+
+def _emptied(arr: Any, like: Any) -> Any:
+    """``arr`` (lists of lists ... with no item at the bottom, at most ``_list_levels`` of
+    ``like``'s type deep) as an array of ``like``'s type."""
+    pa = require_pyarrow()
+    import pyarrow.compute as pc
+
+    if not len(arr):
+        return like.slice(0, 0)  # (pyarrow makes no empty array of an extension or union type)
+    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]))
+    return pa.LargeListArray.from_arrays(offsets, _emptied(pc.list_flatten(arr), like.values), type=like.type)
 
 
 def _split(name: str, pos: np.ndarray, arr: Any) -> list[_Part]:
@@ -506,14 +540,15 @@ def top_columns(
             kept = node.pruned(lambda c: bool(L.any_per_row(offs, F.list_domain(c.info.leaf), _held(c))[own].any()))
             if kept is not None:
                 add("/".join(node.path) or "value", node.path, kept, ~own)
-        else:
+        else:  # not a column only an enclosing list of dicts holds (its rows are inside that one)
             for col in node.cols:
-                add(name_of(col), col.info.leaf, col, hidden)
+                if hidden is None or _meets(_valued([col], offs, ()), ~hidden):
+                    add(name_of(col), col.info.leaf, col, hidden)
         inside = node.inside()  # its records' columns are inside its column, not dicts' keys
         if inside is not None:
             hidden = inside if hidden is None else hidden | inside
         for _, kid in sorted(node.keys.items()):  # flat columns in name order
-            if hidden is None or _meets(_valued(kid, offs, ()), ~hidden):  # some row's dict holds it
+            if hidden is None or _meets(_valued(kid.stored(), offs, ()), ~hidden):  # some row's dict holds it
                 walk(kid, hidden)
 
     walk(root, None)
@@ -544,10 +579,12 @@ def _meets(valued: np.ndarray | None, rows: np.ndarray) -> bool:
     return valued is None or bool((valued & rows).any())
 
 
-def _valued(node: Node, offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]) -> np.ndarray | None:
-    """Per row of ``domain`` (``node``'s or one it lies in): whether a column under ``node`` has a
-    value there; None when no column is under it."""
-    got = [L.any_per_row(offs, F.list_domain(c.info.leaf), _rows(c), domain) for c in node.stored()]
+def _valued(
+    cols: list[OpenColumn], offs: dict[tuple[str, ...], np.ndarray], domain: tuple[str, ...]
+) -> np.ndarray | None:
+    """Per row of ``domain`` (the columns' or one they lie in): whether one of ``cols`` has a value
+    there; None when ``cols`` is empty."""
+    got = [L.any_per_row(offs, F.list_domain(c.info.leaf), _rows(c), domain) for c in cols]
     return np.logical_or.reduce(got) if got else None
 
 

@@ -172,6 +172,28 @@ def test_a_column_beside_lists_of_dicts_has_no_union_child_only_their_rows_hold(
     )
 
 
+def test_a_key_only_lists_of_dicts_hold_makes_no_flat_column_of_nulls(tmp_path):
+    """``[{"a": 1}]`` stores key ``a`` as the column ``a`` = ``[1]``: beside ``{"a": {"b": 2}}`` (a
+    dict there, so the path ``a`` is walked for ``a/b``) it was exported as a flat column ``a``
+    null in every row (its only values are inside the list of dicts' column); a key that also
+    holds a value outside them keeps its column."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [[{"a": 1, "k": 2}], {"a": {"b": 2}, "k": 3}, {"x": [{"a": 1}]}, {"x": {"a": {"b": 2}, "c": 1}}]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow().drop(["filename", "frame_idx", "rank"])
+    assert table.column_names == ["value", "a/b", "k", "x", "x/a/b", "x/c"]
+    assert table.to_pylist() == [
+        {"value": [{"a": 1, "k": 2}], "a/b": None, "k": None, "x": None, "x/a/b": None, "x/c": None},
+        {"value": None, "a/b": 2, "k": 3, "x": None, "x/a/b": None, "x/c": None},
+        {"value": None, "a/b": None, "k": None, "x": [{"a": 1}], "x/a/b": None, "x/c": None},
+        {"value": None, "a/b": None, "k": None, "x": None, "x/a/b": 2, "x/c": 1},
+    ]
+    assert all(b.schema == res.to_arrow().schema for b in res.iter_batches(batch_size=1))
+    assert "a" in res.to_arrow(columns=["a"]).column_names  # the stored column, by its flat name
+    res.to_parquet(str(tmp_path / "x.parquet"))
+    assert pq.read_table(str(tmp_path / "x.parquet")).drop(["filename", "frame_idx", "rank"]).equals(table)
+
+
 def test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports(tmp_path):
     """``[]`` beside lists of dicts whose keys hold tensors (a mask per detection) or values of
     several kinds: its empty lists were made from Python lists, which pyarrow refuses for a tensor
@@ -188,6 +210,31 @@ def test_an_empty_list_beside_lists_of_dicts_of_tensors_or_unions_exports(tmp_pa
     assert got == [[mask.tolist()], [], [(-mask).tolist(), mask.tolist()]]
     assert [len(r.values) for r in table.column("kp")] == [1, 1, 0]
     assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
+
+
+def test_empty_nested_lists_beside_deeper_lists_of_dicts_or_tensors_export_as_their_list_type(tmp_path):
+    """``[[]]`` and ``[[], []]`` (stored as ``pyfloat`` of shape ``(n, 0)``) beside lists of lists of
+    dicts or of tensors: lists of empty lists of that type, no union, so Parquet takes them; a
+    ``[[[]]]`` beside lists of dicts holds a list where they hold dicts, a union still."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    det = {"box": [1.0, 2.0], "score": 0.5}
+    rows = [
+        {"dets": [[det]], "t": [[torch.ones(2)]], "deep": [[{"k": 1}]]},
+        {"dets": [[]], "t": [[]], "deep": [[[]]]},
+        {"dets": [[], []], "t": [[], [torch.zeros(2)]]},
+        {"dets": [[det, det], []], "t": [[]]},
+    ]
+    res = spillmerge.open(_merged(tmp_path, rows))
+    table = res.to_arrow()
+    assert pa.types.is_struct(table.schema.field("dets").type.value_type.value_type)
+    assert table.schema.field("t").type.value_type.value_type == pa.list_(pa.float32(), 2)
+    assert table.column("dets").to_pylist() == [r["dets"] for r in rows]
+    assert table.column("t").to_pylist() == [[[[1.0, 1.0]]], [[]], [[], [[0.0, 0.0]]], [[]]]
+    assert pa.types.is_union(table.schema.field("deep").type.value_type)
+    assert all(b.schema == table.schema for b in res.iter_batches(batch_size=1))
+    assert table.column("deep").to_pylist() == [[[{"k": 1}]], [[[]]], None, None]
+    res.to_parquet(str(tmp_path / "x.parquet"), columns=["dets", "t"])
+    assert pq.read_table(str(tmp_path / "x.parquet")).column("dets").to_pylist() == [r["dets"] for r in rows]
 
 
 def test_tensors_inside_lists_of_dicts_keep_their_shape_in_parquet(tmp_path):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import spillmerge
@@ -564,6 +564,23 @@ def _flat_batch(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 
 @given(batches=st.lists(_flat_batch(), min_size=1, max_size=3))
+@example(  # the writers meet the layouts of the last two files in the other order
+    batches=[
+        [{"b": b, "text": "", "a": False, "\x1fm": False} for b in ([], [0.0], [0.0])],
+        [{"b": []}, {"b": ""}],
+    ]
+)
+@example(  # they meet the variants of "\x1fm" in the other order: [] must join the same one either way
+    batches=[
+        [{"b": None, "a": None, "text": True, "\x1fm": False}, {"b": "ý", "a": None, "text": True, "\x1fm": False}],
+        [
+            {"z": [0.0] * 6, "b": False, "\x1fm": [], "a": None},
+            {"z": [0.0] * 3, "b": False, "\x1fm": [0] * 6, "a": None},
+            {"z": [0.0] * 2, "b": False, "\x1fm": [0] * 6, "a": None},
+        ],
+        [{"\x1fm": [0.0], "b": False, "a": False, "text": False}],
+    ]
+)
 def test_batches_of_flat_records_are_stored_as_row_by_row_writes_or_refused_alike(tmp_path_factory, batches):
     tmp = tmp_path_factory.mktemp("flat")
     names = [[f"f{b}-{i}" for i in range(len(batch))] for b, batch in enumerate(batches)]
