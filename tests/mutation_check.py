@@ -406,7 +406,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "strlist-layout-bytes",
         "spillmerge/_format/spill.py",
-        'if lay.kind == "strlist" and 4 * lay.shape[0] > lay.shape[1]:',
+        'if kind == "strlist" and 4 * shape[0] > shape[1]:',
         "if False:",
         (f"{H}::test_strlist_layout_claiming_more_strings_than_bytes",),
         "a strlist layout claiming 2**31 strings in 12 bytes is corrupt at load, for merge and verify",
