@@ -1510,6 +1510,14 @@ MUTATIONS: list[Mutation] = [
         "rows are copied where their output offsets say, not back to back as they lie in the spill",
     ),
     Mutation(
+        "copy-rows-across-data-chunks",
+        "spillmerge/_merge/outputchunk.py",
+        "                out[int(start[i]) : int(start[i] + size[i])] = row[int(first[i]) : int(first[i] + size[i])]",
+        "                pass",
+        ("tests/merge/test_copy_checks.py::test_small_rows_across_data_chunks_come_back_and_a_flipped_byte_in_one_is_named",),
+        "a small row that crosses data chunk objects is copied with the rows around it",
+    ),
+    Mutation(
         "parts-split-by-key-range",
         "spillmerge/_merge/copy.py",
         "        out[min(parts - 1, (2 * done + nb) * parts // max(2 * total, 1))].append(k)",
