@@ -40,7 +40,9 @@ and rotated each repeat, in W gloo ranks on loopback:
 objects on every rank at once: more memory than a small machine has).
 
 Wall time: from a barrier until the slowest rank has everything; memory: each rank's peak extra
-anonymous memory (sampled). Prints a markdown table with ratios from this run.
+anonymous memory (sampled). Prints a markdown table with ratios from this run. For the real-format
+workloads also CPU: each rank's process CPU seconds over the same span (its threads included),
+summed over the ranks, and rank 0's; on a loaded machine it moves less than wall time does.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
     out_path = f"{cfg['work']}/out.zarr"
     dist.barrier()
     mem = PeakMemory()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     got: list[Any] | None = None
     if method in ("gather", "all_gather"):
         fn = spillmerge.gather if method == "gather" else spillmerge.all_gather
@@ -189,7 +191,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
             parts = [None] * world
             lib.all_gather_object(parts, obj)
         got = parts
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = mem.stop()
     n = 0 if got is None else len(got)
     if got is not None and cfg.get("check"):  # outside the timed part: what came back is what went in
@@ -198,7 +200,7 @@ def workload_main(rank: int, world: int, port: int, method: str, cfg: dict[str, 
             want = [v for w in want for _, (_, v) in sorted(as_files(workload, w).items())]
         _check_equal(got, want)
     with open(f"{result}.{rank}", "w") as fh:
-        json.dump({"wall_s": wall, "anon": peak["anon"], "values": n}, fh)
+        json.dump({"wall_s": wall, "cpu_s": cpu, "anon": peak["anon"], "values": n}, fh)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -315,25 +317,33 @@ def workload_report(workload: str, world: int, repeats: int, rows: dict[str, lis
     coll, _, ours, _ = WORKLOADS[workload]
     print(f"\nW={world} gloo ranks, {workload}, median of {repeats} (methods alternated), "
           f"load {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| method | slowest rank's wall (median) | runs | rank 0 peak extra anon | other ranks' (max) | values |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| method | slowest rank's wall (median) | runs | CPU, all ranks (median) | rank 0's CPU (median) "
+        "| rank 0 peak extra anon | other ranks' (max) | values |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     med: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    cpu0: dict[str, float] = {}
     recv: dict[str, int] = {}
     send: dict[str, int] = {}
     for m, runs in rows.items():
         ok = [r for r in runs if "error" not in r[0]]
         walls = [max(x["wall_s"] for x in r) for r in ok]
         med[m] = statistics.median(walls) if walls else float("nan")
+        cpu[m] = statistics.median([sum(x["cpu_s"] for x in r) for r in ok]) if ok else float("nan")
+        cpu0[m] = statistics.median([r[0]["cpu_s"] for r in ok]) if ok else float("nan")
         recv[m] = max((r[0]["anon"] for r in ok), default=0)
         send[m] = max((x["anon"] for r in ok for x in r[1:]), default=0)
         n = max((x["values"] for r in ok for x in r), default=0)
         errs = [r[0]["error"] for r in runs if "error" in r[0]]
-        print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {recv[m] / MiB:.0f} MiB | "
-              f"{send[m] / MiB:.0f} MiB | {n} |{' ' + errs[0] if errs else ''}")  # fmt: skip
+        print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {cpu[m]:.2f} s | {cpu0[m]:.2f} s "
+              f"| {recv[m] / MiB:.0f} MiB | {send[m] / MiB:.0f} MiB | {n} |{' ' + errs[0] if errs else ''}")  # fmt: skip
     print()
     for m in (ours, "dropin"):
         if m in med and coll in med:
-            print(f"{m} / {coll}: time {med[m] / med[coll]:.2f}x, rank 0 memory {recv[m] / max(recv[coll], 1):.2f}x, "
+            print(f"{m} / {coll}: time {med[m] / med[coll]:.2f}x, CPU {cpu[m] / cpu[coll]:.2f}x (rank 0 "
+                  f"{cpu0[m] / cpu0[coll]:.2f}x), rank 0 memory {recv[m] / max(recv[coll], 1):.2f}x, "
                   f"other ranks {send[m] / max(send[coll], 1):.2f}x")  # fmt: skip
 
 
