@@ -41,7 +41,9 @@ and rotated each repeat, in W gloo ranks on loopback:
 objects on every rank at once: more memory than a small machine has).
 
 Wall time: from a barrier until the slowest rank has everything; memory: each rank's peak extra
-anonymous memory (sampled). Prints a markdown table with ratios from this run.
+anonymous memory (sampled). Prints a markdown table with ratios from this run. For the real-format
+workloads also CPU: each rank's process CPU seconds over the same span (its threads included),
+summed over the ranks, and rank 0's; on a loaded machine it moves less than wall time does.
 """
 
 from __future__ import annotations
@@ -318,31 +320,32 @@ def workload_report(
     ours = "all_gather" if coll == "all_gather_object" else "gather"
     print(f"\nW={world} gloo ranks, {workload} through {coll}, median of {repeats} (methods alternated), "
           f"load {os.getloadavg()[0]:.1f}\n")  # fmt: skip
-    print("| method | slowest rank's wall (median) | runs | rank 0 CPU (median) | other ranks' (max) "
-          "| rank 0 peak extra anon | other ranks' (max) | values |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | slowest rank's wall (median) | runs | CPU, all ranks (median) | rank 0's CPU (median) "
+          "| other ranks' CPU (max) | rank 0 peak extra anon | other ranks' (max) | values |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     med: dict[str, float] = {}
     cpu: dict[str, float] = {}
+    cpu0: dict[str, float] = {}
     recv: dict[str, int] = {}
     send: dict[str, int] = {}
     for m, runs in rows.items():
         ok = [r for r in runs if "error" not in r[0]]
         walls = [max(x["wall_s"] for x in r) for r in ok]
         med[m] = statistics.median(walls) if walls else float("nan")
-        cpu[m] = statistics.median(r[0]["cpu_s"] for r in ok) if ok else float("nan")
+        cpu[m] = statistics.median([sum(x["cpu_s"] for x in r) for r in ok]) if ok else float("nan")
+        cpu0[m] = statistics.median([r[0]["cpu_s"] for r in ok]) if ok else float("nan")
         cpu_send = max((x["cpu_s"] for r in ok for x in r[1:]), default=float("nan"))
         recv[m] = max((r[0]["anon"] for r in ok), default=0)
         send[m] = max((x["anon"] for r in ok for x in r[1:]), default=0)
         n = max((x["values"] for r in ok for x in r), default=0)
         errs = [r[0]["error"] for r in runs if "error" in r[0]]
-        print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {cpu[m]:.2f} s | {cpu_send:.2f} s "
-              f"| {recv[m] / MiB:.0f} MiB | "
-              f"{send[m] / MiB:.0f} MiB | {n} |{' ' + errs[0] if errs else ''}")  # fmt: skip
+        print(f"| {m} | {med[m]:.2f} s | {', '.join(f'{w:.2f}' for w in walls)} | {cpu[m]:.2f} s | {cpu0[m]:.2f} s "
+              f"| {cpu_send:.2f} s | {recv[m] / MiB:.0f} MiB | {send[m] / MiB:.0f} MiB | {n} |{' ' + errs[0] if errs else ''}")  # fmt: skip
     print()
     for m in (ours, "dropin"):
         if m in med and coll in med:
-            print(f"{m} / {coll}: time {med[m] / med[coll]:.2f}x, rank 0 CPU {cpu[m] / cpu[coll]:.2f}x, "
-                  f"rank 0 memory {recv[m] / max(recv[coll], 1):.2f}x, "
+            print(f"{m} / {coll}: time {med[m] / med[coll]:.2f}x, CPU {cpu[m] / cpu[coll]:.2f}x (rank 0 "
+                  f"{cpu0[m] / cpu0[coll]:.2f}x), rank 0 memory {recv[m] / max(recv[coll], 1):.2f}x, "
                   f"other ranks {send[m] / max(send[coll], 1):.2f}x")  # fmt: skip
 
 

@@ -414,7 +414,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "strlist-layout-bytes",
         "spillmerge/_format/spill.py",
-        'if lay.kind == "strlist" and 4 * lay.shape[0] > lay.shape[1]:',
+        'if kind == "strlist" and 4 * shape[0] > shape[1]:',
         "if False:",
         (f"{H}::test_strlist_layout_claiming_more_strings_than_bytes",),
         "a strlist layout claiming 2**31 strings in 12 bytes is corrupt at load, for merge and verify",
@@ -1543,6 +1543,14 @@ MUTATIONS: list[Mutation] = [
         ") + 1",
         ("tests/merge/test_copy_checks.py::test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them",),
         "rows are copied where their output offsets say, not back to back as they lie in the spill",
+    ),
+    Mutation(
+        "copy-rows-across-data-chunks",
+        "spillmerge/_merge/outputchunk.py",
+        "                out[int(start[i]) : int(start[i] + size[i])] = row[int(first[i]) : int(first[i] + size[i])]",
+        "                pass",
+        ("tests/merge/test_copy_checks.py::test_small_rows_across_data_chunks_come_back_and_a_flipped_byte_in_one_is_named",),
+        "a small row that crosses data chunk objects is copied with the rows around it",
     ),
     Mutation(
         "parts-split-by-key-range",

@@ -279,6 +279,7 @@ class Layout:
             raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
+        dt = DTYPES[dtype]
         if not int_list(shape, hi=1 << 40, most=MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
         want = _LAYOUT_NDIM.get(dtype)
@@ -289,17 +290,18 @@ class Layout:
             what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
             raise CorruptSpillError(f"{path}: {what}", path=path)
         lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
-        if lay.nbytes > MAX_LEAF_BYTES:
+        nbytes, kind = lay.nbytes, dt.kind
+        if nbytes > MAX_LEAF_BYTES:
             raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
         # merge of such a leaf would succeed and leave an unreadable output.
-        bad = shape_problem(lay.shape) if lay.kind == "num" and lay.nbytes == 0 else None
-        if lay.kind == "strlist" and 4 * lay.shape[0] > lay.shape[1]:
+        bad = shape_problem(lay.shape) if kind == "num" and nbytes == 0 else None
+        if kind == "strlist" and 4 * shape[0] > shape[1]:
             # each string has a 4-byte length in its bytes: 2**31 strings in 12 bytes would make
             # the merge's copy read lengths past the leaf
-            bad = f"{lay.shape[0]} strings cannot fit in {lay.shape[1]} bytes (4 length bytes each)"
-        if lay.kind in ("str", "strlist") and lay.nbytes > STRING_MAX_BYTES:
-            bad = f"a string of {lay.nbytes} bytes, more than {STRING_MAX_BYTES}"
+            bad = f"{shape[0]} strings cannot fit in {shape[1]} bytes (4 length bytes each)"
+        if kind in ("str", "strlist") and nbytes > STRING_MAX_BYTES:
+            bad = f"a string of {nbytes} bytes, more than {STRING_MAX_BYTES}"
         if bad is not None:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay

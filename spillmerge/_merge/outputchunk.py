@@ -264,10 +264,11 @@ class OutputChunk:
     def _place_local(self, t: _Touched, out: np.ndarray, pos: int) -> int | None:
         """Rows ``t`` of a local spill root copied into ``out`` (from byte ``pos`` on, zeros
         between) with numpy: the rows of one data chunk object are checked (checksums, text) as a
-        group and copied a run of back-to-back rows at a time. Returns the new ``pos``; None when
-        the batch goes the row-by-row way, which raises the precise error: a row larger than
-        :data:`PIECE_BYTES` (read whole as a view, never copied), one that crosses data chunk
-        objects, an object shorter than the index says, a wrong checksum or string."""
+        group and copied a run of back-to-back rows at a time; a row that crosses data chunk
+        objects is read as the row-by-row way reads it, after the others (so an error names the
+        first bad row). Returns the new ``pos``; None when the batch goes the row-by-row way,
+        which raises the precise error: a row larger than :data:`PIECE_BYTES` (read whole as a
+        view, never copied), an object shorter than the index says, a wrong checksum or string."""
         plan, col = self.plan, self.col
         n = len(t.rows)
         if n == 0:
@@ -279,8 +280,7 @@ class OutputChunk:
             return None  # large rows: views of the page cache, row by row, never copies of whole rows
         cb = self.chunk_bytes[seg]
         c = off // cb
-        if np.any((nb > 0) & ((off + nb - 1) // cb != c)):
-            return None
+        across = (nb > 0) & ((off + nb - 1) // cb != c)
         if self.off is None:
             first, size = np.zeros(n, dtype=np.int64), nb
         else:
@@ -296,11 +296,11 @@ class OutputChunk:
         text = col.kind == "str"
         for g in np.split(order, edges):
             s_, c_ = int(seg[g[0]]), int(c[g[0]])
-            segment = plan.segments[s_]
-            whole = self.src.view(f"{segment.seg.rel}/data/c/{c_}", 0, None)
-            g = g[nb[g] > 0]  # (an empty row has nothing to check or copy)
+            g = g[(nb[g] > 0) & ~across[g]]  # (an empty row has nothing to check or copy)
             if len(g) == 0:
                 continue
+            segment = plan.segments[s_]
+            whole = self.src.view(f"{segment.seg.rel}/data/c/{c_}", 0, None)
             # (an object shorter than the index says fails the rows' or blocks' checksums below)
             lo, n_g = off[g] - c_ * int(cb[g[0]]), nb[g]
             for i in np.flatnonzero(crc[g] >= 0).tolist():
@@ -319,6 +319,12 @@ class OutputChunk:
             m = size[g]
             for x, y, d in _runs(lo + first[g], m, start[g], m):
                 out[d : d + y - x] = whole[x:y]
+        cut = np.flatnonzero(across)
+        if len(cut):
+            data = self._rows(t.rows[cut])
+            self._texts(t.rows[cut], data)
+            for i, row in zip(cut.tolist(), data, strict=True):
+                out[int(start[i]) : int(start[i] + size[i])] = row[int(first[i]) : int(first[i] + size[i])]
         ends = start + size
         gaps = np.flatnonzero(start > np.concatenate(([pos], ends[:-1])))
         for i in gaps.tolist():  # rows without a value read as zeros

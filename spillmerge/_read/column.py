@@ -23,6 +23,8 @@ def real_dtype(name: str) -> np.dtype[Any]:
     dt = F.DTYPES[name]
     if dt.native:
         return np.dtype(name)
+    if name not in F.RAW_BITS:  # py* scalars, text, headers: their storage type
+        return np.dtype(dt.storage)
     import ml_dtypes  # (a dependency, imported when a dtype needs it)
 
     ml = getattr(ml_dtypes, name, None)

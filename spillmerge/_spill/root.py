@@ -158,7 +158,8 @@ def _load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
     raw_cat, cat_crc = read_small_array(storage, seg, FS.CATALOG_NAME, max_bytes=limit, expect_shape=None)
     if cat_crc != commit.catalog_crc32c:
         raise bad("catalog checksum does not match the commit record", FS.CATALOG_NAME)
-    cat = F.loads(bytes(raw_cat), path=storage.describe(cat_rel))
+    cat_path = storage.describe(cat_rel)
+    cat = F.loads(bytes(raw_cat), path=cat_path)
     if (
         not isinstance(cat, dict)
         or not isinstance(cat.get("filenames"), list)
@@ -176,7 +177,7 @@ def _load_segment(storage: Storage, seg: Segment) -> LoadedSegment:
             f"catalog filename {long!r:.200}... is more than the {F.FILENAME_MAX_BYTES} bytes a filename may have",
             FS.CATALOG_NAME,
         )
-    layouts = [FS.Layout.from_obj(o, path=storage.describe(cat_rel)) for o in cat["layouts"]]
+    layouts = [FS.Layout.from_obj(o, path=cat_path) for o in cat["layouts"]]
 
     expect = commit.n_rows * FS.INDEX_COLUMNS * 8
     raw_idx, idx_crc = read_small_array(

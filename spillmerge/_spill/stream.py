@@ -232,7 +232,8 @@ class Stream:
         if not isinstance(obj, dict) or obj.get("filenames") != [] or not isinstance(obj.get("layouts"), list):
             raise Whole
         with _whole_on(CorruptSpillError):
-            layouts = [FS.Layout.from_obj(o, path=self.storage.describe(rel)) for o in obj["layouts"]]
+            where = self.storage.describe(rel)
+            layouts = [FS.Layout.from_obj(o, path=where) for o in obj["layouts"]]
         return layouts, names.n, names.nbytes
 
     def names(self) -> Any:

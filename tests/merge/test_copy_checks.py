@@ -13,6 +13,9 @@ import torch
 
 import spillmerge
 from spillmerge._format import crc as _crc
+from spillmerge._format import spill as FS
+from spillmerge._spill import root as R
+from spillmerge._storage import Storage
 
 SHAPE = (3, 64, 64)  # fp16: 24 KiB a frame, copied straight from the page cache
 
@@ -107,3 +110,30 @@ def test_rows_back_to_back_in_a_spill_land_where_the_output_order_puts_them(tmp_
     spillmerge.merge(root, str(tmp_path / "out.zarr"), progress=False)
     got = {name: value for name, _, value in spillmerge.open(str(tmp_path / "out.zarr")).iter_values()}
     assert got == dict(sorted(want.items()))
+
+
+def test_small_rows_across_data_chunks_come_back_and_a_flipped_byte_in_one_is_named(tmp_path):
+    """Generation-output-like rows, a few of which cross data chunk objects among many that do
+    not: every value comes back; a flipped byte in a crossing row names that row's file."""
+    root = tmp_path / "root"
+    want = {f"p{i:03d}": {"text": "ab é" * (i % 50 + 1), "ids": list(range(i % 40 + 1))} for i in range(300)}
+    with spillmerge.SpillWriter(str(root), 0, 1, chunk_bytes=4096) as w:
+        w.write_batch(list(want), list(want.values()))
+    spillmerge.merge(str(root), str(tmp_path / "out"), progress=False)
+    assert dict((n, v) for n, _, v in spillmerge.open(str(tmp_path / "out")).iter_values()) == want
+
+    st = Storage(str(root))
+    (seg,) = R.scan(st)[0]
+    loaded = R.load_segment(st, seg)
+    idx = loaded.index
+    off, nb = idx[:, FS.COL_OFFSET], idx[:, FS.COL_NBYTES]
+    across = np.flatnonzero((nb > 0) & ((off + nb - 1) // 4096 != off // 4096))
+    assert len(across) > 1  # (and most rows do not cross)
+    r = int(across[len(across) // 2])
+    name = loaded.filenames[int(idx[r, FS.COL_FILE])]
+    chunk = next(root.glob(f"rank-00000/seg-*/data/c/{int(off[r]) // 4096}"))
+    raw = bytearray(chunk.read_bytes())
+    raw[int(off[r]) % 4096] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(spillmerge.CorruptSpillError, match=rf"for '{name}' frame 0"):
+        spillmerge.merge(str(root), str(tmp_path / "out2"), progress=False)
