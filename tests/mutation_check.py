@@ -657,6 +657,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/storage/test_backends.py::test_a_receive_interrupted_in_a_commit_record_never_looks_committed",),
         "a discarded upload is never completed when its file object is collected",
     ),
+    Mutation(
+        "export-parquet-whole-or-nothing",
+        "spillmerge/_read/export.py",
+        'if local else dest.open_write("")',
+        'if local else dest.fs.open(dest.root, "wb")',
+        ("tests/storage/test_backends.py::test_a_parquet_export_that_fails_partway_leaves_no_file",),
+        "a to_parquet that fails partway leaves no file on an object store or memory://",
+    ),
     # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
     # JSON loader's own size check too (the mutation survives test_s3's oversized case).
     # Not listed: remove_spill's "no completion marker" condition: both merge paths write the marker

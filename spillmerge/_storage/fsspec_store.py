@@ -159,6 +159,9 @@ class _FsspecSink:
     makes visible only when it completes. memory:// shows a file from the moment it is opened:
     there the bytes are gathered and put whole at the end (they are held in memory anyway)."""
 
+    closed = False
+    """What pyarrow asks of a file it writes to (``to_parquet``)."""
+
     def __init__(self, storage: FsspecStorage, rel: str) -> None:
         self.storage, self.rel = storage, rel
         self.path = storage.path(rel)

@@ -230,3 +230,28 @@ def test_a_receive_interrupted_in_a_commit_record_never_looks_committed(backend,
         _receive_object(storage, _DyingSender(record[::-1], pieces), 0, 1, commit, len(record))  # type: ignore[arg-type]
     assert storage.get(commit) == record
     assert spillmerge.merge(root, backend.url("out"), storage_options=backend.options).ranks == [0, 1]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_parquet_export_that_fails_partway_leaves_no_file(backend, monkeypatch):
+    """``to_parquet`` streams its file: one that fails after a row group leaves nothing at the
+    destination (a half file would read as a shorter export, or not at all)."""
+    from spillmerge._read import export
+
+    root, out, dest = backend.url("spill"), backend.url("out"), backend.url("x.parquet")
+    _spill(backend, root, world=1)
+    spillmerge.merge(root, out, storage_options=backend.options)
+    store = spillmerge.open(out, storage_options=backend.options)
+    whole = export.iter_batches
+
+    def dying(*args, **kwargs):
+        batches = whole(*args, **kwargs)
+        yield next(batches)
+        raise OSError("the output vanished")
+
+    monkeypatch.setattr(export, "iter_batches", dying)
+    with pytest.raises(spillmerge.SpillStorageError, match="the output vanished"):
+        store.to_parquet(dest, batch_size=2, storage_options=backend.options)
+    fs, path = fsspec.core.url_to_fs(backend.base, **backend.options)
+    fs.invalidate_cache()
+    assert not [p for p in fs.find(path) if "x.parquet" in p]
