@@ -665,6 +665,14 @@ MUTATIONS: list[Mutation] = [
         ("tests/storage/test_backends.py::test_a_parquet_export_that_fails_partway_leaves_no_file",),
         "a to_parquet that fails partway leaves no file on an object store or memory://",
     ),
+    Mutation(
+        "fsspec-memory-create-exclusive",
+        "spillmerge/_storage/fsspec_store.py",
+        "        exclusive = _MEMORY_CREATE if isinstance(self.fs, MemoryFileSystem) else contextlib.nullcontext()",
+        "        exclusive = contextlib.nullcontext()",
+        ("tests/storage/test_backends.py::test_of_threads_creating_one_name_at_once_exactly_one_succeeds",),
+        "of threads creating one name on memory:// at once (a lease), exactly one succeeds",
+    ),
     # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
     # JSON loader's own size check too (the mutation survives test_s3's oversized case).
     # Not listed: remove_spill's "no completion marker" condition: both merge paths write the marker

@@ -3,9 +3,11 @@ links, no folders, no rename; an object is written whole by one PUT (or multipar
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import posixpath
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,7 +138,9 @@ class FsspecStorage(Storage):
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
-        with self.storage_errors("create", rel, ignore=(FileExistsError,)):
+        # memory:// checks that the name is free, then puts the file: two threads could both create it.
+        exclusive = _MEMORY_CREATE if isinstance(self.fs, MemoryFileSystem) else contextlib.nullcontext()
+        with self.storage_errors("create", rel, ignore=(FileExistsError,)), exclusive:
             self.fs.pipe_file(p, data, mode="create")
             return True
         return False
@@ -199,6 +203,7 @@ class _FsspecSink:
 
 
 _GLOB_CHARS = frozenset("*?[")
+_MEMORY_CREATE = threading.Lock()
 
 COALESCE_GAP = 64 << 10
 """Bytes between two pieces of one object read in one GET rather than two: a request costs about

@@ -255,3 +255,34 @@ def test_a_parquet_export_that_fails_partway_leaves_no_file(backend, monkeypatch
     fs, path = fsspec.core.url_to_fs(backend.base, **backend.options)
     fs.invalidate_cache()
     assert not [p for p in fs.find(path) if "x.parquet" in p]
+
+
+def test_of_threads_creating_one_name_at_once_exactly_one_succeeds(backend):
+    """``create`` is exclusive between threads too (a lease taken by two merges in one process):
+    memory:// checks that a name is free before it puts the file, so both could succeed there."""
+    import sys
+    import threading
+
+    from spillmerge._storage import Storage
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between the check and the put
+    try:
+        storage = Storage(backend.url("leases"), backend.options)
+        for i in range(5 if backend.name == "s3" else 100):
+            go, won = threading.Barrier(4), []
+            storage.makedirs(str(i))
+
+            def create(k: int, i: int = i, go: threading.Barrier = go, won: list = won) -> None:
+                go.wait()
+                if storage.create(f"{i}/lease.json", b"%d" % k):
+                    won.append(k)
+
+            threads = [threading.Thread(target=create, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(won) == 1 and storage.get(f"{i}/lease.json") == b"%d" % won[0], (i, won)
+    finally:
+        sys.setswitchinterval(old)
