@@ -649,6 +649,38 @@ MUTATIONS: list[Mutation] = [
         ("tests/storage/test_backends.py::test_glob_characters_in_a_name_delete_that_name_and_nothing_beside_it",),
         "an object store's path holding * ? [ is deleted by name, never expanded as a glob pattern",
     ),
+    Mutation(
+        "fsspec-memory-sink-whole-at-exit",
+        "spillmerge/_storage/fsspec_store.py",
+        "        self._gather = isinstance(storage.fs, MemoryFileSystem)",
+        "        self._gather = False",
+        ("tests/storage/test_backends.py::test_a_receive_interrupted_in_a_commit_record_never_looks_committed",),
+        "on memory:// a streamed write that fails partway leaves no object: a half-received rank never looks committed",
+    ),
+    Mutation(
+        "fsspec-discarded-upload-closed",
+        "spillmerge/_storage/fsspec_store.py",
+        "                        self._fh.closed = True",
+        "                        pass",
+        ("tests/storage/test_backends.py::test_a_receive_interrupted_in_a_commit_record_never_looks_committed",),
+        "a discarded upload is never completed when its file object is collected",
+    ),
+    Mutation(
+        "export-parquet-whole-or-nothing",
+        "spillmerge/_read/export.py",
+        'if local else dest.open_write("")',
+        'if local else dest.fs.open(dest.root, "wb")',
+        ("tests/storage/test_backends.py::test_a_parquet_export_that_fails_partway_leaves_no_file",),
+        "a to_parquet that fails partway leaves no file on an object store or memory://",
+    ),
+    Mutation(
+        "fsspec-memory-create-exclusive",
+        "spillmerge/_storage/fsspec_store.py",
+        "        exclusive = _MEMORY_CREATE if isinstance(self.fs, MemoryFileSystem) else contextlib.nullcontext()",
+        "        exclusive = contextlib.nullcontext()",
+        ("tests/storage/test_backends.py::test_of_threads_creating_one_name_at_once_exactly_one_succeeds",),
+        "of threads creating one name on memory:// at once (a lease), exactly one succeeds",
+    ),
     # Not listed: _fsspec's size bound on its own. A commit record past its bound is refused by the
     # JSON loader's own size check too (the mutation survives test_s3's oversized case).
     # Not listed: remove_spill's "no completion marker" condition: both merge paths write the marker

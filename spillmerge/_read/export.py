@@ -158,7 +158,8 @@ def to_parquet(
 ) -> int:
     """Write every row to the Parquet file ``path`` (a path or fsspec URL) batch by batch: one row
     group per batch, memory one batch. A local file is written under a temporary name and renamed
-    when whole, so a reader never sees half a file. Returns the rows written."""
+    when whole, an object's upload completes only when whole: a reader never sees half a file.
+    Returns the rows written."""
     require_pyarrow("MergedStore.to_parquet()")
     import pyarrow.parquet as pq
 
@@ -187,7 +188,7 @@ def to_parquet(
     rows = 0
     try:
         with dest.storage_errors("write"):  # the error names the file the caller gave
-            sink: Any = open(tmp, "wb") if local else dest.fs.open(dest.root, "wb")  # noqa: SIM115 - closed below
+            sink: Any = open(tmp, "wb") if local else dest.open_write("")  # noqa: SIM115 - closed below
             with sink:  # (the writer closes first, then the file, also on an error)
                 batches = map(_parquet_form, iter_batches(files, cols, batch_size))
                 first = next(batches, None)  # None: no rows, still a valid file with the columns

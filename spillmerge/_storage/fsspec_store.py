@@ -3,12 +3,17 @@ links, no folders, no rename; an object is written whole by one PUT (or multipar
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import posixpath
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.spec import AbstractBufferedFile
 from zarr.storage import FsspecStore
 
 from .._errors import SpillStorageError, UnsafePathError
@@ -133,7 +138,9 @@ class FsspecStorage(Storage):
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)
-        with self.storage_errors("create", rel, ignore=(FileExistsError,)):
+        # memory:// checks that the name is free, then puts the file: two threads could both create it.
+        exclusive = _MEMORY_CREATE if isinstance(self.fs, MemoryFileSystem) else contextlib.nullcontext()
+        with self.storage_errors("create", rel, ignore=(FileExistsError,)), exclusive:
             self.fs.pipe_file(p, data, mode="create")
             return True
         return False
@@ -153,16 +160,21 @@ class FsspecStorage(Storage):
 
 class _FsspecSink:
     """See :meth:`Storage.open_write`: one streamed (multipart) upload, which the object store
-    makes visible only when it completes."""
+    makes visible only when it completes. memory:// shows a file from the moment it is opened:
+    there the bytes are gathered and put whole at the end (they are held in memory anyway)."""
+
+    closed = False
+    """What pyarrow asks of a file it writes to (``to_parquet``)."""
 
     def __init__(self, storage: FsspecStorage, rel: str) -> None:
         self.storage, self.rel = storage, rel
         self.path = storage.path(rel)
+        self._gather = isinstance(storage.fs, MemoryFileSystem)
         self._fh: Any = None
 
     def __enter__(self) -> _FsspecSink:
         with self.storage.storage_errors("write", self.rel):
-            self._fh = self.storage.fs.open(self.path, "wb")
+            self._fh = io.BytesIO() if self._gather else self.storage.fs.open(self.path, "wb")
         return self
 
     def write(self, data: bytes | memoryview | np.ndarray) -> None:
@@ -175,9 +187,15 @@ class _FsspecSink:
         ok = exc_type is None
         try:
             with self.storage.storage_errors("write", self.rel):
-                if ok:
+                if ok and self._gather:
+                    self.storage.fs.pipe_file(self.path, self._fh.getvalue())  # in place whole, at once
+                elif ok:
                     self._fh.close()
-                else:  # s3fs abandons the multipart upload; a file without discard() is left as it is
+                elif not self._gather:
+                    # Marked closed, the file's __del__ never completes the upload (gcsfs would PUT a
+                    # small object then); s3fs and gcsfs abandon a multipart upload in discard().
+                    if isinstance(self._fh, AbstractBufferedFile):
+                        self._fh.closed = True
                     getattr(self._fh, "discard", lambda: None)()
         except BaseException:
             if ok:
@@ -185,6 +203,7 @@ class _FsspecSink:
 
 
 _GLOB_CHARS = frozenset("*?[")
+_MEMORY_CREATE = threading.Lock()
 
 COALESCE_GAP = 64 << 10
 """Bytes between two pieces of one object read in one GET rather than two: a request costs about

@@ -177,3 +177,112 @@ def _spill_local(root: str, seed: int) -> None:
     with spillmerge.SpillWriter(root, rank=0, world_size=1, chunk_bytes=4096) as w:
         for f in range(6):
             w.write("a.mp4", f, torch.full((2048,), float(f + seed)))
+
+
+class _DyingSender:
+    """A node-local transfer link whose sender dies once it sent ``pieces`` pieces of ``data``
+    (at the checksum that follows them when it sent them all)."""
+
+    piece = 64
+
+    def __init__(self, data: bytes, pieces: int) -> None:
+        self.data, self.pieces, self.sent = np.frombuffer(data, dtype=np.uint8), pieces, 0
+
+    def _died(self, what: str, sender: int, me: int) -> spillmerge.RankFailedError:
+        return spillmerge.RankFailedError(
+            f"rank {me}: receiving {what} from rank {sender} failed", failures={sender: ""}
+        )
+
+    def recv_bytes_piece(self, n: int, sender: int, me: int, what: str, slot: int = 0) -> np.ndarray:
+        if self.sent == self.pieces:
+            raise self._died(what, sender, me)
+        lo, self.sent = self.sent * self.piece, self.sent + 1
+        return self.data[lo : lo + n]
+
+    def recv_ints(self, n: int, sender: int, me: int, what: str) -> list[int]:
+        raise self._died(what, sender, me)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # an upload ended when collected
+@pytest.mark.parametrize("pieces", [1, 100], ids=["mid-object", "at-its-checksum"])
+def test_a_receive_interrupted_in_a_commit_record_never_looks_committed(backend, pieces):
+    """A streamed write (``open_write``, here node-local transfer's receive) that fails partway
+    leaves no object under its name, nor a torn one in place of the object it was replacing, on
+    every backend: a half-received rank never looks committed (memory:// shows an object it is
+    writing from the moment it is opened; a discarded upload must not complete when collected)."""
+    from spillmerge._dist.transfer import _receive_object
+    from spillmerge._storage import Storage
+
+    root = backend.url("spill")
+    _spill(backend, root)
+    storage = Storage(root, backend.options)
+    commit = next(rel for rel, _ in storage.find("rank-00001") if rel.endswith("/commit.json"))
+    record = storage.get(commit)
+    storage.rm_tree(commit)  # rank 1's segment received up to its commit record, which comes last
+    with pytest.raises(spillmerge.RankFailedError):
+        _receive_object(storage, _DyingSender(record, pieces), 0, 1, commit, len(record))  # type: ignore[arg-type]
+    assert not storage.exists(commit)
+    with pytest.raises(spillmerge.CommitTimeout) as info:
+        spillmerge.merge(root, backend.url("out"), storage_options=backend.options, timeout=0.5)
+    assert info.value.missing == [1]
+    storage.put(commit, record)  # the record in place: a failed rewrite leaves it whole
+    with pytest.raises(spillmerge.RankFailedError):
+        _receive_object(storage, _DyingSender(record[::-1], pieces), 0, 1, commit, len(record))  # type: ignore[arg-type]
+    assert storage.get(commit) == record
+    assert spillmerge.merge(root, backend.url("out"), storage_options=backend.options).ranks == [0, 1]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_parquet_export_that_fails_partway_leaves_no_file(backend, monkeypatch):
+    """``to_parquet`` streams its file: one that fails after a row group leaves nothing at the
+    destination (a half file would read as a shorter export, or not at all)."""
+    from spillmerge._read import export
+
+    root, out, dest = backend.url("spill"), backend.url("out"), backend.url("x.parquet")
+    _spill(backend, root, world=1)
+    spillmerge.merge(root, out, storage_options=backend.options)
+    store = spillmerge.open(out, storage_options=backend.options)
+    whole = export.iter_batches
+
+    def dying(*args, **kwargs):
+        batches = whole(*args, **kwargs)
+        yield next(batches)
+        raise OSError("the output vanished")
+
+    monkeypatch.setattr(export, "iter_batches", dying)
+    with pytest.raises(spillmerge.SpillStorageError, match="the output vanished"):
+        store.to_parquet(dest, batch_size=2, storage_options=backend.options)
+    fs, path = fsspec.core.url_to_fs(backend.base, **backend.options)
+    fs.invalidate_cache()
+    assert not [p for p in fs.find(path) if "x.parquet" in p]
+
+
+def test_of_threads_creating_one_name_at_once_exactly_one_succeeds(backend):
+    """``create`` is exclusive between threads too (a lease taken by two merges in one process):
+    memory:// checks that a name is free before it puts the file, so both could succeed there."""
+    import sys
+    import threading
+
+    from spillmerge._storage import Storage
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between the check and the put
+    try:
+        storage = Storage(backend.url("leases"), backend.options)
+        for i in range(5 if backend.name == "s3" else 100):
+            go, won = threading.Barrier(4), []
+            storage.makedirs(str(i))
+
+            def create(k: int, i: int = i, go: threading.Barrier = go, won: list = won) -> None:
+                go.wait()
+                if storage.create(f"{i}/lease.json", b"%d" % k):
+                    won.append(k)
+
+            threads = [threading.Thread(target=create, args=(k,)) for k in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(won) == 1 and storage.get(f"{i}/lease.json") == b"%d" % won[0], (i, won)
+    finally:
+        sys.setswitchinterval(old)
