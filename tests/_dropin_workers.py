@@ -243,6 +243,36 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+SLOW_TIMEOUT = 4.0
+
+
+def slow_rank(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The last rank still writes when the others' timeout ends: every rank raises, and the
+    call's folder does not stay (nobody is left to remove it once the call is over)."""
+    import torch.distributed as dist
+
+    import spillmerge
+    from spillmerge._dist import dropin as _dropin
+
+    real = _dropin._write
+
+    def slow(*args: Any) -> None:
+        real(*args)
+        if rank == world - 1:
+            time.sleep(2 * SLOW_TIMEOUT)
+
+    _dropin._write = slow  # type: ignore[assignment]
+    try:
+        spillmerge.all_gather_object([None] * world, {"t": torch.ones(3)}, root=f"{base}/slow", timeout=SLOW_TIMEOUT)
+        error = None
+    except spillmerge.SpillMergeError as exc:
+        error = type(exc).__name__
+    finally:
+        _dropin._write = real  # type: ignore[assignment]
+    dist.barrier()
+    return {"error": error, "left": os.listdir(f"{base}/slow")}
+
+
 NEVER_TIMEOUT = 3.0
 
 
@@ -270,6 +300,7 @@ SCENARIOS = {
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,
+    "slow_rank": slow_rank,
     "never_called": never_called,
 }
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
 from .._format import crc
 from .._read.store import MergedStore
 from .._read.store import open as open_store
@@ -143,7 +143,12 @@ def _settle(
     past the step: nobody writes there any more) and every rank raises: its own error, else a
     :class:`RankFailedError` naming the ranks."""
     mine = None if error is None else f"{type(error).__name__}: {str(error)[:2000]}"
-    got = _exchange(rank, (mine, info), timeout, f"finished {what}")
+    try:
+        got = _exchange(rank, (mine, info), timeout, f"finished {what}")
+    except CoordinationError:  # the call is over for every rank: none may be left to remove it
+        with contextlib.suppress(Exception):
+            _remove(call, storage_options)
+        raise
     failures = {r: m for r, (m, _) in enumerate(got) if m is not None}
     if not failures:
         return [i for _, i in got]

@@ -70,6 +70,13 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
     assert results[0]["failures"]["short_list_records"]["value_error"]
 
 
+def test_a_rank_too_slow_fails_the_call_everywhere_and_its_folder_goes(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        assert results[r]["slow_rank"]["error"] == "CoordinationError", (r, results[r]["slow_rank"])
+        assert results[r]["slow_rank"]["left"] == [], (r, results[r]["slow_rank"])
+
+
 def test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang(ranks):
     from _dropin_workers import NEVER_TIMEOUT
 
