@@ -126,6 +126,18 @@ def records(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"diffs": diffs}
 
 
+def odd_types(rank: int, world: int, base: str) -> dict[str, Any]:
+    """numpy arrays and scalars of dtypes numpy lacks (ml_dtypes bfloat16, float8), 0-d too."""
+    import ml_dtypes
+
+    objs = [
+        {"bf16": np.array([1.5, -0.0], dtype=ml_dtypes.bfloat16), "f8": np.array(1.0, dtype=ml_dtypes.float8_e4m3fn)},
+        [ml_dtypes.bfloat16(2.5), np.array([[1.0]], dtype=ml_dtypes.float8_e5m2)[:, ::-1]],
+        (np.zeros((0, 2), dtype=ml_dtypes.bfloat16), ml_dtypes.float8_e4m3fn(0.5)),
+    ]
+    return {"diffs": _compare(rank, world, objs[:world], allow_pickle=False)}
+
+
 Point = collections.namedtuple("Point", "x y")
 
 
@@ -297,6 +309,7 @@ SCENARIOS = {
     "torch_object_list": torch_object_list,
     "containers_of_dicts": containers_of_dicts,
     "records": records,
+    "odd_types": odd_types,
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,

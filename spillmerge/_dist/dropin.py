@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._format import common as F
 from .._format import crc
+from .._read.column import real_dtype
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
@@ -241,10 +243,18 @@ class _Shape:
         return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole}
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy: dtypes numpy lacks (bfloat16, float8 ...) as their ml_dtypes arrays."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in F.RAW_BITS:
+        return t.numpy()
+    return t.view(getattr(torch, F.DTYPES[name].storage)).numpy().view(real_dtype(name))
+
+
 _FIXES: dict[str, Any] = {
     "whole": lambda v: v.obj if isinstance(v, _Whole) else v,
-    "numpy": lambda v: v.numpy() if isinstance(v, torch.Tensor) else v,
-    "scalars": lambda v: v.numpy()[()] if isinstance(v, torch.Tensor) else v,
+    "numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,
+    "scalars": lambda v: _numpy(v)[()] if isinstance(v, torch.Tensor) else v,
 }
 
 

@@ -36,6 +36,7 @@ def test_returns_what_torch_returns(ranks):
         assert results[r]["pickled_types"]["diffs"] == [], (r, results[r]["pickled_types"]["diffs"])
         assert results[r]["containers_of_dicts"]["diffs"] == [], (r, results[r]["containers_of_dicts"]["diffs"])
         assert results[r]["records"]["diffs"] == [], (r, results[r]["records"]["diffs"])
+        assert results[r]["odd_types"]["diffs"] == [], (r, results[r]["odd_types"]["diffs"])
 
 
 def test_back_to_back_calls_apart_and_nothing_left(ranks):
