@@ -127,13 +127,14 @@ def records(rank: int, world: int, base: str) -> dict[str, Any]:
 
 
 def odd_types(rank: int, world: int, base: str) -> dict[str, Any]:
-    """numpy arrays and scalars of dtypes numpy lacks (ml_dtypes bfloat16, float8), 0-d too."""
+    """numpy arrays and scalars of dtypes numpy lacks (ml_dtypes bfloat16, float8), 0-d too;
+    types stored as another: bytearray, numpy's str and bytes scalars."""
     import ml_dtypes
 
     objs = [
         {"bf16": np.array([1.5, -0.0], dtype=ml_dtypes.bfloat16), "f8": np.array(1.0, dtype=ml_dtypes.float8_e4m3fn)},
-        [ml_dtypes.bfloat16(2.5), np.array([[1.0]], dtype=ml_dtypes.float8_e5m2)[:, ::-1]],
-        (np.zeros((0, 2), dtype=ml_dtypes.bfloat16), ml_dtypes.float8_e4m3fn(0.5)),
+        [ml_dtypes.bfloat16(2.5), np.array([[1.0]], dtype=ml_dtypes.float8_e5m2)[:, ::-1], bytearray(b"ab")],
+        (np.zeros((0, 2), dtype=ml_dtypes.bfloat16), ml_dtypes.float8_e4m3fn(0.5), {"s": np.str_("é"), "b": np.bytes_(b"x")}),
     ]
     return {"diffs": _compare(rank, world, objs[:world], allow_pickle=False)}
 
@@ -153,7 +154,7 @@ def pickled_types(rank: int, world: int, base: str) -> dict[str, Any]:
     objs = [
         {rank: "int key", "s": {0: np.arange(2)}},
         collections.OrderedDict(b=rank, a=[Point(rank, 2)]),
-        [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}],
+        [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}, np.datetime64("2020-01-01")],
     ]
     return {"diffs": _compare(rank, world, objs[:world], allow_pickle=True, dst=2)}
 

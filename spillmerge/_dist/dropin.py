@@ -190,13 +190,15 @@ class _Whole:
 class _Shape:
     """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
     list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
-    tensor; these are turned back) and of the objects stored pickled whole (``_Whole``).
+    tensor; these are turned back), of its bytearrays (stored as bytes) and of the objects stored
+    pickled whole (``_Whole``).
     ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
 
     def __init__(self, obj: Any, allow_pickle: bool) -> None:
         self.numpy: list[list[Any]] = []
         self.scalars: list[list[Any]] = []
         self.whole: list[list[Any]] = []
+        self.bytearrays: list[list[Any]] = []
         self.allow_pickle = allow_pickle
         self.obj = self._walk(obj, [], 0)
 
@@ -209,6 +211,9 @@ class _Shape:
             return obj
         if isinstance(obj, np.generic):
             self.scalars.append(path)
+            return obj
+        if kind is bytearray:
+            self.bytearrays.append(path)
             return obj
         if depth > 64:
             return obj
@@ -238,9 +243,9 @@ class _Shape:
 
     def paths(self) -> dict[str, list[list[Any]]] | None:
         """The paths to turn back; None when there are none (nothing to store)."""
-        if not (self.numpy or self.scalars or self.whole):
+        if not (self.numpy or self.scalars or self.whole or self.bytearrays):
             return None
-        return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole}
+        return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "bytearray": self.bytearrays}
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -251,10 +256,21 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(getattr(torch, F.DTYPES[name].storage)).numpy().view(real_dtype(name))
 
 
+def _scalar(v: Any) -> Any:
+    """A numpy scalar from what storage gave back: a 0-d tensor or array (pickled), or the str or
+    bytes of an ``np.str_`` / ``np.bytes_``."""
+    if isinstance(v, torch.Tensor):
+        v = _numpy(v)
+    if isinstance(v, np.ndarray):
+        return v[()]
+    return np.str_(v) if type(v) is str else np.bytes_(v) if type(v) is bytes else v
+
+
 _FIXES: dict[str, Any] = {
     "whole": lambda v: v.obj if isinstance(v, _Whole) else v,
     "numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,
-    "scalars": lambda v: _numpy(v)[()] if isinstance(v, torch.Tensor) else v,
+    "scalars": _scalar,
+    "bytearray": lambda v: bytearray(v) if type(v) is bytes else v,
 }
 
 
