@@ -128,11 +128,15 @@ def records(rank: int, world: int, base: str) -> dict[str, Any]:
 
 def odd_types(rank: int, world: int, base: str) -> dict[str, Any]:
     """numpy arrays and scalars of dtypes numpy lacks (ml_dtypes bfloat16, float8), 0-d too;
-    types stored as another: bytearray, numpy's str and bytes scalars."""
+    types stored as another: bytearray, numpy's str and bytes scalars; a tensor that requires grad."""
     import ml_dtypes
 
     objs = [
-        {"bf16": np.array([1.5, -0.0], dtype=ml_dtypes.bfloat16), "f8": np.array(1.0, dtype=ml_dtypes.float8_e4m3fn)},
+        {
+            "bf16": np.array([1.5, -0.0], dtype=ml_dtypes.bfloat16),
+            "f8": np.array(1.0, dtype=ml_dtypes.float8_e4m3fn),
+            "w": torch.ones(2, requires_grad=True),
+        },
         [ml_dtypes.bfloat16(2.5), np.array([[1.0]], dtype=ml_dtypes.float8_e5m2)[:, ::-1], bytearray(b"ab")],
         (np.zeros((0, 2), dtype=ml_dtypes.bfloat16), ml_dtypes.float8_e4m3fn(0.5), {"s": np.str_("é"), "b": np.bytes_(b"x")}),
     ]

@@ -190,8 +190,8 @@ class _Whole:
 class _Shape:
     """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
     list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
-    tensor; these are turned back), of its bytearrays (stored as bytes) and of the objects stored
-    pickled whole (``_Whole``).
+    tensor; these are turned back), of its bytearrays (stored as bytes), of its tensors that
+    require grad and of the objects stored pickled whole (``_Whole``).
     ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
 
     def __init__(self, obj: Any, allow_pickle: bool) -> None:
@@ -199,6 +199,7 @@ class _Shape:
         self.scalars: list[list[Any]] = []
         self.whole: list[list[Any]] = []
         self.bytearrays: list[list[Any]] = []
+        self.grads: list[list[Any]] = []
         self.allow_pickle = allow_pickle
         self.obj = self._walk(obj, [], 0)
 
@@ -207,7 +208,11 @@ class _Shape:
         if kind is np.ndarray:
             self.numpy.append(path)
             return obj
-        if kind in _ATOMIC or isinstance(obj, torch.Tensor):
+        if kind in _ATOMIC:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad:
+                self.grads.append(path)
             return obj
         if isinstance(obj, np.generic):
             self.scalars.append(path)
@@ -243,9 +248,12 @@ class _Shape:
 
     def paths(self) -> dict[str, list[list[Any]]] | None:
         """The paths to turn back; None when there are none (nothing to store)."""
-        if not (self.numpy or self.scalars or self.whole or self.bytearrays):
+        if not (self.numpy or self.scalars or self.whole or self.bytearrays or self.grads):
             return None
-        return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "bytearray": self.bytearrays}
+        return {
+            "numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "bytearray": self.bytearrays,
+            "grad": self.grads,
+        }  # fmt: skip
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -271,6 +279,7 @@ _FIXES: dict[str, Any] = {
     "numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,
     "scalars": _scalar,
     "bytearray": lambda v: bytearray(v) if type(v) is bytes else v,
+    "grad": lambda v: v.requires_grad_() if isinstance(v, torch.Tensor) else v,
 }
 
 
