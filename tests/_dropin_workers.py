@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import glob
 import os
 import time
@@ -146,6 +147,14 @@ def odd_types(rank: int, world: int, base: str) -> dict[str, Any]:
 Point = collections.namedtuple("Point", "x y")
 
 
+class Level(enum.IntEnum):
+    HIGH = 2
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+
+
 @dataclasses.dataclass
 class Box:
     label: str
@@ -154,12 +163,16 @@ class Box:
 
 def pickled_types(rank: int, world: int, base: str) -> dict[str, Any]:
     """With ``allow_pickle``, what would not come back as its own type is pickled whole: dicts
-    with int keys, an OrderedDict, a namedtuple, a dataclass (at the root and inside a list)."""
+    with int keys, an OrderedDict, a namedtuple, a dataclass (at the root and inside a list),
+    enums, a Parameter, a sparse tensor."""
     objs = [
         {rank: "int key", "s": {0: np.arange(2)}},
         collections.OrderedDict(b=rank, a=[Point(rank, 2)]),
         [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}, np.datetime64("2020-01-01")],
     ]
+    objs[rank] = [  # subclasses of scalars and tensors, and tensors stored only pickled
+        objs[rank], Level.HIGH, Colour.RED, torch.nn.Parameter(torch.ones(2)), torch.eye(2).to_sparse(),
+    ]  # fmt: skip
     return {"diffs": _compare(rank, world, objs[:world], allow_pickle=True, dst=2)}
 
 

@@ -178,8 +178,9 @@ def _plain(values: Any) -> bool:
 
 class _Whole:
     """An object stored pickled whole (``allow_pickle``) because its type would not come back:
-    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass. Not a
-    dataclass itself: the writer would store it as a dict of its fields."""
+    a dict with keys other than str, a mapping, list, tuple, scalar or tensor of a subclass, a
+    sparse or quantized tensor, a dataclass. Not a dataclass itself: the writer would store it as
+    a dict of its fields."""
 
     __slots__ = ("obj",)
 
@@ -213,6 +214,8 @@ class _Shape:
         if isinstance(obj, torch.Tensor):
             if obj.requires_grad:
                 self.grads.append(path)
+            if kind is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
+                return self._pickled(obj, path)  # a Parameter, a sparse or quantized tensor
             return obj
         if isinstance(obj, np.generic):
             self.scalars.append(path)
@@ -236,8 +239,10 @@ class _Shape:
                     changed = (dict(obj) if kind is dict else list(obj)) if changed is None else changed
                     changed[k] = nv
             return obj if changed is None else changed if kind is dict else kind(changed)
-        if isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-            return self._pickled(obj, path)  # a subclass or a dataclass: stored as a plain dict / list
+        if isinstance(obj, (Mapping, list, tuple, int, float, complex, str, bytes)) or (
+            dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        ):
+            return self._pickled(obj, path)  # a subclass (an enum) or a dataclass: stored as its base
         return obj
 
     def _pickled(self, obj: Any, path: list[Any]) -> Any:
@@ -537,8 +542,9 @@ def gather_object(
     order with what each rank passed: dicts (str keys, their order kept), lists, tuples, Python
     scalars, str, bytes, numpy arrays as numpy arrays and tensors as torch tensors on the CPU.
     Other objects are pickled only with ``allow_pickle=True``, and so are dicts with other keys,
-    subclasses of dict, list and tuple, and dataclasses (without it, these come back as the plain
-    dict, list or tuple of their items).
+    subclasses of dict, list, tuple, the scalars and Tensor (enums, Parameter), dataclasses, and
+    sparse and quantized tensors (without it, these come back as the plain dict, list, tuple,
+    scalar or tensor of their items, or are refused).
 
     The data travels through ``root`` (else env ``SPILLMERGE_ROOT``, else ``/dev/shm`` or the temp
     dir when every rank runs on one host; on several hosts one of the two must name storage every
