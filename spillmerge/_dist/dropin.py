@@ -307,21 +307,22 @@ def _at(value: Any, path: list[Any], fix: Any) -> Any:
 
 
 def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: bool) -> None:
-    """torch's checks of the output list (``_validate_output_list_for_rank``), and its length."""
+    """torch's checks of the output list (``_validate_output_list_for_rank``), and its length
+    (the caller names the rank)."""
     wanted = every_rank or rank == dst
     if not wanted:
         if object_list:
             raise DropInArgumentError(
-                f"rank {rank}: Argument ``object_gather_list`` must NOT be specified on non-destination ranks "
+                "Argument ``object_gather_list`` must NOT be specified on non-destination ranks "
                 f"(destination is rank {dst})"
             )
         return
     name = "object_list" if every_rank else "object_gather_list"
     if not every_rank and not object_list:
-        raise DropInArgumentError(f"rank {rank}: Argument ``{name}`` must be specified on destination rank")
+        raise DropInArgumentError(f"Argument ``{name}`` must be specified on destination rank")
     if not isinstance(object_list, list) or len(object_list) != world:
         got = len(object_list) if isinstance(object_list, list) else type(object_list).__name__
-        raise DropInArgumentError(f"rank {rank}: ``{name}`` must be a list of world_size={world} items, got {got}")
+        raise DropInArgumentError(f"``{name}`` must be a list of world_size={world} items, got {got}")
 
 
 def _remove(call: str, storage_options: dict[str, Any] | None) -> None:

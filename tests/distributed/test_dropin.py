@@ -58,6 +58,7 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
         res = results[r]["failures"]
         assert res["unpicklable"] is not None and "rank 1" in res["unpicklable"]["msg"], (r, res["unpicklable"])
         assert res["short_list"] is not None and "rank 0" in res["short_list"]["msg"], (r, res["short_list"])
+        assert "rank 0: rank 0" not in res["short_list"]["msg"], (r, res["short_list"])  # named once
         recs = res["short_list_records"]
         assert recs is not None and "rank 0" in recs["msg"], (r, recs)
         assert res["list_off_dst"] is not None and "rank" in res["list_off_dst"]["msg"], (r, res["list_off_dst"])
