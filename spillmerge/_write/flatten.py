@@ -264,7 +264,7 @@ def _walk(value: object, path: tuple[str, ...], depth: int, w: _Walk) -> None:
             if w.allow_pickle:  # gather_object's behaviour for what nothing else stores
                 out.append(_pickled(value, path, w.filename))
                 return
-            raise leaf_error(path, w.filename, f"{value} does not fit int64")
+            raise leaf_error(path, w.filename, f"{value} does not fit int64 (or open the writer with allow_pickle=True)")
         out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
         out.append(_scalar(path, "pyfloat", value))
