@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
 from _helpers import value_diffs
@@ -265,8 +266,19 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
         _dropin.socket.gethostname = lambda: "another-node"  # type: ignore[attr-defined]
     try:
         attempt("two_hosts", lambda: spillmerge.all_gather_object([None] * world, rank, timeout=TIMEOUT))
+        # a root each process sees alone (as a node-local folder on each host): refused, not a
+        # gather that leaves the other hosts' shards behind
+        kw: dict[str, Any] = {"root": "memory://unshared", "timeout": TIMEOUT}
+        attempt("unshared_all", lambda: spillmerge.all_gather_object([None] * world, {"t": torch.ones(1)}, **kw))
+        attempt("unshared_records", lambda: spillmerge.all_gather_object([None] * world, [{"r": rank}], **kw))
+        attempt("unshared_gather", lambda: spillmerge.gather_object(rank, [None] * world if rank == 0 else None, **kw))
+        shared = [None] * world  # a folder every rank sees: the call works across hosts
+        attempt("shared", lambda: spillmerge.all_gather_object(shared, {"t": rank}, root=f"{base}/shared", timeout=TIMEOUT))
+        out["shared_value"] = shared
     finally:
         _dropin.socket.gethostname = real  # type: ignore[attr-defined]
+    memory = fsspec.filesystem("memory")
+    out["left_unshared"] = memory.ls("/unshared") if memory.exists("/unshared") else []
     after: list[Any] = [None] * world  # the group still works after every failure
     spillmerge.all_gather_object(after, rank, timeout=TIMEOUT)
     out["after"] = after

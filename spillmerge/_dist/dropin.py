@@ -7,6 +7,8 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 hostnames (on several hosts the folder must be on storage every rank sees:
                 ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
                 whether every rank's object is records Arrow keeps exactly (``_dist.records``)
+  (several hosts) dst puts a file in the call's folder; unless every rank sees it within
+                ``SHARED_WAIT``, every rank raises ConfigError (the folder is not shared)
   records on every rank: each writes file ``R.records``, its columns' buffers; an all-gather of how
                 that went (a rank that failed is named on every rank, and dst removes the call's
                 folder) and of each file's size and CRC-32C; the readers check each file against
@@ -45,6 +47,7 @@ from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
 from .._util.gcpause import gc_paused
+from .._util.poll import poll
 from .._write.writer import SpillWriter
 from . import records
 from .gather import CHUNK_BYTES, CallWriter
@@ -134,6 +137,41 @@ def _agree(
             key=ROOT_ENV,
         )
     return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
+
+
+SHARED_WAIT = 5.0
+"""Seconds a rank waits to see the file dst put in the call's folder, when the ranks run on
+several hosts."""
+_PROBE = "shared"
+
+
+def _check_shared(rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
+    """On several hosts, every rank raises ConfigError unless every rank sees the file dst puts in
+    the call's folder: a folder each host has to itself would keep the other hosts' data."""
+    with contextlib.closing(Storage(call, storage_options)) as storage:
+        error = None
+        if rank == dst:
+            try:
+                storage.makedirs("")
+                storage.put(_PROBE, [b""])
+            except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+                error = exc
+        _settle(rank, dst, call, storage_options, error, timeout, "opening the call's folder")
+        try:
+            seen = any(storage.exists(_PROBE) for _ in poll(min(timeout, SHARED_WAIT), first=0.01, cap=0.5))
+        except Exception:  # noqa: BLE001 - a folder this rank cannot look at is one it does not see
+            seen = False
+    got = _settle(rank, dst, call, storage_options, None, timeout, "looking for the call's folder", seen)
+    blind = [r for r, s in enumerate(got) if not s]
+    if blind:
+        if rank == dst:
+            with contextlib.suppress(Exception):  # the error below is what the caller sees
+                _remove(call, storage_options)
+        raise ConfigError(
+            f"rank {rank}: rank(s) {blind} do not see the folder {call} rank {dst} made for this call: the ranks "
+            f"run on several hosts, and {ROOT_ENV} (or root=) must name storage every rank sees",
+            key=ROOT_ENV,
+        )
 
 
 def _settle(
@@ -466,6 +504,8 @@ def _collective(
         pieces = None
     # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
     call, one_host, direct = _agree(rank, target, root, timeout, pieces is not None)
+    if not one_host:
+        _check_shared(rank, target, call, storage_options, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
     info = None

@@ -66,6 +66,11 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
         assert res["subgroup"] is not None and "group=" in res["subgroup"]["msg"], res["subgroup"]
         two = res["two_hosts"]
         assert two is not None and two["type"] == "ConfigError" and "SPILLMERGE_ROOT" in two["msg"], two
+        for name in ("unshared_all", "unshared_records", "unshared_gather"):
+            got = res[name]
+            assert got is not None and got["type"] == "ConfigError" and "SPILLMERGE_ROOT" in got["msg"], (r, name, got)
+        assert res["left_unshared"] == [], (r, res["left_unshared"])
+        assert res["shared"] is None and res["shared_value"] == [{"t": s} for s in range(WORLD)], (r, res["shared"])
         assert res["after"] == list(range(WORLD))
         assert res["left_after_failures"] == []
     assert results[0]["failures"]["short_list"]["value_error"]
