@@ -1091,8 +1091,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-numpy-back',
         "spillmerge/_dist/dropin.py",
-        'lambda v: v.numpy() if isinstance(v, torch.Tensor) else v',
-        'lambda v: v',
+        '"numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,',
+        '"numpy": lambda v: v,',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy arrays come back as numpy arrays, tensors as tensors',
     ),
@@ -1123,8 +1123,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-numpy-scalar',
         'spillmerge/_dist/dropin.py',
-        'lambda v: v.numpy()[()] if isinstance(v, torch.Tensor) else v',
-        'lambda v: v',
+        '"scalars": _scalar,',
+        '"scalars": lambda v: v,',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'numpy scalars come back as numpy scalars',
     ),
@@ -1392,8 +1392,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "records-same-key-order",
         "spillmerge/_write/leaves.py",
-        "    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):",
-        "    if set(map(type, keys)) != {str}:",
+        "    if set(map(type, keys)) != {str} or not utf8_keys(keys) or not all(map(keys.__eq__, map(tuple, items))):",
+        "    if set(map(type, keys)) != {str} or not utf8_keys(keys):",
         ("tests/write/test_value_model.py::test_python_payload_shapes_come_back_exactly",),
         "a list of dicts with the same keys in different orders keeps each dict's order",
     ),
