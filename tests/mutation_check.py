@@ -1163,7 +1163,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-pickled-whole',
         'spillmerge/_dist/dropin.py',
-        '        self.whole.append(path)\n        return _Whole(obj)',
+        '        self.found["whole"].append(path)\n        return _Whole(obj)',
         '        return obj',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
         'with allow_pickle, dicts with int keys, mapping / list / tuple subclasses and dataclasses come back as their own type',

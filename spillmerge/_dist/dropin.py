@@ -234,32 +234,28 @@ class _Shape:
     ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
 
     def __init__(self, obj: Any, allow_pickle: bool) -> None:
-        self.numpy: list[list[Any]] = []
-        self.scalars: list[list[Any]] = []
-        self.whole: list[list[Any]] = []
-        self.bytearrays: list[list[Any]] = []
-        self.grads: list[list[Any]] = []
+        self.found: dict[str, list[list[Any]]] = {key: [] for key in _FIXES}  # key -> paths
         self.allow_pickle = allow_pickle
         self.obj = self._walk(obj, [], 0)
 
     def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
         kind = type(obj)
         if kind is np.ndarray:
-            self.numpy.append(path)
+            self.found["numpy"].append(path)
             return obj
         if kind in _ATOMIC:
             return obj
         if isinstance(obj, torch.Tensor):
             if obj.requires_grad:
-                self.grads.append(path)
+                self.found["grad"].append(path)
             if kind is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
                 return self._pickled(obj, path)  # a Parameter, a sparse or quantized tensor
             return obj
         if isinstance(obj, np.generic):
-            self.scalars.append(path)
+            self.found["scalars"].append(path)
             return obj
         if kind is bytearray:
-            self.bytearrays.append(path)
+            self.found["bytearray"].append(path)
             return obj
         if depth > 64:
             return obj
@@ -286,17 +282,12 @@ class _Shape:
     def _pickled(self, obj: Any, path: list[Any]) -> Any:
         if not self.allow_pickle:
             return obj
-        self.whole.append(path)
+        self.found["whole"].append(path)
         return _Whole(obj)
 
     def paths(self) -> dict[str, list[list[Any]]] | None:
         """The paths to turn back; None when there are none (nothing to store)."""
-        if not (self.numpy or self.scalars or self.whole or self.bytearrays or self.grads):
-            return None
-        return {
-            "numpy": self.numpy, "scalars": self.scalars, "whole": self.whole, "bytearray": self.bytearrays,
-            "grad": self.grads,
-        }  # fmt: skip
+        return self.found if any(self.found.values()) else None
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
