@@ -139,31 +139,24 @@ def _agree(
     return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
 
 
-SHARED_WAIT = 5.0
-"""Seconds a rank waits to see the file dst put in the call's folder, when the ranks run on
-several hosts."""
+SHARED_WAIT = 5.0  # seconds a rank looks for the file dst put in the call's folder (several hosts)
 _PROBE = "shared"
 
 
 def _check_shared(rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
     """On several hosts, every rank raises ConfigError unless every rank sees the file dst puts in
     the call's folder: a folder each host has to itself would keep the other hosts' data."""
-    with contextlib.closing(Storage(call, storage_options)) as storage:
-        error = None
-        if rank == dst:
-            try:
+    error, seen = None, False
+    try:
+        with contextlib.closing(Storage(call, storage_options)) as storage:
+            if rank == dst:
                 storage.makedirs("")
                 storage.put(_PROBE, [b""])
-            except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
-                error = exc
-        _settle(rank, dst, call, storage_options, error, timeout, "opening the call's folder")
-        try:
             seen = any(storage.exists(_PROBE) for _ in poll(min(timeout, SHARED_WAIT), first=0.01, cap=0.5))
-        except Exception:  # noqa: BLE001 - a folder this rank cannot look at is one it does not see
-            seen = False
-    got = _settle(rank, dst, call, storage_options, None, timeout, "looking for the call's folder", seen)
-    blind = [r for r, s in enumerate(got) if not s]
-    if blind:
+    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+        error = exc
+    got = _settle(rank, dst, call, storage_options, error, timeout, "looking for the call's folder", seen)
+    if blind := [r for r, s in enumerate(got) if not s]:
         if rank == dst:
             with contextlib.suppress(Exception):  # the error below is what the caller sees
                 _remove(call, storage_options)
@@ -215,10 +208,9 @@ def _plain(values: Any) -> bool:
 
 
 class _Whole:
-    """An object stored pickled whole (``allow_pickle``) because its type would not come back:
-    a dict with keys other than str, a mapping, list, tuple, scalar or tensor of a subclass, a
-    sparse or quantized tensor, a dataclass. Not a dataclass itself: the writer would store it as
-    a dict of its fields."""
+    """An object stored pickled whole (``allow_pickle``) because its type would not come back: a
+    dict with keys other than str, a subclass, a sparse or quantized tensor, a dataclass. Not a
+    dataclass itself: the writer would store it as a dict of its fields."""
 
     __slots__ = ("obj",)
 
@@ -228,9 +220,8 @@ class _Whole:
 
 class _Shape:
     """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
-    list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
-    tensor; these are turned back), of its bytearrays (stored as bytes), of its tensors that
-    require grad and of the objects stored pickled whole (``_Whole``).
+    list positions) of its numpy arrays and scalars (every array comes back as a torch tensor),
+    bytearrays (as bytes), tensors that require grad and objects stored pickled whole (``_Whole``).
     ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
 
     def __init__(self, obj: Any, allow_pickle: bool) -> None:
@@ -301,8 +292,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def _scalar(v: Any) -> Any:
     """A numpy scalar from what storage gave back: a 0-d tensor or array (pickled), or the str or
     bytes of an ``np.str_`` / ``np.bytes_``."""
-    if isinstance(v, torch.Tensor):
-        v = _numpy(v)
+    v = _numpy(v) if isinstance(v, torch.Tensor) else v
     if isinstance(v, np.ndarray):
         return v[()]
     return np.str_(v) if type(v) is str else np.bytes_(v) if type(v) is bytes else v
@@ -336,8 +326,7 @@ def _at(value: Any, path: list[Any], fix: Any) -> Any:
 
 
 def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: bool) -> None:
-    """torch's checks of the output list (``_validate_output_list_for_rank``), and its length
-    (the caller names the rank)."""
+    """torch's checks of the output list (``_validate_output_list_for_rank``), and its length."""
     wanted = every_rank or rank == dst
     if not wanted:
         if object_list:
@@ -574,9 +563,8 @@ def gather_object(
     order with what each rank passed: dicts (str keys, their order kept), lists, tuples, Python
     scalars, str, bytes, numpy arrays as numpy arrays and tensors as torch tensors on the CPU.
     Other objects are pickled only with ``allow_pickle=True``, and so are dicts with other keys,
-    subclasses of dict, list, tuple, the scalars and Tensor (enums, Parameter), dataclasses, and
-    sparse and quantized tensors (without it, these come back as the plain dict, list, tuple,
-    scalar or tensor of their items, or are refused).
+    subclasses (enums, Parameter ...), dataclasses, sparse and quantized tensors (without it, a
+    subclass comes back as its base type, a dataclass as a dict, a sparse tensor is refused).
 
     The data travels through ``root`` (else env ``SPILLMERGE_ROOT``, else ``/dev/shm`` or the temp
     dir when every rank runs on one host; on several hosts one of the two must name storage every
