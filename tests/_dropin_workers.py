@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import glob
 import os
 import time
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
 from _helpers import value_diffs
@@ -126,7 +128,32 @@ def records(rank: int, world: int, base: str) -> dict[str, Any]:
     return {"diffs": diffs}
 
 
+def odd_types(rank: int, world: int, base: str) -> dict[str, Any]:
+    """numpy arrays and scalars of dtypes numpy lacks (ml_dtypes bfloat16, float8), 0-d too;
+    types stored as another: bytearray, numpy's str and bytes scalars; a tensor that requires grad."""
+    import ml_dtypes
+
+    objs = [
+        {
+            "bf16": np.array([1.5, -0.0], dtype=ml_dtypes.bfloat16),
+            "f8": np.array(1.0, dtype=ml_dtypes.float8_e4m3fn),
+            "w": torch.ones(2, requires_grad=True),
+        },
+        [ml_dtypes.bfloat16(2.5), np.array([[1.0]], dtype=ml_dtypes.float8_e5m2)[:, ::-1], bytearray(b"ab")],
+        (np.zeros((0, 2), dtype=ml_dtypes.bfloat16), ml_dtypes.float8_e4m3fn(0.5), {"s": np.str_("é"), "b": np.bytes_(b"x")}),
+    ]
+    return {"diffs": _compare(rank, world, objs[:world], allow_pickle=False)}
+
+
 Point = collections.namedtuple("Point", "x y")
+
+
+class Level(enum.IntEnum):
+    HIGH = 2
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
 
 
 @dataclasses.dataclass
@@ -137,12 +164,16 @@ class Box:
 
 def pickled_types(rank: int, world: int, base: str) -> dict[str, Any]:
     """With ``allow_pickle``, what would not come back as its own type is pickled whole: dicts
-    with int keys, an OrderedDict, a namedtuple, a dataclass (at the root and inside a list)."""
+    with int keys, an OrderedDict, a namedtuple, a dataclass (at the root and inside a list),
+    enums, a Parameter, a sparse tensor."""
     objs = [
         {rank: "int key", "s": {0: np.arange(2)}},
         collections.OrderedDict(b=rank, a=[Point(rank, 2)]),
-        [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}],
+        [Box("cat", 0.5 + rank), Point(1, rank), {"k": collections.OrderedDict(z=1)}, np.datetime64("2020-01-01")],
     ]
+    objs[rank] = [  # subclasses of scalars and tensors, and tensors stored only pickled
+        objs[rank], Level.HIGH, Colour.RED, torch.nn.Parameter(torch.ones(2)), torch.eye(2).to_sparse(),
+    ]  # fmt: skip
     return {"diffs": _compare(rank, world, objs[:world], allow_pickle=True, dst=2)}
 
 
@@ -235,8 +266,19 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
         _dropin.socket.gethostname = lambda: "another-node"  # type: ignore[attr-defined]
     try:
         attempt("two_hosts", lambda: spillmerge.all_gather_object([None] * world, rank, timeout=TIMEOUT))
+        # a root each process sees alone (as a node-local folder on each host): refused, not a
+        # gather that leaves the other hosts' shards behind
+        kw: dict[str, Any] = {"root": "memory://unshared", "timeout": TIMEOUT}
+        attempt("unshared_all", lambda: spillmerge.all_gather_object([None] * world, {"t": torch.ones(1)}, **kw))
+        attempt("unshared_records", lambda: spillmerge.all_gather_object([None] * world, [{"r": rank}], **kw))
+        attempt("unshared_gather", lambda: spillmerge.gather_object(rank, [None] * world if rank == 0 else None, **kw))
+        shared = [None] * world  # a folder every rank sees: the call works across hosts
+        attempt("shared", lambda: spillmerge.all_gather_object(shared, {"t": rank}, root=f"{base}/shared", timeout=TIMEOUT))
+        out["shared_value"] = shared
     finally:
         _dropin.socket.gethostname = real  # type: ignore[attr-defined]
+    memory = fsspec.filesystem("memory")
+    out["left_unshared"] = memory.ls("/unshared") if memory.exists("/unshared") else []
     after: list[Any] = [None] * world  # the group still works after every failure
     spillmerge.all_gather_object(after, rank, timeout=TIMEOUT)
     out["after"] = after
@@ -276,6 +318,36 @@ def after_a_timeout(rank: int, world: int, base: str) -> dict[str, Any]:
     return out
 
 
+SLOW_TIMEOUT = 4.0
+
+
+def slow_rank(rank: int, world: int, base: str) -> dict[str, Any]:
+    """The last rank still writes when the others' timeout ends: every rank raises, and the
+    call's folder does not stay (nobody is left to remove it once the call is over)."""
+    import torch.distributed as dist
+
+    import spillmerge
+    from spillmerge._dist import dropin as _dropin
+
+    real = _dropin._write
+
+    def slow(*args: Any) -> None:
+        real(*args)
+        if rank == world - 1:
+            time.sleep(2 * SLOW_TIMEOUT)
+
+    _dropin._write = slow  # type: ignore[assignment]
+    try:
+        spillmerge.all_gather_object([None] * world, {"t": torch.ones(3)}, root=f"{base}/slow", timeout=SLOW_TIMEOUT)
+        error = None
+    except spillmerge.SpillMergeError as exc:
+        error = type(exc).__name__
+    finally:
+        _dropin._write = real  # type: ignore[assignment]
+    dist.barrier()
+    return {"error": error, "left": os.listdir(f"{base}/slow")}
+
+
 NEVER_TIMEOUT = 3.0
 
 
@@ -300,10 +372,12 @@ SCENARIOS = {
     "torch_object_list": torch_object_list,
     "containers_of_dicts": containers_of_dicts,
     "records": records,
+    "odd_types": odd_types,
     "pickled_types": pickled_types,
     "back_to_back": back_to_back,
     "failures": failures,
     "after_a_timeout": after_a_timeout,
+    "slow_rank": slow_rank,
     "never_called": never_called,
 }
 

@@ -51,9 +51,11 @@ def value_diffs(got: Any, want: Any, where: str = "", strict: bool = False) -> l
     ``strict``: what torch's object collectives return: a tensor as a tensor (bit-exact), dict keys
     in the same order."""
     if isinstance(want, torch.Tensor) and strict:
-        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
-            return [f"{where}: {type(got).__name__} {got!r:.80} != tensor {want!r:.80}"]
-        got, want = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)  # NaN payloads too
+        if type(got) is not type(want) or any(
+            getattr(got, a) != getattr(want, a) for a in ("dtype", "shape", "layout", "requires_grad")
+        ):
+            return [f"{where}: {type(got).__name__} {got!r:.80} != {type(want).__name__} {want!r:.80}"]
+        got, want = (t.detach().to_dense().reshape(-1).view(torch.uint8) for t in (got, want))  # NaN payloads too
     if isinstance(want, torch.Tensor):  # bfloat16 and the like: compared as their bits
         ref = want.numpy() if want.dtype != torch.bfloat16 else want.view(torch.uint16).numpy()
         arr = np.asarray(got).view(np.uint16) if want.dtype == torch.bfloat16 and isinstance(got, np.ndarray) else got

@@ -7,6 +7,8 @@ call's ``timeout``, so a rank that never calls is a timeout error, never a hang)
                 hostnames (on several hosts the folder must be on storage every rank sees:
                 ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
                 whether every rank's object is records Arrow keeps exactly (``_dist.records``)
+  (several hosts) dst puts a file in the call's folder; unless every rank sees it within
+                ``SHARED_WAIT``, every rank raises ConfigError (the folder is not shared)
   records on every rank: each writes file ``R.records``, its columns' buffers; an all-gather of how
                 that went (a rank that failed is named on every rank, and dst removes the call's
                 folder) and of each file's size and CRC-32C; the readers check each file against
@@ -37,12 +39,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._errors import ConfigError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
+from .._format import common as F
 from .._format import crc
+from .._read.column import real_dtype
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
 from .._util.gcpause import gc_paused
+from .._util.poll import poll
 from .._write.writer import SpillWriter
 from . import records
 from .gather import CHUNK_BYTES, CallWriter
@@ -134,6 +139,34 @@ def _agree(
     return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
 
 
+SHARED_WAIT = 5.0  # seconds a rank looks for the file dst put in the call's folder (several hosts)
+_PROBE = "shared"
+
+
+def _check_shared(rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
+    """On several hosts, every rank raises ConfigError unless every rank sees the file dst puts in
+    the call's folder: a folder each host has to itself would keep the other hosts' data."""
+    error, seen = None, False
+    try:
+        with contextlib.closing(Storage(call, storage_options)) as storage:
+            if rank == dst:
+                storage.makedirs("")
+                storage.put(_PROBE, [b""])
+            seen = any(storage.exists(_PROBE) for _ in poll(min(timeout, SHARED_WAIT), first=0.01, cap=0.5))
+    except Exception as exc:  # noqa: BLE001 - told to every rank just below, then raised here
+        error = exc
+    got = _settle(rank, dst, call, storage_options, error, timeout, "looking for the call's folder", seen)
+    if blind := [r for r, s in enumerate(got) if not s]:
+        if rank == dst:
+            with contextlib.suppress(Exception):  # the error below is what the caller sees
+                _remove(call, storage_options)
+        raise ConfigError(
+            f"rank {rank}: rank(s) {blind} do not see the folder {call} rank {dst} made for this call: the ranks "
+            f"run on several hosts, and {ROOT_ENV} (or root=) must name storage every rank sees",
+            key=ROOT_ENV,
+        )
+
+
 def _settle(
     rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, error: BaseException | None,
     timeout: float, what: str, info: Any = None,
@@ -143,7 +176,12 @@ def _settle(
     past the step: nobody writes there any more) and every rank raises: its own error, else a
     :class:`RankFailedError` naming the ranks."""
     mine = None if error is None else f"{type(error).__name__}: {str(error)[:2000]}"
-    got = _exchange(rank, (mine, info), timeout, f"finished {what}")
+    try:
+        got = _exchange(rank, (mine, info), timeout, f"finished {what}")
+    except CoordinationError:  # the call is over for every rank: none may be left to remove it
+        with contextlib.suppress(Exception):
+            _remove(call, storage_options)
+        raise
     failures = {r: m for r, (m, _) in enumerate(got) if m is not None}
     if not failures:
         return [i for _, i in got]
@@ -170,8 +208,8 @@ def _plain(values: Any) -> bool:
 
 
 class _Whole:
-    """An object stored pickled whole (``allow_pickle``) because its type would not come back:
-    a dict with keys other than str, a mapping, list or tuple of a subclass, a dataclass. Not a
+    """An object stored pickled whole (``allow_pickle``) because its type would not come back: a
+    dict with keys other than str, a subclass, a sparse or quantized tensor, a dataclass. Not a
     dataclass itself: the writer would store it as a dict of its fields."""
 
     __slots__ = ("obj",)
@@ -182,26 +220,33 @@ class _Whole:
 
 class _Shape:
     """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
-    list positions) of its numpy arrays and numpy scalars (every array comes back as a torch
-    tensor; these are turned back) and of the objects stored pickled whole (``_Whole``).
+    list positions) of its numpy arrays and scalars (every array comes back as a torch tensor),
+    bytearrays (as bytes), tensors that require grad and objects stored pickled whole (``_Whole``).
     ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
 
     def __init__(self, obj: Any, allow_pickle: bool) -> None:
-        self.numpy: list[list[Any]] = []
-        self.scalars: list[list[Any]] = []
-        self.whole: list[list[Any]] = []
+        self.found: dict[str, list[list[Any]]] = {key: [] for key in _FIXES}  # key -> paths
         self.allow_pickle = allow_pickle
         self.obj = self._walk(obj, [], 0)
 
     def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
         kind = type(obj)
         if kind is np.ndarray:
-            self.numpy.append(path)
+            self.found["numpy"].append(path)
             return obj
-        if kind in _ATOMIC or isinstance(obj, torch.Tensor):
+        if kind in _ATOMIC:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad:
+                self.found["grad"].append(path)
+            if kind is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
+                return self._pickled(obj, path)  # a Parameter, a sparse or quantized tensor
             return obj
         if isinstance(obj, np.generic):
-            self.scalars.append(path)
+            self.found["scalars"].append(path)
+            return obj
+        if kind is bytearray:
+            self.found["bytearray"].append(path)
             return obj
         if depth > 64:
             return obj
@@ -219,27 +264,46 @@ class _Shape:
                     changed = (dict(obj) if kind is dict else list(obj)) if changed is None else changed
                     changed[k] = nv
             return obj if changed is None else changed if kind is dict else kind(changed)
-        if isinstance(obj, (Mapping, list, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-            return self._pickled(obj, path)  # a subclass or a dataclass: stored as a plain dict / list
+        if isinstance(obj, (Mapping, list, tuple, int, float, complex, str, bytes)) or (
+            dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        ):
+            return self._pickled(obj, path)  # a subclass (an enum) or a dataclass: stored as its base
         return obj
 
     def _pickled(self, obj: Any, path: list[Any]) -> Any:
         if not self.allow_pickle:
             return obj
-        self.whole.append(path)
+        self.found["whole"].append(path)
         return _Whole(obj)
 
     def paths(self) -> dict[str, list[list[Any]]] | None:
         """The paths to turn back; None when there are none (nothing to store)."""
-        if not (self.numpy or self.scalars or self.whole):
-            return None
-        return {"numpy": self.numpy, "scalars": self.scalars, "whole": self.whole}
+        return self.found if any(self.found.values()) else None
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as numpy: dtypes numpy lacks (bfloat16, float8 ...) as their ml_dtypes arrays."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in F.RAW_BITS:
+        return t.numpy()
+    return t.view(getattr(torch, F.DTYPES[name].storage)).numpy().view(real_dtype(name))
+
+
+def _scalar(v: Any) -> Any:
+    """A numpy scalar from what storage gave back: a 0-d tensor or array (pickled), or the str or
+    bytes of an ``np.str_`` / ``np.bytes_``."""
+    v = _numpy(v) if isinstance(v, torch.Tensor) else v
+    if isinstance(v, np.ndarray):
+        return v[()]
+    return np.str_(v) if type(v) is str else np.bytes_(v) if type(v) is bytes else v
 
 
 _FIXES: dict[str, Any] = {
     "whole": lambda v: v.obj if isinstance(v, _Whole) else v,
-    "numpy": lambda v: v.numpy() if isinstance(v, torch.Tensor) else v,
-    "scalars": lambda v: v.numpy()[()] if isinstance(v, torch.Tensor) else v,
+    "numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,
+    "scalars": _scalar,
+    "bytearray": lambda v: bytearray(v) if type(v) is bytes else v,
+    "grad": lambda v: v.requires_grad_() if isinstance(v, torch.Tensor) else v,
 }
 
 
@@ -267,16 +331,16 @@ def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: b
     if not wanted:
         if object_list:
             raise DropInArgumentError(
-                f"rank {rank}: Argument ``object_gather_list`` must NOT be specified on non-destination ranks "
+                "Argument ``object_gather_list`` must NOT be specified on non-destination ranks "
                 f"(destination is rank {dst})"
             )
         return
     name = "object_list" if every_rank else "object_gather_list"
     if not every_rank and not object_list:
-        raise DropInArgumentError(f"rank {rank}: Argument ``{name}`` must be specified on destination rank")
+        raise DropInArgumentError(f"Argument ``{name}`` must be specified on destination rank")
     if not isinstance(object_list, list) or len(object_list) != world:
         got = len(object_list) if isinstance(object_list, list) else type(object_list).__name__
-        raise DropInArgumentError(f"rank {rank}: ``{name}`` must be a list of world_size={world} items, got {got}")
+        raise DropInArgumentError(f"``{name}`` must be a list of world_size={world} items, got {got}")
 
 
 def _remove(call: str, storage_options: dict[str, Any] | None) -> None:
@@ -420,6 +484,8 @@ def _collective(
         pieces = None
     # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
     call, one_host, direct = _agree(rank, target, root, timeout, pieces is not None)
+    if not one_host:
+        _check_shared(rank, target, call, storage_options, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None
     info = None
@@ -497,8 +563,8 @@ def gather_object(
     order with what each rank passed: dicts (str keys, their order kept), lists, tuples, Python
     scalars, str, bytes, numpy arrays as numpy arrays and tensors as torch tensors on the CPU.
     Other objects are pickled only with ``allow_pickle=True``, and so are dicts with other keys,
-    subclasses of dict, list and tuple, and dataclasses (without it, these come back as the plain
-    dict, list or tuple of their items).
+    subclasses (enums, Parameter ...), dataclasses, sparse and quantized tensors (without it, a
+    subclass comes back as its base type, a dataclass as a dict, a sparse tensor is refused).
 
     The data travels through ``root`` (else env ``SPILLMERGE_ROOT``, else ``/dev/shm`` or the temp
     dir when every rank runs on one host; on several hosts one of the two must name storage every

@@ -40,6 +40,7 @@ from .leaves import (
     leaf_error,
     plain_leaf,
     records,
+    utf8_keys,
 )
 
 EMPTY = np.zeros(0, dtype=np.uint8)
@@ -263,7 +264,7 @@ def _walk(value: object, path: tuple[str, ...], depth: int, w: _Walk) -> None:
             if w.allow_pickle:  # gather_object's behaviour for what nothing else stores
                 out.append(_pickled(value, path, w.filename))
                 return
-            raise leaf_error(path, w.filename, f"{value} does not fit int64")
+            raise leaf_error(path, w.filename, f"{value} does not fit int64 (or open the writer with allow_pickle=True)")
         out.append(_scalar(path, "pyint", value))
     elif isinstance(value, float):
         out.append(_scalar(path, "pyfloat", value))
@@ -336,6 +337,13 @@ def _container(value: Any, path: tuple[str, ...], depth: int, w: _Walk) -> None:
                         filename=w.filename,
                         leaf=path_text(path),
                     )
+            if not utf8_keys(keys):
+                raise SpillValueError(
+                    f"a dict key of {w.filename!r:.200} at {path_text(path)!r} is not valid Unicode (lone "
+                    f"surrogate): {keys!r:.200}; it cannot be stored",
+                    filename=w.filename,
+                    leaf=path_text(path),
+                )
             ordered = w.note(path, keys)
             items = [(k, value[k]) for k in ordered]
         else:

@@ -166,9 +166,21 @@ def same_keys(items: list[Any]) -> tuple[str, ...] | None:
     if type(first) is not dict or not first or set(map(type, items)) != {dict}:
         return None
     keys = tuple(first)
-    if set(map(type, keys)) != {str} or not all(map(keys.__eq__, map(tuple, items))):
+    if set(map(type, keys)) != {str} or not utf8_keys(keys) or not all(map(keys.__eq__, map(tuple, items))):
         return None
     return keys
+
+
+def utf8_keys(keys: Any) -> bool:
+    """Whether str ``keys`` are UTF-8 (no lone surrogate): the catalog names them in UTF-8 JSON."""
+    joined = "".join(keys)
+    if joined.isascii():
+        return True
+    try:
+        joined.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
@@ -180,6 +192,7 @@ def _mapping_records(value: list[Any]) -> dict[str, list[Any]] | None:
     if (
         keys
         and all(type(k) is str for k in keys)
+        and utf8_keys(keys)
         and all(isinstance(d, Mapping) and list(d.keys()) == keys for d in value)
     ):
         return {k: [d[k] for d in value] for k in keys}

@@ -36,6 +36,7 @@ def test_returns_what_torch_returns(ranks):
         assert results[r]["pickled_types"]["diffs"] == [], (r, results[r]["pickled_types"]["diffs"])
         assert results[r]["containers_of_dicts"]["diffs"] == [], (r, results[r]["containers_of_dicts"]["diffs"])
         assert results[r]["records"]["diffs"] == [], (r, results[r]["records"]["diffs"])
+        assert results[r]["odd_types"]["diffs"] == [], (r, results[r]["odd_types"]["diffs"])
 
 
 def test_back_to_back_calls_apart_and_nothing_left(ranks):
@@ -57,6 +58,7 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
         res = results[r]["failures"]
         assert res["unpicklable"] is not None and "rank 1" in res["unpicklable"]["msg"], (r, res["unpicklable"])
         assert res["short_list"] is not None and "rank 0" in res["short_list"]["msg"], (r, res["short_list"])
+        assert "rank 0: rank 0" not in res["short_list"]["msg"], (r, res["short_list"])  # named once
         recs = res["short_list_records"]
         assert recs is not None and "rank 0" in recs["msg"], (r, recs)
         assert res["list_off_dst"] is not None and "rank" in res["list_off_dst"]["msg"], (r, res["list_off_dst"])
@@ -64,10 +66,22 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
         assert res["subgroup"] is not None and "group=" in res["subgroup"]["msg"], res["subgroup"]
         two = res["two_hosts"]
         assert two is not None and two["type"] == "ConfigError" and "SPILLMERGE_ROOT" in two["msg"], two
+        for name in ("unshared_all", "unshared_records", "unshared_gather"):
+            got = res[name]
+            assert got is not None and got["type"] == "ConfigError" and "SPILLMERGE_ROOT" in got["msg"], (r, name, got)
+        assert res["left_unshared"] == [], (r, res["left_unshared"])
+        assert res["shared"] is None and res["shared_value"] == [{"t": s} for s in range(WORLD)], (r, res["shared"])
         assert res["after"] == list(range(WORLD))
         assert res["left_after_failures"] == []
     assert results[0]["failures"]["short_list"]["value_error"]
     assert results[0]["failures"]["short_list_records"]["value_error"]
+
+
+def test_a_rank_too_slow_fails_the_call_everywhere_and_its_folder_goes(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        assert results[r]["slow_rank"]["error"] == "CoordinationError", (r, results[r]["slow_rank"])
+        assert results[r]["slow_rank"]["left"] == [], (r, results[r]["slow_rank"])
 
 
 def test_a_rank_that_never_calls_is_a_timeout_error_not_a_hang(ranks):

@@ -159,6 +159,8 @@ def _cycle() -> dict[str, Any]:
     "value, where, match",
     [
         ({"a": [{1: 2}]}, "a/[0]", "dict keys must be str"),
+        ({"a": {"ok": 1, "\ud800": 2}}, "a", "lone surrogate"),  # no UTF-8: the catalog could not be written
+        ({"r": [{"\udc80": 1}, {"\udc80": 2}]}, "r/[0]", "lone surrogate"),  # records: a column a key
         (_cycle(), "a/[1]", "cycle"),
         ({"g": [(x for x in ())]}, "g/[0]", "generator"),
         ({"o": (1, Opaque(1))}, "o/[1]", "without pickle"),

@@ -234,6 +234,8 @@ _GOOD = {"logits": torch.ones(2, 3), "name": ["p", "q"]}
         # a dict with a non-str key deep in item 1 (a layout change between frames is no error
         # since format 3: the leaf becomes a union)
         (["x0", "x1"], [{"v": 1}, {"v": {3: 1}}], None, r"write_batch item 1 of 2 \('x1'\): dict keys must be str.*key 3 at 'v'"),
+        (["x0", "x1"], [{"\ud800": 1}, {"\ud800": 2}], None, r"write_batch item 0 of 2 \('x0'\).*lone surrogate"),
+        (["x0", "x1"], {"\ud800": torch.ones(2, 1)}, None, r"write_batch item 0 of 2 \('x0'\).*lone surrogate"),
         # a duplicate key inside the batch with different bytes
         (["x0", "x0"], [torch.ones(2), torch.zeros(2)], None, r"write_batch item 1 of 2 \('x0'\): frame 0 of 'x0' was already"),
         # a duplicate of a key written before the batch
