@@ -18,6 +18,7 @@ from .._format import lists as L
 from .._format.common import MARK
 from .._format.keyorder import Spec, ordered
 from .column import OpenColumn
+from .outputstore import damaged
 
 
 def require_pyarrow(feature: str = "MergedStore.to_arrow()") -> Any:
@@ -500,11 +501,8 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
 def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError:
     head = next(iter(node.records()), None)
     where = f"columns/{head.info.name}" if head is not None else F.path_text(node.path)
-    return CorruptSpillError(
-        f"{where}: row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items, but {what}; "
-        "the output is damaged: merge it again",
-        path=where,
-    )
+    said = f"row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items"
+    return damaged(where, f"{said}, but {what}")
 
 
 @dataclass(frozen=True, slots=True)

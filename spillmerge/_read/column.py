@@ -13,7 +13,7 @@ from .._format.invariants import StoredColumn, read_rows
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
 from .index import ROW_BLOCK
-from .outputstore import chunk_reader
+from .outputstore import chunk_reader, damaged
 
 
 def real_dtype(name: str) -> np.dtype[Any]:
@@ -93,8 +93,7 @@ class OpenColumn:
 
     def damaged(self, what: str) -> CorruptSpillError:
         """The error for damage ``what`` found in this column's values."""
-        path = f"{self.values.store_path}"
-        return CorruptSpillError(f"{path}: {what}; the output is damaged: merge it again", path=path)
+        return damaged(f"{self.values.store_path}", what)
 
     def unit(self, r: int) -> np.ndarray:
         """Row ``r`` of a fixed column, of the storage dtype, read-only (a view of its cached
