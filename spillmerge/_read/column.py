@@ -154,18 +154,13 @@ class OpenColumn:
             arr = self._read_chunk(c0)
             self._read_past_cache()
             return arr if arr.flags.writeable else arr.copy()  # (a view of the fetched bytes is read-only)
-        tail_whole = hi == min((c1 + 1) * k, n)
-        if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
-            arr = read_rows(self.values, lo, hi)
-            self._read_past_cache()
-            return arr
         out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
         pos = lo
         if not head_whole:
             head = self.chunk(c0)[lo - c0 * k :]
             out[: len(head)] = head
             pos += len(head)
-        straight_end = hi if tail_whole else c1 * k
+        straight_end = hi if hi == min((c1 + 1) * k, n) else c1 * k  # the tail chunk whole, or not
         if straight_end > pos:
             read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
             self._read_past_cache()
