@@ -328,24 +328,21 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
 def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[_Part]:
     """The parts of every item of the lists at ``node`` in ``rows``, positioned in the flat item
     array (item ``i`` of list ``j`` at ``starts[j] + i``)."""
-    if node.each is None:  # no list here has an item anywhere in the output
-        bad = np.flatnonzero(lengths != 0)
-        if len(bad):
-            j = int(bad[0])
-            raise CorruptSpillError(
-                f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
-                "header, but the output holds no item of these lists; the output is damaged: merge it again"
-            )
-        return []
-    # the items are rows of the child path, in list order
-    o = b.offs.get(node.each.path)
+    # the items are rows of the child path, in list order (no child: no list here has an item
+    # anywhere in the output)
+    o = None if node.each is None else b.offs.get(node.each.path)
     have = np.diff(o)[rows] if o is not None else np.zeros(len(rows), np.int64)
     if not np.array_equal(have, lengths):
         j = int(np.flatnonzero(have != lengths)[0])
+        said = "but the output holds no item of these lists"
+        if node.each is not None:
+            said = f"{int(have[j])} by its list offsets"
         raise CorruptSpillError(
             f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
-            f"header, {int(have[j])} by its list offsets; the output is damaged: merge it again"
+            f"header, {said}; the output is damaged: merge it again"
         )
+    if node.each is None:
+        return []
     if o is None:
         o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
     item_rows = _spread(o[rows], lengths)
