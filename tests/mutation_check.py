@@ -2040,8 +2040,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "ragged-complex-to-arrow",
         "spillmerge/_read/views.py",
-        'if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs, as fixed leaves give',
-        "if False:",
+        'return raw.view(raw.real.dtype).reshape(*raw.shape, 2) if raw.dtype.kind == "c" else raw',
+        "return raw",
         ("tests/read/test_reader_edges.py::test_a_ragged_complex_leaf_exports_to_arrow_as_real_imag_pairs",),
         "a ragged complex leaf exports to Arrow as (real, imag) pairs",
     ),

@@ -18,6 +18,7 @@ from .._format import lists as L
 from .._format.common import MARK
 from .._format.keyorder import Spec, ordered
 from .column import OpenColumn
+from .outputstore import damaged
 
 
 def require_pyarrow(feature: str = "MergedStore.to_arrow()") -> Any:
@@ -188,21 +189,19 @@ class Batch:
         self._lengths: dict[int, np.ndarray] = {}
         self._spans: dict[tuple[str, ...], tuple[int, int]] = {(): (a, b)}
 
-    def span(self, domain: tuple[str, ...]) -> tuple[int, int]:
-        """The rows of ``domain`` (a list path, ``()``: the output's rows) the batch holds."""
+    def span(self, col: OpenColumn) -> tuple[int, int]:
+        """The rows of ``col``'s domain (its list path, ``()``: the output's rows) the batch holds:
+        its arrays start at the first."""
+        domain = F.list_domain(col.info.leaf)
         got = self._spans.get(domain)
         if got is None:
             got = self._spans[domain] = L.rows_of(self.offs, domain, self.a, self.b)
         return got
 
-    def base(self, col: OpenColumn) -> int:
-        """The first row of ``col``'s domain in the batch (its arrays start there)."""
-        return self.span(F.list_domain(col.info.leaf))[0]
-
     def arrow(self, col: OpenColumn) -> Any:
         got = self._arrow.get(id(col))
         if got is None:
-            got = self._arrow[id(col)] = col.view(*self.span(F.list_domain(col.info.leaf))).to_arrow()
+            got = self._arrow[id(col)] = col.view(*self.span(col)).to_arrow()
         return got
 
     def valid(self, col: OpenColumn, rows: np.ndarray) -> np.ndarray:
@@ -212,7 +211,7 @@ class Batch:
     def lengths(self, col: OpenColumn) -> np.ndarray:
         got = self._lengths.get(id(col))
         if got is None:
-            view = col.view(*self.span(F.list_domain(col.info.leaf)))
+            view = col.view(*self.span(col))
             got = self._lengths[id(col)] = np.asarray(view[:], dtype=np.int64).reshape(-1)
         return got
 
@@ -278,13 +277,13 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
     empty = [c for c in node.cols if node.records() and c.info.ndim == 1 and _only_empty_lists(c)]
     for col in (c for c in node.cols if c not in as_list and c not in empty):
         pos = np.flatnonzero(b.valid(col, rows))
-        arr = b.arrow(col).take(pa.array(rows[pos] - b.base(col)))
+        arr = b.arrow(col).take(pa.array(rows[pos] - b.span(col)[0]))
         info = col.info
         tag = f"{info.dtype}.{info.ndim}d" if info.kind in ("fixed", "ragged") else info.kind
         out.append((("col", str(arr.type)), info.variant if info.variant is not None else tag, pos, arr))
     for head in node.headers:
         pos = np.flatnonzero(b.valid(head, rows))
-        lengths = b.lengths(head)[rows[pos] - b.base(head)]
+        lengths = b.lengths(head)[rows[pos] - b.span(head)[0]]
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         kind = head.info.dtype
         if kind == "pylist" and as_list:
@@ -329,24 +328,21 @@ def parts(node: Node, b: Batch, rows: np.ndarray, with_keys: bool) -> list[_Part
 def _item_parts(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[_Part]:
     """The parts of every item of the lists at ``node`` in ``rows``, positioned in the flat item
     array (item ``i`` of list ``j`` at ``starts[j] + i``)."""
-    if node.each is None:  # no list here has an item anywhere in the output
-        bad = np.flatnonzero(lengths != 0)
-        if len(bad):
-            j = int(bad[0])
-            raise CorruptSpillError(
-                f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
-                "header, but the output holds no item of these lists; the output is damaged: merge it again"
-            )
-        return []
-    # the items are rows of the child path, in list order
-    o = b.offs.get(node.each.path)
+    # the items are rows of the child path, in list order (no child: no list here has an item
+    # anywhere in the output)
+    o = None if node.each is None else b.offs.get(node.each.path)
     have = np.diff(o)[rows] if o is not None else np.zeros(len(rows), np.int64)
     if not np.array_equal(have, lengths):
         j = int(np.flatnonzero(have != lengths)[0])
+        said = "but the output holds no item of these lists"
+        if node.each is not None:
+            said = f"{int(have[j])} by its list offsets"
         raise CorruptSpillError(
             f"the lists at {F.path_text(node.path)!r}: row {int(rows[j])} has {int(lengths[j])} items by its "
-            f"header, {int(have[j])} by its list offsets; the output is damaged: merge it again"
+            f"header, {said}; the output is damaged: merge it again"
         )
+    if node.each is None:
+        return []
     if o is None:
         o = np.zeros(1 + max(int(rows.max(initial=-1)) + 1, 0), np.int64)  # no items anywhere
     item_rows = _spread(o[rows], lengths)
@@ -371,7 +367,7 @@ def _merged_lists(
     got = []
     for col in numeric:
         cpos = np.flatnonzero(b.valid(col, rows))
-        carr = b.arrow(col).take(pa.array(rows[cpos] - b.base(col)))
+        carr = b.arrow(col).take(pa.array(rows[cpos] - b.span(col)[0]))
         clen = pc.list_value_length(carr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         got.append((col, cpos, carr, clen))
     all_pos = np.concatenate([hpos, *(g[1] for g in got)]).astype(np.int64)
@@ -502,11 +498,8 @@ def _records(node: Node, b: Batch, rows: np.ndarray, lengths: np.ndarray, starts
 def _records_error(node: Node, row: int, n: int, what: str) -> CorruptSpillError:
     head = next(iter(node.records()), None)
     where = f"columns/{head.info.name}" if head is not None else F.path_text(node.path)
-    return CorruptSpillError(
-        f"{where}: row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items, but {what}; "
-        "the output is damaged: merge it again",
-        path=where,
-    )
+    said = f"row {row} says its list of dicts at {F.path_text(node.path)!r} has {n} items"
+    return damaged(where, f"{said}, but {what}")
 
 
 @dataclass(frozen=True, slots=True)

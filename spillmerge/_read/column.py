@@ -13,7 +13,7 @@ from .._format.invariants import StoredColumn, read_rows
 from .._storage import Storage
 from .cache import ChunkCache, Chunks
 from .index import ROW_BLOCK
-from .outputstore import chunk_reader
+from .outputstore import chunk_reader, damaged
 
 
 def real_dtype(name: str) -> np.dtype[Any]:
@@ -93,8 +93,7 @@ class OpenColumn:
 
     def damaged(self, what: str) -> CorruptSpillError:
         """The error for damage ``what`` found in this column's values."""
-        path = f"{self.values.store_path}"
-        return CorruptSpillError(f"{path}: {what}; the output is damaged: merge it again", path=path)
+        return damaged(f"{self.values.store_path}", what)
 
     def unit(self, r: int) -> np.ndarray:
         """Row ``r`` of a fixed column, of the storage dtype, read-only (a view of its cached
@@ -155,18 +154,13 @@ class OpenColumn:
             arr = self._read_chunk(c0)
             self._read_past_cache()
             return arr if arr.flags.writeable else arr.copy()  # (a view of the fetched bytes is read-only)
-        tail_whole = hi == min((c1 + 1) * k, n)
-        if head_whole and tail_whole:  # whole chunks only: zarr's decoded array is the result
-            arr = read_rows(self.values, lo, hi)
-            self._read_past_cache()
-            return arr
         out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
         pos = lo
         if not head_whole:
             head = self.chunk(c0)[lo - c0 * k :]
             out[: len(head)] = head
             pos += len(head)
-        straight_end = hi if tail_whole else c1 * k
+        straight_end = hi if hi == min((c1 + 1) * k, n) else c1 * k  # the tail chunk whole, or not
         if straight_end > pos:
             read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
             self._read_past_cache()

@@ -150,7 +150,6 @@ def iter_batches(files: Files, cols: dict[str, Column], batch_size: int | None) 
 def to_parquet(
     files: Files,
     cols: dict[str, Column],
-    source: Storage,
     path: str | os.PathLike[str],
     batch_size: int | None,
     storage_options: dict[str, Any] | None,
@@ -163,7 +162,7 @@ def to_parquet(
     require_pyarrow("MergedStore.to_parquet()")
     import pyarrow.parquet as pq
 
-    target = os.fspath(path)
+    target, source = os.fspath(path), files.storage
     dest = Storage(target, storage_options)
     if overlaps(source, dest):
         raise SpillValueError(

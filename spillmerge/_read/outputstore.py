@@ -25,15 +25,17 @@ from .._format.invariants import array_limits, read_array
 from .._storage import Storage
 
 
+def damaged(path: str, what: str) -> CorruptSpillError:
+    """The error for damage ``what`` found in the object at ``path``."""
+    return CorruptSpillError(f"{path}: {what}; the output is damaged: merge it again", path=path)
+
+
 def missing_chunk(describe: Callable[[str], str], key: str) -> CorruptSpillError:
     """The error for chunk object ``key`` (``<array>/c/<coords>``) that is not there: damage,
     where zarr would read fill values."""
-    path = describe(key)
     array, _, coords = key.rpartition("/c/")
     what = f"chunk {coords.replace('/', ', ')} of {array}" if array else "chunk"
-    return CorruptSpillError(
-        f"{path}: {what} is missing (zarr would read it as zeros); the output is damaged: merge it again", path=path
-    )
+    return damaged(describe(key), f"{what} is missing (zarr would read it as zeros)")
 
 
 def _plain(arr: Any, limits: FO.ChunkLimits) -> bool:
@@ -80,14 +82,9 @@ def chunk_reader(arr: Any, storage: Storage) -> Callable[[int], np.ndarray]:
         # (over a numpy view: slicing the bytes would copy the whole chunk once more)
         body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4) if len(data) >= 4 else b""
         if len(data) != size or _crc.value(body) != int.from_bytes(data[-4:], "little"):
-            where = describe(rel)
             what = f"{len(data)} bytes, its chunk shape needs {size}" if len(data) != size else "CRC-32C mismatch"
             coords = ", ".join([str(c)] + ["0"] * len(inner))
-            raise CorruptSpillError(
-                f"{where}: chunk {coords} of {path}: its size and checksum do not match ({what}); the output is "
-                "damaged: merge it again",
-                path=where,
-            )
+            raise damaged(describe(rel), f"chunk {coords} of {path}: its size and checksum do not match ({what})")
         out = np.frombuffer(data, dtype=dtype, count=count).reshape((k, *inner))
         return out[: min(k, n - c * k)]
 

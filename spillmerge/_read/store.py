@@ -480,7 +480,7 @@ class MergedStore(Mapping[str, Any]):
         read it lazily. ``parquet_options`` go to ``pyarrow.parquet.ParquetWriter`` (e.g.
         ``compression="zstd"``). A local file appears only when whole. Returns the rows written."""
         cols = _export.select(self.files, columns)
-        return _export.to_parquet(self.files, cols, self.storage, path, batch_size, storage_options, **parquet_options)
+        return _export.to_parquet(self.files, cols, path, batch_size, storage_options, **parquet_options)
 
     def to_arrow(self, columns: Sequence[str] | str | None = None) -> Any:
         """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``), all in

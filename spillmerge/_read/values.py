@@ -299,8 +299,7 @@ class Block:
 
     def ok(self, col: OpenColumn, d: int) -> bool:
         """Whether row ``d`` of ``col`` has a value."""
-        got = self._cols.get(id(col))
-        lo, ok, _ = got if got is not None else self._load(col)
+        lo, ok, _ = self._cols.get(id(col)) or self._load(col)
         return ok is None or ok[d - lo]
 
     def run(self, flat: list[tuple[str, OpenColumn]], r0: int, r1: int) -> list[dict[str, Any]] | None:
@@ -309,8 +308,7 @@ class Block:
         row by row or a row lacks a value (the row-by-row way)."""
         slices = []
         for _, col in flat:
-            got = self._cols.get(id(col))
-            lo, ok, vals = got if got is not None else self._load(col)
+            lo, ok, vals = self._cols.get(id(col)) or self._load(col)
             if vals is _DIRECT or (ok is not None and not all(ok[r0 - lo : r1 - lo])):
                 return None
             slices.append(vals[r0 - lo : r1 - lo])
@@ -318,8 +316,7 @@ class Block:
 
     def get(self, col: OpenColumn, d: int, filename: str) -> Any:
         """Row ``d`` of ``col`` (one with a value) as ``value()`` returns it."""
-        got = self._cols.get(id(col))
-        lo, _, vals = got if got is not None else self._load(col)
+        lo, _, vals = self._cols.get(id(col)) or self._load(col)
         if vals is _DIRECT:  # as value() reads it
             return leaf_value(col, d, filename, self.as_torch)
         return vals[d - lo]

@@ -32,6 +32,11 @@ def tensor(arr: np.ndarray, dtype_name: str) -> torch.Tensor:
     return torch.from_numpy(raw.view(F.DTYPES[dtype_name].storage)).view(getattr(torch, dtype_name))
 
 
+def _pairs(raw: np.ndarray) -> np.ndarray:
+    """``raw`` for Arrow, which has no complex type: complex numbers as (real, imag) pairs."""
+    return raw.view(raw.real.dtype).reshape(*raw.shape, 2) if raw.dtype.kind == "c" else raw
+
+
 class LeafView:
     """Rows ``start .. stop-1`` of one leaf column. ``len(view)`` rows; ``view[i]`` is row ``i``'s
     value (``None`` where :attr:`valid` is False); ``view[a:b]`` several rows (the kind decides
@@ -252,9 +257,7 @@ class FixedView(LeafView):
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
-        raw = self._raw(slice(None))
-        if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs
-            raw = raw.view(raw.real.dtype).reshape(*raw.shape, 2)
+        raw = _pairs(self._raw(slice(None)))
         inner = raw.reshape(-1)
         if raw.ndim >= 3 and all(raw.shape[1:]):  # a tensor per row: Arrow's canonical extension type
             cell = int(np.prod(raw.shape[1:], dtype=np.int64))
@@ -391,9 +394,7 @@ class RaggedView(_OffsetView):
         """``large_list`` per row: of ``fixed_size_list`` (the inner dimensions) when only the
         first dimension varies, else nested ``large_list`` one level per dimension."""
         pa = require_pyarrow()
-        raw = self._flat(self._start, self._stop)
-        if raw.dtype.kind == "c":  # Arrow has no complex type: (real, imag) pairs, as fixed leaves give
-            raw = raw.view(raw.real.dtype).reshape(*raw.shape, 2)
+        raw = _pairs(self._flat(self._start, self._stop))
         arr = nest(pa.array(raw.reshape(-1)), raw.shape)
         if self._col.info.inner_shape is not None:
             return with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), arr), self.valid)
