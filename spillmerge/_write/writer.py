@@ -321,10 +321,11 @@ class SpillWriter(MergeSteps):
             if lay.dtype == "strlist":  # shape (strings, bytes)
                 pairs = np.stack([cols.lengths[:, j], cols.sizes[:, j]], axis=1)
                 found, where = np.unique(pairs, axis=0, return_inverse=True)
-                ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos)) for m, nb in found.tolist()]
-            else:
+                shapes = [(m, nb) for m, nb in found.tolist()]
+            else:  # a length of -1: a 0-d leaf
                 found, where = np.unique(cols.lengths[:, j], return_inverse=True)
-                ids = self._catalog.length_ids(lay, found.tolist())
+                shapes = [() if m < 0 else (m, *lay.shape[1:]) for m in found.tolist()]
+            ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, shape, lay.pos)) for shape in shapes]
             layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
