@@ -269,15 +269,13 @@ class SpillWriter(MergeSteps):
         data = [array_bytes(columns[path]) for path in template.paths]  # each leaf's items back to back
         if template.ids is None:  # ids in the catalog never change: once per template
             template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
-        n_leaves = len(data)
         layout_ids = np.tile(np.array(template.ids, dtype=np.int64), (n, 1))
         sizes = np.tile(np.array([len(d) // n for d in data], dtype=np.int64), (n, 1))
         if fresh:
-            row0 = self._add_keys(names, range(base, base + n), frames, n_leaves)
-            self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, sizes, data)
-            return True
-        row0 = self._add_keys(list(new_names), file_ids, frames, n_leaves)
-        fids = np.array(file_ids, dtype=np.int64)
+            row0 = self._add_keys(names, range(base, base + n), frames, len(data))
+        else:
+            row0 = self._add_keys(list(new_names), file_ids, frames, len(data))
+        fids = base if fresh else np.array(file_ids, dtype=np.int64)
         self._staging.add_frames(row0, fids, _frame_array(frames), layout_ids, sizes, data)
         return True
 
