@@ -141,12 +141,7 @@ class SpillWriter(MergeSteps):
         frames straight into their chunk file) and returns: the caller may change the value at
         once. Blocks only while every staging buffer (or as many chunk files) waits for storage.
         A batch of items goes faster through :meth:`write_batch`."""
-        with self._lock:  # one call at a time: the writer may be shared by threads
-            self._write(filename, frame_idx, value)
-
-    def _write(self, filename: str, frame_idx: int, value: Any) -> None:
-        """``write``, the lock held."""
-        with self._staging_rows():
+        with self._lock, self._staging_rows():  # one call at a time: the writer may be shared by threads
             filename = check_filename(filename)
             common = type(frame_idx) is int and 0 <= frame_idx < (1 << 63)  # needs no general check
             frame = frame_idx if common else check_frame_idx(frame_idx, filename)
@@ -177,7 +172,17 @@ class SpillWriter(MergeSteps):
         """Stage frames of an open writer, the lock held. A failure after they took index rows
         (their bytes half staged: a full disk, an interrupt) fails the writer at once: its index
         would not match its bytes, so the segment must never commit."""
-        self._check_open()
+        if self._state is WriterState.NEW:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} was never opened: call `open()` first, or use "
+                "`with SpillWriter(...) as w:` (it opens, commits on success and records a failure)"
+            )
+        if self._state is not WriterState.OPEN:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} is {self._state}: it takes no more writes; write inside "
+                "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
+            )
+        self._staging.check()
         rows = self._n_rows
         try:
             yield
@@ -495,19 +500,6 @@ class SpillWriter(MergeSteps):
                 return False
             staged.append((off, leaf.data, nbytes))
         return self._staging.same_bytes(staged)
-
-    def _check_open(self) -> None:
-        if self._state is WriterState.NEW:
-            raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} was never opened: call `open()` first, or use "
-                "`with SpillWriter(...) as w:` (it opens, commits on success and records a failure)"
-            )
-        if self._state is not WriterState.OPEN:
-            raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} is {self._state}: it takes no more writes; write inside "
-                "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
-            )
-        self._staging.check()
 
 
 def _frame_array(frames: list[int]) -> np.ndarray | None:
