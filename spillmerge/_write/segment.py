@@ -90,66 +90,64 @@ class SegmentSteps:
     def open(self) -> None:
         """Start a new segment (called by ``__enter__``)."""
         with self._lock:
-            self._open()
-
-    def _open(self) -> None:
-        if self._state is not WriterState.NEW:
-            raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
-        self.run_id = resolve_run_id(self._run_id_arg)
-        # Counted before anything that may fail on one rank only, as every rank counts it: the
-        # next session of the run has the same number on every rank.
-        self._session_number = next_session(self.run_id)
-        # Before any compute: a root left by a run of another world size cannot be merged with
-        # this one (every rank checks, so every rank fails here, not only the merging one).
-        try:
-            check_not_stale(self.storage, self.rank, self.world_size)
-        except SpillMergeError as exc:
-            publish_failure(self.run_id, self.rank, f"{type(exc).__name__}: {exc}", session=self._session_number)
-            raise
-        self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
-        self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
-        self._filenames: list[str] = []
-        self._file_ids: dict[str, int] = {}
-        self._catalog = LayoutCatalog()
-        self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
-        self._fresh_keys: list[tuple[Sequence[int], list[int], int, int]] = []
-        """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
-        per frame): only a write to a file already written looks keys up, so a job of new files
-        never builds the two tuples per key (:meth:`_key_map`)."""
-        self._n_fresh_keys = 0
-        self._new_keys = array.array("q")
-        """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
-        key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
-        writes a million new files)."""
-        self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
-        self._frame_template: FrameTemplate | None = None
-        self._py_template: PyTemplate | None = None
-        self._dead_rows: list[tuple[int, int]] = []
-        self._identical_rewrites = 0
-        self._rewrites = 0  # writes of a key already written, whatever the policy kept
-        self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
-        self._n_rows = 0
-        header = FS.SegmentHeader(
-            rank=self.rank,
-            world_size=self.world_size,
-            segment=self.segment,
-            run_id=self.run_id,
-            chunk_bytes=self.chunk_bytes,
-            started=F.utcnow(),
-            expected=self.expected,
-        )
-        self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
-        self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
-        self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
-        if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
-            self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
-        self._staging.start(
-            self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
-        )  # fmt: skip
-        self._finalizer = weakref.finalize(self, _never_closed, self._staging, self.rank, self.segment_path)
-        self._finalizer.atexit = False  # at exit the daemon threads just stop, as a killed writer's
-        self._state = WriterState.OPEN
+            if self._state is not WriterState.NEW:
+                raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
+            self.run_id = resolve_run_id(self._run_id_arg)
+            # Counted before anything that may fail on one rank only, as every rank counts it: the
+            # next session of the run has the same number on every rank.
+            self._session_number = next_session(self.run_id)
+            # Before any compute: a root left by a run of another world size cannot be merged with
+            # this one (every rank checks, so every rank fails here, not only the merging one).
+            try:
+                check_not_stale(self.storage, self.rank, self.world_size)
+            except SpillMergeError as exc:
+                publish_failure(self.run_id, self.rank, f"{type(exc).__name__}: {exc}", session=self._session_number)
+                raise
+            self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
+            self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
+            self._filenames: list[str] = []
+            self._file_ids: dict[str, int] = {}
+            self._catalog = LayoutCatalog()
+            self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
+            self._fresh_keys: list[tuple[Sequence[int], list[int], int, int]] = []
+            """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
+            per frame): only a write to a file already written looks keys up, so a job of new files
+            never builds the two tuples per key (:meth:`_key_map`)."""
+            self._n_fresh_keys = 0
+            self._new_keys = array.array("q")
+            """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
+            key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
+            writes a million new files)."""
+            self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
+            self._frame_template: FrameTemplate | None = None
+            self._py_template: PyTemplate | None = None
+            self._dead_rows: list[tuple[int, int]] = []
+            self._identical_rewrites = 0
+            self._rewrites = 0  # writes of a key already written, whatever the policy kept
+            self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
+            self._n_rows = 0
+            header = FS.SegmentHeader(
+                rank=self.rank,
+                world_size=self.world_size,
+                segment=self.segment,
+                run_id=self.run_id,
+                chunk_bytes=self.chunk_bytes,
+                started=F.utcnow(),
+                expected=self.expected,
+            )
+            self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
+            self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
+            self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
+            if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
+                self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
+            self._staging.start(
+                self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
+                filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync,
+                at_commit=self._flush_at_commit,
+            )  # fmt: skip
+            self._finalizer = weakref.finalize(self, _never_closed, self._staging, self.rank, self.segment_path)
+            self._finalizer.atexit = False  # at exit the daemon threads just stop, as a killed writer's
+            self._state = WriterState.OPEN
 
     def _rel(self, name: str) -> str:
         return f"{self._prefix}/{name}"
