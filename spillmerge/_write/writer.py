@@ -160,7 +160,7 @@ class SpillWriter(MergeSteps):
             dense = leaves is not None
             if leaves is None:
                 leaves = flatten(value, filename, frame, self.allow_pickle)
-            layout_ids = self._put(filename, frame, leaves)
+            layout_ids = self._put(filename, frame, leaves, self._catalog.layouts_of(leaves))
             if new_dict and layout_ids is not None:  # the next new file of this structure takes the template
                 if dense:
                     self._frame_template = FrameTemplate.of(leaves, layout_ids)
@@ -428,15 +428,11 @@ class SpillWriter(MergeSteps):
             out.append((name, frame, leaves, layouts))
         return out
 
-    def _put(
-        self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout] | None = None
-    ) -> tuple[int, ...] | None:
-        """Stage one checked frame: the duplicate policy, then its rows. Returns
-        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
-        ``layouts``: the leaves' ``LayoutCatalog.layouts_of``, when the caller has them."""
+    def _put(self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout]) -> tuple[int, ...] | None:
+        """Stage one checked frame (``layouts``: its leaves' ``LayoutCatalog.layouts_of``): the
+        duplicate policy, then its rows. Returns the frame's catalog layout ids, or None when the
+        duplicate policy kept the earlier copy."""
         file_id = self._file_ids.get(filename, len(self._filenames))
-        if layouts is None:
-            layouts = self._catalog.layouts_of(leaves)
         layout_ids = self._catalog.ids(layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
         # A file never written has no key yet (its id is the next one).
