@@ -26,7 +26,7 @@ def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None
     :func:`flat_columns` takes, each kept item's leaves sliced from the columns; None otherwise,
     and for anything ``flatten`` would refuse or word itself."""
     cols = flat_columns(items)
-    first = first_leaves(cols, items, names, [0] * len(items)) if cols is not None else None
+    first = first_leaves(cols, items, names) if cols is not None else None
     if cols is None or first is None:
         return None
     out: list[Any] = [None] * len(items)
@@ -45,15 +45,14 @@ def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None
     return out
 
 
-def first_leaves(
-    cols: FlatColumns, items: list[Any], names: list[str], frames: list[int], allow_pickle: bool = False
-) -> list[Leaf] | None:
+def first_leaves(cols: FlatColumns, items: list[Any], names: list[str]) -> list[Leaf] | None:
     """``flatten``'s leaves of the first item ``cols`` kept (paths, key positions and the shape
     past the first dimension of every kept item's leaves), when they agree with the columns;
-    None otherwise, and when ``flatten`` refuses the item (it says why, naming it)."""
+    None otherwise, and when ``flatten`` refuses the item (a frame index or ``allow_pickle``
+    would change only its words, or make a ``pickle`` leaf, which no column holds)."""
     i = cols.kept[0]
     try:
-        leaves = flatten(items[i], names[i], frames[i], allow_pickle)
+        leaves = flatten(items[i], names[i], 0)
     except SpillValueError:
         return None
     seen = [(leaf.dtype, leaf.nbytes, leaf.shape[0] if leaf.shape else -1) for leaf in leaves]

@@ -310,7 +310,7 @@ class SpillWriter(MergeSteps):
         if cols is None:
             return False
         kept = cols.kept
-        leaves = first_leaves(cols, items, names, frames, self.allow_pickle)
+        leaves = first_leaves(cols, items, names)
         if leaves is None:
             return False  # the item-by-item way says what is wrong, naming the item
         layouts = self._catalog.layouts_of(leaves)
