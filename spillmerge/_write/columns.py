@@ -146,19 +146,17 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         kinds = set(map(type, sub))
         rkind = kinds.pop() if len(kinds) == 1 else None
         if rkind is str:
-            if not _strlist_leaf(sub, lens, out):
+            ok = _strlist_leaf(sub, lens, out)
+        elif rkind is not list:
+            ok = _numbers_leaf(sub, len(sub), rkind, lens, lens, out)
+        else:
+            widths = set(map(len, sub))
+            inner = set(map(type, itertools.chain.from_iterable(sub)))
+            if len(widths) != 1 or 0 in widths or len(inner) != 1:  # rows of a 2-d array
                 return False
-            continue
-        if rkind is not list:
-            if not _numbers_leaf(sub, len(sub), rkind, lens, lens, out):
-                return False
-            continue
-        widths = set(map(len, sub))
-        inner = set(map(type, itertools.chain.from_iterable(sub)))
-        if len(widths) != 1 or 0 in widths or len(inner) != 1:  # rows of a 2-d array
-            return False
-        w = widths.pop()
-        if not _numbers_leaf(itertools.chain.from_iterable(sub), len(sub) * w, inner.pop(), lens * w, lens, out):
+            w = widths.pop()
+            ok = _numbers_leaf(itertools.chain.from_iterable(sub), len(sub) * w, inner.pop(), lens * w, lens, out)
+        if not ok:
             return False
     return True
 
