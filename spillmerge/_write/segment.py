@@ -113,7 +113,6 @@ class SegmentSteps:
             """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
             per frame): only a write to a file already written looks keys up, so a job of new files
             never builds the two tuples per key (:meth:`_key_map`)."""
-            self._n_fresh_keys = 0
             self._new_keys = array.array("q")
             """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
             key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
@@ -199,7 +198,8 @@ class SegmentSteps:
 
     @property
     def _n_frames(self) -> int:
-        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
+        fresh = sum(len(frames) for _, frames, _, _ in self._fresh_keys)
+        return len(self._keys) + fresh + len(self._new_keys) // 4
 
     def _write_index(self) -> FS.CommitRecord:
         self._check_segment()

@@ -293,7 +293,6 @@ class SpillWriter(MergeSteps):
         row0 = self._n_rows
         self._n_rows += len(frames) * n_leaves
         self._fresh_keys.append((file_ids, frames, row0, n_leaves))
-        self._n_fresh_keys += len(frames)
         return row0
 
     def _put_records(self, names: list[str], frames: list[int], items: list[Any], positions: bool) -> bool:
@@ -382,7 +381,6 @@ class SpillWriter(MergeSteps):
             spans = zip(range(row0, row0 + n * n_leaves, n_leaves), [n_leaves] * n, strict=True)
             self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         self._fresh_keys.clear()
-        self._n_fresh_keys = 0
         if self._new_keys:
             log = np.frombuffer(self._new_keys, dtype=np.int64).reshape(-1, 4).tolist()
             self._keys.update(((f, fr), (r, n)) for f, fr, r, n in log)
