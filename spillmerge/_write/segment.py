@@ -156,8 +156,11 @@ class SegmentSteps:
         """Where this writer's segment lives (URL or path)."""
         return self.storage.describe(self._prefix) if self.segment else ""
 
-    def _free_buffers(self) -> None:
-        # The staging memory is only needed while writing; a merge on this rank follows.
+    def _ended(self, state: WriterState) -> None:
+        """The writer takes no more writes (``state``); the staging memory, only needed while
+        writing, goes (a merge on this rank follows)."""
+        self._state = state
+        self._finalizer.detach()
         self._staging.pool.retire()
         self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
@@ -267,9 +270,7 @@ class SegmentSteps:
                 self._state = WriterState.OPEN
                 self._abort(exc)
                 raise
-            self._state = WriterState.COMMITTED
-            self._finalizer.detach()
-            self._free_buffers()
+            self._ended(WriterState.COMMITTED)
 
     def abort(self, exc: BaseException) -> None:
         """Record a failure (best effort) after flushing what was staged, so the data written so far
@@ -291,9 +292,7 @@ class SegmentSteps:
         with contextlib.suppress(BaseException):  # storage may be what failed
             self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
         publish_failure(self.run_id, self.rank, record.summary(), session=self._session_number)
-        self._state = WriterState.FAILED
-        self._finalizer.detach()
-        self._free_buffers()
+        self._ended(WriterState.FAILED)
 
     # --------------------------------------------------------------------------------- resume
     def committed_keys(self) -> dict[str, set[int]]:
