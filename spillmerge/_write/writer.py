@@ -356,10 +356,7 @@ class SpillWriter(MergeSteps):
         paths = [by_leaf.get(leaf.path) for leaf in leaves]
         if None in paths:
             return None
-        template = DenseTemplate(
-            tuple(paths),  # type: ignore[arg-type]
-            [FS.Layout(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves],
-        )
+        template = DenseTemplate(tuple(paths), self._catalog.layouts_of(leaves))  # type: ignore[arg-type]
         if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
             self._dense_templates[sig] = template
         return template
