@@ -272,9 +272,8 @@ class SpillWriter(MergeSteps):
         if template is None:
             return False
         data = [array_bytes(columns[path]) for path in template.paths]  # each leaf's items back to back
-        if template.ids is None:  # ids in the catalog never change: once per template
-            template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
-        layout_ids = np.tile(np.array(template.ids, dtype=np.int64), (n, 1))
+        ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))  # cached by key
+        layout_ids = np.tile(np.array(ids, dtype=np.int64), (n, 1))
         sizes = np.tile(np.array([len(d) // n for d in data], dtype=np.int64), (n, 1))
         if fresh:
             row0 = self._add_keys(names, range(base, base + n), frames, len(data))
