@@ -229,9 +229,8 @@ class SpillWriter(MergeSteps):
         """
         with self._lock, self._staging_rows():  # one call at a time: the writer may be shared by threads
             names, frames = batch_keys(filenames, frame_idx)
-            n = len(names)
             batch = cuda_to_host(batch)
-            dense = dense_columns(batch, n)
+            dense = dense_columns(batch, len(names))
             if dense is not None and self._put_dense(names, frames, dense):
                 return
             self._put_items(names, frames, split_batch(batch, names), records=type(batch) is list)
