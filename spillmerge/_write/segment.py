@@ -54,16 +54,16 @@ class SegmentSteps:
 
     rank: int
     world_size: int
-    run_id: str | None
+    run_id: str | None = None  # set by open()
     storage: Storage
     root: str
-    segment: str | None
+    segment: str | None = None  # set by open()
     chunk_bytes: int
     fsync: bool
     flush_threads: int
     expected: int | None
     _run_id_arg: str | None
-    _state: WriterState
+    _state: WriterState = WriterState.NEW
     _staging: Staging
     _lock: threading.Lock
     _flush_at_commit: bool

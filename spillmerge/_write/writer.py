@@ -122,9 +122,6 @@ class SpillWriter(MergeSteps):
                 raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
             self.expected = expected
             self._run_id_arg = run_id
-            self.run_id: str | None = None
-            self.segment: str | None = None
-            self._state = WriterState.NEW
             self._staging = Staging(chunk_bytes, self.n_buffers)
             self._rounds = Rounds()
             self._lock = threading.Lock()
