@@ -261,8 +261,7 @@ class SpillWriter(MergeSteps):
                 fid = self._file_ids.get(name)
                 file_ids.append(new_names.setdefault(name, base + len(new_names)) if fid is None else fid)
             keys = list(zip(file_ids, frames, strict=True))
-            known = self._key_map()
-            if len(set(keys)) != n or (known and any(k in known for k in keys)):
+            if len(set(keys)) != n or not self._key_map().keys().isdisjoint(keys):
                 return False
         template = self._dense_template(names, frames, columns)
         if template is None:
