@@ -384,7 +384,6 @@ class SpillWriter(MergeSteps):
         """Flatten every item and run what ``_put`` would check (the duplicate policy), in
         batch order, against the writer's state as the earlier items of the batch
         leave it, without changing anything: the batch is refused whole or staged whole."""
-        n = len(names)
         out: list[tuple[str, int, list[Leaf], list[FS.Layout]]] = []
         new_ids: dict[str, int] = {}
         in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
@@ -411,7 +410,7 @@ class SpillWriter(MergeSteps):
                     if not same:
                         raise self._duplicate(name, frame)
             except SpillValueError as exc:
-                raise at_position(exc, i, n, name) if positions else exc from None
+                raise at_position(exc, i, len(names), name) if positions else exc from None
             if not dup or self.on_duplicate == "last":  # "first" and an identical copy keep the earlier one
                 in_batch[key] = leaves
             out.append((name, frame, leaves, layouts))
