@@ -177,14 +177,11 @@ class SegmentSteps:
         its folders (local writes create missing parents) or a commit record that would vouch
         for chunks that no longer exist. With ``n_chunks``, one listing also checks that every
         data chunk is there with its ``size``."""
-        if n_chunks is None:
-            if not self.storage.exists(self._rel("zarr.json")):
-                raise self._vanished("its header zarr.json is gone")
-            return
-        found = dict(self.storage.find(self._prefix))
-        if self._rel("zarr.json") not in found:
+        header = self._rel("zarr.json")
+        found = dict(self.storage.find(self._prefix)) if n_chunks is not None else {}
+        if header not in found and (n_chunks is not None or not self.storage.exists(header)):
             raise self._vanished("its header zarr.json is gone")
-        for c in range(n_chunks):
+        for c in range(n_chunks or 0):
             got = found.get(self._rel(f"{FS.DATA_NAME}/c/{c}"))
             if got != size:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
