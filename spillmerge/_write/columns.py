@@ -26,7 +26,7 @@ def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None
     :func:`flat_columns` takes, each kept item's leaves sliced from the columns; None otherwise,
     and for anything ``flatten`` would refuse or word itself."""
     cols = flat_columns(items)
-    first = first_leaves(cols, items, names, [0] * len(items)) if cols is not None else None
+    first = first_leaves(cols, items, names) if cols is not None else None
     if cols is None or first is None:
         return None
     out: list[Any] = [None] * len(items)
@@ -45,15 +45,14 @@ def flatten_items(items: list[Any], names: list[str]) -> list[list[Leaf]] | None
     return out
 
 
-def first_leaves(
-    cols: FlatColumns, items: list[Any], names: list[str], frames: list[int], allow_pickle: bool = False
-) -> list[Leaf] | None:
+def first_leaves(cols: FlatColumns, items: list[Any], names: list[str]) -> list[Leaf] | None:
     """``flatten``'s leaves of the first item ``cols`` kept (paths, key positions and the shape
     past the first dimension of every kept item's leaves), when they agree with the columns;
-    None otherwise, and when ``flatten`` refuses the item (it says why, naming it)."""
+    None otherwise, and when ``flatten`` refuses the item (a frame index or ``allow_pickle``
+    would change only its words, or make a ``pickle`` leaf, which no column holds)."""
     i = cols.kept[0]
     try:
-        leaves = flatten(items[i], names[i], frames[i], allow_pickle)
+        leaves = flatten(items[i], names[i], 0)
     except SpillValueError:
         return None
     seen = [(leaf.dtype, leaf.nbytes, leaf.shape[0] if leaf.shape else -1) for leaf in leaves]
@@ -147,19 +146,17 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         kinds = set(map(type, sub))
         rkind = kinds.pop() if len(kinds) == 1 else None
         if rkind is str:
-            if not _strlist_leaf(sub, lens, out):
+            ok = _strlist_leaf(sub, lens, out)
+        elif rkind is not list:
+            ok = _numbers_leaf(sub, len(sub), rkind, lens, lens, out)
+        else:
+            widths = set(map(len, sub))
+            inner = set(map(type, itertools.chain.from_iterable(sub)))
+            if len(widths) != 1 or 0 in widths or len(inner) != 1:  # rows of a 2-d array
                 return False
-            continue
-        if rkind is not list:
-            if not _numbers_leaf(sub, len(sub), rkind, lens, lens, out):
-                return False
-            continue
-        widths = set(map(len, sub))
-        inner = set(map(type, itertools.chain.from_iterable(sub)))
-        if len(widths) != 1 or 0 in widths or len(inner) != 1:  # rows of a 2-d array
-            return False
-        w = widths.pop()
-        if not _numbers_leaf(itertools.chain.from_iterable(sub), len(sub) * w, inner.pop(), lens * w, lens, out):
+            w = widths.pop()
+            ok = _numbers_leaf(itertools.chain.from_iterable(sub), len(sub) * w, inner.pop(), lens * w, lens, out)
+        if not ok:
             return False
     return True
 

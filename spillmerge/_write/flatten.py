@@ -204,7 +204,7 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
                 leaf=path_text(leaf.path),
             )
     if w.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
-        where = w.positions()
+        where = {path: {user_key(k): i for i, k in enumerate(keys)} for path, keys in w.items()}
         out = [leaf if (p := positions(leaf.path, where)) is None else _with_pos(leaf, p) for leaf in out]
     return out
 
@@ -304,10 +304,6 @@ class _Walk(dict[tuple[str, ...], list[str]]):
             self.odd = True
         self[path] = keys
         return ordered
-
-    def positions(self) -> dict[tuple[str, ...], dict[str, int]]:
-        """Dict path -> key segment -> its position."""
-        return {path: {user_key(k): i for i, k in enumerate(keys)} for path, keys in self.items()}
 
 
 _EXACT: dict[type, str] = {

@@ -307,16 +307,13 @@ class Flusher(threading.Thread):
                 try:
                     if chunk.direct:  # already written whole: durable and journaled in order
                         self._checksum(chunk)
-                        done: Future[None] = Future()
-                        done.set_result(None)
-                        self._pending.append((chunk, done))
-                        self._retire(block=False)
-                        continue
-                    self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
-                    self._checksum(chunk)
-                    self._bound_unsynced()
-                    fut = self._pool.submit(self._upload, chunk)
-                    fut.add_done_callback(lambda _: self.q.put(_WAKE))
+                        fut = _HereExecutor().submit(self._release, chunk)
+                    else:
+                        self.pool.prefault_spare()  # off the caller's thread: write() finds warm memory
+                        self._checksum(chunk)
+                        self._bound_unsynced()
+                        fut = self._pool.submit(self._upload, chunk)
+                        fut.add_done_callback(lambda _: self.q.put(_WAKE))
                     self._pending.append((chunk, fut))
                     # Buffers bound what is pending: at most n_buffers unwritten, one fsync a worker.
                     self._retire(block=len(self._pending) > self.flush_threads + self.pool.n_buffers)

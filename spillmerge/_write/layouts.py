@@ -28,7 +28,6 @@ class LayoutCatalog:
         self._ids: dict[FS.Layout, int] = {}
         self._frame_layouts: dict[tuple[Any, ...], _Layouts] = {}
         self._frame_ids: dict[tuple[Any, ...], tuple[int, ...]] = {}
-        self._by_length: dict[tuple[Any, ...], dict[int, int]] = {}
 
     def ids(self, layouts: list[FS.Layout]) -> tuple[int, ...]:
         """A frame's catalog ids, -1 where a layout is not in the catalog yet (:meth:`accept`
@@ -70,16 +69,3 @@ class LayoutCatalog:
             lid = self._ids[lay] = len(self.layouts)
             self.layouts.append(lay)
         return lid
-
-    def length_ids(self, lay: FS.Layout, lengths: list[int]) -> list[int]:
-        """The catalog ids of ``lay`` with its first dimension at each of ``lengths`` (-1: a 0-d
-        leaf), layouts of frames being staged."""
-        known = self._by_length.setdefault((lay.leaf, lay.dtype, lay.shape[1:], lay.pos), {})
-        ids = []
-        for m in lengths:
-            lid = known.get(m)
-            if lid is None:
-                shape = () if m < 0 else (m, *lay.shape[1:])
-                lid = known[m] = self.add(FS.Layout(lay.leaf, lay.dtype, shape, lay.pos))
-            ids.append(lid)
-        return ids

@@ -54,16 +54,16 @@ class SegmentSteps:
 
     rank: int
     world_size: int
-    run_id: str | None
+    run_id: str | None = None  # set by open()
     storage: Storage
     root: str
-    segment: str | None
+    segment: str | None = None  # set by open()
     chunk_bytes: int
     fsync: bool
     flush_threads: int
     expected: int | None
     _run_id_arg: str | None
-    _state: WriterState
+    _state: WriterState = WriterState.NEW
     _staging: Staging
     _lock: threading.Lock
     _flush_at_commit: bool
@@ -90,66 +90,63 @@ class SegmentSteps:
     def open(self) -> None:
         """Start a new segment (called by ``__enter__``)."""
         with self._lock:
-            self._open()
-
-    def _open(self) -> None:
-        if self._state is not WriterState.NEW:
-            raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
-        self.run_id = resolve_run_id(self._run_id_arg)
-        # Counted before anything that may fail on one rank only, as every rank counts it: the
-        # next session of the run has the same number on every rank.
-        self._session_number = next_session(self.run_id)
-        # Before any compute: a root left by a run of another world size cannot be merged with
-        # this one (every rank checks, so every rank fails here, not only the merging one).
-        try:
-            check_not_stale(self.storage, self.rank, self.world_size)
-        except SpillMergeError as exc:
-            publish_failure(self.run_id, self.rank, f"{type(exc).__name__}: {exc}", session=self._session_number)
-            raise
-        self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
-        self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
-        self._filenames: list[str] = []
-        self._file_ids: dict[str, int] = {}
-        self._catalog = LayoutCatalog()
-        self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
-        self._fresh_keys: list[tuple[Sequence[int], list[int], int, int]] = []
-        """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
-        per frame): only a write to a file already written looks keys up, so a job of new files
-        never builds the two tuples per key (:meth:`_key_map`)."""
-        self._n_fresh_keys = 0
-        self._new_keys = array.array("q")
-        """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
-        key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
-        writes a million new files)."""
-        self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
-        self._frame_template: FrameTemplate | None = None
-        self._py_template: PyTemplate | None = None
-        self._dead_rows: list[tuple[int, int]] = []
-        self._identical_rewrites = 0
-        self._rewrites = 0  # writes of a key already written, whatever the policy kept
-        self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
-        self._n_rows = 0
-        header = FS.SegmentHeader(
-            rank=self.rank,
-            world_size=self.world_size,
-            segment=self.segment,
-            run_id=self.run_id,
-            chunk_bytes=self.chunk_bytes,
-            started=F.utcnow(),
-            expected=self.expected,
-        )
-        self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
-        self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
-        self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
-        if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
-            self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
-        self._staging.start(
-            self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
-            filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync, at_commit=self._flush_at_commit,
-        )  # fmt: skip
-        self._finalizer = weakref.finalize(self, _never_closed, self._staging, self.rank, self.segment_path)
-        self._finalizer.atexit = False  # at exit the daemon threads just stop, as a killed writer's
-        self._state = WriterState.OPEN
+            if self._state is not WriterState.NEW:
+                raise WriterClosedError("a SpillWriter can be opened only once; create a new one")
+            self.run_id = resolve_run_id(self._run_id_arg)
+            # Counted before anything that may fail on one rank only, as every rank counts it: the
+            # next session of the run has the same number on every rank.
+            self._session_number = next_session(self.run_id)
+            # Before any compute: a root left by a run of another world size cannot be merged with
+            # this one (every rank checks, so every rank fails here, not only the merging one).
+            try:
+                check_not_stale(self.storage, self.rank, self.world_size)
+            except SpillMergeError as exc:
+                publish_failure(self.run_id, self.rank, f"{type(exc).__name__}: {exc}", session=self._session_number)
+                raise
+            self.segment = FS.new_segment_name(self.storage.listdir(FS.rank_dirname(self.rank)))
+            self._prefix = f"{FS.rank_dirname(self.rank)}/{self.segment}"
+            self._filenames: list[str] = []
+            self._file_ids: dict[str, int] = {}
+            self._catalog = LayoutCatalog()
+            self._keys: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (first row, n rows)
+            self._fresh_keys: list[tuple[Sequence[int], list[int], int, int]] = []
+            """Keys of write_batch's batches not yet in ``_keys`` (file ids, frames, first row, rows
+            per frame): only a write to a file already written looks keys up, so a job of new files
+            never builds the two tuples per key (:meth:`_key_map`)."""
+            self._new_keys = array.array("q")
+            """The same for ``write``'s frames of new files: (file id, frame, first row, n rows) per
+            key, 32 bytes, not a dict entry and its two tuples (a gather of a million tiny values
+            writes a million new files)."""
+            self._dense_templates: dict[tuple[Any, ...], DenseTemplate] = {}
+            self._frame_template: FrameTemplate | None = None
+            self._py_template: PyTemplate | None = None
+            self._dead_rows: list[tuple[int, int]] = []
+            self._identical_rewrites = 0
+            self._rewrites = 0  # writes of a key already written, whatever the policy kept
+            self._rows = np.zeros((1024, FS.INDEX_COLUMNS), dtype=np.int64)
+            self._n_rows = 0
+            header = FS.SegmentHeader(
+                rank=self.rank,
+                world_size=self.world_size,
+                segment=self.segment,
+                run_id=self.run_id,
+                chunk_bytes=self.chunk_bytes,
+                started=F.utcnow(),
+                expected=self.expected,
+            )
+            self.storage.makedirs(self._rel(f"{FS.DATA_NAME}/c"))
+            self.storage.makedirs(self._rel(FS.JOURNAL_NAME))
+            self.storage.put_atomic(self._rel("zarr.json"), header.to_json())
+            if self.fsync:  # the segment's folders, so a journal entry names chunks that outlive a power loss
+                self.storage.sync([self._rel(f"{FS.DATA_NAME}/c"), self._rel(FS.JOURNAL_NAME)])
+            self._staging.start(
+                self.storage, self._prefix, rank=self.rank, flush_threads=self.flush_threads,
+                filenames=self._filenames, layouts=self._catalog.layouts, fsync=self.fsync,
+                at_commit=self._flush_at_commit,
+            )  # fmt: skip
+            self._finalizer = weakref.finalize(self, _never_closed, self._staging, self.rank, self.segment_path)
+            self._finalizer.atexit = False  # at exit the daemon threads just stop, as a killed writer's
+            self._state = WriterState.OPEN
 
     def _rel(self, name: str) -> str:
         return f"{self._prefix}/{name}"
@@ -159,8 +156,11 @@ class SegmentSteps:
         """Where this writer's segment lives (URL or path)."""
         return self.storage.describe(self._prefix) if self.segment else ""
 
-    def _free_buffers(self) -> None:
-        # The staging memory is only needed while writing; a merge on this rank follows.
+    def _ended(self, state: WriterState) -> None:
+        """The writer takes no more writes (``state``); the staging memory, only needed while
+        writing, goes (a merge on this rank follows)."""
+        self._state = state
+        self._finalizer.detach()
         self._staging.pool.retire()
         self._rows = np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
@@ -177,14 +177,11 @@ class SegmentSteps:
         its folders (local writes create missing parents) or a commit record that would vouch
         for chunks that no longer exist. With ``n_chunks``, one listing also checks that every
         data chunk is there with its ``size``."""
-        if n_chunks is None:
-            if not self.storage.exists(self._rel("zarr.json")):
-                raise self._vanished("its header zarr.json is gone")
-            return
-        found = dict(self.storage.find(self._prefix))
-        if self._rel("zarr.json") not in found:
+        header = self._rel("zarr.json")
+        found = dict(self.storage.find(self._prefix)) if n_chunks is not None else {}
+        if header not in found and (n_chunks is not None or not self.storage.exists(header)):
             raise self._vanished("its header zarr.json is gone")
-        for c in range(n_chunks):
+        for c in range(n_chunks or 0):
             got = found.get(self._rel(f"{FS.DATA_NAME}/c/{c}"))
             if got != size:
                 state = "is gone" if got is None else f"has {got} bytes, not {size}"
@@ -201,7 +198,8 @@ class SegmentSteps:
 
     @property
     def _n_frames(self) -> int:
-        return len(self._keys) + self._n_fresh_keys + len(self._new_keys) // 4
+        fresh = sum(len(frames) for _, frames, _, _ in self._fresh_keys)
+        return len(self._keys) + fresh + len(self._new_keys) // 4
 
     def _write_index(self) -> FS.CommitRecord:
         self._check_segment()
@@ -269,9 +267,7 @@ class SegmentSteps:
                 self._state = WriterState.OPEN
                 self._abort(exc)
                 raise
-            self._state = WriterState.COMMITTED
-            self._finalizer.detach()
-            self._free_buffers()
+            self._ended(WriterState.COMMITTED)
 
     def abort(self, exc: BaseException) -> None:
         """Record a failure (best effort) after flushing what was staged, so the data written so far
@@ -293,9 +289,7 @@ class SegmentSteps:
         with contextlib.suppress(BaseException):  # storage may be what failed
             self.storage.put_atomic(self._rel(FS.FAILURE_NAME), record.to_json())
         publish_failure(self.run_id, self.rank, record.summary(), session=self._session_number)
-        self._state = WriterState.FAILED
-        self._finalizer.detach()
-        self._free_buffers()
+        self._ended(WriterState.FAILED)
 
     # --------------------------------------------------------------------------------- resume
     def committed_keys(self) -> dict[str, set[int]]:

@@ -142,7 +142,21 @@ class Staging:
             for d, n in zip(data, sizes, strict=True):
                 host[fill : fill + n] = d
                 fill += n
-        self._add_run(chunk, row, file_id, frame, layout_ids, sizes, total)
+        # The rows join the chunk's open block of whole frames (checked with the block: a CRC call
+        # per row held the GIL).
+        fill, base = chunk.fill, self.offset - chunk.fill
+        run, tail = chunk.run, chunk.tail
+        if not run:
+            chunk.run_start = fill
+        for j, n in enumerate(sizes):
+            if n:
+                run.append(row + j)
+            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
+            fill += n
+        chunk.fill = fill
+        self.offset += total
+        if fill - chunk.run_start >= CHECK_BYTES:
+            self._close_run(chunk)
 
     def add_frames(
         self, row: int, file_ids: np.ndarray | int, frames: np.ndarray | None, layout_ids: np.ndarray,
@@ -256,25 +270,6 @@ class Staging:
             tail.extend(e)
         if nbytes and chunk.fill == self.chunk_bytes:
             self.hand_off()
-
-    def _add_run(
-        self, chunk: Chunk, row: int, file_id: int, frame: int, layout_ids: tuple[int, ...], sizes: Any, total: int
-    ) -> None:
-        """Join the rows of a frame just copied to the end of ``chunk`` to its open block of
-        whole frames (checked with the block: a CRC call per row held the GIL)."""
-        fill, base = chunk.fill, self.offset - chunk.fill
-        run, tail = chunk.run, chunk.tail
-        if not run:
-            chunk.run_start = fill
-        for j, n in enumerate(sizes):
-            if n:
-                run.append(row + j)
-            tail.extend((row + j, file_id, frame, layout_ids[j], base + fill, n))
-            fill += n
-        chunk.fill = fill
-        self.offset += total
-        if fill - chunk.run_start >= CHECK_BYTES:
-            self._close_run(chunk)
 
     def _write_parts(self, fd: int, parts: list[Any], at: int) -> None:
         """Write ``parts`` (host buffers) back to back at byte ``at`` of the direct chunk file

@@ -95,8 +95,6 @@ class DenseTemplate:
     """The batch's leaf paths (as given) in the order ``flatten`` puts the item's leaves."""
     layouts: list[FS.Layout]
     """The item's layouts, in that order."""
-    ids: tuple[int, ...] | None = None
-    """The layouts' catalog ids, once a batch of them was staged (ids in the catalog never change)."""
 
 
 _PY_TYPES = {name: t for t, name in PY_NUMBERS.items()}

@@ -122,9 +122,6 @@ class SpillWriter(MergeSteps):
                 raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
             self.expected = expected
             self._run_id_arg = run_id
-            self.run_id: str | None = None
-            self.segment: str | None = None
-            self._state = WriterState.NEW
             self._staging = Staging(chunk_bytes, self.n_buffers)
             self._rounds = Rounds()
             self._lock = threading.Lock()
@@ -141,12 +138,7 @@ class SpillWriter(MergeSteps):
         frames straight into their chunk file) and returns: the caller may change the value at
         once. Blocks only while every staging buffer (or as many chunk files) waits for storage.
         A batch of items goes faster through :meth:`write_batch`."""
-        with self._lock:  # one call at a time: the writer may be shared by threads
-            self._write(filename, frame_idx, value)
-
-    def _write(self, filename: str, frame_idx: int, value: Any) -> None:
-        """``write``, the lock held."""
-        with self._staging_rows():
+        with self._lock, self._staging_rows():  # one call at a time: the writer may be shared by threads
             filename = check_filename(filename)
             common = type(frame_idx) is int and 0 <= frame_idx < (1 << 63)  # needs no general check
             frame = frame_idx if common else check_frame_idx(frame_idx, filename)
@@ -165,7 +157,7 @@ class SpillWriter(MergeSteps):
             dense = leaves is not None
             if leaves is None:
                 leaves = flatten(value, filename, frame, self.allow_pickle)
-            layout_ids = self._put(filename, frame, leaves)
+            layout_ids = self._put(filename, frame, leaves, self._catalog.layouts_of(leaves))
             if new_dict and layout_ids is not None:  # the next new file of this structure takes the template
                 if dense:
                     self._frame_template = FrameTemplate.of(leaves, layout_ids)
@@ -177,7 +169,17 @@ class SpillWriter(MergeSteps):
         """Stage frames of an open writer, the lock held. A failure after they took index rows
         (their bytes half staged: a full disk, an interrupt) fails the writer at once: its index
         would not match its bytes, so the segment must never commit."""
-        self._check_open()
+        if self._state is WriterState.NEW:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} was never opened: call `open()` first, or use "
+                "`with SpillWriter(...) as w:` (it opens, commits on success and records a failure)"
+            )
+        if self._state is not WriterState.OPEN:
+            raise WriterClosedError(
+                f"SpillWriter for rank {self.rank} is {self._state}: it takes no more writes; write inside "
+                "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
+            )
+        self._staging.check()
         rows = self._n_rows
         try:
             yield
@@ -224,9 +226,8 @@ class SpillWriter(MergeSteps):
         """
         with self._lock, self._staging_rows():  # one call at a time: the writer may be shared by threads
             names, frames = batch_keys(filenames, frame_idx)
-            n = len(names)
             batch = cuda_to_host(batch)
-            dense = dense_columns(batch, n)
+            dense = dense_columns(batch, len(names))
             if dense is not None and self._put_dense(names, frames, dense):
                 return
             self._put_items(names, frames, split_batch(batch, names), records=type(batch) is list)
@@ -260,24 +261,20 @@ class SpillWriter(MergeSteps):
                 fid = self._file_ids.get(name)
                 file_ids.append(new_names.setdefault(name, base + len(new_names)) if fid is None else fid)
             keys = list(zip(file_ids, frames, strict=True))
-            known = self._key_map()
-            if len(set(keys)) != n or (known and any(k in known for k in keys)):
+            if len(set(keys)) != n or not self._key_map().keys().isdisjoint(keys):
                 return False
         template = self._dense_template(names, frames, columns)
         if template is None:
             return False
         data = [array_bytes(columns[path]) for path in template.paths]  # each leaf's items back to back
-        if template.ids is None:  # ids in the catalog never change: once per template
-            template.ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))
-        n_leaves = len(data)
-        layout_ids = np.tile(np.array(template.ids, dtype=np.int64), (n, 1))
+        ids = self._catalog.accept(template.layouts, self._catalog.ids(template.layouts))  # cached by key
+        layout_ids = np.tile(np.array(ids, dtype=np.int64), (n, 1))
         sizes = np.tile(np.array([len(d) // n for d in data], dtype=np.int64), (n, 1))
         if fresh:
-            row0 = self._add_keys(names, range(base, base + n), frames, n_leaves)
-            self._staging.add_frames(row0, base, _frame_array(frames), layout_ids, sizes, data)
-            return True
-        row0 = self._add_keys(list(new_names), file_ids, frames, n_leaves)
-        fids = np.array(file_ids, dtype=np.int64)
+            row0 = self._add_keys(names, range(base, base + n), frames, len(data))
+        else:
+            row0 = self._add_keys(list(new_names), file_ids, frames, len(data))
+        fids = base if fresh else np.array(file_ids, dtype=np.int64)
         self._staging.add_frames(row0, fids, _frame_array(frames), layout_ids, sizes, data)
         return True
 
@@ -290,7 +287,6 @@ class SpillWriter(MergeSteps):
         row0 = self._n_rows
         self._n_rows += len(frames) * n_leaves
         self._fresh_keys.append((file_ids, frames, row0, n_leaves))
-        self._n_fresh_keys += len(frames)
         return row0
 
     def _put_records(self, names: list[str], frames: list[int], items: list[Any], positions: bool) -> bool:
@@ -307,7 +303,7 @@ class SpillWriter(MergeSteps):
         if cols is None:
             return False
         kept = cols.kept
-        leaves = first_leaves(cols, items, names, frames, self.allow_pickle)
+        leaves = first_leaves(cols, items, names)
         if leaves is None:
             return False  # the item-by-item way says what is wrong, naming the item
         layouts = self._catalog.layouts_of(leaves)
@@ -321,10 +317,11 @@ class SpillWriter(MergeSteps):
             if lay.dtype == "strlist":  # shape (strings, bytes)
                 pairs = np.stack([cols.lengths[:, j], cols.sizes[:, j]], axis=1)
                 found, where = np.unique(pairs, axis=0, return_inverse=True)
-                ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, (m, nb), lay.pos)) for m, nb in found.tolist()]
-            else:
+                shapes = [(m, nb) for m, nb in found.tolist()]
+            else:  # a length of -1: a 0-d leaf
                 found, where = np.unique(cols.lengths[:, j], return_inverse=True)
-                ids = self._catalog.length_ids(lay, found.tolist())
+                shapes = [() if m < 0 else (m, *lay.shape[1:]) for m in found.tolist()]
+            ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, shape, lay.pos)) for shape in shapes]
             layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
@@ -353,10 +350,7 @@ class SpillWriter(MergeSteps):
         paths = [by_leaf.get(leaf.path) for leaf in leaves]
         if None in paths:
             return None
-        template = DenseTemplate(
-            tuple(paths),  # type: ignore[arg-type]
-            [FS.Layout(leaf.path, leaf.dtype, leaf.shape, leaf.pos) for leaf in leaves],
-        )
+        template = DenseTemplate(tuple(paths), self._catalog.layouts_of(leaves))  # type: ignore[arg-type]
         if len(self._dense_templates) < 256:  # bounded: batches of ever new shapes take the slow way
             self._dense_templates[sig] = template
         return template
@@ -378,7 +372,6 @@ class SpillWriter(MergeSteps):
             spans = zip(range(row0, row0 + n * n_leaves, n_leaves), [n_leaves] * n, strict=True)
             self._keys.update(zip(zip(file_ids, frames, strict=True), spans, strict=True))
         self._fresh_keys.clear()
-        self._n_fresh_keys = 0
         if self._new_keys:
             log = np.frombuffer(self._new_keys, dtype=np.int64).reshape(-1, 4).tolist()
             self._keys.update(((f, fr), (r, n)) for f, fr, r, n in log)
@@ -391,7 +384,6 @@ class SpillWriter(MergeSteps):
         """Flatten every item and run what ``_put`` would check (the duplicate policy), in
         batch order, against the writer's state as the earlier items of the batch
         leave it, without changing anything: the batch is refused whole or staged whole."""
-        n = len(names)
         out: list[tuple[str, int, list[Leaf], list[FS.Layout]]] = []
         new_ids: dict[str, int] = {}
         in_batch: dict[tuple[int, int], list[Leaf]] = {}  # key -> leaves of its last accepted item
@@ -418,21 +410,17 @@ class SpillWriter(MergeSteps):
                     if not same:
                         raise self._duplicate(name, frame)
             except SpillValueError as exc:
-                raise at_position(exc, i, n, name) if positions else exc from None
+                raise at_position(exc, i, len(names), name) if positions else exc from None
             if not dup or self.on_duplicate == "last":  # "first" and an identical copy keep the earlier one
                 in_batch[key] = leaves
             out.append((name, frame, leaves, layouts))
         return out
 
-    def _put(
-        self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout] | None = None
-    ) -> tuple[int, ...] | None:
-        """Stage one checked frame: the duplicate policy, then its rows. Returns
-        the frame's catalog layout ids, or None when the duplicate policy kept the earlier copy.
-        ``layouts``: the leaves' ``LayoutCatalog.layouts_of``, when the caller has them."""
+    def _put(self, filename: str, frame: int, leaves: list[Leaf], layouts: list[FS.Layout]) -> tuple[int, ...] | None:
+        """Stage one checked frame (``layouts``: its leaves' ``LayoutCatalog.layouts_of``): the
+        duplicate policy, then its rows. Returns the frame's catalog layout ids, or None when the
+        duplicate policy kept the earlier copy."""
         file_id = self._file_ids.get(filename, len(self._filenames))
-        if layouts is None:
-            layouts = self._catalog.layouts_of(leaves)
         layout_ids = self._catalog.ids(layouts)  # -1: not in the catalog yet
         key = (file_id, frame)
         # A file never written has no key yet (its id is the next one).
@@ -496,19 +484,6 @@ class SpillWriter(MergeSteps):
                 return False
             staged.append((off, leaf.data, nbytes))
         return self._staging.same_bytes(staged)
-
-    def _check_open(self) -> None:
-        if self._state is WriterState.NEW:
-            raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} was never opened: call `open()` first, or use "
-                "`with SpillWriter(...) as w:` (it opens, commits on success and records a failure)"
-            )
-        if self._state is not WriterState.OPEN:
-            raise WriterClosedError(
-                f"SpillWriter for rank {self.rank} is {self._state}: it takes no more writes; write inside "
-                "`with SpillWriter(...) as w:`, or create a new writer (it starts a new segment)"
-            )
-        self._staging.check()
 
 
 def _frame_array(frames: list[int]) -> np.ndarray | None:
