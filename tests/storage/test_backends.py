@@ -265,11 +265,16 @@ def test_of_threads_creating_one_name_at_once_exactly_one_succeeds(backend):
 
     from spillmerge._storage import Storage
 
+    if backend.name == "s3":
+        # S3 makes a conditional PUT atomic; moto's server looks the key up and then puts it
+        # (moto/s3/responses.py, If-None-Match), so two threads can both win there: not ours to test.
+        pytest.skip("moto's If-None-Match is check-then-put; S3's conditional create is tested sequentially")
+
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # threads switch between the check and the put
     try:
         storage = Storage(backend.url("leases"), backend.options)
-        for i in range(5 if backend.name == "s3" else 100):
+        for i in range(100):
             go, won = threading.Barrier(4), []
             storage.makedirs(str(i))
 
