@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import pickle
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -175,10 +176,6 @@ class FixedView(LeafView):
     def dtype(self) -> np.dtype[Any]:
         """numpy dtype of what indexing returns: the real dtype where numpy or ml_dtypes has it."""
         return self._col.real  # real_dtype(self.dtype_name), computed once per column
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(require_torch("LeafView.to_torch()"), self.dtype_name)  # type: ignore[no-any-return]
 
     def _raw(self, sel: Any) -> np.ndarray:
         """The storage-dtype rows ``sel`` (an int, a slice, ``...``, or a tuple starting with one)."""
@@ -399,12 +396,9 @@ class RaggedView(_OffsetView):
         if self._col.info.inner_shape is not None:
             return with_nulls(pa.LargeListArray.from_arrays(pa.array(self.offsets, pa.int64()), arr), self.valid)
         shapes = self.shapes
-        levels = []
-        for j in range(shapes.shape[1]):
-            reps = np.prod(shapes[:, :j], axis=1, dtype=np.int64) if j else np.ones(len(shapes), np.int64)
-            lengths = np.repeat(shapes[:, j], reps)
-            levels.append(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-        for off in reversed(levels):
+        for j in reversed(range(shapes.shape[1])):  # dimension j's lengths, once per cell of those above it
+            lengths = np.repeat(shapes[:, j], np.prod(shapes[:, :j], axis=1, dtype=np.int64))
+            off = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
             arr = pa.LargeListArray.from_arrays(pa.array(off, pa.int64()), arr)
         return with_nulls(arr, self.valid)
 
@@ -466,10 +460,7 @@ class TextView(BytesView):
         return super().at(r) if x is None else x
 
     def _decode(self, r: int, raw: bytes) -> Any:
-        try:  # (no call to utf8_text for a valid row: rows read in order are decoded here)
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return utf8_text(self._col, r, raw)  # raises, naming the row
+        return utf8_text(self._col, r, raw)
 
     def to_arrow(self) -> Any:
         arr = super().to_arrow()
@@ -494,11 +485,7 @@ class TextListView(_OffsetView):
         data = raw[4 * n :]
         if sum(lens) != len(data):
             raise self._col.damaged(f"row {r}'s string lengths do not add up to its bytes")
-        out, pos = [], 0
-        for ln in lens:
-            out.append(utf8_text(self._col, r, data[pos : pos + ln]))
-            pos += ln
-        return out
+        return [utf8_text(self._col, r, data[end - ln : end]) for ln, end in zip(lens, accumulate(lens), strict=True)]
 
     def to_arrow(self) -> Any:
         pa = require_pyarrow()
