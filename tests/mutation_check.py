@@ -1555,8 +1555,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "static-tree-absent-column",
         "spillmerge/_read/values.py",
-        "                return ABSENT",
-        "                pass",
+        "if all(block.ok(col, r) for col in maybe) else ABSENT",
+        "if True else ABSENT",
         ("tests/read/test_reading.py::test_iter_values_of_frames_holding_a_dict_or_none_at_a_key_is_what_value_gives",),
         "a row without a value in one of its layout's columns is built as value() builds it",
     ),

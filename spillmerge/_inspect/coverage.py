@@ -89,10 +89,8 @@ class Coverage:
             n_missing, n_dup, present = n_missing + m, n_dup + d, present + len(f.frames)
             bad = m or d or f.filename in unlisted or (f.expected is not None and len(f.unexpected()))
             (problem if bad else clean).append(f)
-        listed = (problem + clean)[:max_files]  # (None: every file)
-        files = []
-        for f in listed:
-            entry: dict[str, Any] = {
+        files = [
+            {
                 "filename": f.filename,
                 "frames": len(f.frames),
                 "expected": f.expected,
@@ -100,9 +98,9 @@ class Coverage:
                 "missing": gap_runs(f.frames, f.span).tolist(),
                 "duplicated": [[a, b] for a, b, _ in runs(f.duplicated())],
             }
-            if f.expected is not None:
-                entry["unexpected"] = [[a, b] for a, b, _ in runs(f.unexpected())]
-            files.append(entry)
+            | ({} if f.expected is None else {"unexpected": [[a, b] for a, b, _ in runs(f.unexpected())]})
+            for f in (problem + clean)[:max_files]  # (None: every file)
+        ]
         return {
             "kind": self.kind,
             "path": self.path,

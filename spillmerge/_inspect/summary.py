@@ -104,23 +104,21 @@ def _summarize_merged(storage: Storage, max_files: int) -> tuple[dict[str, Any],
         # (the header is read from storage: none of its keys stands in for what we found)
         return {**(FO.header(storage) or {}), "kind": "merged", "path": storage.describe(), "complete": False}, None
     res = MergedStore(storage.url, storage.storage_options)
-    files: list[dict[str, Any]] = []
     # the dtypes are the columns', no file need be opened (every column: a leaf that files
     # disagreed on has one per dtype or kind)
     dtypes = {F.dtype_text(c.info.dtype, c.info.ndim) for c in res.files.columns.values()}
     # leaves whose paths read alike (a key holding "/" beside nested dicts) by their column names
     renamed = {leaf: n for n, leaf in res.files.leaf_names.items() if n != "/".join(leaf)}
-    for name in res.filenames[:max_files]:
-        frames = res.frames(name)
-        files.append(
-            {
-                "filename": name,
-                "frames": int(len(frames)),
-                "first_frame": int(frames[0]) if len(frames) else None,
-                "last_frame": int(frames[-1]) if len(frames) else None,
-                "leaves": [_leaf(arr, renamed) for arr in _leaves(res[name])],
-            }
-        )
+    files = [
+        {
+            "filename": name,
+            "frames": len(frames),
+            "first_frame": int(frames[0]) if len(frames) else None,
+            "last_frame": int(frames[-1]) if len(frames) else None,
+            "leaves": [_leaf(arr, renamed) for arr in _leaves(res[name])],
+        }
+        for name, frames in ((name, res.frames(name)) for name in res.filenames[:max_files])
+    ]
     h = res.header
     return {
         "kind": "merged",
@@ -413,9 +411,8 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
     present: list[tuple[int, ...]] = []
     prefix = f"{name}/c/"
     for rel, _ in stored:
-        parts = rel[len(prefix) :].split("/")
         try:
-            coords = tuple(int(p) for p in parts)
+            coords = tuple(int(p) for p in rel[len(prefix) :].split("/"))
         except ValueError:
             continue  # not a chunk key (a temporary name): zarr never reads it
         if len(coords) == len(grid) and all(0 <= c < n for c, n in zip(coords, grid, strict=True)):

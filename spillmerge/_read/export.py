@@ -164,16 +164,12 @@ def to_parquet(
 
     target, source = os.fspath(path), files.storage
     dest = Storage(target, storage_options)
-    if overlaps(source, dest):
-        raise SpillValueError(
-            f"to_parquet({target!r}) would write into the output {source.describe()} it reads; choose a path outside it"
-        )
     spill = _spill_root(source, storage_options)
-    if spill is not None and overlaps(spill, dest):
-        raise SpillValueError(
-            f"to_parquet({target!r}) would write into the spill root {spill.describe()} the output "
-            f"{source.describe()} was merged from; choose a path outside it"
-        )
+    merged_from = f"the output {source.describe()} was merged from"
+    for root, kind, what in ((source, "output", "it reads"), (spill, "spill root", merged_from)):
+        if root is not None and overlaps(root, dest):
+            where = f"the {kind} {root.describe()} {what}"
+            raise SpillValueError(f"to_parquet({target!r}) would write into {where}; choose a path outside it")
     local = dest.local
     if local:
         target = target.removeprefix("file://")

@@ -228,10 +228,7 @@ def static_builder(plan: RowPlan, order: Spec | None) -> Any:
         return build
 
     def checked(block: Any, r: int, filename: str) -> Any:
-        for col in maybe:
-            if not block.ok(col, r):
-                return ABSENT
-        return build(block, r, filename)
+        return build(block, r, filename) if all(block.ok(col, r) for col in maybe) else ABSENT
 
     flat = getattr(build, "flat", None)
     if flat is not None:  # a run checks its columns' validity itself (``Block.run``)
