@@ -112,11 +112,9 @@ class Names(Sequence[str]):
             a, b, step = i.indices(self._n)
             if step != 1:
                 return [self[x] for x in range(a, b, step)]
-            out: list[str] = []
             k = self._k
-            for j in range(a // k, (b - 1) // k + 1 if b > a else a // k):
-                out.extend(self.block(j)[max(a - j * k, 0) : b - j * k].tolist())
-            return out
+            blocks = range(a // k, (b - 1) // k + 1 if b > a else a // k)
+            return [x for j in blocks for x in self.block(j)[max(a - j * k, 0) : b - j * k].tolist()]
         try:
             at = operator.index(i)
         except TypeError:

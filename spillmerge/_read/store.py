@@ -49,8 +49,7 @@ def _view_paths(cols: list[OpenColumn]) -> list[tuple[tuple[str, ...], OpenColum
     for c in cols:
         leaf = c.info.leaf or ("",)
         if count[c.info.leaf] > 1:
-            tag = c.info.variant or c.info.dtype
-            leaf = (*leaf[:-1], f"{leaf[-1]}.{tag}")
+            leaf = (*leaf[:-1], f"{leaf[-1]}.{c.info.variant or c.info.dtype}")
         out.append((leaf, c))
     values = {p for p, _ in out}
     return [(p, c) for p, c in out if not any(p[:d] in values for d in range(1, len(p)))]
@@ -486,22 +485,9 @@ class MergedStore(Mapping[str, Any]):
         """Every row as a ``pyarrow.Table`` (needs ``pip install 'spillmerge[arrow]'``), all in
         memory (:meth:`iter_batches` streams it): columns ``filename`` (string), ``frame_idx``
         (int64), ``rank`` (int32), then one per leaf, named by its path (``"a/b"``; ``"value"``
-        for plain tensor values), null where a row lacks it; ``columns`` selects leaf columns:
-
-        - fixed numeric leaves: the numeric type for 0-d values, else (nested) ``fixed_size_list``;
-          dtypes numpy lacks (bfloat16, float8, complex32 ...) as their raw-bit unsigned type
-          (``uint16`` for bfloat16: the column's dtype name is in :meth:`column`);
-        - ragged leaves: ``large_list`` per row, of ``fixed_size_list`` (the inner dimensions)
-          when only the first dimension varies, else nested ``large_list`` one level per dimension;
-        - ``str``: ``string``; ``bytes`` and ``pickle``: ``large_binary`` (pickled bytes, never
-          unpickled); list of ``str``: ``large_list<large_string>``;
-        - fixed numeric leaves of 2+ dimensions per row: ``arrow.fixed_shape_tensor``;
-        - Python values (docs/READING.md has the table): ``py*`` scalars as ``int64`` / ``double`` /
-          ``bool``; a leaf of several variants as one ``dense_union`` column; lists and tuples as
-          ``large_list`` (items of several types: a union), lists of dicts as
-          ``large_list<struct>``. Dicts from the root stay flat columns (``"a/b"``); ``columns``
-          also takes a stored column's flat name (``"result:float32.2d"``: one variant).
-        """
+        for plain tensor values), null where a row lacks it. ``columns`` selects leaf columns, or a
+        stored column's flat name (``"result:float32.2d"``: one variant). docs/READING.md,
+        *pyarrow*, has the Arrow type of each kind of leaf."""
         files = self.files
         cols = _export.select(files, columns)
         pa = require_pyarrow("MergedStore.to_arrow()")
