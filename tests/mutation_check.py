@@ -668,8 +668,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "export-parquet-whole-or-nothing",
         "spillmerge/_read/export.py",
-        'if local else dest.open_write("")',
-        'if local else dest.fs.open(dest.root, "wb")',
+        'if tmp else dest.open_write("")',
+        'if tmp else dest.fs.open(dest.root, "wb")',
         ("tests/storage/test_backends.py::test_a_parquet_export_that_fails_partway_leaves_no_file",),
         "a to_parquet that fails partway leaves no file on an object store or memory://",
     ),
@@ -2056,8 +2056,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "plot-never-through-a-link",
-        "spillmerge/_inspect/coverage.py",
-        "    if os.path.lexists(png) and not stat.S_ISREG(os.lstat(png).st_mode):",
+        "spillmerge/_read/export.py",
+        "    if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):",
         "    if False:",
         ("tests/cli/test_cli_rough_edges.py::test_a_plot_is_never_written_through_a_link_or_into_a_pipe",),
         "inspect --plot refuses a link, a folder or a pipe at its path, even with --overwrite",

@@ -4,17 +4,14 @@ more than once. Used by ``spillmerge inspect --json / --expected / --plot``."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._errors import SpillMergeError, SpillStorageError, require
+from .._errors import SpillMergeError, require
 from .._format import spill as FS
+from .._read.export import whole_file
 from .._read.store import MergedStore
 from .._spill.root import Segment
 from .._storage import Storage
@@ -182,12 +179,6 @@ def _spill(read: list[tuple[Segment, Any]]) -> tuple[_PerFile, list[str]]:
 def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     """Draw one row per file: frames coloured by source rank, missing frames in red, duplicated
     frames marked with a black tick. Needs matplotlib (``pip install 'spillmerge[plot]'``)."""
-    if os.path.lexists(png) and not stat.S_ISREG(os.lstat(png).st_mode):  # never through a link, into a pipe
-        raise SpillStorageError(
-            f"cannot write the plot to {png}: it exists and is no regular file (a folder, link, device or pipe); "
-            "choose a file's path",
-            path=png,
-        )
     mpl = require("matplotlib", package="matplotlib", extra="plot", feature="spillmerge inspect --plot")
     mpl.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -232,13 +223,10 @@ def plot(cov: Coverage, png: str, *, max_files: int = 200) -> None:
     more = f" (first {len(files)} of {len(cov.files)} files)" if len(cov.files) > len(files) else ""
     ax.set_title(f"{cov.kind} {cov.path}{more}", fontsize=8)
     fig.tight_layout()
-    tmp = f"{png}.tmp-{uuid.uuid4().hex[:8]}"  # the file appears only when whole, replacing what was there
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, png)
+        with whole_file(png, f"the plot to {png}") as tmp:  # the file appears only when whole, replacing what was there
+            fig.savefig(tmp, format="png")
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         raise SpillMergeError(f"cannot write the plot to {png}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)

@@ -9,6 +9,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 import numpy as np
@@ -170,36 +171,44 @@ def to_parquet(
         if root is not None and overlaps(root, dest):
             where = f"the {kind} {root.describe()} {what}"
             raise SpillValueError(f"to_parquet({target!r}) would write into {where}; choose a path outside it")
-    local = dest.local
-    if local:
+    if dest.local:
         target = target.removeprefix("file://")
-        if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):
-            raise SpillStorageError(
-                f"cannot write {target}: it exists and is no regular file (a folder, link, device or pipe), which "
-                "to_parquet would replace with the finished file; choose a file's path",
-                path=target,
-            )
-        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     rows = 0
+    # (the error names the file the caller gave)
+    with dest.storage_errors("write"), whole_file(target) if dest.local else nullcontext() as tmp:
+        sink: Any = open(tmp, "wb") if tmp else dest.open_write("")  # noqa: SIM115 - closed below
+        with sink:  # (the writer closes first, then the file, also on an error)
+            batches = map(_parquet_form, iter_batches(files, cols, batch_size))
+            first = next(batches, None)  # None: no rows, still a valid file with the columns
+            schema = _parquet_form(batch(files, cols, 0, 0)).schema if first is None else first.schema
+            _refuse_types(schema, target)
+            with pq.ParquetWriter(sink, schema, **parquet) as writer:
+                for rb in itertools.chain([] if first is None else [first], batches):
+                    writer.write_batch(rb)
+                    rows += rb.num_rows
+    return rows
+
+
+@contextmanager
+def whole_file(target: str, shown: str | None = None) -> Iterator[str]:
+    """A temporary name beside the local file ``target`` (``shown`` in messages) to write: renamed
+    to ``target`` when the block ends, removed on an error, so a half-written file is never taken
+    for the finished one. A ``target`` that exists and is no regular file is refused: the
+    rename would replace a folder or a link, and never writes into a pipe or through a link."""
+    if os.path.lexists(target) and not stat.S_ISREG(os.lstat(target).st_mode):
+        raise SpillStorageError(
+            f"cannot write {shown or target}: it exists and is no regular file (a folder, link, device or pipe), "
+            "which the finished file would replace; choose a file's path",
+            path=target,
+        )
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with dest.storage_errors("write"):  # the error names the file the caller gave
-            sink: Any = open(tmp, "wb") if local else dest.open_write("")  # noqa: SIM115 - closed below
-            with sink:  # (the writer closes first, then the file, also on an error)
-                batches = map(_parquet_form, iter_batches(files, cols, batch_size))
-                first = next(batches, None)  # None: no rows, still a valid file with the columns
-                schema = _parquet_form(batch(files, cols, 0, 0)).schema if first is None else first.schema
-                _refuse_types(schema, target)
-                with pq.ParquetWriter(sink, schema, **parquet) as writer:
-                    for rb in itertools.chain([] if first is None else [first], batches):
-                        writer.write_batch(rb)
-                        rows += rb.num_rows
-            if local:
-                os.replace(tmp, target)
+        yield tmp
+        os.replace(tmp, target)
     except BaseException:
-        if local and os.path.exists(tmp):  # a half-written file must not be taken for an export
+        with suppress(OSError):
             os.remove(tmp)
         raise
-    return rows
 
 
 def _spill_root(source: Storage, storage_options: dict[str, Any] | None) -> Storage | None:
