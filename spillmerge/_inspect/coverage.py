@@ -158,8 +158,7 @@ def _spill(read: list[tuple[Segment, Any]]) -> tuple[_PerFile, list[str]]:
             continue
         filenames, keys = got
         fmap = np.array([gid.setdefault(f, len(gid)) for f in filenames], dtype=np.int64)
-        ids = fmap[keys[:, 0]]
-        rows.append(np.column_stack([ids, keys[:, 1], np.full(len(keys), seg.rank, np.int64)]))
+        rows.append(np.column_stack([fmap[keys[:, 0]], keys[:, 1], np.full(len(keys), seg.rank, np.int64)]))
     if not any(map(len, rows)):  # (np.split of no rows gives one empty part)
         return {}, notes
     c = np.concatenate(rows)

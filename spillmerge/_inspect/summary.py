@@ -66,8 +66,7 @@ def _summarize_spill(storage: Storage, max_files: int) -> tuple[dict[str, Any], 
                 status = "committed" if s.commit else "failed" if s.failure else "incomplete"
                 entry: dict[str, Any] = {"segment": s.name, "status": status}
                 if s.commit is not None:
-                    c = s.commit
-                    entry.update(frames=c.n_frames, files=c.n_files, bytes=c.nbytes)
+                    entry.update(frames=s.commit.n_frames, files=s.commit.n_files, bytes=s.commit.nbytes)
                     try:
                         loaded = load_segment(storage, s)
                         # Frames, not index rows: a frame whose value is a dict has one row per leaf.

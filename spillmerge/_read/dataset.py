@@ -73,10 +73,7 @@ class OutputDataset:
 
     def __getstate__(self) -> dict[str, Any]:
         # A DataLoader worker opens the output itself (handles and the chunk cache are per process).
-        state = dict(self.__dict__)
-        state["_store"] = state["_views"] = None
-        state.pop("_index", None)
-        return state
+        return {k: v for k, v in self.__dict__.items() if k != "_index"} | {"_store": None, "_views": None}
 
     def __repr__(self) -> str:
         return f"OutputDataset({self.path!r}, rows={self._n}, columns={self.columns})"
