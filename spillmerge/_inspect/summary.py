@@ -437,12 +437,9 @@ def _verify_array(storage: Storage, rep: VerifyReport, name: str, arr: Any, dama
         try:
             rep.checked_bytes += int(np.asarray(arr[sel]).nbytes)
             rep.checked_objects += 1
-        except SpillMergeError as exc:
-            rep.problems.append(str(exc))
-            damaged.add(name)
         except Exception as exc:  # noqa: BLE001 - zarr reports codec errors as ValueError etc.
-            at = ", ".join(map(str, coords))
-            rep.problems.append(f"{storage.describe(name)}: chunk {at} is corrupt or missing ({exc})")
+            at = f"{storage.describe(name)}: chunk {', '.join(map(str, coords))}"
+            rep.problems.append(str(exc) if isinstance(exc, SpillMergeError) else f"{at} is corrupt or missing ({exc})")
             damaged.add(name)
 
 
