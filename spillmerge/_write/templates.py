@@ -165,39 +165,31 @@ class PyTemplate:
         parts: list[Any] = []
         sizes: list[int] = []
         lids: list[int] = []
-        for key, (kind, typ, how), ids, lay in zip(self.keys, self.kinds, self.ids, self.layouts, strict=True):
-            v = value[key]
-            if kind == _LIST:
-                if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
-                    return None
-                try:
+        try:
+            for key, (kind, typ, how), ids, lay in zip(self.keys, self.kinds, self.ids, self.layouts, strict=True):
+                v = value[key]
+                if kind == _LIST:
+                    if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
+                        return None
                     raw: Any = array.array(how, v)
-                except OverflowError:
+                    n, size = len(v), len(v) * raw.itemsize
+                elif type(v) is not typ:
                     return None
-                n, size = len(v), len(v) * raw.itemsize
-            elif type(v) is not typ:
-                return None
-            elif kind == _STR:
-                try:
+                elif kind == _STR:
                     raw = v.encode("utf-8")  # type: ignore[attr-defined]
-                except UnicodeEncodeError:
-                    return None
-                n = size = len(raw)
-                if n > STRING_MAX_BYTES:
-                    return None
-            elif kind == _SCALAR:
-                try:
-                    raw = how.pack(v)
-                except struct.error:  # an int beyond int64
-                    return None
-                n, size = 0, len(raw)
-            else:
-                raw, n, size = b"", 0, 0
-            lid = ids.get(n)
-            if lid is None:
-                lid = ids[n] = catalog.add(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
-            parts.append(raw)
-            sizes.append(size)
-            lids.append(lid)
+                    n = size = len(raw)
+                    if n > STRING_MAX_BYTES:
+                        return None
+                else:  # a scalar or None
+                    raw = how.pack(v) if kind == _SCALAR else b""
+                    n, size = 0, len(raw)
+                lid = ids.get(n)
+                if lid is None:
+                    lid = ids[n] = catalog.add(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
+                parts.append(raw)
+                sizes.append(size)
+                lids.append(lid)
+        except (OverflowError, UnicodeEncodeError, struct.error):  # an int beyond int64, a lone surrogate
+            return None
         total = sum(sizes)
         return (b"".join(parts), sizes, total, tuple(lids)) if total else None
