@@ -235,12 +235,10 @@ class SpillWriter(MergeSteps):
         if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
             return False
         cols = flat_columns(items)
-        if cols is None:
-            return False
-        kept = cols.kept
-        leaves = first_leaves(cols, items, names)
-        if leaves is None:
+        leaves = first_leaves(cols, items, names) if cols is not None else None
+        if cols is None or leaves is None:
             return False  # the item-by-item way says what is wrong, naming the item
+        kept = cols.kept
         layouts = self._catalog.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
