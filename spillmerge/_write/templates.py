@@ -71,11 +71,14 @@ class FrameTemplate:
             layout_ids=tuple(layout_ids),
         )
 
-    def match(self, value: dict[Any, Any]) -> list[np.ndarray] | None:
-        """Each leaf's bytes (flat uint8 views, in key order) when ``value`` has this structure:
-        the same keys, each a plain host tensor or array of the same dtype and shape,
-        C-contiguous; None otherwise. ``Tensor.numpy()`` refuses what needs care (autograd,
-        conj / neg bits, other devices and layouts), exactly as ``flatten_dense`` relies on."""
+    def match(
+        self, value: dict[Any, Any], catalog: LayoutCatalog
+    ) -> tuple[list[np.ndarray], tuple[int, ...], int, tuple[int, ...]] | None:
+        """``(data, sizes, total, layout_ids)`` as ``PyTemplate.match``'s (``catalog`` holds every
+        layout already), ``data`` each leaf's bytes (flat uint8 views, in key order), when
+        ``value`` has this structure: the same keys, each a plain host tensor or array of the same
+        dtype and shape, C-contiguous; None otherwise. ``Tensor.numpy()`` refuses what needs care
+        (autograd, conj / neg bits, other devices and layouts), exactly as ``flatten_dense`` relies on."""
         if len(value) != len(self.keys) or tuple(value) != self.order:
             return None
         out = []
@@ -84,7 +87,7 @@ class FrameTemplate:
             if a is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
                 return None
             out.append(a.view(np.uint8) if a.ndim == 1 else a.reshape(-1).view(np.uint8))
-        return out
+        return out, self.sizes, self.total, self.layout_ids
 
 
 @dataclass(slots=True)

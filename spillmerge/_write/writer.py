@@ -78,16 +78,12 @@ class SpillWriter(MergeSteps):
             common = type(frame_idx) is int and 0 <= frame_idx < (1 << 63)  # needs no general check
             frame = frame_idx if common else check_frame_idx(frame_idx, filename)
             new_dict = type(value) is dict and filename not in self._file_ids
-            if new_dict:
-                t = self._frame_template
-                if t is not None and (data := t.match(value)) is not None:  # a new file of the last one's structure
-                    self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
-                    return
-                py = self._py_template
-                got = py.match(value, self._catalog) if py is not None else None
-                if got is not None:  # a new file of the last Python dict's structure
-                    self._put_new(filename, frame, *got)  # type: ignore[union-attr]
-                    return
+            if new_dict:  # a new file of the last one's structure, or of the last Python dict's
+                for t in (self._frame_template, self._py_template):
+                    got = t.match(value, self._catalog) if t is not None else None
+                    if got is not None:
+                        self._put_new(filename, frame, *got)
+                        return
             leaves = flatten_dense(value)  # the common value, without the general walk
             dense = leaves is not None
             if leaves is None:
