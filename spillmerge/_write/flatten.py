@@ -130,10 +130,9 @@ _NUMPY_NAMES: dict[np.dtype[Any], str] = (
 
 def array_bytes(value: torch.Tensor | np.ndarray) -> np.ndarray:
     """The flat bytes (little-endian, C order) ``flatten`` stores of a host tensor or array it takes."""
-    arr = host_array(value)
-    if arr is not None and arr.dtype in _NUMPY_NAMES and arr.flags.c_contiguous:  # the common leaf: a view
-        return arr.reshape(-1).view(np.uint8)
-    leaf = _from_tensor(value, (), "") if isinstance(value, torch.Tensor) else _from_numpy(value, (), "")
+    leaf = _dense_leaf(value, ())  # the common leaf: a view
+    if leaf is None:
+        leaf = _from_tensor(value, (), "") if isinstance(value, torch.Tensor) else _from_numpy(value, (), "")
     return leaf.data  # type: ignore[no-any-return]
 
 

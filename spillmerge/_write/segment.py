@@ -273,8 +273,7 @@ class SegmentSteps:
         objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
         objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
         if len(checks):
-            shape = (len(checks), FS.CHECK_COLUMNS)
-            objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
+            objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, checks.shape, "int64"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
             # (the data chunks were fsynced by the flush workers: here only their folders)
