@@ -1035,7 +1035,7 @@ MUTATIONS: list[Mutation] = [
     # ------------------------------------------------------------------ issue 37: shared writers, waits, CLI
     Mutation(
         "writer-lock",
-        "spillmerge/_write/writer.py",
+        "spillmerge/_write/segment.py",
         "        self._lock = threading.Lock()\n",
         "        self._lock = __import__('contextlib').nullcontext()\n",
         ("tests/write/test_writer_threads.py",),
@@ -1979,7 +1979,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "writer-refused-uncounted",
-        "spillmerge/_write/writer.py",
+        "spillmerge/_write/segment.py",
         "                refused(launcher_run_id(run_id), rank, world_size, exc)\n",
         "                pass\n",
         (

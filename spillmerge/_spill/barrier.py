@@ -213,9 +213,9 @@ def wait_for_commits(
             break
         if waited < timeout:
             notices(state, segments, run_id)
-        if waited >= timeout:
-            if allow_partial:
-                return state
+        elif allow_partial:
+            return state
+        else:
             raise_for_state(storage, state, waited_s=waited if timeout > 0 else None)
     if state.failed and not allow_partial:
         raise_for_state(storage, state)

@@ -61,7 +61,8 @@ def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> 
             rel = f"{folder}/{name}"
             why = None if rel in planned else _why_kept(src, rank, name, newest.get(rank), lookup)
             if why is None:
-                _remove(src, rel, out)
+                src.rm_tree(rel)
+                out.removed.append(src.describe(rel))
             else:
                 out.kept[src.describe(rel)] = why
         src.remove_empty_dir(folder)
@@ -70,25 +71,18 @@ def remove_merged(src: Storage, merged: Collection[Segment], lookup: Lookup) -> 
     return out
 
 
-def remove_listed(src: Storage, rels: Collection[str], *, failure_record: bool) -> Removal:
+def remove_listed(src: Storage, rels: Collection[str], *, failure_record: bool) -> None:
     """Delete the segments ``rels`` (relative to the root) that are still there, then the rank
     folders left empty and the root if nothing else is in it (and the merge failure record when
     ``failure_record``). The caller has checked that the output holds each of them."""
-    out = Removal()
     for rel in sorted(rels):
         if src.exists(rel):
-            _remove(src, rel, out)
+            src.rm_tree(rel)
     for folder in sorted({rel.split("/")[0] for rel in rels}):
         src.remove_empty_dir(folder)
     if failure_record:
         src.rm_tree(FS.MERGE_FAILED_NAME)
     src.remove_empty_dir("")
-    return out
-
-
-def _remove(src: Storage, rel: str, out: Removal) -> None:
-    src.rm_tree(rel)
-    out.removed.append(src.describe(rel))
 
 
 def _why_kept(src: Storage, rank: int, name: str, newest_merged: tuple[int, str] | None, lookup: Lookup) -> str | None:

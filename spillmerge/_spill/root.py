@@ -4,6 +4,7 @@ because a spill root is untrusted input. The barrier on its commit records is ``
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -362,9 +363,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
     layouts: list[FS.Layout] = []
     parts: list[np.ndarray] = []
     check_parts: list[np.ndarray] = []
-    n_checks = 0
-    n = 0
-    while True:
+    for n in itertools.count():  # n: the entries read, once the loop ends
         rel = f"{seg.rel}/{FS.journal_name(n)}"
         blob = storage.get_or_none(rel, max_bytes=FS.journal_max_bytes(chunk_bytes))
         if blob is None:
@@ -380,7 +379,7 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
                 entry.chunk != n
                 or entry.file_base != len(filenames)
                 or entry.layout_base != len(layouts)
-                or (entry.checks is not None and entry.check_base != n_checks)
+                or (entry.checks is not None and entry.check_base != sum(map(len, check_parts)))
             ):
                 raise CorruptSpillError(
                     f"{storage.describe(rel)}: journal entry out of sequence", path=storage.describe(rel)
@@ -393,8 +392,6 @@ def load_flushed(storage: Storage, seg: Segment) -> tuple[LoadedSegment, list[st
         parts.append(entry.rows)
         if entry.checks is not None:
             check_parts.append(entry.checks)
-            n_checks += len(entry.checks)
-        n += 1
     index = np.concatenate(parts) if parts else np.zeros((0, FS.INDEX_COLUMNS), dtype=np.int64)
 
     def bad(msg: str, rel: str = "") -> CorruptSpillError:  # the journal, whatever object a check names

@@ -47,9 +47,7 @@ def _object(storage: Storage, rel: str, shape: list[int] | None, nbytes: int | N
     with _whole_on(OSError, SpillMergeError):
         meta = F.loads(storage.get(f"{rel}/zarr.json", max_bytes=F.RECORD_MAX_BYTES), path=storage.describe(rel))
     got = meta.get("shape") if isinstance(meta, dict) else None
-    if not isinstance(got, list) or not got or not all(isinstance(d, int) and d > 0 for d in got):
-        raise Whole
-    if shape is not None and got != shape:
+    if not isinstance(got, list) or not got or not all(isinstance(d, int) and d > 0 for d in got) or shape not in (None, got):
         raise Whole
     n = nbytes if nbytes is not None else got[0]
     if n > limit:
@@ -214,17 +212,15 @@ class Stream:
                     block = block[take:]
                     if head != _PREFIX[: len(head)]:
                         raise Whole
-                if names.done:
-                    rest += block.tobytes()
-                    continue
-                buf = np.concatenate([left, block]) if len(left) else block
-                used = names.feed(buf)
-                if names.done:
-                    rest += buf[used:].tobytes()
-                    continue
-                left = buf[used:].copy()
-                if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
-                    raise Whole
+                if not names.done:
+                    buf = np.concatenate([left, block]) if len(left) else block
+                    block = buf[names.feed(buf) :]
+                    if not names.done:  # an element goes on in the next block
+                        left = block.copy()
+                        if len(left) > F.FILENAME_MAX_BYTES + BLOCK:
+                            raise Whole
+                        continue
+                rest += block.tobytes()
         if not names.done:
             raise Whole
         with _whole_on(CorruptSpillError):

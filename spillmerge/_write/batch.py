@@ -120,12 +120,8 @@ def at_position(exc: SpillValueError, i: int, n: int, filename: str | None) -> S
 
 def _length_error(path: tuple[str, ...], got: int, names: list[str]) -> SpillValueError:
     n = len(names)
-    if got < n:
-        detail = f"item {got} ({names[got]!r:.200}) has no value there"
-        filename: str | None = names[got]
-    else:
-        detail = f"its item {n} has no filename"
-        filename = None
+    filename = names[got] if got < n else None
+    detail = f"item {got} ({filename!r:.200}) has no value there" if got < n else f"its item {n} has no filename"
     return SpillValueError(
         f"write_batch: leaf {_name(path)!r} has {got} items but the batch has {n} filenames; {detail} "
         "(every leaf's first dimension is the batch)",
@@ -192,14 +188,11 @@ def cuda_to_host(batch: Any) -> Any:
     if not _cuda_leaves(batch, found, 0) or sum(t.nbytes for t in found) > CUDA_BATCH_BYTES:
         return batch
     host: dict[int, torch.Tensor] = {}
-    devices = set()
     for t in found:
         if id(t) not in host:  # one copy of a tensor that appears twice
-            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            dst.copy_(t.detach(), non_blocking=True)  # resolves conj / neg bits into plain values
-            host[id(t)] = dst
-            devices.add(t.device)
-    for dev in devices:  # the copies ran on each device's current stream, after the producer
+            host[id(t)] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host[id(t)].copy_(t.detach(), non_blocking=True)  # resolves conj / neg bits into plain values
+    for dev in {t.device for t in found}:  # the copies ran on each device's current stream, after the producer
         torch.cuda.current_stream(dev).synchronize()
     return _replace(batch, host)
 

@@ -128,7 +128,7 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
         out.append((EMPTY, 0, -1, "none"))
         return True
     if kind is not list:
-        return _numbers_leaf(column, n, kind, None, None, out)
+        return _numbers_leaf(column, n, kind, 1, -1, out)  # one number an item: a 0-d leaf
     lens = np.fromiter(map(len, column), dtype=np.int64, count=n)
     inner = set(map(type, itertools.chain.from_iterable(column)))
     if inner == {str}:
@@ -163,17 +163,14 @@ def _column_leaves(column: list[Any], n: int, out: list[tuple[np.ndarray, Any, A
 
 def _numbers_leaf(numbers: Any, count: int, kind: Any, elems: Any, lengths: Any, out: list[Any]) -> bool:
     """Append the leaf of the iterable ``numbers``, ``count`` Python numbers of type ``kind``,
-    ``elems`` of them per item (None: one, a 0-d leaf), of first dimension ``lengths``; False
-    for another type."""
+    ``elems`` of them per item, of first dimension ``lengths`` (-1: a 0-d leaf); False for
+    another type."""
     name = PY_NUMBERS.get(kind)
     if name is None:
         return False
     storage = np.dtype(DTYPES[name].storage)
     data = np.fromiter(numbers, dtype=storage, count=count).view(np.uint8)
-    if elems is None:
-        out.append((data, storage.itemsize, -1, name))
-    else:
-        out.append((data, elems * storage.itemsize, lengths, name))
+    out.append((data, elems * storage.itemsize, lengths, name))
     return True
 
 

@@ -118,9 +118,7 @@ def _from_tensor(t: torch.Tensor, path: tuple[str, ...], filename: str) -> Leaf:
     if t.numel() == 1 and flat.stride(0) != 1:  # "contiguous" whatever its stride: a byte view needs 1
         flat = flat.clone(memory_format=torch.contiguous_format)
     flat = flat.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    if device == "cpu":
-        return Leaf(path, name, shape, nbytes, flat.numpy())
-    return Leaf(path, name, shape, nbytes, flat)
+    return Leaf(path, name, shape, nbytes, flat.numpy() if device == "cpu" else flat)
 
 
 # numpy dtype -> format name, for the dtypes numpy holds itself (native byte order only: a
@@ -132,10 +130,9 @@ _NUMPY_NAMES: dict[np.dtype[Any], str] = (
 
 def array_bytes(value: torch.Tensor | np.ndarray) -> np.ndarray:
     """The flat bytes (little-endian, C order) ``flatten`` stores of a host tensor or array it takes."""
-    arr = host_array(value)
-    if arr is not None and arr.dtype in _NUMPY_NAMES and arr.flags.c_contiguous:  # the common leaf: a view
-        return arr.reshape(-1).view(np.uint8)
-    leaf = _from_tensor(value, (), "") if isinstance(value, torch.Tensor) else _from_numpy(value, (), "")
+    leaf = _dense_leaf(value, ())  # the common leaf: a view
+    if leaf is None:
+        leaf = _from_tensor(value, (), "") if isinstance(value, torch.Tensor) else _from_numpy(value, (), "")
     return leaf.data  # type: ignore[no-any-return]
 
 
@@ -197,12 +194,6 @@ def flatten(value: object, filename: str, frame_idx: int, allow_pickle: bool = F
     out = w.out
     for leaf in out:
         check_leaf_limits(leaf, filename)
-        if len(leaf.shape) > MAX_NDIM:
-            raise SpillValueError(
-                f"leaf {path_text(leaf.path)!r} of {filename!r:.200} has {len(leaf.shape)} dims (max {MAX_NDIM})",
-                filename=filename,
-                leaf=path_text(leaf.path),
-            )
     if w.odd:  # some dict was not in sorted key order: the leaves carry every dict's order
         where = {path: {user_key(k): i for i, k in enumerate(keys)} for path, keys in w.items()}
         out = [leaf if (p := positions(leaf.path, where)) is None else _with_pos(leaf, p) for leaf in out]

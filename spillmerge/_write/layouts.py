@@ -58,9 +58,7 @@ class LayoutCatalog:
     def accept(self, layouts: list[FS.Layout], ids: tuple[int, ...]) -> tuple[int, ...]:
         """The catalog ids of a frame being staged (``ids`` from :meth:`ids`): its layouts not
         in the catalog yet join it."""
-        if -1 in ids:
-            ids = tuple([self.add(lay) for lay in layouts])
-        return ids
+        return tuple([self.add(lay) for lay in layouts]) if -1 in ids else ids
 
     def add(self, lay: FS.Layout) -> int:
         """The catalog id of ``lay``, a layout of a frame being staged; added on first use."""

@@ -19,6 +19,7 @@ from .._errors import SpillValueError
 from .._format.common import (
     DTYPES,
     FILENAME_MAX_BYTES,
+    MAX_NDIM,
     STRING_MAX_BYTES,
     path_text,
     shape_problem,
@@ -92,9 +93,11 @@ def check_filename(filename: object) -> str:
 
 def check_leaf_limits(leaf: Leaf, filename: str) -> None:
     """The format's bounds on one leaf, which every reader enforces (docs/FORMAT.md, *Size limits*): a
-    ``str`` / ``strlist`` of at most ``STRING_MAX_BYTES``, a shape within ``shape_problem``'s
-    bounds (``[2**27, 0]`` is refused: an empty value with 2**27 entries before its zero).
-    Cheap: only empty and string leaves need a look."""
+    ``str`` / ``strlist`` of at most ``STRING_MAX_BYTES``, at most ``MAX_NDIM`` dimensions, a shape
+    within ``shape_problem``'s bounds (``[2**27, 0]`` is refused: an empty value with 2**27
+    entries before its zero). Cheap: only empty and string leaves need a closer look."""
+    if len(leaf.shape) > MAX_NDIM:
+        raise leaf_error(leaf.path, filename, f"{len(leaf.shape)} dims, more than the {MAX_NDIM} the format allows")
     if leaf.dtype in ("str", "strlist") and leaf.nbytes > STRING_MAX_BYTES:
         raise leaf_error(
             leaf.path,

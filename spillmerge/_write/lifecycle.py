@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._dist.round import Rounds, complete_for
+from .._dist.round import complete_for
 from .._dist.transfer import DEFAULT_TRANSFER_CHUNK_BYTES, DEFAULT_TRANSFER_TIMEOUT, Session
 from .._errors import IncompleteOutputError, WriterClosedError
 from .._format import output as FO
@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
 class MergeSteps(SegmentSteps):
     """``SpillWriter``'s methods for the merge round and what follows it, after its segment's."""
-
-    _rounds: Rounds
 
     @property
     def state(self) -> str:

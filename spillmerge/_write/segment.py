@@ -8,18 +8,20 @@ from __future__ import annotations
 import array
 import contextlib
 import enum
+import os
 import threading
 import warnings
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import numpy as np
 
-from .._dist.rank import resolve_run_id
+from .._dist.rank import launcher_run_id, refused, resolve_rank, resolve_run_id
+from .._dist.round import Rounds
 from .._dist.store import next_session, publish_failure
-from .._errors import SpillMergeError, SpillStorageError, WriterClosedError
+from .._errors import SpillMergeError, SpillStorageError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import crc as _crc
 from .._format import spill as FS
@@ -33,6 +35,9 @@ from .layouts import LayoutCatalog
 from .leaves import check_filename, check_frame_idx
 from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate, PyTemplate
+
+DuplicatePolicy = Literal["error", "first", "last"]
+_POLICIES = ("error", "first", "last")
 
 
 class WriterState(enum.StrEnum):
@@ -49,27 +54,72 @@ class WriterState(enum.StrEnum):
 
 
 class SegmentSteps:
-    """``SpillWriter``'s methods that open and end a segment (commit, abort) and read earlier
-    sessions' commits; they use the writer's state declared here or set by :meth:`_open`."""
+    """``SpillWriter``'s constructor (its options, checked: the class's docstring) and the
+    methods that open and end a segment (commit, abort) and read earlier sessions' commits."""
 
-    rank: int
-    world_size: int
     run_id: str | None = None  # set by open()
-    storage: Storage
-    root: str
     segment: str | None = None  # set by open()
-    chunk_bytes: int
-    fsync: bool
-    flush_threads: int
-    expected: int | None
-    _run_id_arg: str | None
     _state: WriterState = WriterState.NEW
-    _staging: Staging
-    _lock: threading.Lock
-    _flush_at_commit: bool
     _committed_keys: dict[str, set[int]] | None = None  # read once, when first asked
     _finalizer: weakref.finalize
     """Ends the flush thread of a writer garbage-collected while open (``_never_closed``)."""
+
+    _flush_at_commit = False
+    """Start the flush thread only once a chunk fills (``Staging.start``'s ``at_commit``): a
+    subclass for short-lived writers (the drop-ins) whose bytes usually fit in one chunk."""
+    _counts_refusal = True
+    """A constructor that raises counts this rank's writer session and tells the others, as
+    :meth:`open` would have (``_dist.rank.refused``); ``gather`` does it itself, a bad option name included."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
+        staging_bytes: int | None = None,
+        on_duplicate: DuplicatePolicy = "error",
+        run_id: str | None = None,
+        fsync: bool = True,
+        flush_threads: int | None = None,
+        allow_pickle: bool = False,
+        expected: int | None = None,
+    ) -> None:
+        try:
+            if on_duplicate not in _POLICIES:
+                raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
+            if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= (1 << 32):
+                raise SpillValueError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
+            self.rank, self.world_size = resolve_rank(rank, world_size)
+            self.storage = Storage(root, storage_options)
+            self.root = self.storage.url
+            self.chunk_bytes = chunk_bytes
+            self.flush_threads = flush_threads if flush_threads is not None else (2 if self.storage.local else 4)
+            if not _positive_int(self.flush_threads):
+                raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
+            if staging_bytes is not None and not _positive_int(staging_bytes):
+                raise SpillValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
+            staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
+            self.n_buffers = max(2, -(-staging // chunk_bytes))
+            self.on_duplicate: DuplicatePolicy = on_duplicate
+            self.fsync = fsync
+            self.allow_pickle = bool(allow_pickle)
+            if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
+                raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
+            self.expected = expected
+            self._run_id_arg = run_id
+            self._staging = Staging(chunk_bytes, self.n_buffers)
+            self._rounds = Rounds()
+            self._lock = threading.Lock()
+            """Held by every call that changes the segment (open, write, write_batch, close, abort):
+            threads sharing the writer take turns, a call at a time."""
+        except Exception as exc:
+            if self._counts_refusal:  # without a run id from the launcher or the caller, only the count
+                refused(launcher_run_id(run_id), rank, world_size, exc)
+            raise
+
 
     # ------------------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
@@ -223,8 +273,7 @@ class SegmentSteps:
         objects.update(array_objects(self._rel(FS.INDEX_NAME), index_bytes, (len(rows), FS.INDEX_COLUMNS), "int64"))
         objects.update(array_objects(self._rel(FS.CATALOG_NAME), catalog, (len(catalog),), "uint8"))
         if len(checks):
-            shape = (len(checks), FS.CHECK_COLUMNS)
-            objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, shape, "int64"))
+            objects.update(array_objects(self._rel(FS.CHECKS_NAME), checks_bytes, checks.shape, "int64"))
         self.storage.put_many(objects)
         if self.fsync:  # everything the commit record vouches for is durable before it exists
             # (the data chunks were fsynced by the flush workers: here only their folders)
@@ -330,3 +379,7 @@ def _never_closed(staging: Staging, rank: int, segment: str) -> None:
         stacklevel=2,
     )
     staging.abandon()
+
+
+def _positive_int(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0

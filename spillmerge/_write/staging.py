@@ -273,20 +273,17 @@ class Staging:
 
     def _write_parts(self, fd: int, parts: list[Any], at: int) -> None:
         """Write ``parts`` (host buffers) back to back at byte ``at`` of the direct chunk file
-        ``fd``: one ``pwritev`` for them all, then the rest of a short write one part at a time.
-        At an explicit offset, so a write that failed half way leaves the next one in its place."""
+        ``fd``: one ``pwritev`` for them all, another for what a short write left. At an explicit
+        offset, so a write that failed half way leaves the next one in its place."""
         with self._storage.storage_errors("write", self._prefix):
             views = [memoryview(p).cast("B") for p in parts]
-            done = os.pwritev(fd, views, at)
-            for v in views:
-                at += len(v)
-                if done >= len(v):
-                    done -= len(v)
-                    continue
-                v, pos, done = v[done:], at - len(v) + done, 0
-                while v:
-                    n = os.pwrite(fd, v, pos)
-                    v, pos = v[n:], pos + n
+            while views:
+                n = os.pwritev(fd, views, at)
+                at += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if n:
+                    views[0] = views[0][n:]
 
     def _decide(self, nbytes: int, host: bool) -> None:
         """Write directly or stage, for good: by the writer's first frame."""

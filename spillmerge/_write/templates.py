@@ -71,11 +71,14 @@ class FrameTemplate:
             layout_ids=tuple(layout_ids),
         )
 
-    def match(self, value: dict[Any, Any]) -> list[np.ndarray] | None:
-        """Each leaf's bytes (flat uint8 views, in key order) when ``value`` has this structure:
-        the same keys, each a plain host tensor or array of the same dtype and shape,
-        C-contiguous; None otherwise. ``Tensor.numpy()`` refuses what needs care (autograd,
-        conj / neg bits, other devices and layouts), exactly as ``flatten_dense`` relies on."""
+    def match(
+        self, value: dict[Any, Any], catalog: LayoutCatalog
+    ) -> tuple[list[np.ndarray], tuple[int, ...], int, tuple[int, ...]] | None:
+        """``(data, sizes, total, layout_ids)`` as ``PyTemplate.match``'s (``catalog`` holds every
+        layout already), ``data`` each leaf's bytes (flat uint8 views, in key order), when
+        ``value`` has this structure: the same keys, each a plain host tensor or array of the same
+        dtype and shape, C-contiguous; None otherwise. ``Tensor.numpy()`` refuses what needs care
+        (autograd, conj / neg bits, other devices and layouts), exactly as ``flatten_dense`` relies on."""
         if len(value) != len(self.keys) or tuple(value) != self.order:
             return None
         out = []
@@ -84,7 +87,7 @@ class FrameTemplate:
             if a is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
                 return None
             out.append(a.view(np.uint8) if a.ndim == 1 else a.reshape(-1).view(np.uint8))
-        return out
+        return out, self.sizes, self.total, self.layout_ids
 
 
 @dataclass(slots=True)
@@ -165,39 +168,31 @@ class PyTemplate:
         parts: list[Any] = []
         sizes: list[int] = []
         lids: list[int] = []
-        for key, (kind, typ, how), ids, lay in zip(self.keys, self.kinds, self.ids, self.layouts, strict=True):
-            v = value[key]
-            if kind == _LIST:
-                if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
-                    return None
-                try:
+        try:
+            for key, (kind, typ, how), ids, lay in zip(self.keys, self.kinds, self.ids, self.layouts, strict=True):
+                v = value[key]
+                if kind == _LIST:
+                    if type(v) is not list or not v or (len(v) > 1 and set(map(type, v)) != {typ}) or type(v[0]) is not typ:
+                        return None
                     raw: Any = array.array(how, v)
-                except OverflowError:
+                    n, size = len(v), len(v) * raw.itemsize
+                elif type(v) is not typ:
                     return None
-                n, size = len(v), len(v) * raw.itemsize
-            elif type(v) is not typ:
-                return None
-            elif kind == _STR:
-                try:
+                elif kind == _STR:
                     raw = v.encode("utf-8")  # type: ignore[attr-defined]
-                except UnicodeEncodeError:
-                    return None
-                n = size = len(raw)
-                if n > STRING_MAX_BYTES:
-                    return None
-            elif kind == _SCALAR:
-                try:
-                    raw = how.pack(v)
-                except struct.error:  # an int beyond int64
-                    return None
-                n, size = 0, len(raw)
-            else:
-                raw, n, size = b"", 0, 0
-            lid = ids.get(n)
-            if lid is None:
-                lid = ids[n] = catalog.add(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
-            parts.append(raw)
-            sizes.append(size)
-            lids.append(lid)
+                    n = size = len(raw)
+                    if n > STRING_MAX_BYTES:
+                        return None
+                else:  # a scalar or None
+                    raw = how.pack(v) if kind == _SCALAR else b""
+                    n, size = 0, len(raw)
+                lid = ids.get(n)
+                if lid is None:
+                    lid = ids[n] = catalog.add(FS.Layout(lay.leaf, lay.dtype, (n,), lay.pos))
+                parts.append(raw)
+                sizes.append(size)
+                lids.append(lid)
+        except (OverflowError, UnicodeEncodeError, struct.error):  # an int beyond int64, a lone surrogate
+            return None
         total = sum(sizes)
         return (b"".join(parts), sizes, total, tuple(lids)) if total else None

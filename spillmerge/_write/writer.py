@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import array
 import contextlib
-import os
-import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from .._dist.rank import launcher_run_id, refused, resolve_rank
-from .._dist.round import Rounds
 from .._errors import DuplicateFrameError, SpillValueError, WriterClosedError
 from .._format import common as F
 from .._format import spill as FS
-from .._storage import Storage
 from .._util.gcpause import gc_paused
 from .batch import at_position, batch_keys, cuda_to_host, dense_columns, mapping_items, nest, split_batch
 from .columns import first_leaves, flat_columns, flatten_items
@@ -30,11 +25,7 @@ from .flatten import array_bytes, flatten, flatten_dense
 from .leaves import Leaf, check_filename, check_frame_idx, same_leaves
 from .lifecycle import MergeSteps
 from .segment import WriterState
-from .staging import Staging
 from .templates import DenseTemplate, FrameTemplate, PyTemplate
-
-DuplicatePolicy = Literal["error", "first", "last"]
-_POLICIES = ("error", "first", "last")
 
 
 class SpillWriter(MergeSteps):
@@ -76,62 +67,6 @@ class SpillWriter(MergeSteps):
             header so that ``spillmerge status`` can estimate the end.
     """
 
-    _flush_at_commit = False
-    """Start the flush thread only once a chunk fills (``Staging.start``'s ``at_commit``): a
-    subclass for short-lived writers (the drop-ins) whose bytes usually fit in one chunk."""
-    _counts_refusal = True
-    """A constructor that raises counts this rank's writer session and tells the others, as
-    :meth:`open` would have (``_dist.rank.refused``); ``gather`` does it itself, a bad option name included."""
-
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        rank: int | None = None,
-        world_size: int | None = None,
-        storage_options: dict[str, Any] | None = None,
-        *,
-        chunk_bytes: int = F.DEFAULT_CHUNK_BYTES,
-        staging_bytes: int | None = None,
-        on_duplicate: DuplicatePolicy = "error",
-        run_id: str | None = None,
-        fsync: bool = True,
-        flush_threads: int | None = None,
-        allow_pickle: bool = False,
-        expected: int | None = None,
-    ) -> None:
-        try:
-            if on_duplicate not in _POLICIES:
-                raise SpillValueError(f"on_duplicate must be one of {_POLICIES}, got {on_duplicate!r}")
-            if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= (1 << 32):
-                raise SpillValueError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
-            self.rank, self.world_size = resolve_rank(rank, world_size)
-            self.storage = Storage(root, storage_options)
-            self.root = self.storage.url
-            self.chunk_bytes = chunk_bytes
-            self.flush_threads = flush_threads if flush_threads is not None else (2 if self.storage.local else 4)
-            if not _positive_int(self.flush_threads):
-                raise SpillValueError(f"flush_threads must be a positive int, got {flush_threads!r}")
-            if staging_bytes is not None and not _positive_int(staging_bytes):
-                raise SpillValueError(f"staging_bytes must be a positive int or None, got {staging_bytes!r}")
-            staging = staging_bytes if staging_bytes is not None else 4 * chunk_bytes
-            self.n_buffers = max(2, -(-staging // chunk_bytes))
-            self.on_duplicate: DuplicatePolicy = on_duplicate
-            self.fsync = fsync
-            self.allow_pickle = bool(allow_pickle)
-            if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
-                raise SpillValueError(f"expected must be a number of frames >= 0 or None, got {expected!r}")
-            self.expected = expected
-            self._run_id_arg = run_id
-            self._staging = Staging(chunk_bytes, self.n_buffers)
-            self._rounds = Rounds()
-            self._lock = threading.Lock()
-            """Held by every call that changes the segment (open, write, write_batch, close, abort):
-            threads sharing the writer take turns, a call at a time."""
-        except Exception as exc:
-            if self._counts_refusal:  # without a run id from the launcher or the caller, only the count
-                refused(launcher_run_id(run_id), rank, world_size, exc)
-            raise
-
     # ---------------------------------------------------------------------------------- write
     def write(self, filename: str, frame_idx: int, value: Any) -> None:
         """Append one frame. Copies the value into a staging buffer (on a local disk, large host
@@ -143,16 +78,12 @@ class SpillWriter(MergeSteps):
             common = type(frame_idx) is int and 0 <= frame_idx < (1 << 63)  # needs no general check
             frame = frame_idx if common else check_frame_idx(frame_idx, filename)
             new_dict = type(value) is dict and filename not in self._file_ids
-            if new_dict:
-                t = self._frame_template
-                if t is not None and (data := t.match(value)) is not None:  # a new file of the last one's structure
-                    self._put_new(filename, frame, data, t.sizes, t.total, t.layout_ids)
-                    return
-                py = self._py_template
-                got = py.match(value, self._catalog) if py is not None else None
-                if got is not None:  # a new file of the last Python dict's structure
-                    self._put_new(filename, frame, *got)  # type: ignore[union-attr]
-                    return
+            if new_dict:  # a new file of the last one's structure, or of the last Python dict's
+                for t in (self._frame_template, self._py_template):
+                    got = t.match(value, self._catalog) if t is not None else None
+                    if got is not None:
+                        self._put_new(filename, frame, *got)
+                        return
             leaves = flatten_dense(value)  # the common value, without the general walk
             dense = leaves is not None
             if leaves is None:
@@ -300,12 +231,10 @@ class SpillWriter(MergeSteps):
         if n < 2 or not self._file_ids.keys().isdisjoint(names) or len(set(names)) != n:
             return False
         cols = flat_columns(items)
-        if cols is None:
-            return False
-        kept = cols.kept
-        leaves = first_leaves(cols, items, names)
-        if leaves is None:
+        leaves = first_leaves(cols, items, names) if cols is not None else None
+        if cols is None or leaves is None:
             return False  # the item-by-item way says what is wrong, naming the item
+        kept = cols.kept
         layouts = self._catalog.layouts_of(leaves)
         others = []
         for i in sorted(set(range(n)) - set(kept)):  # checked before any byte of the batch is staged
@@ -489,7 +418,3 @@ class SpillWriter(MergeSteps):
 def _frame_array(frames: list[int]) -> np.ndarray | None:
     """A batch's frame indices as int64, None when all are 0 (``Staging.add_frames``)."""
     return np.array(frames, dtype=np.int64) if any(frames) else None
-
-
-def _positive_int(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0
