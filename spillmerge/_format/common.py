@@ -258,15 +258,9 @@ def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...
     (outermost first): ``("a", "\x1f3", "b")`` is ``(("a", ITEM, "b"), (3,))``."""
     if not any(s and s[0] == MARK for s in path):
         return path, ()
-    segs, idx = [], []
-    for seg in path:
-        i = item_index(seg)
-        if i is None:
-            segs.append(seg)
-        else:
-            segs.append(ITEM)
-            idx.append(i)
-    return tuple(segs), tuple(idx)
+    idx = [item_index(seg) for seg in path]
+    segs = tuple(seg if i is None else ITEM for seg, i in zip(path, idx, strict=True))
+    return segs, tuple(i for i in idx if i is not None)
 
 
 def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ shared by the reader and ``spillmerge verify``: its columns', its header's and i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
@@ -53,11 +54,8 @@ def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.nda
         return read_array(arr, slice(a, b))
     if out is None:
         out = np.empty((b - a, *arr.shape[1:]), dtype=arr.dtype)
-    pos = a
-    while pos < b:
-        stop = min(b, (pos // k + 1) * k)
+    for pos, stop in itertools.pairwise([a, *range((a // k + 1) * k, b, k), b]):
         out[pos - a : stop - a] = read_array(arr, slice(pos, stop))
-        pos = stop
     return out
 
 

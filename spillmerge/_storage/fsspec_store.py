@@ -132,9 +132,8 @@ class FsspecStorage(Storage):
             plain = [q for q in found if not _GLOB_CHARS.intersection(q)]
             if plain:
                 self.fs.rm(plain)  # deletes in batches of 1,000 on S3
-            for q in found:
-                if _GLOB_CHARS.intersection(q):
-                    self.fs.rm_file(q)
+            for q in set(found).difference(plain):
+                self.fs.rm_file(q)
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)

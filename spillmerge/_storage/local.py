@@ -270,10 +270,7 @@ class LocalStorage(Storage):
         out: set[str] = set()
         for rel in rels:
             d = posixpath.dirname(rel)
-            while True:
-                p = self.path(d)
-                if p in out:
-                    break
+            while (p := self.path(d)) not in out:
                 out.add(p)
                 if not d or not up:
                     break
@@ -379,11 +376,9 @@ class _LocalSink:
                     if self.durable:
                         _fsync_path(os.path.dirname(self.path))
         except BaseException:
-            if ok:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._tmp)
+            if ok:  # the caller's error is the one raised; a failed close adds nothing to it
                 raise
-        if not ok:  # the caller's error is the one raised; a failed close adds nothing to it
+        finally:  # a temporary left by a failure (renamed away on success: nothing to remove)
             with contextlib.suppress(OSError):
                 os.unlink(self._tmp)
 

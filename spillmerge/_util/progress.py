@@ -169,14 +169,11 @@ def iso_to_unix(text: Any) -> float | None:
     return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
-class _NoBar:
+class _NoBar(contextlib.nullcontext["_NoBar"]):
     """The bar of a run nobody watches: tqdm is not even imported."""
 
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __init__(self) -> None:
+        super().__init__(self)
 
     def update(self, n: int = 1) -> None:
         return None
