@@ -365,26 +365,19 @@ def what_is(storage: Storage) -> str:
             return "missing"
         if storage.fs.isfile(storage.path("")):
             return "file"
-    if any(parse_rank_dirname(n) is not None for n in storage.listdir("")):
-        return "spill"
-    return "other"
+    return "spill" if any(parse_rank_dirname(n) is not None for n in storage.listdir("")) else "other"
 
 
 def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError:
     """The error for opening, inspecting or verifying something that is no output, naming what it is."""
     kind = kind or what_is(storage)
-    where = storage.describe()
+    where, no_doc = storage.describe(), "no zarr.json"
     if kind == "other" and storage.exists("zarr.json"):  # torn, or another tool's
-        return NotAnOutputError(
-            f"{where} is not a spillmerge output ({storage.describe('zarr.json')} is no spillmerge output's root "
-            "document) nor a spill root (no rank-NNNNN folders)",
-            path=where,
-            kind=kind,
-        )
+        no_doc = f"{storage.describe('zarr.json')} is no spillmerge output's root document"
     why = {
         "missing": f"{where} does not exist",
         "file": f"{where} is a file, not a spillmerge output (a folder)",
         "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` and open OUT",
-        "other": f"{where} is not a spillmerge output (no zarr.json) nor a spill root (no rank-NNNNN folders)",
+        "other": f"{where} is not a spillmerge output ({no_doc}) nor a spill root (no rank-NNNNN folders)",
     }[kind]
     return NotAnOutputError(why, path=where, kind=kind)

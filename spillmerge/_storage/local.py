@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 from zarr.storage import LocalStore
 
-from .._errors import SpillStorageError, UnsafePathError
+from .._errors import UnsafePathError
 from .._format.common import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
 from .base import Storage
 
@@ -186,10 +186,8 @@ class LocalStorage(Storage):
             mm = self._maps.get(rel)
             if mm is None:
                 fd = self._fd_unlocked(rel)
-                try:
+                with self.storage_errors("map", rel):
                     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if os.fstat(fd).st_size else b""
-                except (OSError, ValueError) as exc:
-                    raise SpillStorageError(f"cannot map {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
                 self._maps[rel] = mm
                 while len(self._maps) > 16:  # bounds the mapped (resident, reclaimable) spill
                     # Dropping our reference (not closing): views still in use keep the mapping alive.
@@ -256,11 +254,7 @@ class LocalStorage(Storage):
         if not paths:
             return
         with self.storage_errors("sync", rels[0]):
-            fsync = functools.partial(_fsync_path, missing_ok=missing_ok)
-            if len(paths) == 1:  # no thread hand-off for one
-                fsync(paths.pop())
-            else:
-                list(_fsync_pool().map(fsync, sorted(paths)))
+            list(_fsync_pool().map(functools.partial(_fsync_path, missing_ok=missing_ok), sorted(paths)))
         self._synced.update(rels)
 
     def _folders(self, rels: Sequence[str], up: bool) -> set[str]:

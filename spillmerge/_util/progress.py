@@ -160,11 +160,9 @@ def read(storage: Storage, seg_rel: str) -> ProgressRecord | None:
 
 def iso_to_unix(text: Any) -> float | None:
     """Seconds since the epoch of a record's UTC ISO-8601 time (None when unreadable)."""
-    if not isinstance(text, str):
-        return None
     try:
-        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
+        dt = datetime.fromisoformat(text)  # (a trailing Z reads as UTC since Python 3.11)
+    except (TypeError, ValueError):  # not a str, or not ISO-8601
         return None
     return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
