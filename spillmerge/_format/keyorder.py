@@ -266,9 +266,8 @@ class KeyOrders:
         out: dict[Path, dict[str, int]] = {}
         for _, _, oid in self._runs:
             for path, keys in self._specs[oid].items():
-                got = out.setdefault(F.general_path(path)[0], {})
-                for k, i in keys.items():
-                    got.setdefault(k, i)
+                gen = F.general_path(path)[0]
+                out[gen] = keys | out.get(gen, {})  # a key's first position wins
         return {path: {k: i for i, k in enumerate(_in_order(keys))} for path, keys in out.items()}
 
     def of_file(self, i: int) -> Spec | None:

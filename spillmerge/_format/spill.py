@@ -385,10 +385,9 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
         raise CorruptSpillError(f"{path}: journal catalog entries malformed", path=path)
     checks = None
     if "checks" in h:
-        raw_checks = h.get("checks")
-        if not isinstance(raw_checks, list) or not all(
-            F.int_list(c, hi=1 << 56) and len(c) == CHECK_COLUMNS for c in raw_checks
-        ):
+        raw_checks = h["checks"]
+        ok = isinstance(raw_checks, list) and all(F.int_list(c, hi=1 << 56) and len(c) == CHECK_COLUMNS for c in raw_checks)
+        if not ok:
             raise CorruptSpillError(f"{path}: journal checks malformed", path=path)
         checks = np.array(raw_checks, dtype=np.int64).reshape(len(raw_checks), CHECK_COLUMNS)
     return JournalEntry(

@@ -63,13 +63,10 @@ class ProgressRecord:
             if not isinstance(obj, dict) or obj.get("kind") != "spill-progress":
                 return None
             ints = {k: obj[k] for k in ("rank", "frames", "rows", "nbytes", "chunks", "staged_frames", "staged_bytes")}
-            times = {k: obj[k] for k in ("updated", "staged_updated")}
-            if not all(type(v) is int and v >= 0 for v in ints.values()) or not all(
-                type(v) in (int, float) for v in times.values()
-            ):
+            times = {k: float(obj[k]) for k in ("updated", "staged_updated") if type(obj[k]) in (int, float)}
+            if len(times) < 2 or not all(type(v) is int and v >= 0 for v in ints.values()):
                 return None
-            at: dict[str, Any] = {k: float(v) for k, v in times.items()}  # updated, staged_updated
-            return cls(segment=str(obj.get("segment")), **ints, **at)
+            return cls(segment=str(obj.get("segment")), **(ints | times))
         except (KeyError, F.CorruptSpillError):
             return None
 
