@@ -254,7 +254,11 @@ class LocalStorage(Storage):
         if not paths:
             return
         with self.storage_errors("sync", rels[0]):
-            list(_fsync_pool().map(functools.partial(_fsync_path, missing_ok=missing_ok), sorted(paths)))
+            fsync = functools.partial(_fsync_path, missing_ok=missing_ok)
+            if len(paths) == 1:  # no thread hand-off for one (a loaded machine schedules the pool late)
+                fsync(paths.pop())
+            else:
+                list(_fsync_pool().map(fsync, sorted(paths)))
         self._synced.update(rels)
 
     def _folders(self, rels: Sequence[str], up: bool) -> set[str]:
