@@ -1343,7 +1343,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "column-leaf-with-an-item-position-refused",
         "spillmerge/_format/output.py",
-        "        if any(item_index(k) is not None for k in leaf):",
+        "        if any(F.item_index(k) is not None for k in leaf):",
         "        if False:",
         ("tests/format/test_format_version.py::test_a_column_naming_a_list_item_by_position_is_refused",),
         "an output column whose leaf names a list item by position (a spill path) is refused at open",

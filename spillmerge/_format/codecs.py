@@ -106,6 +106,14 @@ _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_SKIPPABLE = 0x184D2A50  # .. 0x184D2A5F
 
 
+def _le(data: memoryview, at: int, k: int, what: str) -> int:
+    """The ``k``-byte little-endian integer at byte ``at`` of a zstd chunk; ``ValueError`` naming
+    ``what`` it is part of when the chunk ends first."""
+    if at + k > len(data):
+        raise ValueError(f"truncated zstd {what} at byte {at}")
+    return int.from_bytes(data[at : at + k], "little")
+
+
 def _zstd_content_size(data: memoryview) -> int:
     """Sum of the content sizes of the zstd frames in ``data`` (RFC 8878 section 3.1), walking
     block headers to find each frame's end: every frame must declare its size."""
@@ -113,33 +121,22 @@ def _zstd_content_size(data: memoryview) -> int:
     if n == 0:
         raise ValueError("an empty zstd chunk")
     while pos < n:
-        if pos + 4 > n:
-            raise ValueError(f"truncated zstd frame at byte {pos}")
-        magic = int.from_bytes(data[pos : pos + 4], "little")
+        magic = _le(data, pos, 4, "frame")
         if magic & 0xFFFFFFF0 == _ZSTD_SKIPPABLE:
-            if pos + 8 > n:
-                raise ValueError(f"truncated skippable zstd frame at byte {pos}")
-            pos += 8 + int.from_bytes(data[pos + 4 : pos + 8], "little")
+            pos += 8 + _le(data, pos + 4, 4, "skippable frame")
             continue
         if magic != _ZSTD_MAGIC:
             raise ValueError(f"no zstd frame at byte {pos} (magic {magic:#x})")
-        if pos + 5 > n:
-            raise ValueError(f"truncated zstd frame header at byte {pos}")
-        fhd = data[pos + 4]
+        fhd = _le(data, pos + 4, 1, "frame header")
         fcs_flag, single, checksum, dict_flag = fhd >> 6, (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3
         p = pos + 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
         fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
         if fcs_len == 0:
             raise ValueError(f"the zstd frame at byte {pos} does not declare its content size")
-        if p + fcs_len > n:
-            raise ValueError(f"truncated zstd frame header at byte {pos}")
-        size = int.from_bytes(data[p : p + fcs_len], "little") + (256 if fcs_len == 2 else 0)
-        total += size
+        total += _le(data, p, fcs_len, "frame header") + (256 if fcs_len == 2 else 0)
         p += fcs_len
         while True:  # blocks: 3-byte little-endian header (last, type, size)
-            if p + 3 > n:
-                raise ValueError(f"truncated zstd block at byte {p}")
-            h = int.from_bytes(data[p : p + 3], "little")
+            h = _le(data, p, 3, "block")
             last, btype, bsize = h & 1, (h >> 1) & 3, h >> 3
             if btype == 3:
                 raise ValueError(f"reserved zstd block type at byte {p}")

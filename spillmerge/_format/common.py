@@ -173,16 +173,9 @@ _NATIVE = [
 _RAW = {
     "bfloat16": "uint16",
     "complex32": "uint32",
-    "float8_e4m3fn": "uint8",
-    "float8_e4m3fnuz": "uint8",
-    "float8_e5m2": "uint8",
-    "float8_e5m2fnuz": "uint8",
-    "float8_e8m0fnu": "uint8",
-    "float4_e2m1fn_x2": "uint8",  # two 4-bit floats packed in each byte
-    "bits1x8": "uint8",
-    "bits2x4": "uint8",
-    "bits4x2": "uint8",
-    "bits8": "uint8",
+    # (float4_e2m1fn_x2: two 4-bit floats packed in each byte)
+    **dict.fromkeys(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"), "uint8"),
+    **dict.fromkeys(("float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2", "bits8"), "uint8"),
     "bits16": "uint16",
 }
 
@@ -248,9 +241,7 @@ each item's position (``MARK`` + index), which a merge turns into list offsets."
 
 def item_index(seg: str) -> int | None:
     """The position of a spill list item segment (``MARK`` + decimal digits), else None."""
-    if len(seg) > 1 and seg[0] == MARK and seg[1:].isdigit() and seg[1:].isascii():
-        return int(seg[1:])
-    return None
+    return int(seg[1:]) if len(seg) > 1 and seg[0] == MARK and seg[1:].isdigit() and seg[1:].isascii() else None
 
 
 def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -258,15 +249,9 @@ def general_path(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...
     (outermost first): ``("a", "\x1f3", "b")`` is ``(("a", ITEM, "b"), (3,))``."""
     if not any(s and s[0] == MARK for s in path):
         return path, ()
-    segs, idx = [], []
-    for seg in path:
-        i = item_index(seg)
-        if i is None:
-            segs.append(seg)
-        else:
-            segs.append(ITEM)
-            idx.append(i)
-    return tuple(segs), tuple(idx)
+    idx = [item_index(seg) for seg in path]
+    segs = tuple(seg if i is None else ITEM for seg, i in zip(path, idx, strict=True))
+    return segs, tuple(i for i in idx if i is not None)
 
 
 def list_domain(path: tuple[str, ...]) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ shared by the reader and ``spillmerge verify``: its columns', its header's and i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import Any
@@ -43,22 +44,13 @@ def read_array(arr: Any, sel: Any = None) -> np.ndarray:
         ) from exc
 
 
-def read_rows(arr: Any, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Rows ``a .. b-1`` of ``arr``, read one chunk row at a time into the result on a local disk
-    (zarr holds every chunk of a selection and its decoded copy until the selection is filled),
-    four at a time on object stores, where requests in flight make reads fast. ``out`` (``b - a``
-    rows) receives them when given."""
+def read_rows(arr: Any, a: int, b: int, out: np.ndarray) -> None:
+    """Rows ``a .. b-1`` of ``arr`` into ``out`` (``b - a`` rows), read one chunk row at a time on a
+    local disk (zarr holds every chunk of a selection and its decoded copy until the selection is
+    filled), four at a time on object stores, where requests in flight make reads fast."""
     k = int(arr.chunks[0]) * (1 if getattr(arr.store, "local", False) else 4)
-    if b - a <= k and out is None:
-        return read_array(arr, slice(a, b))
-    if out is None:
-        out = np.empty((b - a, *arr.shape[1:]), dtype=arr.dtype)
-    pos = a
-    while pos < b:
-        stop = min(b, (pos // k + 1) * k)
+    for pos, stop in itertools.pairwise([a, *range((a // k + 1) * k, b, k), b]):
         out[pos - a : stop - a] = read_array(arr, slice(pos, stop))
-        pos = stop
-    return out
 
 
 def index_node(group: Any, name: str, describe: Callable[[str], str]) -> Any:
@@ -368,9 +360,8 @@ def sorted_problems(filenames: np.ndarray, rel: str = "index/filenames") -> list
         return []
     i = int(bad[0])
     a, b = filenames[i], filenames[i + 1]
-    if a == b:
-        return [(rel, f"{a!r:.200} is listed more than once")]
-    return [(rel, f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}")]
+    what = f"{a!r:.200} is listed more than once" if a == b else f"not sorted: entry {i + 1} {b!r:.200} follows {a!r:.200}"
+    return [(rel, what)]
 
 
 def layout_problems(file_layout: np.ndarray, n_layouts: int, filenames: Any, first: int = 0) -> list[Problem]:

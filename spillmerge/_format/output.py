@@ -13,28 +13,7 @@ import numpy as np
 
 from .._errors import CorruptSpillError, NotAnOutputError
 from . import codecs as _codecs
-from .common import (
-    DTYPES,
-    FORMAT_VERSION,
-    MAX_CHUNK_BYTES,
-    MAX_NDIM,
-    ROOT_DOC_MAX_BYTES,
-    ProcessFailure,
-    check_version,
-    column_name_choices,
-    dumps,
-    failure_now,
-    failure_read,
-    int_field,
-    int_list,
-    int_or_none,
-    item_index,
-    loads,
-    shape_problem,
-    str_list,
-    str_or_none,
-    utcnow,
-)
+from . import common as F
 from .spill import parse_rank_dirname
 
 if TYPE_CHECKING:
@@ -61,8 +40,8 @@ class ChunkLimits:
 
 def _ints(v: Any, what: str) -> list[int]:
     v = list(v) if isinstance(v, tuple) else v  # (zarr's metadata objects give tuples)
-    if not int_list(v, most=MAX_NDIM + 1):
-        raise ValueError(f"{what} {v!r:.200} is not a list of at most {MAX_NDIM + 1} non-negative ints")
+    if not F.int_list(v, most=F.MAX_NDIM + 1):
+        raise ValueError(f"{what} {v!r:.200} is not a list of at most {F.MAX_NDIM + 1} non-negative ints")
     return v
 
 
@@ -85,7 +64,7 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
         big = [d for d, (c, s) in enumerate(zip(chunks, shape, strict=True)) if c > max(s, 1)]
         if big:
             raise ValueError(f"chunk shape {chunks} is larger than the array's shape {shape} in dimension {big[0]}")
-        bad = shape_problem(shape[1:])
+        bad = F.shape_problem(shape[1:])
         if bad is not None:
             raise ValueError(f"a row's {bad}")
         compressor, crc = _codecs.chain(meta.get("codecs"))
@@ -94,9 +73,9 @@ def chunk_limits(meta: Any, *, path: str) -> ChunkLimits:
             raise ValueError(f"data type {dt!r:.100} must be numeric and bytes encoded")
         row = np.dtype(dt).itemsize * math.prod(chunks[1:])
         decoded = row * chunks[0]
-        if decoded > max(MAX_CHUNK_BYTES, row):
+        if decoded > max(F.MAX_CHUNK_BYTES, row):
             raise ValueError(
-                f"a chunk of shape {chunks} decodes to {decoded} bytes, more than the {MAX_CHUNK_BYTES} the "
+                f"a chunk of shape {chunks} decodes to {decoded} bytes, more than the {F.MAX_CHUNK_BYTES} the "
                 "format allows a chunk of several rows"
             )
     except (KeyError, TypeError, ValueError) as exc:
@@ -156,31 +135,30 @@ class PartDoneRecord:
 
     @classmethod
     def now(cls, **fields: Any) -> PartDoneRecord:
-        return cls(finished=utcnow(), host=socket.gethostname(), pid=os.getpid(), **fields)
+        return cls(finished=F.utcnow(), host=socket.gethostname(), pid=os.getpid(), **fields)
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part", **asdict(self)})
+        return F.dumps({"format_version": F.FORMAT_VERSION, "kind": "merge-part", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartDoneRecord:
         obj, common = _part_header(data, "merge-part", path, part, parts)
         return cls(
-            **common,
-            n_files=int_field(obj, "n_files", path, hi=1 << 40),
-            n_frames=int_field(obj, "n_frames", path, hi=1 << 40),
-            nbytes=int_field(obj, "nbytes", path, hi=1 << 56),
+            **(common | F.int_fields(obj, path, _PART_INTS)),
             codec=str(obj.get("codec")),
-            chunk_bytes=int_field(obj, "chunk_bytes", path, lo=1, hi=1 << 40),
             index=obj.get("index") is True,
             finished=str(obj.get("finished")),
             host=str(obj.get("host"))[:256],
-            pid=int_or_none(obj, "pid") or 0,
+            pid=F.int_or_none(obj, "pid") or 0,
             options=obj["options"] if isinstance(obj.get("options"), dict) else None,
         )
 
 
+_PART_INTS = {"n_files": (0, 1 << 40), "n_frames": (0, 1 << 40), "nbytes": (0, 1 << 56), "chunk_bytes": (1, 1 << 40)}
+
+
 @dataclass(frozen=True, slots=True)
-class PartFailureRecord(ProcessFailure):
+class PartFailureRecord(F.ProcessFailure):
     """``OUT/spillmerge-parts/part-I-of-N.failed.json``: part ``I`` raised (removed when it reruns)."""
 
     part: int
@@ -195,24 +173,24 @@ class PartFailureRecord(ProcessFailure):
 
     @classmethod
     def of(cls, exc: BaseException, **fields: Any) -> PartFailureRecord:
-        return cls(**failure_now(exc, message_chars=4000), **fields)
+        return cls(**F.failure_now(exc, message_chars=4000), **fields)
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-part-failure", **asdict(self)})
+        return F.dumps({"format_version": F.FORMAT_VERSION, "kind": "merge-part-failure", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str, part: int, parts: int) -> PartFailureRecord:
         obj, common = _part_header(data, "merge-part-failure", path, part, parts)
         return cls(
             **common,
-            **failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
+            **F.failure_read(obj, message_chars=4000, missing="", missing_type="Error"),
         )
 
 
 def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """A part record's object, checked to be the record its name says it is, and the fields every
     part record has (part, parts, plan, rank, run_id)."""
-    obj = loads(data, path=path)
+    obj = F.loads(data, path=path)
     ok = (
         isinstance(obj, dict)
         and obj.get("kind") == kind
@@ -222,9 +200,9 @@ def _part_header(data: bytes, kind: str, path: str, part: int, parts: int) -> tu
     )
     if not ok:
         raise CorruptSpillError(f"{path}: not a spillmerge {kind} record for part {part} of {parts}", path=path)
-    check_version(obj, path, spill=False)
-    common = {"part": part, "parts": parts, "plan": obj["plan"], "rank": int_or_none(obj, "rank")}
-    return dict(obj), {**common, "run_id": str_or_none(obj, "run_id", path)}
+    F.check_version(obj, path, spill=False)
+    common = {"part": part, "parts": parts, "plan": obj["plan"], "rank": F.int_or_none(obj, "rank")}
+    return dict(obj), {**common, "run_id": F.str_or_none(obj, "run_id", path)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +225,7 @@ class OutputHeader:
     dict was in sorted key order."""
 
     def to_obj(self) -> dict[str, Any]:
-        obj = {"format_version": FORMAT_VERSION, "kind": "merged", **asdict(self)}
+        obj = {"format_version": F.FORMAT_VERSION, "kind": "merged", **asdict(self)}
         if obj["key_orders"] is None:
             del obj["key_orders"]
         return obj
@@ -303,33 +281,33 @@ class ColumnHeader:
         if not isinstance(obj, dict):
             raise bad("no spillmerge column header (leaf, kind, dtype)")
         leaf, kind, dtype = obj.get("leaf"), obj.get("kind"), obj.get("dtype")
-        if not str_list(leaf):
+        if not F.str_list(leaf):
             raise bad(f"leaf {leaf!r:.200} is not a list of dict keys")
-        if any(item_index(k) is not None for k in leaf):  # a spill's item position, never an output's
+        if any(F.item_index(k) is not None for k in leaf):  # a spill's item position, never an output's
             raise bad(f"leaf {leaf!r:.200} names a list item by position (an output's list items are one path)")
         numeric_dt = dtype if kind in NUMERIC_KINDS and isinstance(dtype, str) else None
         variant = obj.get("variant")
         if variant is not None and not isinstance(variant, str):
             raise bad(f"variant {variant!r:.100} is not a string")
-        if name not in column_name_choices(tuple(leaf), variant or numeric_dt):
+        if name not in F.column_name_choices(tuple(leaf), variant or numeric_dt):
             raise bad(f"column {name!r} holds leaf {leaf!r:.200}, which a merge names otherwise")
         if kind not in COLUMN_KINDS:
             raise bad(f"unknown kind {kind!r:.50} (known: {', '.join(COLUMN_KINDS)})")
         numeric = kind in NUMERIC_KINDS
-        dt = DTYPES.get(dtype) if isinstance(dtype, str) else None
+        dt = F.DTYPES.get(dtype) if isinstance(dtype, str) else None
         if numeric and (dt is None or not dt.numeric):
             raise bad(f"unknown dtype {dtype!r:.50} (known: docs/FORMAT.md section 3)")
         if not numeric and dtype != kind:
             raise bad(f"dtype {dtype!r:.50} of a {kind} column (must be {kind!r})")
         inner = obj.get("inner_shape")
-        if inner is not None and not int_list(inner):
+        if inner is not None and not F.int_list(inner):
             raise bad(f"inner_shape {inner!r:.100} is not a list of non-negative ints")
-        cmb = int_or_none(obj, "chunk_max_bytes")
+        cmb = F.int_or_none(obj, "chunk_max_bytes")
         return cls(
             leaf=tuple(leaf),
             kind=str(kind),
             dtype=str(dtype),
-            ndim=int_or_none(obj, "ndim"),
+            ndim=F.int_or_none(obj, "ndim"),
             inner_shape=tuple(inner) if inner is not None else None,
             has_valid=bool(obj.get("has_valid")),
             chunk_max_bytes=cmb if cmb is not None and cmb >= 0 else None,
@@ -357,14 +335,14 @@ class CompletionMarker:
     waiting for this merge (``wait=True``) tell its marker from an earlier round's by it."""
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})
+        return F.dumps({"format_version": F.FORMAT_VERSION, "kind": "merge-complete", **asdict(self)})
 
 
 def json_or_none(storage: Storage, rel: str, max_bytes: int) -> Any:
     """The JSON object ``rel``; None when absent or no JSON (torn, or another tool's)."""
     raw = storage.get_or_none(rel, max_bytes=max_bytes)
     try:
-        return None if raw is None else loads(raw, path=storage.describe(rel))
+        return None if raw is None else F.loads(raw, path=storage.describe(rel))
     except CorruptSpillError:
         return None
 
@@ -373,7 +351,7 @@ def header(storage: Storage) -> dict[str, Any] | None:
     """The output header (root ``zarr.json`` attributes ``spillmerge``) when ``storage`` holds a
     merged output's root document, else None (absent, torn or not ours). The one reader of
     "is this a merged output?" for the merge, ``inspect`` and ``open``."""
-    obj = json_or_none(storage, "zarr.json", ROOT_DOC_MAX_BYTES)
+    obj = json_or_none(storage, "zarr.json", F.ROOT_DOC_MAX_BYTES)
     attrs = obj.get("attributes") if isinstance(obj, dict) else None
     head = attrs.get("spillmerge") if isinstance(attrs, dict) else None
     return head if isinstance(head, dict) and head.get("kind") == "merged" else None
@@ -387,26 +365,19 @@ def what_is(storage: Storage) -> str:
             return "missing"
         if storage.fs.isfile(storage.path("")):
             return "file"
-    if any(parse_rank_dirname(n) is not None for n in storage.listdir("")):
-        return "spill"
-    return "other"
+    return "spill" if any(parse_rank_dirname(n) is not None for n in storage.listdir("")) else "other"
 
 
 def not_an_output(storage: Storage, kind: str | None = None) -> NotAnOutputError:
     """The error for opening, inspecting or verifying something that is no output, naming what it is."""
     kind = kind or what_is(storage)
-    where = storage.describe()
+    where, no_doc = storage.describe(), "no zarr.json"
     if kind == "other" and storage.exists("zarr.json"):  # torn, or another tool's
-        return NotAnOutputError(
-            f"{where} is not a spillmerge output ({storage.describe('zarr.json')} is no spillmerge output's root "
-            "document) nor a spill root (no rank-NNNNN folders)",
-            path=where,
-            kind=kind,
-        )
+        no_doc = f"{storage.describe('zarr.json')} is no spillmerge output's root document"
     why = {
         "missing": f"{where} does not exist",
         "file": f"{where} is a file, not a spillmerge output (a folder)",
         "spill": f"{where} is a spill root, not a merged output: run `spillmerge merge {where} --out OUT` and open OUT",
-        "other": f"{where} is not a spillmerge output (no zarr.json) nor a spill root (no rank-NNNNN folders)",
+        "other": f"{where} is not a spillmerge output ({no_doc}) nor a spill root (no rank-NNNNN folders)",
     }[kind]
     return NotAnOutputError(why, path=where, kind=kind)

@@ -13,29 +13,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import CorruptSpillError
+from . import common as F
 from . import crc as _crc
-from .common import (
-    DTYPES,
-    HARD_MAX_BYTES,
-    MAX_LEAF_BYTES,
-    MAX_NDIM,
-    SPILL_FORMAT_VERSION,
-    STRING_MAX_BYTES,
-    ExceptionRecord,
-    ProcessFailure,
-    check_header,
-    dumps,
-    exception_read,
-    failure_now,
-    failure_read,
-    int_field,
-    int_fields,
-    int_list,
-    loads,
-    shape_problem,
-    str_list,
-    str_or_none,
-)
 
 RANK_PREFIX = "rank-"
 SEGMENT_PREFIX = "seg-"
@@ -56,13 +35,13 @@ COL_FILE, COL_FRAME, COL_LAYOUT, COL_OFFSET, COL_NBYTES, COL_CRC = range(INDEX_C
 def catalog_max_bytes(n_files: int, n_rows: int) -> int:
     """Largest catalog a commit record of ``n_files`` files and ``n_rows`` rows admits: 1 MiB,
     plus 64 KiB per filename, plus 4 KiB per row (at most one layout per row), and never above 2 GiB."""
-    return min(HARD_MAX_BYTES, (1 << 20) + (64 << 10) * n_files + (4 << 10) * n_rows)
+    return min(F.HARD_MAX_BYTES, (1 << 20) + (64 << 10) * n_files + (4 << 10) * n_rows)
 
 
 def journal_max_bytes(chunk_bytes: int) -> int:
     """Largest journal entry of a segment of ``chunk_bytes`` chunks: 64 MiB of header (the catalog
     entries first used), plus one 48-byte row per byte of the chunk, and never above 1 GiB."""
-    return min(HARD_MAX_BYTES // 2, (64 << 20) + INDEX_COLUMNS * 8 * chunk_bytes + 12)
+    return min(F.HARD_MAX_BYTES // 2, (64 << 20) + INDEX_COLUMNS * 8 * chunk_bytes + 12)
 
 
 _RANK_RE = re.compile(r"rank-(\d{5,})")
@@ -133,16 +112,16 @@ class CommitRecord:
     """CRC-32C of the raw ``checks`` bytes."""
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
+        return F.dumps({"format_version": F.SPILL_FORMAT_VERSION, "kind": "spill-commit", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> CommitRecord:
-        obj = check_header(loads(data, path=path), "spill-commit", path)
+        obj = F.check_header(F.loads(data, path=path), "spill-commit", path)
         segment = obj.get("segment")
         if not isinstance(segment, str) or not is_segment_name(segment):
             raise CorruptSpillError(f"{path}: bad segment name {segment!r}", path=path)
-        run_id, finished = str_or_none(obj, "run_id", path), str(obj.get("finished"))
-        return cls(segment=segment, run_id=run_id, finished=finished, **int_fields(obj, path, _COMMIT_INTS))
+        run_id, finished = F.str_or_none(obj, "run_id", path), str(obj.get("finished"))
+        return cls(segment=segment, run_id=run_id, finished=finished, **F.int_fields(obj, path, _COMMIT_INTS))
 
 
 MAX_WORLD_SIZE = 1 << 24
@@ -158,7 +137,7 @@ _COMMIT_INTS = {
 
 
 @dataclass(frozen=True, slots=True)
-class FailureRecord(ExceptionRecord):
+class FailureRecord(F.ExceptionRecord):
     """Contents of ``failed.json``: the writer session ended on an exception."""
 
     rank: int
@@ -167,18 +146,16 @@ class FailureRecord(ExceptionRecord):
     run_id: str | None
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
+        return F.dumps({"format_version": F.SPILL_FORMAT_VERSION, "kind": "spill-failure", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> FailureRecord:
-        obj = check_header(loads(data, path=path), "spill-failure", path)
-        ints = int_fields(obj, path, _RANK_INTS)
+        obj = F.check_header(F.loads(data, path=path), "spill-failure", path)
+        fields = F.exception_read(obj, message_chars=2000, missing=None, missing_type=None)
         return cls(
-            rank=ints["rank"],
-            world_size=ints["world_size"],
             segment=str(obj.get("segment")),
-            run_id=str_or_none(obj, "run_id", path),
-            **exception_read(obj, message_chars=2000, missing=None, missing_type=None),
+            run_id=F.str_or_none(obj, "run_id", path),
+            **(fields | F.int_fields(obj, path, _RANK_INTS)),
         )
 
 
@@ -201,12 +178,12 @@ class SegmentHeader:
 
     def to_json(self) -> bytes:
         """The whole ``zarr.json`` document of the segment group."""
-        attrs = {"format_version": SPILL_FORMAT_VERSION, "kind": "spill-segment", **asdict(self)}
-        return dumps({"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": attrs}})
+        attrs = {"format_version": F.SPILL_FORMAT_VERSION, "kind": "spill-segment", **asdict(self)}
+        return F.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"spillmerge": attrs}})
 
 
 @dataclass(frozen=True, slots=True)
-class MergeFailureRecord(ProcessFailure):
+class MergeFailureRecord(F.ProcessFailure):
     """``ROOT/spillmerge-failed.json``: ``SpillWriter.merge`` failed on the merging rank, so ranks
     waiting for the output (``wait=True``) raise at once, not at the timeout. Only its ``run_id``'s
     waiting ranks read it; a later failure replaces it."""
@@ -220,19 +197,19 @@ class MergeFailureRecord(ProcessFailure):
 
     @classmethod
     def of(cls, exc: BaseException, *, rank: int, run_id: str | None, session: int) -> MergeFailureRecord:
-        return cls(rank=rank, run_id=run_id, session=session, **failure_now(exc, message_chars=2000))
+        return cls(rank=rank, run_id=run_id, session=session, **F.failure_now(exc, message_chars=2000))
 
     def to_json(self) -> bytes:
-        return dumps({"format_version": SPILL_FORMAT_VERSION, "kind": "merge-failure", **asdict(self)})
+        return F.dumps({"format_version": F.SPILL_FORMAT_VERSION, "kind": "merge-failure", **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, *, path: str) -> MergeFailureRecord:
-        obj = check_header(loads(data, path=path), "merge-failure", path)
+        obj = F.check_header(F.loads(data, path=path), "merge-failure", path)
         return cls(
-            rank=int_field(obj, "rank", path, hi=MAX_WORLD_SIZE),
-            run_id=str_or_none(obj, "run_id", path),
-            session=int_field(obj, "session", path, hi=1 << 40),
-            **failure_read(obj, message_chars=2000, missing=None, missing_type=None),
+            rank=F.int_field(obj, "rank", path, hi=MAX_WORLD_SIZE),
+            run_id=F.str_or_none(obj, "run_id", path),
+            session=F.int_field(obj, "session", path, hi=1 << 40),
+            **F.failure_read(obj, message_chars=2000, missing=None, missing_type=None),
         )
 
 
@@ -253,7 +230,7 @@ class Layout:
     @property
     def nbytes(self) -> int:
         """Bytes of one row of this layout in ``data`` (docs/FORMAT.md section 1)."""
-        dt = DTYPES[self.dtype]
+        dt = F.DTYPES[self.dtype]
         if dt.kind == "strlist":
             return self.shape[1]
         if not dt.numeric:
@@ -262,7 +239,7 @@ class Layout:
 
     @property
     def kind(self) -> str:
-        return DTYPES[self.dtype].kind
+        return F.DTYPES[self.dtype].kind
 
     def to_obj(self) -> dict[str, Any]:
         obj: dict[str, Any] = {"leaf": list(self.leaf), "dtype": self.dtype, "shape": list(self.shape)}
@@ -275,33 +252,33 @@ class Layout:
         if not isinstance(obj, dict):
             raise CorruptSpillError(f"{path}: layout must be an object", path=path)
         leaf, dtype, shape = obj.get("leaf"), obj.get("dtype"), obj.get("shape")
-        if not str_list(leaf) or len(leaf) > 64:
+        if not F.str_list(leaf) or len(leaf) > 64:
             raise CorruptSpillError(f"{path}: layout leaf must be a list of strings", path=path)
-        if not isinstance(dtype, str) or dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in F.DTYPES:
             raise CorruptSpillError(f"{path}: unknown dtype {dtype!r}", path=path)
-        dt = DTYPES[dtype]
-        if not int_list(shape, hi=1 << 40, most=MAX_NDIM):
+        dt = F.DTYPES[dtype]
+        if not F.int_list(shape, hi=1 << 40, most=F.MAX_NDIM):
             raise CorruptSpillError(f"{path}: layout shape must be a list of non-negative ints", path=path)
         want = _LAYOUT_NDIM.get(dtype)
         if want is not None and len(shape) != want:
             raise CorruptSpillError(f"{path}: a {dtype} layout has {want} dims, got shape {shape}", path=path)
         pos = obj.get("pos")
-        if pos is not None and (not int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
+        if pos is not None and (not F.int_list(pos, lo=-1, hi=1 << 31) or len(pos) != len(leaf)):
             what = f"layout pos must be one int >= -1 per leaf segment, got {pos!r:.200}"
             raise CorruptSpillError(f"{path}: {what}", path=path)
         lay = cls(tuple(leaf), dtype, tuple(shape), None if pos is None else tuple(pos))
         nbytes, kind = lay.nbytes, dt.kind
-        if nbytes > MAX_LEAF_BYTES:
-            raise CorruptSpillError(f"{path}: layout {lay} is larger than {MAX_LEAF_BYTES} bytes", path=path)
+        if nbytes > F.MAX_LEAF_BYTES:
+            raise CorruptSpillError(f"{path}: layout {lay} is larger than {F.MAX_LEAF_BYTES} bytes", path=path)
         # The writer's bounds (_values.check_leaf_limits), which every output reader enforces: a
         # merge of such a leaf would succeed and leave an unreadable output.
-        bad = shape_problem(lay.shape) if kind == "num" and nbytes == 0 else None
+        bad = F.shape_problem(lay.shape) if kind == "num" and nbytes == 0 else None
         if kind == "strlist" and 4 * shape[0] > shape[1]:
             # each string has a 4-byte length in its bytes: 2**31 strings in 12 bytes would make
             # the merge's copy read lengths past the leaf
             bad = f"{shape[0]} strings cannot fit in {shape[1]} bytes (4 length bytes each)"
-        if kind in ("str", "strlist") and nbytes > STRING_MAX_BYTES:
-            bad = f"a string of {nbytes} bytes, more than {STRING_MAX_BYTES}"
+        if kind in ("str", "strlist") and nbytes > F.STRING_MAX_BYTES:
+            bad = f"a string of {nbytes} bytes, more than {F.STRING_MAX_BYTES}"
         if bad is not None:
             raise CorruptSpillError(f"{path}: layout {lay}: {bad} (the format's limit)", path=path)
         return lay
@@ -342,7 +319,7 @@ def journal_name(chunk: int) -> str:
 
 def encode_catalog(filenames: list[str], layouts: list[Layout]) -> bytes:
     """A segment's catalog (docs/FORMAT.md "catalog")."""
-    return dumps({"filenames": filenames, "layouts": [lay.to_obj() for lay in layouts]})
+    return F.dumps({"filenames": filenames, "layouts": [lay.to_obj() for lay in layouts]})
 
 
 def encode_journal(
@@ -360,7 +337,7 @@ def encode_journal(
     if checks is not None and len(checks):  # the block checksums of this chunk's rows
         head["check_base"] = check_base
         head["checks"] = checks.tolist()
-    header = dumps(head)
+    header = F.dumps(head)
     body = JOURNAL_MAGIC + len(header).to_bytes(4, "little") + header + rows.astype("<i8").tobytes()
     return body + _crc.value(body).to_bytes(4, "little")
 
@@ -396,29 +373,28 @@ def decode_journal(blob: bytes, *, path: str) -> JournalEntry:
     hlen = int.from_bytes(blob[4:8], "little")
     if 8 + hlen > len(blob) - 4:
         raise CorruptSpillError(f"{path}: journal header length out of range", path=path)
-    h = loads(blob[8 : 8 + hlen], path=path)
+    h = F.loads(blob[8 : 8 + hlen], path=path)
     raw = blob[8 + hlen : -4]
     if not isinstance(h, dict):
         raise CorruptSpillError(f"{path}: journal header must be an object", path=path)
-    n = int_field(h, "n_rows", path, hi=1 << 40)
+    n = F.int_field(h, "n_rows", path, hi=1 << 40)
     if len(raw) != n * INDEX_COLUMNS * 8:
         raise CorruptSpillError(f"{path}: journal rows do not match n_rows", path=path)
     files, lays = h.get("filenames"), h.get("layouts")
-    if not str_list(files) or not isinstance(lays, list):
+    if not F.str_list(files) or not isinstance(lays, list):
         raise CorruptSpillError(f"{path}: journal catalog entries malformed", path=path)
     checks = None
     if "checks" in h:
-        raw_checks = h.get("checks")
-        if not isinstance(raw_checks, list) or not all(
-            int_list(c, hi=1 << 56) and len(c) == CHECK_COLUMNS for c in raw_checks
-        ):
+        raw_checks = h["checks"]
+        ok = isinstance(raw_checks, list) and all(F.int_list(c, hi=1 << 56) and len(c) == CHECK_COLUMNS for c in raw_checks)
+        if not ok:
             raise CorruptSpillError(f"{path}: journal checks malformed", path=path)
         checks = np.array(raw_checks, dtype=np.int64).reshape(len(raw_checks), CHECK_COLUMNS)
     return JournalEntry(
-        **int_fields(h, path, dict.fromkeys(("chunk", "file_base", "layout_base"), (0, 1 << 40))),
+        **F.int_fields(h, path, dict.fromkeys(("chunk", "file_base", "layout_base"), (0, 1 << 40))),
         filenames=files,
         layouts=[Layout.from_obj(o, path=path) for o in lays],
         rows=np.frombuffer(raw, dtype="<i8").reshape(n, INDEX_COLUMNS).astype(np.int64),
-        check_base=int_field(h, "check_base", path, hi=1 << 40) if checks is not None else 0,
+        check_base=F.int_field(h, "check_base", path, hi=1 << 40) if checks is not None else 0,
         checks=checks,
     )

@@ -18,12 +18,8 @@ def array_meta(
     """A Zarr v3 array ``zarr.json`` (docs/FORMAT.md): bytes, ``codec``'s compressor, crc32c."""
     dt = np.dtype(dtype)
     endian = {"configuration": {"endian": "little"}} if dt.itemsize > 1 else {}
-    codecs: list[dict[str, Any]] = [{"name": "bytes", **endian}]
-    compressor = _codecs.compressor_doc(codec, dt.itemsize)
-    if compressor is not None:
-        codecs.append(compressor)
-    if crc:
-        codecs.append({"name": "crc32c"})
+    chain = ({"name": "bytes", **endian}, _codecs.compressor_doc(codec, dt.itemsize), {"name": "crc32c"} if crc else None)
+    codecs = [c for c in chain if c is not None]  # bytes, the compressor if any, crc32c if asked
     fill: Any = {"b": False, "c": [0.0, 0.0], "f": 0.0}.get(dt.kind, 0)
     return {
         "zarr_format": 3,

@@ -48,8 +48,7 @@ def _url_to_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     except ImportError as exc:
         protocol = url.split("://", 1)[0] if "://" in url else "file"
         if protocol in _BACKENDS:
-            package, extra = _BACKENDS[protocol]
-            raise MissingDependencyError(package, extra, f"{protocol}:// paths ({url})") from None
+            raise MissingDependencyError(*_BACKENDS[protocol], f"{protocol}:// paths ({url})") from None
         raise SpillStorageError(f"no fsspec backend for {protocol}:// paths ({exc})", path=url) from None
     except ValueError as exc:
         raise SpillStorageError(f"cannot open {url!r}: {exc}", path=url) from None

@@ -16,7 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 from zarr.storage import FsspecStore
 
-from .._errors import SpillStorageError, UnsafePathError
+from .._errors import UnsafePathError
 from .base import Storage
 
 
@@ -95,9 +95,7 @@ class FsspecStorage(Storage):
         paths = [self.path(rel) for rel, _, _, _ in runs]
         with self.storage_errors("read from"):
             blobs = self.fs.cat_ranges(paths, [a for _, a, _, _ in runs], [b for _, _, b, _ in runs], on_error="raise")
-        for (rel, a, _, members), blob in zip(runs, blobs, strict=True):
-            if isinstance(blob, BaseException):
-                raise SpillStorageError(f"cannot read {self.describe(rel)}: {blob}", path=self.describe(rel))
+        for (rel, a, _, members), blob in zip(runs, blobs, strict=True):  # (on_error="raise": no error objects)
             for i in members:
                 _, start, stop = pieces[i]
                 n = stop - start
@@ -132,9 +130,8 @@ class FsspecStorage(Storage):
             plain = [q for q in found if not _GLOB_CHARS.intersection(q)]
             if plain:
                 self.fs.rm(plain)  # deletes in batches of 1,000 on S3
-            for q in found:
-                if _GLOB_CHARS.intersection(q):
-                    self.fs.rm_file(q)
+            for q in set(found).difference(plain):
+                self.fs.rm_file(q)
 
     def create(self, rel: str, data: bytes) -> bool:
         p = self.path(rel)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 from zarr.storage import LocalStore
 
-from .._errors import SpillStorageError, UnsafePathError
+from .._errors import UnsafePathError
 from .._format.common import ARRAY_DOC_MAX_BYTES, ROOT_DOC_MAX_BYTES
 from .base import Storage
 
@@ -186,10 +186,8 @@ class LocalStorage(Storage):
             mm = self._maps.get(rel)
             if mm is None:
                 fd = self._fd_unlocked(rel)
-                try:
+                with self.storage_errors("map", rel):
                     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if os.fstat(fd).st_size else b""
-                except (OSError, ValueError) as exc:
-                    raise SpillStorageError(f"cannot map {self.describe(rel)}: {exc}", path=self.describe(rel)) from exc
                 self._maps[rel] = mm
                 while len(self._maps) > 16:  # bounds the mapped (resident, reclaimable) spill
                     # Dropping our reference (not closing): views still in use keep the mapping alive.
@@ -257,7 +255,7 @@ class LocalStorage(Storage):
             return
         with self.storage_errors("sync", rels[0]):
             fsync = functools.partial(_fsync_path, missing_ok=missing_ok)
-            if len(paths) == 1:  # no thread hand-off for one
+            if len(paths) == 1:  # no thread hand-off for one (a loaded machine schedules the pool late)
                 fsync(paths.pop())
             else:
                 list(_fsync_pool().map(fsync, sorted(paths)))
@@ -270,10 +268,7 @@ class LocalStorage(Storage):
         out: set[str] = set()
         for rel in rels:
             d = posixpath.dirname(rel)
-            while True:
-                p = self.path(d)
-                if p in out:
-                    break
+            while (p := self.path(d)) not in out:
                 out.add(p)
                 if not d or not up:
                     break
@@ -379,11 +374,9 @@ class _LocalSink:
                     if self.durable:
                         _fsync_path(os.path.dirname(self.path))
         except BaseException:
-            if ok:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._tmp)
+            if ok:  # the caller's error is the one raised; a failed close adds nothing to it
                 raise
-        if not ok:  # the caller's error is the one raised; a failed close adds nothing to it
+        finally:  # a temporary left by a failure (renamed away on success: nothing to remove)
             with contextlib.suppress(OSError):
                 os.unlink(self._tmp)
 

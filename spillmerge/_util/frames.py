@@ -116,9 +116,7 @@ def check_expected(expected: Mapping[str, int] | str | None) -> dict[str, int] |
         raise SpillValueError(
             f"expected must be a mapping filename -> frame count or a CSV path, got {type(expected).__name__}"
         )
-    out: dict[str, int] = {}
     for name, count in expected.items():
         if not isinstance(name, str) or not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise SpillValueError(f"expected[{name!r}] must map a filename to a non-negative int, got {count!r}")
-        out[name] = count
-    return out
+    return dict(expected)

@@ -63,13 +63,10 @@ class ProgressRecord:
             if not isinstance(obj, dict) or obj.get("kind") != "spill-progress":
                 return None
             ints = {k: obj[k] for k in ("rank", "frames", "rows", "nbytes", "chunks", "staged_frames", "staged_bytes")}
-            times = {k: obj[k] for k in ("updated", "staged_updated")}
-            if not all(type(v) is int and v >= 0 for v in ints.values()) or not all(
-                type(v) in (int, float) for v in times.values()
-            ):
+            times = {k: float(obj[k]) for k in ("updated", "staged_updated") if type(obj[k]) in (int, float)}
+            if len(times) < 2 or not all(type(v) is int and v >= 0 for v in ints.values()):
                 return None
-            at: dict[str, Any] = {k: float(v) for k, v in times.items()}  # updated, staged_updated
-            return cls(segment=str(obj.get("segment")), **ints, **at)
+            return cls(segment=str(obj.get("segment")), **(ints | times))
         except (KeyError, F.CorruptSpillError):
             return None
 
@@ -160,23 +157,18 @@ def read(storage: Storage, seg_rel: str) -> ProgressRecord | None:
 
 def iso_to_unix(text: Any) -> float | None:
     """Seconds since the epoch of a record's UTC ISO-8601 time (None when unreadable)."""
-    if not isinstance(text, str):
-        return None
     try:
-        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
+        dt = datetime.fromisoformat(text)  # (a trailing Z reads as UTC since Python 3.11)
+    except (TypeError, ValueError):  # not a str, or not ISO-8601
         return None
     return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
 
-class _NoBar:
+class _NoBar(contextlib.nullcontext["_NoBar"]):
     """The bar of a run nobody watches: tqdm is not even imported."""
 
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def __init__(self) -> None:
+        super().__init__(self)
 
     def update(self, n: int = 1) -> None:
         return None

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._errors import ConfigError, SpillValueError
+from .._errors import ConfigError, SpillValueError, require
 from .._format.common import RECORD_MAX_BYTES
 from .._format.output import json_or_none
 from .._merge.report import MergeReport
@@ -21,6 +21,12 @@ no hook itself (``ddp_spawn``); not written where ``remove_spill`` took the root
 
 KeyFn = Callable[[Any, int, int, Any], Iterable[tuple[str, int, Any]]]
 """``key_fn(batch, batch_idx, dataloader_idx, prediction) -> iterable of (filename, frame_idx, value)``."""
+
+
+def base_class(module: str, package: str, feature: str) -> Any:
+    """``module``'s ``BasePredictionWriter``; :class:`~spillmerge.MissingDependencyError` naming
+    ``feature`` and the install hint when ``package`` is not installed."""
+    return require(module, package=package, extra="lightning", feature=feature).BasePredictionWriter
 
 
 def batch_names(batch: Any, batch_idx: int, filename_key: str, frame_key: str) -> tuple[Any, Any]:

@@ -14,20 +14,13 @@ package use :mod:`spillmerge.integrations.pytorch_lightning`.
 
 from __future__ import annotations
 
-from .._errors import require
-from ._prediction_writer import KeyFn, SpillPredictionWriterMixin, batch_keys
-
-_callbacks = require(
-    "lightning.pytorch.callbacks",
-    package="lightning",
-    extra="lightning",
-    feature="spillmerge.integrations.lightning",
-)
+from ._prediction_writer import KeyFn, SpillPredictionWriterMixin, base_class, batch_keys
 
 __all__ = ["KeyFn", "SpillPredictionWriter", "batch_keys"]
+_Base = base_class("lightning.pytorch.callbacks", "lightning", __name__)
 
 
-class SpillPredictionWriter(SpillPredictionWriterMixin, _callbacks.BasePredictionWriter):  # type: ignore[misc,name-defined]
+class SpillPredictionWriter(SpillPredictionWriterMixin, _Base):  # type: ignore[misc,valid-type]
     """A ``BasePredictionWriter`` that spills every prediction to ``root`` and merges into ``out``.
 
     Each rank writes the samples of each predicted batch to its own spill segment as the batch

@@ -7,19 +7,12 @@ base class, because each package's ``Trainer`` accepts only its own callbacks. N
 
 from __future__ import annotations
 
-from .._errors import require
-from ._prediction_writer import KeyFn, SpillPredictionWriterMixin, batch_keys
-
-_callbacks = require(
-    "pytorch_lightning.callbacks",
-    package="pytorch_lightning",
-    extra="lightning",
-    feature="spillmerge.integrations.pytorch_lightning",
-)
+from ._prediction_writer import KeyFn, SpillPredictionWriterMixin, base_class, batch_keys
 
 __all__ = ["KeyFn", "SpillPredictionWriter", "batch_keys"]
+_Base = base_class("pytorch_lightning.callbacks", "pytorch_lightning", __name__)
 
 
-class SpillPredictionWriter(SpillPredictionWriterMixin, _callbacks.BasePredictionWriter):  # type: ignore[misc,name-defined]
+class SpillPredictionWriter(SpillPredictionWriterMixin, _Base):  # type: ignore[misc,valid-type]
     """For ``pytorch_lightning.Trainer``; arguments and behaviour as
     :class:`spillmerge.integrations.lightning.SpillPredictionWriter`."""
