@@ -2071,6 +2071,14 @@ MUTATIONS: list[Mutation] = [
         "an open writer garbage-collected without close() ends its flush thread",
     ),
     Mutation(
+        "transfer-on-the-shared-gloo-group-b61",
+        "spillmerge/_dist/transfer.py",
+        '    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout)), torch.device("cpu")',
+        '    from .rank import gloo_group\n\n    return gloo_group(group_timeout), torch.device("cpu")',
+        ("tests/distributed/test_nodelocal.py::test_a_transfer_that_timed_out_leaves_later_collectives_working",),
+        "a transfer that timed out leaves no broken gloo group to later collectives",
+    ),
+    Mutation(
         "reader-refuses-a-replaced-output",
         "spillmerge/_read/store.py",
         "        if self._marker_identity() != self._marker:",
