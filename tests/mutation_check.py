@@ -2071,7 +2071,7 @@ MUTATIONS: list[Mutation] = [
         "an open writer garbage-collected without close() ends its flush thread",
     ),
     Mutation(
-        "transfer-on-the-shared-gloo-group-b61",
+        "b61-transfer-on-the-shared-gloo-group",
         "spillmerge/_dist/transfer.py",
         '    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout)), torch.device("cpu")',
         '    from .rank import gloo_group\n\n    return gloo_group(group_timeout), torch.device("cpu")',
