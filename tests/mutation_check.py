@@ -1174,7 +1174,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         'i40-dropin-shared-root',
         "spillmerge/_dist/dropin.py",
-        "    if not one_host:\n        _check_shared(",
+        "    if check:\n        _check_shared(",
         "    if False:\n        _check_shared(",
         ("tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",),
         "on several hosts a root some rank does not see is a ConfigError on every rank, nothing left",
@@ -2077,6 +2077,14 @@ MUTATIONS: list[Mutation] = [
         '    from .rank import gloo_group\n\n    return gloo_group(group_timeout), torch.device("cpu")',
         ("tests/distributed/test_nodelocal.py::test_a_transfer_that_timed_out_leaves_later_collectives_working",),
         "a transfer that timed out leaves no broken gloo group to later collectives",
+    ),
+    Mutation(
+        "b61-dropin-one-host-root-identity",
+        "spillmerge/_dist/dropin.py",
+        "    check = len(hosts) > 1 or len({g[5] for g in got}) > 1\n",
+        "    check = len(hosts) > 1\n",
+        ("tests/distributed/test_dropin.py::test_a_root_each_rank_of_one_host_has_to_itself_is_refused_in_seconds",),
+        "ranks of one host whose root names a folder of each one's own are refused in seconds, not at the timeout",
     ),
     Mutation(
         "reader-refuses-a-replaced-output",
