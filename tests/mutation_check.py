@@ -2087,9 +2087,20 @@ MUTATIONS: list[Mutation] = [
         "ranks of one host whose root names a folder of each one's own are refused in seconds, not at the timeout",
     ),
     Mutation(
+        "b61-damage-read-during-a-replacement",
+        "spillmerge/_read/cache.py",
+        "            except CorruptSpillError:\n                self.damage_found()\n                raise\n",
+        "            except CorruptSpillError:\n                raise\n",
+        (
+            "tests/read/test_replaced_output.py::test_a_replacement_of_other_rows_is_refused_as_a_replacement_not_damage",
+            "tests/read/test_replaced_output.py::test_an_output_being_replaced_is_named_as_such",
+        ),
+        "a read of an output being replaced says so, naming the output, not that it is damaged",
+    ),
+    Mutation(
         "reader-refuses-a-replaced-output",
         "spillmerge/_read/store.py",
-        "        if self._marker_identity() != self._marker:",
+        "        if marker != self._marker:",
         "        if False:",
         ("tests/read/test_replaced_output.py::test_a_cached_chunk_is_not_mixed_with_the_replacement",),
         "a store opened before an overwrite never serves its cached chunks beside the replacement's",
