@@ -290,7 +290,7 @@ def stalled_sender(rank: int, world: int, port: int, base: str, result: str) -> 
             def stall(self: Any, n: int, peer: int, me: int, what: str) -> None:
                 stall.calls += 1  # type: ignore[attr-defined]
                 if stall.calls == 3:  # type: ignore[attr-defined]
-                    time.sleep(6.0)
+                    time.sleep(12.0)  # well past the 3 s transfer timeout, on a loaded machine too
                 original(self, n, peer, me, what)
 
             stall.calls = 0  # type: ignore[attr-defined]
