@@ -367,6 +367,40 @@ def never_called(rank: int, world: int, base: str) -> dict[str, Any]:
         return {"error": {"type": type(exc).__name__, "msg": str(exc)}, "waited": time.perf_counter() - t0}
 
 
+UNSHARED = {"memory": "memory://alone", "relative": "calls"}
+
+
+def unshared_on_one_host(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Ranks on one host whose root names a folder of each rank's own (``memory://``, a relative
+    path from different working directories): every rank raises ConfigError in seconds, not
+    after the merge waited its whole timeout for the others' commit records; nothing stays."""
+    import spillmerge
+
+    out: dict[str, Any] = {}
+    here, mine = os.getcwd(), f"{base}/cwd{rank}"
+    os.makedirs(mine, exist_ok=True)
+    os.chdir(mine)
+    try:
+        for name, root in UNSHARED.items():
+            for kind, obj in (("spill", {"t": torch.ones(2) * rank}), ("records", [{"r": rank}])):
+                t0 = time.perf_counter()
+                try:
+                    spillmerge.all_gather_object([None] * world, obj, root=root, timeout=TIMEOUT)
+                    error = None
+                except spillmerge.SpillMergeError as exc:
+                    error = {"type": type(exc).__name__, "msg": str(exc), "key": getattr(exc, "key", None)}
+                out[f"{name}_{kind}"] = {"error": error, "waited": time.perf_counter() - t0}
+    finally:
+        os.chdir(here)
+    import torch.distributed as dist
+
+    dist.barrier()  # dst removes the call's folder once every rank raised
+    out["left"] = sorted(glob.glob(f"{mine}/**/spillmerge-*", recursive=True))
+    memory = fsspec.filesystem("memory")
+    out["left_in_memory"] = memory.ls("/alone") if memory.exists("/alone") else []
+    return out
+
+
 SCENARIOS = {
     "same_as_torch": same_as_torch,
     "torch_object_list": torch_object_list,
@@ -378,6 +412,7 @@ SCENARIOS = {
     "failures": failures,
     "after_a_timeout": after_a_timeout,
     "slow_rank": slow_rank,
+    "unshared_on_one_host": unshared_on_one_host,
     "never_called": never_called,
 }
 

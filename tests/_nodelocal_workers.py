@@ -214,22 +214,29 @@ def worker(rank: int, world: int, port: int, base: str) -> None:
     run_scenarios(rank, world, port, base, SCENARIOS, barrier_between=True)
 
 
-def killed_sender(rank: int, world: int, port: int, base: str, result: str, late: bool = False) -> None:
-    """Two ranks on two disks; rank 1 SIGKILLs itself after sending two pieces. Rank 0 must name
-    it within the transfer timeout. ``late``: rank 0 posts its next receive only once rank 1 is
-    dead (gloo then raises at the post, not at the wait)."""
+def _two_disks(rank: int, world: int, port: int, base: str) -> Any:
+    """This rank's process group, and its committed writer of 40 frames on a disk of its own."""
     import torch.distributed as dist
 
-    import spillmerge
     from spillmerge._dist import transfer as _transfer
 
     torch.set_num_threads(1)
     _transfer.VISIBILITY_GRACE = 0.2
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return _spill(f"{base}/disk{rank}", [(f"k{rank}.mp4", i) for i in range(40)], simple)
+
+
+def killed_sender(rank: int, world: int, port: int, base: str, result: str, late: bool = False) -> None:
+    """Two ranks on two disks; rank 1 SIGKILLs itself after sending two pieces. Rank 0 must name
+    it within the transfer timeout. ``late``: rank 0 posts its next receive only once rank 1 is
+    dead (gloo then raises at the post, not at the wait)."""
+    import spillmerge
+    from spillmerge._dist import transfer as _transfer
+
     info: dict[str, Any] = {"rank": rank}
     try:
-        w = _spill(f"{base}/disk{rank}", [(f"k{rank}.mp4", i) for i in range(40)], simple)
+        w = _two_disks(rank, world, port, base)
         if rank == 1:
             original = _transfer._Link.send_bytes_piece
 
@@ -262,6 +269,45 @@ def killed_sender(rank: int, world: int, port: int, base: str, result: str, late
             info["error"] = None
         except spillmerge.SpillMergeError as exc:
             info.update(_error(exc), failures=getattr(exc, "failures", None), at=time.time(), waited=time.time() - t0)
+    finally:
+        with open(f"{result}.{rank}", "w") as fh:
+            json.dump(info, fh)
+
+
+def stalled_sender(rank: int, world: int, port: int, base: str, result: str) -> None:
+    """Two ranks on two disks; rank 1 stalls past the transfer timeout before its third piece, so
+    the transfer fails on both ranks. Then both call ``all_gather_object`` with the merge's
+    timeout: a failed transfer must leave no broken group behind for later calls."""
+    import spillmerge
+    from spillmerge._dist import transfer as _transfer
+
+    info: dict[str, Any] = {"rank": rank}
+    try:
+        w = _two_disks(rank, world, port, base)
+        if rank == 1:
+            original = _transfer._Link.send_bytes_piece
+
+            def stall(self: Any, n: int, peer: int, me: int, what: str) -> None:
+                stall.calls += 1  # type: ignore[attr-defined]
+                if stall.calls == 3:  # type: ignore[attr-defined]
+                    time.sleep(12.0)  # well past the 3 s transfer timeout, on a loaded machine too
+                original(self, n, peer, me, what)
+
+            stall.calls = 0  # type: ignore[attr-defined]
+            _transfer._Link.send_bytes_piece = stall  # type: ignore[method-assign]
+        try:
+            w.merge(f"{base}/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, transfer_timeout=3.0, progress=False)
+            info["merge_error"] = None
+        except spillmerge.SpillMergeError as exc:
+            info["merge_error"] = _error(exc)
+        got: list[Any] = [None] * world
+        t0 = time.time()
+        try:
+            spillmerge.all_gather_object(got, {"rank": rank}, root=f"{base}/calls", timeout=TIMEOUT)
+            info["gathered"] = got
+        except spillmerge.SpillMergeError as exc:
+            info["gather_error"] = _error(exc)
+        info["gather_seconds"] = time.time() - t0
     finally:
         with open(f"{result}.{rank}", "w") as fh:
             json.dump(info, fh)

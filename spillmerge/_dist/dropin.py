@@ -30,7 +30,6 @@ import functools
 import json
 import os
 import socket
-import tempfile
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -52,6 +51,7 @@ from .._write.writer import SpillWriter
 from . import records
 from .gather import CHUNK_BYTES, CallWriter
 from .rank import on_gloo
+from .sharing import node_local_root, root_identity
 
 ROOT_ENV = "SPILLMERGE_ROOT"
 """The environment variable naming where the drop-ins' data travels (``root=`` wins over it)."""
@@ -69,14 +69,6 @@ class DropInArgumentError(SpillMergeError, ValueError):
 
 def _name(rank: int) -> str:
     return f"{rank:08d}"  # zero-padded: files sort in rank order
-
-
-def node_local_root() -> str:
-    """``/dev/shm`` when present and writable (nothing reaches a disk), else the temp dir."""
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
-        return shm
-    return tempfile.gettempdir()
 
 
 def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int, int]:
@@ -119,12 +111,14 @@ def _alike(rank: int, values: list[Any], name: str, error: type[SpillMergeError]
 
 def _agree(
     rank: int, dst: int, root: str | os.PathLike[str] | None, timeout: float, records: bool
-) -> tuple[str, bool, bool]:
+) -> tuple[str, bool, bool, bool]:
     """The call's folder, rank 0's fresh id under the root; whether every rank runs on this host
-    (the default root is node-local); whether every rank's object is ``records``: from one
-    all-gather, which also checks that every rank passed the same ``dst`` and root."""
+    (the default root is node-local); whether every rank's object is ``records``; whether the
+    ranks must check on storage that they see one folder (several hosts, or ranks on one host
+    whose root names different folders: ``_dist.sharing``): from one all-gather, which also
+    checks that every rank passed the same ``dst`` and root."""
     where = os.fspath(root) if root is not None else os.environ.get(ROOT_ENV) or None
-    mine = (socket.gethostname(), uuid.uuid4().hex, records, dst, where)
+    mine = (socket.gethostname(), uuid.uuid4().hex, records, dst, where, root_identity(where or node_local_root()))
     got = _exchange(rank, mine, timeout, "entered the call")
     _alike(rank, [g[3] for g in got], "dst", DropInArgumentError)
     _alike(rank, [g[4] for g in got], "root", ConfigError, key=ROOT_ENV)
@@ -136,7 +130,8 @@ def _agree(
             "every rank sees",
             key=ROOT_ENV,
         )
-    return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got)
+    check = len(hosts) > 1 or len({g[5] for g in got}) > 1
+    return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got), check
 
 
 SHARED_WAIT = 5.0  # seconds a rank looks for the file dst put in the call's folder (several hosts)
@@ -144,8 +139,10 @@ _PROBE = "shared"
 
 
 def _check_shared(rank: int, dst: int, call: str, storage_options: dict[str, Any] | None, timeout: float) -> None:
-    """On several hosts, every rank raises ConfigError unless every rank sees the file dst puts in
-    the call's folder: a folder each host has to itself would keep the other hosts' data."""
+    """Every rank raises ConfigError unless every rank sees the file dst puts in the call's folder
+    (several hosts, or one host whose ranks' root may name different folders): a folder each
+    host or rank has to itself would keep the others' data, and the merge would wait its whole
+    timeout for their commit records."""
     error, seen = None, False
     try:
         with contextlib.closing(Storage(call, storage_options)) as storage:
@@ -161,8 +158,9 @@ def _check_shared(rank: int, dst: int, call: str, storage_options: dict[str, Any
             with contextlib.suppress(Exception):  # the error below is what the caller sees
                 _remove(call, storage_options)
         raise ConfigError(
-            f"rank {rank}: rank(s) {blind} do not see the folder {call} rank {dst} made for this call: the ranks "
-            f"run on several hosts, and {ROOT_ENV} (or root=) must name storage every rank sees",
+            f"rank {rank}: rank(s) {blind} do not see the folder {call} rank {dst} made for this call: {ROOT_ENV} "
+            "(or root=) must name storage every rank sees (on several hosts: shared storage; a relative path is "
+            "each rank's working directory's, memory:// each process's own)",
             key=ROOT_ENV,
         )
 
@@ -483,8 +481,8 @@ def _collective(
     except Exception:  # noqa: BLE001 - not records after all: the general way names what is wrong
         pieces = None
     # Records on every rank go as one file a rank, read back as they are: no spill, no merge.
-    call, one_host, direct = _agree(rank, target, root, timeout, pieces is not None)
-    if not one_host:
+    call, one_host, direct, check = _agree(rank, target, root, timeout, pieces is not None)
+    if check:
         _check_shared(rank, target, call, storage_options, timeout)
     spill, out = f"{call}/spill", f"{call}/out.zarr"
     error: BaseException | None = None

@@ -30,6 +30,7 @@ wire (:class:`_Link`) and the shard protocol (:func:`transfer_shards`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -61,7 +62,6 @@ from .._spill.barrier import WaitNotices, assess, commit_looks, raise_for_state
 from .._spill.root import list_segments, scan
 from .._storage import Storage
 from .._util import poll as _poll
-from .rank import gloo_group
 from .store import Coord
 
 TRANSPORTS = ("auto", "storage", "nccl", "gloo")
@@ -165,10 +165,20 @@ def choose_backend(transport: str) -> str:
 
 def _group(backend: str, group_timeout: float) -> tuple[Any, torch.device]:
     """The process group and device for ``backend``. Every rank calls this (creating the gloo
-    group is collective), participants or not."""
+    group is collective), participants or not. With gloo, a group of this transfer's own, never
+    the cached one the drop-ins and the run id use: gloo closes a timed-out operation's
+    connection for good, and only the two ranks of that connection know, so a shared group would
+    make their later calls fail at once while the other ranks kept it. :func:`_release` ends it."""
     if backend == "nccl":
         return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
-    return gloo_group(group_timeout), torch.device("cpu")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout)), torch.device("cpu")
+
+
+def _release(group: Any) -> None:
+    """This rank is done with the transfer's own gloo group (the default group stays)."""
+    if group is not None and group is not dist.group.WORLD:
+        with contextlib.suppress(Exception):  # its connections may be what failed
+            dist.destroy_process_group(group)
 
 
 # ------------------------------------------------------------------------------------ visibility
@@ -257,14 +267,18 @@ def transfer_shards(
         invisible = {int(q): s for q, s in plan["invisible"].items()}
         coord.put(f"sees/{me}", [q for q, s in invisible.items() if session.storage.exists(_commit_rel(s))])
         group, device = _group(plan["backend"], timeout)
-        senders = {int(s): qs for s, qs in coord.wait_one("senders", "waiting for the sender assignment").items()}
-        if me in senders:
-            link = _Link(group, device, int(plan["chunk"]), transfer_timeout)
-            coord.wait_one(f"go/{me}", "waiting for the merging rank to receive")
-            _send(session.storage, link, me, dst, senders[me], set(plan["have"]))
+        try:
+            senders = {int(s): qs for s, qs in coord.wait_one("senders", "waiting for the sender assignment").items()}
+            if me in senders:
+                link = _Link(group, device, int(plan["chunk"]), transfer_timeout)
+                coord.wait_one(f"go/{me}", "waiting for the merging rank to receive")
+                _send(session.storage, link, me, dst, senders[me], set(plan["have"]))
+        finally:
+            _release(group)
         return None
     info = TransferInfo()
     t0 = time.perf_counter()
+    group = None
     try:
         # A rank that never calls merge() (e.g. `if rank == 0: w.merge(out)`) is fine when its
         # commit record is on storage dst can read: then dst stops waiting for it.
@@ -310,6 +324,8 @@ def transfer_shards(
     except BaseException as exc:
         coord.abort(exc)
         raise
+    finally:
+        _release(group)
     return info
 
 

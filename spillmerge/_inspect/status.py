@@ -268,7 +268,7 @@ def _merge_status(out: str, storage_options: dict[str, Any] | None) -> MergeStat
         if output.exists(FO.COMPLETE_NAME):  # finished since we looked
             return MergeStatus(output.url, "complete", 0, 0, None, None)
         state = "interrupted"
-        msg = "no process holds its lease: run the merge again (in parts: the parts not done, then --finalize)"
+        msg = "no process holds its lease: run the merge again (in parts: the parts not done, then finalize=True (--finalize))"
     return MergeStatus(output.url, state, len(done), len(failed), parts, msg)
 
 

@@ -17,6 +17,8 @@ from .._storage import Storage
 from .._util import poll as _poll
 
 PARTS_DIR = "spillmerge-parts"
+RUN_EVERY_PART = "run every part first: merge(root, out, part=(i, n)) (--part I/N), then finalize=True (--finalize)"
+"""What a finalize without parts tells its caller, in the Python call and the CLI flag."""
 _NAME_RE = re.compile(r"part-(\d{5,})-of-(\d{5,})(\.failed)?\.json")
 
 
@@ -118,8 +120,7 @@ def infer_parts(output: Storage, records: list[Record]) -> int:
     counts = sorted({r.parts for r in records})
     if not counts:
         raise MissingPartsError(
-            f"{output.describe()}: no part records under {PARTS_DIR}/; run every part first "
-            "(spillmerge merge ROOT --out OUT --part I/N), then --finalize",
+            f"{output.describe()}: no part records under {PARTS_DIR}/; {RUN_EVERY_PART}",
             path=output.describe(),
             missing=[],
             parts=0,
@@ -127,7 +128,7 @@ def infer_parts(output: Storage, records: list[Record]) -> int:
     if len(counts) > 1:
         raise PlanMismatchError(
             f"{output.describe()} holds parts of merges with different part counts ({counts}); rerun every part "
-            "of one of them with --overwrite, or pass the part count explicitly",
+            "of one of them with overwrite=True (--overwrite)",
             path=output.describe(),
             parts=sorted({r.part for r in records}),
         )
@@ -156,7 +157,7 @@ def wait(
         records = read_records(output, cache)
         bad = foreign(records, parts, plan)
         if bad:
-            raise mismatch_error(output, bad, parts, plan, hint="rerun those parts (with --overwrite)", options=options)
+            raise mismatch_error(output, bad, parts, plan, hint="rerun those parts with overwrite=True (--overwrite)", options=options)
         done = {r.part: r for r in records if isinstance(r, FO.PartDoneRecord)}
         failed = {
             r.part: r
@@ -190,6 +191,6 @@ def wait(
             if timeout > 0:
                 why = f"after waiting {waited:.1f} s; check those processes' logs and rerun the parts"
                 raise PartsTimeout(f"{msg} {why}", waited_s=waited, **fields)
-            why = f"run them (spillmerge merge ROOT --out OUT --part I/{parts}) or wait (--timeout)"
+            why = f"run them: merge(root, out, part=(i, {parts})) (--part I/{parts}), or wait: timeout= (--timeout)"
             raise MissingPartsError(f"{msg}; {why}", **fields)
     raise AssertionError("unreachable: poll() ends only after a check at the deadline")  # pragma: no cover

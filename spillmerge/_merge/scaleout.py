@@ -116,7 +116,7 @@ def finalize(
         if output.exists("") and output.listdir(""):
             raise _output.not_ours(output)
         raise MissingPartsError(
-            f"{output.describe()}: no parts found; run every part first (spillmerge merge ROOT --out OUT --part I/N)",
+            f"{output.describe()}: no parts found; {_parts.RUN_EVERY_PART}",
             path=output.describe(),
             missing=[],
             parts=parts or 0,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import ConfigError
+from .._errors import ConfigError, CorruptSpillError
 
 DEFAULT_CACHE_BYTES = 64 << 20
 """Default bound of one open output's decoded chunks: four 16 MiB chunks of large rows, or
@@ -43,9 +43,9 @@ class ChunkCache:
     arrays it returns are read-only (they are shared between readers): take a copy to write.
     ``same_output()`` raises when the output was replaced: called after a read from storage
     (:meth:`read_from_storage`) while chunks read before are held, so none is served beside
-    another merge's."""
+    another merge's, and as ``same_output(True)`` where a read found damage (:meth:`damage_found`)."""
 
-    def __init__(self, max_bytes: int, same_output: Callable[[], None] | None = None) -> None:
+    def __init__(self, max_bytes: int, same_output: Callable[..., None] | None = None) -> None:
         if not isinstance(max_bytes, int | float | np.integer) or max_bytes < 0:
             raise ConfigError(f"cache_bytes must be >= 0 (bytes), got {max_bytes!r}", key="cache_bytes")
         self.max_bytes = int(max_bytes)
@@ -74,7 +74,11 @@ class ChunkCache:
             # failed (a corrupt chunk), nothing was stored and this thread decodes and raises too.
             pending.wait()
         try:
-            arr = load()
+            try:
+                arr = load()
+            except CorruptSpillError:
+                self.damage_found()
+                raise
             self.read_from_storage()
             arr.flags.writeable = False
             # The memory it holds: for strings their characters too (numpy's StringDType keeps them
@@ -100,6 +104,12 @@ class ChunkCache:
         chunks read earlier are held (with nothing held, nothing older can be mixed in)."""
         if self._chunks and self._same_output is not None:
             self._same_output()
+
+    def damage_found(self) -> None:
+        """A read of this output just found damage: when the output was replaced since it was
+        opened (an overwrite removes chunks and rewrites them), raise that instead."""
+        if self._same_output is not None:
+            self._same_output(True)
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -3,6 +3,7 @@ output's chunk cache, rows read in order in blocks, and the dtype rows are retur
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,7 @@ class OpenColumn:
         self._read_chunk = chunk_reader(values, storage)
         self.chunk = Chunks(cache, values.path, self._read_chunk)
         self._read_past_cache = cache.read_from_storage
+        self._damage_found = cache.damage_found
         self.real: np.dtype[Any] = real_dtype(info.dtype) if info.kind in ("fixed", "ragged") else values.dtype
         """The dtype rows are returned as (ml_dtypes bfloat16 ...; the storage dtype for other kinds)."""
         self.native = self.real == self.stored_dtype
@@ -92,7 +94,9 @@ class OpenColumn:
         when no row does."""
 
     def damaged(self, what: str) -> CorruptSpillError:
-        """The error for damage ``what`` found in this column's values."""
+        """The error for damage ``what`` found in this column's values (raised instead: that the
+        output was replaced since it was opened, when it was)."""
+        self._damage_found()
         return damaged(f"{self.values.store_path}", what)
 
     def unit(self, r: int) -> np.ndarray:
@@ -151,8 +155,7 @@ class OpenColumn:
             base = c0 * k
             return self.chunk(c0)[lo - base : hi - base].copy()
         if c0 == c1:  # one whole chunk (a small output's column): one read, past the cache
-            arr = self._read_chunk(c0)
-            self._read_past_cache()
+            arr = self._past_cache(self._read_chunk, c0)
             return arr if arr.flags.writeable else arr.copy()  # (a view of the fetched bytes is read-only)
         out = np.empty((hi - lo, *self.unit_shape), dtype=self.stored_dtype)
         pos = lo
@@ -162,12 +165,21 @@ class OpenColumn:
             pos += len(head)
         straight_end = hi if hi == min((c1 + 1) * k, n) else c1 * k  # the tail chunk whole, or not
         if straight_end > pos:
-            read_rows(self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
-            self._read_past_cache()
+            self._past_cache(read_rows, self.values, pos, straight_end, out=out[pos - lo : straight_end - lo])
             pos = straight_end
         if pos < hi:
             out[pos - lo :] = self.chunk(c1)[pos - c1 * k : hi - c1 * k]
         return out
+
+    def _past_cache(self, read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``read(*args, **kwargs)`` from storage, not through the cache, checked as the cache's reads are."""
+        try:
+            got = read(*args, **kwargs)
+        except CorruptSpillError:
+            self._damage_found()
+            raise
+        self._read_past_cache()
+        return got
 
     def view(self, start: int, stop: int, filename: str | None = None) -> Any:
         """Rows ``start .. stop-1`` as this column's leaf view (``_read.views``)."""

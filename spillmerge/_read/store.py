@@ -311,25 +311,30 @@ class MergedStore(Mapping[str, Any]):
             return None
         return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    def _same_output(self) -> None:
+    def _same_output(self, damage: bool = False) -> None:
         """Raise unless the output still holds the completion marker it held at open: every merge
-        writes its own, last, and an overwrite deletes the old one before it writes a chunk."""
+        writes its own, last, and an overwrite deletes the old one before it deletes or rewrites a
+        chunk. ``damage``: a read just found damage, which a replacement explains: look now."""
         now = time.monotonic()
-        if not self.storage.local and now - self._looked < REMOTE_LOOK_S:
+        if not damage and not self.storage.local and now - self._looked < REMOTE_LOOK_S:
             return
-        if self._marker_identity() != self._marker:
+        marker = self._marker_identity()
+        if marker != self._marker:
             where = self.storage.describe()
+            what = "is being replaced (its completion marker is gone)" if marker is None else "was replaced"
             raise SpillMergeError(
-                f"{where} was replaced by another merge (or is being replaced) since this store opened it: "
-                f"rows read now could mix both outputs; open it again",
+                f"{where} {what} by another merge since this store opened it: rows read now could mix both "
+                "outputs or find the old one's chunks gone; open it again once that merge completed",
                 path=where,
             )
         self._looked = now
 
     def _raise(self, problems: list[V.Problem]) -> None:
-        """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`."""
+        """Raise the first problem (with a count of the others) as a :class:`CorruptSpillError`, or
+        that the output was replaced since it was opened, which explains it."""
         if not problems:
             return
+        self._same_output(damage=True)
         rel, what = problems[0]
         path = self.storage.describe(rel)
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from _dropin_workers import WORLD, worker
+from _dropin_workers import TIMEOUT, UNSHARED, WORLD, worker
 from _procs import assert_timed_out, ranks_fixture
 
 ranks = ranks_fixture(worker, WORLD, "dropin", timeout=400.0)
@@ -109,3 +109,17 @@ def test_value_keeps_dict_key_order(tmp_path):
     w.merge(str(tmp_path / "out.zarr"), progress=False)
     got = spillmerge.open(str(tmp_path / "out.zarr")).value("a.jpg")
     assert list(got) == ["image_id", "category_id", "bbox", "score"]
+
+
+def test_a_root_each_rank_of_one_host_has_to_itself_is_refused_in_seconds(ranks):
+    _, results = ranks
+    for r in range(WORLD):
+        res = results[r]["unshared_on_one_host"]
+        for name, root in UNSHARED.items():
+            for kind in ("spill", "records"):
+                got = res[f"{name}_{kind}"]
+                err = got["error"]
+                assert err is not None and err["type"] == "ConfigError", (r, name, kind, got)
+                assert err["key"] == "SPILLMERGE_ROOT" and f"{root}/spillmerge-" in err["msg"], (r, name, kind, err)
+                assert got["waited"] < TIMEOUT / 2, (r, name, kind, got)  # the probe's seconds, not the timeout
+        assert res["left"] == [] and res["left_in_memory"] == [], (r, res)

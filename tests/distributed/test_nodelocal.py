@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from _mp_scenarios import kinds_keys
-from _nodelocal_workers import WORLD, killed_sender, worker
+from _nodelocal_workers import WORLD, killed_sender, stalled_sender, worker
 from _procs import free_port, join_all, rank_context, ranks_fixture
 
 import spillmerge
@@ -129,3 +129,18 @@ def test_network_transport_without_a_process_group_is_refused_and_loses_nothing(
     with pytest.raises(spillmerge.SpillValueError, match="transport must be one of"):
         w.merge(str(tmp_path / "out"), transport="infiniband")
     assert w.merge(str(tmp_path / "out")).n_frames == 1  # the committed segment is untouched
+
+
+def test_a_transfer_that_timed_out_leaves_later_collectives_working(tmp_path):
+    ctx = rank_context()
+    port, result = free_port(), str(tmp_path / "res")
+    procs = [ctx.Process(target=stalled_sender, args=(r, 2, port, str(tmp_path), result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    join_all(procs, timeout=150)
+    for r in range(2):
+        res = json.loads(Path(f"{result}.{r}").read_text())
+        assert res["merge_error"] is not None and res["merge_error"]["type"] == "RankFailedError", res
+        assert res.get("gather_error") is None, res
+        assert res["gathered"] == [{"rank": 0}, {"rank": 1}], res
+    assert not (tmp_path / "out" / "spillmerge-complete.json").exists()

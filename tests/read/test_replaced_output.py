@@ -36,10 +36,33 @@ def test_an_uncached_store_reads_the_replacement_whole(tmp_path: Path) -> None:
     assert [_one_output(v) for _, _, v in res.iter_values()] == [True] * 12
 
 
-def test_a_replacement_of_other_rows_is_refused(tmp_path: Path) -> None:
-    res = spillmerge.open(_merge(tmp_path, "one", 1, 4, 3), cache_bytes=0)
+def test_a_replacement_of_other_rows_is_refused_as_a_replacement_not_damage(tmp_path: Path) -> None:
+    out = _merge(tmp_path, "one", 1, 4, 3)
+    res = spillmerge.open(out, cache_bytes=0)
     _merge(tmp_path, "two", 2, 3, 2, overwrite=True)
-    with pytest.raises(spillmerge.CorruptSpillError):
+    with pytest.raises(spillmerge.SpillMergeError, match="was replaced by another merge") as ei:
+        res.value("f1", 1)
+    assert ei.value.path == out and "damaged" not in str(ei.value)
+    assert isinstance(ei.value.__context__, spillmerge.CorruptSpillError)  # what the read found, kept
+
+
+def test_an_output_being_replaced_is_named_as_such(tmp_path: Path) -> None:
+    """What an overwrite leaves while it runs: the old marker gone first, then the old chunks."""
+    out = _merge(tmp_path, "one", 1, 4, 3)
+    res = spillmerge.open(out, cache_bytes=0)
+    (Path(out) / "spillmerge-complete.json").unlink()
+    for chunk in (Path(out) / "columns").rglob("c/*"):
+        if chunk.is_file():
+            chunk.unlink()
+    with pytest.raises(spillmerge.SpillMergeError, match="is being replaced") as ei:
+        res.value("f1", 1)
+    assert ei.value.path == out and "damaged" not in str(ei.value)
+    # Damage with the marker in place is still damage.
+    res = spillmerge.open(_merge(tmp_path, "two", 2, 4, 3, out=str(tmp_path / "other.zarr")), cache_bytes=0)
+    for chunk in (tmp_path / "other.zarr" / "columns").rglob("c/*"):
+        if chunk.is_file():
+            chunk.unlink()
+    with pytest.raises(spillmerge.CorruptSpillError, match="damaged"):
         res.value("f1", 1)
 
 
