@@ -6,6 +6,7 @@ file (the merge stores each variant in a column of its own)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .._format import spill as FS
@@ -28,6 +29,7 @@ class LayoutCatalog:
         self._ids: dict[FS.Layout, int] = {}
         self._frame_layouts: dict[tuple[Any, ...], _Layouts] = {}
         self._frame_ids: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        self._shape_ids: dict[tuple[Any, ...], dict[tuple[int, ...], int]] = {}
 
     def ids(self, layouts: list[FS.Layout]) -> tuple[int, ...]:
         """A frame's catalog ids, -1 where a layout is not in the catalog yet (:meth:`accept`
@@ -67,3 +69,16 @@ class LayoutCatalog:
             lid = self._ids[lay] = len(self.layouts)
             self.layouts.append(lay)
         return lid
+
+    def shape_ids(self, lay: FS.Layout, shapes: Sequence[tuple[int, ...]]) -> list[int]:
+        """The catalog ids of ``lay`` with each of ``shapes`` (a batch's frames of one leaf,
+        being staged), added on first use: a shape seen before costs a dict lookup, not a
+        ``Layout`` made and hashed (ragged leaves of a batch: a shape per length)."""
+        known = self._shape_ids.setdefault((lay.leaf, lay.dtype, lay.pos), {})
+        out = []
+        for shape in shapes:
+            lid = known.get(shape)
+            if lid is None:
+                lid = known[shape] = self.add(FS.Layout(lay.leaf, lay.dtype, shape, lay.pos))
+            out.append(lid)
+        return out

@@ -250,7 +250,7 @@ class SpillWriter(MergeSteps):
             else:  # a length of -1: a 0-d leaf
                 found, where = np.unique(cols.lengths[:, j], return_inverse=True)
                 shapes = [() if m < 0 else (m, *lay.shape[1:]) for m in found.tolist()]
-            ids = [self._catalog.add(FS.Layout(lay.leaf, lay.dtype, shape, lay.pos)) for shape in shapes]
+            ids = self._catalog.shape_ids(lay, shapes)
             layout_ids[:, j] = np.asarray(ids, dtype=np.int64)[where.reshape(-1)]
         if len(kept) < n:
             names, frames = [names[i] for i in kept], [frames[i] for i in kept]
