@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError
+from .._errors import CorruptSpillError, TruncatedObjectError
 from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import crc as _crc
@@ -101,10 +101,8 @@ class OutputChunk:
         if enc is not None:
             whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
             buffers = [np.frombuffer(enc.encode(whole), dtype=np.uint8)]
-        if enc is None and self.crc is not None:  # combined from the rows' CRCs: no second read
-            out_crc = self.crc
-        else:
-            out_crc = functools.reduce(_crc.extend, buffers, 0)
+        # combined from the rows' CRCs when it was (raw bytes): no second read
+        out_crc = self.crc if enc is None and self.crc is not None else functools.reduce(_crc.extend, buffers, 0)
         key = f"columns/{col.name}/values/c/{self.u.chunk}" + "/0" * len(col.unit_shape)
         output.makedirs(key.rsplit("/", 1)[0])
         output.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
@@ -188,12 +186,11 @@ class OutputChunk:
         ``r`` (plan entry ``e``) when it does not match (on a local disk: or is short)."""
         if (s, crc) in self.checked:
             return
-        if not self.src.local:
-            try:
-                verify_block(self.src, self.plan.segments[s], crc)
-            except CorruptSpillError:
-                self._mismatch(r, e, crc)
-        elif not self._block_sound(s, crc, strict=True):
+        try:
+            verify_block(self.src, self.plan.segments[s], crc)
+        except CorruptSpillError as exc:
+            if self.src.local and isinstance(exc, TruncatedObjectError):
+                raise  # a data chunk object shorter than the block: said as such
             self._mismatch(r, e, crc)
         self.checked.add((s, crc))
 
@@ -331,16 +328,14 @@ class OutputChunk:
             out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
         return int(ends[-1])
 
-    def _block_sound(self, s: int, crc: int, strict: bool = False) -> bool:
+    def _block_sound(self, s: int, crc: int) -> bool:
         """Whether the block checksum ``crc`` (negative: a block of rows) of segment ``s`` holds
         on a local spill root: its bytes, a view of their data chunk object, all there and
-        matching. The caller says what is wrong when not; ``strict``: a data chunk object shorter
-        than the block raises ``TruncatedObjectError``."""
+        matching. The caller says what is wrong when not."""
         segment = self.plan.segments[s]
         b_off, b_nb, value = check_of(segment, crc)
         bc, b_lo = divmod(b_off, segment.chunk_bytes)
-        rel = f"{segment.seg.rel}/data/c/{bc}"
-        block = self.src.view(rel, b_lo, b_lo + b_nb) if strict else self.src.view(rel, 0, None)[b_lo:][:b_nb]
+        block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo:][:b_nb]
         return len(block) == b_nb and _crc.value(block) == value
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:

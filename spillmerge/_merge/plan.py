@@ -219,16 +219,14 @@ def resolve_duplicates(
             tuple((int(c["lp"][r]), int(c["nb"][r]), layouts[c["gl"][r]].dtype, layouts[c["gl"][r]].shape) for r in rows)
             for rows in groups.values()
         }
-        identical = len(sigs) == 1
-        if identical:
-            crcs = np.array([[int(c["crc"][r]) for r in rows] for rows in groups.values()], dtype=np.int64)
-            identical = all(len({int(v) for v in col if v >= 0}) <= 1 for col in crcs.T)
-        agree = identical  # sizes and checksums agree: only their bytes can tell
-        if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
-            ext = {
-                s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
-                for s in seg_ids
-            }
+        # sizes and checksums agree (the same leaves: one row of each copy per leaf): only the bytes can tell
+        agree = len(sigs) == 1 and all(
+            len({int(c["crc"][r]) for r in leaf if c["crc"][r] >= 0}) <= 1 for leaf in zip(*groups.values(), strict=True)
+        )
+        identical = agree
+        if agree:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
+            ext = {s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
+                   for s in seg_ids}  # fmt: skip
             identical = all(same_bytes(ext[seg_ids[0]], ext[s]) for s in seg_ids[1:])
         if not identical and on_duplicate == "error":
             fname, frame = name_of(int(c["file"][a])), int(c["frame"][a])
@@ -250,10 +248,8 @@ def resolve_duplicates(
         # lowest rank that wrote the frame). Different content: the policy picks by write order —
         # ``first`` the earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids``
         # are positions in ``segments``, which are in that order.
-        if identical:
-            chosen = min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
-        else:
-            chosen = seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
+        chosen = (min(seg_ids, key=lambda s: (segments[s].seg.rank, s)) if identical
+                  else seg_ids[-1] if on_duplicate == "last" else seg_ids[0])  # fmt: skip
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
     return keep, duplicates

@@ -209,14 +209,6 @@ def distinct(a: np.ndarray) -> np.ndarray:
     return v[np.concatenate(([True], v[1:] != v[:-1]))]
 
 
-def member(a: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``np.isin(a, values)`` for ``values`` sorted and distinct (``distinct``), by binary search."""
-    if not len(values):
-        return np.zeros(len(a), dtype=bool)
-    at = np.minimum(np.searchsorted(values, a), len(values) - 1)
-    return values[at] == a
-
-
 def variant_groups(
     c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], new: Alloc
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
@@ -273,7 +265,7 @@ def variant_groups(
                 ok += [i for i, s in enumerate(sigs) if nd == 1 and s[0] == "strlist"]
             got = np.full(len(rows), -1, dtype=np.int64)
             for cand in ok:
-                hit = (got < 0) & member(pair[rows] * n_sig + cand, pair_codes)
+                hit = (got < 0) & np.isin(pair[rows] * n_sig + cand, pair_codes)
                 got[hit] = cand
             left = got < 0
             for p in distinct(c["lp"][rows[left]]).tolist() if left.any() else ():

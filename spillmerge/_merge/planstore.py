@@ -451,11 +451,7 @@ def load(
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")
         return plan, str(body["plan"]), dict(body["settings"])
-    except DamagedPlan:
+    except SpillMergeError:  # DamagedPlan naming its file, or the storage's own error
         raise
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - anything a damaged plan provokes: rebuilt, never trusted
         raise bad(MANIFEST, f"malformed ({type(exc).__name__}: {exc})") from None
-    except Exception as exc:  # noqa: BLE001 - anything else a damaged plan provokes: rebuilt, never trusted
-        if isinstance(exc, SpillMergeError):
-            raise
-        raise bad(MANIFEST, f"unreadable ({type(exc).__name__}: {exc})") from None
