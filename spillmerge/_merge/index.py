@@ -14,7 +14,6 @@ import numpy as np
 from .._format import crc as _crc
 from .._storage import Storage
 from . import documents as Z
-from .nametable import table_of
 from .plan import Plan
 from .plancolumns import NONE
 
@@ -58,7 +57,7 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
     (``_merge.documents.output_docs``: the arrays under ``index/``, ``lists/`` and ``columns/``
     but ``values``), in the order the shares are dealt."""
     index = {
-        **table_of(plan.filenames).index_arrays(Z.NAME_BLOCK),  # a plan's NameTable as it is: no str per name
+        **plan.filenames.index_arrays(Z.NAME_BLOCK),  # no str per name
         "file_layout": plan.file_layout, "frame_offsets": plan.file_offsets, "frame_idx": plan.frame_idx,
         "frame_rank": plan.rank, "frame_copies": plan.copies,
     }  # fmt: skip

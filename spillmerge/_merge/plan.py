@@ -22,7 +22,7 @@ from .._format.keyorder import output_orders
 from .._spill.root import Extent, LoadedSegment
 from .._util.gcpause import gc_paused
 from . import plansql as _plansql
-from .nametable import table_of
+from .nametable import NameTable
 from .options import DEFAULT_PLAN_BUDGET
 from .plancolumns import (
     ABSENT,
@@ -48,9 +48,8 @@ SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 class Plan:
     """The merge plan and the row table it refers to."""
 
-    filenames: Sequence[str]
-    """Sorted, distinct: a :class:`~spillmerge._merge.nametable.NameTable` (UTF-8 bytes and
-    offsets), or a list."""
+    filenames: NameTable
+    """Sorted, distinct, as UTF-8 bytes and offsets."""
     file_offsets: np.ndarray
     """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
     frame_idx: np.ndarray
@@ -279,7 +278,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
             h.update(np.ascontiguousarray(a[i : i + step], dtype=dtype).data)
 
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their offsets.
-    names = table_of(plan.filenames)
+    names = plan.filenames
     feed(names.data, "u1", ROW_BLOCK * 16)
     for a in (names.offsets, plan.file_offsets, plan.frame_idx, plan.file_layout, *(x.offsets for x in plan.lists)):
         feed(a)

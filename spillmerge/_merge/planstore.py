@@ -25,7 +25,7 @@ from .._util.poll import poll
 from . import lease as _lease
 from . import plan as _plan
 from .documents import NAME_BLOCK
-from .nametable import NameTable, table_of
+from .nametable import NameTable
 from .parts import PARTS_DIR
 from .plan import Plan, PlannedColumn, PlannedList
 
@@ -197,7 +197,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
             arrays[name] = put_blocks(output, f"{PLAN_DIR}/{name}", a)
             return name
 
-        table = table_of(plan.filenames)
+        table = plan.filenames
         put("names", table.data)
         put("name_offsets", table.offsets)
         heads = table.index_arrays(NAME_BLOCK)

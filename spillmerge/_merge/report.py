@@ -11,7 +11,6 @@ import numpy as np
 from .._spill.removal import Lookup
 from .._util.frames import first_missing, runs
 from .._util.units import size_text
-from .nametable import table_of
 from .plan import ROW_BLOCK, Plan
 
 _INLINE_NOTES = ("part ", "spill root ")
@@ -177,7 +176,7 @@ class MergeReport:
 
 def plan_lookup(plan: Plan) -> Lookup:
     """:data:`~spillmerge._spill.removal.Lookup` of a merge plan (what a complete output written from it holds)."""
-    find = table_of(plan.filenames).search
+    find = plan.filenames.search
     off, frames = plan.file_offsets, plan.frame_idx
 
     def lookup(name: str) -> Any:
@@ -200,7 +199,7 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         n_rows = np.diff(o)
         last = np.where(n_rows > 0, frames[np.maximum(o[1:] - 1, 0)], -1)
         check.update((a + np.flatnonzero(last + 1 != n_rows)).tolist())  # a gap below the last frame
-    find = table_of(plan.filenames).search
+    find = plan.filenames.search
     if expected:
         check.update(i for i in map(find, expected) if i >= 0)
     for i in sorted(check):
