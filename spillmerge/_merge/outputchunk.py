@@ -117,11 +117,9 @@ class OutputChunk:
         """Every row with bytes in this chunk, in order; rows cut by the chunk's edges included
         (only kinds with offsets). Computed on arrays: a lookup per row in the plan's maps cost
         more than copying the row (docs/SCALE.md)."""
-        lo, hi, src = self.u.lo, self.u.hi, self.col.src
-        ub = self.col.unit_bytes
-        if self.off is None:
+        lo, hi, src, off = self.u.lo, self.u.hi, self.col.src, self.off
+        if off is None:
             return self._present(lo, hi)
-        off = self.off
         r0 = int(off.searchsorted(lo, side="right")) - 1
         r1 = int(off.searchsorted(hi, side="left"))
         rows = np.arange(r0, r1, dtype=np.int64)
@@ -129,7 +127,7 @@ class OutputChunk:
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
         rows, a, b = rows[keep], a[keep], b[keep]
         first, stop = np.maximum(a, lo), np.minimum(b, hi)
-        return _Touched(rows, first - a, stop - a, (first - lo) * ub)
+        return _Touched(rows, first - a, stop - a, (first - lo) * self.col.unit_bytes)
 
     def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
         """The whole stored bytes of each of ``rows`` as uint8 arrays (the CRC-32C extension takes
@@ -241,11 +239,10 @@ class OutputChunk:
         else:  # built a batch at a time
             batches = (self._present(lo, min(lo + COPY_ROWS, u.hi)) for lo in range(u.lo, u.hi, COPY_ROWS))
         for t in batches:
-            if self.src.local and col.kind != "strlist":
-                placed = self._place_local(t, out, pos)
-                if placed is not None:
-                    pos = placed
-                    continue
+            placed = self._place_local(t, out, pos) if self.src.local and col.kind != "strlist" else None
+            if placed is not None:
+                pos = placed
+                continue
             data = self._rows(t.rows)  # row by row: the path that says exactly what is wrong
             self._texts(t.rows, data)
             for start, a, b, row in zip(t.start.tolist(), t.a.tolist(), t.b.tolist(), data, strict=True):
@@ -368,8 +365,7 @@ class OutputChunk:
 
     def _present(self, lo: int, hi: int) -> _Touched:
         """Rows ``[lo, hi)`` of a column without offsets that have a value, each one unit."""
-        rows = np.arange(lo, hi, dtype=np.int64)
-        rows = rows[np.asarray(self.col.src[lo:hi]) >= 0]
+        rows = lo + np.flatnonzero(np.asarray(self.col.src[lo:hi]) >= 0)
         zero = np.zeros(len(rows), dtype=np.int64)
         return _Touched(rows, zero, zero + 1, (rows - self.u.lo) * self.col.unit_bytes)
 

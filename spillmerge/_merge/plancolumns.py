@@ -232,9 +232,7 @@ def variant_groups(
     # variants numbered in sorted order, not in the order the writers met them: "the lowest" below
     # is then the same however the frames were written (row by row or in batches)
     sig_code = {sig: i for i, sig in enumerate(sorted(set(lsig.values())))}
-    lcode = np.full(len(layouts), -1, dtype=np.int64)
-    for g, sig in lsig.items():
-        lcode[g] = sig_code[sig]
+    lcode = np.array([sig_code[lsig[g]] if g in lsig else -1 for g in range(len(layouts))], dtype=np.int64)
     n = len(c["gl"])
     code = new("code", n, np.int64)
     weak_parts = [np.zeros(0, np.int64)]
@@ -271,18 +269,16 @@ def variant_groups(
             for p in distinct(c["lp"][rows[left]]).tolist() if left.any() else ():
                 m = left & (c["lp"][rows] == p)
                 have = leaf_codes.setdefault(p, set())
-                found = next((i for i in ok if i in have), None)
-                if found is not None:
-                    cand = found
-                else:
+                pick = next((i for i in ok if i in have), None)
+                if pick is None:
                     own = ("none", "none", 0) if lay.dtype == "none" else ("num", lay.dtype, len(lay.shape))
-                    cand = sig_code.setdefault(own, len(sig_code))
-                    if cand == len(sigs):
+                    pick = sig_code.setdefault(own, len(sig_code))
+                    if pick == len(sigs):
                         sigs.append(own)
                     if own[0] != "none":
-                        ok.append(cand)
-                    have.add(cand)
-                got[m] = cand
+                        ok.append(pick)
+                    have.add(pick)
+                got[m] = pick
             code[rows] = got
     n_codes = max(len(sig_code), 1)
     # the distinct (leaf, variant) pairs, numbered in order: a table of every possible pair

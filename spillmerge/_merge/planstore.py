@@ -427,11 +427,10 @@ def load(
         columns = []
         for c in body["columns"]:
             kw = {k: c[k] if f is None or c[k] is None else f(c[k]) for k, f in _COLUMN_FIELDS.items()}
-            col = PlannedColumn(
+            columns.append(PlannedColumn(
                 **kw, src=arr(c["src"]), offsets=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
                 shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
-            )  # fmt: skip
-            columns.append(col)
+            ))  # fmt: skip
         lists = [
             PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"], monotonic=True)) for lst in body["lists"]
         ]
