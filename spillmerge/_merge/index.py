@@ -72,13 +72,10 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
         source = sources.get(path)
         if source is None:  # a column's offsets, shapes, or ``valid`` / ``none`` from its ``src``
             source = getattr(columns[base], "src" if name in ("valid", "none") else name)
-        shape = tuple(int(d) for d in doc["shape"])
+        n = int(doc["shape"][0])  # (none: the array has no chunk; its other dimensions are never 0)
         chunks = tuple(int(d) for d in doc["chunk_grid"]["configuration"]["chunk_shape"])
-        n, k = shape[0], chunks[0]
-        if any(d == 0 for d in shape):
-            continue  # no elements: the array has no chunk
-        for j, lo in enumerate(range(0, n, k)):
-            out.append(IndexChunk(path, j, lo, min(lo + k, n), chunks, doc["data_type"], source))
+        for j, lo in enumerate(range(0, n, chunks[0])):
+            out.append(IndexChunk(path, j, lo, min(lo + chunks[0], n), chunks, doc["data_type"], source))
     return out
 
 

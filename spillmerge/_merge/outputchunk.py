@@ -275,10 +275,7 @@ class OutputChunk:
         cb = self.chunk_bytes[seg]
         c = off // cb
         across = (nb > 0) & ((off + nb - 1) // cb != c)
-        if self.off is None:
-            first, size = np.zeros(n, dtype=np.int64), nb
-        else:
-            first, size = t.a * ub, (t.b - t.a) * ub
+        first, size = t.a * ub, (t.b - t.a) * ub  # (a row of a column without offsets: its whole unit)
         start = t.start
         # Groups: one data chunk object each. Its rows, whatever their sizes (token ids and texts
         # have nearly one size a row), are checked together and copied a run at a time: rows

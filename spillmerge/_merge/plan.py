@@ -172,8 +172,7 @@ def _assemble(
             srcs[g][db[m]] = np.where(none[m], NONE, a + m)
     columns = []
     for g, (p, tag) in enumerate(groups):
-        n_dom = sizes[F.list_domain(gpaths[p])]
-        planned = plan_column(names_of[g], gpaths[p], srcs[g], c, layouts, n_dom, new)
+        planned = plan_column(names_of[g], gpaths[p], srcs[g], c, layouts, len(srcs[g]), new)
         if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
             # the header names the variant its name carries (a split by numeric dtype alone does not)
             planned = dataclasses.replace(planned, variant=tag)

@@ -212,7 +212,5 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         if len(have) != span:
             out[name] = first_missing(have, span, limit)
     if expected and whole:
-        for name, count in expected.items():
-            if find(name) < 0 and count > 0:
-                out[name] = list(range(min(count, limit)))
+        out.update({name: list(range(min(n, limit))) for name, n in expected.items() if n > 0 and find(name) < 0})
     return out
