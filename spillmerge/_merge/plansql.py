@@ -170,24 +170,28 @@ def sort_rows(
     # (that path imports pandas), and the rows live on disk, not in the engine's memory. A large
     # segment is read a block at a time (``LazySegment.open_stream``).
     segments = list(segments)
+    n_files = 0
     n_names: list[int] = []
-    writer = None
-    try:
-        for si, s in enumerate(segments):
-            open_stream = getattr(s, "open_stream", None)
-            st = open_stream(folder, si) if open_stream is not None else None
-            n_names.append(st.n_files if st is not None else len(s.filenames))
+    for si, s in enumerate(segments):
+        open_stream = getattr(s, "open_stream", None)
+        st = open_stream(folder, si) if open_stream is not None else None
+        n_names.append(st.n_files if st is not None else len(s.filenames))
+        writer = None
+        try:
             for table in _segment_rows(si, s, layout_ids, st):
-                writer = writer or pq.ParquetWriter(os.path.join(folder, "rows.parquet"), table.schema, **PARQUET)
+                if writer is None:
+                    path = os.path.join(folder, f"rows-{n_files:06d}.parquet")
+                    writer = pq.ParquetWriter(path, table.schema, **PARQUET)
                 writer.write_table(table, row_group_size=ROW_GROUP)
-            s.release()  # one segment's catalog and index in memory at a time
-    finally:
-        if writer is not None:
-            writer.close()
+        finally:
+            if writer is not None:
+                writer.close()
+                n_files += 1
+        s.release()  # one segment's catalog and index in memory at a time
     order = lp_order()
     lp_map = pa.Table.from_arrays([_i64(np.arange(len(order))), _i64(order)], names=["rlp", "lp"])
     pq.write_table(lp_map, os.path.join(folder, "lp.parquet"), compression="none")
-    if writer is None:  # no rows: no names, every segment's filenames unnumbered
+    if not n_files:  # no rows: no names, every segment's filenames unnumbered
         return _collect([], resolve, None, n_names)
     # Threads and memory in the connection's config: a connection made with defaults starts a
     # worker per core before any SET could say otherwise.
@@ -200,9 +204,10 @@ def sort_rows(
         con.execute("SET preserve_insertion_order = false")
         con.execute("SET enable_progress_bar = false")  # DuckDB's own bar writes to stdout
         # the files by name, not a glob: the folder's path may hold glob characters
-        rows, lp = (_quoted(os.path.join(folder, f"{name}.parquet")) for name in ("rows", "lp"))
+        rows = ", ".join(f"'{_quoted(os.path.join(folder, f'rows-{i:06d}.parquet'))}'" for i in range(n_files))
+        lp = _quoted(os.path.join(folder, "lp.parquet"))
         reader = con.sql(
-            f"SELECT fname, frame, lp, gl, seg, off, nb, crc, lf FROM read_parquet('{rows}') "
+            f"SELECT fname, frame, lp, gl, seg, off, nb, crc, lf FROM read_parquet([{rows}]) "
             f"JOIN read_parquet('{lp}') USING (rlp) ORDER BY fname, frame, seg, lp"
         ).to_arrow_reader(max(2048, min(BATCH, limit >> 10)))
         try:
@@ -219,8 +224,9 @@ def sort_rows(
     finally:
         con.close()
         shutil.rmtree(os.path.join(folder, "tmp"), ignore_errors=True)
-        for name in ("rows", "lp"):  # the sort's inputs; the folder keeps the maps' files
-            os.unlink(os.path.join(folder, f"{name}.parquet"))
+        for name in os.listdir(folder):  # the sort's inputs; the folder keeps the maps' files
+            if name.endswith(".parquet"):
+                os.unlink(os.path.join(folder, name))
 
 
 def _segment_rows(
