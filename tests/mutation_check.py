@@ -261,7 +261,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "merge-memory-budget-ignored",
         "spillmerge/_merge/copy.py",
-        "                        while in_flight and in_flight + size > o.memory_budget and not errors:",
+        "                        while in_flight and in_flight + u.nbytes > o.memory_budget and not errors:",
         "                        while False:",
         (f"{G}::test_merge_keeps_at_most_its_memory_budget_of_stripes_in_flight",),
         "the merge keeps at most memory_budget bytes of stripes in flight",

@@ -62,8 +62,7 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
     errors: list[BaseException] = []
     pending = PendingBlocks()
     chunk_bytes = np.array([s.chunk_bytes for s in job.plan.segments], dtype=np.int64)
-    total, desc = sum(u.nbytes for u in todo), "check" if check else "merge"
-    bar = progress_bar(total, desc, show=o.progress, unit_divisor=1024)
+    bar = progress_bar(sum(u.nbytes for u in todo), "check" if check else "merge", show=o.progress, unit_divisor=1024)
 
     def run(u: Unit) -> None:
         chunk = OutputChunk(job.src, job.plan, u, chunk_bytes, pending)
@@ -86,16 +85,14 @@ def copy_units(job: Job, todo: list[Unit], check: bool = False) -> None:
         else:
             with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spillmerge-merge") as pool:
                 for u in todo:
-                    size = u.nbytes
                     with cond:
                         # Bounded memory: wait until this chunk fits in the budget (one chunk always may run).
-                        while in_flight and in_flight + size > o.memory_budget and not errors:
+                        while in_flight and in_flight + u.nbytes > o.memory_budget and not errors:
                             cond.wait()
                         if errors:
                             break
-                        in_flight += size
-                    fut = pool.submit(run, u)
-                    fut.add_done_callback(functools.partial(done, size=size))
+                        in_flight += u.nbytes
+                    pool.submit(run, u).add_done_callback(functools.partial(done, size=u.nbytes))
     if errors:
         raise errors[0]
     pending.finish()

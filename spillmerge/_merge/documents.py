@@ -12,7 +12,6 @@ from zarr.core.metadata import ArrayV3Metadata
 from .._format import common as F
 from .._format import output as FO
 from .._format.zarr import array_meta
-from .nametable import table_of
 from .plan import Plan, PlannedColumn
 
 INDEX_ROWS_PER_CHUNK = 1 << 15
@@ -85,7 +84,7 @@ def output_docs(plan: Plan, world_size: int, chunk_bytes: int, codec: str) -> di
         "columns": GroupMetadata(),
     }
     n, rows = plan.n_files, plan.n_frames
-    names = table_of(plan.filenames).index_arrays(NAME_BLOCK)
+    names = plan.filenames.index_arrays(NAME_BLOCK)
     name_bytes, head_bytes = int(names["filename_offsets"][-1]), int(names["filename_head_offsets"][-1])
     n_heads = -(-n // NAME_BLOCK)
     index_meta = {

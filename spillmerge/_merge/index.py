@@ -14,7 +14,6 @@ import numpy as np
 from .._format import crc as _crc
 from .._storage import Storage
 from . import documents as Z
-from .nametable import table_of
 from .plan import Plan
 from .plancolumns import NONE
 
@@ -58,7 +57,7 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
     (``_merge.documents.output_docs``: the arrays under ``index/``, ``lists/`` and ``columns/``
     but ``values``), in the order the shares are dealt."""
     index = {
-        **table_of(plan.filenames).index_arrays(Z.NAME_BLOCK),  # a plan's NameTable as it is: no str per name
+        **plan.filenames.index_arrays(Z.NAME_BLOCK),  # no str per name
         "file_layout": plan.file_layout, "frame_offsets": plan.file_offsets, "frame_idx": plan.frame_idx,
         "frame_rank": plan.rank, "frame_copies": plan.copies,
     }  # fmt: skip
@@ -73,13 +72,10 @@ def index_chunks(plan: Plan, docs: dict[str, dict[str, Any]]) -> list[IndexChunk
         source = sources.get(path)
         if source is None:  # a column's offsets, shapes, or ``valid`` / ``none`` from its ``src``
             source = getattr(columns[base], "src" if name in ("valid", "none") else name)
-        shape = tuple(int(d) for d in doc["shape"])
+        n = int(doc["shape"][0])  # (none: the array has no chunk; its other dimensions are never 0)
         chunks = tuple(int(d) for d in doc["chunk_grid"]["configuration"]["chunk_shape"])
-        n, k = shape[0], chunks[0]
-        if any(d == 0 for d in shape):
-            continue  # no elements: the array has no chunk
-        for j, lo in enumerate(range(0, n, k)):
-            out.append(IndexChunk(path, j, lo, min(lo + k, n), chunks, doc["data_type"], source))
+        for j, lo in enumerate(range(0, n, chunks[0])):
+            out.append(IndexChunk(path, j, lo, min(lo + chunks[0], n), chunks, doc["data_type"], source))
     return out
 
 

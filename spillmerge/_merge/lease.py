@@ -139,7 +139,6 @@ class Lease:
         holds the output's lock exclusively and then unlinks the files. Neither is a conflict: an
         attempt that meets one starts over, and only a holder that is still there after
         ``_ATTEMPTS`` tries, or one whose record names it, makes the output busy."""
-        holders: list[Holder] = []
         for attempt in range(_ATTEMPTS):
             if attempt:
                 time.sleep(min(0.005 * attempt, 0.05))
@@ -153,29 +152,26 @@ class Lease:
             outcome = self._flock_all()
             if outcome is False:
                 return False
-            if outcome is None:
-                continue  # a lock file vanished under us: a holder tidied the folder away
             if isinstance(outcome, list):
-                holders = outcome
-                if holders:
-                    raise self._busy(holders)
-                continue  # locked by no one who says so: a holder tidying up, or one starting
+                if outcome:
+                    raise self._busy(outcome)
+                continue  # a lock file vanished, or locked by no one who says so: a holder tidying up, or one starting
             if self._still_linked() is None:
                 return True
             # We locked a file an exclusive holder removed while tidying up (between our open and
             # our flock): the lock means nothing. Try again on the files that are there now.
             self.release()
-        raise self._busy(holders)
+        raise self._busy([])
 
-    def _flock_all(self) -> bool | list[Holder] | None:
+    def _flock_all(self) -> bool | list[Holder]:
         """True: both locks held. False: no working flock here. A list: blocked, by these holders
-        (empty: by none that says so). None: a lock file vanished under us (retry)."""
+        (empty, retried: by none that says so, or a lock file vanished under us)."""
         mine, shared = f"{LEASE_DIR}/{self.name}.lock", f"{LEASE_DIR}/{_OUTPUT}.lock"
         for rel, exclusive in ((mine, True), (shared, self.exclusive)):
             fd = self._open_lock(rel)
             if fd is None:
                 self.release()
-                return None
+                return []
             try:
                 fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -217,12 +213,11 @@ class Lease:
             try:
                 if not _locked(fd):
                     continue  # nobody holds it: a finished holder's file
-                holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
-                for _ in range(20):  # locked a moment ago, its record not written yet
-                    if holder is not None:
+                for attempt in range(21):  # locked a moment ago, its record not written yet
+                    holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
+                    if holder is not None or attempt == 20:
                         break
                     time.sleep(0.025)
-                    holder = Holder.from_json(os.pread(fd, _MAX_RECORD, 0))
             finally:
                 os.close(fd)
             if holder is not None:
@@ -331,10 +326,9 @@ class Lease:
         if tidy and shared in self._fds and self._still_linked() is None:
             try:
                 fcntl.flock(self._fds[shared], fcntl.LOCK_EX | fcntl.LOCK_NB)  # alone? (SH -> EX)
-                alone = True
             except OSError:
-                alone = False
-            if alone:
+                pass  # not alone: the lease folder stays
+            else:
                 with contextlib.suppress(Exception):  # best effort: lock files are harmless
                     self.output.rm_tree(LEASE_DIR)
         for fd in self._fds.values():

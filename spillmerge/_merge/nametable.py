@@ -66,10 +66,8 @@ class NameTable(Sequence[str]):
                 "filename_head_offsets": known[1]}  # fmt: skip
 
 
-def table_of(names: Sequence[str] | Any) -> NameTable:
-    """``names`` as a :class:`NameTable` (itself when it is one)."""
-    if isinstance(names, NameTable):
-        return names
+def table_of(names: Sequence[str]) -> NameTable:
+    """``names`` as a :class:`NameTable`."""
     enc = [f.encode("utf-8", "surrogatepass") for f in names]
     offsets = np.cumsum([0, *map(len, enc)], dtype=np.int64)
     return NameTable(np.frombuffer(b"".join(enc), dtype=np.uint8), offsets)

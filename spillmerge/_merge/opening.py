@@ -204,9 +204,9 @@ class Job:
             # One process plans and stores the plan; the others read it. Salvaged journals
             # (``allow_partial``) are read by every process, which then plans itself.
             key = _planstore.source_key(segments, options.on_duplicate)
-            complete = output.exists(FO.COMPLETE_NAME) and not options.overwrite  # refused later: store nothing
             settings = {"chunk_bytes": chunk_bytes, "codec": codec}
-            may_store = part is not None and not complete
+            # a complete output is refused later, unless overwritten: store nothing into it
+            may_store = part is not None and not (output.exists(FO.COMPLETE_NAME) and not options.overwrite)
             got = _planstore.obtain(
                 output, key, segments, plan_here, settings=settings, timeout=options.timeout, may_store=may_store,
                 memory_limit=max(options.plan_budget // 2, 16 << 20),  # of the stored plan's blocks in memory

@@ -56,13 +56,15 @@ class Flag:
     """Flags sharing this name are mutually exclusive."""
 
 
-def _option(default: Any, *, config: type | None = None, flag: Flag | None = None) -> Any:
+def _option(
+    default: Any, config: type | None = None, flag: str | None = None, text: str = "", *,
+    exclusive: str | None = None, **argparse_kw: Any,
+) -> Any:  # fmt: skip
     """A field of :class:`MergeOptions`: ``config`` is its TOML type in ``[merge]`` (None: not a
-    config key), ``flag`` its command-line flag (None: library only)."""
-    return field(default=default, metadata={"config": config, "flag": flag})
-
-
-_SWITCH = {"action": "store_true"}
+    config key), ``flag`` its command-line flag (None: library only) with help ``text`` and
+    further ``add_argument`` keywords."""
+    spec = None if flag is None else Flag(flag, text, argparse_kw, exclusive)
+    return field(default=default, metadata={"config": config, "flag": spec})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,151 +73,87 @@ class MergeOptions:
     Those with a flag come in the order ``spillmerge merge --help`` lists them."""
 
     timeout: float = _option(
-        0.0,
-        config=float,
-        flag=Flag(
-            "--timeout",
-            "seconds to wait for missing commit records, and in a part for the stored plan (default 0: check "
-            "once; a part still waits for the plan while the part building it is alive)",
-            {"type": float},
-        ),
-    )
+        0.0, float, "--timeout",
+        "seconds to wait for missing commit records, and in a part for the stored plan (default 0: check "
+        "once; a part still waits for the plan while the part building it is alive)",
+        type=float,
+    )  # fmt: skip
     """Seconds to wait for missing commit records (0: check once), in a part for the plan the part
     holding the ``planner`` lease stores (then it plans itself; with 0 it waits while that holder is
     alive), and for missing parts at finalize."""
     allow_partial: bool = _option(
-        False,
-        config=bool,
-        flag=Flag(
-            "--allow-partial",
-            "merge what is committed plus what dead ranks provably flushed; report missing ranks and frames",
-            _SWITCH,
-        ),
-    )
+        False, bool, "--allow-partial",
+        "merge what is committed plus what dead ranks provably flushed; report missing ranks and frames",
+        action="store_true",
+    )  # fmt: skip
     expected: Mapping[str, int] | str | None = _option(
-        None,
-        config=str,
-        flag=Flag(
-            "--expected",
-            "manifest (columns filename,n_frames): list every frame missing against it; exit 1 if any",
-            {"metavar": "CSV"},
-        ),
-    )
+        None, str, "--expected",
+        "manifest (columns filename,n_frames): list every frame missing against it; exit 1 if any",
+        metavar="CSV",
+    )  # fmt: skip
     """Filename → expected frame count, or the path of a ``filename,n_frames`` CSV manifest."""
     on_duplicate: str = _option(
-        "error",
-        config=str,
-        flag=Flag(
-            "--on-duplicate",
-            "what to do with a key written twice with different content (default error)",
-            {"choices": ["error", "first", "last"]},
-        ),
-    )
-    overwrite: bool = _option(
-        False, config=bool, flag=Flag("--overwrite", "replace an existing complete output", _SWITCH)
-    )
+        "error", str, "--on-duplicate", "what to do with a key written twice with different content (default error)",
+        choices=["error", "first", "last"],
+    )  # fmt: skip
+    overwrite: bool = _option(False, bool, "--overwrite", "replace an existing complete output", action="store_true")
     """Replace an existing complete output (or part records of another plan)."""
     codec: str = _option(
-        "none",
-        config=str,
-        flag=Flag(
-            "--codec",
-            "compress the output arrays (default none; --finalize takes it from the parts)",
-            {"choices": ["none", "blosc-lz4", "zstd"]},
-        ),
-    )
+        "none", str, "--codec", "compress the output arrays (default none; --finalize takes it from the parts)",
+        choices=["none", "blosc-lz4", "zstd"],
+    )  # fmt: skip
     part: tuple[int, int] | None = _option(
-        None,
-        flag=Flag(
-            "--part",
-            "write only part I of N (its share of the files) and its part record; run all N, then --finalize",
-            {"type": parse_part, "metavar": "I/N"},
-            exclusive="how",
-        ),
-    )
+        None, None, "--part",
+        "write only part I of N (its share of the files) and its part record; run all N, then --finalize",
+        type=parse_part, metavar="I/N", exclusive="how",
+    )  # fmt: skip
     finalize: bool = _option(
-        False,
-        flag=Flag(
-            "--finalize",
-            "after every --part ran: check all parts are present and of the same plan, write the index, "
-            "consolidated metadata and completion marker (--timeout waits for missing parts)",
-            _SWITCH,
-            exclusive="how",
-        ),
-    )
+        False, None, "--finalize",
+        "after every --part ran: check all parts are present and of the same plan, write the index, "
+        "consolidated metadata and completion marker (--timeout waits for missing parts)",
+        action="store_true", exclusive="how",
+    )  # fmt: skip
     world_size: int | None = _option(
-        None,
-        config=int,
-        flag=Flag("--world-size", "expected number of ranks (default: from the commit records)", {"type": int}),
+        None, int, "--world-size", "expected number of ranks (default: from the commit records)", type=int
     )
     chunk_bytes: int = _option(
-        DEFAULT_CHUNK_BYTES,
-        config=int,
-        flag=Flag("--chunk-bytes", "target output chunk size (default 16MiB)", {"type": parse_size}),
+        DEFAULT_CHUNK_BYTES, int, "--chunk-bytes", "target output chunk size (default 16MiB)", type=parse_size
     )
     memory_budget: int = _option(
-        DEFAULT_MEMORY_BUDGET,
-        config=int,
-        flag=Flag("--memory-budget", "bytes of frames in flight (default 256MiB)", {"type": parse_size}),
+        DEFAULT_MEMORY_BUDGET, int, "--memory-budget", "bytes of frames in flight (default 256MiB)", type=parse_size
     )
     plan_budget: int = _option(
-        DEFAULT_PLAN_BUDGET,
-        config=int,
-        flag=Flag(
-            "--plan-budget",
-            "memory limit of the planner; beyond it the planner spills to --plan-dir (default 512MiB)",
-            {"type": parse_size},
-        ),
-    )
+        DEFAULT_PLAN_BUDGET, int, "--plan-budget",
+        "memory limit of the planner; beyond it the planner spills to --plan-dir (default 512MiB)",
+        type=parse_size,
+    )  # fmt: skip
     """Memory limit of the planner; beyond it the planner spills to ``plan_dir``. Never changes the plan."""
     plan_dir: str | None = _option(
-        None,
-        config=str,
-        flag=Flag(
-            "--plan-dir",
-            "the planner's temporary folder, emptied after the merge (default: system temp)",
-            {"metavar": "DIR"},
-        ),
-    )
+        None, str, "--plan-dir", "the planner's temporary folder, emptied after the merge (default: system temp)",
+        metavar="DIR",
+    )  # fmt: skip
     threads: int | None = _option(
-        None,
-        config=int,
-        flag=Flag("--threads", "copy threads (default 4 on local disks, 16 with an object store)", {"type": int}),
+        None, int, "--threads", "copy threads (default 4 on local disks, 16 with an object store)", type=int
     )
     storage_options: dict[str, Any] | None = _option(
-        None,
-        config=dict,
-        flag=Flag(
-            "--storage-option",
-            "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol); VALUE is read "
-            """as JSON where it is JSON (a number, true, {...}), else as a string (quote one: secret='"123"')""",
-            {"action": "append", "metavar": "KEY=VALUE"},
-        ),
-    )
+        None, dict, "--storage-option",
+        "fsspec option for ROOT (repeatable; also used for OUT when both share a protocol); VALUE is read "
+        """as JSON where it is JSON (a number, true, {...}), else as a string (quote one: secret='"123"')""",
+        action="append", metavar="KEY=VALUE",
+    )  # fmt: skip
     out_storage_options: dict[str, Any] | None = _option(
-        None,
-        config=dict,
-        flag=Flag(
-            "--out-storage-option",
-            "fsspec option for OUT (repeatable; VALUE as for --storage-option)",
-            {"action": "append", "metavar": "KEY=VALUE"},
-        ),
-    )
+        None, dict, "--out-storage-option", "fsspec option for OUT (repeatable; VALUE as for --storage-option)",
+        action="append", metavar="KEY=VALUE",
+    )  # fmt: skip
     remove_spill: bool = _option(
-        False,
-        config=bool,
-        flag=Flag(
-            "--remove-spill",
-            "delete the spill root once the output is complete and nothing is missing (kept otherwise)",
-            _SWITCH,
-        ),
-    )
+        False, bool, "--remove-spill",
+        "delete the spill root once the output is complete and nothing is missing (kept otherwise)",
+        action="store_true",
+    )  # fmt: skip
     progress: bool | None = _option(
-        None,
-        flag=Flag(
-            "--no-progress", "no progress bar, no notices while waiting for ranks", {"action": "store_const", "const": False}
-        ),
-    )
+        None, None, "--no-progress", "no progress bar, no notices while waiting for ranks",
+        action="store_const", const=False,
+    )  # fmt: skip
     """Progress bar (None: on a terminal); unless False, also a line on stderr every 30 s while the
     merge waits for ranks to commit, naming them."""
     run_id: str | None = _option(None)

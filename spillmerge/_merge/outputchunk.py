@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptSpillError
+from .._errors import CorruptSpillError, TruncatedObjectError
 from .._format import codecs as _codecs
 from .._format import common as F
 from .._format import crc as _crc
@@ -101,10 +101,8 @@ class OutputChunk:
         if enc is not None:
             whole = buffers[0] if len(buffers) == 1 else np.concatenate([np.frombuffer(b, np.uint8) for b in buffers])
             buffers = [np.frombuffer(enc.encode(whole), dtype=np.uint8)]
-        if enc is None and self.crc is not None:  # combined from the rows' CRCs: no second read
-            out_crc = self.crc
-        else:
-            out_crc = functools.reduce(_crc.extend, buffers, 0)
+        # combined from the rows' CRCs when it was (raw bytes): no second read
+        out_crc = self.crc if enc is None and self.crc is not None else functools.reduce(_crc.extend, buffers, 0)
         key = f"columns/{col.name}/values/c/{self.u.chunk}" + "/0" * len(col.unit_shape)
         output.makedirs(key.rsplit("/", 1)[0])
         output.put(key, [*buffers, np.uint32(out_crc).astype("<u4").tobytes()], fsync=fsync)  # type: ignore[list-item]
@@ -119,11 +117,9 @@ class OutputChunk:
         """Every row with bytes in this chunk, in order; rows cut by the chunk's edges included
         (only kinds with offsets). Computed on arrays: a lookup per row in the plan's maps cost
         more than copying the row (docs/SCALE.md)."""
-        lo, hi, src = self.u.lo, self.u.hi, self.col.src
-        ub = self.col.unit_bytes
-        if self.off is None:
+        lo, hi, src, off = self.u.lo, self.u.hi, self.col.src, self.off
+        if off is None:
             return self._present(lo, hi)
-        off = self.off
         r0 = int(off.searchsorted(lo, side="right")) - 1
         r1 = int(off.searchsorted(hi, side="left"))
         rows = np.arange(r0, r1, dtype=np.int64)
@@ -131,7 +127,7 @@ class OutputChunk:
         keep = (b > a) & (np.asarray(src[r0:r1]) >= 0)
         rows, a, b = rows[keep], a[keep], b[keep]
         first, stop = np.maximum(a, lo), np.minimum(b, hi)
-        return _Touched(rows, first - a, stop - a, (first - lo) * ub)
+        return _Touched(rows, first - a, stop - a, (first - lo) * self.col.unit_bytes)
 
     def _rows(self, rows: np.ndarray, crcs_out: list[int] | None = None) -> list[np.ndarray]:
         """The whole stored bytes of each of ``rows`` as uint8 arrays (the CRC-32C extension takes
@@ -188,12 +184,11 @@ class OutputChunk:
         ``r`` (plan entry ``e``) when it does not match (on a local disk: or is short)."""
         if (s, crc) in self.checked:
             return
-        if not self.src.local:
-            try:
-                verify_block(self.src, self.plan.segments[s], crc)
-            except CorruptSpillError:
-                self._mismatch(r, e, crc)
-        elif not self._block_sound(s, crc, strict=True):
+        try:
+            verify_block(self.src, self.plan.segments[s], crc)
+        except CorruptSpillError as exc:
+            if self.src.local and isinstance(exc, TruncatedObjectError):
+                raise  # a data chunk object shorter than the block: said as such
             self._mismatch(r, e, crc)
         self.checked.add((s, crc))
 
@@ -244,11 +239,10 @@ class OutputChunk:
         else:  # built a batch at a time
             batches = (self._present(lo, min(lo + COPY_ROWS, u.hi)) for lo in range(u.lo, u.hi, COPY_ROWS))
         for t in batches:
-            if self.src.local and col.kind != "strlist":
-                placed = self._place_local(t, out, pos)
-                if placed is not None:
-                    pos = placed
-                    continue
+            placed = self._place_local(t, out, pos) if self.src.local and col.kind != "strlist" else None
+            if placed is not None:
+                pos = placed
+                continue
             data = self._rows(t.rows)  # row by row: the path that says exactly what is wrong
             self._texts(t.rows, data)
             for start, a, b, row in zip(t.start.tolist(), t.a.tolist(), t.b.tolist(), data, strict=True):
@@ -281,10 +275,7 @@ class OutputChunk:
         cb = self.chunk_bytes[seg]
         c = off // cb
         across = (nb > 0) & ((off + nb - 1) // cb != c)
-        if self.off is None:
-            first, size = np.zeros(n, dtype=np.int64), nb
-        else:
-            first, size = t.a * ub, (t.b - t.a) * ub
+        first, size = t.a * ub, (t.b - t.a) * ub  # (a row of a column without offsets: its whole unit)
         start = t.start
         # Groups: one data chunk object each. Its rows, whatever their sizes (token ids and texts
         # have nearly one size a row), are checked together and copied a run at a time: rows
@@ -331,16 +322,14 @@ class OutputChunk:
             out[int(ends[i - 1]) if i else pos : int(start[i])] = 0
         return int(ends[-1])
 
-    def _block_sound(self, s: int, crc: int, strict: bool = False) -> bool:
+    def _block_sound(self, s: int, crc: int) -> bool:
         """Whether the block checksum ``crc`` (negative: a block of rows) of segment ``s`` holds
         on a local spill root: its bytes, a view of their data chunk object, all there and
-        matching. The caller says what is wrong when not; ``strict``: a data chunk object shorter
-        than the block raises ``TruncatedObjectError``."""
+        matching. The caller says what is wrong when not."""
         segment = self.plan.segments[s]
         b_off, b_nb, value = check_of(segment, crc)
         bc, b_lo = divmod(b_off, segment.chunk_bytes)
-        rel = f"{segment.seg.rel}/data/c/{bc}"
-        block = self.src.view(rel, b_lo, b_lo + b_nb) if strict else self.src.view(rel, 0, None)[b_lo:][:b_nb]
+        block = self.src.view(f"{segment.seg.rel}/data/c/{bc}", 0, None)[b_lo:][:b_nb]
         return len(block) == b_nb and _crc.value(block) == value
 
     def _pieces(self, touched: _Touched, data: list[np.ndarray], full: int, crcs: list[int]) -> list[Any]:
@@ -373,8 +362,7 @@ class OutputChunk:
 
     def _present(self, lo: int, hi: int) -> _Touched:
         """Rows ``[lo, hi)`` of a column without offsets that have a value, each one unit."""
-        rows = np.arange(lo, hi, dtype=np.int64)
-        rows = rows[np.asarray(self.col.src[lo:hi]) >= 0]
+        rows = lo + np.flatnonzero(np.asarray(self.col.src[lo:hi]) >= 0)
         zero = np.zeros(len(rows), dtype=np.int64)
         return _Touched(rows, zero, zero + 1, (rows - self.u.lo) * self.col.unit_bytes)
 

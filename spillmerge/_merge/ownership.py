@@ -59,9 +59,7 @@ _ROOT_PREFIX = b'{\n  "attributes": {\n    "spillmerge": {\n      "format_versio
 
 def is_ours(output: Storage) -> bool:
     names = output.listdir("")
-    if _lease.LEASE_DIR in names or _parts.PARTS_DIR in names:
-        return True
-    if header(output) is not None:
+    if _lease.LEASE_DIR in names or _parts.PARTS_DIR in names or header(output) is not None:
         return True
     raw = output.get_or_none("zarr.json", max_bytes=1 << 20)
     if raw is None:

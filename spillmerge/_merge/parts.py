@@ -37,8 +37,7 @@ Record = FO.PartDoneRecord | FO.PartFailureRecord
 def put(output: Storage, rec: FO.PartDoneRecord | FO.PartFailureRecord) -> None:
     """Write a part's completion or failure record, whole."""
     output.makedirs(PARTS_DIR)
-    failed = isinstance(rec, FO.PartFailureRecord)
-    output.put_atomic(record_name(rec.part, rec.parts, failed=failed), rec.to_json())
+    output.put_atomic(record_name(rec.part, rec.parts, failed=isinstance(rec, FO.PartFailureRecord)), rec.to_json())
 
 
 def write_failure(

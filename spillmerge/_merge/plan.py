@@ -22,7 +22,7 @@ from .._format.keyorder import output_orders
 from .._spill.root import Extent, LoadedSegment
 from .._util.gcpause import gc_paused
 from . import plansql as _plansql
-from .nametable import table_of
+from .nametable import NameTable
 from .options import DEFAULT_PLAN_BUDGET
 from .plancolumns import (
     ABSENT,
@@ -48,9 +48,8 @@ SameBytes = Callable[[Sequence[Extent], Sequence[Extent]], bool]
 class Plan:
     """The merge plan and the row table it refers to."""
 
-    filenames: Sequence[str]
-    """Sorted, distinct: a :class:`~spillmerge._merge.nametable.NameTable` (UTF-8 bytes and
-    offsets), or a list."""
+    filenames: NameTable
+    """Sorted, distinct, as UTF-8 bytes and offsets."""
     file_offsets: np.ndarray
     """int64 (n_files + 1,): rows of file i are ``file_offsets[i] .. file_offsets[i+1]-1``."""
     frame_idx: np.ndarray
@@ -173,8 +172,7 @@ def _assemble(
             srcs[g][db[m]] = np.where(none[m], NONE, a + m)
     columns = []
     for g, (p, tag) in enumerate(groups):
-        n_dom = sizes[F.list_domain(gpaths[p])]
-        planned = plan_column(names_of[g], gpaths[p], srcs[g], c, layouts, n_dom, new)
+        planned = plan_column(names_of[g], gpaths[p], srcs[g], c, layouts, len(srcs[g]), new)
         if tag is not None and not (planned.kind in FO.NUMERIC_KINDS and tag == planned.dtype):
             # the header names the variant its name carries (a split by numeric dtype alone does not)
             planned = dataclasses.replace(planned, variant=tag)
@@ -219,16 +217,14 @@ def resolve_duplicates(
             tuple((int(c["lp"][r]), int(c["nb"][r]), layouts[c["gl"][r]].dtype, layouts[c["gl"][r]].shape) for r in rows)
             for rows in groups.values()
         }
-        identical = len(sigs) == 1
-        if identical:
-            crcs = np.array([[int(c["crc"][r]) for r in rows] for rows in groups.values()], dtype=np.int64)
-            identical = all(len({int(v) for v in col if v >= 0}) <= 1 for col in crcs.T)
-        agree = identical  # sizes and checksums agree: only their bytes can tell
-        if identical:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
-            ext = {
-                s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
-                for s in seg_ids
-            }
+        # sizes and checksums agree (the same leaves: one row of each copy per leaf): only the bytes can tell
+        agree = len(sigs) == 1 and all(
+            len({int(c["crc"][r]) for r in leaf if c["crc"][r] >= 0}) <= 1 for leaf in zip(*groups.values(), strict=True)
+        )
+        identical = agree
+        if agree:  # equal checksums are not equal bytes (CRC-32C collides): compare the bytes
+            ext = {s: [Extent(segments[s], int(c["off"][r]), int(c["nb"][r]), int(c["crc"][r])) for r in groups[s]]
+                   for s in seg_ids}  # fmt: skip
             identical = all(same_bytes(ext[seg_ids[0]], ext[s]) for s in seg_ids[1:])
         if not identical and on_duplicate == "error":
             fname, frame = name_of(int(c["file"][a])), int(c["frame"][a])
@@ -250,10 +246,8 @@ def resolve_duplicates(
         # lowest rank that wrote the frame). Different content: the policy picks by write order —
         # ``first`` the earliest segment start, ``last`` the latest (rank breaks ties); ``seg_ids``
         # are positions in ``segments``, which are in that order.
-        if identical:
-            chosen = min(seg_ids, key=lambda s: (segments[s].seg.rank, s))
-        else:
-            chosen = seg_ids[-1] if on_duplicate == "last" else seg_ids[0]
+        chosen = (min(seg_ids, key=lambda s: (segments[s].seg.rank, s)) if identical
+                  else seg_ids[-1] if on_duplicate == "last" else seg_ids[0])  # fmt: skip
         keep[a:b] = c["seg"][a:b] == chosen
         duplicates += len(seg_ids) - 1
     return keep, duplicates
@@ -283,7 +277,7 @@ def fingerprint(plan: Plan, **settings: Any) -> str:
             h.update(np.ascontiguousarray(a[i : i + step], dtype=dtype).data)
 
     # The names as UTF-8 bytes (surrogatepass: filenames may hold lone surrogates) and their offsets.
-    names = table_of(plan.filenames)
+    names = plan.filenames
     feed(names.data, "u1", ROW_BLOCK * 16)
     for a in (names.offsets, plan.file_offsets, plan.frame_idx, plan.file_layout, *(x.offsets for x in plan.lists)):
         feed(a)

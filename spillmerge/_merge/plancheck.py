@@ -43,12 +43,10 @@ def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stam
             continue
         fid = file_ids[si]
         seen = 0
-        unused: list[np.ndarray] = []
+        unused = [np.zeros(0, np.int64)]
         for a in range(0, len(fid), ROW_BLOCK):
             f = np.asarray(fid[a : a + ROW_BLOCK])
-            u = np.flatnonzero(f < 0)
-            if len(u):
-                unused.append(u + a)
+            unused.append(a + np.flatnonzero(f < 0))
             f = f[f >= 0]
             if len(f) and np.any(stamp[f] == si):
                 raise s.corrupt(DISTINCT, FS.CATALOG_NAME)
@@ -56,9 +54,9 @@ def distinct_names(segments: Sequence[Any], file_ids: Sequence[np.ndarray], stam
             seen += len(f)
         if seen and int(np.count_nonzero(np.asarray(stamp) == si)) != seen:
             raise s.corrupt(DISTINCT, FS.CATALOG_NAME)
-        if not unused:
-            continue
         ids = np.concatenate(unused)
+        if not len(ids):
+            continue
         all_names = st.names()
         wanted = pa.array(sorted({all_names[int(i)].as_py() for i in ids}), type=pa.large_binary())
         if len(wanted) < len(ids):

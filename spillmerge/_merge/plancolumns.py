@@ -209,14 +209,6 @@ def distinct(a: np.ndarray) -> np.ndarray:
     return v[np.concatenate(([True], v[1:] != v[:-1]))]
 
 
-def member(a: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``np.isin(a, values)`` for ``values`` sorted and distinct (``distinct``), by binary search."""
-    if not len(values):
-        return np.zeros(len(a), dtype=bool)
-    at = np.minimum(np.searchsorted(values, a), len(values) - 1)
-    return values[at] == a
-
-
 def variant_groups(
     c: dict[str, np.ndarray], layouts: list[FS.Layout], leaf_paths: list[tuple[str, ...]], new: Alloc
 ) -> tuple[np.ndarray, list[tuple[int, str | None]]]:
@@ -240,9 +232,7 @@ def variant_groups(
     # variants numbered in sorted order, not in the order the writers met them: "the lowest" below
     # is then the same however the frames were written (row by row or in batches)
     sig_code = {sig: i for i, sig in enumerate(sorted(set(lsig.values())))}
-    lcode = np.full(len(layouts), -1, dtype=np.int64)
-    for g, sig in lsig.items():
-        lcode[g] = sig_code[sig]
+    lcode = np.array([sig_code[lsig[g]] if g in lsig else -1 for g in range(len(layouts))], dtype=np.int64)
     n = len(c["gl"])
     code = new("code", n, np.int64)
     weak_parts = [np.zeros(0, np.int64)]
@@ -273,24 +263,22 @@ def variant_groups(
                 ok += [i for i, s in enumerate(sigs) if nd == 1 and s[0] == "strlist"]
             got = np.full(len(rows), -1, dtype=np.int64)
             for cand in ok:
-                hit = (got < 0) & member(pair[rows] * n_sig + cand, pair_codes)
+                hit = (got < 0) & np.isin(pair[rows] * n_sig + cand, pair_codes)
                 got[hit] = cand
             left = got < 0
             for p in distinct(c["lp"][rows[left]]).tolist() if left.any() else ():
                 m = left & (c["lp"][rows] == p)
                 have = leaf_codes.setdefault(p, set())
-                found = next((i for i in ok if i in have), None)
-                if found is not None:
-                    cand = found
-                else:
+                pick = next((i for i in ok if i in have), None)
+                if pick is None:
                     own = ("none", "none", 0) if lay.dtype == "none" else ("num", lay.dtype, len(lay.shape))
-                    cand = sig_code.setdefault(own, len(sig_code))
-                    if cand == len(sigs):
+                    pick = sig_code.setdefault(own, len(sig_code))
+                    if pick == len(sigs):
                         sigs.append(own)
                     if own[0] != "none":
-                        ok.append(cand)
-                    have.add(cand)
-                got[m] = cand
+                        ok.append(pick)
+                    have.add(pick)
+                got[m] = pick
             code[rows] = got
     n_codes = max(len(sig_code), 1)
     # the distinct (leaf, variant) pairs, numbered in order: a table of every possible pair

@@ -96,8 +96,6 @@ def _remove_stale(parent: str) -> None:
     """Remove the work folders of plans whose process is gone (killed before its cleanup)."""
     with contextlib.suppress(OSError):
         for name in os.listdir(parent):
-            if not name.startswith(PREFIX):  # the temporary folder may hold thousands of others
-                continue
             m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\w+", name)
             if m is None or int(m.group(1)) == os.getpid():
                 continue

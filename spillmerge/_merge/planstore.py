@@ -25,7 +25,7 @@ from .._util.poll import poll
 from . import lease as _lease
 from . import plan as _plan
 from .documents import NAME_BLOCK
-from .nametable import NameTable, table_of
+from .nametable import NameTable
 from .parts import PARTS_DIR
 from .plan import Plan, PlannedColumn, PlannedList
 
@@ -197,7 +197,7 @@ def store(output: Storage, plan: Plan, key: str, fingerprint: str, settings: dic
             arrays[name] = put_blocks(output, f"{PLAN_DIR}/{name}", a)
             return name
 
-        table = table_of(plan.filenames)
+        table = plan.filenames
         put("names", table.data)
         put("name_offsets", table.offsets)
         heads = table.index_arrays(NAME_BLOCK)
@@ -427,11 +427,10 @@ def load(
         columns = []
         for c in body["columns"]:
             kw = {k: c[k] if f is None or c[k] is None else f(c[k]) for k, f in _COLUMN_FIELDS.items()}
-            col = PlannedColumn(
+            columns.append(PlannedColumn(
                 **kw, src=arr(c["src"]), offsets=arr(c["offsets"], monotonic=True) if "offsets" in c else None,
                 shapes=arr(c["shapes"]) if "shapes" in c else None, n_present=int(c["present"]),
-            )  # fmt: skip
-            columns.append(col)
+            ))  # fmt: skip
         lists = [
             PlannedList(lst["name"], tuple(lst["path"]), arr(lst["offsets"], monotonic=True)) for lst in body["lists"]
         ]
@@ -451,11 +450,7 @@ def load(
         if len(plan.file_offsets) != plan.n_files + 1 or any(len(c.src) != plan.n_frames for c in columns):
             raise bad(MANIFEST, "its arrays disagree in length")
         return plan, str(body["plan"]), dict(body["settings"])
-    except DamagedPlan:
+    except SpillMergeError:  # DamagedPlan naming its file, or the storage's own error
         raise
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - anything a damaged plan provokes: rebuilt, never trusted
         raise bad(MANIFEST, f"malformed ({type(exc).__name__}: {exc})") from None
-    except Exception as exc:  # noqa: BLE001 - anything else a damaged plan provokes: rebuilt, never trusted
-        if isinstance(exc, SpillMergeError):
-            raise
-        raise bad(MANIFEST, f"unreadable ({type(exc).__name__}: {exc})") from None

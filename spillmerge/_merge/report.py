@@ -11,7 +11,6 @@ import numpy as np
 from .._spill.removal import Lookup
 from .._util.frames import first_missing, runs
 from .._util.units import size_text
-from .nametable import table_of
 from .plan import ROW_BLOCK, Plan
 
 _INLINE_NOTES = ("part ", "spill root ")
@@ -177,7 +176,7 @@ class MergeReport:
 
 def plan_lookup(plan: Plan) -> Lookup:
     """:data:`~spillmerge._spill.removal.Lookup` of a merge plan (what a complete output written from it holds)."""
-    find = table_of(plan.filenames).search
+    find = plan.filenames.search
     off, frames = plan.file_offsets, plan.frame_idx
 
     def lookup(name: str) -> Any:
@@ -200,7 +199,7 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         n_rows = np.diff(o)
         last = np.where(n_rows > 0, frames[np.maximum(o[1:] - 1, 0)], -1)
         check.update((a + np.flatnonzero(last + 1 != n_rows)).tolist())  # a gap below the last frame
-    find = table_of(plan.filenames).search
+    find = plan.filenames.search
     if expected:
         check.update(i for i in map(find, expected) if i >= 0)
     for i in sorted(check):
@@ -213,7 +212,5 @@ def gaps(plan: Plan, expected: dict[str, int] | None, *, whole: bool, limit: int
         if len(have) != span:
             out[name] = first_missing(have, span, limit)
     if expected and whole:
-        for name, count in expected.items():
-            if find(name) < 0 and count > 0:
-                out[name] = list(range(min(count, limit)))
+        out.update({name: list(range(min(n, limit))) for name, n in expected.items() if n > 0 and find(name) < 0})
     return out

@@ -46,15 +46,13 @@ def _write_part(job: _opening.Job, rank: int | None) -> MergeReport:
         if not overwrite:
             raise _output.complete_error(output, "rebuild it (every part, then finalize)")
         output.rm_tree(FO.COMPLETE_NAME)  # from here on the output is incomplete until finalized
-    name = _parts.describe(i, n, rank)
     records = _parts.read_records(output)
     if not overwrite and any(
         isinstance(r, FO.PartDoneRecord) and (r.part, r.parts, r.plan) == (i, n, plan_id) for r in records
     ):
         # Done before (e.g. a requeued array task): the record vouches for data flushed before it.
-        job.notes.append(
-            f"{name} was already complete ({output.describe(_parts.record_name(i, n))}); nothing rewritten"
-        )
+        where = output.describe(_parts.record_name(i, n))
+        job.notes.append(f"{_parts.describe(i, n, rank)} was already complete ({where}); nothing rewritten")
         return job.report(todo=mine, parts=n, part=i)
     foreign = _parts.foreign(records, n, plan_id)
     if foreign and not overwrite:
