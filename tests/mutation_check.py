@@ -1847,6 +1847,14 @@ MUTATIONS: list[Mutation] = [
         "dicts of other keys or key orders never travel as one struct column (a key gained as None, an order lost)",
     ),
     Mutation(
+        "dropin-records-number-lists-exact",
+        "spillmerge/_dist/records.py",
+        ' or not (items["c"] == code).all():',
+        ":",
+        ("tests/distributed/test_records.py::test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold",),
+        "lists of numbers go into one buffer only when every item is exactly of the buffer's kind",
+    ),
+    Mutation(
         "dropin-records-file-checked",
         "spillmerge/_dist/dropin.py",
         "            if data is None or len(data) != nbytes or crc.value(data) != want:",

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import marshal
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -125,14 +126,48 @@ def _numbers(out: Encoded, kind: type, values: Any, n: int, validity: list[int] 
     return {"t": "int64" if kind is int else "float64", "n": n, "b": [validity, out.buffer(data)]}
 
 
+_MARSHAL = {int: (ord("i"), "<i4", np.int64), float: (ord("g"), "<f8", np.float64)}
+"""marshal's format 2 (``marshal.dumps(v, 2)``, no back-references): a list is ``[`` and its
+length (4 bytes), an int of 32 bits ``i`` and its 4 bytes, a float ``g`` and its 8; a bool, None,
+a larger int, another type or a subclass has another code or is refused (ValueError)."""
+
+
+def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> np.ndarray | None:
+    """The ``n`` items of ``lists`` (lists, exactly) as one int64 or float64 array when every
+    item is of exactly ``kind`` (an int of 32 bits): marshal writes them in one C pass, which
+    also tells each item's exact type by its code. None when some item is not."""
+    code, fmt, dtype = _MARSHAL[kind]
+    width = 1 + np.dtype(fmt).itemsize
+    try:
+        raw = np.frombuffer(marshal.dumps(cast(Any, lists), 2), dtype=np.uint8)  # a tuple: '(', refused below
+    except ValueError:  # a subclass of int or float somewhere
+        return None
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    if len(raw) != 5 + 5 * len(lists) + n * width:
+        return None  # some item of another size: a bool, None, an int past 32 bits
+    heads = 5 + np.concatenate(([0], np.cumsum(5 + lengths * width)[:-1])).astype(np.int64)
+    keep = np.ones(len(raw), dtype=bool)
+    keep[:5] = False
+    keep[(heads[:, None] + np.arange(5)).ravel()] = False
+    # Every code checked where the layout puts it: the first item of another kind shows its own.
+    items = raw[keep].view(np.dtype([("c", "u1"), ("v", fmt)]))
+    if raw[0] != ord("[") or not (raw[heads] == ord("[")).all() or not (items["c"] == code).all():
+        return None
+    return items["v"].astype(dtype)
+
+
 def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, Any]:
     """The items of ``lists`` as one column's node. Numbers of one kind without None go straight
     from the lists into their buffer (no list of every item: 8 bytes an item more of peak)."""
     items = itertools.chain.from_iterable
     n, kind = sum(map(len, lists)), type(next(items(lists), None))
-    # every item's type counted in C, faster than collected into a set: exactly int (no bool) or float
-    if (kind is int or kind is float) and depth <= _MAX_DEPTH and operator.countOf(map(type, items(lists)), kind) == n:
-        return _numbers(out, kind, items(lists), n, None)
+    if (kind is int or kind is float) and depth <= _MAX_DEPTH:
+        data = _marshalled(lists, kind, n)
+        if data is not None:
+            return {"t": "int64" if kind is int else "float64", "n": n, "b": [None, out.buffer(data)]}
+        # every item's type counted in C, faster than collected into a set: exactly int (no bool) or float
+        if operator.countOf(map(type, items(lists)), kind) == n:
+            return _numbers(out, kind, items(lists), n, None)
     return _column(out, list(items(lists)), depth)
 
 
