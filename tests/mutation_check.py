@@ -1157,7 +1157,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-numpy-back',
-        "spillmerge/_dist/dropin.py",
+        "spillmerge/_dist/shape.py",
         '"numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,',
         '"numpy": lambda v: v,',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1181,7 +1181,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-grad-and-bytearray',
-        "spillmerge/_dist/dropin.py",
+        "spillmerge/_dist/shape.py",
         '"bytearray": lambda v: bytearray(v) if type(v) is bytes else v,\n    "grad": lambda v: v.requires_grad_()',
         '"bytearray": lambda v: v,\n    "grad": lambda v: v.requires_grad_()',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1221,7 +1221,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-numpy-scalar',
-        'spillmerge/_dist/dropin.py',
+        'spillmerge/_dist/shape.py',
         '"scalars": _scalar,',
         '"scalars": lambda v: v,',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1229,7 +1229,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-pickled-whole',
-        'spillmerge/_dist/dropin.py',
+        'spillmerge/_dist/shape.py',
         '        self.found["whole"].append(path)\n        return _Whole(obj)',
         '        return obj',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
