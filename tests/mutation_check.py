@@ -2030,6 +2030,17 @@ MUTATIONS: list[Mutation] = [
         "a rank passing a drop-in another dst or root is named on every rank before anything is written",
     ),
     Mutation(
+        "dropin-long-message-sent-whole",
+        "spillmerge/_dist/dropin.py",
+        "    if any(r[0] == _LONG for r in raw):",
+        "    if False:",
+        (
+            "tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",
+            "tests/distributed/test_dropin.py::test_back_to_back_calls_apart_and_nothing_left",
+        ),
+        "a rank's message longer than its slot in the drop-in's all-gathers (a long error, a long root) is sent whole",
+    ),
+    Mutation(
         "dropin-read-back-failure-untold",
         "spillmerge/_dist/dropin.py",
         '            _settle(rank, target, call, storage_options, error, timeout, "reading back")\n',

@@ -97,11 +97,31 @@ def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int
     return dist.get_rank(), world, target
 
 
+SLOT = 1024
+"""Bytes a rank's message takes in the call's fixed-size all-gathers: what the ranks tell each
+other (host, ids, sizes, CRCs; whether a step failed) fits, so one collective does what
+``all_gather_object`` does in two (sizes, then bytes)."""
+_LONG = 0xFF  # a slot's first byte when its message did not fit (JSON text is ASCII)
+
+
 def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
-    """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
-    got: list[Any] = [None] * dist.get_world_size()
-    on_gloo(rank, timeout, what, dist.all_gather_object, got, mine)
-    return got
+    """Every rank's ``mine`` (JSON: tuples come back as lists), in rank order: one gloo
+    all-gather of ``SLOT`` bytes a rank, bounded by ``timeout``; when some rank's message is
+    longer (a long error or root), a second round sends every message whole."""
+    data = json.dumps(mine).encode()
+    slot = np.zeros(SLOT, dtype=np.uint8)
+    if len(data) <= SLOT:
+        slot[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        slot[0] = _LONG
+    got = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    on_gloo(rank, timeout, what, dist.all_gather, got, torch.from_numpy(slot))
+    raw = [g.numpy().tobytes() for g in got]
+    if any(r[0] == _LONG for r in raw):
+        whole: list[Any] = [None] * len(raw)
+        on_gloo(rank, timeout, what, dist.all_gather_object, whole, data)
+        raw = whole
+    return [json.loads(r.rstrip(b"\0")) for r in raw]
 
 
 def _alike(rank: int, values: list[Any], name: str, error: type[SpillMergeError], **fields: Any) -> None:
