@@ -126,17 +126,18 @@ def _numbers(out: Encoded, kind: type, values: Any, n: int, validity: list[int] 
     return {"t": "int64" if kind is int else "float64", "n": n, "b": [validity, out.buffer(data)]}
 
 
-_MARSHAL = {int: (ord("i"), "<i4", np.int64), float: (ord("g"), "<f8", np.float64)}
+_MARSHAL = {int: (ord("i"), "<i4", "int32"), float: (ord("g"), "<f8", "float64")}
 """marshal's format 2 (``marshal.dumps(v, 2)``, no back-references): a list is ``[`` and its
 length (4 bytes), an int of 32 bits ``i`` and its 4 bytes, a float ``g`` and its 8; a bool, None,
 a larger int, another type or a subclass has another code or is refused (ValueError)."""
 
 
-def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> np.ndarray | None:
-    """The ``n`` items of ``lists`` (lists, exactly) as one int64 or float64 array when every
-    item is of exactly ``kind`` (an int of 32 bits): marshal writes them in one C pass, which
-    also tells each item's exact type by its code. None when some item is not."""
-    code, fmt, dtype = _MARSHAL[kind]
+def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> tuple[np.ndarray, str] | None:
+    """The ``n`` items of ``lists`` (lists, exactly) as one int32 or float64 array and its Arrow
+    type, when every item is of exactly ``kind`` (an int of 32 bits: half the bytes of int64 to
+    write, check and read): marshal writes them in one C pass, which also tells each item's
+    exact type by its code. None when some item is not."""
+    code, fmt, arrow = _MARSHAL[kind]
     width = 1 + np.dtype(fmt).itemsize
     try:
         raw = np.frombuffer(marshal.dumps(cast(Any, lists), 2), dtype=np.uint8)  # a tuple: '(', refused below
@@ -153,7 +154,7 @@ def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> np.ndarray | 
     items = raw[keep].view(np.dtype([("c", "u1"), ("v", fmt)]))
     if raw[0] != ord("[") or not (raw[heads] == ord("[")).all() or not (items["c"] == code).all():
         return None
-    return items["v"].astype(dtype)
+    return items["v"].copy(), arrow  # contiguous
 
 
 def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, Any]:
@@ -162,9 +163,9 @@ def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, An
     items = itertools.chain.from_iterable
     n, kind = sum(map(len, lists)), type(next(items(lists), None))
     if (kind is int or kind is float) and depth <= _MAX_DEPTH:
-        data = _marshalled(lists, kind, n)
-        if data is not None:
-            return {"t": "int64" if kind is int else "float64", "n": n, "b": [None, out.buffer(data)]}
+        packed = _marshalled(lists, kind, n)
+        if packed is not None:
+            return {"t": packed[1], "n": n, "b": [None, out.buffer(packed[0])]}
         # every item's type counted in C, faster than collected into a set: exactly int (no bool) or float
         if operator.countOf(map(type, items(lists)), kind) == n:
             return _numbers(out, kind, items(lists), n, None)
@@ -262,7 +263,7 @@ def _array(pa: Any, node: Any, body: Any, depth: int) -> Any:
         if len(children) != 1:
             raise ValueError(f"a {t} column has {len(children)} children, not 1")
         typ = (pa.list_ if t == "list" else pa.large_list)(children[0].type)
-    elif t in ("null", "int64", "float64", "bool", "string", "large_string", "binary", "large_binary") and not children:
+    elif t in ("null", "int32", "int64", "float64", "bool", "string", "large_string", "binary", "large_binary") and not children:
         typ = pa.bool_() if t == "bool" else getattr(pa, t)()
     else:
         raise ValueError(f"a column of type {t!r}, which the records do not use")
