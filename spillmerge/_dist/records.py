@@ -132,19 +132,38 @@ length (4 bytes), an int of 32 bits ``i`` and its 4 bytes, a float ``g`` and its
 a larger int, another type or a subclass has another code or is refused (ValueError)."""
 
 
+_MARSHAL_ITEMS = 1 << 16
+"""Items marshalled at a time: the bytes, mask and copy of a part stay small (in cache)."""
+
+
 def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> tuple[np.ndarray, str] | None:
     """The ``n`` items of ``lists`` (lists, exactly) as one int32 or float64 array and its Arrow
     type, when every item is of exactly ``kind`` (an int of 32 bits: half the bytes of int64 to
     write, check and read): marshal writes them in one C pass, which also tells each item's
     exact type by its code. None when some item is not."""
     code, fmt, arrow = _MARSHAL[kind]
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, np.arange(_MARSHAL_ITEMS, n, _MARSHAL_ITEMS), side="right")
+    bounds = np.unique(np.concatenate(([0], cuts, [len(lists)]))).tolist()
+    data = np.empty(n, dtype=fmt)
+    for a, b in itertools.pairwise(bounds):
+        first = int(ends[a - 1]) if a else 0
+        values = _unmarshal(lists[a:b], lengths[a:b], code, fmt)
+        if values is None:
+            return None
+        data[first : int(ends[b - 1])] = values
+    return data, arrow
+
+
+def _unmarshal(lists: Sequence[list[Any]], lengths: np.ndarray, code: int, fmt: str) -> np.ndarray | None:
+    """``_marshalled`` for some of the lists: their items' values, or None."""
     width = 1 + np.dtype(fmt).itemsize
     try:
         raw = np.frombuffer(marshal.dumps(cast(Any, lists), 2), dtype=np.uint8)  # a tuple: '(', refused below
     except ValueError:  # a subclass of int or float somewhere
         return None
-    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    if len(raw) != 5 + 5 * len(lists) + n * width:
+    if len(raw) != 5 + 5 * len(lists) + int(lengths.sum()) * width:
         return None  # some item of another size: a bool, None, an int past 32 bits
     heads = 5 + np.concatenate(([0], np.cumsum(5 + lengths * width)[:-1])).astype(np.int64)
     keep = np.ones(len(raw), dtype=bool)
@@ -154,7 +173,7 @@ def _marshalled(lists: Sequence[list[Any]], kind: type, n: int) -> tuple[np.ndar
     items = raw[keep].view(np.dtype([("c", "u1"), ("v", fmt)]))
     if raw[0] != ord("[") or not (raw[heads] == ord("[")).all() or not (items["c"] == code).all():
         return None
-    return items["v"].copy(), arrow  # contiguous
+    return items["v"]
 
 
 def _items(out: Encoded, lists: Sequence[list[Any]], depth: int) -> dict[str, Any]:

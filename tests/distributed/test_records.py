@@ -167,6 +167,7 @@ def test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold():
     for lists in (
         [edges, [], [7] * 1000, [-5]],  # all 32 bits: the one-buffer way
         [[1.5, -0.0, float("inf"), 1e308], [], [2.0]],
+        [[7] * 1000] * 100 + [list(range(-100_000, 100_000))],  # parts of 64k items; lists across them
         [[1, 2], [2**31]],  # past 32 bits, still 64
         [[1, 2], [-(2**31) - 1], [2**63 - 1, -(2**63)]],
         [[1, None, 3], [4]],
@@ -177,6 +178,7 @@ def test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold():
         assert encoded is not None and _same(_back(encoded), obj), lists
     declined = [[[1, 2], [True]], [[1, Kind.A]], [[1.0, Real(2.0)]], [[1, 2], [2.5]], [[1.0], [2]], [[1], [2**64]]]
     declined += [[[1, ""]], [[1, b""]], [[1.0, "abcd"]]]  # of the size marshal gives an int (a float)
+    declined += [[[1] * 1000] * 100 + [[True]], [[1.0] * 1000] * 100 + [[1]]]  # in a later part
     for lists in declined:
         assert encode([{"ids": ids} for ids in lists]) is None, lists
 
