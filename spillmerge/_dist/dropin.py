@@ -1,8 +1,9 @@
 """Drop-ins for ``torch.distributed.gather_object`` / ``all_gather_object``: torch's signatures
 and semantics, the objects travelling through storage instead of pickled tensors.
 
-Each call (every rank, like the torch collectives; each step's gloo all-gather also ends by the
-call's ``timeout``, so a rank that never calls is a timeout error, never a hang):
+Each call (every rank, like the torch collectives; each step's gloo all-gather, of a fixed-size
+slot a rank, also ends by the call's ``timeout``, so a rank that never calls is a timeout error,
+never a hang):
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id), compares
                 hostnames (on several hosts the folder must be on storage every rank sees:
                 ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
