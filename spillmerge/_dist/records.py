@@ -133,7 +133,7 @@ length (4 bytes), an int of 32 bits ``i`` and its 4 bytes, a float ``g`` and its
 a larger int, another type or a subclass has another code or is refused (ValueError)."""
 
 
-_MARSHAL_ITEMS = 1 << 16
+_MARSHAL_ITEMS = 1 << 15
 """Items marshalled at a time: the bytes, mask and copy of a part stay small (in cache)."""
 
 
@@ -169,7 +169,8 @@ def _unmarshal(lists: Sequence[list[Any]], lengths: np.ndarray, code: int, fmt: 
     heads = 5 + np.concatenate(([0], np.cumsum(5 + lengths * width)[:-1])).astype(np.int64)
     keep = np.ones(len(raw), dtype=bool)
     keep[:5] = False
-    keep[(heads[:, None] + np.arange(5)).ravel()] = False
+    for k in range(5):  # each list's code and length
+        keep[heads + k] = False
     # Every code checked where the layout puts it: the first item of another kind shows its own.
     items = raw[keep].view(np.dtype([("c", "u1"), ("v", fmt)]))
     if raw[0] != ord("[") or not (raw[heads] == ord("[")).all() or not (items["c"] == code).all():
