@@ -221,10 +221,14 @@ def back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
         spillmerge.all_gather_object(via_env, rank * 2, timeout=TIMEOUT)
     finally:
         del os.environ["SPILLMERGE_ROOT"]
+    long_root = f"{base}/" + "/".join(["r" * 230] * 5)  # longer than a message's slot: sent whole
+    long: list[Any] = [None] * world
+    spillmerge.all_gather_object(long, [{"long": rank}], root=long_root, timeout=TIMEOUT)
     dist.barrier()
     return {
         "first": first, "second": second, "third": third, "fourth": fourth, "fifth": fifth, "via_env": via_env,
         "new_in_default_root": sorted(set(after) - set(before)), "left_in_env_root": os.listdir(env_root),
+        "long": long, "left_in_long_root": os.listdir(long_root),
     }  # fmt: skip
 
 
@@ -247,6 +251,9 @@ def failures(rank: int, world: int, base: str) -> dict[str, Any]:
     attempt(
         "unpicklable", lambda: spillmerge.all_gather_object(lst, (lambda: 1) if rank == 1 else rank, timeout=TIMEOUT)
     )
+    # an error longer than a message's slot in the call's all-gathers: sent whole, still named
+    long_key = {"k" * 1500: object()} if rank == 1 else rank
+    attempt("long_error", lambda: spillmerge.all_gather_object(lst, long_key, timeout=TIMEOUT))
     short = [None] * (world - 1) if rank == 0 else None
     attempt("short_list", lambda: spillmerge.gather_object(rank, short, dst=0, timeout=TIMEOUT))
     records_of = [{"rank": rank}]  # every rank's object records: the failure comes in the records' way

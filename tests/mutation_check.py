@@ -1157,7 +1157,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-numpy-back',
-        "spillmerge/_dist/dropin.py",
+        "spillmerge/_dist/shape.py",
         '"numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,',
         '"numpy": lambda v: v,',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1181,7 +1181,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-grad-and-bytearray',
-        "spillmerge/_dist/dropin.py",
+        "spillmerge/_dist/shape.py",
         '"bytearray": lambda v: bytearray(v) if type(v) is bytes else v,\n    "grad": lambda v: v.requires_grad_()',
         '"bytearray": lambda v: v,\n    "grad": lambda v: v.requires_grad_()',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1221,7 +1221,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-numpy-scalar',
-        'spillmerge/_dist/dropin.py',
+        'spillmerge/_dist/shape.py',
         '"scalars": _scalar,',
         '"scalars": lambda v: v,',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1229,7 +1229,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         'i40-dropin-pickled-whole',
-        'spillmerge/_dist/dropin.py',
+        'spillmerge/_dist/shape.py',
         '        self.found["whole"].append(path)\n        return _Whole(obj)',
         '        return obj',
         ("tests/distributed/test_dropin.py::test_returns_what_torch_returns",),
@@ -1847,6 +1847,14 @@ MUTATIONS: list[Mutation] = [
         "dicts of other keys or key orders never travel as one struct column (a key gained as None, an order lost)",
     ),
     Mutation(
+        "dropin-records-number-lists-exact",
+        "spillmerge/_dist/records.py",
+        ' or not (items["c"] == code).all():',
+        ":",
+        ("tests/distributed/test_records.py::test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold",),
+        "lists of numbers go into one buffer only when every item is exactly of the buffer's kind",
+    ),
+    Mutation(
         "dropin-records-file-checked",
         "spillmerge/_dist/dropin.py",
         "            if data is None or len(data) != nbytes or crc.value(data) != want:",
@@ -2022,6 +2030,17 @@ MUTATIONS: list[Mutation] = [
         "a rank passing a drop-in another dst or root is named on every rank before anything is written",
     ),
     Mutation(
+        "dropin-long-message-sent-whole",
+        "spillmerge/_dist/dropin.py",
+        "    if any(r[0] == _LONG for r in raw):",
+        "    if False:",
+        (
+            "tests/distributed/test_dropin.py::test_a_failing_rank_is_named_on_every_rank",
+            "tests/distributed/test_dropin.py::test_back_to_back_calls_apart_and_nothing_left",
+        ),
+        "a rank's message longer than its slot in the drop-in's all-gathers (a long error, a long root) is sent whole",
+    ),
+    Mutation(
         "dropin-read-back-failure-untold",
         "spillmerge/_dist/dropin.py",
         '            _settle(rank, target, call, storage_options, error, timeout, "reading back")\n',
@@ -2081,7 +2100,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "b61-dropin-one-host-root-identity",
         "spillmerge/_dist/dropin.py",
-        "    check = len(hosts) > 1 or len({g[5] for g in got}) > 1\n",
+        "    check = len(hosts) > 1 or len({tuple(g[5]) for g in got}) > 1\n",
         "    check = len(hosts) > 1\n",
         ("tests/distributed/test_dropin.py::test_a_root_each_rank_of_one_host_has_to_itself_is_refused_in_seconds",),
         "ranks of one host whose root names a folder of each one's own are refused in seconds, not at the timeout",

@@ -1,8 +1,9 @@
 """Drop-ins for ``torch.distributed.gather_object`` / ``all_gather_object``: torch's signatures
 and semantics, the objects travelling through storage instead of pickled tensors.
 
-Each call (every rank, like the torch collectives; each step's gloo all-gather also ends by the
-call's ``timeout``, so a rank that never calls is a timeout error, never a hang):
+Each call (every rank, like the torch collectives; each step's gloo all-gather, of a fixed-size
+slot a rank, also ends by the call's ``timeout``, so a rank that never calls is a timeout error,
+never a hang):
   (every rank)  one gloo all-gather agrees on the call's folder (rank 0's fresh id), compares
                 hostnames (on several hosts the folder must be on storage every rank sees:
                 ``root=`` or env ``SPILLMERGE_ROOT``, else every rank raises ConfigError) and
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import json
 import os
 import socket
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -39,9 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ConfigError, CoordinationError, CorruptSpillError, RankFailedError, SpillMergeError
-from .._format import common as F
 from .._format import crc
-from .._read.column import real_dtype
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import Storage
@@ -51,6 +48,7 @@ from .._write.writer import SpillWriter
 from . import records
 from .gather import CHUNK_BYTES, CallWriter
 from .rank import on_gloo
+from .shape import FIXES, STR, Shape, at
 from .sharing import node_local_root, root_identity
 
 ROOT_ENV = "SPILLMERGE_ROOT"
@@ -92,11 +90,31 @@ def _ranks(group: Any, dst: int | None, group_dst: int | None) -> tuple[int, int
     return dist.get_rank(), world, target
 
 
+SLOT = 1024
+"""Bytes a rank's message takes in the call's fixed-size all-gathers: what the ranks tell each
+other (host, ids, sizes, CRCs; whether a step failed) fits, so one collective does what
+``all_gather_object`` does in two (sizes, then bytes)."""
+_LONG = 0xFF  # a slot's first byte when its message did not fit (JSON text is ASCII)
+
+
 def _exchange(rank: int, mine: Any, timeout: float, what: str) -> list[Any]:
-    """Every rank's ``mine``, in rank order (one gloo all-gather, bounded by ``timeout``)."""
-    got: list[Any] = [None] * dist.get_world_size()
-    on_gloo(rank, timeout, what, dist.all_gather_object, got, mine)
-    return got
+    """Every rank's ``mine`` (JSON: tuples come back as lists), in rank order: one gloo
+    all-gather of ``SLOT`` bytes a rank, bounded by ``timeout``; when some rank's message is
+    longer (a long error or root), a second round sends every message whole."""
+    data = json.dumps(mine).encode()
+    slot = np.zeros(SLOT, dtype=np.uint8)
+    if len(data) <= SLOT:
+        slot[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    else:
+        slot[0] = _LONG
+    got = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(dist.get_world_size())]
+    on_gloo(rank, timeout, what, dist.all_gather, got, torch.from_numpy(slot))
+    raw = [g.numpy().tobytes() for g in got]
+    if any(r[0] == _LONG for r in raw):
+        whole: list[Any] = [None] * len(raw)
+        on_gloo(rank, timeout, what, dist.all_gather_object, whole, data)
+        raw = whole
+    return [json.loads(r.rstrip(b"\0")) for r in raw]
 
 
 def _alike(rank: int, values: list[Any], name: str, error: type[SpillMergeError], **fields: Any) -> None:
@@ -130,7 +148,7 @@ def _agree(
             "every rank sees",
             key=ROOT_ENV,
         )
-    check = len(hosts) > 1 or len({g[5] for g in got}) > 1
+    check = len(hosts) > 1 or len({tuple(g[5]) for g in got}) > 1
     return f"{(where or node_local_root()).rstrip('/')}/spillmerge-{got[0][1]}", len(hosts) == 1, all(g[2] for g in got), check
 
 
@@ -192,137 +210,6 @@ def _settle(
     raise RankFailedError(f"rank {rank}: rank(s) {sorted(failures)} failed {what} ({names})", failures=failures)
 
 
-_ATOMIC = frozenset({int, float, bool, str, bytes, complex, type(None)})
-"""Types with nothing below them for ``_Shape`` to find: skipped without a call."""
-
-
-_STR = frozenset({str})
-
-
-def _plain(values: Any) -> bool:
-    """Whether every one of ``values`` is of an ``_ATOMIC`` type (a check in C, no call per item:
-    the COCO instances' boxes are 192k lists of four floats)."""
-    return _ATOMIC.issuperset(map(type, values))
-
-
-class _Whole:
-    """An object stored pickled whole (``allow_pickle``) because its type would not come back: a
-    dict with keys other than str, a subclass, a sparse or quantized tensor, a dataclass. Not a
-    dataclass itself: the writer would store it as a dict of its fields."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-
-class _Shape:
-    """What storage does not keep of an object, found in one walk of it: the paths (dict keys,
-    list positions) of its numpy arrays and scalars (every array comes back as a torch tensor),
-    bytearrays (as bytes), tensors that require grad and objects stored pickled whole (``_Whole``).
-    ``obj``: what to write. (Dicts keep their key order in storage itself.)"""
-
-    def __init__(self, obj: Any, allow_pickle: bool) -> None:
-        self.found: dict[str, list[list[Any]]] = {key: [] for key in _FIXES}  # key -> paths
-        self.allow_pickle = allow_pickle
-        self.obj = self._walk(obj, [], 0)
-
-    def _walk(self, obj: Any, path: list[Any], depth: int) -> Any:
-        kind = type(obj)
-        if kind is np.ndarray:
-            self.found["numpy"].append(path)
-            return obj
-        if kind in _ATOMIC:
-            return obj
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
-                self.found["grad"].append(path)
-            if kind is not torch.Tensor or obj.layout != torch.strided or obj.is_quantized:
-                return self._pickled(obj, path)  # a Parameter, a sparse or quantized tensor
-            return obj
-        if isinstance(obj, np.generic):
-            self.found["scalars"].append(path)
-            return obj
-        if kind is bytearray:
-            self.found["bytearray"].append(path)
-            return obj
-        if depth > 64:
-            return obj
-        if kind is dict or kind is list or kind is tuple:
-            if kind is dict and not _STR.issuperset(map(type, obj)):
-                return self._pickled(obj, path)  # else the writer refuses the key, naming it
-            if _plain(obj.values() if kind is dict else obj):
-                return obj
-            changed: Any = None
-            for k, v in obj.items() if kind is dict else enumerate(obj):
-                if type(v) in _ATOMIC or (type(v) is list and _plain(v)):
-                    continue
-                nv = self._walk(v, [*path, k], depth + 1)
-                if nv is not v:
-                    changed = (dict(obj) if kind is dict else list(obj)) if changed is None else changed
-                    changed[k] = nv
-            return obj if changed is None else changed if kind is dict else kind(changed)
-        if isinstance(obj, (Mapping, list, tuple, int, float, complex, str, bytes)) or (
-            dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-        ):
-            return self._pickled(obj, path)  # a subclass (an enum) or a dataclass: stored as its base
-        return obj
-
-    def _pickled(self, obj: Any, path: list[Any]) -> Any:
-        if not self.allow_pickle:
-            return obj
-        self.found["whole"].append(path)
-        return _Whole(obj)
-
-    def paths(self) -> dict[str, list[list[Any]]] | None:
-        """The paths to turn back; None when there are none (nothing to store)."""
-        return self.found if any(self.found.values()) else None
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor as numpy: dtypes numpy lacks (bfloat16, float8 ...) as their ml_dtypes arrays."""
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in F.RAW_BITS:
-        return t.numpy()
-    return t.view(getattr(torch, F.DTYPES[name].storage)).numpy().view(real_dtype(name))
-
-
-def _scalar(v: Any) -> Any:
-    """A numpy scalar from what storage gave back: a 0-d tensor or array (pickled), or the str or
-    bytes of an ``np.str_`` / ``np.bytes_``."""
-    v = _numpy(v) if isinstance(v, torch.Tensor) else v
-    if isinstance(v, np.ndarray):
-        return v[()]
-    return np.str_(v) if type(v) is str else np.bytes_(v) if type(v) is bytes else v
-
-
-_FIXES: dict[str, Any] = {
-    "whole": lambda v: v.obj if isinstance(v, _Whole) else v,
-    "numpy": lambda v: _numpy(v) if isinstance(v, torch.Tensor) else v,
-    "scalars": _scalar,
-    "bytearray": lambda v: bytearray(v) if type(v) is bytes else v,
-    "grad": lambda v: v.requires_grad_() if isinstance(v, torch.Tensor) else v,
-}
-
-
-def _at(value: Any, path: list[Any], fix: Any) -> Any:
-    """``value`` with ``fix`` applied to what lies at ``path`` (tuples rebuilt, the rest in place)."""
-    if not path:
-        return fix(value)
-    head = path[0]
-    try:
-        inner = value[head]
-    except (KeyError, IndexError, TypeError):
-        return value
-    fixed = _at(inner, path[1:], fix)
-    if fixed is inner:
-        return value
-    if type(value) is tuple:
-        return (*value[:head], fixed, *value[head + 1 :])
-    value[head] = fixed
-    return value
-
-
 def _check_list(rank: int, dst: int, world: int, object_list: Any, every_rank: bool) -> None:
     """torch's checks of the output list (``_validate_output_list_for_rank``), and its length."""
     wanted = every_rank or rank == dst
@@ -356,7 +243,7 @@ def _split(obj: Any) -> bool:
     leaf already, its items stored as one array. (Records Arrow keeps exactly went as such.)"""
     kind = type(obj)
     if kind is dict:
-        return _STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
+        return STR.issuperset(map(type, obj)) and any(type(v) is dict for v in obj.values())
     return (kind is list or kind is tuple) and any(type(v) is dict for v in obj)
 
 
@@ -371,7 +258,7 @@ def _write(w: SpillWriter, rank: int, obj: Any, pieces: list[Any] | None, allow_
         w.write(name, 0, np.frombuffer(b"".join(pieces), dtype=np.uint8))
         w.write(_header_name(rank), 0, json.dumps({"kind": "records", "shape": None}))
         return
-    shape = _Shape(obj, allow_pickle)
+    shape = Shape(obj, allow_pickle)
     obj = shape.obj
     header: dict[str, Any] = {"shape": shape.paths()}
     if _split(obj):
@@ -419,10 +306,10 @@ def _rebuild(r: int, header: dict[str, Any], got: list[Any]) -> Any:
             raise CorruptSpillError(f"rank {r}'s {kind} of {header['n']} items came back with {len(got)}")
         value = dict(zip(header["keys"], got, strict=True)) if kind == "dict" else got
         value = tuple(value) if kind == "tuple" else value
-    if header["shape"] is not None:  # what ``_Shape.paths`` says storage did not keep
-        for key, fix in _FIXES.items():  # in this order: a pickled whole may hold numpy arrays
+    if header["shape"] is not None:  # what ``Shape.paths`` says storage did not keep
+        for key, fix in FIXES.items():  # in this order: a pickled whole may hold numpy arrays
             for path in header["shape"][key]:
-                value = _at(value, path, fix)
+                value = at(value, path, fix)
     return value
 
 

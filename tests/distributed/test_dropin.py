@@ -50,6 +50,7 @@ def test_back_to_back_calls_apart_and_nothing_left(ranks):
         assert res["fifth"] == ([{"k": {"fifth": s}} for s in range(WORLD)] if r == 2 else None)
         assert res["via_env"] == [2 * s for s in range(WORLD)]
         assert res["new_in_default_root"] == [] and res["left_in_env_root"] == []
+        assert res["long"] == [[{"long": s}] for s in range(WORLD)] and res["left_in_long_root"] == []
 
 
 def test_a_failing_rank_is_named_on_every_rank(ranks):
@@ -57,6 +58,8 @@ def test_a_failing_rank_is_named_on_every_rank(ranks):
     for r in range(WORLD):
         res = results[r]["failures"]
         assert res["unpicklable"] is not None and "rank 1" in res["unpicklable"]["msg"], (r, res["unpicklable"])
+        assert res["long_error"] is not None and "rank 1" in res["long_error"]["msg"], (r, res["long_error"])
+        assert "k" * 1500 in res["long_error"]["msg"], (r, res["long_error"])  # told whole, past a slot
         assert res["short_list"] is not None and "rank 0" in res["short_list"]["msg"], (r, res["short_list"])
         assert "rank 0: rank 0" not in res["short_list"]["msg"], (r, res["short_list"])  # named once
         recs = res["short_list_records"]

@@ -151,6 +151,38 @@ def test_the_workloads_people_gather_are_taken():
         assert encoded is not None and _same(_back(encoded), obj) and _copied(obj)
 
 
+def test_lists_of_numbers_come_back_exact_whatever_mix_of_kinds_they_hold():
+    """A key's lists of numbers go into one int64 or float64 buffer only when every item is
+    exactly an int (or a float): a bool, a None, an int past 32 bits, a subclass or a float among
+    the ints comes back as it went, or the records are declined."""
+    import enum
+
+    class Kind(enum.IntEnum):
+        A = 1
+
+    class Real(float):
+        pass
+
+    edges = [0, 1, -1, 2**31 - 1, -(2**31)]
+    for lists in (
+        [edges, [], [7] * 1000, [-5]],  # all 32 bits: the one-buffer way
+        [[1.5, -0.0, float("inf"), 1e308], [], [2.0]],
+        [[7] * 1000] * 100 + [list(range(-100_000, 100_000))],  # parts of 64k items; lists across them
+        [[1, 2], [2**31]],  # past 32 bits, still 64
+        [[1, 2], [-(2**31) - 1], [2**63 - 1, -(2**63)]],
+        [[1, None, 3], [4]],
+        [[1.0, None], [2.5]],
+    ):
+        obj = [{"ids": ids} for ids in lists]
+        encoded = encode(obj)
+        assert encoded is not None and _same(_back(encoded), obj), lists
+    declined = [[[1, 2], [True]], [[1, Kind.A]], [[1.0, Real(2.0)]], [[1, 2], [2.5]], [[1.0], [2]], [[1], [2**64]]]
+    declined += [[[1, ""]], [[1, b""]], [[1.0, "abcd"]]]  # of the size marshal gives an int (a float)
+    declined += [[[1] * 1000] * 100 + [[True]], [[1.0] * 1000] * 100 + [[1]]]  # in a later part
+    for lists in declined:
+        assert encode([{"ids": ids} for ids in lists]) is None, lists
+
+
 def test_bytes_that_are_not_the_records_are_refused_naming_the_rank():
     import json
 
