@@ -5,6 +5,7 @@ pytest); every scenario runs in the same processes, results in ``base/results/ra
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -350,4 +351,24 @@ def calls_back_to_back(rank: int, world: int, port: int, base: str) -> None:
     with open(f"{base}/res-{rank}.json", "w", encoding="utf-8") as fh:
         json.dump(result, fh, default=str)
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def all_gather_to_each_process_s_memory(rank: int, world: int, port: int, base: str) -> None:
+    """``all_gather`` into memory:// (each process's own): dst merges what the other ranks sent it;
+    they cannot see that output. Records what came back or was raised (``base/res-R.json``)."""
+    import json
+
+    import torch.distributed as dist
+
+    import spillmerge
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    expected = _expected("mem")  # a collective: every rank, before the call
+    try:
+        store = spillmerge.all_gather(preds_of(rank, "mem"), "memory://gather-workers/out.zarr", progress=False)
+        res: dict[str, Any] = {"digest": _digest(store), "expected": expected}
+    except spillmerge.SpillMergeError as exc:
+        res = {"error": type(exc).__name__, "message": str(exc)}
+    Path(base, f"res-{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()

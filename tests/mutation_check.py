@@ -2106,6 +2106,14 @@ MUTATIONS: list[Mutation] = [
         "ranks of one host whose root names a folder of each one's own are refused in seconds, not at the timeout",
     ),
     Mutation(
+        "gather-output-only-dst-sees-named",
+        "spillmerge/_dist/gather.py",
+        "            if together:  # dst said the output is complete: this rank does not see it\n",
+        "            if False:\n",
+        ("tests/distributed/test_gather.py::test_all_gather_to_an_output_only_dst_sees_says_so_on_the_other_ranks",),
+        "a rank that cannot see the output dst completed says so, not that the merge is incomplete",
+    ),
+    Mutation(
         "b61-damage-read-during-a-replacement",
         "spillmerge/_read/cache.py",
         "            except CorruptSpillError:\n                self.damage_found()\n                raise\n",

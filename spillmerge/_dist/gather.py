@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import CoordinationError, MergeFailedError
+from .._errors import ConfigError, CoordinationError, IncompleteOutputError, MergeFailedError
 from .._read.store import MergedStore
 from .._read.store import open as open_store
 from .._storage import output_options
@@ -178,6 +178,16 @@ def finish_call(w: SpillWriter, dst: int, keep_spill: bool, timeout: float) -> N
     if not keep_spill and w.rank != dst:  # dst's merge removed what it merged, its own segment included
         try:
             w.remove_spill()
+        except IncompleteOutputError as exc:
+            error = exc
+            if together:  # dst said the output is complete: this rank does not see it
+                error = ConfigError(
+                    f"rank {w.rank}: rank {dst} completed the output, but this rank does not see it, so its spill "
+                    f"stays ({exc}): the output must be on storage every rank sees (memory:// is each process's "
+                    "own, a relative path each rank's working directory's)",
+                    key="out",
+                )
+                error.__cause__ = exc
         except BaseException as exc:  # noqa: BLE001 - raised after the barrier, so no rank waits for this one
             error = exc
     if together:

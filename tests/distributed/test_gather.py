@@ -214,3 +214,19 @@ def test_all_gather_called_back_to_back_with_the_same_out_always_works(tmp_path:
             assert res[r]["calls"][k] == want, (k, r, res[r]["calls"][k])
     for r in range(2):
         assert not res[r]["spill_at_return"] and not res[r]["spill_exists"] and not res[r]["left"], res[r]
+
+
+def test_all_gather_to_an_output_only_dst_sees_says_so_on_the_other_ranks(tmp_path: Path):
+    """memory:// is each process's own: dst merges what the other ranks sent it over gloo, and the
+    others, which cannot see that output, raise ConfigError saying so (their spill stays)."""
+    import json
+
+    from _gather_workers import all_gather_to_each_process_s_memory
+
+    _spawn_plain(all_gather_to_each_process_s_memory, WORLD, tmp_path, timeout=240)
+    res = {r: json.loads((tmp_path / f"res-{r}.json").read_text()) for r in range(WORLD)}
+    assert res[0]["digest"] == res[0]["expected"]
+    for r in range(1, WORLD):
+        assert res[r]["error"] == "ConfigError", res[r]
+        assert f"rank {r}: rank 0 completed the output, but this rank does not see it" in res[r]["message"]
+        assert "memory:// is each process's own" in res[r]["message"]
