@@ -227,6 +227,22 @@ def _two_disks(rank: int, world: int, port: int, base: str) -> Any:
     return _spill(f"{base}/disk{rank}", [(f"k{rank}.mp4", i) for i in range(40)], simple)
 
 
+def _before_third_piece(action: Any) -> None:
+    """This rank runs ``action`` just before it sends its third piece of shard bytes."""
+    from spillmerge._dist import transfer as _transfer
+
+    original = _transfer._Link.send_bytes_piece
+    calls = [0]
+
+    def send(self: Any, n: int, peer: int, me: int, what: str) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            action()
+        original(self, n, peer, me, what)
+
+    _transfer._Link.send_bytes_piece = send  # type: ignore[method-assign]
+
+
 def killed_sender(rank: int, world: int, port: int, base: str, result: str, late: bool = False) -> None:
     """Two ranks on two disks; rank 1 SIGKILLs itself after sending two pieces. Rank 0 must name
     it within the transfer timeout. ``late``: rank 0 posts its next receive only once rank 1 is
@@ -238,18 +254,13 @@ def killed_sender(rank: int, world: int, port: int, base: str, result: str, late
     try:
         w = _two_disks(rank, world, port, base)
         if rank == 1:
-            original = _transfer._Link.send_bytes_piece
 
-            def die(self: Any, n: int, peer: int, me: int, what: str) -> None:
-                die.calls += 1  # type: ignore[attr-defined]
-                if die.calls == 3:  # type: ignore[attr-defined]
-                    with open(f"{result}.killed", "w") as fh:
-                        fh.write(str(time.time()))
-                    os.kill(os.getpid(), signal.SIGKILL)
-                original(self, n, peer, me, what)
+            def die() -> None:
+                with open(f"{result}.killed", "w") as fh:
+                    fh.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
 
-            die.calls = 0  # type: ignore[attr-defined]
-            _transfer._Link.send_bytes_piece = die  # type: ignore[method-assign]
+            _before_third_piece(die)
         elif late:
             receive = _transfer._Link.recv_bytes_piece
 
@@ -279,22 +290,12 @@ def stalled_sender(rank: int, world: int, port: int, base: str, result: str) -> 
     the transfer fails on both ranks. Then both call ``all_gather_object`` with the merge's
     timeout: a failed transfer must leave no broken group behind for later calls."""
     import spillmerge
-    from spillmerge._dist import transfer as _transfer
 
     info: dict[str, Any] = {"rank": rank}
     try:
         w = _two_disks(rank, world, port, base)
         if rank == 1:
-            original = _transfer._Link.send_bytes_piece
-
-            def stall(self: Any, n: int, peer: int, me: int, what: str) -> None:
-                stall.calls += 1  # type: ignore[attr-defined]
-                if stall.calls == 3:  # type: ignore[attr-defined]
-                    time.sleep(12.0)  # well past the 3 s transfer timeout, on a loaded machine too
-                original(self, n, peer, me, what)
-
-            stall.calls = 0  # type: ignore[attr-defined]
-            _transfer._Link.send_bytes_piece = stall  # type: ignore[method-assign]
+            _before_third_piece(lambda: time.sleep(12.0))  # well past the 3 s transfer timeout, loaded too
         try:
             w.merge(f"{base}/out", timeout=TIMEOUT, transfer_chunk_bytes=PIECE, transfer_timeout=3.0, progress=False)
             info["merge_error"] = None
