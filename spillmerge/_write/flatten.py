@@ -239,6 +239,10 @@ def _walk(value: object, path: tuple[str, ...], depth: int, w: _Walk) -> None:
         out.append(_from_tensor(value, path, w.filename))
     elif isinstance(value, np.ndarray):
         out.append(_from_numpy(value, path, w.filename, w.allow_pickle))
+    elif w.allow_pickle and isinstance(value, (str, int, float, complex)) and not isinstance(value, np.generic):
+        # a subclass of a plain type (an IntEnum, a str subclass): pickled, so that it comes back
+        # as itself, as gather_object returns it; without pickle it is stored as the plain type
+        out.append(_pickled(value, path, w.filename))
     elif isinstance(value, str):  # before np.generic: np.str_ is a str
         out.append(Leaf(path, "str", *utf8(value, path, w.filename)))
     elif isinstance(value, (bytes, bytearray, memoryview)):  # np.bytes_ is a bytes

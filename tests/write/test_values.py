@@ -6,6 +6,7 @@ the data bytes by offset), so they do not depend on the merge."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import pickle
 import struct
 from typing import Any
@@ -447,6 +448,35 @@ def test_pickle_needs_the_writers_opt_in(tmp_path):
         w.write("f", 1, {"obj": {4, 5}, "t": torch.ones(1)})
     got = read_spill(root)
     assert got[("f", 0)][("obj",)][1] == Custom(3) and got[("f", 1)][("obj",)][1] == {4, 5}
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+class Reason(enum.StrEnum):
+    STOP = "stop"
+
+
+class Score(float):
+    pass
+
+
+def test_subclasses_of_plain_types_come_back_as_themselves_with_pickle_and_as_the_plain_type_without(tmp_path):
+    # gather_object returns an IntEnum as an IntEnum: with allow_pickle, so does spillmerge (the
+    # subclass is pickled); without it, the value is stored as the int, str or float it is.
+    value = {"level": Level.LOW, "reason": Reason.STOP, "score": Score(0.5), "levels": [Level.LOW, 2], "n": 3}
+    for allow in (True, False):
+        store = spillmerge.gather(
+            {"f": (0, value)}, str(tmp_path / f"o{allow}"), rank=0, world_size=1, allow_pickle=allow
+        )
+        assert store is not None
+        got = store.value("f", 0)
+        assert got == value and list(got) == list(value)
+        types = {k: type(v) for k, v in got.items()} | {"levels[0]": type(got["levels"][0])}
+        kept = {"level": Level, "reason": Reason, "score": Score, "levels[0]": Level}
+        plain = {"level": int, "reason": str, "score": float, "levels[0]": int}
+        assert types == {"levels": list, "n": int} | (kept if allow else plain)
 
 
 def test_gather_passes_allow_pickle_to_the_writer_and_the_reader(tmp_path):
